@@ -1,0 +1,12 @@
+"""normswap: convert LayerNorm to RMSNorm in Hugging Face and custom PyTorch models.
+
+Exact where the math allows (every writer of a norm's input stream centered by fp64 weight
+surgery), honest where it doesn't (Post-LN norms are marked approximate, with measured error).
+"""
+
+from normswap.errors import NormswapError
+from normswap.norm import RMSNorm, rms_norm
+
+__version__ = "0.1.0"
+
+__all__ = ["NormswapError", "RMSNorm", "rms_norm", "__version__"]

@@ -1,0 +1,47 @@
+"""``torch.nn.functional.rms_norm``: PyTorch's own op, a fused kernel on CUDA since torch 2.9.
+
+eps is always passed explicitly (``eps=None`` means ``finfo(float32).eps`` in recent torch and
+something else in older ones). The weight is cast to the input dtype so the fused path is not
+skipped on a dtype mismatch. Cast order differs from ``eager`` in one place: torch multiplies the
+weight in float32 and casts once at the end (Gemma order), so half-precision results can differ
+from ``eager`` by one rounding of the output dtype. A bias, which torch's op lacks, is added after.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+name = "native"
+
+
+def available() -> tuple[bool, str]:
+    if not hasattr(F, "rms_norm"):
+        return False, "torch.nn.functional.rms_norm needs torch >= 2.4"
+    return True, f"torch {torch.__version__} rms_norm"
+
+
+def supports(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None) -> bool:
+    return True
+
+
+def rms_norm(
+    x: torch.Tensor,
+    normalized_shape: tuple[int, ...],
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float,
+) -> torch.Tensor:
+    w = None
+    post_weight = None
+    if weight is not None:
+        if tuple(weight.shape) == tuple(normalized_shape):
+            w = weight.to(x.dtype)
+        else:  # e.g. a per-head weight of shape (heads, head_dim) with reduction over head_dim
+            post_weight = weight.to(x.dtype)
+    y = F.rms_norm(x, list(normalized_shape), w, eps)
+    if post_weight is not None:
+        y = y * post_weight
+    if bias is not None:
+        y = y + bias.to(x.dtype)
+    return y

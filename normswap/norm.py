@@ -1,0 +1,110 @@
+"""``normswap.RMSNorm``: the module every converted LayerNorm becomes, and its functional form.
+
+Attribute names follow the ecosystem: ``weight``, ``bias``, ``eps`` and ``variance_epsilon`` (what
+Hugging Face's hub kernels read). The class name contains "RMSNorm" because transformers' weight
+init and Trainer's weight-decay exclusion key on it.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from normswap import backends
+
+ShapeLike = int | Sequence[int] | torch.Size
+
+
+def _as_shape(shape: ShapeLike) -> tuple[int, ...]:
+    if isinstance(shape, numbers.Integral):
+        return (int(shape),)
+    return tuple(int(s) for s in shape)
+
+
+def rms_norm(
+    x: torch.Tensor,
+    normalized_shape: ShapeLike,
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    *,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """``weight * x / sqrt(mean(x**2) + eps) + bias`` over the trailing ``normalized_shape`` dims.
+
+    Accumulates in float32 (float64 for float64 input) and returns the input dtype. ``weight`` and
+    ``bias`` may have more leading dims than ``normalized_shape`` (per-head parameters) as long as
+    they broadcast against ``x``.
+    """
+    shape = _as_shape(normalized_shape)
+    if tuple(x.shape[x.dim() - len(shape) :]) != shape:
+        raise ValueError(f"rms_norm: input shape {tuple(x.shape)} does not end with {shape}")
+    impl = backends.resolve(backend, x, weight, bias)
+    return impl.rms_norm(x, shape, weight, bias, float(eps))
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square normalisation with optional bias.
+
+    ``y = weight * x / sqrt(mean(x**2) + eps) + bias``. With a zero-mean input this equals
+    ``LayerNorm`` with the same eps, which is what makes normswap's conversions exact.
+
+    Args:
+        normalized_shape: trailing dims to normalise over.
+        eps: added to the mean square; always explicit (never a dtype-dependent default).
+        elementwise_affine: learnable ``weight`` (initialised to ones).
+        bias: learnable ``bias`` (initialised to zeros); where a LayerNorm's β cannot be folded.
+        backend: ``"auto"`` or a name from ``normswap.backends.names()``.
+        param_shape: shape of ``weight``/``bias`` when it differs from ``normalized_shape``
+            (a per-head norm that reduces over ``head_dim`` with parameters per ``(head, head_dim)``).
+    """
+
+    def __init__(
+        self,
+        normalized_shape: ShapeLike,
+        eps: float = 1e-6,
+        elementwise_affine: bool = True,
+        bias: bool = False,
+        *,
+        backend: str = "auto",
+        param_shape: ShapeLike | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.normalized_shape = _as_shape(normalized_shape)
+        self.param_shape = _as_shape(param_shape) if param_shape is not None else self.normalized_shape
+        self.eps = float(eps)
+        self.elementwise_affine = elementwise_affine
+        self.backend = backends.check_name(backend)
+        factory = {"device": device, "dtype": dtype}
+        self.weight = nn.Parameter(torch.ones(self.param_shape, **factory)) if elementwise_affine else None
+        self.bias = nn.Parameter(torch.zeros(self.param_shape, **factory)) if bias else None
+
+    @property
+    def variance_epsilon(self) -> float:
+        return self.eps
+
+    @variance_epsilon.setter
+    def variance_epsilon(self, value: float) -> None:
+        self.eps = float(value)
+
+    def reset_parameters(self) -> None:
+        if self.weight is not None:
+            nn.init.ones_(self.weight)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return rms_norm(hidden_states, self.normalized_shape, self.weight, self.bias, self.eps,
+                        backend=self.backend)
+
+    def extra_repr(self) -> str:
+        extra = f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"
+        extra += f", bias={self.bias is not None}, backend={self.backend!r}"
+        if self.param_shape != self.normalized_shape:
+            extra += f", param_shape={self.param_shape}"
+        return extra

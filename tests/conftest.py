@@ -1,0 +1,7 @@
+"""Shared test setup: never touch the network, deterministic seeds, float64 comparisons."""
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
