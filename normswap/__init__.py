@@ -4,9 +4,11 @@ Exact where the math allows (every writer of a norm's input stream centered by f
 surgery), honest where it doesn't (Post-LN norms are marked approximate, with measured error).
 """
 
+from normswap.api import Report, patch, plan
 from normswap.errors import NormswapError
 from normswap.norm import RMSNorm, rms_norm
+from normswap.plan import Plan
 
 __version__ = "0.1.0"
 
-__all__ = ["NormswapError", "RMSNorm", "rms_norm", "__version__"]
+__all__ = ["NormswapError", "Plan", "RMSNorm", "Report", "patch", "plan", "rms_norm", "__version__"]

@@ -1,0 +1,707 @@
+"""Dataflow analysis: for each LayerNorm, who writes the stream it reads and who reads its output.
+
+One generic mechanism for every model (no per-architecture adapters):
+
+1. **Writers.** Walk back from a norm's input through residual adds, shape-only ops, casts, dropout
+   and scalar scales. Each leaf is a *term* of the stream: a Linear / HF Conv1D / Embedding / Conv
+   output, a raw Parameter (cls token, position table), or something that cannot be centered by
+   weight surgery (a norm output = Post-LN, a non-linearity, a model input, a regenerated buffer).
+2. **Can a writer be centered?** Propagate an *index map* forward from the writer: a float64 tensor
+   holding, per element, which output feature (or parameter element) it came from. Shape ops are
+   replayed on it. Where it lands in a norm's input we learn which features form each normalised
+   row (the whole output for a residual stream, one head's block for a per-head q/k norm). Where it
+   lands anywhere else we learn which features something *other* than a norm reads. Centering is
+   function-preserving iff every affected row is a full norm row and nothing else reads those
+   features.
+3. **Centering ops.** A term that cannot be centered by surgery gets one centering op at the
+   earliest module boundary downstream of it whose value flows only into norm rows. If there is
+   none (Post-LN: the stream is also read by attention), the norm is *approximate*.
+4. **Readers.** Walk forward from the norm output through shape ops and casts. Linear / Conv1D
+   readers that see the norm's features unpermuted can absorb β (into their bias) and γ.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from normswap.plan import CenterHook, FoldEdit, Plan, SitePlan, Untie, WriterEdit
+from normswap.trace import Graph, ModuleCall, Op, Value, ValueRef
+from normswap.walker import NormSite
+
+ADD_OPS = {"add", "__add__", "__radd__", "add_", "__iadd__", "sub", "__sub__", "__rsub__", "sub_", "__isub__"}
+IDENTITY_OPS = {"to", "type", "float", "half", "bfloat16", "double", "type_as", "detach", "dropout",
+                "alpha_dropout", "feature_alpha_dropout", "dropout1d", "dropout2d", "dropout3d",
+                "contiguous", "clone"}
+SHAPE_OPS = {"view", "reshape", "flatten", "unflatten", "permute", "transpose", "t", "squeeze", "unsqueeze",
+             "expand", "expand_as", "view_as", "reshape_as", "movedim", "moveaxis", "swapaxes", "swapdims",
+             "__getitem__", "select", "narrow", "split", "chunk", "unbind", "tensor_split", "repeat",
+             "index_select", "split_with_sizes"}
+SCALE_OPS = {"mul", "__mul__", "__rmul__", "mul_", "__imul__", "div", "__truediv__", "div_", "__itruediv__",
+             "neg", "__neg__"}
+JOIN_OPS = {"cat", "concat", "concatenate", "stack"}
+PAD_OPS = {"pad"}
+# Readers may only be reached through ops that keep the feature axis last and unmixed.
+READER_OPS = IDENTITY_OPS | {"view", "reshape", "__getitem__", "select", "narrow", "squeeze", "unsqueeze",
+                             "index_select", "expand", "split", "chunk", "unbind", "flatten"}
+
+
+def _is_conv1d(module: nn.Module) -> bool:
+    """HF's transposed Linear (GPT-2 family): weight is ``[in, out]``."""
+    return type(module).__name__ == "Conv1D" and hasattr(module, "nf")
+
+
+def writer_kind(module: nn.Module) -> str | None:
+    if _is_conv1d(module):
+        return "conv1d"
+    if isinstance(module, nn.Linear):
+        return "linear"
+    if isinstance(module, nn.Embedding):
+        return "embedding"
+    if isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d)):
+        return "conv"
+    return None
+
+
+# (param attr, axis of output features) per writer kind
+_WRITER_PARAMS = {
+    "linear": (("weight", 0), ("bias", 0)),
+    "conv1d": (("weight", 1), ("bias", 0)),
+    "embedding": (("weight", 1),),
+    "conv": (("weight", 0), ("bias", 0)),
+}
+_OUTPUT_AXIS = {"linear": -1, "conv1d": -1, "embedding": -1, "conv": 1}
+
+
+@dataclass
+class Term:
+    """One leaf of a stream: where part of a norm's input comes from."""
+
+    value: int
+    kind: str  # module | param | norm | op | input | buffer | external
+    label: str  # human-readable origin
+    module_path: str | None = None
+    call: int | None = None
+
+
+@dataclass
+class Reach:
+    """Where an index map propagated from one value ended up."""
+
+    site_rows: dict[int, torch.Tensor] = field(default_factory=dict)  # site call id -> map at its input
+    blockers: list[tuple[str, set[int]]] = field(default_factory=list)  # (what, features it reads)
+    outputs: list[str] = field(default_factory=list)
+    mapped: dict[int, torch.Tensor] = field(default_factory=dict)  # every value reached
+    conflict: str | None = None
+
+
+class Analyzer:
+    def __init__(self, model: nn.Module, graph: Graph, sites: list[NormSite], *, untie: bool,
+                 fold_gamma: bool, fold_beta: bool = True) -> None:
+        self.model = model
+        self.graph = graph
+        self.sites = {s.path: s for s in sites}
+        self.untie = untie
+        self.fold_gamma = fold_gamma
+        self.fold_beta = fold_beta
+        self.modules = dict(model.named_modules())
+        self.by_output = graph.call_by_output()
+        self.by_input = graph.call_by_input()
+        self.site_calls = [c for c in graph.calls if c.path in self.sites]
+        self.site_call_ids = {c.id for c in self.site_calls}
+        self.site_input = {c.id: self._first_tensor_arg(c) for c in self.site_calls}
+        self.site_output = {c.id: (c.outputs[0] if c.outputs else None) for c in self.site_calls}
+        self.input_to_sites: dict[int, list[ModuleCall]] = {}
+        for c in self.site_calls:
+            if self.site_input[c.id] is not None:
+                self.input_to_sites.setdefault(self.site_input[c.id], []).append(c)
+        self.output_values = {vid: path for path, vid in graph.outputs}
+        self.calls_per_path: dict[str, list[ModuleCall]] = {}
+        for c in graph.calls:
+            self.calls_per_path.setdefault(c.path, []).append(c)
+        self._leaf_memo: dict[int, list[Term]] = {}
+        self.stream_writers: set[str] = set()  # module paths that write some norm's input stream
+        self._reach_memo: dict[tuple[int, str], Reach] = {}
+        self.param_owners: dict[int, list[tuple[str, str]]] = {}
+        for mpath, module in model.named_modules(remove_duplicate=False):
+            for attr, p in module._parameters.items():
+                if p is not None:
+                    self.param_owners.setdefault(id(p), []).append((mpath, attr))
+        self.param_name = {}
+        for name, p in model.named_parameters(remove_duplicate=False):
+            self.param_name.setdefault(id(p), name)
+
+    # ------------------------------------------------------------------ helpers
+    @staticmethod
+    def _first_tensor_arg(call: ModuleCall) -> int | None:
+        for vid in call.args:
+            if vid is not None:
+                return vid
+        return next(iter(call.kwargs.values()), None)
+
+    def _call_of_op(self, op: Op) -> str:
+        return "" if op.call is None else self.graph.calls[op.call].path
+
+    def _inside(self, op_index: int, call: ModuleCall) -> bool:
+        return call.start_op <= op_index < call.end_op
+
+    def _site_output_call(self, vid: int) -> ModuleCall | None:
+        for call in self.by_output.get(vid, []):
+            if call.id in self.site_call_ids:
+                return call
+        return None
+
+    def _writer_call(self, vid: int) -> ModuleCall | None:
+        calls = [c for c in self.by_output.get(vid, []) if writer_kind(c.module)]
+        return calls[0] if calls else None  # innermost
+
+    # ------------------------------------------------------------------ 1. writers (backward)
+    def leaves(self, vid: int) -> list[Term]:
+        if vid in self._leaf_memo:
+            return self._leaf_memo[vid]
+        self._leaf_memo[vid] = []  # cycle guard
+        value = self.graph.values[vid]
+        terms = self._leaves(value)
+        seen, unique = set(), []
+        for t in terms:
+            if t.value not in seen:
+                seen.add(t.value)
+                unique.append(t)
+        self._leaf_memo[vid] = unique
+        return unique
+
+    def _leaves(self, value: Value) -> list[Term]:
+        site_call = self._site_output_call(value.id)
+        if site_call is not None:
+            return [Term(value.id, "norm", f"`{site_call.path}` output", site_call.path, site_call.id)]
+        wcall = self._writer_call(value.id)
+        if wcall is not None:
+            return [Term(value.id, "module", f"`{wcall.path}` ({type(wcall.module).__name__})", wcall.path,
+                         wcall.id)]
+        if value.source == "param":
+            return [Term(value.id, "param", f"parameter `{value.name}`")]
+        op = self.graph.producer(value)
+        if op is None:
+            kind = value.source
+            label = {"input": f"model input `{value.name}`", "buffer": f"buffer `{value.name}`"}.get(
+                kind, "a tensor created outside the traced forward")
+            return [Term(value.id, kind, label)]
+        tensor_args = [a for a in pytree.tree_leaves((op.args, op.kwargs)) if isinstance(a, ValueRef)]
+        if op.name in ADD_OPS and len(op.args) >= 2 and isinstance(op.args[0], ValueRef) \
+                and isinstance(op.args[1], ValueRef):
+            return self.leaves(op.args[0].id) + self.leaves(op.args[1].id)
+        if self._passthrough_back(op):
+            if op.name in JOIN_OPS:
+                out = []
+                for ref in tensor_args:
+                    out += self.leaves(ref.id)
+                return out
+            return self.leaves(op.args[0].id) if isinstance(op.args[0], ValueRef) else \
+                self.leaves(tensor_args[0].id)
+        where = self._call_of_op(op)
+        return [Term(value.id, "op", f"`{op.name}`" + (f" in `{where}`" if where else ""), where or None)]
+
+    def _passthrough_back(self, op: Op) -> bool:
+        if op.name in IDENTITY_OPS or op.name in JOIN_OPS or op.name in PAD_OPS:
+            return True
+        if op.name in SHAPE_OPS:
+            return isinstance(op.args[0], ValueRef) if op.args else False
+        if op.name in SCALE_OPS:
+            return self._scale_ok(op, op.args[0].id if op.args and isinstance(op.args[0], ValueRef) else -1)
+        return False
+
+    def _scale_ok(self, op: Op, tracked: int) -> bool:
+        """A multiply/divide by something constant along the features keeps zero-mean rows zero-mean."""
+        if op.name in ("neg", "__neg__"):
+            return True
+        others = [a for a in op.args if not (isinstance(a, ValueRef) and a.id == tracked)]
+        if len(others) != 1 and op.name not in ("neg",):
+            return False
+        if op.name in ("div", "__truediv__", "div_", "__itruediv__") and not (
+                isinstance(op.args[0], ValueRef) and op.args[0].id == tracked):
+            return False
+        other = others[0]
+        if isinstance(other, ValueRef):
+            shape = self.graph.values[other.id].shape
+            return math.prod(shape) == 1 or (len(shape) > 0 and shape[-1] == 1)
+        return isinstance(other, (int, float)) and not isinstance(other, bool)
+
+    # ------------------------------------------------------------------ 2. forward index maps
+    def reach(self, vid: int, axis: int | None) -> Reach:
+        """Propagate an index map from ``vid``: features along ``axis`` (``None``: flat element ids)."""
+        key = (vid, str(axis))
+        if key in self._reach_memo:
+            return self._reach_memo[key]
+        value = self.graph.values[vid]
+        shape = value.shape
+        if axis is None:
+            start = torch.arange(math.prod(shape), dtype=torch.float64).reshape(shape)
+        else:
+            ax = axis % len(shape)
+            view = [1] * len(shape)
+            view[ax] = shape[ax]
+            start = torch.arange(shape[ax], dtype=torch.float64).reshape(view).expand(shape)
+        result = Reach()
+        maps = {vid: start}
+        heap: list[int] = []
+        queued: set[int] = set()
+
+        def visit(v: int) -> None:
+            result.mapped[v] = maps[v]
+            if v in self.output_values:
+                result.outputs.append(self.output_values[v])
+            for call in self.input_to_sites.get(v, []):
+                result.site_rows[call.id] = maps[v]
+            for op_index in self.graph.values[v].consumers:
+                if op_index not in queued:
+                    queued.add(op_index)
+                    heapq.heappush(heap, op_index)
+
+        visit(vid)
+        while heap:
+            op = self.graph.ops[heapq.heappop(heap)]
+            tracked = [i for i in set(op.inputs) if i in maps]
+            # ops inside a norm the map already reached are that norm's business
+            if any(self._inside(op.index, self.graph.calls[c.id])
+                   for t in tracked for c in self.input_to_sites.get(t, [])):
+                continue
+            outs = self._propagate(op, tracked, maps)
+            if outs is None:
+                feats: set[int] = set()
+                for t in tracked:
+                    m = maps[t]
+                    feats |= set(torch.unique(m[~torch.isnan(m)]).long().tolist())
+                where = self._call_of_op(op)
+                result.blockers.append((f"`{op.name}`" + (f" in `{where}`" if where else ""), feats))
+                continue
+            if isinstance(outs, str):
+                result.conflict = outs
+                continue
+            for out_vid, m in outs.items():
+                if out_vid in maps:
+                    both = ~torch.isnan(maps[out_vid]) & ~torch.isnan(m)
+                    if maps[out_vid].shape != m.shape or not torch.equal(maps[out_vid][both], m[both]):
+                        result.conflict = f"`{op.name}` mixes a writer's output with itself"
+                        continue
+                    m = torch.where(torch.isnan(m), maps[out_vid], m)
+                maps[out_vid] = m
+                visit(out_vid)
+        self._reach_memo[key] = result
+        return result
+
+    def _propagate(self, op: Op, tracked: list[int], maps: dict[int, torch.Tensor]):
+        """Index maps for ``op``'s outputs, ``None`` if the op is not a pass-through."""
+        out_shape = self.graph.values[op.outputs[0]].shape if op.outputs else ()
+        if op.name in ADD_OPS:
+            refs = [a for a in op.args[:2]]
+            if not all(isinstance(a, ValueRef) for a in refs):
+                return None
+            ms = [maps[a.id].broadcast_to(out_shape) for a in refs if a.id in maps]
+            m = ms[0]
+            if len(ms) == 2:
+                both = ~torch.isnan(ms[0]) & ~torch.isnan(ms[1])
+                if bool(both.any()):
+                    return "a residual add sums a writer's output with itself"
+                m = torch.where(torch.isnan(ms[0]), ms[1], ms[0])
+            return {op.outputs[0]: m}
+        if op.name in IDENTITY_OPS:
+            if not (op.args and isinstance(op.args[0], ValueRef) and op.args[0].id in tracked):
+                return None
+            return {op.outputs[0]: maps[op.args[0].id]}
+        if op.name in SCALE_OPS:
+            t = tracked[0]
+            if len(tracked) != 1 or not self._scale_ok(op, t):
+                return None
+            return {op.outputs[0]: maps[t].broadcast_to(out_shape)}
+        if op.name in SHAPE_OPS or op.name in JOIN_OPS or op.name in PAD_OPS:
+            join = op.name in JOIN_OPS
+
+            def sub(a: object) -> object:
+                if not isinstance(a, ValueRef):
+                    return a
+                if a.id in maps:
+                    return maps[a.id]
+                if join:
+                    return torch.full(self.graph.values[a.id].shape, math.nan, dtype=torch.float64)
+                return self.graph.values[a.id].tensor  # index tensors etc.
+
+            if op.name in SHAPE_OPS and not (op.args and isinstance(op.args[0], ValueRef)
+                                             and op.args[0].id in tracked):
+                return None  # the tracked tensor is an index, not the data
+            args = pytree.tree_map(sub, op.args)
+            kwargs = pytree.tree_map(sub, op.kwargs)
+            if op.name in PAD_OPS:
+                kwargs = dict(kwargs, value=math.nan, mode="constant")
+                if len(args) > 2:
+                    args = args[:2]
+            try:
+                res = op.func(*args, **kwargs)
+            except Exception:  # noqa: BLE001 - an op we cannot replay is simply not a pass-through
+                return None
+            leaves = [r for r in pytree.tree_leaves(res) if isinstance(r, torch.Tensor)]
+            if len(leaves) != len(op.outputs):
+                return None
+            return dict(zip(op.outputs, leaves, strict=True))
+        return None
+
+    # ------------------------------------------------------------------ rows -> centering blocks
+    def _groups(self, reach: Reach) -> tuple[set[tuple[int, ...]], str | None]:
+        groups: set[tuple[int, ...]] = set()
+        for call_id, m in reach.site_rows.items():
+            site = self.sites[self.graph.calls[call_id].path]
+            width = math.prod(site.normalized_shape)
+            rows = m.reshape(-1, width)
+            nan = torch.isnan(rows)
+            full, empty = ~nan.any(1), nan.all(1)
+            if not bool((full | empty).all()):
+                return groups, f"fills only part of a row of `{site.path}`"
+            rows = rows[full]
+            if rows.numel() == 0:
+                continue
+            rows = torch.unique(torch.sort(rows, dim=1).values, dim=0).long()
+            for row in rows.tolist():
+                if len(set(row)) != len(row):
+                    return groups, f"repeats features within a row of `{site.path}`"
+                groups.add(tuple(row))
+        return groups, None
+
+    @staticmethod
+    def _blocks_along(groups: set[tuple[int, ...]], size: int) -> tuple[list[tuple[int, int]] | None, str | None]:
+        blocks = set()
+        for g in groups:
+            lo, hi = g[0], g[-1] + 1
+            if hi - lo != len(g):
+                return None, "centers a non-contiguous set of features"
+            blocks.add((lo, hi))
+        ordered = sorted(blocks)
+        for (a0, a1), (b0, _) in zip(ordered, ordered[1:], strict=False):
+            if b0 < a1:
+                return None, "is read by norms over overlapping feature blocks"
+        if ordered == [(0, size)]:
+            return None, None
+        return ordered, None
+
+    def module_centering(self, path: str) -> tuple[list[WriterEdit], list[Untie], str | None]:
+        """Weight edits that make every output of writer module ``path`` zero-mean per norm row."""
+        module = self.modules[path]
+        kind = writer_kind(module)
+        calls = self.calls_per_path.get(path, [])
+        all_groups: set[tuple[int, ...]] = set()
+        blocked: set[int] = set()
+        for call in calls:
+            if len(call.outputs) != 1:
+                return [], [], "returns more than one tensor"
+            reach = self.reach(call.outputs[0], _OUTPUT_AXIS[kind])
+            if reach.conflict:
+                return [], [], reach.conflict
+            bad = [b for b in reach.blockers]
+            for what, feats in bad:
+                blocked |= feats
+            bad_outputs = [o for o in reach.outputs if "hidden_state" not in o]
+            if bad_outputs:
+                return [], [], f"output is also returned as `{bad_outputs[0]}`"
+            groups, why = self._groups(reach)
+            if why:
+                return [], [], why
+            all_groups |= groups
+        if not all_groups:
+            return [], [], "reaches no norm"
+        size = module.weight.shape[_WRITER_PARAMS[kind][0][1]]
+        blocks, why = self._blocks_along(all_groups, size)
+        if why:
+            return [], [], why
+        covered = set(range(size)) if blocks is None else {i for lo, hi in blocks for i in range(lo, hi)}
+        if blocked & covered:
+            what = next(w for w, f in self._blockers_of(path) if f & covered)
+            return [], [], f"output also read by {what} (not a norm)"
+        edits, unties = [], []
+        for attr, axis in _WRITER_PARAMS[kind]:
+            p = module._parameters.get(attr)
+            if p is None:
+                continue
+            why = self._sharing_problem(p, path)
+            if why is not None:
+                if why == "tied" and self.untie:
+                    for owner, oattr in self.param_owners[id(p)]:
+                        if self.modules.get(owner) is not module and owner not in self.stream_writers:
+                            unties.append(Untie(owner, oattr, self.param_name[id(p)], p.numel()))
+                else:
+                    return [], [], ("weight is tied to another module (untie=False)" if why == "tied" else why)
+            edits.append(WriterEdit(self.param_name[id(p)], axis, blocks, path, kind))
+        return edits, unties, None
+
+    def _blockers_of(self, path: str) -> list[tuple[str, set[int]]]:
+        kind = writer_kind(self.modules[path])
+        out = []
+        for call in self.calls_per_path.get(path, []):
+            out += self.reach(call.outputs[0], _OUTPUT_AXIS[kind]).blockers
+        return out
+
+    def _sharing_problem(self, p: torch.nn.Parameter, path: str) -> str | None:
+        """'tied' if another (non-writer) module owns ``p``; a reason if raw ops use it elsewhere."""
+        owners = self.param_owners.get(id(p), [])
+        module = self.modules[path]
+        others = [o for o, _ in owners if self.modules.get(o) is not module]
+        if any(o not in self.stream_writers for o in others):
+            return "tied"
+        # raw uses of the parameter outside any owner's call
+        pvals = [v for v in self.graph.values.values() if v.source == "param" and v.tensor is p]
+        owner_paths = {o for o, _ in owners}
+        for v in pvals:
+            for op_index in v.consumers:
+                op = self.graph.ops[op_index]
+                stack = {c.path for c in self.graph.ancestors_calls(op.call)}
+                if not stack & owner_paths:
+                    return f"weight also used directly by `{op.name}` in `{self._call_of_op(op)}`"
+        return None
+
+    def param_centering(self, term: Term) -> tuple[list[WriterEdit], str | None]:
+        value = self.graph.values[term.value]
+        reach = self.reach(term.value, None)
+        if reach.conflict:
+            return [], reach.conflict
+        if reach.blockers:
+            return [], f"also read by {reach.blockers[0][0]} (not a norm)"
+        bad_outputs = [o for o in reach.outputs if "hidden_state" not in o]
+        if bad_outputs:
+            return [], f"also returned as `{bad_outputs[0]}`"
+        groups, why = self._groups(reach)
+        if why:
+            return [], why
+        shape = value.shape
+        axes = set()
+        coords_per_group = []
+        for g in groups:
+            coords = torch.stack(torch.unravel_index(torch.tensor(g), shape), dim=1)
+            varying = [d for d in range(len(shape)) if len(torch.unique(coords[:, d])) > 1]
+            if len(varying) != 1:
+                return [], "norm rows do not lie along one axis of the parameter"
+            axes.add(varying[0])
+            coords_per_group.append(tuple(sorted(set(coords[:, varying[0]].tolist()))))
+        if len(axes) != 1:
+            return [], "norm rows lie along different axes of the parameter"
+        axis = axes.pop()
+        blocks, why = self._blocks_along(set(coords_per_group), shape[axis])
+        if why:
+            return [], why
+        return [WriterEdit(value.name, axis, blocks, "", "param")], None
+
+    # ------------------------------------------------------------------ 3. centering ops
+    def hook_candidates(self, term: Term) -> list[tuple[int, CenterHook]]:
+        reach = self.reach(term.value, -1)
+        cands = []
+        for vid in sorted(reach.mapped, key=lambda v: (self.graph.values[v].producer or -1)):
+            for call in self.by_output.get(vid, []):
+                if len(self.calls_per_path[call.path]) == 1 and call.outputs == [vid]:
+                    cands.append((vid, CenterHook(call.path, "output", None)))
+            for call, slot in self.by_input.get(vid, []):
+                if call.id in self.site_call_ids or len(self.calls_per_path[call.path]) != 1:
+                    continue
+                consumers = self.graph.values[vid].consumers
+                if all(self._inside(i, call) for i in consumers):
+                    cands.append((vid, CenterHook(call.path, "input", slot)))
+        return cands
+
+    def hook_valid(self, vid: int) -> Reach | None:
+        reach = self.reach(vid, -1)
+        if reach.conflict or reach.blockers or any("hidden_state" not in o for o in reach.outputs):
+            return None
+        groups, why = self._groups(reach)
+        width = self.graph.values[vid].shape[-1]
+        if why or groups != {tuple(range(width))}:
+            return None
+        return reach
+
+    # ------------------------------------------------------------------ 4. readers
+    def readers(self, call: ModuleCall) -> tuple[list[ModuleCall], list[str]]:
+        """(Linear/Conv1D reader calls, descriptions of other readers) of one norm call."""
+        out_vid = self.site_output.get(call.id)
+        if out_vid is None:
+            return [], ["no tensor output"]
+        width = self.graph.values[out_vid].shape[-1]
+        foldable, other = [], []
+        stack = [out_vid]
+        seen = set()
+        while stack:
+            vid = stack.pop()
+            if vid in seen:
+                continue
+            seen.add(vid)
+            if vid in self.output_values:
+                other.append(f"model output `{self.output_values[vid]}`")
+            readers_here = {c.id for c, slot in self.by_input.get(vid, [])
+                            if slot in (0, "input", "hidden_states", "x") and writer_kind(c.module) in
+                            ("linear", "conv1d") and self.graph.values[vid].shape[-1] == width}
+            for op_index in self.graph.values[vid].consumers:
+                op = self.graph.ops[op_index]
+                owner = next((c for c in self.graph.ancestors_calls(op.call) if c.id in readers_here), None)
+                if owner is not None:
+                    foldable.append(owner)
+                    continue
+                if op.name in READER_OPS and op.args and isinstance(op.args[0], ValueRef) \
+                        and op.args[0].id == vid:
+                    outs = [o for o in op.outputs if self.graph.values[o].shape[-1:] == (width,)]
+                    if len(outs) == len(op.outputs):
+                        stack.extend(outs)
+                        continue
+                where = self._call_of_op(op)
+                other.append(f"`{op.name}`" + (f" in `{where}`" if where else ""))
+        unique = {c.id: c for c in foldable}
+        return list(unique.values()), sorted(set(other))
+
+
+def _site_plan(site: NormSite) -> SitePlan:
+    return SitePlan(name=site.path, class_name=site.class_name, verdict="", reason="",
+                    normalized_shape=list(site.normalized_shape), param_shape=list(site.param_shape),
+                    eps=site.eps, flavour=site.flavour)
+
+
+def analyse(model: nn.Module, graph: Graph, sites: list[NormSite], *, untie: bool = True,
+            fold_gamma: bool = False) -> Plan:
+    """Derive writers, readers, centering ops and a verdict for every NormSite."""
+    an = Analyzer(model, graph, sites, untie=untie, fold_gamma=fold_gamma)
+    plan = Plan(options={"untie": untie, "fold_gamma": fold_gamma})
+    edits: dict[str, WriterEdit] = {}
+    unties: dict[tuple[str, str], Untie] = {}
+    module_ok: dict[str, str | None] = {}
+    term_status: dict[int, tuple[bool, str]] = {}  # term value -> (centered by surgery, why not)
+    hooks: dict[int, tuple[CenterHook, Reach]] = {}  # hooked value -> (hook, its reach)
+    site_terms: dict[int, list[Term]] = {}
+
+    # --- writers and their centering
+    for call in an.site_calls:
+        vid = an.site_input[call.id]
+        site_terms[call.id] = an.leaves(vid) if vid is not None else []
+        an.stream_writers |= {t.module_path for t in site_terms[call.id] if t.kind == "module"}
+    for call in an.site_calls:
+        for term in site_terms[call.id]:
+            if term.value in term_status:
+                continue
+            if term.kind == "module":
+                if term.module_path not in module_ok:
+                    es, us, why = an.module_centering(term.module_path)
+                    module_ok[term.module_path] = why
+                    if why is None:
+                        for e in es:
+                            edits.setdefault(e.target, e)
+                        for u in us:
+                            unties.setdefault((u.module, u.attr), u)
+                why = module_ok[term.module_path]
+                term_status[term.value] = (why is None, f"{term.label} {why}" if why else "")
+            elif term.kind == "param":
+                es, why = an.param_centering(term)
+                if why is None:
+                    for e in es:
+                        edits.setdefault(e.target, e)
+                term_status[term.value] = (why is None, f"{term.label} {why}" if why else "")
+            else:
+                term_status[term.value] = (False, term.label)
+
+    # --- centering ops for terms that surgery cannot center
+    for call in an.site_calls:
+        for term in site_terms[call.id]:
+            ok, _ = term_status[term.value]
+            if ok or any(term.value in reach.mapped for _, reach in hooks.values()):
+                continue
+            for vid, hook in an.hook_candidates(term):
+                reach = an.hook_valid(vid)
+                if reach is not None:
+                    hook.reason = f"stream starts at {term.label}"
+                    hooks[vid] = (hook, reach)
+                    break
+
+    # --- readers of every norm (a Linear may read several norms: then nothing folds into it)
+    site_readers: dict[str, tuple[set[str], list[str]]] = {}
+    reader_sources: dict[str, set[str]] = {}
+    reader_calls: dict[str, set[int]] = {}
+    for call in an.site_calls:
+        rcalls, other = an.readers(call)
+        paths, others = site_readers.setdefault(call.path, (set(), []))
+        others += other
+        for rc in rcalls:
+            paths.add(rc.path)
+            reader_sources.setdefault(rc.path, set()).add(call.path)
+            reader_calls.setdefault(rc.path, set()).add(rc.id)
+
+    # --- verdicts and folds
+    for path, site in an.sites.items():
+        calls = [c for c in an.site_calls if c.path == path]
+        sp = _site_plan(site)
+        writers, problems, centered_by = [], [], []
+        if not calls:
+            sp.verdict, sp.reason = "skipped", "not called by the example inputs (kept as LayerNorm)"
+            plan.sites.append(sp)
+            continue
+        for call in calls:
+            for term in site_terms[call.id]:
+                writers.append(term.module_path or term.label)
+                ok, why = term_status[term.value]
+                if ok:
+                    continue
+                downstream = an.reach(term.value, -1).mapped
+                hook = next((h for v, (h, reach) in hooks.items()
+                             if call.id in reach.site_rows and v in downstream), None)
+                if hook is not None:
+                    centered_by.append(hook)
+                    continue
+                problems.append(term)
+        sp.writers = sorted(set(writers))
+        if problems:
+            term = problems[0]
+            sp.verdict = "approximate"
+            if term.kind == "norm":
+                sp.reason = f"stream written by {term.label} (Post-LN)"
+            else:
+                why = term_status[term.value][1]
+                sp.reason = f"stream written by {why}; no centering point feeds only norms"
+        elif centered_by:
+            sp.verdict = "exact-with-centering"
+            h = centered_by[0]
+            sp.reason = f"centering op at `{h.module}` {h.where}: {h.reason}"
+        else:
+            sp.verdict = "exact"
+            sp.reason = f"stream written by {len(set(writers))} centered writer(s)"
+
+        foldable, other = site_readers.get(path, (set(), []))
+        sp.readers = sorted(foldable) + sorted(set(other))
+        if sp.verdict != "approximate":
+            _plan_folds(an, site, sp, sorted(foldable), other, plan, unties, reader_sources, reader_calls)
+        plan.sites.append(sp)
+
+    plan.writer_edits = sorted(edits.values(), key=lambda e: e.target)
+    plan.unties = list(unties.values())
+    plan.hooks = [h for h, _ in hooks.values()]
+    changed = {o for _, r in hooks.values() for o in r.outputs}
+    for e in edits.values():
+        if e.kind != "param":
+            for c in an.calls_per_path.get(e.owner, []):
+                changed |= set(an.reach(c.outputs[0], _OUTPUT_AXIS[e.kind]).outputs)
+    plan.changed_outputs = sorted(changed)
+    return plan
+
+
+def _plan_folds(an: Analyzer, site: NormSite, sp: SitePlan, foldable: list[str], other: list[str],
+                plan: Plan, unties: dict, reader_sources: dict[str, set[str]],
+                reader_calls: dict[str, set[int]]) -> None:
+    """β (and with fold_gamma, γ) move into reader Linears when every reader can take them."""
+    if other or not foldable or len(site.normalized_shape) != 1 or site.param_shape != site.normalized_shape:
+        return
+    for path in foldable:
+        every_call = {c.id for c in an.calls_per_path.get(path, [])}
+        if reader_sources[path] != {site.path} or reader_calls[path] != every_call:
+            return  # the Linear also reads something else: folding would change that call
+        module = an.modules[path]
+        if an._sharing_problem(module.weight, path) is not None and (path, "weight") not in unties:
+            return
+    has_beta = site.bias_attr is not None
+    fold_beta = an.fold_beta and has_beta and all(an.modules[p].bias is not None for p in foldable)
+    fold_gamma = an.fold_gamma and site.weight_attr is not None
+    if fold_beta or fold_gamma:
+        sp.fold_beta, sp.fold_gamma = fold_beta, fold_gamma
+        for p in foldable:
+            plan.folds.append(FoldEdit(site.path, p, writer_kind(an.modules[p]), fold_beta, fold_gamma))

@@ -1,0 +1,425 @@
+"""``normswap.plan`` and ``normswap.patch``: the in-memory conversion entry points.
+
+``patch`` is transactional: analysis and surgery run on a float64 working copy (the original
+dtype when a float64 copy would not fit in memory); the user's model is only touched once the
+converted copy has passed verification, and then only by copying tensors and swapping the norm
+modules.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from normswap import backends, inputs, surgery, trace, walker
+from normswap.analysis import analyse
+from normswap.errors import NormswapError
+from normswap.norm import RMSNorm
+from normswap.plan import Plan, SitePlan
+from normswap.verify import compare
+
+log = logging.getLogger("normswap")
+
+MODES = ("auto", "exact", "all")
+# fp64 reference vs converted fp64 copy: anything above this is a bug, not rounding
+EXACT_TOLERANCE = {torch.float64: 1e-7, torch.float32: 2e-3, torch.bfloat16: 5e-2, torch.float16: 2e-2}
+ZERO_MEAN_TOLERANCE = {torch.float64: 1e-8, torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 5e-3}
+
+
+@dataclass
+class Report:
+    """What ``patch`` did. ``sites[i]`` has ``.name``, ``.verdict``, ``.reason``."""
+
+    sites: list[SitePlan] = field(default_factory=list)
+    verification: dict[str, Any] = field(default_factory=dict)
+    plan: Plan | None = None
+    message: str = ""
+    changed: bool = False
+
+    def __str__(self) -> str:
+        lines = [self.message] if self.message else []
+        if self.plan is not None:
+            lines.append(self.plan.summary())
+        if self.verification:
+            figs = ", ".join(f"{k}={v:.3g}" for k, v in self.verification.items() if isinstance(v, float))
+            lines.append(f"verification: {figs}")
+        return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------- checks
+def preflight(model: nn.Module) -> None:
+    """Refuse models normswap cannot edit, before touching anything."""
+    if not isinstance(model, nn.Module):
+        raise NormswapError(f"expected a torch.nn.Module, got {type(model).__name__}")
+    for name, p in model.named_parameters():
+        if p.is_meta:
+            raise NormswapError(
+                f"parameter `{name}` is on the meta device (no data); load real weights first "
+                "(e.g. from_pretrained without device_map='meta' or init_empty_weights)")
+        if getattr(p, "is_quantized", False) or not p.is_floating_point():
+            raise NormswapError(
+                f"parameter `{name}` is quantized ({p.dtype}); convert the full-precision model, "
+                "then quantize the result")
+    for name, module in model.named_modules():
+        cls = type(module).__name__
+        if any(tag in cls for tag in ("Linear8bit", "Linear4bit", "QuantLinear", "QLinear", "FP8Linear")):
+            raise NormswapError(
+                f"module `{name}` is a quantized layer ({cls}); convert the full-precision model, "
+                "then quantize the result")
+    for name, p in model.named_parameters():
+        if not bool(torch.isfinite(p).all()):
+            raise NormswapError(f"parameter `{name}` contains NaN or inf values; fix the checkpoint first")
+
+
+def _check_options(mode: str, backend: str) -> None:
+    if mode not in MODES:
+        raise NormswapError(f"mode must be one of {', '.join(MODES)}, not {mode!r}")
+    backends.check_name(backend)
+
+
+@contextlib.contextmanager
+def eval_mode(model: nn.Module) -> Iterator[None]:
+    """Analyse in eval mode (dropout breaks centering), then restore every module's own flag."""
+    flags = {m: m.training for m in model.modules()}
+    model.eval()
+    try:
+        yield
+    finally:
+        for m, flag in flags.items():
+            m.training = flag
+
+
+def _param_bytes(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters()) * 8
+
+
+def _available_memory() -> int:
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    except Exception:  # noqa: BLE001 - psutil is optional
+        return 8 << 30
+
+
+def working_copy(model: nn.Module) -> nn.Module:
+    """A deep copy in float64 when that fits comfortably in memory, else in the model's dtype."""
+    work = copy.deepcopy(model)
+    on_cpu = all(p.device.type == "cpu" for p in model.parameters())
+    if not on_cpu or _param_bytes(model) < 0.4 * _available_memory():
+        work.double()
+    work.eval()
+    return work
+
+
+def _dtype_of(model: nn.Module) -> torch.dtype:
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+
+
+# ---------------------------------------------------------------------------------- analysis
+@dataclass
+class _Analysis:
+    plan: Plan
+    sites: dict[str, walker.NormSite]
+    graph: trace.Graph
+    args: tuple
+    kwargs: dict
+
+
+def _run_trace(work: nn.Module, args: tuple, kwargs: dict) -> trace.Graph:
+    try:
+        return trace.record(work, args, kwargs)
+    except NormswapError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any failure here means the inputs do not fit the model
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise NormswapError(
+            f"could not run {type(work).__name__}.forward on the example inputs ({type(exc).__name__}: "
+            f"{first[:200]}); pass example_inputs=(tensor, ...) or a dict of kwargs that the model accepts"
+        ) from exc
+
+
+def _identify_sites(work: nn.Module, args: tuple, kwargs: dict) -> tuple[walker.WalkResult, trace.Graph]:
+    graph = _run_trace(work, args, kwargs)
+    found = walker.WalkResult()
+    modules = dict(work.named_modules())
+    claimed: list[str] = []
+    for path in walker.candidates(work):
+        if any(path.startswith(c + ".") for c in claimed):
+            continue  # inside a wrapper already identified as the norm
+        calls = graph.calls_of(path)
+        if not calls:
+            continue
+        call = calls[0]
+        vid = next((v for v in call.args if v is not None), next(iter(call.kwargs.values()), None))
+        if vid is None or not call.outputs:
+            continue
+        x = graph.values[vid].tensor
+        y = graph.values[call.outputs[0]].tensor
+        result = walker.identify(path, modules[path], x, y)
+        if isinstance(result, walker.NormSite):
+            found.sites.append(result)
+            claimed.append(path)
+        elif isinstance(result, walker.SkippedNorm):
+            found.skipped.append(result)
+            claimed.append(path)
+    found.converted = [p for p, m in work.named_modules() if isinstance(m, RMSNorm)]
+    return found, graph
+
+
+def _analyse_copy(work: nn.Module, args: tuple, kwargs: dict, *, untie: bool, fold_gamma: bool) -> _Analysis:
+    found, graph = _identify_sites(work, args, kwargs)
+    plan = analyse(work, graph, found.sites, untie=untie, fold_gamma=fold_gamma)
+    plan.skipped = [{"name": s.path, "class": s.class_name, "reason": s.reason} for s in found.skipped]
+    plan.options["already_converted"] = bool(found.converted) and not found.sites
+    return _Analysis(plan, {s.path: s for s in found.sites}, graph, args, kwargs)
+
+
+def _decide(plan: Plan, mode: str) -> None:
+    for sp in plan.sites:
+        if sp.verdict in ("exact", "exact-with-centering"):
+            sp.convert = True
+        elif sp.verdict == "approximate":
+            sp.convert = mode in ("auto", "all")
+    plan.options["mode"] = mode
+
+
+def plan(model: nn.Module, example_inputs: inputs.ExampleInputs = None, *, mode: str = "auto",
+         fold_gamma: bool = False, untie: bool = True, backend: str = "auto", **_: Any) -> Plan:
+    """Dry run: the per-norm verdicts and every edit ``patch`` would make. The model is untouched."""
+    _check_options(mode, backend)
+    preflight(model)
+    args, kwargs = inputs.resolve(model, example_inputs)
+    with eval_mode(model):
+        work = working_copy(model)
+        args, kwargs = inputs.cast_inputs(args, kwargs, _dtype_of(work))
+        result = _analyse_copy(work, args, kwargs, untie=untie, fold_gamma=fold_gamma)
+    _decide(result.plan, mode)
+    return result.plan
+
+
+# ---------------------------------------------------------------------------------- patch
+def _batches(calibration: Any) -> list[tuple[tuple, dict]]:
+    if calibration is None:
+        return []
+    items = calibration if isinstance(calibration, list) else [calibration]
+    out = []
+    for item in items:
+        if isinstance(item, dict):
+            out.append(((), dict(item)))
+        elif isinstance(item, tuple):
+            out.append((item, {}))
+        elif isinstance(item, torch.Tensor):
+            out.append(((item,), {}))
+        else:
+            raise NormswapError("calibration must be a tensor, a tuple, a dict of model inputs, or a list of them")
+    return out
+
+
+@contextlib.contextmanager
+def _capture(modules: dict[str, nn.Module]) -> Iterator[dict[str, list[tuple[torch.Tensor, torch.Tensor]]]]:
+    """Record (input, output) of each named module during the forwards run inside the block."""
+    seen: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {k: [] for k in modules}
+    handles = []
+    for name, module in modules.items():
+        def hook(mod, args, kwargs, output, name=name):  # noqa: ANN001
+            x = args[0] if args else next(iter(kwargs.values()))
+            seen[name].append((x.detach(), output.detach()))
+        handles.append(module.register_forward_hook(hook, with_kwargs=True))
+    try:
+        yield seen
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _fit_rmsnorm(pairs: list[tuple[torch.Tensor, torch.Tensor]], site: walker.NormSite) -> tuple[torch.Tensor,
+                                                                                              torch.Tensor]:
+    """Per-channel least squares ``y_i ≈ g_i u_i + b_i`` with ``u = x / rms(x)``: the min-MSE RMSNorm."""
+    dims = tuple(range(-len(site.normalized_shape), 0))
+    us, ys = [], []
+    for x, y in pairs:
+        x, y = x.double(), y.double()
+        u = x * torch.rsqrt(x.pow(2).mean(dims, keepdim=True) + site.eps)
+        us.append(u.reshape(-1, *site.param_shape))
+        ys.append(y.reshape(-1, *site.param_shape))
+    u, y = torch.cat(us), torch.cat(ys)
+    mu_u, mu_y = u.mean(0), y.mean(0)
+    var_u = (u - mu_u).pow(2).mean(0)
+    cov = ((u - mu_u) * (y - mu_y)).mean(0)
+    g = torch.where(var_u > 1e-12, cov / var_u.clamp_min(1e-12), torch.ones_like(var_u))
+    return g, mu_y - g * mu_u
+
+
+def patch(model: nn.Module, example_inputs: inputs.ExampleInputs = None, *, mode: str = "auto",
+          fold_gamma: bool = False, untie: bool = True, calibration: Any = None, verify: bool = True,
+          backend: str = "auto") -> Report:
+    """Convert ``model``'s LayerNorms to :class:`normswap.RMSNorm`, in place, verified.
+
+    Args:
+        model: a transformers model or any ``nn.Module``.
+        example_inputs: inputs for the analysis run (built automatically for transformers models).
+        mode: ``"auto"`` converts everything and warns about approximate norms; ``"exact"`` leaves
+            approximate norms as LayerNorm; ``"all"`` converts everything silently.
+        fold_gamma: also fold γ into reader Linears (the RMSNorm keeps weight 1: "rotation-ready").
+        untie: clone tied output heads so the input embedding can be centered (default). ``False``
+            keeps ties and centers at run time instead.
+        calibration: inputs (or a list of them) used to fit approximate norms by least squares.
+        verify: compare against the float64 original and refuse conversions that miss tolerance.
+        backend: RMSNorm backend for the new modules.
+
+    Returns:
+        A :class:`Report` with per-norm verdicts and verification figures.
+    """
+    _check_options(mode, backend)
+    preflight(model)
+    args, kwargs = inputs.resolve(model, example_inputs)
+    user_dtype = _dtype_of(model)
+    with eval_mode(model):
+        work = working_copy(model)
+        work_dtype = _dtype_of(work)
+        wargs, wkwargs = inputs.cast_inputs(args, kwargs, work_dtype)
+        an = _analyse_copy(work, wargs, wkwargs, untie=untie, fold_gamma=fold_gamma)
+        plan_ = an.plan
+        _decide(plan_, mode)
+        if plan_.options.get("already_converted"):
+            return Report([], {}, plan_, "model is already converted by normswap; nothing to do")
+        if not plan_.sites:
+            return Report([], {}, plan_, "no LayerNorm found; nothing to do")
+        todo = [sp for sp in plan_.sites if sp.convert]
+        if not todo:
+            return Report(plan_.sites, {}, plan_, "no LayerNorm can be converted in this mode; model unchanged")
+
+        reference = an.graph.output_object
+        del an.graph  # free the recorded activations
+        originals = {sp.name: work.get_submodule(sp.name) for sp in plan_.sites}
+        surgery.apply_weight_edits(work, plan_, an.sites, originals)
+        for h in plan_.hooks:
+            surgery.install_hook(work, h)
+
+        approx = [sp for sp in todo if sp.verdict == "approximate"]
+        fits: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        calib = _batches(calibration)
+        if approx and calib:
+            with _capture({sp.name: originals[sp.name] for sp in approx}) as seen, torch.no_grad():
+                for cargs, ckw in calib:
+                    cargs, ckw = inputs.cast_inputs(cargs, ckw, work_dtype)
+                    work(*cargs, **ckw)
+            for sp in approx:
+                site = an.sites[sp.name]
+                if site.weight_attr is not None and site.bias_attr is not None and seen[sp.name]:
+                    fits[sp.name] = _fit_rmsnorm(seen[sp.name], site)
+            plan_.options["calibration_batches"] = len(calib)
+
+        new_modules = {}
+        for sp in todo:
+            new = surgery.make_rmsnorm(an.sites[sp.name], sp, originals[sp.name], backend, fits.get(sp.name))
+            surgery.replace_module(work, originals[sp.name], new)
+            new_modules[sp.name] = new
+
+        with _capture(new_modules) as seen, torch.no_grad():
+            converted = work(*wargs, **wkwargs)
+        figures = compare(reference, converted, set(plan_.changed_outputs))
+        _site_checks(plan_, todo, seen, originals, an.sites, work_dtype, figures)
+        if verify:
+            _gate(plan_, todo, figures, work_dtype)
+        report_warnings(plan_, todo)
+        _commit(model, work, plan_, todo, user_dtype)
+        if user_dtype != work_dtype and verify:
+            with torch.no_grad():
+                cast_out = model(*args, **kwargs)
+            figures["in_model_dtype"] = compare(reference, cast_out, set(plan_.changed_outputs)).get("max_rel_error")
+    model._normswap_plan = plan_
+    counts = plan_.counts()
+    message = (f"converted {len(todo)} of {len(plan_.sites)} LayerNorm(s)"
+               f" ({counts['exact'] + counts['exact-with-centering']} exact, {len(approx)} approximate)")
+    return Report(plan_.sites, figures, plan_, message, changed=True)
+
+
+def _site_checks(plan_: Plan, todo: list[SitePlan], seen: dict, originals: dict, sites: dict,
+                 dtype: torch.dtype, figures: dict) -> None:
+    """Per-norm evidence: exact norms must read a zero-mean stream; approximate ones get an error."""
+    worst = 0.0
+    for sp in todo:
+        pairs = seen.get(sp.name, [])
+        if not pairs:
+            continue
+        dims = tuple(range(-len(sp.normalized_shape), 0))
+        if sp.verdict == "approximate":
+            num = den = 0.0
+            with torch.no_grad():
+                for x, y in pairs:
+                    ref = originals[sp.name](x)
+                    num += float((y.double() - ref.double()).pow(2).sum())
+                    den += float(ref.double().pow(2).sum())
+            sp.error = (num / den) ** 0.5 if den > 0 else 0.0
+        else:
+            ratio = 0.0
+            for x, _ in pairs:
+                x = x.double()
+                rms = x.pow(2).mean(dims).sqrt().clamp_min(1e-30)
+                ratio = max(ratio, float((x.mean(dims).abs() / rms).max()))
+            sp.error = ratio
+            worst = max(worst, ratio)
+    figures["max_stream_mean_ratio"] = worst
+
+
+def _gate(plan_: Plan, todo: list[SitePlan], figures: dict, dtype: torch.dtype) -> None:
+    tol = ZERO_MEAN_TOLERANCE.get(dtype, 1e-4)
+    bad = [sp for sp in todo if sp.verdict != "approximate" and sp.error is not None and sp.error > tol]
+    if bad:
+        raise NormswapError(
+            f"verification failed: `{bad[0].name}` was planned exact but its input is not zero-mean "
+            f"(|mean|/rms = {bad[0].error:.2e}); model left unchanged. Please report this model; "
+            "mode='exact' with verify=False skips the check")
+    if all(sp.verdict != "approximate" for sp in todo) and "max_rel_error" in figures:
+        limit = EXACT_TOLERANCE.get(dtype, 1e-3)
+        if figures["max_rel_error"] > limit:
+            raise NormswapError(
+                f"verification failed: converted outputs differ from the original by "
+                f"{figures['max_rel_error']:.2e} (relative) on `{figures.get('output')}`; model left unchanged")
+
+
+def report_warnings(plan_: Plan, todo: list[SitePlan]) -> None:
+    if plan_.options.get("mode") != "auto":
+        return
+    for sp in todo:
+        if sp.verdict == "approximate":
+            warnings.warn(f"normswap: `{sp.name}` converted approximately ({sp.reason}); "
+                          f"relative output error {sp.error:.3g}. Use mode='exact' to keep it as LayerNorm, "
+                          "or recover accuracy with `normswap finetune`", stacklevel=3)
+
+
+def _commit(model: nn.Module, work: nn.Module, plan_: Plan, todo: list[SitePlan], dtype: torch.dtype) -> None:
+    """Copy the verified edits into the user's model (cast back to its dtype, once)."""
+    for u in plan_.unties:
+        surgery.untie(model, u)
+    if plan_.unties:
+        surgery.mark_untied(model)
+    names = {e.target for e in plan_.writer_edits}
+    names |= {f"{u.module}.{u.attr}" if u.module else u.attr for u in plan_.unties}
+    for f in plan_.folds:
+        names |= {f"{f.reader}.weight", f"{f.reader}.bias"}
+    with torch.no_grad():
+        for name in names:
+            target = model.get_parameter(name)
+            target.copy_(work.get_parameter(name).to(target.dtype))
+    for sp in todo:
+        old = model.get_submodule(sp.name)
+        ref = next(iter(old.parameters()), None)
+        new = copy.deepcopy(work.get_submodule(sp.name))
+        new.to(device=ref.device if ref is not None else None, dtype=ref.dtype if ref is not None else dtype)
+        if ref is None:
+            new.to(dtype)
+        new.train(old.training)
+        surgery.replace_module(model, old, new)
+    for h in plan_.hooks:
+        surgery.install_hook(model, h)

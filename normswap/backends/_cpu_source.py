@@ -1,0 +1,290 @@
+"""C++ source of the fused CPU RMSNorm forward (compiled by :mod:`normswap.backends.cpu` at first use).
+
+Kept as a Python string so it ships inside the package without package-data configuration.
+
+Why it looks like this:
+
+* The op is memory bound: one read of ``x`` from DRAM (the row then stays in L1/L2 for the second
+  pass) and one write of ``y``, the same traffic as ``y.copy_(x)``.
+* ``NS_ISA`` picks explicit AVX-512 (2), AVX2+F16C+FMA (1) or portable scalar (0) code at compile
+  time. The Python side chooses it from ``torch.backends.cpu.get_cpu_capability()`` and keys the build
+  cache on it, so no ``-march=native`` binary is ever reused on a different CPU. Explicit intrinsics
+  because GCC 12 does not vectorise the bf16/fp16 conversions on its own (measured: 6-38x slower).
+* Cast order matches ``normswap.backends.eager`` (HF Llama): fp32 sum of squares, ``rstd`` in fp32,
+  ``x * rstd`` rounded to the input dtype, then ``* weight`` rounded, then ``+ bias`` rounded.
+  Built with ``-ffp-contract=off`` so those roundings are not fused away.
+* Threads: OpenMP. The library is linked against ``libgomp.so.1``, the same soname PyTorch loads,
+  so the dynamic loader reuses PyTorch's OpenMP runtime (one thread pool, not two fighting for cores).
+"""
+
+SOURCE = r"""
+#include <cstdint>
+#include <cstring>
+#include <cmath>
+#include <omp.h>
+#if NS_ISA >= 1
+#include <immintrin.h>
+#endif
+
+namespace {
+
+struct F32 { using T = float; };
+struct BF16 { using T = uint16_t; };
+struct F16 { using T = uint16_t; };
+
+// ---- scalar conversions (tails of the scalar ISA, and portable fallback) -------------------------
+inline float bf16_to_f32(uint16_t h) { uint32_t u = uint32_t(h) << 16; float f; std::memcpy(&f, &u, 4); return f; }
+inline uint16_t f32_to_bf16(float f) {
+  uint32_t u; std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40u);  // quiet NaN
+  return uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);                   // round to nearest even
+}
+
+#if NS_ISA == 2  // ---------------------------------------------------------------- AVX-512 (F, BW, VL)
+constexpr int L = 16;
+using V = __m512;
+inline V vzero() { return _mm512_setzero_ps(); }
+inline V vset(float a) { return _mm512_set1_ps(a); }
+inline V vadd(V a, V b) { return _mm512_add_ps(a, b); }
+inline V vmul(V a, V b) { return _mm512_mul_ps(a, b); }
+inline V vfma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+inline float vsum(V a) { return _mm512_reduce_add_ps(a); }
+inline V vload(F32, const float* p) { return _mm512_loadu_ps(p); }
+inline V vload(BF16, const uint16_t* p) {
+  __m512i u = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(u, 16));
+}
+inline V vload(F16, const uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline __m512i bf16_bits(V v) {  // round-to-nearest-even fp32 -> bf16, in the low 16 bits of each lane
+  __m512i u = _mm512_castps_si512(v);
+  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+  __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  return _mm512_mask_blend_epi32(nan, r, _mm512_set1_epi32(0x7fc0));
+}
+inline void vstore(F32, float* p, V v) { _mm512_storeu_ps(p, v); }
+inline void vstore(BF16, uint16_t* p, V v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(bf16_bits(v)));
+}
+inline void vstore(F16, uint16_t* p, V v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+inline V vround(F32, V v) { return v; }
+inline V vround(BF16, V v) { return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits(v), 16)); }
+inline V vround(F16, V v) { return _mm512_cvtph_ps(_mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)); }
+
+#elif NS_ISA == 1  // ------------------------------------------------------------------ AVX2 + FMA + F16C
+constexpr int L = 8;
+using V = __m256;
+inline V vzero() { return _mm256_setzero_ps(); }
+inline V vset(float a) { return _mm256_set1_ps(a); }
+inline V vadd(V a, V b) { return _mm256_add_ps(a, b); }
+inline V vmul(V a, V b) { return _mm256_mul_ps(a, b); }
+inline V vfma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+inline float vsum(V a) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+  return _mm_cvtss_f32(s);
+}
+inline V vload(F32, const float* p) { return _mm256_loadu_ps(p); }
+inline V vload(BF16, const uint16_t* p) {
+  __m256i u = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(u, 16));
+}
+inline V vload(F16, const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline __m256i bf16_bits(V v) {
+  __m256i u = _mm256_castps_si256(v);
+  __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+  __m256 nan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
+  return _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(r), _mm256_castsi256_ps(_mm256_set1_epi32(0x7fc0)), nan));
+}
+inline void vstore(F32, float* p, V v) { _mm256_storeu_ps(p, v); }
+inline void vstore(BF16, uint16_t* p, V v) {
+  __m256i r = bf16_bits(v);                                     // 8 x u32, each <= 0xffff
+  __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+}
+inline void vstore(F16, uint16_t* p, V v) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+inline V vround(F32, V v) { return v; }
+inline V vround(BF16, V v) { return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits(v), 16)); }
+inline V vround(F16, V v) { return _mm256_cvtph_ps(_mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)); }
+
+#else  // ----------------------------------------------------------------------- portable scalar code
+constexpr int L = 1;
+using V = float;
+inline V vzero() { return 0.0f; }
+inline V vset(float a) { return a; }
+inline V vadd(V a, V b) { return a + b; }
+inline V vmul(V a, V b) { return a * b; }
+inline V vfma(V a, V b, V c) { return a * b + c; }
+inline float vsum(V a) { return a; }
+inline V vload(F32, const float* p) { return *p; }
+inline V vload(BF16, const uint16_t* p) { return bf16_to_f32(*p); }
+inline void vstore(F32, float* p, V v) { *p = v; }
+inline void vstore(BF16, uint16_t* p, V v) { *p = f32_to_bf16(v); }
+inline V vround(F32, V v) { return v; }
+inline V vround(BF16, V v) { return bf16_to_f32(f32_to_bf16(v)); }
+#if defined(__FLT16_MAX__)
+#define NS_HAS_F16 1
+inline V vload(F16, const uint16_t* p) { _Float16 h; std::memcpy(&h, p, 2); return float(h); }
+inline void vstore(F16, uint16_t* p, V v) { _Float16 h = _Float16(v); std::memcpy(p, &h, 2); }
+inline V vround(F16, V v) { return float(_Float16(v)); }
+#endif
+#endif
+
+#if NS_ISA >= 1
+#define NS_HAS_F16 1
+#endif
+
+// Tail of a row (fewer than L elements): go through a small zero-padded stack buffer.
+template <class D> inline V vload_tail(D d, const typename D::T* p, int n) {
+  typename D::T buf[L] = {};
+  std::memcpy(buf, p, size_t(n) * sizeof(typename D::T));
+  return vload(d, buf);
+}
+template <class D> inline void vstore_tail(D d, typename D::T* p, V v, int n) {
+  typename D::T buf[L];
+  vstore(d, buf, v);
+  std::memcpy(p, buf, size_t(n) * sizeof(typename D::T));
+}
+
+// One block of rows. HAS_W / HAS_B are template flags so the inner loop has no branches.
+template <class D, bool HAS_W, bool HAS_B>
+void rows(const typename D::T* x, int64_t r0, int64_t r1, int64_t N, int64_t xs,
+          const typename D::T* w, int64_t wrows, const typename D::T* b, int64_t brows,
+          typename D::T* y, float* rstd, float eps) {
+  D d;
+  const int64_t nv = N / L * L;
+  const int tail = int(N - nv);
+  for (int64_t r = r0; r < r1; ++r) {
+    const typename D::T* xr = x + r * xs;
+    typename D::T* yr = y + r * N;
+    // Pass 1: sum of squares in fp32 with four independent accumulators (latency hiding).
+    V a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero();
+    int64_t i = 0;
+    for (; i + 4 * L <= nv; i += 4 * L) {
+      V v0 = vload(d, xr + i), v1 = vload(d, xr + i + L), v2 = vload(d, xr + i + 2 * L), v3 = vload(d, xr + i + 3 * L);
+      a0 = vfma(v0, v0, a0); a1 = vfma(v1, v1, a1); a2 = vfma(v2, v2, a2); a3 = vfma(v3, v3, a3);
+    }
+    for (; i < nv; i += L) { V v = vload(d, xr + i); a0 = vfma(v, v, a0); }
+    if (tail) { V v = vload_tail(d, xr + nv, tail); a0 = vfma(v, v, a0); }
+    const float ss = vsum(vadd(vadd(a0, a1), vadd(a2, a3)));
+    const float rs = 1.0f / std::sqrt(ss / float(N) + eps);
+    if (rstd) rstd[r] = rs;
+    // Pass 2: the row is now in L1/L2; normalise, round, scale, shift.
+    const V vrs = vset(rs);
+    const typename D::T* wr = HAS_W ? w + (r % wrows) * N : nullptr;
+    const typename D::T* br = HAS_B ? b + (r % brows) * N : nullptr;
+    auto body = [&](V v, int64_t j, bool full, int n) {
+      v = vmul(v, vrs);
+      if (HAS_W || HAS_B) v = vround(d, v);
+      if (HAS_W) {
+        v = vmul(v, full ? vload(d, wr + j) : vload_tail(d, wr + j, n));
+        if (HAS_B) v = vround(d, v);
+      }
+      if (HAS_B) v = vadd(v, full ? vload(d, br + j) : vload_tail(d, br + j, n));
+      return v;
+    };
+    for (i = 0; i < nv; i += L) vstore(d, yr + i, body(vload(d, xr + i), i, true, L));
+    if (tail) vstore_tail(d, yr + nv, body(vload_tail(d, xr + nv, tail), nv, false, tail), tail);
+  }
+}
+
+// float64: plain loops (correctness path; the compiler vectorises them well enough).
+template <bool HAS_W, bool HAS_B>
+void rows_f64(const double* x, int64_t r0, int64_t r1, int64_t N, int64_t xs, const double* w, int64_t wrows,
+              const double* b, int64_t brows, double* y, float* rstd, double eps) {
+  for (int64_t r = r0; r < r1; ++r) {
+    const double* xr = x + r * xs;
+    double* yr = y + r * N;
+    double ss = 0;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t i = 0; i < N; ++i) ss += xr[i] * xr[i];
+    const double rs = 1.0 / std::sqrt(ss / double(N) + eps);
+    if (rstd) rstd[r] = float(rs);
+    const double* wr = HAS_W ? w + (r % wrows) * N : nullptr;
+    const double* br = HAS_B ? b + (r % brows) * N : nullptr;
+#pragma omp simd
+    for (int64_t i = 0; i < N; ++i) {
+      double v = xr[i] * rs;
+      if (HAS_W) v = v * wr[i];
+      if (HAS_B) v = v + br[i];
+      yr[i] = v;
+    }
+  }
+}
+
+template <class F>
+void parallel_rows(int64_t M, int nthreads, F&& f) {
+  if (nthreads > M) nthreads = int(M > 0 ? M : 1);
+  if (nthreads <= 1) { f(0, M); return; }
+#pragma omp parallel num_threads(nthreads)
+  {
+    const int64_t t = omp_get_thread_num(), n = omp_get_num_threads();
+    f(M * t / n, M * (t + 1) / n);  // static contiguous split: each thread streams its own rows
+  }
+}
+
+template <class D>
+void launch(const void* x, int64_t M, int64_t N, int64_t xs, const void* w, int64_t wrows, const void* b,
+            int64_t brows, void* y, float* rstd, double eps, int nthreads) {
+  using T = typename D::T;
+  auto X = static_cast<const T*>(x); auto W = static_cast<const T*>(w); auto B = static_cast<const T*>(b);
+  auto Y = static_cast<T*>(y);
+  const float e = float(eps);  // eps is added to an fp32 mean, as in the eager reference
+  parallel_rows(M, nthreads, [&](int64_t r0, int64_t r1) {
+    if (W && B) rows<D, true, true>(X, r0, r1, N, xs, W, wrows, B, brows, Y, rstd, e);
+    else if (W) rows<D, true, false>(X, r0, r1, N, xs, W, wrows, B, brows, Y, rstd, e);
+    else if (B) rows<D, false, true>(X, r0, r1, N, xs, W, wrows, B, brows, Y, rstd, e);
+    else rows<D, false, false>(X, r0, r1, N, xs, W, wrows, B, brows, Y, rstd, e);
+  });
+}
+
+}  // namespace
+
+extern "C" {
+
+// dtype codes: 0 float32, 1 bfloat16, 2 float16, 3 float64.  Returns 0 on success.
+int ns_rms_norm_fwd(int dtype, const void* x, int64_t M, int64_t N, int64_t x_row_stride, const void* w,
+                    int64_t w_rows, const void* b, int64_t b_rows, void* y, float* rstd, double eps,
+                    int nthreads) {
+  switch (dtype) {
+    case 0: launch<F32>(x, M, N, x_row_stride, w, w_rows, b, b_rows, y, rstd, eps, nthreads); return 0;
+    case 1: launch<BF16>(x, M, N, x_row_stride, w, w_rows, b, b_rows, y, rstd, eps, nthreads); return 0;
+#ifdef NS_HAS_F16
+    case 2: launch<F16>(x, M, N, x_row_stride, w, w_rows, b, b_rows, y, rstd, eps, nthreads); return 0;
+#endif
+    case 3: {
+      auto X = static_cast<const double*>(x); auto W = static_cast<const double*>(w);
+      auto B = static_cast<const double*>(b); auto Y = static_cast<double*>(y);
+      parallel_rows(M, nthreads, [&](int64_t r0, int64_t r1) {
+        if (W && B) rows_f64<true, true>(X, r0, r1, N, x_row_stride, W, w_rows, B, b_rows, Y, rstd, eps);
+        else if (W) rows_f64<true, false>(X, r0, r1, N, x_row_stride, W, w_rows, B, b_rows, Y, rstd, eps);
+        else if (B) rows_f64<false, true>(X, r0, r1, N, x_row_stride, W, w_rows, B, b_rows, Y, rstd, eps);
+        else rows_f64<false, false>(X, r0, r1, N, x_row_stride, W, w_rows, B, b_rows, Y, rstd, eps);
+      });
+      return 0;
+    }
+  }
+  return 1;
+}
+
+// Bit mask of supported dtype codes (fp16 needs F16C or a compiler _Float16).
+int ns_supported_dtypes(void) {
+#ifdef NS_HAS_F16
+  return 0xF;
+#else
+  return 0xB;
+#endif
+}
+
+int ns_isa(void) { return NS_ISA; }
+
+}  // extern "C"
+"""

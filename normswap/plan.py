@@ -1,0 +1,153 @@
+"""The conversion plan: one verdict per LayerNorm plus every weight edit needed to honour it.
+
+A plan is printable (``normswap inspect``) and serialisable: ``to_dict()`` becomes the checkpoint
+manifest, from which loading re-applies the structural edits without re-running the analysis.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+VERDICTS = ("exact", "exact-with-centering", "approximate", "skipped")
+
+
+@dataclass
+class WriterEdit:
+    """Center ``target`` (a parameter name) along ``axis``: whole axis, or per ``[lo, hi)`` block."""
+
+    target: str
+    axis: int
+    blocks: list[tuple[int, int]] | None
+    owner: str  # module path ('' for raw parameters)
+    kind: str  # linear | conv1d | embedding | conv | param
+
+
+@dataclass
+class FoldEdit:
+    """Fold a norm's β (into the bias) and/or γ (into the weight) of reader ``reader``."""
+
+    site: str
+    reader: str
+    kind: str  # linear | conv1d
+    beta: bool
+    gamma: bool
+
+
+@dataclass
+class CenterHook:
+    """Subtract the per-token mean of a module's ``output`` or of one ``input`` argument."""
+
+    module: str
+    where: str  # input | output
+    arg: int | str | None
+    reason: str = ""
+
+
+@dataclass
+class Untie:
+    """Give ``module.attr`` its own copy of the tied parameter ``source`` before centering."""
+
+    module: str
+    attr: str
+    source: str
+    numel: int
+
+
+@dataclass
+class SitePlan:
+    name: str
+    class_name: str
+    verdict: str
+    reason: str
+    normalized_shape: list[int]
+    param_shape: list[int]
+    eps: float
+    flavour: str
+    writers: list[str] = field(default_factory=list)
+    readers: list[str] = field(default_factory=list)
+    fold_beta: bool = False
+    fold_gamma: bool = False
+    convert: bool = False  # decided by the mode
+    error: float | None = None  # measured relative error of an approximate replacement
+
+    @property
+    def verdict_short(self) -> str:
+        return self.verdict
+
+
+@dataclass
+class Plan:
+    sites: list[SitePlan] = field(default_factory=list)
+    skipped: list[dict[str, str]] = field(default_factory=list)  # already-RMS norms etc.
+    writer_edits: list[WriterEdit] = field(default_factory=list)
+    folds: list[FoldEdit] = field(default_factory=list)
+    hooks: list[CenterHook] = field(default_factory=list)
+    unties: list[Untie] = field(default_factory=list)
+    changed_outputs: list[str] = field(default_factory=list)
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def counts(self) -> dict[str, int]:
+        c = Counter(s.verdict for s in self.sites)
+        c["skipped"] += len(self.skipped)
+        return {v: c.get(v, 0) for v in VERDICTS}
+
+    def site(self, name: str) -> SitePlan:
+        return next(s for s in self.sites if s.name == name)
+
+    @property
+    def untied_parameters(self) -> int:
+        return sum(u.numel for u in self.unties)
+
+    def summary(self) -> str:
+        counts = ", ".join(f"{n} {v}" for v, n in self.counts().items() if n)
+        extra = []
+        if self.writer_edits:
+            extra.append(f"{len(self.writer_edits)} writer tensors centered")
+        if self.folds:
+            extra.append(f"{len(self.folds)} reader folds")
+        if self.hooks:
+            extra.append(f"{len(self.hooks)} centering op(s)")
+        if self.unties:
+            extra.append(f"{len(self.unties)} tie(s) broken (+{self.untied_parameters:,} params)")
+        return f"{len(self.sites)} LayerNorm(s): {counts or 'none'}" + (f"; {'; '.join(extra)}" if extra else "")
+
+    def table(self, width: int = 60) -> str:
+        """Per-norm table: name, verdict, reason, and what folds where."""
+        rows = [("norm", "verdict", "fold", "reason")]
+        for s in self.sites:
+            fold = "+".join(x for x, on in (("β", s.fold_beta), ("γ", s.fold_gamma)) if on) or "-"
+            reason = s.reason if len(s.reason) <= width else s.reason[: width - 1] + "…"
+            rows.append((s.name, s.verdict, fold, reason))
+        for sk in self.skipped:
+            rows.append((sk["name"], "skipped", "-", sk["reason"]))
+        widths = [max(len(r[i]) for r in rows) for i in range(3)]
+        lines = ["  ".join(r[i].ljust(widths[i]) for i in range(3)) + "  " + r[3] for r in rows]
+        lines.insert(1, "-" * min(120, sum(widths) + 6 + width))
+        out = "\n".join(lines) + "\n" + self.summary()
+        if self.changed_outputs:
+            out += "\nchanged by design (raw residual stream): " + ", ".join(self.changed_outputs)
+        return out
+
+    def __str__(self) -> str:
+        return self.table()
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Plan:
+        def blocks(b: Any) -> list[tuple[int, int]] | None:
+            return None if b is None else [tuple(x) for x in b]
+
+        return cls(
+            sites=[SitePlan(**s) for s in data.get("sites", [])],
+            skipped=list(data.get("skipped", [])),
+            writer_edits=[WriterEdit(**{**e, "blocks": blocks(e["blocks"])}) for e in data.get("writer_edits", [])],
+            folds=[FoldEdit(**f) for f in data.get("folds", [])],
+            hooks=[CenterHook(**h) for h in data.get("hooks", [])],
+            unties=[Untie(**u) for u in data.get("unties", [])],
+            changed_outputs=list(data.get("changed_outputs", [])),
+            options=dict(data.get("options", {})),
+        )

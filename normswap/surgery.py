@@ -1,0 +1,149 @@
+"""Apply a :class:`~normswap.plan.Plan` to a model: untie, center, fold, swap, hook.
+
+All arithmetic is float64 (each tensor is upcast, edited and cast back once). The functions here
+mutate the module they are given; :mod:`normswap.api` runs them on a working copy and commits the
+result to the user's model only after verification, which is what makes ``patch`` transactional.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from normswap.norm import RMSNorm
+from normswap.plan import CenterHook, FoldEdit, Plan, SitePlan, Untie, WriterEdit
+from normswap.walker import NormSite
+
+
+def _center_(t: torch.Tensor, axis: int, blocks: list[tuple[int, int]] | None) -> None:
+    """Subtract the mean along ``axis`` (per block), in float64, in place."""
+    w = t.detach().double()
+    if blocks is None:
+        w = w - w.mean(axis, keepdim=True)
+    else:
+        for lo, hi in blocks:
+            part = w.narrow(axis, lo, hi - lo)
+            part.sub_(part.mean(axis, keepdim=True))
+    with torch.no_grad():
+        t.copy_(w.to(t.dtype))
+
+
+def untie(model: nn.Module, u: Untie) -> None:
+    module = model.get_submodule(u.module)
+    source = getattr(module, u.attr)
+    setattr(module, u.attr, nn.Parameter(source.detach().clone(), requires_grad=source.requires_grad))
+
+
+def mark_untied(model: nn.Module) -> None:
+    """Tell transformers not to re-tie what we untied (``tie_weights`` runs on load and resize)."""
+    config = getattr(model, "config", None)
+    if config is None:
+        return
+    configs = [config] + [getattr(config, a) for a in dir(config)
+                          if a.endswith("_config") and hasattr(getattr(config, a, None), "to_dict")]
+    for cfg in configs:
+        if hasattr(cfg, "tie_word_embeddings"):
+            cfg.tie_word_embeddings = False
+
+
+def center_writer(model: nn.Module, e: WriterEdit) -> None:
+    _center_(model.get_parameter(e.target), e.axis, e.blocks)
+
+
+def fold_into_reader(model: nn.Module, f: FoldEdit, gamma: torch.Tensor | None, beta: torch.Tensor | None) -> None:
+    """``W (γ⊙u + β) + c = (W diag γ) u + (W β + c)`` for Linear ``[out,in]`` and Conv1D ``[in,out]``."""
+    reader = model.get_submodule(f.reader)
+    w = reader.weight.detach().double()
+    transposed = f.kind == "conv1d"
+    with torch.no_grad():
+        if f.beta and beta is not None:
+            shift = beta @ w if transposed else w @ beta
+            reader.bias.copy_((reader.bias.detach().double() + shift).to(reader.bias.dtype))
+        if f.gamma and gamma is not None:
+            w = w * gamma[:, None] if transposed else w * gamma[None, :]
+            reader.weight.copy_(w.to(reader.weight.dtype))
+
+
+def make_rmsnorm(site: NormSite, sp: SitePlan, module: nn.Module, backend: str,
+                 fit: tuple[torch.Tensor, torch.Tensor] | None = None) -> RMSNorm:
+    """The RMSNorm replacing ``module``: γ/β kept unless folded; fitted values for approximate sites."""
+    gamma, beta = site.gamma(module), site.beta(module)
+    if fit is not None:
+        gamma, beta = fit
+    keep_gamma = gamma is not None and not sp.fold_gamma
+    keep_beta = beta is not None and not sp.fold_beta
+    ref = next(iter(module.parameters()), None)
+    dtype = ref.dtype if ref is not None else torch.get_default_dtype()
+    device = ref.device if ref is not None else None
+    norm = RMSNorm(site.normalized_shape, eps=site.eps, elementwise_affine=gamma is not None, bias=keep_beta,
+                   backend=backend, param_shape=site.param_shape, device=device, dtype=dtype)
+    with torch.no_grad():
+        if keep_gamma:
+            norm.weight.copy_(gamma.to(dtype))
+        if keep_beta:
+            norm.bias.copy_(beta.to(dtype))
+    return norm
+
+
+def replace_module(model: nn.Module, old: nn.Module, new: nn.Module) -> list[str]:
+    """Swap every reference to ``old`` (a shared module may have several parents) for ``new``."""
+    paths = []
+    for parent_path, parent in list(model.named_modules(remove_duplicate=False)):
+        for name, child in list(parent._modules.items()):
+            if child is old:
+                parent._modules[name] = new
+                paths.append(f"{parent_path}.{name}" if parent_path else name)
+    return paths
+
+
+class CenterOutput:
+    """Forward hook: subtract the per-token mean of a module's output (one mean per token)."""
+
+    def __call__(self, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+        return output - output.mean(-1, keepdim=True)
+
+
+class CenterInput:
+    """Forward pre-hook: subtract the per-token mean of one input argument."""
+
+    def __init__(self, arg: int | str) -> None:
+        self.arg = arg
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict):
+        if isinstance(self.arg, int):
+            args = list(args)
+            args[self.arg] = args[self.arg] - args[self.arg].mean(-1, keepdim=True)
+            return tuple(args), kwargs
+        kwargs = dict(kwargs)
+        kwargs[self.arg] = kwargs[self.arg] - kwargs[self.arg].mean(-1, keepdim=True)
+        return args, kwargs
+
+
+def install_hook(model: nn.Module, h: CenterHook) -> None:
+    """Register one centering op. Idempotent: a module never gets the same hook twice."""
+    module = model.get_submodule(h.module)
+    installed = getattr(module, "_normswap_hooks", {})
+    key = (h.where, h.arg)
+    if key in installed:
+        return
+    if h.where == "output":
+        handle = module.register_forward_hook(CenterOutput())
+    else:
+        handle = module.register_forward_pre_hook(CenterInput(h.arg), with_kwargs=True)
+    installed[key] = handle
+    module._normswap_hooks = installed
+
+
+def apply_weight_edits(model: nn.Module, plan: Plan, sites: dict[str, NormSite],
+                       originals: dict[str, nn.Module]) -> None:
+    """Untie, center writers, fold γ/β into readers (not the norm swap itself)."""
+    for u in plan.unties:
+        untie(model, u)
+    if plan.unties:
+        mark_untied(model)
+    for e in plan.writer_edits:
+        center_writer(model, e)
+    for f in plan.folds:
+        site = sites[f.site]
+        module = originals[f.site]
+        fold_into_reader(model, f, site.gamma(module), site.beta(module))
