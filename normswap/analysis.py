@@ -428,11 +428,12 @@ class Analyzer:
             if why is not None:
                 if why == "tied" and self.untie:
                     for owner, oattr in self.param_owners[id(p)]:
-                        if self.modules.get(owner) is not module and owner not in self.stream_writers:
+                        if self.modules.get(owner) is not module and owner not in self.stream_writers \
+                                and owner in self.calls_per_path:  # an owner never called shares the edit
                             unties.append(Untie(owner, oattr, self.param_name[id(p)], p.numel()))
                 else:
                     return [], [], ("weight is tied to another module (untie=False)" if why == "tied" else why)
-            edits.append(WriterEdit(self.param_name[id(p)], axis, blocks, path, kind))
+            edits.append(WriterEdit(f"{path}.{attr}", axis, blocks, path, kind))
         return edits, unties, None
 
     def _blockers_of(self, path: str) -> list[tuple[str, set[int]]]:
@@ -447,7 +448,7 @@ class Analyzer:
         owners = self.param_owners.get(id(p), [])
         module = self.modules[path]
         others = [o for o, _ in owners if self.modules.get(o) is not module]
-        if any(o not in self.stream_writers for o in others):
+        if any(o not in self.stream_writers and o in self.calls_per_path for o in others):
             return "tied"
         # raw uses of the parameter outside any owner's call
         pvals = [v for v in self.graph.values.values() if v.source == "param" and v.tensor is p]

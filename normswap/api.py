@@ -30,7 +30,7 @@ log = logging.getLogger("normswap")
 
 MODES = ("auto", "exact", "all")
 # fp64 reference vs converted fp64 copy: anything above this is a bug, not rounding
-EXACT_TOLERANCE = {torch.float64: 1e-7, torch.float32: 2e-3, torch.bfloat16: 5e-2, torch.float16: 2e-2}
+EXACT_TOLERANCE = {torch.float64: 1e-6, torch.float32: 2e-3, torch.bfloat16: 5e-2, torch.float16: 2e-2}
 ZERO_MEAN_TOLERANCE = {torch.float64: 1e-8, torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 5e-3}
 
 
@@ -134,9 +134,23 @@ class _Analysis:
     kwargs: dict
 
 
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Run a float64 copy with float64 factory defaults (HF code builds mask constants with
+    ``torch.full((), finfo(dtype).min)``, which overflows a float32 default)."""
+    previous = torch.get_default_dtype()
+    if dtype in (torch.float32, torch.float64):
+        torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
 def _run_trace(work: nn.Module, args: tuple, kwargs: dict) -> trace.Graph:
     try:
-        return trace.record(work, args, kwargs)
+        with default_dtype(_dtype_of(work)):
+            return trace.record(work, args, kwargs)
     except NormswapError:
         raise
     except Exception as exc:  # noqa: BLE001 - any failure here means the inputs do not fit the model
@@ -173,6 +187,16 @@ def _identify_sites(work: nn.Module, args: tuple, kwargs: dict) -> tuple[walker.
             claimed.append(path)
     found.converted = [p for p, m in work.named_modules() if isinstance(m, RMSNorm)]
     return found, graph
+
+
+def find_norms(model: nn.Module, example_inputs: inputs.ExampleInputs = None) -> walker.WalkResult:
+    """The walker alone: every LayerNorm-like module with its identified flavour (model untouched)."""
+    preflight(model)
+    args, kwargs = inputs.resolve(model, example_inputs)
+    with eval_mode(model):
+        work = working_copy(model)
+        args, kwargs = inputs.cast_inputs(args, kwargs, _dtype_of(work))
+        return _identify_sites(work, args, kwargs)[0]
 
 
 def _analyse_copy(work: nn.Module, args: tuple, kwargs: dict, *, untie: bool, fold_gamma: bool) -> _Analysis:
@@ -309,7 +333,8 @@ def patch(model: nn.Module, example_inputs: inputs.ExampleInputs = None, *, mode
         fits: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         calib = _batches(calibration)
         if approx and calib:
-            with _capture({sp.name: originals[sp.name] for sp in approx}) as seen, torch.no_grad():
+            with _capture({sp.name: originals[sp.name] for sp in approx}) as seen, torch.no_grad(), \
+                    default_dtype(work_dtype):
                 for cargs, ckw in calib:
                     cargs, ckw = inputs.cast_inputs(cargs, ckw, work_dtype)
                     work(*cargs, **ckw)
@@ -324,8 +349,10 @@ def patch(model: nn.Module, example_inputs: inputs.ExampleInputs = None, *, mode
             new = surgery.make_rmsnorm(an.sites[sp.name], sp, originals[sp.name], backend, fits.get(sp.name))
             surgery.replace_module(work, originals[sp.name], new)
             new_modules[sp.name] = new
+        for h in plan_.hooks:  # again: a hook on a norm that was just replaced went with it
+            surgery.install_hook(work, h)
 
-        with _capture(new_modules) as seen, torch.no_grad():
+        with _capture(new_modules) as seen, torch.no_grad(), default_dtype(work_dtype):
             converted = work(*wargs, **wkwargs)
         figures = compare(reference, converted, set(plan_.changed_outputs))
         _site_checks(plan_, todo, seen, originals, an.sites, work_dtype, figures)

@@ -49,6 +49,19 @@ class NormSite:
             return None
         return getattr(module, self.bias_attr).detach().double()
 
+    def reference(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """What this norm computes, in float64 end to end (some HF norms compute in fp32 internally)."""
+        dims = tuple(range(-len(self.normalized_shape), 0))
+        x = x.double()
+        mu = x.mean(dims, keepdim=True)
+        y = (x - mu) / torch.sqrt((x - mu).pow(2).mean(dims, keepdim=True) + self.eps)
+        gamma, beta = self.gamma(module), self.beta(module)
+        if gamma is not None:
+            y = y * gamma
+        if beta is not None:
+            y = y + beta
+        return y
+
 
 @dataclass
 class SkippedNorm:

@@ -1,0 +1,72 @@
+"""Exactness of normswap.patch on tiny random Hugging Face models, against a float64 reference."""
+
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import normswap
+from normswap.inputs import hf_example_inputs
+from normswap.verify import compare
+from normswap.api import default_dtype
+from tests.zoo import APPROXIMATE, EXACT, build, float64_reference
+
+
+def _layernorms(model: nn.Module) -> list[str]:
+    """nn.LayerNorms and leaf modules named like one (containers such as per-head wrappers excluded)."""
+    return [n for n, m in model.named_modules()
+            if isinstance(m, nn.LayerNorm)
+            or ("LayerNorm" in type(m).__name__ and "RMS" not in type(m).__name__ and not list(m.children()))]
+
+
+@pytest.mark.parametrize("name", sorted(EXACT))
+def test_pre_ln_models_convert_exactly(name):
+    model = build(EXACT, name)
+    original = float64_reference(model)
+    probe = hf_example_inputs(model, seed=123)  # not the inputs the analysis ran on
+    with torch.no_grad(), default_dtype(torch.float64):
+        ref = original(**probe)
+    report = normswap.patch(model)
+    assert {s.verdict for s in report.sites} <= {"exact", "exact-with-centering"}, normswap.plan(original).table()
+    assert _layernorms(model) == []
+    assert any(isinstance(m, normswap.RMSNorm) for m in model.modules())
+    with torch.no_grad(), default_dtype(torch.float64):
+        out = model(**probe)
+    figs = compare(ref, out, set(report.plan.changed_outputs))
+    assert figs["compared"], "nothing compared"
+    assert figs["worst_rel_error_any_output"] <= 1e-9, figs
+    # patch's own figure compares with the model as it runs (some HF norms round to fp32 inside)
+    assert report.verification["max_rel_error"] <= 1e-6
+
+
+@pytest.mark.parametrize("name", sorted(APPROXIMATE))
+def test_post_ln_models_are_flagged_and_exact_mode_keeps_them(name):
+    model = build(APPROXIMATE, name)
+    original = copy.deepcopy(model)
+    plan = normswap.plan(model)
+    approx = [s for s in plan.sites if s.verdict == "approximate"]
+    assert approx, plan.table()
+    assert all("Post-LN" in s.reason or "no centering point" in s.reason for s in approx)
+    probe = hf_example_inputs(model, seed=7)
+    with torch.no_grad(), default_dtype(torch.float64):
+        ref = original(**probe)
+    report = normswap.patch(model, mode="exact")
+    kept = {s.name for s in approx}
+    assert kept <= set(_layernorms(model))
+    with torch.no_grad(), default_dtype(torch.float64):
+        out = model(**probe)
+    assert compare(ref, out)["worst_rel_error_any_output"] <= 1e-9
+    assert report.verification.get("max_rel_error", 0.0) <= 1e-9
+
+
+def test_auto_mode_converts_approximate_norms_with_a_warning_and_a_measured_error():
+    model = build(APPROXIMATE, "bert")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        report = normswap.patch(model)
+    approx = [s for s in report.sites if s.verdict == "approximate"]
+    assert approx and all(s.error is not None and s.error > 0 for s in approx)
+    assert any("approximately" in str(w.message) for w in caught)
+    assert _layernorms(model) == []

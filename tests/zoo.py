@@ -1,0 +1,133 @@
+"""Tiny random models for tests: every architecture family normswap claims, built from configs.
+
+LayerNorm γ/β and every bias are randomised (the default 1/0 init hides folding bugs), models
+are in eval mode and float64, so an exact conversion must match to ~1e-15.
+"""
+
+from __future__ import annotations
+
+import torch
+import transformers as tf
+from torch import nn
+
+SPECIAL = {"bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0}
+LLM = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, vocab_size=99,
+           max_position_embeddings=64, **SPECIAL)
+
+# name -> (model class, config factory)
+EXACT = {
+    "gpt2": lambda: (tf.GPT2LMHeadModel, tf.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=99,
+                                                           n_positions=64, **SPECIAL)),
+    "gpt2-untied": lambda: (tf.GPT2LMHeadModel, tf.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=99,
+                                                                  n_positions=64, tie_word_embeddings=False,
+                                                                  **SPECIAL)),
+    "gpt_neo": lambda: (tf.GPTNeoForCausalLM, tf.GPTNeoConfig(num_layers=2, hidden_size=32, num_heads=4,
+                                                              vocab_size=99, max_position_embeddings=64,
+                                                              attention_types=[[["global", "local"], 1]],
+                                                              **SPECIAL)),
+    "gptj": lambda: (tf.GPTJForCausalLM, tf.GPTJConfig(n_layer=2, n_embd=32, n_head=4, rotary_dim=4,
+                                                       vocab_size=99, n_positions=64, **SPECIAL)),
+    "gpt_neox-parallel": lambda: (tf.GPTNeoXForCausalLM, tf.GPTNeoXConfig(**LLM, use_parallel_residual=True)),
+    "gpt_neox-sequential": lambda: (tf.GPTNeoXForCausalLM, tf.GPTNeoXConfig(**LLM, use_parallel_residual=False)),
+    "opt": lambda: (tf.OPTForCausalLM, tf.OPTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                                    ffn_dim=64, word_embed_proj_dim=32, vocab_size=99,
+                                                    max_position_embeddings=64, **SPECIAL)),
+    "bloom": lambda: (tf.BloomForCausalLM, tf.BloomConfig(hidden_size=32, n_layer=2, n_head=4, vocab_size=99,
+                                                          **SPECIAL)),
+    "falcon-7b-style": lambda: (tf.FalconForCausalLM, tf.FalconConfig(**LLM, parallel_attn=True,
+                                                                          new_decoder_architecture=False)),
+    "falcon-new-arch": lambda: (tf.FalconForCausalLM, tf.FalconConfig(**LLM, new_decoder_architecture=True,
+                                                                          num_kv_heads=2)),
+    "falcon-sequential": lambda: (tf.FalconForCausalLM, tf.FalconConfig(**LLM, parallel_attn=False,
+                                                                            new_decoder_architecture=False)),
+    "phi": lambda: (tf.PhiForCausalLM, tf.PhiConfig(**LLM)),
+    "phi-qk-layernorm": lambda: (tf.PhiForCausalLM, tf.PhiConfig(**LLM, qk_layernorm=True)),
+    "codegen": lambda: (tf.CodeGenForCausalLM, tf.CodeGenConfig(n_layer=2, n_embd=32, n_head=4, rotary_dim=4,
+                                                                vocab_size=99, n_positions=64, n_ctx=64,
+                                                                **SPECIAL)),
+    "gpt_bigcode": lambda: (tf.GPTBigCodeForCausalLM, tf.GPTBigCodeConfig(n_layer=2, n_embd=32, n_head=4,
+                                                                          vocab_size=99, n_positions=64,
+                                                                          **SPECIAL)),
+    "mpt": lambda: (tf.MptForCausalLM, tf.MptConfig(d_model=32, n_layers=2, n_heads=4, max_seq_len=64,
+                                                    vocab_size=99, **SPECIAL)),
+    "stablelm": lambda: (tf.StableLmForCausalLM, tf.StableLmConfig(**{**LLM, "hidden_size": 64},
+                                                                   num_key_value_heads=4)),
+    "stablelm-parallel-qk": lambda: (tf.StableLmForCausalLM, tf.StableLmConfig(
+        **{**LLM, "hidden_size": 64}, num_key_value_heads=4, use_parallel_residual=True, qk_layernorm=True)),
+    "persimmon": lambda: (tf.PersimmonForCausalLM, tf.PersimmonConfig(**LLM)),
+    "olmo": lambda: (tf.OlmoForCausalLM, tf.OlmoConfig(**LLM)),
+    "cohere": lambda: (tf.CohereForCausalLM, tf.CohereConfig(**LLM)),
+    "cohere-qk-norm": lambda: (tf.CohereForCausalLM, tf.CohereConfig(**LLM, use_qk_norm=True)),
+    "biogpt": lambda: (tf.BioGptForCausalLM, tf.BioGptConfig(**LLM)),
+    "xglm": lambda: (tf.XGLMForCausalLM, tf.XGLMConfig(d_model=32, num_layers=2, attention_heads=4, ffn_dim=64,
+                                                       vocab_size=99, max_position_embeddings=64, **SPECIAL)),
+    "vit": lambda: (tf.ViTForImageClassification, tf.ViTConfig(image_size=32, patch_size=8, hidden_size=32,
+                                                               num_hidden_layers=2, num_attention_heads=4,
+                                                               intermediate_size=64, num_labels=5)),
+    "clip-text": lambda: (tf.CLIPTextModelWithProjection, tf.CLIPTextConfig(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, vocab_size=99,
+        max_position_embeddings=64, projection_dim=16, **SPECIAL)),
+    "clip-vision": lambda: (tf.CLIPVisionModelWithProjection, tf.CLIPVisionConfig(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, image_size=32,
+        patch_size=8, projection_dim=16)),
+    "whisper": lambda: (tf.WhisperForConditionalGeneration, tf.WhisperConfig(
+        d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
+        encoder_ffn_dim=64, decoder_ffn_dim=64, vocab_size=99, num_mel_bins=8, max_source_positions=16,
+        max_target_positions=32, decoder_start_token_id=0, **SPECIAL)),
+}
+
+APPROXIMATE = {
+    "bert": lambda: (tf.BertForMaskedLM, tf.BertConfig(**LLM)),
+    "roberta": lambda: (tf.RobertaForMaskedLM, tf.RobertaConfig(**{**LLM, "pad_token_id": 1})),
+    "distilbert": lambda: (tf.DistilBertForMaskedLM, tf.DistilBertConfig(dim=32, n_layers=2, n_heads=4,
+                                                                         hidden_dim=64, vocab_size=99,
+                                                                         max_position_embeddings=64,
+                                                                         pad_token_id=0)),
+    "bart": lambda: (tf.BartForConditionalGeneration, tf.BartConfig(
+        d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
+        encoder_ffn_dim=64, decoder_ffn_dim=64, vocab_size=99, max_position_embeddings=64,
+        decoder_start_token_id=0, forced_eos_token_id=None, **SPECIAL)),
+    "opt-post-ln": lambda: (tf.OPTForCausalLM, tf.OPTConfig(hidden_size=32, num_hidden_layers=2,
+                                                            num_attention_heads=4, ffn_dim=64,
+                                                            word_embed_proj_dim=32, vocab_size=99,
+                                                            max_position_embeddings=64,
+                                                            do_layer_norm_before=False, **SPECIAL)),
+}
+
+
+def randomise(model: nn.Module, seed: int = 0) -> nn.Module:
+    """Random LayerNorm γ/β and biases (so folding mistakes show), eval mode, float64."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            leaf = name.rsplit(".", 1)[-1]
+            if p.dim() == 1 and ("norm" in name.lower() or "ln" in name.lower() or leaf == "bias"):
+                base = 1.0 if leaf in ("weight", "gamma", "scale") else 0.0
+                p.copy_(base + 0.3 * torch.randn(p.shape, generator=gen))
+            elif p.dim() == 2 and "norm" in name.lower():  # per-head norm params (cohere)
+                p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=gen))
+    return model.double().eval()
+
+
+def build(table: dict, name: str, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    cls, config = table[name]()
+    return randomise(cls(config), seed)
+
+
+def float64_reference(model: nn.Module, example_inputs=None) -> nn.Module:
+    """A copy whose norms compute in float64 end to end.
+
+    Some HF norms (OLMo, Cohere, ...) upcast to float32 and back *inside* the module even for a
+    float64 model, which puts float32 rounding in the "original". The exactness claim is about the
+    math, so the reference replaces each norm's forward with the same formula in float64.
+    """
+    import copy
+
+    from normswap.api import find_norms
+
+    ref = copy.deepcopy(model)
+    for site in find_norms(ref, example_inputs).sites:
+        module = ref.get_submodule(site.path)
+        module.forward = lambda x, *a, _s=site, _m=module, **k: _s.reference(_m, x)
+    return ref
