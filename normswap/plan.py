@@ -70,7 +70,9 @@ class SitePlan:
     fold_beta: bool = False
     fold_gamma: bool = False
     convert: bool = False  # decided by the mode
-    error: float | None = None  # measured relative error of an approximate replacement
+    error: float | None = None  # exact: max |mean|/rms of the input seen; approximate: relative output error
+    rms_weight: bool = False  # structure of the replacement RMSNorm (what loading rebuilds)
+    rms_bias: bool = False
 
     @property
     def verdict_short(self) -> str:

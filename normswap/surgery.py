@@ -77,6 +77,7 @@ def make_rmsnorm(site: NormSite, sp: SitePlan, module: nn.Module, backend: str,
     device = ref.device if ref is not None else None
     norm = RMSNorm(site.normalized_shape, eps=site.eps, elementwise_affine=gamma is not None, bias=keep_beta,
                    backend=backend, param_shape=site.param_shape, device=device, dtype=dtype)
+    sp.rms_weight, sp.rms_bias = gamma is not None, keep_beta
     with torch.no_grad():
         if keep_gamma:
             norm.weight.copy_(gamma.to(dtype))
@@ -147,3 +148,29 @@ def apply_weight_edits(model: nn.Module, plan: Plan, sites: dict[str, NormSite],
         site = sites[f.site]
         module = originals[f.site]
         fold_into_reader(model, f, site.gamma(module), site.beta(module))
+
+
+def apply_structure(model: nn.Module, plan: Plan, backend: str = "auto") -> nn.Module:
+    """Rebuild a converted model's *structure* from its manifest: untie, swap norms, add hooks.
+
+    No analysis and no weight arithmetic: the weights come from the converted checkpoint. Works
+    on a meta-device model (parameters are created on the device/dtype of the module replaced).
+    """
+    for u in plan.unties:
+        untie(model, u)
+    if plan.unties:
+        mark_untied(model)
+    for sp in plan.sites:
+        if not sp.convert:
+            continue
+        old = model.get_submodule(sp.name)
+        ref = next(iter(old.parameters()), None)
+        new = RMSNorm(sp.normalized_shape, eps=sp.eps, elementwise_affine=sp.rms_weight, bias=sp.rms_bias,
+                      backend=backend, param_shape=sp.param_shape,
+                      device=ref.device if ref is not None else None,
+                      dtype=ref.dtype if ref is not None else None)
+        replace_module(model, old, new)
+    for h in plan.hooks:
+        install_hook(model, h)
+    model._normswap_plan = plan
+    return model

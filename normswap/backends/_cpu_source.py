@@ -21,6 +21,7 @@ SOURCE = r"""
 #include <cstdint>
 #include <cstring>
 #include <cmath>
+#include <vector>
 #include <omp.h>
 #if NS_ISA >= 1
 #include <immintrin.h>
@@ -32,7 +33,6 @@ struct F32 { using T = float; };
 struct BF16 { using T = uint16_t; };
 struct F16 { using T = uint16_t; };
 
-// ---- scalar conversions (tails of the scalar ISA, and portable fallback) -------------------------
 inline float bf16_to_f32(uint16_t h) { uint32_t u = uint32_t(h) << 16; float f; std::memcpy(&f, &u, 4); return f; }
 inline uint16_t f32_to_bf16(float f) {
   uint32_t u; std::memcpy(&u, &f, 4);
@@ -40,7 +40,11 @@ inline uint16_t f32_to_bf16(float f) {
   return uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);                   // round to nearest even
 }
 
-#if NS_ISA == 2  // ---------------------------------------------------------------- AVX-512 (F, BW, VL)
+// Vector bf16 rounding without a NaN test (ISA 1 and 2). Safe here because every NaN this kernel can
+// meet either comes from bf16 data (its low 16 bits are zero, so the rounding add cannot carry into
+// the exponent) or is the x86 default NaN 0xffc00000 (same property). Inf and overflow round correctly.
+
+#if NS_ISA >= 2  // ------------------------------------------------------- AVX-512 F/BW/VL (+BF16 at 3)
 constexpr int L = 16;
 using V = __m512;
 inline V vzero() { return _mm512_setzero_ps(); }
@@ -57,23 +61,31 @@ inline V vload(BF16, const uint16_t* p) {
 inline V vload(F16, const uint16_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
-inline __m512i bf16_bits(V v) {  // round-to-nearest-even fp32 -> bf16, in the low 16 bits of each lane
+#if NS_ISA >= 3
+inline __m256i bf16_pack(V v) { return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)); }
+inline V vround(BF16, V v) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16_pack(v)), 16));
+}
+#else
+inline __m512i bf16_rne(V v) {  // fp32 bits + rounding increment; the bf16 is in the high 16 bits
   __m512i u = _mm512_castps_si512(v);
-  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
-  __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-  return _mm512_mask_blend_epi32(nan, r, _mm512_set1_epi32(0x7fc0));
+  __m512i inc = _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)),
+                                 _mm512_set1_epi32(0x7fff));
+  return _mm512_add_epi32(u, inc);
 }
+inline __m256i bf16_pack(V v) { return _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_rne(v), 16)); }
+inline V vround(BF16, V v) {
+  return _mm512_castsi512_ps(_mm512_and_si512(bf16_rne(v), _mm512_set1_epi32(int(0xffff0000u))));
+}
+#endif
 inline void vstore(F32, float* p, V v) { _mm512_storeu_ps(p, v); }
-inline void vstore(BF16, uint16_t* p, V v) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(bf16_bits(v)));
-}
+inline void vstore(BF16, uint16_t* p, V v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), bf16_pack(v)); }
 inline void vstore(F16, uint16_t* p, V v) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
 inline V vround(F32, V v) { return v; }
-inline V vround(BF16, V v) { return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits(v), 16)); }
 inline V vround(F16, V v) { return _mm512_cvtph_ps(_mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)); }
+#define NS_HAS_F16 1
 
 #elif NS_ISA == 1  // ------------------------------------------------------------------ AVX2 + FMA + F16C
 constexpr int L = 8;
@@ -95,16 +107,15 @@ inline V vload(BF16, const uint16_t* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(u, 16));
 }
 inline V vload(F16, const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
-inline __m256i bf16_bits(V v) {
+inline __m256i bf16_rne(V v) {
   __m256i u = _mm256_castps_si256(v);
-  __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
-  __m256 nan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
-  return _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(r), _mm256_castsi256_ps(_mm256_set1_epi32(0x7fc0)), nan));
+  __m256i inc = _mm256_add_epi32(_mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1)),
+                                 _mm256_set1_epi32(0x7fff));
+  return _mm256_add_epi32(u, inc);
 }
 inline void vstore(F32, float* p, V v) { _mm256_storeu_ps(p, v); }
 inline void vstore(BF16, uint16_t* p, V v) {
-  __m256i r = bf16_bits(v);                                     // 8 x u32, each <= 0xffff
+  __m256i r = _mm256_srli_epi32(bf16_rne(v), 16);  // 8 x u32, each <= 0xffff
   __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
 }
@@ -112,8 +123,11 @@ inline void vstore(F16, uint16_t* p, V v) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
 inline V vround(F32, V v) { return v; }
-inline V vround(BF16, V v) { return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits(v), 16)); }
+inline V vround(BF16, V v) {
+  return _mm256_castsi256_ps(_mm256_and_si256(bf16_rne(v), _mm256_set1_epi32(int(0xffff0000u))));
+}
 inline V vround(F16, V v) { return _mm256_cvtph_ps(_mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)); }
+#define NS_HAS_F16 1
 
 #else  // ----------------------------------------------------------------------- portable scalar code
 constexpr int L = 1;
@@ -138,10 +152,6 @@ inline V vround(F16, V v) { return float(_Float16(v)); }
 #endif
 #endif
 
-#if NS_ISA >= 1
-#define NS_HAS_F16 1
-#endif
-
 // Tail of a row (fewer than L elements): go through a small zero-padded stack buffer.
 template <class D> inline V vload_tail(D d, const typename D::T* p, int n) {
   typename D::T buf[L] = {};
@@ -154,12 +164,13 @@ template <class D> inline void vstore_tail(D d, typename D::T* p, V v, int n) {
   std::memcpy(p, buf, size_t(n) * sizeof(typename D::T));
 }
 
-// One block of rows. HAS_W / HAS_B are template flags so the inner loop has no branches.
+// One block of rows. Weight and bias arrive as fp32 (converted once per call) so the inner loop does
+// not spend instructions widening them. HAS_W / HAS_B are template flags: no branches in the loop.
 template <class D, bool HAS_W, bool HAS_B>
-void rows(const typename D::T* x, int64_t r0, int64_t r1, int64_t N, int64_t xs,
-          const typename D::T* w, int64_t wrows, const typename D::T* b, int64_t brows,
-          typename D::T* y, float* rstd, float eps) {
+void rows(const typename D::T* x, int64_t r0, int64_t r1, int64_t N, int64_t xs, const float* w,
+          int64_t wrows, const float* b, int64_t brows, typename D::T* y, float* rstd, float eps) {
   D d;
+  const F32 f;
   const int64_t nv = N / L * L;
   const int tail = int(N - nv);
   for (int64_t r = r0; r < r1; ++r) {
@@ -177,26 +188,28 @@ void rows(const typename D::T* x, int64_t r0, int64_t r1, int64_t N, int64_t xs,
     const float ss = vsum(vadd(vadd(a0, a1), vadd(a2, a3)));
     const float rs = 1.0f / std::sqrt(ss / float(N) + eps);
     if (rstd) rstd[r] = rs;
-    // Pass 2: the row is now in L1/L2; normalise, round, scale, shift.
+    // Pass 2: the row is now in L1/L2; normalise, round, scale, round, shift, round.
     const V vrs = vset(rs);
-    const typename D::T* wr = HAS_W ? w + (r % wrows) * N : nullptr;
-    const typename D::T* br = HAS_B ? b + (r % brows) * N : nullptr;
-    auto body = [&](V v, int64_t j, bool full, int n) {
-      v = vmul(v, vrs);
+    const float* wr = HAS_W ? w + (r % wrows) * N : nullptr;
+    const float* br = HAS_B ? b + (r % brows) * N : nullptr;
+    for (i = 0; i < nv; i += L) {
+      V v = vmul(vload(d, xr + i), vrs);
       if (HAS_W || HAS_B) v = vround(d, v);
-      if (HAS_W) {
-        v = vmul(v, full ? vload(d, wr + j) : vload_tail(d, wr + j, n));
-        if (HAS_B) v = vround(d, v);
-      }
-      if (HAS_B) v = vadd(v, full ? vload(d, br + j) : vload_tail(d, br + j, n));
-      return v;
-    };
-    for (i = 0; i < nv; i += L) vstore(d, yr + i, body(vload(d, xr + i), i, true, L));
-    if (tail) vstore_tail(d, yr + nv, body(vload_tail(d, xr + nv, tail), nv, false, tail), tail);
+      if (HAS_W) { v = vmul(v, vload(f, wr + i)); if (HAS_B) v = vround(d, v); }
+      if (HAS_B) v = vadd(v, vload(f, br + i));
+      vstore(d, yr + i, v);
+    }
+    if (tail) {
+      V v = vmul(vload_tail(d, xr + nv, tail), vrs);
+      if (HAS_W || HAS_B) v = vround(d, v);
+      if (HAS_W) { v = vmul(v, vload_tail(f, wr + nv, tail)); if (HAS_B) v = vround(d, v); }
+      if (HAS_B) v = vadd(v, vload_tail(f, br + nv, tail));
+      vstore_tail(d, yr + nv, v, tail);
+    }
   }
 }
 
-// float64: plain loops (correctness path; the compiler vectorises them well enough).
+// float64: plain loops (the correctness path for gradcheck-style use; the compiler vectorises them).
 template <bool HAS_W, bool HAS_B>
 void rows_f64(const double* x, int64_t r0, int64_t r1, int64_t N, int64_t xs, const double* w, int64_t wrows,
               const double* b, int64_t brows, double* y, float* rstd, double eps) {
@@ -232,10 +245,24 @@ void parallel_rows(int64_t M, int nthreads, F&& f) {
 }
 
 template <class D>
+const float* as_f32(D d, const void* p, int64_t n, std::vector<float>& buf) {
+  if (!p) return nullptr;
+  auto src = static_cast<const typename D::T*>(p);
+  buf.resize(size_t(n) + L);
+  int64_t i = 0;
+  for (; i + L <= n; i += L) vstore(F32{}, buf.data() + i, vload(d, src + i));
+  if (i < n) vstore_tail(F32{}, buf.data() + i, vload_tail(d, src + i, int(n - i)), int(n - i));
+  return buf.data();
+}
+
+template <class D>
 void launch(const void* x, int64_t M, int64_t N, int64_t xs, const void* w, int64_t wrows, const void* b,
             int64_t brows, void* y, float* rstd, double eps, int nthreads) {
   using T = typename D::T;
-  auto X = static_cast<const T*>(x); auto W = static_cast<const T*>(w); auto B = static_cast<const T*>(b);
+  std::vector<float> wbuf, bbuf;
+  const float* W = as_f32(D{}, w, wrows * N, wbuf);
+  const float* B = as_f32(D{}, b, brows * N, bbuf);
+  auto X = static_cast<const T*>(x);
   auto Y = static_cast<T*>(y);
   const float e = float(eps);  // eps is added to an fp32 mean, as in the eager reference
   parallel_rows(M, nthreads, [&](int64_t r0, int64_t r1) {
@@ -250,7 +277,10 @@ void launch(const void* x, int64_t M, int64_t N, int64_t xs, const void* w, int6
 
 extern "C" {
 
-// dtype codes: 0 float32, 1 bfloat16, 2 float16, 3 float64.  Returns 0 on success.
+// dtype codes: 0 float32, 1 bfloat16, 2 float16, 3 float64. Weight and bias have the dtype of x and
+// w_rows (b_rows) rows of N elements; row r of x uses weight row r % w_rows (per-head parameters).
+// y is contiguous (M, N); rstd (optional, fp32, M) receives 1/sqrt(mean(x^2) + eps).
+// Returns 0 on success, 1 for an unsupported dtype.
 int ns_rms_norm_fwd(int dtype, const void* x, int64_t M, int64_t N, int64_t x_row_stride, const void* w,
                     int64_t w_rows, const void* b, int64_t b_rows, void* y, float* rstd, double eps,
                     int nthreads) {
@@ -275,7 +305,7 @@ int ns_rms_norm_fwd(int dtype, const void* x, int64_t M, int64_t N, int64_t x_ro
   return 1;
 }
 
-// Bit mask of supported dtype codes (fp16 needs F16C or a compiler _Float16).
+// Bit mask of supported dtype codes (fp16 needs F16C or a compiler with _Float16).
 int ns_supported_dtypes(void) {
 #ifdef NS_HAS_F16
   return 0xF;
