@@ -379,7 +379,7 @@ class Analyzer:
                 return None, "centers a non-contiguous set of features"
             blocks.add((lo, hi))
         ordered = sorted(blocks)
-        for (a0, a1), (b0, _) in zip(ordered, ordered[1:], strict=False):
+        for (_, a1), (b0, _) in zip(ordered, ordered[1:], strict=False):
             if b0 < a1:
                 return None, "is read by norms over overlapping feature blocks"
         if ordered == [(0, size)]:
@@ -400,7 +400,7 @@ class Analyzer:
             if reach.conflict:
                 return [], [], reach.conflict
             bad = [b for b in reach.blockers]
-            for what, feats in bad:
+            for _, feats in bad:
                 blocked |= feats
             bad_outputs = [o for o in reach.outputs if "hidden_state" not in o]
             if bad_outputs:

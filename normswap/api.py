@@ -166,7 +166,8 @@ def _identify_sites(work: nn.Module, args: tuple, kwargs: dict) -> tuple[walker.
     found = walker.WalkResult()
     modules = dict(work.named_modules())
     claimed: list[str] = []
-    for path in walker.candidates(work):
+    direct_ln = {graph.calls[op.call].path for op in graph.ops if op.name == "layer_norm" and op.call is not None}
+    for path in walker.candidates(work, direct_ln):
         if any(path.startswith(c + ".") for c in claimed):
             continue  # inside a wrapper already identified as the norm
         calls = graph.calls_of(path)
@@ -307,6 +308,7 @@ def patch(model: nn.Module, example_inputs: inputs.ExampleInputs = None, *, mode
     preflight(model)
     args, kwargs = inputs.resolve(model, example_inputs)
     user_dtype = _dtype_of(model)
+    training = {name: m.training for name, m in model.named_modules()}
     with eval_mode(model):
         work = working_copy(model)
         work_dtype = _dtype_of(work)
@@ -359,7 +361,7 @@ def patch(model: nn.Module, example_inputs: inputs.ExampleInputs = None, *, mode
         if verify:
             _gate(plan_, todo, figures, work_dtype)
         report_warnings(plan_, todo)
-        _commit(model, work, plan_, todo, user_dtype)
+        _commit(model, work, plan_, todo, user_dtype, training)
         if user_dtype != work_dtype and verify:
             with torch.no_grad():
                 cast_out = model(*args, **kwargs)
@@ -425,7 +427,8 @@ def report_warnings(plan_: Plan, todo: list[SitePlan]) -> None:
                           "or recover accuracy with `normswap finetune`", stacklevel=3)
 
 
-def _commit(model: nn.Module, work: nn.Module, plan_: Plan, todo: list[SitePlan], dtype: torch.dtype) -> None:
+def _commit(model: nn.Module, work: nn.Module, plan_: Plan, todo: list[SitePlan], dtype: torch.dtype,
+            training: dict[str, bool]) -> None:
     """Copy the verified edits into the user's model (cast back to its dtype, once)."""
     for u in plan_.unties:
         surgery.untie(model, u)
@@ -446,7 +449,7 @@ def _commit(model: nn.Module, work: nn.Module, plan_: Plan, todo: list[SitePlan]
         new.to(device=ref.device if ref is not None else None, dtype=ref.dtype if ref is not None else dtype)
         if ref is None:
             new.to(dtype)
-        new.train(old.training)
+        new.train(training.get(sp.name, False))
         surgery.replace_module(model, old, new)
     for h in plan_.hooks:
         surgery.install_hook(model, h)

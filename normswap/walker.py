@@ -19,8 +19,7 @@ from torch import nn
 
 from normswap.norm import RMSNorm
 
-_LN_NAME = re.compile(r"layer_?norm|\bln\b|layernorm1p", re.IGNORECASE)
-_RMS_NAME = re.compile(r"rms_?norm", re.IGNORECASE)
+_LN_NAME = re.compile(r"norm|\bln\b", re.IGNORECASE)
 _EPS_ATTRS = ("eps", "variance_epsilon", "epsilon", "layer_norm_eps", "layer_norm_epsilon")
 
 
@@ -77,8 +76,12 @@ class WalkResult:
     converted: list[str] = field(default_factory=list)  # normswap.RMSNorm modules already present
 
 
-def candidates(model: nn.Module) -> list[str]:
-    """Module paths that might be LayerNorms: structural and name-based, outermost first."""
+def candidates(model: nn.Module, calls_layer_norm: set[str] = frozenset()) -> list[str]:
+    """Module paths that might be LayerNorms, outermost first.
+
+    Structural (``nn.LayerNorm`` subclasses, wrappers around a non-affine one, modules whose forward
+    calls ``layer_norm`` directly: ``calls_layer_norm``) and by class name (``*Norm*``).
+    """
     found = []
     for path, module in model.named_modules():
         if isinstance(module, RMSNorm):
@@ -87,8 +90,8 @@ def candidates(model: nn.Module) -> list[str]:
         direct_ln_child = any(
             isinstance(c, nn.LayerNorm) and c.weight is None for c in module.children()
         ) and len(list(module.children())) == 1 and len(module._parameters) > 0
-        if isinstance(module, nn.LayerNorm) or _LN_NAME.search(name) or _RMS_NAME.search(name) \
-                or direct_ln_child or isinstance(module, getattr(nn, "RMSNorm", ())):
+        if isinstance(module, nn.LayerNorm) or _LN_NAME.search(name) or direct_ln_child \
+                or path in calls_layer_norm:
             found.append(path)
     return found
 

@@ -8,9 +8,9 @@ import torch
 from torch import nn
 
 import normswap
+from normswap.api import default_dtype
 from normswap.inputs import hf_example_inputs
 from normswap.verify import compare
-from normswap.api import default_dtype
 from tests.zoo import APPROXIMATE, EXACT, build, float64_reference
 
 

@@ -1,0 +1,117 @@
+"""normswap.patch on hand-written models with example_inputs, and the options of patch()."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import normswap
+from tests.custom_models import MixedNormNet, PostLNEncoder, TinyGPT, TinyViT, randomise
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max())
+
+
+def _no_layernorm(model: nn.Module) -> bool:
+    return not any(isinstance(m, nn.LayerNorm) for m in model.modules())
+
+
+def _check_exact(model, example, probe):
+    original = copy.deepcopy(model)
+    report = normswap.patch(model, example_inputs=example)
+    assert all(s.verdict in ("exact", "exact-with-centering") for s in report.sites), report.plan.table()
+    with torch.no_grad():
+        assert _rel(model(probe), original(probe)) <= 1e-9
+    return report
+
+
+def test_parallel_blocks_fused_qkv_per_head_norms_and_tied_head():
+    torch.manual_seed(0)
+    model = randomise(TinyGPT())
+    report = _check_exact(model, (torch.randint(0, 50, (2, 9)),), torch.randint(0, 50, (3, 16)))
+    assert _no_layernorm(model)
+    # the per-head norms are centered per head inside the fused qkv projection
+    qkv = [e for e in report.plan.writer_edits if e.target == "blocks.0.attn.qkv.weight"]
+    assert qkv and qkv[0].blocks is not None and len(qkv[0].blocks) == 8  # 4 q heads + 4 k heads
+    assert report.plan.unties and report.plan.untied_parameters == 50 * 32
+    assert model.head.weight is not model.tok.weight
+
+
+def test_conv_patch_embedding_cls_token_and_position_parameter():
+    torch.manual_seed(1)
+    model = randomise(TinyViT())
+    report = _check_exact(model, (torch.randn(2, 3, 32, 32, dtype=torch.float64),),
+                          torch.randn(4, 3, 32, 32, dtype=torch.float64))
+    targets = {e.target for e in report.plan.writer_edits}
+    assert {"patch.weight", "patch.bias", "cls", "pos"} <= targets
+    assert abs(float(model.cls.sum())) < 1e-12  # raw Parameter writers are centered too
+
+
+def test_norm_flavours_wrapper_offset_non_affine_multidim():
+    torch.manual_seed(2)
+    model = randomise(MixedNormNet())
+    found = {s.path: s for s in normswap.api.find_norms(model, (torch.randn(2, 10, dtype=torch.float64),)).sites}
+    assert found["n_wrapped"].flavour == "standard" and "n_wrapped.inner" not in found
+    assert found["n_offset"].flavour == "offset" and found["n_offset"].offset == 1.0
+    assert found["n_plain"].flavour == "non-affine"
+    assert found["n_2d"].normalized_shape == (4, 6)
+    _check_exact(model, (torch.randn(5, 10, dtype=torch.float64),), torch.randn(7, 10, dtype=torch.float64))
+    assert not any(isinstance(m, (nn.LayerNorm,)) for m in model.modules())
+
+
+def test_post_ln_custom_model_is_approximate_and_exact_mode_is_a_no_op():
+    torch.manual_seed(3)
+    model = randomise(PostLNEncoder())
+    ids = torch.randint(0, 40, (2, 8))
+    plan = normswap.plan(model, (ids,))
+    verdicts = {s.name: s.verdict for s in plan.sites}
+    assert verdicts["n1.0"] == "approximate" and "Post-LN" in plan.site("n1.0").reason
+    original = copy.deepcopy(model)
+    normswap.patch(model, (ids,), mode="exact")
+    with torch.no_grad():
+        assert _rel(model(ids), original(ids)) <= 1e-12
+
+
+def test_calibration_fit_beats_copying_gamma_beta():
+    torch.manual_seed(4)
+    base = randomise(PostLNEncoder())
+    calib = [(torch.randint(0, 40, (8, 16)),) for _ in range(4)]
+    errors = {}
+    for name, cal in (("copy", None), ("fit", calib)):
+        model = copy.deepcopy(base)
+        report = normswap.patch(model, calib[0], mode="all", calibration=cal)
+        errors[name] = sum(s.error for s in report.sites if s.verdict == "approximate")
+    assert errors["fit"] < errors["copy"]
+
+
+def test_untie_false_keeps_the_tie_and_stays_exact():
+    torch.manual_seed(5)
+    model = randomise(TinyGPT(qk_norm=False))
+    report = normswap.patch(model, (torch.randint(0, 50, (2, 9)),), untie=False)
+    assert model.head.weight is model.tok.weight
+    assert not report.plan.unties and report.plan.hooks
+    assert report.verification["max_rel_error"] <= 1e-9
+
+
+def test_fold_gamma_leaves_unit_weights():
+    torch.manual_seed(6)
+    model = randomise(TinyViT())
+    original = copy.deepcopy(model)
+    x = torch.randn(2, 3, 32, 32, dtype=torch.float64)
+    report = normswap.patch(model, (x,), fold_gamma=True)
+    folded = [s for s in report.sites if s.fold_gamma]
+    assert folded
+    for s in folded:
+        norm = model.get_submodule(s.name)
+        assert norm.weight is None or torch.all(norm.weight == 1)
+    with torch.no_grad():
+        assert _rel(model(x), original(x)) <= 1e-9
+
+
+@pytest.mark.parametrize("backend", ["eager", "native"])
+def test_backend_option_reaches_the_new_modules(backend):
+    model = randomise(TinyViT())
+    normswap.patch(model, (torch.randn(1, 3, 32, 32, dtype=torch.float64),), backend=backend)
+    assert {m.backend for m in model.modules() if isinstance(m, normswap.RMSNorm)} == {backend}

@@ -1,0 +1,106 @@
+"""Bad input: clear errors, and the user's model left exactly as it was."""
+
+import copy
+
+import pytest
+import torch
+import transformers as tf
+from torch import nn
+
+import normswap
+from normswap import surgery
+from tests.custom_models import TinyViT, randomise
+from tests.zoo import EXACT, build
+
+
+def _state(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def _same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_no_layernorm_is_a_report_not_an_error():
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    report = normswap.patch(model, (torch.randn(3, 4),))
+    assert not report.changed and "no LayerNorm" in report.message
+
+
+def test_already_rms_models_are_reported_as_skipped():
+    config = tf.LlamaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                            intermediate_size=64, vocab_size=99, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    model = tf.LlamaForCausalLM(config).eval()
+    plan = normswap.plan(model)
+    assert not plan.sites and len(plan.skipped) == 5
+    assert all("RMS" in s["reason"] for s in plan.skipped)
+    assert not normswap.patch(model).changed
+
+
+def test_patching_twice_is_a_no_op_that_says_so():
+    model = build(EXACT, "gpt2")
+    assert normswap.patch(model).changed
+    state = _state(model)
+    report = normswap.patch(model)
+    assert not report.changed and "already converted" in report.message
+    assert _same(state, _state(model))
+
+
+def test_custom_model_without_inputs_says_how_to_pass_them():
+    with pytest.raises(normswap.NormswapError, match="example_inputs"):
+        normswap.patch(TinyViT())
+
+
+def test_inputs_that_do_not_fit_say_how_to_pass_them():
+    with pytest.raises(normswap.NormswapError, match="could not run TinyViT.forward.*example_inputs"):
+        normswap.patch(TinyViT(), (torch.randn(2, 5),))
+
+
+def test_meta_device_weights_are_refused():
+    with torch.device("meta"):
+        model = TinyViT()
+    with pytest.raises(normswap.NormswapError, match="meta device"):
+        normswap.patch(model, (torch.randn(1, 3, 32, 32),))
+
+
+def test_quantized_weights_are_refused():
+    model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+    model[0].weight = nn.Parameter(torch.zeros(4, 4, dtype=torch.int8), requires_grad=False)
+    with pytest.raises(normswap.NormswapError, match="quantized"):
+        normswap.patch(model, (torch.randn(2, 4),))
+
+
+def test_nan_weights_are_refused_and_model_untouched():
+    model = randomise(TinyViT())
+    with torch.no_grad():
+        model.head.weight[0, 0] = float("nan")
+    state = _state(model)
+    with pytest.raises(normswap.NormswapError, match="head.weight.*NaN"):
+        normswap.patch(model, (torch.randn(1, 3, 32, 32, dtype=torch.float64),))
+    assert all(torch.equal(state[k], v) or k == "head.weight" for k, v in model.state_dict().items())
+
+
+def test_train_mode_is_analysed_in_eval_and_restored():
+    model = randomise(TinyViT()).train()
+    model.blocks[0].eval()  # a mixed state must come back as it was
+    flags = {n: m.training for n, m in model.named_modules()}
+    report = normswap.patch(model, (torch.randn(2, 3, 32, 32, dtype=torch.float64),))
+    assert report.changed
+    after = {n: m.training for n, m in model.named_modules()}
+    assert all(after[n] == f for n, f in flags.items() if n in after)
+
+
+def test_failed_verification_leaves_the_model_bit_identical(monkeypatch):
+    model = randomise(TinyViT())
+    state, modules = _state(model), [type(m) for m in model.modules()]
+    monkeypatch.setattr(surgery, "center_writer", lambda *a, **k: None)  # sabotage the surgery
+    with pytest.raises(normswap.NormswapError, match="verification failed.*left unchanged"):
+        normswap.patch(model, (torch.randn(2, 3, 32, 32, dtype=torch.float64),))
+    assert _same(state, _state(model))
+    assert [type(m) for m in model.modules()] == modules
+
+
+@pytest.mark.parametrize("kwargs,match", [({"mode": "fast"}, "mode must be"), ({"backend": "cuda9"}, "backend")])
+def test_invalid_options(kwargs, match):
+    with pytest.raises(normswap.NormswapError, match=match):
+        normswap.patch(copy.deepcopy(TinyViT()), (torch.randn(1, 3, 32, 32),), **kwargs)
