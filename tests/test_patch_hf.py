@@ -70,3 +70,21 @@ def test_auto_mode_converts_approximate_norms_with_a_warning_and_a_measured_erro
     assert approx and all(s.error is not None and s.error > 0 for s in approx)
     assert any("approximately" in str(w.message) for w in caught)
     assert _layernorms(model) == []
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_low_precision_models_stay_as_close_to_float64_as_the_original(dtype):
+    """The fp64 surgery is cast back once: the converted model's error vs the float64 original must be
+    of the same order as the original model's own error in that dtype."""
+    model64 = build(EXACT, "opt")
+    probe = hf_example_inputs(model64, batch=4, seq=16, seed=11)
+    with torch.no_grad():
+        ref = model64(**probe).logits
+    model = copy.deepcopy(model64).to(dtype)
+    with torch.no_grad():
+        before = float((model(**probe).logits.double() - ref).abs().max() / ref.abs().max())
+    report = normswap.patch(model)
+    with torch.no_grad():
+        after = float((model(**probe).logits.double() - ref).abs().max() / ref.abs().max())
+    assert after <= 2.0 * before + 1e-6, (before, after)
+    assert report.verification["in_model_dtype"] <= 2.0 * report.verification["original_in_model_dtype"] + 1e-6
