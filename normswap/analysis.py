@@ -63,8 +63,8 @@ def writer_kind(module: nn.Module) -> str | None:
         return "linear"
     if isinstance(module, nn.Embedding):
         return "embedding"
-    if isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d)):
-        return "conv"
+    if isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d)) and module.groups == 1:
+        return "conv"  # grouped/depthwise convs do not mix channels: centering their weights centers nothing
     return None
 
 

@@ -11,7 +11,7 @@ import normswap
 from normswap.api import default_dtype
 from normswap.inputs import hf_example_inputs
 from normswap.verify import compare
-from tests.zoo import APPROXIMATE, EXACT, build, float64_reference
+from tests.zoo import APPROXIMATE, EXACT, MORE, build, float64_reference, randomise
 
 
 def _layernorms(model: nn.Module) -> list[str]:
@@ -88,3 +88,25 @@ def test_low_precision_models_stay_as_close_to_float64_as_the_original(dtype):
         after = float((model(**probe).logits.double() - ref).abs().max() / ref.abs().max())
     assert after <= 2.0 * before + 1e-6, (before, after)
     assert report.verification["in_model_dtype"] <= 2.0 * report.verification["original_in_model_dtype"] + 1e-6
+
+
+@pytest.mark.parametrize("name", sorted(MORE))
+def test_more_families_reach_honest_verdicts_and_exact_mode_preserves_outputs(name):
+    """Families beyond the headline list: exact ones convert fully; the others (layer scale, depthwise
+    convs, feature concatenation, Post-LN) keep their approximate norms in mode='exact', outputs unchanged."""
+    factory, expected = MORE[name]
+    torch.manual_seed(0)
+    cls, config = factory()
+    model = randomise(cls(config))
+    original = float64_reference(model)
+    report = normswap.patch(model, mode="exact")
+    verdicts = {s.verdict for s in report.sites}
+    if expected == "exact":
+        assert verdicts <= {"exact", "exact-with-centering"}, report.plan.table()
+    else:
+        assert "approximate" in verdicts, report.plan.table()
+    probe = hf_example_inputs(model, seed=99)
+    with torch.no_grad(), default_dtype(torch.float64):
+        ref, out = original(**probe), model(**probe)
+    assert compare(ref, out, set(report.plan.changed_outputs if report.plan else ()))["worst_rel_error_any_output"] \
+        <= 1e-9

@@ -76,6 +76,39 @@ EXACT = {
         max_target_positions=32, decoder_start_token_id=0, **SPECIAL)),
 }
 
+ENC_DEC = dict(d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
+               encoder_ffn_dim=64, decoder_ffn_dim=64, vocab_size=99, max_position_embeddings=64,
+               decoder_start_token_id=0, **SPECIAL)
+
+# More families of the same kinds, with the verdicts normswap must reach (all exact, or some approximate).
+MORE = {
+    "nemotron": (lambda: (tf.NemotronForCausalLM, tf.NemotronConfig(**LLM, num_key_value_heads=4, head_dim=8)),
+                 "exact"),
+    "mbart": (lambda: (tf.MBartForConditionalGeneration, tf.MBartConfig(**ENC_DEC)), "exact"),
+    "m2m100": (lambda: (tf.M2M100ForConditionalGeneration, tf.M2M100Config(**ENC_DEC)), "exact"),
+    "pegasus": (lambda: (tf.PegasusForConditionalGeneration, tf.PegasusConfig(**ENC_DEC)), "exact"),
+    "deit": (lambda: (tf.DeiTForImageClassification, tf.DeiTConfig(
+        image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=64)), "exact"),
+    "wav2vec2-stable": (lambda: (tf.Wav2Vec2ForCTC, tf.Wav2Vec2Config(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, conv_dim=(32, 32),
+        conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=4,
+        do_stable_layer_norm=True, feat_extract_norm="layer", vocab_size=20)), "exact"),
+    "clip": (lambda: (tf.CLIPModel, tf.CLIPConfig(
+        text_config=dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                         vocab_size=99, max_position_embeddings=64, **SPECIAL),
+        vision_config=dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                           image_size=32, patch_size=8), projection_dim=16)), "exact"),
+    "marian": (lambda: (tf.MarianMTModel, tf.MarianConfig(**ENC_DEC)), "approximate"),
+    "convnext": (lambda: (tf.ConvNextForImageClassification, tf.ConvNextConfig(
+        hidden_sizes=[16, 32], depths=[1, 1], num_stages=2, image_size=32)), "approximate"),
+    "swin": (lambda: (tf.SwinForImageClassification, tf.SwinConfig(
+        image_size=32, patch_size=4, embed_dim=16, depths=[1, 1], num_heads=[2, 2], window_size=4)), "approximate"),
+    "beit-layerscale": (lambda: (tf.BeitForImageClassification, tf.BeitConfig(
+        image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=64, use_mean_pooling=False)), "approximate"),
+}
+
 APPROXIMATE = {
     "bert": lambda: (tf.BertForMaskedLM, tf.BertConfig(**LLM)),
     "roberta": lambda: (tf.RobertaForMaskedLM, tf.RobertaConfig(**{**LLM, "pad_token_id": 1})),
