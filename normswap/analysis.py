@@ -132,6 +132,10 @@ class Analyzer:
             for attr, p in module._parameters.items():
                 if p is not None:
                     self.param_owners.setdefault(id(p), []).append((mpath, attr))
+        self.param_values: dict[int, list[Value]] = {}
+        for v in graph.values.values():
+            if v.source == "param":
+                self.param_values.setdefault(id(v.tensor), []).append(v)
         self.param_name = {}
         for name, p in model.named_parameters(remove_duplicate=False):
             self.param_name.setdefault(id(p), name)
@@ -451,7 +455,7 @@ class Analyzer:
         if any(o not in self.stream_writers and o in self.calls_per_path for o in others):
             return "tied"
         # raw uses of the parameter outside any owner's call
-        pvals = [v for v in self.graph.values.values() if v.source == "param" and v.tensor is p]
+        pvals = self.param_values.get(id(p), [])
         owner_paths = {o for o, _ in owners}
         for v in pvals:
             for op_index in v.consumers:
