@@ -326,6 +326,13 @@ def patch(model: nn.Module, example_inputs: inputs.ExampleInputs = None, *, mode
 
         reference = an.graph.output_object
         del an.graph  # free the recorded activations
+        # A second, unseen probe (other ids, other length) guards against a plan that only fits the
+        # inputs the analysis ran on. Built for transformers models; custom models use their inputs.
+        probe = None
+        if verify and example_inputs is None:
+            probe = inputs.hf_example_inputs(work, batch=3, seq=13, seed=1)
+            with torch.no_grad(), default_dtype(work_dtype):
+                probe_reference = work(**probe)
         originals = {sp.name: work.get_submodule(sp.name) for sp in plan_.sites}
         surgery.apply_weight_edits(work, plan_, an.sites, originals)
         for h in plan_.hooks:
@@ -356,7 +363,13 @@ def patch(model: nn.Module, example_inputs: inputs.ExampleInputs = None, *, mode
 
         with _capture(new_modules) as seen, torch.no_grad(), default_dtype(work_dtype):
             converted = work(*wargs, **wkwargs)
+            if probe is not None:
+                probe_converted = work(**probe)
         figures = compare(reference, converted, set(plan_.changed_outputs))
+        if probe is not None:
+            unseen = compare(probe_reference, probe_converted, set(plan_.changed_outputs))
+            figures["unseen_probe_max_rel_error"] = unseen.get("max_rel_error", 0.0)
+            figures["max_rel_error"] = max(figures.get("max_rel_error", 0.0), figures["unseen_probe_max_rel_error"])
         _site_checks(plan_, todo, seen, originals, an.sites, work_dtype, figures)
         if verify:
             _gate(plan_, todo, figures, work_dtype)
