@@ -5,10 +5,12 @@ surgery), honest where it doesn't (Post-LN norms are marked approximate, with me
 """
 
 from normswap.api import Report, patch, plan
+from normswap.checkpoint import convert, load
 from normswap.errors import NormswapError
 from normswap.norm import RMSNorm, rms_norm
 from normswap.plan import Plan
 
 __version__ = "0.1.0"
 
-__all__ = ["NormswapError", "Plan", "RMSNorm", "Report", "patch", "plan", "rms_norm", "__version__"]
+__all__ = ["NormswapError", "Plan", "RMSNorm", "Report", "convert", "load", "patch", "plan", "rms_norm",
+           "__version__"]

@@ -1,0 +1,27 @@
+"""Checkpoint IO: convert a model on disk, save a converted model, load it back.
+
+* :func:`convert` - model id / local directory / preset -> converted checkpoint directory.
+* :func:`save` - an in-memory converted model -> checkpoint directory (``native`` or ``compat``).
+* :func:`load` - checkpoint directory -> model (native ones rebuilt from their manifest).
+* :func:`register` - make ``AutoModel*`` understand ``normswap_<base>`` for one base type
+  (``import normswap`` already does this lazily for every base type).
+
+See ``normswap.checkpoint.streaming`` for the low-memory path used on checkpoints larger than RAM.
+"""
+
+from normswap.checkpoint.hf import install_lazy_registration, register
+from normswap.checkpoint.load import load
+from normswap.checkpoint.save import FORMATS, save
+
+install_lazy_registration()
+
+
+def convert(model_id_or_path, out_dir, *, format="native", **options):  # noqa: A002, ANN001, ANN201
+    """Convert a model (Hub id, local directory or preset name) into ``out_dir``; see
+    :func:`normswap.checkpoint.convert.convert`."""
+    from normswap.checkpoint.convert import convert as _convert
+
+    return _convert(model_id_or_path, out_dir, format=format, **options)
+
+
+__all__ = ["FORMATS", "convert", "install_lazy_registration", "load", "register", "save"]

@@ -1,0 +1,322 @@
+"""Transformers integration for converted checkpoints: one ``normswap_<base>`` type per base type.
+
+A native checkpoint keeps the base architecture (its weights use the base's key names) and adds a
+manifest. Loading it needs a config class whose ``model_type`` is new (``normswap_gpt2``), and model
+classes that build the base architecture and then re-apply the manifest's *structure* (untie, swap
+norms for ``normswap.RMSNorm``, install centering hooks) before the weights are loaded.
+
+Those classes are generated for any base type on demand by :func:`config_class_for` and
+:func:`model_class_for`: a subclass of the base config with the new ``model_type``, and a subclass
+of each base model class whose ``__init__`` calls :func:`normswap.surgery.apply_structure`. Three
+ways lead to them:
+
+* ``normswap.load(dir)`` registers the base type named in the manifest and loads.
+* ``import normswap`` installs a lazy entry in transformers' config registry, so
+  ``AutoModelFor*.from_pretrained(dir)`` resolves ``normswap_<anything>`` the first time it is
+  seen (the classes are created and registered with every ``AutoModel*`` mapping that knows the
+  base config).
+* ``trust_remote_code=True`` imports the small ``modeling_normswap.py`` written next to the
+  weights, which subclasses the same generated classes.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.abc
+import logging
+import sys
+from typing import Any
+
+from torch import nn
+
+from normswap.errors import NormswapError
+
+log = logging.getLogger("normswap")
+
+PREFIX = "normswap_"
+MANIFEST_KEY = "normswap"
+
+_CONFIGS: dict[str, type] = {}
+_MODELS: dict[tuple[str, str], type] = {}
+_HOOK_INSTALLED = False
+
+
+def base_type(model_type: str) -> str | None:
+    """``normswap_gpt2`` -> ``gpt2``; ``None`` for a type that is not ours."""
+    return model_type[len(PREFIX):] if model_type.startswith(PREFIX) else None
+
+
+def _base_config_class(base: str) -> type:
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if base not in CONFIG_MAPPING or base.startswith(PREFIX):
+        raise NormswapError(f"unknown base model type {base!r}: this transformers version does not know it")
+    return CONFIG_MAPPING[base]
+
+
+def config_class_for(base: str) -> type:
+    """The ``normswap_<base>`` config class (created once per process)."""
+    if base in _CONFIGS:
+        return _CONFIGS[base]
+    base_cls = _base_config_class(base)
+    name = f"Normswap{base_cls.__name__}"
+    cls = type(name, (base_cls,), {
+        "model_type": PREFIX + base,
+        "__module__": __name__,
+        "__qualname__": name,
+        "__doc__": f"{base_cls.__name__} of a checkpoint converted by normswap (manifest in ``config.normswap``).",
+    })
+    setattr(sys.modules[__name__], name, cls)  # picklable by qualified name
+    _CONFIGS[base] = cls
+    _register_conversion_mapping(PREFIX + base, base)
+    return cls
+
+
+def _register_conversion_mapping(new_key: str, base_key: str) -> None:
+    """Reuse the base's checkpoint key renames (v4 names on disk) for our type/class name."""
+    try:
+        from transformers.conversion_mapping import (
+            get_checkpoint_conversion_mapping,
+            register_checkpoint_conversion_mapping,
+        )
+    except ImportError:  # pragma: no cover - transformers < 5
+        return
+    mapping = get_checkpoint_conversion_mapping(base_key)
+    if mapping is not None:
+        register_checkpoint_conversion_mapping(new_key, mapping, overwrite=True)
+
+
+def _manifest_of(config: Any) -> dict | None:
+    manifest = getattr(config, MANIFEST_KEY, None)
+    return manifest if isinstance(manifest, dict) and manifest.get("plan") is not None else None
+
+
+def model_class_for(base: str, class_name: str) -> type:
+    """``Normswap<class_name>``: the base model class plus the manifest's structural edits."""
+    key = (base, class_name)
+    if key in _MODELS:
+        return _MODELS[key]
+    import transformers
+
+    base_cls = getattr(transformers, class_name, None)
+    if base_cls is None or not isinstance(base_cls, type) or not issubclass(base_cls, nn.Module):
+        raise NormswapError(f"transformers has no model class {class_name!r} (needed by this checkpoint); "
+                            "upgrade transformers or pass the class explicitly")
+    cfg_cls = config_class_for(base)
+
+    def __init__(self, config, *args, **kwargs):  # noqa: N807, ANN001
+        base_cls.__init__(self, config, *args, **kwargs)
+        manifest = _manifest_of(config)
+        if manifest is not None:
+            rebuild(self, manifest)
+
+    name = f"Normswap{class_name}"
+    cls = type(name, (base_cls,), {
+        "config_class": cfg_cls,
+        "__init__": __init__,
+        "__module__": __name__,
+        "__qualname__": name,
+        "__doc__": f"{class_name} rebuilt with normswap.RMSNorm from a converted checkpoint's manifest.",
+    })
+    setattr(sys.modules[__name__], name, cls)
+    _MODELS[key] = cls
+    _register_conversion_mapping(name, class_name)
+    return cls
+
+
+# ------------------------------------------------------------------------------ structure on load
+def _prefix_of(model: nn.Module) -> str:
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    return prefix if prefix and isinstance(getattr(model, prefix, None), nn.Module) else ""
+
+
+def rebase_plan(plan_dict: dict, saved_prefix: str, model: nn.Module) -> dict:
+    """Move the manifest's module paths from the saved class to ``model``'s class.
+
+    A converted ``GPT2LMHeadModel`` (paths under ``transformer.``) may be loaded as ``GPT2Model``
+    (no prefix) or as another head class. Paths inside the base model are re-prefixed; paths in a
+    head the new class does not have (``lm_head``) are dropped.
+    """
+    new_prefix = _prefix_of(model)
+    if saved_prefix == new_prefix:
+        return plan_dict
+    modules = dict(model.named_modules())
+
+    def move(path: str) -> str | None:
+        if saved_prefix:
+            if path == saved_prefix or path.startswith(saved_prefix + "."):
+                rest = path[len(saved_prefix) + 1:]
+            else:
+                return path if path in modules else None  # a head module
+        else:
+            rest = path
+        new = f"{new_prefix}.{rest}" if new_prefix and rest else (new_prefix or rest)
+        return new if new in modules else None
+
+    out = copy.deepcopy(plan_dict)
+    out["sites"] = [dict(s, name=move(s["name"])) for s in out.get("sites", []) if move(s["name"])]
+    out["hooks"] = [dict(h, module=move(h["module"])) for h in out.get("hooks", []) if move(h["module"])]
+    out["unties"] = [dict(u, module=move(u["module"])) for u in out.get("unties", []) if move(u["module"])]
+    return out
+
+
+def rebuild(model: nn.Module, manifest: dict) -> nn.Module:
+    """Apply a manifest's structural edits to a freshly built base model (meta device is fine)."""
+    from normswap.plan import Plan
+    from normswap.surgery import apply_structure
+
+    plan_dict = manifest["plan"]
+    saved_class = manifest.get("architecture")
+    if saved_class and type(model).__name__ not in (saved_class, f"Normswap{saved_class}"):
+        plan_dict = rebase_plan(plan_dict, manifest.get("base_model_prefix", ""), model)
+    try:
+        apply_structure(model, Plan.from_dict(plan_dict), backend=manifest.get("backend", "auto"))
+    except (AttributeError, KeyError, TypeError) as exc:
+        raise NormswapError(f"the normswap manifest does not match {type(model).__name__} ({exc}); "
+                            "was the checkpoint edited by hand?") from exc
+    return model
+
+
+# ------------------------------------------------------------------------------ auto registration
+def _auto_classes() -> list[type]:
+    from transformers.models.auto import modeling_auto
+
+    out = []
+    for name in dir(modeling_auto):
+        obj = getattr(modeling_auto, name)
+        if name.startswith("AutoModel") and isinstance(obj, type) and hasattr(obj, "_model_mapping"):
+            out.append(obj)
+    return out
+
+
+def register(base: str) -> type:
+    """Register ``normswap_<base>`` with ``AutoConfig`` and with every ``AutoModel*`` that knows ``base``.
+
+    Returns the config class. Idempotent; called lazily by transformers' registry once
+    ``import normswap`` has run, and explicitly by :func:`normswap.load`.
+    """
+    from transformers import AutoConfig
+
+    new_type = PREFIX + base
+    cfg_cls = config_class_for(base)
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if dict.get(CONFIG_MAPPING._extra_content, new_type) is not cfg_cls:
+        AutoConfig.register(new_type, cfg_cls, exist_ok=True)
+    base_cfg = _base_config_class(base)
+    for auto in _auto_classes():
+        mapping = auto._model_mapping
+        try:
+            if base_cfg not in mapping or cfg_cls in mapping._extra_content:
+                continue
+            target = mapping[base_cfg]
+        except Exception:  # noqa: BLE001 - a mapping whose module fails to import is not ours to fix
+            continue
+        if not isinstance(target, type):
+            continue
+        mapping.register(cfg_cls, model_class_for(base, target.__name__), exist_ok=True)
+    return cfg_cls
+
+
+class _LazyRegistry(dict):
+    """Replaces ``CONFIG_MAPPING._extra_content``: ``normswap_<base>`` keys resolve on first lookup."""
+
+    def _resolve(self, key: object) -> bool:
+        if not isinstance(key, str) or dict.__contains__(self, key):
+            return dict.__contains__(self, key)
+        base = base_type(key)
+        if base is None or not base:
+            return False
+        try:
+            register(base)
+        except Exception as exc:  # noqa: BLE001 - unknown base: let transformers report the unknown type
+            log.debug("normswap: cannot register %s: %s", key, exc)
+            return False
+        return dict.__contains__(self, key)
+
+    def __contains__(self, key: object) -> bool:
+        return self._resolve(key)
+
+    def __getitem__(self, key: str) -> Any:
+        self._resolve(key)
+        return dict.__getitem__(self, key)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self[key] if self._resolve(key) else default
+
+
+_CONFIG_AUTO = "transformers.models.auto.configuration_auto"
+
+
+def _patch_registry() -> None:
+    global _HOOK_INSTALLED
+    mapping = getattr(sys.modules.get(_CONFIG_AUTO), "CONFIG_MAPPING", None)
+    extra = getattr(mapping, "_extra_content", None)
+    if isinstance(extra, dict) and not isinstance(extra, _LazyRegistry):
+        mapping._extra_content = _LazyRegistry(extra)
+    _HOOK_INSTALLED = isinstance(getattr(mapping, "_extra_content", None), _LazyRegistry)
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Patch transformers' config registry right after it is imported (``import normswap`` must not
+    pay for importing transformers itself)."""
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+        if name != _CONFIG_AUTO:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(name, path, target)
+            if spec is not None and spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                loader = spec.loader
+                original = loader.exec_module
+
+                def exec_module(module: Any, _original: Any = original) -> None:
+                    _original(module)
+                    _patch_registry()
+
+                spec.loader = _Loader(loader, exec_module)
+                return spec
+            if spec is not None:
+                return spec
+        return None
+
+
+class _Loader(importlib.abc.Loader):
+    def __init__(self, inner: Any, exec_module: Any) -> None:
+        self._inner = inner
+        self._exec = exec_module
+
+    def create_module(self, spec: Any) -> Any:
+        return self._inner.create_module(spec)
+
+    def exec_module(self, module: Any) -> None:
+        self._exec(module)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+def install_lazy_registration() -> None:
+    """Make ``AutoConfig``/``AutoModel*`` understand ``normswap_*`` model types (called at import).
+
+    If transformers' auto registry is already imported it is patched now; otherwise a one-shot
+    import watcher patches it the moment transformers imports it.
+    """
+    if _HOOK_INSTALLED:
+        return
+    if _CONFIG_AUTO in sys.modules:
+        _patch_registry()
+    elif not any(isinstance(f, _AfterImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _AfterImport())
+
+
+def class_for_manifest(manifest: dict) -> type:
+    """The generated model class a manifest was saved from."""
+    base = manifest.get("base_model_type")
+    arch = manifest.get("architecture")
+    if not base or not arch:
+        raise NormswapError("the normswap manifest lacks base_model_type/architecture; re-run normswap convert")
+    register(base)
+    return model_class_for(base, arch)

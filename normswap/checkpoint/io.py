@@ -1,0 +1,259 @@
+"""File-level helpers: atomic output directories, shard sizes, safetensors checks, side files.
+
+Nothing here knows about models; it is the part of checkpoint writing that must be boring and
+safe: a conversion writes into a hidden temporary directory *beside* the destination and renames
+it into place at the very end, so an interrupted or failed run leaves no partial output and never
+touches what the user already has.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import re
+import shutil
+import struct
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from normswap.errors import NormswapError
+
+TMP_MARK = ".normswap-tmp-"
+# files that travel with the weights (tokenizers, processors, generation settings, chat templates)
+SIDE_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+    "vocab.json", "vocab.txt", "merges.txt", "spiece.model", "tokenizer.model", "sentencepiece.bpe.model",
+    "preprocessor_config.json", "processor_config.json", "feature_extractor_config.json",
+    "video_preprocessor_config.json", "chat_template.json", "chat_template.jinja", "generation_config.json",
+    "normalizer.json",
+)
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+
+# ------------------------------------------------------------------------------------ sizes
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_size(value: int | str) -> int:
+    """``"500MB"`` / ``"2GB"`` / ``"1.5GiB"`` / ``1000000`` -> bytes (HF's decimal convention for GB)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value <= 0:
+            raise NormswapError(f"max shard size must be positive, not {value}")
+        return value
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(value))
+    unit = m.group(2).upper() if m else ""
+    if not m or unit not in _UNITS:
+        raise NormswapError(f"invalid size {value!r}: use a number with a unit, e.g. 500MB, 2GB or 1.5GiB")
+    size = int(float(m.group(1)) * _UNITS[unit])
+    if size <= 0:
+        raise NormswapError(f"size must be positive, not {value!r}")
+    return size
+
+
+def human(nbytes: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(nbytes) < 1000 or unit == "TB":
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.2f} {unit}"
+        nbytes /= 1000
+    return f"{nbytes:.2f} TB"
+
+
+# ------------------------------------------------------------------------------------ output dirs
+def _dangerous(out: Path) -> str | None:
+    resolved = out.resolve()
+    home = Path.home().resolve()
+    if resolved == Path(resolved.anchor) or resolved == home:
+        return "it is the filesystem root or your home directory"
+    cwd = Path.cwd().resolve()
+    if cwd == resolved or resolved in cwd.parents:
+        return "it contains the current working directory"
+    if (resolved / ".git").exists():
+        return "it is a git checkout"
+    return None
+
+
+def check_destination(out: str | os.PathLike, *, overwrite: bool, source: Path | None = None) -> Path:
+    """Refuse destinations we must not write: non-empty without ``overwrite``, the source itself,
+    a parent of the working directory, a file, or a place we cannot write. Nothing is created."""
+    out = Path(out).expanduser()
+    if out.exists() and not out.is_dir():
+        raise NormswapError(f"--out {out} exists and is not a directory; choose another path")
+    if source is not None:
+        src = source.resolve()
+        dst = out.resolve()
+        if dst == src or dst in src.parents or src in dst.parents:
+            raise NormswapError(f"--out {out} overlaps the source model at {source}; write somewhere else")
+    if out.is_dir() and any(out.iterdir()):
+        if not overwrite:
+            raise NormswapError(f"--out {out} exists and is not empty; pass --overwrite to replace it, "
+                                "or choose a new directory")
+        why = _dangerous(out)
+        if why:
+            raise NormswapError(f"refusing to overwrite {out}: {why}")
+    parent = _existing_parent(out)
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise NormswapError(f"cannot write to {parent} (permission denied); choose a writable --out")
+    return out
+
+
+def _existing_parent(out: Path) -> Path:
+    parent = out.resolve().parent
+    while not parent.exists():
+        parent = parent.parent
+    return parent
+
+
+def free_bytes(path: Path) -> int:
+    try:
+        return shutil.disk_usage(_existing_parent(path / "x")).free
+    except OSError:
+        return 1 << 62
+
+
+def check_space(out: Path, needed: int) -> None:
+    """Fail early, before writing anything, when the destination's filesystem is too small."""
+    free = free_bytes(out)
+    if needed > 0 and free < needed * 1.05 + (16 << 20):
+        raise NormswapError(f"not enough disk space at {_existing_parent(out)}: about {human(needed)} needed, "
+                            f"{human(free)} free; free some space or choose another --out")
+
+
+@contextlib.contextmanager
+def atomic_directory(out: Path, *, overwrite: bool) -> Iterator[Path]:
+    """Yield a fresh temporary directory beside ``out``; on success rename it to ``out``.
+
+    On any exception (including KeyboardInterrupt) the temporary directory is removed and ``out``
+    is left exactly as it was. With ``overwrite`` an existing ``out`` is moved aside, replaced,
+    and deleted only after the new directory is in place.
+    """
+    out = Path(out).expanduser()
+    parent = out.resolve().parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}{TMP_MARK}", dir=parent))
+    except OSError as exc:
+        raise NormswapError(f"cannot create the output directory next to {out}: {exc.strerror or exc}") from exc
+    try:
+        yield tmp
+        os.chmod(tmp, 0o755)
+        _move_into_place(tmp, out, overwrite=overwrite)
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise os_error(exc, out) from exc
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _move_into_place(tmp: Path, out: Path, *, overwrite: bool) -> None:
+    if out.is_dir() and not any(out.iterdir()):
+        out.rmdir()
+    if out.exists():
+        if not overwrite:  # appeared while we were converting
+            raise NormswapError(f"--out {out} appeared during the conversion; result discarded")
+        old = out.parent / f".{out.name}{TMP_MARK}old-{os.getpid()}"
+        os.rename(out, old)
+        try:
+            os.rename(tmp, out)
+        except BaseException:
+            os.rename(old, out)
+            raise
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp, out)
+
+
+def os_error(exc: OSError, where: Path | str) -> NormswapError:
+    """One actionable line for an I/O failure while writing."""
+    if exc.errno == errno.ENOSPC:
+        return NormswapError(f"disk full while writing {where}; nothing was written. Free some space and retry")
+    if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return NormswapError(f"cannot write {where} ({exc.strerror}); choose a writable --out")
+    return NormswapError(f"I/O error while writing {where}: {exc.strerror or exc}")
+
+
+# ------------------------------------------------------------------------------------ safetensors
+def read_safetensors_header(path: Path) -> dict[str, Any]:
+    """Parse and sanity-check a safetensors header without loading tensors (no pickle, ever)."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            raw = f.read(8)
+            if len(raw) < 8:
+                raise ValueError("file shorter than the 8-byte header length")
+            (n,) = struct.unpack("<Q", raw)
+            if n > min(size - 8, 100 << 20):
+                raise ValueError("header length points past the end of the file")
+            header = json.loads(f.read(n))
+    except (OSError, ValueError, UnicodeDecodeError) as exc:
+        raise NormswapError(f"{path} is not a valid safetensors file ({exc}); the download may be "
+                            "truncated or corrupted: fetch it again") from exc
+    end = 0
+    for key, info in header.items():
+        if key == "__metadata__":
+            continue
+        try:
+            end = max(end, int(info["data_offsets"][1]))
+        except (KeyError, TypeError, IndexError, ValueError) as exc:
+            raise NormswapError(f"{path} has a malformed safetensors header (tensor {key!r}); "
+                                "fetch the file again") from exc
+    if 8 + n + end > size:
+        raise NormswapError(f"{path} is truncated ({human(size)} on disk, header describes "
+                            f"{human(8 + n + end)}); fetch the file again")
+    return header
+
+
+def weight_files(model_dir: Path) -> tuple[list[Path], list[Path]]:
+    """(safetensors files, pickle-format files) of a local model directory."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError) as exc:
+            raise NormswapError(f"{index} is not a valid index file ({exc}); fetch it again") from exc
+        files = sorted({model_dir / f for f in weight_map.values()})
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise NormswapError(f"{model_dir} is missing shard(s) {', '.join(missing[:3])} listed in "
+                                f"{index.name}; the download is incomplete")
+        safe = files
+    else:
+        safe = sorted(p for p in model_dir.glob("*.safetensors") if p.is_file())
+    pickles = sorted(p for p in model_dir.iterdir() if p.suffix in PICKLE_SUFFIXES and p.is_file())
+    return safe, pickles
+
+
+def checkpoint_bytes(model_dir: Path) -> int:
+    safe, pickles = weight_files(model_dir)
+    return sum(p.stat().st_size for p in (safe or pickles))
+
+
+# ------------------------------------------------------------------------------------ side files
+def copy_side_files(src: Path | None, dst: Path) -> list[str]:
+    """Copy tokenizer / processor / generation-config files (never weights, never code)."""
+    copied: list[str] = []
+    if src is None or not src.is_dir():
+        return copied
+    for name in SIDE_FILES:
+        f = src / name
+        if f.is_file() and not (dst / name).exists():
+            shutil.copy2(f, dst / name)
+            copied.append(name)
+    return copied
+
+
+def write_json(path: Path, data: dict) -> None:
+    path.write_text(json.dumps(data, indent=2, sort_keys=True, default=_json_default) + "\n")
+
+
+def _json_default(obj: Any) -> Any:
+    if isinstance(obj, tuple):
+        return list(obj)
+    if hasattr(obj, "item"):
+        return obj.item()
+    return str(obj)

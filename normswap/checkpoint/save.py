@@ -1,0 +1,416 @@
+"""Write a converted in-memory model as a native or compat checkpoint directory.
+
+``native``: the model's own weights saved by ``save_pretrained`` (safetensors, ``format=pt``
+metadata, HF sharding, original key names), then ``config.json`` gets ``model_type =
+normswap_<base>``, the manifest under ``"normswap"`` and an ``auto_map`` to the generated
+``modeling_normswap.py``.
+
+``compat``: the stock architecture and ``model_type``. Every converted norm goes back to its
+original LayerNorm class, holding the γ/β the RMSNorm holds (γ=1 / β=0 where they were folded).
+No centering hooks: LayerNorm subtracts the mean itself, so an uncentered stream gives the same
+output, which is why compat is exact in stock transformers even for models whose native form
+needs a centering op. The price is honesty in the manifest: only norms whose input is zero-mean
+*without* a hook (``rms_ready``) may be swapped for RMSNorm by a runtime.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import os
+import platform
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from normswap.checkpoint import hf, io
+from normswap.errors import NormswapError
+from normswap.plan import Plan
+
+log = logging.getLogger("normswap")
+
+FORMATS = ("native", "compat")
+DEFAULT_SHARD = "5GB"
+MODELING_FILE = "modeling_normswap.py"
+_RESERVED = {"format", "plan", "base_model_type", "architecture", "base_model_prefix", "versions",
+             "verification", "counts"}
+
+
+def plan_of(model: nn.Module) -> Plan:
+    """The plan a converted model carries (``normswap.patch`` or a loaded native checkpoint)."""
+    plan = getattr(model, "_normswap_plan", None)
+    if isinstance(plan, Plan):
+        return plan
+    manifest = hf._manifest_of(getattr(model, "config", None))
+    if manifest is not None:
+        return Plan.from_dict(manifest["plan"])
+    raise NormswapError(f"{type(model).__name__} has not been converted: run normswap.patch(model) first")
+
+
+def stock_class(model: nn.Module) -> type:
+    """The transformers class a (possibly normswap-generated) model class stands for."""
+    cls = type(model)
+    while cls.__module__ == hf.__name__ or cls.__module__.startswith("transformers_modules"):
+        cls = cls.__mro__[1]
+    return cls
+
+
+def base_model_type(model: nn.Module) -> str:
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if not model_type:
+        raise NormswapError(f"{type(model).__name__} is not a transformers model (no config.model_type); "
+                            "save it with torch/safetensors yourself, or convert a transformers model")
+    return hf.base_type(model_type) or model_type
+
+
+def versions() -> dict[str, str]:
+    import safetensors
+    import transformers
+
+    import normswap
+
+    return {"normswap": normswap.__version__, "transformers": transformers.__version__,
+            "torch": torch.__version__.split("+")[0], "safetensors": safetensors.__version__,
+            "python": platform.python_version()}
+
+
+def _json_safe(obj: Any) -> Any:
+    return json.loads(json.dumps(obj, default=io._json_default))
+
+
+def build_manifest(model: nn.Module, plan: Plan, *, fmt: str, verification: dict | None = None,
+                   source: str | None = None, extra: dict | None = None) -> dict[str, Any]:
+    """The ``"normswap"`` section of ``config.json``."""
+    previous = hf._manifest_of(getattr(model, "config", None)) or {}
+    if verification is None:
+        verification = previous.get("verification", {})
+    manifest: dict[str, Any] = {
+        "format": fmt,
+        "base_model_type": base_model_type(model),
+        "architecture": stock_class(model).__name__,
+        "base_model_prefix": hf._prefix_of(model),
+        "source": source if source is not None else previous.get("source"),
+        "counts": plan.counts(),
+        "plan": plan.to_dict(),
+        "verification": verification,
+        "versions": versions(),
+    }
+    for key, value in (extra or {}).items():
+        if key in _RESERVED:
+            raise NormswapError(f"manifest_extra key {key!r} is reserved by normswap; use another name")
+        manifest[key] = value
+    for key, value in previous.items():  # keep earlier extras (e.g. a fine-tune record) unless replaced
+        manifest.setdefault(key, value)
+    return _json_safe(manifest)
+
+
+def auto_classes_for(model: nn.Module) -> dict[str, str]:
+    """``AutoModel*`` names that map the base config to this model's stock class (and ``AutoModel``)."""
+    base = base_model_type(model)
+    arch = stock_class(model)
+    base_cfg = hf._base_config_class(base)
+    out: dict[str, str] = {}
+    for auto in hf._auto_classes():
+        mapping = auto._model_mapping
+        try:
+            target = mapping[base_cfg] if base_cfg in mapping else None
+        except Exception:  # noqa: BLE001
+            continue
+        if isinstance(target, type) and (target is arch or auto.__name__ == "AutoModel"):
+            out[auto.__name__] = target.__name__
+    return dict(sorted(out.items()))
+
+
+def modeling_source(base: str, classes: dict[str, str]) -> str:
+    """The generated ``modeling_normswap.py`` (imports normswap; used with trust_remote_code=True)."""
+    import normswap
+
+    cfg_name = hf.config_class_for(base).__name__
+    lines = [
+        f'"""Generated by normswap {normswap.__version__}: load this `{hf.PREFIX}{base}` checkpoint with',
+        "``AutoModel*.from_pretrained(path, trust_remote_code=True)``.",
+        "",
+        "Requires ``pip install normswap``. Each class builds the stock transformers architecture and then",
+        'applies the conversion manifest stored in config.json["normswap"] (untie, RMSNorm swaps, centering',
+        "ops) before the weights are loaded. No analysis is re-run.",
+        '"""',
+        "",
+        "from normswap.checkpoint.hf import config_class_for, model_class_for",
+        "",
+        "",
+        f"class {cfg_name}(config_class_for({base!r})):",
+        "    pass",
+    ]
+    for cls_name in sorted(set(classes.values())):
+        lines += ["", "", f"class Normswap{cls_name}(model_class_for({base!r}, {cls_name!r})):",
+                  f"    config_class = {cfg_name}"]
+    return "\n".join(lines) + "\n"
+
+
+# ------------------------------------------------------------------------------------ native
+def write_native(model: nn.Module, out: Path, *, plan: Plan, max_shard_size: int | str = DEFAULT_SHARD,
+                 verification: dict | None = None, source: str | None = None,
+                 manifest_extra: dict | None = None) -> dict[str, Any]:
+    """Write ``model`` into the (existing, empty) directory ``out``. Returns the manifest."""
+    base = base_model_type(model)
+    manifest = build_manifest(model, plan, fmt="native", verification=verification, source=source,
+                              extra=manifest_extra)
+    classes = auto_classes_for(model)
+    model.save_pretrained(out, max_shard_size=max_shard_size)
+    cfg_path = out / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["model_type"] = hf.PREFIX + base
+    cfg["architectures"] = [f"Normswap{manifest['architecture']}"]
+    module = Path(MODELING_FILE).stem
+    cfg["auto_map"] = {"AutoConfig": f"{module}.{hf.config_class_for(base).__name__}",
+                       **{auto: f"{module}.Normswap{cls}" for auto, cls in classes.items()}}
+    cfg[hf.MANIFEST_KEY] = manifest
+    io.write_json(cfg_path, cfg)
+    (out / MODELING_FILE).write_text(modeling_source(base, classes))
+    return manifest
+
+
+# ------------------------------------------------------------------------------------ compat
+def _norm_param_names(module: nn.Module, flavour: str) -> tuple[str | None, str | None]:
+    """(γ attribute, β attribute) of an original norm module, from its direct parameters."""
+    names = [n for n, p in module._parameters.items() if p is not None]
+    if flavour == "non-affine":
+        return None, None
+    beta = [n for n in names if "bias" in n.lower() or "beta" in n.lower()]
+    gamma = [n for n in names if n not in beta]
+    if flavour in ("standard", "offset") and len(gamma) == 1 and len(beta) == 1:
+        return gamma[0], beta[0]
+    if flavour == "gamma-only" and len(gamma) == 1 and not beta:
+        return gamma[0], None
+    if flavour == "beta-only" and len(beta) == 1 and not gamma:
+        return None, beta[0]
+    raise NormswapError(f"cannot map the RMSNorm back onto {type(module).__name__} (parameters {names}, "
+                        f"flavour {flavour}); use --format native for this model")
+
+
+def stock_config(model: nn.Module) -> Any:
+    """A stock config (stock ``model_type``) equal to the model's, minus normswap's additions."""
+    config = model.config
+    base = hf.base_type(config.model_type)
+    if base is None:
+        cfg = copy.deepcopy(config)
+    else:
+        data = config.to_dict()
+        for key in ("auto_map", hf.MANIFEST_KEY, "model_type", "architectures"):
+            data.pop(key, None)
+        cfg = hf._base_config_class(base).from_dict(data)
+    for attr in ("auto_map", hf.MANIFEST_KEY):
+        if hasattr(cfg, attr):
+            delattr(cfg, attr)
+    cfg.architectures = [stock_class(model).__name__]
+    return cfg
+
+
+def compat_model(model: nn.Module, plan: Plan) -> tuple[nn.Module, dict[str, list[str]]]:
+    """A stock-class model sharing ``model``'s tensors, with LayerNorms where the RMSNorms are.
+
+    Built on the meta device and filled by assignment, so it costs no extra memory beyond the
+    norm parameters. Returns the model and the lists ``rms_ready`` / ``needs_centering``.
+    """
+    approx = [sp.name for sp in plan.sites if sp.convert and sp.verdict == "approximate"]
+    if approx:
+        raise NormswapError(f"compat format keeps LayerNorms, so approximate conversions ({approx[0]}"
+                            f"{' and others' if len(approx) > 1 else ''}) cannot be stored; convert with "
+                            "mode='exact' (--mode exact) or use the native format")
+    config = stock_config(model)
+    cls = stock_class(model)
+    with torch.device("meta"):
+        stock = cls(config)
+    for u in plan.unties:
+        from normswap.surgery import mark_untied, untie
+
+        untie(stock, u)
+        mark_untied(stock)
+    state = dict(model.state_dict(keep_vars=True))
+    meta_state = stock.state_dict(keep_vars=True)
+    rms_ready, needs_centering = [], []
+    centered_by_hook = {sp.name for sp in plan.sites if sp.verdict == "exact-with-centering"}
+    for sp in plan.sites:
+        if not sp.convert:
+            continue
+        (needs_centering if sp.name in centered_by_hook else rms_ready).append(sp.name)
+        original = stock.get_submodule(sp.name)
+        g_attr, b_attr = _norm_param_names(original, sp.flavour)
+        rms = model.get_submodule(sp.name)
+        offset = 1.0 if sp.flavour == "offset" else 0.0
+        for attr in (g_attr, b_attr):
+            if attr is not None:
+                state.pop(f"{sp.name}.{attr}", None)
+        ref = next(iter(rms.parameters()), None)
+        dtype = ref.dtype if ref is not None else torch.float32
+        if g_attr is not None:
+            shape = meta_state[f"{sp.name}.{g_attr}"].shape
+            value = rms.weight.detach() - offset if rms.weight is not None else torch.ones(shape, dtype=dtype)
+            state[f"{sp.name}.{g_attr}"] = nn.Parameter(value.reshape(shape).clone(), requires_grad=False)
+        if b_attr is not None:
+            shape = meta_state[f"{sp.name}.{b_attr}"].shape
+            value = rms.bias.detach() if rms.bias is not None else torch.zeros(shape, dtype=dtype)
+            state[f"{sp.name}.{b_attr}"] = nn.Parameter(value.reshape(shape).clone(), requires_grad=False)
+    state = {k: v for k, v in state.items() if k in meta_state}
+    missing = [k for k in meta_state if k not in state]
+    if missing:
+        raise NormswapError(f"compat export: no value for {missing[0]}; use --format native for this model")
+    stock.load_state_dict(state, assign=True, strict=True)
+    for module in stock.modules():  # non-persistent buffers (rotary tables, ...) are rebuilt, not assigned
+        for name, buf in list(module._buffers.items()):
+            if buf is not None and buf.is_meta:
+                raise NormswapError(f"compat export: buffer {name} of {type(module).__name__} could not be "
+                                    "rebuilt; use --format native for this model")
+    if hasattr(model, "_weight_conversions"):
+        stock._weight_conversions = model._weight_conversions
+    if getattr(model, "generation_config", None) is not None:
+        stock.generation_config = copy.deepcopy(model.generation_config)
+    stock.eval()
+    return stock, {"rms_ready": rms_ready, "needs_centering": needs_centering}
+
+
+def write_compat(model: nn.Module, out: Path, *, plan: Plan, max_shard_size: int | str = DEFAULT_SHARD,
+                 verification: dict | None = None, source: str | None = None,
+                 manifest_extra: dict | None = None) -> dict[str, Any]:
+    stock, lists = compat_model(model, plan)
+    manifest = build_manifest(model, plan, fmt="compat", verification=verification, source=source,
+                              extra=manifest_extra)
+    manifest.update(lists)
+    stock.save_pretrained(out, max_shard_size=max_shard_size)
+    cfg_path = out / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg[hf.MANIFEST_KEY] = manifest
+    io.write_json(cfg_path, cfg)
+    return manifest
+
+
+# ------------------------------------------------------------------------------------ model card
+def model_card(manifest: dict[str, Any], out_name: str) -> str:
+    fmt = manifest["format"]
+    counts = manifest.get("counts", {})
+    verdicts = ", ".join(f"{n} {v}" for v, n in counts.items() if n) or "none"
+    ver = manifest.get("verification") or {}
+    figs = "\n".join(f"| {k} | {v:.3g} |" for k, v in ver.items() if isinstance(v, (int, float))
+                     and not isinstance(v, bool))
+    plan = manifest.get("plan", {})
+    converted = sum(1 for s in plan.get("sites", []) if s.get("convert"))
+    vers = manifest.get("versions", {})
+    arch = manifest.get("architecture", "?")
+    lines = [
+        "---",
+        "library_name: transformers",
+        "tags:",
+        "- normswap",
+        "- rmsnorm",
+        "---",
+        "",
+        f"# {out_name}",
+        "",
+        f"`{manifest.get('source') or 'a model'}` ({arch}) converted by "
+        f"[normswap](https://github.com/normswap/normswap) {vers.get('normswap', '')}: "
+        f"{converted} LayerNorm(s) {'replaced by RMSNorm' if fmt == 'native' else 'prepared for RMSNorm'}.",
+        "",
+        f"- format: **{fmt}**",
+        f"- verdicts: {verdicts}",
+        f"- centering ops: {len(plan.get('hooks', []))}; ties broken: {len(plan.get('unties', []))}",
+    ]
+    if plan.get("changed_outputs"):
+        lines.append(f"- changed by design (raw residual stream): {', '.join(plan['changed_outputs'])}")
+    if figs:
+        lines += ["", "## Verification (converted vs original, float64 probe)", "", "| figure | value |",
+                  "|---|---|", figs]
+    lines += ["", "## How to load", ""]
+    if fmt == "native":
+        lines += [
+            "```python",
+            "import normswap",
+            f'model = normswap.load("{out_name}")',
+            "# or, after `import normswap`: AutoModel*.from_pretrained(path)",
+            "# or, in any process with normswap installed:",
+            "#   AutoModel*.from_pretrained(path, trust_remote_code=True)",
+            "```",
+            "",
+            "The weights use the base architecture's key names; the structure (RMSNorm modules, untied heads,",
+            "centering ops) is rebuilt from the manifest in `config.json` (`\"normswap\"`).",
+        ]
+    else:
+        ready, centering = manifest.get("rms_ready", []), manifest.get("needs_centering", [])
+        lines += [
+            "```python",
+            "from transformers import AutoModel  # or the task class",
+            f'model = AutoModel.from_pretrained("{out_name}")  # stock transformers, no normswap needed',
+            "```",
+            "",
+            "Stock architecture: writers are centered and γ/β folded where a bias slot exists; LayerNorms are",
+            f"kept. {len(ready)} of them read a zero-mean stream and can be swapped for RMSNorm by any runtime",
+            "(listed in `config.json` under `normswap.rms_ready`).",
+        ]
+        if centering:
+            lines.append(f"{len(centering)} need normswap's centering op for that and must stay LayerNorm "
+                         "(`normswap.needs_centering`); the checkpoint as saved is exact either way.")
+    return "\n".join(lines) + "\n"
+
+
+def write_model_dir(model: nn.Module, out: Path, *, fmt: str = "native", plan: Plan | None = None,
+                    max_shard_size: int | str = DEFAULT_SHARD, verification: dict | None = None,
+                    source: str | None = None, manifest_extra: dict | None = None,
+                    tokenizer: Any = None, side_files_from: Path | None = None) -> dict[str, Any]:
+    """Everything a checkpoint directory holds, written into the existing directory ``out``."""
+    if fmt not in FORMATS:
+        raise NormswapError(f"format must be one of {', '.join(FORMATS)}, not {fmt!r}")
+    plan = plan if plan is not None else plan_of(model)
+    io.parse_size(max_shard_size)
+    writer = write_native if fmt == "native" else write_compat
+    manifest = writer(model, out, plan=plan, max_shard_size=max_shard_size, verification=verification,
+                      source=source, manifest_extra=manifest_extra)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out)
+    io.copy_side_files(side_files_from, out)
+    if not (out / "README.md").exists():
+        (out / "README.md").write_text(model_card(manifest, out.name.split(io.TMP_MARK)[0].lstrip(".")))
+    return manifest
+
+
+def save(model: nn.Module, out_dir: str | os.PathLike, *, format: str = "native",  # noqa: A002
+         manifest_extra: dict | None = None, max_shard_size: int | str = DEFAULT_SHARD,
+         overwrite: bool = False, tokenizer: Any = None, verification: dict | None = None,
+         source: str | None = None) -> Path:
+    """Save a converted in-memory model (``normswap.patch`` output, or a loaded native checkpoint).
+
+    Args:
+        model: the converted transformers model.
+        out_dir: destination directory; written atomically (temp dir beside it, renamed at the end).
+        format: ``"native"`` (RMSNorm modules, loads via normswap / trust_remote_code) or ``"compat"``
+            (stock architecture with LayerNorms, loads in plain transformers).
+        manifest_extra: extra JSON-serialisable keys for the ``"normswap"`` manifest (e.g. a fine-tune
+            record); earlier extras of a loaded checkpoint are kept unless replaced.
+        max_shard_size: e.g. ``"5GB"``; larger checkpoints are sharded with an index file.
+        overwrite: replace a non-empty ``out_dir``.
+        tokenizer: a tokenizer/processor to save alongside (anything with ``save_pretrained``).
+        verification: figures to record (default: the ones recorded at conversion, if any).
+        source: where the model came from (recorded in the manifest and model card).
+
+    Returns:
+        The output directory.
+
+    Example:
+        >>> report = normswap.patch(model)
+        >>> normswap.checkpoint.save(model, "out/gpt2-rms")            # doctest: +SKIP
+        >>> model2 = normswap.load("out/gpt2-rms")                       # doctest: +SKIP
+    """
+    if format not in FORMATS:
+        raise NormswapError(f"format must be one of {', '.join(FORMATS)}, not {format!r}")
+    plan = plan_of(model)
+    io.parse_size(max_shard_size)
+    out = io.check_destination(out_dir, overwrite=overwrite)
+    side = Path(model.name_or_path) if isinstance(getattr(model, "name_or_path", None), str) \
+        and model.name_or_path and Path(model.name_or_path).is_dir() else None
+    with io.atomic_directory(out, overwrite=overwrite) as tmp:
+        write_model_dir(model, tmp, fmt=format, plan=plan, max_shard_size=max_shard_size,
+                        verification=verification, source=source, manifest_extra=manifest_extra,
+                        tokenizer=tokenizer, side_files_from=side)
+    return out
