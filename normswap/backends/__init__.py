@@ -4,9 +4,14 @@ A backend is a module with ``name``, ``available() -> (bool, reason)``,
 ``supports(x, weight, bias) -> bool`` and ``rms_norm(x, normalized_shape, weight, bias, eps)``.
 They all compute the same function (see ``eager`` for the cast order); they differ in speed.
 
-``auto`` asks :func:`select` for the fastest available backend for this device, dtype and shape.
-The environment variable ``NORMSWAP_BACKEND`` overrides ``auto`` globally (e.g. ``eager`` to rule
-out a kernel while debugging).
+Backends: ``eager`` (pure PyTorch), ``native`` (``F.rms_norm``), ``cpu`` (fused C++ kernel built at
+first use), ``triton`` (our CUDA kernels; CPU only under ``TRITON_INTERPRET=1``).
+
+``auto`` asks :func:`select` for the fastest available backend for this device, dtype and shape (the
+rule is in :func:`select_for`). The environment variable ``NORMSWAP_BACKEND`` overrides ``auto``
+globally (e.g. ``eager`` to rule out a kernel while debugging); an explicit ``backend=`` argument other
+than ``auto`` overrides both. A requested backend that cannot run the call (not available here, or it
+does not support the tensors) falls back to ``auto``'s choice.
 """
 
 from __future__ import annotations
@@ -16,11 +21,18 @@ from types import ModuleType
 
 import torch
 
-from normswap.backends import eager, native
+from normswap.backends import cpu, eager, native
+from normswap.backends import triton as triton_backend
 from normswap.errors import NormswapError
 
-BACKENDS: dict[str, ModuleType] = {"eager": eager, "native": native}
+BACKENDS: dict[str, ModuleType] = {"eager": eager, "native": native, "cpu": cpu, "triton": triton_backend}
 ENV_VAR = "NORMSWAP_BACKEND"
+
+# CUDA rule thresholds (see select_for). Published anchors (kernels.md section 7): PyTorch's fused
+# CUDA RMSNorm reaches 54-62% of HBM bandwidth at N >= 4096, Liger-style row kernels 69-84%, while at
+# small shapes host overhead dominates and native is the safer choice.
+CUDA_TRITON_MIN_N = 2048
+CUDA_TRITON_MIN_ELEMENTS = 1 << 20
 
 
 def register(module: ModuleType) -> None:
@@ -38,14 +50,74 @@ def check_name(backend: str) -> str:
     return backend
 
 
-def select(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None) -> ModuleType:
-    """The ``auto`` rule: the fastest backend that is available and supports these tensors.
+@torch.compiler.assume_constant_result
+def is_available(backend: str) -> bool:
+    """``BACKENDS[backend].available()[0]``, evaluated once at trace time under ``torch.compile``.
 
-    CUDA: ``native`` (PyTorch's fused kernel). Elsewhere: ``eager``.
+    Availability can build a C++ kernel or import triton, which Dynamo must not trace; it does not
+    change during a process's life, so it is safe to bake into a compiled graph as a constant.
     """
-    if x.is_cuda and native.available()[0]:
-        return native
-    return eager
+    return bool(BACKENDS[backend].available()[0])
+
+
+@torch.compiler.assume_constant_result
+def _cpu_kernel_handles(dtype: torch.dtype) -> bool:
+    return is_available("cpu") and dtype in cpu.kernel().dtypes
+
+
+def select_for(
+    device_type: str,
+    dtype: torch.dtype,
+    rows: int,
+    n: int,
+    *,
+    bias: bool = False,
+    per_head: bool = False,
+) -> tuple[str, str]:
+    """The ``auto`` rule on tensor metadata: ``(backend name, why)``.
+
+    * CUDA: ``triton`` when available and the call is bandwidth-bound (``n >= 2048`` and at least
+      2^20 elements), or when it fuses something ``native`` does in extra passes (a bias or per-head
+      weights) at that size; otherwise ``native`` (PyTorch's fused kernel, lower launch overhead).
+      Rows longer than ``triton.MAX_N`` always go to ``native``.
+    * CPU: ``cpu`` (fused C++ kernel) when it built here and handles the dtype; otherwise the faster
+      of the two PyTorch paths measured on CPU: ``native`` for float32/float64, ``eager`` for
+      bfloat16/float16 (``F.rms_norm`` is slower there; see docs/backends.md).
+    * Anything else (mps, xpu, ...): ``native``.
+
+    Only constant-folded helpers are called, so Dynamo traces this without graph breaks.
+    """
+    if device_type == "cuda":
+        if not is_available("triton"):
+            return "native", "triton is not available"
+        if dtype not in triton_backend._DTYPES:
+            return "native", f"triton does not handle {dtype}"
+        if n > triton_backend.MAX_N:
+            return "native", f"rows of {n} > {triton_backend.MAX_N} elements do not fit triton's row kernel"
+        if rows * n >= CUDA_TRITON_MIN_ELEMENTS and (n >= CUDA_TRITON_MIN_N or bias or per_head):
+            return "triton", "bandwidth-bound shape: triton row kernel (bias and per-head weights fused)"
+        return "native", "small shape: PyTorch's fused kernel has the lower launch overhead"
+    if device_type == "cpu":
+        if _cpu_kernel_handles(dtype):
+            return "cpu", "fused C++ kernel: one read and one write of x"
+        if dtype in (torch.bfloat16, torch.float16):
+            return "eager", "cpu kernel unavailable for this dtype; eager beats F.rms_norm for half types on CPU"
+        return "native", "cpu kernel unavailable for this dtype; F.rms_norm beats eager for float32 on CPU"
+    return "native", f"{device_type}: PyTorch's own rms_norm"
+
+
+def select(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None) -> ModuleType:
+    """The ``auto`` rule for a call (see :func:`select_for`)."""
+    if x.is_cpu and _cpu_kernel_handles(x.dtype) and cpu.supports(x, weight, bias):
+        return cpu  # the common CPU case, without the general rule's bookkeeping
+    n = weight.shape[-1] if weight is not None else x.shape[-1] if x.dim() else 1
+    rows = x.numel() // n if n else 0
+    per_head = weight is not None and weight.dim() > 1
+    choice, _ = select_for(x.device.type, x.dtype, rows, n, bias=bias is not None, per_head=per_head)
+    module = BACKENDS[choice]
+    if module.supports(x, weight, bias):
+        return module
+    return native if x.device.type != "cpu" or x.dtype in (torch.float32, torch.float64) else eager
 
 
 def resolve(
@@ -58,6 +130,36 @@ def resolve(
         module = BACKENDS.get(backend)
         if module is None:
             raise NormswapError(f"unknown RMSNorm backend {backend!r}; choose one of {', '.join(names())}")
-        if module.available()[0] and module.supports(x, weight, bias):
+        if is_available(backend) and module.supports(x, weight, bias):
             return module
     return select(x, weight, bias)
+
+
+_REPRESENTATIVE = (
+    ("cpu", torch.float32, 2048, 4096),
+    ("cpu", torch.bfloat16, 2048, 4096),
+    ("cuda", torch.bfloat16, 8192, 4096),
+    ("cuda", torch.bfloat16, 16, 4096),
+)
+
+
+def describe() -> list[dict]:
+    """One dict per backend (``name``, ``available``, ``reason``) plus one per representative call
+    (``name="auto"``, ``device``, ``dtype``, ``shape``, ``picks``, ``why``), for ``normswap backends``."""
+    out: list[dict] = []
+    for bname, module in BACKENDS.items():
+        ok, reason = module.available()
+        out.append({"name": bname, "available": bool(ok), "reason": reason})
+    env = os.environ.get(ENV_VAR, "")
+    for device, dtype, rows, n in _REPRESENTATIVE:
+        picks, why = select_for(device, dtype, rows, n)
+        if why.endswith("not available") or "unavailable" in why:
+            blocked = "triton" if device == "cuda" else "cpu"
+            why += f" ({BACKENDS[blocked].available()[1]})"
+        if env and env != "auto":
+            why = f"{ENV_VAR}={env} overrides auto where it can run; otherwise: {why}"
+        out.append({
+            "name": "auto", "device": device, "dtype": str(dtype).replace("torch.", ""),
+            "shape": [rows, n], "picks": picks, "why": why,
+        })
+    return out

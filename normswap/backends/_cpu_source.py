@@ -164,8 +164,49 @@ template <class D> inline void vstore_tail(D d, typename D::T* p, V v, int n) {
   std::memcpy(p, buf, size_t(n) * sizeof(typename D::T));
 }
 
+// Sum of squares of one row in fp32, four independent accumulators (latency hiding).
+template <class D>
+inline float sumsq(D d, const typename D::T* xr, int64_t N) {
+  const int64_t nv = N / L * L;
+  V a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero();
+  int64_t i = 0;
+  for (; i + 4 * L <= nv; i += 4 * L) {
+    V v0 = vload(d, xr + i), v1 = vload(d, xr + i + L), v2 = vload(d, xr + i + 2 * L), v3 = vload(d, xr + i + 3 * L);
+    a0 = vfma(v0, v0, a0); a1 = vfma(v1, v1, a1); a2 = vfma(v2, v2, a2); a3 = vfma(v3, v3, a3);
+  }
+  for (; i < nv; i += L) { V v = vload(d, xr + i); a0 = vfma(v, v, a0); }
+  if (N > nv) { V v = vload_tail(d, xr + nv, int(N - nv)); a0 = vfma(v, v, a0); }
+  return vsum(vadd(vadd(a0, a1), vadd(a2, a3)));
+}
+
+#if NS_ISA >= 3
+// bf16 with AVX512-BF16: vdpbf16ps squares and pair-sums 32 bf16 values per instruction, products exact
+// in fp32. It flushes fp32 denormals, so a row whose sum lands below 2^-100 is redone exactly.
+inline float sumsq(BF16 d, const uint16_t* xr, int64_t N) {
+  const int64_t n32 = N / 32 * 32;
+  __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 64 <= n32; i += 64) {
+    __m512bh v0 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(xr + i));
+    __m512bh v1 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(xr + i + 32));
+    a0 = _mm512_dpbf16_ps(a0, v0, v0); a1 = _mm512_dpbf16_ps(a1, v1, v1);
+  }
+  for (; i < n32; i += 32) {
+    __m512bh v0 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(xr + i));
+    a0 = _mm512_dpbf16_ps(a0, v0, v0);
+  }
+  float ss = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+  for (; i < N; ++i) { float v = bf16_to_f32(xr[i]); ss += v * v; }
+  if (!(ss >= 0x1p-100f)) ss = sumsq<BF16>(d, xr, N);  // tiny (or NaN): exact path
+  return ss;
+}
+#endif
+
 // One block of rows. Weight and bias arrive as fp32 (converted once per call) so the inner loop does
 // not spend instructions widening them. HAS_W / HAS_B are template flags: no branches in the loop.
+// Rows go in groups of RB: all their sums of squares first, so the out-of-order core overlaps the
+// reduce/sqrt/divide latency of one row with the loads of the next, then the scaling pass while the
+// group is still in L1/L2.
 template <class D, bool HAS_W, bool HAS_B>
 void rows(const typename D::T* x, int64_t r0, int64_t r1, int64_t N, int64_t xs, const float* w,
           int64_t wrows, const float* b, int64_t brows, typename D::T* y, float* rstd, float eps) {
@@ -173,38 +214,36 @@ void rows(const typename D::T* x, int64_t r0, int64_t r1, int64_t N, int64_t xs,
   const F32 f;
   const int64_t nv = N / L * L;
   const int tail = int(N - nv);
-  for (int64_t r = r0; r < r1; ++r) {
-    const typename D::T* xr = x + r * xs;
-    typename D::T* yr = y + r * N;
-    // Pass 1: sum of squares in fp32 with four independent accumulators (latency hiding).
-    V a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero();
-    int64_t i = 0;
-    for (; i + 4 * L <= nv; i += 4 * L) {
-      V v0 = vload(d, xr + i), v1 = vload(d, xr + i + L), v2 = vload(d, xr + i + 2 * L), v3 = vload(d, xr + i + 3 * L);
-      a0 = vfma(v0, v0, a0); a1 = vfma(v1, v1, a1); a2 = vfma(v2, v2, a2); a3 = vfma(v3, v3, a3);
+  constexpr int RB = 4;
+  float rsb[RB];
+  for (int64_t g = r0; g < r1; g += RB) {
+    const int nb = int(r1 - g < RB ? r1 - g : RB);
+    for (int k = 0; k < nb; ++k) rsb[k] = sumsq(d, x + (g + k) * xs, N);
+    for (int k = 0; k < nb; ++k) {
+      rsb[k] = 1.0f / std::sqrt(rsb[k] / float(N) + eps);
+      if (rstd) rstd[g + k] = rsb[k];
     }
-    for (; i < nv; i += L) { V v = vload(d, xr + i); a0 = vfma(v, v, a0); }
-    if (tail) { V v = vload_tail(d, xr + nv, tail); a0 = vfma(v, v, a0); }
-    const float ss = vsum(vadd(vadd(a0, a1), vadd(a2, a3)));
-    const float rs = 1.0f / std::sqrt(ss / float(N) + eps);
-    if (rstd) rstd[r] = rs;
-    // Pass 2: the row is now in L1/L2; normalise, round, scale, round, shift, round.
-    const V vrs = vset(rs);
-    const float* wr = HAS_W ? w + (r % wrows) * N : nullptr;
-    const float* br = HAS_B ? b + (r % brows) * N : nullptr;
-    for (i = 0; i < nv; i += L) {
-      V v = vmul(vload(d, xr + i), vrs);
-      if (HAS_W || HAS_B) v = vround(d, v);
-      if (HAS_W) { v = vmul(v, vload(f, wr + i)); if (HAS_B) v = vround(d, v); }
-      if (HAS_B) v = vadd(v, vload(f, br + i));
-      vstore(d, yr + i, v);
-    }
-    if (tail) {
-      V v = vmul(vload_tail(d, xr + nv, tail), vrs);
-      if (HAS_W || HAS_B) v = vround(d, v);
-      if (HAS_W) { v = vmul(v, vload_tail(f, wr + nv, tail)); if (HAS_B) v = vround(d, v); }
-      if (HAS_B) v = vadd(v, vload_tail(f, br + nv, tail));
-      vstore_tail(d, yr + nv, v, tail);
+    for (int k = 0; k < nb; ++k) {
+      const int64_t r = g + k;
+      const typename D::T* xr = x + r * xs;
+      typename D::T* yr = y + r * N;
+      const V vrs = vset(rsb[k]);
+      const float* wr = HAS_W ? w + (r % wrows) * N : nullptr;
+      const float* br = HAS_B ? b + (r % brows) * N : nullptr;
+      for (int64_t i = 0; i < nv; i += L) {
+        V v = vmul(vload(d, xr + i), vrs);
+        if (HAS_W || HAS_B) v = vround(d, v);
+        if (HAS_W) { v = vmul(v, vload(f, wr + i)); if (HAS_B) v = vround(d, v); }
+        if (HAS_B) v = vadd(v, vload(f, br + i));
+        vstore(d, yr + i, v);
+      }
+      if (tail) {
+        V v = vmul(vload_tail(d, xr + nv, tail), vrs);
+        if (HAS_W || HAS_B) v = vround(d, v);
+        if (HAS_W) { v = vmul(v, vload_tail(f, wr + nv, tail)); if (HAS_B) v = vround(d, v); }
+        if (HAS_B) v = vadd(v, vload_tail(f, br + nv, tail));
+        vstore_tail(d, yr + nv, v, tail);
+      }
     }
   }
 }

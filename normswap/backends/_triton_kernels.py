@@ -1,0 +1,129 @@
+"""Triton RMSNorm forward and backward kernels (imported only when triton is installed).
+
+The kernel bodies are plain functions wrapped with ``triton.jit`` by :func:`kernels`, once per value of
+``TRITON_INTERPRET``: triton decides between a compiled ``JITFunction`` and the CPU interpreter's
+``InterpretedFunction`` when the decorator runs, so wrapping lazily lets tests switch to the
+interpreter without re-importing anything.
+
+Conventions (see ``shared/reference/kernels.md`` section 6): ``tl.math.rsqrt`` (libdevice fails in the
+interpreter); the scalar ``eps`` is cast (``tl.cast``, which also works on the interpreter's plain
+Python floats) to the accumulation dtype inside the kernel (a Python float
+would become fp64 if Inductor ever launched this kernel); flags are ``tl.constexpr`` ints, not bools;
+no ``triton.heuristics`` and no autotuning (block sizes and warps come from the host); every
+arithmetic step is done in fp32 (fp64 for fp64 inputs) and rounded to the I/O dtype explicitly, which
+is also what keeps bf16 working in the interpreter, which has no bf16 arithmetic.
+"""
+
+from __future__ import annotations
+
+import os
+
+import triton
+import triton.language as tl
+
+
+def _rms_norm_fwd(
+    X, Y, W, B, RSTD,
+    stride_x, stride_y, M, N, eps,
+    PARAM_ROWS, W_ROW_STRIDE, B_ROW_STRIDE,
+    HAS_W: tl.constexpr, HAS_B: tl.constexpr, IS_FP64: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """BLOCK_M rows per program, each row whole in registers (BLOCK_N >= N).
+
+    Cast order = ``eager`` (HF Llama): fp32 mean of squares and rstd, ``x * rstd`` rounded to the
+    output dtype, ``* weight`` (cast to the output dtype) rounded, ``+ bias`` rounded.
+    """
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    row_ok = rows < M
+    mask = row_ok[:, None] & (cols < N)[None, :]
+    rows64 = tl.cast(rows, tl.int64)
+    odt = Y.dtype.element_ty
+    x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+    if IS_FP64:
+        xf = x.to(tl.float64)
+        e = tl.cast(eps, tl.float64)
+    else:
+        xf = x.to(tl.float32)
+        e = tl.cast(eps, tl.float32)
+    rstd = tl.math.rsqrt(tl.sum(xf * xf, axis=1) / N + e)
+    tl.store(RSTD + rows, rstd, mask=row_ok)
+    out = xf * rstd[:, None]
+    if HAS_W + HAS_B > 0:
+        out = out.to(odt).to(xf.dtype)
+    prow = (rows % PARAM_ROWS)[:, None]
+    if HAS_W:
+        w = tl.load(W + prow * W_ROW_STRIDE + cols[None, :], mask=mask, other=0.0)
+        out = out * w.to(odt).to(xf.dtype)
+        if HAS_B:
+            out = out.to(odt).to(xf.dtype)
+    if HAS_B:
+        b = tl.load(B + prow * B_ROW_STRIDE + cols[None, :], mask=mask, other=0.0)
+        out = out + b.to(odt).to(xf.dtype)
+    tl.store(Y + rows64[:, None] * stride_y + cols[None, :], out.to(odt), mask=mask)
+
+
+def _rms_norm_bwd(
+    X, DY, DX, W, RSTD, DW_PART, DB_PART,
+    stride_x, stride_dy, stride_dx, ROWS_PER_HEAD, N, ROWS_PER_PROG,
+    PARAM_ROWS, W_ROW_STRIDE,
+    HAS_W: tl.constexpr, HAS_B: tl.constexpr, IS_FP64: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Persistent backward: program (p, h) handles rows ``k * PARAM_ROWS + h`` for its range of k.
+
+    Each program keeps dW/dB partials for its single parameter row in registers (fp32, or fp64 for
+    fp64) and writes them to ``DW_PART[p, h, :]``; the host sums over p. Deterministic, no atomics.
+    dx = rstd * (g - xhat * mean(g * xhat)), g = dy * w, treating the forward's roundings as identity.
+    """
+    pid = tl.program_id(0)
+    h = tl.program_id(1)
+    cols = tl.arange(0, BLOCK_N)
+    cmask = cols < N
+    odt = DX.dtype.element_ty
+    if IS_FP64:
+        dw_acc = tl.zeros((BLOCK_N,), dtype=tl.float64)
+        db_acc = tl.zeros((BLOCK_N,), dtype=tl.float64)
+    else:
+        dw_acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        db_acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    if HAS_W:
+        w = tl.load(W + h * W_ROW_STRIDE + cols, mask=cmask, other=0.0).to(odt).to(dw_acc.dtype)
+    k0 = pid * ROWS_PER_PROG
+    k1 = tl.minimum(k0 + ROWS_PER_PROG, ROWS_PER_HEAD)
+    for k in range(k0, k1):
+        row = tl.cast(k, tl.int64) * PARAM_ROWS + h
+        x = tl.load(X + row * stride_x + cols, mask=cmask, other=0.0).to(dw_acc.dtype)
+        dy = tl.load(DY + row * stride_dy + cols, mask=cmask, other=0.0).to(dw_acc.dtype)
+        rstd = tl.load(RSTD + row).to(dw_acc.dtype)
+        xhat = x * rstd
+        if HAS_W:
+            dw_acc += dy * xhat.to(odt).to(dw_acc.dtype)  # the rounded value the weight multiplied
+            g = dy * w
+        else:
+            g = dy
+        if HAS_B:
+            db_acc += dy
+        c = tl.sum(g * xhat, axis=0) / N
+        tl.store(DX + row * stride_dx + cols, ((g - xhat * c) * rstd).to(odt), mask=cmask)
+    part = tl.cast(pid * PARAM_ROWS + h, tl.int64) * N
+    if HAS_W:
+        tl.store(DW_PART + part + cols, dw_acc, mask=cmask)
+    if HAS_B:
+        tl.store(DB_PART + part + cols, db_acc, mask=cmask)
+
+
+_cache: dict[bool, tuple] = {}
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def kernels() -> tuple:
+    """``(fwd, bwd)`` jitted for the current ``TRITON_INTERPRET`` mode."""
+    mode = interpreting()
+    if mode not in _cache:
+        _cache[mode] = (triton.jit(_rms_norm_fwd), triton.jit(_rms_norm_bwd))
+    return _cache[mode]

@@ -1,0 +1,284 @@
+"""Triton RMSNorm: our own forward and backward kernels (``_triton_kernels.py``).
+
+* fp32 accumulation (fp64 for fp64 inputs), ``rstd`` saved per row, optional bias, weight of any
+  dtype (cast to the input dtype, as in ``eager``), per-head ``(H, D)`` parameters.
+* Backward: a persistent grid writes fp32 dW/dB partials per program, summed on the host. No atomics,
+  so dW is bitwise reproducible run to run.
+* Strides: rows may have any row stride as long as the normalised dims are contiguous; no copy then.
+* ``torch.compile``: forward and backward are ``torch.library.custom_op``s
+  (``normswap::triton_rms_norm_fwd`` / ``_bwd``) with ``register_fake`` and ``register_autograd``, so
+  ``fullgraph=True`` traces them with no graph break, and the fakes use symbolic row counts (no
+  recompile as M varies). Outside compilation the op dispatcher is bypassed: ``rms_norm`` calls an
+  ``autograd.Function`` (or, without grad, the launcher) directly, which saves the ~tens of
+  microseconds per call that the dispatcher/functionalisation boundary costs on small shapes.
+* Rows longer than ``MAX_N`` (whole row in registers) go to ``native`` instead.
+* No autotuning: block sizes and warps follow a fixed rule (multi-config autotune cannot run under
+  the interpreter, and a fixed rule keeps compile-time behaviour predictable).
+
+Runs on CUDA; on CPU only under ``TRITON_INTERPRET=1`` (the tests use that to check numerics).
+This module's name shadows nothing: ``import triton`` below is absolute and gets the real package.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import math
+import os
+
+import torch
+
+from normswap.backends import eager, native
+
+name = "triton"
+MAX_N = 32768
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+def _interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def available() -> tuple[bool, str]:
+    if importlib.util.find_spec("triton") is None:
+        return False, "triton is not installed (pip install 'normswap[triton]')"
+    if torch.cuda.is_available():
+        return True, f"triton kernels on CUDA ({torch.cuda.get_device_name()})"
+    if _interpret():
+        return True, "triton kernels under TRITON_INTERPRET=1 (CPU interpreter: correct but slow)"
+    return False, "no CUDA device (set TRITON_INTERPRET=1 to run the kernels in triton's CPU interpreter)"
+
+
+def _device_ok(x: torch.Tensor) -> bool:
+    return x.is_cuda or (x.device.type == "cpu" and _interpret())
+
+
+def _param_ok(p: torch.Tensor | None, x: torch.Tensor) -> bool:
+    """A parameter must equal x's trailing dims exactly (plain or per-head), on x's device."""
+    return p is None or (
+        p.dim() <= x.dim() and tuple(p.shape) == tuple(x.shape[x.dim() - p.dim():]) and p.device == x.device
+    )
+
+
+def supports(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None) -> bool:
+    return x.dtype in _DTYPES and _device_ok(x) and _param_ok(weight, x) and _param_ok(bias, x)
+
+
+# ------------------------------------------------------------------------------------ launching
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _num_warps(block_n: int) -> int:
+    if block_n >= 32768:
+        return 32
+    if block_n >= 8192:
+        return 16
+    if block_n >= 2048:
+        return 8
+    return 4
+
+
+def _as_rows(x: torch.Tensor, n: int) -> torch.Tensor:
+    """(M, N) view with unit column stride; copies only when the layout admits no such view."""
+    rows = x.numel() // n
+    try:
+        x2 = x.view(rows, n)
+    except RuntimeError:
+        x2 = x.contiguous().view(rows, n)
+    if n > 1 and x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    return x2
+
+
+def _prep_param(p: torch.Tensor | None, n: int, x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    if p is None:
+        return x, 1  # dummy pointer, never read (HAS_* = 0)
+    p = p.contiguous()
+    return p, p.numel() // n
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def forward(
+    x: torch.Tensor, normalized_shape: tuple[int, ...], weight: torch.Tensor | None,
+    bias: torch.Tensor | None, eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the forward kernel: returns ``y`` (contiguous, x's shape and dtype) and ``rstd`` (rows,)."""
+    from normswap.backends._triton_kernels import kernels
+
+    fwd, _ = kernels()
+    n = math.prod(normalized_shape)
+    x2 = _as_rows(x, n) if n else x.reshape(-1, 0)
+    m = x2.shape[0]
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    rstd = torch.empty(m, dtype=_compute_dtype(x.dtype), device=x.device)
+    if m == 0 or n == 0:
+        rstd.fill_(1.0 / math.sqrt(eps) if eps > 0 else math.inf)
+        return y, rstd
+    w, wrows = _prep_param(weight, n, x)
+    b, brows = _prep_param(bias, n, x)
+    param_rows = max(wrows, brows)
+    block_n = triton_next_pow2(n)
+    block_m = max(1, min(16, 2048 // block_n)) if not _interpret() else max(1, min(16, 256 // block_n))
+    grid = (triton_cdiv(m, block_m),)
+    fwd[grid](
+        x2, y, w, b, rstd,
+        x2.stride(0), n, m, n, float(eps),
+        param_rows, n if wrows > 1 else 0, n if brows > 1 else 0,
+        HAS_W=int(weight is not None), HAS_B=int(bias is not None), IS_FP64=int(x.dtype == torch.float64),
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=_num_warps(block_n * block_m),
+    )
+    return y, rstd
+
+
+def backward(
+    dy: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor, normalized_shape: tuple[int, ...],
+    weight: torch.Tensor | None, bias: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Launch the backward kernel: ``(dx, dweight or None, dbias or None)``."""
+    from normswap.backends._triton_kernels import kernels
+
+    _, bwd = kernels()
+    n = math.prod(normalized_shape)
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    w, wrows = _prep_param(weight, n, x)
+    b, brows = _prep_param(bias, n, x)
+    heads = max(wrows, brows)
+    x2 = _as_rows(x, n) if n else x.reshape(-1, 0)
+    m = x2.shape[0]
+    acc = _compute_dtype(x.dtype)
+    if m == 0 or n == 0:
+        dw = torch.zeros(weight.shape, dtype=weight.dtype, device=x.device) if weight is not None else None
+        db = torch.zeros(bias.shape, dtype=bias.dtype, device=x.device) if bias is not None else None
+        return dx, dw, db
+    dy2 = _as_rows(dy, n)
+    per_head = m // heads
+    block_n = triton_next_pow2(n)
+    if x.is_cuda:
+        mult = 8 if block_n <= 1024 else 4 if block_n <= 2048 else 2 if block_n <= 4096 else 1
+        target = _sm_count(x.device.index if x.device.index is not None else torch.cuda.current_device()) * mult
+    else:
+        target = 4
+    programs = max(1, min(per_head, max(1, target // heads)))
+    rows_per_prog = triton_cdiv(per_head, programs)
+    programs = triton_cdiv(per_head, rows_per_prog)
+    dw_part = torch.empty((programs, heads, n), dtype=acc, device=x.device) if weight is not None else rstd
+    db_part = torch.empty((programs, heads, n), dtype=acc, device=x.device) if bias is not None else rstd
+    bwd[(programs, heads)](
+        x2, dy2, dx, w, rstd, dw_part, db_part,
+        x2.stride(0), dy2.stride(0), n, per_head, n, rows_per_prog,
+        heads, n if wrows > 1 else 0,
+        HAS_W=int(weight is not None), HAS_B=int(bias is not None), IS_FP64=int(x.dtype == torch.float64),
+        BLOCK_N=block_n, num_warps=_num_warps(block_n),
+    )
+    dw = db = None
+    if weight is not None:
+        part = dw_part.sum(0)  # fixed-order reduction over programs: deterministic
+        dw = (part if wrows > 1 else part.sum(0)).reshape(weight.shape).to(weight.dtype)
+    if bias is not None:
+        part = db_part.sum(0)
+        db = (part if brows > 1 else part.sum(0)).reshape(bias.shape).to(bias.dtype)
+    return dx, dw, db
+
+
+def triton_next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# -------------------------------------------------------------------- eager path: autograd.Function
+class _TritonRMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, normalized_shape, weight, bias, eps):  # type: ignore[override]
+        y, rstd = forward(x, normalized_shape, weight, bias, eps)
+        ctx.save_for_backward(x, rstd, weight, bias)
+        ctx.normalized_shape = normalized_shape
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):  # type: ignore[override]
+        x, rstd, weight, bias = ctx.saved_tensors
+        dx, dw, db = backward(dy, x, rstd, ctx.normalized_shape, weight, bias)
+        return dx, None, dw, db, None
+
+
+# ------------------------------------------------------------------------- compile path: custom ops
+@torch.library.custom_op("normswap::triton_rms_norm_fwd", mutates_args=())
+def _fwd_op(
+    x: torch.Tensor, normalized_shape: list[int], weight: torch.Tensor | None, bias: torch.Tensor | None,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return forward(x, tuple(normalized_shape), weight, bias, eps)
+
+
+@_fwd_op.register_fake
+def _(x, normalized_shape, weight, bias, eps):
+    rows = math.prod(x.shape[: x.dim() - len(normalized_shape)])
+    return x.new_empty(x.shape), x.new_empty((rows,), dtype=_compute_dtype(x.dtype))
+
+
+@torch.library.custom_op("normswap::triton_rms_norm_bwd", mutates_args=())
+def _bwd_op(
+    dy: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor, normalized_shape: list[int],
+    weight: torch.Tensor | None, bias: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dx, dw, db = backward(dy, x, rstd, tuple(normalized_shape), weight, bias)
+    # custom ops cannot return None: absent grads are empty tensors, dropped by _op_backward.
+    empty = x.new_empty((0,))
+    return dx, dw if dw is not None else empty, db if db is not None else empty.clone()
+
+
+@_bwd_op.register_fake
+def _(dy, x, rstd, normalized_shape, weight, bias):
+    dw = weight.new_empty(weight.shape) if weight is not None else x.new_empty((0,))
+    db = bias.new_empty(bias.shape) if bias is not None else x.new_empty((0,))
+    return x.new_empty(x.shape), dw, db
+
+
+def _setup_context(ctx, inputs, output):
+    x, normalized_shape, weight, bias, _eps = inputs
+    ctx.save_for_backward(x, output[1], weight, bias)
+    ctx.normalized_shape = list(normalized_shape)
+
+
+def _op_backward(ctx, dy, _drstd):
+    x, rstd, weight, bias = ctx.saved_tensors
+    dx, dw, db = torch.ops.normswap.triton_rms_norm_bwd(dy, x, rstd, ctx.normalized_shape, weight, bias)
+    return dx, None, dw if weight is not None else None, db if bias is not None else None, None
+
+
+_fwd_op.register_autograd(_op_backward, setup_context=_setup_context)
+
+
+def rms_norm(
+    x: torch.Tensor,
+    normalized_shape: tuple[int, ...],
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float,
+) -> torch.Tensor:
+    n = math.prod(normalized_shape)
+    if len(normalized_shape) == 0:
+        return eager.rms_norm(x, normalized_shape, weight, bias, eps)
+    if n > MAX_N:  # a row no longer fits in registers: PyTorch's kernel handles it
+        return native.rms_norm(x, normalized_shape, weight, bias, eps)
+    wrows = weight.numel() // n if weight is not None and n else 1
+    brows = bias.numel() // n if bias is not None and n else 1
+    if wrows != brows and min(wrows, brows) != 1:  # e.g. weight per (layer, head), bias per head
+        return eager.rms_norm(x, normalized_shape, weight, bias, eps)
+    if torch.compiler.is_compiling():
+        return torch.ops.normswap.triton_rms_norm_fwd(x, list(normalized_shape), weight, bias, eps)[0]
+    if torch.is_grad_enabled() and (
+        x.requires_grad
+        or (weight is not None and weight.requires_grad)
+        or (bias is not None and bias.requires_grad)
+    ):
+        return _TritonRMSNorm.apply(x, normalized_shape, weight, bias, eps)
+    return forward(x, normalized_shape, weight, bias, eps)[0]
