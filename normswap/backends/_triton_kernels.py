@@ -21,6 +21,12 @@ import os
 import triton
 import triton.language as tl
 
+# ``tl.sum`` and ``tl.zeros`` are themselves ``@triton.jit`` functions, fixed as compiled or interpreted
+# when triton is first imported; if that happened before TRITON_INTERPRET=1 was set (torch imports
+# triton early), the interpreter cannot call them. ``tl.reduce`` / ``tl.full`` are builtins, and the
+# interpreter recognises this combine function and reduces with numpy. Same code as tl.sum compiles to.
+_sum_combine = tl.standard._sum_combine
+
 
 def _rms_norm_fwd(
     X, Y, W, B, RSTD,
@@ -48,7 +54,7 @@ def _rms_norm_fwd(
     else:
         xf = x.to(tl.float32)
         e = tl.cast(eps, tl.float32)
-    rstd = tl.math.rsqrt(tl.sum(xf * xf, axis=1) / N + e)
+    rstd = tl.math.rsqrt(tl.reduce(xf * xf, 1, _sum_combine) / N + e)
     tl.store(RSTD + rows, rstd, mask=row_ok)
     out = xf * rstd[:, None]
     if HAS_W + HAS_B > 0:
@@ -83,11 +89,11 @@ def _rms_norm_bwd(
     cmask = cols < N
     odt = DX.dtype.element_ty
     if IS_FP64:
-        dw_acc = tl.zeros((BLOCK_N,), dtype=tl.float64)
-        db_acc = tl.zeros((BLOCK_N,), dtype=tl.float64)
+        dw_acc = tl.full((BLOCK_N,), 0.0, tl.float64)
+        db_acc = tl.full((BLOCK_N,), 0.0, tl.float64)
     else:
-        dw_acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        db_acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        dw_acc = tl.full((BLOCK_N,), 0.0, tl.float32)
+        db_acc = tl.full((BLOCK_N,), 0.0, tl.float32)
     if HAS_W:
         w = tl.load(W + h * W_ROW_STRIDE + cols, mask=cmask, other=0.0).to(odt).to(dw_acc.dtype)
     k0 = pid * ROWS_PER_PROG
@@ -105,7 +111,7 @@ def _rms_norm_bwd(
             g = dy
         if HAS_B:
             db_acc += dy
-        c = tl.sum(g * xhat, axis=0) / N
+        c = tl.reduce(g * xhat, 0, _sum_combine) / N
         tl.store(DX + row * stride_dx + cols, ((g - xhat * c) * rstd).to(odt), mask=cmask)
     part = tl.cast(pid * PARAM_ROWS + h, tl.int64) * N
     if HAS_W:

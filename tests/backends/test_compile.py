@@ -1,0 +1,68 @@
+"""``torch.compile`` through the CPU backend's custom op, and the op's registration (opcheck).
+
+The triton ops get the same checks under the interpreter in test_triton_interpret.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from backend_ref import make_inputs
+
+import normswap
+from normswap.backends import cpu, eager
+
+pytestmark = pytest.mark.skipif(not cpu.available()[0], reason="cpu kernel unavailable (no compiler)")
+
+
+def test_opcheck_cpu_op():
+    for dtype in (torch.float32, torch.bfloat16):
+        x, w, b = make_inputs(6, (40,), dtype, bias=True, per_head=3, seed=1)
+        torch.library.opcheck(torch.ops.normswap.cpu_rms_norm, (x, [40], w, b, 1e-6))
+        torch.library.opcheck(torch.ops.normswap.cpu_rms_norm, (x, [3, 40], None, None, 1e-5))
+
+
+@pytest.mark.parametrize("compile_backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compile_fullgraph_dynamic_rows_no_recompile(compile_backend, dtype):
+    torch._dynamo.reset()
+    m = normswap.RMSNorm(48, bias=True, dtype=dtype)  # backend="auto" -> cpu on CPU
+    with torch.no_grad():
+        m.weight.normal_(1.0, 0.2)
+        m.bias.normal_(0.0, 0.2)
+    fn = torch.compile(lambda x: m(x) * 2, fullgraph=True, backend=compile_backend, dynamic=True)
+    tol = 1e-5 if dtype == torch.float32 else 5e-2
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for rows in (2, 9, 17):
+            x = torch.randn(rows, 3, 48, dtype=dtype, requires_grad=True)
+            y = fn(x)
+            gy = torch.randn_like(y)
+            got = torch.autograd.grad(y, (x, m.weight, m.bias), gy)
+            ref_y = eager.rms_norm(x, (48,), m.weight, m.bias, m.eps) * 2
+            ref = torch.autograd.grad(ref_y, (x, m.weight, m.bias), gy)
+            assert torch.allclose(y.float(), ref_y.float(), atol=tol, rtol=tol)
+            for a, r in zip(got, ref, strict=True):
+                assert torch.allclose(a.float(), r.float(), atol=tol * 10, rtol=tol)
+
+
+def test_compiled_graph_calls_the_custom_op():
+    """The compiled graph contains our op (not an inlined eager fallback) and no graph break."""
+    torch._dynamo.reset()
+    seen = []
+
+    def capture(gm, example_inputs):
+        seen.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    m = normswap.RMSNorm(32)
+    torch.compile(m, fullgraph=True, backend=capture)(torch.randn(4, 32))
+    assert any("cpu_rms_norm" in t for t in seen), seen
+
+
+def test_inference_under_no_grad_compiled():
+    torch._dynamo.reset()
+    m = normswap.RMSNorm(64, dtype=torch.bfloat16)
+    fn = torch.compile(m, fullgraph=True, backend="aot_eager")
+    x = torch.randn(5, 64, dtype=torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(fn(x), cpu.rms_norm(x, (64,), m.weight, None, m.eps))

@@ -1,0 +1,183 @@
+"""The fused CPU kernel: build, cache, instruction-set variants, fallbacks, threads, output pool."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from backend_ref import check_against_reference, make_inputs
+
+import normswap
+from normswap import backends
+from normswap.backends import cpu, eager
+
+HAVE_CXX = cpu._compiler() is not None
+
+
+@pytest.fixture
+def fresh_kernel(monkeypatch, tmp_path):
+    """Build into an empty cache dir; restore the normal kernel afterwards."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    cpu.reset()
+    yield tmp_path
+    monkeypatch.undo()
+    cpu.reset()
+
+
+def test_kernel_builds_where_a_compiler_exists():
+    ok, reason = cpu.available()
+    if HAVE_CXX:
+        assert ok, reason  # a compiler is present: a failed build here is a bug, not a fallback
+        assert "ISA level" in reason
+        assert {torch.float32, torch.bfloat16, torch.float64} <= cpu.kernel().dtypes
+    else:
+        assert not ok and "compiler" in reason
+
+
+@pytest.mark.skipif(not HAVE_CXX, reason="needs a C++ compiler")
+def test_every_isa_level_this_cpu_runs(monkeypatch, fresh_kernel):
+    """Each instruction-set variant (AVX-512+BF16, AVX-512, AVX2, portable) agrees with eager."""
+    top = cpu.detect_isa()
+    for isa in range(top, -1, -1):
+        monkeypatch.setenv("NORMSWAP_CPU_ISA", str(isa))
+        cpu.reset()
+        ok, reason = cpu.available()
+        assert ok, reason
+        assert cpu.kernel().isa == isa
+        for dtype in sorted(cpu.kernel().dtypes, key=str):
+            for bias in (False, True):
+                x, w, b = make_inputs(7, (203,), dtype, bias=bias, per_head=0, seed=isa)
+                y = cpu.rms_norm(x, (203,), w, b, 1e-5)
+                check_against_reference(y, x, (203,), w, b, 1e-5, f"isa {isa} {dtype}")
+                if dtype == torch.bfloat16:  # same cast order as eager: nearly all elements bit-equal
+                    same = (y == eager.rms_norm(x, (203,), w, b, 1e-5)).float().mean().item()
+                    assert same > 0.95
+
+
+@pytest.mark.skipif(not HAVE_CXX, reason="needs a C++ compiler")
+def test_build_is_cached(fresh_kernel):
+    assert cpu.available()[0]
+    first = cpu.kernel()
+    assert os.path.exists(first.path) and first.path.startswith(str(fresh_kernel))
+    cpu.reset()
+    assert cpu.available()[0]
+    assert cpu.kernel().path == first.path
+    assert len(os.listdir(os.path.dirname(first.path))) == 1  # no rebuild, no stray temp files
+
+
+def test_build_failure_falls_back(monkeypatch, fresh_kernel):
+    monkeypatch.setattr(cpu, "_compiler", lambda: shutil.which("false") or "/bin/false")
+    ok, reason = cpu.available()
+    assert not ok and reason.startswith("build failed")
+    x, w, _ = make_inputs(4, (64,), torch.bfloat16)
+    assert not cpu.supports(x, w, None)
+    assert backends.resolve("auto", x, w, None) is backends.eager
+    assert backends.resolve("cpu", x, w, None) is backends.eager  # explicit request falls back too
+    y = normswap.rms_norm(x, 64, w)
+    check_against_reference(y, x, (64,), w, None, 1e-6, "fallback")
+    pick = [d for d in backends.describe() if d["name"] == "auto" and d["device"] == "cpu"]
+    assert all(d["picks"] in ("eager", "native") and "build failed" in d["why"] for d in pick)
+
+
+def test_no_compiler_and_disabled_build(monkeypatch, fresh_kernel):
+    monkeypatch.setattr(cpu, "_compiler", lambda: None)
+    assert cpu.available() == (False, "no C++ compiler found (set CXX, or install g++)")
+    cpu.reset()
+    monkeypatch.setenv("NORMSWAP_CPU_BUILD", "0")
+    assert cpu.available() == (False, "disabled by NORMSWAP_CPU_BUILD=0")
+    assert backends.resolve("auto", torch.randn(2, 8), None, None) is backends.native
+
+
+@pytest.mark.skipif(not HAVE_CXX, reason="needs a C++ compiler")
+def test_self_test_failure_disables_kernel(monkeypatch):
+    monkeypatch.setattr(cpu, "_self_test", lambda k: "self-test failed for torch.float32")
+    cpu.reset()  # reloads the cached build, then the (patched) self-test rejects it
+    try:
+        assert cpu.available() == (False, "self-test failed for torch.float32")
+    finally:
+        monkeypatch.undo()
+        cpu.reset()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAVE_CXX, reason="needs a C++ compiler")
+def test_concurrent_first_use_builds_safely(tmp_path):
+    """Two processes building into the same empty cache at once both end up with a working kernel."""
+    code = "from normswap.backends import cpu; ok, r = cpu.available(); assert ok, r; print(r)"
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path)}
+    procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    for p in procs:
+        out, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err
+    files = os.listdir(tmp_path / "normswap_cpu")
+    assert len(files) == 1 and files[0].endswith(".so")
+
+
+@pytest.mark.skipif(not HAVE_CXX, reason="needs a C++ compiler")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_threads_split_rows_identically(dtype):
+    x, w, b = make_inputs(301, (515,), dtype, bias=True, seed=7)  # > _PARALLEL_MIN_ELEMENTS
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu.rms_norm(x, (515,), w, b, 1e-6).clone()
+        torch.set_num_threads(2)
+        two = cpu.rms_norm(x, (515,), w, b, 1e-6)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)
+
+
+def test_row_view_without_copy():
+    base = torch.randn(10, 96)
+    x = base[:, 16:80]  # row stride 96, unit column stride
+    assert cpu._as_rows(x, 64).data_ptr() == x.data_ptr()
+    t = torch.randn(64, 10).t()  # columns strided: must be copied
+    assert cpu._as_rows(t, 64).is_contiguous()
+
+
+@pytest.mark.skipif(not HAVE_CXX, reason="needs a C++ compiler")
+def test_output_pool_reuses_only_unreferenced_storage(monkeypatch):
+    monkeypatch.delenv("NORMSWAP_CPU_POOL", raising=False)
+    cpu.empty_pool()
+    x = torch.randn(512, 1024)  # 2 MiB output: pooled
+    with torch.no_grad():
+        y1 = cpu.rms_norm(x, (1024,), None, None, 1e-6)
+        p1 = y1.data_ptr()
+        del y1
+        y2 = cpu.rms_norm(x, (1024,), None, None, 1e-6)
+        assert y2.data_ptr() == p1  # freed by the caller: reused
+        view = y2[3]
+        kept = view.clone()
+        del y2
+        y3 = cpu.rms_norm(x * 2, (1024,), None, None, 1e-6)
+        assert y3.data_ptr() != p1  # a view still references the first storage
+        assert torch.equal(view, kept)  # and its contents were not overwritten
+        assert y3._base is None and y3.is_contiguous()
+    cpu.empty_pool()
+    assert not cpu._pool.free
+
+
+def test_pool_can_be_disabled(monkeypatch):
+    monkeypatch.setenv("NORMSWAP_CPU_POOL", "0")
+    cpu.empty_pool()
+    with torch.no_grad():
+        cpu.rms_norm(torch.randn(512, 1024), (1024,), None, None, 1e-6)
+    assert not cpu._pool.free
+
+
+@pytest.mark.skipif(not HAVE_CXX, reason="needs a C++ compiler")
+def test_inference_mode_and_autograd_paths():
+    x, w, b = make_inputs(8, (64,), torch.float32, bias=True, seed=9, requires_grad=True)
+    with torch.inference_mode():
+        y = cpu.rms_norm(x, (64,), w, b, 1e-6)
+        assert y.is_inference()
+    y = cpu.rms_norm(x, (64,), w, b, 1e-6)
+    assert type(y.grad_fn).__name__ == "_RMSNormCPUBackward"  # eager path: no op dispatcher
+    y.sum().backward()
+    assert x.grad is not None and w.grad is not None and b.grad is not None

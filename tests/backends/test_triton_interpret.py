@@ -1,0 +1,175 @@
+"""Triton kernels on CPU through ``TRITON_INTERPRET=1`` (small shapes: the interpreter is slow).
+
+Covers forward, backward, dW/dB for fp32/fp16/bf16 (and fp64), per-head weights, strided rows,
+determinism of dW, ``torch.library.opcheck`` of both custom ops, gradcheck, and
+``torch.compile(fullgraph=True)`` through the ops with dynamic row counts and no recompiles.
+
+The interpreter is chosen when ``triton.jit`` wraps a kernel, and ``_triton_kernels.kernels()`` wraps
+lazily per ``TRITON_INTERPRET`` value, so setting the variable in a fixture is enough: nothing else
+in the test session sees it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+from backend_ref import ATOL, check_against_reference, make_inputs
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import normswap
+from normswap import backends
+from normswap.backends import eager
+from normswap.backends import triton as tb
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
+
+
+@pytest.fixture(autouse=True)
+def interpret(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    yield
+
+
+def test_available_only_with_cuda_or_interpreter(monkeypatch):
+    assert tb.available()[0]
+    from normswap.backends._triton_kernels import kernels
+
+    assert all(type(k).__name__ == "InterpretedFunction" for k in kernels())
+    if not torch.cuda.is_available():
+        monkeypatch.delenv("TRITON_INTERPRET")
+        ok, reason = tb.available()
+        assert not ok and "no CUDA device" in reason
+        assert not tb.supports(torch.randn(2, 8), None, None)
+        # an explicit request falls back to auto instead of failing
+        assert backends.resolve("triton", torch.randn(2, 8), None, None) is not tb
+
+
+CASES = [
+    # rows, shape, per_head, weight, bias, strided
+    (37, (64,), 0, True, False, False),
+    (16, (256,), 0, True, True, True),
+    (9, (100,), 0, False, True, False),
+    (12, (48,), 4, True, True, False),
+    (8, (4, 16), 0, True, True, False),
+    (5, (1,), 0, True, False, False),
+]
+
+
+def _grads(fn, x, w, b, gy):
+    inputs = [t for t in (x, w, b) if t is not None]
+    return torch.autograd.grad(fn(x, w, b), inputs, gy)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}x{c[1]}h{c[2]}w{int(c[3])}b{int(c[4])}s{int(c[5])}")
+def test_forward_backward_against_reference(dtype, case):
+    rows, shape, per_head, weight, bias, strided = case
+    x, w, b = make_inputs(rows, shape, dtype, weight=weight, bias=bias, per_head=per_head, strided=strided,
+                          seed=rows, requires_grad=True)
+    eps = 1e-5
+    assert tb.supports(x, w, b)
+    y = tb.rms_norm(x, shape, w, b, eps)
+    check_against_reference(y, x, shape, w, b, eps, f"triton {dtype}")
+
+    gy = torch.randn(x.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64).to(dtype)
+    got = _grads(lambda x, w, b: tb.rms_norm(x, shape, w, b, eps), x, w, b, gy)
+    base = _grads(lambda x, w, b: eager.rms_norm(x, shape, w, b, eps), x, w, b, gy)
+    x64, w64, b64 = (t.detach().double().requires_grad_(True) if t is not None else None for t in (x, w, b))
+    ref = _grads(lambda x, w, b: eager.rms_norm(x, shape, w, b, eps), x64, w64, b64, gy.double())
+    scale = max(rows // max(per_head, 1), 1) ** 0.5  # dW/dB sum over rows: allow their rounding growth
+    for g, g0, r in zip(got, base, ref, strict=True):
+        assert g.dtype == g0.dtype and g.shape == g0.shape
+        err, err0 = (g.double() - r).abs().max().item(), (g0.double() - r).abs().max().item()
+        assert err <= 2 * err0 + ATOL[dtype] * scale, f"{dtype}: grad error {err:.3g} vs eager {err0:.3g}"
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    rows=st.integers(0, 24),
+    n=st.integers(1, 160),
+    dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
+    log_eps=st.floats(-10, -2),
+    log_scale=st.floats(-3, 3),
+    weight=st.booleans(),
+    bias=st.booleans(),
+    strided=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_forward_property(rows, n, dtype, log_eps, log_scale, weight, bias, strided, seed):
+    x, w, b = make_inputs(rows, (n,), dtype, scale=10.0**log_scale, weight=weight, bias=bias, strided=strided,
+                          seed=seed)
+    y = tb.rms_norm(x, (n,), w, b, 10.0**log_eps)
+    check_against_reference(y, x, (n,), w, b, 10.0**log_eps, f"triton {dtype} {tuple(x.shape)}")
+
+
+def test_weight_in_another_dtype():
+    x, w, b = make_inputs(10, (64,), torch.bfloat16, bias=True, weight_dtype=torch.float32, seed=3,
+                          requires_grad=True)
+    y = tb.rms_norm(x, (64,), w, b, 1e-6)
+    check_against_reference(y, x, (64,), w, b, 1e-6, "fp32 weight")
+    y.float().sum().backward()
+    assert w.grad.dtype == torch.float32 and b.grad.dtype == torch.float32
+
+
+def test_dweight_is_deterministic():
+    x, w, b = make_inputs(64, (128,), torch.float32, bias=True, seed=4, requires_grad=True)
+    gy = torch.randn(x.shape)
+    first = _grads(lambda x, w, b: tb.rms_norm(x, (128,), w, b, 1e-6), x, w, b, gy)
+    again = _grads(lambda x, w, b: tb.rms_norm(x, (128,), w, b, 1e-6), x, w, b, gy)
+    assert all(torch.equal(a, c) for a, c in zip(first, again, strict=True))
+
+
+def test_empty_rows():
+    x = torch.randn(0, 32, requires_grad=True)
+    w = torch.ones(32, requires_grad=True)
+    y = tb.rms_norm(x, (32,), w, None, 1e-6)
+    assert y.shape == (0, 32)
+    y.sum().backward()
+    assert w.grad is not None and torch.equal(w.grad, torch.zeros(32))
+
+
+def test_eager_path_bypasses_the_op_dispatcher():
+    x, w, b = make_inputs(4, (32,), torch.float32, bias=True, requires_grad=True)
+    y = tb.rms_norm(x, (32,), w, b, 1e-6)
+    assert type(y.grad_fn).__name__ == "_TritonRMSNormBackward"
+
+
+def test_gradcheck_float64():
+    m = normswap.RMSNorm(16, bias=True, backend="triton", dtype=torch.float64, param_shape=(3, 16))
+    with torch.no_grad():
+        m.weight.normal_(1.0, 0.3)
+        m.bias.normal_(0.0, 0.3)
+    x = torch.randn(2, 3, 16, dtype=torch.float64, requires_grad=True)
+    assert backends.resolve("triton", x, m.weight, m.bias) is tb
+    f = lambda x, w, b: normswap.rms_norm(x, 16, w, b, 1e-5, backend="triton")  # noqa: E731
+    assert torch.autograd.gradcheck(f, (x, m.weight, m.bias), eps=1e-6, atol=1e-5)
+
+
+def test_opcheck_custom_ops():
+    x = torch.randn(5, 3, 32)
+    w, b = torch.randn(3, 32), torch.randn(32)
+    for args in [(x, [32], w, b, 1e-6), (x, [3, 32], None, None, 1e-5), (x.to(torch.bfloat16), [32], b, None, 1e-5)]:
+        torch.library.opcheck(torch.ops.normswap.triton_rms_norm_fwd, args)
+    y, rstd = torch.ops.normswap.triton_rms_norm_fwd(x, [32], w, b, 1e-6)
+    for wt, bt in ((w, b), (None, None), (w, None)):
+        torch.library.opcheck(torch.ops.normswap.triton_rms_norm_bwd, (torch.randn_like(y), x, rstd, [32], wt, bt))
+
+
+@pytest.mark.parametrize("compile_backend", ["aot_eager", "inductor"])
+def test_compile_fullgraph_no_recompiles(compile_backend):
+    torch._dynamo.reset()
+    m = normswap.RMSNorm(32, bias=True, backend="triton", param_shape=(4, 32))
+    fn = torch.compile(lambda x: m(x), fullgraph=True, backend=compile_backend, dynamic=True)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for rows in (3, 8, 13):
+            x = torch.randn(rows, 4, 32, requires_grad=True)
+            y = fn(x)
+            gy = torch.randn_like(y)
+            got = torch.autograd.grad(y, (x, m.weight, m.bias), gy)
+            ref_y = eager.rms_norm(x, (32,), m.weight, m.bias, m.eps)
+            ref = torch.autograd.grad(ref_y, (x, m.weight, m.bias), gy)
+            assert torch.allclose(y, ref_y, atol=1e-5)
+            assert all(torch.allclose(a, r, atol=1e-4) for a, r in zip(got, ref, strict=True))
