@@ -10,8 +10,8 @@ See ``normswap.checkpoint.streaming`` for the low-memory path used on checkpoint
 """
 
 from normswap.checkpoint.hf import install_lazy_registration, register
-from normswap.checkpoint.load import load
-from normswap.checkpoint.save import FORMATS, save
+from normswap.checkpoint.reader import load
+from normswap.checkpoint.writer import FORMATS, save
 
 install_lazy_registration()
 

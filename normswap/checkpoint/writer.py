@@ -151,6 +151,31 @@ def modeling_source(base: str, classes: dict[str, str]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def state_dict_for_save(model: nn.Module) -> dict[str, torch.Tensor]:
+    """``model.state_dict()`` where every alias that loading will *not* re-tie is its own tensor.
+
+    After untying, the config says ``tie_word_embeddings=false``, so transformers re-ties nothing
+    on load; but other aliases may survive in memory (BERT's MLM ``decoder.bias`` is the head's
+    ``bias``). ``save_pretrained`` drops aliases because safetensors cannot store them, and the
+    reloaded model would then miss those keys. Saving a copy keeps the values (the loaded model
+    holds two equal parameters, as stock transformers does with ties disabled).
+    """
+    state = model.state_dict()
+    expand = getattr(model, "get_expanded_tied_weights_keys", None)
+    retied = expand(all_submodels=True) if callable(expand) else {}
+    groups: dict[tuple, list[str]] = {}
+    for name, t in state.items():
+        if isinstance(t, torch.Tensor) and t.device.type != "meta" and t.numel():
+            groups.setdefault((t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape)), []).append(name)
+    for names in groups.values():
+        if len(names) < 2:
+            continue
+        keep = [n for n in names if retied.get(n) not in names]  # names loading will not fill by tying
+        for name in sorted(keep)[1:]:
+            state[name] = state[name].clone()
+    return state
+
+
 # ------------------------------------------------------------------------------------ native
 def write_native(model: nn.Module, out: Path, *, plan: Plan, max_shard_size: int | str = DEFAULT_SHARD,
                  verification: dict | None = None, source: str | None = None,
@@ -160,7 +185,7 @@ def write_native(model: nn.Module, out: Path, *, plan: Plan, max_shard_size: int
     manifest = build_manifest(model, plan, fmt="native", verification=verification, source=source,
                               extra=manifest_extra)
     classes = auto_classes_for(model)
-    model.save_pretrained(out, max_shard_size=max_shard_size)
+    model.save_pretrained(out, max_shard_size=max_shard_size, state_dict=state_dict_for_save(model))
     cfg_path = out / "config.json"
     cfg = json.loads(cfg_path.read_text())
     cfg["model_type"] = hf.PREFIX + base
@@ -260,11 +285,16 @@ def compat_model(model: nn.Module, plan: Plan) -> tuple[nn.Module, dict[str, lis
     if missing:
         raise NormswapError(f"compat export: no value for {missing[0]}; use --format native for this model")
     stock.load_state_dict(state, assign=True, strict=True)
-    for module in stock.modules():  # non-persistent buffers (rotary tables, ...) are rebuilt, not assigned
+    # non-persistent buffers (position ids, rotary tables) are not in the state dict: share the model's
+    own_buffers = dict(model.named_buffers(remove_duplicate=False))
+    for path, module in stock.named_modules(remove_duplicate=False):
         for name, buf in list(module._buffers.items()):
-            if buf is not None and buf.is_meta:
-                raise NormswapError(f"compat export: buffer {name} of {type(module).__name__} could not be "
-                                    "rebuilt; use --format native for this model")
+            if buf is None or not buf.is_meta:
+                continue
+            full = f"{path}.{name}" if path else name
+            if full not in own_buffers:
+                raise NormswapError(f"compat export: no value for buffer {full}; use --format native")
+            module._buffers[name] = own_buffers[full]
     if hasattr(model, "_weight_conversions"):
         stock._weight_conversions = model._weight_conversions
     if getattr(model, "generation_config", None) is not None:
@@ -280,7 +310,7 @@ def write_compat(model: nn.Module, out: Path, *, plan: Plan, max_shard_size: int
     manifest = build_manifest(model, plan, fmt="compat", verification=verification, source=source,
                               extra=manifest_extra)
     manifest.update(lists)
-    stock.save_pretrained(out, max_shard_size=max_shard_size)
+    stock.save_pretrained(out, max_shard_size=max_shard_size, state_dict=state_dict_for_save(stock))
     cfg_path = out / "config.json"
     cfg = json.loads(cfg_path.read_text())
     cfg[hf.MANIFEST_KEY] = manifest

@@ -1,0 +1,305 @@
+"""``normswap.convert``: model on disk (or preset) -> converted checkpoint directory.
+
+In-memory path: load, ``normswap.patch`` (analysis + fp64 surgery + verification), write into a
+temporary directory beside ``out``, reload what was written and check it reproduces the
+converted model (bitwise for native, within dtype tolerance of the original for compat), then
+rename into place. Checkpoints larger than about half the available RAM (or ``low_memory=True``)
+take the streaming path in :mod:`normswap.checkpoint.streaming` instead.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from collections.abc import Callable
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from normswap import api, backends, inputs
+from normswap.checkpoint import io, source, writer
+from normswap.checkpoint.source import NothingToConvert, Source
+from normswap.errors import NormswapError
+from normswap.verify import comparable, compare, primary_key
+
+log = logging.getLogger("normswap")
+
+
+class VerificationFailed(NormswapError):
+    """An exact conversion missed tolerance (CLI exit code 4). Nothing was written."""
+
+    exit_code = 4
+
+
+def _progress(enabled: bool, total: int, desc: str) -> Any:
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, disable=not enabled, file=sys.stderr, leave=False,
+                bar_format="{desc}: {n_fmt}/{total_fmt} {postfix}")
+
+
+def check_options(*, fmt: str, mode: str, dtype: str, max_shard_size: int | str, task: str | None,
+                  backend: str, low_memory: bool | None, calibration_data: Any) -> str:
+    """Validate option values before touching anything; returns the effective mode."""
+    if fmt not in writer.FORMATS:
+        raise NormswapError(f"format must be one of {', '.join(writer.FORMATS)}, not {fmt!r}")
+    if mode not in api.MODES:
+        raise NormswapError(f"mode must be one of {', '.join(api.MODES)}, not {mode!r}")
+    source.torch_dtype(dtype)
+    io.parse_size(max_shard_size)
+    if task is not None and task not in source.TASKS:
+        raise NormswapError(f"unknown task {task!r}; choose from {', '.join(source.TASKS)}")
+    backends.check_name(backend)
+    if fmt == "compat" and mode == "all":
+        raise NormswapError("compat format keeps LayerNorms, so approximate norms cannot be converted: "
+                            "use --mode exact (or auto) with --format compat, or --format native with --mode all")
+    if low_memory and calibration_data is not None:
+        raise NormswapError("--calibration-data needs the whole model in memory; drop --low-memory or the "
+                            "calibration data")
+    return "exact" if fmt == "compat" else mode
+
+
+def available_memory() -> int:
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    except Exception:  # noqa: BLE001
+        return 8 << 30
+
+
+def wants_low_memory(src: Source, dtype: str) -> bool:
+    """The in-memory path holds the model plus a working copy: stream when the checkpoint is more
+    than about half of the available RAM."""
+    if src.kind == "preset":
+        return False
+    factor = 1.0
+    if dtype == "float32":
+        factor = 2.0 if any(_is_half(f) for f in src.safetensors[:1]) else 1.0
+    return src.nbytes * factor > 0.5 * available_memory()
+
+
+def _is_half(path: Path) -> bool:
+    header = io.read_safetensors_header(path)
+    return any(v.get("dtype") in ("BF16", "F16") for k, v in header.items() if k != "__metadata__")
+
+
+# ------------------------------------------------------------------------------------ calibration
+def read_calibration(path: str | os.PathLike, tokenizer: Any, model: nn.Module, *, max_samples: int = 256,
+                     batch_size: int = 8) -> list[dict[str, torch.Tensor]]:
+    """Text file (one sample per non-empty line) or JSONL with a ``"text"`` field -> model batches."""
+    path = Path(path)
+    if not path.is_file():
+        raise NormswapError(f"calibration data {path} does not exist")
+    if tokenizer is None or not callable(tokenizer):
+        raise NormswapError(f"--calibration-data is text, but {type(model).__name__} has no tokenizer "
+                            "(image/audio model, or no tokenizer files next to the weights)")
+    main = getattr(model, "main_input_name", "input_ids")
+    if main != "input_ids":
+        raise NormswapError(f"--calibration-data is text, but {type(model).__name__} takes {main}")
+    try:
+        raw = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise NormswapError(f"cannot read calibration data {path}: {exc}") from exc
+    lines = [ln for ln in raw.splitlines() if ln.strip()]
+    jsonl = path.suffix in (".jsonl", ".json") or (lines and lines[0].lstrip().startswith("{"))
+    texts: list[str] = []
+    for i, line in enumerate(lines, 1):
+        if jsonl:
+            try:
+                obj = json.loads(line)
+            except ValueError as exc:
+                raise NormswapError(f"{path}:{i}: not valid JSON ({exc.args[0] if exc.args else exc})") from exc
+            if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
+                raise NormswapError(f'{path}:{i}: expected an object with a "text" string field')
+            texts.append(obj["text"])
+        else:
+            texts.append(line)
+    texts = [t for t in texts if t.strip()][:max_samples]
+    if not texts:
+        raise NormswapError(f"calibration data {path} contains no text")
+    config = model.config
+    limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None) or 512
+    max_length = max(4, min(128, int(limit) - 2))
+    if getattr(tokenizer, "pad_token", None) is None:
+        tokenizer.pad_token = getattr(tokenizer, "eos_token", None) or getattr(tokenizer, "unk_token", None)
+    import inspect
+
+    params = inspect.signature(model.forward).parameters
+    batches = []
+    for lo in range(0, len(texts), batch_size):
+        enc = tokenizer(texts[lo:lo + batch_size], return_tensors="pt", padding=True, truncation=True,
+                        max_length=max_length)
+        batch = {k: v for k, v in enc.items() if k in params}
+        if getattr(config, "is_encoder_decoder", False) and "decoder_input_ids" in params:
+            batch["decoder_input_ids"] = enc["input_ids"][:, : min(8, enc["input_ids"].shape[1])]
+        if "use_cache" in params:
+            batch["use_cache"] = False
+        batches.append(batch)
+    return batches
+
+
+# ------------------------------------------------------------------------------------ reload check
+def probe_inputs(model: nn.Module) -> dict[str, Any]:
+    """Inputs unseen by the analysis (different seed) for the reload check."""
+    return inputs.hf_example_inputs(model, batch=2, seq=8, seed=4242)
+
+
+def _run(model: nn.Module, probe: dict[str, Any]) -> Any:
+    with torch.no_grad():
+        return model(**probe)
+
+
+def reload_check(fmt: str, out: Path, converted: Any, original: Any, probe: dict[str, Any],
+                 plan: Any, dtype: torch.dtype) -> dict[str, Any]:
+    """Load what was written and compare: native must be bitwise equal to the converted model;
+    compat (stock LayerNorms) must match the original within the dtype's tolerance."""
+    from normswap.checkpoint.reader import load
+
+    model = load(out)
+    reloaded = _run(model, probe)
+    skip = set(plan.changed_outputs)
+    a, b = comparable(converted, skip), comparable(reloaded, skip)
+    keys = [k for k in a if k in b and a[k].shape == b[k].shape]
+    if not keys:
+        raise VerificationFailed("verification failed: the reloaded checkpoint produces none of the converted "
+                                 "model's outputs; nothing was written")
+    bitwise = all(torch.equal(a[k], b[k]) for k in keys)
+    figures: dict[str, Any] = {"reload_bitwise_equal": bitwise,
+                               "reload_max_abs_diff": max(float((a[k].double() - b[k].double()).abs().max())
+                                                          for k in keys)}
+    vs_orig = compare(original, reloaded, skip)
+    if "max_rel_error" in vs_orig:
+        figures["reload_vs_original_max_rel_error"] = vs_orig["max_rel_error"]
+    exact = all(sp.verdict != "approximate" for sp in plan.sites if sp.convert)
+    if fmt == "native" and not bitwise:
+        raise VerificationFailed(f"verification failed: the reloaded native checkpoint differs from the "
+                                 f"converted model by {figures['reload_max_abs_diff']:.3g} on "
+                                 f"{primary_key(b)}; nothing was written")
+    if fmt == "compat" and exact and "max_rel_error" in vs_orig:
+        limit = api.EXACT_TOLERANCE.get(dtype, 1e-3)
+        if vs_orig["max_rel_error"] > limit:
+            raise VerificationFailed(f"verification failed: the compat checkpoint differs from the original by "
+                                     f"{vs_orig['max_rel_error']:.3g} (relative, limit {limit:g}); nothing "
+                                     "was written")
+    del model
+    return figures
+
+
+def _update_manifest(out: Path, figures: dict[str, Any]) -> None:
+    cfg_path = out / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    manifest = cfg.get("normswap", {})
+    manifest.setdefault("verification", {}).update(writer._json_safe(figures))
+    io.write_json(cfg_path, cfg)
+    (out / "README.md").write_text(writer.model_card(manifest, out.name.split(io.TMP_MARK)[0].lstrip(".")))
+
+
+# ------------------------------------------------------------------------------------ convert
+def convert(model_id_or_path: str | os.PathLike, out_dir: str | os.PathLike, *, format: str = "native",  # noqa: A002
+            mode: str = "auto", fold_gamma: bool = False, untie: bool = True, dtype: str = "auto",
+            calibration_data: str | os.PathLike | None = None, calibration: Any = None,
+            max_shard_size: int | str = writer.DEFAULT_SHARD, low_memory: bool | None = None,
+            trust_remote_code: bool = False, overwrite: bool = False, verify: bool = True,
+            task: str | None = None, allow_pickle: bool = False, backend: str = "auto",
+            progress: bool = False, echo: Callable[[str], None] | None = None) -> api.Report:
+    """Convert a model into a checkpoint directory, atomically.
+
+    Args:
+        model_id_or_path: a Hub id, a local Hugging Face model directory, or a preset name
+            (``normswap.presets.names()``).
+        out_dir: destination; must not exist or be empty unless ``overwrite``.
+        format: ``"native"`` (RMSNorm modules + manifest) or ``"compat"`` (stock architecture,
+            LayerNorms kept, exact, loads without normswap).
+        mode, fold_gamma, untie, backend: as in :func:`normswap.patch`.
+        dtype: ``"auto"`` (the checkpoint's), ``"float32"``, ``"bfloat16"`` or ``"float16"``.
+        calibration_data: text file or JSONL (``"text"`` field) used to fit approximate norms.
+        calibration: already-tokenised calibration batches (alternative to ``calibration_data``).
+        max_shard_size: shard limit for the written safetensors (``"5GB"``, ``"500MB"``, bytes).
+        low_memory: stream tensors shard by shard (``None``: automatic for checkpoints larger than
+            about half of the available RAM).
+        trust_remote_code: allow custom modeling code shipped with the source model.
+        overwrite: replace a non-empty ``out_dir`` (only once the new one is complete).
+        verify: verify the conversion and the written checkpoint (reload check).
+        task: override the model class picked from ``config.architectures`` (``source.TASKS``).
+        allow_pickle: accept pickle-only (``.bin``) source checkpoints.
+        progress: show progress bars on stderr.
+        echo: called with one-line status messages (the CLI prints them).
+
+    Returns:
+        The :class:`normswap.Report` (verification figures include the reload check).
+
+    Raises:
+        NormswapError: bad input (one actionable line); nothing is written.
+        NothingToConvert: no LayerNorm to convert in this mode (``exit_code`` 3).
+        VerificationFailed: an exact conversion missed tolerance (``exit_code`` 4).
+    """
+    say = echo or (lambda msg: log.info(msg))
+    eff_mode = check_options(fmt=format, mode=mode, dtype=dtype, max_shard_size=max_shard_size, task=task,
+                             backend=backend, low_memory=low_memory, calibration_data=calibration_data)
+    if format == "compat" and mode == "auto":
+        say("compat format: approximate norms (if any) stay LayerNorm (mode=exact)")
+    src = source.resolve(str(model_id_or_path), allow_pickle=allow_pickle, trust_remote_code=trust_remote_code)
+    out = io.check_destination(out_dir, overwrite=overwrite, source=src.path)
+    if low_memory is None:
+        low_memory = wants_low_memory(src, dtype) and calibration_data is None and calibration is None
+        if low_memory:
+            say(f"checkpoint is {io.human(src.nbytes)}, more than half of the available RAM: streaming "
+                "conversion (--low-memory)")
+    if low_memory:
+        if src.kind == "preset":
+            raise NormswapError("--low-memory converts a checkpoint on disk; save the preset first "
+                                "(normswap.presets.save) or drop --low-memory")
+        from normswap.checkpoint import streaming
+
+        return streaming.convert_streaming(src, out, fmt=format, mode=eff_mode, fold_gamma=fold_gamma,
+                                           untie=untie, dtype=dtype, max_shard_size=max_shard_size,
+                                           overwrite=overwrite, verify=verify, task=task, backend=backend,
+                                           progress=progress, echo=say)
+    io.check_space(out, src.nbytes)
+    steps = _progress(progress, 4, f"normswap convert {src.spec}")
+    with steps if progress else nullcontext():
+        steps.set_postfix_str("loading")
+        model, proc = source.load_model(src, task=task, dtype=dtype, trust_remote_code=trust_remote_code)
+        if format == "native" and type(model).__module__.startswith("transformers_modules"):
+            raise NormswapError(f"{src.spec} uses custom modeling code; the native format needs a transformers "
+                                "architecture. Use --format compat")
+        steps.update()
+        if calibration is None and calibration_data is not None:
+            calibration = read_calibration(calibration_data, proc, model)
+        probe = probe_inputs(model) if inputs.is_hf_model(model) else None
+        original = _run(model, probe) if (verify and probe is not None) else None
+        steps.set_postfix_str("analysing and converting")
+        try:
+            report = api.patch(model, mode=eff_mode, fold_gamma=fold_gamma, untie=untie, calibration=calibration,
+                               verify=verify, backend=backend)
+        except NormswapError as exc:
+            if str(exc).startswith("verification failed"):
+                raise VerificationFailed(f"{exc}; nothing was written") from exc
+            raise
+        if not report.changed:
+            raise NothingToConvert(f"{src.label}: {report.message}")
+        steps.update()
+        plan = model._normswap_plan
+        converted = _run(model, probe) if original is not None else None
+        steps.set_postfix_str("writing")
+        with io.atomic_directory(out, overwrite=overwrite) as tmp:
+            writer.write_model_dir(model, tmp, fmt=format, plan=plan, max_shard_size=max_shard_size,
+                                 verification=report.verification, source=src.spec,
+                                 tokenizer=proc if src.kind == "preset" else None,
+                                 side_files_from=src.path)
+            steps.update()
+            if original is not None:
+                steps.set_postfix_str("verifying the written checkpoint")
+                dtype_ = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+                figures = reload_check(format, tmp, converted, original, probe, plan, dtype_)
+                _update_manifest(tmp, figures)
+                report.verification.update(figures)
+            steps.update()
+    report.message += f"; wrote {format} checkpoint to {out}"
+    return report

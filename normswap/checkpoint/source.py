@@ -1,0 +1,275 @@
+"""Where a model comes from: a preset name, a local directory, or a Hub id.
+
+Every check that can fail on bad input runs here, *before* anything is loaded or written, and
+fails with one actionable line: missing paths, Hub ids while offline (or with no network),
+truncated or corrupted safetensors, pickle-only checkpoints (refused unless ``allow_pickle``),
+models that need ``trust_remote_code``, and checkpoints normswap already converted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+import torch
+from torch import nn
+
+from normswap import presets
+from normswap.checkpoint import hf, io
+from normswap.errors import NormswapError
+
+# task name -> AutoModel class name (the --task option)
+TASKS = {
+    "causal-lm": "AutoModelForCausalLM",
+    "seq2seq-lm": "AutoModelForSeq2SeqLM",
+    "speech-seq2seq": "AutoModelForSpeechSeq2Seq",
+    "masked-lm": "AutoModelForMaskedLM",
+    "sequence-classification": "AutoModelForSequenceClassification",
+    "token-classification": "AutoModelForTokenClassification",
+    "question-answering": "AutoModelForQuestionAnswering",
+    "image-classification": "AutoModelForImageClassification",
+    "audio-classification": "AutoModelForAudioClassification",
+    "ctc": "AutoModelForCTC",
+    "base": "AutoModel",
+}
+# when config.architectures names nothing transformers has, try these in order
+FALLBACK_TASKS = ("causal-lm", "seq2seq-lm", "speech-seq2seq", "masked-lm", "image-classification", "base")
+DTYPES = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*(/[\w.\-]+)?$")
+
+
+class NothingToConvert(NormswapError):
+    """The model has no LayerNorm that this mode would convert (CLI exit code 3)."""
+
+    exit_code = 3
+
+
+@dataclass
+class Source:
+    """A resolved model source. ``path`` is a local directory except for presets."""
+
+    spec: str
+    kind: str  # preset | local | hub
+    path: Path | None = None
+    config: dict[str, Any] = field(default_factory=dict)
+    safetensors: list[Path] = field(default_factory=list)
+    pickles: list[Path] = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        files = self.safetensors or self.pickles
+        return sum(f.stat().st_size for f in files)
+
+    @property
+    def label(self) -> str:
+        return f"preset {self.spec}" if self.kind == "preset" else self.spec
+
+
+def _looks_like_path(spec: str) -> bool:
+    """Hub ids are ``name`` or ``org/name``; anything else path-like is a (missing) local path."""
+    return spec.startswith((".", "/", "~")) or spec.count("/") > 1 or "\\" in spec \
+        or spec.endswith(("/", ".json", ".safetensors", ".bin", ".pt", ".pth"))
+
+
+def hub_reachable(timeout: float = 3.0) -> bool:
+    """Can we open a TCP connection to the Hub endpoint within ``timeout`` seconds?"""
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+    url = urlparse(endpoint)
+    host, port = url.hostname or "huggingface.co", url.port or (443 if url.scheme == "https" else 80)
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def _offline() -> bool:
+    return any(os.environ.get(v, "").strip().lower() in ("1", "true", "yes", "on")
+               for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+
+
+def _download(spec: str, *, allow_pickle: bool, trust_remote_code: bool) -> Path:
+    hint = f"{spec!r} is not a local directory or a preset ({', '.join(presets.names())})"
+    if _offline():
+        raise NormswapError(f"{hint}, and HF_HUB_OFFLINE is set: download it first "
+                            f"(`hf download {spec} --local-dir DIR`) and pass the directory")
+    if not hub_reachable():
+        raise NormswapError(f"{hint}, and the Hugging Face Hub is unreachable (no network?): download it "
+                            "elsewhere and pass the local directory")
+    try:
+        from huggingface_hub import list_repo_files, snapshot_download
+
+        files = list_repo_files(spec)
+        patterns = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.tiktoken"]
+        if allow_pickle and not any(f.endswith(".safetensors") for f in files):
+            patterns += ["*.bin"]
+        if trust_remote_code:
+            patterns += ["*.py"]
+        return Path(snapshot_download(spec, allow_patterns=patterns))
+    except Exception as exc:  # noqa: BLE001 - hub errors are many; report one line
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise NormswapError(f"cannot download {spec!r} from the Hub: {first[:200]}") from exc
+
+
+def inspect_dir(path: Path, spec: str, *, allow_pickle: bool, trust_remote_code: bool,
+                allow_converted: bool = False) -> Source:
+    """Validate a local model directory without loading it."""
+    if path.is_file():
+        raise NormswapError(f"{spec} is a file; pass the model directory that contains config.json")
+    cfg_path = path / "config.json"
+    if not cfg_path.is_file():
+        raise NormswapError(f"{spec} has no config.json; pass a Hugging Face model directory "
+                            "(save_pretrained output) or a preset name")
+    try:
+        config = json.loads(cfg_path.read_text())
+    except (ValueError, OSError) as exc:
+        raise NormswapError(f"{cfg_path} is not valid JSON ({exc}); the file is corrupted") from exc
+    if not isinstance(config, dict) or "model_type" not in config:
+        raise NormswapError(f"{cfg_path} has no model_type; is it a transformers config?")
+    model_type = config["model_type"]
+    if hf.base_type(model_type) is not None and not allow_converted:
+        raise NothingToConvert(f"{spec} was already converted by normswap ({model_type}); nothing to do")
+    safe, pickles = io.weight_files(path)
+    for f in safe:
+        io.read_safetensors_header(f)
+    if not safe:
+        if not pickles:
+            raise NormswapError(f"{spec} contains no weights (*.safetensors); the download is incomplete")
+        if not allow_pickle:
+            raise NormswapError(f"{spec} has only pickle weights ({pickles[0].name}); loading them can run "
+                                "arbitrary code. Convert to safetensors first, or pass --allow-pickle if you "
+                                "trust the source")
+    needs_code = "auto_map" in config and hf.base_type(model_type) is None
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if (needs_code or model_type not in CONFIG_MAPPING) and not trust_remote_code:
+        if needs_code:
+            raise NormswapError(f"{spec} uses custom modeling code (auto_map in config.json); pass "
+                                "--trust-remote-code if you trust it")
+        raise NormswapError(f"{spec} has model_type {model_type!r}, which transformers "
+                            f"{_tf_version()} does not know; upgrade transformers")
+    return Source(spec, "local", path, config, safe, pickles)
+
+
+def _tf_version() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
+def resolve(spec: str, *, allow_pickle: bool = False, trust_remote_code: bool = False,
+            allow_converted: bool = False) -> Source:
+    """Preset name, local directory or Hub id -> :class:`Source` (Hub ids are downloaded)."""
+    spec = str(spec)
+    if presets.is_preset(spec):
+        return Source(spec, "preset", None, {"model_type": presets.get(spec).config(8).model_type})
+    path = Path(spec).expanduser()
+    if path.exists():
+        return inspect_dir(path, spec, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code,
+                           allow_converted=allow_converted)
+    if _looks_like_path(spec) or not _HUB_ID.match(spec):
+        raise NormswapError(f"{spec} does not exist (not a directory, a preset or a Hub id); "
+                            f"presets: {', '.join(presets.names())}")
+    local = _download(spec, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code)
+    src = inspect_dir(local, spec, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code,
+                      allow_converted=allow_converted)
+    src.kind = "hub"
+    return src
+
+
+# ------------------------------------------------------------------------------------ model classes
+def _auto(name: str) -> Any:
+    import transformers
+
+    return getattr(transformers, name)
+
+
+def model_class(config: Any, task: str | None = None, architectures: list[str] | None = None) -> type:
+    """The class to load: ``task``'s AutoModel class, else ``config.architectures``, else a fallback."""
+    import transformers
+
+    if task is not None:
+        if task not in TASKS:
+            raise NormswapError(f"unknown task {task!r}; choose from {', '.join(TASKS)}")
+        mapping = _auto(TASKS[task])._model_mapping
+        if type(config) not in mapping:
+            raise NormswapError(f"task {task!r} is not available for model_type {config.model_type!r}")
+        return mapping[type(config)]
+    for name in architectures or getattr(config, "architectures", None) or []:
+        cls = getattr(transformers, name, None)
+        if isinstance(cls, type) and issubclass(cls, nn.Module):
+            return cls
+    for t in FALLBACK_TASKS:
+        mapping = _auto(TASKS[t])._model_mapping
+        if type(config) in mapping:
+            return mapping[type(config)]
+    raise NormswapError(f"no transformers model class for model_type {config.model_type!r}; pass --task")
+
+
+def torch_dtype(name: str) -> Any:
+    if name not in DTYPES:
+        raise NormswapError(f"dtype must be one of {', '.join(DTYPES)}, not {name!r}")
+    return DTYPES[name]
+
+
+def load_model(src: Source, *, task: str | None = None, dtype: str = "auto",
+               trust_remote_code: bool = False) -> tuple[nn.Module, Any]:
+    """Load the source model (eval mode) and its tokenizer/processor (or ``None``)."""
+    want = torch_dtype(dtype)
+    if src.kind == "preset":
+        model, proc = presets.build(src.spec, dtype=torch.float32 if want == "auto" else want)
+        if task is not None:
+            cls = model_class(model.config, task)
+            if not isinstance(model, cls):
+                raise NormswapError(f"preset {src.spec} is a {type(model).__name__}; --task {task} does not apply")
+        return model, proc
+    from transformers import AutoConfig
+
+    assert src.path is not None
+    try:
+        config = AutoConfig.from_pretrained(src.path, trust_remote_code=trust_remote_code, local_files_only=True)
+    except Exception as exc:  # noqa: BLE001
+        raise NormswapError(f"cannot read the config of {src.spec}: {_first_line(exc)}") from exc
+    if trust_remote_code and "auto_map" in src.config and task is None:
+        auto_map = src.config["auto_map"]
+        name = next((n for n in ("AutoModelForCausalLM", "AutoModelForSeq2SeqLM", "AutoModelForMaskedLM",
+                                 "AutoModel") if n in auto_map), None)
+        cls = _auto(name) if name else model_class(config, None)
+    else:
+        cls = model_class(config, task)
+    kwargs: dict[str, Any] = {"dtype": want, "local_files_only": True}
+    if trust_remote_code:
+        kwargs["trust_remote_code"] = True
+    if not src.safetensors:
+        kwargs["use_safetensors"] = False
+    try:
+        model = cls.from_pretrained(src.path, **kwargs)
+    except NormswapError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - report, don't dump a traceback
+        raise NormswapError(f"cannot load {src.spec} as {cls.__name__}: {_first_line(exc)}") from exc
+    model.eval()
+    return model, load_processor(src.path)
+
+
+def load_processor(path: Path) -> Any:
+    """Tokenizer (preferred for text) or processor saved in ``path``; ``None`` when there is none."""
+    from transformers import AutoTokenizer
+
+    if any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt")):
+        try:
+            return AutoTokenizer.from_pretrained(path, local_files_only=True)
+        except Exception:  # noqa: BLE001 - a broken tokenizer must not block the conversion
+            return None
+    return None
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return (text.splitlines()[0] if text else type(exc).__name__)[:300]
