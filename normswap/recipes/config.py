@@ -1,0 +1,451 @@
+"""Recipe configuration: typed dataclasses, YAML loading, ``key=value`` overrides, validation.
+
+A recipe is a YAML file whose sections map one-to-one onto the dataclasses below. Every key has
+a default, so a recipe only needs what differs (``model.source`` and ``data.path`` at least).
+Overrides use dotted keys, torchtune style: ``train.lr=3e-4 data.seq_len=256 progressive.enabled=true``;
+values are parsed as YAML and then coerced to the declared type of the key. Any problem (unknown
+key, wrong type, bad choice, missing file) raises :class:`normswap.NormswapError` with a one-line
+message that names the offending key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Union
+
+import yaml
+
+from normswap.errors import NormswapError
+
+TASKS = ("causal-lm", "masked-lm", "encoder")
+
+
+@dataclass
+class ModelConfig:
+    """Where the teacher (original model) and the student come from."""
+
+    source: str = ""  # original LayerNorm model (local directory): the teacher and the conversion source
+    student: str | None = None  # a converted directory (normswap.load); None: convert `source` on the fly
+    tokenizer: str | None = None  # defaults to `source`
+    dtype: Literal["float32", "bfloat16", "float16", "float64"] = "float32"
+    trust_remote_code: bool = False
+
+
+@dataclass
+class ConvertConfig:
+    """On-the-fly conversion options (the same as ``normswap convert``)."""
+
+    mode: Literal["auto", "exact", "all"] = "all"
+    fold_gamma: bool = False
+    untie: bool = True
+    calibration_batches: int = 8
+    backend: str = "auto"
+    verify: bool = True
+
+
+@dataclass
+class TeacherConfig:
+    enabled: bool = True
+
+
+@dataclass
+class DataConfig:
+    path: str = ""
+    format: Literal["auto", "text", "jsonl", "datasets"] = "auto"
+    field: str = "text"
+    split: str = "train"
+    seq_len: int = 128
+    pack: bool = True
+    eval_fraction: float = 0.05
+    eval_batches: int | None = None
+    max_documents: int | None = None
+    batch_size: int = 8
+    eval_batch_size: int = 16
+    mlm_probability: float = 0.15
+    seed: int = 0
+
+
+@dataclass
+class LossConfig:
+    kl_weight: float = 1.0
+    temperature: float = 2.0
+    ce_weight: float = 0.0
+    positions: Literal["all", "masked"] = "all"
+    pooled_weight: float = 1.0
+    hidden_weight: float = 1.0
+    pooling: Literal["mean", "cls"] = "mean"
+
+
+@dataclass
+class LoraConfig:
+    r: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: list[str] | None = None
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 1000
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    warmup_steps: int = 0
+    scheduler: Literal["cosine", "linear", "constant"] = "cosine"
+    max_grad_norm: float | None = 1.0
+    gradient_accumulation_steps: int = 1
+    mixed_precision: Literal["no", "bf16", "fp16"] = "no"
+    trainable: Literal["all", "norms_and_biases", "lora"] = "all"
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    seed: int = 0
+
+
+@dataclass
+class ProgressiveConfig:
+    enabled: bool = False
+    order: str | list[str] = "forward"
+    group_size: int = 1
+    interval: int = 100
+    start_step: int = 0
+
+
+@dataclass
+class EvalConfig:
+    every: int = 100
+    before: bool = True
+
+
+@dataclass
+class LogConfig:
+    every: int = 10
+    progress_bar: bool = True
+    plot: bool = True
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 500
+    keep_last: int = 2
+    resume: bool = False
+    stop_after: int | None = None
+
+
+@dataclass
+class OutputConfig:
+    dir: str = "runs/normswap-finetune"
+    format: Literal["native", "compat"] = "native"
+    overwrite: bool = False
+
+
+@dataclass
+class RecipeConfig:
+    """A whole recipe. ``to_dict()`` is what the output manifest records."""
+
+    task: Literal["causal-lm", "masked-lm", "encoder"] = "causal-lm"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    convert: ConvertConfig = field(default_factory=ConvertConfig)
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    progressive: ProgressiveConfig = field(default_factory=ProgressiveConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+# ---------------------------------------------------------------------------------- typing
+_TYPE_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+
+
+def _describe(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (Union, types.UnionType):
+        return " or ".join("null" if a is type(None) else _describe(a) for a in typing.get_args(tp))
+    if origin is list:
+        return f"a list of {_describe(typing.get_args(tp)[0]).removeprefix('a ').removeprefix('an ')}s"
+    return _TYPE_NAMES.get(tp, getattr(tp, "__name__", str(tp)))
+
+
+class _Mismatch(Exception):
+    pass
+
+
+def _coerce(value: Any, tp: Any) -> Any:
+    """``value`` as type ``tp``, accepting the obvious spellings (``"1e-4"`` for a float, ``"true"``)."""
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value in choices:
+            return value
+        if isinstance(value, bool) is False and str(value) in [str(c) for c in choices]:
+            return next(c for c in choices if str(c) == str(value))
+        raise _Mismatch
+    if origin in (Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None or (isinstance(value, str) and value.lower() in ("null", "none", "~")):
+            if type(None) in args:
+                return None
+            raise _Mismatch
+        # try the declared alternatives in order, strings last (a list stays a list)
+        for arg in sorted((a for a in args if a is not type(None)), key=lambda a: a is str):
+            try:
+                return _coerce(value, arg)
+            except _Mismatch:
+                continue
+        raise _Mismatch
+    if origin is list:
+        (item,) = typing.get_args(tp)
+        if isinstance(value, str) and item is str:
+            raise _Mismatch
+        if not isinstance(value, (list, tuple)):
+            raise _Mismatch
+        return [_coerce(v, item) for v in value]
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "yes", "on", "1", "false", "no", "off", "0"):
+            return value.lower() in ("true", "yes", "on", "1")
+        raise _Mismatch
+    if tp is int:
+        if isinstance(value, bool):
+            raise _Mismatch
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            try:
+                number = float(value.replace("_", ""))
+            except ValueError:
+                raise _Mismatch from None
+            if number.is_integer():
+                return int(number)
+        raise _Mismatch
+    if tp is float:
+        if isinstance(value, bool):
+            raise _Mismatch
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                raise _Mismatch from None
+        raise _Mismatch
+    if tp is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise _Mismatch
+    raise _Mismatch
+
+
+def _build(cls: type, data: Any, prefix: str) -> Any:
+    """Instantiate dataclass ``cls`` from a mapping, checking every key and type."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise NormswapError(f"config key `{prefix or '<root>'}` must be a mapping of keys, "
+                            f"got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        dotted = f"{prefix}.{key}" if prefix else str(key)
+        if key not in names:
+            raise NormswapError(f"unknown config key `{dotted}`; valid keys here: {', '.join(names)}")
+        tp = hints[key]
+        if dataclasses.is_dataclass(tp):
+            kwargs[key] = _build(tp, value, dotted)
+            continue
+        try:
+            kwargs[key] = _coerce(value, tp)
+        except _Mismatch:
+            raise NormswapError(f"config key `{dotted}` must be {_describe(tp)}, got {value!r}") from None
+    return cls(**kwargs)
+
+
+# ---------------------------------------------------------------------------------- overrides
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """``"train.lr=3e-4"`` -> ``(["train", "lr"], "3e-4" parsed as YAML)``."""
+    if "=" not in text:
+        raise NormswapError(f"override `{text}` must look like key=value (e.g. train.lr=3e-4)")
+    key, raw = text.split("=", 1)
+    key = key.strip().lstrip("-")
+    if not key or any(not part for part in key.split(".")):
+        raise NormswapError(f"override `{text}` has an empty key")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.split("."), value
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str] | dict[str, Any] | None) -> dict[str, Any]:
+    """Merge dotted ``key=value`` overrides (strings, or a ``{dotted: value}`` dict) into ``data``."""
+    if not overrides:
+        return data
+    items = [parse_override(o) for o in overrides] if isinstance(overrides, (list, tuple)) \
+        else [(k.split("."), v) for k, v in overrides.items()]
+    for parts, value in items:
+        node = data
+        for i, part in enumerate(parts[:-1]):
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            elif not isinstance(child, dict):
+                raise NormswapError(f"config key `{'.'.join(parts[: i + 1])}` is a value, not a section; "
+                                    f"cannot set `{'.'.join(parts)}`")
+            node = child
+        node[parts[-1]] = value
+    return data
+
+
+# ---------------------------------------------------------------------------------- loading
+def _read_yaml(path: str | os.PathLike) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise NormswapError(f"recipe file {str(p)!r} does not exist")
+    try:
+        data = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as exc:
+        line = getattr(getattr(exc, "problem_mark", None), "line", None)
+        where = f" (line {line + 1})" if line is not None else ""
+        raise NormswapError(f"recipe file {str(p)!r} is not valid YAML{where}: "
+                            f"{getattr(exc, 'problem', exc)}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise NormswapError(f"recipe file {str(p)!r} must be a mapping of sections (task:, model:, data: ...)")
+    return data
+
+
+def load_config(config: str | os.PathLike | dict[str, Any] | RecipeConfig,
+                overrides: list[str] | dict[str, Any] | None = None, *, check_paths: bool = True) -> RecipeConfig:
+    """Build a validated :class:`RecipeConfig` from a YAML path, a dict, or a config, plus overrides."""
+    if isinstance(config, RecipeConfig):
+        data = config.to_dict()
+    elif isinstance(config, dict):
+        data = _deep_copy(config)
+    else:
+        data = _read_yaml(config)
+    data = apply_overrides(data, overrides)
+    cfg = _build(RecipeConfig, data, "")
+    validate(cfg, check_paths=check_paths)
+    return cfg
+
+
+def _deep_copy(data: Any) -> Any:
+    if isinstance(data, dict):
+        return {k: _deep_copy(v) for k, v in data.items()}
+    if isinstance(data, list):
+        return [_deep_copy(v) for v in data]
+    return data
+
+
+def _positive(value: float | int | None, key: str, *, zero_ok: bool = False) -> None:
+    if value is None:
+        return
+    if value < 0 or (value == 0 and not zero_ok):
+        raise NormswapError(f"config key `{key}` must be {'>= 0' if zero_ok else '> 0'}, got {value!r}")
+
+
+def validate(cfg: RecipeConfig, *, check_paths: bool = True) -> None:
+    """Cross-key checks. Each failure names the key to fix."""
+    if not cfg.model.source and not cfg.model.student:
+        raise NormswapError("config key `model.source` is required (the original model directory)")
+    if not cfg.data.path:
+        raise NormswapError("config key `data.path` is required (a text file, a JSONL file or a datasets directory)")
+    if check_paths:
+        for key, value in (("model.source", cfg.model.source), ("model.student", cfg.model.student),
+                           ("model.tokenizer", cfg.model.tokenizer)):
+            if value and not Path(value).exists():
+                raise NormswapError(f"config key `{key}`: {value!r} does not exist (normswap never downloads; "
+                                    "give a local directory)")
+        if not Path(cfg.data.path).exists():
+            raise NormswapError(f"config key `data.path`: {cfg.data.path!r} does not exist")
+    for key, value, zero_ok in (
+        ("data.seq_len", cfg.data.seq_len, False), ("data.batch_size", cfg.data.batch_size, False),
+        ("data.eval_batch_size", cfg.data.eval_batch_size, False), ("data.eval_batches", cfg.data.eval_batches, False),
+        ("data.max_documents", cfg.data.max_documents, False),
+        ("train.steps", cfg.train.steps, False), ("train.lr", cfg.train.lr, False),
+        ("train.weight_decay", cfg.train.weight_decay, True), ("train.warmup_steps", cfg.train.warmup_steps, True),
+        ("train.max_grad_norm", cfg.train.max_grad_norm, False),
+        ("train.gradient_accumulation_steps", cfg.train.gradient_accumulation_steps, False),
+        ("train.lora.r", cfg.train.lora.r, False), ("train.lora.dropout", cfg.train.lora.dropout, True),
+        ("loss.temperature", cfg.loss.temperature, False), ("loss.kl_weight", cfg.loss.kl_weight, True),
+        ("loss.ce_weight", cfg.loss.ce_weight, True), ("loss.pooled_weight", cfg.loss.pooled_weight, True),
+        ("loss.hidden_weight", cfg.loss.hidden_weight, True),
+        ("convert.calibration_batches", cfg.convert.calibration_batches, True),
+        ("progressive.group_size", cfg.progressive.group_size, False),
+        ("progressive.interval", cfg.progressive.interval, False),
+        ("progressive.start_step", cfg.progressive.start_step, True),
+        ("eval.every", cfg.eval.every, False), ("log.every", cfg.log.every, False),
+        ("checkpoint.every", cfg.checkpoint.every, False), ("checkpoint.keep_last", cfg.checkpoint.keep_last, False),
+        ("checkpoint.stop_after", cfg.checkpoint.stop_after, False),
+    ):
+        _positive(value, key, zero_ok=zero_ok)
+    if not 0.0 < cfg.data.eval_fraction < 1.0:
+        raise NormswapError(f"config key `data.eval_fraction` must be between 0 and 1, got {cfg.data.eval_fraction}")
+    if not 0.0 < cfg.data.mlm_probability < 1.0:
+        raise NormswapError(
+            f"config key `data.mlm_probability` must be between 0 and 1, got {cfg.data.mlm_probability}")
+    if len(cfg.train.betas) != 2 or not all(0.0 <= b < 1.0 for b in cfg.train.betas):
+        raise NormswapError(f"config key `train.betas` must be two numbers in [0, 1), got {cfg.train.betas}")
+    if cfg.data.seq_len < 4:
+        raise NormswapError(f"config key `data.seq_len` must be at least 4, got {cfg.data.seq_len}")
+    # losses: something must be trained, and teacher terms need a teacher
+    distill = (cfg.loss.kl_weight if cfg.task != "encoder" else cfg.loss.pooled_weight + cfg.loss.hidden_weight)
+    if not cfg.teacher.enabled:
+        if cfg.task == "encoder":
+            raise NormswapError("config key `teacher.enabled`: the encoder task distils embeddings and needs "
+                                "the teacher")
+        if cfg.loss.kl_weight > 0:
+            raise NormswapError("config key `loss.kl_weight` must be 0 when `teacher.enabled` is false "
+                                "(there is no teacher to distil from)")
+        distill = 0.0
+    if distill + (cfg.loss.ce_weight if cfg.task != "encoder" else 0.0) <= 0:
+        raise NormswapError("config key `loss.kl_weight` (or `loss.ce_weight`, or for encoders "
+                            "`loss.pooled_weight`/`loss.hidden_weight`) must be > 0: nothing would be trained")
+    if cfg.task == "causal-lm" and cfg.loss.positions == "masked":
+        raise NormswapError("config key `loss.positions` can be 'masked' only for task masked-lm")
+    if cfg.progressive.enabled:
+        if cfg.model.student:
+            pass  # a student converted with mode="exact" still has LayerNorms to swap; checked at run time
+        elif cfg.convert.mode != "exact":
+            raise NormswapError("config key `convert.mode` must be 'exact' when `progressive.enabled` is true "
+                                "(the approximate norms start as LayerNorm and are swapped during training)")
+        order = cfg.progressive.order
+        if isinstance(order, str) and order not in ("forward", "reverse"):
+            raise NormswapError(f"config key `progressive.order` must be 'forward', 'reverse' or a list of "
+                                f"module-name patterns, got {order!r}")
+    if cfg.train.trainable == "lora" and cfg.train.lora.target_modules == []:
+        raise NormswapError("config key `train.lora.target_modules` must name at least one module (or be null)")
+    if cfg.train.mixed_precision == "fp16" and not _cuda_available():
+        raise NormswapError("config key `train.mixed_precision`: fp16 needs a GPU; use bf16 or 'no' on CPU")
+    if cfg.checkpoint.stop_after is not None and cfg.checkpoint.stop_after > cfg.train.steps:
+        raise NormswapError(f"config key `checkpoint.stop_after` ({cfg.checkpoint.stop_after}) is past "
+                            f"`train.steps` ({cfg.train.steps})")
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except Exception:  # noqa: BLE001
+        return False

@@ -1,0 +1,71 @@
+"""Shared fixtures for the recipe tests: small models trained here on a synthetic grammar (offline).
+
+Training and distillation run with one torch thread: on a shared 2-core machine two threads
+spin-wait on each other and tiny models get ~50x slower, while one thread is never slower here.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from normswap.recipes import toy
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _one_thread():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="session")
+def recipe_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("recipes")
+
+
+@pytest.fixture(scope="session")
+def tiny_bert(recipe_dir) -> Path:
+    """A 2-layer Post-LN BertForMaskedLM (hidden 64) trained with MLM on the grammar (~5 s)."""
+    return toy.train_tiny_bert(recipe_dir / "bert", hidden=64, layers=2, steps=300, bert_like_norms=2.0)
+
+
+@pytest.fixture(scope="session")
+def tiny_gpt2(recipe_dir) -> Path:
+    return toy.train_tiny_gpt2(recipe_dir / "gpt2", hidden=32, layers=2, steps=80)
+
+
+@pytest.fixture(scope="session")
+def corpus(recipe_dir) -> Path:
+    """Held-in text from the same grammar, different seed from the pretraining corpus."""
+    return toy.write_corpus(recipe_dir / "corpus.txt", 1500, seed=5)
+
+
+@pytest.fixture(scope="session")
+def make_config():
+    """``make_config(source, corpus, out, task=..., train={...})``: a small, fast recipe dict."""
+    return base_config
+
+
+def base_config(source: Path, corpus: Path, out: Path, task: str = "masked-lm", **sections) -> dict:
+    """A small, fast recipe dict; ``sections`` override whole keys (``train={"steps": 4}``)."""
+    cfg = {
+        "task": task,
+        "model": {"source": str(source)},
+        "data": {"path": str(corpus), "seq_len": 32, "batch_size": 16, "eval_batch_size": 32,
+                 "eval_fraction": 0.05},
+        "train": {"steps": 150, "lr": 3e-4, "warmup_steps": 10},
+        "eval": {"every": 50},
+        "log": {"every": 10, "progress_bar": False, "plot": False},
+        "checkpoint": {"every": 1000},
+        "output": {"dir": str(out)},
+    }
+    for key, value in sections.items():
+        if isinstance(value, dict) and isinstance(cfg.get(key), dict):
+            cfg[key] = {**cfg[key], **value}
+        else:
+            cfg[key] = value
+    return cfg
