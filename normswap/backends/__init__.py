@@ -153,9 +153,9 @@ def describe() -> list[dict]:
     env = os.environ.get(ENV_VAR, "")
     for device, dtype, rows, n in _REPRESENTATIVE:
         picks, why = select_for(device, dtype, rows, n)
-        if why.endswith("not available") or "unavailable" in why:
+        if why.endswith("not available") or "unavailable" in why:  # say why it is not
             blocked = "triton" if device == "cuda" else "cpu"
-            why += f" ({BACKENDS[blocked].available()[1]})"
+            why = f"{why}; {blocked}: {BACKENDS[blocked].available()[1]}"
         if env and env != "auto":
             why = f"{ENV_VAR}={env} overrides auto where it can run; otherwise: {why}"
         out.append({

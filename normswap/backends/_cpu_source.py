@@ -79,6 +79,12 @@ inline V vround(BF16, V v) {
 }
 #endif
 inline void vstore(F32, float* p, V v) { _mm512_storeu_ps(p, v); }
+constexpr int STREAM_ALIGN = 64;  // bytes a row start needs for non-temporal stores
+inline void vstream(F32, float* p, V v) { _mm512_stream_ps(p, v); }
+inline void vstream(BF16, uint16_t* p, V v) { _mm256_stream_si256(reinterpret_cast<__m256i*>(p), bf16_pack(v)); }
+inline void vstream(F16, uint16_t* p, V v) {
+  _mm256_stream_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
 inline void vstore(BF16, uint16_t* p, V v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), bf16_pack(v)); }
 inline void vstore(F16, uint16_t* p, V v) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
@@ -114,6 +120,13 @@ inline __m256i bf16_rne(V v) {
   return _mm256_add_epi32(u, inc);
 }
 inline void vstore(F32, float* p, V v) { _mm256_storeu_ps(p, v); }
+constexpr int STREAM_ALIGN = 32;
+inline void vstream(F32, float* p, V v) { _mm256_stream_ps(p, v); }
+template <class D> inline void vstream(D d, uint16_t* p, V v) {  // 16-byte halves: stream via a buffer
+  alignas(16) uint16_t buf[8];
+  vstore(d, buf, v);
+  _mm_stream_si128(reinterpret_cast<__m128i*>(p), _mm_load_si128(reinterpret_cast<const __m128i*>(buf)));
+}
 inline void vstore(BF16, uint16_t* p, V v) {
   __m256i r = _mm256_srli_epi32(bf16_rne(v), 16);  // 8 x u32, each <= 0xffff
   __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
@@ -141,6 +154,8 @@ inline float vsum(V a) { return a; }
 inline V vload(F32, const float* p) { return *p; }
 inline V vload(BF16, const uint16_t* p) { return bf16_to_f32(*p); }
 inline void vstore(F32, float* p, V v) { *p = v; }
+constexpr int STREAM_ALIGN = 0;  // no non-temporal stores in portable code
+template <class D> inline void vstream(D d, typename D::T* p, V v) { vstore(d, p, v); }
 inline void vstore(BF16, uint16_t* p, V v) { *p = f32_to_bf16(v); }
 inline V vround(F32, V v) { return v; }
 inline V vround(BF16, V v) { return bf16_to_f32(f32_to_bf16(v)); }
@@ -202,6 +217,32 @@ inline float sumsq(BF16 d, const uint16_t* xr, int64_t N) {
 }
 #endif
 
+// Pass 2 for one row (normally still in L1/L2): normalise, round, scale, round, shift, round.
+// NT: non-temporal stores, for outputs too large for the cache (saves the read-for-ownership).
+template <class D, bool HAS_W, bool HAS_B, bool NT>
+inline void scale_row(const typename D::T* xr, typename D::T* yr, int64_t N, const float* wr, const float* br,
+                      float rs) {
+  D d;
+  const F32 f;
+  const int64_t nv = N / L * L;
+  const int tail = int(N - nv);
+  const V vrs = vset(rs);
+  for (int64_t i = 0; i < nv; i += L) {
+    V v = vmul(vload(d, xr + i), vrs);
+    if (HAS_W || HAS_B) v = vround(d, v);
+    if (HAS_W) { v = vmul(v, vload(f, wr + i)); if (HAS_B) v = vround(d, v); }
+    if (HAS_B) v = vadd(v, vload(f, br + i));
+    if (NT) vstream(d, yr + i, v); else vstore(d, yr + i, v);
+  }
+  if (tail) {
+    V v = vmul(vload_tail(d, xr + nv, tail), vrs);
+    if (HAS_W || HAS_B) v = vround(d, v);
+    if (HAS_W) { v = vmul(v, vload_tail(f, wr + nv, tail)); if (HAS_B) v = vround(d, v); }
+    if (HAS_B) v = vadd(v, vload_tail(f, br + nv, tail));
+    vstore_tail(d, yr + nv, v, tail);
+  }
+}
+
 // One block of rows. Weight and bias arrive as fp32 (converted once per call) so the inner loop does
 // not spend instructions widening them. HAS_W / HAS_B are template flags: no branches in the loop.
 // Rows go in groups of RB: all their sums of squares first, so the out-of-order core overlaps the
@@ -209,11 +250,9 @@ inline float sumsq(BF16 d, const uint16_t* xr, int64_t N) {
 // group is still in L1/L2.
 template <class D, bool HAS_W, bool HAS_B>
 void rows(const typename D::T* x, int64_t r0, int64_t r1, int64_t N, int64_t xs, const float* w,
-          int64_t wrows, const float* b, int64_t brows, typename D::T* y, float* rstd, float eps) {
+          int64_t wrows, const float* b, int64_t brows, typename D::T* y, float* rstd, float eps,
+          bool stream) {
   D d;
-  const F32 f;
-  const int64_t nv = N / L * L;
-  const int tail = int(N - nv);
   constexpr int RB = 4;
   float rsb[RB];
   for (int64_t g = r0; g < r1; g += RB) {
@@ -225,27 +264,18 @@ void rows(const typename D::T* x, int64_t r0, int64_t r1, int64_t N, int64_t xs,
     }
     for (int k = 0; k < nb; ++k) {
       const int64_t r = g + k;
-      const typename D::T* xr = x + r * xs;
-      typename D::T* yr = y + r * N;
-      const V vrs = vset(rsb[k]);
       const float* wr = HAS_W ? w + (r % wrows) * N : nullptr;
       const float* br = HAS_B ? b + (r % brows) * N : nullptr;
-      for (int64_t i = 0; i < nv; i += L) {
-        V v = vmul(vload(d, xr + i), vrs);
-        if (HAS_W || HAS_B) v = vround(d, v);
-        if (HAS_W) { v = vmul(v, vload(f, wr + i)); if (HAS_B) v = vround(d, v); }
-        if (HAS_B) v = vadd(v, vload(f, br + i));
-        vstore(d, yr + i, v);
-      }
-      if (tail) {
-        V v = vmul(vload_tail(d, xr + nv, tail), vrs);
-        if (HAS_W || HAS_B) v = vround(d, v);
-        if (HAS_W) { v = vmul(v, vload_tail(f, wr + nv, tail)); if (HAS_B) v = vround(d, v); }
-        if (HAS_B) v = vadd(v, vload_tail(f, br + nv, tail));
-        vstore_tail(d, yr + nv, v, tail);
-      }
+      typename D::T* yr = y + r * N;
+      if (stream && STREAM_ALIGN && reinterpret_cast<uintptr_t>(yr) % STREAM_ALIGN == 0)
+        scale_row<D, HAS_W, HAS_B, true>(x + r * xs, yr, N, wr, br, rsb[k]);
+      else
+        scale_row<D, HAS_W, HAS_B, false>(x + r * xs, yr, N, wr, br, rsb[k]);
     }
   }
+#if NS_ISA >= 1
+  if (stream) _mm_sfence();  // make the non-temporal stores visible before returning
+#endif
 }
 
 // float64: plain loops (the correctness path for gradcheck-style use; the compiler vectorises them).
@@ -296,7 +326,7 @@ const float* as_f32(D d, const void* p, int64_t n, std::vector<float>& buf) {
 
 template <class D>
 void launch(const void* x, int64_t M, int64_t N, int64_t xs, const void* w, int64_t wrows, const void* b,
-            int64_t brows, void* y, float* rstd, double eps, int nthreads) {
+            int64_t brows, void* y, float* rstd, double eps, int nthreads, bool stream) {
   using T = typename D::T;
   std::vector<float> wbuf, bbuf;
   const float* W = as_f32(D{}, w, wrows * N, wbuf);
@@ -305,10 +335,10 @@ void launch(const void* x, int64_t M, int64_t N, int64_t xs, const void* w, int6
   auto Y = static_cast<T*>(y);
   const float e = float(eps);  // eps is added to an fp32 mean, as in the eager reference
   parallel_rows(M, nthreads, [&](int64_t r0, int64_t r1) {
-    if (W && B) rows<D, true, true>(X, r0, r1, N, xs, W, wrows, B, brows, Y, rstd, e);
-    else if (W) rows<D, true, false>(X, r0, r1, N, xs, W, wrows, B, brows, Y, rstd, e);
-    else if (B) rows<D, false, true>(X, r0, r1, N, xs, W, wrows, B, brows, Y, rstd, e);
-    else rows<D, false, false>(X, r0, r1, N, xs, W, wrows, B, brows, Y, rstd, e);
+    if (W && B) rows<D, true, true>(X, r0, r1, N, xs, W, wrows, B, brows, Y, rstd, e, stream);
+    else if (W) rows<D, true, false>(X, r0, r1, N, xs, W, wrows, B, brows, Y, rstd, e, stream);
+    else if (B) rows<D, false, true>(X, r0, r1, N, xs, W, wrows, B, brows, Y, rstd, e, stream);
+    else rows<D, false, false>(X, r0, r1, N, xs, W, wrows, B, brows, Y, rstd, e, stream);
   });
 }
 
@@ -319,15 +349,17 @@ extern "C" {
 // dtype codes: 0 float32, 1 bfloat16, 2 float16, 3 float64. Weight and bias have the dtype of x and
 // w_rows (b_rows) rows of N elements; row r of x uses weight row r % w_rows (per-head parameters).
 // y is contiguous (M, N); rstd (optional, fp32, M) receives 1/sqrt(mean(x^2) + eps).
+// flags bit 0: write y with non-temporal stores (for outputs larger than the last-level cache).
 // Returns 0 on success, 1 for an unsupported dtype.
 int ns_rms_norm_fwd(int dtype, const void* x, int64_t M, int64_t N, int64_t x_row_stride, const void* w,
                     int64_t w_rows, const void* b, int64_t b_rows, void* y, float* rstd, double eps,
-                    int nthreads) {
+                    int nthreads, int flags) {
+  const bool stream = flags & 1;
   switch (dtype) {
-    case 0: launch<F32>(x, M, N, x_row_stride, w, w_rows, b, b_rows, y, rstd, eps, nthreads); return 0;
-    case 1: launch<BF16>(x, M, N, x_row_stride, w, w_rows, b, b_rows, y, rstd, eps, nthreads); return 0;
+    case 0: launch<F32>(x, M, N, x_row_stride, w, w_rows, b, b_rows, y, rstd, eps, nthreads, stream); return 0;
+    case 1: launch<BF16>(x, M, N, x_row_stride, w, w_rows, b, b_rows, y, rstd, eps, nthreads, stream); return 0;
 #ifdef NS_HAS_F16
-    case 2: launch<F16>(x, M, N, x_row_stride, w, w_rows, b, b_rows, y, rstd, eps, nthreads); return 0;
+    case 2: launch<F16>(x, M, N, x_row_stride, w, w_rows, b, b_rows, y, rstd, eps, nthreads, stream); return 0;
 #endif
     case 3: {
       auto X = static_cast<const double*>(x); auto W = static_cast<const double*>(w);

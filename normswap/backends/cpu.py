@@ -76,6 +76,29 @@ _PARALLEL_MIN_ELEMENTS = 1 << 15
 _POOL_MIN_BYTES = 1 << 20
 
 
+def _last_level_cache_bytes() -> int:
+    """Size of the largest CPU cache (sysfs on Linux), 32 MiB when unknown."""
+    best = 0
+    base = "/sys/devices/system/cpu/cpu0/cache"
+    try:
+        for entry in os.listdir(base):
+            try:
+                with open(os.path.join(base, entry, "size")) as fh:
+                    text = fh.read().strip().upper()
+            except OSError:
+                continue
+            scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+            best = max(best, int(text.rstrip("KMG") or 0) * scale)
+    except OSError:
+        pass
+    return best or (32 << 20)
+
+
+# Outputs at least this large are written with non-temporal stores: they cannot stay in the cache
+# anyway, and streaming them skips the read-for-ownership of every output line.
+_STREAM_MIN_BYTES = _last_level_cache_bytes()
+
+
 class _Kernel:
     """The loaded library (or why there is none)."""
 
@@ -167,7 +190,7 @@ def _load(path: str) -> ctypes.CDLL:
     lib = ctypes.CDLL(path)
     P, I64 = ctypes.c_void_p, ctypes.c_int64
     lib.ns_rms_norm_fwd.argtypes = [ctypes.c_int, P, I64, I64, I64, P, I64, P, I64, P, P, ctypes.c_double,
-                                    ctypes.c_int]
+                                    ctypes.c_int, ctypes.c_int]
     lib.ns_rms_norm_fwd.restype = ctypes.c_int
     lib.ns_supported_dtypes.restype = ctypes.c_int
     lib.ns_isa.restype = ctypes.c_int
@@ -366,7 +389,8 @@ def _run(
     n = normalized_shape[0] if len(normalized_shape) == 1 else math.prod(normalized_shape)
     numel = x.numel()
     m = numel // n if n else 0
-    if numel * x.element_size() >= _POOL_MIN_BYTES:
+    out_bytes = numel * x.element_size()
+    if out_bytes >= _POOL_MIN_BYTES:
         y = _new_output(tuple(x.shape), x.dtype, pooled)
     else:
         y = torch.empty(x.shape, dtype=x.dtype)
@@ -388,6 +412,7 @@ def _run(
         b.data_ptr() if b is not None else None, brows,
         y.data_ptr(), rstd.data_ptr() if rstd is not None else None, eps,
         torch.get_num_threads() if numel >= _PARALLEL_MIN_ELEMENTS else 1,
+        1 if out_bytes >= _STREAM_MIN_BYTES else 0,
     )
     if status != 0:
         raise RuntimeError(f"normswap cpu kernel: unsupported dtype {x.dtype}")

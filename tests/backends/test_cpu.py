@@ -181,3 +181,15 @@ def test_inference_mode_and_autograd_paths():
     assert type(y.grad_fn).__name__ == "_RMSNormCPUBackward"  # eager path: no op dispatcher
     y.sum().backward()
     assert x.grad is not None and w.grad is not None and b.grad is not None
+
+
+@pytest.mark.skipif(not HAVE_CXX, reason="needs a C++ compiler")
+@pytest.mark.parametrize("n", [64, 100, 1024])
+def test_streaming_stores_write_the_same_values(monkeypatch, n):
+    """Large outputs use non-temporal stores (rows whose start is not aligned fall back per row)."""
+    for dtype in sorted(cpu.kernel().dtypes - {torch.float64}, key=str):
+        x, w, b = make_inputs(33, (n,), dtype, bias=True, seed=n)
+        monkeypatch.setattr(cpu, "_STREAM_MIN_BYTES", 1 << 62)
+        plain = cpu.rms_norm(x, (n,), w, b, 1e-6).clone()
+        monkeypatch.setattr(cpu, "_STREAM_MIN_BYTES", 0)
+        assert torch.equal(cpu.rms_norm(x, (n,), w, b, 1e-6), plain)

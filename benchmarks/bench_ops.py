@@ -1,0 +1,61 @@
+"""RMSNorm op benchmark: every backend vs torch layer_norm / rms_norm / copy (and compile, Liger).
+
+Thin script over :mod:`normswap.backends.bench`, which ``normswap bench`` also uses.
+
+    python benchmarks/bench_ops.py                  # CPU: float32 + bfloat16, fwd and fwd+bwd
+    python benchmarks/bench_ops.py --device cuda    # the GPU suite (adds float16 and larger shapes)
+    python benchmarks/bench_ops.py --no-compile --shapes 4096x768 --dtype bfloat16
+
+Writes a table to stdout, ``--out``/bench_ops_<device>.json and a PNG plot next to it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+
+from normswap.backends import bench
+
+GPU_SHAPES = "4096x768,2048x4096,256x2048,4096x4096,16384x4096,32768x4096,4096x8192,140x4096"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--dtype", action="append", help="repeatable (default: float32, bfloat16; +float16 on cuda)")
+    ap.add_argument("--shapes", default=None, help="comma-separated ROWSxN (default: the issue's shapes)")
+    ap.add_argument("--pass", dest="passes", action="append", choices=["fwd", "fwd+bwd"])
+    ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
+    ap.add_argument("--no-compile", action="store_true", help="skip torch.compile (slow to build on CPU)")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    args = ap.parse_args()
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device here")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtypes = args.dtype or (["float32", "bfloat16", "float16"] if args.device == "cuda" else ["float32", "bfloat16"])
+    shapes = args.shapes or (GPU_SHAPES if args.device == "cuda" else "4096x768,2048x4096,256x2048")
+    records = bench.run(
+        args.device, [bench.parse_dtype(d) for d in dtypes], bench.parse_shapes(shapes),
+        args.passes or ["fwd", "fwd+bwd"], rounds=args.rounds, compile_=not args.no_compile,
+    )
+    env = bench.environment(args.device)
+    print(json.dumps(env))
+    print(bench.table(records))
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"bench_ops_{args.device}.json")
+    with open(path, "w") as fh:
+        json.dump(bench.to_json(records, env), fh, indent=2)
+    print(f"wrote {path}")
+    png = path.replace(".json", ".png")
+    if bench.plot(records, png):
+        print(f"wrote {png}")
+
+
+if __name__ == "__main__":
+    main()

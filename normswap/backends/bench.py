@@ -1,0 +1,283 @@
+"""Op benchmark core, shared by ``benchmarks/bench_ops.py`` and ``normswap bench``.
+
+For each shape and dtype it times, side by side in interleaved rounds:
+
+* ``copy``: ``y.copy_(x)``, the achievable memory speed (same bytes as an RMSNorm forward);
+* ``layer_norm``: ``F.layer_norm`` with weight and bias (what a conversion replaces);
+* ``torch_rms_norm``: ``F.rms_norm``;
+* each normswap backend that is available and supports the call (``eager``, ``native``, ``cpu``,
+  ``triton``), with a weight and no bias (a converted norm, beta folded into the next Linear);
+* optionally ``compile`` (``torch.compile`` of the eager math) and ``liger`` (if installed, CUDA).
+
+Absolute times on a shared machine are noisy, so every round times every method back to back and the
+reported ratios (to ``layer_norm`` and to ``copy``) are medians of per-round ratios; a slow phase
+then slows both sides of a ratio. Times are medians over rounds (and the minimum is kept too).
+
+Bytes model (for GB/s): forward reads x and writes y, ``2 * M * N * itemsize``; forward+backward
+adds reading x and dy and writing dx, ``5 * M * N * itemsize`` in all (parameters are negligible).
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from normswap import backends
+
+DEFAULT_SHAPES = ((4096, 768), (2048, 4096), (256, 2048))
+EPS = 1e-6
+
+
+@dataclass
+class Record:
+    """One method at one shape/dtype/pass."""
+
+    device: str
+    dtype: str
+    rows: int
+    n: int
+    pass_: str
+    method: str
+    median_us: float
+    min_us: float
+    gbps: float
+    vs_layer_norm: float | None  # median per-round time ratio method / layer_norm
+    vs_copy: float | None  # median per-round time ratio method / copy (forward only)
+    samples_us: list[float] = field(default_factory=list)
+
+
+def environment(device: str) -> dict:
+    """Versions, device and thread count, for the JSON output and RESULTS.md."""
+    info = {
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "threads": torch.get_num_threads(),
+        "device": device,
+        "cpu": _cpu_name(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+    }
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError:
+        info["triton"] = None
+    if device == "cuda" and torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+    cpu_kernel = backends.cpu.kernel()
+    info["cpu_kernel"] = cpu_kernel.reason
+    info["cpu_kernel_build_s"] = round(cpu_kernel.build_seconds, 3)
+    return info
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _time_block(fn: Callable[[], object], reps: int, device: str) -> float:
+    """Seconds per call over ``reps`` back-to-back calls."""
+    if device == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        _sync(device)
+        start.record()
+        for _ in range(reps):
+            fn()
+        end.record()
+        _sync(device)
+        return start.elapsed_time(end) / 1e3 / reps
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return (time.perf_counter() - t0) / reps
+
+
+def _calibrate(fn: Callable[[], object], device: str, target_s: float) -> int:
+    for _ in range(2):
+        fn()
+    one = max(_time_block(fn, 1, device), 1e-7)
+    return int(min(max(target_s / one, 2), 2000))
+
+
+def _methods(x: torch.Tensor, n: int, pass_: str, include: Sequence[str], compile_: bool,
+             liger: bool) -> dict[str, Callable[[], object]]:
+    """Callables for one shape/dtype. Forward+backward ones return the gradients."""
+    device, dtype = x.device, x.dtype
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    w = (1 + 0.1 * torch.randn(n, generator=gen)).to(device=device, dtype=dtype)
+    b = (0.1 * torch.randn(n, generator=gen)).to(device=device, dtype=dtype)
+    train = pass_ == "fwd+bwd"
+    if train:
+        x = x.detach().requires_grad_(True)
+        w.requires_grad_(True)
+        b.requires_grad_(True)
+    gy = torch.randn(x.shape, generator=gen).to(device=device, dtype=dtype)
+
+    def wrap(f: Callable[[], torch.Tensor], params: tuple[torch.Tensor, ...]) -> Callable[[], object]:
+        if not train:
+            return f
+        return lambda: torch.autograd.grad(f(), params, gy)
+
+    out = torch.empty_like(x)
+    methods: dict[str, Callable[[], object]] = {}
+    if not train:
+        methods["copy"] = lambda: out.copy_(x)
+    methods["layer_norm"] = wrap(lambda: F.layer_norm(x, (n,), w, b, EPS), (x, w, b))
+    methods["torch_rms_norm"] = wrap(lambda: F.rms_norm(x, (n,), w, EPS), (x, w))
+    for name in include:
+        module = backends.BACKENDS[name]
+        if module.available()[0] and module.supports(x, w, None):
+            methods[name] = wrap(lambda m=module: m.rms_norm(x, (n,), w, None, EPS), (x, w))
+    if compile_:
+        compiled = torch.compile(lambda x, w: backends.eager.rms_norm(x, (n,), w, None, EPS), dynamic=False)
+        methods["compile"] = wrap(lambda: compiled(x, w), (x, w))
+    if liger and device.type == "cuda":
+        try:
+            from liger_kernel.ops.rms_norm import LigerRMSNormFunction
+
+            methods["liger"] = wrap(lambda: LigerRMSNormFunction.apply(x, w, EPS), (x, w))
+        except ImportError:
+            pass
+    return methods
+
+
+def bench_shape(
+    rows: int, n: int, dtype: torch.dtype, device: str = "cpu", *, pass_: str = "fwd",
+    include: Sequence[str] = ("eager", "native", "cpu", "triton"), rounds: int = 7, target_ms: float = 20.0,
+    compile_: bool = False, liger: bool = True,
+) -> list[Record]:
+    """Time every method at one shape; returns one Record per method."""
+    x = torch.randn(rows, n, generator=torch.Generator().manual_seed(1)).to(device=device, dtype=dtype)
+    ctx = torch.no_grad() if pass_ == "fwd" else torch.enable_grad()
+    with ctx:
+        methods = _methods(x, n, pass_, include, compile_, liger)
+        reps = {k: _calibrate(f, device, target_ms / 1e3) for k, f in methods.items()}
+        times: dict[str, list[float]] = {k: [] for k in methods}
+        for _ in range(rounds):
+            for k, f in methods.items():  # interleaved: every method once per round
+                times[k].append(_time_block(f, reps[k], device))
+    elem = x.element_size()
+    nbytes = (2 if pass_ == "fwd" else 5) * rows * n * elem
+    records = []
+    for k, ts in times.items():
+        med = statistics.median(ts)
+
+        def ratio(base: str, ts: list[float] = ts) -> float | None:
+            if base not in times:
+                return None
+            return statistics.median(a / bb for a, bb in zip(ts, times[base], strict=True))
+
+        records.append(Record(
+            device=device, dtype=str(dtype).replace("torch.", ""), rows=rows, n=n, pass_=pass_, method=k,
+            median_us=med * 1e6, min_us=min(ts) * 1e6, gbps=nbytes / med / 1e9,
+            vs_layer_norm=ratio("layer_norm"), vs_copy=ratio("copy"), samples_us=[t * 1e6 for t in ts],
+        ))
+    return records
+
+
+def run(
+    device: str = "cpu",
+    dtypes: Sequence[torch.dtype] = (torch.float32, torch.bfloat16),
+    shapes: Sequence[tuple[int, int]] = DEFAULT_SHAPES,
+    passes: Sequence[str] = ("fwd", "fwd+bwd"),
+    **kwargs,
+) -> list[Record]:
+    """All shapes x dtypes x passes."""
+    out: list[Record] = []
+    for pass_ in passes:
+        for dtype in dtypes:
+            for rows, n in shapes:
+                out.extend(bench_shape(rows, n, dtype, device, pass_=pass_, **kwargs))
+    return out
+
+
+def parse_shapes(text: str) -> list[tuple[int, int]]:
+    """``"4096x768,2048x4096"`` -> ``[(4096, 768), (2048, 4096)]``."""
+    shapes = []
+    for part in text.replace(" ", "").split(","):
+        if part:
+            rows, n = part.lower().split("x")
+            shapes.append((int(rows), int(n)))
+    return shapes
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    aliases = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp64": "float64"}
+    dtype = getattr(torch, aliases.get(name, name), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r}")
+    return dtype
+
+
+def table(records: Sequence[Record]) -> str:
+    """Fixed-width text table, one block per (pass, dtype, shape)."""
+    lines = [f"{'pass':8} {'dtype':9} {'shape':>11} {'method':15} {'median us':>10} {'GB/s':>7} "
+             f"{'x layer_norm':>12} {'x copy':>7}"]
+    for r in records:
+        ln = f"{r.vs_layer_norm:12.2f}" if r.vs_layer_norm is not None else f"{'':12}"
+        cp = f"{r.vs_copy:7.2f}" if r.vs_copy is not None else f"{'':7}"
+        lines.append(f"{r.pass_:8} {r.dtype:9} {f'{r.rows}x{r.n}':>11} {r.method:15} {r.median_us:10.1f} "
+                     f"{r.gbps:7.1f} {ln} {cp}")
+    return "\n".join(lines)
+
+
+def to_json(records: Sequence[Record], env: dict) -> dict:
+    rows = []
+    for r in records:
+        d = asdict(r)
+        d["pass"] = d.pop("pass_")
+        rows.append(d)
+    return {"environment": env, "results": rows}
+
+
+def plot(records: Sequence[Record], path: str) -> bool:
+    """Bar chart of time relative to ``layer_norm`` (lower is better). False if matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    groups = sorted({(r.pass_, r.dtype, r.rows, r.n) for r in records}, key=lambda g: (g[0] != "fwd", *g[1:]))
+    methods = [m for m in dict.fromkeys(r.method for r in records) if m != "layer_norm"]
+    fig, ax = plt.subplots(figsize=(max(8, 1.4 * len(groups)), 4.5))
+    width = 0.8 / max(len(methods), 1)
+    for i, m in enumerate(methods):
+        vals = []
+        for g in groups:
+            hit = [r for r in records if (r.pass_, r.dtype, r.rows, r.n) == g and r.method == m]
+            vals.append(hit[0].vs_layer_norm if hit and hit[0].vs_layer_norm else math.nan)
+        ax.bar([j + i * width for j in range(len(groups))], vals, width, label=m)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(groups))])
+    ax.set_xticklabels([f"{p}\n{d}\n{r}x{n}" for p, d, r, n in groups], fontsize=8)
+    ax.set_ylabel("time / layer_norm time (lower is better)")
+    ax.set_yscale("log")
+    ax.legend(fontsize=8, ncol=3)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True

@@ -1,0 +1,99 @@
+"""``normswap backends`` and ``normswap bench``: what can run here, and how fast."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+from normswap.cli import main
+
+
+@main.command("backends")
+@click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON instead of a table.")
+def backends_cmd(as_json: bool) -> None:
+    """List the RMSNorm backends, whether each can run here and why, and what ``auto`` picks.
+
+    \b
+    Example:
+      $ normswap backends
+      backend  available  reason
+      eager    yes        pure PyTorch, always available
+      cpu      yes        fused C++ kernel, ISA level 3, OpenMP, ...
+      triton   no         no CUDA device (set TRITON_INTERPRET=1 ...)
+      auto on cpu float32 2048x4096 -> cpu: fused C++ kernel: one read and one write of x
+      $ NORMSWAP_BACKEND=eager normswap backends --json
+    """
+    from normswap import backends
+
+    rows = backends.describe()
+    if as_json:
+        click.echo(json.dumps(rows, indent=2))
+        return
+    plain = [r for r in rows if r["name"] != "auto"]
+    width = max(len(r["name"]) for r in plain)
+    click.echo(f"{'backend':{width + 2}} {'available':10} reason")
+    for r in plain:
+        click.echo(f"{r['name']:{width + 2}} {'yes' if r['available'] else 'no':10} {r['reason']}")
+    click.echo("")
+    for r in rows:
+        if r["name"] == "auto":
+            shape = "x".join(str(s) for s in r["shape"])
+            click.echo(f"auto on {r['device']} {r['dtype']} {shape} -> {r['picks']}: {r['why']}")
+
+
+@main.command("bench")
+@click.option("--device", default="cpu", show_default=True, type=click.Choice(["cpu", "cuda"]),
+              help="Where to run.")
+@click.option("--dtype", "dtypes", multiple=True, default=("float32", "bfloat16"), show_default=True,
+              help="Repeatable: float32, bfloat16, float16 (aliases fp32, bf16, fp16).")
+@click.option("--shapes", default="4096x768,2048x4096,256x2048", show_default=True,
+              help="Comma-separated ROWSxN shapes.")
+@click.option("--pass", "passes", multiple=True, default=("fwd",), show_default=True,
+              type=click.Choice(["fwd", "fwd+bwd"]), help="Repeatable.")
+@click.option("--rounds", default=7, show_default=True, help="Interleaved timing rounds per shape.")
+@click.option("--compile", "compile_", is_flag=True, help="Also time torch.compile of the eager math.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
+              help="Also write results and environment to this JSON file.")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
+              help="Also write a PNG bar chart (needs matplotlib).")
+def bench_cmd(device: str, dtypes: tuple[str, ...], shapes: str, passes: tuple[str, ...], rounds: int,
+              compile_: bool, json_path: str | None, plot_path: str | None) -> None:
+    """Time RMSNorm backends against torch layer_norm, F.rms_norm and a plain copy.
+
+    Ratios are medians of per-round ratios (every method is timed once per round, interleaved), so
+    they hold up on a busy machine better than absolute times. ``x copy`` is time relative to
+    ``y.copy_(x)`` (the memory-speed floor for a forward pass).
+
+    \b
+    Example:
+      $ normswap bench --dtype bf16 --shapes 4096x768,256x2048 --json bench.json
+      pass     dtype           shape method           median us    GB/s x layer_norm  x copy
+      fwd      bfloat16     4096x768 copy                  72.0   174.8         0.13    1.00
+      fwd      bfloat16     4096x768 layer_norm           541.3    23.2         1.00    7.52
+      fwd      bfloat16     4096x768 cpu                  190.0    66.2         0.35    2.64
+      ...
+      $ normswap bench --device cuda --pass fwd --pass fwd+bwd --compile
+    """
+    import torch
+
+    from normswap.backends import bench
+
+    if device == "cuda" and not torch.cuda.is_available():
+        raise click.ClickException("--device cuda: no CUDA device here")
+    try:
+        dts = [bench.parse_dtype(d) for d in dtypes]
+        shape_list = bench.parse_shapes(shapes)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from exc
+    records = bench.run(device, dts, shape_list, passes, rounds=rounds, compile_=compile_)
+    click.echo(bench.table(records))
+    if json_path:
+        with open(json_path, "w") as fh:
+            json.dump(bench.to_json(records, bench.environment(device)), fh, indent=2)
+        click.echo(f"wrote {json_path}")
+    if plot_path:
+        if bench.plot(records, plot_path):
+            click.echo(f"wrote {plot_path}")
+        else:
+            click.echo("matplotlib is not installed: no plot")
