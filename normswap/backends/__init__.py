@@ -50,7 +50,17 @@ def check_name(backend: str) -> str:
     return backend
 
 
-@torch.compiler.assume_constant_result
+def _constant_when_compiled(fn):
+    """``torch.compiler.assume_constant_result`` without importing ``torch._dynamo`` (~1 s) here.
+
+    That decorator only sets this attribute, which Dynamo reads when it traces a call
+    (tests/backends/test_auto.py checks that this stays true).
+    """
+    fn._dynamo_marked_constant = True
+    return fn
+
+
+@_constant_when_compiled
 def is_available(backend: str) -> bool:
     """``BACKENDS[backend].available()[0]``, evaluated once at trace time under ``torch.compile``.
 
@@ -60,7 +70,7 @@ def is_available(backend: str) -> bool:
     return bool(BACKENDS[backend].available()[0])
 
 
-@torch.compiler.assume_constant_result
+@_constant_when_compiled
 def _cpu_kernel_handles(dtype: torch.dtype) -> bool:
     return is_available("cpu") and dtype in cpu.kernel().dtypes
 

@@ -92,3 +92,11 @@ def test_describe_lists_every_backend_and_auto_choices(monkeypatch):
             assert r["picks"] == ("cpu" if cpu.available()[0] else r["picks"])
     monkeypatch.setenv(backends.ENV_VAR, "eager")
     assert all("NORMSWAP_BACKEND=eager" in r["why"] for r in backends.describe() if r["name"] == "auto")
+
+
+def test_constant_marker_matches_torch():
+    """backends._constant_when_compiled mirrors torch.compiler.assume_constant_result."""
+    marked = torch.compiler.assume_constant_result(lambda: 0)
+    assert marked._dynamo_marked_constant is True
+    assert backends.is_available._dynamo_marked_constant is True
+    assert backends._cpu_kernel_handles._dynamo_marked_constant is True
