@@ -17,7 +17,7 @@ def _register_commands() -> None:
     # Imported here so each command module can import `main` without a cycle.
     from importlib import import_module
 
-    for name in ("normswap.cli.backends_cmd", "normswap.cli.finetune_cmd"):
+    for name in ("normswap.cli.convert_cmd", "normswap.cli.backends_cmd", "normswap.cli.finetune_cmd"):
         try:
             import_module(name)
         except ModuleNotFoundError as exc:  # a command module not written yet

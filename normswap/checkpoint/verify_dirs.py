@@ -1,0 +1,86 @@
+"""``normswap verify ORIGINAL CONVERTED``: compare two models on disk with ``normswap.verify.compare``."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from normswap import api, inputs
+from normswap.checkpoint import source
+from normswap.checkpoint.reader import load
+from normswap.errors import NormswapError
+from normswap.plan import Plan
+from normswap.verify import compare
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def _plan_of(model: Any) -> Plan | None:
+    return getattr(model, "_normswap_plan", None) or getattr(model, "_normswap_compat", None)
+
+
+def verify_checkpoint(original: str | os.PathLike, converted: str | os.PathLike, *, data: Any = None,
+                      tolerance: float | None = None, task: str | None = None, trust_remote_code: bool = False,
+                      allow_pickle: bool = False) -> dict[str, Any]:
+    """Figures for ``converted`` vs ``original`` and whether an exact conversion is within tolerance.
+
+    Returns a dict with ``figures`` (max/mean over batches), ``ok``, ``kind`` (exact/approximate),
+    ``tolerance``, ``batches``, ``dtype`` and a one-line ``verdict``.
+    """
+    conv_path = Path(converted).expanduser()
+    if not conv_path.exists():
+        raise NormswapError(f"{converted} does not exist")
+    conv = load(conv_path)
+    plan = _plan_of(conv)
+    if plan is None:
+        raise NormswapError(f"{converted} is not a normswap checkpoint (no manifest in config.json)")
+    dtype = next((p.dtype for p in conv.parameters() if p.is_floating_point()), torch.float32)
+    src = source.resolve(str(original), allow_pickle=allow_pickle, trust_remote_code=trust_remote_code)
+    arch = getattr(conv.config, "normswap", {}).get("architecture") if hasattr(conv.config, "normswap") else None
+    orig, proc = source.load_model(src, task=task, dtype=_DTYPE_NAMES.get(dtype, "float32"),
+                                   trust_remote_code=trust_remote_code)
+    if task is None and arch and type(orig).__name__ != arch:
+        raise NormswapError(f"ORIGINAL loads as {type(orig).__name__} but CONVERTED is a {arch}; pass --task")
+    if data is not None:
+        from normswap.checkpoint.convert import read_calibration
+
+        tok = proc if proc is not None else source.load_processor(conv_path)
+        batches = read_calibration(data, tok, orig)
+    elif inputs.is_hf_model(orig):
+        batches = [inputs.hf_example_inputs(orig, batch=2, seq=12, seed=s) for s in (101, 102)]
+    else:
+        raise NormswapError("cannot build inputs for this model; pass --data")
+    skip = set(plan.changed_outputs)
+    per_batch = []
+    with torch.no_grad():
+        for batch in batches:
+            per_batch.append(compare(orig(**batch), conv(**batch), skip))
+    if not per_batch or "max_rel_error" not in per_batch[0]:
+        raise NormswapError("the two models share no comparable output (different tasks?); pass --task")
+    figures: dict[str, Any] = {"output": per_batch[0].get("output")}
+    for key in ("max_abs_error", "max_rel_error", "worst_rel_error_any_output"):
+        vals = [f[key] for f in per_batch if key in f]
+        if vals:
+            figures[key] = max(vals)
+    for key in ("kl", "top1_agreement"):
+        vals = [f[key] for f in per_batch if key in f]
+        if vals:
+            figures[key] = sum(vals) / len(vals)
+    converted_sites = [sp for sp in plan.sites if sp.convert]
+    exact = all(sp.verdict != "approximate" for sp in converted_sites)
+    tol = tolerance if tolerance is not None else api.EXACT_TOLERANCE.get(dtype, 1e-3)
+    worst = figures["max_rel_error"]
+    if exact:
+        ok = worst <= tol
+        verdict = (f"exact conversion: max relative error {worst:.3g} <= {tol:g}: OK" if ok else
+                   f"exact conversion misses tolerance: max relative error {worst:.3g} > {tol:g}")
+    else:
+        ok = True
+        n = sum(1 for sp in converted_sites if sp.verdict == "approximate")
+        verdict = (f"approximate conversion ({n} approximate norm(s)): max relative error {worst:.3g}, "
+                   f"top-1 agreement {figures.get('top1_agreement', float('nan')):.3f}")
+    return {"figures": figures, "ok": ok, "kind": "exact" if exact else "approximate", "tolerance": tol,
+            "batches": len(batches), "dtype": _DTYPE_NAMES.get(dtype, str(dtype)), "verdict": verdict}
