@@ -173,3 +173,33 @@ def describe() -> list[dict]:
             "shape": [rows, n], "picks": picks, "why": why,
         })
     return out
+
+
+def rms_norm_residual(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    normalized_shape: int | tuple[int, ...],
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    *,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pre-norm residual step: ``h = x + residual`` and ``y = rms_norm(h)``; returns ``(y, h)``.
+
+    The ``triton`` backend fuses both into one kernel (h is written once, read never again; the
+    backward adds h's own gradient in the same kernel). Every other backend runs the add, then its
+    ``rms_norm``. ``auto`` uses the fused kernel on CUDA from 2^20 elements, where the saved pass
+    over memory matters.
+    """
+    shape = (int(normalized_shape),) if isinstance(normalized_shape, int) else tuple(normalized_shape)
+    requested = backend if backend != "auto" else (os.environ.get(ENV_VAR, "auto") or "auto")
+    fused_ok = is_available("triton") and triton_backend.supports_residual(x, residual, shape, weight, bias)
+    if fused_ok and (
+        requested == "triton"
+        or (requested == "auto" and x.is_cuda and x.numel() >= CUDA_TRITON_MIN_ELEMENTS)
+    ):
+        return triton_backend.rms_norm_residual(x, residual, shape, weight, bias, float(eps))
+    h = x + residual
+    module = resolve(backend, h, weight, bias)
+    return module.rms_norm(h, shape, weight, bias, float(eps)), h

@@ -27,18 +27,25 @@ import triton.language as tl
 # interpreter recognises this combine function and reduces with numpy. Same code as tl.sum compiles to.
 _sum_combine = tl.standard._sum_combine
 
+# bfloat16 outputs: where the code says ``if IS_BF16:`` it rounds the fp32 value to the nearest even
+# bf16 in integer arithmetic first, so the cast that follows is exact. The compiled cast already rounds
+# to nearest even (so this costs a few integer ops and changes nothing on a GPU), but the interpreter's
+# fp32 -> bf16 cast truncates, which would make the CPU tests check a different function. NaNs are
+# left alone (a GPU's canonical NaN 0x7fffffff would carry into the sign bit).
+
 
 def _rms_norm_fwd(
-    X, Y, W, B, RSTD,
-    stride_x, stride_y, M, N, eps,
+    X, Y, W, B, RSTD, R, H,
+    stride_x, stride_y, stride_r, stride_h, M, N, eps,
     PARAM_ROWS, W_ROW_STRIDE, B_ROW_STRIDE,
-    HAS_W: tl.constexpr, HAS_B: tl.constexpr, IS_FP64: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_RES: tl.constexpr, IS_FP64: tl.constexpr,
+    IS_BF16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """BLOCK_M rows per program, each row whole in registers (BLOCK_N >= N).
 
     Cast order = ``eager`` (HF Llama): fp32 mean of squares and rstd, ``x * rstd`` rounded to the
     output dtype, ``* weight`` (cast to the output dtype) rounded, ``+ bias`` rounded.
+    With HAS_RES the normalised input is ``h = x + residual`` (rounded to x's dtype), also stored to H.
     """
     pid = tl.program_id(0)
     rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -48,6 +55,18 @@ def _rms_norm_fwd(
     rows64 = tl.cast(rows, tl.int64)
     odt = Y.dtype.element_ty
     x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+    if HAS_RES:
+        r = tl.load(R + rows64[:, None] * stride_r + cols[None, :], mask=mask, other=0.0)
+        if IS_FP64:
+            x = (x.to(tl.float64) + r.to(tl.float64)).to(odt)
+        else:
+            hs = x.to(tl.float32) + r.to(tl.float32)
+            if IS_BF16:
+                _u = hs.to(tl.uint32, bitcast=True)
+                _r = (((_u + 0x7FFF + ((_u >> 16) & 1)) >> 16) << 16).to(tl.float32, bitcast=True)
+                hs = tl.where(hs == hs, _r, hs)
+            x = hs.to(odt)
+        tl.store(H + rows64[:, None] * stride_h + cols[None, :], x, mask=mask)
     if IS_FP64:
         xf = x.to(tl.float64)
         e = tl.cast(eps, tl.float64)
@@ -58,30 +77,44 @@ def _rms_norm_fwd(
     tl.store(RSTD + rows, rstd, mask=row_ok)
     out = xf * rstd[:, None]
     if HAS_W + HAS_B > 0:
+        if IS_BF16:
+            _u = out.to(tl.uint32, bitcast=True)
+            _r = (((_u + 0x7FFF + ((_u >> 16) & 1)) >> 16) << 16).to(tl.float32, bitcast=True)
+            out = tl.where(out == out, _r, out)
         out = out.to(odt).to(xf.dtype)
     prow = (rows % PARAM_ROWS)[:, None]
     if HAS_W:
         w = tl.load(W + prow * W_ROW_STRIDE + cols[None, :], mask=mask, other=0.0)
         out = out * w.to(odt).to(xf.dtype)
         if HAS_B:
+            if IS_BF16:
+                _u = out.to(tl.uint32, bitcast=True)
+                _r = (((_u + 0x7FFF + ((_u >> 16) & 1)) >> 16) << 16).to(tl.float32, bitcast=True)
+                out = tl.where(out == out, _r, out)
             out = out.to(odt).to(xf.dtype)
     if HAS_B:
         b = tl.load(B + prow * B_ROW_STRIDE + cols[None, :], mask=mask, other=0.0)
         out = out + b.to(odt).to(xf.dtype)
+    if IS_BF16:
+        _u = out.to(tl.uint32, bitcast=True)
+        _r = (((_u + 0x7FFF + ((_u >> 16) & 1)) >> 16) << 16).to(tl.float32, bitcast=True)
+        out = tl.where(out == out, _r, out)
     tl.store(Y + rows64[:, None] * stride_y + cols[None, :], out.to(odt), mask=mask)
 
 
 def _rms_norm_bwd(
-    X, DY, DX, W, RSTD, DW_PART, DB_PART,
-    stride_x, stride_dy, stride_dx, ROWS_PER_HEAD, N, ROWS_PER_PROG,
+    X, DY, DX, W, RSTD, DW_PART, DB_PART, DRES,
+    stride_x, stride_dy, stride_dx, stride_dres, ROWS_PER_HEAD, N, ROWS_PER_PROG,
     PARAM_ROWS, W_ROW_STRIDE,
-    HAS_W: tl.constexpr, HAS_B: tl.constexpr, IS_FP64: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_DRES: tl.constexpr, IS_FP64: tl.constexpr,
+    IS_BF16: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Persistent backward: program (p, h) handles rows ``k * PARAM_ROWS + h`` for its range of k.
 
     Each program keeps dW/dB partials for its single parameter row in registers (fp32, or fp64 for
     fp64) and writes them to ``DW_PART[p, h, :]``; the host sums over p. Deterministic, no atomics.
     dx = rstd * (g - xhat * mean(g * xhat)), g = dy * w, treating the forward's roundings as identity.
+    With HAS_DRES the gradient arriving at the residual-sum output ``h`` is added (fused residual).
     """
     pid = tl.program_id(0)
     h = tl.program_id(1)
@@ -105,14 +138,26 @@ def _rms_norm_bwd(
         rstd = tl.load(RSTD + row).to(dw_acc.dtype)
         xhat = x * rstd
         if HAS_W:
-            dw_acc += dy * xhat.to(odt).to(dw_acc.dtype)  # the rounded value the weight multiplied
+            y0 = xhat  # the rounded value the weight multiplied
+            if IS_BF16:
+                _u = y0.to(tl.uint32, bitcast=True)
+                _r = (((_u + 0x7FFF + ((_u >> 16) & 1)) >> 16) << 16).to(tl.float32, bitcast=True)
+                y0 = tl.where(y0 == y0, _r, y0)
+            dw_acc += dy * y0.to(odt).to(dw_acc.dtype)
             g = dy * w
         else:
             g = dy
         if HAS_B:
             db_acc += dy
         c = tl.reduce(g * xhat, 0, _sum_combine) / N
-        tl.store(DX + row * stride_dx + cols, ((g - xhat * c) * rstd).to(odt), mask=cmask)
+        dx = (g - xhat * c) * rstd
+        if HAS_DRES:
+            dx += tl.load(DRES + row * stride_dres + cols, mask=cmask, other=0.0).to(dw_acc.dtype)
+        if IS_BF16:
+            _u = dx.to(tl.uint32, bitcast=True)
+            _r = (((_u + 0x7FFF + ((_u >> 16) & 1)) >> 16) << 16).to(tl.float32, bitcast=True)
+            dx = tl.where(dx == dx, _r, dx)
+        tl.store(DX + row * stride_dx + cols, dx.to(odt), mask=cmask)
     part = tl.cast(pid * PARAM_ROWS + h, tl.int64) * N
     if HAS_W:
         tl.store(DW_PART + part + cols, dw_acc, mask=cmask)

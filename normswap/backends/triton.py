@@ -105,9 +105,13 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def forward(
     x: torch.Tensor, normalized_shape: tuple[int, ...], weight: torch.Tensor | None,
-    bias: torch.Tensor | None, eps: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch the forward kernel: returns ``y`` (contiguous, x's shape and dtype) and ``rstd`` (rows,)."""
+    bias: torch.Tensor | None, eps: float, residual: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Launch the forward kernel: ``(y, rstd, h)``.
+
+    ``y`` is contiguous with x's shape and dtype, ``rstd`` has one entry per row, and ``h`` is
+    ``x + residual`` (the tensor actually normalised) when a residual is given, else None.
+    """
     from normswap.backends._triton_kernels import kernels
 
     fwd, _ = kernels()
@@ -115,10 +119,12 @@ def forward(
     x2 = _as_rows(x, n) if n else x.reshape(-1, 0)
     m = x2.shape[0]
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    h = torch.empty(x.shape, dtype=x.dtype, device=x.device) if residual is not None else None
     rstd = torch.empty(m, dtype=_compute_dtype(x.dtype), device=x.device)
     if m == 0 or n == 0:
         rstd.fill_(1.0 / math.sqrt(eps) if eps > 0 else math.inf)
-        return y, rstd
+        return y, rstd, h
+    r2 = _as_rows(residual, n) if residual is not None else x2
     w, wrows = _prep_param(weight, n, x)
     b, brows = _prep_param(bias, n, x)
     param_rows = max(wrows, brows)
@@ -126,20 +132,25 @@ def forward(
     block_m = max(1, min(16, 2048 // block_n)) if not _interpret() else max(1, min(16, 256 // block_n))
     grid = (triton_cdiv(m, block_m),)
     fwd[grid](
-        x2, y, w, b, rstd,
-        x2.stride(0), n, m, n, float(eps),
+        x2, y, w, b, rstd, r2, h if h is not None else y,
+        x2.stride(0), n, r2.stride(0), n, m, n, float(eps),
         param_rows, n if wrows > 1 else 0, n if brows > 1 else 0,
-        HAS_W=int(weight is not None), HAS_B=int(bias is not None), IS_FP64=int(x.dtype == torch.float64),
+        HAS_W=int(weight is not None), HAS_B=int(bias is not None), HAS_RES=int(residual is not None),
+        IS_FP64=int(x.dtype == torch.float64), IS_BF16=int(x.dtype == torch.bfloat16),
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=_num_warps(block_n * block_m),
     )
-    return y, rstd
+    return y, rstd, h
 
 
 def backward(
     dy: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor, normalized_shape: tuple[int, ...],
-    weight: torch.Tensor | None, bias: torch.Tensor | None,
+    weight: torch.Tensor | None, bias: torch.Tensor | None, dres: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """Launch the backward kernel: ``(dx, dweight or None, dbias or None)``."""
+    """Launch the backward kernel: ``(dx, dweight or None, dbias or None)``.
+
+    ``x`` is the normalised input (``h`` for the residual op); ``dres``, the gradient arriving at ``h``
+    itself, is added to ``dx`` in the kernel.
+    """
     from normswap.backends._triton_kernels import kernels
 
     _, bwd = kernels()
@@ -156,6 +167,7 @@ def backward(
         db = torch.zeros(bias.shape, dtype=bias.dtype, device=x.device) if bias is not None else None
         return dx, dw, db
     dy2 = _as_rows(dy, n)
+    dres2 = _as_rows(dres, n) if dres is not None else dy2
     per_head = m // heads
     block_n = triton_next_pow2(n)
     if x.is_cuda:
@@ -169,10 +181,11 @@ def backward(
     dw_part = torch.empty((programs, heads, n), dtype=acc, device=x.device) if weight is not None else rstd
     db_part = torch.empty((programs, heads, n), dtype=acc, device=x.device) if bias is not None else rstd
     bwd[(programs, heads)](
-        x2, dy2, dx, w, rstd, dw_part, db_part,
-        x2.stride(0), dy2.stride(0), n, per_head, n, rows_per_prog,
+        x2, dy2, dx, w, rstd, dw_part, db_part, dres2,
+        x2.stride(0), dy2.stride(0), n, dres2.stride(0), per_head, n, rows_per_prog,
         heads, n if wrows > 1 else 0,
-        HAS_W=int(weight is not None), HAS_B=int(bias is not None), IS_FP64=int(x.dtype == torch.float64),
+        HAS_W=int(weight is not None), HAS_B=int(bias is not None), HAS_DRES=int(dres is not None),
+        IS_FP64=int(x.dtype == torch.float64), IS_BF16=int(x.dtype == torch.bfloat16),
         BLOCK_N=block_n, num_warps=_num_warps(block_n),
     )
     dw = db = None
@@ -197,7 +210,7 @@ def triton_cdiv(a: int, b: int) -> int:
 class _TritonRMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, normalized_shape, weight, bias, eps):  # type: ignore[override]
-        y, rstd = forward(x, normalized_shape, weight, bias, eps)
+        y, rstd, _ = forward(x, normalized_shape, weight, bias, eps)
         ctx.save_for_backward(x, rstd, weight, bias)
         ctx.normalized_shape = normalized_shape
         return y
@@ -209,13 +222,32 @@ class _TritonRMSNorm(torch.autograd.Function):
         return dx, None, dw, db, None
 
 
+class _TritonRMSNormResidual(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, residual, normalized_shape, weight, bias, eps):  # type: ignore[override]
+        y, rstd, h = forward(x, normalized_shape, weight, bias, eps, residual)
+        ctx.save_for_backward(h, rstd, weight, bias)
+        ctx.normalized_shape = normalized_shape
+        ctx.set_materialize_grads(False)
+        return y, h
+
+    @staticmethod
+    def backward(ctx, dy, dh):  # type: ignore[override]
+        h, rstd, weight, bias = ctx.saved_tensors
+        if dy is None:
+            dy = torch.zeros_like(h)
+        dx, dw, db = backward(dy, h, rstd, ctx.normalized_shape, weight, bias, dh)
+        return dx, dx, None, dw, db, None
+
+
 # ------------------------------------------------------------------------- compile path: custom ops
 @torch.library.custom_op("normswap::triton_rms_norm_fwd", mutates_args=())
 def _fwd_op(
     x: torch.Tensor, normalized_shape: list[int], weight: torch.Tensor | None, bias: torch.Tensor | None,
     eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return forward(x, tuple(normalized_shape), weight, bias, eps)
+    y, rstd, _ = forward(x, tuple(normalized_shape), weight, bias, eps)
+    return y, rstd
 
 
 @_fwd_op.register_fake
@@ -227,16 +259,16 @@ def _(x, normalized_shape, weight, bias, eps):
 @torch.library.custom_op("normswap::triton_rms_norm_bwd", mutates_args=())
 def _bwd_op(
     dy: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor, normalized_shape: list[int],
-    weight: torch.Tensor | None, bias: torch.Tensor | None,
+    weight: torch.Tensor | None, bias: torch.Tensor | None, dres: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    dx, dw, db = backward(dy, x, rstd, tuple(normalized_shape), weight, bias)
+    dx, dw, db = backward(dy, x, rstd, tuple(normalized_shape), weight, bias, dres)
     # custom ops cannot return None: absent grads are empty tensors, dropped by _op_backward.
     empty = x.new_empty((0,))
     return dx, dw if dw is not None else empty, db if db is not None else empty.clone()
 
 
 @_bwd_op.register_fake
-def _(dy, x, rstd, normalized_shape, weight, bias):
+def _(dy, x, rstd, normalized_shape, weight, bias, dres=None):
     dw = weight.new_empty(weight.shape) if weight is not None else x.new_empty((0,))
     db = bias.new_empty(bias.shape) if bias is not None else x.new_empty((0,))
     return x.new_empty(x.shape), dw, db
@@ -255,6 +287,38 @@ def _op_backward(ctx, dy, _drstd):
 
 
 _fwd_op.register_autograd(_op_backward, setup_context=_setup_context)
+
+
+@torch.library.custom_op("normswap::triton_rms_norm_residual_fwd", mutates_args=())
+def _res_fwd_op(
+    x: torch.Tensor, residual: torch.Tensor, normalized_shape: list[int], weight: torch.Tensor | None,
+    bias: torch.Tensor | None, eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    y, rstd, h = forward(x, tuple(normalized_shape), weight, bias, eps, residual)
+    return y, h, rstd
+
+
+@_res_fwd_op.register_fake
+def _(x, residual, normalized_shape, weight, bias, eps):
+    rows = math.prod(x.shape[: x.dim() - len(normalized_shape)])
+    return x.new_empty(x.shape), x.new_empty(x.shape), x.new_empty((rows,), dtype=_compute_dtype(x.dtype))
+
+
+def _res_setup_context(ctx, inputs, output):
+    _x, _residual, normalized_shape, weight, bias, _eps = inputs
+    ctx.save_for_backward(output[1], output[2], weight, bias)
+    ctx.normalized_shape = list(normalized_shape)
+
+
+def _res_op_backward(ctx, dy, dh, _drstd):
+    h, rstd, weight, bias = ctx.saved_tensors
+    if dy is None:
+        dy = torch.zeros_like(h)
+    dx, dw, db = torch.ops.normswap.triton_rms_norm_bwd(dy, h, rstd, ctx.normalized_shape, weight, bias, dh)
+    return dx, dx, None, dw if weight is not None else None, db if bias is not None else None, None
+
+
+_res_fwd_op.register_autograd(_res_op_backward, setup_context=_res_setup_context)
 
 
 def rms_norm(
@@ -282,3 +346,43 @@ def rms_norm(
     ):
         return _TritonRMSNorm.apply(x, normalized_shape, weight, bias, eps)
     return forward(x, normalized_shape, weight, bias, eps)[0]
+
+
+def rms_norm_residual(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    normalized_shape: tuple[int, ...],
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused ``h = x + residual; y = rms_norm(h)``: returns ``(y, h)``, one pass over memory.
+
+    Callers check :func:`supports_residual` first (the generic composite is in
+    ``normswap.backends.rms_norm_residual``).
+    """
+    if torch.compiler.is_compiling():
+        y, h, _ = torch.ops.normswap.triton_rms_norm_residual_fwd(x, residual, list(normalized_shape), weight,
+                                                                   bias, eps)
+        return y, h
+    if torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (x, residual, weight, bias)
+    ):
+        return _TritonRMSNormResidual.apply(x, residual, normalized_shape, weight, bias, eps)
+    y, _, h = forward(x, normalized_shape, weight, bias, eps, residual)
+    return y, h
+
+
+def supports_residual(
+    x: torch.Tensor, residual: torch.Tensor, normalized_shape: tuple[int, ...], weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+) -> bool:
+    """The fused residual kernel handles this call (same dtype/shape/device, row fits, params fit)."""
+    n = math.prod(normalized_shape)
+    if not (len(normalized_shape) and 0 < n <= MAX_N and supports(x, weight, bias)):
+        return False
+    if residual.shape != x.shape or residual.dtype != x.dtype or residual.device != x.device:
+        return False
+    wrows = weight.numel() // n if weight is not None else 1
+    brows = bias.numel() // n if bias is not None else 1
+    return wrows == brows or min(wrows, brows) == 1

@@ -126,3 +126,13 @@ def test_backward_matches_eager_autograd(backend, dtype):
     for name, g, g0, r in zip("xwb", got, base, ref, strict=True):
         err, err0 = (g.double() - r).abs().max().item(), (g0.double() - r).abs().max().item()
         assert err <= 2 * err0 + atol, f"d{name}: {err:.3g} vs eager {err0:.3g}"
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_residual_composite(backend):
+    """Non-triton backends: ``rms_norm_residual`` is the add followed by the backend's norm."""
+    x, w, b = make_inputs(8, (64,), torch.bfloat16, bias=True, seed=6)
+    res = torch.randn(x.shape).to(torch.bfloat16)
+    y, h = backends.rms_norm_residual(x, res, 64, w, b, 1e-6, backend=backend)
+    assert torch.equal(h, x + res)
+    assert torch.equal(y, backends.BACKENDS[backend].rms_norm(x + res, (64,), w, b, 1e-6))

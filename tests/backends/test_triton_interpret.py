@@ -73,6 +73,8 @@ def test_forward_backward_against_reference(dtype, case):
     assert tb.supports(x, w, b)
     y = tb.rms_norm(x, shape, w, b, eps)
     check_against_reference(y, x, shape, w, b, eps, f"triton {dtype}")
+    if dtype in (torch.bfloat16, torch.float16):  # same cast order and rounding as eager: nearly bit-equal
+        assert (y == eager.rms_norm(x, shape, w, b, eps)).float().mean().item() > 0.9
 
     gy = torch.randn(x.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64).to(dtype)
     got = _grads(lambda x, w, b: tb.rms_norm(x, shape, w, b, eps), x, w, b, gy)
@@ -120,6 +122,16 @@ def test_dweight_is_deterministic():
     first = _grads(lambda x, w, b: tb.rms_norm(x, (128,), w, b, 1e-6), x, w, b, gy)
     again = _grads(lambda x, w, b: tb.rms_norm(x, (128,), w, b, 1e-6), x, w, b, gy)
     assert all(torch.equal(a, c) for a, c in zip(first, again, strict=True))
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # numpy inf*0 in the interpreter
+def test_bf16_nan_and_inf_survive_rounding():
+    x = torch.tensor([[1.0, float("nan"), 2.0, 3.0], [1.0, 2.0, float("inf"), 4.0], [1.0, 2.0, 3.0, 4.0]])
+    x = x.to(torch.bfloat16)
+    w = torch.ones(4, dtype=torch.bfloat16)
+    y = tb.rms_norm(x, (4,), w, None, 1e-6)
+    ref = eager.rms_norm(x, (4,), w, None, 1e-6)
+    assert torch.equal(y.isnan(), ref.isnan()) and torch.equal(y[2], ref[2])
 
 
 def test_empty_rows():
@@ -173,3 +185,46 @@ def test_compile_fullgraph_no_recompiles(compile_backend):
             ref = torch.autograd.grad(ref_y, (x, m.weight, m.bias), gy)
             assert torch.allclose(y, ref_y, atol=1e-5)
             assert all(torch.allclose(a, r, atol=1e-4) for a, r in zip(got, ref, strict=True))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("use_h", [True, False])
+def test_fused_residual_matches_composite(dtype, use_h):
+    x, w, b = make_inputs(12, (96,), dtype, bias=True, seed=11, requires_grad=True)
+    res = (torch.randn(x.shape, generator=torch.Generator().manual_seed(12)) * 2).to(dtype).requires_grad_(True)
+    y, h = backends.rms_norm_residual(x, res, 96, w, b, 1e-5, backend="triton")
+    h_ref = x + res
+    assert torch.equal(h, h_ref)
+    check_against_reference(y, h_ref, (96,), w, b, 1e-5, "residual")
+    gy, gh = torch.randn_like(y), torch.randn_like(h)
+    out = (y * gy).sum() + ((h * gh).sum() if use_h else 0)
+    got = torch.autograd.grad(out, (x, res, w, b))
+    y2 = eager.rms_norm(x + res, (96,), w, b, 1e-5)
+    out2 = (y2 * gy).sum() + (((x + res) * gh).sum() if use_h else 0)
+    ref = torch.autograd.grad(out2, (x, res, w, b))
+    tol = {torch.float32: 1e-4, torch.bfloat16: 1e-1, torch.float16: 2e-2}[dtype]
+    for a, r in zip(got, ref, strict=True):
+        assert torch.allclose(a.float(), r.float(), atol=tol * 8, rtol=tol), (a - r).abs().max()
+
+
+def test_fused_residual_opcheck_and_compile():
+    x, r = torch.randn(6, 40), torch.randn(6, 40)
+    w, b = torch.randn(40), torch.randn(40)
+    torch.library.opcheck(torch.ops.normswap.triton_rms_norm_residual_fwd, (x, r, [40], w, b, 1e-6))
+    y, h, rstd = torch.ops.normswap.triton_rms_norm_residual_fwd(x, r, [40], w, b, 1e-6)
+    torch.library.opcheck(torch.ops.normswap.triton_rms_norm_bwd, (torch.randn_like(y), h, rstd, [40], w, b,
+                                                                   torch.randn_like(h)))
+    torch._dynamo.reset()
+    w.requires_grad_(True)
+    fn = torch.compile(lambda x, r: backends.rms_norm_residual(x, r, 40, w, None, 1e-6, backend="triton"),
+                       fullgraph=True, backend="aot_eager", dynamic=True)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for rows in (3, 7):
+            xx = torch.randn(rows, 40, requires_grad=True)
+            rr = torch.randn(rows, 40, requires_grad=True)
+            y, h = fn(xx, rr)
+            (y.sum() + h.pow(2).sum()).backward()
+            y2 = eager.rms_norm(xx + rr, (40,), w, None, 1e-6)
+            gx = torch.autograd.grad(y2.sum() + (xx + rr).pow(2).sum(), xx)[0]
+            assert torch.allclose(y, y2, atol=1e-5) and torch.allclose(xx.grad, gx, atol=1e-4)
+            assert torch.equal(xx.grad, rr.grad)
