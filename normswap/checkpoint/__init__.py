@@ -18,8 +18,8 @@ install_lazy_registration()
 
 def convert(model_id_or_path, out_dir, *, format="native", **options):  # noqa: A002, ANN001, ANN201
     """Convert a model (Hub id, local directory or preset name) into ``out_dir``; see
-    :func:`normswap.checkpoint.convert.convert`."""
-    from normswap.checkpoint.convert import convert as _convert
+    :func:`normswap.checkpoint.conversion.convert`."""
+    from normswap.checkpoint.conversion import convert as _convert
 
     return _convert(model_id_or_path, out_dir, format=format, **options)
 

@@ -96,6 +96,8 @@ def check_destination(out: str | os.PathLike, *, overwrite: bool, source: Path |
         if why:
             raise NormswapError(f"refusing to overwrite {out}: {why}")
     parent = _existing_parent(out)
+    if not parent.is_dir():
+        raise NormswapError(f"cannot create --out {out}: {parent} is a file, not a directory")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise NormswapError(f"cannot write to {parent} (permission denied); choose a writable --out")
     return out
@@ -103,7 +105,7 @@ def check_destination(out: str | os.PathLike, *, overwrite: bool, source: Path |
 
 def _existing_parent(out: Path) -> Path:
     parent = out.resolve().parent
-    while not parent.exists():
+    while not parent.exists() and parent != parent.parent:
         parent = parent.parent
     return parent
 
@@ -133,20 +135,32 @@ def atomic_directory(out: Path, *, overwrite: bool) -> Iterator[Path]:
     """
     out = Path(out).expanduser()
     parent = out.resolve().parent
+    created = parent  # the outermost directory this call creates (removed again on failure)
+    while not created.parent.exists() and created.parent != created:
+        created = created.parent
+    created = created if not created.exists() else None
+
+    def cleanup(tmp: Path | None) -> None:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if created is not None:
+            shutil.rmtree(created, ignore_errors=True)
+
     try:
         parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}{TMP_MARK}", dir=parent))
     except OSError as exc:
+        cleanup(None)
         raise NormswapError(f"cannot create the output directory next to {out}: {exc.strerror or exc}") from exc
     try:
         yield tmp
         os.chmod(tmp, 0o755)
         _move_into_place(tmp, out, overwrite=overwrite)
     except OSError as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
+        cleanup(tmp)
         raise os_error(exc, out) from exc
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        cleanup(tmp)
         raise
 
 

@@ -329,7 +329,7 @@ def validate_against_meta(plan: Plan, meta: nn.Module) -> None:
 
 
 def _available() -> int:
-    from normswap.checkpoint.convert import available_memory
+    from normswap.checkpoint.conversion import available_memory
 
     return available_memory()
 
@@ -553,8 +553,8 @@ def write_weights(tf: Transformer, out: Path, max_shard_size: int, progress: boo
     names = ["model.safetensors"] if total == 1 else \
         [f"model-{k + 1:05d}-of-{total:05d}.safetensors" for k in range(total)]
     weight_map: dict[str, str] = {}
-    bar = tqdm(total=sum(sizes), unit="B", unit_scale=True, desc="streaming tensors", disable=not progress,
-               leave=False)
+    bar = tqdm(total=sum(sizes), unit="B", unit_scale=True, desc="streaming tensors",
+               disable=None if progress else True, leave=False)
     try:
         for name, idx in zip(names, shards, strict=True):
             w = ShardWriter(out / name, [(layout[i][0], layout[i][1], layout[i][2]) for i in idx])
@@ -580,19 +580,27 @@ def write_weights(tf: Transformer, out: Path, max_shard_size: int, progress: boo
 
 
 # ------------------------------------------------------------------------------------ verification
-def _truncated_state(model: nn.Module, stacks: dict[str, int], proxy_depths: dict[str, int],
-                     lookup: Callable[[str], torch.Tensor | None]) -> dict[str, torch.Tensor]:
-    """Tensors for a truncated model: proxy layer t of each stack loads full layer representative(t)."""
+def _load_truncated(model: nn.Module, stacks: dict[str, int], proxy_depths: dict[str, int],
+                    lookup: Callable[[str], torch.Tensor | None]) -> list[str]:
+    """Fill a truncated model in place, tensor by tensor: proxy layer ``t`` of each stack gets full
+    layer ``representative(t)``. Returns the names the checkpoint had no tensor for."""
     layout = ex.Layout(proxy_depths)
-    state = {}
-    for name in model.state_dict():
-        ref = layout.split(name)
-        full_name = name if ref.stack is None else ex.Layout.join(
-            ref.stack, representative(ref.index, stacks[ref.stack], proxy_depths[ref.stack]), ref.rest)
-        value = lookup(full_name)
-        if value is not None:
-            state[name] = value
-    return state
+    missing = []
+    with torch.no_grad():
+        for name, target in model.state_dict(keep_vars=True).items():
+            ref = layout.split(name)
+            full_name = name if ref.stack is None else ex.Layout.join(
+                ref.stack, representative(ref.index, stacks[ref.stack], proxy_depths[ref.stack]), ref.rest)
+            value = lookup(full_name)
+            if value is None:
+                missing.append(name)
+                continue
+            if tuple(value.shape) != tuple(target.shape):
+                raise NormswapError(f"{full_name}: checkpoint shape {tuple(value.shape)} does not match the "
+                                    f"model's {tuple(target.shape)}")
+            target.copy_(value.to(target.dtype))
+            del value
+    return missing
 
 
 def verify_truncated(cls: type, fp: FullPlan, meta: nn.Module, src_entries: dict[str, Entry],
@@ -628,15 +636,15 @@ def verify_truncated(cls: type, fp: FullPlan, meta: nn.Module, src_entries: dict
             finally:
                 torch.random.set_rng_state(previous)
             reader, names = Reader(out_entries), out_keys
-        state = _truncated_state(model, fp.depths, fp.proxy_depths,
-                                 lambda n, r=reader, k=names: r.get(k[n]) if n in k else None)
-        state = {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
-        missing, unexpected = model.load_state_dict(state, strict=False)
+        missing = _load_truncated(model, fp.depths, fp.proxy_depths,
+                                  lambda n, r=reader, k=names: r.get(k[n]) if n in k else None)
         reader.close()
         tied = set(model.get_expanded_tied_weights_keys(all_submodels=True)) if hasattr(
             model, "get_expanded_tied_weights_keys") else set()
-        if which == "original" and [m for m in missing if m not in tied]:
-            raise NormswapError(f"the checkpoint lacks {sorted(set(missing) - tied)[0]}")
+        params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+        lacking = sorted(m for m in missing if m in params and m not in tied)
+        if lacking:
+            raise NormswapError(f"the {which} checkpoint lacks {lacking[0]}; verification impossible")
         if hasattr(model, "tie_weights"):
             model.tie_weights()
         model.eval()
@@ -644,7 +652,7 @@ def verify_truncated(cls: type, fp: FullPlan, meta: nn.Module, src_entries: dict
             probe = inputs.hf_example_inputs(model, batch=2, seq=8, seed=4242)
         with torch.no_grad():
             outputs.append(model(**probe))
-        del model, state
+        del model
         gc.collect()
     figures = compare(outputs[0], outputs[1], set(fp.plan.changed_outputs))
     result: dict[str, Any] = {f"truncated_{k}": v for k, v in figures.items()
@@ -655,7 +663,7 @@ def verify_truncated(cls: type, fp: FullPlan, meta: nn.Module, src_entries: dict
     exact = all(sp.verdict != "approximate" for sp in fp.plan.sites if sp.convert)
     limit = api.EXACT_TOLERANCE.get(dtype, 1e-3)
     if exact and figures.get("max_rel_error", 0.0) > limit:
-        from normswap.checkpoint.convert import VerificationFailed
+        from normswap.checkpoint.conversion import VerificationFailed
 
         raise VerificationFailed(f"verification failed: the streamed checkpoint's layers "
                                  f"{result['truncated_layers']} differ from the original by "

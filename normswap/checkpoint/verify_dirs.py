@@ -45,7 +45,7 @@ def verify_checkpoint(original: str | os.PathLike, converted: str | os.PathLike,
     if task is None and arch and type(orig).__name__ != arch:
         raise NormswapError(f"ORIGINAL loads as {type(orig).__name__} but CONVERTED is a {arch}; pass --task")
     if data is not None:
-        from normswap.checkpoint.convert import read_calibration
+        from normswap.checkpoint.conversion import read_calibration
 
         tok = proc if proc is not None else source.load_processor(conv_path)
         batches = read_calibration(data, tok, orig)

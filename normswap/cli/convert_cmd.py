@@ -185,7 +185,7 @@ def convert(model: str, out: str, mode: str, fmt: str, fold_gamma: bool, keep_ti
     written atomically: into a temporary directory beside --out, renamed at the end; a failed or
     interrupted run leaves nothing behind.
     """
-    from normswap.checkpoint.convert import convert as run
+    from normswap.checkpoint.conversion import convert as run
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -39,7 +39,8 @@ class VerificationFailed(NormswapError):
 def _progress(enabled: bool, total: int, desc: str) -> Any:
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, desc=desc, disable=not enabled, file=sys.stderr, leave=False,
+    # disable=None: bars only on a terminal (CI logs and pipes stay clean)
+    return tqdm(total=total, desc=desc, disable=None if enabled else True, file=sys.stderr, leave=False,
                 bar_format="{desc}: {n_fmt}/{total_fmt} {postfix}")
 
 
