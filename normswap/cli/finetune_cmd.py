@@ -47,7 +47,11 @@ def finetune(recipe: str, overrides: tuple[str, ...], print_config: bool) -> Non
         click.echo(f"error: {exc}", err=True)
         sys.exit(1)
     if result.stopped_early:
-        click.echo(f"stopped after step {result.steps} (checkpoint.stop_after); resume with checkpoint.resume=true")
+        click.echo(
+            f"stopped after step {result.steps} (checkpoint.stop_after); resume with checkpoint.resume=true"
+        )
     else:
-        click.echo(f"done: {result.steps} steps, {result.tokens:,} tokens, {result.train_time_s:.1f} s; "
-                   f"model in {result.model_dir}")
+        click.echo(
+            f"done: {result.steps} steps, {result.tokens:,} tokens, {result.train_time_s:.1f} s; "
+            f"model in {result.model_dir}"
+        )

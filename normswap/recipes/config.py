@@ -101,6 +101,7 @@ class TrainConfig:
     gradient_accumulation_steps: int = 1
     mixed_precision: Literal["no", "bf16", "fp16"] = "no"
     trainable: Literal["all", "norms_and_biases", "lora"] = "all"
+    dropout: float | None = 0.0
     lora: LoraConfig = field(default_factory=LoraConfig)
     seed: int = 0
 
@@ -190,9 +191,16 @@ def _coerce(value: Any, tp: Any) -> Any:
     origin = typing.get_origin(tp)
     if origin is Literal:
         choices = typing.get_args(tp)
+        if isinstance(value, bool):  # YAML 1.1 reads no/off/yes/on as booleans
+            spelled = [
+                c for c in (("yes", "on", "true") if value else ("no", "off", "false")) if c in choices
+            ]
+            if spelled:
+                return spelled[0]
+            raise _Mismatch
         if value in choices:
             return value
-        if isinstance(value, bool) is False and str(value) in [str(c) for c in choices]:
+        if str(value) in [str(c) for c in choices]:
             return next(c for c in choices if str(c) == str(value))
         raise _Mismatch
     if origin in (Union, types.UnionType):
@@ -259,8 +267,9 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise NormswapError(f"config key `{prefix or '<root>'}` must be a mapping of keys, "
-                            f"got {type(data).__name__}")
+        raise NormswapError(
+            f"config key `{prefix or '<root>'}` must be a mapping of keys, got {type(data).__name__}"
+        )
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     kwargs: dict[str, Any] = {}
@@ -299,8 +308,11 @@ def apply_overrides(data: dict[str, Any], overrides: list[str] | dict[str, Any] 
     """Merge dotted ``key=value`` overrides (strings, or a ``{dotted: value}`` dict) into ``data``."""
     if not overrides:
         return data
-    items = [parse_override(o) for o in overrides] if isinstance(overrides, (list, tuple)) \
+    items = (
+        [parse_override(o) for o in overrides]
+        if isinstance(overrides, (list, tuple))
         else [(k.split("."), v) for k, v in overrides.items()]
+    )
     for parts, value in items:
         node = data
         for i, part in enumerate(parts[:-1]):
@@ -308,8 +320,10 @@ def apply_overrides(data: dict[str, Any], overrides: list[str] | dict[str, Any] 
             if child is None:
                 child = node[part] = {}
             elif not isinstance(child, dict):
-                raise NormswapError(f"config key `{'.'.join(parts[: i + 1])}` is a value, not a section; "
-                                    f"cannot set `{'.'.join(parts)}`")
+                raise NormswapError(
+                    f"config key `{'.'.join(parts[: i + 1])}` is a value, not a section; "
+                    f"cannot set `{'.'.join(parts)}`"
+                )
             node = child
         node[parts[-1]] = value
     return data
@@ -325,17 +339,24 @@ def _read_yaml(path: str | os.PathLike) -> dict[str, Any]:
     except yaml.YAMLError as exc:
         line = getattr(getattr(exc, "problem_mark", None), "line", None)
         where = f" (line {line + 1})" if line is not None else ""
-        raise NormswapError(f"recipe file {str(p)!r} is not valid YAML{where}: "
-                            f"{getattr(exc, 'problem', exc)}") from None
+        raise NormswapError(
+            f"recipe file {str(p)!r} is not valid YAML{where}: {getattr(exc, 'problem', exc)}"
+        ) from None
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise NormswapError(f"recipe file {str(p)!r} must be a mapping of sections (task:, model:, data: ...)")
+        raise NormswapError(
+            f"recipe file {str(p)!r} must be a mapping of sections (task:, model:, data: ...)"
+        )
     return data
 
 
-def load_config(config: str | os.PathLike | dict[str, Any] | RecipeConfig,
-                overrides: list[str] | dict[str, Any] | None = None, *, check_paths: bool = True) -> RecipeConfig:
+def load_config(
+    config: str | os.PathLike | dict[str, Any] | RecipeConfig,
+    overrides: list[str] | dict[str, Any] | None = None,
+    *,
+    check_paths: bool = True,
+) -> RecipeConfig:
     """Build a validated :class:`RecipeConfig` from a YAML path, a dict, or a config, plus overrides."""
     if isinstance(config, RecipeConfig):
         data = config.to_dict()
@@ -369,77 +390,112 @@ def validate(cfg: RecipeConfig, *, check_paths: bool = True) -> None:
     if not cfg.model.source and not cfg.model.student:
         raise NormswapError("config key `model.source` is required (the original model directory)")
     if not cfg.data.path:
-        raise NormswapError("config key `data.path` is required (a text file, a JSONL file or a datasets directory)")
+        raise NormswapError(
+            "config key `data.path` is required (a text file, a JSONL file or a datasets directory)"
+        )
     if check_paths:
-        for key, value in (("model.source", cfg.model.source), ("model.student", cfg.model.student),
-                           ("model.tokenizer", cfg.model.tokenizer)):
+        for key, value in (
+            ("model.source", cfg.model.source),
+            ("model.student", cfg.model.student),
+            ("model.tokenizer", cfg.model.tokenizer),
+        ):
             if value and not Path(value).exists():
-                raise NormswapError(f"config key `{key}`: {value!r} does not exist (normswap never downloads; "
-                                    "give a local directory)")
+                raise NormswapError(
+                    f"config key `{key}`: {value!r} does not exist (normswap never downloads; "
+                    "give a local directory)"
+                )
         if not Path(cfg.data.path).exists():
             raise NormswapError(f"config key `data.path`: {cfg.data.path!r} does not exist")
     for key, value, zero_ok in (
-        ("data.seq_len", cfg.data.seq_len, False), ("data.batch_size", cfg.data.batch_size, False),
-        ("data.eval_batch_size", cfg.data.eval_batch_size, False), ("data.eval_batches", cfg.data.eval_batches, False),
+        ("data.seq_len", cfg.data.seq_len, False),
+        ("data.batch_size", cfg.data.batch_size, False),
+        ("data.eval_batch_size", cfg.data.eval_batch_size, False),
+        ("data.eval_batches", cfg.data.eval_batches, False),
         ("data.max_documents", cfg.data.max_documents, False),
-        ("train.steps", cfg.train.steps, False), ("train.lr", cfg.train.lr, False),
-        ("train.weight_decay", cfg.train.weight_decay, True), ("train.warmup_steps", cfg.train.warmup_steps, True),
+        ("train.steps", cfg.train.steps, False),
+        ("train.lr", cfg.train.lr, False),
+        ("train.weight_decay", cfg.train.weight_decay, True),
+        ("train.warmup_steps", cfg.train.warmup_steps, True),
         ("train.max_grad_norm", cfg.train.max_grad_norm, False),
         ("train.gradient_accumulation_steps", cfg.train.gradient_accumulation_steps, False),
-        ("train.lora.r", cfg.train.lora.r, False), ("train.lora.dropout", cfg.train.lora.dropout, True),
-        ("loss.temperature", cfg.loss.temperature, False), ("loss.kl_weight", cfg.loss.kl_weight, True),
-        ("loss.ce_weight", cfg.loss.ce_weight, True), ("loss.pooled_weight", cfg.loss.pooled_weight, True),
+        ("train.lora.r", cfg.train.lora.r, False),
+        ("train.dropout", cfg.train.dropout, True),
+        ("train.lora.dropout", cfg.train.lora.dropout, True),
+        ("loss.temperature", cfg.loss.temperature, False),
+        ("loss.kl_weight", cfg.loss.kl_weight, True),
+        ("loss.ce_weight", cfg.loss.ce_weight, True),
+        ("loss.pooled_weight", cfg.loss.pooled_weight, True),
         ("loss.hidden_weight", cfg.loss.hidden_weight, True),
         ("convert.calibration_batches", cfg.convert.calibration_batches, True),
         ("progressive.group_size", cfg.progressive.group_size, False),
         ("progressive.interval", cfg.progressive.interval, False),
         ("progressive.start_step", cfg.progressive.start_step, True),
-        ("eval.every", cfg.eval.every, False), ("log.every", cfg.log.every, False),
-        ("checkpoint.every", cfg.checkpoint.every, False), ("checkpoint.keep_last", cfg.checkpoint.keep_last, False),
+        ("eval.every", cfg.eval.every, False),
+        ("log.every", cfg.log.every, False),
+        ("checkpoint.every", cfg.checkpoint.every, False),
+        ("checkpoint.keep_last", cfg.checkpoint.keep_last, False),
         ("checkpoint.stop_after", cfg.checkpoint.stop_after, False),
     ):
         _positive(value, key, zero_ok=zero_ok)
     if not 0.0 < cfg.data.eval_fraction < 1.0:
-        raise NormswapError(f"config key `data.eval_fraction` must be between 0 and 1, got {cfg.data.eval_fraction}")
+        raise NormswapError(
+            f"config key `data.eval_fraction` must be between 0 and 1, got {cfg.data.eval_fraction}"
+        )
     if not 0.0 < cfg.data.mlm_probability < 1.0:
         raise NormswapError(
-            f"config key `data.mlm_probability` must be between 0 and 1, got {cfg.data.mlm_probability}")
+            f"config key `data.mlm_probability` must be between 0 and 1, got {cfg.data.mlm_probability}"
+        )
+    if cfg.train.dropout is not None and cfg.train.dropout >= 1.0:
+        raise NormswapError(f"config key `train.dropout` must be below 1, got {cfg.train.dropout}")
     if len(cfg.train.betas) != 2 or not all(0.0 <= b < 1.0 for b in cfg.train.betas):
         raise NormswapError(f"config key `train.betas` must be two numbers in [0, 1), got {cfg.train.betas}")
     if cfg.data.seq_len < 4:
         raise NormswapError(f"config key `data.seq_len` must be at least 4, got {cfg.data.seq_len}")
     # losses: something must be trained, and teacher terms need a teacher
-    distill = (cfg.loss.kl_weight if cfg.task != "encoder" else cfg.loss.pooled_weight + cfg.loss.hidden_weight)
+    distill = cfg.loss.kl_weight if cfg.task != "encoder" else cfg.loss.pooled_weight + cfg.loss.hidden_weight
     if not cfg.teacher.enabled:
         if cfg.task == "encoder":
-            raise NormswapError("config key `teacher.enabled`: the encoder task distils embeddings and needs "
-                                "the teacher")
+            raise NormswapError(
+                "config key `teacher.enabled`: the encoder task distils embeddings and needs the teacher"
+            )
         if cfg.loss.kl_weight > 0:
-            raise NormswapError("config key `loss.kl_weight` must be 0 when `teacher.enabled` is false "
-                                "(there is no teacher to distil from)")
+            raise NormswapError(
+                "config key `loss.kl_weight` must be 0 when `teacher.enabled` is false "
+                "(there is no teacher to distil from)"
+            )
         distill = 0.0
     if distill + (cfg.loss.ce_weight if cfg.task != "encoder" else 0.0) <= 0:
-        raise NormswapError("config key `loss.kl_weight` (or `loss.ce_weight`, or for encoders "
-                            "`loss.pooled_weight`/`loss.hidden_weight`) must be > 0: nothing would be trained")
+        raise NormswapError(
+            "config key `loss.kl_weight` (or `loss.ce_weight`, or for encoders "
+            "`loss.pooled_weight`/`loss.hidden_weight`) must be > 0: nothing would be trained"
+        )
     if cfg.task == "causal-lm" and cfg.loss.positions == "masked":
         raise NormswapError("config key `loss.positions` can be 'masked' only for task masked-lm")
     if cfg.progressive.enabled:
         if cfg.model.student:
             pass  # a student converted with mode="exact" still has LayerNorms to swap; checked at run time
         elif cfg.convert.mode != "exact":
-            raise NormswapError("config key `convert.mode` must be 'exact' when `progressive.enabled` is true "
-                                "(the approximate norms start as LayerNorm and are swapped during training)")
+            raise NormswapError(
+                "config key `convert.mode` must be 'exact' when `progressive.enabled` is true "
+                "(the approximate norms start as LayerNorm and are swapped during training)"
+            )
         order = cfg.progressive.order
         if isinstance(order, str) and order not in ("forward", "reverse"):
-            raise NormswapError(f"config key `progressive.order` must be 'forward', 'reverse' or a list of "
-                                f"module-name patterns, got {order!r}")
+            raise NormswapError(
+                f"config key `progressive.order` must be 'forward', 'reverse' or a list of "
+                f"module-name patterns, got {order!r}"
+            )
     if cfg.train.trainable == "lora" and cfg.train.lora.target_modules == []:
-        raise NormswapError("config key `train.lora.target_modules` must name at least one module (or be null)")
+        raise NormswapError(
+            "config key `train.lora.target_modules` must name at least one module (or be null)"
+        )
     if cfg.train.mixed_precision == "fp16" and not _cuda_available():
         raise NormswapError("config key `train.mixed_precision`: fp16 needs a GPU; use bf16 or 'no' on CPU")
     if cfg.checkpoint.stop_after is not None and cfg.checkpoint.stop_after > cfg.train.steps:
-        raise NormswapError(f"config key `checkpoint.stop_after` ({cfg.checkpoint.stop_after}) is past "
-                            f"`train.steps` ({cfg.train.steps})")
+        raise NormswapError(
+            f"config key `checkpoint.stop_after` ({cfg.checkpoint.stop_after}) is past "
+            f"`train.steps` ({cfg.train.steps})"
+        )
 
 
 def _cuda_available() -> bool:

@@ -49,7 +49,9 @@ def read_documents(cfg: DataConfig) -> list[str]:
     docs: list[str] = []
     if fmt == "text":
         if path.is_dir():
-            raise NormswapError(f"config key `data.path`: {cfg.path!r} is a directory; use data.format=datasets")
+            raise NormswapError(
+                f"config key `data.path`: {cfg.path!r} is a directory; use data.format=datasets"
+            )
         for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
             if line.strip():
                 docs.append(line.strip())
@@ -63,11 +65,13 @@ def read_documents(cfg: DataConfig) -> list[str]:
                 try:
                     record = json.loads(line)
                 except json.JSONDecodeError as exc:
-                    raise NormswapError(f"config key `data.path`: line {lineno} of {cfg.path!r} is not JSON "
-                                        f"({exc.msg})") from None
+                    raise NormswapError(
+                        f"config key `data.path`: line {lineno} of {cfg.path!r} is not JSON ({exc.msg})"
+                    ) from None
                 if not isinstance(record, dict) or cfg.field not in record:
-                    raise NormswapError(f"config key `data.field`: line {lineno} of {cfg.path!r} has no field "
-                                        f"{cfg.field!r}")
+                    raise NormswapError(
+                        f"config key `data.field`: line {lineno} of {cfg.path!r} has no field {cfg.field!r}"
+                    )
                 value = record[cfg.field]
                 if isinstance(value, str) and value.strip():
                     docs.append(value)
@@ -86,21 +90,28 @@ def _read_datasets(path: Path, cfg: DataConfig) -> list[str]:
     try:
         import datasets
     except ImportError:
-        raise NormswapError("config key `data.format`: reading a datasets directory needs the `datasets` "
-                            "package (pip install datasets)") from None
+        raise NormswapError(
+            "config key `data.format`: reading a datasets directory needs the `datasets` "
+            "package (pip install datasets)"
+        ) from None
     try:
         ds: Any = datasets.load_from_disk(str(path))
     except Exception as exc:  # noqa: BLE001 - any failure means this is not a saved dataset
-        raise NormswapError(f"config key `data.path`: {str(path)!r} is not a directory saved with "
-                            f"datasets' save_to_disk ({type(exc).__name__})") from None
+        raise NormswapError(
+            f"config key `data.path`: {str(path)!r} is not a directory saved with "
+            f"datasets' save_to_disk ({type(exc).__name__})"
+        ) from None
     if isinstance(ds, datasets.DatasetDict):
         if cfg.split not in ds:
-            raise NormswapError(f"config key `data.split`: {cfg.split!r} not in the dataset "
-                                f"(splits: {', '.join(ds)})")
+            raise NormswapError(
+                f"config key `data.split`: {cfg.split!r} not in the dataset (splits: {', '.join(ds)})"
+            )
         ds = ds[cfg.split]
     if cfg.field not in ds.column_names:
-        raise NormswapError(f"config key `data.field`: the dataset has no column {cfg.field!r} "
-                            f"(columns: {', '.join(ds.column_names)})")
+        raise NormswapError(
+            f"config key `data.field`: the dataset has no column {cfg.field!r} "
+            f"(columns: {', '.join(ds.column_names)})"
+        )
     n = len(ds) if not cfg.max_documents else min(len(ds), cfg.max_documents)
     return [t for t in ds.select(range(n))[cfg.field] if isinstance(t, str) and t.strip()]
 
@@ -141,7 +152,7 @@ def tokenize(docs: list[str], tokenizer: Any, cfg: DataConfig, task: str) -> Tok
                 stream.append(sep_id)
         inner = cfg.seq_len - (2 if encoder_style and cls_id is not None and sep_id is not None else 0)
         for start in range(0, len(stream) - inner + 1, inner):
-            chunk = stream[start:start + inner]
+            chunk = stream[start : start + inner]
             if inner != cfg.seq_len:
                 chunk = [cls_id, *chunk, sep_id]
             examples.append(chunk)
@@ -149,8 +160,10 @@ def tokenize(docs: list[str], tokenizer: Any, cfg: DataConfig, task: str) -> Tok
         enc = tokenizer(docs, add_special_tokens=True, truncation=True, max_length=cfg.seq_len)
         examples = [list(x) for x in enc["input_ids"] if len(x) >= 2]
     if len(examples) < 2:
-        raise NormswapError(f"config key `data.seq_len`: {cfg.path!r} gives only {len(examples)} example(s) of "
-                            f"{cfg.seq_len} tokens; use more text or a shorter seq_len")
+        raise NormswapError(
+            f"config key `data.seq_len`: {cfg.path!r} gives only {len(examples)} example(s) of "
+            f"{cfg.seq_len} tokens; use more text or a shorter seq_len"
+        )
     order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
     examples = [examples[i] for i in order]
     n_eval = max(1, round(cfg.eval_fraction * len(examples)))
@@ -158,7 +171,9 @@ def tokenize(docs: list[str], tokenizer: Any, cfg: DataConfig, task: str) -> Tok
         n_eval = min(n_eval, cfg.eval_batches * cfg.eval_batch_size)
     n_eval = min(n_eval, len(examples) - 1)
     mean_len = sum(len(e) for e in examples) / len(examples)
-    return TokenData(train=examples[n_eval:], eval=examples[:n_eval], pad_id=pad_id, tokens_per_example=mean_len)
+    return TokenData(
+        train=examples[n_eval:], eval=examples[:n_eval], pad_id=pad_id, tokens_per_example=mean_len
+    )
 
 
 # ---------------------------------------------------------------------------------- batches
@@ -181,7 +196,9 @@ class MaskingPolicy:
         self.mask_id = getattr(tokenizer, "mask_token_id", None)
         if self.mask_id is None:
             raise NormswapError("config key `task`: masked-lm needs a tokenizer with a mask token")
-        self.special = torch.tensor(sorted(set(getattr(tokenizer, "all_special_ids", []) or [])), dtype=torch.long)
+        self.special = torch.tensor(
+            sorted(set(getattr(tokenizer, "all_special_ids", []) or [])), dtype=torch.long
+        )
         self.vocab = len(tokenizer)
         self.probability = probability
 
@@ -205,17 +222,20 @@ class MaskingPolicy:
 class BatchSource:
     """Deterministic batches. ``train_batch(i)`` is micro-batch ``i`` for this process."""
 
-    def __init__(self, data: TokenData, cfg: DataConfig, task: str, tokenizer: Any,
-                 rank: int = 0, world: int = 1) -> None:
+    def __init__(
+        self, data: TokenData, cfg: DataConfig, task: str, tokenizer: Any, rank: int = 0, world: int = 1
+    ) -> None:
         self.data, self.cfg, self.task = data, cfg, task
         self.rank, self.world = rank, world
         self.masker = MaskingPolicy(tokenizer, cfg.mlm_probability) if task == "masked-lm" else None
         self.global_batch = cfg.batch_size * world
         self.batches_per_epoch = len(data.train) // self.global_batch
         if self.batches_per_epoch == 0:
-            raise NormswapError(f"config key `data.batch_size`: the training split has {len(data.train)} "
-                                f"example(s), fewer than one batch of {self.global_batch}; use more data or "
-                                "a smaller batch")
+            raise NormswapError(
+                f"config key `data.batch_size`: the training split has {len(data.train)} "
+                f"example(s), fewer than one batch of {self.global_batch}; use more data or "
+                "a smaller batch"
+            )
         self._perm: tuple[int, list[int]] | None = None
 
     def _permutation(self, epoch: int) -> list[int]:
@@ -232,21 +252,27 @@ class BatchSource:
             batch = {**batch, "labels": labels}
         return batch
 
-    def train_batch(self, index: int) -> dict[str, torch.Tensor]:
+    def train_batch(self, index: int, rank: int | None = None) -> dict[str, torch.Tensor]:
+        rank = self.rank if rank is None else rank
         epoch, pos = divmod(index, self.batches_per_epoch)
         perm = self._permutation(epoch)
-        start = pos * self.global_batch + self.rank * self.cfg.batch_size
-        rows = [self.data.train[j] for j in perm[start:start + self.cfg.batch_size]]
-        return self._finish(collate(rows, self.data.pad_id), (self.cfg.seed + 1) * 7_919 + index * 131 + self.rank)
+        start = pos * self.global_batch + rank * self.cfg.batch_size
+        rows = [self.data.train[j] for j in perm[start : start + self.cfg.batch_size]]
+        return self._finish(collate(rows, self.data.pad_id), (self.cfg.seed + 1) * 7_919 + index * 131 + rank)
 
     def eval_batches(self) -> list[dict[str, torch.Tensor]]:
         """This process's share of the held-out set (fixed masking), in eval-batch-size pieces."""
-        rows = self.data.eval[self.rank::self.world]
+        rows = self.data.eval[self.rank :: self.world]
         size = self.cfg.eval_batch_size
-        return [self._finish(collate(rows[i:i + size], self.data.pad_id), 1_000_000_007 + i)
-                for i in range(0, len(rows), size)]
+        return [
+            self._finish(collate(rows[i : i + size], self.data.pad_id), 1_000_000_007 + i)
+            for i in range(0, len(rows), size)
+        ]
 
     def calibration_batches(self, n: int) -> list[dict[str, torch.Tensor]]:
-        """The first ``n`` training batches as plain model inputs (for least-squares norm init)."""
+        """The first ``n`` training batches as plain model inputs (for least-squares norm init).
+
+        The same on every process (rank 0's share), so every process fits the same norms.
+        """
         n = min(n, self.batches_per_epoch)
-        return [{k: v for k, v in self.train_batch(i).items() if k != "labels"} for i in range(n)]
+        return [{k: v for k, v in self.train_batch(i, rank=0).items() if k != "labels"} for i in range(n)]

@@ -37,8 +37,14 @@ def _checkpoint_api() -> tuple[Any, Any] | None:
     return save, load
 
 
-def save_converted(model: nn.Module, out_dir: str | Path, *, tokenizer: Any = None, fmt: str = "native",
-                   manifest_extra: dict[str, Any] | None = None) -> str:
+def save_converted(
+    model: nn.Module,
+    out_dir: str | Path,
+    *,
+    tokenizer: Any = None,
+    fmt: str = "native",
+    manifest_extra: dict[str, Any] | None = None,
+) -> str:
     """Write the converted ``model`` (and tokenizer) to ``out_dir``; returns how it was saved."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -49,12 +55,18 @@ def save_converted(model: nn.Module, out_dir: str | Path, *, tokenizer: Any = No
         how = "normswap.checkpoint"
     else:
         if fmt != "native":
-            raise NormswapError("config key `output.format`: only 'native' is available until "
-                                "normswap.checkpoint is installed")
+            raise NormswapError(
+                "config key `output.format`: only 'native' is available until "
+                "normswap.checkpoint is installed"
+            )
         model.save_pretrained(str(out), safe_serialization=True)
         plan = getattr(model, "_normswap_plan", None)
-        manifest = {"format": "normswap-fallback/1", "class": type(model).__name__,
-                    "plan": plan.to_dict() if plan is not None else None, **(manifest_extra or {})}
+        manifest = {
+            "format": "normswap-fallback/1",
+            "class": type(model).__name__,
+            "plan": plan.to_dict() if plan is not None else None,
+            **(manifest_extra or {}),
+        }
         (out / FALLBACK_MANIFEST).write_text(json.dumps(manifest, indent=2, default=str))
         how = "fallback"
     if tokenizer is not None:
@@ -110,8 +122,10 @@ def load_converted(path: str | Path, task: str | None = None, **kwargs: Any) -> 
     if not (p / FALLBACK_MANIFEST).is_file():
         api = _checkpoint_api()
         if api is None:
-            raise NormswapError(f"config key `model.student`: {str(p)!r} is not a converted directory this "
-                                "normswap can read (no normswap_manifest.json, and normswap.load is missing)")
+            raise NormswapError(
+                f"config key `model.student`: {str(p)!r} is not a converted directory this "
+                "normswap can read (no normswap_manifest.json, and normswap.load is missing)"
+            )
         return api[1](str(p), **{k: v for k, v in kwargs.items() if v is not None})
     from normswap.plan import Plan
     from normswap.recipes.models import auto_class

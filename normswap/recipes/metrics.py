@@ -40,15 +40,24 @@ def _hidden(out: Any) -> torch.Tensor:
 
 
 @torch.no_grad()
-def evaluate(student: nn.Module, teacher: nn.Module | None, batches: list[dict[str, torch.Tensor]], task: str,
-             pooling: str = "mean", device: torch.device | None = None, reduce: Any = None,
-             autocast: Any = None) -> dict[str, float]:
+def evaluate(
+    student: nn.Module,
+    teacher: nn.Module | None,
+    batches: list[dict[str, torch.Tensor]],
+    task: str,
+    pooling: str = "mean",
+    device: torch.device | None = None,
+    reduce: Any = None,
+    autocast: Any = None,
+) -> dict[str, float]:
     """Metrics of ``student`` (vs ``teacher``) over ``batches``; ``reduce`` sums across processes."""
     was_training = student.training
     student.eval()
-    names = {"causal-lm": ["kl", "agree", "n", "ce", "tce", "n_ce"],
-             "masked-lm": ["kl", "agree", "n", "kl_m", "agree_m", "n_m", "ce", "tce"],
-             "encoder": ["cos", "n_seq", "mse", "n"]}[task]
+    names = {
+        "causal-lm": ["kl", "agree", "n", "ce", "tce", "n_ce"],
+        "masked-lm": ["kl", "agree", "n", "kl_m", "agree_m", "n_m", "ce", "tce"],
+        "encoder": ["cos", "n_seq", "mse", "n"],
+    }[task]
     acc = dict.fromkeys(names, 0.0)
     ctx = autocast if autocast is not None else _null
     for batch in batches:
@@ -60,8 +69,10 @@ def evaluate(student: nn.Module, teacher: nn.Module | None, batches: list[dict[s
             t_out = teacher(**inputs) if teacher is not None else None
         if task == "encoder":
             s_h, t_h = _hidden(s_out).float(), _hidden(t_out).float()
-            s_p, t_p = losses.pool(s_h, batch["attention_mask"], pooling), losses.pool(t_h, batch["attention_mask"],
-                                                                                        pooling)
+            s_p, t_p = (
+                losses.pool(s_h, batch["attention_mask"], pooling),
+                losses.pool(t_h, batch["attention_mask"], pooling),
+            )
             acc["cos"] += float(torch.nn.functional.cosine_similarity(s_p, t_p, dim=-1).sum())
             acc["n_seq"] += s_p.shape[0]
             per_tok = (s_h - t_h).pow(2).sum(-1) / t_h.pow(2).sum(-1).clamp_min(1e-12)
@@ -78,11 +89,20 @@ def evaluate(student: nn.Module, teacher: nn.Module | None, batches: list[dict[s
                 acc["agree"] += float((s_log.argmax(-1) == t_log.argmax(-1))[sel].sum())
             acc["n"] += float(sel.sum())
             ce_labels = labels[:, 1:].reshape(-1)
-            acc["ce"] += float(torch.nn.functional.cross_entropy(
-                s_log[:, :-1].reshape(-1, s_log.shape[-1]), ce_labels, ignore_index=-100, reduction="sum"))
+            acc["ce"] += float(
+                torch.nn.functional.cross_entropy(
+                    s_log[:, :-1].reshape(-1, s_log.shape[-1]), ce_labels, ignore_index=-100, reduction="sum"
+                )
+            )
             if t_log is not None:
-                acc["tce"] += float(torch.nn.functional.cross_entropy(
-                    t_log[:, :-1].reshape(-1, t_log.shape[-1]), ce_labels, ignore_index=-100, reduction="sum"))
+                acc["tce"] += float(
+                    torch.nn.functional.cross_entropy(
+                        t_log[:, :-1].reshape(-1, t_log.shape[-1]),
+                        ce_labels,
+                        ignore_index=-100,
+                        reduction="sum",
+                    )
+                )
             acc["n_ce"] += float((ce_labels != -100).sum())
         else:
             masked = labels != -100
@@ -93,12 +113,21 @@ def evaluate(student: nn.Module, teacher: nn.Module | None, batches: list[dict[s
                 acc["agree"] += float(agree[mask].sum())
                 acc["kl_m"] += float(kl[masked].sum())
                 acc["agree_m"] += float(agree[masked].sum())
-                acc["tce"] += float(torch.nn.functional.cross_entropy(
-                    t_log.reshape(-1, t_log.shape[-1]), labels.reshape(-1), ignore_index=-100, reduction="sum"))
+                acc["tce"] += float(
+                    torch.nn.functional.cross_entropy(
+                        t_log.reshape(-1, t_log.shape[-1]),
+                        labels.reshape(-1),
+                        ignore_index=-100,
+                        reduction="sum",
+                    )
+                )
             acc["n"] += float(mask.sum())
             acc["n_m"] += float(masked.sum())
-            acc["ce"] += float(torch.nn.functional.cross_entropy(
-                s_log.reshape(-1, s_log.shape[-1]), labels.reshape(-1), ignore_index=-100, reduction="sum"))
+            acc["ce"] += float(
+                torch.nn.functional.cross_entropy(
+                    s_log.reshape(-1, s_log.shape[-1]), labels.reshape(-1), ignore_index=-100, reduction="sum"
+                )
+            )
     student.train(was_training)
     vec = torch.tensor([acc[k] for k in names], dtype=torch.float64, device=device)
     if reduce is not None:
@@ -119,14 +148,23 @@ def _finish(acc: dict[str, float], task: str, has_teacher: bool) -> dict[str, fl
     if task == "causal-lm":
         out = {"ppl": ppl(acc["ce"], acc["n_ce"])}
         if has_teacher:
-            out = {"kl": div(acc["kl"], acc["n"]), "top1_agreement": div(acc["agree"], acc["n"]), **out,
-                   "teacher_ppl": ppl(acc["tce"], acc["n_ce"])}
+            out = {
+                "kl": div(acc["kl"], acc["n"]),
+                "top1_agreement": div(acc["agree"], acc["n"]),
+                **out,
+                "teacher_ppl": ppl(acc["tce"], acc["n_ce"]),
+            }
         return out
     out = {"ppl": ppl(acc["ce"], acc["n_m"])}
     if has_teacher:
-        out = {"kl": div(acc["kl"], acc["n"]), "top1_agreement": div(acc["agree"], acc["n"]),
-               "kl_masked": div(acc["kl_m"], acc["n_m"]), "top1_agreement_masked": div(acc["agree_m"], acc["n_m"]),
-               **out, "teacher_ppl": ppl(acc["tce"], acc["n_m"])}
+        out = {
+            "kl": div(acc["kl"], acc["n"]),
+            "top1_agreement": div(acc["agree"], acc["n"]),
+            "kl_masked": div(acc["kl_m"], acc["n_m"]),
+            "top1_agreement_masked": div(acc["agree_m"], acc["n_m"]),
+            **out,
+            "teacher_ppl": ppl(acc["tce"], acc["n_m"]),
+        }
     return out
 
 
@@ -162,8 +200,11 @@ class MetricsLog:
         """On resume: drop records written after the checkpoint (they will be written again)."""
         if not self.enabled or not self.path.is_file():
             return
-        keep = [line for line in self.path.read_text().splitlines()
-                if line.strip() and json.loads(line).get("step", 0) <= step]
+        keep = [
+            line
+            for line in self.path.read_text().splitlines()
+            if line.strip() and json.loads(line).get("step", 0) <= step
+        ]
         self.path.write_text("".join(line + "\n" for line in keep))
 
     def records(self) -> list[dict[str, Any]]:

@@ -20,27 +20,47 @@ from normswap.recipes.config import ConvertConfig, LoraConfig, ModelConfig, Prog
 
 log = logging.getLogger("normswap.recipes")
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-          "float64": torch.float64}
+DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float64": torch.float64,
+}
 
 
 def auto_class(task: str) -> Any:
     import transformers as tf
 
-    return {"causal-lm": tf.AutoModelForCausalLM, "masked-lm": tf.AutoModelForMaskedLM,
-            "encoder": tf.AutoModel}[task]
+    return {
+        "causal-lm": tf.AutoModelForCausalLM,
+        "masked-lm": tf.AutoModelForMaskedLM,
+        "encoder": tf.AutoModel,
+    }[task]
 
 
 def load_tokenizer(cfg: ModelConfig) -> Any:
     from transformers import AutoTokenizer
 
-    key, path = next(((k, p) for k, p in (("model.tokenizer", cfg.tokenizer), ("model.source", cfg.source),
-                                          ("model.student", cfg.student)) if p))
+    key, path = next(
+        (
+            (k, p)
+            for k, p in (
+                ("model.tokenizer", cfg.tokenizer),
+                ("model.source", cfg.source),
+                ("model.student", cfg.student),
+            )
+            if p
+        )
+    )
     try:
-        tok = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=cfg.trust_remote_code)
+        tok = AutoTokenizer.from_pretrained(
+            path, local_files_only=True, trust_remote_code=cfg.trust_remote_code
+        )
     except Exception as exc:  # noqa: BLE001 - transformers raises many types here
-        raise NormswapError(f"config key `{key}`: no tokenizer could be loaded from {path!r} "
-                            f"({type(exc).__name__}); set model.tokenizer to a local tokenizer directory") from None
+        raise NormswapError(
+            f"config key `{key}`: no tokenizer could be loaded from {path!r} "
+            f"({type(exc).__name__}); set model.tokenizer to a local tokenizer directory"
+        ) from None
     if tok.pad_token_id is None and tok.eos_token_id is not None:
         tok.pad_token = tok.eos_token
     return tok
@@ -50,12 +70,18 @@ def load_teacher(cfg: ModelConfig, task: str) -> nn.Module:
     """The original model, frozen and in eval mode. Never downloads (``local_files_only``)."""
     cls = auto_class(task)
     try:
-        model = cls.from_pretrained(cfg.source, local_files_only=True, dtype=DTYPES[cfg.dtype],
-                                    trust_remote_code=cfg.trust_remote_code)
+        model = cls.from_pretrained(
+            cfg.source,
+            local_files_only=True,
+            dtype=DTYPES[cfg.dtype],
+            trust_remote_code=cfg.trust_remote_code,
+        )
     except Exception as exc:  # noqa: BLE001
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
-        raise NormswapError(f"config key `model.source`: could not load {cfg.source!r} as a {task} model "
-                            f"({type(exc).__name__}: {first})") from None
+        raise NormswapError(
+            f"config key `model.source`: could not load {cfg.source!r} as a {task} model "
+            f"({type(exc).__name__}: {first})"
+        ) from None
     return freeze(model)
 
 
@@ -65,20 +91,30 @@ def freeze(model: nn.Module) -> nn.Module:
     return model
 
 
-def build_student(cfg: ModelConfig, conv: ConvertConfig, task: str, teacher: nn.Module | None,
-                  calibration: list[dict[str, torch.Tensor]], *, mode: str | None = None) -> tuple[nn.Module, dict]:
+def build_student(
+    cfg: ModelConfig,
+    conv: ConvertConfig,
+    task: str,
+    teacher: nn.Module | None,
+    calibration: list[dict[str, torch.Tensor]],
+    *,
+    mode: str | None = None,
+) -> tuple[nn.Module, dict]:
     """A converted student: loaded from ``model.student`` or converted from the teacher on the fly.
 
     Returns the model (train mode, all parameters trainable) and a summary of the conversion.
     """
     if cfg.student:
-        model = io.load_converted(cfg.student, task, dtype=DTYPES[cfg.dtype],
-                                  trust_remote_code=cfg.trust_remote_code)
+        model = io.load_converted(
+            cfg.student, task, dtype=DTYPES[cfg.dtype], trust_remote_code=cfg.trust_remote_code
+        )
         plan = getattr(model, "_normswap_plan", None)
         if plan is None:
-            raise NormswapError(f"config key `model.student`: {cfg.student!r} is not a normswap-converted "
-                                "directory (no manifest); give the original as model.source and leave "
-                                "model.student empty to convert on the fly")
+            raise NormswapError(
+                f"config key `model.student`: {cfg.student!r} is not a normswap-converted "
+                "directory (no manifest); give the original as model.source and leave "
+                "model.student empty to convert on the fly"
+            )
         summary = {"source": "directory", "path": cfg.student, "verdicts": plan.counts()}
     else:
         if teacher is None:
@@ -87,15 +123,28 @@ def build_student(cfg: ModelConfig, conv: ConvertConfig, task: str, teacher: nn.
 
         model = copy.deepcopy(teacher)
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # approximate-site warnings: the metrics below say it with numbers
-            report = normswap.patch(model, mode=mode or conv.mode, fold_gamma=conv.fold_gamma, untie=conv.untie,
-                                    calibration=calibration or None, verify=conv.verify, backend=conv.backend)
+            warnings.simplefilter(
+                "ignore"
+            )  # approximate-site warnings: the metrics below say it with numbers
+            report = normswap.patch(
+                model,
+                mode=mode or conv.mode,
+                fold_gamma=conv.fold_gamma,
+                untie=conv.untie,
+                calibration=calibration or None,
+                verify=conv.verify,
+                backend=conv.backend,
+            )
         plan = getattr(model, "_normswap_plan", report.plan)
         model._normswap_plan = plan
-        summary = {"source": "converted", "mode": mode or conv.mode, "message": report.message,
-                   "calibration_batches": len(calibration),
-                   "verdicts": plan.counts() if plan is not None else {},
-                   "verification": {k: v for k, v in report.verification.items() if isinstance(v, (int, float))}}
+        summary = {
+            "source": "converted",
+            "mode": mode or conv.mode,
+            "message": report.message,
+            "calibration_batches": len(calibration),
+            "verdicts": plan.counts() if plan is not None else {},
+            "verification": {k: v for k, v in report.verification.items() if isinstance(v, (int, float))},
+        }
     model.requires_grad_(True)
     model.train()
     return model, summary
@@ -115,6 +164,22 @@ def norm_parameter_names(model: nn.Module) -> set[str]:
     return names
 
 
+def set_dropout(model: nn.Module, p: float | None) -> int:
+    """Set every dropout module's probability (``None``: leave the model's own). Returns how many.
+
+    Recovery matches a teacher that runs in eval mode: dropout in the student only adds noise to
+    that target, so the recipes default to 0.
+    """
+    if p is None:
+        return 0
+    count = 0
+    for module in model.modules():
+        if isinstance(module, nn.modules.dropout._DropoutNd):
+            module.p = float(p)
+            count += 1
+    return count
+
+
 def select_trainable(model: nn.Module, how: str, lora: LoraConfig) -> nn.Module:
     """Set ``requires_grad`` per ``train.trainable``; returns the model to train (a PeftModel for LoRA)."""
     if how == "all":
@@ -128,15 +193,20 @@ def select_trainable(model: nn.Module, how: str, lora: LoraConfig) -> nn.Module:
     try:
         import peft
     except ImportError:
-        raise NormswapError("config key `train.trainable`: 'lora' needs the `peft` package "
-                            "(pip install 'normswap[train]' or pip install peft)") from None
+        raise NormswapError(
+            "config key `train.trainable`: 'lora' needs the `peft` package "
+            "(pip install 'normswap[train]' or pip install peft)"
+        ) from None
     norms = norm_parameter_names(model)
-    config = peft.LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                             target_modules=lora.target_modules)
+    config = peft.LoraConfig(
+        r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=lora.target_modules
+    )
     try:
         wrapped = peft.get_peft_model(model, config)
     except ValueError as exc:
-        raise NormswapError(f"config key `train.lora.target_modules`: {str(exc).splitlines()[0][:200]}") from None
+        raise NormswapError(
+            f"config key `train.lora.target_modules`: {str(exc).splitlines()[0][:200]}"
+        ) from None
     # the norms are what conversion changed: train them too (cheap, and where the error is)
     base = wrapped.get_base_model()
     for name, p in base.named_parameters():
@@ -190,55 +260,80 @@ class Progressive:
 
     def due(self, step: int) -> list[int]:
         """Stages whose swap step is ``step`` (or earlier and not yet done)."""
-        return [k for k, s in enumerate(self.swap_steps()) if s <= step and not set(self.stages[k]) <= set(self.done)]
+        return [
+            k
+            for k, s in enumerate(self.swap_steps())
+            if s <= step and not set(self.stages[k]) <= set(self.done)
+        ]
 
     def last_step(self) -> int:
         return self.swap_steps()[-1] if self.stages else -1
 
 
-def plan_progressive(model: nn.Module, cfg: ProgressiveConfig, backend: str, steps: int,
-                     example: dict[str, torch.Tensor]) -> Progressive:
+def plan_progressive(
+    model: nn.Module, cfg: ProgressiveConfig, backend: str, steps: int, example: dict[str, torch.Tensor]
+) -> Progressive:
     """Work out the stages from the student's plan: its approximate sites that are still LayerNorm."""
     from normswap.api import find_norms
 
     plan: Plan | None = getattr(model, "_normswap_plan", None)
-    pending = [sp.name for sp in (plan.sites if plan else []) if sp.verdict == "approximate" and not sp.convert]
+    pending = [
+        sp.name for sp in (plan.sites if plan else []) if sp.verdict == "approximate" and not sp.convert
+    ]
     if not pending:
-        raise NormswapError("config key `progressive.enabled`: the student has no approximate LayerNorm left to "
-                            "swap (convert with convert.mode=exact, or set progressive.enabled=false)")
+        raise NormswapError(
+            "config key `progressive.enabled`: the student has no approximate LayerNorm left to "
+            "swap (convert with convert.mode=exact, or set progressive.enabled=false)"
+        )
     if cfg.order == "forward":
-        groups = [pending[i:i + cfg.group_size] for i in range(0, len(pending), cfg.group_size)]
+        groups = [pending[i : i + cfg.group_size] for i in range(0, len(pending), cfg.group_size)]
     elif cfg.order == "reverse":
         rev = pending[::-1]
-        groups = [rev[i:i + cfg.group_size] for i in range(0, len(rev), cfg.group_size)]
+        groups = [rev[i : i + cfg.group_size] for i in range(0, len(rev), cfg.group_size)]
     else:
         left, groups = list(pending), []
         for pattern in cfg.order:
             group = [n for n in left if fnmatch.fnmatchcase(n, pattern)]
             if not group:
-                raise NormswapError(f"config key `progressive.order`: pattern {pattern!r} matches no remaining "
-                                    f"approximate norm (pending: {', '.join(left) or 'none'})")
+                raise NormswapError(
+                    f"config key `progressive.order`: pattern {pattern!r} matches no remaining "
+                    f"approximate norm (pending: {', '.join(left) or 'none'})"
+                )
             groups.append(group)
             left = [n for n in left if n not in group]
         if left:
             groups.append(left)  # whatever no pattern named goes last
     prog = Progressive(groups, cfg.start_step, cfg.interval, backend)
     if prog.last_step() >= steps:
-        raise NormswapError(f"config key `progressive.interval`: {len(groups)} stages every {cfg.interval} steps "
-                            f"from step {cfg.start_step} end at step {prog.last_step()}, not before train.steps="
-                            f"{steps}; use a smaller interval, a larger group_size or more steps")
+        raise NormswapError(
+            f"config key `progressive.interval`: {len(groups)} stages every {cfg.interval} steps "
+            f"from step {cfg.start_step} end at step {prog.last_step()}, not before train.steps="
+            f"{steps}; use a smaller interval, a larger group_size or more steps"
+        )
     found = find_norms(model, example)
     prog.sites = {s.path: s for s in found.sites if s.path in pending}
     missing = [n for n in pending if n not in prog.sites]
     if missing:
-        raise NormswapError(f"config key `progressive.enabled`: could not identify LayerNorm `{missing[0]}` in the "
-                            "student for swapping")
+        raise NormswapError(
+            f"config key `progressive.enabled`: could not identify LayerNorm `{missing[0]}` in the "
+            "student for swapping"
+        )
     return prog
 
 
-def swap_stage(model: nn.Module, prog: Progressive, stage: int, calibration: list[dict[str, torch.Tensor]] | None,
-               device: torch.device | None = None) -> list[str]:
-    """Replace stage ``stage``'s LayerNorms by RMSNorms (fitted on ``calibration`` when given)."""
+def swap_stage(
+    model: nn.Module,
+    prog: Progressive,
+    stage: int,
+    calibration: list[dict[str, torch.Tensor]] | None,
+    device: torch.device | None = None,
+    broadcast: Any = None,
+) -> list[str]:
+    """Replace stage ``stage``'s LayerNorms by RMSNorms (fitted on ``calibration`` when given).
+
+    ``broadcast(tensor)`` (multi-process runs) copies rank 0's fitted values to every process, so
+    data-parallel replicas stay identical whatever the floating-point order of the fits.
+    """
     from normswap import surgery
     from normswap.api import _capture, _fit_rmsnorm
 
@@ -266,10 +361,18 @@ def swap_stage(model: nn.Module, prog: Progressive, stage: int, calibration: lis
         for attr_new, attr_old in (("weight", site.weight_attr), ("bias", site.bias_attr)):
             p_new = getattr(new, attr_new)
             p_old = getattr(old, attr_old) if attr_old else None
-            if isinstance(p_new, nn.Parameter) and isinstance(p_old, nn.Parameter) and p_old.shape == p_new.shape:
+            if (
+                isinstance(p_new, nn.Parameter)
+                and isinstance(p_old, nn.Parameter)
+                and p_old.shape == p_new.shape
+            ):
                 with torch.no_grad():
                     p_old.copy_(p_new.to(p_old.dtype))
                 setattr(new, attr_new, p_old)
+            if broadcast is not None and calibration and isinstance(getattr(new, attr_new), nn.Parameter):
+                with torch.no_grad():
+                    param = getattr(new, attr_new)
+                    param.copy_(broadcast(param.detach().clone()))
         new.train(old.training)
         surgery.replace_module(base, old, new)
         sp.convert = True

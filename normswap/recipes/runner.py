@@ -10,7 +10,7 @@ Output directory layout::
     OUT/recipe.yaml          the resolved recipe
     OUT/metrics.jsonl        before/train/eval records, one JSON object per line
     OUT/curves.png           loss and metric curves (when matplotlib is installed)
-    OUT/checkpoints/step-N/  accelerate state (model.safetensors, optimizer, scheduler, RNG) + trainer_state.json
+    OUT/checkpoints/step-N/  accelerate state (weights, optimizer, scheduler, RNG) + trainer_state.json
     OUT/model/               the final converted model (normswap.load-able), manifest with recipe + metrics
 """
 
@@ -65,9 +65,11 @@ def _make_accelerator(cfg: RecipeConfig) -> Any:
     if cfg.progressive.enabled or cfg.train.trainable == "lora":
         # a swapped LayerNorm may leave its β unused; LoRA freezes most parameters
         handlers.append(DistributedDataParallelKwargs(find_unused_parameters=True))
-    return Accelerator(mixed_precision=cfg.train.mixed_precision,
-                       gradient_accumulation_steps=cfg.train.gradient_accumulation_steps,
-                       kwargs_handlers=handlers)
+    return Accelerator(
+        mixed_precision=cfg.train.mixed_precision,
+        gradient_accumulation_steps=cfg.train.gradient_accumulation_steps,
+        kwargs_handlers=handlers,
+    )
 
 
 def _optimizer(model: nn.Module, cfg: RecipeConfig) -> torch.optim.Optimizer:
@@ -80,9 +82,13 @@ def _optimizer(model: nn.Module, cfg: RecipeConfig) -> torch.optim.Optimizer:
         (no_decay if p.dim() < 2 or plain in norms or name.endswith("bias") else decay).append(p)
     if not decay and not no_decay:
         raise NormswapError("config key `train.trainable`: no trainable parameters selected")
-    groups = [{"params": decay, "weight_decay": cfg.train.weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.train.lr, betas=tuple(cfg.train.betas))
+    groups = [
+        {"params": decay, "weight_decay": cfg.train.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(
+        [g for g in groups if g["params"]], lr=cfg.train.lr, betas=tuple(cfg.train.betas)
+    )
 
 
 def _scheduler(optimizer: torch.optim.Optimizer, cfg: RecipeConfig) -> torch.optim.lr_scheduler.LambdaLR:
@@ -101,8 +107,13 @@ def _scheduler(optimizer: torch.optim.Optimizer, cfg: RecipeConfig) -> torch.opt
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def _loss(cfg: RecipeConfig, student: nn.Module, teacher: nn.Module | None, batch: dict[str, torch.Tensor],
-          autocast: Any) -> tuple[torch.Tensor, dict[str, float]]:
+def _loss(
+    cfg: RecipeConfig,
+    student: nn.Module,
+    teacher: nn.Module | None,
+    batch: dict[str, torch.Tensor],
+    autocast: Any,
+) -> tuple[torch.Tensor, dict[str, float]]:
     inputs = metrics_mod.model_inputs(batch)
     out = student(**inputs)
     t_out = None
@@ -139,12 +150,18 @@ def _prepare_output(cfg: RecipeConfig, main: bool) -> tuple[Path, Path | None]:
     """Create the output directory; returns it and the checkpoint to resume from (if any)."""
     out = Path(cfg.output.dir)
     ckpt_root = out / "checkpoints"
-    latest = io.checkpoint_dirs(ckpt_root)[-1][1] if cfg.checkpoint.resume and io.checkpoint_dirs(ckpt_root) else None
+    latest = (
+        io.checkpoint_dirs(ckpt_root)[-1][1]
+        if cfg.checkpoint.resume and io.checkpoint_dirs(ckpt_root)
+        else None
+    )
     existing = [p for p in (out / "metrics.jsonl", ckpt_root, out / "model") if p.exists()]
+    if latest is None and existing and not cfg.output.overwrite:  # every process raises: none waits forever
+        raise NormswapError(
+            f"config key `output.dir`: {str(out)!r} already holds a run ({existing[0].name}); "
+            "set checkpoint.resume=true to continue it or output.overwrite=true to replace it"
+        )
     if latest is None and existing and main:
-        if not cfg.output.overwrite:
-            raise NormswapError(f"config key `output.dir`: {str(out)!r} already holds a run ({existing[0].name}); "
-                                "set checkpoint.resume=true to continue it or output.overwrite=true to replace it")
         for p in existing:
             shutil.rmtree(p) if p.is_dir() else p.unlink()
     if main:
@@ -181,8 +198,10 @@ class _Console:
 
 
 # ---------------------------------------------------------------------------------- run
-def run(config_or_path: str | os.PathLike | dict[str, Any] | RecipeConfig,
-        overrides: list[str] | dict[str, Any] | None = None) -> RunResult:
+def run(
+    config_or_path: str | os.PathLike | dict[str, Any] | RecipeConfig,
+    overrides: list[str] | dict[str, Any] | None = None,
+) -> RunResult:
     """Run a recipe: build teacher and student, train, measure before/during/after, save.
 
     Args:
@@ -211,12 +230,15 @@ def run(config_or_path: str | os.PathLike | dict[str, Any] | RecipeConfig,
     tokenizer = models_mod.load_tokenizer(cfg.model)
     docs = data_mod.read_documents(cfg.data)
     tokens = data_mod.tokenize(docs, tokenizer, cfg.data, cfg.task)
-    source = data_mod.BatchSource(tokens, cfg.data, cfg.task, tokenizer, accelerator.process_index,
-                                  accelerator.num_processes)
+    source = data_mod.BatchSource(
+        tokens, cfg.data, cfg.task, tokenizer, accelerator.process_index, accelerator.num_processes
+    )
     calibration = source.calibration_batches(cfg.convert.calibration_batches)
     eval_batches = source.eval_batches()
-    console.print(f"data: {len(docs)} documents -> {len(tokens.train)} train / {len(tokens.eval)} held-out "
-                  f"examples of <= {cfg.data.seq_len} tokens")
+    console.print(
+        f"data: {len(docs)} documents -> {len(tokens.train)} train / {len(tokens.eval)} held-out "
+        f"examples of <= {cfg.data.seq_len} tokens"
+    )
 
     # ---- models
     need_source = cfg.teacher.enabled or not cfg.model.student
@@ -224,16 +246,22 @@ def run(config_or_path: str | os.PathLike | dict[str, Any] | RecipeConfig,
     if cfg.teacher.enabled and teacher is None:
         raise NormswapError("config key `model.source` is required: the teacher is the original model")
     student, conversion = models_mod.build_student(
-        cfg.model, cfg.convert, cfg.task, teacher, calibration,
-        mode="exact" if cfg.progressive.enabled and not cfg.model.student else None)
+        cfg.model,
+        cfg.convert,
+        cfg.task,
+        teacher,
+        calibration,
+        mode="exact" if cfg.progressive.enabled and not cfg.model.student else None,
+    )
     if not cfg.teacher.enabled:
         teacher = None
     console.print(f"student: {conversion.get('message') or conversion.get('path')}")
     prog = None
     if cfg.progressive.enabled:
         example = calibration[0] if calibration else metrics_mod.model_inputs(source.train_batch(0))
-        prog = models_mod.plan_progressive(student, cfg.progressive, cfg.convert.backend, cfg.train.steps,
-                                           metrics_mod.model_inputs(example))
+        prog = models_mod.plan_progressive(
+            student, cfg.progressive, cfg.convert.backend, cfg.train.steps, metrics_mod.model_inputs(example)
+        )
         console.print(f"progressive: {len(prog.stages)} stage(s) at steps {prog.swap_steps()}")
 
     # "before": the one-shot conversion (for progressive runs: every stage swapped at once, fitted now)
@@ -245,6 +273,7 @@ def run(config_or_path: str | os.PathLike | dict[str, Any] | RecipeConfig,
         for k in range(len(prog.stages)):
             models_mod.swap_stage(before_model, before_prog, k, calibration)
 
+    models_mod.set_dropout(student, cfg.train.dropout)
     model = models_mod.select_trainable(student, cfg.train.trainable, cfg.train.lora)
     trainable = models_mod.trainable_summary(model)
     optimizer = _optimizer(model, cfg)
@@ -257,10 +286,16 @@ def run(config_or_path: str | os.PathLike | dict[str, Any] | RecipeConfig,
     if teacher is not None:
         teacher.to(device)
     reduce = (lambda t: accelerator.reduce(t, "sum")) if accelerator.num_processes > 1 else None
+    broadcast = None
+    if accelerator.num_processes > 1:
+        from accelerate.utils import broadcast as _broadcast
+
+        broadcast = _broadcast
 
     def evaluate(m: nn.Module) -> dict[str, float]:
-        return metrics_mod.evaluate(m, teacher, eval_batches, cfg.task, cfg.loss.pooling, device, reduce,
-                                    accelerator.autocast)
+        return metrics_mod.evaluate(
+            m, teacher, eval_batches, cfg.task, cfg.loss.pooling, device, reduce, accelerator.autocast
+        )
 
     log = metrics_mod.MetricsLog(out / "metrics.jsonl", enabled=main)
     step, seen_tokens, train_time = 0, 0, 0.0
@@ -283,7 +318,9 @@ def run(config_or_path: str | os.PathLike | dict[str, Any] | RecipeConfig,
             (out / "recipe.yaml").write_text(cfg.to_yaml())
         if prog is not None:
             for k in prog.due(0):
-                models_mod.swap_stage(accelerator.unwrap_model(model), prog, k, calibration, device)
+                models_mod.swap_stage(
+                    accelerator.unwrap_model(model), prog, k, calibration, device, broadcast
+                )
         if before_model is not None:
             before_model.to(device)
             metrics_before = evaluate(before_model)
@@ -325,13 +362,25 @@ def run(config_or_path: str | os.PathLike | dict[str, Any] | RecipeConfig,
         window_n += 1
         if prog is not None and step < cfg.train.steps:
             for k in prog.due(step):
-                names = models_mod.swap_stage(accelerator.unwrap_model(model), prog, k, calibration, device)
-                console.print(f"step {step}: swapped {len(names)} LayerNorm(s) to RMSNorm: {', '.join(names)}")
+                names = models_mod.swap_stage(
+                    accelerator.unwrap_model(model), prog, k, calibration, device, broadcast
+                )
+                console.print(
+                    f"step {step}: swapped {len(names)} LayerNorm(s) to RMSNorm: {', '.join(names)}"
+                )
         console.update({k: v / window_n for k, v in window.items() if k == "loss"})
         if step % cfg.log.every == 0 or step == cfg.train.steps:
             elapsed = train_time + time.perf_counter() - tick
-            log.write({"step": step, "split": "train", **{k: v / window_n for k, v in window.items()},
-                       "lr": scheduler.get_last_lr()[0], "tokens": seen_tokens, "elapsed_s": round(elapsed, 3)})
+            log.write(
+                {
+                    "step": step,
+                    "split": "train",
+                    **{k: v / window_n for k, v in window.items()},
+                    "lr": scheduler.get_last_lr()[0],
+                    "tokens": seen_tokens,
+                    "elapsed_s": round(elapsed, 3),
+                }
+            )
             window, window_n = {}, 0
         if step % cfg.eval.every == 0 or step == cfg.train.steps:
             last_eval = evaluate(model)
@@ -340,14 +389,34 @@ def run(config_or_path: str | os.PathLike | dict[str, Any] | RecipeConfig,
         if step % cfg.checkpoint.every == 0 or step == stop_at:
             train_time += time.perf_counter() - tick
             tick = time.perf_counter()
-            _save_checkpoint(accelerator, out, step, cfg, {
-                "step": step, "tokens": seen_tokens, "train_time_s": train_time, "metrics_before": metrics_before,
-                "last_eval": last_eval, "swapped": list(prog.done) if prog else []})
+            _save_checkpoint(
+                accelerator,
+                out,
+                step,
+                cfg,
+                {
+                    "step": step,
+                    "tokens": seen_tokens,
+                    "train_time_s": train_time,
+                    "metrics_before": metrics_before,
+                    "last_eval": last_eval,
+                    "swapped": list(prog.done) if prog else [],
+                },
+            )
         if step == stop_at and stop_at < cfg.train.steps:
             stopped_early = True
             break
     train_time += time.perf_counter() - tick
     console.close()
+    in_sync = _replicas_in_sync(accelerator, model)
+    if in_sync is not None:
+        log.write(
+            {"step": step, "split": "replicas", "processes": accelerator.num_processes, "in_sync": in_sync}
+        )
+        if not in_sync:
+            console.print(
+                "warning: data-parallel replicas hold different weights; the saved model is rank 0's"
+            )
 
     # ---- finish
     metrics_after = last_eval
@@ -358,29 +427,69 @@ def run(config_or_path: str | os.PathLike | dict[str, Any] | RecipeConfig,
         accelerator.wait_for_everyone()
         if main:
             model_dir = str(out / "model")
-            extra = {"finetune": {
-                "recipe": cfg.to_dict(), "metrics_before": metrics_before, "metrics_after": metrics_after,
-                "steps": step, "tokens": seen_tokens, "train_time_s": round(train_time, 3),
-                "conversion": conversion, **trainable,
-                "progressive_stages": prog.stages if prog else None}}
-            saved_with = io.save_converted(unwrapped, model_dir, tokenizer=tokenizer, fmt=cfg.output.format,
-                                           manifest_extra=extra)
+            extra = {
+                "finetune": {
+                    "recipe": cfg.to_dict(),
+                    "metrics_before": metrics_before,
+                    "metrics_after": metrics_after,
+                    "steps": step,
+                    "tokens": seen_tokens,
+                    "train_time_s": round(train_time, 3),
+                    "conversion": conversion,
+                    **trainable,
+                    "progressive_stages": prog.stages if prog else None,
+                }
+            }
+            saved_with = io.save_converted(
+                unwrapped, model_dir, tokenizer=tokenizer, fmt=cfg.output.format, manifest_extra=extra
+            )
             if cfg.log.plot:
-                png = metrics_mod.plot(log.records(), out / "curves.png",
-                                       title=f"{cfg.task}: {Path(cfg.model.source or cfg.model.student).name}")
+                png = metrics_mod.plot(
+                    log.records(),
+                    out / "curves.png",
+                    title=f"{cfg.task}: {Path(cfg.model.source or cfg.model.student).name}",
+                )
                 if png:
                     console.print(f"plot: {png}")
             console.print(f"after: {metrics_mod.headline(metrics_after)}")
             console.print(f"saved: {model_dir}")
         accelerator.wait_for_everyone()
-    return RunResult(output_dir=str(out), model_dir=model_dir, metrics_before=metrics_before,
-                     metrics_after=metrics_after, steps=step, tokens=seen_tokens, train_time_s=train_time,
-                     wall_time_s=time.perf_counter() - t_start, saved_with=saved_with, stopped_early=stopped_early,
-                     resumed_from=str(resume_dir) if resume_dir else None, conversion=conversion,
-                     model=unwrapped)
+    return RunResult(
+        output_dir=str(out),
+        model_dir=model_dir,
+        metrics_before=metrics_before,
+        metrics_after=metrics_after,
+        steps=step,
+        tokens=seen_tokens,
+        train_time_s=train_time,
+        wall_time_s=time.perf_counter() - t_start,
+        saved_with=saved_with,
+        stopped_early=stopped_early,
+        resumed_from=str(resume_dir) if resume_dir else None,
+        conversion=conversion,
+        model=unwrapped,
+    )
 
 
-def _save_checkpoint(accelerator: Any, out: Path, step: int, cfg: RecipeConfig, state: dict[str, Any]) -> None:
+def _replicas_in_sync(accelerator: Any, model: nn.Module) -> bool | None:
+    """Under DDP every process must hold bit-identical weights; None when not applicable."""
+    from accelerate.utils import DistributedType
+
+    if accelerator.num_processes < 2 or accelerator.distributed_type not in (
+        DistributedType.MULTI_GPU,
+        DistributedType.MULTI_CPU,
+    ):
+        return None
+    with torch.no_grad():
+        total = sum(p.detach().double().sum() for p in model.parameters())
+        mine = torch.stack([total, (total * 1e6) % 1.0]).to(accelerator.device)
+    everyone = accelerator.gather(mine.unsqueeze(0))
+    return bool((everyone == everyone[0]).all())
+
+
+def _save_checkpoint(
+    accelerator: Any, out: Path, step: int, cfg: RecipeConfig, state: dict[str, Any]
+) -> None:
     root = out / "checkpoints"
     path = root / f"step-{step:06d}"
     accelerator.save_state(str(path), safe_serialization=True)

@@ -74,15 +74,27 @@ def word_tokenizer(texts: list[str] | None = None) -> Any:
     vocab_words = sorted({*_DET_SG, *_DET_PL, *_ADJ, *_N_SG, *_N_PL, *_V_SG, *_V_PL, *_P, *_ADV, "."})
     tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.train_from_iterator(texts + [" ".join(vocab_words)], trainers.WordLevelTrainer(special_tokens=SPECIALS))
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]", cls_token="[CLS]",
-                                   sep_token="[SEP]", mask_token="[MASK]", eos_token="[SEP]", bos_token="[CLS]",
-                                   model_max_length=512)
+    tok.train_from_iterator(
+        texts + [" ".join(vocab_words)], trainers.WordLevelTrainer(special_tokens=SPECIALS)
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="[PAD]",
+        unk_token="[UNK]",
+        cls_token="[CLS]",
+        sep_token="[SEP]",
+        mask_token="[MASK]",
+        eos_token="[SEP]",
+        bos_token="[CLS]",
+        model_max_length=512,
+    )
 
 
 def _train(model: torch.nn.Module, batches: Any, steps: int, lr: float) -> list[float]:
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20) * max(0.05, 1 - s / steps))
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / 20) * max(0.05, 1 - s / steps)
+    )
     model.train()
     history = []
     for i in range(steps):
@@ -93,7 +105,7 @@ def _train(model: torch.nn.Module, batches: Any, steps: int, lr: float) -> list[
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
-        history.append(float(out.loss))
+        history.append(float(out.loss.detach()))
     model.eval()
     return history
 
@@ -109,9 +121,20 @@ def _bert_like_norms(model: torch.nn.Module, scale: float, seed: int) -> None:
                 module.bias[: max(1, d // 32)] += 3.0 * scale  # outlier channels
 
 
-def train_tiny_bert(out_dir: str | Path, *, hidden: int = 64, layers: int = 2, heads: int = 4, steps: int = 300,
-                    seq_len: int = 32, batch_size: int = 32, lr: float = 2e-3, seed: int = 0,
-                    corpus_lines: int = 1500, bert_like_norms: float = 1.0) -> Path:
+def train_tiny_bert(
+    out_dir: str | Path,
+    *,
+    hidden: int = 64,
+    layers: int = 2,
+    heads: int = 4,
+    steps: int = 300,
+    seq_len: int = 32,
+    batch_size: int = 32,
+    lr: float = 2e-3,
+    seed: int = 0,
+    corpus_lines: int = 1500,
+    bert_like_norms: float = 1.0,
+) -> Path:
     """Train a small Post-LN ``BertForMaskedLM`` with MLM on the grammar; save model + tokenizer.
 
     ``bert_like_norms`` scales a BERT-like start for the LayerNorm parameters (spread γ, β with a
@@ -126,10 +149,17 @@ def train_tiny_bert(out_dir: str | Path, *, hidden: int = 64, layers: int = 2, h
     torch.manual_seed(seed)
     texts = grammar_corpus(corpus_lines, seed=seed + 1)
     tokenizer = word_tokenizer(texts)
-    config = BertConfig(vocab_size=len(tokenizer), hidden_size=hidden, num_hidden_layers=layers,
-                        num_attention_heads=heads, intermediate_size=4 * hidden, max_position_embeddings=128,
-                        pad_token_id=tokenizer.pad_token_id, hidden_dropout_prob=0.0,
-                        attention_probs_dropout_prob=0.0)
+    config = BertConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        intermediate_size=4 * hidden,
+        max_position_embeddings=128,
+        pad_token_id=tokenizer.pad_token_id,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
     model = BertForMaskedLM(config)
     if bert_like_norms:
         _bert_like_norms(model, bert_like_norms, seed)
@@ -142,9 +172,19 @@ def train_tiny_bert(out_dir: str | Path, *, hidden: int = 64, layers: int = 2, h
     return out
 
 
-def train_tiny_gpt2(out_dir: str | Path, *, hidden: int = 64, layers: int = 2, heads: int = 4, steps: int = 200,
-                    seq_len: int = 32, batch_size: int = 32, lr: float = 2e-3, seed: int = 0,
-                    corpus_lines: int = 1000) -> Path:
+def train_tiny_gpt2(
+    out_dir: str | Path,
+    *,
+    hidden: int = 64,
+    layers: int = 2,
+    heads: int = 4,
+    steps: int = 200,
+    seq_len: int = 32,
+    batch_size: int = 32,
+    lr: float = 2e-3,
+    seed: int = 0,
+    corpus_lines: int = 1000,
+) -> Path:
     """Train a small (Pre-LN) ``GPT2LMHeadModel`` on the grammar; save model + tokenizer."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -154,9 +194,19 @@ def train_tiny_gpt2(out_dir: str | Path, *, hidden: int = 64, layers: int = 2, h
     torch.manual_seed(seed)
     texts = grammar_corpus(corpus_lines, seed=seed + 1)
     tokenizer = word_tokenizer(texts)
-    config = GPT2Config(vocab_size=len(tokenizer), n_embd=hidden, n_layer=layers, n_head=heads, n_positions=128,
-                        bos_token_id=tokenizer.cls_token_id, eos_token_id=tokenizer.sep_token_id,
-                        pad_token_id=tokenizer.pad_token_id, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    config = GPT2Config(
+        vocab_size=len(tokenizer),
+        n_embd=hidden,
+        n_layer=layers,
+        n_head=heads,
+        n_positions=128,
+        bos_token_id=tokenizer.cls_token_id,
+        eos_token_id=tokenizer.sep_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
     model = GPT2LMHeadModel(config)
     dcfg = DataConfig(path="-", seq_len=seq_len, batch_size=batch_size, eval_fraction=0.01, seed=seed)
     source = BatchSource(tokenize(texts, tokenizer, dcfg, "causal-lm"), dcfg, "causal-lm", tokenizer)

@@ -51,12 +51,17 @@ def test_masked_lm_distillation_recovers_the_teacher(tiny_bert, corpus, tmp_path
 
 @pytest.mark.parametrize("progressive", [False, True], ids=["plain", "progressive"])
 def test_resume_continues_exactly(tiny_bert, corpus, tmp_path, make_config, progressive):
-    sections = dict(train={"steps": 12, "lr": 3e-4, "warmup_steps": 2, "gradient_accumulation_steps": 2},
-                    eval={"every": 6}, log={"every": 3, "progress_bar": False, "plot": False},
-                    checkpoint={"every": 4, "keep_last": 2})
+    sections = dict(
+        train={"steps": 12, "lr": 3e-4, "warmup_steps": 2, "gradient_accumulation_steps": 2},
+        eval={"every": 6},
+        log={"every": 3, "progress_bar": False, "plot": False},
+        checkpoint={"every": 4, "keep_last": 2},
+    )
     if progressive:
-        sections.update(convert={"mode": "exact"},
-                        progressive={"enabled": True, "group_size": 2, "interval": 4, "start_step": 2})
+        sections.update(
+            convert={"mode": "exact"},
+            progressive={"enabled": True, "group_size": 2, "interval": 4, "start_step": 2},
+        )
     straight = run(make_config(tiny_bert, corpus, tmp_path / "a", **sections))
 
     cfg = make_config(tiny_bert, corpus, tmp_path / "b", **sections)
@@ -75,16 +80,25 @@ def test_resume_continues_exactly(tiny_bert, corpus, tmp_path, make_config, prog
     assert resumed.metrics_before == pytest.approx(straight.metrics_before, rel=1e-12)
     assert resumed.tokens == straight.tokens
     # the log is continuous: records after the checkpoint were not duplicated
-    steps = [(r["split"], r["step"]) for r in map(json.loads, (tmp_path / "b" / "metrics.jsonl").read_text()
-                                                   .splitlines())]
+    steps = [
+        (r["split"], r["step"])
+        for r in map(json.loads, (tmp_path / "b" / "metrics.jsonl").read_text().splitlines())
+    ]
     assert len(steps) == len(set(steps))
 
 
-def test_progressive_swaps_every_norm_and_saves_a_fully_converted_model(tiny_bert, corpus, tmp_path,
-                                                                          make_config):
-    cfg = make_config(tiny_bert, corpus, tmp_path / "p", convert={"mode": "exact"},
-                      progressive={"enabled": True, "order": ["*.attention.output.LayerNorm"], "interval": 20},
-                      train={"steps": 60, "lr": 3e-4, "warmup_steps": 5}, eval={"every": 20})
+def test_progressive_swaps_every_norm_and_saves_a_fully_converted_model(
+    tiny_bert, corpus, tmp_path, make_config
+):
+    cfg = make_config(
+        tiny_bert,
+        corpus,
+        tmp_path / "p",
+        convert={"mode": "exact"},
+        progressive={"enabled": True, "order": ["*.attention.output.LayerNorm"], "interval": 20},
+        train={"steps": 60, "lr": 3e-4, "warmup_steps": 5},
+        eval={"every": 20},
+    )
     result = run(cfg)
     records = [json.loads(line) for line in (tmp_path / "p" / "metrics.jsonl").read_text().splitlines()]
     evals = {r["step"]: r for r in records if r["split"] == "eval"}
@@ -103,8 +117,13 @@ def test_norms_and_biases_trains_only_those(tiny_bert, corpus, tmp_path, make_co
 
     from transformers import BertForMaskedLM
 
-    cfg = make_config(tiny_bert, corpus, tmp_path / "nb", train={"steps": 5, "trainable": "norms_and_biases"},
-                      eval={"every": 5})
+    cfg = make_config(
+        tiny_bert,
+        corpus,
+        tmp_path / "nb",
+        train={"steps": 5, "trainable": "norms_and_biases"},
+        eval={"every": 5},
+    )
     result = run(cfg)
     converted = BertForMaskedLM.from_pretrained(str(tiny_bert))
     with warnings.catch_warnings():
@@ -120,13 +139,80 @@ def test_norms_and_biases_trains_only_those(tiny_bert, corpus, tmp_path, make_co
 
 def test_lora_merges_into_a_plain_converted_model(tiny_bert, corpus, tmp_path, make_config):
     pytest.importorskip("peft")
-    cfg = make_config(tiny_bert, corpus, tmp_path / "lora", train={"steps": 20, "lr": 1e-3, "trainable": "lora",
-                                                                   "lora": {"r": 4, "target_modules": ["query",
-                                                                                                       "value"]}},
-                      eval={"every": 20})
+    cfg = make_config(
+        tiny_bert,
+        corpus,
+        tmp_path / "lora",
+        train={
+            "steps": 20,
+            "lr": 1e-3,
+            "trainable": "lora",
+            "lora": {"r": 4, "target_modules": ["query", "value"]},
+        },
+        eval={"every": 20},
+    )
     result = run(cfg)
     assert result.metrics_after["kl"] < result.metrics_before["kl"]
     assert not any("lora" in n for n in result.model.state_dict())
     loaded = normswap.load(result.model_dir)
     ids = torch.randint(5, 40, (2, 12), generator=torch.Generator().manual_seed(1))
     torch.testing.assert_close(_logits(loaded, ids), _logits(result.model, ids), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_two_process_data_parallel_on_cpu(tiny_bert, corpus, tmp_path):
+    """torchrun + gloo: sharded batches, reduced metrics, progressive swaps broadcast from rank 0."""
+    import os
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    torchrun = shutil.which("torchrun")
+    if torchrun is None:
+        pytest.skip("torchrun not on PATH")
+    out = tmp_path / "ddp"
+    recipe = Path(__file__).resolve().parents[2] / "recipes" / "distill-masked-lm.yaml"
+    cmd = [
+        torchrun,
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        "-m",
+        "normswap.recipes",
+        str(recipe),
+        f"model.source={tiny_bert}",
+        f"data.path={corpus}",
+        f"output.dir={out}",
+        "train.steps=12",
+        "train.lr=3e-4",
+        "train.warmup_steps=2",
+        "data.seq_len=32",
+        "data.batch_size=8",
+        "eval.every=6",
+        "log.every=3",
+        "log.progress_bar=false",
+        "log.plot=false",
+        "checkpoint.every=6",
+        "convert.mode=exact",
+        "progressive.enabled=true",
+        "progressive.group_size=2",
+        "progressive.interval=4",
+        "progressive.start_step=2",
+    ]
+    env = {
+        **os.environ,
+        "ACCELERATE_USE_CPU": "true",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join(
+            [str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")]
+        ),
+    }
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    sync = [r for r in records if r["split"] == "replicas"]
+    assert sync == [{"step": 12, "split": "replicas", "processes": 2, "in_sync": True}]
+    train = [r for r in records if r["split"] == "train"]
+    assert train[-1]["tokens"] == 12 * 2 * 8 * 32  # two processes, each its own 8 rows per step
+    loaded = normswap.load(out / "model")
+    assert not any(isinstance(m, torch.nn.LayerNorm) for m in loaded.modules())

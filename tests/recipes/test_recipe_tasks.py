@@ -1,0 +1,157 @@
+"""The causal-LM and encoder recipes end to end, and the data formats (all offline, tiny models)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+import normswap
+from normswap import NormswapError
+from normswap.cli import main
+from normswap.recipes import run, toy
+from normswap.recipes.config import DataConfig
+from normswap.recipes.data import read_documents
+
+RECIPES = Path(__file__).resolve().parents[2] / "recipes"
+FAST = [
+    "train.steps=8",
+    "train.warmup_steps=0",
+    "eval.every=4",
+    "log.every=2",
+    "log.progress_bar=false",
+    "log.plot=false",
+    "data.seq_len=32",
+    "data.batch_size=8",
+    "data.eval_batch_size=16",
+    "data.eval_fraction=0.1",
+]
+
+
+def test_distill_causal_lm_recipe_runs_end_to_end_on_tiny_gpt2(tiny_gpt2, corpus, tmp_path):
+    out = tmp_path / "gpt2"
+    result = run(
+        RECIPES / "distill-causal-lm.yaml",
+        [
+            f"model.source={tiny_gpt2}",
+            f"data.path={corpus}",
+            f"output.dir={out}",
+            "loss.ce_weight=0.1",
+            *FAST,
+        ],
+    )
+    before, after = result.metrics_before, result.metrics_after
+    assert set(before) == {"kl", "top1_agreement", "ppl", "teacher_ppl"}
+    # GPT-2 is Pre-LN: the conversion is exact, so the student starts on the teacher
+    assert before["kl"] < 1e-8 and before["top1_agreement"] == 1.0
+    assert before["ppl"] == pytest.approx(before["teacher_ppl"], rel=1e-5)
+    assert math.isfinite(after["ppl"]) and after["kl"] < 0.05
+    assert result.steps == 8 and result.tokens == 8 * 8 * 32
+    loaded = normswap.load(result.model_dir)
+    assert any(isinstance(m, normswap.RMSNorm) for m in loaded.modules())
+    ids = torch.randint(5, 40, (1, 10), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(
+            loaded(input_ids=ids).logits, result.model(input_ids=ids).logits, rtol=1e-5, atol=1e-5
+        )
+
+
+def test_finetune_causal_lm_through_the_cli_without_teacher(tiny_gpt2, corpus, tmp_path):
+    out = tmp_path / "ft"
+    result = CliRunner().invoke(
+        main,
+        [
+            "finetune",
+            str(RECIPES / "finetune-causal-lm.yaml"),
+            f"model.source={tiny_gpt2}",
+            f"data.path={corpus}",
+            f"output.dir={out}",
+            "train.lr=1e-3",
+            *FAST,
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    assert "done: 8 steps" in result.output
+    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in records if r["split"] == "eval"]
+    assert [r["step"] for r in evals] == [0, 4, 8] and all(set(r) == {"step", "split", "ppl"} for r in evals)
+    assert evals[-1]["ppl"] < evals[0]["ppl"] * 1.05
+    assert (out / "model" / "config.json").is_file()
+
+
+def test_encoder_recipe_pulls_embeddings_towards_the_teacher(tiny_bert, tmp_path):
+    data = tmp_path / "sentences.jsonl"
+    data.write_text(
+        "".join(
+            json.dumps({"id": i, "sentence": s}) + "\n"
+            for i, s in enumerate(toy.grammar_corpus(400, seed=11, sentences_per_line=1))
+        )
+    )
+    result = run(
+        RECIPES / "distill-encoder.yaml",
+        [
+            f"model.source={tiny_bert}",
+            f"data.path={data}",
+            "data.field=sentence",
+            f"output.dir={tmp_path / 'e'}",
+            "train.steps=40",
+            "train.lr=5e-4",
+            "train.warmup_steps=4",
+            "eval.every=20",
+            "log.progress_bar=false",
+            "log.plot=false",
+            "data.batch_size=16",
+            "data.seq_len=24",
+            "data.eval_fraction=0.1",
+        ],
+    )
+    before, after = result.metrics_before, result.metrics_after
+    assert set(before) == {"cosine", "hidden_rel_mse"}
+    assert before["cosine"] < 0.9999
+    assert after["hidden_rel_mse"] < before["hidden_rel_mse"] / 2, (before, after)
+    assert 1 - after["cosine"] < (1 - before["cosine"]) / 2, (before, after)
+    assert type(result.model).__name__.endswith("BertModel")
+
+
+def test_data_formats_and_their_errors(tmp_path):
+    text = tmp_path / "a.txt"
+    text.write_text("first doc\n\n  second doc  \n")
+    assert read_documents(DataConfig(path=str(text))) == ["first doc", "second doc"]
+    jsonl = tmp_path / "b.jsonl"
+    jsonl.write_text('{"body": "one"}\n{"body": "two"}\n')
+    assert read_documents(DataConfig(path=str(jsonl), field="body", max_documents=1)) == ["one"]
+    with pytest.raises(NormswapError, match="`data.field`"):
+        read_documents(DataConfig(path=str(jsonl), field="text"))
+    jsonl.write_text('{"body": "one"}\nnot json\n')
+    with pytest.raises(NormswapError, match="line 2"):
+        read_documents(DataConfig(path=str(jsonl), field="body"))
+
+
+def test_datasets_directory(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": ["a b", "c d"]})}).save_to_disk(
+        str(tmp_path / "ds")
+    )
+    assert read_documents(DataConfig(path=str(tmp_path / "ds"))) == ["a b", "c d"]
+    with pytest.raises(NormswapError, match="`data.split`"):
+        read_documents(DataConfig(path=str(tmp_path / "ds"), split="validation"))
+
+
+def test_too_little_data_names_the_key(tiny_bert, tmp_path, make_config):
+    tiny = tmp_path / "tiny.txt"
+    tiny.write_text("the cat sees a dog .\n")
+    with pytest.raises(NormswapError, match="`data.seq_len`"):
+        run(make_config(tiny_bert, tiny, tmp_path / "o"))
+
+
+def test_existing_output_needs_resume_or_overwrite(tiny_bert, corpus, tmp_path, make_config):
+    cfg = make_config(tiny_bert, corpus, tmp_path / "o", train={"steps": 2}, eval={"every": 2})
+    run(cfg)
+    with pytest.raises(NormswapError, match="`output.dir`"):
+        run(cfg)
+    again = run(cfg, ["output.overwrite=true"])
+    assert again.steps == 2
