@@ -67,61 +67,138 @@ def _tf() -> Any:
 
 
 def _gpt2(vocab: int) -> Any:
-    return _tf().GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=vocab, n_positions=128,
-                            bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    return _tf().GPT2Config(
+        n_layer=2,
+        n_embd=64,
+        n_head=4,
+        vocab_size=vocab,
+        n_positions=128,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+    )
 
 
 def _opt(vocab: int) -> Any:
-    return _tf().OPTConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, ffn_dim=128,
-                           word_embed_proj_dim=64, vocab_size=vocab, max_position_embeddings=128,
-                           bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    return _tf().OPTConfig(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        ffn_dim=128,
+        word_embed_proj_dim=64,
+        vocab_size=vocab,
+        max_position_embeddings=128,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+    )
 
 
 def _bloom(vocab: int) -> Any:
-    return _tf().BloomConfig(hidden_size=64, n_layer=2, n_head=4, vocab_size=vocab,
-                             bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    return _tf().BloomConfig(
+        hidden_size=64, n_layer=2, n_head=4, vocab_size=vocab, bos_token_id=0, eos_token_id=0, pad_token_id=0
+    )
 
 
 def _phi(vocab: int) -> Any:
-    return _tf().PhiConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
-                           vocab_size=vocab, max_position_embeddings=128, bos_token_id=0, eos_token_id=0,
-                           pad_token_id=0)
+    return _tf().PhiConfig(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        vocab_size=vocab,
+        max_position_embeddings=128,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+    )
 
 
 def _bert(vocab: int) -> Any:
-    return _tf().BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
-                            vocab_size=vocab, max_position_embeddings=128, pad_token_id=0)
+    return _tf().BertConfig(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        vocab_size=vocab,
+        max_position_embeddings=128,
+        pad_token_id=0,
+    )
 
 
 def _vit(_: int) -> Any:
     labels = ["cat", "dog", "fox", "bird", "fish"]
-    return _tf().ViTConfig(image_size=32, patch_size=8, hidden_size=64, num_hidden_layers=2,
-                           num_attention_heads=4, intermediate_size=128, num_labels=len(labels),
-                           id2label=dict(enumerate(labels)), label2id={k: i for i, k in enumerate(labels)})
+    return _tf().ViTConfig(
+        image_size=32,
+        patch_size=8,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        num_labels=len(labels),
+        id2label=dict(enumerate(labels)),
+        label2id={k: i for i, k in enumerate(labels)},
+    )
 
 
 def _whisper(vocab: int) -> Any:
     # 16 encoder positions = 32 mel frames: the preset's feature extractor makes 1 s of 16 kHz audio
     # into exactly that (hop 500), which keeps conversions fast.
-    return _tf().WhisperConfig(d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
-                               decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128,
-                               vocab_size=vocab, num_mel_bins=8, max_source_positions=16, max_target_positions=64,
-                               pad_token_id=0, decoder_start_token_id=1, bos_token_id=1, eos_token_id=2,
-                               begin_suppress_tokens=None, suppress_tokens=None)
+    return _tf().WhisperConfig(
+        d_model=64,
+        encoder_layers=2,
+        decoder_layers=2,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=128,
+        decoder_ffn_dim=128,
+        vocab_size=vocab,
+        num_mel_bins=8,
+        max_source_positions=16,
+        max_target_positions=64,
+        pad_token_id=0,
+        decoder_start_token_id=1,
+        bos_token_id=1,
+        eos_token_id=2,
+        begin_suppress_tokens=None,
+        suppress_tokens=None,
+    )
 
 
-PRESETS: dict[str, Preset] = {p.name: p for p in (
-    Preset("tiny-gpt2", "GPT-2 (Pre-LN, tied head): exact", "GPT2LMHeadModel", _gpt2, "text"),
-    Preset("tiny-opt", "OPT (Pre-LN): exact", "OPTForCausalLM", _opt, "text"),
-    Preset("tiny-bloom", "BLOOM (embedding LayerNorm): exact with one centering op", "BloomForCausalLM",
-           _bloom, "text"),
-    Preset("tiny-phi", "Phi (parallel attention/MLP): exact", "PhiForCausalLM", _phi, "text"),
-    Preset("tiny-bert", "BERT masked LM (Post-LN): approximate, use --mode all", "BertForMaskedLM", _bert,
-           "text", tuple(BERT_SPECIALS)),
-    Preset("tiny-vit", "ViT image classifier (Pre-LN): exact", "ViTForImageClassification", _vit, "image"),
-    Preset("tiny-whisper", "Whisper speech-to-text (encoder needs a centering op): exact",
-           "WhisperForConditionalGeneration", _whisper, "audio", tuple(WHISPER_SPECIALS)),
-)}
+PRESETS: dict[str, Preset] = {
+    p.name: p
+    for p in (
+        Preset("tiny-gpt2", "GPT-2 (Pre-LN, tied head): exact", "GPT2LMHeadModel", _gpt2, "text"),
+        Preset("tiny-opt", "OPT (Pre-LN): exact", "OPTForCausalLM", _opt, "text"),
+        Preset(
+            "tiny-bloom",
+            "BLOOM (embedding LayerNorm): exact with one centering op",
+            "BloomForCausalLM",
+            _bloom,
+            "text",
+        ),
+        Preset("tiny-phi", "Phi (parallel attention/MLP): exact", "PhiForCausalLM", _phi, "text"),
+        Preset(
+            "tiny-bert",
+            "BERT masked LM (Post-LN): approximate, use --mode all",
+            "BertForMaskedLM",
+            _bert,
+            "text",
+            tuple(BERT_SPECIALS),
+        ),
+        Preset(
+            "tiny-vit", "ViT image classifier (Pre-LN): exact", "ViTForImageClassification", _vit, "image"
+        ),
+        Preset(
+            "tiny-whisper",
+            "Whisper speech-to-text (encoder needs a centering op): exact",
+            "WhisperForConditionalGeneration",
+            _whisper,
+            "audio",
+            tuple(WHISPER_SPECIALS),
+        ),
+    )
+}
 
 
 def names() -> list[str]:
@@ -148,14 +225,19 @@ def _tokenizer_json(specials: tuple[str, ...], vocab_size: int) -> str:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(specials), show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(specials),
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(CORPUS.splitlines(), trainer=trainer)
     if specials == tuple(BERT_SPECIALS):
         from tokenizers import processors
 
-        tok.post_processor = processors.BertProcessing(("[SEP]", tok.token_to_id("[SEP]")),
-                                                       ("[CLS]", tok.token_to_id("[CLS]")))
+        tok.post_processor = processors.BertProcessing(
+            ("[SEP]", tok.token_to_id("[SEP]")), ("[CLS]", tok.token_to_id("[CLS]"))
+        )
     return tok.to_str()
 
 
@@ -169,13 +251,31 @@ def tokenizer(name: str) -> Any:
     tok = Tokenizer.from_str(_tokenizer_json(preset.specials, preset.vocab_size))
     fast = _tf().PreTrainedTokenizerFast
     if preset.specials == tuple(BERT_SPECIALS):
-        return fast(tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]", cls_token="[CLS]",
-                    sep_token="[SEP]", mask_token="[MASK]", model_max_length=128)
+        return fast(
+            tokenizer_object=tok,
+            pad_token="[PAD]",
+            unk_token="[UNK]",
+            cls_token="[CLS]",
+            sep_token="[SEP]",
+            mask_token="[MASK]",
+            model_max_length=128,
+        )
     if preset.specials == tuple(WHISPER_SPECIALS):
-        return fast(tokenizer_object=tok, pad_token="<|pad|>", bos_token="<|startoftranscript|>",
-                    eos_token="<|endoftext|>", model_max_length=64)
-    return fast(tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|endoftext|>",
-                pad_token="<|endoftext|>", unk_token="<|endoftext|>", model_max_length=128)
+        return fast(
+            tokenizer_object=tok,
+            pad_token="<|pad|>",
+            bos_token="<|startoftranscript|>",
+            eos_token="<|endoftext|>",
+            model_max_length=64,
+        )
+    return fast(
+        tokenizer_object=tok,
+        bos_token="<|endoftext|>",
+        eos_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+        unk_token="<|endoftext|>",
+        model_max_length=128,
+    )
 
 
 def processor(name: str) -> Any:
@@ -187,8 +287,9 @@ def processor(name: str) -> Any:
         cls = getattr(tf, "ViTImageProcessorPil", None) or tf.ViTImageProcessor
         return cls(size={"height": 32, "width": 32}, do_resize=True)
     if preset.modality == "audio":
-        return _tf().WhisperFeatureExtractor(feature_size=8, sampling_rate=16000, hop_length=500,
-                                             chunk_length=1, n_fft=512)
+        return _tf().WhisperFeatureExtractor(
+            feature_size=8, sampling_rate=16000, hop_length=500, chunk_length=1, n_fft=512
+        )
     return tokenizer(name)
 
 
@@ -224,7 +325,11 @@ def build_model(name: str, *, seed: int = SEED, dtype: torch.dtype = torch.float
     finally:
         torch.random.set_rng_state(previous)
     randomise_norms(model, seed)
-    if preset.modality == "text" and hasattr(model, "generation_config") and model.generation_config is not None:
+    if (
+        preset.modality == "text"
+        and hasattr(model, "generation_config")
+        and model.generation_config is not None
+    ):
         model.generation_config.pad_token_id = config.pad_token_id
     return model.to(dtype).eval()
 
@@ -234,8 +339,14 @@ def build(name: str, *, seed: int = SEED, dtype: torch.dtype = torch.float32) ->
     return build_model(name, seed=seed, dtype=dtype), processor(name)
 
 
-def save(name: str, out_dir: str | os.PathLike, *, seed: int = SEED, dtype: torch.dtype = torch.float32,
-         max_shard_size: int | str = "5GB") -> Path:
+def save(
+    name: str,
+    out_dir: str | os.PathLike,
+    *,
+    seed: int = SEED,
+    dtype: torch.dtype = torch.float32,
+    max_shard_size: int | str = "5GB",
+) -> Path:
     """Write the preset as a normal Hugging Face model directory (config, safetensors, tokenizer...)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -258,8 +369,10 @@ def example_inputs(name: str, batch: int = 2) -> dict[str, torch.Tensor]:
     if preset.modality == "audio":
         audio = [torch.randn(16000, generator=gen).numpy() for _ in range(batch)]
         feats = processor(name)(audio, sampling_rate=16000, return_tensors="pt")
-        return {"input_features": feats["input_features"],
-                "decoder_input_ids": torch.tensor([[1, 5, 6, 7]] * batch)}
+        return {
+            "input_features": feats["input_features"],
+            "decoder_input_ids": torch.tensor([[1, 5, 6, 7]] * batch),
+        }
     lines = CORPUS.splitlines()[:batch]
     enc = tokenizer(name)(lines, return_tensors="pt", padding=True, truncation=True, max_length=24)
     return dict(enc)

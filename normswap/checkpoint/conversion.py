@@ -40,12 +40,27 @@ def _progress(enabled: bool, total: int, desc: str) -> Any:
     from tqdm.auto import tqdm
 
     # disable=None: bars only on a terminal (CI logs and pipes stay clean)
-    return tqdm(total=total, desc=desc, disable=None if enabled else True, file=sys.stderr, leave=False,
-                bar_format="{desc}: {n_fmt}/{total_fmt} {postfix}")
+    return tqdm(
+        total=total,
+        desc=desc,
+        disable=None if enabled else True,
+        file=sys.stderr,
+        leave=False,
+        bar_format="{desc}: {n_fmt}/{total_fmt} {postfix}",
+    )
 
 
-def check_options(*, fmt: str, mode: str, dtype: str, max_shard_size: int | str, task: str | None,
-                  backend: str, low_memory: bool | None, calibration_data: Any) -> str:
+def check_options(
+    *,
+    fmt: str,
+    mode: str,
+    dtype: str,
+    max_shard_size: int | str,
+    task: str | None,
+    backend: str,
+    low_memory: bool | None,
+    calibration_data: Any,
+) -> str:
     """Validate option values before touching anything; returns the effective mode."""
     if fmt not in writer.FORMATS:
         raise NormswapError(f"format must be one of {', '.join(writer.FORMATS)}, not {fmt!r}")
@@ -57,11 +72,14 @@ def check_options(*, fmt: str, mode: str, dtype: str, max_shard_size: int | str,
         raise NormswapError(f"unknown task {task!r}; choose from {', '.join(source.TASKS)}")
     backends.check_name(backend)
     if fmt == "compat" and mode == "all":
-        raise NormswapError("compat format keeps LayerNorms, so approximate norms cannot be converted: "
-                            "use --mode exact (or auto) with --format compat, or --format native with --mode all")
+        raise NormswapError(
+            "compat format keeps LayerNorms, so approximate norms cannot be converted: "
+            "use --mode exact (or auto) with --format compat, or --format native with --mode all"
+        )
     if low_memory and calibration_data is not None:
-        raise NormswapError("--calibration-data needs the whole model in memory; drop --low-memory or the "
-                            "calibration data")
+        raise NormswapError(
+            "--calibration-data needs the whole model in memory; drop --low-memory or the calibration data"
+        )
     return "exact" if fmt == "compat" else mode
 
 
@@ -91,15 +109,18 @@ def _is_half(path: Path) -> bool:
 
 
 # ------------------------------------------------------------------------------------ calibration
-def read_calibration(path: str | os.PathLike, tokenizer: Any, model: nn.Module, *, max_samples: int = 256,
-                     batch_size: int = 8) -> list[dict[str, torch.Tensor]]:
+def read_calibration(
+    path: str | os.PathLike, tokenizer: Any, model: nn.Module, *, max_samples: int = 256, batch_size: int = 8
+) -> list[dict[str, torch.Tensor]]:
     """Text file (one sample per non-empty line) or JSONL with a ``"text"`` field -> model batches."""
     path = Path(path)
     if not path.is_file():
         raise NormswapError(f"calibration data {path} does not exist")
     if tokenizer is None or not callable(tokenizer):
-        raise NormswapError(f"--calibration-data is text, but {type(model).__name__} has no tokenizer "
-                            "(image/audio model, or no tokenizer files next to the weights)")
+        raise NormswapError(
+            f"--calibration-data is text, but {type(model).__name__} has no tokenizer "
+            "(image/audio model, or no tokenizer files next to the weights)"
+        )
     main = getattr(model, "main_input_name", "input_ids")
     if main != "input_ids":
         raise NormswapError(f"--calibration-data is text, but {type(model).__name__} takes {main}")
@@ -115,7 +136,9 @@ def read_calibration(path: str | os.PathLike, tokenizer: Any, model: nn.Module, 
             try:
                 obj = json.loads(line)
             except ValueError as exc:
-                raise NormswapError(f"{path}:{i}: not valid JSON ({exc.args[0] if exc.args else exc})") from exc
+                raise NormswapError(
+                    f"{path}:{i}: not valid JSON ({exc.args[0] if exc.args else exc})"
+                ) from exc
             if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
                 raise NormswapError(f'{path}:{i}: expected an object with a "text" string field')
             texts.append(obj["text"])
@@ -134,8 +157,13 @@ def read_calibration(path: str | os.PathLike, tokenizer: Any, model: nn.Module, 
     params = inspect.signature(model.forward).parameters
     batches = []
     for lo in range(0, len(texts), batch_size):
-        enc = tokenizer(texts[lo:lo + batch_size], return_tensors="pt", padding=True, truncation=True,
-                        max_length=max_length)
+        enc = tokenizer(
+            texts[lo : lo + batch_size],
+            return_tensors="pt",
+            padding=True,
+            truncation=True,
+            max_length=max_length,
+        )
         batch = {k: v for k, v in enc.items() if k in params}
         if getattr(config, "is_encoder_decoder", False) and "decoder_input_ids" in params:
             batch["decoder_input_ids"] = enc["input_ids"][:, : min(8, enc["input_ids"].shape[1])]
@@ -156,8 +184,9 @@ def _run(model: nn.Module, probe: dict[str, Any]) -> Any:
         return model(**probe)
 
 
-def reload_check(fmt: str, out: Path, converted: Any, original: Any, probe: dict[str, Any],
-                 plan: Any, dtype: torch.dtype) -> dict[str, Any]:
+def reload_check(
+    fmt: str, out: Path, converted: Any, original: Any, probe: dict[str, Any], plan: Any, dtype: torch.dtype
+) -> dict[str, Any]:
     """Load what was written and compare: native must be bitwise equal to the converted model;
     compat (stock LayerNorms) must match the original within the dtype's tolerance."""
     from normswap.checkpoint.reader import load
@@ -168,26 +197,33 @@ def reload_check(fmt: str, out: Path, converted: Any, original: Any, probe: dict
     a, b = comparable(converted, skip), comparable(reloaded, skip)
     keys = [k for k in a if k in b and a[k].shape == b[k].shape]
     if not keys:
-        raise VerificationFailed("verification failed: the reloaded checkpoint produces none of the converted "
-                                 "model's outputs; nothing was written")
+        raise VerificationFailed(
+            "verification failed: the reloaded checkpoint produces none of the converted "
+            "model's outputs; nothing was written"
+        )
     bitwise = all(torch.equal(a[k], b[k]) for k in keys)
-    figures: dict[str, Any] = {"reload_bitwise_equal": bitwise,
-                               "reload_max_abs_diff": max(float((a[k].double() - b[k].double()).abs().max())
-                                                          for k in keys)}
+    figures: dict[str, Any] = {
+        "reload_bitwise_equal": bitwise,
+        "reload_max_abs_diff": max(float((a[k].double() - b[k].double()).abs().max()) for k in keys),
+    }
     vs_orig = compare(original, reloaded, skip)
     if "max_rel_error" in vs_orig:
         figures["reload_vs_original_max_rel_error"] = vs_orig["max_rel_error"]
     exact = all(sp.verdict != "approximate" for sp in plan.sites if sp.convert)
     if fmt == "native" and not bitwise:
-        raise VerificationFailed(f"verification failed: the reloaded native checkpoint differs from the "
-                                 f"converted model by {figures['reload_max_abs_diff']:.3g} on "
-                                 f"{primary_key(b)}; nothing was written")
+        raise VerificationFailed(
+            f"verification failed: the reloaded native checkpoint differs from the "
+            f"converted model by {figures['reload_max_abs_diff']:.3g} on "
+            f"{primary_key(b)}; nothing was written"
+        )
     if fmt == "compat" and exact and "max_rel_error" in vs_orig:
         limit = api.EXACT_TOLERANCE.get(dtype, 1e-3)
         if vs_orig["max_rel_error"] > limit:
-            raise VerificationFailed(f"verification failed: the compat checkpoint differs from the original by "
-                                     f"{vs_orig['max_rel_error']:.3g} (relative, limit {limit:g}); nothing "
-                                     "was written")
+            raise VerificationFailed(
+                f"verification failed: the compat checkpoint differs from the original by "
+                f"{vs_orig['max_rel_error']:.3g} (relative, limit {limit:g}); nothing "
+                "was written"
+            )
     del model
     return figures
 
@@ -202,13 +238,28 @@ def _update_manifest(out: Path, figures: dict[str, Any]) -> None:
 
 
 # ------------------------------------------------------------------------------------ convert
-def convert(model_id_or_path: str | os.PathLike, out_dir: str | os.PathLike, *, format: str = "native",  # noqa: A002
-            mode: str = "auto", fold_gamma: bool = False, untie: bool = True, dtype: str = "auto",
-            calibration_data: str | os.PathLike | None = None, calibration: Any = None,
-            max_shard_size: int | str = writer.DEFAULT_SHARD, low_memory: bool | None = None,
-            trust_remote_code: bool = False, overwrite: bool = False, verify: bool = True,
-            task: str | None = None, allow_pickle: bool = False, backend: str = "auto",
-            progress: bool = False, echo: Callable[[str], None] | None = None) -> api.Report:
+def convert(
+    model_id_or_path: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    *,
+    format: str = "native",  # noqa: A002
+    mode: str = "auto",
+    fold_gamma: bool = False,
+    untie: bool = True,
+    dtype: str = "auto",
+    calibration_data: str | os.PathLike | None = None,
+    calibration: Any = None,
+    max_shard_size: int | str = writer.DEFAULT_SHARD,
+    low_memory: bool | None = None,
+    trust_remote_code: bool = False,
+    overwrite: bool = False,
+    verify: bool = True,
+    task: str | None = None,
+    allow_pickle: bool = False,
+    backend: str = "auto",
+    progress: bool = False,
+    echo: Callable[[str], None] | None = None,
+) -> api.Report:
     """Convert a model into a checkpoint directory, atomically.
 
     Args:
@@ -241,35 +292,63 @@ def convert(model_id_or_path: str | os.PathLike, out_dir: str | os.PathLike, *, 
         VerificationFailed: an exact conversion missed tolerance (``exit_code`` 4).
     """
     say = echo or (lambda msg: log.info(msg))
-    eff_mode = check_options(fmt=format, mode=mode, dtype=dtype, max_shard_size=max_shard_size, task=task,
-                             backend=backend, low_memory=low_memory, calibration_data=calibration_data)
+    eff_mode = check_options(
+        fmt=format,
+        mode=mode,
+        dtype=dtype,
+        max_shard_size=max_shard_size,
+        task=task,
+        backend=backend,
+        low_memory=low_memory,
+        calibration_data=calibration_data,
+    )
     if format == "compat" and mode == "auto":
         say("compat format: approximate norms (if any) stay LayerNorm (mode=exact)")
-    src = source.resolve(str(model_id_or_path), allow_pickle=allow_pickle, trust_remote_code=trust_remote_code)
+    src = source.resolve(
+        str(model_id_or_path), allow_pickle=allow_pickle, trust_remote_code=trust_remote_code
+    )
     out = io.check_destination(out_dir, overwrite=overwrite, source=src.path)
     if low_memory is None:
         low_memory = wants_low_memory(src, dtype) and calibration_data is None and calibration is None
         if low_memory:
-            say(f"checkpoint is {io.human(src.nbytes)}, more than half of the available RAM: streaming "
-                "conversion (--low-memory)")
+            say(
+                f"checkpoint is {io.human(src.nbytes)}, more than half of the available RAM: streaming "
+                "conversion (--low-memory)"
+            )
     if low_memory:
         if src.kind == "preset":
-            raise NormswapError("--low-memory converts a checkpoint on disk; save the preset first "
-                                "(normswap.presets.save) or drop --low-memory")
+            raise NormswapError(
+                "--low-memory converts a checkpoint on disk; save the preset first "
+                "(normswap.presets.save) or drop --low-memory"
+            )
         from normswap.checkpoint import streaming
 
-        return streaming.convert_streaming(src, out, fmt=format, mode=eff_mode, fold_gamma=fold_gamma,
-                                           untie=untie, dtype=dtype, max_shard_size=max_shard_size,
-                                           overwrite=overwrite, verify=verify, task=task, backend=backend,
-                                           progress=progress, echo=say)
+        return streaming.convert_streaming(
+            src,
+            out,
+            fmt=format,
+            mode=eff_mode,
+            fold_gamma=fold_gamma,
+            untie=untie,
+            dtype=dtype,
+            max_shard_size=max_shard_size,
+            overwrite=overwrite,
+            verify=verify,
+            task=task,
+            backend=backend,
+            progress=progress,
+            echo=say,
+        )
     io.check_space(out, src.nbytes)
     steps = _progress(progress, 4, f"normswap convert {src.spec}")
     with steps if progress else nullcontext():
         steps.set_postfix_str("loading")
         model, proc = source.load_model(src, task=task, dtype=dtype, trust_remote_code=trust_remote_code)
         if format == "native" and type(model).__module__.startswith("transformers_modules"):
-            raise NormswapError(f"{src.spec} uses custom modeling code; the native format needs a transformers "
-                                "architecture. Use --format compat")
+            raise NormswapError(
+                f"{src.spec} uses custom modeling code; the native format needs a transformers "
+                "architecture. Use --format compat"
+            )
         steps.update()
         if calibration is None and calibration_data is not None:
             calibration = read_calibration(calibration_data, proc, model)
@@ -277,8 +356,15 @@ def convert(model_id_or_path: str | os.PathLike, out_dir: str | os.PathLike, *, 
         original = _run(model, probe) if (verify and probe is not None) else None
         steps.set_postfix_str("analysing and converting")
         try:
-            report = api.patch(model, mode=eff_mode, fold_gamma=fold_gamma, untie=untie, calibration=calibration,
-                               verify=verify, backend=backend)
+            report = api.patch(
+                model,
+                mode=eff_mode,
+                fold_gamma=fold_gamma,
+                untie=untie,
+                calibration=calibration,
+                verify=verify,
+                backend=backend,
+            )
         except NormswapError as exc:
             if str(exc).startswith("verification failed"):
                 raise VerificationFailed(f"{exc}; nothing was written") from exc
@@ -290,10 +376,17 @@ def convert(model_id_or_path: str | os.PathLike, out_dir: str | os.PathLike, *, 
         converted = _run(model, probe) if original is not None else None
         steps.set_postfix_str("writing")
         with io.atomic_directory(out, overwrite=overwrite) as tmp:
-            writer.write_model_dir(model, tmp, fmt=format, plan=plan, max_shard_size=max_shard_size,
-                                 verification=report.verification, source=src.spec,
-                                 tokenizer=proc if src.kind == "preset" else None,
-                                 side_files_from=src.path)
+            writer.write_model_dir(
+                model,
+                tmp,
+                fmt=format,
+                plan=plan,
+                max_shard_size=max_shard_size,
+                verification=report.verification,
+                source=src.spec,
+                tokenizer=proc if src.kind == "preset" else None,
+                side_files_from=src.path,
+            )
             steps.update()
             if original is not None:
                 steps.set_postfix_str("verifying the written checkpoint")

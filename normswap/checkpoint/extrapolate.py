@@ -57,7 +57,7 @@ class Layout:
     def split(self, path: str) -> Ref:
         for stack in self._stacks:
             if path.startswith(stack + "."):
-                head, _, rest = path[len(stack) + 1:].partition(".")
+                head, _, rest = path[len(stack) + 1 :].partition(".")
                 if head.isdigit():
                     return Ref(stack, int(head), rest)
         return Ref(None, None, path)
@@ -100,8 +100,9 @@ _OTHER: dict[str, Callable[[int, int], set[int]]] = {
 }
 
 
-def _infer(instances: dict[int | None, set[int | None]], same_stack: bool, depth: int,
-           where: str) -> Callable[[int | None, int | None, int], set[int | None]]:
+def _infer(
+    instances: dict[int | None, set[int | None]], same_stack: bool, depth: int, where: str
+) -> Callable[[int | None, int | None, int], set[int | None]]:
     """A relation ``f(j, t, n)`` that reproduces ``instances`` ({owner template index: referenced
     indices}) at every template; evaluated at full depth with owner index ``j`` (template ``t``) and
     the referenced stack's full depth ``n``.
@@ -128,8 +129,10 @@ def _infer(instances: dict[int | None, set[int | None]], same_stack: bool, depth
                 break
         else:
             return lambda j, t, n, _k=kinds: _k[t](0, n) if _k.get(t) is not None else set()
-    raise ExtrapolationError(f"low-memory analysis: cannot extrapolate the references of `{where}` "
-                             f"({instances}) to full depth; convert in memory (--in-memory)")
+    raise ExtrapolationError(
+        f"low-memory analysis: cannot extrapolate the references of `{where}` "
+        f"({instances}) to full depth; convert in memory (--in-memory)"
+    )
 
 
 class Extrapolator:
@@ -161,11 +164,15 @@ class Extrapolator:
         return [j for j in range(n) if template(j, n, d) in present]
 
     def _t(self, stack0: str | None, j: int | None) -> int | None:
-        return None if stack0 is None or j is None else \
-            template(j, self.full.depths[stack0], self.proxy.depths[stack0])
+        return (
+            None
+            if stack0 is None or j is None
+            else template(j, self.full.depths[stack0], self.proxy.depths[stack0])
+        )
 
-    def expand_refs(self, owner_role: tuple, by_t: dict[int | None, list[str]], where: str
-                    ) -> dict[int | None, list[str]]:
+    def expand_refs(
+        self, owner_role: tuple, by_t: dict[int | None, list[str]], where: str
+    ) -> dict[int | None, list[str]]:
         """Reference lists of one owner role, at every full index: {full j: [paths or labels]}."""
         stack0 = owner_role[0]
         groups: dict[tuple, dict[int | None, set[int | None]]] = {}
@@ -197,7 +204,7 @@ class Extrapolator:
                 stack = role[0]
                 n = self.full.depths.get(stack, 0) if stack else 0
                 hits = rel(j, t, n)
-                for i in (sorted(x for x in hits if x is not None) if stack else ([None] if hits else [])):
+                for i in sorted(x for x in hits if x is not None) if stack else ([None] if hits else []):
                     paths.append(self.full.join(stack, i, role[1]))
             for skel, texts in label_texts.items():
                 if t in labels[skel]:
@@ -205,7 +212,9 @@ class Extrapolator:
             out[j] = paths
         return out
 
-    def expand_text(self, owner_role: tuple, by_t: dict[int | None, str], where: str) -> dict[int | None, str]:
+    def expand_text(
+        self, owner_role: tuple, by_t: dict[int | None, str], where: str
+    ) -> dict[int | None, str]:
         """Human-readable text of one owner role (reasons, labels) at every full index.
 
         Module paths inside the text are re-indexed with the relation that holds across the
@@ -254,7 +263,7 @@ class Extrapolator:
             ref = self.proxy.split(m.group())
             if ref.stack is None:
                 continue
-            parts.append(text[last:m.start()])
+            parts.append(text[last : m.start()])
             refs.append(ref)
             last = m.end()
         parts.append(text[last:])
@@ -288,8 +297,11 @@ def extrapolate(plan: dict[str, Any], proxy: dict[str, int], full: dict[str, int
     if proxy == full:
         return copy.deepcopy(plan)
     ex = Extrapolator(proxy, full)
-    out: dict[str, Any] = {k: copy.deepcopy(v) for k, v in plan.items()
-                           if k not in ("sites", "writer_edits", "folds", "hooks", "unties", "skipped")}
+    out: dict[str, Any] = {
+        k: copy.deepcopy(v)
+        for k, v in plan.items()
+        if k not in ("sites", "writer_edits", "folds", "hooks", "unties", "skipped")
+    }
 
     # --- sites (with their writer and reader lists)
     sites = {s["name"]: s for s in plan["sites"]}
@@ -305,8 +317,11 @@ def extrapolate(plan: dict[str, Any], proxy: dict[str, int], full: dict[str, int
             s["name"] = ex.move(src["name"], j, t)
             s["writers"] = sorted(set(writers[j]))
             s["readers"] = _reorder_readers(ex, src["readers"], readers[j])
-            s["reason"] = f"stream written by {len(s['writers'])} centered writer(s)" \
-                if _COUNT.match(src["reason"]) else reasons[j]
+            s["reason"] = (
+                f"stream written by {len(s['writers'])} centered writer(s)"
+                if _COUNT.match(src["reason"])
+                else reasons[j]
+            )
             s["error"] = None
             new_sites.append((ex.full.split(s["name"]), s))
     out["sites"] = [s for _, s in sorted(new_sites, key=lambda rs: _order_key(rs[0], plan, ex))]
@@ -317,8 +332,9 @@ def extrapolate(plan: dict[str, Any], proxy: dict[str, int], full: dict[str, int
         folds_by_site.setdefault(f["site"], []).append(f)
     new_folds = []
     for role, by_t in ex.owners(list(folds_by_site)).items():
-        lists = ex.expand_refs(role, {t: [f["reader"] for f in folds_by_site[p]] for t, p in by_t.items()},
-                               f"{role} folds")
+        lists = ex.expand_refs(
+            role, {t: [f["reader"] for f in folds_by_site[p]] for t, p in by_t.items()}, f"{role} folds"
+        )
         for j, readers in lists.items():
             t = template(j, full[role[0]], proxy[role[0]]) if role[0] else None
             site_path = by_t[t]
@@ -331,7 +347,9 @@ def extrapolate(plan: dict[str, Any], proxy: dict[str, int], full: dict[str, int
     out["folds"] = sorted(new_folds, key=lambda f: (site_pos.get(f["site"], -1), f["reader"]))
 
     # --- items owned by one path, with at most one reference
-    out["writer_edits"] = sorted(_simple(ex, plan["writer_edits"], "target", ("owner",)), key=lambda e: e["target"])
+    out["writer_edits"] = sorted(
+        _simple(ex, plan["writer_edits"], "target", ("owner",)), key=lambda e: e["target"]
+    )
     out["hooks"] = _simple(ex, plan["hooks"], "module", (), text_fields=("reason",))
     out["unties"] = _simple(ex, plan["unties"], "module", (), ref_field="source")
     out["skipped"] = _simple(ex, plan["skipped"], "name", (), text_fields=("reason",))
@@ -367,13 +385,22 @@ def _order_key(ref: Ref, plan: dict, ex: Extrapolator) -> tuple:
         first_pos.setdefault(key, pos)
     if ref.stack is None:
         return (first_pos.get((None, ref.rest), 0), 0, 0)
-    inner = [pos for pos, name in enumerate(names) if ex.proxy.split(name).stack == ref.stack
-             and ex.proxy.split(name).rest == ref.rest]
+    inner = [
+        pos
+        for pos, name in enumerate(names)
+        if ex.proxy.split(name).stack == ref.stack and ex.proxy.split(name).rest == ref.rest
+    ]
     return (first_pos.get((ref.stack,), 0), ref.index or 0, min(inner) if inner else 0)
 
 
-def _simple(ex: Extrapolator, items: list[dict], owner_field: str, same_fields: tuple[str, ...],
-            ref_field: str | None = None, text_fields: tuple[str, ...] = ()) -> list[dict]:
+def _simple(
+    ex: Extrapolator,
+    items: list[dict],
+    owner_field: str,
+    same_fields: tuple[str, ...],
+    ref_field: str | None = None,
+    text_fields: tuple[str, ...] = (),
+) -> list[dict]:
     by_role: dict[tuple, dict[int | None, dict]] = {}
     for item in items:
         r = ex.proxy.split(item[owner_field])
@@ -383,12 +410,19 @@ def _simple(ex: Extrapolator, items: list[dict], owner_field: str, same_fields: 
         refs = None
         if ref_field is not None:
             refs = ex.expand_refs(role, {t: [it[ref_field]] for t, it in by_t.items()}, f"{role} {ref_field}")
-        texts = {f: ex.expand_text(role, {t: it[f] for t, it in by_t.items()}, f"{role} {f}")
-                 for f in text_fields}
+        texts = {
+            f: ex.expand_text(role, {t: it[f] for t, it in by_t.items()}, f"{role} {f}") for f in text_fields
+        }
         stack = role[0]
-        full_idx = [None] if stack is None else [
-            j for j in range(ex.full.depths[stack]) if template(j, ex.full.depths[stack], ex.proxy.depths[stack])
-            in by_t]
+        full_idx = (
+            [None]
+            if stack is None
+            else [
+                j
+                for j in range(ex.full.depths[stack])
+                if template(j, ex.full.depths[stack], ex.proxy.depths[stack]) in by_t
+            ]
+        )
         for j in full_idx:
             t = None if stack is None else template(j, ex.full.depths[stack], ex.proxy.depths[stack])
             item = copy.deepcopy(by_t[t])
@@ -399,8 +433,10 @@ def _simple(ex: Extrapolator, items: list[dict], owner_field: str, same_fields: 
                 item[f] = texts[f][j]
             if refs is not None:
                 if len(refs[j]) != 1:
-                    raise ExtrapolationError(f"low-memory analysis: `{item[owner_field]}` would refer to "
-                                             f"{len(refs[j])} modules; convert in memory (--in-memory)")
+                    raise ExtrapolationError(
+                        f"low-memory analysis: `{item[owner_field]}` would refer to "
+                        f"{len(refs[j])} modules; convert in memory (--in-memory)"
+                    )
                 item[ref_field] = refs[j][0]
             out.append(item)
     return out
@@ -409,11 +445,24 @@ def _simple(ex: Extrapolator, items: list[dict], owner_field: str, same_fields: 
 def normalise(plan: dict[str, Any]) -> dict[str, Any]:
     """The comparable structure of a plan (no errors, reasons or list orders)."""
     return {
-        "sites": {s["name"]: (s["verdict"], s["class_name"], tuple(s["normalized_shape"]), tuple(s["param_shape"]),
-                              s["eps"], s["flavour"], tuple(sorted(s["writers"])), tuple(sorted(s["readers"])),
-                              s["fold_beta"], s["fold_gamma"]) for s in plan["sites"]},
-        "writer_edits": sorted((e["target"], e["axis"], str(e["blocks"]), e["owner"], e["kind"])
-                               for e in plan["writer_edits"]),
+        "sites": {
+            s["name"]: (
+                s["verdict"],
+                s["class_name"],
+                tuple(s["normalized_shape"]),
+                tuple(s["param_shape"]),
+                s["eps"],
+                s["flavour"],
+                tuple(sorted(s["writers"])),
+                tuple(sorted(s["readers"])),
+                s["fold_beta"],
+                s["fold_gamma"],
+            )
+            for s in plan["sites"]
+        },
+        "writer_edits": sorted(
+            (e["target"], e["axis"], str(e["blocks"]), e["owner"], e["kind"]) for e in plan["writer_edits"]
+        ),
         "folds": sorted((f["site"], f["reader"], f["kind"], f["beta"], f["gamma"]) for f in plan["folds"]),
         "hooks": sorted((h["module"], h["where"], str(h["arg"])) for h in plan["hooks"]),
         "unties": sorted((u["module"], u["attr"], u["source"], u["numel"]) for u in plan["unties"]),
@@ -422,14 +471,18 @@ def normalise(plan: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def check(plan3: dict[str, Any], plan4: dict[str, Any], depths3: dict[str, int], depths4: dict[str, int]) -> None:
+def check(
+    plan3: dict[str, Any], plan4: dict[str, Any], depths3: dict[str, int], depths4: dict[str, int]
+) -> None:
     """Refuse unless the depth-3 plan extrapolated to depth 4 equals the depth-4 plan."""
     got, want = normalise(extrapolate(plan3, depths3, depths4)), normalise(plan4)
     for key in want:
         if got[key] != want[key]:
             detail = _first_difference(got[key], want[key])
-            raise ExtrapolationError(f"low-memory analysis: this architecture's layers are not uniform enough to "
-                                     f"extrapolate the plan ({key}: {detail}); convert in memory (--in-memory)")
+            raise ExtrapolationError(
+                f"low-memory analysis: this architecture's layers are not uniform enough to "
+                f"extrapolate the plan ({key}: {detail}); convert in memory (--in-memory)"
+            )
 
 
 def _first_difference(a: Any, b: Any) -> str:

@@ -43,7 +43,7 @@ _HOOK_INSTALLED = False
 
 def base_type(model_type: str) -> str | None:
     """``normswap_gpt2`` -> ``gpt2``; ``None`` for a type that is not ours."""
-    return model_type[len(PREFIX):] if model_type.startswith(PREFIX) else None
+    return model_type[len(PREFIX) :] if model_type.startswith(PREFIX) else None
 
 
 def _base_config_class(base: str) -> type:
@@ -60,12 +60,16 @@ def config_class_for(base: str) -> type:
         return _CONFIGS[base]
     base_cls = _base_config_class(base)
     name = f"Normswap{base_cls.__name__}"
-    cls = type(name, (base_cls,), {
-        "model_type": PREFIX + base,
-        "__module__": __name__,
-        "__qualname__": name,
-        "__doc__": f"{base_cls.__name__} of a checkpoint converted by normswap (manifest in ``config.normswap``).",
-    })
+    cls = type(
+        name,
+        (base_cls,),
+        {
+            "model_type": PREFIX + base,
+            "__module__": __name__,
+            "__qualname__": name,
+            "__doc__": f"{base_cls.__name__} of a normswap-converted checkpoint (manifest in its config).",
+        },
+    )
     setattr(sys.modules[__name__], name, cls)  # picklable by qualified name
     _CONFIGS[base] = cls
     _register_conversion_mapping(PREFIX + base, base)
@@ -100,8 +104,10 @@ def model_class_for(base: str, class_name: str) -> type:
 
     base_cls = getattr(transformers, class_name, None)
     if base_cls is None or not isinstance(base_cls, type) or not issubclass(base_cls, nn.Module):
-        raise NormswapError(f"transformers has no model class {class_name!r} (needed by this checkpoint); "
-                            "upgrade transformers or pass the class explicitly")
+        raise NormswapError(
+            f"transformers has no model class {class_name!r} (needed by this checkpoint); "
+            "upgrade transformers or pass the class explicitly"
+        )
     cfg_cls = config_class_for(base)
 
     def __init__(self, config, *args, **kwargs):  # noqa: N807, ANN001
@@ -111,13 +117,17 @@ def model_class_for(base: str, class_name: str) -> type:
             rebuild(self, manifest)
 
     name = f"Normswap{class_name}"
-    cls = type(name, (base_cls,), {
-        "config_class": cfg_cls,
-        "__init__": __init__,
-        "__module__": __name__,
-        "__qualname__": name,
-        "__doc__": f"{class_name} rebuilt with normswap.RMSNorm from a converted checkpoint's manifest.",
-    })
+    cls = type(
+        name,
+        (base_cls,),
+        {
+            "config_class": cfg_cls,
+            "__init__": __init__,
+            "__module__": __name__,
+            "__qualname__": name,
+            "__doc__": f"{class_name} rebuilt with normswap.RMSNorm from a converted checkpoint's manifest.",
+        },
+    )
     setattr(sys.modules[__name__], name, cls)
     _MODELS[key] = cls
     _register_conversion_mapping(name, class_name)
@@ -145,7 +155,7 @@ def rebase_plan(plan_dict: dict, saved_prefix: str, model: nn.Module) -> dict:
     def move(path: str) -> str | None:
         if saved_prefix:
             if path == saved_prefix or path.startswith(saved_prefix + "."):
-                rest = path[len(saved_prefix) + 1:]
+                rest = path[len(saved_prefix) + 1 :]
             else:
                 return path if path in modules else None  # a head module
         else:
@@ -172,8 +182,10 @@ def rebuild(model: nn.Module, manifest: dict) -> nn.Module:
     try:
         apply_structure(model, Plan.from_dict(plan_dict), backend=manifest.get("backend", "auto"))
     except (AttributeError, KeyError, TypeError) as exc:
-        raise NormswapError(f"the normswap manifest does not match {type(model).__name__} ({exc}); "
-                            "was the checkpoint edited by hand?") from exc
+        raise NormswapError(
+            f"the normswap manifest does not match {type(model).__name__} ({exc}); "
+            "was the checkpoint edited by hand?"
+        ) from exc
     return model
 
 
@@ -317,6 +329,8 @@ def class_for_manifest(manifest: dict) -> type:
     base = manifest.get("base_model_type")
     arch = manifest.get("architecture")
     if not base or not arch:
-        raise NormswapError("the normswap manifest lacks base_model_type/architecture; re-run normswap convert")
+        raise NormswapError(
+            "the normswap manifest lacks base_model_type/architecture; re-run normswap convert"
+        )
     register(base)
     return model_class_for(base, arch)

@@ -25,18 +25,41 @@ from normswap.errors import NormswapError
 TMP_MARK = ".normswap-tmp-"
 # files that travel with the weights (tokenizers, processors, generation settings, chat templates)
 SIDE_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-    "vocab.json", "vocab.txt", "merges.txt", "spiece.model", "tokenizer.model", "sentencepiece.bpe.model",
-    "preprocessor_config.json", "processor_config.json", "feature_extractor_config.json",
-    "video_preprocessor_config.json", "chat_template.json", "chat_template.jinja", "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "spiece.model",
+    "tokenizer.model",
+    "sentencepiece.bpe.model",
+    "preprocessor_config.json",
+    "processor_config.json",
+    "feature_extractor_config.json",
+    "video_preprocessor_config.json",
+    "chat_template.json",
+    "chat_template.jinja",
+    "generation_config.json",
     "normalizer.json",
 )
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
 
 # ------------------------------------------------------------------------------------ sizes
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
 
 
 def parse_size(value: int | str) -> int:
@@ -90,8 +113,10 @@ def check_destination(out: str | os.PathLike, *, overwrite: bool, source: Path |
             raise NormswapError(f"--out {out} overlaps the source model at {source}; write somewhere else")
     if out.is_dir() and any(out.iterdir()):
         if not overwrite:
-            raise NormswapError(f"--out {out} exists and is not empty; pass --overwrite to replace it, "
-                                "or choose a new directory")
+            raise NormswapError(
+                f"--out {out} exists and is not empty; pass --overwrite to replace it, "
+                "or choose a new directory"
+            )
         why = _dangerous(out)
         if why:
             raise NormswapError(f"refusing to overwrite {out}: {why}")
@@ -121,8 +146,10 @@ def check_space(out: Path, needed: int) -> None:
     """Fail early, before writing anything, when the destination's filesystem is too small."""
     free = free_bytes(out)
     if needed > 0 and free < needed * 1.05 + (16 << 20):
-        raise NormswapError(f"not enough disk space at {_existing_parent(out)}: about {human(needed)} needed, "
-                            f"{human(free)} free; free some space or choose another --out")
+        raise NormswapError(
+            f"not enough disk space at {_existing_parent(out)}: about {human(needed)} needed, "
+            f"{human(free)} free; free some space or choose another --out"
+        )
 
 
 @contextlib.contextmanager
@@ -151,7 +178,9 @@ def atomic_directory(out: Path, *, overwrite: bool) -> Iterator[Path]:
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}{TMP_MARK}", dir=parent))
     except OSError as exc:
         cleanup(None)
-        raise NormswapError(f"cannot create the output directory next to {out}: {exc.strerror or exc}") from exc
+        raise NormswapError(
+            f"cannot create the output directory next to {out}: {exc.strerror or exc}"
+        ) from exc
     try:
         yield tmp
         os.chmod(tmp, 0o755)
@@ -185,7 +214,9 @@ def _move_into_place(tmp: Path, out: Path, *, overwrite: bool) -> None:
 def os_error(exc: OSError, where: Path | str) -> NormswapError:
     """One actionable line for an I/O failure while writing."""
     if exc.errno == errno.ENOSPC:
-        return NormswapError(f"disk full while writing {where}; nothing was written. Free some space and retry")
+        return NormswapError(
+            f"disk full while writing {where}; nothing was written. Free some space and retry"
+        )
     if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
         return NormswapError(f"cannot write {where} ({exc.strerror}); choose a writable --out")
     return NormswapError(f"I/O error while writing {where}: {exc.strerror or exc}")
@@ -205,8 +236,10 @@ def read_safetensors_header(path: Path) -> dict[str, Any]:
                 raise ValueError("header length points past the end of the file")
             header = json.loads(f.read(n))
     except (OSError, ValueError, UnicodeDecodeError) as exc:
-        raise NormswapError(f"{path} is not a valid safetensors file ({exc}); the download may be "
-                            "truncated or corrupted: fetch it again") from exc
+        raise NormswapError(
+            f"{path} is not a valid safetensors file ({exc}); the download may be "
+            "truncated or corrupted: fetch it again"
+        ) from exc
     end = 0
     for key, info in header.items():
         if key == "__metadata__":
@@ -214,11 +247,14 @@ def read_safetensors_header(path: Path) -> dict[str, Any]:
         try:
             end = max(end, int(info["data_offsets"][1]))
         except (KeyError, TypeError, IndexError, ValueError) as exc:
-            raise NormswapError(f"{path} has a malformed safetensors header (tensor {key!r}); "
-                                "fetch the file again") from exc
+            raise NormswapError(
+                f"{path} has a malformed safetensors header (tensor {key!r}); fetch the file again"
+            ) from exc
     if 8 + n + end > size:
-        raise NormswapError(f"{path} is truncated ({human(size)} on disk, header describes "
-                            f"{human(8 + n + end)}); fetch the file again")
+        raise NormswapError(
+            f"{path} is truncated ({human(size)} on disk, header describes "
+            f"{human(8 + n + end)}); fetch the file again"
+        )
     return header
 
 
@@ -233,8 +269,10 @@ def weight_files(model_dir: Path) -> tuple[list[Path], list[Path]]:
         files = sorted({model_dir / f for f in weight_map.values()})
         missing = [f.name for f in files if not f.is_file()]
         if missing:
-            raise NormswapError(f"{model_dir} is missing shard(s) {', '.join(missing[:3])} listed in "
-                                f"{index.name}; the download is incomplete")
+            raise NormswapError(
+                f"{model_dir} is missing shard(s) {', '.join(missing[:3])} listed in "
+                f"{index.name}; the download is incomplete"
+            )
         safe = files
     else:
         safe = sorted(p for p in model_dir.glob("*.safetensors") if p.is_file())

@@ -29,16 +29,19 @@ def model_class(cfg: dict[str, Any]) -> type:
     base = hf.base_type(cfg.get("model_type", ""))
     if base is not None:
         if not isinstance(manifest, dict):
-            raise NormswapError(f"config.json says model_type {cfg.get('model_type')!r} but has no normswap "
-                                "manifest; the checkpoint is incomplete")
+            raise NormswapError(
+                f"config.json says model_type {cfg.get('model_type')!r} but has no normswap "
+                "manifest; the checkpoint is incomplete"
+            )
         return hf.class_for_manifest(manifest)
     import transformers
 
     archs = cfg.get("architectures") or []
     cls = getattr(transformers, archs[0], None) if archs else None
     if cls is None:
-        raise NormswapError("config.json names no known architecture; load it with the AutoModel class "
-                            "for its task")
+        raise NormswapError(
+            "config.json names no known architecture; load it with the AutoModel class for its task"
+        )
     return cls
 
 
@@ -61,7 +64,9 @@ def load(path: str | os.PathLike, **from_pretrained_kwargs: Any) -> nn.Module:
     cfg = read_config(path)
     safe, pickles = io.weight_files(path)
     if not safe:
-        raise NormswapError(f"{path} has no safetensors weights" + (" (only pickle files)" if pickles else ""))
+        raise NormswapError(
+            f"{path} has no safetensors weights" + (" (only pickle files)" if pickles else "")
+        )
     for f in safe:
         io.read_safetensors_header(f)
     cls = model_class(cfg)

@@ -73,8 +73,12 @@ class Source:
 
 def _looks_like_path(spec: str) -> bool:
     """Hub ids are ``name`` or ``org/name``; anything else path-like is a (missing) local path."""
-    return spec.startswith((".", "/", "~")) or spec.count("/") > 1 or "\\" in spec \
+    return (
+        spec.startswith((".", "/", "~"))
+        or spec.count("/") > 1
+        or "\\" in spec
         or spec.endswith(("/", ".json", ".safetensors", ".bin", ".pt", ".pth"))
+    )
 
 
 def hub_reachable(timeout: float = 3.0) -> bool:
@@ -90,18 +94,24 @@ def hub_reachable(timeout: float = 3.0) -> bool:
 
 
 def _offline() -> bool:
-    return any(os.environ.get(v, "").strip().lower() in ("1", "true", "yes", "on")
-               for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+    return any(
+        os.environ.get(v, "").strip().lower() in ("1", "true", "yes", "on")
+        for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+    )
 
 
 def _download(spec: str, *, allow_pickle: bool, trust_remote_code: bool) -> Path:
     hint = f"{spec!r} is not a local directory or a preset ({', '.join(presets.names())})"
     if _offline():
-        raise NormswapError(f"{hint}, and HF_HUB_OFFLINE is set: download it first "
-                            f"(`hf download {spec} --local-dir DIR`) and pass the directory")
+        raise NormswapError(
+            f"{hint}, and HF_HUB_OFFLINE is set: download it first "
+            f"(`hf download {spec} --local-dir DIR`) and pass the directory"
+        )
     if not hub_reachable():
-        raise NormswapError(f"{hint}, and the Hugging Face Hub is unreachable (no network?): download it "
-                            "elsewhere and pass the local directory")
+        raise NormswapError(
+            f"{hint}, and the Hugging Face Hub is unreachable (no network?): download it "
+            "elsewhere and pass the local directory"
+        )
     try:
         from huggingface_hub import list_repo_files, snapshot_download
 
@@ -117,15 +127,18 @@ def _download(spec: str, *, allow_pickle: bool, trust_remote_code: bool) -> Path
         raise NormswapError(f"cannot download {spec!r} from the Hub: {first[:200]}") from exc
 
 
-def inspect_dir(path: Path, spec: str, *, allow_pickle: bool, trust_remote_code: bool,
-                allow_converted: bool = False) -> Source:
+def inspect_dir(
+    path: Path, spec: str, *, allow_pickle: bool, trust_remote_code: bool, allow_converted: bool = False
+) -> Source:
     """Validate a local model directory without loading it."""
     if path.is_file():
         raise NormswapError(f"{spec} is a file; pass the model directory that contains config.json")
     cfg_path = path / "config.json"
     if not cfg_path.is_file():
-        raise NormswapError(f"{spec} has no config.json; pass a Hugging Face model directory "
-                            "(save_pretrained output) or a preset name")
+        raise NormswapError(
+            f"{spec} has no config.json; pass a Hugging Face model directory "
+            "(save_pretrained output) or a preset name"
+        )
     try:
         config = json.loads(cfg_path.read_text())
     except (ValueError, OSError) as exc:
@@ -142,18 +155,24 @@ def inspect_dir(path: Path, spec: str, *, allow_pickle: bool, trust_remote_code:
         if not pickles:
             raise NormswapError(f"{spec} contains no weights (*.safetensors); the download is incomplete")
         if not allow_pickle:
-            raise NormswapError(f"{spec} has only pickle weights ({pickles[0].name}); loading them can run "
-                                "arbitrary code. Convert to safetensors first, or pass --allow-pickle if you "
-                                "trust the source")
+            raise NormswapError(
+                f"{spec} has only pickle weights ({pickles[0].name}); loading them can run "
+                "arbitrary code. Convert to safetensors first, or pass --allow-pickle if you "
+                "trust the source"
+            )
     needs_code = "auto_map" in config and hf.base_type(model_type) is None
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     if (needs_code or model_type not in CONFIG_MAPPING) and not trust_remote_code:
         if needs_code:
-            raise NormswapError(f"{spec} uses custom modeling code (auto_map in config.json); pass "
-                                "--trust-remote-code if you trust it")
-        raise NormswapError(f"{spec} has model_type {model_type!r}, which transformers "
-                            f"{_tf_version()} does not know; upgrade transformers")
+            raise NormswapError(
+                f"{spec} uses custom modeling code (auto_map in config.json); pass "
+                "--trust-remote-code if you trust it"
+            )
+        raise NormswapError(
+            f"{spec} has model_type {model_type!r}, which transformers "
+            f"{_tf_version()} does not know; upgrade transformers"
+        )
     return Source(spec, "local", path, config, safe, pickles)
 
 
@@ -163,22 +182,35 @@ def _tf_version() -> str:
     return transformers.__version__
 
 
-def resolve(spec: str, *, allow_pickle: bool = False, trust_remote_code: bool = False,
-            allow_converted: bool = False) -> Source:
+def resolve(
+    spec: str, *, allow_pickle: bool = False, trust_remote_code: bool = False, allow_converted: bool = False
+) -> Source:
     """Preset name, local directory or Hub id -> :class:`Source` (Hub ids are downloaded)."""
     spec = str(spec)
     if presets.is_preset(spec):
         return Source(spec, "preset", None, {"model_type": presets.get(spec).config(8).model_type})
     path = Path(spec).expanduser()
     if path.exists():
-        return inspect_dir(path, spec, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code,
-                           allow_converted=allow_converted)
+        return inspect_dir(
+            path,
+            spec,
+            allow_pickle=allow_pickle,
+            trust_remote_code=trust_remote_code,
+            allow_converted=allow_converted,
+        )
     if _looks_like_path(spec) or not _HUB_ID.match(spec):
-        raise NormswapError(f"{spec} does not exist (not a directory, a preset or a Hub id); "
-                            f"presets: {', '.join(presets.names())}")
+        raise NormswapError(
+            f"{spec} does not exist (not a directory, a preset or a Hub id); "
+            f"presets: {', '.join(presets.names())}"
+        )
     local = _download(spec, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code)
-    src = inspect_dir(local, spec, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code,
-                      allow_converted=allow_converted)
+    src = inspect_dir(
+        local,
+        spec,
+        allow_pickle=allow_pickle,
+        trust_remote_code=trust_remote_code,
+        allow_converted=allow_converted,
+    )
     src.kind = "hub"
     return src
 
@@ -218,8 +250,9 @@ def torch_dtype(name: str) -> Any:
     return DTYPES[name]
 
 
-def load_model(src: Source, *, task: str | None = None, dtype: str = "auto",
-               trust_remote_code: bool = False) -> tuple[nn.Module, Any]:
+def load_model(
+    src: Source, *, task: str | None = None, dtype: str = "auto", trust_remote_code: bool = False
+) -> tuple[nn.Module, Any]:
     """Load the source model (eval mode) and its tokenizer/processor (or ``None``)."""
     want = torch_dtype(dtype)
     if src.kind == "preset":
@@ -227,19 +260,34 @@ def load_model(src: Source, *, task: str | None = None, dtype: str = "auto",
         if task is not None:
             cls = model_class(model.config, task)
             if not isinstance(model, cls):
-                raise NormswapError(f"preset {src.spec} is a {type(model).__name__}; --task {task} does not apply")
+                raise NormswapError(
+                    f"preset {src.spec} is a {type(model).__name__}; --task {task} does not apply"
+                )
         return model, proc
     from transformers import AutoConfig
 
     assert src.path is not None
     try:
-        config = AutoConfig.from_pretrained(src.path, trust_remote_code=trust_remote_code, local_files_only=True)
+        config = AutoConfig.from_pretrained(
+            src.path, trust_remote_code=trust_remote_code, local_files_only=True
+        )
     except Exception as exc:  # noqa: BLE001
         raise NormswapError(f"cannot read the config of {src.spec}: {_first_line(exc)}") from exc
     if trust_remote_code and "auto_map" in src.config and task is None:
         auto_map = src.config["auto_map"]
-        name = next((n for n in ("AutoModelForCausalLM", "AutoModelForSeq2SeqLM", "AutoModelForMaskedLM",
-                                 "AutoModel") if n in auto_map), None)
+        name = next(
+            (
+                n
+                for n in (
+                    "AutoModelForCausalLM",
+                    "AutoModelForSeq2SeqLM",
+                    "AutoModelForMaskedLM",
+                    "AutoModel",
+                )
+                if n in auto_map
+            ),
+            None,
+        )
         cls = _auto(name) if name else model_class(config, None)
     else:
         cls = model_class(config, task)
@@ -262,7 +310,9 @@ def load_processor(path: Path) -> Any:
     """Tokenizer (preferred for text) or processor saved in ``path``; ``None`` when there is none."""
     from transformers import AutoTokenizer
 
-    if any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt")):
+    if any(
+        (path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt")
+    ):
         try:
             return AutoTokenizer.from_pretrained(path, local_files_only=True)
         except Exception:  # noqa: BLE001 - a broken tokenizer must not block the conversion

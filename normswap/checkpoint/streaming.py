@@ -48,12 +48,23 @@ from normswap.errors import NormswapError
 from normswap.plan import Plan
 from normswap.verify import compare
 
-LAYER_ATTR = re.compile(r"^(num_hidden_layers|n_layers?|num_layers|encoder_layers|decoder_layers|"
-                        r"num_decoder_layers|num_encoder_layers)$")
+LAYER_ATTR = re.compile(
+    r"^(num_hidden_layers|n_layers?|num_layers|encoder_layers|decoder_layers|"
+    r"num_decoder_layers|num_encoder_layers)$"
+)
 REOPEN_BYTES = 256 << 20
-ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-             torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-             torch.bool: "BOOL"}
+ST_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
 ST_TO_TORCH = {v: k for k, v in ST_DTYPES.items()}
 
 
@@ -83,12 +94,16 @@ def scan(files: list[Path]) -> dict[str, Entry]:
     entries: dict[str, Entry] = {}
     for f in files:
         header = io.read_safetensors_header(f)
-        items = sorted(((k, v) for k, v in header.items() if k != "__metadata__"),
-                       key=lambda kv: kv[1]["data_offsets"][0])
+        items = sorted(
+            ((k, v) for k, v in header.items() if k != "__metadata__"),
+            key=lambda kv: kv[1]["data_offsets"][0],
+        )
         for key, info in items:
             if key in entries:
-                raise NormswapError(f"tensor {key} appears in two shards ({entries[key].file.name}, {f.name}); "
-                                    "the checkpoint is corrupted")
+                raise NormswapError(
+                    f"tensor {key} appears in two shards ({entries[key].file.name}, {f.name}); "
+                    "the checkpoint is corrupted"
+                )
             entries[key] = Entry(key, f, info["dtype"], tuple(info["shape"]), info["data_offsets"][0])
     return entries
 
@@ -113,7 +128,9 @@ class Reader:
         try:
             t = self._handles[e.file].get_tensor(key)
         except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
-            raise NormswapError(f"cannot read {key} from {e.file.name}: {exc}; the file is corrupted") from exc
+            raise NormswapError(
+                f"cannot read {key} from {e.file.name}: {exc}; the file is corrupted"
+            ) from exc
         self._read[e.file] += e.nbytes
         if e.nbytes > REOPEN_BYTES // 4:  # a big tensor: drop its mapped pages right away
             self.close(e.file)
@@ -168,8 +185,11 @@ class ShardWriter:
 # ------------------------------------------------------------------------------------ proxies
 def layer_attrs(config: Any) -> dict[str, int]:
     """Config attributes that set a layer count (``n_layer``, ``encoder_layers``, ...)."""
-    return {k: v for k, v in config.to_dict().items()
-            if LAYER_ATTR.match(k) and isinstance(v, int) and not isinstance(v, bool) and v > 0}
+    return {
+        k: v
+        for k, v in config.to_dict().items()
+        if LAYER_ATTR.match(k) and isinstance(v, int) and not isinstance(v, bool) and v > 0
+    }
 
 
 def representative(t: int, full: int, depth: int) -> int:
@@ -194,8 +214,10 @@ def reduced_config(config: Any, depth: int) -> Any:
         return type(config).from_dict(data)
     except Exception as exc:  # noqa: BLE001
         first = str(exc).strip().splitlines()[-1][:200] if str(exc).strip() else type(exc).__name__
-        raise ex.ExtrapolationError(f"low-memory analysis: cannot build a {depth}-layer copy of this config "
-                                    f"({first}); convert in memory (--in-memory)") from exc
+        raise ex.ExtrapolationError(
+            f"low-memory analysis: cannot build a {depth}-layer copy of this config "
+            f"({first}); convert in memory (--in-memory)"
+        ) from exc
 
 
 def _param_count_meta(cls: type, config: Any) -> int:
@@ -249,20 +271,32 @@ class FullPlan:
     proxy_depths: dict[str, int]
 
 
-def plan_full(cls: type, config: Any, meta: nn.Module, *, mode: str, untie: bool, fold_gamma: bool,
-              echo: Callable[[str], None]) -> FullPlan:
+def plan_full(
+    cls: type,
+    config: Any,
+    meta: nn.Module,
+    *,
+    mode: str,
+    untie: bool,
+    fold_gamma: bool,
+    echo: Callable[[str], None],
+) -> FullPlan:
     """Analyse depth-3 and depth-4 proxies, check the extrapolation, extrapolate to full depth."""
     cfg3, cfg4 = reduced_config(config, ex.PROXY_DEPTH), reduced_config(config, ex.CHECK_DEPTH)
     n3 = _param_count_meta(cls, cfg3)
     budget = 0.5 * _available()
     dtype = torch.float64 if n3 * 8 * 1.5 < min(budget, 512 << 20) else torch.float32
     if n3 * torch.finfo(dtype).bits / 8 > budget:
-        raise NormswapError(f"not enough memory even for a {ex.PROXY_DEPTH}-layer copy of this model "
-                            f"({n3:,} parameters); free memory or use a bigger machine")
+        raise NormswapError(
+            f"not enough memory even for a {ex.PROXY_DEPTH}-layer copy of this model "
+            f"({n3:,} parameters); free memory or use a bigger machine"
+        )
     plans, stacks = {}, {}
     for depth, cfg in ((ex.PROXY_DEPTH, cfg3), (ex.CHECK_DEPTH, cfg4)):
-        echo(f"analysing a {depth}-layer proxy ({'float64' if dtype == torch.float64 else 'float32'}, "
-             "random weights)")
+        echo(
+            f"analysing a {depth}-layer proxy ({'float64' if dtype == torch.float64 else 'float32'}, "
+            "random weights)"
+        )
         proxy = build_proxy(cls, cfg, dtype)
         plans[depth] = analyse_proxy(proxy, mode=mode, untie=untie, fold_gamma=fold_gamma)
         stacks[depth] = _stacks(proxy)
@@ -274,8 +308,10 @@ def plan_full(cls: type, config: Any, meta: nn.Module, *, mode: str, untie: bool
     depths4 = {p: stacks[ex.CHECK_DEPTH][p] for p in grown}
     full = {p: full_stacks.get(p, 0) for p in grown}
     if any(n < depths4[p] for p, n in full.items()):
-        raise ex.ExtrapolationError("low-memory analysis: the layer stacks of the reduced copies do not match the "
-                                    "model's; convert in memory (--in-memory)")
+        raise ex.ExtrapolationError(
+            "low-memory analysis: the layer stacks of the reduced copies do not match the "
+            "model's; convert in memory (--in-memory)"
+        )
     p3, p4 = plans[ex.PROXY_DEPTH].to_dict(), plans[ex.CHECK_DEPTH].to_dict()
     if any(full[p] > depths4[p] for p in grown):
         ex.check(p3, p4, depths3, depths4)
@@ -285,9 +321,12 @@ def plan_full(cls: type, config: Any, meta: nn.Module, *, mode: str, untie: bool
     else:
         full_dict = p3
     plan = Plan.from_dict(full_dict)
-    plan.options["analysis"] = (f"low-memory: {ex.PROXY_DEPTH}-layer proxy extrapolated to full depth, "
-                                f"checked against a {ex.CHECK_DEPTH}-layer proxy" if full_dict is not p4
-                                and full_dict is not p3 else "low-memory: random-weight copy at full depth")
+    plan.options["analysis"] = (
+        f"low-memory: {ex.PROXY_DEPTH}-layer proxy extrapolated to full depth, "
+        f"checked against a {ex.CHECK_DEPTH}-layer proxy"
+        if full_dict is not p4 and full_dict is not p3
+        else "low-memory: random-weight copy at full depth"
+    )
     set_rms_structure(plan)
     proxy_plan = plans[ex.PROXY_DEPTH]
     set_rms_structure(proxy_plan)
@@ -303,8 +342,10 @@ def validate_against_meta(plan: Plan, meta: nn.Module) -> None:
     params = dict(meta.named_parameters(remove_duplicate=False))
 
     def fail(what: str) -> None:
-        raise ex.ExtrapolationError(f"low-memory analysis: the extrapolated plan does not fit the model ({what}); "
-                                    "convert in memory (--in-memory)")
+        raise ex.ExtrapolationError(
+            f"low-memory analysis: the extrapolated plan does not fit the model ({what}); "
+            "convert in memory (--in-memory)"
+        )
 
     for sp in plan.sites:
         if sp.name not in modules:
@@ -322,8 +363,13 @@ def validate_against_meta(plan: Plan, meta: nn.Module) -> None:
         if u.module not in modules or u.source not in params:
             fail(f"no tie {u.module}.{u.attr}")
     covered = {sp.name for sp in plan.sites} | {s["name"] for s in plan.skipped}
-    missing = [p for p in walker.candidates(meta) if p not in covered
-               and isinstance(modules[p], nn.LayerNorm) and not any(p.startswith(c + ".") for c in covered)]
+    missing = [
+        p
+        for p in walker.candidates(meta)
+        if p not in covered
+        and isinstance(modules[p], nn.LayerNorm)
+        and not any(p.startswith(c + ".") for c in covered)
+    ]
     if missing:
         fail(f"norm {missing[0]} not covered")
 
@@ -352,10 +398,14 @@ class KeyMap:
         for key in entries:
             new, pattern = rename_source_key(key, renamings, converters, prefix, meta_sd)
             if new not in meta_sd and key in meta_sd:
-                new, pattern = rename_source_key(key, [], [], base_model_prefix=prefix, meta_state_dict=meta_sd)
+                new, pattern = rename_source_key(
+                    key, [], [], base_model_prefix=prefix, meta_state_dict=meta_sd
+                )
             if pattern is not None:
-                raise NormswapError(f"low-memory conversion: checkpoint tensor {key} needs a weight conversion on "
-                                    "load (fused/split tensors); convert in memory (--in-memory)")
+                raise NormswapError(
+                    f"low-memory conversion: checkpoint tensor {key} needs a weight conversion on "
+                    "load (fused/split tensors); convert in memory (--in-memory)"
+                )
             if new in meta_sd:
                 self.to_model[key] = new
         self.to_ckpt = {m: k for k, m in self.to_model.items()}
@@ -392,9 +442,24 @@ class Transformer:
     so an edit through either name applies to both; ``canonical`` names the group by its source.
     """
 
-    def __init__(self, plan: Plan, meta: nn.Module, keys: KeyMap, reader: Reader, *, fmt: str,
-                 dtype: torch.dtype | None) -> None:
-        self.plan, self.meta, self.keys, self.reader, self.fmt, self.dtype = plan, meta, keys, reader, fmt, dtype
+    def __init__(
+        self,
+        plan: Plan,
+        meta: nn.Module,
+        keys: KeyMap,
+        reader: Reader,
+        *,
+        fmt: str,
+        dtype: torch.dtype | None,
+    ) -> None:
+        self.plan, self.meta, self.keys, self.reader, self.fmt, self.dtype = (
+            plan,
+            meta,
+            keys,
+            reader,
+            fmt,
+            dtype,
+        )
         self.untie = {f"{u.module}.{u.attr}" if u.module else u.attr: u.source for u in plan.unties}
         before, after = self._ties()
         self.alias = {t: s for t, s in before.items() if t not in self.untie}
@@ -406,7 +471,9 @@ class Transformer:
             for attr in ("weight", "bias"):
                 self.folds.setdefault(self.canonical(f"{f.reader}.{attr}"), []).append((i, f, attr))
         self.norms: dict[str, tuple[torch.Tensor | None, torch.Tensor | None]] = {}
-        self.norm_keys: dict[str, tuple[str, str | None, str | None]] = {}  # model key -> (site, γ attr, β attr)
+        self.norm_keys: dict[
+            str, tuple[str, str | None, str | None]
+        ] = {}  # model key -> (site, γ attr, β attr)
         for sp in plan.sites:
             if not sp.convert:
                 continue
@@ -484,18 +551,28 @@ class Transformer:
                 continue
             dtype = self.out_dtype(e.dtype)
             if mkey is not None and self.is_edited(mkey):
-                out.append((key, dtype, e.shape, lambda m=mkey, d=dtype: self.edited(m).to(ST_TO_TORCH[d]), mkey))
+                out.append(
+                    (key, dtype, e.shape, lambda m=mkey, d=dtype: self.edited(m).to(ST_TO_TORCH[d]), mkey)
+                )
             else:
-                out.append((key, dtype, e.shape, lambda k=key, d=dtype: self.reader.get(k).to(ST_TO_TORCH[d]),
-                            mkey))
+                out.append(
+                    (key, dtype, e.shape, lambda k=key, d=dtype: self.reader.get(k).to(ST_TO_TORCH[d]), mkey)
+                )
         present = set(self.keys.to_model.values())
         for target, src in {**self.extra, **self.untie}.items():
             if target in present:
                 continue
             e = self.reader.entries[self.keys.to_ckpt[self.canonical(src)]]
             dtype = self.out_dtype(e.dtype)
-            out.append((self.keys.ckpt_key(target), dtype, e.shape,
-                        lambda m=target, d=dtype: self.edited(m).to(ST_TO_TORCH[d]), target))
+            out.append(
+                (
+                    self.keys.ckpt_key(target),
+                    dtype,
+                    e.shape,
+                    lambda m=target, d=dtype: self.edited(m).to(ST_TO_TORCH[d]),
+                    target,
+                )
+            )
         return out
 
     def _norm_entries(self, site: str, key: str, e: Entry, g_attr: str | None, b_attr: str | None) -> list:
@@ -512,25 +589,45 @@ class Transformer:
         entries = []
         if self.fmt == "native":
             if rms_gamma is not None:
-                entries.append((f"{base}.weight", dtype, shape, lambda v=rms_gamma: v.to(torch_dtype),
-                                f"{site}.weight"))
+                entries.append(
+                    (f"{base}.weight", dtype, shape, lambda v=rms_gamma: v.to(torch_dtype), f"{site}.weight")
+                )
             if rms_beta is not None:
-                entries.append((f"{base}.bias", dtype, shape, lambda v=rms_beta: v.to(torch_dtype), f"{site}.bias"))
+                entries.append(
+                    (f"{base}.bias", dtype, shape, lambda v=rms_beta: v.to(torch_dtype), f"{site}.bias")
+                )
         else:  # compat: the original attributes hold the RMSNorm's values
             offset = 1.0 if sp.flavour == "offset" else 0.0
             if g_attr:
-                value = (rms_gamma if rms_gamma is not None else torch.ones(shape, dtype=torch.float64)) - offset
-                entries.append((self.keys.to_ckpt[f"{site}.{g_attr}"], dtype, shape,
-                                lambda v=value: v.to(torch_dtype), f"{site}.{g_attr}"))
+                value = (
+                    rms_gamma if rms_gamma is not None else torch.ones(shape, dtype=torch.float64)
+                ) - offset
+                entries.append(
+                    (
+                        self.keys.to_ckpt[f"{site}.{g_attr}"],
+                        dtype,
+                        shape,
+                        lambda v=value: v.to(torch_dtype),
+                        f"{site}.{g_attr}",
+                    )
+                )
             if b_attr:
                 value = rms_beta if rms_beta is not None else torch.zeros(shape, dtype=torch.float64)
-                entries.append((self.keys.to_ckpt[f"{site}.{b_attr}"], dtype, shape,
-                                lambda v=value: v.to(torch_dtype), f"{site}.{b_attr}"))
+                entries.append(
+                    (
+                        self.keys.to_ckpt[f"{site}.{b_attr}"],
+                        dtype,
+                        shape,
+                        lambda v=value: v.to(torch_dtype),
+                        f"{site}.{b_attr}",
+                    )
+                )
         return entries
 
 
-def write_weights(tf: Transformer, out: Path, max_shard_size: int, progress: bool
-                  ) -> tuple[dict[str, str], dict[str, str]]:
+def write_weights(
+    tf: Transformer, out: Path, max_shard_size: int, progress: bool
+) -> tuple[dict[str, str], dict[str, str]]:
     """Stream every output tensor into shards; returns the weight map and {model name: output key}."""
     from tqdm.auto import tqdm
 
@@ -550,11 +647,20 @@ def write_weights(tf: Transformer, out: Path, max_shard_size: int, progress: boo
         shards[-1].append(i)
         used += n
     total = len(shards)
-    names = ["model.safetensors"] if total == 1 else \
-        [f"model-{k + 1:05d}-of-{total:05d}.safetensors" for k in range(total)]
+    names = (
+        ["model.safetensors"]
+        if total == 1
+        else [f"model-{k + 1:05d}-of-{total:05d}.safetensors" for k in range(total)]
+    )
     weight_map: dict[str, str] = {}
-    bar = tqdm(total=sum(sizes), unit="B", unit_scale=True, desc="streaming tensors",
-               disable=None if progress else True, leave=False)
+    bar = tqdm(
+        total=sum(sizes),
+        unit="B",
+        unit_scale=True,
+        desc="streaming tensors",
+        disable=None if progress else True,
+        leave=False,
+    )
     try:
         for name, idx in zip(names, shards, strict=True):
             w = ShardWriter(out / name, [(layout[i][0], layout[i][1], layout[i][2]) for i in idx])
@@ -573,15 +679,23 @@ def write_weights(tf: Transformer, out: Path, max_shard_size: int, progress: boo
         tf.reader.close()
     if total > 1:
         numel = sum(sz // _itemsize(layout[i][1]) for i, sz in enumerate(sizes))
-        io.write_json(out / "model.safetensors.index.json",
-                      {"metadata": {"total_size": sum(sizes), "total_parameters": numel},
-                       "weight_map": dict(sorted(weight_map.items()))})
+        io.write_json(
+            out / "model.safetensors.index.json",
+            {
+                "metadata": {"total_size": sum(sizes), "total_parameters": numel},
+                "weight_map": dict(sorted(weight_map.items())),
+            },
+        )
     return weight_map, {entry[4]: entry[0] for entry in layout if entry[4] is not None}
 
 
 # ------------------------------------------------------------------------------------ verification
-def _load_truncated(model: nn.Module, stacks: dict[str, int], proxy_depths: dict[str, int],
-                    lookup: Callable[[str], torch.Tensor | None]) -> list[str]:
+def _load_truncated(
+    model: nn.Module,
+    stacks: dict[str, int],
+    proxy_depths: dict[str, int],
+    lookup: Callable[[str], torch.Tensor | None],
+) -> list[str]:
     """Fill a truncated model in place, tensor by tensor: proxy layer ``t`` of each stack gets full
     layer ``representative(t)``. Returns the names the checkpoint had no tensor for."""
     layout = ex.Layout(proxy_depths)
@@ -589,23 +703,39 @@ def _load_truncated(model: nn.Module, stacks: dict[str, int], proxy_depths: dict
     with torch.no_grad():
         for name, target in model.state_dict(keep_vars=True).items():
             ref = layout.split(name)
-            full_name = name if ref.stack is None else ex.Layout.join(
-                ref.stack, representative(ref.index, stacks[ref.stack], proxy_depths[ref.stack]), ref.rest)
+            full_name = (
+                name
+                if ref.stack is None
+                else ex.Layout.join(
+                    ref.stack, representative(ref.index, stacks[ref.stack], proxy_depths[ref.stack]), ref.rest
+                )
+            )
             value = lookup(full_name)
             if value is None:
                 missing.append(name)
                 continue
             if tuple(value.shape) != tuple(target.shape):
-                raise NormswapError(f"{full_name}: checkpoint shape {tuple(value.shape)} does not match the "
-                                    f"model's {tuple(target.shape)}")
+                raise NormswapError(
+                    f"{full_name}: checkpoint shape {tuple(value.shape)} does not match the "
+                    f"model's {tuple(target.shape)}"
+                )
             target.copy_(value.to(target.dtype))
             del value
     return missing
 
 
-def verify_truncated(cls: type, fp: FullPlan, meta: nn.Module, src_entries: dict[str, Entry],
-                     out_entries: dict[str, Entry], keys: KeyMap, out_keys: dict[str, str],
-                     dtype: torch.dtype, base: str, fmt: str = "native") -> dict[str, Any]:
+def verify_truncated(
+    cls: type,
+    fp: FullPlan,
+    meta: nn.Module,
+    src_entries: dict[str, Entry],
+    out_entries: dict[str, Entry],
+    keys: KeyMap,
+    out_keys: dict[str, str],
+    dtype: torch.dtype,
+    base: str,
+    fmt: str = "native",
+) -> dict[str, Any]:
     """Layers 0, 1 and L-1 (plus everything outside the stacks), original vs converted."""
     config = fp.proxy_config
     probe = None
@@ -623,9 +753,16 @@ def verify_truncated(cls: type, fp: FullPlan, meta: nn.Module, src_entries: dict
                 holder.config = cfg
                 mark_untied(holder)
             if fmt == "native":
-                setattr(cfg, hf.MANIFEST_KEY, {"plan": fp.proxy_plan.to_dict(), "base_model_type": base,
-                                               "architecture": cls.__name__,
-                                               "base_model_prefix": hf._prefix_of(meta)})
+                setattr(
+                    cfg,
+                    hf.MANIFEST_KEY,
+                    {
+                        "plan": fp.proxy_plan.to_dict(),
+                        "base_model_type": base,
+                        "architecture": cls.__name__,
+                        "base_model_prefix": hf._prefix_of(meta),
+                    },
+                )
                 target_cls = hf.model_class_for(base, cls.__name__)
             else:
                 target_cls = cls
@@ -636,11 +773,15 @@ def verify_truncated(cls: type, fp: FullPlan, meta: nn.Module, src_entries: dict
             finally:
                 torch.random.set_rng_state(previous)
             reader, names = Reader(out_entries), out_keys
-        missing = _load_truncated(model, fp.depths, fp.proxy_depths,
-                                  lambda n, r=reader, k=names: r.get(k[n]) if n in k else None)
+        missing = _load_truncated(
+            model, fp.depths, fp.proxy_depths, lambda n, r=reader, k=names: r.get(k[n]) if n in k else None
+        )
         reader.close()
-        tied = set(model.get_expanded_tied_weights_keys(all_submodels=True)) if hasattr(
-            model, "get_expanded_tied_weights_keys") else set()
+        tied = (
+            set(model.get_expanded_tied_weights_keys(all_submodels=True))
+            if hasattr(model, "get_expanded_tied_weights_keys")
+            else set()
+        )
         params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
         lacking = sorted(m for m in missing if m in params and m not in tied)
         if lacking:
@@ -655,33 +796,57 @@ def verify_truncated(cls: type, fp: FullPlan, meta: nn.Module, src_entries: dict
         del model
         gc.collect()
     figures = compare(outputs[0], outputs[1], set(fp.plan.changed_outputs))
-    result: dict[str, Any] = {f"truncated_{k}": v for k, v in figures.items()
-                              if k in ("max_abs_error", "max_rel_error", "kl", "top1_agreement")}
-    result["truncated_layers"] = ", ".join(
-        f"{p}: {sorted({representative(t, n, fp.proxy_depths[p]) for t in range(fp.proxy_depths[p])})}"
-        for p, n in fp.depths.items()) or "all"
+    result: dict[str, Any] = {
+        f"truncated_{k}": v
+        for k, v in figures.items()
+        if k in ("max_abs_error", "max_rel_error", "kl", "top1_agreement")
+    }
+    result["truncated_layers"] = (
+        ", ".join(
+            f"{p}: {sorted({representative(t, n, fp.proxy_depths[p]) for t in range(fp.proxy_depths[p])})}"
+            for p, n in fp.depths.items()
+        )
+        or "all"
+    )
     exact = all(sp.verdict != "approximate" for sp in fp.plan.sites if sp.convert)
     limit = api.EXACT_TOLERANCE.get(dtype, 1e-3)
     if exact and figures.get("max_rel_error", 0.0) > limit:
         from normswap.checkpoint.conversion import VerificationFailed
 
-        raise VerificationFailed(f"verification failed: the streamed checkpoint's layers "
-                                 f"{result['truncated_layers']} differ from the original by "
-                                 f"{figures['max_rel_error']:.3g} (relative, limit {limit:g}); nothing was written")
+        raise VerificationFailed(
+            f"verification failed: the streamed checkpoint's layers "
+            f"{result['truncated_layers']} differ from the original by "
+            f"{figures['max_rel_error']:.3g} (relative, limit {limit:g}); nothing was written"
+        )
     return result
 
 
 # ------------------------------------------------------------------------------------ entry point
-def convert_streaming(src: Source, out: Path, *, fmt: str, mode: str, fold_gamma: bool, untie: bool, dtype: str,
-                      max_shard_size: int | str, overwrite: bool, verify: bool, task: str | None, backend: str,
-                      progress: bool, echo: Callable[[str], None]) -> api.Report:
+def convert_streaming(
+    src: Source,
+    out: Path,
+    *,
+    fmt: str,
+    mode: str,
+    fold_gamma: bool,
+    untie: bool,
+    dtype: str,
+    max_shard_size: int | str,
+    overwrite: bool,
+    verify: bool,
+    task: str | None,
+    backend: str,
+    progress: bool,
+    echo: Callable[[str], None],
+) -> api.Report:
     """Convert the checkpoint directory ``src`` into ``out`` without loading the model."""
     from transformers import AutoConfig
 
     assert src.path is not None
     if not src.safetensors:
-        raise NormswapError("low-memory conversion reads safetensors only; convert the pickle checkpoint "
-                            "to safetensors first")
+        raise NormswapError(
+            "low-memory conversion reads safetensors only; convert the pickle checkpoint to safetensors first"
+        )
     try:
         config = AutoConfig.from_pretrained(src.path, local_files_only=True)
     except Exception as exc:  # noqa: BLE001
@@ -719,22 +884,44 @@ def convert_streaming(src: Source, out: Path, *, fmt: str, mode: str, fold_gamma
         float_dtype = out_dtype or ST_TO_TORCH.get(next(iter(entries.values())).dtype, torch.float32)
         if verify:
             echo("verifying layers 0, 1 and L-1 of every stack on the real weights")
-            report.verification.update(verify_truncated(cls, fp, meta, entries, out_entries, keys, out_model_keys,
-                                                        float_dtype, base, fmt))
-        _write_config(meta, config, tmp, plan, fmt=fmt, out_dtype=float_dtype, source_spec=src.spec,
-                      verification=report.verification)
+            report.verification.update(
+                verify_truncated(
+                    cls, fp, meta, entries, out_entries, keys, out_model_keys, float_dtype, base, fmt
+                )
+            )
+        _write_config(
+            meta,
+            config,
+            tmp,
+            plan,
+            fmt=fmt,
+            out_dtype=float_dtype,
+            source_spec=src.spec,
+            verification=report.verification,
+        )
         io.copy_side_files(src.path, tmp)
     counts = plan.counts()
     n = sum(1 for sp in plan.sites if sp.convert)
-    report.message = (f"converted {n} of {len(plan.sites)} LayerNorm(s) "
-                      f"({counts['exact'] + counts['exact-with-centering']} exact, "
-                      f"{sum(1 for sp in plan.sites if sp.convert and sp.verdict == 'approximate')} approximate) "
-                      f"by streaming; wrote {fmt} checkpoint to {out}")
+    report.message = (
+        f"converted {n} of {len(plan.sites)} LayerNorm(s) "
+        f"({counts['exact'] + counts['exact-with-centering']} exact, "
+        f"{sum(1 for sp in plan.sites if sp.convert and sp.verdict == 'approximate')} approximate) "
+        f"by streaming; wrote {fmt} checkpoint to {out}"
+    )
     return report
 
 
-def _write_config(meta: nn.Module, config: Any, out: Path, plan: Plan, *, fmt: str, out_dtype: torch.dtype,
-                  source_spec: str, verification: dict[str, Any]) -> None:
+def _write_config(
+    meta: nn.Module,
+    config: Any,
+    out: Path,
+    plan: Plan,
+    *,
+    fmt: str,
+    out_dtype: torch.dtype,
+    source_spec: str,
+    verification: dict[str, Any],
+) -> None:
     """config.json (+ generation config, modeling file, model card) as the in-memory path writes them."""
     cfg = copy.deepcopy(config)
     holder = meta
@@ -758,8 +945,10 @@ def _write_config(meta: nn.Module, config: Any, out: Path, plan: Plan, *, fmt: s
         data["model_type"] = hf.PREFIX + base
         data["architectures"] = [f"Normswap{manifest['architecture']}"]
         module = Path(writer.MODELING_FILE).stem
-        data["auto_map"] = {"AutoConfig": f"{module}.{hf.config_class_for(base).__name__}",
-                            **{auto: f"{module}.Normswap{c}" for auto, c in classes.items()}}
+        data["auto_map"] = {
+            "AutoConfig": f"{module}.{hf.config_class_for(base).__name__}",
+            **{auto: f"{module}.Normswap{c}" for auto, c in classes.items()},
+        }
         (out / writer.MODELING_FILE).write_text(writer.modeling_source(base, classes))
     else:
         centering = {sp.name for sp in plan.sites if sp.verdict == "exact-with-centering"}

@@ -22,9 +22,16 @@ def _plan_of(model: Any) -> Plan | None:
     return getattr(model, "_normswap_plan", None) or getattr(model, "_normswap_compat", None)
 
 
-def verify_checkpoint(original: str | os.PathLike, converted: str | os.PathLike, *, data: Any = None,
-                      tolerance: float | None = None, task: str | None = None, trust_remote_code: bool = False,
-                      allow_pickle: bool = False) -> dict[str, Any]:
+def verify_checkpoint(
+    original: str | os.PathLike,
+    converted: str | os.PathLike,
+    *,
+    data: Any = None,
+    tolerance: float | None = None,
+    task: str | None = None,
+    trust_remote_code: bool = False,
+    allow_pickle: bool = False,
+) -> dict[str, Any]:
     """Figures for ``converted`` vs ``original`` and whether an exact conversion is within tolerance.
 
     Returns a dict with ``figures`` (max/mean over batches), ``ok``, ``kind`` (exact/approximate),
@@ -39,9 +46,12 @@ def verify_checkpoint(original: str | os.PathLike, converted: str | os.PathLike,
         raise NormswapError(f"{converted} is not a normswap checkpoint (no manifest in config.json)")
     dtype = next((p.dtype for p in conv.parameters() if p.is_floating_point()), torch.float32)
     src = source.resolve(str(original), allow_pickle=allow_pickle, trust_remote_code=trust_remote_code)
-    arch = getattr(conv.config, "normswap", {}).get("architecture") if hasattr(conv.config, "normswap") else None
-    orig, proc = source.load_model(src, task=task, dtype=_DTYPE_NAMES.get(dtype, "float32"),
-                                   trust_remote_code=trust_remote_code)
+    arch = (
+        getattr(conv.config, "normswap", {}).get("architecture") if hasattr(conv.config, "normswap") else None
+    )
+    orig, proc = source.load_model(
+        src, task=task, dtype=_DTYPE_NAMES.get(dtype, "float32"), trust_remote_code=trust_remote_code
+    )
     if task is None and arch and type(orig).__name__ != arch:
         raise NormswapError(f"ORIGINAL loads as {type(orig).__name__} but CONVERTED is a {arch}; pass --task")
     if data is not None:
@@ -75,12 +85,24 @@ def verify_checkpoint(original: str | os.PathLike, converted: str | os.PathLike,
     worst = figures["max_rel_error"]
     if exact:
         ok = worst <= tol
-        verdict = (f"exact conversion: max relative error {worst:.3g} <= {tol:g}: OK" if ok else
-                   f"exact conversion misses tolerance: max relative error {worst:.3g} > {tol:g}")
+        verdict = (
+            f"exact conversion: max relative error {worst:.3g} <= {tol:g}: OK"
+            if ok
+            else f"exact conversion misses tolerance: max relative error {worst:.3g} > {tol:g}"
+        )
     else:
         ok = True
         n = sum(1 for sp in converted_sites if sp.verdict == "approximate")
-        verdict = (f"approximate conversion ({n} approximate norm(s)): max relative error {worst:.3g}, "
-                   f"top-1 agreement {figures.get('top1_agreement', float('nan')):.3f}")
-    return {"figures": figures, "ok": ok, "kind": "exact" if exact else "approximate", "tolerance": tol,
-            "batches": len(batches), "dtype": _DTYPE_NAMES.get(dtype, str(dtype)), "verdict": verdict}
+        verdict = (
+            f"approximate conversion ({n} approximate norm(s)): max relative error {worst:.3g}, "
+            f"top-1 agreement {figures.get('top1_agreement', float('nan')):.3f}"
+        )
+    return {
+        "figures": figures,
+        "ok": ok,
+        "kind": "exact" if exact else "approximate",
+        "tolerance": tol,
+        "batches": len(batches),
+        "dtype": _DTYPE_NAMES.get(dtype, str(dtype)),
+        "verdict": verdict,
+    }

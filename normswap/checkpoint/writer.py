@@ -35,8 +35,16 @@ log = logging.getLogger("normswap")
 FORMATS = ("native", "compat")
 DEFAULT_SHARD = "5GB"
 MODELING_FILE = "modeling_normswap.py"
-_RESERVED = {"format", "plan", "base_model_type", "architecture", "base_model_prefix", "versions",
-             "verification", "counts"}
+_RESERVED = {
+    "format",
+    "plan",
+    "base_model_type",
+    "architecture",
+    "base_model_prefix",
+    "versions",
+    "verification",
+    "counts",
+}
 
 
 def plan_of(model: nn.Module) -> Plan:
@@ -62,8 +70,10 @@ def base_model_type(model: nn.Module) -> str:
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
     if not model_type:
-        raise NormswapError(f"{type(model).__name__} is not a transformers model (no config.model_type); "
-                            "save it with torch/safetensors yourself, or convert a transformers model")
+        raise NormswapError(
+            f"{type(model).__name__} is not a transformers model (no config.model_type); "
+            "save it with torch/safetensors yourself, or convert a transformers model"
+        )
     return hf.base_type(model_type) or model_type
 
 
@@ -73,17 +83,28 @@ def versions() -> dict[str, str]:
 
     import normswap
 
-    return {"normswap": normswap.__version__, "transformers": transformers.__version__,
-            "torch": torch.__version__.split("+")[0], "safetensors": safetensors.__version__,
-            "python": platform.python_version()}
+    return {
+        "normswap": normswap.__version__,
+        "transformers": transformers.__version__,
+        "torch": torch.__version__.split("+")[0],
+        "safetensors": safetensors.__version__,
+        "python": platform.python_version(),
+    }
 
 
 def _json_safe(obj: Any) -> Any:
     return json.loads(json.dumps(obj, default=io._json_default))
 
 
-def build_manifest(model: nn.Module, plan: Plan, *, fmt: str, verification: dict | None = None,
-                   source: str | None = None, extra: dict | None = None) -> dict[str, Any]:
+def build_manifest(
+    model: nn.Module,
+    plan: Plan,
+    *,
+    fmt: str,
+    verification: dict | None = None,
+    source: str | None = None,
+    extra: dict | None = None,
+) -> dict[str, Any]:
     """The ``"normswap"`` section of ``config.json``."""
     previous = hf._manifest_of(getattr(model, "config", None)) or {}
     if verification is None:
@@ -146,8 +167,12 @@ def modeling_source(base: str, classes: dict[str, str]) -> str:
         "    pass",
     ]
     for cls_name in sorted(set(classes.values())):
-        lines += ["", "", f"class Normswap{cls_name}(model_class_for({base!r}, {cls_name!r})):",
-                  f"    config_class = {cfg_name}"]
+        lines += [
+            "",
+            "",
+            f"class Normswap{cls_name}(model_class_for({base!r}, {cls_name!r})):",
+            f"    config_class = {cfg_name}",
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -166,7 +191,9 @@ def state_dict_for_save(model: nn.Module) -> dict[str, torch.Tensor]:
     groups: dict[tuple, list[str]] = {}
     for name, t in state.items():
         if isinstance(t, torch.Tensor) and t.device.type != "meta" and t.numel():
-            groups.setdefault((t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape)), []).append(name)
+            groups.setdefault(
+                (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape)), []
+            ).append(name)
     for names in groups.values():
         if len(names) < 2:
             continue
@@ -177,13 +204,21 @@ def state_dict_for_save(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 # ------------------------------------------------------------------------------------ native
-def write_native(model: nn.Module, out: Path, *, plan: Plan, max_shard_size: int | str = DEFAULT_SHARD,
-                 verification: dict | None = None, source: str | None = None,
-                 manifest_extra: dict | None = None) -> dict[str, Any]:
+def write_native(
+    model: nn.Module,
+    out: Path,
+    *,
+    plan: Plan,
+    max_shard_size: int | str = DEFAULT_SHARD,
+    verification: dict | None = None,
+    source: str | None = None,
+    manifest_extra: dict | None = None,
+) -> dict[str, Any]:
     """Write ``model`` into the (existing, empty) directory ``out``. Returns the manifest."""
     base = base_model_type(model)
-    manifest = build_manifest(model, plan, fmt="native", verification=verification, source=source,
-                              extra=manifest_extra)
+    manifest = build_manifest(
+        model, plan, fmt="native", verification=verification, source=source, extra=manifest_extra
+    )
     classes = auto_classes_for(model)
     model.save_pretrained(out, max_shard_size=max_shard_size, state_dict=state_dict_for_save(model))
     cfg_path = out / "config.json"
@@ -191,8 +226,10 @@ def write_native(model: nn.Module, out: Path, *, plan: Plan, max_shard_size: int
     cfg["model_type"] = hf.PREFIX + base
     cfg["architectures"] = [f"Normswap{manifest['architecture']}"]
     module = Path(MODELING_FILE).stem
-    cfg["auto_map"] = {"AutoConfig": f"{module}.{hf.config_class_for(base).__name__}",
-                       **{auto: f"{module}.Normswap{cls}" for auto, cls in classes.items()}}
+    cfg["auto_map"] = {
+        "AutoConfig": f"{module}.{hf.config_class_for(base).__name__}",
+        **{auto: f"{module}.Normswap{cls}" for auto, cls in classes.items()},
+    }
     cfg[hf.MANIFEST_KEY] = manifest
     io.write_json(cfg_path, cfg)
     (out / MODELING_FILE).write_text(modeling_source(base, classes))
@@ -213,8 +250,10 @@ def _norm_param_names(module: nn.Module, flavour: str) -> tuple[str | None, str 
         return gamma[0], None
     if flavour == "beta-only" and len(beta) == 1 and not gamma:
         return None, beta[0]
-    raise NormswapError(f"cannot map the RMSNorm back onto {type(module).__name__} (parameters {names}, "
-                        f"flavour {flavour}); use --format native for this model")
+    raise NormswapError(
+        f"cannot map the RMSNorm back onto {type(module).__name__} (parameters {names}, "
+        f"flavour {flavour}); use --format native for this model"
+    )
 
 
 def stock_config(model: nn.Module) -> Any:
@@ -243,9 +282,11 @@ def compat_model(model: nn.Module, plan: Plan) -> tuple[nn.Module, dict[str, lis
     """
     approx = [sp.name for sp in plan.sites if sp.convert and sp.verdict == "approximate"]
     if approx:
-        raise NormswapError(f"compat format keeps LayerNorms, so approximate conversions ({approx[0]}"
-                            f"{' and others' if len(approx) > 1 else ''}) cannot be stored; convert with "
-                            "mode='exact' (--mode exact) or use the native format")
+        raise NormswapError(
+            f"compat format keeps LayerNorms, so approximate conversions ({approx[0]}"
+            f"{' and others' if len(approx) > 1 else ''}) cannot be stored; convert with "
+            "mode='exact' (--mode exact) or use the native format"
+        )
     config = stock_config(model)
     cls = stock_class(model)
     with torch.device("meta"):
@@ -303,12 +344,20 @@ def compat_model(model: nn.Module, plan: Plan) -> tuple[nn.Module, dict[str, lis
     return stock, {"rms_ready": rms_ready, "needs_centering": needs_centering}
 
 
-def write_compat(model: nn.Module, out: Path, *, plan: Plan, max_shard_size: int | str = DEFAULT_SHARD,
-                 verification: dict | None = None, source: str | None = None,
-                 manifest_extra: dict | None = None) -> dict[str, Any]:
+def write_compat(
+    model: nn.Module,
+    out: Path,
+    *,
+    plan: Plan,
+    max_shard_size: int | str = DEFAULT_SHARD,
+    verification: dict | None = None,
+    source: str | None = None,
+    manifest_extra: dict | None = None,
+) -> dict[str, Any]:
     stock, lists = compat_model(model, plan)
-    manifest = build_manifest(model, plan, fmt="compat", verification=verification, source=source,
-                              extra=manifest_extra)
+    manifest = build_manifest(
+        model, plan, fmt="compat", verification=verification, source=source, extra=manifest_extra
+    )
     manifest.update(lists)
     stock.save_pretrained(out, max_shard_size=max_shard_size, state_dict=state_dict_for_save(stock))
     cfg_path = out / "config.json"
@@ -324,8 +373,11 @@ def model_card(manifest: dict[str, Any], out_name: str) -> str:
     counts = manifest.get("counts", {})
     verdicts = ", ".join(f"{n} {v}" for v, n in counts.items() if n) or "none"
     ver = manifest.get("verification") or {}
-    figs = "\n".join(f"| {k} | {v:.3g} |" for k, v in ver.items() if isinstance(v, (int, float))
-                     and not isinstance(v, bool))
+    figs = "\n".join(
+        f"| {k} | {v:.3g} |"
+        for k, v in ver.items()
+        if isinstance(v, (int, float)) and not isinstance(v, bool)
+    )
     plan = manifest.get("plan", {})
     converted = sum(1 for s in plan.get("sites", []) if s.get("convert"))
     vers = manifest.get("versions", {})
@@ -351,8 +403,14 @@ def model_card(manifest: dict[str, Any], out_name: str) -> str:
     if plan.get("changed_outputs"):
         lines.append(f"- changed by design (raw residual stream): {', '.join(plan['changed_outputs'])}")
     if figs:
-        lines += ["", "## Verification (converted vs original, float64 probe)", "", "| figure | value |",
-                  "|---|---|", figs]
+        lines += [
+            "",
+            "## Verification (converted vs original, float64 probe)",
+            "",
+            "| figure | value |",
+            "|---|---|",
+            figs,
+        ]
     lines += ["", "## How to load", ""]
     if fmt == "native":
         lines += [
@@ -364,8 +422,8 @@ def model_card(manifest: dict[str, Any], out_name: str) -> str:
             "#   AutoModel*.from_pretrained(path, trust_remote_code=True)",
             "```",
             "",
-            "The weights use the base architecture's key names; the structure (RMSNorm modules, untied heads,",
-            "centering ops) is rebuilt from the manifest in `config.json` (`\"normswap\"`).",
+            "The weights use the base architecture's key names; the structure (RMSNorm modules,",
+            'untied heads, centering ops) is rebuilt from the manifest in `config.json` (`"normswap"`).',
         ]
     else:
         ready, centering = manifest.get("rms_ready", []), manifest.get("needs_centering", [])
@@ -375,28 +433,46 @@ def model_card(manifest: dict[str, Any], out_name: str) -> str:
             f'model = AutoModel.from_pretrained("{out_name}")  # stock transformers, no normswap needed',
             "```",
             "",
-            "Stock architecture: writers are centered and γ/β folded where a bias slot exists; LayerNorms are",
-            f"kept. {len(ready)} of them read a zero-mean stream and can be swapped for RMSNorm by any runtime",
-            "(listed in `config.json` under `normswap.rms_ready`).",
+            "Stock architecture: writers are centered and γ/β folded where a bias slot exists;",
+            f"LayerNorms are kept. {len(ready)} of them read a zero-mean stream and can be swapped for",
+            "RMSNorm by any runtime (listed in `config.json` under `normswap.rms_ready`).",
         ]
         if centering:
-            lines.append(f"{len(centering)} need normswap's centering op for that and must stay LayerNorm "
-                         "(`normswap.needs_centering`); the checkpoint as saved is exact either way.")
+            lines.append(
+                f"{len(centering)} need normswap's centering op for that and must stay LayerNorm "
+                "(`normswap.needs_centering`); the checkpoint as saved is exact either way."
+            )
     return "\n".join(lines) + "\n"
 
 
-def write_model_dir(model: nn.Module, out: Path, *, fmt: str = "native", plan: Plan | None = None,
-                    max_shard_size: int | str = DEFAULT_SHARD, verification: dict | None = None,
-                    source: str | None = None, manifest_extra: dict | None = None,
-                    tokenizer: Any = None, side_files_from: Path | None = None) -> dict[str, Any]:
+def write_model_dir(
+    model: nn.Module,
+    out: Path,
+    *,
+    fmt: str = "native",
+    plan: Plan | None = None,
+    max_shard_size: int | str = DEFAULT_SHARD,
+    verification: dict | None = None,
+    source: str | None = None,
+    manifest_extra: dict | None = None,
+    tokenizer: Any = None,
+    side_files_from: Path | None = None,
+) -> dict[str, Any]:
     """Everything a checkpoint directory holds, written into the existing directory ``out``."""
     if fmt not in FORMATS:
         raise NormswapError(f"format must be one of {', '.join(FORMATS)}, not {fmt!r}")
     plan = plan if plan is not None else plan_of(model)
     io.parse_size(max_shard_size)
     writer = write_native if fmt == "native" else write_compat
-    manifest = writer(model, out, plan=plan, max_shard_size=max_shard_size, verification=verification,
-                      source=source, manifest_extra=manifest_extra)
+    manifest = writer(
+        model,
+        out,
+        plan=plan,
+        max_shard_size=max_shard_size,
+        verification=verification,
+        source=source,
+        manifest_extra=manifest_extra,
+    )
     if tokenizer is not None:
         tokenizer.save_pretrained(out)
     io.copy_side_files(side_files_from, out)
@@ -405,10 +481,18 @@ def write_model_dir(model: nn.Module, out: Path, *, fmt: str = "native", plan: P
     return manifest
 
 
-def save(model: nn.Module, out_dir: str | os.PathLike, *, format: str = "native",  # noqa: A002
-         manifest_extra: dict | None = None, max_shard_size: int | str = DEFAULT_SHARD,
-         overwrite: bool = False, tokenizer: Any = None, verification: dict | None = None,
-         source: str | None = None) -> Path:
+def save(
+    model: nn.Module,
+    out_dir: str | os.PathLike,
+    *,
+    format: str = "native",  # noqa: A002
+    manifest_extra: dict | None = None,
+    max_shard_size: int | str = DEFAULT_SHARD,
+    overwrite: bool = False,
+    tokenizer: Any = None,
+    verification: dict | None = None,
+    source: str | None = None,
+) -> Path:
     """Save a converted in-memory model (``normswap.patch`` output, or a loaded native checkpoint).
 
     Args:
@@ -437,10 +521,24 @@ def save(model: nn.Module, out_dir: str | os.PathLike, *, format: str = "native"
     plan = plan_of(model)
     io.parse_size(max_shard_size)
     out = io.check_destination(out_dir, overwrite=overwrite)
-    side = Path(model.name_or_path) if isinstance(getattr(model, "name_or_path", None), str) \
-        and model.name_or_path and Path(model.name_or_path).is_dir() else None
+    side = (
+        Path(model.name_or_path)
+        if isinstance(getattr(model, "name_or_path", None), str)
+        and model.name_or_path
+        and Path(model.name_or_path).is_dir()
+        else None
+    )
     with io.atomic_directory(out, overwrite=overwrite) as tmp:
-        write_model_dir(model, tmp, fmt=format, plan=plan, max_shard_size=max_shard_size,
-                        verification=verification, source=source, manifest_extra=manifest_extra,
-                        tokenizer=tokenizer, side_files_from=side)
+        write_model_dir(
+            model,
+            tmp,
+            fmt=format,
+            plan=plan,
+            max_shard_size=max_shard_size,
+            verification=verification,
+            source=source,
+            manifest_extra=manifest_extra,
+            tokenizer=tokenizer,
+            side_files_from=side,
+        )
     return out

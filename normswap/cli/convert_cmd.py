@@ -34,9 +34,19 @@ Exit codes: 0 ok, 1 error (nothing written), 2 invalid option, 3 nothing to
 convert, 4 verification failed (nothing written), 130 interrupted."""
 MODES = ("auto", "exact", "all")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-TASK_NAMES = ("causal-lm", "seq2seq-lm", "speech-seq2seq", "masked-lm", "sequence-classification",
-              "token-classification", "question-answering", "image-classification", "audio-classification",
-              "ctc", "base")
+TASK_NAMES = (
+    "causal-lm",
+    "seq2seq-lm",
+    "speech-seq2seq",
+    "masked-lm",
+    "sequence-classification",
+    "token-classification",
+    "question-answering",
+    "image-classification",
+    "audio-classification",
+    "ctc",
+    "base",
+)
 
 
 def _quiet_transformers() -> None:
@@ -53,6 +63,7 @@ def _quiet_transformers() -> None:
 @contextlib.contextmanager
 def _sigterm_as_interrupt() -> Iterator[None]:
     """SIGTERM unwinds like Ctrl-C, so temporary output is removed on the way out."""
+
     def handler(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt
 
@@ -69,6 +80,7 @@ def _sigterm_as_interrupt() -> Iterator[None]:
 
 def handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``NormswapError`` -> ``error: <message>`` and its exit code; no tracebacks for bad input."""
+
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         _quiet_transformers()
@@ -95,9 +107,13 @@ def handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
             if os.environ.get("NORMSWAP_DEBUG"):
                 raise
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-            click.echo(f"error: internal error ({type(exc).__name__}: {first[:300]}); rerun with "
-                       "NORMSWAP_DEBUG=1 for a traceback and please report it", err=True)
+            click.echo(
+                f"error: internal error ({type(exc).__name__}: {first[:300]}); rerun with "
+                "NORMSWAP_DEBUG=1 for a traceback and please report it",
+                err=True,
+            )
             sys.exit(EXIT_ERROR)
+
     return wrapper
 
 
@@ -115,13 +131,24 @@ def _echo_warnings(caught: list[warnings.WarningMessage]) -> None:
     for w in caught:
         text = str(w.message)
         if text.startswith("normswap:"):
-            click.echo(f"warning: {text[len('normswap:'):].strip()}", err=True)
+            click.echo(f"warning: {text[len('normswap:') :].strip()}", err=True)
 
 
 def _figures(verification: dict[str, Any]) -> str:
-    keep = ("max_abs_error", "max_rel_error", "kl", "top1_agreement", "max_stream_mean_ratio",
-            "in_model_dtype", "reload_bitwise_equal", "reload_max_abs_diff", "reload_vs_original_max_rel_error",
-            "proxy_depths")
+    keep = (
+        "max_abs_error",
+        "max_rel_error",
+        "kl",
+        "top1_agreement",
+        "max_stream_mean_ratio",
+        "in_model_dtype",
+        "reload_bitwise_equal",
+        "reload_max_abs_diff",
+        "reload_vs_original_max_rel_error",
+        "truncated_max_rel_error",
+        "truncated_top1_agreement",
+        "truncated_layers",
+    )
     parts = []
     for key in keep:
         if key in verification:
@@ -153,32 +180,86 @@ Presets (offline, seeded tiny models with tokenizers/processors):
 @main.command("convert", epilog=CONVERT_EPILOG)
 @click.argument("model")
 @click.option("--out", "out", required=True, type=click.Path(file_okay=False), help="Output directory.")
-@click.option("--mode", type=click.Choice(MODES), default="auto", show_default=True,
-              help="exact: only exact norms; all: also Post-LN (approximate); auto: all, with warnings.")
-@click.option("--format", "fmt", type=click.Choice(["native", "compat"]), default="native", show_default=True,
-              help="native: RMSNorm modules + manifest; compat: stock architecture, LayerNorms kept, exact.")
+@click.option(
+    "--mode",
+    type=click.Choice(MODES),
+    default="auto",
+    show_default=True,
+    help="exact: only exact norms; all: also Post-LN (approximate); auto: all, with warnings.",
+)
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["native", "compat"]),
+    default="native",
+    show_default=True,
+    help="native: RMSNorm modules + manifest; compat: stock architecture, LayerNorms kept, exact.",
+)
 @click.option("--fold-gamma", is_flag=True, help="Also fold γ into reader weights (RMSNorm weight = 1).")
-@click.option("--keep-tied", is_flag=True, help="Keep tied embeddings (center at run time) instead of untying.")
-@click.option("--dtype", type=click.Choice(DTYPES), default="auto", show_default=True,
-              help="Output dtype (auto = the checkpoint's). Surgery is float64 either way.")
-@click.option("--calibration-data", type=click.Path(dir_okay=False), default=None,
-              help="Text file (one sample per line) or JSONL with a 'text' field, to fit approximate norms.")
-@click.option("--max-shard-size", default="5GB", show_default=True, callback=_shard_size,
-              help="Largest safetensors shard, e.g. 500MB, 2GB.")
-@click.option("--low-memory/--in-memory", "low_memory", default=None,
-              help="Stream tensors shard by shard (default: automatic when the checkpoint is larger "
-                   "than about half of the available RAM).")
+@click.option(
+    "--keep-tied", is_flag=True, help="Keep tied embeddings (center at run time) instead of untying."
+)
+@click.option(
+    "--dtype",
+    type=click.Choice(DTYPES),
+    default="auto",
+    show_default=True,
+    help="Output dtype (auto = the checkpoint's). Surgery is float64 either way.",
+)
+@click.option(
+    "--calibration-data",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Text file (one sample per line) or JSONL with a 'text' field, to fit approximate norms.",
+)
+@click.option(
+    "--max-shard-size",
+    default="5GB",
+    show_default=True,
+    callback=_shard_size,
+    help="Largest safetensors shard, e.g. 500MB, 2GB.",
+)
+@click.option(
+    "--low-memory/--in-memory",
+    "low_memory",
+    default=None,
+    help="Stream tensors shard by shard (default: automatic when the checkpoint is larger "
+    "than about half of the available RAM).",
+)
 @click.option("--trust-remote-code", is_flag=True, help="Allow custom modeling code shipped with MODEL.")
-@click.option("--allow-pickle", is_flag=True, help="Accept pickle-only (.bin) checkpoints. Only for trusted files.")
-@click.option("--overwrite", is_flag=True, help="Replace a non-empty --out (only once the new output is complete).")
+@click.option(
+    "--allow-pickle", is_flag=True, help="Accept pickle-only (.bin) checkpoints. Only for trusted files."
+)
+@click.option(
+    "--overwrite", is_flag=True, help="Replace a non-empty --out (only once the new output is complete)."
+)
 @click.option("--no-verify", is_flag=True, help="Skip verification (conversion and reload checks).")
-@click.option("--task", type=click.Choice(TASK_NAMES), default=None,
-              help="Model class to load (default: from config.architectures).")
+@click.option(
+    "--task",
+    type=click.Choice(TASK_NAMES),
+    default=None,
+    help="Model class to load (default: from config.architectures).",
+)
 @click.option("--quiet", "-q", is_flag=True, help="No progress bars.")
 @handle_errors
-def convert(model: str, out: str, mode: str, fmt: str, fold_gamma: bool, keep_tied: bool, dtype: str,
-            calibration_data: str | None, max_shard_size: str, low_memory: bool | None, trust_remote_code: bool,
-            allow_pickle: bool, overwrite: bool, no_verify: bool, task: str | None, quiet: bool) -> None:
+def convert(
+    model: str,
+    out: str,
+    mode: str,
+    fmt: str,
+    fold_gamma: bool,
+    keep_tied: bool,
+    dtype: str,
+    calibration_data: str | None,
+    max_shard_size: str,
+    low_memory: bool | None,
+    trust_remote_code: bool,
+    allow_pickle: bool,
+    overwrite: bool,
+    no_verify: bool,
+    task: str | None,
+    quiet: bool,
+) -> None:
     """Convert MODEL's LayerNorms to RMSNorm and write a checkpoint to --out.
 
     MODEL is a Hugging Face Hub id, a local model directory, or a preset name. The output is
@@ -189,11 +270,25 @@ def convert(model: str, out: str, mode: str, fmt: str, fold_gamma: bool, keep_ti
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        report = run(model, out, format=fmt, mode=mode, fold_gamma=fold_gamma, untie=not keep_tied, dtype=dtype,
-                     calibration_data=calibration_data, max_shard_size=max_shard_size, low_memory=low_memory,
-                     trust_remote_code=trust_remote_code, overwrite=overwrite, verify=not no_verify, task=task,
-                     allow_pickle=allow_pickle, progress=not quiet,
-                     echo=lambda msg: click.echo(f"note: {msg}", err=True))
+        report = run(
+            model,
+            out,
+            format=fmt,
+            mode=mode,
+            fold_gamma=fold_gamma,
+            untie=not keep_tied,
+            dtype=dtype,
+            calibration_data=calibration_data,
+            max_shard_size=max_shard_size,
+            low_memory=low_memory,
+            trust_remote_code=trust_remote_code,
+            overwrite=overwrite,
+            verify=not no_verify,
+            task=task,
+            allow_pickle=allow_pickle,
+            progress=not quiet,
+            echo=lambda msg: click.echo(f"note: {msg}", err=True),
+        )
     _echo_warnings(caught)
     plan = report.plan
     if plan is not None:
@@ -226,8 +321,17 @@ def plan_table(plan: Any, *, verbose: bool = False) -> str:
     rows = []
     for s in plan.sites:
         fold = "+".join(x for x, on in (("β", s.fold_beta), ("γ", s.fold_gamma)) if on) or "-"
-        rows.append((s.name, s.verdict, "yes" if s.convert else "no", fold, str(len(s.writers)),
-                     _shorten(s.readers, 40), s.reason))
+        rows.append(
+            (
+                s.name,
+                s.verdict,
+                "yes" if s.convert else "no",
+                fold,
+                str(len(s.writers)),
+                _shorten(s.readers, 40),
+                s.reason,
+            )
+        )
     for sk in plan.skipped:
         rows.append((sk["name"], "skipped", "no", "-", "-", "-", sk["reason"]))
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(6)]
@@ -235,11 +339,16 @@ def plan_table(plan: Any, *, verbose: bool = False) -> str:
     lines.insert(1, "-" * min(160, sum(widths) + 12 + 40))
     if verbose:
         for s in plan.sites:
-            lines += ["", f"{s.name} ({s.verdict}, eps={s.eps:g}, shape={s.normalized_shape}, {s.flavour})",
-                      f"  writers: {', '.join(s.writers) or '-'}", f"  readers: {', '.join(s.readers) or '-'}"]
+            lines += [
+                "",
+                f"{s.name} ({s.verdict}, eps={s.eps:g}, shape={s.normalized_shape}, {s.flavour})",
+                f"  writers: {', '.join(s.writers) or '-'}",
+                f"  readers: {', '.join(s.readers) or '-'}",
+            ]
         for h in plan.hooks:
-            lines.append(f"centering op: {h.module} ({h.where}{'' if h.arg is None else ' ' + str(h.arg)}): "
-                         f"{h.reason}")
+            lines.append(
+                f"centering op: {h.module} ({h.where}{'' if h.arg is None else ' ' + str(h.arg)}): {h.reason}"
+            )
         for u in plan.unties:
             lines.append(f"untie: {u.module}.{u.attr} from {u.source} (+{u.numel:,} params)")
     lines += ["", plan.summary()]
@@ -251,8 +360,13 @@ def plan_table(plan: Any, *, verbose: bool = False) -> str:
 @main.command("inspect", epilog=INSPECT_EPILOG)
 @click.argument("model")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON (the manifest format).")
-@click.option("--mode", type=click.Choice(MODES), default="auto", show_default=True,
-              help="Which norms the plan would convert.")
+@click.option(
+    "--mode",
+    type=click.Choice(MODES),
+    default="auto",
+    show_default=True,
+    help="Which norms the plan would convert.",
+)
 @click.option("--fold-gamma", is_flag=True, help="Plan γ folding too.")
 @click.option("--keep-tied", is_flag=True, help="Plan with tied embeddings kept.")
 @click.option("--verbose", "-v", is_flag=True, help="List every writer and reader, centering op and untie.")
@@ -260,8 +374,17 @@ def plan_table(plan: Any, *, verbose: bool = False) -> str:
 @click.option("--trust-remote-code", is_flag=True, help="Allow custom modeling code shipped with MODEL.")
 @click.option("--allow-pickle", is_flag=True, help="Accept pickle-only (.bin) checkpoints.")
 @handle_errors
-def inspect(model: str, as_json: bool, mode: str, fold_gamma: bool, keep_tied: bool, verbose: bool,
-            task: str | None, trust_remote_code: bool, allow_pickle: bool) -> None:
+def inspect(
+    model: str,
+    as_json: bool,
+    mode: str,
+    fold_gamma: bool,
+    keep_tied: bool,
+    verbose: bool,
+    task: str | None,
+    trust_remote_code: bool,
+    allow_pickle: bool,
+) -> None:
     """Show what normswap would do to MODEL's norms: verdict, reason, writers and readers.
 
     Nothing is written and the model is not modified. For a checkpoint normswap already
@@ -270,8 +393,9 @@ def inspect(model: str, as_json: bool, mode: str, fold_gamma: bool, keep_tied: b
     from normswap.checkpoint import hf, source
     from normswap.plan import Plan
 
-    src = source.resolve(model, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code,
-                         allow_converted=True)
+    src = source.resolve(
+        model, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code, allow_converted=True
+    )
     manifest = src.config.get(hf.MANIFEST_KEY) if src.kind != "preset" else None
     if isinstance(manifest, dict) and manifest.get("plan") is not None:
         plan = Plan.from_dict(manifest["plan"])
@@ -309,22 +433,45 @@ Approximate conversions only report their error.
 @main.command("verify", epilog=VERIFY_EPILOG)
 @click.argument("original")
 @click.argument("converted", type=click.Path())
-@click.option("--data", type=click.Path(dir_okay=False), default=None,
-              help="Text file or JSONL ('text' field) to compare on (default: random valid inputs).")
-@click.option("--tolerance", type=click.FloatRange(min=0), default=None,
-              help="Max relative error for exact conversions (default depends on dtype).")
+@click.option(
+    "--data",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Text file or JSONL ('text' field) to compare on (default: random valid inputs).",
+)
+@click.option(
+    "--tolerance",
+    type=click.FloatRange(min=0),
+    default=None,
+    help="Max relative error for exact conversions (default depends on dtype).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON.")
 @click.option("--task", type=click.Choice(TASK_NAMES), default=None, help="Model class for ORIGINAL.")
 @click.option("--trust-remote-code", is_flag=True, help="Allow custom modeling code shipped with ORIGINAL.")
 @click.option("--allow-pickle", is_flag=True, help="Accept a pickle-only ORIGINAL.")
 @handle_errors
-def verify(original: str, converted: str, data: str | None, tolerance: float | None, as_json: bool,
-           task: str | None, trust_remote_code: bool, allow_pickle: bool) -> None:
+def verify(
+    original: str,
+    converted: str,
+    data: str | None,
+    tolerance: float | None,
+    as_json: bool,
+    task: str | None,
+    trust_remote_code: bool,
+    allow_pickle: bool,
+) -> None:
     """Compare ORIGINAL's outputs with CONVERTED's (a directory written by normswap convert)."""
     from normswap.checkpoint.verify_dirs import verify_checkpoint
 
-    result = verify_checkpoint(original, converted, data=data, tolerance=tolerance, task=task,
-                               trust_remote_code=trust_remote_code, allow_pickle=allow_pickle)
+    result = verify_checkpoint(
+        original,
+        converted,
+        data=data,
+        tolerance=tolerance,
+        task=task,
+        trust_remote_code=trust_remote_code,
+        allow_pickle=allow_pickle,
+    )
     if as_json:
         click.echo(json.dumps(result, indent=2, default=str))
     else:

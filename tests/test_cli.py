@@ -1,0 +1,420 @@
+"""The command line: convert / inspect / verify through click's CliRunner and the installed script,
+plus every bad-input path (one-line error, documented exit code, nothing written, fast)."""
+
+from __future__ import annotations
+
+import errno
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors.torch import load_file, save_file
+
+import normswap
+from normswap import presets
+from normswap.checkpoint import io, writer
+from normswap.cli import main
+
+
+def run(*args: str, env: dict | None = None) -> tuple[int, str, str, float]:
+    runner = CliRunner()
+    start = time.perf_counter()
+    res = runner.invoke(main, list(args), env=env, catch_exceptions=False)
+    return res.exit_code, res.stdout, res.stderr, time.perf_counter() - start
+
+
+def assert_one_line_error(code: int, err: str, expected_code: int, *fragments: str) -> None:
+    assert code == expected_code, err
+    lines = [ln for ln in err.strip().splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1, err
+    assert "Traceback" not in err
+    for frag in fragments:
+        assert frag in lines[0], lines[0]
+
+
+def listing(d: Path) -> list[str]:
+    return sorted(p.name for p in d.iterdir())
+
+
+@pytest.fixture(scope="module")
+def gpt2_dir(tmp_path_factory) -> Path:
+    return presets.save("tiny-gpt2", tmp_path_factory.mktemp("src") / "gpt2")
+
+
+# ------------------------------------------------------------------------------------ happy paths
+def test_group_lists_commands():
+    code, out, _, _ = run("--help")
+    assert code == 0
+    for cmd in ("convert", "inspect", "verify"):
+        assert cmd in out
+
+
+@pytest.mark.parametrize("cmd", ["convert", "inspect", "verify"])
+def test_help_has_worked_example_and_exit_codes(cmd):
+    code, out, _, _ = run(cmd, "--help")
+    assert code == 0
+    assert "Examples:" in out and f"normswap {cmd} " in out
+    assert "Exit codes" in out
+    if cmd == "convert":
+        for name in presets.names():
+            assert name in out
+        assert "normswap convert tiny-gpt2 --out ./tiny-gpt2-rms" in out
+
+
+def test_convert_preset_quickstart(tmp_path):
+    out = tmp_path / "tiny-gpt2-rms"
+    code, stdout, err, _ = run("convert", "tiny-gpt2", "--out", str(out))
+    assert code == 0, err
+    assert "5 LayerNorm(s): 5 exact" in stdout
+    assert "reload_bitwise_equal=True" in stdout and "max_rel_error=" in stdout
+    model = normswap.load(out)
+    tok = presets.tokenizer("tiny-gpt2")
+    enc = tok("The quick", return_tensors="pt")
+    assert model.generate(**enc, max_new_tokens=3, do_sample=False).shape[1] == enc.input_ids.shape[1] + 3
+    assert listing(tmp_path) == ["tiny-gpt2-rms"]  # no temporary directories left behind
+
+
+def test_convert_local_dir_with_options(tmp_path, gpt2_dir):
+    out = tmp_path / "o"
+    code, stdout, err, _ = run(
+        "convert",
+        str(gpt2_dir),
+        "--out",
+        str(out),
+        "--format",
+        "compat",
+        "--dtype",
+        "bfloat16",
+        "--max-shard-size",
+        "50KB",
+        "--keep-tied",
+        "-q",
+    )
+    assert code == 0, err
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["model_type"] == "gpt2" and cfg["dtype"] == "bfloat16"
+    assert (out / "model.safetensors.index.json").is_file()
+    assert load_file(str(sorted(out.glob("*.safetensors"))[0])).popitem()[1].dtype == torch.bfloat16
+    assert (out / "tokenizer.json").is_file()  # side files copied from the source directory
+
+
+def test_convert_bert_all_with_calibration(tmp_path):
+    data = tmp_path / "calib.jsonl"
+    data.write_text("\n".join(json.dumps({"text": line}) for line in presets.CORPUS.splitlines()))
+    out = tmp_path / "bert"
+    code, stdout, err, _ = run(
+        "convert", "tiny-bert", "--out", str(out), "--mode", "all", "--calibration-data", str(data)
+    )
+    assert code == 0, err
+    manifest = json.loads((out / "config.json").read_text())["normswap"]
+    assert manifest["plan"]["options"]["calibration_batches"] == 2
+    assert manifest["counts"]["approximate"] == 4
+
+
+def test_convert_auto_mode_warns_about_approximate_norms(tmp_path):
+    code, _, err, _ = run("convert", "tiny-bert", "--out", str(tmp_path / "b"))
+    assert code == 0, err
+    assert err.count("warning:") == 4 and "approximately" in err
+
+
+def test_convert_task_override(tmp_path, gpt2_dir):
+    out = tmp_path / "base"
+    code, _, err, _ = run("convert", str(gpt2_dir), "--out", str(out), "--task", "base")
+    assert code == 0, err
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["NormswapGPT2Model"]
+
+
+def test_inspect_table_json_and_manifest(tmp_path):
+    code, out, err, _ = run("inspect", "tiny-bloom", "-v")
+    assert code == 0, err
+    for frag in (
+        "verdict",
+        "writers",
+        "readers",
+        "transformer.h.0.input_layernorm",
+        "exact-with-centering",
+        "centering op: transformer.word_embeddings_layernorm",
+    ):
+        assert frag in out
+    code, out, _, _ = run("inspect", "tiny-gpt2", "--json")
+    plan = json.loads(out)
+    assert [s["verdict"] for s in plan["sites"]] == ["exact"] * 5
+    normswap.convert("tiny-opt", tmp_path / "opt")
+    code, out, _, _ = run("inspect", str(tmp_path / "opt"))
+    assert code == 0 and "(manifest)" in out and "model.decoder.final_layer_norm" in out
+
+
+def test_verify_exact_approximate_and_tampered(tmp_path):
+    normswap.convert("tiny-gpt2", tmp_path / "g")
+    code, out, err, _ = run("verify", "tiny-gpt2", str(tmp_path / "g"))
+    assert code == 0, err
+    assert "exact conversion" in out and "OK" in out
+    data = tmp_path / "prompts.txt"
+    data.write_text(presets.CORPUS)
+    code, out, _, _ = run("verify", "tiny-gpt2", str(tmp_path / "g"), "--data", str(data), "--json")
+    assert code == 0 and json.loads(out)["ok"] is True
+    normswap.convert("tiny-bert", tmp_path / "b", mode="all")
+    code, out, _, _ = run("verify", "tiny-bert", str(tmp_path / "b"))
+    assert code == 0 and "approximate conversion" in out
+    # break an exact checkpoint: verify must fail with exit code 4
+    f = tmp_path / "g" / "model.safetensors"
+    tensors = load_file(str(f))
+    tensors["transformer.h.0.mlp.c_fc.bias"] += 1.0
+    save_file(tensors, str(f), metadata={"format": "pt"})
+    code, out, err, _ = run("verify", "tiny-gpt2", str(tmp_path / "g"))
+    assert code == 4 and "misses tolerance" in out
+
+
+# ------------------------------------------------------------------------------------ bad input
+def test_missing_path(tmp_path):
+    code, _, err, secs = run("convert", "./no/such/model", "--out", str(tmp_path / "o"))
+    assert_one_line_error(code, err, 1, "does not exist")
+    assert secs < 10 and listing(tmp_path) == []
+
+
+def test_hub_id_while_offline(tmp_path):
+    code, _, err, secs = run(
+        "convert", "some-org/some-model", "--out", str(tmp_path / "o"), env={"HF_HUB_OFFLINE": "1"}
+    )
+    assert_one_line_error(code, err, 1, "HF_HUB_OFFLINE", "some-org/some-model")
+    assert secs < 10 and listing(tmp_path) == []
+
+
+def test_hub_id_with_unreachable_network(tmp_path):
+    env = {"HF_HUB_OFFLINE": None, "TRANSFORMERS_OFFLINE": None, "HF_ENDPOINT": "http://127.0.0.1:9"}
+    code, _, err, secs = run("convert", "some-org/some-model", "--out", str(tmp_path / "o"), env=env)
+    assert_one_line_error(code, err, 1, "unreachable")
+    assert secs < 10 and listing(tmp_path) == []
+
+
+def test_truncated_and_corrupted_safetensors(tmp_path, gpt2_dir):
+    src = tmp_path / "trunc"
+    shutil.copytree(gpt2_dir, src)
+    f = src / "model.safetensors"
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    code, _, err, secs = run("convert", str(src), "--out", str(tmp_path / "o1"))
+    assert_one_line_error(code, err, 1, "truncated")
+    f.write_bytes(b"\x00garbage-not-a-header" * 4)
+    code, _, err, _ = run("convert", str(src), "--out", str(tmp_path / "o2"))
+    assert_one_line_error(code, err, 1, "not a valid safetensors")
+    assert secs < 10 and listing(tmp_path) == ["trunc"]
+
+
+def test_pickle_only_refused_unless_opted_in(tmp_path, gpt2_dir):
+    src = tmp_path / "pickled"
+    shutil.copytree(gpt2_dir, src)
+    torch.save(load_file(str(src / "model.safetensors")), src / "pytorch_model.bin")
+    (src / "model.safetensors").unlink()
+    code, _, err, _ = run("convert", str(src), "--out", str(tmp_path / "o"))
+    assert_one_line_error(code, err, 1, "pickle", "--allow-pickle")
+    assert not (tmp_path / "o").exists()
+    code, _, err, _ = run("convert", str(src), "--out", str(tmp_path / "o"), "--allow-pickle")
+    assert code == 0, err
+    assert not list((tmp_path / "o").glob("*.bin"))  # the output is safetensors only
+
+
+def test_model_needing_trust_remote_code(tmp_path, gpt2_dir):
+    src = tmp_path / "custom"
+    shutil.copytree(gpt2_dir, src)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["auto_map"] = {"AutoModelForCausalLM": "modeling_custom.CustomModel"}
+    (src / "config.json").write_text(json.dumps(cfg))
+    code, _, err, _ = run("convert", str(src), "--out", str(tmp_path / "o"))
+    assert_one_line_error(code, err, 1, "--trust-remote-code")
+    assert not (tmp_path / "o").exists()
+
+
+def test_unwritable_destination(tmp_path, monkeypatch):
+    monkeypatch.setattr(io.os, "access", lambda *a, **k: False)
+    code, _, err, _ = run("convert", "tiny-gpt2", "--out", str(tmp_path / "o"))
+    assert_one_line_error(code, err, 1, "permission denied")
+    monkeypatch.undo()
+    (tmp_path / "afile").write_text("x")
+    code, _, err, _ = run("convert", "tiny-gpt2", "--out", str(tmp_path / "afile" / "sub"))
+    assert_one_line_error(code, err, 1, "not a directory")
+    assert listing(tmp_path) == ["afile"]
+
+
+def test_full_destination(tmp_path, gpt2_dir, monkeypatch):
+    monkeypatch.setattr(io, "free_bytes", lambda path: 1000)
+    code, _, err, _ = run("convert", str(gpt2_dir), "--out", str(tmp_path / "o"))
+    assert_one_line_error(code, err, 1, "not enough disk space")
+    monkeypatch.undo()
+
+    def disk_full(model, out, **kw):
+        (out / "model.safetensors").write_bytes(b"partial")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(writer, "write_native", disk_full)
+    code, _, err, _ = run("convert", "tiny-gpt2", "--out", str(tmp_path / "nested" / "o"))
+    assert_one_line_error(code, err, 1, "disk full")
+    assert listing(tmp_path) == []  # partial output and the created parent are gone
+
+
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (["--mode", "bogus"], "--mode"),
+        (["--format", "gguf"], "--format"),
+        (["--dtype", "int8"], "--dtype"),
+        (["--max-shard-size", "12XB"], "--max-shard-size"),
+        (["--task", "painting"], "--task"),
+    ],
+)
+def test_invalid_option_values(tmp_path, args, fragment):
+    code, _, err, secs = run("convert", "tiny-gpt2", "--out", str(tmp_path / "o"), *args)
+    assert code == 2 and fragment in err and "Traceback" not in err
+    assert secs < 5 and listing(tmp_path) == []
+
+
+def test_conflicting_options(tmp_path):
+    code, _, err, _ = run(
+        "convert", "tiny-bert", "--out", str(tmp_path / "o"), "--format", "compat", "--mode", "all"
+    )
+    assert_one_line_error(code, err, 1, "compat")
+    code, _, err, _ = run(
+        "convert",
+        "tiny-gpt2",
+        "--out",
+        str(tmp_path / "o"),
+        "--low-memory",
+        "--calibration-data",
+        str(tmp_path / "x.txt"),
+    )
+    assert_one_line_error(code, err, 1, "--calibration-data")
+    assert listing(tmp_path) == []
+
+
+def test_nothing_to_convert(tmp_path):
+    import transformers
+
+    cfg = transformers.LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        vocab_size=99,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+    )
+    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path / "llama")
+    code, _, err, _ = run("convert", str(tmp_path / "llama"), "--out", str(tmp_path / "o"))
+    assert_one_line_error(code, err, 3, "no LayerNorm", "nothing to do")
+    normswap.convert("tiny-gpt2", tmp_path / "done")
+    code, _, err, _ = run("convert", str(tmp_path / "done"), "--out", str(tmp_path / "again"))
+    assert_one_line_error(code, err, 3, "already converted")
+    assert listing(tmp_path) == ["done", "llama"]
+
+
+def test_bad_calibration_data(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "ok"}\n{"txt": "missing field"}\n')
+    code, _, err, _ = run(
+        "convert", "tiny-bert", "--out", str(tmp_path / "o"), "--mode", "all", "--calibration-data", str(bad)
+    )
+    assert_one_line_error(code, err, 1, "bad.jsonl:2", '"text"')
+    code, _, err, _ = run("convert", "tiny-vit", "--out", str(tmp_path / "o"), "--calibration-data", str(bad))
+    assert_one_line_error(code, err, 1, "pixel_values")
+    assert listing(tmp_path) == ["bad.jsonl"]
+
+
+# ------------------------------------------------------------------------------------ atomic output
+def test_existing_output_refused_then_overwritten(tmp_path):
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    (tmp_path / "neighbour.txt").write_text("untouched")
+    code, _, err, _ = run("convert", "tiny-gpt2", "--out", str(out))
+    assert_one_line_error(code, err, 1, "not empty", "--overwrite")
+    assert listing(out) == ["notes.txt"]
+    code, _, err, _ = run("convert", "tiny-gpt2", "--out", str(out), "--overwrite")
+    assert code == 0, err
+    assert "notes.txt" not in listing(out) and (out / "config.json").is_file()
+    assert (tmp_path / "neighbour.txt").read_text() == "untouched"
+    assert listing(tmp_path) == ["neighbour.txt", "o"]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert run("convert", "tiny-opt", "--out", str(empty), "-q")[0] == 0  # an empty directory is fine
+
+
+def test_failed_overwrite_keeps_the_old_output(tmp_path, monkeypatch):
+    out = tmp_path / "o"
+    normswap.convert("tiny-gpt2", out)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+
+    def boom(model, out_dir, **kw):
+        (out_dir / "config.json").write_text("{}")
+        raise RuntimeError("simulated crash")
+
+    monkeypatch.setattr(writer, "write_native", boom)
+    code, _, err, _ = run("convert", "tiny-gpt2", "--out", str(out), "--overwrite")
+    assert code == 1 and "internal error" in err and "Traceback" not in err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert listing(tmp_path) == ["o"]
+
+
+def test_interrupted_run_leaves_nothing(tmp_path, monkeypatch):
+    def interrupted(model, out_dir, **kw):
+        (out_dir / "model.safetensors").write_bytes(b"half")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(writer, "write_native", interrupted)
+    code, _, err, _ = run("convert", "tiny-gpt2", "--out", str(tmp_path / "o"))
+    assert_one_line_error(code, err, 130, "interrupted")
+    assert listing(tmp_path) == []
+
+
+def test_refuses_to_overwrite_the_source_or_cwd(tmp_path, gpt2_dir, monkeypatch):
+    code, _, err, _ = run("convert", str(gpt2_dir), "--out", str(gpt2_dir), "--overwrite")
+    assert_one_line_error(code, err, 1, "overlaps the source")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "keep.txt").write_text("x")
+    code, _, err, _ = run("convert", "tiny-gpt2", "--out", ".", "--overwrite")
+    assert_one_line_error(code, err, 1, "current working directory")
+    assert (tmp_path / "keep.txt").exists()
+
+
+# ------------------------------------------------------------------------------------ console script
+def _script() -> list[str]:
+    exe = shutil.which("normswap")
+    if exe is None:
+        pytest.skip("the normswap console script is not installed (pip install -e .)")
+    return [exe]
+
+
+def test_console_script_convert_and_error(tmp_path):
+    cmd = _script()
+    env = {"HF_HUB_OFFLINE": "1", "PATH": str(Path(sys.executable).parent) + ":/usr/bin:/bin"}
+    import os
+
+    env = {**os.environ, **env}
+    res = subprocess.run(
+        [*cmd, "convert", "tiny-gpt2", "--out", str(tmp_path / "tiny-gpt2-rms")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        stdin=subprocess.DEVNULL,
+    )
+    assert res.returncode == 0, res.stderr
+    assert "wrote native checkpoint" in res.stdout
+    assert (tmp_path / "tiny-gpt2-rms" / "config.json").is_file()
+    res = subprocess.run(
+        [*cmd, "convert", str(tmp_path / "missing"), "--out", str(tmp_path / "x")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        stdin=subprocess.DEVNULL,
+    )
+    assert res.returncode == 1
+    assert res.stderr.strip().startswith("error:") and len(res.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "x").exists()

@@ -1,0 +1,290 @@
+"""Low-memory (streaming) conversion: bitwise equal to the in-memory path, correct sharding, never
+loads the model, extrapolates per-layer plans only when the check passes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import transformers as tf
+from click.testing import CliRunner
+from safetensors import safe_open
+
+import normswap
+from normswap import presets
+from normswap.checkpoint import conversion as convert_mod
+from normswap.checkpoint import extrapolate, streaming
+from normswap.errors import NormswapError
+
+SPECIAL = {"bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0}
+MODELS = {
+    # deeper than the 3/4-layer proxies, so the plan is extrapolated and the extrapolation checked
+    "gpt2-6": lambda: (
+        tf.GPT2LMHeadModel,
+        tf.GPT2Config(n_layer=6, n_embd=32, n_head=4, vocab_size=99, n_positions=64, **SPECIAL),
+    ),
+    "bert-5": lambda: (
+        tf.BertForMaskedLM,
+        tf.BertConfig(
+            hidden_size=32,
+            num_hidden_layers=5,
+            num_attention_heads=4,
+            intermediate_size=64,
+            vocab_size=99,
+            max_position_embeddings=64,
+            pad_token_id=0,
+        ),
+    ),
+    "vit-5": lambda: (
+        tf.ViTForImageClassification,
+        tf.ViTConfig(
+            image_size=32,
+            patch_size=8,
+            hidden_size=32,
+            num_hidden_layers=5,
+            num_attention_heads=4,
+            intermediate_size=64,
+            num_labels=5,
+        ),
+    ),
+    "whisper-5-6": lambda: (
+        tf.WhisperForConditionalGeneration,
+        tf.WhisperConfig(
+            d_model=32,
+            encoder_layers=5,
+            decoder_layers=6,
+            encoder_attention_heads=4,
+            decoder_attention_heads=4,
+            encoder_ffn_dim=64,
+            decoder_ffn_dim=64,
+            vocab_size=99,
+            num_mel_bins=8,
+            max_source_positions=16,
+            max_target_positions=32,
+            decoder_start_token_id=0,
+            **SPECIAL,
+        ),
+    ),
+    "gpt_neo": lambda: (
+        tf.GPTNeoForCausalLM,
+        tf.GPTNeoConfig(
+            num_layers=6,
+            hidden_size=32,
+            num_heads=4,
+            vocab_size=99,
+            max_position_embeddings=64,
+            attention_types=[[["global", "local"], 3]],
+            **SPECIAL,
+        ),
+    ),
+}
+
+
+def save_model(name: str, root: Path, shard: str = "40KB") -> Path:
+    cls, config = MODELS[name]()
+    torch.manual_seed(0)
+    model = presets.randomise_norms(cls(config)).eval()
+    out = root / name
+    model.save_pretrained(out, max_shard_size=shard)
+    return out
+
+
+def tensors(d: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for f in sorted(d.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as h:
+            for k in h.keys():
+                out[k] = h.get_tensor(k)
+    return out
+
+
+def assert_same_tensors(a: Path, b: Path) -> None:
+    ta, tb = tensors(a), tensors(b)
+    assert set(ta) == set(tb)
+    different = [k for k in ta if ta[k].dtype != tb[k].dtype or not torch.equal(ta[k], tb[k])]
+    assert not different, different[:5]
+
+
+def assert_same_plan(a: Path, b: Path) -> None:
+    pa = json.loads((a / "config.json").read_text())["normswap"]["plan"]
+    pb = json.loads((b / "config.json").read_text())["normswap"]["plan"]
+    for key in ("writer_edits", "folds", "hooks", "unties", "skipped", "changed_outputs"):
+        assert pa[key] == pb[key], key
+    strip = ("error",)
+    assert [{k: v for k, v in s.items() if k not in strip} for s in pa["sites"]] == [
+        {k: v for k, v in s.items() if k not in strip} for s in pb["sites"]
+    ]
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("src")
+    out = {name: save_model(name, root) for name in MODELS}
+    out["tiny-whisper"] = presets.save("tiny-whisper", root / "tiny-whisper", max_shard_size="40KB")
+    return out
+
+
+@pytest.mark.parametrize(
+    "name, options",
+    [
+        ("gpt2-6", {}),
+        ("gpt2-6", {"untie": False}),
+        ("gpt2-6", {"dtype": "bfloat16"}),
+        ("bert-5", {"mode": "all"}),
+        ("bert-5", {"format": "compat"}),
+        ("vit-5", {}),
+        ("tiny-whisper", {}),
+    ],
+)
+def test_streaming_is_bitwise_equal_to_in_memory(sources, tmp_path, name, options):
+    mem, stream = tmp_path / "mem", tmp_path / "stream"
+    normswap.convert(sources[name], mem, low_memory=False, **options)
+    report = normswap.convert(sources[name], stream, low_memory=True, **options)
+    assert "by streaming" in report.message
+    assert_same_tensors(mem, stream)
+    assert_same_plan(mem, stream)
+    figures = report.verification
+    exact = options.get("mode") != "all"
+    limit = 5e-2 if options.get("dtype") == "bfloat16" else 1e-5
+    assert (
+        (figures["truncated_max_rel_error"] < limit) if exact else (figures["truncated_max_rel_error"] > 1e-4)
+    )
+    if name != "tiny-whisper":
+        assert "[0, 1, 4]" in figures["truncated_layers"] or "[0, 1, 5]" in figures["truncated_layers"]
+
+
+def test_streamed_whisper_is_exact_on_the_full_model(sources, tmp_path):
+    """Two layer stacks, a centering op and cross-attention readers, extrapolated from 3/4-layer proxies."""
+    out = tmp_path / "w"
+    report = normswap.convert(sources["whisper-5-6"], out, low_memory=True)
+    plan = report.plan
+    assert len(plan.sites) == 2 * 5 + 3 * 6 + 2 and len(plan.hooks) == 1
+    assert "extrapolated" in plan.options["analysis"]
+    converted = normswap.load(out)
+    original = tf.WhisperForConditionalGeneration.from_pretrained(sources["whisper-5-6"]).eval()
+    from normswap.inputs import hf_example_inputs
+
+    probe = hf_example_inputs(original, seed=3)
+    with torch.no_grad():
+        ref, got = original(**probe).logits, converted(**probe).logits
+    assert (got - ref).abs().max() / ref.abs().max() < 1e-5
+
+
+def test_streamed_shards_are_valid_and_bounded(sources, tmp_path):
+    out = tmp_path / "s"
+    normswap.convert(sources["gpt2-6"], out, low_memory=True, max_shard_size="30KB")
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    files = sorted(out.glob("*.safetensors"))
+    assert len(files) > 3 and set(index["weight_map"].values()) == {f.name for f in files}
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in tensors(out).values())
+    for f in files:
+        with safe_open(str(f), "pt") as h:
+            assert h.metadata() == {"format": "pt"}
+            sizes = [h.get_tensor(k).numel() * 4 for k in h.keys()]
+        assert sum(sizes) <= 30_000 or len(sizes) == 1
+    assert normswap.load(out) is not None
+
+
+def test_streaming_never_loads_the_model(sources, tmp_path, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("the streaming path must not load the model")
+
+    monkeypatch.setattr(tf.PreTrainedModel, "from_pretrained", classmethod(refuse))
+    monkeypatch.setattr(streaming, "REOPEN_BYTES", 1)  # re-open the shard handles constantly: same result
+    normswap.convert(sources["gpt2-6"], tmp_path / "s", low_memory=True)
+    monkeypatch.undo()
+    normswap.convert(sources["gpt2-6"], tmp_path / "m", low_memory=False)
+    assert_same_tensors(tmp_path / "m", tmp_path / "s")
+
+
+def test_low_memory_is_chosen_automatically_for_big_checkpoints(sources, tmp_path, monkeypatch):
+    size = sum(f.stat().st_size for f in sources["gpt2-6"].glob("*.safetensors"))
+    monkeypatch.setattr(convert_mod, "available_memory", lambda: size)  # checkpoint > half of "RAM"
+    monkeypatch.setattr(streaming, "_available", lambda: 8 << 30)  # ... while the small proxies fit
+    notes = []
+    report = normswap.convert(sources["gpt2-6"], tmp_path / "auto", echo=notes.append)
+    assert "by streaming" in report.message
+    assert any("--low-memory" in n for n in notes)
+
+
+def test_cli_low_memory(sources, tmp_path):
+    from normswap.cli import main
+
+    res = CliRunner().invoke(
+        main, ["convert", str(sources["vit-5"]), "--out", str(tmp_path / "v"), "--low-memory"]
+    )
+    assert res.exit_code == 0, res.stderr
+    assert "truncated" in res.stdout or "verification" in res.stdout
+    assert (tmp_path / "v" / "modeling_normswap.py").is_file()
+
+
+def test_per_layer_config_lists_are_reduced(sources, tmp_path):
+    # GPT-Neo alternates global/local attention through a per-layer list: cut with the layers
+    report = normswap.convert(sources["gpt_neo"], tmp_path / "n", low_memory=True)
+    assert report.verification["truncated_max_rel_error"] < 1e-5
+
+
+def test_non_uniform_layers_are_refused_cleanly(sources, tmp_path, monkeypatch):
+    real = streaming.analyse_proxy
+
+    def non_uniform(model, **kw):  # pretend layer 2 of the 4-layer proxy is different
+        plan = real(model, **kw)
+        if len(model.transformer.h) == 4:
+            plan.folds = [f for f in plan.folds if not f.site.startswith("transformer.h.2.")]
+        return plan
+
+    monkeypatch.setattr(streaming, "analyse_proxy", non_uniform)
+    with pytest.raises(NormswapError, match="convert in memory") as info:
+        normswap.convert(sources["gpt2-6"], tmp_path / "n", low_memory=True)
+    assert "\n" not in str(info.value)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_streaming_refuses_pickle_and_presets(sources, tmp_path):
+    with pytest.raises(NormswapError, match="save the preset first"):
+        normswap.convert("tiny-gpt2", tmp_path / "p", low_memory=True)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_extrapolation_check_rejects_non_uniform_layers(tmp_path):
+    cls, config = MODELS["gpt2-6"]()
+    plans, depths = {}, {}
+    for d in (3, 4):
+        proxy = streaming.build_proxy(cls, streaming.reduced_config(config, d), torch.float64)
+        plans[d] = streaming.analyse_proxy(proxy, mode="auto", untie=True, fold_gamma=False).to_dict()
+        depths[d] = {"transformer.h": d}
+    extrapolate.check(plans[3], plans[4], depths[3], depths[4])  # uniform: passes
+    tampered = json.loads(json.dumps(plans[4]))
+    tampered["folds"] = [f for f in tampered["folds"] if not f["site"].startswith("transformer.h.2.")]
+    with pytest.raises(extrapolate.ExtrapolationError, match="not uniform"):
+        extrapolate.check(plans[3], tampered, depths[3], depths[4])
+    six = extrapolate.extrapolate(plans[3], depths[3], {"transformer.h": 6})
+    names = [s["name"] for s in six["sites"]]
+    assert names == [f"transformer.h.{i}.ln_{k}" for i in range(6) for k in (1, 2)] + ["transformer.ln_f"]
+    last = six["sites"][-1]
+    assert len(last["writers"]) == 2 + 2 * 6 and last["reason"] == "stream written by 14 centered writer(s)"
+
+
+def test_shard_writer_round_trip(tmp_path):
+    data = {
+        "a": torch.randn(3, 5),
+        "b": torch.arange(7, dtype=torch.int64),
+        "c": torch.randn(4).bfloat16(),
+        "d": torch.tensor(2.5),
+    }
+    layout = [(k, streaming.ST_DTYPES[v.dtype], tuple(v.shape)) for k, v in data.items()]
+    w = streaming.ShardWriter(tmp_path / "x.safetensors", layout)
+    for k, v in data.items():
+        w.write(k, v)
+    w.close()
+    with safe_open(str(tmp_path / "x.safetensors"), "pt") as h:
+        assert h.metadata() == {"format": "pt"}
+        for k, v in data.items():
+            assert torch.equal(h.get_tensor(k), v)
+    bad = streaming.ShardWriter(tmp_path / "y.safetensors", layout)
+    with pytest.raises(RuntimeError, match="expected a"):
+        bad.write("b", data["b"])
+    with pytest.raises(RuntimeError, match="incomplete"):
+        bad.close()
