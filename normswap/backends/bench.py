@@ -11,7 +11,9 @@ For each shape and dtype it times, side by side in interleaved rounds:
 
 Absolute times on a shared machine are noisy, so every round times every method back to back and the
 reported ratios (to ``layer_norm`` and to ``copy``) are medians of per-round ratios; a slow phase
-then slows both sides of a ratio. Times are medians over rounds (and the minimum is kept too).
+then slows both sides of a ratio. Times are medians over rounds. The ratio of the fastest rounds
+(``min_vs_*``) is reported too: on a machine other jobs keep busy, the minimum is the sample least
+disturbed by them (multi-threaded ops suffer most: one descheduled thread stalls the others).
 
 Bytes model (for GB/s): forward reads x and writes y, ``2 * M * N * itemsize``; forward+backward
 adds reading x and dy and writing dx, ``5 * M * N * itemsize`` in all (parameters are negligible).
@@ -52,6 +54,8 @@ class Record:
     gbps: float
     vs_layer_norm: float | None  # median per-round time ratio method / layer_norm
     vs_copy: float | None  # median per-round time ratio method / copy (forward only)
+    min_vs_layer_norm: float | None = None  # ratio of the fastest rounds (least disturbed by other load)
+    min_vs_copy: float | None = None
     samples_us: list[float] = field(default_factory=list)
 
 
@@ -188,10 +192,15 @@ def bench_shape(
                 return None
             return statistics.median(a / bb for a, bb in zip(ts, times[base], strict=True))
 
+        def min_ratio(base: str, ts: list[float] = ts) -> float | None:
+            return min(ts) / min(times[base]) if base in times else None
+
         records.append(Record(
             device=device, dtype=str(dtype).replace("torch.", ""), rows=rows, n=n, pass_=pass_, method=k,
             median_us=med * 1e6, min_us=min(ts) * 1e6, gbps=nbytes / med / 1e9,
-            vs_layer_norm=ratio("layer_norm"), vs_copy=ratio("copy"), samples_us=[t * 1e6 for t in ts],
+            vs_layer_norm=ratio("layer_norm"), vs_copy=ratio("copy"),
+            min_vs_layer_norm=min_ratio("layer_norm"), min_vs_copy=min_ratio("copy"),
+            samples_us=[t * 1e6 for t in ts],
         ))
     return records
 
@@ -232,13 +241,16 @@ def parse_dtype(name: str) -> torch.dtype:
 
 def table(records: Sequence[Record]) -> str:
     """Fixed-width text table, one block per (pass, dtype, shape)."""
-    lines = [f"{'pass':8} {'dtype':9} {'shape':>11} {'method':15} {'median us':>10} {'GB/s':>7} "
-             f"{'x layer_norm':>12} {'x copy':>7}"]
+    lines = [f"{'pass':8} {'dtype':9} {'shape':>11} {'method':15} {'median us':>10} {'min us':>9} {'GB/s':>7} "
+             f"{'x layer_norm':>12} {'x copy':>7} {'(min: xLN':>10} {'x copy)':>8}"]
+
+    def fmt(v: float | None, width: int) -> str:
+        return f"{v:{width}.2f}" if v is not None else " " * width
+
     for r in records:
-        ln = f"{r.vs_layer_norm:12.2f}" if r.vs_layer_norm is not None else f"{'':12}"
-        cp = f"{r.vs_copy:7.2f}" if r.vs_copy is not None else f"{'':7}"
         lines.append(f"{r.pass_:8} {r.dtype:9} {f'{r.rows}x{r.n}':>11} {r.method:15} {r.median_us:10.1f} "
-                     f"{r.gbps:7.1f} {ln} {cp}")
+                     f"{r.min_us:9.1f} {r.gbps:7.1f} {fmt(r.vs_layer_norm, 12)} {fmt(r.vs_copy, 7)} "
+                     f"{fmt(r.min_vs_layer_norm, 10)} {fmt(r.min_vs_copy, 8)}")
     return "\n".join(lines)
 
 
