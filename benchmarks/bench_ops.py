@@ -28,7 +28,8 @@ def main() -> None:
     ap.add_argument("--dtype", action="append", help="repeatable (default: float32, bfloat16; +float16 on cuda)")
     ap.add_argument("--shapes", default=None, help="comma-separated ROWSxN (default: the issue's shapes)")
     ap.add_argument("--pass", dest="passes", action="append", choices=["fwd", "fwd+bwd"])
-    ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--target-ms", type=float, default=5.0, help="length of one timing block")
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
     ap.add_argument("--no-compile", action="store_true", help="skip torch.compile (slow to build on CPU)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
@@ -42,7 +43,8 @@ def main() -> None:
     shapes = args.shapes or (GPU_SHAPES if args.device == "cuda" else "4096x768,2048x4096,256x2048")
     records = bench.run(
         args.device, [bench.parse_dtype(d) for d in dtypes], bench.parse_shapes(shapes),
-        args.passes or ["fwd", "fwd+bwd"], rounds=args.rounds, compile_=not args.no_compile,
+        args.passes or ["fwd", "fwd+bwd"], rounds=args.rounds, target_ms=args.target_ms,
+        compile_=not args.no_compile,
     )
     env = bench.environment(args.device)
     print(json.dumps(env))

@@ -52,13 +52,15 @@ def backends_cmd(as_json: bool) -> None:
 @click.option("--pass", "passes", multiple=True, default=("fwd",), show_default=True,
               type=click.Choice(["fwd", "fwd+bwd"]), help="Repeatable.")
 @click.option("--rounds", default=7, show_default=True, help="Interleaved timing rounds per shape.")
+@click.option("--target-ms", default=20.0, show_default=True,
+              help="Length of one timing block (calls are repeated to fill it).")
 @click.option("--compile", "compile_", is_flag=True, help="Also time torch.compile of the eager math.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
               help="Also write results and environment to this JSON file.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
               help="Also write a PNG bar chart (needs matplotlib).")
 def bench_cmd(device: str, dtypes: tuple[str, ...], shapes: str, passes: tuple[str, ...], rounds: int,
-              compile_: bool, json_path: str | None, plot_path: str | None) -> None:
+              target_ms: float, compile_: bool, json_path: str | None, plot_path: str | None) -> None:
     """Time RMSNorm backends against torch layer_norm, F.rms_norm and a plain copy.
 
     Ratios are medians of per-round ratios (every method is timed once per round, interleaved), so
@@ -86,7 +88,7 @@ def bench_cmd(device: str, dtypes: tuple[str, ...], shapes: str, passes: tuple[s
         shape_list = bench.parse_shapes(shapes)
     except ValueError as exc:
         raise click.BadParameter(str(exc)) from exc
-    records = bench.run(device, dts, shape_list, passes, rounds=rounds, compile_=compile_)
+    records = bench.run(device, dts, shape_list, passes, rounds=rounds, target_ms=target_ms, compile_=compile_)
     click.echo(bench.table(records))
     if json_path:
         with open(json_path, "w") as fh:
