@@ -151,7 +151,7 @@ def main() -> None:
             "data.seq_len=48" if toy_model else "data.seq_len=128",
             "data.batch_size=32" if toy_model else "data.batch_size=16",
         ],
-        "encoder": ["train.steps=300", "train.lr=1e-4", "data.seq_len=128", "data.batch_size=16"],
+        "encoder": ["train.steps=300", "train.lr=3e-5", "data.seq_len=128", "data.batch_size=16"],
     }[task]
     overrides = [
         *defaults,

@@ -119,6 +119,8 @@ class ProgressiveConfig:
 class EvalConfig:
     every: int = 100
     before: bool = True
+    keep_best: bool = True
+    metric: str | None = None  # default per task: kl (LMs with a teacher), ppl (no teacher), cosine (encoder)
 
 
 @dataclass
@@ -485,6 +487,23 @@ def validate(cfg: RecipeConfig, *, check_paths: bool = True) -> None:
                 f"config key `progressive.order` must be 'forward', 'reverse' or a list of "
                 f"module-name patterns, got {order!r}"
             )
+    allowed = {
+        "causal-lm": ("kl", "top1_agreement", "ppl"),
+        "encoder": ("cosine", "hidden_rel_mse"),
+        "masked-lm": ("kl", "top1_agreement", "kl_masked", "top1_agreement_masked", "ppl"),
+    }[cfg.task]
+    if cfg.eval.metric is not None and cfg.eval.metric not in allowed:
+        raise NormswapError(
+            f"config key `eval.metric` must be one of {', '.join(allowed)} for task {cfg.task}, "
+            f"got {cfg.eval.metric!r}"
+        )
+    if (
+        cfg.eval.metric in ("kl", "top1_agreement", "kl_masked", "top1_agreement_masked")
+        and not cfg.teacher.enabled
+    ):
+        raise NormswapError(
+            f"config key `eval.metric`: {cfg.eval.metric!r} needs the teacher (teacher.enabled)"
+        )
     if cfg.train.trainable == "lora" and cfg.train.lora.target_modules == []:
         raise NormswapError(
             "config key `train.lora.target_modules` must name at least one module (or be null)"
@@ -496,6 +515,14 @@ def validate(cfg: RecipeConfig, *, check_paths: bool = True) -> None:
             f"config key `checkpoint.stop_after` ({cfg.checkpoint.stop_after}) is past "
             f"`train.steps` ({cfg.train.steps})"
         )
+
+
+def selection_metric(cfg: RecipeConfig) -> tuple[str, bool]:
+    """The held-out metric ``eval.keep_best`` ranks by, and whether higher is better."""
+    name = cfg.eval.metric or (
+        "cosine" if cfg.task == "encoder" else ("kl" if cfg.teacher.enabled else "ppl")
+    )
+    return name, name in ("cosine", "top1_agreement", "top1_agreement_masked")
 
 
 def _cuda_available() -> bool:

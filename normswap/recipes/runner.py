@@ -34,7 +34,7 @@ from normswap.recipes import data as data_mod
 from normswap.recipes import io, losses
 from normswap.recipes import metrics as metrics_mod
 from normswap.recipes import models as models_mod
-from normswap.recipes.config import RecipeConfig, load_config
+from normswap.recipes.config import RecipeConfig, load_config, selection_metric
 
 
 @dataclass
@@ -52,6 +52,7 @@ class RunResult:
     saved_with: str | None = None
     stopped_early: bool = False
     resumed_from: str | None = None
+    best_step: int | None = None
     conversion: dict[str, Any] = field(default_factory=dict)
     model: nn.Module | None = None
 
@@ -197,6 +198,42 @@ class _Console:
             self.bar.close()
 
 
+class _Best:
+    """The held-out-best student so far (``eval.keep_best``): step, metrics and a CPU weight copy."""
+
+    def __init__(self, metric: str, maximize: bool, enabled: bool) -> None:
+        self.metric, self.maximize, self.enabled = metric, maximize, enabled
+        self.step: int | None = None
+        self.metrics: dict[str, float] = {}
+        self.state: dict[str, torch.Tensor] | None = None
+
+    def consider(self, step: int, metrics: dict[str, float], model: nn.Module) -> None:
+        value = metrics.get(self.metric)
+        if not self.enabled or value is None or value != value:
+            return
+        best = self.metrics.get(self.metric)
+        if best is not None and not (value > best if self.maximize else value < best):
+            return
+        self.step, self.metrics = step, dict(metrics)
+        self.state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+
+    def save(self, path: Path) -> dict[str, Any] | None:
+        if self.state is None:
+            return None
+        from safetensors.torch import save_file
+
+        save_file({k: v.contiguous() for k, v in self.state.items()}, str(path / "best.safetensors"))
+        return {"step": self.step, "metrics": self.metrics}
+
+    def load(self, path: Path, info: dict[str, Any] | None) -> None:
+        if not info or not (path / "best.safetensors").is_file():
+            return
+        from safetensors.torch import load_file
+
+        self.step, self.metrics = info["step"], info["metrics"]
+        self.state = load_file(str(path / "best.safetensors"))
+
+
 # ---------------------------------------------------------------------------------- run
 def run(
     config_or_path: str | os.PathLike | dict[str, Any] | RecipeConfig,
@@ -298,6 +335,13 @@ def run(
         )
 
     log = metrics_mod.MetricsLog(out / "metrics.jsonl", enabled=main)
+    from accelerate.utils import DistributedType
+
+    sharded = accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
+    if cfg.eval.keep_best and sharded:
+        console.print("eval.keep_best is off under FSDP/DeepSpeed (sharded weights): the last step is saved")
+    best = _Best(*selection_metric(cfg), enabled=cfg.eval.keep_best and not sharded)
+    final_structure = prog.last_step() if prog is not None else 0  # earlier steps still have LayerNorms
     step, seen_tokens, train_time = 0, 0, 0.0
     metrics_before: dict[str, float] = {}
     last_eval: dict[str, float] = {}
@@ -311,6 +355,7 @@ def run(
                 models_mod.swap_stage(accelerator.unwrap_model(model), prog, k, None)
         accelerator.load_state(str(resume_dir))
         accelerator.step = 0
+        best.load(resume_dir, state.get("best"))
         log.truncate_after(step)
         console.print(f"resumed from {resume_dir} at step {step}")
     else:
@@ -331,6 +376,8 @@ def run(
         if cfg.eval.before:
             last_eval = metrics_before if prog is None else evaluate(model)
             log.write({"step": 0, "split": "eval", **last_eval})
+            if final_structure <= 0:
+                best.consider(0, last_eval, accelerator.unwrap_model(model))
         console.print(f"before: {metrics_mod.headline(metrics_before)}")
 
     # ---- train
@@ -385,6 +432,8 @@ def run(
         if step % cfg.eval.every == 0 or step == cfg.train.steps:
             last_eval = evaluate(model)
             log.write({"step": step, "split": "eval", **last_eval})
+            if step >= final_structure:
+                best.consider(step, last_eval, accelerator.unwrap_model(model))
             console.print(f"step {step}: {metrics_mod.headline(last_eval)}")
         if step % cfg.checkpoint.every == 0 or step == stop_at:
             train_time += time.perf_counter() - tick
@@ -402,6 +451,7 @@ def run(
                     "last_eval": last_eval,
                     "swapped": list(prog.done) if prog else [],
                 },
+                best,
             )
         if step == stop_at and stop_at < cfg.train.steps:
             stopped_early = True
@@ -420,6 +470,14 @@ def run(
 
     # ---- finish
     metrics_after = last_eval
+    if not stopped_early and best.state is not None and best.step != step:
+        accelerator.unwrap_model(model).load_state_dict(best.state)
+        metrics_after = best.metrics
+        console.print(
+            f"keeping step {best.step}: best held-out {best.metric} ({best.metrics[best.metric]:.4g})"
+        )
+    if not stopped_early:
+        log.write({"step": best.step if best.state is not None else step, "split": "after", **metrics_after})
     unwrapped = models_mod.finalize(accelerator.unwrap_model(model))
     unwrapped.eval()
     model_dir, saved_with = None, None
@@ -433,6 +491,7 @@ def run(
                     "metrics_before": metrics_before,
                     "metrics_after": metrics_after,
                     "steps": step,
+                    "kept_step": best.step if best.state is not None else step,
                     "tokens": seen_tokens,
                     "train_time_s": round(train_time, 3),
                     "conversion": conversion,
@@ -466,6 +525,7 @@ def run(
         saved_with=saved_with,
         stopped_early=stopped_early,
         resumed_from=str(resume_dir) if resume_dir else None,
+        best_step=best.step if best.state is not None else None,
         conversion=conversion,
         model=unwrapped,
     )
@@ -488,12 +548,13 @@ def _replicas_in_sync(accelerator: Any, model: nn.Module) -> bool | None:
 
 
 def _save_checkpoint(
-    accelerator: Any, out: Path, step: int, cfg: RecipeConfig, state: dict[str, Any]
+    accelerator: Any, out: Path, step: int, cfg: RecipeConfig, state: dict[str, Any], best: _Best
 ) -> None:
     root = out / "checkpoints"
     path = root / f"step-{step:06d}"
     accelerator.save_state(str(path), safe_serialization=True)
     if accelerator.is_main_process:
+        state = {**state, "best": best.save(path)}
         (path / "trainer_state.json").write_text(json.dumps(state, indent=2, default=float))
         io.prune_checkpoints(root, cfg.checkpoint.keep_last)
     accelerator.wait_for_everyone()
