@@ -159,6 +159,9 @@ def test_verify_exact_approximate_and_tampered(tmp_path):
     data.write_text(presets.CORPUS)
     code, out, _, _ = run("verify", "tiny-gpt2", str(tmp_path / "g"), "--data", str(data), "--json")
     assert code == 0 and json.loads(out)["ok"] is True
+    normswap.convert("tiny-gpt2", tmp_path / "gc", format="compat")
+    code, out, _, _ = run("verify", "tiny-gpt2", str(tmp_path / "gc"))
+    assert code == 0 and "exact conversion" in out
     normswap.convert("tiny-bert", tmp_path / "b", mode="all")
     code, out, _, _ = run("verify", "tiny-bert", str(tmp_path / "b"))
     assert code == 0 and "approximate conversion" in out

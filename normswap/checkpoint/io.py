@@ -219,7 +219,7 @@ def os_error(exc: OSError, where: Path | str) -> NormswapError:
         )
     if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
         return NormswapError(f"cannot write {where} ({exc.strerror}); choose a writable --out")
-    return NormswapError(f"I/O error while writing {where}: {exc.strerror or exc}")
+    return NormswapError(f"I/O error on {where}: {exc.strerror or exc}")
 
 
 # ------------------------------------------------------------------------------------ safetensors

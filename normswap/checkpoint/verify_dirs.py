@@ -45,7 +45,12 @@ def verify_checkpoint(
     if plan is None:
         raise NormswapError(f"{converted} is not a normswap checkpoint (no manifest in config.json)")
     dtype = next((p.dtype for p in conv.parameters() if p.is_floating_point()), torch.float32)
-    src = source.resolve(str(original), allow_pickle=allow_pickle, trust_remote_code=trust_remote_code)
+    try:
+        src = source.resolve(str(original), allow_pickle=allow_pickle, trust_remote_code=trust_remote_code)
+    except source.NothingToConvert as exc:
+        raise NormswapError(
+            f"ORIGINAL {original} is itself a normswap checkpoint; pass the model it was converted from"
+        ) from exc
     arch = (
         getattr(conv.config, "normswap", {}).get("architecture") if hasattr(conv.config, "normswap") else None
     )

@@ -61,7 +61,12 @@ def plan_of(model: nn.Module) -> Plan:
 def stock_class(model: nn.Module) -> type:
     """The transformers class a (possibly normswap-generated) model class stands for."""
     cls = type(model)
-    while cls.__module__ == hf.__name__ or cls.__module__.startswith("transformers_modules"):
+
+    def ours(c: type) -> bool:  # a generated class, or a subclass of one (the trust_remote_code file)
+        model_type = getattr(getattr(c, "config_class", None), "model_type", "") or ""
+        return hf.base_type(model_type) is not None
+
+    while ours(cls) and len(cls.__mro__) > 1:
         cls = cls.__mro__[1]
     return cls
 
@@ -393,7 +398,7 @@ def model_card(manifest: dict[str, Any], out_name: str) -> str:
         f"# {out_name}",
         "",
         f"`{manifest.get('source') or 'a model'}` ({arch}) converted by "
-        f"[normswap](https://github.com/normswap/normswap) {vers.get('normswap', '')}: "
+        f"normswap {vers.get('normswap', '')}: "
         f"{converted} LayerNorm(s) {'replaced by RMSNorm' if fmt == 'native' else 'prepared for RMSNorm'}.",
         "",
         f"- format: **{fmt}**",
