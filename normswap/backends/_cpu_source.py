@@ -22,7 +22,9 @@ SOURCE = r"""
 #include <cstring>
 #include <cmath>
 #include <vector>
+#ifdef _OPENMP
 #include <omp.h>
+#endif
 #if NS_ISA >= 1
 #include <immintrin.h>
 #endif
@@ -278,6 +280,7 @@ void rows(const typename D::T* x, int64_t r0, int64_t r1, int64_t N, int64_t xs,
 #endif
 }
 
+
 // float64: plain loops (the correctness path for gradcheck-style use; the compiler vectorises them).
 template <bool HAS_W, bool HAS_B>
 void rows_f64(const double* x, int64_t r0, int64_t r1, int64_t N, int64_t xs, const double* w, int64_t wrows,
@@ -306,11 +309,15 @@ template <class F>
 void parallel_rows(int64_t M, int nthreads, F&& f) {
   if (nthreads > M) nthreads = int(M > 0 ? M : 1);
   if (nthreads <= 1) { f(0, M); return; }
+#ifdef _OPENMP
 #pragma omp parallel num_threads(nthreads)
   {
     const int64_t t = omp_get_thread_num(), n = omp_get_num_threads();
     f(M * t / n, M * (t + 1) / n);  // static contiguous split: each thread streams its own rows
   }
+#else
+  f(0, M);
+#endif
 }
 
 template <class D>
@@ -340,6 +347,102 @@ void launch(const void* x, int64_t M, int64_t N, int64_t xs, const void* w, int6
     else if (B) rows<D, false, true>(X, r0, r1, N, xs, W, wrows, B, brows, Y, rstd, e, stream);
     else rows<D, false, false>(X, r0, r1, N, xs, W, wrows, B, brows, Y, rstd, e, stream);
   });
+}
+
+// ---------------------------------------------------------------------------------------- backward
+// Gradients of the forward above with its roundings treated as identity (what autograd does to the
+// eager reference), all in fp32:  xhat = x * rstd,  g = dy * w,  c = mean(g * xhat),
+// dx = (g - xhat * c) * rstd,  dW += dy * round(xhat),  dB += dy.
+// Each thread accumulates dW/dB for its contiguous block of rows into its own fp32 partial buffer;
+// the caller sums the partials over threads in a fixed order (deterministic for a thread count).
+template <class D, bool HAS_W, bool HAS_DW, bool HAS_DB>
+void bwd_rows(const typename D::T* x, const typename D::T* dy, int64_t r0, int64_t r1, int64_t N, int64_t xs,
+              int64_t dys, const float* w, int64_t prows, const float* rstd, typename D::T* dx, float* dw,
+              float* db) {
+  D d;
+  const F32 f;
+  const int64_t nv = N / L * L;
+  const int tail = int(N - nv);
+  for (int64_t r = r0; r < r1; ++r) {
+    const typename D::T* xr = x + r * xs;
+    const typename D::T* dyr = dy + r * dys;
+    typename D::T* dxr = dx + r * N;
+    const int64_t p = (r % prows) * N;
+    const float* wr = HAS_W ? w + p : nullptr;
+    float* dwr = HAS_DW ? dw + p : nullptr;
+    float* dbr = HAS_DB ? db + p : nullptr;
+    const V vrs = vset(rstd[r]);
+    V acc = vzero();
+    for (int64_t i = 0; i <= nv; i += L) {  // pass 1: c, and the parameter gradients
+      const bool full = i < nv;
+      if (!full && !tail) break;
+      const int n = full ? L : tail;
+      V xv = full ? vload(d, xr + i) : vload_tail(d, xr + i, n);
+      V gy = full ? vload(d, dyr + i) : vload_tail(d, dyr + i, n);
+      V xh = vmul(xv, vrs);
+      V g = HAS_W ? vmul(gy, full ? vload(f, wr + i) : vload_tail(f, wr + i, n)) : gy;
+      acc = vfma(g, xh, acc);
+      if (HAS_DW) {
+        V cur = full ? vload(f, dwr + i) : vload_tail(f, dwr + i, n);
+        cur = vfma(gy, vround(d, xh), cur);
+        if (full) vstore(f, dwr + i, cur); else vstore_tail(f, dwr + i, cur, n);
+      }
+      if (HAS_DB) {
+        V cur = full ? vload(f, dbr + i) : vload_tail(f, dbr + i, n);
+        cur = vadd(cur, gy);
+        if (full) vstore(f, dbr + i, cur); else vstore_tail(f, dbr + i, cur, n);
+      }
+    }
+    const V vc = vset(vsum(acc) / float(N));
+    for (int64_t i = 0; i <= nv; i += L) {  // pass 2: dx
+      const bool full = i < nv;
+      if (!full && !tail) break;
+      const int n = full ? L : tail;
+      V xv = full ? vload(d, xr + i) : vload_tail(d, xr + i, n);
+      V gy = full ? vload(d, dyr + i) : vload_tail(d, dyr + i, n);
+      V xh = vmul(xv, vrs);
+      V g = HAS_W ? vmul(gy, full ? vload(f, wr + i) : vload_tail(f, wr + i, n)) : gy;
+      V out = vmul(vadd(g, vmul(xh, vmul(vc, vset(-1.0f)))), vrs);
+      if (full) vstore(d, dxr + i, out); else vstore_tail(d, dxr + i, out, n);
+    }
+  }
+}
+
+template <class D>
+void launch_bwd(const void* x, const void* dy, int64_t M, int64_t N, int64_t xs, int64_t dys, const void* w,
+                int64_t prows, const float* rstd, void* dx, float* dw_part, float* db_part, int nthreads) {
+  using T = typename D::T;
+  std::vector<float> wbuf;
+  const float* W = as_f32(D{}, w, prows * N, wbuf);
+  auto X = static_cast<const T*>(x); auto DY = static_cast<const T*>(dy); auto DX = static_cast<T*>(dx);
+  if (nthreads > M) nthreads = int(M > 0 ? M : 1);
+  if (nthreads < 1) nthreads = 1;
+  const int64_t part = prows * N;
+  auto body = [&](int64_t t, int64_t n) {
+    const int64_t r0 = M * t / n, r1 = M * (t + 1) / n;
+    float* dw = dw_part ? dw_part + t * part : nullptr;
+    float* db = db_part ? db_part + t * part : nullptr;
+    if (dw) std::memset(dw, 0, size_t(part) * sizeof(float));
+    if (db) std::memset(db, 0, size_t(part) * sizeof(float));
+    const int key = (W ? 4 : 0) | (dw ? 2 : 0) | (db ? 1 : 0);
+    switch (key) {
+      case 7: bwd_rows<D, true, true, true>(X, DY, r0, r1, N, xs, dys, W, prows, rstd, DX, dw, db); break;
+      case 6: bwd_rows<D, true, true, false>(X, DY, r0, r1, N, xs, dys, W, prows, rstd, DX, dw, db); break;
+      case 5: bwd_rows<D, true, false, true>(X, DY, r0, r1, N, xs, dys, W, prows, rstd, DX, dw, db); break;
+      case 4: bwd_rows<D, true, false, false>(X, DY, r0, r1, N, xs, dys, W, prows, rstd, DX, dw, db); break;
+      case 3: bwd_rows<D, false, true, true>(X, DY, r0, r1, N, xs, dys, W, prows, rstd, DX, dw, db); break;
+      case 2: bwd_rows<D, false, true, false>(X, DY, r0, r1, N, xs, dys, W, prows, rstd, DX, dw, db); break;
+      case 1: bwd_rows<D, false, false, true>(X, DY, r0, r1, N, xs, dys, W, prows, rstd, DX, dw, db); break;
+      default: bwd_rows<D, false, false, false>(X, DY, r0, r1, N, xs, dys, W, prows, rstd, DX, dw, db); break;
+    }
+  };
+  if (nthreads == 1) { body(0, 1); return; }
+#ifdef _OPENMP
+#pragma omp parallel num_threads(nthreads)
+  body(omp_get_thread_num(), omp_get_num_threads());
+#else
+  body(0, 1);
+#endif
 }
 
 }  // namespace
@@ -372,6 +475,29 @@ int ns_rms_norm_fwd(int dtype, const void* x, int64_t M, int64_t N, int64_t x_ro
       });
       return 0;
     }
+  }
+  return 1;
+}
+
+// Backward for float32/bfloat16/float16 (float64 gradients use PyTorch math). x and dy: (M, N) rows
+// with row strides; dx: contiguous (M, N); rstd: fp32 (M); w: prows rows of N in x's dtype, or null.
+// dw_part/db_part (optional): nthreads * prows * N fp32 each, one slice per thread; the caller sums
+// them. Threads actually used = min(nthreads, M). Returns 0 on success.
+int ns_rms_norm_bwd(int dtype, const void* x, const void* dy, int64_t M, int64_t N, int64_t x_row_stride,
+                    int64_t dy_row_stride, const void* w, int64_t p_rows, const float* rstd, void* dx,
+                    float* dw_part, float* db_part, int nthreads) {
+  switch (dtype) {
+    case 0:
+      launch_bwd<F32>(x, dy, M, N, x_row_stride, dy_row_stride, w, p_rows, rstd, dx, dw_part, db_part, nthreads);
+      return 0;
+    case 1:
+      launch_bwd<BF16>(x, dy, M, N, x_row_stride, dy_row_stride, w, p_rows, rstd, dx, dw_part, db_part, nthreads);
+      return 0;
+#ifdef NS_HAS_F16
+    case 2:
+      launch_bwd<F16>(x, dy, M, N, x_row_stride, dy_row_stride, w, p_rows, rstd, dx, dw_part, db_part, nthreads);
+      return 0;
+#endif
   }
   return 1;
 }

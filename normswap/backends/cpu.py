@@ -29,10 +29,12 @@ float64 inputs compute in float64. Supported: float32, bfloat16, float16 (with F
 ``_Float16``), float64; rows whose normalised dims are contiguous with any row stride (anything else is
 made contiguous first); per-head weights (``param_shape`` larger than ``normalized_shape``).
 
-Gradients: forward is the kernel (it also writes fp32 ``rstd`` per row); backward is eager PyTorch
-math in fp32 (float64 for float64) through an ``autograd.Function``. Under ``torch.compile`` the
-forward is the custom op ``normswap::cpu_rms_norm`` (``register_fake`` + ``register_autograd``), so
-there is no graph break; in eager mode the op dispatcher is bypassed to save its per-call overhead.
+Gradients: the forward also writes fp32 ``rstd`` per row; the backward is a second C++ kernel (the
+math of :func:`backward_math`: fp32, two passes per row, per-thread fp32 dW/dB partials summed in
+thread order, so dW is reproducible for a given thread count). float64 uses ``backward_math``.
+Under ``torch.compile`` forward and backward are the custom ops ``normswap::cpu_rms_norm`` and
+``normswap::cpu_rms_norm_bwd`` (``register_fake`` + ``register_autograd``), so there is no graph
+break; in eager mode an ``autograd.Function`` calls the kernels without the op dispatcher's overhead.
 
 Output buffers: a fresh ``torch.empty`` of more than ~32 MB is an ``mmap`` in glibc, and first touch
 page-faults every 4 KB page: measured 8.7 ms for a 33.5 MB ``clone()`` against 1.1 ms for a ``copy_``
@@ -104,6 +106,7 @@ class _Kernel:
 
     def __init__(self) -> None:
         self.fn = None
+        self.bwd = None
         self.dtypes: set[torch.dtype] = set()
         self.isa = -1
         self.path = ""
@@ -192,6 +195,8 @@ def _load(path: str) -> ctypes.CDLL:
     lib.ns_rms_norm_fwd.argtypes = [ctypes.c_int, P, I64, I64, I64, P, I64, P, I64, P, P, ctypes.c_double,
                                     ctypes.c_int, ctypes.c_int]
     lib.ns_rms_norm_fwd.restype = ctypes.c_int
+    lib.ns_rms_norm_bwd.argtypes = [ctypes.c_int, P, P, I64, I64, I64, I64, P, I64, P, P, P, P, ctypes.c_int]
+    lib.ns_rms_norm_bwd.restype = ctypes.c_int
     lib.ns_supported_dtypes.restype = ctypes.c_int
     lib.ns_isa.restype = ctypes.c_int
     return lib
@@ -212,6 +217,14 @@ def _self_test(k: _Kernel) -> str | None:
             if not torch.allclose(got.double(), ref.double(), rtol=tol, atol=tol):
                 err = (got.double() - ref.double()).abs().max().item()
                 return f"self-test failed for {dtype} {shape}: max error {err:.3g}"
+            dy = torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype)
+            _, rstd = _run(k, x, (shape[-1],), w, b, 1e-5, want_rstd=True, pooled=False)
+            grads = backward(dy, x, rstd, (shape[-1],), w, b, 1e-5, (True, w is not None, True), k)
+            refs = backward_math(dy, x, rstd, (shape[-1],), w, b, 1e-5, (True, w is not None, True))
+            for g, r in zip(grads, refs, strict=True):
+                if (g is None) != (r is None) or (g is not None and not torch.allclose(
+                        g.double(), r.double(), rtol=tol, atol=tol * 10)):
+                    return f"self-test failed for the {dtype} backward {shape}"
     return None
 
 
@@ -243,6 +256,7 @@ def _build() -> _Kernel:
             errors.append(f"loading {path}: {exc}")
             continue
         k.fn = lib.ns_rms_norm_fwd
+        k.bwd = lib.ns_rms_norm_bwd
         mask = lib.ns_supported_dtypes()
         k.dtypes = {dt for dt, code in _DTYPE_CODES.items() if mask & (1 << code)}
         k.isa, k.path, k.openmp = lib.ns_isa(), path, openmp
@@ -461,6 +475,56 @@ def backward_math(
     return dx, dw, db
 
 
+def backward(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    rstd: torch.Tensor,
+    normalized_shape: tuple[int, ...],
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float,
+    needs: tuple[bool, bool, bool],
+    k: _Kernel | None = None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """Gradients with the C++ backward kernel (same math as :func:`backward_math`, one pass pair per
+    row, per-thread fp32 dW/dB partials summed in thread order); float64 goes to ``backward_math``."""
+    k = k or kernel()
+    n = math.prod(normalized_shape)
+    if k.bwd is None or x.dtype == torch.float64 or x.dtype not in k.dtypes or n == 0 or x.numel() == 0:
+        return backward_math(dy, x, rstd, normalized_shape, weight, bias, eps, needs)
+    x2 = _as_rows(x.detach(), n)
+    dy2 = _as_rows(dy.detach().to(x.dtype), n)
+    m = x2.shape[0]
+    w, wrows = _params(weight, x.dtype, n)
+    prows = max(wrows, bias.numel() // n if bias is not None else 1)
+    if w is not None and wrows != prows:
+        w, wrows = w.repeat(prows // wrows, 1).contiguous(), prows  # e.g. per-head bias, shared weight
+    threads = min(torch.get_num_threads() if m * n >= _PARALLEL_MIN_ELEMENTS else 1, m)
+    want_dw, want_db = weight is not None and needs[1], bias is not None and needs[2]
+    dw_part = torch.empty((threads, prows, n), dtype=torch.float32) if want_dw else None
+    db_part = torch.empty((threads, prows, n), dtype=torch.float32) if want_db else None
+    dx = torch.empty(x.shape, dtype=x.dtype)
+    status = k.bwd(
+        _DTYPE_CODES[x.dtype], x2.data_ptr(), dy2.data_ptr(), m, n, x2.stride(0), dy2.stride(0),
+        w.data_ptr() if w is not None else None, prows, rstd.contiguous().data_ptr(), dx.data_ptr(),
+        dw_part.data_ptr() if dw_part is not None else None,
+        db_part.data_ptr() if db_part is not None else None, threads,
+    )
+    if status != 0:
+        return backward_math(dy, x, rstd, normalized_shape, weight, bias, eps, needs)
+
+    def reduce(part: torch.Tensor | None, p: torch.Tensor | None) -> torch.Tensor | None:
+        if part is None or p is None:
+            return None
+        total = part.sum(0)  # (prows, n), summed over threads in a fixed order
+        rows = p.numel() // n
+        if rows != prows:
+            total = total.view(prows // rows, rows, n).sum(0)
+        return total.reshape(p.shape).to(p.dtype)
+
+    return (dx if needs[0] else None), reduce(dw_part, weight), reduce(db_part, bias)
+
+
 class _RMSNormCPU(torch.autograd.Function):
     """Kernel forward + eager-math backward (the eager-mode path when gradients are needed)."""
 
@@ -474,8 +538,8 @@ class _RMSNormCPU(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):  # type: ignore[override]
         x, rstd, weight, bias = ctx.saved_tensors
-        dx, dw, db = backward_math(dy, x, rstd, ctx.normalized_shape, weight, bias, ctx.eps,
-                                   (ctx.needs_input_grad[0], ctx.needs_input_grad[2], ctx.needs_input_grad[3]))
+        dx, dw, db = backward(dy, x, rstd, ctx.normalized_shape, weight, bias, ctx.eps,
+                              (ctx.needs_input_grad[0], ctx.needs_input_grad[2], ctx.needs_input_grad[3]))
         return dx, None, dw, db, None
 
 
@@ -501,6 +565,24 @@ def _(x, normalized_shape, weight, bias, eps):
     return x.new_empty(x.shape), x.new_empty((rows,), dtype=torch.float32)
 
 
+@torch.library.custom_op("normswap::cpu_rms_norm_bwd", mutates_args=(), device_types="cpu")
+def _cpu_rms_norm_bwd_op(
+    dy: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor, normalized_shape: list[int],
+    weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    needs = (True, weight is not None, bias is not None)
+    dx, dw, db = backward(dy, x, rstd, tuple(normalized_shape), weight, bias, eps, needs)
+    # custom ops cannot return None: absent grads are empty tensors, dropped by _op_backward.
+    return dx, dw if dw is not None else x.new_empty((0,)), db if db is not None else x.new_empty((0,))
+
+
+@_cpu_rms_norm_bwd_op.register_fake
+def _(dy, x, rstd, normalized_shape, weight, bias, eps):
+    dw = weight.new_empty(weight.shape) if weight is not None else x.new_empty((0,))
+    db = bias.new_empty(bias.shape) if bias is not None else x.new_empty((0,))
+    return x.new_empty(x.shape), dw, db
+
+
 def _op_setup_context(ctx, inputs, output):
     x, normalized_shape, weight, bias, eps = inputs
     ctx.save_for_backward(x, output[1], weight, bias)
@@ -509,9 +591,9 @@ def _op_setup_context(ctx, inputs, output):
 
 def _op_backward(ctx, dy, _drstd):
     x, rstd, weight, bias = ctx.saved_tensors
-    dx, dw, db = backward_math(dy, x, rstd, ctx.normalized_shape, weight, bias, ctx.eps,
-                               (ctx.needs_input_grad[0], ctx.needs_input_grad[2], ctx.needs_input_grad[3]))
-    return dx, None, dw, db, None
+    dx, dw, db = torch.ops.normswap.cpu_rms_norm_bwd(dy, x, rstd, list(ctx.normalized_shape), weight, bias,
+                                                     ctx.eps)
+    return dx, None, dw if weight is not None else None, db if bias is not None else None, None
 
 
 _cpu_rms_norm_op.register_autograd(_op_backward, setup_context=_op_setup_context)

@@ -20,6 +20,10 @@ def test_opcheck_cpu_op():
         x, w, b = make_inputs(6, (40,), dtype, bias=True, per_head=3, seed=1)
         torch.library.opcheck(torch.ops.normswap.cpu_rms_norm, (x, [40], w, b, 1e-6))
         torch.library.opcheck(torch.ops.normswap.cpu_rms_norm, (x, [3, 40], None, None, 1e-5))
+        _, rstd = torch.ops.normswap.cpu_rms_norm(x, [40], w, b, 1e-6)
+        dy = torch.randn(x.shape).to(dtype)
+        for wt, bt in ((w, b), (None, None), (w, None)):
+            torch.library.opcheck(torch.ops.normswap.cpu_rms_norm_bwd, (dy, x, rstd, [40], wt, bt, 1e-6))
 
 
 @pytest.mark.parametrize("compile_backend", ["aot_eager", "inductor"])

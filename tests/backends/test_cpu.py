@@ -193,3 +193,33 @@ def test_streaming_stores_write_the_same_values(monkeypatch, n):
         plain = cpu.rms_norm(x, (n,), w, b, 1e-6).clone()
         monkeypatch.setattr(cpu, "_STREAM_MIN_BYTES", 0)
         assert torch.equal(cpu.rms_norm(x, (n,), w, b, 1e-6), plain)
+
+
+@pytest.mark.skipif(not HAVE_CXX, reason="needs a C++ compiler")
+@pytest.mark.parametrize("per_head", [0, 3])
+@pytest.mark.parametrize("strided", [False, True])
+def test_backward_kernel_matches_reference_math(per_head, strided):
+    for dtype in sorted(cpu.kernel().dtypes - {torch.float64}, key=str):
+        for weight, bias in ((True, True), (True, False), (False, True), (False, False)):
+            x, w, b = make_inputs(40, (131,), dtype, weight=weight, bias=bias, per_head=per_head,
+                                  strided=strided, seed=per_head)
+            dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(3)).to(dtype)
+            _, rstd = cpu._run(cpu.kernel(), x, (131,), w, b, 1e-5, want_rstd=True, pooled=False)
+            needs = (True, weight, bias)
+            got = cpu.backward(dy, x, rstd, (131,), w, b, 1e-5, needs)
+            ref = cpu.backward_math(dy, x, rstd, (131,), w, b, 1e-5, needs)
+            tol = 1e-5 if dtype == torch.float32 else 2e-2
+            for g, r in zip(got, ref, strict=True):
+                assert (g is None) == (r is None)
+                if g is not None:
+                    assert g.dtype == r.dtype and g.shape == r.shape
+                    scale = 1 + r.double().abs().max().item()
+                    assert (g.double() - r.double()).abs().max().item() <= tol * scale * 4
+
+
+@pytest.mark.skipif(not HAVE_CXX, reason="needs a C++ compiler")
+def test_backward_deterministic_and_thread_split():
+    x, w, b = make_inputs(257, (300,), torch.float32, bias=True, seed=5, requires_grad=True)
+    gy = torch.randn(x.shape)
+    runs = [torch.autograd.grad(cpu.rms_norm(x, (300,), w, b, 1e-6), (x, w, b), gy) for _ in range(2)]
+    assert all(torch.equal(a, c) for a, c in zip(*runs, strict=True))
