@@ -25,7 +25,8 @@ GPU_SHAPES = "4096x768,2048x4096,256x2048,4096x4096,16384x4096,32768x4096,4096x8
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    ap.add_argument("--dtype", action="append", help="repeatable (default: float32, bfloat16; +float16 on cuda)")
+    ap.add_argument("--dtype", action="append",
+                    help="repeatable (default: float32, bfloat16; +float16 on cuda)")
     ap.add_argument("--shapes", default=None, help="comma-separated ROWSxN (default: the issue's shapes)")
     ap.add_argument("--pass", dest="passes", action="append", choices=["fwd", "fwd+bwd"])
     ap.add_argument("--rounds", type=int, default=15)
@@ -39,7 +40,8 @@ def main() -> None:
         raise SystemExit("--device cuda: no CUDA device here")
     if args.threads:
         torch.set_num_threads(args.threads)
-    dtypes = args.dtype or (["float32", "bfloat16", "float16"] if args.device == "cuda" else ["float32", "bfloat16"])
+    default_dtypes = ["float32", "bfloat16"] + (["float16"] if args.device == "cuda" else [])
+    dtypes = args.dtype or default_dtypes
     shapes = args.shapes or (GPU_SHAPES if args.device == "cuda" else "4096x768,2048x4096,256x2048")
     records = bench.run(
         args.device, [bench.parse_dtype(d) for d in dtypes], bench.parse_shapes(shapes),

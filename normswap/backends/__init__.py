@@ -111,7 +111,7 @@ def select_for(
         if _cpu_kernel_handles(dtype):
             return "cpu", "fused C++ kernel: one read and one write of x"
         if dtype in (torch.bfloat16, torch.float16):
-            return "eager", "cpu kernel unavailable for this dtype; eager beats F.rms_norm for half types on CPU"
+            return "eager", "cpu kernel unavailable for this dtype; eager beats F.rms_norm for half types"
         return "native", "cpu kernel unavailable for this dtype; F.rms_norm beats eager for float32 on CPU"
     return "native", f"{device_type}: PyTorch's own rms_norm"
 

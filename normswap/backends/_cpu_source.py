@@ -35,7 +35,8 @@ struct F32 { using T = float; };
 struct BF16 { using T = uint16_t; };
 struct F16 { using T = uint16_t; };
 
-inline float bf16_to_f32(uint16_t h) { uint32_t u = uint32_t(h) << 16; float f; std::memcpy(&f, &u, 4); return f; }
+inline float bf16_to_f32(uint16_t h) { uint32_t u = uint32_t(h) << 16; float f; std::memcpy(&f, &u,
+    4); return f; }
 inline uint16_t f32_to_bf16(float f) {
   uint32_t u; std::memcpy(&u, &f, 4);
   if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40u);  // quiet NaN
@@ -83,16 +84,21 @@ inline V vround(BF16, V v) {
 inline void vstore(F32, float* p, V v) { _mm512_storeu_ps(p, v); }
 constexpr int STREAM_ALIGN = 64;  // bytes a row start needs for non-temporal stores
 inline void vstream(F32, float* p, V v) { _mm512_stream_ps(p, v); }
-inline void vstream(BF16, uint16_t* p, V v) { _mm256_stream_si256(reinterpret_cast<__m256i*>(p), bf16_pack(v)); }
+inline void vstream(BF16, uint16_t* p, V v) { _mm256_stream_si256(reinterpret_cast<__m256i*>(p),
+    bf16_pack(v)); }
 inline void vstream(F16, uint16_t* p, V v) {
-  _mm256_stream_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  _mm256_stream_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(v,
+      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
-inline void vstore(BF16, uint16_t* p, V v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), bf16_pack(v)); }
+inline void vstore(BF16, uint16_t* p, V v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+    bf16_pack(v)); }
 inline void vstore(F16, uint16_t* p, V v) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(v,
+      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
 inline V vround(F32, V v) { return v; }
-inline V vround(F16, V v) { return _mm512_cvtph_ps(_mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)); }
+inline V vround(F16, V v) { return _mm512_cvtph_ps(_mm512_cvtps_ph(v,
+    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)); }
 #define NS_HAS_F16 1
 
 #elif NS_ISA == 1  // ------------------------------------------------------------------ AVX2 + FMA + F16C
@@ -114,7 +120,8 @@ inline V vload(BF16, const uint16_t* p) {
   __m256i u = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   return _mm256_castsi256_ps(_mm256_slli_epi32(u, 16));
 }
-inline V vload(F16, const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline V vload(F16,
+    const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 inline __m256i bf16_rne(V v) {
   __m256i u = _mm256_castps_si256(v);
   __m256i inc = _mm256_add_epi32(_mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1)),
@@ -135,13 +142,15 @@ inline void vstore(BF16, uint16_t* p, V v) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
 }
 inline void vstore(F16, uint16_t* p, V v) {
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v,
+      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
 inline V vround(F32, V v) { return v; }
 inline V vround(BF16, V v) {
   return _mm256_castsi256_ps(_mm256_and_si256(bf16_rne(v), _mm256_set1_epi32(int(0xffff0000u))));
 }
-inline V vround(F16, V v) { return _mm256_cvtph_ps(_mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)); }
+inline V vround(F16, V v) { return _mm256_cvtph_ps(_mm256_cvtps_ph(v,
+    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)); }
 #define NS_HAS_F16 1
 
 #else  // ----------------------------------------------------------------------- portable scalar code
@@ -188,7 +197,8 @@ inline float sumsq(D d, const typename D::T* xr, int64_t N) {
   V a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero();
   int64_t i = 0;
   for (; i + 4 * L <= nv; i += 4 * L) {
-    V v0 = vload(d, xr + i), v1 = vload(d, xr + i + L), v2 = vload(d, xr + i + 2 * L), v3 = vload(d, xr + i + 3 * L);
+    V v0 = vload(d, xr + i), v1 = vload(d, xr + i + L), v2 = vload(d, xr + i + 2 * L), v3 = vload(d,
+        xr + i + 3 * L);
     a0 = vfma(v0, v0, a0); a1 = vfma(v1, v1, a1); a2 = vfma(v2, v2, a2); a3 = vfma(v3, v3, a3);
   }
   for (; i < nv; i += L) { V v = vload(d, xr + i); a0 = vfma(v, v, a0); }
@@ -459,10 +469,13 @@ int ns_rms_norm_fwd(int dtype, const void* x, int64_t M, int64_t N, int64_t x_ro
                     int nthreads, int flags) {
   const bool stream = flags & 1;
   switch (dtype) {
-    case 0: launch<F32>(x, M, N, x_row_stride, w, w_rows, b, b_rows, y, rstd, eps, nthreads, stream); return 0;
-    case 1: launch<BF16>(x, M, N, x_row_stride, w, w_rows, b, b_rows, y, rstd, eps, nthreads, stream); return 0;
+    case 0: launch<F32>(x, M, N, x_row_stride, w, w_rows, b, b_rows, y, rstd, eps, nthreads,
+        stream); return 0;
+    case 1: launch<BF16>(x, M, N, x_row_stride, w, w_rows, b, b_rows, y, rstd, eps, nthreads,
+        stream); return 0;
 #ifdef NS_HAS_F16
-    case 2: launch<F16>(x, M, N, x_row_stride, w, w_rows, b, b_rows, y, rstd, eps, nthreads, stream); return 0;
+    case 2: launch<F16>(x, M, N, x_row_stride, w, w_rows, b, b_rows, y, rstd, eps, nthreads,
+        stream); return 0;
 #endif
     case 3: {
       auto X = static_cast<const double*>(x); auto W = static_cast<const double*>(w);
@@ -488,14 +501,17 @@ int ns_rms_norm_bwd(int dtype, const void* x, const void* dy, int64_t M, int64_t
                     float* dw_part, float* db_part, int nthreads) {
   switch (dtype) {
     case 0:
-      launch_bwd<F32>(x, dy, M, N, x_row_stride, dy_row_stride, w, p_rows, rstd, dx, dw_part, db_part, nthreads);
+      launch_bwd<F32>(x, dy, M, N, x_row_stride, dy_row_stride, w, p_rows, rstd, dx, dw_part, db_part,
+          nthreads);
       return 0;
     case 1:
-      launch_bwd<BF16>(x, dy, M, N, x_row_stride, dy_row_stride, w, p_rows, rstd, dx, dw_part, db_part, nthreads);
+      launch_bwd<BF16>(x, dy, M, N, x_row_stride, dy_row_stride, w, p_rows, rstd, dx, dw_part, db_part,
+          nthreads);
       return 0;
 #ifdef NS_HAS_F16
     case 2:
-      launch_bwd<F16>(x, dy, M, N, x_row_stride, dy_row_stride, w, p_rows, rstd, dx, dw_part, db_part, nthreads);
+      launch_bwd<F16>(x, dy, M, N, x_row_stride, dy_row_stride, w, p_rows, rstd, dx, dw_part, db_part,
+          nthreads);
       return 0;
 #endif
   }

@@ -241,8 +241,8 @@ def parse_dtype(name: str) -> torch.dtype:
 
 def table(records: Sequence[Record]) -> str:
     """Fixed-width text table, one block per (pass, dtype, shape)."""
-    lines = [f"{'pass':8} {'dtype':9} {'shape':>11} {'method':15} {'median us':>10} {'min us':>9} {'GB/s':>7} "
-             f"{'x layer_norm':>12} {'x copy':>7} {'(min: xLN':>10} {'x copy)':>8}"]
+    lines = [f"{'pass':8} {'dtype':9} {'shape':>11} {'method':15} {'median us':>10} {'min us':>9} "
+             f"{'GB/s':>7} {'x layer_norm':>12} {'x copy':>7} {'(min: xLN':>10} {'x copy)':>8}"]
 
     def fmt(v: float | None, width: int) -> str:
         return f"{v:{width}.2f}" if v is not None else " " * width

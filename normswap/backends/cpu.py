@@ -178,7 +178,8 @@ def _compile(cxx: str, flags: list[str], out_path: str) -> str | None:
             fh.write(SOURCE)
         tmp_so = os.path.join(tmp, "rmsnorm.so")
         try:
-            proc = subprocess.run([cxx, *flags, src, "-o", tmp_so], capture_output=True, text=True, timeout=300)
+            proc = subprocess.run([cxx, *flags, src, "-o", tmp_so], capture_output=True, text=True,
+                                  timeout=300)
         except (OSError, subprocess.SubprocessError) as exc:
             return f"{type(exc).__name__}: {exc}"
         if proc.returncode != 0:

@@ -172,7 +172,8 @@ def backward(
     block_n = triton_next_pow2(n)
     if x.is_cuda:
         mult = 8 if block_n <= 1024 else 4 if block_n <= 2048 else 2 if block_n <= 4096 else 1
-        target = _sm_count(x.device.index if x.device.index is not None else torch.cuda.current_device()) * mult
+        index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+        target = _sm_count(index) * mult
     else:
         target = 4
     programs = max(1, min(per_head, max(1, target // heads)))

@@ -88,7 +88,8 @@ def bench_cmd(device: str, dtypes: tuple[str, ...], shapes: str, passes: tuple[s
         shape_list = bench.parse_shapes(shapes)
     except ValueError as exc:
         raise click.BadParameter(str(exc)) from exc
-    records = bench.run(device, dts, shape_list, passes, rounds=rounds, target_ms=target_ms, compile_=compile_)
+    records = bench.run(device, dts, shape_list, passes, rounds=rounds, target_ms=target_ms,
+                        compile_=compile_)
     click.echo(bench.table(records))
     if json_path:
         with open(json_path, "w") as fh:

@@ -32,8 +32,9 @@ def test_help_has_an_example(cmd):
 
 def test_bench_command_writes_json_and_plot(tmp_path):
     out, png = tmp_path / "b.json", tmp_path / "b.png"
-    res = CliRunner().invoke(main, ["bench", "--dtype", "bf16", "--shapes", "32x128", "--rounds", "2",
-                                    "--pass", "fwd", "--pass", "fwd+bwd", "--json", str(out), "--plot", str(png)])
+    args = ["bench", "--dtype", "bf16", "--shapes", "32x128", "--rounds", "2", "--pass", "fwd",
+            "--pass", "fwd+bwd", "--json", str(out), "--plot", str(png)]
+    res = CliRunner().invoke(main, args)
     assert res.exit_code == 0, res.output
     data = json.loads(out.read_text())
     assert data["environment"]["threads"] == torch.get_num_threads()

@@ -64,7 +64,8 @@ def _grads(fn, x, w, b, gy):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}x{c[1]}h{c[2]}w{int(c[3])}b{int(c[4])}s{int(c[5])}")
+@pytest.mark.parametrize("case", CASES,
+                         ids=lambda c: f"{c[0]}x{c[1]}h{c[2]}w{int(c[3])}b{int(c[4])}s{int(c[5])}")
 def test_forward_backward_against_reference(dtype, case):
     rows, shape, per_head, weight, bias, strided = case
     x, w, b = make_inputs(rows, shape, dtype, weight=weight, bias=bias, per_head=per_head, strided=strided,
@@ -124,7 +125,7 @@ def test_dweight_is_deterministic():
     assert all(torch.equal(a, c) for a, c in zip(first, again, strict=True))
 
 
-@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # numpy inf*0 in the interpreter
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # interpreter's numpy inf*0
 def test_bf16_nan_and_inf_survive_rounding():
     x = torch.tensor([[1.0, float("nan"), 2.0, 3.0], [1.0, 2.0, float("inf"), 4.0], [1.0, 2.0, 3.0, 4.0]])
     x = x.to(torch.bfloat16)
@@ -163,11 +164,14 @@ def test_gradcheck_float64():
 def test_opcheck_custom_ops():
     x = torch.randn(5, 3, 32)
     w, b = torch.randn(3, 32), torch.randn(32)
-    for args in [(x, [32], w, b, 1e-6), (x, [3, 32], None, None, 1e-5), (x.to(torch.bfloat16), [32], b, None, 1e-5)]:
+    cases = [(x, [32], w, b, 1e-6), (x, [3, 32], None, None, 1e-5),
+             (x.to(torch.bfloat16), [32], b, None, 1e-5)]
+    for args in cases:
         torch.library.opcheck(torch.ops.normswap.triton_rms_norm_fwd, args)
     y, rstd = torch.ops.normswap.triton_rms_norm_fwd(x, [32], w, b, 1e-6)
     for wt, bt in ((w, b), (None, None), (w, None)):
-        torch.library.opcheck(torch.ops.normswap.triton_rms_norm_bwd, (torch.randn_like(y), x, rstd, [32], wt, bt))
+        args = (torch.randn_like(y), x, rstd, [32], wt, bt)
+        torch.library.opcheck(torch.ops.normswap.triton_rms_norm_bwd, args)
 
 
 @pytest.mark.parametrize("compile_backend", ["aot_eager", "inductor"])
@@ -191,7 +195,8 @@ def test_compile_fullgraph_no_recompiles(compile_backend):
 @pytest.mark.parametrize("use_h", [True, False])
 def test_fused_residual_matches_composite(dtype, use_h):
     x, w, b = make_inputs(12, (96,), dtype, bias=True, seed=11, requires_grad=True)
-    res = (torch.randn(x.shape, generator=torch.Generator().manual_seed(12)) * 2).to(dtype).requires_grad_(True)
+    res = torch.randn(x.shape, generator=torch.Generator().manual_seed(12)) * 2
+    res = res.to(dtype).requires_grad_(True)
     y, h = backends.rms_norm_residual(x, res, 96, w, b, 1e-5, backend="triton")
     h_ref = x + res
     assert torch.equal(h, h_ref)
