@@ -71,7 +71,7 @@ def test_convert_preset_quickstart(tmp_path):
     out = tmp_path / "tiny-gpt2-rms"
     code, stdout, err, _ = run("convert", "tiny-gpt2", "--out", str(out))
     assert code == 0, err
-    assert "5 LayerNorm(s): 5 exact" in stdout
+    assert "converted 5 of 5 LayerNorm(s)" in stdout and "plan: 5 LayerNorm(s): 5 exact" in stdout
     assert "reload_bitwise_equal=True" in stdout and "max_rel_error=" in stdout
     model = normswap.load(out)
     tok = presets.tokenizer("tiny-gpt2")
@@ -121,6 +121,12 @@ def test_convert_auto_mode_warns_about_approximate_norms(tmp_path):
     code, _, err, _ = run("convert", "tiny-bert", "--out", str(tmp_path / "b"))
     assert code == 0, err
     assert err.count("warning:") == 4 and "approximately" in err
+
+
+def test_compat_reports_approximate_norms_left_as_layernorm(tmp_path):
+    code, stdout, err, _ = run("convert", "tiny-bert", "--out", str(tmp_path / "b"), "--format", "compat")
+    assert code == 0, err
+    assert "4 approximate norm(s) left unconverted" in err and "converted 2 of 6" in stdout
 
 
 def test_convert_task_override(tmp_path, gpt2_dir):

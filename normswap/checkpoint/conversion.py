@@ -302,8 +302,6 @@ def convert(
         low_memory=low_memory,
         calibration_data=calibration_data,
     )
-    if format == "compat" and mode == "auto":
-        say("compat format: approximate norms (if any) stay LayerNorm (mode=exact)")
     src = source.resolve(
         str(model_id_or_path), allow_pickle=allow_pickle, trust_remote_code=trust_remote_code
     )
@@ -373,6 +371,12 @@ def convert(
             raise NothingToConvert(f"{src.label}: {report.message}")
         steps.update()
         plan = model._normswap_plan
+        kept = [sp.name for sp in plan.sites if sp.verdict == "approximate" and not sp.convert]
+        if format == "compat" and kept:
+            say(
+                f"compat format keeps LayerNorms: {len(kept)} approximate norm(s) left unconverted "
+                "(use --format native --mode all to convert them)"
+            )
         converted = _run(model, probe) if original is not None else None
         steps.set_postfix_str("writing")
         with io.atomic_directory(out, overwrite=overwrite) as tmp:

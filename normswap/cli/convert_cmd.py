@@ -291,8 +291,11 @@ def convert(
         )
     _echo_warnings(caught)
     plan = report.plan
+    headline = report.message.split("; wrote")[0].replace(" by streaming", " (streamed)")
+    if headline:
+        click.echo(headline)
     if plan is not None:
-        click.echo(plan.summary())
+        click.echo(f"plan: {plan.summary()}")
     figs = _figures(report.verification)
     if figs:
         click.echo(f"verification: {figs}")
