@@ -6,7 +6,7 @@ Thin script over :mod:`normswap.backends.bench`, which ``normswap bench`` also u
     python benchmarks/bench_ops.py --device cuda    # the GPU suite (adds float16 and larger shapes)
     python benchmarks/bench_ops.py --no-compile --shapes 4096x768 --dtype bfloat16
 
-Writes a table to stdout, ``--out``/bench_ops_<device>.json and a PNG plot next to it.
+Writes a table to stdout, and JSON plus a PNG plot to ``--out`` (default ``out/benchmarks/``).
 """
 
 from __future__ import annotations
@@ -33,7 +33,9 @@ def main() -> None:
     ap.add_argument("--target-ms", type=float, default=5.0, help="length of one timing block")
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
     ap.add_argument("--no-compile", action="store_true", help="skip torch.compile (slow to build on CPU)")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    ap.add_argument("--cpu-time", action="store_true",
+                    help="time with the thread's CPU clock (needs --threads 1): robust on a busy machine")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "out", "benchmarks"))
     args = ap.parse_args()
 
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -46,13 +48,15 @@ def main() -> None:
     records = bench.run(
         args.device, [bench.parse_dtype(d) for d in dtypes], bench.parse_shapes(shapes),
         args.passes or ["fwd", "fwd+bwd"], rounds=args.rounds, target_ms=args.target_ms,
-        compile_=not args.no_compile,
+        compile_=not args.no_compile, clock="thread" if args.cpu_time else "wall",
     )
     env = bench.environment(args.device)
+    env["clock"] = "thread CPU time" if args.cpu_time else "wall"
     print(json.dumps(env))
     print(bench.table(records))
     os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"bench_ops_{args.device}.json")
+    tag = f"{args.device}_{torch.get_num_threads()}t" + ("_cputime" if args.cpu_time else "")
+    path = os.path.join(args.out, f"bench_ops_{tag}.json")
     with open(path, "w") as fh:
         json.dump(bench.to_json(records, env), fh, indent=2)
     print(f"wrote {path}")

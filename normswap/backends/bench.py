@@ -100,8 +100,12 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _time_block(fn: Callable[[], object], reps: int, device: str) -> float:
-    """Seconds per call over ``reps`` back-to-back calls."""
+def _time_block(fn: Callable[[], object], reps: int, device: str, clock: str = "wall") -> float:
+    """Seconds per call over ``reps`` back-to-back calls.
+
+    ``clock="thread"`` (CPU, one thread only) counts the calling thread's CPU time, which time spent
+    descheduled by other processes does not inflate.
+    """
     if device == "cuda":
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         _sync(device)
@@ -111,10 +115,11 @@ def _time_block(fn: Callable[[], object], reps: int, device: str) -> float:
         end.record()
         _sync(device)
         return start.elapsed_time(end) / 1e3 / reps
-    t0 = time.perf_counter()
+    now = time.thread_time if clock == "thread" else time.perf_counter
+    t0 = now()
     for _ in range(reps):
         fn()
-    return (time.perf_counter() - t0) / reps
+    return (now() - t0) / reps
 
 
 def _calibrate(fn: Callable[[], object], device: str, target_s: float) -> int:
@@ -169,9 +174,11 @@ def _methods(x: torch.Tensor, n: int, pass_: str, include: Sequence[str], compil
 def bench_shape(
     rows: int, n: int, dtype: torch.dtype, device: str = "cpu", *, pass_: str = "fwd",
     include: Sequence[str] = ("eager", "native", "cpu", "triton"), rounds: int = 7, target_ms: float = 20.0,
-    compile_: bool = False, liger: bool = True,
+    compile_: bool = False, liger: bool = True, clock: str = "wall",
 ) -> list[Record]:
     """Time every method at one shape; returns one Record per method."""
+    if clock == "thread" and (device != "cpu" or torch.get_num_threads() != 1):
+        raise ValueError("clock='thread' measures one thread's CPU time: use it on CPU with 1 thread")
     x = torch.randn(rows, n, generator=torch.Generator().manual_seed(1)).to(device=device, dtype=dtype)
     ctx = torch.no_grad() if pass_ == "fwd" else torch.enable_grad()
     with ctx:
@@ -180,7 +187,7 @@ def bench_shape(
         times: dict[str, list[float]] = {k: [] for k in methods}
         for _ in range(rounds):
             for k, f in methods.items():  # interleaved: every method once per round
-                times[k].append(_time_block(f, reps[k], device))
+                times[k].append(_time_block(f, reps[k], device, clock))
     elem = x.element_size()
     nbytes = (2 if pass_ == "fwd" else 5) * rows * n * elem
     records = []
