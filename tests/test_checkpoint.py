@@ -318,3 +318,15 @@ def test_writer_names_and_auto_classes():
     src = writer.modeling_source("gpt2", classes)
     compile(src, "modeling_normswap.py", "exec")
     assert "import normswap" not in src or "from normswap" in src
+
+
+def test_plain_save_pretrained_of_a_loaded_model_stays_native(native_dirs, tmp_path):
+    """Trainer and users call save_pretrained: the result must still load the three ways."""
+    model = normswap.load(native_dirs["tiny-bert"])
+    model.save_pretrained(tmp_path / "plain")
+    cfg = json.loads((tmp_path / "plain" / "config.json").read_text())
+    assert cfg["model_type"] == "normswap_bert" and "AutoModelForMaskedLM" in cfg["auto_map"]
+    assert (tmp_path / "plain" / "modeling_normswap.py").is_file()
+    with safe_open(str(tmp_path / "plain" / "model.safetensors"), "pt") as h:
+        assert "cls.predictions.decoder.bias" in set(h.keys())
+    assert torch.equal(outputs(normswap.load(tmp_path / "plain"), "tiny-bert"), outputs(model, "tiny-bert"))

@@ -116,6 +116,20 @@ def model_class_for(base: str, class_name: str) -> type:
         if manifest is not None:
             rebuild(self, manifest)
 
+    def save_pretrained(self, save_directory, *args, **kwargs):  # noqa: ANN001, ANN202
+        """``save_pretrained`` that writes a complete native checkpoint (also used by ``Trainer``):
+        aliases loading will not re-tie are stored, and the modeling file and ``auto_map`` are added."""
+        from pathlib import Path
+
+        from normswap.checkpoint import writer
+
+        if kwargs.get("state_dict") is None:
+            kwargs["state_dict"] = writer.state_dict_for_save(self)
+        result = base_cls.save_pretrained(self, save_directory, *args, **kwargs)
+        if kwargs.get("is_main_process", True) and not (args and args[0] is False):
+            writer.finish_native_dir(self, Path(save_directory))
+        return result
+
     name = f"Normswap{class_name}"
     cls = type(
         name,
@@ -123,6 +137,7 @@ def model_class_for(base: str, class_name: str) -> type:
         {
             "config_class": cfg_cls,
             "__init__": __init__,
+            "save_pretrained": save_pretrained,
             "__module__": __name__,
             "__qualname__": name,
             "__doc__": f"{class_name} rebuilt with normswap.RMSNorm from a converted checkpoint's manifest.",

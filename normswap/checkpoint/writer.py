@@ -241,6 +241,32 @@ def write_native(
     return manifest
 
 
+def finish_native_dir(model: nn.Module, out: Path) -> None:
+    """After a plain ``save_pretrained`` of a loaded native model: make the directory loadable the
+    three ways (``model_type``, manifest, ``auto_map``, modeling file). Existing files other than
+    ``config.json`` and the modeling file are left alone."""
+    cfg_path = out / "config.json"
+    if not cfg_path.is_file():
+        return
+    plan = plan_of(model)
+    base = base_model_type(model)
+    classes = auto_classes_for(model)
+    cfg = json.loads(cfg_path.read_text())
+    manifest = build_manifest(model, plan, fmt="native")
+    cfg["model_type"] = hf.PREFIX + base
+    cfg["architectures"] = [f"Normswap{manifest['architecture']}"]
+    module = Path(MODELING_FILE).stem
+    cfg["auto_map"] = {
+        "AutoConfig": f"{module}.{hf.config_class_for(base).__name__}",
+        **{auto: f"{module}.Normswap{cls}" for auto, cls in classes.items()},
+    }
+    cfg[hf.MANIFEST_KEY] = manifest
+    io.write_json(cfg_path, cfg)
+    (out / MODELING_FILE).write_text(modeling_source(base, classes))
+    if not (out / "README.md").exists():
+        (out / "README.md").write_text(model_card(manifest, out.name))
+
+
 # ------------------------------------------------------------------------------------ compat
 def _norm_param_names(module: nn.Module, flavour: str) -> tuple[str | None, str | None]:
     """(γ attribute, β attribute) of an original norm module, from its direct parameters."""
