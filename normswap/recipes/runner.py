@@ -158,6 +158,11 @@ def _prepare_output(cfg: RecipeConfig, main: bool) -> tuple[Path, Path | None]:
     )
     existing = [p for p in (out / "metrics.jsonl", ckpt_root, out / "model") if p.exists()]
     if latest is None and existing and not cfg.output.overwrite:  # every process raises: none waits forever
+        if cfg.checkpoint.resume:
+            raise NormswapError(
+                f"config key `checkpoint.resume`: {str(out / 'checkpoints')!r} holds no checkpoint to resume "
+                "from; set output.overwrite=true to start the run again"
+            )
         raise NormswapError(
             f"config key `output.dir`: {str(out)!r} already holds a run ({existing[0].name}); "
             "set checkpoint.resume=true to continue it or output.overwrite=true to replace it"

@@ -161,6 +161,11 @@ def test_existing_output_needs_resume_or_overwrite(tiny_bert, corpus, tmp_path, 
         run(cfg)
     again = run(cfg, ["output.overwrite=true"])
     assert again.steps == 2
+    import shutil
+
+    shutil.rmtree(tmp_path / "o" / "checkpoints")  # a run that died before its first checkpoint
+    with pytest.raises(NormswapError, match="`checkpoint.resume`"):
+        run(cfg, ["checkpoint.resume=true"])
 
 
 @pytest.mark.parametrize("mode", ["all", "exact"])
