@@ -705,7 +705,8 @@ def _plan_folds(an: Analyzer, site: NormSite, sp: SitePlan, foldable: list[str],
             return
     has_beta = site.bias_attr is not None
     fold_beta = an.fold_beta and has_beta and all(an.modules[p].bias is not None for p in foldable)
-    fold_gamma = an.fold_gamma and site.weight_attr is not None
+    # γ may only leave the norm together with β: a β kept in the norm would need to become β/γ.
+    fold_gamma = an.fold_gamma and site.weight_attr is not None and (fold_beta or not has_beta)
     if fold_beta or fold_gamma:
         sp.fold_beta, sp.fold_gamma = fold_beta, fold_gamma
         for p in foldable:

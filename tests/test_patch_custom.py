@@ -115,3 +115,16 @@ def test_backend_option_reaches_the_new_modules(backend):
     model = randomise(TinyViT())
     normswap.patch(model, (torch.randn(1, 3, 32, 32, dtype=torch.float64),), backend=backend)
     assert {m.backend for m in model.modules() if isinstance(m, normswap.RMSNorm)} == {backend}
+
+
+@pytest.mark.parametrize("name", ["gpt2", "opt", "bloom"])
+def test_fold_gamma_keeps_gamma_where_beta_cannot_fold(name):
+    """lm_head has no bias: β stays in ln_f, so γ must stay with it (β/γ would be needed otherwise)."""
+    from tests.zoo import EXACT, build
+
+    model = build(EXACT, name)
+    report = normswap.patch(model, fold_gamma=True)
+    assert report.verification["max_rel_error"] <= 1e-9
+    assert any(s.fold_gamma for s in report.sites)
+    final = [s for s in report.sites if "lm_head" in s.readers]
+    assert final and not final[0].fold_gamma and not final[0].fold_beta
