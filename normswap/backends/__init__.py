@@ -72,7 +72,8 @@ def is_available(backend: str) -> bool:
 
 @_constant_when_compiled
 def _cpu_kernel_handles(dtype: torch.dtype) -> bool:
-    return is_available("cpu") and dtype in cpu.kernel().dtypes
+    k = cpu.kernel()  # built (or loaded) on first use
+    return k.fn is not None and dtype in k.dtypes
 
 
 def select_for(

@@ -38,7 +38,7 @@ break; in eager mode an ``autograd.Function`` calls the kernels without the op d
 
 Output buffers: a fresh ``torch.empty`` of more than ~32 MB is an ``mmap`` in glibc, and first touch
 page-faults every 4 KB page: measured 8.7 ms for a 33.5 MB ``clone()`` against 1.1 ms for a ``copy_``
-into an existing tensor. So outputs of at least 1 MiB come from a small pool of storages that are
+into an existing tensor. So outputs of at least 4 MiB come from a small pool of storages that are
 reused once nothing else references them (checked with the storage's reference count, the same rule
 a caching allocator uses). The pool keeps at most 2 free storages per size and 512 MiB in all;
 ``NORMSWAP_CPU_POOL=0`` turns it off and :func:`empty_pool` releases it.
@@ -75,7 +75,7 @@ _ISA_FLAGS: dict[int, list[str]] = {
 _BASE_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=off"]
 # Below this many elements one thread is faster than waking a second one (measured: ~3 us fork/join).
 _PARALLEL_MIN_ELEMENTS = 1 << 15
-_POOL_MIN_BYTES = 1 << 20
+_POOL_MIN_BYTES = 4 << 20  # measured: below this, glibc reuses heap memory and pooling gains nothing
 
 
 def _last_level_cache_bytes() -> int:

@@ -145,7 +145,7 @@ def test_row_view_without_copy():
 def test_output_pool_reuses_only_unreferenced_storage(monkeypatch):
     monkeypatch.delenv("NORMSWAP_CPU_POOL", raising=False)
     cpu.empty_pool()
-    x = torch.randn(512, 1024)  # 2 MiB output: pooled
+    x = torch.randn(1024, 1024)  # 4 MiB output: pooled
     with torch.no_grad():
         y1 = cpu.rms_norm(x, (1024,), None, None, 1e-6)
         p1 = y1.data_ptr()
@@ -167,7 +167,7 @@ def test_pool_can_be_disabled(monkeypatch):
     monkeypatch.setenv("NORMSWAP_CPU_POOL", "0")
     cpu.empty_pool()
     with torch.no_grad():
-        cpu.rms_norm(torch.randn(512, 1024), (1024,), None, None, 1e-6)
+        cpu.rms_norm(torch.randn(1024, 1024), (1024,), None, None, 1e-6)
     assert not cpu._pool.free
 
 
