@@ -234,13 +234,16 @@ inline float sumsq(BF16 d, const uint16_t* xr, int64_t N) {
 // NT: non-temporal stores, for outputs too large for the cache (saves the read-for-ownership).
 template <class D, bool HAS_W, bool HAS_B, bool NT>
 inline void scale_row(const typename D::T* xr, typename D::T* yr, int64_t N, const float* wr, const float* br,
-                      float rs) {
+                      float rs, const typename D::T* pf) {
   D d;
   const F32 f;
   const int64_t nv = N / L * L;
   const int tail = int(N - nv);
   const V vrs = vset(rs);
   for (int64_t i = 0; i < nv; i += L) {
+#if NS_ISA >= 1
+    if (pf) _mm_prefetch(reinterpret_cast<const char*>(pf + i), _MM_HINT_T0);  // next group's row
+#endif
     V v = vmul(vload(d, xr + i), vrs);
     if (HAS_W || HAS_B) v = vround(d, v);
     if (HAS_W) { v = vmul(v, vload(f, wr + i)); if (HAS_B) v = vround(d, v); }
@@ -269,6 +272,10 @@ void rows(const typename D::T* x, int64_t r0, int64_t r1, int64_t N, int64_t xs,
   // Measured (1 thread, Zen): fp32 is memory-bound and fastest row by row; the bf16/fp16 conversions make
   // those compute-bound, and grouping 4 rows hides the per-row reduction latency.
   constexpr int RB = std::is_same<D, F32>::value ? 1 : 4;
+  // Software prefetch of the next group's rows during the scaling pass overlaps their memory reads with
+  // this group's arithmetic and stores. Measured: a clear win for half types and for fp32 rows of 4 KB
+  // or more; for short fp32 rows the hardware prefetcher does better alone.
+  const bool prefetch = !std::is_same<D, F32>::value || N * int64_t(sizeof(typename D::T)) >= 4096;
   float rsb[RB];
   for (int64_t g = r0; g < r1; g += RB) {
     const int nb = int(r1 - g < RB ? r1 - g : RB);
@@ -282,10 +289,11 @@ void rows(const typename D::T* x, int64_t r0, int64_t r1, int64_t N, int64_t xs,
       const float* wr = HAS_W ? w + (r % wrows) * N : nullptr;
       const float* br = HAS_B ? b + (r % brows) * N : nullptr;
       typename D::T* yr = y + r * N;
+      const typename D::T* pf = (prefetch && r + RB < r1) ? x + (r + RB) * xs : nullptr;
       if (stream && STREAM_ALIGN && reinterpret_cast<uintptr_t>(yr) % STREAM_ALIGN == 0)
-        scale_row<D, HAS_W, HAS_B, true>(x + r * xs, yr, N, wr, br, rsb[k]);
+        scale_row<D, HAS_W, HAS_B, true>(x + r * xs, yr, N, wr, br, rsb[k], pf);
       else
-        scale_row<D, HAS_W, HAS_B, false>(x + r * xs, yr, N, wr, br, rsb[k]);
+        scale_row<D, HAS_W, HAS_B, false>(x + r * xs, yr, N, wr, br, rsb[k], pf);
     }
   }
 #if NS_ISA >= 1

@@ -159,6 +159,7 @@ def _methods(x: torch.Tensor, n: int, pass_: str, include: Sequence[str], compil
         if module.available()[0] and module.supports(x, w, None):
             methods[name] = wrap(lambda m=module: m.rms_norm(x, (n,), w, None, EPS), (x, w))
     if compile_:
+        torch._dynamo.reset()  # a fresh cache per shape: no recompile limit, no stale guards
         compiled = torch.compile(lambda x, w: backends.eager.rms_norm(x, (n,), w, None, EPS), dynamic=False)
         methods["compile"] = wrap(lambda: compiled(x, w), (x, w))
     if liger and device.type == "cuda":
