@@ -23,6 +23,7 @@ import sysconfig
 import time
 import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -72,17 +73,68 @@ def has_mlm_head(model_dir: Path) -> bool:
     return any("MaskedLM" in a or "PreTraining" in a for a in config.get("architectures") or [])
 
 
-def remeasure(cfg_overrides: list[str], recipe: Path, model_dir: str) -> dict[str, float]:
-    """Metrics of the *saved* directory on the same held-out split, computed from scratch."""
-    from normswap.recipes import data, metrics, models
+def remeasure(cfg_overrides: list[str], recipe: Path, model_dir: str) -> dict[str, Any]:
+    """Metrics of the *saved* directory on the same held-out split, computed from scratch.
+
+    For encoders also the retrieval view of the embeddings, for the one-shot converted student
+    (least-squares init, as the recipe builds it) and the saved one: how often each held-out
+    sentence's nearest neighbour is the teacher's, and the rank correlation of all pairwise
+    similarities with the teacher's.
+    """
+    import copy
+
+    from normswap.recipes import data, losses, metrics, models
 
     cfg = load_config(recipe, cfg_overrides)
     tok = models.load_tokenizer(cfg.model)
     tokens = data.tokenize(data.read_documents(cfg.data), tok, cfg.data, cfg.task)
-    batches = data.BatchSource(tokens, cfg.data, cfg.task, tok).eval_batches()
+    source = data.BatchSource(tokens, cfg.data, cfg.task, tok)
+    batches = source.eval_batches()
     teacher = models.load_teacher(cfg.model, cfg.task)
     student = normswap.load(model_dir)
-    return metrics.evaluate(student, teacher, batches, cfg.task, cfg.loss.pooling)
+    out: dict[str, Any] = metrics.evaluate(student, teacher, batches, cfg.task, cfg.loss.pooling)
+    if cfg.task != "encoder":
+        return out
+    oneshot = copy.deepcopy(teacher)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        normswap.patch(
+            oneshot,
+            mode=cfg.convert.mode,
+            calibration=source.calibration_batches(cfg.convert.calibration_batches),
+        )
+
+    @torch.no_grad()
+    def embed(m: torch.nn.Module) -> torch.Tensor:
+        return torch.cat(
+            [
+                torch.nn.functional.normalize(
+                    losses.pool(
+                        m(**metrics.model_inputs(b)).last_hidden_state, b["attention_mask"], cfg.loss.pooling
+                    ),
+                    dim=-1,
+                )
+                for b in batches
+            ]
+        )
+
+    def ranks(x: torch.Tensor) -> torch.Tensor:
+        return x.argsort().argsort().double()
+
+    ref = embed(teacher)
+    upper = torch.triu_indices(len(ref), len(ref), 1)
+    ref_sims = (ref @ ref.T)[upper[0], upper[1]]
+    ref_nn = (ref @ ref.T).fill_diagonal_(-2).argmax(1)
+    for name, model in (("converted", oneshot), ("saved", student)):
+        e = embed(model)
+        sims = e @ e.T
+        out[f"{name}_nn_agreement"] = float(((sims.fill_diagonal_(-2)).argmax(1) == ref_nn).double().mean())
+        sims = (e @ e.T)[upper[0], upper[1]]
+        out[f"{name}_similarity_spearman"] = float(
+            torch.corrcoef(torch.stack([ranks(sims), ranks(ref_sims)]))[0, 1]
+        )
+    out["retrieval_sentences"] = len(ref)
+    return out
 
 
 def main() -> None:
@@ -184,6 +236,9 @@ def main() -> None:
     print(f"\n{'metric (held-out)':<24}{'converted':>14}{'recovered':>14}{'saved dir':>14}")
     for k in keys:
         print(f"{k:<24}{result.metrics_before[k]:>14.6g}{result.metrics_after[k]:>14.6g}{check[k]:>14.6g}")
+    for k in ("nn_agreement", "similarity_spearman"):
+        if f"saved_{k}" in check:
+            print(f"{k:<24}{check[f'converted_{k}']:>14.6g}{'':>14}{check[f'saved_{k}']:>14.6g}")
     summary = {
         "model": str(model_dir),
         "task": task,

@@ -6,6 +6,7 @@ spin-wait on each other and tiny models get ~50x slower, while one thread is nev
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import pytest
@@ -14,12 +15,20 @@ import torch
 from normswap.recipes import toy
 
 
-@pytest.fixture(scope="session", autouse=True)
-def _one_thread():
+@contextlib.contextmanager
+def one_thread():
     previous = torch.get_num_threads()
     torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    with one_thread():
+        yield
 
 
 @pytest.fixture(scope="session")
@@ -30,12 +39,14 @@ def recipe_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_bert(recipe_dir) -> Path:
     """A 2-layer Post-LN BertForMaskedLM (hidden 64) trained with MLM on the grammar (~5 s)."""
-    return toy.train_tiny_bert(recipe_dir / "bert", hidden=64, layers=2, steps=300, bert_like_norms=2.0)
+    with one_thread():  # session fixtures are built before the module-scoped autouse one
+        return toy.train_tiny_bert(recipe_dir / "bert", hidden=64, layers=2, steps=300, bert_like_norms=2.0)
 
 
 @pytest.fixture(scope="session")
 def tiny_gpt2(recipe_dir) -> Path:
-    return toy.train_tiny_gpt2(recipe_dir / "gpt2", hidden=32, layers=2, steps=80)
+    with one_thread():
+        return toy.train_tiny_gpt2(recipe_dir / "gpt2", hidden=32, layers=2, steps=80)
 
 
 @pytest.fixture(scope="session")
