@@ -197,7 +197,7 @@ def main() -> None:
             "data.seq_len=32" if toy_model else "data.seq_len=128",
             "data.batch_size=16",
         ],
-        "encoder": ["train.steps=300", "train.lr=3e-5", "data.seq_len=128", "data.batch_size=16"],
+        "encoder": ["train.steps=300", "data.seq_len=128", "data.batch_size=16"],  # recipe lr/trainable
     }[task]
     overrides = [
         *defaults,

@@ -105,6 +105,7 @@ def test_encoder_recipe_pulls_embeddings_towards_the_teacher(tiny_bert, tmp_path
             "data.field=sentence",
             f"output.dir={tmp_path / 'e'}",
             "train.steps=40",
+            "train.trainable=all",
             "train.lr=5e-4",
             "train.warmup_steps=4",
             "eval.every=20",
