@@ -511,7 +511,7 @@ def run(
                 png = metrics_mod.plot(
                     log.records(),
                     out / "curves.png",
-                    title=f"{cfg.task}: {Path(cfg.model.source or cfg.model.student).name}",
+                    title=f"{cfg.task}: {'/'.join(Path(cfg.model.source or cfg.model.student).parts[-2:])}",
                 )
                 if png:
                     console.print(f"plot: {png}")
