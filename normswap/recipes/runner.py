@@ -262,6 +262,11 @@ def run(
 
     accelerator = _make_accelerator(cfg)
     main = accelerator.is_main_process
+    if cfg.progressive.enabled and accelerator.distributed_type.value in ("FSDP", "DEEPSPEED"):
+        raise NormswapError(
+            "config key `progressive.enabled` is not supported under FSDP or DeepSpeed (norms are "
+            "swapped after the model is sharded); use DDP, or convert.mode=all"
+        )
     out, resume_dir = _prepare_output(cfg, main)
     accelerator.wait_for_everyone()
     set_seed(cfg.train.seed)
