@@ -541,4 +541,71 @@ int ns_supported_dtypes(void) {
 int ns_isa(void) { return NS_ISA; }
 
 }  // extern "C"
+
+#ifdef NS_PYTHON
+// A CPython extension module over the two entry points: a METH_FASTCALL call costs ~0.1 us where a
+// ctypes call with 14 arguments costs ~1.3 us, which matters for small inputs. Same positional
+// arguments as the C functions (pointers as ints or None); the GIL is released while the kernel runs.
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+namespace {
+bool ns_args(PyObject* const* args, Py_ssize_t n, Py_ssize_t want, const int* kinds, int64_t* iv,
+             double* dv) {
+  if (n != want) { PyErr_Format(PyExc_TypeError, "expected %zd arguments, got %zd", want, n); return false; }
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    if (kinds[i] == 2) { dv[i] = PyFloat_AsDouble(args[i]); }
+    else if (args[i] == Py_None) { iv[i] = 0; }
+    else if (kinds[i] == 1) { iv[i] = int64_t(PyLong_AsUnsignedLongLong(args[i])); }
+    else { iv[i] = PyLong_AsLongLong(args[i]); }
+  }
+  return !PyErr_Occurred();
+}
+
+// kinds: 0 integer, 1 pointer (int or None), 2 float
+PyObject* py_fwd(PyObject*, PyObject* const* args, Py_ssize_t n) {
+  static const int kinds[14] = {0, 1, 0, 0, 0, 1, 0, 1, 0, 1, 1, 2, 0, 0};
+  int64_t v[14] = {}; double d[14] = {};
+  if (!ns_args(args, n, 14, kinds, v, d)) return nullptr;
+  int status;
+  Py_BEGIN_ALLOW_THREADS
+  status = ns_rms_norm_fwd(int(v[0]), reinterpret_cast<const void*>(v[1]), v[2], v[3], v[4],
+                           reinterpret_cast<const void*>(v[5]), v[6], reinterpret_cast<const void*>(v[7]),
+                           v[8],
+                           reinterpret_cast<void*>(v[9]), reinterpret_cast<float*>(v[10]), d[11], int(v[12]),
+                           int(v[13]));
+  Py_END_ALLOW_THREADS
+  return PyLong_FromLong(status);
+}
+
+PyObject* py_bwd(PyObject*, PyObject* const* args, Py_ssize_t n) {
+  static const int kinds[14] = {0, 1, 1, 0, 0, 0, 0, 1, 0, 1, 1, 1, 1, 0};
+  int64_t v[14] = {}; double d[14] = {};
+  if (!ns_args(args, n, 14, kinds, v, d)) return nullptr;
+  int status;
+  Py_BEGIN_ALLOW_THREADS
+  status = ns_rms_norm_bwd(int(v[0]), reinterpret_cast<const void*>(v[1]),
+                           reinterpret_cast<const void*>(v[2]), v[3], v[4], v[5], v[6],
+                           reinterpret_cast<const void*>(v[7]), v[8],
+                           reinterpret_cast<const float*>(v[9]), reinterpret_cast<void*>(v[10]),
+                           reinterpret_cast<float*>(v[11]), reinterpret_cast<float*>(v[12]), int(v[13]));
+  Py_END_ALLOW_THREADS
+  return PyLong_FromLong(status);
+}
+
+PyObject* py_info(PyObject*, PyObject*) { return Py_BuildValue("(ii)", ns_supported_dtypes(), ns_isa()); }
+
+template <class F> PyCFunction as_cfunc(F f) {
+  return reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(f));
+}
+PyMethodDef methods[] = {
+    {"fwd", as_cfunc(py_fwd), METH_FASTCALL, "forward"},
+    {"bwd", as_cfunc(py_bwd), METH_FASTCALL, "backward"},
+    {"info", py_info, METH_NOARGS, "(dtype mask, isa)"},
+    {nullptr, nullptr, 0, nullptr}};
+PyModuleDef module = {PyModuleDef_HEAD_INIT, "_normswap_rmsnorm", nullptr, -1, methods};
+}  // namespace
+
+PyMODINIT_FUNC PyInit__normswap_rmsnorm(void) { return PyModule_Create(&module); }
+#endif
 """

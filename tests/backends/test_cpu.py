@@ -223,3 +223,20 @@ def test_backward_deterministic_and_thread_split():
     gy = torch.randn(x.shape)
     runs = [torch.autograd.grad(cpu.rms_norm(x, (300,), w, b, 1e-6), (x, w, b), gy) for _ in range(2)]
     assert all(torch.equal(a, c) for a, c in zip(*runs, strict=True))
+
+
+@pytest.mark.skipif(not HAVE_CXX, reason="needs a C++ compiler")
+def test_ctypes_variant_without_python_headers(monkeypatch, fresh_kernel):
+    """Without Python.h the same kernel is built as a plain library and called through ctypes."""
+    assert cpu.available()[0]
+    if cpu._python_include() is not None:
+        assert cpu.kernel().binding == "extension"
+    monkeypatch.setattr(cpu, "_python_include", lambda: None)
+    cpu.reset()
+    ok, reason = cpu.available()
+    assert ok and cpu.kernel().binding == "ctypes" and "ctypes" in reason
+    x, w, b = make_inputs(9, (77,), torch.bfloat16, bias=True, seed=2, requires_grad=True)
+    y = cpu.rms_norm(x, (77,), w, b, 1e-6)
+    check_against_reference(y, x, (77,), w, b, 1e-6, "ctypes")
+    y.float().sum().backward()
+    assert x.grad is not None and w.grad is not None
