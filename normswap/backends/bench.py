@@ -9,6 +9,9 @@ For each shape and dtype it times, side by side in interleaved rounds:
   ``triton``), with a weight and no bias (a converted norm, beta folded into the next Linear);
 * optionally ``compile`` (``torch.compile`` of the eager math) and ``liger`` (if installed, CUDA).
 
+Each timed block starts with one untimed call, so every method is measured in its steady state (its
+operands in cache as far as they fit), whatever ran before it in the round.
+
 Absolute times on a shared machine are noisy, so every round times every method back to back and the
 reported ratios (to ``layer_norm`` and to ``copy``) are medians of per-round ratios; a slow phase
 then slows both sides of a ratio. Times are medians over rounds. The ratio of the fastest rounds
@@ -106,6 +109,7 @@ def _time_block(fn: Callable[[], object], reps: int, device: str, clock: str = "
     ``clock="thread"`` (CPU, one thread only) counts the calling thread's CPU time, which time spent
     descheduled by other processes does not inflate.
     """
+    fn()  # untimed: brings this method's data back into cache after the other methods of the round ran
     if device == "cuda":
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         _sync(device)
