@@ -128,3 +128,18 @@ def test_fold_gamma_keeps_gamma_where_beta_cannot_fold(name):
     assert any(s.fold_gamma for s in report.sites)
     final = [s for s in report.sites if "lm_head" in s.readers]
     assert final and not final[0].fold_gamma and not final[0].fold_beta
+
+
+def test_without_room_for_a_float64_copy_the_surgery_still_runs_in_float64_per_tensor(monkeypatch):
+    """Big models get a working copy in their own dtype; each edit still upcasts to float64."""
+    from normswap import api
+
+    monkeypatch.setattr(api, "_available_memory", lambda: 1)
+    torch.manual_seed(8)
+    model = randomise(TinyViT()).float()
+    reference = copy.deepcopy(model).double()
+    x = torch.randn(3, 3, 32, 32)
+    report = normswap.patch(model, (x,))
+    assert report.changed and model.head.weight.dtype == torch.float32
+    with torch.no_grad():
+        assert _rel(model(x).double(), reference(x.double())) <= 1e-5
