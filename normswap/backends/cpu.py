@@ -153,10 +153,19 @@ def detect_isa() -> int:
 
 
 def _cache_dir() -> str:
+    """``$TORCH_EXTENSIONS_DIR/normswap_cpu`` (default ``~/.cache/torch_extensions``); a per-user temp
+    directory when that is not writable (read-only home in some CI sandboxes)."""
     base = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "torch_extensions"
     )
-    return os.path.join(base, "normswap_cpu")
+    path = os.path.join(base, "normswap_cpu")
+    try:
+        os.makedirs(path, exist_ok=True)
+        if os.access(path, os.W_OK):
+            return path
+    except OSError:
+        pass
+    return os.path.join(tempfile.gettempdir(), f"normswap_cpu_{os.getuid() if hasattr(os, 'getuid') else 0}")
 
 
 def _compiler() -> str | None:
@@ -176,6 +185,13 @@ def _compiler_version(cxx: str) -> str:
 
 def _compile(cxx: str, flags: list[str], out_path: str) -> str | None:
     """Compile SOURCE into ``out_path`` atomically. Returns an error message or None."""
+    try:
+        return _compile_into(cxx, flags, out_path)
+    except OSError as exc:  # unwritable cache, full disk, ...
+        return f"{type(exc).__name__}: {exc}"
+
+
+def _compile_into(cxx: str, flags: list[str], out_path: str) -> str | None:
     os.makedirs(os.path.dirname(out_path), exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="normswap_build_") as tmp:
         src = os.path.join(tmp, "rmsnorm.cpp")

@@ -240,3 +240,18 @@ def test_ctypes_variant_without_python_headers(monkeypatch, fresh_kernel):
     check_against_reference(y, x, (77,), w, b, 1e-6, "ctypes")
     y.float().sum().backward()
     assert x.grad is not None and w.grad is not None
+
+
+def test_unwritable_cache_dir_uses_temp(monkeypatch, tmp_path):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    assert cpu._cache_dir() == str(tmp_path / "normswap_cpu")
+    monkeypatch.setattr(cpu.os, "access", lambda path, mode: False)  # as in a read-only home
+    fallback = cpu._cache_dir()
+    assert not fallback.startswith(str(tmp_path)) and "normswap_cpu_" in fallback
+
+
+def test_compile_errors_are_reported_not_raised(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    err = cpu._compile(cpu._compiler() or "c++", [], str(blocker / "sub" / "x.so"))
+    assert err is not None and "Error" in err
