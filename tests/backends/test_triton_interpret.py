@@ -233,3 +233,13 @@ def test_fused_residual_opcheck_and_compile():
             gx = torch.autograd.grad(y2.sum() + (xx + rr).pow(2).sum(), xx)[0]
             assert torch.allclose(y, y2, atol=1e-5) and torch.allclose(xx.grad, gx, atol=1e-4)
             assert torch.equal(xx.grad, rr.grad)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_tiny_variance_and_large_values(dtype):
+    """bf16/fp16 rows with tiny variance (pytorch#189581) and fp16 values whose squares overflow fp16."""
+    for scale in (1e-3, 3e4 if dtype == torch.float16 else 1e30):
+        x, w, b = make_inputs(8, (256,), dtype, scale=scale, seed=7)
+        y = tb.rms_norm(x, (256,), w, b, 1e-6)
+        assert torch.isfinite(y).all()
+        check_against_reference(y, x, (256,), w, b, 1e-6, f"triton {dtype} scale {scale}")
