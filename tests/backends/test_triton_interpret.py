@@ -238,7 +238,7 @@ def test_fused_residual_opcheck_and_compile():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_tiny_variance_and_large_values(dtype):
     """bf16/fp16 rows with tiny variance (pytorch#189581) and fp16 values whose squares overflow fp16."""
-    for scale in (1e-3, 3e4 if dtype == torch.float16 else 1e30):
+    for scale in (1e-3, 3e4 if dtype == torch.float16 else 1e17):  # squares stay finite in fp32
         x, w, b = make_inputs(8, (256,), dtype, scale=scale, seed=7)
         x = x.clamp(-6e4, 6e4) if dtype == torch.float16 else x  # finite inputs; their squares overflow fp16
         y = tb.rms_norm(x, (256,), w, b, 1e-6)
