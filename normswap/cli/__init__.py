@@ -15,14 +15,7 @@ def main() -> None:
 
 def _register_commands() -> None:
     # Imported here so each command module can import `main` without a cycle.
-    from importlib import import_module
-
-    for name in ("normswap.cli.convert_cmd", "normswap.cli.backends_cmd", "normswap.cli.finetune_cmd"):
-        try:
-            import_module(name)
-        except ModuleNotFoundError as exc:  # a command module not written yet
-            if exc.name != name:
-                raise
+    from normswap.cli import backends_cmd, convert_cmd, finetune_cmd  # noqa: F401
 
 
 _register_commands()
