@@ -396,16 +396,14 @@ class Analyzer:
         kind = writer_kind(module)
         calls = self.calls_per_path.get(path, [])
         all_groups: set[tuple[int, ...]] = set()
-        blocked: set[int] = set()
+        blockers: list[tuple[str, set[int]]] = []  # (what reads the output, which features it reads)
         for call in calls:
             if len(call.outputs) != 1:
                 return [], [], "returns more than one tensor"
             reach = self.reach(call.outputs[0], _OUTPUT_AXIS[kind])
             if reach.conflict:
                 return [], [], reach.conflict
-            bad = [b for b in reach.blockers]
-            for _, feats in bad:
-                blocked |= feats
+            blockers += reach.blockers
             bad_outputs = [o for o in reach.outputs if "hidden_state" not in o]
             if bad_outputs:
                 return [], [], f"output is also returned as `{bad_outputs[0]}`"
@@ -420,8 +418,8 @@ class Analyzer:
         if why:
             return [], [], why
         covered = set(range(size)) if blocks is None else {i for lo, hi in blocks for i in range(lo, hi)}
-        if blocked & covered:
-            what = next(w for w, f in self._blockers_of(path) if f & covered)
+        what = next((w for w, feats in blockers if feats & covered), None)
+        if what is not None:
             return [], [], f"output also read by {what} (not a norm)"
         edits, unties = [], []
         for attr, axis in _WRITER_PARAMS[kind]:
@@ -439,13 +437,6 @@ class Analyzer:
                     return [], [], ("weight is tied to another module (untie=False)" if why == "tied" else why)
             edits.append(WriterEdit(f"{path}.{attr}", axis, blocks, path, kind))
         return edits, unties, None
-
-    def _blockers_of(self, path: str) -> list[tuple[str, set[int]]]:
-        kind = writer_kind(self.modules[path])
-        out = []
-        for call in self.calls_per_path.get(path, []):
-            out += self.reach(call.outputs[0], _OUTPUT_AXIS[kind]).blockers
-        return out
 
     def _sharing_problem(self, p: torch.nn.Parameter, path: str) -> str | None:
         """'tied' if another (non-writer) module owns ``p``; a reason if raw ops use it elsewhere."""

@@ -74,10 +74,6 @@ class SitePlan:
     rms_weight: bool = False  # structure of the replacement RMSNorm (what loading rebuilds)
     rms_bias: bool = False
 
-    @property
-    def verdict_short(self) -> str:
-        return self.verdict
-
 
 @dataclass
 class Plan:
