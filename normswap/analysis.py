@@ -114,7 +114,7 @@ class Analyzer:
         self.by_input = graph.call_by_input()
         self.site_calls = [c for c in graph.calls if c.path in self.sites]
         self.site_call_ids = {c.id for c in self.site_calls}
-        self.site_input = {c.id: self._first_tensor_arg(c) for c in self.site_calls}
+        self.site_input = {c.id: c.first_input() for c in self.site_calls}
         self.site_output = {c.id: (c.outputs[0] if c.outputs else None) for c in self.site_calls}
         self.input_to_sites: dict[int, list[ModuleCall]] = {}
         for c in self.site_calls:
@@ -141,13 +141,6 @@ class Analyzer:
             self.param_name.setdefault(id(p), name)
 
     # ------------------------------------------------------------------ helpers
-    @staticmethod
-    def _first_tensor_arg(call: ModuleCall) -> int | None:
-        for vid in call.args:
-            if vid is not None:
-                return vid
-        return next(iter(call.kwargs.values()), None)
-
     def _call_of_op(self, op: Op) -> str:
         return "" if op.call is None else self.graph.calls[op.call].path
 

@@ -174,7 +174,7 @@ def _identify_sites(work: nn.Module, args: tuple, kwargs: dict) -> tuple[walker.
         if not calls:
             continue
         call = calls[0]
-        vid = next((v for v in call.args if v is not None), next(iter(call.kwargs.values()), None))
+        vid = call.first_input()
         if vid is None or not call.outputs:
             continue
         x = graph.values[vid].tensor

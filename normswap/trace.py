@@ -68,6 +68,13 @@ class ModuleCall:
     start_op: int = 0
     end_op: int = 0
 
+    def first_input(self) -> int | None:
+        """Value id of the first tensor argument (positional first, then keyword): a norm's input."""
+        for vid in self.args:
+            if vid is not None:
+                return vid
+        return next(iter(self.kwargs.values()), None)
+
 
 @dataclass
 class Graph:
