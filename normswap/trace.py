@@ -22,6 +22,8 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
+from normswap.verify import flatten_outputs
+
 
 @dataclass
 class Value:
@@ -203,17 +205,6 @@ class _Recorder(TorchFunctionMode):
         return hook
 
 
-def _flatten_outputs(obj: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
-    if isinstance(obj, torch.Tensor):
-        yield prefix or "output", obj
-    elif isinstance(obj, dict):  # also transformers' ModelOutput
-        for key, val in obj.items():
-            yield from _flatten_outputs(val, f"{prefix}.{key}" if prefix else str(key))
-    elif isinstance(obj, (tuple, list)):
-        for i, val in enumerate(obj):
-            yield from _flatten_outputs(val, f"{prefix}[{i}]")
-
-
 def record(model: nn.Module, args: tuple, kwargs: dict) -> Graph:
     """Run ``model(*args, **kwargs)`` once under no_grad and return its dataflow graph."""
     graph = Graph()
@@ -237,7 +228,8 @@ def record(model: nn.Module, args: tuple, kwargs: dict) -> Graph:
         for h in handles:
             h.remove()
     graph.output_object = output
-    graph.outputs = [(path, recorder.value_of(t)) for path, t in _flatten_outputs(output)]
+    # same key paths as verification uses, so Plan.changed_outputs names what verify compares
+    graph.outputs = [(path, recorder.value_of(t)) for path, t in flatten_outputs(output)]
     graph._keep = recorder.keep  # type: ignore[attr-defined]
     return graph
 
