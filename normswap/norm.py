@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from normswap import backends
+from normswap.backends import cpu
 
 ShapeLike = int | Sequence[int] | torch.Size
 
@@ -39,7 +40,11 @@ def rms_norm(
     ``bias`` may have more leading dims than ``normalized_shape`` (per-head parameters) as long as
     they broadcast against ``x``.
     """
-    shape = _as_shape(normalized_shape)
+    shape = normalized_shape if type(normalized_shape) is tuple else _as_shape(normalized_shape)
+    if backend == "auto" and backends.env_backend() == "auto":
+        y = cpu.try_inference(x, shape, weight, bias, float(eps))  # the common CPU call, checked in one go
+        if y is not None:
+            return y
     if tuple(x.shape[x.dim() - len(shape) :]) != shape:
         raise ValueError(f"rms_norm: input shape {tuple(x.shape)} does not end with {shape}")
     impl = backends.resolve(backend, x, weight, bias)

@@ -32,6 +32,10 @@ SOURCE = r"""
 
 namespace {
 
+// Software prefetch distance in the bf16 loop for the row being summed (measured: 512 B ahead helps
+// rows that come from DRAM, e.g. 2048x4096: 1.71x -> 1.57x a copy).
+constexpr int PREFETCH_BYTES = 512;
+
 struct F32 { using T = float; };
 struct BF16 { using T = uint16_t; };
 struct F16 { using T = uint16_t; };
@@ -259,6 +263,95 @@ inline void scale_row(const typename D::T* xr, typename D::T* yr, int64_t N, con
   }
 }
 
+#if NS_ISA >= 3
+// bf16 pass 2 with 32 values per step. The generic path widens 16 bf16 with vpmovzxwd and narrows with
+// vcvtneps2bf16: two lane-crossing shuffles per rounding, three roundings per value, which made bf16
+// compute-bound here (about 2.4x a copy). Instead, 32 bf16 become two fp32 vectors by in-lane unpacks
+// against zero (a bf16 is the high half of its fp32), and two fp32 vectors become 32 bf16 by one
+// vcvtne2ps2bf16 (round to nearest even, like vcvtneps2bf16). Both steps reorder the elements. The
+// weight and bias are laid out in the order each stage leaves the values in (permute_params), and one
+// vpermw puts the result back in element order before the store. The orders are found once, by running
+// the same instructions on element indices (Bf16Orders), so they cannot disagree with the code.
+struct Pair { __m512 a, b; };
+inline Pair widen(__m512i v) {
+  const __m512i z = _mm512_setzero_si512();
+  return {_mm512_castsi512_ps(_mm512_unpacklo_epi16(z, v)), _mm512_castsi512_ps(_mm512_unpackhi_epi16(z, v))};
+}
+inline __m512i narrow(Pair p) { return reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(p.b, p.a)); }
+
+struct Bf16Orders {
+  int slot[4][32];     // slot[s][k]: which element of the 32 sits in lane k (a: 0-15, b: 16-31) at stage s
+  __m512i restore[4];  // vpermw indices that put narrow(stage s) back in element order
+  Bf16Orders() {
+    alignas(64) uint16_t ids[32];
+    for (int j = 0; j < 32; ++j) ids[j] = f32_to_bf16(float(j));  // small integers are exact in bf16
+    Pair p = widen(_mm512_load_si512(ids));  // stage 1: after the load; stage s: after s - 1 roundings
+    for (int s = 1; s < 4; ++s) {
+      alignas(64) float a[16], b[16];
+      _mm512_store_ps(a, p.a);
+      _mm512_store_ps(b, p.b);
+      for (int k = 0; k < 16; ++k) { slot[s][k] = int(a[k]); slot[s][16 + k] = int(b[k]); }
+      alignas(64) uint16_t z[32], idx[32];
+      _mm512_store_si512(z, narrow(p));
+      for (int j = 0; j < 32; ++j) idx[int(bf16_to_f32(z[j]))] = uint16_t(j);
+      restore[s] = _mm512_load_si512(idx);
+      p = widen(narrow(p));
+    }
+  }
+};
+inline const Bf16Orders& bf16_orders() { static const Bf16Orders orders; return orders; }
+// Stage at which the weight multiplies (after one rounding) and the bias adds (after one or two).
+constexpr int W_STAGE = 2;
+inline int bias_stage(bool has_w) { return has_w ? 3 : 2; }
+inline int final_stage(bool has_w, bool has_b) { return has_b ? bias_stage(has_w) : has_w ? 2 : 1; }
+
+// Reorder fp32 parameters (rows of N) into stage s's lane order within every full block of 32; the tail
+// of each row keeps element order (the generic path reads it).
+inline void permute_params(float* p, int64_t rows, int64_t N, int s) {
+  const int* slot = bf16_orders().slot[s];
+  const __m512i lo = _mm512_loadu_si512(slot), hi = _mm512_loadu_si512(slot + 16);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t i = 0; i + 32 <= N; i += 32) {
+      float* blk = p + r * N + i;
+      const __m512 a = _mm512_loadu_ps(blk), b = _mm512_loadu_ps(blk + 16);
+      _mm512_storeu_ps(blk, _mm512_permutex2var_ps(a, lo, b));  // lane k <- element slot[k] of the 32
+      _mm512_storeu_ps(blk + 16, _mm512_permutex2var_ps(a, hi, b));
+    }
+}
+
+// Also accumulates the sum of squares of the next row's first n32 values (xn), read in the same loop: its
+// loads from memory overlap this row's arithmetic and stores, and no separate reduction pass waits on them.
+template <bool HAS_W, bool HAS_B, bool NT>
+inline float scale_row_bf16x32(const uint16_t* xr, uint16_t* yr, int64_t n32, const float* wr, const float* br,
+                               float rs, const uint16_t* xn, __m512i restore) {
+  const __m512 vrs = _mm512_set1_ps(rs);
+  __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n32; i += 32) {
+    _mm_prefetch(reinterpret_cast<const char*>(xn + i) + PREFETCH_BYTES, _MM_HINT_T0);
+    const __m512bh nx = reinterpret_cast<__m512bh>(_mm512_loadu_si512(xn + i));
+    if ((i & 32) == 0) acc0 = _mm512_dpbf16_ps(acc0, nx, nx); else acc1 = _mm512_dpbf16_ps(acc1, nx, nx);
+    Pair p = widen(_mm512_loadu_si512(xr + i));
+    p.a = _mm512_mul_ps(p.a, vrs);
+    p.b = _mm512_mul_ps(p.b, vrs);
+    if (HAS_W || HAS_B) p = widen(narrow(p));
+    if (HAS_W) {
+      p.a = _mm512_mul_ps(p.a, _mm512_loadu_ps(wr + i));
+      p.b = _mm512_mul_ps(p.b, _mm512_loadu_ps(wr + i + 16));
+      if (HAS_B) p = widen(narrow(p));
+    }
+    if (HAS_B) {
+      p.a = _mm512_add_ps(p.a, _mm512_loadu_ps(br + i));
+      p.b = _mm512_add_ps(p.b, _mm512_loadu_ps(br + i + 16));
+    }
+    const __m512i out = _mm512_permutexvar_epi16(restore, narrow(p));
+    if (NT) _mm512_stream_si512(reinterpret_cast<__m512i*>(yr + i), out);
+    else _mm512_storeu_si512(yr + i, out);
+  }
+  return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
+}
+
+#endif
+
 // One block of rows. Weight and bias arrive as fp32 (converted once per call) so the inner loop does
 // not spend instructions widening them. HAS_W / HAS_B are template flags: no branches in the loop.
 // Rows go in groups of RB: all their sums of squares first, so the out-of-order core overlaps the
@@ -301,6 +394,47 @@ void rows(const typename D::T* x, int64_t r0, int64_t r1, int64_t N, int64_t xs,
 #endif
 }
 
+
+#if NS_ISA >= 3
+inline float inv_rms(float ss, int64_t N, float eps) { return 1.0f / std::sqrt(ss / float(N) + eps); }
+
+// bf16 rows, software-pipelined two rows deep: the scaling loop of row r also reads row r + 2 for its sum
+// of squares, so every row is read from memory once, inside one loop that overlaps those loads with row
+// r's arithmetic and stores (row r itself is in L1/L2 by then), and the divide/sqrt of row r + 2's scale
+// runs during row r + 1's loop instead of stalling it. Measured: 10-30% faster than the grouped passes
+// of rows() for bf16; slower for fp32, whose loop is too light to carry the extra stream.
+template <bool HAS_W, bool HAS_B>
+void rows_bf16x32(const uint16_t* x, int64_t r0, int64_t r1, int64_t N, int64_t xs, const float* w,
+                  int64_t wrows, const float* b, int64_t brows, uint16_t* y, float* rstd, float eps, bool stream) {
+  const BF16 d;
+  const __m512i restore = bf16_orders().restore[final_stage(HAS_W, HAS_B)];
+  const int64_t n32 = N / 32 * 32;
+  float rs = r0 < r1 ? inv_rms(sumsq(d, x + r0 * xs, N), N, eps) : 0.0f;
+  float rs_next = r0 + 1 < r1 ? inv_rms(sumsq(d, x + (r0 + 1) * xs, N), N, eps) : 0.0f;
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint16_t* xr = x + r * xs;
+    const bool ahead = r + 2 < r1;
+    const uint16_t* xa = ahead ? xr + 2 * xs : xr;  // near the end: re-read this row (from L1), unused
+    uint16_t* yr = y + r * N;
+    const float* wr = HAS_W ? w + (r % wrows) * N : nullptr;
+    const float* br = HAS_B ? b + (r % brows) * N : nullptr;
+    float ss = stream && reinterpret_cast<uintptr_t>(yr) % 64 == 0
+        ? scale_row_bf16x32<HAS_W, HAS_B, true>(xr, yr, n32, wr, br, rs, xa, restore)
+        : scale_row_bf16x32<HAS_W, HAS_B, false>(xr, yr, n32, wr, br, rs, xa, restore);
+    if (n32 < N)
+      scale_row<BF16, HAS_W, HAS_B, false>(xr + n32, yr + n32, N - n32, HAS_W ? wr + n32 : nullptr,
+                                            HAS_B ? br + n32 : nullptr, rs, nullptr);
+    // Finish row r + 2's sum exactly as sumsq(BF16) does, so a row's scale never depends on which
+    // thread or position computed it.
+    for (int64_t i = n32; i < N; ++i) { const float v = bf16_to_f32(xa[i]); ss += v * v; }
+    if (ahead && !(ss >= 0x1p-100f)) ss = sumsq<BF16>(d, xa, N);  // tiny or NaN: the exact path
+    if (rstd) rstd[r] = rs;
+    rs = rs_next;
+    rs_next = ahead ? inv_rms(ss, N, eps) : 0.0f;
+  }
+  if (stream) _mm_sfence();
+}
+#endif
 
 // float64: plain loops (the correctness path for gradcheck-style use; the compiler vectorises them).
 template <bool HAS_W, bool HAS_B>
@@ -359,10 +493,25 @@ void launch(const void* x, int64_t M, int64_t N, int64_t xs, const void* w, int6
   std::vector<float> wbuf, bbuf;
   const float* W = as_f32(D{}, w, wrows * N, wbuf);
   const float* B = as_f32(D{}, b, brows * N, bbuf);
+#if NS_ISA >= 3
+  if (std::is_same<D, BF16>::value) {  // lane order of the 32-wide bf16 path
+    if (W) permute_params(wbuf.data(), wrows, N, W_STAGE);
+    if (B) permute_params(bbuf.data(), brows, N, bias_stage(W != nullptr));
+  }
+#endif
   auto X = static_cast<const T*>(x);
   auto Y = static_cast<T*>(y);
   const float e = float(eps);  // eps is added to an fp32 mean, as in the eager reference
   parallel_rows(M, nthreads, [&](int64_t r0, int64_t r1) {
+#if NS_ISA >= 3
+    if constexpr (std::is_same<D, BF16>::value) {
+      if (W && B) rows_bf16x32<true, true>(X, r0, r1, N, xs, W, wrows, B, brows, Y, rstd, e, stream);
+      else if (W) rows_bf16x32<true, false>(X, r0, r1, N, xs, W, wrows, B, brows, Y, rstd, e, stream);
+      else if (B) rows_bf16x32<false, true>(X, r0, r1, N, xs, W, wrows, B, brows, Y, rstd, e, stream);
+      else rows_bf16x32<false, false>(X, r0, r1, N, xs, W, wrows, B, brows, Y, rstd, e, stream);
+      return;
+    }
+#endif
     if (W && B) rows<D, true, true>(X, r0, r1, N, xs, W, wrows, B, brows, Y, rstd, e, stream);
     else if (W) rows<D, true, false>(X, r0, r1, N, xs, W, wrows, B, brows, Y, rstd, e, stream);
     else if (B) rows<D, false, true>(X, r0, r1, N, xs, W, wrows, B, brows, Y, rstd, e, stream);
