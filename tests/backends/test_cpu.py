@@ -255,3 +255,30 @@ def test_compile_errors_are_reported_not_raised(tmp_path):
     blocker.write_text("not a directory")
     err = cpu._compile(cpu._compiler() or "c++", [], str(blocker / "sub" / "x.so"))
     assert err is not None and "Error" in err
+
+
+@pytest.mark.skipif(not HAVE_CXX, reason="needs a C++ compiler")
+@pytest.mark.parametrize("n", [32, 96, 100, 768, 2055])
+@pytest.mark.parametrize("weight,bias", [(False, False), (True, False), (False, True), (True, True)])
+def test_bf16_cast_order_is_bit_exact_given_the_kernels_rstd(n, weight, bias):
+    """Every rounding of the bf16 forward, bit for bit: round(round(round(x*rstd) * w) + b), as eager.
+
+    Uses the kernel's own rstd, so a last-bit difference in the sum of squares (summation order)
+    cannot hide or fake a mismatch. Covers the 32-wide path (lane orders, pre-permuted parameters),
+    row tails, per-head parameters, and enough rows for the two-deep row pipeline and a thread split.
+    """
+    gen = torch.Generator().manual_seed(n)
+    rows, heads = 67, 3
+    x = (torch.randn(rows, heads, n, generator=gen) * 3).bfloat16()
+    w = torch.randn(heads, n, generator=gen).bfloat16() if weight else None
+    b = torch.randn(heads, n, generator=gen).bfloat16() if bias else None
+    with torch.no_grad():
+        y, rstd = cpu._run(cpu.kernel(), x, (n,), w, b, 1e-6, want_rstd=True, pooled=False)
+    expect = (x.float() * rstd.view(rows, heads, 1)).bfloat16()
+    if w is not None:
+        expect = (expect.float() * w.float()).bfloat16()
+    if b is not None:
+        expect = (expect.float() + b.float()).bfloat16()
+    assert torch.equal(y, expect)
+    ref = x.double().pow(2).mean(-1).add(1e-6).rsqrt().float().reshape(-1)
+    assert torch.allclose(rstd, ref, rtol=1e-6, atol=0)
