@@ -672,8 +672,9 @@ def try_inference(
     That call is: a contiguous CPU tensor whose dtype the built kernel handles, 1-D parameters of the
     last dim's size in x's dtype, no gradient wanted, not under ``torch.compile``. Every check here is
     one that :func:`normswap.backends.resolve` and :func:`rms_norm` make too; doing them once, in one
-    frame, halves the Python cost per call (measured 10 -> ~5 us per module call, a third of a copy's
-    time at 256x2048 float32). Anything else returns None and takes the general path.
+    frame, cuts the Python cost per call by about a third (measured: ``normswap.rms_norm`` 7.8 -> 5.5 us,
+    an ``RMSNorm`` module call 10 -> 7 us; a float32 256x2048 copy takes ~27 us). Anything else returns
+    None and takes the general path.
     """
     k = _kernel
     if k is None or k.fn is None or not x.is_cpu or x.dtype not in k.dtypes or len(normalized_shape) != 1:
