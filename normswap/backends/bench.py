@@ -7,6 +7,8 @@ For each shape and dtype it times, side by side in interleaved rounds:
 * ``torch_rms_norm``: ``F.rms_norm``;
 * each normswap backend that is available and supports the call (``eager``, ``native``, ``cpu``,
   ``triton``), with a weight and no bias (a converted norm, beta folded into the next Linear);
+* ``auto``: the public call, ``normswap.rms_norm(x, n, weight)`` with ``backend="auto"``, so its
+  Python dispatch (checks, backend choice, output allocation) is in the number users see;
 * optionally ``compile`` (``torch.compile`` of the eager math) and ``liger`` (if installed, CUDA).
 
 Each timed block starts with one untimed call, so every method is measured in its steady state (its
@@ -169,6 +171,9 @@ def _methods(x: torch.Tensor, n: int, pass_: str, include: Sequence[str], compil
         module = backends.BACKENDS[name]
         if module.available()[0] and module.supports(x, w, None):
             methods[name] = wrap(lambda m=module: m.rms_norm(x, (n,), w, None, EPS), (x, w))
+    from normswap.norm import rms_norm  # the public entry point (imported here: norm imports backends)
+
+    methods["auto"] = wrap(lambda: rms_norm(x, (n,), w, None, EPS), (x, w))
     if compile_:
         torch._dynamo.reset()  # a fresh cache per shape: no recompile limit, no stale guards
         compiled = torch.compile(lambda x, w: backends.eager.rms_norm(x, (n,), w, None, EPS), dynamic=False)

@@ -64,7 +64,7 @@ def test_parsers():
 def test_bench_records_are_consistent():
     recs = bench.bench_shape(16, 64, torch.float32, rounds=2, target_ms=1, include=("eager", "cpu"))
     by = {r.method: r for r in recs}
-    assert {"copy", "layer_norm", "torch_rms_norm", "eager", "cpu"} <= set(by)
+    assert {"copy", "layer_norm", "torch_rms_norm", "eager", "cpu", "auto"} <= set(by)
     for r in recs:
         assert r.median_us > 0 and r.min_us <= r.median_us and len(r.samples_us) == 2
         assert r.gbps == pytest.approx(2 * 16 * 64 * 4 / (r.median_us * 1e-6) / 1e9)
