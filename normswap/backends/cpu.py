@@ -679,10 +679,10 @@ def try_inference(
 
     That call is: a contiguous CPU tensor whose dtype the built kernel handles, 1-D parameters of the
     last dim's size in x's dtype, no gradient wanted, not under ``torch.compile``. Every check here is
-    one that :func:`normswap.backends.resolve` and :func:`rms_norm` make too; doing them once, in one
-    frame, cuts the Python cost per call by about a third (measured: ``normswap.rms_norm`` 7.8 -> 5.5 us,
-    an ``RMSNorm`` module call 10 -> 7 us; a float32 256x2048 copy takes ~27 us). Anything else returns
-    None and takes the general path.
+    one that :func:`normswap.backends.resolve` and :func:`rms_norm` make too; making them once, then
+    calling :func:`_run` directly, cuts the Python cost per call by about a third (measured:
+    ``normswap.rms_norm`` 7.8 -> 5.5 us, an ``RMSNorm`` module call 10 -> 7 us; a float32 256x2048
+    copy takes ~27 us). Anything else returns None and takes the general path.
     """
     k = _kernel
     if k is None or k.fn is None or not x.is_cpu or x.dtype not in k.dtypes or len(normalized_shape) != 1:
@@ -694,23 +694,9 @@ def try_inference(
             return None
     if (x.requires_grad and torch.is_grad_enabled()) or not x.is_contiguous() or torch.compiler.is_compiling():
         return None
-    numel = x.numel()
-    if numel == 0 or n == 0 or x.dim() == 0 or x.shape[-1] != n:
+    if x.dim() == 0 or x.shape[-1] != n:
         return None
-    out_bytes = numel * x.element_size()
-    if out_bytes >= _POOL_MIN_BYTES:
-        y = _new_output(tuple(x.shape), x.dtype, True)
-    else:
-        y = torch.empty_like(x)  # x is contiguous, so y is too
-    k.fn(
-        _DTYPE_CODES[x.dtype], x.data_ptr(), numel // n, n, n,
-        weight.data_ptr() if weight is not None else None, 1,
-        bias.data_ptr() if bias is not None else None, 1,
-        y.data_ptr(), None, eps,
-        torch.get_num_threads() if numel >= _PARALLEL_MIN_ELEMENTS else 1,
-        1 if out_bytes >= _STREAM_MIN_BYTES else 0,
-    )
-    return y
+    return _run(k, x, normalized_shape, weight, bias, eps, want_rstd=False, pooled=True)[0]
 
 
 def rms_norm(
