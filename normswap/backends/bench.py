@@ -11,8 +11,8 @@ For each shape and dtype it times, side by side in interleaved rounds:
   Python dispatch (checks, backend choice, output allocation) is in the number users see;
 * optionally ``compile`` (``torch.compile`` of the eager math) and ``liger`` (if installed, CUDA).
 
-Each timed block starts with one untimed call, so every method is measured in its steady state (its
-operands in cache as far as they fit), whatever ran before it in the round.
+Each timed block starts with at least 10 ms of untimed calls, so every method is measured in its steady
+state (its operands in cache as far as they fit), whatever ran before it in the round.
 
 Absolute times on a shared machine are noisy, so every round times every method back to back and the
 reported ratios (to ``layer_norm`` and to ``copy``) are medians of per-round ratios; a slow phase
@@ -42,6 +42,7 @@ from normswap import backends
 
 DEFAULT_SHAPES = ((4096, 768), (2048, 4096), (256, 2048))
 EPS = 1e-6
+WARMUP_S = 0.01
 
 
 @dataclass
@@ -116,7 +117,16 @@ def _time_block(fn: Callable[[], object], reps: int, device: str, clock: str = "
     ``clock="thread"`` (CPU, one thread only) counts the calling thread's CPU time, which time spent
     descheduled by other processes does not inflate.
     """
-    fn()  # untimed: brings this method's data back into cache after the other methods of the round ran
+    # Untimed warm-up of at least WARMUP_S: brings this method's data back into cache after the other
+    # methods of the round ran, and lets the machine settle. Measured on the CI kind: after a block of
+    # heavy F.rms_norm calls, the next op's calls take ~1.5x their steady time and need ~10 calls
+    # (~10 ms) to recover, so a single warm-up call biased whichever method came next in the round.
+    start = time.perf_counter()
+    for _ in range(10_000):
+        fn()
+        if time.perf_counter() - start >= WARMUP_S:
+            break
+    _sync(device)
     if device == "cuda":
         flush = _L2_FLUSH.setdefault("buf", torch.empty(256 << 20, dtype=torch.uint8, device="cuda"))
         events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
