@@ -33,6 +33,11 @@ ENV_VAR = "NORMSWAP_BACKEND"
 # small shapes host overhead dominates and native is the safer choice.
 CUDA_TRITON_MIN_N = 2048
 CUDA_TRITON_MIN_ELEMENTS = 1 << 20
+# Longest row ``auto`` gives triton. Compiled for sm_90 without a GPU (normswap/backends/_triton_aot.py,
+# tests/backends/test_triton_aot.py): up to 8192 a row fits in registers (at most 24 bytes per thread
+# spill); at 16384 the backward spills 168-504 bytes per thread (32768: up to 1152). ``backend="triton"``
+# still runs rows up to ``triton.MAX_N``.
+CUDA_TRITON_MAX_N = 8192
 
 
 def register(module: ModuleType) -> None:
@@ -90,7 +95,8 @@ def select_for(
     * CUDA: ``triton`` when available and the call is bandwidth-bound (``n >= 2048`` and at least
       2^20 elements), or when it fuses something ``native`` does in extra passes (a bias or per-head
       weights) at that size; otherwise ``native`` (PyTorch's fused kernel, lower launch overhead).
-      Rows longer than ``triton.MAX_N`` always go to ``native``.
+      Rows longer than ``CUDA_TRITON_MAX_N`` (8192) go to ``native``: beyond it the backward kernel
+      spills registers (checked by compiling for sm_90).
     * CPU: ``cpu`` (fused C++ kernel) when it built here and handles the dtype; otherwise the faster
       of the two PyTorch paths measured on CPU: ``native`` for float32/float64, ``eager`` for
       bfloat16/float16 (``F.rms_norm`` is slower there; see docs/backends.md).
@@ -103,8 +109,8 @@ def select_for(
             return "native", "triton is not available"
         if dtype not in triton_backend._DTYPES:
             return "native", f"triton does not handle {dtype}"
-        if n > triton_backend.MAX_N:
-            return "native", f"rows of {n} > {triton_backend.MAX_N} elements do not fit triton's row kernel"
+        if n > CUDA_TRITON_MAX_N:
+            return "native", f"rows of {n} > {CUDA_TRITON_MAX_N} elements: triton's backward kernel spills registers"
         if rows * n >= CUDA_TRITON_MIN_ELEMENTS and (n >= CUDA_TRITON_MIN_N or bias or per_head):
             return "triton", "bandwidth-bound shape: triton row kernel (bias and per-head weights fused)"
         return "native", "small shape: PyTorch's fused kernel has the lower launch overhead"

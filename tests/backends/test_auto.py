@@ -54,7 +54,9 @@ def test_cuda_rule_design(monkeypatch):
     assert backends.select_for("cuda", torch.bfloat16, *small)[0] == "native"
     assert backends.select_for("cuda", torch.bfloat16, 8192, 512)[0] == "native"
     assert backends.select_for("cuda", torch.bfloat16, 8192, 512, bias=True)[0] == "triton"
-    assert backends.select_for("cuda", torch.bfloat16, 64, 65536)[0] == "native"  # > MAX_N
+    assert backends.select_for("cuda", torch.bfloat16, 64, 65536)[0] == "native"  # > triton.MAX_N
+    assert backends.select_for("cuda", torch.bfloat16, 256, 16384)[0] == "native"  # > CUDA_TRITON_MAX_N
+    assert backends.select_for("cuda", torch.bfloat16, 1024, backends.CUDA_TRITON_MAX_N)[0] == "triton"
     monkeypatch.setattr(backends, "is_available", lambda name: name != "triton")
     assert backends.select_for("cuda", torch.bfloat16, *big) == ("native", "triton is not available")
     assert backends.select_for("mps", torch.float32, *big)[0] == "native"
