@@ -40,7 +40,8 @@ def rms_norm(
     ``bias`` may have more leading dims than ``normalized_shape`` (per-head parameters) as long as
     they broadcast against ``x``.
     """
-    shape = normalized_shape if type(normalized_shape) is tuple else _as_shape(normalized_shape)
+    kind = type(normalized_shape)  # exact-type checks: the common cases without _as_shape's loop
+    shape = normalized_shape if kind is tuple else (normalized_shape,) if kind is int else _as_shape(normalized_shape)
     if backend == "auto" and backends.env_backend() == "auto":
         y = cpu.try_inference(x, shape, weight, bias, float(eps))  # the common CPU call, checked in one go
         if y is not None:

@@ -684,6 +684,8 @@ def try_inference(
     ``normswap.rms_norm`` 7.8 -> 5.5 us, an ``RMSNorm`` module call 10 -> 7 us; a float32 256x2048
     copy takes ~27 us). Anything else returns None and takes the general path.
     """
+    if torch.compiler.is_compiling():  # first: Dynamo then traces nothing below (custom op path instead)
+        return None
     k = _kernel
     if k is None or k.fn is None or not x.is_cpu or x.dtype not in k.dtypes or len(normalized_shape) != 1:
         return None
@@ -692,7 +694,7 @@ def try_inference(
         if p is not None and (p.dim() != 1 or p.shape[0] != n or p.dtype != x.dtype or not p.is_cpu
                               or p.requires_grad and torch.is_grad_enabled()):
             return None
-    if (x.requires_grad and torch.is_grad_enabled()) or not x.is_contiguous() or torch.compiler.is_compiling():
+    if (x.requires_grad and torch.is_grad_enabled()) or not x.is_contiguous():
         return None
     if x.dim() == 0 or x.shape[-1] != n:
         return None
