@@ -28,7 +28,7 @@ def main() -> None:
     ap.add_argument("--dtype", action="append",
                     help="repeatable (default: float32, bfloat16; +float16 on cuda)")
     ap.add_argument("--shapes", default=None, help="comma-separated ROWSxN (default: the issue's shapes)")
-    ap.add_argument("--pass", dest="passes", action="append", choices=["fwd", "fwd+bwd"])
+    ap.add_argument("--pass", dest="passes", action="append", choices=list(bench.PASSES))
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--target-ms", type=float, default=5.0, help="length of one timing block")
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")

@@ -20,8 +20,10 @@ then slows both sides of a ratio. Times are medians over rounds. The ratio of th
 (``min_vs_*``) is reported too: on a machine other jobs keep busy, the minimum is the sample least
 disturbed by them (multi-threaded ops suffer most: one descheduled thread stalls the others).
 
-Bytes model (for GB/s): forward reads x and writes y, ``2 * M * N * itemsize``; forward+backward
-adds reading x and dy and writing dx, ``5 * M * N * itemsize`` in all (parameters are negligible).
+Passes: ``fwd``; ``bwd`` (one forward graph kept, only the backward timed); ``fwd+bwd``.
+Bytes model (for GB/s): forward reads x and writes y, ``2 * M * N * itemsize``; backward reads x and
+dy and writes dx, ``3 * M * N * itemsize``; forward+backward ``5 * M * N * itemsize`` (parameters are
+negligible).
 """
 
 from __future__ import annotations
@@ -42,6 +44,10 @@ from normswap import backends
 
 DEFAULT_SHAPES = ((4096, 768), (2048, 4096), (256, 2048))
 EPS = 1e-6
+PASSES = ("fwd", "bwd", "fwd+bwd")
+# Tensors of x's size moved per pass: fwd reads x, writes y; bwd reads x and dy, writes dx; fwd+bwd is
+# both (x read twice). Parameters and per-row statistics are negligible.
+BYTES_PER_ELEMENT = {"fwd": 2, "bwd": 3, "fwd+bwd": 5}
 WARMUP_S = 0.01
 
 
@@ -159,7 +165,7 @@ def _methods(x: torch.Tensor, n: int, pass_: str, include: Sequence[str], compil
     gen = torch.Generator(device="cpu").manual_seed(0)
     w = (1 + 0.1 * torch.randn(n, generator=gen)).to(device=device, dtype=dtype)
     b = (0.1 * torch.randn(n, generator=gen)).to(device=device, dtype=dtype)
-    train = pass_ == "fwd+bwd"
+    train = pass_ != "fwd"
     if train:
         x = x.detach().requires_grad_(True)
         w.requires_grad_(True)
@@ -167,9 +173,12 @@ def _methods(x: torch.Tensor, n: int, pass_: str, include: Sequence[str], compil
     gy = torch.randn(x.shape, generator=gen).to(device=device, dtype=dtype)
 
     def wrap(f: Callable[[], torch.Tensor], params: tuple[torch.Tensor, ...]) -> Callable[[], object]:
-        if not train:
+        if pass_ == "fwd":
             return f
-        return lambda: torch.autograd.grad(f(), params, gy)
+        if pass_ == "fwd+bwd":
+            return lambda: torch.autograd.grad(f(), params, gy)
+        y = f()  # "bwd": one forward graph, kept; only the backward is timed
+        return lambda: torch.autograd.grad(y, params, gy, retain_graph=True)
 
     out = torch.empty_like(x)
     methods: dict[str, Callable[[], object]] = {}
@@ -216,7 +225,7 @@ def bench_shape(
             for k, f in methods.items():  # interleaved: every method once per round
                 times[k].append(_time_block(f, reps[k], device, clock))
     elem = x.element_size()
-    nbytes = (2 if pass_ == "fwd" else 5) * rows * n * elem
+    nbytes = BYTES_PER_ELEMENT[pass_] * rows * n * elem
     records = []
     for k, ts in times.items():
         med = statistics.median(ts)
@@ -327,3 +336,76 @@ def plot(records: Sequence[Record], path: str) -> bool:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return True
+
+
+# ------------------------------------------------------------------------------- GPU targets (issue 4)
+@dataclass
+class TargetCheck:
+    """One GPU target evaluated on one measured shape."""
+
+    target: str
+    where: str  # "pass dtype MxN"
+    value: float
+    limit: float
+    ok: bool
+
+
+FWD_TBPS = 2.85  # bf16 forward at M >= 32768, N >= 4096
+BWD_TBPS = 2.0  # bf16 backward at M >= 16384
+SMALL_ELEMENTS = 512 * 4096  # "small shapes": at most this many elements
+SMALL_VS_NATIVE = 1.2
+NOISE = 1.05  # "never slower" allows 5% for timing noise between interleaved rounds
+
+
+def _median_ratio(a: Record, b: Record) -> float:
+    return statistics.median(x / y for x, y in zip(a.samples_us, b.samples_us, strict=True))
+
+
+def check_gpu_targets(records: Sequence[Record]) -> list[TargetCheck]:
+    """The issue's GPU targets, evaluated on measured records of the public ``auto`` call.
+
+    * forward >= 2.85 TB/s (bf16, M >= 32768, N >= 4096); backward >= 2.0 TB/s (bf16, M >= 16384,
+      the ``bwd`` pass);
+    * never slower than ``native`` or ``compile`` at any measured shape (within NOISE);
+    * at most SMALL_VS_NATIVE x ``native``'s latency at shapes of at most SMALL_ELEMENTS elements.
+    Shapes or methods that were not measured produce no check; :func:`missing_gpu_targets` says which.
+    """
+    by = {(r.pass_, r.dtype, r.rows, r.n, r.method): r for r in records}
+    checks: list[TargetCheck] = []
+    for r in records:
+        if r.method != "auto" or r.device != "cuda":
+            continue
+        where = f"{r.pass_} {r.dtype} {r.rows}x{r.n}"
+        tbps = r.gbps / 1000
+        if r.pass_ == "fwd" and r.dtype == "bfloat16" and r.rows >= 32768 and r.n >= 4096:
+            checks.append(TargetCheck("forward bandwidth, TB/s", where, tbps, FWD_TBPS, tbps >= FWD_TBPS))
+        if r.pass_ == "bwd" and r.dtype == "bfloat16" and r.rows >= 16384:
+            checks.append(TargetCheck("backward bandwidth, TB/s", where, tbps, BWD_TBPS, tbps >= BWD_TBPS))
+        for rival in ("native", "compile"):
+            other = by.get((r.pass_, r.dtype, r.rows, r.n, rival))
+            if other is not None:
+                ratio = _median_ratio(r, other)
+                checks.append(TargetCheck(f"time / {rival}", where, ratio, NOISE, ratio <= NOISE))
+        native = by.get((r.pass_, r.dtype, r.rows, r.n, "native"))
+        if native is not None and r.rows * r.n <= SMALL_ELEMENTS:
+            ratio = _median_ratio(r, native)
+            checks.append(TargetCheck("small shape: time / native", where, ratio, SMALL_VS_NATIVE,
+                                      ratio <= SMALL_VS_NATIVE))
+    return checks
+
+
+def missing_gpu_targets(checks: Sequence[TargetCheck]) -> list[str]:
+    """Targets with no measurement among ``checks`` (so "all passed" cannot mean "none measured")."""
+    names = {c.target for c in checks}
+    wanted = ["forward bandwidth, TB/s", "backward bandwidth, TB/s", "time / native", "time / compile",
+              "small shape: time / native"]
+    return [w for w in wanted if w not in names]
+
+
+def targets_table(checks: Sequence[TargetCheck]) -> str:
+    lines = [f"{'target':28} {'where':28} {'value':>8} {'limit':>7}  verdict"]
+    for c in checks:
+        bound = ">=" if "bandwidth" in c.target else "<="
+        lines.append(f"{c.target:28} {c.where:28} {c.value:8.3f} {bound}{c.limit:5.2f}  "
+                     f"{'pass' if c.ok else 'FAIL'}")
+    return "\n".join(lines)

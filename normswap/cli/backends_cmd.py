@@ -50,7 +50,7 @@ def backends_cmd(as_json: bool) -> None:
 @click.option("--shapes", default="4096x768,2048x4096,256x2048", show_default=True,
               help="Comma-separated ROWSxN shapes.")
 @click.option("--pass", "passes", multiple=True, default=("fwd",), show_default=True,
-              type=click.Choice(["fwd", "fwd+bwd"]), help="Repeatable.")
+              type=click.Choice(["fwd", "bwd", "fwd+bwd"]), help="Repeatable: bwd times the backward alone.")
 @click.option("--rounds", default=7, show_default=True, help="Interleaved timing rounds per shape.")
 @click.option("--target-ms", default=20.0, show_default=True,
               help="Length of one timing block (calls are repeated to fill it).")
