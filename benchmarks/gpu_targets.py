@@ -1,7 +1,8 @@
 """Issue 4's GPU targets as one command: measure, then print pass/FAIL per target and shape.
 
-    python benchmarks/gpu_targets.py            # on a machine with a CUDA GPU (H100 for the TB/s targets)
-    python benchmarks/gpu_targets.py --quick    # fewer rounds and shapes, for a first look
+    python benchmarks/gpu_targets.py               # bf16 (the targets' dtype); a few minutes on an H100,
+                                                   # most of it torch.compile building one graph per shape
+    python benchmarks/gpu_targets.py --all-dtypes  # also float16 and float32
 
 Times the public call (``normswap.rms_norm``, backend ``auto``) against ``native`` (F.rms_norm),
 ``torch.compile`` of the eager math, the triton backend and layer_norm, forward and backward alone,
@@ -31,7 +32,8 @@ MODEL_SHAPES = [(4096, 768), (2048, 4096), (256, 2048), (8192, 8192)]
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="5 rounds, bf16 only")
+    ap.add_argument("--quick", action="store_true", help="5 rounds instead of 9")
+    ap.add_argument("--all-dtypes", action="store_true", help="also float16 and float32 (about 3x longer)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "out", "benchmarks",
                                                   "gpu_targets.json"))
     args = ap.parse_args()
@@ -39,15 +41,16 @@ def main() -> None:
         print("gpu_targets: no CUDA device here (this script needs one; CPU results are in bench_ops.py)",
               file=sys.stderr)
         raise SystemExit(2)
-    rounds = 5 if args.quick else 15
-    dtypes = ["bfloat16"] if args.quick else ["bfloat16", "float16", "float32"]
+    rounds = 5 if args.quick else 9
+    dtypes = ["bfloat16", "float16", "float32"] if args.all_dtypes else ["bfloat16"]
     records: list[bench.Record] = []
     for pass_ in ("fwd", "bwd"):
         for dname in dtypes:
             shapes = list(SMALL_SHAPES) + list(MODEL_SHAPES) + TARGET_SHAPES.get((pass_, dname), [])
             for rows, n in shapes:
                 new = bench.bench_shape(rows, n, bench.parse_dtype(dname), "cuda", pass_=pass_,
-                                        include=("native", "triton"), rounds=rounds, compile_=True)
+                                        include=("native", "triton"), rounds=rounds, target_ms=5.0,
+                                        compile_=True)
                 records.extend(new)
                 print(bench.table(new), flush=True)
     checks = bench.check_gpu_targets(records)
