@@ -7,7 +7,7 @@
 Times the public call (``normswap.rms_norm``, backend ``auto``) against ``native`` (F.rms_norm),
 ``torch.compile`` of the eager math, the triton backend and layer_norm, forward and backward alone,
 at the target shapes (bf16 32768/65536 x 4096 forward, 16384/32768 x 4096 backward, small shapes up
-to 512 x 4096) and at the issue's model shapes in fp32/bf16/fp16. Writes the records and the checks
+to 512 x 4096) and at the issue's model shapes (bf16; --all-dtypes adds fp16, fp32). Writes the records and the checks
 to ``--out`` (JSON) and exits 1 if any target fails or could not be measured.
 """
 
