@@ -43,7 +43,7 @@ def rms_norm(
     kind = type(normalized_shape)  # exact-type checks: the common cases without _as_shape's loop
     shape = normalized_shape if kind is tuple else (normalized_shape,) if kind is int else _as_shape(normalized_shape)
     if backend == "auto" and backends.env_backend() == "auto":
-        y = cpu.try_inference(x, shape, weight, bias, float(eps))  # the common CPU call, checked in one go
+        y = cpu.try_fast(x, shape, weight, bias, float(eps))  # the common CPU call, checked in one go
         if y is not None:
             return y
     if tuple(x.shape[x.dim() - len(shape) :]) != shape:

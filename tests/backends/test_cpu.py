@@ -286,22 +286,26 @@ def test_bf16_cast_order_is_bit_exact_given_the_kernels_rstd(n, weight, bias):
 
 @pytest.mark.skipif(not HAVE_CXX, reason="needs a C++ compiler")
 def test_inference_fast_path_takes_only_the_plain_call():
-    """``cpu.try_inference`` (what ``normswap.rms_norm`` tries first) must hand every other call to the
-    general path, and agree with it bit for bit where it does run."""
+    """``cpu.try_fast`` (what ``normswap.rms_norm`` tries first) must hand every other call to the
+    general path, agree with it bit for bit where it does run, and keep gradients when they are wanted."""
     assert cpu.kernel().fn is not None  # built (a first call in a process takes the general path, which builds)
     x, w, b = make_inputs(6, (64,), torch.float32, bias=True, seed=11)
     with torch.no_grad():
-        fast = cpu.try_inference(x, (64,), w, b, 1e-6)
+        fast = cpu.try_fast(x, (64,), w, b, 1e-6)
         assert fast is not None and torch.equal(fast, cpu.rms_norm(x, (64,), w, b, 1e-6))
-        assert cpu.try_inference(x.t().contiguous().t(), (64,), w, b, 1e-6) is None  # not contiguous
-        assert cpu.try_inference(x, (64,), w.double(), b, 1e-6) is None  # weight dtype differs
-        assert cpu.try_inference(x, (8, 8), None, None, 1e-6) is None  # multi-dim normalized_shape
-        assert cpu.try_inference(x.view(6, 2, 32), (32,), w.view(2, 32), None, 1e-6) is None  # per-head
-        assert cpu.try_inference(x, (32,), None, None, 1e-6) is None  # wrong trailing size
-        assert cpu.try_inference(torch.tensor(1.0), (1,), None, None, 1e-6) is None  # 0-d
+        assert cpu.try_fast(x.t().contiguous().t(), (64,), w, b, 1e-6) is None  # not contiguous
+        assert cpu.try_fast(x, (64,), w.double(), b, 1e-6) is None  # weight dtype differs
+        assert cpu.try_fast(x, (8, 8), None, None, 1e-6) is None  # multi-dim normalized_shape
+        assert cpu.try_fast(x.view(6, 2, 32), (32,), w.view(2, 32), None, 1e-6) is None  # per-head
+        assert cpu.try_fast(x, (32,), None, None, 1e-6) is None  # wrong trailing size
+        assert cpu.try_fast(torch.tensor(1.0), (1,), None, None, 1e-6) is None  # 0-d
     wg = w.clone().requires_grad_(True)
-    assert cpu.try_inference(x, (64,), wg, None, 1e-6) is None  # a gradient is wanted
+    y = cpu.try_fast(x, (64,), wg, None, 1e-6)  # a gradient is wanted: the autograd.Function
+    assert type(y.grad_fn).__name__ == "_RMSNormCPUBackward"
+    (gw,) = torch.autograd.grad(y, (wg,), torch.ones_like(y))
+    w64 = wg.detach().double().requires_grad_(True)
+    (ref,) = torch.autograd.grad(eager.rms_norm(x.double(), (64,), w64, None, 1e-6), (w64,), torch.ones(6, 64,
+                                 dtype=torch.float64))
+    assert torch.allclose(gw.double(), ref, rtol=1e-5, atol=1e-5)
     with torch.no_grad():
-        assert cpu.try_inference(x, (64,), wg, None, 1e-6) is not None  # ... unless grad mode is off
-    y = normswap.rms_norm(x, 64, wg, None, 1e-6)
-    assert y.requires_grad  # the public call took the autograd path
+        assert not cpu.try_fast(x, (64,), wg, None, 1e-6).requires_grad  # grad mode off: the kernel alone
