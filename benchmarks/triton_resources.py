@@ -25,9 +25,12 @@ def main() -> None:
     parser.add_argument("--arch", type=int, default=90)
     parser.add_argument("--dtype", action="append", choices=sorted(DTYPES), help="repeatable (default: fp32, bf16)")
     parser.add_argument("--n", default="768,2048,4096,8192,16384,32768", help="comma-separated row lengths")
+    parser.add_argument("--generic", action="store_true",
+                        help="the unaligned specialisation (odd row lengths, offset views) instead of the usual one")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
-    print(f"sm_{args.arch}: registers / spill bytes per thread (weight, no bias | weight + bias | + residual)")
+    kind_of = "generic (unaligned)" if args.generic else "aligned (the usual launch)"
+    print(f"sm_{args.arch}, {kind_of}: registers / spill bytes per thread (weight | weight + bias | + residual)")
     print(f"{'kernel':6} {'dtype':5} {'n':>6} {'warps':>5}   {'w':>9}   {'w+b':>9}   {'w+b+res':>9}")
     for dname in args.dtype or ["fp32", "bf16"]:
         dtype = DTYPES[dname]
@@ -38,7 +41,7 @@ def main() -> None:
                 cells = []
                 for has_b, has_res in ((False, False), (True, False), (True, True)):
                     used = aot.resources(aot.compile_kernel(kind, dtype, n, arch=args.arch, has_b=has_b,
-                                                            has_res=has_res))
+                                                            has_res=has_res, aligned=not args.generic))
                     cells.append(f"{used.registers:>4} / {used.spill_bytes:<3}")
                 print(f"{kind:6} {dname:5} {n:>6} {warps:>5}   " + "   ".join(cells), flush=True)
 

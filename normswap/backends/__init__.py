@@ -34,9 +34,9 @@ ENV_VAR = "NORMSWAP_BACKEND"
 CUDA_TRITON_MIN_N = 2048
 CUDA_TRITON_MIN_ELEMENTS = 1 << 20
 # Longest row ``auto`` gives triton. Compiled for sm_90 without a GPU (normswap/backends/_triton_aot.py,
-# tests/backends/test_triton_aot.py): up to 8192 a row fits in registers (at most 24 bytes per thread
-# spill); at 16384 the backward spills 168-504 bytes per thread (32768: up to 1152). ``backend="triton"``
-# still runs rows up to ``triton.MAX_N``.
+# tests/backends/test_triton_aot.py): up to 8192 a row fits in registers (no spill in the usual aligned
+# launch, at most 24 bytes per thread in the generic one); at 16384 the backward spills 64-1008 bytes per
+# thread (32768: up to 1152). ``backend="triton"`` still runs rows up to ``triton.MAX_N``.
 CUDA_TRITON_MAX_N = 8192
 
 

@@ -53,10 +53,14 @@ def compile_kernel(
     has_w: bool = True,
     has_b: bool = True,
     has_res: bool = False,
+    aligned: bool = True,
 ) -> bytes:
     """The cubin of the ``"fwd"`` or ``"bwd"`` kernel as the launcher would configure it for rows of ``n``.
 
     ``has_res`` is the fused residual input (forward) or the extra gradient at ``h`` (backward).
+    ``aligned`` compiles the specialisation triton's launcher picks when every pointer is 16-byte
+    aligned and every stride and size a multiple of 16 (the usual case: vectorised loads); without it,
+    the generic one (what an odd row length or an offset view gets).
     """
     import triton
     from triton.backends.compiler import GPUTarget
@@ -84,7 +88,12 @@ def compile_kernel(
         name: "constexpr" if name in constants else pointers.get(name, "fp32" if name == "eps" else "i32")
         for name in names
     }
-    source = ASTSource(fn, signature, constexprs={(names.index(k),): v for k, v in constants.items()})
+    attrs = {}
+    if aligned:  # row counts (M, ROWS_PER_HEAD, ...) are left generic: they vary call to call
+        hinted = [name for name in names if signature[name].startswith("*") or name.startswith(("stride", "N", "W_ROW",
+                                                                                                    "B_ROW"))]
+        attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in hinted}
+    source = ASTSource(fn, signature, constexprs={(names.index(k),): v for k, v in constants.items()}, attrs=attrs)
     options = {"num_warps": warps, "enable_fp_fusion": triton_backend.FP_FUSION}
     return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options).asm["cubin"]
 
