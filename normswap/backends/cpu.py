@@ -572,7 +572,7 @@ def backward(
     dw_part = torch.empty((threads, prows, n), dtype=torch.float32) if want_dw else None
     db_part = torch.empty((threads, prows, n), dtype=torch.float32) if want_db else None
     # Large gradients come from the output pool too: a fresh buffer above ~32 MB page-faults on first
-    # touch (measured: fp32 2048x4096 backward alone 11.6 ms with a fresh dx, see RESULTS.md).
+    # touch (measured: fp32 2048x4096 forward+backward 14 -> 4.7 ms, see RESULTS.md).
     dx = _new_output(tuple(x.shape), x.dtype, x.numel() * x.element_size() >= _POOL_MIN_BYTES)
     status = k.bwd(
         _DTYPE_CODES[x.dtype], x2.data_ptr(), dy2.data_ptr(), m, n, x2.stride(0), dy2.stride(0),
@@ -684,8 +684,8 @@ def try_fast(
     :func:`normswap.backends.resolve` and :func:`rms_norm` make too; making them once, then launching
     directly (the kernel, or the ``autograd.Function`` when a gradient is wanted), cuts the Python cost
     per call (measured at 1x768, module call: 10 -> 5.4 us without gradients, 12 -> 10.6 us with
-    them; ``nn.LayerNorm`` takes 4.6 and 5.5 us; a float32 256x2048 copy takes ~25 us). Anything else returns None and
-    takes the general path.
+    them; ``nn.LayerNorm`` takes 4.6 and 5.5 us; a float32 256x2048 copy takes ~25 us). Anything else
+    returns None and takes the general path.
     """
     if torch.compiler.is_compiling():  # first: Dynamo then traces nothing below (custom op path instead)
         return None
