@@ -207,6 +207,11 @@ def _methods(x: torch.Tensor, n: int, pass_: str, include: Sequence[str], compil
     return methods
 
 
+def _median_ratio(a: Sequence[float], b: Sequence[float]) -> float:
+    """Median over rounds of a's time / b's time in the same round."""
+    return statistics.median(x / y for x, y in zip(a, b, strict=True))
+
+
 def bench_shape(
     rows: int, n: int, dtype: torch.dtype, device: str = "cpu", *, pass_: str = "fwd",
     include: Sequence[str] = ("eager", "native", "cpu", "triton"), rounds: int = 7, target_ms: float = 20.0,
@@ -233,7 +238,7 @@ def bench_shape(
         def ratio(base: str, ts: list[float] = ts) -> float | None:
             if base not in times:
                 return None
-            return statistics.median(a / bb for a, bb in zip(ts, times[base], strict=True))
+            return _median_ratio(ts, times[base])
 
         def min_ratio(base: str, ts: list[float] = ts) -> float | None:
             return min(ts) / min(times[base]) if base in times else None
@@ -357,10 +362,6 @@ SMALL_VS_NATIVE = 1.2
 NOISE = 1.05  # "never slower" allows 5% for timing noise between interleaved rounds
 
 
-def _median_ratio(a: Record, b: Record) -> float:
-    return statistics.median(x / y for x, y in zip(a.samples_us, b.samples_us, strict=True))
-
-
 def check_gpu_targets(records: Sequence[Record]) -> list[TargetCheck]:
     """The issue's GPU targets, evaluated on measured records of the public ``auto`` call.
 
@@ -384,11 +385,11 @@ def check_gpu_targets(records: Sequence[Record]) -> list[TargetCheck]:
         for rival in ("native", "compile"):
             other = by.get((r.pass_, r.dtype, r.rows, r.n, rival))
             if other is not None:
-                ratio = _median_ratio(r, other)
+                ratio = _median_ratio(r.samples_us, other.samples_us)
                 checks.append(TargetCheck(f"time / {rival}", where, ratio, NOISE, ratio <= NOISE))
         native = by.get((r.pass_, r.dtype, r.rows, r.n, "native"))
         if native is not None and r.rows * r.n <= SMALL_ELEMENTS:
-            ratio = _median_ratio(r, native)
+            ratio = _median_ratio(r.samples_us, native.samples_us)
             checks.append(TargetCheck("small shape: time / native", where, ratio, SMALL_VS_NATIVE,
                                       ratio <= SMALL_VS_NATIVE))
     return checks

@@ -65,6 +65,7 @@ import torch
 
 from normswap.backends import eager
 from normswap.backends._cpu_source import SOURCE
+from normswap.backends._env import env_reader
 
 name = "cpu"
 
@@ -413,21 +414,11 @@ def empty_pool() -> None:
     _pool.clear()
 
 
-_POOL_ENV = os.environ.encodekey("NORMSWAP_CPU_POOL") if hasattr(os.environ, "encodekey") else None
-_ENV_DATA = getattr(os.environ, "_data", None)
-
-
-def _pool_enabled() -> bool:
-    """``NORMSWAP_CPU_POOL`` is not ``0``. Read per call (tests toggle it), from the raw mapping behind
-    ``os.environ`` where there is one: ``os.environ.get`` of a missing key costs ~0.7 us."""
-    if _ENV_DATA is not None and _POOL_ENV is not None:
-        raw = _ENV_DATA.get(_POOL_ENV)
-        return raw is None or raw not in (b"0", "0")  # bytes on POSIX, str on Windows
-    return os.environ.get("NORMSWAP_CPU_POOL", "1") != "0"
+_read_pool_env = env_reader("NORMSWAP_CPU_POOL")  # read per call: tests toggle it
 
 
 def _new_output(shape: tuple[int, ...], dtype: torch.dtype, pooled: bool) -> torch.Tensor:
-    if not pooled or not _pool_enabled():
+    if not pooled or _read_pool_env() == "0":
         return torch.empty(shape, dtype=dtype)
     storage = _pool.take(math.prod(shape) * dtype.itemsize)
     return torch.empty((0,), dtype=dtype).set_(storage, 0, shape)  # contiguous strides by default
