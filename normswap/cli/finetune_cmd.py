@@ -11,11 +11,11 @@ from normswap.errors import NormswapError
 
 EXAMPLE = """\b
 Examples:
-  normswap finetune recipes/distill-masked-lm.yaml model.source=./bert-base data.path=corpus.txt
-  normswap finetune recipes/distill-causal-lm.yaml model.source=./opt-350m data.path=wiki.jsonl \\
+  normswap finetune distill-masked-lm model.source=./bert-base data.path=corpus.txt
+  normswap finetune distill-causal-lm model.source=./opt-350m data.path=wiki.jsonl \\
       data.field=text train.steps=2000 train.lr=5e-5 output.dir=runs/opt350m
-  normswap finetune recipes/distill-encoder.yaml checkpoint.resume=true      # continue a run
-  accelerate launch --config_file recipes/accelerate/ddp.yaml -m normswap.recipes RECIPE.yaml
+  normswap finetune distill-encoder checkpoint.resume=true      # continue a run
+  accelerate launch --config_file normswap/recipes/configs/accelerate/ddp.yaml -m normswap.recipes RECIPE.yaml
 
 \b
 Overrides are dotted keys (nested sections) with YAML values, e.g. train.lr=3e-4

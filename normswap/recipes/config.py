@@ -332,10 +332,40 @@ def apply_overrides(data: dict[str, Any], overrides: list[str] | dict[str, Any] 
 
 
 # ---------------------------------------------------------------------------------- loading
+BUILTIN_RECIPES_DIR = Path(__file__).resolve().parent / "configs"
+
+
+def builtin_recipes() -> dict[str, Path]:
+    """The recipes shipped in the wheel, by name (``distill-encoder`` -> its YAML path)."""
+    return {p.stem: p for p in sorted(BUILTIN_RECIPES_DIR.glob("*.yaml"))}
+
+
+def recipe_summary(path: Path) -> str:
+    """The first comment line of a recipe file (what the recipe is for)."""
+    for line in path.read_text().splitlines():
+        text = line.lstrip("# ").strip()
+        if line.startswith("#") and text:
+            return text
+    return ""
+
+
+def find_recipe(name_or_path: str | os.PathLike) -> Path:
+    """A recipe path: an existing file as given, else a built-in recipe by name (with or without .yaml)."""
+    p = Path(name_or_path)
+    if p.is_file():
+        return p
+    builtin = builtin_recipes()
+    stem = p.name[: -len(".yaml")] if p.name.endswith(".yaml") else p.name
+    if str(name_or_path) in (stem, f"{stem}.yaml") and stem in builtin:
+        return builtin[stem]
+    raise NormswapError(
+        f"recipe file {str(name_or_path)!r} does not exist and is not a built-in recipe; "
+        f"built-in: {', '.join(builtin)} (list them with `normswap finetune --list`)"
+    )
+
+
 def _read_yaml(path: str | os.PathLike) -> dict[str, Any]:
-    p = Path(path)
-    if not p.is_file():
-        raise NormswapError(f"recipe file {str(p)!r} does not exist")
+    p = find_recipe(path)
     try:
         data = yaml.safe_load(p.read_text())
     except yaml.YAMLError as exc:

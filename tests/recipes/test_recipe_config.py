@@ -14,7 +14,7 @@ from normswap import NormswapError
 from normswap.cli import main
 from normswap.recipes.config import RecipeConfig, load_config, parse_override
 
-RECIPES = Path(__file__).resolve().parents[2] / "recipes"
+RECIPES = Path(__file__).resolve().parents[2] / "normswap" / "recipes" / "configs"
 
 
 def _keys(cls: type, prefix: str = "") -> set[str]:
@@ -146,4 +146,4 @@ def test_cli_print_config_resolves_overrides(tmp_path):
 
 def test_help_has_an_example():
     result = CliRunner().invoke(main, ["finetune", "--help"])
-    assert result.exit_code == 0 and "normswap finetune recipes/" in result.output
+    assert result.exit_code == 0 and "normswap finetune distill-masked-lm" in result.output
