@@ -5,6 +5,8 @@ Thin script over :mod:`normswap.backends.bench`, which ``normswap bench`` also u
     python benchmarks/bench_ops.py                  # CPU: float32 + bfloat16, fwd and fwd+bwd
     python benchmarks/bench_ops.py --device cuda    # the GPU suite (adds float16 and larger shapes)
     python benchmarks/bench_ops.py --no-compile --shapes 4096x768 --dtype bfloat16
+    python benchmarks/bench_ops.py --host           # host cost: RMSNorm module call vs nn.LayerNorm
+    python benchmarks/bench_ops.py --host --device cuda
 
 Writes a table to stdout, and JSON plus a PNG plot to ``--out`` (default ``out/benchmarks/``).
 """
@@ -22,6 +24,67 @@ from normswap.backends import bench
 GPU_SHAPES = "4096x768,2048x4096,256x2048,4096x4096,16384x4096,32768x4096,4096x8192,140x4096"
 
 
+def host_cost(device: str, dtypes: list[str], rounds: int = 15, rows: int = 4, n: int = 1024) -> list[dict]:
+    """Per-call time of module calls on a (rows, n) tensor, where the kernels' own work is ~1 us, so the
+    figure is host time: ``normswap.RMSNorm`` (auto) against ``nn.LayerNorm`` (same bias setting),
+    without gradients (forward) and with them (forward + backward via ``autograd.backward``).
+
+    Interleaved rounds (every method once per round, each a block of back-to-back calls); the ratio is
+    the median of the per-round ratios, so a slow phase of a shared machine slows both sides.
+    """
+    import statistics
+    import time
+
+    from torch import nn
+
+    import normswap
+
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device here")
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    rows_out = []
+    print(f"host cost per module call, {rows}x{n} on {device} (median over {rounds} interleaved rounds; "
+          "ratio = median of per-round ratios)")
+    print(f"{'dtype':9} {'bias':5} {'pass':8} {'LayerNorm us':>12} {'RMSNorm us':>11} {'ratio':>6}")
+    for dname in dtypes:
+        dtype = bench.parse_dtype(dname)
+        for bias in (False, True):
+            ln = torch.nn.LayerNorm(n, bias=bias, device=device, dtype=dtype)
+            rms = normswap.RMSNorm(n, bias=bias, device=device, dtype=dtype)
+            for grad in (False, True):
+                x = torch.randn(rows, n, device=device, dtype=dtype, requires_grad=grad)
+                gy = torch.randn(rows, n, device=device, dtype=dtype)
+
+                def call(m: nn.Module, x: torch.Tensor = x, gy: torch.Tensor = gy, grad: bool = grad) -> None:
+                    if grad:
+                        m(x).backward(gy)
+                    else:
+                        with torch.no_grad():
+                            m(x)
+
+                reps = 200 if grad else 1000
+                times: dict[str, list[float]] = {"ln": [], "rms": []}
+                for m in (ln, rms):
+                    for _ in range(reps // 4):
+                        call(m)
+                for _ in range(rounds):
+                    for key, m in (("ln", ln), ("rms", rms)):
+                        sync()
+                        t0 = time.perf_counter()
+                        for _ in range(reps):
+                            call(m)
+                        sync()
+                        times[key].append((time.perf_counter() - t0) / reps * 1e6)
+                ratio = statistics.median(a / b for a, b in zip(times["rms"], times["ln"], strict=True))
+                row = {"device": device, "dtype": dname, "bias": bias, "pass": "fwd+bwd" if grad else "fwd",
+                       "layer_norm_us": statistics.median(times["ln"]), "rms_norm_us": statistics.median(times["rms"]),
+                       "ratio": ratio}
+                rows_out.append(row)
+                print(f"{dname:9} {str(bias):5} {row['pass']:8} {row['layer_norm_us']:12.2f} "
+                      f"{row['rms_norm_us']:11.2f} {ratio:6.3f}", flush=True)
+    return rows_out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -35,8 +98,13 @@ def main() -> None:
     ap.add_argument("--no-compile", action="store_true", help="skip torch.compile (slow to build on CPU)")
     ap.add_argument("--cpu-time", action="store_true",
                     help="time with the thread's CPU clock (needs --threads 1): robust on a busy machine")
+    ap.add_argument("--host", action="store_true",
+                    help="host cost per module call (normswap.RMSNorm vs nn.LayerNorm) on a small tensor")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "out", "benchmarks"))
     args = ap.parse_args()
+    if args.host:
+        host_cost(args.device, args.dtype or ["float32", "bfloat16", "float16"], rounds=args.rounds)
+        return
 
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device here")

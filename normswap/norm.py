@@ -52,6 +52,10 @@ def rms_norm(
     return impl.rms_norm(x, shape, weight, bias, float(eps))
 
 
+def _general(x: torch.Tensor, w: torch.Tensor | None, b: torch.Tensor | None, eps: float) -> None:
+    return None  # "take the general path" (RMSNorm.forward then calls rms_norm)
+
+
 class RMSNorm(nn.Module):
     """Root-mean-square normalisation with optional bias.
 
@@ -89,6 +93,38 @@ class RMSNorm(nn.Module):
         factory = {"device": device, "dtype": dtype}
         self.weight = nn.Parameter(torch.ones(self.param_shape, **factory)) if elementwise_affine else None
         self.bias = nn.Parameter(torch.zeros(self.param_shape, **factory)) if bias else None
+        self._impls: dict[tuple, backends.Impl] = {}  # (device, dtype, grad) -> bound call; see forward
+        backends.track(self)
+
+    # The cached decisions depend on these; setting one (or moving/casting the module) drops them.
+    _DECISION_INPUTS = frozenset({"weight", "bias", "eps", "backend", "normalized_shape", "param_shape"})
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if name == "backend":
+            value = backends.check_name(value)  # type: ignore[arg-type]
+        super().__setattr__(name, value)
+        if name in RMSNorm._DECISION_INPUTS:
+            self.clear_decisions()
+
+    def clear_decisions(self) -> None:
+        """Forget the cached backend decisions (the next call decides again)."""
+        impls = self.__dict__.get("_impls")
+        if impls:
+            impls.clear()
+
+    def _apply(self, fn, *args, **kwargs):  # .to(), .half(), .cuda(), ...: parameters change
+        self.clear_decisions()
+        return super()._apply(fn, *args, **kwargs)
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state["_impls"] = {}  # bound calls are closures: not picklable, and specific to this process
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.__dict__.setdefault("_impls", {})
+        backends.track(self)
 
     @property
     def variance_epsilon(self) -> float:
@@ -105,8 +141,34 @@ class RMSNorm(nn.Module):
             nn.init.zeros_(self.bias)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return rms_norm(hidden_states, self.normalized_shape, self.weight, self.bias, self.eps,
-                        backend=self.backend)
+        """Normalise ``hidden_states`` over the trailing ``normalized_shape`` dims.
+
+        Host cost: the backend decision is made once per (device, dtype, grad state) and cached on the
+        module (``normswap.backends.bind``); a call then costs one dict lookup plus the bound launcher.
+        Under ``torch.compile``/``torch.export`` or ``torch.jit`` tracing the general (traceable) path
+        runs instead.
+        """
+        if torch.compiler.is_compiling() or torch.jit.is_tracing():
+            return rms_norm(hidden_states, self.normalized_shape, self.weight, self.bias, self.eps,
+                            backend=self.backend)
+        w, b = self.weight, self.bias
+        x = hidden_states
+        key = (x.device, x.dtype, torch.is_grad_enabled() and (
+            x.requires_grad or (w is not None and w.requires_grad) or (b is not None and b.requires_grad)))
+        impl = self._impls.get(key)
+        if impl is None:
+            impl = self._decide(key, x)
+        y = impl(x, w, b, self.eps)
+        if y is None:  # a call the bound launcher does not cover (e.g. a mis-shaped input)
+            return rms_norm(x, self.normalized_shape, w, b, self.eps, backend=self.backend)
+        return y
+
+    def _decide(self, key: tuple, x: torch.Tensor) -> backends.Impl:
+        if tuple(x.shape[x.dim() - len(self.normalized_shape):]) != self.normalized_shape:
+            return _general  # not cached: the general path raises the shape error
+        impl = backends.bind(self.backend, x, self.weight, self.bias, self.normalized_shape)
+        self._impls[key] = impl
+        return impl
 
     def extra_repr(self) -> str:
         extra = f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"

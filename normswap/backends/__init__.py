@@ -12,38 +12,110 @@ rule is in :func:`select_for`). The environment variable ``NORMSWAP_BACKEND`` ov
 globally (e.g. ``eager`` to rule out a kernel while debugging); an explicit ``backend=`` argument other
 than ``auto`` overrides both. A requested backend that cannot run the call (not available here, or it
 does not support the tensors) falls back to ``auto``'s choice.
+
+When changes take effect (host cost per call: nothing below is recomputed on a call's path):
+
+* ``NORMSWAP_BACKEND`` is read once per process, at the first RMSNorm call (or the first call of
+  :func:`env_backend`); an invalid value fails there with the list of valid names. Availability
+  (``find_spec``, ``torch.cuda.is_available``, the device name, the C++ build) is also computed once.
+* Each ``normswap.RMSNorm`` module caches its decision per (device, dtype, grad state); the shape
+  class (rows) and CUDA-graph capture are thresholds inside the cached decision, and under
+  ``torch.compile`` the module takes the traced path, which decides at trace time.
+* :func:`refresh` re-reads the environment (``NORMSWAP_BACKEND``, ``TRITON_INTERPRET``), forgets
+  availability and every module's cached decision. Setting ``module.backend``, moving or casting a
+  module (``.to``, ``.half()``) or assigning its ``weight``/``bias``/``eps`` clears that module's cache.
 """
 
 from __future__ import annotations
 
+import math
 import os
+import weakref
+from collections.abc import Callable
 from types import ModuleType
 
 import torch
 
 from normswap.backends import cpu, eager, native
 from normswap.backends import triton as triton_backend
-from normswap.backends._env import env_reader
 from normswap.errors import NormswapError
 
 BACKENDS: dict[str, ModuleType] = {"eager": eager, "native": native, "cpu": cpu, "triton": triton_backend}
 ENV_VAR = "NORMSWAP_BACKEND"
 
-# CUDA rule thresholds (see select_for). Published anchors (kernels.md section 7): PyTorch's fused
-# CUDA RMSNorm reaches 54-62% of HBM bandwidth at N >= 4096, Liger-style row kernels 69-84%, while at
-# small shapes host overhead dominates and native is the safer choice.
-CUDA_TRITON_MIN_N = 2048
-CUDA_TRITON_MIN_ELEMENTS = 1 << 20
-# Longest row ``auto`` gives triton. Compiled for sm_90 without a GPU (normswap/backends/_triton_aot.py,
-# tests/backends/test_triton_aot.py): up to 8192 a row fits in registers (no spill in the usual aligned
-# launch, at most 24 bytes per thread in the generic one); at 16384 the backward spills 64-1008 bytes per
-# thread (32768: up to 1152). ``backend="triton"`` still runs rows up to ``triton.MAX_N``.
+#: A bound call: ``impl(x, weight, bias, eps)``; returns None when this call is not one the binding
+#: covers (e.g. a wrongly shaped input), and the caller then takes the general path.
+Impl = Callable[[torch.Tensor, "torch.Tensor | None", "torch.Tensor | None", float], "torch.Tensor | None"]
+
+# ----------------------------------------------------------------------------- the CUDA rule's numbers
+# All from an earlier H100 measurement (H100 80GB HBM3, torch 2.11, triton 3.6, a slow virtualised host
+# where F.layer_norm costs ~18 us of host time); docs/backends.md has the tables. Not measured in the
+# session that wrote this rule (it had no GPU): ``python benchmarks/gpu_targets.py`` re-checks it.
+#
+# Host time per eager call, microseconds: (backend, with backward).
+HOST_US: dict[tuple[str, bool], float] = {
+    ("native", False): 16.0,  # F.rms_norm 15.9, native.rms_norm 12.8-19.0
+    ("native", True): 150.0,  # nn.RMSNorm module forward+backward 145-153
+    ("triton", False): 76.0,  # normswap triton.rms_norm 76-89 (launch alone ~70)
+    ("triton", True): 683.0,  # triton forward+backward 582-683
+    ("add", False): 8.0,  # one more aten launch (estimate: half an F.rms_norm call; not measured alone)
+    ("add", True): 30.0,  # the add's autograd node and the bias-gradient sum (estimate)
+}
+# GPU time per element for 2-byte dtypes, picoseconds (bandwidth-bound, at 32768x4096 bf16; scale by
+# itemsize / 2 for other dtypes): native forward 259 us, triton 180 us, copy 178 us; forward+backward
+# native 867 us, triton 505 us. An extra elementwise pass (bias add, per-head weight multiply) moves two
+# tensors like a copy; its backward (the bias gradient) reads dy once.
+GPU_PS: dict[tuple[str, bool], float] = {
+    ("native", False): 1.93,
+    ("native", True): 6.46,
+    ("triton", False): 1.34,
+    ("triton", True): 3.76,
+    ("add", False): 1.33,
+    ("add", True): 2.0,
+}
+# Under torch.compile or CUDA-graph capture host time is paid once, so only GPU time counts; at small
+# shapes the linear model above does not hold (triton loses: 2048x4096 forward 10.7 vs native 9.5 us,
+# 8192x768 11.7 vs 9.2 us), so the graph rule uses the measured crossovers directly:
+GRAPH_TRITON_MIN_FWD = 1 << 25  # forward: triton wins from 8192x4096 (48.3 vs 57.8 us), rows >= 2048
+GRAPH_TRITON_MIN_N_FWD = 2048
+GRAPH_TRITON_MIN_GRAD = 1 << 23  # forward+backward: wins at 16384x768 (72 vs 114 us) and 8192x4096
+# Longest row ``auto`` gives triton. Compiled for sm_90 without a GPU (tests/backends/test_triton_aot.py):
+# up to 8192 a row fits in registers; at 16384 the backward spills 64-1008 bytes per thread.
+# ``backend="triton"`` still runs rows up to ``triton.MAX_N``.
 CUDA_TRITON_MAX_N = 8192
 
 
-def register(module: ModuleType) -> None:
-    """Add a backend module (see the module docstring for the interface)."""
-    BACKENDS[module.name] = module
+def eager_triton_min_elements(dtype: torch.dtype, *, grad: bool, extra_pass: bool) -> float:
+    """Smallest ``x.numel()`` at which triton's saved GPU time exceeds its extra host time (eager).
+
+    ``extra_pass``: the call has a bias or per-head weights, which ``native`` applies in one more
+    elementwise op (whose host and GPU time triton saves too). Infinity when triton never pays.
+    """
+    scale = dtype.itemsize / 2
+    saved_ps = GPU_PS[("native", grad)] - GPU_PS[("triton", grad)]
+    extra_us = HOST_US[("triton", grad)] - HOST_US[("native", grad)]
+    if extra_pass:
+        saved_ps += GPU_PS[("add", grad)]
+        extra_us -= HOST_US[("add", grad)]
+    saved_ps *= scale
+    if extra_us <= 0:
+        return 0.0
+    return float("inf") if saved_ps <= 0 else extra_us * 1e6 / saved_ps
+
+
+def graph_triton_min_elements(n: int, *, grad: bool, extra_pass: bool) -> float:
+    """Smallest ``x.numel()`` at which triton's GPU time beats ``native``'s (compile / graph capture)."""
+    if extra_pass:
+        return 0.0  # one fused kernel against native's two: measured ahead at every shape
+    if grad:
+        return float(GRAPH_TRITON_MIN_GRAD)
+    return float(GRAPH_TRITON_MIN_FWD) if n >= GRAPH_TRITON_MIN_N_FWD else float("inf")
+
+
+# ----------------------------------------------------------------- process-wide facts, computed once
+_ENV: list[str | None] = [None]  # NORMSWAP_BACKEND as read (None: not read yet)
+_AVAILABLE: dict[str, bool] = {}
+_TRACKED: weakref.WeakSet = weakref.WeakSet()  # objects with a clear_decisions() method
 
 
 def names() -> list[str]:
@@ -68,18 +140,66 @@ def _constant_when_compiled(fn):
 
 @_constant_when_compiled
 def is_available(backend: str) -> bool:
-    """``BACKENDS[backend].available()[0]``, evaluated once at trace time under ``torch.compile``.
+    """``BACKENDS[backend].available()[0]``, computed once per process (until :func:`refresh`).
 
-    Availability can build a C++ kernel or import triton, which Dynamo must not trace; it does not
-    change during a process's life, so it is safe to bake into a compiled graph as a constant.
+    Availability can build a C++ kernel, import triton or query the CUDA driver; it is a constant for
+    ``torch.compile`` too (traced once, baked into the graph).
     """
-    return bool(BACKENDS[backend].available()[0])
+    ok = _AVAILABLE.get(backend)
+    if ok is None:
+        ok = _AVAILABLE[backend] = bool(BACKENDS[backend].available()[0])
+    return ok
 
 
 @_constant_when_compiled
 def _cpu_kernel_handles(dtype: torch.dtype) -> bool:
     k = cpu.kernel()  # built (or loaded) on first use
     return k.fn is not None and dtype in k.dtypes
+
+
+@_constant_when_compiled
+def env_backend() -> str:
+    """``NORMSWAP_BACKEND`` (or ``"auto"``), read once per process; :func:`refresh` reads it again.
+
+    An invalid value raises :class:`NormswapError` naming the valid ones, at the first read.
+    """
+    value = _ENV[0]
+    if value is None:
+        raw = (os.environ.get(ENV_VAR) or "auto").strip()
+        if raw != "auto" and raw not in BACKENDS:
+            raise NormswapError(f"{ENV_VAR}={raw!r} is not an RMSNorm backend; set it to one of "
+                                f"{', '.join(names())} (or unset it)")
+        value = _ENV[0] = raw
+    return value
+
+
+def track(obj: object) -> None:
+    """Have :func:`refresh` call ``obj.clear_decisions()`` (``normswap.RMSNorm`` registers itself)."""
+    _TRACKED.add(obj)
+
+
+def refresh() -> None:
+    """Re-read ``NORMSWAP_BACKEND`` and availability, and drop every module's cached decision.
+
+    Call it after changing ``NORMSWAP_BACKEND`` or ``TRITON_INTERPRET`` in a running process.
+    """
+    _ENV[0] = None
+    _AVAILABLE.clear()
+    for obj in list(_TRACKED):
+        obj.clear_decisions()
+
+
+def _wants_grad(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None) -> bool:
+    return torch.is_grad_enabled() and (
+        x.requires_grad
+        or (weight is not None and weight.requires_grad)
+        or (bias is not None and bias.requires_grad)
+    )
+
+
+def _graph_mode(x: torch.Tensor) -> bool:
+    """Compiling, or capturing a CUDA graph: host time is paid once, GPU time on every replay."""
+    return torch.compiler.is_compiling() or (x.is_cuda and torch.cuda.is_current_stream_capturing())
 
 
 def select_for(
@@ -90,31 +210,43 @@ def select_for(
     *,
     bias: bool = False,
     per_head: bool = False,
+    grad: bool = False,
+    graph: bool = False,
 ) -> tuple[str, str]:
     """The ``auto`` rule on tensor metadata: ``(backend name, why)``.
 
-    * CUDA: ``triton`` when available and the call is bandwidth-bound (``n >= 2048`` and at least
-      2^20 elements), or when it fuses something ``native`` does in extra passes (a bias or per-head
-      weights) at that size; otherwise ``native`` (PyTorch's fused kernel, lower launch overhead).
-      Rows longer than ``CUDA_TRITON_MAX_N`` (8192) go to ``native``: beyond it the backward kernel
-      spills registers (checked by compiling for sm_90).
+    * CUDA: ``triton`` when available and it is faster overall, else ``native`` (PyTorch's fused
+      kernel). Eager (``graph=False``): triton only where the GPU time it saves exceeds its extra
+      host time (:func:`eager_triton_min_elements`); a bias or per-head weights count as the extra
+      elementwise op ``native`` needs, so a biased norm is never slower than ``native`` plus one add.
+      Under ``torch.compile`` or CUDA-graph capture (``graph=True``): GPU time alone
+      (:func:`graph_triton_min_elements`). Rows longer than ``CUDA_TRITON_MAX_N`` go to ``native``.
     * CPU: ``cpu`` (fused C++ kernel) when it built here and handles the dtype; otherwise the faster
       of the two PyTorch paths measured on CPU: ``native`` for float32/float64, ``eager`` for
       bfloat16/float16 (``F.rms_norm`` is slower there; see docs/backends.md).
-    * Anything else (mps, xpu, ...): ``native``.
+    * Anything else (mps, xpu, meta, ...): ``native``.
 
     Only constant-folded helpers are called, so Dynamo traces this without graph breaks.
     """
     if device_type == "cuda":
         if not is_available("triton"):
             return "native", "triton is not available"
-        if dtype not in triton_backend._DTYPES:
+        if dtype not in triton_backend.DTYPES:
             return "native", f"triton does not handle {dtype}"
         if n > CUDA_TRITON_MAX_N:
             return "native", f"rows of {n} > {CUDA_TRITON_MAX_N} elements: triton's backward kernel spills registers"
-        if rows * n >= CUDA_TRITON_MIN_ELEMENTS and (n >= CUDA_TRITON_MIN_N or bias or per_head):
-            return "triton", "bandwidth-bound shape: triton row kernel (bias and per-head weights fused)"
-        return "native", "small shape: PyTorch's fused kernel has the lower launch overhead"
+        extra = bias or per_head
+        numel = rows * n
+        if graph:
+            limit = graph_triton_min_elements(n, grad=grad, extra_pass=extra)
+            if numel >= limit:
+                return "triton", "compiled/graph: triton's GPU time is lower at this size"
+            return "native", "compiled/graph: PyTorch's fused kernel is as fast or faster at this size"
+        limit = eager_triton_min_elements(dtype, grad=grad, extra_pass=extra)
+        if numel >= limit:
+            return "triton", "eager: the GPU time triton saves exceeds its extra host time"
+        return "native", (f"eager: below {limit:.3g} elements triton's extra host time exceeds the GPU time "
+                          "it saves")
     if device_type == "cpu":
         if _cpu_kernel_handles(dtype):
             return "cpu", "fused C++ kernel: one read and one write of x"
@@ -124,28 +256,23 @@ def select_for(
     return "native", f"{device_type}: PyTorch's own rms_norm"
 
 
+def _metadata(x: torch.Tensor, weight: torch.Tensor | None) -> tuple[int, int, bool]:
+    n = weight.shape[-1] if weight is not None else x.shape[-1] if x.dim() else 1
+    rows = x.numel() // n if n else 0
+    return rows, n, weight is not None and weight.dim() > 1
+
+
 def select(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None) -> ModuleType:
     """The ``auto`` rule for a call (see :func:`select_for`)."""
     if x.is_cpu and _cpu_kernel_handles(x.dtype) and cpu.supports(x, weight, bias):
         return cpu  # the common CPU case, without the general rule's bookkeeping
-    n = weight.shape[-1] if weight is not None else x.shape[-1] if x.dim() else 1
-    rows = x.numel() // n if n else 0
-    per_head = weight is not None and weight.dim() > 1
-    choice, _ = select_for(x.device.type, x.dtype, rows, n, bias=bias is not None, per_head=per_head)
+    rows, n, per_head = _metadata(x, weight)
+    choice, _ = select_for(x.device.type, x.dtype, rows, n, bias=bias is not None, per_head=per_head,
+                           grad=_wants_grad(x, weight, bias), graph=_graph_mode(x))
     module = BACKENDS[choice]
     if module.supports(x, weight, bias):
         return module
     return native if x.device.type != "cpu" or x.dtype in (torch.float32, torch.float64) else eager
-
-
-_read_backend_env = env_reader(ENV_VAR)
-
-
-def env_backend() -> str:
-    """``NORMSWAP_BACKEND`` or ``"auto"``. Under compilation through ``os.environ`` (Dynamo traces it)."""
-    if torch.compiler.is_compiling():
-        return os.environ.get(ENV_VAR, "auto") or "auto"
-    return _read_backend_env() or "auto"
 
 
 def resolve(
@@ -163,32 +290,92 @@ def resolve(
     return select(x, weight, bias)
 
 
+# ------------------------------------------------------------------ cached decisions (module calls)
+def _bound(module: ModuleType, x: torch.Tensor, shape: tuple[int, ...], weight: torch.Tensor | None,
+           bias: torch.Tensor | None, grad: bool) -> Impl:
+    binder = getattr(module, "bind", None)
+    impl = binder(x, shape, weight, bias, grad) if binder is not None else None
+    if impl is not None:
+        return impl
+    run = module.rms_norm
+
+    def call(x: torch.Tensor, w: torch.Tensor | None, b: torch.Tensor | None, eps: float) -> torch.Tensor:
+        return run(x, shape, w, b, eps)
+
+    return call
+
+
+def bind(
+    backend: str, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
+    normalized_shape: tuple[int, ...],
+) -> Impl:
+    """The decision for calls like this one, as a callable ``impl(x, weight, bias, eps)``.
+
+    ``normswap.RMSNorm`` caches it per (device, dtype, grad state), so the rule, the availability
+    checks and ``supports`` run once per module and key, not per call. On CUDA with ``auto`` the
+    callable keeps the shape-class and graph-capture thresholds and compares ``x.numel()`` with them
+    (the capture query runs only for sizes where eager and graph rules disagree).
+    """
+    grad = _wants_grad(x, weight, bias)
+    requested = backend if backend != "auto" else env_backend()
+    if requested != "auto":
+        module = BACKENDS[check_name(requested)]
+        if is_available(requested) and module.supports(x, weight, bias):
+            return _bound(module, x, normalized_shape, weight, bias, grad)
+    if x.is_cuda and is_available("triton") and triton_backend.supports(x, weight, bias):
+        return _bind_cuda(x, weight, bias, normalized_shape, grad)
+    return _bound(select(x, weight, bias), x, normalized_shape, weight, bias, grad)
+
+
+def _bind_cuda(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
+               shape: tuple[int, ...], grad: bool) -> Impl:
+    _, n, per_head = _metadata(x, weight)
+    fast = _bound(native, x, shape, weight, bias, grad)
+    if x.dtype not in triton_backend.DTYPES or n > CUDA_TRITON_MAX_N:
+        return fast
+    extra = bias is not None or per_head
+    eager_min = eager_triton_min_elements(x.dtype, grad=grad, extra_pass=extra)
+    graph_min = graph_triton_min_elements(n, grad=grad, extra_pass=extra)
+    tri = _bound(triton_backend, x, shape, weight, bias, grad)
+    capturing = torch.cuda.is_current_stream_capturing
+
+    def call(x: torch.Tensor, w: torch.Tensor | None, b: torch.Tensor | None, eps: float) -> torch.Tensor | None:
+        numel = x.numel()
+        if numel >= eager_min or (numel >= graph_min and capturing()):
+            return tri(x, w, b, eps)
+        return fast(x, w, b, eps)
+
+    return call
+
+
 _REPRESENTATIVE = (
-    ("cpu", torch.float32, 2048, 4096),
-    ("cpu", torch.bfloat16, 2048, 4096),
-    ("cuda", torch.bfloat16, 8192, 4096),
-    ("cuda", torch.bfloat16, 16, 4096),
+    ("cpu", torch.float32, 2048, 4096, False),
+    ("cpu", torch.bfloat16, 2048, 4096, False),
+    ("cuda", torch.bfloat16, 8192, 4096, False),
+    ("cuda", torch.bfloat16, 8192, 4096, True),
+    ("cuda", torch.bfloat16, 16, 4096, False),
 )
 
 
 def describe() -> list[dict]:
     """One dict per backend (``name``, ``available``, ``reason``) plus one per representative call
-    (``name="auto"``, ``device``, ``dtype``, ``shape``, ``picks``, ``why``), for ``normswap backends``."""
+    (``name="auto"``, ``device``, ``dtype``, ``shape``, ``mode`` (eager or compiled), ``picks``,
+    ``why``), for ``normswap backends``."""
     out: list[dict] = []
     for bname, module in BACKENDS.items():
         ok, reason = module.available()
         out.append({"name": bname, "available": bool(ok), "reason": reason})
-    env = os.environ.get(ENV_VAR, "")
-    for device, dtype, rows, n in _REPRESENTATIVE:
-        picks, why = select_for(device, dtype, rows, n)
+    env = env_backend()
+    for device, dtype, rows, n, graph in _REPRESENTATIVE:
+        picks, why = select_for(device, dtype, rows, n, graph=graph)
         if why.endswith("not available") or "unavailable" in why:  # say why it is not
             blocked = "triton" if device == "cuda" else "cpu"
             why = f"{why}; {blocked}: {BACKENDS[blocked].available()[1]}"
-        if env and env != "auto":
+        if env != "auto":
             why = f"{ENV_VAR}={env} overrides auto where it can run; otherwise: {why}"
         out.append({
             "name": "auto", "device": device, "dtype": str(dtype).replace("torch.", ""),
-            "shape": [rows, n], "picks": picks, "why": why,
+            "shape": [rows, n], "mode": "compiled" if graph else "eager", "picks": picks, "why": why,
         })
     return out
 
@@ -207,16 +394,23 @@ def rms_norm_residual(
 
     The ``triton`` backend fuses both into one kernel (h is written once, read never again; the
     backward adds h's own gradient in the same kernel). Every other backend runs the add, then its
-    ``rms_norm``. ``auto`` uses the fused kernel on CUDA from 2^20 elements, where the saved pass
-    over memory matters.
+    ``rms_norm``. ``auto`` uses the fused kernel on CUDA where :func:`select_for`'s rule for a biased
+    norm would pick triton (the add it saves is the same extra pass).
     """
     shape = (int(normalized_shape),) if isinstance(normalized_shape, int) else tuple(normalized_shape)
     requested = backend if backend != "auto" else env_backend()
     fused_ok = is_available("triton") and triton_backend.supports_residual(x, residual, shape, weight, bias)
-    if fused_ok and (
-        requested == "triton"
-        or (requested == "auto" and x.is_cuda and x.numel() >= CUDA_TRITON_MIN_ELEMENTS)
-    ):
+    if fused_ok and requested == "auto" and x.is_cuda:
+        # the fused kernel saves native's separate add, as a bias does: the same rule as a biased norm
+        grad = _wants_grad(x, weight, bias) or residual.requires_grad
+        if _graph_mode(x):
+            limit = graph_triton_min_elements(math.prod(shape), grad=grad, extra_pass=True)
+        else:
+            limit = eager_triton_min_elements(x.dtype, grad=grad, extra_pass=True)
+        fused_ok = x.numel() >= limit
+    elif requested != "triton":
+        fused_ok = False
+    if fused_ok:
         return triton_backend.rms_norm_residual(x, residual, shape, weight, bias, float(eps))
     h = x + residual
     module = resolve(backend, h, weight, bias)

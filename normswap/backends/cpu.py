@@ -697,6 +697,45 @@ def try_fast(
     return _run(k, x, normalized_shape, weight, bias, eps, want_rstd=False, pooled=True)[0]
 
 
+def bind(
+    x: torch.Tensor,
+    normalized_shape: tuple[int, ...],
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    grad: bool,
+):
+    """A launcher specialised for calls like this one (``normswap.RMSNorm`` caches it per device,
+    dtype and grad state), or None when the general :func:`rms_norm` should serve them.
+
+    What the cache key fixes (device, dtype, grad) and what the module fixes (parameter shapes and
+    dtypes; moving or casting the module drops the cache) is checked here once. Per call it checks only
+    that the last dim is the normalised one (anything else returns None: the caller's general path
+    raises the error); contiguity is handled inside :func:`_run`.
+    """
+    k = kernel()
+    if k.fn is None or len(normalized_shape) != 1 or not supports(x, weight, bias):
+        return None
+    if any(p is not None and (p.dim() != 1 or p.dtype != x.dtype) for p in (weight, bias)):
+        return None
+    n = normalized_shape[0]
+    if grad:
+        apply = _RMSNormCPU.apply
+
+        def call_grad(x, w, b, eps):
+            if x.dim() and x.shape[-1] == n:
+                return apply(x, normalized_shape, w, b, eps)
+            return None
+
+        return call_grad
+
+    def call(x, w, b, eps):
+        if x.dim() and x.shape[-1] == n:
+            return _run(k, x, normalized_shape, w, b, eps, want_rstd=False, pooled=True)[0]
+        return None
+
+    return call
+
+
 def rms_norm(
     x: torch.Tensor,
     normalized_shape: tuple[int, ...],

@@ -45,3 +45,28 @@ def rms_norm(
     if bias is not None:
         y = y + bias.to(x.dtype)
     return y
+
+
+def bind(
+    x: torch.Tensor,
+    normalized_shape: tuple[int, ...],
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    grad: bool,
+):
+    """A launcher for calls like this one (cached per module, device, dtype and grad state), or None.
+
+    When the parameters already have x's dtype and the weight is not per-head, the call is
+    ``torch.rms_norm`` (the C++ binding ``F.rms_norm`` wraps) plus the bias add: no casts or shape
+    checks per call. Anything else returns None (the generic :func:`rms_norm` then serves it).
+    """
+    if any(p is not None and (p.dtype != x.dtype or tuple(p.shape) != tuple(normalized_shape))
+           for p in (weight, bias)):
+        return None
+    if not hasattr(torch, "rms_norm"):
+        return None
+    shape = list(normalized_shape)
+    op = torch.rms_norm
+    if bias is None:
+        return lambda x, w, b, eps: op(x, shape, w, eps)
+    return lambda x, w, b, eps: op(x, shape, w, eps) + b

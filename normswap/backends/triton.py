@@ -32,7 +32,7 @@ from normswap.backends import eager, native
 
 name = "triton"
 MAX_N = 32768
-_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
 def _interpret() -> bool:
@@ -61,7 +61,7 @@ def _param_ok(p: torch.Tensor | None, x: torch.Tensor) -> bool:
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None) -> bool:
-    return x.dtype in _DTYPES and _device_ok(x) and _param_ok(weight, x) and _param_ok(bias, x)
+    return x.dtype in DTYPES and _device_ok(x) and _param_ok(weight, x) and _param_ok(bias, x)
 
 
 # ------------------------------------------------------------------------------------ launching
@@ -365,6 +365,42 @@ def rms_norm(
     ):
         return _TritonRMSNorm.apply(x, normalized_shape, weight, bias, eps)
     return forward(x, normalized_shape, weight, bias, eps)[0]
+
+
+def bind(
+    x: torch.Tensor,
+    normalized_shape: tuple[int, ...],
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    grad: bool,
+):
+    """A launcher for calls like this one (cached per module, device, dtype and grad state), or None.
+
+    Covers the plain case (one normalised dim of at most ``MAX_N``, parameters of that shape): without
+    gradients it launches the forward kernel directly, with them the ``autograd.Function``. Per call it
+    only checks the last dim; anything else returns None (the caller's general path).
+    """
+    if len(normalized_shape) != 1 or not 0 < normalized_shape[0] <= MAX_N or not supports(x, weight, bias):
+        return None
+    n = normalized_shape[0]
+    if any(p is not None and p.dim() != 1 for p in (weight, bias)):
+        return None
+    if grad:
+        apply = _TritonRMSNorm.apply
+
+        def call_grad(x, w, b, eps):
+            if x.dim() and x.shape[-1] == n:
+                return apply(x, normalized_shape, w, b, eps)
+            return None
+
+        return call_grad
+
+    def call(x, w, b, eps):
+        if x.dim() and x.shape[-1] == n:
+            return forward(x, normalized_shape, w, b, eps)[0]
+        return None
+
+    return call
 
 
 def rms_norm_residual(

@@ -30,7 +30,10 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reas
 @pytest.fixture(autouse=True)
 def interpret(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
+    backends.refresh()  # availability is computed once per process: re-read it
     yield
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    backends.refresh()
 
 
 def test_available_only_with_cuda_or_interpreter(monkeypatch):
@@ -40,6 +43,7 @@ def test_available_only_with_cuda_or_interpreter(monkeypatch):
     assert all(type(k).__name__ == "InterpretedFunction" for k in kernels())
     if not torch.cuda.is_available():
         monkeypatch.delenv("TRITON_INTERPRET")
+        backends.refresh()
         ok, reason = tb.available()
         assert not ok and "no CUDA device" in reason
         assert not tb.supports(torch.randn(2, 8), None, None)
