@@ -25,11 +25,47 @@ from normswap.backends import eager
 from normswap.backends import triton as tb
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
+if importlib.util.find_spec("triton") is not None:
+    import numpy as np
+    import triton
+    import triton.language
+
+
+def _probe_loop(X, N):
+    for i in range(0, N):  # a loop bound from a runtime argument, as the backward kernel has
+        triton.language.store(X + i, i)
+
+
+_INTERPRETER_OK: list[str] = []
+
+
+def _interpreter_problem() -> str:
+    """"" when triton's interpreter runs a loop over a runtime bound here, else why not.
+
+    triton 3.6's interpreter turns a loop bound into an int with ``int(array_of_shape_1)``, which numpy
+    >= 2.4 rejects ("only 0-dimensional arrays can be converted to Python scalars"); triton 3.9 fixed it
+    (``int(data.squeeze())``). Probed, not guessed from version numbers: the versions between were not
+    tried.
+    """
+    if not _INTERPRETER_OK:
+        x = torch.zeros(4, dtype=torch.int32)
+        try:
+            triton.jit(_probe_loop)[(1,)](x, 4)
+            _INTERPRETER_OK.append("" if x.tolist() == [0, 1, 2, 3] else "wrong result from the probe kernel")
+        except Exception as exc:  # noqa: BLE001 - any failure means: this interpreter cannot run our kernels
+            _INTERPRETER_OK.append(
+                f"triton {triton.__version__}'s interpreter cannot run loops with runtime bounds under numpy "
+                f"{np.__version__} ({type(exc).__name__}: {str(exc)[:80]}); supported: triton >= 3.9 "
+                "(or numpy < 2.4)")
+    return _INTERPRETER_OK[0]
 
 
 @pytest.fixture(autouse=True)
 def interpret(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
+    problem = _interpreter_problem()
+    if problem:
+        pytest.skip(problem)
     backends.refresh()  # availability is computed once per process: re-read it
     yield
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)

@@ -15,6 +15,7 @@ from normswap.recipes.io import read_manifest
 
 
 def _logits(model, ids):
+    model.to("cpu")  # RunResult.model is on the run's device (cuda:0 on a GPU machine); compare on CPU
     with torch.no_grad():
         return model(input_ids=ids).logits
 
@@ -137,7 +138,7 @@ def test_norms_and_biases_trains_only_those(tiny_bert, corpus, tmp_path, make_co
         warnings.simplefilter("ignore")
         normswap.patch(converted, mode="all")  # matrices as the conversion left them (centered writers)
     reference = converted.state_dict()
-    trained = result.model.state_dict()
+    trained = result.model.cpu().state_dict()  # the run's device may be a GPU
     matrices = [n for n, v in reference.items() if v.dim() == 2]
     assert matrices and all(torch.equal(trained[n], reference[n]) for n in matrices)
     changed = [n for n, v in trained.items() if n.endswith("bias") and not torch.equal(v, reference[n])]
@@ -209,6 +210,9 @@ def test_two_process_data_parallel_on_cpu(tiny_bert, corpus, tmp_path):
     env = {
         **os.environ,
         "ACCELERATE_USE_CPU": "true",
+        # gloo on CPU whatever hardware is present: with a GPU visible, accelerate's barrier would use
+        # NCCL, and two processes on one GPU fail there
+        "CUDA_VISIBLE_DEVICES": "",
         "OMP_NUM_THREADS": "1",
         "PYTHONPATH": os.pathsep.join(
             [str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")]

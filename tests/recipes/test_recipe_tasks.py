@@ -60,9 +60,10 @@ def test_distill_causal_lm_recipe_runs_end_to_end_on_tiny_gpt2(tiny_gpt2, corpus
     loaded = normswap.load(result.model_dir)
     assert any(isinstance(m, normswap.RMSNorm) for m in loaded.modules())
     ids = torch.randint(5, 40, (1, 10), generator=torch.Generator().manual_seed(0))
+    model = result.model.cpu()  # on the run's device (cuda:0 on a GPU machine): compare on CPU
     with torch.no_grad():
         torch.testing.assert_close(
-            loaded(input_ids=ids).logits, result.model(input_ids=ids).logits, rtol=1e-5, atol=1e-5
+            loaded(input_ids=ids).logits, model(input_ids=ids).logits, rtol=1e-5, atol=1e-5
         )
 
 
