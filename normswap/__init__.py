@@ -9,8 +9,9 @@ from normswap.checkpoint import convert, load
 from normswap.errors import NormswapError
 from normswap.norm import RMSNorm, rms_norm
 from normswap.plan import Plan
+from normswap.rotate import Rotation, rotate
 
 __version__ = "0.1.0"
 
-__all__ = ["NormswapError", "Plan", "RMSNorm", "Report", "convert", "load", "patch", "plan", "rms_norm",
-           "__version__"]
+__all__ = ["NormswapError", "Plan", "RMSNorm", "Report", "convert", "load", "patch", "plan", "rms_norm", "rotate",
+           "Rotation", "__version__"]

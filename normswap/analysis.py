@@ -622,6 +622,7 @@ def analyse(model: nn.Module, graph: Graph, sites: list[NormSite], *, untie: boo
         calls = [c for c in an.site_calls if c.path == path]
         sp = _site_plan(site)
         writers, problems, centered_by = [], [], []
+        targets: set[str] = set()
         if not calls:
             sp.verdict, sp.reason = "skipped", "not called by the example inputs (kept as LayerNorm)"
             plan.sites.append(sp)
@@ -631,6 +632,7 @@ def analyse(model: nn.Module, graph: Graph, sites: list[NormSite], *, untie: boo
                 writers.append(term.module_path or term.label)
                 ok, why = term_status[term.value]
                 if ok:
+                    targets |= _term_targets(an, term, edits)
                     continue
                 downstream = an.reach(term.value, -1).mapped
                 hook = next((h for v, (h, reach) in hooks.items()
@@ -658,8 +660,12 @@ def analyse(model: nn.Module, graph: Graph, sites: list[NormSite], *, untie: boo
 
         foldable, other = site_readers.get(path, (set(), []))
         sp.readers = sorted(foldable) + sorted(set(other))
+        sp.writer_targets = sorted(targets)
+        sp.linear_readers = sorted(foldable)
         if sp.verdict != "approximate":
             _plan_folds(an, site, sp, sorted(foldable), other, plan, unties, reader_sources, reader_calls)
+        sp.rotation_reason = _rotation_blocker(an, site, sp, centered_by, sorted(set(other)))
+        sp.rotation_ready = not sp.rotation_reason
         plan.sites.append(sp)
 
     plan.writer_edits = sorted(edits.values(), key=lambda e: e.target)
@@ -672,6 +678,50 @@ def analyse(model: nn.Module, graph: Graph, sites: list[NormSite], *, untie: boo
                 changed |= set(an.reach(c.outputs[0], _OUTPUT_AXIS[e.kind]).outputs)
     plan.changed_outputs = sorted(changed)
     return plan
+
+
+def _term_targets(an: Analyzer, term: Term, edits: dict[str, WriterEdit]) -> set[str]:
+    """The writer-edit targets (parameter names) that center one stream term."""
+    if term.kind == "param":
+        return {an.graph.values[term.value].name}
+    return {e.target for e in edits.values() if e.owner == term.module_path}
+
+
+def _rotation_blocker(an: Analyzer, site: NormSite, sp: SitePlan, centered_by: list[CenterHook],
+                      other: list[str]) -> str:
+    """Why the stream this norm reads cannot be rotated by an orthogonal Q ('' when it can).
+
+    Rotation needs an RMSNorm with unit weight and no bias (``rms(xQ) = rms(x)``), writers whose
+    output features can absorb Q (Linear, Conv1D, Embedding, conv, raw parameters), and readers
+    that are Linear layers seeing the norm's features unpermuted (they absorb Qᵀ).
+    """
+    if sp.verdict == "approximate":
+        return "approximate norm (the stream is not zero-mean)"
+    if sp.verdict == "skipped":
+        return "not converted"
+    if centered_by:
+        return f"centering op at `{centered_by[0].module}` (a mean subtraction is not rotation-invariant)"
+    if len(site.normalized_shape) != 1 or list(site.param_shape) != list(site.normalized_shape):
+        return "normalises over more than one axis or per-head parameters (not a residual-stream norm)"
+    if other:
+        return f"output also read by {other[0]} (not a Linear that can absorb Qᵀ)"
+    if not sp.linear_readers:
+        return "no Linear reader"
+    if site.weight_attr is not None and not sp.fold_gamma:
+        if not an.fold_gamma:
+            return "γ stays in the RMSNorm (pass fold_gamma=True)"
+        if site.bias_attr is not None and not sp.fold_beta:
+            return "γ stays in the RMSNorm: β cannot fold (a reader has no bias slot) and some γ is near 0"
+        return "γ cannot fold into the readers (a reader also reads another stream or is shared)"
+    return ""
+
+
+def _well_conditioned(gamma: torch.Tensor | None) -> bool:
+    """Can β/γ be kept in the norm without blowing up? (every |γ| ≥ 1e-3 · max |γ|)."""
+    if gamma is None or gamma.numel() == 0:
+        return False
+    mag = gamma.abs()
+    return bool(mag.max() > 0) and bool(mag.min() >= 1e-3 * mag.max())
 
 
 def _plan_folds(an: Analyzer, site: NormSite, sp: SitePlan, foldable: list[str], other: list[str],
@@ -689,8 +739,10 @@ def _plan_folds(an: Analyzer, site: NormSite, sp: SitePlan, foldable: list[str],
             return
     has_beta = site.bias_attr is not None
     fold_beta = an.fold_beta and has_beta and all(an.modules[p].bias is not None for p in foldable)
-    # γ may only leave the norm together with β: a β kept in the norm would need to become β/γ.
-    fold_gamma = an.fold_gamma and site.weight_attr is not None and (fold_beta or not has_beta)
+    # γ leaves the norm together with β, or, where β cannot fold (a reader has no bias slot), with
+    # the norm keeping β/γ: γ⊙u + β = γ⊙(u + β/γ). Only where no γ is near zero relative to the rest.
+    fold_gamma = an.fold_gamma and site.weight_attr is not None and (
+        fold_beta or not has_beta or _well_conditioned(site.gamma(an.modules[site.path])))
     if fold_beta or fold_gamma:
         sp.fold_beta, sp.fold_gamma = fold_beta, fold_gamma
         for p in foldable:

@@ -454,7 +454,7 @@ def _commit(model: nn.Module, work: nn.Module, plan_: Plan, todo: list[SitePlan]
     names = {e.target for e in plan_.writer_edits}
     names |= {f"{u.module}.{u.attr}" if u.module else u.attr for u in plan_.unties}
     for f in plan_.folds:
-        names |= {f"{f.reader}.weight", f"{f.reader}.bias"}
+        names |= ({f"{f.reader}.weight"} if f.gamma else set()) | ({f"{f.reader}.bias"} if f.beta else set())
     with torch.no_grad():
         for name in names:
             target = model.get_parameter(name)

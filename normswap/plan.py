@@ -73,6 +73,10 @@ class SitePlan:
     error: float | None = None  # exact: max |mean|/rms of the input seen; approximate: relative output error
     rms_weight: bool = False  # structure of the replacement RMSNorm (what loading rebuilds)
     rms_bias: bool = False
+    writer_targets: list[str] = field(default_factory=list)  # parameters centered for this stream
+    linear_readers: list[str] = field(default_factory=list)  # Linear/Conv1D readers of the output
+    rotation_ready: bool = False  # the stream can take an orthogonal Q (see normswap.rotate)
+    rotation_reason: str = ""  # why not, when it cannot
 
 
 @dataclass

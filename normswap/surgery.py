@@ -82,7 +82,9 @@ def make_rmsnorm(site: NormSite, sp: SitePlan, module: nn.Module, backend: str,
         if keep_gamma:
             norm.weight.copy_(gamma.to(dtype))
         if keep_beta:
-            norm.bias.copy_(beta.to(dtype))
+            # γ folded into the readers while β could not fold: the norm keeps β/γ (see _plan_folds)
+            kept = beta / gamma if (sp.fold_gamma and gamma is not None and fit is None) else beta
+            norm.bias.copy_(kept.to(dtype))
     return norm
 
 
