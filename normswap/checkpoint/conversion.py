@@ -185,13 +185,21 @@ def _run(model: nn.Module, probe: dict[str, Any]) -> Any:
 
 
 def reload_check(
-    fmt: str, out: Path, converted: Any, original: Any, probe: dict[str, Any], plan: Any, dtype: torch.dtype
+    fmt: str,
+    out: Path,
+    converted: Any,
+    original: Any,
+    probe: dict[str, Any],
+    plan: Any,
+    dtype: torch.dtype,
+    *,
+    trust_remote_code: bool = False,
 ) -> dict[str, Any]:
     """Load what was written and compare: native must be bitwise equal to the converted model;
     compat (stock LayerNorms) must match the original within the dtype's tolerance."""
     from normswap.checkpoint.reader import load
 
-    model = load(out)
+    model = load(out, trust_remote_code=True) if trust_remote_code else load(out)
     reloaded = _run(model, probe)
     skip = set(plan.changed_outputs)
     a, b = comparable(converted, skip), comparable(reloaded, skip)
@@ -228,13 +236,34 @@ def reload_check(
     return figures
 
 
-def _update_manifest(out: Path, figures: dict[str, Any]) -> None:
+def _update_manifest(out: Path, figures: dict[str, Any], source_dir: Path | None) -> None:
     cfg_path = out / "config.json"
     cfg = json.loads(cfg_path.read_text())
     manifest = cfg.get("normswap", {})
-    manifest.setdefault("verification", {}).update(writer._json_safe(figures))
+    manifest.setdefault("verification", {}).update(writer.json_safe(figures))
     io.write_json(cfg_path, cfg)
-    (out / "README.md").write_text(writer.model_card(manifest, out.name.split(io.TMP_MARK)[0].lstrip(".")))
+    card = writer.model_card(manifest, out.name.split(io.TMP_MARK)[0].lstrip("."))
+    io.write_card(out, card, source_dir)
+
+
+def _source_record(src: Source) -> dict[str, Any]:
+    """Manifest entries about the source: its layout and a task head that is not from it."""
+    extra: dict[str, Any] = {}
+    if src.layout != "hf":
+        extra["source_layout"] = src.layout
+    if src.new_head:
+        extra["new_head"] = list(src.new_head)
+    return extra
+
+
+def check_agreement(verification: dict[str, Any]) -> None:
+    """A conversion whose top-1 agreement is 0 is not usable, whatever else it reports."""
+    top1 = verification.get("top1_agreement")
+    if isinstance(top1, (int, float)) and top1 <= 0.0:
+        raise VerificationFailed(
+            "verification failed: top-1 agreement with the original is 0 (the converted model "
+            "never predicts what the original does); nothing was written"
+        )
 
 
 # ------------------------------------------------------------------------------------ convert
@@ -256,6 +285,7 @@ def convert(
     verify: bool = True,
     task: str | None = None,
     allow_pickle: bool = False,
+    allow_new_head: bool = False,
     backend: str = "auto",
     progress: bool = False,
     echo: Callable[[str], None] | None = None,
@@ -280,6 +310,9 @@ def convert(
         verify: verify the conversion and the written checkpoint (reload check).
         task: override the model class picked from ``config.architectures`` (``source.TASKS``).
         allow_pickle: accept pickle-only (``.bin``) source checkpoints.
+        allow_new_head: with ``task``, accept a task head the checkpoint lacks (randomly
+            initialised, listed in the manifest as ``new_head``). Without it any parameter
+            missing from the checkpoint is an error.
         progress: show progress bars on stderr.
         echo: called with one-line status messages (the CLI prints them).
 
@@ -292,6 +325,8 @@ def convert(
         VerificationFailed: an exact conversion missed tolerance (``exit_code`` 4).
     """
     say = echo or (lambda msg: log.info(msg))
+    if allow_new_head and task is None:
+        raise NormswapError("--new-head adds a task head: pass --task as well (e.g. --task sequence-classification)")
     eff_mode = check_options(
         fmt=format,
         mode=mode,
@@ -341,7 +376,14 @@ def convert(
     steps = _progress(progress, 4, f"normswap convert {src.spec}")
     with steps if progress else nullcontext():
         steps.set_postfix_str("loading")
-        model, proc = source.load_model(src, task=task, dtype=dtype, trust_remote_code=trust_remote_code)
+        model, proc = source.load_model(
+            src, task=task, dtype=dtype, trust_remote_code=trust_remote_code, allow_new_head=allow_new_head
+        )
+        if src.new_head:
+            say(
+                f"new task head, randomly initialised (--new-head): {source.names(src.new_head)}; "
+                "train it before use"
+            )
         if format == "native" and type(model).__module__.startswith("transformers_modules"):
             raise NormswapError(
                 f"{src.spec} uses custom modeling code; the native format needs a transformers "
@@ -369,6 +411,7 @@ def convert(
             raise
         if not report.changed:
             raise NothingToConvert(f"{src.label}: {report.message}")
+        check_agreement(report.verification)
         steps.update()
         plan = model._normswap_plan
         kept = [sp.name for sp in plan.sites if sp.verdict == "approximate" and not sp.convert]
@@ -390,13 +433,16 @@ def convert(
                 source=src.spec,
                 tokenizer=proc if src.kind == "preset" else None,
                 side_files_from=src.path,
+                manifest_extra=_source_record(src),
             )
             steps.update()
             if original is not None:
                 steps.set_postfix_str("verifying the written checkpoint")
                 dtype_ = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-                figures = reload_check(format, tmp, converted, original, probe, plan, dtype_)
-                _update_manifest(tmp, figures)
+                figures = reload_check(
+                    format, tmp, converted, original, probe, plan, dtype_, trust_remote_code=trust_remote_code
+                )
+                _update_manifest(tmp, figures, src.path)
                 report.verification.update(figures)
             steps.update()
     report.message += f"; wrote {format} checkpoint to {out}"

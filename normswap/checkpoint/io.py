@@ -23,27 +23,6 @@ from typing import Any
 from normswap.errors import NormswapError
 
 TMP_MARK = ".normswap-tmp-"
-# files that travel with the weights (tokenizers, processors, generation settings, chat templates)
-SIDE_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "vocab.json",
-    "vocab.txt",
-    "merges.txt",
-    "spiece.model",
-    "tokenizer.model",
-    "sentencepiece.bpe.model",
-    "preprocessor_config.json",
-    "processor_config.json",
-    "feature_extractor_config.json",
-    "video_preprocessor_config.json",
-    "chat_template.json",
-    "chat_template.jinja",
-    "generation_config.json",
-    "normalizer.json",
-)
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
 
@@ -286,17 +265,100 @@ def checkpoint_bytes(model_dir: Path) -> int:
 
 
 # ------------------------------------------------------------------------------------ side files
+# root-level files that are weights of the model being converted (rewritten, never copied), and
+# exports of the unconverted weights in other formats (they would be stale, so they are dropped)
+_WEIGHT_SUFFIXES = (".safetensors", ".h5", ".msgpack", ".ot", ".gguf", ".onnx", ".tflite", *PICKLE_SUFFIXES)
+_WEIGHT_INDEXES = (".safetensors.index.json", ".bin.index.json", ".pt.index.json")
+_STALE_DIRS = ("onnx", "openvino", "coreml", "tflite")
+CARD_MARK = "<!-- normswap conversion -->"
+
+
+def _is_weight(name: str) -> bool:
+    return name.endswith(_WEIGHT_SUFFIXES) or name.endswith(_WEIGHT_INDEXES)
+
+
 def copy_side_files(src: Path | None, dst: Path) -> list[str]:
-    """Copy tokenizer / processor / generation-config files (never weights, never code)."""
+    """Copy every file of the source directory that is not a weight of the converted model.
+
+    Tokenizers, processors, generation configs, chat templates, sentence-transformers'
+    ``modules.json`` / ``1_Pooling/`` / ``2_Normalize/`` (subdirectories whole: they hold other
+    modules, not the converted one), licences, ``*.md`` / ``*.txt`` / ``*.json``. Never copied:
+    ``config.json`` (rewritten), the root's weights and weight indexes, exports of the unconverted
+    weights (``onnx/``, ``openvino/``, ...), hidden files. A file the conversion already wrote
+    wins, except ``README.md``: the source's card becomes the body and the conversion's card is
+    kept as a section of it (:func:`merge_card`).
+    """
     copied: list[str] = []
     if src is None or not src.is_dir():
         return copied
-    for name in SIDE_FILES:
-        f = src / name
-        if f.is_file() and not (dst / name).exists():
-            shutil.copy2(f, dst / name)
-            copied.append(name)
+    for f in sorted(src.iterdir()):
+        name = f.name
+        if name.startswith(".") or name == "config.json" or (f.is_file() and _is_weight(name)):
+            continue
+        target = dst / name
+        if f.is_dir():
+            if name in _STALE_DIRS or target.exists():
+                continue
+            shutil.copytree(f, target, ignore=shutil.ignore_patterns(".*"))
+        elif name == "README.md" and target.is_file():
+            target.write_text(merge_card(f.read_text(errors="replace"), target.read_text()))
+        elif not target.exists():
+            shutil.copy2(f, target)
+        else:
+            continue
+        copied.append(name)
     return copied
+
+
+def _split_front_matter(text: str) -> tuple[list[str], str]:
+    """(YAML front-matter lines without the ``---`` fences, body) of a model card."""
+    lines = text.splitlines()
+    if lines and lines[0].strip() == "---":
+        for i in range(1, len(lines)):
+            if lines[i].strip() == "---":
+                return lines[1:i], "\n".join(lines[i + 1 :]).strip("\n")
+    return [], text.strip("\n")
+
+
+def merge_card(source_card: str, ours: str) -> str:
+    """The source model card as the body, with normswap's card appended as one section.
+
+    The source front matter is kept; ``normswap`` and ``rmsnorm`` tags are added to it. Our card's
+    headings move one level down under "Converted by normswap". Merging twice replaces the
+    earlier normswap section instead of stacking a second one.
+    """
+    if CARD_MARK in source_card:
+        source_card = source_card.split(CARD_MARK)[0]
+    front, body = _split_front_matter(source_card)
+    ours_front, ours_body = _split_front_matter(ours)
+    if CARD_MARK in ours_body:  # already merged once: take only our section
+        ours_body = ours_body.split(CARD_MARK, 1)[1]
+    ours_lines = ours_body.strip("\n").splitlines()
+    if ours_lines and ours_lines[0].startswith("# "):
+        ours_lines = ours_lines[1:]
+    section = "\n".join(("#" + ln) if ln.startswith("#") else ln for ln in ours_lines).strip("\n")
+    tags = [ln for ln in ours_front if ln.startswith("- ")]
+    if front:
+        try:
+            i = next(k for k, ln in enumerate(front) if ln.rstrip() == "tags:")
+            existing = set()
+            j = i + 1
+            while j < len(front) and front[j].lstrip().startswith("- "):
+                existing.add(front[j].strip())
+                j += 1
+            front[j:j] = [t for t in tags if t.strip() not in existing]
+        except StopIteration:
+            front += ["tags:", *tags]
+    head = ("---\n" + "\n".join(front) + "\n---\n\n") if front else ""
+    return f"{head}{body}\n\n{CARD_MARK}\n## Converted by normswap\n\n{section}\n"
+
+
+def write_card(out: Path, card: str, source_dir: Path | None = None) -> None:
+    """Write ``out/README.md``: ``card``, merged into the source's own card when there is one."""
+    src_card = source_dir / "README.md" if source_dir is not None else None
+    if src_card is not None and src_card.is_file():
+        card = merge_card(src_card.read_text(errors="replace"), card)
+    (out / "README.md").write_text(card)
 
 
 def write_json(path: Path, data: dict) -> None:

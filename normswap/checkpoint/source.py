@@ -41,6 +41,7 @@ TASKS = {
 # when config.architectures names nothing transformers has, try these in order
 FALLBACK_TASKS = ("causal-lm", "seq2seq-lm", "speech-seq2seq", "masked-lm", "image-classification", "base")
 DTYPES = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+ST_MODULES = "modules.json"  # marks a sentence-transformers directory
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*(/[\w.\-]+)?$")
 
 
@@ -60,6 +61,10 @@ class Source:
     config: dict[str, Any] = field(default_factory=dict)
     safetensors: list[Path] = field(default_factory=list)
     pickles: list[Path] = field(default_factory=list)
+    # "sentence-transformers" when the directory has a modules.json (its weights are the base model)
+    layout: str = "hf"
+    # parameters of a task head the checkpoint does not hold, initialised at random (allow_new_head)
+    new_head: list[str] = field(default_factory=list)
 
     @property
     def nbytes(self) -> int:
@@ -148,6 +153,12 @@ def inspect_dir(
     model_type = config["model_type"]
     if hf.base_type(model_type) is not None and not allow_converted:
         raise NothingToConvert(f"{spec} was already converted by normswap ({model_type}); nothing to do")
+    manifest = config.get(hf.MANIFEST_KEY)
+    if isinstance(manifest, dict) and manifest.get("format") == "compat" and not allow_converted:
+        raise NothingToConvert(
+            f"{spec}: already converted (compat); use it as is (any runtime may swap "
+            "its rms_ready LayerNorms for RMSNorm)"
+        )
     safe, pickles = io.weight_files(path)
     for f in safe:
         io.read_safetensors_header(f)
@@ -173,7 +184,8 @@ def inspect_dir(
             f"{spec} has model_type {model_type!r}, which transformers "
             f"{_tf_version()} does not know; upgrade transformers"
         )
-    return Source(spec, "local", path, config, safe, pickles)
+    layout = "sentence-transformers" if (path / ST_MODULES).is_file() else "hf"
+    return Source(spec, "local", path, config, safe, pickles, layout=layout)
 
 
 def _tf_version() -> str:
@@ -251,9 +263,18 @@ def torch_dtype(name: str) -> Any:
 
 
 def load_model(
-    src: Source, *, task: str | None = None, dtype: str = "auto", trust_remote_code: bool = False
+    src: Source,
+    *,
+    task: str | None = None,
+    dtype: str = "auto",
+    trust_remote_code: bool = False,
+    allow_new_head: bool = False,
 ) -> tuple[nn.Module, Any]:
-    """Load the source model (eval mode) and its tokenizer/processor (or ``None``)."""
+    """Load the source model (eval mode) and its tokenizer/processor (or ``None``).
+
+    Every parameter must come from the checkpoint (see :func:`check_loading_info`); with
+    ``allow_new_head`` a task head missing from it is initialised and listed in ``src.new_head``.
+    """
     want = torch_dtype(dtype)
     if src.kind == "preset":
         model, proc = presets.build(src.spec, dtype=torch.float32 if want == "auto" else want)
@@ -290,23 +311,95 @@ def load_model(
         )
         cls = _auto(name) if name else model_class(config, None)
     else:
-        cls = model_class(config, task)
-    kwargs: dict[str, Any] = {"dtype": want, "local_files_only": True}
+        cls = source_class(src, config, task)
+    # mismatched shapes are reported by us, by name (check_loading_info), not by a transformers raise
+    kwargs: dict[str, Any] = {
+        "dtype": want,
+        "local_files_only": True,
+        "output_loading_info": True,
+        "ignore_mismatched_sizes": True,
+    }
     if trust_remote_code:
         kwargs["trust_remote_code"] = True
     if not src.safetensors:
         kwargs["use_safetensors"] = False
     try:
-        model = cls.from_pretrained(src.path, **kwargs)
+        model, info = cls.from_pretrained(src.path, **kwargs)
     except NormswapError:
         raise
     except Exception as exc:  # noqa: BLE001 - report, don't dump a traceback
         raise NormswapError(f"cannot load {src.spec} as {cls.__name__}: {_first_line(exc)}") from exc
+    src.new_head = check_loading_info(
+        src, model, info, explicit_task=task is not None, allow_new_head=allow_new_head
+    )
     model.eval()
-    return model, load_processor(src.path)
+    return model, load_processor(src.path, trust_remote_code=trust_remote_code)
 
 
-def load_processor(path: Path) -> Any:
+def source_class(src: Source, config: Any, task: str | None) -> type:
+    """:func:`model_class`, except that a sentence-transformers directory loads its base model.
+
+    Such directories name a masked-LM (or similar) class in ``config.json`` while their weights
+    hold only the encoder; building the named class would give a randomly initialised head.
+    """
+    if task is None and src.layout == "sentence-transformers":
+        task = "base"
+    return model_class(config, task)
+
+
+def names(keys: Any, limit: int = 4) -> str:
+    keys = sorted(keys)
+    more = f" (+{len(keys) - limit} more)" if len(keys) > limit else ""
+    return ", ".join(keys[:limit]) + more
+
+
+def check_loading_info(
+    src: Source, model: nn.Module, info: dict[str, Any], *, explicit_task: bool, allow_new_head: bool
+) -> list[str]:
+    """Refuse a load that did not fill every parameter from the checkpoint.
+
+    transformers initialises missing tensors at random and drops unexpected ones with only a log
+    line; converting such a model would "verify" a random model against itself. Missing or
+    mismatched tensors are errors. The one exception is a new task head the user asked for on
+    purpose (``allow_new_head``, with ``--task``): its parameter names are returned so the
+    manifest can record them. Unexpected tensors are errors unless ``--task`` picked a class
+    without the checkpoint's head (e.g. ``base`` on a masked-LM checkpoint).
+    """
+    missing = set(info.get("missing_keys") or ())
+    unexpected = set(info.get("unexpected_keys") or ())
+    mismatched = [k[0] if isinstance(k, (tuple, list)) else k for k in info.get("mismatched_keys") or ()]
+    if mismatched:
+        raise NormswapError(
+            f"{src.spec}: tensor shape(s) do not match the config for {names(mismatched)}; "
+            "the checkpoint does not match its config.json"
+        )
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    base = getattr(model, prefix, None) if prefix else None
+    if base is None or base is model:  # a base model: everything missing is the body
+        in_base = set(missing)
+    else:
+        in_base = {k for k in missing if k.startswith(prefix + ".")}
+    head = missing - in_base
+    if missing and not (allow_new_head and explicit_task and not in_base):
+        what = "the head" if head and not in_base else "tensor(s)"
+        hint = (
+            "; to add a new, randomly initialised task head on purpose pass --new-head with --task"
+            if head and not in_base
+            else "; the download is incomplete or the files do not belong together"
+        )
+        raise NormswapError(
+            f"{src.spec} as {type(model).__name__}: the checkpoint has no {what} "
+            f"{names(missing)}{hint}"
+        )
+    if unexpected and not explicit_task:
+        raise NormswapError(
+            f"{src.spec}: the checkpoint has tensor(s) {type(model).__name__} does not use: "
+            f"{names(unexpected)}; pass --task to choose the model class on purpose"
+        )
+    return sorted(head)
+
+
+def load_processor(path: Path, *, trust_remote_code: bool = False) -> Any:
     """Tokenizer (preferred for text) or processor saved in ``path``; ``None`` when there is none."""
     from transformers import AutoTokenizer
 
@@ -314,7 +407,9 @@ def load_processor(path: Path) -> Any:
         (path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt")
     ):
         try:
-            return AutoTokenizer.from_pretrained(path, local_files_only=True)
+            return AutoTokenizer.from_pretrained(
+                path, local_files_only=True, trust_remote_code=trust_remote_code
+            )
         except Exception:  # noqa: BLE001 - a broken tokenizer must not block the conversion
             return None
     return None

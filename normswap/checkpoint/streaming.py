@@ -851,7 +851,7 @@ def convert_streaming(
         config = AutoConfig.from_pretrained(src.path, local_files_only=True)
     except Exception as exc:  # noqa: BLE001
         raise NormswapError(f"cannot read the config of {src.spec}: {exc}") from exc
-    cls = source.model_class(config, task)
+    cls = source.source_class(src, config, task)
     base = config.model_type
     with torch.device("meta"):
         meta = cls(copy.deepcopy(config))
@@ -871,7 +871,10 @@ def convert_streaming(
     tied_ok = set(getattr(meta, "get_expanded_tied_weights_keys", lambda **_: {})(all_submodels=True))
     missing = [k for k in missing if k not in tied_ok]
     if missing:
-        raise NormswapError(f"the checkpoint has no tensor for {missing[0]}; it does not match its config")
+        raise NormswapError(
+            f"{src.spec} as {cls.__name__}: the checkpoint has no tensor(s) {source.names(missing)}; "
+            "the download is incomplete or the files do not belong together"
+        )
     io.check_space(out, int(src.nbytes * (2 if out_dtype == torch.float32 else 1) * 1.1))
     echo(f"streaming {len(entries)} tensors from {len(src.safetensors)} shard(s) ({io.human(src.nbytes)})")
     reader = Reader(entries)

@@ -97,7 +97,7 @@ def versions() -> dict[str, str]:
     }
 
 
-def _json_safe(obj: Any) -> Any:
+def json_safe(obj: Any) -> Any:
     return json.loads(json.dumps(obj, default=io._json_default))
 
 
@@ -131,7 +131,7 @@ def build_manifest(
         manifest[key] = value
     for key, value in previous.items():  # keep earlier extras (e.g. a fine-tune record) unless replaced
         manifest.setdefault(key, value)
-    return _json_safe(manifest)
+    return json_safe(manifest)
 
 
 def auto_classes_for(model: nn.Module) -> dict[str, str]:
@@ -506,9 +506,9 @@ def write_model_dir(
     )
     if tokenizer is not None:
         tokenizer.save_pretrained(out)
+    # our card first: copying the source's files merges its README.md around it
+    (out / "README.md").write_text(model_card(manifest, out.name.split(io.TMP_MARK)[0].lstrip(".")))
     io.copy_side_files(side_files_from, out)
-    if not (out / "README.md").exists():
-        (out / "README.md").write_text(model_card(manifest, out.name.split(io.TMP_MARK)[0].lstrip(".")))
     return manifest
 
 

@@ -240,6 +240,12 @@ Presets (offline, seeded tiny models with tokenizers/processors):
     default=None,
     help="Model class to load (default: from config.architectures).",
 )
+@click.option(
+    "--new-head",
+    is_flag=True,
+    help="With --task: allow a task head the checkpoint lacks (random init, recorded in the "
+    "manifest). Without it any missing tensor is an error.",
+)
 @click.option("--quiet", "-q", is_flag=True, help="No progress bars.")
 @handle_errors
 def convert(
@@ -258,6 +264,7 @@ def convert(
     overwrite: bool,
     no_verify: bool,
     task: str | None,
+    new_head: bool,
     quiet: bool,
 ) -> None:
     """Convert MODEL's LayerNorms to RMSNorm and write a checkpoint to --out.
@@ -286,6 +293,7 @@ def convert(
             verify=not no_verify,
             task=task,
             allow_pickle=allow_pickle,
+            allow_new_head=new_head,
             progress=not quiet,
             echo=lambda msg: click.echo(f"note: {msg}", err=True),
         )

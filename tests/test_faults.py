@@ -1,0 +1,195 @@
+"""Fault injection for ``normswap convert / inspect / verify``: nothing wrong is ever written with exit 0.
+
+Each case asserts the exit code, the one-line message, that ``--out`` is absent (or untouched),
+and that the source directory is byte-identical afterwards.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors.torch import load_file, save_file
+
+from normswap import presets
+from normswap.cli import main
+
+
+# ------------------------------------------------------------------------------------ helpers
+def run(*args: str) -> tuple[int, str, str]:
+    res = CliRunner().invoke(main, list(args), catch_exceptions=False)
+    return res.exit_code, res.stdout, res.stderr
+
+
+def one_line_error(code: int, err: str, expected: int, *fragments: str) -> str:
+    assert code == expected, err
+    lines = [ln for ln in err.strip().splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1, err
+    assert "Traceback" not in err
+    for frag in fragments:
+        assert frag in lines[0], lines[0]
+    return lines[0]
+
+
+def digest(d: Path) -> dict[str, str]:
+    """Path -> sha256 of every file under ``d`` (the source must stay byte-identical)."""
+    return {
+        str(p.relative_to(d)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(d.rglob("*"))
+        if p.is_file()
+    }
+
+
+def edit_weights(d: Path, fn) -> Path:
+    f = d / "model.safetensors"
+    sd = load_file(f)
+    fn(sd)
+    save_file(sd, f, metadata={"format": "pt"})
+    return d
+
+
+@pytest.fixture(scope="module")
+def gpt2_src(tmp_path_factory) -> Path:
+    return presets.save("tiny-gpt2", tmp_path_factory.mktemp("src") / "gpt2")
+
+
+def copy_of(src: Path, tmp_path: Path, name: str = "src") -> Path:
+    return Path(shutil.copytree(src, tmp_path / name))
+
+
+def refused(tmp_path: Path, src: Path, expected: int, *fragments: str, extra: tuple[str, ...] = ()) -> str:
+    """Run convert on ``src`` and check a one-line refusal, nothing written, source untouched."""
+    before = digest(src)
+    out = tmp_path / "out"
+    code, _, err = run("convert", str(src), "--out", str(out), "-q", *extra)
+    line = one_line_error(code, err, expected, *fragments)
+    assert not out.exists()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temp dir left
+    assert digest(src) == before
+    return line
+
+
+# ------------------------------------------------------------------------------------ defect 1
+@pytest.mark.parametrize("low_memory", [False, True], ids=["in-memory", "low-memory"])
+def test_missing_tensor_is_an_error_on_both_paths(tmp_path, gpt2_src, low_memory):
+    src = edit_weights(copy_of(gpt2_src, tmp_path), lambda sd: sd.pop("transformer.h.0.mlp.c_fc.weight"))
+    flag = ("--low-memory",) if low_memory else ("--in-memory",)
+    refused(tmp_path, src, 1, "transformer.h.0.mlp.c_fc.weight", "no tensor", extra=flag)
+
+
+def test_unexpected_tensor_is_an_error(tmp_path, gpt2_src):
+    def add(sd):
+        sd["transformer.h.0.extra.weight"] = torch.zeros(3)
+
+    src = edit_weights(copy_of(gpt2_src, tmp_path), add)
+    refused(tmp_path, src, 1, "transformer.h.0.extra.weight", "--task")
+
+
+def test_mismatched_tensor_is_an_error(tmp_path, gpt2_src):
+    def shrink(sd):
+        sd["transformer.h.0.mlp.c_fc.bias"] = sd["transformer.h.0.mlp.c_fc.bias"][:-1].clone()
+
+    src = edit_weights(copy_of(gpt2_src, tmp_path), shrink)
+    refused(tmp_path, src, 1, "transformer.h.0.mlp.c_fc.bias")
+
+
+def test_truncated_safetensors(tmp_path, gpt2_src):
+    src = copy_of(gpt2_src, tmp_path)
+    f = src / "model.safetensors"
+    f.write_bytes(f.read_bytes()[:-100])
+    refused(tmp_path, src, 1, "truncated")
+
+
+def test_new_task_head_needs_the_flag_and_is_recorded(tmp_path, gpt2_src):
+    src = copy_of(gpt2_src, tmp_path)
+    refused(tmp_path, src, 1, "score.weight", "--new-head", extra=("--task", "sequence-classification"))
+    out = tmp_path / "out"
+    code, _, err = run(
+        "convert", str(src), "--out", str(out), "-q", "--task", "sequence-classification", "--new-head"
+    )
+    assert code == 0, err
+    assert "score.weight" in err  # said out loud, not only in the manifest
+    manifest = json.loads((out / "config.json").read_text())["normswap"]
+    assert manifest["new_head"] == ["score.weight"]
+    code, _, err = run("convert", str(src), "--out", str(tmp_path / "o2"), "--new-head")
+    one_line_error(code, err, 1, "--task")
+
+
+# ------------------------------------------------------------------------------------ defect 9
+def test_compat_checkpoint_given_to_convert(tmp_path, gpt2_src):
+    compat = tmp_path / "compat"
+    code, _, err = run("convert", str(gpt2_src), "--out", str(compat), "-q", "--format", "compat")
+    assert code == 0, err
+    sub = tmp_path / "again"
+    sub.mkdir()
+    refused(sub, compat, 3, "already converted (compat)", "use it as is")
+
+
+# ------------------------------------------------------------------------------------ defects 1 + 11
+def _tiny_sentence_transformer(root: Path) -> Path:
+    """A sentence-transformers directory built offline, shaped like the real ones: config.json
+    names the masked-LM class, the weights hold only the encoder, README/Pooling/Normalize."""
+    st = pytest.importorskip("sentence_transformers")
+    import transformers
+    from sentence_transformers import models
+
+    mlm, tok = presets.build("tiny-bert")
+    base = transformers.BertModel(mlm.config)
+    base.load_state_dict(mlm.bert.state_dict(), strict=False)
+    base_dir = root / "base"
+    base.save_pretrained(base_dir)
+    tok.save_pretrained(base_dir)
+    tr = models.Transformer(str(base_dir), max_seq_length=24)
+    dim = getattr(tr, "get_embedding_dimension", None) or tr.get_word_embedding_dimension
+    model = st.SentenceTransformer(modules=[tr, models.Pooling(dim()), models.Normalize()])
+    out = root / "st"
+    model.save(str(out))
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["architectures"] = ["BertForMaskedLM"]
+    (out / "config.json").write_text(json.dumps(cfg))
+    card = "---\nlicense: mit\ntags:\n- sentence-transformers\n---\n\n# my encoder\n\nIt embeds.\n"
+    (out / "README.md").write_text(card)
+    (out / "NOTES.txt").write_text("keep me\n")
+    return out
+
+
+def test_sentence_transformers_round_trip(tmp_path):
+    st = pytest.importorskip("sentence_transformers")
+    src = _tiny_sentence_transformer(tmp_path / "build")
+    before = digest(src)
+    out = tmp_path / "out"
+    code, stdout, err = run("convert", str(src), "--out", str(out), "-q")
+    assert code == 0, err
+    assert digest(src) == before
+    manifest = json.loads((out / "config.json").read_text())["normswap"]
+    assert manifest["architecture"] == "BertModel"  # the base model, not a random masked-LM head
+    assert manifest["source_layout"] == "sentence-transformers"
+    assert "new_head" not in manifest and manifest["plan"]["unties"] == []
+    # every non-weight file of the source came along, subdirectories included
+    for name in before:
+        if name not in ("model.safetensors", "config.json", "README.md"):
+            assert (out / name).read_bytes() == (src / name).read_bytes(), name
+    card = (out / "README.md").read_text()
+    assert card.index("It embeds.") < card.index("Converted by normswap")
+    assert "license: mit" in card and "- normswap" in card and "- sentence-transformers" in card
+
+    import normswap  # noqa: F401 - registers normswap_* model types for the plain AutoModel path
+
+    a, b = st.SentenceTransformer(str(src), device="cpu"), st.SentenceTransformer(str(out), device="cpu")
+    assert [type(m).__name__ for m in a] == [type(m).__name__ for m in b] == [
+        "Transformer",
+        "Pooling",
+        "Normalize",
+    ]
+    assert a.max_seq_length == b.max_seq_length == 24
+    texts = ["hello world", "a b c d e f g", "the quick brown fox"]
+    ea, eb = a.encode(texts, convert_to_tensor=True), b.encode(texts, convert_to_tensor=True)
+    cos = torch.nn.functional.cosine_similarity(ea.double(), eb.double())
+    # 4 of the 5 norms are Post-LN (approximate); the embeddings stay close, not equal
+    assert float(cos.min()) > 0.98, cos
+    assert not torch.equal(ea, eb) or manifest["counts"]["approximate"] == 0
