@@ -193,3 +193,36 @@ def test_sentence_transformers_round_trip(tmp_path):
     # 4 of the 5 norms are Post-LN (approximate); the embeddings stay close, not equal
     assert float(cos.min()) > 0.98, cos
     assert not torch.equal(ea, eb) or manifest["counts"]["approximate"] == 0
+
+
+# ------------------------------------------------------------------------------------ defects 5, 6
+def test_load_refuses_a_plain_transformers_dir(gpt2_src):
+    import normswap
+    from normswap.errors import NormswapError
+
+    with pytest.raises(NormswapError, match=r"not a normswap checkpoint.*AutoModel.*normswap convert"):
+        normswap.load(gpt2_src)
+
+
+@pytest.fixture(scope="module")
+def gpt2_converted(gpt2_src, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("conv") / "gpt2-rms"
+    code, _, err = run("convert", str(gpt2_src), "--out", str(out), "-q")
+    assert code == 0, err
+    return out
+
+
+def test_verify_refuses_a_converted_model_from_another_source(tmp_path, gpt2_src, gpt2_converted):
+    def finetune(sd):  # same architecture, different weights: only the content sample can tell
+        for k in sd:
+            sd[k] = sd[k] + 0.01
+
+    other = edit_weights(copy_of(gpt2_src, tmp_path), finetune)
+    code, _, err = run("verify", str(other), str(gpt2_converted))
+    one_line_error(code, err, 1, "was not converted from", "--force")
+    code, out, err = run("verify", str(other), str(gpt2_converted), "--force")
+    assert code in (0, 4) and "--force" in err and "figures:" in out
+    code, out, err = run("verify", str(gpt2_src), str(gpt2_converted))
+    assert code == 0 and "OK" in out, err
+    manifest = json.loads((gpt2_converted / "config.json").read_text())["normswap"]
+    assert manifest["source_fingerprint"].startswith("sha256:")

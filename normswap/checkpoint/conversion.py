@@ -246,16 +246,6 @@ def _update_manifest(out: Path, figures: dict[str, Any], source_dir: Path | None
     io.write_card(out, card, source_dir)
 
 
-def _source_record(src: Source) -> dict[str, Any]:
-    """Manifest entries about the source: its layout and a task head that is not from it."""
-    extra: dict[str, Any] = {}
-    if src.layout != "hf":
-        extra["source_layout"] = src.layout
-    if src.new_head:
-        extra["new_head"] = list(src.new_head)
-    return extra
-
-
 def check_agreement(verification: dict[str, Any]) -> None:
     """A conversion whose top-1 agreement is 0 is not usable, whatever else it reports."""
     top1 = verification.get("top1_agreement")
@@ -433,7 +423,7 @@ def convert(
                 source=src.spec,
                 tokenizer=proc if src.kind == "preset" else None,
                 side_files_from=src.path,
-                manifest_extra=_source_record(src),
+                manifest_extra=source.record(src),
             )
             steps.update()
             if original is not None:

@@ -62,6 +62,12 @@ def load(path: str | os.PathLike, **from_pretrained_kwargs: Any) -> nn.Module:
     if not path.is_dir():
         raise NormswapError(f"{path} is not a directory; normswap.load expects a checkpoint directory")
     cfg = read_config(path)
+    if not isinstance(cfg.get(hf.MANIFEST_KEY), dict) and hf.base_type(cfg.get("model_type", "")) is None:
+        raise NormswapError(
+            f"{path} is not a normswap checkpoint (no normswap manifest in config.json); load it "
+            "with transformers.AutoModel*.from_pretrained, or convert it first with "
+            f"`normswap convert {path} --out DIR`"
+        )
     safe, pickles = io.weight_files(path)
     if not safe:
         raise NormswapError(

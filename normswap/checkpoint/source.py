@@ -8,6 +8,7 @@ models that need ``trust_remote_code``, and checkpoints normswap already convert
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -225,6 +226,46 @@ def resolve(
     )
     src.kind = "hub"
     return src
+
+
+# ------------------------------------------------------------------------------------ fingerprint
+_SAMPLE = 1 << 16  # bytes of tensor data hashed at each of three places per shard
+_VOLATILE = ("_name_or_path", "transformers_version", "architectures", "dtype", "torch_dtype", "auto_map")
+
+
+def fingerprint(src: Source) -> str:
+    """A cheap identity of the source weights, recorded in the manifest and checked by ``verify``.
+
+    Hashes the config (minus fields a re-save changes), every shard's safetensors header (tensor
+    names, dtypes, shapes, offsets) and 64 KB of tensor bytes at the start, middle and end of each
+    shard: a fine-tune of the same architecture differs in the sampled bytes, a different model in
+    the header. Reads a few hundred KB, whatever the checkpoint size. Presets hash their name
+    (they are seeded and rebuilt identically).
+    """
+    h = hashlib.sha256()
+    if src.kind == "preset":
+        h.update(f"preset:{src.spec}".encode())
+        return "sha256:" + h.hexdigest()[:32]
+    cfg = {k: v for k, v in src.config.items() if k not in _VOLATILE and k != hf.MANIFEST_KEY}
+    h.update(json.dumps(cfg, sort_keys=True, default=str).encode())
+    for f in src.safetensors or src.pickles:
+        size = f.stat().st_size
+        with open(f, "rb") as fh:
+            for at in (0, max(0, size // 2 - _SAMPLE // 2), max(0, size - _SAMPLE)):
+                fh.seek(at)
+                h.update(fh.read(_SAMPLE))
+        h.update(str(size).encode())
+    return "sha256:" + h.hexdigest()[:32]
+
+
+def record(src: Source) -> dict[str, Any]:
+    """Manifest entries about the source: its fingerprint, layout and any head not from it."""
+    extra: dict[str, Any] = {"source_fingerprint": fingerprint(src)}
+    if src.layout != "hf":
+        extra["source_layout"] = src.layout
+    if src.new_head:
+        extra["new_head"] = list(src.new_head)
+    return extra
 
 
 # ------------------------------------------------------------------------------------ model classes

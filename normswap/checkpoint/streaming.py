@@ -901,6 +901,7 @@ def convert_streaming(
             out_dtype=float_dtype,
             source_spec=src.spec,
             verification=report.verification,
+            extra=source.record(src),
         )
         io.copy_side_files(src.path, tmp)
     counts = plan.counts()
@@ -924,6 +925,7 @@ def _write_config(
     out_dtype: torch.dtype,
     source_spec: str,
     verification: dict[str, Any],
+    extra: dict[str, Any] | None = None,
 ) -> None:
     """config.json (+ generation config, modeling file, model card) as the in-memory path writes them."""
     cfg = copy.deepcopy(config)
@@ -939,7 +941,9 @@ def _write_config(
     gen = getattr(meta, "generation_config", None)
     if gen is not None and callable(getattr(meta, "can_generate", None)) and meta.can_generate():
         gen.save_pretrained(out)
-    manifest = writer.build_manifest(meta, plan, fmt=fmt, verification=verification, source=source_spec)
+    manifest = writer.build_manifest(
+        meta, plan, fmt=fmt, verification=verification, source=source_spec, extra=extra
+    )
     cfg_path = out / "config.json"
     data = json.loads(cfg_path.read_text())
     if fmt == "native":

@@ -31,16 +31,21 @@ def verify_checkpoint(
     task: str | None = None,
     trust_remote_code: bool = False,
     allow_pickle: bool = False,
+    force: bool = False,
 ) -> dict[str, Any]:
     """Figures for ``converted`` vs ``original`` and whether an exact conversion is within tolerance.
 
     Returns a dict with ``figures`` (max/mean over batches), ``ok``, ``kind`` (exact/approximate),
-    ``tolerance``, ``batches``, ``dtype`` and a one-line ``verdict``.
+    ``tolerance``, ``batches``, ``dtype``, ``source_match`` and a one-line ``verdict``.
+
+    CONVERTED's manifest records a fingerprint of the model it was made from
+    (:func:`normswap.checkpoint.source.fingerprint`); a different ORIGINAL is refused unless
+    ``force``. A top-1 agreement of 0 is never "ok".
     """
     conv_path = Path(converted).expanduser()
     if not conv_path.exists():
         raise NormswapError(f"{converted} does not exist")
-    conv = load(conv_path)
+    conv = load(conv_path, trust_remote_code=True) if trust_remote_code else load(conv_path)
     plan = _plan_of(conv)
     if plan is None:
         raise NormswapError(f"{converted} is not a normswap checkpoint (no manifest in config.json)")
@@ -51,6 +56,16 @@ def verify_checkpoint(
         raise NormswapError(
             f"ORIGINAL {original} is itself a normswap checkpoint; pass the model it was converted from"
         ) from exc
+    manifest = getattr(conv.config, "normswap", None)
+    recorded = manifest.get("source_fingerprint") if isinstance(manifest, dict) else None
+    actual = source.fingerprint(src)
+    source_match = None if recorded is None else recorded == actual
+    if source_match is False and not force:
+        raise NormswapError(
+            f"{converted} was not converted from {original} (its manifest records source "
+            f"{manifest.get('source')!r} with a different fingerprint); pass the model it was "
+            "made from, or --force to compare anyway"
+        )
     arch = (
         getattr(conv.config, "normswap", {}).get("architecture") if hasattr(conv.config, "normswap") else None
     )
@@ -88,7 +103,14 @@ def verify_checkpoint(
     exact = all(sp.verdict != "approximate" for sp in converted_sites)
     tol = tolerance if tolerance is not None else api.EXACT_TOLERANCE.get(dtype, 1e-3)
     worst = figures["max_rel_error"]
-    if exact:
+    top1 = figures.get("top1_agreement")
+    if isinstance(top1, float) and top1 <= 0.0:
+        ok = False
+        verdict = (
+            f"top-1 agreement with the original is 0 (max relative error {worst:.3g}): the converted "
+            "model never predicts what the original does"
+        )
+    elif exact:
         ok = worst <= tol
         verdict = (
             f"exact conversion: max relative error {worst:.3g} <= {tol:g}: OK"
@@ -110,4 +132,5 @@ def verify_checkpoint(
         "batches": len(batches),
         "dtype": _DTYPE_NAMES.get(dtype, str(dtype)),
         "verdict": verdict,
+        "source_match": source_match,
     }

@@ -448,7 +448,13 @@ Approximate conversions only report their error.
     "--data",
     type=click.Path(dir_okay=False),
     default=None,
-    help="Text file or JSONL ('text' field) to compare on (default: random valid inputs).",
+    help="Evaluation inputs to compare the two models on: a text file (one sample per line) or "
+    "JSONL with a 'text' field (default: random valid inputs).",
+)
+@click.option(
+    "--force",
+    is_flag=True,
+    help="Compare even when CONVERTED's manifest says it was made from another model.",
 )
 @click.option(
     "--tolerance",
@@ -470,6 +476,7 @@ def verify(
     task: str | None,
     trust_remote_code: bool,
     allow_pickle: bool,
+    force: bool,
 ) -> None:
     """Compare ORIGINAL's outputs with CONVERTED's (a directory written by normswap convert)."""
     from normswap.checkpoint.verify_dirs import verify_checkpoint
@@ -482,7 +489,10 @@ def verify(
         task=task,
         trust_remote_code=trust_remote_code,
         allow_pickle=allow_pickle,
+        force=force,
     )
+    if result["source_match"] is False:
+        click.echo("warning: CONVERTED was made from another model (--force)", err=True)
     if as_json:
         click.echo(json.dumps(result, indent=2, default=str))
     else:
