@@ -1,16 +1,25 @@
-"""Model-level benchmark: a GPT-2-small-shaped model with LayerNorm vs the same model with RMSNorm.
+"""Model-level benchmark: a converted model (``normswap.patch``) against its LayerNorm original.
 
-Random init (no download): 12 layers, 768 hidden, 12 heads, 50257 vocabulary. The RMSNorm variants
-swap every ``nn.LayerNorm`` for a ``normswap.RMSNorm`` of the same shape (``backend="auto"``), once
-with weight only (a converted norm whose beta folded into the next Linear) and once with weight and
-bias (beta kept). This measures speed only: the swap is not a conversion (normswap.patch does that).
+Random init (no download), real conversions: each model is built, copied, and the copy converted with
+``normswap.patch`` (exact, verified, beta folded where it can be); both then run the same work in
+interleaved rounds (the order alternates per round) and the ratio is the median of per-round ratios.
 
-    python benchmarks/bench_model.py                       # CPU, float32 and bfloat16 inference
-    python benchmarks/bench_model.py --device cuda --batch 8 --seq 1024
+    python benchmarks/bench_model.py                    # CPU: batch-1 greedy decode, GPT-2-small and
+                                                        # Pythia-160M shapes, float32
+    python benchmarks/bench_model.py --device cuda      # GPU: GPT-2-small and Pythia-410M shapes:
+                                                        # decode, eager bf16-autocast train step,
+                                                        # torch.compile train step
 
-Reports forward latency (no grad), one training step (forward, backward, AdamW) in float32, and the
-norms' own share (all 25 norms of the model run alone at the model's activation shape). Variants are
-timed in interleaved rounds; the ratio columns are medians of per-round ratios.
+Phases (``--phases``, comma-separated):
+
+* ``decode``: greedy decode at batch 1 (``generate``, KV cache, ``--new-tokens`` tokens after an
+  8-token prompt), inference dtype ``--dtype`` (default float32 on CPU, bfloat16 on CUDA);
+* ``train``: one eager training step (forward, backward, AdamW) in float32 weights under bf16 autocast
+  on CUDA (float32 on CPU), batch ``--batch`` x ``--seq``;
+* ``compile``: the same step with ``torch.compile(model)`` (compiled once per model before timing).
+
+Targets (issue 10): converted/original <= 1.00 for decode (CPU and GPU), <= 0.99 for the eager train
+step, <= 1.00 compiled. ``--check`` exits 1 when a measured ratio misses its target.
 """
 
 from __future__ import annotations
@@ -20,35 +29,60 @@ import copy
 import json
 import os
 import statistics
+import sys
 import time
+import warnings
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
 import normswap
 
+TARGETS = {"decode": 1.00, "train": 0.99, "compile": 1.00}
+MODELS = {
+    # name: (family, layers, hidden, heads, intermediate)
+    "gpt2-small": ("gpt2", 12, 768, 12, 3072),
+    "pythia-160m": ("neox", 12, 768, 12, 3072),
+    "pythia-410m": ("neox", 24, 1024, 16, 4096),
+}
+VOCAB = 50304
 
-def build_model(dtype: torch.dtype, device: str) -> nn.Module:
-    from transformers import GPT2Config, GPT2LMHeadModel
 
+def build_model(name: str) -> nn.Module:
+    """A randomly initialised float32 model with the named model's shapes (seeded)."""
+    family, layers, hidden, heads, inter = MODELS[name]
     torch.manual_seed(0)
-    config = GPT2Config(n_layer=12, n_embd=768, n_head=12, n_positions=1024, vocab_size=50257)
-    return GPT2LMHeadModel(config).to(device=device, dtype=dtype).eval()
+    if family == "gpt2":
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        cfg = GPT2Config(n_layer=layers, n_embd=hidden, n_head=heads, n_inner=inter, vocab_size=VOCAB,
+                         n_positions=2048)
+        model = GPT2LMHeadModel(cfg)
+    else:
+        from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+        cfg = GPTNeoXConfig(num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads,
+                            intermediate_size=inter, vocab_size=VOCAB, rotary_pct=0.25,
+                            max_position_embeddings=2048, use_parallel_residual=True)
+        model = GPTNeoXForCausalLM(cfg)
+    model.generation_config.eos_token_id = None  # random weights: never stop early
+    model.generation_config.pad_token_id = 0
+    return model.eval()
 
 
-def swap_layernorms(model: nn.Module, *, bias: bool) -> int:
-    """Replace every nn.LayerNorm by normswap.RMSNorm with the same shape, eps, weight (and bias)."""
-    targets = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.LayerNorm)]
-    for name, ln in targets:
-        parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
-        rms = normswap.RMSNorm(ln.normalized_shape, eps=ln.eps, bias=bias and ln.bias is not None,
-                               device=ln.weight.device, dtype=ln.weight.dtype)
-        with torch.no_grad():
-            rms.weight.copy_(ln.weight)
-            if rms.bias is not None:
-                rms.bias.copy_(ln.bias)
-        setattr(parent, name.rsplit(".", 1)[-1], rms)
-    return len(targets)
+def convert(model: nn.Module) -> tuple[nn.Module, dict]:
+    """A converted copy (``normswap.patch`` on CPU in float32, verified) and a summary of the report."""
+    converted = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        report = normswap.patch(converted)
+    verdicts: dict[str, int] = {}
+    for site in report.sites:
+        verdicts[site.verdict] = verdicts.get(site.verdict, 0) + 1
+    backends_used = sorted({m.backend for m in converted.modules() if isinstance(m, normswap.RMSNorm)})
+    return converted, {"verdicts": verdicts, "max_abs_error": report.verification.get("max_abs_error"),
+                       "module_backend": backends_used}
 
 
 def _sync(device: str) -> None:
@@ -56,110 +90,126 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def timed(fn, device: str) -> float:
-    _sync(device)
-    t0 = time.perf_counter()
-    fn()
-    _sync(device)
-    return time.perf_counter() - t0
-
-
-def interleaved(fns: dict, device: str, rounds: int, warmup: int = 1) -> dict[str, list[float]]:
-    for f in fns.values():
-        for _ in range(warmup):
-            f()
-    out: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(rounds):
-        for k, f in fns.items():
-            out[k].append(timed(f, device))
+def interleaved(fns: dict[str, Callable[[], object]], device: str, rounds: int,
+                clock: Callable[[], float] = time.perf_counter) -> dict[str, list[float]]:
+    """Seconds per call of each function, one call each per round, order alternating per round."""
+    for f in fns.values():  # warm-up (and compilation, for compiled steps)
+        f()
+        f()
+    keys = list(fns)
+    out: dict[str, list[float]] = {k: [] for k in keys}
+    for r in range(rounds):
+        for k in keys if r % 2 == 0 else reversed(keys):
+            _sync(device)
+            t0 = clock()
+            fns[k]()
+            _sync(device)
+            out[k].append(clock() - t0)
     return out
 
 
-def summarize(times: dict[str, list[float]], base: str = "layernorm") -> list[dict]:
-    rows = []
-    for k, ts in times.items():
-        ratio = statistics.median(a / b for a, b in zip(ts, times[base], strict=True))
-        rows.append({"variant": k, "median_ms": statistics.median(ts) * 1e3, "min_ms": min(ts) * 1e3,
-                     "vs_layernorm": ratio})
-    return rows
+def decode_fn(model: nn.Module, device: str, dtype: torch.dtype, new_tokens: int) -> Callable[[], object]:
+    ids = torch.randint(0, VOCAB, (1, 8), generator=torch.Generator().manual_seed(0)).to(device)
+    m = model.to(device=device, dtype=dtype)
+
+    def run() -> object:
+        with torch.no_grad():
+            return m.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+
+    return run
+
+
+def train_fn(model: nn.Module, device: str, batch: int, seq: int, compiled: bool) -> Callable[[], object]:
+    m = model.to(device=device, dtype=torch.float32).train()
+    ids = torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(1)).to(device)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-5)
+    fwd = torch.compile(m) if compiled else m
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device == "cuda" else torch.autocast(
+        "cpu", enabled=False)
+
+    def step() -> object:
+        with autocast:
+            loss = fwd(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    return step
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--models", default=None,
+                    help="comma-separated from " + ", ".join(MODELS) +
+                    " (default: gpt2-small,pythia-160m on CPU; gpt2-small,pythia-410m on CUDA)")
+    ap.add_argument("--phases", default=None, help="decode,train,compile (default: decode on CPU, all on CUDA)")
+    ap.add_argument("--dtype", default=None, help="decode dtype (default float32 on CPU, bfloat16 on CUDA)")
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--rounds", type=int, default=7)
-    ap.add_argument("--dtype", action="append", help="inference dtypes (default float32, bfloat16)")
-    ap.add_argument("--no-train", action="store_true")
+    ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
+    ap.add_argument("--cpu-time", action="store_true",
+                    help="CPU: time with the thread's CPU clock (with --threads 1): robust on a shared machine")
+    ap.add_argument("--check", action="store_true", help="exit 1 if a ratio misses its target")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "out", "benchmarks"))
     args = ap.parse_args()
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda: no CUDA device here")
     device = args.device
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device here")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.cpu_time and (device != "cpu" or torch.get_num_threads() != 1):
+        raise SystemExit("--cpu-time measures one thread's CPU time: use it on CPU with --threads 1")
+    clock = time.thread_time if args.cpu_time else time.perf_counter
+    models = (args.models or ("gpt2-small,pythia-160m" if device == "cpu" else "gpt2-small,pythia-410m")).split(",")
+    phases = (args.phases or ("decode" if device == "cpu" else "decode,train,compile")).split(",")
+    dtype = getattr(torch, args.dtype or ("float32" if device == "cpu" else "bfloat16"))
     report: dict = {"device": device, "torch": torch.__version__, "threads": torch.get_num_threads(),
-                    "batch": args.batch, "seq": args.seq, "rounds": args.rounds, "results": []}
-    ids = torch.randint(0, 50257, (args.batch, args.seq), device=device)
-
-    for dtype_name in args.dtype or ["float32", "bfloat16"]:
-        dtype = getattr(torch, dtype_name)
-        base = build_model(dtype, device)
-        variants = {"layernorm": base}
-        for name, bias in (("rmsnorm", False), ("rmsnorm+bias", True)):
-            m = copy.deepcopy(base)
-            n_swapped = swap_layernorms(m, bias=bias)
-            variants[name] = m
-        report["norms_per_model"] = n_swapped
-        backend = normswap.backends.select(torch.empty(1, 768, dtype=dtype, device=device),
-                                           torch.empty(768, dtype=dtype, device=device), None).name
-        with torch.no_grad():
-            fwd = {k: (lambda m=m: m(ids).logits) for k, m in variants.items()}
-            rows = summarize(interleaved(fwd, device, args.rounds))
-            # The norms alone: every norm of each model, at the model's activation shape.
-            h = torch.randn(args.batch * args.seq, 768, device=device, dtype=dtype)
-            norms = {k: [mod for mod in m.modules() if isinstance(mod, (nn.LayerNorm, normswap.RMSNorm))]
-                     for k, m in variants.items()}
-            only = {k: (lambda ms=ms, h=h: [mod(h) for mod in ms]) for k, ms in norms.items()}
-            norm_rows = summarize(interleaved(only, device, args.rounds * 3))
-        for r, nr in zip(rows, norm_rows, strict=True):
-            r.update({"phase": "forward", "dtype": dtype_name, "backend": backend,
-                      "norms_only_ms": nr["median_ms"], "norms_only_vs_layernorm": nr["vs_layernorm"]})
-        report["results"].extend(rows)
-        del variants, base
-
-    if not args.no_train:
-        base = build_model(torch.float32, device).train()
-        variants = {"layernorm": base}
-        for name, bias in (("rmsnorm", False), ("rmsnorm+bias", True)):
-            m = copy.deepcopy(base)
-            swap_layernorms(m, bias=bias)
-            variants[name] = m
-        opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-4) for k, m in variants.items()}
-
-        def step(k: str) -> None:
-            m, opt = variants[k], opts[k]
-            loss = m(ids, labels=ids).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
-        rows = summarize(interleaved({k: (lambda k=k: step(k)) for k in variants}, device, args.rounds))
-        for r in rows:
-            r.update({"phase": "train step", "dtype": "float32"})
-        report["results"].extend(rows)
-
-    print(f"{'phase':11} {'dtype':9} {'variant':13} {'median ms':>10} {'x layernorm':>12} "
-          f"{'norms only ms':>14} {'norms x LN':>11}")
-    for r in report["results"]:
-        extra = (f"{r['norms_only_ms']:14.2f} {r['norms_only_vs_layernorm']:11.2f}"
-                 if "norms_only_ms" in r else "")
-        print(f"{r['phase']:11} {r['dtype']:9} {r['variant']:13} {r['median_ms']:10.1f} "
-              f"{r['vs_layernorm']:12.3f} {extra}")
+                    "clock": "thread CPU time" if args.cpu_time else "wall",
+                    "gpu": torch.cuda.get_device_name() if device == "cuda" else None,
+                    "rounds": args.rounds, "results": []}
+    print(f"{'model':12} {'phase':8} {'original ms':>12} {'converted ms':>13} {'ratio':>7} {'target':>7}")
+    misses = []
+    for name in models:
+        original = build_model(name)
+        converted, summary = convert(original)
+        for phase in phases:
+            a, b = copy.deepcopy(original), copy.deepcopy(converted)
+            if phase == "decode":
+                fns = {"original": decode_fn(a, device, dtype, args.new_tokens),
+                       "converted": decode_fn(b, device, dtype, args.new_tokens)}
+                what = {"dtype": str(dtype).replace("torch.", ""), "new_tokens": args.new_tokens, "batch": 1}
+            else:
+                compiled = phase == "compile"
+                fns = {"original": train_fn(a, device, args.batch, args.seq, compiled),
+                       "converted": train_fn(b, device, args.batch, args.seq, compiled)}
+                what = {"batch": args.batch, "seq": args.seq,
+                        "autocast": "bfloat16" if device == "cuda" else None}
+            times = interleaved(fns, device, args.rounds, clock)
+            ratio = statistics.median(c / o for c, o in zip(times["converted"], times["original"], strict=True))
+            row = {"model": name, "phase": phase, **what, **summary,
+                   "original_ms": statistics.median(times["original"]) * 1e3,
+                   "converted_ms": statistics.median(times["converted"]) * 1e3,
+                   "ratio": ratio, "target": TARGETS[phase], "ok": ratio <= TARGETS[phase],
+                   "samples_ms": {k: [t * 1e3 for t in v] for k, v in times.items()}}
+            report["results"].append(row)
+            if not row["ok"]:
+                misses.append(f"{name} {phase}: {ratio:.3f} > {TARGETS[phase]:.2f}")
+            print(f"{name:12} {phase:8} {row['original_ms']:12.1f} {row['converted_ms']:13.1f} {ratio:7.3f} "
+                  f"{'<=' + format(TARGETS[phase], '.2f'):>7}  {'ok' if row['ok'] else 'MISS'}", flush=True)
+            del a, b, fns
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"bench_model_{device}.json")
     with open(path, "w") as fh:
         json.dump(report, fh, indent=2)
     print(f"wrote {path}")
+    if misses:
+        print("missed: " + "; ".join(misses), file=sys.stderr)
+    if args.check and misses:
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@
 Thin script over :mod:`normswap.backends.bench`, which ``normswap bench`` also uses.
 
     python benchmarks/bench_ops.py                  # CPU: float32 + bfloat16, fwd and fwd+bwd
-    python benchmarks/bench_ops.py --device cuda    # the GPU suite (adds float16 and larger shapes)
+    python benchmarks/bench_ops.py --device cuda    # the GPU suite (adds float16 and larger shapes),
+                                                    # then eager / GPU-only (graph replay) / host per shape
     python benchmarks/bench_ops.py --no-compile --shapes 4096x768 --dtype bfloat16
     python benchmarks/bench_ops.py --host           # host cost: RMSNorm module call vs nn.LayerNorm
     python benchmarks/bench_ops.py --host --device cuda
@@ -122,11 +123,36 @@ def main() -> None:
     env["clock"] = "thread CPU time" if args.cpu_time else "wall"
     print(json.dumps(env))
     print(bench.table(records))
+    extra: dict = {}
+    if args.device == "cuda":  # the other two clocks: GPU-only (graph replay, L2 rotated) and host per call
+        import gpu_targets
+
+        graph_rows = []
+        for pass_ in args.passes or ["fwd", "fwd+bwd"]:
+            for dname in dtypes:
+                for rows, n in bench.parse_shapes(shapes):
+                    graph_rows += gpu_targets.graph_methods(rows, n, bench.parse_dtype(dname),
+                                                            "fwd+bwd" if pass_ != "fwd" else "fwd")
+        extra["graph"] = graph_rows
+        extra["eager"] = [r for r in bench.to_json(records, {})["results"] if r["dtype"] == "bfloat16"]
+        x = torch.randn(4, 1024, device="cuda", dtype=torch.bfloat16)
+        w = torch.ones(1024, device="cuda", dtype=torch.bfloat16)
+        import normswap
+
+        with torch.no_grad():
+            extra["host_ops_us"] = {
+                "F.rms_norm": gpu_targets.host_per_call_us(lambda: torch.nn.functional.rms_norm(x, (1024,), w)),
+                "normswap.rms_norm": gpu_targets.host_per_call_us(lambda: normswap.rms_norm(x, 1024, w)),
+                "triton backend": gpu_targets.host_per_call_us(
+                    lambda: normswap.backends.triton_backend.rms_norm(x, (1024,), w, None, 1e-6)),
+            }
+        print(gpu_targets.clocks_table(extra))
     os.makedirs(args.out, exist_ok=True)
     tag = f"{args.device}_{torch.get_num_threads()}t" + ("_cputime" if args.cpu_time else "")
     path = os.path.join(args.out, f"bench_ops_{tag}.json")
     with open(path, "w") as fh:
-        json.dump(bench.to_json(records, env), fh, indent=2)
+        json.dump({**bench.to_json(records, env), **{k: v for k, v in extra.items() if k != "eager"}}, fh,
+                  indent=2)
     print(f"wrote {path}")
     png = path.replace(".json", ".png")
     if bench.plot(records, png):

@@ -71,37 +71,6 @@ def test_bench_records_are_consistent():
     assert "x layer_norm" in bench.table(recs)
 
 
-def _record(pass_, dtype, rows, n, method, us, samples=None):
-    per_element = bench.BYTES_PER_ELEMENT[pass_] * (2 if dtype != "float32" else 4)
-    return bench.Record(device="cuda", dtype=dtype, rows=rows, n=n, pass_=pass_, method=method, median_us=us,
-                        min_us=us, gbps=per_element * rows * n / us / 1e3, vs_layer_norm=None, vs_copy=None,
-                        samples_us=samples or [us, us, us])
-
-
-def test_gpu_target_checks_on_synthetic_records():
-    """The GPU targets as code: bandwidth floors, never slower than native/compile, small-shape latency."""
-    big = 32768 * 4096
-    fast_fwd = 2 * 2 * big / 3.0e12 * 1e6  # µs for 3.0 TB/s
-    recs = [
-        _record("fwd", "bfloat16", 32768, 4096, "auto", fast_fwd),
-        _record("fwd", "bfloat16", 32768, 4096, "native", fast_fwd * 1.3),
-        _record("fwd", "bfloat16", 32768, 4096, "compile", fast_fwd * 0.9),  # compile wins here: a fail
-        _record("bwd", "bfloat16", 16384, 4096, "auto", 3 * 2 * 16384 * 4096 / 1.5e12 * 1e6),  # 1.5 TB/s
-        _record("fwd", "bfloat16", 16, 4096, "auto", 13.0),
-        _record("fwd", "bfloat16", 16, 4096, "native", 10.0),  # 1.3x native at a small shape: a fail
-    ]
-    checks = {(c.target, c.where): c for c in bench.check_gpu_targets(recs)}
-    fwd = checks[("forward bandwidth, TB/s", "fwd bfloat16 32768x4096")]
-    assert fwd.ok and abs(fwd.value - 3.0) < 1e-6
-    assert not checks[("backward bandwidth, TB/s", "bwd bfloat16 16384x4096")].ok
-    assert checks[("time / native", "fwd bfloat16 32768x4096")].ok
-    assert not checks[("time / compile", "fwd bfloat16 32768x4096")].ok
-    assert not checks[("small shape: time / native", "fwd bfloat16 16x4096")].ok
-    assert bench.missing_gpu_targets(list(checks.values())) == []
-    assert "FAIL" in bench.targets_table(list(checks.values()))
-    assert bench.missing_gpu_targets([]) != []  # nothing measured is not "all passed"
-
-
 def test_backward_alone_pass_times_only_the_backward():
     recs = bench.bench_shape(64, 128, torch.float32, pass_="bwd", rounds=2, target_ms=1, include=("cpu",))
     by = {r.method: r for r in recs}

@@ -53,11 +53,29 @@ def test_dweight_deterministic_on_device():
     assert torch.equal(first, again)
 
 
-def test_auto_picks_triton_for_large_cuda_calls():
-    x = torch.randn(8192, 4096, device="cuda", dtype=torch.bfloat16)
+def test_auto_follows_the_eager_and_graph_rules_on_cuda():
+    backends.refresh()
     w = torch.ones(4096, device="cuda", dtype=torch.bfloat16)
-    assert backends.resolve("auto", x, w, None) is tb
-    assert backends.resolve("auto", x[:8], w, None) is backends.native
+    huge = torch.empty(32768, 4096, device="cuda", dtype=torch.bfloat16)  # saves more GPU than host time
+    assert backends.resolve("auto", huge, w, None) is tb
+    assert backends.resolve("auto", huge[:8192], w, None) is backends.native  # eager: host time wins
+    assert backends.resolve("auto", huge[:8], w, None) is backends.native
+    # the module's cached decision: native in eager, triton while a CUDA graph is captured
+    m = normswap.RMSNorm(4096, device="cuda", dtype=torch.bfloat16)
+    x = huge[:8192].normal_()
+    with torch.no_grad():
+        eager_y = m(x)
+        graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            m(x)  # warm-up on the side stream, as CUDA-graph capture requires
+            with torch.cuda.graph(graph):
+                captured = m(x)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(captured.float(), eager_y.float(), atol=2e-2, rtol=2e-2)
 
 
 def test_inductor_compile_on_cuda():
