@@ -1,9 +1,42 @@
-"""One exception type for every user-facing failure.
+"""Typed errors for every user-facing failure, each carrying its command-line exit code.
 
-The CLI prints ``str(error)`` as a single line and exits non-zero, so messages must say what went
-wrong *and* what to do about it, in one sentence.
+The CLI prints ``str(error)`` as a single line and exits with ``error.exit_code``, so messages must
+say what went wrong *and* what to do about it, in one sentence. The exit codes are the README's
+table: 0 ok, 1 error, 2 invalid command line, 3 nothing to convert, 4 verification failed,
+130 interrupted.
 """
+
+EXIT_OK = 0
+EXIT_ERROR = 1
+EXIT_USAGE = 2
+EXIT_NOTHING = 3
+EXIT_VERIFY = 4
+EXIT_INTERRUPTED = 130
 
 
 class NormswapError(Exception):
-    """A problem with the user's input (model, options, paths) that they can fix."""
+    """A problem with the user's input (model, options, paths) that they can fix (exit code 1)."""
+
+    exit_code: int = EXIT_ERROR
+
+
+class UsageError(NormswapError):
+    """An invalid command line or option value (exit code 2)."""
+
+    exit_code = EXIT_USAGE
+
+
+class NothingToConvert(NormswapError):
+    """The model has no LayerNorm that this mode would convert, or is already converted (exit code 3)."""
+
+    exit_code = EXIT_NOTHING
+
+
+class VerificationFailed(NormswapError):
+    """The conversion misses its tolerance or is unusable; nothing was written (exit code 4)."""
+
+    exit_code = EXIT_VERIFY
+
+
+class DiskFull(NormswapError):
+    """The output filesystem ran out of space; nothing was left behind (exit code 1)."""

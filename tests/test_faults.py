@@ -226,3 +226,121 @@ def test_verify_refuses_a_converted_model_from_another_source(tmp_path, gpt2_src
     assert code == 0 and "OK" in out, err
     manifest = json.loads((gpt2_converted / "config.json").read_text())["normswap"]
     assert manifest["source_fingerprint"].startswith("sha256:")
+
+
+# ------------------------------------------------------------------------------------ defects 2, 3, 10
+def _raise(exc: BaseException):
+    def fn(*args, **kwargs):
+        raise exc
+
+    return fn
+
+
+def _interrupt_after_partial(tmp_arg: int = 1):
+    """Write a partial file into the temp dir (positional arg ``tmp_arg``), then Ctrl-C."""
+
+    def fn(*args, **kwargs):
+        (Path(args[tmp_arg]) / "model.safetensors").write_bytes(b"partial")
+        raise KeyboardInterrupt
+
+    return fn
+
+
+# (phase, module path, attribute, replacement, extra CLI flags)
+PHASES = [
+    ("in-memory weights", "normswap.checkpoint.writer", "write_native", _interrupt_after_partial(), ()),
+    ("in-memory reload check", "normswap.checkpoint.conversion", "reload_check", _raise(KeyboardInterrupt()), ()),
+    ("rename into place", "normswap.checkpoint.io", "_move_into_place", _raise(KeyboardInterrupt()), ()),
+    ("streamed tensors", "normswap.checkpoint.streaming.ShardWriter", "write", _raise(KeyboardInterrupt()),
+     ("--low-memory",)),
+    ("streamed config", "normswap.checkpoint.streaming", "_write_config", _raise(KeyboardInterrupt()),
+     ("--low-memory",)),
+]
+
+
+@pytest.mark.parametrize("phase, target, attr, fn, flags", PHASES, ids=[p[0] for p in PHASES])
+def test_interrupt_in_each_write_phase(tmp_path, gpt2_src, monkeypatch, phase, target, attr, fn, flags):
+    import importlib
+
+    mod_name, _, cls_name = target.partition(".ShardWriter")
+    obj = importlib.import_module(mod_name)
+    if cls_name or target.endswith("ShardWriter"):
+        obj = obj.ShardWriter
+    monkeypatch.setattr(obj, attr, fn)
+    work = tmp_path / "work"
+    work.mkdir()
+    refused(work, gpt2_src, 130, "interrupted", extra=flags)
+
+
+@pytest.mark.parametrize("low_memory", [False, True], ids=["in-memory", "low-memory"])
+def test_disk_full_while_writing(tmp_path, gpt2_src, monkeypatch, low_memory):
+    import errno
+
+    from normswap.checkpoint import streaming, writer
+
+    enospc = OSError(errno.ENOSPC, "No space left on device")
+    if low_memory:
+        calls = {"n": 0}
+        original = streaming.ShardWriter.write
+
+        def write(self, key, tensor):  # a few tensors land, then the disk fills up
+            calls["n"] += 1
+            if calls["n"] > 3:
+                raise enospc
+            original(self, key, tensor)
+
+        monkeypatch.setattr(streaming.ShardWriter, "write", write)
+    else:
+        monkeypatch.setattr(writer, "write_native", _raise(enospc))
+    work = tmp_path / "work"
+    work.mkdir()
+    line = refused(work, gpt2_src, 1, "disk full: needed ~", "free at", extra=("--low-memory",) if low_memory else ())
+    assert "internal error" not in line and "incomplete" not in line
+
+
+def test_space_precheck_counts_untied_bytes(tmp_path, gpt2_src, monkeypatch):
+    """The pre-check sees what will be written: untying the GPT-2 embedding adds its size."""
+    from normswap.checkpoint import io
+
+    seen: list[int] = []
+    original = io.check_space
+
+    def spy(out, needed):
+        seen.append(needed)
+        return original(out, needed)
+
+    monkeypatch.setattr(io, "check_space", spy)
+    wte = load_file(gpt2_src / "model.safetensors")["transformer.wte.weight"]
+    src_bytes = (gpt2_src / "model.safetensors").stat().st_size
+    for flags in ((), ("--low-memory",)):
+        seen.clear()
+        code, _, err = run("convert", str(gpt2_src), "--out", str(tmp_path / f"o{len(flags)}"), "-q", *flags)
+        assert code == 0, err
+        assert max(seen) >= src_bytes - 4096 + wte.numel() * wte.element_size(), (flags, seen)
+        assert "+" in err and "--no-untie" in err  # the growth is said out loud
+
+
+def test_sigkill_then_rerun_cleans_the_stale_temp_dir(tmp_path):
+    import subprocess
+    import sys
+
+    out = tmp_path / "out"
+    script = (
+        "import os, signal\n"
+        "from normswap.checkpoint import writer\n"
+        "from normswap.cli import main\n"
+        "orig = writer.write_native\n"
+        "def killed(*a, **k):\n"
+        "    orig(*a, **k)\n"
+        "    os.kill(os.getpid(), signal.SIGKILL)\n"
+        "writer.write_native = killed\n"
+        f"main(['convert', 'tiny-gpt2', '--out', {str(out)!r}, '-q'])\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -9, proc.stderr
+    stale = [p for p in tmp_path.iterdir() if p.name.startswith(".out.normswap-tmp-")]
+    assert len(stale) == 1 and not out.exists()
+    code, _, err = run("convert", "tiny-gpt2", "--out", str(out), "-q")
+    assert code == 0, err
+    assert "removed" in err and stale[0].name in err and "no longer exists" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]

@@ -23,17 +23,11 @@ from torch import nn
 
 from normswap import api, backends, inputs
 from normswap.checkpoint import io, source, writer
-from normswap.checkpoint.source import NothingToConvert, Source
-from normswap.errors import NormswapError
+from normswap.checkpoint.source import Source
+from normswap.errors import NormswapError, NothingToConvert, VerificationFailed
 from normswap.verify import comparable, compare, primary_key
 
 log = logging.getLogger("normswap")
-
-
-class VerificationFailed(NormswapError):
-    """An exact conversion missed tolerance (CLI exit code 4). Nothing was written."""
-
-    exit_code = 4
 
 
 def _progress(enabled: bool, total: int, desc: str) -> Any:
@@ -246,6 +240,20 @@ def _update_manifest(out: Path, figures: dict[str, Any], source_dir: Path | None
     io.write_card(out, card, source_dir)
 
 
+def output_bytes(model: nn.Module) -> int:
+    """Bytes of weights the checkpoint will hold: every distinct tensor once, untied heads included
+    (untying GPT-2-small's embedding grows its checkpoint by about half)."""
+    seen: set[tuple[int, int]] = set()
+    total = 0
+    for t in model.state_dict().values():
+        key = (t.data_ptr(), t.numel())
+        if key in seen or t.is_meta:
+            continue
+        seen.add(key)
+        total += t.numel() * t.element_size()
+    return total
+
+
 def check_agreement(verification: dict[str, Any]) -> None:
     """A conversion whose top-1 agreement is 0 is not usable, whatever else it reports."""
     top1 = verification.get("top1_agreement")
@@ -273,6 +281,7 @@ def convert(
     trust_remote_code: bool = False,
     overwrite: bool = False,
     verify: bool = True,
+    allow_unusable: bool = False,
     task: str | None = None,
     allow_pickle: bool = False,
     allow_new_head: bool = False,
@@ -298,6 +307,8 @@ def convert(
         trust_remote_code: allow custom modeling code shipped with the source model.
         overwrite: replace a non-empty ``out_dir`` (only once the new one is complete).
         verify: verify the conversion and the written checkpoint (reload check).
+        allow_unusable: write the result even when approximate norms make it unusable (see
+            :func:`normswap.patch`).
         task: override the model class picked from ``config.architectures`` (``source.TASKS``).
         allow_pickle: accept pickle-only (``.bin``) source checkpoints.
         allow_new_head: with ``task``, accept a task head the checkpoint lacks (randomly
@@ -394,6 +405,7 @@ def convert(
                 calibration=calibration,
                 verify=verify,
                 backend=backend,
+                allow_unusable=allow_unusable,
             )
         except NormswapError as exc:
             if str(exc).startswith("verification failed"):
@@ -402,6 +414,11 @@ def convert(
         if not report.changed:
             raise NothingToConvert(f"{src.label}: {report.message}")
         check_agreement(report.verification)
+        plan = model._normswap_plan
+        if plan.unties:
+            grown = sum(u.numel for u in plan.unties)
+            itemsize = next((p.element_size() for p in model.parameters() if p.is_floating_point()), 4)
+            say(io.untie_note(len(plan.unties), grown, grown * itemsize, output_bytes(model)))
         steps.update()
         plan = model._normswap_plan
         kept = [sp.name for sp in plan.sites if sp.verdict == "approximate" and not sp.convert]
@@ -412,7 +429,8 @@ def convert(
             )
         converted = _run(model, probe) if original is not None else None
         steps.set_postfix_str("writing")
-        with io.atomic_directory(out, overwrite=overwrite) as tmp:
+        needed = io.check_space(out, output_bytes(model))
+        with io.atomic_directory(out, overwrite=overwrite, needed=needed) as tmp:
             writer.write_model_dir(
                 model,
                 tmp,

@@ -14,13 +14,15 @@ import json
 import os
 import re
 import shutil
+import socket
 import struct
 import tempfile
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from normswap.errors import NormswapError
+from normswap.errors import DiskFull, NormswapError
 
 TMP_MARK = ".normswap-tmp-"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
@@ -121,18 +123,83 @@ def free_bytes(path: Path) -> int:
         return 1 << 62
 
 
-def check_space(out: Path, needed: int) -> None:
-    """Fail early, before writing anything, when the destination's filesystem is too small."""
+def check_space(out: Path, needed: int) -> int:
+    """Fail early, before writing anything, when the destination's filesystem is too small.
+
+    Returns ``needed`` so the caller can hand it to :func:`atomic_directory` for the message a
+    full disk gives later (the estimate is not exact: another process may fill the disk meanwhile).
+    """
     free = free_bytes(out)
     if needed > 0 and free < needed * 1.05 + (16 << 20):
-        raise NormswapError(
-            f"not enough disk space at {_existing_parent(out)}: about {human(needed)} needed, "
-            f"{human(free)} free; free some space or choose another --out"
-        )
+        raise disk_full(out, needed, free)
+    return needed
+
+
+def disk_full(out: Path, needed: int | None, free: int | None = None) -> DiskFull:
+    """``disk full: needed ~X GB, Y GB free at PATH`` (one line, the same wording early or late)."""
+    where = _existing_parent(Path(out))
+    free = free_bytes(Path(out)) if free is None else free
+    need = f"needed ~{human(needed)}, " if needed else ""
+    return DiskFull(
+        f"disk full: {need}{human(free)} free at {where}; nothing was written. Free some space "
+        "or choose another --out"
+    )
+
+
+def _host() -> str:
+    return re.sub(r"[^A-Za-z0-9_.]", "_", socket.gethostname() or "host")[:40]
+
+
+def _owner() -> str:
+    """``host.pid`` of this process: a later run can tell whether a temp dir's writer is gone."""
+    return f"{_host()}.{os.getpid()}"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OSError):
+        return True  # someone else's process: leave its directory alone
+    return True
+
+
+def clean_stale(parent: Path, name: str) -> list[Path]:
+    """Remove temporary directories for ``name`` in ``parent`` left by a killed run.
+
+    Only directories created on this host by a process that no longer exists are removed (a
+    SIGKILL or a power cut skips every cleanup); each removal is announced with a warning.
+    """
+    removed: list[Path] = []
+    pattern = re.compile(re.escape(f".{name}{TMP_MARK}") + r"(?P<host>[A-Za-z0-9_.]+)\.(?P<pid>\d+)-")
+    with contextlib.suppress(OSError):
+        for d in parent.iterdir():
+            m = pattern.match(d.name)
+            if not m or not d.is_dir() or m["host"] != _host() or _alive(int(m["pid"])):
+                continue
+            shutil.rmtree(d, ignore_errors=True)
+            if not d.exists():
+                removed.append(d)
+                warnings.warn(
+                    f"normswap: removed {d}, a temporary directory left by an interrupted run "
+                    f"(process {m['pid']} no longer exists)",
+                    stacklevel=2,
+                )
+    return removed
+
+
+def untie_note(count: int, params: int, extra: int, total: int) -> str:
+    """The convert summary's line about untying: how much bigger, and how to avoid it."""
+    pct = 100 * extra / max(1, total - extra)
+    return (
+        f"untied {count} tied weight(s): +{params:,} parameters, +{human(extra)} on disk "
+        f"(+{pct:.0f}%); --no-untie keeps the tie instead (also exact: one centering op per token)"
+    )
 
 
 @contextlib.contextmanager
-def atomic_directory(out: Path, *, overwrite: bool) -> Iterator[Path]:
+def atomic_directory(out: Path, *, overwrite: bool, needed: int | None = None) -> Iterator[Path]:
     """Yield a fresh temporary directory beside ``out``; on success rename it to ``out``.
 
     On any exception (including KeyboardInterrupt) the temporary directory is removed and ``out``
@@ -154,7 +221,8 @@ def atomic_directory(out: Path, *, overwrite: bool) -> Iterator[Path]:
 
     try:
         parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}{TMP_MARK}", dir=parent))
+        clean_stale(parent, out.name)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}{TMP_MARK}{_owner()}-", dir=parent))
     except OSError as exc:
         cleanup(None)
         raise NormswapError(
@@ -166,7 +234,7 @@ def atomic_directory(out: Path, *, overwrite: bool) -> Iterator[Path]:
         _move_into_place(tmp, out, overwrite=overwrite)
     except OSError as exc:
         cleanup(tmp)
-        raise os_error(exc, out) from exc
+        raise os_error(exc, out, needed=needed) from exc
     except BaseException:
         cleanup(tmp)
         raise
@@ -178,7 +246,7 @@ def _move_into_place(tmp: Path, out: Path, *, overwrite: bool) -> None:
     if out.exists():
         if not overwrite:  # appeared while we were converting
             raise NormswapError(f"--out {out} appeared during the conversion; result discarded")
-        old = out.parent / f".{out.name}{TMP_MARK}old-{os.getpid()}"
+        old = out.parent / f".{out.name}{TMP_MARK}{_owner()}-old"
         os.rename(out, old)
         try:
             os.rename(tmp, out)
@@ -190,12 +258,10 @@ def _move_into_place(tmp: Path, out: Path, *, overwrite: bool) -> None:
         os.rename(tmp, out)
 
 
-def os_error(exc: OSError, where: Path | str) -> NormswapError:
+def os_error(exc: OSError, where: Path | str, *, needed: int | None = None) -> NormswapError:
     """One actionable line for an I/O failure while writing."""
-    if exc.errno == errno.ENOSPC:
-        return NormswapError(
-            f"disk full while writing {where}; nothing was written. Free some space and retry"
-        )
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return disk_full(Path(where), needed)
     if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
         return NormswapError(f"cannot write {where} ({exc.strerror}); choose a writable --out")
     return NormswapError(f"I/O error on {where}: {exc.strerror or exc}")

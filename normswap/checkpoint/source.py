@@ -23,7 +23,7 @@ from torch import nn
 
 from normswap import presets
 from normswap.checkpoint import hf, io
-from normswap.errors import NormswapError
+from normswap.errors import NormswapError, NothingToConvert
 
 # task name -> AutoModel class name (the --task option)
 TASKS = {
@@ -44,12 +44,6 @@ FALLBACK_TASKS = ("causal-lm", "seq2seq-lm", "speech-seq2seq", "masked-lm", "ima
 DTYPES = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 ST_MODULES = "modules.json"  # marks a sentence-transformers directory
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*(/[\w.\-]+)?$")
-
-
-class NothingToConvert(NormswapError):
-    """The model has no LayerNorm that this mode would convert (CLI exit code 3)."""
-
-    exit_code = 3
 
 
 @dataclass

@@ -27,6 +27,7 @@ Design (and why):
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import json
@@ -175,10 +176,15 @@ class ShardWriter:
         self._f.write(memoryview(data))
         self._next += 1
 
-    def close(self) -> None:
-        done = self._next == len(self._expected)
+    def close(self, *, complete: bool = True) -> None:
+        """Close the file; ``complete=False`` on the way out of an error (nothing raised that
+        would mask it: an interrupt or a full disk must be reported as what it is)."""
+        if not complete:
+            with contextlib.suppress(OSError):
+                self._f.close()
+            return
         self._f.close()
-        if not done:
+        if self._next != len(self._expected):
             raise RuntimeError(f"streaming writer: {self.path.name} is incomplete")
 
 
@@ -672,8 +678,10 @@ def write_weights(
                     weight_map[key] = name
                     del tensor
                     bar.update(sizes[i])
-            finally:
-                w.close()
+            except BaseException:
+                w.close(complete=False)
+                raise
+            w.close()
     finally:
         bar.close()
         tf.reader.close()
@@ -875,13 +883,19 @@ def convert_streaming(
             f"{src.spec} as {cls.__name__}: the checkpoint has no tensor(s) {source.names(missing)}; "
             "the download is incomplete or the files do not belong together"
         )
-    io.check_space(out, int(src.nbytes * (2 if out_dtype == torch.float32 else 1) * 1.1))
+    # untied heads are written twice: count them (the pre-check must see what will be written)
+    itemsize = out_dtype.itemsize if out_dtype is not None else _itemsize(next(iter(entries.values())).dtype)
+    untied = sum(u.numel for u in plan.unties) * itemsize
+    needed = io.check_space(out, int(src.nbytes * (2 if out_dtype == torch.float32 else 1) * 1.1) + untied)
+    if plan.unties:
+        grown = sum(u.numel for u in plan.unties)
+        echo(io.untie_note(len(plan.unties), grown, untied, src.nbytes + untied))
     echo(f"streaming {len(entries)} tensors from {len(src.safetensors)} shard(s) ({io.human(src.nbytes)})")
     reader = Reader(entries)
     tf = Transformer(plan, meta, keys, reader, fmt=fmt, dtype=out_dtype)
     limit = io.parse_size(max_shard_size)
     report = api.Report(plan.sites, {}, plan, "", changed=True)
-    with io.atomic_directory(out, overwrite=overwrite) as tmp:
+    with io.atomic_directory(out, overwrite=overwrite, needed=needed) as tmp:
         weight_map, out_model_keys = write_weights(tf, tmp, limit, progress)
         out_entries = scan(sorted({tmp / f for f in weight_map.values()}))
         float_dtype = out_dtype or ST_TO_TORCH.get(next(iter(entries.values())).dtype, torch.float32)

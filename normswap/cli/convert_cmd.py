@@ -6,32 +6,33 @@ Exit codes (all three commands):
 * 1 - error: bad input, I/O failure, anything else (one line on stderr, nothing written)
 * 2 - invalid command line (unknown option, invalid option value)
 * 3 - nothing to convert (no LayerNorm, none convertible in this mode, or already converted)
-* 4 - verification failed: an exact conversion missed its tolerance (nothing written)
+* 4 - verification failed: an exact conversion missed its tolerance, or an approximate one is
+  unusable (held-out cosine < 0.9 or top-1 agreement < 0.5; --allow-unusable writes it) (nothing written)
 * 130 - interrupted (Ctrl-C / SIGTERM); nothing written
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import json
-import os
-import signal
 import sys
 import warnings
-from collections.abc import Callable, Iterator
 from typing import Any
 
 import click
 
 from normswap import presets
 from normswap.cli import main
+from normswap.cli.common import (  # noqa: F401 - EXIT_* re-exported for callers of this module
+    EXIT_CODES,
+    EXIT_ERROR,
+    EXIT_INTERRUPTED,
+    EXIT_NOTHING,
+    EXIT_USAGE,
+    EXIT_VERIFY,
+    handle_errors,
+)
 from normswap.errors import NormswapError
 
-EXIT_ERROR, EXIT_USAGE, EXIT_NOTHING, EXIT_VERIFY, EXIT_INTERRUPTED = 1, 2, 3, 4, 130
-EXIT_CODES = """\b
-Exit codes: 0 ok, 1 error (nothing written), 2 invalid option, 3 nothing to
-convert, 4 verification failed (nothing written), 130 interrupted."""
 MODES = ("auto", "exact", "all")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 TASK_NAMES = (
@@ -47,74 +48,6 @@ TASK_NAMES = (
     "ctc",
     "base",
 )
-
-
-def _quiet_transformers() -> None:
-    """Our own one-line messages and progress bars only; transformers' load reports go to debug."""
-    try:
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.set_verbosity_error()
-        hf_logging.disable_progress_bar()
-    except Exception:  # noqa: BLE001
-        pass
-
-
-@contextlib.contextmanager
-def _sigterm_as_interrupt() -> Iterator[None]:
-    """SIGTERM unwinds like Ctrl-C, so temporary output is removed on the way out."""
-
-    def handler(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt
-
-    try:
-        previous = signal.signal(signal.SIGTERM, handler)
-    except ValueError:  # not the main thread (e.g. some test runners)
-        yield
-        return
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
-def handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``NormswapError`` -> ``error: <message>`` and its exit code; no tracebacks for bad input."""
-
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        _quiet_transformers()
-        try:
-            with _sigterm_as_interrupt():
-                return fn(*args, **kwargs)
-        except NormswapError as exc:
-            click.echo(f"error: {exc}", err=True)
-            sys.exit(getattr(exc, "exit_code", EXIT_ERROR))
-        except KeyboardInterrupt:
-            click.echo("error: interrupted; nothing was written", err=True)
-            sys.exit(EXIT_INTERRUPTED)
-        except (click.exceptions.Exit, click.ClickException, SystemExit):
-            raise
-        except MemoryError:
-            click.echo("error: out of memory; retry with --low-memory", err=True)
-            sys.exit(EXIT_ERROR)
-        except OSError as exc:
-            from normswap.checkpoint.io import os_error
-
-            click.echo(f"error: {os_error(exc, exc.filename or 'the output')}", err=True)
-            sys.exit(EXIT_ERROR)
-        except Exception as exc:  # noqa: BLE001 - a bug: one line, traceback on request
-            if os.environ.get("NORMSWAP_DEBUG"):
-                raise
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-            click.echo(
-                f"error: internal error ({type(exc).__name__}: {first[:300]}); rerun with "
-                "NORMSWAP_DEBUG=1 for a traceback and please report it",
-                err=True,
-            )
-            sys.exit(EXIT_ERROR)
-
-    return wrapper
 
 
 def _shard_size(ctx: click.Context, param: click.Parameter, value: str) -> str:
@@ -197,7 +130,12 @@ Presets (offline, seeded tiny models with tokenizers/processors):
 )
 @click.option("--fold-gamma", is_flag=True, help="Also fold γ into reader weights (RMSNorm weight = 1).")
 @click.option(
-    "--keep-tied", is_flag=True, help="Keep tied embeddings (center at run time) instead of untying."
+    "--keep-tied",
+    "--no-untie",
+    "keep_tied",
+    is_flag=True,
+    help="Keep tied embeddings (exact too: one centering op per token at run time) instead of "
+    "untying them, which grows the checkpoint by the size of the embedding (GPT-2: about +50%).",
 )
 @click.option(
     "--dtype",
@@ -235,6 +173,12 @@ Presets (offline, seeded tiny models with tokenizers/processors):
 )
 @click.option("--no-verify", is_flag=True, help="Skip verification (conversion and reload checks).")
 @click.option(
+    "--allow-unusable",
+    is_flag=True,
+    help="Write the result even when its held-out figures say it is unusable (embedding cosine < 0.9 "
+    "or top-1 agreement < 0.5 against the original); default: exit 4, nothing written.",
+)
+@click.option(
     "--task",
     type=click.Choice(TASK_NAMES),
     default=None,
@@ -263,6 +207,7 @@ def convert(
     allow_pickle: bool,
     overwrite: bool,
     no_verify: bool,
+    allow_unusable: bool,
     task: str | None,
     new_head: bool,
     quiet: bool,
@@ -291,6 +236,7 @@ def convert(
             trust_remote_code=trust_remote_code,
             overwrite=overwrite,
             verify=not no_verify,
+            allow_unusable=allow_unusable,
             task=task,
             allow_pickle=allow_pickle,
             allow_new_head=new_head,

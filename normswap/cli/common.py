@@ -1,0 +1,129 @@
+"""What every ``normswap`` command shares: one-line errors, exit codes, interrupts.
+
+Exit codes (every command; the README's table):
+
+* 0 - success
+* 1 - error: bad input, I/O failure, disk full, anything else (one line on stderr, nothing written)
+* 2 - invalid command line (unknown option, invalid option value, bad ``key=value`` override)
+* 3 - nothing to convert (no LayerNorm, none convertible in this mode, or already converted)
+* 4 - verification failed: the conversion misses its tolerance or is unusable (nothing written)
+* 130 - interrupted (Ctrl-C / SIGTERM); nothing written
+
+Nothing here imports torch or transformers at module level: ``normswap --help`` and argument
+errors must answer fast.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import signal
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import click
+
+from normswap.errors import (
+    EXIT_ERROR,
+    EXIT_INTERRUPTED,
+    EXIT_NOTHING,
+    EXIT_USAGE,
+    EXIT_VERIFY,
+    NormswapError,
+)
+
+__all__ = [
+    "EXIT_CODES",
+    "EXIT_ERROR",
+    "EXIT_INTERRUPTED",
+    "EXIT_NOTHING",
+    "EXIT_USAGE",
+    "EXIT_VERIFY",
+    "fail",
+    "handle_errors",
+]
+
+EXIT_CODES = """\b
+Exit codes: 0 ok, 1 error (nothing written), 2 invalid option, 3 nothing to
+convert, 4 verification failed (nothing written), 130 interrupted."""
+
+
+def quiet_transformers() -> None:
+    """Our own one-line messages and progress only; transformers' load reports go to debug."""
+    if "transformers" not in sys.modules:  # not imported yet: nothing to quiet, and stay fast
+        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+        return
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+    except Exception:  # noqa: BLE001
+        pass
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """SIGTERM unwinds like Ctrl-C, so temporary output is removed on the way out."""
+
+    def handler(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    try:
+        previous = signal.signal(signal.SIGTERM, handler)
+    except ValueError:  # not the main thread (e.g. some test runners)
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def fail(message: str, code: int = EXIT_ERROR) -> None:
+    """Print ``error: message`` on stderr and exit with ``code``."""
+    click.echo(f"error: {message}", err=True)
+    sys.exit(code)
+
+
+def handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Turn every failure of a command into one ``error:`` line and its exit code.
+
+    ``NormswapError`` (and subclasses from anywhere in normswap, e.g. the calibration's unusable-
+    conversion error) -> its ``exit_code``; Ctrl-C / SIGTERM -> 130 "interrupted"; ``OSError``
+    (disk full, permissions) -> 1 with the cause; anything else is a bug: one line, traceback with
+    ``NORMSWAP_DEBUG=1``.
+    """
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        quiet_transformers()
+        try:
+            with sigterm_as_interrupt():
+                return fn(*args, **kwargs)
+        except NormswapError as exc:
+            fail(str(exc), int(getattr(exc, "exit_code", EXIT_ERROR)))
+        except (KeyboardInterrupt, click.exceptions.Abort):
+            fail("interrupted; nothing was written", EXIT_INTERRUPTED)
+        except (click.exceptions.Exit, click.ClickException, SystemExit):
+            raise
+        except MemoryError:
+            fail("out of memory; retry with --low-memory")
+        except OSError as exc:
+            from normswap.checkpoint.io import os_error
+
+            fail(str(os_error(exc, exc.filename or "the output")))
+        except Exception as exc:  # noqa: BLE001 - a bug: one line, traceback on request
+            if os.environ.get("NORMSWAP_DEBUG"):
+                raise
+            text = str(exc).strip()
+            first = text.splitlines()[0] if text else ""
+            fail(
+                f"internal error ({type(exc).__name__}: {first[:300]}); rerun with "
+                "NORMSWAP_DEBUG=1 for a traceback and please report it"
+            )
+
+    return wrapper
