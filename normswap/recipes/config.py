@@ -306,6 +306,43 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     return key.split("."), value
 
 
+def check_override(text: str) -> str:
+    """Check one ``key=value`` override against the recipe schema alone (key exists, value has
+    the key's type), before any recipe is read; returns the dotted key.
+
+    The CLI uses it to answer a bad override with a command-line error (exit code 2) that names
+    the override, instead of a later complaint about some other key.
+    """
+    parts, value = parse_override(text)
+    cls: Any = RecipeConfig
+    for i, part in enumerate(parts):
+        dotted = ".".join(parts[: i + 1])
+        names = [f.name for f in dataclasses.fields(cls)]
+        if part not in names:
+            raise NormswapError(
+                f"unknown config key `{dotted}` in override `{text}`; valid keys here: {', '.join(names)}"
+            )
+        tp = typing.get_type_hints(cls)[part]
+        if dataclasses.is_dataclass(tp):
+            if i == len(parts) - 1:
+                if not isinstance(value, dict):
+                    raise NormswapError(
+                        f"config key `{dotted}` is a section; set one of its keys, e.g. {dotted}.KEY=VALUE"
+                    )
+                _build(tp, value, dotted)
+            cls = tp
+            continue
+        if i != len(parts) - 1:
+            raise NormswapError(
+                f"config key `{dotted}` is a value, not a section; cannot set `{'.'.join(parts)}`"
+            )
+        try:
+            _coerce(value, tp)
+        except _Mismatch:
+            raise NormswapError(f"config key `{dotted}` must be {_describe(tp)}, got {value!r}") from None
+    return ".".join(parts)
+
+
 def apply_overrides(data: dict[str, Any], overrides: list[str] | dict[str, Any] | None) -> dict[str, Any]:
     """Merge dotted ``key=value`` overrides (strings, or a ``{dotted: value}`` dict) into ``data``."""
     if not overrides:
