@@ -127,6 +127,7 @@ class Analyzer:
         self._leaf_memo: dict[int, list[Term]] = {}
         self.stream_writers: set[str] = set()  # module paths that write some norm's input stream
         self._reach_memo: dict[tuple[int, str], Reach] = {}
+        self._norm_dep_memo: dict[int, bool] = {}
         self.param_owners: dict[int, list[tuple[str, str]]] = {}
         for mpath, module in model.named_modules(remove_duplicate=False):
             for attr, p in module._parameters.items():
@@ -481,7 +482,43 @@ class Analyzer:
         return [WriterEdit(value.name, axis, blocks, "", "param")], None
 
     # ------------------------------------------------------------------ 3. centering ops
-    def hook_candidates(self, term: Term) -> list[tuple[int, CenterHook]]:
+    def depends_on_norm(self, vid: int) -> bool:
+        """Is this value computed from some LayerNorm's output? (Then a centering op here is per norm.)
+
+        A norm-output term is judged by the norm's own input: BLOOM's embedding LayerNorm starts the
+        stream (its input depends on no norm), a Post-LN norm's output does not.
+        """
+        call = self._site_output_call(vid)
+        if call is not None:
+            vid = self.site_input.get(call.id)
+            if vid is None:
+                return False
+        memo = self._norm_dep_memo
+        stack, seen = [vid], []
+        while stack:
+            v = stack.pop()
+            if v in memo:
+                if memo[v]:
+                    for s in seen:
+                        memo[s] = True
+                    return True
+                continue
+            seen.append(v)
+            memo[v] = False  # provisional (cycle guard)
+            if self._site_output_call(v) is not None:
+                for s in seen:
+                    memo[s] = True
+                return True
+            op = self.graph.producer(self.graph.values[v])
+            if op is not None:
+                stack.extend(op.inputs)
+        return False
+
+    def hook_candidates(self, term: Term, at_norms: bool = False) -> list[tuple[int, CenterHook]]:
+        """Module boundaries downstream of ``term`` where one centering op could sit.
+
+        ``at_norms``: a norm's own input counts too (per-norm centering, opt-in).
+        """
         reach = self.reach(term.value, -1)
         cands = []
         for vid in sorted(reach.mapped, key=lambda v: (self.graph.values[v].producer or -1)):
@@ -489,7 +526,7 @@ class Analyzer:
                 if len(self.calls_per_path[call.path]) == 1 and call.outputs == [vid]:
                     cands.append((vid, CenterHook(call.path, "output", None)))
             for call, slot in self.by_input.get(vid, []):
-                if call.id in self.site_call_ids or len(self.calls_per_path[call.path]) != 1:
+                if (call.id in self.site_call_ids and not at_norms) or len(self.calls_per_path[call.path]) != 1:
                     continue
                 consumers = self.graph.values[vid].consumers
                 if all(self._inside(i, call) for i in consumers):
@@ -551,10 +588,18 @@ def _site_plan(site: NormSite) -> SitePlan:
 
 
 def analyse(model: nn.Module, graph: Graph, sites: list[NormSite], *, untie: bool = True,
-            fold_gamma: bool = False) -> Plan:
-    """Derive writers, readers, centering ops and a verdict for every NormSite."""
+            fold_gamma: bool = False, per_norm_centering: bool = False) -> Plan:
+    """Derive writers, readers, centering ops and a verdict for every NormSite.
+
+    Verdict policy for centering ops: one op where a stream *starts* (its value depends on no
+    LayerNorm output: an embedding LayerNorm, a conv stem, a regenerated table) keeps the norms
+    exact (``exact-with-centering``). A stream written by another norm's output (Post-LN) would
+    need a mean subtraction before every norm, which is LayerNorm by another name: such norms are
+    ``approximate`` unless ``per_norm_centering=True`` asks for those ops, and then their verdict
+    is ``exact-with-per-norm-centering``, counted apart.
+    """
     an = Analyzer(model, graph, sites, untie=untie, fold_gamma=fold_gamma)
-    plan = Plan(options={"untie": untie, "fold_gamma": fold_gamma})
+    plan = Plan(options={"untie": untie, "fold_gamma": fold_gamma, "per_norm_centering": per_norm_centering})
     edits: dict[str, WriterEdit] = {}
     unties: dict[tuple[str, str], Untie] = {}
     module_ok: dict[str, str | None] = {}
@@ -597,11 +642,28 @@ def analyse(model: nn.Module, graph: Graph, sites: list[NormSite], *, untie: boo
             ok, _ = term_status[term.value]
             if ok or any(term.value in reach.mapped for _, reach in hooks.values()):
                 continue
-            for vid, hook in an.hook_candidates(term):
-                reach = an.hook_valid(vid)
-                if reach is not None:
-                    hook.reason = f"stream starts at {term.label}"
-                    hooks[vid] = (hook, reach)
+            # A stream written by a norm's output (Post-LN) is not a stream start, unless that norm is the
+            # first of the model (BLOOM's embedding LayerNorm: its input depends on no norm) and itself
+            # needed no centering op (at most one op per stream, never a chain of them).
+            per_norm = term.kind == "norm" and (
+                an.depends_on_norm(term.value)
+                or any(term.call in reach.site_rows for _, reach in hooks.values()))
+            if per_norm and not per_norm_centering:
+                continue
+            # a stream-start op first; failing that (opt-in), one op at each norm's own input
+            tries = [False, True] if per_norm_centering and not per_norm else [per_norm]
+            for at_norms in tries:
+                found = False
+                for vid, hook in an.hook_candidates(term, at_norms=at_norms):
+                    reach = an.hook_valid(vid)
+                    if reach is not None:
+                        hook.reason = (f"stream written by {term.label}: one mean per token before this norm"
+                                       if at_norms else f"stream starts at {term.label}")
+                        hook.per_norm = at_norms
+                        hooks[vid] = (hook, reach)
+                        found = True
+                        break
+                if found:
                     break
 
     # --- readers of every norm (a Linear may read several norms: then nothing folds into it)
@@ -645,14 +707,20 @@ def analyse(model: nn.Module, graph: Graph, sites: list[NormSite], *, untie: boo
         if problems:
             term = problems[0]
             sp.verdict = "approximate"
+            per_norm = term.kind == "norm"
             if term.kind == "norm":
                 sp.reason = f"stream written by {term.label} (Post-LN)"
             else:
                 why = term_status[term.value][1]
-                sp.reason = f"stream written by {why}; no centering point feeds only norms"
+                sp.reason = f"stream written by {why}"
+                if not per_norm:
+                    sp.reason += "; no centering point feeds only norms"
+            if per_norm and not per_norm_centering:
+                sp.reason += ("; a centering op before this norm would make it exact (per_norm_centering=True): "
+                              "LayerNorm by another name")
         elif centered_by:
-            sp.verdict = "exact-with-centering"
-            h = centered_by[0]
+            h = next((h for h in centered_by if h.per_norm), centered_by[0])
+            sp.verdict = "exact-with-per-norm-centering" if h.per_norm else "exact-with-centering"
             sp.reason = f"centering op at `{h.module}` {h.where}: {h.reason}"
         else:
             sp.verdict = "exact"

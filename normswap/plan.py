@@ -10,7 +10,10 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-VERDICTS = ("exact", "exact-with-centering", "approximate", "skipped")
+VERDICTS = ("exact", "exact-with-centering", "exact-with-per-norm-centering", "approximate", "skipped")
+# verdicts whose norm reads a stream made zero-mean at run time (not RMS-swappable in a stock runtime)
+CENTERED_VERDICTS = ("exact-with-centering", "exact-with-per-norm-centering")
+EXACT_VERDICTS = ("exact",) + CENTERED_VERDICTS
 
 
 @dataclass
@@ -43,6 +46,7 @@ class CenterHook:
     where: str  # input | output
     arg: int | str | None
     reason: str = ""
+    per_norm: bool = False  # centers a stream written by another norm's output (Post-LN): LayerNorm by another name
 
 
 @dataclass

@@ -173,3 +173,35 @@ def randomise(model: nn.Module, seed: int = 0) -> nn.Module:
             if p.dim() == 1 or "norm" in name:
                 p.add_(0.3 * torch.randn(p.shape, generator=gen))
     return model.double().eval()
+
+
+class Residual(nn.Module):
+    """``x + f(x)`` as its own module (x-transformers style): the sum is a module output read only by a norm."""
+
+    def forward(self, x: torch.Tensor, branch: torch.Tensor) -> torch.Tensor:
+        return x + branch
+
+
+class PostNormDecoder(nn.Module):
+    """Post-norm decoder written like x-transformers' ``Decoder(pre_norm=False)``: norm(residual(x, f(x))).
+
+    The residual add is a module boundary whose output only the norm reads, so a centering op could
+    sit there before every norm: LayerNorm by another name, which the verdict policy must not call exact.
+    """
+
+    def __init__(self, vocab: int = 40, d: int = 32, heads: int = 4, layers: int = 2) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d)
+        self.pos = nn.Embedding(16, d)
+        self.attn = nn.ModuleList(Attention(d, heads) for _ in range(layers))
+        self.mlp = nn.ModuleList(MLP(d) for _ in range(layers))
+        self.res = nn.ModuleList(Residual() for _ in range(2 * layers))
+        self.norms = nn.ModuleList(nn.LayerNorm(d) for _ in range(2 * layers))
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.tok(ids) + self.pos(torch.arange(ids.shape[1]))
+        for i, (attn, mlp) in enumerate(zip(self.attn, self.mlp, strict=True)):
+            x = self.norms[2 * i](self.res[2 * i](x, attn(x)))
+            x = self.norms[2 * i + 1](self.res[2 * i + 1](x, mlp(x)))
+        return self.head(x)

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import normswap
-from tests.custom_models import MixedNormNet, PostLNEncoder, TinyGPT, TinyViT, randomise
+from tests.custom_models import MixedNormNet, PostLNEncoder, PostNormDecoder, TinyGPT, TinyViT, randomise
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -79,7 +79,7 @@ def test_calibration_fit_beats_copying_gamma_beta():
     base = randomise(PostLNEncoder())
     calib = [(torch.randint(0, 40, (8, 16)),) for _ in range(4)]
     errors = {}
-    for name, cal in (("copy", None), ("fit", calib)):
+    for name, cal in (("copy", False), ("fit", calib)):
         model = copy.deepcopy(base)
         report = normswap.patch(model, calib[0], mode="all", calibration=cal)
         errors[name] = sum(s.error for s in report.sites if s.verdict == "approximate")
@@ -163,3 +163,38 @@ def test_without_room_for_a_float64_copy_the_surgery_still_runs_in_float64_per_t
     assert report.changed and model.head.weight.dtype == torch.float32
     with torch.no_grad():
         assert _rel(model(x).double(), reference(x.double())) <= 1e-5
+
+
+def _policy_check(model, example, probe, n_norms):
+    """One verdict policy: the first norm may be centered where its stream starts (once); every later
+    Post-LN norm is approximate by default and exact-with-per-norm-centering only when asked."""
+    default = normswap.plan(model, example)
+    verdicts = [s.verdict for s in default.sites]
+    assert len(verdicts) == n_norms
+    assert verdicts.count("approximate") >= n_norms - 1, default.table()
+    assert len(default.hooks) <= 1 and all(not h.per_norm for h in default.hooks)
+    assert all("per_norm_centering=True" in s.reason for s in default.sites if s.verdict == "approximate")
+    original = copy.deepcopy(model)
+    report = normswap.patch(model, example, per_norm_centering=True, mode="exact")
+    counts = report.plan.counts()
+    assert counts["approximate"] == 0 and counts["exact-with-per-norm-centering"] >= n_norms - 1
+    assert "exact-with-per-norm-centering" in report.plan.summary()
+    assert sum(h.per_norm for h in report.plan.hooks) == counts["exact-with-per-norm-centering"]
+    assert _no_layernorm(model)
+    with torch.no_grad():
+        assert _rel(model(*probe), original(*probe)) <= 1e-9
+
+
+def test_verdict_policy_post_norm_decoder_with_residual_modules():
+    torch.manual_seed(5)
+    model = randomise(PostNormDecoder())
+    _policy_check(model, (torch.randint(0, 40, (2, 9)),), (torch.randint(0, 40, (3, 13)),), 4)
+
+
+def test_verdict_policy_x_transformers_post_norm_decoder():
+    xt = pytest.importorskip("x_transformers")
+    torch.manual_seed(0)
+    model = xt.TransformerWrapper(num_tokens=50, max_seq_len=32,
+                                  attn_layers=xt.Decoder(dim=32, depth=2, heads=4, pre_norm=False))
+    model = randomise(model)
+    _policy_check(model, (torch.randint(0, 50, (2, 9)),), (torch.randint(0, 50, (3, 17)),), 4)

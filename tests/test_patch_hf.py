@@ -110,3 +110,27 @@ def test_more_families_reach_honest_verdicts_and_exact_mode_preserves_outputs(na
         ref, out = original(**probe), model(**probe)
     assert compare(ref, out, set(report.plan.changed_outputs if report.plan else ()))["worst_rel_error_any_output"] \
         <= 1e-9
+
+
+def test_verdict_policy_bert_post_ln_is_approximate_unless_per_norm_centering_is_asked():
+    """The same policy as x-transformers' post-norm decoder (tests/test_patch_custom.py): a stream written
+    by a norm's output needs one mean subtraction before each norm, which is counted apart and opt-in."""
+    model = build(APPROXIMATE, "bert")
+    original = copy.deepcopy(model)
+    default = normswap.plan(model)
+    post = [s for s in default.sites if "encoder.layer" in s.name]
+    assert len(post) == 4 and all(s.verdict == "approximate" and "Post-LN" in s.reason
+                                  and "per_norm_centering=True" in s.reason for s in post)
+    assert default.site("bert.embeddings.LayerNorm").verdict == "exact"
+    # the MLM head's norm reads gelu(dense(x)): a stream start, one op, exact
+    assert default.site("cls.predictions.transform.LayerNorm").verdict == "exact-with-centering"
+    assert len(default.hooks) == 1 and not default.hooks[0].per_norm
+    report = normswap.patch(model, per_norm_centering=True, mode="exact")
+    counts = report.plan.counts()
+    assert counts == {**counts, "exact": 1, "exact-with-centering": 1, "exact-with-per-norm-centering": 4,
+                      "approximate": 0}
+    assert sum(h.per_norm for h in report.plan.hooks) == 4 and len(report.plan.hooks) == 5
+    probe = hf_example_inputs(model, seed=21)
+    with torch.no_grad(), default_dtype(torch.float64):
+        ref, out = original(**probe), model(**probe)
+    assert compare(ref, out)["worst_rel_error_any_output"] <= 1e-9
