@@ -23,7 +23,7 @@ from normswap import backends, inputs, surgery, trace, walker
 from normswap.analysis import analyse
 from normswap.errors import NormswapError
 from normswap.norm import RMSNorm
-from normswap.plan import Plan, SitePlan
+from normswap.plan import EXACT_VERDICTS, Plan, SitePlan
 from normswap.verify import compare
 
 log = logging.getLogger("normswap")
@@ -200,9 +200,11 @@ def find_norms(model: nn.Module, example_inputs: inputs.ExampleInputs = None) ->
         return _identify_sites(work, args, kwargs)[0]
 
 
-def _analyse_copy(work: nn.Module, args: tuple, kwargs: dict, *, untie: bool, fold_gamma: bool) -> _Analysis:
+def _analyse_copy(work: nn.Module, args: tuple, kwargs: dict, *, untie: bool, fold_gamma: bool,
+                  per_norm_centering: bool = False) -> _Analysis:
     found, graph = _identify_sites(work, args, kwargs)
-    plan = analyse(work, graph, found.sites, untie=untie, fold_gamma=fold_gamma)
+    plan = analyse(work, graph, found.sites, untie=untie, fold_gamma=fold_gamma,
+                   per_norm_centering=per_norm_centering)
     plan.skipped = [{"name": s.path, "class": s.class_name, "reason": s.reason} for s in found.skipped]
     plan.options["already_converted"] = bool(found.converted) and not found.sites
     return _Analysis(plan, {s.path: s for s in found.sites}, graph, args, kwargs)
@@ -210,7 +212,7 @@ def _analyse_copy(work: nn.Module, args: tuple, kwargs: dict, *, untie: bool, fo
 
 def _decide(plan: Plan, mode: str) -> None:
     for sp in plan.sites:
-        if sp.verdict in ("exact", "exact-with-centering"):
+        if sp.verdict in EXACT_VERDICTS:
             sp.convert = True
         elif sp.verdict == "approximate":
             sp.convert = mode in ("auto", "all")
@@ -218,7 +220,8 @@ def _decide(plan: Plan, mode: str) -> None:
 
 
 def plan(model: nn.Module, example_inputs: inputs.ExampleInputs = None, *, mode: str = "auto",
-         fold_gamma: bool = False, untie: bool = True, backend: str = "auto", **_: Any) -> Plan:
+         fold_gamma: bool = False, untie: bool = True, backend: str = "auto", per_norm_centering: bool = False,
+         **_: Any) -> Plan:
     """Dry run: the per-norm verdicts and every edit ``patch`` would make. The model is untouched."""
     _check_options(mode, backend)
     preflight(model)
@@ -226,7 +229,8 @@ def plan(model: nn.Module, example_inputs: inputs.ExampleInputs = None, *, mode:
     with eval_mode(model):
         work = working_copy(model)
         args, kwargs = inputs.cast_inputs(args, kwargs, _dtype_of(work))
-        result = _analyse_copy(work, args, kwargs, untie=untie, fold_gamma=fold_gamma)
+        result = _analyse_copy(work, args, kwargs, untie=untie, fold_gamma=fold_gamma,
+                               per_norm_centering=per_norm_centering)
     _decide(result.plan, mode)
     return result.plan
 
@@ -286,6 +290,7 @@ def _fit_rmsnorm(pairs: list[tuple[torch.Tensor, torch.Tensor]], site: walker.No
 
 def patch(model: nn.Module, example_inputs: inputs.ExampleInputs = None, *, mode: str = "auto",
           fold_gamma: bool = False, untie: bool = True, calibration: Any = None, verify: bool = True,
+          per_norm_centering: bool = False,
           backend: str = "auto") -> Report:
     """Convert ``model``'s LayerNorms to :class:`normswap.RMSNorm`, in place, verified.
 
@@ -295,6 +300,9 @@ def patch(model: nn.Module, example_inputs: inputs.ExampleInputs = None, *, mode
         mode: ``"auto"`` converts everything and warns about approximate norms; ``"exact"`` leaves
             approximate norms as LayerNorm; ``"all"`` converts everything silently.
         fold_gamma: also fold γ into reader Linears (the RMSNorm keeps weight 1: "rotation-ready").
+        per_norm_centering: center Post-LN streams with one mean subtraction before each such norm,
+            making them exact (verdict ``exact-with-per-norm-centering``) at LayerNorm's cost; off by
+            default, when those norms are ``approximate``.
         untie: clone tied output heads so the input embedding can be centered (default). ``False``
             keeps ties and centers at run time instead.
         calibration: inputs (or a list of them) used to fit approximate norms by least squares.
@@ -313,7 +321,8 @@ def patch(model: nn.Module, example_inputs: inputs.ExampleInputs = None, *, mode
         work = working_copy(model)
         work_dtype = _dtype_of(work)
         wargs, wkwargs = inputs.cast_inputs(args, kwargs, work_dtype)
-        an = _analyse_copy(work, wargs, wkwargs, untie=untie, fold_gamma=fold_gamma)
+        an = _analyse_copy(work, wargs, wkwargs, untie=untie, fold_gamma=fold_gamma,
+                           per_norm_centering=per_norm_centering)
         plan_ = an.plan
         _decide(plan_, mode)
         if plan_.options.get("already_converted"):
@@ -386,7 +395,7 @@ def patch(model: nn.Module, example_inputs: inputs.ExampleInputs = None, *, mode
     model._normswap_plan = plan_
     counts = plan_.counts()
     message = (f"converted {len(todo)} of {len(plan_.sites)} LayerNorm(s)"
-               f" ({counts['exact'] + counts['exact-with-centering']} exact, {len(approx)} approximate)")
+               f" ({sum(counts[v] for v in EXACT_VERDICTS)} exact, {len(approx)} approximate)")
     return Report(plan_.sites, figures, plan_, message, changed=True)
 
 
