@@ -728,10 +728,24 @@ def bind(
 
         return call_grad
 
+    # Without gradients: the launch itself, with what the key and the module fix taken out of the call
+    # (dtype code, parameter dtypes and layout; a parameter's pointer is still read per call).
+    fn, code, item = k.fn, _DTYPE_CODES[x.dtype], x.element_size()
+    threads = torch.get_num_threads
+
     def call(x, w, b, eps):
-        if x.dim() and x.shape[-1] == n:
-            return _run(k, x, normalized_shape, w, b, eps, want_rstd=False, pooled=True)[0]
-        return None
+        if not (x.dim() and x.shape[-1] == n and x.is_contiguous()):
+            if x.dim() and x.shape[-1] == n:
+                return _run(k, x, normalized_shape, w, b, eps, want_rstd=False, pooled=True)[0]
+            return None
+        numel = x.numel()
+        nbytes = numel * item
+        y = torch.empty_like(x) if nbytes < _POOL_MIN_BYTES else _new_output(tuple(x.shape), x.dtype, True)
+        if numel:
+            fn(code, x.data_ptr(), numel // n, n, n, None if w is None else w.data_ptr(), 1,
+               None if b is None else b.data_ptr(), 1, y.data_ptr(), None, eps,
+               threads() if numel >= _PARALLEL_MIN_ELEMENTS else 1, 1 if nbytes >= _STREAM_MIN_BYTES else 0)
+        return y
 
     return call
 
