@@ -6,7 +6,7 @@ Thin script over :mod:`normswap.backends.bench`, which ``normswap bench`` also u
     python benchmarks/bench_ops.py --device cuda    # the GPU suite (adds float16 and larger shapes),
                                                     # then eager / GPU-only (graph replay) / host per shape
     python benchmarks/bench_ops.py --no-compile --shapes 4096x768 --dtype bfloat16
-    python benchmarks/bench_ops.py --host           # host cost: RMSNorm module call vs nn.LayerNorm
+    python benchmarks/bench_ops.py --host --threads 1 --cpu-time   # host cost: RMSNorm module vs nn.LayerNorm
     python benchmarks/bench_ops.py --host --device cuda
 
 Writes a table to stdout, and JSON plus a PNG plot to ``--out`` (default ``out/benchmarks/``).
@@ -17,6 +17,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import time
+from collections.abc import Callable
 
 import torch
 
@@ -25,7 +27,8 @@ from normswap.backends import bench
 GPU_SHAPES = "4096x768,2048x4096,256x2048,4096x4096,16384x4096,32768x4096,4096x8192,140x4096"
 
 
-def host_cost(device: str, dtypes: list[str], rounds: int = 15, rows: int = 4, n: int = 1024) -> list[dict]:
+def host_cost(device: str, dtypes: list[str], rounds: int = 15, rows: int = 4, n: int = 1024,
+              clock: Callable[[], float] = time.perf_counter) -> list[dict]:
     """Per-call time of module calls on a (rows, n) tensor, where the kernels' own work is ~1 us, so the
     figure is host time: ``normswap.RMSNorm`` (auto) against ``nn.LayerNorm`` (same bias setting),
     without gradients (forward) and with them (forward + backward via ``autograd.backward``).
@@ -34,7 +37,6 @@ def host_cost(device: str, dtypes: list[str], rounds: int = 15, rows: int = 4, n
     the median of the per-round ratios, so a slow phase of a shared machine slows both sides.
     """
     import statistics
-    import time
 
     from torch import nn
 
@@ -71,11 +73,11 @@ def host_cost(device: str, dtypes: list[str], rounds: int = 15, rows: int = 4, n
                 for _ in range(rounds):
                     for key, m in (("ln", ln), ("rms", rms)):
                         sync()
-                        t0 = time.perf_counter()
+                        t0 = clock()
                         for _ in range(reps):
                             call(m)
                         sync()
-                        times[key].append((time.perf_counter() - t0) / reps * 1e6)
+                        times[key].append((clock() - t0) / reps * 1e6)
                 ratio = statistics.median(a / b for a, b in zip(times["rms"], times["ln"], strict=True))
                 row = {"device": device, "dtype": dname, "bias": bias, "pass": "fwd+bwd" if grad else "fwd",
                        "layer_norm_us": statistics.median(times["ln"]), "rms_norm_us": statistics.median(times["rms"]),
@@ -103,8 +105,13 @@ def main() -> None:
                     help="host cost per module call (normswap.RMSNorm vs nn.LayerNorm) on a small tensor")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "out", "benchmarks"))
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.host:
-        host_cost(args.device, args.dtype or ["float32", "bfloat16", "float16"], rounds=args.rounds)
+        if args.cpu_time and (args.device != "cpu" or torch.get_num_threads() != 1):
+            raise SystemExit("--cpu-time measures one thread's CPU time: use it on CPU with --threads 1")
+        host_cost(args.device, args.dtype or ["float32", "bfloat16", "float16"], rounds=args.rounds,
+                  clock=time.thread_time if args.cpu_time else time.perf_counter)
         return
 
     if args.device == "cuda" and not torch.cuda.is_available():
