@@ -15,6 +15,7 @@ from torch import nn
 
 from normswap import backends
 from normswap.backends import cpu
+from normswap.integrations.export import export_rms_norm, exporting
 
 ShapeLike = int | Sequence[int] | torch.Size
 
@@ -42,7 +43,11 @@ def rms_norm(
     """
     kind = type(normalized_shape)  # exact-type checks: the common cases without _as_shape's loop
     shape = normalized_shape if kind is tuple else (normalized_shape,) if kind is int else _as_shape(normalized_shape)
-    if backend == "auto" and backends.env_backend() == "auto":
+    if exporting():  # torch.export / ONNX / jit.trace: stock aten ops unless a fused backend was asked for
+        y = export_rms_norm(x, shape, weight, bias, float(eps), backend)
+        if y is not None:
+            return y
+    elif backend == "auto" and backends.env_backend() == "auto":
         y = cpu.try_fast(x, shape, weight, bias, float(eps))  # the common CPU call, checked in one go
         if y is not None:
             return y

@@ -66,6 +66,7 @@ import torch
 from normswap.backends import eager
 from normswap.backends._cpu_source import SOURCE
 from normswap.backends._env import env_reader
+from normswap.integrations.tracing import outside_tracing
 
 name = "cpu"
 
@@ -335,7 +336,8 @@ def kernel() -> _Kernel:
     if _kernel is None:
         with _kernel_lock:
             if _kernel is None:
-                _kernel = _build()
+                with outside_tracing():  # first use may be inside torch.export/jit.trace: build on real data
+                    _kernel = _build()
     return _kernel
 
 

@@ -1,0 +1,47 @@
+"""Is a graph being captured for export, and a way to step outside the capture.
+
+Kept free of normswap imports: ``normswap.backends.cpu`` and ``normswap.norm`` both use it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+_is_jit_tracing = torch._C._is_tracing  # what torch.jit.is_tracing() calls, without its scripting check
+
+
+def exporting() -> bool:
+    """True under ``torch.export`` (and so the dynamo ONNX exporter) or ``torch.jit.trace`` (and so the
+    legacy ONNX exporter). False in eager mode and under plain ``torch.compile``.
+
+    Costs two flag reads (~0.3 us). Dynamo folds ``is_compiling``/``is_exporting`` to constants and never
+    reaches the jit check (which it cannot trace).
+    """
+    if torch.compiler.is_compiling():
+        return torch.compiler.is_exporting()
+    return _is_jit_tracing()
+
+
+@contextlib.contextmanager
+def outside_tracing() -> Iterator[None]:
+    """Run real tensor code while a graph is being captured: no fake/functional dispatch modes, no
+    ``torch.jit`` trace recording, no autograd.
+
+    For one-time work that must see real data, e.g. the CPU kernel's first-use build and self-test,
+    when that first use happens inside ``torch.export`` (fake tensors have no data pointer) or
+    ``torch.jit.trace`` (the self-test's ops would be recorded into the user's graph).
+    """
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    state = torch._C._get_tracing_state()
+    if state is not None:
+        torch._C._set_tracing_state(None)
+    try:
+        with _disable_current_modes(), torch.no_grad():
+            yield
+    finally:
+        if state is not None:
+            torch._C._set_tracing_state(state)

@@ -1,0 +1,170 @@
+"""Measurements shared by the integration tests and ``benchmarks/compat_table.py``.
+
+Tiny converted models (GPT-2: exact Pre-LN; BERT: Post-LN, converted with ``mode="all"``; ViT: exact
+Pre-LN), built offline from ``tests/zoo.py`` with randomised LayerNorm parameters, converted in float64
+and cast to float32 (what people export). Each function returns the agreement it measured against the
+eager converted model, so the README's compatibility table is generated from the same code the tests
+assert on.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import textwrap
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import normswap
+from tests.zoo import APPROXIMATE, EXACT, build
+
+MODELS = ("gpt2", "bert", "vit")
+REPO = Path(__file__).resolve().parents[2]
+
+
+def tiny_converted(name: str) -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    """``(converted float32 model in eval mode, example kwargs)`` for ``gpt2``, ``bert`` or ``vit``."""
+    table = APPROXIMATE if name == "bert" else EXACT
+    model = build(table, name)
+    normswap.patch(model, mode="all")
+    model = model.float().eval()
+    return model, example_inputs(name, model)
+
+
+def example_inputs(name: str, model: nn.Module | None = None) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    if name == "vit":
+        return {"pixel_values": torch.randn(2, 3, 32, 32, generator=gen)}
+    ids = torch.randint(3, 99, (2, 7), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[1, -2:] = 0  # one padded row, so the mask is a real input
+    out = {"input_ids": ids, "attention_mask": mask}
+    if name == "gpt2":
+        out["use_cache"] = False
+    return out
+
+
+def tensor_inputs(inputs: dict) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in inputs.items() if isinstance(v, torch.Tensor)}
+
+
+def first_output(out) -> torch.Tensor:
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, dict):
+        return next(iter(out.values()))
+    return out[0]
+
+
+def rms_norm_count(model: nn.Module) -> int:
+    return sum(isinstance(m, normswap.RMSNorm) for m in model.modules())
+
+
+def agreement(got: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
+    """Max abs error and max error relative to the reference's largest magnitude."""
+    got, ref = got.double(), ref.double()
+    err = (got - ref).abs().max().item()
+    return {"max_abs": err, "max_rel": err / max(ref.abs().max().item(), 1e-30)}
+
+
+class Positional(nn.Module):
+    """``model(**inputs)`` as a module whose forward takes the tensor inputs positionally and returns
+    the first output (what deployment graphs look like; the exporters then see no keyword defaults)."""
+
+    def __init__(self, model: nn.Module, inputs: dict) -> None:
+        super().__init__()
+        self.model = model
+        self.keys = [k for k, v in inputs.items() if isinstance(v, torch.Tensor)]
+        self.extra = {k: v for k, v in inputs.items() if not isinstance(v, torch.Tensor)}
+        self.train(model.training)  # a fresh module is in train mode; exporters restore it onto the model
+
+    def forward(self, *tensors: torch.Tensor) -> torch.Tensor:
+        return first_output(self.model(**dict(zip(self.keys, tensors, strict=True)), **self.extra))
+
+
+def onnx_roundtrip(model: nn.Module, inputs: dict, *, dynamo: bool, opset: int, path: str | os.PathLike,
+                   **export_kwargs) -> dict:
+    """Export with ``torch.onnx.export``, run in onnxruntime, compare with the eager model.
+
+    Returns the agreement plus ``ops`` (the graph's op types), ``rms`` (RMSNormalization nodes) and
+    ``inputs`` (the graph's input count).
+    """
+    import onnx
+    import onnxruntime as ort
+
+    tensors = tensor_inputs(inputs)
+    wrapper = Positional(model, inputs)
+    with torch.no_grad():
+        ref = first_output(model(**inputs))
+        torch.onnx.export(wrapper, tuple(tensors.values()), str(path), dynamo=dynamo, opset_version=opset,
+                          **export_kwargs)
+    graph = onnx.load(str(path)).graph
+    ops = [n.op_type for n in graph.node]
+    for fn in onnx.load(str(path)).functions:
+        ops += [n.op_type for n in fn.node]
+    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    names = [i.name for i in sess.get_inputs()]
+    assert len(names) == len(tensors), f"graph inputs {names} vs {list(tensors)}"
+    feed = {n: t.numpy() for n, t in zip(names, tensors.values(), strict=True)}
+    got = torch.from_numpy(sess.run(None, feed)[0])
+    return {**agreement(got, ref), "ops": sorted(set(ops)), "rms": ops.count("RMSNormalization"),
+            "inputs": len(names), "nonzero": bool(got.abs().max().item() > 0)}
+
+
+_FRESH_EXPORT = textwrap.dedent("""
+    import json, sys, torch
+    sys.path.insert(0, {repo!r})
+    from tests.integrations.compat import tiny_converted, first_output, Positional, tensor_inputs
+    model, inputs = tiny_converted({name!r})
+    tensors = tuple(tensor_inputs(inputs).values())
+    import normswap.backends.cpu as cpu  # forget the kernel the conversion built: export is its first use
+    cpu.reset()
+    ep = torch.export.export(Positional(model, inputs), tensors)
+    torch.export.save(ep, {tmp!r} + "/model.pt2")
+    with torch.no_grad():
+        ref = first_output(model(**inputs))
+    torch.save({{"ref": ref, "inputs": tensors}}, {tmp!r} + "/ref.pt")
+    targets = sorted({{str(n.target) for n in ep.graph.nodes if n.op == "call_function"}})
+    print(json.dumps({{"targets": targets}}))
+""")
+
+_LOAD_WITHOUT_NORMSWAP = textwrap.dedent("""
+    import json, sys, builtins, torch
+    real_import = builtins.__import__
+    def guard(name, *a, **k):
+        if name.split(".")[0] == "normswap":
+            raise ImportError("normswap must not be needed to load the program")
+        return real_import(name, *a, **k)
+    builtins.__import__ = guard
+    ep = torch.export.load({tmp!r} + "/model.pt2")
+    data = torch.load({tmp!r} + "/ref.pt")
+    with torch.no_grad():
+        out = ep.module()(*data["inputs"])
+    err = (out.double() - data["ref"].double()).abs().max().item()
+    print(json.dumps({{"max_abs": err, "max_rel": err / data["ref"].abs().max().item(),
+                      "normswap_loaded": any(m.startswith("normswap") for m in sys.modules)}}))
+""")
+
+
+def _run(code: str) -> dict:
+    import json
+
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300,
+                          cwd=str(REPO))
+    if proc.returncode != 0:
+        raise AssertionError(f"subprocess failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def torch_export_fresh(name: str) -> dict:
+    """``torch.export.export`` as the first kernel-path call in a fresh process, ``torch.export.save``,
+    then ``torch.export.load`` in a second process where importing normswap is forbidden."""
+    with tempfile.TemporaryDirectory() as tmp:
+        first = _run(_FRESH_EXPORT.format(repo=str(REPO), name=name, tmp=tmp))
+        second = _run(_LOAD_WITHOUT_NORMSWAP.format(tmp=tmp))
+    return {**second, "targets": first["targets"]}

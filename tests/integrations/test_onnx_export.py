@@ -1,0 +1,58 @@
+"""ONNX export of converted models, both exporters, opsets 18 and 23, run in onnxruntime.
+
+Before issue 15 the legacy exporter (``dynamo=False``) silently turned every RMSNorm into a constant of
+zeros (the fused CPU kernel is invisible to a trace), and the dynamo exporter failed with
+``No ONNX function found for normswap.cpu_rms_norm``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("onnxruntime")
+pytest.importorskip("onnxscript")
+
+from tests.integrations.compat import MODELS, onnx_roundtrip, rms_norm_count, tiny_converted  # noqa: E402
+
+# float32 rounding through a 2-layer model; a zeroed norm or a wrong decomposition is off by O(1).
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module", params=MODELS)
+def converted(request):
+    model, inputs = tiny_converted(request.param)
+    assert rms_norm_count(model) > 0
+    return request.param, model, inputs
+
+
+@pytest.mark.parametrize("opset", [18, 23])
+@pytest.mark.parametrize("dynamo", [False, True], ids=["legacy", "dynamo"])
+def test_onnx_matches_eager(converted, dynamo, opset, tmp_path):
+    name, model, inputs = converted
+    r = onnx_roundtrip(model, inputs, dynamo=dynamo, opset=opset, path=tmp_path / "m.onnx")
+    assert r["nonzero"], f"{name}: onnxruntime returned zeros"
+    assert r["inputs"] == sum(isinstance(v, torch.Tensor) for v in inputs.values())
+    assert r["max_rel"] < TOL, r
+    if dynamo and opset >= 23:
+        assert r["rms"] == rms_norm_count(model), r["ops"]  # one RMSNormalization per converted norm
+    else:
+        assert r["rms"] == 0
+        assert {"ReduceMean", "Pow"} <= set(r["ops"]), r["ops"]
+
+
+def test_legacy_trace_records_no_kernel_constant(tmp_path):
+    """The graph must depend on its input: two different inputs give two different outputs."""
+    import onnxruntime as ort
+
+    model, inputs = tiny_converted("vit")
+    x = inputs["pixel_values"]
+    torch.onnx.export(model, (x,), str(tmp_path / "v.onnx"), dynamo=False, opset_version=18)
+    sess = ort.InferenceSession(str(tmp_path / "v.onnx"), providers=["CPUExecutionProvider"])
+    name = sess.get_inputs()[0].name
+    a = torch.from_numpy(sess.run(None, {name: x.numpy()})[0])
+    b = torch.from_numpy(sess.run(None, {name: (x * 0.5 + 0.1).numpy()})[0])
+    with torch.no_grad():
+        ref_b = model(pixel_values=x * 0.5 + 0.1).logits
+    assert not torch.equal(a, b)
+    assert (b - ref_b).abs().max() < 1e-4

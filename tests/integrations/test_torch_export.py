@@ -1,0 +1,50 @@
+"""``torch.export`` of converted models.
+
+Before issue 15, ``torch.export.export`` as the first RMSNorm call of a process failed with "Cannot
+access data pointer of Tensor (FakeTensor)" (the CPU kernel's first-use self-test ran on fake tensors),
+and a program exported on the default backend held ``normswap::cpu_rms_norm`` (no load without
+``import normswap``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import normswap
+from normswap.backends import cpu
+from tests.integrations.compat import Positional, first_output, tiny_converted, torch_export_fresh
+
+
+@pytest.mark.parametrize("name", ["gpt2", "vit"])
+def test_fresh_process_export_then_load_without_normswap(name):
+    r = torch_export_fresh(name)
+    assert not any("normswap" in t for t in r["targets"]), r["targets"]
+    assert "aten.rms_norm.default" in r["targets"]
+    assert not r["normswap_loaded"]
+    assert r["max_rel"] < 1e-6, r
+
+
+def test_export_with_cold_kernel_in_process(monkeypatch):
+    """The kernel build runs on real tensors even when its first use is inside export."""
+    model, inputs = tiny_converted("vit")
+    for m in model.modules():
+        if isinstance(m, normswap.RMSNorm):
+            m.backend = "cpu"  # asked for explicitly: the fused op stays in the graph
+    cpu.reset()
+    ep = torch.export.export(model, (), kwargs=inputs)
+    targets = {str(n.target) for n in ep.graph.nodes if n.op == "call_function"}
+    assert "normswap.cpu_rms_norm.default" in targets
+    assert cpu.kernel().fn is not None, cpu.kernel().reason  # built and self-tested, not failed
+    with torch.no_grad():
+        got, ref = first_output(ep.module()(**inputs)), first_output(model(**inputs))
+    assert (got - ref).abs().max() <= 1e-6 * ref.abs().max()
+
+
+def test_jit_trace_never_records_kernel_output():
+    model, inputs = tiny_converted("vit")
+    x = inputs["pixel_values"]
+    traced = torch.jit.trace(Positional(model, inputs), (x,), check_trace=False)
+    with torch.no_grad():
+        y2 = x * 0.5 + 0.1
+        assert (traced(y2) - model(pixel_values=y2).logits).abs().max() < 1e-5
