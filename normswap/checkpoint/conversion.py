@@ -14,7 +14,6 @@ import logging
 import os
 import sys
 from collections.abc import Callable
-from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -30,18 +29,92 @@ from normswap.verify import comparable, compare, primary_key
 log = logging.getLogger("normswap")
 
 
-def _progress(enabled: bool, total: int, desc: str) -> Any:
-    from tqdm.auto import tqdm
+class Steps:
+    """Step progress on stderr: ``normswap convert X: 2/4 analysing and converting (12 s)``.
 
-    # disable=None: bars only on a terminal (CI logs and pipes stay clean)
-    return tqdm(
-        total=total,
-        desc=desc,
-        disable=None if enabled else True,
-        file=sys.stderr,
-        leave=False,
-        bar_format="{desc}: {n_fmt}/{total_fmt} {postfix}",
-    )
+    On a terminal the line is rewritten in place. Piped or in CI (not a TTY) it prints plain
+    lines instead: one per step, at most one every :attr:`EVERY` seconds, and a "still ..." line
+    every :attr:`HEARTBEAT` seconds while one step runs long (loading a big model), so a log never
+    sits silent for minutes.
+    """
+
+    EVERY = 3.0
+    HEARTBEAT = 30.0
+
+    def __init__(self, enabled: bool, total: int, desc: str, stream: Any = None) -> None:
+        import threading
+        import time
+
+        self.enabled, self.total, self.desc = enabled, total, desc
+        self.stream = stream or sys.stderr
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.n, self.what = 0, ""
+        self._clock = time.monotonic
+        self._start = self._last = self._clock()
+        self._printed = False
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: Any = None
+        if enabled and not self.tty:
+            self._thread = threading.Thread(target=self._beat, daemon=True)
+
+    def __enter__(self) -> Steps:
+        if self._thread is not None:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        if not self.enabled:
+            return
+        if self.tty:
+            self.stream.write("\r\033[K")
+        elif self._printed and exc[0] is None:
+            self.stream.write(f"{self.desc}: done ({self._clock() - self._start:.0f} s)\n")
+        self.stream.flush()
+
+    def _line(self) -> str:
+        secs = self._clock() - self._start
+        step = min(self.n + 1, self.total)
+        return f"{self.desc}: step {step}/{self.total}: {self.what} ({secs:.0f} s)"
+
+    def _emit(self) -> None:
+        if not self.enabled:
+            return
+        with self._lock:
+            now = self._clock()
+            if self.tty:
+                self.stream.write("\r\033[K" + self._line())
+            elif now - self._last >= self.EVERY or not self._printed:
+                self.stream.write(self._line() + "\n")
+                self._printed = True
+            else:
+                return
+            self._last = now
+            self.stream.flush()
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.HEARTBEAT / 6):
+            now = self._clock()
+            if now - self._last >= self.HEARTBEAT:
+                with self._lock:
+                    self.stream.write(f"{self.desc}: still {self.what} ({now - self._start:.0f} s)\n")
+                    self.stream.flush()
+                    self._last = now
+                    self._printed = True
+
+    def set_postfix_str(self, what: str) -> None:
+        """Name the step now running (printed, unless a line went out less than EVERY s ago)."""
+        self.what = what
+        self._emit()
+
+    def update(self, n: int = 1) -> None:
+        """One more step done."""
+        self.n += n
+
+
+def _progress(enabled: bool, total: int, desc: str) -> Steps:
+    return Steps(enabled, total, desc)
 
 
 def check_options(
@@ -375,7 +448,7 @@ def convert(
         )
     io.check_space(out, src.nbytes)
     steps = _progress(progress, 4, f"normswap convert {src.spec}")
-    with steps if progress else nullcontext():
+    with steps:
         steps.set_postfix_str("loading")
         model, proc = source.load_model(
             src, task=task, dtype=dtype, trust_remote_code=trust_remote_code, allow_new_head=allow_new_head

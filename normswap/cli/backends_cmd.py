@@ -7,10 +7,15 @@ import json
 import click
 
 from normswap.cli import main
+from normswap.cli.common import handle_errors
+from normswap.errors import UsageError
+
+SPREAD_WARN = 1.5  # max/min of the per-round ratios beyond which a ratio is not to be trusted
 
 
 @main.command("backends")
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON instead of a table.")
+@handle_errors
 def backends_cmd(as_json: bool) -> None:
     """List the RMSNorm backends, whether each can run here and why, and what ``auto`` picks.
 
@@ -59,6 +64,7 @@ def backends_cmd(as_json: bool) -> None:
               help="Also write results and environment to this JSON file.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
               help="Also write a PNG bar chart (needs matplotlib).")
+@handle_errors
 def bench_cmd(device: str, dtypes: tuple[str, ...], shapes: str, passes: tuple[str, ...], rounds: int,
               target_ms: float, compile_: bool, json_path: str | None, plot_path: str | None) -> None:
     """Time RMSNorm backends against torch layer_norm, F.rms_norm and a plain copy.
@@ -77,6 +83,14 @@ def bench_cmd(device: str, dtypes: tuple[str, ...], shapes: str, passes: tuple[s
       ...
       $ normswap bench --device cuda --pass fwd --pass fwd+bwd --compile
     """
+    if plot_path:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise UsageError(
+                "--plot needs matplotlib, which is not installed: pip install matplotlib "
+                "(or pip install 'normswap[plot]'), or drop --plot"
+            ) from None
     import torch
 
     from normswap.backends import bench
@@ -91,12 +105,47 @@ def bench_cmd(device: str, dtypes: tuple[str, ...], shapes: str, passes: tuple[s
     records = bench.run(device, dts, shape_list, passes, rounds=rounds, target_ms=target_ms,
                         compile_=compile_)
     click.echo(bench.table(records))
+    spread, wide = spread_table(records)
+    if spread:
+        click.echo("")
+        click.echo(spread)
+    if wide:
+        click.echo(
+            f"warning: {len(wide)} ratio(s) vary more than {SPREAD_WARN}x between rounds (e.g. "
+            f"{wide[0]}): the machine is busy; rerun when it is idle or with more --rounds",
+            err=True,
+        )
     if json_path:
         with open(json_path, "w") as fh:
             json.dump(bench.to_json(records, bench.environment(device)), fh, indent=2)
         click.echo(f"wrote {json_path}")
-    if plot_path:
-        if bench.plot(records, plot_path):
-            click.echo(f"wrote {plot_path}")
-        else:
-            click.echo("matplotlib is not installed: no plot")
+    if plot_path and bench.plot(records, plot_path):
+        click.echo(f"wrote {plot_path}")
+
+
+def spread_table(records: list) -> tuple[str, list[str]]:
+    """Min / median / max over rounds of each method's time ratio to layer_norm in the same round.
+
+    Returns the table and the rows whose max/min exceeds :data:`SPREAD_WARN` (a busy machine
+    makes ratios swing; the median alone hides it).
+    """
+    import statistics
+
+    base = {(r.pass_, r.dtype, r.rows, r.n): r.samples_us for r in records if r.method == "layer_norm"}
+    lines = [f"{'pass':8} {'dtype':9} {'shape':>11} {'method':15} {'x layer_norm: min':>18} {'median':>7} "
+             f"{'max':>6}"]
+    wide = []
+    for r in records:
+        ref = base.get((r.pass_, r.dtype, r.rows, r.n))
+        if r.method == "layer_norm" or not ref or len(ref) != len(r.samples_us):
+            continue
+        ratios = [a / b for a, b in zip(r.samples_us, ref, strict=True) if b > 0]
+        if not ratios:
+            continue
+        lo, med, hi = min(ratios), statistics.median(ratios), max(ratios)
+        flag = " wide" if hi > SPREAD_WARN * lo else ""
+        if flag:
+            wide.append(f"{r.method} {r.dtype} {r.rows}x{r.n} {r.pass_}: {lo:.3g}-{hi:.3g}")
+        lines.append(f"{r.pass_:8} {r.dtype:9} {f'{r.rows}x{r.n}':>11} {r.method:15} {lo:18.3g} {med:7.3g} "
+                     f"{hi:6.3g}{flag}")
+    return ("\n".join(lines) if len(lines) > 1 else ""), wide

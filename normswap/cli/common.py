@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import re
 import signal
 import sys
 from collections.abc import Callable, Iterator
@@ -41,6 +42,7 @@ __all__ = [
     "EXIT_NOTHING",
     "EXIT_USAGE",
     "EXIT_VERIFY",
+    "cli_words",
     "fail",
     "handle_errors",
 ]
@@ -83,9 +85,29 @@ def sigterm_as_interrupt() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
+# API spellings in library messages -> what a command-line user types
+_CLI_WORDS = (
+    (re.compile(r"\bmode=['\"](\w+)['\"]"), r"--mode \1"),
+    (re.compile(r"\bverify=False\b"), "--no-verify"),
+    (re.compile(r"\buntie=False\b"), "--no-untie"),
+    (re.compile(r"\bfold_gamma=True\b"), "--fold-gamma"),
+    (re.compile(r"\bformat=['\"](\w+)['\"]"), r"--format \1"),
+    (re.compile(r"\bcalibration_data=\b"), "--calibration-data "),
+    (re.compile(r"\blow_memory=True\b"), "--low-memory"),
+    (re.compile(r"\btrust_remote_code=True\b"), "--trust-remote-code"),
+)
+
+
+def cli_words(text: str) -> str:
+    """Speak the caller's language: the API says ``mode='exact'``, the CLI says ``--mode exact``."""
+    for pattern, repl in _CLI_WORDS:
+        text = pattern.sub(repl, text)
+    return text
+
+
 def fail(message: str, code: int = EXIT_ERROR) -> None:
-    """Print ``error: message`` on stderr and exit with ``code``."""
-    click.echo(f"error: {message}", err=True)
+    """Print ``error: message`` on stderr (in CLI words) and exit with ``code``."""
+    click.echo(f"error: {cli_words(message)}", err=True)
     sys.exit(code)
 
 

@@ -29,6 +29,8 @@ from normswap.cli.common import (  # noqa: F401 - EXIT_* re-exported for callers
     EXIT_NOTHING,
     EXIT_USAGE,
     EXIT_VERIFY,
+    cli_words,
+    fail,
     handle_errors,
 )
 from normswap.errors import NormswapError
@@ -64,7 +66,22 @@ def _echo_warnings(caught: list[warnings.WarningMessage]) -> None:
     for w in caught:
         text = str(w.message)
         if text.startswith("normswap:"):
-            click.echo(f"warning: {text[len('normswap:') :].strip()}", err=True)
+            click.echo(f"warning: {cli_words(text[len('normswap:') :].strip())}", err=True)
+
+
+def _recovery_note(plan: Any, calibration_data: str | None) -> str | None:
+    """What a user with approximate norms and no calibration data of their own can do next."""
+    if plan is None or calibration_data is not None:
+        return None
+    n = sum(1 for sp in plan.sites if sp.convert and sp.verdict == "approximate")
+    if not n:
+        return None
+    return (
+        f"{n} approximate (Post-LN) norm(s) were fitted without your data: --calibration-data FILE "
+        "(text like your real inputs) fits them to what the model will see, usually lowering the "
+        "error above; for more, the fine-tune recipes distil the converted model towards the "
+        "original (`normswap finetune --list`)"
+    )
 
 
 def _figures(verification: dict[str, Any]) -> str:
@@ -86,6 +103,8 @@ def _figures(verification: dict[str, Any]) -> str:
     for key in keep:
         if key in verification:
             v = verification[key]
+            if key == "kl" and isinstance(v, float) and v < 0:
+                v = 0.0  # KL is >= 0; a tiny negative value is float rounding, not information
             parts.append(f"{key}={v:.3g}" if isinstance(v, float) else f"{key}={v}")
     return ", ".join(parts)
 
@@ -241,7 +260,7 @@ def convert(
             allow_pickle=allow_pickle,
             allow_new_head=new_head,
             progress=not quiet,
-            echo=lambda msg: click.echo(f"note: {msg}", err=True),
+            echo=lambda msg: click.echo(f"note: {cli_words(msg)}", err=True),
         )
     _echo_warnings(caught)
     plan = report.plan
@@ -253,6 +272,9 @@ def convert(
     figs = _figures(report.verification)
     if figs:
         click.echo(f"verification: {figs}")
+    note = _recovery_note(plan, calibration_data)
+    if note:
+        click.echo(f"note: {note}", err=True)
     click.echo(f"wrote {fmt} checkpoint to {out}")
 
 
@@ -367,9 +389,12 @@ def inspect(
         header = f"{model} ({type(loaded).__name__})"
     if as_json:
         click.echo(json.dumps(plan.to_dict(), indent=2, default=str))
-        return
-    click.echo(header)
-    click.echo(plan_table(plan, verbose=verbose))
+    else:
+        click.echo(header)
+        click.echo(plan_table(plan, verbose=verbose))
+    if not any(sp.convert for sp in plan.sites):
+        why = "no LayerNorm found" if not plan.sites else f"no LayerNorm can be converted with --mode {mode}"
+        fail(f"{model}: {why}; nothing to convert", EXIT_NOTHING)
 
 
 # ------------------------------------------------------------------------------------ verify
