@@ -344,3 +344,150 @@ def test_sigkill_then_rerun_cleans_the_stale_temp_dir(tmp_path):
     assert code == 0, err
     assert "removed" in err and stale[0].name in err and "no longer exists" in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+# ------------------------------------------------------------------------------------ defect 7, 12, 13
+@pytest.fixture()
+def finetune_args(tmp_path, gpt2_src) -> list[str]:
+    data = tmp_path / "corpus.txt"
+    data.write_text("hello world\nthe quick brown fox\n" * 8)
+    return [
+        "distill-causal-lm",
+        f"model.source={gpt2_src}",
+        f"data.path={data}",
+        f"output.dir={tmp_path / 'run'}",
+    ]
+
+
+def test_finetune_interrupt_and_failure(tmp_path, finetune_args, monkeypatch):
+    import normswap.recipes
+    from normswap.errors import NormswapError
+
+    monkeypatch.setattr(normswap.recipes, "run", _raise(KeyboardInterrupt()))
+    code, _, err = run("finetune", *finetune_args)
+    one_line_error(code, err, 130, "interrupted")
+
+    def fails_after_mkdir(cfg):
+        Path(cfg.output.dir).mkdir(parents=True)
+        raise NormswapError("the teacher and the student disagree on the vocabulary")
+
+    monkeypatch.setattr(normswap.recipes, "run", fails_after_mkdir)
+    code, _, err = run("finetune", *finetune_args)
+    one_line_error(code, err, 1, "vocabulary")
+    assert not (tmp_path / "run").exists()  # no empty output directory left behind
+
+
+@pytest.mark.parametrize(
+    "override, fragment",
+    [("train.lr=abc", "train.lr"), ("train.bogus=1", "train.bogus"), ("trainlr", "key=value")],
+)
+def test_finetune_bad_override_is_a_usage_error(finetune_args, override, fragment):
+    code, _, err = run("finetune", *finetune_args, override)
+    one_line_error(code, err, 2, fragment)
+
+
+def test_finetune_list_and_recipe_names():
+    code, out, err = run("finetune", "--list")
+    assert code == 0, err
+    names = [ln.split()[0] for ln in out.strip().splitlines()]
+    assert "distill-masked-lm" in names and "distill-encoder" in names
+    code, out, _ = run("finetune", "distill-encoder", "model.source=m", "data.path=d", "--print-config")
+    assert code == 0 and "task: encoder" in out
+    code, _, err = run("finetune")
+    one_line_error(code, err, 2, "--list")
+    code, _, err = run("finetune", "no-such-recipe")
+    one_line_error(code, err, 1, "built-in", "distill-encoder")
+
+
+def test_bench_plot_without_matplotlib_and_interrupt(tmp_path, monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_matplotlib(name, *args, **kwargs):
+        if name == "matplotlib" or name.startswith("matplotlib."):
+            raise ImportError("No module named 'matplotlib'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    code, _, err = run("bench", "--shapes", "8x64", "--plot", str(tmp_path / "p.png"))
+    one_line_error(code, err, 2, "pip install matplotlib")
+    assert not (tmp_path / "p.png").exists()
+    monkeypatch.undo()
+
+    from normswap.backends import bench
+
+    monkeypatch.setattr(bench, "run", _raise(KeyboardInterrupt()))
+    code, _, err = run("bench", "--shapes", "8x64")
+    one_line_error(code, err, 130, "interrupted")
+
+
+def test_bench_spread_table_flags_wide_ratios():
+    from normswap.backends.bench import Record
+    from normswap.cli.backends_cmd import spread_table
+
+    def rec(method, samples):
+        return Record("cpu", "float32", 8, 64, "fwd", method, 1.0, 1.0, 1.0, None, None, samples_us=samples)
+
+    records = [rec("layer_norm", [10.0, 10.0, 10.0]), rec("cpu", [5.0, 5.2, 5.1]), rec("eager", [5.0, 20.0, 9.0])]
+    text, wide = spread_table(records)
+    assert "x layer_norm: min" in text and "median" in text
+    assert len(wide) == 1 and wide[0].startswith("eager")
+    row = next(ln for ln in text.splitlines() if " eager " in ln)
+    assert row.split()[-4:] == ["0.5", "0.9", "2", "wide"]
+
+
+def test_inspect_with_nothing_to_convert_exits_3(tmp_path):
+    import transformers
+
+    cfg = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=2, max_position_embeddings=32,
+    )
+    d = tmp_path / "llama"
+    transformers.LlamaForCausalLM(cfg).save_pretrained(d)
+    code, out, err = run("inspect", str(d))
+    one_line_error(code, err, 3, "nothing to convert")
+    assert "skipped" in out  # the table still shows what was found
+
+
+def test_messages_speak_cli_words_and_kl_is_never_negative():
+    from normswap.cli.common import cli_words
+    from normswap.cli.convert_cmd import _figures
+
+    assert cli_words("keep it with mode='exact'; verify=False skips") == "keep it with --mode exact; --no-verify skips"
+    assert "kl=0" in _figures({"kl": -3e-17}) and "-" not in _figures({"kl": -3e-17})
+
+
+def test_progress_lines_when_not_a_tty():
+    import io as stdio
+
+    from normswap.checkpoint.conversion import Steps
+
+    class Clock:
+        t = 0.0
+
+        def __call__(self):
+            return self.t
+
+    stream = stdio.StringIO()
+    steps = Steps(True, 3, "normswap convert x", stream=stream)
+    clock = Clock()
+    steps._clock = clock
+    steps._start = steps._last = 0.0
+    with steps:
+        steps.set_postfix_str("loading")
+        clock.t = 1.0
+        steps.update()
+        steps.set_postfix_str("converting")  # 1 s after the last line: not printed
+        clock.t = 10.0
+        steps.update()
+        steps.set_postfix_str("writing")
+        steps.update()
+    lines = stream.getvalue().splitlines()
+    assert lines == [
+        "normswap convert x: step 1/3: loading (0 s)",
+        "normswap convert x: step 3/3: writing (10 s)",
+        "normswap convert x: done (10 s)",
+    ]
+    assert "," not in stream.getvalue() and "\r" not in stream.getvalue()
