@@ -491,3 +491,32 @@ def test_progress_lines_when_not_a_tty():
         "normswap convert x: done (10 s)",
     ]
     assert "," not in stream.getvalue() and "\r" not in stream.getvalue()
+
+
+# ------------------------------------------------------------------------------------ defect 4
+def test_trust_remote_code_reaches_every_loader(tmp_path, gpt2_src, monkeypatch):
+    import transformers
+
+    calls: list[tuple[str, object]] = []
+
+    def spy(owner, name):
+        original = getattr(owner, name).__func__
+
+        def wrapped(cls, *args, **kwargs):
+            calls.append((f"{cls.__name__}.{name}", kwargs.get("trust_remote_code")))
+            return original(cls, *args, **kwargs)
+
+        monkeypatch.setattr(owner, name, classmethod(wrapped))
+
+    spy(transformers.PreTrainedModel, "from_pretrained")
+    spy(transformers.AutoConfig, "from_pretrained")
+    spy(transformers.AutoTokenizer, "from_pretrained")
+    for fmt in ("compat", "native"):
+        out = tmp_path / fmt
+        code, _, err = run("convert", str(gpt2_src), "--out", str(out), "-q", "--format", fmt, "--trust-remote-code")
+        assert code == 0, err
+        code, _, err = run("verify", str(gpt2_src), str(out), "--trust-remote-code")
+        assert code == 0, err
+    kinds = {name.split(".")[0] for name, _ in calls}
+    assert {"AutoConfig", "AutoTokenizer"} <= kinds and len(calls) >= 8, calls
+    assert [c for c in calls if c[1] is not True] == [], calls
