@@ -7,9 +7,12 @@ surgery), honest where it doesn't (Post-LN norms are marked approximate, with me
 from normswap.api import Report, patch, plan
 from normswap.checkpoint import convert, load
 from normswap.errors import NormswapError
+from normswap.integrations import trainer as _trainer
 from normswap.norm import RMSNorm, rms_norm
 from normswap.plan import Plan
 from normswap.rotate import Rotation, rotate
+
+_trainer.register()  # transformers' Trainer: RMSNorm parameters get no weight decay, like LayerNorm's
 
 __version__ = "0.1.0"
 

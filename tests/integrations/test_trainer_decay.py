@@ -1,0 +1,59 @@
+"""transformers' Trainer decays no RMSNorm parameter of a converted model, as it decayed no LayerNorm
+parameter of the original (issue 15: GPT-2's converted ``ln_1``/``ln_2``/``ln_f`` weights were decayed)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from transformers import Trainer
+
+import normswap
+from normswap.integrations.trainer import decay_parameter_names, norm_parameter_names
+from tests.zoo import APPROXIMATE, EXACT, build
+
+
+def _layer_norm_params(model) -> set[str]:
+    from torch import nn
+
+    return {f"{m}.{p}" for m, mod in model.named_modules() if isinstance(mod, nn.LayerNorm)
+            for p, _ in mod.named_parameters(recurse=False)}
+
+
+@pytest.mark.parametrize("name", ["gpt2", "bert"])
+def test_converted_norms_get_no_weight_decay(name):
+    table = APPROXIMATE if name == "bert" else EXACT
+    model = build(table, name)
+    original_norms = _layer_norm_params(model)
+    original_decay = set(Trainer.get_decay_parameter_names(None, model))
+    assert original_norms and not original_norms & original_decay  # the rule we want to keep
+    normswap.patch(model, mode="all")
+    norms = norm_parameter_names(model)
+    assert norms, "no RMSNorm parameters found"
+    decay = set(Trainer.get_decay_parameter_names(None, model))
+    assert not norms & decay, sorted(norms & decay)
+    assert decay == set(decay_parameter_names(model))
+    # Nothing else changed: the decayed set is the original's minus parameters folded away or added.
+    assert decay <= {n for n, _ in model.named_parameters()}
+    assert {n for n in original_decay if n in dict(model.named_parameters())} <= decay | norms
+
+
+def test_rmsnorm_registered_as_layer_norm_class():
+    from transformers import pytorch_utils
+
+    assert normswap.RMSNorm in pytorch_utils.ALL_LAYERNORM_LAYERS
+
+
+def test_registration_when_trainer_is_imported_after_normswap():
+    code = (
+        "import sys, normswap\n"
+        "assert 'transformers.trainer' not in sys.modules\n"
+        "from transformers import Trainer\n"
+        "from torch import nn\n"
+        "m = nn.Sequential(nn.Linear(4, 4), normswap.RMSNorm(4))\n"
+        "names = Trainer.get_decay_parameter_names(None, m)\n"
+        "assert names == ['0.weight'], names\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
