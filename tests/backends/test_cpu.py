@@ -309,3 +309,23 @@ def test_inference_fast_path_takes_only_the_plain_call():
     assert torch.allclose(gw.double(), ref, rtol=1e-5, atol=1e-5)
     with torch.no_grad():
         assert not cpu.try_fast(x, (64,), wg, None, 1e-6).requires_grad  # grad mode off: the kernel alone
+
+
+def test_kernel_source_is_package_data_and_keys_the_build_cache(monkeypatch):
+    """The C++ source ships as a .cpp package-data file; editing it changes the cached binary's name."""
+    from pathlib import Path
+
+    from normswap.backends import _cpu_source
+
+    assert _cpu_source.SOURCE == _cpu_source.PATH.read_text(encoding="utf-8")
+    assert "ns_rms_norm_fwd" in _cpu_source.SOURCE
+    pyproject = (Path(__file__).resolve().parents[2] / "pyproject.toml").read_text()
+    assert '"normswap.backends" = ["csrc/*.cpp"]' in pyproject
+    if not cpu.available()[0]:
+        pytest.skip(f"cpu kernel unavailable: {cpu.available()[1]}")
+    built = os.path.basename(cpu.kernel().path)
+    tried: list[str] = []
+    monkeypatch.setattr(cpu, "_compile", lambda cxx, flags, out: tried.append(out) or "not compiled (test)")
+    monkeypatch.setattr(cpu, "SOURCE", cpu.SOURCE + "\n// edited\n")
+    assert cpu._build().fn is None
+    assert tried and built not in {os.path.basename(p) for p in tried}
