@@ -4,18 +4,22 @@
     python benchmarks/triton_resources.py --arch 80  # sm_80 (A100)
 
 No GPU needed: triton compiles to a cubin with its bundled ptxas, and cuobjdump reads the resource
-usage (see normswap/backends/_triton_aot.py). ``spill B`` is per-thread local memory for spilled registers.
+usage (see benchmarks/triton_aot.py). ``spill B`` is per-thread local memory for spilled registers.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 import warnings
 
 import torch
 
-from normswap.backends import _triton_aot as aot
 from normswap.backends import triton as triton_backend
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import triton_aot as aot  # noqa: E402 - beside this script
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}
 

@@ -6,7 +6,8 @@ kernel configuration the launcher produces compiles for the GPU, and how many re
 whether it spills (``cuobjdump --dump-resource-usage``: ``STACK`` bytes are per-thread spill space).
 
 Used by ``tests/backends/test_triton_aot.py`` and ``benchmarks/triton_resources.py``; the CUDA
-``auto`` rule's row-length limit comes from these numbers (see ``docs/backends.md``).
+``auto`` rule's row-length limit comes from these numbers (see ``docs/backends.md``). A development
+tool, so it lives beside the benchmarks, not in the installed package.
 """
 
 from __future__ import annotations
