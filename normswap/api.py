@@ -22,6 +22,7 @@ from torch import nn
 from normswap import backends, inputs, surgery, trace, walker
 from normswap.analysis import analyse
 from normswap.errors import NormswapError
+from normswap.integrations import saving
 from normswap.norm import RMSNorm
 from normswap.plan import EXACT_VERDICTS, Plan, SitePlan
 from normswap.verify import compare
@@ -393,6 +394,7 @@ def patch(model: nn.Module, example_inputs: inputs.ExampleInputs = None, *, mode
             with torch.no_grad():
                 figures["in_model_dtype"] = compare(reference, model(*args, **kwargs), skip).get("max_rel_error")
     model._normswap_plan = plan_
+    saving.install_save_hooks(model)  # save_pretrained / Trainer.save_model write a native checkpoint
     counts = plan_.counts()
     message = (f"converted {len(todo)} of {len(plan_.sites)} LayerNorm(s)"
                f" ({sum(counts[v] for v in EXACT_VERDICTS)} exact, {len(approx)} approximate)")
