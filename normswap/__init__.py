@@ -2,19 +2,87 @@
 
 Exact where the math allows (every writer of a norm's input stream centered by fp64 weight
 surgery), honest where it doesn't (Post-LN norms are marked approximate, with measured error).
+
+The public names below are imported on first use, so ``import normswap`` (and ``normswap --help``)
+does not pay for torch and transformers until something needs them. Two hooks still take effect
+at ``import normswap``: ``AutoModel*.from_pretrained`` understands ``normswap_*`` checkpoints, and
+transformers' Trainer exempts RMSNorm parameters from weight decay; both are installed the moment
+transformers is imported (at once, if it already is).
 """
 
-from normswap.api import Report, patch, plan
-from normswap.checkpoint import convert, load
-from normswap.errors import NormswapError
-from normswap.integrations import trainer as _trainer
-from normswap.norm import RMSNorm, rms_norm
-from normswap.plan import Plan
-from normswap.rotate import Rotation, rotate
+from __future__ import annotations
 
-_trainer.register()  # transformers' Trainer: RMSNorm parameters get no weight decay, like LayerNorm's
+import importlib
+import importlib.abc
+import sys
+import types
+from typing import Any
+
+from normswap.errors import NormswapError
 
 __version__ = "0.1.0"
 
-__all__ = ["NormswapError", "Plan", "RMSNorm", "Report", "convert", "load", "patch", "plan", "rms_norm", "rotate",
-           "Rotation", "__version__"]
+# public name -> module that defines it
+_LAZY = {
+    "Report": "normswap.api",
+    "patch": "normswap.api",
+    "plan": "normswap.api",
+    "convert": "normswap.checkpoint",
+    "load": "normswap.checkpoint",
+    "save": "normswap.checkpoint",
+    "RMSNorm": "normswap.norm",
+    "rms_norm": "normswap.norm",
+    "Plan": "normswap.plan",
+    "Rotation": "normswap.rotate",
+    "rotate": "normswap.rotate",
+}
+# functions that share their name with a submodule: importing the submodule must not replace them
+_SHADOWED = {"plan", "rotate"}
+
+__all__ = ["NormswapError", "__version__", *sorted(_LAZY)]
+
+
+class _Package(types.ModuleType):
+    def __getattr__(self, name: str) -> Any:
+        module = _LAZY.get(name)
+        if module is None:
+            raise AttributeError(f"module 'normswap' has no attribute {name!r}")
+        value = getattr(importlib.import_module(module), name)
+        types.ModuleType.__setattr__(self, name, value)
+        return value
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # the import system binds each imported submodule on its package; keep the functions
+        if name in _SHADOWED and isinstance(value, types.ModuleType):
+            return
+        types.ModuleType.__setattr__(self, name, value)
+
+    def __dir__(self) -> list[str]:
+        return sorted(set(super().__dir__()) | set(_LAZY))
+
+
+sys.modules[__name__].__class__ = _Package
+
+
+def _install_hooks() -> None:
+    from normswap.checkpoint.hf import install_lazy_registration
+    from normswap.integrations import trainer
+
+    install_lazy_registration()
+    trainer.register()
+
+
+class _OnTransformers(importlib.abc.MetaPathFinder):
+    """Installs the hooks when ``transformers`` is first imported, then steps aside."""
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> None:
+        if fullname == "transformers":
+            sys.meta_path.remove(self)
+            _install_hooks()
+        return None
+
+
+if "transformers" in sys.modules:
+    _install_hooks()
+elif not any(type(f).__name__ == "_OnTransformers" for f in sys.meta_path):
+    sys.meta_path.insert(0, _OnTransformers())

@@ -427,3 +427,33 @@ def test_console_script_convert_and_error(tmp_path):
     assert res.returncode == 1
     assert res.stderr.strip().startswith("error:") and len(res.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "x").exists()
+
+
+def test_cli_preset_names_match_the_presets():
+    from normswap.cli.convert_cmd import PRESET_NAMES
+
+    assert list(PRESET_NAMES) == presets.names()
+
+
+def test_import_normswap_cli_does_not_import_torch():
+    code = (
+        "import sys; import normswap, normswap.cli; "
+        "bad = [m for m in ('torch', 'transformers') if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_public_names_and_hooks_after_lazy_import():
+    code = (
+        "import normswap, transformers\n"
+        "import normswap.plan, normswap.rotate\n"  # submodule imports must not shadow the functions
+        "assert callable(normswap.plan) and callable(normswap.rotate) and callable(normswap.save)\n"
+        "assert normswap.save is normswap.checkpoint.save\n"
+        "from transformers.models.auto.configuration_auto import CONFIG_MAPPING\n"
+        "assert 'normswap_gpt2' in CONFIG_MAPPING\n"
+        "import transformers.trainer as t\n"
+        "print('ok')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-2000:]

@@ -20,7 +20,6 @@ from typing import Any
 
 import click
 
-from normswap import presets
 from normswap.cli import main
 from normswap.cli.common import (  # noqa: F401 - EXIT_* re-exported for callers of this module
     EXIT_CODES,
@@ -35,6 +34,8 @@ from normswap.cli.common import (  # noqa: F401 - EXIT_* re-exported for callers
 )
 from normswap.errors import NormswapError
 
+# normswap.presets.names(), spelled out so that --help does not import torch (a test keeps it true)
+PRESET_NAMES = ('tiny-bert', 'tiny-bloom', 'tiny-gpt2', 'tiny-opt', 'tiny-phi', 'tiny-vit', 'tiny-whisper')
 MODES = ("auto", "exact", "all")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 TASK_NAMES = (
@@ -124,7 +125,7 @@ Then load it:
 
 \b
 Presets (offline, seeded tiny models with tokenizers/processors):
-  {", ".join(presets.names())}
+  {", ".join(PRESET_NAMES)}
 
 {EXIT_CODES}"""
 
