@@ -66,6 +66,7 @@ import torch
 from normswap.backends import eager
 from normswap.backends._cpu_source import SOURCE
 from normswap.backends._env import env_reader
+from normswap.backends.rows import as_rows, compute_dtype
 from normswap.integrations.tracing import outside_tracing
 
 name = "cpu"
@@ -427,18 +428,6 @@ def _new_output(shape: tuple[int, ...], dtype: torch.dtype, pooled: bool) -> tor
 
 
 # ----------------------------------------------------------------------------------- the call
-def _as_rows(x: torch.Tensor, n: int) -> torch.Tensor:
-    """A (M, N) view of x with unit column stride, copying only when no such view exists."""
-    rows = x.numel() // n if n else 0
-    try:
-        x2 = x.view(rows, n)
-    except RuntimeError:
-        x2 = x.contiguous().view(rows, n)
-    if n > 1 and x2.stride(1) != 1:
-        x2 = x2.contiguous()
-    return x2
-
-
 def _params(p: torch.Tensor | None, dtype: torch.dtype, n: int) -> tuple[torch.Tensor | None, int]:
     if p is None:
         return None, 1
@@ -477,7 +466,7 @@ def _run(
     if x.is_contiguous():
         ptr, row_stride = x.data_ptr(), n
     else:
-        x2 = _as_rows(x, n)
+        x2 = as_rows(x, n)
         ptr, row_stride = x2.data_ptr(), x2.stride(0)
     w, wrows = _params(weight, x.dtype, n)
     b, brows = _params(bias, x.dtype, n)
@@ -509,7 +498,7 @@ def backward_math(
     ``rstd`` (fp32, one per row) is reused when given; for float64 it is recomputed in float64 so
     gradcheck sees full precision. Shared by the ``cpu`` backend and the custom-op backward.
     """
-    cdt = eager.compute_dtype(x.dtype)
+    cdt = compute_dtype(x.dtype)
     n = math.prod(normalized_shape)
     x2 = x.reshape(-1, n).to(cdt)
     if rstd is None or cdt == torch.float64:
@@ -553,8 +542,8 @@ def backward(
     n = math.prod(normalized_shape)
     if k.bwd is None or x.dtype == torch.float64 or x.dtype not in k.dtypes or n == 0 or x.numel() == 0:
         return backward_math(dy, x, rstd, normalized_shape, weight, bias, eps, needs)
-    x2 = _as_rows(x.detach(), n)
-    dy2 = _as_rows(dy.detach().to(x.dtype), n)
+    x2 = as_rows(x.detach(), n)
+    dy2 = as_rows(dy.detach().to(x.dtype), n)
     m = x2.shape[0]
     w, wrows = _params(weight, x.dtype, n)
     prows = max(wrows, bias.numel() // n if bias is not None else 1)

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import torch
 
+from normswap.backends.rows import compute_dtype
+
+__all__ = ["available", "compute_dtype", "rms_norm", "supports"]
 name = "eager"
 
 
@@ -18,11 +21,6 @@ def available() -> tuple[bool, str]:
 
 def supports(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None) -> bool:
     return True
-
-
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """fp64 stays fp64; everything else accumulates in fp32."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def rms_norm(

@@ -29,6 +29,7 @@ import os
 import torch
 
 from normswap.backends import eager, native
+from normswap.backends.rows import as_rows, compute_dtype
 
 name = "triton"
 MAX_N = 32768
@@ -99,27 +100,11 @@ def bwd_launch_config(n: int) -> tuple[int, int]:
     return block_n, _num_warps(block_n)
 
 
-def _as_rows(x: torch.Tensor, n: int) -> torch.Tensor:
-    """(M, N) view with unit column stride; copies only when the layout admits no such view."""
-    rows = x.numel() // n
-    try:
-        x2 = x.view(rows, n)
-    except RuntimeError:
-        x2 = x.contiguous().view(rows, n)
-    if n > 1 and x2.stride(1) != 1:
-        x2 = x2.contiguous()
-    return x2
-
-
 def _prep_param(p: torch.Tensor | None, n: int, x: torch.Tensor) -> tuple[torch.Tensor, int]:
     if p is None:
         return x, 1  # dummy pointer, never read (HAS_* = 0)
     p = p.contiguous()
     return p, p.numel() // n
-
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 # Launch handles. ``kernel[grid](...)`` runs triton's whole launch path on every call (argument
@@ -212,15 +197,15 @@ def forward(
 
     fwd, _ = kernels()
     n = math.prod(normalized_shape)
-    x2 = _as_rows(x, n) if n else x.reshape(-1, 0)
+    x2 = as_rows(x, n) if n else x.reshape(-1, 0)
     m = x2.shape[0]
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     h = torch.empty(x.shape, dtype=x.dtype, device=x.device) if residual is not None else None
-    rstd = torch.empty(m, dtype=_compute_dtype(x.dtype), device=x.device)
+    rstd = torch.empty(m, dtype=compute_dtype(x.dtype), device=x.device)
     if m == 0 or n == 0:
         rstd.fill_(1.0 / math.sqrt(eps) if eps > 0 else math.inf)
         return y, rstd, h
-    r2 = _as_rows(residual, n) if residual is not None else x2
+    r2 = as_rows(residual, n) if residual is not None else x2
     w, wrows = _prep_param(weight, n, x)
     b, brows = _prep_param(bias, n, x)
     param_rows = max(wrows, brows)
@@ -253,15 +238,15 @@ def backward(
     w, wrows = _prep_param(weight, n, x)
     b, brows = _prep_param(bias, n, x)
     heads = max(wrows, brows)
-    x2 = _as_rows(x, n) if n else x.reshape(-1, 0)
+    x2 = as_rows(x, n) if n else x.reshape(-1, 0)
     m = x2.shape[0]
-    acc = _compute_dtype(x.dtype)
+    acc = compute_dtype(x.dtype)
     if m == 0 or n == 0:
         dw = torch.zeros(weight.shape, dtype=weight.dtype, device=x.device) if weight is not None else None
         db = torch.zeros(bias.shape, dtype=bias.dtype, device=x.device) if bias is not None else None
         return dx, dw, db
-    dy2 = _as_rows(dy, n)
-    dres2 = _as_rows(dres, n) if dres is not None else dy2
+    dy2 = as_rows(dy, n)
+    dres2 = as_rows(dres, n) if dres is not None else dy2
     per_head = m // heads
     block_n, warps = bwd_launch_config(n)
     if x.is_cuda:
@@ -354,7 +339,7 @@ def _fwd_op(
 @_fwd_op.register_fake
 def _(x, normalized_shape, weight, bias, eps):
     rows = math.prod(x.shape[: x.dim() - len(normalized_shape)])
-    return x.new_empty(x.shape), x.new_empty((rows,), dtype=_compute_dtype(x.dtype))
+    return x.new_empty(x.shape), x.new_empty((rows,), dtype=compute_dtype(x.dtype))
 
 
 @torch.library.custom_op("normswap::triton_rms_norm_bwd", mutates_args=())
@@ -402,7 +387,7 @@ def _res_fwd_op(
 @_res_fwd_op.register_fake
 def _(x, residual, normalized_shape, weight, bias, eps):
     rows = math.prod(x.shape[: x.dim() - len(normalized_shape)])
-    return x.new_empty(x.shape), x.new_empty(x.shape), x.new_empty((rows,), dtype=_compute_dtype(x.dtype))
+    return x.new_empty(x.shape), x.new_empty(x.shape), x.new_empty((rows,), dtype=compute_dtype(x.dtype))
 
 
 def _res_setup_context(ctx, inputs, output):

@@ -13,7 +13,7 @@ from backend_ref import check_against_reference, make_inputs
 
 import normswap
 from normswap import backends
-from normswap.backends import cpu, eager
+from normswap.backends import cpu, eager, rows
 
 HAVE_CXX = cpu._compiler() is not None
 
@@ -136,9 +136,9 @@ def test_threads_split_rows_identically(dtype):
 def test_row_view_without_copy():
     base = torch.randn(10, 96)
     x = base[:, 16:80]  # row stride 96, unit column stride
-    assert cpu._as_rows(x, 64).data_ptr() == x.data_ptr()
+    assert rows.as_rows(x, 64).data_ptr() == x.data_ptr()
     t = torch.randn(64, 10).t()  # columns strided: must be copied
-    assert cpu._as_rows(t, 64).is_contiguous()
+    assert rows.as_rows(t, 64).is_contiguous()
 
 
 @pytest.mark.skipif(not HAVE_CXX, reason="needs a C++ compiler")

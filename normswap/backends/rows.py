@@ -1,0 +1,25 @@
+"""Helpers every kernel backend shares: the (rows, n) view of an input and the accumulation dtype.
+
+One definition each, so the ``cpu`` and ``triton`` launchers and the ``eager`` reference cannot drift.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Accumulation dtype: float64 stays float64; everything else accumulates in float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def as_rows(x: torch.Tensor, n: int) -> torch.Tensor:
+    """A (rows, n) view of ``x`` with unit column stride, copying only when no such view exists."""
+    rows = x.numel() // n if n else 0
+    try:
+        x2 = x.view(rows, n)
+    except RuntimeError:
+        x2 = x.contiguous().view(rows, n)
+    if n > 1 and x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    return x2
