@@ -1,7 +1,9 @@
 """RMSNorm backends and the rule that picks one.
 
 A backend is a module with ``name``, ``available() -> (bool, reason)``,
-``supports(x, weight, bias) -> bool`` and ``rms_norm(x, normalized_shape, weight, bias, eps)``.
+``supports(x, weight, bias) -> bool`` and ``rms_norm(x, normalized_shape, weight, bias, eps)``, and
+optionally ``bind(x, normalized_shape, weight, bias, grad)`` (a launcher specialised for calls like
+this one; see README.md in this directory).
 They all compute the same function (see ``eager`` for the cast order); they differ in speed.
 
 Backends: ``eager`` (pure PyTorch), ``native`` (``F.rms_norm``), ``cpu`` (fused C++ kernel built at
