@@ -99,11 +99,35 @@ def replace_module(model: nn.Module, old: nn.Module, new: nn.Module) -> list[str
     return paths
 
 
+def center_last(t: torch.Tensor) -> torch.Tensor:
+    """``t`` minus its mean over the last dim; half precision computes in float32 and rounds once
+    (a bf16 mean and a bf16 subtraction would round twice where the LayerNorm it replaces rounds once)."""
+    if t.dtype in (torch.bfloat16, torch.float16):
+        tf = t.float()
+        return (tf - tf.mean(-1, keepdim=True)).to(t.dtype)
+    return t - t.mean(-1, keepdim=True)
+
+
 class CenterOutput:
     """Forward hook: subtract the per-token mean of a module's output (one mean per token)."""
 
     def __call__(self, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
-        return output - output.mean(-1, keepdim=True)
+        if isinstance(module, RMSNorm) and output.dtype in (torch.bfloat16, torch.float16) and args:
+            # A stream-start norm (BLOOM's embedding norm, CLIP's pre_layrnorm): redo it in float32 and
+            # center before the one rounding; centering the rounded output would round twice.
+            return _rms_norm_centered_fp32(module, args[0]).to(output.dtype)
+        return center_last(output)
+
+
+def _rms_norm_centered_fp32(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+    dims = tuple(range(-len(norm.normalized_shape), 0))
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(dims, keepdim=True) + norm.eps)
+    if norm.weight is not None:
+        y = y * norm.weight.float()
+    if norm.bias is not None:
+        y = y + norm.bias.float()
+    return y - y.mean(-1, keepdim=True)
 
 
 class CenterInput:
@@ -115,10 +139,10 @@ class CenterInput:
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict):
         if isinstance(self.arg, int):
             args = list(args)
-            args[self.arg] = args[self.arg] - args[self.arg].mean(-1, keepdim=True)
+            args[self.arg] = center_last(args[self.arg])
             return tuple(args), kwargs
         kwargs = dict(kwargs)
-        kwargs[self.arg] = kwargs[self.arg] - kwargs[self.arg].mean(-1, keepdim=True)
+        kwargs[self.arg] = center_last(kwargs[self.arg])
         return args, kwargs
 
 

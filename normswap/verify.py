@@ -2,7 +2,8 @@
 
 Figures (on the model's primary output: ``logits`` when there is one, else the first floating
 output that is not a raw residual stream):
-``max_abs_error``, ``max_rel_error`` (max abs error / max abs reference), ``kl`` (mean KL of the
+``max_abs_error``, ``max_rel_error`` (max abs error / max abs reference), ``rel_rms_error``
+(‖error‖ / ‖reference‖), ``kl`` (mean KL of the
 softmax over the last dim, reference ‖ converted), ``top1_agreement``.
 """
 
@@ -47,9 +48,12 @@ def figures(reference: torch.Tensor, converted: torch.Tensor) -> dict[str, float
     ref, out = reference.detach().double(), converted.detach().double()
     err = (out - ref).abs()
     scale = float(ref.abs().max()) if ref.numel() else 0.0
+    norm = float(ref.norm()) if ref.numel() else 0.0
     result = {
         "max_abs_error": float(err.max()) if err.numel() else 0.0,
         "max_rel_error": float(err.max()) / scale if scale > 0 else 0.0,
+        # ‖out − ref‖ / ‖ref‖ over the whole output: the stable figure for comparing two roundings
+        "rel_rms_error": float((out - ref).norm()) / norm if norm > 0 else 0.0,
     }
     if ref.dim() >= 1 and ref.shape[-1] > 1 and ref.numel():
         logp_ref = torch.log_softmax(ref, -1)
@@ -70,3 +74,15 @@ def compare(reference: Any, converted: Any, skip: set[str] = frozenset()) -> dic
     result["worst_rel_error_any_output"] = max(figures(ref[k], out[k])["max_rel_error"] for k in keys)
     result["compared"] = keys
     return result
+
+
+def dtype_error_ratio(original: dict[str, Any], converted: dict[str, Any]) -> float | None:
+    """Converted-in-dtype error over original-in-dtype error, both against the float64 original.
+
+    Takes two :func:`compare` results (same reference, same output key) and divides their
+    ``rel_rms_error``. 1.0 means the conversion added nothing to what the dtype costs anyway.
+    """
+    a, b = original.get("rel_rms_error"), converted.get("rel_rms_error")
+    if a is None or b is None or original.get("output") != converted.get("output"):
+        return None
+    return b / a if a > 0 else (1.0 if b == 0 else float("inf"))
