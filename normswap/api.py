@@ -25,7 +25,7 @@ from normswap.errors import NormswapError
 from normswap.integrations import saving
 from normswap.norm import RMSNorm
 from normswap.plan import EXACT_VERDICTS, Plan, SitePlan
-from normswap.verify import compare
+from normswap.verify import compare, dtype_error_ratio
 
 log = logging.getLogger("normswap")
 
@@ -388,11 +388,14 @@ def patch(model: nn.Module, example_inputs: inputs.ExampleInputs = None, *, mode
         measure_cast = user_dtype != work_dtype and verify
         if measure_cast:  # what the cast back to the model's dtype costs, next to what that dtype costs anyway
             with torch.no_grad():
-                figures["original_in_model_dtype"] = compare(reference, model(*args, **kwargs)).get("max_rel_error")
+                in_dtype = compare(reference, model(*args, **kwargs))
+                figures["original_in_model_dtype"] = in_dtype.get("max_rel_error")
         _commit(model, work, plan_, todo, user_dtype, training)
         if measure_cast:
             with torch.no_grad():
-                figures["in_model_dtype"] = compare(reference, model(*args, **kwargs), skip).get("max_rel_error")
+                converted_in_dtype = compare(reference, model(*args, **kwargs), skip)
+                figures["in_model_dtype"] = converted_in_dtype.get("max_rel_error")
+                figures["dtype_error_ratio"] = dtype_error_ratio(in_dtype, converted_in_dtype)
     model._normswap_plan = plan_
     saving.install_save_hooks(model)  # save_pretrained / Trainer.save_model write a native checkpoint
     counts = plan_.counts()
