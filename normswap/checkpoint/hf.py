@@ -46,7 +46,7 @@ def base_type(model_type: str) -> str | None:
     return model_type[len(PREFIX) :] if model_type.startswith(PREFIX) else None
 
 
-def _base_config_class(base: str) -> type:
+def base_config_class(base: str) -> type:
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     if base not in CONFIG_MAPPING or base.startswith(PREFIX):
@@ -58,7 +58,7 @@ def config_class_for(base: str) -> type:
     """The ``normswap_<base>`` config class (created once per process)."""
     if base in _CONFIGS:
         return _CONFIGS[base]
-    base_cls = _base_config_class(base)
+    base_cls = base_config_class(base)
     name = f"Normswap{base_cls.__name__}"
     cls = type(
         name,
@@ -90,7 +90,7 @@ def _register_conversion_mapping(new_key: str, base_key: str) -> None:
         register_checkpoint_conversion_mapping(new_key, mapping, overwrite=True)
 
 
-def _manifest_of(config: Any) -> dict | None:
+def manifest_of(config: Any) -> dict | None:
     manifest = getattr(config, MANIFEST_KEY, None)
     return manifest if isinstance(manifest, dict) and manifest.get("plan") is not None else None
 
@@ -112,7 +112,7 @@ def model_class_for(base: str, class_name: str) -> type:
 
     def __init__(self, config, *args, **kwargs):  # noqa: N807, ANN001
         base_cls.__init__(self, config, *args, **kwargs)
-        manifest = _manifest_of(config)
+        manifest = manifest_of(config)
         if manifest is not None:
             rebuild(self, manifest)
 
@@ -150,7 +150,7 @@ def model_class_for(base: str, class_name: str) -> type:
 
 
 # ------------------------------------------------------------------------------ structure on load
-def _prefix_of(model: nn.Module) -> str:
+def prefix_of(model: nn.Module) -> str:
     prefix = getattr(model, "base_model_prefix", "") or ""
     return prefix if prefix and isinstance(getattr(model, prefix, None), nn.Module) else ""
 
@@ -162,7 +162,7 @@ def rebase_plan(plan_dict: dict, saved_prefix: str, model: nn.Module) -> dict:
     (no prefix) or as another head class. Paths inside the base model are re-prefixed; paths in a
     head the new class does not have (``lm_head``) are dropped.
     """
-    new_prefix = _prefix_of(model)
+    new_prefix = prefix_of(model)
     if saved_prefix == new_prefix:
         return plan_dict
     modules = dict(model.named_modules())
@@ -205,7 +205,7 @@ def rebuild(model: nn.Module, manifest: dict) -> nn.Module:
 
 
 # ------------------------------------------------------------------------------ auto registration
-def _auto_classes() -> list[type]:
+def auto_classes() -> list[type]:
     from transformers.models.auto import modeling_auto
 
     out = []
@@ -230,8 +230,8 @@ def register(base: str) -> type:
 
     if dict.get(CONFIG_MAPPING._extra_content, new_type) is not cfg_cls:
         AutoConfig.register(new_type, cfg_cls, exist_ok=True)
-    base_cfg = _base_config_class(base)
-    for auto in _auto_classes():
+    base_cfg = base_config_class(base)
+    for auto in auto_classes():
         mapping = auto._model_mapping
         try:
             if base_cfg not in mapping or cfg_cls in mapping._extra_content:

@@ -428,10 +428,10 @@ def write_card(out: Path, card: str, source_dir: Path | None = None) -> None:
 
 
 def write_json(path: Path, data: dict) -> None:
-    path.write_text(json.dumps(data, indent=2, sort_keys=True, default=_json_default) + "\n")
+    path.write_text(json.dumps(data, indent=2, sort_keys=True, default=json_default) + "\n")
 
 
-def _json_default(obj: Any) -> Any:
+def json_default(obj: Any) -> Any:
     if isinstance(obj, tuple):
         return list(obj)
     if hasattr(obj, "item"):

@@ -768,7 +768,7 @@ def verify_truncated(
                         "plan": fp.proxy_plan.to_dict(),
                         "base_model_type": base,
                         "architecture": cls.__name__,
-                        "base_model_prefix": hf._prefix_of(meta),
+                        "base_model_prefix": hf.prefix_of(meta),
                     },
                 )
                 target_cls = hf.model_class_for(base, cls.__name__)

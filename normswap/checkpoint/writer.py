@@ -52,7 +52,7 @@ def plan_of(model: nn.Module) -> Plan:
     plan = getattr(model, "_normswap_plan", None)
     if isinstance(plan, Plan):
         return plan
-    manifest = hf._manifest_of(getattr(model, "config", None))
+    manifest = hf.manifest_of(getattr(model, "config", None))
     if manifest is not None:
         return Plan.from_dict(manifest["plan"])
     raise NormswapError(f"{type(model).__name__} has not been converted: run normswap.patch(model) first")
@@ -98,7 +98,7 @@ def versions() -> dict[str, str]:
 
 
 def json_safe(obj: Any) -> Any:
-    return json.loads(json.dumps(obj, default=io._json_default))
+    return json.loads(json.dumps(obj, default=io.json_default))
 
 
 def build_manifest(
@@ -111,14 +111,14 @@ def build_manifest(
     extra: dict | None = None,
 ) -> dict[str, Any]:
     """The ``"normswap"`` section of ``config.json``."""
-    previous = hf._manifest_of(getattr(model, "config", None)) or {}
+    previous = hf.manifest_of(getattr(model, "config", None)) or {}
     if verification is None:
         verification = previous.get("verification", {})
     manifest: dict[str, Any] = {
         "format": fmt,
         "base_model_type": base_model_type(model),
         "architecture": stock_class(model).__name__,
-        "base_model_prefix": hf._prefix_of(model),
+        "base_model_prefix": hf.prefix_of(model),
         "source": source if source is not None else previous.get("source"),
         "counts": plan.counts(),
         "plan": plan.to_dict(),
@@ -138,9 +138,9 @@ def auto_classes_for(model: nn.Module) -> dict[str, str]:
     """``AutoModel*`` names that map the base config to this model's stock class (and ``AutoModel``)."""
     base = base_model_type(model)
     arch = stock_class(model)
-    base_cfg = hf._base_config_class(base)
+    base_cfg = hf.base_config_class(base)
     out: dict[str, str] = {}
-    for auto in hf._auto_classes():
+    for auto in hf.auto_classes():
         mapping = auto._model_mapping
         try:
             target = mapping[base_cfg] if base_cfg in mapping else None
@@ -297,7 +297,7 @@ def stock_config(model: nn.Module) -> Any:
         data = config.to_dict()
         for key in ("auto_map", hf.MANIFEST_KEY, "model_type", "architectures"):
             data.pop(key, None)
-        cfg = hf._base_config_class(base).from_dict(data)
+        cfg = hf.base_config_class(base).from_dict(data)
     for attr in ("auto_map", hf.MANIFEST_KEY):
         if hasattr(cfg, attr):
             delattr(cfg, attr)
