@@ -13,8 +13,9 @@ normswap is not installed:
 
 A fused backend asked for explicitly (``backend="cpu"``/``"triton"`` on the module or call, or
 ``NORMSWAP_BACKEND``) stays a custom op under ``torch.export`` (``normswap::cpu_rms_norm``,
-``normswap::triton_rms_norm_fwd``); such a program needs ``import normswap`` to load, and ONNX export of
-it needs :func:`normswap.integrations.onnx.translation_table`.
+``normswap::triton_rms_norm_fwd``); such a program needs ``import normswap`` to load. ``torch.onnx.export``
+of a model always gets the portable ops (ONNX Runtime brings its own kernels); only an already exported
+program that holds the custom op needs :func:`normswap.integrations.onnx.translation_table`.
 """
 
 from __future__ import annotations
@@ -43,8 +44,8 @@ def export_rms_norm(
     requested = backend if backend != "auto" else env_backend()
     if torch.jit.is_tracing():
         return eager.rms_norm(x, normalized_shape, weight, bias, eps)
-    if requested not in PORTABLE_BACKENDS:
-        return None
+    if requested not in PORTABLE_BACKENDS and not torch.onnx.is_in_onnx_export():
+        return None  # the fused op; ONNX export always gets the portable ops (ONNX Runtime has its own kernels)
     if requested == "eager" or x.dtype not in (torch.float32, torch.float64):
         return eager.rms_norm(x, normalized_shape, weight, bias, eps)
     return native.rms_norm(x, normalized_shape, weight, bias, eps)

@@ -56,3 +56,18 @@ def test_legacy_trace_records_no_kernel_constant(tmp_path):
         ref_b = model(pixel_values=x * 0.5 + 0.1).logits
     assert not torch.equal(a, b)
     assert (b - ref_b).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("opset", [18, 23])
+def test_onnx_export_ignores_an_explicit_fused_backend(tmp_path, opset):
+    """backend="cpu" asked for on every norm: ONNX still gets the portable graph (it failed with
+    "No ONNX function found for normswap.cpu_rms_norm")."""
+    import normswap
+
+    model, inputs = tiny_converted("vit")
+    for m in model.modules():
+        if isinstance(m, normswap.RMSNorm):
+            m.backend = "cpu"
+    r = onnx_roundtrip(model, inputs, dynamo=True, opset=opset, path=tmp_path / "m.onnx")
+    assert r["max_rel"] < TOL, r
+    assert r["rms"] == (rms_norm_count(model) if opset >= 23 else 0)
