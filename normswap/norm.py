@@ -47,14 +47,57 @@ def rms_norm(
         y = export_rms_norm(x, shape, weight, bias, float(eps), backend)
         if y is not None:
             return y
-    elif backend == "auto" and backends.env_backend() == "auto":
-        y = cpu.try_fast(x, shape, weight, bias, float(eps))  # the common CPU call, checked in one go
-        if y is not None:
-            return y
+    else:
+        if backend == "auto" and backends.env_backend() == "auto":
+            y = cpu.try_fast(x, shape, weight, bias, float(eps))  # the common CPU call, checked in one go
+            if y is not None:
+                return y
+        if not torch.compiler.is_compiling():
+            y = _cached_call(x, shape, weight, bias, float(eps), backend)
+            if y is not None:
+                return y
     if tuple(x.shape[x.dim() - len(shape) :]) != shape:
         raise ValueError(f"rms_norm: input shape {tuple(x.shape)} does not end with {shape}")
     impl = backends.resolve(backend, x, weight, bias)
     return impl.rms_norm(x, shape, weight, bias, float(eps))
+
+
+class _FunctionalDecisions:
+    """Decisions for the functional ``rms_norm``, keyed on everything a bound launcher assumes (there is
+    no module to cache on). Dropped by ``backends.refresh()``; bounded (cleared past MAX entries)."""
+
+    MAX = 512
+
+    def __init__(self) -> None:
+        self.impls: dict[tuple, backends.Impl] = {}
+
+    def clear_decisions(self) -> None:
+        self.impls.clear()
+
+
+_FUNCTIONAL = _FunctionalDecisions()
+backends.track(_FUNCTIONAL)
+
+
+def _param_key(p: torch.Tensor | None) -> tuple | None:
+    return None if p is None else (p.dtype, p.device, p.shape, p.requires_grad)
+
+
+def _cached_call(x: torch.Tensor, shape: tuple[int, ...], weight: torch.Tensor | None,
+                 bias: torch.Tensor | None, eps: float, backend: str) -> torch.Tensor | None:
+    """The functional call through a cached decision, or None (then the general path runs)."""
+    grad = torch.is_grad_enabled() and (
+        x.requires_grad or (weight is not None and weight.requires_grad) or (bias is not None and bias.requires_grad))
+    key = (backend, x.device, x.dtype, grad, shape, _param_key(weight), _param_key(bias))
+    impls = _FUNCTIONAL.impls
+    impl = impls.get(key)
+    if impl is None:
+        if tuple(x.shape[x.dim() - len(shape):]) != shape:
+            return None  # the general path raises the shape error
+        if len(impls) >= _FunctionalDecisions.MAX:
+            impls.clear()
+        impl = impls[key] = backends.bind(backend, x, weight, bias, shape)
+    return impl(x, weight, bias, eps)
 
 
 def _general(x: torch.Tensor, w: torch.Tensor | None, b: torch.Tensor | None, eps: float) -> None:

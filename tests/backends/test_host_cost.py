@@ -170,3 +170,18 @@ def test_cuda_decision_is_a_threshold_on_numel(monkeypatch):
     queries = capturing["queries"]
     impl(big, w, None, 1e-6)
     assert picked[-1] == "triton" and capturing["queries"] == queries
+
+
+@pytest.mark.parametrize(("device", "backend"), [("cpu", "native"), ("meta", "auto")])
+def test_functional_calls_decide_once_per_signature(counts, device, backend):
+    # (an explicit backend on CPU: the auto CPU fast path never reaches a decision at all)
+    w = torch.ones(64, device=device)
+    x = torch.randn(4, 64, device=device)
+    for i in range(CALLS):
+        normswap.rms_norm(x[: 1 + i % 4], 64, w, backend=backend)
+    assert counts["normswap.backends.bind"] == 1
+    assert counts["normswap.backends.resolve"] == 0 and counts["normswap.backends.select_for"] <= 1
+    normswap.rms_norm(x, 64, w.double(), backend=backend)  # another parameter dtype: another decision
+    assert counts["normswap.backends.bind"] == 2
+    with pytest.raises(ValueError, match="does not end with"):
+        normswap.rms_norm(x, 32, w, backend=backend)
