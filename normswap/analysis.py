@@ -30,7 +30,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from normswap.plan import CenterHook, FoldEdit, Plan, SitePlan, Untie, WriterEdit
+from normswap.plan import CenterHook, FoldEdit, Plan, ScaleFold, SitePlan, Untie, WriterEdit
 from normswap.trace import Graph, ModuleCall, Op, Value, ValueRef
 from normswap.walker import NormSite
 
@@ -128,6 +128,7 @@ class Analyzer:
         self.stream_writers: set[str] = set()  # module paths that write some norm's input stream
         self._reach_memo: dict[tuple[int, str], Reach] = {}
         self._norm_dep_memo: dict[int, bool] = {}
+        self.layer_scales: dict[int, tuple[str, str, int]] = {}  # mul op -> (λ param, writer path, scaled value)
         self.param_owners: dict[int, list[tuple[str, str]]] = {}
         for mpath, module in model.named_modules(remove_duplicate=False):
             for attr, p in module._parameters.items():
@@ -193,6 +194,9 @@ class Analyzer:
         if op.name in ADD_OPS and len(op.args) >= 2 and isinstance(op.args[0], ValueRef) \
                 and isinstance(op.args[1], ValueRef):
             return self.leaves(op.args[0].id) + self.leaves(op.args[1].id)
+        scaled = self._layer_scale(op)
+        if scaled is not None:
+            return self.leaves(scaled)
         if self._passthrough_back(op):
             if op.name in JOIN_OPS:
                 out = []
@@ -203,6 +207,44 @@ class Analyzer:
                 self.leaves(tensor_args[0].id)
         where = self._call_of_op(op)
         return [Term(value.id, "op", f"`{op.name}`" + (f" in `{where}`" if where else ""), where or None)]
+
+    def _layer_scale(self, op: Op) -> int | None:
+        """LayerScale (BEiT, Data2Vec-vision, DINOv2): ``λ ⊙ writer(x)`` with a per-feature parameter λ.
+
+        λ folds into the writer's output rows (``W ← diag(λ) W``, ``b ← λ ⊙ b``) and is set to 1, after
+        which the writer is centered like any other. Recognised when the product's other factor is
+        the output of one Linear/Conv1D call (through identity ops, each value read once) and λ is
+        used by this product alone. Returns the scaled value's id (recorded in ``self.layer_scales``).
+        """
+        if op.index in self.layer_scales:
+            return self.layer_scales[op.index][2]
+        if op.name not in ("mul", "__mul__", "__rmul__", "mul_", "__imul__") or len(op.args) != 2 \
+                or op.kwargs or not all(isinstance(a, ValueRef) for a in op.args):
+            return None
+        a, b = (self.graph.values[r.id] for r in op.args)
+        param, other = (a, b) if a.source == "param" else (b, a) if b.source == "param" else (None, None)
+        if param is None or other.source == "param" or not other.shape or param.shape[-1:] != other.shape[-1:] \
+                or math.prod(param.shape) != param.shape[-1] or len(param.consumers) != 1:
+            return None
+        if len(self.param_owners.get(id(param.tensor), [])) != 1:
+            return None  # λ shared between modules
+        v = other
+        while True:  # back through dropout/casts to the writer call
+            if len(v.consumers) != 1:
+                return None
+            wcall = self._writer_call(v.id)
+            if wcall is not None:
+                break
+            prod = self.graph.producer(v)
+            if prod is None or prod.name not in IDENTITY_OPS or not prod.args \
+                    or not isinstance(prod.args[0], ValueRef):
+                return None
+            v = self.graph.values[prod.args[0].id]
+        kind = writer_kind(wcall.module)
+        if kind not in ("linear", "conv1d") or len(self.calls_per_path.get(wcall.path, [])) != 1:
+            return None
+        self.layer_scales[op.index] = (param.name, wcall.path, other.id)
+        return other.id
 
     def _passthrough_back(self, op: Op) -> bool:
         if op.name in IDENTITY_OPS or op.name in JOIN_OPS or op.name in PAD_OPS:
@@ -311,6 +353,8 @@ class Analyzer:
             if not (op.args and isinstance(op.args[0], ValueRef) and op.args[0].id in tracked):
                 return None
             return {op.outputs[0]: maps[op.args[0].id]}
+        if op.index in self.layer_scales and len(tracked) == 1 and tracked[0] == self.layer_scales[op.index][2]:
+            return {op.outputs[0]: maps[tracked[0]].broadcast_to(out_shape)}  # λ is folded and set to 1
         if op.name in SCALE_OPS:
             t = tracked[0]
             if len(tracked) != 1 or not self._scale_ok(op, t):
@@ -737,6 +781,10 @@ def analyse(model: nn.Module, graph: Graph, sites: list[NormSite], *, untie: boo
         plan.sites.append(sp)
 
     plan.writer_edits = sorted(edits.values(), key=lambda e: e.target)
+    centered_owners = {e.owner for e in edits.values()}
+    plan.scale_folds = sorted({ScaleFold(param, path, writer_kind(an.modules[path]))
+                               for param, path, _ in an.layer_scales.values() if path in centered_owners},
+                              key=lambda f: f.param)
     plan.unties = list(unties.values())
     plan.hooks = [h for h, _ in hooks.values()]
     changed = {o for _, r in hooks.values() for o in r.outputs}

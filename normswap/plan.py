@@ -38,6 +38,15 @@ class FoldEdit:
     gamma: bool
 
 
+@dataclass(frozen=True)
+class ScaleFold:
+    """Fold a per-feature LayerScale ``param`` (λ) into writer ``into``'s output rows; λ becomes 1."""
+
+    param: str
+    into: str  # module path of the Linear / Conv1D whose output λ scales
+    kind: str  # linear | conv1d
+
+
 @dataclass
 class CenterHook:
     """Subtract the per-token mean of a module's ``output`` or of one ``input`` argument."""
@@ -91,6 +100,7 @@ class Plan:
     folds: list[FoldEdit] = field(default_factory=list)
     hooks: list[CenterHook] = field(default_factory=list)
     unties: list[Untie] = field(default_factory=list)
+    scale_folds: list[ScaleFold] = field(default_factory=list)  # LayerScale λ folded into writers (first)
     changed_outputs: list[str] = field(default_factory=list)
     options: dict[str, Any] = field(default_factory=dict)
 
@@ -115,6 +125,8 @@ class Plan:
             extra.append(f"{len(self.folds)} reader folds")
         if self.hooks:
             extra.append(f"{len(self.hooks)} centering op(s)")
+        if self.scale_folds:
+            extra.append(f"{len(self.scale_folds)} layer scale(s) folded")
         if self.unties:
             extra.append(f"{len(self.unties)} tie(s) broken (+{self.untied_parameters:,} params)")
         return f"{len(self.sites)} LayerNorm(s): {counts or 'none'}" + (f"; {'; '.join(extra)}" if extra else "")
@@ -154,6 +166,7 @@ class Plan:
             folds=[FoldEdit(**f) for f in data.get("folds", [])],
             hooks=[CenterHook(**h) for h in data.get("hooks", [])],
             unties=[Untie(**u) for u in data.get("unties", [])],
+            scale_folds=[ScaleFold(**f) for f in data.get("scale_folds", [])],
             changed_outputs=list(data.get("changed_outputs", [])),
             options=dict(data.get("options", {})),
         )

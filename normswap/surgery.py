@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from normswap.norm import RMSNorm
-from normswap.plan import CenterHook, FoldEdit, Plan, SitePlan, Untie, WriterEdit
+from normswap.plan import CenterHook, FoldEdit, Plan, ScaleFold, SitePlan, Untie, WriterEdit
 from normswap.walker import NormSite
 
 
@@ -48,6 +48,20 @@ def mark_untied(model: nn.Module) -> None:
 
 def center_writer(model: nn.Module, e: WriterEdit) -> None:
     _center_(model.get_parameter(e.target), e.axis, e.blocks)
+
+
+def fold_layer_scale(model: nn.Module, sf: ScaleFold) -> None:
+    """``λ ⊙ (W x + b) = (diag(λ) W) x + λ ⊙ b``, then λ ← 1 (float64, cast once)."""
+    lam = model.get_parameter(sf.param)
+    scale = lam.detach().double().reshape(-1)
+    module = model.get_submodule(sf.into)
+    with torch.no_grad():
+        w = module.weight.detach().double()
+        w = w * scale[None, :] if sf.kind == "conv1d" else w * scale[:, None]
+        module.weight.copy_(w.to(module.weight.dtype))
+        if module.bias is not None:
+            module.bias.copy_((module.bias.detach().double() * scale).to(module.bias.dtype))
+        lam.fill_(1.0)
 
 
 def fold_into_reader(model: nn.Module, f: FoldEdit, gamma: torch.Tensor | None, beta: torch.Tensor | None) -> None:
@@ -168,6 +182,8 @@ def apply_weight_edits(model: nn.Module, plan: Plan, sites: dict[str, NormSite],
         untie(model, u)
     if plan.unties:
         mark_untied(model)
+    for sf in plan.scale_folds:  # before centering: the centered rows are the scaled ones
+        fold_layer_scale(model, sf)
     for e in plan.writer_edits:
         center_writer(model, e)
     for f in plan.folds:

@@ -27,8 +27,10 @@ NOT_READY = {
     "clip": "last_hidden_state",
     "pegasus": "encoder_last_hidden_state",
     "wav2vec2-stable": "not a Linear",  # feature-extractor norms feed a conv stack
+    "dinov2": "`cat`",  # the classifier reads [cls, mean of patches] concatenated
 }
-FULLY_BLOCKED = {"bloom", "clip-vision", "xglm", "mbart", "m2m100", "clip-text", "clip", "pegasus", "wav2vec2-stable"}
+FULLY_BLOCKED = {"bloom", "clip-vision", "xglm", "mbart", "m2m100", "clip-text", "clip", "pegasus", "wav2vec2-stable",
+                 "dinov2"}
 
 
 def _build(name):

@@ -6,6 +6,8 @@ are in eval mode and float64, so an exact conversion must match to ~1e-15.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import transformers as tf
 from torch import nn
@@ -104,9 +106,16 @@ MORE = {
         hidden_sizes=[16, 32], depths=[1, 1], num_stages=2, image_size=32)), "approximate"),
     "swin": (lambda: (tf.SwinForImageClassification, tf.SwinConfig(
         image_size=32, patch_size=4, embed_dim=16, depths=[1, 1], num_heads=[2, 2], window_size=4)), "approximate"),
+    # LayerScale λ folds into the writer's rows (then λ = 1): exact
     "beit-layerscale": (lambda: (tf.BeitForImageClassification, tf.BeitConfig(
         image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-        intermediate_size=64, use_mean_pooling=False)), "approximate"),
+        intermediate_size=64, use_mean_pooling=False)), "exact"),
+    "data2vec-vision": (lambda: (tf.Data2VecVisionForImageClassification, tf.Data2VecVisionConfig(
+        image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=64, use_mean_pooling=False)), "exact"),
+    "dinov2": (lambda: (tf.Dinov2ForImageClassification, tf.Dinov2Config(
+        image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, mlp_ratio=2)),
+        "exact"),
 }
 
 APPROXIMATE = {
@@ -139,6 +148,8 @@ def randomise(model: nn.Module, seed: int = 0) -> nn.Module:
                 p.copy_(base + 0.3 * torch.randn(p.shape, generator=gen))
             elif p.dim() == 2 and "norm" in name.lower():  # per-head norm params (cohere)
                 p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=gen))
+            if "lambda" in leaf:  # LayerScale (BEiT, DINOv2): per-channel, so a fold that ignores it shows
+                p.copy_(0.1 + 0.05 * torch.randn(p.shape, generator=gen))
     return model.double().eval()
 
 
@@ -164,3 +175,59 @@ def float64_reference(model: nn.Module, example_inputs=None) -> nn.Module:
         module = ref.get_submodule(site.path)
         module.forward = lambda x, *a, _s=site, _m=module, **k: _s.reference(_m, x)
     return ref
+
+
+def matrix() -> str:
+    """The README's supported-architecture matrix, generated from this zoo (``python -m tests.zoo``).
+
+    Per entry: verdict counts (default options), whether ``fold_gamma=True`` + ``normswap.rotate``
+    rotates the residual stream (or the plan's reason why not), and the bf16 ``dtype_error_ratio``
+    of the converted model rounded once after the float64 surgery (shipped backends).
+    """
+    import warnings
+
+    import normswap
+    from normswap.api import default_dtype
+    from normswap.inputs import cast_inputs, hf_example_inputs
+    from normswap.verify import compare, dtype_error_ratio
+
+    entries = [(n, EXACT[n]) for n in sorted(EXACT)] + [(n, MORE[n][0]) for n in sorted(MORE)] \
+        + [(n, APPROXIMATE[n]) for n in sorted(APPROXIMATE)]
+    rows = ["| zoo entry | model class | verdicts | rotation (fold_gamma=True) | bf16 ratio |", "|---|---|---|---|---|"]
+    for name, factory in entries:
+        torch.manual_seed(0)
+        cls, config = factory()
+        model = randomise(cls(config))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            plan = normswap.plan(model)
+            counts = ", ".join(f"{n} {v}" for v, n in plan.counts().items() if n)
+            rotated = copy.deepcopy(model)
+            normswap.patch(rotated, fold_gamma=True, mode="exact")
+            rot = normswap.rotate(rotated, 0)
+            if rot.rotated and not rot.skipped:
+                rotation = "yes"
+            elif rot.rotated:
+                rotation = "partly: " + rot.skipped[0]["reason"]
+            else:
+                rotation = "no: " + rot.skipped[0]["reason"] if rot.skipped else "no"
+            ratio = "-"
+            if all(s.verdict != "approximate" for s in plan.sites):
+                converted = copy.deepcopy(model)
+                report = normswap.patch(converted)
+                probe = hf_example_inputs(model, batch=8, seq=32, seed=11)
+                with torch.no_grad(), default_dtype(torch.float64):
+                    ref = model(**probe)
+                args, kwargs = cast_inputs((), probe, torch.bfloat16)
+                with torch.no_grad():
+                    a = compare(ref, copy.deepcopy(model).to(torch.bfloat16)(*args, **kwargs))
+                    b = compare(ref, converted.to(torch.bfloat16)(*args, **kwargs), set(report.plan.changed_outputs))
+                r = dtype_error_ratio(a, b)
+                ratio = f"{r:.2f}" if r is not None else "-"
+        rotation = rotation.replace("|", "/")
+        rows.append(f"| `{name}` | `{cls.__name__}` | {counts} | {rotation} | {ratio} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(matrix())
