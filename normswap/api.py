@@ -467,6 +467,7 @@ def _commit(model: nn.Module, work: nn.Module, plan_: Plan, todo: list[SitePlan]
         surgery.mark_untied(model)
     names = {e.target for e in plan_.writer_edits}
     names |= {f"{u.module}.{u.attr}" if u.module else u.attr for u in plan_.unties}
+    names |= {sf.param for sf in plan_.scale_folds}  # LayerScale λ, folded into its writer and set to 1
     for f in plan_.folds:
         names |= ({f"{f.reader}.weight"} if f.gamma else set()) | ({f"{f.reader}.bias"} if f.beta else set())
     with torch.no_grad():
