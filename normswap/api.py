@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from normswap import backends, inputs, surgery, trace, walker
+from normswap import backends, calibrate, inputs, surgery, trace, walker
 from normswap.analysis import analyse
 from normswap.errors import NormswapError
 from normswap.integrations import saving
@@ -44,11 +44,14 @@ class Report:
     plan: Plan | None = None
     message: str = ""
     changed: bool = False
+    calibration: calibrate.CalibrationResult | None = None
 
     def __str__(self) -> str:
         lines = [self.message] if self.message else []
         if self.plan is not None:
             lines.append(self.plan.summary())
+        if self.calibration is not None:
+            lines.append(self.calibration.summary())
         if self.verification:
             figs = ", ".join(f"{k}={v:.3g}" for k, v in self.verification.items() if isinstance(v, float))
             lines.append(f"verification: {figs}")
@@ -237,23 +240,6 @@ def plan(model: nn.Module, example_inputs: inputs.ExampleInputs = None, *, mode:
 
 
 # ---------------------------------------------------------------------------------- patch
-def _batches(calibration: Any) -> list[tuple[tuple, dict]]:
-    if calibration is None:
-        return []
-    items = calibration if isinstance(calibration, list) else [calibration]
-    out = []
-    for item in items:
-        if isinstance(item, dict):
-            out.append(((), dict(item)))
-        elif isinstance(item, tuple):
-            out.append((item, {}))
-        elif isinstance(item, torch.Tensor):
-            out.append(((item,), {}))
-        else:
-            raise NormswapError("calibration must be a tensor, a tuple, a dict of model inputs, or a list of them")
-    return out
-
-
 @contextlib.contextmanager
 def _capture(modules: dict[str, nn.Module]) -> Iterator[dict[str, list[tuple[torch.Tensor, torch.Tensor]]]]:
     """Record (input, output) of each named module during the forwards run inside the block."""
@@ -271,28 +257,11 @@ def _capture(modules: dict[str, nn.Module]) -> Iterator[dict[str, list[tuple[tor
             h.remove()
 
 
-def _fit_rmsnorm(pairs: list[tuple[torch.Tensor, torch.Tensor]], site: walker.NormSite) -> tuple[torch.Tensor,
-                                                                                              torch.Tensor]:
-    """Per-channel least squares ``y_i ≈ g_i u_i + b_i`` with ``u = x / rms(x)``: the min-MSE RMSNorm."""
-    dims = tuple(range(-len(site.normalized_shape), 0))
-    us, ys = [], []
-    for x, y in pairs:
-        x, y = x.double(), y.double()
-        u = x * torch.rsqrt(x.pow(2).mean(dims, keepdim=True) + site.eps)
-        us.append(u.reshape(-1, *site.param_shape))
-        ys.append(y.reshape(-1, *site.param_shape))
-    u, y = torch.cat(us), torch.cat(ys)
-    mu_u, mu_y = u.mean(0), y.mean(0)
-    var_u = (u - mu_u).pow(2).mean(0)
-    cov = ((u - mu_u) * (y - mu_y)).mean(0)
-    g = torch.where(var_u > 1e-12, cov / var_u.clamp_min(1e-12), torch.ones_like(var_u))
-    return g, mu_y - g * mu_u
-
-
 def patch(model: nn.Module, example_inputs: inputs.ExampleInputs = None, *, mode: str = "auto",
           fold_gamma: bool = False, untie: bool = True, calibration: Any = None, verify: bool = True,
           per_norm_centering: bool = False,
-          backend: str = "auto") -> Report:
+          backend: str = "auto", tokenizer: Any = None, sequential: bool = True,
+          allow_unusable: bool = False) -> Report:
     """Convert ``model``'s LayerNorms to :class:`normswap.RMSNorm`, in place, verified.
 
     Args:
@@ -307,11 +276,24 @@ def patch(model: nn.Module, example_inputs: inputs.ExampleInputs = None, *, mode
         untie: clone tied output heads so the input embedding can be centered (default). ``False``
             keeps ties and centers at run time instead.
         calibration: inputs (or a list of them) used to fit approximate norms by least squares.
+            ``None`` (default): a built-in set (the package's English sentences with the model's
+            tokenizer, or generated ids/images/audio; the example inputs for custom models).
+            ``False``: no fit, γ/β copied unchanged (not recommended for deep Post-LN models).
         verify: compare against the float64 original and refuse conversions that miss tolerance.
         backend: RMSNorm backend for the new modules.
+        tokenizer: tokenizer for the built-in calibration text (default: the model's own, when it
+            was loaded from a local directory that has one).
+        sequential: fit approximate norms one after another on the converted model's own
+            activations (default) rather than each on the original's.
+        allow_unusable: convert even when the held-out figures say the result is unusable
+            (embedding cosine < 0.9 or top-1 agreement < 0.5 against the original).
 
     Returns:
-        A :class:`Report` with per-norm verdicts and verification figures.
+        A :class:`Report` with per-norm verdicts, verification figures and the calibration used.
+
+    Raises:
+        NormswapError: bad input or failed verification; the model is left unchanged.
+        calibrate.UnusableConversion: the approximate conversion is unusable (``exit_code`` 4).
     """
     _check_options(mode, backend)
     preflight(model)
@@ -349,27 +331,36 @@ def patch(model: nn.Module, example_inputs: inputs.ExampleInputs = None, *, mode
             surgery.install_hook(work, h)
 
         approx = [sp for sp in todo if sp.verdict == "approximate"]
-        fits: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        calib = _batches(calibration)
-        if approx and calib:
-            with _capture({sp.name: originals[sp.name] for sp in approx}) as seen, torch.no_grad(), \
-                    default_dtype(work_dtype):
-                for cargs, ckw in calib:
-                    cargs, ckw = inputs.cast_inputs(cargs, ckw, work_dtype)
-                    work(*cargs, **ckw)
-            for sp in approx:
-                site = an.sites[sp.name]
-                if site.weight_attr is not None and site.bias_attr is not None and seen[sp.name]:
-                    fits[sp.name] = _fit_rmsnorm(seen[sp.name], site)
-            plan_.options["calibration_batches"] = len(calib)
-
         new_modules = {}
-        for sp in todo:
-            new = surgery.make_rmsnorm(an.sites[sp.name], sp, originals[sp.name], backend, fits.get(sp.name))
-            surgery.replace_module(work, originals[sp.name], new)
-            new_modules[sp.name] = new
-        for h in plan_.hooks:  # again: a hook on a norm that was just replaced went with it
-            surgery.install_hook(work, h)
+
+        def swap(sps: list[SitePlan], fits: dict) -> None:
+            for sp in sps:
+                new = surgery.make_rmsnorm(an.sites[sp.name], sp, originals[sp.name], backend, fits.get(sp.name))
+                surgery.replace_module(work, originals[sp.name], new)
+                new_modules[sp.name] = new
+            for h in plan_.hooks:  # again: a hook on a norm that was just replaced went with it
+                surgery.install_hook(work, h)
+
+        # exact norms first: the approximate ones are then fitted inside the model as it will run
+        swap([sp for sp in todo if sp.verdict != "approximate"], {})
+        calib = None
+        if approx and calibration is not False:
+            with default_dtype(work_dtype):
+                calib = _calibrate(work, approx, an.sites, originals, calibration, example_inputs, wargs,
+                                   wkwargs, tokenizer, sequential, work_dtype)
+            plan_.options["calibration"] = calib.as_dict()
+            plan_.options["calibration_batches"] = calib.batches
+            reason = calibrate.unusable(calib.figures)
+            if verify and reason and not allow_unusable:
+                raise calibrate.UnusableConversion(
+                    f"conversion unusable: {reason} (held-out, {calib.source}); model left unchanged. "
+                    "Calibrate on data from your domain (calibration=... / --calibration-data), keep "
+                    "approximate norms as LayerNorm (mode='exact'), or recover with the distillation "
+                    "recipe (normswap finetune distill-encoder|distill-masked-lm|distill-causal-lm); "
+                    "allow_unusable=True / --allow-unusable writes it anyway")
+        elif approx:
+            plan_.options["calibration"] = {"source": "none (γ/β copied unchanged)"}
+        swap(approx, {n: (f.weight, f.bias) for n, f in (calib.fits.items() if calib else [])})
 
         with _capture(new_modules) as seen, torch.no_grad(), default_dtype(work_dtype):
             converted = work(*wargs, **wkwargs)
@@ -401,7 +392,41 @@ def patch(model: nn.Module, example_inputs: inputs.ExampleInputs = None, *, mode
     counts = plan_.counts()
     message = (f"converted {len(todo)} of {len(plan_.sites)} LayerNorm(s)"
                f" ({sum(counts[v] for v in EXACT_VERDICTS)} exact, {len(approx)} approximate)")
-    return Report(plan_.sites, figures, plan_, message, changed=True)
+    if calib is not None:
+        message += f"; {calib.summary()}"
+        figures.update({f"heldout_{k}": v for k, v in calib.figures.items()})
+    elif approx:
+        message += "; no calibration (γ/β copied unchanged)"
+    return Report(plan_.sites, figures, plan_, message, changed=True, calibration=calib)
+
+
+def _calibrate(work: nn.Module, approx: list[SitePlan], sites: dict, originals: dict, calibration: Any,
+               example_inputs: inputs.ExampleInputs, args: tuple, kwargs: dict, tokenizer: Any,
+               sequential: bool, dtype: torch.dtype) -> calibrate.CalibrationResult:
+    """Fit the approximate norms (still LayerNorms in ``work``) and measure on held-out inputs."""
+    device = next((p.device for p in work.parameters()), torch.device("cpu"))
+
+    def move(t: Any) -> Any:
+        return t.to(device) if isinstance(t, torch.Tensor) else t
+
+    def call(batch: calibrate.Batch) -> calibrate.Batch:
+        a, k = inputs.cast_inputs(*batch, dtype)
+        return tuple(move(x) for x in a), {n: move(v) for n, v in k.items()}
+
+    hf = inputs.is_hf_model(work) and example_inputs is None
+    held_out: list[calibrate.Batch] = []
+    if hf:  # built-in held-out batches (other seed): never fitted on, whichever data the fit used
+        held_out, _ = calibrate.builtin_batches(work, tokenizer, batches=2, batch_size=16, seed=7)
+    if calibration is not None:
+        fit, source = calibrate.user_batches(calibration), "user calibration data"
+    elif hf:
+        fit, source = calibrate.builtin_batches(work, tokenizer, batches=4, batch_size=16, seed=0)
+    else:
+        fit, source = [(args, kwargs)], "the example inputs (custom model: pass calibration= for a better fit)"
+    if not held_out:
+        held_out = [(args, kwargs)]
+    targets = [calibrate.Target(sp.name, originals[sp.name], sites[sp.name]) for sp in approx]
+    return calibrate.calibrate(work, targets, fit, held_out, source=source, sequential=sequential, call=call)
 
 
 def _site_checks(plan_: Plan, todo: list[SitePlan], seen: dict, originals: dict, sites: dict,

@@ -78,7 +78,9 @@ class LossConfig:
     positions: Literal["all", "masked"] = "all"
     pooled_weight: float = 1.0
     hidden_weight: float = 1.0
-    pooling: Literal["mean", "cls"] = "mean"
+    similarity_weight: float = 0.0
+    similarity_temperature: float = 0.05
+    pooling: Literal["auto", "mean", "cls"] = "auto"
 
 
 @dataclass
@@ -495,6 +497,7 @@ def validate(cfg: RecipeConfig, *, check_paths: bool = True) -> None:
         ("loss.ce_weight", cfg.loss.ce_weight, True),
         ("loss.pooled_weight", cfg.loss.pooled_weight, True),
         ("loss.hidden_weight", cfg.loss.hidden_weight, True),
+        ("loss.similarity_weight", cfg.loss.similarity_weight, True),
         ("convert.calibration_batches", cfg.convert.calibration_batches, True),
         ("progressive.group_size", cfg.progressive.group_size, False),
         ("progressive.interval", cfg.progressive.interval, False),
@@ -521,7 +524,8 @@ def validate(cfg: RecipeConfig, *, check_paths: bool = True) -> None:
     if cfg.data.seq_len < 4:
         raise NormswapError(f"config key `data.seq_len` must be at least 4, got {cfg.data.seq_len}")
     # losses: something must be trained, and teacher terms need a teacher
-    distill = cfg.loss.kl_weight if cfg.task != "encoder" else cfg.loss.pooled_weight + cfg.loss.hidden_weight
+    encoder_weight = cfg.loss.pooled_weight + cfg.loss.hidden_weight + cfg.loss.similarity_weight
+    distill = cfg.loss.kl_weight if cfg.task != "encoder" else encoder_weight
     if not cfg.teacher.enabled:
         if cfg.task == "encoder":
             raise NormswapError(
@@ -556,7 +560,8 @@ def validate(cfg: RecipeConfig, *, check_paths: bool = True) -> None:
             )
     allowed = {
         "causal-lm": ("kl", "top1_agreement", "ppl"),
-        "encoder": ("cosine", "hidden_rel_mse"),
+        "encoder": ("cosine", "hidden_rel_mse", "top1_neighbour_agreement", "recall_at_10",
+                    "similarity_spearman"),
         "masked-lm": ("kl", "top1_agreement", "kl_masked", "top1_agreement_masked", "ppl"),
     }[cfg.task]
     if cfg.eval.metric is not None and cfg.eval.metric not in allowed:
@@ -589,7 +594,8 @@ def selection_metric(cfg: RecipeConfig) -> tuple[str, bool]:
     name = cfg.eval.metric or (
         "cosine" if cfg.task == "encoder" else ("kl" if cfg.teacher.enabled else "ppl")
     )
-    return name, name in ("cosine", "top1_agreement", "top1_agreement_masked")
+    return name, name in ("cosine", "top1_agreement", "top1_agreement_masked", "top1_neighbour_agreement",
+                          "recall_at_10", "similarity_spearman")
 
 
 def _cuda_available() -> bool:

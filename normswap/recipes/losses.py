@@ -5,6 +5,10 @@
 * ``lm_ce``: cross-entropy on labels (next token for causal LMs, masked tokens for MLM).
 * ``pooled_cosine``: ``1 − cos`` between pooled sentence embeddings.
 * ``hidden_relative_mse``: ``‖s − t‖² / ‖t‖²`` per token (scale-free, so one weight fits any model).
+* ``similarity_kl``: KL between the teacher's and the student's in-batch similarity distributions
+  (each row: softmax over the cosine similarities of one sentence to the others, at temperature τ).
+  It matches the *neighbour structure* a retrieval user sees, which ``1 − cos`` alone does not: two
+  embeddings can each be 0.999 cosine to their originals and still swap their nearest neighbour.
 """
 
 from __future__ import annotations
@@ -64,3 +68,24 @@ def hidden_relative_mse(
     s, t = student_hidden.float(), teacher_hidden.float()
     per_token = (s - t).pow(2).sum(-1) / t.pow(2).sum(-1).clamp_min(1e-12)
     return masked_mean(per_token, attention_mask)
+
+
+def similarity_kl(
+    student_pooled: torch.Tensor, teacher_pooled: torch.Tensor, temperature: float = 0.05
+) -> torch.Tensor:
+    """Mean over rows of ``KL(softmax(t_sim/τ) ‖ softmax(s_sim/τ))``, the diagonal excluded.
+
+    ``t_sim``/``s_sim`` are the cosine-similarity matrices of the batch's pooled embeddings. A batch
+    of fewer than 3 sentences has no neighbour structure to match: the loss is 0 then.
+    """
+    n = student_pooled.shape[0]
+    if n < 3:
+        return student_pooled.sum() * 0.0
+    s = F.normalize(student_pooled.float(), dim=-1)
+    t = F.normalize(teacher_pooled.float(), dim=-1)
+    eye = torch.eye(n, dtype=torch.bool, device=s.device)
+    s_sim = (s @ s.T / temperature).masked_fill(eye, float("-inf"))
+    t_sim = (t @ t.T / temperature).masked_fill(eye, float("-inf"))
+    log_s = F.log_softmax(s_sim, dim=-1).masked_fill(eye, 0.0)
+    log_t = F.log_softmax(t_sim, dim=-1).masked_fill(eye, 0.0)
+    return (log_t.exp() * (log_t - log_s)).sum(-1).mean()

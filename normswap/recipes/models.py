@@ -38,6 +38,34 @@ def auto_class(task: str) -> Any:
     }[task]
 
 
+def sentence_pooling(path: str | None) -> str | None:
+    """``"mean"`` or ``"cls"`` from a sentence-transformers directory (``modules.json`` ->
+    the Pooling module's ``config.json``, else ``1_Pooling/config.json``); None when absent."""
+    import json
+    from pathlib import Path
+
+    if not path or not Path(path).is_dir():
+        return None
+    root = Path(path)
+    candidates = [root / "1_Pooling" / "config.json"]
+    try:
+        modules = json.loads((root / "modules.json").read_text())
+        candidates = [root / m["path"] / "config.json" for m in modules
+                      if str(m.get("type", "")).endswith("Pooling")] + candidates
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    for cfg_path in candidates:
+        try:
+            cfg = json.loads(cfg_path.read_text())
+        except (OSError, ValueError):
+            continue
+        if cfg.get("pooling_mode_cls_token"):
+            return "cls"
+        if cfg.get("pooling_mode_mean_tokens") or cfg.get("pooling_mode_mean_sqrt_len_tokens"):
+            return "mean"
+    return None
+
+
 def load_tokenizer(cfg: ModelConfig) -> Any:
     from transformers import AutoTokenizer
 
@@ -134,6 +162,7 @@ def build_student(
                 calibration=calibration or None,
                 verify=conv.verify,
                 backend=conv.backend,
+                allow_unusable=True,  # recovering an unusable conversion is what the recipe is for
             )
         plan = getattr(model, "_normswap_plan", report.plan)
         model._normswap_plan = plan
@@ -142,6 +171,7 @@ def build_student(
             "mode": mode or conv.mode,
             "message": report.message,
             "calibration_batches": len(calibration),
+            "calibration": report.calibration.summary() if report.calibration is not None else None,
             "verdicts": plan.counts() if plan is not None else {},
             "verification": {k: v for k, v in report.verification.items() if isinstance(v, (int, float))},
         }
@@ -334,8 +364,7 @@ def swap_stage(
     ``broadcast(tensor)`` (multi-process runs) copies rank 0's fitted values to every process, so
     data-parallel replicas stay identical whatever the floating-point order of the fits.
     """
-    from normswap import surgery
-    from normswap.api import _capture, _fit_rmsnorm
+    from normswap import calibrate, surgery
 
     base = base_model(model)
     plan: Plan = base._normswap_plan
@@ -345,14 +374,15 @@ def swap_stage(
     if calibration:
         was_training = base.training
         base.eval()
-        with _capture(modules) as seen, torch.no_grad():
-            for batch in calibration:
-                base(**{k: v.to(device) if device is not None else v for k, v in batch.items()})
+        targets = [calibrate.Target(n, modules[n], prog.sites[n]) for n in names]
+
+        def move(batch: calibrate.Batch) -> calibrate.Batch:
+            return batch[0], {k: v.to(device) if device is not None else v for k, v in batch[1].items()}
+
+        # the norms of one stage are swapped together: each is fitted on the student as it is now
+        found = calibrate.fit_norms(base, targets, [((), b) for b in calibration], sequential=False, call=move)
         base.train(was_training)
-        for n in names:
-            site = prog.sites[n]
-            if site.weight_attr is not None and site.bias_attr is not None and seen[n]:
-                fits[n] = _fit_rmsnorm(seen[n], site)
+        fits = {n: (f.weight, f.bias) for n, f in found.items()}
     for n in names:
         site, old = prog.sites[n], modules[n]
         sp: SitePlan = plan.site(n)

@@ -124,7 +124,7 @@ def _loss(
     lc, parts = cfg.loss, {}
     total = torch.zeros((), device=batch["input_ids"].device)
     if cfg.task == "encoder":
-        s_h, t_h = metrics_mod._hidden(out), metrics_mod._hidden(t_out)
+        s_h, t_h = metrics_mod.hidden_of(out), metrics_mod.hidden_of(t_out)
         if lc.pooled_weight:
             cos = losses.pooled_cosine(s_h, t_h, batch["attention_mask"], lc.pooling)
             total = total + lc.pooled_weight * cos
@@ -133,11 +133,19 @@ def _loss(
             mse = losses.hidden_relative_mse(s_h, t_h, batch["attention_mask"])
             total = total + lc.hidden_weight * mse
             parts["hidden_loss"] = float(mse.detach())
+        if lc.similarity_weight:
+            sim = losses.similarity_kl(
+                losses.pool(s_h.float(), batch["attention_mask"], lc.pooling),
+                losses.pool(t_h.float(), batch["attention_mask"], lc.pooling),
+                lc.similarity_temperature,
+            )
+            total = total + lc.similarity_weight * sim
+            parts["similarity_loss"] = float(sim.detach())
         return total, parts
-    logits = metrics_mod._logits(out)
+    logits = metrics_mod.logits_of(out)
     if t_out is not None and lc.kl_weight:
         mask = batch["attention_mask"] if lc.positions == "all" else batch["labels"] != -100
-        kl = losses.kl_logits(logits, metrics_mod._logits(t_out), mask, lc.temperature)
+        kl = losses.kl_logits(logits, metrics_mod.logits_of(t_out), mask, lc.temperature)
         total = total + lc.kl_weight * kl
         parts["kl_loss"] = float(kl.detach())
     if lc.ce_weight:
@@ -272,6 +280,11 @@ def run(
     set_seed(cfg.train.seed)
     device = accelerator.device
     console = _Console(main, False, 0, 0)
+
+    if cfg.loss.pooling == "auto":  # the sentence-transformers pooling when the model ships one
+        cfg.loss.pooling = models_mod.sentence_pooling(cfg.model.source or cfg.model.student) or "mean"
+        if cfg.task == "encoder":
+            console.print(f"pooling: {cfg.loss.pooling}")
 
     # ---- data
     tokenizer = models_mod.load_tokenizer(cfg.model)

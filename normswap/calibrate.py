@@ -1,0 +1,485 @@
+"""Calibration of approximate norms: fit each replacement RMSNorm by streamed least squares.
+
+A Post-LN norm cannot be swapped exactly, so its RMSNorm gets the per-channel ``g, b`` that best
+reproduce the LayerNorm's output: regress ``y_i`` (the original norm's output) on
+``u_i = x_i / rms(x)`` over calibration tokens. Two ways to choose ``x``:
+
+* **sequential** (the default, GPTQ-style): norm ``k`` is fitted on the inputs that the model
+  produces when norms ``0..k-1`` are *already* the fitted RMSNorms, against the outputs of the
+  original model. Each fit then corrects the error accumulated before it instead of compounding it.
+* **independent**: every norm on the original model's own activations (one pass; what a
+  progressive schedule does for the norms it swaps at one time).
+
+Memory is bounded: only per-channel running sums (``n, Σu, Σy, Σu², Σuy, Σy²``) are kept, never the
+activations; one norm output per batch is alive at a time.
+
+Without user data, :func:`builtin_batches` builds a small set from the package's own English
+sentences (``normswap/data/calibration_en.txt``), tokenised with the model's tokenizer when one can
+be found locally, or plausible token ids / generated images / generated audio features otherwise.
+
+:func:`measure` compares the calibrated model to the original on held-out batches in the figures
+a user compares (embedding cosine and nearest-neighbour agreement for encoders, top-1 agreement and
+KL for models with logits); :class:`UnusableConversion` is raised by the caller when they say the
+result is unusable.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from importlib import resources
+from typing import Any
+
+import torch
+from torch import nn
+
+from normswap import inputs
+from normswap.errors import NormswapError
+from normswap.verify import comparable, primary_key
+
+Batch = tuple[tuple, dict]
+# below these figures (against the original, on held-out calibration inputs) a model is unusable
+MIN_COSINE = 0.9
+MIN_TOP1 = 0.5
+
+
+class UnusableConversion(NormswapError):
+    """The converted model is too far from the original to be used (CLI exit code 4)."""
+
+    exit_code = 4
+
+
+@dataclass
+class NormFit:
+    """The fitted ``weight``/``bias`` of one approximate norm and its residuals.
+
+    ``residual_before`` is the relative RMS error of the norm's output with γ/β copied unchanged,
+    ``residual_after`` with the fitted values, both on the inputs the fit saw.
+    """
+
+    name: str
+    weight: torch.Tensor
+    bias: torch.Tensor
+    residual_before: float
+    residual_after: float
+    tokens: int
+
+
+@dataclass
+class CalibrationResult:
+    """What calibration did: which data, how, the per-norm fits and the held-out figures."""
+
+    source: str
+    method: str
+    batches: int
+    eval_batches: int
+    fits: dict[str, NormFit] = field(default_factory=dict)
+    figures: dict[str, float] = field(default_factory=dict)
+
+    def summary(self) -> str:
+        """One line for reports: the data, the method and the held-out figures."""
+        figs = ", ".join(f"{k}={v:.4g}" for k, v in self.figures.items())
+        return (f"calibration: {self.source}, {self.method}, {self.batches} batch(es)"
+                + (f"; held-out vs original: {figs}" if figs else ""))
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-friendly form for manifests and reports."""
+        return {
+            "source": self.source, "method": self.method, "batches": self.batches,
+            "eval_batches": self.eval_batches, "figures": dict(self.figures),
+            "residuals": {n: {"before": f.residual_before, "after": f.residual_after}
+                          for n, f in self.fits.items()},
+        }
+
+
+# ------------------------------------------------------------------------------ built-in data
+def builtin_sentences() -> list[str]:
+    """The package's calibration sentences (a few hundred varied English sentences)."""
+    text = resources.files("normswap").joinpath("data/calibration_en.txt").read_text(encoding="utf-8")
+    return [line.strip() for line in text.splitlines() if line.strip() and not line.startswith("#")]
+
+
+def find_tokenizer(model: nn.Module) -> Any | None:
+    """The model's tokenizer when it was loaded from a local directory that has one, else None."""
+    config = getattr(model, "config", None)
+    path = getattr(config, "_name_or_path", None) or getattr(config, "name_or_path", None)
+    if not path or not os.path.isdir(str(path)):
+        return None
+    try:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except Exception:  # noqa: BLE001 - no tokenizer files, or one transformers cannot read
+        return None
+    if getattr(tok, "pad_token", None) is None:
+        tok.pad_token = getattr(tok, "eos_token", None) or getattr(tok, "unk_token", None)
+    return tok if getattr(tok, "pad_token", None) is not None else None
+
+
+def _passages(n: int, seed: int, per: int = 3) -> list[str]:
+    sents = builtin_sentences()
+    rng = random.Random(seed)
+    order = list(range(len(sents)))
+    rng.shuffle(order)
+    out = []
+    for i in range(n):
+        k = 1 + (i % per)  # passages of 1, 2 and 3 sentences: short and longer inputs
+        out.append(" ".join(sents[order[(i * per + j) % len(order)]] for j in range(k)))
+    return out
+
+
+def _smooth_images(shape: tuple[int, ...], gen: torch.Generator, dtype: torch.dtype) -> torch.Tensor:
+    """Images with natural-image-like structure: low-frequency colour fields plus fine texture."""
+    b, c, h, w = shape
+    coarse = torch.randn(b, c, 4, 4, generator=gen, dtype=torch.float64)
+    img = torch.nn.functional.interpolate(coarse, size=(h, w), mode="bilinear", align_corners=False)
+    img = img + 0.25 * torch.randn(b, c, h, w, generator=gen, dtype=torch.float64)
+    return img.to(dtype)
+
+
+def builtin_batches(model: nn.Module, tokenizer: Any = None, *, batches: int = 4, batch_size: int = 16,
+                    seq_len: int = 64, seed: int = 0) -> tuple[list[Batch], str]:
+    """``batches`` calibration batches for a transformers model, and a description of them.
+
+    Text models use the built-in sentences with ``tokenizer`` (or the model's own, found locally);
+    without one, token ids drawn over the vocabulary. Vision and speech inputs are generated
+    (smooth random images, random log-mel-like features) at the model's expected shapes.
+    """
+    tok = tokenizer if tokenizer is not None else find_tokenizer(model)
+    probe = inputs.hf_example_inputs(model, batch=1, seq=4, seed=seed)
+    text_only = "input_ids" in probe and not any(k in probe for k in ("pixel_values", "input_features",
+                                                                      "input_values"))
+    out: list[Batch] = []
+    if tok is not None and text_only:
+        limit = min(seq_len, int(getattr(getattr(model, "config", None), "max_position_embeddings", seq_len)
+                                 or seq_len) - 2)
+        texts = _passages(batches * batch_size, seed)
+        for i in range(batches):
+            enc = tok(texts[i * batch_size:(i + 1) * batch_size], padding=True, truncation=True,
+                      max_length=max(8, limit), return_tensors="pt")
+            kw = {k: v for k, v in enc.items() if k in probe or k == "attention_mask"}
+            for k, v in probe.items():  # decoder ids and the like: what the model also needs
+                if k not in kw and isinstance(v, torch.Tensor) and v.dtype == torch.long:
+                    kw[k] = kw["input_ids"].clone() if k.startswith("decoder_input") else v
+            out.append(((), kw))
+        return out, f"built-in English sentences ({batches * batch_size} passages, model tokenizer)"
+    for i in range(batches):
+        kw = inputs.hf_example_inputs(model, batch=batch_size, seq=seq_len, seed=seed + 1000 + i)
+        if "pixel_values" in kw:
+            gen = torch.Generator().manual_seed(seed + i)
+            kw["pixel_values"] = _smooth_images(tuple(kw["pixel_values"].shape), gen, kw["pixel_values"].dtype)
+        out.append(((), kw))
+    kinds = [k for k in ("pixel_values", "input_features", "input_values") if k in probe]
+    what = {"pixel_values": "generated images", "input_features": "generated audio features",
+            "input_values": "generated audio"}
+    desc = ", ".join(what[k] for k in kinds) or "token ids drawn over the vocabulary (no tokenizer found)"
+    return out, f"built-in {desc} ({batches} x {batch_size})"
+
+
+def user_batches(calibration: Any) -> list[Batch]:
+    """Normalise user calibration (a tensor, tuple, dict of model inputs, or a list of them)."""
+    items = calibration if isinstance(calibration, list) else [calibration]
+    out: list[Batch] = []
+    for item in items:
+        if isinstance(item, dict):
+            out.append(((), dict(item)))
+        elif isinstance(item, tuple):
+            out.append((item, {}))
+        elif isinstance(item, torch.Tensor):
+            out.append(((item,), {}))
+        else:
+            raise NormswapError("calibration must be a tensor, a tuple, a dict of model inputs, or a list of them")
+    return out
+
+
+# ------------------------------------------------------------------------------ streamed fit
+class _Stop(Exception):
+    """Raised by a hook to end a forward pass once the activation it wanted is captured."""
+
+
+class _Sums:
+    """Per-channel running sums for ``y ≈ g u + b`` (float64)."""
+
+    def __init__(self) -> None:
+        self.n = 0
+        self.s: dict[str, torch.Tensor] = {}
+
+    def add(self, u: torch.Tensor, y: torch.Tensor) -> None:
+        u, y = u.double(), y.double()
+        parts = {"u": u.sum(0), "y": y.sum(0), "uu": (u * u).sum(0), "uy": (u * y).sum(0), "yy": (y * y).sum(0)}
+        for k, v in parts.items():
+            self.s[k] = self.s[k] + v if k in self.s else v
+        self.n += u.shape[0]
+
+    def fit(self) -> tuple[torch.Tensor, torch.Tensor]:
+        n, s = self.n, self.s
+        mu_u, mu_y = s["u"] / n, s["y"] / n
+        var_u = s["uu"] / n - mu_u * mu_u
+        cov = s["uy"] / n - mu_u * mu_y
+        ok = var_u > 1e-12 * (s["uu"] / n).clamp_min(1e-30)
+        g = torch.where(ok, cov / var_u.clamp_min(1e-300), torch.ones_like(var_u))
+        return g, mu_y - g * mu_u
+
+    def residual(self, g: torch.Tensor, b: torch.Tensor) -> float:
+        """``sqrt(Σ(y − g u − b)² / Σy²)`` from the sums alone."""
+        s, n = self.s, self.n
+        sq = (s["yy"] - 2 * g * s["uy"] - 2 * b * s["y"] + g * g * s["uu"] + 2 * g * b * s["u"] + n * b * b)
+        den = float(s["yy"].sum())
+        return (max(float(sq.sum()), 0.0) / den) ** 0.5 if den > 0 else 0.0
+
+
+@dataclass
+class Target:
+    """One norm to fit: its module in the model, its identified site (a ``walker.NormSite``)."""
+
+    name: str
+    module: nn.Module
+    site: Any
+
+    def normalise(self, x: torch.Tensor) -> torch.Tensor:
+        """``u = x / rms(x)`` flattened to ``[tokens, *param_shape]``."""
+        dims = tuple(range(-len(self.site.normalized_shape), 0))
+        xd = x.double()
+        u = xd * torch.rsqrt(xd.pow(2).mean(dims, keepdim=True) + self.site.eps)
+        return u.reshape(-1, *self.site.param_shape)
+
+    def apply(self, x: torch.Tensor, g: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        u = self.normalise(x)
+        return (u * g + b).reshape(x.shape).to(x.dtype)
+
+    def copied(self) -> tuple[torch.Tensor, torch.Tensor]:
+        shape = self.site.param_shape
+        gamma, beta = self.site.gamma(self.module), self.site.beta(self.module)
+        g = gamma.detach().double().reshape(shape) if gamma is not None else torch.ones(shape, dtype=torch.float64)
+        b = beta.detach().double().reshape(shape) if beta is not None else torch.zeros(shape, dtype=torch.float64)
+        return g, b
+
+
+class _Router:
+    """Forward hooks on every target: pass through, capture, stop, or stand in for the fitted RMSNorm."""
+
+    def __init__(self, targets: list[Target]) -> None:
+        self.targets = {t.name: t for t in targets}
+        self.student = False  # True: fitted targets output their RMSNorm instead of the LayerNorm
+        self.fitted: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.want: str | None = None  # capture this target's input (student) or output (teacher), then stop
+        self.got: torch.Tensor | None = None
+        self.order: list[str] = []
+
+    def hook(self, name: str) -> Callable:
+        def fn(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+            x = args[0] if args else next(iter(kwargs.values()))
+            if name not in self.order:
+                self.order.append(name)
+            if name == self.want:
+                self.got = (x if self.student else output).detach()
+                raise _Stop
+            if self.student and name in self.fitted:
+                g, b = self.fitted[name]
+                return self.targets[name].apply(x, g.to(x.device), b.to(x.device))
+            return None
+        return fn
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[_Router]:
+        handles = [t.module.register_forward_hook(self.hook(n), with_kwargs=True)
+                   for n, t in self.targets.items()]
+        try:
+            yield self
+        finally:
+            for h in handles:
+                h.remove()
+
+
+def _run(model: nn.Module, batch: Batch, router: _Router, *, student: bool, want: str | None) -> Any:
+    router.student, router.want, router.got = student, want, None
+    args, kwargs = batch
+    try:
+        with torch.no_grad():
+            out = model(*args, **kwargs)
+    except _Stop:
+        return router.got
+    finally:
+        router.want = None
+    return out if want is None else None
+
+
+def fit_norms(model: nn.Module, targets: list[Target], batches: list[Batch], *, sequential: bool = True,
+              call: Callable[[Batch], Batch] | None = None) -> dict[str, NormFit]:
+    """Fit every target's RMSNorm ``g, b`` by streamed least squares on ``batches``.
+
+    Args:
+        model: the model holding the target LayerNorms (they stay LayerNorms; nothing is replaced).
+        targets: the norms to fit. Targets without both γ and β are not fitted.
+        batches: ``(args, kwargs)`` inputs for ``model``.
+        sequential: fit norm ``k`` on the inputs produced with norms ``0..k-1`` already replaced by
+            their fits (in execution order), against the original outputs. ``False``: every norm
+            on the original activations, in one pass per batch.
+        call: maps a batch to what the model is called with (device/dtype moves), default identity.
+
+    Returns:
+        ``{name: NormFit}`` in execution order.
+    """
+    prep = call or (lambda b: b)
+    fittable = [t for t in targets if t.site.weight_attr is not None and t.site.bias_attr is not None]
+    if not fittable or not batches:
+        return {}
+    router = _Router(fittable)
+    fits: dict[str, NormFit] = {}
+    with router.installed():
+        _run(model, prep(batches[0]), router, student=False, want=None)  # learn the execution order
+        order = [n for n in router.order if n in router.targets]
+        order += [t.name for t in fittable if t.name not in order]
+        if not sequential:
+            sums = {n: _Sums() for n in order}
+            grab: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+            handles = [router.targets[n].module.register_forward_hook(
+                lambda m, a, o, n=n: grab.__setitem__(n, (a[0].detach(), o.detach()))) for n in order]
+            try:
+                for batch in batches:
+                    grab.clear()
+                    _run(model, prep(batch), router, student=False, want=None)
+                    for n, (x, y) in grab.items():
+                        t = router.targets[n]
+                        sums[n].add(t.normalise(x), y.double().reshape(-1, *t.site.param_shape))
+                    grab.clear()
+            finally:
+                for h in handles:
+                    h.remove()
+        for n in order:
+            t = router.targets[n]
+            if sequential:
+                s = _Sums()
+                for batch in batches:
+                    b = prep(batch)
+                    y = _run(model, b, router, student=False, want=n)
+                    x = _run(model, b, router, student=True, want=n)
+                    if x is None or y is None:
+                        continue
+                    s.add(t.normalise(x), y.double().reshape(-1, *t.site.param_shape))
+                    del x, y
+            else:
+                s = sums[n]
+            if s.n == 0:
+                continue
+            g, b_ = s.fit()
+            g0, b0 = t.copied()
+            fits[n] = NormFit(n, g, b_, s.residual(g0, b0), s.residual(g, b_), s.n)
+            router.fitted[n] = (g, b_)
+    return fits
+
+
+# ------------------------------------------------------------------------------ measurement
+def _pooled(hidden: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    h = hidden.double()
+    if h.dim() == 2:
+        return h
+    if mask is None or mask.shape != h.shape[:2]:
+        return h.mean(1) if h.dim() == 3 else h.reshape(h.shape[0], -1)
+    m = mask.to(h.dtype).unsqueeze(-1)
+    return (h * m).sum(1) / m.sum(1).clamp_min(1.0)
+
+
+def neighbour_figures(teacher: torch.Tensor, student: torch.Tensor) -> dict[str, float]:
+    """Retrieval figures of embeddings ``[n, d]`` against the original's (n ≥ 3).
+
+    ``top1_neighbour_agreement``: share of items whose nearest other item (cosine) is the same;
+    ``recall_at_10``: share of the original's 10 nearest neighbours among the converted ones';
+    ``similarity_spearman``: Spearman correlation of all pairwise similarities.
+    """
+    n = teacher.shape[0]
+    if n < 3:
+        return {}
+    t = torch.nn.functional.normalize(teacher.double(), dim=-1)
+    s = torch.nn.functional.normalize(student.double(), dim=-1)
+    st, ss = t @ t.T, s @ s.T
+    eye = torch.eye(n, dtype=torch.bool)
+    st_m, ss_m = st.masked_fill(eye, -2.0), ss.masked_fill(eye, -2.0)
+    top1 = float((st_m.argmax(1) == ss_m.argmax(1)).double().mean())
+    k = min(10, n - 1)
+    nt, ns = st_m.topk(k, dim=1).indices, ss_m.topk(k, dim=1).indices
+    hits = (nt.unsqueeze(2) == ns.unsqueeze(1)).any(2).double().mean()
+    iu = torch.triu_indices(n, n, 1)
+    a, b = st[iu[0], iu[1]], ss[iu[0], iu[1]]
+
+    def rank(v: torch.Tensor) -> torch.Tensor:
+        r = torch.empty_like(v)
+        r[v.argsort()] = torch.arange(v.numel(), dtype=v.dtype)
+        return r
+
+    ra, rb = rank(a), rank(b)
+    ra, rb = ra - ra.mean(), rb - rb.mean()
+    rho = float((ra * rb).sum() / (ra.norm() * rb.norm()).clamp_min(1e-30))
+    return {"top1_neighbour_agreement": top1, "recall_at_10": float(hits), "similarity_spearman": rho}
+
+
+def measure(model: nn.Module, targets: list[Target], fits: dict[str, NormFit], batches: list[Batch],
+            call: Callable[[Batch], Batch] | None = None) -> dict[str, float]:
+    """Original vs calibrated model (fits standing in for their LayerNorms) on ``batches``.
+
+    Models with logits: ``top1_agreement``, ``top5_agreement`` (the original's top-1 is in the
+    converted model's top 5), ``kl``. Others: ``cosine`` of mean-pooled embeddings (attention mask
+    respected) and the :func:`neighbour_figures`. Streamed per batch; only pooled embeddings are kept.
+    """
+    prep = call or (lambda b: b)
+    router = _Router(targets)
+    router.fitted = {n: (f.weight, f.bias) for n, f in fits.items()}
+    acc = {"agree": 0.0, "agree5": 0.0, "kl": 0.0, "n": 0.0}
+    emb_t: list[torch.Tensor] = []
+    emb_s: list[torch.Tensor] = []
+    with router.installed():
+        for batch in batches:
+            b = prep(batch)
+            ref = comparable(_run(model, b, router, student=False, want=None), set())
+            out = comparable(_run(model, b, router, student=True, want=None), set())
+            mask = b[1].get("attention_mask")
+            if "logits" in ref and "logits" in out:
+                rt, ro = ref["logits"].double(), out["logits"].double()
+                lt, lo = torch.log_softmax(rt, -1), torch.log_softmax(ro, -1)
+                sel = mask.bool() if mask is not None and mask.shape == rt.shape[:-1] else torch.ones(
+                    rt.shape[:-1], dtype=torch.bool)
+                acc["agree"] += float((rt.argmax(-1) == ro.argmax(-1))[sel].sum())
+                top5 = ro.topk(min(5, ro.shape[-1]), -1).indices
+                acc["agree5"] += float((top5 == rt.argmax(-1, keepdim=True)).any(-1)[sel].sum())
+                acc["kl"] += float((lt.exp() * (lt - lo)).sum(-1)[sel].sum())
+                acc["n"] += float(sel.sum())
+                continue
+            key = "last_hidden_state" if "last_hidden_state" in ref else primary_key(ref)
+            if key is None or key not in out:
+                continue
+            emb_t.append(_pooled(ref[key], mask))
+            emb_s.append(_pooled(out[key], mask))
+    if acc["n"]:
+        return {"top1_agreement": acc["agree"] / acc["n"], "top5_agreement": acc["agree5"] / acc["n"],
+                "kl": acc["kl"] / acc["n"]}
+    if not emb_t:
+        return {}
+    t, s = torch.cat(emb_t), torch.cat(emb_s)
+    figs = {"cosine": float(torch.nn.functional.cosine_similarity(t, s, dim=-1).mean())}
+    figs.update(neighbour_figures(t, s))
+    return figs
+
+
+def unusable(figures: dict[str, float]) -> str | None:
+    """Why ``figures`` (from :func:`measure`) mean an unusable model, or None when usable."""
+    cos = figures.get("cosine")
+    if cos is not None and cos < MIN_COSINE:
+        return f"embedding cosine to the original {cos:.3f} < {MIN_COSINE}"
+    top1 = figures.get("top1_agreement", figures.get("top1_neighbour_agreement"))
+    if top1 is not None and top1 < MIN_TOP1:
+        what = "top-1 agreement" if "top1_agreement" in figures else "top-1 neighbour agreement"
+        return f"{what} with the original {top1:.3f} < {MIN_TOP1}"
+    return None
+
+
+def calibrate(model: nn.Module, targets: list[Target], fit_batches: list[Batch], eval_batches: list[Batch], *,
+              source: str, sequential: bool = True, call: Callable[[Batch], Batch] | None = None
+              ) -> CalibrationResult:
+    """Fit ``targets`` on ``fit_batches`` and measure the result on ``eval_batches``."""
+    fits = fit_norms(model, targets, fit_batches, sequential=sequential, call=call)
+    figures = measure(model, targets, fits, eval_batches, call=call) if eval_batches else {}
+    return CalibrationResult(source, "sequential least squares" if sequential else "independent least squares",
+                             len(fit_batches), len(eval_batches), fits, figures)
