@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -457,3 +458,146 @@ def test_public_names_and_hooks_after_lazy_import():
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-2000:]
+
+
+# ------------------------------------------------------------------------------------ README exit codes
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def readme_exit_codes() -> dict[int, set[str]]:
+    """The README's exit-code table: code -> the commands that can return it."""
+    text = README.read_text()
+    table = text[text.index("| code | meaning | commands |") :].split("\n\n")[0]
+    rows = {}
+    for line in table.splitlines()[2:]:
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        rows[int(cells[0])] = {c.strip() for c in cells[2].split(",")}
+    return rows
+
+
+def _interrupt(monkeypatch, target: str, attr: str) -> None:
+    import importlib
+
+    def raise_interrupt(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(importlib.import_module(target), attr, raise_interrupt)
+
+
+def _scenarios(tmp_path: Path, gpt2_dir: Path, monkeypatch) -> dict[tuple[int, str], Callable]:
+    """One way to get each (exit code, command) of the table; each returns the CLI arguments."""
+    import transformers
+
+    out = tmp_path / "o"
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("hello world\n" * 4)
+    ft = ["finetune", "distill-causal-lm", f"model.source={gpt2_dir}", f"data.path={corpus}",
+          f"output.dir={tmp_path / 'run'}"]
+
+    def converted() -> Path:
+        d = tmp_path / "conv"
+        if not d.exists():
+            assert run("convert", str(gpt2_dir), "--out", str(d), "-q")[0] == 0
+        return d
+
+    def llama() -> Path:
+        d = tmp_path / "llama"
+        cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                       num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32)
+        transformers.LlamaForCausalLM(cfg).save_pretrained(d)
+        return d
+
+    def finetune_ok() -> list[str]:
+        import normswap.recipes
+
+        class Result:
+            stopped_early, steps, tokens, train_time_s, model_dir = False, 1, 8, 0.1, "m"
+
+        monkeypatch.setattr(normswap.recipes, "run", lambda cfg: Result())
+        return ft
+
+    def verify_fails() -> list[str]:
+        from normswap.checkpoint import verify_dirs
+
+        d = converted()
+        original = verify_dirs.compare
+
+        def worse(a, b, skip):  # an exact conversion that misses its tolerance
+            figs = original(a, b, skip)
+            figs["max_rel_error"] = 1.0
+            return figs
+
+        monkeypatch.setattr(verify_dirs, "compare", worse)
+        return ["verify", str(gpt2_dir), str(d)]
+
+    def convert_fails() -> list[str]:
+        from normswap.checkpoint import conversion
+
+        monkeypatch.setattr(conversion, "check_agreement", _raise_verification)
+        return ["convert", str(gpt2_dir), "--out", str(out)]
+
+    def interrupted(target: str, attr: str, args: list[str]) -> Callable[[], list[str]]:
+        def go() -> list[str]:
+            _interrupt(monkeypatch, target, attr)
+            return args
+
+        return go
+
+    bench = ["bench", "--shapes", "8x64", "--rounds", "1", "--target-ms", "0.2", "--dtype", "fp32"]
+    return {
+        (0, "convert"): lambda: ["convert", "tiny-gpt2", "--out", str(out), "-q"],
+        (0, "inspect"): lambda: ["inspect", "tiny-gpt2"],
+        (0, "verify"): lambda: ["verify", str(gpt2_dir), str(converted())],
+        (0, "finetune"): finetune_ok,
+        (0, "bench"): lambda: bench,
+        (0, "backends"): lambda: ["backends"],
+        (1, "convert"): lambda: ["convert", str(tmp_path / "missing"), "--out", str(out)],
+        (1, "inspect"): lambda: ["inspect", str(tmp_path / "missing")],
+        (1, "verify"): lambda: ["verify", "tiny-gpt2", str(tmp_path / "missing")],
+        (1, "finetune"): lambda: ["finetune", "no-such-recipe"],
+        (1, "bench"): lambda: ["bench", "--device", "cuda"] if not torch.cuda.is_available() else None,
+        (2, "convert"): lambda: ["convert", "tiny-gpt2", "--out", str(out), "--mode", "bogus"],
+        (2, "inspect"): lambda: ["inspect", "tiny-gpt2", "--mode", "bogus"],
+        (2, "verify"): lambda: ["verify", "tiny-gpt2", str(out), "--tolerance", "-1"],
+        (2, "finetune"): lambda: [*ft, "train.lr=abc"],
+        (2, "bench"): lambda: ["bench", "--rounds", "many"],
+        (3, "convert"): lambda: ["convert", str(converted()), "--out", str(out)],
+        (3, "inspect"): lambda: ["inspect", str(llama())],
+        (4, "convert"): convert_fails,
+        (4, "verify"): verify_fails,
+        (130, "convert"): interrupted("normswap.checkpoint.source", "load_model",
+                                      ["convert", str(gpt2_dir), "--out", str(out)]),
+        (130, "inspect"): interrupted("normswap.checkpoint.source", "load_model", ["inspect", str(gpt2_dir)]),
+        (130, "verify"): interrupted("normswap.checkpoint.verify_dirs", "compare",
+                                     ["verify", str(gpt2_dir), str(converted())]),
+        (130, "finetune"): interrupted("normswap.recipes", "run", ft),
+        (130, "bench"): interrupted("normswap.backends.bench", "run", bench),
+    }
+
+
+def _raise_verification(verification):
+    from normswap.errors import VerificationFailed
+
+    raise VerificationFailed("verification failed: simulated; nothing was written")
+
+
+def test_readme_exit_code_table_is_true_for_every_command(tmp_path, gpt2_dir, monkeypatch):
+    table = readme_exit_codes()
+    assert set(table) == {0, 1, 2, 3, 4, 130}
+    scenarios = _scenarios(tmp_path, gpt2_dir, monkeypatch)
+    claimed = {(code, cmd) for code, cmds in table.items() for cmd in cmds}
+    assert claimed == set(scenarios), claimed ^ set(scenarios)
+    for code, cmd in sorted(claimed):
+        with monkeypatch.context() as m:
+            scenarios_m = _scenarios(tmp_path, gpt2_dir, m)
+            args = scenarios_m[(code, cmd)]()
+            if args is None:
+                continue
+            got, _, err, _ = run(*args)
+            assert got == code, (code, cmd, err[-500:])
+            if code:
+                assert "Traceback" not in err
+                if code != 2:
+                    assert len([ln for ln in err.splitlines() if ln.startswith("error:")]) == 1, (code, cmd, err)
+        shutil.rmtree(tmp_path / "o", ignore_errors=True)
+        shutil.rmtree(tmp_path / "run", ignore_errors=True)

@@ -8,7 +8,7 @@ import click
 
 from normswap.cli import main
 from normswap.cli.common import handle_errors
-from normswap.errors import UsageError
+from normswap.errors import NormswapError, UsageError
 
 SPREAD_WARN = 1.5  # max/min of the per-round ratios beyond which a ratio is not to be trusted
 
@@ -96,12 +96,12 @@ def bench_cmd(device: str, dtypes: tuple[str, ...], shapes: str, passes: tuple[s
     from normswap.backends import bench
 
     if device == "cuda" and not torch.cuda.is_available():
-        raise click.ClickException("--device cuda: no CUDA device here")
+        raise NormswapError("--device cuda: no CUDA device here; use --device cpu")
     try:
         dts = [bench.parse_dtype(d) for d in dtypes]
         shape_list = bench.parse_shapes(shapes)
     except ValueError as exc:
-        raise click.BadParameter(str(exc)) from exc
+        raise UsageError(f"{exc} (--dtype / --shapes)") from exc
     records = bench.run(device, dts, shape_list, passes, rounds=rounds, target_ms=target_ms,
                         compile_=compile_)
     click.echo(bench.table(records))

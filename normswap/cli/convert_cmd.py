@@ -14,7 +14,6 @@ Exit codes (all three commands):
 from __future__ import annotations
 
 import json
-import sys
 import warnings
 from typing import Any
 
@@ -472,4 +471,4 @@ def verify(
         click.echo(f"figures: {_figures(result['figures'])}")
         click.echo(result["verdict"])
     if not result["ok"]:
-        sys.exit(EXIT_VERIFY)
+        fail(f"verification failed: {result['verdict']}", EXIT_VERIFY)
