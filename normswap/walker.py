@@ -126,6 +126,14 @@ def _reduce_options(module: nn.Module, x: torch.Tensor, params: list[torch.Tenso
 
 def identify(path: str, module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> NormSite | SkippedNorm | None:
     """Match the captured ``y = module(x)`` against LayerNorm / RMSNorm formulas (float64)."""
+    if isinstance(module, nn.GroupNorm):
+        if module.num_groups == 1:
+            return SkippedNorm(path, type(module).__name__,
+                               "GroupNorm(1, C) is a LayerNorm over (C, H, W), but H×W changes with the input, so "
+                               "no fixed-shape RMSNorm replaces it; kept (PoolFormer's writers, pooling minus "
+                               "identity, could not be centered anyway)")
+        return SkippedNorm(path, type(module).__name__,
+                           f"GroupNorm with {module.num_groups} groups is not a LayerNorm; kept")
     x64, y64 = x.detach().double(), y.detach().double()
     direct = [(n, p) for n, p in module._parameters.items() if p is not None]
     tol = 1e-5 if x.dtype in (torch.float32, torch.float64) else 2e-2

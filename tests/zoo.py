@@ -104,6 +104,16 @@ MORE = {
     "marian": (lambda: (tf.MarianMTModel, tf.MarianConfig(**ENC_DEC)), "approximate"),
     "convnext": (lambda: (tf.ConvNextForImageClassification, tf.ConvNextConfig(
         hidden_sizes=[16, 32], depths=[1, 1], num_stages=2, image_size=32)), "approximate"),
+    # channels-first LayerNorm after a depthwise conv that reads the stream: no exact conversion
+    "convnextv2": (lambda: (tf.ConvNextV2ForImageClassification, tf.ConvNextV2Config(
+        hidden_sizes=[16, 32], depths=[1, 1], num_stages=2, image_size=32)), "approximate"),
+    # Swin-V2: the block norms read one Linear each (exact); the final norm reads a post-norm stream
+    "swinv2": (lambda: (tf.Swinv2ForImageClassification, tf.Swinv2Config(
+        image_size=32, patch_size=4, embed_dim=16, depths=[1, 1], num_heads=[2, 2], window_size=4)), "approximate"),
+    # GroupNorm(1, C): recognised and kept, with the reason (walker.identify)
+    "poolformer": (lambda: (tf.PoolFormerForImageClassification, tf.PoolFormerConfig(
+        hidden_sizes=[16, 32], depths=[1, 1], num_encoder_blocks=2, patch_sizes=[7, 3], strides=[4, 2],
+        padding=[2, 1], num_attention_heads=[1, 1], mlp_ratio=2.0)), "skipped"),
     "swin": (lambda: (tf.SwinForImageClassification, tf.SwinConfig(
         image_size=32, patch_size=4, embed_dim=16, depths=[1, 1], num_heads=[2, 2], window_size=4)), "approximate"),
     # LayerScale λ folds into the writer's rows (then λ = 1): exact
@@ -204,8 +214,10 @@ def matrix() -> str:
             counts = ", ".join(f"{n} {v}" for v, n in plan.counts().items() if n)
             rotated = copy.deepcopy(model)
             normswap.patch(rotated, fold_gamma=True, mode="exact")
-            rot = normswap.rotate(rotated, 0)
-            if rot.rotated and not rot.skipped:
+            rot = normswap.rotate(rotated, 0) if hasattr(rotated, "_normswap_plan") else None
+            if rot is None:
+                rotation = "no: no exact norm"
+            elif rot.rotated and not rot.skipped:
                 rotation = "yes"
             elif rot.rotated:
                 rotation = "partly: " + rot.skipped[0]["reason"]
