@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -601,3 +602,39 @@ def test_readme_exit_code_table_is_true_for_every_command(tmp_path, gpt2_dir, mo
                     assert len([ln for ln in err.splitlines() if ln.startswith("error:")]) == 1, (code, cmd, err)
         shutil.rmtree(tmp_path / "o", ignore_errors=True)
         shutil.rmtree(tmp_path / "run", ignore_errors=True)
+
+
+# ------------------------------------------------------------------------------------ the wheel
+def test_wheel_ships_the_recipes_and_lists_them_offline(tmp_path):
+    """Build the wheel, install it (not the editable checkout) in a fresh venv, list the recipes."""
+    repo = Path(__file__).resolve().parents[1]
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
+        if (repo / name).exists():
+            shutil.copy2(repo / name, src / name)
+    shutil.copytree(repo / "normswap", src / "normswap", ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+    env = {**os.environ, "PIP_NO_INDEX": "1", "HF_HUB_OFFLINE": "1", "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", str(src), "--no-deps", "--no-build-isolation", "-q",
+         "-w", str(tmp_path / "dist")],
+        check=True, env=env, capture_output=True, timeout=300,
+    )
+    wheel = next((tmp_path / "dist").glob("normswap-*.whl"))
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True, timeout=300)
+    bindir = venv / ("Scripts" if os.name == "nt" else "bin")
+    subprocess.run([str(bindir / "python"), "-m", "pip", "install", "--no-deps", "-q", str(wheel)],
+                   check=True, env=env, capture_output=True, timeout=300)
+    where = subprocess.run([str(bindir / "python"), "-c", "import normswap; print(normswap.__file__)"],
+                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert str(venv) in where.stdout, where.stdout + where.stderr  # the wheel, not the checkout
+    listing_ = subprocess.run([str(bindir / "normswap"), "finetune", "--list"], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=120)
+    assert listing_.returncode == 0, listing_.stderr
+    names = [ln.split()[0] for ln in listing_.stdout.splitlines()]
+    assert {"distill-causal-lm", "distill-encoder", "distill-masked-lm"} <= set(names)
+    shown = subprocess.run([str(bindir / "normswap"), "finetune", "distill-encoder", "model.source=m",
+                            "data.path=d", "--print-config"], cwd=tmp_path, env=env, capture_output=True,
+                           text=True, timeout=120)
+    assert shown.returncode == 0 and "task: encoder" in shown.stdout, shown.stderr
