@@ -71,3 +71,33 @@ def test_onnx_export_ignores_an_explicit_fused_backend(tmp_path, opset):
     r = onnx_roundtrip(model, inputs, dynamo=True, opset=opset, path=tmp_path / "m.onnx")
     assert r["max_rel"] < TOL, r
     assert r["rms"] == (rms_norm_count(model) if opset >= 23 else 0)
+
+
+@pytest.mark.parametrize("opset", [18, 23])
+def test_exported_program_with_fused_op_translates(tmp_path, opset):
+    """A program exported with backend="cpu" holds normswap::cpu_rms_norm; the translation table
+    turns it into RMSNormalization (opset 23) or the decomposition (18)."""
+    import onnx
+    import onnxruntime as ort
+
+    import normswap
+    from normswap.integrations.onnx import translation_table
+    from tests.integrations.compat import Positional, tensor_inputs
+
+    model, inputs = tiny_converted("vit")
+    for m in model.modules():
+        if isinstance(m, normswap.RMSNorm):
+            m.backend = "cpu"
+    x = tensor_inputs(inputs)["pixel_values"]
+    ep = torch.export.export(Positional(model, inputs), (x,))
+    assert any("normswap.cpu_rms_norm" in str(n.target) for n in ep.graph.nodes)
+    program = torch.onnx.export(ep, dynamo=True, opset_version=opset,
+                                custom_translation_table=translation_table(opset))
+    program.save(str(tmp_path / "p.onnx"))
+    ops = [n.op_type for n in onnx.load(str(tmp_path / "p.onnx")).graph.node]
+    assert ops.count("RMSNormalization") == (rms_norm_count(model) if opset >= 23 else 0)
+    sess = ort.InferenceSession(str(tmp_path / "p.onnx"), providers=["CPUExecutionProvider"])
+    got = torch.from_numpy(sess.run(None, {sess.get_inputs()[0].name: x.numpy()})[0])
+    with torch.no_grad():
+        ref = model(pixel_values=x).logits
+    assert (got - ref).abs().max() <= TOL * ref.abs().max()
