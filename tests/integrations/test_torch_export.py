@@ -48,3 +48,24 @@ def test_jit_trace_never_records_kernel_output():
     with torch.no_grad():
         y2 = x * 0.5 + 0.1
         assert (traced(y2) - model(pixel_values=y2).logits).abs().max() < 1e-5
+
+
+def test_fake_impls_touch_no_data_and_build_nothing():
+    """Every normswap custom op runs under FakeTensorMode on metadata alone: no data pointer, and the
+    cpu kernel is not built (its first use belongs to real tensors)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    cpu.reset()
+    ops = torch.ops.normswap
+    with FakeTensorMode():
+        x = torch.empty(3, 5, 16)
+        w, b = torch.empty(16), torch.empty(16)
+        y, rstd = ops.cpu_rms_norm(x, [16], w, b, 1e-5)
+        assert y.shape == x.shape and rstd.shape == (15,)
+        dx, dw, db = ops.cpu_rms_norm_bwd(y, x, rstd, [16], w, b, 1e-5)
+        assert dx.shape == x.shape and dw.shape == w.shape and db.shape == b.shape
+        y, rstd = ops.triton_rms_norm_fwd(x, [16], w, None, 1e-5)
+        assert y.shape == x.shape and rstd.shape == (15,)
+        y, h, rstd = ops.triton_rms_norm_residual_fwd(x, x, [16], w, b, 1e-5)
+        assert y.shape == h.shape == x.shape
+    assert cpu._kernel is None
