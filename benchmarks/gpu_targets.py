@@ -31,6 +31,7 @@ Writes every measurement and check to ``--out`` (JSON).
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import os
@@ -343,8 +344,6 @@ def main() -> None:
         for name in ("gpt2-small", "pythia-410m"):
             original = bench_model.build_model(name)
             converted, summary = bench_model.convert(original)
-            import copy
-
             for phase in ("decode", "train", "compile"):
                 a, b = copy.deepcopy(original), copy.deepcopy(converted)
                 if phase == "decode":
