@@ -121,18 +121,31 @@ def stage_convert(path: Path, held: list[str]) -> list[dict]:
 
 
 def stage_rss(path: Path) -> dict:
-    """Peak RSS of one default conversion in a fresh process (ru_maxrss covers the whole process)."""
+    """Peak RSS during one default conversion in a fresh process: RSS sampled every 5 ms from a thread
+    while ``patch`` runs (``process_max_rss`` also covers imports and loading)."""
     code = (
-        "import resource, warnings, torch, sys, json\n"
+        "import resource, threading, time, warnings, json, psutil\n"
         "from transformers import AutoModel\n"
         "import normswap\n"
         f"m = AutoModel.from_pretrained({str(path)!r}, local_files_only=True)\n"
         "size = sum(p.numel() * p.element_size() for p in m.parameters())\n"
-        "base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024\n"
+        "proc = psutil.Process()\n"
+        "base = proc.memory_info().rss\n"
+        "top = [base]\n"
+        "done = threading.Event()\n"
+        "def sample():\n"
+        "    while not done.is_set():\n"
+        "        top[0] = max(top[0], proc.memory_info().rss)\n"
+        "        time.sleep(0.005)\n"
+        "t = threading.Thread(target=sample, daemon=True)\n"
+        "t.start()\n"
         "warnings.simplefilter('ignore')\n"
         "normswap.patch(m, mode='all', allow_unusable=True)\n"
-        "peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024\n"
-        "print(json.dumps({'model_bytes': size, 'rss_after_load': base, 'peak_rss': peak}))\n"
+        "done.set()\n"
+        "t.join()\n"
+        "peak = max(top[0], proc.memory_info().rss)\n"
+        "print(json.dumps({'model_bytes': size, 'rss_after_load': base, 'peak_rss': peak,\n"
+        "                  'process_max_rss': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     row = json.loads(out.stdout.strip().splitlines()[-1])

@@ -86,6 +86,8 @@ def remeasure(cfg_overrides: list[str], recipe: Path, model_dir: str) -> dict[st
     from normswap.recipes import data, losses, metrics, models
 
     cfg = load_config(recipe, cfg_overrides)
+    if cfg.loss.pooling == "auto":  # as the runner does: the sentence-transformers pooling, else mean
+        cfg.loss.pooling = models.sentence_pooling(cfg.model.source) or "mean"
     tok = models.load_tokenizer(cfg.model)
     tokens = data.tokenize(data.read_documents(cfg.data), tok, cfg.data, cfg.task)
     source = data.BatchSource(tokens, cfg.data, cfg.task, tok)
@@ -101,7 +103,8 @@ def remeasure(cfg_overrides: list[str], recipe: Path, model_dir: str) -> dict[st
         normswap.patch(
             oneshot,
             mode=cfg.convert.mode,
-            calibration=source.calibration_batches(cfg.convert.calibration_batches),
+            calibration=source.calibration_batches(cfg.convert.calibration_batches) or None,
+            allow_unusable=True,
         )
 
     @torch.no_grad()
