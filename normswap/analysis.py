@@ -30,9 +30,9 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from normswap.plan import CenterHook, FoldEdit, Plan, ScaleFold, SitePlan, Untie, WriterEdit
+from normswap.plan import CenterHook, FoldEdit, Plan, RmsFold, ScaleFold, SitePlan, Untie, WriterEdit
 from normswap.trace import Graph, ModuleCall, Op, Value, ValueRef
-from normswap.walker import NormSite
+from normswap.walker import NormSite, SkippedNorm
 
 ADD_OPS = {"add", "__add__", "__radd__", "add_", "__iadd__", "sub", "__sub__", "__rsub__", "sub_", "__isub__"}
 IDENTITY_OPS = {"to", "type", "float", "half", "bfloat16", "double", "type_as", "detach", "dropout",
@@ -590,7 +590,8 @@ class Analyzer:
     # ------------------------------------------------------------------ 4. readers
     def readers(self, call: ModuleCall) -> tuple[list[ModuleCall], list[str]]:
         """(Linear/Conv1D reader calls, descriptions of other readers) of one norm call."""
-        out_vid = self.site_output.get(call.id)
+        out_vid = self.site_output.get(call.id) if call.id in self.site_output else \
+            (call.outputs[0] if len(call.outputs) == 1 else None)
         if out_vid is None:
             return [], ["no tensor output"]
         width = self.graph.values[out_vid].shape[-1]
@@ -631,8 +632,41 @@ def _site_plan(site: NormSite) -> SitePlan:
                     eps=site.eps, flavour=site.flavour)
 
 
+def _rms_folds(an: Analyzer, rms_norms: list[SkippedNorm], site_reader_paths: set[str]) -> list[RmsFold]:
+    """``fold_gamma`` on already-RMS norms: γ moves into the Linear readers where every reader reads
+    this norm alone, on every call, and nothing else reads the norm's output."""
+    folds = []
+    for norm in rms_norms:
+        if norm.weight_attr is None or norm.bias_attr is not None:
+            continue
+        calls = an.calls_per_path.get(norm.path, [])
+        readers: dict[str, set[int]] = {}
+        ok = bool(calls)
+        for call in calls:
+            rcalls, other = an.readers(call)
+            if other or not rcalls:
+                ok = False
+                break
+            for rc in rcalls:
+                readers.setdefault(rc.path, set()).add(rc.id)
+        if not ok:
+            continue
+        if any(p in site_reader_paths or readers[p] != {c.id for c in an.calls_per_path[p]}
+               or an._sharing_problem(an.modules[p].weight, p) is not None for p in readers):
+            continue
+        paths = sorted(readers)
+        folds.append(RmsFold(norm.path, f"{norm.path}.{norm.weight_attr}", norm.offset, paths,
+                             [writer_kind(an.modules[p]) for p in paths]))
+    taken: dict[str, int] = {}
+    for f in folds:  # a Linear reading two RMS norms takes neither
+        for p in f.readers:
+            taken[p] = taken.get(p, 0) + 1
+    return [f for f in folds if all(taken[p] == 1 for p in f.readers)]
+
+
 def analyse(model: nn.Module, graph: Graph, sites: list[NormSite], *, untie: bool = True,
-            fold_gamma: bool = False, per_norm_centering: bool = False) -> Plan:
+            fold_gamma: bool = False, per_norm_centering: bool = False,
+            rms_norms: list[SkippedNorm] | None = None) -> Plan:
     """Derive writers, readers, centering ops and a verdict for every NormSite.
 
     Verdict policy for centering ops: one op where a stream *starts* (its value depends on no
@@ -781,6 +815,8 @@ def analyse(model: nn.Module, graph: Graph, sites: list[NormSite], *, untie: boo
         plan.sites.append(sp)
 
     plan.writer_edits = sorted(edits.values(), key=lambda e: e.target)
+    if fold_gamma and rms_norms:
+        plan.rms_folds = _rms_folds(an, rms_norms, set(reader_sources))
     centered_owners = {e.owner for e in edits.values()}
     plan.scale_folds = sorted({ScaleFold(param, path, writer_kind(an.modules[path]))
                                for param, path, _ in an.layer_scales.values() if path in centered_owners},

@@ -48,6 +48,18 @@ class ScaleFold:
 
 
 @dataclass
+class RmsFold:
+    """``fold_gamma`` on a norm that is already RMS-style (Llama, T5, Gemma): γ into its Linear readers,
+    the norm's own weight set so that its effective γ is 1 (``weight = 1 − offset``)."""
+
+    norm: str
+    weight: str  # parameter name of the norm's γ
+    offset: float  # effective γ = offset + weight
+    readers: list[str] = field(default_factory=list)
+    kinds: list[str] = field(default_factory=list)  # linear | conv1d, per reader
+
+
+@dataclass
 class CenterHook:
     """Subtract the per-token mean of a module's ``output`` or of one ``input`` argument."""
 
@@ -101,6 +113,7 @@ class Plan:
     hooks: list[CenterHook] = field(default_factory=list)
     unties: list[Untie] = field(default_factory=list)
     scale_folds: list[ScaleFold] = field(default_factory=list)  # LayerScale λ folded into writers (first)
+    rms_folds: list[RmsFold] = field(default_factory=list)  # fold_gamma on already-RMS norms
     changed_outputs: list[str] = field(default_factory=list)
     options: dict[str, Any] = field(default_factory=dict)
 
@@ -125,6 +138,8 @@ class Plan:
             extra.append(f"{len(self.folds)} reader folds")
         if self.hooks:
             extra.append(f"{len(self.hooks)} centering op(s)")
+        if self.rms_folds:
+            extra.append(f"γ of {len(self.rms_folds)} RMS norm(s) folded")
         if self.scale_folds:
             extra.append(f"{len(self.scale_folds)} layer scale(s) folded")
         if self.unties:
@@ -167,6 +182,7 @@ class Plan:
             hooks=[CenterHook(**h) for h in data.get("hooks", [])],
             unties=[Untie(**u) for u in data.get("unties", [])],
             scale_folds=[ScaleFold(**f) for f in data.get("scale_folds", [])],
+            rms_folds=[RmsFold(**f) for f in data.get("rms_folds", [])],
             changed_outputs=list(data.get("changed_outputs", [])),
             options=dict(data.get("options", {})),
         )

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from normswap.norm import RMSNorm
-from normswap.plan import CenterHook, FoldEdit, Plan, ScaleFold, SitePlan, Untie, WriterEdit
+from normswap.plan import CenterHook, FoldEdit, Plan, RmsFold, ScaleFold, SitePlan, Untie, WriterEdit
 from normswap.walker import NormSite
 
 
@@ -62,6 +62,19 @@ def fold_layer_scale(model: nn.Module, sf: ScaleFold) -> None:
         if module.bias is not None:
             module.bias.copy_((module.bias.detach().double() * scale).to(module.bias.dtype))
         lam.fill_(1.0)
+
+
+def fold_rms_gamma(model: nn.Module, rf: RmsFold) -> None:
+    """An already-RMS norm's γ into its Linear readers (``W ← W diag γ``); its effective γ becomes 1."""
+    weight = model.get_parameter(rf.weight)
+    gamma = rf.offset + weight.detach().double()
+    with torch.no_grad():
+        for path, kind in zip(rf.readers, rf.kinds, strict=True):
+            reader = model.get_submodule(path)
+            w = reader.weight.detach().double()
+            w = w * gamma[:, None] if kind == "conv1d" else w * gamma[None, :]
+            reader.weight.copy_(w.to(reader.weight.dtype))
+        weight.fill_(1.0 - rf.offset)
 
 
 def fold_into_reader(model: nn.Module, f: FoldEdit, gamma: torch.Tensor | None, beta: torch.Tensor | None) -> None:
@@ -182,6 +195,8 @@ def apply_weight_edits(model: nn.Module, plan: Plan, sites: dict[str, NormSite],
         untie(model, u)
     if plan.unties:
         mark_untied(model)
+    for rf in plan.rms_folds:
+        fold_rms_gamma(model, rf)
     for sf in plan.scale_folds:  # before centering: the centered rows are the scaled ones
         fold_layer_scale(model, sf)
     for e in plan.writer_edits:

@@ -67,6 +67,9 @@ class SkippedNorm:
     path: str
     class_name: str
     reason: str
+    weight_attr: str | None = None  # already-RMS norms: the γ parameter (``fold_gamma`` can fold it)
+    offset: float = 0.0  # effective γ = offset + weight (Gemma's 1 + γ)
+    bias_attr: str | None = None
 
 
 @dataclass
@@ -163,7 +166,10 @@ def identify(path: str, module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> 
                     if not close(cand):
                         continue
                     if kind == "rms":
-                        return SkippedNorm(path, type(module).__name__, "already RMS-style (no mean subtraction)")
+                        plain = len(reduce) == 1 and w_attr is not None and \
+                            tuple(module._parameters[w_attr].shape) == reduce
+                        return SkippedNorm(path, type(module).__name__, "already RMS-style (no mean subtraction)",
+                                           w_attr if plain else None, offset, b_attr)
                     param_shape = tuple(module._parameters[w_attr or b_attr].shape) if (w_attr or b_attr) \
                         else reduce
                     return NormSite(path, type(module).__name__, reduce, param_shape, eps, flavour,

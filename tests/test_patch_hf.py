@@ -11,7 +11,7 @@ import normswap
 from normswap.api import default_dtype
 from normswap.inputs import hf_example_inputs
 from normswap.verify import compare
-from tests.zoo import APPROXIMATE, EXACT, MORE, build, float64_reference, randomise
+from tests.zoo import APPROXIMATE, EXACT, MORE, RMS, build, float64_reference, randomise
 
 
 def _layernorms(model: nn.Module) -> list[str]:
@@ -137,3 +137,35 @@ def test_verdict_policy_bert_post_ln_is_approximate_unless_per_norm_centering_is
     with torch.no_grad(), default_dtype(torch.float64):
         ref, out = original(**probe), model(**probe)
     assert compare(ref, out)["worst_rel_error_any_output"] <= 1e-9
+
+
+def _rms_in_float64(model):
+    """Already-RMS norms compute in float32 inside HF modules; the exactness claim is about the math."""
+    for module in model.modules():
+        name = type(module).__name__
+        if "RMSNorm" in name or name == "T5LayerNorm":
+            eps = getattr(module, "variance_epsilon", getattr(module, "eps", 1e-6))
+            offset = 1.0 if "Gemma" in name else 0.0
+            module.forward = lambda x, _m=module, _e=eps, _o=offset: (_o + _m.weight) * (
+                x.double() / torch.sqrt(x.double().pow(2).mean(-1, keepdim=True) + _e))
+    return model
+
+
+@pytest.mark.parametrize("name", sorted(RMS))
+def test_fold_gamma_on_already_rms_models_folds_into_readers_exactly(name):
+    model = build(RMS, name)
+    original = copy.deepcopy(model)
+    report = normswap.patch(model, fold_gamma=True)
+    folds = report.plan.rms_folds
+    assert folds, report.plan.table()
+    assert len(folds) >= len(report.plan.skipped) - 2  # T5/Gemma: a final norm read through a scale op stays
+    for rf in folds:  # effective γ is 1, and the readers changed
+        assert torch.all(model.get_parameter(rf.weight) + rf.offset == 1)
+        assert not torch.equal(model.get_parameter(f"{rf.readers[0]}.weight"),
+                               original.get_parameter(f"{rf.readers[0]}.weight"))
+    assert not normswap.patch(copy.deepcopy(original)).plan.rms_folds  # only when asked
+    _rms_in_float64(model), _rms_in_float64(original)
+    probe = hf_example_inputs(model, seed=8)
+    with torch.no_grad(), default_dtype(torch.float64):
+        figs = compare(original(**probe), model(**probe))
+    assert figs["compared"] and figs["worst_rel_error_any_output"] <= 1e-9

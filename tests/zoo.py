@@ -243,3 +243,13 @@ def matrix() -> str:
 
 if __name__ == "__main__":
     print(matrix())
+
+# Already RMS-style: fold_gamma folds their γ into the readers (effective γ becomes 1).
+RMS = {
+    "llama": lambda: (tf.LlamaForCausalLM, tf.LlamaConfig(**LLM, num_key_value_heads=2)),
+    "mistral": lambda: (tf.MistralForCausalLM, tf.MistralConfig(**LLM, num_key_value_heads=2)),
+    "qwen2": lambda: (tf.Qwen2ForCausalLM, tf.Qwen2Config(**LLM, num_key_value_heads=2)),
+    "gemma": lambda: (tf.GemmaForCausalLM, tf.GemmaConfig(**LLM, num_key_value_heads=2, head_dim=8)),
+    "t5": lambda: (tf.T5ForConditionalGeneration, tf.T5Config(d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+                                                               vocab_size=99, decoder_start_token_id=0, **SPECIAL)),
+}
