@@ -208,7 +208,7 @@ def _analyse_copy(work: nn.Module, args: tuple, kwargs: dict, *, untie: bool, fo
                   per_norm_centering: bool = False) -> _Analysis:
     found, graph = _identify_sites(work, args, kwargs)
     plan = analyse(work, graph, found.sites, untie=untie, fold_gamma=fold_gamma,
-                   per_norm_centering=per_norm_centering)
+                   per_norm_centering=per_norm_centering, rms_norms=found.skipped)
     plan.skipped = [{"name": s.path, "class": s.class_name, "reason": s.reason} for s in found.skipped]
     plan.options["already_converted"] = bool(found.converted) and not found.sites
     return _Analysis(plan, {s.path: s for s in found.sites}, graph, args, kwargs)
@@ -310,10 +310,10 @@ def patch(model: nn.Module, example_inputs: inputs.ExampleInputs = None, *, mode
         _decide(plan_, mode)
         if plan_.options.get("already_converted"):
             return Report([], {}, plan_, "model is already converted by normswap; nothing to do")
-        if not plan_.sites:
+        if not plan_.sites and not plan_.rms_folds:
             return Report([], {}, plan_, "no LayerNorm found; nothing to do")
         todo = [sp for sp in plan_.sites if sp.convert]
-        if not todo:
+        if not todo and not plan_.rms_folds:  # fold_gamma on an already-RMS model still has work
             return Report(plan_.sites, {}, plan_, "no LayerNorm can be converted in this mode; model unchanged")
 
         reference = an.graph.output_object
@@ -493,6 +493,8 @@ def _commit(model: nn.Module, work: nn.Module, plan_: Plan, todo: list[SitePlan]
     names = {e.target for e in plan_.writer_edits}
     names |= {f"{u.module}.{u.attr}" if u.module else u.attr for u in plan_.unties}
     names |= {sf.param for sf in plan_.scale_folds}  # LayerScale λ, folded into its writer and set to 1
+    for rf in plan_.rms_folds:  # fold_gamma on already-RMS norms: their γ and their readers
+        names |= {rf.weight} | {f"{r}.weight" for r in rf.readers}
     for f in plan_.folds:
         names |= ({f"{f.reader}.weight"} if f.gamma else set()) | ({f"{f.reader}.bias"} if f.beta else set())
     with torch.no_grad():
