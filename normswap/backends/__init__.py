@@ -375,6 +375,8 @@ def describe() -> list[dict]:
             why = f"{why}; {blocked}: {BACKENDS[blocked].available()[1]}"
         if env != "auto":
             why = f"{ENV_VAR}={env} overrides auto where it can run; otherwise: {why}"
+        if device == "cuda" and not why.startswith(("eager", "compiled")):
+            why = f"{'compiled/graph' if graph else 'eager'}: {why}"
         out.append({
             "name": "auto", "device": device, "dtype": str(dtype).replace("torch.", ""),
             "shape": [rows, n], "mode": "compiled" if graph else "eager", "picks": picks, "why": why,
