@@ -520,3 +520,44 @@ def test_trust_remote_code_reaches_every_loader(tmp_path, gpt2_src, monkeypatch)
     kinds = {name.split(".")[0] for name, _ in calls}
     assert {"AutoConfig", "AutoTokenizer"} <= kinds and len(calls) >= 8, calls
     assert [c for c in calls if c[1] is not True] == [], calls
+
+
+# ------------------------------------------------------------------------------------ --dtype: one rounding
+def test_dtype_bfloat16_rounds_once(tmp_path, gpt2_src):
+    import transformers
+
+    import normswap
+
+    out = tmp_path / "bf16"
+    code, _, err = run("convert", str(gpt2_src), "--out", str(out), "-q", "--dtype", "bfloat16")
+    assert code == 0, err
+    written = normswap.load(out).state_dict()
+
+    def converted(load_dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        model = transformers.AutoModelForCausalLM.from_pretrained(gpt2_src, dtype=load_dtype).eval()
+        normswap.patch(model)
+        return model.to(torch.bfloat16).state_dict()
+
+    once, twice = converted(torch.float32), converted(torch.bfloat16)
+    assert all(v.dtype == torch.bfloat16 for v in written.values() if v.is_floating_point())
+    assert [k for k in once if not torch.equal(once[k], written[k])] == []
+    # what loading in bf16 first gives: the centered weights differ (rounded before the surgery)
+    assert any(not torch.equal(once[k], twice[k]) for k in once)
+
+
+# ------------------------------------------------------------------------------------ defect 8
+def test_bogus_backend_env_is_one_line_with_the_valid_names(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "NORMSWAP_BACKEND": "bogus"}
+    out = tmp_path / "out"
+    for args in (["backends"], ["convert", "tiny-gpt2", "--out", str(out), "-q"]):
+        proc = subprocess.run(
+            [sys.executable, "-c", "from normswap.cli import main; main()", *args],
+            env=env, capture_output=True, text=True, timeout=300,
+        )
+        line = one_line_error(proc.returncode, proc.stderr, 1, "NORMSWAP_BACKEND='bogus'", "eager", "auto")
+        assert "internal error" not in line
+    assert not out.exists() and list(tmp_path.iterdir()) == []

@@ -165,7 +165,7 @@ def wants_low_memory(src: Source, dtype: str) -> bool:
     if src.kind == "preset":
         return False
     factor = 1.0
-    if dtype == "float32":
+    if dtype != "auto":  # loaded in float32 before the one cast at the end
         factor = 2.0 if any(_is_half(f) for f in src.safetensors[:1]) else 1.0
     return src.nbytes * factor > 0.5 * available_memory()
 
@@ -450,8 +450,14 @@ def convert(
     steps = _progress(progress, 4, f"normswap convert {src.spec}")
     with steps:
         steps.set_postfix_str("loading")
+        # --dtype: load in float32 (exact for bf16/fp16 checkpoints), do the fp64 surgery on the
+        # unrounded weights, cast once at the end; loading in the target dtype would round twice
         model, proc = source.load_model(
-            src, task=task, dtype=dtype, trust_remote_code=trust_remote_code, allow_new_head=allow_new_head
+            src,
+            task=task,
+            dtype="auto" if dtype == "auto" else "float32",
+            trust_remote_code=trust_remote_code,
+            allow_new_head=allow_new_head,
         )
         if src.new_head:
             say(
@@ -486,7 +492,12 @@ def convert(
             raise
         if not report.changed:
             raise NothingToConvert(f"{src.label}: {report.message}")
-        check_agreement(report.verification)
+        if allow_unusable:
+            top1 = report.verification.get("top1_agreement")
+            if isinstance(top1, (int, float)) and top1 <= 0.0:
+                say("top-1 agreement with the original is 0; writing it anyway (--allow-unusable)")
+        else:
+            check_agreement(report.verification)
         plan = model._normswap_plan
         if plan.unties:
             grown = sum(u.numel for u in plan.unties)
@@ -500,6 +511,11 @@ def convert(
                 f"compat format keeps LayerNorms: {len(kept)} approximate norm(s) left unconverted "
                 "(use --format native --mode all to convert them)"
             )
+        if dtype != "auto":
+            model.to(source.torch_dtype(dtype))  # the one cast from the float32 result
+            if probe is not None:
+                probe = {k: (v.to(source.torch_dtype(dtype)) if torch.is_tensor(v) and v.is_floating_point() else v)
+                         for k, v in probe.items()}
         converted = _run(model, probe) if original is not None else None
         steps.set_postfix_str("writing")
         needed = io.check_space(out, output_bytes(model))
