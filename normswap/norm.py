@@ -48,7 +48,7 @@ def rms_norm(
         if y is not None:
             return y
     else:
-        if backend == "auto" and backends.env_backend() == "auto":
+        if x.is_cpu and backend == "auto" and backends.env_backend() == "auto":
             y = cpu.try_fast(x, shape, weight, bias, float(eps))  # the common CPU call, checked in one go
             if y is not None:
                 return y
