@@ -66,10 +66,11 @@ sys.modules[__name__].__class__ = _Package
 
 def _install_hooks() -> None:
     from normswap.checkpoint.hf import install_lazy_registration
-    from normswap.integrations import trainer
+    from normswap.integrations import saving, trainer
 
     install_lazy_registration()
     trainer.register()
+    saving.register()  # patch() gives HF models a save_pretrained that writes a native checkpoint
 
 
 class _OnTransformers(importlib.abc.MetaPathFinder):
