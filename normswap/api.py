@@ -22,7 +22,7 @@ from torch import nn
 from normswap import backends, calibrate, inputs, surgery, trace, walker
 from normswap.analysis import analyse
 from normswap.errors import NormswapError
-from normswap.integrations import saving
+from normswap.integrations import hooks
 from normswap.norm import RMSNorm
 from normswap.plan import EXACT_VERDICTS, Plan, SitePlan
 from normswap.verify import compare, dtype_error_ratio
@@ -388,7 +388,7 @@ def patch(model: nn.Module, example_inputs: inputs.ExampleInputs = None, *, mode
                 figures["in_model_dtype"] = converted_in_dtype.get("max_rel_error")
                 figures["dtype_error_ratio"] = dtype_error_ratio(in_dtype, converted_in_dtype)
     model._normswap_plan = plan_
-    saving.install_save_hooks(model)  # save_pretrained / Trainer.save_model write a native checkpoint
+    hooks.after_patch(model)  # e.g. save_pretrained / Trainer.save_model then write a native checkpoint
     counts = plan_.counts()
     message = (f"converted {len(todo)} of {len(plan_.sites)} LayerNorm(s)"
                f" ({sum(counts[v] for v in EXACT_VERDICTS)} exact, {len(approx)} approximate)")
