@@ -45,9 +45,10 @@ def test_distill_causal_lm_recipe_runs_end_to_end_on_tiny_gpt2(tiny_gpt2, corpus
         ],
     )
     before, after = result.metrics_before, result.metrics_after
-    assert set(before) == {"kl", "top1_agreement", "ppl", "teacher_ppl"}
+    assert set(before) == {"kl", "top1_agreement", "top5_agreement", "ppl", "teacher_ppl", "ppl_ratio"}
     # GPT-2 is Pre-LN: the conversion is exact, so the student starts on the teacher
-    assert before["kl"] < 1e-8 and before["top1_agreement"] == 1.0
+    assert before["kl"] < 1e-8 and before["top1_agreement"] == 1.0 and before["top5_agreement"] == 1.0
+    assert before["ppl_ratio"] == pytest.approx(1.0, rel=1e-5)
     assert before["ppl"] == pytest.approx(before["teacher_ppl"], rel=1e-5)
     assert math.isfinite(after["ppl"])
     # training can only add noise to an exact student: eval.keep_best keeps the converted start
@@ -118,8 +119,11 @@ def test_encoder_recipe_pulls_embeddings_towards_the_teacher(tiny_bert, tmp_path
         ],
     )
     before, after = result.metrics_before, result.metrics_after
-    assert set(before) == {"cosine", "hidden_rel_mse"}
+    assert set(before) == {"cosine", "hidden_rel_mse", "top1_neighbour_agreement", "recall_at_10",
+                           "similarity_spearman"}
     assert before["cosine"] < 0.9999
+    assert all(0.0 <= before[k] <= 1.0 for k in ("top1_neighbour_agreement", "recall_at_10"))
+    assert after["similarity_spearman"] >= before["similarity_spearman"] - 1e-3, (before, after)
     assert after["hidden_rel_mse"] < before["hidden_rel_mse"] / 2, (before, after)
     assert 1 - after["cosine"] < (1 - before["cosine"]) / 2, (before, after)
     assert type(result.model).__name__.endswith("BertModel")
