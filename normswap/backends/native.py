@@ -57,8 +57,8 @@ def bind(
     """A launcher for calls like this one (cached per module, device, dtype and grad state), or None.
 
     When the parameters already have x's dtype and the weight is not per-head, the call is
-    ``torch.rms_norm`` (the C++ binding ``F.rms_norm`` wraps) plus the bias add: no casts or shape
-    checks per call. Anything else returns None (the generic :func:`rms_norm` then serves it).
+    ``torch.rms_norm`` (the C++ binding ``F.rms_norm`` wraps) plus the bias add (in place without
+    gradients): no casts or shape checks per call. Anything else returns None (the generic :func:`rms_norm` then serves it).
     """
     if any(p is not None and (p.dtype != x.dtype or tuple(p.shape) != tuple(normalized_shape))
            for p in (weight, bias)):
@@ -69,4 +69,6 @@ def bind(
     op = torch.rms_norm
     if bias is None:
         return lambda x, w, b, eps: op(x, shape, w, eps)
+    if not grad:  # nothing saved for backward: add the bias in place (no second output allocation)
+        return lambda x, w, b, eps: op(x, shape, w, eps).add_(b)
     return lambda x, w, b, eps: op(x, shape, w, eps) + b
