@@ -94,15 +94,18 @@ def fmt(row: dict) -> str:
     return " | ".join(f"{row[k]:.4f}" if k in row else "-" for k in keys)
 
 
-def stage_convert(path: Path, held: list[str]) -> list[dict]:
+def stage_convert(path: Path, held: list[str], which: list[str]) -> list[dict]:
     import normswap
 
     model, tok, pooling = load(path)
     ref = embed(model, tok, held, pooling)
     rows = []
-    for label, opts in (("no calibration (γ/β copied)", {"calibration": False}),
-                        ("built-in, independent per norm", {"sequential": False}),
-                        ("default: built-in, sequential", {})):
+    configs = (("copy", "no calibration (γ/β copied)", {"calibration": False}),
+               ("independent", "built-in, independent per norm", {"sequential": False}),
+               ("default", "default: built-in, sequential", {}))
+    for key, label, opts in configs:
+        if key not in which:
+            continue
         m = copy.deepcopy(model)
         t0 = time.perf_counter()
         with warnings.catch_warnings():
@@ -185,6 +188,8 @@ def main() -> None:
     ap.add_argument("--path", default=None)
     ap.add_argument("--stage", nargs="+", default=["convert", "rss"], choices=["convert", "rss", "recipe"])
     ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--configs", nargs="+", default=["copy", "independent", "default"],
+                    help="convert stage: which calibrations to compare")
     ap.add_argument("--json", default=None, help="append the results (one JSON object) to this file")
     ap.add_argument("overrides", nargs="*", help="recipe overrides key=value (recipe stage)")
     args = ap.parse_args()
@@ -196,7 +201,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|")
     result: dict = {"model": args.model, "path": str(path)}
     if "convert" in args.stage:
-        result["convert"] = stage_convert(path, held)
+        result["convert"] = stage_convert(path, held, args.configs)
     if "rss" in args.stage:
         result["rss"] = stage_rss(path)
     if "recipe" in args.stage:
