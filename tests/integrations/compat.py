@@ -30,7 +30,7 @@ def tiny_converted(name: str) -> tuple[nn.Module, dict[str, torch.Tensor]]:
     """``(converted float32 model in eval mode, example kwargs)`` for ``gpt2``, ``bert`` or ``vit``."""
     table = APPROXIMATE if name == "bert" else EXACT
     model = build(table, name)
-    normswap.patch(model, mode="all")
+    normswap.patch(model, mode="all", calibration=False)  # agreement is with the converted model itself
     model = model.float().eval()
     return model, example_inputs(name, model)
 
@@ -118,11 +118,11 @@ def onnx_roundtrip(model: nn.Module, inputs: dict, *, dynamo: bool, opset: int, 
 _FRESH_EXPORT = textwrap.dedent("""
     import json, sys, torch
     sys.path.insert(0, {repo!r})
-    from tests.integrations.compat import tiny_converted, first_output, Positional, tensor_inputs
-    model, inputs = tiny_converted({name!r})
+    import normswap
+    from tests.integrations.compat import example_inputs, first_output, Positional, tensor_inputs
+    model = normswap.load({tmp!r} + "/ckpt").float().eval()  # no forward has run in this process yet
+    inputs = example_inputs({name!r})
     tensors = tuple(tensor_inputs(inputs).values())
-    import normswap.backends.cpu as cpu  # forget the kernel the conversion built: export is its first use
-    cpu.reset()
     ep = torch.export.export(Positional(model, inputs), tensors)
     torch.export.save(ep, {tmp!r} + "/model.pt2")
     with torch.no_grad():
@@ -162,9 +162,14 @@ def _run(code: str) -> dict:
 
 
 def torch_export_fresh(name: str) -> dict:
-    """``torch.export.export`` as the first kernel-path call in a fresh process, ``torch.export.save``,
-    then ``torch.export.load`` in a second process where importing normswap is forbidden."""
+    """Save the converted model natively, then in a fresh process ``normswap.load`` it and make
+    ``torch.export.export`` the first RMSNorm call, ``torch.export.save``; then ``torch.export.load``
+    and run it in a second process where importing normswap is forbidden."""
+    import normswap
+
+    model, _ = tiny_converted(name)
     with tempfile.TemporaryDirectory() as tmp:
+        normswap.checkpoint.save(model, Path(tmp) / "ckpt")
         first = _run(_FRESH_EXPORT.format(repo=str(REPO), name=name, tmp=tmp))
         second = _run(_LOAD_WITHOUT_NORMSWAP.format(tmp=tmp))
     return {**second, "targets": first["targets"]}

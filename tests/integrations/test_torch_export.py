@@ -16,7 +16,7 @@ from normswap.backends import cpu
 from tests.integrations.compat import Positional, first_output, tiny_converted, torch_export_fresh
 
 
-@pytest.mark.parametrize("name", ["gpt2", "vit"])
+@pytest.mark.parametrize("name", ["gpt2"])  # ViT: test_export_with_cold_kernel_in_process
 def test_fresh_process_export_then_load_without_normswap(name):
     r = torch_export_fresh(name)
     assert not any("normswap" in t for t in r["targets"]), r["targets"]

@@ -28,7 +28,7 @@ def test_converted_norms_get_no_weight_decay(name):
     original_norms = _layer_norm_params(model)
     original_decay = set(Trainer.get_decay_parameter_names(None, model))
     assert original_norms and not original_norms & original_decay  # the rule we want to keep
-    normswap.patch(model, mode="all")
+    normswap.patch(model, mode="all", calibration=False)
     norms = norm_parameter_names(model)
     assert norms, "no RMSNorm parameters found"
     decay = set(Trainer.get_decay_parameter_names(None, model))
