@@ -12,4 +12,6 @@ Submodules (each imported on its own, so ``import normswap`` stays light):
   norm.
 * :mod:`normswap.integrations.saving`: ``save_pretrained`` on a model patched in memory writes a native
   normswap checkpoint.
+* :mod:`normswap.integrations.hooks`: the callbacks ``normswap.patch`` runs on a converted model (a leaf
+  module, so the API imports none of the integrations).
 """
