@@ -1,8 +1,15 @@
 """Time and peak memory of normswap.plan and normswap.patch (analysis + surgery + verification).
 
-GPT-2-small-shaped model (124M parameters, random init) on CPU, float32. Run:
+GPT-2-small-shaped model (124M parameters, random init) on CPU, float32 by default. Run:
 
     python benchmarks/bench_patch.py [--layers 12] [--hidden 768] [--json out.json]
+    python benchmarks/bench_patch.py --dtype float64 --peer --rounds 3   # side by side with TransformerLens
+
+``--peer`` times TransformerLens's processing of the same model, built offline (saved to a temporary
+directory, never downloaded): ``TransformerBridge.boot_transformers(dir, hf_model=model)`` plus
+``enable_compatibility_mode()`` (its LayerNorm folding and weight centering), in rounds interleaved
+with normswap's ``patch`` (analysis + surgery + verification, on a fresh copy each round), and prints
+the per-round ratio. The machine may be shared, so compare ratios from one run, not absolute times.
 
 Peak memory is the process's max RSS (``resource.getrusage``) after each phase, minus the RSS
 before the model was built, so it counts the float64 working copy that makes patch transactional.
@@ -69,5 +76,74 @@ def main() -> None:
             json.dump(result, f, indent=2)
 
 
+def _time_normswap(model: torch.nn.Module) -> float:
+    import copy
+
+    work = copy.deepcopy(model)
+    t0 = time.perf_counter()
+    normswap.patch(work)
+    return time.perf_counter() - t0
+
+
+def _time_transformer_lens(model: torch.nn.Module, folder: str, dtype: torch.dtype) -> float:
+    from transformer_lens.model_bridge import TransformerBridge
+
+    t0 = time.perf_counter()
+    bridge = TransformerBridge.boot_transformers(folder, hf_model=model, dtype=dtype, device="cpu")
+    bridge.enable_compatibility_mode()
+    return time.perf_counter() - t0
+
+
+def peer(layers: int, hidden: int, heads: int, dtype: torch.dtype, rounds: int) -> dict:
+    """normswap.patch vs TransformerLens processing on the same random GPT-2, interleaved rounds."""
+    import copy
+    import os
+    import tempfile
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        import transformer_lens  # noqa: F401
+    except ImportError:
+        return {"peer": "transformer_lens not installed"}
+    torch.manual_seed(0)
+    config = tf.GPT2Config(n_layer=layers, n_embd=hidden, n_head=heads, bos_token_id=0, eos_token_id=0,
+                           pad_token_id=0)
+    model = tf.GPT2LMHeadModel(config).eval().to(dtype)
+    rows = []
+    with tempfile.TemporaryDirectory() as folder:
+        model.save_pretrained(folder)
+        for r in range(rounds):
+            order = ("normswap", "tl") if r % 2 == 0 else ("tl", "normswap")
+            times = {}
+            for who in order:
+                if who == "normswap":
+                    times[who] = _time_normswap(model)
+                else:
+                    times[who] = _time_transformer_lens(copy.deepcopy(model), folder, dtype)
+            rows.append(times)
+            print(f"round {r}: normswap.patch {times['normswap']:.2f} s  TransformerLens {times['tl']:.2f} s  "
+                  f"ratio {times['normswap'] / times['tl']:.2f}", flush=True)
+    ratios = sorted(t["normswap"] / t["tl"] for t in rows)
+    return {"peer_rounds": rows, "median_ratio_normswap_over_tl": ratios[len(ratios) // 2]}
+
+
 if __name__ == "__main__":
-    main()
+    import sys
+
+    if "--peer" in sys.argv:
+        cli = argparse.ArgumentParser(description="normswap.patch vs TransformerLens processing")
+        cli.add_argument("--peer", action="store_true")
+        cli.add_argument("--layers", type=int, default=12)
+        cli.add_argument("--hidden", type=int, default=768)
+        cli.add_argument("--heads", type=int, default=12)
+        cli.add_argument("--dtype", default="float64")
+        cli.add_argument("--rounds", type=int, default=3)
+        cli.add_argument("--json", default=None)
+        a = cli.parse_args()
+        out = peer(a.layers, a.hidden, a.heads, getattr(torch, a.dtype), a.rounds)
+        print(out)
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(out, f, indent=2)
+    else:
+        main()

@@ -405,6 +405,8 @@ class Analyzer:
             rows = rows[full]
             if rows.numel() == 0:
                 continue
+            if bool((rows == rows[:1]).all()):  # the usual residual stream: every row the same features
+                rows = rows[:1]
             rows = torch.unique(torch.sort(rows, dim=1).values, dim=0).long()
             for row in rows.tolist():
                 if len(set(row)) != len(row):
