@@ -82,20 +82,24 @@ def test_missing_tensor_is_an_error_on_both_paths(tmp_path, gpt2_src, low_memory
     refused(tmp_path, src, 1, "transformer.h.0.mlp.c_fc.weight", "no tensor", extra=flag)
 
 
-def test_unexpected_tensor_is_an_error(tmp_path, gpt2_src):
+@pytest.mark.parametrize("low_memory", [False, True], ids=["in-memory", "low-memory"])
+def test_unexpected_tensor_is_an_error(tmp_path, gpt2_src, low_memory):
     def add(sd):
         sd["transformer.h.0.extra.weight"] = torch.zeros(3)
 
     src = edit_weights(copy_of(gpt2_src, tmp_path), add)
-    refused(tmp_path, src, 1, "transformer.h.0.extra.weight", "--task")
+    flag = ("--low-memory",) if low_memory else ("--in-memory",)
+    refused(tmp_path, src, 1, "transformer.h.0.extra.weight", "--task", extra=flag)
 
 
-def test_mismatched_tensor_is_an_error(tmp_path, gpt2_src):
+@pytest.mark.parametrize("low_memory", [False, True], ids=["in-memory", "low-memory"])
+def test_mismatched_tensor_is_an_error(tmp_path, gpt2_src, low_memory):
     def shrink(sd):
         sd["transformer.h.0.mlp.c_fc.bias"] = sd["transformer.h.0.mlp.c_fc.bias"][:-1].clone()
 
     src = edit_weights(copy_of(gpt2_src, tmp_path), shrink)
-    refused(tmp_path, src, 1, "transformer.h.0.mlp.c_fc.bias")
+    flag = ("--low-memory",) if low_memory else ("--in-memory",)
+    refused(tmp_path, src, 1, "transformer.h.0.mlp.c_fc.bias", extra=flag)
 
 
 def test_truncated_safetensors(tmp_path, gpt2_src):

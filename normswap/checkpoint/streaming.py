@@ -878,6 +878,24 @@ def convert_streaming(
         raise NormswapError("compat format keeps LayerNorms; convert with --mode exact")
     tied_ok = set(getattr(meta, "get_expanded_tied_weights_keys", lambda **_: {})(all_submodels=True))
     missing = [k for k in missing if k not in tied_ok]
+    # the same rule as the in-memory load (source.check_loading_info): tensors the model does not
+    # use are an error unless --task chose a class without the checkpoint's head
+    ignore = [re.compile(p) for p in (getattr(cls, "_keys_to_ignore_on_load_unexpected", None) or [])]
+    unexpected = [k for k in entries if k not in keys.to_model and not any(p.search(k) for p in ignore)]
+    meta_sd = meta.state_dict()
+    mismatched = [
+        k for k, m in keys.to_model.items() if tuple(entries[k].shape) != tuple(meta_sd[m].shape)
+    ]
+    if mismatched:
+        raise NormswapError(
+            f"{src.spec}: tensor shape(s) do not match the config for {source.names(mismatched)}; "
+            "the checkpoint does not match its config.json"
+        )
+    if unexpected and task is None:
+        raise NormswapError(
+            f"{src.spec}: the checkpoint has tensor(s) {cls.__name__} does not use: "
+            f"{source.names(unexpected)}; pass --task to choose the model class on purpose"
+        )
     if missing:
         raise NormswapError(
             f"{src.spec} as {cls.__name__}: the checkpoint has no tensor(s) {source.names(missing)}; "
