@@ -76,7 +76,7 @@ def compile_kernel(
     if kind == "fwd":
         fn, pointers = fwd, {name: _PTR[dtype] for name in _FWD_PTRS} | {"RSTD": acc}
         block_m, block_n, warps = triton_backend.fwd_launch_config(n)
-        constants = flags | {"HAS_RES": int(has_res), "BLOCK_M": block_m, "BLOCK_N": block_n}
+        constants = flags | {"HAS_RES": int(has_res), "BLOCK_M": block_m, "BLOCK_N": block_n, "HAS_RSTD": 1}
     elif kind == "bwd":
         fn = bwd
         pointers = {name: _PTR[dtype] for name in _BWD_PTRS} | {"RSTD": acc, "DW_PART": acc, "DB_PART": acc}

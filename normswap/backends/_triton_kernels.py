@@ -39,7 +39,7 @@ def _rms_norm_fwd(
     stride_x, stride_y, stride_r, stride_h, M, N, eps,
     PARAM_ROWS, W_ROW_STRIDE, B_ROW_STRIDE,
     HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_RES: tl.constexpr, IS_FP64: tl.constexpr,
-    IS_BF16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    IS_BF16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_RSTD: tl.constexpr,
 ):
     """BLOCK_M rows per program, each row whole in registers (BLOCK_N >= N).
 
@@ -74,7 +74,8 @@ def _rms_norm_fwd(
         xf = x.to(tl.float32)
         e = tl.cast(eps, tl.float32)
     rstd = tl.math.rsqrt(tl.reduce(xf * xf, 1, _sum_combine) / N + e)
-    tl.store(RSTD + rows, rstd, mask=row_ok)
+    if HAS_RSTD:  # only when a backward will need it (no-grad calls allocate the output alone)
+        tl.store(RSTD + rows, rstd, mask=row_ok)
     out = xf * rstd[:, None]
     if HAS_W + HAS_B > 0:
         if IS_BF16:

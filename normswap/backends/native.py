@@ -58,7 +58,8 @@ def bind(
 
     When the parameters already have x's dtype and the weight is not per-head, the call is
     ``torch.rms_norm`` (the C++ binding ``F.rms_norm`` wraps) plus the bias add (in place without
-    gradients): no casts or shape checks per call. Anything else returns None (the generic :func:`rms_norm` then serves it).
+    gradients): no casts or shape checks per call. Anything else returns None (the generic
+    :func:`rms_norm` then serves it).
     """
     if any(p is not None and (p.dtype != x.dtype or tuple(p.shape) != tuple(normalized_shape))
            for p in (weight, bias)):

@@ -186,12 +186,13 @@ def launch(kernel, grid: tuple[int, ...], args: tuple, constexprs: dict, options
 
 def forward(
     x: torch.Tensor, normalized_shape: tuple[int, ...], weight: torch.Tensor | None,
-    bias: torch.Tensor | None, eps: float, residual: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    bias: torch.Tensor | None, eps: float, residual: torch.Tensor | None = None, *, want_rstd: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Launch the forward kernel: ``(y, rstd, h)``.
 
-    ``y`` is contiguous with x's shape and dtype, ``rstd`` has one entry per row, and ``h`` is
-    ``x + residual`` (the tensor actually normalised) when a residual is given, else None.
+    ``y`` is contiguous with x's shape and dtype, ``rstd`` has one entry per row (None with
+    ``want_rstd=False``: nothing allocated or stored), and ``h`` is ``x + residual`` (the tensor actually
+    normalised) when a residual is given, else None.
     """
     from normswap.backends._triton_kernels import kernels
 
@@ -201,9 +202,10 @@ def forward(
     m = x2.shape[0]
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     h = torch.empty(x.shape, dtype=x.dtype, device=x.device) if residual is not None else None
-    rstd = torch.empty(m, dtype=compute_dtype(x.dtype), device=x.device)
+    rstd = torch.empty(m, dtype=compute_dtype(x.dtype), device=x.device) if want_rstd else None
     if m == 0 or n == 0:
-        rstd.fill_(1.0 / math.sqrt(eps) if eps > 0 else math.inf)
+        if rstd is not None:
+            rstd.fill_(1.0 / math.sqrt(eps) if eps > 0 else math.inf)
         return y, rstd, h
     r2 = as_rows(residual, n) if residual is not None else x2
     w, wrows = _prep_param(weight, n, x)
@@ -212,12 +214,13 @@ def forward(
     block_m, block_n, warps = fwd_launch_config(n)
     grid = (triton_cdiv(m, block_m),)
     launch(fwd, grid, (
-        x2, y, w, b, rstd, r2, h if h is not None else y,
+        x2, y, w, b, rstd if rstd is not None else y, r2, h if h is not None else y,
         x2.stride(0), n, r2.stride(0), n, m, n, float(eps),
         param_rows, n if wrows > 1 else 0, n if brows > 1 else 0,
     ), {"HAS_W": int(weight is not None), "HAS_B": int(bias is not None), "HAS_RES": int(residual is not None),
         "IS_FP64": int(x.dtype == torch.float64), "IS_BF16": int(x.dtype == torch.bfloat16),
-        "BLOCK_M": block_m, "BLOCK_N": block_n}, {"num_warps": warps, "enable_fp_fusion": FP_FUSION}, x.device)
+        "BLOCK_M": block_m, "BLOCK_N": block_n, "HAS_RSTD": int(rstd is not None)},
+        {"num_warps": warps, "enable_fp_fusion": FP_FUSION}, x.device)
     return y, rstd, h
 
 
@@ -431,7 +434,7 @@ def rms_norm(
         or (bias is not None and bias.requires_grad)
     ):
         return _TritonRMSNorm.apply(x, normalized_shape, weight, bias, eps)
-    return forward(x, normalized_shape, weight, bias, eps)[0]
+    return forward(x, normalized_shape, weight, bias, eps, want_rstd=False)[0]
 
 
 def bind(
@@ -464,7 +467,7 @@ def bind(
 
     def call(x, w, b, eps):
         if x.dim() and x.shape[-1] == n:
-            return forward(x, normalized_shape, w, b, eps)[0]
+            return forward(x, normalized_shape, w, b, eps, want_rstd=False)[0]
         return None
 
     return call
@@ -491,7 +494,7 @@ def rms_norm_residual(
         t is not None and t.requires_grad for t in (x, residual, weight, bias)
     ):
         return _TritonRMSNormResidual.apply(x, residual, normalized_shape, weight, bias, eps)
-    y, _, h = forward(x, normalized_shape, weight, bias, eps, residual)
+    y, _, h = forward(x, normalized_shape, weight, bias, eps, residual, want_rstd=False)
     return y, h
 
 
