@@ -63,14 +63,54 @@ def figures(reference: torch.Tensor, converted: torch.Tensor) -> dict[str, float
     return result
 
 
-def compare(reference: Any, converted: Any, skip: set[str] = frozenset()) -> dict[str, Any]:
-    """Figures for the primary output plus the worst relative error over every compared output."""
+def embedding_cosine(reference: torch.Tensor, converted: torch.Tensor,
+                     attention_mask: torch.Tensor | None = None) -> float:
+    """Mean cosine between masked mean-pooled ``[batch, seq, hidden]`` states: what sentence
+    encoders compare (their embeddings are pooled hidden states, not ``pooler_output``)."""
+    ref, out = reference.detach().double(), converted.detach().double()
+    if attention_mask is None or tuple(attention_mask.shape) != tuple(ref.shape[:2]):
+        mask = torch.ones(ref.shape[:2], dtype=torch.float64)
+    else:
+        mask = attention_mask.detach().double()
+    mask = mask.unsqueeze(-1)
+    pooled_ref = (ref * mask).sum(1) / mask.sum(1).clamp_min(1)
+    pooled_out = (out * mask).sum(1) / mask.sum(1).clamp_min(1)
+    return float(torch.nn.functional.cosine_similarity(pooled_ref, pooled_out, dim=-1).mean())
+
+
+def task_figures(ref: dict[str, torch.Tensor], out: dict[str, torch.Tensor], keys: list[str],
+                 attention_mask: torch.Tensor | None = None) -> dict[str, float]:
+    """The figure each family's users compare, next to the generic ones.
+
+    LMs: ``kl`` and ``top1_agreement`` on ``logits`` (always reported). Classifiers (2-D logits):
+    ``class_agreement``. Encoders: ``embedding_cosine`` (masked mean-pooled ``last_hidden_state``) and
+    ``last_hidden_state_rel_error``. Seq2seq: ``encoder_state_rel_error``.
+    """
+    result: dict[str, float] = {}
+    if "logits" in keys and ref["logits"].dim() == 2:
+        result["class_agreement"] = float((ref["logits"].argmax(-1) == out["logits"].argmax(-1)).double().mean())
+    if "last_hidden_state" in keys and ref["last_hidden_state"].dim() == 3:
+        result["embedding_cosine"] = embedding_cosine(ref["last_hidden_state"], out["last_hidden_state"],
+                                                      attention_mask)
+        result["last_hidden_state_rel_error"] = figures(ref["last_hidden_state"],
+                                                        out["last_hidden_state"])["rel_rms_error"]
+    if "encoder_last_hidden_state" in keys:
+        result["encoder_state_rel_error"] = figures(ref["encoder_last_hidden_state"],
+                                                    out["encoder_last_hidden_state"])["rel_rms_error"]
+    return result
+
+
+def compare(reference: Any, converted: Any, skip: set[str] = frozenset(),
+            attention_mask: torch.Tensor | None = None) -> dict[str, Any]:
+    """Figures for the primary output, the family's own figures (:func:`task_figures`), and the
+    worst relative error over every compared output."""
     ref, out = comparable(reference, set(skip)), comparable(converted, set(skip))
     keys = [k for k in ref if k in out and ref[k].shape == out[k].shape]
     if not keys:
         return {"compared": []}
     key = primary_key({k: ref[k] for k in keys})
     result: dict[str, Any] = {"output": key, **figures(ref[key], out[key])}
+    result.update(task_figures(ref, out, keys, attention_mask))
     result["worst_rel_error_any_output"] = max(figures(ref[k], out[k])["max_rel_error"] for k in keys)
     result["compared"] = keys
     return result

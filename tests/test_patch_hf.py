@@ -169,3 +169,22 @@ def test_fold_gamma_on_already_rms_models_folds_into_readers_exactly(name):
     with torch.no_grad(), default_dtype(torch.float64):
         figs = compare(original(**probe), model(**probe))
     assert figs["compared"] and figs["worst_rel_error_any_output"] <= 1e-9
+
+
+def test_verification_reports_the_figure_each_family_compares():
+    """Encoders: pooled-embedding cosine and last-hidden-state error (not only KL on pooler_output);
+    classifiers: class agreement; seq2seq: encoder-state error; LMs: KL and top-1."""
+    import transformers as tf
+
+    from tests.zoo import LLM
+
+    torch.manual_seed(0)
+    encoder = randomise(tf.BertModel(tf.BertConfig(**LLM)))
+    v = normswap.patch(encoder, mode="all").verification
+    assert 0.9 < v["embedding_cosine"] < 1.0 and v["last_hidden_state_rel_error"] > 1e-6  # approximate, measured
+    v = normswap.patch(build(EXACT, "whisper")).verification
+    assert v["encoder_state_rel_error"] <= 1e-12 and v["top1_agreement"] == 1.0
+    v = normswap.patch(build(EXACT, "vit")).verification
+    assert v["class_agreement"] == 1.0
+    v = normswap.patch(build(EXACT, "gpt2")).verification
+    assert abs(v["kl"]) <= 1e-12 and v["top1_agreement"] == 1.0
