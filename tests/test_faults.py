@@ -457,7 +457,7 @@ def test_inspect_with_nothing_to_convert_exits_3(tmp_path):
 
 def test_messages_speak_cli_words_and_kl_is_never_negative():
     from normswap.cli.common import cli_words
-    from normswap.cli.convert_cmd import _figures
+    from normswap.cli.common import figures_line as _figures
 
     assert cli_words("keep it with mode='exact'; verify=False skips") == "keep it with --mode exact; --no-verify skips"
     assert "kl=0" in _figures({"kl": -3e-17}) and "-" not in _figures({"kl": -3e-17})

@@ -15,7 +15,7 @@ def main() -> None:
 
 def _register_commands() -> None:
     # Imported here so each command module can import `main` without a cycle.
-    from normswap.cli import backends_cmd, convert_cmd, finetune_cmd  # noqa: F401
+    from normswap.cli import backends_cmd, convert_cmd, finetune_cmd, inspect_cmd, verify_cmd  # noqa: F401
 
 
 _register_commands()

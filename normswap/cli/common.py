@@ -42,7 +42,11 @@ __all__ = [
     "EXIT_NOTHING",
     "EXIT_USAGE",
     "EXIT_VERIFY",
+    "MODES",
+    "DTYPES",
+    "TASK_NAMES",
     "cli_words",
+    "figures_line",
     "fail",
     "handle_errors",
 ]
@@ -149,3 +153,49 @@ def handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
             )
 
     return wrapper
+
+
+# shared option values of convert / inspect / verify
+MODES = ("auto", "exact", "all")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+TASK_NAMES = (
+    "causal-lm",
+    "seq2seq-lm",
+    "speech-seq2seq",
+    "masked-lm",
+    "sequence-classification",
+    "token-classification",
+    "question-answering",
+    "image-classification",
+    "audio-classification",
+    "ctc",
+    "base",
+)
+
+
+def figures_line(verification: dict[str, Any]) -> str:
+    """The verification figures a user compares, as ``key=value, ...`` (KL never negative)."""
+    keep = (
+        "max_abs_error",
+        "max_rel_error",
+        "kl",
+        "top1_agreement",
+        "max_stream_mean_ratio",
+        "in_model_dtype",
+        "reload_bitwise_equal",
+        "reload_max_abs_diff",
+        "reload_vs_original_max_rel_error",
+        "truncated_max_rel_error",
+        "truncated_top1_agreement",
+        "truncated_layers",
+    )
+    parts = []
+    for key in keep:
+        if key in verification:
+            v = verification[key]
+            if key == "kl" and isinstance(v, float) and v < 0:
+                v = 0.0  # KL is >= 0; a tiny negative value is float rounding, not information
+            parts.append(f"{key}={v:.3g}" if isinstance(v, float) else f"{key}={v}")
+    return ", ".join(parts)
+
+

@@ -1,0 +1,131 @@
+"""``normswap inspect MODEL``: what normswap would do to each norm (or a converted checkpoint's manifest)."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from typing import Any
+
+import click
+
+from normswap.cli import main
+from normswap.cli.common import EXIT_CODES, EXIT_NOTHING, MODES, TASK_NAMES, fail, handle_errors
+
+INSPECT_EPILOG = f"""\b
+Examples:
+  normswap inspect tiny-gpt2
+  normswap inspect tiny-bert --mode exact --verbose
+  normswap inspect ./my-model --json > plan.json
+  normswap inspect ./tiny-gpt2-rms          # a converted checkpoint: shows its manifest
+
+{EXIT_CODES}"""
+
+
+def _shorten(items: list[str], width: int) -> str:
+    text = ", ".join(items) if items else "-"
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def plan_table(plan: Any, *, verbose: bool = False) -> str:
+    """Per-norm table: norm, verdict, fold, writers, readers, reason."""
+    header = ("norm", "verdict", "convert", "fold", "writers", "readers", "reason")
+    rows = []
+    for s in plan.sites:
+        fold = "+".join(x for x, on in (("β", s.fold_beta), ("γ", s.fold_gamma)) if on) or "-"
+        rows.append(
+            (
+                s.name,
+                s.verdict,
+                "yes" if s.convert else "no",
+                fold,
+                str(len(s.writers)),
+                _shorten(s.readers, 40),
+                s.reason,
+            )
+        )
+    for sk in plan.skipped:
+        rows.append((sk["name"], "skipped", "no", "-", "-", "-", sk["reason"]))
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(6)]
+    lines = ["  ".join(r[i].ljust(widths[i]) for i in range(6)) + "  " + r[6] for r in [header, *rows]]
+    lines.insert(1, "-" * min(160, sum(widths) + 12 + 40))
+    if verbose:
+        for s in plan.sites:
+            lines += [
+                "",
+                f"{s.name} ({s.verdict}, eps={s.eps:g}, shape={s.normalized_shape}, {s.flavour})",
+                f"  writers: {', '.join(s.writers) or '-'}",
+                f"  readers: {', '.join(s.readers) or '-'}",
+            ]
+        for h in plan.hooks:
+            lines.append(
+                f"centering op: {h.module} ({h.where}{'' if h.arg is None else ' ' + str(h.arg)}): {h.reason}"
+            )
+        for u in plan.unties:
+            lines.append(f"untie: {u.module}.{u.attr} from {u.source} (+{u.numel:,} params)")
+    lines += ["", plan.summary()]
+    if plan.changed_outputs:
+        lines.append("changed by design (raw residual stream): " + ", ".join(plan.changed_outputs))
+    return "\n".join(lines)
+
+
+@main.command("inspect", epilog=INSPECT_EPILOG)
+@click.argument("model")
+@click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON (the manifest format).")
+@click.option(
+    "--mode",
+    type=click.Choice(MODES),
+    default="auto",
+    show_default=True,
+    help="Which norms the plan would convert.",
+)
+@click.option("--fold-gamma", is_flag=True, help="Plan γ folding too.")
+@click.option("--keep-tied", is_flag=True, help="Plan with tied embeddings kept.")
+@click.option("--verbose", "-v", is_flag=True, help="List every writer and reader, centering op and untie.")
+@click.option("--task", type=click.Choice(TASK_NAMES), default=None, help="Model class to load.")
+@click.option("--trust-remote-code", is_flag=True, help="Allow custom modeling code shipped with MODEL.")
+@click.option("--allow-pickle", is_flag=True, help="Accept pickle-only (.bin) checkpoints.")
+@handle_errors
+def inspect(
+    model: str,
+    as_json: bool,
+    mode: str,
+    fold_gamma: bool,
+    keep_tied: bool,
+    verbose: bool,
+    task: str | None,
+    trust_remote_code: bool,
+    allow_pickle: bool,
+) -> None:
+    """Show what normswap would do to MODEL's norms: verdict, reason, writers and readers.
+
+    Nothing is written and the model is not modified. For a checkpoint normswap already
+    converted, the stored manifest is shown instead (no analysis).
+    """
+    from normswap.checkpoint import hf, source
+    from normswap.plan import Plan
+
+    src = source.resolve(
+        model, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code, allow_converted=True
+    )
+    manifest = src.config.get(hf.MANIFEST_KEY) if src.kind != "preset" else None
+    if isinstance(manifest, dict) and manifest.get("plan") is not None:
+        plan = Plan.from_dict(manifest["plan"])
+        header = f"{model}: normswap {manifest.get('format', 'native')} checkpoint (manifest)"
+    else:
+        import normswap
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            loaded, _ = source.load_model(src, task=task, dtype="auto", trust_remote_code=trust_remote_code)
+            plan = normswap.plan(loaded, mode=mode, fold_gamma=fold_gamma, untie=not keep_tied)
+        header = f"{model} ({type(loaded).__name__})"
+    if as_json:
+        click.echo(json.dumps(plan.to_dict(), indent=2, default=str))
+    else:
+        click.echo(header)
+        click.echo(plan_table(plan, verbose=verbose))
+    if not any(sp.convert for sp in plan.sites):
+        why = "no LayerNorm found" if not plan.sites else f"no LayerNorm can be converted with --mode {mode}"
+        fail(f"{model}: {why}; nothing to convert", EXIT_NOTHING)
+
+

@@ -1,0 +1,85 @@
+"""``normswap verify ORIGINAL CONVERTED``: compare a converted checkpoint with its source."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+from normswap.cli import main
+from normswap.cli.common import EXIT_CODES, EXIT_VERIFY, TASK_NAMES, fail, figures_line, handle_errors
+
+VERIFY_EPILOG = f"""\b
+Examples:
+  normswap verify tiny-gpt2 ./tiny-gpt2-rms
+  normswap verify ./gpt2 ./gpt2-rms --data prompts.txt
+  normswap verify ./bert ./bert-rms --json
+
+\b
+Exit code 4 when every converted norm is exact but the outputs differ by more than
+the tolerance for the dtype (float32: 2e-3 relative; --tolerance overrides).
+Approximate conversions only report their error.
+
+{EXIT_CODES}"""
+
+
+@main.command("verify", epilog=VERIFY_EPILOG)
+@click.argument("original")
+@click.argument("converted", type=click.Path())
+@click.option(
+    "--data",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Evaluation inputs to compare the two models on: a text file (one sample per line) or "
+    "JSONL with a 'text' field (default: random valid inputs).",
+)
+@click.option(
+    "--force",
+    is_flag=True,
+    help="Compare even when CONVERTED's manifest says it was made from another model.",
+)
+@click.option(
+    "--tolerance",
+    type=click.FloatRange(min=0),
+    default=None,
+    help="Max relative error for exact conversions (default depends on dtype).",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON.")
+@click.option("--task", type=click.Choice(TASK_NAMES), default=None, help="Model class for ORIGINAL.")
+@click.option("--trust-remote-code", is_flag=True, help="Allow custom modeling code shipped with ORIGINAL.")
+@click.option("--allow-pickle", is_flag=True, help="Accept a pickle-only ORIGINAL.")
+@handle_errors
+def verify(
+    original: str,
+    converted: str,
+    data: str | None,
+    tolerance: float | None,
+    as_json: bool,
+    task: str | None,
+    trust_remote_code: bool,
+    allow_pickle: bool,
+    force: bool,
+) -> None:
+    """Compare ORIGINAL's outputs with CONVERTED's (a directory written by normswap convert)."""
+    from normswap.checkpoint.verify_dirs import verify_checkpoint
+
+    result = verify_checkpoint(
+        original,
+        converted,
+        data=data,
+        tolerance=tolerance,
+        task=task,
+        trust_remote_code=trust_remote_code,
+        allow_pickle=allow_pickle,
+        force=force,
+    )
+    if result["source_match"] is False:
+        click.echo("warning: CONVERTED was made from another model (--force)", err=True)
+    if as_json:
+        click.echo(json.dumps(result, indent=2, default=str))
+    else:
+        click.echo(f"{result['kind']} conversion, {result['batches']} batch(es), dtype {result['dtype']}")
+        click.echo(f"figures: {figures_line(result['figures'])}")
+        click.echo(result["verdict"])
+    if not result["ok"]:
+        fail(f"verification failed: {result['verdict']}", EXIT_VERIFY)
