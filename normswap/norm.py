@@ -15,7 +15,7 @@ from torch import nn
 
 from normswap import backends
 from normswap.backends import cpu
-from normswap.integrations.export import export_rms_norm, exporting
+from normswap.integrations.export import ScriptableRMSNorm, export_rms_norm, exporting
 
 ShapeLike = int | Sequence[int] | torch.Size
 
@@ -217,6 +217,10 @@ class RMSNorm(nn.Module):
         impl = backends.bind(self.backend, x, self.weight, self.bias, self.normalized_shape)
         self._impls[key] = impl
         return impl
+
+    def __prepare_scriptable__(self) -> nn.Module:
+        """``torch.jit.script`` compiles the eager math instead (same parameters)."""
+        return ScriptableRMSNorm(self)
 
     def extra_repr(self) -> str:
         extra = f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"

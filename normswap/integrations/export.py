@@ -49,3 +49,28 @@ def export_rms_norm(
     if requested == "eager" or x.dtype not in (torch.float32, torch.float64):
         return eager.rms_norm(x, normalized_shape, weight, bias, eps)
     return native.rms_norm(x, normalized_shape, weight, bias, eps)
+
+
+class ScriptableRMSNorm(torch.nn.Module):
+    """What ``torch.jit.script`` compiles in place of a ``normswap.RMSNorm``: the ``eager`` backend's
+    math in TorchScript-compatible code, sharing the original module's parameters (TorchScript cannot
+    compile the backend dispatch). Built by ``RMSNorm.__prepare_scriptable__``."""
+
+    def __init__(self, norm: torch.nn.Module) -> None:
+        super().__init__()
+        self.weight = norm.weight
+        self.bias = norm.bias
+        self.eps = float(norm.eps)
+        self.dims = [-(i + 1) for i in range(len(norm.normalized_shape))]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        compute = torch.float64 if x.dtype == torch.float64 else torch.float32
+        xf = x.to(compute)
+        y = (xf * torch.rsqrt(xf.pow(2).mean(self.dims, keepdim=True) + self.eps)).to(x.dtype)
+        weight = self.weight
+        if weight is not None:
+            y = y * weight.to(x.dtype)
+        bias = self.bias
+        if bias is not None:
+            y = y + bias.to(x.dtype)
+        return y

@@ -69,3 +69,16 @@ def test_fake_impls_touch_no_data_and_build_nothing():
         y, h, rstd = ops.triton_rms_norm_residual_fwd(x, x, [16], w, b, 1e-5)
         assert y.shape == h.shape == x.shape
     assert cpu._kernel is None
+
+
+def test_jit_script_compiles_the_eager_math():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), normswap.RMSNorm(16, eps=1e-5, bias=True))
+    with torch.no_grad():
+        model[1].weight.normal_()
+        model[1].bias.normal_()
+    scripted = torch.jit.script(model)
+    x = torch.randn(3, 16)
+    with torch.no_grad():
+        assert torch.allclose(scripted(x), model(x), rtol=1e-6, atol=1e-6)
+    assert scripted[1].weight.data_ptr() == model[1].weight.data_ptr()  # parameters shared, not copied
