@@ -398,6 +398,13 @@ class Analyzer:
             site = self.sites[self.graph.calls[call_id].path]
             width = math.prod(site.normalized_shape)
             rows = m.reshape(-1, width)
+            first = rows[0]
+            if not bool(torch.isnan(first).any()) and bool((rows == first).all()):
+                row = first.long().tolist()  # the usual residual stream: every row the same features
+                if len(set(row)) != len(row):
+                    return groups, f"repeats features within a row of `{site.path}`"
+                groups.add(tuple(sorted(row)))
+                continue
             nan = torch.isnan(rows)
             full, empty = ~nan.any(1), nan.all(1)
             if not bool((full | empty).all()):
@@ -405,8 +412,6 @@ class Analyzer:
             rows = rows[full]
             if rows.numel() == 0:
                 continue
-            if bool((rows == rows[:1]).all()):  # the usual residual stream: every row the same features
-                rows = rows[:1]
             rows = torch.unique(torch.sort(rows, dim=1).values, dim=0).long()
             for row in rows.tolist():
                 if len(set(row)) != len(row):
