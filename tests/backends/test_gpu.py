@@ -65,6 +65,7 @@ def test_auto_follows_the_eager_and_graph_rules_on_cuda():
     x = huge[:8192].normal_()
     with torch.no_grad():
         eager_y = m(x)
+        tb.rms_norm(x, (4096,), m.weight, None, m.eps)  # compile the kernel the capture will switch to
         graph = torch.cuda.CUDAGraph()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
