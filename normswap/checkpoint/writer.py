@@ -28,7 +28,7 @@ from torch import nn
 
 from normswap.checkpoint import hf, io
 from normswap.errors import NormswapError
-from normswap.plan import Plan
+from normswap.plan import CENTERED_VERDICTS, Plan
 
 log = logging.getLogger("normswap")
 
@@ -330,7 +330,7 @@ def compat_model(model: nn.Module, plan: Plan) -> tuple[nn.Module, dict[str, lis
     state = dict(model.state_dict(keep_vars=True))
     meta_state = stock.state_dict(keep_vars=True)
     rms_ready, needs_centering = [], []
-    centered_by_hook = {sp.name for sp in plan.sites if sp.verdict == "exact-with-centering"}
+    centered_by_hook = {sp.name for sp in plan.sites if sp.verdict in CENTERED_VERDICTS}
     for sp in plan.sites:
         if not sp.convert:
             continue
