@@ -116,6 +116,16 @@ def _existing_parent(out: Path) -> Path:
     return parent
 
 
+def available_memory() -> int:
+    """Bytes of RAM available now (8 GB when psutil cannot tell)."""
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    except Exception:  # noqa: BLE001
+        return 8 << 30
+
+
 def free_bytes(path: Path) -> int:
     try:
         return shutil.disk_usage(_existing_parent(path / "x")).free

@@ -45,7 +45,7 @@ from normswap import api, inputs, presets
 from normswap.checkpoint import extrapolate as ex
 from normswap.checkpoint import hf, io, source, writer
 from normswap.checkpoint.source import NothingToConvert, Source
-from normswap.errors import NormswapError
+from normswap.errors import NormswapError, VerificationFailed
 from normswap.plan import Plan
 from normswap.verify import compare
 
@@ -381,9 +381,7 @@ def validate_against_meta(plan: Plan, meta: nn.Module) -> None:
 
 
 def _available() -> int:
-    from normswap.checkpoint.conversion import available_memory
-
-    return available_memory()
+    return io.available_memory()
 
 
 # ------------------------------------------------------------------------------------ key mapping
@@ -819,8 +817,6 @@ def verify_truncated(
     exact = all(sp.verdict != "approximate" for sp in fp.plan.sites if sp.convert)
     limit = api.EXACT_TOLERANCE.get(dtype, 1e-3)
     if exact and figures.get("max_rel_error", 0.0) > limit:
-        from normswap.checkpoint.conversion import VerificationFailed
-
         raise VerificationFailed(
             f"verification failed: the streamed checkpoint's layers "
             f"{result['truncated_layers']} differ from the original by "
