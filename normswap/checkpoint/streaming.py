@@ -511,8 +511,15 @@ class Transformer:
         if key is None:
             raise NormswapError(f"the checkpoint has no tensor for {model_key}; it does not match its config")
         t = self.reader.get(key)
-        # as the in-memory path: load in the target dtype first, then edit in float64
-        return t.to(self.dtype) if self.dtype is not None and t.is_floating_point() else t
+        # as the in-memory path: with a target dtype, read in float32 (exact for half sources),
+        # edit in float64, and cast once at the end (via float32, as the in-memory model is)
+        return t.float() if self.dtype is not None and t.is_floating_point() else t
+
+    def cast(self, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """An edited float64 tensor in the output dtype, rounded as the in-memory path rounds it."""
+        if self.dtype is not None and t.is_floating_point():
+            t = t.float()
+        return t.to(dtype)
 
     def edited(self, model_key: str, upto: int | None = None) -> torch.Tensor:
         """Float64 value after untie, centering and the folds (those before plan index ``upto``)."""
@@ -556,7 +563,7 @@ class Transformer:
             dtype = self.out_dtype(e.dtype)
             if mkey is not None and self.is_edited(mkey):
                 out.append(
-                    (key, dtype, e.shape, lambda m=mkey, d=dtype: self.edited(m).to(ST_TO_TORCH[d]), mkey)
+                    (key, dtype, e.shape, lambda m=mkey, d=dtype: self.cast(self.edited(m), ST_TO_TORCH[d]), mkey)
                 )
             else:
                 out.append(
@@ -573,7 +580,7 @@ class Transformer:
                     self.keys.ckpt_key(target),
                     dtype,
                     e.shape,
-                    lambda m=target, d=dtype: self.edited(m).to(ST_TO_TORCH[d]),
+                    lambda m=target, d=dtype: self.cast(self.edited(m), ST_TO_TORCH[d]),
                     target,
                 )
             )
@@ -594,11 +601,11 @@ class Transformer:
         if self.fmt == "native":
             if rms_gamma is not None:
                 entries.append(
-                    (f"{base}.weight", dtype, shape, lambda v=rms_gamma: v.to(torch_dtype), f"{site}.weight")
+                    (f"{base}.weight", dtype, shape, lambda v=rms_gamma: self.cast(v, torch_dtype), f"{site}.weight")
                 )
             if rms_beta is not None:
                 entries.append(
-                    (f"{base}.bias", dtype, shape, lambda v=rms_beta: v.to(torch_dtype), f"{site}.bias")
+                    (f"{base}.bias", dtype, shape, lambda v=rms_beta: self.cast(v, torch_dtype), f"{site}.bias")
                 )
         else:  # compat: the original attributes hold the RMSNorm's values
             offset = 1.0 if sp.flavour == "offset" else 0.0
@@ -611,7 +618,7 @@ class Transformer:
                         self.keys.to_ckpt[f"{site}.{g_attr}"],
                         dtype,
                         shape,
-                        lambda v=value: v.to(torch_dtype),
+                        lambda v=value: self.cast(v, torch_dtype),
                         f"{site}.{g_attr}",
                     )
                 )
@@ -622,7 +629,7 @@ class Transformer:
                         self.keys.to_ckpt[f"{site}.{b_attr}"],
                         dtype,
                         shape,
-                        lambda v=value: v.to(torch_dtype),
+                        lambda v=value: self.cast(v, torch_dtype),
                         f"{site}.{b_attr}",
                     )
                 )
