@@ -110,7 +110,7 @@ def stage_convert(path: Path, held: list[str], which: list[str]) -> list[dict]:
         if opts is None:  # a cheaper sequential fit: a quarter of the default built-in set
             from normswap.calibrate import builtin_batches
 
-            opts = {"calibration": builtin_batches(model, tok, batches=1)[0]}
+            opts = {"calibration": [kw for _, kw in builtin_batches(model, tok, batches=1)[0]]}
         m = copy.deepcopy(model)
         t0 = time.perf_counter()
         with warnings.catch_warnings():

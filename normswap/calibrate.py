@@ -180,11 +180,15 @@ def builtin_batches(model: nn.Module, tokenizer: Any = None, *, batches: int = 4
 
 
 def user_batches(calibration: Any) -> list[Batch]:
-    """Normalise user calibration (a tensor, tuple, dict of model inputs, or a list of them)."""
+    """Normalise user calibration (a tensor, tuple, dict of model inputs, an ``(args, kwargs)`` batch,
+    or a list of them)."""
     items = calibration if isinstance(calibration, list) else [calibration]
     out: list[Batch] = []
     for item in items:
-        if isinstance(item, dict):
+        if (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], tuple)
+                and isinstance(item[1], dict)):  # already an (args, kwargs) batch, e.g. from builtin_batches
+            out.append((item[0], dict(item[1])))
+        elif isinstance(item, dict):
             out.append(((), dict(item)))
         elif isinstance(item, tuple):
             out.append((item, {}))

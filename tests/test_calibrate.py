@@ -233,3 +233,11 @@ def test_sentence_pooling_reads_sentence_transformers_files(tmp_path):
                                                     {"path": "pool", "type": "sentence_transformers.models.Pooling"}]))
     (other / "pool" / "config.json").write_text(json.dumps({"pooling_mode_mean_tokens": True}))
     assert models.sentence_pooling(str(other)) == "mean"
+
+
+def test_user_batches_accept_tensors_tuples_dicts_and_built_in_batches():
+    ids = torch.ones(2, 3, dtype=torch.long)
+    got = calibrate.user_batches([ids, (ids,), {"input_ids": ids}, ((), {"input_ids": ids})])
+    assert [(len(a), sorted(k)) for a, k in got] == [(1, []), (1, []), (0, ["input_ids"]), (0, ["input_ids"])]
+    with pytest.raises(NormswapError, match="calibration must be"):
+        calibrate.user_batches(["text"])
