@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.abc
+import importlib.util
 import sys
 import types
 from typing import Any
@@ -46,6 +47,9 @@ class _Package(types.ModuleType):
     def __getattr__(self, name: str) -> Any:
         module = _LAZY.get(name)
         if module is None:
+            # ``import normswap`` used to import most submodules; keep ``normswap.api`` & co. working
+            if not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+                return importlib.import_module(f"{__name__}.{name}")
             raise AttributeError(f"module 'normswap' has no attribute {name!r}")
         value = getattr(importlib.import_module(module), name)
         types.ModuleType.__setattr__(self, name, value)
