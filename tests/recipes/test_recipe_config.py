@@ -117,7 +117,7 @@ def test_cli_reports_errors_as_one_line_and_exits_nonzero(tmp_path):
     assert result.output.startswith("error: ") and "`data.path`" in result.output
 
     result = runner.invoke(main, ["finetune", str(recipe), "train.warmup=3"])
-    assert result.exit_code == 1 and "error: unknown config key `train.warmup`" in result.output
+    assert result.exit_code == 2 and "error: unknown config key `train.warmup`" in result.output  # a usage error
 
     result = runner.invoke(main, ["finetune", str(tmp_path / "nope.yaml")])
     assert result.exit_code == 1 and "does not exist" in result.output
