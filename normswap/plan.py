@@ -14,6 +14,7 @@ VERDICTS = ("exact", "exact-with-centering", "exact-with-per-norm-centering", "a
 # verdicts whose norm reads a stream made zero-mean at run time (not RMS-swappable in a stock runtime)
 CENTERED_VERDICTS = ("exact-with-centering", "exact-with-per-norm-centering")
 EXACT_VERDICTS = ("exact",) + CENTERED_VERDICTS
+RUNTIME_SITE_FIELDS = ("writer_targets", "linear_readers")  # not serialised (see Plan.to_dict)
 
 
 @dataclass
@@ -167,7 +168,13 @@ class Plan:
         return self.table()
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The manifest. Per-site stream details (``writer_targets``, ``linear_readers``) stay in memory:
+        they grow with depth, which the streaming path's plan extrapolation does not model."""
+        data = asdict(self)
+        for site in data["sites"]:
+            for key in RUNTIME_SITE_FIELDS:
+                site.pop(key, None)
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Plan:

@@ -85,7 +85,8 @@ def _blocker(model: nn.Module, plan: Plan, group: list[SitePlan]) -> str:
     edits = {e.target: e for e in plan.writer_edits}
     targets = {t for sp in group for t in sp.writer_targets}
     if not targets:
-        return "no centered writer recorded"
+        return "no centered writer recorded (a plan read back from a manifest has no stream details: " \
+            "rotate right after normswap.patch)"
     for t in sorted(targets):
         if t not in edits or edits[t].blocks is not None:
             return f"writer `{t}` is centered per block, not over the whole stream"
