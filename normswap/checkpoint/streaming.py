@@ -879,6 +879,16 @@ def convert_streaming(
         raise NothingToConvert(f"{src.label}: no LayerNorm can be converted in this mode; nothing to do")
     if fmt == "compat" and any(sp.convert and sp.verdict == "approximate" for sp in plan.sites):
         raise NormswapError("compat format keeps LayerNorms; convert with --mode exact")
+    approximate = sum(1 for sp in plan.sites if sp.convert and sp.verdict == "approximate")
+    if approximate:
+        # The in-memory path fits approximate norms on calibration activations of the real model;
+        # the streamed path only sees random-weight proxies, so it could only copy gamma/beta,
+        # which is what wrecks deep Post-LN models. Refuse instead of writing a worse model.
+        raise NormswapError(
+            f"{src.label}: {approximate} approximate norm(s) need calibration on the whole model, which "
+            "--low-memory cannot do; convert without --low-memory, or add --mode exact to stream only "
+            "the exact norms"
+        )
     tied_ok = set(getattr(meta, "get_expanded_tied_weights_keys", lambda **_: {})(all_submodels=True))
     missing = [k for k in missing if k not in tied_ok]
     # the same rule as the in-memory load (source.check_loading_info): tensors the model does not
