@@ -204,8 +204,12 @@ def find_norms(model: nn.Module, example_inputs: inputs.ExampleInputs = None) ->
         return _identify_sites(work, args, kwargs)[0]
 
 
-def _analyse_copy(work: nn.Module, args: tuple, kwargs: dict, *, untie: bool, fold_gamma: bool,
-                  per_norm_centering: bool = False) -> _Analysis:
+def analyse_copy(work: nn.Module, args: tuple, kwargs: dict, *, untie: bool, fold_gamma: bool,
+                 per_norm_centering: bool = False) -> _Analysis:
+    """Trace ``work`` once on the inputs, find its norms and analyse them into a plan (no verdicts yet).
+
+    Shared by ``plan``/``patch`` and the streaming converter, which runs it on a reduced-depth proxy.
+    """
     found, graph = _identify_sites(work, args, kwargs)
     plan = analyse(work, graph, found.sites, untie=untie, fold_gamma=fold_gamma,
                    per_norm_centering=per_norm_centering, rms_norms=found.skipped)
@@ -214,7 +218,8 @@ def _analyse_copy(work: nn.Module, args: tuple, kwargs: dict, *, untie: bool, fo
     return _Analysis(plan, {s.path: s for s in found.sites}, graph, args, kwargs)
 
 
-def _decide(plan: Plan, mode: str) -> None:
+def decide_verdicts(plan: Plan, mode: str) -> None:
+    """Mark which sites convert under ``mode``: exact ones always, approximate ones in auto/all."""
     for sp in plan.sites:
         if sp.verdict in EXACT_VERDICTS:
             sp.convert = True
@@ -223,19 +228,29 @@ def _decide(plan: Plan, mode: str) -> None:
     plan.options["mode"] = mode
 
 
+_PATCH_ONLY_OPTIONS = frozenset({"calibration", "verify", "tokenizer", "sequential", "allow_unusable"})
+
+
 def plan(model: nn.Module, example_inputs: inputs.ExampleInputs = None, *, mode: str = "auto",
          fold_gamma: bool = False, untie: bool = True, backend: str = "auto", per_norm_centering: bool = False,
-         **_: Any) -> Plan:
-    """Dry run: the per-norm verdicts and every edit ``patch`` would make. The model is untouched."""
+         **patch_only: Any) -> Plan:
+    """Dry run: the per-norm verdicts and every edit ``patch`` would make. The model is untouched.
+
+    Accepts ``patch``'s other options (calibration, verify, ...) so one set of options serves both;
+    they do not change the plan. Any other keyword is a typo and an error.
+    """
+    unknown = sorted(set(patch_only) - _PATCH_ONLY_OPTIONS)
+    if unknown:
+        raise NormswapError(f"plan() got unknown option(s) {', '.join(unknown)}; see help(normswap.patch)")
     _check_options(mode, backend)
     preflight(model)
     args, kwargs = inputs.resolve(model, example_inputs)
     with eval_mode(model):
         work = working_copy(model)
         args, kwargs = inputs.cast_inputs(args, kwargs, _dtype_of(work))
-        result = _analyse_copy(work, args, kwargs, untie=untie, fold_gamma=fold_gamma,
+        result = analyse_copy(work, args, kwargs, untie=untie, fold_gamma=fold_gamma,
                                per_norm_centering=per_norm_centering)
-    _decide(result.plan, mode)
+    decide_verdicts(result.plan, mode)
     return result.plan
 
 
@@ -304,10 +319,10 @@ def patch(model: nn.Module, example_inputs: inputs.ExampleInputs = None, *, mode
         work = working_copy(model)
         work_dtype = _dtype_of(work)
         wargs, wkwargs = inputs.cast_inputs(args, kwargs, work_dtype)
-        an = _analyse_copy(work, wargs, wkwargs, untie=untie, fold_gamma=fold_gamma,
+        an = analyse_copy(work, wargs, wkwargs, untie=untie, fold_gamma=fold_gamma,
                            per_norm_centering=per_norm_centering)
         plan_ = an.plan
-        _decide(plan_, mode)
+        decide_verdicts(plan_, mode)
         if plan_.options.get("already_converted"):
             return Report([], {}, plan_, "model is already converted by normswap; nothing to do")
         if not plan_.sites and not plan_.rms_folds:

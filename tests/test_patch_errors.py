@@ -104,3 +104,10 @@ def test_failed_verification_leaves_the_model_bit_identical(monkeypatch):
 def test_invalid_options(kwargs, match):
     with pytest.raises(normswap.NormswapError, match=match):
         normswap.patch(copy.deepcopy(TinyViT()), (torch.randn(1, 3, 32, 32),), **kwargs)
+
+
+def test_plan_rejects_a_misspelt_option_but_takes_patch_options():
+    model = TinyViT()
+    with pytest.raises(normswap.NormswapError, match="unknown option.*fold_gama"):
+        normswap.plan(model, (torch.randn(1, 3, 32, 32),), fold_gama=True)
+    assert normswap.plan(model, (torch.randn(1, 3, 32, 32),), verify=False).sites

@@ -250,8 +250,8 @@ def analyse_proxy(model: nn.Module, *, mode: str, untie: bool, fold_gamma: bool)
     dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
     with api.eval_mode(model):
         args, kwargs = inputs.cast_inputs(args, kwargs, dtype)
-        result = api._analyse_copy(model, args, kwargs, untie=untie, fold_gamma=fold_gamma)
-    api._decide(result.plan, mode)
+        result = api.analyse_copy(model, args, kwargs, untie=untie, fold_gamma=fold_gamma)
+    api.decide_verdicts(result.plan, mode)
     return result.plan
 
 
@@ -481,7 +481,7 @@ class Transformer:
         for sp in plan.sites:
             if not sp.convert:
                 continue
-            g_attr, b_attr = writer._norm_param_names(meta.get_submodule(sp.name), sp.flavour)
+            g_attr, b_attr = writer.norm_param_names(meta.get_submodule(sp.name), sp.flavour)
             offset = 1.0 if sp.flavour == "offset" else 0.0
             gamma = self.read(f"{sp.name}.{g_attr}").double() + offset if g_attr else None
             beta = self.read(f"{sp.name}.{b_attr}").double() if b_attr else None

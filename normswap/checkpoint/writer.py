@@ -268,7 +268,7 @@ def finish_native_dir(model: nn.Module, out: Path) -> None:
 
 
 # ------------------------------------------------------------------------------------ compat
-def _norm_param_names(module: nn.Module, flavour: str) -> tuple[str | None, str | None]:
+def norm_param_names(module: nn.Module, flavour: str) -> tuple[str | None, str | None]:
     """(γ attribute, β attribute) of an original norm module, from its direct parameters."""
     names = [n for n, p in module._parameters.items() if p is not None]
     if flavour == "non-affine":
@@ -336,7 +336,7 @@ def compat_model(model: nn.Module, plan: Plan) -> tuple[nn.Module, dict[str, lis
             continue
         (needs_centering if sp.name in centered_by_hook else rms_ready).append(sp.name)
         original = stock.get_submodule(sp.name)
-        g_attr, b_attr = _norm_param_names(original, sp.flavour)
+        g_attr, b_attr = norm_param_names(original, sp.flavour)
         rms = model.get_submodule(sp.name)
         offset = 1.0 if sp.flavour == "offset" else 0.0
         for attr in (g_attr, b_attr):
