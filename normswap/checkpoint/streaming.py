@@ -46,7 +46,7 @@ from normswap.checkpoint import extrapolate as ex
 from normswap.checkpoint import hf, io, source, writer
 from normswap.checkpoint.source import NothingToConvert, Source
 from normswap.errors import NormswapError, VerificationFailed
-from normswap.plan import Plan
+from normswap.plan import CENTERED_VERDICTS, Plan
 from normswap.verify import compare
 
 LAYER_ATTR = re.compile(
@@ -989,23 +989,14 @@ def _write_config(
     manifest = writer.build_manifest(
         meta, plan, fmt=fmt, verification=verification, source=source_spec, extra=extra
     )
-    cfg_path = out / "config.json"
-    data = json.loads(cfg_path.read_text())
     if fmt == "native":
-        classes = writer.auto_classes_for(meta)
-        base = writer.base_model_type(meta)
-        data["model_type"] = hf.PREFIX + base
-        data["architectures"] = [f"Normswap{manifest['architecture']}"]
-        module = Path(writer.MODELING_FILE).stem
-        data["auto_map"] = {
-            "AutoConfig": f"{module}.{hf.config_class_for(base).__name__}",
-            **{auto: f"{module}.Normswap{c}" for auto, c in classes.items()},
-        }
-        (out / writer.MODELING_FILE).write_text(writer.modeling_source(base, classes))
+        writer.make_native_config(meta, out, manifest)
     else:
-        centering = {sp.name for sp in plan.sites if sp.verdict == "exact-with-centering"}
+        cfg_path = out / "config.json"
+        data = json.loads(cfg_path.read_text())
+        centering = {sp.name for sp in plan.sites if sp.verdict in CENTERED_VERDICTS}
         manifest["rms_ready"] = [sp.name for sp in plan.sites if sp.convert and sp.name not in centering]
         manifest["needs_centering"] = [sp.name for sp in plan.sites if sp.convert and sp.name in centering]
-    data[hf.MANIFEST_KEY] = manifest
-    io.write_json(cfg_path, data)
+        data[hf.MANIFEST_KEY] = manifest
+        io.write_json(cfg_path, data)
     (out / "README.md").write_text(writer.model_card(manifest, out.name.split(io.TMP_MARK)[0].lstrip(".")))

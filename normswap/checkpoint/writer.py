@@ -220,12 +220,21 @@ def write_native(
     manifest_extra: dict | None = None,
 ) -> dict[str, Any]:
     """Write ``model`` into the (existing, empty) directory ``out``. Returns the manifest."""
-    base = base_model_type(model)
     manifest = build_manifest(
         model, plan, fmt="native", verification=verification, source=source, extra=manifest_extra
     )
-    classes = auto_classes_for(model)
     model.save_pretrained(out, max_shard_size=max_shard_size, state_dict=state_dict_for_save(model))
+    make_native_config(model, out, manifest)
+    return manifest
+
+
+def make_native_config(model: nn.Module, out: Path, manifest: dict[str, Any]) -> None:
+    """Turn the stock ``config.json`` that ``save_pretrained`` wrote in ``out`` into a native one
+    (``model_type``, architectures, manifest, ``auto_map``) and add the generated modeling file.
+    The one place this rewrite lives: the in-memory writer and ``save_pretrained`` of a native
+    model both use it."""
+    base = base_model_type(model)
+    classes = auto_classes_for(model)
     cfg_path = out / "config.json"
     cfg = json.loads(cfg_path.read_text())
     cfg["model_type"] = hf.PREFIX + base
@@ -238,7 +247,6 @@ def write_native(
     cfg[hf.MANIFEST_KEY] = manifest
     io.write_json(cfg_path, cfg)
     (out / MODELING_FILE).write_text(modeling_source(base, classes))
-    return manifest
 
 
 def finish_native_dir(model: nn.Module, out: Path) -> None:
@@ -248,21 +256,8 @@ def finish_native_dir(model: nn.Module, out: Path) -> None:
     cfg_path = out / "config.json"
     if not cfg_path.is_file():
         return
-    plan = plan_of(model)
-    base = base_model_type(model)
-    classes = auto_classes_for(model)
-    cfg = json.loads(cfg_path.read_text())
-    manifest = build_manifest(model, plan, fmt="native")
-    cfg["model_type"] = hf.PREFIX + base
-    cfg["architectures"] = [f"Normswap{manifest['architecture']}"]
-    module = Path(MODELING_FILE).stem
-    cfg["auto_map"] = {
-        "AutoConfig": f"{module}.{hf.config_class_for(base).__name__}",
-        **{auto: f"{module}.Normswap{cls}" for auto, cls in classes.items()},
-    }
-    cfg[hf.MANIFEST_KEY] = manifest
-    io.write_json(cfg_path, cfg)
-    (out / MODELING_FILE).write_text(modeling_source(base, classes))
+    manifest = build_manifest(model, plan_of(model), fmt="native")
+    make_native_config(model, out, manifest)
     if not (out / "README.md").exists():
         (out / "README.md").write_text(model_card(manifest, out.name))
 
