@@ -369,10 +369,10 @@ def patch(model: nn.Module, example_inputs: inputs.ExampleInputs = None, *, mode
             if verify and reason and not allow_unusable:
                 raise calibrate.UnusableConversion(
                     f"conversion unusable: {reason} (held-out, {calib.source}); model left unchanged. "
-                    "Calibrate on data from your domain (calibration=... / --calibration-data), keep "
+                    "Calibrate on data from your domain (calibration=...), keep "
                     "approximate norms as LayerNorm (mode='exact'), or recover with the distillation "
                     "recipe (normswap finetune distill-encoder|distill-masked-lm|distill-causal-lm); "
-                    "allow_unusable=True / --allow-unusable writes it anyway")
+                    "allow_unusable=True writes it anyway")
         elif approx:
             plan_.options["calibration"] = {"source": "none (γ/β copied unchanged)"}
         swap(approx, {n: (f.weight, f.bias) for n, f in (calib.fits.items() if calib else [])})

@@ -201,6 +201,9 @@ def test_cli_convert_exits_4_on_an_unusable_conversion_and_writes_nothing(measur
     res = CliRunner().invoke(main, ["convert", "tiny-bert", "--out", str(out), "--mode", "all", "-q"])
     assert res.exit_code == 4, res.output
     assert "unusable" in res.output and "Traceback" not in res.output
+    # the CLI user reads CLI words, not the API's keyword arguments
+    assert "--allow-unusable" in res.output and "--calibration-data" in res.output
+    assert "allow_unusable=" not in res.output and "mode='exact'" not in res.output
     assert not out.exists() or not any(out.iterdir())
     res = CliRunner().invoke(main, ["convert", "tiny-bert", "--out", str(out), "--mode", "all", "-q",
                                     "--allow-unusable"])

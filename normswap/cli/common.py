@@ -99,6 +99,8 @@ _CLI_WORDS = (
     (re.compile(r"\bcalibration_data=\b"), "--calibration-data "),
     (re.compile(r"\blow_memory=True\b"), "--low-memory"),
     (re.compile(r"\btrust_remote_code=True\b"), "--trust-remote-code"),
+    (re.compile(r"\ballow_unusable=True\b"), "--allow-unusable"),
+    (re.compile(r"\bcalibration=\.\.\."), "--calibration-data FILE"),
 )
 
 
