@@ -193,25 +193,3 @@ def test_student_from_a_converted_directory(tiny_bert, corpus, tmp_path, make_co
     assert result.metrics_after["kl"] < result.metrics_before["kl"]
     loaded = normswap.load(result.model_dir)
     assert not any(isinstance(m, torch.nn.LayerNorm) for m in loaded.modules())
-
-
-def test_fallback_writer_round_trips_without_the_checkpoint_module(tiny_bert, tmp_path, monkeypatch):
-    """Without normswap.checkpoint, the recipe saves save_pretrained + a manifest and reads it back."""
-    import warnings
-
-    from transformers import BertForMaskedLM
-
-    from normswap.recipes import io
-
-    model = BertForMaskedLM.from_pretrained(str(tiny_bert))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        normswap.patch(model, mode="all")
-    monkeypatch.setattr(io, "_checkpoint_api", lambda: None)
-    assert io.save_converted(model, tmp_path / "fb", manifest_extra={"finetune": {"steps": 3}}) == "fallback"
-    assert io.read_manifest(tmp_path / "fb")["finetune"] == {"steps": 3}
-    loaded = io.load_converted(tmp_path / "fb", "masked-lm")
-    assert sum(isinstance(m, normswap.RMSNorm) for m in loaded.modules()) == 6
-    ids = torch.randint(5, 40, (2, 9), generator=torch.Generator().manual_seed(3))
-    with torch.no_grad():
-        torch.testing.assert_close(loaded(input_ids=ids).logits, model.eval()(input_ids=ids).logits)
