@@ -162,6 +162,30 @@ def pipeline_rows(tmp: Path) -> list[dict]:
     return rows
 
 
+def sentence_transformers_rows(tmp: Path) -> list[dict]:
+    try:
+        import sentence_transformers as st
+    except ImportError:
+        return [{"tool": "sentence-transformers", "model": "bert (Post-LN)", "ok": False, "max_rel": None,
+                 "note": "not installed (pip install sentence-transformers)"}]
+    from tests.test_faults import _tiny_sentence_transformer
+
+    src = _tiny_sentence_transformer(tmp / "st-build")
+    out = tmp / "st-converted"
+    normswap.convert(str(src), out, mode="all")
+    a, b = st.SentenceTransformer(str(src), device="cpu"), st.SentenceTransformer(str(out), device="cpu")
+    same_modules = [type(m).__name__ for m in a] == [type(m).__name__ for m in b]
+    texts = ["hello world", "a b c d e f g", "the quick brown fox", "jumps over the lazy dog"]
+    ea, eb = a.encode(texts, convert_to_tensor=True).double(), b.encode(texts, convert_to_tensor=True).double()
+    cos = float(torch.nn.functional.cosine_similarity(ea, eb).min())
+    modules = "/".join(type(m).__name__ for m in b)
+    return [{"tool": "SentenceTransformer(converted_dir)", "model": "bert (Post-LN)",
+             "ok": same_modules and a.max_seq_length == b.max_seq_length,
+             "max_rel": float((eb - ea).norm() / ea.norm()),
+             "note": f"modules {modules}, max_seq_length {b.max_seq_length}; min embedding cosine {cos:.4f} "
+                     "(the approximate conversion's own error)"}]
+
+
 def table(rows: list[dict]) -> str:
     lines = ["| tool | model | works | max rel. error | notes |", "|---|---|---|---|---|"]
     for r in rows:
@@ -173,11 +197,13 @@ def table(rows: list[dict]) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--readme", action="store_true", help="rewrite the table in README.md")
-    ap.add_argument("--only", default="", help="comma-separated groups: onnx,export,compile,trainer,peft,pipeline")
+    ap.add_argument("--only", default="", help="comma-separated groups: onnx,export,compile,trainer,peft,pipeline,"
+                    "sentence-transformers (prints only; --readme needs every group)")
     args = ap.parse_args()
     warnings.filterwarnings("ignore")
     groups = {"onnx": onnx_rows, "export": export_rows, "compile": compile_rows, "trainer": trainer_rows,
-              "peft": peft_rows, "pipeline": pipeline_rows}
+              "peft": peft_rows, "pipeline": pipeline_rows,
+              "sentence-transformers": sentence_transformers_rows}
     wanted = [g for g in (args.only.split(",") if args.only else groups)]
     rows: list[dict] = []
     t0 = time.time()
@@ -195,6 +221,8 @@ def main() -> int:
         except ImportError:
             pass
     (REPO / "benchmarks" / "compat.json").write_text(json.dumps({"versions": meta, "rows": rows}, indent=1))
+    if args.readme and args.only:
+        raise SystemExit("--readme rewrites the whole table: run it without --only")
     if args.readme:
         readme = REPO / "README.md"
         text = readme.read_text()
