@@ -66,7 +66,7 @@ import torch
 from normswap.backends import eager
 from normswap.backends._cpu_source import SOURCE
 from normswap.backends._env import env_reader
-from normswap.backends.rows import as_rows, compute_dtype
+from normswap.backends.rows import as_rows, compute_dtype, grad_launcher
 from normswap.integrations.tracing import outside_tracing
 
 name = "cpu"
@@ -710,14 +710,7 @@ def bind(
         return None
     n = normalized_shape[0]
     if grad:
-        apply = _RMSNormCPU.apply
-
-        def call_grad(x, w, b, eps):
-            if x.dim() and x.shape[-1] == n:
-                return apply(x, normalized_shape, w, b, eps)
-            return None
-
-        return call_grad
+        return grad_launcher(_RMSNormCPU.apply, normalized_shape)
 
     # Without gradients: the launch itself, with what the key and the module fix taken out of the call
     # (dtype code, parameter dtypes and layout; a parameter's pointer is still read per call).

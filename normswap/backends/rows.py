@@ -5,6 +5,8 @@ One definition each, so the ``cpu`` and ``triton`` launchers and the ``eager`` r
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 
@@ -23,3 +25,17 @@ def as_rows(x: torch.Tensor, n: int) -> torch.Tensor:
     if n > 1 and x2.stride(1) != 1:
         x2 = x2.contiguous()
     return x2
+
+
+def grad_launcher(apply: Callable[..., torch.Tensor], normalized_shape: tuple[int, ...]) -> Callable:
+    """The bound launcher of a kernel backend when gradients are wanted: its ``autograd.Function``
+    ``apply`` for inputs whose last dim is the normalised one, None otherwise (the caller's general
+    path then raises the error or serves the call)."""
+    n = normalized_shape[0]
+
+    def call_grad(x: torch.Tensor, w: torch.Tensor | None, b: torch.Tensor | None, eps: float):
+        if x.dim() and x.shape[-1] == n:
+            return apply(x, normalized_shape, w, b, eps)
+        return None
+
+    return call_grad

@@ -29,7 +29,7 @@ import os
 import torch
 
 from normswap.backends import eager, native
-from normswap.backends.rows import as_rows, compute_dtype
+from normswap.backends.rows import as_rows, compute_dtype, grad_launcher
 
 name = "triton"
 MAX_N = 32768
@@ -456,14 +456,7 @@ def bind(
     if any(p is not None and p.dim() != 1 for p in (weight, bias)):
         return None
     if grad:
-        apply = _TritonRMSNorm.apply
-
-        def call_grad(x, w, b, eps):
-            if x.dim() and x.shape[-1] == n:
-                return apply(x, normalized_shape, w, b, eps)
-            return None
-
-        return call_grad
+        return grad_launcher(_TritonRMSNorm.apply, normalized_shape)
 
     def call(x, w, b, eps):
         if x.dim() and x.shape[-1] == n:
