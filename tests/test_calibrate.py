@@ -244,3 +244,15 @@ def test_user_batches_accept_tensors_tuples_dicts_and_built_in_batches():
     assert [(len(a), sorted(k)) for a, k in got] == [(1, []), (1, []), (0, ["input_ids"]), (0, ["input_ids"])]
     with pytest.raises(NormswapError, match="calibration must be"):
         calibrate.user_batches(["text"])
+
+
+def test_convert_calibrates_with_the_sources_own_tokenizer(tmp_path):
+    """A converted directory's built-in calibration uses the tokenizer that came with the source
+    (here the preset's), not token ids drawn at random."""
+    out = tmp_path / "bert"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        normswap.convert("tiny-bert", out, mode="all")
+    manifest = json.loads((out / "config.json").read_text())["normswap"]
+    source = manifest["plan"]["options"]["calibration"]["source"]
+    assert source.startswith("built-in English sentences") and "model tokenizer" in source

@@ -153,6 +153,14 @@ def check_options(
 available_memory = io.available_memory  # kept here too: callers and tests patch it by this name
 
 
+def calibration_tokenizer(proc: Any) -> Any:
+    """The source's text tokenizer for the built-in calibration sentences (a processor's own
+    tokenizer), or None when it has none that can pad a batch (the calibration then finds one
+    itself or draws token ids)."""
+    tok = getattr(proc, "tokenizer", proc)
+    return tok if callable(tok) and getattr(tok, "pad_token", None) is not None else None
+
+
 def wants_low_memory(src: Source, dtype: str) -> bool:
     """The in-memory path holds the model plus a working copy: stream when the checkpoint is more
     than about half of the available RAM."""
@@ -479,6 +487,7 @@ def convert(
                 verify=verify,
                 backend=backend,
                 allow_unusable=allow_unusable,
+                tokenizer=calibration_tokenizer(proc),
             )
         except NormswapError as exc:
             if str(exc).startswith("verification failed"):
