@@ -638,3 +638,20 @@ def test_wheel_ships_the_recipes_and_lists_them_offline(tmp_path):
                             "data.path=d", "--print-config"], cwd=tmp_path, env=env, capture_output=True,
                            text=True, timeout=120)
     assert shown.returncode == 0 and "task: encoder" in shown.stdout, shown.stderr
+
+
+def test_per_norm_centering_flag_makes_post_ln_exact_and_says_so(tmp_path):
+    out = tmp_path / "bert"
+    code, stdout, err, _ = run("convert", "tiny-bert", "--out", str(out), "-q", "--per-norm-centering")
+    assert code == 0, err
+    manifest = json.loads((out / "config.json").read_text())["normswap"]
+    assert manifest["counts"].get("approximate", 0) == 0
+    assert manifest["counts"]["exact-with-per-norm-centering"] == 4
+    assert manifest["verification"]["max_rel_error"] < 1e-9
+    # without the flag the warning names the flag in CLI words, not the API's keyword
+    code, stdout, err, _ = run("convert", "tiny-bert", "--out", str(tmp_path / "b2"), "-q")
+    assert code == 0 and "--per-norm-centering" in err and "per_norm_centering=" not in err
+    src = presets.save("tiny-bert", tmp_path / "src")
+    code, _, err, _ = run("convert", str(src), "--out", str(tmp_path / "b3"), "--low-memory", "--per-norm-centering")
+    assert_one_line_error(code, err, 1, "--per-norm-centering needs the whole model in memory")
+    assert not (tmp_path / "b3").exists()

@@ -357,6 +357,7 @@ def convert(
     overwrite: bool = False,
     verify: bool = True,
     allow_unusable: bool = False,
+    per_norm_centering: bool = False,
     task: str | None = None,
     allow_pickle: bool = False,
     allow_new_head: bool = False,
@@ -384,6 +385,8 @@ def convert(
         verify: verify the conversion and the written checkpoint (reload check).
         allow_unusable: write the result even when approximate norms make it unusable (see
             :func:`normswap.patch`).
+        per_norm_centering: make Post-LN norms exact with one centering op before each (at
+            LayerNorm's cost; see :func:`normswap.patch`). Needs the in-memory path.
         task: override the model class picked from ``config.architectures`` (``source.TASKS``).
         allow_pickle: accept pickle-only (``.bin``) source checkpoints.
         allow_new_head: with ``task``, accept a task head the checkpoint lacks (randomly
@@ -418,12 +421,15 @@ def convert(
     )
     out = io.check_destination(out_dir, overwrite=overwrite, source=src.path)
     if low_memory is None:
-        low_memory = wants_low_memory(src, dtype) and calibration_data is None and calibration is None
+        low_memory = (wants_low_memory(src, dtype) and calibration_data is None and calibration is None
+                      and not per_norm_centering)
         if low_memory:
             say(
                 f"checkpoint is {io.human(src.nbytes)}, more than half of the available RAM: streaming "
                 "conversion (--low-memory)"
             )
+    if low_memory and per_norm_centering:
+        raise NormswapError("--per-norm-centering needs the whole model in memory; drop --low-memory")
     if low_memory:
         if src.kind == "preset":
             raise NormswapError(
@@ -487,6 +493,7 @@ def convert(
                 verify=verify,
                 backend=backend,
                 allow_unusable=allow_unusable,
+                per_norm_centering=per_norm_centering,
                 tokenizer=calibration_tokenizer(proc),
             )
         except NormswapError as exc:

@@ -100,6 +100,7 @@ _CLI_WORDS = (
     (re.compile(r"\blow_memory=True\b"), "--low-memory"),
     (re.compile(r"\btrust_remote_code=True\b"), "--trust-remote-code"),
     (re.compile(r"\ballow_unusable=True\b"), "--allow-unusable"),
+    (re.compile(r"\bper_norm_centering=True\b"), "--per-norm-centering"),
     (re.compile(r"\bcalibration=\.\.\."), "--calibration-data FILE"),
 )
 

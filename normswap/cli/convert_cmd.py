@@ -99,6 +99,12 @@ Presets (offline, seeded tiny models with tokenizers/processors):
 )
 @click.option("--fold-gamma", is_flag=True, help="Also fold γ into reader weights (RMSNorm weight = 1).")
 @click.option(
+    "--per-norm-centering",
+    is_flag=True,
+    help="Post-LN norms: insert one centering op (a mean per token) before each, which makes them exact "
+    "at LayerNorm's cost (verdict exact-with-per-norm-centering, counted apart).",
+)
+@click.option(
     "--keep-tied",
     "--no-untie",
     "keep_tied",
@@ -167,6 +173,7 @@ def convert(
     mode: str,
     fmt: str,
     fold_gamma: bool,
+    per_norm_centering: bool,
     keep_tied: bool,
     dtype: str,
     calibration_data: str | None,
@@ -206,6 +213,7 @@ def convert(
             overwrite=overwrite,
             verify=not no_verify,
             allow_unusable=allow_unusable,
+            per_norm_centering=per_norm_centering,
             task=task,
             allow_pickle=allow_pickle,
             allow_new_head=new_head,
