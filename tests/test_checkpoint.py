@@ -18,6 +18,7 @@ from torch import nn
 import normswap
 from normswap import presets
 from normswap.checkpoint import hf, writer
+from normswap.checkpoint.conversion import calibration_tokenizer
 from normswap.errors import NormswapError
 
 # preset -> mode for the native round trip (BERT is Post-LN: approximate, so mode=all)
@@ -39,8 +40,9 @@ def outputs(model: nn.Module, name: str) -> torch.Tensor:
 
 
 def converted_in_memory(name: str, mode: str) -> nn.Module:
-    model = presets.build_model(name)
-    normswap.patch(model, mode=mode)
+    """What ``convert`` does in memory: patch the preset, calibrating with its own tokenizer."""
+    model, proc = presets.build(name)
+    normswap.patch(model, mode=mode, tokenizer=calibration_tokenizer(proc))
     return model
 
 
