@@ -34,6 +34,7 @@ _LAZY = {
     "RMSNorm": "normswap.norm",
     "rms_norm": "normswap.norm",
     "Plan": "normswap.plan",
+    "plan_of": "normswap.plan",
     "Rotation": "normswap.rotate",
     "rotate": "normswap.rotate",
 }

@@ -24,7 +24,7 @@ from normswap.analysis import analyse
 from normswap.errors import NormswapError
 from normswap.integrations import hooks
 from normswap.norm import RMSNorm
-from normswap.plan import EXACT_VERDICTS, Plan, SitePlan
+from normswap.plan import EXACT_VERDICTS, Plan, SitePlan, attach_plan
 from normswap.verify import compare, dtype_error_ratio
 
 log = logging.getLogger("normswap")
@@ -402,7 +402,7 @@ def patch(model: nn.Module, example_inputs: inputs.ExampleInputs = None, *, mode
                 converted_in_dtype = compare(reference, model(*args, **kwargs), skip)
                 figures["in_model_dtype"] = converted_in_dtype.get("max_rel_error")
                 figures["dtype_error_ratio"] = dtype_error_ratio(in_dtype, converted_in_dtype)
-    model._normswap_plan = plan_
+    attach_plan(model, plan_)
     hooks.after_patch(model)  # e.g. save_pretrained / Trainer.save_model then write a native checkpoint
     counts = plan_.counts()
     message = (f"converted {len(todo)} of {len(plan_.sites)} LayerNorm(s)"

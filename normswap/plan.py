@@ -193,3 +193,18 @@ class Plan:
             changed_outputs=list(data.get("changed_outputs", [])),
             options=dict(data.get("options", {})),
         )
+
+
+# the attribute a converted model carries its plan under (read and written only through the two
+# functions below, so the storage can change without touching their callers)
+_ATTRIBUTE = "_normswap_plan"
+
+
+def plan_of(model: Any) -> Plan | None:
+    """The plan ``normswap.patch``/``normswap.load`` applied to ``model`` (None for an unconverted model)."""
+    return getattr(model, _ATTRIBUTE, None)
+
+
+def attach_plan(model: Any, plan: Plan) -> None:
+    """Record ``plan`` as the one applied to ``model`` (what :func:`plan_of` returns)."""
+    setattr(model, _ATTRIBUTE, plan)

@@ -22,7 +22,7 @@ from torch import nn
 
 from normswap.errors import NormswapError
 from normswap.norm import RMSNorm
-from normswap.plan import Plan, SitePlan
+from normswap.plan import Plan, SitePlan, plan_of
 
 
 @dataclass
@@ -123,7 +123,7 @@ def rotate(model: nn.Module, q: torch.Tensor | int = 0) -> Rotation:
     unchanged up to float rounding; raw residual-stream outputs (``hidden_states``) come out
     rotated.
     """
-    plan: Plan | None = getattr(model, "_normswap_plan", None)
+    plan: Plan | None = plan_of(model)
     if plan is None:
         raise NormswapError("model was not converted by normswap; run normswap.patch(model, fold_gamma=True) first")
     if isinstance(q, torch.Tensor):

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from normswap.norm import RMSNorm
-from normswap.plan import CenterHook, FoldEdit, Plan, RmsFold, ScaleFold, SitePlan, Untie, WriterEdit
+from normswap.plan import CenterHook, FoldEdit, Plan, RmsFold, ScaleFold, SitePlan, Untie, WriterEdit, attach_plan
 from normswap.walker import NormSite
 
 
@@ -229,5 +229,5 @@ def apply_structure(model: nn.Module, plan: Plan, backend: str = "auto") -> nn.M
         replace_module(model, old, new)
     for h in plan.hooks:
         install_hook(model, h)
-    model._normswap_plan = plan
+    attach_plan(model, plan)
     return model

@@ -66,7 +66,7 @@ def test_native_round_trip_is_bitwise(native_dirs, name):
     d = native_dirs[name]
     loaded = normswap.load(d)
     assert type(loaded).__name__.startswith("Normswap")
-    assert isinstance(loaded._normswap_plan, normswap.Plan)
+    assert isinstance(normswap.plan_of(loaded), normswap.Plan)
     assert any(isinstance(m, normswap.RMSNorm) for m in loaded.modules())
     assert torch.equal(outputs(loaded, name), outputs(converted_in_memory(name, CASES[name]), name))
     cfg = json.loads((d / "config.json").read_text())

@@ -214,7 +214,7 @@ def matrix() -> str:
             counts = ", ".join(f"{n} {v}" for v, n in plan.counts().items() if n)
             rotated = copy.deepcopy(model)
             normswap.patch(rotated, fold_gamma=True, mode="exact")
-            rot = normswap.rotate(rotated, 0) if hasattr(rotated, "_normswap_plan") else None
+            rot = normswap.rotate(rotated, 0) if normswap.plan_of(rotated) is not None else None
             if rot is None:
                 rotation = "no: no exact norm"
             elif rot.rotated and not rot.skipped:

@@ -24,6 +24,7 @@ from normswap import api, backends, inputs
 from normswap.checkpoint import io, source, writer
 from normswap.checkpoint.source import Source
 from normswap.errors import NormswapError, NothingToConvert, VerificationFailed
+from normswap.plan import plan_of
 from normswap.verify import comparable, compare, primary_key
 
 log = logging.getLogger("normswap")
@@ -508,13 +509,13 @@ def convert(
                 say("top-1 agreement with the original is 0; writing it anyway (--allow-unusable)")
         else:
             check_agreement(report.verification)
-        plan = model._normswap_plan
+        plan = plan_of(model)
         if plan.unties:
             grown = sum(u.numel for u in plan.unties)
             itemsize = next((p.element_size() for p in model.parameters() if p.is_floating_point()), 4)
             say(io.untie_note(len(plan.unties), grown, grown * itemsize, output_bytes(model)))
         steps.update()
-        plan = model._normswap_plan
+        plan = plan_of(model)
         kept = [sp.name for sp in plan.sites if sp.verdict == "approximate" and not sp.convert]
         if format == "compat" and kept:
             say(

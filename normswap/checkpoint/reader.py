@@ -49,7 +49,7 @@ def load(path: str | os.PathLike, **from_pretrained_kwargs: Any) -> nn.Module:
     """Load a normswap checkpoint directory (native or compat) in eval mode.
 
     Native checkpoints rebuild the base architecture on the meta device, apply the manifest's
-    structural edits (no re-analysis) and load the weights; the model carries ``_normswap_plan``.
+    structural edits (no re-analysis) and load the weights; ``normswap.plan_of(model)`` returns it.
     Keyword arguments go to ``from_pretrained`` (``dtype=``, ``device_map=``, ...).
 
     Example:

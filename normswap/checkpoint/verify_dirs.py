@@ -12,14 +12,14 @@ from normswap import api, inputs
 from normswap.checkpoint import source
 from normswap.checkpoint.reader import load
 from normswap.errors import NormswapError
-from normswap.plan import Plan
+from normswap.plan import Plan, plan_of
 from normswap.verify import compare
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
 def _plan_of(model: Any) -> Plan | None:
-    return getattr(model, "_normswap_plan", None) or getattr(model, "_normswap_compat", None)
+    return plan_of(model) or getattr(model, "_normswap_compat", None)
 
 
 def verify_checkpoint(

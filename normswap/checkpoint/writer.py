@@ -28,7 +28,7 @@ from torch import nn
 
 from normswap.checkpoint import hf_types, io
 from normswap.errors import NormswapError
-from normswap.plan import CENTERED_VERDICTS, Plan
+from normswap.plan import CENTERED_VERDICTS, Plan, plan_of
 
 log = logging.getLogger("normswap")
 
@@ -47,9 +47,9 @@ _RESERVED = {
 }
 
 
-def plan_of(model: nn.Module) -> Plan:
-    """The plan a converted model carries (``normswap.patch`` or a loaded native checkpoint)."""
-    plan = getattr(model, "_normswap_plan", None)
+def required_plan(model: nn.Module) -> Plan:
+    """The plan a converted model carries (``normswap.patch`` or a loaded native checkpoint); raises if none."""
+    plan = plan_of(model)
     if isinstance(plan, Plan):
         return plan
     manifest = hf_types.manifest_of(getattr(model, "config", None))
@@ -256,7 +256,7 @@ def finish_native_dir(model: nn.Module, out: Path) -> None:
     cfg_path = out / "config.json"
     if not cfg_path.is_file():
         return
-    manifest = build_manifest(model, plan_of(model), fmt="native")
+    manifest = build_manifest(model, required_plan(model), fmt="native")
     make_native_config(model, out, manifest)
     if not (out / "README.md").exists():
         (out / "README.md").write_text(model_card(manifest, out.name))
@@ -487,7 +487,7 @@ def write_model_dir(
     """Everything a checkpoint directory holds, written into the existing directory ``out``."""
     if fmt not in FORMATS:
         raise NormswapError(f"format must be one of {', '.join(FORMATS)}, not {fmt!r}")
-    plan = plan if plan is not None else plan_of(model)
+    plan = plan if plan is not None else required_plan(model)
     io.parse_size(max_shard_size)
     writer = write_native if fmt == "native" else write_compat
     manifest = writer(
@@ -544,7 +544,7 @@ def save(
     """
     if format not in FORMATS:
         raise NormswapError(f"format must be one of {', '.join(FORMATS)}, not {format!r}")
-    plan = plan_of(model)
+    plan = required_plan(model)
     io.parse_size(max_shard_size)
     out = io.check_destination(out_dir, overwrite=overwrite)
     side = (

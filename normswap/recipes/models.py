@@ -14,7 +14,7 @@ from torch import nn
 
 from normswap.errors import NormswapError
 from normswap.norm import RMSNorm
-from normswap.plan import Plan, SitePlan
+from normswap.plan import Plan, SitePlan, attach_plan, plan_of
 from normswap.recipes import io
 from normswap.recipes.config import ConvertConfig, LoraConfig, ModelConfig, ProgressiveConfig
 
@@ -136,7 +136,7 @@ def build_student(
         model = io.load_converted(
             cfg.student, task, dtype=DTYPES[cfg.dtype], trust_remote_code=cfg.trust_remote_code
         )
-        plan = getattr(model, "_normswap_plan", None)
+        plan = plan_of(model)
         if plan is None:
             raise NormswapError(
                 f"config key `model.student`: {cfg.student!r} is not a normswap-converted "
@@ -164,8 +164,8 @@ def build_student(
                 backend=conv.backend,
                 allow_unusable=True,  # recovering an unusable conversion is what the recipe is for
             )
-        plan = getattr(model, "_normswap_plan", report.plan)
-        model._normswap_plan = plan
+        plan = (plan_of(model) or report.plan)
+        attach_plan(model, plan)
         summary = {
             "source": "converted",
             "mode": mode or conv.mode,
@@ -254,10 +254,10 @@ def base_model(model: nn.Module) -> nn.Module:
 def finalize(model: nn.Module) -> nn.Module:
     """Merge LoRA adapters into the weights so the output is a plain converted model."""
     if hasattr(model, "merge_and_unload"):
-        plan = getattr(base_model(model), "_normswap_plan", None)
+        plan = plan_of(base_model(model))
         model = model.merge_and_unload()
         if plan is not None:
-            model._normswap_plan = plan
+            attach_plan(model, plan)
     return model
 
 
@@ -306,7 +306,7 @@ def plan_progressive(
     """Work out the stages from the student's plan: its approximate sites that are still LayerNorm."""
     from normswap.api import find_norms
 
-    plan: Plan | None = getattr(model, "_normswap_plan", None)
+    plan: Plan | None = plan_of(model)
     pending = [
         sp.name for sp in (plan.sites if plan else []) if sp.verdict == "approximate" and not sp.convert
     ]
@@ -367,7 +367,7 @@ def swap_stage(
     from normswap import calibrate, surgery
 
     base = base_model(model)
-    plan: Plan = base._normswap_plan
+    plan: Plan = plan_of(base)
     names = [n for n in prog.stages[stage] if n not in prog.done]
     modules = {n: base.get_submodule(n) for n in names}
     fits: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
