@@ -30,7 +30,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from normswap.plan import CenterHook, FoldEdit, Plan, RmsFold, ScaleFold, SitePlan, Untie, WriterEdit
+from normswap.plan import CenterHook, FoldEdit, MeanCarry, Plan, RmsFold, ScaleFold, SitePlan, Untie, WriterEdit
 from normswap.trace import Graph, ModuleCall, Op, Value, ValueRef
 from normswap.walker import NormSite, SkippedNorm
 
@@ -594,6 +594,136 @@ class Analyzer:
             return None
         return reach
 
+    # ------------------------------------------------------------------ 3b. an MLP carries a Post-LN mean
+    def _row_preserving(self, op: Op, vid: int) -> bool:
+        """An identity op on ``vid``, or a view/reshape that keeps every row of features intact."""
+        if not op.args or op.args[0] != ValueRef(vid) or len(op.outputs) != 1:
+            return False
+        if op.name in IDENTITY_OPS:
+            return True
+        shape_in, shape_out = self.graph.values[vid].shape, self.graph.values[op.outputs[0]].shape
+        return op.name in ("view", "reshape", "flatten", "unflatten") and bool(shape_in) and bool(shape_out) \
+            and shape_in[-1] == shape_out[-1]
+
+    def _back_identity(self, vid: int, *, single: bool) -> int:
+        """Walk back through identity ops and row-keeping reshapes; ``single``: only values read once."""
+        while True:
+            op = self.graph.producer(self.graph.values[vid])
+            if op is None or not op.args or not isinstance(op.args[0], ValueRef) \
+                    or not self._row_preserving(op, op.args[0].id):
+                return vid
+            if single and len(self.graph.values[op.args[0].id].consumers) != 1:
+                return vid
+            vid = op.args[0].id
+
+    def _plain_sum(self, vid: int, target: int) -> bool:
+        """Does ``vid`` reach ``target`` once, with coefficient 1, through adds and identity ops only?"""
+        paths, stack = 0, [vid]
+        while stack:
+            v = stack.pop()
+            if v == target:
+                paths += 1
+                continue
+            for i in self.graph.values[v].consumers:
+                op = self.graph.ops[i]
+                if len(op.outputs) != 1:
+                    continue
+                plain_add = op.name in ("add", "__add__", "__radd__", "add_", "__iadd__") and not op.kwargs
+                if plain_add or self._row_preserving(op, v):
+                    stack.append(op.outputs[0])
+        return paths == 1
+
+    def _odd_split(self, run: object, width: int) -> bool:
+        """Is ``run`` elementwise with ``act(t) - act(-t) = t`` (checked in float64 on random and large t)?"""
+        gen = torch.Generator().manual_seed(0)
+        t = torch.cat([torch.randn(3, width + 8, generator=gen, dtype=torch.float64) * 4,
+                       torch.linspace(-40, 40, width + 8, dtype=torch.float64)[None]])
+        try:
+            with torch.no_grad():
+                pos, neg, part = run(t), run(-t), run(t[:, :width])
+        except Exception:  # noqa: BLE001 - not callable on a wider tensor: not elementwise
+            return False
+        if not all(isinstance(x, torch.Tensor) and x.shape == y.shape for x, y in ((pos, t), (neg, t))):
+            return False
+        return bool(torch.allclose(pos - neg, t, rtol=1e-12, atol=1e-12)
+                    and torch.equal(pos[:, :width], part))
+
+    def _activation(self, a: int) -> tuple[int, str, object] | None:
+        """The elementwise activation that produced value ``a``: (its input, label, replay function).
+
+        Its input must be read by the activation alone (one op, or ops inside one module call).
+        """
+        op = self.graph.producer(self.graph.values[a])
+        refs = [] if op is None else [x for x in pytree.tree_leaves((op.args, op.kwargs)) if isinstance(x, ValueRef)]
+        if op is not None and len(refs) == 1 and len(op.outputs) == 1:
+            ref = refs[0]
+
+            def replay(t: torch.Tensor, op: Op = op, ref: ValueRef = ref) -> torch.Tensor:
+                args, kwargs = pytree.tree_map(lambda x: t if x == ref else x, (op.args, op.kwargs))
+                return op.func(*args, **kwargs)
+            if self._odd_split(replay, self.graph.values[ref.id].shape[-1]) \
+                    and self.graph.values[ref.id].consumers == [op.index]:
+                return ref.id, f"`{op.name}`", replay
+        for call in self.by_output.get(a, []):  # an activation module made of several ops (GELU-tanh, quick-GELU)
+            vid = call.first_input()
+            if vid is None or writer_kind(call.module) or call.outputs != [a] or len(call.args) + len(call.kwargs) != 1:
+                continue
+            if len(self.calls_per_path.get(call.path, [])) != 1 and any(p for p in call.module.parameters()):
+                continue
+            inside = all(self._inside(i, call) for i in self.graph.values[vid].consumers)
+            if inside and self._odd_split(call.module, self.graph.values[vid].shape[-1]):
+                return vid, f"`{call.path}` ({type(call.module).__name__})", call.module
+        return None
+
+    def mean_carry(self, site_call: ModuleCall, norm_term: Term, terms: list[Term],
+                   module_ok: dict[str, str | None]) -> MeanCarry | None:
+        """An MLP of this stream that can cancel ``norm_term``'s mean (see :class:`MeanCarry`), or None.
+
+        Needed: the stream is ``h + down(act(up(h)))`` plus centerable terms, with ``h`` the norm
+        output entering once and unscaled, ``up``/``down`` Linears called once, ``act`` elementwise
+        and odd-split, each intermediate read only by the next step, and ``down`` centerable.
+        """
+        site = self.sites[site_call.path]
+        target = self.site_input[site_call.id]
+        d = self.graph.values[norm_term.value].shape[-1] if self.graph.values[norm_term.value].shape else 0
+        if len(site.normalized_shape) != 1 or site.normalized_shape[0] != d or target is None \
+                or not self._plain_sum(norm_term.value, target):
+            return None
+        for t in terms:
+            if t.kind != "module" or module_ok.get(t.module_path) is not None:
+                continue
+            down = self.modules[t.module_path]
+            if not isinstance(down, nn.Linear) or down.out_features != d or t.call is None \
+                    or len(self.calls_per_path.get(t.module_path, [])) != 1 or not self._plain_sum(t.value, target):
+                continue
+            dcall = self.graph.calls[t.call]
+            a = dcall.first_input()
+            if a is None or len(dcall.args) + len(dcall.kwargs) != 1:
+                continue
+            a = self._back_identity(a, single=True)
+            if len(self.graph.values[a].consumers) != 1:
+                continue
+            act = self._activation(a)
+            if act is None:
+                continue
+            u, label, _ = act  # read by the activation alone (checked there)
+            if self._back_identity(u, single=True) != u:
+                u = self._back_identity(u, single=True)  # dropout/cast between: each read once
+                if len(self.graph.values[u].consumers) != 1:
+                    continue
+            ucall = next((c for c in self.by_output.get(u, []) if isinstance(c.module, nn.Linear)), None)
+            if ucall is None or len(self.calls_per_path.get(ucall.path, [])) != 1 or ucall.module.in_features != d \
+                    or ucall.module.out_features != down.in_features or len(ucall.args) + len(ucall.kwargs) != 1:
+                continue
+            h = ucall.first_input()
+            if h is None or self._back_identity(h, single=False) != norm_term.value:
+                continue
+            hidden = down.in_features
+            added = -(-(hidden + 2) // 8) * 8 - hidden
+            return MeanCarry(site_call.path, norm_term.module_path or norm_term.label, ucall.path, t.module_path,
+                             d, hidden, added, label)
+        return None
+
     # ------------------------------------------------------------------ 4. readers
     def readers(self, call: ModuleCall) -> tuple[list[ModuleCall], list[str]]:
         """(Linear/Conv1D reader calls, descriptions of other readers) of one norm call."""
@@ -673,7 +803,7 @@ def _rms_folds(an: Analyzer, rms_norms: list[SkippedNorm], site_reader_paths: se
 
 def analyse(model: nn.Module, graph: Graph, sites: list[NormSite], *, untie: bool = True,
             fold_gamma: bool = False, per_norm_centering: bool = False,
-            rms_norms: list[SkippedNorm] | None = None) -> Plan:
+            rms_norms: list[SkippedNorm] | None = None, mean_carry: bool = True) -> Plan:
     """Derive writers, readers, centering ops and a verdict for every NormSite.
 
     Verdict policy for centering ops: one op where a stream *starts* (its value depends on no
@@ -682,6 +812,10 @@ def analyse(model: nn.Module, graph: Graph, sites: list[NormSite], *, untie: boo
     need a mean subtraction before every norm, which is LayerNorm by another name: such norms are
     ``approximate`` unless ``per_norm_centering=True`` asks for those ops, and then their verdict
     is ``exact-with-per-norm-centering``, counted apart.
+
+    ``mean_carry``: where a Post-LN stream is ``h + MLP(h)`` (BERT's FFN-output norms), widen the
+    MLP by a few neurons that cancel ``mean(h)`` (see :class:`normswap.plan.MeanCarry`), making
+    that norm exact instead of approximate.
     """
     an = Analyzer(model, graph, sites, untie=untie, fold_gamma=fold_gamma)
     plan = Plan(options={"untie": untie, "fold_gamma": fold_gamma, "per_norm_centering": per_norm_centering})
@@ -691,6 +825,7 @@ def analyse(model: nn.Module, graph: Graph, sites: list[NormSite], *, untie: boo
     term_status: dict[int, tuple[bool, str]] = {}  # term value -> (centered by surgery, why not)
     hooks: dict[int, tuple[CenterHook, Reach]] = {}  # hooked value -> (hook, its reach)
     site_terms: dict[int, list[Term]] = {}
+    carried_mlps: set[str] = set()
 
     # --- writers and their centering
     for call in an.site_calls:
@@ -735,6 +870,8 @@ def analyse(model: nn.Module, graph: Graph, sites: list[NormSite], *, untie: boo
                 or any(term.call in reach.site_rows for _, reach in hooks.values()))
             if per_norm and not per_norm_centering:
                 continue
+            if per_norm and mean_carry and an.mean_carry(call, term, site_terms[call.id], module_ok) is not None:
+                continue  # an MLP can cancel this mean: a real RMSNorm beats a centering op
             # a stream-start op first; failing that (opt-in), one op at each norm's own input
             tries = [False, True] if per_norm_centering and not per_norm else [per_norm]
             for at_norms in tries:
@@ -789,7 +926,20 @@ def analyse(model: nn.Module, graph: Graph, sites: list[NormSite], *, untie: boo
                     continue
                 problems.append(term)
         sp.writers = sorted(set(writers))
-        if problems:
+        carries = []
+        if problems and mean_carry and len(calls) == 1 and all(t.kind == "norm" for t in problems):
+            carries = [an.mean_carry(calls[0], t, site_terms[calls[0].id], module_ok) for t in problems]
+            if any(c is None or c.up in carried_mlps for c in carries):
+                carries = []
+        if carries:
+            for c in carries:
+                carried_mlps.add(c.up)
+                plan.mean_carries.append(c)
+            c = carries[0]
+            sp.verdict = "exact"
+            sp.reason = (f"stream written by `{c.source}` output (Post-LN), whose mean is cancelled by "
+                         f"{c.added} neuron(s) added to `{c.up}` -> `{c.down}` ({c.activation})")
+        elif problems:
             term = problems[0]
             sp.verdict = "approximate"
             per_norm = term.kind == "norm"
@@ -818,6 +968,8 @@ def analyse(model: nn.Module, graph: Graph, sites: list[NormSite], *, untie: boo
         if sp.verdict != "approximate":
             _plan_folds(an, site, sp, sorted(foldable), other, plan, unties, reader_sources, reader_calls)
         sp.rotation_reason = _rotation_blocker(an, site, sp, centered_by, sorted(set(other)))
+        if carries and not sp.rotation_reason:
+            sp.rotation_reason = "its stream carries a Post-LN norm output (mean cancelled in the MLP)"
         sp.rotation_ready = not sp.rotation_reason
         plan.sites.append(sp)
 

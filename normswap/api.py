@@ -512,6 +512,10 @@ def _commit(model: nn.Module, work: nn.Module, plan_: Plan, todo: list[SitePlan]
         names |= {rf.weight} | {f"{r}.weight" for r in rf.readers}
     for f in plan_.folds:
         names |= ({f"{f.reader}.weight"} if f.gamma else set()) | ({f"{f.reader}.bias"} if f.beta else set())
+    for c in plan_.mean_carries:  # the user's MLP takes the widened shape, then the values below
+        surgery.widen_mlp(model, c, weights=False)
+        names |= {f"{m}.{a}" for m in (c.up, c.down) for a in ("weight", "bias")
+                  if getattr(model.get_submodule(m), a, None) is not None}
     with torch.no_grad():
         for name in names:
             target = model.get_parameter(name)

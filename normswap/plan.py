@@ -72,6 +72,29 @@ class CenterHook:
 
 
 @dataclass
+class MeanCarry:
+    """Cancel a Post-LN norm output's mean inside the MLP that reads it (makes the next norm exact).
+
+    In ``s = h + down(act(up(h)))`` with ``h`` a norm's output, ``s`` is not zero-mean because ``h``
+    is not. For an activation with ``act(t) - act(-t) = t`` (ReLU, GELU, GELU-tanh, SiLU,
+    quick-GELU), two neurons added to the MLP compute ``mean(h)`` exactly: ``up`` gains the rows
+    ``+1/d`` and ``-1/d``, ``down`` the columns ``-1`` and ``+1``, so the MLP adds ``-mean(h)``. With
+    ``down`` centered, ``s`` is then zero-mean and the norm reading it is exactly an RMSNorm. The
+    MLP grows from ``hidden`` to ``hidden + added`` neurons (2 used, the rest zero, to keep the width
+    a multiple of 8).
+    """
+
+    site: str  # the norm made exact
+    source: str  # the norm whose output's mean is carried
+    up: str  # Linear d -> hidden
+    down: str  # Linear hidden -> d
+    features: int  # d
+    hidden: int  # the MLP's width before
+    added: int
+    activation: str
+
+
+@dataclass
 class Untie:
     """Give ``module.attr`` its own copy of the tied parameter ``source`` before centering."""
 
@@ -115,6 +138,7 @@ class Plan:
     unties: list[Untie] = field(default_factory=list)
     scale_folds: list[ScaleFold] = field(default_factory=list)  # LayerScale λ folded into writers (first)
     rms_folds: list[RmsFold] = field(default_factory=list)  # fold_gamma on already-RMS norms
+    mean_carries: list[MeanCarry] = field(default_factory=list)  # MLPs widened to cancel a Post-LN mean
     changed_outputs: list[str] = field(default_factory=list)
     options: dict[str, Any] = field(default_factory=dict)
 
@@ -143,6 +167,9 @@ class Plan:
             extra.append(f"γ of {len(self.rms_folds)} RMS norm(s) folded")
         if self.scale_folds:
             extra.append(f"{len(self.scale_folds)} layer scale(s) folded")
+        if self.mean_carries:
+            extra.append(f"{len(self.mean_carries)} MLP(s) widened by "
+                         f"{'/'.join(sorted({str(c.added) for c in self.mean_carries}))} neurons to cancel a Post-LN mean")
         if self.unties:
             extra.append(f"{len(self.unties)} tie(s) broken (+{self.untied_parameters:,} params)")
         return f"{len(self.sites)} LayerNorm(s): {counts or 'none'}" + (f"; {'; '.join(extra)}" if extra else "")
@@ -190,6 +217,7 @@ class Plan:
             unties=[Untie(**u) for u in data.get("unties", [])],
             scale_folds=[ScaleFold(**f) for f in data.get("scale_folds", [])],
             rms_folds=[RmsFold(**f) for f in data.get("rms_folds", [])],
+            mean_carries=[MeanCarry(**c) for c in data.get("mean_carries", [])],
             changed_outputs=list(data.get("changed_outputs", [])),
             options=dict(data.get("options", {})),
         )

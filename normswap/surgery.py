@@ -11,7 +11,18 @@ import torch
 from torch import nn
 
 from normswap.norm import RMSNorm
-from normswap.plan import CenterHook, FoldEdit, Plan, RmsFold, ScaleFold, SitePlan, Untie, WriterEdit, attach_plan
+from normswap.plan import (
+    CenterHook,
+    FoldEdit,
+    MeanCarry,
+    Plan,
+    RmsFold,
+    ScaleFold,
+    SitePlan,
+    Untie,
+    WriterEdit,
+    attach_plan,
+)
 from normswap.walker import NormSite
 
 
@@ -48,6 +59,47 @@ def mark_untied(model: nn.Module) -> None:
 
 def center_writer(model: nn.Module, e: WriterEdit) -> None:
     _center_(model.get_parameter(e.target), e.axis, e.blocks)
+
+
+def _grow(module: nn.Linear, attr: str, axis: int, added: int) -> torch.Tensor | None:
+    """Replace ``module.attr`` by a copy ``added`` entries longer along ``axis`` (new entries zero)."""
+    old = module._parameters.get(attr)
+    if old is None:
+        return None
+    shape = list(old.shape)
+    shape[axis] += added
+    new = torch.zeros(shape, dtype=old.dtype, device=old.device)
+    if old.device.type != "meta":
+        new.narrow(axis, 0, old.shape[axis]).copy_(old.detach())
+    setattr(module, attr, nn.Parameter(new, requires_grad=old.requires_grad))
+    return new
+
+
+def widen_mlp(model: nn.Module, carry: MeanCarry, *, weights: bool = True) -> None:
+    """Add ``carry.added`` neurons to the MLP ``carry.up -> carry.down`` (see :class:`MeanCarry`).
+
+    ``weights=False`` only changes the shapes (loading a checkpoint rebuilds the structure, the
+    values come from the file). Idempotent on an MLP that already has the wider shape. With
+    ``weights``: the first two new neurons compute ``act(±mean(h))`` and write ``-mean(h)``; run
+    after centering ``down`` (its new columns must stay constant vectors).
+    """
+    up, down = model.get_submodule(carry.up), model.get_submodule(carry.down)
+    if up.out_features == carry.hidden + carry.added and down.in_features == carry.hidden + carry.added:
+        return
+    if up.out_features != carry.hidden or down.in_features != carry.hidden:
+        raise ValueError(f"cannot widen `{carry.up}` -> `{carry.down}`: width {up.out_features}, "
+                         f"expected {carry.hidden}")
+    w_up = _grow(up, "weight", 0, carry.added)
+    _grow(up, "bias", 0, carry.added)
+    w_down = _grow(down, "weight", 1, carry.added)
+    up.out_features = down.in_features = carry.hidden + carry.added
+    if weights and w_up.device.type != "meta":
+        n, d = carry.hidden, carry.features
+        with torch.no_grad():
+            w_up[n].fill_(1.0 / d)
+            w_up[n + 1].fill_(-1.0 / d)
+            w_down[:, n].fill_(-1.0)
+            w_down[:, n + 1].fill_(1.0)
 
 
 def fold_layer_scale(model: nn.Module, sf: ScaleFold) -> None:
@@ -201,6 +253,8 @@ def apply_weight_edits(model: nn.Module, plan: Plan, sites: dict[str, NormSite],
         fold_layer_scale(model, sf)
     for e in plan.writer_edits:
         center_writer(model, e)
+    for c in plan.mean_carries:  # after centering: the carry's columns are constant on purpose
+        widen_mlp(model, c)
     for f in plan.folds:
         site = sites[f.site]
         module = originals[f.site]
@@ -217,6 +271,8 @@ def apply_structure(model: nn.Module, plan: Plan, backend: str = "auto") -> nn.M
         untie(model, u)
     if plan.unties:
         mark_untied(model)
+    for c in plan.mean_carries:
+        widen_mlp(model, c, weights=False)
     for sp in plan.sites:
         if not sp.convert:
             continue

@@ -326,6 +326,15 @@ def compat_model(model: nn.Module, plan: Plan) -> tuple[nn.Module, dict[str, lis
     meta_state = stock.state_dict(keep_vars=True)
     rms_ready, needs_centering = [], []
     centered_by_hook = {sp.name for sp in plan.sites if sp.verdict in CENTERED_VERDICTS}
+    # An MLP widened to carry a Post-LN mean goes back to its stock width: the norm it fed is a
+    # LayerNorm again, which ignores the mean the extra neurons cancelled (so it needs centering
+    # to run as an RMSNorm, like a hooked one).
+    for c in plan.mean_carries:
+        centered_by_hook.add(c.site)
+        for name, axis in ((f"{c.up}.weight", 0), (f"{c.up}.bias", 0), (f"{c.down}.weight", 1)):
+            if name in state:
+                state[name] = nn.Parameter(state[name].detach().narrow(axis, 0, c.hidden).clone(),
+                                           requires_grad=False)
     for sp in plan.sites:
         if not sp.convert:
             continue

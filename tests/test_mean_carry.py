@@ -1,0 +1,89 @@
+"""Post-LN norms made exact by an MLP that cancels the stream's mean (``plan.MeanCarry``).
+
+In BERT-style blocks the FFN-output norm reads ``h + down(act(up(h)))`` with ``h`` the previous
+norm's output. ``act(t) - act(-t) = t`` for ReLU/GELU/SiLU-type activations, so two added neurons
+compute ``mean(h)`` and the MLP subtracts it: the norm reads a zero-mean stream and is exactly an
+RMSNorm. These tests check it in float64 against the original, on every Post-LN family in the zoo,
+through a native and a compat checkpoint, and that an activation without the property is refused.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import transformers as tf
+
+import normswap
+from normswap.api import default_dtype
+from normswap.inputs import hf_example_inputs
+from normswap.verify import compare
+from tests.zoo import APPROXIMATE, LLM, build, randomise
+
+
+def _fp64_error(original, model, seed=5):
+    probe = hf_example_inputs(model, seed=seed)
+    with torch.no_grad(), default_dtype(torch.float64):
+        return compare(original(**probe), model(**probe))["worst_rel_error_any_output"]
+
+
+@pytest.mark.parametrize("name", sorted(APPROXIMATE))
+def test_ffn_output_norms_become_exact_in_float64(name):
+    model = build(APPROXIMATE, name)
+    original = copy.deepcopy(model)
+    report = normswap.patch(model, mode="exact")
+    carries = report.plan.mean_carries
+    assert len(carries) >= 2, report.plan.table()  # every zoo entry has two layers with an FFN-output norm
+    for c in carries:
+        site = report.plan.site(c.site)
+        assert site.verdict == "exact" and site.convert and "cancelled" in site.reason
+        assert isinstance(model.get_submodule(c.site), normswap.RMSNorm)
+        up, down = model.get_submodule(c.up), model.get_submodule(c.down)
+        assert up.out_features == down.in_features == c.hidden + c.added
+        assert (c.hidden + c.added) % 8 == 0 and c.added >= 2
+    assert _fp64_error(original, model) <= 1e-9
+
+
+@pytest.mark.parametrize("act", ["gelu", "gelu_new", "gelu_pytorch_tanh", "relu", "silu", "quick_gelu"])
+def test_activations_with_the_odd_split_carry_the_mean(act):
+    torch.manual_seed(0)
+    model = randomise(tf.BertModel(tf.BertConfig(**{**LLM, "hidden_act": act})))
+    original = copy.deepcopy(model)
+    report = normswap.patch(model, mode="exact")
+    assert len(report.plan.mean_carries) == 2, report.plan.table()
+    assert _fp64_error(original, model) <= 1e-9
+
+
+def test_activation_without_the_odd_split_stays_approximate():
+    torch.manual_seed(0)
+    model = randomise(tf.BertModel(tf.BertConfig(**{**LLM, "hidden_act": "tanh"})))
+    plan = normswap.plan(model)
+    assert not plan.mean_carries
+    assert all(s.verdict == "approximate" for s in plan.sites if "encoder" in s.name), plan.table()
+
+
+def test_the_users_model_is_widened_and_a_failed_conversion_leaves_it_alone():
+    model = build(APPROXIMATE, "bert")
+    up = model.bert.encoder.layer[0].intermediate.dense
+    before = up.weight.shape
+    plan = normswap.plan(model)
+    assert plan.mean_carries and up.weight.shape == before  # a dry run touches nothing
+    normswap.patch(model, mode="exact")
+    assert up.weight.shape[0] == before[0] + plan.mean_carries[0].added
+
+
+@pytest.mark.parametrize("fmt", ["native", "compat"])
+def test_checkpoints_round_trip(tmp_path, fmt):
+    model = build(APPROXIMATE, "bert")
+    original = copy.deepcopy(model)
+    normswap.patch(model, mode="exact")
+    normswap.save(model, tmp_path / fmt, format=fmt)
+    if fmt == "native":
+        loaded = normswap.load(tmp_path / fmt, dtype=torch.float64)
+        carry = normswap.plan_of(loaded).mean_carries[0]
+        assert loaded.get_submodule(carry.up).out_features == carry.hidden + carry.added
+    else:  # stock transformers, stock width: the norm is a LayerNorm again and ignores the mean
+        loaded = tf.BertForMaskedLM.from_pretrained(tmp_path / fmt, dtype=torch.float64)
+        assert loaded.bert.encoder.layer[0].intermediate.dense.out_features == original.config.intermediate_size
+    assert _fp64_error(original, loaded.eval()) <= 1e-9
