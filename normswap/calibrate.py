@@ -10,7 +10,8 @@ reproduce the LayerNorm's output: regress ``y_i`` (the original norm's output) o
 * **independent**: every norm on the original model's own activations (one pass; what a
   progressive schedule does for the norms it swaps at one time).
 
-Memory is bounded: only per-channel running sums (``n, Σu, Σy, Σu², Σuy, Σy²``) are kept, never the
+Memory is bounded: only per-channel running sums (``n, Σu, Σy, Σu², Σuy, Σy²``) over the real tokens
+(padding positions, where the batch has an ``attention_mask``, are left out) are kept, never the
 activations; one norm output per batch is alive at a time.
 
 Without user data, :func:`builtin_batches` builds a small set from the package's own English
@@ -262,6 +263,27 @@ class Target:
         return g, b
 
 
+def _token_rows(batch: Batch, x: torch.Tensor, rows: int) -> torch.Tensor | None:
+    """Boolean row selector for the real (non-padding) tokens of ``x``, when the batch has an
+    ``attention_mask`` shaped like ``x``'s leading dims and every row is one token; else None."""
+    mask = batch[1].get("attention_mask")
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or x.dim() < 3 or tuple(x.shape[:2]) != tuple(mask.shape) \
+            or rows != mask.numel():
+        return None
+    keep = mask.reshape(-1).to(device="cpu", dtype=torch.bool)
+    return keep if bool(keep.any()) else None
+
+
+def _add(sums: _Sums, target: Target, batch: Batch, x: torch.Tensor, y: torch.Tensor) -> None:
+    """Add one batch's (normalised input, original output) rows to ``sums``, padding tokens left out."""
+    u = target.normalise(x)
+    v = y.double().reshape(-1, *target.site.param_shape)
+    keep = _token_rows(batch, x, u.shape[0])
+    if keep is not None:
+        u, v = u[keep.to(u.device)], v[keep.to(v.device)]
+    sums.add(u, v)
+
+
 class _Router:
     """Forward hooks on every target: pass through, capture, stop, or stand in for the fitted RMSNorm."""
 
@@ -345,10 +367,10 @@ def fit_norms(model: nn.Module, targets: list[Target], batches: list[Batch], *, 
             try:
                 for batch in batches:
                     grab.clear()
-                    _run(model, prep(batch), router, student=False, want=None)
+                    b = prep(batch)
+                    _run(model, b, router, student=False, want=None)
                     for n, (x, y) in grab.items():
-                        t = router.targets[n]
-                        sums[n].add(t.normalise(x), y.double().reshape(-1, *t.site.param_shape))
+                        _add(sums[n], router.targets[n], b, x, y)
                     grab.clear()
             finally:
                 for h in handles:
@@ -363,7 +385,7 @@ def fit_norms(model: nn.Module, targets: list[Target], batches: list[Batch], *, 
                     x = _run(model, b, router, student=True, want=n)
                     if x is None or y is None:
                         continue
-                    s.add(t.normalise(x), y.double().reshape(-1, *t.site.param_shape))
+                    _add(s, t, b, x, y)
                     del x, y
             else:
                 s = sums[n]

@@ -81,7 +81,8 @@ def test_sequential_fit_beats_independent_fit_on_a_deep_post_ln_model():
                 totals[name] += _rel(m(test), ref)
             if name == "sequential":
                 res = report.plan.options["calibration"]["residuals"]
-                assert len(res) == 12 and all(v["after"] <= v["before"] + 1e-12 for v in res.values())
+                # 6 attention-output norms; the 6 FFN-output norms are exact (the MLP carries the mean)
+                assert len(res) == 6 and all(v["after"] <= v["before"] + 1e-12 for v in res.values())
                 assert report.calibration.method == "sequential least squares"
     assert totals["sequential"] < totals["independent"] < totals["copy"], totals
 
