@@ -87,3 +87,26 @@ def test_checkpoints_round_trip(tmp_path, fmt):
         loaded = tf.BertForMaskedLM.from_pretrained(tmp_path / fmt, dtype=torch.float64)
         assert loaded.bert.encoder.layer[0].intermediate.dense.out_features == original.config.intermediate_size
     assert _fp64_error(original, loaded.eval()) <= 1e-9
+
+
+@pytest.mark.parametrize("name", sorted(APPROXIMATE))
+def test_half_precision_costs_about_what_the_dtype_costs(name):
+    """The carry neurons (rows ±1/d, columns ∓1) round like any weight: the converted model in bf16/fp16
+    is about as far from the float64 original as the original in that dtype (the bounds of
+    tests/test_bf16_fidelity.py for the shipped backends)."""
+    from normswap.inputs import cast_inputs
+    from normswap.verify import dtype_error_ratio
+
+    model = build(APPROXIMATE, name)
+    probe = hf_example_inputs(model, batch=8, seq=32, seed=11)
+    with torch.no_grad(), default_dtype(torch.float64):
+        reference = model(**probe)
+    converted = copy.deepcopy(model)
+    report = normswap.patch(converted, mode="exact")
+    for dtype, bound in ((torch.bfloat16, 1.25), (torch.float16, 1.3)):
+        args, kwargs = cast_inputs((), probe, dtype)
+        with torch.no_grad():
+            original = compare(reference, copy.deepcopy(model).to(dtype)(*args, **kwargs))
+            ours = compare(reference, copy.deepcopy(converted).to(dtype)(*args, **kwargs),
+                           set(report.plan.changed_outputs))
+        assert dtype_error_ratio(original, ours) <= bound, (name, dtype)
