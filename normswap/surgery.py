@@ -61,18 +61,31 @@ def center_writer(model: nn.Module, e: WriterEdit) -> None:
     _center_(model.get_parameter(e.target), e.axis, e.blocks)
 
 
-def _grow(module: nn.Linear, attr: str, axis: int, added: int) -> torch.Tensor | None:
-    """Replace ``module.attr`` by a copy ``added`` entries longer along ``axis`` (new entries zero)."""
-    old = module._parameters.get(attr)
-    if old is None:
-        return None
-    shape = list(old.shape)
-    shape[axis] += added
-    new = torch.zeros(shape, dtype=old.dtype, device=old.device)
-    if old.device.type != "meta":
-        new.narrow(axis, 0, old.shape[axis]).copy_(old.detach())
-    setattr(module, attr, nn.Parameter(new, requires_grad=old.requires_grad))
-    return new
+CARRY_TENSORS = ("up.weight", "up.bias", "down.weight")  # what a MeanCarry widens (down.bias is not)
+
+
+def carried(t: torch.Tensor, carry: MeanCarry, which: str, *, values: bool = True) -> torch.Tensor:
+    """``t`` (the ``which`` tensor of ``carry``'s MLP, one of :data:`CARRY_TENSORS`) widened by ``carry.added``.
+
+    The new entries are zero except, with ``values``, the two neurons that carry the mean: rows
+    ``+1/d, -1/d`` of ``up.weight`` and columns ``-1, +1`` of ``down.weight``. One function for the
+    in-memory surgery and the streamed checkpoint rewrite, so both write the same bits.
+    """
+    axis = 1 if which == "down.weight" else 0
+    shape = list(t.shape)
+    shape[axis] += carry.added
+    out = torch.zeros(shape, dtype=t.dtype, device=t.device)
+    if t.device.type == "meta":
+        return out
+    n, d = carry.hidden, carry.features
+    out.narrow(axis, 0, n).copy_(t.detach())
+    if values and which == "up.weight":
+        out[n].fill_(1.0 / d)
+        out[n + 1].fill_(-1.0 / d)
+    elif values and which == "down.weight":
+        out[:, n].fill_(-1.0)
+        out[:, n + 1].fill_(1.0)
+    return out
 
 
 def widen_mlp(model: nn.Module, carry: MeanCarry, *, weights: bool = True) -> None:
@@ -80,26 +93,22 @@ def widen_mlp(model: nn.Module, carry: MeanCarry, *, weights: bool = True) -> No
 
     ``weights=False`` only changes the shapes (loading a checkpoint rebuilds the structure, the
     values come from the file). Idempotent on an MLP that already has the wider shape. With
-    ``weights``: the first two new neurons compute ``act(±mean(h))`` and write ``-mean(h)``; run
-    after centering ``down`` (its new columns must stay constant vectors).
+    ``weights``: run after centering ``down`` (its new columns must stay constant vectors).
     """
     up, down = model.get_submodule(carry.up), model.get_submodule(carry.down)
-    if up.out_features == carry.hidden + carry.added and down.in_features == carry.hidden + carry.added:
+    wide = carry.hidden + carry.added
+    if up.out_features == wide and down.in_features == wide:
         return
     if up.out_features != carry.hidden or down.in_features != carry.hidden:
         raise ValueError(f"cannot widen `{carry.up}` -> `{carry.down}`: width {up.out_features}, "
                          f"expected {carry.hidden}")
-    w_up = _grow(up, "weight", 0, carry.added)
-    _grow(up, "bias", 0, carry.added)
-    w_down = _grow(down, "weight", 1, carry.added)
-    up.out_features = down.in_features = carry.hidden + carry.added
-    if weights and w_up.device.type != "meta":
-        n, d = carry.hidden, carry.features
-        with torch.no_grad():
-            w_up[n].fill_(1.0 / d)
-            w_up[n + 1].fill_(-1.0 / d)
-            w_down[:, n].fill_(-1.0)
-            w_down[:, n + 1].fill_(1.0)
+    for which in CARRY_TENSORS:
+        module, attr = (up, down)[which.startswith("down")], which.split(".")[1]
+        old = module._parameters.get(attr)
+        if old is not None:
+            new = carried(old.detach(), carry, which, values=weights)
+            setattr(module, attr, nn.Parameter(new, requires_grad=old.requires_grad))
+    up.out_features = down.in_features = wide
 
 
 def fold_layer_scale(model: nn.Module, sf: ScaleFold) -> None:

@@ -300,7 +300,7 @@ def extrapolate(plan: dict[str, Any], proxy: dict[str, int], full: dict[str, int
     out: dict[str, Any] = {
         k: copy.deepcopy(v)
         for k, v in plan.items()
-        if k not in ("sites", "writer_edits", "folds", "hooks", "unties", "skipped")
+        if k not in ("sites", "writer_edits", "folds", "hooks", "unties", "skipped", "mean_carries")
     }
 
     # --- sites (with their writer and reader lists)
@@ -310,6 +310,8 @@ def extrapolate(plan: dict[str, Any], proxy: dict[str, int], full: dict[str, int
         writers = ex.expand_refs(role, {t: sites[p]["writers"] for t, p in by_t.items()}, f"{role} writers")
         readers = ex.expand_refs(role, {t: sites[p]["readers"] for t, p in by_t.items()}, f"{role} readers")
         reasons = ex.expand_text(role, {t: sites[p]["reason"] for t, p in by_t.items()}, f"{role} reason")
+        rotation = ex.expand_text(role, {t: sites[p].get("rotation_reason", "") for t, p in by_t.items()},
+                                  f"{role} rotation reason")
         for j in writers:
             t = template(j, full[role[0]], proxy[role[0]]) if role[0] else None
             src = sites[by_t[t]]
@@ -323,6 +325,8 @@ def extrapolate(plan: dict[str, Any], proxy: dict[str, int], full: dict[str, int
                 else reasons[j]
             )
             s["error"] = None
+            if "rotation_reason" in s:
+                s["rotation_reason"] = rotation[j]
             new_sites.append((ex.full.split(s["name"]), s))
     out["sites"] = [s for _, s in sorted(new_sites, key=lambda rs: _order_key(rs[0], plan, ex))]
 
@@ -353,6 +357,8 @@ def extrapolate(plan: dict[str, Any], proxy: dict[str, int], full: dict[str, int
     out["hooks"] = _simple(ex, plan["hooks"], "module", (), text_fields=("reason",))
     out["unties"] = _simple(ex, plan["unties"], "module", (), ref_field="source")
     out["skipped"] = _simple(ex, plan["skipped"], "name", (), text_fields=("reason",))
+    out["mean_carries"] = _simple(ex, plan.get("mean_carries", []), "up", ("down", "site"), ref_field="source",
+                                  text_fields=("activation",))
     return out
 
 
@@ -468,6 +474,8 @@ def normalise(plan: dict[str, Any]) -> dict[str, Any]:
         "unties": sorted((u["module"], u["attr"], u["source"], u["numel"]) for u in plan["unties"]),
         "skipped": sorted(s["name"] for s in plan["skipped"]),
         "changed_outputs": sorted(plan["changed_outputs"]),
+        "mean_carries": sorted((c["site"], c["source"], c["up"], c["down"], c["features"], c["hidden"], c["added"])
+                               for c in plan.get("mean_carries", [])),
     }
 
 

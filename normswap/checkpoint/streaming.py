@@ -47,6 +47,7 @@ from normswap.checkpoint import hf, io, source, writer
 from normswap.checkpoint.source import NothingToConvert, Source
 from normswap.errors import NormswapError, VerificationFailed
 from normswap.plan import CENTERED_VERDICTS, Plan
+from normswap.surgery import CARRY_TENSORS, carried
 from normswap.verify import compare
 
 LAYER_ATTR = re.compile(
@@ -470,6 +471,11 @@ class Transformer:
         # aliases the checkpoint lacks and loading will not re-tie: written explicitly
         self.extra = {t: s for t, s in self.alias.items() if t not in after}
         self.center = {self.canonical(e.target): (e.axis, e.blocks) for e in plan.writer_edits}
+        # MLPs widened to carry a Post-LN mean (plan.MeanCarry): model key -> (carry, which tensor).
+        # compat keeps the stock width (its norms are LayerNorms, which ignore the mean).
+        self.widen = {} if fmt == "compat" else {
+            f"{getattr(c, which.split('.')[0])}.{which.split('.')[1]}": (c, which)
+            for c in plan.mean_carries for which in CARRY_TENSORS}
         self.folds: dict[str, list[tuple[int, Any, str]]] = {}
         for i, f in enumerate(plan.folds):
             for attr in ("weight", "bias"):
@@ -537,11 +543,21 @@ class Transformer:
                 w = w + (beta @ wt if transposed else wt @ beta)
             if attr == "weight" and f.gamma and gamma is not None:
                 w.mul_(gamma[:, None] if transposed else gamma[None, :])
+        if upto is None and key in self.widen:  # after centering, as the in-memory surgery does
+            w = carried(w, *self.widen[key])
         return w
 
     def is_edited(self, model_key: str) -> bool:
         key = self.canonical(model_key)
-        return key in self.center or key in self.untie or bool(self.folds.get(key))
+        return key in self.center or key in self.untie or bool(self.folds.get(key)) or key in self.widen
+
+    def shape(self, model_key: str | None, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The output shape of a tensor (MLPs carrying a mean are wider)."""
+        if model_key is None or self.canonical(model_key) not in self.widen:
+            return shape
+        carry, which = self.widen[self.canonical(model_key)]
+        axis = 1 if which == "down.weight" else 0
+        return tuple(n + carry.added if i == axis else n for i, n in enumerate(shape))
 
     def out_dtype(self, st_dtype: str) -> str:
         if self.dtype is not None and st_dtype in ("F32", "F16", "BF16", "F64"):
@@ -563,7 +579,8 @@ class Transformer:
             dtype = self.out_dtype(e.dtype)
             if mkey is not None and self.is_edited(mkey):
                 out.append(
-                    (key, dtype, e.shape, lambda m=mkey, d=dtype: self.cast(self.edited(m), ST_TO_TORCH[d]), mkey)
+                    (key, dtype, self.shape(mkey, e.shape),
+                     lambda m=mkey, d=dtype: self.cast(self.edited(m), ST_TO_TORCH[d]), mkey)
                 )
             else:
                 out.append(
