@@ -517,9 +517,12 @@ def _commit(model: nn.Module, work: nn.Module, plan_: Plan, todo: list[SitePlan]
         names |= {f"{m}.{a}" for m in (c.up, c.down) for a in ("weight", "bias")
                   if getattr(model.get_submodule(m), a, None) is not None}
     with torch.no_grad():
-        for name in names:
-            target = model.get_parameter(name)
-            target.copy_(work.get_parameter(name).to(target.dtype))
+        for name in sorted(names):
+            target, source = model.get_parameter(name), work.get_parameter(name)
+            if source.numel() == 0 and target.numel() != 0:
+                continue  # tied to a name already copied (and freed) in this loop
+            target.copy_(source.to(target.dtype))
+            source.data = torch.empty(0, dtype=source.dtype)  # the working copy is done with: free as we go
     for sp in todo:
         old = model.get_submodule(sp.name)
         ref = next(iter(old.parameters()), None)
