@@ -168,8 +168,8 @@ class Plan:
         if self.scale_folds:
             extra.append(f"{len(self.scale_folds)} layer scale(s) folded")
         if self.mean_carries:
-            extra.append(f"{len(self.mean_carries)} MLP(s) widened by "
-                         f"{'/'.join(sorted({str(c.added) for c in self.mean_carries}))} neurons to cancel a Post-LN mean")
+            widths = "/".join(sorted({str(c.added) for c in self.mean_carries}))
+            extra.append(f"{len(self.mean_carries)} MLP(s) widened by {widths} neurons to cancel a Post-LN mean")
         if self.unties:
             extra.append(f"{len(self.unties)} tie(s) broken (+{self.untied_parameters:,} params)")
         return f"{len(self.sites)} LayerNorm(s): {counts or 'none'}" + (f"; {'; '.join(extra)}" if extra else "")

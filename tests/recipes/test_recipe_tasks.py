@@ -108,7 +108,7 @@ def test_encoder_recipe_pulls_embeddings_towards_the_teacher(tiny_bert, tmp_path
             f"output.dir={tmp_path / 'e'}",
             "train.steps=40",
             "train.trainable=all",
-            "train.lr=5e-4",
+            "train.lr=5e-5",
             "train.warmup_steps=4",
             "eval.every=20",
             "log.progress_bar=false",
@@ -183,7 +183,7 @@ def test_student_from_a_converted_directory(tiny_bert, corpus, tmp_path, make_co
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         normswap.convert(str(tiny_bert), str(student_dir), mode=mode, calibration_data=str(corpus))
-    sections = dict(train={"steps": 20, "lr": 3e-4, "warmup_steps": 2}, eval={"every": 10})
+    sections = dict(train={"steps": 20, "lr": 5e-5, "warmup_steps": 2}, eval={"every": 10})
     if mode == "exact":
         sections["progressive"] = {"enabled": True, "group_size": 2, "interval": 5}
     cfg = make_config(tiny_bert, corpus, tmp_path / f"run-{mode}", **sections)
