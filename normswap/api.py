@@ -25,14 +25,11 @@ from normswap.errors import NormswapError
 from normswap.integrations import hooks
 from normswap.norm import RMSNorm
 from normswap.plan import EXACT_VERDICTS, Plan, SitePlan, attach_plan
-from normswap.verify import compare, dtype_error_ratio
+from normswap.verify import ZERO_MEAN_TOLERANCE, compare, dtype_error_ratio, exact_limit
 
 log = logging.getLogger("normswap")
 
 MODES = ("auto", "exact", "all")
-# fp64 reference vs converted fp64 copy: anything above this is a bug, not rounding
-EXACT_TOLERANCE = {torch.float64: 1e-6, torch.float32: 2e-3, torch.bfloat16: 5e-2, torch.float16: 2e-2}
-ZERO_MEAN_TOLERANCE = {torch.float64: 1e-8, torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 5e-3}
 
 
 @dataclass
@@ -481,7 +478,7 @@ def _gate(plan_: Plan, todo: list[SitePlan], figures: dict, dtype: torch.dtype) 
             f"(|mean|/rms = {bad[0].error:.2e}); model left unchanged. Please report this model; "
             "mode='exact' with verify=False skips the check")
     if all(sp.verdict != "approximate" for sp in todo) and "max_rel_error" in figures:
-        limit = EXACT_TOLERANCE.get(dtype, 1e-3)
+        limit = exact_limit(dtype)
         if figures["max_rel_error"] > limit:
             raise NormswapError(
                 f"verification failed: converted outputs differ from the original by "

@@ -26,17 +26,18 @@ from normswap.plan import (
 from normswap.walker import NormSite
 
 
-def _center_(t: torch.Tensor, axis: int, blocks: list[tuple[int, int]] | None) -> None:
-    """Subtract the mean along ``axis`` (per block), in float64, in place."""
-    w = t.detach().double()
+def center_(w: torch.Tensor, axis: int, blocks: list[tuple[int, int]] | None) -> torch.Tensor:
+    """Subtract the mean along ``axis`` (per block) from the float64 tensor ``w``, in place.
+
+    The one centering arithmetic: the in-memory surgery and the streamed rewrite both call it, so
+    their outputs are bitwise equal."""
     if blocks is None:
-        w = w - w.mean(axis, keepdim=True)
+        w.sub_(w.mean(axis, keepdim=True))
     else:
         for lo, hi in blocks:
             part = w.narrow(axis, lo, hi - lo)
             part.sub_(part.mean(axis, keepdim=True))
-    with torch.no_grad():
-        t.copy_(w.to(t.dtype))
+    return w
 
 
 def untie(model: nn.Module, u: Untie) -> None:
@@ -58,7 +59,11 @@ def mark_untied(model: nn.Module) -> None:
 
 
 def center_writer(model: nn.Module, e: WriterEdit) -> None:
-    _center_(model.get_parameter(e.target), e.axis, e.blocks)
+    """Make the writer ``e.target`` zero-mean along its output axis, computed in float64."""
+    t = model.get_parameter(e.target)
+    w = center_(t.detach().double().clone(), e.axis, e.blocks)
+    with torch.no_grad():
+        t.copy_(w.to(t.dtype))
 
 
 CARRY_TENSORS = ("up.weight", "up.bias", "down.weight")  # what a MeanCarry widens (down.bias is not)
@@ -152,20 +157,45 @@ def fold_into_reader(model: nn.Module, f: FoldEdit, gamma: torch.Tensor | None, 
             reader.weight.copy_(w.to(reader.weight.dtype))
 
 
+# The affine slots of each norm flavour (walker.NormSite.flavour): (has γ, has β).
+FLAVOUR_SLOTS = {
+    "standard": (True, True),
+    "gamma-only": (True, False),
+    "beta-only": (False, True),
+    "non-affine": (False, False),
+    "offset": (True, True),
+}
+
+
+def rms_slots(sp: SitePlan, *, has_gamma: bool, has_beta: bool) -> tuple[bool, bool]:
+    """The replacement RMSNorm's (weight, bias) slots: a weight wherever the norm has γ (ones when γ
+    is folded, so the slot stays trainable), a bias only where β could not be folded."""
+    return has_gamma, has_beta and not sp.fold_beta
+
+
+def record_rms_slots(plan: Plan) -> None:
+    """Record in ``plan`` the slots :func:`make_rmsnorm` would give each converted norm (the
+    low-memory path builds no module, but its checkpoint and manifest must say the same)."""
+    for sp in plan.sites:
+        has_gamma, has_beta = FLAVOUR_SLOTS[sp.flavour]
+        sp.rms_weight, sp.rms_bias = rms_slots(sp, has_gamma=has_gamma, has_beta=has_beta) if sp.convert else (
+            False, False)
+
+
 def make_rmsnorm(site: NormSite, sp: SitePlan, module: nn.Module, backend: str,
                  fit: tuple[torch.Tensor, torch.Tensor] | None = None) -> RMSNorm:
     """The RMSNorm replacing ``module``: γ/β kept unless folded; fitted values for approximate sites."""
     gamma, beta = site.gamma(module), site.beta(module)
     if fit is not None:
         gamma, beta = fit
-    keep_gamma = gamma is not None and not sp.fold_gamma
-    keep_beta = beta is not None and not sp.fold_beta
+    has_weight, keep_beta = rms_slots(sp, has_gamma=gamma is not None, has_beta=beta is not None)
+    keep_gamma = has_weight and not sp.fold_gamma
     ref = next(iter(module.parameters()), None)
     dtype = ref.dtype if ref is not None else torch.get_default_dtype()
     device = ref.device if ref is not None else None
-    norm = RMSNorm(site.normalized_shape, eps=site.eps, elementwise_affine=gamma is not None, bias=keep_beta,
+    norm = RMSNorm(site.normalized_shape, eps=site.eps, elementwise_affine=has_weight, bias=keep_beta,
                    backend=backend, param_shape=site.param_shape, device=device, dtype=dtype)
-    sp.rms_weight, sp.rms_bias = gamma is not None, keep_beta
+    sp.rms_weight, sp.rms_bias = has_weight, keep_beta
     with torch.no_grad():
         if keep_gamma:
             norm.weight.copy_(gamma.to(dtype))

@@ -13,6 +13,17 @@ from typing import Any
 
 import torch
 
+# fp64 reference vs converted fp64 copy: anything above this is a bug, not rounding
+EXACT_TOLERANCE = {torch.float64: 1e-6, torch.float32: 2e-3, torch.bfloat16: 5e-2, torch.float16: 2e-2}
+# |mean| / rms of a stream whose writers were centered, per working dtype
+ZERO_MEAN_TOLERANCE = {torch.float64: 1e-8, torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 5e-3}
+
+
+def exact_limit(dtype: torch.dtype) -> float:
+    """The largest relative output error an *exact* conversion computed in ``dtype`` may show."""
+    return EXACT_TOLERANCE.get(dtype, 1e-3)
+
+
 PRIMARY_KEYS = ("logits", "logits_per_image", "pooler_output", "image_embeds", "text_embeds",
                 "last_hidden_state", "prediction_logits", "start_logits")
 

@@ -25,7 +25,7 @@ from normswap.checkpoint import io, source, writer
 from normswap.checkpoint.source import Source
 from normswap.errors import NormswapError, NothingToConvert, VerificationFailed
 from normswap.plan import plan_of
-from normswap.verify import comparable, compare, primary_key
+from normswap.verify import comparable, compare, exact_limit, primary_key
 
 log = logging.getLogger("normswap")
 
@@ -295,7 +295,7 @@ def reload_check(
             f"{primary_key(b)}; nothing was written"
         )
     if fmt == "compat" and exact and "max_rel_error" in vs_orig:
-        limit = api.EXACT_TOLERANCE.get(dtype, 1e-3)
+        limit = exact_limit(dtype)
         if vs_orig["max_rel_error"] > limit:
             raise VerificationFailed(
                 f"verification failed: the compat checkpoint differs from the original by "

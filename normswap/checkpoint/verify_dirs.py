@@ -8,12 +8,12 @@ from typing import Any
 
 import torch
 
-from normswap import api, inputs
+from normswap import inputs
 from normswap.checkpoint import source
 from normswap.checkpoint.reader import load
 from normswap.errors import NormswapError
 from normswap.plan import Plan, plan_of
-from normswap.verify import compare
+from normswap.verify import compare, exact_limit
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -101,7 +101,7 @@ def verify_checkpoint(
             figures[key] = sum(vals) / len(vals)
     converted_sites = [sp for sp in plan.sites if sp.convert]
     exact = all(sp.verdict != "approximate" for sp in converted_sites)
-    tol = tolerance if tolerance is not None else api.EXACT_TOLERANCE.get(dtype, 1e-3)
+    tol = tolerance if tolerance is not None else exact_limit(dtype)
     worst = figures["max_rel_error"]
     top1 = figures.get("top1_agreement")
     if isinstance(top1, float) and top1 <= 0.0:

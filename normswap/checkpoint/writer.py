@@ -300,6 +300,27 @@ def stock_config(model: nn.Module) -> Any:
     return cfg
 
 
+def compat_lists(plan: Plan) -> dict[str, list[str]]:
+    """The compat manifest's ``rms_ready`` / ``needs_centering``: which converted norms a runtime may
+    swap for RMSNorm as saved, and which need a centering op first (a hook's, or a mean carry's,
+    since compat keeps MLPs at their stock width)."""
+    centering = {sp.name for sp in plan.sites if sp.verdict in CENTERED_VERDICTS}
+    centering |= {c.site for c in plan.mean_carries}
+    converted = [sp.name for sp in plan.sites if sp.convert]
+    return {
+        "rms_ready": [n for n in converted if n not in centering],
+        "needs_centering": [n for n in converted if n in centering],
+    }
+
+
+def add_manifest(out: Path, manifest: dict[str, Any]) -> None:
+    """Store ``manifest`` under the normswap key of ``out/config.json``."""
+    cfg_path = out / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg[hf_types.MANIFEST_KEY] = manifest
+    io.write_json(cfg_path, cfg)
+
+
 def compat_model(model: nn.Module, plan: Plan) -> tuple[nn.Module, dict[str, list[str]]]:
     """A stock-class model sharing ``model``'s tensors, with LayerNorms where the RMSNorms are.
 
@@ -324,13 +345,10 @@ def compat_model(model: nn.Module, plan: Plan) -> tuple[nn.Module, dict[str, lis
         mark_untied(stock)
     state = dict(model.state_dict(keep_vars=True))
     meta_state = stock.state_dict(keep_vars=True)
-    rms_ready, needs_centering = [], []
-    centered_by_hook = {sp.name for sp in plan.sites if sp.verdict in CENTERED_VERDICTS}
     # An MLP widened to carry a Post-LN mean goes back to its stock width: the norm it fed is a
     # LayerNorm again, which ignores the mean the extra neurons cancelled (so it needs centering
-    # to run as an RMSNorm, like a hooked one).
+    # to run as an RMSNorm, like a hooked one: compat_lists says so).
     for c in plan.mean_carries:
-        centered_by_hook.add(c.site)
         for name, axis in ((f"{c.up}.weight", 0), (f"{c.up}.bias", 0), (f"{c.down}.weight", 1)):
             if name in state:
                 state[name] = nn.Parameter(state[name].detach().narrow(axis, 0, c.hidden).clone(),
@@ -338,7 +356,6 @@ def compat_model(model: nn.Module, plan: Plan) -> tuple[nn.Module, dict[str, lis
     for sp in plan.sites:
         if not sp.convert:
             continue
-        (needs_centering if sp.name in centered_by_hook else rms_ready).append(sp.name)
         original = stock.get_submodule(sp.name)
         g_attr, b_attr = norm_param_names(original, sp.flavour)
         rms = model.get_submodule(sp.name)
@@ -376,7 +393,7 @@ def compat_model(model: nn.Module, plan: Plan) -> tuple[nn.Module, dict[str, lis
     if getattr(model, "generation_config", None) is not None:
         stock.generation_config = copy.deepcopy(model.generation_config)
     stock.eval()
-    return stock, {"rms_ready": rms_ready, "needs_centering": needs_centering}
+    return stock, compat_lists(plan)
 
 
 def write_compat(
@@ -395,10 +412,7 @@ def write_compat(
     )
     manifest.update(lists)
     stock.save_pretrained(out, max_shard_size=max_shard_size, state_dict=state_dict_for_save(stock))
-    cfg_path = out / "config.json"
-    cfg = json.loads(cfg_path.read_text())
-    cfg[hf_types.MANIFEST_KEY] = manifest
-    io.write_json(cfg_path, cfg)
+    add_manifest(out, manifest)
     return manifest
 
 

@@ -15,7 +15,7 @@ from safetensors import safe_open
 import normswap
 from normswap import presets
 from normswap.checkpoint import conversion as convert_mod
-from normswap.checkpoint import extrapolate, streaming
+from normswap.checkpoint import extrapolate, proxy, stream_io
 from normswap.errors import NormswapError
 
 SPECIAL = {"bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0}
@@ -201,7 +201,7 @@ def test_streaming_never_loads_the_model(sources, tmp_path, monkeypatch):
         raise AssertionError("the streaming path must not load the model")
 
     monkeypatch.setattr(tf.PreTrainedModel, "from_pretrained", classmethod(refuse))
-    monkeypatch.setattr(streaming, "REOPEN_BYTES", 1)  # re-open the shard handles constantly: same result
+    monkeypatch.setattr(stream_io, "REOPEN_BYTES", 1)  # re-open the shard handles constantly: same result
     normswap.convert(sources["gpt2-6"], tmp_path / "s", low_memory=True)
     monkeypatch.undo()
     normswap.convert(sources["gpt2-6"], tmp_path / "m", low_memory=False)
@@ -211,7 +211,7 @@ def test_streaming_never_loads_the_model(sources, tmp_path, monkeypatch):
 def test_low_memory_is_chosen_automatically_for_big_checkpoints(sources, tmp_path, monkeypatch):
     size = sum(f.stat().st_size for f in sources["gpt2-6"].glob("*.safetensors"))
     monkeypatch.setattr(convert_mod, "available_memory", lambda: size)  # checkpoint > half of "RAM"
-    monkeypatch.setattr(streaming, "_available", lambda: 8 << 30)  # ... while the small proxies fit
+    monkeypatch.setattr(proxy, "available_memory", lambda: 8 << 30)  # ... while the small proxies fit
     notes = []
     report = normswap.convert(sources["gpt2-6"], tmp_path / "auto", echo=notes.append)
     assert "by streaming" in report.message
@@ -236,7 +236,7 @@ def test_per_layer_config_lists_are_reduced(sources, tmp_path):
 
 
 def test_non_uniform_layers_are_refused_cleanly(sources, tmp_path, monkeypatch):
-    real = streaming.analyse_proxy
+    real = proxy.analyse_proxy
 
     def non_uniform(model, **kw):  # pretend layer 2 of the 4-layer proxy is different
         plan = real(model, **kw)
@@ -244,7 +244,7 @@ def test_non_uniform_layers_are_refused_cleanly(sources, tmp_path, monkeypatch):
             plan.folds = [f for f in plan.folds if not f.site.startswith("transformer.h.2.")]
         return plan
 
-    monkeypatch.setattr(streaming, "analyse_proxy", non_uniform)
+    monkeypatch.setattr(proxy, "analyse_proxy", non_uniform)
     with pytest.raises(NormswapError, match="convert in memory") as info:
         normswap.convert(sources["gpt2-6"], tmp_path / "n", low_memory=True)
     assert "\n" not in str(info.value)
@@ -261,8 +261,8 @@ def test_extrapolation_check_rejects_non_uniform_layers(tmp_path):
     cls, config = MODELS["gpt2-6"]()
     plans, depths = {}, {}
     for d in (3, 4):
-        proxy = streaming.build_proxy(cls, streaming.reduced_config(config, d), torch.float64)
-        plans[d] = streaming.analyse_proxy(proxy, mode="auto", untie=True, fold_gamma=False).to_dict()
+        model = proxy.build_proxy(cls, proxy.reduced_config(config, d), torch.float64)
+        plans[d] = proxy.analyse_proxy(model, mode="auto", untie=True, fold_gamma=False).to_dict()
         depths[d] = {"transformer.h": d}
     extrapolate.check(plans[3], plans[4], depths[3], depths[4])  # uniform: passes
     tampered = json.loads(json.dumps(plans[4]))
@@ -283,8 +283,8 @@ def test_shard_writer_round_trip(tmp_path):
         "c": torch.randn(4).bfloat16(),
         "d": torch.tensor(2.5),
     }
-    layout = [(k, streaming.ST_DTYPES[v.dtype], tuple(v.shape)) for k, v in data.items()]
-    w = streaming.ShardWriter(tmp_path / "x.safetensors", layout)
+    layout = [(k, stream_io.ST_DTYPES[v.dtype], tuple(v.shape)) for k, v in data.items()]
+    w = stream_io.ShardWriter(tmp_path / "x.safetensors", layout)
     for k, v in data.items():
         w.write(k, v)
     w.close()
@@ -292,7 +292,7 @@ def test_shard_writer_round_trip(tmp_path):
         assert h.metadata() == {"format": "pt"}
         for k, v in data.items():
             assert torch.equal(h.get_tensor(k), v)
-    bad = streaming.ShardWriter(tmp_path / "y.safetensors", layout)
+    bad = stream_io.ShardWriter(tmp_path / "y.safetensors", layout)
     with pytest.raises(RuntimeError, match="expected a"):
         bad.write("b", data["b"])
     with pytest.raises(RuntimeError, match="incomplete"):

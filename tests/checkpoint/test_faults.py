@@ -255,7 +255,7 @@ PHASES = [
     ("in-memory weights", "normswap.checkpoint.writer", "write_native", _interrupt_after_partial(), ()),
     ("in-memory reload check", "normswap.checkpoint.conversion", "reload_check", _raise(KeyboardInterrupt()), ()),
     ("rename into place", "normswap.checkpoint.io", "_move_into_place", _raise(KeyboardInterrupt()), ()),
-    ("streamed tensors", "normswap.checkpoint.streaming.ShardWriter", "write", _raise(KeyboardInterrupt()),
+    ("streamed tensors", "normswap.checkpoint.stream_io.ShardWriter", "write", _raise(KeyboardInterrupt()),
      ("--low-memory",)),
     ("streamed config", "normswap.checkpoint.streaming", "_write_config", _raise(KeyboardInterrupt()),
      ("--low-memory",)),
@@ -280,12 +280,12 @@ def test_interrupt_in_each_write_phase(tmp_path, gpt2_src, monkeypatch, phase, t
 def test_disk_full_while_writing(tmp_path, gpt2_src, monkeypatch, low_memory):
     import errno
 
-    from normswap.checkpoint import streaming, writer
+    from normswap.checkpoint import stream_io, writer
 
     enospc = OSError(errno.ENOSPC, "No space left on device")
     if low_memory:
         calls = {"n": 0}
-        original = streaming.ShardWriter.write
+        original = stream_io.ShardWriter.write
 
         def write(self, key, tensor):  # a few tensors land, then the disk fills up
             calls["n"] += 1
@@ -293,7 +293,7 @@ def test_disk_full_while_writing(tmp_path, gpt2_src, monkeypatch, low_memory):
                 raise enospc
             original(self, key, tensor)
 
-        monkeypatch.setattr(streaming.ShardWriter, "write", write)
+        monkeypatch.setattr(stream_io.ShardWriter, "write", write)
     else:
         monkeypatch.setattr(writer, "write_native", _raise(enospc))
     work = tmp_path / "work"

@@ -1,0 +1,274 @@
+"""Rewrite a checkpoint tensor by tensor: the converted model's tensors from the original's.
+
+Each output tensor is computed on its own, in float64 with the same operation order as the
+in-memory surgery (untie copy, centering, folds, MLP widening for a mean carry) and cast once, so
+the result is bitwise identical to converting in memory. A norm's γ/β are read up front (they are
+small); a reader's bias fold reads its weight again from whichever shard holds it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from normswap.checkpoint import writer
+from normswap.checkpoint.stream_io import ST_DTYPES, ST_TO_TORCH, Entry, Reader
+from normswap.errors import NormswapError
+from normswap.plan import Plan
+from normswap.surgery import CARRY_TENSORS, carried, center_, mark_untied
+
+
+class KeyMap:
+    """Checkpoint key <-> model parameter name, with transformers' own load-time renames."""
+
+    def __init__(self, meta: nn.Module, entries: dict[str, Entry]) -> None:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+        self.meta = meta
+        mapping = get_model_conversion_mapping(meta)
+        renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
+        converters = [m for m in mapping if isinstance(m, WeightConverter)]
+        meta_sd = meta.state_dict()
+        prefix = meta.base_model_prefix
+        self.to_model: dict[str, str] = {}
+        for key in entries:
+            new, pattern = rename_source_key(key, renamings, converters, prefix, meta_sd)
+            if new not in meta_sd and key in meta_sd:
+                new, pattern = rename_source_key(
+                    key, [], [], base_model_prefix=prefix, meta_state_dict=meta_sd
+                )
+            if pattern is not None:
+                raise NormswapError(
+                    f"low-memory conversion: checkpoint tensor {key} needs a weight conversion on "
+                    "load (fused/split tensors); convert in memory (--in-memory)"
+                )
+            if new in meta_sd:
+                self.to_model[key] = new
+        self.to_ckpt = {m: k for k, m in self.to_model.items()}
+
+    def ckpt_key(self, model_key: str) -> str:
+        """The checkpoint-style name for a model parameter (new keys: transformers' save-time names)."""
+        if model_key in self.to_ckpt:
+            return self.to_ckpt[model_key]
+        from transformers.core_model_loading import revert_weight_conversion
+
+        try:
+            reverted = revert_weight_conversion(self.meta, {model_key: torch.empty(0, device="meta")})
+            return next(iter(reverted))
+        except Exception:  # noqa: BLE001
+            return model_key
+
+
+class TensorRewriter:
+    """Computes every output tensor of the converted checkpoint from the input checkpoint.
+
+    Parameters tied in the original model (and not untied by the plan) are one tensor in memory,
+    so an edit through either name applies to both; ``canonical`` names the group by its source.
+    """
+
+    def __init__(
+        self,
+        plan: Plan,
+        meta: nn.Module,
+        keys: KeyMap,
+        reader: Reader,
+        *,
+        fmt: str,
+        dtype: torch.dtype | None,
+    ) -> None:
+        self.plan, self.meta, self.keys, self.reader, self.fmt, self.dtype = (
+            plan,
+            meta,
+            keys,
+            reader,
+            fmt,
+            dtype,
+        )
+        self.untie = {f"{u.module}.{u.attr}" if u.module else u.attr: u.source for u in plan.unties}
+        before, after = self._ties()
+        self.alias = {t: s for t, s in before.items() if t not in self.untie}
+        # aliases the checkpoint lacks and loading will not re-tie: written explicitly
+        self.extra = {t: s for t, s in self.alias.items() if t not in after}
+        self.center = {self.canonical(e.target): (e.axis, e.blocks) for e in plan.writer_edits}
+        # MLPs widened to carry a Post-LN mean (plan.MeanCarry): model key -> (carry, which tensor).
+        # compat keeps the stock width (its norms are LayerNorms, which ignore the mean).
+        self.widen = {} if fmt == "compat" else {
+            f"{getattr(c, which.split('.')[0])}.{which.split('.')[1]}": (c, which)
+            for c in plan.mean_carries for which in CARRY_TENSORS}
+        self.folds: dict[str, list[tuple[int, Any, str]]] = {}
+        for i, f in enumerate(plan.folds):
+            for attr in ("weight", "bias"):
+                self.folds.setdefault(self.canonical(f"{f.reader}.{attr}"), []).append((i, f, attr))
+        self.norms: dict[str, tuple[torch.Tensor | None, torch.Tensor | None]] = {}
+        self.norm_keys: dict[
+            str, tuple[str, str | None, str | None]
+        ] = {}  # model key -> (site, γ attr, β attr)
+        for sp in plan.sites:
+            if not sp.convert:
+                continue
+            g_attr, b_attr = writer.norm_param_names(meta.get_submodule(sp.name), sp.flavour)
+            offset = 1.0 if sp.flavour == "offset" else 0.0
+            gamma = self.read(f"{sp.name}.{g_attr}").double() + offset if g_attr else None
+            beta = self.read(f"{sp.name}.{b_attr}").double() if b_attr else None
+            self.norms[sp.name] = (gamma, beta)
+            for attr in (g_attr, b_attr):
+                if attr:
+                    self.norm_keys[f"{sp.name}.{attr}"] = (sp.name, g_attr, b_attr)
+
+    def _ties(self) -> tuple[dict[str, str], dict[str, str]]:
+        """Tied parameters (target -> source) with the original config, and after ``mark_untied``."""
+        expand = getattr(self.meta, "get_expanded_tied_weights_keys", None)
+        if not callable(expand):
+            return {}, {}
+        before = expand(all_submodels=True)
+        if not self.plan.unties:
+            return before, before
+        mark_untied(self.meta)  # the meta model is ours; the converted config is untied too
+        return before, expand(all_submodels=True)
+
+    def canonical(self, model_key: str) -> str:
+        return self.alias.get(model_key, model_key)
+
+    def read(self, model_key: str) -> torch.Tensor:
+        key = self.keys.to_ckpt.get(model_key) or self.keys.to_ckpt.get(self.canonical(model_key))
+        if key is None:
+            raise NormswapError(f"the checkpoint has no tensor for {model_key}; it does not match its config")
+        t = self.reader.get(key)
+        # as the in-memory path: with a target dtype, read in float32 (exact for half sources),
+        # edit in float64, and cast once at the end (via float32, as the in-memory model is)
+        return t.float() if self.dtype is not None and t.is_floating_point() else t
+
+    def cast(self, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """An edited float64 tensor in the output dtype, rounded as the in-memory path rounds it."""
+        if self.dtype is not None and t.is_floating_point():
+            t = t.float()
+        return t.to(dtype)
+
+    def edited(self, model_key: str, upto: int | None = None) -> torch.Tensor:
+        """Float64 value after untie, centering and the folds (those before plan index ``upto``)."""
+        key = self.canonical(model_key)
+        w = self.read(self.untie.get(key, key)).double()
+        if key in self.center:
+            center_(w, *self.center[key])
+        for i, f, attr in self.folds.get(key, []):
+            if upto is not None and i >= upto:
+                break
+            gamma, beta = self.norms.get(f.site, (None, None))
+            transposed = f.kind == "conv1d"
+            if attr == "bias" and f.beta and beta is not None:
+                wt = self.edited(f"{f.reader}.weight", i)
+                w = w + (beta @ wt if transposed else wt @ beta)
+            if attr == "weight" and f.gamma and gamma is not None:
+                w.mul_(gamma[:, None] if transposed else gamma[None, :])
+        if upto is None and key in self.widen:  # after centering, as the in-memory surgery does
+            w = carried(w, *self.widen[key])
+        return w
+
+    def is_edited(self, model_key: str) -> bool:
+        key = self.canonical(model_key)
+        return key in self.center or key in self.untie or bool(self.folds.get(key)) or key in self.widen
+
+    def shape(self, model_key: str | None, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The output shape of a tensor (MLPs carrying a mean are wider)."""
+        if model_key is None or self.canonical(model_key) not in self.widen:
+            return shape
+        carry, which = self.widen[self.canonical(model_key)]
+        axis = 1 if which == "down.weight" else 0
+        return tuple(n + carry.added if i == axis else n for i, n in enumerate(shape))
+
+    def out_dtype(self, st_dtype: str) -> str:
+        if self.dtype is not None and st_dtype in ("F32", "F16", "BF16", "F64"):
+            return ST_DTYPES[self.dtype]
+        return st_dtype
+
+    def layout(self) -> list[tuple[str, str, tuple[int, ...], Callable[[], torch.Tensor], str | None]]:
+        """Output tensors in order: (key, safetensors dtype, shape, producer, model parameter name)."""
+        out = []
+        done_sites: set[str] = set()
+        for key, e in self.reader.entries.items():
+            mkey = self.keys.to_model.get(key)
+            if mkey is not None and mkey in self.norm_keys:
+                site, g_attr, b_attr = self.norm_keys[mkey]
+                if site not in done_sites:
+                    done_sites.add(site)
+                    out += self._norm_entries(site, key, e, g_attr, b_attr)
+                continue
+            dtype = self.out_dtype(e.dtype)
+            if mkey is not None and self.is_edited(mkey):
+                out.append(
+                    (key, dtype, self.shape(mkey, e.shape),
+                     lambda m=mkey, d=dtype: self.cast(self.edited(m), ST_TO_TORCH[d]), mkey)
+                )
+            else:
+                out.append(
+                    (key, dtype, e.shape, lambda k=key, d=dtype: self.reader.get(k).to(ST_TO_TORCH[d]), mkey)
+                )
+        present = set(self.keys.to_model.values())
+        for target, src in {**self.extra, **self.untie}.items():
+            if target in present:
+                continue
+            e = self.reader.entries[self.keys.to_ckpt[self.canonical(src)]]
+            dtype = self.out_dtype(e.dtype)
+            out.append(
+                (
+                    self.keys.ckpt_key(target),
+                    dtype,
+                    e.shape,
+                    lambda m=target, d=dtype: self.cast(self.edited(m), ST_TO_TORCH[d]),
+                    target,
+                )
+            )
+        return out
+
+    def _norm_entries(self, site: str, key: str, e: Entry, g_attr: str | None, b_attr: str | None) -> list:
+        sp = self.plan.site(site)
+        gamma, beta = self.norms[site]
+        dtype = self.out_dtype(e.dtype)
+        torch_dtype = ST_TO_TORCH[dtype]
+        shape = tuple(sp.param_shape)
+        base = self.keys.to_ckpt.get(f"{site}.{g_attr or b_attr}", key).rpartition(".")[0]
+        rms_gamma = None
+        if sp.rms_weight:
+            rms_gamma = gamma if not sp.fold_gamma else torch.ones_like(gamma)
+        rms_beta = beta if sp.rms_bias else None
+        entries = []
+        if self.fmt == "native":
+            if rms_gamma is not None:
+                entries.append(
+                    (f"{base}.weight", dtype, shape, lambda v=rms_gamma: self.cast(v, torch_dtype), f"{site}.weight")
+                )
+            if rms_beta is not None:
+                entries.append(
+                    (f"{base}.bias", dtype, shape, lambda v=rms_beta: self.cast(v, torch_dtype), f"{site}.bias")
+                )
+        else:  # compat: the original attributes hold the RMSNorm's values
+            offset = 1.0 if sp.flavour == "offset" else 0.0
+            if g_attr:
+                value = (
+                    rms_gamma if rms_gamma is not None else torch.ones(shape, dtype=torch.float64)
+                ) - offset
+                entries.append(
+                    (
+                        self.keys.to_ckpt[f"{site}.{g_attr}"],
+                        dtype,
+                        shape,
+                        lambda v=value: self.cast(v, torch_dtype),
+                        f"{site}.{g_attr}",
+                    )
+                )
+            if b_attr:
+                value = rms_beta if rms_beta is not None else torch.zeros(shape, dtype=torch.float64)
+                entries.append(
+                    (
+                        self.keys.to_ckpt[f"{site}.{b_attr}"],
+                        dtype,
+                        shape,
+                        lambda v=value: self.cast(v, torch_dtype),
+                        f"{site}.{b_attr}",
+                    )
+                )
+        return entries

@@ -1,0 +1,218 @@
+"""Safetensors, tensor by tensor: header scans, a reader that re-opens its handles, a streaming writer.
+
+The low-memory conversion never holds a model: it reads one input tensor at a time and writes one
+output tensor at a time. Mapped pages of an open ``safe_open`` handle count as resident memory, so
+the reader re-opens its handles every :data:`REOPEN_BYTES`; the writer lays out the header (with
+every offset) first, then appends tensors, so memory stays at about one tensor per shard.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from normswap.checkpoint import io
+from normswap.errors import NormswapError
+
+REOPEN_BYTES = 256 << 20
+ST_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+ST_TO_TORCH = {v: k for k, v in ST_DTYPES.items()}
+
+# One output tensor: (key, safetensors dtype, shape, producer); the producer computes it when written.
+OutputTensor = tuple[str, str, tuple[int, ...], Callable[[], torch.Tensor]]
+
+
+@dataclass
+class Entry:
+    key: str
+    file: Path
+    dtype: str
+    shape: tuple[int, ...]
+    start: int
+
+    @property
+    def nbytes(self) -> int:
+        return nbytes(self.dtype, self.shape)
+
+
+def itemsize(st_dtype: str) -> int:
+    """Bytes per element of a safetensors dtype name."""
+    return {"F64": 8, "I64": 8, "F32": 4, "I32": 4, "F16": 2, "BF16": 2, "I16": 2}.get(st_dtype, 1)
+
+
+def scan(files: list[Path]) -> dict[str, Entry]:
+    """Every tensor of a (sharded) checkpoint, from the headers only, in file then offset order."""
+    entries: dict[str, Entry] = {}
+    for f in files:
+        header = io.read_safetensors_header(f)
+        items = sorted(
+            ((k, v) for k, v in header.items() if k != "__metadata__"),
+            key=lambda kv: kv[1]["data_offsets"][0],
+        )
+        for key, info in items:
+            if key in entries:
+                raise NormswapError(
+                    f"tensor {key} appears in two shards ({entries[key].file.name}, {f.name}); "
+                    "the checkpoint is corrupted"
+                )
+            entries[key] = Entry(key, f, info["dtype"], tuple(info["shape"]), info["data_offsets"][0])
+    return entries
+
+
+class Reader:
+    """Tensors by key through ``safe_open``, re-opening handles so mapped pages do not pile up."""
+
+    def __init__(self, entries: dict[str, Entry]) -> None:
+        self.entries = entries
+        self._handles: dict[Path, Any] = {}
+        self._read: dict[Path, int] = {}
+
+    def get(self, key: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        e = self.entries[key]
+        if self._read.get(e.file, 0) > REOPEN_BYTES:
+            self.close(e.file)
+        if e.file not in self._handles:
+            self._handles[e.file] = safe_open(str(e.file), framework="pt").__enter__()
+            self._read[e.file] = 0
+        try:
+            t = self._handles[e.file].get_tensor(key)
+        except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
+            raise NormswapError(
+                f"cannot read {key} from {e.file.name}: {exc}; the file is corrupted"
+            ) from exc
+        self._read[e.file] += e.nbytes
+        if e.nbytes > REOPEN_BYTES // 4:  # a big tensor: drop its mapped pages right away
+            self.close(e.file)
+        return t
+
+    def close(self, file: Path | None = None) -> None:
+        for f in [file] if file is not None else list(self._handles):
+            handle = self._handles.pop(f, None)
+            if handle is not None:
+                handle.__exit__(None, None, None)
+            self._read.pop(f, None)
+
+
+class ShardWriter:
+    """Write one safetensors file tensor by tensor (the header, with all offsets, comes first)."""
+
+    def __init__(self, path: Path, layout: list[tuple[str, str, tuple[int, ...]]]) -> None:
+        header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+        offset = 0
+        self._expected: list[tuple[str, int]] = []
+        for key, dtype, shape in layout:
+            n = nbytes(dtype, shape)
+            header[key] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + n]}
+            self._expected.append((key, n))
+            offset += n
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)
+        self.path = path
+        self._f = open(path, "wb")  # noqa: SIM115 - closed in close()
+        self._f.write(struct.pack("<Q", len(raw)))
+        self._f.write(raw)
+        self._next = 0
+
+    def write(self, key: str, tensor: torch.Tensor) -> None:
+        want_key, want_bytes = self._expected[self._next]
+        data = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+        if key != want_key or data.nbytes != want_bytes:
+            raise RuntimeError(f"streaming writer: got {key} ({data.nbytes} bytes), expected {want_key}")
+        self._f.write(memoryview(data))
+        self._next += 1
+
+    def close(self, *, complete: bool = True) -> None:
+        """Close the file; ``complete=False`` on the way out of an error (nothing raised that
+        would mask it: an interrupt or a full disk must be reported as what it is)."""
+        if not complete:
+            with contextlib.suppress(OSError):
+                self._f.close()
+            return
+        self._f.close()
+        if self._next != len(self._expected):
+            raise RuntimeError(f"streaming writer: {self.path.name} is incomplete")
+
+
+def nbytes(dtype: str, shape: tuple[int, ...]) -> int:
+    n = itemsize(dtype)
+    for s in shape:
+        n *= s
+    return n
+
+
+def write_shards(layout: list[OutputTensor], out: Path, max_shard_size: int, progress: bool) -> dict[str, str]:
+    """Write ``layout`` in order into shards of at most ``max_shard_size`` bytes (plus the index when
+    there is more than one), producing each tensor only when it is written. Returns the weight map."""
+    from tqdm.auto import tqdm
+
+    sizes = [nbytes(dtype, shape) for _key, dtype, shape, _ in layout]
+    shards: list[list[int]] = [[]]
+    used = 0
+    for i, n in enumerate(sizes):
+        if shards[-1] and used + n > max_shard_size:
+            shards.append([])
+            used = 0
+        shards[-1].append(i)
+        used += n
+    total = len(shards)
+    names = (
+        ["model.safetensors"]
+        if total == 1
+        else [f"model-{k + 1:05d}-of-{total:05d}.safetensors" for k in range(total)]
+    )
+    weight_map: dict[str, str] = {}
+    bar = tqdm(
+        total=sum(sizes),
+        unit="B",
+        unit_scale=True,
+        desc="streaming tensors",
+        disable=None if progress else True,
+        leave=False,
+    )
+    try:
+        for name, idx in zip(names, shards, strict=True):
+            w = ShardWriter(out / name, [(layout[i][0], layout[i][1], layout[i][2]) for i in idx])
+            try:
+                for i in idx:
+                    key, _, _, produce = layout[i]
+                    tensor = produce()
+                    w.write(key, tensor)
+                    weight_map[key] = name
+                    del tensor
+                    bar.update(sizes[i])
+            except BaseException:
+                w.close(complete=False)
+                raise
+            w.close()
+    finally:
+        bar.close()
+    if total > 1:
+        numel = sum(sz // itemsize(layout[i][1]) for i, sz in enumerate(sizes))
+        io.write_json(
+            out / "model.safetensors.index.json",
+            {
+                "metadata": {"total_size": sum(sizes), "total_parameters": numel},
+                "weight_map": dict(sorted(weight_map.items())),
+            },
+        )
+    return weight_map
