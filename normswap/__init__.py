@@ -25,6 +25,7 @@ __version__ = "0.1.0"
 
 # public name -> module that defines it
 _LAZY = {
+    "ConvertOptions": "normswap.options",
     "Report": "normswap.api",
     "patch": "normswap.api",
     "plan": "normswap.api",

@@ -818,7 +818,8 @@ def analyse(model: nn.Module, graph: Graph, sites: list[NormSite], *, untie: boo
     that norm exact instead of approximate.
     """
     an = Analyzer(model, graph, sites, untie=untie, fold_gamma=fold_gamma)
-    plan = Plan(options={"untie": untie, "fold_gamma": fold_gamma, "per_norm_centering": per_norm_centering})
+    plan = Plan(options={"untie": untie, "fold_gamma": fold_gamma, "per_norm_centering": per_norm_centering,
+                         "mean_carry": mean_carry})
     edits: dict[str, WriterEdit] = {}
     unties: dict[tuple[str, str], Untie] = {}
     module_ok: dict[str, str | None] = {}

@@ -19,17 +19,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from normswap import backends, calibrate, inputs, surgery, trace, walker
+from normswap import calibrate, inputs, surgery, trace, walker
 from normswap.analysis import analyse
 from normswap.errors import NormswapError
 from normswap.integrations import hooks
 from normswap.norm import RMSNorm
+from normswap.options import ConvertOptions
 from normswap.plan import EXACT_VERDICTS, Plan, SitePlan, attach_plan
-from normswap.verify import ZERO_MEAN_TOLERANCE, compare, dtype_error_ratio, exact_limit
+from normswap.verify import compare, dtype_error_ratio, gate
 
 log = logging.getLogger("normswap")
 
-MODES = ("auto", "exact", "all")
 
 
 @dataclass
@@ -42,9 +42,15 @@ class Report:
     message: str = ""
     changed: bool = False
     calibration: calibrate.CalibrationResult | None = None
+    output: str | None = None  # the directory ``convert`` wrote
+    output_format: str | None = None  # native | compat
+    streamed: bool = False  # written by the low-memory path
 
     def __str__(self) -> str:
         lines = [self.message] if self.message else []
+        if self.output is not None:
+            lines.append(f"wrote {self.output_format} checkpoint to {self.output}"
+                         + (" (streamed)" if self.streamed else ""))
         if self.plan is not None:
             lines.append(self.plan.summary())
         if self.calibration is not None:
@@ -78,12 +84,6 @@ def preflight(model: nn.Module) -> None:
     for name, p in model.named_parameters():
         if not bool(torch.isfinite(p).all()):
             raise NormswapError(f"parameter `{name}` contains NaN or inf values; fix the checkpoint first")
-
-
-def _check_options(mode: str, backend: str) -> None:
-    if mode not in MODES:
-        raise NormswapError(f"mode must be one of {', '.join(MODES)}, not {mode!r}")
-    backends.check_name(backend)
 
 
 @contextlib.contextmanager
@@ -201,15 +201,15 @@ def find_norms(model: nn.Module, example_inputs: inputs.ExampleInputs = None) ->
         return _identify_sites(work, args, kwargs)[0]
 
 
-def analyse_copy(work: nn.Module, args: tuple, kwargs: dict, *, untie: bool, fold_gamma: bool,
-                 per_norm_centering: bool = False) -> _Analysis:
+def analyse_copy(work: nn.Module, args: tuple, kwargs: dict, opts: ConvertOptions) -> _Analysis:
     """Trace ``work`` once on the inputs, find its norms and analyse them into a plan (no verdicts yet).
 
     Shared by ``plan``/``patch`` and the streaming converter, which runs it on a reduced-depth proxy.
     """
     found, graph = _identify_sites(work, args, kwargs)
-    plan = analyse(work, graph, found.sites, untie=untie, fold_gamma=fold_gamma,
-                   per_norm_centering=per_norm_centering, rms_norms=found.skipped)
+    plan = analyse(work, graph, found.sites, untie=opts.untie, fold_gamma=opts.fold_gamma,
+                   per_norm_centering=opts.per_norm_centering, mean_carry=opts.mean_carry,
+                   rms_norms=found.skipped)
     plan.skipped = [{"name": s.path, "class": s.class_name, "reason": s.reason} for s in found.skipped]
     plan.options["already_converted"] = bool(found.converted) and not found.sites
     return _Analysis(plan, {s.path: s for s in found.sites}, graph, args, kwargs)
@@ -225,29 +225,22 @@ def decide_verdicts(plan: Plan, mode: str) -> None:
     plan.options["mode"] = mode
 
 
-_PATCH_ONLY_OPTIONS = frozenset({"calibration", "verify", "tokenizer", "sequential", "allow_unusable"})
-
-
-def plan(model: nn.Module, example_inputs: inputs.ExampleInputs = None, *, mode: str = "auto",
-         fold_gamma: bool = False, untie: bool = True, backend: str = "auto", per_norm_centering: bool = False,
-         **patch_only: Any) -> Plan:
+def plan(model: nn.Module, example_inputs: inputs.ExampleInputs = None, *,
+         options: ConvertOptions | None = None, **keywords: Any) -> Plan:
     """Dry run: the per-norm verdicts and every edit ``patch`` would make. The model is untouched.
 
-    Accepts ``patch``'s other options (calibration, verify, ...) so one set of options serves both;
-    they do not change the plan. Any other keyword is a typo and an error.
+    Takes ``patch``'s options (a :class:`~normswap.ConvertOptions`, or its fields as keywords) so
+    one set serves both; calibration, verify and the like do not change the plan. An unknown
+    keyword is an error.
     """
-    unknown = sorted(set(patch_only) - _PATCH_ONLY_OPTIONS)
-    if unknown:
-        raise NormswapError(f"plan() got unknown option(s) {', '.join(unknown)}; see help(normswap.patch)")
-    _check_options(mode, backend)
+    opts = ConvertOptions.build(options, **keywords)
     preflight(model)
     args, kwargs = inputs.resolve(model, example_inputs)
     with eval_mode(model):
         work = working_copy(model)
         args, kwargs = inputs.cast_inputs(args, kwargs, _dtype_of(work))
-        result = analyse_copy(work, args, kwargs, untie=untie, fold_gamma=fold_gamma,
-                               per_norm_centering=per_norm_centering)
-    decide_verdicts(result.plan, mode)
+        result = analyse_copy(work, args, kwargs, opts)
+    decide_verdicts(result.plan, opts.mode)
     return result.plan
 
 
@@ -269,36 +262,17 @@ def _capture(modules: dict[str, nn.Module]) -> Iterator[dict[str, list[tuple[tor
             h.remove()
 
 
-def patch(model: nn.Module, example_inputs: inputs.ExampleInputs = None, *, mode: str = "auto",
-          fold_gamma: bool = False, untie: bool = True, calibration: Any = None, verify: bool = True,
-          per_norm_centering: bool = False,
-          backend: str = "auto", tokenizer: Any = None, sequential: bool = True,
-          allow_unusable: bool = False) -> Report:
+def patch(model: nn.Module, example_inputs: inputs.ExampleInputs = None, *,
+          options: ConvertOptions | None = None, **keywords: Any) -> Report:
     """Convert ``model``'s LayerNorms to :class:`normswap.RMSNorm`, in place, verified.
 
     Args:
         model: a transformers model or any ``nn.Module``.
         example_inputs: inputs for the analysis run (built automatically for transformers models).
-        mode: ``"auto"`` converts everything and warns about approximate norms; ``"exact"`` leaves
-            approximate norms as LayerNorm; ``"all"`` converts everything silently.
-        fold_gamma: also fold γ into reader Linears (the RMSNorm keeps weight 1: "rotation-ready").
-        per_norm_centering: center Post-LN streams with one mean subtraction before each such norm,
-            making them exact (verdict ``exact-with-per-norm-centering``) at LayerNorm's cost; off by
-            default, when those norms are ``approximate``.
-        untie: clone tied output heads so the input embedding can be centered (default). ``False``
-            keeps ties and centers at run time instead.
-        calibration: inputs (or a list of them) used to fit approximate norms by least squares.
-            ``None`` (default): a built-in set (the package's English sentences with the model's
-            tokenizer, or generated ids/images/audio; the example inputs for custom models).
-            ``False``: no fit, γ/β copied unchanged (not recommended for deep Post-LN models).
-        verify: compare against the float64 original and refuse conversions that miss tolerance.
-        backend: RMSNorm backend for the new modules.
-        tokenizer: tokenizer for the built-in calibration text (default: the model's own, when it
-            was loaded from a local directory that has one).
-        sequential: fit approximate norms one after another on the converted model's own
-            activations (default) rather than each on the original's.
-        allow_unusable: convert even when the held-out figures say the result is unusable
-            (embedding cosine < 0.9 or top-1 agreement < 0.5 against the original).
+        options: a :class:`~normswap.ConvertOptions` (mode, fold_gamma, untie, per_norm_centering,
+            mean_carry, calibration, sequential, tokenizer, verify, allow_unusable, backend; see its
+            docstring for each). Its fields may be given as keywords instead:
+            ``patch(model, mode="exact")``. An unknown keyword is an error.
 
     Returns:
         A :class:`Report` with per-norm verdicts, verification figures and the calibration used.
@@ -307,7 +281,7 @@ def patch(model: nn.Module, example_inputs: inputs.ExampleInputs = None, *, mode
         NormswapError: bad input or failed verification; the model is left unchanged.
         calibrate.UnusableConversion: the approximate conversion is unusable (``exit_code`` 4).
     """
-    _check_options(mode, backend)
+    opts = ConvertOptions.build(options, **keywords)
     preflight(model)
     args, kwargs = inputs.resolve(model, example_inputs)
     user_dtype = _dtype_of(model)
@@ -316,10 +290,9 @@ def patch(model: nn.Module, example_inputs: inputs.ExampleInputs = None, *, mode
         work = working_copy(model)
         work_dtype = _dtype_of(work)
         wargs, wkwargs = inputs.cast_inputs(args, kwargs, work_dtype)
-        an = analyse_copy(work, wargs, wkwargs, untie=untie, fold_gamma=fold_gamma,
-                           per_norm_centering=per_norm_centering)
+        an = analyse_copy(work, wargs, wkwargs, opts)
         plan_ = an.plan
-        decide_verdicts(plan_, mode)
+        decide_verdicts(plan_, opts.mode)
         if plan_.options.get("already_converted"):
             return Report([], {}, plan_, "model is already converted by normswap; nothing to do")
         if not plan_.sites and not plan_.rms_folds:
@@ -333,7 +306,7 @@ def patch(model: nn.Module, example_inputs: inputs.ExampleInputs = None, *, mode
         # A second, unseen probe (other ids, other length) guards against a plan that only fits the
         # inputs the analysis ran on. Built for transformers models; custom models use their inputs.
         probe = None
-        if verify and example_inputs is None:
+        if opts.verify and example_inputs is None:
             probe = inputs.hf_example_inputs(work, batch=3, seq=13, seed=1)
             with torch.no_grad(), default_dtype(work_dtype):
                 probe_reference = work(**probe)
@@ -347,7 +320,8 @@ def patch(model: nn.Module, example_inputs: inputs.ExampleInputs = None, *, mode
 
         def swap(sps: list[SitePlan], fits: dict) -> None:
             for sp in sps:
-                new = surgery.make_rmsnorm(an.sites[sp.name], sp, originals[sp.name], backend, fits.get(sp.name))
+                new = surgery.make_rmsnorm(an.sites[sp.name], sp, originals[sp.name], opts.backend,
+                                           fits.get(sp.name))
                 surgery.replace_module(work, originals[sp.name], new)
                 new_modules[sp.name] = new
             for h in plan_.hooks:  # again: a hook on a norm that was just replaced went with it
@@ -356,14 +330,14 @@ def patch(model: nn.Module, example_inputs: inputs.ExampleInputs = None, *, mode
         # exact norms first: the approximate ones are then fitted inside the model as it will run
         swap([sp for sp in todo if sp.verdict != "approximate"], {})
         calib = None
-        if approx and calibration is not False:
+        if approx and opts.calibration is not False:
             with default_dtype(work_dtype):
-                calib = _calibrate(work, approx, an.sites, originals, calibration, example_inputs, wargs,
-                                   wkwargs, tokenizer, sequential, work_dtype)
+                calib = _calibrate(work, approx, an.sites, originals, opts, example_inputs, wargs, wkwargs,
+                                   work_dtype)
             plan_.options["calibration"] = calib.as_dict()
             plan_.options["calibration_batches"] = calib.batches
             reason = calibrate.unusable(calib.figures)
-            if verify and reason and not allow_unusable:
+            if opts.verify and reason and not opts.allow_unusable:
                 raise calibrate.UnusableConversion(
                     f"conversion unusable: {reason} (held-out, {calib.source}); model left unchanged. "
                     "Calibrate on data from your domain (calibration=...), keep "
@@ -384,11 +358,11 @@ def patch(model: nn.Module, example_inputs: inputs.ExampleInputs = None, *, mode
             figures["unseen_probe_max_rel_error"] = unseen.get("max_rel_error", 0.0)
             figures["max_rel_error"] = max(figures.get("max_rel_error", 0.0), figures["unseen_probe_max_rel_error"])
         _site_checks(plan_, todo, seen, originals, an.sites, work_dtype, figures)
-        if verify:
-            _gate(plan_, todo, figures, work_dtype)
+        if opts.verify:
+            gate(todo, figures, work_dtype)
         report_warnings(plan_, todo)
         skip = set(plan_.changed_outputs)
-        measure_cast = user_dtype != work_dtype and verify
+        measure_cast = user_dtype != work_dtype and opts.verify
         if measure_cast:  # what the cast back to the model's dtype costs, next to what that dtype costs anyway
             with torch.no_grad():
                 in_dtype = compare(reference, model(*args, **kwargs))
@@ -401,9 +375,7 @@ def patch(model: nn.Module, example_inputs: inputs.ExampleInputs = None, *, mode
                 figures["dtype_error_ratio"] = dtype_error_ratio(in_dtype, converted_in_dtype)
     attach_plan(model, plan_)
     hooks.after_patch(model)  # e.g. save_pretrained / Trainer.save_model then write a native checkpoint
-    counts = plan_.counts()
-    message = (f"converted {len(todo)} of {len(plan_.sites)} LayerNorm(s)"
-               f" ({sum(counts[v] for v in EXACT_VERDICTS)} exact, {len(approx)} approximate)")
+    message = plan_.conversion_line()
     if calib is not None:
         message += f"; {calib.summary()}"
         figures.update({f"heldout_{k}": v for k, v in calib.figures.items()})
@@ -412,10 +384,11 @@ def patch(model: nn.Module, example_inputs: inputs.ExampleInputs = None, *, mode
     return Report(plan_.sites, figures, plan_, message, changed=True, calibration=calib)
 
 
-def _calibrate(work: nn.Module, approx: list[SitePlan], sites: dict, originals: dict, calibration: Any,
-               example_inputs: inputs.ExampleInputs, args: tuple, kwargs: dict, tokenizer: Any,
-               sequential: bool, dtype: torch.dtype) -> calibrate.CalibrationResult:
+def _calibrate(work: nn.Module, approx: list[SitePlan], sites: dict, originals: dict, opts: ConvertOptions,
+               example_inputs: inputs.ExampleInputs, args: tuple, kwargs: dict,
+               dtype: torch.dtype) -> calibrate.CalibrationResult:
     """Fit the approximate norms (still LayerNorms in ``work``) and measure on held-out inputs."""
+    calibration, tokenizer = opts.calibration, opts.tokenizer
     device = next((p.device for p in work.parameters()), torch.device("cpu"))
 
     def move(t: Any) -> Any:
@@ -438,7 +411,8 @@ def _calibrate(work: nn.Module, approx: list[SitePlan], sites: dict, originals: 
     if not held_out:
         held_out = [(args, kwargs)]
     targets = [calibrate.Target(sp.name, originals[sp.name], sites[sp.name]) for sp in approx]
-    return calibrate.calibrate(work, targets, fit, held_out, source=source, sequential=sequential, call=call)
+    return calibrate.calibrate(work, targets, fit, held_out, source=source, sequential=opts.sequential,
+                               call=call)
 
 
 def _site_checks(plan_: Plan, todo: list[SitePlan], seen: dict, originals: dict, sites: dict,
@@ -467,22 +441,6 @@ def _site_checks(plan_: Plan, todo: list[SitePlan], seen: dict, originals: dict,
             sp.error = ratio
             worst = max(worst, ratio)
     figures["max_stream_mean_ratio"] = worst
-
-
-def _gate(plan_: Plan, todo: list[SitePlan], figures: dict, dtype: torch.dtype) -> None:
-    tol = ZERO_MEAN_TOLERANCE.get(dtype, 1e-4)
-    bad = [sp for sp in todo if sp.verdict != "approximate" and sp.error is not None and sp.error > tol]
-    if bad:
-        raise NormswapError(
-            f"verification failed: `{bad[0].name}` was planned exact but its input is not zero-mean "
-            f"(|mean|/rms = {bad[0].error:.2e}); model left unchanged. Please report this model; "
-            "mode='exact' with verify=False skips the check")
-    if all(sp.verdict != "approximate" for sp in todo) and "max_rel_error" in figures:
-        limit = exact_limit(dtype)
-        if figures["max_rel_error"] > limit:
-            raise NormswapError(
-                f"verification failed: converted outputs differ from the original by "
-                f"{figures['max_rel_error']:.2e} (relative) on `{figures.get('output')}`; model left unchanged")
 
 
 def report_warnings(plan_: Plan, todo: list[SitePlan]) -> None:

@@ -154,6 +154,13 @@ class Plan:
     def untied_parameters(self) -> int:
         return sum(u.numel for u in self.unties)
 
+    def conversion_line(self) -> str:
+        """``converted N of M LayerNorm(s) (E exact, A approximate)``: the headline of a conversion."""
+        done = [s for s in self.sites if s.convert]
+        exact = sum(1 for s in done if s.verdict in EXACT_VERDICTS)
+        return (f"converted {len(done)} of {len(self.sites)} LayerNorm(s) "
+                f"({exact} exact, {len(done) - exact} approximate)")
+
     def summary(self) -> str:
         counts = ", ".join(f"{n} {v}" for v, n in self.counts().items() if n)
         extra = []

@@ -13,6 +13,9 @@ from typing import Any
 
 import torch
 
+from normswap.errors import VerificationFailed
+from normswap.plan import SitePlan
+
 # fp64 reference vs converted fp64 copy: anything above this is a bug, not rounding
 EXACT_TOLERANCE = {torch.float64: 1e-6, torch.float32: 2e-3, torch.bfloat16: 5e-2, torch.float16: 2e-2}
 # |mean| / rms of a stream whose writers were centered, per working dtype
@@ -22,6 +25,24 @@ ZERO_MEAN_TOLERANCE = {torch.float64: 1e-8, torch.float32: 1e-4, torch.bfloat16:
 def exact_limit(dtype: torch.dtype) -> float:
     """The largest relative output error an *exact* conversion computed in ``dtype`` may show."""
     return EXACT_TOLERANCE.get(dtype, 1e-3)
+
+
+def gate(converted: list[SitePlan], figures: dict[str, Any], dtype: torch.dtype) -> None:
+    """Refuse a conversion that misses its tolerance: an exact norm whose input is not zero-mean, or,
+    when every converted norm is exact, outputs further from the original than :func:`exact_limit`."""
+    tol = ZERO_MEAN_TOLERANCE.get(dtype, 1e-4)
+    bad = [sp for sp in converted if sp.verdict != "approximate" and sp.error is not None and sp.error > tol]
+    if bad:
+        raise VerificationFailed(
+            f"verification failed: `{bad[0].name}` was planned exact but its input is not zero-mean "
+            f"(|mean|/rms = {bad[0].error:.2e}); model left unchanged. Please report this model; "
+            "mode='exact' with verify=False skips the check")
+    if all(sp.verdict != "approximate" for sp in converted) and "max_rel_error" in figures:
+        limit = exact_limit(dtype)
+        if figures["max_rel_error"] > limit:
+            raise VerificationFailed(
+                f"verification failed: converted outputs differ from the original by "
+                f"{figures['max_rel_error']:.2e} (relative) on `{figures.get('output')}`; model left unchanged")
 
 
 PRIMARY_KEYS = ("logits", "logits_per_image", "pooler_output", "image_embeds", "text_embeds",

@@ -13,6 +13,7 @@ from transformers.pytorch_utils import Conv1D
 
 from normswap import analysis
 from normswap.api import analyse_copy
+from normswap.options import ConvertOptions
 from tests.custom_models import (
     MixedNormNet,
     PostLNEncoder,
@@ -72,10 +73,10 @@ def _analyse(model, example, seed=0, **options):
     """(plan, Analyzer) of a randomised float64 copy; the plan has verdicts and reasons, no modes."""
     torch.manual_seed(seed)
     work = randomise(copy.deepcopy(model), seed)
-    opts = dict(untie=True, fold_gamma=False) | options
-    result = analyse_copy(work, example, {}, **opts)
-    an = analysis.Analyzer(work, result.graph, list(result.sites.values()), untie=opts["untie"],
-                           fold_gamma=opts["fold_gamma"])
+    opts = ConvertOptions(**options)
+    result = analyse_copy(work, example, {}, opts)
+    an = analysis.Analyzer(work, result.graph, list(result.sites.values()), untie=opts.untie,
+                           fold_gamma=opts.fold_gamma)
     return result.plan, an, result
 
 

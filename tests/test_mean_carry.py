@@ -10,6 +10,7 @@ through a native and a compat checkpoint, and that an activation without the pro
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
@@ -71,6 +72,31 @@ def test_the_users_model_is_widened_and_a_failed_conversion_leaves_it_alone():
     assert plan.mean_carries and up.weight.shape == before  # a dry run touches nothing
     normswap.patch(model, mode="exact")
     assert up.weight.shape[0] == before[0] + plan.mean_carries[0].added
+
+
+def test_mean_carry_can_be_switched_off(tmp_path):
+    """``mean_carry=False`` (``--no-mean-carry``): stock MLP widths, those norms approximate again."""
+    model = build(APPROXIMATE, "bert")
+    widths = {n: p.shape for n, p in model.named_parameters()}
+    with_carry = normswap.plan(model)
+    without = normswap.plan(model, mean_carry=False)
+    assert with_carry.mean_carries and not without.mean_carries
+    carried_sites = {c.site for c in with_carry.mean_carries}
+    assert all(without.site(n).verdict == "approximate" for n in carried_sites), without.table()
+    normswap.patch(model, options=normswap.ConvertOptions(mode="exact", mean_carry=False))
+    after = dict(model.named_parameters(remove_duplicate=False))
+    assert all(after[n].shape == shape for n, shape in widths.items() if "LayerNorm" not in n)
+    assert all(isinstance(model.get_submodule(n), torch.nn.LayerNorm) for n in carried_sites)
+
+    from click.testing import CliRunner
+
+    from normswap.cli import main
+
+    res = CliRunner().invoke(main, ["convert", "tiny-bert", "--out", str(tmp_path / "b"), "-q", "--no-mean-carry"])
+    assert res.exit_code == 0, res.stderr
+    manifest = json.loads((tmp_path / "b" / "config.json").read_text())["normswap"]
+    assert manifest["plan"]["mean_carries"] == [] and manifest["counts"]["approximate"] == 4
+    assert manifest["plan"]["options"]["mean_carry"] is False
 
 
 @pytest.mark.parametrize("fmt", ["native", "compat"])

@@ -108,6 +108,26 @@ def test_invalid_options(kwargs, match):
 
 def test_plan_rejects_a_misspelt_option_but_takes_patch_options():
     model = TinyViT()
-    with pytest.raises(normswap.NormswapError, match="unknown option.*fold_gama"):
+    with pytest.raises(normswap.NormswapError, match="option 'fold_gama'; did you mean 'fold_gamma'"):
         normswap.plan(model, (torch.randn(1, 3, 32, 32),), fold_gama=True)
     assert normswap.plan(model, (torch.randn(1, 3, 32, 32),), verify=False).sites
+
+
+@pytest.mark.parametrize("call", ["patch", "plan"])
+def test_options_object_and_keywords_are_the_same_conversion(call):
+    """One ConvertOptions, or its fields as keywords: the same plan; a bad value fails before any work."""
+    example = (torch.randn(1, 3, 32, 32),)
+    opts = normswap.ConvertOptions(mode="exact", fold_gamma=True)
+    by_object, by_keywords = copy.deepcopy(TinyViT()), copy.deepcopy(TinyViT())
+    by_keywords.load_state_dict(by_object.state_dict())
+    a = getattr(normswap, call)(by_object, example, options=opts)
+    b = getattr(normswap, call)(by_keywords, example, mode="exact", fold_gamma=True)
+    plan_a, plan_b = (a if call == "plan" else a.plan), (b if call == "plan" else b.plan)
+    assert plan_a.to_dict() == plan_b.to_dict() and plan_a.options["mode"] == "exact"
+    assert opts.replace(mode="all").mode == "all" and opts.mode == "exact"  # frozen: replace copies
+    with pytest.raises(normswap.NormswapError, match="did you mean 'exact'"):
+        normswap.ConvertOptions(mode="exakt")
+    with pytest.raises(normswap.NormswapError, match="untie must be True or False"):
+        normswap.ConvertOptions(untie="no")
+    with pytest.raises(normswap.NormswapError, match="did you mean 'mean_carry'"):
+        opts.replace(mean_cary=False)

@@ -11,7 +11,8 @@ See ``normswap.checkpoint.streaming`` for the low-memory path used on checkpoint
 
 from normswap.checkpoint.hf import install_lazy_registration, register
 from normswap.checkpoint.reader import load
-from normswap.checkpoint.writer import FORMATS, save
+from normswap.checkpoint.writer import save
+from normswap.options import FORMATS
 
 install_lazy_registration()
 

@@ -20,10 +20,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from normswap import api, backends, inputs
+from normswap import api, inputs
 from normswap.checkpoint import io, source, writer
 from normswap.checkpoint.source import Source
 from normswap.errors import NormswapError, NothingToConvert, VerificationFailed
+from normswap.options import DTYPES, FORMATS, TASKS, ConvertOptions, choose
 from normswap.plan import plan_of
 from normswap.verify import comparable, compare, exact_limit, primary_key
 
@@ -119,27 +120,23 @@ def _progress(enabled: bool, total: int, desc: str) -> Steps:
 
 
 def check_options(
+    opts: ConvertOptions,
     *,
     fmt: str,
-    mode: str,
     dtype: str,
     max_shard_size: int | str,
     task: str | None,
-    backend: str,
     low_memory: bool | None,
     calibration_data: Any,
-) -> str:
-    """Validate option values before touching anything; returns the effective mode."""
-    if fmt not in writer.FORMATS:
-        raise NormswapError(f"format must be one of {', '.join(writer.FORMATS)}, not {fmt!r}")
-    if mode not in api.MODES:
-        raise NormswapError(f"mode must be one of {', '.join(api.MODES)}, not {mode!r}")
-    source.torch_dtype(dtype)
+) -> ConvertOptions:
+    """Validate the checkpoint options before touching anything; returns the effective conversion
+    options (compat keeps approximate norms as LayerNorm: mode ``exact``)."""
+    choose("format", fmt, FORMATS)
+    choose("dtype", dtype, DTYPES)
     io.parse_size(max_shard_size)
-    if task is not None and task not in source.TASKS:
-        raise NormswapError(f"unknown task {task!r}; choose from {', '.join(source.TASKS)}")
-    backends.check_name(backend)
-    if fmt == "compat" and mode == "all":
+    if task is not None:
+        choose("task", task, TASKS)
+    if fmt == "compat" and opts.mode == "all":
         raise NormswapError(
             "compat format keeps LayerNorms, so approximate norms cannot be converted: "
             "use --mode exact (or auto) with --format compat, or --format native with --mode all"
@@ -148,7 +145,7 @@ def check_options(
         raise NormswapError(
             "--calibration-data needs the whole model in memory; drop --low-memory or the calibration data"
         )
-    return "exact" if fmt == "compat" else mode
+    return opts.replace(mode="exact") if fmt == "compat" else opts
 
 
 available_memory = io.available_memory  # kept here too: callers and tests patch it by this name
@@ -346,25 +343,19 @@ def convert(
     out_dir: str | os.PathLike,
     *,
     format: str = "native",  # noqa: A002
-    mode: str = "auto",
-    fold_gamma: bool = False,
-    untie: bool = True,
     dtype: str = "auto",
     calibration_data: str | os.PathLike | None = None,
-    calibration: Any = None,
     max_shard_size: int | str = writer.DEFAULT_SHARD,
     low_memory: bool | None = None,
     trust_remote_code: bool = False,
     overwrite: bool = False,
-    verify: bool = True,
-    allow_unusable: bool = False,
-    per_norm_centering: bool = False,
     task: str | None = None,
     allow_pickle: bool = False,
     allow_new_head: bool = False,
-    backend: str = "auto",
     progress: bool = False,
     echo: Callable[[str], None] | None = None,
+    options: ConvertOptions | None = None,
+    **keywords: Any,
 ) -> api.Report:
     """Convert a model into a checkpoint directory, atomically.
 
@@ -374,20 +365,19 @@ def convert(
         out_dir: destination; must not exist or be empty unless ``overwrite``.
         format: ``"native"`` (RMSNorm modules + manifest) or ``"compat"`` (stock architecture,
             LayerNorms kept, exact, loads without normswap).
-        mode, fold_gamma, untie, backend: as in :func:`normswap.patch`.
+        options: the conversion's :class:`~normswap.ConvertOptions` (mode, fold_gamma, untie,
+            per_norm_centering, mean_carry, calibration, verify, allow_unusable, backend, ...), or
+            its fields as keywords: ``convert(src, out, mode="exact")``. ``calibration`` takes
+            already-tokenised batches (an alternative to ``calibration_data``); ``verify`` also
+            covers the reload check of the written checkpoint; ``per_norm_centering`` needs the
+            in-memory path. An unknown keyword is an error.
         dtype: ``"auto"`` (the checkpoint's), ``"float32"``, ``"bfloat16"`` or ``"float16"``.
         calibration_data: text file or JSONL (``"text"`` field) used to fit approximate norms.
-        calibration: already-tokenised calibration batches (alternative to ``calibration_data``).
         max_shard_size: shard limit for the written safetensors (``"5GB"``, ``"500MB"``, bytes).
         low_memory: stream tensors shard by shard (``None``: automatic for checkpoints larger than
             about half of the available RAM).
         trust_remote_code: allow custom modeling code shipped with the source model.
         overwrite: replace a non-empty ``out_dir`` (only once the new one is complete).
-        verify: verify the conversion and the written checkpoint (reload check).
-        allow_unusable: write the result even when approximate norms make it unusable (see
-            :func:`normswap.patch`).
-        per_norm_centering: make Post-LN norms exact with one centering op before each (at
-            LayerNorm's cost; see :func:`normswap.patch`). Needs the in-memory path.
         task: override the model class picked from ``config.architectures`` (``source.TASKS``).
         allow_pickle: accept pickle-only (``.bin``) source checkpoints.
         allow_new_head: with ``task``, accept a task head the checkpoint lacks (randomly
@@ -407,13 +397,12 @@ def convert(
     say = echo or (lambda msg: log.info(msg))
     if allow_new_head and task is None:
         raise NormswapError("--new-head adds a task head: pass --task as well (e.g. --task sequence-classification)")
-    eff_mode = check_options(
+    opts = check_options(
+        ConvertOptions.build(options, **keywords),
         fmt=format,
-        mode=mode,
         dtype=dtype,
         max_shard_size=max_shard_size,
         task=task,
-        backend=backend,
         low_memory=low_memory,
         calibration_data=calibration_data,
     )
@@ -422,14 +411,14 @@ def convert(
     )
     out = io.check_destination(out_dir, overwrite=overwrite, source=src.path)
     if low_memory is None:
-        low_memory = (wants_low_memory(src, dtype) and calibration_data is None and calibration is None
-                      and not per_norm_centering)
+        low_memory = (wants_low_memory(src, dtype) and calibration_data is None and opts.calibration is None
+                      and not opts.per_norm_centering)
         if low_memory:
             say(
                 f"checkpoint is {io.human(src.nbytes)}, more than half of the available RAM: streaming "
                 "conversion (--low-memory)"
             )
-    if low_memory and per_norm_centering:
+    if low_memory and opts.per_norm_centering:
         raise NormswapError("--per-norm-centering needs the whole model in memory; drop --low-memory")
     if low_memory:
         if src.kind == "preset":
@@ -443,15 +432,11 @@ def convert(
             src,
             out,
             fmt=format,
-            mode=eff_mode,
-            fold_gamma=fold_gamma,
-            untie=untie,
+            options=opts,
             dtype=dtype,
             max_shard_size=max_shard_size,
             overwrite=overwrite,
-            verify=verify,
             task=task,
-            backend=backend,
             progress=progress,
             echo=say,
         )
@@ -479,31 +464,20 @@ def convert(
                 "architecture. Use --format compat"
             )
         steps.update()
-        if calibration is None and calibration_data is not None:
-            calibration = read_calibration(calibration_data, proc, model)
+        if opts.calibration is None and calibration_data is not None:
+            opts = opts.replace(calibration=read_calibration(calibration_data, proc, model))
+        if opts.tokenizer is None:
+            opts = opts.replace(tokenizer=calibration_tokenizer(proc))
         probe = probe_inputs(model) if inputs.is_hf_model(model) else None
-        original = _run(model, probe) if (verify and probe is not None) else None
+        original = _run(model, probe) if (opts.verify and probe is not None) else None
         steps.set_postfix_str("analysing and converting")
         try:
-            report = api.patch(
-                model,
-                mode=eff_mode,
-                fold_gamma=fold_gamma,
-                untie=untie,
-                calibration=calibration,
-                verify=verify,
-                backend=backend,
-                allow_unusable=allow_unusable,
-                per_norm_centering=per_norm_centering,
-                tokenizer=calibration_tokenizer(proc),
-            )
-        except NormswapError as exc:
-            if str(exc).startswith("verification failed"):
-                raise VerificationFailed(f"{exc}; nothing was written") from exc
-            raise
+            report = api.patch(model, options=opts)
+        except VerificationFailed as exc:
+            raise VerificationFailed(f"{exc}; nothing was written") from exc
         if not report.changed:
             raise NothingToConvert(f"{src.label}: {report.message}")
-        if allow_unusable:
+        if opts.allow_unusable:
             top1 = report.verification.get("top1_agreement")
             if isinstance(top1, (int, float)) and top1 <= 0.0:
                 say("top-1 agreement with the original is 0; writing it anyway (--allow-unusable)")
@@ -553,5 +527,5 @@ def convert(
                 _update_manifest(tmp, figures, src.path)
                 report.verification.update(figures)
             steps.update()
-    report.message += f"; wrote {format} checkpoint to {out}"
+    report.output, report.output_format = str(out), format
     return report

@@ -25,6 +25,7 @@ from normswap import api, inputs, presets, walker
 from normswap.checkpoint import extrapolate as ex
 from normswap.checkpoint.io import available_memory
 from normswap.errors import NormswapError
+from normswap.options import ConvertOptions
 from normswap.plan import Plan
 from normswap.surgery import record_rms_slots
 
@@ -90,15 +91,15 @@ def build_proxy(cls: type, config: Any, dtype: torch.dtype) -> nn.Module:
     return model.to(dtype).eval()
 
 
-def analyse_proxy(model: nn.Module, *, mode: str, untie: bool, fold_gamma: bool) -> Plan:
+def analyse_proxy(model: nn.Module, opts: ConvertOptions) -> Plan:
     """``normswap.plan`` without its working copy (the proxy is ours to use)."""
     api.preflight(model)
     args, kwargs = inputs.resolve(model, None)
     dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
     with api.eval_mode(model):
         args, kwargs = inputs.cast_inputs(args, kwargs, dtype)
-        result = api.analyse_copy(model, args, kwargs, untie=untie, fold_gamma=fold_gamma)
-    api.decide_verdicts(result.plan, mode)
+        result = api.analyse_copy(model, args, kwargs, opts)
+    api.decide_verdicts(result.plan, opts.mode)
     return result.plan
 
 
@@ -122,10 +123,8 @@ def plan_full(
     cls: type,
     config: Any,
     meta: nn.Module,
+    opts: ConvertOptions,
     *,
-    mode: str,
-    untie: bool,
-    fold_gamma: bool,
     echo: Callable[[str], None],
 ) -> FullPlan:
     """Analyse depth-3 and depth-4 proxies, check the extrapolation, extrapolate to full depth."""
@@ -145,7 +144,7 @@ def plan_full(
             "random weights)"
         )
         proxy = build_proxy(cls, cfg, dtype)
-        plans[depth] = analyse_proxy(proxy, mode=mode, untie=untie, fold_gamma=fold_gamma)
+        plans[depth] = analyse_proxy(proxy, opts)
         stacks[depth] = stacks_of(proxy)
         del proxy
         gc.collect()

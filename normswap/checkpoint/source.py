@@ -24,24 +24,12 @@ from torch import nn
 from normswap import presets
 from normswap.checkpoint import hf, io
 from normswap.errors import NormswapError, NothingToConvert
+from normswap.options import DTYPES, TASKS, choose
 
-# task name -> AutoModel class name (the --task option)
-TASKS = {
-    "causal-lm": "AutoModelForCausalLM",
-    "seq2seq-lm": "AutoModelForSeq2SeqLM",
-    "speech-seq2seq": "AutoModelForSpeechSeq2Seq",
-    "masked-lm": "AutoModelForMaskedLM",
-    "sequence-classification": "AutoModelForSequenceClassification",
-    "token-classification": "AutoModelForTokenClassification",
-    "question-answering": "AutoModelForQuestionAnswering",
-    "image-classification": "AutoModelForImageClassification",
-    "audio-classification": "AutoModelForAudioClassification",
-    "ctc": "AutoModelForCTC",
-    "base": "AutoModel",
-}
 # when config.architectures names nothing transformers has, try these in order
 FALLBACK_TASKS = ("causal-lm", "seq2seq-lm", "speech-seq2seq", "masked-lm", "image-classification", "base")
-DTYPES = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# options.DTYPES by name -> torch dtype
+TORCH_DTYPES = {name: "auto" if name == "auto" else getattr(torch, name) for name in DTYPES}
 ST_MODULES = "modules.json"  # marks a sentence-transformers directory
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*(/[\w.\-]+)?$")
 
@@ -274,8 +262,7 @@ def model_class(config: Any, task: str | None = None, architectures: list[str] |
     import transformers
 
     if task is not None:
-        if task not in TASKS:
-            raise NormswapError(f"unknown task {task!r}; choose from {', '.join(TASKS)}")
+        choose("task", task, TASKS)
         mapping = _auto(TASKS[task])._model_mapping
         if type(config) not in mapping:
             raise NormswapError(f"task {task!r} is not available for model_type {config.model_type!r}")
@@ -292,9 +279,7 @@ def model_class(config: Any, task: str | None = None, architectures: list[str] |
 
 
 def torch_dtype(name: str) -> Any:
-    if name not in DTYPES:
-        raise NormswapError(f"dtype must be one of {', '.join(DTYPES)}, not {name!r}")
-    return DTYPES[name]
+    return TORCH_DTYPES[choose("dtype", name, DTYPES)]
 
 
 def load_model(

@@ -30,6 +30,7 @@ from normswap.checkpoint import io, proxy, source, stream_io, truncated, writer
 from normswap.checkpoint.rewrite import KeyMap, TensorRewriter
 from normswap.checkpoint.source import NothingToConvert, Source
 from normswap.errors import NormswapError
+from normswap.options import ConvertOptions
 from normswap.plan import Plan
 from normswap.surgery import mark_untied
 
@@ -39,15 +40,11 @@ def convert_streaming(
     out: Path,
     *,
     fmt: str,
-    mode: str,
-    fold_gamma: bool,
-    untie: bool,
+    options: ConvertOptions,
     dtype: str,
     max_shard_size: int | str,
     overwrite: bool,
-    verify: bool,
     task: str | None,
-    backend: str,
     progress: bool,
     echo: Callable[[str], None],
 ) -> api.Report:
@@ -72,7 +69,7 @@ def convert_streaming(
     entries = stream_io.scan(src.safetensors)
     keys = KeyMap(meta, entries)
     missing = [k for k, _ in meta.named_parameters() if k not in keys.to_ckpt]
-    fp = proxy.plan_full(cls, config, meta, mode=mode, untie=untie, fold_gamma=fold_gamma, echo=echo)
+    fp = proxy.plan_full(cls, config, meta, options, echo=echo)
     plan = fp.plan
     if not plan.sites:
         raise NothingToConvert(f"{src.label}: no LayerNorm found; nothing to do")
@@ -136,7 +133,7 @@ def convert_streaming(
         out_model_keys = {entry[4]: entry[0] for entry in layout if entry[4] is not None}
         out_entries = stream_io.scan(sorted({tmp / f for f in weight_map.values()}))
         float_dtype = out_dtype or stream_io.ST_TO_TORCH.get(next(iter(entries.values())).dtype, torch.float32)
-        if verify:
+        if options.verify:
             echo("verifying layers 0, 1 and L-1 of every stack on the real weights")
             report.verification.update(
                 truncated.verify_truncated(
@@ -155,14 +152,8 @@ def convert_streaming(
             extra=source.record(src),
         )
         io.copy_side_files(src.path, tmp)
-    counts = plan.counts()
-    n = sum(1 for sp in plan.sites if sp.convert)
-    report.message = (
-        f"converted {n} of {len(plan.sites)} LayerNorm(s) "
-        f"({counts['exact'] + counts['exact-with-centering']} exact, "
-        f"{sum(1 for sp in plan.sites if sp.convert and sp.verdict == 'approximate')} approximate) "
-        f"by streaming; wrote {fmt} checkpoint to {out}"
-    )
+    report.message = plan.conversion_line()
+    report.output, report.output_format, report.streamed = str(out), fmt, True
     return report
 
 

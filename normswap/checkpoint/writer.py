@@ -28,11 +28,11 @@ from torch import nn
 
 from normswap.checkpoint import hf_types, io
 from normswap.errors import NormswapError
+from normswap.options import FORMATS, choose
 from normswap.plan import CENTERED_VERDICTS, Plan, plan_of
 
 log = logging.getLogger("normswap")
 
-FORMATS = ("native", "compat")
 DEFAULT_SHARD = "5GB"
 MODELING_FILE = "modeling_normswap.py"
 _RESERVED = {
@@ -508,8 +508,7 @@ def write_model_dir(
     side_files_from: Path | None = None,
 ) -> dict[str, Any]:
     """Everything a checkpoint directory holds, written into the existing directory ``out``."""
-    if fmt not in FORMATS:
-        raise NormswapError(f"format must be one of {', '.join(FORMATS)}, not {fmt!r}")
+    choose("format", fmt, FORMATS)
     plan = plan if plan is not None else required_plan(model)
     io.parse_size(max_shard_size)
     writer = write_native if fmt == "native" else write_compat
@@ -565,8 +564,7 @@ def save(
         >>> normswap.checkpoint.save(model, "out/gpt2-rms")            # doctest: +SKIP
         >>> model2 = normswap.load("out/gpt2-rms")                       # doctest: +SKIP
     """
-    if format not in FORMATS:
-        raise NormswapError(f"format must be one of {', '.join(FORMATS)}, not {format!r}")
+    choose("format", format, FORMATS)
     plan = required_plan(model)
     io.parse_size(max_shard_size)
     out = io.check_destination(out_dir, overwrite=overwrite)

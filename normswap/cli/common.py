@@ -34,6 +34,7 @@ from normswap.errors import (
     EXIT_VERIFY,
     NormswapError,
 )
+from normswap.options import DTYPES, FORMATS, MODES, TASKS
 
 __all__ = [
     "EXIT_CODES",
@@ -44,6 +45,7 @@ __all__ = [
     "EXIT_VERIFY",
     "MODES",
     "DTYPES",
+    "FORMATS",
     "TASK_NAMES",
     "cli_words",
     "figures_line",
@@ -158,22 +160,8 @@ def handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
-# shared option values of convert / inspect / verify
-MODES = ("auto", "exact", "all")
-DTYPES = ("auto", "float32", "bfloat16", "float16")
-TASK_NAMES = (
-    "causal-lm",
-    "seq2seq-lm",
-    "speech-seq2seq",
-    "masked-lm",
-    "sequence-classification",
-    "token-classification",
-    "question-answering",
-    "image-classification",
-    "audio-classification",
-    "ctc",
-    "base",
-)
+# shared option values of convert / inspect / verify: defined once, in normswap.options
+TASK_NAMES = tuple(TASKS)
 
 
 def figures_line(verification: dict[str, Any]) -> str:

@@ -15,6 +15,7 @@ from normswap.cli import main
 from normswap.cli.common import (
     DTYPES,
     EXIT_CODES,
+    FORMATS,
     MODES,
     TASK_NAMES,
     cli_words,
@@ -92,7 +93,7 @@ Presets (offline, seeded tiny models with tokenizers/processors):
 @click.option(
     "--format",
     "fmt",
-    type=click.Choice(["native", "compat"]),
+    type=click.Choice(FORMATS),
     default="native",
     show_default=True,
     help="native: RMSNorm modules + manifest; compat: stock architecture, LayerNorms kept, exact.",
@@ -103,6 +104,13 @@ Presets (offline, seeded tiny models with tokenizers/processors):
     is_flag=True,
     help="Post-LN norms: insert one centering op (a mean per token) before each, which makes them exact "
     "at LayerNorm's cost (verdict exact-with-per-norm-centering, counted apart).",
+)
+@click.option(
+    "--no-mean-carry",
+    is_flag=True,
+    help="Keep MLPs at their stock width. By default a Post-LN norm whose stream is h + MLP(h) becomes "
+    "exact by adding a few neurons (a multiple of 8) to that MLP that cancel the mean; with this flag "
+    "those norms are approximate instead.",
 )
 @click.option(
     "--keep-tied",
@@ -174,6 +182,7 @@ def convert(
     fmt: str,
     fold_gamma: bool,
     per_norm_centering: bool,
+    no_mean_carry: bool,
     keep_tied: bool,
     dtype: str,
     calibration_data: str | None,
@@ -195,25 +204,30 @@ def convert(
     interrupted run leaves nothing behind.
     """
     from normswap.checkpoint.conversion import convert as run
+    from normswap.options import ConvertOptions
 
+    options = ConvertOptions(
+        mode=mode,
+        fold_gamma=fold_gamma,
+        untie=not keep_tied,
+        per_norm_centering=per_norm_centering,
+        mean_carry=not no_mean_carry,
+        verify=not no_verify,
+        allow_unusable=allow_unusable,
+    )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         report = run(
             model,
             out,
+            options=options,
             format=fmt,
-            mode=mode,
-            fold_gamma=fold_gamma,
-            untie=not keep_tied,
             dtype=dtype,
             calibration_data=calibration_data,
             max_shard_size=max_shard_size,
             low_memory=low_memory,
             trust_remote_code=trust_remote_code,
             overwrite=overwrite,
-            verify=not no_verify,
-            allow_unusable=allow_unusable,
-            per_norm_centering=per_norm_centering,
             task=task,
             allow_pickle=allow_pickle,
             allow_new_head=new_head,
@@ -222,7 +236,7 @@ def convert(
         )
     _echo_warnings(caught)
     plan = report.plan
-    headline = report.message.split("; wrote")[0].replace(" by streaming", " (streamed)")
+    headline = report.message + (" (streamed)" if report.streamed else "")
     if headline:
         click.echo(headline)
     if plan is not None:

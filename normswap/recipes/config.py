@@ -21,6 +21,7 @@ from typing import Any, Literal, Union
 import yaml
 
 from normswap.errors import NormswapError
+from normswap.options import ConvertOptions
 
 TASKS = ("causal-lm", "masked-lm", "encoder")
 
@@ -38,14 +39,21 @@ class ModelConfig:
 
 @dataclass
 class ConvertConfig:
-    """On-the-fly conversion options (the same as ``normswap convert``)."""
+    """On-the-fly conversion options: :class:`normswap.ConvertOptions` fields (the same as
+    ``normswap convert``) plus the number of calibration batches drawn from the recipe's data."""
 
     mode: Literal["auto", "exact", "all"] = "all"
     fold_gamma: bool = False
     untie: bool = True
+    mean_carry: bool = True
     calibration_batches: int = 8
     backend: str = "auto"
     verify: bool = True
+
+    def options(self, **overrides: Any) -> ConvertOptions:
+        """The :class:`~normswap.ConvertOptions` these settings stand for (validated)."""
+        fields = {k: getattr(self, k) for k in ("mode", "fold_gamma", "untie", "mean_carry", "backend", "verify")}
+        return ConvertOptions(**{**fields, **overrides})
 
 
 @dataclass
@@ -458,6 +466,10 @@ def _positive(value: float | int | None, key: str, *, zero_ok: bool = False) -> 
 
 def validate(cfg: RecipeConfig, *, check_paths: bool = True) -> None:
     """Cross-key checks. Each failure names the key to fix."""
+    try:
+        cfg.convert.options()
+    except NormswapError as exc:
+        raise NormswapError(f"config section `convert`: {exc}") from exc
     if not cfg.model.source and not cfg.model.student:
         raise NormswapError("config key `model.source` is required (the original model directory)")
     if not cfg.data.path:

@@ -154,16 +154,9 @@ def build_student(
             warnings.simplefilter(
                 "ignore"
             )  # approximate-site warnings: the metrics below say it with numbers
-            report = normswap.patch(
-                model,
-                mode=mode or conv.mode,
-                fold_gamma=conv.fold_gamma,
-                untie=conv.untie,
-                calibration=calibration or None,
-                verify=conv.verify,
-                backend=conv.backend,
-                allow_unusable=True,  # recovering an unusable conversion is what the recipe is for
-            )
+            # allow_unusable: recovering an unusable conversion is what the recipe is for
+            options = conv.options(mode=mode or conv.mode, calibration=calibration or None, allow_unusable=True)
+            report = normswap.patch(model, options=options)
         plan = (plan_of(model) or report.plan)
         attach_plan(model, plan)
         summary = {

@@ -1,0 +1,117 @@
+"""How a conversion runs: :class:`ConvertOptions`, and the one definition of modes, formats, dtypes and tasks.
+
+``patch``, ``plan``, ``convert``, the low-memory path, the CLI and the recipes take the same
+options. Each entry point accepts them as keyword arguments (a convenience) or as one
+``options=ConvertOptions(...)`` object; either way they are validated here, once, and an unknown
+or misspelt option is an error that suggests the nearest name instead of being ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from dataclasses import dataclass, fields
+from typing import Any
+
+from normswap.errors import NormswapError
+
+MODES = ("auto", "exact", "all")
+FORMATS = ("native", "compat")
+DTYPES = ("auto", "float32", "bfloat16", "float16")  # checkpoint dtypes ``convert`` can write
+# task name -> transformers Auto class that loads it (the --task option)
+TASKS = {
+    "causal-lm": "AutoModelForCausalLM",
+    "seq2seq-lm": "AutoModelForSeq2SeqLM",
+    "speech-seq2seq": "AutoModelForSpeechSeq2Seq",
+    "masked-lm": "AutoModelForMaskedLM",
+    "sequence-classification": "AutoModelForSequenceClassification",
+    "token-classification": "AutoModelForTokenClassification",
+    "question-answering": "AutoModelForQuestionAnswering",
+    "image-classification": "AutoModelForImageClassification",
+    "audio-classification": "AutoModelForAudioClassification",
+    "ctc": "AutoModelForCTC",
+    "base": "AutoModel",
+}
+
+
+def choose(kind: str, value: str, choices: tuple[str, ...] | dict[str, Any]) -> str:
+    """``value`` if it is one of ``choices``, else a one-line error naming them (and the nearest)."""
+    if value in choices:
+        return value
+    near = difflib.get_close_matches(str(value), list(choices), n=1)
+    hint = f" (did you mean {near[0]!r}?)" if near else ""
+    raise NormswapError(f"{kind} must be one of {', '.join(choices)}, not {value!r}{hint}")
+
+
+@dataclass(frozen=True)
+class ConvertOptions:
+    """The options of a LayerNorm → RMSNorm conversion.
+
+    Attributes:
+        mode: ``"auto"`` converts every norm and warns about approximate ones; ``"exact"`` leaves
+            approximate norms as LayerNorm; ``"all"`` converts everything silently.
+        fold_gamma: also fold γ into the reader Linears (the RMSNorm keeps weight 1: "rotation-ready").
+        untie: clone tied output heads so the input embedding can be centered. ``False`` keeps the
+            tie and centers at run time instead (one centering op per token).
+        per_norm_centering: make Post-LN norms exact with one mean subtraction before each (verdict
+            ``exact-with-per-norm-centering``) at LayerNorm's cost; off by default.
+        mean_carry: make a Post-LN norm exact where its stream is ``h + MLP(h)`` by widening the MLP
+            with a few neurons that cancel the mean (verdict ``exact``); on by default. ``False``
+            keeps the MLPs at their stock width (those norms are then approximate).
+        calibration: inputs (or a list of them) to fit approximate norms by least squares; ``None``
+            uses a built-in set, ``False`` fits nothing (γ/β copied).
+        sequential: fit approximate norms one after another on the converted model's activations.
+        tokenizer: tokenizer for the built-in calibration text (default: the model's own).
+        verify: compare against the float64 original and refuse conversions that miss tolerance.
+        allow_unusable: convert even when the held-out figures say the result is unusable.
+        backend: the RMSNorm backend of the new modules (``"auto"`` or a name from
+            ``normswap backends``).
+    """
+
+    mode: str = "auto"
+    fold_gamma: bool = False
+    untie: bool = True
+    per_norm_centering: bool = False
+    mean_carry: bool = True
+    calibration: Any = None
+    sequential: bool = True
+    tokenizer: Any = None
+    verify: bool = True
+    allow_unusable: bool = False
+    backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        from normswap import backends  # the registry of backend names (imports torch kernels)
+
+        choose("mode", self.mode, MODES)
+        for name in ("fold_gamma", "untie", "per_norm_centering", "mean_carry", "sequential", "verify",
+                     "allow_unusable"):
+            if not isinstance(getattr(self, name), bool):
+                raise NormswapError(f"option {name} must be True or False, not {getattr(self, name)!r}")
+        backends.check_name(self.backend)
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls))
+
+    @classmethod
+    def build(cls, options: ConvertOptions | None = None, /, **keywords: Any) -> ConvertOptions:
+        """``options`` with ``keywords`` applied; an unknown keyword is an error with a suggestion.
+
+        Entry points call this with their keyword arguments, so ``patch(model, fold_gama=True)`` fails
+        with "did you mean 'fold_gamma'?" instead of converting without the option.
+        """
+        known = set(cls.names())
+        for key in keywords:
+            if key not in known:
+                near = difflib.get_close_matches(key, sorted(known), n=1)
+                hint = f"; did you mean {near[0]!r}?" if near else f"; options are {', '.join(sorted(known))}"
+                raise NormswapError(f"unknown conversion option {key!r}{hint}")
+        base = options if options is not None else cls()
+        if not isinstance(base, ConvertOptions):
+            raise NormswapError(f"options must be a normswap.ConvertOptions, not {type(base).__name__}")
+        return dataclasses.replace(base, **keywords) if keywords else base
+
+    def replace(self, **changes: Any) -> ConvertOptions:
+        """A copy with ``changes`` applied (validated, unknown names refused)."""
+        return ConvertOptions.build(self, **changes)
