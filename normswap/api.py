@@ -455,13 +455,23 @@ def report_warnings(plan_: Plan, todo: list[SitePlan]) -> None:
 
 def _commit(model: nn.Module, work: nn.Module, plan_: Plan, todo: list[SitePlan], dtype: torch.dtype,
             training: dict[str, bool]) -> None:
-    """Copy the verified edits into the user's model (cast back to its dtype, once)."""
-    for u in plan_.unties:
-        surgery.untie(model, u)
+    """Copy the verified edits into the user's model (cast back to its dtype, once).
+
+    Memory: each working tensor is freed as soon as it is copied, an untied parameter is the cast
+    of its working tensor (no clone of the tied one first), and casts go straight into the target.
+    """
+    untied = set()
+    with torch.no_grad():
+        for u in plan_.unties:
+            name = f"{u.module}.{u.attr}" if u.module else u.attr
+            tied = getattr(model.get_submodule(u.module), u.attr)
+            source = work.get_parameter(name)
+            surgery.untie(model, u, source.detach().to(device=tied.device, dtype=tied.dtype))
+            source.data = torch.empty(0, dtype=source.dtype)
+            untied.add(name)
     if plan_.unties:
         surgery.mark_untied(model)
     names = {e.target for e in plan_.writer_edits}
-    names |= {f"{u.module}.{u.attr}" if u.module else u.attr for u in plan_.unties}
     names |= {sf.param for sf in plan_.scale_folds}  # LayerScale λ, folded into its writer and set to 1
     for rf in plan_.rms_folds:  # fold_gamma on already-RMS norms: their γ and their readers
         names |= {rf.weight} | {f"{r}.weight" for r in rf.readers}
@@ -472,11 +482,11 @@ def _commit(model: nn.Module, work: nn.Module, plan_: Plan, todo: list[SitePlan]
         names |= {f"{m}.{a}" for m in (c.up, c.down) for a in ("weight", "bias")
                   if getattr(model.get_submodule(m), a, None) is not None}
     with torch.no_grad():
-        for name in sorted(names):
+        for name in sorted(names - untied):
             target, source = model.get_parameter(name), work.get_parameter(name)
             if source.numel() == 0 and target.numel() != 0:
                 continue  # tied to a name already copied (and freed) in this loop
-            target.copy_(source.to(target.dtype))
+            target.copy_(source)  # casts elementwise, rounding as .to() does, without a temporary
             source.data = torch.empty(0, dtype=source.dtype)  # the working copy is done with: free as we go
     for sp in todo:
         old = model.get_submodule(sp.name)

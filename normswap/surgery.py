@@ -40,10 +40,12 @@ def center_(w: torch.Tensor, axis: int, blocks: list[tuple[int, int]] | None) ->
     return w
 
 
-def untie(model: nn.Module, u: Untie) -> None:
+def untie(model: nn.Module, u: Untie, value: torch.Tensor | None = None) -> None:
+    """Give ``u.module.u.attr`` its own parameter: a clone of the tied one, or ``value`` (used as is)."""
     module = model.get_submodule(u.module)
     source = getattr(module, u.attr)
-    setattr(module, u.attr, nn.Parameter(source.detach().clone(), requires_grad=source.requires_grad))
+    data = source.detach().clone() if value is None else value
+    setattr(module, u.attr, nn.Parameter(data, requires_grad=source.requires_grad))
 
 
 def mark_untied(model: nn.Module) -> None:
@@ -61,9 +63,12 @@ def mark_untied(model: nn.Module) -> None:
 def center_writer(model: nn.Module, e: WriterEdit) -> None:
     """Make the writer ``e.target`` zero-mean along its output axis, computed in float64."""
     t = model.get_parameter(e.target)
-    w = center_(t.detach().double().clone(), e.axis, e.blocks)
+    if t.dtype == torch.float64:  # the working copy: in place, no second copy of (say) a 190 MB embedding
+        center_(t.detach(), e.axis, e.blocks)
+        return
+    w = center_(t.detach().double(), e.axis, e.blocks)
     with torch.no_grad():
-        t.copy_(w.to(t.dtype))
+        t.copy_(w)
 
 
 CARRY_TENSORS = ("up.weight", "up.bias", "down.weight")  # what a MeanCarry widens (down.bias is not)
