@@ -22,8 +22,7 @@ import yaml
 
 from normswap.errors import NormswapError
 from normswap.options import ConvertOptions
-
-TASKS = ("causal-lm", "masked-lm", "encoder")
+from normswap.recipes import tasks
 
 
 @dataclass
@@ -159,7 +158,7 @@ class OutputConfig:
 class RecipeConfig:
     """A whole recipe. ``to_dict()`` is what the output manifest records."""
 
-    task: Literal["causal-lm", "masked-lm", "encoder"] = "causal-lm"
+    task: str = "causal-lm"  # one of tasks.TASK_NAMES, checked by validate()
     model: ModelConfig = field(default_factory=ModelConfig)
     convert: ConvertConfig = field(default_factory=ConvertConfig)
     teacher: TeacherConfig = field(default_factory=TeacherConfig)
@@ -466,6 +465,7 @@ def _positive(value: float | int | None, key: str, *, zero_ok: bool = False) -> 
 
 def validate(cfg: RecipeConfig, *, check_paths: bool = True) -> None:
     """Cross-key checks. Each failure names the key to fix."""
+    task = tasks.get(cfg.task)  # an unknown task name fails here, with the valid ones listed
     try:
         cfg.convert.options()
     except NormswapError as exc:
@@ -535,27 +535,7 @@ def validate(cfg: RecipeConfig, *, check_paths: bool = True) -> None:
         raise NormswapError(f"config key `train.betas` must be two numbers in [0, 1), got {cfg.train.betas}")
     if cfg.data.seq_len < 4:
         raise NormswapError(f"config key `data.seq_len` must be at least 4, got {cfg.data.seq_len}")
-    # losses: something must be trained, and teacher terms need a teacher
-    encoder_weight = cfg.loss.pooled_weight + cfg.loss.hidden_weight + cfg.loss.similarity_weight
-    distill = cfg.loss.kl_weight if cfg.task != "encoder" else encoder_weight
-    if not cfg.teacher.enabled:
-        if cfg.task == "encoder":
-            raise NormswapError(
-                "config key `teacher.enabled`: the encoder task distils embeddings and needs the teacher"
-            )
-        if cfg.loss.kl_weight > 0:
-            raise NormswapError(
-                "config key `loss.kl_weight` must be 0 when `teacher.enabled` is false "
-                "(there is no teacher to distil from)"
-            )
-        distill = 0.0
-    if distill + (cfg.loss.ce_weight if cfg.task != "encoder" else 0.0) <= 0:
-        raise NormswapError(
-            "config key `loss.kl_weight` (or `loss.ce_weight`, or for encoders "
-            "`loss.pooled_weight`/`loss.hidden_weight`) must be > 0: nothing would be trained"
-        )
-    if cfg.task == "causal-lm" and cfg.loss.positions == "masked":
-        raise NormswapError("config key `loss.positions` can be 'masked' only for task masked-lm")
+    task.check_losses(cfg)  # something must be trained, and teacher terms need a teacher
     if cfg.progressive.enabled:
         if cfg.model.student:
             pass  # a student converted with mode="exact" still has LayerNorms to swap; checked at run time
@@ -570,24 +550,7 @@ def validate(cfg: RecipeConfig, *, check_paths: bool = True) -> None:
                 f"config key `progressive.order` must be 'forward', 'reverse' or a list of "
                 f"module-name patterns, got {order!r}"
             )
-    allowed = {
-        "causal-lm": ("kl", "top1_agreement", "ppl"),
-        "encoder": ("cosine", "hidden_rel_mse", "top1_neighbour_agreement", "recall_at_10",
-                    "similarity_spearman"),
-        "masked-lm": ("kl", "top1_agreement", "kl_masked", "top1_agreement_masked", "ppl"),
-    }[cfg.task]
-    if cfg.eval.metric is not None and cfg.eval.metric not in allowed:
-        raise NormswapError(
-            f"config key `eval.metric` must be one of {', '.join(allowed)} for task {cfg.task}, "
-            f"got {cfg.eval.metric!r}"
-        )
-    if (
-        cfg.eval.metric in ("kl", "top1_agreement", "kl_masked", "top1_agreement_masked")
-        and not cfg.teacher.enabled
-    ):
-        raise NormswapError(
-            f"config key `eval.metric`: {cfg.eval.metric!r} needs the teacher (teacher.enabled)"
-        )
+    task.check_metric(cfg)
     if cfg.train.trainable == "lora" and cfg.train.lora.target_modules == []:
         raise NormswapError(
             "config key `train.lora.target_modules` must name at least one module (or be null)"
@@ -603,11 +566,8 @@ def validate(cfg: RecipeConfig, *, check_paths: bool = True) -> None:
 
 def selection_metric(cfg: RecipeConfig) -> tuple[str, bool]:
     """The held-out metric ``eval.keep_best`` ranks by, and whether higher is better."""
-    name = cfg.eval.metric or (
-        "cosine" if cfg.task == "encoder" else ("kl" if cfg.teacher.enabled else "ppl")
-    )
-    return name, name in ("cosine", "top1_agreement", "top1_agreement_masked", "top1_neighbour_agreement",
-                          "recall_at_10", "similarity_spearman")
+    name = cfg.eval.metric or tasks.get(cfg.task).default_metric(cfg.teacher.enabled)
+    return name, name in tasks.HIGHER_IS_BETTER
 
 
 def _cuda_available() -> bool:

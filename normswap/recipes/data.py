@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from normswap.errors import NormswapError
+from normswap.recipes import tasks
 from normswap.recipes.config import DataConfig
 
 
@@ -137,7 +138,7 @@ def _special(tokenizer: Any, *names: str) -> int | None:
 
 def tokenize(docs: list[str], tokenizer: Any, cfg: DataConfig, task: str) -> TokenData:
     """Tokenise, pack (or truncate) to ``seq_len``, shuffle with ``seed`` and split off eval."""
-    encoder_style = task in ("masked-lm", "encoder")
+    encoder_style = tasks.get(task).bidirectional  # [CLS] … [SEP] framing
     cls_id = _special(tokenizer, "cls_token_id", "bos_token_id") if encoder_style else None
     sep_id = _special(tokenizer, "sep_token_id", "eos_token_id")
     pad_id = _special(tokenizer, "pad_token_id", "eos_token_id", "sep_token_id")
@@ -188,37 +189,6 @@ def collate(examples: list[list[int]], pad_id: int) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "attention_mask": mask}
 
 
-class MaskingPolicy:
-    """BERT-style MLM corruption: ``probability`` of real, non-special tokens get a label;
-    of those 80% become [MASK], 10% a random token, 10% stay. Deterministic given the generator."""
-
-    def __init__(self, tokenizer: Any, probability: float) -> None:
-        self.mask_id = getattr(tokenizer, "mask_token_id", None)
-        if self.mask_id is None:
-            raise NormswapError("config key `task`: masked-lm needs a tokenizer with a mask token")
-        self.special = torch.tensor(
-            sorted(set(getattr(tokenizer, "all_special_ids", []) or [])), dtype=torch.long
-        )
-        self.vocab = len(tokenizer)
-        self.probability = probability
-
-    def __call__(self, batch: dict[str, torch.Tensor], gen: torch.Generator) -> dict[str, torch.Tensor]:
-        ids = batch["input_ids"].clone()
-        candidates = batch["attention_mask"].bool() & ~torch.isin(ids, self.special)
-        chosen = (torch.rand(ids.shape, generator=gen) < self.probability) & candidates
-        # guarantee at least one prediction per row that has a candidate
-        for row in range(ids.shape[0]):
-            if not chosen[row].any() and candidates[row].any():
-                first = int(candidates[row].nonzero()[0])
-                chosen[row, first] = True
-        labels = torch.where(chosen, ids, torch.full_like(ids, -100))
-        roll = torch.rand(ids.shape, generator=gen)
-        random_ids = torch.randint(0, self.vocab, ids.shape, generator=gen)
-        ids = torch.where(chosen & (roll < 0.8), torch.full_like(ids, self.mask_id), ids)
-        ids = torch.where(chosen & (roll >= 0.8) & (roll < 0.9), random_ids, ids)
-        return {**batch, "input_ids": ids, "labels": labels}
-
-
 class BatchSource:
     """Deterministic batches. ``train_batch(i)`` is micro-batch ``i`` for this process."""
 
@@ -227,7 +197,7 @@ class BatchSource:
     ) -> None:
         self.data, self.cfg, self.task = data, cfg, task
         self.rank, self.world = rank, world
-        self.masker = MaskingPolicy(tokenizer, cfg.mlm_probability) if task == "masked-lm" else None
+        self.labeller = tasks.get(task).labeller(tokenizer, cfg.mlm_probability)  # labels, MLM masking
         self.global_batch = cfg.batch_size * world
         self.batches_per_epoch = len(data.train) // self.global_batch
         if self.batches_per_epoch == 0:
@@ -245,12 +215,7 @@ class BatchSource:
         return self._perm[1]
 
     def _finish(self, batch: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
-        if self.masker is not None:
-            batch = self.masker(batch, torch.Generator().manual_seed(seed))
-        elif self.task == "causal-lm":
-            labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
-            batch = {**batch, "labels": labels}
-        return batch
+        return self.labeller(batch, torch.Generator().manual_seed(seed))
 
     def train_batch(self, index: int, rank: int | None = None) -> dict[str, torch.Tensor]:
         rank = self.rank if rank is None else rank

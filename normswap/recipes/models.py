@@ -15,7 +15,7 @@ from torch import nn
 from normswap.errors import NormswapError
 from normswap.norm import RMSNorm
 from normswap.plan import Plan, SitePlan, attach_plan, plan_of
-from normswap.recipes import io
+from normswap.recipes import io, tasks
 from normswap.recipes.config import ConvertConfig, LoraConfig, ModelConfig, ProgressiveConfig
 
 log = logging.getLogger("normswap.recipes")
@@ -26,16 +26,6 @@ DTYPES = {
     "float16": torch.float16,
     "float64": torch.float64,
 }
-
-
-def auto_class(task: str) -> Any:
-    import transformers as tf
-
-    return {
-        "causal-lm": tf.AutoModelForCausalLM,
-        "masked-lm": tf.AutoModelForMaskedLM,
-        "encoder": tf.AutoModel,
-    }[task]
 
 
 def sentence_pooling(path: str | None) -> str | None:
@@ -96,7 +86,7 @@ def load_tokenizer(cfg: ModelConfig) -> Any:
 
 def load_teacher(cfg: ModelConfig, task: str) -> nn.Module:
     """The original model, frozen and in eval mode. Never downloads (``local_files_only``)."""
-    cls = auto_class(task)
+    cls = tasks.get(task).model_class()
     try:
         model = cls.from_pretrained(
             cfg.source,

@@ -31,7 +31,7 @@ from torch import nn
 
 from normswap.errors import NormswapError
 from normswap.recipes import data as data_mod
-from normswap.recipes import io, losses
+from normswap.recipes import io, tasks
 from normswap.recipes import metrics as metrics_mod
 from normswap.recipes import models as models_mod
 from normswap.recipes.config import RecipeConfig, load_config, selection_metric
@@ -109,50 +109,20 @@ def _scheduler(optimizer: torch.optim.Optimizer, cfg: RecipeConfig) -> torch.opt
 
 
 def _loss(
+    task: tasks.Task,
     cfg: RecipeConfig,
     student: nn.Module,
     teacher: nn.Module | None,
     batch: dict[str, torch.Tensor],
     autocast: Any,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    inputs = metrics_mod.model_inputs(batch)
+    inputs = tasks.model_inputs(batch)
     out = student(**inputs)
     t_out = None
     if teacher is not None:
         with torch.no_grad(), autocast():
             t_out = teacher(**inputs)
-    lc, parts = cfg.loss, {}
-    total = torch.zeros((), device=batch["input_ids"].device)
-    if cfg.task == "encoder":
-        s_h, t_h = metrics_mod.hidden_of(out), metrics_mod.hidden_of(t_out)
-        if lc.pooled_weight:
-            cos = losses.pooled_cosine(s_h, t_h, batch["attention_mask"], lc.pooling)
-            total = total + lc.pooled_weight * cos
-            parts["cos_loss"] = float(cos.detach())
-        if lc.hidden_weight:
-            mse = losses.hidden_relative_mse(s_h, t_h, batch["attention_mask"])
-            total = total + lc.hidden_weight * mse
-            parts["hidden_loss"] = float(mse.detach())
-        if lc.similarity_weight:
-            sim = losses.similarity_kl(
-                losses.pool(s_h.float(), batch["attention_mask"], lc.pooling),
-                losses.pool(t_h.float(), batch["attention_mask"], lc.pooling),
-                lc.similarity_temperature,
-            )
-            total = total + lc.similarity_weight * sim
-            parts["similarity_loss"] = float(sim.detach())
-        return total, parts
-    logits = metrics_mod.logits_of(out)
-    if t_out is not None and lc.kl_weight:
-        mask = batch["attention_mask"] if lc.positions == "all" else batch["labels"] != -100
-        kl = losses.kl_logits(logits, metrics_mod.logits_of(t_out), mask, lc.temperature)
-        total = total + lc.kl_weight * kl
-        parts["kl_loss"] = float(kl.detach())
-    if lc.ce_weight:
-        ce = losses.lm_ce(logits, batch["labels"], causal=cfg.task == "causal-lm")
-        total = total + lc.ce_weight * ce
-        parts["ce_loss"] = float(ce.detach())
-    return total, parts
+    return task.loss(cfg.loss, out, t_out, batch)
 
 
 def _prepare_output(cfg: RecipeConfig, main: bool) -> tuple[Path, Path | None]:
@@ -265,293 +235,333 @@ def run(
         NormswapError: a configuration or data problem, with a one-line message naming the key.
     """
     t_start = time.perf_counter()
-    cfg = load_config(config_or_path, overrides)
-    from accelerate.utils import set_seed
+    return Recipe(load_config(config_or_path, overrides), t_start).run()
 
-    accelerator = _make_accelerator(cfg)
-    main = accelerator.is_main_process
-    if cfg.progressive.enabled and accelerator.distributed_type.value in ("FSDP", "DEEPSPEED"):
-        raise NormswapError(
-            "config key `progressive.enabled` is not supported under FSDP or DeepSpeed (norms are "
-            "swapped after the model is sharded); use DDP, or convert.mode=all"
+
+class Recipe:
+    """One run of a recipe, in the steps torchtune's recipes use: :meth:`setup` (accelerator,
+    output directory, data, teacher and student, optimizer, resume), :meth:`train` (the loop, with
+    held-out evaluation, progressive swaps and checkpoints) and :meth:`save` (keep the best step,
+    write the converted model with its manifest). What differs between tasks is asked of
+    ``self.task`` (:mod:`normswap.recipes.tasks`)."""
+
+    def __init__(self, cfg: RecipeConfig, t_start: float | None = None) -> None:
+        self.cfg = cfg
+        self.task = tasks.get(cfg.task)
+        self.t_start = time.perf_counter() if t_start is None else t_start
+        self.step, self.seen_tokens, self.train_time = 0, 0, 0.0
+        self.metrics_before: dict[str, float] = {}
+        self.last_eval: dict[str, float] = {}
+        self.stopped_early = False
+
+    def run(self) -> RunResult:
+        self.setup()
+        self.train()
+        return self.save()
+
+    # ---- setup
+    def setup(self) -> None:
+        """Everything before the first optimiser step, including the "before" evaluation."""
+        from accelerate.utils import set_seed
+
+        cfg = self.cfg
+        self.accelerator = _make_accelerator(cfg)
+        self.main = self.accelerator.is_main_process
+        if cfg.progressive.enabled and self.accelerator.distributed_type.value in ("FSDP", "DEEPSPEED"):
+            raise NormswapError(
+                "config key `progressive.enabled` is not supported under FSDP or DeepSpeed (norms are "
+                "swapped after the model is sharded); use DDP, or convert.mode=all"
+            )
+        self.out, self.resume_dir = _prepare_output(cfg, self.main)
+        self.accelerator.wait_for_everyone()
+        set_seed(cfg.train.seed)
+        self.device = self.accelerator.device
+        self.console = _Console(self.main, False, 0, 0)
+        if cfg.loss.pooling == "auto":  # the sentence-transformers pooling when the model ships one
+            cfg.loss.pooling = models_mod.sentence_pooling(cfg.model.source or cfg.model.student) or "mean"
+            if self.task.embeds:
+                self.console.print(f"pooling: {cfg.loss.pooling}")
+        self._setup_data()
+        self._setup_models()
+        self._setup_optimisation()
+        if self.resume_dir is not None:
+            self._resume()
+        else:
+            self._start()
+
+    def _setup_data(self) -> None:
+        cfg, acc = self.cfg, self.accelerator
+        self.tokenizer = models_mod.load_tokenizer(cfg.model)
+        docs = data_mod.read_documents(cfg.data)
+        tokens = data_mod.tokenize(docs, self.tokenizer, cfg.data, cfg.task)
+        self.source = data_mod.BatchSource(
+            tokens, cfg.data, cfg.task, self.tokenizer, acc.process_index, acc.num_processes
         )
-    out, resume_dir = _prepare_output(cfg, main)
-    accelerator.wait_for_everyone()
-    set_seed(cfg.train.seed)
-    device = accelerator.device
-    console = _Console(main, False, 0, 0)
-
-    if cfg.loss.pooling == "auto":  # the sentence-transformers pooling when the model ships one
-        cfg.loss.pooling = models_mod.sentence_pooling(cfg.model.source or cfg.model.student) or "mean"
-        if cfg.task == "encoder":
-            console.print(f"pooling: {cfg.loss.pooling}")
-
-    # ---- data
-    tokenizer = models_mod.load_tokenizer(cfg.model)
-    docs = data_mod.read_documents(cfg.data)
-    tokens = data_mod.tokenize(docs, tokenizer, cfg.data, cfg.task)
-    source = data_mod.BatchSource(
-        tokens, cfg.data, cfg.task, tokenizer, accelerator.process_index, accelerator.num_processes
-    )
-    calibration = source.calibration_batches(cfg.convert.calibration_batches)
-    eval_batches = source.eval_batches()
-    console.print(
-        f"data: {len(docs)} documents -> {len(tokens.train)} train / {len(tokens.eval)} held-out "
-        f"examples of <= {cfg.data.seq_len} tokens"
-    )
-
-    # ---- models
-    need_source = cfg.teacher.enabled or not cfg.model.student
-    teacher = models_mod.load_teacher(cfg.model, cfg.task) if need_source and cfg.model.source else None
-    if cfg.teacher.enabled and teacher is None:
-        raise NormswapError("config key `model.source` is required: the teacher is the original model")
-    student, conversion = models_mod.build_student(
-        cfg.model,
-        cfg.convert,
-        cfg.task,
-        teacher,
-        calibration,
-        mode="exact" if cfg.progressive.enabled and not cfg.model.student else None,
-    )
-    if not cfg.teacher.enabled:
-        teacher = None
-    console.print(f"student: {conversion.get('message') or conversion.get('path')}")
-    prog = None
-    if cfg.progressive.enabled:
-        example = calibration[0] if calibration else metrics_mod.model_inputs(source.train_batch(0))
-        prog = models_mod.plan_progressive(
-            student, cfg.progressive, cfg.convert.backend, cfg.train.steps, metrics_mod.model_inputs(example)
-        )
-        console.print(f"progressive: {len(prog.stages)} stage(s) at steps {prog.swap_steps()}")
-
-    # "before": the one-shot conversion (for progressive runs: every stage swapped at once, fitted now)
-    before_model = None
-    if resume_dir is None and cfg.progressive.enabled and prog is not None:
-        before_model = copy.deepcopy(student)
-        before_prog = copy.deepcopy(prog)
-        before_prog.sites = prog.sites
-        for k in range(len(prog.stages)):
-            models_mod.swap_stage(before_model, before_prog, k, calibration)
-
-    models_mod.set_dropout(student, cfg.train.dropout)
-    model = models_mod.select_trainable(student, cfg.train.trainable, cfg.train.lora)
-    trainable = models_mod.trainable_summary(model)
-    optimizer = _optimizer(model, cfg)
-    scheduler = _scheduler(optimizer, cfg)
-    ds_plugin = getattr(accelerator.state, "deepspeed_plugin", None)
-    if ds_plugin is not None:  # no prepared dataloader tells DeepSpeed the micro-batch size
-        ds_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = cfg.data.batch_size
-    model, optimizer = accelerator.prepare(model, optimizer)
-    accelerator.register_for_checkpointing(scheduler)
-    if teacher is not None:
-        teacher.to(device)
-    reduce = (lambda t: accelerator.reduce(t, "sum")) if accelerator.num_processes > 1 else None
-    broadcast = None
-    if accelerator.num_processes > 1:
-        from accelerate.utils import broadcast as _broadcast
-
-        broadcast = _broadcast
-
-    def evaluate(m: nn.Module) -> dict[str, float]:
-        return metrics_mod.evaluate(
-            m, teacher, eval_batches, cfg.task, cfg.loss.pooling, device, reduce, accelerator.autocast
+        self.calibration = self.source.calibration_batches(cfg.convert.calibration_batches)
+        self.eval_batches = self.source.eval_batches()
+        self.console.print(
+            f"data: {len(docs)} documents -> {len(tokens.train)} train / {len(tokens.eval)} held-out "
+            f"examples of <= {cfg.data.seq_len} tokens"
         )
 
-    log = metrics_mod.MetricsLog(out / "metrics.jsonl", enabled=main)
-    from accelerate.utils import DistributedType
+    def _setup_models(self) -> None:
+        cfg = self.cfg
+        need_source = cfg.teacher.enabled or not cfg.model.student
+        teacher = models_mod.load_teacher(cfg.model, cfg.task) if need_source and cfg.model.source else None
+        if cfg.teacher.enabled and teacher is None:
+            raise NormswapError("config key `model.source` is required: the teacher is the original model")
+        self.student, self.conversion = models_mod.build_student(
+            cfg.model,
+            cfg.convert,
+            cfg.task,
+            teacher,
+            self.calibration,
+            mode="exact" if cfg.progressive.enabled and not cfg.model.student else None,
+        )
+        self.teacher = teacher if cfg.teacher.enabled else None
+        self.console.print(f"student: {self.conversion.get('message') or self.conversion.get('path')}")
+        self.prog = None
+        if cfg.progressive.enabled:
+            example = self.calibration[0] if self.calibration else tasks.model_inputs(self.source.train_batch(0))
+            self.prog = models_mod.plan_progressive(
+                self.student, cfg.progressive, cfg.convert.backend, cfg.train.steps, tasks.model_inputs(example)
+            )
+            self.console.print(f"progressive: {len(self.prog.stages)} stage(s) at steps {self.prog.swap_steps()}")
+        # "before" of a progressive run: the one-shot conversion (every stage swapped at once, fitted now)
+        self.before_model = None
+        if self.resume_dir is None and self.prog is not None:
+            self.before_model = copy.deepcopy(self.student)
+            before_prog = copy.deepcopy(self.prog)
+            before_prog.sites = self.prog.sites
+            for k in range(len(self.prog.stages)):
+                models_mod.swap_stage(self.before_model, before_prog, k, self.calibration)
 
-    sharded = accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
-    if cfg.eval.keep_best and sharded:
-        console.print("eval.keep_best is off under FSDP/DeepSpeed (sharded weights): the last step is saved")
-    best = _Best(*selection_metric(cfg), enabled=cfg.eval.keep_best and not sharded)
-    final_structure = prog.last_step() if prog is not None else 0  # earlier steps still have LayerNorms
-    step, seen_tokens, train_time = 0, 0, 0.0
-    metrics_before: dict[str, float] = {}
-    last_eval: dict[str, float] = {}
-    if resume_dir is not None:
-        state = json.loads((resume_dir / "trainer_state.json").read_text())
-        step, seen_tokens, train_time = state["step"], state["tokens"], state["train_time_s"]
-        metrics_before, last_eval = state["metrics_before"], state.get("last_eval", {})
-        if prog is not None:
-            for k in prog.due(step):
-                # structure only: the weights come from the checkpoint
-                models_mod.swap_stage(accelerator.unwrap_model(model), prog, k, None)
-        accelerator.load_state(str(resume_dir))
-        accelerator.step = 0
-        best.load(resume_dir, state.get("best"))
-        log.truncate_after(step)
-        console.print(f"resumed from {resume_dir} at step {step}")
-    else:
-        if main:
-            (out / "recipe.yaml").write_text(cfg.to_yaml())
-        if prog is not None:
-            for k in prog.due(0):
-                models_mod.swap_stage(
-                    accelerator.unwrap_model(model), prog, k, calibration, device, broadcast
-                )
-        if before_model is not None:
-            before_model.to(device)
-            metrics_before = evaluate(before_model)
-            del before_model
+    def _setup_optimisation(self) -> None:
+        from accelerate.utils import DistributedType
+
+        cfg, accelerator = self.cfg, self.accelerator
+        models_mod.set_dropout(self.student, cfg.train.dropout)
+        model = models_mod.select_trainable(self.student, cfg.train.trainable, cfg.train.lora)
+        self.trainable = models_mod.trainable_summary(model)
+        optimizer = _optimizer(model, cfg)
+        self.scheduler = _scheduler(optimizer, cfg)
+        ds_plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+        if ds_plugin is not None:  # no prepared dataloader tells DeepSpeed the micro-batch size
+            ds_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = cfg.data.batch_size
+        self.model, self.optimizer = accelerator.prepare(model, optimizer)
+        accelerator.register_for_checkpointing(self.scheduler)
+        if self.teacher is not None:
+            self.teacher.to(self.device)
+        self.reduce = (lambda t: accelerator.reduce(t, "sum")) if accelerator.num_processes > 1 else None
+        self.broadcast = None
+        if accelerator.num_processes > 1:
+            from accelerate.utils import broadcast
+
+            self.broadcast = broadcast
+        self.log = metrics_mod.MetricsLog(self.out / "metrics.jsonl", enabled=self.main)
+        sharded = accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
+        if cfg.eval.keep_best and sharded:
+            self.console.print("eval.keep_best is off under FSDP/DeepSpeed (sharded weights): the last step is saved")
+        self.best = _Best(*selection_metric(cfg), enabled=cfg.eval.keep_best and not sharded)
+        # steps before the last progressive swap still hold LayerNorms: not a candidate for keep_best
+        self.final_structure = self.prog.last_step() if self.prog is not None else 0
+
+    def _resume(self) -> None:
+        state = json.loads((self.resume_dir / "trainer_state.json").read_text())
+        self.step, self.seen_tokens, self.train_time = state["step"], state["tokens"], state["train_time_s"]
+        self.metrics_before, self.last_eval = state["metrics_before"], state.get("last_eval", {})
+        if self.prog is not None:
+            for k in self.prog.due(self.step):  # structure only: the weights come from the checkpoint
+                models_mod.swap_stage(self.accelerator.unwrap_model(self.model), self.prog, k, None)
+        self.accelerator.load_state(str(self.resume_dir))
+        self.accelerator.step = 0
+        self.best.load(self.resume_dir, state.get("best"))
+        self.log.truncate_after(self.step)
+        self.console.print(f"resumed from {self.resume_dir} at step {self.step}")
+
+    def _start(self) -> None:
+        cfg = self.cfg
+        if self.main:
+            (self.out / "recipe.yaml").write_text(cfg.to_yaml())
+        self._swap_due(0)
+        if self.before_model is not None:
+            self.before_model.to(self.device)
+            self.metrics_before = self.evaluate(self.before_model)
+            self.before_model = None
         elif cfg.eval.before:
-            metrics_before = evaluate(model)
-        log.write({"step": 0, "split": "before", **metrics_before})
+            self.metrics_before = self.evaluate(self.model)
+        self.log.write({"step": 0, "split": "before", **self.metrics_before})
         if cfg.eval.before:
-            last_eval = metrics_before if prog is None else evaluate(model)
-            log.write({"step": 0, "split": "eval", **last_eval})
-            if final_structure <= 0:
-                best.consider(0, last_eval, accelerator.unwrap_model(model))
-        console.print(f"before: {metrics_mod.headline(metrics_before)}")
+            self.last_eval = self.metrics_before if self.prog is None else self.evaluate(self.model)
+            self.log.write({"step": 0, "split": "eval", **self.last_eval})
+            if self.final_structure <= 0:
+                self.best.consider(0, self.last_eval, self.accelerator.unwrap_model(self.model))
+        self.console.print(f"before: {metrics_mod.headline(self.metrics_before)}")
+
+    # ---- evaluate
+    def evaluate(self, model: nn.Module) -> dict[str, float]:
+        """Held-out metrics of ``model`` against the teacher, summed over all processes."""
+        return metrics_mod.evaluate(
+            model, self.teacher, self.eval_batches, self.cfg.task, self.cfg.loss.pooling, self.device,
+            self.reduce, self.accelerator.autocast,
+        )
 
     # ---- train
-    gas = cfg.train.gradient_accumulation_steps
-    params = [p for p in model.parameters() if p.requires_grad]
-    console = _Console(main, cfg.log.progress_bar, cfg.train.steps, step)
-    window: dict[str, float] = {}
-    window_n = 0
-    stop_at = cfg.checkpoint.stop_after or cfg.train.steps
-    stopped_early = False
-    model.train()
-    tick = time.perf_counter()
-    while step < cfg.train.steps:
+    def _swap_due(self, step: int, announce: bool = False) -> None:
+        """Swap the progressive stages due at ``step`` (fitted on the calibration batches)."""
+        if self.prog is None:
+            return
+        for k in self.prog.due(step):
+            names = models_mod.swap_stage(
+                self.accelerator.unwrap_model(self.model), self.prog, k, self.calibration, self.device,
+                self.broadcast,
+            )
+            if announce:
+                self.console.print(f"step {step}: swapped {len(names)} LayerNorm(s) to RMSNorm: {', '.join(names)}")
+
+    def _optimiser_step(self, window: dict[str, float]) -> None:
+        """One optimiser step over ``gradient_accumulation_steps`` micro-batches; adds to ``window``."""
+        cfg, accelerator, model = self.cfg, self.accelerator, self.model
+        gas = cfg.train.gradient_accumulation_steps
         for micro in range(gas):
-            batch = {k: v.to(device) for k, v in source.train_batch(step * gas + micro).items()}
+            batch = {k: v.to(self.device) for k, v in self.source.train_batch(self.step * gas + micro).items()}
             with accelerator.accumulate(model):
-                loss, parts = _loss(cfg, model, teacher, batch, accelerator.autocast)
+                loss, parts = _loss(self.task, cfg, model, self.teacher, batch, accelerator.autocast)
                 accelerator.backward(loss)
                 if accelerator.sync_gradients and cfg.train.max_grad_norm:
-                    accelerator.clip_grad_norm_(params, cfg.train.max_grad_norm)
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-            seen_tokens += int(batch["attention_mask"].sum()) * accelerator.num_processes
+                    accelerator.clip_grad_norm_(self.params, cfg.train.max_grad_norm)
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
+            self.seen_tokens += int(batch["attention_mask"].sum()) * accelerator.num_processes
             for k, v in {"loss": float(loss.detach()), **parts}.items():
                 window[k] = window.get(k, 0.0) + v / gas
-        if not getattr(optimizer, "step_was_skipped", False):
-            scheduler.step()
-        step += 1
-        window_n += 1
-        if prog is not None and step < cfg.train.steps:
-            for k in prog.due(step):
-                names = models_mod.swap_stage(
-                    accelerator.unwrap_model(model), prog, k, calibration, device, broadcast
-                )
-                console.print(
-                    f"step {step}: swapped {len(names)} LayerNorm(s) to RMSNorm: {', '.join(names)}"
-                )
-        console.update({k: v / window_n for k, v in window.items() if k == "loss"})
-        if step % cfg.log.every == 0 or step == cfg.train.steps:
-            elapsed = train_time + time.perf_counter() - tick
-            log.write(
-                {
-                    "step": step,
-                    "split": "train",
-                    **{k: v / window_n for k, v in window.items()},
-                    "lr": scheduler.get_last_lr()[0],
-                    "tokens": seen_tokens,
-                    "elapsed_s": round(elapsed, 3),
-                }
-            )
-            window, window_n = {}, 0
-        if step % cfg.eval.every == 0 or step == cfg.train.steps:
-            last_eval = evaluate(model)
-            log.write({"step": step, "split": "eval", **last_eval})
-            if step >= final_structure:
-                best.consider(step, last_eval, accelerator.unwrap_model(model))
-            console.print(f"step {step}: {metrics_mod.headline(last_eval)}")
-        if step % cfg.checkpoint.every == 0 or step == stop_at:
-            train_time += time.perf_counter() - tick
-            tick = time.perf_counter()
-            _save_checkpoint(
-                accelerator,
-                out,
-                step,
-                cfg,
-                {
-                    "step": step,
-                    "tokens": seen_tokens,
-                    "train_time_s": train_time,
-                    "metrics_before": metrics_before,
-                    "last_eval": last_eval,
-                    "swapped": list(prog.done) if prog else [],
-                },
-                best,
-            )
-        if step == stop_at and stop_at < cfg.train.steps:
-            stopped_early = True
-            break
-    train_time += time.perf_counter() - tick
-    console.close()
-    in_sync = _replicas_in_sync(accelerator, model)
-    if in_sync is not None:
-        log.write(
-            {"step": step, "split": "replicas", "processes": accelerator.num_processes, "in_sync": in_sync}
-        )
-        if not in_sync:
-            console.print(
-                "warning: data-parallel replicas hold different weights; the saved model is rank 0's"
-            )
+        if not getattr(self.optimizer, "step_was_skipped", False):
+            self.scheduler.step()
+        self.step += 1
 
-    # ---- finish
-    metrics_after = last_eval
-    if not stopped_early and best.state is not None and best.step != step:
-        accelerator.unwrap_model(model).load_state_dict(best.state)
-        metrics_after = best.metrics
-        console.print(
-            f"keeping step {best.step}: best held-out {best.metric} ({best.metrics[best.metric]:.4g})"
-        )
-    if not stopped_early:
-        log.write({"step": best.step if best.state is not None else step, "split": "after", **metrics_after})
-    unwrapped = models_mod.finalize(accelerator.unwrap_model(model))
-    unwrapped.eval()
-    model_dir, saved_with = None, None
-    if not stopped_early:
-        accelerator.wait_for_everyone()
-        if main:
-            model_dir = str(out / "model")
-            extra = {
-                "finetune": {
-                    "recipe": cfg.to_dict(),
-                    "metrics_before": metrics_before,
-                    "metrics_after": metrics_after,
-                    "steps": step,
-                    "kept_step": best.step if best.state is not None else step,
-                    "tokens": seen_tokens,
-                    "train_time_s": round(train_time, 3),
-                    "conversion": conversion,
-                    **trainable,
-                    "progressive_stages": prog.stages if prog else None,
-                }
-            }
-            saved_with = io.save_converted(
-                unwrapped, model_dir, tokenizer=tokenizer, fmt=cfg.output.format, manifest_extra=extra
-            )
-            if cfg.log.plot:
-                png = metrics_mod.plot(
-                    log.records(),
-                    out / "curves.png",
-                    title=f"{cfg.task}: {'/'.join(Path(cfg.model.source or cfg.model.student).parts[-2:])}",
+    def train(self) -> None:
+        """The training loop: log, evaluate, swap progressive stages and checkpoint on schedule."""
+        cfg = self.cfg
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.console = _Console(self.main, cfg.log.progress_bar, cfg.train.steps, self.step)
+        window: dict[str, float] = {}
+        window_n = 0
+        stop_at = cfg.checkpoint.stop_after or cfg.train.steps
+        self.model.train()
+        tick = time.perf_counter()
+        while self.step < cfg.train.steps:
+            self._optimiser_step(window)
+            step = self.step
+            window_n += 1
+            if step < cfg.train.steps:
+                self._swap_due(step, announce=True)
+            self.console.update({k: v / window_n for k, v in window.items() if k == "loss"})
+            if step % cfg.log.every == 0 or step == cfg.train.steps:
+                elapsed = self.train_time + time.perf_counter() - tick
+                self.log.write({"step": step, "split": "train", **{k: v / window_n for k, v in window.items()},
+                                "lr": self.scheduler.get_last_lr()[0], "tokens": self.seen_tokens,
+                                "elapsed_s": round(elapsed, 3)})
+                window, window_n = {}, 0
+            if step % cfg.eval.every == 0 or step == cfg.train.steps:
+                self.last_eval = self.evaluate(self.model)
+                self.log.write({"step": step, "split": "eval", **self.last_eval})
+                if step >= self.final_structure:
+                    self.best.consider(step, self.last_eval, self.accelerator.unwrap_model(self.model))
+                self.console.print(f"step {step}: {metrics_mod.headline(self.last_eval)}")
+            if step % cfg.checkpoint.every == 0 or step == stop_at:
+                self.train_time += time.perf_counter() - tick
+                tick = time.perf_counter()
+                _save_checkpoint(self.accelerator, self.out, step, cfg, {
+                    "step": step,
+                    "tokens": self.seen_tokens,
+                    "train_time_s": self.train_time,
+                    "metrics_before": self.metrics_before,
+                    "last_eval": self.last_eval,
+                    "swapped": list(self.prog.done) if self.prog else [],
+                }, self.best)
+            if step == stop_at and stop_at < cfg.train.steps:
+                self.stopped_early = True
+                break
+        self.train_time += time.perf_counter() - tick
+        self.console.close()
+        in_sync = _replicas_in_sync(self.accelerator, self.model)
+        if in_sync is not None:
+            self.log.write({"step": self.step, "split": "replicas", "processes": self.accelerator.num_processes,
+                            "in_sync": in_sync})
+            if not in_sync:
+                self.console.print(
+                    "warning: data-parallel replicas hold different weights; the saved model is rank 0's"
                 )
-                if png:
-                    console.print(f"plot: {png}")
-            console.print(f"after: {metrics_mod.headline(metrics_after)}")
-            console.print(f"saved: {model_dir}")
-        accelerator.wait_for_everyone()
-    return RunResult(
-        output_dir=str(out),
-        model_dir=model_dir,
-        metrics_before=metrics_before,
-        metrics_after=metrics_after,
-        steps=step,
-        tokens=seen_tokens,
-        train_time_s=train_time,
-        wall_time_s=time.perf_counter() - t_start,
-        saved_with=saved_with,
-        stopped_early=stopped_early,
-        resumed_from=str(resume_dir) if resume_dir else None,
-        best_step=best.step if best.state is not None else None,
-        conversion=conversion,
-        model=unwrapped,
-    )
+
+    # ---- save
+    def save(self) -> RunResult:
+        """Keep the held-out-best step, write ``OUT/model`` (main process) and return the result."""
+        accelerator, best = self.accelerator, self.best
+        metrics_after = self.last_eval
+        if not self.stopped_early and best.state is not None and best.step != self.step:
+            accelerator.unwrap_model(self.model).load_state_dict(best.state)
+            metrics_after = best.metrics
+            self.console.print(
+                f"keeping step {best.step}: best held-out {best.metric} ({best.metrics[best.metric]:.4g})"
+            )
+        kept_step = best.step if best.state is not None else self.step
+        if not self.stopped_early:
+            self.log.write({"step": kept_step, "split": "after", **metrics_after})
+        unwrapped = models_mod.finalize(accelerator.unwrap_model(self.model))
+        unwrapped.eval()
+        model_dir, saved_with = None, None
+        if not self.stopped_early:
+            accelerator.wait_for_everyone()
+            if self.main:
+                model_dir = str(self.out / "model")
+                saved_with = self._write_model(unwrapped, model_dir, metrics_after, kept_step)
+            accelerator.wait_for_everyone()
+        return RunResult(
+            output_dir=str(self.out),
+            model_dir=model_dir,
+            metrics_before=self.metrics_before,
+            metrics_after=metrics_after,
+            steps=self.step,
+            tokens=self.seen_tokens,
+            train_time_s=self.train_time,
+            wall_time_s=time.perf_counter() - self.t_start,
+            saved_with=saved_with,
+            stopped_early=self.stopped_early,
+            resumed_from=str(self.resume_dir) if self.resume_dir else None,
+            best_step=best.step if best.state is not None else None,
+            conversion=self.conversion,
+            model=unwrapped,
+        )
+
+    def _write_model(self, model: nn.Module, model_dir: str, metrics_after: dict[str, float],
+                     kept_step: int) -> str:
+        cfg = self.cfg
+        extra = {
+            "finetune": {
+                "recipe": cfg.to_dict(),
+                "metrics_before": self.metrics_before,
+                "metrics_after": metrics_after,
+                "steps": self.step,
+                "kept_step": kept_step,
+                "tokens": self.seen_tokens,
+                "train_time_s": round(self.train_time, 3),
+                "conversion": self.conversion,
+                **self.trainable,
+                "progressive_stages": self.prog.stages if self.prog else None,
+            }
+        }
+        saved_with = io.save_converted(
+            model, model_dir, tokenizer=self.tokenizer, fmt=cfg.output.format, manifest_extra=extra
+        )
+        if cfg.log.plot:
+            source = Path(cfg.model.source or cfg.model.student)
+            png = metrics_mod.plot(self.log.records(), self.out / "curves.png",
+                                   title=f"{cfg.task}: {'/'.join(source.parts[-2:])}")
+            if png:
+                self.console.print(f"plot: {png}")
+        self.console.print(f"after: {metrics_mod.headline(metrics_after)}")
+        self.console.print(f"saved: {model_dir}")
+        return saved_with
 
 
 def _replicas_in_sync(accelerator: Any, model: nn.Module) -> bool | None:

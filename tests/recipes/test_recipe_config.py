@@ -94,6 +94,9 @@ def test_overrides_are_typed_and_nested(tmp_path):
         (["teacher.enabled=false"], "`loss.kl_weight`"),
         (["train.lr"], "key=value"),
         (["train=3"], "`train`"),
+        (["task=classification"], "`task` must be one of causal-lm, masked-lm, encoder"),
+        (["task=encoder", "eval.metric=kl"], "`eval.metric` must be one of cosine"),
+        (["task=causal-lm", "loss.positions=masked"], "`loss.positions`"),
     ],
 )
 def test_bad_configs_raise_one_line_errors_naming_the_key(tmp_path, overrides, key):
