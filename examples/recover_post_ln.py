@@ -83,7 +83,7 @@ def remeasure(cfg_overrides: list[str], recipe: Path, model_dir: str) -> dict[st
     """
     import copy
 
-    from normswap.recipes import data, losses, metrics, models
+    from normswap.recipes import data, losses, metrics, models, tasks
 
     cfg = load_config(recipe, cfg_overrides)
     if cfg.loss.pooling == "auto":  # as the runner does: the sentence-transformers pooling, else mean
@@ -95,7 +95,7 @@ def remeasure(cfg_overrides: list[str], recipe: Path, model_dir: str) -> dict[st
     teacher = models.load_teacher(cfg.model, cfg.task)
     student = normswap.load(model_dir)
     out: dict[str, Any] = metrics.evaluate(student, teacher, batches, cfg.task, cfg.loss.pooling)
-    if cfg.task != "encoder":
+    if not tasks.get(cfg.task).embeds:  # neighbour figures only for sentence embeddings
         return out
     oneshot = copy.deepcopy(teacher)
     with warnings.catch_warnings():
@@ -185,9 +185,9 @@ def main() -> None:
     print(f"model: {model_dir}\ntask: {task}\ndata: {data} ({n_docs} documents)")
 
     # 3. what the conversion will do, norm by norm
-    from normswap.recipes.models import auto_class
+    from normswap.recipes import tasks
 
-    original = auto_class(task).from_pretrained(str(model_dir), local_files_only=True)
+    original = tasks.get(task).model_class().from_pretrained(str(model_dir), local_files_only=True)
     print(normswap.plan(original).table())
     del original
 
