@@ -5,25 +5,9 @@ mean, rsqrt, multiply, cast, multiply), each a full pass over memory; measured 2
 ``torch.layer_norm`` at the same shape. This kernel makes one read of ``x`` from memory and one write
 of ``y`` (the second pass over a row hits L1/L2), the traffic of ``y.copy_(x)``.
 
-How it is built (see ``_cpu_source.py`` for the kernel itself):
-
-* Plain C++ with intrinsics and no PyTorch headers, so one ``g++`` call takes about a second; no
-  ninja, no ``torch.utils.cpp_extension`` machinery. It is built as a small CPython extension module
-  (a call costs ~0.1 us; ctypes costs ~1.3 us, which shows on small inputs), or, without Python
-  headers, as a plain library called through ctypes.
-* The instruction set is chosen from ``torch.backends.cpu.get_cpu_capability()`` (plus the
-  ``avx512_bf16`` CPU flag on Linux): ISA 3 = AVX-512 + BF16, 2 = AVX-512, 1 = AVX2/FMA/F16C,
-  0 = portable. The cache key includes the ISA, compiler flags, compiler version and source hash, so a
-  cached binary is never used on a CPU or compiler it was not built for. ``NORMSWAP_CPU_ISA`` forces
-  a level (tests use it to check every path).
-* Cached under ``$TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``) in ``normswap_cpu/``;
-  written to a temporary name and renamed, so concurrent first uses are safe.
-* OpenMP: the library links ``libgomp.so.1``, which the loader resolves to the copy PyTorch already
-  loaded, so both share one thread pool. If ``-fopenmp`` does not build (e.g. clang without libomp),
-  it is rebuilt single-threaded.
-* After loading, a self-test compares the kernel with ``eager`` on small inputs; any failure, like
-  a missing compiler or a failed build, makes :func:`available` return False with the reason, and
-  ``auto`` falls back to the next backend. ``NORMSWAP_CPU_BUILD=0`` disables the build altogether.
+How it is built (compiler, instruction set, cache, the OpenMP link and the variants tried) is
+:mod:`normswap.backends.cpu_build`; this module is the runtime: the self-test, the calls, the
+output pool, the autograd function and the ``torch.compile`` custom ops.
 
 Semantics are exactly ``eager``'s (HF Llama cast order): fp32 sum of squares and rstd, ``x * rstd``
 rounded to the input dtype, ``* weight`` (cast to the input dtype) rounded, ``+ bias`` rounded.
@@ -48,38 +32,21 @@ a caching allocator uses). The pool keeps at most 2 free storages per size and 5
 
 from __future__ import annotations
 
-import ctypes
-import hashlib
-import importlib.util
 import math
 import os
-import shutil
-import subprocess
-import sysconfig
-import tempfile
 import threading
-import time
 from collections import OrderedDict
 
 import torch
 
-from normswap.backends import eager
-from normswap.backends._cpu_source import SOURCE
+from normswap.backends import cpu_build, eager
 from normswap.backends._env import env_reader
+from normswap.backends.cpu_build import DTYPE_CODES, Kernel
 from normswap.backends.rows import as_rows, compute_dtype, grad_launcher
 from normswap.integrations.tracing import outside_tracing
 
 name = "cpu"
 
-# float64 is supported for correctness (gradcheck); fp16 only where the build reports it.
-_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float64: 3}
-_ISA_FLAGS: dict[int, list[str]] = {
-    3: ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mavx2", "-mfma", "-mf16c"],
-    2: ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"],
-    1: ["-mavx2", "-mfma", "-mf16c"],
-    0: [],
-}
-_BASE_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=off"]
 # Below this many elements one thread is faster than waking a second one (measured: ~3 us fork/join).
 _PARALLEL_MIN_ELEMENTS = 1 << 15
 _POOL_MIN_BYTES = 4 << 20  # measured: below this, glibc reuses heap memory and pooling gains nothing
@@ -108,126 +75,11 @@ def _last_level_cache_bytes() -> int:
 _STREAM_MIN_BYTES = _last_level_cache_bytes()
 
 
-class _Kernel:
-    """The loaded library (or why there is none)."""
-
-    def __init__(self) -> None:
-        self.fn = None
-        self.bwd = None
-        self.dtypes: set[torch.dtype] = set()
-        self.isa = -1
-        self.path = ""
-        self.openmp = False
-        self.binding = ""
-        self.build_seconds = 0.0
-        self.reason = "not built yet"
-
-
-_kernel: _Kernel | None = None
+_kernel: Kernel | None = None
 _kernel_lock = threading.Lock()
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
-def detect_isa() -> int:
-    """The instruction-set level to build for: ``NORMSWAP_CPU_ISA`` if set, else from the CPU."""
-    forced = os.environ.get("NORMSWAP_CPU_ISA")
-    if forced:
-        return int(forced)
-    import platform
-
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return 0
-    capability = torch.backends.cpu.get_cpu_capability()
-    if capability.startswith("AVX512"):
-        return 3 if "avx512_bf16" in _cpu_flags() else 2
-    if capability == "AVX2":
-        return 1
-    return 0
-
-
-def _cache_dir() -> str:
-    """``$TORCH_EXTENSIONS_DIR/normswap_cpu`` (default ``~/.cache/torch_extensions``); a per-user temp
-    directory when that is not writable (read-only home in some CI sandboxes)."""
-    base = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "torch_extensions"
-    )
-    path = os.path.join(base, "normswap_cpu")
-    try:
-        os.makedirs(path, exist_ok=True)
-        if os.access(path, os.W_OK):
-            return path
-    except OSError:
-        pass
-    return os.path.join(tempfile.gettempdir(), f"normswap_cpu_{os.getuid() if hasattr(os, 'getuid') else 0}")
-
-
-def _compiler() -> str | None:
-    for cand in (os.environ.get("CXX"), "c++", "g++", "clang++"):
-        if cand and shutil.which(cand):
-            return shutil.which(cand)
-    return None
-
-
-def _compiler_version(cxx: str) -> str:
-    try:
-        out = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30)
-        return out.stdout.splitlines()[0] if out.stdout else ""
-    except (OSError, subprocess.SubprocessError):
-        return ""
-
-
-def _compile(cxx: str, flags: list[str], out_path: str) -> str | None:
-    """Compile SOURCE into ``out_path`` atomically. Returns an error message or None."""
-    try:
-        return _compile_into(cxx, flags, out_path)
-    except OSError as exc:  # unwritable cache, full disk, ...
-        return f"{type(exc).__name__}: {exc}"
-
-
-def _compile_into(cxx: str, flags: list[str], out_path: str) -> str | None:
-    os.makedirs(os.path.dirname(out_path), exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="normswap_build_") as tmp:
-        src = os.path.join(tmp, "rmsnorm.cpp")
-        with open(src, "w") as fh:
-            fh.write(SOURCE)
-        tmp_so = os.path.join(tmp, "rmsnorm.so")
-        try:
-            proc = subprocess.run([cxx, *flags, src, "-o", tmp_so], capture_output=True, text=True,
-                                  timeout=300)
-        except (OSError, subprocess.SubprocessError) as exc:
-            return f"{type(exc).__name__}: {exc}"
-        if proc.returncode != 0:
-            return (proc.stderr or proc.stdout).strip()[-600:]
-        staged = f"{out_path}.{os.getpid()}.{threading.get_ident()}.tmp"
-        shutil.copyfile(tmp_so, staged)
-        os.replace(staged, out_path)  # atomic: a concurrent process sees the old file or the new one
-    return None
-
-
-def _load(path: str) -> ctypes.CDLL:
-    lib = ctypes.CDLL(path)
-    P, I64 = ctypes.c_void_p, ctypes.c_int64
-    lib.ns_rms_norm_fwd.argtypes = [ctypes.c_int, P, I64, I64, I64, P, I64, P, I64, P, P, ctypes.c_double,
-                                    ctypes.c_int, ctypes.c_int]
-    lib.ns_rms_norm_fwd.restype = ctypes.c_int
-    lib.ns_rms_norm_bwd.argtypes = [ctypes.c_int, P, P, I64, I64, I64, I64, P, I64, P, P, P, P, ctypes.c_int]
-    lib.ns_rms_norm_bwd.restype = ctypes.c_int
-    lib.ns_supported_dtypes.restype = ctypes.c_int
-    lib.ns_isa.restype = ctypes.c_int
-    return lib
-
-
-def _self_test(k: _Kernel) -> str | None:
+def _self_test(k: Kernel) -> str | None:
     """Compare with ``eager`` on awkward small shapes (tails, strides, per-head weights, bias)."""
     gen = torch.Generator().manual_seed(0)
     for dtype in sorted(k.dtypes, key=str):
@@ -253,92 +105,14 @@ def _self_test(k: _Kernel) -> str | None:
     return None
 
 
-def _python_include() -> str | None:
-    """CPython's header directory when Python.h is there (needed for the extension-module variant)."""
-    include = sysconfig.get_paths().get("include")
-    return include if include and os.path.exists(os.path.join(include, "Python.h")) else None
-
-
-def _load_module(path: str):
-    """Import the CPython-extension variant from ``path`` (its init symbol is PyInit__normswap_rmsnorm)."""
-    spec = importlib.util.spec_from_file_location("_normswap_rmsnorm", path)
-    if spec is None or spec.loader is None:
-        raise OSError(f"cannot import {path}")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def _build() -> _Kernel:
-    """Build (or load from the cache) the best variant that works here, then self-test it.
-
-    Variants, best first: a CPython extension module with OpenMP (cheapest calls), the same library
-    through ctypes (no Python headers needed), and a single-threaded ctypes build (no OpenMP).
-    """
-    k = _Kernel()
-    if os.environ.get("NORMSWAP_CPU_BUILD", "1") == "0":
-        k.reason = "disabled by NORMSWAP_CPU_BUILD=0"
-        return k
-    cxx = _compiler()
-    if cxx is None:
-        k.reason = "no C++ compiler found (set CXX, or install g++)"
-        return k
-    isa = detect_isa()
-    version = _compiler_version(cxx)
-    include = _python_include()
-    variants = [("extension", True), ("ctypes", True), ("ctypes", False)]
-    if include is None:
-        variants = variants[1:]
-    t0 = time.perf_counter()
-    errors = []
-    for kind, openmp in variants:
-        flags = [*_BASE_FLAGS, f"-DNS_ISA={isa}", *_ISA_FLAGS.get(isa, []), *(["-fopenmp"] if openmp else [])]
-        if kind == "extension":
-            flags += ["-DNS_PYTHON", f"-I{include}"]
-        tag = (sysconfig.get_config_var("EXT_SUFFIX") or "") if kind == "extension" else ""
-        key = hashlib.sha256("\0".join([SOURCE, cxx, version, tag, *flags]).encode()).hexdigest()[:16]
-        path = os.path.join(_cache_dir(), f"rmsnorm_isa{isa}_{key}.so")
-        label = f"{kind}{'' if openmp else ' without OpenMP'}"
-        if not os.path.exists(path):
-            err = _compile(cxx, flags, path)
-            if err is not None:
-                errors.append(f"{label}: {err}")
-                continue
-        try:
-            if kind == "extension":
-                mod = _load_module(path)
-                k.fn, k.bwd = mod.fwd, mod.bwd
-                mask, k.isa = mod.info()
-            else:
-                lib = _load(path)
-                k.fn, k.bwd = lib.ns_rms_norm_fwd, lib.ns_rms_norm_bwd
-                mask, k.isa = lib.ns_supported_dtypes(), lib.ns_isa()
-        except (OSError, ImportError) as exc:
-            errors.append(f"{label}: loading {path}: {exc}")
-            continue
-        k.dtypes = {dt for dt, code in _DTYPE_CODES.items() if mask & (1 << code)}
-        k.path, k.openmp, k.binding = path, openmp, kind
-        k.build_seconds = time.perf_counter() - t0
-        failure = _self_test(k)
-        if failure is not None:
-            k.fn = k.bwd = None
-            k.reason = failure
-            return k
-        threads = "OpenMP" if openmp else "single-threaded (no OpenMP)"
-        k.reason = f"fused C++ kernel, ISA level {k.isa}, {threads}, {kind}, {os.path.basename(path)}"
-        return k
-    k.reason = "build failed: " + " | ".join(errors)
-    return k
-
-
-def kernel() -> _Kernel:
+def kernel() -> Kernel:
     """The compiled kernel, built (or loaded from the cache) on first call."""
     global _kernel
     if _kernel is None:
         with _kernel_lock:
             if _kernel is None:
                 with outside_tracing():  # first use may be inside torch.export/jit.trace: build on real data
-                    _kernel = _build()
+                    _kernel = cpu_build.build(_self_test)
     return _kernel
 
 
@@ -439,7 +213,7 @@ def _params(p: torch.Tensor | None, dtype: torch.dtype, n: int) -> tuple[torch.T
 
 
 def _run(
-    k: _Kernel,
+    k: Kernel,
     x: torch.Tensor,
     normalized_shape: tuple[int, ...],
     weight: torch.Tensor | None,
@@ -471,7 +245,7 @@ def _run(
     w, wrows = _params(weight, x.dtype, n)
     b, brows = _params(bias, x.dtype, n)
     status = k.fn(
-        _DTYPE_CODES[x.dtype], ptr, m, n, row_stride,
+        DTYPE_CODES[x.dtype], ptr, m, n, row_stride,
         w.data_ptr() if w is not None else None, wrows,
         b.data_ptr() if b is not None else None, brows,
         y.data_ptr(), rstd.data_ptr() if rstd is not None else None, eps,
@@ -534,7 +308,7 @@ def backward(
     bias: torch.Tensor | None,
     eps: float,
     needs: tuple[bool, bool, bool],
-    k: _Kernel | None = None,
+    k: Kernel | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Gradients with the C++ backward kernel (same math as :func:`backward_math`, one pass pair per
     row, per-thread fp32 dW/dB partials summed in thread order); float64 goes to ``backward_math``."""
@@ -557,7 +331,7 @@ def backward(
     # touch (measured: fp32 2048x4096 forward+backward 14 -> 4.7 ms, see RESULTS.md).
     dx = _new_output(tuple(x.shape), x.dtype, x.numel() * x.element_size() >= _POOL_MIN_BYTES)
     status = k.bwd(
-        _DTYPE_CODES[x.dtype], x2.data_ptr(), dy2.data_ptr(), m, n, x2.stride(0), dy2.stride(0),
+        DTYPE_CODES[x.dtype], x2.data_ptr(), dy2.data_ptr(), m, n, x2.stride(0), dy2.stride(0),
         w.data_ptr() if w is not None else None, prows, rstd.contiguous().data_ptr(), dx.data_ptr(),
         dw_part.data_ptr() if dw_part is not None else None,
         db_part.data_ptr() if db_part is not None else None, threads,
@@ -714,7 +488,7 @@ def bind(
 
     # Without gradients: the launch itself, with what the key and the module fix taken out of the call
     # (dtype code, parameter dtypes and layout; a parameter's pointer is still read per call).
-    fn, code, item = k.fn, _DTYPE_CODES[x.dtype], x.element_size()
+    fn, code, item = k.fn, DTYPE_CODES[x.dtype], x.element_size()
     threads = torch.get_num_threads
 
     def call(x, w, b, eps):

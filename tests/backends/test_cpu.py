@@ -13,9 +13,9 @@ from backend_ref import check_against_reference, make_inputs
 
 import normswap
 from normswap import backends
-from normswap.backends import cpu, eager, rows
+from normswap.backends import cpu, cpu_build, eager, rows
 
-HAVE_CXX = cpu._compiler() is not None
+HAVE_CXX = cpu_build.find_compiler() is not None
 
 
 @pytest.fixture
@@ -41,7 +41,7 @@ def test_kernel_builds_where_a_compiler_exists():
 @pytest.mark.skipif(not HAVE_CXX, reason="needs a C++ compiler")
 def test_every_isa_level_this_cpu_runs(monkeypatch, fresh_kernel):
     """Each instruction-set variant (AVX-512+BF16, AVX-512, AVX2, portable) agrees with eager."""
-    top = cpu.detect_isa()
+    top = cpu_build.detect_isa()
     for isa in range(top, -1, -1):
         monkeypatch.setenv("NORMSWAP_CPU_ISA", str(isa))
         cpu.reset()
@@ -70,7 +70,7 @@ def test_build_is_cached(fresh_kernel):
 
 
 def test_build_failure_falls_back(monkeypatch, fresh_kernel):
-    monkeypatch.setattr(cpu, "_compiler", lambda: shutil.which("false") or "/bin/false")
+    monkeypatch.setattr(cpu_build, "find_compiler", lambda: shutil.which("false") or "/bin/false")
     ok, reason = cpu.available()
     assert not ok and reason.startswith("build failed")
     x, w, _ = make_inputs(4, (64,), torch.bfloat16)
@@ -84,7 +84,7 @@ def test_build_failure_falls_back(monkeypatch, fresh_kernel):
 
 
 def test_no_compiler_and_disabled_build(monkeypatch, fresh_kernel):
-    monkeypatch.setattr(cpu, "_compiler", lambda: None)
+    monkeypatch.setattr(cpu_build, "find_compiler", lambda: None)
     assert cpu.available() == (False, "no C++ compiler found (set CXX, or install g++)")
     cpu.reset()
     monkeypatch.setenv("NORMSWAP_CPU_BUILD", "0")
@@ -229,9 +229,9 @@ def test_backward_deterministic_and_thread_split():
 def test_ctypes_variant_without_python_headers(monkeypatch, fresh_kernel):
     """Without Python.h the same kernel is built as a plain library and called through ctypes."""
     assert cpu.available()[0]
-    if cpu._python_include() is not None:
+    if cpu_build.python_include() is not None:
         assert cpu.kernel().binding == "extension"
-    monkeypatch.setattr(cpu, "_python_include", lambda: None)
+    monkeypatch.setattr(cpu_build, "python_include", lambda: None)
     cpu.reset()
     ok, reason = cpu.available()
     assert ok and cpu.kernel().binding == "ctypes" and "ctypes" in reason
@@ -244,16 +244,16 @@ def test_ctypes_variant_without_python_headers(monkeypatch, fresh_kernel):
 
 def test_unwritable_cache_dir_uses_temp(monkeypatch, tmp_path):
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    assert cpu._cache_dir() == str(tmp_path / "normswap_cpu")
-    monkeypatch.setattr(cpu.os, "access", lambda path, mode: False)  # as in a read-only home
-    fallback = cpu._cache_dir()
+    assert cpu_build.cache_dir() == str(tmp_path / "normswap_cpu")
+    monkeypatch.setattr(cpu_build.os, "access", lambda path, mode: False)  # as in a read-only home
+    fallback = cpu_build.cache_dir()
     assert not fallback.startswith(str(tmp_path)) and "normswap_cpu_" in fallback
 
 
 def test_compile_errors_are_reported_not_raised(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
-    err = cpu._compile(cpu._compiler() or "c++", [], str(blocker / "sub" / "x.so"))
+    err = cpu_build.compile_library(cpu_build.find_compiler() or "c++", [], str(blocker / "sub" / "x.so"))
     assert err is not None and "Error" in err
 
 
@@ -315,17 +315,16 @@ def test_kernel_source_is_package_data_and_keys_the_build_cache(monkeypatch):
     """The C++ source ships as a .cpp package-data file; editing it changes the cached binary's name."""
     from pathlib import Path
 
-    from normswap.backends import _cpu_source
-
-    assert _cpu_source.SOURCE == _cpu_source.PATH.read_text(encoding="utf-8")
-    assert "ns_rms_norm_fwd" in _cpu_source.SOURCE
+    assert cpu_build.SOURCE == cpu_build.PATH.read_text(encoding="utf-8")
+    assert "ns_rms_norm_fwd" in cpu_build.SOURCE
     pyproject = (Path(__file__).resolve().parents[2] / "pyproject.toml").read_text()
     assert '"normswap.backends" = ["csrc/*.cpp"]' in pyproject
     if not cpu.available()[0]:
         pytest.skip(f"cpu kernel unavailable: {cpu.available()[1]}")
     built = os.path.basename(cpu.kernel().path)
     tried: list[str] = []
-    monkeypatch.setattr(cpu, "_compile", lambda cxx, flags, out: tried.append(out) or "not compiled (test)")
-    monkeypatch.setattr(cpu, "SOURCE", cpu.SOURCE + "\n// edited\n")
-    assert cpu._build().fn is None
+    monkeypatch.setattr(cpu_build, "compile_library",
+                        lambda cxx, flags, out: tried.append(out) or "not compiled (test)")
+    monkeypatch.setattr(cpu_build, "SOURCE", cpu_build.SOURCE + "\n// edited\n")
+    assert cpu_build.build(lambda k: None).fn is None
     assert tried and built not in {os.path.basename(p) for p in tried}
