@@ -66,103 +66,39 @@ def _tf() -> Any:
     return transformers
 
 
-def _gpt2(vocab: int) -> Any:
-    return _tf().GPT2Config(
-        n_layer=2,
-        n_embd=64,
-        n_head=4,
-        vocab_size=vocab,
-        n_positions=128,
-        bos_token_id=0,
-        eos_token_id=0,
-        pad_token_id=0,
-    )
+# Shared sizes: two layers of width 64 and four heads keep every preset's conversion under a second.
+_LAYERS = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 128}
+_ONE_SPECIAL = {"bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0}  # <|endoftext|> is token 0
 
 
-def _opt(vocab: int) -> Any:
-    return _tf().OPTConfig(
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        ffn_dim=128,
-        word_embed_proj_dim=64,
-        vocab_size=vocab,
-        max_position_embeddings=128,
-        bos_token_id=0,
-        eos_token_id=0,
-        pad_token_id=0,
-    )
+def _config(class_name: str, *, no_vocab: bool = False, **fields: Any) -> Callable[[int], Any]:
+    """A ``vocab size -> config`` builder for a transformers config class (``vocab_size`` filled in
+    unless the preset has no vocabulary, as an image classifier does)."""
+
+    def make(vocab: int) -> Any:
+        return getattr(_tf(), class_name)(**fields, **({} if no_vocab else {"vocab_size": vocab}))
+
+    make.__name__ = f"{class_name}_builder"
+    return make
 
 
-def _bloom(vocab: int) -> Any:
-    return _tf().BloomConfig(
-        hidden_size=64, n_layer=2, n_head=4, vocab_size=vocab, bos_token_id=0, eos_token_id=0, pad_token_id=0
-    )
-
-
-def _phi(vocab: int) -> Any:
-    return _tf().PhiConfig(
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=128,
-        vocab_size=vocab,
-        max_position_embeddings=128,
-        bos_token_id=0,
-        eos_token_id=0,
-        pad_token_id=0,
-    )
-
-
-def _bert(vocab: int) -> Any:
-    return _tf().BertConfig(
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=128,
-        vocab_size=vocab,
-        max_position_embeddings=128,
-        pad_token_id=0,
-    )
-
-
-def _vit(_: int) -> Any:
-    labels = ["cat", "dog", "fox", "bird", "fish"]
-    return _tf().ViTConfig(
-        image_size=32,
-        patch_size=8,
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=128,
-        num_labels=len(labels),
-        id2label=dict(enumerate(labels)),
-        label2id={k: i for i, k in enumerate(labels)},
-    )
-
-
-def _whisper(vocab: int) -> Any:
-    # 16 encoder positions = 32 mel frames: the preset's feature extractor makes 1 s of 16 kHz audio
-    # into exactly that (hop 500), which keeps conversions fast.
-    return _tf().WhisperConfig(
-        d_model=64,
-        encoder_layers=2,
-        decoder_layers=2,
-        encoder_attention_heads=4,
-        decoder_attention_heads=4,
-        encoder_ffn_dim=128,
-        decoder_ffn_dim=128,
-        vocab_size=vocab,
-        num_mel_bins=8,
-        max_source_positions=16,
-        max_target_positions=64,
-        pad_token_id=0,
-        decoder_start_token_id=1,
-        bos_token_id=1,
-        eos_token_id=2,
-        begin_suppress_tokens=None,
-        suppress_tokens=None,
-    )
+_LABELS = ["cat", "dog", "fox", "bird", "fish"]
+_gpt2 = _config("GPT2Config", n_layer=2, n_embd=64, n_head=4, n_positions=128, **_ONE_SPECIAL)
+_opt = _config("OPTConfig", hidden_size=64, num_hidden_layers=2, num_attention_heads=4, ffn_dim=128,
+               word_embed_proj_dim=64, max_position_embeddings=128, **_ONE_SPECIAL)
+_bloom = _config("BloomConfig", hidden_size=64, n_layer=2, n_head=4, **_ONE_SPECIAL)
+_phi = _config("PhiConfig", **_LAYERS, max_position_embeddings=128, **_ONE_SPECIAL)
+_bert = _config("BertConfig", **_LAYERS, max_position_embeddings=128, pad_token_id=0)
+_vit = _config("ViTConfig", **_LAYERS, image_size=32, patch_size=8, num_labels=len(_LABELS),
+               id2label=dict(enumerate(_LABELS)), label2id={k: i for i, k in enumerate(_LABELS)}, no_vocab=True)
+# 16 encoder positions = 32 mel frames: the preset's feature extractor makes 1 s of 16 kHz audio into
+# exactly that (hop 500), which keeps conversions fast.
+_whisper = _config(
+    "WhisperConfig", d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+    decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, num_mel_bins=8,
+    max_source_positions=16, max_target_positions=64, pad_token_id=0, decoder_start_token_id=1,
+    bos_token_id=1, eos_token_id=2, begin_suppress_tokens=None, suppress_tokens=None,
+)
 
 
 PRESETS: dict[str, Preset] = {
