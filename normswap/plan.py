@@ -128,6 +128,11 @@ class SitePlan:
     rotation_reason: str = ""  # why not, when it cannot
 
 
+def _shorten(items: list[str], width: int) -> str:
+    text = ", ".join(items) if items else "-"
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
 @dataclass
 class Plan:
     sites: list[SitePlan] = field(default_factory=list)
@@ -181,22 +186,37 @@ class Plan:
             extra.append(f"{len(self.unties)} tie(s) broken (+{self.untied_parameters:,} params)")
         return f"{len(self.sites)} LayerNorm(s): {counts or 'none'}" + (f"; {'; '.join(extra)}" if extra else "")
 
-    def table(self, width: int = 60) -> str:
-        """Per-norm table: name, verdict, reason, and what folds where."""
-        rows = [("norm", "verdict", "fold", "reason")]
+    def table(self, width: int | None = 60, *, verbose: bool = False) -> str:
+        """Per-norm table (norm, verdict, converted, what folds, writer count, readers, reason), then the
+        summary: what ``print(plan)`` and ``normswap inspect`` show. Reasons are cut at ``width``
+        characters (whole when None); ``verbose`` adds each norm's eps, shape, flavour, writers and
+        readers, the centering ops and the broken ties."""
+        header = ("norm", "verdict", "convert", "fold", "writers", "readers", "reason")
+        rows = [header]
         for s in self.sites:
             fold = "+".join(x for x, on in (("β", s.fold_beta), ("γ", s.fold_gamma)) if on) or "-"
-            reason = s.reason if len(s.reason) <= width else s.reason[: width - 1] + "…"
-            rows.append((s.name, s.verdict, fold, reason))
+            reason = s.reason if width is None or len(s.reason) <= width else s.reason[: width - 1] + "…"
+            rows.append((s.name, s.verdict, "yes" if s.convert else "no", fold, str(len(s.writers)),
+                         _shorten(s.readers, 40), reason))
         for sk in self.skipped:
-            rows.append((sk["name"], "skipped", "-", sk["reason"]))
-        widths = [max(len(r[i]) for r in rows) for i in range(3)]
-        lines = ["  ".join(r[i].ljust(widths[i]) for i in range(3)) + "  " + r[3] for r in rows]
-        lines.insert(1, "-" * min(120, sum(widths) + 6 + width))
-        out = "\n".join(lines) + "\n" + self.summary()
+            rows.append((sk["name"], "skipped", "no", "-", "-", "-", sk["reason"]))
+        widths = [max(len(r[i]) for r in rows) for i in range(6)]
+        lines = ["  ".join(r[i].ljust(widths[i]) for i in range(6)) + "  " + r[6] for r in rows]
+        lines.insert(1, "-" * min(160, sum(widths) + 12 + (width or 40)))
+        if verbose:
+            for s in self.sites:
+                lines += ["", f"{s.name} ({s.verdict}, eps={s.eps:g}, shape={s.normalized_shape}, {s.flavour})",
+                          f"  writers: {', '.join(s.writers) or '-'}", f"  readers: {', '.join(s.readers) or '-'}"]
+            for h in self.hooks:
+                where = h.where if h.arg is None else f"{h.where} {h.arg}"
+                lines.append(f"centering op: {h.module} ({where}): {h.reason}")
+            for u in self.unties:
+                lines.append(f"untie: {u.module}.{u.attr} from {u.source} (+{u.numel:,} params)")
+            lines.append("")
+        lines.append(self.summary())
         if self.changed_outputs:
-            out += "\nchanged by design (raw residual stream): " + ", ".join(self.changed_outputs)
-        return out
+            lines.append("changed by design (raw residual stream): " + ", ".join(self.changed_outputs))
+        return "\n".join(lines)
 
     def __str__(self) -> str:
         return self.table()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import warnings
-from typing import Any
 
 import click
 
@@ -19,53 +18,6 @@ Examples:
   normswap inspect ./tiny-gpt2-rms          # a converted checkpoint: shows its manifest
 
 {EXIT_CODES}"""
-
-
-def _shorten(items: list[str], width: int) -> str:
-    text = ", ".join(items) if items else "-"
-    return text if len(text) <= width else text[: width - 1] + "…"
-
-
-def plan_table(plan: Any, *, verbose: bool = False) -> str:
-    """Per-norm table: norm, verdict, fold, writers, readers, reason."""
-    header = ("norm", "verdict", "convert", "fold", "writers", "readers", "reason")
-    rows = []
-    for s in plan.sites:
-        fold = "+".join(x for x, on in (("β", s.fold_beta), ("γ", s.fold_gamma)) if on) or "-"
-        rows.append(
-            (
-                s.name,
-                s.verdict,
-                "yes" if s.convert else "no",
-                fold,
-                str(len(s.writers)),
-                _shorten(s.readers, 40),
-                s.reason,
-            )
-        )
-    for sk in plan.skipped:
-        rows.append((sk["name"], "skipped", "no", "-", "-", "-", sk["reason"]))
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(6)]
-    lines = ["  ".join(r[i].ljust(widths[i]) for i in range(6)) + "  " + r[6] for r in [header, *rows]]
-    lines.insert(1, "-" * min(160, sum(widths) + 12 + 40))
-    if verbose:
-        for s in plan.sites:
-            lines += [
-                "",
-                f"{s.name} ({s.verdict}, eps={s.eps:g}, shape={s.normalized_shape}, {s.flavour})",
-                f"  writers: {', '.join(s.writers) or '-'}",
-                f"  readers: {', '.join(s.readers) or '-'}",
-            ]
-        for h in plan.hooks:
-            lines.append(
-                f"centering op: {h.module} ({h.where}{'' if h.arg is None else ' ' + str(h.arg)}): {h.reason}"
-            )
-        for u in plan.unties:
-            lines.append(f"untie: {u.module}.{u.attr} from {u.source} (+{u.numel:,} params)")
-    lines += ["", plan.summary()]
-    if plan.changed_outputs:
-        lines.append("changed by design (raw residual stream): " + ", ".join(plan.changed_outputs))
-    return "\n".join(lines)
 
 
 @main.command("inspect", epilog=INSPECT_EPILOG)
@@ -123,7 +75,7 @@ def inspect(
         click.echo(json.dumps(plan.to_dict(), indent=2, default=str))
     else:
         click.echo(header)
-        click.echo(plan_table(plan, verbose=verbose))
+        click.echo(plan.table(None, verbose=verbose))  # whole reasons: inspect is where they are read
     if not any(sp.convert for sp in plan.sites):
         why = "no LayerNorm found" if not plan.sites else f"no LayerNorm can be converted with --mode {mode}"
         fail(f"{model}: {why}; nothing to convert", EXIT_NOTHING)
