@@ -23,7 +23,6 @@ from normswap import calibrate, inputs, surgery, trace, walker
 from normswap.analysis import analyse
 from normswap.errors import NormswapError
 from normswap.integrations import hooks
-from normswap.norm import RMSNorm
 from normswap.options import ConvertOptions
 from normswap.plan import EXACT_VERDICTS, Plan, SitePlan, attach_plan
 from normswap.verify import compare, dtype_error_ratio, gate
@@ -164,31 +163,7 @@ def _run_trace(work: nn.Module, args: tuple, kwargs: dict) -> trace.Graph:
 
 def _identify_sites(work: nn.Module, args: tuple, kwargs: dict) -> tuple[walker.WalkResult, trace.Graph]:
     graph = _run_trace(work, args, kwargs)
-    found = walker.WalkResult()
-    modules = dict(work.named_modules())
-    claimed: list[str] = []
-    direct_ln = {graph.calls[op.call].path for op in graph.ops if op.name == "layer_norm" and op.call is not None}
-    for path in walker.candidates(work, direct_ln):
-        if any(path.startswith(c + ".") for c in claimed):
-            continue  # inside a wrapper already identified as the norm
-        calls = graph.calls_of(path)
-        if not calls:
-            continue
-        call = calls[0]
-        vid = call.first_input()
-        if vid is None or not call.outputs:
-            continue
-        x = graph.values[vid].tensor
-        y = graph.values[call.outputs[0]].tensor
-        result = walker.identify(path, modules[path], x, y)
-        if isinstance(result, walker.NormSite):
-            found.sites.append(result)
-            claimed.append(path)
-        elif isinstance(result, walker.SkippedNorm):
-            found.skipped.append(result)
-            claimed.append(path)
-    found.converted = [p for p, m in work.named_modules() if isinstance(m, RMSNorm)]
-    return found, graph
+    return walker.find_sites(work, graph), graph
 
 
 def find_norms(model: nn.Module, example_inputs: inputs.ExampleInputs = None) -> walker.WalkResult:

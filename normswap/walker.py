@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from normswap.norm import RMSNorm
+from normswap.trace import Graph
 
 _LN_NAME = re.compile(r"norm|\bln\b", re.IGNORECASE)
 _EPS_ATTRS = ("eps", "variance_epsilon", "epsilon", "layer_norm_eps", "layer_norm_epsilon")
@@ -187,3 +188,34 @@ def _assignments(direct: list[tuple[str, torch.Tensor]]):
         guesses += [("gamma-only", n, None, 0.0), ("offset", n, None, 1.0), ("beta-only", None, n, 0.0)]
     guesses.append(("non-affine", None, None, 0.0))
     return guesses
+
+
+def find_sites(model: nn.Module, graph: Graph) -> WalkResult:
+    """Every norm of ``model`` that ran in the traced ``graph``, identified from its real input and
+    output (a wrapper identified as a norm claims the modules inside it); and the modules already
+    converted by normswap."""
+    found = WalkResult()
+    modules = dict(model.named_modules())
+    claimed: list[str] = []
+    direct_ln = {graph.calls[op.call].path for op in graph.ops if op.name == "layer_norm" and op.call is not None}
+    for path in candidates(model, direct_ln):
+        if any(path.startswith(c + ".") for c in claimed):
+            continue  # inside a wrapper already identified as the norm
+        calls = graph.calls_of(path)
+        if not calls:
+            continue
+        call = calls[0]
+        vid = call.first_input()
+        if vid is None or not call.outputs:
+            continue
+        x = graph.values[vid].tensor
+        y = graph.values[call.outputs[0]].tensor
+        result = identify(path, modules[path], x, y)
+        if isinstance(result, NormSite):
+            found.sites.append(result)
+            claimed.append(path)
+        elif isinstance(result, SkippedNorm):
+            found.skipped.append(result)
+            claimed.append(path)
+    found.converted = [p for p, m in model.named_modules() if isinstance(m, RMSNorm)]
+    return found

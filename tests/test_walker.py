@@ -192,3 +192,18 @@ def test_gamma_only_and_beta_only_layernorms():
     b_only = BetaOnly().double()
     site = walker.identify("b", b_only, *_io(b_only))
     assert (site.flavour, site.weight_attr, site.bias_attr) == ("beta-only", None, "shift")
+
+
+def test_find_sites_on_a_trace_claims_wrapped_norms_and_lists_converted_ones():
+    """``walker.find_sites`` directly on a recorded graph: a wrapper identified as the norm claims the
+    LayerNorm inside it, norms that never ran are left out, normswap RMSNorms are listed apart."""
+    from normswap import trace
+
+    model, example = _mixed()
+    model.unused = nn.LayerNorm(D)  # never called in forward
+    model.done = RMSNorm(D)  # already converted (not called either)
+    found = walker.find_sites(model, trace.record(model, example, {}))
+    paths = {s.path for s in found.sites} | {s.path for s in found.skipped}
+    assert "n_wrapped" in paths and "n_wrapped.inner" not in paths
+    assert "unused" not in paths
+    assert found.converted == ["done"]
