@@ -435,7 +435,7 @@ def _commit(model: nn.Module, work: nn.Module, plan_: Plan, todo: list[SitePlan]
     Memory: each working tensor is freed as soon as it is copied, an untied parameter is the cast
     of its working tensor (no clone of the tied one first), and casts go straight into the target.
     """
-    untied = set()
+    taken = set()
     with torch.no_grad():
         for u in plan_.unties:
             name = f"{u.module}.{u.attr}" if u.module else u.attr
@@ -443,7 +443,7 @@ def _commit(model: nn.Module, work: nn.Module, plan_: Plan, todo: list[SitePlan]
             source = work.get_parameter(name)
             surgery.untie(model, u, source.detach().to(device=tied.device, dtype=tied.dtype))
             source.data = torch.empty(0, dtype=source.dtype)
-            untied.add(name)
+            taken.add(name)
     if plan_.unties:
         surgery.mark_untied(model)
     names = {e.target for e in plan_.writer_edits}
@@ -452,12 +452,10 @@ def _commit(model: nn.Module, work: nn.Module, plan_: Plan, todo: list[SitePlan]
         names |= {rf.weight} | {f"{r}.weight" for r in rf.readers}
     for f in plan_.folds:
         names |= ({f"{f.reader}.weight"} if f.gamma else set()) | ({f"{f.reader}.bias"} if f.beta else set())
-    for c in plan_.mean_carries:  # the user's MLP takes the widened shape, then the values below
-        surgery.widen_mlp(model, c, weights=False)
-        names |= {f"{m}.{a}" for m in (c.up, c.down) for a in ("weight", "bias")
-                  if getattr(model.get_submodule(m), a, None) is not None}
+    for c in plan_.mean_carries:  # the widened MLP tensors, one at a time (no second set allocated up front)
+        taken.update(surgery.adopt_widened_mlp(model, c, work))
     with torch.no_grad():
-        for name in sorted(names - untied):
+        for name in sorted(names - taken):
             target, source = model.get_parameter(name), work.get_parameter(name)
             if source.numel() == 0 and target.numel() != 0:
                 continue  # tied to a name already copied (and freed) in this loop

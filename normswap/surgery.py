@@ -7,6 +7,11 @@ result to the user's model only after verification, which is what makes ``patch`
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -119,6 +124,48 @@ def widen_mlp(model: nn.Module, carry: MeanCarry, *, weights: bool = True) -> No
             new = carried(old.detach(), carry, which, values=weights)
             setattr(module, attr, nn.Parameter(new, requires_grad=old.requires_grad))
     up.out_features = down.in_features = wide
+
+
+def adopt_widened_mlp(model: nn.Module, carry: MeanCarry, source: nn.Module) -> list[str]:
+    """Give ``model``'s MLP ``carry.up -> carry.down`` the tensors of the same MLP in ``source`` (already
+    widened and edited), cast to ``model``'s dtype and device. Each source tensor is emptied as soon as
+    it is taken, so at most one MLP tensor is alive twice. Returns the parameter names taken."""
+    taken = []
+    for path in (carry.up, carry.down):
+        module = model.get_submodule(path)
+        for attr in ("weight", "bias"):
+            old = module._parameters.get(attr)
+            if old is None:
+                continue
+            name = f"{path}.{attr}"
+            src = source.get_parameter(name)
+            setattr(module, attr, nn.Parameter(src.detach().to(device=old.device, dtype=old.dtype),
+                                               requires_grad=old.requires_grad))
+            src.data = torch.empty(0, dtype=src.dtype)
+            taken.append(name)
+    model.get_submodule(carry.up).out_features = model.get_submodule(carry.down).in_features = (
+        carry.hidden + carry.added)
+    return taken
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc (macOS, Windows, musl): nothing to do
+        return None
+
+
+def release_free_memory() -> None:
+    """Hand heap memory that is already free back to the OS (glibc's ``malloc_trim``).
+
+    Replacing tensors by slightly larger ones (a widened MLP: 3072 -> 3080 rows) leaves holes the
+    allocator cannot reuse for the next, larger tensor, and glibc keeps them resident: measured
+    +230-380 MB of RSS on a 12-layer encoder. Releasing after each replacement keeps the resident
+    size at the live tensors. Touches no live memory; a no-op without glibc."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
 
 
 def fold_layer_scale(model: nn.Module, sf: ScaleFold) -> None:
@@ -299,6 +346,7 @@ def apply_weight_edits(model: nn.Module, plan: Plan, sites: dict[str, NormSite],
         center_writer(model, e)
     for c in plan.mean_carries:  # after centering: the carry's columns are constant on purpose
         widen_mlp(model, c)
+        release_free_memory()  # the narrower tensors' holes (see release_free_memory)
     for f in plan.folds:
         site = sites[f.site]
         module = originals[f.site]
