@@ -74,6 +74,7 @@ class DataConfig:
     batch_size: int = 8
     eval_batch_size: int = 16
     mlm_probability: float = 0.15
+    neighbour_groups: int = 1
     seed: int = 0
 
 
@@ -495,6 +496,7 @@ def validate(cfg: RecipeConfig, *, check_paths: bool = True) -> None:
         ("data.eval_batch_size", cfg.data.eval_batch_size, False),
         ("data.eval_batches", cfg.data.eval_batches, False),
         ("data.max_documents", cfg.data.max_documents, False),
+        ("data.neighbour_groups", cfg.data.neighbour_groups, False),
         ("train.steps", cfg.train.steps, False),
         ("train.lr", cfg.train.lr, False),
         ("train.weight_decay", cfg.train.weight_decay, True),
@@ -533,6 +535,17 @@ def validate(cfg: RecipeConfig, *, check_paths: bool = True) -> None:
         raise NormswapError(f"config key `train.dropout` must be below 1, got {cfg.train.dropout}")
     if len(cfg.train.betas) != 2 or not all(0.0 <= b < 1.0 for b in cfg.train.betas):
         raise NormswapError(f"config key `train.betas` must be two numbers in [0, 1), got {cfg.train.betas}")
+    if cfg.data.neighbour_groups > 1:
+        if not task.embeds or not cfg.teacher.enabled:
+            raise NormswapError(
+                "config key `data.neighbour_groups` groups documents by the teacher's sentence embeddings: "
+                "it needs task: encoder with a teacher (set it to 1)"
+            )
+        if cfg.data.batch_size % cfg.data.neighbour_groups:
+            raise NormswapError(
+                f"config key `data.neighbour_groups` ({cfg.data.neighbour_groups}) must divide "
+                f"`data.batch_size` ({cfg.data.batch_size})"
+            )
     if cfg.data.seq_len < 4:
         raise NormswapError(f"config key `data.seq_len` must be at least 4, got {cfg.data.seq_len}")
     task.check_losses(cfg)  # something must be trained, and teacher terms need a teacher

@@ -12,11 +12,14 @@ needs the step counter to continue on exactly the same data.
 from __future__ import annotations
 
 import json
+import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from normswap.errors import NormswapError
 from normswap.recipes import tasks
@@ -207,12 +210,65 @@ class BatchSource:
                 "a smaller batch"
             )
         self._perm: tuple[int, list[int]] | None = None
+        self._neighbours: list[list[int]] | None = None  # per training example, nearest first
+        self._group = 1
+
+    def group_by_neighbours(self, embeddings: torch.Tensor, size: int) -> None:
+        """From now on, order each epoch in groups of ``size`` examples that are near neighbours.
+
+        ``embeddings[i]`` is the teacher's sentence embedding of training example ``i``. Each group
+        is a randomly chosen anchor and its nearest neighbours (cosine) not yet used this epoch, so a
+        batch holds ``batch_size / size`` such groups: the in-batch similarity loss then sees the
+        close neighbours whose order a retrieval user sees, not only unrelated documents.
+        """
+        e = F.normalize(embeddings.double(), dim=-1)
+        k = min(len(e) - 1, 4 * size)
+        nearest = []
+        for i in range(0, len(e), 1024):  # chunked: the similarity matrix is never materialised whole
+            sim = e[i:i + 1024] @ e.T
+            sim[torch.arange(sim.shape[0]), torch.arange(i, i + sim.shape[0])] = -math.inf
+            nearest.append(sim.topk(k, dim=-1).indices)
+        self._neighbours = torch.cat(nearest).tolist() if k > 0 else [[] for _ in range(len(e))]
+        self._group, self._perm = size, None
 
     def _permutation(self, epoch: int) -> list[int]:
         if self._perm is None or self._perm[0] != epoch:
             gen = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + epoch)
-            self._perm = (epoch, torch.randperm(len(self.data.train), generator=gen).tolist())
+            order = torch.randperm(len(self.data.train), generator=gen).tolist()
+            self._perm = (epoch, order if self._neighbours is None else self._grouped(order))
         return self._perm[1]
+
+    def _grouped(self, anchors: list[int]) -> list[int]:
+        """``anchors`` reordered into consecutive groups of ``self._group`` near neighbours (groups
+        whose anchor has run out of unused neighbours are completed with the next unused anchors,
+        so every group stays aligned with the batch boundaries)."""
+        used = [False] * len(anchors)
+        out: list[int] = []
+        fill = 0  # the next anchor position that may still be unused
+        for a in anchors:
+            if used[a]:
+                continue
+            group = [a]
+            used[a] = True
+            for b in self._neighbours[a]:
+                if len(group) == self._group:
+                    break
+                if not used[b]:
+                    group.append(b)
+                    used[b] = True
+            while len(group) < self._group and fill < len(anchors):
+                b = anchors[fill]
+                fill += 1
+                if not used[b]:
+                    group.append(b)
+                    used[b] = True
+            out.extend(group)
+        return out
+
+    def train_examples(self, size: int) -> Iterator[dict[str, torch.Tensor]]:
+        """Every training example once, in index order, collated ``size`` at a time (no labels)."""
+        for i in range(0, len(self.data.train), size):
+            yield collate(self.data.train[i:i + size], self.data.pad_id)
 
     def _finish(self, batch: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
         return self.labeller(batch, torch.Generator().manual_seed(seed))

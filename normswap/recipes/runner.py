@@ -284,6 +284,7 @@ class Recipe:
         self._setup_data()
         self._setup_models()
         self._setup_optimisation()
+        self._group_batches()
         if self.resume_dir is not None:
             self._resume()
         else:
@@ -303,6 +304,20 @@ class Recipe:
             f"data: {len(docs)} documents -> {len(tokens.train)} train / {len(tokens.eval)} held-out "
             f"examples of <= {cfg.data.seq_len} tokens"
         )
+
+    def _group_batches(self) -> None:
+        """``data.neighbour_groups``: batches of teacher-neighbour groups (one teacher pass over the
+        training split; the same on every process, so batches stay a pure function of the step)."""
+        size = self.cfg.data.neighbour_groups
+        if size <= 1 or self.teacher is None:
+            return
+        t0 = time.perf_counter()
+        embeddings = tasks.sentence_embeddings(
+            self.teacher, self.source.train_examples(self.cfg.data.eval_batch_size), self.cfg.loss.pooling,
+            self.device, self.accelerator.autocast,
+        )
+        self.source.group_by_neighbours(embeddings, size)
+        self.console.print(f"batches: groups of {size} teacher neighbours ({time.perf_counter() - t0:.0f} s)")
 
     def _setup_models(self) -> None:
         cfg = self.cfg

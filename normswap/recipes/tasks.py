@@ -27,12 +27,14 @@ Without a teacher only the student's ``ppl`` is reported.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from normswap.calibrate import neighbour_figures
 from normswap.errors import NormswapError
@@ -47,6 +49,19 @@ HIGHER_IS_BETTER = frozenset({"cosine", "top1_agreement", "top1_agreement_masked
 def model_inputs(batch: Batch) -> Batch:
     """The tensors of a batch that the model's ``forward`` takes (labels left out)."""
     return {k: v for k, v in batch.items() if k in MODEL_KEYS}
+
+
+@torch.no_grad()
+def sentence_embeddings(model: nn.Module, batches: Iterable[Batch], pooling: str, device: torch.device,
+                        autocast: Callable[[], Any] = contextlib.nullcontext) -> torch.Tensor:
+    """Pooled sentence embeddings (float32, on the CPU) of ``model`` for every row of ``batches``."""
+    pooled = []
+    for batch in batches:
+        batch = {k: v.to(device) for k, v in model_inputs(batch).items()}
+        with autocast():
+            hidden = hidden_of(model(**batch))
+        pooled.append(losses.pool(hidden.float(), batch["attention_mask"], pooling).cpu())
+    return torch.cat(pooled)
 
 
 def logits_of(out: Any) -> torch.Tensor:

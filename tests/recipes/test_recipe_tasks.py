@@ -193,3 +193,63 @@ def test_student_from_a_converted_directory(tiny_bert, corpus, tmp_path, make_co
     assert result.metrics_after["kl"] < result.metrics_before["kl"]
     loaded = normswap.load(result.model_dir)
     assert not any(isinstance(m, torch.nn.LayerNorm) for m in loaded.modules())
+
+
+def _source(n: int, batch_size: int, seed: int = 0):
+    from normswap.recipes.data import BatchSource, TokenData
+
+    data = TokenData(train=[[1, 2, 3 + i] for i in range(n)], eval=[[1, 2]], pad_id=0, tokens_per_example=3.0)
+    return BatchSource(data, DataConfig(path="-", batch_size=batch_size, seed=seed), "encoder", tokenizer=None)
+
+
+def test_neighbour_groups_put_each_clusters_members_in_one_batch_slot():
+    """8 clusters of 4 tight points: every aligned block of 4 in an epoch is one cluster, every
+    example appears once per epoch, and the order is a pure function of (seed, epoch)."""
+    torch.manual_seed(0)
+    centres = torch.nn.functional.normalize(torch.randn(8, 16), dim=-1)
+    cluster = torch.arange(32) % 8  # interleaved, so index order says nothing about clusters
+    emb = centres[cluster] + 1e-3 * torch.randn(32, 16)
+    src = _source(32, batch_size=8)
+    plain = src._permutation(0)
+    src.group_by_neighbours(emb, 4)
+    for epoch in (0, 1):
+        order = src._permutation(epoch)
+        assert sorted(order) == list(range(32))
+        blocks = [order[i:i + 4] for i in range(0, 32, 4)]
+        assert all(len({int(cluster[j]) for j in b}) == 1 for b in blocks), blocks
+    assert src._permutation(0) != plain
+    again = _source(32, batch_size=8)
+    again.group_by_neighbours(emb, 4)
+    assert again._permutation(1) == src._permutation(1)
+    batch = src.train_batch(0)["input_ids"][:, 2] - 3  # the example index each row came from
+    assert len({int(cluster[j]) for j in batch[:4]}) == 1 and len({int(cluster[j]) for j in batch[4:]}) == 1
+
+
+def test_every_example_once_per_epoch_when_neighbour_lists_run_out():
+    """Points on an arc: each one's candidate list is its 12 nearest along the arc, which late
+    anchors find used up; those groups are completed from the remaining anchors."""
+    angle = torch.linspace(0, 1.5, 60)
+    emb = torch.stack([angle.cos(), angle.sin()], dim=-1)
+    src = _source(60, batch_size=6)
+    src.group_by_neighbours(emb, 3)
+    for epoch in range(4):
+        order = src._permutation(epoch)
+        assert sorted(order) == list(range(60))
+        close = sum(max(b) - min(b) <= 6 for b in (order[i:i + 3] for i in range(0, 60, 3)))
+        assert close >= 12, order  # most groups are neighbours along the arc
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ("data.neighbour_groups=3", "must divide `data.batch_size`"),
+    ("data.neighbour_groups=0", "data.neighbour_groups"),
+])
+def test_neighbour_groups_config_errors(tiny_bert, corpus, tmp_path, override, message):
+    with pytest.raises(NormswapError, match=message):
+        run(RECIPES / "distill-encoder.yaml", [f"model.source={tiny_bert}", f"data.path={corpus}",
+                                                f"output.dir={tmp_path / 'o'}", "data.batch_size=8", override])
+
+
+def test_neighbour_groups_need_an_encoder_with_a_teacher(tiny_gpt2, corpus, tmp_path):
+    with pytest.raises(NormswapError, match="needs task: encoder"):
+        run(RECIPES / "distill-causal-lm.yaml", [f"model.source={tiny_gpt2}", f"data.path={corpus}",
+                                                  f"output.dir={tmp_path / 'o'}", "data.neighbour_groups=2"])
