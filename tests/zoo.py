@@ -82,6 +82,9 @@ ENC_DEC = dict(d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention
                encoder_ffn_dim=64, decoder_ffn_dim=64, vocab_size=99, max_position_embeddings=64,
                decoder_start_token_id=0, **SPECIAL)
 
+DINOV3 = dict(image_size=32, patch_size=8, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+              num_attention_heads=4, num_register_tokens=2)
+
 # More families of the same kinds, with the verdicts normswap must reach (all exact, or some approximate).
 MORE = {
     "nemotron": (lambda: (tf.NemotronForCausalLM, tf.NemotronConfig(**LLM, num_key_value_heads=4, head_dim=8)),
@@ -123,6 +126,11 @@ MORE = {
     "data2vec-vision": (lambda: (tf.Data2VecVisionForImageClassification, tf.Data2VecVisionConfig(
         image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
         intermediate_size=64, use_mean_pooling=False)), "exact"),
+    # RoPE on the patch keys and a bias-less k_proj: β stays in norm1 (rotary keys are not shift-invariant)
+    "dinov3-vit": (lambda: (tf.DINOv3ViTModel, tf.DINOv3ViTConfig(**DINOV3)), "exact"),
+    # value_bias=False: norm1's β reaches v_proj, and moves through attention into o_proj's bias
+    "dinov3-vit-no-value-bias": (lambda: (tf.DINOv3ViTModel, tf.DINOv3ViTConfig(
+        **DINOV3, key_bias=True, value_bias=False)), "exact"),
     "dinov2": (lambda: (tf.Dinov2ForImageClassification, tf.Dinov2Config(
         image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, mlp_ratio=2)),
         "exact"),
