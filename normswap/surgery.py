@@ -11,9 +11,11 @@ import ctypes
 import ctypes.util
 import functools
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from normswap.norm import RMSNorm
 from normswap.plan import (
@@ -304,7 +306,11 @@ def center_last(t: torch.Tensor) -> torch.Tensor:
 class CenterOutput:
     """Forward hook: subtract the per-token mean of a module's output (one mean per token)."""
 
-    def __call__(self, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+    def __call__(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        if not isinstance(output, torch.Tensor):
+            # a module returning (tensor, None, ...) (RWKV's attention and feed-forward with their state):
+            # the plan places a hook only where the output holds one tensor, the one centered here
+            return pytree.tree_map_only(torch.Tensor, center_last, output)
         if isinstance(module, RMSNorm) and output.dtype in (torch.bfloat16, torch.float16) and args:
             # A stream-start norm (BLOOM's embedding norm, CLIP's pre_layrnorm): redo it in float32 and
             # center before the one rounding; centering the rounded output would round twice.
