@@ -41,6 +41,7 @@ from normswap.dataflow import (
     SHAPE_OPS,
     replay,
 )
+from normswap.errors import NormswapError
 from normswap.plan import (
     BetaMove,
     CenterHook,
@@ -806,6 +807,13 @@ def analyse(model: nn.Module, graph: Graph, sites: list[NormSite], *, untie: boo
     MLP by a few neurons that cancel ``mean(h)`` (see :class:`normswap.plan.MeanCarry`), making
     that norm exact instead of approximate.
     """
+    mutated = mutated_parameters(graph)
+    if mutated:
+        name, op = mutated[0]
+        raise NormswapError(
+            f"the model changes parameter `{name}` in place during its forward pass (`{op}`): normswap "
+            "edits each weight once, and the model would then rescale the edited weights again (RWKV "
+            "does this in eval mode unless config.rescale_every = 0)")
     an = Analyzer(model, graph, sites, untie=untie, fold_gamma=fold_gamma)
     plan = Plan(options={"untie": untie, "fold_gamma": fold_gamma, "per_norm_centering": per_norm_centering,
                          "mean_carry": mean_carry})
@@ -814,6 +822,7 @@ def analyse(model: nn.Module, graph: Graph, sites: list[NormSite], *, untie: boo
     module_ok: dict[str, str | None] = {}
     term_status: dict[int, tuple[bool, str]] = {}  # term value -> (centered by surgery, why not)
     hooks: dict[int, tuple[CenterHook, Reach]] = {}  # hooked value -> (hook, its reach)
+    chained: dict[int, str] = {}  # term value -> module of the stream-start op it is computed after
     site_terms: dict[int, list[Term]] = {}
     carried_mlps: set[str] = set()
 
@@ -858,6 +867,19 @@ def analyse(model: nn.Module, graph: Graph, sites: list[NormSite], *, untie: boo
             per_norm = term.kind == "norm" and (
                 an.depends_on_norm(term.value)
                 or any(term.call in reach.site_rows for _, reach in hooks.values()))
+            if term.value in chained:  # seen from an earlier norm of the same stream
+                per_norm = True
+            elif not per_norm and an.depends_on_norm(term.value):
+                # a term computed from a norm's output that joins a stream a stream-start op already
+                # centers (RWKV's gated feed-forward, block after block) would need a second op on that
+                # stream: a chain, one op per block
+                term_reach = an.reach(term.value, -1)
+                reached = set(term_reach.site_rows)
+                start = None if any(v in term_reach.mapped for v in hooks) else next(  # not one placed further down
+                    (h for h, reach in hooks.values() if not h.per_norm and reached & set(reach.site_rows)), None)
+                if start is not None:
+                    chained[term.value] = start.module
+                    per_norm = True
             if per_norm and not per_norm_centering:
                 continue
             if per_norm and mean_carry and an.mean_carry(call, term, site_terms[call.id], module_ok) is not None:
@@ -935,6 +957,10 @@ def analyse(model: nn.Module, graph: Graph, sites: list[NormSite], *, untie: boo
             per_norm = term.kind == "norm"
             if term.kind == "norm":
                 sp.reason = f"stream written by {term.label} (Post-LN)"
+            elif term.value in chained:
+                per_norm = True
+                sp.reason = (f"stream written by {term_status[term.value][1]}, computed after the centering op at "
+                             f"`{chained[term.value]}` (a second op on one stream)")
             else:
                 why = term_status[term.value][1]
                 sp.reason = f"stream written by {why}"
@@ -979,6 +1005,23 @@ def analyse(model: nn.Module, graph: Graph, sites: list[NormSite], *, untie: boo
                 changed |= set(an.reach(c.outputs[0], _OUTPUT_AXIS[e.kind]).outputs)
     plan.changed_outputs = sorted(changed | an.cache_outputs)
     return plan
+
+
+_NO_DATA_INPLACE = {"requires_grad_", "share_memory_", "retain_grad", "detach_"}  # flags, not values
+
+
+def mutated_parameters(graph: Graph) -> list[tuple[str, str]]:
+    """(parameter name, op) for every parameter an in-place op changed during the traced forward."""
+    found = []
+    for op in graph.ops:
+        if op.name in _NO_DATA_INPLACE:
+            continue
+        inplace = op.name.endswith("_") and not op.name.endswith("__") or op.name in (
+            "__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__")
+        target = op.args[0] if op.args else None
+        if inplace and isinstance(target, ValueRef) and graph.values[target.id].source == "param":
+            found.append((graph.values[target.id].name, op.name))
+    return found
 
 
 def _term_targets(an: Analyzer, term: Term, edits: dict[str, WriterEdit]) -> set[str]:
