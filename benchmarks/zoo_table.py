@@ -21,6 +21,7 @@ claim (an ``EXACT`` entry with an approximate norm, ...) or an exact conversion 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import os
 import re
@@ -42,7 +43,7 @@ from normswap.api import default_dtype  # noqa: E402
 from normswap.inputs import cast_inputs, hf_example_inputs  # noqa: E402
 from normswap.plan import CENTERED_VERDICTS, EXACT_VERDICTS  # noqa: E402
 from normswap.verify import compare, dtype_error_ratio  # noqa: E402
-from tests.zoo import APPROXIMATE, EXACT, MORE, RMS, build, float64_reference  # noqa: E402
+from tests.zoo import APPROXIMATE, EXACT, MORE, RMS, SSM, build, float64_casts, float64_reference  # noqa: E402
 
 BEGIN, END = "<!-- zoo-table:begin -->", "<!-- zoo-table:end -->"
 EXACT_LIMIT = 1e-9  # the bound tests/test_patch_hf.py asserts for exact conversions
@@ -54,11 +55,15 @@ FAMILIES = (
     (lambda c: c == "CLIPModel", "text + vision encoders"),
     (lambda c: c.startswith("CLIPText"), "text encoder"),
     (lambda c: c.startswith("CLIPVision"), "vision encoder"),
+    (lambda c: c.endswith("ViTModel"), "vision encoder"),
     (lambda c: c.endswith("ForCausalLM") or c.endswith("LMHeadModel"), "decoder LM"),
     (lambda c: c.endswith("ForMaskedLM"), "encoder (masked LM)"),
     (lambda c: c.endswith("ForConditionalGeneration") or c.endswith("MTModel"), "encoder-decoder"),
     (lambda c: c.endswith("ForImageClassification"), "vision classifier"),
 )
+
+
+SSM_FAMILY = "state-space / hybrid LM"  # the zoo's SSM table: Mamba, RWKV, xLSTM, hybrids
 
 
 def family(cls_name: str) -> str:
@@ -69,6 +74,7 @@ def entries(only: set[str] | None = None) -> list[tuple[str, dict, str]]:
     """(zoo name, table, claimed verdict) for every zoo entry: exact | approximate | skipped."""
     out = [(n, EXACT, "exact") for n in EXACT] + [(n, {n: MORE[n][0]}, MORE[n][1]) for n in MORE]
     out += [(n, APPROXIMATE, "approximate") for n in APPROXIMATE] + [(n, RMS, "skipped") for n in RMS]
+    out += [(n, {n: SSM[n][0]}, SSM[n][1]) for n in SSM]
     return [e for e in out if only is None or e[0] in only]
 
 
@@ -112,19 +118,6 @@ def _bf16_ratio(model: torch.nn.Module) -> str:
     return f"{r:.2f}" if r is not None else "-"
 
 
-def _rms_in_float64(model: torch.nn.Module) -> torch.nn.Module:
-    """HF's already-RMS norms compute in float32 inside; the exactness claim is about the math
-    (the same stand-in as tests/test_patch_hf.py uses for the γ-fold check)."""
-    for module in model.modules():
-        name = type(module).__name__
-        if "RMSNorm" in name or name == "T5LayerNorm":
-            eps = getattr(module, "variance_epsilon", getattr(module, "eps", 1e-6))
-            offset = 1.0 if "Gemma" in name else 0.0
-            module.forward = lambda x, _m=module, _e=eps, _o=offset: (_o + _m.weight) * (
-                x.double() / torch.sqrt(x.double().pow(2).mean(-1, keepdim=True) + _e))
-    return model
-
-
 def row(name: str, table: dict, claim: str, extras: bool) -> dict:
     model = build(table, name)
     cls = type(model).__name__
@@ -143,11 +136,10 @@ def row(name: str, table: dict, claim: str, extras: bool) -> dict:
     report = normswap.patch(converted, mode="exact", fold_gamma=rms_only)
     error = None
     if report.changed:
-        if rms_only:
-            _rms_in_float64(converted)
-            with torch.no_grad(), default_dtype(torch.float64):
-                ref = _rms_in_float64(reference)(**probe)
-        with torch.no_grad(), default_dtype(torch.float64):
+        if rms_only:  # HF's RMS norms (gated ones too) round to float32 inside: compare the math
+            with torch.no_grad(), default_dtype(torch.float64), float64_casts():
+                ref = reference(**probe)
+        with torch.no_grad(), default_dtype(torch.float64), float64_casts() if rms_only else contextlib.nullcontext():
             out = converted(**probe)
         figs = compare(ref, out, set(report.plan.changed_outputs))
         error = figs.get("worst_rel_error_any_output")
@@ -159,7 +151,8 @@ def row(name: str, table: dict, claim: str, extras: bool) -> dict:
     if extras:
         rotation = _rotation(model) if not rms_only else "-"
         ratio = _bf16_ratio(model) if not has_approx and not rms_only else "-"
-    return {"entry": name, "model_type": model.config.model_type, "class": cls, "family": family(cls),
+    return {"entry": name, "model_type": model.config.model_type, "class": cls,
+            "family": SSM_FAMILY if name in SSM else family(cls),
             "norms": n_norms, "exact": sum(counts[v] for v in EXACT_VERDICTS),
             "centered": sum(counts[v] for v in CENTERED_VERDICTS), "approximate": counts["approximate"],
             "skipped": counts["skipped"], "error": error, "gamma_folded": rms_only and report.changed,

@@ -30,25 +30,33 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from normswap.plan import CenterHook, FoldEdit, MeanCarry, Plan, RmsFold, ScaleFold, SitePlan, Untie, WriterEdit
+from normswap.attention import AttentionProofs, Route
+from normswap.dataflow import (
+    ADD_OPS,
+    IDENTITY_OPS,
+    JOIN_OPS,
+    PAD_OPS,
+    READER_OPS,
+    SCALE_OPS,
+    SHAPE_OPS,
+    replay,
+)
+from normswap.errors import NormswapError
+from normswap.plan import (
+    BetaMove,
+    CenterHook,
+    FoldEdit,
+    MeanCarry,
+    Plan,
+    RmsFold,
+    ScaleFold,
+    SitePlan,
+    Untie,
+    WriterEdit,
+    beta_text,
+)
 from normswap.trace import Graph, ModuleCall, Op, Value, ValueRef
 from normswap.walker import NormSite, SkippedNorm
-
-ADD_OPS = {"add", "__add__", "__radd__", "add_", "__iadd__", "sub", "__sub__", "__rsub__", "sub_", "__isub__"}
-IDENTITY_OPS = {"to", "type", "float", "half", "bfloat16", "double", "type_as", "detach", "dropout",
-                "alpha_dropout", "feature_alpha_dropout", "dropout1d", "dropout2d", "dropout3d",
-                "contiguous", "clone"}
-SHAPE_OPS = {"view", "reshape", "flatten", "unflatten", "permute", "transpose", "t", "squeeze", "unsqueeze",
-             "expand", "expand_as", "view_as", "reshape_as", "movedim", "moveaxis", "swapaxes", "swapdims",
-             "__getitem__", "select", "narrow", "split", "chunk", "unbind", "tensor_split", "repeat",
-             "index_select", "split_with_sizes"}
-SCALE_OPS = {"mul", "__mul__", "__rmul__", "mul_", "__imul__", "div", "__truediv__", "div_", "__itruediv__",
-             "neg", "__neg__"}
-JOIN_OPS = {"cat", "concat", "concatenate", "stack"}
-PAD_OPS = {"pad"}
-# Readers may only be reached through ops that keep the feature axis last and unmixed.
-READER_OPS = IDENTITY_OPS | {"view", "reshape", "__getitem__", "select", "narrow", "squeeze", "unsqueeze",
-                             "index_select", "expand", "split", "chunk", "unbind", "flatten"}
 
 
 def _is_conv1d(module: nn.Module) -> bool:
@@ -66,6 +74,12 @@ def writer_kind(module: nn.Module) -> str | None:
     if isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d)) and module.groups == 1:
         return "conv"  # grouped/depthwise convs do not mix channels: centering their weights centers nothing
     return None
+
+
+def _linear_kind(module: nn.Module) -> str | None:
+    """``linear`` / ``conv1d`` for the Linear-like modules whose input features β/γ can fold into."""
+    kind = writer_kind(module)
+    return kind if kind in ("linear", "conv1d") else None
 
 
 # (param attr, axis of output features) per writer kind
@@ -141,6 +155,9 @@ class Analyzer:
         self.param_name = {}
         for name, p in model.named_parameters(remove_duplicate=False):
             self.param_name.setdefault(id(p), name)
+        self.attention = AttentionProofs(graph, by_input=self.by_input, calls_per_path=self.calls_per_path,
+                                         output_values=self.output_values, linear_kind=_linear_kind)
+        self.cache_outputs: set[str] = set()  # key/value caches changed by a dropped or moved β share
 
     # ------------------------------------------------------------------ helpers
     def _call_of_op(self, op: Op) -> str:
@@ -361,34 +378,7 @@ class Analyzer:
                 return None
             return {op.outputs[0]: maps[t].broadcast_to(out_shape)}
         if op.name in SHAPE_OPS or op.name in JOIN_OPS or op.name in PAD_OPS:
-            join = op.name in JOIN_OPS
-
-            def sub(a: object) -> object:
-                if not isinstance(a, ValueRef):
-                    return a
-                if a.id in maps:
-                    return maps[a.id]
-                if join:
-                    return torch.full(self.graph.values[a.id].shape, math.nan, dtype=torch.float64)
-                return self.graph.values[a.id].tensor  # index tensors etc.
-
-            if op.name in SHAPE_OPS and not (op.args and isinstance(op.args[0], ValueRef)
-                                             and op.args[0].id in tracked):
-                return None  # the tracked tensor is an index, not the data
-            args = pytree.tree_map(sub, op.args)
-            kwargs = pytree.tree_map(sub, op.kwargs)
-            if op.name in PAD_OPS:
-                kwargs = dict(kwargs, value=math.nan, mode="constant")
-                if len(args) > 2:
-                    args = args[:2]
-            try:
-                res = op.func(*args, **kwargs)
-            except Exception:  # noqa: BLE001 - an op we cannot replay is simply not a pass-through
-                return None
-            leaves = [r for r in pytree.tree_leaves(res) if isinstance(r, torch.Tensor)]
-            if len(leaves) != len(op.outputs):
-                return None
-            return dict(zip(op.outputs, leaves, strict=True))
+            return replay(self.graph, op, maps, tracked)
         return None
 
     # ------------------------------------------------------------------ rows -> centering blocks
@@ -817,6 +807,13 @@ def analyse(model: nn.Module, graph: Graph, sites: list[NormSite], *, untie: boo
     MLP by a few neurons that cancel ``mean(h)`` (see :class:`normswap.plan.MeanCarry`), making
     that norm exact instead of approximate.
     """
+    mutated = mutated_parameters(graph)
+    if mutated:
+        name, op = mutated[0]
+        raise NormswapError(
+            f"the model changes parameter `{name}` in place during its forward pass (`{op}`): normswap "
+            "edits each weight once, and the model would then rescale the edited weights again (RWKV "
+            "does this in eval mode unless config.rescale_every = 0)")
     an = Analyzer(model, graph, sites, untie=untie, fold_gamma=fold_gamma)
     plan = Plan(options={"untie": untie, "fold_gamma": fold_gamma, "per_norm_centering": per_norm_centering,
                          "mean_carry": mean_carry})
@@ -825,6 +822,7 @@ def analyse(model: nn.Module, graph: Graph, sites: list[NormSite], *, untie: boo
     module_ok: dict[str, str | None] = {}
     term_status: dict[int, tuple[bool, str]] = {}  # term value -> (centered by surgery, why not)
     hooks: dict[int, tuple[CenterHook, Reach]] = {}  # hooked value -> (hook, its reach)
+    chained: dict[int, str] = {}  # term value -> module of the stream-start op it is computed after
     site_terms: dict[int, list[Term]] = {}
     carried_mlps: set[str] = set()
 
@@ -869,6 +867,19 @@ def analyse(model: nn.Module, graph: Graph, sites: list[NormSite], *, untie: boo
             per_norm = term.kind == "norm" and (
                 an.depends_on_norm(term.value)
                 or any(term.call in reach.site_rows for _, reach in hooks.values()))
+            if term.value in chained:  # seen from an earlier norm of the same stream
+                per_norm = True
+            elif not per_norm and an.depends_on_norm(term.value):
+                # a term computed from a norm's output that joins a stream a stream-start op already
+                # centers (RWKV's gated feed-forward, block after block) would need a second op on that
+                # stream: a chain, one op per block
+                term_reach = an.reach(term.value, -1)
+                reached = set(term_reach.site_rows)
+                start = None if any(v in term_reach.mapped for v in hooks) else next(  # not one placed further down
+                    (h for h, reach in hooks.values() if not h.per_norm and reached & set(reach.site_rows)), None)
+                if start is not None:
+                    chained[term.value] = start.module
+                    per_norm = True
             if per_norm and not per_norm_centering:
                 continue
             if per_norm and mean_carry and an.mean_carry(call, term, site_terms[call.id], module_ok) is not None:
@@ -946,6 +957,10 @@ def analyse(model: nn.Module, graph: Graph, sites: list[NormSite], *, untie: boo
             per_norm = term.kind == "norm"
             if term.kind == "norm":
                 sp.reason = f"stream written by {term.label} (Post-LN)"
+            elif term.value in chained:
+                per_norm = True
+                sp.reason = (f"stream written by {term_status[term.value][1]}, computed after the centering op at "
+                             f"`{chained[term.value]}` (a second op on one stream)")
             else:
                 why = term_status[term.value][1]
                 sp.reason = f"stream written by {why}"
@@ -988,8 +1003,25 @@ def analyse(model: nn.Module, graph: Graph, sites: list[NormSite], *, untie: boo
         if e.kind != "param":
             for c in an.calls_per_path.get(e.owner, []):
                 changed |= set(an.reach(c.outputs[0], _OUTPUT_AXIS[e.kind]).outputs)
-    plan.changed_outputs = sorted(changed)
+    plan.changed_outputs = sorted(changed | an.cache_outputs)
     return plan
+
+
+_NO_DATA_INPLACE = {"requires_grad_", "share_memory_", "retain_grad", "detach_"}  # flags, not values
+
+
+def mutated_parameters(graph: Graph) -> list[tuple[str, str]]:
+    """(parameter name, op) for every parameter an in-place op changed during the traced forward."""
+    found = []
+    for op in graph.ops:
+        if op.name in _NO_DATA_INPLACE:
+            continue
+        inplace = op.name.endswith("_") and not op.name.endswith("__") or op.name in (
+            "__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__")
+        target = op.args[0] if op.args else None
+        if inplace and isinstance(target, ValueRef) and graph.values[target.id].source == "param":
+            found.append((graph.values[target.id].name, op.name))
+    return found
 
 
 def _term_targets(an: Analyzer, term: Term, edits: dict[str, WriterEdit]) -> set[str]:
@@ -1039,18 +1071,27 @@ def _well_conditioned(gamma: torch.Tensor | None) -> bool:
 def _plan_folds(an: Analyzer, site: NormSite, sp: SitePlan, foldable: list[str], other: list[str],
                 plan: Plan, unties: dict, reader_sources: dict[str, set[str]],
                 reader_calls: dict[str, set[int]]) -> None:
-    """β (and with fold_gamma, γ) move into reader Linears when every reader can take them."""
-    if other or not foldable or len(site.normalized_shape) != 1 or site.param_shape != site.normalized_shape:
-        return
-    for path in foldable:
-        every_call = {c.id for c in an.calls_per_path.get(path, [])}
-        if reader_sources[path] != {site.path} or reader_calls[path] != every_call:
-            return  # the Linear also reads something else: folding would change that call
-        module = an.modules[path]
-        if an._sharing_problem(module.weight, path) is not None and (path, "weight") not in unties:
-            return
+    """β (and with fold_gamma, γ) leave the norm when every reader can take them; ``sp.beta_detail`` says
+    where β went, reader by reader, or why it stays in the RMSNorm.
+
+    A reader with a bias slot takes its share ``W β`` there; one without may still let it go exactly
+    (a key projection drops it, a value projection moves it through attention into the output
+    projection's bias: :mod:`normswap.attention`). β stays in the norm, for every reader, as soon as
+    one reader still needs it.
+    """
     has_beta = site.bias_attr is not None
-    fold_beta = an.fold_beta and has_beta and all(an.modules[p].bias is not None for p in foldable)
+    kept = _fold_blocker(an, site, foldable, other, unties, reader_sources, reader_calls)
+    if kept:
+        sp.beta_detail = f"kept in the RMSNorm: {kept}" if has_beta else ""
+        return
+    routes: dict[str, Route] = {}
+    if an.fold_beta and has_beta:
+        for p in foldable:
+            routes[p] = Route("bias", "") if an.modules[p].bias is not None else an.attention.route(p)
+    stuck = [p for p, r in routes.items() if r.how == "kept"]
+    fold_beta = bool(routes) and not stuck
+    if has_beta:
+        sp.beta_detail = _beta_detail(routes, stuck) if an.fold_beta else "kept in the RMSNorm (fold_beta=False)"
     # γ leaves the norm together with β, or, where β cannot fold (a reader has no bias slot), with
     # the norm keeping β/γ: γ⊙u + β = γ⊙(u + β/γ). Only where no γ is near zero relative to the rest.
     fold_gamma = an.fold_gamma and site.weight_attr is not None and (
@@ -1058,4 +1099,39 @@ def _plan_folds(an: Analyzer, site: NormSite, sp: SitePlan, foldable: list[str],
     if fold_beta or fold_gamma:
         sp.fold_beta, sp.fold_gamma = fold_beta, fold_gamma
         for p in foldable:
-            plan.folds.append(FoldEdit(site.path, p, writer_kind(an.modules[p]), fold_beta, fold_gamma))
+            route = routes[p].how if fold_beta else ""
+            plan.folds.append(FoldEdit(site.path, p, writer_kind(an.modules[p]), route == "bias", fold_gamma,
+                                       route))
+            if route == "moved":
+                r = routes[p]
+                plan.beta_moves.append(BetaMove(site.path, p, writer_kind(an.modules[p]), r.into, r.kind, r.runs))
+    if fold_beta:
+        an.cache_outputs |= {o for r in routes.values() for o in r.outputs}
+
+
+def _fold_blocker(an: Analyzer, site: NormSite, foldable: list[str], other: list[str], unties: dict,
+                  reader_sources: dict[str, set[str]], reader_calls: dict[str, set[int]]) -> str:
+    """Why nothing folds out of this norm at all ('' when its readers allow folding)."""
+    if other:
+        return f"output also read by {other[0]} (not a Linear)"
+    if not foldable:
+        return "no Linear reader"
+    if len(site.normalized_shape) != 1 or site.param_shape != site.normalized_shape:
+        return "normalises over more than one axis or has per-head parameters"
+    for path in foldable:
+        every_call = {c.id for c in an.calls_per_path.get(path, [])}
+        if reader_sources[path] != {site.path} or reader_calls[path] != every_call:
+            return f"`{path}` also reads something else"  # folding would change that call
+        module = an.modules[path]
+        if an._sharing_problem(module.weight, path) is not None and (path, "weight") not in unties:
+            return f"`{path}` shares its weight"
+    return ""
+
+
+def _beta_detail(routes: dict[str, Route], stuck: list[str]) -> str:
+    """Human text: where each reader's share of β went, or the first reader that keeps β in the norm."""
+    if stuck:
+        p = stuck[0]
+        more = f" ({len(stuck) - 1} more reader(s) without a bias slot keep it too)" if len(stuck) > 1 else ""
+        return f"kept in the RMSNorm: `{p}` has no bias slot and {routes[p].why}{more}"
+    return beta_text([(p, r.how) for p, r in routes.items()], {p: r.into for p, r in routes.items() if r.into})

@@ -452,6 +452,7 @@ def _commit(model: nn.Module, work: nn.Module, plan_: Plan, todo: list[SitePlan]
         names |= {rf.weight} | {f"{r}.weight" for r in rf.readers}
     for f in plan_.folds:
         names |= ({f"{f.reader}.weight"} if f.gamma else set()) | ({f"{f.reader}.bias"} if f.beta else set())
+    names |= {f"{m.into}.bias" for m in plan_.beta_moves}  # value β shares carried through attention
     for c in plan_.mean_carries:  # the widened MLP tensors, one at a time (no second set allocated up front)
         taken.update(surgery.adopt_widened_mlp(model, c, work))
     with torch.no_grad():

@@ -30,13 +30,59 @@ class WriterEdit:
 
 @dataclass
 class FoldEdit:
-    """Fold a norm's β (into the bias) and/or γ (into the weight) of reader ``reader``."""
+    """Fold a norm's β (into the bias) and/or γ (into the weight) of reader ``reader``.
+
+    ``beta_route`` says where this reader's share ``W β`` of the norm's β goes when β leaves the norm:
+    ``"bias"`` (added to the reader's bias: ``beta`` is set), ``"dropped"`` (a key projection whose
+    keys only meet the queries in softmax-normalised scores: a constant key shift changes every score of
+    a query by the same amount), ``"moved"`` (a value projection: see :class:`BetaMove`), or ``""``
+    (β stays in the norm, or there is none).
+    """
 
     site: str
     reader: str
     kind: str  # linear | conv1d
     beta: bool
     gamma: bool
+    beta_route: str = ""
+
+
+@dataclass
+class BetaMove:
+    """Carry a bias-less value projection's share of a norm's β through attention into the bias of the
+    Linear that reads the attention output (``b_into += W_into s``).
+
+    ``W_v (u + β) = W_v u + W_v β``: every value of a head gains the same vector. Attention rows sum to
+    one (softmax, no sink logit, no dropout in eval), so every output row of that head gains it too,
+    and the output projection turns it into the constant ``W_into s``. ``runs`` maps the value
+    features onto ``into``'s input features (identity for the usual head layout, repeated heads
+    for grouped-query attention); input features outside every run get nothing.
+    """
+
+    site: str
+    reader: str  # the value projection (its output is the value tensor)
+    reader_kind: str  # linear | conv1d
+    into: str  # the Linear reading the attention output; it has a bias
+    kind: str  # linear | conv1d
+    runs: list[tuple[int, int, int]]  # (first input feature of `into`, first output feature of `reader`, count)
+
+
+KEY_DROP_WHY = "keys: softmax over the keys ignores a constant key shift"
+VALUE_MOVE_WHY = "values: attention weights sum to 1 over the keys, so the shift passes through"
+
+
+def beta_text(routes: list[tuple[str, str]], moved_into: dict[str, str]) -> str:
+    """Where a norm's β went, from its readers' ``(reader, FoldEdit.beta_route)`` and, for moved shares,
+    ``{value projection: output projection}``. The text of ``SitePlan.beta_detail`` when β left the
+    norm; a function of the edits alone, so an extrapolated plan rebuilds it at full depth."""
+    parts = []
+    biased = [r for r, how in routes if how == "bias"]
+    if biased:
+        parts.append("folded into the bias of " + ", ".join(f"`{r}`" for r in biased))
+    parts += [f"dropped at `{r}` ({KEY_DROP_WHY})" for r, how in routes if how == "dropped"]
+    parts += [f"moved from `{r}` into the bias of `{moved_into[r]}` ({VALUE_MOVE_WHY})"
+              for r, how in routes if how == "moved"]
+    return "; ".join(parts)
 
 
 @dataclass(frozen=True)
@@ -122,6 +168,7 @@ class SitePlan:
     error: float | None = None  # exact: max |mean|/rms of the input seen; approximate: relative output error
     rms_weight: bool = False  # structure of the replacement RMSNorm (what loading rebuilds)
     rms_bias: bool = False
+    beta_detail: str = ""  # where β went, per reader, and why (or why it stays in the RMSNorm)
     writer_targets: list[str] = field(default_factory=list)  # parameters centered for this stream
     linear_readers: list[str] = field(default_factory=list)  # Linear/Conv1D readers of the output
     rotation_ready: bool = False  # the stream can take an orthogonal Q (see normswap.rotate)
@@ -144,6 +191,7 @@ class Plan:
     scale_folds: list[ScaleFold] = field(default_factory=list)  # LayerScale λ folded into writers (first)
     rms_folds: list[RmsFold] = field(default_factory=list)  # fold_gamma on already-RMS norms
     mean_carries: list[MeanCarry] = field(default_factory=list)  # MLPs widened to cancel a Post-LN mean
+    beta_moves: list[BetaMove] = field(default_factory=list)  # value-projection β shares moved into an output bias
     changed_outputs: list[str] = field(default_factory=list)
     options: dict[str, Any] = field(default_factory=dict)
 
@@ -171,8 +219,14 @@ class Plan:
         extra = []
         if self.writer_edits:
             extra.append(f"{len(self.writer_edits)} writer tensors centered")
-        if self.folds:
-            extra.append(f"{len(self.folds)} reader folds")
+        folds = [f for f in self.folds if f.beta or f.gamma]
+        if folds:
+            extra.append(f"{len(folds)} reader folds")
+        dropped = sum(f.beta_route == "dropped" for f in self.folds)
+        if dropped:
+            extra.append(f"β dropped at {dropped} key projection(s)")
+        if self.beta_moves:
+            extra.append(f"β moved through attention into {len(self.beta_moves)} output bias(es)")
         if self.hooks:
             extra.append(f"{len(self.hooks)} centering op(s)")
         if self.rms_folds:
@@ -190,7 +244,7 @@ class Plan:
         """Per-norm table (norm, verdict, converted, what folds, writer count, readers, reason), then the
         summary: what ``print(plan)`` and ``normswap inspect`` show. Reasons are cut at ``width``
         characters (whole when None); ``verbose`` adds each norm's eps, shape, flavour, writers and
-        readers, the centering ops and the broken ties."""
+        readers and where its β went, the centering ops and the broken ties."""
         header = ("norm", "verdict", "convert", "fold", "writers", "readers", "reason")
         rows = [header]
         for s in self.sites:
@@ -207,6 +261,8 @@ class Plan:
             for s in self.sites:
                 lines += ["", f"{s.name} ({s.verdict}, eps={s.eps:g}, shape={s.normalized_shape}, {s.flavour})",
                           f"  writers: {', '.join(s.writers) or '-'}", f"  readers: {', '.join(s.readers) or '-'}"]
+                if s.beta_detail:
+                    lines.append(f"  β: {s.beta_detail}")
             for h in self.hooks:
                 where = h.where if h.arg is None else f"{h.where} {h.arg}"
                 lines.append(f"centering op: {h.module} ({where}): {h.reason}")
@@ -245,6 +301,7 @@ class Plan:
             scale_folds=[ScaleFold(**f) for f in data.get("scale_folds", [])],
             rms_folds=[RmsFold(**f) for f in data.get("rms_folds", [])],
             mean_carries=[MeanCarry(**c) for c in data.get("mean_carries", [])],
+            beta_moves=[BetaMove(**{**m, "runs": [tuple(r) for r in m["runs"]]}) for m in data.get("beta_moves", [])],
             changed_outputs=list(data.get("changed_outputs", [])),
             options=dict(data.get("options", {})),
         )

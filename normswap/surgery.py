@@ -11,12 +11,15 @@ import ctypes
 import ctypes.util
 import functools
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from normswap.norm import RMSNorm
 from normswap.plan import (
+    BetaMove,
     CenterHook,
     FoldEdit,
     MeanCarry,
@@ -209,6 +212,28 @@ def fold_into_reader(model: nn.Module, f: FoldEdit, gamma: torch.Tensor | None, 
             reader.weight.copy_(w.to(reader.weight.dtype))
 
 
+def moved_shift(w_reader: torch.Tensor, w_into: torch.Tensor, beta: torch.Tensor, m: BetaMove) -> torch.Tensor:
+    """What :class:`BetaMove` ``m`` adds to ``m.into``'s bias: ``W_into · scatter(W_reader β)`` (float64).
+
+    One function for the in-memory surgery and the streamed checkpoint rewrite, so both write the same
+    bits. ``w_reader`` is the value projection's weight before any γ fold (its share is ``W β`` of the
+    weight the norm's output met)."""
+    share = beta @ w_reader if m.reader_kind == "conv1d" else w_reader @ beta
+    width = w_into.shape[0] if m.kind == "conv1d" else w_into.shape[1]
+    carried_in = torch.zeros(width, dtype=share.dtype, device=share.device)
+    for lo, src, n in m.runs:
+        carried_in[lo:lo + n] = share[src:src + n]
+    return carried_in @ w_into if m.kind == "conv1d" else w_into @ carried_in
+
+
+def move_beta(model: nn.Module, m: BetaMove, beta: torch.Tensor) -> None:
+    """Add a value projection's share of β, carried through attention, to ``m.into``'s bias."""
+    reader, into = model.get_submodule(m.reader), model.get_submodule(m.into)
+    shift = moved_shift(reader.weight.detach().double(), into.weight.detach().double(), beta, m)
+    with torch.no_grad():
+        into.bias.copy_((into.bias.detach().double() + shift).to(into.bias.dtype))
+
+
 # The affine slots of each norm flavour (walker.NormSite.flavour): (has γ, has β).
 FLAVOUR_SLOTS = {
     "standard": (True, True),
@@ -281,7 +306,11 @@ def center_last(t: torch.Tensor) -> torch.Tensor:
 class CenterOutput:
     """Forward hook: subtract the per-token mean of a module's output (one mean per token)."""
 
-    def __call__(self, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+    def __call__(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        if not isinstance(output, torch.Tensor):
+            # a module returning (tensor, None, ...) (RWKV's attention and feed-forward with their state):
+            # the plan places a hook only where the output holds one tensor, the one centered here
+            return pytree.tree_map_only(torch.Tensor, center_last, output)
         if isinstance(module, RMSNorm) and output.dtype in (torch.bfloat16, torch.float16) and args:
             # A stream-start norm (BLOOM's embedding norm, CLIP's pre_layrnorm): redo it in float32 and
             # center before the one rounding; centering the rounded output would round twice.
@@ -333,7 +362,8 @@ def install_hook(model: nn.Module, h: CenterHook) -> None:
 
 def apply_weight_edits(model: nn.Module, plan: Plan, sites: dict[str, NormSite],
                        originals: dict[str, nn.Module]) -> None:
-    """Untie, center writers, fold γ/β into readers (not the norm swap itself)."""
+    """Untie, center writers, move value β shares through attention, fold γ/β into readers (not the norm
+    swap itself)."""
     for u in plan.unties:
         untie(model, u)
     if plan.unties:
@@ -347,6 +377,8 @@ def apply_weight_edits(model: nn.Module, plan: Plan, sites: dict[str, NormSite],
     for c in plan.mean_carries:  # after centering: the carry's columns are constant on purpose
         widen_mlp(model, c)
         release_free_memory()  # the narrower tensors' holes (see release_free_memory)
+    for m in plan.beta_moves:  # after centering (the shift then keeps `into` centered), before γ folds
+        move_beta(model, m, sites[m.site].beta(originals[m.site]))
     for f in plan.folds:
         site = sites[f.site]
         module = originals[f.site]

@@ -178,6 +178,89 @@ def identify(path: str, module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> 
     return None
 
 
+def _grouped(x: torch.Tensor, groups: int, eps: float, *, center: bool) -> torch.Tensor:
+    """LayerNorm (``center``) or RMSNorm hat of ``x`` over ``groups`` equal blocks of its last axis."""
+    g = x.unflatten(-1, (groups, x.shape[-1] // groups))
+    if center:
+        g = g - g.mean(-1, keepdim=True)
+    return (g / torch.sqrt(g.pow(2).mean(-1, keepdim=True) + eps)).flatten(-2)
+
+
+def identify_gated(path: str, module: nn.Module, x: torch.Tensor, gate: torch.Tensor,
+                   y: torch.Tensor) -> SkippedNorm | None:
+    """The gated norms of SSM/hybrid mixers (Mamba-2, Bamba, Nemotron-H, Zamba-2, Falcon-H1, Qwen3-Next):
+    ``y = γ ⊙ norm(x ⊙ silu(gate))`` or ``y = γ ⊙ norm(x) ⊙ silu(gate)``, the norm possibly over equal
+    groups of features. Reported as skipped with the formula: the RMS ones are not LayerNorms, and a
+    gated LayerNorm has no RMSNorm replacement (the gate sits inside or after the normalisation).
+    γ multiplies the output feature by feature either way, so ``fold_gamma`` may fold it into the
+    readers (``weight_attr``)."""
+    x64, g64, y64 = x.detach().double(), gate.detach().double(), y.detach().double()
+    if g64.shape != x64.shape or y64.shape != x64.shape or not x64.dim():
+        return None
+    d = x64.shape[-1]
+    silu = torch.nn.functional.silu(g64)
+    counts = {1}
+    for attr in ("n_groups", "group_count", "num_groups"):
+        if isinstance(getattr(module, attr, None), int) and getattr(module, attr) > 0:
+            counts.add(getattr(module, attr))
+    size = getattr(module, "group_size", None)
+    if isinstance(size, int) and size > 0 and d % size == 0:
+        counts.add(d // size)
+    weights = [(n, p.detach().double()) for n, p in module._parameters.items()
+               if p is not None and tuple(p.shape) == (d,)] + [(None, None)]
+    scale = max(1.0, float(y64.abs().max())) if y64.numel() else 1.0
+    tol = 1e-5 if x.dtype in (torch.float32, torch.float64) else 2e-2
+    for eps in _eps_of(module):
+        for groups in sorted(c for c in counts if d % c == 0):
+            for gate_first in (True, False):
+                for center in (False, True):
+                    hat = _grouped(x64 * silu if gate_first else x64, groups, eps, center=center)
+                    for w_attr, w in weights:
+                        cand = hat if w is None else hat * w
+                        if not gate_first:
+                            cand = cand * silu
+                        if not bool(((cand - y64).abs() <= tol * scale).all()):
+                            continue
+                        kind = "LayerNorm" if center else "RMSNorm"
+                        formula = f"{kind} of x·silu(gate)" if gate_first else f"{kind} of x, times silu(gate)"
+                        over = f" over {groups} groups of {d // groups} features" if groups > 1 else ""
+                        reason = (f"gated {kind} ({formula}{over}): no RMSNorm replaces a gate inside the norm; kept"
+                                  if center else f"already RMS-style, gated ({formula}{over}); kept")
+                        return SkippedNorm(path, type(module).__name__, reason, None if center else w_attr)
+    return None
+
+
+def identify_flattened_heads(path: str, module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> SkippedNorm | None:
+    """A LayerNorm (or RMSNorm) over each head's features whose output flattens the heads before its
+    γ/β (xLSTM's multi-head norm: ``(B, T, H, D) → (B, T, H·D)``). normswap's RMSNorm keeps its input's
+    shape, so such a module is reported, with its formula, and kept."""
+    x64, y64 = x.detach().double(), y.detach().double()
+    if x64.dim() < 2 or y64.shape != (*x64.shape[:-2], x64.shape[-2] * x64.shape[-1]):
+        return None
+    direct = [(n, p.detach().double()) for n, p in module._parameters.items() if p is not None]
+    scale = max(1.0, float(y64.abs().max())) if y64.numel() else 1.0
+    tol = 1e-5 if x.dtype in (torch.float32, torch.float64) else 2e-2
+    for eps in _eps_of(module):
+        for center in (True, False):
+            hat = _grouped(x64, 1, eps, center=center).flatten(-2)
+            for flavour, w_attr, b_attr, offset in _assignments([(n, p) for n, p in direct]):
+                cand = hat
+                try:
+                    if w_attr is not None:
+                        cand = cand * (offset + dict(direct)[w_attr])
+                    if b_attr is not None:
+                        cand = cand + dict(direct)[b_attr]
+                except RuntimeError:
+                    continue
+                if cand.shape == y64.shape and bool(((cand - y64).abs() <= tol * scale).all()):
+                    kind = "LayerNorm" if center else "RMSNorm"
+                    return SkippedNorm(path, type(module).__name__,
+                                       f"{kind} per head ({x64.shape[-2]} heads of {x64.shape[-1]}) whose output "
+                                       f"flattens the heads before γ/β ({flavour}): no RMSNorm of that shape "
+                                       "replaces it; kept")
+    return None
+
+
 def _assignments(direct: list[tuple[str, torch.Tensor]]):
     """(flavour, weight attr, bias attr, offset) guesses, most common first."""
     names = [n for n, _ in direct]
@@ -211,6 +294,11 @@ def find_sites(model: nn.Module, graph: Graph) -> WalkResult:
         x = graph.values[vid].tensor
         y = graph.values[call.outputs[0]].tensor
         result = identify(path, modules[path], x, y)
+        tensors = [v for v in [*call.args, *call.kwargs.values()] if v is not None]
+        if result is None and len(tensors) == 2:
+            result = identify_gated(path, modules[path], x, graph.values[tensors[1]].tensor, y)
+        if result is None:
+            result = identify_flattened_heads(path, modules[path], x, y)
         if isinstance(result, NormSite):
             found.sites.append(result)
             claimed.append(path)

@@ -205,3 +205,94 @@ class PostNormDecoder(nn.Module):
             x = self.norms[2 * i](self.res[2 * i](x, attn(x)))
             x = self.norms[2 * i + 1](self.res[2 * i + 1](x, mlp(x)))
         return self.head(x)
+
+
+class ProjAttention(nn.Module):
+    """Attention with separate q/k/v projections whose bias slots are chosen one by one, in the variants
+    that decide whether a norm's β may leave it through a bias-less key or value projection: eager
+    (matmul, masked scores, softmax) or SDPA, grouped-query heads, rotary keys, a k-norm, a sink
+    logit (gpt-oss style: one extra logit per head that takes probability but no value), tanh
+    soft-capping of the scores, and a key/value cache."""
+
+    def __init__(self, d: int, heads: int, *, q_bias: bool = True, k_bias: bool = True, v_bias: bool = True,
+                 o_bias: bool = True, kv_heads: int | None = None, eager: bool = False, rope: bool = False,
+                 k_norm: bool = False, sink: bool = False, softcap: float | None = None) -> None:
+        super().__init__()
+        self.heads, self.kv_heads, self.hd = heads, kv_heads or heads, d // heads
+        self.q = nn.Linear(d, d, bias=q_bias)
+        self.k = nn.Linear(d, self.kv_heads * self.hd, bias=k_bias)
+        self.v = nn.Linear(d, self.kv_heads * self.hd, bias=v_bias)
+        self.o = nn.Linear(d, d, bias=o_bias)
+        self.k_norm = nn.LayerNorm(self.hd) if k_norm else None
+        self.sink = nn.Parameter(torch.randn(heads)) if sink else None
+        self.eager, self.rope, self.softcap = eager or sink or softcap is not None, rope, softcap
+
+    def _rotate(self, x: torch.Tensor) -> torch.Tensor:
+        t = x.shape[-2]
+        freq = 1.0 / (100.0 ** (torch.arange(0, self.hd, 2, dtype=x.dtype) / self.hd))
+        angle = torch.arange(t, dtype=x.dtype)[:, None] * freq[None]
+        cos, sin = torch.cat([angle.cos()] * 2, -1), torch.cat([angle.sin()] * 2, -1)
+        half = torch.cat([-x[..., self.hd // 2:], x[..., : self.hd // 2]], -1)
+        return x * cos + half * sin
+
+    def forward(self, x: torch.Tensor, cache: dict | None = None) -> torch.Tensor:
+        b, t, d = x.shape
+        q = self.q(x).view(b, t, self.heads, self.hd).transpose(1, 2)
+        k = self.k(x).view(b, t, self.kv_heads, self.hd).transpose(1, 2)
+        v = self.v(x).view(b, t, self.kv_heads, self.hd).transpose(1, 2)
+        if self.k_norm is not None:
+            k = self.k_norm(k)
+        if self.rope:
+            q, k = self._rotate(q), self._rotate(k)
+        if cache is not None:  # DynamicCache-style append (the cache starts empty)
+            k = cache["k"] = torch.cat([cache.get("k", k[:, :, :0]), k], dim=-2)
+            v = cache["v"] = torch.cat([cache.get("v", v[:, :, :0]), v], dim=-2)
+        if self.kv_heads != self.heads:  # HF repeat_kv: expand, then fold the copies into the head axis
+            rep = self.heads // self.kv_heads
+            k = k[:, :, None].expand(b, self.kv_heads, rep, t, self.hd).reshape(b, self.heads, t, self.hd)
+            v = v[:, :, None].expand(b, self.kv_heads, rep, t, self.hd).reshape(b, self.heads, t, self.hd)
+        if self.eager:
+            scores = torch.matmul(q, k.transpose(-1, -2)) * self.hd ** -0.5
+            causal = torch.ones(t, t, dtype=torch.bool).tril()
+            scores = scores.masked_fill(~causal, torch.finfo(scores.dtype).min)
+            if self.softcap is not None:
+                scores = torch.tanh(scores / self.softcap) * self.softcap
+            if self.sink is not None:
+                sink = self.sink.view(1, -1, 1, 1).expand(b, -1, t, 1)
+                probs = torch.softmax(torch.cat([scores, sink], -1), -1)[..., :-1]
+            else:
+                probs = torch.softmax(scores, dim=-1)
+            y = torch.matmul(probs, v)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(y.transpose(1, 2).reshape(b, t, d))
+
+
+class ProjBlock(nn.Module):
+    def __init__(self, d: int, heads: int, **attn: object) -> None:
+        super().__init__()
+        self.n1, self.n2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.attn, self.mlp = ProjAttention(d, heads, **attn), MLP(d)
+
+    def forward(self, x: torch.Tensor, cache: dict | None = None) -> torch.Tensor:
+        x = x + self.attn(self.n1(x), cache)
+        return x + self.mlp(self.n2(x))
+
+
+class ProjLM(nn.Module):
+    """Pre-LN decoder built from :class:`ProjAttention` blocks; ``use_cache`` fills a fresh key/value cache."""
+
+    def __init__(self, vocab: int = 40, d: int = 32, heads: int = 4, layers: int = 2, use_cache: bool = False,
+                 **attn: object) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList(ProjBlock(d, heads, **attn) for _ in range(layers))
+        self.norm_f = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab)
+        self.use_cache = use_cache
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.tok(ids)
+        for block in self.blocks:
+            x = block(x, {} if self.use_cache else None)
+        return self.head(self.norm_f(x))

@@ -28,9 +28,11 @@ NOT_READY = {
     "pegasus": "encoder_last_hidden_state",
     "wav2vec2-stable": "not a Linear",  # feature-extractor norms feed a conv stack
     "dinov2": "`cat`",  # the classifier reads [cls, mean of patches] concatenated
+    "dinov3-vit": "last_hidden_state",  # the final norm's output is a model output
+    "dinov3-vit-no-value-bias": "last_hidden_state",
 }
 FULLY_BLOCKED = {"bloom", "clip-vision", "xglm", "mbart", "m2m100", "clip-text", "clip", "pegasus", "wav2vec2-stable",
-                 "dinov2"}
+                 "dinov2", "dinov3-vit", "dinov3-vit-no-value-bias"}
 
 
 def _build(name):

@@ -207,3 +207,63 @@ def test_find_sites_on_a_trace_claims_wrapped_norms_and_lists_converted_ones():
     assert "n_wrapped" in paths and "n_wrapped.inner" not in paths
     assert "unused" not in paths
     assert found.converted == ["done"]
+
+
+# ------------------------------------------------------------------ gated and head-flattening norms
+class GatedNorm(nn.Module):
+    """A Mamba-2-style gated norm: ``γ ⊙ norm(x ⊙ silu(gate))`` (``gate_first``) or ``γ ⊙ norm(x) ⊙ silu(gate)``,
+    RMS or LayerNorm (``center``), over ``groups`` equal blocks of the features."""
+
+    def __init__(self, d: int, groups: int = 1, gate_first: bool = True, center: bool = False) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(1 + 0.3 * torch.randn(d))
+        self.group_size, self.gate_first, self.center, self.eps = d // groups, gate_first, center, 1e-6
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        if self.gate_first:
+            x = x * F.silu(gate)
+        g = x.unflatten(-1, (-1, self.group_size))
+        if self.center:
+            g = g - g.mean(-1, keepdim=True)
+        y = self.weight * (g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)).flatten(-2)
+        return y if self.gate_first else y * F.silu(gate)
+
+
+class HeadsNorm(nn.Module):
+    """xLSTM's multi-head norm: LayerNorm over each head of ``(B, T, H, D)``, heads flattened, then γ."""
+
+    def __init__(self, heads: int, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(1 + 0.3 * torch.randn(heads * dim))
+        self.eps = 1e-6
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = (x - x.mean(-1, keepdim=True)) * torch.rsqrt(x.var(-1, keepdim=True, unbiased=False) + self.eps)
+        return x.flatten(-2) * self.weight
+
+
+@pytest.mark.parametrize("groups, gate_first, center, reason", [
+    (1, True, False, "already RMS-style, gated (RMSNorm of x·silu(gate)); kept"),
+    (2, True, False, "already RMS-style, gated (RMSNorm of x·silu(gate) over 2 groups of 12 features); kept"),
+    (1, False, False, "already RMS-style, gated (RMSNorm of x, times silu(gate)); kept"),
+    (1, True, True, "gated LayerNorm (LayerNorm of x·silu(gate)): no RMSNorm replaces a gate inside the norm; kept"),
+])
+def test_gated_norms_are_reported_with_their_formula(groups, gate_first, center, reason):
+    torch.manual_seed(0)
+    norm = GatedNorm(D, groups, gate_first, center).double()
+    x, gate = torch.randn(3, 5, D, dtype=torch.float64), torch.randn(3, 5, D, dtype=torch.float64)
+    assert walker.identify("n", norm, x, norm(x, gate)) is None  # the ungated formulas do not match
+    found = walker.identify_gated("n", norm, x, gate, norm(x, gate))
+    assert isinstance(found, walker.SkippedNorm) and found.reason == reason
+    assert found.weight_attr == (None if center else "weight")  # an RMS γ may fold into the readers
+    assert walker.identify_gated("n", norm, x, gate, norm(x, gate) + 1e-3) is None  # any other output: no match
+
+
+def test_a_norm_that_flattens_its_heads_is_reported_and_kept():
+    torch.manual_seed(0)
+    norm = HeadsNorm(4, 6).double()
+    x = torch.randn(2, 5, 4, 6, dtype=torch.float64)
+    found = walker.identify_flattened_heads("h", norm, x, norm(x))
+    assert isinstance(found, walker.SkippedNorm) and found.reason.startswith(
+        "LayerNorm per head (4 heads of 6) whose output flattens the heads before γ/β (gamma-only)")
+    assert walker.identify_flattened_heads("h", norm, x, norm(x) * 1.01) is None

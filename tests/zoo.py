@@ -6,7 +6,9 @@ are in eval mode and float64, so an exact conversion must match to ~1e-15.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+from collections.abc import Iterator
 
 import torch
 import transformers as tf
@@ -82,6 +84,9 @@ ENC_DEC = dict(d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention
                encoder_ffn_dim=64, decoder_ffn_dim=64, vocab_size=99, max_position_embeddings=64,
                decoder_start_token_id=0, **SPECIAL)
 
+DINOV3 = dict(image_size=32, patch_size=8, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+              num_attention_heads=4, num_register_tokens=2)
+
 # More families of the same kinds, with the verdicts normswap must reach (all exact, or some approximate).
 MORE = {
     "nemotron": (lambda: (tf.NemotronForCausalLM, tf.NemotronConfig(**LLM, num_key_value_heads=4, head_dim=8)),
@@ -110,6 +115,9 @@ MORE = {
     # Swin-V2: the block norms read one Linear each (exact); the final norm reads a post-norm stream
     "swinv2": (lambda: (tf.Swinv2ForImageClassification, tf.Swinv2Config(
         image_size=32, patch_size=4, embed_dim=16, depths=[1, 1], num_heads=[2, 2], window_size=4)), "approximate"),
+    # q/k norms that are RMS over the whole projection (not per head), and RMS block norms after each
+    # sublayer: every norm reported skipped, already RMS-style
+    "olmo2": (lambda: (tf.Olmo2ForCausalLM, tf.Olmo2Config(**LLM)), "skipped"),
     # GroupNorm(1, C): recognised and kept, with the reason (walker.identify)
     "poolformer": (lambda: (tf.PoolFormerForImageClassification, tf.PoolFormerConfig(
         hidden_sizes=[16, 32], depths=[1, 1], num_encoder_blocks=2, patch_sizes=[7, 3], strides=[4, 2],
@@ -123,6 +131,11 @@ MORE = {
     "data2vec-vision": (lambda: (tf.Data2VecVisionForImageClassification, tf.Data2VecVisionConfig(
         image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
         intermediate_size=64, use_mean_pooling=False)), "exact"),
+    # RoPE on the patch keys and a bias-less k_proj: β stays in norm1 (rotary keys are not shift-invariant)
+    "dinov3-vit": (lambda: (tf.DINOv3ViTModel, tf.DINOv3ViTConfig(**DINOV3)), "exact"),
+    # value_bias=False: norm1's β reaches v_proj, and moves through attention into o_proj's bias
+    "dinov3-vit-no-value-bias": (lambda: (tf.DINOv3ViTModel, tf.DINOv3ViTConfig(
+        **DINOV3, key_bias=True, value_bias=False)), "exact"),
     "dinov2": (lambda: (tf.Dinov2ForImageClassification, tf.Dinov2Config(
         image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, mlp_ratio=2)),
         "exact"),
@@ -243,6 +256,80 @@ def matrix() -> str:
 
 if __name__ == "__main__":
     print(matrix())
+
+# State-space, recurrent and hybrid language models, with the verdict normswap must reach. Only RWKV and
+# xLSTM have LayerNorms: RWKV's gated feed-forward joins the residual stream block after block, so past
+# the stream-start op its norms are approximate (a chain of centering ops is LayerNorm by another name);
+# xLSTM's multi-head LayerNorm flattens its heads before γ (no RMSNorm of that shape) and is kept. The
+# others are RMS-only (their gated norms included): every norm is reported skipped with its formula,
+# and fold_gamma folds γ into the readers where it can.
+SSM_LLM = dict(vocab_size=99, hidden_size=32, num_hidden_layers=2, **SPECIAL)
+SSM = {
+    # rescale_every=0: RWKV otherwise divides its own weights in eval mode (refused, see test_ssm.py)
+    "rwkv": (lambda: (tf.RwkvForCausalLM, tf.RwkvConfig(
+        **SSM_LLM, context_length=64, attention_hidden_size=32, intermediate_size=64, rescale_every=0)),
+        "approximate"),
+    "xlstm": (lambda: (tf.xLSTMForCausalLM, tf.xLSTMConfig(
+        **SSM_LLM, num_heads=4, qk_dim_factor=0.5, v_dim_factor=1.0, mode="inference")), "skipped"),
+    "mamba": (lambda: (tf.MambaForCausalLM, tf.MambaConfig(**SSM_LLM, state_size=8, intermediate_size=64)),
+              "skipped"),
+    "mamba2": (lambda: (tf.Mamba2ForCausalLM, tf.Mamba2Config(
+        **SSM_LLM, state_size=8, num_heads=8, head_dim=8, n_groups=2, expand=2, chunk_size=8)), "skipped"),
+    "falcon_mamba": (lambda: (tf.FalconMambaForCausalLM, tf.FalconMambaConfig(
+        **SSM_LLM, state_size=8, intermediate_size=64)), "skipped"),
+    "jamba": (lambda: (tf.JambaForCausalLM, tf.JambaConfig(
+        **LLM, num_key_value_heads=2, mamba_d_state=8, mamba_expand=2, attn_layer_period=2, attn_layer_offset=1,
+        num_experts=1)), "skipped"),
+    "zamba2": (lambda: (tf.Zamba2ForCausalLM, tf.Zamba2Config(
+        **LLM, num_key_value_heads=4, mamba_d_state=8, mamba_headdim=8, n_mamba_heads=8, num_mem_blocks=1,
+        chunk_size=8, layers_block_type=["mamba", "hybrid"])), "skipped"),
+    "bamba": (lambda: (tf.BambaForCausalLM, tf.BambaConfig(
+        **LLM, num_key_value_heads=2, mamba_n_heads=8, mamba_d_head=8, mamba_d_state=8, mamba_chunk_size=8,
+        attn_layer_indices=[1])), "skipped"),
+    "granitemoehybrid": (lambda: (tf.GraniteMoeHybridForCausalLM, tf.GraniteMoeHybridConfig(
+        **LLM, num_key_value_heads=2, mamba_n_heads=8, mamba_d_head=8, mamba_d_state=8, mamba_chunk_size=8,
+        layer_types=["mamba", "attention"], num_local_experts=0, shared_intermediate_size=64)), "skipped"),
+    "nemotron_h": (lambda: (tf.NemotronHForCausalLM, tf.NemotronHConfig(
+        **LLM, num_key_value_heads=2, mamba_num_heads=8, mamba_head_dim=8, ssm_state_size=8, chunk_size=8,
+        n_groups=1, layers_block_type=["mamba", "attention"])), "skipped"),
+    "lfm2": (lambda: (tf.Lfm2ForCausalLM, tf.Lfm2Config(
+        **LLM, num_key_value_heads=2, layer_types=["conv", "full_attention"])), "skipped"),
+    "falcon_h1": (lambda: (tf.FalconH1ForCausalLM, tf.FalconH1Config(
+        **LLM, num_key_value_heads=2, mamba_d_state=8, mamba_d_head=8, mamba_n_heads=8, mamba_chunk_size=8,
+        mamba_d_ssm=64, mamba_rms_norm=True)), "skipped"),
+    "qwen3_next": (lambda: (tf.Qwen3NextForCausalLM, tf.Qwen3NextConfig(
+        **LLM, num_key_value_heads=2, head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=8, linear_value_head_dim=8, num_experts=2, num_experts_per_tok=1,
+        moe_intermediate_size=32, shared_expert_intermediate_size=32, mlp_only_layers=[0, 1],
+        layer_types=["linear_attention", "full_attention"])), "skipped"),
+    "recurrent_gemma": (lambda: (tf.RecurrentGemmaForCausalLM, tf.RecurrentGemmaConfig(
+        **SSM_LLM, num_attention_heads=4, num_key_value_heads=1, intermediate_size=64, lru_width=32,
+        attention_window_size=8, block_types=["recurrent", "attention"])), "skipped"),
+}
+
+
+@contextlib.contextmanager
+def float64_casts() -> Iterator[None]:
+    """Run a float64 model without the float32 round trips HF code writes inside modules (RMS norms,
+    gated norms, reference SSM scans: ``x.to(torch.float32)``, ``x.float()``): within, those casts of a
+    float64 tensor return it unchanged, so an exactness check compares the math, not float32 rounding."""
+    to, as_float = torch.Tensor.to, torch.Tensor.float
+
+    def keep_to(self: torch.Tensor, *args, **kwargs):  # noqa: ANN202 - Tensor.to's overloads
+        wanted = kwargs.get("dtype", args[0] if args and isinstance(args[0], torch.dtype) else None)
+        if self.dtype == torch.float64 and wanted == torch.float32 and len(args) <= 1 and set(kwargs) <= {"dtype"}:
+            return self
+        return to(self, *args, **kwargs)
+
+    def keep_float(self: torch.Tensor, *args, **kwargs):  # noqa: ANN202
+        return self if self.dtype == torch.float64 else as_float(self, *args, **kwargs)
+
+    torch.Tensor.to, torch.Tensor.float = keep_to, keep_float
+    try:
+        yield
+    finally:
+        torch.Tensor.to, torch.Tensor.float = to, as_float
+
 
 # Already RMS-style: fold_gamma folds their γ into the readers (effective γ becomes 1).
 RMS = {

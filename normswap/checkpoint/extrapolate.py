@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from normswap.errors import NormswapError
+from normswap.plan import beta_text
 
 PROXY_DEPTH = 3
 CHECK_DEPTH = 4
@@ -300,7 +301,7 @@ def extrapolate(plan: dict[str, Any], proxy: dict[str, int], full: dict[str, int
     out: dict[str, Any] = {
         k: copy.deepcopy(v)
         for k, v in plan.items()
-        if k not in ("sites", "writer_edits", "folds", "hooks", "unties", "skipped", "mean_carries")
+        if k not in ("sites", "writer_edits", "folds", "hooks", "unties", "skipped", "mean_carries", "beta_moves")
     }
 
     # --- sites (with their writer and reader lists)
@@ -312,6 +313,8 @@ def extrapolate(plan: dict[str, Any], proxy: dict[str, int], full: dict[str, int
         reasons = ex.expand_text(role, {t: sites[p]["reason"] for t, p in by_t.items()}, f"{role} reason")
         rotation = ex.expand_text(role, {t: sites[p].get("rotation_reason", "") for t, p in by_t.items()},
                                   f"{role} rotation reason")
+        kept = ex.expand_text(role, {t: sites[p].get("beta_detail", "") for t, p in by_t.items()},
+                              f"{role} β detail")  # rebuilt from the folds below where β left the norm
         for j in writers:
             t = template(j, full[role[0]], proxy[role[0]]) if role[0] else None
             src = sites[by_t[t]]
@@ -327,6 +330,8 @@ def extrapolate(plan: dict[str, Any], proxy: dict[str, int], full: dict[str, int
             s["error"] = None
             if "rotation_reason" in s:
                 s["rotation_reason"] = rotation[j]
+            if "beta_detail" in s:
+                s["beta_detail"] = kept[j]
             new_sites.append((ex.full.split(s["name"]), s))
     out["sites"] = [s for _, s in sorted(new_sites, key=lambda rs: _order_key(rs[0], plan, ex))]
 
@@ -359,6 +364,12 @@ def extrapolate(plan: dict[str, Any], proxy: dict[str, int], full: dict[str, int
     out["skipped"] = _simple(ex, plan["skipped"], "name", (), text_fields=("reason",))
     out["mean_carries"] = _simple(ex, plan.get("mean_carries", []), "up", ("down", "site"), ref_field="source",
                                   text_fields=("activation",))
+    out["beta_moves"] = _simple(ex, plan.get("beta_moves", []), "into", ("reader",), ref_field="site")
+    moved_into = {m["reader"]: m["into"] for m in out["beta_moves"]}
+    for s in out["sites"]:
+        if s.get("fold_beta"):  # β left the norm: where it went is a function of the extrapolated folds
+            routes = [(f["reader"], f.get("beta_route", "")) for f in out["folds"] if f["site"] == s["name"]]
+            s["beta_detail"] = beta_text(routes, moved_into)
     return out
 
 
@@ -469,7 +480,10 @@ def normalise(plan: dict[str, Any]) -> dict[str, Any]:
         "writer_edits": sorted(
             (e["target"], e["axis"], str(e["blocks"]), e["owner"], e["kind"]) for e in plan["writer_edits"]
         ),
-        "folds": sorted((f["site"], f["reader"], f["kind"], f["beta"], f["gamma"]) for f in plan["folds"]),
+        "folds": sorted((f["site"], f["reader"], f["kind"], f["beta"], f["gamma"], f.get("beta_route", ""))
+                        for f in plan["folds"]),
+        "beta_moves": sorted((m["site"], m["reader"], m["into"], m["kind"], str(m["runs"]))
+                             for m in plan.get("beta_moves", [])),
         "hooks": sorted((h["module"], h["where"], str(h["arg"])) for h in plan["hooks"]),
         "unties": sorted((u["module"], u["attr"], u["source"], u["numel"]) for u in plan["unties"]),
         "skipped": sorted(s["name"] for s in plan["skipped"]),

@@ -200,6 +200,9 @@ def validate_against_meta(plan: Plan, meta: nn.Module) -> None:
     for f in plan.folds:
         if f.reader not in modules or f.site not in modules:
             fail(f"no module {f.reader}")
+    for m in plan.beta_moves:
+        if m.reader not in modules or m.into not in modules or m.site not in modules:
+            fail(f"no module {m.into}")
     for h in plan.hooks:
         if h.module not in modules:
             fail(f"no module {h.module}")

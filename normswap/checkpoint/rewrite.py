@@ -1,8 +1,9 @@
 """Rewrite a checkpoint tensor by tensor: the converted model's tensors from the original's.
 
 Each output tensor is computed on its own, in float64 with the same operation order as the
-in-memory surgery (untie copy, centering, folds, MLP widening for a mean carry) and cast once, so
-the result is bitwise identical to converting in memory. A norm's γ/β are read up front (they are
+in-memory surgery (untie copy, centering, value β shares moved through attention, folds, MLP
+widening for a mean carry) and cast once, so the result is bitwise identical to converting in
+memory. A norm's γ/β are read up front (they are
 small); a reader's bias fold reads its weight again from whichever shard holds it.
 """
 
@@ -18,7 +19,7 @@ from normswap.checkpoint import writer
 from normswap.checkpoint.stream_io import ST_DTYPES, ST_TO_TORCH, Entry, Reader
 from normswap.errors import NormswapError
 from normswap.plan import Plan
-from normswap.surgery import CARRY_TENSORS, carried, center_, mark_untied
+from normswap.surgery import CARRY_TENSORS, carried, center_, mark_untied, moved_shift
 
 
 class KeyMap:
@@ -99,6 +100,10 @@ class TensorRewriter:
         self.widen = {} if fmt == "compat" else {
             f"{getattr(c, which.split('.')[0])}.{which.split('.')[1]}": (c, which)
             for c in plan.mean_carries for which in CARRY_TENSORS}
+        # value β shares carried through attention (plan.BetaMove): output bias key -> moves, in plan order
+        self.moves: dict[str, list[Any]] = {}
+        for m in plan.beta_moves:
+            self.moves.setdefault(self.canonical(f"{m.into}.bias"), []).append(m)
         self.folds: dict[str, list[tuple[int, Any, str]]] = {}
         for i, f in enumerate(plan.folds):
             for attr in ("weight", "bias"):
@@ -154,6 +159,9 @@ class TensorRewriter:
         w = self.read(self.untie.get(key, key)).double()
         if key in self.center:
             center_(w, *self.center[key])
+        for m in self.moves.get(key, []):  # after centering, before every fold, as the in-memory surgery
+            w = w + moved_shift(self.edited(f"{m.reader}.weight", 0), self.edited(f"{m.into}.weight", 0),
+                                self._beta(m.site), m)
         for i, f, attr in self.folds.get(key, []):
             if upto is not None and i >= upto:
                 break
@@ -168,9 +176,17 @@ class TensorRewriter:
             w = carried(w, *self.widen[key])
         return w
 
+    def _beta(self, site: str) -> torch.Tensor:
+        """A norm's β in float64 (read up front for converted norms)."""
+        if site in self.norms:
+            return self.norms[site][1]
+        _, b_attr = writer.norm_param_names(self.meta.get_submodule(site), self.plan.site(site).flavour)
+        return self.read(f"{site}.{b_attr}").double()
+
     def is_edited(self, model_key: str) -> bool:
         key = self.canonical(model_key)
-        return key in self.center or key in self.untie or bool(self.folds.get(key)) or key in self.widen
+        return key in self.center or key in self.untie or bool(self.folds.get(key)) or key in self.widen \
+            or key in self.moves
 
     def shape(self, model_key: str | None, shape: tuple[int, ...]) -> tuple[int, ...]:
         """The output shape of a tensor (MLPs carrying a mean are wider)."""

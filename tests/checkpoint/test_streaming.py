@@ -67,6 +67,22 @@ MODELS = {
             **SPECIAL,
         ),
     ),
+    # a bias-less value projection: norm1's β moves through attention into o_proj's bias (plan.BetaMove)
+    "dinov3-5": lambda: (
+        tf.DINOv3ViTModel,
+        tf.DINOv3ViTConfig(
+            image_size=32,
+            patch_size=8,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=5,
+            num_attention_heads=4,
+            num_register_tokens=2,
+            key_bias=True,
+            value_bias=False,
+            out_indices=[1],  # the default (last stage) names a layer the 3-layer proxy does not have
+        ),
+    ),
     "gpt_neo": lambda: (
         tf.GPTNeoForCausalLM,
         tf.GPTNeoConfig(
@@ -117,7 +133,8 @@ def test_streaming_refuses_approximate_norms_it_cannot_calibrate(sources, tmp_pa
 def assert_same_plan(a: Path, b: Path) -> None:
     pa = json.loads((a / "config.json").read_text())["normswap"]["plan"]
     pb = json.loads((b / "config.json").read_text())["normswap"]["plan"]
-    for key in ("writer_edits", "folds", "hooks", "unties", "skipped", "changed_outputs", "mean_carries"):
+    for key in ("writer_edits", "folds", "hooks", "unties", "skipped", "changed_outputs", "mean_carries",
+                "beta_moves"):
         assert pa[key] == pb[key], key
     strip = ("error",)
     assert [{k: v for k, v in s.items() if k not in strip} for s in pa["sites"]] == [
@@ -143,6 +160,9 @@ def sources(tmp_path_factory) -> dict[str, Path]:
         ("bert-5", {"format": "compat"}),
         ("vit-5", {}),
         ("tiny-whisper", {}),
+        ("tiny-whisper", {"format": "compat"}),
+        ("dinov3-5", {}),
+        ("dinov3-5", {"format": "compat"}),
     ],
 )
 def test_streaming_is_bitwise_equal_to_in_memory(sources, tmp_path, name, options):
@@ -154,6 +174,10 @@ def test_streaming_is_bitwise_equal_to_in_memory(sources, tmp_path, name, option
     assert_same_plan(mem, stream)
     if name == "bert-5" and options.get("format") != "compat":  # FFN-output norms exact: widened MLPs streamed
         assert len(report.plan.mean_carries) == 5
+    if name == "tiny-whisper":  # bias-less k_proj: the self-attention norms' β is dropped at the keys
+        assert sum(f.beta_route == "dropped" for f in report.plan.folds) > 0
+    if name == "dinov3-5":  # bias-less v_proj: β moved into o_proj's bias, in every layer at full depth
+        assert [m.into for m in report.plan.beta_moves] == [f"model.layer.{i}.attention.o_proj" for i in range(5)]
     figures = report.verification
     exact = options.get("mode") != "all"
     limit = 5e-2 if options.get("dtype") == "bfloat16" else 1e-5
@@ -178,6 +202,21 @@ def test_streamed_whisper_is_exact_on_the_full_model(sources, tmp_path):
     probe = hf_example_inputs(original, seed=3)
     with torch.no_grad():
         ref, got = original(**probe).logits, converted(**probe).logits
+    assert (got - ref).abs().max() / ref.abs().max() < 1e-5
+
+
+def test_streamed_compat_with_moved_value_beta_runs_exactly_in_stock_transformers(sources, tmp_path):
+    """Compat keeps the stock DINOv3 structure: o_proj's existing bias took v_proj's share of β, the
+    LayerNorm's own β is zero, and plain transformers reproduces the original outputs."""
+    out = tmp_path / "c"
+    report = normswap.convert(sources["dinov3-5"], out, low_memory=True, format="compat")
+    assert len(report.plan.beta_moves) == 5
+    stock = tf.DINOv3ViTModel.from_pretrained(out).eval()
+    original = tf.DINOv3ViTModel.from_pretrained(sources["dinov3-5"]).eval()
+    assert all(torch.all(stock.get_submodule(m.site).bias == 0) for m in report.plan.beta_moves)
+    pixels = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ref, got = original(pixel_values=pixels).pooler_output, stock(pixel_values=pixels).pooler_output
     assert (got - ref).abs().max() / ref.abs().max() < 1e-5
 
 
