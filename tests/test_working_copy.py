@@ -1,5 +1,5 @@
-"""The transaction behind ``patch``: what the working copy shares with the user's model and what
-the surgery may write."""
+"""The transaction behind ``patch``: what the working copy shares with the user's model, what the
+surgery may write, and what verification runs."""
 
 import copy
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import normswap
-from normswap import api, surgery
+from normswap import api, surgery, verify
 from normswap.inputs import hf_example_inputs
 from tests.zoo import EXACT, build
 
@@ -63,3 +63,23 @@ def test_plan_leaves_every_tensor_of_a_float64_model_unwritten():
     normswap.plan(model)
     assert api.versions(model) == before
     assert {n: p.data_ptr() for n, p in model.named_parameters()} == storage
+
+
+def test_verification_runs_the_converted_model_on_an_unseen_probe(monkeypatch):
+    """The converted model is compared on inputs the analysis never traced (another batch and length)."""
+    model = build(EXACT, "gpt2")
+    traced = hf_example_inputs(model)["input_ids"].shape
+    compared = []
+    real = api.compare
+
+    def spy(reference, converted, *args, **kwargs):
+        compared.append(tuple(converted.logits.shape[:2]))
+        return real(reference, converted, *args, **kwargs)
+
+    monkeypatch.setattr(api, "compare", spy)
+    report = normswap.patch(model)
+    # one comparison, on the probe: it reached every converted norm, so the traced batch is not rerun
+    assert len(compared) == 1 and compared[0] != tuple(traced)
+    assert report.verification["unseen_probe_max_rel_error"] == report.verification["max_rel_error"] < 1e-12
+    assert report.verification["output"] == "logits"
+    assert verify.exact_limit(torch.float64) > report.verification["max_rel_error"]
