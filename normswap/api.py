@@ -57,6 +57,8 @@ class Report:
         if self.verification:
             figs = ", ".join(f"{k}={v:.3g}" for k, v in self.verification.items() if isinstance(v, float))
             lines.append(f"verification: {figs}")
+            if self.verification.get("probe"):
+                lines.append(f"verified on: {self.verification['probe']}")
         return "\n".join(lines)
 
 
@@ -373,10 +375,10 @@ def patch(model: nn.Module, example_inputs: inputs.ExampleInputs = None, *,
         # A second, unseen probe (other ids, other length) guards against a plan that only fits the
         # inputs the analysis ran on. Built for transformers models; custom models use their inputs.
         probe = None
-        if opts.verify and example_inputs is None:
-            probe = inputs.hf_example_inputs(work, batch=3, seq=13, seed=1)
+        if opts.verify and example_inputs is None:  # real text where the tokenizer is known
+            probe = inputs.verification_probe(work, opts.tokenizer)
             with torch.no_grad(), default_dtype(work_dtype):
-                probe_reference = work(**probe)
+                probe_reference = work(**probe.kwargs)
         originals = {sp.name: work.get_submodule(sp.name) for sp in plan_.sites}
         own_written(work, model, plan_)  # from here on the surgery writes only tensors of its own
         surgery.apply_weight_edits(work, plan_, an.sites, originals)
@@ -422,8 +424,9 @@ def patch(model: nn.Module, example_inputs: inputs.ExampleInputs = None, *,
         skip = set(plan_.changed_outputs)
         with _capture(new_modules) as seen, torch.no_grad(), default_dtype(work_dtype):
             if probe is not None:
-                figures = compare(probe_reference, work(**probe), skip)
+                figures = compare(probe_reference, work(**probe.kwargs), skip, probe.attention_mask)
                 figures["unseen_probe_max_rel_error"] = figures.get("max_rel_error", 0.0)
+                figures["probe"] = probe.source
                 del probe_reference
             if probe is None or any(not seen[name] for name in new_modules):
                 traced = compare(reference, work(*wargs, **wkwargs), skip)
