@@ -126,9 +126,14 @@ def test_figures_count_real_tokens_only():
     assert verify.real_tokens(ref, mask).shape == (8, 7)
 
 
-def test_convert_reports_the_probe(tmp_path):
+def test_convert_and_verify_report_the_probe(tmp_path):
+    from normswap.checkpoint.verify_dirs import verify_checkpoint
+
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         report = normswap.convert("tiny-gpt2", tmp_path / "out")
     assert report.verification["probe"].startswith("built-in English text")
     assert "Probe inputs: built-in English text" in (tmp_path / "out" / "README.md").read_text()
+    result = verify_checkpoint("tiny-gpt2", tmp_path / "out")  # normswap verify ORIGINAL CONVERTED
+    assert result["ok"] and result["batches"] == 2
+    assert result["probe"].startswith("built-in English text") and "random inputs" in result["probe"]
