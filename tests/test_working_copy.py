@@ -83,3 +83,47 @@ def test_verification_runs_the_converted_model_on_an_unseen_probe(monkeypatch):
     assert report.verification["unseen_probe_max_rel_error"] == report.verification["max_rel_error"] < 1e-12
     assert report.verification["output"] == "logits"
     assert verify.exact_limit(torch.float64) > report.verification["max_rel_error"]
+
+
+class _ShortInputsOnly(torch.nn.Module):
+    """A transformers-like model with a norm that only inputs of at most 8 tokens reach."""
+
+    main_input_name = "input_ids"
+
+    def __init__(self) -> None:
+        super().__init__()
+        import transformers as tf
+
+        self.config = tf.PretrainedConfig(vocab_size=50, max_position_embeddings=64)
+        self.emb = torch.nn.Embedding(50, 16)
+        self.ln_short, self.mid = torch.nn.LayerNorm(16), torch.nn.Linear(16, 16)
+        self.ln_f, self.head = torch.nn.LayerNorm(16), torch.nn.Linear(16, 50)
+
+    def forward(self, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        h = self.emb(input_ids)
+        if input_ids.shape[1] <= 8:
+            h = h + self.mid(self.ln_short(h))
+        return {"logits": self.head(self.ln_f(h))}
+
+
+def test_the_traced_inputs_run_too_when_the_probe_misses_a_converted_norm(monkeypatch):
+    """Every converted norm needs its zero-mean evidence: a norm the (longer) probe never reaches is
+    checked on the traced inputs, which then also count towards the figures."""
+    torch.manual_seed(0)
+    model = _ShortInputsOnly().double().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    compared = []
+    real = api.compare
+
+    def spy(reference, converted, *args, **kwargs):
+        compared.append(tuple(converted["logits"].shape[:2]))
+        return real(reference, converted, *args, **kwargs)
+
+    monkeypatch.setattr(api, "compare", spy)
+    report = normswap.patch(model)
+    assert {sp.name for sp in report.plan.sites if sp.convert} == {"ln_short", "ln_f"}
+    assert compared[0] != compared[1] and compared[1] == tuple(hf_example_inputs(model)["input_ids"].shape)
+    assert report.verification["max_stream_mean_ratio"] < 1e-12
+    assert report.verification["max_rel_error"] < 1e-12
