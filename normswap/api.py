@@ -432,6 +432,9 @@ def patch(model: nn.Module, example_inputs: inputs.ExampleInputs = None, *,
                 traced = compare(reference, work(*wargs, **wkwargs), skip)
                 if probe is None:
                     figures = traced
+                    figures["probe"] = ("the analysis inputs (verify=False: no unseen probe)" if not opts.verify
+                                        else "the example_inputs the analysis ran on (no unseen probe for "
+                                        "inputs given by hand)")
                 else:
                     figures["max_rel_error"] = max(figures.get("max_rel_error", 0.0), traced.get("max_rel_error", 0.0))
         _site_checks(plan_, todo, seen, originals, an.sites, work_dtype, figures)

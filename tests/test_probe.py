@@ -107,6 +107,13 @@ def test_without_a_tokenizer_the_fallback_is_random_ids_and_says_so():
     assert inputs.verification_probe(vit).source == "random pixel values"
 
 
+def test_a_custom_model_is_verified_on_its_example_inputs_and_the_report_says_so():
+    from tests.custom_models import TinyViT, randomise
+
+    report = normswap.patch(randomise(TinyViT()), (torch.randn(2, 3, 32, 32, dtype=torch.float64),))
+    assert report.verification["probe"].startswith("the example_inputs the analysis ran on")
+
+
 def test_a_tokenizer_that_does_not_fit_the_model_warns_and_falls_back():
     model = build(EXACT, "gpt2")  # vocabulary of 99; the preset tokenizer's ids go up to 319
     with pytest.warns(UserWarning, match="cannot make the verification probe"):
