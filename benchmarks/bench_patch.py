@@ -8,8 +8,10 @@ GPT-2-small-shaped model (124M parameters, random init) on CPU, float32 by defau
 ``--peer`` times TransformerLens's processing of the same model, built offline (saved to a temporary
 directory, never downloaded): ``TransformerBridge.boot_transformers(dir, hf_model=model)`` plus
 ``enable_compatibility_mode()`` (its LayerNorm folding and weight centering), in rounds interleaved
-with normswap's ``patch`` (analysis + surgery + verification, on a fresh copy each round), and prints
-the per-round ratio. The machine may be shared, so compare ratios from one run, not absolute times.
+with normswap's ``patch`` (analysis + surgery + verification, on a fresh copy each round; who goes
+first alternates), and prints the per-round ratio, the median, the machine and the versions, and the
+rounds as a markdown table. The machine may be shared, so compare ratios from one run, not absolute
+times.
 
 Peak memory is the process's max RSS (``resource.getrusage``) after each phase, minus the RSS
 before the model was built, so it counts the float64 working copy that makes patch transactional.
@@ -94,6 +96,32 @@ def _time_transformer_lens(model: torch.nn.Module, folder: str, dtype: torch.dty
     return time.perf_counter() - t0
 
 
+def machine() -> dict:
+    """Where and with what the timings were taken (the figures mean nothing without it)."""
+    import os
+    import sys
+    from importlib import metadata
+
+    def version(dist: str) -> str:
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            return "not installed"
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return {
+        "cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+        "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
+        "python": sys.version.split()[0], "torch": torch.__version__, "transformers": tf.__version__,
+        "transformer_lens": version("transformer-lens"), "normswap": version("normswap"),
+    }
+
+
 def peer(layers: int, hidden: int, heads: int, dtype: torch.dtype, rounds: int) -> dict:
     """normswap.patch vs TransformerLens processing on the same random GPT-2, interleaved rounds."""
     import copy
@@ -105,6 +133,7 @@ def peer(layers: int, hidden: int, heads: int, dtype: torch.dtype, rounds: int) 
         import transformer_lens  # noqa: F401
     except ImportError:
         return {"peer": "transformer_lens not installed"}
+    before = machine()
     torch.manual_seed(0)
     config = tf.GPT2Config(n_layer=layers, n_embd=hidden, n_head=heads, bos_token_id=0, eos_token_id=0,
                            pad_token_id=0)
@@ -124,7 +153,21 @@ def peer(layers: int, hidden: int, heads: int, dtype: torch.dtype, rounds: int) 
             print(f"round {r}: normswap.patch {times['normswap']:.2f} s  TransformerLens {times['tl']:.2f} s  "
                   f"ratio {times['normswap'] / times['tl']:.2f}", flush=True)
     ratios = sorted(t["normswap"] / t["tl"] for t in rows)
-    return {"peer_rounds": rows, "median_ratio_normswap_over_tl": ratios[len(ratios) // 2]}
+    mid = len(ratios) // 2
+    median = ratios[mid] if len(ratios) % 2 else (ratios[mid - 1] + ratios[mid]) / 2
+    return {"peer_rounds": rows, "median_ratio_normswap_over_tl": median, "max_ratio": ratios[-1],
+            "machine": before, "load_average_after": machine()["load_average"]}
+
+
+def markdown(result: dict) -> str:
+    """The rounds as the table benchmarks/RESULTS.md records."""
+    lines = ["| round | first | normswap.patch | TransformerLens | ratio |", "|---|---|---|---|---|"]
+    for r, t in enumerate(result["peer_rounds"]):
+        first = "normswap" if next(iter(t)) == "normswap" else "TransformerLens"
+        lines.append(f"| {r} | {first} | {t['normswap']:.2f} s | {t['tl']:.2f} s | {t['normswap'] / t['tl']:.2f} |")
+    median, worst = result["median_ratio_normswap_over_tl"], result["max_ratio"]
+    lines.append(f"| median | | | | **{median:.2f}** (max {worst:.2f}) |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
@@ -142,6 +185,8 @@ if __name__ == "__main__":
         a = cli.parse_args()
         out = peer(a.layers, a.hidden, a.heads, getattr(torch, a.dtype), a.rounds)
         print(out)
+        if "peer_rounds" in out:
+            print(markdown(out))
         if a.json:
             with open(a.json, "w") as f:
                 json.dump(out, f, indent=2)

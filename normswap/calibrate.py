@@ -16,7 +16,8 @@ activations; one norm output per batch is alive at a time.
 
 Without user data, :func:`builtin_batches` builds a small set from the package's own English
 sentences (``normswap/data/calibration_en.txt``), tokenised with the model's tokenizer when one can
-be found locally, or plausible token ids / generated images / generated audio features otherwise.
+be found locally (its directory, or its preset's), or plausible token ids / generated images /
+generated audio features otherwise.
 
 :func:`measure` compares the calibrated model to the original on held-out batches in the figures
 a user compares (embedding cosine and nearest-neighbour agreement for encoders, top-1 agreement and
@@ -27,11 +28,8 @@ result is unusable.
 from __future__ import annotations
 
 import contextlib
-import os
-import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from importlib import resources
 from typing import Any
 
 import torch
@@ -97,39 +95,8 @@ class CalibrationResult:
 
 
 # ------------------------------------------------------------------------------ built-in data
-def builtin_sentences() -> list[str]:
-    """The package's calibration sentences (a few hundred varied English sentences)."""
-    text = resources.files("normswap").joinpath("data/calibration_en.txt").read_text(encoding="utf-8")
-    return [line.strip() for line in text.splitlines() if line.strip() and not line.startswith("#")]
-
-
-def find_tokenizer(model: nn.Module) -> Any | None:
-    """The model's tokenizer when it was loaded from a local directory that has one, else None."""
-    config = getattr(model, "config", None)
-    path = getattr(config, "_name_or_path", None) or getattr(config, "name_or_path", None)
-    if not path or not os.path.isdir(str(path)):
-        return None
-    try:
-        from transformers import AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-    except Exception:  # noqa: BLE001 - no tokenizer files, or one transformers cannot read
-        return None
-    if getattr(tok, "pad_token", None) is None:
-        tok.pad_token = getattr(tok, "eos_token", None) or getattr(tok, "unk_token", None)
-    return tok if getattr(tok, "pad_token", None) is not None else None
-
-
-def _passages(n: int, seed: int, per: int = 3) -> list[str]:
-    sents = builtin_sentences()
-    rng = random.Random(seed)
-    order = list(range(len(sents)))
-    rng.shuffle(order)
-    out = []
-    for i in range(n):
-        k = 1 + (i % per)  # passages of 1, 2 and 3 sentences: short and longer inputs
-        out.append(" ".join(sents[order[(i * per + j) % len(order)]] for j in range(k)))
-    return out
+builtin_sentences = inputs.builtin_sentences  # the sentences and the tokenizer search live in inputs,
+find_tokenizer = inputs.find_tokenizer  # shared with the verification probe
 
 
 def _smooth_images(shape: tuple[int, ...], gen: torch.Generator, dtype: torch.dtype) -> torch.Tensor:
@@ -157,7 +124,7 @@ def builtin_batches(model: nn.Module, tokenizer: Any = None, *, batches: int = 4
     if tok is not None and text_only:
         limit = min(seq_len, int(getattr(getattr(model, "config", None), "max_position_embeddings", seq_len)
                                  or seq_len) - 2)
-        texts = _passages(batches * batch_size, seed)
+        texts = inputs.passages(batches * batch_size, seed)
         for i in range(batches):
             enc = tok(texts[i * batch_size:(i + 1) * batch_size], padding=True, truncation=True,
                       max_length=max(8, limit), return_tensors="pt")

@@ -1,13 +1,23 @@
 """Example inputs: what the analysis runs the model on, and what verification probes it with.
 
-For Hugging Face models they are built from the config and the forward signature (token ids,
-``pixel_values``, ``input_features``, ``input_values``, decoder ids). Custom models must pass
-``example_inputs``: a tuple of positional args or a dict of kwargs.
+For Hugging Face models the analysis inputs are built from the config and the forward signature
+(token ids, ``pixel_values``, ``input_features``, ``input_values``, decoder ids). Custom models must
+pass ``example_inputs``: a tuple of positional args or a dict of kwargs.
+
+The verification probe (:func:`verification_probe`) is real text where the model's tokenizer is
+known: the package's built-in English sentences (``normswap/data/calibration_en.txt``, also the
+built-in calibration set), tokenised, padded, with an attention mask. Without a tokenizer it falls
+back to random inputs, and says so.
 """
 
 from __future__ import annotations
 
 import inspect
+import os
+import random
+import warnings
+from dataclasses import dataclass
+from importlib import resources
 from typing import Any
 
 import torch
@@ -109,3 +119,167 @@ def cast_inputs(args: tuple, kwargs: dict, dtype: torch.dtype) -> tuple[tuple, d
         return x
 
     return tuple(cast(a) for a in args), {k: cast(v) for k, v in kwargs.items()}
+
+
+# ------------------------------------------------------------------------------ built-in text
+def builtin_sentences() -> list[str]:
+    """The package's built-in sentences (a few hundred varied English sentences)."""
+    text = resources.files("normswap").joinpath("data/calibration_en.txt").read_text(encoding="utf-8")
+    return [line.strip() for line in text.splitlines() if line.strip() and not line.startswith("#")]
+
+
+def passages(n: int, seed: int, per: int = 3, *, from_end: bool = False) -> list[str]:
+    """``n`` passages of 1, 2, ..., ``per`` built-in sentences (short and longer inputs), in an order
+    shuffled by ``seed``. ``from_end`` takes them from the other end of that order: the passages a
+    fit on ``passages(m, seed)`` never sees, as long as both together need fewer sentences than ship."""
+    sents = builtin_sentences()
+    order = list(range(len(sents)))
+    random.Random(seed).shuffle(order)
+    if from_end:
+        order.reverse()
+    out = []
+    for i in range(n):
+        k = 1 + (i % per)
+        out.append(" ".join(sents[order[(i * per + j) % len(order)]] for j in range(k)))
+    return out
+
+
+def find_tokenizer(model: nn.Module) -> Any | None:
+    """The model's own tokenizer when it can be found offline, else None: the one in the local
+    directory the model was loaded from, or a built-in preset's (:mod:`normswap.presets`). A
+    tokenizer without a pad token gets the eos (or unk) token as one."""
+    return _find_tokenizer(model)[0]
+
+
+def _find_tokenizer(model: nn.Module) -> tuple[Any | None, str]:
+    config = getattr(model, "config", None)
+    path = getattr(config, "_name_or_path", None) or getattr(config, "name_or_path", None)
+    if not path:
+        return None, ""
+    tok, where = None, ""
+    if os.path.isdir(str(path)):
+        try:
+            from transformers import AutoTokenizer
+
+            tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+            where = "the tokenizer in the model's directory"
+        except Exception:  # noqa: BLE001 - no tokenizer files, or one transformers cannot read
+            return None, ""
+    else:
+        from normswap import presets
+
+        if presets.is_preset(str(path)):
+            tok, where = presets.tokenizer(str(path)), f"the {path} preset's tokenizer"
+    if tok is None:
+        return None, ""
+    if getattr(tok, "pad_token", None) is None:
+        tok.pad_token = getattr(tok, "eos_token", None) or getattr(tok, "unk_token", None)
+    return (tok, where) if getattr(tok, "pad_token", None) is not None else (None, "")
+
+
+# ------------------------------------------------------------------------------ verification probe
+PROBE_BATCH, PROBE_SEQ, PROBE_SEED, PROBE_MAX_TOKENS = 3, 13, 1, 24
+
+
+@dataclass
+class Probe:
+    """The inputs verification runs the original and the converted model on, and what they are."""
+
+    kwargs: dict[str, Any]
+    source: str  # for the report: real text (and from which tokenizer) or random inputs (and why)
+    text: bool = False  # True: built-in sentences tokenised with the model's tokenizer
+
+    @property
+    def attention_mask(self) -> torch.Tensor | None:
+        """The padding mask the model was given (figures leave padding positions out), or None."""
+        mask = self.kwargs.get("attention_mask")
+        return mask if isinstance(mask, torch.Tensor) else None
+
+
+def _random_source(kwargs: dict[str, Any]) -> str:
+    kinds = {"input_ids": "token ids drawn over the vocabulary", "pixel_values": "pixel values",
+             "input_features": "audio features", "input_values": "audio samples"}
+    return "random " + ", ".join(kinds[k] for k in kinds if k in kwargs)
+
+
+def verification_probe(model: nn.Module, tokenizer: Any = None, *, batch: int = PROBE_BATCH,
+                       seq: int = PROBE_SEQ, seed: int = PROBE_SEED,
+                       max_tokens: int = PROBE_MAX_TOKENS) -> Probe:
+    """The unseen inputs ``patch`` verifies a transformers model on (never the analysis inputs).
+
+    With a tokenizer (``tokenizer``, else :func:`find_tokenizer`) and a model that reads
+    ``input_ids``: ``batch`` passages of 1-3 built-in English sentences (taken from the end of the
+    calibration order, so never the ones the built-in calibration fits on), each tokenised as the
+    tokenizer does (special tokens included), the rows cut at ``max_tokens``, 2/3 and 1/3 of it (so
+    the batch needs padding), padded on the tokenizer's padding side with an ``attention_mask``.
+    Decoder ids, where the model takes them, are the same text. Other inputs (the images of a
+    text+image model) stay as :func:`hf_example_inputs` builds them.
+    Without a usable tokenizer: :func:`hf_example_inputs` with ``seed`` (other ids and another length
+    than the analysis inputs), and ``source`` says why; a tokenizer that was given but cannot be
+    used also warns.
+    """
+    base = hf_example_inputs(model, batch=batch, seq=seq, seed=seed)
+    if "input_ids" not in base:
+        return Probe(base, _random_source(base))
+    tok, where = (tokenizer, "the tokenizer passed in") if tokenizer is not None else _find_tokenizer(model)
+    if tok is None:
+        return Probe(base, _random_source(base) + " (no tokenizer given or found)")
+    tok = getattr(tok, "tokenizer", tok)  # a processor's text tokenizer
+    try:
+        kwargs, lengths = _tokenised(model, tok, base, passages(batch, 0, from_end=True), max_tokens)
+    except (NormswapError, TypeError, ValueError, KeyError, AttributeError) as exc:
+        reason = str(exc).splitlines()[0][:160] if str(exc) else type(exc).__name__
+        if tokenizer is not None:
+            warnings.warn(f"normswap: the tokenizer given cannot make the verification probe ({reason}); "
+                          "verifying on random token ids", stacklevel=3)
+        return Probe(base, f"{_random_source(base)} ({where} is unusable: {reason})")
+    side = getattr(tok, "padding_side", "right")
+    span = f"{min(lengths)}-{max(lengths)}" if min(lengths) != max(lengths) else str(lengths[0])
+    padded = f", {side}-padded with an attention mask" if "attention_mask" in kwargs and min(lengths) != max(
+        lengths) else ""
+    source = (f"built-in English text: {batch} passages tokenised with {where} ({type(tok).__name__}), "
+              f"{span} tokens{padded}")
+    return Probe(kwargs, source, text=True)
+
+
+def _tokenised(model: nn.Module, tok: Any, base: dict[str, Any], texts: list[str],
+               max_tokens: int) -> tuple[dict[str, Any], list[int]]:
+    """``base`` with its token ids replaced by ``texts`` encoded with ``tok`` (padded by hand, so a
+    tokenizer without a pad token is neither refused nor modified)."""
+    config = model.config
+    tcfg = _sub_config(config, "text")
+    vocab = int(_cfg(tcfg, "vocab_size", default=0))
+    max_pos = _cfg(tcfg, "max_position_embeddings", "n_positions", "max_target_positions", "n_ctx")
+    limit = max(2, min(max_tokens, int(max_pos) - 2)) if max_pos else max_tokens
+    rows = []
+    for i, text in enumerate(texts):  # cut at limit, 2/3 and 1/3 of it...: rows of different lengths
+        cap = max(2, limit * (len(texts) - i) // len(texts))
+        ids = tok(text, truncation=True, max_length=cap)["input_ids"]
+        ids = [int(i) for i in (ids.tolist() if isinstance(ids, torch.Tensor) else ids)][:cap]
+        if not ids:
+            raise ValueError("it returned no tokens")
+        rows.append(ids)
+    pad = next((int(i) for i in (getattr(tok, "pad_token_id", None), getattr(tok, "eos_token_id", None),
+                                 getattr(tok, "unk_token_id", None)) if isinstance(i, int)), 0)
+    top = max(max(r) for r in rows + [[pad]])
+    if vocab and top >= vocab:
+        raise ValueError(f"token id {top} is outside the model's vocabulary of {vocab}")
+    width = max(len(r) for r in rows)
+    left = getattr(tok, "padding_side", "right") == "left"
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        cols = slice(width - len(r), width) if left else slice(0, len(r))
+        ids[i, cols] = torch.tensor(r, dtype=torch.long)
+        mask[i, cols] = 1
+    device = base["input_ids"].device
+    params = inspect.signature(model.forward).parameters
+    out = dict(base)
+    out["input_ids"] = ids.to(device)
+    if "attention_mask" in params:
+        out["attention_mask"] = mask.to(device)
+    if "decoder_input_ids" in base:
+        out["decoder_input_ids"] = ids.to(device)
+        if "decoder_attention_mask" in params:
+            out["decoder_attention_mask"] = mask.to(device)
+    return out, [len(r) for r in rows]

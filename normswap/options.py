@@ -61,7 +61,8 @@ class ConvertOptions:
         calibration: inputs (or a list of them) to fit approximate norms by least squares; ``None``
             uses a built-in set, ``False`` fits nothing (γ/β copied).
         sequential: fit approximate norms one after another on the converted model's activations.
-        tokenizer: tokenizer for the built-in calibration text (default: the model's own).
+        tokenizer: tokenizer for the built-in calibration text and the verification probe (default:
+            the model's own, from the directory it was loaded from or its preset).
         verify: compare against the float64 original and refuse conversions that miss tolerance.
         allow_unusable: convert even when the held-out figures say the result is unusable.
         backend: the RMSNorm backend of the new modules (``"auto"`` or a name from

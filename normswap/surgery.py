@@ -49,11 +49,24 @@ def center_(w: torch.Tensor, axis: int, blocks: list[tuple[int, int]] | None) ->
 
 
 def untie(model: nn.Module, u: Untie, value: torch.Tensor | None = None) -> None:
-    """Give ``u.module.u.attr`` its own parameter: a clone of the tied one, or ``value`` (used as is)."""
+    """Give ``u.module.u.attr`` its own parameter: a clone of the tied one, or ``value`` (used as is).
+
+    Without ``value``, a parameter that is no longer tied (registered under no other name: the
+    caller already gave it its own) is left as it is, so untying twice never copies twice."""
     module = model.get_submodule(u.module)
     source = getattr(module, u.attr)
+    if value is None and not _registered_elsewhere(model, source, module, u.attr):
+        return
     data = source.detach().clone() if value is None else value
     setattr(module, u.attr, nn.Parameter(data, requires_grad=source.requires_grad))
+
+
+def _registered_elsewhere(model: nn.Module, param: torch.Tensor, module: nn.Module, attr: str) -> bool:
+    for m in model.modules():
+        for name, p in m._parameters.items():
+            if p is param and not (m is module and name == attr):
+                return True
+    return False
 
 
 def mark_untied(model: nn.Module) -> None:
@@ -383,6 +396,25 @@ def apply_weight_edits(model: nn.Module, plan: Plan, sites: dict[str, NormSite],
         site = sites[f.site]
         module = originals[f.site]
         fold_into_reader(model, f, site.gamma(module), site.beta(module))
+
+
+def written_parameters(plan: Plan, model: nn.Module) -> set[str]:
+    """The parameters of ``model`` that :func:`apply_weight_edits` writes in place, by name.
+
+    The caller gives exactly these tensors their own storage before the edits (the rest of a working
+    copy may share the user's tensors) and copies exactly these back after verification, so an edit
+    that writes a parameter in place must list it here. Untied and widened parameters are new
+    tensors, not in-place writes."""
+    names = {e.target for e in plan.writer_edits}
+    for sf in plan.scale_folds:  # λ is set to 1; its writer's rows are scaled
+        names |= {sf.param, f"{sf.into}.weight", f"{sf.into}.bias"}
+    for rf in plan.rms_folds:
+        names |= {rf.weight} | {f"{r}.weight" for r in rf.readers}
+    for f in plan.folds:
+        names |= ({f"{f.reader}.weight"} if f.gamma else set()) | ({f"{f.reader}.bias"} if f.beta else set())
+    names |= {f"{m.into}.bias" for m in plan.beta_moves}  # value β shares carried through attention
+    present = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    return names & present  # e.g. a LayerScale writer without a bias
 
 
 def apply_structure(model: nn.Module, plan: Plan, backend: str = "auto") -> nn.Module:

@@ -4,7 +4,8 @@ Figures (on the model's primary output: ``logits`` when there is one, else the f
 output that is not a raw residual stream):
 ``max_abs_error``, ``max_rel_error`` (max abs error / max abs reference), ``rel_rms_error``
 (‖error‖ / ‖reference‖), ``kl`` (mean KL of the
-softmax over the last dim, reference ‖ converted), ``top1_agreement``.
+softmax over the last dim, reference ‖ converted), ``top1_agreement``. Given the probe's
+``attention_mask``, figures of per-token outputs count the real tokens, not the padding.
 """
 
 from __future__ import annotations
@@ -78,14 +79,15 @@ def primary_key(outputs: dict[str, torch.Tensor]) -> str | None:
 
 def figures(reference: torch.Tensor, converted: torch.Tensor) -> dict[str, float]:
     ref, out = reference.detach().double(), converted.detach().double()
-    err = (out - ref).abs()
+    diff = out - ref
+    worst = float(diff.abs().max()) if diff.numel() else 0.0
     scale = float(ref.abs().max()) if ref.numel() else 0.0
     norm = float(ref.norm()) if ref.numel() else 0.0
     result = {
-        "max_abs_error": float(err.max()) if err.numel() else 0.0,
-        "max_rel_error": float(err.max()) / scale if scale > 0 else 0.0,
+        "max_abs_error": worst,
+        "max_rel_error": worst / scale if scale > 0 else 0.0,
         # ‖out − ref‖ / ‖ref‖ over the whole output: the stable figure for comparing two roundings
-        "rel_rms_error": float((out - ref).norm()) / norm if norm > 0 else 0.0,
+        "rel_rms_error": float(diff.norm()) / norm if norm > 0 else 0.0,
     }
     if ref.dim() >= 1 and ref.shape[-1] > 1 and ref.numel():
         logp_ref = torch.log_softmax(ref, -1)
@@ -93,6 +95,23 @@ def figures(reference: torch.Tensor, converted: torch.Tensor) -> dict[str, float
         result["kl"] = float((logp_ref.exp() * (logp_ref - logp_out)).sum(-1).mean())
         result["top1_agreement"] = float((ref.argmax(-1) == out.argmax(-1)).double().mean())
     return result
+
+
+def max_rel_error(reference: torch.Tensor, converted: torch.Tensor) -> float:
+    """``max |converted − reference| / max |reference|`` (the ``max_rel_error`` of :func:`figures`
+    without the softmax figures, for outputs that only count towards the worst case)."""
+    ref, out = reference.detach().double(), converted.detach().double()
+    if not ref.numel():
+        return 0.0
+    scale = float(ref.abs().max())
+    return float((out - ref).abs().max()) / scale if scale > 0 else 0.0
+
+
+def rel_rms_error(reference: torch.Tensor, converted: torch.Tensor) -> float:
+    """``‖converted − reference‖ / ‖reference‖`` (the ``rel_rms_error`` of :func:`figures`)."""
+    ref, out = reference.detach().double(), converted.detach().double()
+    norm = float(ref.norm()) if ref.numel() else 0.0
+    return float((out - ref).norm()) / norm if norm > 0 else 0.0
 
 
 def embedding_cosine(reference: torch.Tensor, converted: torch.Tensor,
@@ -124,26 +143,42 @@ def task_figures(ref: dict[str, torch.Tensor], out: dict[str, torch.Tensor], key
     if "last_hidden_state" in keys and ref["last_hidden_state"].dim() == 3:
         result["embedding_cosine"] = embedding_cosine(ref["last_hidden_state"], out["last_hidden_state"],
                                                       attention_mask)
-        result["last_hidden_state_rel_error"] = figures(ref["last_hidden_state"],
-                                                        out["last_hidden_state"])["rel_rms_error"]
+        result["last_hidden_state_rel_error"] = rel_rms_error(
+            real_tokens(ref["last_hidden_state"], attention_mask), real_tokens(out["last_hidden_state"],
+                                                                               attention_mask))
     if "encoder_last_hidden_state" in keys:
-        result["encoder_state_rel_error"] = figures(ref["encoder_last_hidden_state"],
-                                                    out["encoder_last_hidden_state"])["rel_rms_error"]
+        result["encoder_state_rel_error"] = rel_rms_error(
+            real_tokens(ref["encoder_last_hidden_state"], attention_mask),
+            real_tokens(out["encoder_last_hidden_state"], attention_mask))
     return result
+
+
+def real_tokens(t: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    """The rows of ``t`` (``[batch, seq, ...]``) at the real tokens of ``attention_mask`` (``[batch,
+    seq]``), as ``[tokens, ...]``; ``t`` unchanged when there is no mask or it does not fit."""
+    if attention_mask is None or t.dim() < 3 or tuple(t.shape[:2]) != tuple(attention_mask.shape):
+        return t
+    return t[attention_mask.to(device=t.device, dtype=torch.bool)]
 
 
 def compare(reference: Any, converted: Any, skip: set[str] = frozenset(),
             attention_mask: torch.Tensor | None = None) -> dict[str, Any]:
     """Figures for the primary output, the family's own figures (:func:`task_figures`), and the
-    worst relative error over every compared output."""
+    worst relative error over every compared output. With ``attention_mask``, the figures of
+    ``[batch, seq, ...]`` outputs count the real tokens only (padding is not what users compare)."""
     ref, out = comparable(reference, set(skip)), comparable(converted, set(skip))
     keys = [k for k in ref if k in out and ref[k].shape == out[k].shape]
     if not keys:
         return {"compared": []}
     key = primary_key({k: ref[k] for k in keys})
-    result: dict[str, Any] = {"output": key, **figures(ref[key], out[key])}
+
+    def real(t: torch.Tensor) -> torch.Tensor:
+        return real_tokens(t, attention_mask)
+
+    result: dict[str, Any] = {"output": key, **figures(real(ref[key]), real(out[key]))}
     result.update(task_figures(ref, out, keys, attention_mask))
-    result["worst_rel_error_any_output"] = max(figures(ref[k], out[k])["max_rel_error"] for k in keys)
+    result["worst_rel_error_any_output"] = max(
+        result["max_rel_error"] if k == key else max_rel_error(real(ref[k]), real(out[k])) for k in keys)
     result["compared"] = keys
     return result
 

@@ -9,6 +9,7 @@ from torch import nn
 
 import normswap
 from normswap import surgery
+from normswap.api import all_finite
 from tests.custom_models import TinyViT, randomise
 from tests.zoo import EXACT, build
 
@@ -78,6 +79,18 @@ def test_nan_weights_are_refused_and_model_untouched():
     with pytest.raises(normswap.NormswapError, match="head.weight.*NaN"):
         normswap.patch(model, (torch.randn(1, 3, 32, 32, dtype=torch.float64),))
     assert all(torch.equal(state[k], v) or k == "head.weight" for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
+def test_all_finite_finds_any_nan_or_inf(dtype):
+    x = torch.randn(257, 33).to(dtype)
+    assert all_finite(x) and all_finite(torch.empty(0, dtype=dtype))
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        for index in [(0, 0), (128, 7), (256, 32)]:
+            y = x.clone()
+            y[index] = bad
+            assert not all_finite(y), (bad, index)
+            assert not all_finite(y.t())  # strided too
 
 
 def test_train_mode_is_analysed_in_eval_and_restored():

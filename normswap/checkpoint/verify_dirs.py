@@ -36,7 +36,10 @@ def verify_checkpoint(
     """Figures for ``converted`` vs ``original`` and whether an exact conversion is within tolerance.
 
     Returns a dict with ``figures`` (max/mean over batches), ``ok``, ``kind`` (exact/approximate),
-    ``tolerance``, ``batches``, ``dtype``, ``source_match`` and a one-line ``verdict``.
+    ``tolerance``, ``batches``, ``dtype``, ``source_match``, a one-line ``verdict`` and ``probe`` (what
+    the batches are). Without ``data``: the verification probe of :func:`normswap.inputs.verification_probe`
+    (built-in text through ORIGINAL's tokenizer when it has one, padding left out of the figures),
+    then a batch of random inputs.
 
     CONVERTED's manifest records a fingerprint of the model it was made from
     (:func:`normswap.checkpoint.source.fingerprint`); a different ORIGINAL is refused unless
@@ -79,15 +82,21 @@ def verify_checkpoint(
 
         tok = proc if proc is not None else source.load_processor(conv_path)
         batches = read_calibration(data, tok, orig)
+        probe_source = f"--data {data}"
     elif inputs.is_hf_model(orig):
-        batches = [inputs.hf_example_inputs(orig, batch=2, seq=12, seed=s) for s in (101, 102)]
+        # the verification probe (real text where ORIGINAL's tokenizer is known), then random ids
+        tok = getattr(proc, "tokenizer", proc) if proc is not None else None
+        probe = inputs.verification_probe(orig, tok if callable(tok) else None, seed=101)
+        batches = [probe.kwargs, inputs.hf_example_inputs(orig, batch=2, seq=12, seed=102)]
+        probe_source = f"{probe.source}; then random inputs"
     else:
         raise NormswapError("cannot build inputs for this model; pass --data")
     skip = set(plan.changed_outputs)
     per_batch = []
     with torch.no_grad():
         for batch in batches:
-            per_batch.append(compare(orig(**batch), conv(**batch), skip))
+            mask = batch.get("attention_mask") if isinstance(batch.get("attention_mask"), torch.Tensor) else None
+            per_batch.append(compare(orig(**batch), conv(**batch), skip, mask))
     if not per_batch or "max_rel_error" not in per_batch[0]:
         raise NormswapError("the two models share no comparable output (different tasks?); pass --task")
     figures: dict[str, Any] = {"output": per_batch[0].get("output")}
@@ -133,4 +142,5 @@ def verify_checkpoint(
         "dtype": _DTYPE_NAMES.get(dtype, str(dtype)),
         "verdict": verdict,
         "source_match": source_match,
+        "probe": probe_source,
     }

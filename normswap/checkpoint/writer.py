@@ -460,6 +460,8 @@ def model_card(manifest: dict[str, Any], out_name: str) -> str:
             "|---|---|",
             figs,
         ]
+        if isinstance(ver.get("probe"), str):
+            lines += ["", f"Probe inputs: {ver['probe']}."]
     lines += ["", "## How to load", ""]
     if fmt == "native":
         lines += [

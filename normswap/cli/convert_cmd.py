@@ -244,6 +244,8 @@ def convert(
     figs = figures_line(report.verification)
     if figs:
         click.echo(f"verification: {figs}")
+    if report.verification.get("probe"):
+        click.echo(f"verified on: {report.verification['probe']}")
     note = _recovery_note(plan, calibration_data)
     if note:
         click.echo(f"note: {note}", err=True)

@@ -31,7 +31,8 @@ Approximate conversions only report their error.
     type=click.Path(dir_okay=False),
     default=None,
     help="Evaluation inputs to compare the two models on: a text file (one sample per line) or "
-    "JSONL with a 'text' field (default: random valid inputs).",
+    "JSONL with a 'text' field (default: built-in English text through ORIGINAL's tokenizer when it "
+    "has one, then random valid inputs).",
 )
 @click.option(
     "--force",
@@ -79,6 +80,7 @@ def verify(
         click.echo(json.dumps(result, indent=2, default=str))
     else:
         click.echo(f"{result['kind']} conversion, {result['batches']} batch(es), dtype {result['dtype']}")
+        click.echo(f"inputs: {result['probe']}")
         click.echo(f"figures: {figures_line(result['figures'])}")
         click.echo(result["verdict"])
     if not result["ok"]:
