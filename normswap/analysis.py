@@ -44,6 +44,7 @@ from normswap.dataflow import (
 from normswap.errors import NormswapError
 from normswap.plan import (
     BetaMove,
+    CenteredReader,
     CenterHook,
     FoldEdit,
     MeanCarry,
@@ -983,6 +984,9 @@ def analyse(model: nn.Module, graph: Graph, sites: list[NormSite], *, untie: boo
         sp.linear_readers = sorted(foldable)
         if sp.verdict != "approximate":
             _plan_folds(an, site, sp, sorted(foldable), other, plan, unties, reader_sources, reader_calls)
+        else:
+            plan.centered_readers += _centered_readers(an, site, sorted(foldable), unties, reader_sources,
+                                                       reader_calls)
         sp.rotation_reason = _rotation_blocker(an, site, sp, centered_by, sorted(set(other)))
         if carries and not sp.rotation_reason:
             sp.rotation_reason = "its stream carries a Post-LN norm output (mean cancelled in the MLP)"
@@ -1107,6 +1111,33 @@ def _plan_folds(an: Analyzer, site: NormSite, sp: SitePlan, foldable: list[str],
                 plan.beta_moves.append(BetaMove(site.path, p, writer_kind(an.modules[p]), r.into, r.kind, r.runs))
     if fold_beta:
         an.cache_outputs |= {o for r in routes.values() for o in r.outputs}
+
+
+def _centered_readers(an: Analyzer, site: NormSite, foldable: list[str], unties: dict,
+                      reader_sources: dict[str, set[str]], reader_calls: dict[str, set[int]]) -> list[CenteredReader]:
+    """The Linear readers of an approximate norm that can be made blind to the mean its RMSNorm leaks
+    (:class:`~normswap.plan.CenteredReader`): each reads only this norm's whole, unpermuted output on
+    every call, owns its weight, and has a bias slot for the β correction (unless the norm has no β).
+    γ must be well conditioned (the edit divides by it)."""
+    if len(site.normalized_shape) != 1 or (site.weight_attr is not None
+                                           and list(site.param_shape) != list(site.normalized_shape)):
+        return []
+    module = an.modules[site.path]
+    if site.weight_attr is not None and not _well_conditioned(site.gamma(module)):
+        return []
+    out = []
+    for path in foldable:
+        reader = an.modules[path]
+        every_call = {c.id for c in an.calls_per_path.get(path, [])}
+        if reader_sources[path] != {site.path} or reader_calls[path] != every_call:
+            continue
+        shared = [o for o, _ in an.param_owners.get(id(reader.weight), []) if an.modules.get(o) is not reader]
+        if (shared or an._sharing_problem(reader.weight, path) is not None) and (path, "weight") not in unties:
+            continue  # the edit would change the other owner (a tied embedding) too
+        if site.bias_attr is not None and reader.bias is None:
+            continue
+        out.append(CenteredReader(site.path, path, writer_kind(reader)))
+    return out
 
 
 def _fold_blocker(an: Analyzer, site: NormSite, foldable: list[str], other: list[str], unties: dict,

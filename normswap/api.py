@@ -288,6 +288,8 @@ def decide_verdicts(plan: Plan, mode: str) -> None:
             sp.convert = True
         elif sp.verdict == "approximate":
             sp.convert = mode in ("auto", "all")
+    converted = {sp.name for sp in plan.sites if sp.convert}
+    plan.centered_readers = [r for r in plan.centered_readers if r.site in converted]
     plan.options["mode"] = mode
 
 

@@ -141,6 +141,23 @@ class MeanCarry:
 
 
 @dataclass
+class CenteredReader:
+    """Make a Linear reader of an *approximate* norm blind to the mean its RMSNorm leaks.
+
+    A LayerNorm's output is ``γ⊙u + β`` with ``u`` zero-mean. The RMSNorm that approximates it
+    computes ``x / rms(x)``, which for an input of mean ``m`` is ``(σ/rms)·u + (m/rms)·1``: to first
+    order the whole error is that one direction. The reader ``W n + c`` becomes
+    ``W' = W·diag(γ)·P·diag(1/γ)`` with ``P = I − 11ᵀ/d`` and ``c' = c + (W − W')β``: equal on every
+    LayerNorm output (exact for the original, since ``P u = u``), and zero on the leaked direction,
+    which leaves the reader only the second-order scale error ``σ/rms − 1``.
+    """
+
+    site: str  # the approximate norm
+    reader: str  # a Linear / Conv1D reading only its output, with a bias slot unless the norm has no β
+    kind: str  # linear | conv1d
+
+
+@dataclass
 class Untie:
     """Give ``module.attr`` its own copy of the tied parameter ``source`` before centering."""
 
@@ -192,6 +209,7 @@ class Plan:
     rms_folds: list[RmsFold] = field(default_factory=list)  # fold_gamma on already-RMS norms
     mean_carries: list[MeanCarry] = field(default_factory=list)  # MLPs widened to cancel a Post-LN mean
     beta_moves: list[BetaMove] = field(default_factory=list)  # value-projection β shares moved into an output bias
+    centered_readers: list[CenteredReader] = field(default_factory=list)  # readers of approximate norms
     changed_outputs: list[str] = field(default_factory=list)
     options: dict[str, Any] = field(default_factory=dict)
 
@@ -229,6 +247,8 @@ class Plan:
             extra.append(f"β moved through attention into {len(self.beta_moves)} output bias(es)")
         if self.hooks:
             extra.append(f"{len(self.hooks)} centering op(s)")
+        if self.centered_readers:
+            extra.append(f"{len(self.centered_readers)} reader(s) of approximate norms blind to the leaked mean")
         if self.rms_folds:
             extra.append(f"γ of {len(self.rms_folds)} RMS norm(s) folded")
         if self.scale_folds:
@@ -302,6 +322,7 @@ class Plan:
             rms_folds=[RmsFold(**f) for f in data.get("rms_folds", [])],
             mean_carries=[MeanCarry(**c) for c in data.get("mean_carries", [])],
             beta_moves=[BetaMove(**{**m, "runs": [tuple(r) for r in m["runs"]]}) for m in data.get("beta_moves", [])],
+            centered_readers=[CenteredReader(**r) for r in data.get("centered_readers", [])],
             changed_outputs=list(data.get("changed_outputs", [])),
             options=dict(data.get("options", {})),
         )

@@ -20,6 +20,7 @@ from torch.utils import _pytree as pytree
 from normswap.norm import RMSNorm
 from normswap.plan import (
     BetaMove,
+    CenteredReader,
     CenterHook,
     FoldEdit,
     MeanCarry,
@@ -225,6 +226,23 @@ def fold_into_reader(model: nn.Module, f: FoldEdit, gamma: torch.Tensor | None, 
             reader.weight.copy_(w.to(reader.weight.dtype))
 
 
+def center_reader(model: nn.Module, r: CenteredReader, gamma: torch.Tensor | None, beta: torch.Tensor | None) -> None:
+    """``W' = W·diag(γ)·P·diag(1/γ)``, ``c' = c + (W − W')β`` (:class:`~normswap.plan.CenteredReader`), for
+    Linear ``[out,in]`` and Conv1D ``[in,out]``: the reader sees a LayerNorm output as before and
+    ignores the mean an approximate RMSNorm leaks. ``W·diag(γ)·P`` subtracts each row's mean."""
+    reader = model.get_submodule(r.reader)
+    w = reader.weight.detach().double()
+    if r.kind == "conv1d":
+        w = w.T
+    g = gamma.double() if gamma is not None else torch.ones(w.shape[1], dtype=torch.float64, device=w.device)
+    scaled = w * g
+    new = (scaled - scaled.mean(dim=1, keepdim=True)) / g
+    with torch.no_grad():
+        if beta is not None:
+            reader.bias.copy_((reader.bias.detach().double() + (w - new) @ beta.double()).to(reader.bias.dtype))
+        reader.weight.copy_((new.T if r.kind == "conv1d" else new).to(reader.weight.dtype))
+
+
 def moved_shift(w_reader: torch.Tensor, w_into: torch.Tensor, beta: torch.Tensor, m: BetaMove) -> torch.Tensor:
     """What :class:`BetaMove` ``m`` adds to ``m.into``'s bias: ``W_into · scatter(W_reader β)`` (float64).
 
@@ -387,6 +405,8 @@ def apply_weight_edits(model: nn.Module, plan: Plan, sites: dict[str, NormSite],
         fold_layer_scale(model, sf)
     for e in plan.writer_edits:
         center_writer(model, e)
+    for r in plan.centered_readers:  # before widening: the carry's added rows must see the norm's output as is
+        center_reader(model, r, sites[r.site].gamma(originals[r.site]), sites[r.site].beta(originals[r.site]))
     for c in plan.mean_carries:  # after centering: the carry's columns are constant on purpose
         widen_mlp(model, c)
         release_free_memory()  # the narrower tensors' holes (see release_free_memory)
@@ -413,6 +433,8 @@ def written_parameters(plan: Plan, model: nn.Module) -> set[str]:
     for f in plan.folds:
         names |= ({f"{f.reader}.weight"} if f.gamma else set()) | ({f"{f.reader}.bias"} if f.beta else set())
     names |= {f"{m.into}.bias" for m in plan.beta_moves}  # value β shares carried through attention
+    for r in plan.centered_readers:  # readers of approximate norms, blind to the leaked mean
+        names |= {f"{r.reader}.weight", f"{r.reader}.bias"}
     present = {name for name, _ in model.named_parameters(remove_duplicate=False)}
     return names & present  # e.g. a LayerScale writer without a bias
 
