@@ -9,15 +9,18 @@ How it is built (compiler, instruction set, cache, the OpenMP link and the varia
 :mod:`normswap.backends.cpu_build`; this module is the runtime: the self-test, the calls, the
 output pool, the autograd function and the ``torch.compile`` custom ops.
 
-Semantics are exactly ``eager``'s (HF Llama cast order): fp32 sum of squares and rstd, ``x * rstd``
-rounded to the input dtype, ``* weight`` (cast to the input dtype) rounded, ``+ bias`` rounded.
-float64 inputs compute in float64. Supported: float32, bfloat16, float16 (with F16C or a compiler
-``_Float16``), float64; rows whose normalised dims are contiguous with any row stride (anything else is
-made contiguous first); per-head weights (``param_shape`` larger than ``normalized_shape``).
+Semantics are exactly ``eager``'s (the LayerNorm cast order): fp32 sum of squares, rstd,
+``x * rstd * weight + bias`` with the weight and bias upcast from their own dtype, and one rounding to
+the input dtype at the store. float64 inputs compute in float64. Supported: float32, bfloat16, float16
+(with F16C or a compiler ``_Float16``), float64; parameters in the input dtype or any other float dtype
+(passed to the kernel as float32: flags bit 1); rows whose normalised dims are contiguous with any row
+stride (anything else is made contiguous first); per-head weights (``param_shape`` larger than
+``normalized_shape``).
 
 Gradients: the forward also writes fp32 ``rstd`` per row; the backward is a second C++ kernel (the
-math of :func:`backward_math`: fp32, two passes per row, per-thread fp32 dW/dB partials summed in
-thread order, so dW is reproducible for a given thread count). float64 uses ``backward_math``.
+math of :func:`backward_math`: fp32, two passes per row, ``dW`` accumulates ``dy * x * rstd`` with no
+intermediate rounding, per-thread fp32 dW/dB partials summed in thread order, so dW is reproducible for
+a given thread count). float64 uses ``backward_math``.
 Under ``torch.compile`` forward and backward are the custom ops ``normswap::cpu_rms_norm`` and
 ``normswap::cpu_rms_norm_bwd`` (``register_fake`` + ``register_autograd``), so there is no graph
 break; in eager mode an ``autograd.Function`` calls the kernels without the op dispatcher's overhead.
@@ -202,14 +205,30 @@ def _new_output(shape: tuple[int, ...], dtype: torch.dtype, pooled: bool) -> tor
 
 
 # ----------------------------------------------------------------------------------- the call
-def _params(p: torch.Tensor | None, dtype: torch.dtype, n: int) -> tuple[torch.Tensor | None, int]:
-    if p is None:
-        return None, 1
-    if p.dtype != dtype:
-        p = p.detach().to(dtype)  # eager semantics: the weight is cast to the input dtype
-    if not p.is_contiguous():
-        p = p.contiguous()
-    return p, p.numel() // n
+_F32_PARAMS = 2  # kernel flags bit 1: weight and bias are float32 (see csrc/rmsnorm.cpp)
+
+
+def _params(weight: torch.Tensor | None, bias: torch.Tensor | None, dtype: torch.dtype, n: int,
+            ) -> tuple[torch.Tensor | None, int, torch.Tensor | None, int, int]:
+    """Weight and bias as the kernel reads them: ``(w, w_rows, b, b_rows, flags)``.
+
+    Parameters in x's dtype go as they are. Any other dtype is converted to the compute dtype, as
+    ``eager`` does (float32 for a half-precision x: exact for bf16/fp16 parameters, and an fp32 weight
+    is used unrounded); for a half-precision x both then go as float32 and ``flags`` says so.
+    """
+    mixed = (weight is not None and weight.dtype != dtype) or (bias is not None and bias.dtype != dtype)
+    target = compute_dtype(dtype) if mixed else dtype
+    out: list = []
+    for p in (weight, bias):
+        if p is None:
+            out += [None, 1]
+            continue
+        if p.dtype != target:
+            p = p.detach().to(target)
+        if not p.is_contiguous():
+            p = p.contiguous()
+        out += [p, p.numel() // n]
+    return out[0], out[1], out[2], out[3], _F32_PARAMS if target != dtype else 0
 
 
 def _run(
@@ -242,15 +261,14 @@ def _run(
     else:
         x2 = as_rows(x, n)
         ptr, row_stride = x2.data_ptr(), x2.stride(0)
-    w, wrows = _params(weight, x.dtype, n)
-    b, brows = _params(bias, x.dtype, n)
+    w, wrows, b, brows, flags = _params(weight, bias, x.dtype, n)
     status = k.fn(
         DTYPE_CODES[x.dtype], ptr, m, n, row_stride,
         w.data_ptr() if w is not None else None, wrows,
         b.data_ptr() if b is not None else None, brows,
         y.data_ptr(), rstd.data_ptr() if rstd is not None else None, eps,
         torch.get_num_threads() if numel >= _PARALLEL_MIN_ELEMENTS else 1,
-        1 if out_bytes >= _STREAM_MIN_BYTES else 0,
+        flags | (1 if out_bytes >= _STREAM_MIN_BYTES else 0),
     )
     if status != 0:
         raise RuntimeError(f"normswap cpu kernel: unsupported dtype {x.dtype}")
@@ -267,7 +285,8 @@ def backward_math(
     eps: float,
     needs: tuple[bool, bool, bool],
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """Gradients of ``eager.rms_norm`` with the casts treated as identity, in fp32 (fp64 for fp64).
+    """Gradients of ``eager.rms_norm`` with its output rounding treated as identity, in fp32 (fp64 for
+    fp64): ``dW`` sums ``dy * x * rstd`` unrounded, as autograd through ``eager`` does.
 
     ``rstd`` (fp32, one per row) is reused when given; for float64 it is recomputed in float64 so
     gradcheck sees full precision. Shared by the ``cpu`` backend and the custom-op backward.
@@ -284,11 +303,10 @@ def backward_math(
     dx = dw = db = None
     if weight is not None:
         wrows = max(weight.numel() // n, 1)
-        w2 = weight.detach().to(x.dtype).to(cdt).reshape(wrows, n)
+        w2 = weight.detach().to(cdt).reshape(wrows, n)
         gw = (g.view(-1, wrows, n) * w2).view(-1, n)
         if needs[1]:
-            y0 = xhat.to(x.dtype).to(cdt)  # the rounded normalised value the weight multiplied
-            dw = (g * y0).view(-1, wrows, n).sum(0).reshape(weight.shape).to(weight.dtype)
+            dw = (g * xhat).view(-1, wrows, n).sum(0).reshape(weight.shape).to(weight.dtype)
     else:
         gw = g
     if needs[0]:
@@ -319,7 +337,7 @@ def backward(
     x2 = as_rows(x.detach(), n)
     dy2 = as_rows(dy.detach().to(x.dtype), n)
     m = x2.shape[0]
-    w, wrows = _params(weight, x.dtype, n)
+    w, wrows, _, _, flags = _params(weight, None, x.dtype, n)
     prows = max(wrows, bias.numel() // n if bias is not None else 1)
     if w is not None and wrows != prows:
         w, wrows = w.repeat(prows // wrows, 1).contiguous(), prows  # e.g. per-head bias, shared weight
@@ -334,7 +352,7 @@ def backward(
         DTYPE_CODES[x.dtype], x2.data_ptr(), dy2.data_ptr(), m, n, x2.stride(0), dy2.stride(0),
         w.data_ptr() if w is not None else None, prows, rstd.contiguous().data_ptr(), dx.data_ptr(),
         dw_part.data_ptr() if dw_part is not None else None,
-        db_part.data_ptr() if db_part is not None else None, threads,
+        db_part.data_ptr() if db_part is not None else None, threads, flags,
     )
     if status != 0:
         return backward_math(dy, x, rstd, normalized_shape, weight, bias, eps, needs)

@@ -162,7 +162,8 @@ def load_ctypes(path: str) -> ctypes.CDLL:
     lib.ns_rms_norm_fwd.argtypes = [ctypes.c_int, P, I64, I64, I64, P, I64, P, I64, P, P, ctypes.c_double,
                                     ctypes.c_int, ctypes.c_int]
     lib.ns_rms_norm_fwd.restype = ctypes.c_int
-    lib.ns_rms_norm_bwd.argtypes = [ctypes.c_int, P, P, I64, I64, I64, I64, P, I64, P, P, P, P, ctypes.c_int]
+    lib.ns_rms_norm_bwd.argtypes = [ctypes.c_int, P, P, I64, I64, I64, I64, P, I64, P, P, P, P, ctypes.c_int,
+                                    ctypes.c_int]
     lib.ns_rms_norm_bwd.restype = ctypes.c_int
     lib.ns_supported_dtypes.restype = ctypes.c_int
     lib.ns_isa.restype = ctypes.c_int
