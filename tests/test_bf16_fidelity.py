@@ -16,8 +16,10 @@ head untied, exact in float64), already reads 1.17× on the zoo's CLIP-vision mo
 across eight random CLIP-vision models, where the full conversion reads 0.83-1.20× (geometric mean
 1.00). So each entry's ratio here is the geometric mean over ``MODEL_SEEDS`` random models, each
 probed on ``BATCH`` × 32 tokens: that is what the 1.1× target is about, and what a regression in the
-kernels' cast order moves (this mean reads at most 1.06× bf16 / 1.03× fp16 over the zoo; with the old
-three-rounding kernels it read up to 1.17× / 1.15×, above 1.1× in 25 of the 56 cases).
+kernels' cast order moves (over the 28 ``EXACT`` entries this mean reads at most 1.06× bf16 / 1.03×
+fp16; with the old three-rounding kernels it read up to 1.17× / 1.15×, above 1.1× in 25 of those 56
+cases). The families of ``MORE`` that must convert exactly are checked too, except data2vec-vision
+(``NOT_CLAIMED``, see there).
 """
 
 import copy
@@ -32,16 +34,24 @@ from normswap.api import default_dtype
 from normswap.inputs import cast_inputs, hf_example_inputs
 from normswap.surgery import CenterOutput
 from normswap.verify import compare, dtype_error_ratio
-from tests.zoo import EXACT, build
+from tests.zoo import EXACT, MORE, build
 
 TARGET = 1.1  # issue 12 §1
+# Not asserted: data2vec-vision (a LayerScale image classifier). Its output is 2 logits per image and its
+# ratio scatters 0.75-2.35 from one random model to the next (eight models, 128 images each); the mean
+# over those eight is 1.32 bf16 / 1.23 fp16 and was 1.35 / 1.24 with the old three-rounding kernels, so
+# the norm's rounding is not what sets it (README: the LayerScale classifiers are reported, not claimed).
+NOT_CLAIMED = {"data2vec-vision"}
+# every other zoo family that converts exactly: name -> the table build() takes it from
+ENTRIES = {**{n: EXACT for n in EXACT},
+           **{n: {n: f} for n, (f, verdict) in MORE.items() if verdict == "exact" and n not in NOT_CLAIMED}}
 MODEL_SEEDS = tuple(range(6))
 BATCH = 32
 
 
 @functools.cache
 def _converted(name, seed):
-    model = build(EXACT, name, seed=seed)
+    model = build(ENTRIES[name], name, seed=seed)
     probe = hf_example_inputs(model, batch=BATCH, seq=32, seed=11)
     with torch.no_grad(), default_dtype(torch.float64):
         reference = model(**probe)
@@ -63,7 +73,7 @@ def _ratio(name, seed, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("name", sorted(EXACT))
+@pytest.mark.parametrize("name", sorted(ENTRIES))
 def test_round_once_after_fp64_surgery_costs_what_the_dtype_costs(name, dtype):
     ratios = [_ratio(name, seed, dtype) for seed in MODEL_SEEDS]
     finite = [r for r in ratios if r is not None]
