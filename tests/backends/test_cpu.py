@@ -381,6 +381,8 @@ def test_kernel_source_is_package_data_and_keys_the_build_cache(monkeypatch):
 
     assert cpu_build.SOURCE == cpu_build.PATH.read_text(encoding="utf-8")
     assert "ns_rms_norm_fwd" in cpu_build.SOURCE
+    assert cpu_build.OP_SOURCE == cpu_build.OP_PATH.read_text(encoding="utf-8")  # the operator variant's
+    assert "TORCH_LIBRARY" in cpu_build.OP_SOURCE and cpu_build.OP_PATH.suffix == ".cpp"
     pyproject = (Path(__file__).resolve().parents[2] / "pyproject.toml").read_text()
     assert '"normswap.backends" = ["csrc/*.cpp"]' in pyproject
     if not cpu.available()[0]:
@@ -392,3 +394,71 @@ def test_kernel_source_is_package_data_and_keys_the_build_cache(monkeypatch):
     monkeypatch.setattr(cpu_build, "SOURCE", cpu_build.SOURCE + "\n// edited\n")
     assert cpu_build.build(lambda k: None).fn is None
     assert tried and built not in {os.path.basename(p) for p in tried}
+
+
+# ----------------------------------------------------------------------- the C++ autograd operator
+def _op_or_skip():
+    op = cpu.autograd_op(wait=True)
+    if op is None:
+        pytest.skip(f"no C++ autograd operator here: {cpu.op_reason()}")
+    return op
+
+
+@pytest.mark.skipif(not HAVE_CXX, reason="needs a C++ compiler")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_autograd_operator_matches_the_function_path_bit_for_bit(dtype):
+    """The operator (forward and backward in C++) computes what the Python autograd.Function computes
+    with the same kernels: output, dx, dW and dB, bit for bit; also for a non-contiguous input, an
+    input needing only some gradients, and an empty one."""
+    op = _op_or_skip()
+    if dtype not in cpu.kernel().dtypes:
+        pytest.skip(f"{dtype} not built here")
+    for m, weight, bias, strided in ((7, True, True, False), (33, True, False, True), (5, False, True, False),
+                                     (0, True, True, False)):
+        x, w, b = make_inputs(m, (96,), dtype, weight=weight, bias=bias, strided=strided, seed=m,
+                              requires_grad=True)
+        dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(2)).to(dtype)
+        params = [t for t in (x, w, b) if t is not None]
+        got_y = op(x, w, b, 1e-5)
+        got = torch.autograd.grad(got_y, params, dy)
+        ref_y = cpu._RMSNormCPU.apply(x, (96,), w, b, 1e-5)
+        ref = torch.autograd.grad(ref_y, params, dy)
+        assert torch.equal(got_y, ref_y)
+        for g, r in zip(got, ref, strict=True):
+            assert g.dtype == r.dtype and g.shape == r.shape and torch.equal(g, r)
+    x, w, b = make_inputs(9, (96,), dtype, bias=True, seed=3)
+    w.requires_grad_(True)  # x and b need no gradient
+    (gw,) = torch.autograd.grad(op(x, w, b, 1e-5).float().sum(), (w,))
+    (rw,) = torch.autograd.grad(cpu._RMSNormCPU.apply(x, (96,), w, b, 1e-5).float().sum(), (w,))
+    assert torch.equal(gw, rw)
+    for bad in (w[:95], w.double() if dtype != torch.float64 else w.float(), torch.stack([w, w], 1)[:, 0]):
+        with pytest.raises(RuntimeError, match="weight and bias must be"):  # never a read past the parameter
+            op(x, bad, None, 1e-5)
+
+
+@pytest.mark.skipif(not HAVE_CXX, reason="needs a C++ compiler")
+def test_module_calls_with_gradients_go_through_the_operator(monkeypatch):
+    """A module call with gradients is one dispatcher call (a C++ autograd node) once the operator is
+    loaded; float64 and outputs of the output pool's size keep the Function; so does everything when
+    the operator is off."""
+    _op_or_skip()
+    m = normswap.RMSNorm(64, bias=True)
+    y = m(torch.randn(3, 64, requires_grad=True))
+    assert type(y.grad_fn).__name__ == "CppFunction"
+    y.sum().backward()
+    assert m.weight.grad is not None and m.bias.grad is not None
+    y = normswap.rms_norm(torch.randn(3, 64), 64, m.weight, m.bias)  # the functional fast path too
+    assert type(y.grad_fn).__name__ == "CppFunction"
+    m64 = normswap.RMSNorm(64, dtype=torch.float64)
+    assert type(m64(torch.randn(3, 64, dtype=torch.float64)).grad_fn).__name__ == "_RMSNormCPUBackward"
+    big = torch.randn(cpu._POOL_MIN_BYTES // 4 // 64 + 1, 64)  # >= the pool threshold in float32
+    assert type(m(big).grad_fn).__name__ == "_RMSNormCPUBackward"
+    monkeypatch.setattr(cpu, "_OP", [None])  # as when the operator is unavailable or still building
+    m.clear_decisions()
+    assert type(m(torch.randn(3, 64)).grad_fn).__name__ == "_RMSNormCPUBackward"
+
+
+def test_operator_can_be_disabled(monkeypatch):
+    monkeypatch.setenv("NORMSWAP_CPU_OP", "0")
+    o = cpu_build.build_op(0, False, 1 << 40)
+    assert o.op is None and "NORMSWAP_CPU_OP=0" in o.reason

@@ -681,6 +681,27 @@ int ns_supported_dtypes(void) {
 
 int ns_isa(void) { return NS_ISA; }
 
+// n float32 values into dtype code ``dtype`` (0 float32, 1 bfloat16, 2 float16), rounded to nearest
+// even: the cast of a parameter gradient accumulated in float32 (used by csrc/rmsnorm_op.cpp, where it
+// saves a dispatcher call per gradient). Returns 0 on success.
+int ns_f32_to(int dtype, const float* src, void* dst, int64_t n) {
+  auto convert = [&](auto d) {
+    using T = typename decltype(d)::T;
+    T* out = static_cast<T*>(dst);
+    int64_t i = 0;
+    for (; i + L <= n; i += L) vstore(d, out + i, vload(F32{}, src + i));
+    if (i < n) vstore_tail(d, out + i, vload_tail(F32{}, src + i, int(n - i)), int(n - i));
+  };
+  switch (dtype) {
+    case 0: convert(F32{}); return 0;
+    case 1: convert(BF16{}); return 0;
+#ifdef NS_HAS_F16
+    case 2: convert(F16{}); return 0;
+#endif
+  }
+  return 1;
+}
+
 }  // extern "C"
 
 #ifdef NS_PYTHON
