@@ -45,6 +45,11 @@ def host_cost(device: str, dtypes: list[str], rounds: int = 15, rows: int = 4, n
     if device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device here")
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    if device == "cpu":  # grad-mode calls use the C++ autograd operator once it is built: wait for it
+        from normswap.backends import cpu
+
+        cpu.autograd_op(wait=True)
+        print(f"cpu grad-mode path: {cpu.op_reason()}")
     rows_out = []
     print(f"host cost per module call, {rows}x{n} on {device} (median over {rounds} interleaved rounds; "
           "ratio = median of per-round ratios)")

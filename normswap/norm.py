@@ -37,9 +37,11 @@ def rms_norm(
 ) -> torch.Tensor:
     """``weight * x / sqrt(mean(x**2) + eps) + bias`` over the trailing ``normalized_shape`` dims.
 
-    Accumulates in float32 (float64 for float64 input) and returns the input dtype. ``weight`` and
-    ``bias`` may have more leading dims than ``normalized_shape`` (per-head parameters) as long as
-    they broadcast against ``x``.
+    Cast order (every backend): the whole expression is computed in float32 (float64 for float64
+    input), with ``weight`` and ``bias`` upcast from their own dtype, and the result is rounded to the
+    input dtype once, as ``torch.layer_norm`` does; so a converted bf16/fp16 model rounds where the
+    LayerNorm it replaced rounded. ``weight`` and ``bias`` may have more leading dims than
+    ``normalized_shape`` (per-head parameters) as long as they broadcast against ``x``.
     """
     kind = type(normalized_shape)  # exact-type checks: the common cases without _as_shape's loop
     shape = normalized_shape if kind is tuple else (normalized_shape,) if kind is int else _as_shape(normalized_shape)
@@ -108,7 +110,9 @@ class RMSNorm(nn.Module):
     """Root-mean-square normalisation with optional bias.
 
     ``y = weight * x / sqrt(mean(x**2) + eps) + bias``. With a zero-mean input this equals
-    ``LayerNorm`` with the same eps, which is what makes normswap's conversions exact.
+    ``LayerNorm`` with the same eps, which is what makes normswap's conversions exact. In half
+    precision it also rounds like ``LayerNorm``: float32 arithmetic throughout, one rounding of the
+    output (see :func:`rms_norm`), not Hugging Face ``LlamaRMSNorm``'s rounding before the weight.
 
     Args:
         normalized_shape: trailing dims to normalise over.

@@ -4,7 +4,8 @@ A backend is a module with ``name``, ``available() -> (bool, reason)``,
 ``supports(x, weight, bias) -> bool`` and ``rms_norm(x, normalized_shape, weight, bias, eps)``, and
 optionally ``bind(x, normalized_shape, weight, bias, grad)`` (a launcher specialised for calls like
 this one; see README.md in this directory).
-They all compute the same function (see ``eager`` for the cast order); they differ in speed.
+They all compute the same function with the same cast order (the LayerNorm one: float32 arithmetic,
+one rounding of the output; see ``eager``); they differ in speed.
 
 Backends: ``eager`` (pure PyTorch), ``native`` (``F.rms_norm``), ``cpu`` (fused C++ kernel built at
 first use), ``triton`` (our CUDA kernels; CPU only under ``TRITON_INTERPRET=1``).
@@ -62,6 +63,10 @@ HOST_US: dict[tuple[str, bool], float] = {
     ("triton", True): 683.0,  # triton forward+backward 582-683
     ("add", False): 8.0,  # one more aten launch (estimate: half an F.rms_norm call; not measured alone)
     ("add", True): 30.0,  # the add's autograd node and the bias-gradient sum (estimate)
+    # native's float32 route (half precision with a bias or per-head weights, so that it rounds once):
+    # the upcast and the casting add are two more launches than native + add (estimate: 2 x "add")
+    ("fp32_route", False): 16.0,
+    ("fp32_route", True): 60.0,
 }
 # GPU time per element for 2-byte dtypes, picoseconds (bandwidth-bound, at 32768x4096 bf16; scale by
 # itemsize / 2 for other dtypes): native forward 259 us, triton 180 us, copy 178 us; forward+backward
@@ -74,6 +79,11 @@ GPU_PS: dict[tuple[str, bool], float] = {
     ("triton", True): 3.76,
     ("add", False): 1.33,
     ("add", True): 2.0,
+    # native's float32 route over native + add (estimate from bytes, not measured: the upcast writes
+    # 4 bytes per element, the norm then reads and writes 4 instead of 2, the final add reads 4 instead
+    # of 2: 12 more bytes per element at a copy's 1.33 ps per 4 bytes; the backward taken as twice that)
+    ("fp32_route", False): 4.0,
+    ("fp32_route", True): 8.0,
 }
 # Under torch.compile or CUDA-graph capture host time is paid once, so only GPU time counts; at small
 # shapes the linear model above does not hold (triton loses: 2048x4096 forward 10.7 vs native 9.5 us,
@@ -87,11 +97,20 @@ GRAPH_TRITON_MIN_GRAD = 1 << 23  # forward+backward: wins at 16384x768 (72 vs 11
 CUDA_TRITON_MAX_N = 8192
 
 
-def eager_triton_min_elements(dtype: torch.dtype, *, grad: bool, extra_pass: bool) -> float:
+def native_fp32_route(dtype: torch.dtype, extra_pass: bool) -> bool:
+    """``native`` computes this call by its float32 route (a half-precision call with a bias or per-head
+    weights: torch's op cannot apply those and still round once, see ``native``'s docstring)."""
+    return extra_pass and dtype in (torch.bfloat16, torch.float16)
+
+
+def eager_triton_min_elements(dtype: torch.dtype, *, grad: bool, extra_pass: bool,
+                              fp32_route: bool | None = None) -> float:
     """Smallest ``x.numel()`` at which triton's saved GPU time exceeds its extra host time (eager).
 
     ``extra_pass``: the call has a bias or per-head weights, which ``native`` applies in one more
-    elementwise op (whose host and GPU time triton saves too). Infinity when triton never pays.
+    elementwise op (whose host and GPU time triton saves too), in half precision through its float32
+    route (:func:`native_fp32_route`), which costs more again. ``fp32_route`` overrides that
+    derivation (the fused residual's extra pass is the add, not a bias). Infinity when triton never pays.
     """
     scale = dtype.itemsize / 2
     saved_ps = GPU_PS[("native", grad)] - GPU_PS[("triton", grad)]
@@ -99,6 +118,9 @@ def eager_triton_min_elements(dtype: torch.dtype, *, grad: bool, extra_pass: boo
     if extra_pass:
         saved_ps += GPU_PS[("add", grad)]
         extra_us -= HOST_US[("add", grad)]
+    if native_fp32_route(dtype, extra_pass) if fp32_route is None else fp32_route:
+        saved_ps += GPU_PS[("fp32_route", grad)]
+        extra_us -= HOST_US[("fp32_route", grad)]
     saved_ps *= scale
     if extra_us <= 0:
         return 0.0
@@ -410,7 +432,9 @@ def rms_norm_residual(
         if _graph_mode(x):
             limit = graph_triton_min_elements(math.prod(shape), grad=grad, extra_pass=True)
         else:
-            limit = eager_triton_min_elements(x.dtype, grad=grad, extra_pass=True)
+            per_head = weight is not None and weight.dim() > 1
+            limit = eager_triton_min_elements(x.dtype, grad=grad, extra_pass=True, fp32_route=native_fp32_route(
+                x.dtype, bias is not None or per_head))
         fused_ok = x.numel() >= limit
     elif requested != "triton":
         fused_ok = False

@@ -10,8 +10,9 @@ interpreter); the scalar ``eps`` is cast (``tl.cast``, which also works on the i
 Python floats) to the accumulation dtype inside the kernel (a Python float
 would become fp64 if Inductor ever launched this kernel); flags are ``tl.constexpr`` ints, not bools;
 no ``triton.heuristics`` and no autotuning (block sizes and warps come from the host); every
-arithmetic step is done in fp32 (fp64 for fp64 inputs) and rounded to the I/O dtype explicitly, which
-is also what keeps bf16 working in the interpreter, which has no bf16 arithmetic.
+arithmetic step is done in fp32 (fp64 for fp64 inputs) and only stored values are rounded to the I/O
+dtype, explicitly, which is also what keeps bf16 working in the interpreter, which has no bf16
+arithmetic.
 """
 
 from __future__ import annotations
@@ -43,9 +44,10 @@ def _rms_norm_fwd(
 ):
     """BLOCK_M rows per program, each row whole in registers (BLOCK_N >= N).
 
-    Cast order = ``eager`` (HF Llama): fp32 mean of squares and rstd, ``x * rstd`` rounded to the
-    output dtype, ``* weight`` (cast to the output dtype) rounded, ``+ bias`` rounded.
-    With HAS_RES the normalised input is ``h = x + residual`` (rounded to x's dtype), also stored to H.
+    Cast order = ``eager`` (the LayerNorm one): fp32 mean of squares, rstd and ``x * rstd * w + b``,
+    with the weight and bias upcast from their own dtype, rounded once to the output dtype at the
+    store. With HAS_RES the normalised input is ``h = x + residual`` (rounded to x's dtype: h is the
+    residual stream itself, stored to H), whose rounded value is what gets normalised.
     """
     pid = tl.program_id(0)
     rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -77,25 +79,13 @@ def _rms_norm_fwd(
     if HAS_RSTD:  # only when a backward will need it (no-grad calls allocate the output alone)
         tl.store(RSTD + rows, rstd, mask=row_ok)
     out = xf * rstd[:, None]
-    if HAS_W + HAS_B > 0:
-        if IS_BF16:
-            _u = out.to(tl.uint32, bitcast=True)
-            _r = (((_u + 0x7FFF + ((_u >> 16) & 1)) >> 16) << 16).to(tl.float32, bitcast=True)
-            out = tl.where(out == out, _r, out)
-        out = out.to(odt).to(xf.dtype)
     prow = (rows % PARAM_ROWS)[:, None]
     if HAS_W:
         w = tl.load(W + prow * W_ROW_STRIDE + cols[None, :], mask=mask, other=0.0)
-        out = out * w.to(odt).to(xf.dtype)
-        if HAS_B:
-            if IS_BF16:
-                _u = out.to(tl.uint32, bitcast=True)
-                _r = (((_u + 0x7FFF + ((_u >> 16) & 1)) >> 16) << 16).to(tl.float32, bitcast=True)
-                out = tl.where(out == out, _r, out)
-            out = out.to(odt).to(xf.dtype)
+        out = out * w.to(xf.dtype)
     if HAS_B:
         b = tl.load(B + prow * B_ROW_STRIDE + cols[None, :], mask=mask, other=0.0)
-        out = out + b.to(odt).to(xf.dtype)
+        out = out + b.to(xf.dtype)
     if IS_BF16:
         _u = out.to(tl.uint32, bitcast=True)
         _r = (((_u + 0x7FFF + ((_u >> 16) & 1)) >> 16) << 16).to(tl.float32, bitcast=True)
@@ -114,7 +104,8 @@ def _rms_norm_bwd(
 
     Each program keeps dW/dB partials for its single parameter row in registers (fp32, or fp64 for
     fp64) and writes them to ``DW_PART[p, h, :]``; the host sums over p. Deterministic, no atomics.
-    dx = rstd * (g - xhat * mean(g * xhat)), g = dy * w, treating the forward's roundings as identity.
+    dx = rstd * (g - xhat * mean(g * xhat)), g = dy * w, dW += dy * xhat (unrounded): the gradients of
+    the forward with its one output rounding treated as identity.
     With HAS_DRES the gradient arriving at the residual-sum output ``h`` is added (fused residual).
     """
     pid = tl.program_id(0)
@@ -129,7 +120,7 @@ def _rms_norm_bwd(
         dw_acc = tl.full((BLOCK_N,), 0.0, tl.float32)
         db_acc = tl.full((BLOCK_N,), 0.0, tl.float32)
     if HAS_W:
-        w = tl.load(W + h * W_ROW_STRIDE + cols, mask=cmask, other=0.0).to(odt).to(dw_acc.dtype)
+        w = tl.load(W + h * W_ROW_STRIDE + cols, mask=cmask, other=0.0).to(dw_acc.dtype)
     k0 = pid * ROWS_PER_PROG
     k1 = tl.minimum(k0 + ROWS_PER_PROG, ROWS_PER_HEAD)
     for k in range(k0, k1):
@@ -139,12 +130,7 @@ def _rms_norm_bwd(
         rstd = tl.load(RSTD + row).to(dw_acc.dtype)
         xhat = x * rstd
         if HAS_W:
-            y0 = xhat  # the rounded value the weight multiplied
-            if IS_BF16:
-                _u = y0.to(tl.uint32, bitcast=True)
-                _r = (((_u + 0x7FFF + ((_u >> 16) & 1)) >> 16) << 16).to(tl.float32, bitcast=True)
-                y0 = tl.where(y0 == y0, _r, y0)
-            dw_acc += dy * y0.to(odt).to(dw_acc.dtype)
+            dw_acc += dy * xhat
             g = dy * w
         else:
             g = dy

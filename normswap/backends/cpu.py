@@ -9,18 +9,24 @@ How it is built (compiler, instruction set, cache, the OpenMP link and the varia
 :mod:`normswap.backends.cpu_build`; this module is the runtime: the self-test, the calls, the
 output pool, the autograd function and the ``torch.compile`` custom ops.
 
-Semantics are exactly ``eager``'s (HF Llama cast order): fp32 sum of squares and rstd, ``x * rstd``
-rounded to the input dtype, ``* weight`` (cast to the input dtype) rounded, ``+ bias`` rounded.
-float64 inputs compute in float64. Supported: float32, bfloat16, float16 (with F16C or a compiler
-``_Float16``), float64; rows whose normalised dims are contiguous with any row stride (anything else is
-made contiguous first); per-head weights (``param_shape`` larger than ``normalized_shape``).
+Semantics are exactly ``eager``'s (the LayerNorm cast order): fp32 sum of squares, rstd,
+``x * rstd * weight + bias`` with the weight and bias upcast from their own dtype, and one rounding to
+the input dtype at the store. float64 inputs compute in float64. Supported: float32, bfloat16, float16
+(with F16C or a compiler ``_Float16``), float64; parameters in the input dtype or any other float dtype
+(passed to the kernel as float32: flags bit 1); rows whose normalised dims are contiguous with any row
+stride (anything else is made contiguous first); per-head weights (``param_shape`` larger than
+``normalized_shape``).
 
 Gradients: the forward also writes fp32 ``rstd`` per row; the backward is a second C++ kernel (the
-math of :func:`backward_math`: fp32, two passes per row, per-thread fp32 dW/dB partials summed in
-thread order, so dW is reproducible for a given thread count). float64 uses ``backward_math``.
+math of :func:`backward_math`: fp32, two passes per row, ``dW`` accumulates ``dy * x * rstd`` with no
+intermediate rounding, per-thread fp32 dW/dB partials summed in thread order, so dW is reproducible for
+a given thread count). float64 uses ``backward_math``.
 Under ``torch.compile`` forward and backward are the custom ops ``normswap::cpu_rms_norm`` and
 ``normswap::cpu_rms_norm_bwd`` (``register_fake`` + ``register_autograd``), so there is no graph
-break; in eager mode an ``autograd.Function`` calls the kernels without the op dispatcher's overhead.
+break. In eager mode a module call with gradients goes through the kernels as a C++ operator with a
+C++ autograd kernel (``csrc/rmsnorm_op.cpp``, :func:`autograd_op`: one dispatcher call, no Python in
+forward or backward), built in the background at the first grad-mode use; until it is loaded, and for
+what it does not cover, an ``autograd.Function`` calls the kernels.
 
 Output buffers: a fresh ``torch.empty`` of more than ~32 MB is an ``mmap`` in glibc, and first touch
 page-faults every 4 KB page: measured 8.7 ms for a 33.5 MB ``clone()`` against 1.1 ms for a ``copy_``
@@ -117,10 +123,14 @@ def kernel() -> Kernel:
 
 
 def reset() -> None:
-    """Forget the loaded kernel (the next call rebuilds or reloads it; used by tests)."""
-    global _kernel
+    """Forget the loaded kernel and operator (the next call rebuilds or reloads them; used by tests)."""
+    global _kernel, _op, _op_thread
     with _kernel_lock:
         _kernel = None
+    with _op_lock:
+        _OP[0] = None
+        _op, _op_thread = None, None
+        _op_generation[0] += 1
 
 
 def available() -> tuple[bool, str]:
@@ -202,14 +212,30 @@ def _new_output(shape: tuple[int, ...], dtype: torch.dtype, pooled: bool) -> tor
 
 
 # ----------------------------------------------------------------------------------- the call
-def _params(p: torch.Tensor | None, dtype: torch.dtype, n: int) -> tuple[torch.Tensor | None, int]:
-    if p is None:
-        return None, 1
-    if p.dtype != dtype:
-        p = p.detach().to(dtype)  # eager semantics: the weight is cast to the input dtype
-    if not p.is_contiguous():
-        p = p.contiguous()
-    return p, p.numel() // n
+_F32_PARAMS = 2  # kernel flags bit 1: weight and bias are float32 (see csrc/rmsnorm.cpp)
+
+
+def _params(weight: torch.Tensor | None, bias: torch.Tensor | None, dtype: torch.dtype, n: int,
+            ) -> tuple[torch.Tensor | None, int, torch.Tensor | None, int, int]:
+    """Weight and bias as the kernel reads them: ``(w, w_rows, b, b_rows, flags)``.
+
+    Parameters in x's dtype go as they are. Any other dtype is converted to the compute dtype, as
+    ``eager`` does (float32 for a half-precision x: exact for bf16/fp16 parameters, and an fp32 weight
+    is used unrounded); for a half-precision x both then go as float32 and ``flags`` says so.
+    """
+    mixed = (weight is not None and weight.dtype != dtype) or (bias is not None and bias.dtype != dtype)
+    target = compute_dtype(dtype) if mixed else dtype
+    out: list = []
+    for p in (weight, bias):
+        if p is None:
+            out += [None, 1]
+            continue
+        if p.dtype != target:
+            p = p.detach().to(target)
+        if not p.is_contiguous():
+            p = p.contiguous()
+        out += [p, p.numel() // n]
+    return out[0], out[1], out[2], out[3], _F32_PARAMS if target != dtype else 0
 
 
 def _run(
@@ -242,15 +268,14 @@ def _run(
     else:
         x2 = as_rows(x, n)
         ptr, row_stride = x2.data_ptr(), x2.stride(0)
-    w, wrows = _params(weight, x.dtype, n)
-    b, brows = _params(bias, x.dtype, n)
+    w, wrows, b, brows, flags = _params(weight, bias, x.dtype, n)
     status = k.fn(
         DTYPE_CODES[x.dtype], ptr, m, n, row_stride,
         w.data_ptr() if w is not None else None, wrows,
         b.data_ptr() if b is not None else None, brows,
         y.data_ptr(), rstd.data_ptr() if rstd is not None else None, eps,
         torch.get_num_threads() if numel >= _PARALLEL_MIN_ELEMENTS else 1,
-        1 if out_bytes >= _STREAM_MIN_BYTES else 0,
+        flags | (1 if out_bytes >= _STREAM_MIN_BYTES else 0),
     )
     if status != 0:
         raise RuntimeError(f"normswap cpu kernel: unsupported dtype {x.dtype}")
@@ -267,7 +292,8 @@ def backward_math(
     eps: float,
     needs: tuple[bool, bool, bool],
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """Gradients of ``eager.rms_norm`` with the casts treated as identity, in fp32 (fp64 for fp64).
+    """Gradients of ``eager.rms_norm`` with its output rounding treated as identity, in fp32 (fp64 for
+    fp64): ``dW`` sums ``dy * x * rstd`` unrounded, as autograd through ``eager`` does.
 
     ``rstd`` (fp32, one per row) is reused when given; for float64 it is recomputed in float64 so
     gradcheck sees full precision. Shared by the ``cpu`` backend and the custom-op backward.
@@ -284,11 +310,10 @@ def backward_math(
     dx = dw = db = None
     if weight is not None:
         wrows = max(weight.numel() // n, 1)
-        w2 = weight.detach().to(x.dtype).to(cdt).reshape(wrows, n)
+        w2 = weight.detach().to(cdt).reshape(wrows, n)
         gw = (g.view(-1, wrows, n) * w2).view(-1, n)
         if needs[1]:
-            y0 = xhat.to(x.dtype).to(cdt)  # the rounded normalised value the weight multiplied
-            dw = (g * y0).view(-1, wrows, n).sum(0).reshape(weight.shape).to(weight.dtype)
+            dw = (g * xhat).view(-1, wrows, n).sum(0).reshape(weight.shape).to(weight.dtype)
     else:
         gw = g
     if needs[0]:
@@ -319,7 +344,7 @@ def backward(
     x2 = as_rows(x.detach(), n)
     dy2 = as_rows(dy.detach().to(x.dtype), n)
     m = x2.shape[0]
-    w, wrows = _params(weight, x.dtype, n)
+    w, wrows, _, _, flags = _params(weight, None, x.dtype, n)
     prows = max(wrows, bias.numel() // n if bias is not None else 1)
     if w is not None and wrows != prows:
         w, wrows = w.repeat(prows // wrows, 1).contiguous(), prows  # e.g. per-head bias, shared weight
@@ -334,7 +359,7 @@ def backward(
         DTYPE_CODES[x.dtype], x2.data_ptr(), dy2.data_ptr(), m, n, x2.stride(0), dy2.stride(0),
         w.data_ptr() if w is not None else None, prows, rstd.contiguous().data_ptr(), dx.data_ptr(),
         dw_part.data_ptr() if dw_part is not None else None,
-        db_part.data_ptr() if db_part is not None else None, threads,
+        db_part.data_ptr() if db_part is not None else None, threads, flags,
     )
     if status != 0:
         return backward_math(dy, x, rstd, normalized_shape, weight, bias, eps, needs)
@@ -367,6 +392,115 @@ class _RMSNormCPU(torch.autograd.Function):
         dx, dw, db = backward(dy, x, rstd, ctx.normalized_shape, weight, bias, ctx.eps,
                               (ctx.needs_input_grad[0], ctx.needs_input_grad[2], ctx.needs_input_grad[3]))
         return dx, None, dw, db, None
+
+
+# ------------------------------------------------------------------- the C++ autograd operator
+# Grad-mode calls through the Python autograd.Function above cost ~2x nn.LayerNorm's host time; the
+# same kernel as a torch operator with a C++ autograd kernel (csrc/rmsnorm_op.cpp) makes a module call
+# one dispatcher call, with its backward in C++ too. Building it needs PyTorch's headers (tens of
+# seconds the first time, then cached), so it is built in a background thread on the first grad-mode
+# use and the Function serves calls until it is loaded.
+_OP: list = [None]  # the loaded operator, read per call by the grad-mode launchers; None until ready
+_op: cpu_build.Op | None = None  # the build result (reason when there is no operator)
+_op_thread: threading.Thread | None = None
+_op_lock = threading.Lock()
+_op_generation = [0]  # bumped by reset(): a build started before it does not publish its operator
+_OP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # float64 keeps the Function (gradcheck path)
+
+
+def _op_self_test(op) -> str | None:
+    """The operator against the Function path on a small input: forward and all three gradients."""
+    gen = torch.Generator().manual_seed(1)
+    for dtype in _OP_DTYPES:
+        if dtype not in kernel().dtypes:
+            continue
+        x = torch.randn(5, 37, generator=gen).to(dtype).requires_grad_(True)
+        w = torch.randn(37, generator=gen).to(dtype).requires_grad_(True)
+        b = torch.randn(37, generator=gen).to(dtype).requires_grad_(True)
+        dy = torch.randn(5, 37, generator=gen).to(dtype)
+        got = (op(x, w, b, 1e-5), *torch.autograd.grad(op(x, w, b, 1e-5), (x, w, b), dy))
+        y = _RMSNormCPU.apply(x, (37,), w, b, 1e-5)
+        ref = (y, *torch.autograd.grad(y, (x, w, b), dy))
+        if not all(torch.equal(a, r) for a, r in zip(got, ref, strict=True)):
+            return f"operator self-test failed for {dtype}"
+    return None
+
+
+def _build_op(isa: int, openmp: bool, generation: int) -> None:
+    global _op
+    try:
+        with outside_tracing():
+            o = cpu_build.build_op(isa, openmp, _STREAM_MIN_BYTES)
+            if o.op is not None:
+                with torch.enable_grad():
+                    failure = _op_self_test(o.op)
+                if failure is not None:
+                    o.op, o.reason = None, failure
+    except Exception as exc:  # noqa: BLE001 - a thread's failure must become a reason, not a traceback
+        o = cpu_build.Op()
+        o.reason = f"operator build failed: {type(exc).__name__}: {exc}"
+    with _op_lock:
+        if generation == _op_generation[0]:
+            _op = o
+            _OP[0] = None if o.op is None else _direct(o.op)
+
+
+def _direct(op):
+    """The C++ callable behind an ``OpOverload`` (its ``_op``; the overload's ``__call__`` only forwards to
+    it, ~0.3 us of Python per call), or the overload itself where torch does not expose one."""
+    raw = getattr(op, "_op", None)
+    return raw if callable(raw) else op
+
+
+def autograd_op(wait: bool = False):
+    """The kernel as a torch operator with a C++ autograd kernel, ``op(x, weight, bias, eps)``, or None.
+
+    The first call starts building it (or loading it from the cache) in a background thread, for the
+    loaded kernel's instruction-set level; until it is there, None (callers then use the Python
+    ``autograd.Function``). ``wait=True`` blocks until that build has finished. :func:`op_reason` says
+    why there is none.
+    """
+    global _op_thread
+    op = _OP[0]
+    if op is not None:
+        return op
+    k = kernel()
+    if k.fn is None:
+        return None
+    with _op_lock:
+        if _op_thread is None:
+            _op_thread = threading.Thread(target=_build_op, args=(k.isa, k.openmp, _op_generation[0]), daemon=True,
+                                          name="normswap-cpu-op-build")
+            _op_thread.start()
+        thread = _op_thread
+    if wait:
+        thread.join()
+    return _OP[0]
+
+
+def op_reason() -> str:
+    """Why :func:`autograd_op` is (or is not) available: the build's one-line status."""
+    if _op is not None:
+        return _op.reason
+    return "building" if _op_thread is not None else "not requested yet (built on the first grad-mode call)"
+
+
+def _grad_call(normalized_shape: tuple[int, ...], item: int):
+    """The grad-mode launcher for 1-D parameters of x's dtype: the C++ operator once it is loaded (for
+    outputs below the pool threshold; larger ones keep the Function, which reuses pooled storage and
+    whose host cost no longer shows), the Function otherwise."""
+    n = normalized_shape[0]
+    apply, op_ref = _RMSNormCPU.apply, _OP
+
+    def call_grad(x: torch.Tensor, w: torch.Tensor | None, b: torch.Tensor | None, eps: float):
+        if not (x.dim() and x.shape[-1] == n):
+            return None
+        op = op_ref[0]
+        if op is not None and x.numel() * item < _POOL_MIN_BYTES:
+            return op(x, w, b, eps)
+        return apply(x, normalized_shape, w, b, eps)
+
+    return call_grad
 
 
 # ------------------------------------------------------------------------- torch.compile custom op
@@ -458,6 +592,11 @@ def try_fast(
     if not x.is_contiguous() or x.dim() == 0 or x.shape[-1] != n:
         return None
     if grad and torch.is_grad_enabled():
+        op = _OP[0]
+        if op is not None and x.dtype in _OP_DTYPES and x.numel() * x.element_size() < _POOL_MIN_BYTES:
+            return op(x, weight, bias, eps)
+        if op is None and x.dtype in _OP_DTYPES:
+            autograd_op()  # starts the background build on the first grad-mode call
         return _RMSNormCPU.apply(x, normalized_shape, weight, bias, eps)
     return _run(k, x, normalized_shape, weight, bias, eps, want_rstd=False, pooled=True)[0]
 
@@ -484,7 +623,10 @@ def bind(
         return None
     n = normalized_shape[0]
     if grad:
-        return grad_launcher(_RMSNormCPU.apply, normalized_shape)
+        if x.dtype not in _OP_DTYPES:
+            return grad_launcher(_RMSNormCPU.apply, normalized_shape)
+        autograd_op()  # starts the background build (or the load from the cache) on the first grad-mode bind
+        return _grad_call(normalized_shape, x.element_size())
 
     # Without gradients: the launch itself, with what the key and the module fix taken out of the call
     # (dtype code, parameter dtypes and layout; a parameter's pointer is still read per call).

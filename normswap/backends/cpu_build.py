@@ -42,6 +42,8 @@ import torch
 PATH = Path(__file__).with_name("csrc") / "rmsnorm.cpp"
 SOURCE = PATH.read_text(encoding="utf-8")
 SOURCE_SHA256 = hashlib.sha256(SOURCE.encode()).hexdigest()
+OP_PATH = PATH.with_name("rmsnorm_op.cpp")  # the kernel as a torch operator with a C++ autograd kernel
+OP_SOURCE = OP_PATH.read_text(encoding="utf-8")
 
 # float64 is supported for correctness (gradcheck); fp16 only where the build reports it.
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float64: 3}
@@ -128,24 +130,26 @@ def compiler_version(cxx: str) -> str:
         return ""
 
 
-def compile_library(cxx: str, flags: list[str], out_path: str) -> str | None:
-    """Compile SOURCE into ``out_path`` atomically. Returns an error message or None."""
+def compile_library(cxx: str, flags: list[str], out_path: str, source: str | None = None,
+                    libs: tuple[str, ...] = ()) -> str | None:
+    """Compile ``source`` (default: SOURCE) into ``out_path`` atomically, linking ``libs`` after it.
+    Returns an error message or None."""
     try:
-        return _compile_into(cxx, flags, out_path)
+        return _compile_into(cxx, flags, out_path, SOURCE if source is None else source, libs)
     except OSError as exc:  # unwritable cache, full disk, ...
         return f"{type(exc).__name__}: {exc}"
 
 
-def _compile_into(cxx: str, flags: list[str], out_path: str) -> str | None:
+def _compile_into(cxx: str, flags: list[str], out_path: str, source: str, libs: tuple[str, ...]) -> str | None:
     os.makedirs(os.path.dirname(out_path), exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="normswap_build_") as tmp:
         src = os.path.join(tmp, "rmsnorm.cpp")
         with open(src, "w") as fh:
-            fh.write(SOURCE)
+            fh.write(source)
         tmp_so = os.path.join(tmp, "rmsnorm.so")
         try:
-            proc = subprocess.run([cxx, *flags, src, "-o", tmp_so], capture_output=True, text=True,
-                                  timeout=300)
+            proc = subprocess.run([cxx, *flags, src, *libs, "-o", tmp_so], capture_output=True, text=True,
+                                  timeout=600)
         except (OSError, subprocess.SubprocessError) as exc:
             return f"{type(exc).__name__}: {exc}"
         if proc.returncode != 0:
@@ -162,7 +166,8 @@ def load_ctypes(path: str) -> ctypes.CDLL:
     lib.ns_rms_norm_fwd.argtypes = [ctypes.c_int, P, I64, I64, I64, P, I64, P, I64, P, P, ctypes.c_double,
                                     ctypes.c_int, ctypes.c_int]
     lib.ns_rms_norm_fwd.restype = ctypes.c_int
-    lib.ns_rms_norm_bwd.argtypes = [ctypes.c_int, P, P, I64, I64, I64, I64, P, I64, P, P, P, P, ctypes.c_int]
+    lib.ns_rms_norm_bwd.argtypes = [ctypes.c_int, P, P, I64, I64, I64, I64, P, I64, P, P, P, P, ctypes.c_int,
+                                    ctypes.c_int]
     lib.ns_rms_norm_bwd.restype = ctypes.c_int
     lib.ns_supported_dtypes.restype = ctypes.c_int
     lib.ns_isa.restype = ctypes.c_int
@@ -246,3 +251,77 @@ def build(self_test: Callable[[Kernel], str | None]) -> Kernel:
         return k
     k.reason = "build failed: " + " | ".join(errors)
     return k
+
+
+# ------------------------------------------------------------------ the torch operator (optional)
+class Op:
+    """The kernel as a PyTorch operator with a C++ autograd kernel (``csrc/rmsnorm_op.cpp``), or why not."""
+
+    def __init__(self) -> None:
+        self.op = None  # torch OpOverload: op(x, weight, bias, eps) -> y, differentiable
+        self.namespace = ""
+        self.path = ""
+        self.build_seconds = 0.0
+        self.reason = "not built yet"
+
+
+_LOADED_OPS: dict[str, object] = {}  # namespace -> op: a TORCH_LIBRARY namespace loads once per process
+
+
+def _torch_link_flags() -> tuple[list[str], tuple[str, ...]]:
+    """Compile flags (headers, ABI) and link arguments for code using PyTorch's C++ API."""
+    root = Path(torch.__file__).resolve().parent
+    inc, lib = root / "include", root / "lib"
+    abi = int(bool(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True)))
+    flags = [f"-I{inc}", f"-I{inc / 'torch' / 'csrc' / 'api' / 'include'}", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+             "-fvisibility=hidden"]
+    return flags, (f"-L{lib}", f"-Wl,-rpath,{lib}", "-lc10", "-ltorch_cpu", "-ltorch")
+
+
+def build_op(isa: int, openmp: bool, stream_min_bytes: int) -> Op:
+    """Build (or load from the cache) the torch-operator variant for instruction-set level ``isa``.
+
+    It needs PyTorch's C++ headers, so a first build takes far longer than the plain kernel (tens of
+    seconds); :mod:`normswap.backends.cpu` runs it in a background thread and keeps its Python
+    ``autograd.Function`` until the operator is there. ``NORMSWAP_CPU_OP=0`` disables it.
+    """
+    o = Op()
+    if os.environ.get("NORMSWAP_CPU_OP", "1") == "0" or os.environ.get("NORMSWAP_CPU_BUILD", "1") == "0":
+        o.reason = "disabled by NORMSWAP_CPU_OP=0" if os.environ.get("NORMSWAP_CPU_OP") == "0" else \
+            "disabled by NORMSWAP_CPU_BUILD=0"
+        return o
+    cxx = find_compiler()
+    if cxx is None:
+        o.reason = "no C++ compiler found"
+        return o
+    include = Path(torch.__file__).resolve().parent / "include" / "torch" / "library.h"
+    if not include.exists():
+        o.reason = "PyTorch's C++ headers are not installed"
+        return o
+    t0 = time.perf_counter()
+    torch_flags, libs = _torch_link_flags()
+    flags = [*BASE_FLAGS, f"-DNS_ISA={isa}", *ISA_FLAGS.get(isa, []), *(["-fopenmp"] if openmp else []), *torch_flags]
+    source = SOURCE + "\n" + OP_SOURCE
+    key = hashlib.sha256("\0".join([source, cxx, compiler_version(cxx), torch.__version__, *flags, *libs])
+                         .encode()).hexdigest()[:16]
+    o.namespace = f"normswap_cpu_{key}"
+    o.path = os.path.join(cache_dir(), f"rmsnorm_op_isa{isa}_{key}.so")
+    loaded = _LOADED_OPS.get(o.namespace)
+    if loaded is None:
+        if not os.path.exists(o.path):
+            err = compile_library(cxx, [*flags, f"-DNS_OP_NAMESPACE={o.namespace}"], o.path, source, libs)
+            if err is not None:
+                o.reason = f"build failed: {err}"
+                return o
+        try:
+            torch.ops.load_library(o.path)
+            ns = getattr(torch.ops, o.namespace)
+            ns.configure(int(stream_min_bytes))
+            loaded = _LOADED_OPS[o.namespace] = ns.rms_norm.default
+        except (OSError, RuntimeError, AttributeError) as exc:
+            o.reason = f"loading {o.path}: {exc}"
+            return o
+    o.op = loaded
+    o.build_seconds = time.perf_counter() - t0
+    o.reason = f"torch operator {o.namespace}::rms_norm with a C++ autograd kernel ({os.path.basename(o.path)})"
+    return o

@@ -1,7 +1,8 @@
 """Triton RMSNorm: our own forward and backward kernels (``_triton_kernels.py``).
 
-* fp32 accumulation (fp64 for fp64 inputs), ``rstd`` saved per row, optional bias, weight of any
-  dtype (cast to the input dtype, as in ``eager``), per-head ``(H, D)`` parameters.
+* fp32 arithmetic (fp64 for fp64 inputs) with one rounding of the output (``eager``'s cast order),
+  ``rstd`` saved per row, optional bias, weight and bias of any dtype (upcast from their own dtype, as
+  in ``eager``), per-head ``(H, D)`` parameters.
 * Backward: a persistent grid writes fp32 dW/dB partials per program, summed on the host. No atomics,
   so dW is bitwise reproducible run to run.
 * Strides: rows may have any row stride as long as the normalised dims are contiguous; no copy then.
@@ -81,9 +82,10 @@ def _num_warps(block_n: int) -> int:
     return 4
 
 
-# No FMA contraction: the GPU computes the roundings the code spells out, as the interpreter (which the
-# CPU tests run) and ``eager`` do; with contraction an fp32 ``t * w + b`` would round once instead of
-# twice. Passed explicitly, which also silences triton 3.9's warning that its default is changing.
+# No FMA contraction: the GPU computes the fp32 roundings the code spells out, as the interpreter (which
+# the CPU tests run), ``eager`` and the CPU kernel do; with contraction ``t * w + b`` would round once
+# instead of twice in fp32, and the output could differ from theirs in its last bit. Passed explicitly,
+# which also silences triton 3.9's warning that its default is changing.
 FP_FUSION = False
 
 

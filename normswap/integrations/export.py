@@ -6,7 +6,13 @@ normswap is not installed:
 * ``torch.export`` (and the dynamo ONNX exporter, which uses it): ``aten.rms_norm`` for float32 and
   float64 inputs with a weight of the normalised shape (the ONNX exporter writes ``RMSNormalization``
   at opset >= 23 and ``Pow``/``ReduceMean``/``Add``/``Sqrt``/``Reciprocal``/``Mul`` below), the ``eager``
-  backend's ops otherwise (half precision keeps eager's cast order; per-head weights).
+  backend's ops otherwise (half precision, per-head weights). Half precision stays on eager's ops
+  although ``aten.rms_norm`` itself would round once there (its decomposition upcasts, multiplies by
+  rstd and by the weight in float32 and casts once, checked in tests/integrations/test_torch_export.py):
+  ONNX's ``RMSNormalization``, which the exporter writes for it at opset >= 23, is specified to cast
+  the normalised value back to the input type *before* the scale multiply, a second rounding, and a
+  bias would be added after it in the input dtype, a third. Eager's ops export as ``Cast`` to float32,
+  the arithmetic, and one ``Cast`` back.
 * ``torch.jit.trace`` (and the legacy ONNX exporter, ``dynamo=False``): always the ``eager`` backend's
   ops (pow, mean, add, rsqrt, mul), because the legacy exporter has no ``aten::rms_norm`` symbolic and
   the fused kernels are invisible to a trace (they would be recorded as constants).
@@ -66,11 +72,11 @@ class ScriptableRMSNorm(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         compute = torch.float64 if x.dtype == torch.float64 else torch.float32
         xf = x.to(compute)
-        y = (xf * torch.rsqrt(xf.pow(2).mean(self.dims, keepdim=True) + self.eps)).to(x.dtype)
+        y = xf * torch.rsqrt(xf.pow(2).mean(self.dims, keepdim=True) + self.eps)
         weight = self.weight
         if weight is not None:
-            y = y * weight.to(x.dtype)
+            y = y * weight.to(compute)
         bias = self.bias
         if bias is not None:
-            y = y + bias.to(x.dtype)
-        return y
+            y = y + bias.to(compute)
+        return y.to(x.dtype)  # one rounding, as eager

@@ -9,11 +9,14 @@
     torch.onnx.export(ep, dynamo=True, opset_version=23,
                       custom_translation_table=normswap.integrations.onnx.translation_table(23))
 
-At opset >= 23 a norm whose weight has the normalised shape becomes one ``RMSNormalization`` node;
-otherwise (lower opsets, no weight, per-head weights) the decomposition ``Cast``, ``Mul``,
-``ReduceMean``, ``Add``, ``Sqrt``, ``Reciprocal``, ``Mul`` (weight) and ``Add`` (bias), in the ``eager``
-backend's cast order (float32 statistics, normalised value rounded to the input dtype before the
-weight multiply). Needs ``onnxscript``.
+At opset >= 23 a float32/float64 norm whose weight has the normalised shape becomes one
+``RMSNormalization`` node (plus an ``Add`` for a bias, exact in the input dtype there); otherwise
+(lower opsets, no weight, per-head weights, and every half-precision input) the decomposition
+``Cast``, ``Mul``, ``ReduceMean``, ``Add``, ``Sqrt``, ``Reciprocal``, ``Mul`` (weight) and ``Add``
+(bias) in the compute dtype (float32; float64 for float64), then one ``Cast`` back: the ``eager``
+backend's cast order, one rounding. Half precision never uses ``RMSNormalization``: the ONNX spec casts
+its normalised value back to the input type before multiplying by the scale (a second rounding).
+Needs ``onnxscript``.
 """
 
 from __future__ import annotations
@@ -35,36 +38,57 @@ def _ops(opset: int) -> Any:
 def _rstd(op: Any, xf: Any, k: int, eps: float) -> Any:
     axes = op.Constant(value_ints=list(range(-k, 0)))
     mean_sq = op.ReduceMean(op.Mul(xf, xf), axes, keepdims=1)
-    return op.Reciprocal(op.Sqrt(op.Add(mean_sq, op.Constant(value_float=float(eps)))))
+    return op.Reciprocal(op.Sqrt(op.Add(mean_sq, op.CastLike(op.Constant(value_float=float(eps)), xf))))
 
 
-def _make(opset: int) -> Callable[..., tuple]:
+# ONNX TensorProto data types (onnx.TensorProto.FLOAT, ...), without importing onnx here
+_FLOAT, _DOUBLE = 1, 11
+
+
+def _elem_type(v: Any) -> int | None:
+    """The ONNX element type of a symbolic value, or None when the exporter does not say."""
+    dtype = getattr(v, "dtype", None)
+    try:
+        return int(dtype) if dtype is not None else None
+    except (TypeError, ValueError):
+        return None
+
+
+def _make(opset: int, rstd_in_compute_dtype: bool = False) -> Callable[..., tuple]:
+    """The translation of a forward op; its second output, rstd, is float32 (``cpu_rms_norm``) or in
+    the compute dtype (``rstd_in_compute_dtype``: the triton ops, float64 for float64 inputs)."""
     op = _ops(opset)
 
     def rms_norm(x: Any, normalized_shape: Sequence[int], weight: Any = None, bias: Any = None,
                  eps: float = 1e-6) -> tuple:
         k = len(normalized_shape)
-        xf = op.Cast(x, to=1)  # float32 statistics
+        elem = _elem_type(x)
+        compute = _DOUBLE if elem == _DOUBLE else _FLOAT  # float32 statistics, float64 for float64
+        xf = op.Cast(x, to=compute)
         rstd = _rstd(op, xf, k, eps)
-        flat_rstd = op.Reshape(rstd, op.Constant(value_ints=[-1]))
+        flat_rstd = op.Reshape(rstd if rstd_in_compute_dtype else op.Cast(rstd, to=_FLOAT),
+                               op.Constant(value_ints=[-1]))
         same_shape = weight is not None and getattr(weight, "shape", None) is not None and \
             len(weight.shape) == k
-        if opset >= MIN_RMS_NORMALIZATION_OPSET and same_shape:
+        full_precision = elem in (_FLOAT, _DOUBLE)  # unknown (None) counts as half: the safe order
+        if opset >= MIN_RMS_NORMALIZATION_OPSET and same_shape and full_precision:
             y = op.RMSNormalization(x, op.CastLike(weight, x), axis=-k, epsilon=float(eps), stash_type=1)
-        else:
-            y = op.CastLike(op.Mul(xf, rstd), x)
-            if weight is not None:
-                y = op.Mul(y, op.CastLike(weight, x))
+            if bias is not None:
+                y = op.Add(y, op.CastLike(bias, x))
+            return y, flat_rstd
+        y = op.Mul(xf, rstd)  # the compute dtype throughout, one rounding at the end (eager's order)
+        if weight is not None:
+            y = op.Mul(y, op.Cast(weight, to=compute))
         if bias is not None:
-            y = op.Add(y, op.CastLike(bias, x))
-        return y, flat_rstd
+            y = op.Add(y, op.Cast(bias, to=compute))
+        return op.CastLike(y, x), flat_rstd
 
     return rms_norm
 
 
 def _make_residual(opset: int) -> Callable[..., tuple]:
     op = _ops(opset)
-    norm = _make(opset)
+    norm = _make(opset, rstd_in_compute_dtype=True)
 
     def rms_norm_residual(x: Any, residual: Any, normalized_shape: Sequence[int], weight: Any = None,
                           bias: Any = None, eps: float = 1e-6) -> tuple:
@@ -84,7 +108,7 @@ def translation_table(opset: int = MIN_RMS_NORMALIZATION_OPSET) -> dict[Any, Cal
     ops = torch.ops.normswap
     table: dict[Any, Callable[..., tuple]] = {
         ops.cpu_rms_norm.default: _make(opset),
-        ops.triton_rms_norm_fwd.default: _make(opset),
+        ops.triton_rms_norm_fwd.default: _make(opset, rstd_in_compute_dtype=True),
     }
     if hasattr(ops, "triton_rms_norm_residual_fwd"):
         table[ops.triton_rms_norm_residual_fwd.default] = _make_residual(opset)

@@ -15,14 +15,15 @@ ATOL = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 5e-2, torch.fl
 
 
 def ref64(x, shape, weight, bias, eps):
-    """``weight * x / sqrt(mean(x^2) + eps) + bias`` in float64, parameters cast to x's dtype first."""
+    """``weight * x / sqrt(mean(x^2) + eps) + bias`` in float64, parameters as given (the contract
+    upcasts them from their own dtype; a float32 weight of a bf16 input is not rounded to bf16)."""
     dims = tuple(range(-len(shape), 0))
     xd = x.detach().double()
     y = xd * torch.rsqrt(xd.pow(2).mean(dims, keepdim=True) + eps)
     if weight is not None:
-        y = y * weight.detach().to(x.dtype).double()
+        y = y * weight.detach().double()
     if bias is not None:
-        y = y + bias.detach().to(x.dtype).double()
+        y = y + bias.detach().double()
     return y
 
 

@@ -66,11 +66,17 @@ def test_cuda_rule_design(monkeypatch):
     # fp32 moves twice the bytes: triton pays from half the elements
     assert backends.eager_triton_min_elements(torch.float32, grad=False, extra_pass=False) == pytest.approx(
         backends.eager_triton_min_elements(bf16, grad=False, extra_pass=False) / 2)
-    # bias / per-head: native needs one more elementwise op, which triton saves too
+    # bias / per-head: native needs one more elementwise op, which triton saves too; in half precision
+    # native's float32 route (one rounding) costs an upcast and float32 traffic on top
     assert pick(8192, 4096, bias=True) == "triton"
-    assert pick(2048, 4096, bias=True) == "native"
+    assert pick(2048, 4096, bias=True) == "triton"
+    assert pick(512, 4096, bias=True) == "native"  # host time still decides at small shapes
+    assert pick(2048, 4096, bias=True, grad=True) == "native"
+    assert backends.select_for("cuda", torch.float32, 2048, 4096, bias=True)[0] == "native"  # no fp32 route
     assert backends.eager_triton_min_elements(bf16, grad=False, extra_pass=True) < \
+        backends.eager_triton_min_elements(bf16, grad=False, extra_pass=True, fp32_route=False) < \
         backends.eager_triton_min_elements(bf16, grad=False, extra_pass=False)
+    assert backends.native_fp32_route(bf16, True) and not backends.native_fp32_route(torch.float32, True)
     # compiled / graph capture: GPU time only
     assert pick(8192, 4096, graph=True) == "triton"
     assert pick(2048, 4096, graph=True) == "native"  # measured: triton 10.7 us vs native 9.5 us

@@ -18,6 +18,30 @@ from normswap.backends import cpu, cpu_build, eager, rows
 HAVE_CXX = cpu_build.find_compiler() is not None
 
 
+def one_rounding(x, rstd, w, b):
+    """The contract given the kernel's rstd: ``x * rstd * w + b`` in float32 (parameters upcast from
+    their own dtype, the same separate float32 operations as eager), rounded once to x's dtype."""
+    y = x.float() * rstd.view(*x.shape[:-1], 1)
+    if w is not None:
+        y = y * w.float()
+    if b is not None:
+        y = y + b.float()
+    return y.to(x.dtype)
+
+
+def llama_order(x, rstd, w, b):
+    """The order normswap used before (HF Llama): round after ``x * rstd``, after ``* w``, after ``+ b``."""
+    y = (x.float() * rstd.view(*x.shape[:-1], 1)).to(x.dtype)
+    if w is not None:
+        y = (y.float() * w.to(x.dtype).float()).to(x.dtype)
+    if b is not None:
+        y = (y.float() + b.to(x.dtype).float()).to(x.dtype)
+    return y
+
+
+HALF = [torch.bfloat16, torch.float16]
+
+
 @pytest.fixture
 def fresh_kernel(monkeypatch, tmp_path):
     """Build into an empty cache dir; restore the normal kernel afterwards."""
@@ -40,7 +64,8 @@ def test_kernel_builds_where_a_compiler_exists():
 
 @pytest.mark.skipif(not HAVE_CXX, reason="needs a C++ compiler")
 def test_every_isa_level_this_cpu_runs(monkeypatch, fresh_kernel):
-    """Each instruction-set variant (AVX-512+BF16, AVX-512, AVX2, portable) agrees with eager."""
+    """Each instruction-set variant (AVX-512+BF16, AVX-512, AVX2, portable) agrees with eager, and in
+    half precision rounds once, bit for bit (given its own rstd), at every level."""
     top = cpu_build.detect_isa()
     for isa in range(top, -1, -1):
         monkeypatch.setenv("NORMSWAP_CPU_ISA", str(isa))
@@ -53,9 +78,9 @@ def test_every_isa_level_this_cpu_runs(monkeypatch, fresh_kernel):
                 x, w, b = make_inputs(7, (203,), dtype, bias=bias, per_head=0, seed=isa)
                 y = cpu.rms_norm(x, (203,), w, b, 1e-5)
                 check_against_reference(y, x, (203,), w, b, 1e-5, f"isa {isa} {dtype}")
-                if dtype == torch.bfloat16:  # same cast order as eager: nearly all elements bit-equal
-                    same = (y == eager.rms_norm(x, (203,), w, b, 1e-5)).float().mean().item()
-                    assert same > 0.95
+                if dtype in HALF:  # one rounding, bit for bit given the kernel's rstd, at every level
+                    y2, rstd = cpu._run(cpu.kernel(), x, (203,), w, b, 1e-5, want_rstd=True, pooled=False)
+                    assert torch.equal(y2, y) and torch.equal(y, one_rounding(x, rstd, w, b)), f"isa {isa}"
 
 
 @pytest.mark.skipif(not HAVE_CXX, reason="needs a C++ compiler")
@@ -218,6 +243,27 @@ def test_backward_kernel_matches_reference_math(per_head, strided):
 
 
 @pytest.mark.skipif(not HAVE_CXX, reason="needs a C++ compiler")
+@pytest.mark.parametrize("dtype", HALF)
+def test_backward_kernel_accumulates_unrounded_xhat(dtype):
+    """dW = sum over rows of dy * x * rstd, with no rounding of x * rstd to the input dtype (the forward
+    no longer rounds there): within float32 accumulation error of the float64 sum, where the sum over
+    the rounded xhat is measurably off. A float32 weight, so that dW comes out in float32."""
+    if dtype not in cpu.kernel().dtypes:
+        pytest.skip(f"{dtype} not built here")
+    x, w, _ = make_inputs(256, (80,), dtype, seed=13, weight_dtype=torch.float32)
+    dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(14)).to(dtype)
+    _, rstd = cpu._run(cpu.kernel(), x, (80,), w, None, 1e-6, want_rstd=True, pooled=False)
+    _, dw, _ = cpu.backward(dy, x, rstd, (80,), w, None, 1e-6, (True, True, False))
+    assert dw.dtype == torch.float32
+    xhat = x.double() * rstd.double()[:, None]
+    exact = (dy.double() * xhat).sum(0)
+    rounded = (dy.double() * xhat.to(dtype).double()).sum(0)
+    scale = exact.abs().max().item()
+    assert (rounded - exact).abs().max().item() > 1e-4 * scale  # the check can tell the two apart
+    assert (dw.double() - exact).abs().max().item() <= 1e-5 * scale
+
+
+@pytest.mark.skipif(not HAVE_CXX, reason="needs a C++ compiler")
 def test_backward_deterministic_and_thread_split():
     x, w, b = make_inputs(257, (300,), torch.float32, bias=True, seed=5, requires_grad=True)
     gy = torch.randn(x.shape)
@@ -258,30 +304,48 @@ def test_compile_errors_are_reported_not_raised(tmp_path):
 
 
 @pytest.mark.skipif(not HAVE_CXX, reason="needs a C++ compiler")
+@pytest.mark.parametrize("dtype", HALF)
 @pytest.mark.parametrize("n", [32, 96, 100, 768, 2055])
 @pytest.mark.parametrize("weight,bias", [(False, False), (True, False), (False, True), (True, True)])
-def test_bf16_cast_order_is_bit_exact_given_the_kernels_rstd(n, weight, bias):
-    """Every rounding of the bf16 forward, bit for bit: round(round(round(x*rstd) * w) + b), as eager.
-
-    Uses the kernel's own rstd, so a last-bit difference in the sum of squares (summation order)
-    cannot hide or fake a mismatch. Covers the 32-wide path (lane orders, pre-permuted parameters),
-    row tails, per-head parameters, and enough rows for the two-deep row pipeline and a thread split.
-    """
+def test_half_precision_rounds_once_bit_exact_given_the_kernels_rstd(dtype, n, weight, bias):
+    """Every output is ``round(x * rstd * w + b)`` computed in float32, bit for bit, with the kernel's
+    own rstd (so a last-bit difference in the sum of squares cannot hide or fake a mismatch). Covers
+    the 32-wide bf16 path (lane order, pre-permuted parameters), row tails, per-head parameters, and
+    enough rows for the two-deep row pipeline and a thread split. The same inputs through the old
+    three-rounding order give different bits, so the check can fail."""
+    if dtype not in cpu.kernel().dtypes:
+        pytest.skip(f"{dtype} not built here")
     gen = torch.Generator().manual_seed(n)
     rows, heads = 67, 3
-    x = (torch.randn(rows, heads, n, generator=gen) * 3).bfloat16()
-    w = torch.randn(heads, n, generator=gen).bfloat16() if weight else None
-    b = torch.randn(heads, n, generator=gen).bfloat16() if bias else None
+    x = (torch.randn(rows, heads, n, generator=gen) * 3).to(dtype)
+    w = (1 + torch.randn(heads, n, generator=gen)).to(dtype) if weight else None
+    b = torch.randn(heads, n, generator=gen).to(dtype) if bias else None
     with torch.no_grad():
         y, rstd = cpu._run(cpu.kernel(), x, (n,), w, b, 1e-6, want_rstd=True, pooled=False)
-    expect = (x.float() * rstd.view(rows, heads, 1)).bfloat16()
-    if w is not None:
-        expect = (expect.float() * w.float()).bfloat16()
-    if b is not None:
-        expect = (expect.float() + b.float()).bfloat16()
-    assert torch.equal(y, expect)
+    assert torch.equal(y, one_rounding(x, rstd, w, b))
+    if weight or bias:  # sabotage check: the three-rounding order is distinguishable on these inputs
+        assert not torch.equal(y, llama_order(x, rstd, w, b))
     ref = x.double().pow(2).mean(-1).add(1e-6).rsqrt().float().reshape(-1)
     assert torch.allclose(rstd, ref, rtol=1e-6, atol=0)
+
+
+@pytest.mark.skipif(not HAVE_CXX, reason="needs a C++ compiler")
+@pytest.mark.parametrize("dtype", HALF)
+def test_parameters_of_another_dtype_are_not_rounded_to_the_input_dtype(dtype):
+    """A float32 weight and bias of a half-precision input are used unrounded (flags bit 1), as eager
+    does; rounding them to the input dtype first would be an extra rounding."""
+    if dtype not in cpu.kernel().dtypes:
+        pytest.skip(f"{dtype} not built here")
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(40, 2, 100, generator=gen).to(dtype)
+    w = 1 + 0.3 * torch.randn(2, 100, generator=gen)  # float32, most values not representable in x's dtype
+    b = 0.3 * torch.randn(2, 100, generator=gen)
+    for wt, bt in ((w, b), (w, None), (None, b), (w, b.to(dtype))):
+        y, rstd = cpu._run(cpu.kernel(), x, (100,), wt, bt, 1e-6, want_rstd=True, pooled=False)
+        assert torch.equal(y, one_rounding(x, rstd, wt, bt))
+        rounded = one_rounding(x, rstd, None if wt is None else wt.to(dtype), None if bt is None else bt.to(dtype))
+        assert not torch.equal(y, rounded)
+    assert torch.equal(cpu.rms_norm(x, (100,), w, b, 1e-6), one_rounding(x, rstd, w, b))  # through the entry point
 
 
 @pytest.mark.skipif(not HAVE_CXX, reason="needs a C++ compiler")
@@ -317,6 +381,8 @@ def test_kernel_source_is_package_data_and_keys_the_build_cache(monkeypatch):
 
     assert cpu_build.SOURCE == cpu_build.PATH.read_text(encoding="utf-8")
     assert "ns_rms_norm_fwd" in cpu_build.SOURCE
+    assert cpu_build.OP_SOURCE == cpu_build.OP_PATH.read_text(encoding="utf-8")  # the operator variant's
+    assert "TORCH_LIBRARY" in cpu_build.OP_SOURCE and cpu_build.OP_PATH.suffix == ".cpp"
     pyproject = (Path(__file__).resolve().parents[2] / "pyproject.toml").read_text()
     assert '"normswap.backends" = ["csrc/*.cpp"]' in pyproject
     if not cpu.available()[0]:
@@ -328,3 +394,71 @@ def test_kernel_source_is_package_data_and_keys_the_build_cache(monkeypatch):
     monkeypatch.setattr(cpu_build, "SOURCE", cpu_build.SOURCE + "\n// edited\n")
     assert cpu_build.build(lambda k: None).fn is None
     assert tried and built not in {os.path.basename(p) for p in tried}
+
+
+# ----------------------------------------------------------------------- the C++ autograd operator
+def _op_or_skip():
+    op = cpu.autograd_op(wait=True)
+    if op is None:
+        pytest.skip(f"no C++ autograd operator here: {cpu.op_reason()}")
+    return op
+
+
+@pytest.mark.skipif(not HAVE_CXX, reason="needs a C++ compiler")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_autograd_operator_matches_the_function_path_bit_for_bit(dtype):
+    """The operator (forward and backward in C++) computes what the Python autograd.Function computes
+    with the same kernels: output, dx, dW and dB, bit for bit; also for a non-contiguous input, an
+    input needing only some gradients, and an empty one."""
+    op = _op_or_skip()
+    if dtype not in cpu.kernel().dtypes:
+        pytest.skip(f"{dtype} not built here")
+    for m, weight, bias, strided in ((7, True, True, False), (33, True, False, True), (5, False, True, False),
+                                     (0, True, True, False)):
+        x, w, b = make_inputs(m, (96,), dtype, weight=weight, bias=bias, strided=strided, seed=m,
+                              requires_grad=True)
+        dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(2)).to(dtype)
+        params = [t for t in (x, w, b) if t is not None]
+        got_y = op(x, w, b, 1e-5)
+        got = torch.autograd.grad(got_y, params, dy)
+        ref_y = cpu._RMSNormCPU.apply(x, (96,), w, b, 1e-5)
+        ref = torch.autograd.grad(ref_y, params, dy)
+        assert torch.equal(got_y, ref_y)
+        for g, r in zip(got, ref, strict=True):
+            assert g.dtype == r.dtype and g.shape == r.shape and torch.equal(g, r)
+    x, w, b = make_inputs(9, (96,), dtype, bias=True, seed=3)
+    w.requires_grad_(True)  # x and b need no gradient
+    (gw,) = torch.autograd.grad(op(x, w, b, 1e-5).float().sum(), (w,))
+    (rw,) = torch.autograd.grad(cpu._RMSNormCPU.apply(x, (96,), w, b, 1e-5).float().sum(), (w,))
+    assert torch.equal(gw, rw)
+    for bad in (w[:95], w.double() if dtype != torch.float64 else w.float(), torch.stack([w, w], 1)[:, 0]):
+        with pytest.raises(RuntimeError, match="weight and bias must be"):  # never a read past the parameter
+            op(x, bad, None, 1e-5)
+
+
+@pytest.mark.skipif(not HAVE_CXX, reason="needs a C++ compiler")
+def test_module_calls_with_gradients_go_through_the_operator(monkeypatch):
+    """A module call with gradients is one dispatcher call (a C++ autograd node) once the operator is
+    loaded; float64 and outputs of the output pool's size keep the Function; so does everything when
+    the operator is off."""
+    _op_or_skip()
+    m = normswap.RMSNorm(64, bias=True)
+    y = m(torch.randn(3, 64, requires_grad=True))
+    assert type(y.grad_fn).__name__ == "CppFunction"
+    y.sum().backward()
+    assert m.weight.grad is not None and m.bias.grad is not None
+    y = normswap.rms_norm(torch.randn(3, 64), 64, m.weight, m.bias)  # the functional fast path too
+    assert type(y.grad_fn).__name__ == "CppFunction"
+    m64 = normswap.RMSNorm(64, dtype=torch.float64)
+    assert type(m64(torch.randn(3, 64, dtype=torch.float64)).grad_fn).__name__ == "_RMSNormCPUBackward"
+    big = torch.randn(cpu._POOL_MIN_BYTES // 4 // 64 + 1, 64)  # >= the pool threshold in float32
+    assert type(m(big).grad_fn).__name__ == "_RMSNormCPUBackward"
+    monkeypatch.setattr(cpu, "_OP", [None])  # as when the operator is unavailable or still building
+    m.clear_decisions()
+    assert type(m(torch.randn(3, 64)).grad_fn).__name__ == "_RMSNormCPUBackward"
+
+
+def test_operator_can_be_disabled(monkeypatch):
+    monkeypatch.setenv("NORMSWAP_CPU_OP", "0")
+    o = cpu_build.build_op(0, False, 1 << 40)
+    assert o.op is None and "NORMSWAP_CPU_OP=0" in o.reason

@@ -101,3 +101,34 @@ def test_exported_program_with_fused_op_translates(tmp_path, opset):
     with torch.no_grad():
         ref = model(pixel_values=x).logits
     assert (got - ref).abs().max() <= TOL * ref.abs().max()
+
+
+def test_half_precision_translation_rounds_once(tmp_path):
+    """A float16 program holding normswap::cpu_rms_norm translates, even at opset 23, to float32
+    arithmetic and one Cast back (not RMSNormalization, which the ONNX spec rounds before the scale),
+    and onnxruntime then agrees with eager to within one float16 rounding of a last-bit rstd difference."""
+    import onnx
+    import onnxruntime as ort
+
+    import normswap
+    from normswap.integrations.onnx import translation_table
+
+    torch.manual_seed(0)
+    norm = normswap.RMSNorm(64, eps=1e-5, bias=True, backend="cpu", dtype=torch.float16)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.5 * torch.randn(64))
+        norm.bias.copy_(0.5 * torch.randn(64))
+    x = torch.randn(16, 64).to(torch.float16)
+    ep = torch.export.export(norm, (x,))
+    assert any("normswap.cpu_rms_norm" in str(n.target) for n in ep.graph.nodes)
+    program = torch.onnx.export(ep, dynamo=True, opset_version=23, custom_translation_table=translation_table(23))
+    program.save(str(tmp_path / "h.onnx"))
+    ops = [n.op_type for n in onnx.load(str(tmp_path / "h.onnx")).graph.node]
+    assert "RMSNormalization" not in ops and "Cast" in ops, ops
+    sess = ort.InferenceSession(str(tmp_path / "h.onnx"), providers=["CPUExecutionProvider"])
+    got = torch.from_numpy(sess.run(None, {sess.get_inputs()[0].name: x.numpy()})[0])
+    with torch.no_grad():
+        want = normswap.backends.eager.rms_norm(x, (64,), norm.weight, norm.bias, 1e-5)
+    assert got.dtype == torch.float16
+    assert (got.float() - want.float()).abs().max() <= 2 ** -10 * want.float().abs().max()
+    assert (got == want).float().mean() > 0.95

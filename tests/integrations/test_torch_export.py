@@ -82,3 +82,33 @@ def test_jit_script_compiles_the_eager_math():
     with torch.no_grad():
         assert torch.allclose(scripted(x), model(x), rtol=1e-6, atol=1e-6)
     assert scripted[1].weight.data_ptr() == model[1].weight.data_ptr()  # parameters shared, not copied
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_export_and_script_round_once(dtype):
+    """Exported (torch.export, then decomposed to core aten) and scripted RMSNorms compute eager's
+    one-rounding function bit for bit in half precision, bias included. ``aten.rms_norm`` itself also
+    rounds once for a half-precision input with a weight of its dtype (its decomposition multiplies the
+    weight in float32 and casts once), which is what export.py states about it."""
+    torch.manual_seed(0)
+    x = torch.randn(6, 5, 48).to(dtype)
+    for bias in (False, True):
+        norm = normswap.RMSNorm(48, eps=1e-5, bias=bias, dtype=dtype)
+        with torch.no_grad():
+            norm.weight.copy_(1 + 0.5 * torch.randn(48))
+            if bias:
+                norm.bias.copy_(0.5 * torch.randn(48))
+        with torch.no_grad():
+            want = normswap.backends.eager.rms_norm(x, (48,), norm.weight, norm.bias, 1e-5)
+            ep = torch.export.export(norm, (x,)).run_decompositions()
+            assert torch.equal(ep.module()(x), want)
+            assert torch.equal(torch.jit.script(norm)(x), want)
+    w = norm.weight.detach()
+
+    class Plain(torch.nn.Module):
+        def forward(self, x):
+            return torch.nn.functional.rms_norm(x, (48,), w, 1e-5)
+
+    with torch.no_grad():
+        ep = torch.export.export(Plain(), (x,)).run_decompositions()
+        assert torch.equal(ep.module()(x), normswap.backends.eager.rms_norm(x, (48,), w, None, 1e-5))

@@ -9,9 +9,11 @@
 //   time. The Python side chooses it from ``torch.backends.cpu.get_cpu_capability()`` and keys the build
 //   cache on it, so no ``-march=native`` binary is ever reused on a different CPU. Explicit intrinsics
 //   because GCC 12 does not vectorise the bf16/fp16 conversions on its own (measured: 6-38x slower).
-// * Cast order matches ``normswap.backends.eager`` (HF Llama): fp32 sum of squares, ``rstd`` in fp32,
-//   ``x * rstd`` rounded to the input dtype, then ``* weight`` rounded, then ``+ bias`` rounded.
-//   Built with ``-ffp-contract=off`` so those roundings are not fused away.
+// * Cast order matches ``normswap.backends.eager`` (the LayerNorm order): fp32 sum of squares, ``rstd``,
+//   ``x * rstd``, ``* weight`` and ``+ bias`` all in fp32 (weight and bias arrive converted to fp32 from
+//   their own dtype), and one rounding to the output dtype at the store. Built with
+//   ``-ffp-contract=off``: ``(x * rstd) * w + b`` stays a multiply, a multiply and an add, each rounded
+//   to fp32 as the eager reference's separate ops are, instead of being fused into an FMA.
 // * Threads: OpenMP. The library is linked against ``libgomp.so.1``, the same soname PyTorch loads,
 //   so the dynamic loader reuses PyTorch's OpenMP runtime (one thread pool, not two fighting for cores).
 #include <cstdint>
@@ -67,9 +69,6 @@ inline V vload(F16, const uint16_t* p) {
 }
 #if NS_ISA >= 3
 inline __m256i bf16_pack(V v) { return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)); }
-inline V vround(BF16, V v) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16_pack(v)), 16));
-}
 #else
 inline __m512i bf16_rne(V v) {  // fp32 bits + rounding increment; the bf16 is in the high 16 bits
   __m512i u = _mm512_castps_si512(v);
@@ -78,9 +77,6 @@ inline __m512i bf16_rne(V v) {  // fp32 bits + rounding increment; the bf16 is i
   return _mm512_add_epi32(u, inc);
 }
 inline __m256i bf16_pack(V v) { return _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_rne(v), 16)); }
-inline V vround(BF16, V v) {
-  return _mm512_castsi512_ps(_mm512_and_si512(bf16_rne(v), _mm512_set1_epi32(int(0xffff0000u))));
-}
 #endif
 inline void vstore(F32, float* p, V v) { _mm512_storeu_ps(p, v); }
 constexpr int STREAM_ALIGN = 64;  // bytes a row start needs for non-temporal stores
@@ -97,9 +93,6 @@ inline void vstore(F16, uint16_t* p, V v) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(v,
       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
-inline V vround(F32, V v) { return v; }
-inline V vround(F16, V v) { return _mm512_cvtph_ps(_mm512_cvtps_ph(v,
-    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)); }
 #define NS_HAS_F16 1
 
 #elif NS_ISA == 1  // ------------------------------------------------------------------ AVX2 + FMA + F16C
@@ -146,12 +139,6 @@ inline void vstore(F16, uint16_t* p, V v) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v,
       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
-inline V vround(F32, V v) { return v; }
-inline V vround(BF16, V v) {
-  return _mm256_castsi256_ps(_mm256_and_si256(bf16_rne(v), _mm256_set1_epi32(int(0xffff0000u))));
-}
-inline V vround(F16, V v) { return _mm256_cvtph_ps(_mm256_cvtps_ph(v,
-    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)); }
 #define NS_HAS_F16 1
 
 #else  // ----------------------------------------------------------------------- portable scalar code
@@ -169,13 +156,10 @@ inline void vstore(F32, float* p, V v) { *p = v; }
 constexpr int STREAM_ALIGN = 0;  // no non-temporal stores in portable code
 template <class D> inline void vstream(D d, typename D::T* p, V v) { vstore(d, p, v); }
 inline void vstore(BF16, uint16_t* p, V v) { *p = f32_to_bf16(v); }
-inline V vround(F32, V v) { return v; }
-inline V vround(BF16, V v) { return bf16_to_f32(f32_to_bf16(v)); }
 #if defined(__FLT16_MAX__)
 #define NS_HAS_F16 1
 inline V vload(F16, const uint16_t* p) { _Float16 h; std::memcpy(&h, p, 2); return float(h); }
 inline void vstore(F16, uint16_t* p, V v) { _Float16 h = _Float16(v); std::memcpy(p, &h, 2); }
-inline V vround(F16, V v) { return float(_Float16(v)); }
 #endif
 #endif
 
@@ -230,7 +214,7 @@ inline float sumsq(BF16 d, const uint16_t* xr, int64_t N) {
 }
 #endif
 
-// Pass 2 for one row (normally still in L1/L2): normalise, round, scale, round, shift, round.
+// Pass 2 for one row (normally still in L1/L2): normalise, scale, shift in fp32; one rounding at the store.
 // NT: non-temporal stores, for outputs too large for the cache (saves the read-for-ownership).
 template <class D, bool HAS_W, bool HAS_B, bool NT>
 inline void scale_row(const typename D::T* xr, typename D::T* yr, int64_t N, const float* wr, const float* br,
@@ -245,15 +229,13 @@ inline void scale_row(const typename D::T* xr, typename D::T* yr, int64_t N, con
     if (pf) _mm_prefetch(reinterpret_cast<const char*>(pf + i), _MM_HINT_T0);  // next group's row
 #endif
     V v = vmul(vload(d, xr + i), vrs);
-    if (HAS_W || HAS_B) v = vround(d, v);
-    if (HAS_W) { v = vmul(v, vload(f, wr + i)); if (HAS_B) v = vround(d, v); }
+    if (HAS_W) v = vmul(v, vload(f, wr + i));
     if (HAS_B) v = vadd(v, vload(f, br + i));
     if (NT) vstream(d, yr + i, v); else vstore(d, yr + i, v);
   }
   if (tail) {
     V v = vmul(vload_tail(d, xr + nv, tail), vrs);
-    if (HAS_W || HAS_B) v = vround(d, v);
-    if (HAS_W) { v = vmul(v, vload_tail(f, wr + nv, tail)); if (HAS_B) v = vround(d, v); }
+    if (HAS_W) v = vmul(v, vload_tail(f, wr + nv, tail));
     if (HAS_B) v = vadd(v, vload_tail(f, br + nv, tail));
     vstore_tail(d, yr + nv, v, tail);
   }
@@ -261,13 +243,13 @@ inline void scale_row(const typename D::T* xr, typename D::T* yr, int64_t N, con
 
 #if NS_ISA >= 3
 // bf16 pass 2 with 32 values per step. The generic path widens 16 bf16 with vpmovzxwd and narrows with
-// vcvtneps2bf16: two lane-crossing shuffles per rounding, three roundings per value, which made bf16
-// compute-bound here (about 2.4x a copy). Instead, 32 bf16 become two fp32 vectors by in-lane unpacks
-// against zero (a bf16 is the high half of its fp32), and two fp32 vectors become 32 bf16 by one
-// vcvtne2ps2bf16 (round to nearest even, like vcvtneps2bf16). Both steps reorder the elements. The
-// weight and bias are laid out in the order each stage leaves the values in (permute_params), and one
-// vpermw puts the result back in element order before the store. The orders are found once, by running
-// the same instructions on element indices (Bf16Orders), so they cannot disagree with the code.
+// vcvtneps2bf16, two lane-crossing shuffles per 16 values. Instead, 32 bf16 become two fp32 vectors by
+// in-lane unpacks against zero (a bf16 is the high half of its fp32), and two fp32 vectors become 32
+// bf16 by one vcvtne2ps2bf16 (round to nearest even, like vcvtneps2bf16). The unpacks reorder the
+// elements: the weight and bias are laid out once per call in the order the unpacks leave the values
+// in (permute_params), and one vpermw puts the result back in element order before the store. The
+// order is found once, by running the same instructions on element indices (Bf16Order), so it cannot
+// disagree with the code.
 struct Pair { __m512 a, b; };
 inline Pair widen(__m512i v) {
   const __m512i z = _mm512_setzero_si512();
@@ -275,36 +257,29 @@ inline Pair widen(__m512i v) {
 }
 inline __m512i narrow(Pair p) { return reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(p.b, p.a)); }
 
-struct Bf16Orders {
-  int slot[4][32];     // slot[s][k]: which element of the 32 sits in lane k (a: 0-15, b: 16-31) at stage s
-  __m512i restore[4];  // vpermw indices that put narrow(stage s) back in element order
-  Bf16Orders() {
+struct Bf16Order {
+  int slot[32];     // slot[k]: which element of the 32 sits in lane k after widen (a: 0-15, b: 16-31)
+  __m512i restore;  // vpermw indices that put narrow(widen(v)) back in element order
+  Bf16Order() {
     alignas(64) uint16_t ids[32];
     for (int j = 0; j < 32; ++j) ids[j] = f32_to_bf16(float(j));  // small integers are exact in bf16
-    Pair p = widen(_mm512_load_si512(ids));  // stage 1: after the load; stage s: after s - 1 roundings
-    for (int s = 1; s < 4; ++s) {
-      alignas(64) float a[16], b[16];
-      _mm512_store_ps(a, p.a);
-      _mm512_store_ps(b, p.b);
-      for (int k = 0; k < 16; ++k) { slot[s][k] = int(a[k]); slot[s][16 + k] = int(b[k]); }
-      alignas(64) uint16_t z[32], idx[32];
-      _mm512_store_si512(z, narrow(p));
-      for (int j = 0; j < 32; ++j) idx[int(bf16_to_f32(z[j]))] = uint16_t(j);
-      restore[s] = _mm512_load_si512(idx);
-      p = widen(narrow(p));
-    }
+    const Pair p = widen(_mm512_load_si512(ids));
+    alignas(64) float a[16], b[16];
+    _mm512_store_ps(a, p.a);
+    _mm512_store_ps(b, p.b);
+    for (int k = 0; k < 16; ++k) { slot[k] = int(a[k]); slot[16 + k] = int(b[k]); }
+    alignas(64) uint16_t z[32], idx[32];
+    _mm512_store_si512(z, narrow(p));
+    for (int j = 0; j < 32; ++j) idx[int(bf16_to_f32(z[j]))] = uint16_t(j);
+    restore = _mm512_load_si512(idx);
   }
 };
-inline const Bf16Orders& bf16_orders() { static const Bf16Orders orders; return orders; }
-// Stage at which the weight multiplies (after one rounding) and the bias adds (after one or two).
-constexpr int W_STAGE = 2;
-inline int bias_stage(bool has_w) { return has_w ? 3 : 2; }
-inline int final_stage(bool has_w, bool has_b) { return has_b ? bias_stage(has_w) : has_w ? 2 : 1; }
+inline const Bf16Order& bf16_order() { static const Bf16Order order; return order; }
 
-// Reorder fp32 parameters (rows of N) into stage s's lane order within every full block of 32; the tail
+// Reorder fp32 parameters (rows of N) into the widened lane order within every full block of 32; the tail
 // of each row keeps element order (the generic path reads it).
-inline void permute_params(float* p, int64_t rows, int64_t N, int s) {
-  const int* slot = bf16_orders().slot[s];
+inline void permute_params(float* p, int64_t rows, int64_t N) {
+  const int* slot = bf16_order().slot;
   const __m512i lo = _mm512_loadu_si512(slot), hi = _mm512_loadu_si512(slot + 16);
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t i = 0; i + 32 <= N; i += 32) {
@@ -330,11 +305,9 @@ inline float scale_row_bf16x32(const uint16_t* xr, uint16_t* yr, int64_t n32, co
     Pair p = widen(_mm512_loadu_si512(xr + i));
     p.a = _mm512_mul_ps(p.a, vrs);
     p.b = _mm512_mul_ps(p.b, vrs);
-    if (HAS_W || HAS_B) p = widen(narrow(p));
     if (HAS_W) {
       p.a = _mm512_mul_ps(p.a, _mm512_loadu_ps(wr + i));
       p.b = _mm512_mul_ps(p.b, _mm512_loadu_ps(wr + i + 16));
-      if (HAS_B) p = widen(narrow(p));
     }
     if (HAS_B) {
       p.a = _mm512_add_ps(p.a, _mm512_loadu_ps(br + i));
@@ -405,7 +378,7 @@ template <bool HAS_W, bool HAS_B>
 void rows_bf16x32(const uint16_t* x, int64_t r0, int64_t r1, int64_t N, int64_t xs, const float* w,
                   int64_t wrows, const float* b, int64_t brows, uint16_t* y, float* rstd, float eps, bool stream) {
   const BF16 d;
-  const __m512i restore = bf16_orders().restore[final_stage(HAS_W, HAS_B)];
+  const __m512i restore = bf16_order().restore;
   const int64_t n32 = N / 32 * 32;
   // Inputs past L2 size come from L3 or DRAM: also prefetch row r + 4 (measured at 2048x4096, one thread:
   // 1.6x -> 1.35x a copy); smaller inputs are compute-bound and the extra instruction only costs.
@@ -477,9 +450,17 @@ void parallel_rows(int64_t M, int nthreads, F&& f) {
 #endif
 }
 
+// A parameter as fp32: in x's dtype D (converted into buf), or already fp32 (f32_params: the caller
+// converted a parameter whose dtype differs from x's). An fp32 parameter is used in place unless the
+// caller needs its own copy (to permute it), so fp32 calls and mixed-dtype calls copy nothing.
 template <class D>
-const float* as_f32(D d, const void* p, int64_t n, std::vector<float>& buf) {
+const float* as_f32(D d, const void* p, int64_t n, bool f32_params, bool need_copy, std::vector<float>& buf) {
   if (!p) return nullptr;
+  if (f32_params || std::is_same<D, F32>::value) {
+    if (!need_copy) return static_cast<const float*>(p);
+    buf.assign(static_cast<const float*>(p), static_cast<const float*>(p) + n);
+    return buf.data();
+  }
   auto src = static_cast<const typename D::T*>(p);
   buf.resize(size_t(n) + L);
   int64_t i = 0;
@@ -490,15 +471,20 @@ const float* as_f32(D d, const void* p, int64_t n, std::vector<float>& buf) {
 
 template <class D>
 void launch(const void* x, int64_t M, int64_t N, int64_t xs, const void* w, int64_t wrows, const void* b,
-            int64_t brows, void* y, float* rstd, double eps, int nthreads, bool stream) {
+            int64_t brows, void* y, float* rstd, double eps, int nthreads, bool stream, bool f32_params) {
   using T = typename D::T;
   std::vector<float> wbuf, bbuf;
-  const float* W = as_f32(D{}, w, wrows * N, wbuf);
-  const float* B = as_f32(D{}, b, brows * N, bbuf);
 #if NS_ISA >= 3
-  if (std::is_same<D, BF16>::value) {  // lane order of the 32-wide bf16 path
-    if (W) permute_params(wbuf.data(), wrows, N, W_STAGE);
-    if (B) permute_params(bbuf.data(), brows, N, bias_stage(W != nullptr));
+  constexpr bool permuted = std::is_same<D, BF16>::value;  // lane order of the 32-wide bf16 path
+#else
+  constexpr bool permuted = false;
+#endif
+  const float* W = as_f32(D{}, w, wrows * N, f32_params, permuted, wbuf);
+  const float* B = as_f32(D{}, b, brows * N, f32_params, permuted, bbuf);
+#if NS_ISA >= 3
+  if (permuted) {
+    if (W) permute_params(wbuf.data(), wrows, N);
+    if (B) permute_params(bbuf.data(), brows, N);
   }
 #endif
   auto X = static_cast<const T*>(x);
@@ -522,9 +508,9 @@ void launch(const void* x, int64_t M, int64_t N, int64_t xs, const void* w, int6
 }
 
 // ---------------------------------------------------------------------------------------- backward
-// Gradients of the forward above with its roundings treated as identity (what autograd does to the
-// eager reference), all in fp32:  xhat = x * rstd,  g = dy * w,  c = mean(g * xhat),
-// dx = (g - xhat * c) * rstd,  dW += dy * round(xhat),  dB += dy.
+// Gradients of the forward above with its output rounding treated as identity (what autograd does to
+// the eager reference), all in fp32:  xhat = x * rstd,  g = dy * w,  c = mean(g * xhat),
+// dx = (g - xhat * c) * rstd,  dW += dy * xhat (no intermediate rounding),  dB += dy.
 // Each thread accumulates dW/dB for its contiguous block of rows into its own fp32 partial buffer;
 // the caller sums the partials over threads in a fixed order (deterministic for a thread count).
 template <class D, bool HAS_W, bool HAS_DW, bool HAS_DB>
@@ -556,7 +542,7 @@ void bwd_rows(const typename D::T* x, const typename D::T* dy, int64_t r0, int64
       acc = vfma(g, xh, acc);
       if (HAS_DW) {
         V cur = full ? vload(f, dwr + i) : vload_tail(f, dwr + i, n);
-        cur = vfma(gy, vround(d, xh), cur);
+        cur = vfma(gy, xh, cur);
         if (full) vstore(f, dwr + i, cur); else vstore_tail(f, dwr + i, cur, n);
       }
       if (HAS_DB) {
@@ -582,10 +568,11 @@ void bwd_rows(const typename D::T* x, const typename D::T* dy, int64_t r0, int64
 
 template <class D>
 void launch_bwd(const void* x, const void* dy, int64_t M, int64_t N, int64_t xs, int64_t dys, const void* w,
-                int64_t prows, const float* rstd, void* dx, float* dw_part, float* db_part, int nthreads) {
+                int64_t prows, const float* rstd, void* dx, float* dw_part, float* db_part, int nthreads,
+                bool f32_params) {
   using T = typename D::T;
   std::vector<float> wbuf;
-  const float* W = as_f32(D{}, w, prows * N, wbuf);
+  const float* W = as_f32(D{}, w, prows * N, f32_params, false, wbuf);
   auto X = static_cast<const T*>(x); auto DY = static_cast<const T*>(dy); auto DX = static_cast<T*>(dx);
   if (nthreads > M) nthreads = int(M > 0 ? M : 1);
   if (nthreads < 1) nthreads = 1;
@@ -621,23 +608,24 @@ void launch_bwd(const void* x, const void* dy, int64_t M, int64_t N, int64_t xs,
 
 extern "C" {
 
-// dtype codes: 0 float32, 1 bfloat16, 2 float16, 3 float64. Weight and bias have the dtype of x and
-// w_rows (b_rows) rows of N elements; row r of x uses weight row r % w_rows (per-head parameters).
-// y is contiguous (M, N); rstd (optional, fp32, M) receives 1/sqrt(mean(x^2) + eps).
-// flags bit 0: write y with non-temporal stores (for outputs larger than the last-level cache).
-// Returns 0 on success, 1 for an unsupported dtype.
+// dtype codes: 0 float32, 1 bfloat16, 2 float16, 3 float64. Weight and bias have the dtype of x (or
+// float32, see flags) and w_rows (b_rows) rows of N elements; row r of x uses weight row r % w_rows
+// (per-head parameters). y is contiguous (M, N); rstd (optional, fp32, M) receives 1/sqrt(mean(x^2) + eps).
+// flags bit 0: write y with non-temporal stores (for outputs larger than the last-level cache);
+// bit 1: weight and bias are float32 (a parameter whose dtype differs from a half-precision x, upcast
+// by the caller: the arithmetic uses it unrounded). Returns 0 on success, 1 for an unsupported dtype.
 int ns_rms_norm_fwd(int dtype, const void* x, int64_t M, int64_t N, int64_t x_row_stride, const void* w,
                     int64_t w_rows, const void* b, int64_t b_rows, void* y, float* rstd, double eps,
                     int nthreads, int flags) {
-  const bool stream = flags & 1;
+  const bool stream = flags & 1, f32_params = flags & 2;
   switch (dtype) {
     case 0: launch<F32>(x, M, N, x_row_stride, w, w_rows, b, b_rows, y, rstd, eps, nthreads,
-        stream); return 0;
+        stream, f32_params); return 0;
     case 1: launch<BF16>(x, M, N, x_row_stride, w, w_rows, b, b_rows, y, rstd, eps, nthreads,
-        stream); return 0;
+        stream, f32_params); return 0;
 #ifdef NS_HAS_F16
     case 2: launch<F16>(x, M, N, x_row_stride, w, w_rows, b, b_rows, y, rstd, eps, nthreads,
-        stream); return 0;
+        stream, f32_params); return 0;
 #endif
     case 3: {
       auto X = static_cast<const double*>(x); auto W = static_cast<const double*>(w);
@@ -655,25 +643,27 @@ int ns_rms_norm_fwd(int dtype, const void* x, int64_t M, int64_t N, int64_t x_ro
 }
 
 // Backward for float32/bfloat16/float16 (float64 gradients use PyTorch math). x and dy: (M, N) rows
-// with row strides; dx: contiguous (M, N); rstd: fp32 (M); w: prows rows of N in x's dtype, or null.
-// dw_part/db_part (optional): nthreads * prows * N fp32 each, one slice per thread; the caller sums
-// them. Threads actually used = min(nthreads, M). Returns 0 on success.
+// with row strides; dx: contiguous (M, N); rstd: fp32 (M); w: prows rows of N in x's dtype (float32
+// with flags bit 1, as in the forward), or null. dw_part/db_part (optional): nthreads * prows * N fp32
+// each, one slice per thread; the caller sums them. Threads actually used = min(nthreads, M).
+// Returns 0 on success.
 int ns_rms_norm_bwd(int dtype, const void* x, const void* dy, int64_t M, int64_t N, int64_t x_row_stride,
                     int64_t dy_row_stride, const void* w, int64_t p_rows, const float* rstd, void* dx,
-                    float* dw_part, float* db_part, int nthreads) {
+                    float* dw_part, float* db_part, int nthreads, int flags) {
+  const bool f32_params = flags & 2;
   switch (dtype) {
     case 0:
       launch_bwd<F32>(x, dy, M, N, x_row_stride, dy_row_stride, w, p_rows, rstd, dx, dw_part, db_part,
-          nthreads);
+          nthreads, f32_params);
       return 0;
     case 1:
       launch_bwd<BF16>(x, dy, M, N, x_row_stride, dy_row_stride, w, p_rows, rstd, dx, dw_part, db_part,
-          nthreads);
+          nthreads, f32_params);
       return 0;
 #ifdef NS_HAS_F16
     case 2:
       launch_bwd<F16>(x, dy, M, N, x_row_stride, dy_row_stride, w, p_rows, rstd, dx, dw_part, db_part,
-          nthreads);
+          nthreads, f32_params);
       return 0;
 #endif
   }
@@ -690,6 +680,27 @@ int ns_supported_dtypes(void) {
 }
 
 int ns_isa(void) { return NS_ISA; }
+
+// n float32 values into dtype code ``dtype`` (0 float32, 1 bfloat16, 2 float16), rounded to nearest
+// even: the cast of a parameter gradient accumulated in float32 (used by csrc/rmsnorm_op.cpp, where it
+// saves a dispatcher call per gradient). Returns 0 on success.
+int ns_f32_to(int dtype, const float* src, void* dst, int64_t n) {
+  auto convert = [&](auto d) {
+    using T = typename decltype(d)::T;
+    T* out = static_cast<T*>(dst);
+    int64_t i = 0;
+    for (; i + L <= n; i += L) vstore(d, out + i, vload(F32{}, src + i));
+    if (i < n) vstore_tail(d, out + i, vload_tail(F32{}, src + i, int(n - i)), int(n - i));
+  };
+  switch (dtype) {
+    case 0: convert(F32{}); return 0;
+    case 1: convert(BF16{}); return 0;
+#ifdef NS_HAS_F16
+    case 2: convert(F16{}); return 0;
+#endif
+  }
+  return 1;
+}
 
 }  // extern "C"
 
@@ -730,16 +741,17 @@ PyObject* py_fwd(PyObject*, PyObject* const* args, Py_ssize_t n) {
 }
 
 PyObject* py_bwd(PyObject*, PyObject* const* args, Py_ssize_t n) {
-  static const int kinds[14] = {0, 1, 1, 0, 0, 0, 0, 1, 0, 1, 1, 1, 1, 0};
-  int64_t v[14] = {}; double d[14] = {};
-  if (!ns_args(args, n, 14, kinds, v, d)) return nullptr;
+  static const int kinds[15] = {0, 1, 1, 0, 0, 0, 0, 1, 0, 1, 1, 1, 1, 0, 0};
+  int64_t v[15] = {}; double d[15] = {};
+  if (!ns_args(args, n, 15, kinds, v, d)) return nullptr;
   int status;
   Py_BEGIN_ALLOW_THREADS
   status = ns_rms_norm_bwd(int(v[0]), reinterpret_cast<const void*>(v[1]),
                            reinterpret_cast<const void*>(v[2]), v[3], v[4], v[5], v[6],
                            reinterpret_cast<const void*>(v[7]), v[8],
                            reinterpret_cast<const float*>(v[9]), reinterpret_cast<void*>(v[10]),
-                           reinterpret_cast<float*>(v[11]), reinterpret_cast<float*>(v[12]), int(v[13]));
+                           reinterpret_cast<float*>(v[11]), reinterpret_cast<float*>(v[12]), int(v[13]),
+                           int(v[14]));
   Py_END_ALLOW_THREADS
   return PyLong_FromLong(status);
 }
