@@ -478,6 +478,13 @@ def autograd_op(wait: bool = False):
     return _OP[0]
 
 
+def finish_operator_build() -> None:
+    """Block until an operator build already in flight has finished (starts none)."""
+    thread = _op_thread
+    if thread is not None:
+        thread.join()
+
+
 def op_reason() -> str:
     """Why :func:`autograd_op` is (or is not) available: the build's one-line status."""
     if _op is not None:

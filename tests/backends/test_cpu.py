@@ -18,6 +18,15 @@ from normswap.backends import cpu, cpu_build, eager, rows
 HAVE_CXX = cpu_build.find_compiler() is not None
 
 
+
+@pytest.fixture(autouse=True)
+def _no_operator_build_in_flight():
+    """Tests here swap parts of the build machinery (compiler, headers, cache directory); an operator
+    build that an earlier grad-mode call started in the background must not run into them."""
+    cpu.finish_operator_build()
+    yield
+    cpu.finish_operator_build()
+
 def one_rounding(x, rstd, w, b):
     """The contract given the kernel's rstd: ``x * rstd * w + b`` in float32 (parameters upcast from
     their own dtype, the same separate float32 operations as eager), rounded once to x's dtype."""
