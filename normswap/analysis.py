@@ -18,6 +18,9 @@ One generic mechanism for every model (no per-architecture adapters):
    none (Post-LN: the stream is also read by attention), the norm is *approximate*.
 4. **Readers.** Walk forward from the norm output through shape ops and casts. Linear / Conv1D
    readers that see the norm's features unpermuted can absorb β (into their bias) and γ.
+
+This module answers those questions (:class:`Analyzer`); :mod:`normswap.planner` asks them for every
+norm and turns the answers into the plan.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from normswap.attention import AttentionProofs, Route
+from normswap.attention import AttentionProofs
 from normswap.dataflow import (
     ADD_OPS,
     IDENTITY_OPS,
@@ -41,23 +44,14 @@ from normswap.dataflow import (
     SHAPE_OPS,
     replay,
 )
-from normswap.errors import NormswapError
 from normswap.plan import (
-    BetaMove,
-    CenteredReader,
     CenterHook,
-    FoldEdit,
     MeanCarry,
-    Plan,
-    RmsFold,
-    ScaleFold,
-    SitePlan,
     Untie,
     WriterEdit,
-    beta_text,
 )
 from normswap.trace import Graph, ModuleCall, Op, Value, ValueRef
-from normswap.walker import NormSite, SkippedNorm
+from normswap.walker import NormSite
 
 
 def _is_conv1d(module: nn.Module) -> bool:
@@ -90,7 +84,7 @@ _WRITER_PARAMS = {
     "embedding": (("weight", 1),),
     "conv": (("weight", 0), ("bias", 0)),
 }
-_OUTPUT_AXIS = {"linear": -1, "conv1d": -1, "embedding": -1, "conv": 1}
+OUTPUT_AXIS = {"linear": -1, "conv1d": -1, "embedding": -1, "conv": 1}
 
 
 @dataclass
@@ -436,7 +430,7 @@ class Analyzer:
         for call in calls:
             if len(call.outputs) != 1:
                 return [], [], "returns more than one tensor"
-            reach = self.reach(call.outputs[0], _OUTPUT_AXIS[kind])
+            reach = self.reach(call.outputs[0], OUTPUT_AXIS[kind])
             if reach.conflict:
                 return [], [], reach.conflict
             blockers += reach.blockers
@@ -462,7 +456,7 @@ class Analyzer:
             p = module._parameters.get(attr)
             if p is None:
                 continue
-            why = self._sharing_problem(p, path)
+            why = self.sharing_problem(p, path)
             if why is not None:
                 if why == "tied" and self.untie:
                     for owner, oattr in self.param_owners[id(p)]:
@@ -474,7 +468,7 @@ class Analyzer:
             edits.append(WriterEdit(f"{path}.{attr}", axis, blocks, path, kind))
         return edits, unties, None
 
-    def _sharing_problem(self, p: torch.nn.Parameter, path: str) -> str | None:
+    def sharing_problem(self, p: torch.nn.Parameter, path: str) -> str | None:
         """'tied' if another (non-writer) module owns ``p``; a reason if raw ops use it elsewhere."""
         owners = self.param_owners.get(id(p), [])
         module = self.modules[path]
@@ -754,263 +748,6 @@ class Analyzer:
         return list(unique.values()), sorted(set(other))
 
 
-def _site_plan(site: NormSite) -> SitePlan:
-    return SitePlan(name=site.path, class_name=site.class_name, verdict="", reason="",
-                    normalized_shape=list(site.normalized_shape), param_shape=list(site.param_shape),
-                    eps=site.eps, flavour=site.flavour)
-
-
-def _rms_folds(an: Analyzer, rms_norms: list[SkippedNorm], site_reader_paths: set[str]) -> list[RmsFold]:
-    """``fold_gamma`` on already-RMS norms: γ moves into the Linear readers where every reader reads
-    this norm alone, on every call, and nothing else reads the norm's output."""
-    folds = []
-    for norm in rms_norms:
-        if norm.weight_attr is None or norm.bias_attr is not None:
-            continue
-        calls = an.calls_per_path.get(norm.path, [])
-        readers: dict[str, set[int]] = {}
-        ok = bool(calls)
-        for call in calls:
-            rcalls, other = an.readers(call)
-            if other or not rcalls:
-                ok = False
-                break
-            for rc in rcalls:
-                readers.setdefault(rc.path, set()).add(rc.id)
-        if not ok:
-            continue
-        if any(p in site_reader_paths or readers[p] != {c.id for c in an.calls_per_path[p]}
-               or an._sharing_problem(an.modules[p].weight, p) is not None for p in readers):
-            continue
-        paths = sorted(readers)
-        folds.append(RmsFold(norm.path, f"{norm.path}.{norm.weight_attr}", norm.offset, paths,
-                             [writer_kind(an.modules[p]) for p in paths]))
-    taken: dict[str, int] = {}
-    for f in folds:  # a Linear reading two RMS norms takes neither
-        for p in f.readers:
-            taken[p] = taken.get(p, 0) + 1
-    return [f for f in folds if all(taken[p] == 1 for p in f.readers)]
-
-
-def analyse(model: nn.Module, graph: Graph, sites: list[NormSite], *, untie: bool = True,
-            fold_gamma: bool = False, per_norm_centering: bool = False,
-            rms_norms: list[SkippedNorm] | None = None, mean_carry: bool = True) -> Plan:
-    """Derive writers, readers, centering ops and a verdict for every NormSite.
-
-    Verdict policy for centering ops: one op where a stream *starts* (its value depends on no
-    LayerNorm output: an embedding LayerNorm, a conv stem, a regenerated table) keeps the norms
-    exact (``exact-with-centering``). A stream written by another norm's output (Post-LN) would
-    need a mean subtraction before every norm, which is LayerNorm by another name: such norms are
-    ``approximate`` unless ``per_norm_centering=True`` asks for those ops, and then their verdict
-    is ``exact-with-per-norm-centering``, counted apart.
-
-    ``mean_carry``: where a Post-LN stream is ``h + MLP(h)`` (BERT's FFN-output norms), widen the
-    MLP by a few neurons that cancel ``mean(h)`` (see :class:`normswap.plan.MeanCarry`), making
-    that norm exact instead of approximate.
-    """
-    mutated = mutated_parameters(graph)
-    if mutated:
-        name, op = mutated[0]
-        raise NormswapError(
-            f"the model changes parameter `{name}` in place during its forward pass (`{op}`): normswap "
-            "edits each weight once, and the model would then rescale the edited weights again (RWKV "
-            "does this in eval mode unless config.rescale_every = 0)")
-    an = Analyzer(model, graph, sites, untie=untie, fold_gamma=fold_gamma)
-    plan = Plan(options={"untie": untie, "fold_gamma": fold_gamma, "per_norm_centering": per_norm_centering,
-                         "mean_carry": mean_carry})
-    edits: dict[str, WriterEdit] = {}
-    unties: dict[tuple[str, str], Untie] = {}
-    module_ok: dict[str, str | None] = {}
-    term_status: dict[int, tuple[bool, str]] = {}  # term value -> (centered by surgery, why not)
-    hooks: dict[int, tuple[CenterHook, Reach]] = {}  # hooked value -> (hook, its reach)
-    chained: dict[int, str] = {}  # term value -> module of the stream-start op it is computed after
-    site_terms: dict[int, list[Term]] = {}
-    carried_mlps: set[str] = set()
-
-    # --- writers and their centering
-    for call in an.site_calls:
-        vid = an.site_input[call.id]
-        site_terms[call.id] = an.leaves(vid) if vid is not None else []
-        an.stream_writers |= {t.module_path for t in site_terms[call.id] if t.kind == "module"}
-    for call in an.site_calls:
-        for term in site_terms[call.id]:
-            if term.value in term_status:
-                continue
-            if term.kind == "module":
-                if term.module_path not in module_ok:
-                    es, us, why = an.module_centering(term.module_path)
-                    module_ok[term.module_path] = why
-                    if why is None:
-                        for e in es:
-                            edits.setdefault(e.target, e)
-                        for u in us:
-                            unties.setdefault((u.module, u.attr), u)
-                why = module_ok[term.module_path]
-                term_status[term.value] = (why is None, f"{term.label} {why}" if why else "")
-            elif term.kind == "param":
-                es, why = an.param_centering(term)
-                if why is None:
-                    for e in es:
-                        edits.setdefault(e.target, e)
-                term_status[term.value] = (why is None, f"{term.label} {why}" if why else "")
-            else:
-                term_status[term.value] = (False, term.label)
-
-    # --- centering ops for terms that surgery cannot center
-    for call in an.site_calls:
-        for term in site_terms[call.id]:
-            ok, _ = term_status[term.value]
-            if ok or any(term.value in reach.mapped for _, reach in hooks.values()):
-                continue
-            # A stream written by a norm's output (Post-LN) is not a stream start, unless that norm is the
-            # first of the model (BLOOM's embedding LayerNorm: its input depends on no norm) and itself
-            # needed no centering op (at most one op per stream, never a chain of them).
-            per_norm = term.kind == "norm" and (
-                an.depends_on_norm(term.value)
-                or any(term.call in reach.site_rows for _, reach in hooks.values()))
-            if term.value in chained:  # seen from an earlier norm of the same stream
-                per_norm = True
-            elif not per_norm and an.depends_on_norm(term.value):
-                # a term computed from a norm's output that joins a stream a stream-start op already
-                # centers (RWKV's gated feed-forward, block after block) would need a second op on that
-                # stream: a chain, one op per block
-                term_reach = an.reach(term.value, -1)
-                reached = set(term_reach.site_rows)
-                start = None if any(v in term_reach.mapped for v in hooks) else next(  # not one placed further down
-                    (h for h, reach in hooks.values() if not h.per_norm and reached & set(reach.site_rows)), None)
-                if start is not None:
-                    chained[term.value] = start.module
-                    per_norm = True
-            if per_norm and not per_norm_centering:
-                continue
-            if per_norm and mean_carry and an.mean_carry(call, term, site_terms[call.id], module_ok) is not None:
-                continue  # an MLP can cancel this mean: a real RMSNorm beats a centering op
-            # a stream-start op first; failing that (opt-in), one op at each norm's own input
-            tries = [False, True] if per_norm_centering and not per_norm else [per_norm]
-            for at_norms in tries:
-                found = False
-                for vid, hook in an.hook_candidates(term, at_norms=at_norms):
-                    reach = an.hook_valid(vid)
-                    if reach is not None:
-                        hook.reason = (f"stream written by {term.label}: one mean per token before this norm"
-                                       if at_norms else f"stream starts at {term.label}")
-                        hook.per_norm = at_norms
-                        hooks[vid] = (hook, reach)
-                        found = True
-                        break
-                if found:
-                    break
-
-    # --- readers of every norm (a Linear may read several norms: then nothing folds into it)
-    site_readers: dict[str, tuple[set[str], list[str]]] = {}
-    reader_sources: dict[str, set[str]] = {}
-    reader_calls: dict[str, set[int]] = {}
-    for call in an.site_calls:
-        rcalls, other = an.readers(call)
-        paths, others = site_readers.setdefault(call.path, (set(), []))
-        others += other
-        for rc in rcalls:
-            paths.add(rc.path)
-            reader_sources.setdefault(rc.path, set()).add(call.path)
-            reader_calls.setdefault(rc.path, set()).add(rc.id)
-
-    # --- verdicts and folds
-    for path, site in an.sites.items():
-        calls = [c for c in an.site_calls if c.path == path]
-        sp = _site_plan(site)
-        writers, problems, centered_by = [], [], []
-        targets: set[str] = set()
-        if not calls:
-            sp.verdict, sp.reason = "skipped", "not called by the example inputs (kept as LayerNorm)"
-            plan.sites.append(sp)
-            continue
-        for call in calls:
-            for term in site_terms[call.id]:
-                writers.append(term.module_path or term.label)
-                ok, why = term_status[term.value]
-                if ok:
-                    targets |= _term_targets(an, term, edits)
-                    continue
-                downstream = an.reach(term.value, -1).mapped
-                hook = next((h for v, (h, reach) in hooks.items()
-                             if call.id in reach.site_rows and v in downstream), None)
-                if hook is not None:
-                    centered_by.append(hook)
-                    continue
-                problems.append(term)
-        sp.writers = sorted(set(writers))
-        carries = []
-        if problems and mean_carry and len(calls) == 1 and all(t.kind == "norm" for t in problems):
-            carries = [an.mean_carry(calls[0], t, site_terms[calls[0].id], module_ok) for t in problems]
-            if any(c is None or c.up in carried_mlps for c in carries):
-                carries = []
-        if carries:
-            for c in carries:
-                carried_mlps.add(c.up)
-                plan.mean_carries.append(c)
-            c = carries[0]
-            sp.verdict = "exact"
-            sp.reason = (f"stream written by `{c.source}` output (Post-LN), whose mean is cancelled by "
-                         f"{c.added} neuron(s) added to `{c.up}` -> `{c.down}` ({c.activation})")
-        elif problems:
-            term = problems[0]
-            sp.verdict = "approximate"
-            per_norm = term.kind == "norm"
-            if term.kind == "norm":
-                sp.reason = f"stream written by {term.label} (Post-LN)"
-            elif term.value in chained:
-                per_norm = True
-                sp.reason = (f"stream written by {term_status[term.value][1]}, computed after the centering op at "
-                             f"`{chained[term.value]}` (a second op on one stream)")
-            else:
-                why = term_status[term.value][1]
-                sp.reason = f"stream written by {why}"
-                if not per_norm:
-                    sp.reason += "; no centering point feeds only norms"
-            if per_norm and not per_norm_centering:
-                sp.reason += ("; a centering op before this norm would make it exact (per_norm_centering=True): "
-                              "LayerNorm by another name")
-        elif centered_by:
-            h = next((h for h in centered_by if h.per_norm), centered_by[0])
-            sp.verdict = "exact-with-per-norm-centering" if h.per_norm else "exact-with-centering"
-            sp.reason = f"centering op at `{h.module}` {h.where}: {h.reason}"
-        else:
-            sp.verdict = "exact"
-            sp.reason = f"stream written by {len(set(writers))} centered writer(s)"
-
-        foldable, other = site_readers.get(path, (set(), []))
-        sp.readers = sorted(foldable) + sorted(set(other))
-        sp.writer_targets = sorted(targets)
-        sp.linear_readers = sorted(foldable)
-        if sp.verdict != "approximate":
-            _plan_folds(an, site, sp, sorted(foldable), other, plan, unties, reader_sources, reader_calls)
-        else:
-            plan.centered_readers += _centered_readers(an, site, sorted(foldable), unties, reader_sources,
-                                                       reader_calls)
-        sp.rotation_reason = _rotation_blocker(an, site, sp, centered_by, sorted(set(other)))
-        if carries and not sp.rotation_reason:
-            sp.rotation_reason = "its stream carries a Post-LN norm output (mean cancelled in the MLP)"
-        sp.rotation_ready = not sp.rotation_reason
-        plan.sites.append(sp)
-
-    plan.writer_edits = sorted(edits.values(), key=lambda e: e.target)
-    if fold_gamma and rms_norms:
-        plan.rms_folds = _rms_folds(an, rms_norms, set(reader_sources))
-    centered_owners = {e.owner for e in edits.values()}
-    plan.scale_folds = sorted({ScaleFold(param, path, writer_kind(an.modules[path]))
-                               for param, path, _ in an.layer_scales.values() if path in centered_owners},
-                              key=lambda f: f.param)
-    plan.unties = list(unties.values())
-    plan.hooks = [h for h, _ in hooks.values()]
-    changed = {o for _, r in hooks.values() for o in r.outputs}
-    for e in edits.values():
-        if e.kind != "param":
-            for c in an.calls_per_path.get(e.owner, []):
-                changed |= set(an.reach(c.outputs[0], _OUTPUT_AXIS[e.kind]).outputs)
-    plan.changed_outputs = sorted(changed | an.cache_outputs)
-    return plan
-
-
 _NO_DATA_INPLACE = {"requires_grad_", "share_memory_", "retain_grad", "detach_"}  # flags, not values
 
 
@@ -1026,143 +763,3 @@ def mutated_parameters(graph: Graph) -> list[tuple[str, str]]:
         if inplace and isinstance(target, ValueRef) and graph.values[target.id].source == "param":
             found.append((graph.values[target.id].name, op.name))
     return found
-
-
-def _term_targets(an: Analyzer, term: Term, edits: dict[str, WriterEdit]) -> set[str]:
-    """The writer-edit targets (parameter names) that center one stream term."""
-    if term.kind == "param":
-        return {an.graph.values[term.value].name}
-    return {e.target for e in edits.values() if e.owner == term.module_path}
-
-
-def _rotation_blocker(an: Analyzer, site: NormSite, sp: SitePlan, centered_by: list[CenterHook],
-                      other: list[str]) -> str:
-    """Why the stream this norm reads cannot be rotated by an orthogonal Q ('' when it can).
-
-    Rotation needs an RMSNorm with unit weight and no bias (``rms(xQ) = rms(x)``), writers whose
-    output features can absorb Q (Linear, Conv1D, Embedding, conv, raw parameters), and readers
-    that are Linear layers seeing the norm's features unpermuted (they absorb Qᵀ).
-    """
-    if sp.verdict == "approximate":
-        return "approximate norm (the stream is not zero-mean)"
-    if sp.verdict == "skipped":
-        return "not converted"
-    if centered_by:
-        return f"centering op at `{centered_by[0].module}` (a mean subtraction is not rotation-invariant)"
-    if len(site.normalized_shape) != 1 or list(site.param_shape) != list(site.normalized_shape):
-        return "normalises over more than one axis or per-head parameters (not a residual-stream norm)"
-    if other:
-        return f"output also read by {other[0]} (not a Linear that can absorb Qᵀ)"
-    if not sp.linear_readers:
-        return "no Linear reader"
-    if site.weight_attr is not None and not sp.fold_gamma:
-        if not an.fold_gamma:
-            return "γ stays in the RMSNorm (pass fold_gamma=True)"
-        if site.bias_attr is not None and not sp.fold_beta:
-            return "γ stays in the RMSNorm: β cannot fold (a reader has no bias slot) and some γ is near 0"
-        return "γ cannot fold into the readers (a reader also reads another stream or is shared)"
-    return ""
-
-
-def _well_conditioned(gamma: torch.Tensor | None) -> bool:
-    """Can β/γ be kept in the norm without blowing up? (every |γ| ≥ 1e-3 · max |γ|)."""
-    if gamma is None or gamma.numel() == 0:
-        return False
-    mag = gamma.abs()
-    return bool(mag.max() > 0) and bool(mag.min() >= 1e-3 * mag.max())
-
-
-def _plan_folds(an: Analyzer, site: NormSite, sp: SitePlan, foldable: list[str], other: list[str],
-                plan: Plan, unties: dict, reader_sources: dict[str, set[str]],
-                reader_calls: dict[str, set[int]]) -> None:
-    """β (and with fold_gamma, γ) leave the norm when every reader can take them; ``sp.beta_detail`` says
-    where β went, reader by reader, or why it stays in the RMSNorm.
-
-    A reader with a bias slot takes its share ``W β`` there; one without may still let it go exactly
-    (a key projection drops it, a value projection moves it through attention into the output
-    projection's bias: :mod:`normswap.attention`). β stays in the norm, for every reader, as soon as
-    one reader still needs it.
-    """
-    has_beta = site.bias_attr is not None
-    kept = _fold_blocker(an, site, foldable, other, unties, reader_sources, reader_calls)
-    if kept:
-        sp.beta_detail = f"kept in the RMSNorm: {kept}" if has_beta else ""
-        return
-    routes: dict[str, Route] = {}
-    if an.fold_beta and has_beta:
-        for p in foldable:
-            routes[p] = Route("bias", "") if an.modules[p].bias is not None else an.attention.route(p)
-    stuck = [p for p, r in routes.items() if r.how == "kept"]
-    fold_beta = bool(routes) and not stuck
-    if has_beta:
-        sp.beta_detail = _beta_detail(routes, stuck) if an.fold_beta else "kept in the RMSNorm (fold_beta=False)"
-    # γ leaves the norm together with β, or, where β cannot fold (a reader has no bias slot), with
-    # the norm keeping β/γ: γ⊙u + β = γ⊙(u + β/γ). Only where no γ is near zero relative to the rest.
-    fold_gamma = an.fold_gamma and site.weight_attr is not None and (
-        fold_beta or not has_beta or _well_conditioned(site.gamma(an.modules[site.path])))
-    if fold_beta or fold_gamma:
-        sp.fold_beta, sp.fold_gamma = fold_beta, fold_gamma
-        for p in foldable:
-            route = routes[p].how if fold_beta else ""
-            plan.folds.append(FoldEdit(site.path, p, writer_kind(an.modules[p]), route == "bias", fold_gamma,
-                                       route))
-            if route == "moved":
-                r = routes[p]
-                plan.beta_moves.append(BetaMove(site.path, p, writer_kind(an.modules[p]), r.into, r.kind, r.runs))
-    if fold_beta:
-        an.cache_outputs |= {o for r in routes.values() for o in r.outputs}
-
-
-def _centered_readers(an: Analyzer, site: NormSite, foldable: list[str], unties: dict,
-                      reader_sources: dict[str, set[str]], reader_calls: dict[str, set[int]]) -> list[CenteredReader]:
-    """The Linear readers of an approximate norm that can be made blind to the mean its RMSNorm leaks
-    (:class:`~normswap.plan.CenteredReader`): each reads only this norm's whole, unpermuted output on
-    every call, owns its weight, and has a bias slot for the β correction (unless the norm has no β).
-    γ must be well conditioned (the edit divides by it)."""
-    if len(site.normalized_shape) != 1 or (site.weight_attr is not None
-                                           and list(site.param_shape) != list(site.normalized_shape)):
-        return []
-    module = an.modules[site.path]
-    if site.weight_attr is not None and not _well_conditioned(site.gamma(module)):
-        return []
-    out = []
-    for path in foldable:
-        reader = an.modules[path]
-        every_call = {c.id for c in an.calls_per_path.get(path, [])}
-        if reader_sources[path] != {site.path} or reader_calls[path] != every_call:
-            continue
-        shared = [o for o, _ in an.param_owners.get(id(reader.weight), []) if an.modules.get(o) is not reader]
-        if (shared or an._sharing_problem(reader.weight, path) is not None) and (path, "weight") not in unties:
-            continue  # the edit would change the other owner (a tied embedding) too
-        if site.bias_attr is not None and reader.bias is None:
-            continue
-        out.append(CenteredReader(site.path, path, writer_kind(reader)))
-    return out
-
-
-def _fold_blocker(an: Analyzer, site: NormSite, foldable: list[str], other: list[str], unties: dict,
-                  reader_sources: dict[str, set[str]], reader_calls: dict[str, set[int]]) -> str:
-    """Why nothing folds out of this norm at all ('' when its readers allow folding)."""
-    if other:
-        return f"output also read by {other[0]} (not a Linear)"
-    if not foldable:
-        return "no Linear reader"
-    if len(site.normalized_shape) != 1 or site.param_shape != site.normalized_shape:
-        return "normalises over more than one axis or has per-head parameters"
-    for path in foldable:
-        every_call = {c.id for c in an.calls_per_path.get(path, [])}
-        if reader_sources[path] != {site.path} or reader_calls[path] != every_call:
-            return f"`{path}` also reads something else"  # folding would change that call
-        module = an.modules[path]
-        if an._sharing_problem(module.weight, path) is not None and (path, "weight") not in unties:
-            return f"`{path}` shares its weight"
-    return ""
-
-
-def _beta_detail(routes: dict[str, Route], stuck: list[str]) -> str:
-    """Human text: where each reader's share of β went, or the first reader that keeps β in the norm."""
-    if stuck:
-        p = stuck[0]
-        more = f" ({len(stuck) - 1} more reader(s) without a bias slot keep it too)" if len(stuck) > 1 else ""
-        return f"kept in the RMSNorm: `{p}` has no bias slot and {routes[p].why}{more}"
-    return beta_text([(p, r.how) for p, r in routes.items()], {p: r.into for p, r in routes.items() if r.into})

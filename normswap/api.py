@@ -20,11 +20,11 @@ import torch
 from torch import nn
 
 from normswap import calibrate, inputs, surgery, trace, walker
-from normswap.analysis import analyse
 from normswap.errors import NormswapError
 from normswap.integrations import hooks
 from normswap.options import ConvertOptions
 from normswap.plan import EXACT_VERDICTS, Plan, SitePlan, attach_plan
+from normswap.planner import analyse
 from normswap.verify import compare, dtype_error_ratio, gate
 
 log = logging.getLogger("normswap")

@@ -1,6 +1,6 @@
 """normswap.analysis on the hand-written models: writers, readers, centering edits and verdicts.
 
-Unit level: ``normswap.api.analyse_copy`` (trace + walker + ``analysis.analyse``, no verdict mode,
+Unit level: ``normswap.api.analyse_copy`` (trace + walker + ``planner.analyse``, no verdict mode,
 no surgery) on a float64 copy, and ``analysis.Analyzer`` on the recorded graph. Nothing is patched.
 """
 
@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from normswap import analysis
+from normswap import analysis, planner
 from normswap.api import analyse_copy
 from normswap.options import ConvertOptions
 from tests.custom_models import (
@@ -239,7 +239,7 @@ def test_post_ln_ffn_output_norms_are_exact_by_mean_carry():
 
 def test_post_ln_without_mean_carry_every_block_norm_is_approximate():
     _, an, result = _analyse(PostLNEncoder(), _ids())
-    plan = analysis.analyse(an.model, result.graph, list(result.sites.values()), mean_carry=False)
+    plan = planner.analyse(an.model, result.graph, list(result.sites.values()), mean_carry=False)
     assert {s.name: s.verdict for s in plan.sites} == {
         "emb_norm": "exact", "n1.0": "approximate", "n1.1": "approximate",
         "n2.0": "approximate", "n2.1": "approximate"}

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import normswap
-from normswap import analysis, surgery
+from normswap import planner, surgery
 from normswap.inputs import hf_example_inputs
 from normswap.plan import Plan
 from normswap.verify import compare
@@ -67,7 +67,7 @@ def test_the_reader_no_longer_sees_the_leaked_mean(name, reader, monkeypatch):
     with_edit = copy.deepcopy(model)
     report = _convert(with_edit, calibration=False)
     assert reader in {r.reader for r in report.plan.centered_readers}
-    monkeypatch.setattr(analysis, "_centered_readers", lambda *a, **k: [])
+    monkeypatch.setattr(planner, "_centered_readers", lambda *a, **k: [])
     without = copy.deepcopy(model)
     assert not _convert(without, calibration=False).plan.centered_readers
 
