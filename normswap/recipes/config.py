@@ -131,6 +131,7 @@ class EvalConfig:
     before: bool = True
     keep_best: bool = True
     metric: str | None = None  # default per task: kl (LMs with a teacher), ppl (no teacher), cosine (encoder)
+    patience: int | None = None  # stop after this many evaluations in a row without a better kept metric
 
 
 @dataclass
@@ -517,6 +518,7 @@ def validate(cfg: RecipeConfig, *, check_paths: bool = True) -> None:
         ("progressive.interval", cfg.progressive.interval, False),
         ("progressive.start_step", cfg.progressive.start_step, True),
         ("eval.every", cfg.eval.every, False),
+        ("eval.patience", cfg.eval.patience, False),
         ("log.every", cfg.log.every, False),
         ("checkpoint.every", cfg.checkpoint.every, False),
         ("checkpoint.keep_last", cfg.checkpoint.keep_last, False),
@@ -570,6 +572,10 @@ def validate(cfg: RecipeConfig, *, check_paths: bool = True) -> None:
         )
     if cfg.train.mixed_precision == "fp16" and not _cuda_available():
         raise NormswapError("config key `train.mixed_precision`: fp16 needs a GPU; use bf16 or 'no' on CPU")
+    if cfg.eval.patience is not None and not cfg.eval.keep_best:
+        raise NormswapError(
+            "config key `eval.patience` needs `eval.keep_best: true` (it stops when the kept metric stops improving)"
+        )
     if cfg.checkpoint.stop_after is not None and cfg.checkpoint.stop_after > cfg.train.steps:
         raise NormswapError(
             f"config key `checkpoint.stop_after` ({cfg.checkpoint.stop_after}) is past "

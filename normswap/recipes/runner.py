@@ -51,6 +51,7 @@ class RunResult:
     wall_time_s: float
     saved_with: str | None = None
     stopped_early: bool = False
+    converged: bool = False  # eval.patience ended the run before train.steps
     resumed_from: str | None = None
     best_step: int | None = None
     conversion: dict[str, Any] = field(default_factory=dict)
@@ -252,7 +253,8 @@ class Recipe:
         self.step, self.seen_tokens, self.train_time = 0, 0, 0.0
         self.metrics_before: dict[str, float] = {}
         self.last_eval: dict[str, float] = {}
-        self.stopped_early = False
+        self.stopped_early = False  # checkpoint.stop_after: interrupted on purpose, to be resumed
+        self.converged = False  # eval.patience ended the run
 
     def run(self) -> RunResult:
         self.setup()
@@ -483,6 +485,8 @@ class Recipe:
                 if step >= self.final_structure:
                     self.best.consider(step, self.last_eval, self.accelerator.unwrap_model(self.model))
                 self.console.print(f"step {step}: {metrics_mod.headline(self.last_eval)}")
+                if self._out_of_patience(step):
+                    break
             if step % cfg.checkpoint.every == 0 or step == stop_at:
                 self.train_time += time.perf_counter() - tick
                 tick = time.perf_counter()
@@ -507,6 +511,21 @@ class Recipe:
                 self.console.print(
                     "warning: data-parallel replicas hold different weights; the saved model is rank 0's"
                 )
+
+    def _out_of_patience(self, step: int) -> bool:
+        """``eval.patience``: True once that many evaluations in a row (after the last progressive swap)
+        have not beaten the kept one; the run then ends and :meth:`save` keeps the best step."""
+        patience, best = self.cfg.eval.patience, self.best
+        if not patience or not best.enabled or best.step is None or step < self.final_structure:
+            return False
+        since = (step - max(best.step, self.final_structure)) // self.cfg.eval.every
+        if since < patience:
+            return False
+        self.converged = True
+        self.log.write({"step": step, "split": "early_stop", "best_step": best.step, "patience": patience})
+        self.console.print(f"step {step}: no held-out gain over step {best.step} in {since} evaluation(s) "
+                           f"(eval.patience={patience}): stopping; the saved model is step {best.step}'s")
+        return True
 
     # ---- save
     def save(self) -> RunResult:
@@ -542,6 +561,7 @@ class Recipe:
             wall_time_s=time.perf_counter() - self.t_start,
             saved_with=saved_with,
             stopped_early=self.stopped_early,
+            converged=self.converged,
             resumed_from=str(self.resume_dir) if self.resume_dir else None,
             best_step=best.step if best.state is not None else None,
             conversion=self.conversion,
@@ -557,6 +577,7 @@ class Recipe:
                 "metrics_before": self.metrics_before,
                 "metrics_after": metrics_after,
                 "steps": self.step,
+                "stopped_by_patience": self.converged,
                 "kept_step": kept_step,
                 "tokens": self.seen_tokens,
                 "train_time_s": round(self.train_time, 3),

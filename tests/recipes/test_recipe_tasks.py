@@ -254,3 +254,28 @@ def test_neighbour_groups_need_an_encoder_with_a_teacher(tiny_gpt2, corpus, tmp_
     with pytest.raises(NormswapError, match="needs task: encoder"):
         run(RECIPES / "distill-causal-lm.yaml", [f"model.source={tiny_gpt2}", f"data.path={corpus}",
                                                   f"output.dir={tmp_path / 'o'}", "data.neighbour_groups=2"])
+
+
+def test_patience_stops_a_run_that_only_drifts_and_keeps_the_start(tiny_bert, tmp_path):
+    """A learning rate that can only make the student worse: with eval.patience=2 the run ends two
+    evaluations after its best (the converted start), and the saved model is that start."""
+    data = tmp_path / "sentences.txt"
+    data.write_text("\n".join(toy.grammar_corpus(300, seed=3, sentences_per_line=1)) + "\n")
+    result = run(RECIPES / "distill-encoder.yaml", [
+        f"model.source={tiny_bert}", f"data.path={data}", f"output.dir={tmp_path / 'e'}",
+        "train.steps=40", "train.lr=0.5", "train.warmup_steps=0", "eval.every=5", "eval.patience=2",
+        "log.progress_bar=false", "log.plot=false", "data.batch_size=8", "data.seq_len=24",
+        "data.eval_fraction=0.1"])
+    assert result.converged and not result.stopped_early
+    assert result.best_step == 0 and result.steps == 10, (result.best_step, result.steps)
+    assert result.metrics_after == result.metrics_before
+    records = [json.loads(line) for line in (tmp_path / "e" / "metrics.jsonl").read_text().splitlines()]
+    assert any(r["split"] == "early_stop" and r["best_step"] == 0 for r in records)
+    manifest = json.loads((tmp_path / "e" / "model" / "config.json").read_text())["normswap"]
+    assert manifest["finetune"]["stopped_by_patience"] is True
+
+
+def test_patience_needs_keep_best(tiny_bert, corpus, tmp_path):
+    with pytest.raises(NormswapError, match="eval.patience"):
+        run(RECIPES / "distill-encoder.yaml", [f"model.source={tiny_bert}", f"data.path={corpus}",
+                                                f"output.dir={tmp_path / 'o'}", "eval.keep_best=false"])
