@@ -95,10 +95,6 @@ class CalibrationResult:
 
 
 # ------------------------------------------------------------------------------ built-in data
-builtin_sentences = inputs.builtin_sentences  # the sentences and the tokenizer search live in inputs,
-find_tokenizer = inputs.find_tokenizer  # shared with the verification probe
-
-
 def _smooth_images(shape: tuple[int, ...], gen: torch.Generator, dtype: torch.dtype) -> torch.Tensor:
     """Images with natural-image-like structure: low-frequency colour fields plus fine texture."""
     b, c, h, w = shape
@@ -116,7 +112,7 @@ def builtin_batches(model: nn.Module, tokenizer: Any = None, *, batches: int = 4
     without one, token ids drawn over the vocabulary. Vision and speech inputs are generated
     (smooth random images, random log-mel-like features) at the model's expected shapes.
     """
-    tok = tokenizer if tokenizer is not None else find_tokenizer(model)
+    tok = tokenizer if tokenizer is not None else inputs.find_tokenizer(model)
     probe = inputs.hf_example_inputs(model, batch=1, seq=4, seed=seed)
     text_only = "input_ids" in probe and not any(k in probe for k in ("pixel_values", "input_features",
                                                                       "input_values"))

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import normswap
-from normswap import calibrate
+from normswap import calibrate, inputs
 from normswap.api import find_norms
 from normswap.errors import NormswapError
 from normswap.recipes import losses, models
@@ -129,7 +129,7 @@ def test_builtin_batches_without_tokenizer_and_for_images():
 
 
 def test_builtin_sentences_ship_with_the_package():
-    sents = calibrate.builtin_sentences()
+    sents = inputs.builtin_sentences()
     assert len(sents) >= 200 and len(set(sents)) == len(sents)
     assert all(len(s.split()) >= 3 for s in sents)
 
