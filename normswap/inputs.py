@@ -146,8 +146,10 @@ def passages(n: int, seed: int, per: int = 3, *, from_end: bool = False) -> list
 
 def find_tokenizer(model: nn.Module) -> Any | None:
     """The model's own tokenizer when it can be found offline, else None: the one in the local
-    directory the model was loaded from, or a built-in preset's (:mod:`normswap.presets`). A
-    tokenizer without a pad token gets the eos (or unk) token as one."""
+    directory the model was loaded from, a built-in preset's (:mod:`normswap.presets`), or, for a
+    model loaded by Hub id, the tokenizer files ``from_pretrained`` left in the local Hugging Face
+    cache (read with ``local_files_only``: no network call, and no remote code). A tokenizer without
+    a pad token gets the eos (or unk) token as one."""
     return _find_tokenizer(model)[0]
 
 
@@ -170,11 +172,26 @@ def _find_tokenizer(model: nn.Module) -> tuple[Any | None, str]:
 
         if presets.is_preset(str(path)):
             tok, where = presets.tokenizer(str(path)), f"the {path} preset's tokenizer"
+        else:
+            tok, where = _cached_hub_tokenizer(str(path)), f"the {path} tokenizer in the Hugging Face cache"
     if tok is None:
         return None, ""
     if getattr(tok, "pad_token", None) is None:
         tok.pad_token = getattr(tok, "eos_token", None) or getattr(tok, "unk_token", None)
     return (tok, where) if getattr(tok, "pad_token", None) is not None else (None, "")
+
+
+def _cached_hub_tokenizer(repo_id: str) -> Any | None:
+    """The tokenizer of Hub repository ``repo_id`` if its files are in the local Hugging Face cache
+    (a model loaded with ``from_pretrained(repo_id)`` usually brought them along), else None."""
+    if repo_id.count("/") > 1 or repo_id.startswith((".", "/", "~")):
+        return None  # a path that does not exist, not a repository id
+    try:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(repo_id, local_files_only=True)
+    except Exception:  # noqa: BLE001 - not cached, not a repository id, or a tokenizer needing remote code
+        return None
 
 
 # ------------------------------------------------------------------------------ verification probe

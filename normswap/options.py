@@ -62,7 +62,8 @@ class ConvertOptions:
             uses a built-in set, ``False`` fits nothing (γ/β copied).
         sequential: fit approximate norms one after another on the converted model's activations.
         tokenizer: tokenizer for the built-in calibration text and the verification probe (default:
-            the model's own, from the directory it was loaded from or its preset).
+            the model's own, from the directory it was loaded from, its preset, or the local Hugging
+            Face cache for a model loaded by Hub id).
         verify: compare against the float64 original and refuse conversions that miss tolerance.
         allow_unusable: convert even when the held-out figures say the result is unusable.
         backend: the RMSNorm backend of the new modules (``"auto"`` or a name from

@@ -144,3 +144,29 @@ def test_convert_and_verify_report_the_probe(tmp_path):
     result = verify_checkpoint("tiny-gpt2", tmp_path / "out")  # normswap verify ORIGINAL CONVERTED
     assert result["ok"] and result["batches"] == 2
     assert result["probe"].startswith("built-in English text") and "random inputs" in result["probe"]
+
+
+def test_a_model_loaded_by_hub_id_finds_its_tokenizer_in_the_local_cache(tmp_path, monkeypatch):
+    """``from_pretrained("org/name")`` leaves the tokenizer in the Hugging Face cache; the probe (and the
+    built-in calibration, which asks the same function) must use it, offline, rather than random ids.
+    The cache here is a hand-made one in the layout huggingface_hub writes (no network)."""
+    import huggingface_hub.constants
+
+    model, tok = presets.build("tiny-bert", dtype=torch.float64)
+    repo = tmp_path / "models--someone--tiny-bert"
+    snapshot = repo / "snapshots" / ("0" * 40)
+    snapshot.mkdir(parents=True)
+    tok.save_pretrained(snapshot)
+    model.config.save_pretrained(snapshot)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0" * 40)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+
+    model.config._name_or_path = "someone/tiny-bert"
+    probe = inputs.verification_probe(model)
+    assert probe.text and "someone/tiny-bert tokenizer in the Hugging Face cache" in probe.source
+    assert [r[:m.sum()].tolist() for r, m in zip(probe.kwargs["input_ids"], probe.kwargs["attention_mask"],
+                                                  strict=True)] == _expected_rows(tok)
+
+    model.config._name_or_path = "someone/not-downloaded"  # not in the cache: the random fallback, no error
+    assert not inputs.verification_probe(model).text
