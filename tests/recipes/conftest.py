@@ -46,7 +46,15 @@ def tiny_bert(recipe_dir) -> Path:
 @pytest.fixture(scope="session")
 def tiny_gpt2(recipe_dir) -> Path:
     with one_thread():
-        return toy.train_tiny_gpt2(recipe_dir / "gpt2", hidden=32, layers=2, steps=80)
+        return toy.train_tiny_causal_lm(recipe_dir / "gpt2", hidden=32, layers=2, steps=80)
+
+
+@pytest.fixture(scope="session")
+def tiny_opt_post_ln(recipe_dir) -> Path:
+    """A 2-layer Post-LN OPTForCausalLM (hidden 64, OPT-350m's layout) trained on the grammar (~10 s)."""
+    with one_thread():
+        return toy.train_tiny_causal_lm(recipe_dir / "opt", arch="opt-post-ln", hidden=64, layers=2, steps=300,
+                                        bert_like_norms=2.0)
 
 
 @pytest.fixture(scope="session")
