@@ -21,7 +21,7 @@ from torch import nn
 
 from normswap import calibrate, inputs, surgery, trace, walker
 from normswap.errors import NormswapError
-from normswap.integrations import hooks
+from normswap.integrations import hooks, wrappers
 from normswap.options import ConvertOptions
 from normswap.plan import EXACT_VERDICTS, Plan, SitePlan, attach_plan
 from normswap.planner import analyse
@@ -293,6 +293,24 @@ def decide_verdicts(plan: Plan, mode: str) -> None:
     plan.options["mode"] = mode
 
 
+def unwrap(model: nn.Module, example_inputs: inputs.ExampleInputs,
+           opts: ConvertOptions) -> tuple[nn.Module, ConvertOptions, str]:
+    """What to convert: ``model`` itself, or the transformers model inside a wrapper such as a
+    ``SentenceTransformer`` (:mod:`normswap.integrations.wrappers`) with the wrapper's tokenizer as
+    the default ``tokenizer``. Returns (model to convert, options, a note for the report or "")."""
+    if example_inputs is not None:  # inputs given for the object itself: convert it as it is
+        return model, opts, ""
+    try:
+        found = wrappers.inner_model(model)
+    except ValueError as exc:
+        raise NormswapError(str(exc)) from None
+    if found is None:
+        return model, opts, ""
+    if opts.tokenizer is None and found.tokenizer is not None:
+        opts = opts.replace(tokenizer=found.tokenizer)
+    return found.model, opts, f"{found.wrapper}: converted its transformers model `{found.path}` in place"
+
+
 def plan(model: nn.Module, example_inputs: inputs.ExampleInputs = None, *,
          options: ConvertOptions | None = None, **keywords: Any) -> Plan:
     """Dry run: the per-norm verdicts and every edit ``patch`` would make. The model is untouched.
@@ -302,6 +320,7 @@ def plan(model: nn.Module, example_inputs: inputs.ExampleInputs = None, *,
     keyword is an error.
     """
     opts = ConvertOptions.build(options, **keywords)
+    model, opts, _ = unwrap(model, example_inputs, opts)
     preflight(model)
     args, kwargs = inputs.resolve(model, example_inputs)
     untouched = versions(model)
@@ -337,7 +356,8 @@ def patch(model: nn.Module, example_inputs: inputs.ExampleInputs = None, *,
     """Convert ``model``'s LayerNorms to :class:`normswap.RMSNorm`, in place, verified.
 
     Args:
-        model: a transformers model or any ``nn.Module``.
+        model: a transformers model, a sentence-transformers model (its transformers model is
+            converted in place, with its tokenizer), or any ``nn.Module``.
         example_inputs: inputs for the analysis run (built automatically for transformers models).
         options: a :class:`~normswap.ConvertOptions` (mode, fold_gamma, untie, per_norm_centering,
             mean_carry, calibration, sequential, tokenizer, verify, allow_unusable, backend; see its
@@ -352,6 +372,7 @@ def patch(model: nn.Module, example_inputs: inputs.ExampleInputs = None, *,
         calibrate.UnusableConversion: the approximate conversion is unusable (``exit_code`` 4).
     """
     opts = ConvertOptions.build(options, **keywords)
+    model, opts, wrapped = unwrap(model, example_inputs, opts)
     preflight(model)
     args, kwargs = inputs.resolve(model, example_inputs)
     user_dtype = _dtype_of(model)
@@ -458,6 +479,8 @@ def patch(model: nn.Module, example_inputs: inputs.ExampleInputs = None, *,
     attach_plan(model, plan_)
     hooks.after_patch(model)  # e.g. save_pretrained / Trainer.save_model then write a native checkpoint
     message = plan_.conversion_line()
+    if wrapped:
+        message = f"{wrapped}; {message}"
     if calib is not None:
         message += f"; {calib.summary()}"
         figures.update({f"heldout_{k}": v for k, v in calib.figures.items()})

@@ -28,6 +28,7 @@ from torch import nn
 
 from normswap.checkpoint import hf_types, io
 from normswap.errors import NormswapError
+from normswap.integrations import wrappers
 from normswap.options import FORMATS, choose
 from normswap.plan import CENTERED_VERDICTS, Plan, plan_of
 
@@ -567,6 +568,11 @@ def save(
         >>> model2 = normswap.load("out/gpt2-rms")                       # doctest: +SKIP
     """
     choose("format", format, FORMATS)
+    if wrappers.is_wrapper(model):  # its pipeline files (pooling, normalize, modules.json) are its own to write
+        raise NormswapError(
+            f"normswap.save writes a transformers model, not a {type(model).__name__}: save it with its own "
+            f"{type(model).__name__}.save(dir) (the converted transformers model inside writes a native "
+            "normswap checkpoint; load it back after `import normswap`)")
     plan = required_plan(model)
     io.parse_size(max_shard_size)
     out = io.check_destination(out_dir, overwrite=overwrite)

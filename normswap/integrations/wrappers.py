@@ -1,0 +1,64 @@
+"""Models that wrap a transformers model: what ``normswap.plan`` / ``normswap.patch`` convert inside them.
+
+A ``sentence_transformers`` model (``SentenceTransformer``, ``CrossEncoder``, ``SparseEncoder``) is a
+pipeline of modules (``Transformer`` → ``Pooling`` → ``Normalize``, …) around one transformers model,
+and it carries that model's tokenizer. Its LayerNorms all live in that transformers model, whose
+inputs normswap can build from the config and whose tokenizer gives real text for the calibration
+and the verification probe. So ``patch(SentenceTransformer(...))`` converts that inner model in
+place (the pipeline object then computes with it) instead of asking for ``example_inputs``.
+
+A leaf module (torch only, no normswap imports): :mod:`normswap.api` calls :func:`inner_model`, and
+nothing here imports ``sentence_transformers`` (the wrapper is recognised by the module its class
+comes from).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+WRAPPER_PACKAGES = ("sentence_transformers",)
+
+
+@dataclass
+class Wrapped:
+    """The transformers model inside a wrapper, where it sits, and the wrapper's tokenizer."""
+
+    model: nn.Module
+    path: str  # its name among the wrapper's modules, e.g. "0.auto_model"
+    wrapper: str  # the wrapper's class name
+    tokenizer: Any = None
+
+
+def is_wrapper(model: nn.Module) -> bool:
+    """True for a model object of a known wrapping library (see :data:`WRAPPER_PACKAGES`)."""
+    return type(model).__module__.split(".")[0] in WRAPPER_PACKAGES
+
+
+def inner_model(model: nn.Module) -> Wrapped | None:
+    """The one transformers model inside a known wrapper, or None when ``model`` is no such wrapper
+    or holds no transformers model.
+
+    Raises:
+        ValueError: the wrapper holds several transformers models (convert each one yourself).
+    """
+    if not is_wrapper(model):
+        return None
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        return None
+    found: list[tuple[str, nn.Module]] = []
+    for name, module in model.named_modules():
+        if isinstance(module, PreTrainedModel) and not any(name.startswith(f"{outer}.") for outer, _ in found):
+            found.append((name, module))
+    if not found:
+        return None
+    if len(found) > 1:
+        names = ", ".join(f"`{n}`" for n, _ in found)
+        raise ValueError(f"{type(model).__name__} holds {len(found)} transformers models ({names}); "
+                         "convert each with normswap.patch(model.get_submodule(name))")
+    path, inner = found[0]
+    return Wrapped(inner, path, type(model).__name__, getattr(model, "tokenizer", None))
