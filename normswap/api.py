@@ -77,6 +77,11 @@ def preflight(model: nn.Module) -> None:
                 f"parameter `{name}` is quantized ({p.dtype}); convert the full-precision model, "
                 "then quantize the result")
     for name, module in model.named_modules():
+        if hasattr(module, "peft_config") or hasattr(module, "lora_A"):  # PeftModel / a LoRA layer
+            where = f"module `{name}` is a PEFT adapter layer" if name else f"{type(model).__name__} is a PEFT model"
+            raise NormswapError(
+                f"{where} ({type(module).__name__}); merge the adapters first (model = model.merge_and_unload()) "
+                "and convert the merged model, or convert the base model before adding adapters")
         cls = type(module).__name__
         if any(tag in cls for tag in ("Linear8bit", "Linear4bit", "QuantLinear", "QLinear", "FP8Linear")):
             raise NormswapError(

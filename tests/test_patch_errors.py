@@ -71,6 +71,22 @@ def test_quantized_weights_are_refused():
         normswap.patch(model, (torch.randn(2, 4),))
 
 
+@pytest.mark.parametrize("with_inputs", [False, True], ids=["auto-inputs", "example_inputs"])
+def test_a_peft_model_is_refused_with_how_to_merge_it(with_inputs):
+    """A LoRA branch beside a writer or reader would not get the surgery (it crashed, or converted the
+    base weights only); the error says to merge first, and nothing is touched."""
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(build(EXACT, "gpt2"), peft.LoraConfig(r=2, target_modules=["c_attn"],
+                                                                       init_lora_weights=False))
+    before = _state(model)
+    example = {"input_ids": torch.randint(0, 99, (2, 8))} if with_inputs else None
+    with pytest.raises(normswap.NormswapError, match=r"PEFT model .*merge_and_unload\(\)"):
+        normswap.patch(model, example)
+    with pytest.raises(normswap.NormswapError, match="merge_and_unload"):
+        normswap.plan(model.base_model.model, example)  # the LoRA layers are still inside
+    assert _same(before, _state(model))
+
+
 def test_nan_weights_are_refused_and_model_untouched():
     model = randomise(TinyViT())
     with torch.no_grad():
