@@ -300,20 +300,25 @@ def decide_verdicts(plan: Plan, mode: str) -> None:
 
 def unwrap(model: nn.Module, example_inputs: inputs.ExampleInputs,
            opts: ConvertOptions) -> tuple[nn.Module, ConvertOptions, str]:
-    """What to convert: ``model`` itself, or the transformers model inside a wrapper such as a
-    ``SentenceTransformer`` (:mod:`normswap.integrations.wrappers`) with the wrapper's tokenizer as
-    the default ``tokenizer``. Returns (model to convert, options, a note for the report or "")."""
-    if example_inputs is not None:  # inputs given for the object itself: convert it as it is
-        return model, opts, ""
-    try:
-        found = wrappers.inner_model(model)
-    except ValueError as exc:
-        raise NormswapError(str(exc)) from None
-    if found is None:
-        return model, opts, ""
-    if opts.tokenizer is None and found.tokenizer is not None:
-        opts = opts.replace(tokenizer=found.tokenizer)
-    return found.model, opts, f"{found.wrapper}: converted its transformers model `{found.path}` in place"
+    """What to convert: ``model`` itself, the module inside a ``torch.compile``'d one, or the
+    transformers model inside a wrapper such as a ``SentenceTransformer``
+    (:mod:`normswap.integrations.wrappers`), with the wrapper's tokenizer as the default
+    ``tokenizer``. Returns (model to convert, options, a note for the report or "")."""
+    notes = []
+    while True:
+        if example_inputs is not None and not wrappers.is_compiled(model):
+            break  # inputs given for the object itself: convert it as it is
+        try:
+            found = wrappers.inner_model(model)
+        except ValueError as exc:
+            raise NormswapError(str(exc)) from None
+        if found is None:
+            break
+        if opts.tokenizer is None and found.tokenizer is not None:
+            opts = opts.replace(tokenizer=found.tokenizer)
+        notes.append(f"{found.wrapper}: converted its model `{found.path}` in place")
+        model = found.model
+    return model, opts, "; ".join(notes)
 
 
 def plan(model: nn.Module, example_inputs: inputs.ExampleInputs = None, *,
@@ -362,7 +367,8 @@ def patch(model: nn.Module, example_inputs: inputs.ExampleInputs = None, *,
 
     Args:
         model: a transformers model, a sentence-transformers model (its transformers model is
-            converted in place, with its tokenizer), or any ``nn.Module``.
+            converted in place, with its tokenizer), a ``torch.compile``'d module (the module inside
+            is converted; the compiled object recompiles on its next call), or any ``nn.Module``.
         example_inputs: inputs for the analysis run (built automatically for transformers models).
         options: a :class:`~normswap.ConvertOptions` (mode, fold_gamma, untie, per_norm_centering,
             mean_carry, calibration, sequential, tokenizer, verify, allow_unusable, backend; see its

@@ -12,8 +12,8 @@ Submodules (each imported on its own, so ``import normswap`` stays light):
   norm.
 * :mod:`normswap.integrations.saving`: ``save_pretrained`` on a model patched in memory writes a native
   normswap checkpoint.
-* :mod:`normswap.integrations.wrappers`: the transformers model inside a sentence-transformers object,
-  which ``normswap.plan`` / ``normswap.patch`` convert in place (a leaf module).
+* :mod:`normswap.integrations.wrappers`: the model inside a sentence-transformers object or a
+  ``torch.compile``'d module, which ``normswap.plan`` / ``normswap.patch`` convert in place (a leaf module).
 * :mod:`normswap.integrations.hooks`: the callbacks ``normswap.patch`` runs on a converted model (a leaf
   module, so the API imports none of the integrations).
 """

@@ -7,6 +7,10 @@ inputs normswap can build from the config and whose tokenizer gives real text fo
 and the verification probe. So ``patch(SentenceTransformer(...))`` converts that inner model in
 place (the pipeline object then computes with it) instead of asking for ``example_inputs``.
 
+``torch.compile(model)`` returns an ``OptimizedModule`` that holds the model as ``_orig_mod``: that
+model is converted in place, and the compiled object recompiles on its next call (its guards see the
+new modules).
+
 A leaf module (torch only, no normswap imports): :mod:`normswap.api` calls :func:`inner_model`, and
 nothing here imports ``sentence_transformers`` (the wrapper is recognised by the module its class
 comes from).
@@ -37,6 +41,11 @@ def is_wrapper(model: nn.Module) -> bool:
     return type(model).__module__.split(".")[0] in WRAPPER_PACKAGES
 
 
+def is_compiled(model: nn.Module) -> bool:
+    """True for what ``torch.compile(module)`` returns (an ``OptimizedModule`` around ``_orig_mod``)."""
+    return type(model).__name__ == "OptimizedModule" and isinstance(getattr(model, "_orig_mod", None), nn.Module)
+
+
 def inner_model(model: nn.Module) -> Wrapped | None:
     """The one transformers model inside a known wrapper, or None when ``model`` is no such wrapper
     or holds no transformers model.
@@ -44,6 +53,8 @@ def inner_model(model: nn.Module) -> Wrapped | None:
     Raises:
         ValueError: the wrapper holds several transformers models (convert each one yourself).
     """
+    if is_compiled(model):  # dynamo's guards see the swapped modules, so the next call recompiles
+        return Wrapped(model._orig_mod, "_orig_mod", "torch.compile'd module")
     if not is_wrapper(model):
         return None
     try:
