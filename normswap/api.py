@@ -20,12 +20,12 @@ import torch
 from torch import nn
 
 from normswap import calibrate, inputs, surgery, trace, walker
-from normswap.errors import NormswapError
+from normswap.errors import NaNOutputs, NormswapError
 from normswap.integrations import hooks, wrappers
 from normswap.options import ConvertOptions
 from normswap.plan import EXACT_VERDICTS, Plan, SitePlan, attach_plan
 from normswap.planner import analyse
-from normswap.verify import compare, dtype_error_ratio, gate
+from normswap.verify import compare, dtype_error_ratio, flatten_outputs, gate
 
 log = logging.getLogger("normswap")
 
@@ -130,9 +130,9 @@ def _available_memory() -> int:
         return 8 << 30
 
 
-def working_copy(model: nn.Module) -> nn.Module:
-    """A copy of ``model`` to analyse and edit: float64 when that fits comfortably in memory, else
-    the model's dtype.
+def working_copy(model: nn.Module, precise: bool = True) -> nn.Module:
+    """A copy of ``model`` to analyse and edit: float64 when that fits comfortably in memory (and
+    ``precise``), else the model's dtype.
 
     Modules and buffers are deep-copied; parameters are not, unless cast: a parameter already in the
     working dtype is a new ``Parameter`` over the *model's* storage. The analysis and the reference
@@ -142,7 +142,7 @@ def working_copy(model: nn.Module) -> nn.Module:
     second copy.
     """
     on_cpu = all(p.device.type == "cpu" for p in model.parameters())
-    cast = not on_cpu or _param_bytes(model) < 0.4 * _available_memory()
+    cast = precise and (not on_cpu or _param_bytes(model) < 0.4 * _available_memory())
 
     def param(p: nn.Parameter) -> nn.Parameter:
         data = p.detach()
@@ -259,7 +259,43 @@ def _run_trace(work: nn.Module, args: tuple, kwargs: dict) -> trace.Graph:
 
 def _identify_sites(work: nn.Module, args: tuple, kwargs: dict) -> tuple[walker.WalkResult, trace.Graph]:
     graph = _run_trace(work, args, kwargs)
+    nan = next((k for k, t in flatten_outputs(graph.output_object) if t.is_floating_point() and bool(t.isnan().any())),
+               None)
+    if nan is not None:  # nothing can be identified, fitted or verified on NaN (it compares as "no error")
+        raise NaNOutputs(
+            f"{type(work).__name__} outputs NaN in `{nan}` on the example inputs, before any change (inputs "
+            "that do not fit the model, or broken weights); pass example_inputs=(tensor, ...) or a dict of "
+            "kwargs on which the original model's outputs are finite")
     return walker.find_sites(work, graph), graph
+
+
+def analysed_copy(model: nn.Module, args: tuple, kwargs: dict,
+                  opts: ConvertOptions) -> tuple[nn.Module, tuple, dict, _Analysis]:
+    """The working copy, the inputs cast to its dtype, and its analysis (:func:`analyse_copy`).
+
+    float64 where it fits (:func:`working_copy`). Where the model's own code computes NaN in float64
+    but not in its own dtype (CANINE's local attention does), the copy is in the model's dtype and the
+    plan says so (``options["working_dtype"]``); NaN in both is the inputs' or the weights' fault.
+    """
+    work = working_copy(model)
+    wargs, wkwargs = inputs.cast_inputs(args, kwargs, _dtype_of(work))
+    try:
+        return work, wargs, wkwargs, analyse_copy(work, wargs, wkwargs, opts)
+    except NaNOutputs as exc:
+        if _dtype_of(work) == _dtype_of(model):
+            raise
+        in_float64 = exc
+    del work
+    work = working_copy(model, precise=False)
+    dtype = _dtype_of(work)
+    wargs, wkwargs = inputs.cast_inputs(args, kwargs, dtype)
+    try:
+        an = analyse_copy(work, wargs, wkwargs, opts)
+    except NaNOutputs:
+        raise in_float64 from None
+    an.plan.options["working_dtype"] = (f"{str(dtype).removeprefix('torch.')}: {type(model).__name__} computes NaN "
+                                        "in float64, not in its own dtype")
+    return work, wargs, wkwargs, an
 
 
 def find_norms(model: nn.Module, example_inputs: inputs.ExampleInputs = None) -> walker.WalkResult:
@@ -335,9 +371,7 @@ def plan(model: nn.Module, example_inputs: inputs.ExampleInputs = None, *,
     args, kwargs = inputs.resolve(model, example_inputs)
     untouched = versions(model)
     with eval_mode(model):
-        work = working_copy(model)
-        args, kwargs = inputs.cast_inputs(args, kwargs, _dtype_of(work))
-        result = analyse_copy(work, args, kwargs, opts)
+        result = analysed_copy(model, args, kwargs, opts)[3]
     check_untouched(model, untouched)
     decide_verdicts(result.plan, opts.mode)
     return result.plan
@@ -390,10 +424,8 @@ def patch(model: nn.Module, example_inputs: inputs.ExampleInputs = None, *,
     training = {name: m.training for name, m in model.named_modules()}
     untouched = versions(model)
     with eval_mode(model):
-        work = working_copy(model)
+        work, wargs, wkwargs, an = analysed_copy(model, args, kwargs, opts)
         work_dtype = _dtype_of(work)
-        wargs, wkwargs = inputs.cast_inputs(args, kwargs, work_dtype)
-        an = analyse_copy(work, wargs, wkwargs, opts)
         plan_ = an.plan
         decide_verdicts(plan_, opts.mode)
         if plan_.options.get("already_converted"):
@@ -408,11 +440,15 @@ def patch(model: nn.Module, example_inputs: inputs.ExampleInputs = None, *,
         del an.graph  # free the recorded activations
         # A second, unseen probe (other ids, other length) guards against a plan that only fits the
         # inputs the analysis ran on. Built for transformers models; custom models use their inputs.
-        probe = None
+        probe, probe_failed = None, ""
         if opts.verify and example_inputs is None:  # real text where the tokenizer is known
             probe = inputs.verification_probe(work, opts.tokenizer)
-            with torch.no_grad(), default_dtype(work_dtype):
-                probe_reference = work(**probe.kwargs)
+            try:
+                with torch.no_grad(), default_dtype(work_dtype):
+                    probe_reference = work(**probe.kwargs)
+            except Exception as exc:  # noqa: BLE001 - e.g. a model that takes one sequence length only
+                probe_failed = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:120]}"
+                probe = None
         originals = {sp.name: work.get_submodule(sp.name) for sp in plan_.sites}
         own_written(work, model, plan_)  # from here on the surgery writes only tensors of its own
         surgery.apply_weight_edits(work, plan_, an.sites, originals)
@@ -468,7 +504,8 @@ def patch(model: nn.Module, example_inputs: inputs.ExampleInputs = None, *,
                     figures = traced
                     figures["probe"] = ("the analysis inputs (verify=False: no unseen probe)" if not opts.verify
                                         else "the example_inputs the analysis ran on (no unseen probe for "
-                                        "inputs given by hand)")
+                                        "inputs given by hand)" if example_inputs is not None
+                                        else f"the analysis inputs (the unseen probe did not run: {probe_failed})")
                 else:
                     figures["max_rel_error"] = max(figures.get("max_rel_error", 0.0), traced.get("max_rel_error", 0.0))
         _site_checks(plan_, todo, seen, originals, an.sites, work_dtype, figures)
@@ -492,6 +529,8 @@ def patch(model: nn.Module, example_inputs: inputs.ExampleInputs = None, *,
     message = plan_.conversion_line()
     if wrapped:
         message = f"{wrapped}; {message}"
+    if plan_.options.get("working_dtype"):
+        message += f"; analysed and verified in {plan_.options['working_dtype']}"
     if calib is not None:
         message += f"; {calib.summary()}"
         figures.update({f"heldout_{k}": v for k, v in calib.figures.items()})
@@ -527,8 +566,17 @@ def _calibrate(work: nn.Module, approx: list[SitePlan], sites: dict, originals: 
     if not held_out:
         held_out = [(args, kwargs)]
     targets = [calibrate.Target(sp.name, originals[sp.name], sites[sp.name]) for sp in approx]
-    return calibrate.calibrate(work, targets, fit, held_out, source=source, sequential=opts.sequential,
-                               call=call)
+    try:
+        return calibrate.calibrate(work, targets, fit, held_out, source=source, sequential=opts.sequential,
+                                   call=call)
+    except NormswapError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the model does not run on these batches (a fixed length, ...)
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:160]
+        raise NormswapError(
+            f"calibration could not run {type(work).__name__} on {source} ({type(exc).__name__}: {first}); "
+            "pass calibration= batches the model accepts (--calibration-data), keep the approximate norms "
+            "as LayerNorm (mode='exact'), or skip the fit (calibration=False)") from exc
 
 
 def _site_checks(plan_: Plan, todo: list[SitePlan], seen: dict, originals: dict, sites: dict,

@@ -20,6 +20,10 @@ class NormswapError(Exception):
     exit_code: int = EXIT_ERROR
 
 
+class NaNOutputs(NormswapError):
+    """The original model computes NaN on the inputs it is analysed on (exit code 1)."""
+
+
 class UsageError(NormswapError):
     """An invalid command line or option value (exit code 2)."""
 

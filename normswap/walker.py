@@ -299,6 +299,12 @@ def find_sites(model: nn.Module, graph: Graph) -> WalkResult:
             result = identify_gated(path, modules[path], x, graph.values[tensors[1]].tensor, y)
         if result is None:
             result = identify_flattened_heads(path, modules[path], x, y)
+        if result is None and (isinstance(modules[path], nn.LayerNorm) or path in direct_ln):
+            # a LayerNorm that ran and matched no formula is reported, never dropped in silence
+            why = ("its traced input or output is not finite" if not (bool(torch.isfinite(x).all())
+                                                                        and bool(torch.isfinite(y).all()))
+                   else "its traced output matches no LayerNorm/RMSNorm formula of its parameters")
+            result = SkippedNorm(path, type(modules[path]).__name__, f"{why}; kept")
         if isinstance(result, NormSite):
             found.sites.append(result)
             claimed.append(path)

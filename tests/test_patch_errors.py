@@ -87,6 +87,75 @@ def test_a_peft_model_is_refused_with_how_to_merge_it(with_inputs):
     assert _same(before, _state(model))
 
 
+class _NaNInFloat64(nn.Module):
+    """Pre-LN block whose own code breaks in float64 (as CANINE's local attention does): NaN there only."""
+
+    def __init__(self, everywhere: bool = False):
+        super().__init__()
+        self.everywhere = everywhere
+        self.embed, self.norm, self.head = nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = self.embed(x)
+        if self.everywhere or h.dtype == torch.float64:
+            h = h + torch.where(h[..., :1] > 1e9, 0.0, float("nan"))  # NaN everywhere, in the broken dtype
+        return self.head(self.norm(h))
+
+
+def test_a_model_that_computes_nan_in_float64_only_is_converted_in_its_own_dtype():
+    model = randomise(_NaNInFloat64()).float()
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        before = model(x)
+    report = normswap.patch(model, (x,))
+    assert report.changed
+    assert "analysed and verified in float32: _NaNInFloat64 computes NaN in float64" in report.message
+    assert isinstance(model.norm, normswap.RMSNorm)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), before, rtol=1e-5, atol=1e-5)
+
+
+def test_nan_outputs_are_an_error_not_a_zero_error_verification():
+    """NaN compares as no error: before this check such a model 'converted' with max_rel_error 0."""
+    model = randomise(_NaNInFloat64(everywhere=True)).float()
+    before = _state(model)
+    with pytest.raises(normswap.NormswapError,
+                       match="outputs NaN in `output` on the example inputs, before any change"):
+        normswap.patch(model, (torch.randn(3, 8),))
+    assert _same(before, _state(model)) and isinstance(model.norm, nn.LayerNorm)
+
+
+def test_a_layernorm_that_matches_no_formula_is_reported_as_skipped():
+    class Doubled(nn.LayerNorm):
+        def forward(self, x):
+            return 2 * x
+
+    model = nn.Sequential(nn.Linear(8, 16), Doubled(16), nn.Linear(16, 4)).double()
+    plan = normswap.plan(model, (torch.randn(3, 8, dtype=torch.float64),))
+    assert not plan.sites
+    reason = "its traced output matches no LayerNorm/RMSNorm formula of its parameters; kept"
+    assert plan.skipped == [{"name": "1", "class": "Doubled", "reason": reason}]
+
+
+def test_a_model_of_one_sequence_length_verifies_on_its_inputs_and_calibration_says_what_failed():
+    """Nyströmformer built for 8-token segments runs on the analysis inputs (8 tokens) only: the unseen
+    probe and the built-in calibration batches (other lengths) fail inside the model. Each says so, in
+    one line, instead of a RuntimeError traceback out of patch."""
+    config = tf.NystromformerConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                                    vocab_size=99, max_position_embeddings=64, pad_token_id=0, num_landmarks=4,
+                                    segment_means_seq_len=8)
+    torch.manual_seed(0)
+    model = randomise(tf.NystromformerModel(config))
+    before = _state(model)
+    with pytest.raises(normswap.NormswapError, match=r"^calibration could not run NystromformerModel on built-in "
+                                                     r".*pass calibration= batches the model accepts"):
+        normswap.patch(model)
+    assert _same(before, _state(model))
+    report = normswap.patch(model, mode="exact")
+    assert report.changed and report.verification["probe"].startswith(
+        "the analysis inputs (the unseen probe did not run: RuntimeError")
+
+
 def test_nan_weights_are_refused_and_model_untouched():
     model = randomise(TinyViT())
     with torch.no_grad():
