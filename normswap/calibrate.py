@@ -128,6 +128,9 @@ def builtin_batches(model: nn.Module, tokenizer: Any = None, *, batches: int = 4
             for k, v in probe.items():  # decoder ids and the like: what the model also needs
                 if k not in kw and isinstance(v, torch.Tensor) and v.dtype == torch.long:
                     kw[k] = kw["input_ids"].clone() if k.startswith("decoder_input") else v
+            if "encoder_hidden_states" in probe:  # a decoder's cross-attention: random encoder states
+                gen = torch.Generator().manual_seed(seed + 2000 + i)
+                kw["encoder_hidden_states"] = inputs.encoder_states(model, kw["input_ids"].shape[0], 8, gen)
             out.append(((), kw))
         return out, f"built-in English sentences ({batches * batch_size} passages, model tokenizer)"
     for i in range(batches):

@@ -15,6 +15,7 @@ from __future__ import annotations
 import inspect
 import os
 import random
+import re
 import warnings
 from dataclasses import dataclass
 from importlib import resources
@@ -79,6 +80,10 @@ def hf_example_inputs(model: nn.Module, batch: int = 2, seq: int = 8, seed: int 
     if getattr(config, "is_encoder_decoder", False) and "decoder_input_ids" in params:
         dcfg = _sub_config(config, "decoder")
         inputs["decoder_input_ids"] = token_ids(dcfg, seq)
+    if inputs and "encoder_hidden_states" in params and has_cross_attention(model):
+        # a decoder with cross-attention (BLIP's text decoder, BERT/GPT-2 with add_cross_attention): its
+        # cross-attention blocks and their norms run only when given encoder states
+        inputs["encoder_hidden_states"] = encoder_states(model, batch, max(2, seq // 2 + 1), gen)
     if not inputs:
         raise NormswapError(
             f"cannot build example inputs for {type(model).__name__} (main input "
@@ -87,6 +92,27 @@ def hf_example_inputs(model: nn.Module, batch: int = 2, seq: int = 8, seed: int 
     if "use_cache" in params:
         inputs["use_cache"] = False
     return inputs
+
+
+def has_cross_attention(model: nn.Module) -> bool:
+    """True when a model that is not an encoder-decoder holds cross-attention blocks (they run only
+    when ``encoder_hidden_states`` are given)."""
+    if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        return False
+    return any(_CROSS_ATTENTION.search(name) for name, _ in model.named_modules())
+
+
+_CROSS_ATTENTION = re.compile(r"cross_?att|encoder_attn", re.IGNORECASE)
+
+
+def encoder_states(model: nn.Module, batch: int, length: int, gen: torch.Generator) -> torch.Tensor:
+    """Random ``encoder_hidden_states`` of the width the model's cross-attention takes."""
+    config = model.config
+    width = int(_cfg(config, "encoder_hidden_size", "cross_attention_hidden_size", "hidden_size", "n_embd",
+                     "d_model"))
+    p = next((p for p in model.parameters() if p.is_floating_point()), None)
+    t = torch.randn(batch, length, width, generator=gen)
+    return t if p is None else t.to(p.device, p.dtype)
 
 
 def resolve(model: nn.Module, example_inputs: ExampleInputs) -> tuple[tuple, dict]:

@@ -273,6 +273,10 @@ def _assignments(direct: list[tuple[str, torch.Tensor]]):
     return guesses
 
 
+NOT_RUN = ("did not run on the analysis inputs (a branch they do not take), so it was neither analysed nor "
+           "converted; kept as LayerNorm: pass example_inputs that reach it to convert it")
+
+
 def find_sites(model: nn.Module, graph: Graph) -> WalkResult:
     """Every norm of ``model`` that ran in the traced ``graph``, identified from its real input and
     output (a wrapper identified as a norm claims the modules inside it); and the modules already
@@ -286,6 +290,9 @@ def find_sites(model: nn.Module, graph: Graph) -> WalkResult:
             continue  # inside a wrapper already identified as the norm
         calls = graph.calls_of(path)
         if not calls:
+            if isinstance(modules[path], nn.LayerNorm) or path in direct_ln:
+                found.skipped.append(SkippedNorm(path, type(modules[path]).__name__, NOT_RUN))
+                claimed.append(path)
             continue
         call = calls[0]
         vid = call.first_input()

@@ -5,13 +5,14 @@ import warnings
 
 import pytest
 import torch
+import transformers as tf
 from torch import nn
 
 import normswap
 from normswap.api import default_dtype
 from normswap.inputs import hf_example_inputs
 from normswap.verify import compare
-from tests.zoo import APPROXIMATE, EXACT, MORE, RMS, build, float64_reference, randomise
+from tests.zoo import APPROXIMATE, EXACT, LLM, MORE, RMS, build, float64_reference, randomise
 
 
 def _layernorms(model: nn.Module) -> list[str]:
@@ -192,3 +193,28 @@ def test_verification_reports_the_figure_each_family_compares():
     assert v["class_agreement"] == 1.0
     v = normswap.patch(build(EXACT, "gpt2")).verification
     assert abs(v["kl"]) <= 1e-12 and v["top1_agreement"] == 1.0
+
+
+@pytest.mark.parametrize("name", ["bert-decoder", "gpt2-cross-attention"])
+def test_decoders_with_cross_attention_convert_their_cross_attention_norms(name):
+    """Cross-attention blocks run only when given encoder states: the analysis inputs now carry them, so
+    their norms are converted and checked too (before, they did not run, stayed LayerNorm and were not
+    reported), and the converted decoder is exact with and without encoder states."""
+    torch.manual_seed(0)
+    cls, config = {
+        "bert-decoder": (tf.BertLMHeadModel, tf.BertConfig(**LLM, is_decoder=True, add_cross_attention=True)),
+        "gpt2-cross-attention": (tf.GPT2LMHeadModel, tf.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=99,
+                                                                   n_positions=64, add_cross_attention=True)),
+    }[name]
+    model = randomise(cls(config))
+    original = copy.deepcopy(model)
+    report = normswap.patch(model, mode="exact")
+    norms = sum(isinstance(m, nn.LayerNorm) for m in original.modules())
+    assert len(report.plan.sites) == norms and not report.plan.skipped  # every norm ran and has a verdict
+    assert any("cross" in s.name for s in report.plan.sites)
+    ids = torch.randint(3, 99, (2, 7), generator=torch.Generator().manual_seed(1))
+    states = torch.randn(2, 5, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        for kwargs in ({"encoder_hidden_states": states}, {}):
+            torch.testing.assert_close(model(input_ids=ids, **kwargs).logits,
+                                       original(input_ids=ids, **kwargs).logits, rtol=1e-12, atol=1e-12)

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import normswap
 from normswap import RMSNorm, walker
 from normswap.api import find_norms
 from tests.custom_models import MixedNormNet, PostLNEncoder, TinyGPT, TinyViT, randomise
@@ -117,6 +118,9 @@ def test_norms_the_example_inputs_never_call_are_not_sites():
     sites = _sites(model, (torch.randint(0, 40, (2, 6)),))
     assert "unused_norm" not in sites
     assert list(sites) == ["emb_norm", "n1.0", "n1.1", "n2.0", "n2.1"]
+    # ...but reported, never dropped in silence: the plan says it stays a LayerNorm and why
+    skipped = normswap.plan(model, (torch.randint(0, 40, (2, 6)),)).skipped
+    assert skipped == [{"name": "unused_norm", "class": "LayerNorm", "reason": walker.NOT_RUN}]
 
 
 def test_find_norms_leaves_the_model_untouched():
@@ -196,7 +200,8 @@ def test_gamma_only_and_beta_only_layernorms():
 
 def test_find_sites_on_a_trace_claims_wrapped_norms_and_lists_converted_ones():
     """``walker.find_sites`` directly on a recorded graph: a wrapper identified as the norm claims the
-    LayerNorm inside it, norms that never ran are left out, normswap RMSNorms are listed apart."""
+    LayerNorm inside it, norms that never ran are skipped with the reason, normswap RMSNorms are listed
+    apart."""
     from normswap import trace
 
     model, example = _mixed()
@@ -205,7 +210,8 @@ def test_find_sites_on_a_trace_claims_wrapped_norms_and_lists_converted_ones():
     found = walker.find_sites(model, trace.record(model, example, {}))
     paths = {s.path for s in found.sites} | {s.path for s in found.skipped}
     assert "n_wrapped" in paths and "n_wrapped.inner" not in paths
-    assert "unused" not in paths
+    assert "unused" not in {s.path for s in found.sites}
+    assert [s.reason for s in found.skipped if s.path == "unused"] == [walker.NOT_RUN]
     assert found.converted == ["done"]
 
 
