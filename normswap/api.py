@@ -507,7 +507,9 @@ def patch(model: nn.Module, example_inputs: inputs.ExampleInputs = None, *,
                                         "inputs given by hand)" if example_inputs is not None
                                         else f"the analysis inputs (the unseen probe did not run: {probe_failed})")
                 else:
-                    figures["max_rel_error"] = max(figures.get("max_rel_error", 0.0), traced.get("max_rel_error", 0.0))
+                    for k in ("max_rel_error", "raw_stream_rel_error"):
+                        if k in figures or k in traced:
+                            figures[k] = max(figures.get(k, 0.0), traced.get(k, 0.0))
         _site_checks(plan_, todo, seen, originals, an.sites, work_dtype, figures)
         if opts.verify:
             gate(todo, figures, work_dtype)

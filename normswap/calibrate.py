@@ -28,6 +28,7 @@ result is unusable.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -96,12 +97,14 @@ class CalibrationResult:
 
 # ------------------------------------------------------------------------------ built-in data
 def _smooth_images(shape: tuple[int, ...], gen: torch.Generator, dtype: torch.dtype) -> torch.Tensor:
-    """Images with natural-image-like structure: low-frequency colour fields plus fine texture."""
-    b, c, h, w = shape
+    """Images with natural-image-like structure: low-frequency colour fields plus fine texture.
+    ``shape`` is ``(B, C, H, W)``, or ``(B, T, C, H, W)`` for video (T independent frames)."""
+    *lead, c, h, w = shape
+    b = math.prod(lead)
     coarse = torch.randn(b, c, 4, 4, generator=gen, dtype=torch.float64)
     img = torch.nn.functional.interpolate(coarse, size=(h, w), mode="bilinear", align_corners=False)
     img = img + 0.25 * torch.randn(b, c, h, w, generator=gen, dtype=torch.float64)
-    return img.to(dtype)
+    return img.reshape(shape).to(dtype)
 
 
 def builtin_batches(model: nn.Module, tokenizer: Any = None, *, batches: int = 4, batch_size: int = 16,

@@ -70,7 +70,9 @@ def hf_example_inputs(model: nn.Module, batch: int = 2, seq: int = 8, seed: int 
         size = _cfg(vcfg, "image_size", default=32)
         size = size if isinstance(size, int) else size[0]
         channels = int(_cfg(vcfg, "num_channels", default=3))
-        inputs["pixel_values"] = torch.randn(batch, channels, size, size, generator=gen).to(device, dtype)
+        frames = _cfg(vcfg, "num_frames")  # video models (VideoMAE, TimeSformer, ViViT): (B, T, C, H, W)
+        shape = (batch, int(frames), channels, size, size) if frames else (batch, channels, size, size)
+        inputs["pixel_values"] = torch.randn(*shape, generator=gen).to(device, dtype)
     if "input_features" in params:
         mels = int(_cfg(config, "num_mel_bins", default=80))
         frames = 2 * int(_cfg(config, "max_source_positions", default=1500))

@@ -44,6 +44,12 @@ def gate(converted: list[SitePlan], figures: dict[str, Any], dtype: torch.dtype)
             raise VerificationFailed(
                 f"verification failed: converted outputs differ from the original by "
                 f"{figures['max_rel_error']:.2e} (relative) on `{figures.get('output')}`; model left unchanged")
+    if all(sp.verdict != "approximate" for sp in converted) and \
+            figures.get("raw_stream_rel_error", 0.0) > exact_limit(dtype):
+        raise VerificationFailed(
+            f"verification failed: a raw residual-stream output differs from the original by more than a "
+            f"per-token constant ({figures['raw_stream_rel_error']:.2e}, relative); model left unchanged. "
+            "Please report this model")
 
 
 PRIMARY_KEYS = ("logits", "logits_per_image", "pooler_output", "image_embeds", "text_embeds",
@@ -168,19 +174,45 @@ def compare(reference: Any, converted: Any, skip: set[str] = frozenset(),
     ``[batch, seq, ...]`` outputs count the real tokens only (padding is not what users compare)."""
     ref, out = comparable(reference, set(skip)), comparable(converted, set(skip))
     keys = [k for k in ref if k in out and ref[k].shape == out[k].shape]
-    if not keys:
-        return {"compared": []}
-    key = primary_key({k: ref[k] for k in keys})
 
     def real(t: torch.Tensor) -> torch.Tensor:
         return real_tokens(t, attention_mask)
+
+    streams = raw_stream_error(reference, converted, skip, real)
+    if not keys:
+        return {"compared": [], **streams}
+    key = primary_key({k: ref[k] for k in keys})
 
     result: dict[str, Any] = {"output": key, **figures(real(ref[key]), real(out[key]))}
     result.update(task_figures(ref, out, keys, attention_mask))
     result["worst_rel_error_any_output"] = max(
         result["max_rel_error"] if k == key else max_rel_error(real(ref[k]), real(out[k])) for k in keys)
     result["compared"] = keys
+    result.update(streams)
     return result
+
+
+def raw_stream_error(reference: Any, converted: Any, changed: set[str], real: Any) -> dict[str, float]:
+    """``raw_stream_rel_error``: how far the outputs the plan changes by design (raw residual streams,
+    ``Plan.changed_outputs``) are from what the design allows. Centering a writer subtracts, at each
+    token, a constant from every feature of its output, so such a stream may differ from the original
+    only along the all-ones direction: the figure is ``max |P(converted − original)| / max |original|``
+    with ``P`` removing each token's mean over the features, worst over those outputs (0 in exact
+    arithmetic for an exact conversion). Empty when the model has no such output. This is what a model
+    whose only output is its raw stream (VideoMAE's base model) is verified on."""
+    ref, out = dict(flatten_outputs(reference)), dict(flatten_outputs(converted))
+    keys = [k for k in changed if k in ref and k in out and ref[k].is_floating_point()
+            and ref[k].shape == out[k].shape and ref[k].dim() >= 1]
+    if not keys:
+        return {}
+    worst = 0.0
+    for k in keys:
+        r, o = real(ref[k]).double(), real(out[k]).double()
+        d = o - r
+        scale = float(r.abs().max()) if r.numel() else 0.0
+        if scale > 0:
+            worst = max(worst, float((d - d.mean(-1, keepdim=True)).abs().max()) / scale)
+    return {"raw_stream_rel_error": worst}
 
 
 def dtype_error_ratio(original: dict[str, Any], converted: dict[str, Any]) -> float | None:

@@ -218,3 +218,51 @@ def test_decoders_with_cross_attention_convert_their_cross_attention_norms(name)
         for kwargs in ({"encoder_hidden_states": states}, {}):
             torch.testing.assert_close(model(input_ids=ids, **kwargs).logits,
                                        original(input_ids=ids, **kwargs).logits, rtol=1e-12, atol=1e-12)
+
+
+def test_a_model_whose_only_output_is_its_raw_stream_is_verified_on_it():
+    """VideoMAE's base model (mean pooling: no final norm) outputs the raw residual stream, which the
+    conversion changes by design, so no output was compared and verification passed on nothing. The
+    stream may differ from the original only by a per-token constant (what centering a writer
+    subtracts); that is now checked (``raw_stream_rel_error``). Also: video ``pixel_values`` are
+    (batch, frames, channels, H, W)."""
+    torch.manual_seed(0)
+    config = tf.VideoMAEConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                               image_size=32, patch_size=16, num_frames=2, tubelet_size=2)
+    model = randomise(tf.VideoMAEModel(config))
+    original = copy.deepcopy(model)
+    report = normswap.patch(model)
+    assert report.plan.changed_outputs == ["last_hidden_state"] and report.verification["compared"] == []
+    assert report.verification["raw_stream_rel_error"] < 1e-12
+    video = torch.randn(2, 2, 3, 32, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        diff = model(pixel_values=video).last_hidden_state - original(pixel_values=video).last_hidden_state
+    assert float(diff.abs().max()) > 1e-3  # changed by design...
+    assert float((diff - diff.mean(-1, keepdim=True)).abs().max()) < 1e-12  # ...by a per-token constant only
+
+
+def test_raw_stream_error_sees_any_change_that_is_not_a_per_token_constant():
+    from normswap.verify import raw_stream_error
+
+    ref = torch.randn(2, 5, 16, dtype=torch.float64)
+    shift = torch.randn(2, 5, 1, dtype=torch.float64)
+
+    def err(out):
+        return raw_stream_error({"h": ref}, {"h": out}, {"h"}, lambda t: t)["raw_stream_rel_error"]
+
+    assert err(ref - ref.mean(-1, keepdim=True)) < 1e-15 and err(ref + shift) < 1e-15 and err(ref) == 0
+    bumped = ref.clone()
+    bumped[1, 2, 3] += 1e-3 * float(ref.abs().max())
+    assert 0.9e-3 < err(bumped) < 1.1e-3
+    assert raw_stream_error({"h": ref}, {"h": ref}, set(), lambda t: t) == {}
+    from types import SimpleNamespace
+
+    from normswap.errors import VerificationFailed
+    from normswap.verify import gate
+
+    exact = [SimpleNamespace(name="n", verdict="exact", error=0.0)]
+    gate(exact, {"raw_stream_rel_error": 1e-14}, torch.float64)
+    with pytest.raises(VerificationFailed, match="more than a per-token constant"):
+        gate(exact, {"raw_stream_rel_error": 1e-3}, torch.float64)
+    gate([SimpleNamespace(name="n", verdict="approximate", error=None)], {"raw_stream_rel_error": 1e-3},
+         torch.float64)  # an approximate conversion changes the stream anyway: a figure, not a gate
