@@ -38,8 +38,13 @@ def _cfg(config: Any, *names: str, default: Any = None) -> Any:
 
 
 def _sub_config(config: Any, kind: str) -> Any:
-    sub = getattr(config, f"{kind}_config", None)
-    return sub if sub is not None else config
+    """``config.<kind>_config`` (CLIP, BLIP, ...), ``config.<kind>`` (``EncoderDecoderConfig``'s
+    ``encoder``/``decoder``; its encoder is the text side), else ``config`` itself."""
+    for attr in (f"{kind}_config", kind, *(("encoder",) if kind == "text" else ())):
+        sub = getattr(config, attr, None)
+        if sub is not None and hasattr(sub, "to_dict"):
+            return sub
+    return config
 
 
 def is_hf_model(model: nn.Module) -> bool:

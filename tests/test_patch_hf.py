@@ -266,3 +266,26 @@ def test_raw_stream_error_sees_any_change_that_is_not_a_per_token_constant():
         gate(exact, {"raw_stream_rel_error": 1e-3}, torch.float64)
     gate([SimpleNamespace(name="n", verdict="approximate", error=None)], {"raw_stream_rel_error": 1e-3},
          torch.float64)  # an approximate conversion changes the stream anyway: a figure, not a gate
+
+
+def test_encoder_decoder_wrappers_take_their_inputs_from_the_sub_configs():
+    """``EncoderDecoderModel`` keeps vocab sizes in ``config.encoder``/``config.decoder``: token ids drawn
+    over a guessed vocabulary of 100 overflowed this one of 99 (an IndexError out of calibration)."""
+    def bert(**extra):
+        return tf.BertConfig(**{**LLM, "vocab_size": 40}, **extra)
+
+    config = tf.EncoderDecoderConfig.from_encoder_decoder_configs(bert(), bert(is_decoder=True,
+                                                                              add_cross_attention=True))
+    config.decoder_start_token_id, config.pad_token_id = 2, 0
+    torch.manual_seed(0)
+    model = randomise(tf.EncoderDecoderModel(config))
+    ids = hf_example_inputs(model, batch=16, seq=64)
+    assert int(ids["input_ids"].max()) < 40 and int(ids["decoder_input_ids"].max()) < 40
+    original = copy.deepcopy(model)
+    report = normswap.patch(model)
+    assert len(report.plan.sites) == 13 and not report.plan.skipped  # 5 + 8 (cross-attention included)
+    exact = copy.deepcopy(original)
+    normswap.patch(exact, mode="exact")
+    probe = {"input_ids": ids["input_ids"][:2, :9], "decoder_input_ids": ids["decoder_input_ids"][:2, :7]}
+    with torch.no_grad():
+        torch.testing.assert_close(exact(**probe).logits, original(**probe).logits, rtol=1e-12, atol=1e-12)
