@@ -178,6 +178,19 @@ def identify(path: str, module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> 
     return None
 
 
+def identify_channels_first(path: str, module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> SkippedNorm | None:
+    """A LayerNorm over the channel axis of a channels-first tensor (``(B, C, H, W)``, normalising dim
+    1: ConvNeXt's stem and downsampling norms), reported with that reason, or None."""
+    if x.dim() < 3 or x.shape != y.shape:
+        return None
+    found = identify(path, module, x.movedim(1, -1), y.movedim(1, -1))
+    if not isinstance(found, NormSite):
+        return None
+    return SkippedNorm(path, type(module).__name__,
+                       "LayerNorm over the channel axis of a channels-first tensor (dim 1), where normswap's "
+                       "RMSNorm normalises the trailing dims; kept")
+
+
 def _grouped(x: torch.Tensor, groups: int, eps: float, *, center: bool) -> torch.Tensor:
     """LayerNorm (``center``) or RMSNorm hat of ``x`` over ``groups`` equal blocks of its last axis."""
     g = x.unflatten(-1, (groups, x.shape[-1] // groups))
@@ -306,6 +319,8 @@ def find_sites(model: nn.Module, graph: Graph) -> WalkResult:
             result = identify_gated(path, modules[path], x, graph.values[tensors[1]].tensor, y)
         if result is None:
             result = identify_flattened_heads(path, modules[path], x, y)
+        if result is None:
+            result = identify_channels_first(path, modules[path], x, y)
         if result is None and (isinstance(modules[path], nn.LayerNorm) or path in direct_ln):
             # a LayerNorm that ran and matched no formula is reported, never dropped in silence
             why = ("its traced input or output is not finite" if not (bool(torch.isfinite(x).all())

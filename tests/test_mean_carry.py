@@ -35,7 +35,12 @@ def test_ffn_output_norms_become_exact_in_float64(name):
     original = copy.deepcopy(model)
     report = normswap.patch(model, mode="exact")
     carries = report.plan.mean_carries
-    assert len(carries) >= 2, report.plan.table()  # every zoo entry has two layers with an FFN-output norm
+    if name == "albert":  # one layer shared across depth: its MLP runs at every depth, and a carry is
+        # planned only for an MLP called once, so ALBERT's FFN-output norm stays approximate (for now)
+        assert not carries and report.plan.site(
+            "albert.encoder.albert_layer_groups.0.albert_layers.0.full_layer_layer_norm").verdict == "approximate"
+    else:
+        assert len(carries) >= 2, report.plan.table()  # two layers, each with an FFN-output norm
     for c in carries:
         site = report.plan.site(c.site)
         assert site.verdict == "exact" and site.convert and "cancelled" in site.reason

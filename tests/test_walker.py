@@ -273,3 +273,22 @@ def test_a_norm_that_flattens_its_heads_is_reported_and_kept():
     assert isinstance(found, walker.SkippedNorm) and found.reason.startswith(
         "LayerNorm per head (4 heads of 6) whose output flattens the heads before γ/β (gamma-only)")
     assert walker.identify_flattened_heads("h", norm, x, norm(x) * 1.01) is None
+
+
+def test_a_channels_first_layernorm_is_skipped_with_that_reason():
+    """ConvNeXt's stem and downsampling norms normalise dim 1 of (B, C, H, W): they were left out of the
+    plan without a word; now each is reported, and the zoo's ConvNeXt lists both."""
+    from transformers.models.convnext.modeling_convnext import ConvNextLayerNorm
+
+    from tests.zoo import MORE, build
+
+    norm = ConvNextLayerNorm(8, data_format="channels_first").double()
+    with torch.no_grad():
+        norm.weight.normal_(1, 0.3), norm.bias.normal_(0, 0.3)
+    x = torch.randn(2, 8, 5, 5, dtype=torch.float64)
+    assert walker.identify("n", norm, x, norm(x)) is None  # no trailing-dims formula fits...
+    found = walker.identify_channels_first("n", norm, x, norm(x))  # ...the channel axis does
+    assert isinstance(found, walker.SkippedNorm) and "channel axis of a channels-first tensor" in found.reason
+    plan = normswap.plan(build({"convnext": MORE["convnext"][0]}, "convnext"))
+    assert sorted(s["name"] for s in plan.skipped if "channels-first" in s["reason"]) == [
+        "convnext.embeddings.layernorm", "convnext.encoder.stages.1.downsampling_layer.0"]

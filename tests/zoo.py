@@ -161,6 +161,15 @@ APPROXIMATE = {
                                                             word_embed_proj_dim=32, vocab_size=99,
                                                             max_position_embeddings=64,
                                                             do_layer_norm_before=False, **SPECIAL)),
+    # the families of the sentence encoders and cross-encoders people convert: MPNet (relative position
+    # bias, all-mpnet-base-v2), ALBERT (one layer shared across depth, a factorised embedding),
+    # ELECTRA (an embedding projection), DeBERTa-v2 (disentangled relative attention)
+    "mpnet": lambda: (tf.MPNetForMaskedLM, tf.MPNetConfig(**{**LLM, "pad_token_id": 1})),
+    "albert": lambda: (tf.AlbertForMaskedLM, tf.AlbertConfig(**LLM, embedding_size=16)),
+    "electra": lambda: (tf.ElectraForMaskedLM, tf.ElectraConfig(**LLM, embedding_size=16)),
+    "deberta-v2": lambda: (tf.DebertaV2ForMaskedLM, tf.DebertaV2Config(
+        **LLM, relative_attention=True, position_buckets=8, pos_att_type=["p2c", "c2p"],
+        max_relative_positions=16)),
 }
 
 
