@@ -446,6 +446,8 @@ def patch(model: nn.Module, example_inputs: inputs.ExampleInputs = None, *,
             try:
                 with torch.no_grad(), default_dtype(work_dtype):
                     probe_reference = work(**probe.kwargs)
+            except MemoryError:
+                raise
             except Exception as exc:  # noqa: BLE001 - e.g. a model that takes one sequence length only
                 probe_failed = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:120]}"
                 probe = None
@@ -571,7 +573,7 @@ def _calibrate(work: nn.Module, approx: list[SitePlan], sites: dict, originals: 
     try:
         return calibrate.calibrate(work, targets, fit, held_out, source=source, sequential=opts.sequential,
                                    call=call)
-    except NormswapError:
+    except (NormswapError, MemoryError):
         raise
     except Exception as exc:  # noqa: BLE001 - the model does not run on these batches (a fixed length, ...)
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:160]
