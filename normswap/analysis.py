@@ -661,12 +661,13 @@ class Analyzer:
         return None
 
     def mean_carry(self, site_call: ModuleCall, norm_term: Term, terms: list[Term],
-                   module_ok: dict[str, str | None]) -> MeanCarry | None:
+                   module_ok: dict[str, str | None], shared_calls: int = 1) -> MeanCarry | None:
         """An MLP of this stream that can cancel ``norm_term``'s mean (see :class:`MeanCarry`), or None.
 
         Needed: the stream is ``h + down(act(up(h)))`` plus centerable terms, with ``h`` the norm
-        output entering once and unscaled, ``up``/``down`` Linears called once, ``act`` elementwise
-        and odd-split, each intermediate read only by the next step, and ``down`` centerable.
+        output entering once and unscaled, ``up``/``down`` Linears called once per call of the norm
+        (``shared_calls``: more than one for a layer shared across depth), ``act`` elementwise and
+        odd-split, each intermediate read only by the next step, and ``down`` centerable.
         """
         site = self.sites[site_call.path]
         target = self.site_input[site_call.id]
@@ -679,7 +680,8 @@ class Analyzer:
                 continue
             down = self.modules[t.module_path]
             if not isinstance(down, nn.Linear) or down.out_features != d or t.call is None \
-                    or len(self.calls_per_path.get(t.module_path, [])) != 1 or not self._plain_sum(t.value, target):
+                    or len(self.calls_per_path.get(t.module_path, [])) != shared_calls \
+                    or not self._plain_sum(t.value, target):
                 continue
             dcall = self.graph.calls[t.call]
             a = dcall.first_input()
@@ -697,7 +699,8 @@ class Analyzer:
                 if len(self.graph.values[u].consumers) != 1:
                     continue
             ucall = next((c for c in self.by_output.get(u, []) if isinstance(c.module, nn.Linear)), None)
-            if ucall is None or len(self.calls_per_path.get(ucall.path, [])) != 1 or ucall.module.in_features != d \
+            if ucall is None or len(self.calls_per_path.get(ucall.path, [])) != shared_calls \
+                    or ucall.module.in_features != d \
                     or ucall.module.out_features != down.in_features or len(ucall.args) + len(ucall.kwargs) != 1:
                 continue
             h = ucall.first_input()

@@ -22,6 +22,7 @@ from normswap.plan import (
     CenteredReader,
     CenterHook,
     FoldEdit,
+    MeanCarry,
     Plan,
     RmsFold,
     ScaleFold,
@@ -163,7 +164,9 @@ def analyse(model: nn.Module, graph: Graph, sites: list[NormSite], *, untie: boo
                     per_norm = True
             if per_norm and not per_norm_centering:
                 continue
-            if per_norm and mean_carry and an.mean_carry(call, term, site_terms[call.id], module_ok) is not None:
+            shared = sum(c.path == call.path for c in an.site_calls)
+            if per_norm and mean_carry and an.mean_carry(call, term, site_terms[call.id], module_ok,
+                                                         shared_calls=shared) is not None:
                 continue  # an MLP can cancel this mean: a real RMSNorm beats a centering op
             # a stream-start op first; failing that (opt-in), one op at each norm's own input
             tries = [False, True] if per_norm_centering and not per_norm else [per_norm]
@@ -204,6 +207,7 @@ def analyse(model: nn.Module, graph: Graph, sites: list[NormSite], *, untie: boo
             sp.verdict, sp.reason = "skipped", "not called by the example inputs (kept as LayerNorm)"
             plan.sites.append(sp)
             continue
+        problem_calls: dict[int, list[Term]] = {}
         for call in calls:
             for term in site_terms[call.id]:
                 writers.append(term.module_path or term.label)
@@ -218,11 +222,12 @@ def analyse(model: nn.Module, graph: Graph, sites: list[NormSite], *, untie: boo
                     centered_by.append(hook)
                     continue
                 problems.append(term)
+                problem_calls.setdefault(call.id, []).append(term)
         sp.writers = sorted(set(writers))
         carries = []
-        if problems and mean_carry and len(calls) == 1 and all(t.kind == "norm" for t in problems):
-            carries = [an.mean_carry(calls[0], t, site_terms[calls[0].id], module_ok) for t in problems]
-            if any(c is None or c.up in carried_mlps for c in carries):
+        if problems and mean_carry and all(t.kind == "norm" for t in problems):
+            carries = _site_carries(an, calls, problem_calls, site_terms, module_ok)
+            if any(c.up in carried_mlps for c in carries):
                 carries = []
         if carries:
             for c in carries:
@@ -289,6 +294,25 @@ def analyse(model: nn.Module, graph: Graph, sites: list[NormSite], *, untie: boo
                 changed |= set(an.reach(c.outputs[0], OUTPUT_AXIS[e.kind]).outputs)
     plan.changed_outputs = sorted(changed | an.cache_outputs)
     return plan
+
+
+def _site_carries(an: Analyzer, calls: list, problem_calls: dict[int, list[Term]], site_terms: dict,
+                  module_ok: dict[str, str | None]) -> list[MeanCarry]:
+    """The mean carries that make every call of a site exact, or [] when some call has none.
+
+    A layer shared across depth (ALBERT) calls its norm and its MLP once per depth: the same widened
+    MLP then cancels, at each call, the mean of what that call reads, so the carry must be found for
+    every call, and every call must agree on which MLP it is."""
+    found: dict[tuple[str, str], MeanCarry] = {}
+    for call in calls:
+        for term in problem_calls.get(call.id, []):
+            c = an.mean_carry(call, term, site_terms[call.id], module_ok, shared_calls=len(calls))
+            if c is None:
+                return []
+            found.setdefault((c.up, c.down), c)
+    if len(found) != len(problem_calls.get(calls[0].id, [])):
+        return []  # the calls disagree on which MLP carries which mean
+    return list(found.values())
 
 
 def _term_targets(an: Analyzer, term: Term, edits: dict[str, WriterEdit]) -> set[str]:
