@@ -303,6 +303,8 @@ def _site_carries(an: Analyzer, calls: list, problem_calls: dict[int, list[Term]
     A layer shared across depth (ALBERT) calls its norm and its MLP once per depth: the same widened
     MLP then cancels, at each call, the mean of what that call reads, so the carry must be found for
     every call, and every call must agree on which MLP it is."""
+    if any(not problem_calls.get(call.id) for call in calls):
+        return []  # the widened MLP runs at every call: each call must be one the carry was checked on
     found: dict[tuple[str, str], MeanCarry] = {}
     for call in calls:
         for term in problem_calls.get(call.id, []):
