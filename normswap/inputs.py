@@ -207,11 +207,26 @@ def _find_tokenizer(model: nn.Module) -> tuple[Any | None, str]:
             tok, where = presets.tokenizer(str(path)), f"the {path} preset's tokenizer"
         else:
             tok, where = _cached_hub_tokenizer(str(path)), f"the {path} tokenizer in the Hugging Face cache"
-    if tok is None:
+    if tok is None or not understands_text(tok):
         return None, ""
     if getattr(tok, "pad_token", None) is None:
         tok.pad_token = getattr(tok, "eos_token", None) or getattr(tok, "unk_token", None)
     return (tok, where) if getattr(tok, "pad_token", None) is not None else (None, "")
+
+
+def understands_text(tok: Any) -> bool:
+    """False for a tokenizer that maps most words of a built-in sentence to its unknown token. In
+    transformers 5, ``AutoTokenizer.from_pretrained`` on a directory with a ``config.json`` but no
+    tokenizer files builds one with only the special tokens (BERT: 5), which reads every word as
+    ``[UNK]``: calibration and the probe on that would be "real text" in name only."""
+    try:
+        ids = list(tok(passages(1, 0)[0])["input_ids"])
+    except Exception:  # noqa: BLE001 - a tokenizer that cannot encode plain text
+        return False
+    unk = getattr(tok, "unk_token_id", None)
+    framing = set(getattr(tok, "all_special_ids", None) or []) - {unk}
+    words = [int(i) for i in ids if int(i) not in framing]
+    return bool(words) and (unk is None or 2 * sum(i == unk for i in words) < len(words))
 
 
 def _cached_hub_tokenizer(repo_id: str) -> Any | None:

@@ -170,3 +170,20 @@ def test_a_model_loaded_by_hub_id_finds_its_tokenizer_in_the_local_cache(tmp_pat
 
     model.config._name_or_path = "someone/not-downloaded"  # not in the cache: the random fallback, no error
     assert not inputs.verification_probe(model).text
+
+
+def test_a_directory_without_tokenizer_files_is_not_real_text(tmp_path):
+    """transformers 5 builds a BERT tokenizer of 5 special tokens from a directory that has only a
+    config.json: every word becomes [UNK]. The probe and the built-in calibration must not call that
+    "real text"; a directory with the tokenizer saved beside the model keeps it."""
+    from normswap import calibrate
+
+    model, tok = presets.build("tiny-bert", dtype=torch.float64)
+    model.save_pretrained(tmp_path / "bare")
+    bare = tf.BertForMaskedLM.from_pretrained(tmp_path / "bare").double()
+    assert inputs.find_tokenizer(bare) is None
+    assert not inputs.verification_probe(bare).text
+    assert "no tokenizer" in calibrate.builtin_batches(bare, batches=1)[1]
+    tok.save_pretrained(tmp_path / "bare")
+    with_tokenizer = tf.BertForMaskedLM.from_pretrained(tmp_path / "bare").double()
+    assert inputs.understands_text(tok) and inputs.verification_probe(with_tokenizer).text

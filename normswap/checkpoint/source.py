@@ -21,7 +21,7 @@ from urllib.parse import urlparse
 import torch
 from torch import nn
 
-from normswap import presets
+from normswap import inputs, presets
 from normswap.checkpoint import hf, io
 from normswap.errors import NormswapError, NothingToConvert
 from normswap.options import DTYPES, TASKS, choose
@@ -427,11 +427,12 @@ def load_processor(path: Path, *, trust_remote_code: bool = False) -> Any:
         (path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt")
     ):
         try:
-            return AutoTokenizer.from_pretrained(
+            tok = AutoTokenizer.from_pretrained(
                 path, local_files_only=True, trust_remote_code=trust_remote_code
             )
         except Exception:  # noqa: BLE001 - a broken tokenizer must not block the conversion
             return None
+        return tok if inputs.understands_text(tok) else None  # not one that reads every word as [UNK]
     return None
 
 
