@@ -120,7 +120,8 @@ def builtin_batches(model: nn.Module, tokenizer: Any = None, *, batches: int = 4
     text_only = "input_ids" in probe and not any(k in probe for k in ("pixel_values", "input_features",
                                                                       "input_values"))
     out: list[Batch] = []
-    if tok is not None and text_only:
+    english = tok is not None and inputs.understands_text(tok)
+    if english and text_only:
         limit = min(seq_len, int(getattr(getattr(model, "config", None), "max_position_embeddings", seq_len)
                                  or seq_len) - 2)
         texts = inputs.passages(batches * batch_size, seed)
@@ -145,7 +146,9 @@ def builtin_batches(model: nn.Module, tokenizer: Any = None, *, batches: int = 4
     kinds = [k for k in ("pixel_values", "input_features", "input_values") if k in probe]
     what = {"pixel_values": "generated images", "input_features": "generated audio features",
             "input_values": "generated audio"}
-    desc = ", ".join(what[k] for k in kinds) or "token ids drawn over the vocabulary (no tokenizer found)"
+    desc = ", ".join(what[k] for k in kinds) or "token ids drawn over the vocabulary " + (
+        "(the model's tokenizer reads most built-in English words as unknown)" if tok is not None
+        else "(no tokenizer found)")
     return out, f"built-in {desc} ({batches} x {batch_size})"
 
 

@@ -207,18 +207,27 @@ def _find_tokenizer(model: nn.Module) -> tuple[Any | None, str]:
             tok, where = presets.tokenizer(str(path)), f"the {path} preset's tokenizer"
         else:
             tok, where = _cached_hub_tokenizer(str(path)), f"the {path} tokenizer in the Hugging Face cache"
-    if tok is None or not understands_text(tok):
+    if tok is None or not has_vocabulary(tok):
         return None, ""
     if getattr(tok, "pad_token", None) is None:
         tok.pad_token = getattr(tok, "eos_token", None) or getattr(tok, "unk_token", None)
     return (tok, where) if getattr(tok, "pad_token", None) is not None else (None, "")
 
 
+def has_vocabulary(tok: Any) -> bool:
+    """False for a tokenizer made of its special tokens alone. In transformers 5,
+    ``AutoTokenizer.from_pretrained`` on a directory with a ``config.json`` but no tokenizer files
+    builds one like that (BERT: 5 tokens), which reads every word as ``[UNK]``."""
+    try:
+        return len(tok) > len(set(getattr(tok, "all_special_ids", None) or [])) + 8
+    except TypeError:  # no len(): judge it by what it does with text
+        return understands_text(tok)
+
+
 def understands_text(tok: Any) -> bool:
-    """False for a tokenizer that maps most words of a built-in sentence to its unknown token. In
-    transformers 5, ``AutoTokenizer.from_pretrained`` on a directory with a ``config.json`` but no
-    tokenizer files builds one with only the special tokens (BERT: 5), which reads every word as
-    ``[UNK]``: calibration and the probe on that would be "real text" in name only."""
+    """False for a tokenizer that maps most words of a built-in English sentence to its unknown token
+    (no vocabulary, or one of another domain or language): calibration and the probe on the built-in
+    sentences through it would be "real text" in name only."""
     try:
         ids = list(tok(passages(1, 0)[0])["input_ids"])
     except Exception:  # noqa: BLE001 - a tokenizer that cannot encode plain text
@@ -290,6 +299,8 @@ def verification_probe(model: nn.Module, tokenizer: Any = None, *, batch: int = 
     if tok is None:
         return Probe(base, _random_source(base) + " (no tokenizer given or found)")
     tok = getattr(tok, "tokenizer", tok)  # a processor's text tokenizer
+    if not understands_text(tok):
+        return Probe(base, f"{_random_source(base)} ({where} reads most built-in English words as unknown)")
     try:
         kwargs, lengths = _tokenised(model, tok, base, passages(batch, 0, from_end=True), max_tokens)
     except (NormswapError, TypeError, ValueError, KeyError, AttributeError) as exc:

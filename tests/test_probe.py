@@ -187,3 +187,19 @@ def test_a_directory_without_tokenizer_files_is_not_real_text(tmp_path):
     tok.save_pretrained(tmp_path / "bare")
     with_tokenizer = tf.BertForMaskedLM.from_pretrained(tmp_path / "bare").double()
     assert inputs.understands_text(tok) and inputs.verification_probe(with_tokenizer).text
+
+
+def test_a_tokenizer_of_another_domain_is_kept_but_not_fed_english():
+    """A word-level tokenizer of another vocabulary (the recipes' toy grammar) is a real tokenizer (the
+    CLI tokenises the user's calibration text with it), but the built-in English sentences come out of
+    it as [UNK]s: the probe and the built-in calibration use random ids instead, and say why."""
+    from normswap import calibrate
+    from normswap.recipes import toy
+
+    tok = toy.word_tokenizer(toy.grammar_corpus(50))
+    assert inputs.has_vocabulary(tok) and not inputs.understands_text(tok)
+    model = tf.BertForMaskedLM(tf.BertConfig(vocab_size=len(tok), hidden_size=16, num_hidden_layers=1,
+                                             num_attention_heads=2, intermediate_size=32)).eval()
+    probe = inputs.verification_probe(model, tok)
+    assert not probe.text and "reads most built-in English words as unknown" in probe.source
+    assert "reads most built-in English words as unknown" in calibrate.builtin_batches(model, tok, batches=1)[1]

@@ -432,7 +432,7 @@ def load_processor(path: Path, *, trust_remote_code: bool = False) -> Any:
             )
         except Exception:  # noqa: BLE001 - a broken tokenizer must not block the conversion
             return None
-        return tok if inputs.understands_text(tok) else None  # not one that reads every word as [UNK]
+        return tok if inputs.has_vocabulary(tok) else None  # not one made of special tokens alone
     return None
 
 
