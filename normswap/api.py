@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from normswap import calibrate, inputs, surgery, trace, walker
-from normswap.errors import NaNOutputs, NormswapError
+from normswap.errors import NaNOutputs, NormswapError, first_line
 from normswap.integrations import hooks, wrappers
 from normswap.options import ConvertOptions
 from normswap.plan import EXACT_VERDICTS, Plan, SitePlan, attach_plan
@@ -250,10 +250,9 @@ def _run_trace(work: nn.Module, args: tuple, kwargs: dict) -> trace.Graph:
     except NormswapError:
         raise
     except Exception as exc:  # noqa: BLE001 - any failure here means the inputs do not fit the model
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise NormswapError(
             f"could not run {type(work).__name__}.forward on the example inputs ({type(exc).__name__}: "
-            f"{first[:200]}); pass example_inputs=(tensor, ...) or a dict of kwargs that the model accepts"
+            f"{first_line(exc, 200)}); pass example_inputs=(tensor, ...) or a dict of kwargs that the model accepts"
         ) from exc
 
 
@@ -449,7 +448,7 @@ def patch(model: nn.Module, example_inputs: inputs.ExampleInputs = None, *,
             except MemoryError:
                 raise
             except Exception as exc:  # noqa: BLE001 - e.g. a model that takes one sequence length only
-                probe_failed = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:120]}"
+                probe_failed = f"{type(exc).__name__}: {first_line(exc, 120, default='')}"
                 probe = None
         originals = {sp.name: work.get_submodule(sp.name) for sp in plan_.sites}
         own_written(work, model, plan_)  # from here on the surgery writes only tensors of its own
@@ -576,9 +575,9 @@ def _calibrate(work: nn.Module, approx: list[SitePlan], sites: dict, originals: 
     except (NormswapError, MemoryError):
         raise
     except Exception as exc:  # noqa: BLE001 - the model does not run on these batches (a fixed length, ...)
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:160]
         raise NormswapError(
-            f"calibration could not run {type(work).__name__} on {source} ({type(exc).__name__}: {first}); "
+            f"calibration could not run {type(work).__name__} on {source} ({type(exc).__name__}: "
+            f"{first_line(exc, 160)}); "
             "pass calibration= batches the model accepts (--calibration-data), keep the approximate norms "
             "as LayerNorm (mode='exact'), or skip the fit (calibration=False)") from exc
 

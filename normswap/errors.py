@@ -14,6 +14,13 @@ EXIT_VERIFY = 4
 EXIT_INTERRUPTED = 130
 
 
+def first_line(exc: BaseException, limit: int = 300, default: str | None = None) -> str:
+    """The first line of ``exc``'s message, at most ``limit`` characters, for one-line error messages;
+    ``default`` (the exception's class name unless given) when the message is empty."""
+    text = str(exc).strip()
+    return (text.splitlines()[0] if text else (type(exc).__name__ if default is None else default))[:limit]
+
+
 class NormswapError(Exception):
     """A problem with the user's input (model, options, paths) that they can fix (exit code 1)."""
 

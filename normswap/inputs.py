@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from normswap.errors import NormswapError
+from normswap.errors import NormswapError, first_line
 
 ExampleInputs = tuple[Any, ...] | dict[str, Any] | torch.Tensor | None
 
@@ -304,7 +304,7 @@ def verification_probe(model: nn.Module, tokenizer: Any = None, *, batch: int = 
     try:
         kwargs, lengths = _tokenised(model, tok, base, passages(batch, 0, from_end=True), max_tokens)
     except (NormswapError, TypeError, ValueError, KeyError, AttributeError) as exc:
-        reason = str(exc).splitlines()[0][:160] if str(exc) else type(exc).__name__
+        reason = first_line(exc, 160)
         if tokenizer is not None:
             warnings.warn(f"normswap: the tokenizer given cannot make the verification probe ({reason}); "
                           "verifying on random token ids", stacklevel=3)

@@ -23,7 +23,7 @@ from torch import nn
 
 from normswap import inputs, presets
 from normswap.checkpoint import hf, io
-from normswap.errors import NormswapError, NothingToConvert
+from normswap.errors import NormswapError, NothingToConvert, first_line
 from normswap.options import DTYPES, TASKS, choose
 
 # when config.architectures names nothing transformers has, try these in order
@@ -111,8 +111,7 @@ def _download(spec: str, *, allow_pickle: bool, trust_remote_code: bool) -> Path
             patterns += ["*.py"]
         return Path(snapshot_download(spec, allow_patterns=patterns))
     except Exception as exc:  # noqa: BLE001 - hub errors are many; report one line
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise NormswapError(f"cannot download {spec!r} from the Hub: {first[:200]}") from exc
+        raise NormswapError(f"cannot download {spec!r} from the Hub: {first_line(exc, 200)}") from exc
 
 
 def inspect_dir(
@@ -313,7 +312,7 @@ def load_model(
             src.path, trust_remote_code=trust_remote_code, local_files_only=True
         )
     except Exception as exc:  # noqa: BLE001
-        raise NormswapError(f"cannot read the config of {src.spec}: {_first_line(exc)}") from exc
+        raise NormswapError(f"cannot read the config of {src.spec}: {first_line(exc)}") from exc
     if trust_remote_code and "auto_map" in src.config and task is None:
         auto_map = src.config["auto_map"]
         name = next(
@@ -348,7 +347,7 @@ def load_model(
     except NormswapError:
         raise
     except Exception as exc:  # noqa: BLE001 - report, don't dump a traceback
-        raise NormswapError(f"cannot load {src.spec} as {cls.__name__}: {_first_line(exc)}") from exc
+        raise NormswapError(f"cannot load {src.spec} as {cls.__name__}: {first_line(exc)}") from exc
     src.new_head = check_loading_info(
         src, model, info, explicit_task=task is not None, allow_new_head=allow_new_head
     )
@@ -435,7 +434,3 @@ def load_processor(path: Path, *, trust_remote_code: bool = False) -> Any:
         return tok if inputs.has_vocabulary(tok) else None  # not one made of special tokens alone
     return None
 
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return (text.splitlines()[0] if text else type(exc).__name__)[:300]

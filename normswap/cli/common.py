@@ -33,6 +33,7 @@ from normswap.errors import (
     EXIT_USAGE,
     EXIT_VERIFY,
     NormswapError,
+    first_line,
 )
 from normswap.options import DTYPES, FORMATS, MODES, TASKS
 
@@ -150,10 +151,8 @@ def handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
         except Exception as exc:  # noqa: BLE001 - a bug: one line, traceback on request
             if os.environ.get("NORMSWAP_DEBUG"):
                 raise
-            text = str(exc).strip()
-            first = text.splitlines()[0] if text else ""
             fail(
-                f"internal error ({type(exc).__name__}: {first[:300]}); rerun with "
+                f"internal error ({type(exc).__name__}: {first_line(exc, 300, default='')}); rerun with "
                 "NORMSWAP_DEBUG=1 for a traceback and please report it"
             )
 

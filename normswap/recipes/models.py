@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from normswap.errors import NormswapError
+from normswap.errors import NormswapError, first_line
 from normswap.norm import RMSNorm
 from normswap.plan import Plan, SitePlan, attach_plan, plan_of
 from normswap.recipes import io, tasks
@@ -95,10 +95,9 @@ def load_teacher(cfg: ModelConfig, task: str) -> nn.Module:
             trust_remote_code=cfg.trust_remote_code,
         )
     except Exception as exc:  # noqa: BLE001
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
         raise NormswapError(
             f"config key `model.source`: could not load {cfg.source!r} as a {task} model "
-            f"({type(exc).__name__}: {first})"
+            f"({type(exc).__name__}: {first_line(exc, 200)})"
         ) from None
     return freeze(model)
 
@@ -218,7 +217,7 @@ def select_trainable(model: nn.Module, how: str, lora: LoraConfig) -> nn.Module:
         wrapped = peft.get_peft_model(model, config)
     except ValueError as exc:
         raise NormswapError(
-            f"config key `train.lora.target_modules`: {str(exc).splitlines()[0][:200]}"
+            f"config key `train.lora.target_modules`: {first_line(exc, 200)}"
         ) from None
     # the norms are what conversion changed: train them too (cheap, and where the error is)
     base = wrapped.get_base_model()
