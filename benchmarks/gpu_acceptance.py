@@ -1,0 +1,872 @@
+"""GPU acceptance in one command (issue 23): every GPU check of normswap, on one H100 or H200, in at
+most 8 minutes of wall time, with a report that always gets written.
+
+How a session that is lent a GPU runs it: one device command, from the repository root (suggested
+``timeout_s`` 600; the script stops itself after ``--deadline`` seconds, 480 by default):
+
+    python benchmarks/gpu_acceptance.py --out $OUT/gpu
+
+The machine is bare and offline: the script installs the project from the working tree itself
+(``pip install -e . --no-deps --no-build-isolation --no-index``), and a stage whose packages are
+missing is recorded as skipped, with their names, instead of crashing. To bring packages the image
+lacks (liger-kernel for the graph targets, hypothesis for the suite...), put their wheels in an
+ignored folder, carry it with the working tree (64 MiB in all), and add ``--wheelhouse DIR``: wheels
+of distributions not installed yet are installed from it (``--no-deps``, nothing is replaced).
+
+What comes back, under ``--out``: ``report.md`` (goals table, stages, measurements, the output tail of
+every stage that did not pass), ``report.json`` (the same as data: device, driver, versions, per stage
+status, timings and output tail, per target pass/fail), ``logs/STAGE.log`` (full output) and
+``stages/`` (each stage's own JSON). Both reports are rewritten before and after every stage, so a
+run that is killed still leaves a partial report saying where it stopped.
+
+Then: record the figures in the results docs (the page the task names: device, driver, versions,
+date, this command), and turn every failed goal into a fix or an issue. To rerun only what failed,
+with more time, into another folder:
+
+    python benchmarks/gpu_acceptance.py --out $OUT/gpu2 --stages compile-train,tests --budget tests=300
+
+``--plan`` prints the stages, their budgets and commands without running anything (no GPU needed).
+Without a CUDA device the script exits 2 with one line.
+
+Stages, in order (each a subprocess with its own time budget; one that fails or runs out of time is
+recorded with its last lines of output and the next one still runs):
+
+* ``install``: the editable install above (stages run with the working tree on PYTHONPATH anyway);
+* ``env``: device, driver, CUDA, memory, torch/triton/transformers/accelerate versions;
+* ``host``: host cost per module call, ``normswap.RMSNorm`` against ``nn.LayerNorm``, fp32/bf16/fp16,
+  with and without bias, with and without grad (``gpu_targets.py --parts host``);
+* ``targets-eager`` and ``targets-graph``: ``gpu_targets.py`` on both clocks (eager per call, CUDA-graph
+  replay), every target row;
+* ``model``: ``bench_model.py`` against the original, GPT-2-small and Pythia-410M shapes: batch-1
+  decode, prefill, eager bf16-autocast train step;
+* ``compile-decode`` and ``compile-train``: the same with ``torch.compile`` (GPT-2-small);
+* ``fsdp`` and ``ddp``: ``distill-causal-lm`` on a tiny toy GPT-2 for a few steps under
+  ``accelerate launch`` with the shipped FSDP2 (1 process) and DDP configs (1 process per GPU: on
+  one GPU accelerate does not wrap the model in DDP), then ``normswap.load`` of the saved model;
+* ``tests``: the README test command, ``python -m pytest -q``, with CUDA visible, split by file into
+  ``--test-shards`` concurrent processes (``--test-shards 1``: the command verbatim); the last stage,
+  it may use whatever time is left before the deadline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import json
+import math
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = Path(__file__).resolve()
+DEADLINE_S = 480  # the whole run, install included: 8 minutes
+GRACE_S = 10  # after SIGINT at a stage's budget, before SIGKILL (pytest writes its junit XML then)
+TAIL_LINES = 40
+CORE = ("torch", "transformers", "safetensors", "yaml")  # what `import normswap` and its benchmarks need
+# (models, phases) of the bench_model stages; the goals expect a row for each pair
+MODEL_RUNS = {
+    "model": (("gpt2-small", "pythia-410m"), ("decode", "prefill", "train")),
+    "compile-decode": (("gpt2-small",), ("decode-compile",)),
+    "compile-train": (("gpt2-small",), ("compile",)),
+}
+PHASE_GOALS = {  # bench_model phase -> (goal, limit); prefill is measured, with no target
+    "decode": ("decode at batch 1, eager: converted / original", 1.00),
+    "decode-compile": ("decode at batch 1, compiled: converted / original", 1.00),
+    "train": ("eager train step: converted / original", 0.99),
+    "compile": ("compiled train step: converted / original", 1.00),
+}
+RECIPE_GOALS = {"fsdp": "FSDP2 recipe run finishes, saves a model normswap.load reads",
+                "ddp": "DDP recipe run finishes, saves a model normswap.load reads"}
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    budget_s: int
+    what: str
+    needs: tuple[str, ...] = CORE  # importable modules; a stage missing one is skipped, not run
+    ok_codes: tuple[int, ...] = (0,)  # exit codes that mean "ran to the end" (1: some target missed)
+
+
+STAGES = (
+    Stage("install", 20, "pip install -e . from the working tree (no deps, no build isolation, no index)",
+          needs=()),
+    Stage("env", 10, "device, driver, CUDA, versions", needs=("torch",)),
+    Stage("host", 30, "host cost per module call vs nn.LayerNorm (gpu_targets --parts host)", ok_codes=(0, 1)),
+    Stage("targets-eager", 40, "gpu_targets --parts eager (eager per call, L2 flushed)",
+          needs=(*CORE, "triton"), ok_codes=(0, 1)),
+    Stage("targets-graph", 40, "gpu_targets --parts graph (CUDA-graph replay, GPU time only)",
+          needs=(*CORE, "triton"), ok_codes=(0, 1)),
+    Stage("model", 60, "bench_model: decode at batch 1, prefill, eager train step vs the original"),
+    Stage("compile-decode", 55, "bench_model: compiled decode at batch 1 (static cache) vs the original"),
+    Stage("compile-train", 60, "bench_model: torch.compile train step vs the original"),
+    Stage("fsdp", 45, "distill-causal-lm under accelerate FSDP2, 1 process; normswap.load of the result",
+          needs=(*CORE, "accelerate")),
+    Stage("ddp", 35, "distill-causal-lm under accelerate DDP config; normswap.load of the result",
+          needs=(*CORE, "accelerate")),
+    Stage("tests", 60, "the README test command (python -m pytest -q), CUDA visible",
+          needs=(*CORE, "pytest"), ok_codes=(0, 1)),
+)
+BY_NAME = {s.name: s for s in STAGES}
+
+
+class UsageError(Exception):
+    """A bad command line: one line on stderr, exit 2."""
+
+
+# ------------------------------------------------------------------------------------------ arguments
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=str(REPO / "out" / "gpu_acceptance"), help="report folder")
+    ap.add_argument("--stages", default=",".join(BY_NAME), help="comma-separated, from: " + ",".join(BY_NAME))
+    ap.add_argument("--budget", action="append", default=[], metavar="STAGE=SECONDS",
+                    help="another time budget for a stage (repeatable)")
+    ap.add_argument("--deadline", type=float, default=DEADLINE_S,
+                    help="wall seconds for the whole run; the selected budgets must fit in it")
+    ap.add_argument("--test-shards", type=int, default=None,
+                    help="concurrent pytest processes for the tests stage (default: cores - 4, at most 12)")
+    ap.add_argument("--wheelhouse", default=None, help="a folder of wheels to install missing packages from")
+    ap.add_argument("--plan", "--dry-run", dest="plan", action="store_true",
+                    help="print the stages, budgets and commands; run nothing")
+    ap.add_argument("--worker", choices=["install", "env", "fsdp", "ddp", "tests"], help=argparse.SUPPRESS)
+    return ap.parse_args(argv)
+
+
+def select(args: argparse.Namespace) -> tuple[list[Stage], dict[str, float]]:
+    """The stages to run, in the script's order, and their budgets; UsageError on a bad selection."""
+    names = [n.strip() for n in args.stages.split(",") if n.strip()]
+    unknown = [n for n in names if n not in BY_NAME]
+    if unknown or not names:
+        raise UsageError(f"unknown stage(s) {', '.join(unknown) or '(none given)'}; choose from {','.join(BY_NAME)}")
+    stages = [s for s in STAGES if s.name in names]
+    budgets = {s.name: float(s.budget_s) for s in stages}
+    for item in args.budget:
+        name, _, value = item.partition("=")
+        if name not in BY_NAME:
+            raise UsageError(f"--budget {item}: unknown stage {name!r}; choose from {','.join(BY_NAME)}")
+        try:
+            seconds = float(value)
+        except ValueError:
+            seconds = -1.0
+        if not seconds > 0:
+            raise UsageError(f"--budget {item}: give STAGE=SECONDS with SECONDS > 0")
+        if name in budgets:
+            budgets[name] = seconds
+    if sum(budgets.values()) > args.deadline:
+        raise UsageError(f"the selected stages' budgets sum to {sum(budgets.values()):.0f} s, more than the "
+                         f"{args.deadline:.0f} s deadline: select fewer stages or lower --budget")
+    if args.test_shards is not None and args.test_shards < 1:
+        raise UsageError("--test-shards must be at least 1")
+    return stages, budgets
+
+
+def default_shards() -> int:
+    return max(1, min(12, (os.cpu_count() or 1) - 4))
+
+
+def command(stage: Stage, out: Path, args: argparse.Namespace) -> list[str]:
+    """The subprocess that runs ``stage`` (results under ``out/stages``)."""
+    py, bench = sys.executable, REPO / "benchmarks"
+    res = out / "stages"
+    if stage.name in ("install", "env", "fsdp", "ddp", "tests"):
+        cmd = [py, str(SCRIPT), "--worker", stage.name, "--out", str(out)]
+        if stage.name == "install" and args.wheelhouse:
+            cmd += ["--wheelhouse", str(Path(args.wheelhouse).resolve())]
+        if stage.name == "tests":
+            cmd += ["--test-shards", str(args.test_shards or default_shards())]
+        return cmd
+    if stage.name == "host":
+        return [py, str(bench / "gpu_targets.py"), "--parts", "host", "--rounds", "15", "--out", str(res / "host.json")]
+    if stage.name.startswith("targets-"):
+        part = stage.name.removeprefix("targets-")
+        return [py, str(bench / "gpu_targets.py"), "--parts", part, "--rounds", "5",
+                "--out", str(res / f"{stage.name}.json")]
+    models, phases = MODEL_RUNS[stage.name]
+    return [py, str(bench / "bench_model.py"), "--device", "cuda", "--models", ",".join(models),
+            "--phases", ",".join(phases), "--rounds", "5", "--out", str(res / stage.name)]
+
+
+def result_path(out: Path, name: str) -> Path:
+    if name in MODEL_RUNS:
+        return out / "stages" / name / "bench_model_cuda.json"
+    return out / "stages" / f"{name}.json"
+
+
+def stage_env() -> dict[str, str]:
+    """Offline, unbuffered, with the working tree importable even if the install stage failed."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1", PYTHONUNBUFFERED="1",
+               TOKENIZERS_PARALLELISM="false", PIP_DISABLE_PIP_VERSION_CHECK="1")
+    return env
+
+
+# ---------------------------------------------------------------------------------------- running
+def tail(text: str, lines: int = TAIL_LINES, chars: int = 4000) -> str:
+    return "\n".join(text.rstrip().splitlines()[-lines:])[-chars:]
+
+
+def _default_sigint() -> None:
+    """In the child before exec: SIGINT back to its default, so that Python turns it into
+    KeyboardInterrupt even where this script was started with SIGINT ignored (a background job)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def run_stage(cmd: Sequence[str], timeout_s: float, log_path: Path, env: dict[str, str] | None = None,
+              cwd: Path = REPO, grace_s: float = GRACE_S) -> dict:
+    """Run ``cmd`` in its own process group, output to ``log_path``. At ``timeout_s`` the group gets
+    SIGINT (Python unwinds, pytest writes its report), after ``grace_s`` more SIGKILL.
+    Returns ``{"rc", "seconds", "timed_out", "tail"}``."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    timed_out = False
+    with open(log_path, "w") as log:
+        log.write("$ " + " ".join(map(str, cmd)) + "\n")
+        log.flush()
+        try:
+            proc = subprocess.Popen([str(c) for c in cmd], stdout=log, stderr=subprocess.STDOUT, env=env,
+                                    cwd=str(cwd), start_new_session=True, preexec_fn=_default_sigint)
+        except OSError as exc:
+            log.write(f"could not start: {exc}\n")
+            return {"rc": None, "seconds": 0.0, "timed_out": False, "tail": f"could not start: {exc}"}
+        try:
+            rc = proc.wait(timeout=max(timeout_s, 0.0))
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            for sig, wait in ((signal.SIGINT, grace_s), (signal.SIGKILL, None)):
+                try:
+                    os.killpg(proc.pid, sig)
+                except ProcessLookupError:
+                    pass
+                try:
+                    proc.wait(timeout=wait)
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
+            rc = proc.returncode
+        if timed_out:  # the group may outlive its leader (e.g. pytest shards): end it
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    seconds = time.monotonic() - t0
+    if timed_out:
+        with open(log_path, "a") as log:
+            log.write(f"\n[gpu_acceptance] stopped after {timeout_s:.0f} s (its time budget)\n")
+    return {"rc": rc, "seconds": round(seconds, 1), "timed_out": timed_out,
+            "tail": tail(log_path.read_text(errors="replace"))}
+
+
+def stage_record(stage: Stage, budget: float, outcome: dict | None, missing: Sequence[str] = (),
+                 note: str = "") -> dict:
+    """One row of ``report["stages"]``. status: ok (ran to the end), failed, timeout, skipped
+    (packages missing), not-run (no time left), running, pending."""
+    rec = {"name": stage.name, "what": stage.what, "budget_s": budget, "status": "pending", "rc": None,
+           "seconds": None, "tail": "", "note": note, "log": f"logs/{stage.name}.log"}
+    if missing:
+        rec.update(status="skipped", note=f"missing package(s): {', '.join(missing)}", log=None)
+    elif outcome is not None:
+        rc = outcome["rc"]
+        status = "timeout" if outcome["timed_out"] else "ok" if rc in stage.ok_codes else "failed"
+        rec.update(status=status, rc=rc, seconds=outcome["seconds"], tail=outcome["tail"])
+        if status == "timeout":
+            stopped = f"stopped at its budget ({outcome.get('timeout_s', budget):.0f} s)"
+            rec["note"] = f"{note}; {stopped}" if note else stopped
+    return rec
+
+
+def missing_modules(names: Sequence[str]) -> list[str]:
+    importlib.invalidate_caches()
+    out = []
+    for name in names:
+        try:
+            if importlib.util.find_spec(name) is None:
+                out.append(name)
+        except (ImportError, ValueError):
+            out.append(name)
+    return out
+
+
+def run_all(stages: Sequence[Stage], budgets: dict[str, float], out: Path, args: argparse.Namespace,
+            deadline_s: float, runner: Callable[..., dict] = run_stage,
+            find_missing: Callable[[Sequence[str]], list[str]] = missing_modules,
+            environment: dict | None = None) -> dict:
+    """Run every stage in turn under its budget (the last one may use what is left before the deadline),
+    rewriting the report before and after each."""
+    t0 = time.monotonic()
+    report = new_report(stages, budgets, deadline_s, environment or {})
+    write_report(out, report)
+    env = stage_env()
+    for i, stage in enumerate(stages):
+        left = deadline_s - (time.monotonic() - t0) - GRACE_S
+        last = i == len(stages) - 1
+        timeout = left if last else min(budgets[stage.name], left)
+        missing = find_missing(stage.needs)
+        if missing:
+            rec = stage_record(stage, budgets[stage.name], None, missing)
+        elif left < 5:
+            rec = stage_record(stage, budgets[stage.name], None, note="not run: no time left before the deadline")
+            rec["status"] = "not-run"
+        else:
+            report["stages"][i]["status"] = "running"
+            write_report(out, report)
+            print(f"[gpu_acceptance] {stage.name}: up to {timeout:.0f} s ...", flush=True)
+            outcome = runner(command(stage, out, args), timeout, out / "logs" / f"{stage.name}.log", env=env)
+            outcome["timeout_s"] = timeout
+            rec = stage_record(stage, budgets[stage.name], outcome)
+        report["stages"][i] = rec
+        print(f"[gpu_acceptance] {stage.name}: {rec['status']}"
+              + (f" in {rec['seconds']} s" if rec["seconds"] is not None else "")
+              + (f" ({rec['note']})" if rec["note"] else ""), flush=True)
+        if stage.name == "env":
+            report["environment"].update(load_json(result_path(out, "env")) or {})
+        refresh(report, out)
+        report["wall_s"] = round(time.monotonic() - t0, 1)
+        write_report(out, report)
+    report["finished"] = True
+    report["wall_s"] = round(time.monotonic() - t0, 1)
+    write_report(out, report)
+    return report
+
+
+# ------------------------------------------------------------------------------------------ report
+def new_report(stages: Sequence[Stage], budgets: dict[str, float], deadline_s: float, environment: dict) -> dict:
+    now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+    return {"script": "benchmarks/gpu_acceptance.py", "command": " ".join(sys.argv), "started": now,
+            "updated": now, "finished": False, "wall_s": 0.0, "deadline_s": deadline_s, "git": git_info(),
+            "environment": dict(environment),
+            "stages": [stage_record(s, budgets[s.name], None) for s in stages],
+            "goals": [], "summary": {}, "measurements": {}}
+
+
+def load_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def refresh(report: dict, out: Path) -> None:
+    """Re-read every finished stage's JSON and rebuild the measurements, goals and summary."""
+    payloads = {s["name"]: load_json(result_path(out, s["name"])) for s in report["stages"]
+                if s["status"] not in ("pending", "running")}
+    report["measurements"] = measurements(payloads)
+    report["goals"] = goals(report["stages"], payloads)
+    report["summary"] = summary(report)
+
+
+def measurements(payloads: dict[str, dict | None]) -> dict:
+    out: dict = {}
+    host = payloads.get("host") or {}
+    if host.get("host"):
+        out["host"] = host["host"]
+    rows = [dict(r, stage=name) for name in MODEL_RUNS for r in (payloads.get(name) or {}).get("results", [])]
+    if rows:
+        out["model"] = [{k: r.get(k) for k in ("stage", "model", "phase", "original_ms", "converted_ms", "ratio",
+                                                "target")} for r in rows]
+    if payloads.get("tests"):
+        out["tests"] = payloads["tests"]
+    recipes = {k: payloads[k] for k in ("fsdp", "ddp") if payloads.get(k)}
+    if recipes:
+        out["recipes"] = recipes
+    return out
+
+
+def _goal(goal: str, where: str, value: float | None, limit: float | None, ok: bool, bound: str = "<=",
+          source: str = "", note: str = "") -> dict:
+    if value is not None and not math.isfinite(value):
+        ok = False
+    return {"goal": goal, "where": where, "value": value, "limit": limit, "bound": bound, "ok": bool(ok),
+            "source": source, "note": note}
+
+
+def _why(stage: dict | None) -> str:
+    if stage is None:
+        return "not measured"
+    if stage["status"] == "ok":
+        return "not measured (the stage wrote no result for it)"
+    return f"not measured: stage {stage['name']} {stage['status']}" + (f" ({stage['note']})" if stage["note"] else "")
+
+
+def goals(stages: Sequence[dict], payloads: dict[str, dict | None]) -> list[dict]:
+    """Pass/fail per target, for the stages that were selected; a target that was not measured fails."""
+    by = {s["name"]: s for s in stages}
+    rows: list[dict] = []
+    for name in ("host", "targets-eager", "targets-graph"):
+        if name not in by:
+            continue
+        goal = "module host cost <= nn.LayerNorm" if name == "host" else f"gpu_targets {name[8:]} row passes"
+        data = payloads.get(name)
+        if not data or "checks" not in data:
+            rows.append(_goal(goal, "-", None, None, False, source=name, note=_why(by[name])))
+            continue
+        for c in data["checks"]:
+            where = c["where"] if name == "host" else f"{c['target']}: {c['where']}"
+            rows.append(_goal(goal, where, c["value"], c["limit"], c["ok"], c.get("bound", "<="), name))
+        for target in data.get("missing", []):
+            rows.append(_goal(goal, target, None, None, False, source=name, note="not measured"))
+    for name, (models, phases) in MODEL_RUNS.items():
+        if name not in by:
+            continue
+        results = {(r["model"], r["phase"]): r for r in (payloads.get(name) or {}).get("results", [])}
+        for model in models:
+            for phase in phases:
+                if phase not in PHASE_GOALS:
+                    continue
+                goal, limit = PHASE_GOALS[phase]
+                r = results.get((model, phase))
+                if r is None:
+                    rows.append(_goal(goal, model, None, limit, False, source=name, note=_why(by[name])))
+                else:
+                    rows.append(_goal(goal, model, r["ratio"], limit, r["ratio"] <= limit, source=name))
+    for name, goal in RECIPE_GOALS.items():
+        if name not in by:
+            continue
+        data = payloads.get(name)
+        if not data:
+            rows.append(_goal(goal, "-", None, None, False, source=name, note=_why(by[name])))
+            continue
+        ok = by[name]["status"] == "ok" and data.get("returncode") == 0 and bool(data.get("loaded"))
+        where = f"{data.get('processes')} process(es), {data.get('steps_done')} steps"
+        rows.append(_goal(goal, where, None, None, ok, source=name,
+                          note=data.get("error") or ("" if ok else _why(by[name]))))
+    if "tests" in by:
+        goal = "README test command green with a GPU present"
+        data = payloads.get("tests")
+        if not data:
+            rows.append(_goal(goal, "-", None, None, False, source="tests", note=_why(by["tests"])))
+        else:
+            bad = data["failed"] + data["errors"]
+            ok = by["tests"]["status"] == "ok" and bad == 0 and data["total"] > 0 and not data.get("interrupted")
+            where = (f"{data['passed']} passed, {data['failed']} failed, {data['errors']} errors, "
+                     f"{data['skipped']} skipped" + (" (interrupted)" if data.get("interrupted") else ""))
+            rows.append(_goal(goal, where, float(bad), 0.0, ok, source="tests",
+                              note="" if ok or bad else _why(by["tests"])))
+    return rows
+
+
+def summary(report: dict) -> dict:
+    g = report["goals"]
+    counts: dict[str, int] = {}
+    for s in report["stages"]:
+        counts[s["status"]] = counts.get(s["status"], 0) + 1
+    return {"goals_passed": sum(x["ok"] for x in g), "goals_total": len(g),
+            "all_passed": bool(g) and all(x["ok"] for x in g) and counts.get("ok", 0) == len(report["stages"]),
+            "stages": counts}
+
+
+def git_info() -> dict | None:
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=REPO, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if commit.returncode != 0:
+        return None
+    return {"commit": commit.stdout.strip(), "dirty": bool(dirty.stdout.strip())}
+
+
+def _fmt(v: object, digits: int = 3) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.{digits}f}"
+    return str(v)
+
+
+def _cell(text: object) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def render_markdown(report: dict) -> str:
+    env, s = report["environment"], report["summary"]
+    running = [x["name"] for x in report["stages"] if x["status"] == "running"]
+    state = "complete" if report["finished"] else (
+        f"PARTIAL: stopped during stage {running[0]}" if running else "PARTIAL: in progress or killed")
+    git = report.get("git") or {}
+    lines = [
+        "# GPU acceptance report", "",
+        f"- status: {state}; wall {report['wall_s']:.0f} s of the {report['deadline_s']:.0f} s deadline",
+        f"- started: {report['started']}; updated {report['updated']}",
+        f"- device: {env.get('gpu', '?')}, {_fmt(env.get('gpu_memory_gib'), 1)} GiB, driver "
+        f"{env.get('driver', '?')}, CUDA {env.get('cuda', '?')}, compute capability {env.get('capability', '?')}",
+        "- versions: " + ", ".join(f"{k} {env.get(k) or 'not installed'}" for k in
+                                   ("python", "torch", "triton", "transformers", "accelerate")),
+        f"- normswap commit: {git.get('commit', 'unknown')}"
+        + (" (with uncommitted changes)" if git.get("dirty") else ""),
+        f"- command: `{report['command']}`",
+        f"- goals: {s.get('goals_passed', 0)}/{s.get('goals_total', 0)} pass"
+        + ("; ALL PASS" if s.get("all_passed") else ""),
+    ]
+    if env.get("missing_packages"):
+        lines.append(f"- packages missing on this machine: {', '.join(env['missing_packages'])}")
+    lines += ["", "## Goals", "", "| goal | where | value | target | verdict |", "|---|---|---|---|---|"]
+    for g in report["goals"]:
+        target = "-" if g["limit"] is None else f"{g['bound']} {g['limit']:.2f}"
+        verdict = "pass" if g["ok"] else "**FAIL**" + (f" ({g['note']})" if g["note"] else "")
+        lines.append(f"| {_cell(g['goal'])} | {_cell(g['where'])} | {_fmt(g['value'])} | {target} | {_cell(verdict)} |")
+    lines += ["", "## Stages", "", "| stage | status | seconds | budget s | note |", "|---|---|---|---|---|"]
+    for st in report["stages"]:
+        lines.append(f"| {st['name']} | {st['status']} | {_fmt(st['seconds'], 1)} | {st['budget_s']:.0f} | "
+                     f"{_cell(st['note'] or st['what'])} |")
+    m = report["measurements"]
+    if m.get("model"):
+        lines += ["", "## Model benchmarks (converted / original)", "",
+                  "| stage | model | phase | original ms | converted ms | ratio | target |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in m["model"]:
+            lines.append(f"| {r['stage']} | {r['model']} | {r['phase']} | {_fmt(r['original_ms'], 2)} | "
+                         f"{_fmt(r['converted_ms'], 2)} | {_fmt(r['ratio'])} | {_fmt(r['target'], 2)} |")
+    if m.get("host"):
+        lines += ["", "## Host cost per module call (4x1024)", "",
+                  "| dtype | bias | pass | nn.LayerNorm us | RMSNorm us | ratio |", "|---|---|---|---|---|---|"]
+        for r in m["host"]:
+            lines.append(f"| {r['dtype']} | {r['bias']} | {r['pass']} | {_fmt(r['layer_norm_us'], 2)} | "
+                         f"{_fmt(r['rms_norm_us'], 2)} | {_fmt(r['ratio'])} |")
+    if m.get("tests"):
+        t = m["tests"]
+        lines += ["", "## Test suite", "", f"`{t.get('command', 'python -m pytest -q')}` in {t.get('shards', 1)} "
+                  f"shard(s): {t['passed']} passed, {t['failed']} failed, {t['errors']} errors, {t['skipped']} skipped"
+                  + (" (interrupted: counts are partial)" if t.get("interrupted") else "")]
+        if t.get("failing"):
+            lines += ["", "Failing:", ""] + [f"- `{f}`" for f in t["failing"]]
+    if m.get("recipes"):
+        lines += ["", "## Recipes", "", "| run | config | processes | steps | loads | RMSNorm | LayerNorm | sharded |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for k, r in m["recipes"].items():
+            lines.append(f"| {k} | {r.get('config')} | {r.get('processes')} | {r.get('steps_done')} | "
+                         f"{r.get('loaded')} | {r.get('rmsnorm_modules')} | {r.get('layernorm_modules')} | "
+                         f"{r.get('sharded')} |")
+    bad = [st for st in report["stages"] if st["status"] in ("failed", "timeout") and st["tail"]]
+    if bad:
+        lines += ["", "## Output of stages that did not pass"]
+        for st in bad:
+            lines += ["", f"### {st['name']}: {st['status']} (exit code {st['rc']}; full log {st['log']})", "",
+                      "```", st["tail"].replace("```", "'''"), "```"]
+    return "\n".join(lines) + "\n"
+
+
+def write_report(out: Path, report: dict) -> None:
+    """report.json and report.md, each replaced atomically (a killed run leaves the previous version)."""
+    out.mkdir(parents=True, exist_ok=True)
+    report["updated"] = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+    for name, text in (("report.json", json.dumps(report, indent=2, default=str)),
+                       ("report.md", render_markdown(report))):
+        tmp = out / (name + ".tmp")
+        tmp.write_text(text)
+        os.replace(tmp, out / name)
+
+
+# ------------------------------------------------------------------------------------------ workers
+def _write(out: Path, name: str, data: dict) -> None:
+    path = result_path(out, name)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2, default=str))
+
+
+def _dist_name(wheel: Path) -> str:
+    return re.sub(r"[-_.]+", "-", wheel.name.split("-")[0]).lower()
+
+
+def worker_install(out: Path, wheelhouse: str | None) -> int:
+    from importlib import metadata
+
+    pip = [sys.executable, "-m", "pip", "install", "--no-input", "--disable-pip-version-check"]
+    data: dict = {"wheels_installed": []}
+    if wheelhouse:
+        installed = {re.sub(r"[-_.]+", "-", d.metadata["Name"] or "").lower() for d in metadata.distributions()}
+        wheels = [w for w in sorted(Path(wheelhouse).glob("*.whl")) if _dist_name(w) not in installed]
+        if wheels:
+            print(f"from {wheelhouse}: {', '.join(w.name for w in wheels)}", flush=True)
+            rc = subprocess.run(pip + ["--no-index", "--no-deps", *map(str, wheels)]).returncode
+            data["wheels_installed"] = [w.name for w in wheels] if rc == 0 else []
+            data["wheelhouse_rc"] = rc
+        else:
+            print(f"{wheelhouse}: nothing to install (every wheel's distribution is installed)")
+    rc = subprocess.run(pip + ["--no-index", "--no-deps", "--no-build-isolation", "-e", str(REPO)]).returncode
+    data["editable_rc"] = rc
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    probe = subprocess.run([sys.executable, "-c", "import normswap; print(normswap.__file__)"], env=env,
+                           capture_output=True, text=True, cwd=tempfile.gettempdir())
+    data["imports_from"] = probe.stdout.strip() or None
+    print(f"pip install -e: exit {rc}; import normswap without PYTHONPATH -> "
+          f"{data['imports_from'] or probe.stderr[-300:]}")
+    _write(out, "install", data)
+    return 0 if rc == 0 and data["imports_from"] else 1
+
+
+def worker_env(out: Path) -> int:
+    import platform
+    from importlib import metadata
+
+    import torch
+
+    info: dict = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
+                  "cudnn": torch.backends.cudnn.version(), "cpu_count": os.cpu_count()}
+    for dist in ("triton", "transformers", "accelerate", "safetensors", "pytest", "hypothesis", "peft",
+                 "liger-kernel", "datasets", "matplotlib", "onnx", "onnxruntime", "onnxscript",
+                 "sentence-transformers", "x-transformers"):
+        try:
+            info[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            info[dist] = None
+    info["missing_packages"] = [k for k in ("triton", "transformers", "accelerate", "safetensors", "pytest",
+                                            "hypothesis", "peft", "liger-kernel", "datasets", "matplotlib", "onnx",
+                                            "onnxruntime", "onnxscript", "sentence-transformers", "x-transformers")
+                                if info[k] is None]
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        info.update(gpu=props.name, gpu_count=torch.cuda.device_count(),
+                    gpu_memory_gib=round(props.total_memory / 2**30, 1), capability=f"{props.major}.{props.minor}",
+                    multiprocessors=props.multi_processor_count)
+    try:
+        smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version,name,clocks.max.sm,power.limit",
+                              "--format=csv,noheader"], capture_output=True, text=True, timeout=20)
+        first = smi.stdout.strip().splitlines()[0].split(", ") if smi.stdout.strip() else []
+        if first:
+            info.update(driver=first[0], smi_name=first[1], sm_clock_max=first[2], power_limit=first[3])
+    except (OSError, subprocess.SubprocessError, IndexError):
+        info["driver"] = None
+    print(json.dumps(info, indent=2))
+    _write(out, "env", info)
+    return 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def worker_recipe(out: Path, kind: str) -> int:
+    """A few steps of distill-causal-lm on a toy GPT-2 under ``accelerate launch`` with the shipped
+    config, then ``normswap.load`` of the saved model (on CPU)."""
+    import shutil
+
+    import torch
+
+    import normswap
+    from normswap.recipes import toy
+
+    work = out / "work"
+    source = work / "toy-gpt2"
+    torch.set_num_threads(1)  # tiny matmuls: more threads only spin-wait on each other
+    if not (source / "config.json").exists():  # shared by the two recipe stages
+        toy.train_tiny_causal_lm(source, hidden=64, layers=2, steps=20)
+    corpus = work / "corpus.txt"
+    if not corpus.exists():
+        toy.write_corpus(corpus, 400, seed=5)
+    run = work / f"run-{kind}"
+    shutil.rmtree(run, ignore_errors=True)
+    processes = 1 if kind == "fsdp" else max(1, min(2, torch.cuda.device_count()))
+    config = REPO / "normswap" / "recipes" / "configs" / "accelerate" / f"{kind}.yaml"
+    steps = 6
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
+           "--num_processes", str(processes), "--main_process_port", str(_free_port()),
+           "-m", "normswap.recipes", "distill-causal-lm", f"model.source={source}", f"data.path={corpus}",
+           f"output.dir={run}", f"train.steps={steps}", "train.warmup_steps=1", "train.lr=3e-4",
+           "train.mixed_precision=bf16", "data.seq_len=32", "data.batch_size=8", "data.eval_batch_size=16",
+           "eval.every=3", "log.every=1", "log.progress_bar=false", "log.plot=false", "checkpoint.every=3"]
+    print("$ " + " ".join(cmd), flush=True)
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    text = proc.stdout + proc.stderr
+    print(tail(text, 60, 8000), flush=True)
+    data: dict = {"recipe": "distill-causal-lm", "config": config.name, "processes": processes,
+                  "returncode": proc.returncode, "launch_s": round(time.monotonic() - t0, 1), "loaded": False,
+                  "sharded": "off under FSDP" in text, "steps_done": None}
+    records = []
+    if (run / "metrics.jsonl").exists():
+        records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    train = [r for r in records if r.get("split") == "train"]
+    data["steps_done"] = train[-1]["step"] if train else 0
+    if proc.returncode == 0:
+        try:
+            model = normswap.load(run / "model")
+            ids = torch.randint(0, 20, (1, 8))
+            with torch.no_grad():
+                logits = model(input_ids=ids).logits
+            data.update(loaded=bool(torch.isfinite(logits).all()),
+                        rmsnorm_modules=sum(isinstance(m, normswap.RMSNorm) for m in model.modules()),
+                        layernorm_modules=sum(isinstance(m, torch.nn.LayerNorm) for m in model.modules()))
+            if not data["loaded"]:
+                data["error"] = "the loaded model's logits are not finite"
+        except Exception as exc:  # noqa: BLE001 - recorded: this is what the stage checks
+            data["error"] = f"normswap.load failed: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+    else:
+        data["error"] = f"accelerate launch exited {proc.returncode}"
+    print(json.dumps(data, indent=2))
+    _write(out, kind, data)
+    return 0 if data["loaded"] else 1
+
+
+def shard_files(files: Sequence[Path], shards: int) -> list[list[Path]]:
+    """Test files into ``shards`` groups of similar total size (largest first, each to the lightest group)."""
+    groups: list[list[Path]] = [[] for _ in range(max(1, min(shards, len(files))))]
+    sizes = [0] * len(groups)
+    for f in sorted(files, key=lambda p: (-p.stat().st_size, str(p))):
+        i = sizes.index(min(sizes))
+        groups[i].append(f)
+        sizes[i] += f.stat().st_size
+    return [sorted(g) for g in groups if g]
+
+
+def junit_totals(paths: Sequence[Path], root: Path = REPO) -> dict:
+    """Counts and failing test ids from pytest's JUnit XML files (missing or unreadable files are listed)."""
+    tot = {"total": 0, "passed": 0, "failed": 0, "errors": 0, "skipped": 0, "failing": [], "unreadable": []}
+    for path in paths:
+        try:
+            root_el = ET.parse(path).getroot()
+        except (OSError, ET.ParseError):
+            tot["unreadable"].append(path.name)
+            continue
+        for case in root_el.iter("testcase"):
+            if not case.get("name"):  # the test running when pytest was interrupted: no verdict
+                continue
+            tot["total"] += 1
+            kinds = {child.tag for child in case}
+            if "failure" in kinds:
+                tot["failed"] += 1
+            elif "error" in kinds:
+                tot["errors"] += 1
+            elif "skipped" in kinds:
+                tot["skipped"] += 1
+                continue
+            else:
+                tot["passed"] += 1
+                continue
+            tot["failing"].append(node_id(case.get("classname", ""), case.get("name", ""), root))
+    tot["failing"].sort()
+    return tot
+
+
+def node_id(classname: str, name: str, root: Path = REPO) -> str:
+    """pytest's node id back from JUnit's dotted classname ("tests.backends.test_gpu.TestX")."""
+    parts = classname.split(".")
+    for i in range(len(parts), 0, -1):
+        path = "/".join(parts[:i]) + ".py"
+        if (root / path).exists():
+            return "::".join([path, *parts[i:], name])
+    return f"{classname}::{name}" if classname else name
+
+
+def worker_tests(out: Path, shards: int, root: Path = REPO) -> int:
+    """The suite under ``root/tests`` in ``shards`` concurrent pytest processes; counts and failing ids
+    from their JUnit XML (written on SIGINT too, so a run cut at the budget still reports)."""
+    files = sorted((root / "tests").rglob("test_*.py"))
+    groups = shard_files(files, shards)
+    res = out / "stages" / "tests"
+    res.mkdir(parents=True, exist_ok=True)
+    base = Path(tempfile.gettempdir()) / "normswap-gpu-acceptance"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"} if len(groups) > 1 else dict(os.environ)
+    procs, xmls = [], []
+    for i, group in enumerate(groups):
+        xml = res / f"shard-{i}.xml"
+        xml.unlink(missing_ok=True)
+        xmls.append(xml)
+        cmd = [sys.executable, "-m", "pytest", "-q", f"--junitxml={xml}"]
+        if len(groups) > 1:  # concurrent runs: their own temp folders, no shared cache writes
+            cmd += ["-p", "no:cacheprovider", f"--rootdir={root}", f"--basetemp={base / f'shard-{i}'}",
+                    *map(str, group)]
+        log = open(res / f"shard-{i}.log", "w")  # noqa: SIM115 - closed below
+        procs.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=root, env=env,
+                                       preexec_fn=_default_sigint), log))
+    interrupted = False
+    try:
+        for p, _ in procs:
+            p.wait()
+    except KeyboardInterrupt:  # the stage's budget: the shards got SIGINT too and write their XML
+        interrupted = True
+        until = time.monotonic() + GRACE_S - 2
+        for p, _ in procs:
+            try:
+                p.wait(timeout=max(0.1, until - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+    for _, log in procs:
+        log.close()
+    data = junit_totals(xmls, root)
+    data.update(command="python -m pytest -q", shards=len(groups), interrupted=interrupted,
+                shard_rcs=[p.returncode for p, _ in procs])
+    _write(out, "tests", data)
+    print(f"{data['passed']} passed, {data['failed']} failed, {data['errors']} errors, {data['skipped']} skipped "
+          f"in {len(groups)} shard(s)" + (" (interrupted)" if interrupted else ""))
+    for f in data["failing"]:
+        print(f"FAILED {f}")
+    for i, (p, _) in enumerate(procs):
+        if p.returncode not in (0, None):
+            print(f"--- shard {i} (exit {p.returncode}), last lines:")
+            print(tail((res / f"shard-{i}.log").read_text(errors="replace"), 25, 3000))
+    if interrupted:
+        return 3
+    rcs = {p.returncode for p, _ in procs}
+    return 0 if rcs == {0} else 1 if rcs <= {0, 1} else 2
+
+
+# -------------------------------------------------------------------------------------------- main
+def plan_text(stages: Sequence[Stage], budgets: dict[str, float], out: Path, args: argparse.Namespace) -> str:
+    lines = [f"gpu_acceptance plan: {len(stages)} stage(s), budgets {sum(budgets.values()):.0f} s of the "
+             f"{args.deadline:.0f} s deadline (the last stage may use what is left); reports in {out}"]
+    for s in stages:
+        needs = f"; needs {', '.join(s.needs)}" if s.needs else ""
+        lines.append(f"  {s.name:15} {budgets[s.name]:5.0f} s  {s.what}{needs}")
+        shown = " ".join(command(s, out, args)).replace(sys.executable, "python").replace(f"{REPO}/", "")
+        lines.append(f"  {'':15}          $ {shown}")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    out = Path(args.out).resolve()
+    if args.worker:
+        if args.worker == "install":
+            return worker_install(out, args.wheelhouse)
+        if args.worker == "env":
+            return worker_env(out)
+        if args.worker == "tests":
+            return worker_tests(out, args.test_shards or default_shards())
+        return worker_recipe(out, args.worker)
+    try:
+        stages, budgets = select(args)
+    except UsageError as exc:
+        print(f"gpu_acceptance: {exc}", file=sys.stderr)
+        return 2
+    if args.plan:
+        print(plan_text(stages, budgets, out, args))
+        return 0
+    try:
+        import torch
+    except ImportError:
+        print("gpu_acceptance: torch is not importable here; this script runs on a GPU machine with torch and "
+              "CUDA installed (see its docstring)", file=sys.stderr)
+        return 2
+    if not torch.cuda.is_available():
+        print("gpu_acceptance: no CUDA device; this script runs on a GPU machine (see the docstring of "
+              "benchmarks/gpu_acceptance.py; --plan lists what it would run)", file=sys.stderr)
+        return 2
+    environment = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "cuda": torch.version.cuda}
+    print(plan_text(stages, budgets, out, args), flush=True)
+    report = run_all(stages, budgets, out, args, args.deadline, environment=environment)
+    s = report["summary"]
+    print(f"[gpu_acceptance] goals {s['goals_passed']}/{s['goals_total']} pass; stages {s['stages']}; "
+          f"wall {report['wall_s']:.0f} s; wrote {out / 'report.md'} and {out / 'report.json'}")
+    for g in report["goals"]:
+        if not g["ok"]:
+            print(f"[gpu_acceptance] FAIL {g['goal']} | {g['where']} | {_fmt(g['value'])}"
+                  + (f" | {g['note']}" if g["note"] else ""))
+    return 0 if s["all_passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
