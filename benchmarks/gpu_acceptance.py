@@ -1,29 +1,35 @@
 """GPU acceptance in one command (issue 23): every GPU check of normswap, on one H100 or H200, in at
 most 8 minutes of wall time, with a report that always gets written.
 
-How a session that is lent a GPU runs it: one device command, from the repository root (suggested
-``timeout_s`` 600; the script stops itself after ``--deadline`` seconds, 480 by default):
+How a session that is lent a GPU runs it: one call of the device tool, from the repository root,
+``timeout_s`` 540 (the script stops itself after ``--deadline`` seconds, 480 by default):
 
     python benchmarks/gpu_acceptance.py --out $OUT/gpu
 
 The machine is bare and offline: the script installs the project from the working tree itself
-(``pip install -e . --no-deps --no-build-isolation --no-index``), and a stage whose packages are
-missing is recorded as skipped, with their names, instead of crashing. To bring packages the image
-lacks (liger-kernel for the graph targets, hypothesis for the suite...), put their wheels in an
-ignored folder, carry it with the working tree (64 MiB in all), and add ``--wheelhouse DIR``: wheels
-of distributions not installed yet are installed from it (``--no-deps``, nothing is replaced).
+(``pip install -e . --no-deps --no-build-isolation --no-index``; the stages put the working tree on
+PYTHONPATH anyway), and a stage whose packages are missing is recorded as skipped, with their names,
+instead of crashing. To bring packages the image lacks, download their wheels into an ignored folder
+before the call and carry it (64 MiB in all); wheels of distributions not installed yet are then
+installed from it (with dependencies found there; nothing installed is replaced unless the folder
+holds a newer one). Liger, which the graph targets compare against, is one 1 MB pure-Python wheel:
+
+    pip download --no-deps -d out/wheelhouse liger-kernel==0.8.5
+    python benchmarks/gpu_acceptance.py --out $OUT/gpu --wheelhouse out/wheelhouse   # carry out/wheelhouse
 
 What comes back, under ``--out``: ``report.md`` (goals table, stages, measurements, the output tail of
 every stage that did not pass), ``report.json`` (the same as data: device, driver, versions, per stage
 status, timings and output tail, per target pass/fail), ``logs/STAGE.log`` (full output) and
-``stages/`` (each stage's own JSON). Both reports are rewritten before and after every stage, so a
-run that is killed still leaves a partial report saying where it stopped.
+``stages/`` (each stage's own JSON, the test shards' logs and JUnit XML). Both reports are rewritten
+before and after every stage, so a run that is killed still leaves a partial report saying where it
+stopped.
 
 Then: record the figures in the results docs (the page the task names: device, driver, versions,
 date, this command), and turn every failed goal into a fix or an issue. To rerun only what failed,
-with more time, into another folder:
+with more time, into another folder (a stage may also use time that earlier stages left unused, up
+to its budget again; the last stage gets whatever is left before the deadline):
 
-    python benchmarks/gpu_acceptance.py --out $OUT/gpu2 --stages compile-train,tests --budget tests=300
+    python benchmarks/gpu_acceptance.py --out $OUT/gpu2 --stages compile-train,tests --budget tests=200 --deadline 280
 
 ``--plan`` prints the stages, their budgets and commands without running anything (no GPU needed).
 Without a CUDA device the script exits 2 with one line.
@@ -102,7 +108,7 @@ class Stage:
 STAGES = (
     Stage("install", 20, "pip install -e . from the working tree (no deps, no build isolation, no index)",
           needs=()),
-    Stage("env", 10, "device, driver, CUDA, versions", needs=("torch",)),
+    Stage("env", 15, "device, driver, CUDA, versions", needs=("torch",)),
     Stage("host", 30, "host cost per module call vs nn.LayerNorm (gpu_targets --parts host)", ok_codes=(0, 1)),
     Stage("targets-eager", 40, "gpu_targets --parts eager (eager per call, L2 flushed)",
           needs=(*CORE, "triton"), ok_codes=(0, 1)),
@@ -302,16 +308,22 @@ def run_all(stages: Sequence[Stage], budgets: dict[str, float], out: Path, args:
             deadline_s: float, runner: Callable[..., dict] = run_stage,
             find_missing: Callable[[Sequence[str]], list[str]] = missing_modules,
             environment: dict | None = None) -> dict:
-    """Run every stage in turn under its budget (the last one may use what is left before the deadline),
-    rewriting the report before and after each."""
+    """Run every stage in turn, rewriting the report before and after each. A stage may run for its
+    budget plus the time earlier stages left unused (at most its budget again); the last one, for
+    whatever is left before the deadline."""
     t0 = time.monotonic()
     report = new_report(stages, budgets, deadline_s, environment or {})
     write_report(out, report)
     env = stage_env()
+    planned = 0.0  # the sum of the budgets of the stages before this one
     for i, stage in enumerate(stages):
-        left = deadline_s - (time.monotonic() - t0) - GRACE_S
+        elapsed = time.monotonic() - t0
+        left = deadline_s - elapsed - GRACE_S
+        ahead = max(0.0, planned - elapsed)
+        budget = budgets[stage.name]
+        planned += budget
         last = i == len(stages) - 1
-        timeout = left if last else min(budgets[stage.name], left)
+        timeout = left if last else min(budget + min(ahead, budget), left)
         missing = find_missing(stage.needs)
         if missing:
             rec = stage_record(stage, budgets[stage.name], None, missing)
@@ -322,9 +334,13 @@ def run_all(stages: Sequence[Stage], budgets: dict[str, float], out: Path, args:
             report["stages"][i]["status"] = "running"
             write_report(out, report)
             print(f"[gpu_acceptance] {stage.name}: up to {timeout:.0f} s ...", flush=True)
+            result = result_path(out, stage.name)
+            result.unlink(missing_ok=True)  # a result left by an earlier run in this folder is not this one's
             outcome = runner(command(stage, out, args), timeout, out / "logs" / f"{stage.name}.log", env=env)
             outcome["timeout_s"] = timeout
             rec = stage_record(stage, budgets[stage.name], outcome)
+            if rec["status"] == "ok" and rec["rc"] != 0 and not result.exists():  # exit 1 of a crash
+                rec.update(status="failed", note=f"exit {rec['rc']} and no result file")
         report["stages"][i] = rec
         print(f"[gpu_acceptance] {stage.name}: {rec['status']}"
               + (f" in {rec['seconds']} s" if rec["seconds"] is not None else "")
@@ -499,8 +515,8 @@ def render_markdown(report: dict) -> str:
         "# GPU acceptance report", "",
         f"- status: {state}; wall {report['wall_s']:.0f} s of the {report['deadline_s']:.0f} s deadline",
         f"- started: {report['started']}; updated {report['updated']}",
-        f"- device: {env.get('gpu', '?')}, {_fmt(env.get('gpu_memory_gib'), 1)} GiB, driver "
-        f"{env.get('driver', '?')}, CUDA {env.get('cuda', '?')}, compute capability {env.get('capability', '?')}",
+        f"- device: {env.get('gpu') or '?'}, {_fmt(env.get('gpu_memory_gib'), 1)} GiB, driver "
+        f"{env.get('driver') or '?'}, CUDA {env.get('cuda') or '?'}, compute capability {env.get('capability') or '?'}",
         "- versions: " + ", ".join(f"{k} {env.get(k) or 'not installed'}" for k in
                                    ("python", "torch", "triton", "transformers", "accelerate")),
         f"- normswap commit: {git.get('commit', 'unknown')}"
@@ -589,7 +605,11 @@ def worker_install(out: Path, wheelhouse: str | None) -> int:
         wheels = [w for w in sorted(Path(wheelhouse).glob("*.whl")) if _dist_name(w) not in installed]
         if wheels:
             print(f"from {wheelhouse}: {', '.join(w.name for w in wheels)}", flush=True)
-            rc = subprocess.run(pip + ["--no-index", "--no-deps", *map(str, wheels)]).returncode
+            # with their dependencies, from the wheelhouse or those installed (nothing else can be
+            # reached); if that fails, each wheel alone
+            rc = subprocess.run(pip + ["--no-index", "--find-links", wheelhouse, *map(str, wheels)]).returncode
+            if rc != 0:
+                rc = subprocess.run(pip + ["--no-index", "--no-deps", *map(str, wheels)]).returncode
             data["wheels_installed"] = [w.name for w in wheels] if rc == 0 else []
             data["wheelhouse_rc"] = rc
         else:
@@ -659,7 +679,7 @@ def worker_recipe(out: Path, kind: str) -> int:
     import normswap
     from normswap.recipes import toy
 
-    work = out / "work"
+    work = Path(tempfile.gettempdir()) / "normswap-gpu-acceptance" / "work"  # models and runs: not for --out
     source = work / "toy-gpt2"
     torch.set_num_threads(1)  # tiny matmuls: more threads only spin-wait on each other
     if not (source / "config.json").exists():  # shared by the two recipe stages
@@ -680,9 +700,12 @@ def worker_recipe(out: Path, kind: str) -> int:
            "eval.every=3", "log.every=1", "log.progress_bar=false", "log.plot=false", "checkpoint.every=3"]
     print("$ " + " ".join(cmd), flush=True)
     t0 = time.monotonic()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    text = proc.stdout + proc.stderr
-    print(tail(text, 60, 8000), flush=True)
+    lines = []
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+        for line in proc.stdout:  # echoed as it comes: a stage stopped at its budget shows how far it got
+            print(line, end="", flush=True)
+            lines.append(line)
+    text = "".join(lines)
     data: dict = {"recipe": "distill-causal-lm", "config": config.name, "processes": processes,
                   "returncode": proc.returncode, "launch_s": round(time.monotonic() - t0, 1), "loaded": False,
                   "sharded": "off under FSDP" in text, "steps_done": None}
@@ -691,6 +714,8 @@ def worker_recipe(out: Path, kind: str) -> int:
         records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
     train = [r for r in records if r.get("split") == "train"]
     data["steps_done"] = train[-1]["step"] if train else 0
+    evals = [r for r in records if r.get("split") not in ("train", "replicas")]
+    data["last_eval"] = evals[-1] if evals else None
     if proc.returncode == 0:
         try:
             model = normswap.load(run / "model")
@@ -861,10 +886,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     s = report["summary"]
     print(f"[gpu_acceptance] goals {s['goals_passed']}/{s['goals_total']} pass; stages {s['stages']}; "
           f"wall {report['wall_s']:.0f} s; wrote {out / 'report.md'} and {out / 'report.json'}")
-    for g in report["goals"]:
-        if not g["ok"]:
-            print(f"[gpu_acceptance] FAIL {g['goal']} | {g['where']} | {_fmt(g['value'])}"
-                  + (f" | {g['note']}" if g["note"] else ""))
+    failed = [g for g in report["goals"] if not g["ok"]]
+    for g in failed[:40]:
+        print(f"[gpu_acceptance] FAIL {g['goal']} | {g['where']} | {_fmt(g['value'])}"
+              + (f" | {g['note']}" if g["note"] else ""))
+    if len(failed) > 40:
+        print(f"[gpu_acceptance] ... and {len(failed) - 40} more failed goals: see report.md")
     return 0 if s["all_passed"] else 1
 
 

@@ -147,11 +147,14 @@ def test_the_last_stage_gets_the_time_left_and_a_late_stage_is_not_run(tmp_path)
         calls[log.stem] = timeout
         return {"rc": 0, "seconds": 0.0, "timed_out": False, "tail": ""}
 
-    stages = [ga.BY_NAME["env"], ga.BY_NAME["tests"]]
-    ga.run_all(stages, {"env": 10.0, "tests": 20.0}, tmp_path, ga.parse_args([]), 200.0, runner=runner,
-               find_missing=lambda names: [])
+    stages = [ga.BY_NAME["env"], ga.BY_NAME["host"], ga.BY_NAME["model"], ga.BY_NAME["tests"]]
+    ga.run_all(stages, {"env": 10.0, "host": 10.0, "model": 5.0, "tests": 20.0}, tmp_path, ga.parse_args([]),
+               200.0, runner=runner, find_missing=lambda names: [])
     assert calls["env"] == 10.0 and calls["tests"] > 150  # the last one: what is left, not its budget
+    assert 19 < calls["host"] <= 20  # env left its 10 s unused: host may use them
+    assert 9.5 < calls["model"] <= 10  # 20 s ahead of plan, but at most twice its own budget
     calls.clear()
+    stages = [ga.BY_NAME["env"], ga.BY_NAME["tests"]]
     report = ga.run_all(stages, {"env": 10.0, "tests": 20.0}, tmp_path, ga.parse_args([]), 12.0, runner=runner,
                         find_missing=lambda names: ["pytest"] if "pytest" in names else [])
     assert calls == {}  # 12 s deadline - 10 s grace: under 5 s left for env; tests lacks a package
@@ -161,11 +164,18 @@ def test_the_last_stage_gets_the_time_left_and_a_late_stage_is_not_run(tmp_path)
 
 
 # ----------------------------------------------------------------------------------------- report
-def _fake_payloads(out: Path) -> None:
+def _write_result(out: Path, name: str, data: dict) -> None:
+    path = ga.result_path(out, name)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data))
+
+
+def _fake_payloads() -> dict[str, dict]:
+    """What each stage would write (bench_model rows, gpu_targets checks, worker JSON)."""
+    payloads = {}
+
     def write(name, data):
-        path = ga.result_path(out, name)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(data))
+        payloads[name] = data
 
     host = [{"dtype": d, "bias": b, "pass": p, "layer_norm_us": 10.0, "rms_norm_us": 10.0 * r, "ratio": r}
             for d, b, p, r in [("float32", False, "fwd", 0.8), ("bfloat16", True, "fwd+bwd", 1.3)]]
@@ -192,6 +202,7 @@ def _fake_payloads(out: Path) -> None:
     write("tests", {"total": 10, "passed": 7, "failed": 2, "errors": 0, "skipped": 1, "interrupted": False,
                     "failing": ["tests/a/test_x.py::test_one", "tests/test_y.py::test_two[p]"], "shards": 2,
                     "command": "python -m pytest -q"})
+    return payloads
 
 
 def _outcomes() -> dict:
@@ -211,7 +222,9 @@ def _outcomes() -> dict:
 
 def test_report_from_fake_stage_results(tmp_path):
     out = tmp_path / "gpu"
-    _fake_payloads(out)
+    _write_result(out, "compile-decode", {"results": [{"model": "gpt2-small", "phase": "decode-compile",
+                                                       "ratio": 0.5}]})  # an earlier run's: must not count
+    payloads = _fake_payloads()
     outcomes = _outcomes()
     names = ["env", "host", "targets-eager", "targets-graph", "model", "compile-decode", "compile-train", "fsdp",
              "ddp", "tests"]
@@ -219,6 +232,8 @@ def test_report_from_fake_stage_results(tmp_path):
     stages[6] = dataclasses.replace(stages[6], needs=("torch", "no_such_package_here"))  # compile-train
 
     def runner(cmd, timeout, log, env=None):
+        if log.stem in payloads:
+            _write_result(out, log.stem, payloads[log.stem])
         return dict(outcomes.get(log.stem, {"rc": 0, "seconds": 1.0, "timed_out": False, "tail": ""}))
 
     env = {"gpu": "NVIDIA H100 80GB HBM3", "torch": "2.13.0", "cuda": "12.8"}
@@ -276,11 +291,10 @@ def test_report_from_fake_stage_results(tmp_path):
 
 def test_all_goals_pass_only_when_every_stage_ran_and_every_target_was_met(tmp_path):
     out = tmp_path / "gpu"
-    ga.result_path(out, "ddp").parent.mkdir(parents=True)
-    ga.result_path(out, "ddp").write_text(json.dumps({"processes": 1, "returncode": 0, "loaded": True,
-                                                      "steps_done": 6}))
 
     def runner(cmd, timeout, log, env=None):
+        if log.stem == "ddp":
+            _write_result(out, "ddp", {"processes": 1, "returncode": 0, "loaded": True, "steps_done": 6})
         return {"rc": 0, "seconds": 1.0, "timed_out": False, "tail": ""}
 
     stages = [ga.BY_NAME["env"], ga.BY_NAME["ddp"]]
@@ -334,3 +348,14 @@ def test_tests_worker_runs_shards_and_reports_failures(tmp_path, monkeypatch):
     assert rc == 1 and data["shards"] == 2 and not data["interrupted"]
     assert (data["passed"], data["failed"], data["total"]) == (2, 1, 3)
     assert data["failing"] == ["tests/test_bad.py::test_c"]
+
+
+def test_a_crash_with_an_accepted_exit_code_but_no_result_is_a_failure(tmp_path):
+    def runner(cmd, timeout, log, env=None):  # gpu_targets exits 1 on a missed target, and on a traceback
+        return {"rc": 1, "seconds": 1.0, "timed_out": False, "tail": "Traceback ...\nRuntimeError: CUDA error"}
+
+    report = ga.run_all([ga.BY_NAME["host"]], {"host": 5.0}, tmp_path, ga.parse_args([]), 100.0, runner=runner,
+                        find_missing=lambda need: [])
+    (st,) = report["stages"]
+    assert st["status"] == "failed" and "no result file" in st["note"]
+    assert "RuntimeError: CUDA error" in (tmp_path / "report.md").read_text()
