@@ -293,6 +293,16 @@ def main() -> None:
     checks: list[TargetCheck] = []
     payload: dict = {"environment": bench.environment("cuda")}
     print(json.dumps(payload["environment"]))
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+
+    def save(current: Sequence[TargetCheck] = (), partial: bool = True) -> None:
+        """Every measurement and check so far, ``current`` those of the part under way (written after
+        each shape: a run cut short keeps them; ``partial`` says so)."""
+        payload["checks"] = [asdict(c) for c in (*checks, *current)]
+        payload["missing"] = missing([*checks, *current], parts)
+        payload["partial"] = partial
+        with open(args.out, "w") as fh:
+            json.dump(payload, fh, indent=2)
 
     if "eager" in parts:
         records = []
@@ -302,6 +312,8 @@ def main() -> None:
                                         rounds=args.rounds, target_ms=3.0, liger=False)
                 records.extend(new)
                 print(bench.table(new), flush=True)
+                payload["eager"] = bench.to_json(records, {})["results"]
+                save(eager_checks(records))
         payload["eager"] = bench.to_json(records, {})["results"]
         checks += eager_checks(records)
 
@@ -315,6 +327,8 @@ def main() -> None:
                 for r in new:
                     print(f"graph {pass_:8} {m}x{n:<6} {r['method']:8} {r['us']:9.1f} us "
                           f"{m * n * item / r['us'] / 1e6:7.2f} TB/s", flush=True)
+                payload["graph"] = rows
+                save(graph_checks(rows))
         payload["graph"] = rows
         checks += graph_checks(rows)
 
@@ -375,11 +389,7 @@ def main() -> None:
     print(targets_table(checks))
     for name in gone:
         print(f"{name}: not measured", file=sys.stderr)
-    payload["checks"] = [asdict(c) for c in checks]
-    payload["missing"] = gone
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as fh:
-        json.dump(payload, fh, indent=2)
+    save(partial=False)
     print(f"wrote {args.out}")
     failed = [c for c in checks if not c.ok]
     print(f"{len(checks) - len(failed)}/{len(checks)} checks passed" + (f"; not measured: {gone}" if gone else ""))

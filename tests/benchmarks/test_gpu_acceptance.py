@@ -53,8 +53,8 @@ def test_default_budgets_fit_in_eight_minutes_and_plan_lists_every_stage(capsys,
 def test_stage_selection_keeps_the_script_order_and_takes_budget_overrides():
     args = ga.parse_args(["--stages", "tests,host", "--budget", "tests=300", "--budget", "model=5"])
     stages, budgets = ga.select(args)
-    assert [s.name for s in stages] == ["host", "tests"]
-    assert budgets == {"host": 30.0, "tests": 300.0}  # a budget for an unselected stage is ignored
+    assert [s.name for s in stages] == ["env", "host", "tests"]  # env always: the report names its device
+    assert budgets == {"env": 15.0, "host": 30.0, "tests": 300.0}  # one for an unselected stage is ignored
 
 
 @pytest.mark.parametrize(("argv", "message"), [
@@ -183,6 +183,9 @@ def _fake_payloads() -> dict[str, dict]:
         {"target": "host: RMSNorm / LayerNorm module call", "where": f"{r['pass']} {r['dtype']} "
          f"{'bias' if r['bias'] else 'no bias'}", "value": r["ratio"], "limit": 1.0, "ok": r["ratio"] <= 1.0,
          "bound": "<="} for r in host]})
+    write("targets-eager", {"partial": True, "missing": [], "checks": [  # written before its timeout
+        {"target": "eager: auto / min(native, triton)", "where": "fwd bfloat16 1x4096", "value": 1.01,
+         "limit": 1.05, "ok": True, "bound": "<="}]})
     write("targets-graph", {"checks": [
         {"target": "graph: forward+backward TB/s", "where": "fwd+bwd bfloat16 32768x4096", "value": 2.7,
          "limit": 2.6, "ok": True, "bound": ">="}], "missing": ["graph: auto / liger"]})
@@ -249,7 +252,8 @@ def test_report_from_fake_stage_results(tmp_path):
     host = "module host cost <= nn.LayerNorm"
     assert verdict[(host, "fwd float32 no bias")]["ok"]
     assert not verdict[(host, "fwd+bwd bfloat16 bias")]["ok"]
-    eager = verdict[("gpu_targets eager row passes", "-")]
+    assert verdict[("gpu_targets eager row passes", "eager: auto / min(native, triton): fwd bfloat16 1x4096")]["ok"]
+    eager = verdict[("gpu_targets eager row passes", "the shapes after those above")]
     assert not eager["ok"] and "targets-eager timeout" in eager["note"]
     assert verdict[("gpu_targets graph row passes", "graph: forward+backward TB/s: fwd+bwd bfloat16 32768x4096")]["ok"]
     assert not verdict[("gpu_targets graph row passes", "graph: auto / liger")]["ok"]  # unmeasured target fails
@@ -270,7 +274,7 @@ def test_report_from_fake_stage_results(tmp_path):
     tests = [g for g in report["goals"] if g["source"] == "tests"]
     assert len(tests) == 1 and not tests[0]["ok"] and tests[0]["value"] == 2.0
     s = report["summary"]
-    assert s["goals_passed"] == sum(g["ok"] for g in report["goals"]) == 4 and not s["all_passed"]
+    assert s["goals_passed"] == sum(g["ok"] for g in report["goals"]) == 5 and not s["all_passed"]
     assert s["goals_total"] == len(report["goals"])
 
     on_disk = json.loads((out / "report.json").read_text())
@@ -278,7 +282,7 @@ def test_report_from_fake_stage_results(tmp_path):
     assert [x["name"] for x in on_disk["stages"]] == names
     assert on_disk["stages"][2]["tail"].endswith("stopped")
     md = (out / "report.md").read_text()
-    assert "NVIDIA H100 80GB HBM3" in md and f"goals: 4/{s['goals_total']} pass" in md
+    assert "NVIDIA H100 80GB HBM3" in md and f"goals: 5/{s['goals_total']} pass" in md
     assert "| module host cost <= nn.LayerNorm | fwd+bwd bfloat16 bias | 1.300 | <= 1.00 | **FAIL** |" in md
     assert "| module host cost <= nn.LayerNorm | fwd float32 no bias | 0.800 | <= 1.00 | pass |" in md
     assert "- `tests/test_y.py::test_two[p]`" in md
