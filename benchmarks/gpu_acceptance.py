@@ -50,8 +50,9 @@ recorded with its last lines of output and the next one still runs):
   ``accelerate launch`` with the shipped FSDP2 (1 process) and DDP configs (1 process per GPU: on
   one GPU accelerate does not wrap the model in DDP), then ``normswap.load`` of the saved model;
 * ``tests``: the README test command, ``python -m pytest -q``, with CUDA visible, split by file into
-  ``--test-shards`` concurrent processes (``--test-shards 1``: the command verbatim); the last stage,
-  it may use whatever time is left before the deadline.
+  ``--test-shards`` concurrent processes (each with ``--continue-on-collection-errors``: a module that
+  fails to import costs only its own tests; ``--test-shards 1``: the command verbatim); the last
+  stage, it may use whatever time is left before the deadline.
 """
 
 from __future__ import annotations
@@ -781,7 +782,11 @@ def junit_totals(paths: Sequence[Path], root: Path = REPO) -> dict:
 
 
 def node_id(classname: str, name: str, root: Path = REPO) -> str:
-    """pytest's node id back from JUnit's dotted classname ("tests.backends.test_gpu.TestX")."""
+    """pytest's node id back from JUnit's dotted classname ("tests.backends.test_gpu.TestX"); a module
+    that failed to import comes with no classname and its dotted name as the name."""
+    if not classname:
+        path = name.replace(".", "/") + ".py"
+        return path if (root / path).exists() else name
     parts = classname.split(".")
     for i in range(len(parts), 0, -1):
         path = "/".join(parts[:i]) + ".py"
@@ -805,9 +810,10 @@ def worker_tests(out: Path, shards: int, root: Path = REPO) -> int:
         xml.unlink(missing_ok=True)
         xmls.append(xml)
         cmd = [sys.executable, "-m", "pytest", "-q", f"--junitxml={xml}"]
-        if len(groups) > 1:  # concurrent runs: their own temp folders, no shared cache writes
-            cmd += ["-p", "no:cacheprovider", f"--rootdir={root}", f"--basetemp={base / f'shard-{i}'}",
-                    *map(str, group)]
+        if len(groups) > 1:  # concurrent runs: their own temp folders, no shared cache writes; a module
+            # that fails to import fails alone instead of stopping its whole shard
+            cmd += ["-p", "no:cacheprovider", "--continue-on-collection-errors", f"--rootdir={root}",
+                    f"--basetemp={base / f'shard-{i}'}", *map(str, group)]
         log = open(res / f"shard-{i}.log", "w")  # noqa: SIM115 - closed below
         procs.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=root, env=env,
                                        preexec_fn=_default_sigint), log))

@@ -346,12 +346,14 @@ def test_tests_worker_runs_shards_and_reports_failures(tmp_path, monkeypatch):
     (root / "pytest.ini").write_text("[pytest]\n")
     (root / "tests" / "test_good.py").write_text("def test_a():\n    pass\n\ndef test_b():\n    pass\n")
     (root / "tests" / "test_bad.py").write_text("def test_c():\n    assert 1 == 2\n")
+    (root / "tests" / "test_unimportable.py").write_text("import no_such_module_here\n")
     out = tmp_path / "gpu"
     rc = ga.worker_tests(out, 2, root)
     data = json.loads(ga.result_path(out, "tests").read_text())
     assert rc == 1 and data["shards"] == 2 and not data["interrupted"]
-    assert (data["passed"], data["failed"], data["total"]) == (2, 1, 3)
-    assert data["failing"] == ["tests/test_bad.py::test_c"]
+    # the module that does not import fails alone; the file sharing its shard still runs
+    assert (data["passed"], data["failed"], data["errors"], data["total"]) == (2, 1, 1, 4)
+    assert data["failing"] == ["tests/test_bad.py::test_c", "tests/test_unimportable.py"]
 
 
 def test_a_crash_with_an_accepted_exit_code_but_no_result_is_a_failure(tmp_path):
