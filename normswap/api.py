@@ -25,7 +25,7 @@ from normswap.integrations import hooks, wrappers
 from normswap.options import ConvertOptions
 from normswap.plan import EXACT_VERDICTS, Plan, SitePlan, attach_plan
 from normswap.planner import analyse
-from normswap.verify import compare, dtype_error_ratio, flatten_outputs, gate
+from normswap.verify import compare, dtype_error_ratio, figure, flatten_outputs, gate
 
 log = logging.getLogger("normswap")
 
@@ -55,7 +55,7 @@ class Report:
         if self.calibration is not None:
             lines.append(self.calibration.summary())
         if self.verification:
-            figs = ", ".join(f"{k}={v:.3g}" for k, v in self.verification.items() if isinstance(v, float))
+            figs = ", ".join(f"{k}={figure(v, 3)}" for k, v in self.verification.items() if isinstance(v, float))
             lines.append(f"verification: {figs}")
             if self.verification.get("probe"):
                 lines.append(f"verified on: {self.verification['probe']}")

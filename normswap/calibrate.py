@@ -28,7 +28,6 @@ result is unusable.
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,7 +37,7 @@ from torch import nn
 
 from normswap import inputs
 from normswap.errors import NormswapError
-from normswap.verify import comparable, primary_key
+from normswap.verify import comparable, figure, primary_key
 
 Batch = tuple[tuple, dict]
 # below these figures (against the original, on held-out calibration inputs) a model is unusable
@@ -81,7 +80,7 @@ class CalibrationResult:
 
     def summary(self) -> str:
         """One line for reports: the data, the method and the held-out figures."""
-        figs = ", ".join(f"{k}={v:.4g}" for k, v in self.figures.items())
+        figs = ", ".join(f"{k}={figure(v)}" for k, v in self.figures.items())
         return (f"calibration: {self.source}, {self.method}, {self.batches} batch(es)"
                 + (f"; held-out vs original: {figs}" if figs else ""))
 
@@ -96,17 +95,6 @@ class CalibrationResult:
 
 
 # ------------------------------------------------------------------------------ built-in data
-def _smooth_images(shape: tuple[int, ...], gen: torch.Generator, dtype: torch.dtype) -> torch.Tensor:
-    """Images with natural-image-like structure: low-frequency colour fields plus fine texture.
-    ``shape`` is ``(B, C, H, W)``, or ``(B, T, C, H, W)`` for video (T independent frames)."""
-    *lead, c, h, w = shape
-    b = math.prod(lead)
-    coarse = torch.randn(b, c, 4, 4, generator=gen, dtype=torch.float64)
-    img = torch.nn.functional.interpolate(coarse, size=(h, w), mode="bilinear", align_corners=False)
-    img = img + 0.25 * torch.randn(b, c, h, w, generator=gen, dtype=torch.float64)
-    return img.reshape(shape).to(dtype)
-
-
 def builtin_batches(model: nn.Module, tokenizer: Any = None, *, batches: int = 4, batch_size: int = 16,
                     seq_len: int = 64, seed: int = 0) -> tuple[list[Batch], str]:
     """``batches`` calibration batches for a transformers model, and a description of them.
@@ -141,7 +129,7 @@ def builtin_batches(model: nn.Module, tokenizer: Any = None, *, batches: int = 4
         kw = inputs.hf_example_inputs(model, batch=batch_size, seq=seq_len, seed=seed + 1000 + i)
         if "pixel_values" in kw:
             gen = torch.Generator().manual_seed(seed + i)
-            kw["pixel_values"] = _smooth_images(tuple(kw["pixel_values"].shape), gen, kw["pixel_values"].dtype)
+            kw["pixel_values"] = inputs.generated_images(tuple(kw["pixel_values"].shape), gen, kw["pixel_values"].dtype)
         out.append(((), kw))
     kinds = [k for k in ("pixel_values", "input_features", "input_values") if k in probe]
     what = {"pixel_values": "generated images", "input_features": "generated audio features",

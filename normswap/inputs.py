@@ -13,6 +13,7 @@ back to random inputs, and says so.
 from __future__ import annotations
 
 import inspect
+import math
 import os
 import random
 import re
@@ -270,10 +271,36 @@ class Probe:
         return mask if isinstance(mask, torch.Tensor) else None
 
 
+GENERATED_IMAGES = "generated natural-looking images (smooth colour fields with fine texture)"
+
+
+def generated_images(shape: tuple[int, ...], gen: torch.Generator, dtype: torch.dtype) -> torch.Tensor:
+    """Images with natural-image-like structure: low-frequency colour fields plus fine texture, at the
+    scale of normalised pixel values. ``shape`` is ``(B, C, H, W)``, or ``(B, T, C, H, W)`` for video
+    (T independent frames). White noise is no image: a vision model's activations on it (and so its
+    error after conversion) are not what it shows on photographs; calibration and the verification
+    probe both use these."""
+    *lead, c, h, w = shape
+    b = math.prod(lead)
+    coarse = torch.randn(b, c, 4, 4, generator=gen, dtype=torch.float64)
+    img = torch.nn.functional.interpolate(coarse, size=(h, w), mode="bilinear", align_corners=False)
+    img = img + 0.25 * torch.randn(b, c, h, w, generator=gen, dtype=torch.float64)
+    return img.reshape(shape).to(dtype)
+
+
+def _with_images(kwargs: dict[str, Any], seed: int) -> dict[str, Any]:
+    """``kwargs`` with its ``pixel_values`` (if any) replaced by :func:`generated_images`."""
+    pixels = kwargs.get("pixel_values")
+    if isinstance(pixels, torch.Tensor) and pixels.is_floating_point():
+        gen = torch.Generator().manual_seed(seed)
+        kwargs = dict(kwargs, pixel_values=generated_images(tuple(pixels.shape), gen, pixels.dtype).to(pixels.device))
+    return kwargs
+
+
 def _random_source(kwargs: dict[str, Any]) -> str:
-    kinds = {"input_ids": "token ids drawn over the vocabulary", "pixel_values": "pixel values",
-             "input_features": "audio features", "input_values": "audio samples"}
-    return "random " + ", ".join(kinds[k] for k in kinds if k in kwargs)
+    kinds = {"input_ids": "random token ids drawn over the vocabulary", "pixel_values": GENERATED_IMAGES,
+             "input_features": "random audio features", "input_values": "random audio samples"}
+    return ", ".join(kinds[k] for k in kinds if k in kwargs)
 
 
 def verification_probe(model: nn.Module, tokenizer: Any = None, *, batch: int = PROBE_BATCH,
@@ -286,13 +313,14 @@ def verification_probe(model: nn.Module, tokenizer: Any = None, *, batch: int = 
     calibration order, so never the ones the built-in calibration fits on), each tokenised as the
     tokenizer does (special tokens included), the rows cut at ``max_tokens``, 2/3 and 1/3 of it (so
     the batch needs padding), padded on the tokenizer's padding side with an ``attention_mask``.
-    Decoder ids, where the model takes them, are the same text. Other inputs (the images of a
-    text+image model) stay as :func:`hf_example_inputs` builds them.
+    Decoder ids, where the model takes them, are the same text. Images (a vision model's, or a
+    text+image model's) are :func:`generated_images`, never white noise; other inputs stay as
+    :func:`hf_example_inputs` builds them.
     Without a usable tokenizer: :func:`hf_example_inputs` with ``seed`` (other ids and another length
     than the analysis inputs), and ``source`` says why; a tokenizer that was given but cannot be
     used also warns.
     """
-    base = hf_example_inputs(model, batch=batch, seq=seq, seed=seed)
+    base = _with_images(hf_example_inputs(model, batch=batch, seq=seq, seed=seed), seed)
     if "input_ids" not in base:
         return Probe(base, _random_source(base))
     tok, where = (tokenizer, "the tokenizer passed in") if tokenizer is not None else _find_tokenizer(model)
@@ -314,7 +342,7 @@ def verification_probe(model: nn.Module, tokenizer: Any = None, *, batch: int = 
     padded = f", {side}-padded with an attention mask" if "attention_mask" in kwargs and min(lengths) != max(
         lengths) else ""
     source = (f"built-in English text: {batch} passages tokenised with {where} ({type(tok).__name__}), "
-              f"{span} tokens{padded}")
+              f"{span} tokens{padded}" + (f"; {GENERATED_IMAGES}" if "pixel_values" in kwargs else ""))
     return Probe(kwargs, source, text=True)
 
 

@@ -23,6 +23,16 @@ EXACT_TOLERANCE = {torch.float64: 1e-6, torch.float32: 2e-3, torch.bfloat16: 5e-
 ZERO_MEAN_TOLERANCE = {torch.float64: 1e-8, torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 5e-3}
 
 
+def figure(value: float, digits: int = 4) -> str:
+    """``value`` with ``digits`` significant digits, or more where those would round it to a whole
+    number it is not: a cosine of 0.999997 prints as ``0.999997``, not ``1`` (only an exact 1 is 1)."""
+    text = f"{value:.{digits}g}"
+    while digits < 15 and float(text) != value and float(text).is_integer():
+        digits += 1
+        text = f"{value:.{digits}g}"
+    return text
+
+
 def exact_limit(dtype: torch.dtype) -> float:
     """The largest relative output error an *exact* conversion computed in ``dtype`` may show."""
     return EXACT_TOLERANCE.get(dtype, 1e-3)

@@ -104,7 +104,12 @@ def test_without_a_tokenizer_the_fallback_is_random_ids_and_says_so():
     assert report.verification["probe"] == "random token ids drawn over the vocabulary (no tokenizer given or found)"
     vit = tf.ViTForImageClassification(tf.ViTConfig(image_size=16, patch_size=8, hidden_size=16, num_hidden_layers=1,
                                                     num_attention_heads=2, intermediate_size=32)).eval()
-    assert inputs.verification_probe(vit).source == "random pixel values"
+    probe = inputs.verification_probe(vit)
+    assert probe.source == inputs.GENERATED_IMAGES  # images with structure, not white noise
+    pixels = probe.kwargs["pixel_values"].double()
+    # neighbouring pixels of a generated image are correlated; white noise's are not
+    across = torch.corrcoef(torch.stack([pixels[..., :, :-1].flatten(), pixels[..., :, 1:].flatten()]))[0, 1]
+    assert across > 0.5, across
 
 
 def test_a_custom_model_is_verified_on_its_example_inputs_and_the_report_says_so():

@@ -453,6 +453,11 @@ def convert(
             trust_remote_code=trust_remote_code,
             allow_new_head=allow_new_head,
         )
+        if src.left_out:
+            say(
+                f"left out {source.names(src.left_out)}: the checkpoint has no tensors for it, and the "
+                f"{src.layout} pipeline does not use it (it reads {source.PIPELINE_READS[src.layout]})"
+            )
         if src.new_head:
             say(
                 f"new task head, randomly initialised (--new-head): {source.names(src.new_head)}; "

@@ -30,12 +30,14 @@ from typing import Any
 from torch import nn
 
 from normswap.checkpoint.hf_types import (  # noqa: F401  (re-exported: hf.PREFIX, hf.config_class_for, ...)
+    LEFT_OUT_KEY,
     MANIFEST_KEY,
     PREFIX,
     auto_classes,
     base_config_class,
     base_type,
     config_class_for,
+    drop_modules,
     manifest_of,
     prefix_of,
     register_conversion_mapping,
@@ -103,6 +105,20 @@ def model_class_for(base: str, class_name: str) -> type:
 
 
 # ------------------------------------------------------------------------------ structure on load
+def move_path(path: str, saved_prefix: str, new_prefix: str, modules: dict[str, nn.Module]) -> str | None:
+    """A module path of the saved class as a path of a class whose base model sits at ``new_prefix``
+    (``None`` when that class has no such module: a head it lacks)."""
+    if saved_prefix:
+        if path == saved_prefix or path.startswith(saved_prefix + "."):
+            rest = path[len(saved_prefix) + 1 :]
+        else:
+            return path if path in modules else None  # a head module
+    else:
+        rest = path
+    new = f"{new_prefix}.{rest}" if new_prefix and rest else (new_prefix or rest)
+    return new if new in modules else None
+
+
 def rebase_plan(plan_dict: dict, saved_prefix: str, model: nn.Module) -> dict:
     """Move the manifest's module paths from the saved class to ``model``'s class.
 
@@ -116,15 +132,7 @@ def rebase_plan(plan_dict: dict, saved_prefix: str, model: nn.Module) -> dict:
     modules = dict(model.named_modules())
 
     def move(path: str) -> str | None:
-        if saved_prefix:
-            if path == saved_prefix or path.startswith(saved_prefix + "."):
-                rest = path[len(saved_prefix) + 1 :]
-            else:
-                return path if path in modules else None  # a head module
-        else:
-            rest = path
-        new = f"{new_prefix}.{rest}" if new_prefix and rest else (new_prefix or rest)
-        return new if new in modules else None
+        return move_path(path, saved_prefix, new_prefix, modules)
 
     out = copy.deepcopy(plan_dict)
     out["sites"] = [dict(s, name=move(s["name"])) for s in out.get("sites", []) if move(s["name"])]
@@ -140,9 +148,15 @@ def rebuild(model: nn.Module, manifest: dict) -> nn.Module:
 
     plan_dict = manifest["plan"]
     saved_class = manifest.get("architecture")
+    left_out = list(manifest.get(LEFT_OUT_KEY) or ())
     if saved_class and type(model).__name__ not in (saved_class, f"Normswap{saved_class}"):
         plan_dict = rebase_plan(plan_dict, manifest.get("base_model_prefix", ""), model)
+        modules = dict(model.named_modules())
+        moved = (move_path(p, manifest.get("base_model_prefix", ""), prefix_of(model), modules) for p in left_out)
+        left_out = [p for p in moved if p is not None]
     try:
+        # modules the source checkpoint had no tensors for and its pipeline never used: absent again
+        drop_modules(model, left_out)
         apply_structure(model, Plan.from_dict(plan_dict), backend=manifest.get("backend", "auto"))
     except (AttributeError, KeyError, TypeError) as exc:
         raise NormswapError(

@@ -17,6 +17,25 @@ from normswap.errors import NormswapError
 
 PREFIX = "normswap_"
 MANIFEST_KEY = "normswap"
+# manifest key: paths of modules the source checkpoint had no tensors for and its pipeline never used
+# (``source.leave_out_unused``); loading sets them to ``None`` again, as ``add_pooling_layer=False`` does
+LEFT_OUT_KEY = "left_out"
+
+
+def drop_modules(model: nn.Module, paths: list[str]) -> list[tuple[nn.Module, str, nn.Module]]:
+    """Set each submodule at ``paths`` to ``None`` (transformers models skip a ``None`` pooler);
+    returns ``(parent, name, module)`` for each one dropped (one already ``None`` is skipped), so a
+    caller can put them back."""
+    dropped = []
+    for path in paths:
+        parent_path, _, name = path.rpartition(".")
+        parent = model.get_submodule(parent_path) if parent_path else model
+        module = getattr(parent, name)
+        if module is None:
+            continue
+        setattr(parent, name, None)
+        dropped.append((parent, name, module))
+    return dropped
 
 _CONFIGS: dict[str, type] = {}
 

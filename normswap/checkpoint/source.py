@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import re
 import socket
@@ -31,6 +32,10 @@ FALLBACK_TASKS = ("causal-lm", "seq2seq-lm", "speech-seq2seq", "masked-lm", "ima
 # options.DTYPES by name -> torch dtype
 TORCH_DTYPES = {name: "auto" if name == "auto" else getattr(torch, name) for name in DTYPES}
 ST_MODULES = "modules.json"  # marks a sentence-transformers directory
+# what each layout's own pipeline reads of the model's outputs (sentence-transformers: the token
+# embeddings, output 0); a tensor the checkpoint lacks that none of it depends on is left out
+PIPELINE_READS = {"sentence-transformers": "last_hidden_state"}
+log = logging.getLogger("normswap")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*(/[\w.\-]+)?$")
 
 
@@ -48,6 +53,9 @@ class Source:
     layout: str = "hf"
     # parameters of a task head the checkpoint does not hold, initialised at random (allow_new_head)
     new_head: list[str] = field(default_factory=list)
+    # modules the checkpoint has no tensors for and the layout's pipeline never uses (a BERT pooler
+    # in a sentence-transformers directory): dropped from the model, recorded in the manifest
+    left_out: list[str] = field(default_factory=list)
 
     @property
     def nbytes(self) -> int:
@@ -246,6 +254,8 @@ def record(src: Source) -> dict[str, Any]:
         extra["source_layout"] = src.layout
     if src.new_head:
         extra["new_head"] = list(src.new_head)
+    if src.left_out:
+        extra[LEFT_OUT_KEY] = list(src.left_out)
     return extra
 
 
@@ -348,6 +358,10 @@ def load_model(
         raise
     except Exception as exc:  # noqa: BLE001 - report, don't dump a traceback
         raise NormswapError(f"cannot load {src.spec} as {cls.__name__}: {first_line(exc)}") from exc
+    missing = list(info.get("missing_keys") or ())
+    if missing and src.layout in PIPELINE_READS:
+        src.left_out, missing = leave_out_unused(model, missing, PIPELINE_READS[src.layout])
+        info = dict(info, missing_keys=missing)
     src.new_head = check_loading_info(
         src, model, info, explicit_task=task is not None, allow_new_head=allow_new_head
     )
@@ -370,6 +384,81 @@ def names(keys: Any, limit: int = 4) -> str:
     keys = sorted(keys)
     more = f" (+{len(keys) - limit} more)" if len(keys) > limit else ""
     return ", ".join(keys[:limit]) + more
+
+
+LEFT_OUT_KEY = hf.LEFT_OUT_KEY
+
+
+def _droppable(model: nn.Module, missing: set[str]) -> dict[str, list[str]]:
+    """Missing tensor names grouped by the outermost module all of whose tensors are missing (the
+    unit that can be left out); a tensor whose module also holds loaded ones has no such group."""
+    owned: dict[str, list[str]] = {}
+    for path, module in model.named_modules():
+        if not path:
+            continue
+        names = [f"{path}.{k}" for k in module.state_dict()]
+        if names and all(n in missing for n in names) and not any(p in owned for p in _parents(path)):
+            owned[path] = names
+    return owned
+
+
+def _parents(path: str) -> list[str]:
+    parts = path.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts))]
+
+
+def _pipeline_output(model: nn.Module, probe: dict[str, Any]) -> torch.Tensor:
+    with torch.no_grad():
+        out = model(**probe)
+    return out[0] if isinstance(out, (tuple, list)) else next(iter(out.values()))
+
+
+def leave_out_unused(model: nn.Module, missing: list[str], reads: str) -> tuple[list[str], list[str]]:
+    """Split tensors the checkpoint lacks into modules the pipeline never uses and tensors it needs.
+
+    A pipeline that reads only the model's first output (``reads``; sentence-transformers' token
+    embeddings) never uses a pooler computed from it, and checkpoints often ship without one (ONNX
+    exports, ``add_pooling_layer=False``). Whether a missing tensor feeds that output is tested, not
+    assumed from its name: every missing module is filled with NaN and the output must stay finite
+    (one forward pass on random inputs; module by module when it does not). Unused ones are set to
+    ``None`` in ``model`` (the output must then be unchanged, else they stay); returns their paths
+    and the missing tensor names left over, which stay an error.
+    """
+    groups = _droppable(model, set(missing))
+    if not groups:
+        return [], missing
+    probe = inputs.hf_example_inputs(model, batch=2, seq=8, seed=977)
+    tensors = dict(model.state_dict(keep_vars=True))
+
+    def finite_with_nan(paths: list[str]) -> bool:
+        saved = {n: tensors[n].detach().clone() for p in paths for n in groups[p]}
+        with torch.no_grad():
+            for n in saved:
+                if tensors[n].is_floating_point():
+                    tensors[n].fill_(float("nan"))
+            try:
+                return bool(torch.isfinite(_pipeline_output(model, probe)).all())
+            finally:
+                for n, v in saved.items():
+                    tensors[n].copy_(v)
+
+    every = sorted(groups)
+    unused = every if finite_with_nan(every) else [p for p in every if finite_with_nan([p])]
+    if not unused:
+        return [], missing
+    before = _pipeline_output(model, probe)
+    dropped = hf.drop_modules(model, unused)
+    try:
+        same = torch.equal(_pipeline_output(model, probe), before)
+    except Exception:  # noqa: BLE001 - a model that cannot run without the module keeps it
+        same = False
+    if not same:
+        for parent, name, module in dropped:
+            setattr(parent, name, module)
+        return [], missing
+    gone = {n for p in unused for n in groups[p]}
+    log.info("left out %s: not in the checkpoint, not used for %s", names(unused), reads)
+    return unused, [k for k in missing if k not in gone]
 
 
 def check_loading_info(
@@ -401,10 +490,15 @@ def check_loading_info(
     head = missing - in_base
     if missing and not (allow_new_head and explicit_task and not in_base):
         what = "the head" if head and not in_base else "tensor(s)"
+        needed = (
+            f", which the {src.layout} pipeline needs (they feed its {PIPELINE_READS[src.layout]})"
+            if src.layout in PIPELINE_READS
+            else ""
+        )
         hint = (
             "; to add a new, randomly initialised task head on purpose pass --new-head with --task"
             if head and not in_base
-            else "; the download is incomplete or the files do not belong together"
+            else f"{needed}; the download is incomplete or the files do not belong together"
         )
         raise NormswapError(
             f"{src.spec} as {type(model).__name__}: the checkpoint has no {what} "

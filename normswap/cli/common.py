@@ -164,7 +164,9 @@ TASK_NAMES = tuple(TASKS)
 
 
 def figures_line(verification: dict[str, Any]) -> str:
-    """The verification figures a user compares, as ``key=value, ...`` (KL never negative)."""
+    """The verification figures a user compares, as ``key=value, ...`` (KL never negative; a figure
+    just short of 1 keeps the digits that show it is not 1)."""
+    from normswap.verify import figure
     keep = (
         "max_abs_error",
         "max_rel_error",
@@ -185,7 +187,7 @@ def figures_line(verification: dict[str, Any]) -> str:
             v = verification[key]
             if key == "kl" and isinstance(v, float) and v < 0:
                 v = 0.0  # KL is >= 0; a tiny negative value is float rounding, not information
-            parts.append(f"{key}={v:.3g}" if isinstance(v, float) else f"{key}={v}")
+            parts.append(f"{key}={figure(v, 3)}" if isinstance(v, float) else f"{key}={v}")
     return ", ".join(parts)
 
 

@@ -98,6 +98,8 @@ def finetune(recipe: str | None, overrides: tuple[str, ...], list_: bool, print_
         if not existed:
             _remove_if_empty(out)
         raise
+    if not result.main_process:  # under torchrun / accelerate launch: the main process reports
+        return
     if result.stopped_early:
         click.echo(
             f"stopped after step {result.steps} (checkpoint.stop_after); resume with checkpoint.resume=true"

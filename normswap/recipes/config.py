@@ -20,6 +20,7 @@ from typing import Any, Literal, Union
 
 import yaml
 
+from normswap import presets
 from normswap.errors import NormswapError
 from normswap.options import ConvertOptions
 from normswap.recipes import tasks
@@ -29,7 +30,7 @@ from normswap.recipes import tasks
 class ModelConfig:
     """Where the teacher (original model) and the student come from."""
 
-    source: str = ""  # original LayerNorm model (local directory): the teacher and the conversion source
+    source: str = ""  # original LayerNorm model (local directory or preset name): teacher and conversion source
     student: str | None = None  # a converted directory (normswap.load); None: convert `source` on the fly
     tokenizer: str | None = None  # defaults to `source`
     dtype: Literal["float32", "bfloat16", "float16", "float64"] = "float32"
@@ -473,7 +474,7 @@ def validate(cfg: RecipeConfig, *, check_paths: bool = True) -> None:
     except NormswapError as exc:
         raise NormswapError(f"config section `convert`: {exc}") from exc
     if not cfg.model.source and not cfg.model.student:
-        raise NormswapError("config key `model.source` is required (the original model directory)")
+        raise NormswapError("config key `model.source` is required (the original model directory or a preset)")
     if not cfg.data.path:
         raise NormswapError(
             "config key `data.path` is required (a text file, a JSONL file or a datasets directory)"
@@ -484,10 +485,10 @@ def validate(cfg: RecipeConfig, *, check_paths: bool = True) -> None:
             ("model.student", cfg.model.student),
             ("model.tokenizer", cfg.model.tokenizer),
         ):
-            if value and not Path(value).exists():
+            if value and not Path(value).exists() and not (key != "model.student" and presets.is_preset(value)):
                 raise NormswapError(
                     f"config key `{key}`: {value!r} does not exist (normswap never downloads; "
-                    "give a local directory)"
+                    f"give a local directory or a preset: {', '.join(presets.names())})"
                 )
         if not Path(cfg.data.path).exists():
             raise NormswapError(f"config key `data.path`: {cfg.data.path!r} does not exist")

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from normswap import presets
 from normswap.errors import NormswapError, first_line
 from normswap.norm import RMSNorm
 from normswap.plan import Plan, SitePlan, attach_plan, plan_of
@@ -28,12 +29,35 @@ DTYPES = {
 }
 
 
+_PRESET_DIRS: dict[str, str] = {}
+
+
+def local_path(spec: str | None) -> str | None:
+    """``spec`` as a local directory: a preset name (``tiny-bert``, as ``normswap convert`` accepts) is
+    written once per process to a temporary directory (removed at exit), anything else is returned as
+    is. Presets are seeded, so every process of a distributed run builds the same weights; call it
+    before ``torch.distributed`` is initialised (the recipe does), since transformers then writes a
+    model on rank 0 only."""
+    if not spec or not presets.is_preset(spec):
+        return spec
+    if spec not in _PRESET_DIRS:
+        import atexit
+        import shutil
+        import tempfile
+
+        root = tempfile.mkdtemp(prefix=f"normswap-{spec}-")
+        atexit.register(shutil.rmtree, root, True)
+        _PRESET_DIRS[spec] = str(presets.save(spec, root))
+    return _PRESET_DIRS[spec]
+
+
 def sentence_pooling(path: str | None) -> str | None:
     """``"mean"`` or ``"cls"`` from a sentence-transformers directory (``modules.json`` ->
     the Pooling module's ``config.json``, else ``1_Pooling/config.json``); None when absent."""
     import json
     from pathlib import Path
 
+    path = local_path(path)
     if not path or not Path(path).is_dir():
         return None
     root = Path(path)
@@ -72,7 +96,7 @@ def load_tokenizer(cfg: ModelConfig) -> Any:
     )
     try:
         tok = AutoTokenizer.from_pretrained(
-            path, local_files_only=True, trust_remote_code=cfg.trust_remote_code
+            local_path(path), local_files_only=True, trust_remote_code=cfg.trust_remote_code
         )
     except Exception as exc:  # noqa: BLE001 - transformers raises many types here
         raise NormswapError(
@@ -89,7 +113,7 @@ def load_teacher(cfg: ModelConfig, task: str) -> nn.Module:
     cls = tasks.get(task).model_class()
     try:
         model = cls.from_pretrained(
-            cfg.source,
+            local_path(cfg.source),
             local_files_only=True,
             dtype=DTYPES[cfg.dtype],
             trust_remote_code=cfg.trust_remote_code,

@@ -56,6 +56,9 @@ class RunResult:
     best_step: int | None = None
     conversion: dict[str, Any] = field(default_factory=dict)
     model: nn.Module | None = None
+    # False on the other processes of a distributed run: only the main one writes (model_dir is
+    # None elsewhere) and reports
+    main_process: bool = True
 
 
 # ---------------------------------------------------------------------------------- pieces
@@ -267,6 +270,10 @@ class Recipe:
         from accelerate.utils import set_seed
 
         cfg = self.cfg
+        for spec in (cfg.model.source, cfg.model.tokenizer):
+            # a preset is written to disk now, before the process group exists (transformers saves on
+            # rank 0 only once it does): every process then reads its own copy of the same weights
+            models_mod.local_path(spec)
         self.accelerator = _make_accelerator(cfg)
         self.main = self.accelerator.is_main_process
         if cfg.progressive.enabled and self.accelerator.distributed_type.value in ("FSDP", "DEEPSPEED"):
@@ -566,6 +573,7 @@ class Recipe:
             best_step=best.step if best.state is not None else None,
             conversion=self.conversion,
             model=unwrapped,
+            main_process=self.main,
         )
 
     def _write_model(self, model: nn.Module, model_dir: str, metrics_after: dict[str, float],

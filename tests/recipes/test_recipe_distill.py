@@ -240,6 +240,10 @@ def test_two_process_data_parallel_on_cpu(tiny_bert, corpus, tmp_path):
     }
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # the main process reports, once; the other one has no model directory to name ("model in None")
+    lines = proc.stdout.splitlines()
+    assert len(lines) == len(set(lines)) and "model in None" not in proc.stdout, proc.stdout
+    assert sum(ln.startswith("done:") for ln in lines) == 1, proc.stdout
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     sync = [r for r in records if r["split"] == "replicas"]
     assert sync == [{"step": 12, "split": "replicas", "processes": 2, "in_sync": True}]
