@@ -13,7 +13,11 @@ Quantizers (``quant_utils``): round-to-nearest fake quantization of every ``nn.L
 ``Conv1D`` at W8A8, W4A8, W8A4 and W4A4 (weights symmetric absmax per output channel, the Linear's
 input symmetric absmax per token, no clipping search), and a real int8 path:
 ``torch.ao.quantization.quantize_dynamic`` (qint8 weights and dynamically quantized activations,
-integer GEMMs on CPU).
+integer GEMMs on CPU), and torchao's int8 dynamic-activation / int8-weight where torchao is installed
+(the ``quant`` extra; per-token activations and per-channel weights, ``torch._int_mm``). The real
+quantizers run on what a stock tool would load: each variant written with ``format="compat"`` and
+reloaded in plain transformers (checked to give the same outputs), or, where normswap cannot write
+a compat checkpoint of it (approximate norms), the in-memory model; the notes say which.
 
 Error against the fp32 original, in the metric users compare:
 
@@ -43,6 +47,7 @@ import inspect
 import json
 import random
 import sys
+import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -283,8 +288,34 @@ def build_variants(model: torch.nn.Module, tok: Any, which: list[str], seed: int
 
 # ---------------------------------------------------------------- the measurement
 
+def stock_model(variant: torch.nn.Module, name: str, kind: str, ref: torch.Tensor, batches: list[dict],
+                pooling: str, tmp: Path) -> tuple[torch.nn.Module, str]:
+    """The variant as a stock tool sees it: written with ``format="compat"`` and reloaded in plain
+    transformers, when normswap can write it and the reload gives the same outputs; else the in-memory model."""
+    if name == "original":
+        return variant, "the stock model"
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    import normswap
+
+    out = tmp / name
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            normswap.save(variant, out, format="compat", overwrite=True)
+            cls = AutoModelForCausalLM if kind == "lm" else AutoModel
+            stock = cls.from_pretrained(str(out), local_files_only=True, dtype=torch.float32).eval()
+    except Exception as e:  # noqa: BLE001 - any refusal is reported in the table's notes
+        return variant, f"the in-memory model (no compat checkpoint: {str(e).splitlines()[0][:160]})"
+    diff = errors(outputs(variant, batches, kind, pooling), outputs(stock, batches, kind, pooling), kind)["err"]
+    if not diff < 1e-6:
+        return variant, f"the in-memory model (its compat checkpoint reloads with different outputs: error {diff:.3g})"
+    return stock, f"its compat checkpoint reloaded in plain transformers (outputs equal: error {diff:.1g})"
+
+
 def measure(variant: torch.nn.Module, ref: torch.Tensor, batches: list[dict], kind: str, pooling: str,
-            precisions: list[tuple[str, int, int]], int8: bool) -> dict[str, Any]:
+            precisions: list[tuple[str, int, int]], real: list[str], stock: torch.nn.Module | None = None
+            ) -> dict[str, Any]:
     row: dict[str, Any] = {}
     with quant_utils.OutlierStats(variant) as stats:
         row["fp32"] = errors(ref, outputs(variant, batches, kind, pooling, stats), kind)
@@ -294,13 +325,30 @@ def measure(variant: torch.nn.Module, ref: torch.Tensor, batches: list[dict], ki
         quant_utils.fake_quantize_(q, wb, ab)
         row[label] = errors(ref, outputs(q, batches, kind, pooling), kind)
         del q
-    if int8:
+    for label in real:
         try:
-            q = quant_utils.int8_dynamic(variant)
-            row["int8-dyn"] = errors(ref, outputs(q, batches, kind, pooling), kind)
-        except Exception as e:  # a variant whose modules the int8 path cannot run is reported, not fatal
-            row["int8-dyn"] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"}
+            q = REAL[label](stock if stock is not None else variant)
+            row[label] = errors(ref, outputs(q, batches, kind, pooling), kind)
+        except Exception as e:  # noqa: BLE001 - a variant the real path cannot run is reported, not fatal
+            row[label] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"}
     return row
+
+
+REAL = {"int8-dyn": quant_utils.int8_dynamic, "torchao-int8": quant_utils.torchao_int8}
+
+
+def real_quantizers(wanted: list[str]) -> list[str]:
+    """The real int8 quantizers to run: torch.ao's always, torchao's where it imports."""
+    out = []
+    for label in wanted:
+        if label == "torchao-int8":
+            try:
+                import torchao  # noqa: F401
+            except ImportError:
+                print("torchao is not installed (pip install normswap[quant]): no torchao-int8 column")
+                continue
+        out.append(label)
+    return out
 
 
 def _cell(fig: dict | None, kind: str) -> str:
@@ -314,7 +362,7 @@ def _cell(fig: dict | None, kind: str) -> str:
 
 def table(result: dict[str, Any]) -> str:
     kind = result["kind"]
-    cols = ["fp32", *[p[0] for p in result["precisions"]]] + (["int8-dyn"] if result["int8"] else [])
+    cols = ["fp32", *[p[0] for p in result["precisions"]], *result["real"]]
     what = {"lm": "KL (top-1 agreement)", "encoder": "1 − cosine (top-1 neighbour agreement)",
             "vision": "1 − CLS cosine"}[kind]
     lines = [f"error against the fp32 original: {what}", "",
@@ -366,7 +414,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--rotations", nargs="*", default=list(ROTATIONS), choices=ROTATIONS)
     ap.add_argument("--precisions", nargs="*", default=[p[0] for p in PRECISIONS],
                     choices=[p[0] for p in PRECISIONS])
-    ap.add_argument("--no-int8", action="store_true", help="skip the torch.ao int8 dynamic quantizer")
+    ap.add_argument("--real", nargs="*", default=list(REAL), choices=list(REAL),
+                    help="real int8 quantizers: torch.ao quantize_dynamic, torchao int8 dynamic (if installed)")
+    ap.add_argument("--no-compat", action="store_true",
+                    help="run the real quantizers on the in-memory models, not on reloaded compat checkpoints")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--workdir", default="/tmp/normswap-bench-quant", help="where toy models are trained once")
     ap.add_argument("--toy-hidden", type=int, default=128)
@@ -412,15 +463,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     variants = build_variants(model, tok, list(args.rotations), args.seed)
     result: dict[str, Any] = {
         "model": label, "kind": kind, "data": data, "pooling": pooling if kind == "encoder" else None,
-        "precisions": precisions, "int8": not args.no_int8, "rows": {}, "notes": {},
+        "precisions": precisions, "real": real_quantizers(args.real), "rows": {}, "notes": {},
         "versions": {"torch": torch.__version__, "transformers": __import__("transformers").__version__,
                      "normswap": __import__("normswap").__version__},
         "params": sum(p.numel() for p in model.parameters()),
     }
-    for name, variant, note in variants:
-        result["notes"][name] = note
-        result["rows"][name] = None if variant is None else measure(
-            variant, ref, batches, kind, pooling, precisions, not args.no_int8)
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, variant, note in variants:
+            result["notes"][name] = note
+            if variant is None:
+                result["rows"][name] = None
+                continue
+            stock, where = (variant, "the in-memory model") if args.no_compat or not result["real"] else \
+                stock_model(variant, name, kind, ref, batches, pooling, Path(tmp))
+            if result["real"]:
+                result["notes"][name] = "; ".join(filter(None, [note, "real quantizers on " + where]))
+            result["rows"][name] = measure(variant, ref, batches, kind, pooling, precisions, result["real"], stock)
     result["seconds"] = time.perf_counter() - t0
     result["goal"] = goal_lines(result)
     print(f"\n## {label} ({kind}, {result['params'] / 1e6:.2f}M parameters; {data})\n")

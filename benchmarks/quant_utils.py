@@ -11,6 +11,9 @@ transformers' ``Conv1D`` (GPT-2 style, weight stored ``[in, out]``).
   channels, averaged over tokens; the figures that say how hard a tensor is to quantize per token.
 * :func:`int8_dynamic`: a real int8 path, ``torch.ao.quantization.quantize_dynamic`` (qint8 weights,
   activations quantized per tensor at run time, integer GEMMs on fbgemm/x86).
+* :func:`torchao_int8`: torchao's int8 dynamic-activation / int8-weight (per-token activations,
+  per-channel weights, both symmetric: the W8A8 scheme above, run with ``torch._int_mm``), when
+  torchao is installed (the ``quant`` extra).
 """
 
 from __future__ import annotations
@@ -191,3 +194,17 @@ def int8_dynamic(model: nn.Module) -> nn.Module:
     with warnings.catch_warnings():  # torch 2.10+ marks the quantized tensor types deprecated; they still run
         warnings.simplefilter("ignore", UserWarning)
         return quantize_dynamic(work, {nn.Linear}, dtype=torch.qint8)
+
+
+def torchao_int8(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` quantized by torchao's ``Int8DynamicActivationInt8WeightConfig`` (raises ImportError
+    without torchao). Conv1D layers become ``nn.Linear`` first: torchao only swaps Linear weights."""
+    import logging
+
+    logging.getLogger("torchao").setLevel(logging.ERROR)  # CUDA-only extensions fail to load on CPU
+    from torchao.quantization import Int8DynamicActivationInt8WeightConfig, quantize_
+
+    work = copy.deepcopy(model).float()
+    conv1d_to_linear_(work)
+    quantize_(work, Int8DynamicActivationInt8WeightConfig())
+    return work

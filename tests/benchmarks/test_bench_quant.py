@@ -173,8 +173,8 @@ def test_lm_errors_kl_and_agreement():
 
 
 def test_main_end_to_end_on_a_tiny_random_gpt2(capsys):
-    result = bench.main(["--model", "random-gpt2", "--texts", "8", "--precisions", "W8A8", "W4A4",
-                         "--rotations", "random"])
+    result = bench.main(["--model", "random-gpt2", "--texts", "4", "--precisions", "W8A8", "W4A4",
+                         "--rotations", "random", "--real", "int8-dyn"])
     rows = result["rows"]
     assert set(rows) == {"original", "converted", "random"}
     assert rows["converted"]["fp32"]["err"] < 1e-9 and rows["random"]["fp32"]["err"] < 1e-9  # exact conversions
@@ -183,4 +183,6 @@ def test_main_end_to_end_on_a_tiny_random_gpt2(capsys):
         assert 0 < row["W8A8"]["err"] < row["W4A4"]["err"], name  # fewer bits, more error
         assert "err" in row["int8-dyn"] and row["int8-dyn"]["err"] > 0
         assert row["outliers"]["max_rms_mean"] > 1.0
+    # the real quantizer ran on the converted model's compat checkpoint, reloaded in plain transformers
+    assert "compat checkpoint reloaded in plain transformers" in result["notes"]["converted"]
     assert "| random |" in capsys.readouterr().out
