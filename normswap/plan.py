@@ -212,6 +212,8 @@ class Plan:
     centered_readers: list[CenteredReader] = field(default_factory=list)  # readers of approximate norms
     changed_outputs: list[str] = field(default_factory=list)
     options: dict[str, Any] = field(default_factory=dict)
+    # orthogonal rotations applied after the conversion (normswap.rotate), one record per stream
+    rotations: list[dict[str, Any]] = field(default_factory=list)
 
     def counts(self) -> dict[str, int]:
         c = Counter(s.verdict for s in self.sites)
@@ -256,6 +258,9 @@ class Plan:
         if self.mean_carries:
             widths = "/".join(sorted({str(c.added) for c in self.mean_carries}))
             extra.append(f"{len(self.mean_carries)} MLP(s) widened by {widths} neurons to cancel a Post-LN mean")
+        if self.rotations:
+            kinds = "/".join(sorted({r["kind"] for r in self.rotations}))
+            extra.append(f"{len(self.rotations)} stream(s) rotated ({kinds})")
         if self.unties:
             extra.append(f"{len(self.unties)} tie(s) broken (+{self.untied_parameters:,} params)")
         return f"{len(self.sites)} LayerNorm(s): {counts or 'none'}" + (f"; {'; '.join(extra)}" if extra else "")
@@ -325,6 +330,7 @@ class Plan:
             centered_readers=[CenteredReader(**r) for r in data.get("centered_readers", [])],
             changed_outputs=list(data.get("changed_outputs", [])),
             options=dict(data.get("options", {})),
+            rotations=[dict(r) for r in data.get("rotations", [])],
         )
 
 

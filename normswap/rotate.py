@@ -20,21 +20,51 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from normswap import hadamard
 from normswap.errors import NormswapError
 from normswap.norm import RMSNorm
-from normswap.plan import Plan, SitePlan, plan_of
+from normswap.options import choose
+from normswap.plan import CENTERED_VERDICTS, Plan, SitePlan, plan_of
+
+KINDS = ("hadamard", "random")
 
 
 @dataclass
 class Rotation:
-    """What :func:`rotate` did: the streams rotated and the ones left alone, with reasons."""
+    """What :func:`rotate` did: the streams rotated and the ones left alone, with reasons.
 
-    rotated: list[dict] = field(default_factory=list)  # {"width", "norms", "writers", "readers"}
+    Each entry of ``rotated`` is a dict: ``width``, ``norms``, ``writers``, ``readers``, ``kind``
+    (``"hadamard"``, ``"random"`` or ``"user"``), ``seed``, ``construction`` (how the Hadamard matrix was
+    built, e.g. ``"Paley I (q=11) ⊗ Sylvester 64"``), ``fallback`` (why a ``"hadamard"`` request got a
+    random orthogonal matrix instead: no Hadamard order fits the width; ``""`` otherwise),
+    ``mean_preserving`` (``Q·1 = ±1``), ``output`` (how a stream whose last norm output is a model output
+    was handled: ``""``, ``"rotated"`` or ``"restore"``) and ``q``, the float64 ``d × d`` matrix itself
+    (row-vector convention: the stream ``x`` became ``x @ q``). ``skipped`` entries have ``norms`` and ``reason``.
+    """
+
+    rotated: list[dict] = field(default_factory=list)
     skipped: list[dict] = field(default_factory=list)  # {"norms", "reason"}
 
+    @property
+    def matrices(self) -> dict[str, torch.Tensor]:
+        """``{first norm of the stream: Q}`` for every rotated stream (float64, ``x → x @ Q``)."""
+        return {r["norms"][0]: r["q"] for r in self.rotated}
+
+    @property
+    def fallbacks(self) -> list[str]:
+        """One line per stream that asked for a Hadamard matrix and got a random orthogonal one."""
+        return [f"width {r['width']}: {r['fallback']}" for r in self.rotated if r["fallback"]]
+
     def __str__(self) -> str:
-        lines = [f"rotated stream of width {r['width']}: {len(r['norms'])} norm(s), {len(r['writers'])} writer "
-                 f"tensor(s), {len(r['readers'])} reader(s)" for r in self.rotated]
+        lines = []
+        for r in self.rotated:
+            what = r["kind"] + (f" ({r['construction']})" if r["construction"] else "")
+            if r["fallback"]:
+                what += f"; {r['fallback']}"
+            out = {"rotated": "; its model output comes out rotated",
+                   "restore": "; its model output is turned back"}.get(r.get("output", ""), "")
+            lines.append(f"rotated stream of width {r['width']} by {what}: {len(r['norms'])} norm(s), "
+                         f"{len(r['writers'])} writer tensor(s), {len(r['readers'])} reader(s){out}")
         lines += [f"not rotated ({len(s['norms'])} norm(s), e.g. `{s['norms'][0]}`): {s['reason']}"
                   for s in self.skipped]
         return "\n".join(lines) or "no stream to rotate"
@@ -45,6 +75,67 @@ def random_orthogonal(n: int, seed: int = 0) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
     q, r = torch.linalg.qr(torch.randn(n, n, generator=gen, dtype=torch.float64))
     return q * torch.sign(torch.diagonal(r)).unsqueeze(0)
+
+
+def randomized_hadamard(n: int, seed: int = 0) -> torch.Tensor | None:
+    """``diag(r)·H·diag(s)/sqrt(n)``: a Hadamard matrix (:func:`normswap.hadamard.hadamard`) with random row
+    and column signs ``r``, ``s`` drawn from ``seed``, float64; None when no Hadamard order fits ``n``.
+
+    QuaRot uses ``H·diag(s)``; the row signs add nothing to the spreading but make ``H``'s column sums
+    (``n`` in one column for Sylvester, ``1 - q`` for Paley) sums of random signs, so that the rank-one
+    mean-keeping correction (:func:`keep_mean`) stays of order ``1/n`` per entry instead of ``1/sqrt(n)``.
+    """
+    h = hadamard.hadamard(n)
+    if h is None:
+        return None
+    signs = hadamard.random_signs(2 * n, seed)
+    return signs[:n].unsqueeze(1) * h * signs[n:].unsqueeze(0) / n**0.5
+
+
+def keep_mean(q: torch.Tensor) -> torch.Tensor:
+    """``R·q`` with ``R`` the Householder reflection that maps ``q·1`` onto ``1``: orthogonal, and ``(R q)·1 = 1``.
+
+    Why: a stream ``x`` with ``mean(x) = 0`` stays zero-mean under ``x → x Q`` exactly when ``Q·1 = ±1``
+    (``Q`` orthogonal, so also ``1ᵀQ = ±1ᵀ``); then ``mean(xQ) = ±mean(x)`` for every ``x``, a stock
+    LayerNorm still equals the RMSNorm on the rotated stream, and a centering op commutes with ``Q``
+    (``(I - 11ᵀ/d) Q = Q (I - 11ᵀ/d)``). ``R = I - 2uuᵀ/(uᵀu)`` with ``u = q·1 - 1`` (``|q·1| = |1|``, so
+    ``R (q·1) = 1``). ``R`` differs from the identity by rank one, so ``R·q`` keeps ``q``'s spreading:
+    ``x R q = x q - 2 (x·u)/(uᵀu) · uᵀq``, and ``uᵀq = 1ᵀ - (qᵀ1)ᵀ`` is a flat vector for a Hadamard ``q``.
+    """
+    ones = torch.ones(q.shape[0], dtype=q.dtype)
+    u = q @ ones - ones
+    uu = float(u @ u)
+    if uu <= 1e-24 * q.shape[0]:
+        return q.clone()
+    return q - (2.0 / uu) * torch.outer(u, u @ q)
+
+
+def is_mean_preserving(q: torch.Tensor, tol: float = 1e-9) -> bool:
+    """``Q·1 = ±1`` (within ``tol`` per entry): the rotation keeps zero-mean streams zero-mean."""
+    q64 = q.detach().double().cpu()
+    s = q64.sum(dim=1)
+    return bool((s - 1).abs().max() <= tol) or bool((s + 1).abs().max() <= tol)
+
+
+def rotation_matrix(width: int, kind: str = "hadamard", seed: int = 0) -> tuple[torch.Tensor, dict]:
+    """The mean-preserving ``width × width`` rotation :func:`rotate` uses for one stream, and its record.
+
+    ``kind="hadamard"``: :func:`keep_mean` of the randomized Hadamard ``H·diag(s)/sqrt(width)`` (signs
+    from ``seed``); where no Hadamard order fits ``width``, a random orthogonal matrix, and the record's
+    ``fallback`` says why. ``kind="random"``: :func:`keep_mean` of a Haar-random orthogonal matrix from
+    ``seed``. Deterministic given ``(width, kind, seed)``: the manifest records these to rebuild ``Q``.
+    """
+    choose("rotation", kind, KINDS)
+    info = {"kind": kind, "seed": seed, "construction": "", "fallback": "", "mean_preserving": True}
+    q = randomized_hadamard(width, seed) if kind == "hadamard" else None
+    if kind == "hadamard" and q is None:
+        info["fallback"] = (f"no Hadamard matrix of order {width} is built here (needs {width} = K·2^m with "
+                            "K a Sylvester/Paley/product order): random orthogonal matrix instead")
+    if q is None:
+        q = random_orthogonal(width, seed)
+    else:
+        info["construction"] = "randomized Hadamard, " + hadamard.describe(width)
+    return keep_mean(q), info
 
 
 def streams(plan: Plan, model: nn.Module | None = None) -> list[list[SitePlan]]:
@@ -106,58 +197,89 @@ def _rotate_axis_(p: torch.Tensor, axis: int, q: torch.Tensor) -> None:
         p.copy_((w @ q).movedim(-1, axis).to(p.dtype))
 
 
-def rotate(model: nn.Module, q: torch.Tensor | int = 0) -> Rotation:
+def _user_matrix(q: torch.Tensor) -> torch.Tensor:
+    q64 = q.detach().double().cpu()
+    if q64.dim() != 2 or q64.shape[0] != q64.shape[1]:
+        raise NormswapError(f"q must be a square matrix, got shape {tuple(q.shape)}")
+    if float((q64.T @ q64 - torch.eye(q64.shape[0], dtype=torch.float64)).abs().max()) > 1e-6:
+        raise NormswapError("q is not orthogonal (qᵀq differs from the identity by more than 1e-6)")
+    return q64
+
+
+def rotate(model: nn.Module, q: str | int | torch.Tensor = "hadamard", *, seed: int = 0,
+           online: bool = False) -> Rotation:
     """Multiply every rotation-ready residual stream of a converted model by an orthogonal matrix.
 
     Args:
-        model: a model converted by ``normswap.patch(model, fold_gamma=True)`` (or loaded with
-            ``normswap.load``), in place.
-        q: an orthogonal ``d × d`` matrix applied to every ready stream of width ``d``, or an int
-            seed: each stream then gets its own random orthogonal matrix (seed, seed + 1, ...).
+        model: a model converted by ``normswap.patch(model, fold_gamma=True)``, in place.
+        q: ``"hadamard"`` (default): a randomized Hadamard matrix ``H·diag(s)/sqrt(d)`` per stream (QuaRot's
+            choice: every feature spread evenly over all), made mean-preserving (:func:`keep_mean`); a width
+            with no Hadamard order here gets a random orthogonal matrix and the result says so.
+            ``"random"``: a Haar-random orthogonal matrix per stream, made mean-preserving. An int: a seed
+            for ``"random"`` (``rotate(model, 3)`` = ``rotate(model, "random", seed=3)``). A tensor: your own
+            orthogonal ``d × d`` matrix, applied as given to every ready stream of width ``d``.
+        seed: the random signs / random matrix of the first stream; the i-th stream uses ``seed + i``.
+        online: reserved for the online Hadamard rotations (not available in this version: an error).
 
     Returns:
-        A :class:`Rotation` listing the streams rotated and, for the others, why not.
+        A :class:`Rotation` listing the streams rotated (with the matrix of each) and, for the others, why not.
 
     Writers' output features become ``x Q`` (Linear/Conv1D/conv/Embedding weights and biases, raw
     position/cls parameters); readers' input features become ``Qᵀ`` (``W ← W Q``). Outputs are
     unchanged up to float rounding; raw residual-stream outputs (``hidden_states``) come out
-    rotated.
+    rotated. A stream made zero-mean by a centering op needs ``Q·1 = ±1`` (always true of the
+    matrices built here; a user matrix without it leaves such streams alone). The rotation is recorded in
+    the model's plan (``plan.rotations``), which becomes the checkpoint manifest.
     """
     plan: Plan | None = plan_of(model)
     if plan is None:
         raise NormswapError("model was not converted by normswap; run normswap.patch(model, fold_gamma=True) first")
+    if online:
+        raise NormswapError("online Hadamard rotations are not available in this version; use online=False")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise NormswapError(f"seed must be an int, not {type(seed).__name__}")
     if isinstance(q, torch.Tensor):
-        q64 = q.detach().double().cpu()
-        if q64.dim() != 2 or q64.shape[0] != q64.shape[1]:
-            raise NormswapError(f"q must be a square matrix, got shape {tuple(q.shape)}")
-        if float((q64.T @ q64 - torch.eye(q64.shape[0], dtype=torch.float64)).abs().max()) > 1e-6:
-            raise NormswapError("q is not orthogonal (qᵀq differs from the identity by more than 1e-6)")
+        q64, kind = _user_matrix(q), "user"
     elif isinstance(q, int) and not isinstance(q, bool):
-        q64 = None
+        q64, kind, seed = None, "random", q
+    elif isinstance(q, str):
+        q64, kind = None, choose("rotation", q, KINDS)
     else:
-        raise NormswapError(f"q must be an orthogonal matrix or an int seed, not {type(q).__name__}")
+        raise NormswapError(f"q must be 'hadamard', 'random', an int seed or an orthogonal matrix, "
+                            f"not {type(q).__name__}")
+    user_keeps_mean = q64 is not None and is_mean_preserving(q64)
 
     result = Rotation()
     edits = {e.target: e for e in plan.writer_edits}
-    todo: list[tuple[list[SitePlan], torch.Tensor]] = []
+    todo: list[tuple[list[SitePlan], torch.Tensor, dict]] = []
     for i, group in enumerate(streams(plan, model)):
         names = [sp.name for sp in group]
         why = _blocker(model, plan, group)
         width = group[0].normalized_shape[0]
         if not why and q64 is not None and q64.shape[0] != width:
             why = f"q is {q64.shape[0]}×{q64.shape[0]} but this stream has width {width}"
+        centered = next((sp for sp in group if sp.verdict in CENTERED_VERDICTS), None)
+        if not why and centered is not None and q64 is not None and not user_keeps_mean:
+            why = (f"`{centered.name}` reads a stream centered at run time, which only a mean-preserving q "
+                   "commutes with (q·1 = ±1; the 'hadamard' and 'random' matrices are)")
         if why:
             result.skipped.append({"norms": names, "reason": why})
             continue
-        todo.append((group, q64 if q64 is not None else random_orthogonal(width, q + i)))
+        if q64 is not None:
+            info = {"kind": "user", "seed": None, "construction": "", "fallback": "",
+                    "mean_preserving": user_keeps_mean}
+            todo.append((group, q64, info))
+        else:
+            rot, info = rotation_matrix(width, kind, seed + i)
+            todo.append((group, rot, info))
     # every parameter is rotated at most once per side; check before touching anything
-    writer_params = [id(model.get_parameter(t)) for group, _ in todo
+    writer_params = [id(model.get_parameter(t)) for group, _, _ in todo
                      for t in sorted({t for sp in group for t in sp.writer_targets})]
-    reader_params = [id(model.get_submodule(r).weight) for group, _ in todo
+    reader_params = [id(model.get_submodule(r).weight) for group, _, _ in todo
                      for r in sorted({r for sp in group for r in sp.linear_readers})]
     if len(set(reader_params)) != len(reader_params) or set(writer_params) & set(reader_params):
         raise NormswapError("streams share a writer or a reader; this model cannot be rotated stream by stream")
-    for group, rot in todo:
+    for group, rot, info in todo:
         by_id = {id(model.get_parameter(t)): t for sp in group for t in sorted(sp.writer_targets)}
         writers = sorted(by_id.values())  # a tied parameter is rotated once
         readers = sorted({r for sp in group for r in sp.linear_readers})
@@ -173,5 +295,17 @@ def rotate(model: nn.Module, q: torch.Tensor | int = 0) -> Rotation:
             in_axis = 0 if type(module).__name__ == "Conv1D" else 1  # HF Conv1D stores [in, out]
             _rotate_axis_(module.weight, in_axis, rot.to(module.weight.device))
         result.rotated.append({"width": rot.shape[0], "norms": [sp.name for sp in group], "writers": writers,
-                               "readers": readers})
+                               "readers": readers, **info, "output": "", "q": rot})
+    plan.rotations = plan.rotations + [manifest_entry(r) for r in result.rotated]
     return result
+
+
+def manifest_entry(stream: dict) -> dict:
+    """What the checkpoint manifest records of one rotated stream: enough to rebuild ``Q`` (kind, seed,
+    width; :func:`rotation_matrix`) or, for a user matrix, to recognise it (its SHA-256), and to undo it."""
+    entry = {k: v for k, v in stream.items() if k not in ("q", "writers", "readers")}
+    if stream["kind"] == "user":
+        import hashlib
+
+        entry["sha256"] = hashlib.sha256(stream["q"].contiguous().numpy().tobytes()).hexdigest()
+    return entry

@@ -8,7 +8,8 @@ import torch
 import normswap
 from normswap.api import default_dtype
 from normswap.inputs import hf_example_inputs
-from normswap.rotate import random_orthogonal, rotate, streams
+from normswap.plan import Plan
+from normswap.rotate import random_orthogonal, rotate, rotation_matrix, streams
 from normswap.verify import compare
 from tests.custom_models import TinyGPT, TinyViT
 from tests.custom_models import randomise as randomise_custom
@@ -131,3 +132,67 @@ def test_custom_models_with_tied_head_per_head_norms_and_conv_patches_rotate():
             out = model(x)
         assert rot.rotated, str(rot)
         assert float((out - ref).abs().max() / ref.abs().max()) <= 1e-9
+
+
+def _logits_rotated(model, *args, **kw):
+    probe = hf_example_inputs(model, seed=2)
+    with torch.no_grad(), default_dtype(torch.float64):
+        ref = model(**probe).logits
+        rot = rotate(model, *args, **kw)
+        out = model(**probe).logits
+    return rot, float((out - ref).abs().max() / ref.abs().max())
+
+
+def test_hadamard_rotation_is_the_default_exact_and_recorded_in_the_plan():
+    model = build(EXACT, "gpt2")
+    report = normswap.patch(model, fold_gamma=True)
+    rot, err = _logits_rotated(model)  # q="hadamard"
+    assert err <= 1e-9
+    (stream,) = rot.rotated
+    assert stream["kind"] == "hadamard" and stream["construction"] == "randomized Hadamard, Sylvester 32"
+    assert not stream["fallback"] and stream["mean_preserving"] and not rot.fallbacks
+    q = rot.matrices[stream["norms"][0]]
+    assert torch.allclose(q @ q.T, torch.eye(32, dtype=torch.float64), atol=1e-12)
+    assert float(q.abs().max()) * 32**0.5 < 3  # flat: a Hadamard, not a Haar matrix
+    (entry,) = report.plan.rotations
+    assert entry["kind"] == "hadamard" and entry["seed"] == 0 and entry["width"] == 32 and "q" not in entry
+    assert Plan.from_dict(report.plan.to_dict()).rotations == report.plan.rotations
+    # the manifest entry rebuilds Q
+    assert torch.equal(rotation_matrix(entry["width"], entry["kind"], entry["seed"])[0], q)
+    assert "rotated (hadamard)" in report.plan.summary()
+
+
+def test_seed_and_random_kind_and_int_seed_agree():
+    a, b = build(EXACT, "opt"), build(EXACT, "opt")
+    for m in (a, b):
+        normswap.patch(m, fold_gamma=True)
+    ra, err = _logits_rotated(a, "random", seed=7)
+    rb, _ = _logits_rotated(b, 7)
+    assert err <= 1e-9
+    assert torch.equal(next(iter(ra.matrices.values())), next(iter(rb.matrices.values())))
+    assert ra.rotated[0]["kind"] == "random" and ra.rotated[0]["seed"] == 7
+
+
+def test_hadamard_falls_back_to_random_orthogonal_and_says_so():
+    import transformers as tf
+
+    torch.manual_seed(0)
+    model = randomise(tf.GPT2LMHeadModel(tf.GPT2Config(n_layer=1, n_embd=18, n_head=3, vocab_size=50,
+                                                       n_positions=32)))
+    normswap.patch(model, fold_gamma=True)
+    rot, err = _logits_rotated(model, "hadamard", seed=1)
+    assert err <= 1e-9
+    (stream,) = rot.rotated
+    assert "no Hadamard matrix of order 18" in stream["fallback"] and rot.fallbacks
+    assert "random orthogonal" in str(rot)
+
+
+def test_bad_rotation_arguments_are_one_line_errors():
+    model = build(EXACT, "opt")
+    normswap.patch(model, fold_gamma=True)
+    with pytest.raises(normswap.NormswapError, match="did you mean 'hadamard'"):
+        rotate(model, "hadamrd")
+    with pytest.raises(normswap.NormswapError, match="seed must be an int"):
+        rotate(model, "random", seed=1.5)
+    with pytest.raises(normswap.NormswapError, match="q must be"):
+        rotate(model, 1.5)
