@@ -319,7 +319,7 @@ def measure(variant: torch.nn.Module, ref: torch.Tensor, batches: list[dict], ki
     row: dict[str, Any] = {}
     with quant_utils.OutlierStats(variant) as stats:
         row["fp32"] = errors(ref, outputs(variant, batches, kind, pooling, stats), kind)
-    row["outliers"] = stats.summary()
+    row["outliers"] = {**stats.summary(), **quant_utils.weight_figures(variant)}
     for label, wb, ab in precisions:
         q = copy.deepcopy(variant)
         quant_utils.fake_quantize_(q, wb, ab)
@@ -366,14 +366,16 @@ def table(result: dict[str, Any]) -> str:
     what = {"lm": "KL (top-1 agreement)", "encoder": "1 − cosine (top-1 neighbour agreement)",
             "vision": "1 − CLS cosine"}[kind]
     lines = [f"error against the fp32 original: {what}", "",
-             "| model | max/rms mean (worst) | kurtosis mean (worst) | " + " | ".join(cols) + " |",
-             "|---|---|---|" + "---|" * len(cols)]
+             "| model | act max/rms mean (worst) | act kurtosis mean (worst) | weight max/rms mean (worst) | "
+             + " | ".join(cols) + " |",
+             "|---|---|---|---|" + "---|" * len(cols)]
     for name, row in result["rows"].items():
         if row is None:
             continue
         o = row["outliers"]
         lines.append(f"| {name} | {o['max_rms_mean']:.2f} ({o['max_rms_worst']:.1f}) | "
                      f"{o['kurtosis_mean']:.2f} ({o['kurtosis_worst']:.1f}) | "
+                     f"{o['w_max_rms_mean']:.2f} ({o['w_max_rms_worst']:.1f}) | "
                      + " | ".join(_cell(row.get(c), kind) for c in cols) + " |")
     lines.append("")
     lines += [f"- {name}: {note}" for name, note in result["notes"].items() if note]

@@ -163,6 +163,20 @@ class OutlierStats:
                 "kurtosis_worst": per[worst_k][1], "kurtosis_worst_at": worst_k}
 
 
+def weight_figures(model: nn.Module) -> dict[str, float]:
+    """Per-output-channel ``max|w| / rms(w)`` of every Linear/Conv1D weight (the row a per-channel scale
+    covers): mean over channels, then the mean over matrices and the worst matrix."""
+    per = []
+    seen: set[int] = set()
+    for _, m in matmuls(model):
+        if id(m.weight) in seen:
+            continue
+        seen.add(id(m.weight))
+        w = m.weight.detach().double().movedim(weight_in_axis(m), -1)  # [out, in]
+        per.append(float(token_figures(w)[0].mean()))
+    return {"w_max_rms_mean": sum(per) / len(per), "w_max_rms_worst": max(per)} if per else {}
+
+
 def conv1d_to_linear_(model: nn.Module) -> int:
     """Replace every HF ``Conv1D`` by the equivalent ``nn.Linear`` (weight transposed); returns the count.
 

@@ -186,3 +186,16 @@ def test_main_end_to_end_on_a_tiny_random_gpt2(capsys):
     # the real quantizer ran on the converted model's compat checkpoint, reloaded in plain transformers
     assert "compat checkpoint reloaded in plain transformers" in result["notes"]["converted"]
     assert "| random |" in capsys.readouterr().out
+
+
+def test_weight_figures_are_per_output_channel():
+    from transformers.pytorch_utils import Conv1D
+
+    lin = nn.Linear(4, 2, bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(torch.tensor([[4.0, 0, 0, 0], [1.0, -1, 1, -1]]))  # rows: ratios 2 and 1
+    assert qu.weight_figures(lin) == pytest.approx({"w_max_rms_mean": 1.5, "w_max_rms_worst": 1.5})
+    conv = Conv1D(2, 4)  # weight [in=4, out=2]: the same matrix transposed reads the same
+    with torch.no_grad():
+        conv.weight.copy_(lin.weight.T)
+    assert qu.weight_figures(conv)["w_max_rms_mean"] == pytest.approx(1.5)
