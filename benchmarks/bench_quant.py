@@ -1,0 +1,497 @@
+"""Quantization error of the original, the converted and the rotated model, side by side in one run.
+
+Variants of one fp32 model:
+
+* ``original``: as loaded (LayerNorm);
+* ``converted``: ``normswap.patch(fold_gamma=True)`` (RMSNorm, γ folded into the readers);
+* ``random``, ``hadamard``, ``hadamard+online``: the converted model after ``normswap.rotate`` with a
+  random orthogonal matrix, a randomized Hadamard, and a Hadamard with QuaRot's online rotations.
+  A variant that this normswap cannot build (no Hadamard API yet) or that rotates nothing (no
+  rotation-ready stream: Post-LN encoders) is reported with the reason, not measured.
+
+Quantizers (``quant_utils``): round-to-nearest fake quantization of every ``nn.Linear`` and HF
+``Conv1D`` at W8A8, W4A8, W8A4 and W4A4 (weights symmetric absmax per output channel, the Linear's
+input symmetric absmax per token, no clipping search), and a real int8 path:
+``torch.ao.quantization.quantize_dynamic`` (qint8 weights and dynamically quantized activations,
+integer GEMMs on CPU), and torchao's int8 dynamic-activation / int8-weight where torchao is installed
+(the ``quant`` extra; per-token activations and per-channel weights, ``torch._int_mm``). The real
+quantizers run on what a stock tool would load: each variant written with ``format="compat"`` and
+reloaded in plain transformers (checked to give the same outputs), or, where normswap cannot write
+a compat checkpoint of it (approximate norms), the in-memory model; the notes say which.
+
+Error against the fp32 original, in the metric users compare:
+
+* causal LMs: mean KL(original ‖ quantized) of the next-token distributions and top-1 agreement;
+* sentence encoders: 1 − cosine of the sentence embeddings (pooled as the sentence-transformers
+  config says; mean by default) and top-1 neighbour agreement;
+* vision backbones: 1 − cosine of the CLS token of ``last_hidden_state``.
+
+Activation outliers per Linear input (per token, then averaged over tokens): ``max|x|/rms(x)`` and
+kurtosis, reported as the mean over Linear inputs and the worst Linear input.
+
+Models: a local transformers directory (``--model PATH``), or ``toy-gpt2`` / ``toy-gpt2-outliers``
+(Pre-LN GPT-2 trained offline on the toy grammar by ``normswap.recipes.toy``; the second starts from
+BERT-like LayerNorm parameters with a few large outlier channels), or ``random-gpt2`` /
+``random-vit`` / ``random-bert`` (tiny random models, for the tests)::
+
+    python benchmarks/bench_quant.py --model toy-gpt2
+    python benchmarks/bench_quant.py --model /path/to/all-MiniLM-L6-v2 --texts 128
+    python benchmarks/bench_quant.py --model /path/to/dinov2-small --images /path/to/skimage/data
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import inspect
+import json
+import random
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import quant_utils  # noqa: E402  (the benchmark's own helper module, next to this file)
+
+PRECISIONS = (("W8A8", 8, 8), ("W4A8", 4, 8), ("W8A4", 8, 4), ("W4A4", 4, 4))
+ROTATIONS = ("random", "hadamard", "hadamard+online")
+TOYS = ("toy-gpt2", "toy-gpt2-outliers")
+RANDOMS = ("random-gpt2", "random-vit", "random-bert")
+VISION_TYPES = ("vit", "dinov2", "deit", "dinov2_with_registers", "vit_mae", "vit_msn")
+
+
+# ---------------------------------------------------------------- models and inputs
+
+def _random_norms(model: torch.nn.Module, seed: int) -> None:
+    """Spread LayerNorm γ/β with a few outlier channels (a random model's 1/0 norms hide what folding does)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, torch.nn.LayerNorm) and m.weight is not None:
+                d = m.weight.shape[0]
+                m.weight.copy_(1 + 0.5 * torch.randn(d, generator=gen))
+                m.bias.copy_(0.3 * torch.randn(d, generator=gen))
+                m.bias[: max(1, d // 32)] += 3.0
+
+
+def random_model(name: str, seed: int = 0) -> tuple[torch.nn.Module, str]:
+    """A tiny random model for the tests: (model, kind)."""
+    from transformers import BertConfig, BertModel, GPT2Config, GPT2LMHeadModel, ViTConfig, ViTModel
+
+    torch.manual_seed(seed)
+    if name == "random-gpt2":
+        config = GPT2Config(vocab_size=97, n_embd=32, n_layer=2, n_head=4, n_positions=64, bos_token_id=0,
+                            eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        model, kind = GPT2LMHeadModel(config), "lm"
+    elif name == "random-vit":
+        model, kind = ViTModel(ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                         intermediate_size=64, image_size=32, patch_size=8),
+                               add_pooling_layer=False), "vision"
+    elif name == "random-bert":
+        model, kind = BertModel(BertConfig(vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                           intermediate_size=64, max_position_embeddings=64),
+                                add_pooling_layer=False), "encoder"
+    else:
+        raise SystemExit(f"unknown random model {name!r} (one of {', '.join(RANDOMS)})")
+    _random_norms(model, seed)
+    return model.eval(), kind
+
+
+def toy_model(name: str, workdir: Path, hidden: int, layers: int, steps: int) -> Path:
+    """Train (once, cached under ``workdir``) a Pre-LN GPT-2 on the toy grammar."""
+    from normswap.recipes.toy import train_tiny_causal_lm
+
+    out = workdir / f"{name}-h{hidden}-l{layers}-s{steps}"
+    if not (out / "config.json").exists():
+        t0 = time.perf_counter()
+        train_tiny_causal_lm(out, arch="gpt2", hidden=hidden, layers=layers, heads=max(1, hidden // 32),
+                             steps=steps, bert_like_norms=1.0 if name == "toy-gpt2-outliers" else 0.0)
+        print(f"trained {name} in {time.perf_counter() - t0:.0f} s -> {out}")
+    return out
+
+
+def kind_of(config: Any) -> str:
+    archs = " ".join(getattr(config, "architectures", None) or [])
+    if "CausalLM" in archs or "LMHeadModel" in archs:
+        return "lm"
+    if getattr(config, "model_type", "") in VISION_TYPES:
+        return "vision"
+    return "encoder"
+
+
+def load_dir(path: Path) -> tuple[torch.nn.Module, Any, str]:
+    """(model, tokenizer or None, kind) from a local transformers directory, fp32, eval mode."""
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    kind = kind_of(config)
+    cls = AutoModelForCausalLM if kind == "lm" else AutoModel
+    model = cls.from_pretrained(str(path), local_files_only=True, dtype=torch.float32).eval()
+    tok = None if kind == "vision" else AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    return model, tok, kind
+
+
+def english(n: int, seed: int = 0) -> list[str]:
+    """``n`` English paragraphs from Python's reference docs (shipped with Python, offline)."""
+    import pydoc_data.topics as topics
+
+    paras = [" ".join(p.split()) for text in topics.topics.values() for p in text.split("\n\n")]
+    paras = sorted({p for p in paras if len(p.split()) >= 8 and not p.startswith(("*", ">>>", "|"))})
+    random.Random(seed).shuffle(paras)
+    return paras[:n]
+
+
+def text_batches(tok: Any, texts: list[str], max_len: int, batch: int = 16) -> list[dict[str, torch.Tensor]]:
+    out = []
+    for i in range(0, len(texts), batch):
+        enc = tok(texts[i:i + batch], padding=True, truncation=True, max_length=max_len, return_tensors="pt")
+        out.append({k: v for k, v in enc.items() if k in ("input_ids", "attention_mask", "token_type_ids")})
+    return out
+
+
+def random_id_batches(vocab: int, n: int, length: int, seed: int = 0) -> list[dict[str, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (n, length), generator=gen)
+    return [{"input_ids": ids[i:i + 8], "attention_mask": torch.ones_like(ids[i:i + 8])} for i in range(0, n, 8)]
+
+
+def image_batches(model: torch.nn.Module, image_dir: str | None, n: int, path: Path | None = None,
+                  seed: int = 0) -> tuple[list[dict[str, torch.Tensor]], str]:
+    """Pixel batches: real images (PNG/JPEG under ``image_dir``, resized and normalised) or random noise."""
+    size = int(getattr(model.config, "image_size", 224))
+    mean, std = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]  # ImageNet, unless the processor says otherwise
+    if path is not None and (path / "preprocessor_config.json").exists():
+        pc = json.loads((path / "preprocessor_config.json").read_text())
+        mean, std = pc.get("image_mean", mean), pc.get("image_std", std)
+    files = sorted(p for ext in ("*.png", "*.jpg", "*.jpeg") for p in Path(image_dir).glob(ext)) if image_dir else []
+    if not files:
+        gen = torch.Generator().manual_seed(seed)
+        px = torch.randn(n, 3, size, size, generator=gen)
+        return [{"pixel_values": px[i:i + 8]} for i in range(0, n, 8)], f"{n} random-noise images"
+    from PIL import Image
+
+    tensors = []
+    for f in files:
+        img = Image.open(f).convert("RGB")
+        # the whole image, and its four corner crops: more inputs from a handful of photographs
+        w, h = img.size
+        crops = [img] + [img.crop((x, y, x + w // 2, y + h // 2)) for x in (0, w // 2) for y in (0, h // 2)]
+        for c in crops:
+            t = torch.tensor(list(c.resize((size, size), Image.BICUBIC).getdata()), dtype=torch.float32)
+            t = t.view(size, size, 3).permute(2, 0, 1) / 255.0
+            tensors.append((t - torch.tensor(mean).view(3, 1, 1)) / torch.tensor(std).view(3, 1, 1))
+    px = torch.stack(tensors[:n])
+    return [{"pixel_values": px[i:i + 8]} for i in range(0, len(px), 8)], \
+        f"{len(px)} crops of {len(files)} images in {image_dir}"
+
+
+# ---------------------------------------------------------------- outputs and errors
+
+@torch.no_grad()
+def outputs(model: torch.nn.Module, batches: list[dict], kind: str, pooling: str = "mean",
+            stats: quant_utils.OutlierStats | None = None) -> torch.Tensor:
+    """What the error is measured on: LM log-probs of real tokens, sentence embeddings or CLS vectors."""
+    from normswap.recipes.losses import pool
+
+    out = []
+    for b in batches:
+        if stats is not None:
+            stats.mask = b.get("attention_mask")
+        res = model(**b)
+        if kind == "lm":
+            logits = res.logits.double()
+            keep = b["attention_mask"].bool()
+            out.append(torch.log_softmax(logits[keep], dim=-1))
+        elif kind == "encoder":
+            out.append(pool(res.last_hidden_state.double(), b["attention_mask"], pooling))
+        else:
+            out.append(res.last_hidden_state[:, 0].double())
+    return torch.cat(out)
+
+
+def errors(ref: torch.Tensor, out: torch.Tensor, kind: str) -> dict[str, float]:
+    """Error of ``out`` against ``ref``: {"err": main figure (lower is better), "agree": top-1 figure}."""
+    if kind == "lm":
+        kl = (ref.exp() * (ref - out)).sum(-1).mean()
+        agree = (ref.argmax(-1) == out.argmax(-1)).double().mean()
+        return {"err": float(kl), "agree": float(agree)}
+    cos = torch.nn.functional.cosine_similarity(ref, out, dim=-1).mean()
+    res = {"err": 1.0 - float(cos)}
+    if kind == "encoder":
+        from normswap.calibrate import neighbour_figures
+
+        res["agree"] = neighbour_figures(ref, out).get("top1_neighbour_agreement", float("nan"))
+    return res
+
+
+# ---------------------------------------------------------------- variants
+
+def rotation_api() -> dict[str, bool]:
+    """Which rotations this normswap offers: the named-method API (``"hadamard"``, ``online=``) or a seed only."""
+    import normswap
+
+    params = inspect.signature(normswap.rotate).parameters
+    return {"named": "seed" in params or "online" in params, "online": "online" in params}
+
+
+def _rotate(model: torch.nn.Module, which: str, seed: int) -> Any:
+    import normswap
+
+    api = rotation_api()
+    if which == "random":
+        return normswap.rotate(model, "random", seed=seed) if api["named"] else normswap.rotate(model, seed)
+    if not api["named"]:
+        raise NotImplementedError("this normswap.rotate takes a seed or a matrix only (no \"hadamard\")")
+    if which == "hadamard":
+        return normswap.rotate(model, "hadamard", seed=seed)
+    if not api["online"]:
+        raise NotImplementedError("this normswap.rotate has no online=True")
+    return normswap.rotate(model, "hadamard", seed=seed, online=True)
+
+
+def build_variants(model: torch.nn.Module, tok: Any, which: list[str], seed: int
+                   ) -> list[tuple[str, torch.nn.Module | None, str]]:
+    """``[(name, model or None, note)]``: None with the reason where the variant could not be built."""
+    import normswap
+
+    variants: list[tuple[str, torch.nn.Module | None, str]] = [("original", model, "")]
+    conv = copy.deepcopy(model)
+    t0 = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        report = normswap.patch(conv, fold_gamma=True, tokenizer=tok, allow_unusable=True)
+    verdicts: dict[str, int] = {}
+    for s in report.sites:
+        verdicts[s.verdict] = verdicts.get(s.verdict, 0) + 1
+    variants.append(("converted", conv, "patch(fold_gamma=True): " + ", ".join(
+        f"{v} {k}" for k, v in sorted(verdicts.items())) + f" ({time.perf_counter() - t0:.1f} s)"))
+    for rot in which:
+        m = copy.deepcopy(conv)
+        try:
+            result = _rotate(m, rot, seed)
+        except (NotImplementedError, normswap.NormswapError) as e:
+            variants.append((rot, None, str(e).splitlines()[0]))
+            continue
+        if not getattr(result, "rotated", None):
+            variants.append((rot, None, "nothing rotated: " + str(result).splitlines()[0]))
+            continue
+        kept = [s for s in getattr(result, "skipped", [])]
+        note = f"{len(result.rotated)} stream(s) rotated" + (f", {len(kept)} not: {kept[0]['reason']}" if kept else "")
+        variants.append((rot, m, note))
+    return variants
+
+
+# ---------------------------------------------------------------- the measurement
+
+def stock_model(variant: torch.nn.Module, name: str, kind: str, ref: torch.Tensor, batches: list[dict],
+                pooling: str, tmp: Path) -> tuple[torch.nn.Module, str]:
+    """The variant as a stock tool sees it: written with ``format="compat"`` and reloaded in plain
+    transformers, when normswap can write it and the reload gives the same outputs; else the in-memory model."""
+    if name == "original":
+        return variant, "the stock model"
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    import normswap
+
+    out = tmp / name
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            normswap.save(variant, out, format="compat", overwrite=True)
+            cls = AutoModelForCausalLM if kind == "lm" else AutoModel
+            stock = cls.from_pretrained(str(out), local_files_only=True, dtype=torch.float32).eval()
+    except Exception as e:  # noqa: BLE001 - any refusal is reported in the table's notes
+        return variant, f"the in-memory model (no compat checkpoint: {str(e).splitlines()[0][:160]})"
+    diff = errors(outputs(variant, batches, kind, pooling), outputs(stock, batches, kind, pooling), kind)["err"]
+    if not diff < 1e-6:
+        return variant, f"the in-memory model (its compat checkpoint reloads with different outputs: error {diff:.3g})"
+    return stock, f"its compat checkpoint reloaded in plain transformers (outputs equal: error {diff:.1g})"
+
+
+def measure(variant: torch.nn.Module, ref: torch.Tensor, batches: list[dict], kind: str, pooling: str,
+            precisions: list[tuple[str, int, int]], real: list[str], stock: torch.nn.Module | None = None
+            ) -> dict[str, Any]:
+    row: dict[str, Any] = {}
+    with quant_utils.OutlierStats(variant) as stats:
+        row["fp32"] = errors(ref, outputs(variant, batches, kind, pooling, stats), kind)
+    row["outliers"] = {**stats.summary(), **quant_utils.weight_figures(variant)}
+    for label, wb, ab in precisions:
+        q = copy.deepcopy(variant)
+        quant_utils.fake_quantize_(q, wb, ab)
+        row[label] = errors(ref, outputs(q, batches, kind, pooling), kind)
+        del q
+    for label in real:
+        try:
+            q = REAL[label](stock if stock is not None else variant)
+            row[label] = errors(ref, outputs(q, batches, kind, pooling), kind)
+        except Exception as e:  # noqa: BLE001 - a variant the real path cannot run is reported, not fatal
+            row[label] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"}
+    return row
+
+
+REAL = {"int8-dyn": quant_utils.int8_dynamic, "torchao-int8": quant_utils.torchao_int8}
+
+
+def real_quantizers(wanted: list[str]) -> list[str]:
+    """The real int8 quantizers to run: torch.ao's always, torchao's where it imports."""
+    out = []
+    for label in wanted:
+        if label == "torchao-int8":
+            try:
+                import torchao  # noqa: F401
+            except ImportError:
+                print("torchao is not installed (pip install normswap[quant]): no torchao-int8 column")
+                continue
+        out.append(label)
+    return out
+
+
+def _cell(fig: dict | None, kind: str) -> str:
+    if not fig:
+        return "-"
+    if "error" in fig:
+        return "failed"
+    main = f"{fig['err']:.4g}"
+    return main + (f" ({100 * fig['agree']:.1f}%)" if "agree" in fig else "")
+
+
+def table(result: dict[str, Any]) -> str:
+    kind = result["kind"]
+    cols = ["fp32", *[p[0] for p in result["precisions"]], *result["real"]]
+    what = {"lm": "KL (top-1 agreement)", "encoder": "1 − cosine (top-1 neighbour agreement)",
+            "vision": "1 − CLS cosine"}[kind]
+    lines = [f"error against the fp32 original: {what}", "",
+             "| model | act max/rms mean (worst) | act kurtosis mean (worst) | weight max/rms mean (worst) | "
+             + " | ".join(cols) + " |",
+             "|---|---|---|---|" + "---|" * len(cols)]
+    for name, row in result["rows"].items():
+        if row is None:
+            continue
+        o = row["outliers"]
+        lines.append(f"| {name} | {o['max_rms_mean']:.2f} ({o['max_rms_worst']:.1f}) | "
+                     f"{o['kurtosis_mean']:.2f} ({o['kurtosis_worst']:.1f}) | "
+                     f"{o['w_max_rms_mean']:.2f} ({o['w_max_rms_worst']:.1f}) | "
+                     + " | ".join(_cell(row.get(c), kind) for c in cols) + " |")
+    lines.append("")
+    lines += [f"- {name}: {note}" for name, note in result["notes"].items() if note]
+    return "\n".join(lines)
+
+
+def goal_lines(result: dict[str, Any]) -> list[str]:
+    """The issue's goal: offline rotation below the original at every precision; online at A4 ≤ half."""
+    rows, out = result["rows"], []
+    orig = rows.get("original")
+    if not orig:
+        return out
+    for rot in ("random", "hadamard"):
+        r = rows.get(rot)
+        if not r:
+            continue
+        worse = [p for p, _, _ in result["precisions"] if r[p]["err"] >= orig[p]["err"]]
+        out.append(f"{rot}: below the original at " + (
+            "every precision" if not worse else f"{len(result['precisions']) - len(worse)} of "
+            f"{len(result['precisions'])} precisions (not at {', '.join(worse)})"))
+    r = rows.get("hadamard+online")
+    if r:
+        for p, _, ab in result["precisions"]:
+            if ab == 4:
+                ratio = r[p]["err"] / orig[p]["err"] if orig[p]["err"] > 0 else float("inf")
+                out.append(f"hadamard+online {p}: {ratio:.2f}x the original's error "
+                           f"({'meets' if ratio <= 0.5 else 'misses'} the ≤ 0.5x goal)")
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True, help="a local transformers directory, or one of "
+                    + ", ".join(TOYS + RANDOMS))
+    ap.add_argument("--texts", type=int, default=64, help="number of texts / images to evaluate on")
+    ap.add_argument("--max-len", type=int, default=128)
+    ap.add_argument("--images", default=None, help="directory of PNG/JPEG images (vision models)")
+    ap.add_argument("--rotations", nargs="*", default=list(ROTATIONS), choices=ROTATIONS)
+    ap.add_argument("--precisions", nargs="*", default=[p[0] for p in PRECISIONS],
+                    choices=[p[0] for p in PRECISIONS])
+    ap.add_argument("--real", nargs="*", default=list(REAL), choices=list(REAL),
+                    help="real int8 quantizers: torch.ao quantize_dynamic, torchao int8 dynamic (if installed)")
+    ap.add_argument("--no-compat", action="store_true",
+                    help="run the real quantizers on the in-memory models, not on reloaded compat checkpoints")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--workdir", default="/tmp/normswap-bench-quant", help="where toy models are trained once")
+    ap.add_argument("--toy-hidden", type=int, default=128)
+    ap.add_argument("--toy-layers", type=int, default=4)
+    ap.add_argument("--toy-steps", type=int, default=400)
+    ap.add_argument("--json", default=None, help="also write the results to this JSON file")
+    args = ap.parse_args(argv)
+    torch.manual_seed(args.seed)
+
+    from normswap.recipes.models import sentence_pooling
+
+    path = None
+    if args.model in RANDOMS:
+        model, kind = random_model(args.model, args.seed)
+        tok, label = None, args.model
+    else:
+        path = toy_model(args.model, Path(args.workdir), args.toy_hidden, args.toy_layers, args.toy_steps) \
+            if args.model in TOYS else Path(args.model)
+        if not (path / "config.json").exists():
+            raise SystemExit(f"{path}: not a transformers directory (no config.json)")
+        model, tok, kind = load_dir(path)
+        label = args.model if args.model in TOYS else path.name
+    pooling = sentence_pooling(str(path)) if path is not None else None
+    pooling = pooling or "mean"
+
+    if kind == "vision":
+        batches, data = image_batches(model, args.images, args.texts, path, args.seed)
+    elif tok is None:
+        batches = random_id_batches(model.config.vocab_size, args.texts, min(args.max_len, 16), args.seed)
+        data = f"{args.texts} random token sequences"
+    elif args.model in TOYS:
+        from normswap.recipes.toy import grammar_corpus
+
+        batches = text_batches(tok, grammar_corpus(args.texts, seed=10_000 + args.seed), args.max_len)
+        data = f"{args.texts} held-out toy-grammar lines"
+    else:
+        batches = text_batches(tok, english(args.texts, args.seed), args.max_len)
+        data = f"{args.texts} English paragraphs (Python reference docs), up to {args.max_len} tokens"
+
+    precisions = [p for p in PRECISIONS if p[0] in args.precisions]
+    t0 = time.perf_counter()
+    ref = outputs(model, batches, kind, pooling)
+    variants = build_variants(model, tok, list(args.rotations), args.seed)
+    result: dict[str, Any] = {
+        "model": label, "kind": kind, "data": data, "pooling": pooling if kind == "encoder" else None,
+        "precisions": precisions, "real": real_quantizers(args.real), "rows": {}, "notes": {},
+        "versions": {"torch": torch.__version__, "transformers": __import__("transformers").__version__,
+                     "normswap": __import__("normswap").__version__},
+        "params": sum(p.numel() for p in model.parameters()),
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, variant, note in variants:
+            result["notes"][name] = note
+            if variant is None:
+                result["rows"][name] = None
+                continue
+            stock, where = (variant, "the in-memory model") if args.no_compat or not result["real"] else \
+                stock_model(variant, name, kind, ref, batches, pooling, Path(tmp))
+            if result["real"]:
+                result["notes"][name] = "; ".join(filter(None, [note, "real quantizers on " + where]))
+            result["rows"][name] = measure(variant, ref, batches, kind, pooling, precisions, result["real"], stock)
+    result["seconds"] = time.perf_counter() - t0
+    result["goal"] = goal_lines(result)
+    print(f"\n## {label} ({kind}, {result['params'] / 1e6:.2f}M parameters; {data})\n")
+    print(table(result))
+    for line in result["goal"]:
+        print(f"- goal: {line}")
+    print(f"\n({result['seconds']:.0f} s; torch {torch.__version__})")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1, default=str))
+    return result
+
+
+if __name__ == "__main__":
+    main()

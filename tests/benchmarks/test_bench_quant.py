@@ -1,0 +1,201 @@
+"""The quantization benchmark's pieces (``benchmarks/quant_utils.py``) and one tiny end-to-end run.
+
+What can be wrong in a fake-quant benchmark without anything crashing: the rounding math, the axis
+a scale is shared over (per output channel for weights, per token for activations; Conv1D stores
+its weight transposed), the kurtosis formula, and padding tokens leaking into the outlier figures.
+Each is checked against a hand computation.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+_DIR = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, _DIR / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault(name, module)  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+qu = _load("quant_utils")
+bench = _load("bench_quant")
+
+
+def test_absmax_quantize_matches_a_hand_computation():
+    x = torch.tensor([[0.55, -1.0, 0.26, 0.0], [3.0, 1.4, -0.7, 0.1]])
+    # 4 bits: qmax 7. Row 0: scale 1/7 -> 0.55*7=3.85 -> 4, -7, 1.82 -> 2, 0
+    # Row 1: scale 3/7 -> 7, 1.4*7/3=3.27 -> 3, -0.7*7/3=-1.63 -> -2, 0.1*7/3=0.23 -> 0
+    expect = torch.tensor([[4 / 7, -1.0, 2 / 7, 0.0], [3.0, 9 / 7, -6 / 7, 0.0]])
+    torch.testing.assert_close(qu.absmax_quantize(x, 4, dim=-1), expect)
+    # along dim 0 one scale per column: column 0 (0.55, 3.0) has scale 3/7 -> levels 1, 7;
+    # column 1 (-1.0, 1.4) has scale 0.2 -> levels -5, 7
+    col = qu.absmax_quantize(x, 4, dim=0)
+    torch.testing.assert_close(col[:, 0], torch.tensor([3 / 7, 3.0]))
+    torch.testing.assert_close(col[:, 1], torch.tensor([-1.0, 1.4]))
+
+
+def test_absmax_quantize_levels_bounds_and_zero_rows():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 50, generator=gen, dtype=torch.float64)
+    x[2] = 0.0
+    for bits in (4, 8):
+        q = qu.absmax_quantize(x, bits, dim=1)
+        qmax = 2 ** (bits - 1) - 1
+        scale = x.abs().amax(1, keepdim=True) / qmax
+        scale[2] = 1.0
+        levels = q / scale
+        assert torch.allclose(levels, levels.round(), atol=1e-9)  # on the grid
+        assert levels.abs().max() <= qmax + 1e-9
+        assert torch.allclose(q.abs().amax(1)[[0, 1, 3, 4, 5]], x.abs().amax(1)[[0, 1, 3, 4, 5]])  # absmax kept
+        assert (q - x).abs().le(scale / 2 + 1e-12).all()  # round to nearest: within half a step
+        assert (q[2] == 0).all()
+    assert q.dtype == torch.float64
+    assert qu.absmax_quantize(x.half(), 8, dim=1).dtype == torch.float16
+
+
+def test_fake_quantize_linear_weights_per_output_channel_and_inputs_per_token():
+    torch.manual_seed(0)
+    lin = nn.Linear(5, 3)
+    x = torch.randn(2, 4, 5)
+    w0 = lin.weight.detach().clone()
+    handles = qu.fake_quantize_(lin, 4, 8)
+    # weight [out, in]: one scale per output row
+    torch.testing.assert_close(lin.weight.detach(), _hand_rtn(w0, 4, rows=True))
+    want = _hand_rtn(x.reshape(8, 5), 8, rows=True).reshape(2, 4, 5) @ lin.weight.detach().T + lin.bias.detach()
+    torch.testing.assert_close(lin(x), want)
+    for h in handles:
+        h.remove()
+    torch.testing.assert_close(lin(x), x @ lin.weight.detach().T + lin.bias.detach())  # hooks removed
+
+
+def _hand_rtn(w: torch.Tensor, bits: int, rows: bool) -> torch.Tensor:
+    """Element by element, the way one would on paper."""
+    qmax = 2 ** (bits - 1) - 1
+    out = torch.empty_like(w)
+    mat = w if rows else w.T
+    res = out if rows else out.T
+    for i in range(mat.shape[0]):
+        s = max(abs(float(v)) for v in mat[i]) / qmax
+        for j in range(mat.shape[1]):
+            res[i, j] = min(max(round(float(mat[i, j]) / s), -qmax), qmax) * s
+    return out
+
+
+def test_conv1d_weight_is_quantized_per_output_channel_along_its_transposed_axis():
+    from transformers.pytorch_utils import Conv1D
+
+    torch.manual_seed(1)
+    conv = Conv1D(3, 5)  # nf=3 outputs, nx=5 inputs: weight [5, 3]
+    w0 = conv.weight.detach().clone()
+    qu.fake_quantize_(conv, 4, None)
+    torch.testing.assert_close(conv.weight.detach(), _hand_rtn(w0, 4, rows=False))  # a scale per column
+    assert not torch.allclose(conv.weight.detach(), _hand_rtn(w0, 4, rows=True))
+
+
+def test_tied_weight_is_rounded_once():
+    lin_a = nn.Linear(4, 4, bias=False)
+    lin_b = nn.Linear(4, 4, bias=False)
+    lin_b.weight = lin_a.weight
+    w = torch.tensor([[0.3, 0.31, -1.0, 0.1]] * 4)
+    with torch.no_grad():
+        lin_a.weight.copy_(w)
+    qu.fake_quantize_(nn.Sequential(lin_a, lin_b), 2, None)  # qmax 1
+    torch.testing.assert_close(lin_a.weight.detach(), torch.tensor([[0.0, 0.0, -1.0, 0.0]] * 4))
+    assert lin_a.weight is lin_b.weight
+
+
+def test_token_figures_against_hand_values():
+    x = torch.tensor([[1.0, -1.0, 1.0, -1.0], [4.0, 0.0, 0.0, 0.0], [2.0, 2.0, 2.0, 2.0]])
+    ratio, kurt = qu.token_figures(x)
+    # row 0: rms 1, max 1; kurtosis of ±1: 1. Row 1: rms 2 -> ratio 2; mean 1, c = (3,-1,-1,-1):
+    # var = 12/4 = 3, m4 = (81+3)/4 = 21 -> 21/9. Row 2: constant: ratio 1, no spread -> 0
+    torch.testing.assert_close(ratio, torch.tensor([1.0, 2.0, 1.0], dtype=torch.float64))
+    torch.testing.assert_close(kurt, torch.tensor([1.0, 21 / 9, 0.0], dtype=torch.float64))
+    gauss = torch.randn(64, 4096, generator=torch.Generator().manual_seed(0))
+    assert qu.token_figures(gauss)[1].mean() == pytest.approx(3.0, abs=0.1)
+
+
+def test_outlier_stats_are_per_linear_input_and_skip_padding():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    with torch.no_grad():
+        model[0].weight.copy_(torch.eye(4))
+        model[0].bias.zero_()
+    x = torch.tensor([[[4.0, 0, 0, 0], [1.0, -1, 1, -1]]])  # token 1 is padding
+    with qu.OutlierStats(model) as stats:
+        stats.mask = torch.tensor([[1, 0]])
+        model(x)
+    per = stats.per_linear()
+    assert set(per) == {"0", "1"}
+    assert per["0"] == pytest.approx((2.0, 21 / 9))  # only the real token
+    s = stats.summary()
+    assert s["max_rms_worst"] >= s["max_rms_mean"] and s["kurtosis_worst_at"] in per
+    assert not model[0]._forward_pre_hooks  # hooks removed on exit
+
+
+def test_conv1d_to_linear_is_exact_and_int8_dynamic_runs_integer_linears():
+    from transformers.pytorch_utils import Conv1D
+
+    torch.manual_seed(2)
+    model = nn.Sequential(Conv1D(8, 6), nn.ReLU(), nn.Linear(8, 3))
+    x = torch.randn(5, 6)
+    ref = model(x)
+    swapped = copy.deepcopy(model)
+    assert qu.conv1d_to_linear_(swapped) == 1
+    torch.testing.assert_close(swapped(x), ref)
+    q = qu.int8_dynamic(model)
+    kinds = {type(m).__name__ for m in q.modules()}
+    assert "Linear" in kinds and any(type(m).__module__.startswith("torch.ao.nn.quantized") for m in q.modules())
+    out = q(x)
+    assert not torch.equal(out, ref) and torch.allclose(out, ref, atol=0.1)
+    assert type(model[0]).__name__ == "Conv1D"  # the original is untouched
+
+
+def test_lm_errors_kl_and_agreement():
+    ref = torch.log_softmax(torch.tensor([[2.0, 0.0, 0.0], [0.0, 1.0, 0.0]], dtype=torch.float64), -1)
+    same = bench.errors(ref, ref, "lm")
+    assert same["err"] == pytest.approx(0.0, abs=1e-12) and same["agree"] == 1.0
+    other = torch.log_softmax(torch.tensor([[0.0, 2.0, 0.0], [0.0, 1.0, 0.0]], dtype=torch.float64), -1)
+    e = bench.errors(ref, other, "lm")
+    p = ref[0].exp()
+    assert e["err"] == pytest.approx(float((p * (ref[0] - other[0])).sum()) / 2)
+    assert e["agree"] == 0.5
+
+
+def test_main_end_to_end_on_a_tiny_random_gpt2(capsys):
+    result = bench.main(["--model", "random-gpt2", "--texts", "4", "--precisions", "W8A8", "W4A4",
+                         "--rotations", "random", "--real", "int8-dyn"])
+    rows = result["rows"]
+    assert set(rows) == {"original", "converted", "random"}
+    assert rows["converted"]["fp32"]["err"] < 1e-9 and rows["random"]["fp32"]["err"] < 1e-9  # exact conversions
+    assert rows["original"]["fp32"]["err"] == 0.0
+    for name, row in rows.items():
+        assert 0 < row["W8A8"]["err"] < row["W4A4"]["err"], name  # fewer bits, more error
+        assert "err" in row["int8-dyn"] and row["int8-dyn"]["err"] > 0
+        assert row["outliers"]["max_rms_mean"] > 1.0
+    # the real quantizer ran on the converted model's compat checkpoint, reloaded in plain transformers
+    assert "compat checkpoint reloaded in plain transformers" in result["notes"]["converted"]
+    assert "| random |" in capsys.readouterr().out
+
+
+def test_weight_figures_are_per_output_channel():
+    from transformers.pytorch_utils import Conv1D
+
+    lin = nn.Linear(4, 2, bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(torch.tensor([[4.0, 0, 0, 0], [1.0, -1, 1, -1]]))  # rows: ratios 2 and 1
+    assert qu.weight_figures(lin) == pytest.approx({"w_max_rms_mean": 1.5, "w_max_rms_worst": 1.5})
+    conv = Conv1D(2, 4)  # weight [in=4, out=2]: the same matrix transposed reads the same
+    with torch.no_grad():
+        conv.weight.copy_(lin.weight.T)
+    assert qu.weight_figures(conv)["w_max_rms_mean"] == pytest.approx(1.5)
