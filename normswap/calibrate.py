@@ -28,6 +28,8 @@ result is unusable.
 from __future__ import annotations
 
 import contextlib
+import sys
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -77,6 +79,7 @@ class CalibrationResult:
     eval_batches: int
     fits: dict[str, NormFit] = field(default_factory=dict)
     figures: dict[str, float] = field(default_factory=dict)
+    pipeline: str = ""  # how the sequential fits got their activations (:func:`fit_norms`)
 
     def summary(self) -> str:
         """One line for reports: the data, the method and the held-out figures."""
@@ -88,7 +91,7 @@ class CalibrationResult:
         """JSON-friendly form for manifests and reports."""
         return {
             "source": self.source, "method": self.method, "batches": self.batches,
-            "eval_batches": self.eval_batches, "figures": dict(self.figures),
+            "eval_batches": self.eval_batches, "figures": dict(self.figures), "pipeline": self.pipeline,
             "residuals": {n: {"before": f.residual_before, "after": f.residual_after}
                           for n, f in self.fits.items()},
         }
@@ -293,7 +296,133 @@ def _run(model: nn.Module, batch: Batch, router: _Router, *, student: bool, want
     return out if want is None else None
 
 
-FIT_MICRO_BATCH = 4  # rows per forward when fitting and measuring: same figures, activations 4x smaller
+# ------------------------------------------------------------------------------ one pass per norm
+class _Worker:
+    """One forward pass (one batch, teacher or student) that pauses at every norm not yet fitted."""
+
+    def __init__(self, index: int, student: bool, batch: Batch) -> None:
+        self.index, self.student, self.batch = index, student, batch
+        self.go = threading.Semaphore(0)
+        self.at: str | None = None  # the norm it is paused at
+        self.value: torch.Tensor | None = None  # that norm's input (student) or output (teacher)
+        self.done = False
+        self.error: BaseException | None = None
+
+
+class _Lockstep:
+    """Sequential fitting with every batch's teacher and student forwards run side by side, each
+    paused where it reaches the next norm to fit.
+
+    Each forward is a thread, but only one runs at a time (the scheduler hands a baton), so the
+    arithmetic is exactly that of the replaying path. When every forward has reached norm ``k``,
+    ``k`` is fitted from the paused activations (in batch order), and the forwards go on: the
+    students through the fitted RMSNorm, the teachers through the LayerNorm. Every layer thus runs
+    once per batch for each of teacher and student: the cost is about two forward passes over the
+    calibration set, at any depth, instead of one per norm. No model has to be cut into blocks:
+    encoder-decoders, cross-attention, shared layers (ALBERT: a norm is fitted on its first call and
+    stands in at the later ones, as in the replaying path) and norms outside the layers all run
+    through the model's own forward.
+
+    Memory: what the paused forwards hold, about two copies (teacher, student) of the activations
+    alive at a norm boundary for the whole calibration set, plus one forward's working set.
+    """
+
+    def __init__(self, model: nn.Module, router: _Router, batches: list[Batch]) -> None:
+        self.model, self.router, self.batches = model, router, batches
+        self.paused = threading.Semaphore(0)
+        self.current: _Worker | None = None
+        self.abort = False
+        self.passed: set[str] = set()  # norms whose fit is decided: no one pauses there any more
+        self.order: list[str] = []  # norms in the order forwards first reached them
+        self.workers = [_Worker(i, student, b) for i, b in enumerate(batches) for student in (False, True)]
+
+    # -- inside a worker thread
+    def hook(self, name: str, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        w = self.current
+        if w is None:
+            return None
+        x = args[0] if args else next(iter(kwargs.values()))
+        if name not in self.passed:
+            w.at, w.value = name, (x if w.student else output).detach()
+            if name not in self.order:
+                self.order.append(name)
+            self.paused.release()
+            w.go.acquire()
+            w.at = w.value = None
+            if self.abort:
+                raise _Stop
+        fitted = self.router.fitted.get(name)
+        if w.student and fitted is not None:
+            return self.router.targets[name].apply(x, fitted[0].to(x.device), fitted[1].to(x.device))
+        return None
+
+    def body(self, w: _Worker) -> None:
+        w.go.acquire()
+        try:
+            if not self.abort:
+                args, kwargs = w.batch
+                with torch.no_grad():
+                    self.model(*args, **kwargs)
+        except _Stop:
+            pass
+        except BaseException as exc:  # noqa: BLE001 - handed to the scheduler, which raises it
+            w.error = exc
+        finally:
+            w.done, w.at, w.value = True, None, None
+            self.paused.release()
+
+    # -- the scheduler (caller's thread)
+    def step(self, w: _Worker) -> None:
+        """Let ``w`` run until it pauses at a norm or ends."""
+        self.current = w
+        w.go.release()
+        self.paused.acquire()
+        self.current = None
+        if w.error is not None:
+            raise w.error
+
+    def run(self, fit: Callable[[str, list[tuple[Batch, torch.Tensor, torch.Tensor]]], None],
+            fits_left: Callable[[], None] | None = None,
+            budget: Callable[[_Worker], bool] | None = None) -> bool:
+        """Drive every forward to its end, calling ``fit(name, [(batch, x, y), ...])`` whenever all
+        paused forwards wait for ``name``. ``budget(first_teacher)``, asked once the first teacher
+        reached its first norm, may refuse the run (the set will not fit in memory): returns False."""
+        threads = [threading.Thread(target=self.body, args=(w,), daemon=True, name=f"normswap-calib-{i}")
+                   for i, w in enumerate(self.workers)]
+        for t in threads:
+            t.start()
+        try:
+            for i, w in enumerate(self.workers):
+                self.step(w)
+                if i == 0 and budget is not None and w.at is not None and not budget(w):
+                    return False
+            while True:
+                waiting = [w for w in self.workers if not w.done]
+                if not waiting:
+                    return True
+                name = min((w.at for w in waiting), key=self.order.index)
+                here = [w for w in waiting if w.at == name]
+                teach = {w.index: w.value for w in here if not w.student}
+                stud = {w.index: w.value for w in here if w.student}
+                fit(name, [(self.batches[i], stud[i], teach[i]) for i in sorted(teach.keys() & stud.keys())])
+                del teach, stud
+                self.passed.add(name)
+                for w in here:
+                    self.step(w)
+        finally:
+            self.abort = True
+            self.current = None
+            for w in self.workers:
+                if not w.done:
+                    w.go.release()  # it raises _Stop at its pause (or never starts) and ends
+            for t in threads:
+                t.join()
+
+
+FIT_MICRO_BATCH = 4  # rows per forward when replaying and measuring: same figures, activations 4x smaller
+LOCKSTEP_MICRO_BATCH = 16  # rows per forward in the one-pass path (its memory is the whole set's anyway)
+LOCKSTEP_LIVE_FACTOR = 4  # a paused forward holds about this many boundary-sized tensors (stream, branch, ...)
+LOCKSTEP_MEMORY_SHARE = 0.4  # of the available memory, the most the paused forwards may hold
 
 
 def split_batch(batch: Batch, size: int) -> list[Batch]:
@@ -312,53 +441,66 @@ def split_batch(batch: Batch, size: int) -> list[Batch]:
     return [(tuple(cut(a, i) for a in args), {k: cut(v, i) for k, v in kwargs.items()}) for i in range(0, n, size)]
 
 
-def fit_norms(model: nn.Module, targets: list[Target], batches: list[Batch], *, sequential: bool = True,
-              call: Callable[[Batch], Batch] | None = None,
-              micro_batch: int | None = FIT_MICRO_BATCH) -> dict[str, NormFit]:
-    """Fit every target's RMSNorm ``g, b`` by streamed least squares on ``batches``.
+def available_memory() -> int:
+    """Bytes of memory available to this process now (psutil; 8 GiB when it cannot say)."""
+    try:
+        import psutil
 
-    Args:
-        model: the model holding the target LayerNorms (they stay LayerNorms; nothing is replaced).
-        targets: the norms to fit. Targets without both γ and β are not fitted.
-        batches: ``(args, kwargs)`` inputs for ``model``.
-        sequential: fit norm ``k`` on the inputs produced with norms ``0..k-1`` already replaced by
-            their fits (in execution order), against the original outputs. ``False``: every norm
-            on the original activations, in one pass per batch.
-        call: maps a batch to what the model is called with (device/dtype moves), default identity.
-        micro_batch: run the model on at most this many rows at a time (:func:`split_batch`); the fit
-            is the same, the peak activation memory smaller. None: whole batches.
+        return int(psutil.virtual_memory().available)
+    except Exception:  # noqa: BLE001 - psutil is optional
+        return 8 << 30
 
-    Returns:
-        ``{name: NormFit}`` in execution order.
-    """
-    prep = call or (lambda b: b)
-    if micro_batch:
-        batches = [piece for b in batches for piece in split_batch(b, micro_batch)]
-    fittable = [t for t in targets if t.site.weight_attr is not None and t.site.bias_attr is not None]
-    if not fittable or not batches:
-        return {}
-    router = _Router(fittable)
+
+def _progress(total: int, what: str) -> Any:
+    """A tqdm bar on stderr when it is a terminal and progress is wanted (:data:`PROGRESS`), else a
+    no-op with the same ``update`` / ``close``."""
+    from tqdm.auto import tqdm
+
+    show = PROGRESS and total > 1 and sys.stderr is not None and sys.stderr.isatty()
+    return tqdm(total=total, desc=what, unit="norm", disable=not show, leave=False, file=sys.stderr)
+
+
+PROGRESS = True  # the CLI's --quiet and the library's callers turn progress bars off here
+
+
+@dataclass
+class _Fitted:
+    fits: dict[str, NormFit]
+    pipeline: str
+
+
+def _fit_one(t: Target, s: _Sums) -> NormFit:
+    g, b = s.fit()
+    g0, b0 = t.copied()
+    return NormFit(t.name, g, b, s.residual(g0, b0), s.residual(g, b), s.n)
+
+
+def _fit_replay(model: nn.Module, router: _Router, fittable: list[Target], batches: list[Batch],
+                prep: Callable[[Batch], Batch], sequential: bool) -> dict[str, NormFit]:
+    """The replaying path: for each norm, every batch runs from the input up to that norm, teacher
+    and student (cost quadratic in depth; memory one micro-batch). Independent fits: one pass."""
     fits: dict[str, NormFit] = {}
-    with router.installed():
-        _run(model, prep(batches[0]), router, student=False, want=None)  # learn the execution order
-        order = [n for n in router.order if n in router.targets]
-        order += [t.name for t in fittable if t.name not in order]
-        if not sequential:
-            sums = {n: _Sums() for n in order}
-            grab: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-            handles = [router.targets[n].module.register_forward_hook(
-                lambda m, a, o, n=n: grab.__setitem__(n, (a[0].detach(), o.detach()))) for n in order]
-            try:
-                for batch in batches:
-                    grab.clear()
-                    b = prep(batch)
-                    _run(model, b, router, student=False, want=None)
-                    for n, (x, y) in grab.items():
-                        _add(sums[n], router.targets[n], b, x, y)
-                    grab.clear()
-            finally:
-                for h in handles:
-                    h.remove()
+    _run(model, prep(batches[0]), router, student=False, want=None)  # learn the execution order
+    order = [n for n in router.order if n in router.targets]
+    order += [t.name for t in fittable if t.name not in order]
+    if not sequential:
+        sums = {n: _Sums() for n in order}
+        grab: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        handles = [router.targets[n].module.register_forward_hook(
+            lambda m, a, o, n=n: grab.__setitem__(n, (a[0].detach(), o.detach()))) for n in order]
+        try:
+            for batch in batches:
+                grab.clear()
+                b = prep(batch)
+                _run(model, b, router, student=False, want=None)
+                for n, (x, y) in grab.items():
+                    _add(sums[n], router.targets[n], b, x, y)
+                grab.clear()
+        finally:
+            for h in handles:
+                h.remove()
+    bar = _progress(len(order), "fitting norms (replay)")
+    try:
         for n in order:
             t = router.targets[n]
             if sequential:
@@ -373,13 +515,114 @@ def fit_norms(model: nn.Module, targets: list[Target], batches: list[Batch], *, 
                     del x, y
             else:
                 s = sums[n]
+            bar.update(1)
             if s.n == 0:
                 continue
-            g, b_ = s.fit()
-            g0, b0 = t.copied()
-            fits[n] = NormFit(n, g, b_, s.residual(g0, b0), s.residual(g, b_), s.n)
-            router.fitted[n] = (g, b_)
+            fits[n] = _fit_one(t, s)
+            router.fitted[n] = (fits[n].weight, fits[n].bias)
+    finally:
+        bar.close()
     return fits
+
+
+def _fit_lockstep(model: nn.Module, router: _Router, batches: list[Batch],
+                  prep: Callable[[Batch], Batch], memory_limit: int | None) -> dict[str, NormFit] | str:
+    """The one-pass sequential path (:class:`_Lockstep`): the fits, or why it did not run (the
+    calibration set's boundary activations would not fit in ``memory_limit`` bytes)."""
+    prepped = [prep(b) for b in batches]
+    fits: dict[str, NormFit] = {}
+    bar = _progress(len(router.targets), "fitting norms")
+    lock = _Lockstep(model, router, prepped)
+    refused = ""
+
+    def budget(first: _Worker) -> bool:
+        nonlocal refused
+        if memory_limit is None or first.value is None:
+            return True
+        need = first.value.numel() * first.value.element_size() * 2 * len(prepped) * LOCKSTEP_LIVE_FACTOR
+        if need <= memory_limit:
+            return True
+        refused = (f"the calibration set's activations at a norm boundary (~{need / 2**30:.1f} GiB for teacher and "
+                   f"student) do not fit in {memory_limit / 2**30:.1f} GiB")
+        return False
+
+    def fit(name: str, rows: list[tuple[Batch, torch.Tensor, torch.Tensor]]) -> None:
+        t = router.targets[name]
+        s = _Sums()
+        for b, x, y in rows:
+            _add(s, t, b, x, y)
+        bar.update(1)
+        bar.set_postfix_str(name, refresh=False)
+        if s.n:
+            fits[name] = _fit_one(t, s)
+            router.fitted[name] = (fits[name].weight, fits[name].bias)
+
+    hooks = [t.module.register_forward_hook(
+        lambda m, a, k, o, n=n: lock.hook(n, m, a, k, o), with_kwargs=True) for n, t in router.targets.items()]
+    try:
+        if not lock.run(fit, budget=budget):
+            return refused
+    finally:
+        for h in hooks:
+            h.remove()
+        bar.close()
+    return fits
+
+
+def fit_norms(model: nn.Module, targets: list[Target], batches: list[Batch], *, sequential: bool = True,
+              call: Callable[[Batch], Batch] | None = None,
+              micro_batch: int | None = None, pipeline: str = "auto") -> dict[str, NormFit]:
+    """Fit every target's RMSNorm ``g, b`` by streamed least squares on ``batches``.
+
+    Args:
+        model: the model holding the target LayerNorms (they stay LayerNorms; nothing is replaced).
+        targets: the norms to fit. Targets without both γ and β are not fitted.
+        batches: ``(args, kwargs)`` inputs for ``model``.
+        sequential: fit norm ``k`` on the inputs produced with norms ``0..k-1`` already replaced by
+            their fits (in execution order), against the original outputs. ``False``: every norm
+            on the original activations, in one pass per batch.
+        call: maps a batch to what the model is called with (device/dtype moves), default identity.
+        micro_batch: run the model on at most this many rows at a time (:func:`split_batch`); the fit
+            is the same, the peak activation memory smaller. None: :data:`LOCKSTEP_MICRO_BATCH` rows
+            in the one-pass path, :data:`FIT_MICRO_BATCH` when replaying.
+        pipeline: how sequential fits get their activations. ``"lockstep"``: one pass, every batch's
+            forwards paused at each norm boundary (:class:`_Lockstep`; cost about two forward passes
+            at any depth). ``"replay"``: for each norm, every batch re-runs from the input (cost
+            quadratic in depth, memory one micro-batch). ``"auto"``: lockstep unless the calibration
+            set's boundary activations would not fit in memory.
+
+    Returns:
+        ``{name: NormFit}`` in execution order.
+    """
+    return _fit(model, targets, batches, sequential=sequential, call=call, micro_batch=micro_batch,
+                pipeline=pipeline).fits
+
+
+def _fit(model: nn.Module, targets: list[Target], batches: list[Batch], *, sequential: bool,
+         call: Callable[[Batch], Batch] | None, micro_batch: int | None, pipeline: str) -> _Fitted:
+    if pipeline not in ("auto", "lockstep", "replay"):
+        raise ValueError(f"pipeline must be 'auto', 'lockstep' or 'replay', not {pipeline!r}")
+    prep = call or (lambda b: b)
+    fittable = [t for t in targets if t.site.weight_attr is not None and t.site.bias_attr is not None]
+    if not fittable or not batches:
+        return _Fitted({}, "nothing to fit")
+    router = _Router(fittable)
+    why = ""
+    if sequential and pipeline != "replay":
+        pieces = [p for b in batches for p in split_batch(b, micro_batch or LOCKSTEP_MICRO_BATCH)]
+        limit = None if pipeline == "lockstep" else int(LOCKSTEP_MEMORY_SHARE * available_memory())
+        got = _fit_lockstep(model, router, pieces, prep, limit)
+        if not isinstance(got, str):
+            return _Fitted(got, f"one pass (each layer runs once per batch for teacher and student; "
+                                f"{len(pieces)} forward(s) of each paused at every norm)")
+        why = got
+        router = _Router(fittable)
+    pieces = [p for b in batches for p in split_batch(b, micro_batch or FIT_MICRO_BATCH)]
+    with router.installed():
+        fits = _fit_replay(model, router, fittable, pieces, prep, sequential)
+    if not sequential:
+        return _Fitted(fits, "one pass (independent fits)")
+    return _Fitted(fits, "replayed from the input for each norm" + (f" ({why})" if why else ""))
 
 
 # ------------------------------------------------------------------------------ measurement
@@ -490,10 +733,11 @@ def unusable(figures: dict[str, float]) -> str | None:
 
 
 def calibrate(model: nn.Module, targets: list[Target], fit_batches: list[Batch], eval_batches: list[Batch], *,
-              source: str, sequential: bool = True, call: Callable[[Batch], Batch] | None = None
-              ) -> CalibrationResult:
-    """Fit ``targets`` on ``fit_batches`` and measure the result on ``eval_batches``."""
-    fits = fit_norms(model, targets, fit_batches, sequential=sequential, call=call)
-    figures = measure(model, targets, fits, eval_batches, call=call) if eval_batches else {}
+              source: str, sequential: bool = True, call: Callable[[Batch], Batch] | None = None,
+              pipeline: str = "auto") -> CalibrationResult:
+    """Fit ``targets`` on ``fit_batches`` (:func:`fit_norms`) and measure the result on ``eval_batches``."""
+    fitted = _fit(model, targets, fit_batches, sequential=sequential, call=call, micro_batch=None,
+                  pipeline=pipeline)
+    figures = measure(model, targets, fitted.fits, eval_batches, call=call) if eval_batches else {}
     return CalibrationResult(source, "sequential least squares" if sequential else "independent least squares",
-                             len(fit_batches), len(eval_batches), fits, figures)
+                             len(fit_batches), len(eval_batches), fitted.fits, figures, pipeline=fitted.pipeline)
