@@ -585,7 +585,7 @@ def _raise_verification(verification):
     raise VerificationFailed("verification failed: simulated; nothing was written")
 
 
-def test_readme_exit_code_table_is_true_for_every_command(tmp_path, gpt2_dir, monkeypatch):
+def test_documented_exit_code_table_is_true_for_every_command(tmp_path, gpt2_dir, monkeypatch):
     table = documented_exit_codes()
     assert set(table) == {0, 1, 2, 3, 4, 130}
     scenarios = _scenarios(tmp_path, gpt2_dir, monkeypatch)
