@@ -1,11 +1,11 @@
-"""Measure where a converted model goes, and write the README's compatibility table.
+"""Measure where a converted model goes, and write the documentation's compatibility table.
 
 Runs the same checks as ``tests/integrations/`` (through ``tests/integrations/compat.py``) on tiny
 converted models built offline, records each tool's agreement with the eager converted model, prints
-a markdown table, writes ``benchmarks/compat.json`` and, with ``--readme``, replaces the table between
-the ``compat-table`` markers in README.md.
+a markdown table, writes ``benchmarks/compat.json`` and, with ``--write``, replaces the table between
+the ``compat-table`` markers in docs/compatibility.md.
 
-    python benchmarks/compat_table.py --readme      # ~5 min on 2 CPU cores
+    python benchmarks/compat_table.py --write       # ~5 min on 2 CPU cores
 """
 
 from __future__ import annotations
@@ -196,9 +196,10 @@ def table(rows: list[dict]) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--readme", action="store_true", help="rewrite the table in README.md")
+    ap.add_argument("--write", "--readme", dest="write", action="store_true",
+                    help="rewrite the table in docs/compatibility.md")
     ap.add_argument("--only", default="", help="comma-separated groups: onnx,export,compile,trainer,peft,pipeline,"
-                    "sentence-transformers (prints only; --readme needs every group)")
+                    "sentence-transformers (prints only; --write needs every group)")
     args = ap.parse_args()
     warnings.filterwarnings("ignore")
     groups = {"onnx": onnx_rows, "export": export_rows, "compile": compile_rows, "trainer": trainer_rows,
@@ -221,18 +222,18 @@ def main() -> int:
         except ImportError:
             pass
     (REPO / "benchmarks" / "compat.json").write_text(json.dumps({"versions": meta, "rows": rows}, indent=1))
-    if args.readme and args.only:
-        raise SystemExit("--readme rewrites the whole table: run it without --only")
-    if args.readme:
-        readme = REPO / "README.md"
-        text = readme.read_text()
+    if args.write and args.only:
+        raise SystemExit("--write rewrites the whole table: run it without --only")
+    if args.write:
+        page = REPO / "docs" / "compatibility.md"
+        text = page.read_text()
         versions = ", ".join(f"{k} {v}" for k, v in meta.items())
-        block = f"{BEGIN}\n_Measured by `python benchmarks/compat_table.py --readme` ({versions})._\n\n{md}\n{END}"
+        block = f"{BEGIN}\n_Measured by `python benchmarks/compat_table.py --write` ({versions})._\n\n{md}\n{END}"
         if BEGIN in text:
             text = re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), lambda _: block, text, flags=re.S)
         else:
-            raise SystemExit("README.md has no compat-table markers")
-        readme.write_text(text)
+            raise SystemExit("docs/compatibility.md has no compat-table markers")
+        page.write_text(text)
     return 0 if all(r["ok"] for r in rows) else 1
 
 

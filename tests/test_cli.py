@@ -464,13 +464,13 @@ def test_public_names_and_hooks_after_lazy_import():
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-2000:]
 
 
-# ------------------------------------------------------------------------------------ README exit codes
-README = Path(__file__).resolve().parents[1] / "README.md"
+# ------------------------------------------------------------------------------------ documented exit codes
+CLI_DOC = Path(__file__).resolve().parents[1] / "docs" / "cli.md"
 
 
-def readme_exit_codes() -> dict[int, set[str]]:
-    """The README's exit-code table: code -> the commands that can return it."""
-    text = README.read_text()
+def documented_exit_codes() -> dict[int, set[str]]:
+    """The exit-code table of docs/cli.md: code -> the commands that can return it."""
+    text = CLI_DOC.read_text()
     table = text[text.index("| code | meaning | commands |") :].split("\n\n")[0]
     rows = {}
     for line in table.splitlines()[2:]:
@@ -585,8 +585,8 @@ def _raise_verification(verification):
     raise VerificationFailed("verification failed: simulated; nothing was written")
 
 
-def test_readme_exit_code_table_is_true_for_every_command(tmp_path, gpt2_dir, monkeypatch):
-    table = readme_exit_codes()
+def test_documented_exit_code_table_is_true_for_every_command(tmp_path, gpt2_dir, monkeypatch):
+    table = documented_exit_codes()
     assert set(table) == {0, 1, 2, 3, 4, 130}
     scenarios = _scenarios(tmp_path, gpt2_dir, monkeypatch)
     claimed = {(code, cmd) for code, cmds in table.items() for cmd in cmds}

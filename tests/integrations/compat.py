@@ -3,7 +3,7 @@
 Tiny converted models (GPT-2: exact Pre-LN; BERT: Post-LN, converted with ``mode="all"``; ViT: exact
 Pre-LN), built offline from ``tests/zoo.py`` with randomised LayerNorm parameters, converted in float64
 and cast to float32 (what people export). Each function returns the agreement it measured against the
-eager converted model, so the README's compatibility table is generated from the same code the tests
+eager converted model, so the compatibility table (docs/compatibility.md) is generated from the same code the tests
 assert on.
 """
 
