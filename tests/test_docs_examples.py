@@ -41,7 +41,7 @@ REASONS = {
     "install": "installs packages (CI's own install runs the same commands)",
     "ci": "CI runs it itself from the checkout (.ci/run)",
     "no-run": "illustrative: placeholders for the reader's own files or models",
-    "slow": "minutes of CPU (a benchmark or a long run); its options are covered by a shorter block",
+    "slow": "minutes of CPU (a benchmark, a full training run)",
     "needs-rotation-merge": "temporary: the rotation API it shows lands with the rotation branch",
 }
 LANGS = {"python": "python", "py": "python", "bash": "shell", "sh": "shell", "shell": "shell", "console": "console"}
