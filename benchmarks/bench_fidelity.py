@@ -3,7 +3,7 @@
 The ratio is ‖converted_in_dtype − fp64‖ / ‖original_in_dtype − fp64‖ on the model's primary output
 (``normswap.verify``). Columns per dtype:
 
-* ``one``: one random model (zoo seed 0) on 8 × 32 tokens, the README table's figure;
+* ``one``: one random model (zoo seed 0) on 8 × 32 tokens, the architecture matrix's figure (docs/architectures.md);
 * ``mean``: the geometric mean over ``--seeds`` random models on ``--batch`` × 32 tokens, the figure
   tests/test_bf16_fidelity.py asserts (a single tiny model reads one draw of a few parameters'
   roundings; see that test's docstring);

@@ -228,7 +228,8 @@ def main() -> int:
         page = REPO / "docs" / "compatibility.md"
         text = page.read_text()
         versions = ", ".join(f"{k} {v}" for k, v in meta.items())
-        block = f"{BEGIN}\n_Measured by `python benchmarks/compat_table.py --write` ({versions})._\n\n{md}\n{END}"
+        block = (f"{BEGIN}\n_Measured {time.strftime('%Y-%m-%d')} by `python benchmarks/compat_table.py --write` "
+                 f"({os.cpu_count()} vCPU CPU; {versions})._\n\n{md}\n{END}")
         if BEGIN in text:
             text = re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), lambda _: block, text, flags=re.S)
         else:

@@ -1,7 +1,7 @@
 """Typed errors for every user-facing failure, each carrying its command-line exit code.
 
 The CLI prints ``str(error)`` as a single line and exits with ``error.exit_code``, so messages must
-say what went wrong *and* what to do about it, in one sentence. The exit codes are the README's
+say what went wrong *and* what to do about it, in one sentence. The exit codes are docs/cli.md's
 table: 0 ok, 1 error, 2 invalid command line, 3 nothing to convert, 4 verification failed,
 130 interrupted.
 """

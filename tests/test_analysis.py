@@ -301,8 +301,8 @@ def test_a_second_centering_op_on_one_stream_is_a_chain_not_a_stream_start():
 
 @pytest.mark.xfail(strict=True, reason=(
     "verdict policy: the first centering op on a value computed from a LayerNorm output (here block 0's "
-    "tanh) is still counted exact-with-centering, as BERT's MLM-head GELU is (README verdict table), while "
-    "the README's policy paragraph says such an op is not a stream start; the chain after it is no longer "
+    "tanh) is still counted exact-with-centering, as BERT's MLM-head GELU is (docs/concepts.md verdict table), while "
+    "the policy paragraph of docs/concepts.md says such an op is not a stream start; the chain after it is no longer "
     "counted (test above); reported"))
 def test_one_centering_op_per_block_is_not_a_stream_start():
     plan, _, _ = _analyse(TanhNet(wrap=True), (torch.randn(3, 6, dtype=torch.float64),))

@@ -41,7 +41,7 @@ REASONS = {
     "install": "installs packages (CI's own install runs the same commands)",
     "ci": "CI runs it itself from the checkout (.ci/run)",
     "no-run": "illustrative: placeholders for the reader's own files or models",
-    "slow": "minutes of CPU (a benchmark or a long run); its options are covered by a shorter block",
+    "slow": "minutes of CPU (a benchmark, a full training run)",
     "needs-rotation-merge": "temporary: the rotation API it shows lands with the rotation branch",
 }
 LANGS = {"python": "python", "py": "python", "bash": "shell", "sh": "shell", "shell": "shell", "console": "console"}
@@ -218,3 +218,36 @@ def test_a_stale_example_fails(tmp_path: Path, shell_env):
     page.write_text("```python\nimport normswap\nnormswap.no_such_function\n```\n")
     with pytest.raises(AssertionError, match=r"page.md:1: the python example failed: AttributeError"):
         run_page(page, tmp_path, shell_env)
+
+
+def test_readme_architecture_counts_match_the_matrix():
+    """The README quotes the generated matrix (docs/architectures.md); regenerating it must not leave
+    the README's counts stale."""
+    rows = [ln for ln in (REPO / "docs" / "architectures.md").read_text().splitlines() if ln.startswith("| `")]
+    counts = {"all": 0, "partly": 0, "rms": 0, "none": 0}
+    types = set()
+    for ln in rows:
+        cells = [c.strip() for c in ln.strip().strip("|").split("|")]
+        types.add(cells[1])
+        norms, exact, skipped = int(cells[3]), int(cells[4].split()[0]), int(cells[6])
+        kind = ("all" if exact == norms else "partly" if exact else "rms" if skipped == norms else "none")
+        counts[kind] += 1
+    readme = " ".join((REPO / "README.md").read_text().split())
+    claim = (f"{len(rows)} tiny random configurations covering {len(types)} Hugging Face model types are converted "
+             f"and checked against float64 in the test suite: {counts['all']} come out fully exact, "
+             f"{counts['partly']} (Post-LN) partly exact and partly approximate, {counts['rms']} are already "
+             f"RMS-normed (their γ can still be folded) and {counts['none']} have no exact norm")
+    assert claim in readme, claim
+    exact_entries = counts["all"] + counts["partly"]
+    assert f"exactness, {exact_entries} zoo architectures with exact norms" in readme
+
+
+def test_readme_quickstart_is_what_ci_runs():
+    """The README's second quickstart command is CI's install and test command (.ci/run)."""
+    readme = (REPO / "README.md").read_text()
+    line = next(ln for ln in readme.splitlines() if ln.endswith("&& python -m pytest -q"))
+    ci = (REPO / ".ci" / "run").read_text()
+    pip = "python -m pip install -q --disable-pip-version-check "
+    for step in line.split(" && "):
+        want = pip + step[len("pip install "):] if step.startswith("pip install ") else step
+        assert re.search(r"(?m)^" + re.escape(want) + "$", ci), f"{want!r} is not a line of .ci/run"

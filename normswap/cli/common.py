@@ -1,6 +1,6 @@
 """What every ``normswap`` command shares: one-line errors, exit codes, interrupts.
 
-Exit codes (every command; the README's table):
+Exit codes (every command; the table in docs/cli.md):
 
 * 0 - success
 * 1 - error: bad input, I/O failure, disk full, anything else (one line on stderr, nothing written)

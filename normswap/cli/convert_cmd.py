@@ -1,6 +1,6 @@
 """``normswap convert MODEL --out DIR``: convert a model on disk (or a preset) into a checkpoint.
 
-Exit codes: see :mod:`normswap.cli.common` (the README's table). ``inspect`` and ``verify`` live
+Exit codes: see :mod:`normswap.cli.common` (the table in docs/cli.md). ``inspect`` and ``verify`` live
 in their own modules; the option values all three share are in ``common``.
 """
 
