@@ -44,6 +44,7 @@ class Report:
     output: str | None = None  # the directory ``convert`` wrote
     output_format: str | None = None  # native | compat
     streamed: bool = False  # written by the low-memory path
+    rotation: Any = None  # the normswap.Rotation applied after the conversion (options.rotate)
 
     def __str__(self) -> str:
         lines = [self.message] if self.message else []
@@ -539,7 +540,14 @@ def patch(model: nn.Module, example_inputs: inputs.ExampleInputs = None, *,
         figures.update({f"heldout_{k}": v for k, v in calib.figures.items()})
     elif approx:
         message += "; no calibration (γ/β copied unchanged)"
-    return Report(plan_.sites, figures, plan_, message, changed=True, calibration=calib)
+    rotation = None
+    if opts.rotate is not None:  # proven output-preserving (normswap.rotate); applied to the committed model
+        from normswap.rotate import rotate
+
+        rotation = rotate(model, opts.rotate, seed=opts.rotate_seed, online=opts.online_hadamard,
+                          output=opts.rotate_output)
+        message += f"; {rotation.headline()}"
+    return Report(plan_.sites, figures, plan_, message, changed=True, calibration=calib, rotation=rotation)
 
 
 def _calibrate(work: nn.Module, approx: list[SitePlan], sites: dict, originals: dict, opts: ConvertOptions,

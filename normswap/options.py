@@ -18,6 +18,8 @@ from normswap.errors import NormswapError
 MODES = ("auto", "exact", "all")
 FORMATS = ("native", "compat")
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # checkpoint dtypes ``convert`` can write
+ROTATIONS = ("hadamard", "random")  # the rotations ``rotate`` builds (normswap.rotate also takes a seed or a matrix)
+ROTATE_OUTPUTS = ("rotated", "restore")  # a stream ending in a model output: turned output, or turned back
 # task name -> transformers Auto class that loads it (the --task option)
 TASKS = {
     "causal-lm": "AutoModelForCausalLM",
@@ -68,6 +70,16 @@ class ConvertOptions:
         allow_unusable: convert even when the held-out figures say the result is unusable.
         backend: the RMSNorm backend of the new modules (``"auto"`` or a name from
             ``normswap backends``).
+        rotate: after the conversion, rotate every rotation-ready residual stream
+            (:func:`normswap.rotate`): ``"hadamard"`` (randomized Hadamard, QuaRot's choice) or
+            ``"random"`` (random orthogonal); ``None`` (default) does not rotate. Rotation needs γ
+            folded, so ``rotate`` implies ``fold_gamma=True``. Both matrices keep ``Q·1 = 1``, so a
+            rotated exact model can still be written in the compat format.
+        rotate_seed: the seed of the rotation's random signs / random matrix (stream ``i`` uses
+            ``rotate_seed + i``); recorded in the manifest with the kind, enough to rebuild ``Q``.
+        rotate_output: how a stream whose last norm output is itself a model output (a ViT/DINOv2
+            backbone's ``last_hidden_state``) is handled (see :func:`normswap.rotate`'s ``output``).
+        online_hadamard: also the online Hadamard rotations (see :func:`normswap.rotate`'s ``online``).
     """
 
     mode: str = "auto"
@@ -81,13 +93,27 @@ class ConvertOptions:
     verify: bool = True
     allow_unusable: bool = False
     backend: str = "auto"
+    rotate: str | None = None
+    rotate_seed: int = 0
+    rotate_output: str | None = None
+    online_hadamard: bool = False
 
     def __post_init__(self) -> None:
         from normswap import backends  # the registry of backend names (imports torch kernels)
 
         choose("mode", self.mode, MODES)
+        if self.rotate is not None:
+            choose("rotate", self.rotate, ROTATIONS)
+            object.__setattr__(self, "fold_gamma", True)  # rotation needs unit-weight norms
+        if self.rotate_output is not None:
+            choose("rotate_output", self.rotate_output, ROTATE_OUTPUTS)
+        if isinstance(self.rotate_seed, bool) or not isinstance(self.rotate_seed, int):
+            raise NormswapError(f"option rotate_seed must be an int, not {self.rotate_seed!r}")
+        if (self.online_hadamard or self.rotate_output is not None) and self.rotate is None:
+            what = "online_hadamard" if self.online_hadamard else "rotate_output"
+            raise NormswapError(f"option {what} applies to a rotation: pass rotate='hadamard' (--rotate hadamard) too")
         for name in ("fold_gamma", "untie", "per_norm_centering", "mean_carry", "sequential", "verify",
-                     "allow_unusable"):
+                     "allow_unusable", "online_hadamard"):
             if not isinstance(getattr(self, name), bool):
                 raise NormswapError(f"option {name} must be True or False, not {getattr(self, name)!r}")
         backends.check_name(self.backend)

@@ -55,6 +55,16 @@ class Rotation:
         """One line per stream that asked for a Hadamard matrix and got a random orthogonal one."""
         return [f"width {r['width']}: {r['fallback']}" for r in self.rotated if r["fallback"]]
 
+    def headline(self) -> str:
+        """One line: ``rotated 2 stream(s) (hadamard), 1 left unrotated``."""
+        kinds = "/".join(sorted({r["kind"] for r in self.rotated}))
+        line = f"rotated {len(self.rotated)} stream(s)" + (f" ({kinds})" if kinds else "")
+        if self.fallbacks:
+            line += f", {len(self.fallbacks)} by a random orthogonal matrix (no Hadamard order fits their width)"
+        if self.skipped:
+            line += f", {len(self.skipped)} left unrotated ({self.skipped[0]['reason']})"
+        return line
+
     def __str__(self) -> str:
         lines = []
         for r in self.rotated:
@@ -207,7 +217,7 @@ def _user_matrix(q: torch.Tensor) -> torch.Tensor:
 
 
 def rotate(model: nn.Module, q: str | int | torch.Tensor = "hadamard", *, seed: int = 0,
-           online: bool = False) -> Rotation:
+           online: bool = False, output: str | None = None) -> Rotation:
     """Multiply every rotation-ready residual stream of a converted model by an orthogonal matrix.
 
     Args:

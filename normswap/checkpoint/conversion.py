@@ -141,6 +141,11 @@ def check_options(
             "compat format keeps LayerNorms, so approximate norms cannot be converted: "
             "use --mode exact (or auto) with --format compat, or --format native with --mode all"
         )
+    if fmt == "compat" and opts.online_hadamard:
+        raise NormswapError("online Hadamard rotations add ops the stock architecture lacks: use --format native "
+                            "with --online-hadamard, or drop it for --format compat")
+    if low_memory and opts.rotate is not None:
+        raise NormswapError("--rotate needs the whole model in memory; drop --low-memory or --rotate")
     if low_memory and calibration_data is not None:
         raise NormswapError(
             "--calibration-data needs the whole model in memory; drop --low-memory or the calibration data"
@@ -420,6 +425,9 @@ def convert(
             )
     if low_memory and opts.per_norm_centering:
         raise NormswapError("--per-norm-centering needs the whole model in memory; drop --low-memory")
+    if low_memory and opts.rotate is not None:
+        raise NormswapError(f"{src.label} is streamed (larger than half of the available RAM) and --rotate needs "
+                            "the whole model in memory; pass --in-memory to force it, or drop --rotate")
     if low_memory:
         if src.kind == "preset":
             raise NormswapError(

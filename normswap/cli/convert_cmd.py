@@ -68,6 +68,7 @@ Examples:
   normswap convert gpt2 --out gpt2-compat --format compat      # stock transformers, no normswap needed
   normswap convert ./bert --out bert-rms --mode all --calibration-data corpus.jsonl
   normswap convert ./big-model --out big-rms --low-memory --dtype bfloat16
+  normswap convert gpt2 --out gpt2-rot --format compat --rotate hadamard   # rotated, stock transformers
 
 \b
 Then load it:
@@ -173,6 +174,29 @@ Presets (offline, seeded tiny models with tokenizers/processors):
     help="With --task: allow a task head the checkpoint lacks (random init, recorded in the "
     "manifest). Without it any missing tensor is an error.",
 )
+@click.option(
+    "--rotate",
+    "rotation",
+    type=click.Choice(("hadamard", "random")),
+    default=None,
+    help="After converting, rotate every rotation-ready residual stream by an orthogonal Q (outputs "
+    "unchanged): hadamard = randomized Hadamard (QuaRot's choice; a random orthogonal Q where no "
+    "Hadamard order fits the width), random = random orthogonal. Implies --fold-gamma. Q keeps the "
+    "mean (Q·1 = 1), so --format compat works too. Recorded in the manifest.",
+)
+@click.option("--seed", "rotate_seed", type=int, default=0, show_default=True,
+              help="With --rotate: the seed of the random signs / random matrix (stream i uses seed + i).")
+@click.option(
+    "--rotate-output",
+    type=click.Choice(("rotated", "restore")),
+    default=None,
+    help="With --rotate, for a stream whose last norm output is a model output (a ViT backbone's "
+    "last_hidden_state): rotated = that output comes out rotated (cosines and inner products kept; Q in "
+    "the manifest); restore = one un-rotation after the last norm (outputs unchanged). Default: such "
+    "streams are not rotated.",
+)
+@click.option("--online-hadamard", is_flag=True,
+              help="With --rotate hadamard and --format native: also the online Hadamard rotations.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bars.")
 @handle_errors
 def convert(
@@ -195,6 +219,10 @@ def convert(
     allow_unusable: bool,
     task: str | None,
     new_head: bool,
+    rotation: str | None,
+    rotate_seed: int,
+    rotate_output: str | None,
+    online_hadamard: bool,
     quiet: bool,
 ) -> None:
     """Convert MODEL's LayerNorms to RMSNorm and write a checkpoint to --out.
@@ -206,9 +234,18 @@ def convert(
     from normswap.checkpoint.conversion import convert as run
     from normswap.options import ConvertOptions
 
+    if rotation is None and (online_hadamard or rotate_output or rotate_seed):
+        what = "--online-hadamard" if online_hadamard else "--rotate-output" if rotate_output else "--seed"
+        raise NormswapError(f"{what} applies to a rotation: pass --rotate hadamard (or random) too")
+    if rotation is not None and not fold_gamma:
+        click.echo("note: --rotate implies --fold-gamma (rotation needs RMSNorms of unit weight)", err=True)
     options = ConvertOptions(
         mode=mode,
-        fold_gamma=fold_gamma,
+        fold_gamma=fold_gamma or rotation is not None,
+        rotate=rotation,
+        rotate_seed=rotate_seed,
+        rotate_output=rotate_output,
+        online_hadamard=online_hadamard,
         untie=not keep_tied,
         per_norm_centering=per_norm_centering,
         mean_carry=not no_mean_carry,
@@ -241,6 +278,8 @@ def convert(
         click.echo(headline)
     if plan is not None:
         click.echo(f"plan: {plan.summary()}")
+    if report.rotation is not None:
+        click.echo(f"rotation: {report.rotation.headline()}")
     figs = figures_line(report.verification)
     if figs:
         click.echo(f"verification: {figs}")

@@ -1,0 +1,106 @@
+"""Rotated checkpoints: ``normswap convert --rotate``, native and compat. A rotated compat directory
+loads in a process that never imports normswap, with the original's logits and rotated weights."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors.torch import load_file
+
+import normswap
+from normswap.cli import main
+from normswap.presets import build as build_preset
+from normswap.rotate import rotation_matrix
+
+REPO = Path(__file__).resolve().parents[1]
+
+_LOAD_STOCK = textwrap.dedent("""
+    import builtins, json, sys, torch
+    real_import = builtins.__import__
+    def guard(name, *a, **k):
+        if name.split(".")[0] == "normswap":
+            raise ImportError("normswap must not be needed")
+        return real_import(name, *a, **k)
+    builtins.__import__ = guard
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained({path!r}, dtype=torch.float32).eval()
+    ids = torch.load({ids!r})
+    with torch.no_grad():
+        torch.save(model(input_ids=ids).logits, {out!r})
+    print(json.dumps({{"normswap_loaded": any(m.startswith("normswap") for m in sys.modules),
+                       "class": type(model).__name__}}))
+""")
+
+
+def _stock_logits(tmp: Path, path: Path, ids: torch.Tensor) -> torch.Tensor:
+    torch.save(ids, tmp / "ids.pt")
+    code = _LOAD_STOCK.format(path=str(path), ids=str(tmp / "ids.pt"), out=str(tmp / "logits.pt"))
+    env = {**os.environ, "PYTHONPATH": ""}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300,
+                          cwd=str(tmp))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    info = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert not info["normswap_loaded"] and info["class"] == "GPT2LMHeadModel"
+    return torch.load(tmp / "logits.pt")
+
+
+def _convert(*args: str) -> str:
+    res = CliRunner().invoke(main, ["convert", *args, "--quiet"], catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    return res.output
+
+
+def test_rotated_compat_gpt2_loads_in_stock_transformers_with_the_same_logits(tmp_path):
+    out = _convert("tiny-gpt2", "--out", str(tmp_path / "rot"), "--format", "compat", "--rotate", "hadamard",
+                   "--seed", "3")
+    assert "--rotate implies --fold-gamma" in out and "rotated 1 stream(s) (hadamard)" in out
+    _convert("tiny-gpt2", "--out", str(tmp_path / "plain"), "--format", "compat", "--fold-gamma")
+
+    original, _ = build_preset("tiny-gpt2")
+    original = original.float().eval()
+    ids = torch.randint(0, original.config.vocab_size, (2, 11), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = original(input_ids=ids).logits
+    logits = _stock_logits(tmp_path, tmp_path / "rot", ids)
+    assert float((logits - ref).abs().max() / ref.abs().max()) < 1e-4
+
+    rot, plain = load_file(tmp_path / "rot" / "model.safetensors"), load_file(tmp_path / "plain" / "model.safetensors")
+    assert rot.keys() == plain.keys()
+    differ = [k for k in rot if rot[k].shape == plain[k].shape and not torch.allclose(rot[k], plain[k], atol=1e-5)]
+    assert any("wte" in k for k in differ) and any("c_attn.weight" in k for k in differ)
+    assert any("mlp.c_proj.weight" in k for k in differ)
+
+    manifest = json.loads((tmp_path / "rot" / "config.json").read_text())["normswap"]
+    assert manifest["format"] == "compat"
+    (entry,) = manifest["plan"]["rotations"]
+    assert entry["kind"] == "hadamard" and entry["seed"] == 3 and entry["mean_preserving"]
+    # the manifest rebuilds Q: undoing it on the rotated embedding gives the unrotated one
+    q, _ = rotation_matrix(entry["width"], entry["kind"], entry["seed"])
+    wte = next(k for k in rot if k.endswith("wte.weight"))
+    assert torch.allclose(rot[wte].double() @ q.T, plain[wte].double(), atol=1e-5)
+
+
+def test_rotated_native_checkpoint_reloads_bitwise_and_records_the_rotation(tmp_path):
+    out = _convert("tiny-opt", "--out", str(tmp_path / "n"), "--rotate", "random", "--seed", "5")
+    assert "rotated" in out
+    model = normswap.load(tmp_path / "n")
+    (entry,) = normswap.plan_of(model).rotations
+    assert entry["kind"] == "random" and entry["seed"] == 5
+
+
+def test_rotation_flags_without_rotate_and_online_with_compat_are_errors(tmp_path):
+    res = CliRunner().invoke(main, ["convert", "tiny-gpt2", "--out", str(tmp_path / "x"), "--seed", "2"])
+    assert res.exit_code != 0 and "--seed applies to a rotation" in res.output
+    res = CliRunner().invoke(main, ["convert", "tiny-gpt2", "--out", str(tmp_path / "x"), "--rotate", "hadamard",
+                                    "--online-hadamard", "--format", "compat"])
+    assert res.exit_code != 0 and "--format native" in res.output
+    assert not (tmp_path / "x").exists()
+    with pytest.raises(normswap.NormswapError, match="did you mean 'hadamard'"):
+        normswap.ConvertOptions(rotate="hadamad")
+    assert normswap.ConvertOptions(rotate="random").fold_gamma  # rotation implies fold_gamma
