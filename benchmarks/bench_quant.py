@@ -236,25 +236,29 @@ def rotation_api() -> dict[str, bool]:
     import normswap
 
     params = inspect.signature(normswap.rotate).parameters
-    return {"named": "seed" in params or "online" in params, "online": "online" in params}
+    return {"named": "seed" in params or "online" in params, "online": "online" in params,
+            "output": "output" in params}
 
 
-def _rotate(model: torch.nn.Module, which: str, seed: int) -> Any:
+def _rotate(model: torch.nn.Module, which: str, seed: int, kind: str) -> Any:
     import normswap
 
     api = rotation_api()
+    # a backbone whose last norm output is the model output: ask for that output turned back, so
+    # the CLS vector is compared with the original's as it is
+    extra = {"output": "restore"} if kind == "vision" and api["output"] else {}
     if which == "random":
-        return normswap.rotate(model, "random", seed=seed) if api["named"] else normswap.rotate(model, seed)
+        return normswap.rotate(model, "random", seed=seed, **extra) if api["named"] else normswap.rotate(model, seed)
     if not api["named"]:
         raise NotImplementedError("this normswap.rotate takes a seed or a matrix only (no \"hadamard\")")
     if which == "hadamard":
-        return normswap.rotate(model, "hadamard", seed=seed)
+        return normswap.rotate(model, "hadamard", seed=seed, **extra)
     if not api["online"]:
         raise NotImplementedError("this normswap.rotate has no online=True")
-    return normswap.rotate(model, "hadamard", seed=seed, online=True)
+    return normswap.rotate(model, "hadamard", seed=seed, online=True, **extra)
 
 
-def build_variants(model: torch.nn.Module, tok: Any, which: list[str], seed: int
+def build_variants(model: torch.nn.Module, tok: Any, which: list[str], seed: int, kind: str
                    ) -> list[tuple[str, torch.nn.Module | None, str]]:
     """``[(name, model or None, note)]``: None with the reason where the variant could not be built."""
     import normswap
@@ -273,7 +277,7 @@ def build_variants(model: torch.nn.Module, tok: Any, which: list[str], seed: int
     for rot in which:
         m = copy.deepcopy(conv)
         try:
-            result = _rotate(m, rot, seed)
+            result = _rotate(m, rot, seed, kind)
         except (NotImplementedError, normswap.NormswapError) as e:
             variants.append((rot, None, str(e).splitlines()[0]))
             continue
@@ -462,7 +466,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     precisions = [p for p in PRECISIONS if p[0] in args.precisions]
     t0 = time.perf_counter()
     ref = outputs(model, batches, kind, pooling)
-    variants = build_variants(model, tok, list(args.rotations), args.seed)
+    variants = build_variants(model, tok, list(args.rotations), args.seed, kind)
     result: dict[str, Any] = {
         "model": label, "kind": kind, "data": data, "pooling": pooling if kind == "encoder" else None,
         "precisions": precisions, "real": real_quantizers(args.real), "rows": {}, "notes": {},
