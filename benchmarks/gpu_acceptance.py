@@ -289,7 +289,7 @@ def stage_record(stage: Stage, budget: float, outcome: dict | None, missing: Seq
         status = "timeout" if outcome["timed_out"] else "ok" if rc in stage.ok_codes else "failed"
         rec.update(status=status, rc=rc, seconds=outcome["seconds"], tail=outcome["tail"])
         if status == "timeout":
-            stopped = f"stopped at its budget ({outcome.get('timeout_s', budget):.0f} s)"
+            stopped = f"stopped at its time limit ({outcome.get('timeout_s', budget):.0f} s)"
             rec["note"] = f"{note}; {stopped}" if note else stopped
     return rec
 
@@ -413,7 +413,7 @@ def _why(stage: dict | None) -> str:
     if stage is None:
         return "not measured"
     if stage["status"] == "ok":
-        return "not measured (the stage wrote no result for it)"
+        return "not measured: the stage wrote no result for it"
     return f"not measured: stage {stage['name']} {stage['status']}" + (f" ({stage['note']})" if stage["note"] else "")
 
 
@@ -461,7 +461,7 @@ def goals(stages: Sequence[dict], payloads: dict[str, dict | None]) -> list[dict
         ok = by[name]["status"] == "ok" and data.get("returncode") == 0 and bool(data.get("loaded"))
         where = f"{data.get('processes')} process(es), {data.get('steps_done')} steps"
         rows.append(_goal(goal, where, None, None, ok, source=name,
-                          note=data.get("error") or ("" if ok else _why(by[name]))))
+                          note=data.get("error") or ("" if ok else _why(by[name])) or data.get("note", "")))
     if "tests" in by:
         goal = "README test command green with a GPU present"
         data = payloads.get("tests")
@@ -535,7 +535,7 @@ def render_markdown(report: dict) -> str:
     lines += ["", "## Goals", "", "| goal | where | value | target | verdict |", "|---|---|---|---|---|"]
     for g in report["goals"]:
         target = "-" if g["limit"] is None else f"{g['bound']} {g['limit']:.2f}"
-        verdict = "pass" if g["ok"] else "**FAIL**" + (f" ({g['note']})" if g["note"] else "")
+        verdict = ("pass" if g["ok"] else "**FAIL**") + (f" ({g['note']})" if g["note"] else "")
         lines.append(f"| {_cell(g['goal'])} | {_cell(g['where'])} | {_fmt(g['value'])} | {target} | {_cell(verdict)} |")
     lines += ["", "## Stages", "", "| stage | status | seconds | budget s | note |", "|---|---|---|---|---|"]
     for st in report["stages"]:
@@ -719,6 +719,9 @@ def worker_recipe(out: Path, kind: str) -> int:
         records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
     train = [r for r in records if r.get("split") == "train"]
     data["steps_done"] = train[-1]["step"] if train else 0
+    if kind == "ddp" and processes == 1:
+        data["note"] = ("one GPU, so 1 process: NCCL allows one rank per GPU, and accelerate wraps the model in "
+                        "DDP only with 2 or more")
     evals = [r for r in records if r.get("split") not in ("train", "replicas")]
     data["last_eval"] = evals[-1] if evals else None
     if proc.returncode == 0:

@@ -131,7 +131,7 @@ def test_partial_report_is_written_before_and_after_each_stage(tmp_path):
     on_disk = json.loads((out / "report.json").read_text())
     assert on_disk == json.loads(json.dumps(report, default=str))
     env, host = on_disk["stages"]
-    assert env["status"] == "timeout" and "started" in env["tail"] and "stopped at its budget (2 s)" in env["note"]
+    assert env["status"] == "timeout" and "started" in env["tail"] and "stopped at its time limit (2 s)" in env["note"]
     assert host["status"] == "ok" and host["rc"] == 0 and "ran" in host["tail"]
     assert on_disk["finished"] and (out / "logs" / "env.log").exists()
     goal = [g for g in on_disk["goals"] if g["source"] == "host"]
@@ -201,7 +201,7 @@ def _fake_payloads() -> dict[str, dict]:
     write("fsdp", {"config": "fsdp.yaml", "processes": 1, "returncode": 1, "loaded": False, "steps_done": 3,
                    "error": "accelerate launch exited 1"})
     write("ddp", {"config": "ddp.yaml", "processes": 1, "returncode": 0, "loaded": True, "steps_done": 6,
-                  "rmsnorm_modules": 5, "layernorm_modules": 0, "sharded": False})
+                  "rmsnorm_modules": 5, "layernorm_modules": 0, "sharded": False, "note": "one GPU, so 1 process"})
     write("tests", {"total": 10, "passed": 7, "failed": 2, "errors": 0, "skipped": 1, "interrupted": False,
                     "failing": ["tests/a/test_x.py::test_one", "tests/test_y.py::test_two[p]"], "shards": 2,
                     "command": "python -m pytest -q"})
@@ -286,6 +286,7 @@ def test_report_from_fake_stage_results(tmp_path):
     assert "| module host cost <= nn.LayerNorm | fwd+bwd bfloat16 bias | 1.300 | <= 1.00 | **FAIL** |" in md
     assert "| module host cost <= nn.LayerNorm | fwd float32 no bias | 0.800 | <= 1.00 | pass |" in md
     assert "- `tests/test_y.py::test_two[p]`" in md
+    assert f"| {ga.RECIPE_GOALS['ddp']} | 1 process(es), 6 steps | - | - | pass (one GPU, so 1 process) |" in md
     assert "| model | gpt2-small | prefill | 5.00 | 6.00 | 1.200 | - |" in md
     assert "### compile-decode: failed (exit code 1" in md and "'''boom'''" in md  # fences stay intact
     assert "### targets-eager: timeout" in md and "### fsdp: failed" in md
