@@ -458,7 +458,8 @@ def goals(stages: Sequence[dict], payloads: dict[str, dict | None]) -> list[dict
         if not data:
             rows.append(_goal(goal, "-", None, None, False, source=name, note=_why(by[name])))
             continue
-        ok = by[name]["status"] == "ok" and data.get("returncode") == 0 and bool(data.get("loaded"))
+        ok = (by[name]["status"] == "ok" and data.get("returncode") == 0 and bool(data.get("loaded"))
+              and not data.get("error"))
         where = f"{data.get('processes')} process(es), {data.get('steps_done')} steps"
         rows.append(_goal(goal, where, None, None, ok, source=name,
                           note=data.get("error") or ("" if ok else _why(by[name])) or data.get("note", "")))
@@ -739,9 +740,11 @@ def worker_recipe(out: Path, kind: str) -> int:
             data["error"] = f"normswap.load failed: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
     else:
         data["error"] = f"accelerate launch exited {proc.returncode}"
+    if kind == "fsdp" and data["loaded"] and not data["sharded"]:  # the recipe says so under FSDP
+        data["error"] = "the run finished but not under FSDP (the recipe did not report sharded weights)"
     print(json.dumps(data, indent=2))
     _write(out, kind, data)
-    return 0 if data["loaded"] else 1
+    return 0 if data["loaded"] and not data.get("error") else 1
 
 
 def shard_files(files: Sequence[Path], shards: int) -> list[list[Path]]:
