@@ -12,9 +12,10 @@ PYTHONPATH anyway), and a stage whose packages are missing is recorded as skippe
 instead of crashing. To bring packages the image lacks, download their wheels into an ignored folder
 before the call and carry it (64 MiB in all); wheels of distributions not installed yet are then
 installed from it (with dependencies found there; nothing installed is replaced unless the folder
-holds a newer one). Liger, which the graph targets compare against, is one 1 MB pure-Python wheel:
+holds a newer one). Liger, which the graph targets compare against, is one 1 MB pure-Python wheel
+(and ``wheel`` lets an older setuptools build the editable install):
 
-    pip download --no-deps -d out/wheelhouse liger-kernel==0.8.5
+    pip download --no-deps -d out/wheelhouse liger-kernel==0.8.5 wheel
     python benchmarks/gpu_acceptance.py --out $OUT/gpu --wheelhouse out/wheelhouse   # carry out/wheelhouse
 
 What comes back, under ``--out``: ``report.md`` (goals table, stages, measurements, the output tail of
@@ -626,10 +627,14 @@ def worker_install(out: Path, wheelhouse: str | None) -> int:
     probe = subprocess.run([sys.executable, "-c", "import normswap; print(normswap.__file__)"], env=env,
                            capture_output=True, text=True, cwd=tempfile.gettempdir())
     data["imports_from"] = probe.stdout.strip() or None
+    data["from_this_tree"] = bool(data["imports_from"]) and Path(data["imports_from"]).resolve().is_relative_to(REPO)
     print(f"pip install -e: exit {rc}; import normswap without PYTHONPATH -> "
           f"{data['imports_from'] or probe.stderr[-300:]}")
+    if rc != 0:
+        print("(the other stages import the working tree through PYTHONPATH all the same; if pip could not "
+              "build, e.g. \"invalid command 'bdist_wheel'\", add the `wheel` wheel to --wheelhouse)")
     _write(out, "install", data)
-    return 0 if rc == 0 and data["imports_from"] else 1
+    return 0 if rc == 0 and data["from_this_tree"] else 1
 
 
 def worker_env(out: Path) -> int:
