@@ -366,3 +366,20 @@ def test_a_crash_with_an_accepted_exit_code_but_no_result_is_a_failure(tmp_path)
     (st,) = report["stages"]
     assert st["status"] == "failed" and "no result file" in st["note"]
     assert "RuntimeError: CUDA error" in (tmp_path / "report.md").read_text()
+
+
+def test_a_result_of_an_unexpected_shape_is_reported_and_the_next_stages_still_run(tmp_path):
+    def runner(cmd, timeout, log, env=None):
+        if log.stem == "model":  # rows without the fields the goals read
+            _write_result(tmp_path, "model", {"results": [{"phase": "decode"}]})
+        return {"rc": 0, "seconds": 1.0, "timed_out": False, "tail": ""}
+
+    stages = [ga.BY_NAME["env"], ga.BY_NAME["model"], ga.BY_NAME["ddp"]]
+    report = ga.run_all(stages, {"env": 5.0, "model": 5.0, "ddp": 5.0}, tmp_path, ga.parse_args([]), 100.0,
+                        runner=runner, find_missing=lambda need: [])
+    assert [s["status"] for s in report["stages"]] == ["ok", "ok", "ok"]  # ddp ran after the bad result
+    assert report["finished"] and not report.get("errors")
+    bad = [g for g in report["goals"] if g["source"] == "model"]
+    assert len(bad) == 1 and not bad[0]["ok"] and "unreadable result: KeyError" in bad[0]["note"]
+    ddp = [g for g in report["goals"] if g["source"] == "ddp"]  # the goals of later stages are still read
+    assert len(ddp) == 1 and not ddp[0]["ok"] and "wrote no result" in ddp[0]["note"]
