@@ -117,7 +117,7 @@ def interleaved(fns: dict[str, Callable[[], object]], device: str, rounds: int,
 
 
 def decode_fn(model: nn.Module, device: str, dtype: torch.dtype, new_tokens: int, compiled: bool = False,
-              compile_backend: str = "inductor") -> Callable[[], object]:
+              compile_backend: str = "inductor", compile_mode: str | None = "reduce-overhead") -> Callable[[], object]:
     """Greedy batch-1 decode of ``new_tokens`` after an 8-token prompt. ``compiled``: a static KV cache,
     with which ``generate`` compiles the per-token forward (on CPU too: the benchmark asks for it)."""
     ids = torch.randint(0, VOCAB, (1, 8), generator=torch.Generator().manual_seed(0)).to(device)
@@ -127,8 +127,7 @@ def decode_fn(model: nn.Module, device: str, dtype: torch.dtype, new_tokens: int
         from transformers import CompileConfig
 
         # inductor's reduce-overhead (CUDA graphs) is generate's own default; other backends take no mode
-        config = CompileConfig(backend=compile_backend,
-                               mode="reduce-overhead" if compile_backend == "inductor" else None)
+        config = CompileConfig(backend=compile_backend, mode=compile_mode if compile_backend == "inductor" else None)
         config._compile_all_devices = device != "cuda"  # generate compiles only on accelerators otherwise
         extra = {"cache_implementation": "static", "compile_config": config}
 
@@ -184,6 +183,9 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--prefill-seq", type=int, default=512, help="prompt length of the prefill phase")
     ap.add_argument("--compile-backend", default="inductor", help="torch.compile backend of decode-compile")
+    ap.add_argument("--compile-mode", default="reduce-overhead",
+                    help="torch.compile mode of decode-compile with inductor (reduce-overhead: CUDA graphs, "
+                    "generate's default; 'default' without them)")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--rounds", type=int, default=7)
@@ -223,11 +225,11 @@ def main() -> None:
             a, b = copy.deepcopy(original), copy.deepcopy(converted)
             if phase in ("decode", "decode-compile"):
                 compiled = phase == "decode-compile"
-                fns = {k: decode_fn(mod, device, dtype, args.new_tokens, compiled, args.compile_backend)
-                       for k, mod in (("original", a), ("converted", b))}
+                fns = {k: decode_fn(mod, device, dtype, args.new_tokens, compiled, args.compile_backend,
+                                    args.compile_mode) for k, mod in (("original", a), ("converted", b))}
                 what = {"dtype": str(dtype).replace("torch.", ""), "new_tokens": args.new_tokens, "batch": 1}
                 if compiled:
-                    what["compile_backend"] = args.compile_backend
+                    what.update(compile_backend=args.compile_backend, compile_mode=args.compile_mode)
             elif phase == "prefill":
                 fns = {k: prefill_fn(mod, device, dtype, args.prefill_seq) for k, mod in (("original", a),
                                                                                         ("converted", b))}

@@ -12,9 +12,10 @@ PYTHONPATH anyway), and a stage whose packages are missing is recorded as skippe
 instead of crashing. To bring packages the image lacks, download their wheels into an ignored folder
 before the call and carry it (64 MiB in all); wheels of distributions not installed yet are then
 installed from it (with dependencies found there; nothing installed is replaced unless the folder
-holds a newer one). Liger, which the graph targets compare against, is one 1 MB pure-Python wheel:
+holds a newer one). Liger, which the graph targets compare against, is one 1 MB pure-Python wheel
+(and ``wheel`` lets an older setuptools build the editable install):
 
-    pip download --no-deps -d out/wheelhouse liger-kernel==0.8.5
+    pip download --no-deps -d out/wheelhouse liger-kernel==0.8.5 wheel
     python benchmarks/gpu_acceptance.py --out $OUT/gpu --wheelhouse out/wheelhouse   # carry out/wheelhouse
 
 What comes back, under ``--out``: ``report.md`` (goals table, stages, measurements, the output tail of
@@ -289,7 +290,7 @@ def stage_record(stage: Stage, budget: float, outcome: dict | None, missing: Seq
         status = "timeout" if outcome["timed_out"] else "ok" if rc in stage.ok_codes else "failed"
         rec.update(status=status, rc=rc, seconds=outcome["seconds"], tail=outcome["tail"])
         if status == "timeout":
-            stopped = f"stopped at its budget ({outcome.get('timeout_s', budget):.0f} s)"
+            stopped = f"stopped at its time limit ({outcome.get('timeout_s', budget):.0f} s)"
             rec["note"] = f"{note}; {stopped}" if note else stopped
     return rec
 
@@ -347,9 +348,13 @@ def run_all(stages: Sequence[Stage], budgets: dict[str, float], out: Path, args:
         print(f"[gpu_acceptance] {stage.name}: {rec['status']}"
               + (f" in {rec['seconds']} s" if rec["seconds"] is not None else "")
               + (f" ({rec['note']})" if rec["note"] else ""), flush=True)
-        if stage.name == "env":
-            report["environment"].update(load_json(result_path(out, "env")) or {})
-        refresh(report, out)
+        try:  # a result this script cannot read must not cost the stages after it
+            if stage.name == "env":
+                report["environment"].update(load_json(result_path(out, "env")) or {})
+            refresh(report, out)
+        except Exception as exc:  # noqa: BLE001 - recorded in the report
+            report.setdefault("errors", []).append(f"reading the results after {stage.name}: "
+                                                   f"{type(exc).__name__}: {exc}")
         report["wall_s"] = round(time.monotonic() - t0, 1)
         write_report(out, report)
     report["finished"] = True
@@ -379,7 +384,11 @@ def refresh(report: dict, out: Path) -> None:
     """Re-read every finished stage's JSON and rebuild the measurements, goals and summary."""
     payloads = {s["name"]: load_json(result_path(out, s["name"])) for s in report["stages"]
                 if s["status"] not in ("pending", "running")}
-    report["measurements"] = measurements(payloads)
+    try:
+        report["measurements"] = measurements(payloads)
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:  # the goals below still get read
+        report["measurements"] = {}
+        report.setdefault("errors", []).append(f"measurements tables: {type(exc).__name__}: {exc}")
     report["goals"] = goals(report["stages"], payloads)
     report["summary"] = summary(report)
 
@@ -413,67 +422,80 @@ def _why(stage: dict | None) -> str:
     if stage is None:
         return "not measured"
     if stage["status"] == "ok":
-        return "not measured (the stage wrote no result for it)"
+        return "not measured: the stage wrote no result for it"
     return f"not measured: stage {stage['name']} {stage['status']}" + (f" ({stage['note']})" if stage["note"] else "")
 
 
+def _target_goals(name: str, stage: dict, data: dict | None) -> list[dict]:
+    """gpu_targets' own checks (host, eager, graph), and a failed row for what it did not measure."""
+    goal = "module host cost <= nn.LayerNorm" if name == "host" else f"gpu_targets {name[8:]} row passes"
+    if not data or "checks" not in data:
+        return [_goal(goal, "-", None, None, False, source=name, note=_why(stage))]
+    rows = [_goal(goal, c["where"] if name == "host" else f"{c['target']}: {c['where']}", c["value"], c["limit"],
+                  c["ok"], c.get("bound", "<="), name) for c in data["checks"]]
+    rows += [_goal(goal, target, None, None, False, source=name, note="not measured")
+             for target in data.get("missing", [])]
+    if data.get("partial") or stage["status"] != "ok":  # cut short: the shapes after these
+        rows.append(_goal(goal, "the shapes after those above", None, None, False, source=name, note=_why(stage)))
+    return rows
+
+
+def _model_goals(name: str, stage: dict, data: dict | None) -> list[dict]:
+    """One row per (model, phase with a target) the stage runs; a missing row fails."""
+    results = {(r["model"], r["phase"]): r for r in (data or {}).get("results", [])}
+    models, phases = MODEL_RUNS[name]
+    rows = []
+    for model in models:
+        for phase in (p for p in phases if p in PHASE_GOALS):
+            goal, limit = PHASE_GOALS[phase]
+            r = results.get((model, phase))
+            if r is None:
+                rows.append(_goal(goal, model, None, limit, False, source=name, note=_why(stage)))
+            else:
+                rows.append(_goal(goal, model, r["ratio"], limit, r["ratio"] <= limit, source=name))
+    return rows
+
+
+def _recipe_goals(name: str, stage: dict, data: dict | None) -> list[dict]:
+    goal = RECIPE_GOALS[name]
+    if not data:
+        return [_goal(goal, "-", None, None, False, source=name, note=_why(stage))]
+    ok = stage["status"] == "ok" and data.get("returncode") == 0 and bool(data.get("loaded")) and not data.get("error")
+    where = f"{data.get('processes')} process(es), {data.get('steps_done')} steps"
+    return [_goal(goal, where, None, None, ok, source=name,
+                  note=data.get("error") or ("" if ok else _why(stage)) or data.get("note", ""))]
+
+
+def _test_goals(name: str, stage: dict, data: dict | None) -> list[dict]:
+    goal = "README test command green with a GPU present"
+    if not data:
+        return [_goal(goal, "-", None, None, False, source=name, note=_why(stage))]
+    bad = data["failed"] + data["errors"]
+    ok = stage["status"] == "ok" and bad == 0 and data["total"] > 0 and not data.get("interrupted")
+    where = (f"{data['passed']} passed, {data['failed']} failed, {data['errors']} errors, {data['skipped']} skipped"
+             + (" (interrupted)" if data.get("interrupted") else ""))
+    return [_goal(goal, where, float(bad), 0.0, ok, source=name, note="" if ok or bad else _why(stage))]
+
+
+GOAL_READERS: dict[str, Callable[[str, dict, dict | None], list[dict]]] = {
+    "host": _target_goals, "targets-eager": _target_goals, "targets-graph": _target_goals,
+    **{k: _model_goals for k in MODEL_RUNS}, "fsdp": _recipe_goals, "ddp": _recipe_goals, "tests": _test_goals,
+}
+
+
 def goals(stages: Sequence[dict], payloads: dict[str, dict | None]) -> list[dict]:
-    """Pass/fail per target, for the stages that were selected; a target that was not measured fails."""
-    by = {s["name"]: s for s in stages}
+    """Pass/fail per target, for the stages that were selected, in stage order; a target that was not
+    measured fails, and so does a stage whose result cannot be read (with why)."""
     rows: list[dict] = []
-    for name in ("host", "targets-eager", "targets-graph"):
-        if name not in by:
+    for stage in stages:
+        reader = GOAL_READERS.get(stage["name"])
+        if reader is None:
             continue
-        goal = "module host cost <= nn.LayerNorm" if name == "host" else f"gpu_targets {name[8:]} row passes"
-        data = payloads.get(name)
-        if not data or "checks" not in data:
-            rows.append(_goal(goal, "-", None, None, False, source=name, note=_why(by[name])))
-            continue
-        for c in data["checks"]:
-            where = c["where"] if name == "host" else f"{c['target']}: {c['where']}"
-            rows.append(_goal(goal, where, c["value"], c["limit"], c["ok"], c.get("bound", "<="), name))
-        for target in data.get("missing", []):
-            rows.append(_goal(goal, target, None, None, False, source=name, note="not measured"))
-        if data.get("partial") or by[name]["status"] != "ok":  # cut short: the shapes after these
-            rows.append(_goal(goal, "the shapes after those above", None, None, False, source=name,
-                              note=_why(by[name])))
-    for name, (models, phases) in MODEL_RUNS.items():
-        if name not in by:
-            continue
-        results = {(r["model"], r["phase"]): r for r in (payloads.get(name) or {}).get("results", [])}
-        for model in models:
-            for phase in phases:
-                if phase not in PHASE_GOALS:
-                    continue
-                goal, limit = PHASE_GOALS[phase]
-                r = results.get((model, phase))
-                if r is None:
-                    rows.append(_goal(goal, model, None, limit, False, source=name, note=_why(by[name])))
-                else:
-                    rows.append(_goal(goal, model, r["ratio"], limit, r["ratio"] <= limit, source=name))
-    for name, goal in RECIPE_GOALS.items():
-        if name not in by:
-            continue
-        data = payloads.get(name)
-        if not data:
-            rows.append(_goal(goal, "-", None, None, False, source=name, note=_why(by[name])))
-            continue
-        ok = by[name]["status"] == "ok" and data.get("returncode") == 0 and bool(data.get("loaded"))
-        where = f"{data.get('processes')} process(es), {data.get('steps_done')} steps"
-        rows.append(_goal(goal, where, None, None, ok, source=name,
-                          note=data.get("error") or ("" if ok else _why(by[name]))))
-    if "tests" in by:
-        goal = "README test command green with a GPU present"
-        data = payloads.get("tests")
-        if not data:
-            rows.append(_goal(goal, "-", None, None, False, source="tests", note=_why(by["tests"])))
-        else:
-            bad = data["failed"] + data["errors"]
-            ok = by["tests"]["status"] == "ok" and bad == 0 and data["total"] > 0 and not data.get("interrupted")
-            where = (f"{data['passed']} passed, {data['failed']} failed, {data['errors']} errors, "
-                     f"{data['skipped']} skipped" + (" (interrupted)" if data.get("interrupted") else ""))
-            rows.append(_goal(goal, where, float(bad), 0.0, ok, source="tests",
-                              note="" if ok or bad else _why(by["tests"])))
+        try:
+            rows += reader(stage["name"], stage, payloads.get(stage["name"]))
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            rows.append(_goal(f"results of stage {stage['name']}", "-", None, None, False, source=stage["name"],
+                              note=f"unreadable result: {type(exc).__name__}: {exc}"))
     return rows
 
 
@@ -532,10 +554,12 @@ def render_markdown(report: dict) -> str:
     ]
     if env.get("missing_packages"):
         lines.append(f"- packages missing on this machine: {', '.join(env['missing_packages'])}")
+    for error in report.get("errors", []):
+        lines.append(f"- error of this script: {error}")
     lines += ["", "## Goals", "", "| goal | where | value | target | verdict |", "|---|---|---|---|---|"]
     for g in report["goals"]:
         target = "-" if g["limit"] is None else f"{g['bound']} {g['limit']:.2f}"
-        verdict = "pass" if g["ok"] else "**FAIL**" + (f" ({g['note']})" if g["note"] else "")
+        verdict = ("pass" if g["ok"] else "**FAIL**") + (f" ({g['note']})" if g["note"] else "")
         lines.append(f"| {_cell(g['goal'])} | {_cell(g['where'])} | {_fmt(g['value'])} | {target} | {_cell(verdict)} |")
     lines += ["", "## Stages", "", "| stage | status | seconds | budget s | note |", "|---|---|---|---|---|"]
     for st in report["stages"]:
@@ -558,7 +582,8 @@ def render_markdown(report: dict) -> str:
     if m.get("tests"):
         t = m["tests"]
         lines += ["", "## Test suite", "", f"`{t.get('command', 'python -m pytest -q')}` in {t.get('shards', 1)} "
-                  f"shard(s): {t['passed']} passed, {t['failed']} failed, {t['errors']} errors, {t['skipped']} skipped"
+                  f"concurrent shard(s) split by file ({t.get('threads_per_shard', 'default')} thread(s) each): "
+                  f"{t['passed']} passed, {t['failed']} failed, {t['errors']} errors, {t['skipped']} skipped"
                   + (" (interrupted: counts are partial)" if t.get("interrupted") else "")]
         if t.get("failing"):
             lines += ["", "Failing:", ""] + [f"- `{f}`" for f in t["failing"]]
@@ -582,8 +607,11 @@ def write_report(out: Path, report: dict) -> None:
     """report.json and report.md, each replaced atomically (a killed run leaves the previous version)."""
     out.mkdir(parents=True, exist_ok=True)
     report["updated"] = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
-    for name, text in (("report.json", json.dumps(report, indent=2, default=str)),
-                       ("report.md", render_markdown(report))):
+    try:
+        markdown = render_markdown(report)
+    except Exception as exc:  # noqa: BLE001 - the JSON still gets written, and says why
+        markdown = f"# GPU acceptance report\n\nrendering failed ({type(exc).__name__}: {exc}): see report.json\n"
+    for name, text in (("report.json", json.dumps(report, indent=2, default=str)), ("report.md", markdown)):
         tmp = out / (name + ".tmp")
         tmp.write_text(text)
         os.replace(tmp, out / name)
@@ -625,10 +653,14 @@ def worker_install(out: Path, wheelhouse: str | None) -> int:
     probe = subprocess.run([sys.executable, "-c", "import normswap; print(normswap.__file__)"], env=env,
                            capture_output=True, text=True, cwd=tempfile.gettempdir())
     data["imports_from"] = probe.stdout.strip() or None
+    data["from_this_tree"] = bool(data["imports_from"]) and Path(data["imports_from"]).resolve().is_relative_to(REPO)
     print(f"pip install -e: exit {rc}; import normswap without PYTHONPATH -> "
           f"{data['imports_from'] or probe.stderr[-300:]}")
+    if rc != 0:
+        print("(the other stages import the working tree through PYTHONPATH all the same; if pip could not "
+              "build, e.g. \"invalid command 'bdist_wheel'\", add the `wheel` wheel to --wheelhouse)")
     _write(out, "install", data)
-    return 0 if rc == 0 and data["imports_from"] else 1
+    return 0 if rc == 0 and data["from_this_tree"] else 1
 
 
 def worker_env(out: Path) -> int:
@@ -719,6 +751,9 @@ def worker_recipe(out: Path, kind: str) -> int:
         records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
     train = [r for r in records if r.get("split") == "train"]
     data["steps_done"] = train[-1]["step"] if train else 0
+    if kind == "ddp" and processes == 1:
+        data["note"] = ("one GPU, so 1 process: NCCL allows one rank per GPU, and accelerate wraps the model in "
+                        "DDP only with 2 or more")
     evals = [r for r in records if r.get("split") not in ("train", "replicas")]
     data["last_eval"] = evals[-1] if evals else None
     if proc.returncode == 0:
@@ -736,9 +771,11 @@ def worker_recipe(out: Path, kind: str) -> int:
             data["error"] = f"normswap.load failed: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
     else:
         data["error"] = f"accelerate launch exited {proc.returncode}"
+    if kind == "fsdp" and data["loaded"] and not data["sharded"]:  # the recipe says so under FSDP
+        data["error"] = "the run finished but not under FSDP (the recipe did not report sharded weights)"
     print(json.dumps(data, indent=2))
     _write(out, kind, data)
-    return 0 if data["loaded"] else 1
+    return 0 if data["loaded"] and not data.get("error") else 1
 
 
 def shard_files(files: Sequence[Path], shards: int) -> list[list[Path]]:
@@ -833,7 +870,7 @@ def worker_tests(out: Path, shards: int, root: Path = REPO) -> int:
         log.close()
     data = junit_totals(xmls, root)
     data.update(command="python -m pytest -q", shards=len(groups), interrupted=interrupted,
-                shard_rcs=[p.returncode for p, _ in procs])
+                threads_per_shard=env.get("OMP_NUM_THREADS", "default"), shard_rcs=[p.returncode for p, _ in procs])
     _write(out, "tests", data)
     print(f"{data['passed']} passed, {data['failed']} failed, {data['errors']} errors, {data['skipped']} skipped "
           f"in {len(groups)} shard(s)" + (" (interrupted)" if interrupted else ""))

@@ -131,7 +131,7 @@ def test_partial_report_is_written_before_and_after_each_stage(tmp_path):
     on_disk = json.loads((out / "report.json").read_text())
     assert on_disk == json.loads(json.dumps(report, default=str))
     env, host = on_disk["stages"]
-    assert env["status"] == "timeout" and "started" in env["tail"] and "stopped at its budget (2 s)" in env["note"]
+    assert env["status"] == "timeout" and "started" in env["tail"] and "stopped at its time limit (2 s)" in env["note"]
     assert host["status"] == "ok" and host["rc"] == 0 and "ran" in host["tail"]
     assert on_disk["finished"] and (out / "logs" / "env.log").exists()
     goal = [g for g in on_disk["goals"] if g["source"] == "host"]
@@ -201,7 +201,7 @@ def _fake_payloads() -> dict[str, dict]:
     write("fsdp", {"config": "fsdp.yaml", "processes": 1, "returncode": 1, "loaded": False, "steps_done": 3,
                    "error": "accelerate launch exited 1"})
     write("ddp", {"config": "ddp.yaml", "processes": 1, "returncode": 0, "loaded": True, "steps_done": 6,
-                  "rmsnorm_modules": 5, "layernorm_modules": 0, "sharded": False})
+                  "rmsnorm_modules": 5, "layernorm_modules": 0, "sharded": False, "note": "one GPU, so 1 process"})
     write("tests", {"total": 10, "passed": 7, "failed": 2, "errors": 0, "skipped": 1, "interrupted": False,
                     "failing": ["tests/a/test_x.py::test_one", "tests/test_y.py::test_two[p]"], "shards": 2,
                     "command": "python -m pytest -q"})
@@ -286,6 +286,7 @@ def test_report_from_fake_stage_results(tmp_path):
     assert "| module host cost <= nn.LayerNorm | fwd+bwd bfloat16 bias | 1.300 | <= 1.00 | **FAIL** |" in md
     assert "| module host cost <= nn.LayerNorm | fwd float32 no bias | 0.800 | <= 1.00 | pass |" in md
     assert "- `tests/test_y.py::test_two[p]`" in md
+    assert f"| {ga.RECIPE_GOALS['ddp']} | 1 process(es), 6 steps | - | - | pass (one GPU, so 1 process) |" in md
     assert "| model | gpt2-small | prefill | 5.00 | 6.00 | 1.200 | - |" in md
     assert "### compile-decode: failed (exit code 1" in md and "'''boom'''" in md  # fences stay intact
     assert "### targets-eager: timeout" in md and "### fsdp: failed" in md
@@ -365,3 +366,20 @@ def test_a_crash_with_an_accepted_exit_code_but_no_result_is_a_failure(tmp_path)
     (st,) = report["stages"]
     assert st["status"] == "failed" and "no result file" in st["note"]
     assert "RuntimeError: CUDA error" in (tmp_path / "report.md").read_text()
+
+
+def test_a_result_of_an_unexpected_shape_is_reported_and_the_next_stages_still_run(tmp_path):
+    def runner(cmd, timeout, log, env=None):
+        if log.stem == "model":  # rows without the fields the goals read
+            _write_result(tmp_path, "model", {"results": [{"phase": "decode"}]})
+        return {"rc": 0, "seconds": 1.0, "timed_out": False, "tail": ""}
+
+    stages = [ga.BY_NAME["env"], ga.BY_NAME["model"], ga.BY_NAME["ddp"]]
+    report = ga.run_all(stages, {"env": 5.0, "model": 5.0, "ddp": 5.0}, tmp_path, ga.parse_args([]), 100.0,
+                        runner=runner, find_missing=lambda need: [])
+    assert [s["status"] for s in report["stages"]] == ["ok", "ok", "ok"]  # ddp ran after the bad result
+    assert report["finished"] and not report.get("errors")
+    bad = [g for g in report["goals"] if g["source"] == "model"]
+    assert len(bad) == 1 and not bad[0]["ok"] and "unreadable result: KeyError" in bad[0]["note"]
+    ddp = [g for g in report["goals"] if g["source"] == "ddp"]  # the goals of later stages are still read
+    assert len(ddp) == 1 and not ddp[0]["ok"] and "wrote no result" in ddp[0]["note"]
