@@ -338,6 +338,7 @@ def main() -> None:
         rows = bench_ops.host_cost("cuda", ["float32", "bfloat16", "float16"], rounds=args.rounds)
         payload["host"] = rows
         checks += host_checks(rows)
+        save()
         # host time per call of the ops themselves, for the per-shape picture (GPU idle: 4x1024)
         x = torch.randn(4, 1024, device="cuda", dtype=dtype)
         w = torch.ones(1024, device="cuda", dtype=dtype)

@@ -23,6 +23,9 @@ _spec = importlib.util.spec_from_file_location("gpu_acceptance", _PATH)
 ga = importlib.util.module_from_spec(_spec)
 sys.modules.setdefault("gpu_acceptance", ga)  # dataclasses look their module up there
 _spec.loader.exec_module(ga)
+_wspec = importlib.util.spec_from_file_location("gpu_acceptance_workers", _PATH.with_name("gpu_acceptance_workers.py"))
+gw = importlib.util.module_from_spec(_wspec)
+_wspec.loader.exec_module(gw)  # imports gpu_acceptance: the module above, from sys.modules
 
 
 # ------------------------------------------------------------------------------------ command line
@@ -82,6 +85,8 @@ def test_stage_commands_reuse_the_benchmark_scripts(tmp_path):
     assert model[1].endswith("bench_model.py") and model[model.index("--phases") + 1] == "decode,prefill,train"
     assert cmds["compile-decode"][cmds["compile-decode"].index("--phases") + 1] == "decode-compile"
     assert "--wheelhouse" in cmds["install"] and cmds["tests"][-2:] == ["--test-shards", "3"]
+    for name in gw.WORKERS:  # the worker stages run gpu_acceptance_workers.py, which knows each of them
+        assert cmds[name][1] == str(ga.WORKERS) and cmds[name][2] == name and ga.WORKERS.exists()
     spec = importlib.util.spec_from_file_location("bench_model_for_ga", _PATH.parent / "bench_model.py")
     bench_model = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench_model)
@@ -321,7 +326,7 @@ def test_junit_counts_and_node_ids(tmp_path):
           <testcase classname="tests.sub.test_m" name="test_skip"><skipped message="z"/></testcase>
           <testcase time="0.000" />
         </testsuite></testsuites>"""))
-    tot = ga.junit_totals([xml, tmp_path / "absent.xml"], tmp_path)
+    tot = gw.junit_totals([xml, tmp_path / "absent.xml"], tmp_path)
     assert (tot["total"], tot["passed"], tot["failed"], tot["errors"], tot["skipped"]) == (4, 1, 1, 1, 1)
     assert tot["failing"] == ["tests/sub/test_m.py::TestK::test_bad[a-1]", "tests/sub/test_m.py::test_err"]
     assert tot["unreadable"] == ["absent.xml"]
@@ -333,11 +338,11 @@ def test_shards_cover_every_file_once_and_balance_sizes(tmp_path):
         f = tmp_path / f"test_{i}.py"
         f.write_text("#" * size)
         files.append(f)
-    groups = ga.shard_files(files, 3)
+    groups = gw.shard_files(files, 3)
     assert sorted(f for g in groups for f in g) == sorted(files)
     loads = sorted(sum(f.stat().st_size for f in g) for g in groups)
     assert loads[-1] == 900 and loads[0] >= 550
-    assert ga.shard_files(files[:2], 8) == [[files[0]], [files[1]]]  # never an empty shard
+    assert gw.shard_files(files[:2], 8) == [[files[0]], [files[1]]]  # never an empty shard
 
 
 def test_tests_worker_runs_shards_and_reports_failures(tmp_path, monkeypatch):
@@ -349,7 +354,7 @@ def test_tests_worker_runs_shards_and_reports_failures(tmp_path, monkeypatch):
     (root / "tests" / "test_bad.py").write_text("def test_c():\n    assert 1 == 2\n")
     (root / "tests" / "test_unimportable.py").write_text("import no_such_module_here\n")
     out = tmp_path / "gpu"
-    rc = ga.worker_tests(out, 2, root)
+    rc = gw.run_tests(out, 2, root)
     data = json.loads(ga.result_path(out, "tests").read_text())
     assert rc == 1 and data["shards"] == 2 and not data["interrupted"]
     # the module that does not import fails alone; the file sharing its shard still runs
