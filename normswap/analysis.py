@@ -2,22 +2,29 @@
 
 One generic mechanism for every model (no per-architecture adapters):
 
-1. **Writers.** Walk back from a norm's input through residual adds, shape-only ops, casts, dropout
-   and scalar scales. Each leaf is a *term* of the stream: a Linear / HF Conv1D / Embedding / Conv
-   output, a raw Parameter (cls token, position table), or something that cannot be centered by
-   weight surgery (a norm output = Post-LN, a non-linearity, a model input, a regenerated buffer).
+1. **Writers.** Walk back from a norm's input through residual adds, shape-only ops, casts, dropout,
+   scalar scales, and token mixes whose weights every channel shares (an interpolated position grid,
+   a mean over tokens: ``Σ_p W[p', p] x[p]`` keeps zero-mean tokens zero-mean; proved per traced op
+   by :func:`normswap.dataflow.channel_mixing`, so the verdict does not depend on the input shape
+   that decided whether the model interpolates). Each leaf is a *term* of the stream: a Linear /
+   HF Conv1D / Embedding / Conv output, a raw Parameter (cls token, position table), or something
+   that cannot be centered by weight surgery (a norm output = Post-LN, a non-linearity, a model
+   input, a regenerated buffer).
 2. **Can a writer be centered?** Propagate an *index map* forward from the writer: a float64 tensor
    holding, per element, which output feature (or parameter element) it came from. Shape ops are
    replayed on it. Where it lands in a norm's input we learn which features form each normalised
-   row (the whole output for a residual stream, one head's block for a per-head q/k norm). Where it
+   row (the whole output for a residual stream, one head's block for a per-head q/k norm). Through a
+   channel-shared token mix, every output token is a combination of input tokens that must all hold
+   the same group of features; the output map is that group (:meth:`Analyzer._mix`). Where it
    lands anywhere else we learn which features something *other* than a norm reads. Centering is
    function-preserving iff every affected row is a full norm row and nothing else reads those
    features.
 3. **Centering ops.** A term that cannot be centered by surgery gets one centering op at the
    earliest module boundary downstream of it whose value flows only into norm rows. If there is
    none (Post-LN: the stream is also read by attention), the norm is *approximate*.
-4. **Readers.** Walk forward from the norm output through shape ops and casts. Linear / Conv1D
-   readers that see the norm's features unpermuted can absorb β (into their bias) and γ.
+4. **Readers.** Walk forward from the norm output through shape ops, casts and token means
+   (channel-shared weights summing to 1: a reader after a mean still sees ``γ ⊙ mean(u) + β``).
+   Linear / Conv1D readers that see the norm's features unpermuted can absorb β (into their bias) and γ.
 
 This module answers those questions (:class:`Analyzer`); :mod:`normswap.planner` asks them for every
 norm and turns the answers into the plan.
@@ -38,10 +45,16 @@ from normswap.dataflow import (
     ADD_OPS,
     IDENTITY_OPS,
     JOIN_OPS,
+    MIX_OPS,
     PAD_OPS,
     READER_OPS,
     SCALE_OPS,
     SHAPE_OPS,
+    ZERO_FILL_OPS,
+    Mixing,
+    channel_mixing,
+    pad_mode,
+    pad_value,
     replay,
 )
 from normswap.plan import (
@@ -153,6 +166,7 @@ class Analyzer:
         self.attention = AttentionProofs(graph, by_input=self.by_input, calls_per_path=self.calls_per_path,
                                          output_values=self.output_values, linear_kind=_linear_kind)
         self.cache_outputs: set[str] = set()  # key/value caches changed by a dropped or moved β share
+        self._mixing_memo: dict[tuple[int, int], tuple[Mixing, ...]] = {}
 
     # ------------------------------------------------------------------ helpers
     def _call_of_op(self, op: Op) -> str:
@@ -160,6 +174,13 @@ class Analyzer:
 
     def _inside(self, op_index: int, call: ModuleCall) -> bool:
         return call.start_op <= op_index < call.end_op
+
+    def mixing(self, op: Op, vid: int) -> tuple[Mixing, ...]:
+        """How ``op`` is proved to mix positions of ``vid`` with channel-shared weights (:func:`channel_mixing`)."""
+        key = (op.index, vid)
+        if key not in self._mixing_memo:
+            self._mixing_memo[key] = channel_mixing(self.graph, op, vid) if op.name in MIX_OPS else ()
+        return self._mixing_memo[key]
 
     def _site_output_call(self, vid: int) -> ModuleCall | None:
         for call in self.by_output.get(vid, []):
@@ -195,7 +216,7 @@ class Analyzer:
             return [Term(value.id, "module", f"`{wcall.path}` ({type(wcall.module).__name__})", wcall.path,
                          wcall.id)]
         if value.source == "param":
-            return [Term(value.id, "param", f"parameter `{value.name}`")]
+            return [Term(value.id, "param", f"parameter `{value.name}`", self._embedding_owner(value))]
         op = self.graph.producer(value)
         if op is None:
             kind = value.source
@@ -219,6 +240,18 @@ class Analyzer:
                 self.leaves(tensor_args[0].id)
         where = self._call_of_op(op)
         return [Term(value.id, "op", f"`{op.name}`" + (f" in `{where}`" if where else ""), where or None)]
+
+    def _embedding_owner(self, value: Value) -> str | None:
+        """The Embedding whose table ``value`` is, when the model reads the table directly.
+
+        CLIP-vision and SigLIP call their position Embedding at the configured resolution and
+        interpolate its ``weight`` at any other: the same writer either way, so the plan names it the
+        same (as the module) and centers the same rows.
+        """
+        owners = self.param_owners.get(id(value.tensor), [])
+        if len(owners) != 1 or owners[0][1] != "weight" or writer_kind(self.modules[owners[0][0]]) != "embedding":
+            return None
+        return owners[0][0]
 
     def _layer_scale(self, op: Op) -> int | None:
         """LayerScale (BEiT, Data2Vec-vision, DINOv2): ``λ ⊙ writer(x)`` with a per-feature parameter λ.
@@ -258,9 +291,32 @@ class Analyzer:
         self.layer_scales[op.index] = (param.name, wcall.path, other.id)
         return other.id
 
+    def _zero_fill(self, op: Op, vid: int) -> bool:
+        """``x[index] = 0`` or ``x.masked_fill(mask, 0)`` on ``vid`` (Wav2Vec2 zeroes padded frames).
+
+        The filled elements are a constant 0: whole rows of them are zero-mean, part of a row is not,
+        which the index map tells at each norm (the filled elements come from elsewhere: NaN).
+        """
+        if op.name not in ZERO_FILL_OPS or len(op.args) != 3 or op.kwargs or op.args[0] != ValueRef(vid):
+            return False
+        refs = [r for r in pytree.tree_leaves(op.args[1:]) if isinstance(r, ValueRef)]
+        if any(r.id == vid for r in refs):
+            return False
+        value = op.args[2]
+        if isinstance(value, ValueRef):
+            t = self.graph.values[value.id].tensor
+            return t.numel() == 1 and not bool(t.any())
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0
+
     def _passthrough_back(self, op: Op) -> bool:
-        if op.name in IDENTITY_OPS or op.name in JOIN_OPS or op.name in PAD_OPS:
+        if op.args and isinstance(op.args[0], ValueRef) and self._zero_fill(op, op.args[0].id):
             return True
+        if op.name in PAD_OPS:  # a nonzero fill is a constant term of the stream, not zero-mean
+            return pad_mode(op) != "constant" or pad_value(op) == 0
+        if op.name in IDENTITY_OPS or op.name in JOIN_OPS:
+            return True
+        if op.name in MIX_OPS:  # token mixing with channel-shared weights keeps zero-mean tokens zero-mean
+            return bool(op.args) and isinstance(op.args[0], ValueRef) and bool(self.mixing(op, op.args[0].id))
         if op.name in SHAPE_OPS:
             return isinstance(op.args[0], ValueRef) if op.args else False
         if op.name in SCALE_OPS:
@@ -322,7 +378,7 @@ class Analyzer:
             if any(self._inside(op.index, self.graph.calls[c.id])
                    for t in tracked for c in self.input_to_sites.get(t, [])):
                 continue
-            outs = self._propagate(op, tracked, maps)
+            outs = self._propagate(op, tracked, maps, shape if axis is None else None)
             if outs is None:
                 feats: set[int] = set()
                 for t in tracked:
@@ -346,8 +402,12 @@ class Analyzer:
         self._reach_memo[key] = result
         return result
 
-    def _propagate(self, op: Op, tracked: list[int], maps: dict[int, torch.Tensor]):
-        """Index maps for ``op``'s outputs, ``None`` if the op is not a pass-through."""
+    def _propagate(self, op: Op, tracked: list[int], maps: dict[int, torch.Tensor],
+                   flat: tuple[int, ...] | None = None):
+        """Index maps for ``op``'s outputs, ``None`` if the op is not a pass-through.
+
+        ``flat``: the maps hold flat element ids of a value of this shape (else feature ids).
+        """
         out_shape = self.graph.values[op.outputs[0]].shape if op.outputs else ()
         if op.name in ADD_OPS:
             refs = [a for a in op.args[:2]]
@@ -374,7 +434,89 @@ class Analyzer:
             return {op.outputs[0]: maps[t].broadcast_to(out_shape)}
         if op.name in SHAPE_OPS or op.name in JOIN_OPS or op.name in PAD_OPS:
             return replay(self.graph, op, maps, tracked)
+        if op.name in MIX_OPS and len(tracked) == 1:
+            return self._mix(op, tracked[0], maps[tracked[0]], flat)
+        if len(tracked) == 1 and self._zero_fill(op, tracked[0]):
+            index = pytree.tree_map(lambda r: self.graph.values[r.id].tensor if isinstance(r, ValueRef) else r,
+                                    op.args[1])
+            m = maps[tracked[0]].clone()
+            try:
+                if op.name == "__setitem__":
+                    m[index] = math.nan
+                else:
+                    m = m.masked_fill(index, math.nan)
+            except Exception:  # noqa: BLE001 - an index the map cannot take: not a pass-through
+                return None
+            return {op.outputs[0]: m}
         return None
+
+    def _mix(self, op: Op, vid: int, m: torch.Tensor, flat: tuple[int, ...] | None) -> dict[int, torch.Tensor] | None:
+        """Index map through an op that mixes positions with channel-shared weights (:meth:`mixing`).
+
+        Each output token is ``Σ_p W[p', p] x[p]`` over input tokens ``x[p]`` (vectors along the channel
+        axis). If every input token the map covers is *the same group of features* channel by channel,
+        then each output token is a combination of copies of that group: zero-mean whenever the group
+        is centered. So the output map is that group (one representative token), broadcast to every
+        output position some covered token reaches. "The same group" means: identical feature ids
+        (feature maps), or, for flat element ids of a parameter (``flat``: its shape), rows of the
+        parameter along one common axis with identical coordinates along it, channel by channel (so
+        centering that axis centers every one of them). Anything else (a per-head mix of different
+        features, tokens permuted differently) is not a pass-through.
+        """
+        mixes = self.mixing(op, vid)
+        if mixes and bool(torch.isnan(m).all()):  # none of the term reaches this op (a slice left it out)
+            return {op.outputs[0]: torch.full(self.graph.values[op.outputs[0]].shape, math.nan, dtype=torch.float64)}
+        for mix in mixes:  # the channel axis is the one the map's tokens agree on
+            rep = self._mixed_group(m, mix.in_axis, flat)
+            if rep is None:
+                continue
+            # where some covered input element contributes: a random combination is nonzero there (a.s.)
+            gen = torch.Generator().manual_seed(op.index)
+            probe = torch.randn(m.shape, generator=gen, dtype=torch.float64) * (~torch.isnan(m)).double()
+            reached = self._replay_data(op, vid, probe)
+            if reached is None:
+                return None
+            view = [rep.numel() if i == mix.out_axis else 1 for i in range(reached.dim())]
+            out = rep.reshape(view).expand(reached.shape)
+            return {op.outputs[0]: torch.where(reached != 0, out, torch.full((), math.nan, dtype=torch.float64))}
+        return None
+
+    @staticmethod
+    def _mixed_group(m: torch.Tensor, axis: int, flat: tuple[int, ...] | None) -> torch.Tensor | None:
+        """The one group of features every covered token of ``m`` holds along ``axis`` (see :meth:`_mix`)."""
+        d = m.shape[axis]
+        rows = m.movedim(axis, -1).reshape(-1, d)
+        labelled = ~torch.isnan(rows)
+        covered = labelled.any(1)
+        if not bool(covered.any()):
+            return None
+        rows, labelled = rows[covered], labelled[covered]
+        pattern = labelled[0]
+        if not bool((labelled == pattern).all()):
+            return None  # tokens cover different channels
+        rep = rows[0]
+        ids = rows[:, pattern]
+        if flat is None:
+            return rep if bool((ids == rep[pattern]).all()) else None
+        coords = torch.stack(torch.unravel_index(ids.long(), flat), dim=0)  # (axes, tokens, channels)
+        varies = (coords != coords[:, :, :1]).any(dim=2)  # (axes, tokens)
+        axes = varies.any(dim=1).nonzero().flatten().tolist()
+        if len(axes) != 1 or not bool(varies[axes[0]].all()) \
+                or not bool((coords[axes[0]] == coords[axes[0], :1]).all()):
+            return None
+        return rep
+
+    def _replay_data(self, op: Op, vid: int, x: torch.Tensor) -> torch.Tensor | None:
+        """``op`` run again with ``x`` in place of value ``vid`` and every other argument as traced."""
+        args, kwargs = pytree.tree_map(
+            lambda r: (x if r.id == vid else self.graph.values[r.id].tensor) if isinstance(r, ValueRef) else r,
+            (op.args, op.kwargs))
+        try:
+            with torch.no_grad():
+                y = op.func(*args, **kwargs)
+        except Exception:  # noqa: BLE001 - proved replayable by channel_mixing; be safe anyway
+            return None
+        return y if isinstance(y, torch.Tensor) else None
 
     # ------------------------------------------------------------------ rows -> centering blocks
     def _groups(self, reach: Reach) -> tuple[set[tuple[int, ...]], str | None]:
@@ -482,9 +624,16 @@ class Analyzer:
             for op_index in v.consumers:
                 op = self.graph.ops[op_index]
                 stack = {c.path for c in self.graph.ancestors_calls(op.call)}
-                if not stack & owner_paths:
+                if not stack & owner_paths and not self._dead(op):
                     return f"weight also used directly by `{op.name}` in `{self._call_of_op(op)}`"
         return None
+
+    def _dead(self, op: Op, depth: int = 0) -> bool:
+        """Is nothing computed from ``op``'s outputs? (CLIP reads ``position_embedding.weight.unsqueeze(0)``
+        for its shape alone, then calls the Embedding: that use sees no edit.)"""
+        if depth > 8 or any(v in self.output_values for v in op.outputs):
+            return False
+        return all(self._dead(self.graph.ops[i], depth + 1) for v in op.outputs for i in self.graph.values[v].consumers)
 
     def param_centering(self, term: Term) -> tuple[list[WriterEdit], str | None]:
         value = self.graph.values[term.value]
@@ -515,6 +664,8 @@ class Analyzer:
         blocks, why = self._blocks_along(set(coords_per_group), shape[axis])
         if why:
             return [], why
+        if term.module_path is not None and axis == 1:  # an Embedding's table, its rows centered: its own edit
+            return [WriterEdit(value.name, axis, blocks, term.module_path, "embedding")], None
         return [WriterEdit(value.name, axis, blocks, "", "param")], None
 
     # ------------------------------------------------------------------ 3. centering ops
@@ -713,6 +864,16 @@ class Analyzer:
         return None
 
     # ------------------------------------------------------------------ 4. readers
+    def _mean_like(self, op: Op, vid: int) -> bool:
+        """Does ``op`` average tokens of ``vid`` (features last, in and out) with weights summing to 1?
+
+        Then a reader past it still sees ``γ ⊙ mix(u) + β``: β and γ fold into it as if it read the
+        norm directly, and an orthogonal turn of the features commutes with the mix.
+        """
+        last_in, last_out = len(self.graph.values[vid].shape) - 1, len(self.graph.values[op.outputs[0]].shape) - 1
+        return any(mix.keeps_constants and mix.in_axis == last_in and mix.out_axis == last_out
+                   for mix in self.mixing(op, vid))
+
     def readers(self, call: ModuleCall) -> tuple[list[ModuleCall], list[str]]:
         """(Linear/Conv1D reader calls, descriptions of other readers) of one norm call."""
         out_vid = self.site_output.get(call.id) if call.id in self.site_output else \
@@ -745,6 +906,9 @@ class Analyzer:
                     if len(outs) == len(op.outputs):
                         stack.extend(outs)
                         continue
+                if self._mean_like(op, vid):
+                    stack.append(op.outputs[0])
+                    continue
                 where = self._call_of_op(op)
                 other.append(f"`{op.name}`" + (f" in `{where}`" if where else ""))
         unique = {c.id: c for c in foldable}
