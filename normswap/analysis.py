@@ -56,6 +56,7 @@ from normswap.dataflow import (
     pad_mode,
     pad_value,
     replay,
+    replay_arg,
 )
 from normswap.plan import (
     CenterHook,
@@ -508,9 +509,7 @@ class Analyzer:
 
     def _replay_data(self, op: Op, vid: int, x: torch.Tensor) -> torch.Tensor | None:
         """``op`` run again with ``x`` in place of value ``vid`` and every other argument as traced."""
-        args, kwargs = pytree.tree_map(
-            lambda r: (x if r.id == vid else self.graph.values[r.id].tensor) if isinstance(r, ValueRef) else r,
-            (op.args, op.kwargs))
+        args, kwargs = pytree.tree_map(lambda r: replay_arg(self.graph, r, vid, x), (op.args, op.kwargs))
         try:
             with torch.no_grad():
                 y = op.func(*args, **kwargs)

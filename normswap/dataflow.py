@@ -139,9 +139,7 @@ def channel_mixing(graph: Graph, op: Op, vid: int) -> tuple[Mixing, ...]:
         return ()
 
     def f(x: torch.Tensor) -> torch.Tensor | None:
-        args, kwargs = pytree.tree_map(
-            lambda a: (x if a.id == vid else graph.values[a.id].tensor) if isinstance(a, ValueRef) else a,
-            (op.args, op.kwargs))
+        args, kwargs = pytree.tree_map(lambda a: replay_arg(graph, a, vid, x), (op.args, op.kwargs))
         try:
             with torch.no_grad():
                 y = op.func(*args, **kwargs)
@@ -178,3 +176,14 @@ def channel_mixing(graph: Graph, op: Op, vid: int) -> tuple[Mixing, ...]:
             if same(f(x1 * va), y1 * vb) and same(f(x1.roll(1, a)), y1.roll(1, b)):
                 found.append(Mixing(a, b, keeps))
     return tuple(found)
+
+
+def replay_arg(graph: Graph, a: object, vid: int, x: torch.Tensor) -> object:
+    """One argument of an op run again on float64 data ``x`` in place of value ``vid``: other traced
+    tensors as they were, floating ones in float64 (a conv's weight must match its input's dtype)."""
+    if not isinstance(a, ValueRef):
+        return a
+    if a.id == vid:
+        return x
+    t = graph.values[a.id].tensor
+    return t.double() if t.is_floating_point() else t
