@@ -131,30 +131,66 @@ def _available_memory() -> int:
         return 8 << 30
 
 
+# a float64 working copy only when it costs at most this over a float32 one (models up to ~67M
+# parameters): with the model, the reloaded checkpoint and the runtime (~0.5 GB of RSS for torch and
+# transformers), a larger float64 copy would pass the 2 x model + 1 GB peak (GPT-2-small: 2.6 GB)
+FLOAT64_EXTRA_BYTES = 256 << 20
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def working_dtype(model: nn.Module, precise: bool = True) -> torch.dtype:
+    """The dtype :func:`working_copy` computes in: analysis, probes, calibration and verification.
+
+    * float64 (``precise``) when that copy is small: at most :data:`FLOAT64_EXTRA_BYTES` more than a
+      float32 one (models up to ~67M parameters) and under 40% of the available memory (on a CPU). Exactness is
+      then judged against float64.
+    * otherwise float32 for float16 / bfloat16 / float32 models: a CPU has no fast half-precision
+      matmul (float16 runs ~4x slower than float32 here, and some ops far slower), and a float32 copy
+      of a half model is 2x its size where a float64 one is 4x. Every edit still upcasts each tensor
+      to float64 (:mod:`normswap.surgery`); the result is cast back to the model's dtype once, and
+      ``patch`` measures the original and the converted model in their own dtype as well.
+    * the model's own dtype when not ``precise`` (the fallback for models that compute NaN in
+      float64) or when even a float32 copy would not fit.
+    """
+    dtype = _dtype_of(model)
+    if not precise:
+        return dtype
+    numel = sum(p.numel() for p in model.parameters())
+    on_cpu = all(p.device.type == "cpu" for p in model.parameters())
+    def room(nbytes: int, share: float) -> bool:
+        return not on_cpu or nbytes < share * _available_memory()
+
+    if numel * 4 <= FLOAT64_EXTRA_BYTES and room(numel * 8, 0.4):
+        return torch.float64
+    if dtype in HALF_DTYPES and room(numel * 4, 0.6):
+        return torch.float32
+    return dtype
+
+
 def working_copy(model: nn.Module, precise: bool = True) -> nn.Module:
-    """A copy of ``model`` to analyse and edit: float64 when that fits comfortably in memory (and
-    ``precise``), else the model's dtype.
+    """A copy of ``model`` to analyse and edit, in :func:`working_dtype`.
 
     Modules and buffers are deep-copied; parameters are not, unless cast: a parameter already in the
     working dtype is a new ``Parameter`` over the *model's* storage. The analysis and the reference
     forwards only read it, and :func:`own_written` gives every parameter the surgery writes its own
     storage before the first edit (:func:`check_untouched` checks nothing else was written). On a
     float64 GPT-2 that copies 75M of its 124M parameters, and the commit then adopts them without a
-    second copy.
+    second copy. Peak memory: the model plus the cast copy (none for a float32 model worked on in
+    float32, beyond the tensors the surgery writes).
     """
-    on_cpu = all(p.device.type == "cpu" for p in model.parameters())
-    cast = precise and (not on_cpu or _param_bytes(model) < 0.4 * _available_memory())
+    target = working_dtype(model, precise)
+    cast = target != _dtype_of(model)
 
     def param(p: nn.Parameter) -> nn.Parameter:
         data = p.detach()
-        if cast and data.is_floating_point() and data.dtype != torch.float64:
-            data = data.to(torch.float64)  # a new tensor: the cast is the copy
+        if cast and data.is_floating_point() and data.dtype != target:
+            data = data.to(target)  # a new tensor: the cast is the copy
         return nn.Parameter(data, requires_grad=p.requires_grad)
 
     memo: dict[int, Any] = {id(p): param(p) for p in model.parameters()}  # tied parameters stay tied
     work = copy.deepcopy(model, memo)
     if cast:
-        work.double()  # the buffers (parameters are float64 already)
+        work.to(target)  # the floating buffers (parameters are cast already)
     work.eval()
     return work
 
@@ -473,9 +509,10 @@ def patch(model: nn.Module, example_inputs: inputs.ExampleInputs = None, *,
         swap([sp for sp in todo if sp.verdict != "approximate"], {})
         calib = None
         if approx and opts.calibration is not False:
-            with default_dtype(work_dtype):
+            cal_dtype = calibration_dtype(work_dtype)
+            with computing_in(work, cal_dtype), default_dtype(cal_dtype):
                 calib = _calibrate(work, approx, an.sites, originals, opts, example_inputs, wargs, wkwargs,
-                                   work_dtype)
+                                   cal_dtype)
             plan_.options["calibration"] = calib.as_dict()
             plan_.options["calibration_batches"] = calib.batches
             reason = calibrate.unusable(calib.figures)
@@ -548,6 +585,31 @@ def patch(model: nn.Module, example_inputs: inputs.ExampleInputs = None, *,
                           output=opts.rotate_output)
         message += f"; {rotation.headline()}"
     return Report(plan_.sites, figures, plan_, message, changed=True, calibration=calib, rotation=rotation)
+
+
+def calibration_dtype(work_dtype: torch.dtype) -> torch.dtype:
+    """What the calibration forwards compute in: float32 for a float64 working copy. A least-squares
+    fit of an approximate norm does not need float64 activations (the sums are float64 either way,
+    and the fit's own error is orders of magnitude above float32 rounding), and float64 forwards cost
+    2-3x float32 ones on a CPU."""
+    return torch.float32 if work_dtype == torch.float64 else work_dtype
+
+
+@contextlib.contextmanager
+def computing_in(model: nn.Module, dtype: torch.dtype) -> Iterator[None]:
+    """Hold ``model``'s floating parameters and buffers in ``dtype`` for the block, then give each its
+    own tensor back (exactly: the originals are kept aside, not cast back). The module tree, its hooks
+    and every ``Parameter`` object stay the same; only ``.data`` is swapped."""
+    saved: list[tuple[torch.Tensor, torch.Tensor]] = []
+    try:
+        for t in (*model.parameters(), *model.buffers()):
+            if t.is_floating_point() and t.dtype != dtype:
+                saved.append((t, t.data))
+                t.data = t.data.to(dtype)
+        yield
+    finally:
+        for t, data in saved:
+            t.data = data
 
 
 def _calibrate(work: nn.Module, approx: list[SitePlan], sites: dict, originals: dict, opts: ConvertOptions,

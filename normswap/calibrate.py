@@ -671,7 +671,7 @@ def neighbour_figures(teacher: torch.Tensor, student: torch.Tensor) -> dict[str,
 
 def measure(model: nn.Module, targets: list[Target], fits: dict[str, NormFit], batches: list[Batch],
             call: Callable[[Batch], Batch] | None = None,
-            micro_batch: int | None = FIT_MICRO_BATCH) -> dict[str, float]:
+            micro_batch: int | None = LOCKSTEP_MICRO_BATCH) -> dict[str, float]:
     """Original vs calibrated model (fits standing in for their LayerNorms) on ``batches``.
 
     Models with logits: ``top1_agreement``, ``top5_agreement`` (the original's top-1 is in the

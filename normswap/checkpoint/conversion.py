@@ -3,17 +3,19 @@
 In-memory path: load, ``normswap.patch`` (analysis + fp64 surgery + verification), write into a
 temporary directory beside ``out``, reload what was written and check it reproduces the
 converted model (bitwise for native, within dtype tolerance of the original for compat), then
-rename into place. Checkpoints larger than about half the available RAM (or ``low_memory=True``)
+rename into place. Checkpoints whose in-memory conversion would not fit in the available RAM
+(:func:`in_memory_peak`; or ``low_memory=True``)
 take the streaming path in :mod:`normswap.checkpoint.streaming` instead.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -119,6 +121,19 @@ def _progress(enabled: bool, total: int, desc: str) -> Steps:
     return Steps(enabled, total, desc)
 
 
+@contextlib.contextmanager
+def calibration_progress(enabled: bool) -> Iterator[None]:
+    """Show (or not) the calibration's per-norm bar (``fitting norms k/N``, time left) for the block."""
+    from normswap import calibrate
+
+    before = calibrate.PROGRESS
+    calibrate.PROGRESS = enabled
+    try:
+        yield
+    finally:
+        calibrate.PROGRESS = before
+
+
 def check_options(
     opts: ConvertOptions,
     *,
@@ -164,20 +179,51 @@ def calibration_tokenizer(proc: Any) -> Any:
     return tok if callable(tok) and getattr(tok, "pad_token", None) is not None else None
 
 
+ACTIVATION_BYTES = 1 << 30  # probes, calibration batches and the runtime's own allocations, on top of the tensors
+WRITTEN_SHARE = 0.5  # of a float32 model worked on in float32, the share the surgery writes (its own copies)
+PEAK_SHARE = 0.85  # stream when the in-memory path's predicted peak exceeds this share of the available RAM
+
+
+def in_memory_peak(numel: int, itemsize: int) -> int:
+    """Predicted peak RSS of the in-memory path for a checkpoint of ``numel`` parameters stored with
+    ``itemsize`` bytes each (loaded in that dtype).
+
+    The path holds the model, then a working copy beside it (:func:`normswap.api.working_dtype`:
+    float64 for small models, float32 for half-precision ones, the written tensors only for a float32
+    model), then, after the working copy is freed, the reloaded checkpoint beside the model for the
+    final check; plus :data:`ACTIVATION_BYTES`."""
+    from normswap.api import FLOAT64_EXTRA_BYTES
+
+    model = numel * itemsize
+    if numel * 4 <= FLOAT64_EXTRA_BYTES:
+        work = numel * 8
+    elif itemsize < 4:
+        work = numel * 4
+    else:
+        work = int(numel * itemsize * WRITTEN_SHARE)
+    return model + max(work, model) + ACTIVATION_BYTES
+
+
+def _itemsize(src: Source) -> int:
+    sizes = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2}
+    for f in src.safetensors[:1]:
+        header = io.read_safetensors_header(f)
+        found = [sizes[v["dtype"]] for k, v in header.items() if k != "__metadata__" and v.get("dtype") in sizes]
+        if found:
+            return max(set(found), key=found.count)
+    return 4
+
+
 def wants_low_memory(src: Source, dtype: str) -> bool:
-    """The in-memory path holds the model plus a working copy: stream when the checkpoint is more
-    than about half of the available RAM."""
+    """Stream when the in-memory path's predicted peak (:func:`in_memory_peak`) would not fit in
+    :data:`PEAK_SHARE` of the available RAM: no default conversion is left to the OOM killer."""
     if src.kind == "preset":
         return False
-    factor = 1.0
+    itemsize = _itemsize(src)
+    numel = src.nbytes // itemsize
     if dtype != "auto":  # loaded in float32 before the one cast at the end
-        factor = 2.0 if any(_is_half(f) for f in src.safetensors[:1]) else 1.0
-    return src.nbytes * factor > 0.5 * available_memory()
-
-
-def _is_half(path: Path) -> bool:
-    header = io.read_safetensors_header(path)
-    return any(v.get("dtype") in ("BF16", "F16") for k, v in header.items() if k != "__metadata__")
+        itemsize = 4
+    return in_memory_peak(numel, itemsize) > PEAK_SHARE * available_memory()
 
 
 # ------------------------------------------------------------------------------------ calibration
@@ -379,8 +425,8 @@ def convert(
         dtype: ``"auto"`` (the checkpoint's), ``"float32"``, ``"bfloat16"`` or ``"float16"``.
         calibration_data: text file or JSONL (``"text"`` field) used to fit approximate norms.
         max_shard_size: shard limit for the written safetensors (``"5GB"``, ``"500MB"``, bytes).
-        low_memory: stream tensors shard by shard (``None``: automatic for checkpoints larger than
-            about half of the available RAM).
+        low_memory: stream tensors shard by shard (``None``: automatic for checkpoints whose
+            in-memory conversion would not fit in memory: :func:`in_memory_peak`).
         trust_remote_code: allow custom modeling code shipped with the source model.
         overwrite: replace a non-empty ``out_dir`` (only once the new one is complete).
         task: override the model class picked from ``config.architectures`` (``source.TASKS``).
@@ -420,8 +466,8 @@ def convert(
                       and not opts.per_norm_centering)
         if low_memory:
             say(
-                f"checkpoint is {io.human(src.nbytes)}, more than half of the available RAM: streaming "
-                "conversion (--low-memory)"
+                f"checkpoint is {io.human(src.nbytes)}: converting it in memory would need more than the "
+                f"available RAM ({io.human(int(available_memory()))}); streaming conversion (--low-memory)"
             )
     if low_memory and opts.per_norm_centering:
         raise NormswapError("--per-norm-centering needs the whole model in memory; drop --low-memory")
@@ -485,7 +531,8 @@ def convert(
         original = _run(model, probe) if (opts.verify and probe is not None) else None
         steps.set_postfix_str("analysing and converting")
         try:
-            report = api.patch(model, options=opts)
+            with calibration_progress(progress):
+                report = api.patch(model, options=opts)
         except VerificationFailed as exc:
             raise VerificationFailed(f"{exc}; nothing was written") from exc
         if not report.changed:
