@@ -149,11 +149,12 @@ def rotation_matrix(width: int, kind: str = "hadamard", seed: int = 0) -> tuple[
 
 
 def streams(plan: Plan, model: nn.Module | None = None) -> list[list[SitePlan]]:
-    """Converted norms grouped into streams: norms that share a centered writer read the same stream.
+    """Converted norms, and norms that were RMS from the start (``plan.rms_sites``), grouped into streams:
+    norms that share a writer read the same stream.
 
     With ``model``, writers are matched by parameter identity (a tied embedding has two names).
     """
-    sites = [sp for sp in plan.sites if sp.convert]
+    sites = [sp for sp in plan.sites if sp.convert] + list(plan.rms_sites)
     parent = list(range(len(sites)))
 
     def find(i: int) -> int:
@@ -164,8 +165,9 @@ def streams(plan: Plan, model: nn.Module | None = None) -> list[list[SitePlan]]:
 
     owner: dict[object, int] = {}
     for i, sp in enumerate(sites):
-        for name in sp.writer_targets:
-            target = id(model.get_parameter(name)) if model is not None else name
+        keys = [id(model.get_parameter(n)) if model is not None else n for n in sp.writer_targets]
+        keys += [(op["module"], op["where"], op["arg"]) for op in sp.rotation_ops]  # one op turns one stream
+        for target in keys:
             if target in owner:
                 parent[find(i)] = find(owner[target])
             else:
@@ -176,28 +178,140 @@ def streams(plan: Plan, model: nn.Module | None = None) -> list[list[SitePlan]]:
     return list(groups.values())
 
 
-def _blocker(model: nn.Module, plan: Plan, group: list[SitePlan]) -> str:
-    not_ready = next((sp for sp in group if not sp.rotation_ready), None)
-    if not_ready is not None:
-        return f"`{not_ready.name}`: {not_ready.rotation_reason or 'not rotation-ready'}"
+OUTPUT_BLOCK = "its output is the model output"  # the planner's reason when only outputs read a norm
+
+
+def _axes(plan: Plan) -> dict[str, int]:
+    """``{writer parameter: output-feature axis}`` for every writer a rotation may turn."""
+    axes = {e.target: e.axis for e in plan.writer_edits if e.blocks is None}
+    axes.update(plan.rotation_axes)
+    return axes
+
+
+def _blocker(model: nn.Module, plan: Plan, group: list[SitePlan], output: str | None) -> str:
+    restored = _restored(group, output)
+    for sp in group:
+        if sp.rotation_ready:
+            continue
+        if output is not None and sp.rotation_reason.startswith(OUTPUT_BLOCK):
+            continue  # the caller chose what the model output becomes
+        return f"`{sp.name}`: {sp.rotation_reason or 'not rotation-ready'}"
     widths = {tuple(sp.normalized_shape) for sp in group}
     if len(widths) != 1:
         return f"norms of different widths share writers ({sorted(widths)})"
-    edits = {e.target: e for e in plan.writer_edits}
+    axes = _axes(plan)
+    blocked = {e.target for e in plan.writer_edits if e.blocks is not None}
     targets = {t for sp in group for t in sp.writer_targets}
     if not targets:
-        return "no centered writer recorded (a plan read back from a manifest has no stream details: " \
+        return "no writer recorded (a plan read back from a manifest has no stream details: " \
             "rotate right after normswap.patch)"
     for t in sorted(targets):
-        if t not in edits or edits[t].blocks is not None:
+        if t in blocked or t not in axes:
             return f"writer `{t}` is centered per block, not over the whole stream"
+    keeps_gamma = ("keeps γ (its output, the model output, has no Linear reader to fold it into), so its output "
+                   "cannot come out rotated: output='restore' turns the stream back before it")
+    folded = {f.norm for f in plan.rms_folds}
     for sp in group:
         module = model.get_submodule(sp.name)
+        if sp.name in restored:
+            continue  # sees the stream as before
+        if sp.verdict == "rms":  # γ folded by RmsFold (effective weight 1), checked by the planner
+            weight = getattr(module, "weight", None)
+            unit = isinstance(weight, torch.Tensor) and bool((weight == 1).all())
+            if sp.rotation_outputs and sp.name not in folded and not unit:
+                return f"`{sp.name}` {keeps_gamma}"
+            continue
         if not isinstance(module, RMSNorm):
             return f"`{sp.name}` is not an RMSNorm"
         if module.weight is not None and not bool((module.weight == 1).all()):
+            if sp.rotation_outputs:
+                return f"`{sp.name}` {keeps_gamma}"
             return f"`{sp.name}` weight is not 1 (convert with fold_gamma=True)"
     return ""
+
+
+def _restored(group: list[SitePlan], output: str | None) -> set[str]:
+    """The norms whose input is turned back (``output="restore"``): those whose output is a model output."""
+    return {sp.name for sp in group if sp.rotation_outputs} if output == "restore" else set()
+
+
+RESTORE_BUFFER = "normswap_unrotate"  # Qᵀ on a norm whose input is turned back (output="restore")
+
+
+class Unrotate:
+    """Forward pre-hook: the norm's input times the ``Qᵀ`` it holds (``output="restore"``), so the norm, its
+    γ/β and whatever reads it see the stream as before the rotation."""
+
+    def __call__(self, module: nn.Module, args: tuple) -> tuple:
+        x = args[0]
+        return (torch.matmul(x, getattr(module, RESTORE_BUFFER).to(x.dtype)), *args[1:])
+
+
+def _install_unrotate(module: nn.Module, value: torch.Tensor) -> None:
+    if getattr(module, "_normswap_unrotate", None) is None:
+        module.register_buffer(RESTORE_BUFFER, value)
+        module._normswap_unrotate = module.register_forward_pre_hook(Unrotate())
+    else:
+        setattr(module, RESTORE_BUFFER, value)
+
+
+ROTATION_BUFFER = "normswap_rotation"  # Q on the module where a centered stream starts (a rotation op)
+
+
+class RotateOutput:
+    """Forward hook: the module's output times the ``Q`` it holds (a stream start no weight can turn)."""
+
+    def __call__(self, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+        return torch.matmul(output, getattr(module, ROTATION_BUFFER).to(output.dtype))
+
+
+class RotateInput:
+    """Forward pre-hook: one input argument times the ``Q`` the module holds."""
+
+    def __init__(self, arg: int | str) -> None:
+        self.arg = arg
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        q = getattr(module, ROTATION_BUFFER)
+        if isinstance(self.arg, int):
+            args = list(args)
+            args[self.arg] = torch.matmul(args[self.arg], q.to(args[self.arg].dtype))
+            return tuple(args), kwargs
+        kwargs = dict(kwargs)
+        kwargs[self.arg] = torch.matmul(kwargs[self.arg], q.to(kwargs[self.arg].dtype))
+        return args, kwargs
+
+
+def _install_rotation_op(module: nn.Module, op: dict, value: torch.Tensor) -> None:
+    if getattr(module, "_normswap_rotation", None) is not None:
+        setattr(module, ROTATION_BUFFER, value)
+        return
+    module.register_buffer(ROTATION_BUFFER, value)
+    if op["where"] == "output":
+        module._normswap_rotation = module.register_forward_hook(RotateOutput())
+    else:
+        module._normswap_rotation = module.register_forward_pre_hook(RotateInput(op["arg"]), with_kwargs=True)
+
+
+def _like(module: nn.Module, model: nn.Module) -> dict:
+    ref = next(iter(module.parameters()), None)
+    if ref is None:
+        ref = next(iter(model.parameters()), None)
+    return {"device": ref.device, "dtype": ref.dtype} if ref is not None else {}
+
+
+def install_ops(model: nn.Module, plan: Plan) -> None:
+    """Rebuild the structure a rotation added (loading a native checkpoint; no weight arithmetic): the
+    ``Qᵀ`` buffer and hook of each norm whose model output is turned back. The buffer's value comes with
+    the checkpoint's weights; it is created here, empty, on the norm's device and dtype."""
+    for r in plan.rotations:
+        width = int(r["width"])
+        for name in r.get("restore", []):
+            module = model.get_submodule(name)
+            _install_unrotate(module, torch.empty(width, width, **_like(module, model)))
+        for op in r.get("ops", []):
+            module = model.get_submodule(op["module"])
+            _install_rotation_op(module, op, torch.empty(width, width, **_like(module, model)))
 
 
 def _rotate_axis_(p: torch.Tensor, axis: int, q: torch.Tensor) -> None:
@@ -205,6 +319,10 @@ def _rotate_axis_(p: torch.Tensor, axis: int, q: torch.Tensor) -> None:
     w = p.detach().double().movedim(axis, -1)
     with torch.no_grad():
         p.copy_((w @ q).movedim(-1, axis).to(p.dtype))
+
+
+def _reader_axis(module: nn.Module) -> int:
+    return 0 if type(module).__name__ == "Conv1D" else 1  # HF Conv1D stores [in, out]
 
 
 def _user_matrix(q: torch.Tensor) -> torch.Tensor:
@@ -230,6 +348,15 @@ def rotate(model: nn.Module, q: str | int | torch.Tensor = "hadamard", *, seed: 
             orthogonal ``d × d`` matrix, applied as given to every ready stream of width ``d``.
         seed: the random signs / random matrix of the first stream; the i-th stream uses ``seed + i``.
         online: reserved for the online Hadamard rotations (not available in this version: an error).
+        output: for a stream whose last norm's output is itself a model output (a ViT/DINOv2
+            backbone's ``last_hidden_state``, a base model's final norm): ``None`` (default) leaves such a
+            stream unrotated and says so; ``"rotated"`` rotates it and that output comes out as ``y Q``:
+            every cosine, inner product and distance between output vectors is unchanged (embeddings
+            used for search work as they are), and ``Q`` is in the result (:attr:`Rotation.matrices`)
+            and rebuildable from the manifest; ``"restore"`` rotates it and turns that norm's output back
+            before that norm (one ``d × d`` matmul per token: a ``Qᵀ`` buffer and pre-hook on the norm, which
+            the native format saves and rebuilds; the compat format cannot hold it). ``"rotated"`` needs
+            the norm's γ folded, i.e. a Linear reader besides the output; ``"restore"`` works either way.
 
     Returns:
         A :class:`Rotation` listing the streams rotated (with the matrix of each) and, for the others, why not.
@@ -258,13 +385,15 @@ def rotate(model: nn.Module, q: str | int | torch.Tensor = "hadamard", *, seed: 
         raise NormswapError(f"q must be 'hadamard', 'random', an int seed or an orthogonal matrix, "
                             f"not {type(q).__name__}")
     user_keeps_mean = q64 is not None and is_mean_preserving(q64)
+    if output is not None:
+        choose("output", output, ("rotated", "restore"))
 
     result = Rotation()
-    edits = {e.target: e for e in plan.writer_edits}
+    axes = _axes(plan)
     todo: list[tuple[list[SitePlan], torch.Tensor, dict]] = []
     for i, group in enumerate(streams(plan, model)):
         names = [sp.name for sp in group]
-        why = _blocker(model, plan, group)
+        why = _blocker(model, plan, group, output)
         width = group[0].normalized_shape[0]
         if not why and q64 is not None and q64.shape[0] != width:
             why = f"q is {q64.shape[0]}×{q64.shape[0]} but this stream has width {width}"
@@ -282,30 +411,54 @@ def rotate(model: nn.Module, q: str | int | torch.Tensor = "hadamard", *, seed: 
         else:
             rot, info = rotation_matrix(width, kind, seed + i)
             todo.append((group, rot, info))
-    # every parameter is rotated at most once per side; check before touching anything
-    writer_params = [id(model.get_parameter(t)) for group, _, _ in todo
-                     for t in sorted({t for sp in group for t in sp.writer_targets})]
-    reader_params = [id(model.get_submodule(r).weight) for group, _, _ in todo
-                     for r in sorted({r for sp in group for r in sp.linear_readers})]
-    if len(set(reader_params)) != len(reader_params) or set(writer_params) & set(reader_params):
-        raise NormswapError("streams share a writer or a reader; this model cannot be rotated stream by stream")
+    # every parameter is rotated at most once; a reader whose weight is also a writer of the same stream
+    # (a head tied to the embedding: rows x → x Q as a writer, W → W Q as a reader) is that one rotation
+    work = []
     for group, rot, info in todo:
-        by_id = {id(model.get_parameter(t)): t for sp in group for t in sorted(sp.writer_targets)}
+        restored = _restored(group, output)
+        upstream = {t for sp in group for t in sp.rotation_upstream}  # turned by the stream's op
+        by_id = {id(model.get_parameter(t)): t for sp in group for t in sorted(sp.writer_targets)
+                 if t not in upstream}
+        ops = list({(o["module"], o["where"], o["arg"]): o for sp in group for o in sp.rotation_ops}.values())
+        readers = sorted({r for sp in group if sp.name not in restored for r in sp.linear_readers})
+        tied = {r for r in readers if id(model.get_submodule(r).weight) in by_id
+                and axes[by_id[id(model.get_submodule(r).weight)]] == _reader_axis(model.get_submodule(r))}
+        work.append((group, rot, info, by_id, readers, tied, restored, ops))
+    writer_params = [p for _, _, _, by_id, *_ in work for p in by_id]
+    reader_params = [id(model.get_submodule(r).weight) for *_, readers, tied, _, _ in work for r in readers
+                     if r not in tied]
+    if len(set(writer_params)) != len(writer_params) or len(set(reader_params)) != len(reader_params) \
+            or set(writer_params) & set(reader_params):
+        raise NormswapError("streams share a writer or a reader; this model cannot be rotated stream by stream")
+    for group, rot, info, by_id, readers, tied, restored, ops in work:
         writers = sorted(by_id.values())  # a tied parameter is rotated once
-        readers = sorted({r for sp in group for r in sp.linear_readers})
         for t in writers:
             p = model.get_parameter(t)
-            _rotate_axis_(p, edits[t].axis, rot.to(p.device))
+            _rotate_axis_(p, axes[t], rot.to(p.device))
         for sp in group:  # a kept bias is part of the norm's output: it turns with the stream
-            bias = model.get_submodule(sp.name).bias
-            if bias is not None:
+            if sp.name in restored:
+                continue
+            bias = getattr(model.get_submodule(sp.name), "bias", None)
+            if isinstance(bias, torch.Tensor):
                 _rotate_axis_(bias, 0, rot.to(bias.device))
         for r in readers:
+            if r in tied:
+                continue
             module = model.get_submodule(r)
-            in_axis = 0 if type(module).__name__ == "Conv1D" else 1  # HF Conv1D stores [in, out]
-            _rotate_axis_(module.weight, in_axis, rot.to(module.weight.device))
-        result.rotated.append({"width": rot.shape[0], "norms": [sp.name for sp in group], "writers": writers,
-                               "readers": readers, **info, "output": "", "q": rot})
+            _rotate_axis_(module.weight, _reader_axis(module), rot.to(module.weight.device))
+        for name in sorted(restored):
+            module = model.get_submodule(name)
+            ref = next(iter(module.parameters()), None)
+            _install_unrotate(module, rot.T.contiguous().to(device=ref.device if ref is not None else None,
+                                                            dtype=ref.dtype if ref is not None else None))
+        for op in ops:
+            module = model.get_submodule(op["module"])
+            _install_rotation_op(module, op, rot.to(**_like(module, model)).contiguous())
+        outputs = sorted({o for sp in group for o in sp.rotation_outputs})
+        entry = {"width": rot.shape[0], "norms": [sp.name for sp in group], "writers": writers,
+                 "readers": readers, **info, "output": (output or "") if outputs else "", "outputs": outputs,
+                 "restore": sorted(restored), "ops": ops, "q": rot}
+        result.rotated.append(entry)
     plan.rotations = plan.rotations + [manifest_entry(r) for r in result.rotated]
     return result
 
