@@ -44,6 +44,7 @@ class Rotation:
 
     rotated: list[dict] = field(default_factory=list)
     skipped: list[dict] = field(default_factory=list)  # {"norms", "reason"}
+    online_skipped: list[str] = field(default_factory=list)  # down projections left without an online Hadamard
 
     @property
     def matrices(self) -> dict[str, torch.Tensor]:
@@ -73,10 +74,13 @@ class Rotation:
                 what += f"; {r['fallback']}"
             out = {"rotated": "; its model output comes out rotated",
                    "restore": "; its model output is turned back"}.get(r.get("output", ""), "")
+            if r.get("online"):
+                out += f"; online Hadamard before {len(r['online'])} down projection(s)"
             lines.append(f"rotated stream of width {r['width']} by {what}: {len(r['norms'])} norm(s), "
                          f"{len(r['writers'])} writer tensor(s), {len(r['readers'])} reader(s){out}")
         lines += [f"not rotated ({len(s['norms'])} norm(s), e.g. `{s['norms'][0]}`): {s['reason']}"
                   for s in self.skipped]
+        lines += [f"no online Hadamard: {why}" for why in self.online_skipped]
         return "\n".join(lines) or "no stream to rotate"
 
 
@@ -293,6 +297,44 @@ def _install_rotation_op(module: nn.Module, op: dict, value: torch.Tensor) -> No
         module._normswap_rotation = module.register_forward_pre_hook(RotateInput(op["arg"]), with_kwargs=True)
 
 
+HADAMARD_BUFFER = "normswap_hadamard"  # H_K of an online Hadamard (the small factor; fwht does the 2^m part)
+
+
+class OnlineHadamard:
+    """Forward pre-hook: the module's input times ``H/sqrt(n)`` by the fast Walsh–Hadamard transform
+    (:func:`normswap.hadamard.fwht`, stock ops only, so it exports); the module's weight holds ``Hᵀ``."""
+
+    def __call__(self, module: nn.Module, args: tuple) -> tuple:
+        x = args[0]
+        return (hadamard.fwht(x, getattr(module, HADAMARD_BUFFER)), *args[1:])
+
+
+def _install_online(module: nn.Module, small: torch.Tensor) -> None:
+    if getattr(module, "_normswap_online", None) is not None:
+        setattr(module, HADAMARD_BUFFER, small)
+        return
+    module.register_buffer(HADAMARD_BUFFER, small)
+    module._normswap_online = module.register_forward_pre_hook(OnlineHadamard())
+
+
+def _online_targets(model: nn.Module, writers: list[str], width: int) -> tuple[list[str], list[str]]:
+    """The MLP down projections among a stream's writers (Linear/Conv1D whose input width is not the
+    stream's: ``(paths with a Hadamard order, reasons for the others)``."""
+    found, why = [], []
+    for path in sorted({w.rsplit(".", 1)[0] for w in writers}):
+        module = model.get_submodule(path)
+        if not (isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D"):
+            continue
+        n = module.weight.shape[_reader_axis(module)]
+        if n == width:
+            continue
+        if not hadamard.has_hadamard(n):
+            why.append(f"`{path}`: no Hadamard matrix of order {n}")
+            continue
+        found.append(path)
+    return found, why
+
+
 def _like(module: nn.Module, model: nn.Module) -> dict:
     ref = next(iter(module.parameters()), None)
     if ref is None:
@@ -312,6 +354,10 @@ def install_ops(model: nn.Module, plan: Plan) -> None:
         for op in r.get("ops", []):
             module = model.get_submodule(op["module"])
             _install_rotation_op(module, op, torch.empty(width, width, **_like(module, model)))
+        for path in r.get("online", []):
+            module = model.get_submodule(path)
+            k = hadamard.hadamard_order(module.weight.shape[_reader_axis(module)])
+            _install_online(module, torch.empty(k, k, **_like(module, model)))
 
 
 def _rotate_axis_(p: torch.Tensor, axis: int, q: torch.Tensor) -> None:
@@ -347,7 +393,11 @@ def rotate(model: nn.Module, q: str | int | torch.Tensor = "hadamard", *, seed: 
             for ``"random"`` (``rotate(model, 3)`` = ``rotate(model, "random", seed=3)``). A tensor: your own
             orthogonal ``d × d`` matrix, applied as given to every ready stream of width ``d``.
         seed: the random signs / random matrix of the first stream; the i-th stream uses ``seed + i``.
-        online: reserved for the online Hadamard rotations (not available in this version: an error).
+        online: also QuaRot's online Hadamard on every MLP down projection of a rotated stream (a writer
+            Linear/Conv1D whose input width ``n`` is not the stream's): an op computing ``x·H/sqrt(n)``
+            by the fast Walsh–Hadamard transform before it, ``Hᵀ`` folded into its weight. The op is a
+            buffer (``H_K``) and a pre-hook, saved and rebuilt by the native format; stock ops, so it
+            exports. A width with no Hadamard order is left alone and listed in ``Rotation.online_skipped``.
         output: for a stream whose last norm's output is itself a model output (a ViT/DINOv2
             backbone's ``last_hidden_state``, a base model's final norm): ``None`` (default) leaves such a
             stream unrotated and says so; ``"rotated"`` rotates it and that output comes out as ``y Q``:
@@ -371,8 +421,6 @@ def rotate(model: nn.Module, q: str | int | torch.Tensor = "hadamard", *, seed: 
     plan: Plan | None = plan_of(model)
     if plan is None:
         raise NormswapError("model was not converted by normswap; run normswap.patch(model, fold_gamma=True) first")
-    if online:
-        raise NormswapError("online Hadamard rotations are not available in this version; use online=False")
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise NormswapError(f"seed must be an int, not {type(seed).__name__}")
     if isinstance(q, torch.Tensor):
@@ -455,9 +503,19 @@ def rotate(model: nn.Module, q: str | int | torch.Tensor = "hadamard", *, seed: 
             module = model.get_submodule(op["module"])
             _install_rotation_op(module, op, rot.to(**_like(module, model)).contiguous())
         outputs = sorted({o for sp in group for o in sp.rotation_outputs})
+        online_paths: list[str] = []
+        if online:
+            online_paths, skipped_online = _online_targets(model, writers, rot.shape[0])
+            result.online_skipped += skipped_online
+            for path in online_paths:
+                module = model.get_submodule(path)
+                n = module.weight.shape[_reader_axis(module)]
+                h = hadamard.hadamard(n) / n**0.5
+                _rotate_axis_(module.weight, _reader_axis(module), h.to(module.weight.device))  # W ← W H̃
+                _install_online(module, hadamard.small_factor(n).to(**_like(module, model)))
         entry = {"width": rot.shape[0], "norms": [sp.name for sp in group], "writers": writers,
                  "readers": readers, **info, "output": (output or "") if outputs else "", "outputs": outputs,
-                 "restore": sorted(restored), "ops": ops, "q": rot}
+                 "restore": sorted(restored), "ops": ops, "online": online_paths, "q": rot}
         result.rotated.append(entry)
     plan.rotations = plan.rotations + [manifest_entry(r) for r in result.rotated]
     return result
