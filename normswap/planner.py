@@ -340,9 +340,12 @@ def _rotation_ops(an: Analyzer, calls: list, site_terms: dict[int, list[Term]], 
     """
     ops, upstream = {}, set()
     for call in calls:
-        for v, (h, reach) in hooks.items():
-            if call.id not in reach.site_rows or h.per_norm:
-                continue
+        mine = [v for v, (h, reach) in hooks.items() if call.id in reach.site_rows and not h.per_norm]
+        # an op whose value flows into another op's value is turned by that one: only the last ones stay
+        # (wav2vec2: the positional conv's output, then the sum it joins, are both centered)
+        last = [v for v in mine if not any(w != v and w in an.reach(v, -1).mapped for w in mine)]
+        for v in last:
+            h = hooks[v][0]
             ops[(h.module, h.where, h.arg)] = {"module": h.module, "where": h.where, "arg": h.arg}
             for term in site_terms[call.id]:
                 if term_status[term.value][0] and v in an.reach(term.value, -1).mapped:

@@ -76,6 +76,8 @@ class Rotation:
                    "restore": "; its model output is turned back"}.get(r.get("output", ""), "")
             if r.get("online"):
                 out += f"; online Hadamard before {len(r['online'])} down projection(s)"
+            if r.get("value_heads"):
+                out += f"; per-head Hadamard (size {r['head_dim']}) on {len(r['value_heads'])} attention(s)' values"
             lines.append(f"rotated stream of width {r['width']} by {what}: {len(r['norms'])} norm(s), "
                          f"{len(r['writers'])} writer tensor(s), {len(r['readers'])} reader(s){out}")
         lines += [f"not rotated ({len(s['norms'])} norm(s), e.g. `{s['norms'][0]}`): {s['reason']}"
@@ -206,7 +208,7 @@ def _blocker(model: nn.Module, plan: Plan, group: list[SitePlan], output: str | 
     axes = _axes(plan)
     blocked = {e.target for e in plan.writer_edits if e.blocks is not None}
     targets = {t for sp in group for t in sp.writer_targets}
-    if not targets:
+    if not targets and not any(sp.rotation_ops for sp in group):
         return "no writer recorded (a plan read back from a manifest has no stream details: " \
             "rotate right after normswap.patch)"
     for t in sorted(targets):
@@ -335,6 +337,56 @@ def _online_targets(model: nn.Module, writers: list[str], width: int) -> tuple[l
     return found, why
 
 
+_VALUE_OUTPUT = (("v_proj", "o_proj"), ("v_proj", "out_proj"))  # separate value / output projections
+
+
+def _head_dim(model: nn.Module) -> int | None:
+    config = getattr(model, "config", None)
+    config = getattr(config, "get_text_config", lambda: config)() if config is not None else None
+    hd = getattr(config, "head_dim", None)
+    heads = getattr(config, "num_attention_heads", None)
+    width = getattr(config, "hidden_size", None)
+    return int(hd) if isinstance(hd, int) else (width // heads if width and heads else None)
+
+
+def _value_heads(model: nn.Module, head_dim: int | None) -> list[tuple[str, nn.Linear, nn.Linear]]:
+    """Attention modules whose value and output projections are separate Linears over whole heads."""
+    found = []
+    if not head_dim:
+        return found
+    for path, module in model.named_modules():
+        for v_name, o_name in _VALUE_OUTPUT:
+            v, o = getattr(module, v_name, None), getattr(module, o_name, None)
+            if isinstance(v, nn.Linear) and isinstance(o, nn.Linear) and v.out_features % head_dim == 0 \
+                    and o.in_features % head_dim == 0:
+                found.append((path, v, o))
+                break
+    return found
+
+
+def _rotate_heads_(model: nn.Module) -> tuple[list[str], int | None, str]:
+    """Per-head Hadamard on values, folded offline: each head's value features ``v_h → v_h H̃`` (the value
+    projection's rows and bias, per head) and the output projection's input columns of each head ``W → W H̃``.
+    Attention is linear in each head's values (``softmax(.) V_h H̃ = (softmax(.) V_h) H̃``), so outputs
+    are unchanged; grouped-query heads share one ``H̃``, so any head mapping works."""
+    hd = _head_dim(model)
+    pairs = _value_heads(model, hd)
+    if not pairs:
+        return [], hd, "no attention with separate value/output projections (v_proj with o_proj/out_proj)"
+    if not hadamard.has_hadamard(hd):
+        return [], hd, f"no Hadamard matrix of order {hd} (the head size)"
+    h = hadamard.hadamard(hd) / hd**0.5
+    for _, v, o in pairs:
+        for p, axis in ((v.weight, 0), (v.bias, 0), (o.weight, 1)):
+            if p is None:
+                continue
+            blocks = p.detach().double().movedim(axis, -1)
+            turned = (blocks.reshape(*blocks.shape[:-1], -1, hd) @ h.to(p.device)).reshape(blocks.shape)
+            with torch.no_grad():
+                p.copy_(turned.movedim(-1, axis).to(p.dtype))
+    return [path for path, _, _ in pairs], hd, ""
+
+
 def _like(module: nn.Module, model: nn.Module) -> dict:
     ref = next(iter(module.parameters()), None)
     if ref is None:
@@ -398,6 +450,10 @@ def rotate(model: nn.Module, q: str | int | torch.Tensor = "hadamard", *, seed: 
             by the fast Walsh–Hadamard transform before it, ``Hᵀ`` folded into its weight. The op is a
             buffer (``H_K``) and a pre-hook, saved and rebuilt by the native format; stock ops, so it
             exports. A width with no Hadamard order is left alone and listed in ``Rotation.online_skipped``.
+            Also per-head Hadamards on values and outputs where they fold (attention modules with separate
+            ``v_proj`` and ``o_proj``/``out_proj`` Linears over whole heads; the head size from the config):
+            each head's values turn by ``H/sqrt(head_dim)`` (value projection rows) and the output
+            projection's columns of that head absorb it; weights only, no op.
         output: for a stream whose last norm's output is itself a model output (a ViT/DINOv2
             backbone's ``last_hidden_state``, a base model's final norm): ``None`` (default) leaves such a
             stream unrotated and says so; ``"rotated"`` rotates it and that output comes out as ``y Q``:
@@ -517,6 +573,11 @@ def rotate(model: nn.Module, q: str | int | torch.Tensor = "hadamard", *, seed: 
                  "readers": readers, **info, "output": (output or "") if outputs else "", "outputs": outputs,
                  "restore": sorted(restored), "ops": ops, "online": online_paths, "q": rot}
         result.rotated.append(entry)
+    if online and result.rotated:  # per-head Hadamards on values and outputs: offline folds, no op
+        heads, hd, why = _rotate_heads_(model)
+        result.rotated[0].update(value_heads=heads, head_dim=hd)
+        if why:
+            result.online_skipped.append(f"per-head Hadamard on values: {why}")
     plan.rotations = plan.rotations + [manifest_entry(r) for r in result.rotated]
     return result
 

@@ -22,17 +22,18 @@ NOT_READY = {
     "mbart": "encoder_last_hidden_state",  # the encoder's final norm output is a model output
     "whisper": "encoder_last_hidden_state",  # its encoder stream (centered after the conv stem); the decoder rotates
     "clip-text": "last_hidden_state",  # the final norm's output is a model output, not a Linear input
-    "clip": "last_hidden_state",
+    "clip": "last_hidden_state",  # the text stream (the vision stream rotates)
     "pegasus": "encoder_last_hidden_state",
     "wav2vec2-stable": "not a Linear",  # feature-extractor norms feed a conv stack
     "dinov2": "`cat`",  # the classifier reads [cls, mean of patches] concatenated
     "dinov3-vit": "last_hidden_state",  # the final norm's output is a model output
     "dinov3-vit-no-value-bias": "last_hidden_state",
 }
-FULLY_BLOCKED = {"m2m100", "clip-text", "clip", "pegasus", "wav2vec2-stable", "dinov2", "dinov3-vit",
+FULLY_BLOCKED = {"m2m100", "clip-text", "pegasus", "dinov2", "dinov3-vit",
                  "dinov3-vit-no-value-bias"}
 # streams centered at run time (a mean subtraction where the stream starts): rotated through one op there
 CENTERED_START = {"bloom": "transformer.word_embeddings_layernorm", "clip-vision": "vision_model.pre_layrnorm",
+                  "clip": "vision_model.pre_layrnorm", "wav2vec2-stable": "wav2vec2.encoder.dropout",
                   "xglm": "model.embed_positions", "mbart": "model.decoder.layernorm_embedding"}
 
 

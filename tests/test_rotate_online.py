@@ -80,3 +80,28 @@ def test_online_skips_a_down_projection_without_a_hadamard_order_and_says_so():
         out = model(**probe).logits
     assert rot.rotated[0]["online"] == [] and "no Hadamard matrix of order 30" in rot.online_skipped[0]
     assert float((out - ref).abs().max() / ref.abs().max()) <= 1e-9
+
+
+@pytest.mark.parametrize("name", ["opt", "mistral"])  # mistral: grouped-query heads share the values
+def test_per_head_hadamard_on_values_folds_into_value_and_output_projections(name):
+    table = RMS if name == "mistral" else EXACT
+    model = build(table, name)
+    normswap.patch(model, fold_gamma=True)
+    probe = hf_example_inputs(model, seed=5)
+    with torch.no_grad(), default_dtype(torch.float64):
+        ref = model(**probe).logits
+        rot = rotate(model, "hadamard", online=True)
+        out = model(**probe).logits
+    (stream,) = rot.rotated
+    assert len(stream["value_heads"]) == 2 and stream["head_dim"] == 8
+    assert float((out - ref).abs().max() / ref.abs().max()) <= 1e-5
+    # undoing the value side alone breaks the model: the output projections really hold H̃
+    attn = model.get_submodule(stream["value_heads"][0])
+    from normswap import hadamard
+
+    h = hadamard.hadamard(8) / 8**0.5
+    with torch.no_grad():
+        w = attn.v_proj.weight
+        w.copy_((h @ w.reshape(-1, 8, w.shape[1])).reshape(w.shape))  # turn each head once more
+        broken = model(**probe).logits
+    assert float((broken - ref).abs().max() / ref.abs().max()) > 1e-3
