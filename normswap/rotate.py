@@ -341,27 +341,41 @@ _VALUE_OUTPUT = (("v_proj", "o_proj"), ("v_proj", "out_proj"))  # separate value
 
 
 def _head_dim(model: nn.Module) -> int | None:
-    config = getattr(model, "config", None)
-    config = getattr(config, "get_text_config", lambda: config)() if config is not None else None
+    """The head size from the (first) transformers config in ``model``: ``head_dim`` or width / heads."""
+    config = next((getattr(m, "config", None) for m in model.modules() if getattr(m, "config", None) is not None),
+                  None)
+    if config is None:
+        return None
+    config = getattr(config, "get_text_config", lambda: config)()
     hd = getattr(config, "head_dim", None)
     heads = getattr(config, "num_attention_heads", None)
     width = getattr(config, "hidden_size", None)
     return int(hd) if isinstance(hd, int) else (width // heads if width and heads else None)
 
 
-def _value_heads(model: nn.Module, head_dim: int | None) -> list[tuple[str, nn.Linear, nn.Linear]]:
-    """Attention modules whose value and output projections are separate Linears over whole heads."""
-    found = []
-    if not head_dim:
-        return found
+def _value_heads(model: nn.Module) -> tuple[list[tuple[str, nn.Linear, nn.Linear]], int | None]:
+    """Attention modules whose value and output projections are separate Linears over whole heads, and
+    the head size (the attention module's own ``head_dim`` / ``attention_head_size``, else the config's)."""
+    found, sizes = [], set()
+    default = _head_dim(model)
     for path, module in model.named_modules():
-        for v_name, o_name in _VALUE_OUTPUT:
-            v, o = getattr(module, v_name, None), getattr(module, o_name, None)
-            if isinstance(v, nn.Linear) and isinstance(o, nn.Linear) and v.out_features % head_dim == 0 \
-                    and o.in_features % head_dim == 0:
+        pairs = [(module, getattr(module, v_name, None), getattr(module, o_name, None))
+                 for v_name, o_name in _VALUE_OUTPUT]
+        # BERT/ViT/DINOv2 layout: <attention>.{self|attention}.value and <attention>.output.dense
+        inner = getattr(module, "self", None) or getattr(module, "attention", None)
+        out = getattr(module, "output", None)
+        if isinstance(inner, nn.Module) and isinstance(out, nn.Module):
+            pairs.append((inner, getattr(inner, "value", None), getattr(out, "dense", None)))
+        for owner, v, o in pairs:
+            hd = getattr(owner, "head_dim", None) or getattr(owner, "attention_head_size", None) or default
+            if isinstance(v, nn.Linear) and isinstance(o, nn.Linear) and isinstance(hd, int) and hd > 0 \
+                    and v.out_features % hd == 0 and o.in_features % hd == 0:
                 found.append((path, v, o))
+                sizes.add(hd)
                 break
-    return found
+    if len(sizes) > 1:
+        return [], None  # one H̃ size per model keeps the record simple; mixed head sizes are left alone
+    return found, next(iter(sizes), None)
 
 
 def _rotate_heads_(model: nn.Module) -> tuple[list[str], int | None, str]:
@@ -369,10 +383,10 @@ def _rotate_heads_(model: nn.Module) -> tuple[list[str], int | None, str]:
     projection's rows and bias, per head) and the output projection's input columns of each head ``W → W H̃``.
     Attention is linear in each head's values (``softmax(.) V_h H̃ = (softmax(.) V_h) H̃``), so outputs
     are unchanged; grouped-query heads share one ``H̃``, so any head mapping works."""
-    hd = _head_dim(model)
-    pairs = _value_heads(model, hd)
+    pairs, hd = _value_heads(model)
     if not pairs:
-        return [], hd, "no attention with separate value/output projections (v_proj with o_proj/out_proj)"
+        return [], hd, ("no attention with separate value/output projections (v_proj with o_proj/out_proj, or "
+                        "self|attention.value with output.dense)")
     if not hadamard.has_hadamard(hd):
         return [], hd, f"no Hadamard matrix of order {hd} (the head size)"
     h = hadamard.hadamard(hd) / hd**0.5
@@ -451,7 +465,8 @@ def rotate(model: nn.Module, q: str | int | torch.Tensor = "hadamard", *, seed: 
             buffer (``H_K``) and a pre-hook, saved and rebuilt by the native format; stock ops, so it
             exports. A width with no Hadamard order is left alone and listed in ``Rotation.online_skipped``.
             Also per-head Hadamards on values and outputs where they fold (attention modules with separate
-            ``v_proj`` and ``o_proj``/``out_proj`` Linears over whole heads; the head size from the config):
+            ``v_proj`` and ``o_proj``/``out_proj`` Linears, or BERT/ViT's ``self``/``attention.value`` with
+            ``output.dense``, over whole heads; the head size from the config):
             each head's values turn by ``H/sqrt(head_dim)`` (value projection rows) and the output
             projection's columns of that head absorb it; weights only, no op.
         output: for a stream whose last norm's output is itself a model output (a ViT/DINOv2

@@ -105,3 +105,36 @@ def test_per_head_hadamard_on_values_folds_into_value_and_output_projections(nam
         w.copy_((h @ w.reshape(-1, 8, w.shape[1])).reshape(w.shape))  # turn each head once more
         broken = model(**probe).logits
     assert float((broken - ref).abs().max() / ref.abs().max()) > 1e-3
+
+
+def test_vision_backbone_with_a_linear_reader_after_its_last_norm_rotates_whole():
+    """A DINOv2 backbone (LayerScale, interpolated positions, cls token) with a Linear on its CLS output:
+    the whole stream turns, the down projections get online Hadamards, the values per-head ones
+    (BERT/ViT layout: attention.value and output.dense)."""
+    import transformers as tf
+    from torch import nn
+
+    from tests.zoo import MORE, randomise
+
+    torch.manual_seed(0)
+    _, config = MORE["dinov2"][0]()
+
+    class Probe(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.backbone = randomise(tf.Dinov2Model(config))
+            self.fc = nn.Linear(config.hidden_size, 10)
+
+        def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+            return self.fc(self.backbone(pixel_values=pixel_values).last_hidden_state[:, 0])
+
+    model = Probe().double().eval()
+    x = torch.randn(2, 3, config.image_size, config.image_size, dtype=torch.float64)
+    normswap.patch(model, example_inputs=(x,), fold_gamma=True)
+    with torch.no_grad():
+        ref = model(x)
+        rot = rotate(model, "hadamard", online=True)
+        out = model(x)
+    (stream,) = rot.rotated
+    assert not rot.skipped and len(stream["online"]) == 2 and len(stream["value_heads"]) == 2
+    assert float((out - ref).abs().max() / ref.abs().max()) <= 1e-9
