@@ -8,9 +8,18 @@ by ``Q`` and every *reader*'s input features by ``Qᵀ`` leaves the model's outp
 
 ``normswap.patch(model, fold_gamma=True)`` produces such streams wherever the math allows, and the
 plan records, per norm, whether its stream is ready and, if not, why (``SitePlan.rotation_ready``,
-``SitePlan.rotation_reason``). :func:`rotate` applies a rotation to every ready stream, in float64,
-cast back once. Streams are the connected groups of norms that share writers (a decoder stream,
-an encoder stream, a vision tower's stream): each is rotated as a whole or not at all.
+``SitePlan.rotation_reason``); norms that were RMS from the start (Llama) are in ``plan.rms_sites``.
+:func:`rotate` applies a rotation to every ready stream, in float64, cast back once. Streams are the
+connected groups of norms that share writers (a decoder stream, an encoder stream, a vision tower's
+stream): each is rotated as a whole or not at all.
+
+The matrices built here keep the mean direction (``Q·1 = 1``, :func:`keep_mean`): a zero-mean stream stays
+zero-mean, so a rotated exact model is still exact with stock LayerNorms (the compat format), and a
+centering op commutes with ``Q``. A stream centered at run time starts at a value no weight can turn (a
+norm's output, a regenerated table, a nonlinear stem): it takes ``Q`` as one op right after its centering
+op. ``output=`` decides what happens to a stream whose last norm output is a model output, ``online=``
+adds QuaRot's online Hadamards (:mod:`normswap.hadamard`). Every op a rotation adds is a buffer plus a
+hook that :func:`install_ops` rebuilds when a native checkpoint loads; the compat format refuses them.
 """
 
 from __future__ import annotations
