@@ -262,10 +262,15 @@ class Unrotate:
         return (torch.matmul(x, getattr(module, RESTORE_BUFFER).to(x.dtype)), *args[1:])
 
 
-def _install_unrotate(module: nn.Module, value: torch.Tensor) -> None:
+def _install_unrotate(module: nn.Module, value: torch.Tensor, *, compose: bool = False) -> None:
+    """Register the ``Qᵀ`` buffer and pre-hook; on a norm that has them, ``compose`` turns back a second
+    rotation too (``(Q₁Q₂)ᵀ = Q₂ᵀQ₁ᵀ``)."""
     if getattr(module, "_normswap_unrotate", None) is None:
         module.register_buffer(RESTORE_BUFFER, value)
         module._normswap_unrotate = module.register_forward_pre_hook(Unrotate())
+    elif compose:
+        old = getattr(module, RESTORE_BUFFER)
+        setattr(module, RESTORE_BUFFER, (value.double() @ old.double()).to(old.dtype))
     else:
         setattr(module, RESTORE_BUFFER, value)
 
@@ -297,9 +302,11 @@ class RotateInput:
         return args, kwargs
 
 
-def _install_rotation_op(module: nn.Module, op: dict, value: torch.Tensor) -> None:
+def _install_rotation_op(module: nn.Module, op: dict, value: torch.Tensor, *, compose: bool = False) -> None:
+    """Register the ``Q`` buffer and hook; where they exist, ``compose`` makes it ``Q₁Q₂`` (a second rotation)."""
     if getattr(module, "_normswap_rotation", None) is not None:
-        setattr(module, ROTATION_BUFFER, value)
+        old = getattr(module, ROTATION_BUFFER)
+        setattr(module, ROTATION_BUFFER, (old.double() @ value.double()).to(old.dtype) if compose else value)
         return
     module.register_buffer(ROTATION_BUFFER, value)
     if op["where"] == "output":
@@ -337,8 +344,8 @@ def _online_targets(model: nn.Module, writers: list[str], width: int) -> tuple[l
         if not (isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D"):
             continue
         n = module.weight.shape[_reader_axis(module)]
-        if n == width:
-            continue
+        if n == width or getattr(module, "_normswap_online", None) is not None:
+            continue  # an attention output projection; or an online Hadamard is there already
         if not hadamard.has_hadamard(n):
             why.append(f"`{path}`: no Hadamard matrix of order {n}")
             continue
@@ -578,10 +585,11 @@ def rotate(model: nn.Module, q: str | int | torch.Tensor = "hadamard", *, seed: 
             module = model.get_submodule(name)
             ref = next(iter(module.parameters()), None)
             _install_unrotate(module, rot.T.contiguous().to(device=ref.device if ref is not None else None,
-                                                            dtype=ref.dtype if ref is not None else None))
+                                                            dtype=ref.dtype if ref is not None else None),
+                              compose=True)
         for op in ops:
             module = model.get_submodule(op["module"])
-            _install_rotation_op(module, op, rot.to(**_like(module, model)).contiguous())
+            _install_rotation_op(module, op, rot.to(**_like(module, model)).contiguous(), compose=True)
         outputs = sorted({o for sp in group for o in sp.rotation_outputs})
         online_paths: list[str] = []
         if online:
@@ -597,7 +605,8 @@ def rotate(model: nn.Module, q: str | int | torch.Tensor = "hadamard", *, seed: 
                  "readers": readers, **info, "output": (output or "") if outputs else "", "outputs": outputs,
                  "restore": sorted(restored), "ops": ops, "online": online_paths, "q": rot}
         result.rotated.append(entry)
-    if online and result.rotated:  # per-head Hadamards on values and outputs: offline folds, no op
+    if online and result.rotated and not any(r.get("value_heads") for r in plan.rotations):
+        # per-head Hadamards on values and outputs: offline folds, no op (once: a second H̃ would undo nothing)
         heads, hd, why = _rotate_heads_(model)
         result.rotated[0].update(value_heads=heads, head_dim=hd)
         if why:

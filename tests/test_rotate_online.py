@@ -136,3 +136,18 @@ def test_vision_backbone_with_a_linear_reader_after_its_last_norm_rotates_whole(
     (stream,) = rot.rotated
     assert not rot.skipped and len(stream["online"]) == 2 and len(stream["value_heads"]) == 2
     assert float((out - ref).abs().max() / ref.abs().max()) <= 1e-9
+
+
+def test_rotating_twice_composes_ops_and_adds_online_hadamards_once():
+    model = build(EXACT, "opt")
+    normswap.patch(model, fold_gamma=True)
+    probe = hf_example_inputs(model, seed=5)
+    with torch.no_grad(), default_dtype(torch.float64):
+        ref = model(**probe).logits
+        first = rotate(model, "hadamard", online=True)
+        second = rotate(model, "random", seed=4, online=True)
+        out = model(**probe).logits
+    assert first.rotated[0]["online"] and not second.rotated[0]["online"]  # already there
+    assert first.rotated[0]["value_heads"] and "value_heads" not in second.rotated[0]
+    assert float((out - ref).abs().max() / ref.abs().max()) <= 1e-9
+    assert len(normswap.plan_of(model).rotations) == 2
