@@ -258,6 +258,9 @@ def _rotate(model: torch.nn.Module, which: str, seed: int, kind: str) -> Any:
     return normswap.rotate(model, "hadamard", seed=seed, online=True, **extra)
 
 
+READERS: set[str] = set()  # Linear names that read a rotated stream (their inputs turn with it)
+
+
 def build_variants(model: torch.nn.Module, tok: Any, which: list[str], seed: int, kind: str
                    ) -> list[tuple[str, torch.nn.Module | None, str]]:
     """``[(name, model or None, note)]``: None with the reason where the variant could not be built."""
@@ -284,9 +287,10 @@ def build_variants(model: torch.nn.Module, tok: Any, which: list[str], seed: int
         if not getattr(result, "rotated", None):
             variants.append((rot, None, "nothing rotated: " + str(result).splitlines()[0]))
             continue
-        kept = [s for s in getattr(result, "skipped", [])]
+        kept = list(getattr(result, "skipped", []))
         note = f"{len(result.rotated)} stream(s) rotated" + (f", {len(kept)} not: {kept[0]['reason']}" if kept else "")
         variants.append((rot, m, note))
+        READERS.update(r for stream in result.rotated for r in stream.get("readers", []))
     return variants
 
 
@@ -324,6 +328,7 @@ def measure(variant: torch.nn.Module, ref: torch.Tensor, batches: list[dict], ki
     with quant_utils.OutlierStats(variant) as stats:
         row["fp32"] = errors(ref, outputs(variant, batches, kind, pooling, stats), kind)
     row["outliers"] = {**stats.summary(), **quant_utils.weight_figures(variant)}
+    row["per_linear"] = stats.per_linear()
     for label, wb, ab in precisions:
         q = copy.deepcopy(variant)
         quant_utils.fake_quantize_(q, wb, ab)
@@ -364,6 +369,12 @@ def _cell(fig: dict | None, kind: str) -> str:
     return main + (f" ({100 * fig['agree']:.1f}%)" if "agree" in fig else "")
 
 
+def _split(per: dict[str, tuple[float, float]], readers: set[str]) -> str:
+    def mean(names: list[str]) -> str:
+        return f"{sum(per[n][0] for n in names) / len(names):.2f}" if names else "-"
+    return f"{mean([n for n in per if n in readers])} / {mean([n for n in per if n not in readers])}"
+
+
 def table(result: dict[str, Any]) -> str:
     kind = result["kind"]
     cols = ["fp32", *[p[0] for p in result["precisions"]], *result["real"]]
@@ -383,6 +394,11 @@ def table(result: dict[str, Any]) -> str:
                      + " | ".join(_cell(row.get(c), kind) for c in cols) + " |")
     lines.append("")
     lines += [f"- {name}: {note}" for name, note in result["notes"].items() if note]
+    readers = set(result.get("readers", []))
+    if readers:
+        lines.append("- act max/rms, mean over the Linear inputs that read a rotated stream / over the others "
+                     "(those only online rotations reach): " + "; ".join(
+                         f"{name} {_split(row['per_linear'], readers)}" for name, row in result["rows"].items() if row))
     return "\n".join(lines)
 
 
@@ -485,6 +501,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             if result["real"]:
                 result["notes"][name] = "; ".join(filter(None, [note, "real quantizers on " + where]))
             result["rows"][name] = measure(variant, ref, batches, kind, pooling, precisions, result["real"], stock)
+    result["readers"] = sorted(READERS)
     result["seconds"] = time.perf_counter() - t0
     result["goal"] = goal_lines(result)
     print(f"\n## {label} ({kind}, {result['params'] / 1e6:.2f}M parameters; {data})\n")
