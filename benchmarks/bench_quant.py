@@ -322,16 +322,24 @@ def stock_model(variant: torch.nn.Module, name: str, kind: str, ref: torch.Tenso
 
 
 def measure(variant: torch.nn.Module, ref: torch.Tensor, batches: list[dict], kind: str, pooling: str,
-            precisions: list[tuple[str, int, int]], real: list[str], stock: torch.nn.Module | None = None
-            ) -> dict[str, Any]:
+            precisions: list[tuple[str, int, int]], real: list[str], stock: torch.nn.Module | None = None,
+            sensitivity: tuple[str, int, int] | None = None, keep: set[str] = frozenset()) -> dict[str, Any]:
     row: dict[str, Any] = {}
+    names = {n for n, _ in quant_utils.matmuls(variant)} - set(keep)
+    if sensitivity is not None:  # the error with one Linear quantized at a time: where the error comes from
+        _, wb, ab = sensitivity
+        row["sensitivity"] = {}
+        for name, _ in quant_utils.matmuls(variant):
+            q = copy.deepcopy(variant)
+            quant_utils.fake_quantize_(q, wb, ab, only={name})
+            row["sensitivity"][name] = errors(ref, outputs(q, batches, kind, pooling), kind)["err"]
     with quant_utils.OutlierStats(variant) as stats:
         row["fp32"] = errors(ref, outputs(variant, batches, kind, pooling, stats), kind)
     row["outliers"] = {**stats.summary(), **quant_utils.weight_figures(variant)}
     row["per_linear"] = stats.per_linear()
     for label, wb, ab in precisions:
         q = copy.deepcopy(variant)
-        quant_utils.fake_quantize_(q, wb, ab)
+        quant_utils.fake_quantize_(q, wb, ab, only=names)
         row[label] = errors(ref, outputs(q, batches, kind, pooling), kind)
         del q
     for label in real:
@@ -394,6 +402,14 @@ def table(result: dict[str, Any]) -> str:
                      + " | ".join(_cell(row.get(c), kind) for c in cols) + " |")
     lines.append("")
     lines += [f"- {name}: {note}" for name, note in result["notes"].items() if note]
+    if result.get("sensitivity"):
+        lines.append(f"- {result['sensitivity']} with one Linear quantized at a time, the five largest errors "
+                     "(act max/rms and kurtosis of its input):")
+        for name, row in result["rows"].items():
+            if row and "sensitivity" in row:
+                top = sorted(row["sensitivity"].items(), key=lambda kv: -kv[1])[:5]
+                lines.append(f"  - {name}: " + ", ".join(
+                    f"`{k}` {v:.3g} ({row['per_linear'][k][0]:.1f}, {row['per_linear'][k][1]:.1f})" for k, v in top))
     readers = set(result.get("readers", []))
     if readers:
         lines.append("- act max/rms, mean over the Linear inputs that read a rotated stream / over the others "
@@ -440,6 +456,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     help="real int8 quantizers: torch.ao quantize_dynamic, torchao int8 dynamic (if installed)")
     ap.add_argument("--no-compat", action="store_true",
                     help="run the real quantizers on the in-memory models, not on reloaded compat checkpoints")
+    ap.add_argument("--sensitivity", default=None, choices=[p[0] for p in PRECISIONS],
+                    help="also quantize one Linear at a time at this precision (one pass per Linear and variant)")
+    ap.add_argument("--keep-head", action="store_true",
+                    help="leave the LM head in float in the RTN runs (QuaRot's and SpinQuant's setting)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--workdir", default="/tmp/normswap-bench-quant", help="where toy models are trained once")
     ap.add_argument("--toy-hidden", type=int, default=128)
@@ -480,12 +500,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         data = f"{args.texts} English paragraphs (Python reference docs), up to {args.max_len} tokens"
 
     precisions = [p for p in PRECISIONS if p[0] in args.precisions]
+    keep: set[str] = set()
+    head = model.get_output_embeddings() if args.keep_head and hasattr(model, "get_output_embeddings") else None
+    if head is not None:
+        keep = {n for n, m in model.named_modules() if m is head}
     t0 = time.perf_counter()
     ref = outputs(model, batches, kind, pooling)
     variants = build_variants(model, tok, list(args.rotations), args.seed, kind)
     result: dict[str, Any] = {
         "model": label, "kind": kind, "data": data, "pooling": pooling if kind == "encoder" else None,
         "precisions": precisions, "real": real_quantizers(args.real), "rows": {}, "notes": {},
+        "sensitivity": args.sensitivity, "kept_in_float": sorted(keep),
         "versions": {"torch": torch.__version__, "transformers": __import__("transformers").__version__,
                      "normswap": __import__("normswap").__version__},
         "params": sum(p.numel() for p in model.parameters()),
@@ -500,11 +525,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 stock_model(variant, name, kind, ref, batches, pooling, Path(tmp))
             if result["real"]:
                 result["notes"][name] = "; ".join(filter(None, [note, "real quantizers on " + where]))
-            result["rows"][name] = measure(variant, ref, batches, kind, pooling, precisions, result["real"], stock)
+            result["rows"][name] = measure(variant, ref, batches, kind, pooling, precisions, result["real"], stock,
+                                           next((p for p in PRECISIONS if p[0] == args.sensitivity), None), keep)
     result["readers"] = sorted(READERS)
     result["seconds"] = time.perf_counter() - t0
     result["goal"] = goal_lines(result)
-    print(f"\n## {label} ({kind}, {result['params'] / 1e6:.2f}M parameters; {data})\n")
+    kept = f"; RTN leaves {', '.join(sorted(keep))} in float" if keep else ""
+    print(f"\n## {label} ({kind}, {result['params'] / 1e6:.2f}M parameters; {data}{kept})\n")
     print(table(result))
     for line in result["goal"]:
         print(f"- goal: {line}")

@@ -65,20 +65,22 @@ def _quantize_input(bits: int):
     return hook
 
 
-def fake_quantize_(model: nn.Module, w_bits: int | None, a_bits: int | None) -> list:
-    """Fake-quantize every Linear/Conv1D of ``model`` in place: W per output channel, inputs per token.
+def fake_quantize_(model: nn.Module, w_bits: int | None, a_bits: int | None, only: set[str] | None = None) -> list:
+    """Fake-quantize every Linear/Conv1D of ``model`` (or those named in ``only``): W per output channel,
+    inputs per token.
 
-    ``None`` leaves that side in floating point. Returns the hook handles (remove them to stop
-    quantizing activations; the weights stay rounded). A weight shared by several modules (a tied
-    head) is rounded once.
+    ``None`` leaves that side in floating point. Each quantized module gets its own rounded weight
+    (a new parameter), so a weight tied to something else (GPT-2's head and its input embedding)
+    is rounded where the matmul reads it and nowhere else. Returns the hook handles (remove them to
+    stop quantizing activations; the weights stay rounded).
     """
     handles = []
-    done: set[int] = set()
-    for _, module in matmuls(model):
-        if w_bits is not None and id(module.weight) not in done:
-            done.add(id(module.weight))
-            with torch.no_grad():  # one scale per output channel: reduce over the input axis
-                module.weight.copy_(absmax_quantize(module.weight, w_bits, dim=weight_in_axis(module)))
+    for name, module in matmuls(model):
+        if only is not None and name not in only:
+            continue
+        if w_bits is not None:  # one scale per output channel: reduce over the input axis
+            rounded = absmax_quantize(module.weight.detach(), w_bits, dim=weight_in_axis(module))
+            module.weight = nn.Parameter(rounded, requires_grad=False)
         if a_bits is not None:
             handles.append(module.register_forward_pre_hook(_quantize_input(a_bits)))
     return handles

@@ -103,16 +103,24 @@ def test_conv1d_weight_is_quantized_per_output_channel_along_its_transposed_axis
     assert not torch.allclose(conv.weight.detach(), _hand_rtn(w0, 4, rows=True))
 
 
-def test_tied_weight_is_rounded_once():
-    lin_a = nn.Linear(4, 4, bias=False)
-    lin_b = nn.Linear(4, 4, bias=False)
-    lin_b.weight = lin_a.weight
+def test_a_tied_head_is_rounded_where_the_matmul_reads_it_and_the_embedding_is_not():
+    emb = nn.Embedding(4, 4)
+    head = nn.Linear(4, 4, bias=False)
+    head.weight = emb.weight
     w = torch.tensor([[0.3, 0.31, -1.0, 0.1]] * 4)
     with torch.no_grad():
-        lin_a.weight.copy_(w)
-    qu.fake_quantize_(nn.Sequential(lin_a, lin_b), 2, None)  # qmax 1
-    torch.testing.assert_close(lin_a.weight.detach(), torch.tensor([[0.0, 0.0, -1.0, 0.0]] * 4))
-    assert lin_a.weight is lin_b.weight
+        emb.weight.copy_(w)
+    qu.fake_quantize_(nn.ModuleDict({"emb": emb, "head": head}), 2, None)  # qmax 1
+    torch.testing.assert_close(head.weight.detach(), torch.tensor([[0.0, 0.0, -1.0, 0.0]] * 4))
+    torch.testing.assert_close(emb.weight.detach(), w)
+
+
+def test_only_the_named_linears_are_quantized():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    before = [m.weight.detach().clone() for m in model]
+    handles = qu.fake_quantize_(model, 2, 4, only={"1"})
+    assert torch.equal(model[0].weight.detach(), before[0]) and not torch.equal(model[1].weight.detach(), before[1])
+    assert len(handles) == 1 and not model[0]._forward_pre_hooks
 
 
 def test_token_figures_against_hand_values():
