@@ -14,7 +14,8 @@ VERDICTS = ("exact", "exact-with-centering", "exact-with-per-norm-centering", "a
 # verdicts whose norm reads a stream made zero-mean at run time (not RMS-swappable in a stock runtime)
 CENTERED_VERDICTS = ("exact-with-centering", "exact-with-per-norm-centering")
 EXACT_VERDICTS = ("exact",) + CENTERED_VERDICTS
-RUNTIME_SITE_FIELDS = ("writer_targets", "linear_readers")  # not serialised (see Plan.to_dict)
+# not serialised (see Plan.to_dict)
+RUNTIME_SITE_FIELDS = ("writer_targets", "linear_readers", "rotation_ops", "rotation_upstream")
 
 
 @dataclass
@@ -190,6 +191,9 @@ class SitePlan:
     linear_readers: list[str] = field(default_factory=list)  # Linear/Conv1D readers of the output
     rotation_ready: bool = False  # the stream can take an orthogonal Q (see normswap.rotate)
     rotation_reason: str = ""  # why not, when it cannot
+    rotation_outputs: list[str] = field(default_factory=list)  # model outputs the norm's output is (rotate's output=)
+    rotation_ops: list[dict] = field(default_factory=list)  # where a centered stream takes its Q as an op
+    rotation_upstream: list[str] = field(default_factory=list)  # writer targets that op turns (not their weights)
 
 
 def _shorten(items: list[str], width: int) -> str:
@@ -214,6 +218,10 @@ class Plan:
     options: dict[str, Any] = field(default_factory=dict)
     # orthogonal rotations applied after the conversion (normswap.rotate), one record per stream
     rotations: list[dict[str, Any]] = field(default_factory=list)
+    # runtime only (not in the manifest): norms that were RMS from the start, with their streams'
+    # writers and readers (verdict "rms"), and the output-feature axis of writers that no edit centers
+    rms_sites: list[SitePlan] = field(default_factory=list)
+    rotation_axes: dict[str, int] = field(default_factory=dict)
 
     def counts(self) -> dict[str, int]:
         c = Counter(s.verdict for s in self.sites)
@@ -306,6 +314,8 @@ class Plan:
         """The manifest. Per-site stream details (``writer_targets``, ``linear_readers``) stay in memory:
         they grow with depth, which the streaming path's plan extrapolation does not model."""
         data = asdict(self)
+        data.pop("rms_sites")
+        data.pop("rotation_axes")
         for site in data["sites"]:
             for key in RUNTIME_SITE_FIELDS:
                 site.pop(key, None)

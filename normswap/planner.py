@@ -272,6 +272,8 @@ def analyse(model: nn.Module, graph: Graph, sites: list[NormSite], *, untie: boo
         else:
             plan.centered_readers += _centered_readers(an, site, sorted(foldable), unties, reader_sources,
                                                        reader_calls)
+        if centered_by:
+            sp.rotation_ops, sp.rotation_upstream = _rotation_ops(an, calls, site_terms, term_status, hooks, edits)
         sp.rotation_reason = _rotation_blocker(an, site, sp, centered_by, sorted(set(other)))
         if carries and not sp.rotation_reason:
             sp.rotation_reason = "its stream carries a Post-LN norm output (mean cancelled in the MLP)"
@@ -281,6 +283,8 @@ def analyse(model: nn.Module, graph: Graph, sites: list[NormSite], *, untie: boo
     plan.writer_edits = sorted(edits.values(), key=lambda e: e.target)
     if fold_gamma and rms_norms:
         plan.rms_folds = _rms_folds(an, rms_norms, set(reader_sources))
+    if rms_norms:
+        plan.rms_sites, plan.rotation_axes = _rms_streams(an, rms_norms, plan.rms_folds)
     centered_owners = {e.owner for e in edits.values()}
     plan.scale_folds = sorted({ScaleFold(param, path, writer_kind(an.modules[path]))
                                for param, path, _ in an.layer_scales.values() if path in centered_owners},
@@ -324,6 +328,31 @@ def _term_targets(an: Analyzer, term: Term, edits: dict[str, WriterEdit]) -> set
     return {e.target for e in edits.values() if e.owner == term.module_path}
 
 
+def _rotation_ops(an: Analyzer, calls: list, site_terms: dict[int, list[Term]], term_status: dict,
+                  hooks: dict[int, tuple[CenterHook, Reach]], edits: dict[str, WriterEdit]
+                  ) -> tuple[list[dict], list[str]]:
+    """Where a stream centered at run time takes its rotation, and which writers it then must not turn.
+
+    A stream-start centering op sits on a value no weight can turn (a norm's output, a regenerated
+    table, a nonlinear stem): rotating that stream needs one op there, ``x → x Q``, right after the
+    centering (with ``Q·1 = ±1`` they commute). Writers upstream of that op (summed into the value it
+    turns) are turned by it, not by their weights. Returns ``([{module, where, arg}], upstream targets)``.
+    """
+    ops, upstream = {}, set()
+    for call in calls:
+        mine = [v for v, (h, reach) in hooks.items() if call.id in reach.site_rows and not h.per_norm]
+        # an op whose value flows into another op's value is turned by that one: only the last ones stay
+        # (wav2vec2: the positional conv's output, then the sum it joins, are both centered)
+        last = [v for v in mine if not any(w != v and w in an.reach(v, -1).mapped for w in mine)]
+        for v in last:
+            h = hooks[v][0]
+            ops[(h.module, h.where, h.arg)] = {"module": h.module, "where": h.where, "arg": h.arg}
+            for term in site_terms[call.id]:
+                if term_status[term.value][0] and v in an.reach(term.value, -1).mapped:
+                    upstream |= _term_targets(an, term, edits)
+    return list(ops.values()), sorted(upstream)
+
+
 def _rotation_blocker(an: Analyzer, site: NormSite, sp: SitePlan, centered_by: list[CenterHook],
                       other: list[str]) -> str:
     """Why the stream this norm reads cannot be rotated by an orthogonal Q ('' when it can).
@@ -332,24 +361,119 @@ def _rotation_blocker(an: Analyzer, site: NormSite, sp: SitePlan, centered_by: l
     output features can absorb Q (Linear, Conv1D, Embedding, conv, raw parameters), and readers
     that are Linear layers seeing the norm's features unpermuted (they absorb Qᵀ).
     """
+    sp.rotation_outputs = _output_names(other)
     if sp.verdict == "approximate":
         return "approximate norm (the stream is not zero-mean)"
     if sp.verdict == "skipped":
         return "not converted"
-    if centered_by:
-        return f"centering op at `{centered_by[0].module}` (a mean subtraction is not rotation-invariant)"
+    if any(h.per_norm for h in centered_by):
+        h = next(h for h in centered_by if h.per_norm)
+        return f"centering op before each norm (`{h.module}`; per_norm_centering): one rotation op per norm"
+    if centered_by and not sp.rotation_ops:
+        return f"centering op at `{centered_by[0].module}` that no rotation op can follow"
     if len(site.normalized_shape) != 1 or list(site.param_shape) != list(site.normalized_shape):
         return "normalises over more than one axis or per-head parameters (not a residual-stream norm)"
-    if other:
-        return f"output also read by {other[0]} (not a Linear that can absorb Qᵀ)"
-    if not sp.linear_readers:
-        return "no Linear reader"
+    why = _reader_blocker(other, sp.linear_readers)
+    if why:
+        return why
     if site.weight_attr is not None and not sp.fold_gamma:
         if not an.fold_gamma:
             return "γ stays in the RMSNorm (pass fold_gamma=True)"
         if site.bias_attr is not None and not sp.fold_beta:
             return "γ stays in the RMSNorm: β cannot fold (a reader has no bias slot) and some γ is near 0"
         return "γ cannot fold into the readers (a reader also reads another stream or is shared)"
+    return ""
+
+
+# the parameters of a writer that carry its output features, and the axis they sit on (rotation)
+_ROTATED_PARAMS = {"linear": (("weight", 0), ("bias", 0)), "conv1d": (("weight", 1), ("bias", 0)),
+                   "embedding": (("weight", 1),)}
+
+
+def _rms_streams(an: Analyzer, rms_norms: list[SkippedNorm], folds: list[RmsFold]
+                 ) -> tuple[list[SitePlan], dict[str, int]]:
+    """Rotation facts for norms that were RMS from the start (Llama, Mistral, Gemma, T5): one
+    :class:`SitePlan` each (verdict ``"rms"``, never converted, not in the plan's tables) with the
+    stream's writers, Linear readers and readiness, so that :func:`normswap.rotate` turns their
+    streams like converted ones. Their writers need no centering: ``rms(xQ) = rms(x) Q`` holds for
+    any stream. Returns the sites and ``{writer parameter: output-feature axis}``."""
+    folded = {f.norm: f for f in folds}
+    axes: dict[str, int] = {}
+    out = []
+    for norm in rms_norms:
+        if norm.weight_attr is None:  # a gated norm, a GroupNorm, ... (RMS ones name their γ)
+            continue
+        calls = an.calls_per_path.get(norm.path, [])
+        module = an.modules.get(norm.path)
+        width = int(getattr(module, "weight", None).shape[-1]) if getattr(module, "weight", None) is not None \
+            else None
+        if not calls or width is None:
+            continue
+        sp = SitePlan(name=norm.path, class_name=norm.class_name, verdict="rms", reason=norm.reason,
+                      normalized_shape=[width], param_shape=[width], eps=float(getattr(module, "eps", 0.0) or 0.0),
+                      flavour="rms")
+        why, targets, readers, other = "", set(), set(), []
+        for call in calls:
+            vid = call.first_input()
+            for term in an.leaves(vid) if vid is not None else []:
+                if term.kind == "module":
+                    kind = writer_kind(an.modules[term.module_path])
+                    writer = an.modules[term.module_path]
+                    params = _ROTATED_PARAMS.get(kind or "")
+                    if params is None or writer.weight.shape[params[0][1]] != width:
+                        why = why or f"stream written by {term.label}, whose output features cannot absorb Q"
+                        continue
+                    for attr, axis in params:
+                        if writer._parameters.get(attr) is not None:
+                            axes[f"{term.module_path}.{attr}"] = axis
+                            targets.add(f"{term.module_path}.{attr}")
+                elif term.kind == "param" and an.graph.values[term.value].shape[-1:] == (width,):
+                    name = an.graph.values[term.value].name
+                    axes[name] = len(an.graph.values[term.value].shape) - 1
+                    targets.add(name)
+                else:
+                    why = why or f"stream written by {term.label} (not a weight that can absorb Q)"
+            rcalls, others = an.readers(call)
+            readers |= {rc.path for rc in rcalls}
+            other += others
+        sp.writers = sorted(targets)
+        sp.writer_targets = sorted(targets)
+        sp.linear_readers = sorted(readers)
+        sp.readers = sorted(readers) + sorted(set(other))
+        fold = folded.get(norm.path)
+        if why:
+            sp.rotation_reason = why
+        elif norm.bias_attr is not None:
+            sp.rotation_reason = "the RMS norm has a bias"
+        else:
+            sp.rotation_reason = _reader_blocker(sorted(set(other)), sp.linear_readers)
+            if not sp.rotation_reason and fold is None:
+                sp.rotation_reason = (
+                    "γ stays in the RMS norm (pass fold_gamma=True)" if not an.fold_gamma else
+                    "γ cannot fold into the readers (a reader also reads another stream or is shared)")
+        sp.rotation_outputs = _output_names(sorted(set(other)))
+        sp.rotation_ready = not sp.rotation_reason
+        out.append(sp)
+    return out, axes
+
+
+def _output_names(other: list[str]) -> list[str]:
+    """The model outputs among a norm's non-Linear readers (``model output `name```)."""
+    return [o.split("`")[1] for o in other if o.startswith("model output `")]
+
+
+def _reader_blocker(other: list[str], linear_readers: list[str]) -> str:
+    """Why a norm's readers cannot absorb Qᵀ ('' when they can). A model output alone is a blocker that
+    :func:`normswap.rotate`'s ``output=`` lifts (the output comes out rotated, or is turned back)."""
+    plain = [o for o in other if not o.startswith("model output `")]
+    if plain:
+        return f"output also read by {plain[0]} (not a Linear that can absorb Qᵀ)"
+    if other:
+        names = ", ".join(f"`{n}`" for n in _output_names(other))
+        return (f"its output is the model output {names} (rotate(..., output='rotated' | 'restore') "
+                "rotates it: rotated output, or one un-rotation after this norm)")
+    if not linear_readers:
+        return "no Linear reader"
     return ""
 
 

@@ -44,6 +44,7 @@ class Rotation:
 
     rotated: list[dict] = field(default_factory=list)
     skipped: list[dict] = field(default_factory=list)  # {"norms", "reason"}
+    online_skipped: list[str] = field(default_factory=list)  # down projections left without an online Hadamard
 
     @property
     def matrices(self) -> dict[str, torch.Tensor]:
@@ -73,10 +74,15 @@ class Rotation:
                 what += f"; {r['fallback']}"
             out = {"rotated": "; its model output comes out rotated",
                    "restore": "; its model output is turned back"}.get(r.get("output", ""), "")
+            if r.get("online"):
+                out += f"; online Hadamard before {len(r['online'])} down projection(s)"
+            if r.get("value_heads"):
+                out += f"; per-head Hadamard (size {r['head_dim']}) on {len(r['value_heads'])} attention(s)' values"
             lines.append(f"rotated stream of width {r['width']} by {what}: {len(r['norms'])} norm(s), "
                          f"{len(r['writers'])} writer tensor(s), {len(r['readers'])} reader(s){out}")
         lines += [f"not rotated ({len(s['norms'])} norm(s), e.g. `{s['norms'][0]}`): {s['reason']}"
                   for s in self.skipped]
+        lines += [f"no online Hadamard: {why}" for why in self.online_skipped]
         return "\n".join(lines) or "no stream to rotate"
 
 
@@ -149,11 +155,12 @@ def rotation_matrix(width: int, kind: str = "hadamard", seed: int = 0) -> tuple[
 
 
 def streams(plan: Plan, model: nn.Module | None = None) -> list[list[SitePlan]]:
-    """Converted norms grouped into streams: norms that share a centered writer read the same stream.
+    """Converted norms, and norms that were RMS from the start (``plan.rms_sites``), grouped into streams:
+    norms that share a writer read the same stream.
 
     With ``model``, writers are matched by parameter identity (a tied embedding has two names).
     """
-    sites = [sp for sp in plan.sites if sp.convert]
+    sites = [sp for sp in plan.sites if sp.convert] + list(plan.rms_sites)
     parent = list(range(len(sites)))
 
     def find(i: int) -> int:
@@ -164,8 +171,9 @@ def streams(plan: Plan, model: nn.Module | None = None) -> list[list[SitePlan]]:
 
     owner: dict[object, int] = {}
     for i, sp in enumerate(sites):
-        for name in sp.writer_targets:
-            target = id(model.get_parameter(name)) if model is not None else name
+        keys = [id(model.get_parameter(n)) if model is not None else n for n in sp.writer_targets]
+        keys += [(op["module"], op["where"], op["arg"]) for op in sp.rotation_ops]  # one op turns one stream
+        for target in keys:
             if target in owner:
                 parent[find(i)] = find(owner[target])
             else:
@@ -176,28 +184,232 @@ def streams(plan: Plan, model: nn.Module | None = None) -> list[list[SitePlan]]:
     return list(groups.values())
 
 
-def _blocker(model: nn.Module, plan: Plan, group: list[SitePlan]) -> str:
-    not_ready = next((sp for sp in group if not sp.rotation_ready), None)
-    if not_ready is not None:
-        return f"`{not_ready.name}`: {not_ready.rotation_reason or 'not rotation-ready'}"
+OUTPUT_BLOCK = "its output is the model output"  # the planner's reason when only outputs read a norm
+
+
+def _axes(plan: Plan) -> dict[str, int]:
+    """``{writer parameter: output-feature axis}`` for every writer a rotation may turn."""
+    axes = {e.target: e.axis for e in plan.writer_edits if e.blocks is None}
+    axes.update(plan.rotation_axes)
+    return axes
+
+
+def _blocker(model: nn.Module, plan: Plan, group: list[SitePlan], output: str | None) -> str:
+    restored = _restored(group, output)
+    for sp in group:
+        if sp.rotation_ready:
+            continue
+        if output is not None and sp.rotation_reason.startswith(OUTPUT_BLOCK):
+            continue  # the caller chose what the model output becomes
+        return f"`{sp.name}`: {sp.rotation_reason or 'not rotation-ready'}"
     widths = {tuple(sp.normalized_shape) for sp in group}
     if len(widths) != 1:
         return f"norms of different widths share writers ({sorted(widths)})"
-    edits = {e.target: e for e in plan.writer_edits}
+    axes = _axes(plan)
+    blocked = {e.target for e in plan.writer_edits if e.blocks is not None}
     targets = {t for sp in group for t in sp.writer_targets}
-    if not targets:
-        return "no centered writer recorded (a plan read back from a manifest has no stream details: " \
+    if not targets and not any(sp.rotation_ops for sp in group):
+        return "no writer recorded (a plan read back from a manifest has no stream details: " \
             "rotate right after normswap.patch)"
     for t in sorted(targets):
-        if t not in edits or edits[t].blocks is not None:
+        if t in blocked or t not in axes:
             return f"writer `{t}` is centered per block, not over the whole stream"
+    keeps_gamma = ("keeps γ (its output, the model output, has no Linear reader to fold it into), so its output "
+                   "cannot come out rotated: output='restore' turns the stream back before it")
+    folded = {f.norm for f in plan.rms_folds}
     for sp in group:
         module = model.get_submodule(sp.name)
+        if sp.name in restored:
+            continue  # sees the stream as before
+        if sp.verdict == "rms":  # γ folded by RmsFold (effective weight 1), checked by the planner
+            weight = getattr(module, "weight", None)
+            unit = isinstance(weight, torch.Tensor) and bool((weight == 1).all())
+            if sp.rotation_outputs and sp.name not in folded and not unit:
+                return f"`{sp.name}` {keeps_gamma}"
+            continue
         if not isinstance(module, RMSNorm):
             return f"`{sp.name}` is not an RMSNorm"
         if module.weight is not None and not bool((module.weight == 1).all()):
+            if sp.rotation_outputs:
+                return f"`{sp.name}` {keeps_gamma}"
             return f"`{sp.name}` weight is not 1 (convert with fold_gamma=True)"
     return ""
+
+
+def _restored(group: list[SitePlan], output: str | None) -> set[str]:
+    """The norms whose input is turned back (``output="restore"``): those whose output is a model output."""
+    return {sp.name for sp in group if sp.rotation_outputs} if output == "restore" else set()
+
+
+RESTORE_BUFFER = "normswap_unrotate"  # Qᵀ on a norm whose input is turned back (output="restore")
+
+
+class Unrotate:
+    """Forward pre-hook: the norm's input times the ``Qᵀ`` it holds (``output="restore"``), so the norm, its
+    γ/β and whatever reads it see the stream as before the rotation."""
+
+    def __call__(self, module: nn.Module, args: tuple) -> tuple:
+        x = args[0]
+        return (torch.matmul(x, getattr(module, RESTORE_BUFFER).to(x.dtype)), *args[1:])
+
+
+def _install_unrotate(module: nn.Module, value: torch.Tensor) -> None:
+    if getattr(module, "_normswap_unrotate", None) is None:
+        module.register_buffer(RESTORE_BUFFER, value)
+        module._normswap_unrotate = module.register_forward_pre_hook(Unrotate())
+    else:
+        setattr(module, RESTORE_BUFFER, value)
+
+
+ROTATION_BUFFER = "normswap_rotation"  # Q on the module where a centered stream starts (a rotation op)
+
+
+class RotateOutput:
+    """Forward hook: the module's output times the ``Q`` it holds (a stream start no weight can turn)."""
+
+    def __call__(self, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+        return torch.matmul(output, getattr(module, ROTATION_BUFFER).to(output.dtype))
+
+
+class RotateInput:
+    """Forward pre-hook: one input argument times the ``Q`` the module holds."""
+
+    def __init__(self, arg: int | str) -> None:
+        self.arg = arg
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        q = getattr(module, ROTATION_BUFFER)
+        if isinstance(self.arg, int):
+            args = list(args)
+            args[self.arg] = torch.matmul(args[self.arg], q.to(args[self.arg].dtype))
+            return tuple(args), kwargs
+        kwargs = dict(kwargs)
+        kwargs[self.arg] = torch.matmul(kwargs[self.arg], q.to(kwargs[self.arg].dtype))
+        return args, kwargs
+
+
+def _install_rotation_op(module: nn.Module, op: dict, value: torch.Tensor) -> None:
+    if getattr(module, "_normswap_rotation", None) is not None:
+        setattr(module, ROTATION_BUFFER, value)
+        return
+    module.register_buffer(ROTATION_BUFFER, value)
+    if op["where"] == "output":
+        module._normswap_rotation = module.register_forward_hook(RotateOutput())
+    else:
+        module._normswap_rotation = module.register_forward_pre_hook(RotateInput(op["arg"]), with_kwargs=True)
+
+
+HADAMARD_BUFFER = "normswap_hadamard"  # H_K of an online Hadamard (the small factor; fwht does the 2^m part)
+
+
+class OnlineHadamard:
+    """Forward pre-hook: the module's input times ``H/sqrt(n)`` by the fast Walsh–Hadamard transform
+    (:func:`normswap.hadamard.fwht`, stock ops only, so it exports); the module's weight holds ``Hᵀ``."""
+
+    def __call__(self, module: nn.Module, args: tuple) -> tuple:
+        x = args[0]
+        return (hadamard.fwht(x, getattr(module, HADAMARD_BUFFER)), *args[1:])
+
+
+def _install_online(module: nn.Module, small: torch.Tensor) -> None:
+    if getattr(module, "_normswap_online", None) is not None:
+        setattr(module, HADAMARD_BUFFER, small)
+        return
+    module.register_buffer(HADAMARD_BUFFER, small)
+    module._normswap_online = module.register_forward_pre_hook(OnlineHadamard())
+
+
+def _online_targets(model: nn.Module, writers: list[str], width: int) -> tuple[list[str], list[str]]:
+    """The MLP down projections among a stream's writers (Linear/Conv1D whose input width is not the
+    stream's: ``(paths with a Hadamard order, reasons for the others)``."""
+    found, why = [], []
+    for path in sorted({w.rsplit(".", 1)[0] for w in writers}):
+        module = model.get_submodule(path)
+        if not (isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D"):
+            continue
+        n = module.weight.shape[_reader_axis(module)]
+        if n == width:
+            continue
+        if not hadamard.has_hadamard(n):
+            why.append(f"`{path}`: no Hadamard matrix of order {n}")
+            continue
+        found.append(path)
+    return found, why
+
+
+_VALUE_OUTPUT = (("v_proj", "o_proj"), ("v_proj", "out_proj"))  # separate value / output projections
+
+
+def _head_dim(model: nn.Module) -> int | None:
+    config = getattr(model, "config", None)
+    config = getattr(config, "get_text_config", lambda: config)() if config is not None else None
+    hd = getattr(config, "head_dim", None)
+    heads = getattr(config, "num_attention_heads", None)
+    width = getattr(config, "hidden_size", None)
+    return int(hd) if isinstance(hd, int) else (width // heads if width and heads else None)
+
+
+def _value_heads(model: nn.Module, head_dim: int | None) -> list[tuple[str, nn.Linear, nn.Linear]]:
+    """Attention modules whose value and output projections are separate Linears over whole heads."""
+    found = []
+    if not head_dim:
+        return found
+    for path, module in model.named_modules():
+        for v_name, o_name in _VALUE_OUTPUT:
+            v, o = getattr(module, v_name, None), getattr(module, o_name, None)
+            if isinstance(v, nn.Linear) and isinstance(o, nn.Linear) and v.out_features % head_dim == 0 \
+                    and o.in_features % head_dim == 0:
+                found.append((path, v, o))
+                break
+    return found
+
+
+def _rotate_heads_(model: nn.Module) -> tuple[list[str], int | None, str]:
+    """Per-head Hadamard on values, folded offline: each head's value features ``v_h → v_h H̃`` (the value
+    projection's rows and bias, per head) and the output projection's input columns of each head ``W → W H̃``.
+    Attention is linear in each head's values (``softmax(.) V_h H̃ = (softmax(.) V_h) H̃``), so outputs
+    are unchanged; grouped-query heads share one ``H̃``, so any head mapping works."""
+    hd = _head_dim(model)
+    pairs = _value_heads(model, hd)
+    if not pairs:
+        return [], hd, "no attention with separate value/output projections (v_proj with o_proj/out_proj)"
+    if not hadamard.has_hadamard(hd):
+        return [], hd, f"no Hadamard matrix of order {hd} (the head size)"
+    h = hadamard.hadamard(hd) / hd**0.5
+    for _, v, o in pairs:
+        for p, axis in ((v.weight, 0), (v.bias, 0), (o.weight, 1)):
+            if p is None:
+                continue
+            blocks = p.detach().double().movedim(axis, -1)
+            turned = (blocks.reshape(*blocks.shape[:-1], -1, hd) @ h.to(p.device)).reshape(blocks.shape)
+            with torch.no_grad():
+                p.copy_(turned.movedim(-1, axis).to(p.dtype))
+    return [path for path, _, _ in pairs], hd, ""
+
+
+def _like(module: nn.Module, model: nn.Module) -> dict:
+    ref = next(iter(module.parameters()), None)
+    if ref is None:
+        ref = next(iter(model.parameters()), None)
+    return {"device": ref.device, "dtype": ref.dtype} if ref is not None else {}
+
+
+def install_ops(model: nn.Module, plan: Plan) -> None:
+    """Rebuild the structure a rotation added (loading a native checkpoint; no weight arithmetic): the
+    ``Qᵀ`` buffer and hook of each norm whose model output is turned back. The buffer's value comes with
+    the checkpoint's weights; it is created here, empty, on the norm's device and dtype."""
+    for r in plan.rotations:
+        width = int(r["width"])
+        for name in r.get("restore", []):
+            module = model.get_submodule(name)
+            _install_unrotate(module, torch.empty(width, width, **_like(module, model)))
+        for op in r.get("ops", []):
+            module = model.get_submodule(op["module"])
+            _install_rotation_op(module, op, torch.empty(width, width, **_like(module, model)))
+        for path in r.get("online", []):
+            module = model.get_submodule(path)
+            k = hadamard.hadamard_order(module.weight.shape[_reader_axis(module)])
+            _install_online(module, torch.empty(k, k, **_like(module, model)))
 
 
 def _rotate_axis_(p: torch.Tensor, axis: int, q: torch.Tensor) -> None:
@@ -205,6 +417,10 @@ def _rotate_axis_(p: torch.Tensor, axis: int, q: torch.Tensor) -> None:
     w = p.detach().double().movedim(axis, -1)
     with torch.no_grad():
         p.copy_((w @ q).movedim(-1, axis).to(p.dtype))
+
+
+def _reader_axis(module: nn.Module) -> int:
+    return 0 if type(module).__name__ == "Conv1D" else 1  # HF Conv1D stores [in, out]
 
 
 def _user_matrix(q: torch.Tensor) -> torch.Tensor:
@@ -229,7 +445,24 @@ def rotate(model: nn.Module, q: str | int | torch.Tensor = "hadamard", *, seed: 
             for ``"random"`` (``rotate(model, 3)`` = ``rotate(model, "random", seed=3)``). A tensor: your own
             orthogonal ``d × d`` matrix, applied as given to every ready stream of width ``d``.
         seed: the random signs / random matrix of the first stream; the i-th stream uses ``seed + i``.
-        online: reserved for the online Hadamard rotations (not available in this version: an error).
+        online: also QuaRot's online Hadamard on every MLP down projection of a rotated stream (a writer
+            Linear/Conv1D whose input width ``n`` is not the stream's): an op computing ``x·H/sqrt(n)``
+            by the fast Walsh–Hadamard transform before it, ``Hᵀ`` folded into its weight. The op is a
+            buffer (``H_K``) and a pre-hook, saved and rebuilt by the native format; stock ops, so it
+            exports. A width with no Hadamard order is left alone and listed in ``Rotation.online_skipped``.
+            Also per-head Hadamards on values and outputs where they fold (attention modules with separate
+            ``v_proj`` and ``o_proj``/``out_proj`` Linears over whole heads; the head size from the config):
+            each head's values turn by ``H/sqrt(head_dim)`` (value projection rows) and the output
+            projection's columns of that head absorb it; weights only, no op.
+        output: for a stream whose last norm's output is itself a model output (a ViT/DINOv2
+            backbone's ``last_hidden_state``, a base model's final norm): ``None`` (default) leaves such a
+            stream unrotated and says so; ``"rotated"`` rotates it and that output comes out as ``y Q``:
+            every cosine, inner product and distance between output vectors is unchanged (embeddings
+            used for search work as they are), and ``Q`` is in the result (:attr:`Rotation.matrices`)
+            and rebuildable from the manifest; ``"restore"`` rotates it and turns that norm's output back
+            before that norm (one ``d × d`` matmul per token: a ``Qᵀ`` buffer and pre-hook on the norm, which
+            the native format saves and rebuilds; the compat format cannot hold it). ``"rotated"`` needs
+            the norm's γ folded, i.e. a Linear reader besides the output; ``"restore"`` works either way.
 
     Returns:
         A :class:`Rotation` listing the streams rotated (with the matrix of each) and, for the others, why not.
@@ -244,8 +477,6 @@ def rotate(model: nn.Module, q: str | int | torch.Tensor = "hadamard", *, seed: 
     plan: Plan | None = plan_of(model)
     if plan is None:
         raise NormswapError("model was not converted by normswap; run normswap.patch(model, fold_gamma=True) first")
-    if online:
-        raise NormswapError("online Hadamard rotations are not available in this version; use online=False")
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise NormswapError(f"seed must be an int, not {type(seed).__name__}")
     if isinstance(q, torch.Tensor):
@@ -258,13 +489,15 @@ def rotate(model: nn.Module, q: str | int | torch.Tensor = "hadamard", *, seed: 
         raise NormswapError(f"q must be 'hadamard', 'random', an int seed or an orthogonal matrix, "
                             f"not {type(q).__name__}")
     user_keeps_mean = q64 is not None and is_mean_preserving(q64)
+    if output is not None:
+        choose("output", output, ("rotated", "restore"))
 
     result = Rotation()
-    edits = {e.target: e for e in plan.writer_edits}
+    axes = _axes(plan)
     todo: list[tuple[list[SitePlan], torch.Tensor, dict]] = []
     for i, group in enumerate(streams(plan, model)):
         names = [sp.name for sp in group]
-        why = _blocker(model, plan, group)
+        why = _blocker(model, plan, group, output)
         width = group[0].normalized_shape[0]
         if not why and q64 is not None and q64.shape[0] != width:
             why = f"q is {q64.shape[0]}×{q64.shape[0]} but this stream has width {width}"
@@ -282,30 +515,69 @@ def rotate(model: nn.Module, q: str | int | torch.Tensor = "hadamard", *, seed: 
         else:
             rot, info = rotation_matrix(width, kind, seed + i)
             todo.append((group, rot, info))
-    # every parameter is rotated at most once per side; check before touching anything
-    writer_params = [id(model.get_parameter(t)) for group, _, _ in todo
-                     for t in sorted({t for sp in group for t in sp.writer_targets})]
-    reader_params = [id(model.get_submodule(r).weight) for group, _, _ in todo
-                     for r in sorted({r for sp in group for r in sp.linear_readers})]
-    if len(set(reader_params)) != len(reader_params) or set(writer_params) & set(reader_params):
-        raise NormswapError("streams share a writer or a reader; this model cannot be rotated stream by stream")
+    # every parameter is rotated at most once; a reader whose weight is also a writer of the same stream
+    # (a head tied to the embedding: rows x → x Q as a writer, W → W Q as a reader) is that one rotation
+    work = []
     for group, rot, info in todo:
-        by_id = {id(model.get_parameter(t)): t for sp in group for t in sorted(sp.writer_targets)}
+        restored = _restored(group, output)
+        upstream = {t for sp in group for t in sp.rotation_upstream}  # turned by the stream's op
+        by_id = {id(model.get_parameter(t)): t for sp in group for t in sorted(sp.writer_targets)
+                 if t not in upstream}
+        ops = list({(o["module"], o["where"], o["arg"]): o for sp in group for o in sp.rotation_ops}.values())
+        readers = sorted({r for sp in group if sp.name not in restored for r in sp.linear_readers})
+        tied = {r for r in readers if id(model.get_submodule(r).weight) in by_id
+                and axes[by_id[id(model.get_submodule(r).weight)]] == _reader_axis(model.get_submodule(r))}
+        work.append((group, rot, info, by_id, readers, tied, restored, ops))
+    writer_params = [p for _, _, _, by_id, *_ in work for p in by_id]
+    reader_params = [id(model.get_submodule(r).weight) for *_, readers, tied, _, _ in work for r in readers
+                     if r not in tied]
+    if len(set(writer_params)) != len(writer_params) or len(set(reader_params)) != len(reader_params) \
+            or set(writer_params) & set(reader_params):
+        raise NormswapError("streams share a writer or a reader; this model cannot be rotated stream by stream")
+    for group, rot, info, by_id, readers, tied, restored, ops in work:
         writers = sorted(by_id.values())  # a tied parameter is rotated once
-        readers = sorted({r for sp in group for r in sp.linear_readers})
         for t in writers:
             p = model.get_parameter(t)
-            _rotate_axis_(p, edits[t].axis, rot.to(p.device))
+            _rotate_axis_(p, axes[t], rot.to(p.device))
         for sp in group:  # a kept bias is part of the norm's output: it turns with the stream
-            bias = model.get_submodule(sp.name).bias
-            if bias is not None:
+            if sp.name in restored:
+                continue
+            bias = getattr(model.get_submodule(sp.name), "bias", None)
+            if isinstance(bias, torch.Tensor):
                 _rotate_axis_(bias, 0, rot.to(bias.device))
         for r in readers:
+            if r in tied:
+                continue
             module = model.get_submodule(r)
-            in_axis = 0 if type(module).__name__ == "Conv1D" else 1  # HF Conv1D stores [in, out]
-            _rotate_axis_(module.weight, in_axis, rot.to(module.weight.device))
-        result.rotated.append({"width": rot.shape[0], "norms": [sp.name for sp in group], "writers": writers,
-                               "readers": readers, **info, "output": "", "q": rot})
+            _rotate_axis_(module.weight, _reader_axis(module), rot.to(module.weight.device))
+        for name in sorted(restored):
+            module = model.get_submodule(name)
+            ref = next(iter(module.parameters()), None)
+            _install_unrotate(module, rot.T.contiguous().to(device=ref.device if ref is not None else None,
+                                                            dtype=ref.dtype if ref is not None else None))
+        for op in ops:
+            module = model.get_submodule(op["module"])
+            _install_rotation_op(module, op, rot.to(**_like(module, model)).contiguous())
+        outputs = sorted({o for sp in group for o in sp.rotation_outputs})
+        online_paths: list[str] = []
+        if online:
+            online_paths, skipped_online = _online_targets(model, writers, rot.shape[0])
+            result.online_skipped += skipped_online
+            for path in online_paths:
+                module = model.get_submodule(path)
+                n = module.weight.shape[_reader_axis(module)]
+                h = hadamard.hadamard(n) / n**0.5
+                _rotate_axis_(module.weight, _reader_axis(module), h.to(module.weight.device))  # W ← W H̃
+                _install_online(module, hadamard.small_factor(n).to(**_like(module, model)))
+        entry = {"width": rot.shape[0], "norms": [sp.name for sp in group], "writers": writers,
+                 "readers": readers, **info, "output": (output or "") if outputs else "", "outputs": outputs,
+                 "restore": sorted(restored), "ops": ops, "online": online_paths, "q": rot}
+        result.rotated.append(entry)
+    if online and result.rotated:  # per-head Hadamards on values and outputs: offline folds, no op
+        heads, hd, why = _rotate_heads_(model)
+        result.rotated[0].update(value_heads=heads, head_dim=hd)
+        if why:
+            result.online_skipped.append(f"per-head Hadamard on values: {why}")
     plan.rotations = plan.rotations + [manifest_entry(r) for r in result.rotated]
     return result
 

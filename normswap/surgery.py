@@ -463,5 +463,9 @@ def apply_structure(model: nn.Module, plan: Plan, backend: str = "auto") -> nn.M
         replace_module(model, old, new)
     for h in plan.hooks:
         install_hook(model, h)
+    if plan.rotations:  # what a rotation added besides weights (normswap.rotate)
+        from normswap.rotate import install_ops
+
+        install_ops(model, plan)
     attach_plan(model, plan)
     return model

@@ -13,27 +13,28 @@ from normswap.rotate import random_orthogonal, rotate, rotation_matrix, streams
 from normswap.verify import compare
 from tests.custom_models import TinyGPT, TinyViT
 from tests.custom_models import randomise as randomise_custom
-from tests.zoo import EXACT, MORE, build, randomise
+from tests.zoo import EXACT, MORE, RMS, build, randomise
 
 EXACT_MORE = {k: v[0] for k, v in MORE.items() if v[1] == "exact"}
 # exact architectures with a stream that cannot be rotated, and the reason the plan gives
 NOT_READY = {
-    "bloom": "centering op",  # embedding LayerNorm starts the stream: centered at run time
-    "clip-vision": "centering op",  # pre_layrnorm
-    "xglm": "centering op",  # regenerated sinusoidal positions
-    "mbart": "centering op",  # layernorm_embedding
-    "m2m100": "centering op",  # sinusoidal positions
-    "whisper": "centering op",  # the encoder's conv+GELU stem (the decoder stream does rotate)
+    "m2m100": "encoder_last_hidden_state",  # one stream (shared embedding) ending in an encoder output
+    "mbart": "encoder_last_hidden_state",  # the encoder's final norm output is a model output
+    "whisper": "encoder_last_hidden_state",  # its encoder stream (centered after the conv stem); the decoder rotates
     "clip-text": "last_hidden_state",  # the final norm's output is a model output, not a Linear input
-    "clip": "last_hidden_state",
+    "clip": "last_hidden_state",  # the text stream (the vision stream rotates)
     "pegasus": "encoder_last_hidden_state",
     "wav2vec2-stable": "not a Linear",  # feature-extractor norms feed a conv stack
     "dinov2": "`cat`",  # the classifier reads [cls, mean of patches] concatenated
     "dinov3-vit": "last_hidden_state",  # the final norm's output is a model output
     "dinov3-vit-no-value-bias": "last_hidden_state",
 }
-FULLY_BLOCKED = {"bloom", "clip-vision", "xglm", "mbart", "m2m100", "clip-text", "clip", "pegasus", "wav2vec2-stable",
-                 "dinov2", "dinov3-vit", "dinov3-vit-no-value-bias"}
+FULLY_BLOCKED = {"m2m100", "clip-text", "pegasus", "dinov2", "dinov3-vit",
+                 "dinov3-vit-no-value-bias"}
+# streams centered at run time (a mean subtraction where the stream starts): rotated through one op there
+CENTERED_START = {"bloom": "transformer.word_embeddings_layernorm", "clip-vision": "vision_model.pre_layrnorm",
+                  "clip": "vision_model.pre_layrnorm", "wav2vec2-stable": "wav2vec2.encoder.dropout",
+                  "xglm": "model.embed_positions", "mbart": "model.decoder.layernorm_embedding"}
 
 
 def _build(name):
@@ -55,7 +56,7 @@ def test_orthogonal_rotation_of_every_ready_stream_preserves_outputs(name):
     rot = rotate(model, 3)
     with torch.no_grad(), default_dtype(torch.float64):
         out = model(**probe)
-    figs = compare(ref, out)
+    figs = compare(ref, out, set(report.plan.changed_outputs))  # raw residual-stream outputs turn, by design
     assert figs["compared"]
     assert figs["worst_rel_error_any_output"] <= 1e-9, (figs, str(rot))
 
@@ -77,6 +78,11 @@ def test_orthogonal_rotation_of_every_ready_stream_preserves_outputs(name):
     if name in NOT_READY:
         assert any(NOT_READY[name] in s["reason"] for s in rot.skipped), str(rot)
         assert any(NOT_READY[name] in sp.rotation_reason for sp in report.plan.sites)
+    ops = [op["module"] for r in rot.rotated for op in r["ops"]]
+    if name in CENTERED_START:
+        assert CENTERED_START[name] in ops, str(rot)
+    else:
+        assert not ops
 
 
 def test_rotation_needs_folded_gamma_and_the_plan_says_so():
@@ -196,3 +202,124 @@ def test_bad_rotation_arguments_are_one_line_errors():
         rotate(model, "random", seed=1.5)
     with pytest.raises(normswap.NormswapError, match="q must be"):
         rotate(model, 1.5)
+
+
+# ----------------------------------------------------------------- streams that were RMS from the start
+@pytest.mark.parametrize("name", ["llama", "mistral", "qwen2"])
+def test_models_that_are_rms_already_rotate_every_stream(name):
+    model = build(RMS, name)
+    report = normswap.patch(model, fold_gamma=True)
+    assert not report.plan.sites and report.plan.rms_folds  # nothing converted, γ folded
+    probe = hf_example_inputs(model, seed=5)
+    with torch.no_grad(), default_dtype(torch.float64):
+        ref = model(**probe).logits
+        rot = rotate(model, "hadamard")
+        out = model(**probe).logits
+    (stream,) = rot.rotated
+    assert len(stream["norms"]) == len(report.plan.rms_sites) == 5  # 2 layers × 2 + the final norm
+    assert any("embed_tokens" in w for w in stream["writers"]) and any("lm_head" == r for r in stream["readers"])
+    # the model's own RMSNorm computes in float32 whatever the input dtype: float32 rounding, not float64
+    assert float((out - ref).abs().max() / ref.abs().max()) < 1e-5
+
+
+def test_rms_rotation_needs_folded_gamma_and_the_check_can_fail():
+    model = build(RMS, "llama")
+    normswap.patch(model)  # fold_gamma=False: no LayerNorm, nothing folded, nothing to rotate
+    with pytest.raises(normswap.NormswapError, match="fold_gamma=True"):
+        rotate(model, "hadamard")
+    model = build(RMS, "llama")
+    report = normswap.patch(model, fold_gamma=True)
+    probe = hf_example_inputs(model, seed=5)
+    with torch.no_grad():
+        ref = model(**probe).logits
+        report.plan.rms_sites[0].linear_readers = []  # forget one norm's readers: the rotation breaks the model
+        rotate(model, "hadamard")
+        out = model(**probe).logits
+    assert float((out - ref).abs().max() / ref.abs().max()) > 1e-2
+
+
+def test_gemma_tied_head_keeps_gamma_and_says_why():
+    model = build(RMS, "gemma")
+    normswap.patch(model, fold_gamma=True)
+    rot = rotate(model, "hadamard")
+    assert not rot.rotated and "γ cannot fold" in rot.skipped[0]["reason"]
+
+
+# ----------------------------------------------------------------- the last norm's output is the model output
+def _outputs(model, probe):
+    with torch.no_grad(), default_dtype(torch.float64):
+        out = model(**probe)
+    return {k: v for k, v in out.items() if torch.is_tensor(v) and k != "hidden_states"}
+
+
+def test_backbone_output_left_alone_by_default_turned_back_with_restore_and_saved_natively(tmp_path):
+    torch.manual_seed(0)
+    cls, config = EXACT_MORE["dinov3-vit"]()
+    model = randomise(cls(config))
+    normswap.patch(model, fold_gamma=True, mode="exact")
+    probe = hf_example_inputs(model, seed=5)
+    ref = _outputs(model, probe)
+    rot = rotate(model, "hadamard")
+    assert not rot.rotated and "output='rotated' | 'restore'" in rot.skipped[0]["reason"]
+    rot = rotate(model, "hadamard", output="rotated")  # the last norm keeps γ: only restore can do it
+    assert not rot.rotated and "output='restore'" in rot.skipped[0]["reason"]
+    rot = rotate(model, "hadamard", output="restore")
+    (stream,) = rot.rotated
+    assert stream["restore"] == ["norm"] and stream["outputs"] == ["last_hidden_state", "pooler_output"]
+    out = _outputs(model, probe)
+    for k in ref:
+        assert float((out[k] - ref[k]).abs().max() / ref[k].abs().max()) <= 1e-9, k
+    normswap.checkpoint.save(model, tmp_path / "ckpt")
+    loaded = normswap.load(tmp_path / "ckpt").double()
+    assert normswap.plan_of(loaded).rotations[0]["restore"] == ["norm"]
+    again = _outputs(loaded, probe)
+    for k in ref:
+        assert float((again[k] - ref[k]).abs().max() / ref[k].abs().max()) <= 1e-6, k
+
+
+def test_rotated_output_keeps_inner_products_and_equals_the_original_times_q():
+    model = build(RMS, "llama").model  # the base model: the final norm's output is last_hidden_state
+    normswap.patch(model, fold_gamma=True)
+    probe = hf_example_inputs(model, seed=5)
+    ref = _outputs(model, probe)["last_hidden_state"]
+    rot = rotate(model, "hadamard", output="rotated")  # no reader to take the final γ: refused
+    assert not rot.rotated and "keeps γ" in rot.skipped[0]["reason"]
+    model = build(RMS, "llama").model
+    normswap.patch(model, fold_gamma=True)
+    with torch.no_grad():
+        model.norm.weight.fill_(1.0)  # a unit final γ: the output can come out rotated
+    ref = _outputs(model, probe)["last_hidden_state"]
+    rot = rotate(model, "random", seed=2, output="rotated")
+    (stream,) = rot.rotated
+    assert stream["output"] == "rotated" and stream["outputs"] == ["last_hidden_state"]
+    out = _outputs(model, probe)["last_hidden_state"]
+    q = rot.matrices["model.layers.0.input_layernorm" if "model.layers.0.input_layernorm" in rot.matrices
+                     else stream["norms"][0]]
+    assert float((out - ref @ q).abs().max() / ref.abs().max()) < 1e-5
+    gram = lambda t: t.flatten(0, 1) @ t.flatten(0, 1).T  # noqa: E731
+    assert torch.allclose(gram(out), gram(ref), rtol=1e-5, atol=1e-5)
+
+
+def test_stream_centered_at_run_time_rotates_through_one_op_that_saves_and_loads(tmp_path):
+    model = build(EXACT, "bloom")
+    normswap.patch(model, fold_gamma=True)
+    probe = hf_example_inputs(model, seed=5)
+    with torch.no_grad():
+        ref = model(**probe).logits
+    user = torch.linalg.qr(torch.randn(32, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(0)))[0]
+    rot = rotate(model, user)  # not mean-preserving: does not commute with the centering op
+    assert not rot.rotated and any("mean-preserving" in s["reason"] for s in rot.skipped)
+    rot = rotate(model, "hadamard")
+    (stream,) = rot.rotated
+    assert stream["ops"] == [{"module": "transformer.word_embeddings_layernorm", "where": "output", "arg": None}]
+    with torch.no_grad():
+        out = model(**probe).logits
+    assert float((out - ref).abs().max() / ref.abs().max()) <= 1e-9
+    normswap.checkpoint.save(model, tmp_path / "ckpt")
+    loaded = normswap.load(tmp_path / "ckpt").double()
+    with torch.no_grad():
+        again = loaded(**probe).logits
+    assert float((again - ref).abs().max() / ref.abs().max()) <= 1e-9
+    with pytest.raises(normswap.NormswapError, match="compat format cannot hold the rotation op"):
+        normswap.checkpoint.save(model, tmp_path / "compat", format="compat")
+    assert not (tmp_path / "compat").exists()

@@ -104,3 +104,16 @@ def test_rotation_flags_without_rotate_and_online_with_compat_are_errors(tmp_pat
     with pytest.raises(normswap.NormswapError, match="did you mean 'hadamard'"):
         normswap.ConvertOptions(rotate="hadamad")
     assert normswap.ConvertOptions(rotate="random").fold_gamma  # rotation implies fold_gamma
+
+
+def test_compat_refuses_a_rotation_it_cannot_hold():
+    from normswap.checkpoint.writer import compat_model
+    from tests.zoo import EXACT, build
+
+    model = build(EXACT, "gpt2")
+    normswap.patch(model, fold_gamma=True)
+    q = torch.linalg.qr(torch.randn(32, 32, dtype=torch.float64))[0]  # orthogonal, not mean-preserving
+    rot = normswap.rotate(model, q)
+    assert rot.rotated and not rot.rotated[0]["mean_preserving"]
+    with pytest.raises(normswap.NormswapError, match="mean-preserving"):
+        compat_model(model, normswap.plan_of(model))

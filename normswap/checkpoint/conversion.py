@@ -141,6 +141,9 @@ def check_options(
             "compat format keeps LayerNorms, so approximate norms cannot be converted: "
             "use --mode exact (or auto) with --format compat, or --format native with --mode all"
         )
+    if fmt == "compat" and opts.rotate_output == "restore":
+        raise NormswapError("--rotate-output restore adds an un-rotation op the stock architecture lacks: use "
+                            "--format native, or --rotate-output rotated with --format compat")
     if fmt == "compat" and opts.online_hadamard:
         raise NormswapError("online Hadamard rotations add ops the stock architecture lacks: use --format native "
                             "with --online-hadamard, or drop it for --format compat")

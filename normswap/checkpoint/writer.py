@@ -322,6 +322,30 @@ def add_manifest(out: Path, manifest: dict[str, Any]) -> None:
     io.write_json(cfg_path, cfg)
 
 
+def _check_rotations(plan: Plan) -> None:
+    """A rotated model is compat only when no rotation added an op and every rotation keeps ``Q·1 = ±1``:
+    then each converted norm's input is zero-mean (or centered by the LayerNorm itself) after the turn,
+    and the stock LayerNorm equals the RMSNorm there."""
+    for r in plan.rotations:
+        if r.get("restore"):
+            raise NormswapError(
+                f"compat format cannot hold the un-rotation before `{r['restore'][0]}` (output='restore' adds an "
+                "op the stock architecture lacks): use the native format, or rotate with output='rotated'")
+        if r.get("online"):
+            raise NormswapError(
+                f"compat format cannot hold the online Hadamard before `{r['online'][0]}`: use the native format")
+        if r.get("ops"):
+            raise NormswapError(
+                f"compat format cannot hold the rotation op at `{r['ops'][0]['module']}` (the stream of "
+                f"`{r['norms'][0]}` starts at a value no weight can turn, so its Q is an op): use the native "
+                "format, or rotate without that stream")
+        if not r.get("mean_preserving", True):
+            raise NormswapError(
+                f"compat format needs a mean-preserving rotation (Q·1 = 1) so that the stock LayerNorms still "
+                f"equal RMSNorm; the rotation of `{r['norms'][0]}` is not: use 'hadamard'/'random' or the native "
+                "format")
+
+
 def compat_model(model: nn.Module, plan: Plan) -> tuple[nn.Module, dict[str, list[str]]]:
     """A stock-class model sharing ``model``'s tensors, with LayerNorms where the RMSNorms are.
 
@@ -335,6 +359,7 @@ def compat_model(model: nn.Module, plan: Plan) -> tuple[nn.Module, dict[str, lis
             f"{' and others' if len(approx) > 1 else ''}) cannot be stored; convert with "
             "mode='exact' (--mode exact) or use the native format"
         )
+    _check_rotations(plan)
     config = stock_config(model)
     cls = stock_class(model)
     with torch.device("meta"):
