@@ -213,3 +213,28 @@ def test_weight_figures_are_per_output_channel():
     with torch.no_grad():
         conv.weight.copy_(lin.weight.T)
     assert qu.weight_figures(conv)["w_max_rms_mean"] == pytest.approx(1.5)
+
+
+def test_conv1d_to_linear_keeps_input_hooks():
+    from transformers.pytorch_utils import Conv1D
+
+    model = nn.Sequential(Conv1D(3, 4))
+    model[0].register_forward_pre_hook(lambda mod, args: (args[0] * 2,))
+    x = torch.randn(2, 4)
+    ref = model(x)
+    qu.conv1d_to_linear_(model)
+    assert isinstance(model[0], nn.Linear)
+    torch.testing.assert_close(model(x), ref)
+
+
+def test_int8_dynamic_keeps_an_input_hook_that_reads_a_buffer():
+    from transformers.pytorch_utils import Conv1D
+
+    torch.manual_seed(3)
+    model = nn.Sequential(Conv1D(8, 6))
+    model[0].register_buffer("scale", torch.full((6,), -2.0))
+    model[0].register_forward_pre_hook(lambda mod, args: (args[0] * mod.scale,))
+    x = torch.randn(5, 6)
+    ref = model(x)
+    out = qu.int8_dynamic(model)(x)
+    assert torch.allclose(out, ref, atol=0.1) and not torch.allclose(out, -ref / 2, atol=0.1)
