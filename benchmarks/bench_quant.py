@@ -258,6 +258,9 @@ def _rotate(model: torch.nn.Module, which: str, seed: int, kind: str) -> Any:
     return normswap.rotate(model, "hadamard", seed=seed, online=True, **extra)
 
 
+READERS: set[str] = set()  # Linear names that read a rotated stream (their inputs turn with it)
+
+
 def build_variants(model: torch.nn.Module, tok: Any, which: list[str], seed: int, kind: str
                    ) -> list[tuple[str, torch.nn.Module | None, str]]:
     """``[(name, model or None, note)]``: None with the reason where the variant could not be built."""
@@ -284,9 +287,10 @@ def build_variants(model: torch.nn.Module, tok: Any, which: list[str], seed: int
         if not getattr(result, "rotated", None):
             variants.append((rot, None, "nothing rotated: " + str(result).splitlines()[0]))
             continue
-        kept = [s for s in getattr(result, "skipped", [])]
+        kept = list(getattr(result, "skipped", []))
         note = f"{len(result.rotated)} stream(s) rotated" + (f", {len(kept)} not: {kept[0]['reason']}" if kept else "")
         variants.append((rot, m, note))
+        READERS.update(r for stream in result.rotated for r in stream.get("readers", []))
     return variants
 
 
@@ -318,15 +322,24 @@ def stock_model(variant: torch.nn.Module, name: str, kind: str, ref: torch.Tenso
 
 
 def measure(variant: torch.nn.Module, ref: torch.Tensor, batches: list[dict], kind: str, pooling: str,
-            precisions: list[tuple[str, int, int]], real: list[str], stock: torch.nn.Module | None = None
-            ) -> dict[str, Any]:
+            precisions: list[tuple[str, int, int]], real: list[str], stock: torch.nn.Module | None = None,
+            sensitivity: tuple[str, int, int] | None = None, keep: set[str] = frozenset()) -> dict[str, Any]:
     row: dict[str, Any] = {}
+    names = {n for n, _ in quant_utils.matmuls(variant)} - set(keep)
+    if sensitivity is not None:  # the error with one Linear quantized at a time: where the error comes from
+        _, wb, ab = sensitivity
+        row["sensitivity"] = {}
+        for name, _ in quant_utils.matmuls(variant):
+            q = copy.deepcopy(variant)
+            quant_utils.fake_quantize_(q, wb, ab, only={name})
+            row["sensitivity"][name] = errors(ref, outputs(q, batches, kind, pooling), kind)["err"]
     with quant_utils.OutlierStats(variant) as stats:
         row["fp32"] = errors(ref, outputs(variant, batches, kind, pooling, stats), kind)
     row["outliers"] = {**stats.summary(), **quant_utils.weight_figures(variant)}
+    row["per_linear"] = stats.per_linear()
     for label, wb, ab in precisions:
         q = copy.deepcopy(variant)
-        quant_utils.fake_quantize_(q, wb, ab)
+        quant_utils.fake_quantize_(q, wb, ab, only=names)
         row[label] = errors(ref, outputs(q, batches, kind, pooling), kind)
         del q
     for label in real:
@@ -364,6 +377,12 @@ def _cell(fig: dict | None, kind: str) -> str:
     return main + (f" ({100 * fig['agree']:.1f}%)" if "agree" in fig else "")
 
 
+def _split(per: dict[str, tuple[float, float]], readers: set[str]) -> str:
+    def mean(names: list[str]) -> str:
+        return f"{sum(per[n][0] for n in names) / len(names):.2f}" if names else "-"
+    return f"{mean([n for n in per if n in readers])} / {mean([n for n in per if n not in readers])}"
+
+
 def table(result: dict[str, Any]) -> str:
     kind = result["kind"]
     cols = ["fp32", *[p[0] for p in result["precisions"]], *result["real"]]
@@ -383,6 +402,19 @@ def table(result: dict[str, Any]) -> str:
                      + " | ".join(_cell(row.get(c), kind) for c in cols) + " |")
     lines.append("")
     lines += [f"- {name}: {note}" for name, note in result["notes"].items() if note]
+    if result.get("sensitivity"):
+        lines.append(f"- {result['sensitivity']} with one Linear quantized at a time, the five largest errors "
+                     "(act max/rms and kurtosis of its input):")
+        for name, row in result["rows"].items():
+            if row and "sensitivity" in row:
+                top = sorted(row["sensitivity"].items(), key=lambda kv: -kv[1])[:5]
+                lines.append(f"  - {name}: " + ", ".join(
+                    f"`{k}` {v:.3g} ({row['per_linear'][k][0]:.1f}, {row['per_linear'][k][1]:.1f})" for k, v in top))
+    readers = set(result.get("readers", []))
+    if readers:
+        lines.append("- act max/rms, mean over the Linear inputs that read a rotated stream / over the others "
+                     "(those only online rotations reach): " + "; ".join(
+                         f"{name} {_split(row['per_linear'], readers)}" for name, row in result["rows"].items() if row))
     return "\n".join(lines)
 
 
@@ -424,6 +456,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     help="real int8 quantizers: torch.ao quantize_dynamic, torchao int8 dynamic (if installed)")
     ap.add_argument("--no-compat", action="store_true",
                     help="run the real quantizers on the in-memory models, not on reloaded compat checkpoints")
+    ap.add_argument("--sensitivity", default=None, choices=[p[0] for p in PRECISIONS],
+                    help="also quantize one Linear at a time at this precision (one pass per Linear and variant)")
+    ap.add_argument("--keep-head", action="store_true",
+                    help="leave the LM head in float in the RTN runs (QuaRot's and SpinQuant's setting)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--workdir", default="/tmp/normswap-bench-quant", help="where toy models are trained once")
     ap.add_argument("--toy-hidden", type=int, default=128)
@@ -464,12 +500,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         data = f"{args.texts} English paragraphs (Python reference docs), up to {args.max_len} tokens"
 
     precisions = [p for p in PRECISIONS if p[0] in args.precisions]
+    keep: set[str] = set()
+    head = model.get_output_embeddings() if args.keep_head and hasattr(model, "get_output_embeddings") else None
+    if head is not None:
+        keep = {n for n, m in model.named_modules() if m is head}
     t0 = time.perf_counter()
     ref = outputs(model, batches, kind, pooling)
     variants = build_variants(model, tok, list(args.rotations), args.seed, kind)
     result: dict[str, Any] = {
         "model": label, "kind": kind, "data": data, "pooling": pooling if kind == "encoder" else None,
         "precisions": precisions, "real": real_quantizers(args.real), "rows": {}, "notes": {},
+        "sensitivity": args.sensitivity, "kept_in_float": sorted(keep),
         "versions": {"torch": torch.__version__, "transformers": __import__("transformers").__version__,
                      "normswap": __import__("normswap").__version__},
         "params": sum(p.numel() for p in model.parameters()),
@@ -484,10 +525,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 stock_model(variant, name, kind, ref, batches, pooling, Path(tmp))
             if result["real"]:
                 result["notes"][name] = "; ".join(filter(None, [note, "real quantizers on " + where]))
-            result["rows"][name] = measure(variant, ref, batches, kind, pooling, precisions, result["real"], stock)
+            result["rows"][name] = measure(variant, ref, batches, kind, pooling, precisions, result["real"], stock,
+                                           next((p for p in PRECISIONS if p[0] == args.sensitivity), None), keep)
+    result["readers"] = sorted(READERS)
     result["seconds"] = time.perf_counter() - t0
     result["goal"] = goal_lines(result)
-    print(f"\n## {label} ({kind}, {result['params'] / 1e6:.2f}M parameters; {data})\n")
+    kept = f"; RTN leaves {', '.join(sorted(keep))} in float" if keep else ""
+    print(f"\n## {label} ({kind}, {result['params'] / 1e6:.2f}M parameters; {data}{kept})\n")
     print(table(result))
     for line in result["goal"]:
         print(f"- goal: {line}")

@@ -65,20 +65,22 @@ def _quantize_input(bits: int):
     return hook
 
 
-def fake_quantize_(model: nn.Module, w_bits: int | None, a_bits: int | None) -> list:
-    """Fake-quantize every Linear/Conv1D of ``model`` in place: W per output channel, inputs per token.
+def fake_quantize_(model: nn.Module, w_bits: int | None, a_bits: int | None, only: set[str] | None = None) -> list:
+    """Fake-quantize every Linear/Conv1D of ``model`` (or those named in ``only``): W per output channel,
+    inputs per token.
 
-    ``None`` leaves that side in floating point. Returns the hook handles (remove them to stop
-    quantizing activations; the weights stay rounded). A weight shared by several modules (a tied
-    head) is rounded once.
+    ``None`` leaves that side in floating point. Each quantized module gets its own rounded weight
+    (a new parameter), so a weight tied to something else (GPT-2's head and its input embedding)
+    is rounded where the matmul reads it and nowhere else. Returns the hook handles (remove them to
+    stop quantizing activations; the weights stay rounded).
     """
     handles = []
-    done: set[int] = set()
-    for _, module in matmuls(model):
-        if w_bits is not None and id(module.weight) not in done:
-            done.add(id(module.weight))
-            with torch.no_grad():  # one scale per output channel: reduce over the input axis
-                module.weight.copy_(absmax_quantize(module.weight, w_bits, dim=weight_in_axis(module)))
+    for name, module in matmuls(model):
+        if only is not None and name not in only:
+            continue
+        if w_bits is not None:  # one scale per output channel: reduce over the input axis
+            rounded = absmax_quantize(module.weight.detach(), w_bits, dim=weight_in_axis(module))
+            module.weight = nn.Parameter(rounded, requires_grad=False)
         if a_bits is not None:
             handles.append(module.register_forward_pre_hook(_quantize_input(a_bits)))
     return handles
@@ -190,9 +192,48 @@ def conv1d_to_linear_(model: nn.Module) -> int:
             lin.weight.copy_(m.weight.T)
             if m.bias is not None:
                 lin.bias.copy_(m.bias)
+        lin._forward_pre_hooks.update(m._forward_pre_hooks)  # e.g. an online Hadamard on the input
+        lin._forward_pre_hooks_with_kwargs.update(m._forward_pre_hooks_with_kwargs)
+        lin._forward_hooks.update(m._forward_hooks)
+        lin._forward_hooks_with_kwargs.update(m._forward_hooks_with_kwargs)
+        for bname, buf in m.named_buffers(recurse=False):  # what those hooks read
+            lin.register_buffer(bname, buf)
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child, lin)
     return len(swaps)
+
+
+class InputHooks(nn.Module):
+    """Runs a module's forward pre-hooks (an online Hadamard, say) ahead of it, from a wrapper, so that a
+    quantizer that replaces the module by its own class keeps them. The hooks see a host module that
+    carries the original module's buffers."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        if inner._forward_pre_hooks_with_kwargs:
+            raise ValueError("pre-hooks that take keyword arguments are not supported")
+        self.hooks = list(inner._forward_pre_hooks.values())
+        self.host = nn.Module()
+        for name, buf in inner.named_buffers(recurse=False):
+            self.host.register_buffer(name, buf)
+        inner._forward_pre_hooks.clear()
+        self.inner = inner
+
+    def forward(self, *args: torch.Tensor) -> torch.Tensor:
+        for hook in self.hooks:
+            out = hook(self.host, args)
+            if out is not None:
+                args = out if isinstance(out, tuple) else (out,)
+        return self.inner(*args)
+
+
+def hoist_input_hooks_(model: nn.Module) -> int:
+    """Wrap every Linear that has forward pre-hooks in :class:`InputHooks`; returns the count."""
+    hooked = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear) and m._forward_pre_hooks]
+    for name, m in hooked:
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, InputHooks(m))
+    return len(hooked)
 
 
 def int8_dynamic(model: nn.Module) -> nn.Module:
@@ -205,6 +246,7 @@ def int8_dynamic(model: nn.Module) -> nn.Module:
 
     work = copy.deepcopy(model).float()
     conv1d_to_linear_(work)
+    hoist_input_hooks_(work)
     with warnings.catch_warnings():  # torch 2.10+ marks the quantized tensor types deprecated; they still run
         warnings.simplefilter("ignore", UserWarning)
         return quantize_dynamic(work, {nn.Linear}, dtype=torch.qint8)
@@ -220,5 +262,6 @@ def torchao_int8(model: nn.Module) -> nn.Module:
 
     work = copy.deepcopy(model).float()
     conv1d_to_linear_(work)
+    hoist_input_hooks_(work)
     quantize_(work, Int8DynamicActivationInt8WeightConfig())
     return work
