@@ -42,7 +42,6 @@ REASONS = {
     "ci": "CI runs it itself from the checkout (.ci/run)",
     "no-run": "illustrative: placeholders for the reader's own files or models",
     "slow": "minutes of CPU (a benchmark, a full training run)",
-    "needs-rotation-merge": "temporary: the rotation API it shows lands with the rotation branch",
 }
 LANGS = {"python": "python", "py": "python", "bash": "shell", "sh": "shell", "shell": "shell", "console": "console"}
 MARKER = re.compile(r"^\s*<!--\s*docs-test:\s*([\w-]+)\s*(?::[^>]*)?-->\s*$")
