@@ -194,7 +194,7 @@ def in_memory_peak(numel: int, itemsize: int) -> int:
     The path holds the model, then a working copy beside it (:func:`normswap.api.working_dtype`:
     float64 for small models, float32 for half-precision ones, the written tensors only for a float32
     model), then, after the working copy is freed, the reloaded checkpoint beside the model for the
-    final check; plus :data:`ACTIVATION_BYTES`."""
+    final check (with its float32 weights while a half model runs); plus :data:`ACTIVATION_BYTES`."""
     from normswap.api import FLOAT64_EXTRA_BYTES
 
     model = numel * itemsize
@@ -204,7 +204,8 @@ def in_memory_peak(numel: int, itemsize: int) -> int:
         work = numel * 4
     else:
         work = int(numel * itemsize * WRITTEN_SHARE)
-    return model + max(work, model) + ACTIVATION_BYTES
+    reload = model + (numel * 4 if itemsize < 4 else 0)  # a half model is run in float32 (:func:`_run`)
+    return model + max(work, reload) + ACTIVATION_BYTES
 
 
 def _itemsize(src: Source) -> int:
@@ -301,8 +302,19 @@ def probe_inputs(model: nn.Module) -> dict[str, Any]:
 
 
 def _run(model: nn.Module, probe: dict[str, Any]) -> Any:
-    with torch.no_grad():
-        return model(**probe)
+    """``model`` on ``probe``; a float16 / bfloat16 model on a CPU computes in float32 (its weights
+    as they are, upcast for the call: a CPU has no fast half-precision matmul, and GPT-2's ``addmm``
+    in bfloat16 took ~45 s for 16 tokens of a 0.1B model here). The original and the converted model
+    and the reloaded checkpoint are all run this way, so the comparisons between them still hold
+    (bitwise for native); ``patch`` measures the cast in the model's own dtype."""
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    on_cpu = all(p.device.type == "cpu" for p in model.parameters())
+    if dtype not in api.HALF_DTYPES or not on_cpu:
+        with torch.no_grad():
+            return model(**probe)
+    cast = {k: (v.float() if torch.is_tensor(v) and v.is_floating_point() else v) for k, v in probe.items()}
+    with torch.no_grad(), api.computing_in(model, torch.float32):
+        return model(**cast)
 
 
 def reload_check(

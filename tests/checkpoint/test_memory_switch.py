@@ -32,8 +32,9 @@ def test_predicted_peak_counts_the_working_copy_in_its_dtype():
     small, big = 50_000_000, 2_600_000_000
     # small: a float64 working copy beside the model
     assert conversion.in_memory_peak(small, 4) == small * 4 + small * 8 + conversion.ACTIVATION_BYTES
-    # a big half model: a float32 working copy (2x the checkpoint), never a float64 one (4x)
-    assert conversion.in_memory_peak(big, 2) == big * 2 + big * 4 + conversion.ACTIVATION_BYTES
+    # a big half model: a float32 working copy (2x the checkpoint), never a float64 one (4x); then the
+    # reloaded checkpoint, run in float32
+    assert conversion.in_memory_peak(big, 2) == big * 2 + big * 2 + big * 4 + conversion.ACTIVATION_BYTES
     # a big float32 model: the written tensors, or the reloaded checkpoint, beside it: about 2x + 1 GiB
     assert conversion.in_memory_peak(big, 4) <= 2 * big * 4 + gib
     # the bound the task sets: 2 x the model in its compute dtype (float32 here) + 1 GiB
