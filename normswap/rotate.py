@@ -8,9 +8,18 @@ by ``Q`` and every *reader*'s input features by ``Qᵀ`` leaves the model's outp
 
 ``normswap.patch(model, fold_gamma=True)`` produces such streams wherever the math allows, and the
 plan records, per norm, whether its stream is ready and, if not, why (``SitePlan.rotation_ready``,
-``SitePlan.rotation_reason``). :func:`rotate` applies a rotation to every ready stream, in float64,
-cast back once. Streams are the connected groups of norms that share writers (a decoder stream,
-an encoder stream, a vision tower's stream): each is rotated as a whole or not at all.
+``SitePlan.rotation_reason``); norms that were RMS from the start (Llama) are in ``plan.rms_sites``.
+:func:`rotate` applies a rotation to every ready stream, in float64, cast back once. Streams are the
+connected groups of norms that share writers (a decoder stream, an encoder stream, a vision tower's
+stream): each is rotated as a whole or not at all.
+
+The matrices built here keep the mean direction (``Q·1 = 1``, :func:`keep_mean`): a zero-mean stream stays
+zero-mean, so a rotated exact model is still exact with stock LayerNorms (the compat format), and a
+centering op commutes with ``Q``. A stream centered at run time starts at a value no weight can turn (a
+norm's output, a regenerated table, a nonlinear stem): it takes ``Q`` as one op right after its centering
+op. ``output=`` decides what happens to a stream whose last norm output is a model output, ``online=``
+adds QuaRot's online Hadamards (:mod:`normswap.hadamard`). Every op a rotation adds is a buffer plus a
+hook that :func:`install_ops` rebuilds when a native checkpoint loads; the compat format refuses them.
 """
 
 from __future__ import annotations
@@ -253,10 +262,15 @@ class Unrotate:
         return (torch.matmul(x, getattr(module, RESTORE_BUFFER).to(x.dtype)), *args[1:])
 
 
-def _install_unrotate(module: nn.Module, value: torch.Tensor) -> None:
+def _install_unrotate(module: nn.Module, value: torch.Tensor, *, compose: bool = False) -> None:
+    """Register the ``Qᵀ`` buffer and pre-hook; on a norm that has them, ``compose`` turns back a second
+    rotation too (``(Q₁Q₂)ᵀ = Q₂ᵀQ₁ᵀ``)."""
     if getattr(module, "_normswap_unrotate", None) is None:
         module.register_buffer(RESTORE_BUFFER, value)
         module._normswap_unrotate = module.register_forward_pre_hook(Unrotate())
+    elif compose:
+        old = getattr(module, RESTORE_BUFFER)
+        setattr(module, RESTORE_BUFFER, (value.double() @ old.double()).to(old.dtype))
     else:
         setattr(module, RESTORE_BUFFER, value)
 
@@ -288,9 +302,11 @@ class RotateInput:
         return args, kwargs
 
 
-def _install_rotation_op(module: nn.Module, op: dict, value: torch.Tensor) -> None:
+def _install_rotation_op(module: nn.Module, op: dict, value: torch.Tensor, *, compose: bool = False) -> None:
+    """Register the ``Q`` buffer and hook; where they exist, ``compose`` makes it ``Q₁Q₂`` (a second rotation)."""
     if getattr(module, "_normswap_rotation", None) is not None:
-        setattr(module, ROTATION_BUFFER, value)
+        old = getattr(module, ROTATION_BUFFER)
+        setattr(module, ROTATION_BUFFER, (old.double() @ value.double()).to(old.dtype) if compose else value)
         return
     module.register_buffer(ROTATION_BUFFER, value)
     if op["where"] == "output":
@@ -328,8 +344,8 @@ def _online_targets(model: nn.Module, writers: list[str], width: int) -> tuple[l
         if not (isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D"):
             continue
         n = module.weight.shape[_reader_axis(module)]
-        if n == width:
-            continue
+        if n == width or getattr(module, "_normswap_online", None) is not None:
+            continue  # an attention output projection; or an online Hadamard is there already
         if not hadamard.has_hadamard(n):
             why.append(f"`{path}`: no Hadamard matrix of order {n}")
             continue
@@ -341,27 +357,41 @@ _VALUE_OUTPUT = (("v_proj", "o_proj"), ("v_proj", "out_proj"))  # separate value
 
 
 def _head_dim(model: nn.Module) -> int | None:
-    config = getattr(model, "config", None)
-    config = getattr(config, "get_text_config", lambda: config)() if config is not None else None
+    """The head size from the (first) transformers config in ``model``: ``head_dim`` or width / heads."""
+    config = next((getattr(m, "config", None) for m in model.modules() if getattr(m, "config", None) is not None),
+                  None)
+    if config is None:
+        return None
+    config = getattr(config, "get_text_config", lambda: config)()
     hd = getattr(config, "head_dim", None)
     heads = getattr(config, "num_attention_heads", None)
     width = getattr(config, "hidden_size", None)
     return int(hd) if isinstance(hd, int) else (width // heads if width and heads else None)
 
 
-def _value_heads(model: nn.Module, head_dim: int | None) -> list[tuple[str, nn.Linear, nn.Linear]]:
-    """Attention modules whose value and output projections are separate Linears over whole heads."""
-    found = []
-    if not head_dim:
-        return found
+def _value_heads(model: nn.Module) -> tuple[list[tuple[str, nn.Linear, nn.Linear]], int | None]:
+    """Attention modules whose value and output projections are separate Linears over whole heads, and
+    the head size (the attention module's own ``head_dim`` / ``attention_head_size``, else the config's)."""
+    found, sizes = [], set()
+    default = _head_dim(model)
     for path, module in model.named_modules():
-        for v_name, o_name in _VALUE_OUTPUT:
-            v, o = getattr(module, v_name, None), getattr(module, o_name, None)
-            if isinstance(v, nn.Linear) and isinstance(o, nn.Linear) and v.out_features % head_dim == 0 \
-                    and o.in_features % head_dim == 0:
+        pairs = [(module, getattr(module, v_name, None), getattr(module, o_name, None))
+                 for v_name, o_name in _VALUE_OUTPUT]
+        # BERT/ViT/DINOv2 layout: <attention>.{self|attention}.value and <attention>.output.dense
+        inner = getattr(module, "self", None) or getattr(module, "attention", None)
+        out = getattr(module, "output", None)
+        if isinstance(inner, nn.Module) and isinstance(out, nn.Module):
+            pairs.append((inner, getattr(inner, "value", None), getattr(out, "dense", None)))
+        for owner, v, o in pairs:
+            hd = getattr(owner, "head_dim", None) or getattr(owner, "attention_head_size", None) or default
+            if isinstance(v, nn.Linear) and isinstance(o, nn.Linear) and isinstance(hd, int) and hd > 0 \
+                    and v.out_features % hd == 0 and o.in_features % hd == 0:
                 found.append((path, v, o))
+                sizes.add(hd)
                 break
-    return found
+    if len(sizes) > 1:
+        return [], None  # one H̃ size per model keeps the record simple; mixed head sizes are left alone
+    return found, next(iter(sizes), None)
 
 
 def _rotate_heads_(model: nn.Module) -> tuple[list[str], int | None, str]:
@@ -369,10 +399,10 @@ def _rotate_heads_(model: nn.Module) -> tuple[list[str], int | None, str]:
     projection's rows and bias, per head) and the output projection's input columns of each head ``W → W H̃``.
     Attention is linear in each head's values (``softmax(.) V_h H̃ = (softmax(.) V_h) H̃``), so outputs
     are unchanged; grouped-query heads share one ``H̃``, so any head mapping works."""
-    hd = _head_dim(model)
-    pairs = _value_heads(model, hd)
+    pairs, hd = _value_heads(model)
     if not pairs:
-        return [], hd, "no attention with separate value/output projections (v_proj with o_proj/out_proj)"
+        return [], hd, ("no attention with separate value/output projections (v_proj with o_proj/out_proj, or "
+                        "self|attention.value with output.dense)")
     if not hadamard.has_hadamard(hd):
         return [], hd, f"no Hadamard matrix of order {hd} (the head size)"
     h = hadamard.hadamard(hd) / hd**0.5
@@ -451,7 +481,8 @@ def rotate(model: nn.Module, q: str | int | torch.Tensor = "hadamard", *, seed: 
             buffer (``H_K``) and a pre-hook, saved and rebuilt by the native format; stock ops, so it
             exports. A width with no Hadamard order is left alone and listed in ``Rotation.online_skipped``.
             Also per-head Hadamards on values and outputs where they fold (attention modules with separate
-            ``v_proj`` and ``o_proj``/``out_proj`` Linears over whole heads; the head size from the config):
+            ``v_proj`` and ``o_proj``/``out_proj`` Linears, or BERT/ViT's ``self``/``attention.value`` with
+            ``output.dense``, over whole heads; the head size from the config):
             each head's values turn by ``H/sqrt(head_dim)`` (value projection rows) and the output
             projection's columns of that head absorb it; weights only, no op.
         output: for a stream whose last norm's output is itself a model output (a ViT/DINOv2
@@ -554,10 +585,11 @@ def rotate(model: nn.Module, q: str | int | torch.Tensor = "hadamard", *, seed: 
             module = model.get_submodule(name)
             ref = next(iter(module.parameters()), None)
             _install_unrotate(module, rot.T.contiguous().to(device=ref.device if ref is not None else None,
-                                                            dtype=ref.dtype if ref is not None else None))
+                                                            dtype=ref.dtype if ref is not None else None),
+                              compose=True)
         for op in ops:
             module = model.get_submodule(op["module"])
-            _install_rotation_op(module, op, rot.to(**_like(module, model)).contiguous())
+            _install_rotation_op(module, op, rot.to(**_like(module, model)).contiguous(), compose=True)
         outputs = sorted({o for sp in group for o in sp.rotation_outputs})
         online_paths: list[str] = []
         if online:
@@ -573,7 +605,8 @@ def rotate(model: nn.Module, q: str | int | torch.Tensor = "hadamard", *, seed: 
                  "readers": readers, **info, "output": (output or "") if outputs else "", "outputs": outputs,
                  "restore": sorted(restored), "ops": ops, "online": online_paths, "q": rot}
         result.rotated.append(entry)
-    if online and result.rotated:  # per-head Hadamards on values and outputs: offline folds, no op
+    if online and result.rotated and not any(r.get("value_heads") for r in plan.rotations):
+        # per-head Hadamards on values and outputs: offline folds, no op (once: a second H̃ would undo nothing)
         heads, hd, why = _rotate_heads_(model)
         result.rotated[0].update(value_heads=heads, head_dim=hd)
         if why:

@@ -13,17 +13,19 @@ def _is_hadamard(h: torch.Tensor) -> bool:
     return bool(((h == 1) | (h == -1)).all()) and torch.equal(h @ h.T, n * torch.eye(n, dtype=h.dtype))
 
 
-def test_every_order_built_up_to_256_is_hadamard_and_the_covered_set_is_known():
+def test_every_order_built_up_to_160_is_hadamard_and_the_covered_set_is_known():
     built = []
-    for n in range(1, 257):
+    for n in range(1, 161):
         h = hd.hadamard(n)
         if h is None:
             continue
         assert h.shape == (n, n)
         assert _is_hadamard(h), n
         built.append(n)
-    # every power of two, and every multiple of 4 up to 256 except those no Paley/product construction reaches
-    assert [n for n in range(4, 257, 4) if n not in built] == [92, 116, 156, 172, 184, 188, 232, 236]
+    # every power of two, and every multiple of 4 up to 160 except those no Paley/product construction reaches
+    assert [n for n in range(4, 161, 4) if n not in built] == [92, 116, 156]
+    assert [n for n in range(160, 401, 4) if not hd.has_hadamard(n)] == [172, 184, 188, 232, 236, 260, 268, 292,
+                                                                         324, 356, 372, 376]
     assert [n for n in built if n % 4] == [1, 2]
 
 

@@ -82,10 +82,8 @@ def test_online_skips_a_down_projection_without_a_hadamard_order_and_says_so():
     assert float((out - ref).abs().max() / ref.abs().max()) <= 1e-9
 
 
-@pytest.mark.parametrize("name", ["opt", "mistral"])  # mistral: grouped-query heads share the values
-def test_per_head_hadamard_on_values_folds_into_value_and_output_projections(name):
-    table = RMS if name == "mistral" else EXACT
-    model = build(table, name)
+def test_per_head_hadamard_on_values_folds_into_value_and_output_projections():
+    model = build(RMS, "mistral")  # grouped-query heads: 2 value heads serve 4 query heads
     normswap.patch(model, fold_gamma=True)
     probe = hf_example_inputs(model, seed=5)
     with torch.no_grad(), default_dtype(torch.float64):
@@ -105,3 +103,51 @@ def test_per_head_hadamard_on_values_folds_into_value_and_output_projections(nam
         w.copy_((h @ w.reshape(-1, 8, w.shape[1])).reshape(w.shape))  # turn each head once more
         broken = model(**probe).logits
     assert float((broken - ref).abs().max() / ref.abs().max()) > 1e-3
+
+
+def test_vision_backbone_with_a_linear_reader_after_its_last_norm_rotates_whole():
+    """A DINOv2 backbone (LayerScale, interpolated positions, cls token) with a Linear on its CLS output:
+    the whole stream turns, the down projections get online Hadamards, the values per-head ones
+    (BERT/ViT layout: attention.value and output.dense)."""
+    import transformers as tf
+    from torch import nn
+
+    from tests.zoo import MORE, randomise
+
+    torch.manual_seed(0)
+    _, config = MORE["dinov2"][0]()
+
+    class Probe(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.backbone = randomise(tf.Dinov2Model(config))
+            self.fc = nn.Linear(config.hidden_size, 10)
+
+        def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+            return self.fc(self.backbone(pixel_values=pixel_values).last_hidden_state[:, 0])
+
+    model = Probe().double().eval()
+    x = torch.randn(2, 3, config.image_size, config.image_size, dtype=torch.float64)
+    normswap.patch(model, example_inputs=(x,), fold_gamma=True)
+    with torch.no_grad():
+        ref = model(x)
+        rot = rotate(model, "hadamard", online=True)
+        out = model(x)
+    (stream,) = rot.rotated
+    assert not rot.skipped and len(stream["online"]) == 2 and len(stream["value_heads"]) == 2
+    assert float((out - ref).abs().max() / ref.abs().max()) <= 1e-9
+
+
+def test_rotating_twice_composes_ops_and_adds_online_hadamards_once():
+    model = build(EXACT, "opt")
+    normswap.patch(model, fold_gamma=True)
+    probe = hf_example_inputs(model, seed=5)
+    with torch.no_grad(), default_dtype(torch.float64):
+        ref = model(**probe).logits
+        first = rotate(model, "hadamard", online=True)
+        second = rotate(model, "random", seed=4, online=True)
+        out = model(**probe).logits
+    assert first.rotated[0]["online"] and not second.rotated[0]["online"]  # already there
+    assert first.rotated[0]["value_heads"] and "value_heads" not in second.rotated[0]
+    assert float((out - ref).abs().max() / ref.abs().max()) <= 1e-9
+    assert len(normswap.plan_of(model).rotations) == 2
