@@ -515,7 +515,7 @@ def _scenarios(tmp_path: Path, gpt2_dir: Path, monkeypatch) -> dict[tuple[int, s
         import normswap.recipes
 
         class Result:
-            stopped_early, steps, tokens, train_time_s, model_dir = False, 1, 8, 0.1, "m"
+            stopped_early, steps, tokens, train_time_s, model_dir, main_process = False, 1, 8, 0.1, "m", True
 
         monkeypatch.setattr(normswap.recipes, "run", lambda cfg: Result())
         return ft
