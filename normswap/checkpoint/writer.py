@@ -346,6 +346,24 @@ def _check_rotations(plan: Plan) -> None:
                 "format")
 
 
+def _absent_module(model: nn.Module, key: str) -> str | None:
+    """The path of the module holding state key ``key`` that ``model`` has as ``None``, if any."""
+    parts = key.split(".")[:-1]
+    obj: object = model
+    for i, part in enumerate(parts):
+        if not isinstance(obj, nn.Module):
+            return None
+        if part in obj._modules:
+            obj = obj._modules[part]
+        elif part in obj.__dict__ and obj.__dict__[part] is None:  # `self.pooler = None` (never a module)
+            return ".".join(parts[: i + 1])
+        else:
+            return None
+        if obj is None:  # a module slot emptied after construction
+            return ".".join(parts[: i + 1])
+    return None
+
+
 def compat_model(model: nn.Module, plan: Plan) -> tuple[nn.Module, dict[str, list[str]]]:
     """A stock-class model sharing ``model``'s tensors, with LayerNorms where the RMSNorms are.
 
@@ -371,6 +389,15 @@ def compat_model(model: nn.Module, plan: Plan) -> tuple[nn.Module, dict[str, lis
         mark_untied(stock)
     state = dict(model.state_dict(keep_vars=True))
     meta_state = stock.state_dict(keep_vars=True)
+    # A module the model was built without (ViTModel(add_pooling_layer=False): `pooler` is None, or a
+    # pipeline's unused pooler normswap left out) is left out of the stock model too, as the stock
+    # class's own save_pretrained would do.
+    absent = {path for path in map(_absent_module, [model] * len(meta_state), meta_state) if path}
+    for path in sorted(absent):
+        parent, _, attr = path.rpartition(".")
+        setattr(stock.get_submodule(parent) if parent else stock, attr, None)
+    if absent:
+        meta_state = stock.state_dict(keep_vars=True)
     # An MLP widened to carry a Post-LN mean goes back to its stock width: the norm it fed is a
     # LayerNorm again, which ignores the mean the extra neurons cancelled (so it needs centering
     # to run as an RMSNorm, like a hooked one: compat_lists says so).

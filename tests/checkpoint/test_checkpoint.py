@@ -332,3 +332,26 @@ def test_plain_save_pretrained_of_a_loaded_model_stays_native(native_dirs, tmp_p
     with safe_open(str(tmp_path / "plain" / "model.safetensors"), "pt") as h:
         assert "cls.predictions.decoder.bias" in set(h.keys())
     assert torch.equal(outputs(normswap.load(tmp_path / "plain"), "tiny-bert"), outputs(model, "tiny-bert"))
+
+
+def test_compat_of_a_model_built_without_its_pooler(tmp_path):
+    """ViTModel(add_pooling_layer=False) has `pooler = None`: the compat model leaves it out too."""
+    torch.manual_seed(0)
+    cfg = transformers.ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                 intermediate_size=64, image_size=32, patch_size=8)
+    model = transformers.ViTModel(cfg, add_pooling_layer=False).eval()
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, nn.LayerNorm):
+                m.weight.uniform_(0.5, 1.5)
+                m.bias.normal_(0, 0.3)
+    pixels = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        expected = model(pixel_values=pixels).last_hidden_state
+    normswap.patch(model)
+    normswap.save(model, tmp_path / "compat", format="compat")
+    reloaded = transformers.ViTModel.from_pretrained(tmp_path / "compat", add_pooling_layer=False).eval()
+    assert not any(isinstance(m, normswap.RMSNorm) for m in reloaded.modules())
+    with torch.no_grad():
+        got = reloaded(pixel_values=pixels).last_hidden_state
+    assert float((got - expected).abs().max() / expected.abs().max()) <= 1e-5
