@@ -487,8 +487,9 @@ def convert(
     if low_memory and opts.per_norm_centering:
         raise NormswapError("--per-norm-centering needs the whole model in memory; drop --low-memory")
     if low_memory and opts.rotate is not None:
-        raise NormswapError(f"{src.label} is streamed (larger than half of the available RAM) and --rotate needs "
-                            "the whole model in memory; pass --in-memory to force it, or drop --rotate")
+        raise NormswapError(f"{src.label} is streamed (its in-memory conversion would not fit in the available "
+                            "RAM) and --rotate needs the whole model in memory; pass --in-memory to force it, or "
+                            "drop --rotate")
     if low_memory:
         if src.kind == "preset":
             raise NormswapError(

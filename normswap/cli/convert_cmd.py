@@ -145,8 +145,8 @@ Presets (offline, seeded tiny models with tokenizers/processors):
     "--low-memory/--in-memory",
     "low_memory",
     default=None,
-    help="Stream tensors shard by shard (default: automatic when the checkpoint is larger "
-    "than about half of the available RAM).",
+    help="Stream tensors shard by shard (default: automatic when the in-memory conversion's predicted "
+    "peak would not fit in the available RAM).",
 )
 @click.option("--trust-remote-code", is_flag=True, help="Allow custom modeling code shipped with MODEL.")
 @click.option(
