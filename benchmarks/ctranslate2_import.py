@@ -172,7 +172,8 @@ def convert(src: Path, out_dir: Path) -> Path:
                ("<|endoftext|>", "<|startoftranscript|>", "<|notimestamps|>", "<|transcribe|>", "<|translate|>")}
     eot, sot = special["<|endoftext|>"], special["<|startoftranscript|>"]
     config = WhisperConfig(**fields, bos_token_id=eot, eos_token_id=eot, pad_token_id=eot,
-                           decoder_start_token_id=sot, tie_word_embeddings=True)
+                           decoder_start_token_id=sot, tie_word_embeddings=True,
+                           architectures=["WhisperForConditionalGeneration"])
     with torch.device("meta"):
         model = WhisperForConditionalGeneration(config)
     expected = {k for k in model.state_dict() if k != "proj_out.weight"}
