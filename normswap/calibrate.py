@@ -17,7 +17,7 @@ activations; one norm output per batch is alive at a time.
 Without user data, :func:`builtin_batches` builds a small set from the package's own English
 sentences (``normswap/data/calibration_en.txt``), tokenised with the model's tokenizer when one can
 be found locally (its directory, or its preset's), or plausible token ids / generated images /
-generated audio features otherwise.
+generated speech (:mod:`normswap.speech`) otherwise.
 
 :func:`measure` compares the calibrated model to the original on held-out batches in the figures
 a user compares (embedding cosine and nearest-neighbour agreement for encoders, top-1 agreement and
@@ -104,7 +104,7 @@ def builtin_batches(model: nn.Module, tokenizer: Any = None, *, batches: int = 4
 
     Text models use the built-in sentences with ``tokenizer`` (or the model's own, found locally);
     without one, token ids drawn over the vocabulary. Vision and speech inputs are generated
-    (smooth random images, random log-mel-like features) at the model's expected shapes.
+    (smooth random images, synthetic speech) at the model's expected shapes.
     """
     tok = tokenizer if tokenizer is not None else inputs.find_tokenizer(model)
     probe = inputs.hf_example_inputs(model, batch=1, seq=4, seed=seed)
@@ -130,13 +130,10 @@ def builtin_batches(model: nn.Module, tokenizer: Any = None, *, batches: int = 4
         return out, f"built-in English sentences ({batches * batch_size} passages, model tokenizer)"
     for i in range(batches):
         kw = inputs.hf_example_inputs(model, batch=batch_size, seq=seq_len, seed=seed + 1000 + i)
-        if "pixel_values" in kw:
-            gen = torch.Generator().manual_seed(seed + i)
-            kw["pixel_values"] = inputs.generated_images(tuple(kw["pixel_values"].shape), gen, kw["pixel_values"].dtype)
-        out.append(((), kw))
+        out.append(((), inputs.with_generated_media(kw, seed + i)))
     kinds = [k for k in ("pixel_values", "input_features", "input_values") if k in probe]
-    what = {"pixel_values": "generated images", "input_features": "generated audio features",
-            "input_values": "generated audio"}
+    what = {"pixel_values": "generated images", "input_features": "log-mel features of generated speech",
+            "input_values": "generated speech"}
     desc = ", ".join(what[k] for k in kinds) or "token ids drawn over the vocabulary " + (
         "(the model's tokenizer reads most built-in English words as unknown)" if tok is not None
         else "(no tokenizer found)")

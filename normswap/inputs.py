@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from normswap import speech
 from normswap.errors import NormswapError, first_line
 
 ExampleInputs = tuple[Any, ...] | dict[str, Any] | torch.Tensor | None
@@ -254,6 +255,7 @@ def _cached_hub_tokenizer(repo_id: str) -> Any | None:
 
 # ------------------------------------------------------------------------------ verification probe
 PROBE_BATCH, PROBE_SEQ, PROBE_SEED, PROBE_MAX_TOKENS = 3, 13, 1, 24
+PROBE_AUDIO_FRAMES = 3000  # log-mel frames of 10 ms: 30 s of audio
 
 
 @dataclass
@@ -288,18 +290,31 @@ def generated_images(shape: tuple[int, ...], gen: torch.Generator, dtype: torch.
     return img.reshape(shape).to(dtype)
 
 
-def _with_images(kwargs: dict[str, Any], seed: int) -> dict[str, Any]:
-    """``kwargs`` with its ``pixel_values`` (if any) replaced by :func:`generated_images`."""
+def with_generated_media(kwargs: dict[str, Any], seed: int) -> dict[str, Any]:
+    """``kwargs`` with random images and audio replaced by structured ones of the same shape and dtype:
+    ``pixel_values`` by :func:`generated_images`, ``input_features`` by log-mel features of
+    :func:`~normswap.speech.generated_speech`, ``input_values`` by that speech normalised per clip."""
+    gen = torch.Generator().manual_seed(seed)
+    out = dict(kwargs)
     pixels = kwargs.get("pixel_values")
     if isinstance(pixels, torch.Tensor) and pixels.is_floating_point():
-        gen = torch.Generator().manual_seed(seed)
-        kwargs = dict(kwargs, pixel_values=generated_images(tuple(pixels.shape), gen, pixels.dtype).to(pixels.device))
-    return kwargs
+        out["pixel_values"] = generated_images(tuple(pixels.shape), gen, pixels.dtype).to(pixels.device)
+    feats = kwargs.get("input_features")
+    if isinstance(feats, torch.Tensor) and feats.is_floating_point() and feats.dim() == 3:
+        batch, mels, frames = feats.shape
+        waves = speech.generated_speech(batch, frames * 160, gen)
+        out["input_features"] = speech.speech_features(waves, mels, frames).to(feats.device, feats.dtype)
+    values = kwargs.get("input_values")
+    if isinstance(values, torch.Tensor) and values.is_floating_point() and values.dim() == 2:
+        waves = speech.generated_speech(*values.shape, gen)
+        out["input_values"] = speech.normalised(waves).to(values.device, values.dtype)
+    return out
 
 
 def _random_source(kwargs: dict[str, Any]) -> str:
     kinds = {"input_ids": "random token ids drawn over the vocabulary", "pixel_values": GENERATED_IMAGES,
-             "input_features": "random audio features", "input_values": "random audio samples"}
+             "input_features": f"log-mel features of {speech.GENERATED_SPEECH}",
+             "input_values": speech.GENERATED_SPEECH}
     return ", ".join(kinds[k] for k in kinds if k in kwargs)
 
 
@@ -314,13 +329,22 @@ def verification_probe(model: nn.Module, tokenizer: Any = None, *, batch: int = 
     tokenizer does (special tokens included), the rows cut at ``max_tokens``, 2/3 and 1/3 of it (so
     the batch needs padding), padded on the tokenizer's padding side with an ``attention_mask``.
     Decoder ids, where the model takes them, are the same text. Images (a vision model's, or a
-    text+image model's) are :func:`generated_images`, never white noise; other inputs stay as
+    text+image model's) are :func:`generated_images` and audio is generated speech
+    (:func:`with_generated_media`), never white noise; other inputs stay as
     :func:`hf_example_inputs` builds them.
     Without a usable tokenizer: :func:`hf_example_inputs` with ``seed`` (other ids and another length
     than the analysis inputs), and ``source`` says why; a tokenizer that was given but cannot be
     used also warns.
     """
-    base = _with_images(hf_example_inputs(model, batch=batch, seq=seq, seed=seed), seed)
+    base = hf_example_inputs(model, batch=batch, seq=seq, seed=seed)
+    frames = base.get("input_features")
+    if isinstance(frames, torch.Tensor) and "input_ids" not in base:
+        # audio fixes its own length (Whisper: 30 s, 1500 encoder tokens): as many clips as fit in
+        # PROBE_AUDIO_FRAMES, at least one, so a probe costs about what a text probe does per token
+        keep = max(1, min(batch, PROBE_AUDIO_FRAMES // max(1, frames.shape[-1])))
+        base = {k: v[:keep] if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == batch else v
+                for k, v in base.items()}
+    base = with_generated_media(base, seed)
     if "input_ids" not in base:
         return Probe(base, _random_source(base))
     tok, where = (tokenizer, "the tokenizer passed in") if tokenizer is not None else _find_tokenizer(model)
