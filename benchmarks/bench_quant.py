@@ -24,7 +24,11 @@ Error against the fp32 original, in the metric users compare:
 * causal LMs: mean KL(original ‖ quantized) of the next-token distributions and top-1 agreement;
 * sentence encoders: 1 − cosine of the sentence embeddings (pooled as the sentence-transformers
   config says; mean by default) and top-1 neighbour agreement;
-* vision backbones: 1 − cosine of the CLS token of ``last_hidden_state``.
+* vision backbones: 1 − cosine of the CLS token of ``last_hidden_state``;
+* speech seq2seq (Whisper): mean KL(original ‖ quantized) of the decoder's next-token distributions and
+  top-1 agreement, teacher-forced on transcripts of real audio (WAV files under ``--audio``, each with a
+  ``.txt`` transcript beside it, or the fp32 original's greedy transcript where there is none); the
+  encoder's Linear inputs get their own outlier figures.
 
 Activation outliers per Linear input (per token, then averaged over tokens): ``max|x|/rms(x)`` and
 kurtosis, reported as the mean over Linear inputs and the worst Linear input.
@@ -37,6 +41,10 @@ BERT-like LayerNorm parameters with a few large outlier channels), or ``random-g
     python benchmarks/bench_quant.py --model toy-gpt2
     python benchmarks/bench_quant.py --model /path/to/all-MiniLM-L6-v2 --texts 128
     python benchmarks/bench_quant.py --model /path/to/dinov2-small --images /path/to/skimage/data
+    python benchmarks/bench_quant.py --model /path/to/whisper-base --audio /path/to/wavs --texts 8
+
+Each variant is built, measured and freed in turn (at most the original, the converted model, one
+rotated variant and one quantized copy are alive), so a 0.25B model stays within a few GB.
 """
 
 from __future__ import annotations
@@ -61,7 +69,8 @@ import quant_utils  # noqa: E402  (the benchmark's own helper module, next to th
 PRECISIONS = (("W8A8", 8, 8), ("W4A8", 4, 8), ("W8A4", 8, 4), ("W4A4", 4, 4))
 ROTATIONS = ("random", "hadamard", "hadamard+online")
 TOYS = ("toy-gpt2", "toy-gpt2-outliers")
-RANDOMS = ("random-gpt2", "random-vit", "random-bert")
+RANDOMS = ("random-gpt2", "random-vit", "random-bert", "random-whisper")
+SPEECH_TYPES = ("whisper",)
 VISION_TYPES = ("vit", "dinov2", "deit", "dinov2_with_registers", "vit_mae", "vit_msn")
 
 
@@ -92,6 +101,15 @@ def random_model(name: str, seed: int = 0) -> tuple[torch.nn.Module, str]:
         model, kind = ViTModel(ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                                          intermediate_size=64, image_size=32, patch_size=8),
                                add_pooling_layer=False), "vision"
+    elif name == "random-whisper":
+        from transformers import WhisperConfig, WhisperForConditionalGeneration
+
+        config = WhisperConfig(vocab_size=97, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                               decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, num_mel_bins=8,
+                               max_source_positions=16, max_target_positions=32, pad_token_id=0,
+                               decoder_start_token_id=1, bos_token_id=1, eos_token_id=2, begin_suppress_tokens=None,
+                               suppress_tokens=None)
+        model, kind = WhisperForConditionalGeneration(config), "speech"
     elif name == "random-bert":
         model, kind = BertModel(BertConfig(vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                                            intermediate_size=64, max_position_embeddings=64),
@@ -117,6 +135,8 @@ def toy_model(name: str, workdir: Path, hidden: int, layers: int, steps: int) ->
 
 def kind_of(config: Any) -> str:
     archs = " ".join(getattr(config, "architectures", None) or [])
+    if getattr(config, "model_type", "") in SPEECH_TYPES or "SpeechSeq2Seq" in archs:
+        return "speech"
     if "CausalLM" in archs or "LMHeadModel" in archs:
         return "lm"
     if getattr(config, "model_type", "") in VISION_TYPES:
@@ -126,14 +146,23 @@ def kind_of(config: Any) -> str:
 
 def load_dir(path: Path) -> tuple[torch.nn.Module, Any, str]:
     """(model, tokenizer or None, kind) from a local transformers directory, fp32, eval mode."""
-    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoProcessor, AutoTokenizer
 
     config = AutoConfig.from_pretrained(str(path), local_files_only=True)
     kind = kind_of(config)
-    cls = AutoModelForCausalLM if kind == "lm" else AutoModel
-    model = cls.from_pretrained(str(path), local_files_only=True, dtype=torch.float32).eval()
-    tok = None if kind == "vision" else AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    model = model_class(kind).from_pretrained(str(path), local_files_only=True, dtype=torch.float32).eval()
+    if kind == "speech":
+        tok = AutoProcessor.from_pretrained(str(path), local_files_only=True)
+    else:
+        tok = None if kind == "vision" else AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     return model, tok, kind
+
+
+def model_class(kind: str) -> Any:
+    """The transformers auto class a stock tool loads a model of this kind with."""
+    from transformers import AutoModel, AutoModelForCausalLM, AutoModelForSpeechSeq2Seq
+
+    return {"lm": AutoModelForCausalLM, "speech": AutoModelForSpeechSeq2Seq}.get(kind, AutoModel)
 
 
 def english(n: int, seed: int = 0) -> list[str]:
@@ -190,6 +219,91 @@ def image_batches(model: torch.nn.Module, image_dir: str | None, n: int, path: P
         f"{len(px)} crops of {len(files)} images in {image_dir}"
 
 
+def read_wav(path: Path, rate: int = 16000) -> Any:
+    """A WAV file as mono float32 samples at ``rate`` Hz (scipy reads PCM and float WAVs; resampled
+    polyphase where the file's rate differs)."""
+    from math import gcd
+
+    import numpy as np
+    from scipy.io import wavfile
+    from scipy.signal import resample_poly
+
+    sr, a = wavfile.read(str(path))
+    if a.dtype.kind in "iu":
+        info = np.iinfo(a.dtype)
+        a = (a.astype(np.float64) - (info.max + info.min + 1) / 2) / ((info.max - info.min + 1) / 2)
+    a = a.astype(np.float64)
+    if a.ndim == 2:
+        a = a.mean(axis=1)
+    if sr != rate:
+        g = gcd(sr, rate)
+        a = resample_poly(a, rate // g, sr // g)
+    return a.astype(np.float32)
+
+
+def transcript_for(wav: Path) -> str | None:
+    """The transcript beside a WAV file (``clip.txt`` for ``clip.wav``), if there is one."""
+    txt = wav.with_suffix(".txt")
+    return " ".join(txt.read_text().split()) if txt.exists() else None
+
+
+def speech_batches(model: torch.nn.Module, processor: Any, audio_dir: str | None, n: int, max_len: int,
+                   seed: int = 0, batch: int = 4) -> tuple[list[dict[str, torch.Tensor]], str, list[str]]:
+    """Teacher-forced decoder batches over real audio: ``input_features`` (log-mel, the model's feature
+    extractor), ``decoder_input_ids`` = the transcript's tokens with the decoder prompt in front
+    (``<|startoftranscript|>`` [language, task] ``<|notimestamps|>``) and the end token dropped, and
+    ``decoder_attention_mask``. Transcripts: the ``.txt`` beside each WAV, else the fp32 original's greedy
+    decoding. Without a processor or audio (the random test model), random features and token ids."""
+    cfg = model.config
+    if processor is None or not audio_dir:
+        gen = torch.Generator().manual_seed(seed)
+        frames = 2 * cfg.max_source_positions
+        feats = torch.randn(n, cfg.num_mel_bins, frames, generator=gen)
+        ids = torch.randint(3, cfg.vocab_size, (n, min(max_len, 12)), generator=gen)
+        ids[:, 0] = cfg.decoder_start_token_id
+        return [{"input_features": feats[i:i + batch], "decoder_input_ids": ids[i:i + batch],
+                 "decoder_attention_mask": torch.ones_like(ids[i:i + batch])} for i in range(0, n, batch)], \
+            f"{n} random feature/token sequences", []
+    files = sorted(Path(audio_dir).glob("*.wav"))[:n]
+    if not files:
+        raise SystemExit(f"{audio_dir}: no .wav files")
+    fe, tok = processor.feature_extractor, processor.tokenizer
+    if getattr(cfg, "lang_to_id", None) or getattr(model.generation_config, "lang_to_id", None):
+        tok.set_prefix_tokens(language="en", task="transcribe", predict_timestamps=False)
+    else:
+        tok.set_prefix_tokens(predict_timestamps=False)
+    texts, from_model = [], 0
+    feats_all = []
+    for f in files:
+        audio = read_wav(f, fe.sampling_rate)
+        feats_all.append(fe(audio, sampling_rate=fe.sampling_rate, return_tensors="pt")["input_features"])
+    feats_all = torch.cat(feats_all)
+    for i, f in enumerate(files):
+        text = transcript_for(f)
+        if text is None:  # the original's own greedy transcript
+            with torch.no_grad():
+                out = model.generate(feats_all[i:i + 1], max_new_tokens=max_len)
+            text = tok.decode(out[0], skip_special_tokens=True).strip()
+            from_model += 1
+        texts.append(text)
+    out_batches = []
+    pad = tok.pad_token_id if tok.pad_token_id is not None else cfg.eos_token_id
+    for i in range(0, len(files), batch):
+        seqs = [tok(t).input_ids[:max_len + 1][:-1] for t in texts[i:i + batch]]  # drop the end token
+        width = max(len(q) for q in seqs)
+        ids = torch.full((len(seqs), width), pad, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for j, q in enumerate(seqs):
+            ids[j, :len(q)] = torch.tensor(q)
+            mask[j, :len(q)] = 1
+        out_batches.append({"input_features": feats_all[i:i + batch], "decoder_input_ids": ids,
+                            "decoder_attention_mask": mask})
+    tokens = sum(int(b["decoder_attention_mask"].sum()) for b in out_batches)
+    where = "transcripts beside the WAVs" if not from_model else (
+        f"{len(files) - from_model} transcripts beside the WAVs, {from_model} greedy fp32 transcripts")
+    return out_batches, f"{len(files)} WAV clips in {audio_dir} ({where}; {tokens} decoder positions)", texts
+
+
 # ---------------------------------------------------------------- outputs and errors
 
 @torch.no_grad()
@@ -201,9 +315,12 @@ def outputs(model: torch.nn.Module, batches: list[dict], kind: str, pooling: str
     out = []
     for b in batches:
         if stats is not None:
-            stats.mask = b.get("attention_mask")
+            stats.mask = b.get("decoder_attention_mask" if kind == "speech" else "attention_mask")
         res = model(**b)
-        if kind == "lm":
+        if kind == "speech":
+            keep = b["decoder_attention_mask"].bool()
+            out.append(torch.log_softmax(res.logits.double()[keep], dim=-1))
+        elif kind == "lm":
             logits = res.logits.double()
             keep = b["attention_mask"].bool()
             out.append(torch.log_softmax(logits[keep], dim=-1))
@@ -216,7 +333,7 @@ def outputs(model: torch.nn.Module, batches: list[dict], kind: str, pooling: str
 
 def errors(ref: torch.Tensor, out: torch.Tensor, kind: str) -> dict[str, float]:
     """Error of ``out`` against ``ref``: {"err": main figure (lower is better), "agree": top-1 figure}."""
-    if kind == "lm":
+    if kind in ("lm", "speech"):
         kl = (ref.exp() * (ref - out)).sum(-1).mean()
         agree = (ref.argmax(-1) == out.argmax(-1)).double().mean()
         return {"err": float(kl), "agree": float(agree)}
@@ -246,7 +363,9 @@ def _rotate(model: torch.nn.Module, which: str, seed: int, kind: str) -> Any:
     api = rotation_api()
     # a backbone whose last norm output is the model output: ask for that output turned back, so
     # the CLS vector is compared with the original's as it is
-    extra = {"output": "restore"} if kind == "vision" and api["output"] else {}
+    # (Whisper's encoder output, `encoder_last_hidden_state`, is a model output too: its norm keeps γ, since
+    # folding γ into the cross-attention projections would change that output, so it is turned back as well)
+    extra = {"output": "restore"} if kind in ("vision", "speech") and api["output"] else {}
     if which == "random":
         return normswap.rotate(model, "random", seed=seed, **extra) if api["named"] else normswap.rotate(model, seed)
     if not api["named"]:
@@ -261,37 +380,60 @@ def _rotate(model: torch.nn.Module, which: str, seed: int, kind: str) -> Any:
 READERS: set[str] = set()  # Linear names that read a rotated stream (their inputs turn with it)
 
 
-def build_variants(model: torch.nn.Module, tok: Any, which: list[str], seed: int, kind: str
-                   ) -> list[tuple[str, torch.nn.Module | None, str]]:
-    """``[(name, model or None, note)]``: None with the reason where the variant could not be built."""
+def build_variants(model: torch.nn.Module, tok: Any, which: list[str], seed: int, kind: str):
+    """Yield ``(name, model or None, note)`` one variant at a time (None with the reason where the variant
+    could not be built). A rotated variant is built when asked for, from the converted model, so only
+    one is alive at a time."""
     import normswap
 
-    variants: list[tuple[str, torch.nn.Module | None, str]] = [("original", model, "")]
+    yield "original", model, ""
     conv = copy.deepcopy(model)
     t0 = time.perf_counter()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        report = normswap.patch(conv, fold_gamma=True, tokenizer=tok, allow_unusable=True)
+        report = normswap.patch(conv, fold_gamma=True, tokenizer=None if kind == "speech" else tok,
+                                allow_unusable=True)
     verdicts: dict[str, int] = {}
     for s in report.sites:
         verdicts[s.verdict] = verdicts.get(s.verdict, 0) + 1
-    variants.append(("converted", conv, "patch(fold_gamma=True): " + ", ".join(
-        f"{v} {k}" for k, v in sorted(verdicts.items())) + f" ({time.perf_counter() - t0:.1f} s)"))
+    plan = normswap.plan_of(conv)
+    extra = ""
+    if plan is not None and plan.bias_slots:
+        extra += "; bias slot(s) " + ", ".join(f"`{b.reader}`" for b in plan.bias_slots)
+    if plan is not None and plan.mean_carries:
+        extra += f"; {len(plan.mean_carries)} mean carr(y/ies), scale " + "/".join(
+            sorted({f"{c.scale:g}" for c in plan.mean_carries}))
+    yield "converted", conv, "patch(fold_gamma=True): " + ", ".join(
+        f"{v} {k}" for k, v in sorted(verdicts.items())) + f" ({time.perf_counter() - t0:.1f} s){extra}"
     for rot in which:
         m = copy.deepcopy(conv)
         try:
             result = _rotate(m, rot, seed, kind)
         except (NotImplementedError, normswap.NormswapError) as e:
-            variants.append((rot, None, str(e).splitlines()[0]))
+            yield rot, None, str(e).splitlines()[0]
             continue
         if not getattr(result, "rotated", None):
-            variants.append((rot, None, "nothing rotated: " + str(result).splitlines()[0]))
+            yield rot, None, "nothing rotated: " + str(result).splitlines()[0]
             continue
         kept = list(getattr(result, "skipped", []))
         note = f"{len(result.rotated)} stream(s) rotated" + (f", {len(kept)} not: {kept[0]['reason']}" if kept else "")
-        variants.append((rot, m, note))
+        if getattr(result, "online_skipped", None):
+            note += f"; no online Hadamard: {result.online_skipped[0]}"
         READERS.update(r for stream in result.rotated for r in stream.get("readers", []))
-    return variants
+        yield rot, m, note
+        del m
+
+
+def gaussian_max_rms(d: int, draws: int = 4000, seed: int = 0) -> float:
+    """Mean ``max|g| / rms(g)`` of ``d`` iid Gaussians: what a randomized Hadamard drives every token towards.
+
+    A Hadamard rotation makes each coordinate a ±-sum of all ``d``; for a heavy-tailed token (a few large
+    channels) that lowers max/rms towards this figure, for a light-tailed one (max/rms already below it,
+    kurtosis below 3) it raises it. So the rule, fixed before any measurement: rotation is expected to
+    help a Linear input's per-token quantization when its max/rms is above this figure, and to hurt
+    when it is below."""
+    g = torch.randn(draws, d, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    return float((g.abs().amax(-1) / g.pow(2).mean(-1).sqrt()).mean())
 
 
 # ---------------------------------------------------------------- the measurement
@@ -302,8 +444,6 @@ def stock_model(variant: torch.nn.Module, name: str, kind: str, ref: torch.Tenso
     transformers, when normswap can write it and the reload gives the same outputs; else the in-memory model."""
     if name == "original":
         return variant, "the stock model"
-    from transformers import AutoModel, AutoModelForCausalLM
-
     import normswap
 
     out = tmp / name
@@ -311,8 +451,7 @@ def stock_model(variant: torch.nn.Module, name: str, kind: str, ref: torch.Tenso
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             normswap.save(variant, out, format="compat", overwrite=True)
-            cls = AutoModelForCausalLM if kind == "lm" else AutoModel
-            stock = cls.from_pretrained(str(out), local_files_only=True, dtype=torch.float32).eval()
+            stock = model_class(kind).from_pretrained(str(out), local_files_only=True, dtype=torch.float32).eval()
     except Exception as e:  # noqa: BLE001 - any refusal is reported in the table's notes
         return variant, f"the in-memory model (no compat checkpoint: {str(e).splitlines()[0][:160]})"
     diff = errors(outputs(variant, batches, kind, pooling), outputs(stock, batches, kind, pooling), kind)["err"]
@@ -383,11 +522,48 @@ def _split(per: dict[str, tuple[float, float]], readers: set[str]) -> str:
     return f"{mean([n for n in per if n in readers])} / {mean([n for n in per if n not in readers])}"
 
 
+def _part(per: dict[str, tuple[float, float]], encoder: bool) -> str:
+    names = [n for n in per if (".encoder." in f".{n}") is encoder]
+    if not names:
+        return "-"
+    r = [per[n][0] for n in names]
+    k = [per[n][1] for n in names]
+    return f"{sum(r) / len(r):.2f} ({max(r):.1f}), {sum(k) / len(k):.2f} ({max(k):.1f})"
+
+
+def tail_lines(result: dict[str, Any]) -> list[str]:
+    """The light-tail rule (:func:`gaussian_max_rms`) on the converted model's rotated-stream readers, and
+    what the Hadamard rotation did to each group."""
+    conv, had = result["rows"].get("converted"), result["rows"].get("hadamard")
+    widths = result.get("reader_widths", {})
+    if not conv or not had or not widths:
+        return []
+    heavy = [n for n in widths if n in conv["per_linear"] and conv["per_linear"][n][0] > widths[n][1]]
+    light = [n for n in widths if n in conv["per_linear"] and n not in heavy]
+    out = []
+    for label, names in (("heavier-tailed than Gaussian (rotation expected to help)", heavy),
+                         ("lighter-tailed (rotation expected to hurt)", light)):
+        if not names:
+            continue
+        before = sum(conv["per_linear"][n][0] for n in names) / len(names)
+        after = sum(had["per_linear"][n][0] for n in names if n in had["per_linear"]) / len(names)
+        gauss = sum(widths[n][1] for n in names) / len(names)
+        sens = ""
+        if "sensitivity" in conv and "sensitivity" in had:
+            b = sum(conv["sensitivity"].get(n, 0) for n in names)
+            a = sum(had["sensitivity"].get(n, 0) for n in names)
+            sens = f"; summed one-at-a-time {result['sensitivity']} error {b:.3g} -> {a:.3g}"
+        out.append(f"{len(names)} reader input(s) {label}: max/rms {before:.2f} -> {after:.2f} "
+                   f"(Gaussian reference {gauss:.2f}){sens}")
+    return out
+
+
 def table(result: dict[str, Any]) -> str:
     kind = result["kind"]
     cols = ["fp32", *[p[0] for p in result["precisions"]], *result["real"]]
     what = {"lm": "KL (top-1 agreement)", "encoder": "1 − cosine (top-1 neighbour agreement)",
-            "vision": "1 − CLS cosine"}[kind]
+            "vision": "1 − CLS cosine",
+            "speech": "decoder next-token KL, teacher-forced (top-1 agreement)"}[kind]
     lines = [f"error against the fp32 original: {what}", "",
              "| model | act max/rms mean (worst) | act kurtosis mean (worst) | weight max/rms mean (worst) | "
              + " | ".join(cols) + " |",
@@ -410,6 +586,10 @@ def table(result: dict[str, Any]) -> str:
                 top = sorted(row["sensitivity"].items(), key=lambda kv: -kv[1])[:5]
                 lines.append(f"  - {name}: " + ", ".join(
                     f"`{k}` {v:.3g} ({row['per_linear'][k][0]:.1f}, {row['per_linear'][k][1]:.1f})" for k, v in top))
+    if kind == "speech":
+        lines.append("- encoder / decoder Linear inputs, act max/rms mean (worst), kurtosis mean (worst): " + "; ".join(
+            f"{name} {_part(row['per_linear'], True)} / {_part(row['per_linear'], False)}"
+            for name, row in result["rows"].items() if row))
     readers = set(result.get("readers", []))
     if readers:
         lines.append("- act max/rms, mean over the Linear inputs that read a rotated stream / over the others "
@@ -449,6 +629,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--texts", type=int, default=64, help="number of texts / images to evaluate on")
     ap.add_argument("--max-len", type=int, default=128)
     ap.add_argument("--images", default=None, help="directory of PNG/JPEG images (vision models)")
+    ap.add_argument("--audio", default=None, help="directory of WAV files, each with a .txt transcript beside it "
+                    "(speech models; a WAV without one is transcribed by the fp32 original)")
     ap.add_argument("--rotations", nargs="*", default=list(ROTATIONS), choices=ROTATIONS)
     ap.add_argument("--precisions", nargs="*", default=[p[0] for p in PRECISIONS],
                     choices=[p[0] for p in PRECISIONS])
@@ -485,7 +667,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     pooling = sentence_pooling(str(path)) if path is not None else None
     pooling = pooling or "mean"
 
-    if kind == "vision":
+    if kind == "speech":
+        batches, data, _ = speech_batches(model, tok, args.audio, args.texts, args.max_len, args.seed)
+    elif kind == "vision":
         batches, data = image_batches(model, args.images, args.texts, path, args.seed)
     elif tok is None:
         batches = random_id_batches(model.config.vocab_size, args.texts, min(args.max_len, 16), args.seed)
@@ -505,6 +689,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if head is not None:
         keep = {n for n, m in model.named_modules() if m is head}
     t0 = time.perf_counter()
+    conv_widths: dict[str, int] = {}
     ref = outputs(model, batches, kind, pooling)
     variants = build_variants(model, tok, list(args.rotations), args.seed, kind)
     result: dict[str, Any] = {
@@ -527,12 +712,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 result["notes"][name] = "; ".join(filter(None, [note, "real quantizers on " + where]))
             result["rows"][name] = measure(variant, ref, batches, kind, pooling, precisions, result["real"], stock,
                                            next((p for p in PRECISIONS if p[0] == args.sensitivity), None), keep)
+            if name == "converted":
+                conv_widths = {n: m.weight.shape[quant_utils.weight_in_axis(m)]
+                               for n, m in quant_utils.matmuls(variant)}
+            del stock, variant
     result["readers"] = sorted(READERS)
+    gauss: dict[int, float] = {}
+    result["reader_widths"] = {n: (w, gauss.setdefault(w, gaussian_max_rms(w))) for n, w in conv_widths.items()
+                               if n in READERS}
+    result["tails"] = tail_lines(result)
     result["seconds"] = time.perf_counter() - t0
     result["goal"] = goal_lines(result)
     kept = f"; RTN leaves {', '.join(sorted(keep))} in float" if keep else ""
     print(f"\n## {label} ({kind}, {result['params'] / 1e6:.2f}M parameters; {data}{kept})\n")
     print(table(result))
+    for line in result["tails"]:
+        print(f"- light-tail rule: {line}")
     for line in result["goal"]:
         print(f"- goal: {line}")
     print(f"\n({result['seconds']:.0f} s; torch {torch.__version__})")

@@ -132,6 +132,7 @@ class Analyzer:
         self.untie = untie
         self.fold_gamma = fold_gamma
         self.fold_beta = fold_beta
+        self.bias_slots = False  # bias-less Linear readers may get a bias for β (planner.analyse sets it)
         self.modules = dict(model.named_modules())
         self.by_output = graph.call_by_output()
         self.by_input = graph.call_by_input()
@@ -859,7 +860,7 @@ class Analyzer:
             hidden = down.in_features
             added = -(-(hidden + 2) // 8) * 8 - hidden
             return MeanCarry(site_call.path, norm_term.module_path or norm_term.label, ucall.path, t.module_path,
-                             d, hidden, added, label)
+                             d, hidden, added, label, MeanCarry.scale_for(down.weight))
         return None
 
     # ------------------------------------------------------------------ 4. readers

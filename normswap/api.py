@@ -352,7 +352,7 @@ def analyse_copy(work: nn.Module, args: tuple, kwargs: dict, opts: ConvertOption
     found, graph = _identify_sites(work, args, kwargs)
     plan = analyse(work, graph, found.sites, untie=opts.untie, fold_gamma=opts.fold_gamma,
                    per_norm_centering=opts.per_norm_centering, mean_carry=opts.mean_carry,
-                   rms_norms=found.skipped)
+                   rms_norms=found.skipped, bias_slots=opts.bias_slots)
     plan.skipped = [{"name": s.path, "class": s.class_name, "reason": s.reason} for s in found.skipped]
     plan.options["already_converted"] = bool(found.converted) and not found.sites
     return _Analysis(plan, {s.path: s for s in found.sites}, graph, args, kwargs)
@@ -724,6 +724,11 @@ def _commit(model: nn.Module, work: nn.Module, plan_: Plan, todo: list[SitePlan]
             else:
                 target.copy_(source)  # casts elementwise, rounding as .to() does, without a temporary
             source.data = torch.empty(0, dtype=source.dtype)  # the working copy is done with: free as we go
+    for slot in plan_.bias_slots:  # new tensors: the readers had no bias (plan.BiasSlot)
+        source = work.get_submodule(slot.reader).bias
+        w = model.get_submodule(slot.reader).weight
+        surgery.add_bias_slot(model, slot, source.detach().to(device=w.device, dtype=w.dtype))
+        source.data = torch.empty(0, dtype=source.dtype)
     for sp in todo:
         old = model.get_submodule(sp.name)
         ref = next(iter(old.parameters()), None)

@@ -53,6 +53,12 @@ class ConvertOptions:
         mode: ``"auto"`` converts every norm and warns about approximate ones; ``"exact"`` leaves
             approximate norms as LayerNorm; ``"all"`` converts everything silently.
         fold_gamma: also fold γ into the reader Linears (the RMSNorm keeps weight 1: "rotation-ready").
+        bias_slots: with ``fold_gamma``, give a bias-less Linear reader (GPT-2's LM head) a bias that takes
+            the norm's β as ``W β`` (exact), instead of keeping ``β/γ`` in the RMSNorm, a constant that a
+            small γ makes huge and that per-token activation quantization then pays for. On by default;
+            the native format stores the slot (a ``bias`` tensor the stock class lacks), the compat format
+            moves the shift back into the stock LayerNorm's bias, and the low-memory path plans without
+            slots. ``False``: β/γ stays in the norm (the behaviour before this option).
         untie: clone tied output heads so the input embedding can be centered. ``False`` keeps the
             tie and centers at run time instead (one centering op per token).
         per_norm_centering: make Post-LN norms exact with one mean subtraction before each (verdict
@@ -84,6 +90,7 @@ class ConvertOptions:
 
     mode: str = "auto"
     fold_gamma: bool = False
+    bias_slots: bool = True
     untie: bool = True
     per_norm_centering: bool = False
     mean_carry: bool = True
@@ -112,7 +119,7 @@ class ConvertOptions:
         if (self.online_hadamard or self.rotate_output is not None) and self.rotate is None:
             what = "online_hadamard" if self.online_hadamard else "rotate_output"
             raise NormswapError(f"option {what} applies to a rotation: pass rotate='hadamard' (--rotate hadamard) too")
-        for name in ("fold_gamma", "untie", "per_norm_centering", "mean_carry", "sequential", "verify",
+        for name in ("fold_gamma", "bias_slots", "untie", "per_norm_centering", "mean_carry", "sequential", "verify",
                      "allow_unusable", "online_hadamard"):
             if not isinstance(getattr(self, name), bool):
                 raise NormswapError(f"option {name} must be True or False, not {getattr(self, name)!r}")

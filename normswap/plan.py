@@ -34,7 +34,8 @@ class FoldEdit:
     """Fold a norm's β (into the bias) and/or γ (into the weight) of reader ``reader``.
 
     ``beta_route`` says where this reader's share ``W β`` of the norm's β goes when β leaves the norm:
-    ``"bias"`` (added to the reader's bias: ``beta`` is set), ``"dropped"`` (a key projection whose
+    ``"bias"`` (added to the reader's bias: ``beta`` is set), ``"slot"`` (the reader had no bias: a
+    :class:`BiasSlot` gives it one, which takes ``W β``; ``beta`` is set), ``"dropped"`` (a key projection whose
     keys only meet the queries in softmax-normalised scores: a constant key shift changes every score of
     a query by the same amount), ``"moved"`` (a value projection: see :class:`BetaMove`), or ``""``
     (β stays in the norm, or there is none).
@@ -46,6 +47,24 @@ class FoldEdit:
     beta: bool
     gamma: bool
     beta_route: str = ""
+
+
+@dataclass
+class BiasSlot:
+    """Give a bias-less Linear reader (GPT-2's LM head) a bias, so a norm's β can fold into it as ``W β``.
+
+    Without one, β stays in the norm, and with ``fold_gamma`` it must stay as ``β/γ``
+    (``γ⊙u + β = γ⊙(u + β/γ)``): a constant added to every token that a near-zero γ makes huge (γ = 0.013
+    gave −35.9 on one channel of a trained toy GPT-2), which per-token activation quantization then
+    spends its whole grid on. In the reader's bias the same shift is a constant the quantizer never
+    sees. Structural: loading a native checkpoint adds the slot before the weights load
+    (:func:`normswap.surgery.apply_structure`); the compat format (stock architecture, no slot) moves the
+    shift back into the stock LayerNorm's bias (exact, :func:`normswap.checkpoint.writer.compat_model`).
+    """
+
+    site: str  # the norm whose β the slot takes
+    reader: str  # an nn.Linear created with bias=False
+    features: int  # its out_features
 
 
 @dataclass
@@ -80,6 +99,10 @@ def beta_text(routes: list[tuple[str, str]], moved_into: dict[str, str]) -> str:
     biased = [r for r, how in routes if how == "bias"]
     if biased:
         parts.append("folded into the bias of " + ", ".join(f"`{r}`" for r in biased))
+    slotted = [r for r, how in routes if how == "slot"]
+    if slotted:
+        parts.append("folded into a bias slot added to " + ", ".join(f"`{r}`" for r in slotted)
+                     + " (it had none)")
     parts += [f"dropped at `{r}` ({KEY_DROP_WHY})" for r, how in routes if how == "dropped"]
     parts += [f"moved from `{r}` into the bias of `{moved_into[r]}` ({VALUE_MOVE_WHY})"
               for r, how in routes if how == "moved"]
@@ -139,6 +162,29 @@ class MeanCarry:
     hidden: int  # the MLP's width before
     added: int
     activation: str
+    # the carry neurons' rows are ``±scale/d`` and their columns ``∓1/scale``: exact for any scale > 0, since
+    # act(s·m) − act(−s·m) = s·m; :meth:`scale_for` picks it so that they quantize like the other columns
+    scale: float = 1.0
+
+    @staticmethod
+    def scale_for(down_weight: Any) -> float:
+        """The carry scale for a down projection ``[d, hidden]``: the power of two ``s`` with ``1/s`` at most
+        the smallest of its rows' largest ``|w|``.
+
+        Why: per-output-channel weight quantization gives each row of ``down`` one scale, its largest
+        ``|w|``. Carry columns of ``∓1`` (a trained BERT's rows peak at 0.1-0.25) would set every row's
+        scale and leave the real weights a few grid steps (W4: MiniLM's error 5x the original's). At
+        ``1/s`` no larger than any row's own peak they set none, so every other weight quantizes as in the
+        unwidened MLP; a power of two keeps ``±1/s`` exact in every float format. The price moves to the
+        activations: the carry neurons output about ``s·|mean(h)|``.
+        """
+        import torch
+
+        peaks = down_weight.detach().abs().amax(dim=1).double()
+        peaks = peaks[peaks > 0]
+        if peaks.numel() == 0:
+            return 1.0
+        return float(2.0 ** torch.ceil(-torch.log2(peaks.min())))
 
 
 @dataclass
@@ -213,6 +259,7 @@ class Plan:
     rms_folds: list[RmsFold] = field(default_factory=list)  # fold_gamma on already-RMS norms
     mean_carries: list[MeanCarry] = field(default_factory=list)  # MLPs widened to cancel a Post-LN mean
     beta_moves: list[BetaMove] = field(default_factory=list)  # value-projection β shares moved into an output bias
+    bias_slots: list[BiasSlot] = field(default_factory=list)  # bias-less Linear readers given a bias for β
     centered_readers: list[CenteredReader] = field(default_factory=list)  # readers of approximate norms
     changed_outputs: list[str] = field(default_factory=list)
     options: dict[str, Any] = field(default_factory=dict)
@@ -338,6 +385,7 @@ class Plan:
             mean_carries=[MeanCarry(**c) for c in data.get("mean_carries", [])],
             beta_moves=[BetaMove(**{**m, "runs": [tuple(r) for r in m["runs"]]}) for m in data.get("beta_moves", [])],
             centered_readers=[CenteredReader(**r) for r in data.get("centered_readers", [])],
+            bias_slots=[BiasSlot(**b) for b in data.get("bias_slots", [])],
             changed_outputs=list(data.get("changed_outputs", [])),
             options=dict(data.get("options", {})),
             rotations=[dict(r) for r in data.get("rotations", [])],

@@ -19,6 +19,7 @@ from normswap.attention import Route
 from normswap.errors import NormswapError
 from normswap.plan import (
     BetaMove,
+    BiasSlot,
     CenteredReader,
     CenterHook,
     FoldEdit,
@@ -75,7 +76,8 @@ def _rms_folds(an: Analyzer, rms_norms: list[SkippedNorm], site_reader_paths: se
 
 def analyse(model: nn.Module, graph: Graph, sites: list[NormSite], *, untie: bool = True,
             fold_gamma: bool = False, per_norm_centering: bool = False,
-            rms_norms: list[SkippedNorm] | None = None, mean_carry: bool = True) -> Plan:
+            rms_norms: list[SkippedNorm] | None = None, mean_carry: bool = True,
+            bias_slots: bool = False) -> Plan:
     """Derive writers, readers, centering ops and a verdict for every NormSite.
 
     Verdict policy for centering ops: one op where a stream *starts* (its value depends on no
@@ -88,6 +90,9 @@ def analyse(model: nn.Module, graph: Graph, sites: list[NormSite], *, untie: boo
     ``mean_carry``: where a Post-LN stream is ``h + MLP(h)`` (BERT's FFN-output norms), widen the
     MLP by a few neurons that cancel ``mean(h)`` (see :class:`normswap.plan.MeanCarry`), making
     that norm exact instead of approximate.
+
+    ``bias_slots`` (with ``fold_gamma``): a bias-less Linear reader whose share of β has nowhere else to go
+    gets a bias (:class:`normswap.plan.BiasSlot`), so β leaves the norm instead of staying there as β/γ.
     """
     mutated = mutated_parameters(graph)
     if mutated:
@@ -97,8 +102,9 @@ def analyse(model: nn.Module, graph: Graph, sites: list[NormSite], *, untie: boo
             "edits each weight once, and the model would then rescale the edited weights again (RWKV "
             "does this in eval mode unless config.rescale_every = 0)")
     an = Analyzer(model, graph, sites, untie=untie, fold_gamma=fold_gamma)
+    an.bias_slots = bias_slots and fold_gamma
     plan = Plan(options={"untie": untie, "fold_gamma": fold_gamma, "per_norm_centering": per_norm_centering,
-                         "mean_carry": mean_carry})
+                         "mean_carry": mean_carry, "bias_slots": an.bias_slots})
     edits: dict[str, WriterEdit] = {}
     unties: dict[tuple[str, str], Untie] = {}
     module_ok: dict[str, str | None] = {}
@@ -505,6 +511,8 @@ def _plan_folds(an: Analyzer, site: NormSite, sp: SitePlan, foldable: list[str],
     if an.fold_beta and has_beta:
         for p in foldable:
             routes[p] = Route("bias", "") if an.modules[p].bias is not None else an.attention.route(p)
+            if routes[p].how == "kept" and an.bias_slots and isinstance(an.modules[p], nn.Linear):
+                routes[p] = Route("slot", "")  # a bias slot of its own (BiasSlot) takes W β
     stuck = [p for p, r in routes.items() if r.how == "kept"]
     fold_beta = bool(routes) and not stuck
     if has_beta:
@@ -517,8 +525,10 @@ def _plan_folds(an: Analyzer, site: NormSite, sp: SitePlan, foldable: list[str],
         sp.fold_beta, sp.fold_gamma = fold_beta, fold_gamma
         for p in foldable:
             route = routes[p].how if fold_beta else ""
-            plan.folds.append(FoldEdit(site.path, p, writer_kind(an.modules[p]), route == "bias", fold_gamma,
-                                       route))
+            plan.folds.append(FoldEdit(site.path, p, writer_kind(an.modules[p]), route in ("bias", "slot"),
+                                       fold_gamma, route))
+            if route == "slot":
+                plan.bias_slots.append(BiasSlot(site.path, p, int(an.modules[p].out_features)))
             if route == "moved":
                 r = routes[p]
                 plan.beta_moves.append(BetaMove(site.path, p, writer_kind(an.modules[p]), r.into, r.kind, r.runs))

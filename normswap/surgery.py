@@ -20,6 +20,7 @@ from torch.utils import _pytree as pytree
 from normswap.norm import RMSNorm
 from normswap.plan import (
     BetaMove,
+    BiasSlot,
     CenteredReader,
     CenterHook,
     FoldEdit,
@@ -100,8 +101,8 @@ def carried(t: torch.Tensor, carry: MeanCarry, which: str, *, values: bool = Tru
     """``t`` (the ``which`` tensor of ``carry``'s MLP, one of :data:`CARRY_TENSORS`) widened by ``carry.added``.
 
     The new entries are zero except, with ``values``, the two neurons that carry the mean: rows
-    ``+1/d, -1/d`` of ``up.weight`` and columns ``-1, +1`` of ``down.weight``. One function for the
-    in-memory surgery and the streamed checkpoint rewrite, so both write the same bits.
+    ``+s/d, -s/d`` of ``up.weight`` and columns ``-1/s, +1/s`` of ``down.weight`` (``s = carry.scale``). One
+    function for the in-memory surgery and the streamed checkpoint rewrite, so both write the same bits.
     """
     axis = 1 if which == "down.weight" else 0
     shape = list(t.shape)
@@ -111,12 +112,13 @@ def carried(t: torch.Tensor, carry: MeanCarry, which: str, *, values: bool = Tru
         return out
     n, d = carry.hidden, carry.features
     out.narrow(axis, 0, n).copy_(t.detach())
+    s = float(carry.scale)
     if values and which == "up.weight":
-        out[n].fill_(1.0 / d)
-        out[n + 1].fill_(-1.0 / d)
+        out[n].fill_(s / d)
+        out[n + 1].fill_(-s / d)
     elif values and which == "down.weight":
-        out[:, n].fill_(-1.0)
-        out[:, n + 1].fill_(1.0)
+        out[:, n].fill_(-1.0 / s)
+        out[:, n + 1].fill_(1.0 / s)
     return out
 
 
@@ -210,6 +212,18 @@ def fold_rms_gamma(model: nn.Module, rf: RmsFold) -> None:
             w = w * gamma[:, None] if kind == "conv1d" else w * gamma[None, :]
             reader.weight.copy_(w.to(reader.weight.dtype))
         weight.fill_(1.0 - rf.offset)
+
+
+def add_bias_slot(model: nn.Module, slot: BiasSlot, value: torch.Tensor | None = None) -> None:
+    """Give the bias-less Linear ``slot.reader`` a bias (:class:`~normswap.plan.BiasSlot`): zeros on its
+    weight's device and dtype (the β fold then adds ``W β``), or ``value`` (adopted as is). Idempotent."""
+    reader = model.get_submodule(slot.reader)
+    if reader._parameters.get("bias") is not None:
+        return
+    w = reader.weight
+    if value is None:
+        value = torch.zeros(slot.features, device=w.device, dtype=w.dtype)
+    reader.bias = nn.Parameter(value, requires_grad=w.requires_grad)
 
 
 def fold_into_reader(model: nn.Module, f: FoldEdit, gamma: torch.Tensor | None, beta: torch.Tensor | None) -> None:
@@ -412,6 +426,8 @@ def apply_weight_edits(model: nn.Module, plan: Plan, sites: dict[str, NormSite],
         release_free_memory()  # the narrower tensors' holes (see release_free_memory)
     for m in plan.beta_moves:  # after centering (the shift then keeps `into` centered), before γ folds
         move_beta(model, m, sites[m.site].beta(originals[m.site]))
+    for slot in plan.bias_slots:  # before the folds: the β fold adds W β into the new bias
+        add_bias_slot(model, slot)
     for f in plan.folds:
         site = sites[f.site]
         module = originals[f.site]
@@ -451,6 +467,9 @@ def apply_structure(model: nn.Module, plan: Plan, backend: str = "auto") -> nn.M
         mark_untied(model)
     for c in plan.mean_carries:
         widen_mlp(model, c, weights=False)
+    for slot in plan.bias_slots:
+        w = model.get_submodule(slot.reader).weight
+        add_bias_slot(model, slot, torch.empty(slot.features, device=w.device, dtype=w.dtype))
     for sp in plan.sites:
         if not sp.convert:
             continue

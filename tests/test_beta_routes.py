@@ -187,15 +187,18 @@ def test_a_norm_whose_beta_leaves_becomes_rotation_ready_even_with_a_near_zero_g
     leaves through the keys and values, γ folds and the stream rotates."""
     from normswap.rotate import rotate
 
-    for kwargs, ready in ((dict(k_bias=False, v_bias=False, kv_heads=2), True),
-                          (dict(k_bias=False, v_bias=False, kv_heads=2, rope=True), False)):
+    for kwargs, slots, ready in ((dict(k_bias=False, v_bias=False, kv_heads=2), True, True),
+                                 (dict(k_bias=False, v_bias=False, kv_heads=2, rope=True), False, False),
+                                 # the rotary key projection gets a bias slot of its own (plan.BiasSlot)
+                                 (dict(k_bias=False, v_bias=False, kv_heads=2, rope=True), True, True)):
         model = _model(**kwargs)
         with torch.no_grad():
             for block in model.blocks:
                 block.n1.weight[3] = 1e-6
-        report = normswap.patch(model, example_inputs=IDS, fold_gamma=True)
+        report = normswap.patch(model, example_inputs=IDS, fold_gamma=True, bias_slots=slots)
         sp = report.plan.site("blocks.0.n1")
         assert sp.rotation_ready is ready, sp.rotation_reason
+        assert bool(report.plan.bias_slots) is ("rope" in kwargs and slots)
         if not ready:
             assert "β cannot fold" in sp.rotation_reason and "some γ is near 0" in sp.rotation_reason
             continue

@@ -138,3 +138,27 @@ def test_half_precision_costs_about_what_the_dtype_costs(name):
             ours = compare(reference, copy.deepcopy(converted).to(dtype)(*args, **kwargs),
                            set(report.plan.changed_outputs))
         assert dtype_error_ratio(original, ours) <= bound, (name, dtype)
+
+
+def test_carry_columns_set_no_rows_weight_scale_and_stay_exact():
+    """The carry neurons' down-projection columns are ``∓1/s`` with ``1/s`` a power of two no larger than
+    any row's own largest weight, so per-output-channel weight quantization sees the same row scales as
+    the unwidened MLP (with ``∓1``, a trained BERT's rows, peaking at 0.1-0.25, were all set by the carry)."""
+    model = build(APPROXIMATE, "bert")
+    with torch.no_grad():  # a trained-like spread: rows that peak well below 1
+        for layer in model.bert.encoder.layer:
+            layer.output.dense.weight.mul_(0.2 / layer.output.dense.weight.abs().max())
+    original = copy.deepcopy(model)
+    normswap.patch(model, mode="exact")
+    carries = normswap.plan_of(model).mean_carries
+    assert carries
+    for c in carries:
+        peaks = original.get_submodule(c.down).weight.detach().abs().amax(dim=1)
+        down = model.get_submodule(c.down).weight.detach()
+        up = model.get_submodule(c.up).weight.detach()
+        assert c.scale >= 5 and float(torch.log2(torch.tensor(c.scale))).is_integer()
+        assert 1 / c.scale <= float(peaks.min()) < 2 / c.scale
+        assert torch.equal(down[:, c.hidden], torch.full_like(down[:, 0], -1 / c.scale))
+        assert torch.equal(down[:, c.hidden + 1], torch.full_like(down[:, 0], 1 / c.scale))
+        torch.testing.assert_close(up[c.hidden], torch.full_like(up[0], c.scale / c.features))
+    assert _fp64_error(original, model) <= 1e-9

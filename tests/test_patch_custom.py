@@ -119,35 +119,42 @@ def test_backend_option_reaches_the_new_modules(backend):
 
 @pytest.mark.parametrize("name", ["gpt2", "opt", "bloom"])
 def test_fold_gamma_where_beta_cannot_fold_keeps_beta_over_gamma_in_the_norm(name):
-    """lm_head has no bias: β stays in ln_f as β/γ while γ folds into lm_head (unit weight, rotation-ready);
-    with a γ entry at 0 that is impossible, and γ stays with β."""
+    """lm_head has no bias. By default it gets a bias slot that takes W β (plan.BiasSlot): β and γ leave the
+    norm, even with a γ entry at 0. With bias_slots=False, β stays in ln_f as β/γ while γ folds into lm_head
+    (unit weight, rotation-ready); with a γ entry at 0 that is impossible, and γ stays with β."""
     from tests.zoo import EXACT, build
 
     for zero_gamma in (False, True):
-        model = build(EXACT, name)
-        original = copy.deepcopy(model)
-        final_name = next(s.name for s in normswap.plan(model).sites if "lm_head" in s.readers)
-        if zero_gamma:
-            with torch.no_grad():
-                model.get_submodule(final_name).weight[3] = 0.0
-                original.get_submodule(final_name).weight[3] = 0.0
-        report = normswap.patch(model, fold_gamma=True)
-        assert report.verification["max_rel_error"] <= 1e-9
-        final = report.plan.site(final_name)
-        norm = model.get_submodule(final_name)
-        assert not final.fold_beta and norm.bias is not None
-        if zero_gamma:
-            assert not final.fold_gamma and not final.rotation_ready
-            assert "near 0" in final.rotation_reason
-            assert torch.equal(norm.weight, original.get_submodule(final_name).weight)
-        else:
-            assert final.fold_gamma and torch.all(norm.weight == 1)
-            assert final.rotation_ready  # bloom too: its centering op commutes with a mean-keeping Q
+        for slots in (True, False):
+            model = build(EXACT, name)
+            original = copy.deepcopy(model)
+            final_name = next(s.name for s in normswap.plan(model).sites if "lm_head" in s.readers)
+            if zero_gamma:
+                with torch.no_grad():
+                    model.get_submodule(final_name).weight[3] = 0.0
+                    original.get_submodule(final_name).weight[3] = 0.0
+            report = normswap.patch(model, fold_gamma=True, bias_slots=slots)
+            assert report.verification["max_rel_error"] <= 1e-9
+            final = report.plan.site(final_name)
+            norm = model.get_submodule(final_name)
             ln = original.get_submodule(final_name)
-            assert torch.allclose(norm.bias, ln.bias / ln.weight, rtol=0, atol=1e-12)
-        probe = torch.randint(1, 99, (2, 11))
-        with torch.no_grad():
-            assert _rel(model(probe).logits, original(probe).logits) <= 1e-9
+            if slots:
+                assert final.fold_beta and final.fold_gamma and norm.bias is None and final.rotation_ready
+                assert [s.reader for s in report.plan.bias_slots] == ["lm_head"]
+                assert torch.allclose(model.lm_head.bias, original.lm_head.weight @ ln.bias, rtol=0, atol=1e-12)
+            else:
+                assert not final.fold_beta and norm.bias is not None
+            if zero_gamma and not slots:
+                assert not final.fold_gamma and not final.rotation_ready
+                assert "near 0" in final.rotation_reason
+                assert torch.equal(norm.weight, ln.weight)
+            elif not slots:
+                assert final.fold_gamma and torch.all(norm.weight == 1)
+                assert final.rotation_ready  # bloom too: its centering op commutes with a mean-keeping Q
+                assert torch.allclose(norm.bias, ln.bias / ln.weight, rtol=0, atol=1e-12)
+            probe = torch.randint(1, 99, (2, 11))
+            with torch.no_grad():
+                assert _rel(model(probe).logits, original(probe).logits) <= 1e-9
 
 
 def test_without_room_for_a_float64_copy_the_surgery_still_runs_in_float64_per_tensor(monkeypatch):

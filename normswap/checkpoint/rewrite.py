@@ -18,7 +18,7 @@ from torch import nn
 from normswap.checkpoint import writer
 from normswap.checkpoint.stream_io import ST_DTYPES, ST_TO_TORCH, Entry, Reader
 from normswap.errors import NormswapError
-from normswap.plan import Plan
+from normswap.plan import MeanCarry, Plan
 from normswap.surgery import CARRY_TENSORS, carried, center_, mark_untied, moved_shift
 
 
@@ -100,6 +100,8 @@ class TensorRewriter:
         self.widen = {} if fmt == "compat" else {
             f"{getattr(c, which.split('.')[0])}.{which.split('.')[1]}": (c, which)
             for c in plan.mean_carries for which in CARRY_TENSORS}
+        for c in plan.mean_carries if self.widen else []:  # the plan came from random-weight proxies:
+            c.scale = MeanCarry.scale_for(self.read(f"{c.down}.weight"))  # the real down weight sets it
         # value β shares carried through attention (plan.BetaMove): output bias key -> moves, in plan order
         self.moves: dict[str, list[Any]] = {}
         for m in plan.beta_moves:

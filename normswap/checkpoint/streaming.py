@@ -69,6 +69,9 @@ def convert_streaming(
     entries = stream_io.scan(src.safetensors)
     keys = KeyMap(meta, entries)
     missing = [k for k, _ in meta.named_parameters() if k not in keys.to_ckpt]
+    # a bias slot is a tensor the checkpoint lacks: the streamed rewrite writes only tensors it reads, so
+    # β that no bias can take stays in the norm (as β/γ with fold_gamma), as before bias slots existed
+    options = options.replace(bias_slots=False)
     fp = proxy.plan_full(cls, config, meta, options, echo=echo)
     plan = fp.plan
     if not plan.sites:

@@ -364,6 +364,54 @@ def _absent_module(model: nn.Module, key: str) -> str | None:
     return None
 
 
+def _unslot(model: nn.Module, plan: Plan, state: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The stock architecture has no bias slot (:class:`~normswap.plan.BiasSlot`): move each slot's shift
+    back into its norm, as the β/γ (turned by any rotation since) that the norm would have kept without
+    the slot. Returns ``{norm: its stock bias}`` and updates ``state`` for the norm's other readers.
+
+    The slot readers' ``W c = b`` is solved for ``c`` in float64 (least squares over every slot reader of the
+    norm; exact when their weights have full column rank, e.g. an LM head with more outputs than inputs,
+    and the biases are still the folded ``W β``). The norm's other readers then see ``W c`` again, so the
+    share each one took is taken back out of where it went: its bias (``"bias"``), the output projection's
+    bias (``"moved"``), nowhere (``"dropped"``: a key shift softmax ignores). Where ``W c = b`` has no exact
+    solution (a reader with too few outputs, a bias trained since) it refuses: no silently different model.
+    """
+    from normswap.surgery import moved_shift
+
+    out: dict[str, torch.Tensor] = {}
+    for site in dict.fromkeys(s.site for s in plan.bias_slots):
+        slots = [s for s in plan.bias_slots if s.site == site]
+        mods = [model.get_submodule(s.reader) for s in slots]
+        a = torch.cat([m.weight.detach().double() for m in mods])
+        b = torch.cat([m.bias.detach().double() for m in mods])
+        c = torch.linalg.lstsq(a.cpu(), b.cpu().unsqueeze(1)).solution.squeeze(1).to(a.device)
+        eps = max(torch.finfo(m.weight.dtype).eps for m in mods)
+        resid = float((a @ c - b).norm()) / max(float(b.norm()), 1e-30)
+        if resid > max(1e-4, 8 * eps):
+            raise NormswapError(
+                f"compat format: the bias slot normswap gave `{slots[0].reader}` (β of `{site}`, which it lacks "
+                f"in the stock architecture) cannot go back into `{site}` exactly (relative residual {resid:.1e}): "
+                "use the native format, or convert with bias_slots=False")
+        slot_readers = {s.reader for s in slots}
+        for f in plan.folds:
+            if f.site != site or f.reader in slot_readers or f.beta_route in ("", "dropped"):
+                continue
+            reader = model.get_submodule(f.reader)
+            w = reader.weight.detach().double()
+            if f.beta_route == "bias":
+                share = c @ w if f.kind == "conv1d" else w @ c
+                name = f"{f.reader}.bias"
+            else:  # "moved": the share reached the output projection's bias through attention
+                m = next(m for m in plan.beta_moves if m.site == site and m.reader == f.reader)
+                into = model.get_submodule(m.into)
+                share = moved_shift(w, into.weight.detach().double(), c, m)
+                name = f"{m.into}.bias"
+            old = state[name]
+            state[name] = nn.Parameter((old.detach().double() - share).to(old.dtype), requires_grad=False)
+        out[site] = c
+    return out
+
+
 def compat_model(model: nn.Module, plan: Plan) -> tuple[nn.Module, dict[str, list[str]]]:
     """A stock-class model sharing ``model``'s tensors, with LayerNorms where the RMSNorms are.
 
@@ -406,6 +454,7 @@ def compat_model(model: nn.Module, plan: Plan) -> tuple[nn.Module, dict[str, lis
             if name in state:
                 state[name] = nn.Parameter(state[name].detach().narrow(axis, 0, c.hidden).clone(),
                                            requires_grad=False)
+    unslotted = _unslot(model, plan, state)  # bias slots the stock readers lack: back into the norms
     for sp in plan.sites:
         if not sp.convert:
             continue
@@ -425,6 +474,8 @@ def compat_model(model: nn.Module, plan: Plan) -> tuple[nn.Module, dict[str, lis
         if b_attr is not None:
             shape = meta_state[f"{sp.name}.{b_attr}"].shape
             value = rms.bias.detach() if rms.bias is not None else torch.zeros(shape, dtype=dtype)
+            if sp.name in unslotted:
+                value = value + unslotted[sp.name].to(value.dtype)
             state[f"{sp.name}.{b_attr}"] = nn.Parameter(value.reshape(shape).clone(), requires_grad=False)
     state = {k: v for k, v in state.items() if k in meta_state}
     missing = [k for k in meta_state if k not in state]

@@ -114,6 +114,13 @@ Presets (offline, seeded tiny models with tokenizers/processors):
     "those norms are approximate instead.",
 )
 @click.option(
+    "--no-bias-slots",
+    is_flag=True,
+    help="With --fold-gamma: keep β/γ in a norm whose reader has no bias (GPT-2's LM head). By default that "
+    "reader gets a bias holding W·β (native format; compat moves it back into the LayerNorm), since a "
+    "small γ makes β/γ a large constant that activation quantization pays for.",
+)
+@click.option(
     "--keep-tied",
     "--no-untie",
     "keep_tied",
@@ -207,6 +214,7 @@ def convert(
     fold_gamma: bool,
     per_norm_centering: bool,
     no_mean_carry: bool,
+    no_bias_slots: bool,
     keep_tied: bool,
     dtype: str,
     calibration_data: str | None,
@@ -249,6 +257,7 @@ def convert(
         untie=not keep_tied,
         per_norm_centering=per_norm_centering,
         mean_carry=not no_mean_carry,
+        bias_slots=not no_bias_slots,
         verify=not no_verify,
         allow_unusable=allow_unusable,
     )

@@ -238,3 +238,39 @@ def test_int8_dynamic_keeps_an_input_hook_that_reads_a_buffer():
     ref = model(x)
     out = qu.int8_dynamic(model)(x)
     assert torch.allclose(out, ref, atol=0.1) and not torch.allclose(out, -ref / 2, atol=0.1)
+
+
+def test_main_end_to_end_on_a_tiny_random_whisper(capsys):
+    """The speech kind: decoder next-token KL, both streams rotated (the encoder's output rotated into the
+    cross-attention readers), a bias slot on the bias-less head, the light-tail rule reported."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        result = bench.main(["--model", "random-whisper", "--texts", "4", "--precisions", "W8A8", "W4A4",
+                             "--rotations", "hadamard", "--real"])
+    finally:
+        torch.set_num_threads(threads)
+    rows = result["rows"]
+    assert result["kind"] == "speech" and set(rows) == {"original", "converted", "hadamard"}
+    assert rows["converted"]["fp32"]["err"] < 1e-9 and rows["hadamard"]["fp32"]["err"] < 1e-9
+    for name, row in rows.items():
+        assert 0 < row["W8A8"]["err"] < row["W4A4"]["err"], name
+    assert "bias slot(s) `proj_out`" in result["notes"]["converted"]
+    assert result["notes"]["hadamard"].startswith("2 stream(s) rotated")
+    assert result["tails"] and all("Gaussian reference" in t for t in result["tails"])
+    out = capsys.readouterr().out
+    assert "encoder / decoder Linear inputs" in out and "light-tail rule" in out
+
+
+def test_gaussian_reference_and_wav_reading(tmp_path):
+    import numpy as np
+    from scipy.io import wavfile
+
+    g = bench.gaussian_max_rms(512)
+    assert 3.0 < g < 4.0 and bench.gaussian_max_rms(64) < g  # grows like sqrt(2 ln d)
+    t = np.arange(8000) / 8000
+    wavfile.write(tmp_path / "a.wav", 8000, (0.5 * 32767 * np.sin(2 * np.pi * 440 * t)).astype(np.int16))
+    (tmp_path / "a.txt").write_text("  hello\n world ")
+    a = bench.read_wav(tmp_path / "a.wav")
+    assert a.dtype == np.float32 and len(a) == 16000 and abs(float(np.abs(a).max()) - 0.5) < 0.01
+    assert bench.transcript_for(tmp_path / "a.wav") == "hello world"
