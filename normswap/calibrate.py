@@ -306,6 +306,52 @@ class _Worker:
         self.error: BaseException | None = None
 
 
+AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps", "hpu", "mtia")
+
+
+class CallerModes:
+    """The calling thread's torch state that a forward depends on and that a new thread does not
+    inherit, captured to be re-entered in the one-pass path's worker threads, so that they compute as
+    the replaying path, which runs on the caller's thread, does:
+
+    * inference mode (``torch.inference_mode()``): tensors made inside are inference tensors, and a
+      model may rely on it;
+    * autocast, per device type, with its dtype and cache flag (``torch.autocast("cpu", torch.bfloat16)``);
+    * the torch-function mode stack, which holds ``with torch.device(...)`` and
+      ``torch.set_default_device`` (factory calls inside a model build their tensors there).
+
+    Grad mode is off in both paths whatever the caller's (no fit needs a graph). The default dtype
+    (``torch.set_default_dtype``) is process-wide in PyTorch, so every thread sees it already.
+    """
+
+    def __init__(self) -> None:
+        self.inference = torch.is_inference_mode_enabled()
+        self.autocast: list[tuple[str, torch.dtype]] = []
+        for device in AUTOCAST_DEVICES:
+            try:
+                if torch.is_autocast_enabled(device):
+                    self.autocast.append((device, torch.get_autocast_dtype(device)))
+            except (RuntimeError, ValueError, TypeError):  # a device type this build does not know
+                continue
+        self.autocast_cache = torch.is_autocast_cache_enabled()
+        stack = getattr(torch.overrides, "_get_current_function_mode_stack", None)
+        self.function_modes: list[Any] = list(stack()) if callable(stack) else []
+
+    @contextlib.contextmanager
+    def entered(self) -> Iterator[None]:
+        """These modes, in the current (worker) thread, for the block; grad mode off."""
+        with contextlib.ExitStack() as stack:
+            if self.inference:
+                stack.enter_context(torch.inference_mode())
+            for device, dtype in self.autocast:
+                stack.enter_context(torch.autocast(device, dtype=dtype, cache_enabled=self.autocast_cache))
+            for mode in self.function_modes:  # bottom first, as the caller's stack is; the same objects,
+                torch._C._push_on_torch_function_stack(mode)  # pushed without re-running their __enter__
+                stack.callback(torch._C._pop_torch_function_stack)
+            stack.enter_context(torch.no_grad())
+            yield
+
+
 class _Lockstep:
     """Sequential fitting with every batch's teacher and student forwards run side by side, each
     paused where it reaches the next norm to fit.
@@ -332,6 +378,7 @@ class _Lockstep:
         self.passed: set[str] = set()  # norms whose fit is decided: no one pauses there any more
         self.order: list[str] = []  # norms in the order forwards first reached them
         self.workers = [_Worker(i, student, b) for i, b in enumerate(batches) for student in (False, True)]
+        self.modes = CallerModes()  # built on the caller's thread; re-entered by every worker
 
     # -- inside a worker thread
     def hook(self, name: str, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
@@ -358,7 +405,7 @@ class _Lockstep:
         try:
             if not self.abort:
                 args, kwargs = w.batch
-                with torch.no_grad():
+                with self.modes.entered():
                     self.model(*args, **kwargs)
         except _Stop:
             pass

@@ -163,3 +163,47 @@ def test_an_error_inside_a_forward_is_raised_and_ends_every_paused_forward():
     h.remove()
     assert threading.active_count() == before
     assert calibrate.fit_norms(model, targets, batches, pipeline="lockstep")  # and it runs again
+
+
+class _Seen(torch.overrides.TorchFunctionMode):
+    """Records the threads in which a torch function ran under this mode."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.threads: set[str] = set()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        self.threads.add(threading.current_thread().name)
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_paused_forwards_run_under_the_callers_torch_modes():
+    """Inference mode, autocast and torch-function modes (``with torch.device(...)``) are per thread:
+    the one-pass path's worker threads take the caller's, so both paths compute the same way."""
+    torch.manual_seed(0)
+    model = randomise_custom(PostLNEncoder(layers=2)).float()
+    batches = [((torch.randint(0, 40, (4, 10)),), {}) for _ in range(2)]
+    targets = [calibrate.Target(s.path, model.get_submodule(s.path), s) for s in find_norms(model, batches[0][0]).sites]
+    state: list[tuple] = []
+    h = model.head.register_forward_hook(lambda m, a, out: state.append((
+        torch.is_inference_mode_enabled(), torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"),
+        torch.is_grad_enabled(), out.dtype)))
+    try:
+        plain = calibrate.fit_norms(model, targets, batches, pipeline="lockstep")
+        fits, seen, states = {}, {}, {}
+        for pipeline in ("replay", "lockstep"):
+            state.clear()
+            mode = _Seen()
+            with torch.enable_grad(), torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16), mode:
+                fits[pipeline] = calibrate.fit_norms(model, targets, batches, pipeline=pipeline)
+            seen[pipeline], states[pipeline] = mode.threads, set(state)
+    finally:
+        h.remove()
+    # inference mode and bfloat16 autocast inside the layers, grad off, in both paths
+    assert states["replay"] == states["lockstep"] == {(True, True, torch.bfloat16, False, torch.bfloat16)}
+    assert any(t.startswith("normswap-calib-") for t in seen["lockstep"])  # the mode reached the workers
+    assert threading.main_thread().name in seen["replay"]
+    for n, f in fits["replay"].items():
+        torch.testing.assert_close(fits["lockstep"][n].weight, f.weight, rtol=1e-6, atol=1e-8)
+    last = list(plain)[-1]  # autocast changed the fits: it was not lost on the way
+    assert not torch.allclose(fits["lockstep"][last].weight, plain[last].weight, rtol=1e-4, atol=1e-6)

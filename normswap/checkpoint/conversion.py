@@ -11,6 +11,7 @@ take the streaming path in :mod:`normswap.checkpoint.streaming` instead.
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import logging
 import os
@@ -184,28 +185,33 @@ def calibration_tokenizer(proc: Any) -> Any:
 
 ACTIVATION_BYTES = 1 << 30  # probes, calibration batches and the runtime's own allocations, on top of the tensors
 WRITTEN_SHARE = 0.5  # of a float32 model worked on in float32, the share the surgery writes (its own copies)
-PEAK_SHARE = 0.85  # stream when the in-memory path's predicted peak exceeds this share of the available RAM
+# Stream when the in-memory path's predicted peak exceeds this share of the available RAM. Not all of
+# it: "available" is a snapshot, other processes grow while a big conversion runs for minutes, and the
+# page cache that holds the checkpoint's own files is what an in-memory peak near the limit evicts.
+PEAK_SHARE = 0.6
 
 
 def in_memory_peak(numel: int, itemsize: int) -> int:
     """Predicted peak RSS of the in-memory path for a checkpoint of ``numel`` parameters stored with
     ``itemsize`` bytes each (loaded in that dtype).
 
-    The path holds the model, then a working copy beside it (:func:`normswap.api.working_dtype`:
+    The path holds the model with, beside it, either a working copy (:func:`normswap.api.working_dtype`:
     float64 for small models, float32 for half-precision ones, the written tensors only for a float32
-    model), then, after the working copy is freed, the reloaded checkpoint beside the model for the
-    final check (with its float32 weights while a half model runs); plus :data:`ACTIVATION_BYTES`."""
+    model) or, while a half model runs on the probes, its float32 weights (:func:`_run`). Once the
+    checkpoint is written the converted model is freed, so the reload check holds the reloaded
+    checkpoint (with its float32 weights while a half model runs) instead of the model, not beside
+    it. Plus :data:`ACTIVATION_BYTES`."""
     from normswap.api import FLOAT64_EXTRA_BYTES
 
     model = numel * itemsize
+    run = numel * 4 if itemsize < 4 else 0  # a half model is run in float32 (:func:`_run`)
     if numel * 4 <= FLOAT64_EXTRA_BYTES:
         work = numel * 8
     elif itemsize < 4:
         work = numel * 4
     else:
         work = int(numel * itemsize * WRITTEN_SHARE)
-    reload = model + (numel * 4 if itemsize < 4 else 0)  # a half model is run in float32 (:func:`_run`)
-    return model + max(work, reload) + ACTIVATION_BYTES
+    return model + max(work, run) + ACTIVATION_BYTES
 
 
 def _itemsize(src: Source) -> int:
@@ -597,6 +603,10 @@ def convert(
             if original is not None:
                 steps.set_postfix_str("verifying the written checkpoint")
                 dtype_ = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+                # the converted model's outputs are kept (``converted``): free the model itself, so the
+                # reloaded checkpoint (and a half model's float32 run) takes its place, not a place beside it
+                del model
+                gc.collect()
                 figures = reload_check(
                     format, tmp, converted, original, probe, plan, dtype_, trust_remote_code=trust_remote_code
                 )
