@@ -23,6 +23,7 @@ from torch import nn
 
 from normswap import api, inputs, presets, walker
 from normswap.checkpoint import extrapolate as ex
+from normswap.checkpoint.hf_types import drop_modules
 from normswap.checkpoint.io import available_memory
 from normswap.errors import NormswapError
 from normswap.options import ConvertOptions
@@ -79,14 +80,16 @@ def param_count_meta(cls: type, config: Any) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def build_proxy(cls: type, config: Any, dtype: torch.dtype) -> nn.Module:
-    """``cls(config)`` with seeded random weights and randomised norms, in eval mode."""
+def build_proxy(cls: type, config: Any, dtype: torch.dtype, left_out: list[str] | tuple[str, ...] = ()) -> nn.Module:
+    """``cls(config)`` with seeded random weights and randomised norms, in eval mode, without the
+    modules at ``left_out`` (those the checkpoint has no tensors for and its pipeline never uses)."""
     previous = torch.random.get_rng_state()
     torch.manual_seed(0)
     try:
         model = cls(config)
     finally:
         torch.random.set_rng_state(previous)
+    drop_modules(model, list(left_out))
     presets.randomise_norms(model)
     return model.to(dtype).eval()
 
@@ -117,6 +120,7 @@ class FullPlan:
     proxy_config: Any
     depths: dict[str, int]  # full depth per stack
     proxy_depths: dict[str, int]
+    left_out: tuple[str, ...] = ()  # modules absent from every proxy, the truncated models and the output
 
 
 def plan_full(
@@ -126,8 +130,12 @@ def plan_full(
     opts: ConvertOptions,
     *,
     echo: Callable[[str], None],
+    left_out: list[str] | tuple[str, ...] = (),
 ) -> FullPlan:
-    """Analyse depth-3 and depth-4 proxies, check the extrapolation, extrapolate to full depth."""
+    """Analyse depth-3 and depth-4 proxies, check the extrapolation, extrapolate to full depth.
+
+    ``left_out``: modules the checkpoint lacks and its pipeline never uses; the proxies are built
+    without them, as the in-memory path analyses the model after dropping them."""
     cfg3, cfg4 = reduced_config(config, ex.PROXY_DEPTH), reduced_config(config, ex.CHECK_DEPTH)
     n3 = param_count_meta(cls, cfg3)
     budget = 0.5 * available_memory()
@@ -143,7 +151,7 @@ def plan_full(
             f"analysing a {depth}-layer proxy ({'float64' if dtype == torch.float64 else 'float32'}, "
             "random weights)"
         )
-        proxy = build_proxy(cls, cfg, dtype)
+        proxy = build_proxy(cls, cfg, dtype, left_out)
         plans[depth] = analyse_proxy(proxy, opts)
         stacks[depth] = stacks_of(proxy)
         del proxy
@@ -177,7 +185,7 @@ def plan_full(
     proxy_plan = plans[ex.PROXY_DEPTH]
     record_rms_slots(proxy_plan)
     validate_against_meta(plan, meta)
-    return FullPlan(plan, proxy_plan, cfg3, full, depths3)
+    return FullPlan(plan, proxy_plan, cfg3, full, depths3, tuple(left_out))
 
 
 def validate_against_meta(plan: Plan, meta: nn.Module) -> None:

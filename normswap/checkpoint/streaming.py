@@ -26,7 +26,8 @@ import torch
 from torch import nn
 
 from normswap import api
-from normswap.checkpoint import io, proxy, source, stream_io, truncated, writer
+from normswap.checkpoint import extrapolate as ex
+from normswap.checkpoint import hf, io, proxy, source, stream_io, truncated, writer
 from normswap.checkpoint.rewrite import KeyMap, TensorRewriter
 from normswap.checkpoint.source import NothingToConvert, Source
 from normswap.errors import NormswapError
@@ -68,11 +69,21 @@ def convert_streaming(
     out_dtype = None if want == "auto" else want
     entries = stream_io.scan(src.safetensors)
     keys = KeyMap(meta, entries)
-    missing = [k for k, _ in meta.named_parameters() if k not in keys.to_ckpt]
+    tied_ok = set(getattr(meta, "get_expanded_tied_weights_keys", lambda **_: {})(all_submodels=True))
+    missing = [k for k, _ in meta.named_parameters() if k not in keys.to_ckpt and k not in tied_ok]
+    if missing and src.layout in source.PIPELINE_READS:
+        # as the in-memory path does (source.leave_out_unused), on a small random-weight copy
+        src.left_out, missing = leave_out_unused(cls, config, missing, source.PIPELINE_READS[src.layout])
+        if src.left_out:
+            hf.drop_modules(meta, src.left_out)
+            echo(
+                f"left out {source.names(src.left_out)}: the checkpoint has no tensors for it, and the "
+                f"{src.layout} pipeline does not use it (it reads {source.PIPELINE_READS[src.layout]})"
+            )
     # a bias slot is a tensor the checkpoint lacks: the streamed rewrite writes only tensors it reads, so
     # β that no bias can take stays in the norm (as β/γ with fold_gamma), as before bias slots existed
     options = options.replace(bias_slots=False)
-    fp = proxy.plan_full(cls, config, meta, options, echo=echo)
+    fp = proxy.plan_full(cls, config, meta, options, echo=echo, left_out=src.left_out)
     plan = fp.plan
     if not plan.sites:
         raise NothingToConvert(f"{src.label}: no LayerNorm found; nothing to do")
@@ -90,8 +101,6 @@ def convert_streaming(
             "--low-memory cannot do; convert without --low-memory, or add --mode exact to stream only "
             "the exact norms"
         )
-    tied_ok = set(getattr(meta, "get_expanded_tied_weights_keys", lambda **_: {})(all_submodels=True))
-    missing = [k for k in missing if k not in tied_ok]
     # the same rule as the in-memory load (source.check_loading_info): tensors the model does not
     # use are an error unless --task chose a class without the checkpoint's head
     ignore = [re.compile(p) for p in (getattr(cls, "_keys_to_ignore_on_load_unexpected", None) or [])]
@@ -111,8 +120,13 @@ def convert_streaming(
             f"{source.names(unexpected)}; pass --task to choose the model class on purpose"
         )
     if missing:
+        needed = (
+            f", which the {src.layout} pipeline needs (they feed its {source.PIPELINE_READS[src.layout]})"
+            if src.layout in source.PIPELINE_READS
+            else ""
+        )
         raise NormswapError(
-            f"{src.spec} as {cls.__name__}: the checkpoint has no tensor(s) {source.names(missing)}; "
+            f"{src.spec} as {cls.__name__}: the checkpoint has no tensor(s) {source.names(missing)}{needed}; "
             "the download is incomplete or the files do not belong together"
         )
     # untied heads are written twice: count them (the pre-check must see what will be written)
@@ -158,6 +172,21 @@ def convert_streaming(
     report.message = plan.conversion_line()
     report.output, report.output_format, report.streamed = str(out), fmt, True
     return report
+
+
+def leave_out_unused(cls: type, config: Any, missing: list[str], reads: str) -> tuple[list[str], list[str]]:
+    """:func:`source.leave_out_unused` without the model: the test (does a NaN in the missing module
+    reach the pipeline's output?) runs on a 3-layer copy with random weights, which has the same
+    modules outside the layer stacks. A missing tensor inside a layer stack (whose copy has other
+    depths) is not tested and stays missing, an error, as a needed one would."""
+    small = proxy.build_proxy(cls, proxy.reduced_config(config, ex.PROXY_DEPTH), torch.float32)
+    names = {k for k, _ in small.named_parameters()}
+    stacks = tuple(p + "." for p in proxy.stacks_of(small))
+    testable = [k for k in missing if k in names and not k.startswith(stacks)]
+    left_out, _ = source.leave_out_unused(small, testable, reads)
+    del small
+    gone = {k for k in missing if any(k.startswith(p + ".") for p in left_out)}
+    return left_out, [k for k in missing if k not in gone]
 
 
 def _write_config(

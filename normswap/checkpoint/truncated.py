@@ -79,7 +79,7 @@ def verify_truncated(
     outputs = []
     for which in ("original", "converted"):
         if which == "original":
-            model = build_proxy(cls, config, torch.float32)
+            model = build_proxy(cls, config, torch.float32, fp.left_out)
             reader, names = Reader(src_entries), keys.to_ckpt
         else:
             cfg = copy.deepcopy(config)
@@ -96,6 +96,7 @@ def verify_truncated(
                         "base_model_type": base,
                         "architecture": cls.__name__,
                         "base_model_prefix": hf.prefix_of(meta),
+                        hf.LEFT_OUT_KEY: list(fp.left_out),
                     },
                 )
                 target_cls = hf.model_class_for(base, cls.__name__)
@@ -107,6 +108,8 @@ def verify_truncated(
                 model = target_cls(cfg).float().eval()
             finally:
                 torch.random.set_rng_state(previous)
+            if fmt != "native":  # the native class drops them itself, from the manifest
+                hf.drop_modules(model, list(fp.left_out))
             reader, names = Reader(out_entries), out_keys
         missing = load_truncated(
             model, fp.depths, fp.proxy_depths, lambda n, r=reader, k=names: r.get(k[n]) if n in k else None

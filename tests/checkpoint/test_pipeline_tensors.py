@@ -79,6 +79,29 @@ def test_missing_pooler_is_left_out_and_embeddings_match(tmp_path):
     assert normswap.load(out).pooler is None
 
 
+def test_low_memory_leaves_out_the_pooler_as_in_memory_does(tmp_path):
+    """The streaming path tests the missing pooler on a small random-weight copy, builds its proxies
+    without it, and writes what the in-memory path writes, bit for bit."""
+    src = st_dir(tmp_path / "build", ("pooler.",))
+    streamed, in_memory = tmp_path / "streamed", tmp_path / "in_memory"
+    code, stdout, err = run("convert", str(src), "--out", str(streamed), "--mode", "exact", "--low-memory")
+    assert code == 0, err
+    assert "(streamed)" in stdout and "left out pooler" in err and "does not use it" in err, (stdout, err)
+    code, _, err = run("convert", str(src), "--out", str(in_memory), "--mode", "exact", "-q")
+    assert code == 0, err
+    a, b = load_file(streamed / "model.safetensors"), load_file(in_memory / "model.safetensors")
+    assert sorted(a) == sorted(b) and not any(k.startswith("pooler.") for k in a)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    manifest = json.loads((streamed / "config.json").read_text())["normswap"]
+    assert manifest["left_out"] == ["pooler"] and manifest["counts"]["exact"] >= 1
+
+    s, o = st.SentenceTransformer(str(src), device="cpu"), st.SentenceTransformer(str(streamed), device="cpu")
+    assert o[0].auto_model.pooler is None
+    ea, eb = s.encode(TEXTS, convert_to_tensor=True), o.encode(TEXTS, convert_to_tensor=True)
+    assert torch.allclose(ea, eb, atol=2e-5, rtol=0), (ea - eb).abs().max()
+
+
+@pytest.mark.parametrize("low_memory", [False, True], ids=["in-memory", "low-memory"])
 @pytest.mark.parametrize(
     ("drop", "named"),
     [
@@ -86,12 +109,16 @@ def test_missing_pooler_is_left_out_and_embeddings_match(tmp_path):
         (("encoder.layer.1.output.dense.",), "encoder.layer.1.output.dense.bias"),
         # one tensor of a module whose other tensors are there
         (("encoder.layer.0.attention.self.query.weight",), "encoder.layer.0.attention.self.query.weight"),
+        # a whole module outside the layer stacks that the token embeddings need
+        (("embeddings.token_type_embeddings.",), "embeddings.token_type_embeddings.weight"),
     ],
 )
-def test_a_tensor_the_pipeline_needs_stays_an_error(tmp_path, drop, named):
+def test_a_tensor_the_pipeline_needs_stays_an_error(tmp_path, drop, named, low_memory):
     src = st_dir(tmp_path / "build", drop)
     out = tmp_path / "out"
-    code, _, err = run("convert", str(src), "--out", str(out), "-q")
+    # --mode exact so that the streaming path reaches its tensor checks (it refuses approximate norms)
+    extra = ["--low-memory", "--mode", "exact"] if low_memory else []
+    code, _, err = run("convert", str(src), "--out", str(out), "-q", *extra)
     assert code == 1, err
     line = next(ln for ln in err.splitlines() if ln.startswith("error:"))
     assert named in line and "sentence-transformers pipeline needs" in line, line
