@@ -137,7 +137,8 @@ def builtin_batches(model: nn.Module, tokenizer: Any = None, *, batches: int = 4
     desc = ", ".join(what[k] for k in kinds) or "token ids drawn over the vocabulary " + (
         "(the model's tokenizer reads most built-in English words as unknown)" if tok is not None
         else "(no tokenizer found)")
-    return out, f"built-in {desc} ({batches} x {batch_size})"
+    rows = next((v.shape[0] for v in out[0][1].values() if isinstance(v, torch.Tensor)), batch_size) if out else 0
+    return out, f"built-in {desc} ({batches} x {rows})"  # rows: a 30-second audio batch holds one clip
 
 
 def user_batches(calibration: Any) -> list[Batch]:

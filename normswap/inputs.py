@@ -53,6 +53,9 @@ def is_hf_model(model: nn.Module) -> bool:
     return hasattr(model, "config") and hasattr(model.config, "to_dict") and hasattr(model, "main_input_name")
 
 
+AUDIO_FRAME_BUDGET = 3000  # log-mel frames of 10 ms per batch: one 30-second clip
+
+
 def hf_example_inputs(model: nn.Module, batch: int = 2, seq: int = 8, seed: int = 0) -> dict[str, Any]:
     """Random but valid inputs for a transformers model, from its config and forward signature."""
     config = model.config
@@ -70,6 +73,12 @@ def hf_example_inputs(model: nn.Module, batch: int = 2, seq: int = 8, seed: int 
         low = min(3, vocab - 1)
         return torch.randint(low, vocab, (batch, length), generator=gen).to(device)
 
+    frames = 2 * int(_cfg(config, "max_source_positions", default=1500))
+    if "input_features" in params:
+        # log-mel models fix their own length (Whisper: 30 s, 1500 encoder tokens per clip): a batch
+        # holds as many clips as fit in AUDIO_FRAME_BUDGET, at least one, so that analysis, probes and
+        # calibration cost about what they do for text per token
+        batch = max(1, min(batch, AUDIO_FRAME_BUDGET // frames))
     if "input_ids" in params:
         inputs["input_ids"] = token_ids(_sub_config(config, "text"), seq)
     if "pixel_values" in params:
@@ -82,7 +91,6 @@ def hf_example_inputs(model: nn.Module, batch: int = 2, seq: int = 8, seed: int 
         inputs["pixel_values"] = torch.randn(*shape, generator=gen).to(device, dtype)
     if "input_features" in params:
         mels = int(_cfg(config, "num_mel_bins", default=80))
-        frames = 2 * int(_cfg(config, "max_source_positions", default=1500))
         inputs["input_features"] = torch.randn(batch, mels, frames, generator=gen).to(device, dtype)
     if "input_values" in params:
         inputs["input_values"] = torch.randn(batch, 4000, generator=gen).to(device, dtype)
@@ -255,7 +263,6 @@ def _cached_hub_tokenizer(repo_id: str) -> Any | None:
 
 # ------------------------------------------------------------------------------ verification probe
 PROBE_BATCH, PROBE_SEQ, PROBE_SEED, PROBE_MAX_TOKENS = 3, 13, 1, 24
-PROBE_AUDIO_FRAMES = 3000  # log-mel frames of 10 ms: 30 s of audio
 
 
 @dataclass
@@ -336,15 +343,7 @@ def verification_probe(model: nn.Module, tokenizer: Any = None, *, batch: int = 
     than the analysis inputs), and ``source`` says why; a tokenizer that was given but cannot be
     used also warns.
     """
-    base = hf_example_inputs(model, batch=batch, seq=seq, seed=seed)
-    frames = base.get("input_features")
-    if isinstance(frames, torch.Tensor) and "input_ids" not in base:
-        # audio fixes its own length (Whisper: 30 s, 1500 encoder tokens): as many clips as fit in
-        # PROBE_AUDIO_FRAMES, at least one, so a probe costs about what a text probe does per token
-        keep = max(1, min(batch, PROBE_AUDIO_FRAMES // max(1, frames.shape[-1])))
-        base = {k: v[:keep] if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == batch else v
-                for k, v in base.items()}
-    base = with_generated_media(base, seed)
+    base = with_generated_media(hf_example_inputs(model, batch=batch, seq=seq, seed=seed), seed)
     if "input_ids" not in base:
         return Probe(base, _random_source(base))
     tok, where = (tokenizer, "the tokenizer passed in") if tokenizer is not None else _find_tokenizer(model)

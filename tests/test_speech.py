@@ -56,11 +56,16 @@ def test_the_probe_of_a_speech_model_is_speech_and_fits_30_seconds(positions):
 def test_built_in_calibration_of_a_speech_model_is_generated_speech():
     model = _whisper(30)
     batches, description = calibrate.builtin_batches(model, batches=2, batch_size=3)
+    assert description.endswith("(2 x 3)")
     assert "generated speech" in description
     for _, kwargs in batches:
         feats = kwargs["input_features"]
         assert feats.shape == (3, 80, 60) and feats.min() >= -1.5 and feats.max() <= 2.0
     assert not torch.equal(batches[0][1]["input_features"], batches[1][1]["input_features"])
+    # a 30-second window costs 1500 encoder tokens: one clip per batch, and the description says so
+    long_batches, long_description = calibrate.builtin_batches(_whisper(1500), batches=2, batch_size=3)
+    assert long_description.endswith("(2 x 1)")
+    assert [b[1]["input_features"].shape for b in long_batches] == [(1, 80, 3000)] * 2
 
 
 def test_waveform_models_get_normalised_speech():
