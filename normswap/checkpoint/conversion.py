@@ -482,6 +482,7 @@ def convert(
         str(model_id_or_path), allow_pickle=allow_pickle, trust_remote_code=trust_remote_code
     )
     out = io.check_destination(out_dir, overwrite=overwrite, source=src.path)
+    automatic = low_memory is None
     if low_memory is None:
         low_memory = (wants_low_memory(src, dtype) and calibration_data is None and opts.calibration is None
                       and not opts.per_norm_centering)
@@ -515,6 +516,7 @@ def convert(
             task=task,
             progress=progress,
             echo=say,
+            automatic=automatic,
         )
     io.check_space(out, src.nbytes)
     steps = _progress(progress, 4, f"normswap convert {src.spec}")

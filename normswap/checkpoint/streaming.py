@@ -48,8 +48,12 @@ def convert_streaming(
     task: str | None,
     progress: bool,
     echo: Callable[[str], None],
+    automatic: bool = False,
 ) -> api.Report:
-    """Convert the checkpoint directory ``src`` into ``out`` without loading the model."""
+    """Convert the checkpoint directory ``src`` into ``out`` without loading the model.
+
+    ``automatic``: the caller chose this path because the in-memory one would not fit (the user did
+    not ask for ``--low-memory``); errors then name ``--in-memory`` as the way out."""
     from transformers import AutoConfig
 
     assert src.path is not None
@@ -96,6 +100,13 @@ def convert_streaming(
         # The in-memory path fits approximate norms on calibration activations of the real model;
         # the streamed path only sees random-weight proxies, so it could only copy gamma/beta,
         # which is what wrecks deep Post-LN models. Refuse instead of writing a worse model.
+        if automatic:
+            raise NormswapError(
+                f"{src.label}: {approximate} approximate norm(s) need calibration on the whole model, and "
+                "this checkpoint was streamed because its in-memory conversion is predicted not to fit in "
+                "the available RAM; pass --in-memory to convert it in memory anyway (with RAM to spare), "
+                "or --mode exact to stream only the exact norms"
+            )
         raise NormswapError(
             f"{src.label}: {approximate} approximate norm(s) need calibration on the whole model, which "
             "--low-memory cannot do; convert without --low-memory, or add --mode exact to stream only "

@@ -257,6 +257,16 @@ def test_low_memory_is_chosen_automatically_for_big_checkpoints(sources, tmp_pat
     assert any("--low-memory" in n for n in notes)
 
 
+def test_an_automatically_streamed_post_ln_model_names_in_memory_as_the_way_out(sources, tmp_path, monkeypatch):
+    """The user asked for no --low-memory: the refusal says why it streamed and offers --in-memory."""
+    monkeypatch.setattr(convert_mod, "available_memory", lambda: 1)  # nothing fits in memory
+    monkeypatch.setattr(proxy, "available_memory", lambda: 8 << 30)
+    out = tmp_path / "out"
+    with pytest.raises(NormswapError, match="predicted not to fit.*--in-memory.*--mode exact"):
+        normswap.convert(sources["bert-5"], out, mode="all")
+    assert not out.exists()
+
+
 def test_cli_low_memory(sources, tmp_path):
     from normswap.cli import main
 
