@@ -26,8 +26,9 @@ Error against the fp32 original, in the metric users compare:
   config says; mean by default) and top-1 neighbour agreement;
 * vision backbones: 1 − cosine of the CLS token of ``last_hidden_state``;
 * speech seq2seq (Whisper): mean KL(original ‖ quantized) of the decoder's next-token distributions and
-  top-1 agreement, teacher-forced on transcripts of real audio (WAV files under ``--audio``, each with a
-  ``.txt`` transcript beside it, or the fp32 original's greedy transcript where there is none); the
+  top-1 agreement, teacher-forced on transcripts of real audio (WAV files under ``--audio``, with a
+  ``.txt`` transcript beside each or a ``transcripts.json``, or the fp32 original's greedy transcript
+  where there is none); the
   encoder's Linear inputs get their own outlier figures.
 
 Activation outliers per Linear input (per token, then averaged over tokens): ``max|x|/rms(x)`` and
@@ -242,9 +243,16 @@ def read_wav(path: Path, rate: int = 16000) -> Any:
 
 
 def transcript_for(wav: Path) -> str | None:
-    """The transcript beside a WAV file (``clip.txt`` for ``clip.wav``), if there is one."""
+    """The transcript of a WAV file: ``clip.txt`` beside ``clip.wav``, or its entry in a ``transcripts.json``
+    (file name → text, as ``speech_samples.py`` writes) in the same directory; None if neither has one."""
     txt = wav.with_suffix(".txt")
-    return " ".join(txt.read_text().split()) if txt.exists() else None
+    if txt.exists():
+        return " ".join(txt.read_text().split())
+    table = wav.parent / "transcripts.json"
+    if table.exists():
+        text = json.loads(table.read_text()).get(wav.name)
+        return " ".join(text.split()) if isinstance(text, str) else None
+    return None
 
 
 def speech_batches(model: torch.nn.Module, processor: Any, audio_dir: str | None, n: int, max_len: int,
@@ -629,8 +637,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--texts", type=int, default=64, help="number of texts / images to evaluate on")
     ap.add_argument("--max-len", type=int, default=128)
     ap.add_argument("--images", default=None, help="directory of PNG/JPEG images (vision models)")
-    ap.add_argument("--audio", default=None, help="directory of WAV files, each with a .txt transcript beside it "
-                    "(speech models; a WAV without one is transcribed by the fp32 original)")
+    ap.add_argument("--audio", default=None, help="directory of WAV files with transcripts (a .txt beside each, or "
+                    "transcripts.json; speech models; a WAV without one is transcribed by the fp32 original)")
     ap.add_argument("--rotations", nargs="*", default=list(ROTATIONS), choices=ROTATIONS)
     ap.add_argument("--precisions", nargs="*", default=[p[0] for p in PRECISIONS],
                     choices=[p[0] for p in PRECISIONS])

@@ -274,3 +274,9 @@ def test_gaussian_reference_and_wav_reading(tmp_path):
     a = bench.read_wav(tmp_path / "a.wav")
     assert a.dtype == np.float32 and len(a) == 16000 and abs(float(np.abs(a).max()) - 0.5) < 0.01
     assert bench.transcript_for(tmp_path / "a.wav") == "hello world"
+
+
+def test_transcripts_json_beside_the_wavs(tmp_path):
+    (tmp_path / "transcripts.json").write_text('{"b.wav": "one  two"}')
+    assert bench.transcript_for(tmp_path / "b.wav") == "one two"
+    assert bench.transcript_for(tmp_path / "c.wav") is None
