@@ -326,8 +326,72 @@ def greedy_all(model: torch.nn.Module, feats: torch.Tensor, prompt: list[int], e
     return chunked(lambda f: greedy(model, f, prompt, eos), feats, size=8)
 
 
-def whisper_row(name: str, src: Path, speech_dir: Path, row: dict, out: Path, clips: int, batch: int) -> None:
-    """Everything the module docstring lists for a Whisper directory, into ``row``."""
+WHISPER_STAGES = ("transcripts", "real-inputs", "errors", "rounding", "keep-beta")
+
+
+def patch_keeping_beta(model: torch.nn.Module, example_inputs: dict) -> None:
+    """``normswap.patch`` with every norm's β kept in its RMSNorm (the analysis's ``fold_beta=False``,
+    not a public option): the experiment behind the bf16 diagnosis in docs/results/field.md."""
+    import normswap
+    from normswap import analysis
+
+    init = analysis.Analyzer.__init__
+
+    def keep(self: Any, *args: Any, **kwargs: Any) -> None:
+        kwargs["fold_beta"] = False
+        init(self, *args, **kwargs)
+
+    analysis.Analyzer.__init__ = keep
+    try:
+        normswap.patch(model, example_inputs=example_inputs)
+    finally:
+        analysis.Analyzer.__init__ = init
+
+
+def tensor_group(name: str) -> str:
+    """The kind of tensor a parameter name is, for the rounding attribution."""
+    stack = "encoder" if ".encoder." in f".{name}" else "decoder" if ".decoder." in f".{name}" else "head"
+    leaf = name.split(".")[-2] + "." + name.split(".")[-1]
+    if "embed" in name:
+        return f"{stack} embeddings"
+    if leaf.startswith(("out_proj.", "fc2.")):
+        return f"{stack} writers ({leaf.split('.')[0]}.*: centered)"
+    if leaf.startswith(("q_proj.", "k_proj.", "v_proj.", "fc1.")):
+        return f"{stack} readers ({leaf.split('.')[0]}.*: β folded)"
+    return f"{stack} other ({leaf})"
+
+
+def rounded(model: torch.nn.Module, keys: set[str] | None = None) -> torch.nn.Module:
+    """A copy whose tensors ``keys`` (all when None) hold their bfloat16-rounded values, still float32."""
+    m = copy.deepcopy(model)
+    with torch.no_grad():
+        for k, v in m.state_dict().items():
+            if v.is_floating_point() and (keys is None or k in keys):
+                v.copy_(v.to(torch.bfloat16).to(v.dtype))
+    return m
+
+
+def rounding_attribution(original: torch.nn.Module, patched: torch.nn.Module, measure: Any) -> dict:
+    """Where the bf16 error comes from: every weight rounded to bfloat16 but arithmetic in float32, then
+    one group of the tensors the conversion changed rounded alone, in the converted model and (the
+    same tensors) in the original."""
+    out = {"all weights": {"converted": measure("rw all c rel_rms_error", rounded(patched)),
+                           "original": measure("rw all o rel_rms_error", rounded(original))}}
+    sd_o, sd_c = original.state_dict(), patched.state_dict()
+    groups: dict[str, list[str]] = {}
+    for k, v in sd_c.items():
+        if k not in sd_o or not torch.equal(v, sd_o[k]):
+            groups.setdefault(tensor_group(k), []).append(k)
+    for g, keys in sorted(groups.items()):
+        out[g] = {"tensors": len(keys),
+                  "converted": measure(f"rw {g} c rel_rms_error", rounded(patched, set(keys))),
+                  "original": measure(f"rw {g} o rel_rms_error", rounded(original, {k for k in keys if k in sd_o}))}
+    return out
+
+
+def whisper_row(name: str, src: Path, speech_dir: Path, row: dict, out: Path, clips: int, batch: int,
+                stages: tuple[str, ...] = WHISPER_STAGES) -> None:
+    """Everything the module docstring lists for a Whisper directory (``stages`` of it), into ``row``."""
     from transformers import AutoModelForSpeechSeq2Seq
 
     import normswap
@@ -349,19 +413,28 @@ def whisper_row(name: str, src: Path, speech_dir: Path, row: dict, out: Path, cl
     print(json.dumps({"model": name, "reload": row["reload"]}), flush=True)
     conv32 = copy.deepcopy(written).float()  # the written checkpoint run in float32
     t_orig = greedy_all(original, feats, speech.prefix, eos)
-    tr = {"original": text(t_orig), "written_equal": greedy_all(conv32, feats, speech.prefix, eos) == t_orig}
-    prev = speech.prompts["previous text + prefix"]
-    tr["previous_text_prompt_equal"] = greedy_all(conv32, feats, prev, eos) == greedy_all(original, feats, prev, eos)
-    # generate() as users call it (the generation config's suppression and forced prefix), one batch
-    g_orig = original.generate(feats[:batch], max_new_tokens=120)
-    g_conv = conv32.generate(feats[:batch], max_new_tokens=120)
-    tr["generate_original"] = text(g_orig, skip_special_tokens=True)
-    tr["generate_equal"] = g_orig.shape == g_conv.shape and torch.equal(g_orig, g_conv)
-    row["transcripts"] = tr
-    print(json.dumps({"model": name, "transcripts": tr}), flush=True)
+    if "transcripts" in stages:
+        tr = {"original": text(t_orig),
+              "written_equal": greedy_all(conv32, feats, speech.prefix, eos) == t_orig}
+        prev = speech.prompts["previous text + prefix"]
+        tr["previous_text_prompt_equal"] = (greedy_all(conv32, feats, prev, eos)
+                                            == greedy_all(original, feats, prev, eos))
+        # generate() as users call it (the generation config's suppression and forced prefix), one batch
+        g_orig = original.generate(feats[:batch], max_new_tokens=120)
+        g_conv = conv32.generate(feats[:batch], max_new_tokens=120)
+        tr["generate_original"] = text(g_orig, skip_special_tokens=True)
+        tr["generate_equal"] = g_orig.shape == g_conv.shape and torch.equal(g_orig, g_conv)
+        row["transcripts"] = tr
+        print(json.dumps({"model": name, "transcripts": tr}), flush=True)
 
-    forced = speech.prefix + max(t_orig, key=len)
-    row["real_inputs"], patched = whisper_real_inputs(original, out, speech, forced, batch)
+    if "real-inputs" in stages:
+        forced = speech.prefix + max(t_orig, key=len)
+        row["real_inputs"], patched = whisper_real_inputs(original, out, speech, forced, batch)
+    else:  # the float32 surgery for the error figures: patch at a batch of clips
+        patched = copy.deepcopy(original)
+        normswap.patch(patched, example_inputs=whisper_inputs_of(speech, batch, speech.prefix))
+    if not {"errors", "rounding", "keep-beta"} & set(stages):
+        return
 
     # errors against the float64 original, teacher-forced on the original's transcripts
     dec, mask = forced_batch(speech.prefix, t_orig, eos)
@@ -374,11 +447,31 @@ def whisper_row(name: str, src: Path, speech_dir: Path, row: dict, out: Path, cl
     err: dict[str, Any] = {"positions": int(mask.sum())}
 
     def measure(key: str, model: torch.nn.Module) -> torch.Tensor:
+        t0 = time.perf_counter()
         got = logits(model)
         err[key] = masked_rel_rms(ref, got, mask)
         err[key.replace("rel_rms_error", "top1")] = float((got.argmax(-1)[mask] == top).double().mean())
+        print(json.dumps({key: err[key], "s": round(time.perf_counter() - t0, 1)}), flush=True)
         return got
 
+    if "rounding" in stages:
+        row["rounding"] = rounding_attribution(
+            original, patched, lambda key, model: (measure(key, model), err.pop(key),
+                                                   err.pop(key.replace("rel_rms_error", "top1"), None))[1])
+        print(json.dumps({"model": name, "rounding": row["rounding"]}), flush=True)
+    if "keep-beta" in stages:
+        kept = copy.deepcopy(original)
+        patch_keeping_beta(kept, whisper_inputs_of(speech, batch, speech.prefix))
+        measure("fp32_beta_kept_rel_rms_error", kept)
+        measure("bf16_original_rel_rms_error", copy.deepcopy(original).to(torch.bfloat16))
+        measure("bf16_converted_rel_rms_error", copy.deepcopy(patched).to(torch.bfloat16))
+        measure("bf16_beta_kept_rel_rms_error", kept.to(torch.bfloat16))
+        err["bf16_ratio"] = err["bf16_converted_rel_rms_error"] / err["bf16_original_rel_rms_error"]
+        err["bf16_ratio_beta_kept"] = err["bf16_beta_kept_rel_rms_error"] / err["bf16_original_rel_rms_error"]
+        row["keep_beta"] = dict(err)
+        print(json.dumps({"model": name, "keep_beta": row["keep_beta"]}), flush=True)
+    if "errors" not in stages:
+        return
     measure("fp32_original_rel_rms_error", original)
     measure("fp32_patched_rel_rms_error", patched)  # the surgery, cast to float32
     measure("fp32_written_rel_rms_error", conv32)  # the checkpoint as written, run in float32
@@ -415,6 +508,8 @@ def main() -> None:
     ap.add_argument("--speech", default=None, help="folder of *.wav speech clips (Whisper models)")
     ap.add_argument("--clips", type=int, default=8, help="Whisper: clips used (the first N, sorted)")
     ap.add_argument("--batch", type=int, default=4, help="Whisper: the batch of several clips")
+    ap.add_argument("--stages", nargs="+", default=list(WHISPER_STAGES), choices=WHISPER_STAGES,
+                    help="Whisper: which measurements to run")
     ap.add_argument("--keep", default=None,
                     help="write each conversion to KEEP/NAME and keep it; an existing one is reused (no CLI run)")
     args = ap.parse_args()
@@ -439,7 +534,8 @@ def main() -> None:
             print(json.dumps({"model": name, "cli": row["cli"]}), flush=True)
             if is_whisper(src):
                 if row["cli"]["exit"] == 0:
-                    whisper_row(name, src, Path(args.speech), row, out, args.clips, args.batch)
+                    whisper_row(name, src, Path(args.speech), row, out, args.clips, args.batch,
+                                tuple(args.stages))
             elif row["cli"]["exit"] == 0:
                 row["embeddings"] = embeddings(src, out, held)
                 print(json.dumps({"model": name, "embeddings": row["embeddings"]}), flush=True)
