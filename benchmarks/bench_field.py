@@ -465,9 +465,17 @@ def whisper_row(name: str, src: Path, speech_dir: Path, row: dict, out: Path, cl
         measure("fp32_beta_kept_rel_rms_error", kept)
         measure("bf16_original_rel_rms_error", copy.deepcopy(original).to(torch.bfloat16))
         measure("bf16_converted_rel_rms_error", copy.deepcopy(patched).to(torch.bfloat16))
-        measure("bf16_beta_kept_rel_rms_error", kept.to(torch.bfloat16))
-        err["bf16_ratio"] = err["bf16_converted_rel_rms_error"] / err["bf16_original_rel_rms_error"]
-        err["bf16_ratio_beta_kept"] = err["bf16_beta_kept_rel_rms_error"] / err["bf16_original_rel_rms_error"]
+        measure("bf16_beta_kept_rel_rms_error", copy.deepcopy(kept).to(torch.bfloat16))
+        # the encoder's position table is centered although the centering op at the input of layer 0
+        # (after the conv+GELU stem) centers the stream it is added to: restoring it stays exact
+        with torch.no_grad():
+            kept.model.encoder.embed_positions.weight.copy_(original.model.encoder.embed_positions.weight)
+        measure("fp32_beta_kept_positions_restored_rel_rms_error", kept)
+        measure("bf16_beta_kept_positions_restored_rel_rms_error", kept.to(torch.bfloat16))
+        o16 = err["bf16_original_rel_rms_error"]
+        err["bf16_ratio"] = err["bf16_converted_rel_rms_error"] / o16
+        err["bf16_ratio_beta_kept"] = err["bf16_beta_kept_rel_rms_error"] / o16
+        err["bf16_ratio_beta_kept_positions_restored"] = err["bf16_beta_kept_positions_restored_rel_rms_error"] / o16
         row["keep_beta"] = dict(err)
         print(json.dumps({"model": name, "keep_beta": row["keep_beta"]}), flush=True)
     if "errors" not in stages:
