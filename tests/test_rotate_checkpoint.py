@@ -17,17 +17,12 @@ import normswap
 from normswap.cli import main
 from normswap.presets import build as build_preset
 from normswap.rotate import rotation_matrix
+from tests.integrations.compat import NO_NORMSWAP_IMPORTS
 
 REPO = Path(__file__).resolve().parents[1]
 
-_LOAD_STOCK = textwrap.dedent("""
-    import builtins, json, sys, torch
-    real_import = builtins.__import__
-    def guard(name, *a, **k):
-        if name.split(".")[0] == "normswap":
-            raise ImportError("normswap must not be needed")
-        return real_import(name, *a, **k)
-    builtins.__import__ = guard
+_LOAD_STOCK = NO_NORMSWAP_IMPORTS + textwrap.dedent("""
+    import json, sys, torch
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained({path!r}, dtype=torch.float32).eval()
     ids = torch.load({ids!r})

@@ -132,14 +132,20 @@ _FRESH_EXPORT = textwrap.dedent("""
     print(json.dumps({{"targets": targets}}))
 """)
 
-_LOAD_WITHOUT_NORMSWAP = textwrap.dedent("""
-    import json, sys, builtins, torch
-    real_import = builtins.__import__
-    def guard(name, *a, **k):
+# The head of a script run in a fresh process to prove a written artefact loads without normswap:
+# any import of normswap fails. Contains no braces, so scripts built on it can still use str.format.
+NO_NORMSWAP_IMPORTS = textwrap.dedent("""
+    import builtins
+    _real_import = builtins.__import__
+    def _no_normswap(name, *a, **k):
         if name.split(".")[0] == "normswap":
-            raise ImportError("normswap must not be needed to load the program")
-        return real_import(name, *a, **k)
-    builtins.__import__ = guard
+            raise ImportError("normswap must not be needed here")
+        return _real_import(name, *a, **k)
+    builtins.__import__ = _no_normswap
+""")
+
+_LOAD_WITHOUT_NORMSWAP = NO_NORMSWAP_IMPORTS + textwrap.dedent("""
+    import json, sys, torch
     ep = torch.export.load({tmp!r} + "/model.pt2")
     data = torch.load({tmp!r} + "/ref.pt")
     with torch.no_grad():
