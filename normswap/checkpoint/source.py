@@ -8,6 +8,7 @@ models that need ``trust_remote_code``, and checkpoints normswap already convert
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import logging
@@ -377,7 +378,37 @@ def source_class(src: Source, config: Any, task: str | None) -> type:
     """
     if task is None and src.layout == "sentence-transformers":
         task = "base"
+    if task is None and not getattr(config, "architectures", None) and src.safetensors:
+        return _class_holding(config, _tensor_names(src.safetensors)) or model_class(config, None)
     return model_class(config, task)
+
+
+def _tensor_names(files: list[Path]) -> set[str]:
+    return {k for f in files for k in io.read_safetensors_header(f) if k != "__metadata__"}
+
+
+def _class_holding(config: Any, names: set[str]) -> type | None:
+    """For a config that names no architecture: the first fallback task's class that has a place for
+    every tensor of the checkpoint (names compared without the base-model prefix, as transformers
+    loads them), or ``None``. Without it, a Whisper directory whose config lacks ``architectures``
+    was built as ``WhisperForCausalLM`` and its encoder tensors refused."""
+    seen: set[type] = set()
+    for t in FALLBACK_TASKS:
+        mapping = _auto(TASKS[t])._model_mapping
+        cls = mapping[type(config)] if type(config) in mapping else None
+        if cls is None or cls in seen:
+            continue
+        seen.add(cls)
+        with torch.device("meta"):
+            try:
+                model = cls(copy.deepcopy(config))
+            except Exception:  # noqa: BLE001 - a class this config cannot build is no candidate
+                continue
+        prefix = f"{getattr(cls, 'base_model_prefix', '')}."
+        expected = {k.removeprefix(prefix) for k in model.state_dict()}
+        if all(n.removeprefix(prefix) in expected for n in names):
+            return cls
+    return None
 
 
 def names(keys: Any, limit: int = 4) -> str:
