@@ -128,6 +128,23 @@ def test_convert_auto_mode_warns_about_approximate_norms(tmp_path):
     assert err.count("attention.output.LayerNorm` converted approximately") == 2
 
 
+def test_convert_groups_the_approximate_norm_warnings_of_a_deep_post_ln_model(tmp_path):
+    import transformers as tf
+
+    torch.manual_seed(0)
+    config = tf.BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=5, num_attention_heads=2,
+                           intermediate_size=32, max_position_embeddings=32)
+    tf.BertModel(config).save_pretrained(tmp_path / "bert5")
+    code, stdout, err, _ = run("convert", str(tmp_path / "bert5"), "--out", str(tmp_path / "out"))
+    assert code == 0, err
+    n = json.loads((tmp_path / "out" / "config.json").read_text())["normswap"]["counts"]["approximate"]
+    assert n >= 5
+    lines = [ln for ln in err.splitlines() if "converted approximately" in ln]
+    assert len(lines) == 1, err  # one line for all of them, not one per layer
+    assert lines[0].startswith(f"warning: {n} LayerNorm(s) converted approximately, relative output error ")
+    assert "--mode exact" in lines[0] and "normswap inspect" in lines[0] and "=True" not in lines[0]
+
+
 def test_compat_reports_approximate_norms_left_as_layernorm(tmp_path):
     code, stdout, err, _ = run("convert", "tiny-bert", "--out", str(tmp_path / "b"), "--format", "compat")
     assert code == 0, err

@@ -6,6 +6,7 @@ in their own modules; the option values all three share are in ``common``.
 
 from __future__ import annotations
 
+import re
 import warnings
 from typing import Any
 
@@ -38,11 +39,32 @@ def _shard_size(ctx: click.Context, param: click.Parameter, value: str) -> str:
     return value
 
 
+# ``normswap: `NAME` converted approximately (REASON); relative output error E. ADVICE`` (api.report_warnings)
+_APPROXIMATE = re.compile(r"`(?P<name>[^`]+)` converted approximately \((?P<reason>.*)\); "
+                          r"relative output error (?P<error>\S+)\. .*", re.S)
+GROUP_APPROXIMATE_FROM = 4  # this many approximate-norm warnings or more print as one line
+
+
 def _echo_warnings(caught: list[warnings.WarningMessage]) -> None:
-    for w in caught:
-        text = str(w.message)
-        if text.startswith("normswap:"):
-            click.echo(f"warning: {cli_words(text[len('normswap:') :].strip())}", err=True)
+    """Print the library's warnings in CLI words. A deep Post-LN model's per-norm "converted
+    approximately" warnings (one per layer, alike but for the name) become one line with the count,
+    the error range and the worst norm; the manifest and ``normswap inspect`` keep each reason."""
+    texts = [str(w.message)[len("normswap:"):].strip() for w in caught if str(w.message).startswith("normswap:")]
+    approximate = [m for m in map(_APPROXIMATE.fullmatch, texts) if m]
+    grouped = len(approximate) >= GROUP_APPROXIMATE_FROM
+    for text in texts:
+        if not (grouped and _APPROXIMATE.fullmatch(text)):
+            click.echo(f"warning: {cli_words(text)}", err=True)
+    if grouped:
+        errors = [float(m["error"]) for m in approximate]
+        worst = approximate[errors.index(max(errors))]
+        click.echo(cli_words(
+            f"warning: {len(approximate)} LayerNorm(s) converted approximately, relative output error "
+            f"{min(errors):.3g}-{max(errors):.3g} (largest at `{worst['name']}`: {worst['reason']}). "
+            "Use --mode exact to keep them as LayerNorm, or recover accuracy with `normswap finetune`; "
+            "`normswap inspect` lists each norm with its reason"),
+            err=True,
+        )
 
 
 def _recovery_note(plan: Any, calibration_data: str | None) -> str | None:
