@@ -16,16 +16,22 @@ CASES = {"gpt2": (EXACT, "mlp.c_proj", 1e-9), "opt": (EXACT, "fc2", 1e-9),
          "llama": (RMS, "mlp.down_proj", 1e-5)}
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_online_hadamard_before_every_down_projection_keeps_outputs(name):
-    table, down, tol = CASES[name]
-    model = build(table, name)
+def _rotated_online(model):
+    """Fold γ, rotate with online Hadamards; the probe and the float64 logits before and after."""
     normswap.patch(model, fold_gamma=True)
     probe = hf_example_inputs(model, seed=5)
     with torch.no_grad(), default_dtype(torch.float64):
         ref = model(**probe).logits
         rot = rotate(model, "hadamard", online=True)
         out = model(**probe).logits
+    return probe, ref, rot, out
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_online_hadamard_before_every_down_projection_keeps_outputs(name):
+    table, down, tol = CASES[name]
+    model = build(table, name)
+    probe, ref, rot, out = _rotated_online(model)
     (stream,) = rot.rotated
     assert len(stream["online"]) == 2 and all(p.endswith(down) for p in stream["online"])
     assert float((out - ref).abs().max() / ref.abs().max()) <= tol
@@ -84,12 +90,7 @@ def test_online_skips_a_down_projection_without_a_hadamard_order_and_says_so():
 
 def test_per_head_hadamard_on_values_folds_into_value_and_output_projections():
     model = build(RMS, "mistral")  # grouped-query heads: 2 value heads serve 4 query heads
-    normswap.patch(model, fold_gamma=True)
-    probe = hf_example_inputs(model, seed=5)
-    with torch.no_grad(), default_dtype(torch.float64):
-        ref = model(**probe).logits
-        rot = rotate(model, "hadamard", online=True)
-        out = model(**probe).logits
+    probe, ref, rot, out = _rotated_online(model)
     (stream,) = rot.rotated
     assert len(stream["value_heads"]) == 2 and stream["head_dim"] == 8
     assert float((out - ref).abs().max() / ref.abs().max()) <= 1e-5

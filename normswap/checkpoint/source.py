@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from normswap import inputs, presets
-from normswap.checkpoint import hf, io
+from normswap.checkpoint import hf, io, stream_io
 from normswap.errors import NormswapError, NothingToConvert, first_line
 from normswap.options import DTYPES, TASKS, choose
 
@@ -379,12 +379,8 @@ def source_class(src: Source, config: Any, task: str | None) -> type:
     if task is None and src.layout == "sentence-transformers":
         task = "base"
     if task is None and not getattr(config, "architectures", None) and src.safetensors:
-        return _class_holding(config, _tensor_names(src.safetensors)) or model_class(config, None)
+        return _class_holding(config, set(stream_io.scan(src.safetensors))) or model_class(config, None)
     return model_class(config, task)
-
-
-def _tensor_names(files: list[Path]) -> set[str]:
-    return {k for f in files for k in io.read_safetensors_header(f) if k != "__metadata__"}
 
 
 def _class_holding(config: Any, names: set[str]) -> type | None:
