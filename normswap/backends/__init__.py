@@ -88,9 +88,20 @@ GPU_PS: dict[tuple[str, bool], float] = {
 # Under torch.compile or CUDA-graph capture host time is paid once, so only GPU time counts; at small
 # shapes the linear model above does not hold (triton loses: 2048x4096 forward 10.7 vs native 9.5 us,
 # 8192x768 11.7 vs 9.2 us), so the graph rule uses the measured crossovers directly:
-GRAPH_TRITON_MIN_FWD = 1 << 25  # forward: triton wins from 8192x4096 (48.3 vs 57.8 us), rows >= 2048
-GRAPH_TRITON_MIN_N_FWD = 2048
-GRAPH_TRITON_MIN_GRAD = 1 << 23  # forward+backward: wins at 16384x768 (72 vs 114 us) and 8192x4096
+# Re-measured on an H200 (2026-11-26, torch 2.11, triton 3.6; docs/results/backends-gpu.md): triton's
+# forward beat native at every measured shape from 8192x512 (6.3 vs 8.7 us; 8192x768 9.6 vs 10.7),
+# forward+backward too (8192x512 26.4 vs 40.5 us). The earlier H100 figures above, from older kernels,
+# had triton behind below 8192x4096; below 2^22 elements nothing was measured on the new code: native.
+GRAPH_TRITON_MIN_FWD = 1 << 22  # forward: from 8192x512
+GRAPH_TRITON_MIN_N_FWD = 512
+GRAPH_TRITON_MIN_GRAD = 1 << 22  # forward+backward: from 8192x512
+# Eager crossovers measured on the same H200 (2-byte dtypes, no bias, L2 flushed between calls): the
+# additive host + GPU model above overestimates triton's cost there (its launch overlaps the GPU work
+# queued before it), so where a crossover was measured it caps the model's threshold. Forward: triton
+# 42.5 vs native 46.6 us at 8192x4096 (2^25), behind at 2048x4096 (80 vs 17 us). Backward: ahead at
+# 32768x4096 (2^27; 457 vs 598 us), behind at 8192x8192 (467 vs 357 us).
+EAGER_TRITON_MIN_FWD = 1 << 25
+EAGER_TRITON_MIN_GRAD = 1 << 27
 # Longest row ``auto`` gives triton. Compiled for sm_90 without a GPU (tests/backends/test_triton_aot.py):
 # up to 8192 a row fits in registers; at 16384 the backward spills 64-1008 bytes per thread.
 # ``backend="triton"`` still runs rows up to ``triton.MAX_N``.
@@ -110,7 +121,8 @@ def eager_triton_min_elements(dtype: torch.dtype, *, grad: bool, extra_pass: boo
     ``extra_pass``: the call has a bias or per-head weights, which ``native`` applies in one more
     elementwise op (whose host and GPU time triton saves too), in half precision through its float32
     route (:func:`native_fp32_route`), which costs more again. ``fp32_route`` overrides that
-    derivation (the fused residual's extra pass is the add, not a bias). Infinity when triton never pays.
+    derivation (the fused residual's extra pass is the add, not a bias). Never above the crossover
+    measured for plain calls (``EAGER_TRITON_MIN_*``): the model is additive, a real stream overlaps.
     """
     scale = dtype.itemsize / 2
     saved_ps = GPU_PS[("native", grad)] - GPU_PS[("triton", grad)]
@@ -122,9 +134,10 @@ def eager_triton_min_elements(dtype: torch.dtype, *, grad: bool, extra_pass: boo
         saved_ps += GPU_PS[("fp32_route", grad)]
         extra_us -= HOST_US[("fp32_route", grad)]
     saved_ps *= scale
+    measured = (EAGER_TRITON_MIN_GRAD if grad else EAGER_TRITON_MIN_FWD) / scale
     if extra_us <= 0:
         return 0.0
-    return float("inf") if saved_ps <= 0 else extra_us * 1e6 / saved_ps
+    return min(measured, float("inf") if saved_ps <= 0 else extra_us * 1e6 / saved_ps)
 
 
 def graph_triton_min_elements(n: int, *, grad: bool, extra_pass: bool) -> float:

@@ -105,12 +105,45 @@ def bind(
     if any(p is not None and (p.dtype != x.dtype or tuple(p.shape) != tuple(normalized_shape))
            for p in (weight, bias)):
         return None
-    if not hasattr(torch, "rms_norm") or not rounds_once_in_torch(x, normalized_shape, weight, bias):
+    if not hasattr(torch, "rms_norm"):
         return None
     shape = list(normalized_shape)
     op = torch.rms_norm
+    if not rounds_once_in_torch(x, normalized_shape, weight, bias):
+        return None if grad else _bind_float32_route(shape, compute_dtype(x.dtype))
     if bias is None:
         return lambda x, w, b, eps: op(x, shape, w, eps)
     if not grad:  # nothing saved for backward: add the bias in place (no second output allocation)
         return lambda x, w, b, eps: op(x, shape, w, eps).add_(b)
     return lambda x, w, b, eps: op(x, shape, w, eps) + b
+
+
+def _bind_float32_route(shape: list[int], cdt: torch.dtype):
+    """The no-grad float32 route for a half-precision call with a bias (one rounding, as
+    :func:`rms_norm`), with fewer launches per call: the float32 copies of weight and bias are made
+    once and reused until the parameter changes (a new tensor, or an in-place update, which bumps
+    its version counter), so a call is the upcast of x, ``torch.rms_norm`` and the add that writes
+    x's dtype. Measured on a GPU host, the generic route cost 3.7x an ``nn.LayerNorm`` call of host
+    time (docs/results/backends-gpu.md)."""
+    cache: dict[int, tuple[tuple, torch.Tensor]] = {}
+    op = torch.rms_norm
+
+    def upcast(p: torch.Tensor | None) -> torch.Tensor | None:
+        if p is None or p.is_inference():  # an inference tensor has no version counter: no cache
+            return None if p is None else p.to(cdt)
+        key = (p.data_ptr(), p._version)
+        hit = cache.get(id(p))
+        if hit is not None and hit[0] == key:
+            return hit[1]
+        copy = p.to(cdt)
+        if not (p.is_cuda and torch.cuda.is_current_stream_capturing()):  # never keep a graph pool's tensor
+            cache[id(p)] = (key, copy)
+        return copy
+
+    def call(x: torch.Tensor, w: torch.Tensor | None, b: torch.Tensor | None, eps: float) -> torch.Tensor | None:
+        if not x.dim() or x.shape[-1] != shape[-1]:
+            return None
+        y = op(x.to(cdt), shape, upcast(w), eps)
+        return torch.add(y, upcast(b), out=torch.empty_like(x))
+
+    return call

@@ -180,3 +180,30 @@ def test_native_half_precision_is_eagers_function_bit_for_bit():
                      (plain.float(), None), (plain, plain.float())):
             got = backends.native.rms_norm(x, (40,), w, b, 1e-5)
             assert torch.equal(got, backends.eager.rms_norm(x, (40,), w, b, 1e-5))
+
+
+def test_native_bound_float32_route_matches_and_follows_parameter_updates():
+    """A half-precision module call with a bias and no gradients takes native's bound float32 route
+    (float32 copies of weight and bias cached per module): the same bits as the generic route, and a
+    parameter updated in place, or replaced, is read again on the next call."""
+    gen = torch.Generator().manual_seed(3)
+    for dtype in (torch.bfloat16, torch.float16):
+        m = normswap.RMSNorm(40, bias=True, backend="native").to(dtype)
+        with torch.no_grad():
+            m.weight.copy_(1 + torch.randn(40, generator=gen))
+            m.bias.copy_(torch.randn(40, generator=gen))
+        x = torch.randn(7, 40, generator=gen).to(dtype)
+
+        def generic(m=m, x=x):
+            return backends.native.rms_norm(x, (40,), m.weight.detach(), m.bias.detach(), m.eps)
+
+        with torch.no_grad():
+            assert torch.equal(m(x), generic())
+            assert m(x) is not m(x)  # a fresh output per call
+            m.weight.mul_(2)  # in place: the version counter moves
+            m.bias.add_(1)
+            assert torch.equal(m(x), generic())
+            m.bias = torch.nn.Parameter(torch.randn(40, generator=gen).to(dtype))  # a new tensor
+            assert torch.equal(m(x), generic())
+        with torch.inference_mode():
+            assert torch.equal(m(x), generic())
