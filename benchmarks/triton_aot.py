@@ -75,7 +75,7 @@ def compile_kernel(
              "IS_BF16": int(dtype == torch.bfloat16)}
     if kind == "fwd":
         fn, pointers = fwd, {name: _PTR[dtype] for name in _FWD_PTRS} | {"RSTD": acc}
-        block_m, block_n, warps = triton_backend.fwd_launch_config(n)
+        block_m, block_n, warps = triton_backend.fwd_launch_config(n, aligned=aligned)
         constants = flags | {"HAS_RES": int(has_res), "BLOCK_M": block_m, "BLOCK_N": block_n, "HAS_RSTD": 1}
     elif kind == "bwd":
         fn = bwd

@@ -40,7 +40,7 @@ def main() -> None:
         dtype = DTYPES[dname]
         for n in (int(v) for v in args.n.split(",")):
             for kind in ("fwd", "bwd"):
-                warps = (triton_backend.fwd_launch_config(n)[2] if kind == "fwd"
+                warps = (triton_backend.fwd_launch_config(n, aligned=not args.generic)[2] if kind == "fwd"
                          else triton_backend.bwd_launch_config(n)[1])
                 cells = []
                 for has_b, has_res in ((False, False), (True, False), (True, True)):

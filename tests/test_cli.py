@@ -7,6 +7,7 @@ import errno
 import json
 import os
 import shutil
+import site
 import subprocess
 import sys
 import time
@@ -625,8 +626,31 @@ def test_documented_exit_code_table_is_true_for_every_command(tmp_path, gpt2_dir
 
 
 # ------------------------------------------------------------------------------------ the wheel
+# Variables that put other code ahead of a venv's site-packages (PYTHONPATH: the GPU acceptance script
+# and our own sessions put the checkout there) or send pip elsewhere (PIP_TARGET, PIP_PREFIX, PIP_USER, ...).
+_IMPORT_PATH_VARS = ("PYTHONPATH", "PYTHONHOME", "PYTHONUSERBASE", "PYTHONSTARTUP", "PYTHONPLATLIBDIR",
+                     "PYTHONEXECUTABLE")
+
+
+def wheel_test_env() -> dict[str, str]:
+    """The environment of the wheel test's subprocesses: the caller's, less what could make ``import
+    normswap`` in the venv find anything but the installed wheel, and pip offline."""
+    env = {k: v for k, v in os.environ.items() if k not in _IMPORT_PATH_VARS and not k.startswith("PIP_")}
+    return env | {"PIP_NO_INDEX": "1", "HF_HUB_OFFLINE": "1", "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
+
+
+def test_wheel_test_env_drops_what_would_import_the_checkout(monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", "/somewhere/checkout")
+    monkeypatch.setenv("PIP_TARGET", "/elsewhere")
+    monkeypatch.setenv("PYTHONHOME", "/other/python")
+    env = wheel_test_env()
+    assert not {"PYTHONPATH", "PIP_TARGET", "PYTHONHOME"} & set(env)
+    assert env["PIP_NO_INDEX"] == "1" and env["PATH"] == os.environ["PATH"]
+
+
 def test_wheel_ships_the_recipes_and_lists_them_offline(tmp_path):
-    """Build the wheel, install it (not the editable checkout) in a fresh venv, list the recipes."""
+    """Build the wheel, install it (not the editable checkout, nor a checkout on PYTHONPATH) in a fresh
+    venv, list the recipes."""
     repo = Path(__file__).resolve().parents[1]
     src = tmp_path / "src"
     src.mkdir()
@@ -634,7 +658,7 @@ def test_wheel_ships_the_recipes_and_lists_them_offline(tmp_path):
         if (repo / name).exists():
             shutil.copy2(repo / name, src / name)
     shutil.copytree(repo / "normswap", src / "normswap", ignore=shutil.ignore_patterns("__pycache__", "*.so"))
-    env = {**os.environ, "PIP_NO_INDEX": "1", "HF_HUB_OFFLINE": "1", "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
+    env = wheel_test_env()
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", str(src), "--no-deps", "--no-build-isolation", "-q",
          "-w", str(tmp_path / "dist")],
@@ -642,8 +666,16 @@ def test_wheel_ships_the_recipes_and_lists_them_offline(tmp_path):
     )
     wheel = next((tmp_path / "dist").glob("normswap-*.whl"))
     venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True, timeout=300)
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, env=env, timeout=300)
     bindir = venv / ("Scripts" if os.name == "nt" else "bin")
+    # The wheel's dependencies (torch, click, ...) are this interpreter's: its site-packages go in a .pth,
+    # after the venv's own (where the wheel goes). Not --system-site-packages: run from inside a venv
+    # (the GPU machine's), that gives the base Python's packages, which lack them. Plain paths, so the
+    # .pth hooks in those folders (an editable install's import finder) do not run.
+    purelib = subprocess.run([str(bindir / "python"), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                             check=True, env=env, capture_output=True, text=True, timeout=120).stdout.strip()
+    outer = [p for p in site.getsitepackages() if os.path.isdir(p)]
+    Path(purelib, "_normswap_test_deps.pth").write_text("".join(f"{p}\n" for p in outer), encoding="utf-8")
     subprocess.run([str(bindir / "python"), "-m", "pip", "install", "--no-deps", "-q", str(wheel)],
                    check=True, env=env, capture_output=True, timeout=300)
     where = subprocess.run([str(bindir / "python"), "-c", "import normswap; print(normswap.__file__)"],

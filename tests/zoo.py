@@ -265,18 +265,33 @@ SSM = {
 @contextlib.contextmanager
 def float64_casts() -> Iterator[None]:
     """Run a float64 model without the float32 round trips HF code writes inside modules (RMS norms,
-    gated norms, reference SSM scans: ``x.to(torch.float32)``, ``x.float()``): within, those casts of a
-    float64 tensor return it unchanged, so an exactness check compares the math, not float32 rounding."""
+    gated norms, reference SSM scans, rotary tables: ``x.to(torch.float32)``, ``x.float()``): within,
+    "float32" stands for float64, so an exactness check compares the math, not float32 rounding.
+
+    A float64 tensor cast to float32 stays float64 and an integer or bool tensor cast to float32 becomes
+    float64, whatever form the cast takes (``.float()``, ``.to(torch.float32)``, ``.to(device,
+    dtype=torch.float32)``): otherwise the two operands of one op can disagree. transformers 5.17 computes
+    rotary tables as a matmul (which does not promote) of ``inv_freq`` (a float64 buffer in a float64
+    model), cast to float32 one way or another, and ``position_ids.float()``."""
     to, as_float = torch.Tensor.to, torch.Tensor.float
 
+    def exact(self: torch.Tensor) -> bool:  # an integer or bool tensor is exact in float64
+        return not (self.is_floating_point() or self.is_complex())
+
     def keep_to(self: torch.Tensor, *args, **kwargs):  # noqa: ANN202 - Tensor.to's overloads
-        wanted = kwargs.get("dtype", args[0] if args and isinstance(args[0], torch.dtype) else None)
-        if self.dtype == torch.float64 and wanted == torch.float32 and len(args) <= 1 and set(kwargs) <= {"dtype"}:
-            return self
+        if self.dtype == torch.float64 or exact(self):  # to(dtype, ...), to(device, dtype, ...), to(dtype=...)
+            if kwargs.get("dtype") == torch.float32:
+                kwargs = {**kwargs, "dtype": torch.float64}
+            else:
+                at = next((i for i, a in enumerate(args[:2]) if isinstance(a, torch.dtype)), None)
+                if at is not None and args[at] == torch.float32:
+                    args = (*args[:at], torch.float64, *args[at + 1:])
         return to(self, *args, **kwargs)
 
     def keep_float(self: torch.Tensor, *args, **kwargs):  # noqa: ANN202
-        return self if self.dtype == torch.float64 else as_float(self, *args, **kwargs)
+        if self.dtype == torch.float64:
+            return self
+        return to(self, torch.float64) if exact(self) and not args and not kwargs else as_float(self, *args, **kwargs)
 
     torch.Tensor.to, torch.Tensor.float = keep_to, keep_float
     try:

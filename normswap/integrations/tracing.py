@@ -17,11 +17,16 @@ def exporting() -> bool:
     """True under ``torch.export`` (and so the dynamo ONNX exporter) or ``torch.jit.trace`` (and so the
     legacy ONNX exporter). False in eager mode and under plain ``torch.compile``.
 
-    Costs two flag reads (~0.3 us). Dynamo folds ``is_compiling``/``is_exporting`` to constants and never
-    reaches the jit check (which it cannot trace).
+    Costs two flag reads (~0.3 us). Under compilation it reads the flag ``torch.export`` sets
+    (``torch.compiler._is_exporting_flag``, which ``torch.compiler.is_exporting()`` returns) rather than
+    calling ``is_exporting()``: Dynamo replaces that call by the constant True, under plain
+    ``torch.compile`` too, in torch 2.11 and earlier (pytorch/pytorch#176347), which sent every compiled
+    normswap RMSNorm to the export path (stock aten ops instead of the fused backends). Dynamo reads a
+    module attribute as a constant (with a guard), and never reaches the jit check (which it cannot trace).
     """
     if torch.compiler.is_compiling():
-        return torch.compiler.is_exporting()
+        flag = getattr(torch.compiler, "_is_exporting_flag", None)
+        return torch.compiler.is_exporting() if flag is None else bool(flag)
     return _is_jit_tracing()
 
 

@@ -70,3 +70,55 @@ def test_inference_under_no_grad_compiled():
     x = torch.randn(5, 64, dtype=torch.bfloat16)
     with torch.no_grad():
         assert torch.equal(fn(x), cpu.rms_norm(x, (64,), m.weight, None, m.eps))
+
+
+def _exporting_seen_under_compile_and_export() -> tuple[list[bool], list[bool]]:
+    from normswap.integrations.tracing import exporting
+
+    seen: list[bool] = []
+
+    class Probe(torch.nn.Module):
+        def forward(self, x):
+            seen.append(exporting())
+            return x + 1
+
+    torch._dynamo.reset()
+    torch.compile(Probe(), fullgraph=True, backend="eager")(torch.zeros(2))
+    compiled, seen[:] = list(seen), []
+    torch.export.export(Probe(), (torch.zeros(2),))
+    return compiled, list(seen)
+
+
+def test_the_export_path_is_for_export_not_for_compile():
+    """normswap's export path (stock aten ops) runs under ``torch.export`` only; under ``torch.compile``
+    the fused op stays in the graph (the test above)."""
+    compiled, exported = _exporting_seen_under_compile_and_export()
+    assert compiled == [False] and exported and all(exported), (compiled, exported)
+
+
+def test_compile_keeps_the_custom_op_where_dynamo_says_it_is_exporting(monkeypatch):
+    """torch 2.11's Dynamo replaced a traced ``torch.compiler.is_exporting()`` by the constant True under
+    plain ``torch.compile`` too (pytorch/pytorch#176347, fixed in a later torch): there every compiled
+    RMSNorm took the export path and the graph called ``torch.rms_norm`` (the GPU acceptance run,
+    torch 2.11). Simulated here by giving Dynamo that rule; normswap must not depend on it."""
+    from torch._dynamo.variables import torch as dynamo_torch
+    from torch._dynamo.variables.constant import ConstantVariable
+
+    handlers = dynamo_torch.TorchInGraphFunctionVariable._get_handlers()
+    assert torch.compiler.is_exporting in handlers  # the rule being replaced (torch 2.13)
+    monkeypatch.setitem(handlers, torch.compiler.is_exporting,
+                        lambda self, tx, *args, **kwargs: ConstantVariable.create(True))
+    said = []
+
+    @torch.compile(fullgraph=True, backend="eager")
+    def probe(x):
+        said.append(torch.compiler.is_exporting())
+        return x + 1
+
+    torch._dynamo.reset()
+    probe(torch.zeros(1))
+    assert said == [True]  # the simulation took: Dynamo now says "exporting" under torch.compile
+    test_compiled_graph_calls_the_custom_op()
+    compiled, exported = _exporting_seen_under_compile_and_export()
+    assert compiled == [False] and exported and all(exported), (compiled, exported)
+    torch._dynamo.reset()

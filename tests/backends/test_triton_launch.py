@@ -3,6 +3,8 @@ kernels: the real path needs a GPU (tests/backends/test_gpu.py runs it there).""
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 
@@ -103,3 +105,31 @@ def test_cpu_and_profiler_hooks_take_triton_path(monkeypatch):
     monkeypatch.setattr(tb, "_launch_hooks_set", lambda: True)
     tb.launch(k, (1,), _args(), {}, {}, CUDA0)
     assert [e[0] for e in k.log][-2:] == ["triton", "triton"]
+
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
+def test_forward_gives_the_generic_specialisation_16_warps_on_blocks_of_4096(monkeypatch):
+    """Rows of 2049-4096 elements: the aligned (vectorised) launch keeps 8 warps; a call triton compiles
+    generically (an unaligned row length, row stride or pointer) gets 16, where triton 3.6's ptxas does
+    not spill (tests/backends/test_triton_aot.py compiles both). Other lengths: one config."""
+    seen = []
+    monkeypatch.setattr(tb, "launch", lambda kernel, grid, args, constexprs, options, device:
+                        seen.append((constexprs["BLOCK_N"], options["num_warps"])))
+    wide = torch.randn(3, 4112, dtype=torch.bfloat16)  # rows 4112 apart: a multiple of 16
+    odd = torch.randn(3, 4100, dtype=torch.bfloat16)  # rows 4100 apart: not one
+    w = torch.ones(4096, dtype=torch.bfloat16)
+    for x, want in (
+        (wide[:, :4096].contiguous(), (4096, 8)),
+        (wide[:, :4096], (4096, 8)),  # strided rows, still aligned
+        (odd[:, :4096], (4096, 16)),  # row stride not a multiple of 16
+        (wide[:, 8:4104], (4096, 8)),  # 8 bf16 = 16 bytes in: still aligned
+        (wide[:, 1:4097], (4096, 16)),  # pointer 2 bytes past a 16-byte boundary
+        (wide[:, :3000].contiguous(), (4096, 16)),  # row length not a multiple of 16
+        (wide[:, :2048].contiguous(), (2048, 8)),  # another block size: one config
+        (wide[:, 1:2049], (2048, 8)),
+    ):
+        seen.clear()
+        n = x.shape[-1]
+        tb.forward(x, (n,), w[:n], None, 1e-6)
+        assert seen == [want], (tuple(x.shape), x.stride(), x.data_ptr() % 16, seen)
