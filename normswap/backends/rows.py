@@ -9,6 +9,17 @@ from collections.abc import Callable
 
 import torch
 
+#: The tensor types the pointer-reading kernels (``cpu``, ``triton``) accept. A subclass such as a
+#: ``DTensor`` (FSDP2 shards, tensor parallelism) is a wrapper whose own storage is not its data: a
+#: kernel handed its pointer would read garbage or crash. Such calls go to ``native``/``eager``, whose
+#: aten ops the subclass dispatches itself (a DTensor through its sharding rules).
+DENSE_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
+def dense(t: torch.Tensor | None) -> bool:
+    """``t`` is None or a plain tensor (or ``nn.Parameter``) a kernel can read by pointer."""
+    return t is None or type(t) in DENSE_TYPES
+
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """Accumulation dtype: float64 stays float64; everything else accumulates in float32."""
