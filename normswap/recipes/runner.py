@@ -39,7 +39,9 @@ from normswap.recipes.config import RecipeConfig, load_config, selection_metric
 
 @dataclass
 class RunResult:
-    """What a recipe run produced. ``model`` is the final student (LoRA merged), in eval mode."""
+    """What a recipe run produced. ``model`` is the final student (LoRA merged), in eval mode: on the
+    run's device, or under FSDP gathered on CPU on the main process (the other processes keep their
+    sharded module)."""
 
     output_dir: str
     model_dir: str | None
