@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 import normswap
@@ -65,3 +66,35 @@ def test_fsdp2_run_matches_a_single_process_run(tiny_gpt2, corpus, tmp_path):
     ids = torch.randint(5, 40, (2, 12), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         torch.testing.assert_close(got(input_ids=ids).logits, want(input_ids=ids).logits, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_two_process_fsdp2_saves_the_gathered_shards(tiny_gpt2, corpus, tmp_path):
+    """Two processes, each holding half of every weight: the saved model is the full gather, equal to
+    what accelerate's sharded checkpoint of the last step holds."""
+    import shutil
+
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    torchrun = shutil.which("torchrun")
+    if torchrun is None:
+        pytest.skip("torchrun not on PATH")
+    out = tmp_path / "fsdp2"
+    cmd = [torchrun, "--standalone", "--nproc_per_node", "2", str(Path(__file__).with_name("fsdp_cpu.py")),
+           str(RECIPE), f"model.source={tiny_gpt2}", f"data.path={corpus}", f"output.dir={out}", "train.steps=2",
+           "train.warmup_steps=1", "train.lr=1e-3", "data.seq_len=32", "data.batch_size=8",
+           "data.eval_batch_size=16", "eval.every=2", "log.every=1", "log.progress_bar=false", "log.plot=false",
+           "checkpoint.every=2"]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert sum(line.startswith("done:") for line in proc.stdout.splitlines()) == 1, proc.stdout
+    shards = out / "checkpoints" / "step-000002" / "pytorch_model_fsdp_0"
+    assert len(list(shards.glob("*.distcp"))) == 2  # one shard file per process
+    dcp_to_torch_save(shards, tmp_path / "full.pt")
+    checkpoint = torch.load(tmp_path / "full.pt", weights_only=True)["model"]
+    saved = normswap.load(out / "model").state_dict()
+    assert saved.keys() == checkpoint.keys()
+    for name, value in saved.items():
+        torch.testing.assert_close(value, checkpoint[name].to(value.dtype), rtol=0, atol=0, msg=name)
