@@ -601,8 +601,9 @@ def try_fast(
         return None
     if grad and torch.is_grad_enabled():
         op = _OP[0]
-        if op is not None and x.dtype in _OP_DTYPES and x.numel() * x.element_size() < _POOL_MIN_BYTES:
-            return op(x, weight, bias, eps)
+        if (op is not None and x.dtype in _OP_DTYPES and x.numel() * x.element_size() < _POOL_MIN_BYTES
+                and (weight is None or weight.is_contiguous()) and (bias is None or bias.is_contiguous())):
+            return op(x, weight, bias, eps)  # the operator reads the parameters by pointer
         if op is None and x.dtype in _OP_DTYPES:
             autograd_op()  # starts the background build on the first grad-mode call
         return _RMSNormCPU.apply(x, normalized_shape, weight, bias, eps)
@@ -622,12 +623,15 @@ def bind(
     What the cache key fixes (device, dtype, grad) and what the module fixes (parameter shapes and
     dtypes; moving or casting the module drops the cache) is checked here once. Per call it checks only
     that the last dim is the normalised one (anything else returns None: the caller's general path
-    raises the error); contiguity is handled inside :func:`_run`.
+    raises the error); an input's contiguity is handled inside :func:`_run`. Parameters must be
+    contiguous to be bound (their pointers are read per call); a strided one takes the general path.
     """
     k = kernel()
     if k.fn is None or len(normalized_shape) != 1 or not supports(x, weight, bias):
         return None
-    if any(p is not None and (p.dim() != 1 or p.dtype != x.dtype) for p in (weight, bias)):
+    # the launchers below hand the parameters' pointers to the kernel, which reads n contiguous values
+    # (a strided 1-D view would be read wrongly): anything else goes through _params on the general path
+    if any(p is not None and (p.dim() != 1 or p.dtype != x.dtype or not p.is_contiguous()) for p in (weight, bias)):
         return None
     n = normalized_shape[0]
     if grad:
