@@ -590,7 +590,8 @@ class Recipe:
         state = accelerator.get_state_dict(self.model)  # full tensors, on CPU, on the main process only
         if not self.main:
             return accelerator.unwrap_model(self.model)
-        buffers = dict(accelerator.unwrap_model(self.model).named_buffers(remove_duplicate=False))
+        buffers = {_plain_name(name): b for name, b in
+                   accelerator.unwrap_model(self.model).named_buffers(remove_duplicate=False)}
         model = models_mod.materialize(self.skeleton, state, buffers)
         self.skeleton = None
         return model
@@ -625,6 +626,12 @@ class Recipe:
         self.console.print(f"after: {metrics_mod.headline(metrics_after)}")
         self.console.print(f"saved: {model_dir}")
         return saved_with
+
+
+def _plain_name(name: str) -> str:
+    """A parameter or buffer name without the wrappers accelerate may insert (activation checkpointing's
+    ``_checkpoint_wrapped_module``, ``torch.compile``'s ``_orig_mod``), as state dicts name it."""
+    return ".".join(part for part in name.split(".") if part not in ("_checkpoint_wrapped_module", "_orig_mod"))
 
 
 def _trainable(model: nn.Module) -> list[nn.Parameter]:

@@ -98,3 +98,40 @@ def test_two_process_fsdp2_saves_the_gathered_shards(tiny_gpt2, corpus, tmp_path
     assert saved.keys() == checkpoint.keys()
     for name, value in saved.items():
         torch.testing.assert_close(value, checkpoint[name].to(value.dtype), rtol=0, atol=0, msg=name)
+
+
+def test_meta_copy_then_materialize_rebuilds_ties_buffers_and_dtypes():
+    """What save() does under FSDP, without processes: the meta copy costs no memory, keeps the ties
+    and the norm's settings; filling it takes each tie's value from whichever name the gathered state
+    holds, casts to the copy's dtypes, takes a non-persistent buffer from the trained model's buffers
+    (no state dict has it), and refuses to leave anything on the meta device."""
+    from torch import nn
+
+    from normswap.recipes import models as models_mod
+    from normswap.recipes.runner import _plain_name
+
+    class Tiny(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(10, 8)
+            self.norm = normswap.RMSNorm(8, eps=1e-5, bias=True, dtype=torch.bfloat16)
+            self.head = nn.Linear(8, 10, bias=False)
+            self.head.weight = self.emb.weight  # tied
+            self.register_buffer("table", torch.arange(8.0), persistent=False)
+
+    model = Tiny()
+    skeleton = models_mod.meta_copy(model)
+    assert all(t.is_meta for t in (*skeleton.parameters(), *skeleton.buffers()))
+    assert skeleton.head.weight is skeleton.emb.weight and skeleton.norm.eps == 1e-5
+    trained = {"head.weight": torch.randn(10, 8), "norm.weight": torch.rand(8), "norm.bias": torch.rand(8)}
+    buffers = {_plain_name("_checkpoint_wrapped_module.table"): torch.arange(8.0) * 2}
+    with pytest.raises(RuntimeError, match="no value for emb.weight"):
+        models_mod.materialize(models_mod.meta_copy(model), {}, buffers)
+    out = models_mod.materialize(skeleton, trained, buffers)
+    assert out.head.weight is out.emb.weight and torch.equal(out.emb.weight, trained["head.weight"])
+    assert out.norm.weight.dtype == torch.bfloat16
+    assert torch.equal(out.norm.weight, trained["norm.weight"].bfloat16())
+    assert torch.equal(out.table, torch.arange(8.0) * 2)
+    x = torch.randn(3, 8, dtype=torch.bfloat16)
+    want = normswap.rms_norm(x, 8, out.norm.weight, out.norm.bias, eps=1e-5)
+    torch.testing.assert_close(out.norm(x), want, rtol=0, atol=0)  # the norm runs on the real tensors
