@@ -205,7 +205,7 @@ class RMSNorm(nn.Module):
         Host cost: the backend decision is made once per (tensor type, device, dtype, grad state) and
         cached on the module (``normswap.backends.bind``); a call then costs one dict lookup plus the
         bound launcher. The tensor type is in the key because a ``DTensor`` input (tensor parallelism)
-        must not reach a launcher bound for plain tensors (``normswap.backends.rows.DENSE_TYPES``).
+        must not reach a launcher bound for plain tensors (``normswap.backends.rows.dense``).
         Under ``torch.compile``/``torch.export`` or ``torch.jit`` tracing the general (traceable) path
         runs instead.
         """

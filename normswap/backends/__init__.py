@@ -29,7 +29,7 @@ When changes take effect (host cost per call: nothing below is recomputed on a c
   module (``.to``, ``.half()``) or assigning its ``weight``/``bias``/``eps`` clears that module's cache.
 * Tensor subclasses (a ``DTensor`` under FSDP2 or tensor parallelism) never reach the pointer-reading
   ``cpu``/``triton`` kernels: their ``supports`` refuse them and ``auto`` picks ``native``/``eager``,
-  whose aten ops the subclass dispatches (``rows.DENSE_TYPES``).
+  whose aten ops the subclass dispatches (``rows.dense``).
 """
 
 from __future__ import annotations

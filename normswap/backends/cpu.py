@@ -48,7 +48,7 @@ import torch
 from normswap.backends import cpu_build, eager
 from normswap.backends._env import env_reader
 from normswap.backends.cpu_build import DTYPE_CODES, Kernel
-from normswap.backends.rows import DENSE_TYPES, as_rows, compute_dtype, grad_launcher
+from normswap.backends.rows import DENSE_TYPES, as_rows, compute_dtype, dense, grad_launcher
 from normswap.integrations.tracing import outside_tracing
 
 name = "cpu"
@@ -140,7 +140,7 @@ def available() -> tuple[bool, str]:
 
 def _param_ok(p: torch.Tensor, x: torch.Tensor) -> bool:
     # Parameters must match x's trailing dims exactly (plain or per-head), not merely broadcast.
-    if type(p) not in DENSE_TYPES or not p.is_cpu:  # a DTensor (FSDP2, TP) has no pointer to read
+    if not p.is_cpu or not dense(p):  # a DTensor (FSDP2, TP) has no pointer to read
         return False
     pd = p.dim()
     if pd == 1:  # the common case, checked without slicing torch.Size (a per-call cost)
@@ -149,7 +149,7 @@ def _param_ok(p: torch.Tensor, x: torch.Tensor) -> bool:
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None) -> bool:
-    if type(x) not in DENSE_TYPES or not x.is_cpu:  # a DTensor goes to native/eager (rows.DENSE_TYPES)
+    if not x.is_cpu or not dense(x):  # a DTensor goes to native/eager (rows.dense)
         return False
     k = _kernel if _kernel is not None else kernel()
     if k.fn is None or x.dtype not in k.dtypes:
@@ -587,6 +587,7 @@ def try_fast(
     if torch.compiler.is_compiling():  # first: Dynamo then traces nothing below (custom op path instead)
         return None
     k = _kernel
+    # exact types here (the common call); any subclass takes the general path, which asks rows.dense
     if (k is None or k.fn is None or type(x) not in DENSE_TYPES or not x.is_cpu or x.dtype not in k.dtypes
             or len(normalized_shape) != 1):
         return None

@@ -63,7 +63,7 @@ def _param_ok(p: torch.Tensor | None, x: torch.Tensor) -> bool:
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None) -> bool:
-    # plain tensors only: a DTensor (FSDP2, TP) goes to native, which it dispatches (rows.DENSE_TYPES)
+    # no wrapper subclass: a DTensor (FSDP2, TP) goes to native, which it dispatches (rows.dense)
     return (x.dtype in DTYPES and _device_ok(x) and dense(x) and dense(weight) and dense(bias)
             and _param_ok(weight, x) and _param_ok(bias, x))
 
