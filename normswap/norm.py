@@ -82,7 +82,7 @@ backends.track(_FUNCTIONAL)
 
 
 def _param_key(p: torch.Tensor | None) -> tuple | None:
-    return None if p is None else (p.dtype, p.device, p.shape, p.requires_grad)
+    return None if p is None else (type(p), p.dtype, p.device, p.shape, p.requires_grad)
 
 
 def _cached_call(x: torch.Tensor, shape: tuple[int, ...], weight: torch.Tensor | None,
@@ -90,7 +90,7 @@ def _cached_call(x: torch.Tensor, shape: tuple[int, ...], weight: torch.Tensor |
     """The functional call through a cached decision, or None (then the general path runs)."""
     grad = torch.is_grad_enabled() and (
         x.requires_grad or (weight is not None and weight.requires_grad) or (bias is not None and bias.requires_grad))
-    key = (backend, x.device, x.dtype, grad, shape, _param_key(weight), _param_key(bias))
+    key = (backend, type(x), x.device, x.dtype, grad, shape, _param_key(weight), _param_key(bias))
     impls = _FUNCTIONAL.impls
     impl = impls.get(key)
     if impl is None:
@@ -145,7 +145,7 @@ class RMSNorm(nn.Module):
         factory = {"device": device, "dtype": dtype}
         self.weight = nn.Parameter(torch.ones(self.param_shape, **factory)) if elementwise_affine else None
         self.bias = nn.Parameter(torch.zeros(self.param_shape, **factory)) if bias else None
-        self._impls: dict[tuple, backends.Impl] = {}  # (device, dtype, grad) -> bound call; see forward
+        self._impls: dict[tuple, backends.Impl] = {}  # (type, device, dtype, grad) -> bound call; see forward
         backends.track(self)
 
     # The cached decisions depend on these; setting one (or moving/casting the module) drops them.
@@ -155,6 +155,13 @@ class RMSNorm(nn.Module):
         if name == "backend":
             value = backends.check_name(value)  # type: ignore[arg-type]
         super().__setattr__(name, value)
+        if name in RMSNorm._DECISION_INPUTS:
+            self.clear_decisions()
+
+    def register_parameter(self, name: str, param: nn.Parameter | None) -> None:
+        # what torch.distributed.tensor's distribute_module (tensor parallelism) calls to swap in a
+        # DTensor: not __setattr__, so the decisions are dropped here too
+        super().register_parameter(name, param)
         if name in RMSNorm._DECISION_INPUTS:
             self.clear_decisions()
 
@@ -195,8 +202,10 @@ class RMSNorm(nn.Module):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Normalise ``hidden_states`` over the trailing ``normalized_shape`` dims.
 
-        Host cost: the backend decision is made once per (device, dtype, grad state) and cached on the
-        module (``normswap.backends.bind``); a call then costs one dict lookup plus the bound launcher.
+        Host cost: the backend decision is made once per (tensor type, device, dtype, grad state) and
+        cached on the module (``normswap.backends.bind``); a call then costs one dict lookup plus the
+        bound launcher. The tensor type is in the key because a ``DTensor`` input (tensor parallelism)
+        must not reach a launcher bound for plain tensors (``normswap.backends.rows.dense``).
         Under ``torch.compile``/``torch.export`` or ``torch.jit`` tracing the general (traceable) path
         runs instead.
         """
@@ -205,7 +214,7 @@ class RMSNorm(nn.Module):
                             backend=self.backend)
         w, b = self.weight, self.bias
         x = hidden_states
-        key = (x.device, x.dtype, torch.is_grad_enabled() and (
+        key = (type(x), x.device, x.dtype, torch.is_grad_enabled() and (
             x.requires_grad or (w is not None and w.requires_grad) or (b is not None and b.requires_grad)))
         impl = self._impls.get(key)
         if impl is None:

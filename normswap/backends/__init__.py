@@ -21,12 +21,15 @@ When changes take effect (host cost per call: nothing below is recomputed on a c
 * ``NORMSWAP_BACKEND`` is read once per process, at the first RMSNorm call (or the first call of
   :func:`env_backend`); an invalid value fails there with the list of valid names. Availability
   (``find_spec``, ``torch.cuda.is_available``, the device name, the C++ build) is also computed once.
-* Each ``normswap.RMSNorm`` module caches its decision per (device, dtype, grad state); the shape
+* Each ``normswap.RMSNorm`` module caches its decision per (tensor type, device, dtype, grad state); the shape
   class (rows) and CUDA-graph capture are thresholds inside the cached decision, and under
   ``torch.compile`` the module takes the traced path, which decides at trace time.
 * :func:`refresh` re-reads the environment (``NORMSWAP_BACKEND``, ``TRITON_INTERPRET``), forgets
   availability and every module's cached decision. Setting ``module.backend``, moving or casting a
   module (``.to``, ``.half()``) or assigning its ``weight``/``bias``/``eps`` clears that module's cache.
+* Tensor subclasses (a ``DTensor`` under FSDP2 or tensor parallelism) never reach the pointer-reading
+  ``cpu``/``triton`` kernels: their ``supports`` refuse them and ``auto`` picks ``native``/``eager``,
+  whose aten ops the subclass dispatches (``rows.dense``).
 """
 
 from __future__ import annotations
@@ -348,7 +351,7 @@ def bind(
 ) -> Impl:
     """The decision for calls like this one, as a callable ``impl(x, weight, bias, eps)``.
 
-    ``normswap.RMSNorm`` caches it per (device, dtype, grad state), so the rule, the availability
+    ``normswap.RMSNorm`` caches it per (tensor type, device, dtype, grad state), so the rule, the availability
     checks and ``supports`` run once per module and key, not per call. On CUDA with ``auto`` the
     callable keeps the shape-class and graph-capture thresholds and compares ``x.numel()`` with them
     (the capture query runs only for sizes where eager and graph rules disagree).

@@ -48,7 +48,7 @@ import torch
 from normswap.backends import cpu_build, eager
 from normswap.backends._env import env_reader
 from normswap.backends.cpu_build import DTYPE_CODES, Kernel
-from normswap.backends.rows import as_rows, compute_dtype, grad_launcher
+from normswap.backends.rows import DENSE_TYPES, as_rows, compute_dtype, dense, grad_launcher
 from normswap.integrations.tracing import outside_tracing
 
 name = "cpu"
@@ -140,7 +140,7 @@ def available() -> tuple[bool, str]:
 
 def _param_ok(p: torch.Tensor, x: torch.Tensor) -> bool:
     # Parameters must match x's trailing dims exactly (plain or per-head), not merely broadcast.
-    if not p.is_cpu:
+    if not p.is_cpu or not dense(p):  # a DTensor (FSDP2, TP) has no pointer to read
         return False
     pd = p.dim()
     if pd == 1:  # the common case, checked without slicing torch.Size (a per-call cost)
@@ -149,7 +149,7 @@ def _param_ok(p: torch.Tensor, x: torch.Tensor) -> bool:
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None) -> bool:
-    if not x.is_cpu:
+    if not x.is_cpu or not dense(x):  # a DTensor goes to native/eager (rows.dense)
         return False
     k = _kernel if _kernel is not None else kernel()
     if k.fn is None or x.dtype not in k.dtypes:
@@ -587,21 +587,24 @@ def try_fast(
     if torch.compiler.is_compiling():  # first: Dynamo then traces nothing below (custom op path instead)
         return None
     k = _kernel
-    if k is None or k.fn is None or not x.is_cpu or x.dtype not in k.dtypes or len(normalized_shape) != 1:
+    # exact types here (the common call); any subclass takes the general path, which asks rows.dense
+    if (k is None or k.fn is None or type(x) not in DENSE_TYPES or not x.is_cpu or x.dtype not in k.dtypes
+            or len(normalized_shape) != 1):
         return None
     n = normalized_shape[0]
     grad = x.requires_grad
     for p in (weight, bias):
         if p is not None:
-            if p.dim() != 1 or p.shape[0] != n or p.dtype != x.dtype or not p.is_cpu:
+            if type(p) not in DENSE_TYPES or p.dim() != 1 or p.shape[0] != n or p.dtype != x.dtype or not p.is_cpu:
                 return None
             grad = grad or p.requires_grad
     if not x.is_contiguous() or x.dim() == 0 or x.shape[-1] != n:
         return None
     if grad and torch.is_grad_enabled():
         op = _OP[0]
-        if op is not None and x.dtype in _OP_DTYPES and x.numel() * x.element_size() < _POOL_MIN_BYTES:
-            return op(x, weight, bias, eps)
+        if (op is not None and x.dtype in _OP_DTYPES and x.numel() * x.element_size() < _POOL_MIN_BYTES
+                and (weight is None or weight.is_contiguous()) and (bias is None or bias.is_contiguous())):
+            return op(x, weight, bias, eps)  # the operator reads the parameters by pointer
         if op is None and x.dtype in _OP_DTYPES:
             autograd_op()  # starts the background build on the first grad-mode call
         return _RMSNormCPU.apply(x, normalized_shape, weight, bias, eps)
@@ -621,12 +624,15 @@ def bind(
     What the cache key fixes (device, dtype, grad) and what the module fixes (parameter shapes and
     dtypes; moving or casting the module drops the cache) is checked here once. Per call it checks only
     that the last dim is the normalised one (anything else returns None: the caller's general path
-    raises the error); contiguity is handled inside :func:`_run`.
+    raises the error); an input's contiguity is handled inside :func:`_run`. Parameters must be
+    contiguous to be bound (their pointers are read per call); a strided one takes the general path.
     """
     k = kernel()
     if k.fn is None or len(normalized_shape) != 1 or not supports(x, weight, bias):
         return None
-    if any(p is not None and (p.dim() != 1 or p.dtype != x.dtype) for p in (weight, bias)):
+    # the launchers below hand the parameters' pointers to the kernel, which reads n contiguous values
+    # (a strided 1-D view would be read wrongly): anything else goes through _params on the general path
+    if any(p is not None and (p.dim() != 1 or p.dtype != x.dtype or not p.is_contiguous()) for p in (weight, bias)):
         return None
     n = normalized_shape[0]
     if grad:

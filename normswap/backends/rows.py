@@ -8,6 +8,23 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+#: The tensor types the pointer-reading kernels (``cpu``, ``triton``) take without a second look.
+DENSE_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
+def dense(t: torch.Tensor | None) -> bool:
+    """``t`` is None or a tensor whose storage is its data, which a kernel can read by pointer.
+
+    Not a wrapper subclass such as a ``DTensor`` (FSDP2 shards, tensor parallelism) or a quantised
+    tensor: their own storage is not their values, so a kernel handed its pointer would read garbage
+    or crash; such calls go to ``native``/``eager``, whose aten ops the subclass dispatches itself (a
+    DTensor through its sharding rules). The tensors tracing substitutes for plain ones (fake and
+    functional tensors under ``torch.export``/``torch.compile``) are not wrappers and stay dense, so a
+    traced program keeps the fused custom ops.
+    """
+    return t is None or type(t) in DENSE_TYPES or not is_traceable_wrapper_subclass(t)
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -30,7 +30,7 @@ import os
 import torch
 
 from normswap.backends import eager, native
-from normswap.backends.rows import as_rows, compute_dtype, grad_launcher
+from normswap.backends.rows import as_rows, compute_dtype, dense, grad_launcher
 
 name = "triton"
 MAX_N = 32768
@@ -63,7 +63,9 @@ def _param_ok(p: torch.Tensor | None, x: torch.Tensor) -> bool:
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None) -> bool:
-    return x.dtype in DTYPES and _device_ok(x) and _param_ok(weight, x) and _param_ok(bias, x)
+    # no wrapper subclass: a DTensor (FSDP2, TP) goes to native, which it dispatches (rows.dense)
+    return (x.dtype in DTYPES and _device_ok(x) and dense(x) and dense(weight) and dense(bias)
+            and _param_ok(weight, x) and _param_ok(bias, x))
 
 
 # ------------------------------------------------------------------------------------ launching
@@ -525,7 +527,7 @@ def supports_residual(
     n = math.prod(normalized_shape)
     if not (len(normalized_shape) and 0 < n <= MAX_N and supports(x, weight, bias)):
         return False
-    if residual.shape != x.shape or residual.dtype != x.dtype or residual.device != x.device:
+    if not dense(residual) or residual.shape != x.shape or residual.dtype != x.dtype or residual.device != x.device:
         return False
     wrows = weight.numel() // n if weight is not None else 1
     brows = bias.numel() // n if bias is not None else 1

@@ -267,6 +267,62 @@ def finalize(model: nn.Module) -> nn.Module:
     return model
 
 
+def meta_copy(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` whose parameters and buffers are on the meta device (no memory).
+
+    Taken before FSDP shards the model: afterwards its parameters are ``DTensor`` shards and its modules
+    FSDP subclasses, so the final model is rebuilt from this copy and the gathered weights
+    (:func:`materialize`). Ties survive (a shared tensor is copied once), and so does everything that is
+    not a tensor (the conversion plan, configs, norm settings).
+    """
+    memo: dict[int, Any] = {}
+    for t in (*model.parameters(), *model.buffers()):
+        meta = torch.empty_like(t, device="meta")
+        memo[id(t)] = nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
+    return copy.deepcopy(model, memo)
+
+
+def materialize(skeleton: nn.Module, state: dict[str, torch.Tensor],
+                buffers: dict[str, torch.Tensor]) -> nn.Module:
+    """Fill :func:`meta_copy`'s ``skeleton`` in place with real tensors and return it.
+
+    ``state`` is the gathered full state dict (parameter values, cast to the skeleton's dtypes);
+    ``buffers`` the trained model's buffers by name (FSDP does not shard buffers, and a non-persistent
+    one, such as a position-id table, is in no state dict). A parameter registered under several names
+    (a tie) becomes one tensor again, whichever of its names ``state`` holds. Anything left on the meta
+    device raises (a bug, not a user error: it would be saved as garbage).
+    """
+    names: dict[int, list[tuple[nn.Module, str, str]]] = {}
+    for prefix, module in skeleton.named_modules(remove_duplicate=False):
+        for attr, p in module._parameters.items():
+            if p is not None:
+                names.setdefault(id(p), []).append((module, attr, f"{prefix}.{attr}" if prefix else attr))
+    done: dict[int, nn.Parameter] = {}
+    for key, sites in names.items():
+        module, attr, _ = sites[0]
+        meta = module._parameters[attr]
+        found = next((state[full] for _, _, full in sites if full in state), None)
+        if found is None:
+            continue
+        done[key] = nn.Parameter(found.detach().to("cpu", meta.dtype), requires_grad=meta.requires_grad)
+        for owner, name, _ in sites:
+            owner._parameters[name] = done[key]  # not setattr: nothing of the module's own reacts to it
+    for prefix, module in skeleton.named_modules(remove_duplicate=False):
+        for attr, b in list(module._buffers.items()):
+            full = f"{prefix}.{attr}" if prefix else attr
+            value = buffers.get(full, state.get(full))
+            if b is not None and value is not None:
+                module._buffers[attr] = value.detach().to("cpu", b.dtype)
+    left = [n for n, t in (*skeleton.named_parameters(), *skeleton.named_buffers()) if t.is_meta]
+    if left:
+        raise RuntimeError(f"the gathered state dict has no value for {', '.join(left[:5])}")
+    for module in skeleton.modules():  # e.g. normswap.RMSNorm: decisions were made for other tensors
+        clear = getattr(module, "clear_decisions", None)
+        if callable(clear):
+            clear()
+    return skeleton
+
+
 def trainable_summary(model: nn.Module) -> dict[str, int]:
     total = sum(p.numel() for p in model.parameters())
     train = sum(p.numel() for p in model.parameters() if p.requires_grad)

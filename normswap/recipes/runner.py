@@ -39,7 +39,9 @@ from normswap.recipes.config import RecipeConfig, load_config, selection_metric
 
 @dataclass
 class RunResult:
-    """What a recipe run produced. ``model`` is the final student (LoRA merged), in eval mode."""
+    """What a recipe run produced. ``model`` is the final student (LoRA merged), in eval mode: on the
+    run's device, or under FSDP gathered on CPU on the main process (the other processes keep their
+    sharded module)."""
 
     output_dir: str
     model_dir: str | None
@@ -372,6 +374,9 @@ class Recipe:
         ds_plugin = getattr(accelerator.state, "deepspeed_plugin", None)
         if ds_plugin is not None:  # no prepared dataloader tells DeepSpeed the micro-batch size
             ds_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = cfg.data.batch_size
+        # FSDP turns the parameters into shards: keep the unsharded structure (meta, no memory) to build
+        # the final model from the gathered weights in save()
+        self.skeleton = models_mod.meta_copy(model) if accelerator.distributed_type == DistributedType.FSDP else None
         self.model, self.optimizer = accelerator.prepare(model, optimizer)
         accelerator.register_for_checkpointing(self.scheduler)
         if self.teacher is not None:
@@ -453,7 +458,7 @@ class Recipe:
                 loss, parts = _loss(self.task, cfg, model, self.teacher, batch, accelerator.autocast)
                 accelerator.backward(loss)
                 if accelerator.sync_gradients and cfg.train.max_grad_norm:
-                    accelerator.clip_grad_norm_(self.params, cfg.train.max_grad_norm)
+                    accelerator.clip_grad_norm_(_trainable(model), cfg.train.max_grad_norm)
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
             self.seen_tokens += int(batch["attention_mask"].sum()) * accelerator.num_processes
@@ -466,7 +471,6 @@ class Recipe:
     def train(self) -> None:
         """The training loop: log, evaluate, swap progressive stages and checkpoint on schedule."""
         cfg = self.cfg
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.console = _Console(self.main, cfg.log.progress_bar, cfg.train.steps, self.step)
         window: dict[str, float] = {}
         window_n = 0
@@ -548,7 +552,7 @@ class Recipe:
         kept_step = best.step if best.state is not None else self.step
         if not self.stopped_early:
             self.log.write({"step": kept_step, "split": "after", **metrics_after})
-        unwrapped = models_mod.finalize(accelerator.unwrap_model(self.model))
+        unwrapped = models_mod.finalize(self._final_model())
         unwrapped.eval()
         model_dir, saved_with = None, None
         if not self.stopped_early:
@@ -575,6 +579,22 @@ class Recipe:
             model=unwrapped,
             main_process=self.main,
         )
+
+    def _final_model(self) -> nn.Module:
+        """The trained student as one plain module. Under FSDP: gathered from every process's shards
+        (a collective: every process calls it) into the unsharded structure kept before sharding, on
+        the main process (on CPU); the others keep their sharded module (they write nothing)."""
+        accelerator = self.accelerator
+        if self.skeleton is None or self.stopped_early:
+            return accelerator.unwrap_model(self.model)
+        state = accelerator.get_state_dict(self.model)  # full tensors, on CPU, on the main process only
+        if not self.main:
+            return accelerator.unwrap_model(self.model)
+        buffers = {_plain_name(name): b for name, b in
+                   accelerator.unwrap_model(self.model).named_buffers(remove_duplicate=False)}
+        model = models_mod.materialize(self.skeleton, state, buffers)
+        self.skeleton = None
+        return model
 
     def _write_model(self, model: nn.Module, model_dir: str, metrics_after: dict[str, float],
                      kept_step: int) -> str:
@@ -606,6 +626,26 @@ class Recipe:
         self.console.print(f"after: {metrics_mod.headline(metrics_after)}")
         self.console.print(f"saved: {model_dir}")
         return saved_with
+
+
+def _plain_name(name: str) -> str:
+    """A parameter or buffer name without the wrappers accelerate may insert (activation checkpointing's
+    ``_checkpoint_wrapped_module``, ``torch.compile``'s ``_orig_mod``), as state dicts name it."""
+    return ".".join(part for part in name.split(".") if part not in ("_checkpoint_wrapped_module", "_orig_mod"))
+
+
+def _trainable(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters to clip, read at the clip (after backward), not once before training.
+
+    Under FSDP2 a module's parameters are swapped between the sharded ``DTensor`` (what the optimizer
+    steps, and what backward leaves registered) and a plain unsharded tensor (registered from a forward
+    until the reshard; the root and the final-norm group are not resharded after a no-grad forward such
+    as the held-out evaluation). A list taken before training held those stale unsharded tensors:
+    accelerate's FSDP ``clip_grad_norm_`` compares the list with ``model.parameters()`` (an ``aten.eq``
+    of a plain tensor with a ``DTensor``, which raises), and their gradients are never the sharded ones.
+    Read after backward, the list is the model's own parameter objects (the same ones, every step).
+    """
+    return [p for p in model.parameters() if p.requires_grad]
 
 
 def _replicas_in_sync(accelerator: Any, model: nn.Module) -> bool | None:

@@ -471,3 +471,36 @@ def test_operator_can_be_disabled(monkeypatch):
     monkeypatch.setenv("NORMSWAP_CPU_OP", "0")
     o = cpu_build.build_op(0, False, 1 << 40)
     assert o.op is None and "NORMSWAP_CPU_OP=0" in o.reason
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_strided_one_dim_parameters_are_read_by_stride(dtype):
+    """A 1-D weight or bias that is a strided view (``nn.Parameter(t[::2])``) is read element by element
+    on every path: the module's cached no-grad launcher (it read 768 consecutive values: wrong output),
+    the grad-mode operator (it refused the call) and the functional fast path; values and gradients
+    against the float64 reference."""
+    cpu.autograd_op(wait=True)  # the grad path through the operator where it builds (else the Function)
+    g = torch.Generator().manual_seed(7)
+    wide_w = (1 + 0.5 * torch.randn(2 * 96, generator=g, dtype=torch.float64)).to(dtype)
+    wide_b = torch.randn(3 * 96, generator=g, dtype=torch.float64).to(dtype)
+    m = normswap.RMSNorm(96, eps=1e-5, bias=True, dtype=dtype)
+    m.weight, m.bias = torch.nn.Parameter(wide_w[::2]), torch.nn.Parameter(wide_b[::3])
+    assert not m.weight.is_contiguous() and not m.bias.is_contiguous()
+    x = torch.randn(5, 96, generator=g, dtype=torch.float64).to(dtype)
+    with torch.no_grad():
+        for y in (m(x), m(x), normswap.rms_norm(x, 96, m.weight, m.bias, eps=1e-5)):  # decide, then cached
+            check_against_reference(y, x, (96,), m.weight, m.bias, 1e-5, "no grad")
+    xg = x.clone().requires_grad_(True)
+    for y in (m(xg), m(xg), normswap.rms_norm(xg, 96, m.weight, m.bias, eps=1e-5)):
+        check_against_reference(y, x, (96,), m.weight, m.bias, 1e-5, "grad")
+        dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(1)).to(dtype)
+        got = torch.autograd.grad(y, (xg, m.weight, m.bias), dy)
+        x64 = x.double().requires_grad_(True)
+        w64, b64 = (m.weight.detach().double().requires_grad_(True), m.bias.detach().double().requires_grad_(True))
+        want = torch.autograd.grad(ref64_graph(x64, w64, b64, 1e-5), (x64, w64, b64), dy.double())
+        for a, r in zip(got, want, strict=True):
+            torch.testing.assert_close(a.double(), r, rtol=0, atol=0.05 if dtype == torch.bfloat16 else 1e-4)
+
+
+def ref64_graph(x, w, b, eps):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w + b
