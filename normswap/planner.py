@@ -319,12 +319,12 @@ def _commit_writer_edits(an: Analyzer, site_terms: dict[int, list[Term]], term_s
     **Rule: a writer behind a centering op stays as it is.** When every path from a writer's output to
     the norms passes through a stream-start centering op (one the plan inserts anyway, for a term no
     weight edit can center), that op makes the sum zero-mean whatever the writer adds, so centering
-    the writer too changes nothing in float64 and only adds one more bf16 rounding of its weights
-    (Whisper's encoder position table, added right after the conv+GELU stem: the centered table
-    rounded worse than the original's). A writer (a module: every call of it) that reaches some norm
-    past every op keeps its edit. Per-norm ops (``per_norm_centering``) do not count: they are opt-in
-    and their plans stay as they were. Such a term is then centered by the op: ``term_status`` says so,
-    and the verdict loop finds the op the way it does for the term that needed it.
+    the writer too changes nothing in float64: the writer keeps its original weights, one edit fewer
+    (Whisper's encoder position table, added right after the conv+GELU stem; in bf16 this measured
+    neutral to slightly worse on real Whisper, docs/results/field.md). A writer (a module: every call
+    of it) that reaches some norm past every op keeps its edit. Per-norm ops (``per_norm_centering``) do
+    not count: they are opt-in, and their plans stay as they were. Such a term is then centered by
+    the op: ``term_status`` says so, and the verdict loop finds the op as for the term that needed it.
     """
     stops = {vid for vid, (hook, _) in hooks.items() if not hook.per_norm}
     behind = {v for v, (ok, _) in term_status.items() if ok and stops and an.behind(v, stops)}
