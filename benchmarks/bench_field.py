@@ -23,7 +23,9 @@ For a Whisper directory (``model_type`` ``whisper``; speech clips from ``--speec
 * the written directory reloaded (``normswap.load`` and ``AutoModelForSpeechSeq2Seq`` after
   ``import normswap``): logits under teacher forcing on the original's own transcripts against the
   float64 original (fp32 error; bf16 error over the original's bf16 error); greedy transcripts of
-  the converted model (float32 and bfloat16) against the original's; ``generate()`` as users call it.
+  the converted model (float32 and bfloat16) against the original's; ``generate()`` as users call it;
+* ``--stages placement``: the bf16 error ratio of the default conversion (β placement rule) against
+  ``beta_placement="fold"`` (β folded wherever the readers can take it), and how many norms keep β.
 
     python benchmarks/bench_field.py minilm=/path/all-MiniLM-L6-v2 mpnet=/path/all-mpnet-base-v2 \\
         --json field.jsonl
@@ -326,7 +328,7 @@ def greedy_all(model: torch.nn.Module, feats: torch.Tensor, prompt: list[int], e
     return chunked(lambda f: greedy(model, f, prompt, eos), feats, size=8)
 
 
-WHISPER_STAGES = ("transcripts", "real-inputs", "errors", "rounding", "keep-beta")
+WHISPER_STAGES = ("transcripts", "real-inputs", "errors", "rounding", "keep-beta", "placement")
 
 
 def patch_keeping_beta(model: torch.nn.Module, example_inputs: dict) -> None:
@@ -433,7 +435,7 @@ def whisper_row(name: str, src: Path, speech_dir: Path, row: dict, out: Path, cl
     else:  # the float32 surgery for the error figures: patch at a batch of clips
         patched = copy.deepcopy(original)
         normswap.patch(patched, example_inputs=whisper_inputs_of(speech, batch, speech.prefix))
-    if not {"errors", "rounding", "keep-beta"} & set(stages):
+    if not {"errors", "rounding", "keep-beta", "placement"} & set(stages):
         return
 
     # errors against the float64 original, teacher-forced on the original's transcripts
@@ -478,6 +480,24 @@ def whisper_row(name: str, src: Path, speech_dir: Path, row: dict, out: Path, cl
         err["bf16_ratio_beta_kept_positions_restored"] = err["bf16_beta_kept_positions_restored_rel_rms_error"] / o16
         row["keep_beta"] = dict(err)
         print(json.dumps({"model": name, "keep_beta": row["keep_beta"]}), flush=True)
+    if "placement" in stages:
+        # the β placement rule (the default) against folding β wherever the readers can take it
+        from normswap.plan import BETA_KEPT_WHY
+
+        folded = copy.deepcopy(original)
+        normswap.patch(folded, example_inputs=whisper_inputs_of(speech, batch, speech.prefix),
+                       beta_placement="fold")
+        plan = normswap.plan_of(patched)
+        place: dict[str, Any] = {"norms_with_beta": sum(bool(s.beta_detail) for s in plan.sites),
+                                 "beta_kept": sum(s.beta_detail.startswith(BETA_KEPT_WHY) for s in plan.sites),
+                                 "writer_tensors_centered": len(plan.writer_edits)}
+        for key, model in (("bf16_original", original), ("bf16_fold", folded), ("bf16_rounding", patched)):
+            place[key] = masked_rel_rms(ref, logits(copy.deepcopy(model).to(torch.bfloat16)), mask)
+        place["fp32_rounding"] = masked_rel_rms(ref, logits(patched), mask)
+        place["bf16_ratio_fold"] = place["bf16_fold"] / place["bf16_original"]
+        place["bf16_ratio_rounding"] = place["bf16_rounding"] / place["bf16_original"]
+        row["placement"] = place
+        print(json.dumps({"model": name, "placement": place}), flush=True)
     if "errors" not in stages:
         return
     measure("fp32_original_rel_rms_error", original)

@@ -720,6 +720,26 @@ class Analyzer:
                     cands.append((vid, CenterHook(call.path, "input", slot)))
         return cands
 
+    def behind(self, vid: int, stops: set[int], norm_inputs: set[int] | None = None) -> bool:
+        """Does every path from value ``vid`` to a norm's input pass through one of the values ``stops``?
+
+        ``norm_inputs``: only paths to these values count (default: the input of every norm). A plain
+        walk over the graph (every consumer, every output: more paths than the index maps follow, so a
+        ``True`` is never optimistic); ``False`` as soon as such an input is reached past ``stops``.
+        """
+        targets = self.input_to_sites if norm_inputs is None else norm_inputs
+        stack, seen = [vid], set()
+        while stack:
+            v = stack.pop()
+            if v in stops or v in seen:
+                continue
+            seen.add(v)
+            if v in targets:
+                return False
+            for op_index in self.graph.values[v].consumers:
+                stack.extend(self.graph.ops[op_index].outputs)
+        return True
+
     def hook_valid(self, vid: int) -> Reach | None:
         reach = self.reach(vid, -1)
         if reach.conflict or reach.blockers or any("hidden_state" not in o for o in reach.outputs):

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from normswap import calibrate, inputs, surgery, trace, walker
+from normswap import beta_placement, calibrate, inputs, surgery, trace, walker
 from normswap.errors import NaNOutputs, NormswapError, first_line
 from normswap.integrations import hooks, wrappers
 from normswap.options import ConvertOptions
@@ -316,7 +316,9 @@ def analysed_copy(model: nn.Module, args: tuple, kwargs: dict,
     work = working_copy(model)
     wargs, wkwargs = inputs.cast_inputs(args, kwargs, _dtype_of(work))
     try:
-        return work, wargs, wkwargs, analyse_copy(work, wargs, wkwargs, opts)
+        an = analyse_copy(work, wargs, wkwargs, opts)
+        place_beta(work, an, opts)
+        return work, wargs, wkwargs, an
     except NaNOutputs as exc:
         if _dtype_of(work) == _dtype_of(model):
             raise
@@ -331,7 +333,17 @@ def analysed_copy(model: nn.Module, args: tuple, kwargs: dict,
         raise in_float64 from None
     an.plan.options["working_dtype"] = (f"{str(dtype).removeprefix('torch.')}: {type(model).__name__} computes NaN "
                                         "in float64, not in its own dtype")
+    place_beta(work, an, opts)
     return work, wargs, wkwargs, an
+
+
+def place_beta(work: nn.Module, an: _Analysis, opts: ConvertOptions) -> None:
+    """:func:`normswap.beta_placement.place_beta` on the plan, from the working copy's (unedited) weights.
+
+    Not part of :func:`analyse_copy`: the streaming path analyses random-weight proxies and takes this
+    decision later, on the checkpoint's tensors."""
+    beta_placement.place_beta(an.plan, lambda name: work.get_parameter(name).detach(),
+                              lambda norm: an.sites[norm].beta(work.get_submodule(norm)), opts.beta_placement)
 
 
 def find_norms(model: nn.Module, example_inputs: inputs.ExampleInputs = None) -> walker.WalkResult:

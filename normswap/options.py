@@ -16,6 +16,7 @@ from typing import Any
 from normswap.errors import NormswapError
 
 MODES = ("auto", "exact", "all")
+BETA_PLACEMENTS = ("rounding", "fold")  # where β goes in a default conversion (normswap.beta_placement)
 FORMATS = ("native", "compat")
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # checkpoint dtypes ``convert`` can write
 ROTATIONS = ("hadamard", "random")  # the rotations ``rotate`` builds (normswap.rotate also takes a seed or a matrix)
@@ -59,6 +60,11 @@ class ConvertOptions:
             the native format stores the slot (a ``bias`` tensor the stock class lacks), the compat format
             moves the shift back into the stock LayerNorm's bias, and the low-memory path plans without
             slots. ``False``: β/γ stays in the norm (the behaviour before this option).
+        beta_placement: where a norm's β goes in a default conversion (no ``fold_gamma``):
+            ``"rounding"`` (default) folds it into the readers' biases unless that would round worse in
+            bfloat16 than the original's own path, and then keeps it in the RMSNorm
+            (:mod:`normswap.beta_placement`; each norm's ``beta_detail`` says which and why);
+            ``"fold"`` folds it wherever the readers can take it (the behaviour before this option).
         untie: clone tied output heads so the input embedding can be centered. ``False`` keeps the
             tie and centers at run time instead (one centering op per token).
         per_norm_centering: make Post-LN norms exact with one mean subtraction before each (verdict
@@ -91,6 +97,7 @@ class ConvertOptions:
     mode: str = "auto"
     fold_gamma: bool = False
     bias_slots: bool = True
+    beta_placement: str = "rounding"
     untie: bool = True
     per_norm_centering: bool = False
     mean_carry: bool = True
@@ -109,6 +116,7 @@ class ConvertOptions:
         from normswap import backends  # the registry of backend names (imports torch kernels)
 
         choose("mode", self.mode, MODES)
+        choose("beta_placement", self.beta_placement, BETA_PLACEMENTS)
         if self.rotate is not None:
             choose("rotate", self.rotate, ROTATIONS)
             object.__setattr__(self, "fold_gamma", True)  # rotation needs unit-weight norms

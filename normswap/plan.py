@@ -88,6 +88,7 @@ class BetaMove:
 
 
 KEY_DROP_WHY = "keys: softmax over the keys ignores a constant key shift"
+BETA_KEPT_WHY = "kept in the RMSNorm: folding it into the reader biases would round worse in bf16"
 VALUE_MOVE_WHY = "values: attention weights sum to 1 over the keys, so the shift passes through"
 
 
@@ -302,6 +303,9 @@ class Plan:
             extra.append(f"β dropped at {dropped} key projection(s)")
         if self.beta_moves:
             extra.append(f"β moved through attention into {len(self.beta_moves)} output bias(es)")
+        kept = sum(s.beta_detail.startswith(BETA_KEPT_WHY) for s in self.sites)
+        if kept:
+            extra.append(f"β kept in {kept} RMSNorm(s) (folding would round worse in bf16)")
         if self.hooks:
             extra.append(f"{len(self.hooks)} centering op(s)")
         if self.centered_readers:

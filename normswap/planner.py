@@ -119,6 +119,9 @@ def analyse(model: nn.Module, graph: Graph, sites: list[NormSite], *, untie: boo
         vid = an.site_input[call.id]
         site_terms[call.id] = an.leaves(vid) if vid is not None else []
         an.stream_writers |= {t.module_path for t in site_terms[call.id] if t.kind == "module"}
+    # the edits each centerable term needs: committed below, once the centering ops are known
+    term_edits: dict[int, tuple[list[WriterEdit], list[Untie]]] = {}
+    module_edits: dict[str, tuple[list[WriterEdit], list[Untie]]] = {}
     for call in an.site_calls:
         for term in site_terms[call.id]:
             if term.value in term_status:
@@ -127,18 +130,13 @@ def analyse(model: nn.Module, graph: Graph, sites: list[NormSite], *, untie: boo
                 if term.module_path not in module_ok:
                     es, us, why = an.module_centering(term.module_path)
                     module_ok[term.module_path] = why
-                    if why is None:
-                        for e in es:
-                            edits.setdefault(e.target, e)
-                        for u in us:
-                            unties.setdefault((u.module, u.attr), u)
+                    module_edits[term.module_path] = (es, us) if why is None else ([], [])
                 why = module_ok[term.module_path]
+                term_edits[term.value] = module_edits[term.module_path]
                 term_status[term.value] = (why is None, f"{term.label} {why}" if why else "")
             elif term.kind == "param":
                 es, why = an.param_centering(term)
-                if why is None:
-                    for e in es:
-                        edits.setdefault(e.target, e)
+                term_edits[term.value] = (es if why is None else [], [])
                 term_status[term.value] = (why is None, f"{term.label} {why}" if why else "")
             else:
                 term_status[term.value] = (False, term.label)
@@ -190,6 +188,9 @@ def analyse(model: nn.Module, graph: Graph, sites: list[NormSite], *, untie: boo
                 if found:
                     break
 
+    # --- writer edits, less those a stream-start centering op makes redundant
+    _commit_writer_edits(an, site_terms, term_status, term_edits, hooks, edits, unties)
+
     # --- readers of every norm (a Linear may read several norms: then nothing folds into it)
     site_readers: dict[str, tuple[set[str], list[str]]] = {}
     reader_sources: dict[str, set[str]] = {}
@@ -224,6 +225,8 @@ def analyse(model: nn.Module, graph: Graph, sites: list[NormSite], *, untie: boo
                 downstream = an.reach(term.value, -1).mapped
                 hook = next((h for v, (h, reach) in hooks.items()
                              if call.id in reach.site_rows and v in downstream), None)
+                if hook is not None and not an.behind(term.value, set(hooks), {an.site_input[call.id]}):
+                    hook = None  # the term also reaches this norm past every op (added twice to the stream)
                 if hook is not None:
                     centered_by.append(hook)
                     continue
@@ -304,6 +307,52 @@ def analyse(model: nn.Module, graph: Graph, sites: list[NormSite], *, untie: boo
                 changed |= set(an.reach(c.outputs[0], OUTPUT_AXIS[e.kind]).outputs)
     plan.changed_outputs = sorted(changed | an.cache_outputs)
     return plan
+
+
+def _commit_writer_edits(an: Analyzer, site_terms: dict[int, list[Term]], term_status: dict[int, tuple[bool, str]],
+                         term_edits: dict[int, tuple[list[WriterEdit], list[Untie]]],
+                         hooks: dict[int, tuple[CenterHook, Reach]], edits: dict[str, WriterEdit],
+                         unties: dict[tuple[str, str], Untie]) -> None:
+    """Record the writer edits (and the unties they need) of every term centered by surgery, except
+    for a writer the plan's centering ops already center.
+
+    **Rule: a writer behind a centering op stays as it is.** When every path from a writer's output to
+    the norms passes through a stream-start centering op (one the plan inserts anyway, for a term no
+    weight edit can center), that op makes the sum zero-mean whatever the writer adds, so centering
+    the writer too changes nothing in float64: the writer keeps its original weights, one edit fewer
+    (Whisper's encoder position table, added right after the conv+GELU stem; in bf16 this measured
+    neutral to slightly worse on real Whisper, docs/results/field.md). A writer (a module: every call
+    of it) that reaches some norm past every op keeps its edit. Per-norm ops (``per_norm_centering``) do
+    not count: they are opt-in, and their plans stay as they were. Such a term is then centered by
+    the op: ``term_status`` says so, and the verdict loop finds the op as for the term that needed it.
+    """
+    stops = {vid for vid, (hook, _) in hooks.items() if not hook.per_norm}
+    behind = {v for v, (ok, _) in term_status.items() if ok and stops and an.behind(v, stops)}
+    by_module: dict[str, set[int]] = {}
+    for terms in site_terms.values():
+        for term in terms:
+            if term.kind == "module" and term.module_path is not None:
+                by_module.setdefault(term.module_path, set()).add(term.value)
+    for terms in site_terms.values():
+        for term in terms:
+            if term.value not in behind:
+                continue
+            if term.kind == "module" and not by_module[term.module_path] <= behind:
+                behind.discard(term.value)  # another call of the same writer reaches a norm directly
+    for terms in site_terms.values():
+        for term in terms:
+            ok, _ = term_status[term.value]
+            if term.value in behind:
+                term_status[term.value] = (False, f"{term.label} (left uncentered: a centering op centers "
+                                                  "every stream it reaches)")
+                continue
+            if not ok:
+                continue
+            es, us = term_edits[term.value]
+            for e in es:
+                edits.setdefault(e.target, e)
+            for u in us:
+                unties.setdefault((u.module, u.attr), u)
 
 
 def _site_carries(an: Analyzer, calls: list, problem_calls: dict[int, list[Term]], site_terms: dict,

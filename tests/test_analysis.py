@@ -324,3 +324,83 @@ def test_a_writer_that_is_also_a_model_output_cannot_be_centered():
     assert why == "output is also returned as `[1]`"
     assert plan.site("n").verdict == "approximate" and not plan.writer_edits
     assert plan.site("n").reason.startswith("stream written by `inp` (Linear) output is also returned as `[1]`")
+
+
+# ------------------------------------------------------------------ writers behind a centering op
+class StemNet(nn.Module):
+    """A non-linear stem (Linear + GELU, as Whisper's conv stem) plus a learned position table, then Pre-LN
+    blocks. ``late``: the stem joins the stream before block 1, and a Linear writes beside the table."""
+
+    def __init__(self, d: int = 16, layers: int = 2, late: bool = False) -> None:
+        super().__init__()
+        self.stem, self.inp = nn.Linear(6, d), nn.Linear(6, d)
+        self.pos = nn.Parameter(torch.randn(12, d))
+        self.blocks = nn.ModuleList(PreBlock(d, 4) for _ in range(layers))
+        self.n_f, self.out = nn.LayerNorm(d), nn.Linear(d, 3)
+        self.late = late
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s = nn.functional.gelu(self.stem(x))
+        h = self.pos[:x.shape[1]] + (self.inp(x) if self.late else s)
+        for i, block in enumerate(self.blocks):
+            h = block(h + s if self.late and i == 1 else h)
+        return self.out(self.n_f(h))
+
+
+def _exact(model, converted, probe):
+    with torch.no_grad():
+        torch.testing.assert_close(converted(probe), model(probe), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("late", [False, True])
+def test_a_writer_behind_a_centering_op_is_left_uncentered_and_the_conversion_stays_exact(late):
+    """The op where the stem joins the stream centers the sum, so centering a writer whose every path to
+    the norms passes that op is redundant (and one more bf16 rounding of its weights); a writer that
+    reaches a norm before the op keeps its edit."""
+    import normswap
+
+    x = torch.randn(3, 9, 6, dtype=torch.float64)
+    model = randomise(StemNet(late=late), seed=3)
+    converted = copy.deepcopy(model)
+    report = normswap.patch(converted, example_inputs=(x,))
+    plan = report.plan
+    assert [(h.module, h.where) for h in plan.hooks] == [(f"blocks.{int(late)}", "input")]
+    owners = {e.owner or e.target for e in plan.writer_edits}
+    if late:  # the table and `inp` write block 0's norms directly; block 0's MLP writes only past the op
+        assert {"pos", "inp", "blocks.0.attn.proj"} <= owners and "blocks.0.mlp.down" not in owners
+        assert [s.verdict for s in plan.sites] == ["exact", "exact"] + ["exact-with-centering"] * 3
+        assert torch.equal(converted.blocks[0].mlp.down.weight, model.blocks[0].mlp.down.weight)
+    else:
+        assert "pos" not in owners and "blocks.0.attn.proj" in owners
+        assert {s.verdict for s in plan.sites} == {"exact-with-centering"}
+        assert torch.equal(converted.pos, model.pos)
+    _exact(model, converted, torch.randn(5, 12, 6, dtype=torch.float64))  # other inputs, the whole table
+
+
+def test_a_term_added_again_past_its_centering_op_is_not_centered_by_it():
+    """The table joins the stream at the start (where the op sits) and again before block 1: block 1's
+    norms see the second copy uncentered, so the op does not make them exact (the plan said it did)."""
+    class Twice(StemNet):
+        def forward(self, x):
+            h = nn.functional.gelu(self.stem(x)) + self.pos[:x.shape[1]]
+            h = self.blocks[0](h)
+            return self.out(self.n_f(self.blocks[1](h + self.pos[:x.shape[1]])))
+
+    plan, _, _ = _analyse(Twice(), (torch.randn(3, 9, 6, dtype=torch.float64),))
+    assert [s.verdict for s in plan.sites] == ["exact-with-centering"] * 2 + ["approximate"] * 3, plan.table()
+
+
+def test_whisper_encoder_position_table_is_behind_the_stem_centering_op():
+    import normswap
+    from normswap.inputs import hf_example_inputs
+    from tests.zoo import EXACT, build
+
+    model = build(EXACT, "whisper")
+    converted = copy.deepcopy(model)
+    report = normswap.patch(converted)
+    targets = {e.target for e in report.plan.writer_edits}
+    assert "model.encoder.embed_positions.weight" not in targets and "model.decoder.embed_positions.weight" in targets
+    assert torch.equal(converted.model.encoder.embed_positions.weight, model.model.encoder.embed_positions.weight)
+    probe = hf_example_inputs(model, batch=2, seq=7, seed=5)
+    with torch.no_grad():
+        torch.testing.assert_close(converted(**probe).logits, model(**probe).logits, rtol=0, atol=1e-12)

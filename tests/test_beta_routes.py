@@ -2,7 +2,9 @@
 and kept wherever the traced graph does not prove the shift harmless (normswap.attention).
 
 Hand-written attention variants (tests/custom_models.ProjLM) for the cases that must fold and those that
-must not, then the zoo families where it happens, each compared in float64 with the original."""
+must not, then the zoo families where it happens, each compared in float64 with the original. These tests
+are about where β *can* go, so they convert with ``beta_placement="fold"``; where it *should* go (the
+bf16 rounding rule, which may keep a foldable β in the norm) is tests/test_beta_placement.py."""
 
 import copy
 
@@ -54,7 +56,7 @@ def _model(**kwargs) -> ProjLM:
 
 def _patched_error(model, **options) -> tuple[float, normswap.api.Report]:
     original = copy.deepcopy(model)
-    report = normswap.patch(model, example_inputs=IDS, mode="exact", **options)
+    report = normswap.patch(model, example_inputs=IDS, mode="exact", **{"beta_placement": "fold", **options})
     x = torch.randint(0, 40, (3, 7), generator=torch.Generator().manual_seed(5))  # unseen inputs
     with torch.no_grad():
         ref, out = original(x), model(x)
@@ -70,7 +72,7 @@ def _routes(plan: Plan, site: str = "blocks.0.n1") -> dict[str, str]:
 def test_beta_leaves_the_norm_through_bias_less_keys_and_values_exactly(case, fold_gamma):
     kwargs, expected = FOLDS[case]
     model = _model(**kwargs)
-    plan = normswap.plan(model, IDS, fold_gamma=fold_gamma)
+    plan = normswap.plan(model, IDS, fold_gamma=fold_gamma, beta_placement="fold")
     for site in ("blocks.0.n1", "blocks.1.n1"):
         sp = plan.site(site)
         assert sp.fold_beta, sp.beta_detail
@@ -100,7 +102,7 @@ def test_beta_leaves_the_norm_through_bias_less_keys_and_values_exactly(case, fo
 def test_beta_stays_in_the_norm_where_the_graph_does_not_prove_the_shift_harmless(case):
     kwargs, why = KEEPS[case]
     model = _model(**kwargs)
-    plan = normswap.plan(model, IDS)
+    plan = normswap.plan(model, IDS, beta_placement="fold")
     sp = plan.site("blocks.0.n1")
     assert not sp.fold_beta and sp.beta_detail.startswith("kept in the RMSNorm: "), sp.beta_detail
     assert why in sp.beta_detail, sp.beta_detail
@@ -130,7 +132,7 @@ def test_forcing_the_fold_where_the_proof_refuses_breaks_the_model(case, route, 
     monkeypatch.setattr(AttentionProofs, "route", forced)
     before = copy.deepcopy(model.state_dict())
     with pytest.raises(normswap.NormswapError, match="verification failed"):
-        normswap.patch(model, example_inputs=IDS, mode="exact")
+        normswap.patch(model, example_inputs=IDS, mode="exact", beta_placement="fold")
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
@@ -161,7 +163,7 @@ def test_zoo_families_lose_the_norm_bias_through_keys_or_values(name):
     suffix, route, count = ZOO_ROUTES[name]
     model = _zoo(name)
     original = copy.deepcopy(model)
-    report = normswap.patch(model)
+    report = normswap.patch(model, beta_placement="fold")
     sites = [s for s in report.plan.sites if s.name.endswith(suffix)]
     assert len(sites) == count and all(s.fold_beta and not s.rms_bias for s in sites), report.plan.table(width=None)
     routed = [f for f in report.plan.folds if f.beta_route == route]
@@ -175,7 +177,7 @@ def test_zoo_families_lose_the_norm_bias_through_keys_or_values(name):
 
 @pytest.mark.parametrize("name", sorted(ZOO_KEEPS))
 def test_zoo_families_with_rotary_keys_keep_the_norm_bias(name):
-    plan = normswap.plan(_zoo(name))
+    plan = normswap.plan(_zoo(name), beta_placement="fold")
     kept = [s for s in plan.sites if s.beta_detail.startswith("kept in the RMSNorm: `")
             and ("k_proj" in s.beta_detail or "q_proj" in s.beta_detail)]
     assert kept and all(ZOO_KEEPS[name] in s.beta_detail for s in kept), plan.table(width=None)

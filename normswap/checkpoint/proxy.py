@@ -122,6 +122,15 @@ class FullPlan:
     proxy_depths: dict[str, int]
     left_out: tuple[str, ...] = ()  # modules absent from every proxy, the truncated models and the output
 
+    def full_name(self, name: str) -> str:
+        """The full-depth name of a proxy-depth path: proxy layer ``t`` stands for full layer
+        ``representative(t)`` (as the truncated verification model loads it)."""
+        ref = ex.Layout(self.proxy_depths).split(name)
+        if ref.stack is None:
+            return name
+        return ex.Layout.join(ref.stack, representative(ref.index, self.depths[ref.stack],
+                                                        self.proxy_depths[ref.stack]), ref.rest)
+
 
 def plan_full(
     cls: type,

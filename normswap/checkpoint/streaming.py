@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from normswap import api
+from normswap import api, beta_placement
 from normswap.checkpoint import extrapolate as ex
 from normswap.checkpoint import hf, io, proxy, source, stream_io, truncated, writer
 from normswap.checkpoint.rewrite import KeyMap, TensorRewriter
@@ -33,7 +33,7 @@ from normswap.checkpoint.source import NothingToConvert, Source
 from normswap.errors import NormswapError
 from normswap.options import ConvertOptions
 from normswap.plan import Plan
-from normswap.surgery import mark_untied
+from normswap.surgery import mark_untied, record_rms_slots
 
 
 def convert_streaming(
@@ -149,6 +149,11 @@ def convert_streaming(
         echo(io.untie_note(len(plan.unties), grown, untied, src.nbytes + untied))
     echo(f"streaming {len(entries)} tensors from {len(src.safetensors)} shard(s) ({io.human(src.nbytes)})")
     reader = stream_io.Reader(entries)
+    try:
+        place_beta(fp, meta, keys, reader, options)
+    except BaseException:
+        reader.close()
+        raise
     rewriter = TensorRewriter(plan, meta, keys, reader, fmt=fmt, dtype=out_dtype)
     limit = io.parse_size(max_shard_size)
     report = api.Report(plan.sites, {}, plan, "", changed=True)
@@ -183,6 +188,39 @@ def convert_streaming(
     report.message = plan.conversion_line()
     report.output, report.output_format, report.streamed = str(out), fmt, True
     return report
+
+
+def place_beta(fp: proxy.FullPlan, meta: nn.Module, keys: KeyMap, reader: stream_io.Reader,
+               options: ConvertOptions) -> None:
+    """The β placement rule (:mod:`normswap.beta_placement`) on the checkpoint's own tensors.
+
+    The plan came from random-weight proxies, so the rule (a function of the weights) is applied here,
+    after the extrapolation, reading each reader's weight and bias and each norm's β from the shards:
+    the same values the in-memory path reads, hence the same decisions. The truncated verification
+    model is built from the proxy plan, whose layer ``t`` stands for full layer ``representative(t)``:
+    it takes that layer's decision."""
+    expand = getattr(meta, "get_expanded_tied_weights_keys", None)
+    ties = expand(all_submodels=True) if callable(expand) else {}
+
+    def tensor(name: str) -> torch.Tensor:
+        key = keys.to_ckpt.get(name) or keys.to_ckpt.get(ties.get(name, name))
+        if key is None:
+            raise NormswapError(f"the checkpoint has no tensor for {name}; it does not match its config")
+        return reader.get(key).double()
+
+    def beta_of(norm: str) -> torch.Tensor | None:
+        _, b_attr = writer.norm_param_names(meta.get_submodule(norm), fp.plan.site(norm).flavour)
+        return tensor(f"{norm}.{b_attr}") if b_attr else None
+
+    kept = {name: fp.plan.site(name).beta_detail
+            for name in beta_placement.place_beta(fp.plan, tensor, beta_of, options.beta_placement)}
+    for sp in fp.proxy_plan.sites:
+        full = fp.full_name(sp.name)
+        if full in kept and beta_placement.applies(fp.proxy_plan, sp):
+            beta_placement.keep_beta(fp.proxy_plan, sp, kept[full])
+    fp.proxy_plan.options["beta_placement"] = fp.plan.options["beta_placement"]
+    record_rms_slots(fp.plan)
+    record_rms_slots(fp.proxy_plan)
 
 
 def leave_out_unused(cls: type, config: Any, missing: list[str], reads: str) -> tuple[list[str], list[str]]:

@@ -143,6 +143,15 @@ Presets (offline, seeded tiny models with tokenizers/processors):
     "small γ makes β/γ a large constant that activation quantization pays for.",
 )
 @click.option(
+    "--beta-placement",
+    type=click.Choice(["rounding", "fold"]),
+    default="rounding",
+    show_default=True,
+    help="Where a norm's β goes without --fold-gamma: 'rounding' folds it into the readers' biases unless "
+    "that rounds worse in bfloat16 than the original's own path (then the RMSNorm keeps it; both exact); "
+    "'fold' folds it wherever the readers can take it.",
+)
+@click.option(
     "--keep-tied",
     "--no-untie",
     "keep_tied",
@@ -237,6 +246,7 @@ def convert(
     per_norm_centering: bool,
     no_mean_carry: bool,
     no_bias_slots: bool,
+    beta_placement: str,
     keep_tied: bool,
     dtype: str,
     calibration_data: str | None,
@@ -280,6 +290,7 @@ def convert(
         per_norm_centering=per_norm_centering,
         mean_carry=not no_mean_carry,
         bias_slots=not no_bias_slots,
+        beta_placement=beta_placement,
         verify=not no_verify,
         allow_unusable=allow_unusable,
     )
