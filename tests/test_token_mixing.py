@@ -162,12 +162,13 @@ def test_channel_mixing_proves_the_form_on_the_traced_op():
 
 def test_a_mean_over_tokens_reading_a_norm_folds_its_beta_a_sum_does_not():
     """Reader side: ``head(norm(x).mean(1))`` sees ``γ ⊙ mean(u) + β``, so β folds into the head's bias;
-    ``head(norm(x).sum(1))`` sees ``T·β``, which depends on the length: β stays in the RMSNorm."""
+    ``head(norm(x).sum(1))`` sees ``T·β``, which depends on the length: β stays in the RMSNorm.
+    ``beta_placement="fold"``: the fold's mechanics, not the default's bf16 rounding choice."""
     mean, total = _model("interpolate", "mean"), _model("interpolate", "sum")
-    plan = normswap.plan(mean, _ids(2, GRID))
+    plan = normswap.plan(mean, _ids(2, GRID), beta_placement="fold")
     assert ("norm", "head") in {(f.site, f.reader) for f in plan.folds}, plan.table()
     assert next(s for s in plan.sites if s.name == "norm").verdict == "exact"
-    plan = normswap.plan(total, _ids(2, GRID))
+    plan = normswap.plan(total, _ids(2, GRID), beta_placement="fold")
     assert ("norm", "head") not in {(f.site, f.reader) for f in plan.folds}
     assert next(s for s in plan.sites if s.name == "norm").verdict == "exact"
     for model in (mean, total):
