@@ -35,7 +35,7 @@ from normswap.errors import (
     NormswapError,
     first_line,
 )
-from normswap.options import DTYPES, FORMATS, MODES, TASKS
+from normswap.options import BETA_PLACEMENTS, DTYPES, FORMATS, MODES, ROTATIONS, TASKS
 
 __all__ = [
     "EXIT_CODES",
@@ -45,6 +45,8 @@ __all__ = [
     "EXIT_USAGE",
     "EXIT_VERIFY",
     "MODES",
+    "BETA_PLACEMENTS",
+    "ROTATIONS",
     "DTYPES",
     "FORMATS",
     "TASK_NAMES",

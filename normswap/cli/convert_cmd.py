@@ -14,10 +14,12 @@ import click
 
 from normswap.cli import main
 from normswap.cli.common import (
+    BETA_PLACEMENTS,
     DTYPES,
     EXIT_CODES,
     FORMATS,
     MODES,
+    ROTATIONS,
     TASK_NAMES,
     cli_words,
     figures_line,
@@ -144,7 +146,7 @@ Presets (offline, seeded tiny models with tokenizers/processors):
 )
 @click.option(
     "--beta-placement",
-    type=click.Choice(["rounding", "fold"]),
+    type=click.Choice(BETA_PLACEMENTS),
     default="rounding",
     show_default=True,
     help="Where a norm's β goes without --fold-gamma: 'rounding' folds it into the readers' biases unless "
@@ -215,7 +217,7 @@ Presets (offline, seeded tiny models with tokenizers/processors):
 @click.option(
     "--rotate",
     "rotation",
-    type=click.Choice(("hadamard", "random")),
+    type=click.Choice(ROTATIONS),
     default=None,
     help="After converting, rotate every rotation-ready residual stream by an orthogonal Q (outputs "
     "unchanged): hadamard = randomized Hadamard (QuaRot's choice; a random orthogonal Q where no "
