@@ -333,12 +333,9 @@ def _commit_writer_edits(an: Analyzer, site_terms: dict[int, list[Term]], term_s
         for term in terms:
             if term.kind == "module" and term.module_path is not None:
                 by_module.setdefault(term.module_path, set()).add(term.value)
-    for terms in site_terms.values():
-        for term in terms:
-            if term.value not in behind:
-                continue
-            if term.kind == "module" and not by_module[term.module_path] <= behind:
-                behind.discard(term.value)  # another call of the same writer reaches a norm directly
+    for values in by_module.values():
+        if not values <= behind:  # a call of this writer reaches a norm directly: every call keeps its edit
+            behind -= values
     for terms in site_terms.values():
         for term in terms:
             ok, _ = term_status[term.value]
