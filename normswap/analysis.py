@@ -58,6 +58,7 @@ from normswap.dataflow import (
     replay,
     replay_arg,
 )
+from normswap.linears import LinearView, linear_module_kind
 from normswap.plan import (
     CenterHook,
     MeanCarry,
@@ -68,16 +69,10 @@ from normswap.trace import Graph, ModuleCall, Op, Value, ValueRef
 from normswap.walker import NormSite
 
 
-def _is_conv1d(module: nn.Module) -> bool:
-    """HF's transposed Linear (GPT-2 family): weight is ``[in, out]``."""
-    return type(module).__name__ == "Conv1D" and hasattr(module, "nf")
-
-
-def writer_kind(module: nn.Module) -> str | None:
-    if _is_conv1d(module):
-        return "conv1d"
-    if isinstance(module, nn.Linear):
-        return "linear"
+def writer_kind(module: nn.Module | LinearView) -> str | None:
+    linear = linear_module_kind(module)
+    if linear is not None:
+        return linear
     if isinstance(module, nn.Embedding):
         return "embedding"
     if isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d)) and module.groups == 1:
@@ -133,7 +128,10 @@ class Analyzer:
         self.fold_gamma = fold_gamma
         self.fold_beta = fold_beta
         self.bias_slots = False  # bias-less Linear readers may get a bias for β (planner.analyse sets it)
-        self.modules = dict(model.named_modules())
+        self.modules: dict[str, nn.Module | LinearView] = dict(model.named_modules())
+        for c in graph.calls:  # Linear maps the model's code applies to parameters itself (normswap.linears)
+            if c.functional and isinstance(c.module, LinearView):
+                self.modules.setdefault(c.path, c.module)
         self.by_output = graph.call_by_output()
         self.by_input = graph.call_by_input()
         self.site_calls = [c for c in graph.calls if c.path in self.sites]
@@ -593,6 +591,8 @@ class Analyzer:
         what = next((w for w, feats in blockers if feats & covered), None)
         if what is not None:
             return [], [], f"output also read by {what} (not a norm)"
+        if isinstance(module, LinearView):
+            return self._view_centering(path, module, blocks)
         edits, unties = [], []
         for attr, axis in _WRITER_PARAMS[kind]:
             p = module._parameters.get(attr)
@@ -610,10 +610,38 @@ class Analyzer:
             edits.append(WriterEdit(f"{path}.{attr}", axis, blocks, path, kind))
         return edits, unties, None
 
+    def _view_centering(self, path: str, view: LinearView, blocks: list[tuple[int, int]] | None
+                        ) -> tuple[list[WriterEdit], list[Untie], str | None]:
+        """Writer edits for a functional linear: its weight's and bias's output rows, only the rows it uses
+        (``blocks`` are relative to them). Its parameters cannot be untied (the model's code reads them)."""
+        edits = []
+        for p, name, rows, axis in ((view.weight_param, view.spec.weight, view.spec.rows, view.out_axis),
+                                    (view.bias_param, view.spec.bias, view.spec.bias_rows, 0)):
+            if p is None:
+                continue
+            why = self.sharing_problem(p, path)
+            if why is not None:
+                return [], [], "weight is also used elsewhere (read directly by the model's code: no untie)" \
+                    if why == "tied" else why
+            lo = rows[0] if rows else 0
+            if blocks is not None:
+                where = [(a + lo, b + lo) for a, b in blocks]
+            else:
+                where = None if rows is None else [rows]
+            edits.append(WriterEdit(name, axis, where, path, view.kind))
+        return edits, [], None
+
+    def weight_param(self, path: str) -> torch.nn.Parameter:
+        """The whole weight parameter of a Linear-like reader or writer (a module, or a functional linear)."""
+        module = self.modules[path]
+        return module.weight_param if isinstance(module, LinearView) else module.weight
+
     def sharing_problem(self, p: torch.nn.Parameter, path: str) -> str | None:
         """'tied' if another (non-writer) module owns ``p``; a reason if raw ops use it elsewhere."""
         owners = self.param_owners.get(id(p), [])
         module = self.modules[path]
+        if isinstance(module, LinearView):  # its parameters belong to the module whose code applies them
+            module = self.modules.get(module.spec.owner, module)
         others = [o for o, _ in owners if self.modules.get(o) is not module]
         if any(o not in self.stream_writers and o in self.calls_per_path for o in others):
             return "tied"
@@ -625,7 +653,9 @@ class Analyzer:
                 op = self.graph.ops[op_index]
                 stack = {c.path for c in self.graph.ancestors_calls(op.call)}
                 if not stack & owner_paths and not self._dead(op):
-                    return f"weight also used directly by `{op.name}` in `{self._call_of_op(op)}`"
+                    where = self._call_of_op(op)
+                    return (f"weight also read directly by the model's code (`{op.name}` in "
+                            + (f"`{where}`)" if where else "its forward)"))
         return None
 
     def _dead(self, op: Op, depth: int = 0) -> bool:
@@ -710,10 +740,11 @@ class Analyzer:
         cands = []
         for vid in sorted(reach.mapped, key=lambda v: (self.graph.values[v].producer or -1)):
             for call in self.by_output.get(vid, []):
-                if len(self.calls_per_path[call.path]) == 1 and call.outputs == [vid]:
+                if len(self.calls_per_path[call.path]) == 1 and call.outputs == [vid] and not call.functional:
                     cands.append((vid, CenterHook(call.path, "output", None)))
             for call, slot in self.by_input.get(vid, []):
-                if (call.id in self.site_call_ids and not at_norms) or len(self.calls_per_path[call.path]) != 1:
+                if (call.id in self.site_call_ids and not at_norms) or len(self.calls_per_path[call.path]) != 1 \
+                        or call.functional:
                     continue
                 consumers = self.graph.values[vid].consumers
                 if all(self._inside(i, call) for i in consumers):
@@ -894,6 +925,21 @@ class Analyzer:
         return any(mix.keeps_constants and mix.in_axis == last_in and mix.out_axis == last_out
                    for mix in self.mixing(op, vid))
 
+    def _keeps_features(self, op: Op, vid: int, width: int) -> bool:
+        """Does shape op ``op`` keep the features of ``vid`` (its last axis) as the last axis of every
+        output, whole and in order? Decided by replaying it on an index map of the features, so any
+        view, transpose or permute that leaves the feature axis alone qualifies, whatever it does to
+        the others."""
+        shape = self.graph.values[vid].shape
+        if not shape or shape[-1] != width:
+            return False
+        feats = torch.arange(width, dtype=torch.float64).expand(shape)
+        outs = replay(self.graph, op, {vid: feats}, [vid])
+        if outs is None:
+            return False
+        order = torch.arange(width, dtype=torch.float64)
+        return all(m.dim() > 0 and m.shape[-1] == width and bool((m == order).all()) for m in outs.values())
+
     def readers(self, call: ModuleCall) -> tuple[list[ModuleCall], list[str]]:
         """(Linear/Conv1D reader calls, descriptions of other readers) of one norm call."""
         out_vid = self.site_output.get(call.id) if call.id in self.site_output else \
@@ -926,6 +972,9 @@ class Analyzer:
                     if len(outs) == len(op.outputs):
                         stack.extend(outs)
                         continue
+                if op.name in SHAPE_OPS and self._keeps_features(op, vid, width):
+                    stack.extend(op.outputs)  # a transpose or permute of the other axes (batch_first)
+                    continue
                 if self._mean_like(op, vid):
                     stack.append(op.outputs[0])
                     continue

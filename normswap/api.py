@@ -21,7 +21,8 @@ from torch import nn
 
 from normswap import beta_placement, calibrate, inputs, surgery, trace, walker
 from normswap.errors import NaNOutputs, NormswapError, first_line
-from normswap.integrations import hooks, wrappers
+from normswap.integrations import hooks, torch_transformer, wrappers
+from normswap.linears import linear_at
 from normswap.options import ConvertOptions
 from normswap.plan import EXACT_VERDICTS, Plan, SitePlan, attach_plan
 from normswap.planner import analyse
@@ -108,11 +109,15 @@ def all_finite(t: torch.Tensor) -> bool:
 
 @contextlib.contextmanager
 def eval_mode(model: nn.Module) -> Iterator[None]:
-    """Analyse in eval mode (dropout breaks centering), then restore every module's own flag."""
+    """Analyse in eval mode (dropout breaks centering), then restore every module's own flag.
+
+    PyTorch's fused attention paths are off meanwhile (:func:`torch_transformer.python_forwards`): the
+    calibration and verification forwards run the Python code the analysis traced."""
     flags = {m: m.training for m in model.modules()}
     model.eval()
     try:
-        yield
+        with torch_transformer.python_forwards():
+            yield
     finally:
         for m, flag in flags.items():
             m.training = flag
@@ -342,8 +347,10 @@ def place_beta(work: nn.Module, an: _Analysis, opts: ConvertOptions) -> None:
 
     Not part of :func:`analyse_copy`: the streaming path analyses random-weight proxies and takes this
     decision later, on the checkpoint's tensors."""
+    fused = dict.fromkeys(torch_transformer.fused_norm_paths(work), torch_transformer.FUSED_WHY)
     beta_placement.place_beta(an.plan, lambda name: work.get_parameter(name).detach(),
-                              lambda norm: an.sites[norm].beta(work.get_submodule(norm)), opts.beta_placement)
+                              lambda norm: an.sites[norm].beta(work.get_submodule(norm)), opts.beta_placement,
+                              fused)
 
 
 def find_norms(model: nn.Module, example_inputs: inputs.ExampleInputs = None) -> walker.WalkResult:
@@ -572,6 +579,7 @@ def patch(model: nn.Module, example_inputs: inputs.ExampleInputs = None, *,
                 in_dtype = compare(reference, model(*args, **kwargs))
                 figures["original_in_model_dtype"] = in_dtype.get("max_rel_error")
         _commit(model, work, plan_, todo, user_dtype, training)
+        torch_transformer.keep_python_forward(model, plan_)
         if measure_cast:
             with torch.no_grad():
                 converted_in_dtype = compare(reference, model(*args, **kwargs), skip)
@@ -737,8 +745,8 @@ def _commit(model: nn.Module, work: nn.Module, plan_: Plan, todo: list[SitePlan]
                 target.copy_(source)  # casts elementwise, rounding as .to() does, without a temporary
             source.data = torch.empty(0, dtype=source.dtype)  # the working copy is done with: free as we go
     for slot in plan_.bias_slots:  # new tensors: the readers had no bias (plan.BiasSlot)
-        source = work.get_submodule(slot.reader).bias
-        w = model.get_submodule(slot.reader).weight
+        source = linear_at(work, slot.reader).bias
+        w = linear_at(model, slot.reader).weight
         surgery.add_bias_slot(model, slot, source.detach().to(device=w.device, dtype=w.dtype))
         source.data = torch.empty(0, dtype=source.dtype)
     for sp in todo:

@@ -29,6 +29,7 @@ from collections.abc import Callable
 
 import torch
 
+from normswap.linears import tensors_by_name
 from normswap.plan import BETA_KEPT_WHY, Plan, SitePlan
 
 MARGIN = 1.0  # keep β where folding's squared rounding error exceeds the original path's by this factor
@@ -59,7 +60,7 @@ def site_costs(plan: Plan, sp: SitePlan, tensor: Tensor, beta: torch.Tensor) -> 
     folded = kept = 0.0
     for f in plan.folds:
         if f.site == sp.name and f.beta:  # a share in a bias (or a bias slot)
-            a, b = rounding_costs(tensor(f"{f.reader}.weight"), tensor(f"{f.reader}.bias"), beta, f.kind)
+            a, b = rounding_costs(*tensors_by_name(f.reader, tensor), beta, f.kind)
             folded, kept = folded + a, kept + b
     return folded, kept
 
@@ -80,13 +81,14 @@ def keep_beta(plan: Plan, sp: SitePlan, why: str) -> None:
 
 
 def place_beta(plan: Plan, tensor: Tensor, beta_of: Callable[[str], torch.Tensor | None],
-               placement: str = "rounding") -> list[str]:
+               placement: str = "rounding", fused: dict[str, str] | None = None) -> list[str]:
     """Apply the rule to every norm of ``plan`` it decides for (``placement="fold"``: to none); returns
     the norms that keep β. ``plan.options["beta_placement"]`` records which placement ran.
 
     ``tensor(name)``: a parameter of the original model by name; ``beta_of(norm)``: that norm's β.
     Both read the original weights (before any edit): the in-memory path from the working copy, the
-    streaming path from the checkpoint.
+    streaming path from the checkpoint. ``fused``: norms whose β a fused kernel of the model reads
+    from the norm itself, with the reason (they keep it: PyTorch's ``nn.TransformerEncoderLayer``).
     """
     plan.options["beta_placement"] = placement
     if placement != "rounding":  # "fold": β leaves every norm whose readers can take it
@@ -94,6 +96,10 @@ def place_beta(plan: Plan, tensor: Tensor, beta_of: Callable[[str], torch.Tensor
     kept = []
     for sp in plan.sites:
         if not applies(plan, sp):
+            continue
+        if fused and sp.name in fused:
+            keep_beta(plan, sp, fused[sp.name])
+            kept.append(sp.name)
             continue
         beta = beta_of(sp.name)
         if beta is None:

@@ -61,7 +61,7 @@ def replay(graph: Graph, op: Op, maps: dict[int, torch.Tensor], tracked: list[in
         if not isinstance(a, ValueRef):
             return a
         if a.id in maps:
-            return maps[a.id]
+            return maps[a.id].contiguous()  # an expanded map cannot take a ``view`` its traced tensor took
         if join:
             return torch.full(graph.values[a.id].shape, math.nan, dtype=torch.float64)
         return graph.values[a.id].tensor  # index tensors etc.

@@ -17,6 +17,7 @@ from torch import nn
 from normswap.analysis import OUTPUT_AXIS, Analyzer, Reach, Term, mutated_parameters, writer_kind
 from normswap.attention import Route
 from normswap.errors import NormswapError
+from normswap.linears import LinearView
 from normswap.plan import (
     BetaMove,
     BiasSlot,
@@ -62,7 +63,7 @@ def _rms_folds(an: Analyzer, rms_norms: list[SkippedNorm], site_reader_paths: se
         if not ok:
             continue
         if any(p in site_reader_paths or readers[p] != {c.id for c in an.calls_per_path[p]}
-               or an.sharing_problem(an.modules[p].weight, p) is not None for p in readers):
+               or an.sharing_problem(an.weight_param(p), p) is not None for p in readers):
             continue
         paths = sorted(readers)
         folds.append(RmsFold(norm.path, f"{norm.path}.{norm.weight_attr}", norm.offset, paths,
@@ -181,6 +182,9 @@ def analyse(model: nn.Module, graph: Graph, sites: list[NormSite], *, untie: boo
                     if reach is not None:
                         hook.reason = (f"stream written by {term.label}: one mean per token before this norm"
                                        if at_norms else f"stream starts at {term.label}")
+                        unedited = term_status[term.value][1].removeprefix(term.label).strip()
+                        if unedited and not at_norms and term.kind in ("module", "param"):
+                            hook.reason += f", which no weight edit can center ({unedited})"
                         hook.per_norm = at_norms
                         hooks[vid] = (hook, reach)
                         found = True
@@ -600,8 +604,10 @@ def _centered_readers(an: Analyzer, site: NormSite, foldable: list[str], unties:
         every_call = {c.id for c in an.calls_per_path.get(path, [])}
         if reader_sources[path] != {site.path} or reader_calls[path] != every_call:
             continue
-        shared = [o for o, _ in an.param_owners.get(id(reader.weight), []) if an.modules.get(o) is not reader]
-        if (shared or an.sharing_problem(reader.weight, path) is not None) and (path, "weight") not in unties:
+        weight = an.weight_param(path)
+        owner = an.modules.get(reader.spec.owner) if isinstance(reader, LinearView) else reader
+        shared = [o for o, _ in an.param_owners.get(id(weight), []) if an.modules.get(o) is not owner]
+        if (shared or an.sharing_problem(weight, path) is not None) and (path, "weight") not in unties:
             continue  # the edit would change the other owner (a tied embedding) too
         if site.bias_attr is not None and reader.bias is None:
             continue
@@ -622,8 +628,7 @@ def _fold_blocker(an: Analyzer, site: NormSite, foldable: list[str], other: list
         every_call = {c.id for c in an.calls_per_path.get(path, [])}
         if reader_sources[path] != {site.path} or reader_calls[path] != every_call:
             return f"`{path}` also reads something else"  # folding would change that call
-        module = an.modules[path]
-        if an.sharing_problem(module.weight, path) is not None and (path, "weight") not in unties:
+        if an.sharing_problem(an.weight_param(path), path) is not None and (path, "weight") not in unties:
             return f"`{path}` shares its weight"
     return ""
 

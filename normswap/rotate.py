@@ -31,6 +31,7 @@ from torch import nn
 
 from normswap import hadamard
 from normswap.errors import NormswapError
+from normswap.linears import LinearView, linear_at, linear_module_kind
 from normswap.norm import RMSNorm
 from normswap.options import choose
 from normswap.plan import CENTERED_VERDICTS, Plan, SitePlan, plan_of
@@ -449,8 +450,17 @@ def _rotate_axis_(p: torch.Tensor, axis: int, q: torch.Tensor) -> None:
         p.copy_((w @ q).movedim(-1, axis).to(p.dtype))
 
 
-def _reader_axis(module: nn.Module) -> int:
-    return 0 if type(module).__name__ == "Conv1D" else 1  # HF Conv1D stores [in, out]
+def _reader_axis(module: nn.Module | LinearView) -> int:
+    return 0 if linear_module_kind(module) == "conv1d" else 1  # HF Conv1D (and x @ W) stores [in, out]
+
+
+def _reader_rows(model: nn.Module, name: str) -> tuple[int, int | None]:
+    """What a reader's rotation turns: its weight parameter, and which rows (a functional linear may use
+    some rows of a stacked q/k/v weight: two such readers of one parameter turn different rows)."""
+    module = linear_at(model, name)
+    if isinstance(module, LinearView):
+        return id(module.weight_param), module.spec.rows[0] if module.spec.rows else None
+    return id(module.weight), None
 
 
 def _user_matrix(q: torch.Tensor) -> torch.Tensor:
@@ -556,12 +566,11 @@ def rotate(model: nn.Module, q: str | int | torch.Tensor = "hadamard", *, seed: 
                  if t not in upstream}
         ops = list({(o["module"], o["where"], o["arg"]): o for sp in group for o in sp.rotation_ops}.values())
         readers = sorted({r for sp in group if sp.name not in restored for r in sp.linear_readers})
-        tied = {r for r in readers if id(model.get_submodule(r).weight) in by_id
-                and axes[by_id[id(model.get_submodule(r).weight)]] == _reader_axis(model.get_submodule(r))}
+        tied = {r for r in readers if id(linear_at(model, r).weight) in by_id
+                and axes[by_id[id(linear_at(model, r).weight)]] == _reader_axis(linear_at(model, r))}
         work.append((group, rot, info, by_id, readers, tied, restored, ops))
     writer_params = [p for _, _, _, by_id, *_ in work for p in by_id]
-    reader_params = [id(model.get_submodule(r).weight) for *_, readers, tied, _, _ in work for r in readers
-                     if r not in tied]
+    reader_params = [_reader_rows(model, r) for *_, readers, tied, _, _ in work for r in readers if r not in tied]
     if len(set(writer_params)) != len(writer_params) or len(set(reader_params)) != len(reader_params) \
             or set(writer_params) & set(reader_params):
         raise NormswapError("streams share a writer or a reader; this model cannot be rotated stream by stream")
@@ -579,7 +588,7 @@ def rotate(model: nn.Module, q: str | int | torch.Tensor = "hadamard", *, seed: 
         for r in readers:
             if r in tied:
                 continue
-            module = model.get_submodule(r)
+            module = linear_at(model, r)
             _rotate_axis_(module.weight, _reader_axis(module), rot.to(module.weight.device))
         for name in sorted(restored):
             module = model.get_submodule(name)

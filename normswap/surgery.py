@@ -17,6 +17,8 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from normswap.integrations import torch_transformer
+from normswap.linears import LinearView, linear_at, param_names
 from normswap.norm import RMSNorm
 from normswap.plan import (
     BetaMove,
@@ -191,7 +193,7 @@ def fold_layer_scale(model: nn.Module, sf: ScaleFold) -> None:
     """``λ ⊙ (W x + b) = (diag(λ) W) x + λ ⊙ b``, then λ ← 1 (float64, cast once)."""
     lam = model.get_parameter(sf.param)
     scale = lam.detach().double().reshape(-1)
-    module = model.get_submodule(sf.into)
+    module = linear_at(model, sf.into)
     with torch.no_grad():
         w = module.weight.detach().double()
         w = w * scale[None, :] if sf.kind == "conv1d" else w * scale[:, None]
@@ -207,7 +209,7 @@ def fold_rms_gamma(model: nn.Module, rf: RmsFold) -> None:
     gamma = rf.offset + weight.detach().double()
     with torch.no_grad():
         for path, kind in zip(rf.readers, rf.kinds, strict=True):
-            reader = model.get_submodule(path)
+            reader = linear_at(model, path)
             w = reader.weight.detach().double()
             w = w * gamma[:, None] if kind == "conv1d" else w * gamma[None, :]
             reader.weight.copy_(w.to(reader.weight.dtype))
@@ -217,18 +219,21 @@ def fold_rms_gamma(model: nn.Module, rf: RmsFold) -> None:
 def add_bias_slot(model: nn.Module, slot: BiasSlot, value: torch.Tensor | None = None) -> None:
     """Give the bias-less Linear ``slot.reader`` a bias (:class:`~normswap.plan.BiasSlot`): zeros on its
     weight's device and dtype (the β fold then adds ``W β``), or ``value`` (adopted as is). Idempotent."""
-    reader = model.get_submodule(slot.reader)
-    if reader._parameters.get("bias") is not None:
+    reader = linear_at(model, slot.reader)
+    if reader.bias is not None:
         return
     w = reader.weight
     if value is None:
         value = torch.zeros(slot.features, device=w.device, dtype=w.dtype)
-    reader.bias = nn.Parameter(value, requires_grad=w.requires_grad)
+    if isinstance(reader, LinearView):
+        reader.give_bias(value)
+    else:
+        reader.bias = nn.Parameter(value, requires_grad=w.requires_grad)
 
 
 def fold_into_reader(model: nn.Module, f: FoldEdit, gamma: torch.Tensor | None, beta: torch.Tensor | None) -> None:
     """``W (γ⊙u + β) + c = (W diag γ) u + (W β + c)`` for Linear ``[out,in]`` and Conv1D ``[in,out]``."""
-    reader = model.get_submodule(f.reader)
+    reader = linear_at(model, f.reader)
     w = reader.weight.detach().double()
     transposed = f.kind == "conv1d"
     with torch.no_grad():
@@ -244,7 +249,7 @@ def center_reader(model: nn.Module, r: CenteredReader, gamma: torch.Tensor | Non
     """``W' = W·diag(γ)·P·diag(1/γ)``, ``c' = c + (W − W')β`` (:class:`~normswap.plan.CenteredReader`), for
     Linear ``[out,in]`` and Conv1D ``[in,out]``: the reader sees a LayerNorm output as before and
     ignores the mean an approximate RMSNorm leaks. ``W·diag(γ)·P`` subtracts each row's mean."""
-    reader = model.get_submodule(r.reader)
+    reader = linear_at(model, r.reader)
     w = reader.weight.detach().double()
     if r.kind == "conv1d":
         w = w.T
@@ -273,7 +278,7 @@ def moved_shift(w_reader: torch.Tensor, w_into: torch.Tensor, beta: torch.Tensor
 
 def move_beta(model: nn.Module, m: BetaMove, beta: torch.Tensor) -> None:
     """Add a value projection's share of β, carried through attention, to ``m.into``'s bias."""
-    reader, into = model.get_submodule(m.reader), model.get_submodule(m.into)
+    reader, into = linear_at(model, m.reader), linear_at(model, m.into)
     shift = moved_shift(reader.weight.detach().double(), into.weight.detach().double(), beta, m)
     with torch.no_grad():
         into.bias.copy_((into.bias.detach().double() + shift).to(into.bias.dtype))
@@ -442,15 +447,22 @@ def written_parameters(plan: Plan, model: nn.Module) -> set[str]:
     that writes a parameter in place must list it here. Untied and widened parameters are new
     tensors, not in-place writes."""
     names = {e.target for e in plan.writer_edits}
+
+    def weight(path: str) -> str:
+        return param_names(model, path)[0]
+
+    def bias(path: str) -> str:
+        return param_names(model, path)[1]
+
     for sf in plan.scale_folds:  # λ is set to 1; its writer's rows are scaled
-        names |= {sf.param, f"{sf.into}.weight", f"{sf.into}.bias"}
+        names |= {sf.param, weight(sf.into), bias(sf.into)}
     for rf in plan.rms_folds:
-        names |= {rf.weight} | {f"{r}.weight" for r in rf.readers}
+        names |= {rf.weight} | {weight(r) for r in rf.readers}
     for f in plan.folds:
-        names |= ({f"{f.reader}.weight"} if f.gamma else set()) | ({f"{f.reader}.bias"} if f.beta else set())
-    names |= {f"{m.into}.bias" for m in plan.beta_moves}  # value β shares carried through attention
+        names |= ({weight(f.reader)} if f.gamma else set()) | ({bias(f.reader)} if f.beta else set())
+    names |= {bias(m.into) for m in plan.beta_moves}  # value β shares carried through attention
     for r in plan.centered_readers:  # readers of approximate norms, blind to the leaked mean
-        names |= {f"{r.reader}.weight", f"{r.reader}.bias"}
+        names |= {weight(r.reader), bias(r.reader)}
     present = {name for name, _ in model.named_parameters(remove_duplicate=False)}
     return names & present  # e.g. a LayerScale writer without a bias
 
@@ -468,7 +480,7 @@ def apply_structure(model: nn.Module, plan: Plan, backend: str = "auto") -> nn.M
     for c in plan.mean_carries:
         widen_mlp(model, c, weights=False)
     for slot in plan.bias_slots:
-        w = model.get_submodule(slot.reader).weight
+        w = linear_at(model, slot.reader).weight
         add_bias_slot(model, slot, torch.empty(slot.features, device=w.device, dtype=w.dtype))
     for sp in plan.sites:
         if not sp.convert:
@@ -486,5 +498,6 @@ def apply_structure(model: nn.Module, plan: Plan, backend: str = "auto") -> nn.M
         from normswap.rotate import install_ops
 
         install_ops(model, plan)
+    torch_transformer.keep_python_forward(model, plan)
     attach_plan(model, plan)
     return model

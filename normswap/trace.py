@@ -13,15 +13,18 @@ ids cannot be reused while tracing.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
+from normswap.linears import FunctionalLinear, LinearView, linear_module_kind
 from normswap.verify import flatten_outputs
 
 
@@ -69,6 +72,9 @@ class ModuleCall:
     outputs: list[int] = field(default_factory=list)
     start_op: int = 0
     end_op: int = 0
+    # a Linear the model's code applied to parameters itself (``module`` is a LinearView, ``path`` its
+    # name): one op, no module call, so no hook can sit on it
+    functional: bool = False
 
     def first_input(self) -> int | None:
         """Value id of the first tensor argument (positional first, then keyword): a norm's input."""
@@ -120,9 +126,19 @@ class Graph:
 
 _INPLACE_NO_RETURN = {"__setitem__"}
 
+# Python-level torch functions recorded as the ops they run rather than as one opaque op: inside
+# ``multi_head_attention_forward`` are the q/k/v and output projections (``F.linear`` on
+# ``in_proj_weight`` and ``out_proj.weight``), writers and readers of the streams around attention.
+OPENED = (F.multi_head_attention_forward,)
+# ops that apply a weight matrix to the last axis of their data argument: (data arg, weight arg,
+# bias arg or None, weight stored as x @ W takes it (``[in, out]``) rather than as nn.Linear does)
+LINEAR_OPS = {"linear": (0, 1, 2, False), "matmul": (0, 1, None, True), "__matmul__": (0, 1, None, True),
+              "mm": (0, 1, None, True), "addmm": (1, 2, 0, True)}
+
 
 class _Recorder(TorchFunctionMode):
-    def __init__(self, graph: Graph, params: dict[int, str], buffers: dict[int, str]) -> None:
+    def __init__(self, graph: Graph, params: dict[int, str], buffers: dict[int, str],
+                 modules: dict[str, nn.Module] | None = None) -> None:
         super().__init__()
         self.graph = graph
         self.params = params
@@ -130,6 +146,15 @@ class _Recorder(TorchFunctionMode):
         self.binding: dict[int, int] = {}  # id(tensor object) -> current Value id
         self.keep: list[torch.Tensor] = []
         self.call_stack: list[int] = []
+        self.modules = modules or {}
+        self.by_storage: dict[int, list[nn.Parameter]] = {}  # parameters by the address of their storage
+        self.named: dict[int, nn.Parameter] = {}
+        for module in self.modules.values():
+            for p in module._parameters.values():
+                if p is not None and id(p) in params and id(p) not in self.named:
+                    self.named[id(p)] = p
+                    if p.numel():
+                        self.by_storage.setdefault(p.untyped_storage().data_ptr(), []).append(p)
 
     # -- values ---------------------------------------------------------------------------------
     def _new_value(self, t: torch.Tensor, producer: int | None, source: str, name: str | None = None) -> int:
@@ -152,6 +177,8 @@ class _Recorder(TorchFunctionMode):
     # -- ops ------------------------------------------------------------------------------------
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
+        if func in OPENED:
+            return self._run_opened(func, args, kwargs)
         result = func(*args, **kwargs)
         name = getattr(func, "__name__", str(func))
         out_leaves, out_spec = pytree.tree_flatten(result)
@@ -176,10 +203,113 @@ class _Recorder(TorchFunctionMode):
         index = len(self.graph.ops)
         outputs = [self._new_value(t, index, "op") for t in out_tensors]
         call = self.call_stack[-1] if self.call_stack else None
+        applied = self._functional_linear(name, args, kwargs) if len(outputs) == 1 else None
+        if applied is not None:
+            path, module = applied
+            data = ref_args[LINEAR_OPS[name][0]]
+            fcall = ModuleCall(len(self.graph.calls), path, module, call, [data.id], {}, outputs=outputs,
+                               start_op=index, end_op=index + 1, functional=True)
+            self.graph.calls.append(fcall)
+            call = fcall.id
         self.graph.ops.append(Op(index, name, func, ref_args, ref_kwargs, inputs, outputs, out_spec, call))
         for vid in set(inputs):
             self.graph.values[vid].consumers.append(index)
         return result
+
+    def _run_opened(self, func: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        """Run an :data:`OPENED` function with this mode active inside it, so its ops are recorded.
+
+        The mode is off while it handles a call (PyTorch pops it), so the function runs under it again;
+        its own first ``has_torch_function`` test, which would hand the call straight back here, is
+        answered "no" once (the module's global, restored right after). Every op inside dispatches
+        to this mode as usual."""
+        module = sys.modules[func.__module__]
+        real = module.has_torch_function
+        pending = [True]
+
+        def first_says_no(*a: Any) -> bool:
+            if pending[0]:
+                pending[0] = False
+                return False
+            return real(*a)
+
+        module.has_torch_function = first_says_no
+        try:
+            with self:
+                return func(*args, **kwargs)
+        finally:
+            module.has_torch_function = real
+
+    def _param_part(self, t: Any) -> tuple[nn.Parameter, tuple[int, int] | None, bool] | None:
+        """``(parameter, rows, transposed)`` when ``t`` is a parameter, a block of its rows along the
+        first axis, or its transpose (``p.T``); None otherwise."""
+        if not isinstance(t, torch.Tensor) or t.dim() not in (1, 2) or not t.numel():
+            return None
+        if id(t) in self.named:
+            return self.named[id(t)], None, False
+        for p in self.by_storage.get(t.untyped_storage().data_ptr(), []):
+            if p.dim() != t.dim():
+                continue
+            offset = t.storage_offset() - p.storage_offset()
+            if t.dim() == 2 and tuple(t.shape) == tuple(p.shape)[::-1] and t.stride() == p.stride()[::-1] \
+                    and offset == 0:
+                return p, None, True
+            step = p.stride(0)
+            if tuple(t.shape[1:]) == tuple(p.shape[1:]) and t.stride() == p.stride() and step > 0 \
+                    and offset % step == 0 and 0 <= offset // step and offset // step + t.shape[0] <= p.shape[0]:
+                lo = offset // step
+                return p, (lo, lo + t.shape[0]), False
+        return None
+
+    def _functional_linear(self, name: str, args: tuple, kwargs: dict) -> tuple[str, nn.Module | LinearView] | None:
+        """``(path, module)`` of a linear op the model's code applies to parameters itself, outside the
+        ``forward`` of the Linear-like module that owns them, or None.
+
+        Where the op computes exactly what a Linear-like module would (its whole weight, its bias),
+        that module stands for it (``nn.MultiheadAttention``'s ``out_proj``); otherwise a
+        :class:`LinearView` (``in_proj_weight``, rows of it, ``x @ emb.weight.T``)."""
+        form = LINEAR_OPS.get(name)
+        if form is None or kwargs:
+            return None
+        data_at, weight_at, bias_at, as_x_w = form
+        if len(args) <= max(data_at, weight_at) or not isinstance(args[data_at], torch.Tensor):
+            return None
+        found = self._param_part(args[weight_at])
+        if found is None or found[0].dim() != 2:
+            return None
+        weight, rows, swapped = found
+        if swapped and rows is not None:
+            return None
+        transposed = as_x_w != swapped  # stored [in, out]: applied as x @ W
+        wname = self.params[id(weight)]
+        owner_path = wname.rpartition(".")[0]
+        owner = self.modules.get(owner_path)
+        if owner is None:
+            return None
+        if self.call_stack:  # inside a Linear's own forward (nn.Linear calls F.linear): a module call already
+            inner = self.graph.calls[self.call_stack[-1]].module
+            if linear_module_kind(inner) is not None and any(q is weight for q in inner._parameters.values()):
+                return None
+        in_axis = 0 if transposed else 1
+        if args[data_at].dim() < 1 or args[data_at].shape[-1] != weight.shape[in_axis]:
+            return None
+        bias, bias_rows = None, None
+        b = args[bias_at] if bias_at is not None and len(args) > bias_at else None
+        if b is not None:
+            part = self._param_part(b)
+            if part is None or part[0].dim() != 1 or part[2]:
+                return None
+            bname = self.params[id(part[0])]
+            if bname.rpartition(".")[0] != owner_path:
+                return None  # a bias from another module: not one linear map of one owner
+            bias, bias_rows = bname, part[1]
+        kind = linear_module_kind(owner)
+        if kind is not None and getattr(owner, "weight", None) is weight and rows is None and bias_rows is None \
+                and transposed == (kind == "conv1d") \
+                and (bias is None) == (owner._parameters.get("bias") is None):
+            return owner_path, owner
+        spec = FunctionalLinear(wname, rows, transposed, bias, bias_rows)
+        return spec.name, LinearView(spec, weight, None if bias is None else self.named[id(part[0])], owner)
 
     # -- module hooks ---------------------------------------------------------------------------
     def pre_hook(self, path: str) -> Callable[..., None]:
@@ -214,7 +344,7 @@ def record(model: nn.Module, args: tuple, kwargs: dict) -> Graph:
     buffers = {}
     for name, b in model.named_buffers(remove_duplicate=False):
         buffers.setdefault(id(b), name)
-    recorder = _Recorder(graph, params, buffers)
+    recorder = _Recorder(graph, params, buffers, dict(model.named_modules()))
     for name, t in _named_inputs(args, kwargs):
         recorder._new_value(t, None, "input", name)
     handles = []

@@ -168,7 +168,8 @@ def test_untie_false_centers_the_tied_embedding_at_run_time_instead():
     assert not plan.unties
     assert [(h.module, h.where, h.per_norm) for h in plan.hooks] == [("tok", "output", False)]
     assert {s.verdict for s in plan.sites} == {"exact-with-centering"}
-    assert all(s.reason == "centering op at `tok` output: stream starts at `tok` (Embedding)" for s in plan.sites)
+    assert all(s.reason == "centering op at `tok` output: stream starts at `tok` (Embedding), which no weight edit "
+               "can center (weight is tied to another module (untie=False))" for s in plan.sites)
     assert "tok.weight" not in {e.target for e in plan.writer_edits}
     assert "pos" in {e.target for e in plan.writer_edits}  # the position Parameter is still centered by surgery
 
@@ -181,8 +182,11 @@ def test_per_head_qk_norms_center_per_head_blocks_of_the_fused_projection():
     assert qkv["blocks.0.attn.qkv.weight"].blocks == [(i, i + 8) for i in range(0, 64, 8)]
     q = plan.site("blocks.0.attn.q_norm")
     assert q.writers == ["blocks.0.attn.qkv"] and q.verdict == "exact"
-    assert q.readers == ["`transpose` in `blocks.0.attn`"] and not q.linear_readers and not q.fold_beta
-    assert q.rotation_reason == "output also read by `transpose` in `blocks.0.attn` (not a Linear that can absorb Qᵀ)"
+    # (the transpose that splits the heads keeps each head's features last: the reader is the attention)
+    assert q.readers == ["`scaled_dot_product_attention` in `blocks.0.attn`"] and not q.linear_readers \
+        and not q.fold_beta
+    assert q.rotation_reason == ("output also read by `scaled_dot_product_attention` in `blocks.0.attn` "
+                                 "(not a Linear that can absorb Qᵀ)")
 
 
 # ------------------------------------------------------------------ readers that are not Linears
