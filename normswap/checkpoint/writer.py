@@ -59,9 +59,11 @@ def required_plan(model: nn.Module) -> Plan:
 
 
 def is_transformers_model(model: nn.Module) -> bool:
-    """True for a model with a transformers config (``config.model_type``): saved as a checkpoint directory
-    its config can rebuild; any other module is saved by :func:`normswap.checkpoint.module_io.save_module`."""
-    return bool(getattr(getattr(model, "config", None), "model_type", None))
+    """True for a model with a transformers config of a type transformers knows (``config.model_type``):
+    saved as a checkpoint directory its config can rebuild. Any other module (a plain ``nn.Module``, custom
+    code on ``PreTrainedModel`` with its own type) is saved by :func:`normswap.checkpoint.module_io.save_module`."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    return bool(model_type) and hf_types.known_type(hf_types.base_type(model_type) or model_type)
 
 
 def stock_class(model: nn.Module) -> type:

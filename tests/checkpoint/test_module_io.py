@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 from click.testing import CliRunner
 from safetensors import safe_open
 from torch import nn
@@ -64,6 +65,35 @@ class Backbone(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.norm(x)
+
+
+class OwnConfig(transformers.PretrainedConfig):
+    """A model type transformers does not know (custom code on ``PreTrainedModel``, or trust_remote_code)."""
+
+    model_type = "own_lm"
+
+    def __init__(self, vocab: int = 40, d: int = 32, **kwargs: object) -> None:
+        self.vocab, self.d = vocab, d
+        super().__init__(**kwargs)
+
+
+class OwnLM(transformers.PreTrainedModel):
+    config_class = OwnConfig
+
+    def __init__(self, config: OwnConfig | None = None) -> None:
+        config = config or OwnConfig()
+        super().__init__(config)
+        self.tok = nn.Embedding(config.vocab, config.d)
+        self.blocks = nn.ModuleList(PreBlock(config.d, 4) for _ in range(2))
+        self.norm = nn.LayerNorm(config.d)
+        self.head = nn.Linear(config.d, config.vocab)
+        self.post_init()
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.tok(input_ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
 
 
 def _dinov2_probe() -> nn.Module:
@@ -139,6 +169,7 @@ CASES: dict[str, Case] = {
     "MixNet (interpolated positions)": Case(lambda: MixNet("interpolate"), _ids(40, 2, 9, 0), _ids(40, 3, 11, 1)),
     "Backbone, output turned back": Case(Backbone, _ids(40, 2, 9, 0), _ids(40, 3, 7, 1), {"fold_gamma": True},
                                          {"q": "hadamard", "output": "restore"}, edits=("rotations",)),
+    "PreTrainedModel of a type transformers does not know": Case(OwnLM, _ids(40, 2, 9, 0), _ids(40, 3, 7, 1)),
     "DINOv2 in a custom module, online and per-head Hadamards": Case(
         _dinov2_probe, _image(32, 2, 0), _image(32, 3, 1), {"fold_gamma": True}, {"q": "hadamard", "online": True},
         edits=("rotations",)),
