@@ -291,7 +291,7 @@ def test_sharded_output_loads_bitwise(saved, tmp_path):
         assert float((single(probe).double() - ref).abs().max() / ref.abs().max()) < 1e-5
 
 
-def test_inspect_prints_the_manifest_of_a_saved_module(saved):
+def test_inspect_prints_the_manifest_of_a_saved_module_and_convert_says_how_to_load_it(saved, tmp_path):
     from normswap.cli import main
 
     _, out = saved
@@ -299,6 +299,9 @@ def test_inspect_prints_the_manifest_of_a_saved_module(saved):
     assert res.exit_code == 0, res.output
     assert "custom module, tests.custom_models.TinyGPT" in res.output and "model=TinyGPT(...)" in res.output
     assert "norm_f" in res.output and "7 exact" in res.output
+    res = CliRunner().invoke(main, ["convert", str(out), "--out", str(tmp_path / "again")])
+    assert res.exit_code == 1 and "normswap.load(dir, model=YourClass(...))" in res.output
+    assert not (tmp_path / "again").exists()
 
 
 # ------------------------------------------------------------------------------------ refusals
