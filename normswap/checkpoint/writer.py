@@ -672,7 +672,7 @@ def save(
         >>> report = normswap.patch(model)
         >>> normswap.checkpoint.save(model, "out/gpt2-rms")            # doctest: +SKIP
         >>> model2 = normswap.load("out/gpt2-rms")                       # doctest: +SKIP
-        >>> normswap.patch(net, example_inputs=(x,))                     # a custom nn.Module
+        >>> normswap.patch(net, example_inputs=(x,))  # a custom nn.Module  # doctest: +SKIP
         >>> normswap.save(net, "out/net-rms")                            # doctest: +SKIP
         >>> net2 = normswap.load("out/net-rms", model=MyNet())           # doctest: +SKIP
     """
