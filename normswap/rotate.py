@@ -340,8 +340,9 @@ def _online_targets(model: nn.Module, writers: list[str], width: int) -> tuple[l
     """The MLP down projections among a stream's writers (Linear/Conv1D whose input width is not the
     stream's: ``(paths with a Hadamard order, reasons for the others)``."""
     found, why = [], []
-    for path in sorted({w.rsplit(".", 1)[0] for w in writers}):
-        module = model.get_submodule(path)
+    modules = dict(model.named_modules())
+    for path in sorted({w.rpartition(".")[0] for w in writers}):  # a top-level raw parameter's owner is the model
+        module = modules.get(path)
         if not (isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D"):
             continue
         n = module.weight.shape[_reader_axis(module)]

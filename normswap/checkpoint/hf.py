@@ -38,6 +38,7 @@ from normswap.checkpoint.hf_types import (  # noqa: F401  (re-exported: hf.PREFI
     base_type,
     config_class_for,
     drop_modules,
+    known_type,
     manifest_of,
     prefix_of,
     register_conversion_mapping,

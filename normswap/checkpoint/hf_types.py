@@ -45,10 +45,19 @@ def base_type(model_type: str) -> str | None:
     return model_type[len(PREFIX) :] if model_type.startswith(PREFIX) else None
 
 
+def known_type(base: str) -> bool:
+    """Whether transformers knows the model type ``base`` (stock, or registered with ``AutoConfig``): what a
+    native checkpoint's generated config class derives from. A model of any other type (custom code built on
+    ``PreTrainedModel``, a ``trust_remote_code`` model) is saved as a custom module."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    return bool(base) and not base.startswith(PREFIX) and base in CONFIG_MAPPING
+
+
 def base_config_class(base: str) -> type:
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    if base not in CONFIG_MAPPING or base.startswith(PREFIX):
+    if not known_type(base):
         raise NormswapError(f"unknown base model type {base!r}: this transformers version does not know it")
     return CONFIG_MAPPING[base]
 

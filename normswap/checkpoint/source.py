@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from normswap import inputs, presets
-from normswap.checkpoint import hf, io, stream_io
+from normswap.checkpoint import hf, io, module_io, stream_io
 from normswap.errors import NormswapError, NothingToConvert, first_line
 from normswap.options import DTYPES, TASKS, choose
 
@@ -130,6 +130,10 @@ def inspect_dir(
     if path.is_file():
         raise NormswapError(f"{spec} is a file; pass the model directory that contains config.json")
     cfg_path = path / "config.json"
+    if not cfg_path.is_file() and module_io.is_module_dir(path):
+        raise NormswapError(
+            f"{spec} is a custom module normswap.save wrote (converted already; no config.json): load it in "
+            "Python into a fresh instance of its class, normswap.load(dir, model=YourClass(...))")
     if not cfg_path.is_file():
         raise NormswapError(
             f"{spec} has no config.json; pass a Hugging Face model directory "

@@ -19,14 +19,13 @@ import copy
 import json
 import logging
 import os
-import platform
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from normswap.checkpoint import hf_types, io
+from normswap.checkpoint import hf_types, io, module_io
 from normswap.errors import NormswapError
 from normswap.integrations import wrappers
 from normswap.options import FORMATS, choose
@@ -59,6 +58,14 @@ def required_plan(model: nn.Module) -> Plan:
     raise NormswapError(f"{type(model).__name__} has not been converted: run normswap.patch(model) first")
 
 
+def is_transformers_model(model: nn.Module) -> bool:
+    """True for a model with a transformers config of a type transformers knows (``config.model_type``):
+    saved as a checkpoint directory its config can rebuild. Any other module (a plain ``nn.Module``, custom
+    code on ``PreTrainedModel`` with its own type) is saved by :func:`normswap.checkpoint.module_io.save_module`."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    return bool(model_type) and hf_types.known_type(hf_types.base_type(model_type) or model_type)
+
+
 def stock_class(model: nn.Module) -> type:
     """The transformers class a (possibly normswap-generated) model class stands for."""
     cls = type(model)
@@ -84,18 +91,9 @@ def base_model_type(model: nn.Module) -> str:
 
 
 def versions() -> dict[str, str]:
-    import safetensors
     import transformers
 
-    import normswap
-
-    return {
-        "normswap": normswap.__version__,
-        "transformers": transformers.__version__,
-        "torch": torch.__version__.split("+")[0],
-        "safetensors": safetensors.__version__,
-        "python": platform.python_version(),
-    }
+    return {**module_io.versions(), "transformers": transformers.__version__}
 
 
 def json_safe(obj: Any) -> Any:
@@ -649,11 +647,16 @@ def save(
 ) -> Path:
     """Save a converted in-memory model (``normswap.patch`` output, or a loaded native checkpoint).
 
+    A transformers model is written as a native or compat checkpoint directory. Any other patched
+    ``nn.Module`` is written as safetensors plus a manifest of the structural edits
+    (:mod:`normswap.checkpoint.module_io`); ``normswap.load(out_dir, model=MyNet(...))`` applies them to
+    a freshly built instance of its class and loads the weights (outputs bitwise equal).
+
     Args:
-        model: the converted transformers model.
+        model: the converted transformers model, or any module ``normswap.patch`` converted.
         out_dir: destination directory; written atomically (temp dir beside it, renamed at the end).
         format: ``"native"`` (RMSNorm modules, loads via normswap / trust_remote_code) or ``"compat"``
-            (stock architecture with LayerNorms, loads in plain transformers).
+            (stock architecture with LayerNorms, loads in plain transformers; transformers models only).
         manifest_extra: extra JSON-serialisable keys for the ``"normswap"`` manifest (e.g. a fine-tune
             record); earlier extras of a loaded checkpoint are kept unless replaced.
         max_shard_size: e.g. ``"5GB"``; larger checkpoints are sharded with an index file.
@@ -669,6 +672,9 @@ def save(
         >>> report = normswap.patch(model)
         >>> normswap.checkpoint.save(model, "out/gpt2-rms")            # doctest: +SKIP
         >>> model2 = normswap.load("out/gpt2-rms")                       # doctest: +SKIP
+        >>> normswap.patch(net, example_inputs=(x,))  # a custom nn.Module  # doctest: +SKIP
+        >>> normswap.save(net, "out/net-rms")                            # doctest: +SKIP
+        >>> net2 = normswap.load("out/net-rms", model=MyNet())           # doctest: +SKIP
     """
     choose("format", format, FORMATS)
     if wrappers.is_wrapper(model):  # its pipeline files (pooling, normalize, modules.json) are its own to write
@@ -676,6 +682,14 @@ def save(
             f"normswap.save writes a transformers model, not a {type(model).__name__}: save it with its own "
             f"{type(model).__name__}.save(dir) (the converted transformers model inside writes a native "
             "normswap checkpoint; load it back after `import normswap`)")
+    if not is_transformers_model(model):
+        if format != "native":
+            raise NormswapError(
+                f"format={format!r} is a transformers checkpoint layout; {type(model).__name__} is a custom "
+                "module, saved as safetensors + manifest: leave format out")
+        return module_io.save_module(model, out_dir, max_shard_size=max_shard_size, overwrite=overwrite,
+                                     manifest_extra=manifest_extra, verification=verification, source=source,
+                                     tokenizer=tokenizer)
     plan = required_plan(model)
     io.parse_size(max_shard_size)
     out = io.check_destination(out_dir, overwrite=overwrite)

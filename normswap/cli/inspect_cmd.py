@@ -16,6 +16,7 @@ Examples:
   normswap inspect tiny-bert --mode exact --verbose
   normswap inspect ./my-model --json > plan.json
   normswap inspect ./tiny-gpt2-rms          # a converted checkpoint: shows its manifest
+  normswap inspect ./my-net-rms             # normswap.save of a custom module: its manifest
 
 {EXIT_CODES}"""
 
@@ -53,24 +54,33 @@ def inspect(
     Nothing is written and the model is not modified. For a checkpoint normswap already
     converted, the stored manifest is shown instead (no analysis).
     """
-    from normswap.checkpoint import hf, source
+    from pathlib import Path
+
+    from normswap.checkpoint import hf, module_io, source
     from normswap.plan import Plan
 
-    src = source.resolve(
-        model, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code, allow_converted=True
-    )
-    manifest = src.config.get(hf.MANIFEST_KEY) if src.kind != "preset" else None
-    if isinstance(manifest, dict) and manifest.get("plan") is not None:
+    if module_io.is_module_dir(Path(model).expanduser()):  # normswap.save of a custom module: no config.json
+        manifest = module_io.read_manifest(Path(model).expanduser())
         plan = Plan.from_dict(manifest["plan"])
-        header = f"{model}: normswap {manifest.get('format', 'native')} checkpoint (manifest)"
+        cls = manifest.get("class", "?")
+        header = (f"{model}: normswap checkpoint of a custom module, {cls} (manifest; load it with "
+                  f"normswap.load(dir, model={cls.rpartition('.')[2]}(...)))")
     else:
-        import normswap
+        src = source.resolve(
+            model, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code, allow_converted=True
+        )
+        manifest = src.config.get(hf.MANIFEST_KEY) if src.kind != "preset" else None
+        if isinstance(manifest, dict) and manifest.get("plan") is not None:
+            plan = Plan.from_dict(manifest["plan"])
+            header = f"{model}: normswap {manifest.get('format', 'native')} checkpoint (manifest)"
+        else:
+            import normswap
 
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            loaded, _ = source.load_model(src, task=task, dtype="auto", trust_remote_code=trust_remote_code)
-            plan = normswap.plan(loaded, mode=mode, fold_gamma=fold_gamma, untie=not keep_tied)
-        header = f"{model} ({type(loaded).__name__})"
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                loaded, _ = source.load_model(src, task=task, dtype="auto", trust_remote_code=trust_remote_code)
+                plan = normswap.plan(loaded, mode=mode, fold_gamma=fold_gamma, untie=not keep_tied)
+            header = f"{model} ({type(loaded).__name__})"
     if as_json:
         click.echo(json.dumps(plan.to_dict(), indent=2, default=str))
     else:

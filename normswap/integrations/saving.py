@@ -72,8 +72,9 @@ def register() -> None:
 
 def install_save_hooks(model: nn.Module) -> bool:
     """Make ``model.save_pretrained`` write a native normswap checkpoint. Returns True when it did
-    something: False for models without ``save_pretrained``/``config.model_type`` (plain modules, which
-    ``normswap.checkpoint.save`` refuses too) and for models that already save natively."""
+    something: False for models without ``save_pretrained``/``config.model_type`` (plain modules), for
+    model types transformers does not know (custom code on ``PreTrainedModel``: no native checkpoint could
+    rebuild them; ``normswap.save`` writes both as custom modules) and for models that already save natively."""
     from normswap.checkpoint import hf
 
     model_type = getattr(getattr(model, "config", None), "model_type", None)
@@ -82,5 +83,7 @@ def install_save_hooks(model: nn.Module) -> bool:
     if hf.base_type(getattr(type(model).config_class, "model_type", "") or "") is not None:
         return False  # already a normswap class (a loaded checkpoint, or patched before)
     base = hf.base_type(model_type) or model_type
+    if not hf.known_type(base):
+        return False  # custom code with its own model type: normswap.save writes it as a custom module
     model.__class__ = saving_class(type(model), base)
     return True
