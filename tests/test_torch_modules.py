@@ -112,7 +112,8 @@ class CrossAttention(nn.Module):
         self.norm3 = nn.LayerNorm(D)
         self.head = nn.Linear(D, VOCAB)
 
-    def forward(self, ids: torch.Tensor, memory: torch.Tensor, pad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, ids: torch.Tensor, memory: torch.Tensor,
+                pad: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         x = self.emb(ids)
         mem = self.memory_norm(self.memory(memory))
         a, weights = self.cross(self.norm1(x), mem, mem, key_padding_mask=pad, need_weights=True)

@@ -41,6 +41,7 @@ from tests.custom_models import (
 )
 from tests.test_analysis import PreLNLM, StemNet, TanhNet
 from tests.test_token_mixing import MixNet
+from tests.test_torch_modules import CrossAttention, EncoderLM, Seq2Seq, TiedLogits
 
 
 def _ids(vocab: int, n: int, t: int, seed: int) -> torch.Tensor:
@@ -126,8 +127,8 @@ def _x_transformers(pre_norm: bool) -> nn.Module:
 @dataclass
 class Case:
     make: Callable[[], nn.Module]
-    example: torch.Tensor
-    probe: torch.Tensor  # other shape, other values: inputs the analysis never saw
+    example: torch.Tensor | tuple  # the model's positional inputs (one tensor, or a tuple of them)
+    probe: torch.Tensor | tuple  # other shape, other values: inputs the analysis never saw
     options: dict = field(default_factory=dict)
     rotation: dict | None = None  # normswap.rotate keywords, applied after patch
     dtype: torch.dtype = torch.float64
@@ -179,7 +180,24 @@ CASES: dict[str, Case] = {
     "x-transformers post-norm Decoder, per-norm centering": Case(
         lambda: _x_transformers(False), _ids(50, 2, 9, 0), _ids(50, 3, 14, 1), {"per_norm_centering": True},
         edits=("hooks", "mean_carries")),
+    # PyTorch's own modules (tests/test_torch_modules.py): functional projections, the fused encoder path
+    "nn.TransformerEncoder Pre-LN (fused path kept)": Case(EncoderLM, _ids(50, 2, 7, 0), _ids(50, 3, 11, 1)),
+    "nn.TransformerEncoder Post-LN (approximate, Python forward)": Case(
+        lambda: EncoderLM(norm_first=False, causal=False), _ids(50, 2, 7, 0), _ids(50, 3, 11, 1), {"mode": "all"},
+        edits=("mean_carries",)),
+    "nn.Transformer, β folded into in_proj rows, rotated": Case(
+        Seq2Seq, (_ids(50, 2, 7, 0), _ids(50, 2, 5, 2)), (_ids(50, 3, 9, 1), _ids(50, 3, 6, 3)),
+        {"fold_gamma": True}, {"q": "hadamard"}, edits=("folds", "rotations")),
+    "nn.MultiheadAttention kdim/vdim, add_bias_kv": Case(
+        lambda: CrossAttention(add_bias_kv=True), (_ids(50, 2, 6, 0), _feats(2, 5, 24, seed=4)),
+        (_ids(50, 3, 8, 1), _feats(3, 7, 24, seed=5)), {"beta_placement": "fold"}, edits=("folds",)),
+    "logits read from the embedding (tie kept), bare-parameter projections": Case(
+        TiedLogits, _ids(50, 2, 9, 0), _ids(50, 3, 12, 1), edits=("hooks",)),
 }
+
+
+def _args(x: torch.Tensor | tuple) -> tuple:
+    return x if isinstance(x, tuple) else (x,)
 
 
 def _patched(case: Case) -> nn.Module:
@@ -187,7 +205,7 @@ def _patched(case: Case) -> nn.Module:
     model = randomise(case.make()).to(case.dtype)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # approximate conversions warn, by design
-        normswap.patch(model, example_inputs=(case.example,), **case.options)
+        normswap.patch(model, example_inputs=_args(case.example), **case.options)
     if case.rotation is not None:
         assert rotate(model, **case.rotation).rotated
     return model
@@ -224,8 +242,18 @@ def test_round_trip_into_a_fresh_instance_is_bitwise(name, tmp_path):
     assert normswap.plan_of(loaded).counts() == plan.counts()
     assert normswap.plan_of(loaded).rotations == json.loads(json.dumps(plan.rotations))
     with torch.no_grad():
-        assert torch.equal(loaded(case.probe), model(case.probe))
-        assert torch.equal(loaded(case.example), model(case.example))
+        assert torch.equal(_first(loaded(*_args(case.probe))), _first(model(*_args(case.probe))))
+        assert torch.equal(_first(loaded(*_args(case.example))), _first(model(*_args(case.example))))
+    # PyTorch's fused encoder path is kept or held the same way (nn.TransformerEncoderLayer)
+    assert _held_layers(loaded) == _held_layers(model)
+
+
+def _first(out: object) -> torch.Tensor:
+    return out[0] if isinstance(out, tuple) else out
+
+
+def _held_layers(model: nn.Module) -> list[str]:
+    return [p for p, m in model.named_modules() if isinstance(m, nn.TransformerEncoderLayer) and m._forward_pre_hooks]
 
 
 def test_every_custom_model_of_the_suite_has_a_round_trip_case():
