@@ -212,7 +212,9 @@ def working_copy(model: nn.Module, precise: bool = True) -> nn.Module:
 
 
 def _storage(t: torch.Tensor) -> int:
-    return t.untyped_storage().data_ptr() if t.numel() else 0
+    """The address of ``t``'s storage, 0 when it has none to share: empty, or not strided (Whisper keeps
+    its alignment heads in a sparse buffer, which has no storage of its own)."""
+    return t.untyped_storage().data_ptr() if t.numel() and t.layout == torch.strided else 0
 
 
 def own_written(work: nn.Module, model: nn.Module, plan_: Plan) -> None:

@@ -134,13 +134,17 @@ class WTextDecoder(nn.Module):
 
 
 class WhisperStyle(nn.Module):
-    """Encoder (conv + GELU stem, sinusoid buffer) and decoder (tied logits read off the embedding)."""
+    """Encoder (conv + GELU stem, sinusoid buffer) and decoder (tied logits read off the embedding), and
+    a sparse boolean buffer."""
 
     def __init__(self, n_mels: int = 8, audio_ctx: int = 6, vocab: int = 40, text_ctx: int = 12, d: int = 32,
                  heads: int = 4, layers: int = 2) -> None:
         super().__init__()
         self.encoder = WAudioEncoder(n_mels, audio_ctx, d, heads, layers)
         self.decoder = WTextDecoder(vocab, text_ctx, d, heads, layers)
+        heads_used = torch.zeros(layers, heads, dtype=torch.bool)  # the cross-attention heads used for alignment,
+        heads_used[layers // 2:] = True  # kept sparse as Whisper keeps them
+        self.register_buffer("alignment_heads", heads_used.to_sparse(), persistent=False)
 
     def forward(self, mel: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         return self.decoder(tokens, self.encoder(mel))
