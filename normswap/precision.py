@@ -121,7 +121,6 @@ class HoldCasts(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-
 def describe(held: Mapping[str, int], limit: int = 4) -> str:
     """Held casts (:attr:`HoldCasts.held`) as a short phrase, most frequent first: ``float x12, to x4``."""
     names = [f"{n} x{c}" for n, c in Counter(held).most_common(limit)]
