@@ -19,8 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from normswap import beta_placement, calibrate, inputs, surgery, trace, walker
-from normswap.errors import NaNOutputs, NormswapError, first_line
+from normswap import beta_placement, calibrate, inputs, precision, surgery, trace, walker
+from normswap.errors import ModelRunFailed, NaNOutputs, NormswapError, first_line
 from normswap.integrations import hooks, torch_transformer, wrappers
 from normswap.linears import linear_at
 from normswap.options import ConvertOptions
@@ -65,10 +65,26 @@ class Report:
 
 
 # ---------------------------------------------------------------------------------- checks
+def refuse_torchscript(model: object) -> None:
+    """A TorchScript module (``torch.jit.script`` or ``torch.jit.trace``) runs its compiled graph: its
+    submodules cannot be swapped ("Cannot re-assign modules in a ScriptModule") nor hooked, so normswap
+    can neither analyse nor edit it. Refused in one line, with what to do instead."""
+    if not isinstance(model, nn.Module):
+        return
+    for name, module in model.named_modules():
+        if isinstance(module, torch.jit.ScriptModule):
+            how = "torch.jit.trace" if isinstance(module, torch.jit.TracedModule) else "torch.jit.script"
+            where = f"module `{name}` is" if name else f"{type(model).__name__} is"
+            raise NormswapError(
+                f"{where} a TorchScript module ({how}), whose compiled graph normswap cannot edit; "
+                f"patch the eager module first (normswap.patch(model, ...)), then {how.split('.')[-1]} the result")
+
+
 def preflight(model: nn.Module) -> None:
     """Refuse models normswap cannot edit, before touching anything."""
     if not isinstance(model, nn.Module):
         raise NormswapError(f"expected a torch.nn.Module, got {type(model).__name__}")
+    refuse_torchscript(model)
     for name, p in model.named_parameters():
         if p.is_meta:
             raise NormswapError(
@@ -201,7 +217,9 @@ def working_copy(model: nn.Module, precise: bool = True) -> nn.Module:
 
 
 def _storage(t: torch.Tensor) -> int:
-    return t.untyped_storage().data_ptr() if t.numel() else 0
+    """The address of ``t``'s storage, 0 when it has none to share: empty, or not strided (Whisper keeps
+    its alignment heads in a sparse buffer, which has no storage of its own)."""
+    return t.untyped_storage().data_ptr() if t.numel() and t.layout == torch.strided else 0
 
 
 def own_written(work: nn.Module, model: nn.Module, plan_: Plan) -> None:
@@ -270,6 +288,12 @@ class _Analysis:
     graph: trace.Graph
     args: tuple
     kwargs: dict
+    held: dict[str, int] = field(default_factory=dict)  # the model's downcasts held in the traced run
+
+    @property
+    def hold(self) -> bool:
+        """Whether every later forward of the working copy holds the model's casts (:func:`running`)."""
+        return bool(self.held)
 
 
 @contextlib.contextmanager
@@ -285,14 +309,27 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
+@contextlib.contextmanager
+def running(dtype: torch.dtype, hold: bool) -> Iterator[None]:
+    """How every forward of a working copy in ``dtype`` runs: factory defaults in ``dtype``
+    (:func:`default_dtype`) and, for a model whose traced run cast down inside (``hold``), those casts
+    held at ``dtype`` (:mod:`normswap.precision`)."""
+    with default_dtype(dtype), precision.holding(dtype, hold):
+        yield
+
+
 def _run_trace(work: nn.Module, args: tuple, kwargs: dict) -> trace.Graph:
+    """The traced analysis run, with the model's downcasts held at the copy's dtype (a model that
+    computes a norm in float32 runs in a float64 copy; ``graph.held_casts`` says what was held)."""
+    dtype = _dtype_of(work)
     try:
-        with default_dtype(_dtype_of(work)):
-            return trace.record(work, args, kwargs)
+        with default_dtype(dtype):
+            return trace.record(work, args, kwargs, snapshot=walker.candidates(work),
+                                hold=precision.HoldCasts(dtype))
     except NormswapError:
         raise
-    except Exception as exc:  # noqa: BLE001 - any failure here means the inputs do not fit the model
-        raise NormswapError(
+    except Exception as exc:  # noqa: BLE001 - the model does not run on these inputs in this dtype
+        raise ModelRunFailed(
             f"could not run {type(work).__name__}.forward on the example inputs ({type(exc).__name__}: "
             f"{first_line(exc, 200)}); pass example_inputs=(tensor, ...) or a dict of kwargs that the model accepts"
         ) from exc
@@ -314,9 +351,11 @@ def analysed_copy(model: nn.Module, args: tuple, kwargs: dict,
                   opts: ConvertOptions) -> tuple[nn.Module, tuple, dict, _Analysis]:
     """The working copy, the inputs cast to its dtype, and its analysis (:func:`analyse_copy`).
 
-    float64 where it fits (:func:`working_copy`). Where the model's own code computes NaN in float64
-    but not in its own dtype (CANINE's local attention does), the copy is in the model's dtype and the
-    plan says so (``options["working_dtype"]``); NaN in both is the inputs' or the weights' fault.
+    float64 where it fits (:func:`working_copy`). Where the model's own code cannot run in float64
+    (it raises: a dtype check, a float32-only kernel) or computes NaN there but not in its own dtype
+    (CANINE's local attention does), the copy is in the model's dtype, verified at that dtype's
+    tolerance, and the plan says so (``options["working_dtype"]``). Failing in its own dtype too is
+    the inputs' or the weights' fault, and only then does the error say so.
     """
     work = working_copy(model)
     wargs, wkwargs = inputs.cast_inputs(args, kwargs, _dtype_of(work))
@@ -324,10 +363,10 @@ def analysed_copy(model: nn.Module, args: tuple, kwargs: dict,
         an = analyse_copy(work, wargs, wkwargs, opts)
         place_beta(work, an, opts)
         return work, wargs, wkwargs, an
-    except NaNOutputs as exc:
+    except (NaNOutputs, ModelRunFailed) as exc:
         if _dtype_of(work) == _dtype_of(model):
             raise
-        in_float64 = exc
+        in_precise, precise_dtype = exc, _dtype_of(work)
     del work
     work = working_copy(model, precise=False)
     dtype = _dtype_of(work)
@@ -335,9 +374,16 @@ def analysed_copy(model: nn.Module, args: tuple, kwargs: dict,
     try:
         an = analyse_copy(work, wargs, wkwargs, opts)
     except NaNOutputs:
-        raise in_float64 from None
-    an.plan.options["working_dtype"] = (f"{str(dtype).removeprefix('torch.')}: {type(model).__name__} computes NaN "
-                                        "in float64, not in its own dtype")
+        if isinstance(in_precise, NaNOutputs):
+            raise in_precise from None
+        raise
+    name, precise_name = type(model).__name__, str(precise_dtype).removeprefix("torch.")
+    if isinstance(in_precise, NaNOutputs):
+        why = f"{name} computes NaN in {precise_name}, not in its own dtype"
+    else:
+        cause = in_precise.__cause__ if in_precise.__cause__ is not None else in_precise
+        why = f"{name} cannot run in {precise_name} ({type(cause).__name__}: {first_line(cause, 120)})"
+    an.plan.options["working_dtype"] = f"{str(dtype).removeprefix('torch.')}: {why}"
     place_beta(work, an, opts)
     return work, wargs, wkwargs, an
 
@@ -359,8 +405,13 @@ def find_norms(model: nn.Module, example_inputs: inputs.ExampleInputs = None) ->
     args, kwargs = inputs.resolve(model, example_inputs)
     with eval_mode(model):
         work = working_copy(model)
-        args, kwargs = inputs.cast_inputs(args, kwargs, _dtype_of(work))
-        return _identify_sites(work, args, kwargs)[0]
+        try:
+            return _identify_sites(work, *inputs.cast_inputs(args, kwargs, _dtype_of(work)))[0]
+        except (NaNOutputs, ModelRunFailed):
+            if _dtype_of(work) == _dtype_of(model):
+                raise
+        work = working_copy(model, precise=False)  # the model's own dtype, as analysed_copy falls back to
+        return _identify_sites(work, *inputs.cast_inputs(args, kwargs, _dtype_of(work)))[0]
 
 
 def analyse_copy(work: nn.Module, args: tuple, kwargs: dict, opts: ConvertOptions) -> _Analysis:
@@ -374,7 +425,7 @@ def analyse_copy(work: nn.Module, args: tuple, kwargs: dict, opts: ConvertOption
                    rms_norms=found.skipped, bias_slots=opts.bias_slots)
     plan.skipped = [{"name": s.path, "class": s.class_name, "reason": s.reason} for s in found.skipped]
     plan.options["already_converted"] = bool(found.converted) and not found.sites
-    return _Analysis(plan, {s.path: s for s in found.sites}, graph, args, kwargs)
+    return _Analysis(plan, {s.path: s for s in found.sites}, graph, args, kwargs, dict(graph.held_casts))
 
 
 def decide_verdicts(plan: Plan, mode: str) -> None:
@@ -395,6 +446,7 @@ def unwrap(model: nn.Module, example_inputs: inputs.ExampleInputs,
     transformers model inside a wrapper such as a ``SentenceTransformer``
     (:mod:`normswap.integrations.wrappers`), with the wrapper's tokenizer as the default
     ``tokenizer``. Returns (model to convert, options, a note for the report or "")."""
+    refuse_torchscript(model)  # before looking inside it for a wrapped model
     notes = []
     while True:
         if example_inputs is not None and not wrappers.is_compiled(model):
@@ -435,13 +487,14 @@ def plan(model: nn.Module, example_inputs: inputs.ExampleInputs = None, *,
 # ---------------------------------------------------------------------------------- patch
 @contextlib.contextmanager
 def _capture(modules: dict[str, nn.Module]) -> Iterator[dict[str, list[tuple[torch.Tensor, torch.Tensor]]]]:
-    """Record (input, output) of each named module during the forwards run inside the block."""
+    """Record (input, output) of each named module during the forwards run inside the block: copies, since
+    the model may change either in place afterwards (``x = norm(h); x += pos``)."""
     seen: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {k: [] for k in modules}
     handles = []
     for name, module in modules.items():
         def hook(mod, args, kwargs, output, name=name):  # noqa: ANN001
             x = args[0] if args else next(iter(kwargs.values()))
-            seen[name].append((x.detach(), output.detach()))
+            seen[name].append((x.detach().clone(), output.detach().clone()))
         handles.append(module.register_forward_hook(hook, with_kwargs=True))
     try:
         yield seen
@@ -499,7 +552,7 @@ def patch(model: nn.Module, example_inputs: inputs.ExampleInputs = None, *,
         if opts.verify and example_inputs is None:  # real text where the tokenizer is known
             probe = inputs.verification_probe(work, opts.tokenizer)
             try:
-                with torch.no_grad(), default_dtype(work_dtype):
+                with torch.no_grad(), running(work_dtype, an.hold):
                     probe_reference = work(**probe.kwargs)
             except MemoryError:
                 raise
@@ -528,10 +581,8 @@ def patch(model: nn.Module, example_inputs: inputs.ExampleInputs = None, *,
         swap([sp for sp in todo if sp.verdict != "approximate"], {})
         calib = None
         if approx and opts.calibration is not False:
-            cal_dtype = calibration_dtype(work_dtype)
-            with computing_in(work, cal_dtype), default_dtype(cal_dtype):
-                calib = _calibrate(work, approx, an.sites, originals, opts, example_inputs, wargs, wkwargs,
-                                   cal_dtype)
+            calib = _calibrate(work, approx, an.sites, originals, opts, example_inputs, wargs, wkwargs,
+                               work_dtype, an.hold)
             plan_.options["calibration"] = calib.as_dict()
             plan_.options["calibration_batches"] = calib.batches
             reason = calibrate.unusable(calib.figures)
@@ -550,7 +601,7 @@ def patch(model: nn.Module, example_inputs: inputs.ExampleInputs = None, *,
         # The converted model runs on the unseen probe; on the traced inputs too only when the probe
         # did not reach every converted norm (each needs its zero-mean evidence) or there is no probe.
         skip = set(plan_.changed_outputs)
-        with _capture(new_modules) as seen, torch.no_grad(), default_dtype(work_dtype):
+        with _capture(new_modules) as seen, torch.no_grad(), running(work_dtype, an.hold):
             if probe is not None:
                 figures = compare(probe_reference, work(**probe.kwargs), skip, probe.attention_mask)
                 figures["unseen_probe_max_rel_error"] = figures.get("max_rel_error", 0.0)
@@ -568,7 +619,8 @@ def patch(model: nn.Module, example_inputs: inputs.ExampleInputs = None, *,
                     for k in ("max_rel_error", "raw_stream_rel_error"):
                         if k in figures or k in traced:
                             figures[k] = max(figures.get(k, 0.0), traced.get(k, 0.0))
-        _site_checks(plan_, todo, seen, originals, an.sites, work_dtype, figures)
+        with running(work_dtype, an.hold):  # the originals' forwards: a float32 norm of a float64 copy too
+            _site_checks(plan_, todo, seen, originals, an.sites, work_dtype, figures)
         if opts.verify:
             gate(todo, figures, work_dtype)
         report_warnings(plan_, todo)
@@ -592,6 +644,9 @@ def patch(model: nn.Module, example_inputs: inputs.ExampleInputs = None, *,
         message = f"{wrapped}; {message}"
     if plan_.options.get("working_dtype"):
         message += f"; analysed and verified in {plan_.options['working_dtype']}"
+    elif an.hold:  # a fact of these inputs' run (DINOv2 casts only where it interpolates), not of the plan
+        message += (f"; the model's casts to lower precision held at {str(work_dtype).removeprefix('torch.')} "
+                    f"in analysis and verification ({precision.describe(an.held)})")
     if calib is not None:
         message += f"; {calib.summary()}"
         figures.update({f"heldout_{k}": v for k, v in calib.figures.items()})
@@ -633,19 +688,17 @@ def computing_in(model: nn.Module, dtype: torch.dtype) -> Iterator[None]:
 
 
 def _calibrate(work: nn.Module, approx: list[SitePlan], sites: dict, originals: dict, opts: ConvertOptions,
-               example_inputs: inputs.ExampleInputs, args: tuple, kwargs: dict,
-               dtype: torch.dtype) -> calibrate.CalibrationResult:
-    """Fit the approximate norms (still LayerNorms in ``work``) and measure on held-out inputs."""
+               example_inputs: inputs.ExampleInputs, args: tuple, kwargs: dict, work_dtype: torch.dtype,
+               hold: bool) -> calibrate.CalibrationResult:
+    """Fit the approximate norms (still LayerNorms in ``work``) and measure on held-out inputs.
+
+    The forwards run in :func:`calibration_dtype` (float32 for a float64 copy: 2-3x faster) and, where
+    the model does not run there, in the working dtype the analysis ran in: a custom model may keep a
+    tensor it made in the traced float64 run (a rotary table cached on first use) that then meets float32
+    activations ("expected scalar type Float but found Double"). The error says what failed in each.
+    """
     calibration, tokenizer = opts.calibration, opts.tokenizer
     device = next((p.device for p in work.parameters()), torch.device("cpu"))
-
-    def move(t: Any) -> Any:
-        return t.to(device) if isinstance(t, torch.Tensor) else t
-
-    def call(batch: calibrate.Batch) -> calibrate.Batch:
-        a, k = inputs.cast_inputs(*batch, dtype)
-        return tuple(move(x) for x in a), {n: move(v) for n, v in k.items()}
-
     hf = inputs.is_hf_model(work) and example_inputs is None
     held_out: list[calibrate.Batch] = []
     if hf:  # built-in held-out batches (other seed): never fitted on, whichever data the fit used
@@ -659,17 +712,42 @@ def _calibrate(work: nn.Module, approx: list[SitePlan], sites: dict, originals: 
     if not held_out:
         held_out = [(args, kwargs)]
     targets = [calibrate.Target(sp.name, originals[sp.name], sites[sp.name]) for sp in approx]
-    try:
-        return calibrate.calibrate(work, targets, fit, held_out, source=source, sequential=opts.sequential,
-                                   call=call)
-    except (NormswapError, MemoryError):
-        raise
-    except Exception as exc:  # noqa: BLE001 - the model does not run on these batches (a fixed length, ...)
+
+    def move(t: Any) -> Any:
+        return t.to(device) if isinstance(t, torch.Tensor) else t
+
+    failures: list[tuple[torch.dtype, Exception]] = []
+    for dtype in dict.fromkeys((calibration_dtype(work_dtype), work_dtype)):
+        def call(batch: calibrate.Batch, dtype: torch.dtype = dtype) -> calibrate.Batch:
+            a, k = inputs.cast_inputs(*batch, dtype)
+            return tuple(move(x) for x in a), {n: move(v) for n, v in k.items()}
+
+        try:
+            with computing_in(work, dtype), running(dtype, hold):
+                result = calibrate.calibrate(work, targets, fit, held_out, source=source,
+                                             sequential=opts.sequential, call=call)
+        except (NormswapError, MemoryError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - the model does not run on these batches in this dtype
+            log.info("calibration in %s failed: %s: %s", dtype, type(exc).__name__, first_line(exc, 160))
+            failures.append((dtype, exc))
+            continue
+        for failed, exc in failures:  # say why the fit ran in the slower dtype
+            result.pipeline += (f"; in {str(dtype).removeprefix('torch.')} ({type(work).__name__} did not run in "
+                                f"{str(failed).removeprefix('torch.')}: {type(exc).__name__}: {first_line(exc, 120)})")
+        return result
+    exc = failures[-1][1]
+    tried = " or ".join(str(d).removeprefix("torch.") for d, _ in failures)
+    what = f"{type(exc).__name__}: {first_line(exc, 160)}"
+    if calibration is None and not hf:  # the example inputs, on which the analysis ran the model
         raise NormswapError(
-            f"calibration could not run {type(work).__name__} on {source} ({type(exc).__name__}: "
-            f"{first_line(exc, 160)}); "
-            "pass calibration= batches the model accepts (--calibration-data), keep the approximate norms "
-            "as LayerNorm (mode='exact'), or skip the fit (calibration=False)") from exc
+            f"calibration could not run {type(work).__name__} on the example inputs in {tried} ({what}), though "
+            "the analysis ran them; keep the approximate norms as LayerNorm (mode='exact') or skip the fit "
+            "(calibration=False), and please report this model") from exc
+    raise NormswapError(
+        f"calibration could not run {type(work).__name__} on {source} in {tried} ({what}); "
+        "pass calibration= batches the model accepts (--calibration-data), keep the approximate norms "
+        "as LayerNorm (mode='exact'), or skip the fit (calibration=False)") from exc
 
 
 def _site_checks(plan_: Plan, todo: list[SitePlan], seen: dict, originals: dict, sites: dict,

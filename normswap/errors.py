@@ -31,6 +31,12 @@ class NaNOutputs(NormswapError):
     """The original model computes NaN on the inputs it is analysed on (exit code 1)."""
 
 
+class ModelRunFailed(NormswapError):
+    """The original model's forward raised on the inputs it is analysed on (exit code 1). Raised by the
+    float64 analysis copy, it means only that the model does not run in float64: ``patch`` then tries
+    the model's own dtype before saying the inputs are to blame."""
+
+
 class UsageError(NormswapError):
     """An invalid command line or option value (exit code 2)."""
 

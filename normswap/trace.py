@@ -8,13 +8,21 @@ module boundaries (who produced a tensor, who consumed it) that the analysis nee
 The graph is in SSA form: every tensor an op returns becomes a new :class:`Value`, in-place ops
 included (``x += y`` yields a new value bound to the same tensor object), so "who wrote what"
 stays unambiguous. All recorded tensors are kept alive for the graph's lifetime, so Python object
-ids cannot be reused while tracing.
+ids cannot be reused while tracing. A value's ``tensor`` is the live object, so an in-place op
+after it changes what it holds; the inputs and outputs of the modules the walker identifies from
+their data (``snapshot``) are copied when they return and, where the model changed them in place
+later (``x = patch_embedding(img); x += pos``), the value holds that copy.
+
+An argument an op reads for its dtype, device or shape only (``attn_weights.type_as(attn)``,
+``x.new_zeros(...)``, ``torch.zeros_like(x)``) is kept in the op's ``args`` but is not one of its
+``inputs``, and the op is not among that value's ``consumers``: it reads no value.
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +33,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 from normswap.linears import FunctionalLinear, LinearView, linear_module_kind
+from normswap.precision import HoldCasts
 from normswap.verify import flatten_outputs
 
 
@@ -91,6 +100,7 @@ class Graph:
     calls: list[ModuleCall] = field(default_factory=list)
     outputs: list[tuple[str, int]] = field(default_factory=list)  # (output path, Value id)
     output_object: Any = None
+    held_casts: dict[str, int] = field(default_factory=dict)  # downcasts held at the working dtype, by op name
 
     def calls_of(self, path: str) -> list[ModuleCall]:
         return [c for c in self.calls if c.path == path]
@@ -125,6 +135,18 @@ class Graph:
 
 
 _INPLACE_NO_RETURN = {"__setitem__"}
+# Casts and moves that return their very input when there is nothing to do (``x.to(x.dtype)``,
+# ``.float()`` of a float32 tensor, every cast held by normswap.precision). Not recorded then: a new
+# value for the same object would look like an in-place write, and the model's later reads of ``x``
+# would seem to come out of the cast (out of a norm, for Whisper's ``super().forward(x.float())``).
+_NOOP_WHEN_SAME = {"to", "type", "type_as", "float", "double", "half", "bfloat16", "contiguous", "cpu", "cuda"}
+# Arguments an op reads for their dtype, device or shape only (positions, keyword names): not data inputs.
+METADATA_ARGS: dict[str, tuple[int | str, ...]] = {
+    "type_as": (1, "other"), "to": (1, "other"),  # x.to(other): other's dtype and device
+    "expand_as": (1, "other"), "view_as": (1, "other"), "reshape_as": (1, "other"),
+    **{f"new_{k}": (0,) for k in ("zeros", "ones", "empty", "full", "tensor", "empty_strided")},
+    **{f"{k}_like": (0, "input") for k in ("zeros", "ones", "empty", "full", "rand", "randn", "randint")},
+}
 
 # Python-level torch functions recorded as the ops they run rather than as one opaque op: inside
 # ``multi_head_attention_forward`` are the q/k/v and output projections (``F.linear`` on
@@ -155,6 +177,10 @@ class _Recorder(TorchFunctionMode):
                     self.named[id(p)] = p
                     if p.numel():
                         self.by_storage.setdefault(p.untyped_storage().data_ptr(), []).append(p)
+        self.above: TorchFunctionMode | None = None  # a mode that runs above this one (record's ``hold``)
+        self.snapshot_paths: set[str] = set()
+        self.direct_ln: set[int] = set()  # calls inside which `layer_norm` itself ran
+        self.snapshots: dict[int, tuple[int, torch.Tensor]] = {}  # Value id -> (version, copy)
 
     # -- values ---------------------------------------------------------------------------------
     def _new_value(self, t: torch.Tensor, producer: int | None, source: str, name: str | None = None) -> int:
@@ -181,6 +207,8 @@ class _Recorder(TorchFunctionMode):
             return self._run_opened(func, args, kwargs)
         result = func(*args, **kwargs)
         name = getattr(func, "__name__", str(func))
+        if name in _NOOP_WHEN_SAME and args and result is args[0]:
+            return result  # nothing happened to the value
         out_leaves, out_spec = pytree.tree_flatten(result)
         out_tensors = [t for t in out_leaves if isinstance(t, torch.Tensor)]
         if name in _INPLACE_NO_RETURN and args and isinstance(args[0], torch.Tensor):
@@ -198,8 +226,12 @@ class _Recorder(TorchFunctionMode):
                 return ValueRef(vid)
             return x
 
-        ref_args = pytree.tree_map(ref, tuple(args))
-        ref_kwargs = pytree.tree_map(ref, dict(kwargs))
+        def meta_ref(x: Any) -> Any:  # read for its dtype/device/shape: no data input
+            return ValueRef(self.value_of(x)) if isinstance(x, torch.Tensor) else x
+
+        meta = METADATA_ARGS.get(name, ())
+        ref_args = tuple(pytree.tree_map(meta_ref if i in meta else ref, a) for i, a in enumerate(args))
+        ref_kwargs = {k: pytree.tree_map(meta_ref if k in meta else ref, v) for k, v in kwargs.items()}
         index = len(self.graph.ops)
         outputs = [self._new_value(t, index, "op") for t in out_tensors]
         call = self.call_stack[-1] if self.call_stack else None
@@ -211,6 +243,8 @@ class _Recorder(TorchFunctionMode):
                                start_op=index, end_op=index + 1, functional=True)
             self.graph.calls.append(fcall)
             call = fcall.id
+        if name == "layer_norm" and call is not None:
+            self.direct_ln.add(call)
         self.graph.ops.append(Op(index, name, func, ref_args, ref_kwargs, inputs, outputs, out_spec, call))
         for vid in set(inputs):
             self.graph.values[vid].consumers.append(index)
@@ -234,8 +268,8 @@ class _Recorder(TorchFunctionMode):
             return real(*a)
 
         module.has_torch_function = first_says_no
-        try:
-            with self:
+        try:  # the modes above this one (precision.HoldCasts) are off too while it handles a call
+            with self, self.above if self.above is not None else contextlib.nullcontext():
                 return func(*args, **kwargs)
         finally:
             module.has_torch_function = real
@@ -331,12 +365,45 @@ class _Recorder(TorchFunctionMode):
             call.end_op = len(self.graph.ops)
             leaves = pytree.tree_leaves(output)
             call.outputs = [self.value_of(t) for t in leaves if isinstance(t, torch.Tensor)]
+            if path in self.snapshot_paths or call.id in self.direct_ln:
+                tensors = [v for v in [*call.args, *call.kwargs.values()] if v is not None]
+                for vid in [*tensors[:2], *call.outputs[:1]]:
+                    self.snapshot(vid)
 
         return hook
 
+    def snapshot(self, vid: int) -> None:
+        """Copy what value ``vid`` holds now, in case the model changes its tensor in place later."""
+        if vid in self.snapshots:
+            return
+        t = self.graph.values[vid].tensor
+        with torch._C.DisableTorchFunction():  # our own copy: not an op of the model
+            try:
+                version = t._version
+            except RuntimeError:  # an inference tensor has no version counter, and cannot be changed in place
+                return
+            self.snapshots[vid] = (version, t.detach().clone())
 
-def record(model: nn.Module, args: tuple, kwargs: dict) -> Graph:
-    """Run ``model(*args, **kwargs)`` once under no_grad and return its dataflow graph."""
+    def restore_snapshots(self) -> None:
+        """Values whose tensor was changed in place after their snapshot hold the snapshot instead."""
+        with torch._C.DisableTorchFunction():
+            for vid, (version, copy) in self.snapshots.items():
+                if self.graph.values[vid].tensor._version != version:
+                    self.graph.values[vid].tensor = copy
+        self.snapshots.clear()
+
+
+def record(model: nn.Module, args: tuple, kwargs: dict, *, snapshot: Collection[str] = (),
+           hold: HoldCasts | None = None) -> Graph:
+    """Run ``model(*args, **kwargs)`` once under no_grad and return its dataflow graph.
+
+    Args:
+        snapshot: module paths whose calls' tensor inputs and first output keep the values they had
+            when the call returned (the norm candidates the walker identifies from their data); every
+            module inside which ``layer_norm`` ran is added.
+        hold: a :class:`normswap.precision.HoldCasts` mode to run above the recorder, so that the graph
+            records the casts as they ran (held at the working dtype); its counts go to ``held_casts``.
+    """
     graph = Graph()
     params = {}
     for name, p in model.named_parameters(remove_duplicate=False):
@@ -345,6 +412,8 @@ def record(model: nn.Module, args: tuple, kwargs: dict) -> Graph:
     for name, b in model.named_buffers(remove_duplicate=False):
         buffers.setdefault(id(b), name)
     recorder = _Recorder(graph, params, buffers, dict(model.named_modules()))
+    recorder.snapshot_paths = set(snapshot)
+    recorder.above = hold
     for name, t in _named_inputs(args, kwargs):
         recorder._new_value(t, None, "input", name)
     handles = []
@@ -352,11 +421,14 @@ def record(model: nn.Module, args: tuple, kwargs: dict) -> Graph:
         for path, module in model.named_modules():  # a shared module is hooked once, by its first path
             handles.append(module.register_forward_pre_hook(recorder.pre_hook(path), with_kwargs=True))
             handles.append(module.register_forward_hook(recorder.post_hook(path), with_kwargs=True))
-        with torch.no_grad(), recorder:
+        with torch.no_grad(), recorder, hold if hold is not None else contextlib.nullcontext():
             output = model(*args, **kwargs)
     finally:
         for h in handles:
             h.remove()
+    recorder.restore_snapshots()
+    if hold is not None:
+        graph.held_casts = dict(hold.held)
     graph.output_object = output
     # same key paths as verification uses, so Plan.changed_outputs names what verify compares
     graph.outputs = [(path, recorder.value_of(t)) for path, t in flatten_outputs(output)]

@@ -14,6 +14,8 @@ import torch
 import transformers as tf
 from torch import nn
 
+from normswap import precision
+
 SPECIAL = {"bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0}
 LLM = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, vocab_size=99,
            max_position_embeddings=64, **SPECIAL)
@@ -268,36 +270,13 @@ def float64_casts() -> Iterator[None]:
     gated norms, reference SSM scans, rotary tables: ``x.to(torch.float32)``, ``x.float()``): within,
     "float32" stands for float64, so an exactness check compares the math, not float32 rounding.
 
-    A float64 tensor cast to float32 stays float64 and an integer or bool tensor cast to float32 becomes
-    float64, whatever form the cast takes (``.float()``, ``.to(torch.float32)``, ``.to(device,
-    dtype=torch.float32)``): otherwise the two operands of one op can disagree. transformers 5.17 computes
-    rotary tables as a matmul (which does not promote) of ``inv_freq`` (a float64 buffer in a float64
-    model), cast to float32 one way or another, and ``position_ids.float()``."""
-    to, as_float = torch.Tensor.to, torch.Tensor.float
-
-    def exact(self: torch.Tensor) -> bool:  # an integer or bool tensor is exact in float64
-        return not (self.is_floating_point() or self.is_complex())
-
-    def keep_to(self: torch.Tensor, *args, **kwargs):  # noqa: ANN202 - Tensor.to's overloads
-        if self.dtype == torch.float64 or exact(self):  # to(dtype, ...), to(device, dtype, ...), to(dtype=...)
-            if kwargs.get("dtype") == torch.float32:
-                kwargs = {**kwargs, "dtype": torch.float64}
-            else:
-                at = next((i for i, a in enumerate(args[:2]) if isinstance(a, torch.dtype)), None)
-                if at is not None and args[at] == torch.float32:
-                    args = (*args[:at], torch.float64, *args[at + 1:])
-        return to(self, *args, **kwargs)
-
-    def keep_float(self: torch.Tensor, *args, **kwargs):  # noqa: ANN202
-        if self.dtype == torch.float64:
-            return self
-        return to(self, torch.float64) if exact(self) and not args and not kwargs else as_float(self, *args, **kwargs)
-
-    torch.Tensor.to, torch.Tensor.float = keep_to, keep_float
-    try:
+    What ``patch`` does to the working copy's forwards (:class:`normswap.precision.HoldCasts`): every
+    cast to a lower-precision floating dtype, whatever form it takes (``.float()``, ``.to(torch.float32)``,
+    ``.to(device, dtype=torch.float32)``, ``dtype=`` of a factory or softmax), gives float64 instead, so
+    the two operands of one op cannot disagree (transformers computes rotary tables as a matmul, which
+    does not promote, of ``inv_freq`` and ``position_ids.float()``)."""
+    with precision.holding(torch.float64):
         yield
-    finally:
-        torch.Tensor.to, torch.Tensor.float = to, as_float
 
 
 # Already RMS-style: fold_gamma folds their γ into the readers (effective γ becomes 1).
