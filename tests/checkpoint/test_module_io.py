@@ -28,7 +28,7 @@ from torch import nn
 import normswap
 from normswap.errors import NormswapError
 from normswap.rotate import rotate
-from tests import custom_models
+from tests import custom_models, custom_models_cast
 from tests.custom_models import (
     MixedNormNet,
     PostLNEncoder,
@@ -38,6 +38,16 @@ from tests.custom_models import (
     TinyGPT,
     TinyViT,
     randomise,
+)
+from tests.custom_models_cast import (
+    ClipTextStyle,
+    FairseqStyleEncoder,
+    Float32OnlyNet,
+    PostLNRotaryEncoder,
+    SimpleVitStyle,
+    VitPytorchStyle,
+    WhisperEncoderOnly,
+    WhisperStyle,
 )
 from tests.test_analysis import PreLNLM, StemNet, TanhNet
 from tests.test_token_mixing import MixNet
@@ -193,6 +203,20 @@ CASES: dict[str, Case] = {
         (_ids(50, 3, 8, 1), _feats(3, 7, 24, seed=5)), {"beta_placement": "fold"}, edits=("folds",)),
     "logits read from the embedding (tie kept), bare-parameter projections": Case(
         TiedLogits, _ids(50, 2, 9, 0), _ids(50, 3, 12, 1), edits=("hooks",)),
+    # custom models that cast inside or mutate a norm's output (tests/custom_models_cast.py)
+    "Whisper style (float32 norms, weight casts, tied logits)": Case(
+        WhisperStyle, (_feats(2, 8, 12, seed=0), _ids(40, 2, 7, 0)), (_feats(3, 8, 12, seed=1), _ids(40, 3, 11, 1))),
+    "Whisper style audio encoder with a classifier": Case(WhisperEncoderOnly, _feats(2, 8, 12, seed=0),
+                                                          _feats(3, 8, 12, seed=1)),
+    "open_clip text tower style": Case(ClipTextStyle, _ids(40, 2, 9, 0), _ids(40, 4, 12, 1)),
+    "fairseq style (type_as of the attention weights)": Case(FairseqStyleEncoder, _ids(40, 2, 9, 0),
+                                                             _ids(40, 3, 14, 1)),
+    "vit-pytorch ViT style": Case(VitPytorchStyle, _feats(2, 3, 16, 16, seed=0), _feats(3, 3, 16, 16, seed=1)),
+    "vit-pytorch SimpleViT style (norm output changed in place)": Case(
+        SimpleVitStyle, _feats(2, 3, 16, 16, seed=0), _feats(5, 3, 16, 16, seed=1)),
+    "Post-LN encoder with a cached rotary table": Case(PostLNRotaryEncoder, _ids(40, 2, 9, 0), _ids(40, 3, 9, 1)),
+    "a model that runs in float32 only": Case(Float32OnlyNet, _feats(4, 12, seed=0).float(),
+                                              _feats(5, 12, seed=1).float(), dtype=torch.float32),
 }
 
 
@@ -256,12 +280,21 @@ def _held_layers(model: nn.Module) -> list[str]:
     return [p for p, m in model.named_modules() if isinstance(m, nn.TransformerEncoderLayer) and m._forward_pre_hooks]
 
 
+def _building_block(cls: type) -> bool:
+    """A layer of the models (a norm, a Linear or conv subclass, an attention, a block), not a model."""
+    return issubclass(cls, (nn.LayerNorm, nn.Linear, nn.Conv1d)) or cls.__name__.endswith(
+        ("Attention", "Block", "Layer", "FeedForward", "Transformer", "Kernel", "Rotary", "Patches", "Encoder")) \
+        and cls not in (FairseqStyleEncoder, PostLNRotaryEncoder)
+
+
 def test_every_custom_model_of_the_suite_has_a_round_trip_case():
     """A model added to tests/custom_models.py must get a case in CASES (building blocks take arguments)."""
-    models = {cls for _, cls in inspect.getmembers(custom_models, inspect.isclass)
-              if issubclass(cls, nn.Module) and cls.__module__ == custom_models.__name__ and cls is not
-              custom_models.Residual and all(p.default is not p.empty or p.kind in (p.VAR_KEYWORD, p.VAR_POSITIONAL)
-                                             for p in list(inspect.signature(cls.__init__).parameters.values())[1:])}
+    models = {cls for module in (custom_models, custom_models_cast)
+              for _, cls in inspect.getmembers(module, inspect.isclass)
+              if issubclass(cls, nn.Module) and cls.__module__ == module.__name__ and cls is not
+              custom_models.Residual and not _building_block(cls)
+              and all(p.default is not p.empty or p.kind in (p.VAR_KEYWORD, p.VAR_POSITIONAL)
+                      for p in list(inspect.signature(cls.__init__).parameters.values())[1:])}
     covered = {type(case.make()) for name, case in CASES.items() if "x-transformers" not in name}
     assert models - covered == set()
 
