@@ -78,11 +78,25 @@ def replay(graph: Graph, op: Op, maps: dict[int, torch.Tensor], tracked: list[in
     try:
         res = op.func(*args, **kwargs)
     except Exception:  # noqa: BLE001 - an op we cannot replay is simply not a pass-through
-        return None
+        res = _view_as_reshape(op, args, kwargs)
+        if res is None:
+            return None
     leaves = [r for r in pytree.tree_leaves(res) if isinstance(r, torch.Tensor)]
     if len(leaves) != len(op.outputs):
         return None
     return dict(zip(op.outputs, leaves, strict=True))
+
+
+def _view_as_reshape(op: Op, args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """A ``view`` the traced tensor took moves elements as ``reshape`` does; a map laid out with other
+    strides than the traced tensor (a ``contiguous`` replayed as the identity) may refuse the view."""
+    if op.name != "view" or kwargs or not args or not isinstance(args[0], torch.Tensor) \
+            or any(isinstance(a, torch.dtype) for a in args[1:]):
+        return None
+    try:
+        return args[0].reshape(*args[1:])
+    except Exception:  # noqa: BLE001 - not a shape after all
+        return None
 
 
 def pad_mode(op: Op) -> str:
