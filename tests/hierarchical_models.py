@@ -35,9 +35,9 @@ class PatchMerging(nn.Module):
     """Swin's 2x2 patch merging on ``(B, H, W, C)``: 4 neighbouring tokens -> one row of 4C, norm, reduction.
 
     ``variant``: ``"reshape"`` (space-to-depth, timm), ``"cat"`` (four strided slices, original Swin /
-    HF), ``"split"`` (each new token made of halves of two tokens, then merged), ``"halves"`` (the first
-    half of four tokens' features, twice over), or ``"repeat"`` (not a merge: one token's features four
-    times over, every other token dropped). Only ``"repeat"`` leaves one token per row of ``norm``.
+    HF), ``"split"`` (each new token made of halves of two tokens, then merged), or ``"repeat"`` (not a
+    merge: one token's features four times over, every other token dropped). Only ``"repeat"`` leaves one
+    token per row of ``norm``.
     ``pool``: a 3x3 average pooling over the map first (a channel-shared token mix).
     """
 
@@ -57,14 +57,11 @@ class PatchMerging(nn.Module):
             x0, x1 = x[:, 0::2, 0::2, :], x[:, 1::2, 0::2, :]
             x2, x3 = x[:, 0::2, 1::2, :], x[:, 1::2, 1::2, :]
             x = torch.cat([x0, x1, x2, x3], -1)
-        elif self.variant == "repeat":
-            x = torch.cat([x, x, x, x], -1)[:, ::2, ::2]
         elif self.variant == "split":  # each new token: one token's first half, its left neighbour's second
             x = torch.cat([x[..., : c // 2], x[..., c // 2:].roll(1, dims=2)], -1)
             x = x.reshape(b, h // 2, 2, w // 2, 2, c).permute(0, 1, 3, 4, 2, 5).flatten(3)
-        else:  # "halves": the first half of each of 4 tokens' features, twice over (repeats, not whole tokens)
-            x = x.reshape(b, h // 2, 2, w // 2, 2, c).permute(0, 1, 3, 4, 2, 5)[..., : c // 2]
-            x = torch.cat([x, x], -1).flatten(3)
+        else:  # "repeat"
+            x = torch.cat([x, x, x, x], -1)[:, ::2, ::2]
         return self.reduction(self.norm(x))
 
 

@@ -12,7 +12,7 @@
   approximate, with that reason (the math, not a missing feature: ``test_token_rule_matches_layer_norm``).
 
 Every model: float64, LayerNorm γ/β randomised, eval mode, planned at two input shapes (the plan must
-not depend on the shape), converted at one and compared with the original at both.
+not depend on the shape); the custom ones converted at one and compared with the original at both.
 """
 
 from __future__ import annotations
