@@ -17,8 +17,10 @@ One generic mechanism for every model (no per-architecture adapters):
    channel-shared token mix, every output token is a combination of input tokens that must all hold
    the same group of features; the output map is that group (:meth:`Analyzer._mix`). Where it
    lands anywhere else we learn which features something *other* than a norm reads. Centering is
-   function-preserving iff every affected row is a full norm row and nothing else reads those
-   features.
+   function-preserving iff every affected row is a full norm row of *one token* of the writer's
+   output (a second map carries token ids: centering shifts each token by its own mean, and a
+   LayerNorm row is invariant to one shift only, so a Swin patch merging's rows of 4 tokens are not;
+   :meth:`Analyzer._token_groups`) and nothing else reads those features.
 3. **Centering ops.** A term that cannot be centered by surgery gets one centering op at the
    earliest module boundary downstream of it whose value flows only into norm rows. If there is
    none (Post-LN: the stream is also read by attention), the norm is *approximate*.
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -116,6 +119,18 @@ class Reach:
     outputs: list[str] = field(default_factory=list)
     mapped: dict[int, torch.Tensor] = field(default_factory=dict)  # every value reached
     conflict: str | None = None
+    token_width: int = 0  # > 0: the maps hold ``token * token_width + feature`` (Analyzer.reach(tokens=True))
+
+
+class _TokenIds:
+    """Fresh token ids for a token-tracking reach: each output token of a channel-shared mix is a new one."""
+
+    def __init__(self, width: int, first: int) -> None:
+        self.width, self.next = width, first
+
+    def fresh(self, count: int) -> int:
+        base, self.next = self.next, self.next + count
+        return base
 
 
 class Analyzer:
@@ -340,13 +355,21 @@ class Analyzer:
         return isinstance(other, (int, float)) and not isinstance(other, bool)
 
     # ------------------------------------------------------------------ 2. forward index maps
-    def reach(self, vid: int, axis: int | None) -> Reach:
-        """Propagate an index map from ``vid``: features along ``axis`` (``None``: flat element ids)."""
-        key = (vid, str(axis))
+    def reach(self, vid: int, axis: int | None, tokens: bool = False) -> Reach:
+        """Propagate an index map from ``vid``: features along ``axis`` (``None``: flat element ids).
+
+        ``tokens`` (with an ``axis``): each element's map value also says which token of ``vid`` (which
+        position along the other axes) it came from, as ``token * width + feature`` (``width``: the size
+        of ``axis``). Every op moves these maps exactly as it moves feature maps, except a channel-shared
+        token mix, whose output tokens (combinations of whole input tokens) each get a fresh token id.
+        :meth:`_token_groups` reads them: each norm row must hold one token alone.
+        """
+        key = (vid, str(axis) + ("/tokens" if tokens else ""))
         if key in self._reach_memo:
             return self._reach_memo[key]
         value = self.graph.values[vid]
         shape = value.shape
+        token_ids = None
         if axis is None:
             start = torch.arange(math.prod(shape), dtype=torch.float64).reshape(shape)
         else:
@@ -354,7 +377,12 @@ class Analyzer:
             view = [1] * len(shape)
             view[ax] = shape[ax]
             start = torch.arange(shape[ax], dtype=torch.float64).reshape(view).expand(shape)
-        result = Reach()
+            if tokens:
+                positions = [n for i, n in enumerate(shape) if i != ax]
+                token = torch.arange(math.prod(positions), dtype=torch.float64).reshape(positions).unsqueeze(ax)
+                start = (token * shape[ax] + start).contiguous()  # broadcasting may pick other strides: views fail
+                token_ids = _TokenIds(shape[ax], math.prod(positions))
+        result = Reach(token_width=token_ids.width if token_ids is not None else 0)
         maps = {vid: start}
         heap: list[int] = []
         queued: set[int] = set()
@@ -378,11 +406,11 @@ class Analyzer:
             if any(self._inside(op.index, self.graph.calls[c.id])
                    for t in tracked for c in self.input_to_sites.get(t, [])):
                 continue
-            outs = self._propagate(op, tracked, maps, shape if axis is None else None)
+            outs = self._propagate(op, tracked, maps, shape if axis is None else None, token_ids)
             if outs is None:
                 feats: set[int] = set()
                 for t in tracked:
-                    m = maps[t]
+                    m = maps[t] if token_ids is None else torch.remainder(maps[t], token_ids.width)
                     feats |= set(torch.unique(m[~torch.isnan(m)]).long().tolist())
                 where = self._call_of_op(op)
                 result.blockers.append((f"`{op.name}`" + (f" in `{where}`" if where else ""), feats))
@@ -403,10 +431,11 @@ class Analyzer:
         return result
 
     def _propagate(self, op: Op, tracked: list[int], maps: dict[int, torch.Tensor],
-                   flat: tuple[int, ...] | None = None):
+                   flat: tuple[int, ...] | None = None, token_ids: _TokenIds | None = None):
         """Index maps for ``op``'s outputs, ``None`` if the op is not a pass-through.
 
         ``flat``: the maps hold flat element ids of a value of this shape (else feature ids).
+        ``token_ids``: the maps hold token and feature ids (:meth:`reach` with ``tokens``).
         """
         out_shape = self.graph.values[op.outputs[0]].shape if op.outputs else ()
         if op.name in ADD_OPS:
@@ -435,7 +464,7 @@ class Analyzer:
         if op.name in SHAPE_OPS or op.name in JOIN_OPS or op.name in PAD_OPS:
             return replay(self.graph, op, maps, tracked)
         if op.name in MIX_OPS and len(tracked) == 1:
-            return self._mix(op, tracked[0], maps[tracked[0]], flat)
+            return self._mix(op, tracked[0], maps[tracked[0]], flat, token_ids)
         if len(tracked) == 1 and self._zero_fill(op, tracked[0]):
             index = pytree.tree_map(lambda r: self.graph.values[r.id].tensor if isinstance(r, ValueRef) else r,
                                     op.args[1])
@@ -450,7 +479,8 @@ class Analyzer:
             return {op.outputs[0]: m}
         return None
 
-    def _mix(self, op: Op, vid: int, m: torch.Tensor, flat: tuple[int, ...] | None) -> dict[int, torch.Tensor] | None:
+    def _mix(self, op: Op, vid: int, m: torch.Tensor, flat: tuple[int, ...] | None,
+             token_ids: _TokenIds | None = None) -> dict[int, torch.Tensor] | None:
         """Index map through an op that mixes positions with channel-shared weights (:meth:`mixing`).
 
         Each output token is ``Σ_p W[p', p] x[p]`` over input tokens ``x[p]`` (vectors along the channel
@@ -461,13 +491,16 @@ class Analyzer:
         (feature maps), or, for flat element ids of a parameter (``flat``: its shape), rows of the
         parameter along one common axis with identical coordinates along it, channel by channel (so
         centering that axis centers every one of them). Anything else (a per-head mix of different
-        features, tokens permuted differently) is not a pass-through.
+        features, tokens permuted differently) is not a pass-through. With ``token_ids`` the group is
+        judged on the feature ids alone, and every output token gets a token id of its own: it is one
+        combination of whole tokens, zero-mean as a whole, however many input tokens it sums.
         """
         mixes = self.mixing(op, vid)
         if mixes and bool(torch.isnan(m).all()):  # none of the term reaches this op (a slice left it out)
             return {op.outputs[0]: torch.full(self.graph.values[op.outputs[0]].shape, math.nan, dtype=torch.float64)}
+        features = m if token_ids is None else torch.remainder(m, token_ids.width)  # NaN stays NaN
         for mix in mixes:  # the channel axis is the one the map's tokens agree on
-            rep = self._mixed_group(m, mix.in_axis, flat)
+            rep = self._mixed_group(features, mix.in_axis, flat)
             if rep is None:
                 continue
             # where some covered input element contributes: a random combination is nonzero there (a.s.)
@@ -478,6 +511,11 @@ class Analyzer:
                 return None
             view = [rep.numel() if i == mix.out_axis else 1 for i in range(reached.dim())]
             out = rep.reshape(view).expand(reached.shape)
+            if token_ids is not None:
+                positions = [n for i, n in enumerate(reached.shape) if i != mix.out_axis]
+                token = torch.arange(math.prod(positions), dtype=torch.float64).reshape(positions)
+                out = ((token.unsqueeze(mix.out_axis) + token_ids.fresh(token.numel())) * token_ids.width
+                       + out).contiguous()
             return {op.outputs[0]: torch.where(reached != 0, out, torch.full((), math.nan, dtype=torch.float64))}
         return None
 
@@ -517,8 +555,26 @@ class Analyzer:
         return y if isinstance(y, torch.Tensor) else None
 
     # ------------------------------------------------------------------ rows -> centering blocks
-    def _groups(self, reach: Reach) -> tuple[set[tuple[int, ...]], str | None]:
+    def _groups(self, reach: Reach, tokens: Callable[[], Reach] | None = None
+                ) -> tuple[set[tuple[int, ...]], str | None]:
+        """The groups of features that must each be centered (one per distinct norm row), or why none.
+
+        ``tokens``: the same reach with token ids (:meth:`reach` with ``tokens=True``), for a writer's
+        output or a value a centering op would center: the rows are read there, and each must hold one
+        token alone (:meth:`_token_groups`). Without it (a raw parameter's flat element ids, which say
+        where each element sits), a row must not repeat an element.
+        """
         groups: set[tuple[int, ...]] = set()
+        if tokens is not None:
+            by_token = tokens() if reach.site_rows else reach
+            for call_id in reach.site_rows:
+                path = self.graph.calls[call_id].path
+                found, why = self._token_groups(call_id, math.prod(self.sites[path].normalized_shape), by_token,
+                                                path)
+                if why:
+                    return groups, why
+                groups |= found
+            return groups, None
         for call_id, m in reach.site_rows.items():
             site = self.sites[self.graph.calls[call_id].path]
             width = math.prod(site.normalized_shape)
@@ -543,6 +599,54 @@ class Analyzer:
                     return groups, f"repeats features within a row of `{site.path}`"
                 groups.add(tuple(row))
         return groups, None
+
+    @staticmethod
+    def _token_groups(call_id: int, width: int, tokens: Reach, path: str = ""
+                      ) -> tuple[set[tuple[int, ...]], str]:
+        """The feature groups of norm ``call_id``'s rows, and why centering per token would change it ('').
+
+        Centering a writer subtracts, from each of its tokens (each position of its output), the mean
+        over each group of features: a shift that differs from token to token. LayerNorm is invariant
+        to one shift per row, not one per part of a row. So each norm row must hold one token alone,
+        every feature of its group the same number of times (the shift is then one number for the whole
+        row, and the centered row is zero-mean). A row made of several whole tokens, each zero-mean
+        after centering, is zero-mean too, but it was shifted by a different amount per token, and its
+        LayerNorm output changed: Swin's patch merging (4 tokens in a row of 4C, by ``torch.cat`` of
+        strided slices or a space-to-depth reshape) is such a norm. A row holding each feature once but
+        taken from several tokens (a channel shift between tokens) is another. Read on the index map
+        ``token * width + feature`` of ``tokens``; a channel-shared token mix makes each of its output
+        tokens a token of its own (one shift for the whole token: a combination of per-token shifts).
+        """
+        m = None if tokens.conflict else tokens.site_rows.get(call_id)
+        if m is None:
+            return set(), f"is not tracked token by token into the rows of `{path}`"
+        rows = m.reshape(-1, width)
+        nan = torch.isnan(rows)
+        full = ~nan.any(1)
+        if not bool((full | nan.all(1)).all()):
+            return set(), f"fills only part of a row of `{path}`"
+        rows = rows[full]
+        if rows.numel() == 0:
+            return set(), ""
+        token = torch.div(rows, tokens.token_width, rounding_mode="floor")
+        if not bool((token == token[:, :1]).all()):
+            return set(), (f"puts several tokens in one row of `{path}` (centering shifts each token by its own "
+                           "amount; LayerNorm is invariant to one shift per row)")
+        features = rows - token * tokens.token_width
+        if bool((features == features[0]).all()):  # the usual residual stream: every row the same features
+            patterns = features[:1].long()
+        else:
+            patterns = torch.unique(torch.sort(features, dim=1).values, dim=0).long()
+        patterns = torch.sort(patterns, dim=1).values
+        if not bool((patterns[:, 1:] == patterns[:, :-1]).any()):
+            return {tuple(row) for row in patterns.tolist()}, ""
+        groups: set[tuple[int, ...]] = set()
+        for row in patterns.tolist():  # one token twice over (x and x concatenated) is fine
+            counts = {f: row.count(f) for f in set(row)}
+            if len(set(counts.values())) != 1:
+                return set(), f"repeats some features of a token more often than others in a row of `{path}`"
+            groups.add(tuple(sorted(counts)))
+        return groups, ""
 
     @staticmethod
     def _blocks_along(groups: set[tuple[int, ...]], size: int) -> tuple[list[tuple[int, int]] | None, str | None]:
@@ -577,7 +681,7 @@ class Analyzer:
             bad_outputs = [o for o in reach.outputs if "hidden_state" not in o]
             if bad_outputs:
                 return [], [], f"output is also returned as `{bad_outputs[0]}`"
-            groups, why = self._groups(reach)
+            groups, why = self._groups(reach, lambda c=call: self.reach(c.outputs[0], OUTPUT_AXIS[kind], tokens=True))
             if why:
                 return [], [], why
             all_groups |= groups
@@ -739,7 +843,8 @@ class Analyzer:
         reach = self.reach(term.value, -1)
         cands = []
         for vid in sorted(reach.mapped, key=lambda v: (self.graph.values[v].producer or -1)):
-            for call in self.by_output.get(vid, []):
+            # a norm's own output before the module around it: its op then re-rounds once in half precision
+            for call in sorted(self.by_output.get(vid, []), key=lambda c: c.id not in self.site_call_ids):
                 if len(self.calls_per_path[call.path]) == 1 and call.outputs == [vid] and not call.functional:
                     cands.append((vid, CenterHook(call.path, "output", None)))
             for call, slot in self.by_input.get(vid, []):
@@ -772,14 +877,26 @@ class Analyzer:
         return True
 
     def hook_valid(self, vid: int) -> Reach | None:
+        """The reach of value ``vid`` if one centering op there (over its last axis) makes every norm row
+        it reaches zero-mean and changes nothing else, else None (:meth:`hook_problem` says why)."""
+        return None if self.hook_problem(vid) else self.reach(vid, -1)
+
+    def hook_problem(self, vid: int) -> str:
+        """Why a centering op on value ``vid`` would not be exact ('' when it would)."""
         reach = self.reach(vid, -1)
-        if reach.conflict or reach.blockers or any("hidden_state" not in o for o in reach.outputs):
-            return None
-        groups, why = self._groups(reach)
-        width = self.graph.values[vid].shape[-1]
-        if why or groups != {tuple(range(width))}:
-            return None
-        return reach
+        if reach.conflict:
+            return reach.conflict
+        if reach.blockers:
+            return f"is also read by {reach.blockers[0][0]} (not a norm)"
+        bad_outputs = [o for o in reach.outputs if "hidden_state" not in o]
+        if bad_outputs:
+            return f"is also returned as `{bad_outputs[0]}`"
+        groups, why = self._groups(reach, lambda: self.reach(vid, -1, tokens=True))
+        if why:
+            return why
+        if groups != {tuple(range(self.graph.values[vid].shape[-1]))}:
+            return "reaches norm rows that hold only part of its features"
+        return ""
 
     # ------------------------------------------------------------------ 3b. an MLP carries a Post-LN mean
     def _row_preserving(self, op: Op, vid: int) -> bool:

@@ -114,6 +114,7 @@ def analyse(model: nn.Module, graph: Graph, sites: list[NormSite], *, untie: boo
     chained: dict[int, str] = {}  # term value -> module of the stream-start op it is computed after
     site_terms: dict[int, list[Term]] = {}
     carried_mlps: set[str] = set()
+    unhooked: dict[int, str] = {}  # stream-start norm output -> why its first centering point fails
 
     # --- writers and their centering
     for call in an.site_calls:
@@ -149,10 +150,12 @@ def analyse(model: nn.Module, graph: Graph, sites: list[NormSite], *, untie: boo
             if ok or any(term.value in reach.mapped for _, reach in hooks.values()):
                 continue
             # A stream written by a norm's output (Post-LN) is not a stream start, unless that norm is the
-            # first of the model (BLOOM's embedding LayerNorm: its input depends on no norm) and itself
-            # needed no centering op (at most one op per stream, never a chain of them).
+            # first of the model (BLOOM's embedding LayerNorm: its input depends on no norm) or is itself
+            # exact by weight surgery alone and the only such term of every stream it joins (_starts_stream:
+            # a patch embedding's norm after a Linear or conv that reads another norm, in vit-pytorch and
+            # PVT), and itself needed no centering op (at most one op per stream, never a chain of them).
             per_norm = term.kind == "norm" and (
-                an.depends_on_norm(term.value)
+                (an.depends_on_norm(term.value) and not _starts_stream(an, term, site_terms, term_status))
                 or any(term.call in reach.site_rows for _, reach in hooks.values()))
             if term.value in chained:  # seen from an earlier norm of the same stream
                 per_norm = True
@@ -179,6 +182,10 @@ def analyse(model: nn.Module, graph: Graph, sites: list[NormSite], *, untie: boo
                 found = False
                 for vid, hook in an.hook_candidates(term, at_norms=at_norms):
                     reach = an.hook_valid(vid)
+                    if reach is None and term.kind == "norm" and not at_norms and not an.reach(vid, -1).blockers:
+                        # a stream start no op can center although only norms read it (a Swin merge):
+                        # say why; one that attention reads too is a Post-LN stream, and said so
+                        unhooked.setdefault(term.value, an.hook_problem(vid))
                     if reach is not None:
                         hook.reason = (f"stream written by {term.label}: one mean per token before this norm"
                                        if at_norms else f"stream starts at {term.label}")
@@ -254,7 +261,10 @@ def analyse(model: nn.Module, graph: Graph, sites: list[NormSite], *, untie: boo
             term = problems[0]
             sp.verdict = "approximate"
             per_norm = term.kind == "norm"
-            if term.kind == "norm":
+            if term.kind == "norm" and term.value in unhooked:  # a stream start, but no op can center it
+                sp.reason = (f"stream starts at {term.label}; no centering point feeds only norms: the stream "
+                             f"{unhooked[term.value]}")
+            elif term.kind == "norm":
                 sp.reason = f"stream written by {term.label} (Post-LN)"
             elif term.value in chained:
                 per_norm = True
@@ -354,6 +364,30 @@ def _commit_writer_edits(an: Analyzer, site_terms: dict[int, list[Term]], term_s
                 edits.setdefault(e.target, e)
             for u in us:
                 unties.setdefault((u.module, u.attr), u)
+
+
+def _starts_stream(an: Analyzer, term: Term, site_terms: dict[int, list[Term]],
+                   term_status: dict[int, tuple[bool, str]]) -> bool:
+    """Does the norm output ``term`` start a stream, although the norm's input is computed from another norm?
+
+    vit-pytorch's patch embedding (``LayerNorm, Linear, LayerNorm``) and PVT's per-stage patch embedding
+    (a conv reading the last stage's norm, then a norm) end in a norm whose output starts the stream the
+    blocks read. One centering op there keeps every norm of that stream exact, as after BLOOM's embedding
+    norm, when both hold:
+
+    - that norm is exact by weight surgery alone (every writer of its input centered): it becomes an
+      RMSNorm, and the op replaces its mean, one for one. A Post-LN norm never is: its input holds the
+      previous norm's output, which no weight edit centers;
+    - it is the only term that surgery cannot center in every norm input it reaches: one op per stream,
+      at its start. Swin-V2's post-norms (``x + norm(attn(x))``, each exact by surgery) all write the
+      stream the final norm reads: that would take one op per block, or one before that norm (Post-LN).
+    """
+    terms = site_terms.get(term.call) if term.kind == "norm" and term.call is not None else None
+    if not terms or not all(term_status[t.value][0] for t in terms):
+        return False
+    reached = an.reach(term.value, -1).site_rows
+    return bool(reached) and all(t.value == term.value or term_status[t.value][0]
+                                 for call_id in reached for t in site_terms.get(call_id, []))
 
 
 def _site_carries(an: Analyzer, calls: list, problem_calls: dict[int, list[Term]], site_terms: dict,
