@@ -28,7 +28,7 @@ from torch import nn
 import normswap
 from normswap.errors import NormswapError
 from normswap.rotate import rotate
-from tests import custom_models, custom_models_cast
+from tests import custom_models, custom_models_cast, hierarchical_models
 from tests.custom_models import (
     MixedNormNet,
     PostLNEncoder,
@@ -49,6 +49,7 @@ from tests.custom_models_cast import (
     WhisperEncoderOnly,
     WhisperStyle,
 )
+from tests.hierarchical_models import ChannelShiftNet, ConvStemNet, PatchNormViT, PyramidStyle, SwinStyle
 from tests.test_analysis import PreLNLM, StemNet, TanhNet
 from tests.test_token_mixing import MixNet
 from tests.test_torch_modules import CrossAttention, EncoderLM, Seq2Seq, TiedLogits
@@ -215,6 +216,15 @@ CASES: dict[str, Case] = {
     "vit-pytorch SimpleViT style (norm output changed in place)": Case(
         SimpleVitStyle, _feats(2, 3, 16, 16, seed=0), _feats(5, 3, 16, 16, seed=1)),
     "Post-LN encoder with a cached rotary table": Case(PostLNRotaryEncoder, _ids(40, 2, 9, 0), _ids(40, 3, 9, 1)),
+    # hierarchical vision (tests/hierarchical_models.py): stem norms as stream starts, Swin merges
+    "Swin style (the merged stage approximate)": Case(
+        SwinStyle, _image(32, 2, 0), _image(48, 3, 1), {"mode": "all"}),
+    "ConvNeXt-style stem": Case(ConvStemNet, _image(32, 2, 0), _image(48, 3, 1), edits=("hooks",)),
+    "vit-pytorch patch-norm ViT": Case(PatchNormViT, _image(16, 2, 0), _image(8, 3, 1), edits=("hooks",)),
+    "PVT style pyramid": Case(PyramidStyle, _image(32, 2, 0), _image(48, 3, 1), {"fold_gamma": True},
+                              edits=("hooks",)),
+    "channel shift between tokens (approximate)": Case(ChannelShiftNet, _ids(30, 2, 9, 0), _ids(30, 3, 12, 1),
+                                                       {"mode": "all"}),
     "a model that runs in float32 only": Case(Float32OnlyNet, _feats(4, 12, seed=0).float(),
                                               _feats(5, 12, seed=1).float(), dtype=torch.float32),
 }
@@ -283,13 +293,14 @@ def _held_layers(model: nn.Module) -> list[str]:
 def _building_block(cls: type) -> bool:
     """A layer of the models (a norm, a Linear or conv subclass, an attention, a block), not a model."""
     return issubclass(cls, (nn.LayerNorm, nn.Linear, nn.Conv1d)) or cls.__name__.endswith(
-        ("Attention", "Block", "Layer", "FeedForward", "Transformer", "Kernel", "Rotary", "Patches", "Encoder")) \
+        ("Attention", "Block", "Layer", "FeedForward", "Transformer", "Kernel", "Rotary", "Patches", "Encoder",
+         "Merging", "Stage", "Embed")) \
         and cls not in (FairseqStyleEncoder, PostLNRotaryEncoder)
 
 
 def test_every_custom_model_of_the_suite_has_a_round_trip_case():
     """A model added to tests/custom_models.py must get a case in CASES (building blocks take arguments)."""
-    models = {cls for module in (custom_models, custom_models_cast)
+    models = {cls for module in (custom_models, custom_models_cast, hierarchical_models)
               for _, cls in inspect.getmembers(module, inspect.isclass)
               if issubclass(cls, nn.Module) and cls.__module__ == module.__name__ and cls is not
               custom_models.Residual and not _building_block(cls)
