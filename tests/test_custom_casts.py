@@ -219,21 +219,19 @@ def test_simple_vit_style_patch_embedding_norm_changed_in_place_converts_exactly
                  [(torch.randn(2, 3, 16, 16, dtype=torch.float64),), (torch.randn(5, 3, 16, 16, dtype=torch.float64),)])
 
 
-def test_vit_pytorch_style_every_norm_is_identified():
+def test_vit_pytorch_style_every_norm_is_identified_and_exact():
     """vit-pytorch's ViT (cls token, position Parameter added in place after the concatenation): every
-    LayerNorm is found and identified; the exact ones convert exactly (the norms behind the patch
-    embedding's final LayerNorm read its output: Post-LN by the current policy, kept in mode='exact')."""
+    LayerNorm is found and identified, and every one is exact: the patch embedding's last LayerNorm starts
+    the stream (one centering op there, as for CLIP's pre_layrnorm), the one on raw patches reads them
+    through a centering op on the patch rearrangement."""
     torch.manual_seed(5)
     model = randomise(VitPytorchStyle())
     img = torch.randn(2, 3, 16, 16, dtype=torch.float64)
     found = normswap.api.find_norms(model, (img,))
     assert len(found.sites) == 7 and not found.skipped
-    original = copy.deepcopy(model)
-    report = normswap.patch(model, (img,), mode="exact")
-    assert {"to_patch_embedding.1", "to_patch_embedding.3"} <= {s.name for s in report.sites if s.convert}
-    probe = torch.randn(3, 3, 16, 16, dtype=torch.float64)
-    with torch.no_grad():
-        assert _rel(model(probe), original(probe)) <= 1e-9
+    report = _check_exact(model, (img,), [(img,), (torch.randn(3, 3, 16, 16, dtype=torch.float64),)])
+    assert {(h.module, h.where) for h in report.plan.hooks} == {("to_patch_embedding.0", "output"),
+                                                               ("to_patch_embedding.3", "output")}
 
 
 def test_calibration_of_a_float64_model_that_keeps_a_table_made_in_the_analysis_run():
