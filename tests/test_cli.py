@@ -276,7 +276,7 @@ def test_unwritable_destination(tmp_path, monkeypatch):
 def test_full_destination(tmp_path, gpt2_dir, monkeypatch):
     monkeypatch.setattr(io, "free_bytes", lambda path: 1000)
     code, _, err, _ = run("convert", str(gpt2_dir), "--out", str(tmp_path / "o"))
-    assert_one_line_error(code, err, 1, "disk full: needed ~", "free at")
+    assert_one_line_error(code, err, 1, "disk full: --out", "needs ~", "headroom", "has 1.00 KB free")
     monkeypatch.undo()
 
     def disk_full(model, out, **kw):
@@ -285,7 +285,8 @@ def test_full_destination(tmp_path, gpt2_dir, monkeypatch):
 
     monkeypatch.setattr(writer, "write_native", disk_full)
     code, _, err, _ = run("convert", "tiny-gpt2", "--out", str(tmp_path / "nested" / "o"))
-    assert_one_line_error(code, err, 1, "disk full: needed ~", "free at")
+    assert_one_line_error(code, err, 1, "disk full:", f"the filesystem of {tmp_path.resolve()} filled up",
+                          "to write")
     assert listing(tmp_path) == []  # partial output and the created parent are gone
 
 
