@@ -577,7 +577,7 @@ def _scenarios(tmp_path: Path, gpt2_dir: Path, monkeypatch) -> dict[tuple[int, s
         (1, "convert"): lambda: ["convert", str(tmp_path / "missing"), "--out", str(out)],
         (1, "inspect"): lambda: ["inspect", str(tmp_path / "missing")],
         (1, "verify"): lambda: ["verify", "tiny-gpt2", str(tmp_path / "missing")],
-        (1, "finetune"): lambda: ["finetune", "no-such-recipe"],
+        (1, "finetune"): lambda: ["finetune", str(tmp_path / "no-such-recipe.yaml")],
         (1, "bench"): lambda: ["bench", "--device", "cuda"] if not torch.cuda.is_available() else None,
         (2, "convert"): lambda: ["convert", "tiny-gpt2", "--out", str(out), "--mode", "bogus"],
         (2, "inspect"): lambda: ["inspect", "tiny-gpt2", "--mode", "bogus"],

@@ -400,8 +400,8 @@ def test_finetune_list_and_recipe_names():
     assert code == 0 and "task: encoder" in out
     code, _, err = run("finetune")
     one_line_error(code, err, 2, "--list")
-    code, _, err = run("finetune", "no-such-recipe")
-    one_line_error(code, err, 1, "built-in", "distill-encoder")
+    code, _, err = run("finetune", "no-such-recipe")  # an invalid RECIPE argument: a usage error
+    one_line_error(code, err, 2, "built-in", "distill-encoder")
 
 
 def test_bench_plot_without_matplotlib_and_interrupt(tmp_path, monkeypatch):
