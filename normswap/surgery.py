@@ -19,6 +19,7 @@ from torch.utils import _pytree as pytree
 
 from normswap.norm import RMSNorm
 from normswap.plan import (
+    FLAVOUR_SLOTS,
     BetaMove,
     BiasSlot,
     CenteredReader,
@@ -277,16 +278,6 @@ def move_beta(model: nn.Module, m: BetaMove, beta: torch.Tensor) -> None:
     shift = moved_shift(reader.weight.detach().double(), into.weight.detach().double(), beta, m)
     with torch.no_grad():
         into.bias.copy_((into.bias.detach().double() + shift).to(into.bias.dtype))
-
-
-# The affine slots of each norm flavour (walker.NormSite.flavour): (has γ, has β).
-FLAVOUR_SLOTS = {
-    "standard": (True, True),
-    "gamma-only": (True, False),
-    "beta-only": (False, True),
-    "non-affine": (False, False),
-    "offset": (True, True),
-}
 
 
 def rms_slots(sp: SitePlan, *, has_gamma: bool, has_beta: bool) -> tuple[bool, bool]:

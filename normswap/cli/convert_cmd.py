@@ -325,7 +325,7 @@ def convert(
     if headline:
         click.echo(headline)
     if plan is not None:
-        click.echo(f"plan: {plan.summary()}")
+        click.echo(f"plan: {plan.summary(fmt)}")
     if report.rotation is not None:
         click.echo(f"rotation: {report.rotation.headline()}")
     figs = figures_line(report.verification)

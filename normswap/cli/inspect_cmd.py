@@ -32,7 +32,12 @@ Examples:
 )
 @click.option("--fold-gamma", is_flag=True, help="Plan γ folding too.")
 @click.option("--keep-tied", is_flag=True, help="Plan with tied embeddings kept.")
-@click.option("--verbose", "-v", is_flag=True, help="List every writer and reader, centering op and untie.")
+@click.option(
+    "--verbose",
+    "-v",
+    is_flag=True,
+    help="Also list each norm's writers, readers and where its β went and why, every centering op and untie.",
+)
 @click.option("--task", type=click.Choice(TASK_NAMES), default=None, help="Model class to load.")
 @click.option("--trust-remote-code", is_flag=True, help="Allow custom modeling code shipped with MODEL.")
 @click.option("--allow-pickle", is_flag=True, help="Accept pickle-only (.bin) checkpoints.")
@@ -60,8 +65,10 @@ def inspect(
         model, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code, allow_converted=True
     )
     manifest = src.config.get(hf.MANIFEST_KEY) if src.kind != "preset" else None
+    fmt = None
     if isinstance(manifest, dict) and manifest.get("plan") is not None:
         plan = Plan.from_dict(manifest["plan"])
+        fmt = manifest.get("format", "native")
         header = f"{model}: normswap {manifest.get('format', 'native')} checkpoint (manifest)"
     else:
         import normswap
@@ -75,7 +82,7 @@ def inspect(
         click.echo(json.dumps(plan.to_dict(), indent=2, default=str))
     else:
         click.echo(header)
-        click.echo(plan.table(None, verbose=verbose))  # whole reasons: inspect is where they are read
+        click.echo(plan.table(verbose=verbose, fmt=fmt))  # 100 columns, whole reasons (wrapped)
     if not any(sp.convert for sp in plan.sites):
         why = "no LayerNorm found" if not plan.sites else f"no LayerNorm can be converted with --mode {mode}"
         fail(f"{model}: {why}; nothing to convert", EXIT_NOTHING)
