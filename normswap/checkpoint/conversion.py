@@ -27,6 +27,7 @@ from normswap import api, inputs
 from normswap.checkpoint import io, source, writer
 from normswap.checkpoint.source import Source
 from normswap.errors import NormswapError, NothingToConvert, VerificationFailed
+from normswap.integrations.quiet import quietly
 from normswap.options import DTYPES, FORMATS, TASKS, ConvertOptions, choose
 from normswap.plan import plan_of
 from normswap.verify import comparable, compare, exact_limit, primary_key
@@ -422,6 +423,7 @@ def check_agreement(verification: dict[str, Any]) -> None:
 
 
 # ------------------------------------------------------------------------------------ convert
+@quietly
 def convert(
     model_id_or_path: str | os.PathLike,
     out_dir: str | os.PathLike,

@@ -12,6 +12,7 @@ from normswap import inputs
 from normswap.checkpoint import source
 from normswap.checkpoint.reader import load
 from normswap.errors import NormswapError
+from normswap.integrations.quiet import quietly
 from normswap.plan import Plan, plan_of
 from normswap.verify import compare, exact_limit
 
@@ -22,6 +23,7 @@ def _plan_of(model: Any) -> Plan | None:
     return plan_of(model) or getattr(model, "_normswap_compat", None)
 
 
+@quietly
 def verify_checkpoint(
     original: str | os.PathLike,
     converted: str | os.PathLike,

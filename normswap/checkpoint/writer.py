@@ -29,6 +29,7 @@ from torch import nn
 from normswap.checkpoint import hf_types, io
 from normswap.errors import NormswapError
 from normswap.integrations import wrappers
+from normswap.integrations.quiet import quietly
 from normswap.options import FORMATS, choose
 from normswap.plan import CENTERED_VERDICTS, Plan, plan_of
 
@@ -635,6 +636,7 @@ def write_model_dir(
     return manifest
 
 
+@quietly
 def save(
     model: nn.Module,
     out_dir: str | os.PathLike,
