@@ -286,8 +286,11 @@ def fingerprint(src: Source) -> str:
         digests = set()
         for f in src.pickles:
             try:
-                state = torch.load(f, map_location="cpu", weights_only=True, mmap=True)
-            except Exception as exc:  # noqa: BLE001 - a corrupt or old-format pickle
+                try:
+                    state = torch.load(f, map_location="cpu", weights_only=True, mmap=True)
+                except RuntimeError:  # the pre-zip format cannot be mapped: read it
+                    state = torch.load(f, map_location="cpu", weights_only=True)
+            except Exception as exc:  # noqa: BLE001 - a corrupt pickle
                 raise io.damaged(f, f"cannot be read as a PyTorch state dict ({first_line(exc, 200)})") from exc
             digests |= _digests_of_tensors(state.values() if isinstance(state, dict) else [])
     h = hashlib.sha256("\n".join(sorted(digests)).encode())
