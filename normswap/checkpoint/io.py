@@ -194,12 +194,14 @@ def check_space(out: Path, needed: int) -> int:
     return needed
 
 
-def disk_full(out: Path, needed: int | None, free: int | None = None, *, early: bool = False) -> DiskFull:
+def disk_full(out: Path, needed: int | None, free: int | None = None, *, early: bool = False,
+              quota: bool = False) -> DiskFull:
     """One line naming ``--out``, the directory whose filesystem is full and figures that agree.
 
     ``early`` (the pre-check): what is needed, the headroom asked on top of it, and the free space,
     which is less than their sum. Otherwise the disk filled up while writing: what was being written
-    and what is free now that the partial output is removed (which may be more: the write did fail).
+    and what is free now that the partial output is removed (which may be more: the write did fail);
+    ``quota``: it was the user's disk quota (EDQUOT), not the filesystem, that ran out.
     """
     out = Path(out)
     where = staging_dir(out)
@@ -208,6 +210,10 @@ def disk_full(out: Path, needed: int | None, free: int | None = None, *, early: 
         margin = space_required(needed) - needed
         what = (f"--out {out} needs ~{human(space_required(needed))} ({human(needed)} to write + "
                 f"{human(margin)} headroom), and the filesystem of {where} has {human(free)} free")
+    elif quota:
+        size = f" (~{human(needed)} to write)" if needed else ""
+        return DiskFull(f"disk quota exceeded: your quota on the filesystem of {where} ran out while writing "
+                        f"--out {out}{size}; nothing was written. Free some of your files or choose another --out")
     else:
         size = f" (~{human(needed)} to write)" if needed else ""
         what = (f"the filesystem of {where} filled up while writing --out {out}{size}; "
@@ -395,7 +401,7 @@ def _move_entries_into(tmp: Path, out: Path, *, overwrite: bool) -> None:
 def os_error(exc: OSError, where: Path | str, *, needed: int | None = None) -> NormswapError:
     """One actionable line for an I/O failure while writing."""
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-        return disk_full(Path(where), needed)
+        return disk_full(Path(where), needed, quota=exc.errno == errno.EDQUOT)
     if exc.errno == errno.EROFS:
         return NormswapError(f"cannot write {where}: its filesystem is mounted read-only; choose a --out on "
                              "a writable filesystem")
@@ -456,8 +462,10 @@ def read_safetensors_header(path: Path) -> dict[str, Any]:
             if len(raw) < 8:
                 raise ValueError("file shorter than the 8-byte header length")
             (n,) = struct.unpack("<Q", raw)
-            if n > min(size - 8, 100 << 20):
-                raise ValueError("header length points past the end of the file")
+            if n > size - 8:
+                raise ValueError(f"its header length ({n} bytes) points past the end of the file")
+            if n > 100 << 20:
+                raise ValueError(f"its header length ({n} bytes) is over the format's 100 MB limit")
             header = json.loads(f.read(n))
     except (OSError, ValueError, UnicodeDecodeError) as exc:
         raise damaged(path, f"is not a valid safetensors file ({exc})") from exc

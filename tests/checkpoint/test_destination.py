@@ -222,3 +222,17 @@ def test_every_output_file_gets_one_mode_on_every_path(tmp_path, gpt2_src, umask
         assert modes.pop(".") == 0o777 & ~umask, name
         assert "model.safetensors" in modes
         assert set(modes.values()) == {0o666 & ~umask}, (name, {k: oct(v) for k, v in modes.items()})
+
+
+def test_a_quota_that_runs_out_is_named_as_a_quota(tmp_path, monkeypatch):
+    import errno
+
+    from normswap.checkpoint import writer
+
+    def edquot(*a, **k):
+        raise OSError(errno.EDQUOT, "Disk quota exceeded")
+
+    monkeypatch.setattr(writer, "write_native", edquot)
+    line = error_line(*run("convert", "tiny-gpt2", "--out", str(tmp_path / "o"), "-q")[::2], 1)
+    assert line.startswith("error: disk quota exceeded:") and f"--out {tmp_path / 'o'}" in line, line
+    assert os.listdir(tmp_path) == []

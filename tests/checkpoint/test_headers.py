@@ -162,3 +162,12 @@ def test_a_tensor_the_library_cannot_read_is_diagnosed_like_a_bad_header(tmp_pat
         reader.get(next(iter(entries)))
     text = str(caught.value)
     assert str(gpt2_src / "model.safetensors") in text and "something new" in text and "fetch it again" in text
+
+
+def test_a_header_length_past_the_end_is_named(tmp_path, gpt2_src):
+    src = Path(shutil.copytree(gpt2_src, tmp_path / "src"))
+    f = src / "model.safetensors"
+    raw = f.read_bytes()
+    f.write_bytes(struct.pack("<Q", len(raw)) + raw[8:])  # a length field larger than the file
+    code, _, err = run("convert", str(src), "--out", str(tmp_path / "out"), "-q")
+    assert code == 1 and str(f) in err and "points past the end of the file" in err and "fetch it again" in err
