@@ -29,15 +29,21 @@ def test_kl_is_never_negative():
 
 
 def test_recipe_kl_metric_is_never_negative():
-    from normswap.recipes import losses, tasks
+    """The recipes' KL is float32: per token it is rounding noise of either sign for near-equal logits.
+    The mean keeps that noise unbiased (a per-token clamp would inflate it), and is clamped at 0."""
+    from normswap.recipes import tasks
 
-    g = torch.Generator().manual_seed(0)
+    task = tasks.get("causal-lm")
+    g = torch.Generator().manual_seed(1)
     teacher = torch.randn(2, 3, 50, generator=g)
     student = teacher + 1e-6 * torch.randn(2, 3, 50, generator=g)
-    assert (losses.token_kl(student, teacher) < 0).any()  # float32 rounding, per token
-    acc = dict.fromkeys(tasks.get("causal-lm").accumulators, 0.0)
-    kl = tasks.get("causal-lm")._agreement(acc, student, teacher, torch.ones(2, 3, dtype=torch.bool))
-    assert (kl >= 0).all() and acc["kl"] >= 0
+    acc = dict.fromkeys(task.accumulators, 0.0)
+    task._agreement(acc, student, teacher, torch.ones(2, 3, dtype=torch.bool))
+    acc["n"] = 6.0  # the tokens counted (accumulate() adds them)
+    assert acc["kl"] < 0  # the summed noise came out negative here
+    assert task._with_teacher(acc, 1.0, 1.0)["kl"] == 0.0
+    acc["kl"] = 3e-6  # a real divergence is reported as it is
+    assert task._with_teacher(acc, 1.0, 1.0)["kl"] == 3e-6 / 6
 
 
 def test_report_labels_the_ratio_of_rms_errors():
