@@ -26,7 +26,7 @@ from normswap.linears import linear_at
 from normswap.options import ConvertOptions
 from normswap.plan import EXACT_VERDICTS, Plan, SitePlan, attach_plan
 from normswap.planner import analyse
-from normswap.verify import compare, dtype_error_ratio, figure, flatten_outputs, gate
+from normswap.verify import compare, dtype_error_ratio, figures_text, flatten_outputs, gate
 
 log = logging.getLogger("normswap")
 
@@ -53,12 +53,11 @@ class Report:
             lines.append(f"wrote {self.output_format} checkpoint to {self.output}"
                          + (" (streamed)" if self.streamed else ""))
         if self.plan is not None:
-            lines.append(self.plan.summary())
+            lines.append(self.plan.summary(self.output_format))
         if self.calibration is not None:
             lines.append(self.calibration.summary())
         if self.verification:
-            figs = ", ".join(f"{k}={figure(v, 3)}" for k, v in self.verification.items() if isinstance(v, float))
-            lines.append(f"verification: {figs}")
+            lines.append(f"verification: {figures_text(self.verification)}")
             if self.verification.get("probe"):
                 lines.append(f"verified on: {self.verification['probe']}")
         return "\n".join(lines)

@@ -39,7 +39,7 @@ from torch import nn
 
 from normswap import inputs
 from normswap.errors import NormswapError
-from normswap.verify import comparable, figure, primary_key
+from normswap.verify import comparable, figure, primary_key, token_kl
 
 Batch = tuple[tuple, dict]
 # below these figures (against the original, on held-out calibration inputs) a model is unusable
@@ -748,13 +748,12 @@ def measure(model: nn.Module, targets: list[Target], fits: dict[str, NormFit], b
             mask = b[1].get("attention_mask")
             if "logits" in ref and "logits" in out:
                 rt, ro = ref["logits"].double(), out["logits"].double()
-                lt, lo = torch.log_softmax(rt, -1), torch.log_softmax(ro, -1)
                 sel = mask.bool() if mask is not None and mask.shape == rt.shape[:-1] else torch.ones(
                     rt.shape[:-1], dtype=torch.bool)
                 acc["agree"] += float((rt.argmax(-1) == ro.argmax(-1))[sel].sum())
                 top5 = ro.topk(min(5, ro.shape[-1]), -1).indices
                 acc["agree5"] += float((top5 == rt.argmax(-1, keepdim=True)).any(-1)[sel].sum())
-                acc["kl"] += float((lt.exp() * (lt - lo)).sum(-1)[sel].sum())
+                acc["kl"] += float(token_kl(rt, ro)[sel].sum())
                 acc["n"] += float(sel.sum())
                 continue
             key = "last_hidden_state" if "last_hidden_state" in ref else primary_key(ref)

@@ -131,6 +131,10 @@ class ConvertOptions:
                      "allow_unusable", "online_hadamard"):
             if not isinstance(getattr(self, name), bool):
                 raise NormswapError(f"option {name} must be True or False, not {getattr(self, name)!r}")
+        if not self.bias_slots and not self.fold_gamma:  # slots only ever take β of a γ-folded norm
+            raise NormswapError("option bias_slots=False applies with fold_gamma=True only (a bias slot takes the β "
+                                "of a γ-folded norm; without fold_gamma none is made): pass fold_gamma=True too, or "
+                                "drop bias_slots=False")
         backends.check_name(self.backend)
 
     @classmethod

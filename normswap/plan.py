@@ -6,6 +6,7 @@ manifest, from which loading re-applies the structural edits without re-running 
 
 from __future__ import annotations
 
+import textwrap
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -86,6 +87,16 @@ class BetaMove:
     kind: str  # linear | conv1d
     runs: list[tuple[int, int, int]]  # (first input feature of `into`, first output feature of `reader`, count)
 
+
+# The affine slots of each norm flavour (walker.NormSite.flavour): (has γ, has β).
+FLAVOUR_SLOTS = {
+    "standard": (True, True),
+    "gamma-only": (True, False),
+    "beta-only": (False, True),
+    "non-affine": (False, False),
+    "offset": (True, True),
+}
+TABLE_WIDTH = 100  # columns Plan.table fits by default (a common terminal)
 
 KEY_DROP_WHY = "keys: softmax over the keys ignores a constant key shift"
 BETA_KEPT_WHY = "kept in the RMSNorm: folding it into the reader biases would round worse in bf16"
@@ -243,9 +254,14 @@ class SitePlan:
     rotation_upstream: list[str] = field(default_factory=list)  # writer targets that op turns (not their weights)
 
 
-def _shorten(items: list[str], width: int) -> str:
-    text = ", ".join(items) if items else "-"
-    return text if len(text) <= width else text[: width - 1] + "…"
+def _placement(s: SitePlan) -> tuple[str, str]:
+    """Where a norm's (β, γ) end up, for :meth:`Plan.table`: ``fold`` (into its readers), ``norm`` (kept in
+    the norm), ``-`` (it has none, or the norm is not converted)."""
+    if not s.convert:
+        return "-", "-"
+    has_gamma, has_beta = FLAVOUR_SLOTS.get(s.flavour, (True, True))
+    return ("fold" if s.fold_beta else "norm") if has_beta else "-", \
+        ("fold" if s.fold_gamma else "norm") if has_gamma else "-"
 
 
 @dataclass
@@ -290,7 +306,10 @@ class Plan:
         return (f"converted {len(done)} of {len(self.sites)} LayerNorm(s) "
                 f"({exact} exact, {len(done) - exact} approximate)")
 
-    def summary(self) -> str:
+    def summary(self, fmt: str | None = None) -> str:
+        """One line: verdict counts and the edits. ``fmt`` is the checkpoint format the plan was written in,
+        where that changes what is true (``"compat"`` keeps stock LayerNorms: a β not folded stays in the
+        LayerNorm's bias, not in an RMSNorm)."""
         counts = ", ".join(f"{n} {v}" for v, n in self.counts().items() if n)
         extra = []
         if self.writer_edits:
@@ -305,7 +324,8 @@ class Plan:
             extra.append(f"β moved through attention into {len(self.beta_moves)} output bias(es)")
         kept = sum(s.beta_detail.startswith(BETA_KEPT_WHY) for s in self.sites)
         if kept:
-            extra.append(f"β kept in {kept} RMSNorm(s) (folding would round worse in bf16)")
+            where = "stock LayerNorm bias(es)" if fmt == "compat" else "RMSNorm(s)"
+            extra.append(f"β kept in {kept} {where} (folding would round worse in bf16)")
         if self.hooks:
             extra.append(f"{len(self.hooks)} centering op(s)")
         if self.centered_readers:
@@ -324,38 +344,58 @@ class Plan:
             extra.append(f"{len(self.unties)} tie(s) broken (+{self.untied_parameters:,} params)")
         return f"{len(self.sites)} LayerNorm(s): {counts or 'none'}" + (f"; {'; '.join(extra)}" if extra else "")
 
-    def table(self, width: int | None = 60, *, verbose: bool = False) -> str:
-        """Per-norm table (norm, verdict, converted, what folds, writer count, readers, reason), then the
-        summary: what ``print(plan)`` and ``normswap inspect`` show. Reasons are cut at ``width``
-        characters (whole when None); ``verbose`` adds each norm's eps, shape, flavour, writers and
-        readers and where its β went, the centering ops and the broken ties."""
-        header = ("norm", "verdict", "convert", "fold", "writers", "readers", "reason")
-        rows = [header]
-        for s in self.sites:
-            fold = "+".join(x for x, on in (("β", s.fold_beta), ("γ", s.fold_gamma)) if on) or "-"
-            reason = s.reason if width is None or len(s.reason) <= width else s.reason[: width - 1] + "…"
-            rows.append((s.name, s.verdict, "yes" if s.convert else "no", fold, str(len(s.writers)),
-                         _shorten(s.readers, 40), reason))
-        for sk in self.skipped:
-            rows.append((sk["name"], "skipped", "no", "-", "-", "-", sk["reason"]))
-        widths = [max(len(r[i]) for r in rows) for i in range(6)]
-        lines = ["  ".join(r[i].ljust(widths[i]) for i in range(6)) + "  " + r[6] for r in rows]
-        lines.insert(1, "-" * min(160, sum(widths) + 12 + (width or 40)))
+    def table(self, width: int | None = TABLE_WIDTH, *, verbose: bool = False, fmt: str | None = None) -> str:
+        """Per-norm table, then the summary: what ``print(plan)`` and ``normswap inspect`` show.
+
+        One row per norm: name, verdict, whether it is converted, where its β and γ end up (``fold``:
+        into the readers; ``norm``: kept in the norm; ``-``: it has none, or the norm is not converted),
+        how many writers and readers its stream has; its reason, whole, wrapped below the row. The lot
+        fits ``width`` columns (``None``: no limit); a name too long for its column takes a line of its
+        own. ``verbose`` adds each norm's eps, shape, flavour, every writer and reader and where its β
+        went and why, the centering ops and the broken ties. ``fmt``: see :meth:`summary`."""
+        header = ("norm", "verdict", "convert", "β", "γ", "writers", "readers")
+        rows = [((s.name, s.verdict, "yes" if s.convert else "no", *_placement(s), str(len(s.writers)),
+                  str(len(s.readers))), s.reason) for s in self.sites]
+        rows += [((sk["name"], "skipped", "no", "-", "-", "-", "-"), sk["reason"]) for sk in self.skipped]
+        widths = [max([len(header[i])] + [len(cells[i]) for cells, _ in rows]) for i in range(len(header))]
+        gap = "  "
+        if width is not None:  # the name column takes what the others leave
+            widths[0] = max(16, min(widths[0], width - sum(widths[1:]) - len(gap) * (len(header) - 1)))
+
+        def row(cells: tuple[str, ...]) -> str:
+            return gap.join(c.ljust(w) for c, w in zip(cells, widths, strict=True)).rstrip()
+
+        def wrapped(text: str, indent: str = "", first: str = "") -> list[str]:
+            if width is None:
+                return [first + text]
+            return textwrap.wrap(text, width, initial_indent=first, subsequent_indent=indent,
+                                 break_long_words=False, break_on_hyphens=False) or [first]
+
+        total = sum(widths) + len(gap) * (len(header) - 1)
+        lines = [row(header), "-" * (total if width is None else min(total, width))]
+        for cells, reason in rows:
+            if len(cells[0]) > widths[0]:
+                lines += [cells[0], row(("", *cells[1:]))]
+            else:
+                lines.append(row(cells))
+            lines += wrapped(reason, "    ", "    ")
         if verbose:
             for s in self.sites:
-                lines += ["", f"{s.name} ({s.verdict}, eps={s.eps:g}, shape={s.normalized_shape}, {s.flavour})",
-                          f"  writers: {', '.join(s.writers) or '-'}", f"  readers: {', '.join(s.readers) or '-'}"]
+                lines += ["", *wrapped(f"{s.name} ({s.verdict}, eps={s.eps:g}, shape={s.normalized_shape}, "
+                                       f"{s.flavour})", "  ")]
+                lines += wrapped(f"writers: {', '.join(s.writers) or '-'}", "    ", "  ")
+                lines += wrapped(f"readers: {', '.join(s.readers) or '-'}", "    ", "  ")
                 if s.beta_detail:
-                    lines.append(f"  β: {s.beta_detail}")
+                    lines += wrapped(f"β: {s.beta_detail}", "    ", "  ")
             for h in self.hooks:
                 where = h.where if h.arg is None else f"{h.where} {h.arg}"
-                lines.append(f"centering op: {h.module} ({where}): {h.reason}")
+                lines += wrapped(f"centering op: {h.module} ({where}): {h.reason}", "  ")
             for u in self.unties:
-                lines.append(f"untie: {u.module}.{u.attr} from {u.source} (+{u.numel:,} params)")
+                lines += wrapped(f"untie: {u.module}.{u.attr} from {u.source} (+{u.numel:,} params)", "  ")
             lines.append("")
-        lines.append(self.summary())
+        lines += wrapped(self.summary(fmt), "  ")
         if self.changed_outputs:
-            lines.append("changed by design (raw residual stream): " + ", ".join(self.changed_outputs))
+            lines += wrapped("changed by design (raw residual stream): " + ", ".join(self.changed_outputs), "  ")
         return "\n".join(lines)
 
     def __str__(self) -> str:

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from normswap.errors import NormswapError
+from normswap.integrations.quiet import quietly
 
 CORPUS = """\
 The quick brown fox jumps over the lazy dog while the cat sleeps in the warm sun.
@@ -275,6 +276,7 @@ def build(name: str, *, seed: int = SEED, dtype: torch.dtype = torch.float32) ->
     return build_model(name, seed=seed, dtype=dtype), processor(name)
 
 
+@quietly
 def save(
     name: str,
     out_dir: str | os.PathLike,

@@ -509,6 +509,10 @@ def rotate(model: nn.Module, q: str | int | torch.Tensor = "hadamard", *, seed: 
     Returns:
         A :class:`Rotation` listing the streams rotated (with the matrix of each) and, for the others, why not.
 
+    Raises:
+        NormswapError: the model was not converted by normswap, or was converted without ``fold_gamma``
+            and so has streams whose norms keep γ (nothing is rotated then).
+
     Writers' output features become ``x Q`` (Linear/Conv1D/conv/Embedding weights and biases, raw
     position/cls parameters); readers' input features become ``Qᵀ`` (``W ← W Q``). Outputs are
     unchanged up to float rounding; raw residual-stream outputs (``hidden_states``) come out
@@ -557,6 +561,13 @@ def rotate(model: nn.Module, q: str | int | torch.Tensor = "hadamard", *, seed: 
         else:
             rot, info = rotation_matrix(width, kind, seed + i)
             todo.append((group, rot, info))
+    gamma_kept = [s for s in result.skipped if "fold_gamma" in s["reason"]]
+    if gamma_kept and not plan.options.get("fold_gamma"):  # a model that cannot take it: say so, not "0 rotated"
+        raise NormswapError(
+            f"cannot rotate: the model was converted without fold_gamma, so its norms keep γ "
+            f"(`{gamma_kept[0]['norms'][0]}` and {len(gamma_kept) - 1} other stream(s)) and a rotation needs RMSNorms "
+            "of unit weight; convert the original model with normswap.patch(model, fold_gamma=True) (CLI: normswap "
+            "convert --fold-gamma, or --rotate), then rotate it")
     # every parameter is rotated at most once; a reader whose weight is also a writer of the same stream
     # (a head tied to the embedding: rows x → x Q as a writer, W → W Q as a reader) is that one rotation
     work = []

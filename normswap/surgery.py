@@ -21,6 +21,7 @@ from normswap.integrations import torch_transformer
 from normswap.linears import LinearView, linear_at, param_names
 from normswap.norm import RMSNorm
 from normswap.plan import (
+    FLAVOUR_SLOTS,
     BetaMove,
     BiasSlot,
     CenteredReader,
@@ -282,16 +283,6 @@ def move_beta(model: nn.Module, m: BetaMove, beta: torch.Tensor) -> None:
     shift = moved_shift(reader.weight.detach().double(), into.weight.detach().double(), beta, m)
     with torch.no_grad():
         into.bias.copy_((into.bias.detach().double() + shift).to(into.bias.dtype))
-
-
-# The affine slots of each norm flavour (walker.NormSite.flavour): (has γ, has β).
-FLAVOUR_SLOTS = {
-    "standard": (True, True),
-    "gamma-only": (True, False),
-    "beta-only": (False, True),
-    "non-affine": (False, False),
-    "offset": (True, True),
-}
 
 
 def rms_slots(sp: SitePlan, *, has_gamma: bool, has_beta: bool) -> tuple[bool, bool]:

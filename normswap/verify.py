@@ -106,11 +106,19 @@ def figures(reference: torch.Tensor, converted: torch.Tensor) -> dict[str, float
         "rel_rms_error": float(diff.norm()) / norm if norm > 0 else 0.0,
     }
     if ref.dim() >= 1 and ref.shape[-1] > 1 and ref.numel():
-        logp_ref = torch.log_softmax(ref, -1)
-        logp_out = torch.log_softmax(out, -1)
-        result["kl"] = float((logp_ref.exp() * (logp_ref - logp_out)).sum(-1).mean())
+        result["kl"] = float(token_kl(ref, out).mean())
         result["top1_agreement"] = float((ref.argmax(-1) == out.argmax(-1)).double().mean())
     return result
+
+
+def token_kl(reference_logits: torch.Tensor, converted_logits: torch.Tensor) -> torch.Tensor:
+    """``KL(softmax(reference) ‖ softmax(converted))`` over the last dim, per row, in float64, never below 0.
+
+    A divergence is non-negative; the sum ``Σ p (log p − log q)`` of two nearly equal distributions can
+    round to a tiny negative number (``-4.5e-17``), which says nothing, so each row is clamped at 0."""
+    logp_ref = torch.log_softmax(reference_logits.detach().double(), -1)
+    logp_out = torch.log_softmax(converted_logits.detach().double(), -1)
+    return (logp_ref.exp() * (logp_ref - logp_out)).sum(-1).clamp_min(0.0)
 
 
 def max_rel_error(reference: torch.Tensor, converted: torch.Tensor) -> float:
@@ -223,6 +231,19 @@ def raw_stream_error(reference: Any, converted: Any, changed: set[str], real: An
         if scale > 0:
             worst = max(worst, float((d - d.mean(-1, keepdim=True)).abs().max()) / scale)
     return {"raw_stream_rel_error": worst}
+
+
+# what a figure is, printed beside it where its name alone would mislead (next to max errors, a ratio of
+# RMS errors reads like one more max error)
+FIGURE_NOTES = {
+    "dtype_error_ratio": "RMS error vs float64 of the converted model over the original's, both in the model's dtype",
+}
+
+
+def figures_text(figures: dict[str, Any]) -> str:
+    """``key=value, ...`` of the float figures, each with its note from :data:`FIGURE_NOTES`."""
+    return ", ".join(f"{k}={figure(v, 3)}" + (f" ({FIGURE_NOTES[k]})" if k in FIGURE_NOTES else "")
+                     for k, v in figures.items() if isinstance(v, float))
 
 
 def dtype_error_ratio(original: dict[str, Any], converted: dict[str, Any]) -> float | None:

@@ -276,7 +276,7 @@ def test_unwritable_destination(tmp_path, monkeypatch):
 def test_full_destination(tmp_path, gpt2_dir, monkeypatch):
     monkeypatch.setattr(io, "free_bytes", lambda path: 1000)
     code, _, err, _ = run("convert", str(gpt2_dir), "--out", str(tmp_path / "o"))
-    assert_one_line_error(code, err, 1, "disk full: needed ~", "free at")
+    assert_one_line_error(code, err, 1, "disk full: --out", "needs ~", "headroom", "has 1.00 KB free")
     monkeypatch.undo()
 
     def disk_full(model, out, **kw):
@@ -285,7 +285,8 @@ def test_full_destination(tmp_path, gpt2_dir, monkeypatch):
 
     monkeypatch.setattr(writer, "write_native", disk_full)
     code, _, err, _ = run("convert", "tiny-gpt2", "--out", str(tmp_path / "nested" / "o"))
-    assert_one_line_error(code, err, 1, "disk full: needed ~", "free at")
+    assert_one_line_error(code, err, 1, "disk full:", f"the filesystem of {tmp_path.resolve()} filled up",
+                          "to write")
     assert listing(tmp_path) == []  # partial output and the created parent are gone
 
 
@@ -576,7 +577,7 @@ def _scenarios(tmp_path: Path, gpt2_dir: Path, monkeypatch) -> dict[tuple[int, s
         (1, "convert"): lambda: ["convert", str(tmp_path / "missing"), "--out", str(out)],
         (1, "inspect"): lambda: ["inspect", str(tmp_path / "missing")],
         (1, "verify"): lambda: ["verify", "tiny-gpt2", str(tmp_path / "missing")],
-        (1, "finetune"): lambda: ["finetune", "no-such-recipe"],
+        (1, "finetune"): lambda: ["finetune", str(tmp_path / "no-such-recipe.yaml")],
         (1, "bench"): lambda: ["bench", "--device", "cuda"] if not torch.cuda.is_available() else None,
         (2, "convert"): lambda: ["convert", "tiny-gpt2", "--out", str(out), "--mode", "bogus"],
         (2, "inspect"): lambda: ["inspect", "tiny-gpt2", "--mode", "bogus"],
@@ -708,3 +709,82 @@ def test_per_norm_centering_flag_makes_post_ln_exact_and_says_so(tmp_path):
     code, _, err, _ = run("convert", str(src), "--out", str(tmp_path / "b3"), "--low-memory", "--per-norm-centering")
     assert_one_line_error(code, err, 1, "--per-norm-centering needs the whole model in memory")
     assert not (tmp_path / "b3").exists()
+
+
+# ------------------------------------------------------------------------------------ issue 32 §4
+def test_usage_errors_exit_2(tmp_path):
+    """A missing required recipe setting, an unknown recipe, and an option that would do nothing are
+    command-line errors (exit 2, the documented table), each said in one line, before anything runs."""
+    data = tmp_path / "corpus.txt"
+    data.write_text("hello world\n")
+    cases = [
+        (["finetune", "distill-masked-lm"], ["model.source", "is required", "model.source="]),
+        (["finetune", "distill-masked-lm", f"data.path={data}"], ["model.source", "is required"]),
+        (["finetune", "distill-causal-lm", "model.source=tiny-gpt2"], ["data.path", "is required"]),
+        (["finetune", "no-such-recipe"], ["not a built-in recipe", "--list"]),
+        (["convert", "tiny-gpt2", "--out", str(tmp_path / "o"), "--no-bias-slots"],
+         ["--no-bias-slots", "--fold-gamma"]),
+        (["convert", "tiny-gpt2", "--out", str(tmp_path / "o"), "--online-hadamard"], ["--rotate"]),
+    ]
+    for args, fragments in cases:
+        code, _, err, secs = run(*args)
+        assert_one_line_error(code, err, 2, *fragments)
+        assert "must be a string, got None" not in err and secs < 10, (args, secs)
+    assert listing(tmp_path) == ["corpus.txt"]
+
+
+def test_options_that_would_do_nothing_are_refused_in_python_too():
+    from normswap.options import ConvertOptions
+
+    with pytest.raises(normswap.NormswapError, match="bias_slots=False applies with fold_gamma=True"):
+        ConvertOptions(bias_slots=False)
+    assert not ConvertOptions(bias_slots=False, fold_gamma=True).bias_slots
+    assert ConvertOptions(bias_slots=False, rotate="hadamard").fold_gamma  # rotate implies fold_gamma
+    model = presets.build_model("tiny-gpt2")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(normswap.NormswapError, match="bias_slots"):
+        normswap.patch(model, bias_slots=False)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_verify_data_that_does_not_exist_is_named_as_data(tmp_path):
+    normswap.convert("tiny-gpt2", tmp_path / "g")
+    code, _, err, _ = run("verify", "tiny-gpt2", str(tmp_path / "g"), "--data", str(tmp_path / "nope.txt"))
+    assert_one_line_error(code, err, 1, f"--data {tmp_path / 'nope.txt'} does not exist")
+    assert "calibration" not in err
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n\n")
+    code, _, err, _ = run("verify", "tiny-gpt2", str(tmp_path / "g"), "--data", str(empty))
+    assert_one_line_error(code, err, 1, "--data", "contains no text")
+    assert "calibration" not in err
+
+
+@pytest.mark.parametrize("preset", ["tiny-bert", "tiny-whisper"])
+def test_inspect_fits_100_columns_and_shows_where_beta_goes(preset):
+    code, out, err, _ = run("inspect", preset)
+    assert code == 0, err
+    lines = out.splitlines()
+    assert max(len(ln) for ln in lines) <= 100, max(lines, key=len)
+    header = next(ln for ln in lines if ln.startswith("norm "))
+    assert header.split() == ["norm", "verdict", "convert", "β", "γ", "writers", "readers"]
+    plan = normswap.plan(presets.build_model(preset))
+    for sp in plan.sites:  # every norm and its whole reason are there, β placement in its row
+        at = next(i for i, ln in enumerate(lines) if ln.split()[:1] == [sp.name])
+        row = (lines[at] if len(lines[at].split()) > 1 else lines[at + 1]).split()  # a long name: own line
+        assert row[-6:-4] == [sp.verdict, "yes" if sp.convert else "no"], row
+        assert row[-4] == ("fold" if sp.fold_beta else "norm"), row
+        assert " ".join(sp.reason.split()) in " ".join(out.split())
+    code, verbose, _, _ = run("inspect", preset, "-v")
+    assert max(len(ln) for ln in verbose.splitlines()) <= 100
+    assert "writers:" in verbose and "β:" in verbose  # -v keeps the details
+
+
+def test_compat_summary_says_where_beta_is_kept(tmp_path):
+    code, out, err, _ = run("convert", "tiny-gpt2", "--out", str(tmp_path / "c"), "--format", "compat")
+    assert code == 0, err
+    plan_line = next(ln for ln in out.splitlines() if ln.startswith("plan:"))
+    assert "β kept in 2 stock LayerNorm bias(es)" in plan_line and "RMSNorm" not in plan_line
+    code, out, _, _ = run("inspect", str(tmp_path / "c"))
+    assert "stock LayerNorm bias(es)" in " ".join(out.split()) and "RMSNorm" not in out
+    report = normswap.convert("tiny-gpt2", tmp_path / "n")
+    assert "β kept in 2 RMSNorm(s)" in str(report)

@@ -89,8 +89,11 @@ def test_rotation_needs_folded_gamma_and_the_plan_says_so():
     model = build(EXACT, "gpt2")
     report = normswap.patch(model)  # fold_gamma=False: γ stays in the norms
     assert all("fold_gamma=True" in sp.rotation_reason for sp in report.plan.sites)
-    rot = rotate(model, 0)
-    assert not rot.rotated and all("fold_gamma" in s["reason"] for s in rot.skipped)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(normswap.NormswapError, match=r"without fold_gamma.*patch\(model, fold_gamma=True\)"):
+        rotate(model, 0)  # refused, not "0 streams rotated"
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # and nothing turned
+    assert not report.plan.rotations
 
 
 def test_explicit_q_wrong_sizes_and_non_orthogonal_q():

@@ -27,6 +27,7 @@ from normswap import api, inputs
 from normswap.checkpoint import io, source, writer
 from normswap.checkpoint.source import Source
 from normswap.errors import NormswapError, NothingToConvert, VerificationFailed
+from normswap.integrations.quiet import quietly
 from normswap.options import DTYPES, FORMATS, TASKS, ConvertOptions, choose
 from normswap.plan import plan_of
 from normswap.verify import comparable, compare, exact_limit, primary_key
@@ -237,25 +238,37 @@ def wants_low_memory(src: Source, dtype: str) -> bool:
 
 
 # ------------------------------------------------------------------------------------ calibration
+def check_text_file(path: str | os.PathLike, option: str) -> None:
+    """Refuse a missing text input up front, named by its ``option``, before any model is loaded."""
+    p = Path(path)
+    if not p.exists():
+        raise NormswapError(f"{option} {p} does not exist")
+    if not p.is_file():
+        raise NormswapError(f"{option} {p} is not a file; pass a text file (one sample per line) or JSONL")
+
+
 def read_calibration(
-    path: str | os.PathLike, tokenizer: Any, model: nn.Module, *, max_samples: int = 256, batch_size: int = 8
+    path: str | os.PathLike, tokenizer: Any, model: nn.Module, *, max_samples: int = 256, batch_size: int = 8,
+    option: str = "--calibration-data",
 ) -> list[dict[str, torch.Tensor]]:
-    """Text file (one sample per non-empty line) or JSONL with a ``"text"`` field -> model batches."""
+    """Text file (one sample per non-empty line) or JSONL with a ``"text"`` field -> model batches.
+
+    ``option`` names the file in messages: ``--calibration-data`` (calibration) or ``--data`` (``verify``'s
+    evaluation inputs)."""
     path = Path(path)
-    if not path.is_file():
-        raise NormswapError(f"calibration data {path} does not exist")
+    check_text_file(path, option)
     if tokenizer is None or not callable(tokenizer):
         raise NormswapError(
-            f"--calibration-data is text, but {type(model).__name__} has no tokenizer "
+            f"{option} is text, but {type(model).__name__} has no tokenizer "
             "(image/audio model, or no tokenizer files next to the weights)"
         )
     main = getattr(model, "main_input_name", "input_ids")
     if main != "input_ids":
-        raise NormswapError(f"--calibration-data is text, but {type(model).__name__} takes {main}")
+        raise NormswapError(f"{option} is text, but {type(model).__name__} takes {main}")
     try:
         raw = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
-        raise NormswapError(f"cannot read calibration data {path}: {exc}") from exc
+        raise NormswapError(f"cannot read {option} {path}: {exc}") from exc
     lines = [ln for ln in raw.splitlines() if ln.strip()]
     jsonl = path.suffix in (".jsonl", ".json") or (lines and lines[0].lstrip().startswith("{"))
     texts: list[str] = []
@@ -274,7 +287,7 @@ def read_calibration(
             texts.append(line)
     texts = [t for t in texts if t.strip()][:max_samples]
     if not texts:
-        raise NormswapError(f"calibration data {path} contains no text")
+        raise NormswapError(f"{option} {path} contains no text")
     config = model.config
     limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None) or 512
     max_length = max(4, min(128, int(limit) - 2))
@@ -410,6 +423,7 @@ def check_agreement(verification: dict[str, Any]) -> None:
 
 
 # ------------------------------------------------------------------------------------ convert
+@quietly
 def convert(
     model_id_or_path: str | os.PathLike,
     out_dir: str | os.PathLike,
@@ -478,6 +492,8 @@ def convert(
         low_memory=low_memory,
         calibration_data=calibration_data,
     )
+    if calibration_data is not None:
+        check_text_file(calibration_data, "--calibration-data")
     src = source.resolve(
         str(model_id_or_path), allow_pickle=allow_pickle, trust_remote_code=trust_remote_code
     )
@@ -518,7 +534,8 @@ def convert(
             echo=say,
             automatic=automatic,
         )
-    io.check_space(out, src.nbytes)
+    side_bytes = io.side_file_bytes(src.path)
+    io.check_space(out, src.nbytes + side_bytes)
     steps = _progress(progress, 4, f"normswap convert {src.spec}")
     with steps:
         steps.set_postfix_str("loading")
@@ -587,7 +604,7 @@ def convert(
                          for k, v in probe.items()}
         converted = _run(model, probe) if original is not None else None
         steps.set_postfix_str("writing")
-        needed = io.check_space(out, output_bytes(model))
+        needed = io.check_space(out, output_bytes(model) + side_bytes)
         with io.atomic_directory(out, overwrite=overwrite, needed=needed) as tmp:
             writer.write_model_dir(
                 model,

@@ -83,7 +83,8 @@ def _dangerous(out: Path) -> str | None:
 
 def check_destination(out: str | os.PathLike, *, overwrite: bool, source: Path | None = None) -> Path:
     """Refuse destinations we must not write: non-empty without ``overwrite``, the source itself,
-    a parent of the working directory, a file, or a place we cannot write. Nothing is created."""
+    a parent of the working directory, a file, or a place we cannot write (a read-only filesystem
+    is named as such). Nothing is created."""
     out = Path(out).expanduser()
     if out.exists() and not out.is_dir():
         raise NormswapError(f"--out {out} exists and is not a directory; choose another path")
@@ -101,11 +102,17 @@ def check_destination(out: str | os.PathLike, *, overwrite: bool, source: Path |
         why = _dangerous(out)
         if why:
             raise NormswapError(f"refusing to overwrite {out}: {why}")
-    parent = _existing_parent(out)
-    if not parent.is_dir():
-        raise NormswapError(f"cannot create --out {out}: {parent} is a file, not a directory")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise NormswapError(f"cannot write to {parent} (permission denied); choose a writable --out")
+    where = staging_dir(out)
+    if not where.is_dir():
+        raise NormswapError(f"cannot create --out {out}: {where} is a file, not a directory")
+    for place in (out, where) if out.is_dir() else (where,):
+        mount = read_only_mount(place)
+        if mount is not None:
+            what = "it is a read-only mount" if mount == out.resolve() else (
+                f"its filesystem is mounted read-only (at {mount})")
+            raise NormswapError(f"cannot write --out {out}: {what}; choose a --out on a writable filesystem")
+    if not os.access(where, os.W_OK | os.X_OK):
+        raise NormswapError(f"cannot write to {where} (permission denied); choose a writable --out")
     return out
 
 
@@ -114,6 +121,36 @@ def _existing_parent(out: Path) -> Path:
     while not parent.exists() and parent != parent.parent:
         parent = parent.parent
     return parent
+
+
+def _into_mount(out: Path) -> bool:
+    """Whether ``out`` is an existing mount point (a Docker volume, say): no rename can replace it, so
+    the output is staged *inside* it and its entries are moved into place (see :func:`atomic_directory`)."""
+    return out.is_dir() and os.path.ismount(out)
+
+
+def staging_dir(out: Path) -> Path:
+    """The existing directory the output is first written into (its filesystem receives every byte):
+    ``out`` itself when it is a mount point, else the first existing directory above it, where the
+    temporary directory beside ``out`` (and any missing parents) will be created."""
+    out = Path(out).expanduser()
+    return out.resolve() if _into_mount(out) else _existing_parent(out)
+
+
+def read_only_mount(path: Path) -> Path | None:
+    """The mount point of ``path``'s filesystem when that filesystem is mounted read-only, else None
+    (also None where the platform cannot tell)."""
+    statvfs = getattr(os, "statvfs", None)
+    flag = getattr(os, "ST_RDONLY", 1)
+    try:
+        if statvfs is None or not statvfs(path).f_flag & flag:
+            return None
+    except OSError:
+        return None
+    mount = Path(path).resolve()
+    while not os.path.ismount(mount) and mount != mount.parent:
+        mount = mount.parent
+    return mount
 
 
 def available_memory() -> int:
@@ -127,10 +164,22 @@ def available_memory() -> int:
 
 
 def free_bytes(path: Path) -> int:
+    """Bytes free on the filesystem the output at ``path`` is written to (:func:`staging_dir`)."""
     try:
-        return shutil.disk_usage(_existing_parent(path / "x")).free
+        return shutil.disk_usage(staging_dir(Path(path))).free
     except OSError:
         return 1 << 62
+
+
+# What the pre-check asks for beyond the estimate (weights and copied side files): config, model card,
+# safetensors headers and filesystem blocks, which it leaves out. Said in the message, with the sum.
+SPACE_MARGIN_FRACTION = 0.01
+SPACE_MARGIN_BYTES = 256 << 10
+
+
+def space_required(needed: int) -> int:
+    """Free bytes the pre-check asks for to write ``needed`` bytes: the estimate, 1% more, 256 KiB more."""
+    return int(needed * (1 + SPACE_MARGIN_FRACTION)) + SPACE_MARGIN_BYTES
 
 
 def check_space(out: Path, needed: int) -> int:
@@ -140,20 +189,36 @@ def check_space(out: Path, needed: int) -> int:
     full disk gives later (the estimate is not exact: another process may fill the disk meanwhile).
     """
     free = free_bytes(out)
-    if needed > 0 and free < needed * 1.05 + (16 << 20):
-        raise disk_full(out, needed, free)
+    if needed > 0 and free < space_required(needed):
+        raise disk_full(out, needed, free, early=True)
     return needed
 
 
-def disk_full(out: Path, needed: int | None, free: int | None = None) -> DiskFull:
-    """``disk full: needed ~X GB, Y GB free at PATH`` (one line, the same wording early or late)."""
-    where = _existing_parent(Path(out))
-    free = free_bytes(Path(out)) if free is None else free
-    need = f"needed ~{human(needed)}, " if needed else ""
-    return DiskFull(
-        f"disk full: {need}{human(free)} free at {where}; nothing was written. Free some space "
-        "or choose another --out"
-    )
+def disk_full(out: Path, needed: int | None, free: int | None = None, *, early: bool = False,
+              quota: bool = False) -> DiskFull:
+    """One line naming ``--out``, the directory whose filesystem is full and figures that agree.
+
+    ``early`` (the pre-check): what is needed, the headroom asked on top of it, and the free space,
+    which is less than their sum. Otherwise the disk filled up while writing: what was being written
+    and what is free now that the partial output is removed (which may be more: the write did fail);
+    ``quota``: it was the user's disk quota (EDQUOT), not the filesystem, that ran out.
+    """
+    out = Path(out)
+    where = staging_dir(out)
+    free = free_bytes(out) if free is None else free
+    if early and needed:
+        margin = space_required(needed) - needed
+        what = (f"--out {out} needs ~{human(space_required(needed))} ({human(needed)} to write + "
+                f"{human(margin)} headroom), and the filesystem of {where} has {human(free)} free")
+    elif quota:
+        size = f" (~{human(needed)} to write)" if needed else ""
+        return DiskFull(f"disk quota exceeded: your quota on the filesystem of {where} ran out while writing "
+                        f"--out {out}{size}; nothing was written. Free some of your files or choose another --out")
+    else:
+        size = f" (~{human(needed)} to write)" if needed else ""
+        what = (f"the filesystem of {where} filled up while writing --out {out}{size}; "
+                f"{human(free)} free once the partial output was removed")
+    return DiskFull(f"disk full: {what}; nothing was written. Free some space or choose another --out")
 
 
 def _host() -> str:
@@ -208,16 +273,42 @@ def untie_note(count: int, params: int, extra: int, total: int) -> str:
     )
 
 
+def _umask() -> int:
+    """The process umask (read without changing it where /proc tells, else set and restored at once)."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def set_modes(root: Path) -> None:
+    """Give every file under ``root`` the mode a plain ``open(path, "w")`` gives (0644 under the usual
+    umask 022), and every directory, ``root`` included, 0755: writers differ (safetensors writes 0600
+    through a temporary file), a checkpoint should not."""
+    mask = _umask()
+    os.chmod(root, 0o777 & ~mask)
+    for path in root.rglob("*"):
+        if path.is_symlink():
+            continue
+        os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~mask)
+
+
 @contextlib.contextmanager
 def atomic_directory(out: Path, *, overwrite: bool, needed: int | None = None) -> Iterator[Path]:
     """Yield a fresh temporary directory beside ``out``; on success rename it to ``out``.
 
     On any exception (including KeyboardInterrupt) the temporary directory is removed and ``out``
     is left exactly as it was. With ``overwrite`` an existing ``out`` is moved aside, replaced,
-    and deleted only after the new directory is in place.
+    and deleted only after the new directory is in place. Every file written gets one mode
+    (:func:`set_modes`). When ``out`` is a mount point (which no rename can replace) the temporary
+    directory is made inside it and its entries are moved into ``out`` one by one at the end.
     """
     out = Path(out).expanduser()
-    parent = out.resolve().parent
+    into_mount = _into_mount(out)
+    parent = out.resolve() if into_mount else out.resolve().parent
     created = parent  # the outermost directory this call creates (removed again on failure)
     while not created.parent.exists() and created.parent != created:
         created = created.parent
@@ -235,13 +326,18 @@ def atomic_directory(out: Path, *, overwrite: bool, needed: int | None = None) -
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}{TMP_MARK}{_owner()}-", dir=parent))
     except OSError as exc:
         cleanup(None)
+        if exc.errno == errno.EROFS:
+            raise os_error(exc, out) from exc
         raise NormswapError(
             f"cannot create the output directory next to {out}: {exc.strerror or exc}"
         ) from exc
     try:
         yield tmp
-        os.chmod(tmp, 0o755)
-        _move_into_place(tmp, out, overwrite=overwrite)
+        set_modes(tmp)
+        if into_mount:
+            _move_entries_into(tmp, out, overwrite=overwrite)
+        else:
+            _move_into_place(tmp, out, overwrite=overwrite)
     except OSError as exc:
         cleanup(tmp)
         raise os_error(exc, out, needed=needed) from exc
@@ -268,18 +364,97 @@ def _move_into_place(tmp: Path, out: Path, *, overwrite: bool) -> None:
         os.rename(tmp, out)
 
 
+def _move_entries_into(tmp: Path, out: Path, *, overwrite: bool) -> None:
+    """``out`` is a mount point holding ``tmp``: move what else it holds aside (with ``overwrite``),
+    move ``tmp``'s entries in, then drop the old ones; on failure put everything back."""
+    mine = f".{out.name}{TMP_MARK}"
+    others = [p for p in out.iterdir() if p != tmp and not p.name.startswith(mine)]
+    if others and not overwrite:  # appeared while we were converting
+        raise NormswapError(f"--out {out} appeared during the conversion; result discarded")
+    old = out / f"{mine}{_owner()}-old"
+    moved_old: list[Path] = []
+    moved_new: list[Path] = []
+    try:
+        if others:
+            old.mkdir()
+            for p in others:
+                os.rename(p, old / p.name)
+                moved_old.append(p)
+        for p in sorted(tmp.iterdir()):
+            os.rename(p, out / p.name)
+            moved_new.append(out / p.name)
+    except BaseException:
+        for p in moved_new:
+            with contextlib.suppress(OSError):
+                os.rename(p, tmp / p.name)
+        for p in moved_old:
+            with contextlib.suppress(OSError):
+                os.rename(old / p.name, p)
+        with contextlib.suppress(OSError):
+            old.rmdir()
+        raise
+    tmp.rmdir()
+    if others:
+        shutil.rmtree(old, ignore_errors=True)
+
+
 def os_error(exc: OSError, where: Path | str, *, needed: int | None = None) -> NormswapError:
     """One actionable line for an I/O failure while writing."""
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-        return disk_full(Path(where), needed)
-    if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return disk_full(Path(where), needed, quota=exc.errno == errno.EDQUOT)
+    if exc.errno == errno.EROFS:
+        return NormswapError(f"cannot write {where}: its filesystem is mounted read-only; choose a --out on "
+                             "a writable filesystem")
+    if exc.errno in (errno.EACCES, errno.EPERM):
         return NormswapError(f"cannot write {where} ({exc.strerror}); choose a writable --out")
     return NormswapError(f"I/O error on {where}: {exc.strerror or exc}")
 
 
 # ------------------------------------------------------------------------------------ safetensors
+# bits per element of every safetensors dtype (the format's own list; F4/F6 pack below a byte)
+SAFETENSORS_DTYPE_BITS = {
+    "BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8, "F8_E4M3FNUZ": 8,
+    "F8_E5M2FNUZ": 8, "I16": 16, "U16": 16, "F16": 16, "BF16": 16, "I32": 32, "U32": 32, "F32": 32,
+    "C64": 64, "F64": 64, "I64": 64, "U64": 64, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6,
+}
+
+
+def damaged(path: Path | str, problem: str) -> NormswapError:
+    """The one diagnosis of a damaged checkpoint file, whichever reader finds it: which file, what is
+    wrong with it, and what to do (fetch it again)."""
+    return NormswapError(f"{path} {problem}; the file is damaged (an incomplete or corrupted download?): "
+                         "fetch it again")
+
+
+def _tensor_fault(info: Any) -> str:
+    """What is wrong with one tensor's header entry, or "" when it is well formed."""
+    if not isinstance(info, dict):
+        return "is not described by a JSON object"
+    dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+    if dtype not in SAFETENSORS_DTYPE_BITS:
+        return f"has unknown dtype {dtype!r}"
+    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
+                                              for d in shape):
+        return f"has an invalid shape {shape!r}"
+    if not (isinstance(offsets, list) and len(offsets) == 2
+            and all(isinstance(o, int) and not isinstance(o, bool) and o >= 0 for o in offsets)):
+        return f"has invalid data_offsets {offsets!r} (two byte offsets expected)"
+    begin, end = offsets
+    if end < begin:
+        return f"has data_offsets [{begin}, {end}] that run backwards"
+    bits = SAFETENSORS_DTYPE_BITS[dtype]
+    for d in shape:
+        bits *= d
+    if bits % 8 or end - begin != bits // 8:
+        return f"holds {end - begin} bytes, but a {dtype} tensor of shape {shape} needs {bits / 8:g}"
+    return ""
+
+
 def read_safetensors_header(path: Path) -> dict[str, Any]:
-    """Parse and sanity-check a safetensors header without loading tensors (no pickle, ever)."""
+    """Parse and check a safetensors header without loading tensors (no pickle, ever): every check the
+    safetensors library makes when it opens the file (known dtypes, sizes that match dtype and shape,
+    data offsets that tile the data section exactly), so a damaged file is reported here, by name, the
+    same way on every path, and never surfaces later as a library error. Raises :func:`damaged`."""
     try:
         size = path.stat().st_size
         with open(path, "rb") as f:
@@ -287,29 +462,38 @@ def read_safetensors_header(path: Path) -> dict[str, Any]:
             if len(raw) < 8:
                 raise ValueError("file shorter than the 8-byte header length")
             (n,) = struct.unpack("<Q", raw)
-            if n > min(size - 8, 100 << 20):
-                raise ValueError("header length points past the end of the file")
+            if n > size - 8:
+                raise ValueError(f"its header length ({n} bytes) points past the end of the file")
+            if n > 100 << 20:
+                raise ValueError(f"its header length ({n} bytes) is over the format's 100 MB limit")
             header = json.loads(f.read(n))
     except (OSError, ValueError, UnicodeDecodeError) as exc:
-        raise NormswapError(
-            f"{path} is not a valid safetensors file ({exc}); the download may be "
-            "truncated or corrupted: fetch it again"
-        ) from exc
-    end = 0
+        raise damaged(path, f"is not a valid safetensors file ({exc})") from exc
+    if not isinstance(header, dict):
+        raise damaged(path, "is not a valid safetensors file (its header is not a JSON object)")
+    meta = header.get("__metadata__", {})
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise damaged(path, "has a corrupted safetensors header (__metadata__ is not a mapping of strings)")
+    spans = []
     for key, info in header.items():
         if key == "__metadata__":
             continue
-        try:
-            end = max(end, int(info["data_offsets"][1]))
-        except (KeyError, TypeError, IndexError, ValueError) as exc:
-            raise NormswapError(
-                f"{path} has a malformed safetensors header (tensor {key!r}); fetch the file again"
-            ) from exc
+        fault = _tensor_fault(info)
+        if fault:
+            raise damaged(path, f"has a corrupted safetensors header: tensor {key!r} {fault}")
+        spans.append((*info["data_offsets"], key))
+    end, previous = 0, None
+    for begin, stop, key in sorted(spans):
+        if begin != end:
+            what = (f"(from byte {begin}) overlaps tensor {previous!r} (up to byte {end})" if begin < end
+                    else f"starts at byte {begin}, leaving a gap after byte {end}")
+            raise damaged(path, f"has a corrupted safetensors header: tensor {key!r} {what}")
+        end, previous = stop, key
     if 8 + n + end > size:
-        raise NormswapError(
-            f"{path} is truncated ({human(size)} on disk, header describes "
-            f"{human(8 + n + end)}); fetch the file again"
-        )
+        raise damaged(path, f"is truncated ({human(size)} on disk, its header describes {human(8 + n + end)})")
+    if 8 + n + end < size:
+        raise damaged(path, f"has {size - 8 - n - end} bytes after its last tensor (its header describes "
+                            f"{human(8 + n + end)}, {human(size)} on disk)")
     return header
 
 
@@ -353,6 +537,25 @@ def _is_weight(name: str) -> bool:
     return name.endswith(_WEIGHT_SUFFIXES) or name.endswith(_WEIGHT_INDEXES)
 
 
+def _side_entries(src: Path | None) -> list[Path]:
+    """The files and directories of ``src`` that :func:`copy_side_files` copies."""
+    if src is None or not src.is_dir():
+        return []
+    return [f for f in sorted(src.iterdir())
+            if not (f.name.startswith(".") or f.name == "config.json" or (f.is_file() and _is_weight(f.name))
+                    or (f.is_dir() and f.name in _STALE_DIRS))]
+
+
+def side_file_bytes(src: Path | None) -> int:
+    """Bytes :func:`copy_side_files` will copy from ``src`` (what the disk-space check adds to the weights)."""
+    total = 0
+    for f in _side_entries(src):
+        files = [g for g in f.rglob("*") if not any(part.startswith(".") for part in g.relative_to(f).parts)] \
+            if f.is_dir() else [f]
+        total += sum(g.stat().st_size for g in files if g.is_file())
+    return total
+
+
 def copy_side_files(src: Path | None, dst: Path) -> list[str]:
     """Copy every file of the source directory that is not a weight of the converted model.
 
@@ -365,15 +568,11 @@ def copy_side_files(src: Path | None, dst: Path) -> list[str]:
     kept as a section of it (:func:`merge_card`).
     """
     copied: list[str] = []
-    if src is None or not src.is_dir():
-        return copied
-    for f in sorted(src.iterdir()):
+    for f in _side_entries(src):
         name = f.name
-        if name.startswith(".") or name == "config.json" or (f.is_file() and _is_weight(name)):
-            continue
         target = dst / name
         if f.is_dir():
-            if name in _STALE_DIRS or target.exists():
+            if target.exists():
                 continue
             shutil.copytree(f, target, ignore=shutil.ignore_patterns(".*"))
         elif name == "README.md" and target.is_file():

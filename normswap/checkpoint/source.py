@@ -223,19 +223,88 @@ def resolve(
 
 
 # ------------------------------------------------------------------------------------ fingerprint
-_SAMPLE = 1 << 16  # bytes of tensor data hashed at each of three places per shard
+_SAMPLE = 1 << 14  # bytes of each tensor hashed at each of three places (the whole tensor when smaller)
+FINGERPRINT_SCHEME = "tensors-sha256:"  # weights-only fingerprints; older manifests hold "sha256:" (by file)
 _VOLATILE = ("_name_or_path", "transformers_version", "architectures", "dtype", "torch_dtype", "auto_map")
+_LEGACY_SAMPLE = 1 << 16
+
+
+def _windows(nbytes: int) -> list[tuple[int, int]]:
+    """(offset, length) of the bytes of an ``nbytes`` tensor that its digest covers."""
+    if nbytes <= 3 * _SAMPLE:
+        return [(0, nbytes)]
+    return [(0, _SAMPLE), (nbytes // 2 - _SAMPLE // 2, _SAMPLE), (nbytes - _SAMPLE, _SAMPLE)]
+
+
+def _tensor_digest(dtype: str, shape: list[int] | tuple[int, ...], windows: list[bytes]) -> str:
+    """sha256 of a tensor's safetensors dtype name, shape and sampled bytes (:func:`_windows`)."""
+    h = hashlib.sha256(f"{dtype}{list(shape)}".encode())
+    for chunk in windows:
+        h.update(chunk)
+    return h.hexdigest()
+
+
+def _digests_of_files(files: list[Path]) -> set[str]:
+    out = set()
+    for f in files:
+        header = io.read_safetensors_header(f)
+        with open(f, "rb") as fh:
+            base = 8 + int.from_bytes(fh.read(8), "little")
+            for key, info in header.items():
+                if key == "__metadata__":
+                    continue
+                begin, end = info["data_offsets"]
+                chunks = []
+                for at, length in _windows(end - begin):
+                    fh.seek(base + begin + at)
+                    chunks.append(fh.read(length))
+                out.add(_tensor_digest(info["dtype"], info["shape"], chunks))
+    return out
+
+
+def _digests_of_tensors(tensors: Any) -> set[str]:
+    out = set()
+    for t in tensors:
+        if not isinstance(t, torch.Tensor):
+            continue
+        raw = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+        chunks = [raw[at:at + length].numpy().tobytes() for at, length in _windows(raw.numel())]
+        out.add(_tensor_digest(stream_io.ST_DTYPES.get(t.dtype, str(t.dtype)), tuple(t.shape), chunks))
+    return out
 
 
 def fingerprint(src: Source) -> str:
-    """A cheap identity of the source weights, recorded in the manifest and checked by ``verify``.
+    """What the source's weights are, recorded in the manifest and checked by ``verify``.
 
-    Hashes the config (minus fields a re-save changes), every shard's safetensors header (tensor
-    names, dtypes, shapes, offsets) and 64 KB of tensor bytes at the start, middle and end of each
-    shard: a fine-tune of the same architecture differs in the sampled bytes, a different model in
-    the header. Reads a few hundred KB, whatever the checkpoint size. Presets hash their name
-    (they are seeded and rebuilt identically).
+    A hash of the set of its tensors, each by dtype, shape and bytes (the whole tensor up to 48 KB,
+    else 16 KB at its start, middle and end), whatever holds them: a preset, the same preset saved
+    to a directory, one file or shards of any size, safetensors or a pickle, tied weights stored
+    once or twice, any key names. A fine-tune differs in the bytes, another model in the shapes.
+    Reads about 48 KB per tensor, whatever the checkpoint size.
     """
+    if src.kind == "preset":
+        digests = _digests_of_tensors(presets.build_model(src.spec).state_dict().values())
+    elif src.safetensors:
+        digests = _digests_of_files(src.safetensors)
+    else:  # pickles (allow_pickle was given to resolve them): their tensors, without running code
+        digests = set()
+        for f in src.pickles:
+            try:
+                try:
+                    state = torch.load(f, map_location="cpu", weights_only=True, mmap=True)
+                except RuntimeError:  # the pre-zip format cannot be mapped: read it
+                    state = torch.load(f, map_location="cpu", weights_only=True)
+            except Exception as exc:  # noqa: BLE001 - a corrupt pickle
+                raise io.damaged(f, f"cannot be read as a PyTorch state dict ({first_line(exc, 200)})") from exc
+            digests |= _digests_of_tensors(state.values() if isinstance(state, dict) else [])
+    h = hashlib.sha256("\n".join(sorted(digests)).encode())
+    return FINGERPRINT_SCHEME + h.hexdigest()[:32]
+
+
+def legacy_fingerprint(src: Source) -> str:
+    """The fingerprint manifests written before :data:`FINGERPRINT_SCHEME` hold (``sha256:...``): the
+    config, and 64 KB of each shard's bytes at three places; presets hashed their name. Kept so that
+    ``verify`` still recognises the source of a checkpoint converted then."""
     h = hashlib.sha256()
     if src.kind == "preset":
         h.update(f"preset:{src.spec}".encode())
@@ -245,11 +314,18 @@ def fingerprint(src: Source) -> str:
     for f in src.safetensors or src.pickles:
         size = f.stat().st_size
         with open(f, "rb") as fh:
-            for at in (0, max(0, size // 2 - _SAMPLE // 2), max(0, size - _SAMPLE)):
+            for at in (0, max(0, size // 2 - _LEGACY_SAMPLE // 2), max(0, size - _LEGACY_SAMPLE)):
                 fh.seek(at)
-                h.update(fh.read(_SAMPLE))
+                h.update(fh.read(_LEGACY_SAMPLE))
         h.update(str(size).encode())
     return "sha256:" + h.hexdigest()[:32]
+
+
+def same_source(recorded: str, src: Source) -> bool:
+    """Whether a manifest's ``source_fingerprint`` names ``src``'s weights (either scheme)."""
+    if recorded.startswith(FINGERPRINT_SCHEME):
+        return recorded == fingerprint(src)
+    return recorded == legacy_fingerprint(src)
 
 
 def record(src: Source) -> dict[str, Any]:

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from normswap.checkpoint import io
-from normswap.errors import NormswapError
+from normswap.errors import NormswapError, first_line
 
 REOPEN_BYTES = 256 << 20
 ST_DTYPES = {
@@ -54,8 +54,8 @@ class Entry:
 
 
 def itemsize(st_dtype: str) -> int:
-    """Bytes per element of a safetensors dtype name."""
-    return {"F64": 8, "I64": 8, "F32": 4, "I32": 4, "F16": 2, "BF16": 2, "I16": 2}.get(st_dtype, 1)
+    """Bytes per element of a safetensors dtype name (1 for the formats packed below a byte)."""
+    return max(1, io.SAFETENSORS_DTYPE_BITS.get(st_dtype, 8) // 8)
 
 
 def scan(files: list[Path]) -> dict[str, Entry]:
@@ -91,15 +91,15 @@ class Reader:
         e = self.entries[key]
         if self._read.get(e.file, 0) > REOPEN_BYTES:
             self.close(e.file)
-        if e.file not in self._handles:
-            self._handles[e.file] = safe_open(str(e.file), framework="pt").__enter__()
-            self._read[e.file] = 0
         try:
+            if e.file not in self._handles:
+                self._handles[e.file] = safe_open(str(e.file), framework="pt").__enter__()
+                self._read[e.file] = 0
             t = self._handles[e.file].get_tensor(key)
+        except MemoryError:
+            raise
         except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
-            raise NormswapError(
-                f"cannot read {key} from {e.file.name}: {exc}; the file is corrupted"
-            ) from exc
+            raise io.damaged(e.file, f"cannot be read (tensor {key}: {first_line(exc, 200)})") from exc
         self._read[e.file] += e.nbytes
         if e.nbytes > REOPEN_BYTES // 4:  # a big tensor: drop its mapped pages right away
             self.close(e.file)

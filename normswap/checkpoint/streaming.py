@@ -86,7 +86,8 @@ def convert_streaming(
             )
     # a bias slot is a tensor the checkpoint lacks: the streamed rewrite writes only tensors it reads, so
     # β that no bias can take stays in the norm (as β/γ with fold_gamma), as before bias slots existed
-    options = options.replace(bias_slots=False)
+    if options.fold_gamma:  # (bias slots exist only with fold_gamma)
+        options = options.replace(bias_slots=False)
     fp = proxy.plan_full(cls, config, meta, options, echo=echo, left_out=src.left_out)
     plan = fp.plan
     if not plan.sites:
@@ -143,7 +144,8 @@ def convert_streaming(
     # untied heads are written twice: count them (the pre-check must see what will be written)
     itemsize = out_dtype.itemsize if out_dtype is not None else stream_io.itemsize(next(iter(entries.values())).dtype)
     untied = sum(u.numel for u in plan.unties) * itemsize
-    needed = io.check_space(out, int(src.nbytes * (2 if out_dtype == torch.float32 else 1) * 1.1) + untied)
+    needed = io.check_space(out, int(src.nbytes * (2 if out_dtype == torch.float32 else 1) * 1.1) + untied
+                            + io.side_file_bytes(src.path))
     if plan.unties:
         grown = sum(u.numel for u in plan.unties)
         echo(io.untie_note(len(plan.unties), grown, untied, src.nbytes + untied))

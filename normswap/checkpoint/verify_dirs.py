@@ -12,6 +12,7 @@ from normswap import inputs
 from normswap.checkpoint import source
 from normswap.checkpoint.reader import load
 from normswap.errors import NormswapError
+from normswap.integrations.quiet import quietly
 from normswap.plan import Plan, plan_of
 from normswap.verify import compare, exact_limit
 
@@ -22,6 +23,7 @@ def _plan_of(model: Any) -> Plan | None:
     return plan_of(model) or getattr(model, "_normswap_compat", None)
 
 
+@quietly
 def verify_checkpoint(
     original: str | os.PathLike,
     converted: str | os.PathLike,
@@ -41,13 +43,18 @@ def verify_checkpoint(
     (built-in text through ORIGINAL's tokenizer when it has one, padding left out of the figures),
     then a batch of random inputs.
 
-    CONVERTED's manifest records a fingerprint of the model it was made from
-    (:func:`normswap.checkpoint.source.fingerprint`); a different ORIGINAL is refused unless
-    ``force``. A top-1 agreement of 0 is never "ok".
+    CONVERTED's manifest records a fingerprint of the weights it was made from
+    (:func:`normswap.checkpoint.source.fingerprint`: what the tensors are, not where they are stored, so
+    a preset and the same preset saved to a directory match); ORIGINAL with other weights is refused
+    unless ``force``. A top-1 agreement of 0 is never "ok".
     """
+    from normswap.checkpoint.conversion import check_text_file, read_calibration
+
     conv_path = Path(converted).expanduser()
     if not conv_path.exists():
         raise NormswapError(f"{converted} does not exist")
+    if data is not None:
+        check_text_file(data, "--data")
     conv = load(conv_path, trust_remote_code=True) if trust_remote_code else load(conv_path)
     plan = _plan_of(conv)
     if plan is None:
@@ -61,13 +68,12 @@ def verify_checkpoint(
         ) from exc
     manifest = getattr(conv.config, "normswap", None)
     recorded = manifest.get("source_fingerprint") if isinstance(manifest, dict) else None
-    actual = source.fingerprint(src)
-    source_match = None if recorded is None else recorded == actual
+    source_match = None if not isinstance(recorded, str) else source.same_source(recorded, src)
     if source_match is False and not force:
         raise NormswapError(
-            f"{converted} was not converted from {original} (its manifest records source "
-            f"{manifest.get('source')!r} with a different fingerprint); pass the model it was "
-            "made from, or --force to compare anyway"
+            f"{converted} was not converted from {original}: its weights differ from those of the source "
+            f"its manifest records ({manifest.get('source')!r}); pass the model it was made from, or "
+            "--force to compare anyway"
         )
     arch = (
         getattr(conv.config, "normswap", {}).get("architecture") if hasattr(conv.config, "normswap") else None
@@ -78,10 +84,8 @@ def verify_checkpoint(
     if task is None and arch and type(orig).__name__ != arch:
         raise NormswapError(f"ORIGINAL loads as {type(orig).__name__} but CONVERTED is a {arch}; pass --task")
     if data is not None:
-        from normswap.checkpoint.conversion import read_calibration
-
         tok = proc if proc is not None else source.load_processor(conv_path)
-        batches = read_calibration(data, tok, orig)
+        batches = read_calibration(data, tok, orig, option="--data")
         probe_source = f"--data {data}"
     elif inputs.is_hf_model(orig):
         # the verification probe (real text where ORIGINAL's tokenizer is known), then random ids

@@ -28,6 +28,7 @@ from torch import nn
 from normswap.checkpoint import hf_types, io, module_io
 from normswap.errors import NormswapError
 from normswap.integrations import wrappers
+from normswap.integrations.quiet import quietly
 from normswap.options import FORMATS, choose
 from normswap.plan import CENTERED_VERDICTS, Plan, plan_of
 
@@ -633,6 +634,7 @@ def write_model_dir(
     return manifest
 
 
+@quietly
 def save(
     model: nn.Module,
     out_dir: str | os.PathLike,

@@ -25,7 +25,7 @@ from normswap.cli.common import (
     figures_line,
     handle_errors,
 )
-from normswap.errors import NormswapError
+from normswap.errors import NormswapError, UsageError
 
 # normswap.presets.names(), spelled out so that --help does not import torch (a test keeps it true)
 PRESET_NAMES = ("tiny-bert", "tiny-bloom", "tiny-gpt2", "tiny-opt", "tiny-phi", "tiny-vit", "tiny-whisper")
@@ -278,7 +278,11 @@ def convert(
 
     if rotation is None and (online_hadamard or rotate_output or rotate_seed):
         what = "--online-hadamard" if online_hadamard else "--rotate-output" if rotate_output else "--seed"
-        raise NormswapError(f"{what} applies to a rotation: pass --rotate hadamard (or random) too")
+        raise UsageError(f"{what} applies to a rotation: pass --rotate hadamard (or random) too")
+    if no_bias_slots and not fold_gamma and rotation is None:
+        raise UsageError("--no-bias-slots applies with --fold-gamma (or --rotate) only: a bias slot takes the β of a "
+                         "γ-folded norm, and without --fold-gamma none is made; pass --fold-gamma too, or drop "
+                         "--no-bias-slots")
     if rotation is not None and not fold_gamma:
         click.echo("note: --rotate implies --fold-gamma (rotation needs RMSNorms of unit weight)", err=True)
     options = ConvertOptions(
@@ -321,7 +325,7 @@ def convert(
     if headline:
         click.echo(headline)
     if plan is not None:
-        click.echo(f"plan: {plan.summary()}")
+        click.echo(f"plan: {plan.summary(fmt)}")
     if report.rotation is not None:
         click.echo(f"rotation: {report.rotation.headline()}")
     figs = figures_line(report.verification)

@@ -33,7 +33,12 @@ Examples:
 )
 @click.option("--fold-gamma", is_flag=True, help="Plan γ folding too.")
 @click.option("--keep-tied", is_flag=True, help="Plan with tied embeddings kept.")
-@click.option("--verbose", "-v", is_flag=True, help="List every writer and reader, centering op and untie.")
+@click.option(
+    "--verbose",
+    "-v",
+    is_flag=True,
+    help="Also list each norm's writers, readers and where its β went and why, every centering op and untie.",
+)
 @click.option("--task", type=click.Choice(TASK_NAMES), default=None, help="Model class to load.")
 @click.option("--trust-remote-code", is_flag=True, help="Allow custom modeling code shipped with MODEL.")
 @click.option("--allow-pickle", is_flag=True, help="Accept pickle-only (.bin) checkpoints.")
@@ -59,6 +64,7 @@ def inspect(
     from normswap.checkpoint import hf, module_io, source
     from normswap.plan import Plan
 
+    fmt = None
     if module_io.is_module_dir(Path(model).expanduser()):  # normswap.save of a custom module: no config.json
         manifest = module_io.read_manifest(Path(model).expanduser())
         plan = Plan.from_dict(manifest["plan"])
@@ -72,7 +78,8 @@ def inspect(
         manifest = src.config.get(hf.MANIFEST_KEY) if src.kind != "preset" else None
         if isinstance(manifest, dict) and manifest.get("plan") is not None:
             plan = Plan.from_dict(manifest["plan"])
-            header = f"{model}: normswap {manifest.get('format', 'native')} checkpoint (manifest)"
+            fmt = manifest.get("format", "native")
+            header = f"{model}: normswap {fmt} checkpoint (manifest)"
         else:
             import normswap
 
@@ -85,7 +92,7 @@ def inspect(
         click.echo(json.dumps(plan.to_dict(), indent=2, default=str))
     else:
         click.echo(header)
-        click.echo(plan.table(None, verbose=verbose))  # whole reasons: inspect is where they are read
+        click.echo(plan.table(verbose=verbose, fmt=fmt))  # 100 columns, whole reasons (wrapped)
     if not any(sp.convert for sp in plan.sites):
         why = "no LayerNorm found" if not plan.sites else f"no LayerNorm can be converted with --mode {mode}"
         fail(f"{model}: {why}; nothing to convert", EXIT_NOTHING)

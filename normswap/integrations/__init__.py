@@ -16,4 +16,6 @@ Submodules (each imported on its own, so ``import normswap`` stays light):
   ``torch.compile``'d module, which ``normswap.plan`` / ``normswap.patch`` convert in place (a leaf module).
 * :mod:`normswap.integrations.hooks`: the callbacks ``normswap.patch`` runs on a converted model (a leaf
   module, so the API imports none of the integrations).
+* :mod:`normswap.integrations.quiet`: other libraries' progress bars and warnings off while normswap
+  loads, converts and saves (their own switches, restored afterwards; a leaf module).
 """

@@ -21,7 +21,7 @@ from typing import Any, Literal, Union
 import yaml
 
 from normswap import presets
-from normswap.errors import NormswapError
+from normswap.errors import NormswapError, UsageError
 from normswap.options import ConvertOptions
 from normswap.recipes import tasks
 
@@ -30,7 +30,7 @@ from normswap.recipes import tasks
 class ModelConfig:
     """Where the teacher (original model) and the student come from."""
 
-    source: str = ""  # original LayerNorm model (local directory or preset name): teacher and conversion source
+    source: str | None = None  # original LayerNorm model (local directory or preset): teacher and conversion source
     student: str | None = None  # a converted directory (normswap.load); None: convert `source` on the fly
     tokenizer: str | None = None  # defaults to `source`
     dtype: Literal["float32", "bfloat16", "float16", "float64"] = "float32"
@@ -63,7 +63,7 @@ class TeacherConfig:
 
 @dataclass
 class DataConfig:
-    path: str = ""
+    path: str | None = None
     format: Literal["auto", "text", "jsonl", "datasets"] = "auto"
     field: str = "text"
     split: str = "train"
@@ -399,7 +399,10 @@ def recipe_summary(path: Path) -> str:
 
 
 def find_recipe(name_or_path: str | os.PathLike) -> Path:
-    """A recipe path: an existing file as given, else a built-in recipe by name (with or without .yaml)."""
+    """A recipe path: an existing file as given, else a built-in recipe by name (with or without .yaml).
+
+    A name no built-in recipe has is an invalid command-line argument (:class:`UsageError`); a path
+    (with a directory or a ``.yaml`` suffix) to no file is missing input (:class:`NormswapError`)."""
     p = Path(name_or_path)
     if p.is_file():
         return p
@@ -407,9 +410,12 @@ def find_recipe(name_or_path: str | os.PathLike) -> Path:
     stem = p.name[: -len(".yaml")] if p.name.endswith(".yaml") else p.name
     if str(name_or_path) in (stem, f"{stem}.yaml") and stem in builtin:
         return builtin[stem]
-    raise NormswapError(
-        f"recipe file {str(name_or_path)!r} does not exist and is not a built-in recipe; "
-        f"built-in: {', '.join(builtin)} (list them with `normswap finetune --list`)"
+    text = str(name_or_path)
+    if "/" in text or os.sep in text or p.suffix in (".yaml", ".yml"):  # a path to a file that is not there
+        raise NormswapError(f"recipe file {text!r} does not exist; built-in recipes: {', '.join(builtin)}")
+    raise UsageError(  # a name, and no recipe has it: an invalid RECIPE argument
+        f"{text!r} is not a built-in recipe nor a recipe file; built-in: {', '.join(builtin)} (list them "
+        "with `normswap finetune --list`)"
     )
 
 
@@ -474,10 +480,12 @@ def validate(cfg: RecipeConfig, *, check_paths: bool = True) -> None:
     except NormswapError as exc:
         raise NormswapError(f"config section `convert`: {exc}") from exc
     if not cfg.model.source and not cfg.model.student:
-        raise NormswapError("config key `model.source` is required (the original model directory or a preset)")
+        raise UsageError("config key `model.source` is required: pass model.source=DIR (the original model "
+                         "directory or a preset)")
     if not cfg.data.path:
-        raise NormswapError(
-            "config key `data.path` is required (a text file, a JSONL file or a datasets directory)"
+        raise UsageError(
+            "config key `data.path` is required: pass data.path=FILE (a text file, a JSONL file or a datasets "
+            "directory)"
         )
     if check_paths:
         for key, value in (

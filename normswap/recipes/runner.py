@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from normswap.errors import NormswapError
+from normswap.integrations.quiet import quietly
 from normswap.recipes import data as data_mod
 from normswap.recipes import io, tasks
 from normswap.recipes import metrics as metrics_mod
@@ -224,6 +225,7 @@ class _Best:
 
 
 # ---------------------------------------------------------------------------------- run
+@quietly
 def run(
     config_or_path: str | os.PathLike | dict[str, Any] | RecipeConfig,
     overrides: list[str] | dict[str, Any] | None = None,

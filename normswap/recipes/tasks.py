@@ -89,6 +89,13 @@ def _div(a: float, b: float) -> float:
     return a / b if b else float("nan")
 
 
+def _mean_kl(total: float, n: float) -> float:
+    """Mean per-token KL, never below 0: float32 KL of two near-equal distributions is rounding noise
+    of either sign per token; the mean keeps that noise unbiased, and a divergence is not negative."""
+    mean = _div(total, n)
+    return 0.0 if mean < 0 else mean
+
+
 def _ppl(ce: float, n: float) -> float:
     return math.exp(min(_div(ce, n), 50.0)) if n else float("nan")
 
@@ -226,7 +233,7 @@ class _LanguageModel(Task):
     @staticmethod
     def _with_teacher(acc: dict[str, float], ppl: float, teacher_ppl: float,
                       extra: dict[str, float] | None = None) -> dict[str, float]:
-        return {"kl": _div(acc["kl"], acc["n"]), "top1_agreement": _div(acc["agree"], acc["n"]),
+        return {"kl": _mean_kl(acc["kl"], acc["n"]), "top1_agreement": _div(acc["agree"], acc["n"]),
                 "top5_agreement": _div(acc["agree5"], acc["n"]), **(extra or {}), "ppl": ppl,
                 "teacher_ppl": teacher_ppl, "ppl_ratio": _div(ppl, teacher_ppl)}
 
@@ -298,7 +305,7 @@ class MaskedLM(_LanguageModel):
         ppl = _ppl(acc["ce"], acc["n_m"])
         if not has_teacher:
             return {"ppl": ppl}
-        masked = {"kl_masked": _div(acc["kl_m"], acc["n_m"]),
+        masked = {"kl_masked": _mean_kl(acc["kl_m"], acc["n_m"]),
                   "top1_agreement_masked": _div(acc["agree_m"], acc["n_m"])}
         return self._with_teacher(acc, ppl, _ppl(acc["tce"], acc["n_m"]), masked)
 
