@@ -21,6 +21,7 @@ ways lead to them:
 
 from __future__ import annotations
 
+import contextvars
 import importlib.abc
 import logging
 import sys
@@ -40,6 +41,7 @@ from normswap.checkpoint.hf_types import (  # noqa: F401  (re-exported: hf.PREFI
     config_class_for,
     drop_modules,
     manifest_of,
+    one_class,
     prefix_of,
     register_conversion_mapping,
 )
@@ -49,6 +51,7 @@ log = logging.getLogger("normswap")
 
 _MODELS: dict[tuple[str, str], type] = {}
 _HOOK_INSTALLED = False
+_BUILDING: contextvars.ContextVar[bool] = contextvars.ContextVar("normswap_building", default=False)
 
 
 def model_class_for(base: str, class_name: str) -> type:
@@ -67,9 +70,17 @@ def model_class_for(base: str, class_name: str) -> type:
     cfg_cls = config_class_for(base)
 
     def __init__(self, config, *args, **kwargs):  # noqa: N807, ANN001
-        base_cls.__init__(self, config, *args, **kwargs)
+        # a head class may build its base model through AutoModel.from_config (v5's generic sequence
+        # classifiers), which gives a Normswap base model too: only the outermost one applies the
+        # manifest, once, to the whole model
+        outer = not _BUILDING.get()
+        token = _BUILDING.set(True)
+        try:
+            base_cls.__init__(self, config, *args, **kwargs)
+        finally:
+            _BUILDING.reset(token)
         manifest = manifest_of(config)
-        if manifest is not None:
+        if manifest is not None and outer:
             rebuild(self, manifest)
 
     def save_pretrained(self, save_directory, *args, **kwargs):  # noqa: ANN001, ANN202
@@ -186,9 +197,12 @@ def register(base: str) -> type:
             target = mapping[base_cfg]
         except Exception:  # noqa: BLE001 - a mapping whose module fails to import is not ours to fix
             continue
-        if not isinstance(target, type):
-            continue
-        mapping.register(cfg_cls, model_class_for(base, target.__name__), exist_ok=True)
+        if isinstance(target, type):
+            mapping.register(cfg_cls, model_class_for(base, target.__name__), exist_ok=True)
+        elif isinstance(target, (tuple, list)) and target and all(isinstance(t, type) for t in target):
+            # several classes for one config (DeiT's classifier with and without its teacher): transformers
+            # picks the one config.architectures names, which for a converted checkpoint is Normswap<Class>
+            mapping.register(cfg_cls, tuple(model_class_for(base, t.__name__) for t in target), exist_ok=True)
     return cfg_cls
 
 

@@ -43,12 +43,12 @@ def model_class(cfg: dict[str, Any], task: str | type | None = None) -> type:
         if task is None:
             return hf.class_for_manifest(manifest)
         hf.register(base)
-        return _task_class(task, hf.config_class_for(base), cfg.get("model_type", ""), native_base=base)
+        return _task_class(task, hf.config_class_for(base), cfg, native_base=base)
     if task is not None:  # compat: the stock model_type, loaded by transformers' own classes
         from transformers import AutoConfig
 
         cfg_cls = type(AutoConfig.for_model(cfg.get("model_type", ""))) if cfg.get("model_type") else None
-        return _task_class(task, cfg_cls, cfg.get("model_type", ""), native_base=None)
+        return _task_class(task, cfg_cls, cfg, native_base=None)
     import transformers
 
     archs = cfg.get("architectures") or []
@@ -60,10 +60,11 @@ def model_class(cfg: dict[str, Any], task: str | type | None = None) -> type:
     return cls
 
 
-def _task_class(task: str | type, cfg_cls: type | None, model_type: str, *, native_base: str | None) -> type:
+def _task_class(task: str | type, cfg_cls: type | None, cfg: dict[str, Any], *, native_base: str | None) -> type:
     """``task`` (a name, an ``AutoModel*`` class or a model class) as the class to load with."""
     import transformers
 
+    model_type = cfg.get("model_type", "")
     if isinstance(task, str):
         auto = getattr(transformers, TASKS[choose("task", task, TASKS)])
     elif isinstance(task, type) and hasattr(task, "_model_mapping"):
@@ -82,7 +83,7 @@ def _task_class(task: str | type, cfg_cls: type | None, model_type: str, *, nati
     mapping = auto._model_mapping
     if cfg_cls is None or cfg_cls not in mapping:
         raise NormswapError(f"{auto.__name__} has no class for model_type {model_type!r}")
-    return mapping[cfg_cls]
+    return hf.one_class(mapping[cfg_cls], cfg.get("architectures"))
 
 
 def load(path: str | os.PathLike, *, task: str | type | None = None, **from_pretrained_kwargs: Any) -> nn.Module:

@@ -4,9 +4,10 @@ A native checkpoint's manifest names modules by their paths in the class that wa
 (``bert.encoder.layer.0.output.LayerNorm`` for ``BertForMaskedLM``). The same checkpoint may be
 loaded as the base model (``BertModel``: ``encoder.layer.0...``) or under any other head class
 (``BertForSequenceClassification``: ``bert.encoder...``), and transformers moves the *weights*
-between those key spaces by one rule: strip ``base_model_prefix`` when the stripped key exists in
-the new class, else add it when the prefixed key exists, else keep the key. :class:`PathMap`
-applies that rule to module and parameter paths, so the structure follows the weights exactly.
+between those key spaces by one rule: the class's key renamings, then ``base_model_prefix``
+stripped when the stripped key exists in the new class, else added when the prefixed key exists.
+:class:`PathMap` applies that same function (transformers' own) to module and parameter paths, so
+the structure follows the weights.
 
 :func:`rebase_plan` moves every path of a manifest's plan that way. An edit that lives only in a
 head the new class does not have is dropped, as transformers drops that head's weights. Where the
@@ -30,10 +31,12 @@ _QUOTED = re.compile(r"`([^`]+)`")
 class PathMap:
     """Module and parameter paths of a checkpoint's class -> paths of ``model``'s class (or ``None``).
 
-    The rule is transformers' own for checkpoint keys (``core_model_loading``): strip the new class's
-    ``base_model_prefix`` if the stripped path exists, else prepend it if that exists, else keep the
-    path if it exists. It needs neither the saved class nor its prefix, so it works in both directions
-    (head class -> base model, base model -> head class, one head class -> another).
+    A manifest path is what the checkpoint's keys are made of, so it moves the way transformers moves a
+    checkpoint key into ``model`` (``core_model_loading.rename_source_key``): the class's key renamings
+    (CLIP's text and vision models drop a ``text_model.`` / ``vision_model.`` prefix), then its
+    ``base_model_prefix`` stripped if the stripped path exists, else added if that exists. It needs neither
+    the saved class nor its prefix, so it works in both directions (head class -> base model, base
+    model -> head class, one head class -> another).
     """
 
     def __init__(self, model: nn.Module) -> None:
@@ -42,17 +45,17 @@ class PathMap:
         names |= {name for name, _ in model.named_parameters(remove_duplicate=False)}
         names |= {name for name, _ in model.named_buffers(remove_duplicate=False)}
         self.names = names
+        self._exists = dict.fromkeys(names, True)  # what rename_source_key asks of a meta state dict
+        self._renamings = _load_renamings(model)
 
     def __call__(self, path: str) -> str | None:
         p = self.prefix
-        if p:
-            if path == p and p not in self.names:
-                return ""  # the base model itself, loaded as the base class
-            if path.startswith(p + ".") and path[len(p) + 1 :] in self.names:
-                return path[len(p) + 1 :]
-            if f"{p}.{path}" in self.names:
-                return f"{p}.{path}"
-        return path if path in self.names else None
+        if p and path == p and p not in self.names:
+            return ""  # the base model itself, loaded as the base class
+        from transformers.core_model_loading import rename_source_key
+
+        new, _ = rename_source_key(path, self._renamings, [], p, self._exists)
+        return new if new in self.names else None
 
     def text(self, text: str) -> str:
         """``text`` with every back-quoted path that maps replaced by its new path (reasons, details)."""
@@ -63,6 +66,18 @@ class PathMap:
         if " " in item or "`" in item:
             return self.text(item)
         return self(item)
+
+
+def _load_renamings(model: nn.Module) -> list:
+    """The key renamings transformers applies when it loads a checkpoint into ``model`` (not its weight
+    converters: those fuse or split tensors, and no manifest path names a fused tensor)."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightRenaming
+
+    try:
+        return [m for m in get_model_conversion_mapping(model) if isinstance(m, WeightRenaming)]
+    except Exception:  # noqa: BLE001 - a model transformers cannot map keys for: the prefix rule alone
+        return []
 
 
 def _records(

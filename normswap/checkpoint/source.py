@@ -332,7 +332,7 @@ def model_class(config: Any, task: str | None = None, architectures: list[str] |
         mapping = _auto(TASKS[task])._model_mapping
         if type(config) not in mapping:
             raise NormswapError(f"task {task!r} is not available for model_type {config.model_type!r}")
-        return mapping[type(config)]
+        return hf.one_class(mapping[type(config)], getattr(config, "architectures", None))
     for name in architectures or getattr(config, "architectures", None) or []:
         cls = getattr(transformers, name, None)
         if isinstance(cls, type) and issubclass(cls, nn.Module):
@@ -340,7 +340,7 @@ def model_class(config: Any, task: str | None = None, architectures: list[str] |
     for t in FALLBACK_TASKS:
         mapping = _auto(TASKS[t])._model_mapping
         if type(config) in mapping:
-            return mapping[type(config)]
+            return hf.one_class(mapping[type(config)], getattr(config, "architectures", None))
     raise NormswapError(f"no transformers model class for model_type {config.model_type!r}; pass --task")
 
 
@@ -483,7 +483,7 @@ def _class_holding(config: Any, names: set[str]) -> type | None:
     seen: set[type] = set()
     for t in FALLBACK_TASKS:
         mapping = _auto(TASKS[t])._model_mapping
-        cls = mapping[type(config)] if type(config) in mapping else None
+        cls = hf.one_class(mapping[type(config)]) if type(config) in mapping else None
         if cls is None or cls in seen:
             continue
         seen.add(cls)

@@ -144,6 +144,7 @@ def auto_classes_for(model: nn.Module) -> dict[str, str]:
     the class loaded, :func:`normswap.checkpoint.hf.rebuild`)."""
     base = base_model_type(model)
     base_cfg = hf_types.base_config_class(base)
+    arch = stock_class(model)
     out: dict[str, str] = {}
     for auto in hf_types.auto_classes():
         mapping = auto._model_mapping
@@ -151,6 +152,7 @@ def auto_classes_for(model: nn.Module) -> dict[str, str]:
             target = mapping[base_cfg] if base_cfg in mapping else None
         except Exception:  # noqa: BLE001
             continue
+        target = hf_types.one_class(target, [arch.__name__])  # several classes for one config: this one's
         if isinstance(target, type):
             out[auto.__name__] = target.__name__
     return dict(sorted(out.items()))

@@ -29,31 +29,41 @@ from normswap.cli import main
 from normswap.errors import NormswapError
 from tests import zoo
 
-# name -> (source, convert options); the sources are presets, a saved zoo T5 (RMS norms, fold_gamma) and
-# presets loaded as their base model (task="base")
+# name -> (source, convert options); the sources are presets (also loaded as their base model or a
+# classifier: task=), and saved zoo models: T5 (RMS norms only, so fold_gamma), Phi (whose v5 classifier
+# builds its base model through AutoModel.from_config), DeiT (two classes for one Auto mapping) and CLIP's
+# vision tower (its plain class renames the checkpoint's keys: transformers drops a `vision_model.` prefix)
+ZOO = {"t5": zoo.RMS, "phi": zoo.EXACT, "deit": {k: v[0] for k, v in zoo.MORE.items()}, "clip-vision": zoo.EXACT}
 CASES = {
     "bert-mlm": ("tiny-bert", {}),
     "gpt2-lm-fold-gamma": ("tiny-gpt2", {"fold_gamma": True}),
     "vit-classifier": ("tiny-vit", {}),
     "whisper-seq2seq": ("tiny-whisper", {}),
     "t5-seq2seq-fold-gamma": ("t5", {"fold_gamma": True}),
+    "phi-lm-fold-gamma": ("phi", {"fold_gamma": True}),
+    "deit-classifier": ("deit", {}),
     "gpt2-base": ("tiny-gpt2", {"task": "base"}),
     "bert-base": ("tiny-bert", {"task": "base", "allow_new_head": True, "mode": "exact"}),
     "gpt2-classifier": ("tiny-gpt2", {"task": "sequence-classification", "allow_new_head": True}),
+    "clip-vision-projection": ("clip-vision", {}),
+    "clip-vision-base": ("clip-vision", {"task": "base"}),
 }
+# classes no AutoModel* maps to this config, loaded by class (normswap.load(task=cls), the generated class)
+EXTRA = {name: [transformers.CLIPVisionModel, transformers.CLIPVisionModelWithProjection]
+         for name in ("clip-vision-projection", "clip-vision-base")}
 
 
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("heads")
-    torch.manual_seed(0)
-    t5 = zoo.build(zoo.RMS, "t5").float()
-    t5.save_pretrained(root / "t5-src")
     out = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for name, (src, options) in CASES.items():
-            src = str(root / "t5-src") if src == "t5" else src
+            if src in ZOO:
+                torch.manual_seed(0)
+                zoo.build(ZOO[src], src).float().save_pretrained(root / f"{src}-src")
+                src = str(root / f"{src}-src")
             # verification is covered elsewhere; here the structure and the weights are what is checked
             normswap.convert(src, root / name, verify=False, **options)
             out[name] = root / name
@@ -93,12 +103,17 @@ def checkpoint_tensors(d: Path) -> dict[str, torch.Tensor]:
     return {k: v for f in sorted(d.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
 
 
-def load_both(d: Path, auto: type) -> list[tuple[str, torch.nn.Module]]:
+def load_both(d: Path, cls: type) -> list[tuple[str, torch.nn.Module]]:
+    """``cls`` (an AutoModel* class, or a model class) loaded both ways a user can."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        via_auto = auto.from_pretrained(d).eval()
-        via_load = normswap.load(d, task=auto)
-    return [("AutoModel*.from_pretrained", via_auto), ("normswap.load(task=)", via_load)]
+        if hasattr(cls, "_model_mapping"):
+            via_class = cls.from_pretrained(d).eval()
+        else:
+            base = json.loads((d / "config.json").read_text())["normswap"]["base_model_type"]
+            via_class = hf.model_class_for(base, cls.__name__).from_pretrained(d).eval()
+        via_load = normswap.load(d, task=cls)
+    return [(f"{cls.__name__}.from_pretrained", via_class), ("normswap.load(task=)", via_load)]
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -111,10 +126,10 @@ def test_every_auto_class_loads_the_converted_checkpoint(dirs, name):
         ref_body = body(ref, batch, None, encoder_decoder)
         ref_body = body(ref, batch, ref_body.get("encoder"), encoder_decoder)
     tensors = checkpoint_tensors(d)
-    classes = auto_classes(d)
-    assert len(classes) >= 3
-    for auto in classes:
-        for how, model in load_both(d, auto):
+    classes = auto_classes(d) + EXTRA.get(name, [])
+    assert len(classes) >= 2
+    for cls in classes:
+        for how, model in load_both(d, cls):
             what = f"{type(model).__name__} via {how}"
             assert type(model).__name__.startswith("Normswap"), what
             assert normswap.plan_of(model) is not None, what
@@ -183,6 +198,25 @@ def test_fold_into_a_missing_head_warns(dirs):
         transformers.AutoModelForCausalLM.from_pretrained(d)
 
 
+def test_a_base_model_built_through_auto_model_gets_the_manifest_once(dirs):
+    """Phi's classifier builds its base model with AutoModel.from_config, which is a Normswap class too:
+    the manifest is applied once, by the outer class (one warning, not one per nesting level)."""
+    with pytest.warns(UserWarning) as caught:
+        model = transformers.AutoModelForSequenceClassification.from_pretrained(dirs["phi-lm-fold-gamma"])
+    lost = [w for w in caught if "lacks its γ/β" in str(w.message)]
+    assert len(lost) == 1 and "as PhiForSequenceClassification: `model.final_layernorm`" in str(lost[0].message)
+    assert normswap.plan_of(model) is not None and normswap.plan_of(model.model) is None
+
+
+def test_an_auto_mapping_with_two_classes_loads_the_converted_one(dirs):
+    d = dirs["deit-classifier"]
+    assert isinstance(transformers.AutoModelForImageClassification._model_mapping[transformers.DeiTConfig], tuple)
+    model = transformers.AutoModelForImageClassification.from_pretrained(d)
+    assert type(model).__name__ == "NormswapDeiTForImageClassification"
+    cfg = json.loads((d / "config.json").read_text())
+    assert cfg["auto_map"]["AutoModelForImageClassification"] == "modeling_normswap.NormswapDeiTForImageClassification"
+
+
 def test_head_tied_to_a_centered_embedding_warns(dirs):
     d = dirs["gpt2-base"]
     with pytest.warns(UserWarning, match=r"ties `lm_head.weight` to `transformer.wte.weight`, which this checkpoint"):
@@ -213,7 +247,7 @@ def test_trust_remote_code_lists_every_head_class(dirs):
     )
 
 
-def test_path_map_follows_transformers_prefix_rule():
+def test_path_map_follows_transformers_key_rules():
     with torch.device("meta"):
         lm = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=40))
         base = transformers.GPT2Model(transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=40))
@@ -223,6 +257,14 @@ def test_path_map_follows_transformers_prefix_rule():
     assert to_lm("h.0.ln_1") == "transformer.h.0.ln_1" and to_lm("lm_head") == "lm_head"
     assert to_lm("h.7.ln_1") is None
     assert to_base.text("stream written by `transformer.h.0.ln_2` output") == "stream written by `h.0.ln_2` output"
+    vision = transformers.CLIPVisionConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                           intermediate_size=32, image_size=16, patch_size=8)
+    with torch.device("meta"):
+        plain, projection = transformers.CLIPVisionModel(vision), transformers.CLIPVisionModelWithProjection(vision)
+    # CLIPVisionModel's own key renaming (transformers drops `vision_model.`), and back by the prefix rule
+    assert rebase.PathMap(plain)("vision_model.encoder.layers.0.layer_norm1") == "encoder.layers.0.layer_norm1"
+    assert rebase.PathMap(projection)("encoder.layers.0.layer_norm1") == "vision_model.encoder.layers.0.layer_norm1"
+    assert rebase.PathMap(plain)("visual_projection") is None
 
 
 # ------------------------------------------------------------------------------------ command line
