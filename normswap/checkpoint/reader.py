@@ -9,7 +9,7 @@ from typing import Any
 
 from torch import nn
 
-from normswap.checkpoint import hf, io, rebase
+from normswap.checkpoint import hf, io, rebase, source
 from normswap.errors import NormswapError
 from normswap.options import TASKS, choose
 
@@ -89,6 +89,9 @@ def _task_class(task: str | type, cfg_cls: type | None, cfg: dict[str, Any], *, 
 def load(path: str | os.PathLike, *, task: str | type | None = None, **from_pretrained_kwargs: Any) -> nn.Module:
     """Load a normswap checkpoint directory (native or compat) in eval mode.
 
+    ``path`` may also be a Hub id whose snapshot is in the local Hugging Face cache (``revision=``
+    picks a branch, tag or commit); nothing is downloaded.
+
     Native checkpoints rebuild the base architecture on the meta device, apply the manifest's
     structural edits (no re-analysis) and load the weights; ``normswap.plan_of(model)`` returns it.
     Keyword arguments go to ``from_pretrained`` (``dtype=``, ``device_map=``, ``num_labels=``, ...).
@@ -106,7 +109,17 @@ def load(path: str | os.PathLike, *, task: str | type | None = None, **from_pret
         >>> model.generate(**tok("hello", return_tensors="pt"))         # doctest: +SKIP
         >>> clf = normswap.load("bert-rms", task="sequence-classification", num_labels=3)  # doctest: +SKIP
     """
+    spec = str(path)
     path = Path(path).expanduser()
+    if not path.exists() and source.is_hub_id(spec):
+        # a Hub id, as from_pretrained takes it: its snapshot in the Hugging Face cache (no download)
+        cached = source.cached_snapshot(spec, from_pretrained_kwargs.pop("revision", None))
+        if cached is None:
+            raise NormswapError(
+                f"{spec} is not a local directory, and not in the Hugging Face cache (searched "
+                f"{source.hub_cache_dir()}): download it first (`hf download {spec} --local-dir DIR`)"
+            )
+        path = cached
     if not path.exists():
         raise NormswapError(f"{path} does not exist")
     if not path.is_dir():

@@ -78,6 +78,11 @@ def _looks_like_path(spec: str) -> bool:
     )
 
 
+def is_hub_id(spec: str) -> bool:
+    """``name`` or ``org/name`` that is not a local path: what transformers would look up on the Hub."""
+    return not _looks_like_path(spec) and bool(_HUB_ID.match(spec))
+
+
 def hub_reachable(timeout: float = 3.0) -> bool:
     """Can we open a TCP connection to the Hub endpoint within ``timeout`` seconds?"""
     endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
@@ -257,7 +262,7 @@ def resolve(
             trust_remote_code=trust_remote_code,
             allow_converted=allow_converted,
         )
-    if _looks_like_path(spec) or not _HUB_ID.match(spec):
+    if not is_hub_id(spec):
         raise NormswapError(
             f"{spec} does not exist (not a directory, a preset or a Hub id); "
             f"presets: {', '.join(presets.names())}"

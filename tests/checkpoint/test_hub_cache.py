@@ -137,6 +137,16 @@ def test_convert_a_cached_hub_id_with_the_hub_unreachable(cache, unreachable, tm
 
 
 @pytest.mark.slow
+def test_load_a_converted_checkpoint_by_hub_id_from_the_cache(cache, monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    normswap.convert("tiny-gpt2", tmp_path / "rms", verify=False)
+    add_snapshot(cache, "some-org/tiny-gpt2-rms", tmp_path / "rms", MAIN)
+    model = normswap.load("some-org/tiny-gpt2-rms", task="base", revision="main")
+    assert type(model).__name__ == "NormswapGPT2Model" and normswap.plan_of(model) is not None
+    with pytest.raises(NormswapError, match=f"not in the Hugging Face cache \\(searched {cache}"):
+        normswap.load("some-org/other-rms")
+
+
 def test_cli_offline_with_hf_home_in_a_fresh_process(saved, tmp_path):
     """The real command, its environment read at start-up as in a job on a compute node: HF_HOME's cache."""
     home = tmp_path / "hf-home"
