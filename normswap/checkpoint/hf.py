@@ -122,7 +122,7 @@ def rebuild(model: nn.Module, manifest: dict) -> nn.Module:
 
     A checkpoint converted as one class may be built as another of the same base model (``AutoModel``
     on a masked-LM checkpoint, a classifier on a causal LM): the manifest's paths are moved to this
-    class first (:mod:`normswap.checkpoint.rebase`, transformers' own prefix rule), edits in a head it
+    class first (:mod:`normswap.checkpoint.rebase`, transformers' own key mapping), edits in a head it
     lacks are dropped as that head's weights are, and a warning says what a kept norm's output lacks
     where the conversion folded part of it into such a head, or where this class ties its output head
     to an input embedding the conversion centered.
