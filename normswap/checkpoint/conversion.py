@@ -438,6 +438,7 @@ def convert(
     task: str | None = None,
     allow_pickle: bool = False,
     allow_new_head: bool = False,
+    revision: str | None = None,
     progress: bool = False,
     echo: Callable[[str], None] | None = None,
     options: ConvertOptions | None = None,
@@ -447,7 +448,9 @@ def convert(
 
     Args:
         model_id_or_path: a Hub id, a local Hugging Face model directory, or a preset name
-            (``normswap.presets.names()``).
+            (``normswap.presets.names()``). A Hub id resolves as transformers resolves it: from the
+            Hugging Face cache (``HF_HOME`` / ``HF_HUB_CACHE``) when ``HF_HUB_OFFLINE`` is set or the
+            Hub is unreachable, else downloaded into that cache.
         out_dir: destination; must not exist or be empty unless ``overwrite``.
         format: ``"native"`` (RMSNorm modules + manifest) or ``"compat"`` (stock architecture,
             LayerNorms kept, exact, loads without normswap).
@@ -464,11 +467,14 @@ def convert(
             in-memory conversion would not fit in memory: :func:`in_memory_peak`).
         trust_remote_code: allow custom modeling code shipped with the source model.
         overwrite: replace a non-empty ``out_dir`` (only once the new one is complete).
-        task: override the model class picked from ``config.architectures`` (``source.TASKS``).
+        task: override the model class picked from ``config.architectures`` (``source.TASKS``);
+            also for a preset (``convert("tiny-bert", out, task="base", allow_new_head=True)``).
         allow_pickle: accept pickle-only (``.bin``) source checkpoints.
         allow_new_head: with ``task``, accept a task head the checkpoint lacks (randomly
             initialised, listed in the manifest as ``new_head``). Without it any parameter
-            missing from the checkpoint is an error.
+            missing from the checkpoint is an error. A part the checkpoint's own class never had
+            (the pooler of ``BertModel``, absent from ``BertForMaskedLM``) counts as new.
+        revision: with a Hub id, the branch, tag or commit to convert (default ``main``).
         progress: show progress bars on stderr.
         echo: called with one-line status messages (the CLI prints them).
 
@@ -495,7 +501,7 @@ def convert(
     if calibration_data is not None:
         check_text_file(calibration_data, "--calibration-data")
     src = source.resolve(
-        str(model_id_or_path), allow_pickle=allow_pickle, trust_remote_code=trust_remote_code
+        str(model_id_or_path), allow_pickle=allow_pickle, trust_remote_code=trust_remote_code, revision=revision
     )
     out = io.check_destination(out_dir, overwrite=overwrite, source=src.path)
     automatic = low_memory is None

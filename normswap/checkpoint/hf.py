@@ -21,14 +21,16 @@ ways lead to them:
 
 from __future__ import annotations
 
-import copy
+import contextvars
 import importlib.abc
 import logging
 import sys
+import warnings
 from typing import Any
 
 from torch import nn
 
+from normswap.checkpoint import rebase
 from normswap.checkpoint.hf_types import (  # noqa: F401  (re-exported: hf.PREFIX, hf.config_class_for, ...)
     LEFT_OUT_KEY,
     MANIFEST_KEY,
@@ -40,6 +42,7 @@ from normswap.checkpoint.hf_types import (  # noqa: F401  (re-exported: hf.PREFI
     drop_modules,
     known_type,
     manifest_of,
+    one_class,
     prefix_of,
     register_conversion_mapping,
 )
@@ -49,6 +52,7 @@ log = logging.getLogger("normswap")
 
 _MODELS: dict[tuple[str, str], type] = {}
 _HOOK_INSTALLED = False
+_BUILDING: contextvars.ContextVar[bool] = contextvars.ContextVar("normswap_building", default=False)
 
 
 def model_class_for(base: str, class_name: str) -> type:
@@ -67,9 +71,17 @@ def model_class_for(base: str, class_name: str) -> type:
     cfg_cls = config_class_for(base)
 
     def __init__(self, config, *args, **kwargs):  # noqa: N807, ANN001
-        base_cls.__init__(self, config, *args, **kwargs)
+        # a head class may build its base model through AutoModel.from_config (v5's generic sequence
+        # classifiers), which gives a Normswap base model too: only the outermost one applies the
+        # manifest, once, to the whole model
+        outer = not _BUILDING.get()
+        token = _BUILDING.set(True)
+        try:
+            base_cls.__init__(self, config, *args, **kwargs)
+        finally:
+            _BUILDING.reset(token)
         manifest = manifest_of(config)
-        if manifest is not None:
+        if manifest is not None and outer:
             rebuild(self, manifest)
 
     def save_pretrained(self, save_directory, *args, **kwargs):  # noqa: ANN001, ANN202
@@ -106,64 +118,59 @@ def model_class_for(base: str, class_name: str) -> type:
 
 
 # ------------------------------------------------------------------------------ structure on load
-def move_path(path: str, saved_prefix: str, new_prefix: str, modules: dict[str, nn.Module]) -> str | None:
-    """A module path of the saved class as a path of a class whose base model sits at ``new_prefix``
-    (``None`` when that class has no such module: a head it lacks)."""
-    if saved_prefix:
-        if path == saved_prefix or path.startswith(saved_prefix + "."):
-            rest = path[len(saved_prefix) + 1 :]
-        else:
-            return path if path in modules else None  # a head module
-    else:
-        rest = path
-    new = f"{new_prefix}.{rest}" if new_prefix and rest else (new_prefix or rest)
-    return new if new in modules else None
-
-
-def rebase_plan(plan_dict: dict, saved_prefix: str, model: nn.Module) -> dict:
-    """Move the manifest's module paths from the saved class to ``model``'s class.
-
-    A converted ``GPT2LMHeadModel`` (paths under ``transformer.``) may be loaded as ``GPT2Model``
-    (no prefix) or as another head class. Paths inside the base model are re-prefixed; paths in a
-    head the new class does not have (``lm_head``) are dropped.
-    """
-    new_prefix = prefix_of(model)
-    if saved_prefix == new_prefix:
-        return plan_dict
-    modules = dict(model.named_modules())
-
-    def move(path: str) -> str | None:
-        return move_path(path, saved_prefix, new_prefix, modules)
-
-    out = copy.deepcopy(plan_dict)
-    out["sites"] = [dict(s, name=move(s["name"])) for s in out.get("sites", []) if move(s["name"])]
-    out["hooks"] = [dict(h, module=move(h["module"])) for h in out.get("hooks", []) if move(h["module"])]
-    out["unties"] = [dict(u, module=move(u["module"])) for u in out.get("unties", []) if move(u["module"])]
-    return out
-
-
 def rebuild(model: nn.Module, manifest: dict) -> nn.Module:
-    """Apply a manifest's structural edits to a freshly built base model (meta device is fine)."""
+    """Apply a manifest's structural edits to a freshly built base model (meta device is fine).
+
+    A checkpoint converted as one class may be built as another of the same base model (``AutoModel``
+    on a masked-LM checkpoint, a classifier on a causal LM): the manifest's paths are moved to this
+    class first (:mod:`normswap.checkpoint.rebase`, transformers' own key mapping), edits in a head it
+    lacks are dropped as that head's weights are, and a warning says what a kept norm's output lacks
+    where the conversion folded part of it into such a head, or where this class ties its output head
+    to an input embedding the conversion centered.
+    """
     from normswap.plan import Plan
     from normswap.surgery import apply_structure
 
     plan_dict = manifest["plan"]
     saved_class = manifest.get("architecture")
-    left_out = list(manifest.get(LEFT_OUT_KEY) or ())
-    if saved_class and type(model).__name__ not in (saved_class, f"Normswap{saved_class}"):
-        plan_dict = rebase_plan(plan_dict, manifest.get("base_model_prefix", ""), model)
-        modules = dict(model.named_modules())
-        moved = (move_path(p, manifest.get("base_model_prefix", ""), prefix_of(model), modules) for p in left_out)
-        left_out = [p for p in moved if p is not None]
+    other = bool(saved_class) and type(model).__name__ not in (saved_class, f"Normswap{saved_class}")
+    pmap = rebase.PathMap(model)
+    left_out = [m for m in (pmap(p) for p in manifest.get(LEFT_OUT_KEY) or ()) if m is not None]
+    lost: list[str] = []
+    if other:
+        moved, lost = rebase.rebase_plan(plan_dict, model)
+        gone = rebase.dropped(plan_dict, moved)
+        if gone:
+            log.info("normswap: %s has no module for %s of the manifest of %s (a head it lacks): ignored",
+                     type(model).__name__, ", ".join(f"{n} {k}" for k, n in sorted(gone.items())), saved_class)
+        plan_dict = moved
     try:
+        plan = Plan.from_dict(plan_dict)
         # modules the source checkpoint had no tensors for and its pipeline never used: absent again
         drop_modules(model, left_out)
-        apply_structure(model, Plan.from_dict(plan_dict), backend=manifest.get("backend", "auto"))
-    except (AttributeError, KeyError, TypeError) as exc:
+        apply_structure(model, plan, backend=manifest.get("backend", "auto"))
+    except (AttributeError, KeyError, TypeError, ValueError) as exc:
         raise NormswapError(
             f"the normswap manifest does not match {type(model).__name__} ({exc}); "
             "was the checkpoint edited by hand?"
         ) from exc
+    if other:
+        name = type(model).__name__.removeprefix("Normswap")
+        if lost:
+            warnings.warn(
+                f"normswap: this checkpoint was converted as {saved_class} and folded part of a norm into "
+                f"its head; as {name}: {'; '.join(lost)}. That norm's output (e.g. last_hidden_state) "
+                f"differs from the stock model's by that fold; convert the model as {name} (--task) to keep "
+                "it exact",
+                stacklevel=2,
+            )
+        for head, embedding in rebase.tied_to_centered(model, plan):
+            warnings.warn(
+                f"normswap: {name} ties `{head}` to `{embedding}`, which this checkpoint (converted as "
+                f"{saved_class}, without that head) centered: the head's outputs differ from the stock "
+                f"model's; convert the model as {name} (--task) to keep them exact",
+                stacklevel=2,
+            )
     return model
 
 
@@ -191,9 +198,12 @@ def register(base: str) -> type:
             target = mapping[base_cfg]
         except Exception:  # noqa: BLE001 - a mapping whose module fails to import is not ours to fix
             continue
-        if not isinstance(target, type):
-            continue
-        mapping.register(cfg_cls, model_class_for(base, target.__name__), exist_ok=True)
+        if isinstance(target, type):
+            mapping.register(cfg_cls, model_class_for(base, target.__name__), exist_ok=True)
+        elif isinstance(target, (tuple, list)) and target and all(isinstance(t, type) for t in target):
+            # several classes for one config (DeiT's classifier with and without its teacher): transformers
+            # picks the one config.architectures names, which for a converted checkpoint is Normswap<Class>
+            mapping.register(cfg_cls, tuple(model_class_for(base, t.__name__) for t in target), exist_ok=True)
     return cfg_cls
 
 

@@ -108,6 +108,19 @@ def prefix_of(model: nn.Module) -> str:
     return prefix if prefix and isinstance(getattr(model, prefix, None), nn.Module) else ""
 
 
+def one_class(target: Any, architectures: list[str] | None = None) -> Any:
+    """An ``AutoModel*`` mapping's entry as one class: some configs map to several (DeiT's classifier with
+    and without its teacher); transformers then takes the one ``config.architectures`` names (as is, or
+    as the ``Normswap<Class>`` of a converted checkpoint), else the first."""
+    if not isinstance(target, (tuple, list)):
+        return target
+    names = set(architectures or ())
+    for cls in target:
+        if cls.__name__ in names or f"Normswap{cls.__name__}" in names:
+            return cls
+    return target[0] if target else None
+
+
 def auto_classes() -> list[type]:
     from transformers.models.auto import modeling_auto
 

@@ -9,8 +9,9 @@ from typing import Any
 
 from torch import nn
 
-from normswap.checkpoint import hf, io, module_io
+from normswap.checkpoint import hf, io, module_io, rebase, source
 from normswap.errors import NormswapError
+from normswap.options import TASKS, choose
 
 
 def read_config(path: Path) -> dict[str, Any]:
@@ -23,8 +24,14 @@ def read_config(path: Path) -> dict[str, Any]:
         raise NormswapError(f"{cfg_path} is not valid JSON ({exc}); the file is corrupted") from exc
 
 
-def model_class(cfg: dict[str, Any]) -> type:
-    """The class to instantiate for a normswap checkpoint's ``config.json`` content."""
+def model_class(cfg: dict[str, Any], task: str | type | None = None) -> type:
+    """The class to instantiate for a normswap checkpoint's ``config.json`` content.
+
+    ``task`` picks another class of the same base model, as choosing an ``AutoModelFor*`` class does
+    in transformers: a task name (``"sequence-classification"``, the names of ``--task``), an
+    ``AutoModel*`` class, or a transformers model class (``BertForSequenceClassification``).
+    ``None``: the class the checkpoint was converted as.
+    """
     manifest = cfg.get(hf.MANIFEST_KEY)
     base = hf.base_type(cfg.get("model_type", ""))
     if base is not None:
@@ -33,7 +40,15 @@ def model_class(cfg: dict[str, Any]) -> type:
                 f"config.json says model_type {cfg.get('model_type')!r} but has no normswap "
                 "manifest; the checkpoint is incomplete"
             )
-        return hf.class_for_manifest(manifest)
+        if task is None:
+            return hf.class_for_manifest(manifest)
+        hf.register(base)
+        return _task_class(task, hf.config_class_for(base), cfg, native_base=base)
+    if task is not None:  # compat: the stock model_type, loaded by transformers' own classes
+        from transformers import AutoConfig
+
+        cfg_cls = type(AutoConfig.for_model(cfg.get("model_type", ""))) if cfg.get("model_type") else None
+        return _task_class(task, cfg_cls, cfg, native_base=None)
     import transformers
 
     archs = cfg.get("architectures") or []
@@ -45,12 +60,50 @@ def model_class(cfg: dict[str, Any]) -> type:
     return cls
 
 
-def load(path: str | os.PathLike, *, model: nn.Module | None = None, **from_pretrained_kwargs: Any) -> nn.Module:
+def _task_class(task: str | type, cfg_cls: type | None, cfg: dict[str, Any], *, native_base: str | None) -> type:
+    """``task`` (a name, an ``AutoModel*`` class or a model class) as the class to load with."""
+    import transformers
+
+    model_type = cfg.get("model_type", "")
+    if isinstance(task, str):
+        auto = getattr(transformers, TASKS[choose("task", task, TASKS)])
+    elif isinstance(task, type) and hasattr(task, "_model_mapping"):
+        auto = task
+    elif isinstance(task, type) and issubclass(task, nn.Module):
+        stock = task.__name__.removeprefix("Normswap")
+        wanted = getattr(transformers, stock, None)
+        expects = getattr(wanted, "config_class", None)
+        if expects is None or cfg_cls is None or not issubclass(cfg_cls, expects):
+            raise NormswapError(f"{task.__name__} is not a model class for model_type {model_type!r}")
+        return hf.model_class_for(native_base, stock) if native_base is not None else wanted
+    else:
+        raise NormswapError(
+            f"task must be a task name ({', '.join(TASKS)}), an AutoModel class or a model class, not {task!r}"
+        )
+    mapping = auto._model_mapping
+    if cfg_cls is None or cfg_cls not in mapping:
+        raise NormswapError(f"{auto.__name__} has no class for model_type {model_type!r}")
+    return hf.one_class(mapping[cfg_cls], cfg.get("architectures"))
+
+
+def load(path: str | os.PathLike, *, task: str | type | None = None, model: nn.Module | None = None,
+         **from_pretrained_kwargs: Any) -> nn.Module:
     """Load a normswap checkpoint directory (native or compat) in eval mode.
+
+    ``path`` may also be a Hub id whose snapshot is in the local Hugging Face cache (``revision=``
+    picks a branch, tag or commit); nothing is downloaded.
 
     Native checkpoints rebuild the base architecture on the meta device, apply the manifest's
     structural edits (no re-analysis) and load the weights; ``normswap.plan_of(model)`` returns it.
-    Keyword arguments go to ``from_pretrained`` (``dtype=``, ``device_map=``, ...).
+    Keyword arguments go to ``from_pretrained`` (``dtype=``, ``device_map=``, ``num_labels=``, ...).
+
+    ``task`` loads the checkpoint as another class of its base model, as choosing an
+    ``AutoModelFor*`` class does in transformers (the same as ``import normswap`` then
+    ``AutoModelForSequenceClassification.from_pretrained(path)``): a ``--task`` name
+    (``"base"``, ``"sequence-classification"``, ...), an ``AutoModel*`` class, or a model class.
+    The manifest's edits are moved to that class's module paths; a head it lacks is ignored with
+    its weights, and a head the checkpoint lacks is initialised at random with transformers'
+    "newly initialized" warning. Default: the class the checkpoint was converted as.
 
     A directory ``normswap.save`` wrote from a custom module (not a transformers model) loads into
     ``model``, a freshly built, unpatched instance of the saved class (PEFT's
@@ -62,14 +115,28 @@ def load(path: str | os.PathLike, *, model: nn.Module | None = None, **from_pret
     Example:
         >>> model = normswap.load("tiny-gpt2-rms")                      # doctest: +SKIP
         >>> model.generate(**tok("hello", return_tensors="pt"))         # doctest: +SKIP
+        >>> clf = normswap.load("bert-rms", task="sequence-classification", num_labels=3)  # doctest: +SKIP
         >>> net = normswap.load("net-rms", model=MyNet())               # doctest: +SKIP
     """
+    spec = str(path)
     path = Path(path).expanduser()
+    if not path.exists() and source.is_hub_id(spec):
+        # a Hub id, as from_pretrained takes it: its snapshot in the Hugging Face cache (no download)
+        cached = source.cached_snapshot(spec, from_pretrained_kwargs.pop("revision", None))
+        if cached is None:
+            raise NormswapError(
+                f"{spec} is not a local directory, and not in the Hugging Face cache (searched "
+                f"{source.hub_cache_dir()}): download it first (`hf download {spec} --local-dir DIR`)"
+            )
+        path = cached
     if not path.exists():
         raise NormswapError(f"{path} does not exist")
     if not path.is_dir():
         raise NormswapError(f"{path} is not a directory; normswap.load expects a checkpoint directory")
     if module_io.is_module_dir(path):
+        if task is not None:
+            raise NormswapError(f"{path} holds a custom module saved by normswap.save: task= is for transformers "
+                                "checkpoints; pass the instance to load into, normswap.load(path, model=...)")
         return load_module(path, model, from_pretrained_kwargs)
     if model is not None:
         raise NormswapError(
@@ -89,14 +156,17 @@ def load(path: str | os.PathLike, *, model: nn.Module | None = None, **from_pret
         )
     for f in safe:
         io.read_safetensors_header(f)
-    cls = model_class(cfg)
+    cls = model_class(cfg, task)
     from_pretrained_kwargs.setdefault("local_files_only", True)
     model = cls.from_pretrained(path, **from_pretrained_kwargs)
     model.eval()
     if hf.base_type(cfg.get("model_type", "")) is None and isinstance(cfg.get(hf.MANIFEST_KEY), dict):
         from normswap.plan import Plan
 
-        model._normswap_compat = Plan.from_dict(cfg[hf.MANIFEST_KEY]["plan"])
+        plan = cfg[hf.MANIFEST_KEY]["plan"]
+        if type(model).__name__ != cfg[hf.MANIFEST_KEY].get("architecture", type(model).__name__):
+            plan, _ = rebase.rebase_plan(plan, model)  # loaded as another class (task=)
+        model._normswap_compat = Plan.from_dict(plan)
     return model
 
 

@@ -1,9 +1,9 @@
 """Where a model comes from: a preset name, a local directory, or a Hub id.
 
 Every check that can fail on bad input runs here, *before* anything is loaded or written, and
-fails with one actionable line: missing paths, Hub ids while offline (or with no network),
-truncated or corrupted safetensors, pickle-only checkpoints (refused unless ``allow_pickle``),
-models that need ``trust_remote_code``, and checkpoints normswap already converted.
+fails with one actionable line: missing paths, Hub ids that are not in the Hugging Face cache
+while offline (or with no network), truncated or corrupted safetensors, pickle-only checkpoints
+(refused unless ``allow_pickle``), models that need ``trust_remote_code``, and checkpoints normswap already converted.
 """
 
 from __future__ import annotations
@@ -78,6 +78,11 @@ def _looks_like_path(spec: str) -> bool:
     )
 
 
+def is_hub_id(spec: str) -> bool:
+    """``name`` or ``org/name`` that is not a local path: what transformers would look up on the Hub."""
+    return not _looks_like_path(spec) and bool(_HUB_ID.match(spec))
+
+
 def hub_reachable(timeout: float = 3.0) -> bool:
     """Can we open a TCP connection to the Hub endpoint within ``timeout`` seconds?"""
     endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
@@ -97,30 +102,73 @@ def _offline() -> bool:
     )
 
 
-def _download(spec: str, *, allow_pickle: bool, trust_remote_code: bool) -> Path:
+# what a conversion reads of a Hub repository (the weights, configs, tokenizer and processor files)
+HUB_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.tiktoken"]
+
+
+def hub_cache_dir() -> str:
+    """The Hugging Face cache that Hub ids resolve in: huggingface_hub's own (``HF_HUB_CACHE``, else
+    ``HF_HOME/hub``, else ``~/.cache/huggingface/hub``), the one transformers reads."""
+    from huggingface_hub import constants
+
+    return str(constants.HF_HUB_CACHE)
+
+
+def cached_snapshot(spec: str, revision: str | None = None) -> Path | None:
+    """The local snapshot of Hub repository ``spec`` at ``revision`` (branch, tag or commit; default
+    ``main``) in the Hugging Face cache, resolved by huggingface_hub exactly as transformers resolves
+    it offline (``refs/<revision>`` -> ``snapshots/<commit>/``, files symlinked into ``blobs/``);
+    ``None`` when it is not there. No network call."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(spec, revision=revision, allow_patterns=HUB_PATTERNS, local_files_only=True))
+    except LocalEntryNotFoundError as exc:
+        # a snapshot the cached file listing says lacks some files (only part of the repository was ever
+        # fetched, as from_pretrained does): still the one transformers would load; the files a
+        # conversion needs are checked next (inspect_dir), by name
+        partial = getattr(exc, "snapshot_path", None)
+        return Path(partial) if partial else None
+    except (ValueError, OSError) as exc:  # an id huggingface_hub refuses, an unreadable cache
+        log.debug("normswap: no cached snapshot of %s: %s", spec, exc)
+        return None
+
+
+def hub_snapshot(spec: str, *, revision: str | None, allow_pickle: bool, trust_remote_code: bool) -> Path:
+    """A local directory with Hub repository ``spec`` at ``revision``.
+
+    Offline (``HF_HUB_OFFLINE``) or with the Hub unreachable, the snapshot in the Hugging Face cache
+    (:func:`cached_snapshot`), as transformers loads it there; an id that is not cached is refused,
+    naming the cache searched. Online, the files a conversion reads are downloaded into that cache.
+    """
     hint = f"{spec!r} is not a local directory or a preset ({', '.join(presets.names())})"
-    if _offline():
+    at = f" at revision {revision!r}" if revision else ""
+    offline = _offline()
+    if offline or not hub_reachable():
+        local = cached_snapshot(spec, revision)
+        if local is not None:
+            log.info("normswap: %s%s from the Hugging Face cache (%s)", spec, at, local)
+            return local
+        why = "HF_HUB_OFFLINE is set" if offline else "the Hugging Face Hub is unreachable (no network?)"
         raise NormswapError(
-            f"{hint}, and HF_HUB_OFFLINE is set: download it first "
-            f"(`hf download {spec} --local-dir DIR`) and pass the directory"
-        )
-    if not hub_reachable():
-        raise NormswapError(
-            f"{hint}, and the Hugging Face Hub is unreachable (no network?): download it "
-            "elsewhere and pass the local directory"
+            f"{hint}, {why}, and it is not in the Hugging Face cache{at} (searched {hub_cache_dir()}; "
+            "set HF_HOME or HF_HUB_CACHE to use another): download it first "
+            f"(`hf download {spec}{f' --revision {revision}' if revision else ''} --local-dir DIR`) and pass "
+            "the directory"
         )
     try:
         from huggingface_hub import list_repo_files, snapshot_download
 
-        files = list_repo_files(spec)
-        patterns = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.tiktoken"]
+        files = list_repo_files(spec, revision=revision)
+        patterns = list(HUB_PATTERNS)
         if allow_pickle and not any(f.endswith(".safetensors") for f in files):
             patterns += ["*.bin"]
         if trust_remote_code:
             patterns += ["*.py"]
-        return Path(snapshot_download(spec, allow_patterns=patterns))
+        return Path(snapshot_download(spec, revision=revision, allow_patterns=patterns))
     except Exception as exc:  # noqa: BLE001 - hub errors are many; report one line
-        raise NormswapError(f"cannot download {spec!r} from the Hub: {first_line(exc, 200)}") from exc
+        raise NormswapError(f"cannot download {spec!r}{at} from the Hub: {first_line(exc, 200)}") from exc
 
 
 def inspect_dir(
@@ -190,10 +238,23 @@ def _tf_version() -> str:
 
 
 def resolve(
-    spec: str, *, allow_pickle: bool = False, trust_remote_code: bool = False, allow_converted: bool = False
+    spec: str,
+    *,
+    allow_pickle: bool = False,
+    trust_remote_code: bool = False,
+    allow_converted: bool = False,
+    revision: str | None = None,
 ) -> Source:
-    """Preset name, local directory or Hub id -> :class:`Source` (Hub ids are downloaded)."""
+    """Preset name, local directory or Hub id -> :class:`Source`.
+
+    A Hub id resolves as transformers resolves it: downloaded into the Hugging Face cache when the Hub
+    is reachable, read from that cache when offline or unreachable (:func:`hub_snapshot`).
+    ``revision`` (branch, tag or commit) applies to Hub ids only.
+    """
     spec = str(spec)
+    if revision is not None and (presets.is_preset(spec) or Path(spec).expanduser().exists()):
+        what = "preset" if presets.is_preset(spec) else "local path"
+        raise NormswapError(f"--revision applies to a Hub id; {spec} is a {what}")
     if presets.is_preset(spec):
         return Source(spec, "preset", None, {"model_type": presets.get(spec).config(8).model_type})
     path = Path(spec).expanduser()
@@ -205,12 +266,12 @@ def resolve(
             trust_remote_code=trust_remote_code,
             allow_converted=allow_converted,
         )
-    if _looks_like_path(spec) or not _HUB_ID.match(spec):
+    if not is_hub_id(spec):
         raise NormswapError(
             f"{spec} does not exist (not a directory, a preset or a Hub id); "
             f"presets: {', '.join(presets.names())}"
         )
-    local = _download(spec, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code)
+    local = hub_snapshot(spec, revision=revision, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code)
     src = inspect_dir(
         local,
         spec,
@@ -356,7 +417,7 @@ def model_class(config: Any, task: str | None = None, architectures: list[str] |
         mapping = _auto(TASKS[task])._model_mapping
         if type(config) not in mapping:
             raise NormswapError(f"task {task!r} is not available for model_type {config.model_type!r}")
-        return mapping[type(config)]
+        return hf.one_class(mapping[type(config)], getattr(config, "architectures", None))
     for name in architectures or getattr(config, "architectures", None) or []:
         cls = getattr(transformers, name, None)
         if isinstance(cls, type) and issubclass(cls, nn.Module):
@@ -364,7 +425,7 @@ def model_class(config: Any, task: str | None = None, architectures: list[str] |
     for t in FALLBACK_TASKS:
         mapping = _auto(TASKS[t])._model_mapping
         if type(config) in mapping:
-            return mapping[type(config)]
+            return hf.one_class(mapping[type(config)], getattr(config, "architectures", None))
     raise NormswapError(f"no transformers model class for model_type {config.model_type!r}; pass --task")
 
 
@@ -391,9 +452,7 @@ def load_model(
         if task is not None:
             cls = model_class(model.config, task)
             if not isinstance(model, cls):
-                raise NormswapError(
-                    f"preset {src.spec} is a {type(model).__name__}; --task {task} does not apply"
-                )
+                model = preset_as(src, model, cls, allow_new_head=allow_new_head)
         return model, proc
     from transformers import AutoConfig
 
@@ -444,10 +503,48 @@ def load_model(
         src.left_out, missing = leave_out_unused(model, missing, PIPELINE_READS[src.layout])
         info = dict(info, missing_keys=missing)
     src.new_head = check_loading_info(
-        src, model, info, explicit_task=task is not None, allow_new_head=allow_new_head
+        src, model, info, explicit_task=task is not None, allow_new_head=allow_new_head,
+        saved_class=checkpoint_class(src, config) if task is not None else None,
     )
     model.eval()
     return model, load_processor(src.path, trust_remote_code=trust_remote_code)
+
+
+def checkpoint_class(src: Source, config: Any) -> type | None:
+    """The transformers class the checkpoint was saved from (``config.architectures``), when it is one
+    transformers has for this config; ``None`` otherwise (custom code, no architectures)."""
+    import transformers
+
+    for name in src.config.get("architectures") or []:
+        cls = getattr(transformers, str(name), None)
+        if isinstance(cls, type) and issubclass(cls, nn.Module) and getattr(cls, "config_class", None) is type(config):
+            return cls
+    return None
+
+
+def preset_as(src: Source, model: nn.Module, cls: type, *, allow_new_head: bool) -> nn.Module:
+    """The preset ``model`` loaded as another class of its base model (``--task`` on a preset), the way
+    ``cls.from_pretrained`` loads a saved directory: the base model's weights carried over, a head the
+    preset lacks initialised at random (only with ``allow_new_head``, as for a directory), and every
+    missing or unused tensor judged by :func:`check_loading_info`."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="normswap-preset-") as tmp:
+        model.save_pretrained(tmp)
+        try:
+            loaded, info = cls.from_pretrained(
+                tmp, dtype=next(model.parameters()).dtype, local_files_only=True, output_loading_info=True
+            )
+        except Exception as exc:  # noqa: BLE001 - report, don't dump a traceback
+            raise NormswapError(f"cannot load preset {src.spec} as {cls.__name__}: {first_line(exc)}") from exc
+        # nothing may keep reading the temporary files once they are gone
+        for t in list(loaded.parameters()) + list(loaded.buffers()):
+            t.data = t.data.clone()
+    loaded.config.name_or_path = src.spec  # the preset's tokenizer is found by name (inputs.find_tokenizer)
+    src.new_head = check_loading_info(
+        src, loaded, info, explicit_task=True, allow_new_head=allow_new_head, saved_class=type(model)
+    )
+    return loaded.eval()
 
 
 def source_class(src: Source, config: Any, task: str | None) -> type:
@@ -471,7 +568,7 @@ def _class_holding(config: Any, names: set[str]) -> type | None:
     seen: set[type] = set()
     for t in FALLBACK_TASKS:
         mapping = _auto(TASKS[t])._model_mapping
-        cls = mapping[type(config)] if type(config) in mapping else None
+        cls = hf.one_class(mapping[type(config)]) if type(config) in mapping else None
         if cls is None or cls in seen:
             continue
         seen.add(cls)
@@ -568,17 +665,38 @@ def leave_out_unused(model: nn.Module, missing: list[str], reads: str) -> tuple[
     return unused, [k for k in missing if k not in gone]
 
 
+def new_parts(model: nn.Module, saved_class: type, config: Any, missing: set[str]) -> set[str]:
+    """The ``missing`` tensors of ``model`` that ``saved_class`` (the class the checkpoint was saved from)
+    does not have at all: a head, or a part its base model leaves out (``BertForMaskedLM`` has no pooler,
+    ``BertModel`` has one). transformers initialises them at random with its "newly initialized"
+    warning; every other missing tensor is one the checkpoint should hold (an incomplete download).
+    Keys are moved between the two classes by transformers' own prefix rule (:class:`rebase.PathMap`)."""
+    from normswap.checkpoint.rebase import PathMap
+
+    with torch.device("meta"):
+        try:
+            saved = saved_class(copy.deepcopy(config))
+        except Exception:  # noqa: BLE001 - a class this config cannot build: judge nothing as new
+            return set()
+    pmap = PathMap(model)
+    held = {pmap(k) for k in saved.state_dict()}
+    return {k for k in missing if k not in held}
+
+
 def check_loading_info(
-    src: Source, model: nn.Module, info: dict[str, Any], *, explicit_task: bool, allow_new_head: bool
+    src: Source, model: nn.Module, info: dict[str, Any], *, explicit_task: bool, allow_new_head: bool,
+    saved_class: type | None = None,
 ) -> list[str]:
     """Refuse a load that did not fill every parameter from the checkpoint.
 
     transformers initialises missing tensors at random and drops unexpected ones with only a log
     line; converting such a model would "verify" a random model against itself. Missing or
-    mismatched tensors are errors. The one exception is a new task head the user asked for on
-    purpose (``allow_new_head``, with ``--task``): its parameter names are returned so the
-    manifest can record them. Unexpected tensors are errors unless ``--task`` picked a class
-    without the checkpoint's head (e.g. ``base`` on a masked-LM checkpoint).
+    mismatched tensors are errors. The one exception is a new head the user asked for on purpose
+    (``allow_new_head``, with ``--task``): tensors of parts the checkpoint's own class
+    (``saved_class``) does not have (a task head, or a pooler a masked-LM checkpoint never had),
+    or, when that class is unknown, missing tensors outside the base model. Their names are
+    returned so the manifest can record them. Unexpected tensors are errors unless ``--task``
+    picked a class without the checkpoint's head (e.g. ``base`` on a masked-LM checkpoint).
     """
     missing = set(info.get("missing_keys") or ())
     unexpected = set(info.get("unexpected_keys") or ())
@@ -588,14 +706,24 @@ def check_loading_info(
             f"{src.spec}: tensor shape(s) do not match the config for {names(mismatched)}; "
             "the checkpoint does not match its config.json"
         )
-    prefix = getattr(model, "base_model_prefix", "") or ""
-    base = getattr(model, prefix, None) if prefix else None
-    if base is None or base is model:  # a base model: everything missing is the body
-        in_base = set(missing)
+    if saved_class is not None and missing and type(model) is not saved_class:
+        head = new_parts(model, saved_class, model.config, missing)
+        in_base = missing - head
     else:
-        in_base = {k for k in missing if k.startswith(prefix + ".")}
-    head = missing - in_base
+        prefix = getattr(model, "base_model_prefix", "") or ""
+        base = getattr(model, prefix, None) if prefix else None
+        if base is None or base is model:  # a base model: everything missing is the body
+            in_base = set(missing)
+        else:
+            in_base = {k for k in missing if k.startswith(prefix + ".")}
+        head = missing - in_base
     if missing and not (allow_new_head and explicit_task and not in_base):
+        if head and not in_base and saved_class is not None:
+            raise NormswapError(
+                f"{src.spec} as {type(model).__name__}: the checkpoint ({saved_class.__name__}) has no "
+                f"{names(head)}, which {type(model).__name__} adds; pass --new-head with --task to "
+                "initialise them at random (as transformers does), then train them"
+            )
         what = "the head" if head and not in_base else "tensor(s)"
         needed = (
             f", which the {src.layout} pipeline needs (they feed its {PIPELINE_READS[src.layout]})"
@@ -609,7 +737,7 @@ def check_loading_info(
         )
         raise NormswapError(
             f"{src.spec} as {type(model).__name__}: the checkpoint has no {what} "
-            f"{names(missing)}{hint}"
+            f"{names(in_base if in_base and saved_class is not None else missing)}{hint}"
         )
     if unexpected and not explicit_task:
         raise NormswapError(

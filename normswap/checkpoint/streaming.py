@@ -131,6 +131,15 @@ def convert_streaming(
             f"{src.spec}: the checkpoint has tensor(s) {cls.__name__} does not use: "
             f"{source.names(unexpected)}; pass --task to choose the model class on purpose"
         )
+    saved_class = source.checkpoint_class(src, config) if missing and task is not None else None
+    if saved_class is not None and saved_class is not cls:
+        head = source.new_parts(meta, saved_class, config, set(missing))
+        if head and head == set(missing):
+            raise NormswapError(
+                f"{src.spec} as {cls.__name__}: {source.names(head)} are not in the checkpoint "
+                f"({saved_class.__name__}); a new head has no tensors to stream: convert in memory "
+                "(--in-memory, with --new-head)"
+            )
     if missing:
         needed = (
             f", which the {src.layout} pipeline needs (they feed its {source.PIPELINE_READS[src.layout]})"

@@ -135,10 +135,15 @@ def build_manifest(
 
 
 def auto_classes_for(model: nn.Module) -> dict[str, str]:
-    """``AutoModel*`` names that map the base config to this model's stock class (and ``AutoModel``)."""
+    """Every ``AutoModel*`` name that maps the base config to a class, with that class's name.
+
+    All of them, not only the converted class's: ``auto_map`` lets
+    ``AutoModelForSequenceClassification.from_pretrained(dir, trust_remote_code=True)`` load a converted
+    masked-LM checkpoint as a classifier, as it loads the stock one (the manifest's paths are moved to
+    the class loaded, :func:`normswap.checkpoint.hf.rebuild`)."""
     base = base_model_type(model)
-    arch = stock_class(model)
     base_cfg = hf_types.base_config_class(base)
+    arch = stock_class(model)
     out: dict[str, str] = {}
     for auto in hf_types.auto_classes():
         mapping = auto._model_mapping
@@ -146,7 +151,8 @@ def auto_classes_for(model: nn.Module) -> dict[str, str]:
             target = mapping[base_cfg] if base_cfg in mapping else None
         except Exception:  # noqa: BLE001
             continue
-        if isinstance(target, type) and (target is arch or auto.__name__ == "AutoModel"):
+        target = hf_types.one_class(target, [arch.__name__])  # several classes for one config: this one's
+        if isinstance(target, type):
             out[auto.__name__] = target.__name__
     return dict(sorted(out.items()))
 

@@ -190,6 +190,13 @@ Presets (offline, seeded tiny models with tokenizers/processors):
 )
 @click.option("--trust-remote-code", is_flag=True, help="Allow custom modeling code shipped with MODEL.")
 @click.option(
+    "--revision",
+    default=None,
+    help="With a Hub id: the branch, tag or commit (default main). Offline (HF_HUB_OFFLINE=1) or with "
+    "the Hub unreachable, a Hub id is read from the Hugging Face cache (HF_HOME / HF_HUB_CACHE), as "
+    "transformers reads it.",
+)
+@click.option(
     "--allow-pickle", is_flag=True, help="Accept pickle-only (.bin) checkpoints. Only for trusted files."
 )
 @click.option(
@@ -206,13 +213,14 @@ Presets (offline, seeded tiny models with tokenizers/processors):
     "--task",
     type=click.Choice(TASK_NAMES),
     default=None,
-    help="Model class to load (default: from config.architectures).",
+    help="Model class to load (default: from config.architectures); presets too. Loading a masked-LM "
+    "checkpoint as sequence-classification (or base, whose pooler it lacks) needs --new-head.",
 )
 @click.option(
     "--new-head",
     is_flag=True,
-    help="With --task: allow a task head the checkpoint lacks (random init, recorded in the "
-    "manifest). Without it any missing tensor is an error.",
+    help="With --task: allow a task head (or a pooler) that the checkpoint's own class lacks (random "
+    "init, recorded in the manifest). Without it any missing tensor is an error.",
 )
 @click.option(
     "--rotate",
@@ -255,6 +263,7 @@ def convert(
     max_shard_size: str,
     low_memory: bool | None,
     trust_remote_code: bool,
+    revision: str | None,
     allow_pickle: bool,
     overwrite: bool,
     no_verify: bool,
@@ -316,6 +325,7 @@ def convert(
             task=task,
             allow_pickle=allow_pickle,
             allow_new_head=new_head,
+            revision=revision,
             progress=not quiet,
             echo=lambda msg: click.echo(f"note: {cli_words(msg)}", err=True),
         )

@@ -17,7 +17,7 @@ from torch import nn
 
 import normswap
 from normswap import presets
-from normswap.checkpoint import hf, writer
+from normswap.checkpoint import hf, rebase, writer
 from normswap.checkpoint.conversion import calibration_tokenizer
 from normswap.errors import NormswapError
 
@@ -308,9 +308,10 @@ def test_manifest_rebase_for_other_head_classes(native_dirs):
     cfg = json.loads((native_dirs["tiny-gpt2"] / "config.json").read_text())
     plan = cfg["normswap"]["plan"]
     base = transformers.GPT2Model(transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=320))
-    rebased = hf.rebase_plan(plan, "transformer", base)
+    rebased, lost = rebase.rebase_plan(plan, base)
     assert {s["name"] for s in rebased["sites"]} == {"h.0.ln_1", "h.0.ln_2", "h.1.ln_1", "h.1.ln_2", "ln_f"}
     assert rebased["unties"] == []  # lm_head does not exist in the base model
+    assert lost == []  # no fold_gamma: ln_f kept its γ/β
 
 
 def test_writer_names_and_auto_classes():
