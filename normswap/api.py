@@ -392,10 +392,11 @@ def place_beta(work: nn.Module, an: _Analysis, opts: ConvertOptions) -> None:
 
     Not part of :func:`analyse_copy`: the streaming path analyses random-weight proxies and takes this
     decision later, on the checkpoint's tensors."""
-    fused = dict.fromkeys(torch_transformer.fused_norm_paths(work), torch_transformer.FUSED_WHY)
+    keep = dict.fromkeys(torch_transformer.fused_norm_paths(work), torch_transformer.FUSED_WHY)
+    keep |= beta_placement.head_readers(an.plan, work)  # a head class: its base model stays whole
     beta_placement.place_beta(an.plan, lambda name: work.get_parameter(name).detach(),
                               lambda norm: an.sites[norm].beta(work.get_submodule(norm)), opts.beta_placement,
-                              fused)
+                              keep)
 
 
 def find_norms(model: nn.Module, example_inputs: inputs.ExampleInputs = None) -> walker.WalkResult:

@@ -28,6 +28,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from torch import nn
 
 from normswap.linears import tensors_by_name
 from normswap.plan import BETA_KEPT_WHY, Plan, SitePlan
@@ -81,14 +82,16 @@ def keep_beta(plan: Plan, sp: SitePlan, why: str) -> None:
 
 
 def place_beta(plan: Plan, tensor: Tensor, beta_of: Callable[[str], torch.Tensor | None],
-               placement: str = "rounding", fused: dict[str, str] | None = None) -> list[str]:
+               placement: str = "rounding", keep: dict[str, str] | None = None) -> list[str]:
     """Apply the rule to every norm of ``plan`` it decides for (``placement="fold"``: to none); returns
     the norms that keep β. ``plan.options["beta_placement"]`` records which placement ran.
 
     ``tensor(name)``: a parameter of the original model by name; ``beta_of(norm)``: that norm's β.
     Both read the original weights (before any edit): the in-memory path from the working copy, the
-    streaming path from the checkpoint. ``fused``: norms whose β a fused kernel of the model reads
-    from the norm itself, with the reason (they keep it: PyTorch's ``nn.TransformerEncoderLayer``).
+    streaming path from the checkpoint. ``keep``: norms that keep β for a reason of the model's
+    structure, with that reason (a fused kernel reads β from the norm itself: PyTorch's
+    ``nn.TransformerEncoderLayer``; the readers are a task head the base model loads without:
+    :func:`head_readers`).
     """
     plan.options["beta_placement"] = placement
     if placement != "rounding":  # "fold": β leaves every norm whose readers can take it
@@ -97,8 +100,8 @@ def place_beta(plan: Plan, tensor: Tensor, beta_of: Callable[[str], torch.Tensor
     for sp in plan.sites:
         if not applies(plan, sp):
             continue
-        if fused and sp.name in fused:
-            keep_beta(plan, sp, fused[sp.name])
+        if keep and sp.name in keep:
+            keep_beta(plan, sp, keep[sp.name])
             kept.append(sp.name)
             continue
         beta = beta_of(sp.name)
@@ -109,3 +112,26 @@ def place_beta(plan: Plan, tensor: Tensor, beta_of: Callable[[str], torch.Tensor
             keep_beta(plan, sp, f"{KEPT_WHY} (squared error {folded:.3g} folded vs {original:.3g} kept)")
             kept.append(sp.name)
     return kept
+
+
+HEAD_WHY = ("kept in the RMSNorm: its readers are in the task head (`{head}`), and the base model loaded "
+            "without that head (AutoModel, another task class) would miss it in its last hidden state")
+
+
+def head_readers(plan: Plan, model: nn.Module) -> dict[str, str]:
+    """Norms of ``model``'s base model whose β the plan folds into a reader outside it (a task head:
+    BERT's MLM transform, ViT's classifier), with the reason to keep β instead.
+
+    A checkpoint is loaded under other head classes of its base model (a masked LM fine-tuned as a
+    classifier): the base model then must compute what the stock one computes. A β folded into a head
+    it does not have would be lost there, and the kept β costs one add in the RMSNorm. Models without
+    a base model (a custom ``nn.Module``, a bare ``BertModel``) get no such norm."""
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    if not prefix or not isinstance(getattr(model, prefix, None), nn.Module):
+        return {}
+    inside = f"{prefix}."
+    keep: dict[str, str] = {}
+    for f in plan.folds:
+        if f.beta and f.site.startswith(inside) and not f.reader.startswith(inside):
+            keep.setdefault(f.site, HEAD_WHY.format(head=f.reader))
+    return keep

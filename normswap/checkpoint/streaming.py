@@ -223,8 +223,9 @@ def place_beta(fp: proxy.FullPlan, meta: nn.Module, keys: KeyMap, reader: stream
         _, b_attr = writer.norm_param_names(meta.get_submodule(norm), fp.plan.site(norm).flavour)
         return tensor(f"{norm}.{b_attr}") if b_attr else None
 
+    keep = beta_placement.head_readers(fp.plan, meta)
     kept = {name: fp.plan.site(name).beta_detail
-            for name in beta_placement.place_beta(fp.plan, tensor, beta_of, options.beta_placement)}
+            for name in beta_placement.place_beta(fp.plan, tensor, beta_of, options.beta_placement, keep)}
     for sp in fp.proxy_plan.sites:
         full = fp.full_name(sp.name)
         if full in kept and beta_placement.applies(fp.proxy_plan, sp):

@@ -323,3 +323,32 @@ def test_registry_builds_every_head_class():
     assert transformers.AutoModelForQuestionAnswering._model_mapping[cfg].__name__ == (
         "NormswapBertForQuestionAnswering"
     )
+
+
+@pytest.mark.parametrize("preset, options", [("tiny-vit", {}), ("tiny-bert", {"mode": "exact"})])
+def test_base_model_of_a_head_checkpoint_computes_the_stock_last_hidden_state(tmp_path, monkeypatch, preset,
+                                                                                options):
+    """A β whose readers are all in the task head stays in the base model's RMSNorm by default, so the
+    checkpoint loaded as ``AutoModel`` (to fine-tune another head) gives the stock base model's
+    ``last_hidden_state``, without a warning; folding it into the head would lose it there.
+
+    The bf16 rounding rule is switched off (it keeps these presets' β for its own reason), so the
+    head rule is what decides."""
+    monkeypatch.setattr(normswap.beta_placement, "MARGIN", float("inf"))
+    stock = presets.build_model(preset)
+    normswap.convert(preset, tmp_path / "out", verify=False, **options)
+    batch = presets.example_inputs(preset)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # nothing of the conversion is missing here
+        base = transformers.AutoModel.from_pretrained(tmp_path / "out").eval()
+    with torch.no_grad():
+        want = stock.base_model(**accepted(stock.base_model, batch))[0]
+        got = base(**accepted(base, batch))[0]
+    assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item()
+    # and the folding the rule avoided would have lost it: with beta_placement="fold" it differs
+    normswap.convert(preset, tmp_path / "fold", verify=False, beta_placement="fold", **options)
+    with pytest.warns(UserWarning, match="folded into"):
+        folded = transformers.AutoModel.from_pretrained(tmp_path / "fold").eval()
+    with torch.no_grad():
+        lost = folded(**accepted(folded, batch))[0]
+    assert (lost - want).abs().max().item() > 1e-3 * want.abs().max().item()
