@@ -520,112 +520,15 @@ def rotate(model: nn.Module, q: str | int | torch.Tensor = "hadamard", *, seed: 
     matrices built here; a user matrix without it leaves such streams alone). The rotation is recorded in
     the model's plan (``plan.rotations``), which becomes the checkpoint manifest.
     """
-    plan: Plan | None = plan_of(model)
-    if plan is None:
-        raise NormswapError("model was not converted by normswap; run normswap.patch(model, fold_gamma=True) first")
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise NormswapError(f"seed must be an int, not {type(seed).__name__}")
-    if isinstance(q, torch.Tensor):
-        q64, kind = _user_matrix(q), "user"
-    elif isinstance(q, int) and not isinstance(q, bool):
-        q64, kind, seed = None, "random", q
-    elif isinstance(q, str):
-        q64, kind = None, choose("rotation", q, KINDS)
-    else:
-        raise NormswapError(f"q must be 'hadamard', 'random', an int seed or an orthogonal matrix, "
-                            f"not {type(q).__name__}")
-    user_keeps_mean = q64 is not None and is_mean_preserving(q64)
+    plan = _converted_plan(model)
+    choice = MatrixChoice.of(q, seed)
     if output is not None:
         choose("output", output, ("rotated", "restore"))
-
     result = Rotation()
-    axes = _axes(plan)
-    todo: list[tuple[list[SitePlan], torch.Tensor, dict]] = []
-    for i, group in enumerate(streams(plan, model)):
-        names = [sp.name for sp in group]
-        why = _blocker(model, plan, group, output)
-        width = group[0].normalized_shape[0]
-        if not why and q64 is not None and q64.shape[0] != width:
-            why = f"q is {q64.shape[0]}×{q64.shape[0]} but this stream has width {width}"
-        centered = next((sp for sp in group if sp.verdict in CENTERED_VERDICTS), None)
-        if not why and centered is not None and q64 is not None and not user_keeps_mean:
-            why = (f"`{centered.name}` reads a stream centered at run time, which only a mean-preserving q "
-                   "commutes with (q·1 = ±1; the 'hadamard' and 'random' matrices are)")
-        if why:
-            result.skipped.append({"norms": names, "reason": why})
-            continue
-        if q64 is not None:
-            info = {"kind": "user", "seed": None, "construction": "", "fallback": "",
-                    "mean_preserving": user_keeps_mean}
-            todo.append((group, q64, info))
-        else:
-            rot, info = rotation_matrix(width, kind, seed + i)
-            todo.append((group, rot, info))
-    gamma_kept = [s for s in result.skipped if "fold_gamma" in s["reason"]]
-    if gamma_kept and not plan.options.get("fold_gamma"):  # a model that cannot take it: say so, not "0 rotated"
-        raise NormswapError(
-            f"cannot rotate: the model was converted without fold_gamma, so its norms keep γ "
-            f"(`{gamma_kept[0]['norms'][0]}` and {len(gamma_kept) - 1} other stream(s)) and a rotation needs RMSNorms "
-            "of unit weight; convert the original model with normswap.patch(model, fold_gamma=True) (CLI: normswap "
-            "convert --fold-gamma, or --rotate), then rotate it")
-    # every parameter is rotated at most once; a reader whose weight is also a writer of the same stream
-    # (a head tied to the embedding: rows x → x Q as a writer, W → W Q as a reader) is that one rotation
-    work = []
-    for group, rot, info in todo:
-        restored = _restored(group, output)
-        upstream = {t for sp in group for t in sp.rotation_upstream}  # turned by the stream's op
-        by_id = {id(model.get_parameter(t)): t for sp in group for t in sorted(sp.writer_targets)
-                 if t not in upstream}
-        ops = list({(o["module"], o["where"], o["arg"]): o for sp in group for o in sp.rotation_ops}.values())
-        readers = sorted({r for sp in group if sp.name not in restored for r in sp.linear_readers})
-        tied = {r for r in readers if id(linear_at(model, r).weight) in by_id
-                and axes[by_id[id(linear_at(model, r).weight)]] == _reader_axis(linear_at(model, r))}
-        work.append((group, rot, info, by_id, readers, tied, restored, ops))
-    writer_params = [p for _, _, _, by_id, *_ in work for p in by_id]
-    reader_params = [_reader_rows(model, r) for *_, readers, tied, _, _ in work for r in readers if r not in tied]
-    if len(set(writer_params)) != len(writer_params) or len(set(reader_params)) != len(reader_params) \
-            or set(writer_params) & set(reader_params):
-        raise NormswapError("streams share a writer or a reader; this model cannot be rotated stream by stream")
-    for group, rot, info, by_id, readers, tied, restored, ops in work:
-        writers = sorted(by_id.values())  # a tied parameter is rotated once
-        for t in writers:
-            p = model.get_parameter(t)
-            _rotate_axis_(p, axes[t], rot.to(p.device))
-        for sp in group:  # a kept bias is part of the norm's output: it turns with the stream
-            if sp.name in restored:
-                continue
-            bias = getattr(model.get_submodule(sp.name), "bias", None)
-            if isinstance(bias, torch.Tensor):
-                _rotate_axis_(bias, 0, rot.to(bias.device))
-        for r in readers:
-            if r in tied:
-                continue
-            module = linear_at(model, r)
-            _rotate_axis_(module.weight, _reader_axis(module), rot.to(module.weight.device))
-        for name in sorted(restored):
-            module = model.get_submodule(name)
-            ref = next(iter(module.parameters()), None)
-            _install_unrotate(module, rot.T.contiguous().to(device=ref.device if ref is not None else None,
-                                                            dtype=ref.dtype if ref is not None else None),
-                              compose=True)
-        for op in ops:
-            module = model.get_submodule(op["module"])
-            _install_rotation_op(module, op, rot.to(**_like(module, model)).contiguous(), compose=True)
-        outputs = sorted({o for sp in group for o in sp.rotation_outputs})
-        online_paths: list[str] = []
-        if online:
-            online_paths, skipped_online = _online_targets(model, writers, rot.shape[0])
-            result.online_skipped += skipped_online
-            for path in online_paths:
-                module = model.get_submodule(path)
-                n = module.weight.shape[_reader_axis(module)]
-                h = hadamard.hadamard(n) / n**0.5
-                _rotate_axis_(module.weight, _reader_axis(module), h.to(module.weight.device))  # W ← W H̃
-                _install_online(module, hadamard.small_factor(n).to(**_like(module, model)))
-        entry = {"width": rot.shape[0], "norms": [sp.name for sp in group], "writers": writers,
-                 "readers": readers, **info, "output": (output or "") if outputs else "", "outputs": outputs,
-                 "restore": sorted(restored), "ops": ops, "online": online_paths, "q": rot}
-        result.rotated.append(entry)
+    todo = _choose_streams(model, plan, choice, output, result)
+    axes = _axes(plan)  # the output-feature axis of every writer tensor
+    for turn in _stream_turns(model, axes, todo, output):
+        result.rotated.append(_turn_stream(model, axes, turn, output, online, result))
     if online and result.rotated and not any(r.get("value_heads") for r in plan.rotations):
         # per-head Hadamards on values and outputs: offline folds, no op (once: a second H̃ would undo nothing)
         heads, hd, why = _rotate_heads_(model)
@@ -634,6 +537,165 @@ def rotate(model: nn.Module, q: str | int | torch.Tensor = "hadamard", *, seed: 
             result.online_skipped.append(f"per-head Hadamard on values: {why}")
     plan.rotations = plan.rotations + [manifest_entry(r) for r in result.rotated]
     return result
+
+
+def _converted_plan(model: nn.Module) -> Plan:
+    plan = plan_of(model)
+    if plan is None:
+        raise NormswapError("model was not converted by normswap; run normswap.patch(model, fold_gamma=True) first")
+    return plan
+
+
+@dataclass
+class MatrixChoice:
+    """What ``rotate``'s ``q`` and ``seed`` ask for: one user matrix for every stream (``matrix``), or a
+    ``kind`` of matrix built per stream from ``seed + i``."""
+
+    matrix: torch.Tensor | None
+    kind: str
+    seed: int
+
+    @classmethod
+    def of(cls, q: str | int | torch.Tensor, seed: int) -> MatrixChoice:
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise NormswapError(f"seed must be an int, not {type(seed).__name__}")
+        if isinstance(q, torch.Tensor):
+            return cls(_user_matrix(q), "user", seed)
+        if isinstance(q, int) and not isinstance(q, bool):
+            return cls(None, "random", q)
+        if isinstance(q, str):
+            return cls(None, choose("rotation", q, KINDS), seed)
+        raise NormswapError(f"q must be 'hadamard', 'random', an int seed or an orthogonal matrix, "
+                            f"not {type(q).__name__}")
+
+    @property
+    def keeps_mean(self) -> bool:
+        return self.matrix is not None and is_mean_preserving(self.matrix)
+
+    def for_stream(self, i: int, width: int) -> tuple[torch.Tensor, dict]:
+        """The matrix of the ``i``-th stream and its description (the manifest's fields)."""
+        if self.matrix is None:
+            return rotation_matrix(width, self.kind, self.seed + i)
+        return self.matrix, {"kind": "user", "seed": None, "construction": "", "fallback": "",
+                             "mean_preserving": self.keeps_mean}
+
+    def refusal(self, group: list[SitePlan], width: int) -> str:
+        """Why this matrix cannot turn the stream of ``group`` ("" when it can)."""
+        if self.matrix is None:
+            return ""
+        if self.matrix.shape[0] != width:
+            return f"q is {self.matrix.shape[0]}×{self.matrix.shape[0]} but this stream has width {width}"
+        centered = next((sp for sp in group if sp.verdict in CENTERED_VERDICTS), None)
+        if centered is not None and not self.keeps_mean:
+            return (f"`{centered.name}` reads a stream centered at run time, which only a mean-preserving q "
+                    "commutes with (q·1 = ±1; the 'hadamard' and 'random' matrices are)")
+        return ""
+
+
+def _choose_streams(model: nn.Module, plan: Plan, choice: MatrixChoice, output: str | None,
+                    result: Rotation) -> list[tuple[list[SitePlan], torch.Tensor, dict]]:
+    """(norms, Q, description) of every stream to turn; the others go to ``result.skipped`` with why.
+    Refuses a model converted without ``fold_gamma`` (its norms keep γ) rather than rotating nothing."""
+    todo = []
+    for i, group in enumerate(streams(plan, model)):
+        width = group[0].normalized_shape[0]
+        why = _blocker(model, plan, group, output) or choice.refusal(group, width)
+        if why:
+            result.skipped.append({"norms": [sp.name for sp in group], "reason": why})
+        else:
+            todo.append((group, *choice.for_stream(i, width)))
+    gamma_kept = [s for s in result.skipped if "fold_gamma" in s["reason"]]
+    if gamma_kept and not plan.options.get("fold_gamma"):  # a model that cannot take it: say so, not "0 rotated"
+        raise NormswapError(
+            f"cannot rotate: the model was converted without fold_gamma, so its norms keep γ "
+            f"(`{gamma_kept[0]['norms'][0]}` and {len(gamma_kept) - 1} other stream(s)) and a rotation needs RMSNorms "
+            "of unit weight; convert the original model with normswap.patch(model, fold_gamma=True) (CLI: normswap "
+            "convert --fold-gamma, or --rotate), then rotate it")
+    return todo
+
+
+@dataclass
+class StreamTurn:
+    """One stream's rotation: its norms, ``q`` and description, and the tensors it turns."""
+
+    group: list[SitePlan]
+    q: torch.Tensor
+    info: dict
+    writers: dict[int, str]  # id(parameter) -> its name: a parameter tied to several names turns once
+    readers: list[str]
+    tied: set[str]  # readers whose weight is a writer of the same stream (turned once, as a writer)
+    restored: set[str]  # norms whose output is turned back before them (output="restore")
+    ops: list[dict]  # rotation ops at the stream's centering op
+
+
+def _stream_turns(model: nn.Module, axes: dict[str, int], todo: list[tuple[list[SitePlan], torch.Tensor, dict]],
+                  output: str | None) -> list[StreamTurn]:
+    """The tensors each stream turns. Every parameter is rotated at most once; a reader whose weight is
+    also a writer of the same stream (a head tied to the embedding: rows x → x Q as a writer, W → W Q as a
+    reader) is that one rotation. Streams that share a writer or reader are refused."""
+    turns = []
+    for group, rot, info in todo:
+        upstream = {t for sp in group for t in sp.rotation_upstream}  # turned by the stream's op
+        by_id = {id(model.get_parameter(t)): t for sp in group for t in sorted(sp.writer_targets)
+                 if t not in upstream}
+        restored = _restored(group, output)
+        readers = sorted({r for sp in group if sp.name not in restored for r in sp.linear_readers})
+        tied = {r for r in readers if id(linear_at(model, r).weight) in by_id
+                and axes[by_id[id(linear_at(model, r).weight)]] == _reader_axis(linear_at(model, r))}
+        ops = list({(o["module"], o["where"], o["arg"]): o for sp in group for o in sp.rotation_ops}.values())
+        turns.append(StreamTurn(group, rot, info, by_id, readers, tied, restored, ops))
+    writer_params = [p for t in turns for p in t.writers]
+    reader_params = [_reader_rows(model, r) for t in turns for r in t.readers if r not in t.tied]
+    if len(set(writer_params)) != len(writer_params) or len(set(reader_params)) != len(reader_params) \
+            or set(writer_params) & set(reader_params):
+        raise NormswapError("streams share a writer or a reader; this model cannot be rotated stream by stream")
+    return turns
+
+
+def _turn_stream(model: nn.Module, axes: dict[str, int], turn: StreamTurn, output: str | None, online: bool,
+                 result: Rotation) -> dict:
+    """Rotate one stream's writers, kept biases and readers, install its ops; returns its entry."""
+    rot = turn.q
+    writers = sorted(turn.writers.values())  # a tied parameter is rotated once
+    for t in writers:
+        p = model.get_parameter(t)
+        _rotate_axis_(p, axes[t], rot.to(p.device))
+    for sp in turn.group:  # a kept bias is part of the norm's output: it turns with the stream
+        bias = getattr(model.get_submodule(sp.name), "bias", None)
+        if sp.name not in turn.restored and isinstance(bias, torch.Tensor):
+            _rotate_axis_(bias, 0, rot.to(bias.device))
+    for r in turn.readers:
+        if r not in turn.tied:
+            module = linear_at(model, r)
+            _rotate_axis_(module.weight, _reader_axis(module), rot.to(module.weight.device))
+    for name in sorted(turn.restored):
+        module = model.get_submodule(name)
+        ref = next(iter(module.parameters()), None)
+        _install_unrotate(module, rot.T.contiguous().to(device=ref.device if ref is not None else None,
+                                                        dtype=ref.dtype if ref is not None else None),
+                          compose=True)
+    for op in turn.ops:
+        module = model.get_submodule(op["module"])
+        _install_rotation_op(module, op, rot.to(**_like(module, model)).contiguous(), compose=True)
+    online_paths: list[str] = []
+    if online:
+        online_paths, skipped_online = _online_targets(model, writers, rot.shape[0])
+        result.online_skipped += skipped_online
+        for path in online_paths:
+            _add_online_hadamard(model, path)
+    outputs = sorted({o for sp in turn.group for o in sp.rotation_outputs})
+    return {"width": rot.shape[0], "norms": [sp.name for sp in turn.group], "writers": writers,
+            "readers": turn.readers, **turn.info, "output": (output or "") if outputs else "", "outputs": outputs,
+            "restore": sorted(turn.restored), "ops": turn.ops, "online": online_paths, "q": rot}
+
+
+def _add_online_hadamard(model: nn.Module, path: str) -> None:
+    """QuaRot's online Hadamard before the down projection at ``path``: ``W ← W H̃`` and the op ``x H̃``."""
+    module = model.get_submodule(path)
+    n = module.weight.shape[_reader_axis(module)]
+    h = hadamard.hadamard(n) / n**0.5
+    _rotate_axis_(module.weight, _reader_axis(module), h.to(module.weight.device))  # W ← W H̃
+    _install_online(module, hadamard.small_factor(n).to(**_like(module, model)))
 
 
 def manifest_entry(stream: dict) -> dict:
