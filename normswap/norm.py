@@ -15,7 +15,8 @@ from torch import nn
 
 from normswap import backends
 from normswap.backends import cpu
-from normswap.integrations.export import ScriptableRMSNorm, export_rms_norm, exporting
+from normswap.backends.portable import export_rms_norm
+from normswap.backends.tracing import exporting
 
 ShapeLike = int | Sequence[int] | torch.Size
 
@@ -241,3 +242,28 @@ class RMSNorm(nn.Module):
         if self.param_shape != self.normalized_shape:
             extra += f", param_shape={self.param_shape}"
         return extra
+
+
+class ScriptableRMSNorm(torch.nn.Module):
+    """What ``torch.jit.script`` compiles in place of a ``normswap.RMSNorm``: the ``eager`` backend's
+    math in TorchScript-compatible code, sharing the original module's parameters (TorchScript cannot
+    compile the backend dispatch). Built by ``RMSNorm.__prepare_scriptable__``."""
+
+    def __init__(self, norm: torch.nn.Module) -> None:
+        super().__init__()
+        self.weight = norm.weight
+        self.bias = norm.bias
+        self.eps = float(norm.eps)
+        self.dims = [-(i + 1) for i in range(len(norm.normalized_shape))]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        compute = torch.float64 if x.dtype == torch.float64 else torch.float32
+        xf = x.to(compute)
+        y = xf * torch.rsqrt(xf.pow(2).mean(self.dims, keepdim=True) + self.eps)
+        weight = self.weight
+        if weight is not None:
+            y = y * weight.to(compute)
+        bias = self.bias
+        if bias is not None:
+            y = y + bias.to(compute)
+        return y.to(x.dtype)  # one rounding, as eager

@@ -49,7 +49,7 @@ from normswap.backends import cpu_build, eager
 from normswap.backends._env import env_reader
 from normswap.backends.cpu_build import DTYPE_CODES, Kernel
 from normswap.backends.rows import DENSE_TYPES, as_rows, compute_dtype, dense, grad_launcher
-from normswap.integrations.tracing import outside_tracing
+from normswap.backends.tracing import outside_tracing
 
 name = "cpu"
 

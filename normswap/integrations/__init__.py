@@ -2,12 +2,10 @@
 
 Submodules (each imported on its own, so ``import normswap`` stays light):
 
-* :mod:`normswap.integrations.tracing`: ``exporting()`` and ``outside_tracing()``, the two checks the
-  RMSNorm op and the CPU kernel build consult (torch only, no normswap imports).
-* :mod:`normswap.integrations.export`: what ``normswap.RMSNorm`` computes under ``torch.export``,
-  ``torch.onnx.export`` and ``torch.jit.trace`` (plain aten ops unless a fused backend was asked for).
 * :mod:`normswap.integrations.onnx`: ONNX translations for the fused custom ops (only needed when a
-  fused backend was asked for explicitly).
+  fused backend was asked for explicitly; what ``normswap.RMSNorm`` computes under ``torch.export``,
+  ``torch.onnx.export`` and ``torch.jit.trace`` is the backends' portable path,
+  :mod:`normswap.backends.portable`).
 * :mod:`normswap.integrations.trainer`: transformers' weight-decay rules see ``normswap.RMSNorm`` as a
   norm.
 * :mod:`normswap.integrations.saving`: ``save_pretrained`` on a model patched in memory writes a native

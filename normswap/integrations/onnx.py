@@ -1,7 +1,7 @@
 """ONNX translations for normswap's fused custom ops.
 
 ``torch.onnx.export(model, ...)`` never needs these: while an ONNX export traces the model,
-``normswap.RMSNorm`` emits stock aten ops (see :mod:`normswap.integrations.export`). They are for an
+``normswap.RMSNorm`` emits stock aten ops (see :mod:`normswap.backends.portable`). They are for an
 *already exported* program that holds a fused op because a fused backend was asked for explicitly
 (``backend="cpu"``/``"triton"`` or ``NORMSWAP_BACKEND``) before ``torch.export.export``::
 

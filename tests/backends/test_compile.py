@@ -73,7 +73,7 @@ def test_inference_under_no_grad_compiled():
 
 
 def _exporting_seen_under_compile_and_export() -> tuple[list[bool], list[bool]]:
-    from normswap.integrations.tracing import exporting
+    from normswap.backends.tracing import exporting
 
     seen: list[bool] = []
 

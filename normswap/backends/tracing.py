@@ -1,6 +1,6 @@
 """Is a graph being captured for export, and a way to step outside the capture.
 
-Kept free of normswap imports: ``normswap.backends.cpu`` and ``normswap.norm`` both use it.
+Kept free of normswap imports: the CPU kernel build and the export path (:mod:`normswap.backends.portable`) use it.
 """
 
 from __future__ import annotations

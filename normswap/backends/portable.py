@@ -1,4 +1,4 @@
-"""What ``normswap.rms_norm`` computes while a graph is captured for export.
+"""The portable path: what ``normswap.rms_norm`` computes while a graph is captured for export.
 
 By default the captured graph holds only stock aten ops, so an exported program runs where
 normswap is not installed:
@@ -29,9 +29,6 @@ from __future__ import annotations
 import torch
 
 from normswap.backends import eager, env_backend, native
-from normswap.integrations.tracing import exporting
-
-__all__ = ["exporting", "export_rms_norm", "PORTABLE_BACKENDS"]
 
 #: Backends whose ops are stock aten ops (what an exported graph holds by default).
 PORTABLE_BACKENDS = ("auto", "eager", "native")
@@ -55,28 +52,3 @@ def export_rms_norm(
     if requested == "eager" or x.dtype not in (torch.float32, torch.float64):
         return eager.rms_norm(x, normalized_shape, weight, bias, eps)
     return native.rms_norm(x, normalized_shape, weight, bias, eps)
-
-
-class ScriptableRMSNorm(torch.nn.Module):
-    """What ``torch.jit.script`` compiles in place of a ``normswap.RMSNorm``: the ``eager`` backend's
-    math in TorchScript-compatible code, sharing the original module's parameters (TorchScript cannot
-    compile the backend dispatch). Built by ``RMSNorm.__prepare_scriptable__``."""
-
-    def __init__(self, norm: torch.nn.Module) -> None:
-        super().__init__()
-        self.weight = norm.weight
-        self.bias = norm.bias
-        self.eps = float(norm.eps)
-        self.dims = [-(i + 1) for i in range(len(norm.normalized_shape))]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        compute = torch.float64 if x.dtype == torch.float64 else torch.float32
-        xf = x.to(compute)
-        y = xf * torch.rsqrt(xf.pow(2).mean(self.dims, keepdim=True) + self.eps)
-        weight = self.weight
-        if weight is not None:
-            y = y * weight.to(compute)
-        bias = self.bias
-        if bias is not None:
-            y = y + bias.to(compute)
-        return y.to(x.dtype)  # one rounding, as eager
