@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 import normswap
-from normswap import precision
+from normswap.analysis import precision
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.custom_models_cast import WAttention, WhisperStyle  # noqa: E402

@@ -67,7 +67,7 @@ def _patch_seconds(model: torch.nn.Module, **kw) -> tuple[float, object]:
 def stage_depth(layers: list[int], replay: bool) -> list[dict]:
     import transformers as tf
 
-    from normswap import calibrate
+    from normswap.surgery import calibrate
 
     torch.set_num_threads(1)
     rows = []
@@ -259,8 +259,9 @@ def stage_convert_timers(model: str, data: str, out: Path) -> list[dict]:
     from transformers import AutoModel, AutoTokenizer
 
     import normswap
-    from normswap import api, calibrate
+    from normswap import api
     from normswap.checkpoint import conversion, source, writer
+    from normswap.surgery import calibrate
 
     times: dict[str, float] = {}
     undo = []

@@ -1,11 +1,11 @@
 """bf16/fp16 fidelity of converted zoo models: ``dtype_error_ratio`` per entry (issue 12 §1, target ≤ 1.1).
 
 The ratio is ‖converted_in_dtype − fp64‖ / ‖original_in_dtype − fp64‖ on the model's primary output
-(``normswap.verify``). Columns per dtype:
+(``normswap.surgery.verify``). Columns per dtype:
 
 * ``one``: one random model (zoo seed 0) on 8 × 32 tokens, the architecture matrix's figure (docs/architectures.md);
 * ``mean``: the geometric mean over ``--seeds`` random models on ``--batch`` × 32 tokens, the figure
-  tests/test_bf16_fidelity.py asserts (a single tiny model reads one draw of a few parameters'
+  tests/surgery/test_bf16_fidelity.py asserts (a single tiny model reads one draw of a few parameters'
   roundings; see that test's docstring);
 * ``null`` (``--null``): the reparametrisation alone on the seed-0 model, with every LayerNorm kept
   (writers centered and heads untied as the plan says; exact in float64): what the conversion's change
@@ -36,10 +36,10 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import torch  # noqa: E402
 
 import normswap  # noqa: E402
-from normswap import surgery  # noqa: E402
 from normswap.api import default_dtype  # noqa: E402
 from normswap.inputs import cast_inputs, hf_example_inputs  # noqa: E402
-from normswap.verify import compare, dtype_error_ratio  # noqa: E402
+from normswap.surgery import edits  # noqa: E402
+from normswap.surgery.verify import compare, dtype_error_ratio  # noqa: E402
 from tests.zoo import EXACT, build  # noqa: E402
 
 DTYPES = (torch.bfloat16, torch.float16)
@@ -54,9 +54,9 @@ def variants(name: str, seed: int, null: bool) -> tuple[torch.nn.Module, dict[st
     if null:
         kept = copy.deepcopy(model)
         for u in report.plan.unties:
-            surgery.untie(kept, u)
+            edits.untie(kept, u)
         for e in report.plan.writer_edits:
-            surgery.center_writer(kept, e)
+            edits.center_writer(kept, e)
         out["null"] = kept
     return model, out, set(report.plan.changed_outputs)
 

@@ -9,7 +9,7 @@ For each sentence-transformers directory given (``NAME=DIR``):
   top-1 neighbour agreement, recall@10, Spearman of pairwise similarities;
 * the output error against the float64 original (token states over real tokens, relative RMS): the
   converted model in float32, and in bfloat16 divided by the original's own bfloat16 error (the ratio
-  ``tests/test_bf16_fidelity.py`` holds to ≤ 1.1 on the zoo);
+  ``tests/surgery/test_bf16_fidelity.py`` holds to ≤ 1.1 on the zoo);
 * ``normswap.plan(model, example_inputs=...)`` (the analysis ``patch`` runs) with a batch of real padded
   sentences as the analysis inputs: are the verdicts the CLI's?
 
@@ -335,19 +335,19 @@ def patch_keeping_beta(model: torch.nn.Module, example_inputs: dict) -> None:
     """``normswap.patch`` with every norm's β kept in its RMSNorm (the analysis's ``fold_beta=False``,
     not a public option): the experiment behind the bf16 diagnosis in docs/results/field.md."""
     import normswap
-    from normswap import analysis
+    from normswap.analysis import streams
 
-    init = analysis.Analyzer.__init__
+    init = streams.Analyzer.__init__
 
     def keep(self: Any, *args: Any, **kwargs: Any) -> None:
         kwargs["fold_beta"] = False
         init(self, *args, **kwargs)
 
-    analysis.Analyzer.__init__ = keep
+    streams.Analyzer.__init__ = keep
     try:
         normswap.patch(model, example_inputs=example_inputs)
     finally:
-        analysis.Analyzer.__init__ = init
+        streams.Analyzer.__init__ = init
 
 
 def tensor_group(name: str) -> str:
@@ -482,7 +482,7 @@ def whisper_row(name: str, src: Path, speech_dir: Path, row: dict, out: Path, cl
         print(json.dumps({"model": name, "keep_beta": row["keep_beta"]}), flush=True)
     if "placement" in stages:
         # the β placement rule (the default) against folding β wherever the readers can take it
-        from normswap.plan import BETA_KEPT_WHY
+        from normswap.analysis.plan import BETA_KEPT_WHY
 
         folded = copy.deepcopy(original)
         normswap.patch(folded, example_inputs=whisper_inputs_of(speech, batch, speech.prefix),

@@ -1,4 +1,4 @@
-"""What holding a model's downcasts (``normswap.precision.HoldCasts``) costs.
+"""What holding a model's downcasts (``normswap.analysis.precision.HoldCasts``) costs.
 
     python benchmarks/bench_hold_casts.py [--threads 1] [--runs 7] [--layers 12] [--seq 64]
 
@@ -27,7 +27,8 @@ import torch
 import transformers as tf
 from torch.overrides import TorchFunctionMode
 
-from normswap import api, precision, trace, walker
+from normswap import api
+from normswap.analysis import precision, trace, walker
 
 
 def median_time(fn, runs: int) -> float:  # noqa: ANN001

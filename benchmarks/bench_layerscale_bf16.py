@@ -92,7 +92,7 @@ def main() -> None:
     import normswap
     from normswap.api import default_dtype
     from normswap.inputs import generated_images
-    from normswap.verify import compare, dtype_error_ratio
+    from normswap.surgery.verify import compare, dtype_error_ratio
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=6)

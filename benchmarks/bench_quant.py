@@ -348,7 +348,7 @@ def errors(ref: torch.Tensor, out: torch.Tensor, kind: str) -> dict[str, float]:
     cos = torch.nn.functional.cosine_similarity(ref, out, dim=-1).mean()
     res = {"err": 1.0 - float(cos)}
     if kind == "encoder":
-        from normswap.calibrate import neighbour_figures
+        from normswap.surgery.calibrate import neighbour_figures
 
         res["agree"] = neighbour_figures(ref, out).get("top1_neighbour_agreement", float("nan"))
     return res

@@ -85,7 +85,7 @@ def embed(model: torch.nn.Module, tok: object, texts: list[str], pooling: str) -
 
 
 def figures(t: torch.Tensor, s: torch.Tensor) -> dict[str, float]:
-    from normswap.calibrate import neighbour_figures
+    from normswap.surgery.calibrate import neighbour_figures
 
     cos = float(torch.nn.functional.cosine_similarity(t, s, dim=-1).mean())
     return {"cosine": cos, **neighbour_figures(t, s)}
@@ -110,7 +110,7 @@ def stage_convert(path: Path, held: list[str], which: list[str]) -> list[dict]:
         if key not in which:
             continue
         if opts is None:  # a cheaper sequential fit: a quarter of the default built-in set
-            from normswap.calibrate import builtin_batches
+            from normswap.surgery.calibrate import builtin_batches
 
             opts = {"calibration": [kw for _, kw in builtin_batches(model, tok, batches=1)[0]]}
         m = copy.deepcopy(model)

@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import normswap  # noqa: E402
 from normswap.api import default_dtype  # noqa: E402
-from normswap.verify import compare  # noqa: E402
+from normswap.surgery.verify import compare  # noqa: E402
 from tests.zoo import float64_casts, randomise  # noqa: E402
 
 V = dict(image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,

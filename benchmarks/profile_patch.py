@@ -26,13 +26,13 @@ import normswap
 
 # (file suffix, function name): cumulative seconds of each bucket; the forward pass is found below
 BUCKETS = {
-    "trace.record": ("normswap/trace.py", "record"),
+    "trace.record": ("normswap/analysis/trace.py", "record"),
     "preflight": ("normswap/api.py", "preflight"),
     "working_copy": ("normswap/api.py", "working_copy"),
     "own_written": ("normswap/api.py", "own_written"),
-    "apply_weight_edits": ("normswap/surgery.py", "apply_weight_edits"),
-    "untie": ("normswap/surgery.py", "untie"),
-    "compare": ("normswap/verify.py", "compare"),
+    "apply_weight_edits": ("normswap/surgery/edits.py", "apply_weight_edits"),
+    "untie": ("normswap/surgery/edits.py", "untie"),
+    "compare": ("normswap/surgery/verify.py", "compare"),
     "_commit": ("normswap/api.py", "_commit"),
 }
 

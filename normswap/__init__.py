@@ -32,15 +32,13 @@ _LAZY = {
     "convert": "normswap.checkpoint",
     "load": "normswap.checkpoint",
     "save": "normswap.checkpoint",
-    "RMSNorm": "normswap.norm",
-    "rms_norm": "normswap.norm",
-    "Plan": "normswap.plan",
-    "plan_of": "normswap.plan",
-    "Rotation": "normswap.rotate",
-    "rotate": "normswap.rotate",
+    "RMSNorm": "normswap.nn.rmsnorm",
+    "rms_norm": "normswap.nn.rmsnorm",
+    "Plan": "normswap.analysis.plan",
+    "plan_of": "normswap.analysis.plan",
+    "Rotation": "normswap.rotation.rotate",
+    "rotate": "normswap.rotation.rotate",
 }
-# functions that share their name with a submodule: importing the submodule must not replace them
-_SHADOWED = {"plan", "rotate"}
 
 __all__ = ["NormswapError", "__version__", *sorted(_LAZY)]
 
@@ -56,12 +54,6 @@ class _Package(types.ModuleType):
         value = getattr(importlib.import_module(module), name)
         types.ModuleType.__setattr__(self, name, value)
         return value
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        # the import system binds each imported submodule on its package; keep the functions
-        if name in _SHADOWED and isinstance(value, types.ModuleType):
-            return
-        types.ModuleType.__setattr__(self, name, value)
 
     def __dir__(self) -> list[str]:
         return sorted(set(super().__dir__()) | set(_LAZY))

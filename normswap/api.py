@@ -19,14 +19,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from normswap import beta_placement, calibrate, inputs, precision, surgery, trace, walker
+from normswap import inputs
+from normswap.analysis import precision, trace, walker
+from normswap.analysis.linears import linear_at
+from normswap.analysis.plan import EXACT_VERDICTS, Plan, SitePlan, attach_plan
+from normswap.analysis.planner import analyse
 from normswap.errors import ModelRunFailed, NaNOutputs, NormswapError, first_line
 from normswap.integrations import hooks, torch_transformer, wrappers
-from normswap.linears import linear_at
 from normswap.options import ConvertOptions
-from normswap.plan import EXACT_VERDICTS, Plan, SitePlan, attach_plan
-from normswap.planner import analyse
-from normswap.verify import compare, dtype_error_ratio, figures_text, flatten_outputs, gate
+from normswap.surgery import beta_placement, calibrate, edits
+from normswap.surgery.verify import compare, dtype_error_ratio, figures_text, flatten_outputs, gate
 
 log = logging.getLogger("normswap")
 
@@ -232,9 +234,9 @@ def own_written(work: nn.Module, model: nn.Module, plan_: Plan) -> None:
     """
     for u in plan_.unties:
         tied = getattr(work.get_submodule(u.module), u.attr)
-        surgery.untie(work, u, tied.detach())
+        edits.untie(work, u, tied.detach())
     if plan_.unties:
-        surgery.mark_untied(work)
+        edits.mark_untied(work)
     users: dict[int, set[int]] = {}  # storage -> ids of the tensors on it (model and work)
     for t in (*model.parameters(), *model.buffers(), *work.parameters()):
         users.setdefault(_storage(t), set()).add(id(t))
@@ -243,7 +245,7 @@ def own_written(work: nn.Module, model: nn.Module, plan_: Plan) -> None:
         for attr, p in module._parameters.items():
             if p is not None:
                 registrations.setdefault(id(p), []).append((module, attr))
-    for name in sorted(surgery.written_parameters(plan_, work)):
+    for name in sorted(edits.written_parameters(plan_, work)):
         p = work.get_parameter(name)
         key = _storage(p)
         if key == 0 or users.get(key, set()) <= {id(p)}:
@@ -271,7 +273,7 @@ def check_untouched(model: nn.Module, before: dict[str, int]) -> None:
     if changed:
         raise NormswapError(
             f"internal error: `{changed[0]}` of your model was written in place before the commit "
-            "(normswap edits only its own copies; is an edit missing from surgery.written_parameters?); "
+            "(normswap edits only its own copies; is an edit missing from edits.written_parameters?); "
             "the model may be modified. Please report this model")
 
 
@@ -312,7 +314,7 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
 def running(dtype: torch.dtype, hold: bool) -> Iterator[None]:
     """How every forward of a working copy in ``dtype`` runs: factory defaults in ``dtype``
     (:func:`default_dtype`) and, for a model whose traced run cast down inside (``hold``), those casts
-    held at ``dtype`` (:mod:`normswap.precision`)."""
+    held at ``dtype`` (:mod:`normswap.analysis.precision`)."""
     with default_dtype(dtype), precision.holding(dtype, hold):
         yield
 
@@ -388,7 +390,7 @@ def analysed_copy(model: nn.Module, args: tuple, kwargs: dict,
 
 
 def place_beta(work: nn.Module, an: _Analysis, opts: ConvertOptions) -> None:
-    """:func:`normswap.beta_placement.place_beta` on the plan, from the working copy's (unedited) weights.
+    """:func:`normswap.surgery.beta_placement.place_beta` on the plan, from the working copy's (unedited) weights.
 
     Not part of :func:`analyse_copy`: the streaming path analyses random-weight proxies and takes this
     decision later, on the checkpoint's tensors."""
@@ -561,21 +563,21 @@ def patch(model: nn.Module, example_inputs: inputs.ExampleInputs = None, *,
                 probe = None
         originals = {sp.name: work.get_submodule(sp.name) for sp in plan_.sites}
         own_written(work, model, plan_)  # from here on the surgery writes only tensors of its own
-        surgery.apply_weight_edits(work, plan_, an.sites, originals)
+        edits.apply_weight_edits(work, plan_, an.sites, originals)
         for h in plan_.hooks:
-            surgery.install_hook(work, h)
+            edits.install_hook(work, h)
 
         approx = [sp for sp in todo if sp.verdict == "approximate"]
         new_modules = {}
 
         def swap(sps: list[SitePlan], fits: dict) -> None:
             for sp in sps:
-                new = surgery.make_rmsnorm(an.sites[sp.name], sp, originals[sp.name], opts.backend,
+                new = edits.make_rmsnorm(an.sites[sp.name], sp, originals[sp.name], opts.backend,
                                            fits.get(sp.name))
-                surgery.replace_module(work, originals[sp.name], new)
+                edits.replace_module(work, originals[sp.name], new)
                 new_modules[sp.name] = new
             for h in plan_.hooks:  # again: a hook on a norm that was just replaced went with it
-                surgery.install_hook(work, h)
+                edits.install_hook(work, h)
 
         # exact norms first: the approximate ones are then fitted inside the model as it will run
         swap([sp for sp in todo if sp.verdict != "approximate"], {})
@@ -654,7 +656,7 @@ def patch(model: nn.Module, example_inputs: inputs.ExampleInputs = None, *,
         message += "; no calibration (γ/β copied unchanged)"
     rotation = None
     if opts.rotate is not None:  # proven output-preserving (normswap.rotate); applied to the committed model
-        from normswap.rotate import rotate
+        from normswap.rotation.rotate import rotate
 
         rotation = rotate(model, opts.rotate, seed=opts.rotate_seed, online=opts.online_hadamard,
                           output=opts.rotate_output)
@@ -804,14 +806,14 @@ def _commit(model: nn.Module, work: nn.Module, plan_: Plan, todo: list[SitePlan]
             name = f"{u.module}.{u.attr}" if u.module else u.attr
             tied = getattr(model.get_submodule(u.module), u.attr)
             source = work.get_parameter(name)
-            surgery.untie(model, u, source.detach().to(device=tied.device, dtype=tied.dtype))
+            edits.untie(model, u, source.detach().to(device=tied.device, dtype=tied.dtype))
             source.data = torch.empty(0, dtype=source.dtype)
             taken.add(name)
     if plan_.unties:
-        surgery.mark_untied(model)
-    names = surgery.written_parameters(plan_, model)
+        edits.mark_untied(model)
+    names = edits.written_parameters(plan_, model)
     for c in plan_.mean_carries:  # the widened MLP tensors, one at a time (no second set allocated up front)
-        taken.update(surgery.adopt_widened_mlp(model, c, work))
+        taken.update(edits.adopt_widened_mlp(model, c, work))
     with torch.no_grad():
         for name in sorted(names - taken):
             target, source = model.get_parameter(name), work.get_parameter(name)
@@ -825,7 +827,7 @@ def _commit(model: nn.Module, work: nn.Module, plan_: Plan, todo: list[SitePlan]
     for slot in plan_.bias_slots:  # new tensors: the readers had no bias (plan.BiasSlot)
         source = linear_at(work, slot.reader).bias
         w = linear_at(model, slot.reader).weight
-        surgery.add_bias_slot(model, slot, source.detach().to(device=w.device, dtype=w.dtype))
+        edits.add_bias_slot(model, slot, source.detach().to(device=w.device, dtype=w.dtype))
         source.data = torch.empty(0, dtype=source.dtype)
     for sp in todo:
         old = model.get_submodule(sp.name)
@@ -835,6 +837,6 @@ def _commit(model: nn.Module, work: nn.Module, plan_: Plan, todo: list[SitePlan]
         if ref is None:
             new.to(dtype)
         new.train(training.get(sp.name, False))
-        surgery.replace_module(model, old, new)
+        edits.replace_module(model, old, new)
     for h in plan_.hooks:
-        surgery.install_hook(model, h)
+        edits.install_hook(model, h)

@@ -16,7 +16,7 @@ from typing import Any
 from normswap.errors import NormswapError
 
 MODES = ("auto", "exact", "all")
-BETA_PLACEMENTS = ("rounding", "fold")  # where β goes in a default conversion (normswap.beta_placement)
+BETA_PLACEMENTS = ("rounding", "fold")  # where β goes in a default conversion (normswap.surgery.beta_placement)
 FORMATS = ("native", "compat")
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # checkpoint dtypes ``convert`` can write
 ROTATIONS = ("hadamard", "random")  # the rotations ``rotate`` builds (normswap.rotate also takes a seed or a matrix)
@@ -63,7 +63,7 @@ class ConvertOptions:
         beta_placement: where a norm's β goes in a default conversion (no ``fold_gamma``):
             ``"rounding"`` (default) folds it into the readers' biases unless that would round worse in
             bfloat16 than the original's own path, and then keeps it in the RMSNorm
-            (:mod:`normswap.beta_placement`; each norm's ``beta_detail`` says which and why);
+            (:mod:`normswap.surgery.beta_placement`; each norm's ``beta_detail`` says which and why);
             ``"fold"`` folds it wherever the readers can take it (the behaviour before this option).
         untie: clone tied output heads so the input embedding can be centered. ``False`` keeps the
             tie and centers at run time instead (one centering op per token).

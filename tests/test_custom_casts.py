@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import normswap
-from normswap import precision, trace
+from normswap.analysis import precision, trace
 from tests.custom_models import TinyViT, randomise
 from tests.custom_models_cast import (
     ClipTextStyle,

@@ -7,8 +7,8 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from normswap import calibrate
-from normswap.verify import figure
+from normswap.surgery import calibrate
+from normswap.surgery.verify import figure
 
 
 @pytest.mark.parametrize(

@@ -8,8 +8,8 @@ import transformers as tf
 from torch import nn
 
 import normswap
-from normswap import surgery
 from normswap.api import all_finite
+from normswap.surgery import edits
 from tests.custom_models import TinyViT, randomise
 from tests.zoo import EXACT, build
 
@@ -191,7 +191,7 @@ def test_train_mode_is_analysed_in_eval_and_restored():
 def test_failed_verification_leaves_the_model_bit_identical(monkeypatch):
     model = randomise(TinyViT())
     state, modules = _state(model), [type(m) for m in model.modules()]
-    monkeypatch.setattr(surgery, "center_writer", lambda *a, **k: None)  # sabotage the surgery
+    monkeypatch.setattr(edits, "center_writer", lambda *a, **k: None)  # sabotage the surgery
     with pytest.raises(normswap.NormswapError, match="verification failed.*left unchanged"):
         normswap.patch(model, (torch.randn(2, 3, 32, 32, dtype=torch.float64),))
     assert _same(state, _state(model))

@@ -11,7 +11,7 @@ from torch import nn
 import normswap
 from normswap.api import default_dtype
 from normswap.inputs import hf_example_inputs
-from normswap.verify import compare
+from normswap.surgery.verify import compare
 from tests.zoo import APPROXIMATE, EXACT, LLM, MORE, RMS, build, float64_reference, randomise
 
 
@@ -242,7 +242,7 @@ def test_a_model_whose_only_output_is_its_raw_stream_is_verified_on_it():
 
 
 def test_raw_stream_error_sees_any_change_that_is_not_a_per_token_constant():
-    from normswap.verify import raw_stream_error
+    from normswap.surgery.verify import raw_stream_error
 
     ref = torch.randn(2, 5, 16, dtype=torch.float64)
     shift = torch.randn(2, 5, 1, dtype=torch.float64)
@@ -258,7 +258,7 @@ def test_raw_stream_error_sees_any_change_that_is_not_a_per_token_constant():
     from types import SimpleNamespace
 
     from normswap.errors import VerificationFailed
-    from normswap.verify import gate
+    from normswap.surgery.verify import gate
 
     exact = [SimpleNamespace(name="n", verdict="exact", error=0.0)]
     gate(exact, {"raw_stream_rel_error": 1e-14}, torch.float64)

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 import normswap
-from normswap import api, surgery, verify
+from normswap import api
 from normswap.inputs import hf_example_inputs
+from normswap.surgery import edits, verify
 from tests.zoo import EXACT, build
 
 
@@ -24,7 +25,7 @@ def test_float64_patch_adopts_edited_tensors_and_leaves_the_rest_in_place():
 
     report = normswap.patch(model)
 
-    written = surgery.written_parameters(report.plan, reference)
+    written = edits.written_parameters(report.plan, reference)
     assert written and "transformer.h.0.attn.c_attn.weight" not in written
     after = dict(model.named_parameters())
     norms = tuple(f"{sp.name}." for sp in report.plan.sites if sp.convert)
@@ -47,8 +48,8 @@ def test_an_unlisted_in_place_write_is_caught_before_the_commit(monkeypatch):
     """If the surgery wrote a parameter that written_parameters does not list, that tensor is the
     user's own: the conversion must stop with an internal error, not commit or claim success."""
     model = build(EXACT, "gpt2-untied")
-    real = surgery.written_parameters
-    monkeypatch.setattr(surgery, "written_parameters",
+    real = edits.written_parameters
+    monkeypatch.setattr(edits, "written_parameters",
                         lambda plan, m: {n for n in real(plan, m) if "c_proj" not in n})
     modules = [type(m) for m in model.modules()]
     with pytest.raises(normswap.NormswapError, match="internal error.*c_proj"):

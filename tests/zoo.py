@@ -14,7 +14,7 @@ import torch
 import transformers as tf
 from torch import nn
 
-from normswap import precision
+from normswap.analysis import precision
 
 SPECIAL = {"bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0}
 LLM = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, vocab_size=99,
@@ -270,7 +270,7 @@ def float64_casts() -> Iterator[None]:
     gated norms, reference SSM scans, rotary tables: ``x.to(torch.float32)``, ``x.float()``): within,
     "float32" stands for float64, so an exactness check compares the math, not float32 rounding.
 
-    What ``patch`` does to the working copy's forwards (:class:`normswap.precision.HoldCasts`): every
+    What ``patch`` does to the working copy's forwards (:class:`normswap.analysis.precision.HoldCasts`): every
     cast to a lower-precision floating dtype, whatever form it takes (``.float()``, ``.to(torch.float32)``,
     ``.to(device, dtype=torch.float32)``, ``dtype=`` of a factory or softmax), gives float64 instead, so
     the two operands of one op cannot disagree (transformers computes rotary tables as a matmul, which

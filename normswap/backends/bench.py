@@ -190,7 +190,7 @@ def _methods(x: torch.Tensor, n: int, pass_: str, include: Sequence[str], compil
         module = backends.BACKENDS[name]
         if module.available()[0] and module.supports(x, w, None):
             methods[name] = wrap(lambda m=module: m.rms_norm(x, (n,), w, None, EPS), (x, w))
-    from normswap.norm import rms_norm  # the public entry point (imported here: norm imports backends)
+    from normswap.nn.rmsnorm import rms_norm  # the public entry point (imported here: norm imports backends)
 
     methods["auto"] = wrap(lambda: rms_norm(x, (n,), w, None, EPS), (x, w))
     if compile_:

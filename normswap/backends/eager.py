@@ -5,7 +5,7 @@ of squares, ``rsqrt``, ``x * rstd``, ``* weight`` and ``+ bias`` all run in the 
 float64 for float64 inputs), with the weight and bias upcast from their own dtype; the result is
 rounded to the input dtype once, at the end. A converted model then rounds where the LayerNorm it
 replaces rounded, which is what keeps its bf16/fp16 error at the original model's
-(tests/test_bf16_fidelity.py). This is not Hugging Face ``LlamaRMSNorm``'s order (which rounds
+(tests/surgery/test_bf16_fidelity.py). This is not Hugging Face ``LlamaRMSNorm``'s order (which rounds
 ``x * rstd`` to the input dtype before the weight multiply); normswap replaces LayerNorms, not those.
 
 Without gradients the elementwise steps run in place on the float32 copy of a half-precision input

@@ -24,13 +24,13 @@ import torch
 from torch import nn
 
 from normswap import api, inputs
+from normswap.analysis.plan import plan_of
 from normswap.checkpoint import io, source, writer
 from normswap.checkpoint.source import Source
 from normswap.errors import NormswapError, NothingToConvert, VerificationFailed
 from normswap.integrations.quiet import quietly
 from normswap.options import DTYPES, FORMATS, TASKS, ConvertOptions, choose
-from normswap.plan import plan_of
-from normswap.verify import comparable, compare, exact_limit, primary_key
+from normswap.surgery.verify import comparable, compare, exact_limit, primary_key
 
 log = logging.getLogger("normswap")
 
@@ -126,7 +126,7 @@ def _progress(enabled: bool, total: int, desc: str) -> Steps:
 @contextlib.contextmanager
 def calibration_progress(enabled: bool) -> Iterator[None]:
     """Show (or not) the calibration's per-norm bar (``fitting norms k/N``, time left) for the block."""
-    from normswap import calibrate
+    from normswap.surgery import calibrate
 
     before = calibrate.PROGRESS
     calibrate.PROGRESS = enabled

@@ -26,8 +26,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from normswap.analysis.plan import beta_text
 from normswap.errors import NormswapError
-from normswap.plan import beta_text
 
 PROXY_DEPTH = 3
 CHECK_DEPTH = 4

@@ -7,7 +7,7 @@ norms for ``normswap.RMSNorm``, install centering hooks) before the weights are 
 
 Those classes are generated for any base type on demand by :func:`config_class_for` and
 :func:`model_class_for`: a subclass of the base config with the new ``model_type``, and a subclass
-of each base model class whose ``__init__`` calls :func:`normswap.surgery.apply_structure`. Three
+of each base model class whose ``__init__`` calls :func:`normswap.surgery.edits.apply_structure`. Three
 ways lead to them:
 
 * ``normswap.load(dir)`` registers the base type named in the manifest and loads.
@@ -128,8 +128,8 @@ def rebuild(model: nn.Module, manifest: dict) -> nn.Module:
     where the conversion folded part of it into such a head, or where this class ties its output head
     to an input embedding the conversion centered.
     """
-    from normswap.plan import Plan
-    from normswap.surgery import apply_structure
+    from normswap.analysis.plan import Plan
+    from normswap.surgery.edits import apply_structure
 
     plan_dict = manifest["plan"]
     saved_class = manifest.get("architecture")

@@ -17,7 +17,7 @@ built instance that the user passes in:
 * ``README.md``: a short card saying how to load it.
 
 Loading (:func:`load_into`, reached as ``normswap.load(dir, model=MyNet(...))``) applies the plan's
-structure with :func:`normswap.surgery.apply_structure` (the function that rebuilds native
+structure with :func:`normswap.surgery.edits.apply_structure` (the function that rebuilds native
 checkpoints, so every structural edit it knows is covered here too) and loads the weights strictly:
 no analysis, no example inputs. Everything that can refuse runs first, on a meta-device copy of the
 given module (module paths and classes, the structure itself, every key, shape and tie against the
@@ -38,11 +38,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from normswap.analysis.plan import Plan, plan_of
 from normswap.checkpoint import io, stream_io
 from normswap.errors import NormswapError, first_line
 from normswap.integrations import wrappers
-from normswap.norm import RMSNorm
-from normswap.plan import Plan, plan_of
+from normswap.nn.rmsnorm import RMSNorm
 
 MANIFEST_FILE = "normswap.json"
 FORMAT = "module"
@@ -263,7 +263,7 @@ def load_into(model: nn.Module, path: str | os.PathLike) -> nn.Module:
     for alias, key in manifest.get("aliases", {}).items():
         state[alias] = state[key]
     # nothing below can refuse: check_fits ran the same structure on a meta copy and matched every tensor
-    from normswap.surgery import apply_structure
+    from normswap.surgery.edits import apply_structure
 
     apply_structure(target, plan)
     for name, backend in manifest.get("backends", {}).items():
@@ -283,7 +283,7 @@ def check_fits(model: nn.Module, plan: Plan, manifest: dict[str, Any], entries: 
         return NormswapError(f"the checkpoint does not fit this {type(model).__name__}: {what} ({origin})")
 
     from normswap import backends
-    from normswap.surgery import apply_structure
+    from normswap.surgery.edits import apply_structure
 
     modules = dict(model.named_modules(remove_duplicate=False))
     for sp in plan.sites:

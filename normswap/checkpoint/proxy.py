@@ -21,14 +21,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from normswap import api, inputs, presets, walker
+from normswap import api, inputs, presets
+from normswap.analysis import walker
+from normswap.analysis.plan import Plan
 from normswap.checkpoint import extrapolate as ex
 from normswap.checkpoint.hf_types import drop_modules
 from normswap.checkpoint.io import available_memory
 from normswap.errors import NormswapError
 from normswap.options import ConvertOptions
-from normswap.plan import Plan
-from normswap.surgery import record_rms_slots
+from normswap.surgery.edits import record_rms_slots
 
 LAYER_ATTR = re.compile(
     r"^(num_hidden_layers|n_layers?|num_layers|encoder_layers|decoder_layers|"

@@ -161,7 +161,7 @@ def load(path: str | os.PathLike, *, task: str | type | None = None, model: nn.M
     model = cls.from_pretrained(path, **from_pretrained_kwargs)
     model.eval()
     if hf.base_type(cfg.get("model_type", "")) is None and isinstance(cfg.get(hf.MANIFEST_KEY), dict):
-        from normswap.plan import Plan
+        from normswap.analysis.plan import Plan
 
         plan = cfg[hf.MANIFEST_KEY]["plan"]
         if type(model).__name__ != cfg[hf.MANIFEST_KEY].get("architecture", type(model).__name__):

@@ -15,11 +15,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from normswap.analysis.plan import MeanCarry, Plan
 from normswap.checkpoint import writer
 from normswap.checkpoint.stream_io import ST_DTYPES, ST_TO_TORCH, Entry, Reader
 from normswap.errors import NormswapError
-from normswap.plan import MeanCarry, Plan
-from normswap.surgery import CARRY_TENSORS, carried, center_, mark_untied, moved_shift
+from normswap.surgery.edits import CARRY_TENSORS, carried, center_, mark_untied, moved_shift
 
 
 class KeyMap:

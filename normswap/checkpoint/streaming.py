@@ -25,15 +25,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from normswap import api, beta_placement
+from normswap import api
+from normswap.analysis.plan import Plan
 from normswap.checkpoint import extrapolate as ex
 from normswap.checkpoint import hf, io, proxy, source, stream_io, truncated, writer
 from normswap.checkpoint.rewrite import KeyMap, TensorRewriter
 from normswap.checkpoint.source import NothingToConvert, Source
 from normswap.errors import NormswapError
 from normswap.options import ConvertOptions
-from normswap.plan import Plan
-from normswap.surgery import mark_untied, record_rms_slots
+from normswap.surgery import beta_placement
+from normswap.surgery.edits import mark_untied, record_rms_slots
 
 
 def convert_streaming(
@@ -203,7 +204,7 @@ def convert_streaming(
 
 def place_beta(fp: proxy.FullPlan, meta: nn.Module, keys: KeyMap, reader: stream_io.Reader,
                options: ConvertOptions) -> None:
-    """The β placement rule (:mod:`normswap.beta_placement`) on the checkpoint's own tensors.
+    """The β placement rule (:mod:`normswap.surgery.beta_placement`) on the checkpoint's own tensors.
 
     The plan came from random-weight proxies, so the rule (a function of the weights) is applied here,
     after the extrapolation, reading each reader's weight and bias and each norm's β from the shards:

@@ -23,8 +23,8 @@ from normswap.checkpoint.proxy import FullPlan, build_proxy, representative
 from normswap.checkpoint.rewrite import KeyMap
 from normswap.checkpoint.stream_io import Entry, Reader
 from normswap.errors import NormswapError, VerificationFailed
-from normswap.surgery import mark_untied
-from normswap.verify import compare, exact_limit
+from normswap.surgery.edits import mark_untied
+from normswap.surgery.verify import compare, exact_limit
 
 
 def load_truncated(

@@ -1,4 +1,4 @@
-"""``normswap verify ORIGINAL CONVERTED``: compare two models on disk with ``normswap.verify.compare``."""
+"""``normswap verify ORIGINAL CONVERTED``: compare two models on disk with ``normswap.surgery.verify.compare``."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ from typing import Any
 import torch
 
 from normswap import inputs
+from normswap.analysis.plan import Plan, plan_of
 from normswap.checkpoint import source
 from normswap.checkpoint.reader import load
 from normswap.errors import NormswapError
 from normswap.integrations.quiet import quietly
-from normswap.plan import Plan, plan_of
-from normswap.verify import compare, exact_limit
+from normswap.surgery.verify import compare, exact_limit
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 

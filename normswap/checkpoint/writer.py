@@ -25,12 +25,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from normswap.analysis.plan import CENTERED_VERDICTS, Plan, plan_of
 from normswap.checkpoint import hf_types, io, module_io
 from normswap.errors import NormswapError
 from normswap.integrations import wrappers
 from normswap.integrations.quiet import quietly
 from normswap.options import FORMATS, choose
-from normswap.plan import CENTERED_VERDICTS, Plan, plan_of
 
 log = logging.getLogger("normswap")
 
@@ -370,7 +370,7 @@ def _absent_module(model: nn.Module, key: str) -> str | None:
 
 
 def _unslot(model: nn.Module, plan: Plan, state: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """The stock architecture has no bias slot (:class:`~normswap.plan.BiasSlot`): move each slot's shift
+    """The stock architecture has no bias slot (:class:`~normswap.analysis.plan.BiasSlot`): move each slot's shift
     back into its norm, as the β/γ (turned by any rotation since) that the norm would have kept without
     the slot. Returns ``{norm: its stock bias}`` and updates ``state`` for the norm's other readers.
 
@@ -381,7 +381,7 @@ def _unslot(model: nn.Module, plan: Plan, state: dict[str, Any]) -> dict[str, to
     bias (``"moved"``), nowhere (``"dropped"``: a key shift softmax ignores). Where ``W c = b`` has no exact
     solution (a reader with too few outputs, a bias trained since) it refuses: no silently different model.
     """
-    from normswap.surgery import moved_shift
+    from normswap.surgery.edits import moved_shift
 
     out: dict[str, torch.Tensor] = {}
     for site in dict.fromkeys(s.site for s in plan.bias_slots):
@@ -436,7 +436,7 @@ def compat_model(model: nn.Module, plan: Plan) -> tuple[nn.Module, dict[str, lis
     with torch.device("meta"):
         stock = cls(config)
     for u in plan.unties:
-        from normswap.surgery import mark_untied, untie
+        from normswap.surgery.edits import mark_untied, untie
 
         untie(stock, u)
         mark_untied(stock)

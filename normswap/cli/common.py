@@ -168,7 +168,7 @@ TASK_NAMES = tuple(TASKS)
 def figures_line(verification: dict[str, Any]) -> str:
     """The verification figures a user compares, as ``key=value, ...`` (KL never negative; a figure
     just short of 1 keeps the digits that show it is not 1)."""
-    from normswap.verify import figure
+    from normswap.surgery.verify import figure
     keep = (
         "max_abs_error",
         "max_rel_error",

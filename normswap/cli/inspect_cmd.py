@@ -61,8 +61,8 @@ def inspect(
     """
     from pathlib import Path
 
+    from normswap.analysis.plan import Plan
     from normswap.checkpoint import hf, module_io, source
-    from normswap.plan import Plan
 
     fmt = None
     if module_io.is_module_dir(Path(model).expanduser()):  # normswap.save of a custom module: no config.json

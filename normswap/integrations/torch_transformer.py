@@ -29,8 +29,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from normswap.norm import RMSNorm
-from normswap.plan import EXACT_VERDICTS, Plan
+from normswap.analysis.plan import EXACT_VERDICTS, Plan
+from normswap.nn.rmsnorm import RMSNorm
 
 FUSED_WHY = ("kept in the RMSNorm: PyTorch's fused nn.TransformerEncoderLayer path reads the norm's bias "
              "(beta_placement='fold' folds it, and the layer then runs its Python forward)")

@@ -28,7 +28,7 @@ _MARK = "_normswap_wrapped"
 
 def norm_parameter_names(model: nn.Module) -> set[str]:
     """Qualified names of the parameters owned by ``normswap.RMSNorm`` modules in ``model``."""
-    from normswap.norm import RMSNorm
+    from normswap.nn.rmsnorm import RMSNorm
 
     names = set()
     for mname, module in model.named_modules():
@@ -46,7 +46,7 @@ def decay_parameter_names(model: nn.Module) -> list[str]:
 
 
 def _wrap(trainer_module: Any) -> None:
-    from normswap.norm import RMSNorm
+    from normswap.nn.rmsnorm import RMSNorm
 
     trainer_cls = trainer_module.Trainer
     original = trainer_cls.get_decay_parameter_names

@@ -13,9 +13,9 @@ import torch
 from torch import nn
 
 from normswap import presets
+from normswap.analysis.plan import Plan, SitePlan, attach_plan, plan_of
 from normswap.errors import NormswapError, first_line
-from normswap.norm import RMSNorm
-from normswap.plan import Plan, SitePlan, attach_plan, plan_of
+from normswap.nn.rmsnorm import RMSNorm
 from normswap.recipes import io, tasks
 from normswap.recipes.config import ConvertConfig, LoraConfig, ModelConfig, ProgressiveConfig
 
@@ -426,7 +426,7 @@ def swap_stage(
     ``broadcast(tensor)`` (multi-process runs) copies rank 0's fitted values to every process, so
     data-parallel replicas stay identical whatever the floating-point order of the fits.
     """
-    from normswap import calibrate, surgery
+    from normswap.surgery import calibrate, edits
 
     base = base_model(model)
     plan: Plan = plan_of(base)
@@ -448,7 +448,7 @@ def swap_stage(
     for n in names:
         site, old = prog.sites[n], modules[n]
         sp: SitePlan = plan.site(n)
-        new = surgery.make_rmsnorm(site, sp, old, prog.backend, fits.get(n))
+        new = edits.make_rmsnorm(site, sp, old, prog.backend, fits.get(n))
         # reuse the LayerNorm's Parameter objects: the optimizer keeps pointing at live tensors
         for attr_new, attr_old in (("weight", site.weight_attr), ("bias", site.bias_attr)):
             p_new = getattr(new, attr_new)
@@ -466,7 +466,7 @@ def swap_stage(
                     param = getattr(new, attr_new)
                     param.copy_(broadcast(param.detach().clone()))
         new.train(old.training)
-        surgery.replace_module(base, old, new)
+        edits.replace_module(base, old, new)
         sp.convert = True
         prog.done.append(n)
     if all(sp.convert for sp in plan.sites if sp.verdict == "approximate"):

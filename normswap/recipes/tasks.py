@@ -36,9 +36,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from normswap.calibrate import neighbour_figures
 from normswap.errors import NormswapError
 from normswap.recipes import losses
+from normswap.surgery.calibrate import neighbour_figures
 
 Batch = dict[str, torch.Tensor]
 MODEL_KEYS = ("input_ids", "attention_mask", "token_type_ids")

@@ -334,7 +334,7 @@ def test_base_model_of_a_head_checkpoint_computes_the_stock_last_hidden_state(tm
 
     The bf16 rounding rule is switched off (it keeps these presets' β for its own reason), so the
     head rule is what decides."""
-    monkeypatch.setattr(normswap.beta_placement, "MARGIN", float("inf"))
+    monkeypatch.setattr(normswap.surgery.beta_placement, "MARGIN", float("inf"))
     stock = presets.build_model(preset)
     normswap.convert(preset, tmp_path / "out", verify=False, **options)
     batch = presets.example_inputs(preset)

@@ -27,8 +27,10 @@ from torch import nn
 
 import normswap
 from normswap.errors import NormswapError
-from normswap.rotate import rotate
+from normswap.rotation.rotate import rotate
 from tests import custom_models, custom_models_cast, hierarchical_models
+from tests.analysis.test_analysis import PreLNLM, StemNet, TanhNet
+from tests.analysis.test_token_mixing import MixNet
 from tests.custom_models import (
     MixedNormNet,
     PostLNEncoder,
@@ -50,8 +52,6 @@ from tests.custom_models_cast import (
     WhisperStyle,
 )
 from tests.hierarchical_models import ChannelShiftNet, ConvStemNet, PatchNormViT, PyramidStyle, SwinStyle
-from tests.test_analysis import PreLNLM, StemNet, TanhNet
-from tests.test_token_mixing import MixNet
 from tests.test_torch_modules import CrossAttention, EncoderLM, Seq2Seq, TiedLogits
 
 

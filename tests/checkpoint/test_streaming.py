@@ -14,10 +14,10 @@ from safetensors import safe_open
 
 import normswap
 from normswap import presets
+from normswap.analysis.plan import BETA_KEPT_WHY
 from normswap.checkpoint import conversion as convert_mod
 from normswap.checkpoint import extrapolate, proxy, stream_io
 from normswap.errors import NormswapError
-from normswap.plan import BETA_KEPT_WHY
 
 SPECIAL = {"bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0}
 MODELS = {

@@ -1,0 +1,451 @@
+"""The conversion plan: one verdict per LayerNorm plus every weight edit needed to honour it.
+
+A plan is printable (``normswap inspect``) and serialisable: ``to_dict()`` becomes the checkpoint
+manifest, from which loading re-applies the structural edits without re-running the analysis.
+"""
+
+from __future__ import annotations
+
+import textwrap
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+VERDICTS = ("exact", "exact-with-centering", "exact-with-per-norm-centering", "approximate", "skipped")
+# verdicts whose norm reads a stream made zero-mean at run time (not RMS-swappable in a stock runtime)
+CENTERED_VERDICTS = ("exact-with-centering", "exact-with-per-norm-centering")
+EXACT_VERDICTS = ("exact",) + CENTERED_VERDICTS
+# not serialised (see Plan.to_dict)
+RUNTIME_SITE_FIELDS = ("writer_targets", "linear_readers", "rotation_ops", "rotation_upstream")
+
+
+@dataclass
+class WriterEdit:
+    """Center ``target`` (a parameter name) along ``axis``: whole axis, or per ``[lo, hi)`` block."""
+
+    target: str
+    axis: int
+    blocks: list[tuple[int, int]] | None
+    owner: str  # module path ('' for raw parameters)
+    kind: str  # linear | conv1d | embedding | conv | param
+
+
+@dataclass
+class FoldEdit:
+    """Fold a norm's β (into the bias) and/or γ (into the weight) of reader ``reader``.
+
+    ``beta_route`` says where this reader's share ``W β`` of the norm's β goes when β leaves the norm:
+    ``"bias"`` (added to the reader's bias: ``beta`` is set), ``"slot"`` (the reader had no bias: a
+    :class:`BiasSlot` gives it one, which takes ``W β``; ``beta`` is set), ``"dropped"`` (a key projection whose
+    keys only meet the queries in softmax-normalised scores: a constant key shift changes every score of
+    a query by the same amount), ``"moved"`` (a value projection: see :class:`BetaMove`), or ``""``
+    (β stays in the norm, or there is none).
+    """
+
+    site: str
+    reader: str
+    kind: str  # linear | conv1d
+    beta: bool
+    gamma: bool
+    beta_route: str = ""
+
+
+@dataclass
+class BiasSlot:
+    """Give a bias-less Linear reader (GPT-2's LM head) a bias, so a norm's β can fold into it as ``W β``.
+
+    Without one, β stays in the norm, and with ``fold_gamma`` it must stay as ``β/γ``
+    (``γ⊙u + β = γ⊙(u + β/γ)``): a constant added to every token that a near-zero γ makes huge (γ = 0.013
+    gave −35.9 on one channel of a trained toy GPT-2), which per-token activation quantization then
+    spends its whole grid on. In the reader's bias the same shift is a constant the quantizer never
+    sees. Structural: loading a native checkpoint adds the slot before the weights load
+    (:func:`normswap.surgery.edits.apply_structure`); the compat format (stock architecture, no slot) moves the
+    shift back into the stock LayerNorm's bias (exact, :func:`normswap.checkpoint.writer.compat_model`).
+    """
+
+    site: str  # the norm whose β the slot takes
+    reader: str  # an nn.Linear created with bias=False
+    features: int  # its out_features
+
+
+@dataclass
+class BetaMove:
+    """Carry a bias-less value projection's share of a norm's β through attention into the bias of the
+    Linear that reads the attention output (``b_into += W_into s``).
+
+    ``W_v (u + β) = W_v u + W_v β``: every value of a head gains the same vector. Attention rows sum to
+    one (softmax, no sink logit, no dropout in eval), so every output row of that head gains it too,
+    and the output projection turns it into the constant ``W_into s``. ``runs`` maps the value
+    features onto ``into``'s input features (identity for the usual head layout, repeated heads
+    for grouped-query attention); input features outside every run get nothing.
+    """
+
+    site: str
+    reader: str  # the value projection (its output is the value tensor)
+    reader_kind: str  # linear | conv1d
+    into: str  # the Linear reading the attention output; it has a bias
+    kind: str  # linear | conv1d
+    runs: list[tuple[int, int, int]]  # (first input feature of `into`, first output feature of `reader`, count)
+
+
+# The affine slots of each norm flavour (walker.NormSite.flavour): (has γ, has β).
+FLAVOUR_SLOTS = {
+    "standard": (True, True),
+    "gamma-only": (True, False),
+    "beta-only": (False, True),
+    "non-affine": (False, False),
+    "offset": (True, True),
+}
+TABLE_WIDTH = 100  # columns Plan.table fits by default (a common terminal)
+
+KEY_DROP_WHY = "keys: softmax over the keys ignores a constant key shift"
+BETA_KEPT_WHY = "kept in the RMSNorm: folding it into the reader biases would round worse in bf16"
+VALUE_MOVE_WHY = "values: attention weights sum to 1 over the keys, so the shift passes through"
+
+
+def beta_text(routes: list[tuple[str, str]], moved_into: dict[str, str]) -> str:
+    """Where a norm's β went, from its readers' ``(reader, FoldEdit.beta_route)`` and, for moved shares,
+    ``{value projection: output projection}``. The text of ``SitePlan.beta_detail`` when β left the
+    norm; a function of the edits alone, so an extrapolated plan rebuilds it at full depth."""
+    parts = []
+    biased = [r for r, how in routes if how == "bias"]
+    if biased:
+        parts.append("folded into the bias of " + ", ".join(f"`{r}`" for r in biased))
+    slotted = [r for r, how in routes if how == "slot"]
+    if slotted:
+        parts.append("folded into a bias slot added to " + ", ".join(f"`{r}`" for r in slotted)
+                     + " (it had none)")
+    parts += [f"dropped at `{r}` ({KEY_DROP_WHY})" for r, how in routes if how == "dropped"]
+    parts += [f"moved from `{r}` into the bias of `{moved_into[r]}` ({VALUE_MOVE_WHY})"
+              for r, how in routes if how == "moved"]
+    return "; ".join(parts)
+
+
+@dataclass(frozen=True)
+class ScaleFold:
+    """Fold a per-feature LayerScale ``param`` (λ) into writer ``into``'s output rows; λ becomes 1."""
+
+    param: str
+    into: str  # module path of the Linear / Conv1D whose output λ scales
+    kind: str  # linear | conv1d
+
+
+@dataclass
+class RmsFold:
+    """``fold_gamma`` on a norm that is already RMS-style (Llama, T5, Gemma): γ into its Linear readers,
+    the norm's own weight set so that its effective γ is 1 (``weight = 1 − offset``)."""
+
+    norm: str
+    weight: str  # parameter name of the norm's γ
+    offset: float  # effective γ = offset + weight
+    readers: list[str] = field(default_factory=list)
+    kinds: list[str] = field(default_factory=list)  # linear | conv1d, per reader
+
+
+@dataclass
+class CenterHook:
+    """Subtract the per-token mean of a module's ``output`` or of one ``input`` argument."""
+
+    module: str
+    where: str  # input | output
+    arg: int | str | None
+    reason: str = ""
+    per_norm: bool = False  # centers a stream written by another norm's output (Post-LN): LayerNorm by another name
+
+
+@dataclass
+class MeanCarry:
+    """Cancel a Post-LN norm output's mean inside the MLP that reads it (makes the next norm exact).
+
+    In ``s = h + down(act(up(h)))`` with ``h`` a norm's output, ``s`` is not zero-mean because ``h``
+    is not. For an activation with ``act(t) - act(-t) = t`` (ReLU, GELU, GELU-tanh, SiLU,
+    quick-GELU), two neurons added to the MLP compute ``mean(h)`` exactly: ``up`` gains the rows
+    ``+1/d`` and ``-1/d``, ``down`` the columns ``-1`` and ``+1``, so the MLP adds ``-mean(h)``. With
+    ``down`` centered, ``s`` is then zero-mean and the norm reading it is exactly an RMSNorm. The
+    MLP grows from ``hidden`` to ``hidden + added`` neurons (2 used, the rest zero, to keep the width
+    a multiple of 8).
+    """
+
+    site: str  # the norm made exact
+    source: str  # the norm whose output's mean is carried
+    up: str  # Linear d -> hidden
+    down: str  # Linear hidden -> d
+    features: int  # d
+    hidden: int  # the MLP's width before
+    added: int
+    activation: str
+    # the carry neurons' rows are ``±scale/d`` and their columns ``∓1/scale``: exact for any scale > 0, since
+    # act(s·m) − act(−s·m) = s·m; :meth:`scale_for` picks it so that they quantize like the other columns
+    scale: float = 1.0
+
+    @staticmethod
+    def scale_for(down_weight: Any) -> float:
+        """The carry scale for a down projection ``[d, hidden]``: the power of two ``s`` with ``1/s`` at most
+        the smallest of its rows' largest ``|w|``.
+
+        Why: per-output-channel weight quantization gives each row of ``down`` one scale, its largest
+        ``|w|``. Carry columns of ``∓1`` (a trained BERT's rows peak at 0.1-0.25) would set every row's
+        scale and leave the real weights a few grid steps (W4: MiniLM's error 5x the original's). At
+        ``1/s`` no larger than any row's own peak they set none, so every other weight quantizes as in the
+        unwidened MLP; a power of two keeps ``±1/s`` exact in every float format. The price moves to the
+        activations: the carry neurons output about ``s·|mean(h)|``.
+        """
+        import torch
+
+        peaks = down_weight.detach().abs().amax(dim=1).double()
+        peaks = peaks[peaks > 0]
+        if peaks.numel() == 0:
+            return 1.0
+        return float(2.0 ** torch.ceil(-torch.log2(peaks.min())))
+
+
+@dataclass
+class CenteredReader:
+    """Make a Linear reader of an *approximate* norm blind to the mean its RMSNorm leaks.
+
+    A LayerNorm's output is ``γ⊙u + β`` with ``u`` zero-mean. The RMSNorm that approximates it
+    computes ``x / rms(x)``, which for an input of mean ``m`` is ``(σ/rms)·u + (m/rms)·1``: to first
+    order the whole error is that one direction. The reader ``W n + c`` becomes
+    ``W' = W·diag(γ)·P·diag(1/γ)`` with ``P = I − 11ᵀ/d`` and ``c' = c + (W − W')β``: equal on every
+    LayerNorm output (exact for the original, since ``P u = u``), and zero on the leaked direction,
+    which leaves the reader only the second-order scale error ``σ/rms − 1``.
+    """
+
+    site: str  # the approximate norm
+    reader: str  # a Linear / Conv1D reading only its output, with a bias slot unless the norm has no β
+    kind: str  # linear | conv1d
+
+
+@dataclass
+class Untie:
+    """Give ``module.attr`` its own copy of the tied parameter ``source`` before centering."""
+
+    module: str
+    attr: str
+    source: str
+    numel: int
+
+
+@dataclass
+class SitePlan:
+    name: str
+    class_name: str
+    verdict: str
+    reason: str
+    normalized_shape: list[int]
+    param_shape: list[int]
+    eps: float
+    flavour: str
+    writers: list[str] = field(default_factory=list)
+    readers: list[str] = field(default_factory=list)
+    fold_beta: bool = False
+    fold_gamma: bool = False
+    convert: bool = False  # decided by the mode
+    error: float | None = None  # exact: max |mean|/rms of the input seen; approximate: relative output error
+    rms_weight: bool = False  # structure of the replacement RMSNorm (what loading rebuilds)
+    rms_bias: bool = False
+    beta_detail: str = ""  # where β went, per reader, and why (or why it stays in the RMSNorm)
+    writer_targets: list[str] = field(default_factory=list)  # parameters centered for this stream
+    linear_readers: list[str] = field(default_factory=list)  # Linear/Conv1D readers of the output
+    rotation_ready: bool = False  # the stream can take an orthogonal Q (see normswap.rotate)
+    rotation_reason: str = ""  # why not, when it cannot
+    rotation_outputs: list[str] = field(default_factory=list)  # model outputs the norm's output is (rotate's output=)
+    rotation_ops: list[dict] = field(default_factory=list)  # where a centered stream takes its Q as an op
+    rotation_upstream: list[str] = field(default_factory=list)  # writer targets that op turns (not their weights)
+
+
+def _placement(s: SitePlan) -> tuple[str, str]:
+    """Where a norm's (β, γ) end up, for :meth:`Plan.table`: ``fold`` (into its readers), ``norm`` (kept in
+    the norm), ``-`` (it has none, or the norm is not converted)."""
+    if not s.convert:
+        return "-", "-"
+    has_gamma, has_beta = FLAVOUR_SLOTS.get(s.flavour, (True, True))
+    return ("fold" if s.fold_beta else "norm") if has_beta else "-", \
+        ("fold" if s.fold_gamma else "norm") if has_gamma else "-"
+
+
+@dataclass
+class Plan:
+    sites: list[SitePlan] = field(default_factory=list)
+    skipped: list[dict[str, str]] = field(default_factory=list)  # already-RMS norms etc.
+    writer_edits: list[WriterEdit] = field(default_factory=list)
+    folds: list[FoldEdit] = field(default_factory=list)
+    hooks: list[CenterHook] = field(default_factory=list)
+    unties: list[Untie] = field(default_factory=list)
+    scale_folds: list[ScaleFold] = field(default_factory=list)  # LayerScale λ folded into writers (first)
+    rms_folds: list[RmsFold] = field(default_factory=list)  # fold_gamma on already-RMS norms
+    mean_carries: list[MeanCarry] = field(default_factory=list)  # MLPs widened to cancel a Post-LN mean
+    beta_moves: list[BetaMove] = field(default_factory=list)  # value-projection β shares moved into an output bias
+    bias_slots: list[BiasSlot] = field(default_factory=list)  # bias-less Linear readers given a bias for β
+    centered_readers: list[CenteredReader] = field(default_factory=list)  # readers of approximate norms
+    changed_outputs: list[str] = field(default_factory=list)
+    options: dict[str, Any] = field(default_factory=dict)
+    # orthogonal rotations applied after the conversion (normswap.rotate), one record per stream
+    rotations: list[dict[str, Any]] = field(default_factory=list)
+    # runtime only (not in the manifest): norms that were RMS from the start, with their streams'
+    # writers and readers (verdict "rms"), and the output-feature axis of writers that no edit centers
+    rms_sites: list[SitePlan] = field(default_factory=list)
+    rotation_axes: dict[str, int] = field(default_factory=dict)
+
+    def counts(self) -> dict[str, int]:
+        c = Counter(s.verdict for s in self.sites)
+        c["skipped"] += len(self.skipped)
+        return {v: c.get(v, 0) for v in VERDICTS}
+
+    def site(self, name: str) -> SitePlan:
+        return next(s for s in self.sites if s.name == name)
+
+    @property
+    def untied_parameters(self) -> int:
+        return sum(u.numel for u in self.unties)
+
+    def conversion_line(self) -> str:
+        """``converted N of M LayerNorm(s) (E exact, A approximate)``: the headline of a conversion."""
+        done = [s for s in self.sites if s.convert]
+        exact = sum(1 for s in done if s.verdict in EXACT_VERDICTS)
+        return (f"converted {len(done)} of {len(self.sites)} LayerNorm(s) "
+                f"({exact} exact, {len(done) - exact} approximate)")
+
+    def summary(self, fmt: str | None = None) -> str:
+        """One line: verdict counts and the edits. ``fmt`` is the checkpoint format the plan was written in,
+        where that changes what is true (``"compat"`` keeps stock LayerNorms: a β not folded stays in the
+        LayerNorm's bias, not in an RMSNorm)."""
+        counts = ", ".join(f"{n} {v}" for v, n in self.counts().items() if n)
+        extra = []
+        if self.writer_edits:
+            extra.append(f"{len(self.writer_edits)} writer tensors centered")
+        folds = [f for f in self.folds if f.beta or f.gamma]
+        if folds:
+            extra.append(f"{len(folds)} reader folds")
+        dropped = sum(f.beta_route == "dropped" for f in self.folds)
+        if dropped:
+            extra.append(f"β dropped at {dropped} key projection(s)")
+        if self.beta_moves:
+            extra.append(f"β moved through attention into {len(self.beta_moves)} output bias(es)")
+        kept = sum(s.beta_detail.startswith(BETA_KEPT_WHY) for s in self.sites)
+        if kept:
+            where = "stock LayerNorm bias(es)" if fmt == "compat" else "RMSNorm(s)"
+            extra.append(f"β kept in {kept} {where} (folding would round worse in bf16)")
+        if self.hooks:
+            extra.append(f"{len(self.hooks)} centering op(s)")
+        if self.centered_readers:
+            extra.append(f"{len(self.centered_readers)} reader(s) of approximate norms blind to the leaked mean")
+        if self.rms_folds:
+            extra.append(f"γ of {len(self.rms_folds)} RMS norm(s) folded")
+        if self.scale_folds:
+            extra.append(f"{len(self.scale_folds)} layer scale(s) folded")
+        if self.mean_carries:
+            widths = "/".join(sorted({str(c.added) for c in self.mean_carries}))
+            extra.append(f"{len(self.mean_carries)} MLP(s) widened by {widths} neurons to cancel a Post-LN mean")
+        if self.rotations:
+            kinds = "/".join(sorted({r["kind"] for r in self.rotations}))
+            extra.append(f"{len(self.rotations)} stream(s) rotated ({kinds})")
+        if self.unties:
+            extra.append(f"{len(self.unties)} tie(s) broken (+{self.untied_parameters:,} params)")
+        return f"{len(self.sites)} LayerNorm(s): {counts or 'none'}" + (f"; {'; '.join(extra)}" if extra else "")
+
+    def table(self, width: int | None = TABLE_WIDTH, *, verbose: bool = False, fmt: str | None = None) -> str:
+        """Per-norm table, then the summary: what ``print(plan)`` and ``normswap inspect`` show.
+
+        One row per norm: name, verdict, whether it is converted, where its β and γ end up (``fold``:
+        into the readers; ``norm``: kept in the norm; ``-``: it has none, or the norm is not converted),
+        how many writers and readers its stream has; its reason, whole, wrapped below the row. The lot
+        fits ``width`` columns (``None``: no limit); a name too long for its column takes a line of its
+        own. ``verbose`` adds each norm's eps, shape, flavour, every writer and reader and where its β
+        went and why, the centering ops and the broken ties. ``fmt``: see :meth:`summary`."""
+        header = ("norm", "verdict", "convert", "β", "γ", "writers", "readers")
+        rows = [((s.name, s.verdict, "yes" if s.convert else "no", *_placement(s), str(len(s.writers)),
+                  str(len(s.readers))), s.reason) for s in self.sites]
+        rows += [((sk["name"], "skipped", "no", "-", "-", "-", "-"), sk["reason"]) for sk in self.skipped]
+        widths = [max([len(header[i])] + [len(cells[i]) for cells, _ in rows]) for i in range(len(header))]
+        gap = "  "
+        if width is not None:  # the name column takes what the others leave
+            widths[0] = max(16, min(widths[0], width - sum(widths[1:]) - len(gap) * (len(header) - 1)))
+
+        def row(cells: tuple[str, ...]) -> str:
+            return gap.join(c.ljust(w) for c, w in zip(cells, widths, strict=True)).rstrip()
+
+        def wrapped(text: str, indent: str = "", first: str = "") -> list[str]:
+            if width is None:
+                return [first + text]
+            return textwrap.wrap(text, width, initial_indent=first, subsequent_indent=indent,
+                                 break_long_words=False, break_on_hyphens=False) or [first]
+
+        total = sum(widths) + len(gap) * (len(header) - 1)
+        lines = [row(header), "-" * (total if width is None else min(total, width))]
+        for cells, reason in rows:
+            if len(cells[0]) > widths[0]:
+                lines += [cells[0], row(("", *cells[1:]))]
+            else:
+                lines.append(row(cells))
+            lines += wrapped(reason, "    ", "    ")
+        if verbose:
+            for s in self.sites:
+                lines += ["", *wrapped(f"{s.name} ({s.verdict}, eps={s.eps:g}, shape={s.normalized_shape}, "
+                                       f"{s.flavour})", "  ")]
+                lines += wrapped(f"writers: {', '.join(s.writers) or '-'}", "    ", "  ")
+                lines += wrapped(f"readers: {', '.join(s.readers) or '-'}", "    ", "  ")
+                if s.beta_detail:
+                    lines += wrapped(f"β: {s.beta_detail}", "    ", "  ")
+            for h in self.hooks:
+                where = h.where if h.arg is None else f"{h.where} {h.arg}"
+                lines += wrapped(f"centering op: {h.module} ({where}): {h.reason}", "  ")
+            for u in self.unties:
+                lines += wrapped(f"untie: {u.module}.{u.attr} from {u.source} (+{u.numel:,} params)", "  ")
+            lines.append("")
+        lines += wrapped(self.summary(fmt), "  ")
+        if self.changed_outputs:
+            lines += wrapped("changed by design (raw residual stream): " + ", ".join(self.changed_outputs), "  ")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+    def to_dict(self) -> dict[str, Any]:
+        """The manifest. Per-site stream details (``writer_targets``, ``linear_readers``) stay in memory:
+        they grow with depth, which the streaming path's plan extrapolation does not model."""
+        data = asdict(self)
+        data.pop("rms_sites")
+        data.pop("rotation_axes")
+        for site in data["sites"]:
+            for key in RUNTIME_SITE_FIELDS:
+                site.pop(key, None)
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Plan:
+        def blocks(b: Any) -> list[tuple[int, int]] | None:
+            return None if b is None else [tuple(x) for x in b]
+
+        return cls(
+            sites=[SitePlan(**s) for s in data.get("sites", [])],
+            skipped=list(data.get("skipped", [])),
+            writer_edits=[WriterEdit(**{**e, "blocks": blocks(e["blocks"])}) for e in data.get("writer_edits", [])],
+            folds=[FoldEdit(**f) for f in data.get("folds", [])],
+            hooks=[CenterHook(**h) for h in data.get("hooks", [])],
+            unties=[Untie(**u) for u in data.get("unties", [])],
+            scale_folds=[ScaleFold(**f) for f in data.get("scale_folds", [])],
+            rms_folds=[RmsFold(**f) for f in data.get("rms_folds", [])],
+            mean_carries=[MeanCarry(**c) for c in data.get("mean_carries", [])],
+            beta_moves=[BetaMove(**{**m, "runs": [tuple(r) for r in m["runs"]]}) for m in data.get("beta_moves", [])],
+            centered_readers=[CenteredReader(**r) for r in data.get("centered_readers", [])],
+            bias_slots=[BiasSlot(**b) for b in data.get("bias_slots", [])],
+            changed_outputs=list(data.get("changed_outputs", [])),
+            options=dict(data.get("options", {})),
+            rotations=[dict(r) for r in data.get("rotations", [])],
+        )
+
+
+# the attribute a converted model carries its plan under (read and written only through the two
+# functions below, so the storage can change without touching their callers)
+_ATTRIBUTE = "_normswap_plan"
+
+
+def plan_of(model: Any) -> Plan | None:
+    """The plan ``normswap.patch``/``normswap.load`` applied to ``model`` (None for an unconverted model)."""
+    return getattr(model, _ATTRIBUTE, None)
+
+
+def attach_plan(model: Any, plan: Plan) -> None:
+    """Record ``plan`` as the one applied to ``model`` (what :func:`plan_of` returns)."""
+    setattr(model, _ATTRIBUTE, plan)

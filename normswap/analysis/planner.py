@@ -1,0 +1,676 @@
+"""From dataflow facts to a :class:`~normswap.analysis.plan.Plan`: verdicts, edits and what the readers take.
+
+:mod:`normswap.analysis` answers questions about the traced graph (who writes a stream, can a
+writer be centered, where could a centering op sit, can the MLP carry a mean, who reads a norm).
+:func:`analyse` asks them for every norm and turns the answers into the plan: the verdict and its
+reason, the writer edits, unties and centering ops, and for each norm's readers what they can take:
+β and γ folds (β dropped at keys or moved through values where :mod:`normswap.analysis.attention` proves it),
+``fold_gamma`` on already-RMS norms, readers of approximate norms made blind to the leaked mean
+(:class:`~normswap.analysis.plan.CenteredReader`), and whether the stream can be rotated.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from normswap.analysis.attention import Route
+from normswap.analysis.linears import LinearView
+from normswap.analysis.plan import (
+    BetaMove,
+    BiasSlot,
+    CenteredReader,
+    CenterHook,
+    FoldEdit,
+    MeanCarry,
+    Plan,
+    RmsFold,
+    ScaleFold,
+    SitePlan,
+    Untie,
+    WriterEdit,
+    beta_text,
+)
+from normswap.analysis.streams import OUTPUT_AXIS, Analyzer, Reach, Term, mutated_parameters, writer_kind
+from normswap.analysis.trace import Graph
+from normswap.analysis.walker import NormSite, SkippedNorm
+from normswap.errors import NormswapError
+
+
+def _site_plan(site: NormSite) -> SitePlan:
+    return SitePlan(name=site.path, class_name=site.class_name, verdict="", reason="",
+                    normalized_shape=list(site.normalized_shape), param_shape=list(site.param_shape),
+                    eps=site.eps, flavour=site.flavour)
+
+
+def _rms_folds(an: Analyzer, rms_norms: list[SkippedNorm], site_reader_paths: set[str]) -> list[RmsFold]:
+    """``fold_gamma`` on already-RMS norms: γ moves into the Linear readers where every reader reads
+    this norm alone, on every call, and nothing else reads the norm's output."""
+    folds = []
+    for norm in rms_norms:
+        if norm.weight_attr is None or norm.bias_attr is not None:
+            continue
+        calls = an.calls_per_path.get(norm.path, [])
+        readers: dict[str, set[int]] = {}
+        ok = bool(calls)
+        for call in calls:
+            rcalls, other = an.readers(call)
+            if other or not rcalls:
+                ok = False
+                break
+            for rc in rcalls:
+                readers.setdefault(rc.path, set()).add(rc.id)
+        if not ok:
+            continue
+        if any(p in site_reader_paths or readers[p] != {c.id for c in an.calls_per_path[p]}
+               or an.sharing_problem(an.weight_param(p), p) is not None for p in readers):
+            continue
+        paths = sorted(readers)
+        folds.append(RmsFold(norm.path, f"{norm.path}.{norm.weight_attr}", norm.offset, paths,
+                             [writer_kind(an.modules[p]) for p in paths]))
+    taken: dict[str, int] = {}
+    for f in folds:  # a Linear reading two RMS norms takes neither
+        for p in f.readers:
+            taken[p] = taken.get(p, 0) + 1
+    return [f for f in folds if all(taken[p] == 1 for p in f.readers)]
+
+
+def analyse(model: nn.Module, graph: Graph, sites: list[NormSite], *, untie: bool = True,
+            fold_gamma: bool = False, per_norm_centering: bool = False,
+            rms_norms: list[SkippedNorm] | None = None, mean_carry: bool = True,
+            bias_slots: bool = False) -> Plan:
+    """Derive writers, readers, centering ops and a verdict for every NormSite.
+
+    Verdict policy for centering ops: one op where a stream *starts* (its value depends on no
+    LayerNorm output: an embedding LayerNorm, a conv stem, a regenerated table) keeps the norms
+    exact (``exact-with-centering``). A stream written by another norm's output (Post-LN) would
+    need a mean subtraction before every norm, which is LayerNorm by another name: such norms are
+    ``approximate`` unless ``per_norm_centering=True`` asks for those ops, and then their verdict
+    is ``exact-with-per-norm-centering``, counted apart.
+
+    ``mean_carry``: where a Post-LN stream is ``h + MLP(h)`` (BERT's FFN-output norms), widen the
+    MLP by a few neurons that cancel ``mean(h)`` (see :class:`normswap.analysis.plan.MeanCarry`), making
+    that norm exact instead of approximate.
+
+    ``bias_slots`` (with ``fold_gamma``): a bias-less Linear reader whose share of β has nowhere else to go
+    gets a bias (:class:`normswap.analysis.plan.BiasSlot`), so β leaves the norm instead of staying there as β/γ.
+    """
+    mutated = mutated_parameters(graph)
+    if mutated:
+        name, op = mutated[0]
+        raise NormswapError(
+            f"the model changes parameter `{name}` in place during its forward pass (`{op}`): normswap "
+            "edits each weight once, and the model would then rescale the edited weights again (RWKV "
+            "does this in eval mode unless config.rescale_every = 0)")
+    an = Analyzer(model, graph, sites, untie=untie, fold_gamma=fold_gamma)
+    an.bias_slots = bias_slots and fold_gamma
+    plan = Plan(options={"untie": untie, "fold_gamma": fold_gamma, "per_norm_centering": per_norm_centering,
+                         "mean_carry": mean_carry, "bias_slots": an.bias_slots})
+    edits: dict[str, WriterEdit] = {}
+    unties: dict[tuple[str, str], Untie] = {}
+    module_ok: dict[str, str | None] = {}
+    term_status: dict[int, tuple[bool, str]] = {}  # term value -> (centered by surgery, why not)
+    hooks: dict[int, tuple[CenterHook, Reach]] = {}  # hooked value -> (hook, its reach)
+    chained: dict[int, str] = {}  # term value -> module of the stream-start op it is computed after
+    site_terms: dict[int, list[Term]] = {}
+    carried_mlps: set[str] = set()
+    unhooked: dict[int, str] = {}  # stream-start norm output -> why its first centering point fails
+
+    # --- writers and their centering
+    for call in an.site_calls:
+        vid = an.site_input[call.id]
+        site_terms[call.id] = an.leaves(vid) if vid is not None else []
+        an.stream_writers |= {t.module_path for t in site_terms[call.id] if t.kind == "module"}
+    # the edits each centerable term needs: committed below, once the centering ops are known
+    term_edits: dict[int, tuple[list[WriterEdit], list[Untie]]] = {}
+    module_edits: dict[str, tuple[list[WriterEdit], list[Untie]]] = {}
+    for call in an.site_calls:
+        for term in site_terms[call.id]:
+            if term.value in term_status:
+                continue
+            if term.kind == "module":
+                if term.module_path not in module_ok:
+                    es, us, why = an.module_centering(term.module_path)
+                    module_ok[term.module_path] = why
+                    module_edits[term.module_path] = (es, us) if why is None else ([], [])
+                why = module_ok[term.module_path]
+                term_edits[term.value] = module_edits[term.module_path]
+                term_status[term.value] = (why is None, f"{term.label} {why}" if why else "")
+            elif term.kind == "param":
+                es, why = an.param_centering(term)
+                term_edits[term.value] = (es if why is None else [], [])
+                term_status[term.value] = (why is None, f"{term.label} {why}" if why else "")
+            else:
+                term_status[term.value] = (False, term.label)
+
+    # --- centering ops for terms that surgery cannot center
+    for call in an.site_calls:
+        for term in site_terms[call.id]:
+            ok, _ = term_status[term.value]
+            if ok or any(term.value in reach.mapped for _, reach in hooks.values()):
+                continue
+            # A stream written by a norm's output (Post-LN) is not a stream start, unless that norm is the
+            # first of the model (BLOOM's embedding LayerNorm: its input depends on no norm) or is itself
+            # exact by weight surgery alone and the only such term of every stream it joins (_starts_stream:
+            # a patch embedding's norm after a Linear or conv that reads another norm, in vit-pytorch and
+            # PVT), and itself needed no centering op (at most one op per stream, never a chain of them).
+            per_norm = term.kind == "norm" and (
+                (an.depends_on_norm(term.value) and not _starts_stream(an, term, site_terms, term_status))
+                or any(term.call in reach.site_rows for _, reach in hooks.values()))
+            if term.value in chained:  # seen from an earlier norm of the same stream
+                per_norm = True
+            elif not per_norm and an.depends_on_norm(term.value):
+                # a term computed from a norm's output that joins a stream a stream-start op already
+                # centers (RWKV's gated feed-forward, block after block) would need a second op on that
+                # stream: a chain, one op per block
+                term_reach = an.reach(term.value, -1)
+                reached = set(term_reach.site_rows)
+                start = None if any(v in term_reach.mapped for v in hooks) else next(  # not one placed further down
+                    (h for h, reach in hooks.values() if not h.per_norm and reached & set(reach.site_rows)), None)
+                if start is not None:
+                    chained[term.value] = start.module
+                    per_norm = True
+            if per_norm and not per_norm_centering:
+                continue
+            shared = sum(c.path == call.path for c in an.site_calls)
+            if per_norm and mean_carry and an.mean_carry(call, term, site_terms[call.id], module_ok,
+                                                         shared_calls=shared) is not None:
+                continue  # an MLP can cancel this mean: a real RMSNorm beats a centering op
+            # a stream-start op first; failing that (opt-in), one op at each norm's own input
+            tries = [False, True] if per_norm_centering and not per_norm else [per_norm]
+            for at_norms in tries:
+                found = False
+                for vid, hook in an.hook_candidates(term, at_norms=at_norms):
+                    reach = an.hook_valid(vid)
+                    if reach is None and term.kind == "norm" and not at_norms and not an.reach(vid, -1).blockers:
+                        # a stream start no op can center although only norms read it (a Swin merge):
+                        # say why; one that attention reads too is a Post-LN stream, and said so
+                        unhooked.setdefault(term.value, an.hook_problem(vid))
+                    if reach is not None:
+                        hook.reason = (f"stream written by {term.label}: one mean per token before this norm"
+                                       if at_norms else f"stream starts at {term.label}")
+                        unedited = term_status[term.value][1].removeprefix(term.label).strip()
+                        if unedited and not at_norms and term.kind in ("module", "param"):
+                            hook.reason += f", which no weight edit can center ({unedited})"
+                        hook.per_norm = at_norms
+                        hooks[vid] = (hook, reach)
+                        found = True
+                        break
+                if found:
+                    break
+
+    # --- writer edits, less those a stream-start centering op makes redundant
+    _commit_writer_edits(an, site_terms, term_status, term_edits, hooks, edits, unties)
+
+    # --- readers of every norm (a Linear may read several norms: then nothing folds into it)
+    site_readers: dict[str, tuple[set[str], list[str]]] = {}
+    reader_sources: dict[str, set[str]] = {}
+    reader_calls: dict[str, set[int]] = {}
+    for call in an.site_calls:
+        rcalls, other = an.readers(call)
+        paths, others = site_readers.setdefault(call.path, (set(), []))
+        others += other
+        for rc in rcalls:
+            paths.add(rc.path)
+            reader_sources.setdefault(rc.path, set()).add(call.path)
+            reader_calls.setdefault(rc.path, set()).add(rc.id)
+
+    # --- verdicts and folds
+    for path, site in an.sites.items():
+        calls = [c for c in an.site_calls if c.path == path]
+        sp = _site_plan(site)
+        writers, problems, centered_by = [], [], []
+        targets: set[str] = set()
+        if not calls:
+            sp.verdict, sp.reason = "skipped", "not called by the example inputs (kept as LayerNorm)"
+            plan.sites.append(sp)
+            continue
+        problem_calls: dict[int, list[Term]] = {}
+        for call in calls:
+            for term in site_terms[call.id]:
+                writers.append(term.module_path or term.label)
+                ok, why = term_status[term.value]
+                if ok:
+                    targets |= _term_targets(an, term, edits)
+                    continue
+                downstream = an.reach(term.value, -1).mapped
+                hook = next((h for v, (h, reach) in hooks.items()
+                             if call.id in reach.site_rows and v in downstream), None)
+                if hook is not None and not an.behind(term.value, set(hooks), {an.site_input[call.id]}):
+                    hook = None  # the term also reaches this norm past every op (added twice to the stream)
+                if hook is not None:
+                    centered_by.append(hook)
+                    continue
+                problems.append(term)
+                problem_calls.setdefault(call.id, []).append(term)
+        sp.writers = sorted(set(writers))
+        carries = []
+        if problems and mean_carry and all(t.kind == "norm" for t in problems):
+            carries = _site_carries(an, calls, problem_calls, site_terms, module_ok)
+            if any(c.up in carried_mlps for c in carries):
+                carries = []
+        if carries:
+            for c in carries:
+                carried_mlps.add(c.up)
+                plan.mean_carries.append(c)
+            c = carries[0]
+            sp.verdict = "exact"
+            sp.reason = (f"stream written by `{c.source}` output (Post-LN), whose mean is cancelled by "
+                         f"{c.added} neuron(s) added to `{c.up}` -> `{c.down}` ({c.activation})")
+        elif problems:
+            term = problems[0]
+            sp.verdict = "approximate"
+            per_norm = term.kind == "norm"
+            if term.kind == "norm" and term.value in unhooked:  # a stream start, but no op can center it
+                sp.reason = (f"stream starts at {term.label}; no centering point feeds only norms: the stream "
+                             f"{unhooked[term.value]}")
+            elif term.kind == "norm":
+                sp.reason = f"stream written by {term.label} (Post-LN)"
+            elif term.value in chained:
+                per_norm = True
+                sp.reason = (f"stream written by {term_status[term.value][1]}, computed after the centering op at "
+                             f"`{chained[term.value]}` (a second op on one stream)")
+            else:
+                why = term_status[term.value][1]
+                sp.reason = f"stream written by {why}"
+                if not per_norm:
+                    sp.reason += "; no centering point feeds only norms"
+            if per_norm and not per_norm_centering:
+                sp.reason += ("; a centering op before this norm would make it exact (per_norm_centering=True): "
+                              "LayerNorm by another name")
+        elif centered_by:
+            h = next((h for h in centered_by if h.per_norm), centered_by[0])
+            sp.verdict = "exact-with-per-norm-centering" if h.per_norm else "exact-with-centering"
+            sp.reason = f"centering op at `{h.module}` {h.where}: {h.reason}"
+        else:
+            sp.verdict = "exact"
+            sp.reason = f"stream written by {len(set(writers))} centered writer(s)"
+
+        foldable, other = site_readers.get(path, (set(), []))
+        sp.readers = sorted(foldable) + sorted(set(other))
+        sp.writer_targets = sorted(targets)
+        sp.linear_readers = sorted(foldable)
+        if sp.verdict != "approximate":
+            _plan_folds(an, site, sp, sorted(foldable), other, plan, unties, reader_sources, reader_calls)
+        else:
+            plan.centered_readers += _centered_readers(an, site, sorted(foldable), unties, reader_sources,
+                                                       reader_calls)
+        if centered_by:
+            sp.rotation_ops, sp.rotation_upstream = _rotation_ops(an, calls, site_terms, term_status, hooks, edits)
+        sp.rotation_reason = _rotation_blocker(an, site, sp, centered_by, sorted(set(other)))
+        if carries and not sp.rotation_reason:
+            sp.rotation_reason = "its stream carries a Post-LN norm output (mean cancelled in the MLP)"
+        sp.rotation_ready = not sp.rotation_reason
+        plan.sites.append(sp)
+
+    plan.writer_edits = sorted(edits.values(), key=lambda e: e.target)
+    if fold_gamma and rms_norms:
+        plan.rms_folds = _rms_folds(an, rms_norms, set(reader_sources))
+    if rms_norms:
+        plan.rms_sites, plan.rotation_axes = _rms_streams(an, rms_norms, plan.rms_folds)
+    centered_owners = {e.owner for e in edits.values()}
+    plan.scale_folds = sorted({ScaleFold(param, path, writer_kind(an.modules[path]))
+                               for param, path, _ in an.layer_scales.values() if path in centered_owners},
+                              key=lambda f: f.param)
+    plan.unties = list(unties.values())
+    plan.hooks = [h for h, _ in hooks.values()]
+    changed = {o for _, r in hooks.values() for o in r.outputs}
+    for e in edits.values():
+        if e.kind != "param":
+            for c in an.calls_per_path.get(e.owner, []):
+                changed |= set(an.reach(c.outputs[0], OUTPUT_AXIS[e.kind]).outputs)
+    plan.changed_outputs = sorted(changed | an.cache_outputs)
+    return plan
+
+
+def _commit_writer_edits(an: Analyzer, site_terms: dict[int, list[Term]], term_status: dict[int, tuple[bool, str]],
+                         term_edits: dict[int, tuple[list[WriterEdit], list[Untie]]],
+                         hooks: dict[int, tuple[CenterHook, Reach]], edits: dict[str, WriterEdit],
+                         unties: dict[tuple[str, str], Untie]) -> None:
+    """Record the writer edits (and the unties they need) of every term centered by surgery, except
+    for a writer the plan's centering ops already center.
+
+    **Rule: a writer behind a centering op stays as it is.** When every path from a writer's output to
+    the norms passes through a stream-start centering op (one the plan inserts anyway, for a term no
+    weight edit can center), that op makes the sum zero-mean whatever the writer adds, so centering
+    the writer too changes nothing in float64: the writer keeps its original weights, one edit fewer
+    (Whisper's encoder position table, added right after the conv+GELU stem; in bf16 this measured
+    neutral to slightly worse on real Whisper, docs/results/field.md). A writer (a module: every call
+    of it) that reaches some norm past every op keeps its edit. Per-norm ops (``per_norm_centering``) do
+    not count: they are opt-in, and their plans stay as they were. Such a term is then centered by
+    the op: ``term_status`` says so, and the verdict loop finds the op as for the term that needed it.
+    """
+    stops = {vid for vid, (hook, _) in hooks.items() if not hook.per_norm}
+    behind = {v for v, (ok, _) in term_status.items() if ok and stops and an.behind(v, stops)}
+    by_module: dict[str, set[int]] = {}
+    for terms in site_terms.values():
+        for term in terms:
+            if term.kind == "module" and term.module_path is not None:
+                by_module.setdefault(term.module_path, set()).add(term.value)
+    for values in by_module.values():
+        if not values <= behind:  # a call of this writer reaches a norm directly: every call keeps its edit
+            behind -= values
+    for terms in site_terms.values():
+        for term in terms:
+            ok, _ = term_status[term.value]
+            if term.value in behind:
+                term_status[term.value] = (False, f"{term.label} (left uncentered: a centering op centers "
+                                                  "every stream it reaches)")
+                continue
+            if not ok:
+                continue
+            es, us = term_edits[term.value]
+            for e in es:
+                edits.setdefault(e.target, e)
+            for u in us:
+                unties.setdefault((u.module, u.attr), u)
+
+
+def _starts_stream(an: Analyzer, term: Term, site_terms: dict[int, list[Term]],
+                   term_status: dict[int, tuple[bool, str]]) -> bool:
+    """Does the norm output ``term`` start a stream, although the norm's input is computed from another norm?
+
+    vit-pytorch's patch embedding (``LayerNorm, Linear, LayerNorm``) and PVT's per-stage patch embedding
+    (a conv reading the last stage's norm, then a norm) end in a norm whose output starts the stream the
+    blocks read. One centering op there keeps every norm of that stream exact, as after BLOOM's embedding
+    norm, when both hold:
+
+    - that norm is exact by weight surgery alone (every writer of its input centered): it becomes an
+      RMSNorm, and the op replaces its mean, one for one. A Post-LN norm never is: its input holds the
+      previous norm's output, which no weight edit centers;
+    - it is the only term that surgery cannot center in every norm input it reaches: one op per stream,
+      at its start. Swin-V2's post-norms (``x + norm(attn(x))``, each exact by surgery) all write the
+      stream the final norm reads: that would take one op per block, or one before that norm (Post-LN).
+    """
+    terms = site_terms.get(term.call) if term.kind == "norm" and term.call is not None else None
+    if not terms or not all(term_status[t.value][0] for t in terms):
+        return False
+    reached = an.reach(term.value, -1).site_rows
+    return bool(reached) and all(t.value == term.value or term_status[t.value][0]
+                                 for call_id in reached for t in site_terms.get(call_id, []))
+
+
+def _site_carries(an: Analyzer, calls: list, problem_calls: dict[int, list[Term]], site_terms: dict,
+                  module_ok: dict[str, str | None]) -> list[MeanCarry]:
+    """The mean carries that make every call of a site exact, or [] when some call has none.
+
+    A layer shared across depth (ALBERT) calls its norm and its MLP once per depth: the same widened
+    MLP then cancels, at each call, the mean of what that call reads, so the carry must be found for
+    every call, and every call must agree on which MLP it is."""
+    if any(not problem_calls.get(call.id) for call in calls):
+        return []  # the widened MLP runs at every call: each call must be one the carry was checked on
+    found: dict[tuple[str, str], MeanCarry] = {}
+    for call in calls:
+        for term in problem_calls.get(call.id, []):
+            c = an.mean_carry(call, term, site_terms[call.id], module_ok, shared_calls=len(calls))
+            if c is None:
+                return []
+            found.setdefault((c.up, c.down), c)
+    if len(found) != len(problem_calls.get(calls[0].id, [])):
+        return []  # the calls disagree on which MLP carries which mean
+    return list(found.values())
+
+
+def _term_targets(an: Analyzer, term: Term, edits: dict[str, WriterEdit]) -> set[str]:
+    """The writer-edit targets (parameter names) that center one stream term."""
+    if term.kind == "param":
+        return {an.graph.values[term.value].name}
+    return {e.target for e in edits.values() if e.owner == term.module_path}
+
+
+def _rotation_ops(an: Analyzer, calls: list, site_terms: dict[int, list[Term]], term_status: dict,
+                  hooks: dict[int, tuple[CenterHook, Reach]], edits: dict[str, WriterEdit]
+                  ) -> tuple[list[dict], list[str]]:
+    """Where a stream centered at run time takes its rotation, and which writers it then must not turn.
+
+    A stream-start centering op sits on a value no weight can turn (a norm's output, a regenerated
+    table, a nonlinear stem): rotating that stream needs one op there, ``x → x Q``, right after the
+    centering (with ``Q·1 = ±1`` they commute). Writers upstream of that op (summed into the value it
+    turns) are turned by it, not by their weights. Returns ``([{module, where, arg}], upstream targets)``.
+    """
+    ops, upstream = {}, set()
+    for call in calls:
+        mine = [v for v, (h, reach) in hooks.items() if call.id in reach.site_rows and not h.per_norm]
+        # an op whose value flows into another op's value is turned by that one: only the last ones stay
+        # (wav2vec2: the positional conv's output, then the sum it joins, are both centered)
+        last = [v for v in mine if not any(w != v and w in an.reach(v, -1).mapped for w in mine)]
+        for v in last:
+            h = hooks[v][0]
+            ops[(h.module, h.where, h.arg)] = {"module": h.module, "where": h.where, "arg": h.arg}
+            for term in site_terms[call.id]:
+                if term_status[term.value][0] and v in an.reach(term.value, -1).mapped:
+                    upstream |= _term_targets(an, term, edits)
+    return list(ops.values()), sorted(upstream)
+
+
+def _rotation_blocker(an: Analyzer, site: NormSite, sp: SitePlan, centered_by: list[CenterHook],
+                      other: list[str]) -> str:
+    """Why the stream this norm reads cannot be rotated by an orthogonal Q ('' when it can).
+
+    Rotation needs an RMSNorm with unit weight and no bias (``rms(xQ) = rms(x)``), writers whose
+    output features can absorb Q (Linear, Conv1D, Embedding, conv, raw parameters), and readers
+    that are Linear layers seeing the norm's features unpermuted (they absorb Qᵀ).
+    """
+    sp.rotation_outputs = _output_names(other)
+    if sp.verdict == "approximate":
+        return "approximate norm (the stream is not zero-mean)"
+    if sp.verdict == "skipped":
+        return "not converted"
+    if any(h.per_norm for h in centered_by):
+        h = next(h for h in centered_by if h.per_norm)
+        return f"centering op before each norm (`{h.module}`; per_norm_centering): one rotation op per norm"
+    if centered_by and not sp.rotation_ops:
+        return f"centering op at `{centered_by[0].module}` that no rotation op can follow"
+    if len(site.normalized_shape) != 1 or list(site.param_shape) != list(site.normalized_shape):
+        return "normalises over more than one axis or per-head parameters (not a residual-stream norm)"
+    why = _reader_blocker(other, sp.linear_readers)
+    if why:
+        return why
+    if site.weight_attr is not None and not sp.fold_gamma:
+        if not an.fold_gamma:
+            return "γ stays in the RMSNorm (pass fold_gamma=True)"
+        if site.bias_attr is not None and not sp.fold_beta:
+            return "γ stays in the RMSNorm: β cannot fold (a reader has no bias slot) and some γ is near 0"
+        return "γ cannot fold into the readers (a reader also reads another stream or is shared)"
+    return ""
+
+
+# the parameters of a writer that carry its output features, and the axis they sit on (rotation)
+_ROTATED_PARAMS = {"linear": (("weight", 0), ("bias", 0)), "conv1d": (("weight", 1), ("bias", 0)),
+                   "embedding": (("weight", 1),)}
+
+
+def _rms_streams(an: Analyzer, rms_norms: list[SkippedNorm], folds: list[RmsFold]
+                 ) -> tuple[list[SitePlan], dict[str, int]]:
+    """Rotation facts for norms that were RMS from the start (Llama, Mistral, Gemma, T5): one
+    :class:`SitePlan` each (verdict ``"rms"``, never converted, not in the plan's tables) with the
+    stream's writers, Linear readers and readiness, so that :func:`normswap.rotate` turns their
+    streams like converted ones. Their writers need no centering: ``rms(xQ) = rms(x) Q`` holds for
+    any stream. Returns the sites and ``{writer parameter: output-feature axis}``."""
+    folded = {f.norm: f for f in folds}
+    axes: dict[str, int] = {}
+    out = []
+    for norm in rms_norms:
+        if norm.weight_attr is None:  # a gated norm, a GroupNorm, ... (RMS ones name their γ)
+            continue
+        calls = an.calls_per_path.get(norm.path, [])
+        module = an.modules.get(norm.path)
+        width = int(getattr(module, "weight", None).shape[-1]) if getattr(module, "weight", None) is not None \
+            else None
+        if not calls or width is None:
+            continue
+        sp = SitePlan(name=norm.path, class_name=norm.class_name, verdict="rms", reason=norm.reason,
+                      normalized_shape=[width], param_shape=[width], eps=float(getattr(module, "eps", 0.0) or 0.0),
+                      flavour="rms")
+        why, targets, readers, other = "", set(), set(), []
+        for call in calls:
+            vid = call.first_input()
+            for term in an.leaves(vid) if vid is not None else []:
+                if term.kind == "module":
+                    kind = writer_kind(an.modules[term.module_path])
+                    writer = an.modules[term.module_path]
+                    params = _ROTATED_PARAMS.get(kind or "")
+                    if params is None or writer.weight.shape[params[0][1]] != width:
+                        why = why or f"stream written by {term.label}, whose output features cannot absorb Q"
+                        continue
+                    for attr, axis in params:
+                        if writer._parameters.get(attr) is not None:
+                            axes[f"{term.module_path}.{attr}"] = axis
+                            targets.add(f"{term.module_path}.{attr}")
+                elif term.kind == "param" and an.graph.values[term.value].shape[-1:] == (width,):
+                    name = an.graph.values[term.value].name
+                    axes[name] = len(an.graph.values[term.value].shape) - 1
+                    targets.add(name)
+                else:
+                    why = why or f"stream written by {term.label} (not a weight that can absorb Q)"
+            rcalls, others = an.readers(call)
+            readers |= {rc.path for rc in rcalls}
+            other += others
+        sp.writers = sorted(targets)
+        sp.writer_targets = sorted(targets)
+        sp.linear_readers = sorted(readers)
+        sp.readers = sorted(readers) + sorted(set(other))
+        fold = folded.get(norm.path)
+        if why:
+            sp.rotation_reason = why
+        elif norm.bias_attr is not None:
+            sp.rotation_reason = "the RMS norm has a bias"
+        else:
+            sp.rotation_reason = _reader_blocker(sorted(set(other)), sp.linear_readers)
+            if not sp.rotation_reason and fold is None:
+                sp.rotation_reason = (
+                    "γ stays in the RMS norm (pass fold_gamma=True)" if not an.fold_gamma else
+                    "γ cannot fold into the readers (a reader also reads another stream or is shared)")
+        sp.rotation_outputs = _output_names(sorted(set(other)))
+        sp.rotation_ready = not sp.rotation_reason
+        out.append(sp)
+    return out, axes
+
+
+def _output_names(other: list[str]) -> list[str]:
+    """The model outputs among a norm's non-Linear readers (``model output `name```)."""
+    return [o.split("`")[1] for o in other if o.startswith("model output `")]
+
+
+def _reader_blocker(other: list[str], linear_readers: list[str]) -> str:
+    """Why a norm's readers cannot absorb Qᵀ ('' when they can). A model output alone is a blocker that
+    :func:`normswap.rotate`'s ``output=`` lifts (the output comes out rotated, or is turned back)."""
+    plain = [o for o in other if not o.startswith("model output `")]
+    if plain:
+        return f"output also read by {plain[0]} (not a Linear that can absorb Qᵀ)"
+    if other:
+        names = ", ".join(f"`{n}`" for n in _output_names(other))
+        return (f"its output is the model output {names} (rotate(..., output='rotated' | 'restore') "
+                "rotates it: rotated output, or one un-rotation after this norm)")
+    if not linear_readers:
+        return "no Linear reader"
+    return ""
+
+
+def _well_conditioned(gamma: torch.Tensor | None) -> bool:
+    """Can β/γ be kept in the norm without blowing up? (every |γ| ≥ 1e-3 · max |γ|)."""
+    if gamma is None or gamma.numel() == 0:
+        return False
+    mag = gamma.abs()
+    return bool(mag.max() > 0) and bool(mag.min() >= 1e-3 * mag.max())
+
+
+def _plan_folds(an: Analyzer, site: NormSite, sp: SitePlan, foldable: list[str], other: list[str],
+                plan: Plan, unties: dict, reader_sources: dict[str, set[str]],
+                reader_calls: dict[str, set[int]]) -> None:
+    """β (and with fold_gamma, γ) leave the norm when every reader can take them; ``sp.beta_detail`` says
+    where β went, reader by reader, or why it stays in the RMSNorm.
+
+    A reader with a bias slot takes its share ``W β`` there; one without may still let it go exactly
+    (a key projection drops it, a value projection moves it through attention into the output
+    projection's bias: :mod:`normswap.analysis.attention`). β stays in the norm, for every reader, as soon as
+    one reader still needs it.
+    """
+    has_beta = site.bias_attr is not None
+    kept = _fold_blocker(an, site, foldable, other, unties, reader_sources, reader_calls)
+    if kept:
+        sp.beta_detail = f"kept in the RMSNorm: {kept}" if has_beta else ""
+        return
+    routes: dict[str, Route] = {}
+    if an.fold_beta and has_beta:
+        for p in foldable:
+            routes[p] = Route("bias", "") if an.modules[p].bias is not None else an.attention.route(p)
+            if routes[p].how == "kept" and an.bias_slots and isinstance(an.modules[p], nn.Linear):
+                routes[p] = Route("slot", "")  # a bias slot of its own (BiasSlot) takes W β
+    stuck = [p for p, r in routes.items() if r.how == "kept"]
+    fold_beta = bool(routes) and not stuck
+    if has_beta:
+        sp.beta_detail = _beta_detail(routes, stuck) if an.fold_beta else "kept in the RMSNorm (fold_beta=False)"
+    # γ leaves the norm together with β, or, where β cannot fold (a reader has no bias slot), with
+    # the norm keeping β/γ: γ⊙u + β = γ⊙(u + β/γ). Only where no γ is near zero relative to the rest.
+    fold_gamma = an.fold_gamma and site.weight_attr is not None and (
+        fold_beta or not has_beta or _well_conditioned(site.gamma(an.modules[site.path])))
+    if fold_beta or fold_gamma:
+        sp.fold_beta, sp.fold_gamma = fold_beta, fold_gamma
+        for p in foldable:
+            route = routes[p].how if fold_beta else ""
+            plan.folds.append(FoldEdit(site.path, p, writer_kind(an.modules[p]), route in ("bias", "slot"),
+                                       fold_gamma, route))
+            if route == "slot":
+                plan.bias_slots.append(BiasSlot(site.path, p, int(an.modules[p].out_features)))
+            if route == "moved":
+                r = routes[p]
+                plan.beta_moves.append(BetaMove(site.path, p, writer_kind(an.modules[p]), r.into, r.kind, r.runs))
+    if fold_beta:
+        an.cache_outputs |= {o for r in routes.values() for o in r.outputs}
+
+
+def _centered_readers(an: Analyzer, site: NormSite, foldable: list[str], unties: dict,
+                      reader_sources: dict[str, set[str]], reader_calls: dict[str, set[int]]) -> list[CenteredReader]:
+    """The Linear readers of an approximate norm that can be made blind to the mean its RMSNorm leaks
+    (:class:`~normswap.analysis.plan.CenteredReader`): each reads only this norm's whole, unpermuted output on
+    every call, owns its weight, and has a bias slot for the β correction (unless the norm has no β).
+    γ must be well conditioned (the edit divides by it)."""
+    if len(site.normalized_shape) != 1 or (site.weight_attr is not None
+                                           and list(site.param_shape) != list(site.normalized_shape)):
+        return []
+    module = an.modules[site.path]
+    if site.weight_attr is not None and not _well_conditioned(site.gamma(module)):
+        return []
+    out = []
+    for path in foldable:
+        reader = an.modules[path]
+        every_call = {c.id for c in an.calls_per_path.get(path, [])}
+        if reader_sources[path] != {site.path} or reader_calls[path] != every_call:
+            continue
+        weight = an.weight_param(path)
+        owner = an.modules.get(reader.spec.owner) if isinstance(reader, LinearView) else reader
+        shared = [o for o, _ in an.param_owners.get(id(weight), []) if an.modules.get(o) is not owner]
+        if (shared or an.sharing_problem(weight, path) is not None) and (path, "weight") not in unties:
+            continue  # the edit would change the other owner (a tied embedding) too
+        if site.bias_attr is not None and reader.bias is None:
+            continue
+        out.append(CenteredReader(site.path, path, writer_kind(reader)))
+    return out
+
+
+def _fold_blocker(an: Analyzer, site: NormSite, foldable: list[str], other: list[str], unties: dict,
+                  reader_sources: dict[str, set[str]], reader_calls: dict[str, set[int]]) -> str:
+    """Why nothing folds out of this norm at all ('' when its readers allow folding)."""
+    if other:
+        return f"output also read by {other[0]} (not a Linear)"
+    if not foldable:
+        return "no Linear reader"
+    if len(site.normalized_shape) != 1 or site.param_shape != site.normalized_shape:
+        return "normalises over more than one axis or has per-head parameters"
+    for path in foldable:
+        every_call = {c.id for c in an.calls_per_path.get(path, [])}
+        if reader_sources[path] != {site.path} or reader_calls[path] != every_call:
+            return f"`{path}` also reads something else"  # folding would change that call
+        if an.sharing_problem(an.weight_param(path), path) is not None and (path, "weight") not in unties:
+            return f"`{path}` shares its weight"
+    return ""
+
+
+def _beta_detail(routes: dict[str, Route], stuck: list[str]) -> str:
+    """Human text: where each reader's share of β went, or the first reader that keeps β in the norm."""
+    if stuck:
+        p = stuck[0]
+        more = f" ({len(stuck) - 1} more reader(s) without a bias slot keep it too)" if len(stuck) > 1 else ""
+        return f"kept in the RMSNorm: `{p}` has no bias slot and {routes[p].why}{more}"
+    return beta_text([(p, r.how) for p, r in routes.items()], {p: r.into for p, r in routes.items() if r.into})

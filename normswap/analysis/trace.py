@@ -1,0 +1,442 @@
+"""Record one eager forward pass as a dataflow graph of torch-level ops and module calls.
+
+Why not ``torch.export``: it fails on data-dependent Python in custom models, is slow on large
+ones, and decomposes modules we need to see whole. Recording every torch function call under a
+``TorchFunctionMode`` works on any model that runs eagerly, and per-module forward hooks give the
+module boundaries (who produced a tensor, who consumed it) that the analysis needs.
+
+The graph is in SSA form: every tensor an op returns becomes a new :class:`Value`, in-place ops
+included (``x += y`` yields a new value bound to the same tensor object), so "who wrote what"
+stays unambiguous. All recorded tensors are kept alive for the graph's lifetime, so Python object
+ids cannot be reused while tracing. A value's ``tensor`` is the live object, so an in-place op
+after it changes what it holds; the inputs and outputs of the modules the walker identifies from
+their data (``snapshot``) are copied when they return and, where the model changed them in place
+later (``x = patch_embedding(img); x += pos``), the value holds that copy.
+
+An argument an op reads for its dtype, device or shape only (``attn_weights.type_as(attn)``,
+``x.new_zeros(...)``, ``torch.zeros_like(x)``) is kept in the op's ``args`` but is not one of its
+``inputs``, and the op is not among that value's ``consumers``: it reads no value.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Callable, Collection, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree as pytree
+
+from normswap.analysis.linears import FunctionalLinear, LinearView, linear_module_kind
+from normswap.analysis.precision import HoldCasts
+from normswap.surgery.verify import flatten_outputs
+
+
+@dataclass
+class Value:
+    """One version of one tensor."""
+
+    id: int
+    shape: tuple[int, ...]
+    tensor: torch.Tensor
+    producer: int | None = None  # index into Graph.ops
+    source: str = "op"  # op | param | buffer | input | external
+    name: str | None = None  # parameter / buffer / input name
+    consumers: list[int] = field(default_factory=list)  # op indices
+
+
+@dataclass(frozen=True)
+class ValueRef:
+    """Placeholder for a Value inside a recorded op's args."""
+
+    id: int
+
+
+@dataclass
+class Op:
+    index: int
+    name: str
+    func: Callable[..., Any]
+    args: tuple[Any, ...]  # pytree with ValueRef leaves for tensors
+    kwargs: dict[str, Any]
+    inputs: list[int]  # Value ids, flattened order
+    outputs: list[int]  # Value ids, flattened order of the result
+    out_spec: Any  # pytree spec of the result (to rebuild it when replaying)
+    call: int | None  # innermost ModuleCall id active when the op ran
+
+
+@dataclass
+class ModuleCall:
+    id: int
+    path: str
+    module: nn.Module
+    parent: int | None
+    args: list[int | None]  # Value id per positional arg (None: not a tensor)
+    kwargs: dict[str, int]  # Value id per tensor kwarg
+    outputs: list[int] = field(default_factory=list)
+    start_op: int = 0
+    end_op: int = 0
+    # a Linear the model's code applied to parameters itself (``module`` is a LinearView, ``path`` its
+    # name): one op, no module call, so no hook can sit on it
+    functional: bool = False
+
+    def first_input(self) -> int | None:
+        """Value id of the first tensor argument (positional first, then keyword): a norm's input."""
+        for vid in self.args:
+            if vid is not None:
+                return vid
+        return next(iter(self.kwargs.values()), None)
+
+
+@dataclass
+class Graph:
+    values: dict[int, Value] = field(default_factory=dict)
+    ops: list[Op] = field(default_factory=list)
+    calls: list[ModuleCall] = field(default_factory=list)
+    outputs: list[tuple[str, int]] = field(default_factory=list)  # (output path, Value id)
+    output_object: Any = None
+    held_casts: dict[str, int] = field(default_factory=dict)  # downcasts held at the working dtype, by op name
+
+    def calls_of(self, path: str) -> list[ModuleCall]:
+        return [c for c in self.calls if c.path == path]
+
+    def producer(self, value: Value) -> Op | None:
+        return None if value.producer is None else self.ops[value.producer]
+
+    def call_by_output(self) -> dict[int, list[ModuleCall]]:
+        """Value id -> module calls that returned it (outermost last)."""
+        index: dict[int, list[ModuleCall]] = {}
+        for call in self.calls:
+            for vid in call.outputs:
+                index.setdefault(vid, []).append(call)
+        return index
+
+    def call_by_input(self) -> dict[int, list[tuple[ModuleCall, int | str]]]:
+        """Value id -> (module call, positional index or kwarg name) that received it."""
+        index: dict[int, list[tuple[ModuleCall, int | str]]] = {}
+        for call in self.calls:
+            for i, vid in enumerate(call.args):
+                if vid is not None:
+                    index.setdefault(vid, []).append((call, i))
+            for key, vid in call.kwargs.items():
+                index.setdefault(vid, []).append((call, key))
+        return index
+
+    def ancestors_calls(self, call_id: int | None) -> Iterator[ModuleCall]:
+        while call_id is not None:
+            call = self.calls[call_id]
+            yield call
+            call_id = call.parent
+
+
+_INPLACE_NO_RETURN = {"__setitem__"}
+# Casts and moves that return their very input when there is nothing to do (``x.to(x.dtype)``,
+# ``.float()`` of a float32 tensor, every cast held by normswap.analysis.precision). Not recorded then: a new
+# value for the same object would look like an in-place write, and the model's later reads of ``x``
+# would seem to come out of the cast (out of a norm, for Whisper's ``super().forward(x.float())``).
+_NOOP_WHEN_SAME = {"to", "type", "type_as", "float", "double", "half", "bfloat16", "contiguous", "cpu", "cuda"}
+# Arguments an op reads for their dtype, device or shape only (positions, keyword names): not data inputs.
+METADATA_ARGS: dict[str, tuple[int | str, ...]] = {
+    "type_as": (1, "other"), "to": (1, "other"),  # x.to(other): other's dtype and device
+    "expand_as": (1, "other"), "view_as": (1, "other"), "reshape_as": (1, "other"),
+    **{f"new_{k}": (0,) for k in ("zeros", "ones", "empty", "full", "tensor", "empty_strided")},
+    **{f"{k}_like": (0, "input") for k in ("zeros", "ones", "empty", "full", "rand", "randn", "randint")},
+}
+
+# Python-level torch functions recorded as the ops they run rather than as one opaque op: inside
+# ``multi_head_attention_forward`` are the q/k/v and output projections (``F.linear`` on
+# ``in_proj_weight`` and ``out_proj.weight``), writers and readers of the streams around attention.
+OPENED = (F.multi_head_attention_forward,)
+# ops that apply a weight matrix to the last axis of their data argument: (data arg, weight arg,
+# bias arg or None, weight stored as x @ W takes it (``[in, out]``) rather than as nn.Linear does)
+LINEAR_OPS = {"linear": (0, 1, 2, False), "matmul": (0, 1, None, True), "__matmul__": (0, 1, None, True),
+              "mm": (0, 1, None, True), "addmm": (1, 2, 0, True)}
+
+
+class _Recorder(TorchFunctionMode):
+    def __init__(self, graph: Graph, params: dict[int, str], buffers: dict[int, str],
+                 modules: dict[str, nn.Module] | None = None) -> None:
+        super().__init__()
+        self.graph = graph
+        self.params = params
+        self.buffers = buffers
+        self.binding: dict[int, int] = {}  # id(tensor object) -> current Value id
+        self.keep: list[torch.Tensor] = []
+        self.call_stack: list[int] = []
+        self.modules = modules or {}
+        self.by_storage: dict[int, list[nn.Parameter]] = {}  # parameters by the address of their storage
+        self.named: dict[int, nn.Parameter] = {}
+        for module in self.modules.values():
+            for p in module._parameters.values():
+                if p is not None and id(p) in params and id(p) not in self.named:
+                    self.named[id(p)] = p
+                    if p.numel():
+                        self.by_storage.setdefault(p.untyped_storage().data_ptr(), []).append(p)
+        self.above: TorchFunctionMode | None = None  # a mode that runs above this one (record's ``hold``)
+        self.snapshot_paths: set[str] = set()
+        self.direct_ln: set[int] = set()  # calls inside which `layer_norm` itself ran
+        self.snapshots: dict[int, tuple[int, torch.Tensor]] = {}  # Value id -> (version, copy)
+
+    # -- values ---------------------------------------------------------------------------------
+    def _new_value(self, t: torch.Tensor, producer: int | None, source: str, name: str | None = None) -> int:
+        vid = len(self.graph.values)
+        self.graph.values[vid] = Value(vid, tuple(t.shape), t, producer, source, name)
+        self.binding[id(t)] = vid
+        self.keep.append(t)
+        return vid
+
+    def value_of(self, t: torch.Tensor) -> int:
+        vid = self.binding.get(id(t))
+        if vid is not None:
+            return vid
+        if id(t) in self.params:
+            return self._new_value(t, None, "param", self.params[id(t)])
+        if id(t) in self.buffers:
+            return self._new_value(t, None, "buffer", self.buffers[id(t)])
+        return self._new_value(t, None, "external")
+
+    # -- ops ------------------------------------------------------------------------------------
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        kwargs = kwargs or {}
+        if func in OPENED:
+            return self._run_opened(func, args, kwargs)
+        result = func(*args, **kwargs)
+        name = getattr(func, "__name__", str(func))
+        if name in _NOOP_WHEN_SAME and args and result is args[0]:
+            return result  # nothing happened to the value
+        out_leaves, out_spec = pytree.tree_flatten(result)
+        out_tensors = [t for t in out_leaves if isinstance(t, torch.Tensor)]
+        if name in _INPLACE_NO_RETURN and args and isinstance(args[0], torch.Tensor):
+            out_tensors = [args[0]]
+            out_leaves, out_spec = pytree.tree_flatten(args[0])
+        if not out_tensors:
+            return result  # shape queries, .item(), ...: no dataflow
+
+        inputs: list[int] = []
+
+        def ref(x: Any) -> Any:
+            if isinstance(x, torch.Tensor):
+                vid = self.value_of(x)
+                inputs.append(vid)
+                return ValueRef(vid)
+            return x
+
+        def meta_ref(x: Any) -> Any:  # read for its dtype/device/shape: no data input
+            return ValueRef(self.value_of(x)) if isinstance(x, torch.Tensor) else x
+
+        meta = METADATA_ARGS.get(name, ())
+        ref_args = tuple(pytree.tree_map(meta_ref if i in meta else ref, a) for i, a in enumerate(args))
+        ref_kwargs = {k: pytree.tree_map(meta_ref if k in meta else ref, v) for k, v in kwargs.items()}
+        index = len(self.graph.ops)
+        outputs = [self._new_value(t, index, "op") for t in out_tensors]
+        call = self.call_stack[-1] if self.call_stack else None
+        applied = self._functional_linear(name, args, kwargs) if len(outputs) == 1 else None
+        if applied is not None:
+            path, module = applied
+            data = ref_args[LINEAR_OPS[name][0]]
+            fcall = ModuleCall(len(self.graph.calls), path, module, call, [data.id], {}, outputs=outputs,
+                               start_op=index, end_op=index + 1, functional=True)
+            self.graph.calls.append(fcall)
+            call = fcall.id
+        if name == "layer_norm" and call is not None:
+            self.direct_ln.add(call)
+        self.graph.ops.append(Op(index, name, func, ref_args, ref_kwargs, inputs, outputs, out_spec, call))
+        for vid in set(inputs):
+            self.graph.values[vid].consumers.append(index)
+        return result
+
+    def _run_opened(self, func: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        """Run an :data:`OPENED` function with this mode active inside it, so its ops are recorded.
+
+        The mode is off while it handles a call (PyTorch pops it), so the function runs under it again;
+        its own first ``has_torch_function`` test, which would hand the call straight back here, is
+        answered "no" once (the module's global, restored right after). Every op inside dispatches
+        to this mode as usual."""
+        module = sys.modules[func.__module__]
+        real = module.has_torch_function
+        pending = [True]
+
+        def first_says_no(*a: Any) -> bool:
+            if pending[0]:
+                pending[0] = False
+                return False
+            return real(*a)
+
+        module.has_torch_function = first_says_no
+        try:  # the modes above this one (precision.HoldCasts) are off too while it handles a call
+            with self, self.above if self.above is not None else contextlib.nullcontext():
+                return func(*args, **kwargs)
+        finally:
+            module.has_torch_function = real
+
+    def _param_part(self, t: Any) -> tuple[nn.Parameter, tuple[int, int] | None, bool] | None:
+        """``(parameter, rows, transposed)`` when ``t`` is a parameter, a block of its rows along the
+        first axis, or its transpose (``p.T``); None otherwise."""
+        if not isinstance(t, torch.Tensor) or t.dim() not in (1, 2) or not t.numel():
+            return None
+        if id(t) in self.named:
+            return self.named[id(t)], None, False
+        for p in self.by_storage.get(t.untyped_storage().data_ptr(), []):
+            if p.dim() != t.dim():
+                continue
+            offset = t.storage_offset() - p.storage_offset()
+            if t.dim() == 2 and tuple(t.shape) == tuple(p.shape)[::-1] and t.stride() == p.stride()[::-1] \
+                    and offset == 0:
+                return p, None, True
+            step = p.stride(0)
+            if tuple(t.shape[1:]) == tuple(p.shape[1:]) and t.stride() == p.stride() and step > 0 \
+                    and offset % step == 0 and 0 <= offset // step and offset // step + t.shape[0] <= p.shape[0]:
+                lo = offset // step
+                return p, (lo, lo + t.shape[0]), False
+        return None
+
+    def _functional_linear(self, name: str, args: tuple, kwargs: dict) -> tuple[str, nn.Module | LinearView] | None:
+        """``(path, module)`` of a linear op the model's code applies to parameters itself, outside the
+        ``forward`` of the Linear-like module that owns them, or None.
+
+        Where the op computes exactly what a Linear-like module would (its whole weight, its bias),
+        that module stands for it (``nn.MultiheadAttention``'s ``out_proj``); otherwise a
+        :class:`LinearView` (``in_proj_weight``, rows of it, ``x @ emb.weight.T``)."""
+        form = LINEAR_OPS.get(name)
+        if form is None or kwargs:
+            return None
+        data_at, weight_at, bias_at, as_x_w = form
+        if len(args) <= max(data_at, weight_at) or not isinstance(args[data_at], torch.Tensor):
+            return None
+        found = self._param_part(args[weight_at])
+        if found is None or found[0].dim() != 2:
+            return None
+        weight, rows, swapped = found
+        if swapped and rows is not None:
+            return None
+        transposed = as_x_w != swapped  # stored [in, out]: applied as x @ W
+        wname = self.params[id(weight)]
+        owner_path = wname.rpartition(".")[0]
+        owner = self.modules.get(owner_path)
+        if owner is None:
+            return None
+        if self.call_stack:  # inside a Linear's own forward (nn.Linear calls F.linear): a module call already
+            inner = self.graph.calls[self.call_stack[-1]].module
+            if linear_module_kind(inner) is not None and any(q is weight for q in inner._parameters.values()):
+                return None
+        in_axis = 0 if transposed else 1
+        if args[data_at].dim() < 1 or args[data_at].shape[-1] != weight.shape[in_axis]:
+            return None
+        bias, bias_rows = None, None
+        b = args[bias_at] if bias_at is not None and len(args) > bias_at else None
+        if b is not None:
+            part = self._param_part(b)
+            if part is None or part[0].dim() != 1 or part[2]:
+                return None
+            bname = self.params[id(part[0])]
+            if bname.rpartition(".")[0] != owner_path:
+                return None  # a bias from another module: not one linear map of one owner
+            bias, bias_rows = bname, part[1]
+        kind = linear_module_kind(owner)
+        if kind is not None and getattr(owner, "weight", None) is weight and rows is None and bias_rows is None \
+                and transposed == (kind == "conv1d") \
+                and (bias is None) == (owner._parameters.get("bias") is None):
+            return owner_path, owner
+        spec = FunctionalLinear(wname, rows, transposed, bias, bias_rows)
+        return spec.name, LinearView(spec, weight, None if bias is None else self.named[id(part[0])], owner)
+
+    # -- module hooks ---------------------------------------------------------------------------
+    def pre_hook(self, path: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            arg_ids = [self.value_of(a) if isinstance(a, torch.Tensor) else None for a in args]
+            kw_ids = {k: self.value_of(v) for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
+            call = ModuleCall(len(self.graph.calls), path, module,
+                              self.call_stack[-1] if self.call_stack else None, arg_ids, kw_ids,
+                              start_op=len(self.graph.ops))
+            self.graph.calls.append(call)
+            self.call_stack.append(call.id)
+
+        return hook
+
+    def post_hook(self, path: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            call = self.graph.calls[self.call_stack.pop()]
+            assert call.path == path, (call.path, path)
+            call.end_op = len(self.graph.ops)
+            leaves = pytree.tree_leaves(output)
+            call.outputs = [self.value_of(t) for t in leaves if isinstance(t, torch.Tensor)]
+            if path in self.snapshot_paths or call.id in self.direct_ln:
+                tensors = [v for v in [*call.args, *call.kwargs.values()] if v is not None]
+                for vid in [*tensors[:2], *call.outputs[:1]]:
+                    self.snapshot(vid)
+
+        return hook
+
+    def snapshot(self, vid: int) -> None:
+        """Copy what value ``vid`` holds now, in case the model changes its tensor in place later."""
+        if vid in self.snapshots:
+            return
+        t = self.graph.values[vid].tensor
+        with torch._C.DisableTorchFunction():  # our own copy: not an op of the model
+            try:
+                version = t._version
+            except RuntimeError:  # an inference tensor has no version counter, and cannot be changed in place
+                return
+            self.snapshots[vid] = (version, t.detach().clone())
+
+    def restore_snapshots(self) -> None:
+        """Values whose tensor was changed in place after their snapshot hold the snapshot instead."""
+        with torch._C.DisableTorchFunction():
+            for vid, (version, copy) in self.snapshots.items():
+                if self.graph.values[vid].tensor._version != version:
+                    self.graph.values[vid].tensor = copy
+        self.snapshots.clear()
+
+
+def record(model: nn.Module, args: tuple, kwargs: dict, *, snapshot: Collection[str] = (),
+           hold: HoldCasts | None = None) -> Graph:
+    """Run ``model(*args, **kwargs)`` once under no_grad and return its dataflow graph.
+
+    Args:
+        snapshot: module paths whose calls' tensor inputs and first output keep the values they had
+            when the call returned (the norm candidates the walker identifies from their data); every
+            module inside which ``layer_norm`` ran is added.
+        hold: a :class:`normswap.analysis.precision.HoldCasts` mode to run above the recorder, so that the graph
+            records the casts as they ran (held at the working dtype); its counts go to ``held_casts``.
+    """
+    graph = Graph()
+    params = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        params.setdefault(id(p), name)
+    buffers = {}
+    for name, b in model.named_buffers(remove_duplicate=False):
+        buffers.setdefault(id(b), name)
+    recorder = _Recorder(graph, params, buffers, dict(model.named_modules()))
+    recorder.snapshot_paths = set(snapshot)
+    recorder.above = hold
+    for name, t in _named_inputs(args, kwargs):
+        recorder._new_value(t, None, "input", name)
+    handles = []
+    try:
+        for path, module in model.named_modules():  # a shared module is hooked once, by its first path
+            handles.append(module.register_forward_pre_hook(recorder.pre_hook(path), with_kwargs=True))
+            handles.append(module.register_forward_hook(recorder.post_hook(path), with_kwargs=True))
+        with torch.no_grad(), recorder, hold if hold is not None else contextlib.nullcontext():
+            output = model(*args, **kwargs)
+    finally:
+        for h in handles:
+            h.remove()
+    recorder.restore_snapshots()
+    if hold is not None:
+        graph.held_casts = dict(hold.held)
+    graph.output_object = output
+    # same key paths as verification uses, so Plan.changed_outputs names what verify compares
+    graph.outputs = [(path, recorder.value_of(t)) for path, t in flatten_outputs(output)]
+    graph._keep = recorder.keep  # type: ignore[attr-defined]
+    return graph
+
+
+def _named_inputs(args: tuple, kwargs: dict) -> list[tuple[str, torch.Tensor]]:
+    named = [(f"arg{i}", a) for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+    named += [(k, v) for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
+    return named

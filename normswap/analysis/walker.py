@@ -1,0 +1,337 @@
+"""Find every LayerNorm-like module and work out exactly what it computes.
+
+Class names are not trusted: HF models ship LayerNorms as ``nn.LayerNorm`` subclasses, as custom
+classes (OLMo's parameter-free ``OlmoLayerNorm``, Cohere's γ-only ``CohereLayerNorm``, Nemotron's
+``1+γ`` ``NemotronLayerNorm1P``), or as wrappers holding an inner non-affine ``nn.LayerNorm`` plus
+their own parameters. So the walker collects *candidates* by structure and name, then identifies
+each one's formula numerically from the input/output pair captured during the traced forward:
+``γ ⊙ (x − μ)/sqrt(var + ε) + β`` in its flavours, or already-RMS (reported as skipped).
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from normswap.analysis.trace import Graph
+from normswap.nn.rmsnorm import RMSNorm
+
+_LN_NAME = re.compile(r"norm|\bln\b", re.IGNORECASE)
+_EPS_ATTRS = ("eps", "variance_epsilon", "epsilon", "layer_norm_eps", "layer_norm_epsilon")
+
+
+@dataclass
+class NormSite:
+    """One LayerNorm instance, as the rest of normswap sees it."""
+
+    path: str
+    class_name: str
+    normalized_shape: tuple[int, ...]  # trailing dims reduced over
+    param_shape: tuple[int, ...]  # shape of γ/β (may have extra leading dims: per-head params)
+    eps: float
+    flavour: str  # standard | gamma-only | beta-only | non-affine | offset (1+γ)
+    weight_attr: str | None = None  # attribute holding γ (on the module itself)
+    bias_attr: str | None = None
+    offset: float = 0.0  # effective γ = offset + weight
+
+    def gamma(self, module: nn.Module) -> torch.Tensor | None:
+        """Effective γ in float64 (``None`` for non-affine)."""
+        if self.weight_attr is None:
+            return None
+        return self.offset + getattr(module, self.weight_attr).detach().double()
+
+    def beta(self, module: nn.Module) -> torch.Tensor | None:
+        if self.bias_attr is None:
+            return None
+        return getattr(module, self.bias_attr).detach().double()
+
+    def reference(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """What this norm computes, in float64 end to end (some HF norms compute in fp32 internally)."""
+        dims = tuple(range(-len(self.normalized_shape), 0))
+        x = x.double()
+        mu = x.mean(dims, keepdim=True)
+        y = (x - mu) / torch.sqrt((x - mu).pow(2).mean(dims, keepdim=True) + self.eps)
+        gamma, beta = self.gamma(module), self.beta(module)
+        if gamma is not None:
+            y = y * gamma
+        if beta is not None:
+            y = y + beta
+        return y
+
+
+@dataclass
+class SkippedNorm:
+    path: str
+    class_name: str
+    reason: str
+    weight_attr: str | None = None  # already-RMS norms: the γ parameter (``fold_gamma`` can fold it)
+    offset: float = 0.0  # effective γ = offset + weight (Gemma's 1 + γ)
+    bias_attr: str | None = None
+
+
+@dataclass
+class WalkResult:
+    sites: list[NormSite] = field(default_factory=list)
+    skipped: list[SkippedNorm] = field(default_factory=list)
+    converted: list[str] = field(default_factory=list)  # normswap.RMSNorm modules already present
+
+
+def candidates(model: nn.Module, calls_layer_norm: set[str] = frozenset()) -> list[str]:
+    """Module paths that might be LayerNorms, outermost first.
+
+    Structural (``nn.LayerNorm`` subclasses, wrappers around a non-affine one, modules whose forward
+    calls ``layer_norm`` directly: ``calls_layer_norm``) and by class name (``*Norm*``).
+    """
+    found = []
+    for path, module in model.named_modules():
+        if isinstance(module, RMSNorm):
+            continue
+        name = type(module).__name__
+        direct_ln_child = any(
+            isinstance(c, nn.LayerNorm) and c.weight is None for c in module.children()
+        ) and len(list(module.children())) == 1 and len(module._parameters) > 0
+        if isinstance(module, nn.LayerNorm) or _LN_NAME.search(name) or direct_ln_child \
+                or path in calls_layer_norm:
+            found.append(path)
+    return found
+
+
+def _eps_of(module: nn.Module) -> list[float]:
+    for attr in _EPS_ATTRS:
+        val = getattr(module, attr, None)
+        if isinstance(val, (int, float)) and not isinstance(val, bool):
+            return [float(val)]
+    for child in module.children():
+        if isinstance(child, nn.LayerNorm):
+            return [float(child.eps)]
+    return [1e-5, 1e-6, 1e-12, 1e-8]
+
+
+def _reduce_options(module: nn.Module, x: torch.Tensor, params: list[torch.Tensor]) -> list[tuple[int, ...]]:
+    shapes = []
+    ns = getattr(module, "normalized_shape", None)
+    if ns is not None:
+        shapes.append(tuple(ns) if not isinstance(ns, int) else (ns,))
+    for p in params:
+        for k in range(1, p.dim() + 1):
+            shapes.append(tuple(p.shape[p.dim() - k:]))
+    shapes.append((x.shape[-1],))
+    seen, out = set(), []
+    for s in shapes:
+        if s not in seen and tuple(x.shape[x.dim() - len(s):]) == s:
+            seen.add(s)
+            out.append(s)
+    return out
+
+
+def identify(path: str, module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> NormSite | SkippedNorm | None:
+    """Match the captured ``y = module(x)`` against LayerNorm / RMSNorm formulas (float64)."""
+    if isinstance(module, nn.GroupNorm):
+        if module.num_groups == 1:
+            return SkippedNorm(path, type(module).__name__,
+                               "GroupNorm(1, C) is a LayerNorm over (C, H, W), but H×W changes with the input, so "
+                               "no fixed-shape RMSNorm replaces it; kept (PoolFormer's writers, pooling minus "
+                               "identity, could not be centered anyway)")
+        return SkippedNorm(path, type(module).__name__,
+                           f"GroupNorm with {module.num_groups} groups is not a LayerNorm; kept")
+    x64, y64 = x.detach().double(), y.detach().double()
+    direct = [(n, p) for n, p in module._parameters.items() if p is not None]
+    tol = 1e-5 if x.dtype in (torch.float32, torch.float64) else 2e-2
+    scale = max(1.0, float(y64.abs().max())) if y64.numel() else 1.0
+
+    def close(candidate: torch.Tensor) -> bool:
+        return candidate.shape == y64.shape and bool(((candidate - y64).abs() <= tol * scale).all())
+
+    for reduce in _reduce_options(module, x, [p for _, p in direct]):
+        dims = tuple(range(-len(reduce), 0))
+        mu = x64.mean(dims, keepdim=True)
+        var = (x64 - mu).pow(2).mean(dims, keepdim=True)
+        ms = x64.pow(2).mean(dims, keepdim=True)
+        for eps in _eps_of(module):
+            ln_hat = (x64 - mu) / torch.sqrt(var + eps)
+            rms_hat = x64 / torch.sqrt(ms + eps)
+            for hat, kind in ((ln_hat, "ln"), (rms_hat, "rms")):
+                for flavour, w_attr, b_attr, offset in _assignments(direct):
+                    cand = hat
+                    try:
+                        if w_attr is not None:
+                            cand = cand * (offset + module._parameters[w_attr].detach().double())
+                        if b_attr is not None:
+                            cand = cand + module._parameters[b_attr].detach().double()
+                    except RuntimeError:  # parameter does not broadcast with this reduction
+                        continue
+                    if not close(cand):
+                        continue
+                    if kind == "rms":
+                        plain = len(reduce) == 1 and w_attr is not None and \
+                            tuple(module._parameters[w_attr].shape) == reduce
+                        return SkippedNorm(path, type(module).__name__, "already RMS-style (no mean subtraction)",
+                                           w_attr if plain else None, offset, b_attr)
+                    param_shape = tuple(module._parameters[w_attr or b_attr].shape) if (w_attr or b_attr) \
+                        else reduce
+                    return NormSite(path, type(module).__name__, reduce, param_shape, eps, flavour,
+                                    w_attr, b_attr, offset)
+    return None
+
+
+def identify_channels_first(path: str, module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> SkippedNorm | None:
+    """A LayerNorm over the channel axis of a channels-first tensor (``(B, C, H, W)``, normalising dim
+    1: ConvNeXt's stem and downsampling norms), reported with that reason, or None."""
+    if x.dim() < 3 or x.shape != y.shape:
+        return None
+    found = identify(path, module, x.movedim(1, -1), y.movedim(1, -1))
+    if not isinstance(found, NormSite):
+        return None
+    return SkippedNorm(path, type(module).__name__,
+                       "LayerNorm over the channel axis of a channels-first tensor (dim 1), where normswap's "
+                       "RMSNorm normalises the trailing dims; kept")
+
+
+def _grouped(x: torch.Tensor, groups: int, eps: float, *, center: bool) -> torch.Tensor:
+    """LayerNorm (``center``) or RMSNorm hat of ``x`` over ``groups`` equal blocks of its last axis."""
+    g = x.unflatten(-1, (groups, x.shape[-1] // groups))
+    if center:
+        g = g - g.mean(-1, keepdim=True)
+    return (g / torch.sqrt(g.pow(2).mean(-1, keepdim=True) + eps)).flatten(-2)
+
+
+def identify_gated(path: str, module: nn.Module, x: torch.Tensor, gate: torch.Tensor,
+                   y: torch.Tensor) -> SkippedNorm | None:
+    """The gated norms of SSM/hybrid mixers (Mamba-2, Bamba, Nemotron-H, Zamba-2, Falcon-H1, Qwen3-Next):
+    ``y = γ ⊙ norm(x ⊙ silu(gate))`` or ``y = γ ⊙ norm(x) ⊙ silu(gate)``, the norm possibly over equal
+    groups of features. Reported as skipped with the formula: the RMS ones are not LayerNorms, and a
+    gated LayerNorm has no RMSNorm replacement (the gate sits inside or after the normalisation).
+    γ multiplies the output feature by feature either way, so ``fold_gamma`` may fold it into the
+    readers (``weight_attr``)."""
+    x64, g64, y64 = x.detach().double(), gate.detach().double(), y.detach().double()
+    if g64.shape != x64.shape or y64.shape != x64.shape or not x64.dim():
+        return None
+    d = x64.shape[-1]
+    silu = torch.nn.functional.silu(g64)
+    counts = {1}
+    for attr in ("n_groups", "group_count", "num_groups"):
+        if isinstance(getattr(module, attr, None), int) and getattr(module, attr) > 0:
+            counts.add(getattr(module, attr))
+    size = getattr(module, "group_size", None)
+    if isinstance(size, int) and size > 0 and d % size == 0:
+        counts.add(d // size)
+    weights = [(n, p.detach().double()) for n, p in module._parameters.items()
+               if p is not None and tuple(p.shape) == (d,)] + [(None, None)]
+    scale = max(1.0, float(y64.abs().max())) if y64.numel() else 1.0
+    tol = 1e-5 if x.dtype in (torch.float32, torch.float64) else 2e-2
+    for eps in _eps_of(module):
+        for groups in sorted(c for c in counts if d % c == 0):
+            for gate_first in (True, False):
+                for center in (False, True):
+                    hat = _grouped(x64 * silu if gate_first else x64, groups, eps, center=center)
+                    for w_attr, w in weights:
+                        cand = hat if w is None else hat * w
+                        if not gate_first:
+                            cand = cand * silu
+                        if not bool(((cand - y64).abs() <= tol * scale).all()):
+                            continue
+                        kind = "LayerNorm" if center else "RMSNorm"
+                        formula = f"{kind} of x·silu(gate)" if gate_first else f"{kind} of x, times silu(gate)"
+                        over = f" over {groups} groups of {d // groups} features" if groups > 1 else ""
+                        reason = (f"gated {kind} ({formula}{over}): no RMSNorm replaces a gate inside the norm; kept"
+                                  if center else f"already RMS-style, gated ({formula}{over}); kept")
+                        return SkippedNorm(path, type(module).__name__, reason, None if center else w_attr)
+    return None
+
+
+def identify_flattened_heads(path: str, module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> SkippedNorm | None:
+    """A LayerNorm (or RMSNorm) over each head's features whose output flattens the heads before its
+    γ/β (xLSTM's multi-head norm: ``(B, T, H, D) → (B, T, H·D)``). normswap's RMSNorm keeps its input's
+    shape, so such a module is reported, with its formula, and kept."""
+    x64, y64 = x.detach().double(), y.detach().double()
+    if x64.dim() < 2 or y64.shape != (*x64.shape[:-2], x64.shape[-2] * x64.shape[-1]):
+        return None
+    direct = [(n, p.detach().double()) for n, p in module._parameters.items() if p is not None]
+    scale = max(1.0, float(y64.abs().max())) if y64.numel() else 1.0
+    tol = 1e-5 if x.dtype in (torch.float32, torch.float64) else 2e-2
+    for eps in _eps_of(module):
+        for center in (True, False):
+            hat = _grouped(x64, 1, eps, center=center).flatten(-2)
+            for flavour, w_attr, b_attr, offset in _assignments([(n, p) for n, p in direct]):
+                cand = hat
+                try:
+                    if w_attr is not None:
+                        cand = cand * (offset + dict(direct)[w_attr])
+                    if b_attr is not None:
+                        cand = cand + dict(direct)[b_attr]
+                except RuntimeError:
+                    continue
+                if cand.shape == y64.shape and bool(((cand - y64).abs() <= tol * scale).all()):
+                    kind = "LayerNorm" if center else "RMSNorm"
+                    return SkippedNorm(path, type(module).__name__,
+                                       f"{kind} per head ({x64.shape[-2]} heads of {x64.shape[-1]}) whose output "
+                                       f"flattens the heads before γ/β ({flavour}): no RMSNorm of that shape "
+                                       "replaces it; kept")
+    return None
+
+
+def _assignments(direct: list[tuple[str, torch.Tensor]]):
+    """(flavour, weight attr, bias attr, offset) guesses, most common first."""
+    names = [n for n, _ in direct]
+    guesses = []
+    for w, b in itertools.permutations(names, 2) if len(names) >= 2 else []:
+        guesses += [("standard", w, b, 0.0), ("offset", w, b, 1.0)]
+    for n in names:
+        guesses += [("gamma-only", n, None, 0.0), ("offset", n, None, 1.0), ("beta-only", None, n, 0.0)]
+    guesses.append(("non-affine", None, None, 0.0))
+    return guesses
+
+
+NOT_RUN = ("did not run on the analysis inputs (a branch they do not take), so it was neither analysed nor "
+           "converted; kept as LayerNorm: pass example_inputs that reach it to convert it")
+
+
+def find_sites(model: nn.Module, graph: Graph) -> WalkResult:
+    """Every norm of ``model`` that ran in the traced ``graph``, identified from its real input and
+    output (a wrapper identified as a norm claims the modules inside it); and the modules already
+    converted by normswap."""
+    found = WalkResult()
+    modules = dict(model.named_modules())
+    claimed: list[str] = []
+    direct_ln = {graph.calls[op.call].path for op in graph.ops if op.name == "layer_norm" and op.call is not None}
+    for path in candidates(model, direct_ln):
+        if any(path.startswith(c + ".") for c in claimed):
+            continue  # inside a wrapper already identified as the norm
+        calls = graph.calls_of(path)
+        if not calls:
+            if isinstance(modules[path], nn.LayerNorm) or path in direct_ln:
+                found.skipped.append(SkippedNorm(path, type(modules[path]).__name__, NOT_RUN))
+                claimed.append(path)
+            continue
+        call = calls[0]
+        vid = call.first_input()
+        if vid is None or not call.outputs:
+            continue
+        x = graph.values[vid].tensor
+        y = graph.values[call.outputs[0]].tensor
+        result = identify(path, modules[path], x, y)
+        tensors = [v for v in [*call.args, *call.kwargs.values()] if v is not None]
+        if result is None and len(tensors) == 2:
+            result = identify_gated(path, modules[path], x, graph.values[tensors[1]].tensor, y)
+        if result is None:
+            result = identify_flattened_heads(path, modules[path], x, y)
+        if result is None:
+            result = identify_channels_first(path, modules[path], x, y)
+        if result is None and (isinstance(modules[path], nn.LayerNorm) or path in direct_ln):
+            # a LayerNorm that ran and matched no formula is reported, never dropped in silence
+            why = ("its traced input or output is not finite" if not (bool(torch.isfinite(x).all())
+                                                                        and bool(torch.isfinite(y).all()))
+                   else "its traced output matches no LayerNorm/RMSNorm formula of its parameters")
+            result = SkippedNorm(path, type(modules[path]).__name__, f"{why}; kept")
+        if isinstance(result, NormSite):
+            found.sites.append(result)
+            claimed.append(path)
+        elif isinstance(result, SkippedNorm):
+            found.skipped.append(result)
+            claimed.append(path)
+    found.converted = [p for p, m in model.named_modules() if isinstance(m, RMSNorm)]
+    return found

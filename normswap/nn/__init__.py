@@ -1,0 +1,1 @@
+"""``normswap.RMSNorm`` and its functional form ``normswap.rms_norm``, above the backends."""

@@ -1,0 +1,1 @@
+"""Rotation of rotation-ready residual streams by orthogonal (Hadamard) matrices."""

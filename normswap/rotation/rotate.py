@@ -1,0 +1,709 @@
+"""Rotate a converted model's residual streams by an orthogonal matrix: the proof of rotation-readiness.
+
+Rotation methods (SliceGPT, QuaRot, SpinQuant) rely on one invariance: if every norm on a stream
+is an RMSNorm with unit weight, then ``rms_norm(x Q) = rms_norm(x) Q`` for any orthogonal ``Q``
+(``Q Qᵀ = I`` keeps ``mean(x²)``); a bias the norm keeps (β/γ where β had no bias slot to fold
+into) is part of the output and turns with it (``b ← b Q``). So multiplying every *writer*'s output features
+by ``Q`` and every *reader*'s input features by ``Qᵀ`` leaves the model's outputs unchanged.
+
+``normswap.patch(model, fold_gamma=True)`` produces such streams wherever the math allows, and the
+plan records, per norm, whether its stream is ready and, if not, why (``SitePlan.rotation_ready``,
+``SitePlan.rotation_reason``); norms that were RMS from the start (Llama) are in ``plan.rms_sites``.
+:func:`rotate` applies a rotation to every ready stream, in float64, cast back once. Streams are the
+connected groups of norms that share writers (a decoder stream, an encoder stream, a vision tower's
+stream): each is rotated as a whole or not at all.
+
+The matrices built here keep the mean direction (``Q·1 = 1``, :func:`keep_mean`): a zero-mean stream stays
+zero-mean, so a rotated exact model is still exact with stock LayerNorms (the compat format), and a
+centering op commutes with ``Q``. A stream centered at run time starts at a value no weight can turn (a
+norm's output, a regenerated table, a nonlinear stem): it takes ``Q`` as one op right after its centering
+op. ``output=`` decides what happens to a stream whose last norm output is a model output, ``online=``
+adds QuaRot's online Hadamards (:mod:`normswap.rotation.hadamard`). Every op a rotation adds is a buffer plus a
+hook that :func:`install_ops` rebuilds when a native checkpoint loads; the compat format refuses them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from normswap.analysis.linears import LinearView, linear_at, linear_module_kind
+from normswap.analysis.plan import CENTERED_VERDICTS, Plan, SitePlan, plan_of
+from normswap.errors import NormswapError
+from normswap.nn.rmsnorm import RMSNorm
+from normswap.options import choose
+from normswap.rotation import hadamard
+
+KINDS = ("hadamard", "random")
+
+
+@dataclass
+class Rotation:
+    """What :func:`rotate` did: the streams rotated and the ones left alone, with reasons.
+
+    Each entry of ``rotated`` is a dict: ``width``, ``norms``, ``writers``, ``readers``, ``kind``
+    (``"hadamard"``, ``"random"`` or ``"user"``), ``seed``, ``construction`` (how the Hadamard matrix was
+    built, e.g. ``"Paley I (q=11) ⊗ Sylvester 64"``), ``fallback`` (why a ``"hadamard"`` request got a
+    random orthogonal matrix instead: no Hadamard order fits the width; ``""`` otherwise),
+    ``mean_preserving`` (``Q·1 = ±1``), ``output`` (how a stream whose last norm output is a model output
+    was handled: ``""``, ``"rotated"`` or ``"restore"``) and ``q``, the float64 ``d × d`` matrix itself
+    (row-vector convention: the stream ``x`` became ``x @ q``). ``skipped`` entries have ``norms`` and ``reason``.
+    """
+
+    rotated: list[dict] = field(default_factory=list)
+    skipped: list[dict] = field(default_factory=list)  # {"norms", "reason"}
+    online_skipped: list[str] = field(default_factory=list)  # down projections left without an online Hadamard
+
+    @property
+    def matrices(self) -> dict[str, torch.Tensor]:
+        """``{first norm of the stream: Q}`` for every rotated stream (float64, ``x → x @ Q``)."""
+        return {r["norms"][0]: r["q"] for r in self.rotated}
+
+    @property
+    def fallbacks(self) -> list[str]:
+        """One line per stream that asked for a Hadamard matrix and got a random orthogonal one."""
+        return [f"width {r['width']}: {r['fallback']}" for r in self.rotated if r["fallback"]]
+
+    def headline(self) -> str:
+        """One line: ``rotated 2 stream(s) (hadamard), 1 left unrotated``."""
+        kinds = "/".join(sorted({r["kind"] for r in self.rotated}))
+        line = f"rotated {len(self.rotated)} stream(s)" + (f" ({kinds})" if kinds else "")
+        if self.fallbacks:
+            line += f", {len(self.fallbacks)} by a random orthogonal matrix (no Hadamard order fits their width)"
+        if self.skipped:
+            line += f", {len(self.skipped)} left unrotated ({self.skipped[0]['reason']})"
+        return line
+
+    def __str__(self) -> str:
+        lines = []
+        for r in self.rotated:
+            what = r["kind"] + (f" ({r['construction']})" if r["construction"] else "")
+            if r["fallback"]:
+                what += f"; {r['fallback']}"
+            out = {"rotated": "; its model output comes out rotated",
+                   "restore": "; its model output is turned back"}.get(r.get("output", ""), "")
+            if r.get("online"):
+                out += f"; online Hadamard before {len(r['online'])} down projection(s)"
+            if r.get("value_heads"):
+                out += f"; per-head Hadamard (size {r['head_dim']}) on {len(r['value_heads'])} attention(s)' values"
+            lines.append(f"rotated stream of width {r['width']} by {what}: {len(r['norms'])} norm(s), "
+                         f"{len(r['writers'])} writer tensor(s), {len(r['readers'])} reader(s){out}")
+        lines += [f"not rotated ({len(s['norms'])} norm(s), e.g. `{s['norms'][0]}`): {s['reason']}"
+                  for s in self.skipped]
+        lines += [f"no online Hadamard: {why}" for why in self.online_skipped]
+        return "\n".join(lines) or "no stream to rotate"
+
+
+def random_orthogonal(n: int, seed: int = 0) -> torch.Tensor:
+    """A Haar-random ``n × n`` orthogonal matrix in float64 (QR of a Gaussian, signs fixed)."""
+    gen = torch.Generator().manual_seed(seed)
+    q, r = torch.linalg.qr(torch.randn(n, n, generator=gen, dtype=torch.float64))
+    return q * torch.sign(torch.diagonal(r)).unsqueeze(0)
+
+
+def randomized_hadamard(n: int, seed: int = 0) -> torch.Tensor | None:
+    """``diag(r)·H·diag(s)/sqrt(n)``: a Hadamard matrix (:func:`normswap.rotation.hadamard.hadamard`) with random row
+    and column signs ``r``, ``s`` drawn from ``seed``, float64; None when no Hadamard order fits ``n``.
+
+    QuaRot uses ``H·diag(s)``; the row signs add nothing to the spreading but make ``H``'s column sums
+    (``n`` in one column for Sylvester, ``1 - q`` for Paley) sums of random signs, so that the rank-one
+    mean-keeping correction (:func:`keep_mean`) stays of order ``1/n`` per entry instead of ``1/sqrt(n)``.
+    """
+    h = hadamard.hadamard(n)
+    if h is None:
+        return None
+    signs = hadamard.random_signs(2 * n, seed)
+    return signs[:n].unsqueeze(1) * h * signs[n:].unsqueeze(0) / n**0.5
+
+
+def keep_mean(q: torch.Tensor) -> torch.Tensor:
+    """``R·q`` with ``R`` the Householder reflection that maps ``q·1`` onto ``1``: orthogonal, and ``(R q)·1 = 1``.
+
+    Why: a stream ``x`` with ``mean(x) = 0`` stays zero-mean under ``x → x Q`` exactly when ``Q·1 = ±1``
+    (``Q`` orthogonal, so also ``1ᵀQ = ±1ᵀ``); then ``mean(xQ) = ±mean(x)`` for every ``x``, a stock
+    LayerNorm still equals the RMSNorm on the rotated stream, and a centering op commutes with ``Q``
+    (``(I - 11ᵀ/d) Q = Q (I - 11ᵀ/d)``). ``R = I - 2uuᵀ/(uᵀu)`` with ``u = q·1 - 1`` (``|q·1| = |1|``, so
+    ``R (q·1) = 1``). ``R`` differs from the identity by rank one, so ``R·q`` keeps ``q``'s spreading:
+    ``x R q = x q - 2 (x·u)/(uᵀu) · uᵀq``, and ``uᵀq = 1ᵀ - (qᵀ1)ᵀ`` is a flat vector for a Hadamard ``q``.
+    """
+    ones = torch.ones(q.shape[0], dtype=q.dtype)
+    u = q @ ones - ones
+    uu = float(u @ u)
+    if uu <= 1e-24 * q.shape[0]:
+        return q.clone()
+    return q - (2.0 / uu) * torch.outer(u, u @ q)
+
+
+def is_mean_preserving(q: torch.Tensor, tol: float = 1e-9) -> bool:
+    """``Q·1 = ±1`` (within ``tol`` per entry): the rotation keeps zero-mean streams zero-mean."""
+    q64 = q.detach().double().cpu()
+    s = q64.sum(dim=1)
+    return bool((s - 1).abs().max() <= tol) or bool((s + 1).abs().max() <= tol)
+
+
+def rotation_matrix(width: int, kind: str = "hadamard", seed: int = 0) -> tuple[torch.Tensor, dict]:
+    """The mean-preserving ``width × width`` rotation :func:`rotate` uses for one stream, and its record.
+
+    ``kind="hadamard"``: :func:`keep_mean` of the randomized Hadamard ``H·diag(s)/sqrt(width)`` (signs
+    from ``seed``); where no Hadamard order fits ``width``, a random orthogonal matrix, and the record's
+    ``fallback`` says why. ``kind="random"``: :func:`keep_mean` of a Haar-random orthogonal matrix from
+    ``seed``. Deterministic given ``(width, kind, seed)``: the manifest records these to rebuild ``Q``.
+    """
+    choose("rotation", kind, KINDS)
+    info = {"kind": kind, "seed": seed, "construction": "", "fallback": "", "mean_preserving": True}
+    q = randomized_hadamard(width, seed) if kind == "hadamard" else None
+    if kind == "hadamard" and q is None:
+        info["fallback"] = (f"no Hadamard matrix of order {width} is built here (needs {width} = K·2^m with "
+                            "K a Sylvester/Paley/product order): random orthogonal matrix instead")
+    if q is None:
+        q = random_orthogonal(width, seed)
+    else:
+        info["construction"] = "randomized Hadamard, " + hadamard.describe(width)
+    return keep_mean(q), info
+
+
+def streams(plan: Plan, model: nn.Module | None = None) -> list[list[SitePlan]]:
+    """Converted norms, and norms that were RMS from the start (``plan.rms_sites``), grouped into streams:
+    norms that share a writer read the same stream.
+
+    With ``model``, writers are matched by parameter identity (a tied embedding has two names).
+    """
+    sites = [sp for sp in plan.sites if sp.convert] + list(plan.rms_sites)
+    parent = list(range(len(sites)))
+
+    def find(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    owner: dict[object, int] = {}
+    for i, sp in enumerate(sites):
+        keys = [id(model.get_parameter(n)) if model is not None else n for n in sp.writer_targets]
+        keys += [(op["module"], op["where"], op["arg"]) for op in sp.rotation_ops]  # one op turns one stream
+        for target in keys:
+            if target in owner:
+                parent[find(i)] = find(owner[target])
+            else:
+                owner[target] = i
+    groups: dict[int, list[SitePlan]] = {}
+    for i, sp in enumerate(sites):
+        groups.setdefault(find(i), []).append(sp)
+    return list(groups.values())
+
+
+OUTPUT_BLOCK = "its output is the model output"  # the planner's reason when only outputs read a norm
+
+
+def _axes(plan: Plan) -> dict[str, int]:
+    """``{writer parameter: output-feature axis}`` for every writer a rotation may turn."""
+    axes = {e.target: e.axis for e in plan.writer_edits if e.blocks is None}
+    axes.update(plan.rotation_axes)
+    return axes
+
+
+def _blocker(model: nn.Module, plan: Plan, group: list[SitePlan], output: str | None) -> str:
+    restored = _restored(group, output)
+    for sp in group:
+        if sp.rotation_ready:
+            continue
+        if output is not None and sp.rotation_reason.startswith(OUTPUT_BLOCK):
+            continue  # the caller chose what the model output becomes
+        return f"`{sp.name}`: {sp.rotation_reason or 'not rotation-ready'}"
+    widths = {tuple(sp.normalized_shape) for sp in group}
+    if len(widths) != 1:
+        return f"norms of different widths share writers ({sorted(widths)})"
+    axes = _axes(plan)
+    blocked = {e.target for e in plan.writer_edits if e.blocks is not None}
+    targets = {t for sp in group for t in sp.writer_targets}
+    if not targets and not any(sp.rotation_ops for sp in group):
+        return "no writer recorded (a plan read back from a manifest has no stream details: " \
+            "rotate right after normswap.patch)"
+    for t in sorted(targets):
+        if t in blocked or t not in axes:
+            return f"writer `{t}` is centered per block, not over the whole stream"
+    keeps_gamma = ("keeps γ (its output, the model output, has no Linear reader to fold it into), so its output "
+                   "cannot come out rotated: output='restore' turns the stream back before it")
+    folded = {f.norm for f in plan.rms_folds}
+    for sp in group:
+        module = model.get_submodule(sp.name)
+        if sp.name in restored:
+            continue  # sees the stream as before
+        if sp.verdict == "rms":  # γ folded by RmsFold (effective weight 1), checked by the planner
+            weight = getattr(module, "weight", None)
+            unit = isinstance(weight, torch.Tensor) and bool((weight == 1).all())
+            if sp.rotation_outputs and sp.name not in folded and not unit:
+                return f"`{sp.name}` {keeps_gamma}"
+            continue
+        if not isinstance(module, RMSNorm):
+            return f"`{sp.name}` is not an RMSNorm"
+        if module.weight is not None and not bool((module.weight == 1).all()):
+            if sp.rotation_outputs:
+                return f"`{sp.name}` {keeps_gamma}"
+            return f"`{sp.name}` weight is not 1 (convert with fold_gamma=True)"
+    return ""
+
+
+def _restored(group: list[SitePlan], output: str | None) -> set[str]:
+    """The norms whose input is turned back (``output="restore"``): those whose output is a model output."""
+    return {sp.name for sp in group if sp.rotation_outputs} if output == "restore" else set()
+
+
+RESTORE_BUFFER = "normswap_unrotate"  # Qᵀ on a norm whose input is turned back (output="restore")
+
+
+class Unrotate:
+    """Forward pre-hook: the norm's input times the ``Qᵀ`` it holds (``output="restore"``), so the norm, its
+    γ/β and whatever reads it see the stream as before the rotation."""
+
+    def __call__(self, module: nn.Module, args: tuple) -> tuple:
+        x = args[0]
+        return (torch.matmul(x, getattr(module, RESTORE_BUFFER).to(x.dtype)), *args[1:])
+
+
+def _install_unrotate(module: nn.Module, value: torch.Tensor, *, compose: bool = False) -> None:
+    """Register the ``Qᵀ`` buffer and pre-hook; on a norm that has them, ``compose`` turns back a second
+    rotation too (``(Q₁Q₂)ᵀ = Q₂ᵀQ₁ᵀ``)."""
+    if getattr(module, "_normswap_unrotate", None) is None:
+        module.register_buffer(RESTORE_BUFFER, value)
+        module._normswap_unrotate = module.register_forward_pre_hook(Unrotate())
+    elif compose:
+        old = getattr(module, RESTORE_BUFFER)
+        setattr(module, RESTORE_BUFFER, (value.double() @ old.double()).to(old.dtype))
+    else:
+        setattr(module, RESTORE_BUFFER, value)
+
+
+ROTATION_BUFFER = "normswap_rotation"  # Q on the module where a centered stream starts (a rotation op)
+
+
+class RotateOutput:
+    """Forward hook: the module's output times the ``Q`` it holds (a stream start no weight can turn)."""
+
+    def __call__(self, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+        return torch.matmul(output, getattr(module, ROTATION_BUFFER).to(output.dtype))
+
+
+class RotateInput:
+    """Forward pre-hook: one input argument times the ``Q`` the module holds."""
+
+    def __init__(self, arg: int | str) -> None:
+        self.arg = arg
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        q = getattr(module, ROTATION_BUFFER)
+        if isinstance(self.arg, int):
+            args = list(args)
+            args[self.arg] = torch.matmul(args[self.arg], q.to(args[self.arg].dtype))
+            return tuple(args), kwargs
+        kwargs = dict(kwargs)
+        kwargs[self.arg] = torch.matmul(kwargs[self.arg], q.to(kwargs[self.arg].dtype))
+        return args, kwargs
+
+
+def _install_rotation_op(module: nn.Module, op: dict, value: torch.Tensor, *, compose: bool = False) -> None:
+    """Register the ``Q`` buffer and hook; where they exist, ``compose`` makes it ``Q₁Q₂`` (a second rotation)."""
+    if getattr(module, "_normswap_rotation", None) is not None:
+        old = getattr(module, ROTATION_BUFFER)
+        setattr(module, ROTATION_BUFFER, (old.double() @ value.double()).to(old.dtype) if compose else value)
+        return
+    module.register_buffer(ROTATION_BUFFER, value)
+    if op["where"] == "output":
+        module._normswap_rotation = module.register_forward_hook(RotateOutput())
+    else:
+        module._normswap_rotation = module.register_forward_pre_hook(RotateInput(op["arg"]), with_kwargs=True)
+
+
+HADAMARD_BUFFER = "normswap_hadamard"  # H_K of an online Hadamard (the small factor; fwht does the 2^m part)
+
+
+class OnlineHadamard:
+    """Forward pre-hook: the module's input times ``H/sqrt(n)`` by the fast Walsh–Hadamard transform
+    (:func:`normswap.rotation.hadamard.fwht`, stock ops only, so it exports); the module's weight holds ``Hᵀ``."""
+
+    def __call__(self, module: nn.Module, args: tuple) -> tuple:
+        x = args[0]
+        return (hadamard.fwht(x, getattr(module, HADAMARD_BUFFER)), *args[1:])
+
+
+def _install_online(module: nn.Module, small: torch.Tensor) -> None:
+    if getattr(module, "_normswap_online", None) is not None:
+        setattr(module, HADAMARD_BUFFER, small)
+        return
+    module.register_buffer(HADAMARD_BUFFER, small)
+    module._normswap_online = module.register_forward_pre_hook(OnlineHadamard())
+
+
+def _online_targets(model: nn.Module, writers: list[str], width: int) -> tuple[list[str], list[str]]:
+    """The MLP down projections among a stream's writers (Linear/Conv1D whose input width is not the
+    stream's: ``(paths with a Hadamard order, reasons for the others)``."""
+    found, why = [], []
+    modules = dict(model.named_modules())
+    for path in sorted({w.rpartition(".")[0] for w in writers}):  # a top-level raw parameter's owner is the model
+        module = modules.get(path)
+        if not (isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D"):
+            continue
+        n = module.weight.shape[_reader_axis(module)]
+        if n == width or getattr(module, "_normswap_online", None) is not None:
+            continue  # an attention output projection; or an online Hadamard is there already
+        if not hadamard.has_hadamard(n):
+            why.append(f"`{path}`: no Hadamard matrix of order {n}")
+            continue
+        found.append(path)
+    return found, why
+
+
+_VALUE_OUTPUT = (("v_proj", "o_proj"), ("v_proj", "out_proj"))  # separate value / output projections
+
+
+def _head_dim(model: nn.Module) -> int | None:
+    """The head size from the (first) transformers config in ``model``: ``head_dim`` or width / heads."""
+    config = next((getattr(m, "config", None) for m in model.modules() if getattr(m, "config", None) is not None),
+                  None)
+    if config is None:
+        return None
+    config = getattr(config, "get_text_config", lambda: config)()
+    hd = getattr(config, "head_dim", None)
+    heads = getattr(config, "num_attention_heads", None)
+    width = getattr(config, "hidden_size", None)
+    return int(hd) if isinstance(hd, int) else (width // heads if width and heads else None)
+
+
+def _value_heads(model: nn.Module) -> tuple[list[tuple[str, nn.Linear, nn.Linear]], int | None]:
+    """Attention modules whose value and output projections are separate Linears over whole heads, and
+    the head size (the attention module's own ``head_dim`` / ``attention_head_size``, else the config's)."""
+    found, sizes = [], set()
+    default = _head_dim(model)
+    for path, module in model.named_modules():
+        pairs = [(module, getattr(module, v_name, None), getattr(module, o_name, None))
+                 for v_name, o_name in _VALUE_OUTPUT]
+        # BERT/ViT/DINOv2 layout: <attention>.{self|attention}.value and <attention>.output.dense
+        inner = getattr(module, "self", None) or getattr(module, "attention", None)
+        out = getattr(module, "output", None)
+        if isinstance(inner, nn.Module) and isinstance(out, nn.Module):
+            pairs.append((inner, getattr(inner, "value", None), getattr(out, "dense", None)))
+        for owner, v, o in pairs:
+            hd = getattr(owner, "head_dim", None) or getattr(owner, "attention_head_size", None) or default
+            if isinstance(v, nn.Linear) and isinstance(o, nn.Linear) and isinstance(hd, int) and hd > 0 \
+                    and v.out_features % hd == 0 and o.in_features % hd == 0:
+                found.append((path, v, o))
+                sizes.add(hd)
+                break
+    if len(sizes) > 1:
+        return [], None  # one H̃ size per model keeps the record simple; mixed head sizes are left alone
+    return found, next(iter(sizes), None)
+
+
+def _rotate_heads_(model: nn.Module) -> tuple[list[str], int | None, str]:
+    """Per-head Hadamard on values, folded offline: each head's value features ``v_h → v_h H̃`` (the value
+    projection's rows and bias, per head) and the output projection's input columns of each head ``W → W H̃``.
+    Attention is linear in each head's values (``softmax(.) V_h H̃ = (softmax(.) V_h) H̃``), so outputs
+    are unchanged; grouped-query heads share one ``H̃``, so any head mapping works."""
+    pairs, hd = _value_heads(model)
+    if not pairs:
+        return [], hd, ("no attention with separate value/output projections (v_proj with o_proj/out_proj, or "
+                        "self|attention.value with output.dense)")
+    if not hadamard.has_hadamard(hd):
+        return [], hd, f"no Hadamard matrix of order {hd} (the head size)"
+    h = hadamard.hadamard(hd) / hd**0.5
+    for _, v, o in pairs:
+        for p, axis in ((v.weight, 0), (v.bias, 0), (o.weight, 1)):
+            if p is None:
+                continue
+            blocks = p.detach().double().movedim(axis, -1)
+            turned = (blocks.reshape(*blocks.shape[:-1], -1, hd) @ h.to(p.device)).reshape(blocks.shape)
+            with torch.no_grad():
+                p.copy_(turned.movedim(-1, axis).to(p.dtype))
+    return [path for path, _, _ in pairs], hd, ""
+
+
+def _like(module: nn.Module, model: nn.Module) -> dict:
+    ref = next(iter(module.parameters()), None)
+    if ref is None:
+        ref = next(iter(model.parameters()), None)
+    return {"device": ref.device, "dtype": ref.dtype} if ref is not None else {}
+
+
+def install_ops(model: nn.Module, plan: Plan) -> None:
+    """Rebuild the structure a rotation added (loading a native checkpoint; no weight arithmetic): the
+    ``Qᵀ`` buffer and hook of each norm whose model output is turned back. The buffer's value comes with
+    the checkpoint's weights; it is created here, empty, on the norm's device and dtype."""
+    for r in plan.rotations:
+        width = int(r["width"])
+        for name in r.get("restore", []):
+            module = model.get_submodule(name)
+            _install_unrotate(module, torch.empty(width, width, **_like(module, model)))
+        for op in r.get("ops", []):
+            module = model.get_submodule(op["module"])
+            _install_rotation_op(module, op, torch.empty(width, width, **_like(module, model)))
+        for path in r.get("online", []):
+            module = model.get_submodule(path)
+            k = hadamard.hadamard_order(module.weight.shape[_reader_axis(module)])
+            _install_online(module, torch.empty(k, k, **_like(module, model)))
+
+
+def _rotate_axis_(p: torch.Tensor, axis: int, q: torch.Tensor) -> None:
+    """``p`` with its ``axis`` features multiplied by ``q`` (row-vector convention), fp64, cast once."""
+    w = p.detach().double().movedim(axis, -1)
+    with torch.no_grad():
+        p.copy_((w @ q).movedim(-1, axis).to(p.dtype))
+
+
+def _reader_axis(module: nn.Module | LinearView) -> int:
+    return 0 if linear_module_kind(module) == "conv1d" else 1  # HF Conv1D (and x @ W) stores [in, out]
+
+
+def _reader_rows(model: nn.Module, name: str) -> tuple[int, int | None]:
+    """What a reader's rotation turns: its weight parameter, and which rows (a functional linear may use
+    some rows of a stacked q/k/v weight: two such readers of one parameter turn different rows)."""
+    module = linear_at(model, name)
+    if isinstance(module, LinearView):
+        return id(module.weight_param), module.spec.rows[0] if module.spec.rows else None
+    return id(module.weight), None
+
+
+def _user_matrix(q: torch.Tensor) -> torch.Tensor:
+    q64 = q.detach().double().cpu()
+    if q64.dim() != 2 or q64.shape[0] != q64.shape[1]:
+        raise NormswapError(f"q must be a square matrix, got shape {tuple(q.shape)}")
+    if float((q64.T @ q64 - torch.eye(q64.shape[0], dtype=torch.float64)).abs().max()) > 1e-6:
+        raise NormswapError("q is not orthogonal (qᵀq differs from the identity by more than 1e-6)")
+    return q64
+
+
+def rotate(model: nn.Module, q: str | int | torch.Tensor = "hadamard", *, seed: int = 0,
+           online: bool = False, output: str | None = None) -> Rotation:
+    """Multiply every rotation-ready residual stream of a converted model by an orthogonal matrix.
+
+    Args:
+        model: a model converted by ``normswap.patch(model, fold_gamma=True)``, in place.
+        q: ``"hadamard"`` (default): a randomized Hadamard matrix ``H·diag(s)/sqrt(d)`` per stream (QuaRot's
+            choice: every feature spread evenly over all), made mean-preserving (:func:`keep_mean`); a width
+            with no Hadamard order here gets a random orthogonal matrix and the result says so.
+            ``"random"``: a Haar-random orthogonal matrix per stream, made mean-preserving. An int: a seed
+            for ``"random"`` (``rotate(model, 3)`` = ``rotate(model, "random", seed=3)``). A tensor: your own
+            orthogonal ``d × d`` matrix, applied as given to every ready stream of width ``d``.
+        seed: the random signs / random matrix of the first stream; the i-th stream uses ``seed + i``.
+        online: also QuaRot's online Hadamard on every MLP down projection of a rotated stream (a writer
+            Linear/Conv1D whose input width ``n`` is not the stream's): an op computing ``x·H/sqrt(n)``
+            by the fast Walsh–Hadamard transform before it, ``Hᵀ`` folded into its weight. The op is a
+            buffer (``H_K``) and a pre-hook, saved and rebuilt by the native format; stock ops, so it
+            exports. A width with no Hadamard order is left alone and listed in ``Rotation.online_skipped``.
+            Also per-head Hadamards on values and outputs where they fold (attention modules with separate
+            ``v_proj`` and ``o_proj``/``out_proj`` Linears, or BERT/ViT's ``self``/``attention.value`` with
+            ``output.dense``, over whole heads; the head size from the config):
+            each head's values turn by ``H/sqrt(head_dim)`` (value projection rows) and the output
+            projection's columns of that head absorb it; weights only, no op.
+        output: for a stream whose last norm's output is itself a model output (a ViT/DINOv2
+            backbone's ``last_hidden_state``, a base model's final norm): ``None`` (default) leaves such a
+            stream unrotated and says so; ``"rotated"`` rotates it and that output comes out as ``y Q``:
+            every cosine, inner product and distance between output vectors is unchanged (embeddings
+            used for search work as they are), and ``Q`` is in the result (:attr:`Rotation.matrices`)
+            and rebuildable from the manifest; ``"restore"`` rotates it and turns that norm's output back
+            before that norm (one ``d × d`` matmul per token: a ``Qᵀ`` buffer and pre-hook on the norm, which
+            the native format saves and rebuilds; the compat format cannot hold it). ``"rotated"`` needs
+            the norm's γ folded, i.e. a Linear reader besides the output; ``"restore"`` works either way.
+
+    Returns:
+        A :class:`Rotation` listing the streams rotated (with the matrix of each) and, for the others, why not.
+
+    Raises:
+        NormswapError: the model was not converted by normswap, or was converted without ``fold_gamma``
+            and so has streams whose norms keep γ (nothing is rotated then).
+
+    Writers' output features become ``x Q`` (Linear/Conv1D/conv/Embedding weights and biases, raw
+    position/cls parameters); readers' input features become ``Qᵀ`` (``W ← W Q``). Outputs are
+    unchanged up to float rounding; raw residual-stream outputs (``hidden_states``) come out
+    rotated. A stream made zero-mean by a centering op needs ``Q·1 = ±1`` (always true of the
+    matrices built here; a user matrix without it leaves such streams alone). The rotation is recorded in
+    the model's plan (``plan.rotations``), which becomes the checkpoint manifest.
+    """
+    plan = _converted_plan(model)
+    choice = MatrixChoice.of(q, seed)
+    if output is not None:
+        choose("output", output, ("rotated", "restore"))
+    result = Rotation()
+    todo = _choose_streams(model, plan, choice, output, result)
+    axes = _axes(plan)  # the output-feature axis of every writer tensor
+    for turn in _stream_turns(model, axes, todo, output):
+        result.rotated.append(_turn_stream(model, axes, turn, output, online, result))
+    if online and result.rotated and not any(r.get("value_heads") for r in plan.rotations):
+        # per-head Hadamards on values and outputs: offline folds, no op (once: a second H̃ would undo nothing)
+        heads, hd, why = _rotate_heads_(model)
+        result.rotated[0].update(value_heads=heads, head_dim=hd)
+        if why:
+            result.online_skipped.append(f"per-head Hadamard on values: {why}")
+    plan.rotations = plan.rotations + [manifest_entry(r) for r in result.rotated]
+    return result
+
+
+def _converted_plan(model: nn.Module) -> Plan:
+    plan = plan_of(model)
+    if plan is None:
+        raise NormswapError("model was not converted by normswap; run normswap.patch(model, fold_gamma=True) first")
+    return plan
+
+
+@dataclass
+class MatrixChoice:
+    """What ``rotate``'s ``q`` and ``seed`` ask for: one user matrix for every stream (``matrix``), or a
+    ``kind`` of matrix built per stream from ``seed + i``."""
+
+    matrix: torch.Tensor | None
+    kind: str
+    seed: int
+
+    @classmethod
+    def of(cls, q: str | int | torch.Tensor, seed: int) -> MatrixChoice:
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise NormswapError(f"seed must be an int, not {type(seed).__name__}")
+        if isinstance(q, torch.Tensor):
+            return cls(_user_matrix(q), "user", seed)
+        if isinstance(q, int) and not isinstance(q, bool):
+            return cls(None, "random", q)
+        if isinstance(q, str):
+            return cls(None, choose("rotation", q, KINDS), seed)
+        raise NormswapError(f"q must be 'hadamard', 'random', an int seed or an orthogonal matrix, "
+                            f"not {type(q).__name__}")
+
+    @property
+    def keeps_mean(self) -> bool:
+        return self.matrix is not None and is_mean_preserving(self.matrix)
+
+    def for_stream(self, i: int, width: int) -> tuple[torch.Tensor, dict]:
+        """The matrix of the ``i``-th stream and its description (the manifest's fields)."""
+        if self.matrix is None:
+            return rotation_matrix(width, self.kind, self.seed + i)
+        return self.matrix, {"kind": "user", "seed": None, "construction": "", "fallback": "",
+                             "mean_preserving": self.keeps_mean}
+
+    def refusal(self, group: list[SitePlan], width: int) -> str:
+        """Why this matrix cannot turn the stream of ``group`` ("" when it can)."""
+        if self.matrix is None:
+            return ""
+        if self.matrix.shape[0] != width:
+            return f"q is {self.matrix.shape[0]}×{self.matrix.shape[0]} but this stream has width {width}"
+        centered = next((sp for sp in group if sp.verdict in CENTERED_VERDICTS), None)
+        if centered is not None and not self.keeps_mean:
+            return (f"`{centered.name}` reads a stream centered at run time, which only a mean-preserving q "
+                    "commutes with (q·1 = ±1; the 'hadamard' and 'random' matrices are)")
+        return ""
+
+
+def _choose_streams(model: nn.Module, plan: Plan, choice: MatrixChoice, output: str | None,
+                    result: Rotation) -> list[tuple[list[SitePlan], torch.Tensor, dict]]:
+    """(norms, Q, description) of every stream to turn; the others go to ``result.skipped`` with why.
+    Refuses a model converted without ``fold_gamma`` (its norms keep γ) rather than rotating nothing."""
+    todo = []
+    for i, group in enumerate(streams(plan, model)):
+        width = group[0].normalized_shape[0]
+        why = _blocker(model, plan, group, output) or choice.refusal(group, width)
+        if why:
+            result.skipped.append({"norms": [sp.name for sp in group], "reason": why})
+        else:
+            todo.append((group, *choice.for_stream(i, width)))
+    gamma_kept = [s for s in result.skipped if "fold_gamma" in s["reason"]]
+    if gamma_kept and not plan.options.get("fold_gamma"):  # a model that cannot take it: say so, not "0 rotated"
+        raise NormswapError(
+            f"cannot rotate: the model was converted without fold_gamma, so its norms keep γ "
+            f"(`{gamma_kept[0]['norms'][0]}` and {len(gamma_kept) - 1} other stream(s)) and a rotation needs RMSNorms "
+            "of unit weight; convert the original model with normswap.patch(model, fold_gamma=True) (CLI: normswap "
+            "convert --fold-gamma, or --rotate), then rotate it")
+    return todo
+
+
+@dataclass
+class StreamTurn:
+    """One stream's rotation: its norms, ``q`` and description, and the tensors it turns."""
+
+    group: list[SitePlan]
+    q: torch.Tensor
+    info: dict
+    writers: dict[int, str]  # id(parameter) -> its name: a parameter tied to several names turns once
+    readers: list[str]
+    tied: set[str]  # readers whose weight is a writer of the same stream (turned once, as a writer)
+    restored: set[str]  # norms whose output is turned back before them (output="restore")
+    ops: list[dict]  # rotation ops at the stream's centering op
+
+
+def _stream_turns(model: nn.Module, axes: dict[str, int], todo: list[tuple[list[SitePlan], torch.Tensor, dict]],
+                  output: str | None) -> list[StreamTurn]:
+    """The tensors each stream turns. Every parameter is rotated at most once; a reader whose weight is
+    also a writer of the same stream (a head tied to the embedding: rows x → x Q as a writer, W → W Q as a
+    reader) is that one rotation. Streams that share a writer or reader are refused."""
+    turns = []
+    for group, rot, info in todo:
+        upstream = {t for sp in group for t in sp.rotation_upstream}  # turned by the stream's op
+        by_id = {id(model.get_parameter(t)): t for sp in group for t in sorted(sp.writer_targets)
+                 if t not in upstream}
+        restored = _restored(group, output)
+        readers = sorted({r for sp in group if sp.name not in restored for r in sp.linear_readers})
+        tied = {r for r in readers if id(linear_at(model, r).weight) in by_id
+                and axes[by_id[id(linear_at(model, r).weight)]] == _reader_axis(linear_at(model, r))}
+        ops = list({(o["module"], o["where"], o["arg"]): o for sp in group for o in sp.rotation_ops}.values())
+        turns.append(StreamTurn(group, rot, info, by_id, readers, tied, restored, ops))
+    writer_params = [p for t in turns for p in t.writers]
+    reader_params = [_reader_rows(model, r) for t in turns for r in t.readers if r not in t.tied]
+    if len(set(writer_params)) != len(writer_params) or len(set(reader_params)) != len(reader_params) \
+            or set(writer_params) & set(reader_params):
+        raise NormswapError("streams share a writer or a reader; this model cannot be rotated stream by stream")
+    return turns
+
+
+def _turn_stream(model: nn.Module, axes: dict[str, int], turn: StreamTurn, output: str | None, online: bool,
+                 result: Rotation) -> dict:
+    """Rotate one stream's writers, kept biases and readers, install its ops; returns its entry."""
+    rot = turn.q
+    writers = sorted(turn.writers.values())  # a tied parameter is rotated once
+    for t in writers:
+        p = model.get_parameter(t)
+        _rotate_axis_(p, axes[t], rot.to(p.device))
+    for sp in turn.group:  # a kept bias is part of the norm's output: it turns with the stream
+        bias = getattr(model.get_submodule(sp.name), "bias", None)
+        if sp.name not in turn.restored and isinstance(bias, torch.Tensor):
+            _rotate_axis_(bias, 0, rot.to(bias.device))
+    for r in turn.readers:
+        if r not in turn.tied:
+            module = linear_at(model, r)
+            _rotate_axis_(module.weight, _reader_axis(module), rot.to(module.weight.device))
+    for name in sorted(turn.restored):
+        module = model.get_submodule(name)
+        ref = next(iter(module.parameters()), None)
+        _install_unrotate(module, rot.T.contiguous().to(device=ref.device if ref is not None else None,
+                                                        dtype=ref.dtype if ref is not None else None),
+                          compose=True)
+    for op in turn.ops:
+        module = model.get_submodule(op["module"])
+        _install_rotation_op(module, op, rot.to(**_like(module, model)).contiguous(), compose=True)
+    online_paths: list[str] = []
+    if online:
+        online_paths, skipped_online = _online_targets(model, writers, rot.shape[0])
+        result.online_skipped += skipped_online
+        for path in online_paths:
+            _add_online_hadamard(model, path)
+    outputs = sorted({o for sp in turn.group for o in sp.rotation_outputs})
+    return {"width": rot.shape[0], "norms": [sp.name for sp in turn.group], "writers": writers,
+            "readers": turn.readers, **turn.info, "output": (output or "") if outputs else "", "outputs": outputs,
+            "restore": sorted(turn.restored), "ops": turn.ops, "online": online_paths, "q": rot}
+
+
+def _add_online_hadamard(model: nn.Module, path: str) -> None:
+    """QuaRot's online Hadamard before the down projection at ``path``: ``W ← W H̃`` and the op ``x H̃``."""
+    module = model.get_submodule(path)
+    n = module.weight.shape[_reader_axis(module)]
+    h = hadamard.hadamard(n) / n**0.5
+    _rotate_axis_(module.weight, _reader_axis(module), h.to(module.weight.device))  # W ← W H̃
+    _install_online(module, hadamard.small_factor(n).to(**_like(module, model)))
+
+
+def manifest_entry(stream: dict) -> dict:
+    """What the checkpoint manifest records of one rotated stream: enough to rebuild ``Q`` (kind, seed,
+    width; :func:`rotation_matrix`) or, for a user matrix, to recognise it (its SHA-256), and to undo it."""
+    entry = {k: v for k, v in stream.items() if k not in ("q", "writers", "readers")}
+    if stream["kind"] == "user":
+        import hashlib
+
+        entry["sha256"] = hashlib.sha256(stream["q"].contiguous().numpy().tobytes()).hexdigest()
+    return entry

@@ -1,0 +1,258 @@
+"""Compare an original and a converted model's outputs: the figures every conversion reports.
+
+Figures (on the model's primary output: ``logits`` when there is one, else the first floating
+output that is not a raw residual stream):
+``max_abs_error``, ``max_rel_error`` (max abs error / max abs reference), ``rel_rms_error``
+(‖error‖ / ‖reference‖), ``kl`` (mean KL of the
+softmax over the last dim, reference ‖ converted), ``top1_agreement``. Given the probe's
+``attention_mask``, figures of per-token outputs count the real tokens, not the padding.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from normswap.analysis.plan import SitePlan
+from normswap.errors import VerificationFailed
+
+# fp64 reference vs converted fp64 copy: anything above this is a bug, not rounding
+EXACT_TOLERANCE = {torch.float64: 1e-6, torch.float32: 2e-3, torch.bfloat16: 5e-2, torch.float16: 2e-2}
+# |mean| / rms of a stream whose writers were centered, per working dtype
+ZERO_MEAN_TOLERANCE = {torch.float64: 1e-8, torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 5e-3}
+
+
+def figure(value: float, digits: int = 4) -> str:
+    """``value`` with ``digits`` significant digits, or more where those would round it to a whole
+    number it is not: a cosine of 0.999997 prints as ``0.999997``, not ``1`` (only an exact 1 is 1)."""
+    text = f"{value:.{digits}g}"
+    while digits < 15 and float(text) != value and float(text).is_integer():
+        digits += 1
+        text = f"{value:.{digits}g}"
+    return text
+
+
+def exact_limit(dtype: torch.dtype) -> float:
+    """The largest relative output error an *exact* conversion computed in ``dtype`` may show."""
+    return EXACT_TOLERANCE.get(dtype, 1e-3)
+
+
+def gate(converted: list[SitePlan], figures: dict[str, Any], dtype: torch.dtype) -> None:
+    """Refuse a conversion that misses its tolerance: an exact norm whose input is not zero-mean, or,
+    when every converted norm is exact, outputs further from the original than :func:`exact_limit`."""
+    tol = ZERO_MEAN_TOLERANCE.get(dtype, 1e-4)
+    bad = [sp for sp in converted if sp.verdict != "approximate" and sp.error is not None and sp.error > tol]
+    if bad:
+        raise VerificationFailed(
+            f"verification failed: `{bad[0].name}` was planned exact but its input is not zero-mean "
+            f"(|mean|/rms = {bad[0].error:.2e}); model left unchanged. Please report this model; "
+            "mode='exact' with verify=False skips the check")
+    if all(sp.verdict != "approximate" for sp in converted) and "max_rel_error" in figures:
+        limit = exact_limit(dtype)
+        if figures["max_rel_error"] > limit:
+            raise VerificationFailed(
+                f"verification failed: converted outputs differ from the original by "
+                f"{figures['max_rel_error']:.2e} (relative) on `{figures.get('output')}`; model left unchanged")
+    if all(sp.verdict != "approximate" for sp in converted) and \
+            figures.get("raw_stream_rel_error", 0.0) > exact_limit(dtype):
+        raise VerificationFailed(
+            f"verification failed: a raw residual-stream output differs from the original by more than a "
+            f"per-token constant ({figures['raw_stream_rel_error']:.2e}, relative); model left unchanged. "
+            "Please report this model")
+
+
+PRIMARY_KEYS = ("logits", "logits_per_image", "pooler_output", "image_embeds", "text_embeds",
+                "last_hidden_state", "prediction_logits", "start_logits")
+
+
+def flatten_outputs(obj: Any, prefix: str = "") -> list[tuple[str, torch.Tensor]]:
+    out: list[tuple[str, torch.Tensor]] = []
+    if isinstance(obj, torch.Tensor):
+        out.append((prefix or "output", obj))
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            out += flatten_outputs(v, f"{prefix}.{k}" if prefix else str(k))
+    elif isinstance(obj, (tuple, list)):
+        for i, v in enumerate(obj):
+            out += flatten_outputs(v, f"{prefix}[{i}]")
+    return out
+
+
+def comparable(obj: Any, skip: set[str]) -> dict[str, torch.Tensor]:
+    """Floating outputs worth comparing: not cached keys/values, not documented raw-stream outputs."""
+    return {k: v for k, v in flatten_outputs(obj)
+            if v.is_floating_point() and k not in skip and "past_key_values" not in k
+            and not k.startswith("hidden_states") and "encoder_hidden_states" not in k}
+
+
+def primary_key(outputs: dict[str, torch.Tensor]) -> str | None:
+    for key in PRIMARY_KEYS:
+        if key in outputs:
+            return key
+    return next(iter(outputs), None)
+
+
+def figures(reference: torch.Tensor, converted: torch.Tensor) -> dict[str, float]:
+    ref, out = reference.detach().double(), converted.detach().double()
+    diff = out - ref
+    worst = float(diff.abs().max()) if diff.numel() else 0.0
+    scale = float(ref.abs().max()) if ref.numel() else 0.0
+    norm = float(ref.norm()) if ref.numel() else 0.0
+    result = {
+        "max_abs_error": worst,
+        "max_rel_error": worst / scale if scale > 0 else 0.0,
+        # ‖out − ref‖ / ‖ref‖ over the whole output: the stable figure for comparing two roundings
+        "rel_rms_error": float(diff.norm()) / norm if norm > 0 else 0.0,
+    }
+    if ref.dim() >= 1 and ref.shape[-1] > 1 and ref.numel():
+        result["kl"] = float(token_kl(ref, out).mean())
+        result["top1_agreement"] = float((ref.argmax(-1) == out.argmax(-1)).double().mean())
+    return result
+
+
+def token_kl(reference_logits: torch.Tensor, converted_logits: torch.Tensor) -> torch.Tensor:
+    """``KL(softmax(reference) ‖ softmax(converted))`` over the last dim, per row, in float64, never below 0.
+
+    A divergence is non-negative; the sum ``Σ p (log p − log q)`` of two nearly equal distributions can
+    round to a tiny negative number (``-4.5e-17``), which says nothing, so each row is clamped at 0."""
+    logp_ref = torch.log_softmax(reference_logits.detach().double(), -1)
+    logp_out = torch.log_softmax(converted_logits.detach().double(), -1)
+    return (logp_ref.exp() * (logp_ref - logp_out)).sum(-1).clamp_min(0.0)
+
+
+def max_rel_error(reference: torch.Tensor, converted: torch.Tensor) -> float:
+    """``max |converted − reference| / max |reference|`` (the ``max_rel_error`` of :func:`figures`
+    without the softmax figures, for outputs that only count towards the worst case)."""
+    ref, out = reference.detach().double(), converted.detach().double()
+    if not ref.numel():
+        return 0.0
+    scale = float(ref.abs().max())
+    return float((out - ref).abs().max()) / scale if scale > 0 else 0.0
+
+
+def rel_rms_error(reference: torch.Tensor, converted: torch.Tensor) -> float:
+    """``‖converted − reference‖ / ‖reference‖`` (the ``rel_rms_error`` of :func:`figures`)."""
+    ref, out = reference.detach().double(), converted.detach().double()
+    norm = float(ref.norm()) if ref.numel() else 0.0
+    return float((out - ref).norm()) / norm if norm > 0 else 0.0
+
+
+def embedding_cosine(reference: torch.Tensor, converted: torch.Tensor,
+                     attention_mask: torch.Tensor | None = None) -> float:
+    """Mean cosine between masked mean-pooled ``[batch, seq, hidden]`` states: what sentence
+    encoders compare (their embeddings are pooled hidden states, not ``pooler_output``)."""
+    ref, out = reference.detach().double(), converted.detach().double()
+    if attention_mask is None or tuple(attention_mask.shape) != tuple(ref.shape[:2]):
+        mask = torch.ones(ref.shape[:2], dtype=torch.float64)
+    else:
+        mask = attention_mask.detach().double()
+    mask = mask.unsqueeze(-1)
+    pooled_ref = (ref * mask).sum(1) / mask.sum(1).clamp_min(1)
+    pooled_out = (out * mask).sum(1) / mask.sum(1).clamp_min(1)
+    return float(torch.nn.functional.cosine_similarity(pooled_ref, pooled_out, dim=-1).mean())
+
+
+def task_figures(ref: dict[str, torch.Tensor], out: dict[str, torch.Tensor], keys: list[str],
+                 attention_mask: torch.Tensor | None = None) -> dict[str, float]:
+    """The figure each family's users compare, next to the generic ones.
+
+    LMs: ``kl`` and ``top1_agreement`` on ``logits`` (always reported). Classifiers (2-D logits):
+    ``class_agreement``. Encoders: ``embedding_cosine`` (masked mean-pooled ``last_hidden_state``) and
+    ``last_hidden_state_rel_error``. Seq2seq: ``encoder_state_rel_error``.
+    """
+    result: dict[str, float] = {}
+    if "logits" in keys and ref["logits"].dim() == 2:
+        result["class_agreement"] = float((ref["logits"].argmax(-1) == out["logits"].argmax(-1)).double().mean())
+    if "last_hidden_state" in keys and ref["last_hidden_state"].dim() == 3:
+        result["embedding_cosine"] = embedding_cosine(ref["last_hidden_state"], out["last_hidden_state"],
+                                                      attention_mask)
+        result["last_hidden_state_rel_error"] = rel_rms_error(
+            real_tokens(ref["last_hidden_state"], attention_mask), real_tokens(out["last_hidden_state"],
+                                                                               attention_mask))
+    if "encoder_last_hidden_state" in keys:
+        result["encoder_state_rel_error"] = rel_rms_error(
+            real_tokens(ref["encoder_last_hidden_state"], attention_mask),
+            real_tokens(out["encoder_last_hidden_state"], attention_mask))
+    return result
+
+
+def real_tokens(t: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    """The rows of ``t`` (``[batch, seq, ...]``) at the real tokens of ``attention_mask`` (``[batch,
+    seq]``), as ``[tokens, ...]``; ``t`` unchanged when there is no mask or it does not fit."""
+    if attention_mask is None or t.dim() < 3 or tuple(t.shape[:2]) != tuple(attention_mask.shape):
+        return t
+    return t[attention_mask.to(device=t.device, dtype=torch.bool)]
+
+
+def compare(reference: Any, converted: Any, skip: set[str] = frozenset(),
+            attention_mask: torch.Tensor | None = None) -> dict[str, Any]:
+    """Figures for the primary output, the family's own figures (:func:`task_figures`), and the
+    worst relative error over every compared output. With ``attention_mask``, the figures of
+    ``[batch, seq, ...]`` outputs count the real tokens only (padding is not what users compare)."""
+    ref, out = comparable(reference, set(skip)), comparable(converted, set(skip))
+    keys = [k for k in ref if k in out and ref[k].shape == out[k].shape]
+
+    def real(t: torch.Tensor) -> torch.Tensor:
+        return real_tokens(t, attention_mask)
+
+    streams = raw_stream_error(reference, converted, skip, real)
+    if not keys:
+        return {"compared": [], **streams}
+    key = primary_key({k: ref[k] for k in keys})
+
+    result: dict[str, Any] = {"output": key, **figures(real(ref[key]), real(out[key]))}
+    result.update(task_figures(ref, out, keys, attention_mask))
+    result["worst_rel_error_any_output"] = max(
+        result["max_rel_error"] if k == key else max_rel_error(real(ref[k]), real(out[k])) for k in keys)
+    result["compared"] = keys
+    result.update(streams)
+    return result
+
+
+def raw_stream_error(reference: Any, converted: Any, changed: set[str], real: Any) -> dict[str, float]:
+    """``raw_stream_rel_error``: how far the outputs the plan changes by design (raw residual streams,
+    ``Plan.changed_outputs``) are from what the design allows. Centering a writer subtracts, at each
+    token, a constant from every feature of its output, so such a stream may differ from the original
+    only along the all-ones direction: the figure is ``max |P(converted − original)| / max |original|``
+    with ``P`` removing each token's mean over the features, worst over those outputs (0 in exact
+    arithmetic for an exact conversion). Empty when the model has no such output. This is what a model
+    whose only output is its raw stream (VideoMAE's base model) is verified on."""
+    ref, out = dict(flatten_outputs(reference)), dict(flatten_outputs(converted))
+    keys = [k for k in changed if k in ref and k in out and ref[k].is_floating_point()
+            and ref[k].shape == out[k].shape and ref[k].dim() >= 1]
+    if not keys:
+        return {}
+    worst = 0.0
+    for k in keys:
+        r, o = real(ref[k]).double(), real(out[k]).double()
+        d = o - r
+        scale = float(r.abs().max()) if r.numel() else 0.0
+        if scale > 0:
+            worst = max(worst, float((d - d.mean(-1, keepdim=True)).abs().max()) / scale)
+    return {"raw_stream_rel_error": worst}
+
+
+# what a figure is, printed beside it where its name alone would mislead (next to max errors, a ratio of
+# RMS errors reads like one more max error)
+FIGURE_NOTES = {
+    "dtype_error_ratio": "RMS error vs float64 of the converted model over the original's, both in the model's dtype",
+}
+
+
+def figures_text(figures: dict[str, Any]) -> str:
+    """``key=value, ...`` of the float figures, each with its note from :data:`FIGURE_NOTES`."""
+    return ", ".join(f"{k}={figure(v, 3)}" + (f" ({FIGURE_NOTES[k]})" if k in FIGURE_NOTES else "")
+                     for k, v in figures.items() if isinstance(v, float))
+
+
+def dtype_error_ratio(original: dict[str, Any], converted: dict[str, Any]) -> float | None:
+    """Converted-in-dtype error over original-in-dtype error, both against the float64 original.
+
+    Takes two :func:`compare` results (same reference, same output key) and divides their
+    ``rel_rms_error``. 1.0 means the conversion added nothing to what the dtype costs anyway.
+    """
+    a, b = original.get("rel_rms_error"), converted.get("rel_rms_error")
+    if a is None or b is None or original.get("output") != converted.get("output"):
+        return None
+    return b / a if a > 0 else (1.0 if b == 0 else float("inf"))

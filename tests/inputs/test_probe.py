@@ -1,0 +1,211 @@
+"""The verification probe: real text through the model's tokenizer wherever one is known, random ids
+only as the fallback, and the report says which."""
+
+import warnings
+
+import pytest
+import torch
+import transformers as tf
+
+import normswap
+from normswap import api, inputs, presets
+from normswap.surgery import verify
+from tests.zoo import EXACT, build
+
+
+def _spy_compare(monkeypatch) -> list[dict]:
+    """Record what verification compares: output shapes and the attention mask it was given."""
+    calls: list[dict] = []
+    real = api.compare
+
+    def spy(reference, converted, skip=frozenset(), attention_mask=None):
+        calls.append({"shape": tuple(converted.logits.shape[:2]), "mask": attention_mask})
+        return real(reference, converted, skip, attention_mask)
+
+    monkeypatch.setattr(api, "compare", spy)
+    return calls
+
+
+def _expected_rows(tok, limit: int = inputs.PROBE_MAX_TOKENS) -> list[list[int]]:
+    """The built-in passages encoded by the tokenizer itself, truncated (by the tokenizer, special
+    tokens kept) at the lengths the probe documents."""
+    texts = inputs.passages(inputs.PROBE_BATCH, 0, from_end=True)
+    n = len(texts)
+    return [tok(t, truncation=True, max_length=limit * (n - i) // n)["input_ids"] for i, t in enumerate(texts)]
+
+
+def test_a_given_tokenizer_makes_the_probe_real_padded_text(monkeypatch):
+    """Fails if verification silently fell back to random ids: the model must have been compared on
+    exactly the tokenizer's encoding of the built-in passages, padded, with its attention mask."""
+    model, tok = presets.build("tiny-gpt2", dtype=torch.float64)
+    calls = _spy_compare(monkeypatch)
+    report = normswap.patch(model, tokenizer=tok)
+
+    probe = report.verification["probe"]
+    assert probe.startswith("built-in English text") and "the tokenizer passed in" in probe
+    assert "right-padded with an attention mask" in probe
+    rows = _expected_rows(tok)
+    mask = calls[0]["mask"]
+    assert mask is not None, "no attention mask: the probe was not tokenised text"
+    assert mask.sum(1).tolist() == [len(r) for r in rows]
+    assert 0 in mask and calls[0]["shape"] == (len(rows), max(len(r) for r in rows))
+    assert report.verification["max_rel_error"] < 1e-12 and report.verification["top1_agreement"] == 1.0
+    assert "verified on: built-in English text" in str(report)
+
+
+def test_the_probe_ids_are_the_tokenizers_own():
+    model, tok = presets.build("tiny-bert", dtype=torch.float64)
+    probe = inputs.verification_probe(model, tok)
+    assert probe.text and probe.kwargs["attention_mask"].dtype == torch.long
+    for ids, mask, row in zip(probe.kwargs["input_ids"], probe.kwargs["attention_mask"], _expected_rows(tok),
+                              strict=True):
+        assert ids[mask.bool()].tolist() == row
+        assert row[0] == tok.cls_token_id and row[-1] == tok.sep_token_id  # special tokens as the tokenizer adds
+        assert set(ids[~mask.bool()].tolist()) <= {tok.pad_token_id}
+
+
+def test_left_padding_is_the_tokenizers_choice():
+    model, tok = presets.build("tiny-gpt2", dtype=torch.float64)
+    tok.padding_side = "left"
+    probe = inputs.verification_probe(model, tok)
+    mask = probe.kwargs["attention_mask"]
+    assert "left-padded" in probe.source and bool(mask[:, -1].all()) and not bool(mask[:, 0].all())
+    assert normswap.patch(model, tokenizer=tok).verification["max_rel_error"] < 1e-12
+
+
+def test_a_preset_model_finds_its_own_tokenizer():
+    model, _ = presets.build("tiny-opt", dtype=torch.float64)
+    report = normswap.patch(model)
+    assert report.verification["probe"].startswith("built-in English text")
+    assert "tiny-opt preset's tokenizer" in report.verification["probe"]
+
+
+def test_a_model_loaded_from_a_directory_uses_the_tokenizer_there(tmp_path):
+    presets.save("tiny-phi", tmp_path / "phi")
+    model = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "phi", dtype=torch.float64).eval()
+    report = normswap.patch(model)
+    assert "tokenizer in the model's directory" in report.verification["probe"]
+
+
+def test_encoder_decoder_gets_the_text_on_both_sides():
+    tok = presets.tokenizer("tiny-gpt2")
+    config = tf.BartConfig(vocab_size=len(tok), d_model=32, encoder_layers=1, decoder_layers=1,
+                           encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
+                           decoder_ffn_dim=64, max_position_embeddings=64, pad_token_id=0, bos_token_id=0,
+                           eos_token_id=0, decoder_start_token_id=0)
+    model = tf.BartForConditionalGeneration(config).eval().double()
+    probe = inputs.verification_probe(model, tok)
+    assert probe.text
+    assert torch.equal(probe.kwargs["decoder_input_ids"], probe.kwargs["input_ids"])
+    assert torch.equal(probe.kwargs["decoder_attention_mask"], probe.kwargs["attention_mask"])
+
+
+def test_without_a_tokenizer_the_fallback_is_random_ids_and_says_so():
+    report = normswap.patch(build(EXACT, "gpt2"))
+    assert report.verification["probe"] == "random token ids drawn over the vocabulary (no tokenizer given or found)"
+    vit = tf.ViTForImageClassification(tf.ViTConfig(image_size=16, patch_size=8, hidden_size=16, num_hidden_layers=1,
+                                                    num_attention_heads=2, intermediate_size=32)).eval()
+    probe = inputs.verification_probe(vit)
+    assert probe.source == inputs.GENERATED_IMAGES  # images with structure, not white noise
+    pixels = probe.kwargs["pixel_values"].double()
+    # neighbouring pixels of a generated image are correlated; white noise's are not
+    across = torch.corrcoef(torch.stack([pixels[..., :, :-1].flatten(), pixels[..., :, 1:].flatten()]))[0, 1]
+    assert across > 0.5, across
+
+
+def test_a_custom_model_is_verified_on_its_example_inputs_and_the_report_says_so():
+    from tests.custom_models import TinyViT, randomise
+
+    report = normswap.patch(randomise(TinyViT()), (torch.randn(2, 3, 32, 32, dtype=torch.float64),))
+    assert report.verification["probe"].startswith("the example_inputs the analysis ran on")
+
+
+def test_a_tokenizer_that_does_not_fit_the_model_warns_and_falls_back():
+    model = build(EXACT, "gpt2")  # vocabulary of 99; the preset tokenizer's ids go up to 319
+    with pytest.warns(UserWarning, match="cannot make the verification probe"):
+        probe = inputs.verification_probe(model, presets.tokenizer("tiny-gpt2"))
+    assert not probe.text and "outside the model's vocabulary of 99" in probe.source
+    assert probe.source.startswith("random token ids")
+
+
+def test_figures_count_real_tokens_only():
+    ref = torch.randn(2, 5, 7, dtype=torch.float64)
+    out = ref.clone()
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])
+    out[0, 3:] += 10.0  # wrong only where the mask says padding
+    masked = verify.compare({"logits": ref}, {"logits": out}, attention_mask=mask)
+    assert masked["max_rel_error"] == 0.0 and masked["top1_agreement"] == 1.0
+    assert verify.compare({"logits": ref}, {"logits": out})["max_rel_error"] > 1.0
+    assert verify.real_tokens(ref, mask).shape == (8, 7)
+
+
+def test_convert_and_verify_report_the_probe(tmp_path):
+    from normswap.checkpoint.verify_dirs import verify_checkpoint
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        report = normswap.convert("tiny-gpt2", tmp_path / "out")
+    assert report.verification["probe"].startswith("built-in English text")
+    assert "Probe inputs: built-in English text" in (tmp_path / "out" / "README.md").read_text()
+    result = verify_checkpoint("tiny-gpt2", tmp_path / "out")  # normswap verify ORIGINAL CONVERTED
+    assert result["ok"] and result["batches"] == 2
+    assert result["probe"].startswith("built-in English text") and "random inputs" in result["probe"]
+
+
+def test_a_model_loaded_by_hub_id_finds_its_tokenizer_in_the_local_cache(tmp_path, monkeypatch):
+    """``from_pretrained("org/name")`` leaves the tokenizer in the Hugging Face cache; the probe (and the
+    built-in calibration, which asks the same function) must use it, offline, rather than random ids.
+    The cache here is a hand-made one in the layout huggingface_hub writes (no network)."""
+    import huggingface_hub.constants
+
+    model, tok = presets.build("tiny-bert", dtype=torch.float64)
+    repo = tmp_path / "models--someone--tiny-bert"
+    snapshot = repo / "snapshots" / ("0" * 40)
+    snapshot.mkdir(parents=True)
+    tok.save_pretrained(snapshot)
+    model.config.save_pretrained(snapshot)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0" * 40)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+
+    model.config._name_or_path = "someone/tiny-bert"
+    probe = inputs.verification_probe(model)
+    assert probe.text and "someone/tiny-bert tokenizer in the Hugging Face cache" in probe.source
+    assert [r[:m.sum()].tolist() for r, m in zip(probe.kwargs["input_ids"], probe.kwargs["attention_mask"],
+                                                  strict=True)] == _expected_rows(tok)
+
+    model.config._name_or_path = "someone/not-downloaded"  # not in the cache: the random fallback, no error
+    assert not inputs.verification_probe(model).text
+
+
+def test_a_directory_without_tokenizer_files_is_not_real_text(tmp_path):
+    """transformers 5 builds a BERT tokenizer of 5 special tokens from a directory that has only a
+    config.json: every word becomes [UNK]. The probe and the built-in calibration must not call that
+    "real text"; a directory with the tokenizer saved beside the model keeps it."""
+    from normswap.surgery import calibrate
+
+    model, tok = presets.build("tiny-bert", dtype=torch.float64)
+    model.save_pretrained(tmp_path / "bare")
+    bare = tf.BertForMaskedLM.from_pretrained(tmp_path / "bare").double()
+    assert inputs.find_tokenizer(bare) is None
+    assert not inputs.verification_probe(bare).text
+    assert "no tokenizer" in calibrate.builtin_batches(bare, batches=1)[1]
+    tok.save_pretrained(tmp_path / "bare")
+    with_tokenizer = tf.BertForMaskedLM.from_pretrained(tmp_path / "bare").double()
+    assert inputs.understands_text(tok) and inputs.verification_probe(with_tokenizer).text
+
+
+def test_a_tokenizer_of_another_domain_is_kept_but_not_fed_english():
+    """A word-level tokenizer of another vocabulary (the recipes' toy grammar) is a real tokenizer (the
+    CLI tokenises the user's calibration text with it), but the built-in English sentences come out of
+    it as [UNK]s: the probe and the built-in calibration use random ids instead, and say why."""
+    from normswap.recipes import toy
+    from normswap.surgery import calibrate
+
+    tok = toy.word_tokenizer(toy.grammar_corpus(50))
+    assert inputs.has_vocabulary(tok) and not inputs.understands_text(tok)
+    model = tf.BertForMaskedLM(tf.BertConfig(vocab_size=len(tok), hidden_size=16, num_hidden_layers=1,
+                                             num_attention_heads=2, intermediate_size=32)).eval()
+    probe = inputs.verification_probe(model, tok)
+    assert not probe.text and "reads most built-in English words as unknown" in probe.source
+    assert "reads most built-in English words as unknown" in calibrate.builtin_batches(model, tok, batches=1)[1]

@@ -1,0 +1,164 @@
+"""Post-LN norms made exact by an MLP that cancels the stream's mean (``plan.MeanCarry``).
+
+In BERT-style blocks the FFN-output norm reads ``h + down(act(up(h)))`` with ``h`` the previous
+norm's output. ``act(t) - act(-t) = t`` for ReLU/GELU/SiLU-type activations, so two added neurons
+compute ``mean(h)`` and the MLP subtracts it: the norm reads a zero-mean stream and is exactly an
+RMSNorm. These tests check it in float64 against the original, on every Post-LN family in the zoo,
+through a native and a compat checkpoint, and that an activation without the property is refused.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+import transformers as tf
+
+import normswap
+from normswap.api import default_dtype
+from normswap.inputs import hf_example_inputs
+from normswap.surgery.verify import compare
+from tests.zoo import APPROXIMATE, LLM, build, randomise
+
+
+def _fp64_error(original, model, seed=5):
+    probe = hf_example_inputs(model, seed=seed)
+    with torch.no_grad(), default_dtype(torch.float64):
+        return compare(original(**probe), model(**probe))["worst_rel_error_any_output"]
+
+
+@pytest.mark.parametrize("name", sorted(APPROXIMATE))
+def test_ffn_output_norms_become_exact_in_float64(name):
+    model = build(APPROXIMATE, name)
+    original = copy.deepcopy(model)
+    report = normswap.patch(model, mode="exact")
+    carries = report.plan.mean_carries
+    # two layers, each with an FFN-output norm; ALBERT shares one layer across depth: one carry, in an
+    # MLP that runs at every depth and cancels, at each call, the mean of what that call reads
+    assert len(carries) >= (1 if name == "albert" else 2), report.plan.table()
+    for c in carries:
+        site = report.plan.site(c.site)
+        assert site.verdict == "exact" and site.convert and "cancelled" in site.reason
+        assert isinstance(model.get_submodule(c.site), normswap.RMSNorm)
+        up, down = model.get_submodule(c.up), model.get_submodule(c.down)
+        assert up.out_features == down.in_features == c.hidden + c.added
+        assert (c.hidden + c.added) % 8 == 0 and c.added >= 2
+    assert _fp64_error(original, model) <= 1e-9
+
+
+@pytest.mark.parametrize("act", ["gelu", "gelu_new", "gelu_pytorch_tanh", "relu", "silu", "quick_gelu"])
+def test_activations_with_the_odd_split_carry_the_mean(act):
+    torch.manual_seed(0)
+    model = randomise(tf.BertModel(tf.BertConfig(**{**LLM, "hidden_act": act})))
+    original = copy.deepcopy(model)
+    report = normswap.patch(model, mode="exact")
+    assert len(report.plan.mean_carries) == 2, report.plan.table()
+    assert _fp64_error(original, model) <= 1e-9
+
+
+def test_activation_without_the_odd_split_stays_approximate():
+    torch.manual_seed(0)
+    model = randomise(tf.BertModel(tf.BertConfig(**{**LLM, "hidden_act": "tanh"})))
+    plan = normswap.plan(model)
+    assert not plan.mean_carries
+    assert all(s.verdict == "approximate" for s in plan.sites if "encoder" in s.name), plan.table()
+
+
+def test_the_users_model_is_widened_and_a_failed_conversion_leaves_it_alone():
+    model = build(APPROXIMATE, "bert")
+    up = model.bert.encoder.layer[0].intermediate.dense
+    before = up.weight.shape
+    plan = normswap.plan(model)
+    assert plan.mean_carries and up.weight.shape == before  # a dry run touches nothing
+    normswap.patch(model, mode="exact")
+    assert up.weight.shape[0] == before[0] + plan.mean_carries[0].added
+
+
+def test_mean_carry_can_be_switched_off(tmp_path):
+    """``mean_carry=False`` (``--no-mean-carry``): stock MLP widths, those norms approximate again."""
+    model = build(APPROXIMATE, "bert")
+    widths = {n: p.shape for n, p in model.named_parameters()}
+    with_carry = normswap.plan(model)
+    without = normswap.plan(model, mean_carry=False)
+    assert with_carry.mean_carries and not without.mean_carries
+    carried_sites = {c.site for c in with_carry.mean_carries}
+    assert all(without.site(n).verdict == "approximate" for n in carried_sites), without.table()
+    normswap.patch(model, options=normswap.ConvertOptions(mode="exact", mean_carry=False))
+    after = dict(model.named_parameters(remove_duplicate=False))
+    assert all(after[n].shape == shape for n, shape in widths.items() if "LayerNorm" not in n)
+    assert all(isinstance(model.get_submodule(n), torch.nn.LayerNorm) for n in carried_sites)
+
+    from click.testing import CliRunner
+
+    from normswap.cli import main
+
+    res = CliRunner().invoke(main, ["convert", "tiny-bert", "--out", str(tmp_path / "b"), "-q", "--no-mean-carry"])
+    assert res.exit_code == 0, res.stderr
+    manifest = json.loads((tmp_path / "b" / "config.json").read_text())["normswap"]
+    assert manifest["plan"]["mean_carries"] == [] and manifest["counts"]["approximate"] == 4
+    assert manifest["plan"]["options"]["mean_carry"] is False
+
+
+@pytest.mark.parametrize("fmt", ["native", "compat"])
+def test_checkpoints_round_trip(tmp_path, fmt):
+    model = build(APPROXIMATE, "bert")
+    original = copy.deepcopy(model)
+    normswap.patch(model, mode="exact")
+    normswap.save(model, tmp_path / fmt, format=fmt)
+    if fmt == "native":
+        loaded = normswap.load(tmp_path / fmt, dtype=torch.float64)
+        carry = normswap.plan_of(loaded).mean_carries[0]
+        assert loaded.get_submodule(carry.up).out_features == carry.hidden + carry.added
+    else:  # stock transformers, stock width: the norm is a LayerNorm again and ignores the mean
+        loaded = tf.BertForMaskedLM.from_pretrained(tmp_path / fmt, dtype=torch.float64)
+        assert loaded.bert.encoder.layer[0].intermediate.dense.out_features == original.config.intermediate_size
+    assert _fp64_error(original, loaded.eval()) <= 1e-9
+
+
+@pytest.mark.parametrize("name", sorted(APPROXIMATE))
+def test_half_precision_costs_about_what_the_dtype_costs(name):
+    """The carry neurons (rows ±1/d, columns ∓1) round like any weight: the converted model in bf16/fp16
+    is about as far from the float64 original as the original in that dtype (the bounds of
+    tests/surgery/test_bf16_fidelity.py for the shipped backends)."""
+    from normswap.inputs import cast_inputs
+    from normswap.surgery.verify import dtype_error_ratio
+
+    model = build(APPROXIMATE, name)
+    probe = hf_example_inputs(model, batch=8, seq=32, seed=11)
+    with torch.no_grad(), default_dtype(torch.float64):
+        reference = model(**probe)
+    converted = copy.deepcopy(model)
+    report = normswap.patch(converted, mode="exact")
+    for dtype, bound in ((torch.bfloat16, 1.25), (torch.float16, 1.3)):
+        args, kwargs = cast_inputs((), probe, dtype)
+        with torch.no_grad():
+            original = compare(reference, copy.deepcopy(model).to(dtype)(*args, **kwargs))
+            ours = compare(reference, copy.deepcopy(converted).to(dtype)(*args, **kwargs),
+                           set(report.plan.changed_outputs))
+        assert dtype_error_ratio(original, ours) <= bound, (name, dtype)
+
+
+def test_carry_columns_set_no_rows_weight_scale_and_stay_exact():
+    """The carry neurons' down-projection columns are ``∓1/s`` with ``1/s`` a power of two no larger than
+    any row's own largest weight, so per-output-channel weight quantization sees the same row scales as
+    the unwidened MLP (with ``∓1``, a trained BERT's rows, peaking at 0.1-0.25, were all set by the carry)."""
+    model = build(APPROXIMATE, "bert")
+    with torch.no_grad():  # a trained-like spread: rows that peak well below 1
+        for layer in model.bert.encoder.layer:
+            layer.output.dense.weight.mul_(0.2 / layer.output.dense.weight.abs().max())
+    original = copy.deepcopy(model)
+    normswap.patch(model, mode="exact")
+    carries = normswap.plan_of(model).mean_carries
+    assert carries
+    for c in carries:
+        peaks = original.get_submodule(c.down).weight.detach().abs().amax(dim=1)
+        down = model.get_submodule(c.down).weight.detach()
+        up = model.get_submodule(c.up).weight.detach()
+        assert c.scale >= 5 and float(torch.log2(torch.tensor(c.scale))).is_integer()
+        assert 1 / c.scale <= float(peaks.min()) < 2 / c.scale
+        assert torch.equal(down[:, c.hidden], torch.full_like(down[:, 0], -1 / c.scale))
+        assert torch.equal(down[:, c.hidden + 1], torch.full_like(down[:, 0], 1 / c.scale))
+        torch.testing.assert_close(up[c.hidden], torch.full_like(up[0], c.scale / c.features))
+    assert _fp64_error(original, model) <= 1e-9
