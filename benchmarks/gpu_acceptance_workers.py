@@ -139,7 +139,7 @@ def run_recipe(out: Path, kind: str) -> int:
     run = work / f"run-{kind}"
     shutil.rmtree(run, ignore_errors=True)
     processes = 1 if kind == "fsdp" else max(1, min(2, torch.cuda.device_count()))
-    config = REPO / "normswap" / "recipes" / "configs" / "accelerate" / f"{kind}.yaml"
+    config = REPO / "recipes" / "accelerate" / f"{kind}.yaml"
     steps = 6
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
            "--num_processes", str(processes), "--main_process_port", str(_free_port()),

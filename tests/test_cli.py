@@ -658,7 +658,8 @@ def test_wheel_ships_the_recipes_and_lists_them_offline(tmp_path):
     for name in ("pyproject.toml", "README.md", "LICENSE"):
         if (repo / name).exists():
             shutil.copy2(repo / name, src / name)
-    shutil.copytree(repo / "normswap", src / "normswap", ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+    for tree in ("normswap", "recipes"):  # recipes/ goes into the wheel as normswap/recipes/configs
+        shutil.copytree(repo / tree, src / tree, ignore=shutil.ignore_patterns("__pycache__", "*.so"))
     env = wheel_test_env()
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", str(src), "--no-deps", "--no-build-isolation", "-q",
@@ -687,6 +688,11 @@ def test_wheel_ships_the_recipes_and_lists_them_offline(tmp_path):
     assert listing_.returncode == 0, listing_.stderr
     names = [ln.split()[0] for ln in listing_.stdout.splitlines()]
     assert {"distill-causal-lm", "distill-encoder", "distill-masked-lm"} <= set(names)
+    where_ = subprocess.run([str(bindir / "python"), "-c", "from normswap.recipes.config import builtin_recipes_dir; "
+                             "print(builtin_recipes_dir())"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                            timeout=120)
+    assert where_.stdout.strip().startswith(str(venv)), where_.stdout + where_.stderr  # the wheel's own copy
+    assert Path(where_.stdout.strip(), "accelerate", "ddp.yaml").is_file()  # accelerate configs ship too
     shown = subprocess.run([str(bindir / "normswap"), "finetune", "distill-encoder", "model.source=m",
                             "data.path=d", "--print-config"], cwd=tmp_path, env=env, capture_output=True,
                            text=True, timeout=120)

@@ -1,8 +1,8 @@
 """Every code example in README.md and the documentation runs, or says why it cannot.
 
-A ```python, ```bash, ```sh, ```shell or ```console block in ``README.md``, ``docs/**/*.md`` or
-``normswap/backends/README.md`` is run here, offline, unless the line before its fence (blank lines
-aside) is a marker ``<!-- docs-test: REASON -->`` with one of the reasons in ``REASONS``
+A ```python, ```bash, ```sh, ```shell or ```console block in ``README.md``, ``docs/**/*.md``,
+``recipes/README.md`` or ``normswap/backends/README.md`` is run here, offline, unless the line before
+its fence (blank lines aside) is a marker ``<!-- docs-test: REASON -->`` with one of the reasons in ``REASONS``
 (docs/writing-docs.md). A renamed option or function then fails this test instead of misleading a
 reader.
 
@@ -63,7 +63,7 @@ class Block:
 
 
 def pages() -> list[Path]:
-    found = [REPO / "README.md", REPO / "normswap" / "backends" / "README.md"]
+    found = [REPO / "README.md", REPO / "normswap" / "backends" / "README.md", REPO / "recipes" / "README.md"]
     found += sorted((REPO / "docs").rglob("*.md"))
     return [p for p in found if p.is_file()]
 

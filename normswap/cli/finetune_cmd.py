@@ -18,7 +18,7 @@ Examples:
   normswap finetune distill-causal-lm model.source=./opt-350m data.path=wiki.jsonl \\
       data.field=text train.steps=2000 train.lr=5e-5 output.dir=runs/opt350m
   normswap finetune ./my-recipe.yaml checkpoint.resume=true    # a recipe file; continue a run
-  accelerate launch --config_file normswap/recipes/configs/accelerate/ddp.yaml -m normswap.recipes RECIPE.yaml
+  accelerate launch --config_file recipes/accelerate/ddp.yaml -m normswap.recipes RECIPE.yaml
 
 \b
 RECIPE is a built-in recipe name (see --list) or a YAML file. Overrides are dotted keys

@@ -381,12 +381,18 @@ def apply_overrides(data: dict[str, Any], overrides: list[str] | dict[str, Any] 
 
 
 # ---------------------------------------------------------------------------------- loading
-BUILTIN_RECIPES_DIR = Path(__file__).resolve().parent / "configs"
+def builtin_recipes_dir() -> Path:
+    """Where the shipped recipes are: ``normswap/recipes/configs`` in an installed wheel (the repository's
+    top-level ``recipes/``, put there at build time by ``pyproject.toml``), else ``recipes/`` of the source
+    checkout this package runs from (an editable install, or the checkout on ``PYTHONPATH``)."""
+    here = Path(__file__).resolve().parent
+    installed = here / "configs"
+    return installed if installed.is_dir() else here.parents[1] / "recipes"
 
 
 def builtin_recipes() -> dict[str, Path]:
-    """The recipes shipped in the wheel, by name (``distill-encoder`` -> its YAML path)."""
-    return {p.stem: p for p in sorted(BUILTIN_RECIPES_DIR.glob("*.yaml"))}
+    """The shipped recipes by name (``distill-encoder`` -> its YAML path)."""
+    return {p.stem: p for p in sorted(builtin_recipes_dir().glob("*.yaml"))}
 
 
 def recipe_summary(path: Path) -> str:

@@ -6,7 +6,7 @@ over gloo with the device forced to CPU; everything after that (``fully_shard`` 
 config's wrap policy and mixed precision, the DTensor-aware gradient clipping, sharded checkpoints,
 the gathered state dict) is accelerate's and torch's own code. One process by default; under
 ``torchrun`` it takes RANK/WORLD_SIZE from there. The settings mirror
-normswap/recipes/configs/accelerate/fsdp.yaml (as ``accelerate launch`` would export them).
+recipes/accelerate/fsdp.yaml (as ``accelerate launch`` would export them).
 """
 
 from __future__ import annotations

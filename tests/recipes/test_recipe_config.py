@@ -14,7 +14,7 @@ from normswap import NormswapError
 from normswap.cli import main
 from normswap.recipes.config import RecipeConfig, load_config, parse_override
 
-RECIPES = Path(__file__).resolve().parents[2] / "normswap" / "recipes" / "configs"
+RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 
 
 def _keys(cls: type, prefix: str = "") -> set[str]:
@@ -150,3 +150,13 @@ def test_cli_print_config_resolves_overrides(tmp_path):
 def test_help_has_an_example():
     result = CliRunner().invoke(main, ["finetune", "--help"])
     assert result.exit_code == 0 and "normswap finetune distill-masked-lm" in result.output
+
+
+def test_the_recipes_are_found_by_name_in_the_source_checkout():
+    """Run from a checkout (editable install or PYTHONPATH), the recipes come from the top-level recipes/:
+    the same files ``tests/test_cli.py`` finds inside the built wheel."""
+    from normswap.recipes.config import builtin_recipes, builtin_recipes_dir
+
+    assert builtin_recipes_dir() == RECIPES
+    names = set(builtin_recipes())
+    assert names == {p.stem for p in RECIPES.glob("*.yaml")} >= {"distill-encoder", "distill-masked-lm"}

@@ -199,7 +199,7 @@ def test_two_process_data_parallel_on_cpu(tiny_bert, corpus, tmp_path):
     if torchrun is None:
         pytest.skip("torchrun not on PATH")
     out = tmp_path / "ddp"
-    recipe = Path(__file__).resolve().parents[2] / "normswap" / "recipes" / "configs" / "distill-masked-lm.yaml"
+    recipe = Path(__file__).resolve().parents[2] / "recipes" / "distill-masked-lm.yaml"
     cmd = [
         torchrun,
         "--standalone",

@@ -20,7 +20,7 @@ import torch
 import normswap
 
 ROOT = Path(__file__).resolve().parents[2]
-RECIPE = ROOT / "normswap" / "recipes" / "configs" / "distill-causal-lm.yaml"
+RECIPE = ROOT / "recipes" / "distill-causal-lm.yaml"
 
 
 def _records(out: Path, split: str) -> list[dict]:

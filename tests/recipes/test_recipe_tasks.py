@@ -17,7 +17,7 @@ from normswap.recipes import run, toy
 from normswap.recipes.config import DataConfig
 from normswap.recipes.data import read_documents
 
-RECIPES = Path(__file__).resolve().parents[2] / "normswap" / "recipes" / "configs"
+RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 FAST = [
     "train.steps=8",
     "train.warmup_steps=0",
