@@ -24,11 +24,12 @@ from normswap.analysis import precision, trace, walker
 from normswap.analysis.linears import linear_at
 from normswap.analysis.plan import EXACT_VERDICTS, Plan, SitePlan, attach_plan
 from normswap.analysis.planner import analyse
+from normswap.analysis.trace import flatten_outputs
 from normswap.errors import ModelRunFailed, NaNOutputs, NormswapError, first_line
 from normswap.integrations import hooks, torch_transformer, wrappers
 from normswap.options import ConvertOptions
 from normswap.surgery import beta_placement, calibrate, edits
-from normswap.surgery.verify import compare, dtype_error_ratio, figures_text, flatten_outputs, gate
+from normswap.surgery.verify import compare, dtype_error_ratio, figures_text, gate
 
 log = logging.getLogger("normswap")
 

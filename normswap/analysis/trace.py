@@ -34,7 +34,6 @@ from torch.utils import _pytree as pytree
 
 from normswap.analysis.linears import FunctionalLinear, LinearView, linear_module_kind
 from normswap.analysis.precision import HoldCasts
-from normswap.surgery.verify import flatten_outputs
 
 
 @dataclass
@@ -440,3 +439,18 @@ def _named_inputs(args: tuple, kwargs: dict) -> list[tuple[str, torch.Tensor]]:
     named = [(f"arg{i}", a) for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
     named += [(k, v) for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
     return named
+
+
+def flatten_outputs(obj: Any, prefix: str = "") -> list[tuple[str, torch.Tensor]]:
+    """Every tensor of a model's output (tensors, dicts, tuples, lists, nested), with its path
+    (``logits``, ``past_key_values[0][1]``)."""
+    out: list[tuple[str, torch.Tensor]] = []
+    if isinstance(obj, torch.Tensor):
+        out.append((prefix or "output", obj))
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            out += flatten_outputs(v, f"{prefix}.{k}" if prefix else str(k))
+    elif isinstance(obj, (tuple, list)):
+        for i, v in enumerate(obj):
+            out += flatten_outputs(v, f"{prefix}[{i}]")
+    return out

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from normswap.analysis.plan import SitePlan
+from normswap.analysis.trace import flatten_outputs
 from normswap.errors import VerificationFailed
 
 # fp64 reference vs converted fp64 copy: anything above this is a bug, not rounding
@@ -64,19 +65,6 @@ def gate(converted: list[SitePlan], figures: dict[str, Any], dtype: torch.dtype)
 
 PRIMARY_KEYS = ("logits", "logits_per_image", "pooler_output", "image_embeds", "text_embeds",
                 "last_hidden_state", "prediction_logits", "start_logits")
-
-
-def flatten_outputs(obj: Any, prefix: str = "") -> list[tuple[str, torch.Tensor]]:
-    out: list[tuple[str, torch.Tensor]] = []
-    if isinstance(obj, torch.Tensor):
-        out.append((prefix or "output", obj))
-    elif isinstance(obj, dict):
-        for k, v in obj.items():
-            out += flatten_outputs(v, f"{prefix}.{k}" if prefix else str(k))
-    elif isinstance(obj, (tuple, list)):
-        for i, v in enumerate(obj):
-            out += flatten_outputs(v, f"{prefix}[{i}]")
-    return out
 
 
 def comparable(obj: Any, skip: set[str]) -> dict[str, torch.Tensor]:
