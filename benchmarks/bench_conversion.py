@@ -259,7 +259,7 @@ def stage_convert_timers(model: str, data: str, out: Path) -> list[dict]:
     from transformers import AutoModel, AutoTokenizer
 
     import normswap
-    from normswap import api
+    from normswap import pipeline
     from normswap.checkpoint import conversion, source, writer
     from normswap.surgery import calibrate
 
@@ -299,7 +299,7 @@ def stage_convert_timers(model: str, data: str, out: Path) -> list[dict]:
         if w.value is not None and len(boundary) < len(self.workers):
             boundary.append(w.value.numel() * w.value.element_size())
 
-    for mod, name, key in ((source, "load_model", "load"), (api, "analysed_copy", "analysis"),
+    for mod, name, key in ((source, "load_model", "load"), (pipeline, "analysed_copy", "analysis"),
                            (calibrate, "_fit", "calibration fit"), (calibrate, "measure", "held-out measure"),
                            (writer, "write_model_dir", "write"), (conversion, "reload_check", "reload check")):
         timed(mod, name, key)

@@ -36,8 +36,8 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import torch  # noqa: E402
 
 import normswap  # noqa: E402
-from normswap.api import default_dtype  # noqa: E402
 from normswap.inputs import cast_inputs, hf_example_inputs  # noqa: E402
+from normswap.pipeline import default_dtype  # noqa: E402
 from normswap.surgery import edits  # noqa: E402
 from normswap.surgery.verify import compare, dtype_error_ratio  # noqa: E402
 from tests.zoo import EXACT, build  # noqa: E402

@@ -27,7 +27,7 @@ import torch
 import transformers as tf
 from torch.overrides import TorchFunctionMode
 
-from normswap import api
+from normswap import pipeline
 from normswap.analysis import precision, trace, walker
 
 
@@ -81,16 +81,16 @@ def main() -> None:
     snapshot = walker.candidates(model)
 
     def record(hold: bool) -> trace.Graph:
-        with api.default_dtype(torch.float64):
+        with pipeline.default_dtype(torch.float64):
             return trace.record(model, (), {"input_ids": ids}, snapshot=snapshot,
                                 hold=precision.HoldCasts(torch.float64) if hold else None)
 
     def forward(hold: bool) -> None:
-        with torch.no_grad(), api.running(torch.float64, hold):
+        with torch.no_grad(), pipeline.running(torch.float64, hold):
             model(input_ids=ids)
 
     graph = record(True)
-    with torch.no_grad(), api.default_dtype(torch.float64), _Count() as counter:
+    with torch.no_grad(), pipeline.default_dtype(torch.float64), _Count() as counter:
         model(input_ids=ids)
     plain_us, held_us = per_call_us(args.runs)
     result = {

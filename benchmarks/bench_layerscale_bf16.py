@@ -90,8 +90,8 @@ def center(model: torch.nn.Module, layers: bool, embeddings: bool) -> torch.nn.M
 
 def main() -> None:
     import normswap
-    from normswap.api import default_dtype
     from normswap.inputs import generated_images
+    from normswap.pipeline import default_dtype
     from normswap.surgery.verify import compare, dtype_error_ratio
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

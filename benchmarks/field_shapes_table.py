@@ -23,7 +23,7 @@ import transformers as tf
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import normswap  # noqa: E402
-from normswap.api import default_dtype  # noqa: E402
+from normswap.pipeline import default_dtype  # noqa: E402
 from normswap.surgery.verify import compare  # noqa: E402
 from tests.zoo import float64_casts, randomise  # noqa: E402
 

@@ -27,13 +27,13 @@ import normswap
 # (file suffix, function name): cumulative seconds of each bucket; the forward pass is found below
 BUCKETS = {
     "trace.record": ("normswap/analysis/trace.py", "record"),
-    "preflight": ("normswap/api.py", "preflight"),
-    "working_copy": ("normswap/api.py", "working_copy"),
-    "own_written": ("normswap/api.py", "own_written"),
+    "preflight": ("normswap/pipeline.py", "preflight"),
+    "working_copy": ("normswap/pipeline.py", "working_copy"),
+    "own_written": ("normswap/pipeline.py", "own_written"),
     "apply_weight_edits": ("normswap/surgery/edits.py", "apply_weight_edits"),
     "untie": ("normswap/surgery/edits.py", "untie"),
     "compare": ("normswap/surgery/verify.py", "compare"),
-    "_commit": ("normswap/api.py", "_commit"),
+    "_commit": ("normswap/pipeline.py", "_commit"),
 }
 
 

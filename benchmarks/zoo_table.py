@@ -40,8 +40,8 @@ import torch  # noqa: E402
 import normswap  # noqa: E402
 from normswap import NormswapError  # noqa: E402
 from normswap.analysis.plan import CENTERED_VERDICTS, EXACT_VERDICTS  # noqa: E402
-from normswap.api import default_dtype  # noqa: E402
 from normswap.inputs import cast_inputs, hf_example_inputs  # noqa: E402
+from normswap.pipeline import default_dtype  # noqa: E402
 from normswap.surgery.verify import compare, dtype_error_ratio  # noqa: E402
 from tests.zoo import APPROXIMATE, EXACT, MORE, RMS, SSM, build, float64_casts, float64_reference  # noqa: E402
 

@@ -4,29 +4,30 @@ Exact where the math allows (every writer of a norm's input stream centered by f
 surgery), honest where it doesn't (Post-LN norms are marked approximate, with measured error).
 
 The public names below are imported on first use, so ``import normswap`` (and ``normswap --help``)
-does not pay for torch and transformers until something needs them. Two hooks still take effect
-at ``import normswap``: ``AutoModel*.from_pretrained`` understands ``normswap_*`` checkpoints, and
-transformers' Trainer exempts RMSNorm parameters from weight decay; both are installed the moment
-transformers is imported (at once, if it already is).
+does not pay for torch and transformers until something needs them. One hook takes effect at
+``import normswap``: ``AutoModel*.from_pretrained`` understands ``normswap_*`` checkpoints
+(:mod:`normswap.integrations.auto_registry`; installed the moment transformers' config registry is
+imported, at once if it already is). Everything else a converted model needs from the libraries
+around it is set up by the call that converts or loads it (:mod:`normswap.api`).
 """
 
 from __future__ import annotations
 
 import importlib
-import importlib.abc
 import importlib.util
 import sys
 import types
 from typing import Any
 
 from normswap.errors import NormswapError
+from normswap.integrations import auto_registry
 
 __version__ = "0.1.0"
 
 # public name -> module that defines it
 _LAZY = {
     "ConvertOptions": "normswap.options",
-    "Report": "normswap.api",
+    "Report": "normswap.pipeline",
     "patch": "normswap.api",
     "plan": "normswap.api",
     "convert": "normswap.checkpoint",
@@ -62,26 +63,4 @@ class _Package(types.ModuleType):
 sys.modules[__name__].__class__ = _Package
 
 
-def _install_hooks() -> None:
-    from normswap.checkpoint.hf import install_lazy_registration
-    from normswap.integrations import saving, trainer
-
-    install_lazy_registration()
-    trainer.register()
-    saving.register()  # patch() gives HF models a save_pretrained that writes a native checkpoint
-
-
-class _OnTransformers(importlib.abc.MetaPathFinder):
-    """Installs the hooks when ``transformers`` is first imported, then steps aside."""
-
-    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> None:
-        if fullname == "transformers":
-            sys.meta_path.remove(self)
-            _install_hooks()
-        return None
-
-
-if "transformers" in sys.modules:
-    _install_hooks()
-elif not any(type(f).__name__ == "_OnTransformers" for f in sys.meta_path):
-    sys.meta_path.insert(0, _OnTransformers())
+auto_registry.install()

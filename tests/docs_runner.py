@@ -65,9 +65,9 @@ def serve(path: str) -> None:
     import torch  # noqa: F401
     import transformers  # noqa: F401
 
-    import normswap.api  # noqa: F401
     import normswap.checkpoint.conversion  # noqa: F401
     import normswap.cli  # noqa: F401
+    import normswap.pipeline  # noqa: F401
     import normswap.presets  # noqa: F401
     import normswap.recipes  # noqa: F401
 

@@ -213,7 +213,8 @@ def test_simple_vit_style_patch_embedding_norm_changed_in_place_converts_exactly
     ``.to(device, dtype=...)``), the Sequential ending in a LayerNorm."""
     torch.manual_seed(4)
     model = randomise(SimpleVitStyle())
-    found = {s.path: s for s in normswap.api.find_norms(model, (torch.randn(2, 3, 16, 16, dtype=torch.float64),)).sites}
+    example = (torch.randn(2, 3, 16, 16, dtype=torch.float64),)
+    found = {s.path: s for s in normswap.pipeline.find_norms(model, example).sites}
     assert found["to_patch_embedding.3"].flavour == "standard"
     _check_exact(model, (torch.randn(2, 3, 16, 16, dtype=torch.float64),),
                  [(torch.randn(2, 3, 16, 16, dtype=torch.float64),), (torch.randn(5, 3, 16, 16, dtype=torch.float64),)])
@@ -227,7 +228,7 @@ def test_vit_pytorch_style_every_norm_is_identified_and_exact():
     torch.manual_seed(5)
     model = randomise(VitPytorchStyle())
     img = torch.randn(2, 3, 16, 16, dtype=torch.float64)
-    found = normswap.api.find_norms(model, (img,))
+    found = normswap.pipeline.find_norms(model, (img,))
     assert len(found.sites) == 7 and not found.skipped
     report = _check_exact(model, (img,), [(img,), (torch.randn(3, 3, 16, 16, dtype=torch.float64),)])
     assert {(h.module, h.where) for h in report.plan.hooks} == {("to_patch_embedding.0", "output"),
@@ -254,7 +255,7 @@ def test_a_model_that_cannot_run_in_float64_is_analysed_and_verified_in_its_own_
             p.add_(0.3 * torch.randn_like(p))
     original = copy.deepcopy(model)
     x = torch.randn(4, 12)
-    assert len(normswap.api.find_norms(model, (x,)).sites) == 3
+    assert len(normswap.pipeline.find_norms(model, (x,)).sites) == 3
     report = normswap.patch(model, (x,))
     assert report.plan.options["working_dtype"].startswith("float32: Float32OnlyNet cannot run in float64 (TypeError")
     assert "analysed and verified in float32" in report.message

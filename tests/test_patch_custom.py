@@ -52,7 +52,7 @@ def test_conv_patch_embedding_cls_token_and_position_parameter():
 def test_norm_flavours_wrapper_offset_non_affine_multidim():
     torch.manual_seed(2)
     model = randomise(MixedNormNet())
-    found = {s.path: s for s in normswap.api.find_norms(model, (torch.randn(2, 10, dtype=torch.float64),)).sites}
+    found = {s.path: s for s in normswap.pipeline.find_norms(model, (torch.randn(2, 10, dtype=torch.float64),)).sites}
     assert found["n_wrapped"].flavour == "standard" and "n_wrapped.inner" not in found
     assert found["n_offset"].flavour == "offset" and found["n_offset"].offset == 1.0
     assert found["n_plain"].flavour == "non-affine"
@@ -159,9 +159,9 @@ def test_fold_gamma_where_beta_cannot_fold_keeps_beta_over_gamma_in_the_norm(nam
 
 def test_without_room_for_a_float64_copy_the_surgery_still_runs_in_float64_per_tensor(monkeypatch):
     """Big models get a working copy in their own dtype; each edit still upcasts to float64."""
-    from normswap import api
+    from normswap import pipeline
 
-    monkeypatch.setattr(api, "_available_memory", lambda: 1)
+    monkeypatch.setattr(pipeline, "_available_memory", lambda: 1)
     torch.manual_seed(8)
     model = randomise(TinyViT()).float()
     reference = copy.deepcopy(model).double()

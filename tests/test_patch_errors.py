@@ -8,7 +8,7 @@ import transformers as tf
 from torch import nn
 
 import normswap
-from normswap.api import all_finite
+from normswap.pipeline import all_finite
 from normswap.surgery import edits
 from tests.custom_models import TinyViT, randomise
 from tests.zoo import EXACT, build

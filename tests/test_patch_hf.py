@@ -9,8 +9,8 @@ import transformers as tf
 from torch import nn
 
 import normswap
-from normswap.api import default_dtype
 from normswap.inputs import hf_example_inputs
+from normswap.pipeline import default_dtype
 from normswap.surgery.verify import compare
 from tests.zoo import APPROXIMATE, EXACT, LLM, MORE, RMS, build, float64_reference, randomise
 

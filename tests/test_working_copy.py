@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import normswap
-from normswap import api
+from normswap import pipeline
 from normswap.inputs import hf_example_inputs
 from normswap.surgery import edits, verify
 from tests.zoo import EXACT, build
@@ -59,10 +59,10 @@ def test_an_unlisted_in_place_write_is_caught_before_the_commit(monkeypatch):
 
 def test_plan_leaves_every_tensor_of_a_float64_model_unwritten():
     model = build(EXACT, "gpt2")
-    before = api.versions(model)
+    before = pipeline.versions(model)
     storage = {n: p.data_ptr() for n, p in model.named_parameters()}
     normswap.plan(model)
-    assert api.versions(model) == before
+    assert pipeline.versions(model) == before
     assert {n: p.data_ptr() for n, p in model.named_parameters()} == storage
 
 
@@ -71,13 +71,13 @@ def test_verification_runs_the_converted_model_on_an_unseen_probe(monkeypatch):
     model = build(EXACT, "gpt2")
     traced = hf_example_inputs(model)["input_ids"].shape
     compared = []
-    real = api.compare
+    real = pipeline.compare
 
     def spy(reference, converted, *args, **kwargs):
         compared.append(tuple(converted.logits.shape[:2]))
         return real(reference, converted, *args, **kwargs)
 
-    monkeypatch.setattr(api, "compare", spy)
+    monkeypatch.setattr(pipeline, "compare", spy)
     report = normswap.patch(model)
     # one comparison, on the probe: it reached every converted norm, so the traced batch is not rerun
     assert len(compared) == 1 and compared[0] != tuple(traced)
@@ -116,13 +116,13 @@ def test_the_traced_inputs_run_too_when_the_probe_misses_a_converted_norm(monkey
         for p in model.parameters():
             p.add_(0.3 * torch.randn_like(p))
     compared = []
-    real = api.compare
+    real = pipeline.compare
 
     def spy(reference, converted, *args, **kwargs):
         compared.append(tuple(converted["logits"].shape[:2]))
         return real(reference, converted, *args, **kwargs)
 
-    monkeypatch.setattr(api, "compare", spy)
+    monkeypatch.setattr(pipeline, "compare", spy)
     report = normswap.patch(model)
     assert {sp.name for sp in report.plan.sites if sp.convert} == {"ln_short", "ln_f"}
     assert compared[0] != compared[1] and compared[1] == tuple(hf_example_inputs(model)["input_ids"].shape)

@@ -204,7 +204,7 @@ def float64_reference(model: nn.Module, example_inputs=None) -> nn.Module:
     float64 model, which puts float32 rounding in the "original". The exactness claim is about the
     math, so the reference replaces each norm's forward with the same formula in float64.
     """
-    from normswap.api import find_norms
+    from normswap.pipeline import find_norms
 
     ref = copy.deepcopy(model)
     for site in find_norms(ref, example_inputs).sites:

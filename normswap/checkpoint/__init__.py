@@ -4,17 +4,16 @@
 * :func:`save` - an in-memory converted model -> checkpoint directory (``native`` or ``compat``).
 * :func:`load` - checkpoint directory -> model (native ones rebuilt from their manifest).
 * :func:`register` - make ``AutoModel*`` understand ``normswap_<base>`` for one base type
-  (``import normswap`` already does this lazily for every base type).
+  (``import normswap`` already does this lazily for every base type:
+  :mod:`normswap.integrations.auto_registry`).
 
 See ``normswap.checkpoint.streaming`` for the low-memory path used on checkpoints larger than RAM.
 """
 
-from normswap.checkpoint.hf import install_lazy_registration, register
+from normswap.checkpoint.hf import register
 from normswap.checkpoint.reader import load
 from normswap.checkpoint.writer import save
 from normswap.options import FORMATS
-
-install_lazy_registration()
 
 
 def convert(model_id_or_path, out_dir, *, format="native", **options):  # noqa: A002, ANN001, ANN201
@@ -25,4 +24,4 @@ def convert(model_id_or_path, out_dir, *, format="native", **options):  # noqa: 
     return _convert(model_id_or_path, out_dir, format=format, **options)
 
 
-__all__ = ["FORMATS", "convert", "install_lazy_registration", "load", "register", "save"]
+__all__ = ["FORMATS", "convert", "load", "register", "save"]

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from normswap import api, inputs
+from normswap import inputs, pipeline
 from normswap.analysis.plan import plan_of
 from normswap.checkpoint import io, source, writer
 from normswap.checkpoint.source import Source
@@ -196,13 +196,13 @@ def in_memory_peak(numel: int, itemsize: int) -> int:
     """Predicted peak RSS of the in-memory path for a checkpoint of ``numel`` parameters stored with
     ``itemsize`` bytes each (loaded in that dtype).
 
-    The path holds the model with, beside it, either a working copy (:func:`normswap.api.working_dtype`:
+    The path holds the model with, beside it, either a working copy (:func:`normswap.pipeline.working_dtype`:
     float64 for small models, float32 for half-precision ones, the written tensors only for a float32
     model) or, while a half model runs on the probes, its float32 weights (:func:`_run`). Once the
     checkpoint is written the converted model is freed, so the reload check holds the reloaded
     checkpoint (with its float32 weights while a half model runs) instead of the model, not beside
     it. Plus :data:`ACTIVATION_BYTES`."""
-    from normswap.api import FLOAT64_EXTRA_BYTES
+    from normswap.pipeline import FLOAT64_EXTRA_BYTES
 
     model = numel * itemsize
     run = numel * 4 if itemsize < 4 else 0  # a half model is run in float32 (:func:`_run`)
@@ -328,11 +328,11 @@ def _run(model: nn.Module, probe: dict[str, Any]) -> Any:
     (bitwise for native); ``patch`` measures the cast in the model's own dtype."""
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     on_cpu = all(p.device.type == "cpu" for p in model.parameters())
-    if dtype not in api.HALF_DTYPES or not on_cpu:
+    if dtype not in pipeline.HALF_DTYPES or not on_cpu:
         with torch.no_grad():
             return model(**probe)
     cast = {k: (v.float() if torch.is_tensor(v) and v.is_floating_point() else v) for k, v in probe.items()}
-    with torch.no_grad(), api.computing_in(model, torch.float32):
+    with torch.no_grad(), pipeline.computing_in(model, torch.float32):
         return model(**cast)
 
 
@@ -443,7 +443,7 @@ def convert(
     echo: Callable[[str], None] | None = None,
     options: ConvertOptions | None = None,
     **keywords: Any,
-) -> api.Report:
+) -> pipeline.Report:
     """Convert a model into a checkpoint directory, atomically.
 
     Args:
@@ -579,7 +579,7 @@ def convert(
         steps.set_postfix_str("analysing and converting")
         try:
             with calibration_progress(progress):
-                report = api.patch(model, options=opts)
+                report = pipeline.patch(model, options=opts)
         except VerificationFailed as exc:
             raise VerificationFailed(f"{exc}; nothing was written") from exc
         if not report.changed:

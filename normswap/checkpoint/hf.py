@@ -11,10 +11,10 @@ of each base model class whose ``__init__`` calls :func:`normswap.surgery.edits.
 ways lead to them:
 
 * ``normswap.load(dir)`` registers the base type named in the manifest and loads.
-* ``import normswap`` installs a lazy entry in transformers' config registry, so
-  ``AutoModelFor*.from_pretrained(dir)`` resolves ``normswap_<anything>`` the first time it is
-  seen (the classes are created and registered with every ``AutoModel*`` mapping that knows the
-  base config).
+* ``import normswap`` installs a lazy entry in transformers' config registry
+  (:mod:`normswap.integrations.auto_registry`), so ``AutoModelFor*.from_pretrained(dir)`` resolves
+  ``normswap_<anything>`` the first time it is seen, through :func:`register` (the classes are
+  created and registered with every ``AutoModel*`` mapping that knows the base config).
 * ``trust_remote_code=True`` imports the small ``modeling_normswap.py`` written next to the
   weights, which subclasses the same generated classes.
 """
@@ -22,11 +22,9 @@ ways lead to them:
 from __future__ import annotations
 
 import contextvars
-import importlib.abc
 import logging
 import sys
 import warnings
-from typing import Any
 
 from torch import nn
 
@@ -47,11 +45,11 @@ from normswap.checkpoint.hf_types import (  # noqa: F401  (re-exported: hf.PREFI
     register_conversion_mapping,
 )
 from normswap.errors import NormswapError
+from normswap.integrations import trainer
 
 log = logging.getLogger("normswap")
 
 _MODELS: dict[tuple[str, str], type] = {}
-_HOOK_INSTALLED = False
 _BUILDING: contextvars.ContextVar[bool] = contextvars.ContextVar("normswap_building", default=False)
 
 
@@ -149,6 +147,7 @@ def rebuild(model: nn.Module, manifest: dict) -> nn.Module:
         # modules the source checkpoint had no tensors for and its pipeline never used: absent again
         drop_modules(model, left_out)
         apply_structure(model, plan, backend=manifest.get("backend", "auto"))
+        trainer.register()  # transformers' Trainer: RMSNorm parameters are norm parameters (no weight decay)
     except (AttributeError, KeyError, TypeError, ValueError) as exc:
         raise NormswapError(
             f"the normswap manifest does not match {type(model).__name__} ({exc}); "
@@ -205,100 +204,6 @@ def register(base: str) -> type:
             # picks the one config.architectures names, which for a converted checkpoint is Normswap<Class>
             mapping.register(cfg_cls, tuple(model_class_for(base, t.__name__) for t in target), exist_ok=True)
     return cfg_cls
-
-
-class _LazyRegistry(dict):
-    """Replaces ``CONFIG_MAPPING._extra_content``: ``normswap_<base>`` keys resolve on first lookup."""
-
-    def _resolve(self, key: object) -> bool:
-        if not isinstance(key, str) or dict.__contains__(self, key):
-            return dict.__contains__(self, key)
-        base = base_type(key)
-        if base is None or not base:
-            return False
-        try:
-            register(base)
-        except Exception as exc:  # noqa: BLE001 - unknown base: let transformers report the unknown type
-            log.debug("normswap: cannot register %s: %s", key, exc)
-            return False
-        return dict.__contains__(self, key)
-
-    def __contains__(self, key: object) -> bool:
-        return self._resolve(key)
-
-    def __getitem__(self, key: str) -> Any:
-        self._resolve(key)
-        return dict.__getitem__(self, key)
-
-    def get(self, key: str, default: Any = None) -> Any:
-        return self[key] if self._resolve(key) else default
-
-
-_CONFIG_AUTO = "transformers.models.auto.configuration_auto"
-
-
-def _patch_registry() -> None:
-    global _HOOK_INSTALLED
-    mapping = getattr(sys.modules.get(_CONFIG_AUTO), "CONFIG_MAPPING", None)
-    extra = getattr(mapping, "_extra_content", None)
-    if isinstance(extra, dict) and not isinstance(extra, _LazyRegistry):
-        mapping._extra_content = _LazyRegistry(extra)
-    _HOOK_INSTALLED = isinstance(getattr(mapping, "_extra_content", None), _LazyRegistry)
-
-
-class _AfterImport(importlib.abc.MetaPathFinder):
-    """Patch transformers' config registry right after it is imported (``import normswap`` must not
-    pay for importing transformers itself)."""
-
-    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
-        if name != _CONFIG_AUTO:
-            return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(name, path, target)
-            if spec is not None and spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                loader = spec.loader
-                original = loader.exec_module
-
-                def exec_module(module: Any, _original: Any = original) -> None:
-                    _original(module)
-                    _patch_registry()
-
-                spec.loader = _Loader(loader, exec_module)
-                return spec
-            if spec is not None:
-                return spec
-        return None
-
-
-class _Loader(importlib.abc.Loader):
-    def __init__(self, inner: Any, exec_module: Any) -> None:
-        self._inner = inner
-        self._exec = exec_module
-
-    def create_module(self, spec: Any) -> Any:
-        return self._inner.create_module(spec)
-
-    def exec_module(self, module: Any) -> None:
-        self._exec(module)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
-
-
-def install_lazy_registration() -> None:
-    """Make ``AutoConfig``/``AutoModel*`` understand ``normswap_*`` model types (called at import).
-
-    If transformers' auto registry is already imported it is patched now; otherwise a one-shot
-    import watcher patches it the moment transformers imports it.
-    """
-    if _HOOK_INSTALLED:
-        return
-    if _CONFIG_AUTO in sys.modules:
-        _patch_registry()
-    elif not any(isinstance(f, _AfterImport) for f in sys.meta_path):
-        sys.meta_path.insert(0, _AfterImport())
 
 
 def class_for_manifest(manifest: dict) -> type:

@@ -41,7 +41,7 @@ from torch import nn
 from normswap.analysis.plan import Plan, plan_of
 from normswap.checkpoint import io, stream_io
 from normswap.errors import NormswapError, first_line
-from normswap.integrations import wrappers
+from normswap.integrations import trainer, wrappers
 from normswap.nn.rmsnorm import RMSNorm
 
 MANIFEST_FILE = "normswap.json"
@@ -266,6 +266,7 @@ def load_into(model: nn.Module, path: str | os.PathLike) -> nn.Module:
     from normswap.surgery.edits import apply_structure
 
     apply_structure(target, plan)
+    trainer.register()  # transformers' Trainer: RMSNorm parameters are norm parameters (no weight decay)
     for name, backend in manifest.get("backends", {}).items():
         target.get_submodule(name).backend = backend
     target.load_state_dict(state, strict=True)

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from normswap import api, inputs, presets
+from normswap import inputs, pipeline, presets
 from normswap.analysis import walker
 from normswap.analysis.plan import Plan
 from normswap.checkpoint import extrapolate as ex
@@ -97,13 +97,13 @@ def build_proxy(cls: type, config: Any, dtype: torch.dtype, left_out: list[str] 
 
 def analyse_proxy(model: nn.Module, opts: ConvertOptions) -> Plan:
     """``normswap.plan`` without its working copy (the proxy is ours to use)."""
-    api.preflight(model)
+    pipeline.preflight(model)
     args, kwargs = inputs.resolve(model, None)
     dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
-    with api.eval_mode(model):
+    with pipeline.eval_mode(model):
         args, kwargs = inputs.cast_inputs(args, kwargs, dtype)
-        result = api.analyse_copy(model, args, kwargs, opts)
-    api.decide_verdicts(result.plan, opts.mode)
+        result = pipeline.analyse_copy(model, args, kwargs, opts)
+    pipeline.decide_verdicts(result.plan, opts.mode)
     return result.plan
 
 

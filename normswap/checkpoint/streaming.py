@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from normswap import api
+from normswap import pipeline
 from normswap.analysis.plan import Plan
 from normswap.checkpoint import extrapolate as ex
 from normswap.checkpoint import hf, io, proxy, source, stream_io, truncated, writer
@@ -50,7 +50,7 @@ def convert_streaming(
     progress: bool,
     echo: Callable[[str], None],
     automatic: bool = False,
-) -> api.Report:
+) -> pipeline.Report:
     """Convert the checkpoint directory ``src`` into ``out`` without loading the model.
 
     ``automatic``: the caller chose this path because the in-memory one would not fit (the user did
@@ -168,7 +168,7 @@ def convert_streaming(
         raise
     rewriter = TensorRewriter(plan, meta, keys, reader, fmt=fmt, dtype=out_dtype)
     limit = io.parse_size(max_shard_size)
-    report = api.Report(plan.sites, {}, plan, "", changed=True)
+    report = pipeline.Report(plan.sites, {}, plan, "", changed=True)
     with io.atomic_directory(out, overwrite=overwrite, needed=needed) as tmp:
         layout = rewriter.layout()
         try:

@@ -41,7 +41,7 @@ def _shard_size(ctx: click.Context, param: click.Parameter, value: str) -> str:
     return value
 
 
-# ``normswap: `NAME` converted approximately (REASON); relative output error E. ADVICE`` (api.report_warnings)
+# ``normswap: `NAME` converted approximately (REASON); relative output error E. ADVICE`` (pipeline.report_warnings)
 _APPROXIMATE = re.compile(r"`(?P<name>[^`]+)` converted approximately \((?P<reason>.*)\); "
                           r"relative output error (?P<error>\S+)\. .*", re.S)
 GROUP_APPROXIMATE_FROM = 4  # this many approximate-norm warnings or more print as one line

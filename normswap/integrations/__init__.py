@@ -7,13 +7,12 @@ Submodules (each imported on its own, so ``import normswap`` stays light):
   ``torch.onnx.export`` and ``torch.jit.trace`` is the backends' portable path,
   :mod:`normswap.backends.portable`).
 * :mod:`normswap.integrations.trainer`: transformers' weight-decay rules see ``normswap.RMSNorm`` as a
-  norm.
+  norm (set up by ``normswap.patch`` and ``normswap.load``; call ``register()`` for RMSNorms you build
+  yourself).
 * :mod:`normswap.integrations.saving`: ``save_pretrained`` on a model patched in memory writes a native
-  normswap checkpoint.
+  normswap checkpoint (set up by ``normswap.patch`` on the model it converts).
 * :mod:`normswap.integrations.wrappers`: the model inside a sentence-transformers object or a
   ``torch.compile``'d module, which ``normswap.plan`` / ``normswap.patch`` convert in place (a leaf module).
-* :mod:`normswap.integrations.hooks`: the callbacks ``normswap.patch`` runs on a converted model (a leaf
-  module, so the API imports none of the integrations).
 * :mod:`normswap.integrations.quiet`: other libraries' progress bars and warnings off while normswap
   loads, converts and saves (their own switches, restored afterwards; a leaf module).
 """

@@ -4,8 +4,7 @@ Before this, ``normswap.patch(model); model.save_pretrained(d)`` (or ``Trainer.s
 it) wrote the stock config with RMSNorm weights under LayerNorm names: the directory loaded back with
 LayerNorms and without the β that stayed on the RMSNorms (logits off by ~3.5e-2 on a tiny GPT-2).
 
-:func:`install_save_hooks` (run by ``normswap.patch`` once the model is converted; :func:`register`
-puts it on ``normswap.integrations.hooks.AFTER_PATCH``) gives the model
+:func:`install_save_hooks` (run by ``normswap.patch`` once the model is converted) gives the model
 the class a loaded native checkpoint has (``Normswap<Class>``, a subclass of its own class whose
 ``save_pretrained`` stores every parameter and adds the manifest, ``model_type = normswap_<base>``,
 ``auto_map`` and the modeling file). The object, its modules, parameters and config are unchanged;
@@ -19,8 +18,6 @@ from pathlib import Path
 from typing import Any
 
 from torch import nn
-
-from normswap.integrations import hooks
 
 _SUBCLASSES: dict[type, type] = {}
 
@@ -62,12 +59,6 @@ def saving_class(cls: type, base: str) -> type:
         })
         globals()[name] = _SUBCLASSES[cls]
     return _SUBCLASSES[cls]
-
-
-def register() -> None:
-    """Have ``normswap.patch`` call :func:`install_save_hooks` on every model it converts (done when
-    ``import normswap`` installs its transformers hooks)."""
-    hooks.register_after_patch(install_save_hooks)
 
 
 def install_save_hooks(model: nn.Module) -> bool:

@@ -6,7 +6,8 @@ transformers 5.x ``Trainer.get_decay_parameter_names`` exempts parameters of ``n
 (``ln_1``, ``ln_2``, ``ln_f``), which match neither, so without this its RMSNorm weights would be
 decayed while the original's LayerNorm weights were not.
 
-:func:`register` (called by ``import normswap``) wraps that method so it also drops the parameters of
+:func:`register` (called by ``normswap.patch`` and by every load of a converted checkpoint; call it
+yourself for ``normswap.RMSNorm`` modules you build by hand) wraps that method so it also drops the parameters of
 every ``normswap.RMSNorm`` and adds the class to ``transformers.pytorch_utils.ALL_LAYERNORM_LAYERS``
 (the list older Trainer versions and third-party code use). It does not import transformers: when
 ``transformers.trainer`` is not imported yet, a one-shot import hook applies the wrap right after

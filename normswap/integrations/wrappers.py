@@ -11,7 +11,7 @@ place (the pipeline object then computes with it) instead of asking for ``exampl
 model is converted in place, and the compiled object recompiles on its next call (its guards see the
 new modules).
 
-A leaf module (no normswap imports; transformers only inside :func:`inner_model`): :mod:`normswap.api`
+A leaf module (no normswap imports; transformers only inside :func:`inner_model`): :mod:`normswap.pipeline`
 calls :func:`inner_model`, and nothing here imports ``sentence_transformers`` (the wrapper is
 recognised by the module its class comes from).
 """

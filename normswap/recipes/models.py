@@ -366,7 +366,7 @@ def plan_progressive(
     model: nn.Module, cfg: ProgressiveConfig, backend: str, steps: int, example: dict[str, torch.Tensor]
 ) -> Progressive:
     """Work out the stages from the student's plan: its approximate sites that are still LayerNorm."""
-    from normswap.api import find_norms
+    from normswap.pipeline import find_norms
 
     plan: Plan | None = plan_of(model)
     pending = [

@@ -1,7 +1,7 @@
 """Apply a :class:`~normswap.analysis.plan.Plan` to a model: untie, center, fold, swap, hook.
 
 All arithmetic is float64 (each tensor is upcast, edited and cast back once). The functions here
-mutate the module they are given; :mod:`normswap.api` runs them on a working copy and commits the
+mutate the module they are given; :mod:`normswap.pipeline` runs them on a working copy and commits the
 result to the user's model only after verification, which is what makes ``patch`` transactional.
 """
 

@@ -1,6 +1,6 @@
 """normswap.analysis on the hand-written models: writers, readers, centering edits and verdicts.
 
-Unit level: ``normswap.api.analyse_copy`` (trace + walker + ``planner.analyse``, no verdict mode,
+Unit level: ``normswap.pipeline.analyse_copy`` (trace + walker + ``planner.analyse``, no verdict mode,
 no surgery) on a float64 copy, and ``analysis.Analyzer`` on the recorded graph. Nothing is patched.
 """
 
@@ -12,8 +12,8 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from normswap.analysis import planner, streams
-from normswap.api import analyse_copy
 from normswap.options import ConvertOptions
+from normswap.pipeline import analyse_copy
 from tests.custom_models import (
     MixedNormNet,
     PostLNEncoder,

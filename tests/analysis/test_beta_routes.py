@@ -14,8 +14,8 @@ import torch
 import normswap
 from normswap.analysis.attention import AttentionProofs, Route
 from normswap.analysis.plan import Plan
-from normswap.api import default_dtype
 from normswap.inputs import hf_example_inputs
+from normswap.pipeline import default_dtype
 from normswap.surgery.verify import compare
 from tests.custom_models import ProjLM, randomise
 from tests.zoo import EXACT, MORE, build
@@ -54,7 +54,7 @@ def _model(**kwargs) -> ProjLM:
     return randomise(ProjLM(**kwargs))
 
 
-def _patched_error(model, **options) -> tuple[float, normswap.api.Report]:
+def _patched_error(model, **options) -> tuple[float, normswap.pipeline.Report]:
     original = copy.deepcopy(model)
     report = normswap.patch(model, example_inputs=IDS, mode="exact", **{"beta_placement": "fold", **options})
     x = torch.randint(0, 40, (3, 7), generator=torch.Generator().manual_seed(5))  # unseen inputs

@@ -23,8 +23,8 @@ import pytest
 import torch
 
 import normswap
-from normswap.api import default_dtype
 from normswap.inputs import hf_example_inputs
+from normswap.pipeline import default_dtype
 from normswap.surgery.verify import compare
 from tests.zoo import APPROXIMATE, EXACT, MORE, RMS, SSM, build, float64_casts
 

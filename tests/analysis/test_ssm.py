@@ -11,8 +11,8 @@ import torch
 import transformers as tf
 
 import normswap
-from normswap.api import default_dtype
 from normswap.inputs import hf_example_inputs
+from normswap.pipeline import default_dtype
 from normswap.surgery.verify import compare
 from tests.zoo import SSM, build, float64_casts, float64_reference
 

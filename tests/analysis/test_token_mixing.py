@@ -25,7 +25,7 @@ from torch import nn
 import normswap
 from normswap.analysis.dataflow import channel_mixing
 from normswap.analysis.trace import record
-from normswap.api import default_dtype
+from normswap.pipeline import default_dtype
 from normswap.surgery.verify import compare
 from tests.custom_models import PreBlock
 from tests.custom_models import randomise as randomise_custom

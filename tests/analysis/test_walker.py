@@ -1,6 +1,6 @@
 """normswap.analysis.walker on the hand-written models: which modules are LayerNorms, and what each computes.
 
-Unit level: ``walker.candidates`` / ``walker.identify`` directly, and ``normswap.api.find_norms``
+Unit level: ``walker.candidates`` / ``walker.identify`` directly, and ``normswap.pipeline.find_norms``
 (the walker alone, on a traced forward; the model is never converted here).
 """
 
@@ -12,7 +12,7 @@ from torch import nn
 import normswap
 from normswap import RMSNorm
 from normswap.analysis import walker
-from normswap.api import find_norms
+from normswap.pipeline import find_norms
 from tests.custom_models import MixedNormNet, PostLNEncoder, TinyGPT, TinyViT, randomise
 
 D = 24

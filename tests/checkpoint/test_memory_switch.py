@@ -11,7 +11,7 @@ import torch
 import transformers as tf
 
 import normswap
-from normswap import api
+from normswap import pipeline
 from normswap.checkpoint import conversion, proxy
 from normswap.checkpoint import source as source_mod
 
@@ -66,12 +66,12 @@ def test_the_switch_streams_when_the_predicted_peak_does_not_fit(half_checkpoint
 def test_a_half_model_is_worked_on_in_float32_and_measured_in_its_own_dtype(monkeypatch):
     """Past the float64 size limit, a float16 model's analysis, calibration and verification run in
     float32 (fast on a CPU); the cast back is measured against the original in float16."""
-    monkeypatch.setattr(api, "FLOAT64_EXTRA_BYTES", 0)  # as if the model were big
+    monkeypatch.setattr(pipeline, "FLOAT64_EXTRA_BYTES", 0)  # as if the model were big
     torch.manual_seed(0)
     cfg = tf.BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
                         vocab_size=99, max_position_embeddings=64)
     model = tf.BertForMaskedLM(cfg).eval().to(torch.float16)
-    assert api.working_dtype(model) == torch.float32
+    assert pipeline.working_dtype(model) == torch.float32
     seen: list[torch.dtype] = []
     original_forward = tf.BertModel.forward
 

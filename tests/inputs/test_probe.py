@@ -8,7 +8,7 @@ import torch
 import transformers as tf
 
 import normswap
-from normswap import api, inputs, presets
+from normswap import inputs, pipeline, presets
 from normswap.surgery import verify
 from tests.zoo import EXACT, build
 
@@ -16,13 +16,13 @@ from tests.zoo import EXACT, build
 def _spy_compare(monkeypatch) -> list[dict]:
     """Record what verification compares: output shapes and the attention mask it was given."""
     calls: list[dict] = []
-    real = api.compare
+    real = pipeline.compare
 
     def spy(reference, converted, skip=frozenset(), attention_mask=None):
         calls.append({"shape": tuple(converted.logits.shape[:2]), "mask": attention_mask})
         return real(reference, converted, skip, attention_mask)
 
-    monkeypatch.setattr(api, "compare", spy)
+    monkeypatch.setattr(pipeline, "compare", spy)
     return calls
 
 

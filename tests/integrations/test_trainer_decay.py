@@ -42,18 +42,48 @@ def test_converted_norms_get_no_weight_decay(name):
 def test_rmsnorm_registered_as_layer_norm_class():
     from transformers import pytorch_utils
 
+    from normswap.integrations import trainer
+
+    trainer.register()
     assert normswap.RMSNorm in pytorch_utils.ALL_LAYERNORM_LAYERS
 
 
-def test_registration_when_trainer_is_imported_after_normswap():
-    code = (
-        "import sys, normswap\n"
-        "assert 'transformers.trainer' not in sys.modules\n"
-        "from transformers import Trainer\n"
-        "from torch import nn\n"
-        "m = nn.Sequential(nn.Linear(4, 4), normswap.RMSNorm(4))\n"
-        "names = Trainer.get_decay_parameter_names(None, m)\n"
-        "assert names == ['0.weight'], names\n"
-    )
+def _run(code: str) -> None:
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+HAND_BUILT = (
+    "from torch import nn\n"
+    "m = nn.Sequential(nn.Linear(4, 4), normswap.RMSNorm(4))\n"
+)
+
+
+def test_import_normswap_leaves_the_trainer_alone_and_register_sets_the_rule_up():
+    """``import normswap`` changes nothing of transformers' Trainer (its one import-time hook is the
+    ``normswap_*`` config registry); ``register()`` sets the rule up, also before Trainer is imported."""
+    _run("import sys, normswap\n" + HAND_BUILT +
+         "from transformers import Trainer\n"
+         "assert not hasattr(Trainer.get_decay_parameter_names, '__wrapped__')\n"
+         "assert Trainer.get_decay_parameter_names(None, m) == ['0.weight', '1.weight']\n")
+    _run("import sys, normswap\n"
+         "from normswap.integrations import trainer\n"
+         "trainer.register()\n"
+         "assert 'transformers.trainer' not in sys.modules\n" + HAND_BUILT +
+         "from transformers import Trainer\n"
+         "names = Trainer.get_decay_parameter_names(None, m)\n"
+         "assert names == ['0.weight'], names\n")
+
+
+def test_load_sets_the_rule_up(tmp_path):
+    """A converted checkpoint loaded in a fresh process (``normswap.load`` or ``AutoModel*`` after
+    ``import normswap``) gets the rule, as ``patch`` does."""
+    normswap.convert("tiny-gpt2", tmp_path / "out", verify=False)
+    for load in ("normswap.load(d)", "transformers.AutoModelForCausalLM.from_pretrained(d)"):
+        _run("import normswap, transformers\n"
+             f"d = {str(tmp_path / 'out')!r}\n"
+             f"m = {load}\n"
+             "from normswap.integrations.trainer import norm_parameter_names\n"
+             "from transformers import Trainer\n"
+             "norms = norm_parameter_names(m)\n"
+             "assert norms and not norms & set(Trainer.get_decay_parameter_names(None, m))\n")

@@ -7,8 +7,8 @@ import torch
 
 import normswap
 from normswap.analysis.plan import Plan
-from normswap.api import default_dtype
 from normswap.inputs import hf_example_inputs
+from normswap.pipeline import default_dtype
 from normswap.rotation.rotate import random_orthogonal, rotate, rotation_matrix, streams
 from normswap.surgery.verify import compare
 from tests.custom_models import TinyGPT, TinyViT

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 import normswap
-from normswap.api import default_dtype
 from normswap.inputs import hf_example_inputs
+from normswap.pipeline import default_dtype
 from normswap.rotation.rotate import HADAMARD_BUFFER, rotate
 from tests.integrations.compat import Positional
 from tests.zoo import EXACT, RMS, build

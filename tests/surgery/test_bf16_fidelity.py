@@ -32,8 +32,8 @@ import pytest
 import torch
 
 import normswap
-from normswap.api import default_dtype
 from normswap.inputs import cast_inputs, hf_example_inputs
+from normswap.pipeline import default_dtype
 from normswap.surgery.edits import CenterOutput
 from normswap.surgery.verify import compare, dtype_error_ratio
 from tests.zoo import EXACT, MORE, build

@@ -13,8 +13,8 @@ from torch import nn
 
 import normswap
 from normswap import inputs
-from normswap.api import find_norms
 from normswap.errors import NormswapError
+from normswap.pipeline import find_norms
 from normswap.recipes import losses, models
 from normswap.surgery import calibrate
 from tests.custom_models import PostLNEncoder, randomise

@@ -11,7 +11,7 @@ import pytest
 import torch
 import transformers as tf
 
-from normswap.api import find_norms
+from normswap.pipeline import find_norms
 from normswap.surgery import calibrate
 from tests.custom_models import PostLNEncoder
 from tests.custom_models import randomise as randomise_custom

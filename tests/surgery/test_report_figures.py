@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from normswap.api import Report
+from normswap.pipeline import Report
 from normswap.surgery.verify import compare, figures, token_kl
 
 

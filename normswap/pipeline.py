@@ -1,0 +1,848 @@
+"""``normswap.plan`` and ``normswap.patch``: the in-memory conversion entry points.
+
+``patch`` is transactional: analysis and surgery run on a float64 working copy (the original
+dtype when a float64 copy would not fit in memory); the user's model is only touched once the
+converted copy has passed verification, and then only by copying tensors and swapping the norm
+modules.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from normswap import inputs
+from normswap.analysis import precision, trace, walker
+from normswap.analysis.linears import linear_at
+from normswap.analysis.plan import EXACT_VERDICTS, Plan, SitePlan, attach_plan
+from normswap.analysis.planner import analyse
+from normswap.analysis.trace import flatten_outputs
+from normswap.errors import ModelRunFailed, NaNOutputs, NormswapError, first_line
+from normswap.integrations import torch_transformer, wrappers
+from normswap.options import ConvertOptions
+from normswap.surgery import beta_placement, calibrate, edits
+from normswap.surgery.verify import compare, dtype_error_ratio, figures_text, gate
+
+log = logging.getLogger("normswap")
+
+
+
+@dataclass
+class Report:
+    """What ``patch`` did. ``sites[i]`` has ``.name``, ``.verdict``, ``.reason``."""
+
+    sites: list[SitePlan] = field(default_factory=list)
+    verification: dict[str, Any] = field(default_factory=dict)
+    plan: Plan | None = None
+    message: str = ""
+    changed: bool = False
+    calibration: calibrate.CalibrationResult | None = None
+    output: str | None = None  # the directory ``convert`` wrote
+    output_format: str | None = None  # native | compat
+    streamed: bool = False  # written by the low-memory path
+    rotation: Any = None  # the normswap.Rotation applied after the conversion (options.rotate)
+
+    def __str__(self) -> str:
+        lines = [self.message] if self.message else []
+        if self.output is not None:
+            lines.append(f"wrote {self.output_format} checkpoint to {self.output}"
+                         + (" (streamed)" if self.streamed else ""))
+        if self.plan is not None:
+            lines.append(self.plan.summary(self.output_format))
+        if self.calibration is not None:
+            lines.append(self.calibration.summary())
+        if self.verification:
+            lines.append(f"verification: {figures_text(self.verification)}")
+            if self.verification.get("probe"):
+                lines.append(f"verified on: {self.verification['probe']}")
+        return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------- checks
+def refuse_torchscript(model: object) -> None:
+    """A TorchScript module (``torch.jit.script`` or ``torch.jit.trace``) runs its compiled graph: its
+    submodules cannot be swapped ("Cannot re-assign modules in a ScriptModule") nor hooked, so normswap
+    can neither analyse nor edit it. Refused in one line, with what to do instead."""
+    if not isinstance(model, nn.Module):
+        return
+    for name, module in model.named_modules():
+        if isinstance(module, torch.jit.ScriptModule):
+            how = "torch.jit.trace" if isinstance(module, torch.jit.TracedModule) else "torch.jit.script"
+            where = f"module `{name}` is" if name else f"{type(model).__name__} is"
+            raise NormswapError(
+                f"{where} a TorchScript module ({how}), whose compiled graph normswap cannot edit; "
+                f"patch the eager module first (normswap.patch(model, ...)), then {how.split('.')[-1]} the result")
+
+
+def preflight(model: nn.Module) -> None:
+    """Refuse models normswap cannot edit, before touching anything."""
+    if not isinstance(model, nn.Module):
+        raise NormswapError(f"expected a torch.nn.Module, got {type(model).__name__}")
+    refuse_torchscript(model)
+    for name, p in model.named_parameters():
+        if p.is_meta:
+            raise NormswapError(
+                f"parameter `{name}` is on the meta device (no data); load real weights first "
+                "(e.g. from_pretrained without device_map='meta' or init_empty_weights)")
+        if getattr(p, "is_quantized", False) or not p.is_floating_point():
+            raise NormswapError(
+                f"parameter `{name}` is quantized ({p.dtype}); convert the full-precision model, "
+                "then quantize the result")
+    for name, module in model.named_modules():
+        if hasattr(module, "peft_config") or hasattr(module, "lora_A"):  # PeftModel / a LoRA layer
+            where = f"module `{name}` is a PEFT adapter layer" if name else f"{type(model).__name__} is a PEFT model"
+            raise NormswapError(
+                f"{where} ({type(module).__name__}); merge the adapters first (model = model.merge_and_unload()) "
+                "and convert the merged model, or convert the base model before adding adapters")
+        cls = type(module).__name__
+        if any(tag in cls for tag in ("Linear8bit", "Linear4bit", "QuantLinear", "QLinear", "FP8Linear")):
+            raise NormswapError(
+                f"module `{name}` is a quantized layer ({cls}); convert the full-precision model, "
+                "then quantize the result")
+    for name, p in model.named_parameters():
+        if not all_finite(p):
+            raise NormswapError(f"parameter `{name}` contains NaN or inf values; fix the checkpoint first")
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """Whether every entry of the floating tensor ``t`` is finite.
+
+    One reduction pass without a temporary: ``aminmax`` propagates NaN, and any ±inf entry is the
+    minimum or the maximum, so both are finite exactly when every entry is. ``isfinite(t).all()``
+    gives the same answer but writes a boolean tensor the size of ``t`` first: about 5x slower over
+    GPT-2-124M's parameters on the 2-core CI machine."""
+    if t.numel() == 0:
+        return True
+    lo, hi = torch.aminmax(t.detach())
+    return bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))
+
+
+@contextlib.contextmanager
+def eval_mode(model: nn.Module) -> Iterator[None]:
+    """Analyse in eval mode (dropout breaks centering), then restore every module's own flag.
+
+    PyTorch's fused attention paths are off meanwhile (:func:`torch_transformer.python_forwards`): the
+    calibration and verification forwards run the Python code the analysis traced."""
+    flags = {m: m.training for m in model.modules()}
+    model.eval()
+    try:
+        with torch_transformer.python_forwards():
+            yield
+    finally:
+        for m, flag in flags.items():
+            m.training = flag
+
+
+def _param_bytes(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters()) * 8
+
+
+def _available_memory() -> int:
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    except Exception:  # noqa: BLE001 - psutil is optional
+        return 8 << 30
+
+
+# a float64 working copy only when it costs at most this over a float32 one (models up to ~67M
+# parameters): with the model, the reloaded checkpoint and the runtime (~0.5 GB of RSS for torch and
+# transformers), a larger float64 copy would pass the 2 x model + 1 GB peak (GPT-2-small: 2.6 GB)
+FLOAT64_EXTRA_BYTES = 256 << 20
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def working_dtype(model: nn.Module, precise: bool = True) -> torch.dtype:
+    """The dtype :func:`working_copy` computes in: analysis, probes, calibration and verification.
+
+    * float64 (``precise``) when that copy is small: at most :data:`FLOAT64_EXTRA_BYTES` more than a
+      float32 one (models up to ~67M parameters) and under 40% of the available memory (on a CPU). Exactness is
+      then judged against float64.
+    * otherwise float32 for float16 / bfloat16 / float32 models: a CPU has no fast half-precision
+      matmul (float16 runs ~4x slower than float32 here, and some ops far slower), and a float32 copy
+      of a half model is 2x its size where a float64 one is 4x. Every edit still upcasts each tensor
+      to float64 (:mod:`normswap.surgery`); the result is cast back to the model's dtype once, and
+      ``patch`` measures the original and the converted model in their own dtype as well.
+    * the model's own dtype when not ``precise`` (the fallback for models that compute NaN in
+      float64) or when even a float32 copy would not fit.
+    """
+    dtype = _dtype_of(model)
+    if not precise:
+        return dtype
+    numel = sum(p.numel() for p in model.parameters())
+    on_cpu = all(p.device.type == "cpu" for p in model.parameters())
+    def room(nbytes: int, share: float) -> bool:
+        return not on_cpu or nbytes < share * _available_memory()
+
+    if numel * 4 <= FLOAT64_EXTRA_BYTES and room(numel * 8, 0.4):
+        return torch.float64
+    if dtype in HALF_DTYPES and room(numel * 4, 0.6):
+        return torch.float32
+    return dtype
+
+
+def working_copy(model: nn.Module, precise: bool = True) -> nn.Module:
+    """A copy of ``model`` to analyse and edit, in :func:`working_dtype`.
+
+    Modules and buffers are deep-copied; parameters are not, unless cast: a parameter already in the
+    working dtype is a new ``Parameter`` over the *model's* storage. The analysis and the reference
+    forwards only read it, and :func:`own_written` gives every parameter the surgery writes its own
+    storage before the first edit (:func:`check_untouched` checks nothing else was written). On a
+    float64 GPT-2 that copies 75M of its 124M parameters, and the commit then adopts them without a
+    second copy. Peak memory: the model plus the cast copy (none for a float32 model worked on in
+    float32, beyond the tensors the surgery writes).
+    """
+    target = working_dtype(model, precise)
+    cast = target != _dtype_of(model)
+
+    def param(p: nn.Parameter) -> nn.Parameter:
+        data = p.detach()
+        if cast and data.is_floating_point() and data.dtype != target:
+            data = data.to(target)  # a new tensor: the cast is the copy
+        return nn.Parameter(data, requires_grad=p.requires_grad)
+
+    memo: dict[int, Any] = {id(p): param(p) for p in model.parameters()}  # tied parameters stay tied
+    work = copy.deepcopy(model, memo)
+    if cast:
+        work.to(target)  # the floating buffers (parameters are cast already)
+    work.eval()
+    return work
+
+
+def _storage(t: torch.Tensor) -> int:
+    """The address of ``t``'s storage, 0 when it has none to share: empty, or not strided (Whisper keeps
+    its alignment heads in a sparse buffer, which has no storage of its own)."""
+    return t.untyped_storage().data_ptr() if t.numel() and t.layout == torch.strided else 0
+
+
+def own_written(work: nn.Module, model: nn.Module, plan_: Plan) -> None:
+    """Before surgery: untie without copying, then give each parameter the surgery will write in place
+    its own storage wherever ``model`` or another parameter of ``work`` still uses it.
+
+    An untied head is a new ``Parameter`` over the tied tensor: the embedding, which is written, gets
+    the copy; the head keeps the original values it needs (one copy where untie-then-center made two).
+    The copy replaces the parameter wherever a module registers it; a module that reads it through a
+    plain attribute would still see the old values, so verification would fail, not pass wrongly.
+    """
+    for u in plan_.unties:
+        tied = getattr(work.get_submodule(u.module), u.attr)
+        edits.untie(work, u, tied.detach())
+    if plan_.unties:
+        edits.mark_untied(work)
+    users: dict[int, set[int]] = {}  # storage -> ids of the tensors on it (model and work)
+    for t in (*model.parameters(), *model.buffers(), *work.parameters()):
+        users.setdefault(_storage(t), set()).add(id(t))
+    registrations: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module in work.modules():
+        for attr, p in module._parameters.items():
+            if p is not None:
+                registrations.setdefault(id(p), []).append((module, attr))
+    for name in sorted(edits.written_parameters(plan_, work)):
+        p = work.get_parameter(name)
+        key = _storage(p)
+        if key == 0 or users.get(key, set()) <= {id(p)}:
+            continue  # already its own
+        own = nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad)
+        for module, attr in registrations.pop(id(p), []):  # a tie kept by the plan stays a tie
+            module._parameters[attr] = own
+        users[key].discard(id(p))
+
+
+def versions(model: nn.Module) -> dict[str, int]:
+    """The in-place write counter of every parameter of ``model`` (shared with any tensor on it)."""
+    return {name: p._version for name, p in model.named_parameters(remove_duplicate=False)}
+
+
+def check_untouched(model: nn.Module, before: dict[str, int]) -> None:
+    """Refuse to go on if anything wrote a parameter of the user's model before the commit.
+
+    The working copy shares the user's tensors that the plan does not edit (:func:`working_copy`), so
+    this check (PyTorch's per-tensor in-place write counter, which every view and ``detach()`` of a
+    tensor shares) is what shows that the analysis and the surgery wrote none of them. A failure is
+    a normswap bug, typically an edit that writes a parameter :func:`surgery.written_parameters`
+    does not list."""
+    changed = [n for n, v in versions(model).items() if before.get(n, v) != v]
+    if changed:
+        raise NormswapError(
+            f"internal error: `{changed[0]}` of your model was written in place before the commit "
+            "(normswap edits only its own copies; is an edit missing from edits.written_parameters?); "
+            "the model may be modified. Please report this model")
+
+
+def _dtype_of(model: nn.Module) -> torch.dtype:
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+
+
+# ---------------------------------------------------------------------------------- analysis
+@dataclass
+class _Analysis:
+    plan: Plan
+    sites: dict[str, walker.NormSite]
+    graph: trace.Graph
+    args: tuple
+    kwargs: dict
+    held: dict[str, int] = field(default_factory=dict)  # the model's downcasts held in the traced run
+
+    @property
+    def hold(self) -> bool:
+        """Whether every later forward of the working copy holds the model's casts (:func:`running`)."""
+        return bool(self.held)
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Run a float64 copy with float64 factory defaults (HF code builds mask constants with
+    ``torch.full((), finfo(dtype).min)``, which overflows a float32 default)."""
+    previous = torch.get_default_dtype()
+    if dtype in (torch.float32, torch.float64):
+        torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+@contextlib.contextmanager
+def running(dtype: torch.dtype, hold: bool) -> Iterator[None]:
+    """How every forward of a working copy in ``dtype`` runs: factory defaults in ``dtype``
+    (:func:`default_dtype`) and, for a model whose traced run cast down inside (``hold``), those casts
+    held at ``dtype`` (:mod:`normswap.analysis.precision`)."""
+    with default_dtype(dtype), precision.holding(dtype, hold):
+        yield
+
+
+def _run_trace(work: nn.Module, args: tuple, kwargs: dict) -> trace.Graph:
+    """The traced analysis run, with the model's downcasts held at the copy's dtype (a model that
+    computes a norm in float32 runs in a float64 copy; ``graph.held_casts`` says what was held)."""
+    dtype = _dtype_of(work)
+    try:
+        with default_dtype(dtype):
+            return trace.record(work, args, kwargs, snapshot=walker.candidates(work),
+                                hold=precision.HoldCasts(dtype))
+    except NormswapError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the model does not run on these inputs in this dtype
+        raise ModelRunFailed(
+            f"could not run {type(work).__name__}.forward on the example inputs ({type(exc).__name__}: "
+            f"{first_line(exc, 200)}); pass example_inputs=(tensor, ...) or a dict of kwargs that the model accepts"
+        ) from exc
+
+
+def _identify_sites(work: nn.Module, args: tuple, kwargs: dict) -> tuple[walker.WalkResult, trace.Graph]:
+    graph = _run_trace(work, args, kwargs)
+    nan = next((k for k, t in flatten_outputs(graph.output_object) if t.is_floating_point() and bool(t.isnan().any())),
+               None)
+    if nan is not None:  # nothing can be identified, fitted or verified on NaN (it compares as "no error")
+        raise NaNOutputs(
+            f"{type(work).__name__} outputs NaN in `{nan}` on the example inputs, before any change (inputs "
+            "that do not fit the model, or broken weights); pass example_inputs=(tensor, ...) or a dict of "
+            "kwargs on which the original model's outputs are finite")
+    return walker.find_sites(work, graph), graph
+
+
+def analysed_copy(model: nn.Module, args: tuple, kwargs: dict,
+                  opts: ConvertOptions) -> tuple[nn.Module, tuple, dict, _Analysis]:
+    """The working copy, the inputs cast to its dtype, and its analysis (:func:`analyse_copy`).
+
+    float64 where it fits (:func:`working_copy`). Where the model's own code cannot run in float64
+    (it raises: a dtype check, a float32-only kernel) or computes NaN there but not in its own dtype
+    (CANINE's local attention does), the copy is in the model's dtype, verified at that dtype's
+    tolerance, and the plan says so (``options["working_dtype"]``). Failing in its own dtype too is
+    the inputs' or the weights' fault, and only then does the error say so.
+    """
+    work = working_copy(model)
+    wargs, wkwargs = inputs.cast_inputs(args, kwargs, _dtype_of(work))
+    try:
+        an = analyse_copy(work, wargs, wkwargs, opts)
+        place_beta(work, an, opts)
+        return work, wargs, wkwargs, an
+    except (NaNOutputs, ModelRunFailed) as exc:
+        if _dtype_of(work) == _dtype_of(model):
+            raise
+        in_precise, precise_dtype = exc, _dtype_of(work)
+    del work
+    work = working_copy(model, precise=False)
+    dtype = _dtype_of(work)
+    wargs, wkwargs = inputs.cast_inputs(args, kwargs, dtype)
+    try:
+        an = analyse_copy(work, wargs, wkwargs, opts)
+    except NaNOutputs:
+        if isinstance(in_precise, NaNOutputs):
+            raise in_precise from None
+        raise
+    name, precise_name = type(model).__name__, str(precise_dtype).removeprefix("torch.")
+    if isinstance(in_precise, NaNOutputs):
+        why = f"{name} computes NaN in {precise_name}, not in its own dtype"
+    else:
+        cause = in_precise.__cause__ if in_precise.__cause__ is not None else in_precise
+        why = f"{name} cannot run in {precise_name} ({type(cause).__name__}: {first_line(cause, 120)})"
+    an.plan.options["working_dtype"] = f"{str(dtype).removeprefix('torch.')}: {why}"
+    place_beta(work, an, opts)
+    return work, wargs, wkwargs, an
+
+
+def place_beta(work: nn.Module, an: _Analysis, opts: ConvertOptions) -> None:
+    """:func:`normswap.surgery.beta_placement.place_beta` on the plan, from the working copy's (unedited) weights.
+
+    Not part of :func:`analyse_copy`: the streaming path analyses random-weight proxies and takes this
+    decision later, on the checkpoint's tensors."""
+    keep = dict.fromkeys(torch_transformer.fused_norm_paths(work), torch_transformer.FUSED_WHY)
+    keep |= beta_placement.head_readers(an.plan, work)  # a head class: its base model stays whole
+    beta_placement.place_beta(an.plan, lambda name: work.get_parameter(name).detach(),
+                              lambda norm: an.sites[norm].beta(work.get_submodule(norm)), opts.beta_placement,
+                              keep)
+
+
+def find_norms(model: nn.Module, example_inputs: inputs.ExampleInputs = None) -> walker.WalkResult:
+    """The walker alone: every LayerNorm-like module with its identified flavour (model untouched)."""
+    preflight(model)
+    args, kwargs = inputs.resolve(model, example_inputs)
+    with eval_mode(model):
+        work = working_copy(model)
+        try:
+            return _identify_sites(work, *inputs.cast_inputs(args, kwargs, _dtype_of(work)))[0]
+        except (NaNOutputs, ModelRunFailed):
+            if _dtype_of(work) == _dtype_of(model):
+                raise
+        work = working_copy(model, precise=False)  # the model's own dtype, as analysed_copy falls back to
+        return _identify_sites(work, *inputs.cast_inputs(args, kwargs, _dtype_of(work)))[0]
+
+
+def analyse_copy(work: nn.Module, args: tuple, kwargs: dict, opts: ConvertOptions) -> _Analysis:
+    """Trace ``work`` once on the inputs, find its norms and analyse them into a plan (no verdicts yet).
+
+    Shared by ``plan``/``patch`` and the streaming converter, which runs it on a reduced-depth proxy.
+    """
+    found, graph = _identify_sites(work, args, kwargs)
+    plan = analyse(work, graph, found.sites, untie=opts.untie, fold_gamma=opts.fold_gamma,
+                   per_norm_centering=opts.per_norm_centering, mean_carry=opts.mean_carry,
+                   rms_norms=found.skipped, bias_slots=opts.bias_slots)
+    plan.skipped = [{"name": s.path, "class": s.class_name, "reason": s.reason} for s in found.skipped]
+    plan.options["already_converted"] = bool(found.converted) and not found.sites
+    return _Analysis(plan, {s.path: s for s in found.sites}, graph, args, kwargs, dict(graph.held_casts))
+
+
+def decide_verdicts(plan: Plan, mode: str) -> None:
+    """Mark which sites convert under ``mode``: exact ones always, approximate ones in auto/all."""
+    for sp in plan.sites:
+        if sp.verdict in EXACT_VERDICTS:
+            sp.convert = True
+        elif sp.verdict == "approximate":
+            sp.convert = mode in ("auto", "all")
+    converted = {sp.name for sp in plan.sites if sp.convert}
+    plan.centered_readers = [r for r in plan.centered_readers if r.site in converted]
+    plan.options["mode"] = mode
+
+
+def unwrap(model: nn.Module, example_inputs: inputs.ExampleInputs,
+           opts: ConvertOptions) -> tuple[nn.Module, ConvertOptions, str]:
+    """What to convert: ``model`` itself, the module inside a ``torch.compile``'d one, or the
+    transformers model inside a wrapper such as a ``SentenceTransformer``
+    (:mod:`normswap.integrations.wrappers`), with the wrapper's tokenizer as the default
+    ``tokenizer``. Returns (model to convert, options, a note for the report or "")."""
+    refuse_torchscript(model)  # before looking inside it for a wrapped model
+    notes = []
+    while True:
+        if example_inputs is not None and not wrappers.is_compiled(model):
+            break  # inputs given for the object itself: convert it as it is
+        try:
+            found = wrappers.inner_model(model)
+        except ValueError as exc:
+            raise NormswapError(str(exc)) from None
+        if found is None:
+            break
+        if opts.tokenizer is None and found.tokenizer is not None:
+            opts = opts.replace(tokenizer=found.tokenizer)
+        notes.append(f"{found.wrapper}: converted its model `{found.path}` in place")
+        model = found.model
+    return model, opts, "; ".join(notes)
+
+
+def plan(model: nn.Module, example_inputs: inputs.ExampleInputs = None, *,
+         options: ConvertOptions | None = None, **keywords: Any) -> Plan:
+    """Dry run: the per-norm verdicts and every edit ``patch`` would make. The model is untouched.
+
+    Takes ``patch``'s options (a :class:`~normswap.ConvertOptions`, or its fields as keywords) so
+    one set serves both; calibration, verify and the like do not change the plan. An unknown
+    keyword is an error.
+    """
+    opts = ConvertOptions.build(options, **keywords)
+    model, opts, _ = unwrap(model, example_inputs, opts)
+    preflight(model)
+    args, kwargs = inputs.resolve(model, example_inputs)
+    untouched = versions(model)
+    with eval_mode(model):
+        result = analysed_copy(model, args, kwargs, opts)[3]
+    check_untouched(model, untouched)
+    decide_verdicts(result.plan, opts.mode)
+    return result.plan
+
+
+# ---------------------------------------------------------------------------------- patch
+@contextlib.contextmanager
+def _capture(modules: dict[str, nn.Module]) -> Iterator[dict[str, list[tuple[torch.Tensor, torch.Tensor]]]]:
+    """Record (input, output) of each named module during the forwards run inside the block: copies, since
+    the model may change either in place afterwards (``x = norm(h); x += pos``)."""
+    seen: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {k: [] for k in modules}
+    handles = []
+    for name, module in modules.items():
+        def hook(mod, args, kwargs, output, name=name):  # noqa: ANN001
+            x = args[0] if args else next(iter(kwargs.values()))
+            seen[name].append((x.detach().clone(), output.detach().clone()))
+        handles.append(module.register_forward_hook(hook, with_kwargs=True))
+    try:
+        yield seen
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def patch(model: nn.Module, example_inputs: inputs.ExampleInputs = None, *,
+          options: ConvertOptions | None = None, on_commit: Callable[[nn.Module], object] | None = None,
+          **keywords: Any) -> Report:
+    """Convert ``model``'s LayerNorms to :class:`normswap.RMSNorm`, in place, verified.
+
+    The pipeline behind :func:`normswap.patch` (:mod:`normswap.api`), which passes ``on_commit``: called
+    with the converted model (the one inside a wrapper) once it is committed.
+
+    Args:
+        model: a transformers model, a sentence-transformers model (its transformers model is
+            converted in place, with its tokenizer), a ``torch.compile``'d module (the module inside
+            is converted; the compiled object recompiles on its next call), or any ``nn.Module``.
+        example_inputs: inputs for the analysis run (built automatically for transformers models).
+        options: a :class:`~normswap.ConvertOptions` (mode, fold_gamma, untie, per_norm_centering,
+            mean_carry, calibration, sequential, tokenizer, verify, allow_unusable, backend; see its
+            docstring for each). Its fields may be given as keywords instead:
+            ``patch(model, mode="exact")``. An unknown keyword is an error.
+
+    Returns:
+        A :class:`Report` with per-norm verdicts, verification figures and the calibration used.
+
+    Raises:
+        NormswapError: bad input or failed verification; the model is left unchanged.
+        calibrate.UnusableConversion: the approximate conversion is unusable (``exit_code`` 4).
+    """
+    opts = ConvertOptions.build(options, **keywords)
+    model, opts, wrapped = unwrap(model, example_inputs, opts)
+    preflight(model)
+    args, kwargs = inputs.resolve(model, example_inputs)
+    user_dtype = _dtype_of(model)
+    training = {name: m.training for name, m in model.named_modules()}
+    untouched = versions(model)
+    with eval_mode(model):
+        work, wargs, wkwargs, an = analysed_copy(model, args, kwargs, opts)
+        work_dtype = _dtype_of(work)
+        plan_ = an.plan
+        decide_verdicts(plan_, opts.mode)
+        if plan_.options.get("already_converted"):
+            return Report([], {}, plan_, "model is already converted by normswap; nothing to do")
+        if not plan_.sites and not plan_.rms_folds:
+            return Report([], {}, plan_, "no LayerNorm found; nothing to do")
+        todo = [sp for sp in plan_.sites if sp.convert]
+        if not todo and not plan_.rms_folds:  # fold_gamma on an already-RMS model still has work
+            return Report(plan_.sites, {}, plan_, "no LayerNorm can be converted in this mode; model unchanged")
+
+        reference = an.graph.output_object
+        del an.graph  # free the recorded activations
+        # A second, unseen probe (other ids, other length) guards against a plan that only fits the
+        # inputs the analysis ran on. Built for transformers models; custom models use their inputs.
+        probe, probe_failed = None, ""
+        if opts.verify and example_inputs is None:  # real text where the tokenizer is known
+            probe = inputs.verification_probe(work, opts.tokenizer)
+            try:
+                with torch.no_grad(), running(work_dtype, an.hold):
+                    probe_reference = work(**probe.kwargs)
+            except MemoryError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - e.g. a model that takes one sequence length only
+                probe_failed = f"{type(exc).__name__}: {first_line(exc, 120, default='')}"
+                probe = None
+        originals = {sp.name: work.get_submodule(sp.name) for sp in plan_.sites}
+        own_written(work, model, plan_)  # from here on the surgery writes only tensors of its own
+        edits.apply_weight_edits(work, plan_, an.sites, originals)
+        for h in plan_.hooks:
+            edits.install_hook(work, h)
+
+        approx = [sp for sp in todo if sp.verdict == "approximate"]
+        new_modules = {}
+
+        def swap(sps: list[SitePlan], fits: dict) -> None:
+            for sp in sps:
+                new = edits.make_rmsnorm(an.sites[sp.name], sp, originals[sp.name], opts.backend,
+                                           fits.get(sp.name))
+                edits.replace_module(work, originals[sp.name], new)
+                new_modules[sp.name] = new
+            for h in plan_.hooks:  # again: a hook on a norm that was just replaced went with it
+                edits.install_hook(work, h)
+
+        # exact norms first: the approximate ones are then fitted inside the model as it will run
+        swap([sp for sp in todo if sp.verdict != "approximate"], {})
+        calib = None
+        if approx and opts.calibration is not False:
+            calib = _calibrate(work, approx, an.sites, originals, opts, example_inputs, wargs, wkwargs,
+                               work_dtype, an.hold)
+            plan_.options["calibration"] = calib.as_dict()
+            plan_.options["calibration_batches"] = calib.batches
+            reason = calibrate.unusable(calib.figures)
+            if opts.verify and reason and not opts.allow_unusable:
+                raise calibrate.UnusableConversion(
+                    f"conversion unusable: {reason} (held-out, {calib.source}); model left unchanged. "
+                    "Calibrate on data from your domain (calibration=...), keep "
+                    "approximate norms as LayerNorm (mode='exact'), or recover with the distillation "
+                    "recipe (normswap finetune distill-encoder|distill-masked-lm|distill-causal-lm); "
+                    "allow_unusable=True writes it anyway")
+        elif approx:
+            plan_.options["calibration"] = {"source": "none (γ/β copied unchanged)"}
+        swap(approx, {n: (f.weight, f.bias) for n, f in (calib.fits.items() if calib else [])})
+        check_untouched(model, untouched)  # the surgery is done: it wrote only its own tensors
+
+        # The converted model runs on the unseen probe; on the traced inputs too only when the probe
+        # did not reach every converted norm (each needs its zero-mean evidence) or there is no probe.
+        skip = set(plan_.changed_outputs)
+        with _capture(new_modules) as seen, torch.no_grad(), running(work_dtype, an.hold):
+            if probe is not None:
+                figures = compare(probe_reference, work(**probe.kwargs), skip, probe.attention_mask)
+                figures["unseen_probe_max_rel_error"] = figures.get("max_rel_error", 0.0)
+                figures["probe"] = probe.source
+                del probe_reference
+            if probe is None or any(not seen[name] for name in new_modules):
+                traced = compare(reference, work(*wargs, **wkwargs), skip)
+                if probe is None:
+                    figures = traced
+                    figures["probe"] = ("the analysis inputs (verify=False: no unseen probe)" if not opts.verify
+                                        else "the example_inputs the analysis ran on (no unseen probe for "
+                                        "inputs given by hand)" if example_inputs is not None
+                                        else f"the analysis inputs (the unseen probe did not run: {probe_failed})")
+                else:
+                    for k in ("max_rel_error", "raw_stream_rel_error"):
+                        if k in figures or k in traced:
+                            figures[k] = max(figures.get(k, 0.0), traced.get(k, 0.0))
+        with running(work_dtype, an.hold):  # the originals' forwards: a float32 norm of a float64 copy too
+            _site_checks(plan_, todo, seen, originals, an.sites, work_dtype, figures)
+        if opts.verify:
+            gate(todo, figures, work_dtype)
+        report_warnings(plan_, todo)
+        check_untouched(model, untouched)
+        measure_cast = user_dtype != work_dtype and opts.verify
+        if measure_cast:  # what the cast back to the model's dtype costs, next to what that dtype costs anyway
+            with torch.no_grad():
+                in_dtype = compare(reference, model(*args, **kwargs))
+                figures["original_in_model_dtype"] = in_dtype.get("max_rel_error")
+        _commit(model, work, plan_, todo, user_dtype, training)
+        torch_transformer.keep_python_forward(model, plan_)
+        if measure_cast:
+            with torch.no_grad():
+                converted_in_dtype = compare(reference, model(*args, **kwargs), skip)
+                figures["in_model_dtype"] = converted_in_dtype.get("max_rel_error")
+                figures["dtype_error_ratio"] = dtype_error_ratio(in_dtype, converted_in_dtype)
+    attach_plan(model, plan_)
+    if on_commit is not None:
+        on_commit(model)
+    message = plan_.conversion_line()
+    if wrapped:
+        message = f"{wrapped}; {message}"
+    if plan_.options.get("working_dtype"):
+        message += f"; analysed and verified in {plan_.options['working_dtype']}"
+    elif an.hold:  # a fact of these inputs' run (DINOv2 casts only where it interpolates), not of the plan
+        message += (f"; the model's casts to lower precision held at {str(work_dtype).removeprefix('torch.')} "
+                    f"in analysis and verification ({precision.describe(an.held)})")
+    if calib is not None:
+        message += f"; {calib.summary()}"
+        figures.update({f"heldout_{k}": v for k, v in calib.figures.items()})
+    elif approx:
+        message += "; no calibration (γ/β copied unchanged)"
+    rotation = None
+    if opts.rotate is not None:  # proven output-preserving (normswap.rotate); applied to the committed model
+        from normswap.rotation.rotate import rotate
+
+        rotation = rotate(model, opts.rotate, seed=opts.rotate_seed, online=opts.online_hadamard,
+                          output=opts.rotate_output)
+        message += f"; {rotation.headline()}"
+    return Report(plan_.sites, figures, plan_, message, changed=True, calibration=calib, rotation=rotation)
+
+
+def calibration_dtype(work_dtype: torch.dtype) -> torch.dtype:
+    """What the calibration forwards compute in: float32 for a float64 working copy. A least-squares
+    fit of an approximate norm does not need float64 activations (the sums are float64 either way,
+    and the fit's own error is orders of magnitude above float32 rounding), and float64 forwards cost
+    2-3x float32 ones on a CPU."""
+    return torch.float32 if work_dtype == torch.float64 else work_dtype
+
+
+@contextlib.contextmanager
+def computing_in(model: nn.Module, dtype: torch.dtype) -> Iterator[None]:
+    """Hold ``model``'s floating parameters and buffers in ``dtype`` for the block, then give each its
+    own tensor back (exactly: the originals are kept aside, not cast back). The module tree, its hooks
+    and every ``Parameter`` object stay the same; only ``.data`` is swapped."""
+    saved: list[tuple[torch.Tensor, torch.Tensor]] = []
+    try:
+        for t in (*model.parameters(), *model.buffers()):
+            if t.is_floating_point() and t.dtype != dtype:
+                saved.append((t, t.data))
+                t.data = t.data.to(dtype)
+        yield
+    finally:
+        for t, data in saved:
+            t.data = data
+
+
+def _calibrate(work: nn.Module, approx: list[SitePlan], sites: dict, originals: dict, opts: ConvertOptions,
+               example_inputs: inputs.ExampleInputs, args: tuple, kwargs: dict, work_dtype: torch.dtype,
+               hold: bool) -> calibrate.CalibrationResult:
+    """Fit the approximate norms (still LayerNorms in ``work``) and measure on held-out inputs.
+
+    The forwards run in :func:`calibration_dtype` (float32 for a float64 copy: 2-3x faster) and, where
+    the model does not run there, in the working dtype the analysis ran in: a custom model may keep a
+    tensor it made in the traced float64 run (a rotary table cached on first use) that then meets float32
+    activations ("expected scalar type Float but found Double"). The error says what failed in each.
+    """
+    calibration, tokenizer = opts.calibration, opts.tokenizer
+    device = next((p.device for p in work.parameters()), torch.device("cpu"))
+    hf = inputs.is_hf_model(work) and example_inputs is None
+    held_out: list[calibrate.Batch] = []
+    if hf:  # built-in held-out batches (other seed): never fitted on, whichever data the fit used
+        held_out, _ = calibrate.builtin_batches(work, tokenizer, batches=2, batch_size=16, seed=7)
+    if calibration is not None:
+        fit, source = calibrate.user_batches(calibration), "user calibration data"
+    elif hf:
+        fit, source = calibrate.builtin_batches(work, tokenizer, batches=4, batch_size=16, seed=0)
+    else:
+        fit, source = [(args, kwargs)], "the example inputs (custom model: pass calibration= for a better fit)"
+    if not held_out:
+        held_out = [(args, kwargs)]
+    targets = [calibrate.Target(sp.name, originals[sp.name], sites[sp.name]) for sp in approx]
+
+    def move(t: Any) -> Any:
+        return t.to(device) if isinstance(t, torch.Tensor) else t
+
+    failures: list[tuple[torch.dtype, Exception]] = []
+    for dtype in dict.fromkeys((calibration_dtype(work_dtype), work_dtype)):
+        def call(batch: calibrate.Batch, dtype: torch.dtype = dtype) -> calibrate.Batch:
+            a, k = inputs.cast_inputs(*batch, dtype)
+            return tuple(move(x) for x in a), {n: move(v) for n, v in k.items()}
+
+        try:
+            with computing_in(work, dtype), running(dtype, hold):
+                result = calibrate.calibrate(work, targets, fit, held_out, source=source,
+                                             sequential=opts.sequential, call=call)
+        except (NormswapError, MemoryError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - the model does not run on these batches in this dtype
+            log.info("calibration in %s failed: %s: %s", dtype, type(exc).__name__, first_line(exc, 160))
+            failures.append((dtype, exc))
+            continue
+        for failed, exc in failures:  # say why the fit ran in the slower dtype
+            result.pipeline += (f"; in {str(dtype).removeprefix('torch.')} ({type(work).__name__} did not run in "
+                                f"{str(failed).removeprefix('torch.')}: {type(exc).__name__}: {first_line(exc, 120)})")
+        return result
+    exc = failures[-1][1]
+    tried = " or ".join(str(d).removeprefix("torch.") for d, _ in failures)
+    what = f"{type(exc).__name__}: {first_line(exc, 160)}"
+    if calibration is None and not hf:  # the example inputs, on which the analysis ran the model
+        raise NormswapError(
+            f"calibration could not run {type(work).__name__} on the example inputs in {tried} ({what}), though "
+            "the analysis ran them; keep the approximate norms as LayerNorm (mode='exact') or skip the fit "
+            "(calibration=False), and please report this model") from exc
+    raise NormswapError(
+        f"calibration could not run {type(work).__name__} on {source} in {tried} ({what}); "
+        "pass calibration= batches the model accepts (--calibration-data), keep the approximate norms "
+        "as LayerNorm (mode='exact'), or skip the fit (calibration=False)") from exc
+
+
+def _site_checks(plan_: Plan, todo: list[SitePlan], seen: dict, originals: dict, sites: dict,
+                 dtype: torch.dtype, figures: dict) -> None:
+    """Per-norm evidence: exact norms must read a zero-mean stream; approximate ones get an error."""
+    worst = 0.0
+    for sp in todo:
+        pairs = seen.get(sp.name, [])
+        if not pairs:
+            continue
+        dims = tuple(range(-len(sp.normalized_shape), 0))
+        if sp.verdict == "approximate":
+            num = den = 0.0
+            with torch.no_grad():
+                for x, y in pairs:
+                    ref = originals[sp.name](x)
+                    num += float((y.double() - ref.double()).pow(2).sum())
+                    den += float(ref.double().pow(2).sum())
+            sp.error = (num / den) ** 0.5 if den > 0 else 0.0
+        else:
+            ratio = 0.0
+            for x, _ in pairs:
+                x = x.double()
+                rms = x.pow(2).mean(dims).sqrt().clamp_min(1e-30)
+                ratio = max(ratio, float((x.mean(dims).abs() / rms).max()))
+            sp.error = ratio
+            worst = max(worst, ratio)
+    figures["max_stream_mean_ratio"] = worst
+
+
+def report_warnings(plan_: Plan, todo: list[SitePlan]) -> None:
+    if plan_.options.get("mode") != "auto":
+        return
+    for sp in todo:
+        if sp.verdict == "approximate":
+            warnings.warn(f"normswap: `{sp.name}` converted approximately ({sp.reason}); "
+                          f"relative output error {sp.error:.3g}. Use mode='exact' to keep it as LayerNorm, "
+                          "or recover accuracy with `normswap finetune`", stacklevel=3)
+
+
+def _commit(model: nn.Module, work: nn.Module, plan_: Plan, todo: list[SitePlan], dtype: torch.dtype,
+            training: dict[str, bool]) -> None:
+    """Copy the verified edits into the user's model (cast back to its dtype, once).
+
+    Memory: each working tensor is freed as soon as it is copied, an untied parameter is the cast
+    of its working tensor (no clone of the tied one first), and casts go straight into the target.
+    A working tensor already in the target's dtype and device is adopted (``target.data = source``):
+    the user's ``Parameter`` objects stay the same, and a head untied from a tensor the model shares
+    keeps its own storage while the embedding's is replaced.
+    """
+    taken = set()
+    with torch.no_grad():
+        for u in plan_.unties:
+            name = f"{u.module}.{u.attr}" if u.module else u.attr
+            tied = getattr(model.get_submodule(u.module), u.attr)
+            source = work.get_parameter(name)
+            edits.untie(model, u, source.detach().to(device=tied.device, dtype=tied.dtype))
+            source.data = torch.empty(0, dtype=source.dtype)
+            taken.add(name)
+    if plan_.unties:
+        edits.mark_untied(model)
+    names = edits.written_parameters(plan_, model)
+    for c in plan_.mean_carries:  # the widened MLP tensors, one at a time (no second set allocated up front)
+        taken.update(edits.adopt_widened_mlp(model, c, work))
+    with torch.no_grad():
+        for name in sorted(names - taken):
+            target, source = model.get_parameter(name), work.get_parameter(name)
+            if source.numel() == 0 and target.numel() != 0:
+                continue  # tied to a name already copied (and freed) in this loop
+            if source.dtype == target.dtype and source.device == target.device:
+                target.data = source.detach()  # adopt the edited tensor (its own storage): no copy
+            else:
+                target.copy_(source)  # casts elementwise, rounding as .to() does, without a temporary
+            source.data = torch.empty(0, dtype=source.dtype)  # the working copy is done with: free as we go
+    for slot in plan_.bias_slots:  # new tensors: the readers had no bias (plan.BiasSlot)
+        source = linear_at(work, slot.reader).bias
+        w = linear_at(model, slot.reader).weight
+        edits.add_bias_slot(model, slot, source.detach().to(device=w.device, dtype=w.dtype))
+        source.data = torch.empty(0, dtype=source.dtype)
+    for sp in todo:
+        old = model.get_submodule(sp.name)
+        ref = next(iter(old.parameters()), None)
+        new = copy.deepcopy(work.get_submodule(sp.name))
+        new.to(device=ref.device if ref is not None else None, dtype=ref.dtype if ref is not None else dtype)
+        if ref is None:
+            new.to(dtype)
+        new.train(training.get(sp.name, False))
+        edits.replace_module(model, old, new)
+    for h in plan_.hooks:
+        edits.install_hook(model, h)
