@@ -174,6 +174,17 @@ class RecipeConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
 
+    def __post_init__(self) -> None:
+        # The dotted keys the user set (a recipe file of their own, a dict, overrides), as opposed to a
+        # built-in recipe's or the schema's defaults; None: not known, every key counts as set. Not a
+        # field, so neither to_dict() nor the recorded recipe carries it.
+        self.user_set: frozenset[str] | None = None
+
+    def is_default(self, key: str) -> bool:
+        """Whether dotted ``key`` holds a default (a built-in recipe's or the schema's) rather than a
+        value the user chose: a default that does not fit the model adapts to it, a chosen one is an error."""
+        return self.user_set is not None and key not in self.user_set
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
@@ -450,17 +461,40 @@ def load_config(
     *,
     check_paths: bool = True,
 ) -> RecipeConfig:
-    """Build a validated :class:`RecipeConfig` from a YAML path, a dict, or a config, plus overrides."""
+    """Build a validated :class:`RecipeConfig` from a YAML path, a dict, or a config, plus overrides.
+
+    The config records which keys the user set (:meth:`RecipeConfig.is_default`): those of a dict, of
+    a recipe file of their own and of the overrides; a built-in recipe's keys are defaults."""
+    user_set: frozenset[str] | None
     if isinstance(config, RecipeConfig):
-        data = config.to_dict()
+        data, user_set = config.to_dict(), config.user_set
     elif isinstance(config, dict):
-        data = _deep_copy(config)
+        data, user_set = _deep_copy(config), _dotted_keys(config)
     else:
         data = _read_yaml(config)
+        user_set = frozenset() if is_builtin(find_recipe(config)) else _dotted_keys(data)
     data = apply_overrides(data, overrides)
     cfg = _build(RecipeConfig, data, "")
     validate(cfg, check_paths=check_paths)
+    if user_set is not None:
+        cfg.user_set = user_set | _dotted_keys(apply_overrides({}, overrides))
     return cfg
+
+
+def is_builtin(path: Path) -> bool:
+    """Whether ``path`` is one of the recipes shipped in the wheel (its keys are defaults, not choices)."""
+    return path.resolve().parent == builtin_recipes_dir()
+
+
+def _dotted_keys(data: Any, prefix: str = "") -> frozenset[str]:
+    """Every key of a nested mapping, dotted (``{"data": {"seq_len": 8}}`` -> data, data.seq_len)."""
+    if not isinstance(data, dict):
+        return frozenset()
+    keys: set[str] = set()
+    for key, value in data.items():
+        dotted = f"{prefix}{key}"
+        keys |= {dotted, *_dotted_keys(value, dotted + ".")}
+    return frozenset(keys)
 
 
 def _deep_copy(data: Any) -> Any:

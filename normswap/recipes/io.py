@@ -73,11 +73,11 @@ def read_manifest(path: str | Path) -> dict[str, Any]:
     raise NormswapError(f"{str(p)!r} has no normswap manifest; is it a converted directory?")
 
 
-def load_converted(path: str | Path, task: str | None = None, **kwargs: Any) -> nn.Module:
-    """Load a converted directory with ``normswap.checkpoint.load`` (``task`` is not needed: the
-    manifest names the class)."""
-    del task
-    return checkpoint.load(str(path), **{k: v for k, v in kwargs.items() if v is not None})
+def load_converted(path: str | Path, model_class: type | None = None, **kwargs: Any) -> nn.Module:
+    """Load a converted directory with ``normswap.checkpoint.load``, as ``model_class`` (an ``AutoModel*``
+    class: a causal LM's directory loads as its base model for the encoder task) or, when None, as the
+    class the manifest names."""
+    return checkpoint.load(str(path), task=model_class, **{k: v for k, v in kwargs.items() if v is not None})
 
 
 # ---------------------------------------------------------------------------------- rotation

@@ -14,6 +14,7 @@ from torch import nn
 
 from normswap import presets
 from normswap.analysis.plan import Plan, SitePlan, attach_plan, plan_of
+from normswap.checkpoint import hf_types
 from normswap.errors import NormswapError, first_line
 from normswap.nn.rmsnorm import RMSNorm
 from normswap.recipes import io, tasks
@@ -80,20 +81,19 @@ def sentence_pooling(path: str | None) -> str | None:
     return None
 
 
+def tokenizer_source(cfg: ModelConfig) -> tuple[str, str]:
+    """``(config key, path)`` the recipe's tokenizer comes from: model.tokenizer, else the source, else the student."""
+    return next(
+        (k, p)
+        for k, p in (("model.tokenizer", cfg.tokenizer), ("model.source", cfg.source), ("model.student", cfg.student))
+        if p
+    )
+
+
 def load_tokenizer(cfg: ModelConfig) -> Any:
     from transformers import AutoTokenizer
 
-    key, path = next(
-        (
-            (k, p)
-            for k, p in (
-                ("model.tokenizer", cfg.tokenizer),
-                ("model.source", cfg.source),
-                ("model.student", cfg.student),
-            )
-            if p
-        )
-    )
+    key, path = tokenizer_source(cfg)
     try:
         tok = AutoTokenizer.from_pretrained(
             local_path(path), local_files_only=True, trust_remote_code=cfg.trust_remote_code
@@ -147,7 +147,8 @@ def build_student(
     """
     if cfg.student:
         model = io.load_converted(
-            cfg.student, task, dtype=DTYPES[cfg.dtype], trust_remote_code=cfg.trust_remote_code
+            cfg.student, tasks.get(task).model_class(), dtype=DTYPES[cfg.dtype],
+            trust_remote_code=cfg.trust_remote_code,
         )
         plan = plan_of(model)
         if plan is None:
@@ -234,9 +235,8 @@ def select_trainable(model: nn.Module, how: str, lora: LoraConfig) -> nn.Module:
             "(pip install 'normswap[train]' or pip install peft)"
         ) from None
     norms = norm_parameter_names(model)
-    config = peft.LoraConfig(
-        r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=lora.target_modules
-    )
+    targets = lora.target_modules or default_lora_targets(getattr(model.config, "model_type", ""))
+    config = peft.LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets)
     try:
         wrapped = peft.get_peft_model(model, config)
     except ValueError as exc:
@@ -249,6 +249,15 @@ def select_trainable(model: nn.Module, how: str, lora: LoraConfig) -> nn.Module:
         if name in norms:
             p.requires_grad_(True)
     return wrapped
+
+
+def default_lora_targets(model_type: str) -> list[str] | None:
+    """PEFT's default LoRA target modules for a model type, a converted checkpoint's (``normswap_gpt2``)
+    under its stock type, which PEFT's table knows; None where PEFT has no default."""
+    from peft.utils import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as defaults
+
+    targets = defaults.get(hf_types.base_type(model_type) or model_type)
+    return list(targets) if targets is not None else None
 
 
 def base_model(model: nn.Module) -> nn.Module:

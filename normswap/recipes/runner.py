@@ -29,10 +29,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from normswap.analysis.plan import plan_of
 from normswap.errors import NormswapError
 from normswap.integrations.quiet import quietly
 from normswap.recipes import data as data_mod
-from normswap.recipes import io, tasks
+from normswap.recipes import io, preflight, tasks
 from normswap.recipes import metrics as metrics_mod
 from normswap.recipes import models as models_mod
 from normswap.recipes.config import RecipeConfig, load_config, selection_metric
@@ -132,8 +133,9 @@ def _loss(
     return task.loss(cfg.loss, out, t_out, batch)
 
 
-def _prepare_output(cfg: RecipeConfig, main: bool) -> tuple[Path, Path | None]:
-    """Create the output directory; returns it and the checkpoint to resume from (if any)."""
+def _check_output(cfg: RecipeConfig) -> tuple[Path, Path | None, list[Path]]:
+    """The output directory, the checkpoint to resume from (if any) and what an overwrite replaces;
+    raises when ``output.dir`` holds a run this one may not touch. Writes nothing."""
     out = Path(cfg.output.dir)
     ckpt_root = out / "checkpoints"
     latest = (
@@ -152,12 +154,16 @@ def _prepare_output(cfg: RecipeConfig, main: bool) -> tuple[Path, Path | None]:
             f"config key `output.dir`: {str(out)!r} already holds a run ({existing[0].name}); "
             "set checkpoint.resume=true to continue it or output.overwrite=true to replace it"
         )
-    if latest is None and existing and main:
-        for p in existing:
-            shutil.rmtree(p) if p.is_dir() else p.unlink()
-    if main:
-        out.mkdir(parents=True, exist_ok=True)
-    return out, latest
+    return out, latest, existing if latest is None else []
+
+
+def _create_output(out: Path, replaced: list[Path], main: bool) -> None:
+    """Create the output directory, removing the run an overwrite replaces (main process only)."""
+    if not main:
+        return
+    for p in replaced:
+        shutil.rmtree(p) if p.is_dir() else p.unlink()
+    out.mkdir(parents=True, exist_ok=True)
 
 
 class _Console:
@@ -270,7 +276,11 @@ class Recipe:
 
     # ---- setup
     def setup(self) -> None:
-        """Everything before the first optimiser step, including the "before" evaluation."""
+        """Everything before the first optimiser step, including the "before" evaluation.
+
+        The settings are checked against the model, tokenizer, data and machine (:mod:`preflight`) as
+        soon as each is known, and the output directory is created only after the last check.
+        """
         from accelerate.utils import set_seed
 
         cfg = self.cfg
@@ -285,8 +295,7 @@ class Recipe:
                 "config key `progressive.enabled` is not supported under FSDP or DeepSpeed (norms are "
                 "swapped after the model is sharded); use DDP, or convert.mode=all"
             )
-        self.out, self.resume_dir = _prepare_output(cfg, self.main)
-        self.accelerator.wait_for_everyone()
+        self.out, self.resume_dir, replaced = _check_output(cfg)
         set_seed(cfg.train.seed)
         self.device = self.accelerator.device
         self.console = _Console(self.main, False, 0, 0)
@@ -294,10 +303,15 @@ class Recipe:
             cfg.loss.pooling = models_mod.sentence_pooling(cfg.model.source or cfg.model.student) or "mean"
             if self.task.embeds:
                 self.console.print(f"pooling: {cfg.loss.pooling}")
+        self.tokenizer = models_mod.load_tokenizer(cfg.model)
+        preflight.check_settings(cfg, self.tokenizer, self.device, self.console.print)
         self._setup_data()
         self._setup_models()
         self._setup_optimisation()
         self._group_batches()
+        # nothing is written before every check has passed: a refused run leaves no directory behind
+        _create_output(self.out, replaced, self.main)
+        self.accelerator.wait_for_everyone()
         if self.resume_dir is not None:
             self._resume()
         else:
@@ -305,12 +319,13 @@ class Recipe:
 
     def _setup_data(self) -> None:
         cfg, acc = self.cfg, self.accelerator
-        self.tokenizer = models_mod.load_tokenizer(cfg.model)
         docs = data_mod.read_documents(cfg.data)
         tokens = data_mod.tokenize(docs, self.tokenizer, cfg.data, cfg.task)
         self.source = data_mod.BatchSource(
             tokens, cfg.data, cfg.task, self.tokenizer, acc.process_index, acc.num_processes
         )
+        calibrates = not cfg.model.student or cfg.progressive.enabled  # norms are fitted on these batches
+        preflight.check_data(cfg, self.source, calibrates, self.console.print)
         self.calibration = self.source.calibration_batches(cfg.convert.calibration_batches)
         self.eval_batches = self.source.eval_batches()
         self.console.print(
@@ -355,6 +370,7 @@ class Recipe:
                 self.student, cfg.progressive, cfg.convert.backend, cfg.train.steps, tasks.model_inputs(example)
             )
             self.console.print(f"progressive: {len(self.prog.stages)} stage(s) at steps {self.prog.swap_steps()}")
+        preflight.check_student(cfg, plan_of(self.student), self.prog is not None)
         # "before" of a progressive run: the one-shot conversion (every stage swapped at once, fitted now)
         self.before_model = None
         if self.resume_dir is None and self.prog is not None:

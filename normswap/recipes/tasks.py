@@ -42,6 +42,9 @@ from normswap.surgery.calibrate import neighbour_figures
 
 Batch = dict[str, torch.Tensor]
 MODEL_KEYS = ("input_ids", "attention_mask", "token_type_ids")
+NEIGHBOUR_METRICS = frozenset({"top1_neighbour_agreement", "recall_at_10", "similarity_spearman"})
+NEIGHBOUR_MIN_EXAMPLES = 3  # calibrate.neighbour_figures measures nothing on fewer sentences
+SIMILARITY_MIN_BATCH = 3  # losses.similarity_kl is 0 on fewer sentences per batch
 HIGHER_IS_BETTER = frozenset({"cosine", "top1_agreement", "top1_agreement_masked", "top5_agreement",
                               "top1_neighbour_agreement", "recall_at_10", "similarity_spearman"})
 
@@ -136,6 +139,11 @@ class Task:
 
     name: ClassVar[str]
     auto_class: ClassVar[str]  # the transformers Auto class that loads the model
+    # transformers' model type -> class name tables (``transformers.models.auto.modeling_auto``) whose
+    # classes carry this task's head; the first is auto_class's
+    head_tables: ClassVar[tuple[str, ...]]
+    # the checkpoint must have been saved as one of those classes (else the head would load untrained)
+    head_required: ClassVar[bool] = True
     bidirectional: ClassVar[bool]  # sequences are framed as [CLS] … [SEP] (packed windows too)
     embeds: ClassVar[bool] = False  # the output is a pooled sentence embedding (`loss.pooling` applies)
     metrics: ClassVar[tuple[str, ...]]  # what `eval.metric` may name
@@ -158,6 +166,15 @@ class Task:
     def check_losses(self, cfg: Any) -> None:
         """Refuse a recipe config (``RecipeConfig``) whose loss section cannot train this task."""
         raise NotImplementedError
+
+    def tokenizer_problem(self, tokenizer: Any, cfg: Any, named: str) -> tuple[str, str] | None:
+        """``(config key, why)`` when ``tokenizer`` (which ``named`` describes: "the tokenizer of
+        model.source 'x'") cannot frame this task's examples, else None."""
+        return None
+
+    def eval_examples_needed(self, metric: str) -> int:
+        """Held-out examples each process needs for ``metric`` to be measured at all."""
+        return 1
 
     def check_metric(self, cfg: Any) -> None:
         metric = cfg.eval.metric
@@ -241,6 +258,7 @@ class _LanguageModel(Task):
 class CausalLM(_LanguageModel):
     name = "causal-lm"
     auto_class = "AutoModelForCausalLM"
+    head_tables = ("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES",)
     bidirectional = False
     causal = True
     metrics = ("kl", "top1_agreement", "ppl")
@@ -278,6 +296,8 @@ class CausalLM(_LanguageModel):
 class MaskedLM(_LanguageModel):
     name = "masked-lm"
     auto_class = "AutoModelForMaskedLM"
+    # a *ForPreTraining checkpoint (BERT's) holds the masked-LM head too
+    head_tables = ("MODEL_FOR_MASKED_LM_MAPPING_NAMES", "MODEL_FOR_PRETRAINING_MAPPING_NAMES")
     bidirectional = True
     causal = False
     metrics = ("kl", "top1_agreement", "kl_masked", "top1_agreement_masked", "ppl")
@@ -285,6 +305,11 @@ class MaskedLM(_LanguageModel):
 
     def labeller(self, tokenizer: Any, mlm_probability: float) -> Callable[[Batch, torch.Generator], Batch]:
         return MaskingPolicy(tokenizer, mlm_probability)
+
+    def tokenizer_problem(self, tokenizer: Any, cfg: Any, named: str) -> tuple[str, str] | None:
+        if getattr(tokenizer, "mask_token_id", None) is None:
+            return "task", f"masked-lm replaces tokens by a mask token and {named} has none; use the model's own"
+        return None
 
     def accumulate(self, acc: dict[str, float], s_out: Any, t_out: Any, batch: Batch, pooling: str) -> None:
         mask = batch["attention_mask"].bool()
@@ -315,6 +340,8 @@ class Encoder(Task):
 
     name = "encoder"
     auto_class = "AutoModel"
+    head_tables = ("MODEL_MAPPING_NAMES",)
+    head_required = False  # the base model is inside every head class's checkpoint
     bidirectional = True
     embeds = True
     metrics = ("cosine", "hidden_rel_mse", "top1_neighbour_agreement", "recall_at_10", "similarity_spearman")
@@ -337,6 +364,21 @@ class Encoder(Task):
                 "config key `loss.kl_weight` (or `loss.ce_weight`, or for encoders "
                 "`loss.pooled_weight`/`loss.hidden_weight`) must be > 0: nothing would be trained"
             )
+        if lc.similarity_weight > 0 and cfg.data.batch_size < SIMILARITY_MIN_BATCH:
+            raise NormswapError(
+                f"config key `data.batch_size`: {cfg.data.batch_size} sentences per batch leave the in-batch "
+                f"similarity of loss.similarity_weight empty (it needs {SIMILARITY_MIN_BATCH}); use "
+                f"data.batch_size={SIMILARITY_MIN_BATCH} or more, or loss.similarity_weight=0"
+            )
+
+    def tokenizer_problem(self, tokenizer: Any, cfg: Any, named: str) -> tuple[str, str] | None:
+        if cfg.loss.pooling == "cls" and getattr(tokenizer, "cls_token_id", None) is None:
+            return "loss.pooling", f"'cls' pools a [CLS] token and {named} puts none first; use loss.pooling=mean"
+        return None
+
+    def eval_examples_needed(self, metric: str) -> int:
+        # the retrieval figures compare each held-out sentence's nearest neighbours among the others
+        return NEIGHBOUR_MIN_EXAMPLES if metric in NEIGHBOUR_METRICS else 1
 
     def loss(self, lc: Any, out: Any, t_out: Any, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
         total, parts = torch.zeros((), device=batch["input_ids"].device), {}

@@ -149,7 +149,7 @@ def test_norms_and_biases_trains_only_those(tiny_bert, corpus, tmp_path, make_co
         tiny_bert,
         corpus,
         tmp_path / "nb",
-        train={"steps": 5, "trainable": "norms_and_biases"},
+        train={"steps": 5, "warmup_steps": 1, "trainable": "norms_and_biases"},
         eval={"every": 5},
     )
     result = run(cfg)
