@@ -139,6 +139,27 @@ def test_whisper_style_half_activations_keep_the_originals_error(dtype):
     assert after <= 1.2 * before, (after, before)
 
 
+def test_whisper_style_fold_gamma_says_why_the_decoder_stream_is_not_rotated():
+    """Whisper's final decoder norm is read by one thing: the logits ``x @ token_embedding.weight.T``, the
+    embedding that also writes the decoder stream. Nothing folds out of that norm, so γ stays and the
+    decoder stream is not rotated; the reason says so (it said "some γ is near 0", with every γ near 1)."""
+    torch.manual_seed(0)
+    model = randomise(WhisperStyle())
+    mel, tokens = torch.randn(2, 8, 12, dtype=torch.float64), torch.randint(0, 40, (2, 7))
+    original = copy.deepcopy(model)
+    report = normswap.patch(model, (mel, tokens), fold_gamma=True)
+    final = report.plan.site("decoder.ln")
+    assert float(original.decoder.ln.weight.detach().abs().min()) > 0.1  # no γ anywhere near 0
+    assert final.rotation_reason == ("γ stays in the RMSNorm: nothing folds out of it (`decoder.token_embedding"
+                                     ".weight` shares its weight with `decoder.token_embedding`)")
+    assert final.beta_detail.endswith("shares its weight with `decoder.token_embedding`")
+    rotation = normswap.rotate(model, "hadamard")
+    assert [r["norms"][0] for r in rotation.rotated] == ["encoder.blocks.0.attn_ln"]
+    assert [s["reason"] for s in rotation.skipped] == [f"`decoder.ln`: {final.rotation_reason}"]
+    probe = (torch.randn(3, 8, 12, dtype=torch.float64), torch.randint(0, 40, (3, 9)))
+    assert _rel(_held(model, *probe), _held(original, *probe)) <= 1e-9
+
+
 def test_open_clip_style_float32_norms_and_cast_embeddings_convert_exactly():
     torch.manual_seed(2)
     model = randomise(ClipTextStyle())
