@@ -23,6 +23,7 @@ from tests.custom_models_cast import (
     WAttention,
     WhisperStyle,
     WLayerNorm,
+    greedy_decode,
 )
 
 EXACT = ("exact", "exact-with-centering")
@@ -158,6 +159,31 @@ def test_whisper_style_fold_gamma_says_why_the_decoder_stream_is_not_rotated():
     assert [s["reason"] for s in rotation.skipped] == [f"`decoder.ln`: {final.rotation_reason}"]
     probe = (torch.randn(3, 8, 12, dtype=torch.float64), torch.randint(0, 40, (3, 9)))
     assert _rel(_held(model, *probe), _held(original, *probe)) <= 1e-9
+
+
+def test_whisper_style_kv_cache_decoding_is_unchanged_by_patch_rotation_and_reload(tmp_path):
+    """Whisper decodes through forward hooks on the decoder's key/value Linears that cache and prepend
+    their outputs (``install_kv_cache_hooks``), keyed by those very modules. After ``patch``, after
+    ``rotate`` and in a fresh instance loaded with ``normswap.load(dir, model=...)`` the cached greedy
+    decoding gives the original's tokens, and the reloaded model's logits are bitwise the saved one's."""
+    torch.manual_seed(11)
+    model = WhisperStyle(vocab=40, text_ctx=16).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.2 * torch.randn_like(p))
+    mel, prefix = torch.randn(3, 8, 12), torch.tensor([[1, 2]] * 3)
+    reference = greedy_decode(model, mel, prefix, steps=10)
+    with torch.no_grad():  # the cache is used: one more step without it computes the same argmax
+        assert torch.equal(model(mel, reference[:, :-1])[:, -1].argmax(-1), reference[:, -1])
+    normswap.patch(model, (mel, reference[:, :6]), fold_gamma=True)
+    assert torch.equal(greedy_decode(model, mel, prefix, steps=10), reference)
+    normswap.rotate(model, "hadamard")
+    assert torch.equal(greedy_decode(model, mel, prefix, steps=10), reference)
+    normswap.save(model, tmp_path / "ckpt")
+    loaded = normswap.load(tmp_path / "ckpt", model=WhisperStyle(vocab=40, text_ctx=16)).eval()
+    assert torch.equal(greedy_decode(loaded, mel, prefix, steps=10), reference)
+    with torch.no_grad():
+        assert torch.equal(loaded(mel, reference), model(mel, reference))
 
 
 def test_open_clip_style_float32_norms_and_cast_embeddings_convert_exactly():
