@@ -186,6 +186,26 @@ def test_whisper_style_kv_cache_decoding_is_unchanged_by_patch_rotation_and_relo
         assert torch.equal(loaded(mel, reference), model(mel, reference))
 
 
+def test_a_model_that_does_not_run_in_its_own_dtype_converts_and_the_report_says_so():
+    """Whisper cast to bfloat16 does not run on a CPU: its LayerNorm computes in float32 and torch refuses
+    bfloat16 parameters there ("mixed dtype"). The conversion is analysed and verified in float64 (casts
+    held), which runs; measuring what bfloat16 costs the original then raised that RuntimeError from the
+    model's code, after the whole conversion. Now that figure is missing and the report says why."""
+    torch.manual_seed(12)
+    model = WhisperStyle().eval().bfloat16()
+    mel, tokens = torch.randn(2, 8, 12, dtype=torch.bfloat16), torch.randint(0, 40, (2, 7))
+    reference = _held(copy.deepcopy(model).double(), mel.double(), tokens)
+    with torch.no_grad(), pytest.raises(RuntimeError, match="mixed dtype"):
+        model(mel, tokens)
+    report = normswap.patch(model, (mel, tokens))
+    assert all(s.verdict in EXACT for s in report.sites)
+    assert ("the original WhisperStyle does not run in bfloat16 on these inputs (RuntimeError: mixed dtype"
+            in report.message and "; the converted one does" in report.message)
+    assert report.verification["original_in_model_dtype"] is None and report.verification["in_model_dtype"] < 0.05
+    with torch.no_grad():
+        assert _rel(model(mel, tokens), reference) < 0.05  # it runs in bfloat16 now, at bfloat16's error
+
+
 def test_open_clip_style_float32_norms_and_cast_embeddings_convert_exactly():
     torch.manual_seed(2)
     model = randomise(ClipTextStyle())
