@@ -35,6 +35,7 @@ import json
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -132,7 +133,7 @@ def word_error_rate(said: list[str], heard: list[str]) -> float:
     return errors / total
 
 
-def variants(original: whisper.Whisper, example: tuple, tmp: Path):
+def variants(original: whisper.Whisper, example: tuple, tmp: Path) -> Iterator[tuple]:
     """(name, converted model, report, seconds, whether it runs in float64) for each way users convert."""
     def timed(model: torch.nn.Module, inputs: tuple, **options):
         t0 = time.perf_counter()
