@@ -634,22 +634,25 @@ def patch(model: nn.Module, example_inputs: inputs.ExampleInputs = None, *,
         check_untouched(model, untouched)
         measure_cast = user_dtype != work_dtype and opts.verify
         if measure_cast:  # what the cast back to the model's dtype costs, next to what that dtype costs anyway
-            with torch.no_grad():
-                in_dtype = compare(reference, model(*args, **kwargs))
-                figures["original_in_model_dtype"] = in_dtype.get("max_rel_error")
+            in_dtype, original_failed = _error_in_own_dtype(model, reference, args, kwargs)
+            figures["original_in_model_dtype"] = in_dtype.get("max_rel_error")
         _commit(model, work, plan_, todo, user_dtype, training)
         torch_transformer.keep_python_forward(model, plan_)
         if measure_cast:
-            with torch.no_grad():
-                converted_in_dtype = compare(reference, model(*args, **kwargs), skip)
-                figures["in_model_dtype"] = converted_in_dtype.get("max_rel_error")
-                figures["dtype_error_ratio"] = dtype_error_ratio(in_dtype, converted_in_dtype)
+            converted_in_dtype, converted_failed = _error_in_own_dtype(model, reference, args, kwargs, skip)
+            figures["in_model_dtype"] = converted_in_dtype.get("max_rel_error")
+            figures["dtype_error_ratio"] = dtype_error_ratio(in_dtype, converted_in_dtype)
+            dtype_note = _own_dtype_note(model, user_dtype, original_failed, converted_failed)
+            if converted_failed:  # committed already: say it loudly rather than leave a half-told result
+                warnings.warn(dtype_note, stacklevel=2)
     attach_plan(model, plan_)
     if on_commit is not None:
         on_commit(model)
     message = plan_.conversion_line()
     if wrapped:
         message = f"{wrapped}; {message}"
+    if measure_cast and dtype_note:
+        message += f"; {dtype_note}"
     if plan_.options.get("working_dtype"):
         message += f"; analysed and verified in {plan_.options['working_dtype']}"
     elif an.hold:  # a fact of these inputs' run (DINOv2 casts only where it interpolates), not of the plan
@@ -668,6 +671,32 @@ def patch(model: nn.Module, example_inputs: inputs.ExampleInputs = None, *,
                           output=opts.rotate_output)
         message += f"; {rotation.headline()}"
     return Report(plan_.sites, figures, plan_, message, changed=True, calibration=calib, rotation=rotation)
+
+
+def _error_in_own_dtype(model: nn.Module, reference: Any, args: tuple, kwargs: dict,
+                        skip: set[str] | frozenset[str] = frozenset()) -> tuple[dict, str]:
+    """``compare()`` of the model run as it is (its own dtype) against the float64 reference, or
+    ``({}, why)`` where the model's own code cannot run in that dtype: Whisper's LayerNorm computes in
+    float32 and on a CPU refuses bfloat16 parameters ("mixed dtype"). A figure, not a gate: the
+    conversion was verified in the working dtype, and a failure here must not undo a commit."""
+    try:
+        with torch.no_grad():
+            return compare(reference, model(*args, **kwargs), skip), ""
+    except Exception as exc:  # the model's own code, in its own dtype: any error it raises
+        return {}, f"{type(exc).__name__}: {first_line(exc, 120)}"
+
+
+def _own_dtype_note(model: nn.Module, dtype: torch.dtype, original_failed: str, converted_failed: str) -> str:
+    """The report's words on a model that does not run in its own dtype ('' when both runs worked)."""
+    name, dtype_name = type(model).__name__, str(dtype).removeprefix("torch.")
+    if original_failed and not converted_failed:
+        return (f"the original {name} does not run in {dtype_name} on these inputs ({original_failed}); "
+                "the converted one does")
+    if original_failed:
+        return f"neither the original nor the converted {name} runs in {dtype_name} on these inputs ({original_failed})"
+    if converted_failed:
+        return f"the converted {name} does not run in {dtype_name} on these inputs ({converted_failed})"
+    return ""
 
 
 def calibration_dtype(work_dtype: torch.dtype) -> torch.dtype:

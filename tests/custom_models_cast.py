@@ -54,11 +54,15 @@ class WAttention(nn.Module):
         self.value = WLinear(d, d)
         self.out = WLinear(d, d)
 
-    def forward(self, x: torch.Tensor, xa: torch.Tensor | None = None,
-                mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(self, x: torch.Tensor, xa: torch.Tensor | None = None, mask: torch.Tensor | None = None,
+                kv_cache: dict | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         q = self.query(x)
-        k = self.key(x if xa is None else xa)
-        v = self.value(x if xa is None else xa)
+        if kv_cache is None or xa is None or self.key not in kv_cache:
+            # the cache hooks on key/value (WhisperStyle.install_kv_cache_hooks) prepend what they cached
+            k = self.key(x if xa is None else xa)
+            v = self.value(x if xa is None else xa)
+        else:  # cross-attention: keys and values of the audio computed once, then reused
+            k, v = kv_cache[self.key], kv_cache[self.value]
         wv, qk = self.qkv_attention(q, k, v, mask)
         return self.out(wv), qk
 
@@ -87,11 +91,11 @@ class WBlock(nn.Module):
         self.mlp = nn.Sequential(WLinear(d, 4 * d), nn.GELU(), WLinear(4 * d, d))
         self.mlp_ln = WLayerNorm(d)
 
-    def forward(self, x: torch.Tensor, xa: torch.Tensor | None = None,
-                mask: torch.Tensor | None = None) -> torch.Tensor:
-        x = x + self.attn(self.attn_ln(x), mask=mask)[0]
+    def forward(self, x: torch.Tensor, xa: torch.Tensor | None = None, mask: torch.Tensor | None = None,
+                kv_cache: dict | None = None) -> torch.Tensor:
+        x = x + self.attn(self.attn_ln(x), mask=mask, kv_cache=kv_cache)[0]
         if self.cross_attn is not None:
-            x = x + self.cross_attn(self.cross_attn_ln(x), xa)[0]
+            x = x + self.cross_attn(self.cross_attn_ln(x), xa, kv_cache=kv_cache)[0]
         return x + self.mlp(self.mlp_ln(x))
 
 
@@ -124,18 +128,20 @@ class WTextDecoder(nn.Module):
         self.ln = WLayerNorm(d)
         self.register_buffer("mask", torch.empty(n_ctx, n_ctx).fill_(-math.inf).triu_(1), persistent=False)
 
-    def forward(self, tokens: torch.Tensor, xa: torch.Tensor) -> torch.Tensor:
-        x = self.token_embedding(tokens) + self.positional_embedding[: tokens.shape[-1]]
+    def forward(self, tokens: torch.Tensor, xa: torch.Tensor, kv_cache: dict | None = None) -> torch.Tensor:
+        offset = next(iter(kv_cache.values())).shape[1] if kv_cache else 0
+        x = self.token_embedding(tokens) + self.positional_embedding[offset: offset + tokens.shape[-1]]
         x = x.to(xa.dtype)
         for block in self.blocks:
-            x = block(x, xa, mask=self.mask)
+            x = block(x, xa, mask=self.mask, kv_cache=kv_cache)
         x = self.ln(x)
         return (x @ torch.transpose(self.token_embedding.weight.to(x.dtype), 0, 1)).float()
 
 
 class WhisperStyle(nn.Module):
-    """Encoder (conv + GELU stem, sinusoid buffer) and decoder (tied logits read off the embedding), and
-    a sparse boolean buffer."""
+    """Encoder (conv + GELU stem, sinusoid buffer) and decoder (tied logits read off the embedding), a
+    sparse boolean buffer, and Whisper's kv-cache: forward hooks on every key/value Linear of the decoder
+    that keep and prepend what those modules computed (``install_kv_cache_hooks``, :func:`greedy_decode`)."""
 
     def __init__(self, n_mels: int = 8, audio_ctx: int = 6, vocab: int = 40, text_ctx: int = 12, d: int = 32,
                  heads: int = 4, layers: int = 2) -> None:
@@ -148,6 +154,38 @@ class WhisperStyle(nn.Module):
 
     def forward(self, mel: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         return self.decoder(tokens, self.encoder(mel))
+
+    def install_kv_cache_hooks(self) -> tuple[dict, list]:
+        """Whisper's own: the cache is keyed by the key/value modules themselves, filled by their hooks."""
+        cache: dict = {}
+        text_ctx = self.decoder.positional_embedding.shape[0]
+
+        def save_to_cache(module: nn.Module, _: tuple, output: torch.Tensor) -> torch.Tensor:
+            if module not in cache or output.shape[1] > text_ctx:  # the first tokens, or the audio
+                cache[module] = output
+            else:
+                cache[module] = torch.cat([cache[module], output], dim=1).detach()
+            return cache[module]
+
+        hooks = [m.register_forward_hook(save_to_cache) for layer in self.decoder.modules()
+                 if isinstance(layer, WAttention) for m in (layer.key, layer.value)]
+        return cache, hooks
+
+
+def greedy_decode(model: WhisperStyle, mel: torch.Tensor, prefix: torch.Tensor, steps: int) -> torch.Tensor:
+    """Greedy decoding as ``whisper.decode`` runs it: the audio encoded once, the prefix through the decoder,
+    then one new token per step through the kv-cache hooks. Returns the prefix and the ``steps`` tokens."""
+    cache, hooks = model.install_kv_cache_hooks()
+    try:
+        with torch.no_grad():
+            audio, tokens, new = model.encoder(mel), prefix, prefix
+            for _ in range(steps):
+                new = model.decoder(new, audio, kv_cache=cache)[:, -1].argmax(-1, keepdim=True)
+                tokens = torch.cat([tokens, new], dim=1)
+    finally:
+        for h in hooks:
+            h.remove()
+    return tokens
 
 
 class WhisperEncoderOnly(nn.Module):

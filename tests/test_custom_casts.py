@@ -23,6 +23,7 @@ from tests.custom_models_cast import (
     WAttention,
     WhisperStyle,
     WLayerNorm,
+    greedy_decode,
 )
 
 EXACT = ("exact", "exact-with-centering")
@@ -137,6 +138,72 @@ def test_whisper_style_half_activations_keep_the_originals_error(dtype):
         half = torch.randn(3, 32, dtype=dtype)
         assert model.decoder.ln(half).dtype == original.decoder.ln(half).dtype == dtype
     assert after <= 1.2 * before, (after, before)
+
+
+def test_whisper_style_fold_gamma_says_why_the_decoder_stream_is_not_rotated():
+    """Whisper's final decoder norm is read by one thing: the logits ``x @ token_embedding.weight.T``, the
+    embedding that also writes the decoder stream. Nothing folds out of that norm, so γ stays and the
+    decoder stream is not rotated; the reason says so (it said "some γ is near 0", with every γ near 1)."""
+    torch.manual_seed(0)
+    model = randomise(WhisperStyle())
+    mel, tokens = torch.randn(2, 8, 12, dtype=torch.float64), torch.randint(0, 40, (2, 7))
+    original = copy.deepcopy(model)
+    report = normswap.patch(model, (mel, tokens), fold_gamma=True)
+    final = report.plan.site("decoder.ln")
+    assert float(original.decoder.ln.weight.detach().abs().min()) > 0.1  # no γ anywhere near 0
+    assert final.rotation_reason == ("γ stays in the RMSNorm: nothing folds out of it (`decoder.token_embedding"
+                                     ".weight` shares its weight with `decoder.token_embedding`)")
+    assert final.beta_detail.endswith("shares its weight with `decoder.token_embedding`")
+    rotation = normswap.rotate(model, "hadamard")
+    assert [r["norms"][0] for r in rotation.rotated] == ["encoder.blocks.0.attn_ln"]
+    assert [s["reason"] for s in rotation.skipped] == [f"`decoder.ln`: {final.rotation_reason}"]
+    probe = (torch.randn(3, 8, 12, dtype=torch.float64), torch.randint(0, 40, (3, 9)))
+    assert _rel(_held(model, *probe), _held(original, *probe)) <= 1e-9
+
+
+def test_whisper_style_kv_cache_decoding_is_unchanged_by_patch_rotation_and_reload(tmp_path):
+    """Whisper decodes through forward hooks on the decoder's key/value Linears that cache and prepend
+    their outputs (``install_kv_cache_hooks``), keyed by those very modules. After ``patch``, after
+    ``rotate`` and in a fresh instance loaded with ``normswap.load(dir, model=...)`` the cached greedy
+    decoding gives the original's tokens, and the reloaded model's logits are bitwise the saved one's."""
+    torch.manual_seed(11)
+    model = WhisperStyle(vocab=40, text_ctx=16).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.2 * torch.randn_like(p))
+    mel, prefix = torch.randn(3, 8, 12), torch.tensor([[1, 2]] * 3)
+    reference = greedy_decode(model, mel, prefix, steps=10)
+    with torch.no_grad():  # the cache is used: one more step without it computes the same argmax
+        assert torch.equal(model(mel, reference[:, :-1])[:, -1].argmax(-1), reference[:, -1])
+    normswap.patch(model, (mel, reference[:, :6]), fold_gamma=True)
+    assert torch.equal(greedy_decode(model, mel, prefix, steps=10), reference)
+    normswap.rotate(model, "hadamard")
+    assert torch.equal(greedy_decode(model, mel, prefix, steps=10), reference)
+    normswap.save(model, tmp_path / "ckpt")
+    loaded = normswap.load(tmp_path / "ckpt", model=WhisperStyle(vocab=40, text_ctx=16)).eval()
+    assert torch.equal(greedy_decode(loaded, mel, prefix, steps=10), reference)
+    with torch.no_grad():
+        assert torch.equal(loaded(mel, reference), model(mel, reference))
+
+
+def test_a_model_that_does_not_run_in_its_own_dtype_converts_and_the_report_says_so():
+    """Whisper cast to bfloat16 does not run on a CPU: its LayerNorm computes in float32 and torch refuses
+    bfloat16 parameters there ("mixed dtype"). The conversion is analysed and verified in float64 (casts
+    held), which runs; measuring what bfloat16 costs the original then raised that RuntimeError from the
+    model's code, after the whole conversion. Now that figure is missing and the report says why."""
+    torch.manual_seed(12)
+    model = WhisperStyle().eval().bfloat16()
+    mel, tokens = torch.randn(2, 8, 12, dtype=torch.bfloat16), torch.randint(0, 40, (2, 7))
+    reference = _held(copy.deepcopy(model).double(), mel.double(), tokens)
+    with torch.no_grad(), pytest.raises(RuntimeError, match="mixed dtype"):
+        model(mel, tokens)
+    report = normswap.patch(model, (mel, tokens))
+    assert all(s.verdict in EXACT for s in report.sites)
+    assert ("the original WhisperStyle does not run in bfloat16 on these inputs (RuntimeError: mixed dtype"
+            in report.message and "; the converted one does" in report.message)
+    assert report.verification["original_in_model_dtype"] is None and report.verification["in_model_dtype"] < 0.05
+    with torch.no_grad():
+        assert _rel(model(mel, tokens), reference) < 0.05  # it runs in bfloat16 now, at bfloat16's error
 
 
 def test_open_clip_style_float32_norms_and_cast_embeddings_convert_exactly():

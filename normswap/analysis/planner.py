@@ -290,14 +290,16 @@ def analyse(model: nn.Module, graph: Graph, sites: list[NormSite], *, untie: boo
         sp.readers = sorted(foldable) + sorted(set(other))
         sp.writer_targets = sorted(targets)
         sp.linear_readers = sorted(foldable)
+        fold_blocker = ""
         if sp.verdict != "approximate":
-            _plan_folds(an, site, sp, sorted(foldable), other, plan, unties, reader_sources, reader_calls)
+            fold_blocker = _plan_folds(an, site, sp, sorted(foldable), other, plan, unties, reader_sources,
+                                       reader_calls)
         else:
             plan.centered_readers += _centered_readers(an, site, sorted(foldable), unties, reader_sources,
                                                        reader_calls)
         if centered_by:
             sp.rotation_ops, sp.rotation_upstream = _rotation_ops(an, calls, site_terms, term_status, hooks, edits)
-        sp.rotation_reason = _rotation_blocker(an, site, sp, centered_by, sorted(set(other)))
+        sp.rotation_reason = _rotation_blocker(an, site, sp, centered_by, sorted(set(other)), fold_blocker)
         if carries and not sp.rotation_reason:
             sp.rotation_reason = "its stream carries a Post-LN norm output (mean cancelled in the MLP)"
         sp.rotation_ready = not sp.rotation_reason
@@ -444,12 +446,13 @@ def _rotation_ops(an: Analyzer, calls: list, site_terms: dict[int, list[Term]], 
 
 
 def _rotation_blocker(an: Analyzer, site: NormSite, sp: SitePlan, centered_by: list[CenterHook],
-                      other: list[str]) -> str:
+                      other: list[str], fold_blocker: str = "") -> str:
     """Why the stream this norm reads cannot be rotated by an orthogonal Q ('' when it can).
 
     Rotation needs an RMSNorm with unit weight and no bias (``rms(xQ) = rms(x)``), writers whose
     output features can absorb Q (Linear, Conv1D, Embedding, conv, raw parameters), and readers
-    that are Linear layers seeing the norm's features unpermuted (they absorb Qᵀ).
+    that are Linear layers seeing the norm's features unpermuted (they absorb Qᵀ). ``fold_blocker``
+    is why nothing folds out of this norm at all (:func:`_fold_blocker`), when that is why γ stays.
     """
     sp.rotation_outputs = _output_names(other)
     if sp.verdict == "approximate":
@@ -469,6 +472,8 @@ def _rotation_blocker(an: Analyzer, site: NormSite, sp: SitePlan, centered_by: l
     if site.weight_attr is not None and not sp.fold_gamma:
         if not an.fold_gamma:
             return "γ stays in the RMSNorm (pass fold_gamma=True)"
+        if fold_blocker:  # Whisper's final norm: its one reader is the embedding, read again as the logits
+            return f"γ stays in the RMSNorm: nothing folds out of it ({fold_blocker})"
         if site.bias_attr is not None and not sp.fold_beta:
             return "γ stays in the RMSNorm: β cannot fold (a reader has no bias slot) and some γ is near 0"
         return "γ cannot fold into the readers (a reader also reads another stream or is shared)"
@@ -577,9 +582,10 @@ def _well_conditioned(gamma: torch.Tensor | None) -> bool:
 
 def _plan_folds(an: Analyzer, site: NormSite, sp: SitePlan, foldable: list[str], other: list[str],
                 plan: Plan, unties: dict, reader_sources: dict[str, set[str]],
-                reader_calls: dict[str, set[int]]) -> None:
+                reader_calls: dict[str, set[int]]) -> str:
     """β (and with fold_gamma, γ) leave the norm when every reader can take them; ``sp.beta_detail`` says
-    where β went, reader by reader, or why it stays in the RMSNorm.
+    where β went, reader by reader, or why it stays in the RMSNorm. Returns why nothing can fold out of
+    the norm at all ('' when the readers allow folding).
 
     A reader with a bias slot takes its share ``W β`` there; one without may still let it go exactly
     (a key projection drops it, a value projection moves it through attention into the output
@@ -590,7 +596,7 @@ def _plan_folds(an: Analyzer, site: NormSite, sp: SitePlan, foldable: list[str],
     kept = _fold_blocker(an, site, foldable, other, unties, reader_sources, reader_calls)
     if kept:
         sp.beta_detail = f"kept in the RMSNorm: {kept}" if has_beta else ""
-        return
+        return kept
     routes: dict[str, Route] = {}
     if an.fold_beta and has_beta:
         for p in foldable:
@@ -618,6 +624,7 @@ def _plan_folds(an: Analyzer, site: NormSite, sp: SitePlan, foldable: list[str],
                 plan.beta_moves.append(BetaMove(site.path, p, writer_kind(an.modules[p]), r.into, r.kind, r.runs))
     if fold_beta:
         an.cache_outputs |= {o for r in routes.values() for o in r.outputs}
+    return ""
 
 
 def _centered_readers(an: Analyzer, site: NormSite, foldable: list[str], unties: dict,
@@ -662,8 +669,10 @@ def _fold_blocker(an: Analyzer, site: NormSite, foldable: list[str], other: list
         every_call = {c.id for c in an.calls_per_path.get(path, [])}
         if reader_sources[path] != {site.path} or reader_calls[path] != every_call:
             return f"`{path}` also reads something else"  # folding would change that call
-        if an.sharing_problem(an.weight_param(path), path) is not None and (path, "weight") not in unties:
-            return f"`{path}` shares its weight"
+        weight = an.weight_param(path)
+        if an.sharing_problem(weight, path) is not None and (path, "weight") not in unties:
+            owners = sorted({o for o, _ in an.param_owners.get(id(weight), [])} - {path})
+            return f"`{path}` shares its weight" + (f" with {', '.join(f'`{o}`' for o in owners)}" if owners else "")
     return ""
 
 
