@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 
 import normswap
-from normswap import precision
+from normswap.analysis import precision
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ctranslate2_import import read_ctranslate2, whisper_state_dict  # noqa: E402
