@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from normswap import beta_placement, calibrate, inputs, precision, surgery, trace, walker
+from normswap.copying import deepcopy_module
 from normswap.errors import ModelRunFailed, NaNOutputs, NormswapError, first_line
 from normswap.integrations import hooks, torch_transformer, wrappers
 from normswap.linears import linear_at
@@ -208,7 +209,7 @@ def working_copy(model: nn.Module, precise: bool = True) -> nn.Module:
         return nn.Parameter(data, requires_grad=p.requires_grad)
 
     memo: dict[int, Any] = {id(p): param(p) for p in model.parameters()}  # tied parameters stay tied
-    work = copy.deepcopy(model, memo)
+    work = deepcopy_module(model, memo)
     if cast:
         work.to(target)  # the floating buffers (parameters are cast already)
     work.eval()

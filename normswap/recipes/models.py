@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import fnmatch
 import logging
 import warnings
@@ -13,6 +12,7 @@ import torch
 from torch import nn
 
 from normswap import presets
+from normswap.copying import deepcopy_module
 from normswap.errors import NormswapError, first_line
 from normswap.norm import RMSNorm
 from normswap.plan import Plan, SitePlan, attach_plan, plan_of
@@ -162,7 +162,7 @@ def build_student(
             teacher = load_teacher(cfg, task)
         import normswap
 
-        model = copy.deepcopy(teacher)
+        model = deepcopy_module(teacher)  # closures over the teacher move to the student
         with warnings.catch_warnings():
             warnings.simplefilter(
                 "ignore"
@@ -279,7 +279,7 @@ def meta_copy(model: nn.Module) -> nn.Module:
     for t in (*model.parameters(), *model.buffers()):
         meta = torch.empty_like(t, device="meta")
         memo[id(t)] = nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
-    return copy.deepcopy(model, memo)
+    return deepcopy_module(model, memo)
 
 
 def materialize(skeleton: nn.Module, state: dict[str, torch.Tensor],

@@ -1,0 +1,95 @@
+"""Patterns of real third-party libraries (tests/third_party_models.py) that once broke normswap.
+
+Each model is built twice from one seed (the reference is never a deep copy: a closure a model keeps
+over itself would read the other instance's weights), patched at one input shape and compared with
+the float64 original at that shape and another, then saved and loaded into a fresh instance.
+"""
+
+from __future__ import annotations
+
+import tempfile
+
+import pytest
+import torch
+from torch import nn
+
+import normswap
+from normswap.copying import deepcopy_module
+from tests.third_party_models import ClosureTiedLM, LayerScaleLM, MhaLayerScaleEncoder
+
+
+def _build(make, seed: int = 0) -> nn.Module:  # noqa: ANN001
+    torch.manual_seed(seed)
+    model = make()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:  # LayerNorm γ/β, biases and LayerScale far from their init
+                p.add_(0.3 * torch.randn(p.shape, generator=gen))
+    return model.double().eval()
+
+
+def _ids(n: int, t: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, 40, (n, t), generator=torch.Generator().manual_seed(seed))
+
+
+def _images(n: int, size: int, seed: int) -> torch.Tensor:
+    return torch.randn(n, 3, size, size, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max())
+
+
+def _exact_everywhere(make, example: torch.Tensor, other: torch.Tensor, **options) -> normswap.api.Report:  # noqa: ANN001, ANN003
+    model, reference = _build(make), _build(make)
+    report = normswap.patch(model, (example,), **options)
+    assert all(s.verdict in ("exact", "exact-with-centering") for s in report.plan.sites), report.plan.table()
+    with torch.no_grad():
+        for x in (example, other):
+            assert _rel(model(x), reference(x)) <= 1e-9
+    with tempfile.TemporaryDirectory() as tmp:
+        normswap.save(model, tmp)
+        loaded = normswap.load(tmp, model=_build(make, seed=1))
+        with torch.no_grad():
+            assert all(torch.equal(loaded(x), model(x)) for x in (example, other))
+    return report
+
+
+def test_logits_from_a_lambda_over_self_are_seen_and_stay_exact():
+    """x-transformers ``tie_embedding=True``: before the fix the working copy's lambda read the user's
+    embedding, the plan centered it as a writer (no tie seen), verification passed on the copy, and the
+    committed model's logits were off by 4e-2."""
+    report = _exact_everywhere(ClosureTiedLM, _ids(2, 9, 0), _ids(3, 14, 1))
+    assert [(h.module, h.where) for h in report.plan.hooks] == [("tok", "output")]  # the tie is kept
+    assert "tok.weight" not in {e.target for e in report.plan.writer_edits}
+
+
+def test_a_deep_copy_computes_from_its_own_weights():
+    model = _build(ClosureTiedLM)
+    copy = deepcopy_module(model)
+    with torch.no_grad():
+        copy.tok.weight.zero_()
+        ids = _ids(2, 5, 0)
+        assert float(copy(ids).abs().max()) == 0.0  # the copy's logits read the copy's (zeroed) table
+        assert float(model(ids).abs().max()) > 0.0
+
+
+@pytest.mark.parametrize("unit_offset", [False, True])
+def test_layer_scale_times_parameter_plus_constant_folds(unit_offset: bool):
+    """x-transformers ``use_layerscale=True``: ``out * (gamma + float(unit_offset))``."""
+    report = _exact_everywhere(lambda: LayerScaleLM(unit_offset=unit_offset), _ids(2, 9, 0), _ids(3, 13, 1))
+    assert len(report.plan.scale_folds) == 4
+    assert {f.offset for f in report.plan.scale_folds} == {float(unit_offset)}
+    model = _build(lambda: LayerScaleLM(unit_offset=unit_offset))
+    normswap.patch(model, (_ids(2, 9, 0),))
+    assert all(torch.allclose(m.gamma + float(unit_offset), torch.ones_like(m.gamma))
+               for m in [*model.attn, *model.mlp])  # the effective λ is 1 once folded
+
+
+def test_layer_scale_after_multihead_attention_folds_through_its_view_and_transpose():
+    """open_clip ``ls_init_value`` without a class token: the second layer's norms were approximate
+    (a second centering op on the stream) before the fold saw through MHA's reshapes."""
+    report = _exact_everywhere(MhaLayerScaleEncoder, _images(2, 16, 0), _images(3, 16, 1), fold_gamma=True)
+    assert {f.into for f in report.plan.scale_folds} >= {"attn.0.out_proj", "attn.1.out_proj"}
+    assert not report.plan.hooks
