@@ -309,8 +309,8 @@ def analyse(model: nn.Module, graph: Graph, sites: list[NormSite], *, untie: boo
     if rms_norms:
         plan.rms_sites, plan.rotation_axes = _rms_streams(an, rms_norms, plan.rms_folds)
     centered_owners = {e.owner for e in edits.values()}
-    plan.scale_folds = sorted({ScaleFold(param, path, writer_kind(an.modules[path]))
-                               for param, path, _ in an.layer_scales.values() if path in centered_owners},
+    plan.scale_folds = sorted({ScaleFold(param, path, writer_kind(an.modules[path]), offset)
+                               for param, path, _, offset in an.layer_scales.values() if path in centered_owners},
                               key=lambda f: f.param)
     plan.unties = list(unties.values())
     plan.hooks = [h for h, _ in hooks.values()]
