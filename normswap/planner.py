@@ -176,8 +176,12 @@ def analyse(model: nn.Module, graph: Graph, sites: list[NormSite], *, untie: boo
             if per_norm and mean_carry and an.mean_carry(call, term, site_terms[call.id], module_ok,
                                                          shared_calls=shared) is not None:
                 continue  # an MLP can cancel this mean: a real RMSNorm beats a centering op
-            # a stream-start op first; failing that (opt-in), one op at each norm's own input
-            tries = [False, True] if per_norm_centering and not per_norm else [per_norm]
+            # a stream-start op first; failing that (opt-in), one op at each norm's own input. A term that is
+            # the whole input of the one norm call it reaches (fair-esm's LM head: dense, a GELU written in ops,
+            # then its norm) may be centered right at that norm's input: one op for the stream, not one per norm
+            lone = not per_norm and term.kind != "norm" and len(site_terms[call.id]) == 1 \
+                and set(an.reach(term.value, -1).site_rows) == {call.id}
+            tries = [False, True] if (per_norm_centering or lone) and not per_norm else [per_norm]
             for at_norms in tries:
                 found = False
                 for vid, hook in an.hook_candidates(term, at_norms=at_norms):
@@ -187,6 +191,7 @@ def analyse(model: nn.Module, graph: Graph, sites: list[NormSite], *, untie: boo
                         # say why; one that attention reads too is a Post-LN stream, and said so
                         unhooked.setdefault(term.value, an.hook_problem(vid))
                     if reach is not None:
+                        at_norms = at_norms and not lone
                         hook.reason = (f"stream written by {term.label}: one mean per token before this norm"
                                        if at_norms else f"stream starts at {term.label}")
                         unedited = term_status[term.value][1].removeprefix(term.label).strip()

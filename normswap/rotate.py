@@ -303,8 +303,35 @@ class RotateInput:
         return args, kwargs
 
 
+def _one_slot_per_module(model: nn.Module, work: list, result: Rotation) -> list:
+    """The streams of ``work`` whose rotation ops can all be installed: a module holds one ``Q`` buffer and one
+    hook, for one argument or its output. A stream whose op would sit on a module where another stream's op
+    sits at another slot (PerceiverIO centers both its ``data`` and its ``queries`` argument, of two
+    widths, at its own input) is left unrotated, and ``result.skipped`` says why."""
+    slots: dict[str, tuple] = {}  # module path -> (where, arg) of the op it holds or will hold
+    kept = []
+    for item in work:
+        group, ops = item[0], item[7]
+        clash = None
+        for op in ops:
+            have = slots.get(op["module"], getattr(model.get_submodule(op["module"]), "_normswap_rotation_slot", None))
+            if have is not None and tuple(have) != (op["where"], op["arg"]):
+                clash = op
+                break
+        if clash is not None:
+            where = f"`{clash['module']}`" if clash["module"] else "the model itself"
+            result.skipped.append({"norms": [sp.name for sp in group], "reason": (
+                f"its centering op's turn would sit on {where}, which already turns another stream at another "
+                "argument (one rotation op per module)")})
+            continue
+        slots.update({op["module"]: (op["where"], op["arg"]) for op in ops})
+        kept.append(item)
+    return kept
+
+
 def _install_rotation_op(module: nn.Module, op: dict, value: torch.Tensor, *, compose: bool = False) -> None:
     """Register the ``Q`` buffer and hook; where they exist, ``compose`` makes it ``Q₁Q₂`` (a second rotation)."""
+    module._normswap_rotation_slot = (op["where"], op["arg"])
     if getattr(module, "_normswap_rotation", None) is not None:
         old = getattr(module, ROTATION_BUFFER)
         setattr(module, ROTATION_BUFFER, (old.double() @ value.double()).to(old.dtype) if compose else value)
@@ -581,6 +608,7 @@ def rotate(model: nn.Module, q: str | int | torch.Tensor = "hadamard", *, seed: 
         tied = {r for r in readers if id(linear_at(model, r).weight) in by_id
                 and axes[by_id[id(linear_at(model, r).weight)]] == _reader_axis(linear_at(model, r))}
         work.append((group, rot, info, by_id, readers, tied, restored, ops))
+    work = _one_slot_per_module(model, work, result)
     writer_params = [p for _, _, _, by_id, *_ in work for p in by_id]
     reader_params = [_reader_rows(model, r) for *_, readers, tied, _, _ in work for r in readers if r not in tied]
     if len(set(writer_params)) != len(writer_params) or len(set(reader_params)) != len(reader_params) \

@@ -130,3 +130,129 @@ class MhaLayerScaleEncoder(nn.Module):
 def erf_gelu(x: torch.Tensor) -> torch.Tensor:
     """fair-esm's (and fairseq's) GELU, written out in ops rather than ``F.gelu``."""
     return x * 0.5 * (1.0 + torch.erf(x / math.sqrt(2.0)))
+
+
+class ErfGeluLMHead(nn.Module):
+    """fair-esm's ``RobertaLMHead``: dense, a GELU written in ops, LayerNorm, then logits from the tied token
+    table (``F.linear(x, self.weight) + self.bias``). The GELU's output starts a stream only this norm reads,
+    and no module boundary lies between them."""
+
+    def __init__(self, d: int, weight: nn.Parameter) -> None:
+        super().__init__()
+        self.dense = nn.Linear(d, d)
+        self.layer_norm = nn.LayerNorm(d)
+        self.weight = weight
+        self.bias = nn.Parameter(torch.zeros(weight.shape[0]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.layer_norm(erf_gelu(self.dense(x)))
+        return F.linear(x, self.weight) + self.bias
+
+
+class EsmStyleLM(nn.Module):
+    """ESM-2 in small: Pre-LN blocks, a final norm, and the LM head above."""
+
+    def __init__(self, vocab: int = 40, d: int = 32, heads: int = 4, layers: int = 2) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
+        self.emb_layer_norm_after = nn.LayerNorm(d)
+        self.lm_head = ErfGeluLMHead(d, self.embed_tokens.weight)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.emb_layer_norm_after(x))
+
+
+# ------------------------------------------------------------------------------ nanoGPT style
+class BiasOptionalLayerNorm(nn.Module):
+    """nanoGPT's LayerNorm: ``F.layer_norm`` with an optional bias (``bias=False`` passes ``None``)."""
+
+    def __init__(self, d: int, bias: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+        self.bias = nn.Parameter(torch.zeros(d)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, 1e-5)
+
+
+class FusedAttention(nn.Module):
+    """One ``c_attn`` Linear for q, k and v, split, causal ``scaled_dot_product_attention``, ``c_proj``."""
+
+    def __init__(self, d: int, heads: int, bias: bool) -> None:
+        super().__init__()
+        self.heads, self.d = heads, d
+        self.c_attn = nn.Linear(d, 3 * d, bias=bias)
+        self.c_proj = nn.Linear(d, d, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = (z.view(b, t, self.heads, -1).transpose(1, 2) for z in self.c_attn(x).split(self.d, dim=2))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.c_proj(y.transpose(1, 2).contiguous().view(b, t, self.d))
+
+
+class GptBlock(nn.Module):
+    def __init__(self, d: int, heads: int, bias: bool) -> None:
+        super().__init__()
+        self.ln_1, self.ln_2 = BiasOptionalLayerNorm(d, bias), BiasOptionalLayerNorm(d, bias)
+        self.attn = FusedAttention(d, heads, bias)
+        self.c_fc, self.c_proj = nn.Linear(d, 4 * d, bias=bias), nn.Linear(4 * d, d, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.c_proj(F.gelu(self.c_fc(self.ln_2(x))))
+
+
+class NanoGptStyle(nn.Module):
+    """A GPT written the way nanoGPT's ``model.py`` writes it: the modules in an ``nn.ModuleDict``, the token
+    table tied to the head by assignment (``wte.weight = lm_head.weight``), a bias-less head, and at
+    inference the logits of the last position only (``x[:, [-1], :]``), returned with a ``None`` loss."""
+
+    def __init__(self, vocab: int = 40, block: int = 16, d: int = 32, heads: int = 4, layers: int = 2,
+                 bias: bool = False) -> None:
+        super().__init__()
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(vocab, d), wpe=nn.Embedding(block, d), drop=nn.Dropout(0.0),
+            h=nn.ModuleList(GptBlock(d, heads, bias) for _ in range(layers)), ln_f=BiasOptionalLayerNorm(d, bias)))
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+        self.transformer.wte.weight = self.lm_head.weight
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> tuple[torch.Tensor, None]:
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
+        for block in self.transformer.h:
+            x = block(x)
+        x = self.transformer.ln_f(x)
+        return self.lm_head(x[:, [-1], :]), None
+
+
+# ------------------------------------------------------------------------------ PerceiverIO style
+def _attend(q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+    k, v = kv.chunk(2, dim=-1)
+    return F.scaled_dot_product_attention(q, k, v)
+
+
+class TwoInputPerceiver(nn.Module):
+    """perceiver-pytorch's ``PerceiverIO``: latents cross-attend to ``data`` through a norm on the data, and
+    ``queries`` (another width) read the latents through a norm on the queries. Both model inputs start
+    streams that only norms read: one centering op each, both on the model's own input, at two arguments."""
+
+    def __init__(self, d_data: int = 24, d_query: int = 16, d: int = 32, latents: int = 4, classes: int = 10
+                 ) -> None:
+        super().__init__()
+        self.latents = nn.Parameter(torch.randn(latents, d))
+        self.norm_latents, self.norm_data = nn.LayerNorm(d), nn.LayerNorm(d_data)
+        self.to_q, self.to_kv, self.to_out = nn.Linear(d, d), nn.Linear(d_data, 2 * d), nn.Linear(d, d)
+        self.norm_queries, self.norm_final = nn.LayerNorm(d_query), nn.LayerNorm(d)
+        self.dec_q, self.dec_kv = nn.Linear(d_query, d), nn.Linear(d, 2 * d)
+        self.head = nn.Linear(d, classes)
+
+    def forward(self, data: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
+        x = self.latents.expand(data.shape[0], -1, -1)
+        x = x + self.to_out(_attend(self.to_q(self.norm_latents(x)), self.to_kv(self.norm_data(data))))
+        y = _attend(self.dec_q(self.norm_queries(queries)), self.dec_kv(self.norm_final(x)))
+        return self.head(y)
