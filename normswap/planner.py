@@ -190,6 +190,8 @@ def analyse(model: nn.Module, graph: Graph, sites: list[NormSite], *, untie: boo
                         # a stream start no op can center although only norms read it (a Swin merge):
                         # say why; one that attention reads too is a Post-LN stream, and said so
                         unhooked.setdefault(term.value, an.hook_problem(vid))
+                    if reach is not None and call.id not in reach.site_rows:
+                        continue  # an op for another norm's stream (CrossViT: one image, two patch embedders)
                     if reach is not None:
                         at_norms = at_norms and not lone
                         hook.reason = (f"stream written by {term.label}: one mean per token before this norm"

@@ -22,6 +22,7 @@ from tests.third_party_models import (
     MhaLayerScaleEncoder,
     NanoGptStyle,
     TwoInputPerceiver,
+    TwoScaleViT,
 )
 
 
@@ -140,3 +141,11 @@ def test_rotation_leaves_a_stream_whose_op_would_share_a_module_with_another_str
     with torch.no_grad():
         for x in (inputs(2, 0), inputs(3, 1)):
             assert _rel(model(*x), reference(*x)) <= 1e-9
+
+
+def test_one_image_read_by_two_patch_embedders_gets_an_op_in_each():
+    """CrossViT: the image starts two streams. The op chosen for the first embedder's raw-patch norm was
+    taken for the image's, so the second embedder's raw-patch norm stayed approximate."""
+    report = _exact_everywhere(TwoScaleViT, _images(2, 16, 0), _images(3, 16, 1))
+    assert {(h.module, h.where) for h in report.plan.hooks} >= {("small.0", "output"), ("large.0", "output")}
+    assert report.plan.site("large.1").verdict == "exact-with-centering"

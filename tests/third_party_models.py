@@ -256,3 +256,36 @@ class TwoInputPerceiver(nn.Module):
         x = x + self.to_out(_attend(self.to_q(self.norm_latents(x)), self.to_kv(self.norm_data(data))))
         y = _attend(self.dec_q(self.norm_queries(queries)), self.dec_kv(self.norm_final(x)))
         return self.head(y)
+
+
+# ------------------------------------------------------------------------------ vit-pytorch CrossViT style
+class Patches(nn.Module):
+    """einops' ``Rearrange('b c (h p1) (w p2) -> b (h w) (p1 p2 c)')`` layer, as vit-pytorch uses it."""
+
+    def __init__(self, p: int) -> None:
+        super().__init__()
+        self.p = p
+
+    def forward(self, img: torch.Tensor) -> torch.Tensor:
+        b, c, h, w = img.shape
+        p = self.p
+        x = img.reshape(b, c, h // p, p, w // p, p).permute(0, 2, 4, 3, 5, 1)
+        return x.reshape(b, (h // p) * (w // p), p * p * c)
+
+
+class TwoScaleViT(nn.Module):
+    """vit-pytorch's ``CrossViT``: one image read by two patch embedders (``Rearrange, LayerNorm, Linear,
+    LayerNorm``) of two patch sizes, each starting a stream of its own."""
+
+    def __init__(self, d_small: int = 16, d_large: int = 24, classes: int = 10) -> None:
+        super().__init__()
+        self.small = nn.Sequential(Patches(4), nn.LayerNorm(48), nn.Linear(48, d_small), nn.LayerNorm(d_small))
+        self.large = nn.Sequential(Patches(8), nn.LayerNorm(192), nn.Linear(192, d_large), nn.LayerNorm(d_large))
+        self.small_block, self.large_block = Block(d_small, 2), Block(d_large, 2)
+        self.small_norm, self.large_norm = nn.LayerNorm(d_small), nn.LayerNorm(d_large)
+        self.head = nn.Linear(d_small + d_large, classes)
+
+    def forward(self, img: torch.Tensor) -> torch.Tensor:
+        a = self.small_norm(self.small_block(self.small(img))).mean(dim=1)
+        b = self.large_norm(self.large_block(self.large(img))).mean(dim=1)
+        return self.head(torch.cat([a, b], dim=-1))
