@@ -18,6 +18,7 @@ from normswap.copying import deepcopy_module
 from tests.third_party_models import (
     ClosureTiedLM,
     EsmStyleLM,
+    KeptNormsNet,
     LayerScaleLM,
     MhaLayerScaleEncoder,
     NanoGptStyle,
@@ -149,3 +150,20 @@ def test_one_image_read_by_two_patch_embedders_gets_an_op_in_each():
     report = _exact_everywhere(TwoScaleViT, _images(2, 16, 0), _images(3, 16, 1))
     assert {(h.module, h.where) for h in report.plan.hooks} >= {("small.0", "output"), ("large.0", "output")}
     assert report.plan.site("large.1").verdict == "exact-with-centering"
+
+
+def test_norms_named_layernorm_that_no_formula_converts_are_reported_not_dropped():
+    """vit-pytorch's ChanLayerNorm with trained (1, C, 1, 1) γ/β matched no formula once moved channels-last
+    (its parameters did not broadcast), and a class named LayerNorm that matches no formula at all was
+    dropped in silence: neither a site nor a skipped norm."""
+    model = _build(KeptNormsNet)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 4 and p.numel() == p.shape[1]:  # the channels-first γ/β, away from 1/0
+                p.add_(0.3 * torch.randn_like(p))
+    found = {s.path: s.reason for s in normswap.api.find_norms(model, (_images(2, 8, 0),)).skipped}
+    assert set(found) == {"norm1", "norm2", "token_norm"}
+    assert all("channel axis of a channels-first tensor" in found[n] for n in ("norm1", "norm2"))
+    assert "matches no LayerNorm/RMSNorm formula" in found["token_norm"]
+    report = normswap.patch(model, (_images(2, 8, 0),))
+    assert not report.changed and {s["name"] for s in report.plan.skipped} == set(found)

@@ -289,3 +289,47 @@ class TwoScaleViT(nn.Module):
         a = self.small_norm(self.small_block(self.small(img))).mean(dim=1)
         b = self.large_norm(self.large_block(self.large(img))).mean(dim=1)
         return self.head(torch.cat([a, b], dim=-1))
+
+
+# ------------------------------------------------------------------------------ norms normswap keeps
+class ChanLayerNorm(nn.Module):
+    """vit-pytorch's channels-first LayerNorm (CvT, Twins-SVT, NesT, CrossFormer, ScalableViT, RegionViT):
+    ``(1, C, 1, 1)`` parameters, mean and variance over dim 1 written in ops."""
+
+    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.eps = eps
+        self.g = nn.Parameter(torch.ones(1, dim, 1, 1))
+        self.b = nn.Parameter(torch.zeros(1, dim, 1, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        var = torch.var(x, dim=1, unbiased=False, keepdim=True)
+        mean = torch.mean(x, dim=1, keepdim=True)
+        return (x - mean) / (var + self.eps).sqrt() * self.g + self.b
+
+
+class AnnotatedLayerNorm(nn.Module):
+    """The Annotated Transformer's LayerNorm, copied into many custom models: unbiased std, eps added
+    outside the square root. No LayerNorm or RMSNorm formula matches it."""
+
+    def __init__(self, d: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.a_2, self.b_2, self.eps = nn.Parameter(torch.ones(d)), nn.Parameter(torch.zeros(d)), eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.a_2 * (x - x.mean(-1, keepdim=True)) / (x.std(-1, keepdim=True) + self.eps) + self.b_2
+
+
+class KeptNormsNet(nn.Module):
+    """A conv stage with channels-first norms, then tokens through an Annotated-Transformer norm."""
+
+    def __init__(self, c: int = 8, classes: int = 5) -> None:
+        super().__init__()
+        self.stem, self.norm1 = nn.Conv2d(3, c, 3, padding=1), ChanLayerNorm(c)
+        self.mix, self.norm2 = nn.Conv2d(c, c, 1), ChanLayerNorm(c)
+        self.token_norm, self.head = AnnotatedLayerNorm(c), nn.Linear(c, classes)
+
+    def forward(self, img: torch.Tensor) -> torch.Tensor:
+        x = self.norm1(self.stem(img))
+        x = self.norm2(x + self.mix(F.gelu(x)))
+        return self.head(self.token_norm(x.flatten(2).transpose(1, 2)).mean(dim=1))
