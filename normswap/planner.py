@@ -33,7 +33,7 @@ from normswap.plan import (
     WriterEdit,
     beta_text,
 )
-from normswap.trace import Graph
+from normswap.trace import Graph, ModuleCall
 from normswap.walker import NormSite, SkippedNorm
 
 
@@ -73,6 +73,13 @@ def _rms_folds(an: Analyzer, rms_norms: list[SkippedNorm], site_reader_paths: se
         for p in f.readers:
             taken[p] = taken.get(p, 0) + 1
     return [f for f in folds if all(taken[p] == 1 for p in f.readers)]
+
+
+def _is_head(an: Analyzer, call: ModuleCall) -> bool:
+    """Does norm ``call``'s output reach no other norm's input (an LM or classifier head's norm)?"""
+    out = an.site_output.get(call.id)
+    others = {an.site_input[c.id] for c in an.site_calls if c.id != call.id and an.site_input[c.id] is not None}
+    return out is not None and an.behind(out, set(), others)
 
 
 def analyse(model: nn.Module, graph: Graph, sites: list[NormSite], *, untie: bool = True,
@@ -177,10 +184,12 @@ def analyse(model: nn.Module, graph: Graph, sites: list[NormSite], *, untie: boo
                                                          shared_calls=shared) is not None:
                 continue  # an MLP can cancel this mean: a real RMSNorm beats a centering op
             # a stream-start op first; failing that (opt-in), one op at each norm's own input. A term that is
-            # the whole input of the one norm call it reaches (fair-esm's LM head: dense, a GELU written in ops,
-            # then its norm) may be centered right at that norm's input: one op for the stream, not one per norm
+            # the whole input of the one norm call it reaches, a norm whose output reaches no other norm (a
+            # head: fair-esm's LM head is dense, a GELU written in ops, then its norm), may be centered right
+            # at that norm's input: one op for the head. Not a norm inside the layers (ConvNeXt's block norm
+            # after its depthwise conv): that would be one op per block, LayerNorm by another name
             lone = not per_norm and term.kind != "norm" and len(site_terms[call.id]) == 1 \
-                and set(an.reach(term.value, -1).site_rows) == {call.id}
+                and set(an.reach(term.value, -1).site_rows) == {call.id} and _is_head(an, call)
             tries = [False, True] if (per_norm_centering or lone) and not per_norm else [per_norm]
             for at_norms in tries:
                 found = False

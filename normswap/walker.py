@@ -22,7 +22,9 @@ from normswap.norm import RMSNorm
 from normswap.trace import Graph
 
 _LN_NAME = re.compile(r"norm|\bln\b", re.IGNORECASE)
-_LN_CLASS = re.compile(r"layer_?norm", re.IGNORECASE)  # named a LayerNorm: reported even when no formula matches
+# a module without submodules named like a LayerNorm is reported even when no formula matches (a wrapper
+# such as wav2vec2's LayerNormConvLayer or StableLM's per-head norm list is not: its norms are inside)
+_LN_CLASS = re.compile(r"layer_?norm", re.IGNORECASE)
 _EPS_ATTRS = ("eps", "variance_epsilon", "epsilon", "layer_norm_eps", "layer_norm_epsilon")
 
 
@@ -333,7 +335,8 @@ def find_sites(model: nn.Module, graph: Graph) -> WalkResult:
         if result is None:
             result = identify_channels_first(path, modules[path], x, y)
         if result is None and (isinstance(modules[path], nn.LayerNorm) or path in direct_ln
-                               or _LN_CLASS.search(type(modules[path]).__name__)):
+                               or (_LN_CLASS.search(type(modules[path]).__name__)
+                                   and not any(True for _ in modules[path].children()))):
             # a LayerNorm that ran and matched no formula is reported, never dropped in silence
             why = ("its traced input or output is not finite" if not (bool(torch.isfinite(x).all())
                                                                         and bool(torch.isfinite(y).all()))

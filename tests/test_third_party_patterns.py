@@ -17,6 +17,7 @@ import normswap
 from normswap.copying import deepcopy_module
 from tests.third_party_models import (
     ClosureTiedLM,
+    DepthwiseBlockNet,
     EsmStyleLM,
     KeptNormsNet,
     LayerScaleLM,
@@ -167,3 +168,12 @@ def test_norms_named_layernorm_that_no_formula_converts_are_reported_not_dropped
     assert "matches no LayerNorm/RMSNorm formula" in found["token_norm"]
     report = normswap.patch(model, (_images(2, 8, 0),))
     assert not report.changed and {s["name"] for s in report.plan.skipped} == set(found)
+
+
+def test_a_norm_inside_the_layers_after_a_depthwise_conv_stays_approximate():
+    """The head rule above (one op at a norm's input) does not reach into the layers: there it would be one
+    op per block (HF ConvNeXt's block norms stay approximate)."""
+    model = _build(DepthwiseBlockNet)
+    plan = normswap.plan(model, (torch.randn(2, 7, 6, dtype=torch.float64),))
+    assert [plan.site(f"norms.{i}").verdict for i in range(2)] == ["approximate", "approximate"]
+    assert not any(h.module.startswith("norms.") for h in plan.hooks)

@@ -333,3 +333,24 @@ class KeptNormsNet(nn.Module):
         x = self.norm1(self.stem(img))
         x = self.norm2(x + self.mix(F.gelu(x)))
         return self.head(self.token_norm(x.flatten(2).transpose(1, 2)).mean(dim=1))
+
+
+class DepthwiseBlockNet(nn.Module):
+    """ConvNeXt's block in tokens: a depthwise conv over the stream, then a norm, then an MLP added back.
+    Each block norm reads a depthwise conv alone (no weight edit centers it): a centering op there would
+    be one per block, LayerNorm by another name, so those norms stay approximate."""
+
+    def __init__(self, d: int = 16, blocks: int = 2, classes: int = 5) -> None:
+        super().__init__()
+        self.stem = nn.Linear(6, d)
+        self.dw = nn.ModuleList(nn.Conv1d(d, d, 3, padding=1, groups=d) for _ in range(blocks))
+        self.norms = nn.ModuleList(nn.LayerNorm(d) for _ in range(blocks))
+        self.mlps = nn.ModuleList(nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))
+                                  for _ in range(blocks))
+        self.norm, self.head = nn.LayerNorm(d), nn.Linear(d, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        for dw, norm, mlp in zip(self.dw, self.norms, self.mlps, strict=True):
+            x = x + mlp(norm(dw(x.transpose(1, 2)).transpose(1, 2)))
+        return self.head(self.norm(x).mean(dim=1))
