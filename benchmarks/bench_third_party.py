@@ -156,7 +156,8 @@ _LN_CLASS = re.compile(r"layer_?norm|^ln$|^ln\d|layernorm", re.I)
 
 def layernorm_like(model: nn.Module) -> list[str]:
     """LayerNorm-like modules, found independently of normswap's walker: ``nn.LayerNorm`` subclasses,
-    classes named like a LayerNorm, and modules whose own ``forward`` calls ``layer_norm``."""
+    classes named like a LayerNorm, and modules whose own ``forward`` calls ``layer_norm``; outermost only
+    (x-transformers' ``LayerNorm`` wraps a non-affine ``nn.LayerNorm``: one norm)."""
     found = []
     for path, module in model.named_modules():
         if isinstance(module, normswap.RMSNorm):
@@ -168,7 +169,8 @@ def layernorm_like(model: nn.Module) -> list[str]:
                 calls = "layer_norm" in inspect.getsource(cls.forward)
             except (OSError, TypeError):
                 calls = False
-        if isinstance(module, nn.LayerNorm) or _LN_CLASS.search(cls.__name__) or calls:
+        inside = any(path.startswith(f + ".") for f in found)  # a wrapper's own LayerNorm counts once
+        if (isinstance(module, nn.LayerNorm) or _LN_CLASS.search(cls.__name__) or calls) and not inside:
             found.append(path)
     return found
 
