@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tests.custom_models_cast import Patches
+
 
 class Block(nn.Module):
     """A Pre-LN block (attention with separate projections, GELU MLP)."""
@@ -259,20 +261,6 @@ class TwoInputPerceiver(nn.Module):
 
 
 # ------------------------------------------------------------------------------ vit-pytorch CrossViT style
-class Patches(nn.Module):
-    """einops' ``Rearrange('b c (h p1) (w p2) -> b (h w) (p1 p2 c)')`` layer, as vit-pytorch uses it."""
-
-    def __init__(self, p: int) -> None:
-        super().__init__()
-        self.p = p
-
-    def forward(self, img: torch.Tensor) -> torch.Tensor:
-        b, c, h, w = img.shape
-        p = self.p
-        x = img.reshape(b, c, h // p, p, w // p, p).permute(0, 2, 4, 3, 5, 1)
-        return x.reshape(b, (h // p) * (w // p), p * p * c)
-
-
 class TwoScaleViT(nn.Module):
     """vit-pytorch's ``CrossViT``: one image read by two patch embedders (``Rearrange, LayerNorm, Linear,
     LayerNorm``) of two patch sizes, each starting a stream of its own."""
