@@ -25,6 +25,7 @@ from normswap.analysis.linears import linear_at
 from normswap.analysis.plan import EXACT_VERDICTS, Plan, SitePlan, attach_plan
 from normswap.analysis.planner import analyse
 from normswap.analysis.trace import flatten_outputs
+from normswap.copying import deepcopy_module
 from normswap.errors import ModelRunFailed, NaNOutputs, NormswapError, first_line
 from normswap.integrations import torch_transformer, wrappers
 from normswap.options import ConvertOptions
@@ -211,7 +212,7 @@ def working_copy(model: nn.Module, precise: bool = True) -> nn.Module:
         return nn.Parameter(data, requires_grad=p.requires_grad)
 
     memo: dict[int, Any] = {id(p): param(p) for p in model.parameters()}  # tied parameters stay tied
-    work = copy.deepcopy(model, memo)
+    work = deepcopy_module(model, memo)
     if cast:
         work.to(target)  # the floating buffers (parameters are cast already)
     work.eval()

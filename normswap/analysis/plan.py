@@ -128,6 +128,7 @@ class ScaleFold:
     param: str
     into: str  # module path of the Linear / Conv1D whose output λ scales
     kind: str  # linear | conv1d
+    offset: float = 0.0  # the model scales by ``param + offset`` (x-transformers' unit offset); param ← 1 − offset
 
 
 @dataclass

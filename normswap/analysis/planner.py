@@ -32,7 +32,7 @@ from normswap.analysis.plan import (
     beta_text,
 )
 from normswap.analysis.streams import OUTPUT_AXIS, Analyzer, Reach, Term, mutated_parameters, writer_kind
-from normswap.analysis.trace import Graph
+from normswap.analysis.trace import Graph, ModuleCall
 from normswap.analysis.walker import NormSite, SkippedNorm
 from normswap.errors import NormswapError
 
@@ -73,6 +73,13 @@ def _rms_folds(an: Analyzer, rms_norms: list[SkippedNorm], site_reader_paths: se
         for p in f.readers:
             taken[p] = taken.get(p, 0) + 1
     return [f for f in folds if all(taken[p] == 1 for p in f.readers)]
+
+
+def _is_head(an: Analyzer, call: ModuleCall) -> bool:
+    """Does norm ``call``'s output reach no other norm's input (an LM or classifier head's norm)?"""
+    out = an.site_output.get(call.id)
+    others = {an.site_input[c.id] for c in an.site_calls if c.id != call.id and an.site_input[c.id] is not None}
+    return out is not None and an.behind(out, set(), others)
 
 
 def analyse(model: nn.Module, graph: Graph, sites: list[NormSite], *, untie: bool = True,
@@ -176,8 +183,14 @@ def analyse(model: nn.Module, graph: Graph, sites: list[NormSite], *, untie: boo
             if per_norm and mean_carry and an.mean_carry(call, term, site_terms[call.id], module_ok,
                                                          shared_calls=shared) is not None:
                 continue  # an MLP can cancel this mean: a real RMSNorm beats a centering op
-            # a stream-start op first; failing that (opt-in), one op at each norm's own input
-            tries = [False, True] if per_norm_centering and not per_norm else [per_norm]
+            # a stream-start op first; failing that (opt-in), one op at each norm's own input. A term that is
+            # the whole input of the one norm call it reaches, a norm whose output reaches no other norm (a
+            # head: fair-esm's LM head is dense, a GELU written in ops, then its norm), may be centered right
+            # at that norm's input: one op for the head. Not a norm inside the layers (ConvNeXt's block norm
+            # after its depthwise conv): that would be one op per block, LayerNorm by another name
+            lone = not per_norm and term.kind != "norm" and len(site_terms[call.id]) == 1 \
+                and set(an.reach(term.value, -1).site_rows) == {call.id} and _is_head(an, call)
+            tries = [False, True] if (per_norm_centering or lone) and not per_norm else [per_norm]
             for at_norms in tries:
                 found = False
                 for vid, hook in an.hook_candidates(term, at_norms=at_norms):
@@ -186,7 +199,10 @@ def analyse(model: nn.Module, graph: Graph, sites: list[NormSite], *, untie: boo
                         # a stream start no op can center although only norms read it (a Swin merge):
                         # say why; one that attention reads too is a Post-LN stream, and said so
                         unhooked.setdefault(term.value, an.hook_problem(vid))
+                    if reach is not None and call.id not in reach.site_rows:
+                        continue  # an op for another norm's stream (CrossViT: one image, two patch embedders)
                     if reach is not None:
+                        at_norms = at_norms and not lone
                         hook.reason = (f"stream written by {term.label}: one mean per token before this norm"
                                        if at_norms else f"stream starts at {term.label}")
                         unedited = term_status[term.value][1].removeprefix(term.label).strip()
@@ -311,8 +327,8 @@ def analyse(model: nn.Module, graph: Graph, sites: list[NormSite], *, untie: boo
     if rms_norms:
         plan.rms_sites, plan.rotation_axes = _rms_streams(an, rms_norms, plan.rms_folds)
     centered_owners = {e.owner for e in edits.values()}
-    plan.scale_folds = sorted({ScaleFold(param, path, writer_kind(an.modules[path]))
-                               for param, path, _ in an.layer_scales.values() if path in centered_owners},
+    plan.scale_folds = sorted({ScaleFold(param, path, writer_kind(an.modules[path]), offset)
+                               for param, path, _, offset in an.layer_scales.values() if path in centered_owners},
                               key=lambda f: f.param)
     plan.unties = list(unties.values())
     plan.hooks = [h for h, _ in hooks.values()]

@@ -165,7 +165,8 @@ class Analyzer:
         self.stream_writers: set[str] = set()  # module paths that write some norm's input stream
         self._reach_memo: dict[tuple[int, str], Reach] = {}
         self._norm_dep_memo: dict[int, bool] = {}
-        self.layer_scales: dict[int, tuple[str, str, int]] = {}  # mul op -> (λ param, writer path, scaled value)
+        # mul op -> (λ param, writer path, scaled value, offset: the effective λ is param + offset)
+        self.layer_scales: dict[int, tuple[str, str, int, float]] = {}
         self.param_owners: dict[int, list[tuple[str, str]]] = {}
         for mpath, module in model.named_modules(remove_duplicate=False):
             for attr, p in module._parameters.items():
@@ -273,8 +274,12 @@ class Analyzer:
 
         λ folds into the writer's output rows (``W ← diag(λ) W``, ``b ← λ ⊙ b``) and is set to 1, after
         which the writer is centered like any other. Recognised when the product's other factor is
-        the output of one Linear/Conv1D call (through identity ops, each value read once) and λ is
-        used by this product alone. Returns the scaled value's id (recorded in ``self.layer_scales``).
+        the output of one Linear/Conv1D call (through identity ops, and through shape ops that keep its
+        features on the last axis unmixed: ``nn.MultiheadAttention``'s ``view`` and ``transpose`` after
+        its output projection, as in open_clip; each value read once) and λ is used by this product
+        alone, as it is or plus a constant (x-transformers' ``gamma + float(unit_offset)``: the
+        effective λ is ``param + offset``, and the param is set to ``1 − offset``). Returns the scaled
+        value's id (recorded in ``self.layer_scales``).
         """
         if op.index in self.layer_scales:
             return self.layer_scales[op.index][2]
@@ -282,29 +287,51 @@ class Analyzer:
                 or op.kwargs or not all(isinstance(a, ValueRef) for a in op.args):
             return None
         a, b = (self.graph.values[r.id] for r in op.args)
-        param, other = (a, b) if a.source == "param" else (b, a) if b.source == "param" else (None, None)
+        (param, offset), other = self._scale_param(a), b
+        if param is None:
+            (param, offset), other = self._scale_param(b), a
         if param is None or other.source == "param" or not other.shape or param.shape[-1:] != other.shape[-1:] \
-                or math.prod(param.shape) != param.shape[-1] or len(param.consumers) != 1:
+                or math.prod(param.shape) != param.shape[-1]:
             return None
         if len(self.param_owners.get(id(param.tensor), [])) != 1:
             return None  # λ shared between modules
         v = other
-        while True:  # back through dropout/casts to the writer call
+        while True:  # back through dropout, casts and feature-keeping shape ops to the writer call
             if len(v.consumers) != 1:
                 return None
             wcall = self._writer_call(v.id)
             if wcall is not None:
                 break
             prod = self.graph.producer(v)
-            if prod is None or prod.name not in IDENTITY_OPS or not prod.args \
-                    or not isinstance(prod.args[0], ValueRef):
+            if prod is None or not prod.args or not isinstance(prod.args[0], ValueRef) or len(prod.outputs) != 1:
+                return None
+            if prod.name not in IDENTITY_OPS and not (
+                    prod.name in SHAPE_OPS and self._keeps_features(prod, prod.args[0].id, other.shape[-1])):
                 return None
             v = self.graph.values[prod.args[0].id]
         kind = writer_kind(wcall.module)
         if kind not in ("linear", "conv1d") or len(self.calls_per_path.get(wcall.path, [])) != 1:
             return None
-        self.layer_scales[op.index] = (param.name, wcall.path, other.id)
+        self.layer_scales[op.index] = (param.name, wcall.path, other.id, offset)
         return other.id
+
+    def _scale_param(self, value: Value) -> tuple[Value | None, float]:
+        """``(λ, offset)`` when ``value`` is a parameter read only here, or such a parameter plus a constant
+        computed for this product alone (``gamma + 1.0``); ``(None, 0.0)`` otherwise."""
+        if value.source == "param":
+            return (value, 0.0) if len(value.consumers) == 1 else (None, 0.0)
+        prod = self.graph.producer(value)
+        if prod is None or prod.name not in ("add", "__add__", "__radd__") or len(value.consumers) != 1 \
+                or prod.kwargs or len(prod.args) != 2:
+            return None, 0.0
+        refs = [x for x in prod.args if isinstance(x, ValueRef)]
+        consts = [x for x in prod.args if isinstance(x, (int, float)) and not isinstance(x, bool)]
+        if len(refs) != 1 or len(consts) != 1:
+            return None, 0.0
+        param = self.graph.values[refs[0].id]
+        if param.source != "param" or len(param.consumers) != 1:
+            return None, 0.0
+        return param, float(consts[0])
 
     def _zero_fill(self, op: Op, vid: int) -> bool:
         """``x[index] = 0`` or ``x.masked_fill(mask, 0)`` on ``vid`` (Wav2Vec2 zeroes padded frames).

@@ -10,6 +10,7 @@ each one's formula numerically from the input/output pair captured during the tr
 
 from __future__ import annotations
 
+import copy
 import itertools
 import re
 from dataclasses import dataclass, field
@@ -21,6 +22,9 @@ from normswap.analysis.trace import Graph
 from normswap.nn.rmsnorm import RMSNorm
 
 _LN_NAME = re.compile(r"norm|\bln\b", re.IGNORECASE)
+# a module without submodules named like a LayerNorm is reported even when no formula matches (a wrapper
+# such as wav2vec2's LayerNormConvLayer or StableLM's per-head norm list is not: its norms are inside)
+_LN_CLASS = re.compile(r"layer_?norm", re.IGNORECASE)
 _EPS_ATTRS = ("eps", "variance_epsilon", "epsilon", "layer_norm_eps", "layer_norm_epsilon")
 
 
@@ -180,9 +184,18 @@ def identify(path: str, module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> 
 
 def identify_channels_first(path: str, module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> SkippedNorm | None:
     """A LayerNorm over the channel axis of a channels-first tensor (``(B, C, H, W)``, normalising dim
-    1: ConvNeXt's stem and downsampling norms), reported with that reason, or None."""
+    1: ConvNeXt's stem and downsampling norms; vit-pytorch's ``ChanLayerNorm`` with ``(1, C, 1, 1)``
+    parameters), reported with that reason, or None."""
     if x.dim() < 3 or x.shape != y.shape:
         return None
+    channels = x.shape[1]
+    flat = {n: p.detach().reshape(-1) for n, p in module._parameters.items()
+            if p is not None and p.numel() == channels and p.dim() > 1 and p.shape[1 if p.dim() == x.dim() else 0]
+            == channels}
+    if flat:  # γ, β kept as (1, C, 1, 1) or (C, 1, 1): matched as the (C,) vectors they are
+        proxy = copy.copy(module)
+        proxy._parameters = {**module._parameters, **flat}
+        module = proxy
     found = identify(path, module, x.movedim(1, -1), y.movedim(1, -1))
     if not isinstance(found, NormSite):
         return None
@@ -321,7 +334,9 @@ def find_sites(model: nn.Module, graph: Graph) -> WalkResult:
             result = identify_flattened_heads(path, modules[path], x, y)
         if result is None:
             result = identify_channels_first(path, modules[path], x, y)
-        if result is None and (isinstance(modules[path], nn.LayerNorm) or path in direct_ln):
+        if result is None and (isinstance(modules[path], nn.LayerNorm) or path in direct_ln
+                               or (_LN_CLASS.search(type(modules[path]).__name__)
+                                   and not any(True for _ in modules[path].children()))):
             # a LayerNorm that ran and matched no formula is reported, never dropped in silence
             why = ("its traced input or output is not finite" if not (bool(torch.isfinite(x).all())
                                                                         and bool(torch.isfinite(y).all()))

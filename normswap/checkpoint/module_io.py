@@ -27,7 +27,6 @@ fit leaves the module as it was and raises one line naming the first mismatch.
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import platform
@@ -40,6 +39,7 @@ from torch import nn
 
 from normswap.analysis.plan import Plan, plan_of
 from normswap.checkpoint import io, stream_io
+from normswap.copying import deepcopy_module
 from normswap.errors import NormswapError, first_line
 from normswap.integrations import trainer, wrappers
 from normswap.nn.rmsnorm import RMSNorm
@@ -237,7 +237,7 @@ def meta_copy(model: nn.Module) -> nn.Module:
         memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
     for b in model.buffers(recurse=True):
         memo[id(b)] = torch.empty_like(b, device="meta")
-    return copy.deepcopy(model, memo)
+    return deepcopy_module(model, memo)
 
 
 def load_into(model: nn.Module, path: str | os.PathLike) -> nn.Module:

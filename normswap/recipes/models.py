@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import fnmatch
 import logging
 import warnings
@@ -15,6 +14,7 @@ from torch import nn
 from normswap import presets
 from normswap.analysis.plan import Plan, SitePlan, attach_plan, plan_of
 from normswap.checkpoint import hf_types
+from normswap.copying import deepcopy_module
 from normswap.errors import NormswapError, first_line
 from normswap.nn.rmsnorm import RMSNorm
 from normswap.recipes import io, tasks
@@ -163,7 +163,7 @@ def build_student(
             teacher = load_teacher(cfg, task)
         import normswap
 
-        model = copy.deepcopy(teacher)
+        model = deepcopy_module(teacher)  # closures over the teacher move to the student
         with warnings.catch_warnings():
             warnings.simplefilter(
                 "ignore"
@@ -288,7 +288,7 @@ def meta_copy(model: nn.Module) -> nn.Module:
     for t in (*model.parameters(), *model.buffers()):
         meta = torch.empty_like(t, device="meta")
         memo[id(t)] = nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
-    return copy.deepcopy(model, memo)
+    return deepcopy_module(model, memo)
 
 
 def materialize(skeleton: nn.Module, state: dict[str, torch.Tensor],

@@ -303,8 +303,35 @@ class RotateInput:
         return args, kwargs
 
 
+def _one_slot_per_module(model: nn.Module, turns: list[StreamTurn], result: Rotation) -> list[StreamTurn]:
+    """The streams of ``turns`` whose rotation ops can all be installed: a module holds one ``Q`` buffer and one
+    hook, for one argument or its output. A stream whose op would sit on a module where another stream's op
+    sits at another slot (PerceiverIO centers both its ``data`` and its ``queries`` argument, of two
+    widths, at its own input) is left unrotated, and ``result.skipped`` says why."""
+    slots: dict[str, tuple] = {}  # module path -> (where, arg) of the op it holds or will hold
+    kept = []
+    for turn in turns:
+        group, ops = turn.group, turn.ops
+        clash = None
+        for op in ops:
+            have = slots.get(op["module"], getattr(model.get_submodule(op["module"]), "_normswap_rotation_slot", None))
+            if have is not None and tuple(have) != (op["where"], op["arg"]):
+                clash = op
+                break
+        if clash is not None:
+            where = f"`{clash['module']}`" if clash["module"] else "the model itself"
+            result.skipped.append({"norms": [sp.name for sp in group], "reason": (
+                f"its centering op's turn would sit on {where}, which already turns another stream at another "
+                "argument (one rotation op per module)")})
+            continue
+        slots.update({op["module"]: (op["where"], op["arg"]) for op in ops})
+        kept.append(turn)
+    return kept
+
+
 def _install_rotation_op(module: nn.Module, op: dict, value: torch.Tensor, *, compose: bool = False) -> None:
     """Register the ``Q`` buffer and hook; where they exist, ``compose`` makes it ``Q₁Q₂`` (a second rotation)."""
+    module._normswap_rotation_slot = (op["where"], op["arg"])
     if getattr(module, "_normswap_rotation", None) is not None:
         old = getattr(module, ROTATION_BUFFER)
         setattr(module, ROTATION_BUFFER, (old.double() @ value.double()).to(old.dtype) if compose else value)
@@ -527,7 +554,7 @@ def rotate(model: nn.Module, q: str | int | torch.Tensor = "hadamard", *, seed: 
     result = Rotation()
     todo = _choose_streams(model, plan, choice, output, result)
     axes = _axes(plan)  # the output-feature axis of every writer tensor
-    for turn in _stream_turns(model, axes, todo, output):
+    for turn in _stream_turns(model, axes, todo, output, result):
         result.rotated.append(_turn_stream(model, axes, turn, output, online, result))
     if online and result.rotated and not any(r.get("value_heads") for r in plan.rotations):
         # per-head Hadamards on values and outputs: offline folds, no op (once: a second H̃ would undo nothing)
@@ -629,10 +656,11 @@ class StreamTurn:
 
 
 def _stream_turns(model: nn.Module, axes: dict[str, int], todo: list[tuple[list[SitePlan], torch.Tensor, dict]],
-                  output: str | None) -> list[StreamTurn]:
+                  output: str | None, result: Rotation) -> list[StreamTurn]:
     """The tensors each stream turns. Every parameter is rotated at most once; a reader whose weight is
     also a writer of the same stream (a head tied to the embedding: rows x → x Q as a writer, W → W Q as a
-    reader) is that one rotation. Streams that share a writer or reader are refused."""
+    reader) is that one rotation. Streams that share a writer or reader are refused; one whose rotation op
+    would share a module with another stream's is left unrotated (:func:`_one_slot_per_module`)."""
     turns = []
     for group, rot, info in todo:
         upstream = {t for sp in group for t in sp.rotation_upstream}  # turned by the stream's op
@@ -644,6 +672,7 @@ def _stream_turns(model: nn.Module, axes: dict[str, int], todo: list[tuple[list[
                 and axes[by_id[id(linear_at(model, r).weight)]] == _reader_axis(linear_at(model, r))}
         ops = list({(o["module"], o["where"], o["arg"]): o for sp in group for o in sp.rotation_ops}.values())
         turns.append(StreamTurn(group, rot, info, by_id, readers, tied, restored, ops))
+    turns = _one_slot_per_module(model, turns, result)
     writer_params = [p for t in turns for p in t.writers]
     reader_params = [_reader_rows(model, r) for t in turns for r in t.readers if r not in t.tied]
     if len(set(writer_params)) != len(writer_params) or len(set(reader_params)) != len(reader_params) \

@@ -191,9 +191,10 @@ def release_free_memory() -> None:
 
 
 def fold_layer_scale(model: nn.Module, sf: ScaleFold) -> None:
-    """``λ ⊙ (W x + b) = (diag(λ) W) x + λ ⊙ b``, then λ ← 1 (float64, cast once)."""
+    """``λ ⊙ (W x + b) = (diag(λ) W) x + λ ⊙ b``, then λ ← 1 (float64, cast once). The model's λ is
+    ``param + offset``, so the parameter becomes ``1 − offset``."""
     lam = model.get_parameter(sf.param)
-    scale = lam.detach().double().reshape(-1)
+    scale = lam.detach().double().reshape(-1) + sf.offset
     module = linear_at(model, sf.into)
     with torch.no_grad():
         w = module.weight.detach().double()
@@ -201,7 +202,7 @@ def fold_layer_scale(model: nn.Module, sf: ScaleFold) -> None:
         module.weight.copy_(w.to(module.weight.dtype))
         if module.bias is not None:
             module.bias.copy_((module.bias.detach().double() * scale).to(module.bias.dtype))
-        lam.fill_(1.0)
+        lam.fill_(1.0 - sf.offset)
 
 
 def fold_rms_gamma(model: nn.Module, rf: RmsFold) -> None:
