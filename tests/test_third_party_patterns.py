@@ -52,7 +52,7 @@ def _rel(a: torch.Tensor | tuple, b: torch.Tensor | tuple) -> float:
     return float((a - b).abs().max() / b.abs().max())
 
 
-def _exact_everywhere(make, example: torch.Tensor, other: torch.Tensor, **options) -> normswap.api.Report:  # noqa: ANN001, ANN003
+def _exact_everywhere(make, example: torch.Tensor, other: torch.Tensor, **options) -> normswap.Report:  # noqa: ANN001, ANN003
     model, reference = _build(make), _build(make)
     report = normswap.patch(model, (example,), **options)
     assert all(s.verdict in ("exact", "exact-with-centering") for s in report.plan.sites), report.plan.table()
@@ -162,7 +162,7 @@ def test_norms_named_layernorm_that_no_formula_converts_are_reported_not_dropped
         for p in model.parameters():
             if p.dim() == 4 and p.numel() == p.shape[1]:  # the channels-first γ/β, away from 1/0
                 p.add_(0.3 * torch.randn_like(p))
-    found = {s.path: s.reason for s in normswap.api.find_norms(model, (_images(2, 8, 0),)).skipped}
+    found = {s.path: s.reason for s in normswap.pipeline.find_norms(model, (_images(2, 8, 0),)).skipped}
     assert set(found) == {"norm1", "norm2", "token_norm"}
     assert all("channel axis of a channels-first tensor" in found[n] for n in ("norm1", "norm2"))
     assert "matches no LayerNorm/RMSNorm formula" in found["token_norm"]
