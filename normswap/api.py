@@ -34,7 +34,12 @@ log = logging.getLogger("normswap")
 
 @dataclass
 class Report:
-    """What ``patch`` did. ``sites[i]`` has ``.name``, ``.verdict``, ``.reason``."""
+    """What ``patch`` did. ``sites[i]`` has ``.name``, ``.verdict``, ``.reason``.
+
+    ``verification`` holds the figures against the original and what they were computed in:
+    ``verify_dtype`` (float64 where a float64 working copy fit in memory, else float32:
+    :func:`normswap.memory.choose_precision`), ``verify_tolerance`` (the relative output tolerance
+    applied, where one was) and ``verify_precision`` (the sentence ``str(report)`` prints)."""
 
     sites: list[SitePlan] = field(default_factory=list)
     verification: dict[str, Any] = field(default_factory=dict)
