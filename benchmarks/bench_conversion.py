@@ -13,6 +13,12 @@ Stages:
   ``normswap convert --calibration-data`` does: one forward over them, patch time, calibration time.
 * ``stages``: ``normswap convert --model DIR --calibration-data FILE`` in this process with timers around
   its stages and an RSS sampler around the calibration fit, then one forward over the same batches.
+* ``precision``: the cost of verifying in float64 rather than float32. float64 vs float32 matmul rates at
+  GPT-2 widths (a probe's few tokens and a long batch), then random-weight GPT-2 checkpoints of 0.1B
+  (124M) and 0.35B (355M, GPT-2-medium's shape) converted by ``normswap convert DIR --out OUT
+  --verify-dtype float64`` and ``--verify-dtype float32`` in fresh processes, alternated: wall time,
+  peak RSS (``wait4``), the max relative error each reports, and the predicted peaks
+  (``normswap.memory.in_memory_peak``) the automatic choice compares with the available memory.
 * ``checkpoints``: random-weight GPT-2-shaped checkpoints of 0.1B / 0.8B / 2.6B parameters in
   float32 / float16 / bfloat16, converted by the default CLI (``normswap convert DIR --out OUT``) in
   a fresh process each: wall time and peak RSS (``wait4``), against ``2 x model + 1 GB``.
@@ -22,6 +28,7 @@ Usage::
     python benchmarks/bench_conversion.py depth
     python benchmarks/bench_conversion.py encoders --minilm DIR --mpnet DIR
     python benchmarks/bench_conversion.py checkpoints --sizes 0.1B 0.8B --dtypes float32 float16 bfloat16
+    python benchmarks/bench_conversion.py precision --sizes 0.1B 0.35B --dtypes float32 float16 --repeat 2
 """
 
 from __future__ import annotations
@@ -39,7 +46,8 @@ from pathlib import Path
 
 import torch
 
-SHAPES = {"0.1B": (12, 768), "0.8B": (36, 1280), "2.6B": (32, 2560)}  # GPT-2 small / large / Phi-2-sized
+# GPT-2 small / medium / large / Phi-2-sized
+SHAPES = {"0.1B": (12, 768), "0.35B": (24, 1024), "0.8B": (36, 1280), "2.6B": (32, 2560)}
 
 
 def _timed(fn, repeat: int = 1) -> float:
@@ -207,8 +215,9 @@ def make_checkpoint(out: Path, size: str, dtype: str, seed: int = 0) -> int:
 CLI = "import sys; from normswap.cli import main; sys.exit(main())"  # `normswap` of this checkout
 
 
-def run_measured(cmd: list[str]) -> tuple[int, float, int, str]:
-    """Run ``cmd``; (exit code, seconds, peak RSS of that child in bytes, output tail)."""
+def run_measured(cmd: list[str]) -> tuple[int, float, int, str, float]:
+    """Run ``cmd``; (exit code, seconds, peak RSS of that child in bytes, output tail, CPU seconds of
+    that child: user + system, the figure a loaded machine distorts least)."""
     with tempfile.TemporaryFile(mode="w+") as log:
         start = time.perf_counter()
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
@@ -216,7 +225,7 @@ def run_measured(cmd: list[str]) -> tuple[int, float, int, str]:
         elapsed = time.perf_counter() - start
         log.seek(0)
         tail = log.read()[-1500:]
-    return os.waitstatus_to_exitcode(status), elapsed, usage.ru_maxrss * 1024, tail
+    return os.waitstatus_to_exitcode(status), elapsed, usage.ru_maxrss * 1024, tail, usage.ru_utime + usage.ru_stime
 
 
 def stage_checkpoints(sizes: list[str], dtypes: list[str], workdir: Path) -> list[dict]:
@@ -232,7 +241,7 @@ def stage_checkpoints(sizes: list[str], dtypes: list[str], workdir: Path) -> lis
             numel = nbytes // torch.tensor([], dtype=getattr(torch, dtype)).element_size()
             bound = 2 * numel * 4 + 2**30  # the model in its compute dtype (float32 on a CPU)
             bound_ckpt = 2 * nbytes + 2**30  # the model as stored
-            code, secs, peak, tail = run_measured(
+            code, secs, peak, tail, _ = run_measured(
                 [sys.executable, "-c", CLI, "convert", str(src), "--out", str(out), "--quiet"])
             path = "streamed" if "streaming" in tail or "(streamed)" in tail else "in memory"
             row = {"size": size, "dtype": dtype, "checkpoint_bytes": nbytes, "exit": code, "seconds": secs,
@@ -245,6 +254,80 @@ def stage_checkpoints(sizes: list[str], dtypes: list[str], workdir: Path) -> lis
             rows.append(row)
             shutil.rmtree(out, ignore_errors=True)
             shutil.rmtree(src, ignore_errors=True)
+    return rows
+
+
+def load_average() -> str:
+    one, five, _ = os.getloadavg()
+    return f"load average {one:.1f} (1 min), {five:.1f} (5 min) on {os.cpu_count()} cores"
+
+
+def matmul_rates(widths: tuple[int, ...] = (768, 1024), tokens: tuple[int, ...] = (48, 1024)) -> list[dict]:
+    """GFLOP/s of ``x[tokens, d] @ W[d, 4d]`` (an MLP's up projection) in float32 and float64, best of 5."""
+    rows = []
+    print("| width | tokens | float32 GFLOP/s | float64 GFLOP/s | float64 time / float32 time |")
+    print("|---|---|---|---|---|")
+    for d in widths:
+        for n in tokens:
+            rate = {}
+            for dtype in (torch.float32, torch.float64):
+                x, w = torch.randn(n, d, dtype=dtype), torch.randn(d, 4 * d, dtype=dtype)
+                secs = _timed(lambda x=x, w=w: x @ w, repeat=5)
+                rate[dtype] = 2 * n * d * 4 * d / secs / 1e9
+            ratio = rate[torch.float32] / rate[torch.float64]
+            print(f"| {d} | {n} | {rate[torch.float32]:.1f} | {rate[torch.float64]:.1f} | {ratio:.2f}x |", flush=True)
+            rows.append({"width": d, "tokens": n, "float32_gflops": rate[torch.float32],
+                         "float64_gflops": rate[torch.float64]})
+    return rows
+
+
+def _figure(tail: str, key: str) -> str:
+    """``key=value`` from the CLI's ``verification:`` line ('-' when absent)."""
+    line = next((ln for ln in tail.splitlines() if ln.startswith("verification:")), "")
+    found = next((part.split("=", 1)[1] for part in line.split(", ") if part.startswith(f"{key}=")), "-")
+    return found.split(" ")[0]
+
+
+def stage_precision(sizes: list[str], dtypes: list[str], workdir: Path, repeat: int) -> list[dict]:
+    """float64 vs float32 working copy: matmul rates, then ``normswap convert`` of each checkpoint with
+    ``--verify-dtype float64`` and ``float32`` alternated ``repeat`` times (best time, largest peak)."""
+    from normswap import memory
+
+    print(f"start: {load_average()}; {memory.human(memory.available_memory())} available")
+    rows: list[dict] = [{"matmul": matmul_rates()}]
+    print("\n| size | dtype | verify dtype | wall (best) | CPU user+sys (best) | peak RSS | predicted peak "
+          "| max_rel_error | precision line |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for size in sizes:
+        for dtype in dtypes:
+            src = workdir / f"gpt2-{size}-{dtype}"
+            nbytes = make_checkpoint(src, size, dtype)
+            itemsize = torch.tensor([], dtype=getattr(torch, dtype)).element_size()
+            numel = nbytes // itemsize
+            runs: dict[str, list] = {"float64": [], "float32": []}
+            for _ in range(repeat):
+                for verify_dtype in runs:
+                    out = workdir / "out"
+                    shutil.rmtree(out, ignore_errors=True)
+                    runs[verify_dtype].append(run_measured([sys.executable, "-c", CLI, "convert", str(src), "--out",
+                                                            str(out), "--quiet", "--verify-dtype", verify_dtype]))
+                    shutil.rmtree(out, ignore_errors=True)
+            for verify_dtype, results in runs.items():
+                codes = {r[0] for r in results}
+                secs, peak, cpu = min(r[1] for r in results), max(r[2] for r in results), min(r[4] for r in results)
+                tail = results[-1][3]
+                stated = next((ln for ln in tail.splitlines() if ln.startswith("precision:")), "-")
+                predicted = memory.in_memory_peak(numel, itemsize, 8 if verify_dtype == "float64" else None)
+                print(f"| {size} | {dtype} | {verify_dtype} | {secs:.1f} s | {cpu:.1f} s | {peak / 1e9:.2f} GB | "
+                      f"{predicted / 1e9:.2f} GB | {_figure(tail, 'max_rel_error')} | {stated} |", flush=True)
+                if codes != {0}:
+                    print(tail, file=sys.stderr)
+                rows.append({"size": size, "dtype": dtype, "verify_dtype": verify_dtype, "exit": sorted(codes),
+                             "seconds": [r[1] for r in results], "cpu_seconds": [r[4] for r in results],
+                             "peak_rss_bytes": peak,
+                             "predicted_peak_bytes": predicted, "precision": stated, "tail": tail[-600:]})
+            shutil.rmtree(src, ignore_errors=True)
+    print(f"end: {load_average()}")
     return rows
 
 
@@ -349,16 +432,19 @@ def stage_convert_timers(model: str, data: str, out: Path) -> list[dict]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("stage", choices=["depth", "encoders", "checkpoints", "stages"])
+    ap.add_argument("stage", choices=["depth", "encoders", "checkpoints", "stages", "precision"])
     ap.add_argument("--layers", type=int, nargs="*", default=[4, 8, 16, 32])
     ap.add_argument("--replay", action="store_true", help="depth: also time the replaying path")
     ap.add_argument("--minilm")
     ap.add_argument("--mpnet")
     ap.add_argument("--samples", type=int, default=256)
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--sizes", nargs="*", default=list(SHAPES))
-    ap.add_argument("--dtypes", nargs="*", default=["float32", "float16", "bfloat16"])
+    ap.add_argument("--sizes", nargs="*", default=None, choices=list(SHAPES),
+                    help="checkpoints: default 0.1B 0.8B 2.6B; precision: default 0.1B 0.35B")
+    ap.add_argument("--dtypes", nargs="*", default=None,
+                    help="checkpoints: default float32 float16 bfloat16; precision: default float32 float16")
     ap.add_argument("--workdir", default=None)
+    ap.add_argument("--repeat", type=int, default=2, help="precision: runs of each verify dtype, alternated")
     ap.add_argument("--model", help="stages: a local model directory")
     ap.add_argument("--calibration-data", help="stages: a text file, one paragraph per line")
     ap.add_argument("--json", default=None, help="write the rows here")
@@ -373,9 +459,13 @@ def main() -> int:
             ap.error("stages needs --model DIR and --calibration-data FILE")
         out = Path(a.workdir or tempfile.mkdtemp(prefix="bench-conversion-")) / "out"
         rows = stage_convert_timers(a.model, a.calibration_data, out)
+    elif a.stage == "precision":
+        work = Path(a.workdir or tempfile.mkdtemp(prefix="bench-conversion-"))
+        rows = stage_precision(a.sizes or ["0.1B", "0.35B"], a.dtypes or ["float32", "float16"], work, a.repeat)
     else:
         work = Path(a.workdir or tempfile.mkdtemp(prefix="bench-conversion-"))
-        rows = stage_checkpoints(a.sizes, a.dtypes, work)
+        rows = stage_checkpoints(a.sizes or ["0.1B", "0.8B", "2.6B"], a.dtypes or ["float32", "float16", "bfloat16"],
+                                 work)
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=2, default=str))
     return 0

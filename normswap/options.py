@@ -19,6 +19,7 @@ MODES = ("auto", "exact", "all")
 BETA_PLACEMENTS = ("rounding", "fold")  # where β goes in a default conversion (normswap.surgery.beta_placement)
 FORMATS = ("native", "compat")
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # checkpoint dtypes ``convert`` can write
+VERIFY_DTYPES = ("auto", "float64", "float32")  # what the working copy computes in (normswap.memory)
 ROTATIONS = ("hadamard", "random")  # the rotations ``rotate`` builds (normswap.rotate also takes a seed or a matrix)
 ROTATE_OUTPUTS = ("rotated", "restore")  # a stream ending in a model output: turned output, or turned back
 # task name -> transformers Auto class that loads it (the --task option)
@@ -78,7 +79,13 @@ class ConvertOptions:
         tokenizer: tokenizer for the built-in calibration text and the verification probe (default:
             the model's own, from the directory it was loaded from, its preset, or the local Hugging
             Face cache for a model loaded by Hub id).
-        verify: compare against the float64 original and refuse conversions that miss tolerance.
+        verify: compare against the original and refuse conversions that miss tolerance.
+        verify_dtype: what the working copy (analysis, verification) computes in, and so what the
+            original is compared in: ``"auto"`` (default) float64 where the predicted peak with a float64
+            copy fits in the memory available, else float32 (:func:`normswap.memory.choose_precision`;
+            the report says which, why, and the tolerance applied); ``"float64"`` refuses in one line
+            where it does not fit; ``"float32"`` never takes a float64 copy (less memory, a looser
+            tolerance). The surgery's arithmetic is float64 per tensor either way.
         allow_unusable: convert even when the held-out figures say the result is unusable.
         backend: the RMSNorm backend of the new modules (``"auto"`` or a name from
             ``normswap backends``).
@@ -105,6 +112,7 @@ class ConvertOptions:
     sequential: bool = True
     tokenizer: Any = None
     verify: bool = True
+    verify_dtype: str = "auto"
     allow_unusable: bool = False
     backend: str = "auto"
     rotate: str | None = None
@@ -117,6 +125,7 @@ class ConvertOptions:
 
         choose("mode", self.mode, MODES)
         choose("beta_placement", self.beta_placement, BETA_PLACEMENTS)
+        choose("verify_dtype", self.verify_dtype, VERIFY_DTYPES)
         if self.rotate is not None:
             choose("rotate", self.rotate, ROTATIONS)
             object.__setattr__(self, "fold_gamma", True)  # rotation needs unit-weight norms

@@ -1,9 +1,9 @@
 """``normswap.plan`` and ``normswap.patch``: the in-memory conversion entry points.
 
-``patch`` is transactional: analysis and surgery run on a float64 working copy (the original
-dtype when a float64 copy would not fit in memory); the user's model is only touched once the
-converted copy has passed verification, and then only by copying tensors and swapping the norm
-modules.
+``patch`` is transactional: analysis and surgery run on a float64 working copy (float32 where a
+float64 copy would not fit in the memory available: :mod:`normswap.memory`, and the report says so);
+the user's model is only touched once the converted copy has passed verification, and then only
+by copying tensors and swapping the norm modules.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from normswap import inputs
+from normswap import inputs, memory
 from normswap.analysis import precision, trace, walker
 from normswap.analysis.linears import linear_at
 from normswap.analysis.plan import EXACT_VERDICTS, Plan, SitePlan, attach_plan
@@ -30,7 +30,7 @@ from normswap.errors import ModelRunFailed, NaNOutputs, NormswapError, first_lin
 from normswap.integrations import torch_transformer, wrappers
 from normswap.options import ConvertOptions
 from normswap.surgery import beta_placement, calibrate, edits
-from normswap.surgery.verify import compare, dtype_error_ratio, figures_text, gate
+from normswap.surgery.verify import compare, dtype_error_ratio, figures_text, gate, gate_text
 
 log = logging.getLogger("normswap")
 
@@ -38,7 +38,12 @@ log = logging.getLogger("normswap")
 
 @dataclass
 class Report:
-    """What ``patch`` did. ``sites[i]`` has ``.name``, ``.verdict``, ``.reason``."""
+    """What ``patch`` did. ``sites[i]`` has ``.name``, ``.verdict``, ``.reason``.
+
+    ``verification`` holds the figures against the original and what they were computed in:
+    ``verify_dtype`` (float64 where a float64 working copy fit in memory, else float32:
+    :func:`normswap.memory.choose_precision`), ``verify_tolerance`` (the relative output tolerance
+    applied, where one was) and ``verify_precision`` (the sentence ``str(report)`` prints)."""
 
     sites: list[SitePlan] = field(default_factory=list)
     verification: dict[str, Any] = field(default_factory=dict)
@@ -64,6 +69,8 @@ class Report:
             lines.append(f"verification: {figures_text(self.verification)}")
             if self.verification.get("probe"):
                 lines.append(f"verified on: {self.verification['probe']}")
+            if self.verification.get("verify_precision"):
+                lines.append(f"precision: {self.verification['verify_precision']}")
         return "\n".join(lines)
 
 
@@ -142,57 +149,30 @@ def eval_mode(model: nn.Module) -> Iterator[None]:
             m.training = flag
 
 
-def _param_bytes(model: nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters()) * 8
-
-
-def _available_memory() -> int:
-    try:
-        import psutil
-
-        return int(psutil.virtual_memory().available)
-    except Exception:  # noqa: BLE001 - psutil is optional
-        return 8 << 30
-
-
-# a float64 working copy only when it costs at most this over a float32 one (models up to ~67M
-# parameters): with the model, the reloaded checkpoint and the runtime (~0.5 GB of RSS for torch and
-# transformers), a larger float64 copy would pass the 2 x model + 1 GB peak (GPT-2-small: 2.6 GB)
-FLOAT64_EXTRA_BYTES = 256 << 20
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
-def working_dtype(model: nn.Module, precise: bool = True) -> torch.dtype:
-    """The dtype :func:`working_copy` computes in: analysis, probes, calibration and verification.
+def working_precision(model: nn.Module, requested: str = "auto") -> memory.Precision:
+    """The dtype :func:`working_copy` computes in (analysis, probes, verification) and why.
 
-    * float64 (``precise``) when that copy is small: at most :data:`FLOAT64_EXTRA_BYTES` more than a
-      float32 one (models up to ~67M parameters) and under 40% of the available memory (on a CPU). Exactness is
-      then judged against float64.
-    * otherwise float32 for float16 / bfloat16 / float32 models: a CPU has no fast half-precision
-      matmul (float16 runs ~4x slower than float32 here, and some ops far slower), and a float32 copy
-      of a half model is 2x its size where a float64 one is 4x. Every edit still upcasts each tensor
-      to float64 (:mod:`normswap.surgery`); the result is cast back to the model's dtype once, and
-      ``patch`` measures the original and the converted model in their own dtype as well.
-    * the model's own dtype when not ``precise`` (the fallback for models that compute NaN in
-      float64) or when even a float32 copy would not fit.
+    :func:`normswap.memory.choose_precision` on the model's size, dtype and the memory free where it
+    lives now (the model's own bytes count as part of the peak): float64 where the predicted peak with
+    a float64 copy fits, so exactness is judged against float64; otherwise float32 for float32 and half
+    models (a CPU has no fast half-precision matmul), or the model's own dtype where even a float32
+    copy of a half model would not fit. Every edit still upcasts each tensor to float64
+    (:mod:`normswap.surgery`); the result is cast back to the model's dtype once, and ``patch``
+    measures the original and the converted model in their own dtype as well.
     """
     dtype = _dtype_of(model)
-    if not precise:
-        return dtype
-    numel = sum(p.numel() for p in model.parameters())
-    on_cpu = all(p.device.type == "cpu" for p in model.parameters())
-    def room(nbytes: int, share: float) -> bool:
-        return not on_cpu or nbytes < share * _available_memory()
-
-    if numel * 4 <= FLOAT64_EXTRA_BYTES and room(numel * 8, 0.4):
-        return torch.float64
-    if dtype in HALF_DTYPES and room(numel * 4, 0.6):
-        return torch.float32
-    return dtype
+    params = list(model.parameters())
+    numel = sum(p.numel() for p in params)
+    device = params[0].device if params else torch.device("cpu")
+    return memory.choose_precision(numel, dtype, requested, available=memory.device_memory(device),
+                                   resident=numel * dtype.itemsize, device_type=device.type)
 
 
-def working_copy(model: nn.Module, precise: bool = True) -> nn.Module:
-    """A copy of ``model`` to analyse and edit, in :func:`working_dtype`.
+def working_copy(model: nn.Module, target: torch.dtype) -> nn.Module:
+    """A copy of ``model`` to analyse and edit, in ``target`` (:func:`working_precision`).
 
     Modules and buffers are deep-copied; parameters are not, unless cast: a parameter already in the
     working dtype is a new ``Parameter`` over the *model's* storage. The analysis and the reference
@@ -202,7 +182,6 @@ def working_copy(model: nn.Module, precise: bool = True) -> nn.Module:
     second copy. Peak memory: the model plus the cast copy (none for a float32 model worked on in
     float32, beyond the tensors the surgery writes).
     """
-    target = working_dtype(model, precise)
     cast = target != _dtype_of(model)
 
     def param(p: nn.Parameter) -> nn.Parameter:
@@ -292,6 +271,7 @@ class _Analysis:
     args: tuple
     kwargs: dict
     held: dict[str, int] = field(default_factory=dict)  # the model's downcasts held in the traced run
+    precision: memory.Precision | None = None  # what the copy computes in, and why (None: a streaming proxy)
 
     @property
     def hold(self) -> bool:
@@ -354,25 +334,28 @@ def analysed_copy(model: nn.Module, args: tuple, kwargs: dict,
                   opts: ConvertOptions) -> tuple[nn.Module, tuple, dict, _Analysis]:
     """The working copy, the inputs cast to its dtype, and its analysis (:func:`analyse_copy`).
 
-    float64 where it fits (:func:`working_copy`). Where the model's own code cannot run in float64
-    (it raises: a dtype check, a float32-only kernel) or computes NaN there but not in its own dtype
-    (CANINE's local attention does), the copy is in the model's dtype, verified at that dtype's
-    tolerance, and the plan says so (``options["working_dtype"]``). Failing in its own dtype too is
-    the inputs' or the weights' fault, and only then does the error say so.
+    In :func:`working_precision`'s dtype (float64 where it fits, or as ``opts.verify_dtype`` says).
+    Where the model's own code cannot run in float64 (it raises: a dtype check, a float32-only kernel)
+    or computes NaN there but not in its own dtype (CANINE's local attention does), the copy is in the
+    model's dtype, verified at that dtype's tolerance, and the plan says so
+    (``options["working_dtype"]``), unless float64 was asked for: that is refused. Failing in its own
+    dtype too is the inputs' or the weights' fault, and only then does the error say so.
     """
-    work = working_copy(model)
-    wargs, wkwargs = inputs.cast_inputs(args, kwargs, _dtype_of(work))
+    chosen = working_precision(model, opts.verify_dtype)
+    work = working_copy(model, chosen.dtype)
+    wargs, wkwargs = inputs.cast_inputs(args, kwargs, chosen.dtype)
     try:
         an = analyse_copy(work, wargs, wkwargs, opts)
+        an.precision = chosen
         place_beta(work, an, opts)
         return work, wargs, wkwargs, an
     except (NaNOutputs, ModelRunFailed) as exc:
-        if _dtype_of(work) == _dtype_of(model):
+        if chosen.dtype == _dtype_of(model):
             raise
-        in_precise, precise_dtype = exc, _dtype_of(work)
+        in_precise = exc
     del work
-    work = working_copy(model, precise=False)
-    dtype = _dtype_of(work)
+    dtype = _dtype_of(model)
+    work = working_copy(model, dtype)
     wargs, wkwargs = inputs.cast_inputs(args, kwargs, dtype)
     try:
         an = analyse_copy(work, wargs, wkwargs, opts)
@@ -380,13 +363,17 @@ def analysed_copy(model: nn.Module, args: tuple, kwargs: dict,
         if isinstance(in_precise, NaNOutputs):
             raise in_precise from None
         raise
-    name, precise_name = type(model).__name__, str(precise_dtype).removeprefix("torch.")
+    name = type(model).__name__
     if isinstance(in_precise, NaNOutputs):
-        why = f"{name} computes NaN in {precise_name}, not in its own dtype"
+        why = f"{name} computes NaN in {chosen.name}, not in its own dtype"
     else:
         cause = in_precise.__cause__ if in_precise.__cause__ is not None else in_precise
-        why = f"{name} cannot run in {precise_name} ({type(cause).__name__}: {first_line(cause, 120)})"
+        why = f"{name} cannot run in {chosen.name} ({type(cause).__name__}: {first_line(cause, 120)})"
+    if opts.verify_dtype == "float64":
+        raise NormswapError(f"verify_dtype='float64' is impossible: {why}; use verify_dtype='auto' to verify "
+                            "it in its own dtype") from in_precise
     an.plan.options["working_dtype"] = f"{str(dtype).removeprefix('torch.')}: {why}"
+    an.precision = chosen.with_reason(dtype, why)
     place_beta(work, an, opts)
     return work, wargs, wkwargs, an
 
@@ -408,14 +395,14 @@ def find_norms(model: nn.Module, example_inputs: inputs.ExampleInputs = None) ->
     preflight(model)
     args, kwargs = inputs.resolve(model, example_inputs)
     with eval_mode(model):
-        work = working_copy(model)
+        dtype = working_precision(model).dtype
         try:
-            return _identify_sites(work, *inputs.cast_inputs(args, kwargs, _dtype_of(work)))[0]
+            return _identify_sites(working_copy(model, dtype), *inputs.cast_inputs(args, kwargs, dtype))[0]
         except (NaNOutputs, ModelRunFailed):
-            if _dtype_of(work) == _dtype_of(model):
+            if dtype == _dtype_of(model):
                 raise
-        work = working_copy(model, precise=False)  # the model's own dtype, as analysed_copy falls back to
-        return _identify_sites(work, *inputs.cast_inputs(args, kwargs, _dtype_of(work)))[0]
+        dtype = _dtype_of(model)  # as analysed_copy falls back to
+        return _identify_sites(working_copy(model, dtype), *inputs.cast_inputs(args, kwargs, dtype))[0]
 
 
 def analyse_copy(work: nn.Module, args: tuple, kwargs: dict, opts: ConvertOptions) -> _Analysis:
@@ -631,6 +618,7 @@ def patch(model: nn.Module, example_inputs: inputs.ExampleInputs = None, *,
             _site_checks(plan_, todo, seen, originals, an.sites, work_dtype, figures)
         if opts.verify:
             gate(todo, figures, work_dtype)
+        figures.update(an.precision.figures(*gate_text(todo, work_dtype, opts.verify)))
         report_warnings(plan_, todo)
         check_untouched(model, untouched)
         measure_cast = user_dtype != work_dtype and opts.verify

@@ -159,15 +159,16 @@ def test_fold_gamma_where_beta_cannot_fold_keeps_beta_over_gamma_in_the_norm(nam
 
 def test_without_room_for_a_float64_copy_the_surgery_still_runs_in_float64_per_tensor(monkeypatch):
     """Big models get a working copy in their own dtype; each edit still upcasts to float64."""
-    from normswap import pipeline
+    from normswap import memory
 
-    monkeypatch.setattr(pipeline, "_available_memory", lambda: 1)
+    monkeypatch.setattr(memory, "available_memory", lambda: 1)
     torch.manual_seed(8)
     model = randomise(TinyViT()).float()
     reference = copy.deepcopy(model).double()
     x = torch.randn(3, 3, 32, 32)
     report = normswap.patch(model, (x,))
     assert report.changed and model.head.weight.dtype == torch.float32
+    assert report.verification["verify_dtype"] == "float32"
     with torch.no_grad():
         assert _rel(model(x).double(), reference(x.double())) <= 1e-5
 

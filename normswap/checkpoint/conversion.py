@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from normswap import inputs, pipeline
+from normswap import inputs, memory, pipeline
 from normswap.analysis.plan import plan_of
 from normswap.checkpoint import io, source, writer
 from normswap.checkpoint.source import Source
@@ -184,35 +184,10 @@ def calibration_tokenizer(proc: Any) -> Any:
     return tok if callable(tok) and getattr(tok, "pad_token", None) is not None else None
 
 
-ACTIVATION_BYTES = 1 << 30  # probes, calibration batches and the runtime's own allocations, on top of the tensors
-WRITTEN_SHARE = 0.5  # of a float32 model worked on in float32, the share the surgery writes (its own copies)
-# Stream when the in-memory path's predicted peak exceeds this share of the available RAM. Not all of
-# it: "available" is a snapshot, other processes grow while a big conversion runs for minutes, and the
-# page cache that holds the checkpoint's own files is what an in-memory peak near the limit evicts.
-PEAK_SHARE = 0.6
-
-
-def in_memory_peak(numel: int, itemsize: int) -> int:
-    """Predicted peak RSS of the in-memory path for a checkpoint of ``numel`` parameters stored with
-    ``itemsize`` bytes each (loaded in that dtype).
-
-    The path holds the model with, beside it, either a working copy (:func:`normswap.pipeline.working_dtype`:
-    float64 for small models, float32 for half-precision ones, the written tensors only for a float32
-    model) or, while a half model runs on the probes, its float32 weights (:func:`_run`). Once the
-    checkpoint is written the converted model is freed, so the reload check holds the reloaded
-    checkpoint (with its float32 weights while a half model runs) instead of the model, not beside
-    it. Plus :data:`ACTIVATION_BYTES`."""
-    from normswap.pipeline import FLOAT64_EXTRA_BYTES
-
-    model = numel * itemsize
-    run = numel * 4 if itemsize < 4 else 0  # a half model is run in float32 (:func:`_run`)
-    if numel * 4 <= FLOAT64_EXTRA_BYTES:
-        work = numel * 8
-    elif itemsize < 4:
-        work = numel * 4
-    else:
-        work = int(numel * itemsize * WRITTEN_SHARE)
-    return model + max(work, run) + ACTIVATION_BYTES
+# the in-memory path's predicted peak (model + working copy + runtime) and the share of RAM it may take;
+# one definition, shared with the working precision's choice (normswap.memory)
+ACTIVATION_BYTES, WRITTEN_SHARE, PEAK_SHARE = memory.ACTIVATION_BYTES, memory.WRITTEN_SHARE, memory.PEAK_SHARE
+in_memory_peak = memory.in_memory_peak
 
 
 def _itemsize(src: Source) -> int:
@@ -225,16 +200,38 @@ def _itemsize(src: Source) -> int:
     return 4
 
 
+def loaded_size(src: Source, dtype: str) -> tuple[int, int]:
+    """(parameters, bytes each) of the model as the in-memory path loads it: in the checkpoint's dtype,
+    or in float32 with ``--dtype`` (loaded in float32 before the one cast at the end)."""
+    itemsize = _itemsize(src)
+    return src.nbytes // itemsize, itemsize if dtype == "auto" else 4
+
+
 def wants_low_memory(src: Source, dtype: str) -> bool:
-    """Stream when the in-memory path's predicted peak (:func:`in_memory_peak`) would not fit in
-    :data:`PEAK_SHARE` of the available RAM: no default conversion is left to the OOM killer."""
+    """Stream when the in-memory path's predicted peak with its cheapest working copy
+    (:func:`in_memory_peak`) would not fit in :data:`PEAK_SHARE` of the available RAM: no default
+    conversion is left to the OOM killer. Whether float64 fits is decided after loading, by ``patch``
+    (:func:`normswap.memory.choose_precision`): a model that fits in memory only with a float32
+    copy is converted in memory and verified whole, in float32, rather than streamed."""
     if src.kind == "preset":
         return False
-    itemsize = _itemsize(src)
-    numel = src.nbytes // itemsize
-    if dtype != "auto":  # loaded in float32 before the one cast at the end
-        itemsize = 4
-    return in_memory_peak(numel, itemsize) > PEAK_SHARE * available_memory()
+    return in_memory_peak(*loaded_size(src, dtype)) > PEAK_SHARE * available_memory()
+
+
+def check_float64_fits(src: Source, dtype: str, opts: ConvertOptions) -> None:
+    """With ``verify_dtype='float64'``, refuse before loading anything when the in-memory path's
+    float64 working copy would not fit (the same prediction ``patch`` makes once the model is loaded)."""
+    if opts.verify_dtype != "float64" or src.kind == "preset":
+        return
+    numel, itemsize = loaded_size(src, dtype)
+    if itemsize == 8:
+        return
+    try:
+        memory.choose_precision(numel, torch.float32 if itemsize == 4 else torch.float16, "float64",
+                                available=int(available_memory()))
+    except NormswapError as exc:
+        raise NormswapError(f"{exc}, or low_memory=True (streamed: layers 0, 1 and L-1 verified, in float64 "
+                            "where they fit)") from None
 
 
 # ------------------------------------------------------------------------------------ calibration
@@ -540,6 +537,7 @@ def convert(
             echo=say,
             automatic=automatic,
         )
+    check_float64_fits(src, dtype, opts)
     side_bytes = io.side_file_bytes(src.path)
     io.check_space(out, src.nbytes + side_bytes)
     steps = _progress(progress, 4, f"normswap convert {src.spec}")

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from normswap.errors import DiskFull, NormswapError
+from normswap.memory import available_memory, human  # noqa: F401 - re-exported: io.human, io.available_memory
 
 TMP_MARK = ".normswap-tmp-"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
@@ -57,14 +58,6 @@ def parse_size(value: int | str) -> int:
     if size <= 0:
         raise NormswapError(f"size must be positive, not {value!r}")
     return size
-
-
-def human(nbytes: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(nbytes) < 1000 or unit == "TB":
-            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.2f} {unit}"
-        nbytes /= 1000
-    return f"{nbytes:.2f} TB"
 
 
 # ------------------------------------------------------------------------------------ output dirs
@@ -151,16 +144,6 @@ def read_only_mount(path: Path) -> Path | None:
     while not os.path.ismount(mount) and mount != mount.parent:
         mount = mount.parent
     return mount
-
-
-def available_memory() -> int:
-    """Bytes of RAM available now (8 GB when psutil cannot tell)."""
-    try:
-        import psutil
-
-        return int(psutil.virtual_memory().available)
-    except Exception:  # noqa: BLE001
-        return 8 << 30
 
 
 def free_bytes(path: Path) -> int:

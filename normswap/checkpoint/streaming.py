@@ -159,6 +159,9 @@ def convert_streaming(
     if plan.unties:
         grown = sum(u.numel for u in plan.unties)
         echo(io.untie_note(len(plan.unties), grown, untied, src.nbytes + untied))
+    float_dtype = out_dtype or stream_io.ST_TO_TORCH.get(next(iter(entries.values())).dtype, torch.float32)
+    # chosen (and a float64 that does not fit refused) before anything is written
+    precision = truncated.truncated_precision(cls, fp, float_dtype, options.verify_dtype) if options.verify else None
     echo(f"streaming {len(entries)} tensors from {len(src.safetensors)} shard(s) ({io.human(src.nbytes)})")
     reader = stream_io.Reader(entries)
     try:
@@ -177,12 +180,12 @@ def convert_streaming(
             reader.close()
         out_model_keys = {entry[4]: entry[0] for entry in layout if entry[4] is not None}
         out_entries = stream_io.scan(sorted({tmp / f for f in weight_map.values()}))
-        float_dtype = out_dtype or stream_io.ST_TO_TORCH.get(next(iter(entries.values())).dtype, torch.float32)
-        if options.verify:
-            echo("verifying layers 0, 1 and L-1 of every stack on the real weights")
+        if precision is not None:
+            echo(f"verifying layers 0, 1 and L-1 of every stack on the real weights, in {precision.name}"
+                 + (f" ({precision.reason})" if precision.reason else ""))
             report.verification.update(
                 truncated.verify_truncated(
-                    cls, fp, meta, entries, out_entries, keys, out_model_keys, float_dtype, base, fmt
+                    cls, fp, meta, entries, out_entries, keys, out_model_keys, float_dtype, base, fmt, precision
                 )
             )
         _write_config(

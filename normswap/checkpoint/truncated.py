@@ -16,15 +16,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from normswap import inputs
+from normswap import inputs, memory, pipeline
 from normswap.checkpoint import extrapolate as ex
 from normswap.checkpoint import hf
-from normswap.checkpoint.proxy import FullPlan, build_proxy, representative
+from normswap.checkpoint.io import available_memory
+from normswap.checkpoint.proxy import FullPlan, build_proxy, param_count_meta, representative
 from normswap.checkpoint.rewrite import KeyMap
 from normswap.checkpoint.stream_io import Entry, Reader
 from normswap.errors import NormswapError, VerificationFailed
 from normswap.surgery.edits import mark_untied
-from normswap.surgery.verify import compare, exact_limit
+from normswap.surgery.verify import compare, exact_limit, gate_text
 
 
 def load_truncated(
@@ -61,6 +62,16 @@ def load_truncated(
     return missing
 
 
+def truncated_precision(cls: type, fp: FullPlan, dtype: torch.dtype, requested: str) -> memory.Precision:
+    """What the truncated models compute in: float64 where one of them (they are built one at a time,
+    the converted one with its untied heads) fits beside the runtime, by the in-memory path's rule
+    (:func:`normswap.memory.choose_precision`), else float32. Each is built in float32 and then cast,
+    so its peak is a float32 model's with a float64 copy; a float64 checkpoint's are float64 anyway."""
+    numel = param_count_meta(cls, fp.proxy_config) + sum(u.numel for u in fp.proxy_plan.unties)
+    built = torch.float64 if dtype == torch.float64 else torch.float32
+    return memory.choose_precision(numel, built, requested, available=available_memory())
+
+
 def verify_truncated(
     cls: type,
     fp: FullPlan,
@@ -72,14 +83,19 @@ def verify_truncated(
     dtype: torch.dtype,
     base: str,
     fmt: str = "native",
+    precision: memory.Precision | None = None,
 ) -> dict[str, Any]:
-    """Layers 0, 1 and L-1 (plus everything outside the stacks), original vs converted."""
+    """Layers 0, 1 and L-1 (plus everything outside the stacks), original vs converted, computed in
+    ``precision`` (float32 when not given; :func:`truncated_precision`), held to the tolerance of the
+    checkpoints' own ``dtype``: the converted weights are compared as written, rounded to it."""
+    precision = precision or memory.Precision(torch.float32, "not chosen")
+    work = precision.dtype
     config = fp.proxy_config
     probe = None
     outputs = []
     for which in ("original", "converted"):
         if which == "original":
-            model = build_proxy(cls, config, torch.float32, fp.left_out)
+            model = build_proxy(cls, config, work, fp.left_out)
             reader, names = Reader(src_entries), keys.to_ckpt
         else:
             cfg = copy.deepcopy(config)
@@ -105,7 +121,7 @@ def verify_truncated(
             previous = torch.random.get_rng_state()
             torch.manual_seed(0)
             try:
-                model = target_cls(cfg).float().eval()
+                model = target_cls(cfg).to(work).eval()
             finally:
                 torch.random.set_rng_state(previous)
             if fmt != "native":  # the native class drops them itself, from the manifest
@@ -128,8 +144,8 @@ def verify_truncated(
             model.tie_weights()
         model.eval()
         if probe is None:
-            probe = inputs.hf_example_inputs(model, batch=2, seq=8, seed=4242)
-        with torch.no_grad():
+            probe = inputs.cast_inputs((), inputs.hf_example_inputs(model, batch=2, seq=8, seed=4242), work)[1]
+        with torch.no_grad(), pipeline.default_dtype(work):
             outputs.append(model(**probe))
         del model
         gc.collect()
@@ -148,6 +164,11 @@ def verify_truncated(
     )
     exact = all(sp.verdict != "approximate" for sp in fp.plan.sites if sp.convert)
     limit = exact_limit(dtype)
+    stored = str(dtype).removeprefix("torch.")
+    result.update(precision.figures(limit if exact else None,
+                                    f"tolerance {limit:g} relative (the converted weights as written, in {stored})"
+                                    if exact else gate_text([], dtype)[1],
+                                    subject=f"layers {result['truncated_layers']} verified on the real weights"))
     if exact and figures.get("max_rel_error", 0.0) > limit:
         raise VerificationFailed(
             f"verification failed: the streamed checkpoint's layers "

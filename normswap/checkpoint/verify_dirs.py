@@ -38,10 +38,11 @@ def verify_checkpoint(
     """Figures for ``converted`` vs ``original`` and whether an exact conversion is within tolerance.
 
     Returns a dict with ``figures`` (max/mean over batches), ``ok``, ``kind`` (exact/approximate),
-    ``tolerance``, ``batches``, ``dtype``, ``source_match``, a one-line ``verdict`` and ``probe`` (what
-    the batches are). Without ``data``: the verification probe of :func:`normswap.inputs.verification_probe`
-    (built-in text through ORIGINAL's tokenizer when it has one, padding left out of the figures),
-    then a batch of random inputs.
+    ``tolerance``, ``batches``, ``dtype``, ``precision`` (a sentence: the dtype both models ran in and
+    the tolerance), ``source_match``, a one-line ``verdict`` and ``probe`` (what the batches are).
+    Without ``data``: the verification probe of :func:`normswap.inputs.verification_probe` (built-in
+    text through ORIGINAL's tokenizer when it has one, padding left out of the figures), then a batch
+    of random inputs.
 
     CONVERTED's manifest records a fingerprint of the weights it was made from
     (:func:`normswap.checkpoint.source.fingerprint`: what the tensors are, not where they are stored, so
@@ -139,6 +140,9 @@ def verify_checkpoint(
         )
     return {
         "figures": figures,
+        # both models run in CONVERTED's stored dtype: what a user of the checkpoint computes in
+        "precision": f"compared in {str(dtype).removeprefix('torch.')}, both models in CONVERTED's stored dtype; "
+                     + (f"tolerance {tol:g} relative" if exact else "approximate conversion: measured, no tolerance"),
         "ok": ok,
         "kind": "exact" if exact else "approximate",
         "tolerance": tol,

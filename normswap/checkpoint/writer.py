@@ -31,6 +31,7 @@ from normswap.errors import NormswapError
 from normswap.integrations import wrappers
 from normswap.integrations.quiet import quietly
 from normswap.options import FORMATS, choose
+from normswap.surgery.verify import NOT_FIGURES
 
 log = logging.getLogger("normswap")
 
@@ -534,7 +535,7 @@ def model_card(manifest: dict[str, Any], out_name: str) -> str:
     figs = "\n".join(
         f"| {k} | {v:.3g} |"
         for k, v in ver.items()
-        if isinstance(v, (int, float)) and not isinstance(v, bool)
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in NOT_FIGURES
     )
     plan = manifest.get("plan", {})
     converted = sum(1 for s in plan.get("sites", []) if s.get("convert"))
@@ -563,7 +564,7 @@ def model_card(manifest: dict[str, Any], out_name: str) -> str:
     if figs:
         lines += [
             "",
-            "## Verification (converted vs original, float64 probe)",
+            "## Verification (converted vs original)",
             "",
             "| figure | value |",
             "|---|---|",
@@ -571,6 +572,8 @@ def model_card(manifest: dict[str, Any], out_name: str) -> str:
         ]
         if isinstance(ver.get("probe"), str):
             lines += ["", f"Probe inputs: {ver['probe']}."]
+        if isinstance(ver.get("verify_precision"), str):
+            lines += ["", f"Precision: {ver['verify_precision']}."]
     lines += ["", "## How to load", ""]
     if fmt == "native":
         lines += [

@@ -35,7 +35,7 @@ from normswap.errors import (
     NormswapError,
     first_line,
 )
-from normswap.options import BETA_PLACEMENTS, DTYPES, FORMATS, MODES, ROTATIONS, TASKS
+from normswap.options import BETA_PLACEMENTS, DTYPES, FORMATS, MODES, ROTATIONS, TASKS, VERIFY_DTYPES
 
 __all__ = [
     "EXIT_CODES",
@@ -48,6 +48,7 @@ __all__ = [
     "BETA_PLACEMENTS",
     "ROTATIONS",
     "DTYPES",
+    "VERIFY_DTYPES",
     "FORMATS",
     "TASK_NAMES",
     "cli_words",
@@ -98,6 +99,7 @@ def sigterm_as_interrupt() -> Iterator[None]:
 _CLI_WORDS = (
     (re.compile(r"\bmode=['\"](\w+)['\"]"), r"--mode \1"),
     (re.compile(r"\bverify=False\b"), "--no-verify"),
+    (re.compile(r"\bverify_dtype=['\"](\w+)['\"]"), r"--verify-dtype \1"),
     (re.compile(r"\buntie=False\b"), "--no-untie"),
     (re.compile(r"\bfold_gamma=True\b"), "--fold-gamma"),
     (re.compile(r"\bformat=['\"](\w+)['\"]"), r"--format \1"),

@@ -21,6 +21,7 @@ from normswap.cli.common import (
     MODES,
     ROTATIONS,
     TASK_NAMES,
+    VERIFY_DTYPES,
     cli_words,
     figures_line,
     handle_errors,
@@ -204,6 +205,15 @@ Presets (offline, seeded tiny models with tokenizers/processors):
 )
 @click.option("--no-verify", is_flag=True, help="Skip verification (conversion and reload checks).")
 @click.option(
+    "--verify-dtype",
+    type=click.Choice(VERIFY_DTYPES),
+    default="auto",
+    show_default=True,
+    help="What the working copy is analysed and verified in. auto: float64 where the predicted peak with a "
+    "float64 copy fits in the available memory, else float32 (the output says which, why, and the "
+    "tolerance); float64: refuse when it does not fit; float32: less memory, a looser tolerance.",
+)
+@click.option(
     "--allow-unusable",
     is_flag=True,
     help="Write the result even when its held-out figures say it is unusable (embedding cosine < 0.9 "
@@ -267,6 +277,7 @@ def convert(
     allow_pickle: bool,
     overwrite: bool,
     no_verify: bool,
+    verify_dtype: str,
     allow_unusable: bool,
     task: str | None,
     new_head: bool,
@@ -307,6 +318,7 @@ def convert(
         bias_slots=not no_bias_slots,
         beta_placement=beta_placement,
         verify=not no_verify,
+        verify_dtype=verify_dtype,
         allow_unusable=allow_unusable,
     )
     with warnings.catch_warnings(record=True) as caught:
@@ -343,6 +355,8 @@ def convert(
         click.echo(f"verification: {figs}")
     if report.verification.get("probe"):
         click.echo(f"verified on: {report.verification['probe']}")
+    if report.verification.get("verify_precision"):
+        click.echo(f"precision: {cli_words(report.verification['verify_precision'])}")
     note = _recovery_note(plan, calibration_data)
     if note:
         click.echo(f"note: {note}", err=True)

@@ -81,6 +81,7 @@ def verify(
     else:
         click.echo(f"{result['kind']} conversion, {result['batches']} batch(es), dtype {result['dtype']}")
         click.echo(f"inputs: {result['probe']}")
+        click.echo(f"precision: {result['precision']}")
         click.echo(f"figures: {figures_line(result['figures'])}")
         click.echo(result["verdict"])
     if not result["ok"]:

@@ -39,6 +39,7 @@ from torch import nn
 
 from normswap import inputs
 from normswap.errors import NormswapError
+from normswap.memory import available_memory
 from normswap.surgery.verify import comparable, figure, primary_key, token_kl
 
 Batch = tuple[tuple, dict]
@@ -492,16 +493,6 @@ def split_batch(batch: Batch, size: int) -> list[Batch]:
         return v[i:i + size] if isinstance(v, torch.Tensor) else v
 
     return [(tuple(cut(a, i) for a in args), {k: cut(v, i) for k, v in kwargs.items()}) for i in range(0, n, size)]
-
-
-def available_memory() -> int:
-    """Bytes of memory available to this process now (psutil; 8 GiB when it cannot say)."""
-    try:
-        import psutil
-
-        return int(psutil.virtual_memory().available)
-    except Exception:  # noqa: BLE001 - psutil is optional
-        return 8 << 30
 
 
 def _progress(total: int, what: str) -> Any:

@@ -63,6 +63,19 @@ def gate(converted: list[SitePlan], figures: dict[str, Any], dtype: torch.dtype)
             "Please report this model")
 
 
+def gate_text(converted: list[SitePlan], dtype: torch.dtype, verify: bool = True) -> tuple[float | None, str]:
+    """The relative output tolerance :func:`gate` holds these converted norms to in ``dtype`` (None where
+    it holds them to none), and a clause saying what was gated, for the precision statement."""
+    if not verify:
+        return None, "not gated (verify=False)"
+    if all(sp.verdict != "approximate" for sp in converted):
+        limit = exact_limit(dtype)
+        return limit, f"tolerance {limit:g} relative"
+    zero = ZERO_MEAN_TOLERANCE.get(dtype, 1e-4)
+    return None, (f"exact norms' inputs zero-mean within {zero:g} (|mean|/rms); approximate norms measured, "
+                  "held to no output tolerance")
+
+
 PRIMARY_KEYS = ("logits", "logits_per_image", "pooler_output", "image_embeds", "text_embeds",
                 "last_hidden_state", "prediction_logits", "start_logits")
 
@@ -224,18 +237,21 @@ def raw_stream_error(reference: Any, converted: Any, changed: set[str], real: An
 # what a figure is, printed beside it where its name alone would mislead (next to max errors, a ratio of
 # RMS errors reads like one more max error)
 FIGURE_NOTES = {
-    "dtype_error_ratio": "RMS error vs float64 of the converted model over the original's, both in the model's dtype",
+    "dtype_error_ratio": "RMS error of the converted model over the original's, both in the model's dtype, "
+                         "against the original in verify_dtype",
 }
+NOT_FIGURES = {"verify_tolerance"}  # a float in the figures that is a setting, stated in ``verify_precision``
 
 
 def figures_text(figures: dict[str, Any]) -> str:
     """``key=value, ...`` of the float figures, each with its note from :data:`FIGURE_NOTES`."""
     return ", ".join(f"{k}={figure(v, 3)}" + (f" ({FIGURE_NOTES[k]})" if k in FIGURE_NOTES else "")
-                     for k, v in figures.items() if isinstance(v, float))
+                     for k, v in figures.items() if isinstance(v, float) and k not in NOT_FIGURES)
 
 
 def dtype_error_ratio(original: dict[str, Any], converted: dict[str, Any]) -> float | None:
-    """Converted-in-dtype error over original-in-dtype error, both against the float64 original.
+    """Converted-in-dtype error over original-in-dtype error, both against the original in the working dtype
+    (float64 where it fits: ``verify_dtype``).
 
     Takes two :func:`compare` results (same reference, same output key) and divides their
     ``rel_rms_error``. 1.0 means the conversion added nothing to what the dtype costs anyway.

@@ -11,7 +11,7 @@ import torch
 import transformers as tf
 
 import normswap
-from normswap import pipeline
+from normswap import memory, pipeline
 from normswap.checkpoint import conversion, proxy
 from normswap.checkpoint import source as source_mod
 
@@ -30,14 +30,16 @@ def half_checkpoint(tmp_path_factory):
 def test_predicted_peak_counts_the_working_copy_in_its_dtype():
     gib = 1 << 30
     small, big = 50_000_000, 2_600_000_000
-    # small: a float64 working copy beside the model
-    assert conversion.in_memory_peak(small, 4) == small * 4 + small * 8 + conversion.ACTIVATION_BYTES
-    # a big half model: a float32 working copy (2x the checkpoint), never a float64 one (4x), or its
-    # float32 run; the reloaded checkpoint replaces the freed model, it is not held beside it
+    # a float64 working copy beside the model, whatever its size (the precision's choice asks for it)
+    assert conversion.in_memory_peak(small, 4, 8) == small * 4 + small * 8 + conversion.ACTIVATION_BYTES
+    assert conversion.in_memory_peak(big, 2, 8) == big * 2 + big * 8 + conversion.ACTIVATION_BYTES
+    # the cheapest copy (the switch's prediction): a big half model gets a float32 working copy (2x the
+    # checkpoint), or its float32 run; the reloaded checkpoint replaces the freed model, it is not held beside it
     assert conversion.in_memory_peak(big, 2) == big * 2 + big * 4 + conversion.ACTIVATION_BYTES
-    # a big float32 model: the written tensors beside it
+    # a float32 model: the written tensors beside it
     assert conversion.in_memory_peak(big, 4) <= 1.5 * big * 4 + gib
-    # the bound the task sets: 2 x the model in its compute dtype (float32 here) + 1 GiB
+    assert conversion.in_memory_peak(small, 4) == small * 4 + small * 2 + conversion.ACTIVATION_BYTES
+    # the bound the task sets for the cheapest copy: 2 x the model in its compute dtype (float32 here) + 1 GiB
     for n, size in ((big, 2), (big, 4), (small, 2), (small, 4)):
         assert conversion.in_memory_peak(n, size) <= 2 * n * max(size, 4) + 2 * gib
 
@@ -64,14 +66,18 @@ def test_the_switch_streams_when_the_predicted_peak_does_not_fit(half_checkpoint
 
 
 def test_a_half_model_is_worked_on_in_float32_and_measured_in_its_own_dtype(monkeypatch):
-    """Past the float64 size limit, a float16 model's analysis, calibration and verification run in
-    float32 (fast on a CPU); the cast back is measured against the original in float16."""
-    monkeypatch.setattr(pipeline, "FLOAT64_EXTRA_BYTES", 0)  # as if the model were big
+    """Where a float64 copy does not fit but a float32 one does, a float16 model's analysis, calibration
+    and verification run in float32 (fast on a CPU); the cast back is measured against the original in
+    float16."""
     torch.manual_seed(0)
     cfg = tf.BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
                         vocab_size=99, max_position_embeddings=64)
     model = tf.BertForMaskedLM(cfg).eval().to(torch.float16)
-    assert pipeline.working_dtype(model) == torch.float32
+    numel = sum(p.numel() for p in model.parameters())
+    # just enough memory for the float32 copy's predicted peak: not for a float64 one
+    room = math.ceil(memory.in_memory_peak(numel, 2, 4) / memory.PEAK_SHARE) - numel * 2
+    monkeypatch.setattr(memory, "available_memory", lambda: room)
+    assert pipeline.working_precision(model).dtype == torch.float32
     seen: list[torch.dtype] = []
     original_forward = tf.BertModel.forward
 

@@ -52,5 +52,5 @@ def test_report_labels_the_ratio_of_rms_errors():
     text = str(Report(verification=figs))
     assert "kl=-" not in text and "kl=" in text
     line = next(ln for ln in text.splitlines() if ln.startswith("verification:"))
-    assert "dtype_error_ratio=1.07 (RMS error vs float64 of the converted model over the original's" in line
+    assert "dtype_error_ratio=1.07 (RMS error of the converted model over the original's" in line
     assert "in_model_dtype=0.003," in line  # the max errors stay as they were
