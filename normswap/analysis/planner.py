@@ -7,9 +7,15 @@ reason, the writer edits, unties and centering ops, and for each norm's readers 
 β and γ folds (β dropped at keys or moved through values where :mod:`normswap.analysis.attention` proves it),
 ``fold_gamma`` on already-RMS norms, readers of approximate norms made blind to the leaked mean
 (:class:`~normswap.analysis.plan.CenteredReader`), and whether the stream can be rotated.
+
+:func:`analyse` is a sequence of named steps (writers, their centering, centering ops, committed edits,
+readers, then each norm's verdict, folds and rotation, then the plan's global lists) that share one
+:class:`Planning`: each step reads what the earlier ones decided there and adds its own answers.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -82,6 +88,48 @@ def _is_head(an: Analyzer, call: ModuleCall) -> bool:
     return out is not None and an.behind(out, set(), others)
 
 
+@dataclass
+class Planning:
+    """The state :func:`analyse`'s steps share: the analyzer, the plan being built, and what each step
+    decided about the norms' writers, centering ops and readers, for the steps after it."""
+
+    an: Analyzer
+    plan: Plan  # the result: each step appends its sites and edits
+    per_norm_centering: bool  # may a centering op sit before each Post-LN norm (opt-in)
+    mean_carry: bool  # may an MLP be widened to cancel a Post-LN mean
+    site_terms: dict[int, list[Term]] = field(default_factory=dict)  # norm call -> the terms of its input
+    module_ok: dict[str, str | None] = field(default_factory=dict)  # writer module -> why no edit centers it, or None
+    # term value -> (centered by surgery, why not)
+    term_status: dict[int, tuple[bool, str]] = field(default_factory=dict)
+    term_edits: dict[int, tuple[list[WriterEdit], list[Untie]]] = field(default_factory=dict)  # what centers a term
+    hooks: dict[int, tuple[CenterHook, Reach]] = field(default_factory=dict)  # hooked value -> (op, its reach)
+    chained: dict[int, str] = field(default_factory=dict)  # term value -> module of the stream-start op it follows
+    unhooked: dict[int, str] = field(default_factory=dict)  # stream-start norm output -> why no op centers it
+    edits: dict[str, WriterEdit] = field(default_factory=dict)  # committed writer edits, by target parameter
+    unties: dict[tuple[str, str], Untie] = field(default_factory=dict)  # (module, attr) -> the untie it needs
+    # norm -> (its Linear readers, its other readers: described, e.g. "model output `x`")
+    site_readers: dict[str, tuple[set[str], list[str]]] = field(default_factory=dict)
+    reader_sources: dict[str, set[str]] = field(default_factory=dict)  # Linear reader -> the norms it reads
+    reader_calls: dict[str, set[int]] = field(default_factory=dict)  # Linear reader -> its calls that read a norm
+    carried_mlps: set[str] = field(default_factory=set)  # MLP up-projections already widened for one mean
+
+    def centered_by_op(self, value: int) -> bool:
+        """Is ``value`` downstream of a centering op already placed?"""
+        return any(value in reach.mapped for _, reach in self.hooks.values())
+
+
+@dataclass
+class SiteStream:
+    """What the writers of one norm's input come to, over all its calls."""
+
+    calls: list[ModuleCall]
+    writers: list[str] = field(default_factory=list)  # each writer's module path or label, once per call
+    targets: set[str] = field(default_factory=set)  # writer-edit targets that center this stream
+    centered_by: list[CenterHook] = field(default_factory=list)  # the ops that center the other terms
+    problems: list[Term] = field(default_factory=list)  # terms neither an edit nor an op centers
+    problem_calls: dict[int, list[Term]] = field(default_factory=dict)  # call id -> its problem terms
+
+
 def analyse(model: nn.Module, graph: Graph, sites: list[NormSite], *, untie: bool = True,
             fold_gamma: bool = False, per_norm_centering: bool = False,
             rms_norms: list[SkippedNorm] | None = None, mean_carry: bool = True,
@@ -101,7 +149,34 @@ def analyse(model: nn.Module, graph: Graph, sites: list[NormSite], *, untie: boo
 
     ``bias_slots`` (with ``fold_gamma``): a bias-less Linear reader whose share of β has nowhere else to go
     gets a bias (:class:`normswap.analysis.plan.BiasSlot`), so β leaves the norm instead of staying there as β/γ.
+
+    The steps run in this order because each needs the previous ones' answers: centering ops are
+    placed only for terms no weight edit centers, writer edits are committed only once the ops are
+    known (an op may make one redundant), and a norm's verdict needs both its writers and its ops.
     """
+    _refuse_parameter_writes(graph)
+    an = Analyzer(model, graph, sites, untie=untie, fold_gamma=fold_gamma)
+    an.bias_slots = bias_slots and fold_gamma
+    st = Planning(an, Plan(options={"untie": untie, "fold_gamma": fold_gamma,
+                                    "per_norm_centering": per_norm_centering, "mean_carry": mean_carry,
+                                    "bias_slots": an.bias_slots}),
+                  per_norm_centering=per_norm_centering, mean_carry=mean_carry)
+    _find_writers(st)
+    _center_writers(st)
+    _place_centering_ops(st)
+    _commit_writer_edits(st)
+    _find_readers(st)
+    for path, site in an.sites.items():
+        st.plan.sites.append(_plan_site(st, path, site))
+    st.plan.writer_edits = sorted(st.edits.values(), key=lambda e: e.target)
+    _plan_rms_norms(st, rms_norms or [])
+    _plan_lists(st)
+    return st.plan
+
+
+def _refuse_parameter_writes(graph: Graph) -> None:
+    """A model that writes its own parameters during forward cannot be planned: normswap edits each
+    weight once, and the model would then rescale the edited weights again."""
     mutated = mutated_parameters(graph)
     if mutated:
         name, op = mutated[0]
@@ -109,242 +184,151 @@ def analyse(model: nn.Module, graph: Graph, sites: list[NormSite], *, untie: boo
             f"the model changes parameter `{name}` in place during its forward pass (`{op}`): normswap "
             "edits each weight once, and the model would then rescale the edited weights again (RWKV "
             "does this in eval mode unless config.rescale_every = 0)")
-    an = Analyzer(model, graph, sites, untie=untie, fold_gamma=fold_gamma)
-    an.bias_slots = bias_slots and fold_gamma
-    plan = Plan(options={"untie": untie, "fold_gamma": fold_gamma, "per_norm_centering": per_norm_centering,
-                         "mean_carry": mean_carry, "bias_slots": an.bias_slots})
-    edits: dict[str, WriterEdit] = {}
-    unties: dict[tuple[str, str], Untie] = {}
-    module_ok: dict[str, str | None] = {}
-    term_status: dict[int, tuple[bool, str]] = {}  # term value -> (centered by surgery, why not)
-    hooks: dict[int, tuple[CenterHook, Reach]] = {}  # hooked value -> (hook, its reach)
-    chained: dict[int, str] = {}  # term value -> module of the stream-start op it is computed after
-    site_terms: dict[int, list[Term]] = {}
-    carried_mlps: set[str] = set()
-    unhooked: dict[int, str] = {}  # stream-start norm output -> why its first centering point fails
 
-    # --- writers and their centering
+
+def _find_writers(st: Planning) -> None:
+    """The terms summed into every norm call's input (``st.site_terms``), and the modules that write some
+    norm's input stream (``an.stream_writers``, which the centering questions consult)."""
+    an = st.an
     for call in an.site_calls:
         vid = an.site_input[call.id]
-        site_terms[call.id] = an.leaves(vid) if vid is not None else []
-        an.stream_writers |= {t.module_path for t in site_terms[call.id] if t.kind == "module"}
-    # the edits each centerable term needs: committed below, once the centering ops are known
-    term_edits: dict[int, tuple[list[WriterEdit], list[Untie]]] = {}
+        st.site_terms[call.id] = an.leaves(vid) if vid is not None else []
+        an.stream_writers |= {t.module_path for t in st.site_terms[call.id] if t.kind == "module"}
+
+
+def _center_writers(st: Planning) -> None:
+    """Can weight surgery center each term, and with which edits? (``st.term_status``, ``st.term_edits``.)
+
+    A module term is asked once per module (every call of it shares its weights); a parameter term on
+    its own; any other term (a norm's output, an op no weight feeds) is not centered by surgery. The
+    edits are committed later (:func:`_commit_writer_edits`), once the centering ops are known.
+    """
+    an = st.an
     module_edits: dict[str, tuple[list[WriterEdit], list[Untie]]] = {}
     for call in an.site_calls:
-        for term in site_terms[call.id]:
-            if term.value in term_status:
+        for term in st.site_terms[call.id]:
+            if term.value in st.term_status:
                 continue
             if term.kind == "module":
-                if term.module_path not in module_ok:
+                if term.module_path not in st.module_ok:
                     es, us, why = an.module_centering(term.module_path)
-                    module_ok[term.module_path] = why
+                    st.module_ok[term.module_path] = why
                     module_edits[term.module_path] = (es, us) if why is None else ([], [])
-                why = module_ok[term.module_path]
-                term_edits[term.value] = module_edits[term.module_path]
-                term_status[term.value] = (why is None, f"{term.label} {why}" if why else "")
+                why = st.module_ok[term.module_path]
+                st.term_edits[term.value] = module_edits[term.module_path]
             elif term.kind == "param":
                 es, why = an.param_centering(term)
-                term_edits[term.value] = (es if why is None else [], [])
-                term_status[term.value] = (why is None, f"{term.label} {why}" if why else "")
+                st.term_edits[term.value] = (es if why is None else [], [])
             else:
-                term_status[term.value] = (False, term.label)
+                st.term_status[term.value] = (False, term.label)
+                continue
+            st.term_status[term.value] = (why is None, f"{term.label} {why}" if why else "")
 
-    # --- centering ops for terms that surgery cannot center
-    for call in an.site_calls:
-        for term in site_terms[call.id]:
-            ok, _ = term_status[term.value]
-            if ok or any(term.value in reach.mapped for _, reach in hooks.values()):
+
+def _place_centering_ops(st: Planning) -> None:
+    """One centering op (``st.hooks``) for each term surgery cannot center, where the policy allows one.
+
+    A stream-start op is tried first; a term that needs an op before each norm (Post-LN, or a second
+    op on a stream one already centers) gets one only with ``per_norm_centering``, and not where an
+    MLP can carry its mean instead (a real RMSNorm beats a centering op). A lone head term may take
+    its op right at its norm's input (:func:`_lone_head_term`).
+    """
+    for call in st.an.site_calls:
+        for term in st.site_terms[call.id]:
+            if st.term_status[term.value][0] or st.centered_by_op(term.value):
                 continue
-            # A stream written by a norm's output (Post-LN) is not a stream start, unless that norm is the
-            # first of the model (BLOOM's embedding LayerNorm: its input depends on no norm) or is itself
-            # exact by weight surgery alone and the only such term of every stream it joins (_starts_stream:
-            # a patch embedding's norm after a Linear or conv that reads another norm, in vit-pytorch and
-            # PVT), and itself needed no centering op (at most one op per stream, never a chain of them).
-            per_norm = term.kind == "norm" and (
-                (an.depends_on_norm(term.value) and not _starts_stream(an, term, site_terms, term_status))
-                or any(term.call in reach.site_rows for _, reach in hooks.values()))
-            if term.value in chained:  # seen from an earlier norm of the same stream
-                per_norm = True
-            elif not per_norm and an.depends_on_norm(term.value):
-                # a term computed from a norm's output that joins a stream a stream-start op already
-                # centers (RWKV's gated feed-forward, block after block) would need a second op on that
-                # stream: a chain, one op per block
-                term_reach = an.reach(term.value, -1)
-                reached = set(term_reach.site_rows)
-                start = None if any(v in term_reach.mapped for v in hooks) else next(  # not one placed further down
-                    (h for h, reach in hooks.values() if not h.per_norm and reached & set(reach.site_rows)), None)
-                if start is not None:
-                    chained[term.value] = start.module
-                    per_norm = True
-            if per_norm and not per_norm_centering:
+            per_norm = _needs_op_per_norm(st, term)
+            if per_norm and not st.per_norm_centering:
                 continue
-            shared = sum(c.path == call.path for c in an.site_calls)
-            if per_norm and mean_carry and an.mean_carry(call, term, site_terms[call.id], module_ok,
-                                                         shared_calls=shared) is not None:
-                continue  # an MLP can cancel this mean: a real RMSNorm beats a centering op
-            # a stream-start op first; failing that (opt-in), one op at each norm's own input. A term that is
-            # the whole input of the one norm call it reaches, a norm whose output reaches no other norm (a
-            # head: fair-esm's LM head is dense, a GELU written in ops, then its norm), may be centered right
-            # at that norm's input: one op for the head. Not a norm inside the layers (ConvNeXt's block norm
-            # after its depthwise conv): that would be one op per block, LayerNorm by another name
-            lone = not per_norm and term.kind != "norm" and len(site_terms[call.id]) == 1 \
-                and set(an.reach(term.value, -1).site_rows) == {call.id} and _is_head(an, call)
-            tries = [False, True] if (per_norm_centering or lone) and not per_norm else [per_norm]
+            if per_norm and st.mean_carry and _mlp_carries_mean(st, call, term):
+                continue
+            lone = not per_norm and _lone_head_term(st, call, term)
+            tries = [False, True] if (st.per_norm_centering or lone) and not per_norm else [per_norm]
             for at_norms in tries:
-                found = False
-                for vid, hook in an.hook_candidates(term, at_norms=at_norms):
-                    reach = an.hook_valid(vid)
-                    if reach is None and term.kind == "norm" and not at_norms and not an.reach(vid, -1).blockers:
-                        # a stream start no op can center although only norms read it (a Swin merge):
-                        # say why; one that attention reads too is a Post-LN stream, and said so
-                        unhooked.setdefault(term.value, an.hook_problem(vid))
-                    if reach is not None and call.id not in reach.site_rows:
-                        continue  # an op for another norm's stream (CrossViT: one image, two patch embedders)
-                    if reach is not None:
-                        at_norms = at_norms and not lone
-                        hook.reason = (f"stream written by {term.label}: one mean per token before this norm"
-                                       if at_norms else f"stream starts at {term.label}")
-                        unedited = term_status[term.value][1].removeprefix(term.label).strip()
-                        if unedited and not at_norms and term.kind in ("module", "param"):
-                            hook.reason += f", which no weight edit can center ({unedited})"
-                        hook.per_norm = at_norms
-                        hooks[vid] = (hook, reach)
-                        found = True
-                        break
-                if found:
+                if _place_op(st, call, term, at_norms, lone):
                     break
 
-    # --- writer edits, less those a stream-start centering op makes redundant
-    _commit_writer_edits(an, site_terms, term_status, term_edits, hooks, edits, unties)
 
-    # --- readers of every norm (a Linear may read several norms: then nothing folds into it)
-    site_readers: dict[str, tuple[set[str], list[str]]] = {}
-    reader_sources: dict[str, set[str]] = {}
-    reader_calls: dict[str, set[int]] = {}
-    for call in an.site_calls:
-        rcalls, other = an.readers(call)
-        paths, others = site_readers.setdefault(call.path, (set(), []))
-        others += other
-        for rc in rcalls:
-            paths.add(rc.path)
-            reader_sources.setdefault(rc.path, set()).add(call.path)
-            reader_calls.setdefault(rc.path, set()).add(rc.id)
+def _needs_op_per_norm(st: Planning, term: Term) -> bool:
+    """Would centering ``term`` take an op before each norm it reaches, rather than one where its stream starts?
 
-    # --- verdicts and folds
-    for path, site in an.sites.items():
-        calls = [c for c in an.site_calls if c.path == path]
-        sp = _site_plan(site)
-        writers, problems, centered_by = [], [], []
-        targets: set[str] = set()
-        if not calls:
-            sp.verdict, sp.reason = "skipped", "not called by the example inputs (kept as LayerNorm)"
-            plan.sites.append(sp)
+    A stream written by a norm's output (Post-LN) is not a stream start, unless that norm is the first
+    of the model (BLOOM's embedding LayerNorm: its input depends on no norm) or is itself exact by
+    weight surgery alone and the only such term of every stream it joins (:func:`_starts_stream`: a
+    patch embedding's norm after a Linear or conv that reads another norm, in vit-pytorch and PVT),
+    and itself needed no centering op (at most one op per stream, never a chain of them). A term
+    computed from a norm's output that joins a stream a stream-start op already centers (RWKV's gated
+    feed-forward, block after block) would need a second op on that stream: a chain, one op per
+    block (recorded in ``st.chained``).
+    """
+    an = st.an
+    per_norm = term.kind == "norm" and (
+        (an.depends_on_norm(term.value) and not _starts_stream(st, term))
+        or any(term.call in reach.site_rows for _, reach in st.hooks.values()))
+    if term.value in st.chained:  # seen from an earlier norm of the same stream
+        return True
+    if not per_norm and an.depends_on_norm(term.value):
+        start = _stream_start_op_before(st, term)
+        if start is not None:
+            st.chained[term.value] = start.module
+            return True
+    return per_norm
+
+
+def _stream_start_op_before(st: Planning, term: Term) -> CenterHook | None:
+    """The stream-start op already placed on a stream ``term`` joins (None when none, or when an op
+    is placed further down, on ``term``'s own path)."""
+    term_reach = st.an.reach(term.value, -1)
+    reached = set(term_reach.site_rows)
+    if any(v in term_reach.mapped for v in st.hooks):
+        return None
+    return next((h for h, reach in st.hooks.values() if not h.per_norm and reached & set(reach.site_rows)), None)
+
+
+def _mlp_carries_mean(st: Planning, call: ModuleCall, term: Term) -> bool:
+    """Can an MLP cancel ``term``'s mean at this norm call (:class:`~normswap.analysis.plan.MeanCarry`)?"""
+    shared = sum(c.path == call.path for c in st.an.site_calls)
+    return st.an.mean_carry(call, term, st.site_terms[call.id], st.module_ok, shared_calls=shared) is not None
+
+
+def _lone_head_term(st: Planning, call: ModuleCall, term: Term) -> bool:
+    """Is ``term`` the whole input of the one norm call it reaches, a norm whose output reaches no other
+    norm (a head)? Its op may then sit right at that norm's input: one op for the head (fair-esm's LM
+    head is dense, a GELU written in ops, then its norm). Not a norm inside the layers (ConvNeXt's
+    block norm after its depthwise conv): that would be one op per block, LayerNorm by another name."""
+    an = st.an
+    return term.kind != "norm" and len(st.site_terms[call.id]) == 1 \
+        and set(an.reach(term.value, -1).site_rows) == {call.id} and _is_head(an, call)
+
+
+def _place_op(st: Planning, call: ModuleCall, term: Term, at_norms: bool, lone: bool) -> bool:
+    """Place the first valid centering op for ``term`` that centers this norm call's stream (at the
+    norms' inputs when ``at_norms``); ``st.unhooked`` records why a stream start has none. Returns
+    whether one was placed."""
+    an = st.an
+    for vid, hook in an.hook_candidates(term, at_norms=at_norms):
+        reach = an.hook_valid(vid)
+        if reach is None:
+            if term.kind == "norm" and not at_norms and not an.reach(vid, -1).blockers:
+                # a stream start no op can center although only norms read it (a Swin merge): say why;
+                # one that attention reads too is a Post-LN stream, and said so
+                st.unhooked.setdefault(term.value, an.hook_problem(vid))
             continue
-        problem_calls: dict[int, list[Term]] = {}
-        for call in calls:
-            for term in site_terms[call.id]:
-                writers.append(term.module_path or term.label)
-                ok, why = term_status[term.value]
-                if ok:
-                    targets |= _term_targets(an, term, edits)
-                    continue
-                downstream = an.reach(term.value, -1).mapped
-                hook = next((h for v, (h, reach) in hooks.items()
-                             if call.id in reach.site_rows and v in downstream), None)
-                if hook is not None and not an.behind(term.value, set(hooks), {an.site_input[call.id]}):
-                    hook = None  # the term also reaches this norm past every op (added twice to the stream)
-                if hook is not None:
-                    centered_by.append(hook)
-                    continue
-                problems.append(term)
-                problem_calls.setdefault(call.id, []).append(term)
-        sp.writers = sorted(set(writers))
-        carries = []
-        if problems and mean_carry and all(t.kind == "norm" for t in problems):
-            carries = _site_carries(an, calls, problem_calls, site_terms, module_ok)
-            if any(c.up in carried_mlps for c in carries):
-                carries = []
-        if carries:
-            for c in carries:
-                carried_mlps.add(c.up)
-                plan.mean_carries.append(c)
-            c = carries[0]
-            sp.verdict = "exact"
-            sp.reason = (f"stream written by `{c.source}` output (Post-LN), whose mean is cancelled by "
-                         f"{c.added} neuron(s) added to `{c.up}` -> `{c.down}` ({c.activation})")
-        elif problems:
-            term = problems[0]
-            sp.verdict = "approximate"
-            per_norm = term.kind == "norm"
-            if term.kind == "norm" and term.value in unhooked:  # a stream start, but no op can center it
-                sp.reason = (f"stream starts at {term.label}; no centering point feeds only norms: the stream "
-                             f"{unhooked[term.value]}")
-            elif term.kind == "norm":
-                sp.reason = f"stream written by {term.label} (Post-LN)"
-            elif term.value in chained:
-                per_norm = True
-                sp.reason = (f"stream written by {term_status[term.value][1]}, computed after the centering op at "
-                             f"`{chained[term.value]}` (a second op on one stream)")
-            else:
-                why = term_status[term.value][1]
-                sp.reason = f"stream written by {why}"
-                if not per_norm:
-                    sp.reason += "; no centering point feeds only norms"
-            if per_norm and not per_norm_centering:
-                sp.reason += ("; a centering op before this norm would make it exact (per_norm_centering=True): "
-                              "LayerNorm by another name")
-        elif centered_by:
-            h = next((h for h in centered_by if h.per_norm), centered_by[0])
-            sp.verdict = "exact-with-per-norm-centering" if h.per_norm else "exact-with-centering"
-            sp.reason = f"centering op at `{h.module}` {h.where}: {h.reason}"
-        else:
-            sp.verdict = "exact"
-            sp.reason = f"stream written by {len(set(writers))} centered writer(s)"
-
-        foldable, other = site_readers.get(path, (set(), []))
-        sp.readers = sorted(foldable) + sorted(set(other))
-        sp.writer_targets = sorted(targets)
-        sp.linear_readers = sorted(foldable)
-        fold_blocker = ""
-        if sp.verdict != "approximate":
-            fold_blocker = _plan_folds(an, site, sp, sorted(foldable), other, plan, unties, reader_sources,
-                                       reader_calls)
-        else:
-            plan.centered_readers += _centered_readers(an, site, sorted(foldable), unties, reader_sources,
-                                                       reader_calls)
-        if centered_by:
-            sp.rotation_ops, sp.rotation_upstream = _rotation_ops(an, calls, site_terms, term_status, hooks, edits)
-        sp.rotation_reason = _rotation_blocker(an, site, sp, centered_by, sorted(set(other)), fold_blocker)
-        if carries and not sp.rotation_reason:
-            sp.rotation_reason = "its stream carries a Post-LN norm output (mean cancelled in the MLP)"
-        sp.rotation_ready = not sp.rotation_reason
-        plan.sites.append(sp)
-
-    plan.writer_edits = sorted(edits.values(), key=lambda e: e.target)
-    if fold_gamma and rms_norms:
-        plan.rms_folds = _rms_folds(an, rms_norms, set(reader_sources))
-    if rms_norms:
-        plan.rms_sites, plan.rotation_axes = _rms_streams(an, rms_norms, plan.rms_folds)
-    centered_owners = {e.owner for e in edits.values()}
-    plan.scale_folds = sorted({ScaleFold(param, path, writer_kind(an.modules[path]), offset)
-                               for param, path, _, offset in an.layer_scales.values() if path in centered_owners},
-                              key=lambda f: f.param)
-    plan.unties = list(unties.values())
-    plan.hooks = [h for h, _ in hooks.values()]
-    changed = {o for _, r in hooks.values() for o in r.outputs}
-    for e in edits.values():
-        if e.kind != "param":
-            for c in an.calls_per_path.get(e.owner, []):
-                changed |= set(an.reach(c.outputs[0], OUTPUT_AXIS[e.kind]).outputs)
-    plan.changed_outputs = sorted(changed | an.cache_outputs)
-    return plan
+        if call.id not in reach.site_rows:
+            continue  # an op for another norm's stream (CrossViT: one image, two patch embedders)
+        per_norm = at_norms and not lone
+        hook.reason = (f"stream written by {term.label}: one mean per token before this norm"
+                       if per_norm else f"stream starts at {term.label}")
+        unedited = st.term_status[term.value][1].removeprefix(term.label).strip()
+        if unedited and not per_norm and term.kind in ("module", "param"):
+            hook.reason += f", which no weight edit can center ({unedited})"
+        hook.per_norm = per_norm
+        st.hooks[vid] = (hook, reach)
+        return True
+    return False
 
 
-def _commit_writer_edits(an: Analyzer, site_terms: dict[int, list[Term]], term_status: dict[int, tuple[bool, str]],
-                         term_edits: dict[int, tuple[list[WriterEdit], list[Untie]]],
-                         hooks: dict[int, tuple[CenterHook, Reach]], edits: dict[str, WriterEdit],
-                         unties: dict[tuple[str, str], Untie]) -> None:
+def _commit_writer_edits(st: Planning) -> None:
     """Record the writer edits (and the unties they need) of every term centered by surgery, except
     for a writer the plan's centering ops already center.
 
@@ -356,36 +340,202 @@ def _commit_writer_edits(an: Analyzer, site_terms: dict[int, list[Term]], term_s
     neutral to slightly worse on real Whisper, docs/results/field.md). A writer (a module: every call
     of it) that reaches some norm past every op keeps its edit. Per-norm ops (``per_norm_centering``) do
     not count: they are opt-in, and their plans stay as they were. Such a term is then centered by
-    the op: ``term_status`` says so, and the verdict loop finds the op as for the term that needed it.
+    the op: ``term_status`` says so, and the verdict step finds the op as for the term that needed it.
     """
-    stops = {vid for vid, (hook, _) in hooks.items() if not hook.per_norm}
-    behind = {v for v, (ok, _) in term_status.items() if ok and stops and an.behind(v, stops)}
+    stops = {vid for vid, (hook, _) in st.hooks.items() if not hook.per_norm}
+    behind = {v for v, (ok, _) in st.term_status.items() if ok and stops and st.an.behind(v, stops)}
     by_module: dict[str, set[int]] = {}
-    for terms in site_terms.values():
+    for terms in st.site_terms.values():
         for term in terms:
             if term.kind == "module" and term.module_path is not None:
                 by_module.setdefault(term.module_path, set()).add(term.value)
     for values in by_module.values():
         if not values <= behind:  # a call of this writer reaches a norm directly: every call keeps its edit
             behind -= values
-    for terms in site_terms.values():
+    for terms in st.site_terms.values():
         for term in terms:
-            ok, _ = term_status[term.value]
+            ok, _ = st.term_status[term.value]
             if term.value in behind:
-                term_status[term.value] = (False, f"{term.label} (left uncentered: a centering op centers "
-                                                  "every stream it reaches)")
+                st.term_status[term.value] = (False, f"{term.label} (left uncentered: a centering op centers "
+                                                     "every stream it reaches)")
                 continue
             if not ok:
                 continue
-            es, us = term_edits[term.value]
+            es, us = st.term_edits[term.value]
             for e in es:
-                edits.setdefault(e.target, e)
+                st.edits.setdefault(e.target, e)
             for u in us:
-                unties.setdefault((u.module, u.attr), u)
+                st.unties.setdefault((u.module, u.attr), u)
 
 
-def _starts_stream(an: Analyzer, term: Term, site_terms: dict[int, list[Term]],
-                   term_status: dict[int, tuple[bool, str]]) -> bool:
+def _find_readers(st: Planning) -> None:
+    """The readers of every norm (``st.site_readers``), and for each Linear reader which norms and which
+    of its calls read them: a Linear that reads several norms, or reads one on some calls only, takes
+    no fold (folding would change its other calls)."""
+    for call in st.an.site_calls:
+        rcalls, other = st.an.readers(call)
+        paths, others = st.site_readers.setdefault(call.path, (set(), []))
+        others += other
+        for rc in rcalls:
+            paths.add(rc.path)
+            st.reader_sources.setdefault(rc.path, set()).add(call.path)
+            st.reader_calls.setdefault(rc.path, set()).add(rc.id)
+
+
+def _plan_site(st: Planning, path: str, site: NormSite) -> SitePlan:
+    """One norm's :class:`SitePlan`: its verdict and reason, what folds into its readers (or, for an
+    approximate norm, which readers are made blind to the mean it leaks), and whether its stream
+    can be rotated."""
+    calls = [c for c in st.an.site_calls if c.path == path]
+    sp = _site_plan(site)
+    if not calls:
+        sp.verdict, sp.reason = "skipped", "not called by the example inputs (kept as LayerNorm)"
+        return sp
+    stream = _site_stream(st, calls)
+    sp.writers = sorted(set(stream.writers))
+    sp.writer_targets = sorted(stream.targets)
+    carries = _site_verdict(st, sp, stream)
+    fold_blocker = _site_folds(st, site, sp)
+    _site_rotation(st, site, sp, stream, carries, fold_blocker)
+    return sp
+
+
+def _site_stream(st: Planning, calls: list[ModuleCall]) -> SiteStream:
+    """Sort each term of a norm's input, call by call: centered by surgery (its edit targets count), centered
+    by an op placed on this call's stream, or a problem (neither)."""
+    an = st.an
+    stream = SiteStream(calls)
+    for call in calls:
+        for term in st.site_terms[call.id]:
+            stream.writers.append(term.module_path or term.label)
+            if st.term_status[term.value][0]:
+                stream.targets |= _term_targets(st, term)
+                continue
+            downstream = an.reach(term.value, -1).mapped
+            hook = next((h for v, (h, reach) in st.hooks.items()
+                         if call.id in reach.site_rows and v in downstream), None)
+            if hook is not None and not an.behind(term.value, set(st.hooks), {an.site_input[call.id]}):
+                hook = None  # the term also reaches this norm past every op (added twice to the stream)
+            if hook is not None:
+                stream.centered_by.append(hook)
+                continue
+            stream.problems.append(term)
+            stream.problem_calls.setdefault(call.id, []).append(term)
+    return stream
+
+
+def _site_verdict(st: Planning, sp: SitePlan, stream: SiteStream) -> list[MeanCarry]:
+    """Set the norm's verdict and reason: exact when every term is centered by surgery, or when its
+    problem terms are Post-LN means an MLP carries; exact with centering when ops center the rest;
+    else approximate, saying why. Returns the mean carries it claimed."""
+    carries = _claim_mean_carries(st, stream)
+    if carries:
+        c = carries[0]
+        sp.verdict = "exact"
+        sp.reason = (f"stream written by `{c.source}` output (Post-LN), whose mean is cancelled by "
+                     f"{c.added} neuron(s) added to `{c.up}` -> `{c.down}` ({c.activation})")
+    elif stream.problems:
+        sp.verdict = "approximate"
+        sp.reason = _approximate_reason(st, stream.problems[0])
+    elif stream.centered_by:
+        h = next((h for h in stream.centered_by if h.per_norm), stream.centered_by[0])
+        sp.verdict = "exact-with-per-norm-centering" if h.per_norm else "exact-with-centering"
+        sp.reason = f"centering op at `{h.module}` {h.where}: {h.reason}"
+    else:
+        sp.verdict = "exact"
+        sp.reason = f"stream written by {len(set(stream.writers))} centered writer(s)"
+    return carries
+
+
+def _claim_mean_carries(st: Planning, stream: SiteStream) -> list[MeanCarry]:
+    """The MLPs that cancel every problem term's mean (all Post-LN norm outputs), added to the plan; []
+    when some term has none or an MLP is already widened for another norm (one carry per MLP)."""
+    if not (stream.problems and st.mean_carry and all(t.kind == "norm" for t in stream.problems)):
+        return []
+    carries = _site_carries(st, stream.calls, stream.problem_calls)
+    if any(c.up in st.carried_mlps for c in carries):
+        return []
+    for c in carries:
+        st.carried_mlps.add(c.up)
+        st.plan.mean_carries.append(c)
+    return carries
+
+
+def _approximate_reason(st: Planning, term: Term) -> str:
+    """Why a norm whose input holds ``term`` (its first problem term) is approximate, and, where a
+    centering op before the norm would do (Post-LN, or a second op on one stream), that it is opt-in."""
+    per_norm = term.kind == "norm"
+    if term.kind == "norm" and term.value in st.unhooked:  # a stream start, but no op can center it
+        reason = (f"stream starts at {term.label}; no centering point feeds only norms: the stream "
+                  f"{st.unhooked[term.value]}")
+    elif term.kind == "norm":
+        reason = f"stream written by {term.label} (Post-LN)"
+    elif term.value in st.chained:
+        per_norm = True
+        reason = (f"stream written by {st.term_status[term.value][1]}, computed after the centering op at "
+                  f"`{st.chained[term.value]}` (a second op on one stream)")
+    else:
+        reason = f"stream written by {st.term_status[term.value][1]}; no centering point feeds only norms"
+    if per_norm and not st.per_norm_centering:
+        reason += ("; a centering op before this norm would make it exact (per_norm_centering=True): "
+                   "LayerNorm by another name")
+    return reason
+
+
+def _site_folds(st: Planning, site: NormSite, sp: SitePlan) -> str:
+    """Record the norm's readers and what they take: β and γ folds for a converted-exact norm, centered
+    readers for an approximate one. Returns why nothing can fold out of the norm ('' when it can)."""
+    foldable, other = st.site_readers.get(sp.name, (set(), []))
+    sp.readers = sorted(foldable) + sorted(set(other))
+    sp.linear_readers = sorted(foldable)
+    if sp.verdict != "approximate":
+        return _plan_folds(st, site, sp, sorted(foldable), other)
+    st.plan.centered_readers += _centered_readers(st, site, sorted(foldable))
+    return ""
+
+
+def _site_rotation(st: Planning, site: NormSite, sp: SitePlan, stream: SiteStream, carries: list[MeanCarry],
+                   fold_blocker: str) -> None:
+    """Can the norm's stream take an orthogonal Q? Where an op centers it, where Q goes as an op
+    (:func:`_rotation_ops`); then the first blocker, if any (:func:`_rotation_blocker`). A stream that
+    carries a Post-LN norm output is not rotated: the widened MLP cancels a mean Q would scramble."""
+    _, other = st.site_readers.get(sp.name, (set(), []))
+    if stream.centered_by:
+        sp.rotation_ops, sp.rotation_upstream = _rotation_ops(st, stream.calls)
+    sp.rotation_reason = _rotation_blocker(st.an, site, sp, stream.centered_by, sorted(set(other)), fold_blocker)
+    if carries and not sp.rotation_reason:
+        sp.rotation_reason = "its stream carries a Post-LN norm output (mean cancelled in the MLP)"
+    sp.rotation_ready = not sp.rotation_reason
+
+
+def _plan_rms_norms(st: Planning, rms_norms: list[SkippedNorm]) -> None:
+    """Norms that were RMS from the start: ``fold_gamma`` folds their γ into their readers, and their
+    streams are described for rotation like converted ones."""
+    if st.an.fold_gamma and rms_norms:
+        st.plan.rms_folds = _rms_folds(st.an, rms_norms, set(st.reader_sources))
+    if rms_norms:
+        st.plan.rms_sites, st.plan.rotation_axes = _rms_streams(st.an, rms_norms, st.plan.rms_folds)
+
+
+def _plan_lists(st: Planning) -> None:
+    """The plan's global lists: LayerScale folds of centered writers, unties, centering ops, and the model
+    outputs the conversion changes (what verification compares)."""
+    an, plan = st.an, st.plan
+    centered_owners = {e.owner for e in st.edits.values()}
+    plan.scale_folds = sorted({ScaleFold(param, path, writer_kind(an.modules[path]), offset)
+                               for param, path, _, offset in an.layer_scales.values() if path in centered_owners},
+                              key=lambda f: f.param)
+    plan.unties = list(st.unties.values())
+    plan.hooks = [h for h, _ in st.hooks.values()]
+    changed = {o for _, r in st.hooks.values() for o in r.outputs}
+    for e in st.edits.values():
+        if e.kind != "param":
+            for c in an.calls_per_path.get(e.owner, []):
+                changed |= set(an.reach(c.outputs[0], OUTPUT_AXIS[e.kind]).outputs)
+    plan.changed_outputs = sorted(changed | an.cache_outputs)
+
+
+def _starts_stream(st: Planning, term: Term) -> bool:
     """Does the norm output ``term`` start a stream, although the norm's input is computed from another norm?
 
     vit-pytorch's patch embedding (``LayerNorm, Linear, LayerNorm``) and PVT's per-stage patch embedding
@@ -400,16 +550,15 @@ def _starts_stream(an: Analyzer, term: Term, site_terms: dict[int, list[Term]],
       at its start. Swin-V2's post-norms (``x + norm(attn(x))``, each exact by surgery) all write the
       stream the final norm reads: that would take one op per block, or one before that norm (Post-LN).
     """
-    terms = site_terms.get(term.call) if term.kind == "norm" and term.call is not None else None
-    if not terms or not all(term_status[t.value][0] for t in terms):
+    terms = st.site_terms.get(term.call) if term.kind == "norm" and term.call is not None else None
+    if not terms or not all(st.term_status[t.value][0] for t in terms):
         return False
-    reached = an.reach(term.value, -1).site_rows
-    return bool(reached) and all(t.value == term.value or term_status[t.value][0]
-                                 for call_id in reached for t in site_terms.get(call_id, []))
+    reached = st.an.reach(term.value, -1).site_rows
+    return bool(reached) and all(t.value == term.value or st.term_status[t.value][0]
+                                 for call_id in reached for t in st.site_terms.get(call_id, []))
 
 
-def _site_carries(an: Analyzer, calls: list, problem_calls: dict[int, list[Term]], site_terms: dict,
-                  module_ok: dict[str, str | None]) -> list[MeanCarry]:
+def _site_carries(st: Planning, calls: list[ModuleCall], problem_calls: dict[int, list[Term]]) -> list[MeanCarry]:
     """The mean carries that make every call of a site exact, or [] when some call has none.
 
     A layer shared across depth (ALBERT) calls its norm and its MLP once per depth: the same widened
@@ -420,7 +569,7 @@ def _site_carries(an: Analyzer, calls: list, problem_calls: dict[int, list[Term]
     found: dict[tuple[str, str], MeanCarry] = {}
     for call in calls:
         for term in problem_calls.get(call.id, []):
-            c = an.mean_carry(call, term, site_terms[call.id], module_ok, shared_calls=len(calls))
+            c = st.an.mean_carry(call, term, st.site_terms[call.id], st.module_ok, shared_calls=len(calls))
             if c is None:
                 return []
             found.setdefault((c.up, c.down), c)
@@ -429,16 +578,14 @@ def _site_carries(an: Analyzer, calls: list, problem_calls: dict[int, list[Term]
     return list(found.values())
 
 
-def _term_targets(an: Analyzer, term: Term, edits: dict[str, WriterEdit]) -> set[str]:
+def _term_targets(st: Planning, term: Term) -> set[str]:
     """The writer-edit targets (parameter names) that center one stream term."""
     if term.kind == "param":
-        return {an.graph.values[term.value].name}
-    return {e.target for e in edits.values() if e.owner == term.module_path}
+        return {st.an.graph.values[term.value].name}
+    return {e.target for e in st.edits.values() if e.owner == term.module_path}
 
 
-def _rotation_ops(an: Analyzer, calls: list, site_terms: dict[int, list[Term]], term_status: dict,
-                  hooks: dict[int, tuple[CenterHook, Reach]], edits: dict[str, WriterEdit]
-                  ) -> tuple[list[dict], list[str]]:
+def _rotation_ops(st: Planning, calls: list[ModuleCall]) -> tuple[list[dict], list[str]]:
     """Where a stream centered at run time takes its rotation, and which writers it then must not turn.
 
     A stream-start centering op sits on a value no weight can turn (a norm's output, a regenerated
@@ -446,6 +593,7 @@ def _rotation_ops(an: Analyzer, calls: list, site_terms: dict[int, list[Term]], 
     centering (with ``Q·1 = ±1`` they commute). Writers upstream of that op (summed into the value it
     turns) are turned by it, not by their weights. Returns ``([{module, where, arg}], upstream targets)``.
     """
+    an, hooks = st.an, st.hooks
     ops, upstream = {}, set()
     for call in calls:
         mine = [v for v, (h, reach) in hooks.items() if call.id in reach.site_rows and not h.per_norm]
@@ -455,9 +603,9 @@ def _rotation_ops(an: Analyzer, calls: list, site_terms: dict[int, list[Term]], 
         for v in last:
             h = hooks[v][0]
             ops[(h.module, h.where, h.arg)] = {"module": h.module, "where": h.where, "arg": h.arg}
-            for term in site_terms[call.id]:
-                if term_status[term.value][0] and v in an.reach(term.value, -1).mapped:
-                    upstream |= _term_targets(an, term, edits)
+            for term in st.site_terms[call.id]:
+                if st.term_status[term.value][0] and v in an.reach(term.value, -1).mapped:
+                    upstream |= _term_targets(st, term)
     return list(ops.values()), sorted(upstream)
 
 
@@ -527,23 +675,10 @@ def _rms_streams(an: Analyzer, rms_norms: list[SkippedNorm], folds: list[RmsFold
         for call in calls:
             vid = call.first_input()
             for term in an.leaves(vid) if vid is not None else []:
-                if term.kind == "module":
-                    kind = writer_kind(an.modules[term.module_path])
-                    writer = an.modules[term.module_path]
-                    params = _ROTATED_PARAMS.get(kind or "")
-                    if params is None or writer.weight.shape[params[0][1]] != width:
-                        why = why or f"stream written by {term.label}, whose output features cannot absorb Q"
-                        continue
-                    for attr, axis in params:
-                        if writer._parameters.get(attr) is not None:
-                            axes[f"{term.module_path}.{attr}"] = axis
-                            targets.add(f"{term.module_path}.{attr}")
-                elif term.kind == "param" and an.graph.values[term.value].shape[-1:] == (width,):
-                    name = an.graph.values[term.value].name
-                    axes[name] = len(an.graph.values[term.value].shape) - 1
-                    targets.add(name)
-                else:
-                    why = why or f"stream written by {term.label} (not a weight that can absorb Q)"
+                turned, blocked = _rms_writer(an, term, width)
+                why = why or blocked
+                axes.update(turned)
+                targets |= set(turned)
             rcalls, others = an.readers(call)
             readers |= {rc.path for rc in rcalls}
             other += others
@@ -551,21 +686,40 @@ def _rms_streams(an: Analyzer, rms_norms: list[SkippedNorm], folds: list[RmsFold
         sp.writer_targets = sorted(targets)
         sp.linear_readers = sorted(readers)
         sp.readers = sorted(readers) + sorted(set(other))
-        fold = folded.get(norm.path)
-        if why:
-            sp.rotation_reason = why
-        elif norm.bias_attr is not None:
-            sp.rotation_reason = "the RMS norm has a bias"
-        else:
-            sp.rotation_reason = _reader_blocker(sorted(set(other)), sp.linear_readers)
-            if not sp.rotation_reason and fold is None:
-                sp.rotation_reason = (
-                    "γ stays in the RMS norm (pass fold_gamma=True)" if not an.fold_gamma else
-                    "γ cannot fold into the readers (a reader also reads another stream or is shared)")
+        sp.rotation_reason = why or _rms_rotation_blocker(an, norm, sp, sorted(set(other)), folded.get(norm.path))
         sp.rotation_outputs = _output_names(sorted(set(other)))
         sp.rotation_ready = not sp.rotation_reason
         out.append(sp)
     return out, axes
+
+
+def _rms_writer(an: Analyzer, term: Term, width: int) -> tuple[dict[str, int], str]:
+    """The parameters through which one writer of an RMS stream turns with it (``{name: output-feature
+    axis}``), or why that writer's output features cannot absorb Q."""
+    if term.kind == "module":
+        writer = an.modules[term.module_path]
+        params = _ROTATED_PARAMS.get(writer_kind(writer) or "")
+        if params is None or writer.weight.shape[params[0][1]] != width:
+            return {}, f"stream written by {term.label}, whose output features cannot absorb Q"
+        return {f"{term.module_path}.{attr}": axis for attr, axis in params
+                if writer._parameters.get(attr) is not None}, ""
+    value = an.graph.values[term.value] if term.kind == "param" else None
+    if value is not None and value.shape[-1:] == (width,):
+        return {value.name: len(value.shape) - 1}, ""
+    return {}, f"stream written by {term.label} (not a weight that can absorb Q)"
+
+
+def _rms_rotation_blocker(an: Analyzer, norm: SkippedNorm, sp: SitePlan, other: list[str],
+                          fold: RmsFold | None) -> str:
+    """Why an RMS norm whose writers can all turn still blocks rotation ('' when it does not): a bias,
+    readers that cannot absorb Qᵀ, or a γ that stays in the norm."""
+    if norm.bias_attr is not None:
+        return "the RMS norm has a bias"
+    why = _reader_blocker(other, sp.linear_readers)
+    if not why and fold is None:
+        return ("γ stays in the RMS norm (pass fold_gamma=True)" if not an.fold_gamma else
+                "γ cannot fold into the readers (a reader also reads another stream or is shared)")
+    return why
 
 
 def _output_names(other: list[str]) -> list[str]:
@@ -596,9 +750,7 @@ def _well_conditioned(gamma: torch.Tensor | None) -> bool:
     return bool(mag.max() > 0) and bool(mag.min() >= 1e-3 * mag.max())
 
 
-def _plan_folds(an: Analyzer, site: NormSite, sp: SitePlan, foldable: list[str], other: list[str],
-                plan: Plan, unties: dict, reader_sources: dict[str, set[str]],
-                reader_calls: dict[str, set[int]]) -> str:
+def _plan_folds(st: Planning, site: NormSite, sp: SitePlan, foldable: list[str], other: list[str]) -> str:
     """β (and with fold_gamma, γ) leave the norm when every reader can take them; ``sp.beta_detail`` says
     where β went, reader by reader, or why it stays in the RMSNorm. Returns why nothing can fold out of
     the norm at all ('' when the readers allow folding).
@@ -608,8 +760,9 @@ def _plan_folds(an: Analyzer, site: NormSite, sp: SitePlan, foldable: list[str],
     projection's bias: :mod:`normswap.analysis.attention`). β stays in the norm, for every reader, as soon as
     one reader still needs it.
     """
+    an, plan = st.an, st.plan
     has_beta = site.bias_attr is not None
-    kept = _fold_blocker(an, site, foldable, other, unties, reader_sources, reader_calls)
+    kept = _fold_blocker(st, site, foldable, other)
     if kept:
         sp.beta_detail = f"kept in the RMSNorm: {kept}" if has_beta else ""
         return kept
@@ -643,8 +796,7 @@ def _plan_folds(an: Analyzer, site: NormSite, sp: SitePlan, foldable: list[str],
     return ""
 
 
-def _centered_readers(an: Analyzer, site: NormSite, foldable: list[str], unties: dict,
-                      reader_sources: dict[str, set[str]], reader_calls: dict[str, set[int]]) -> list[CenteredReader]:
+def _centered_readers(st: Planning, site: NormSite, foldable: list[str]) -> list[CenteredReader]:
     """The Linear readers of an approximate norm that can be made blind to the mean its RMSNorm leaks
     (:class:`~normswap.analysis.plan.CenteredReader`): each reads only this norm's whole, unpermuted output on
     every call, owns its weight, and has a bias slot for the β correction (unless the norm has no β).
@@ -652,6 +804,7 @@ def _centered_readers(an: Analyzer, site: NormSite, foldable: list[str], unties:
     if len(site.normalized_shape) != 1 or (site.weight_attr is not None
                                            and list(site.param_shape) != list(site.normalized_shape)):
         return []
+    an = st.an
     module = an.modules[site.path]
     if site.weight_attr is not None and not _well_conditioned(site.gamma(module)):
         return []
@@ -659,12 +812,12 @@ def _centered_readers(an: Analyzer, site: NormSite, foldable: list[str], unties:
     for path in foldable:
         reader = an.modules[path]
         every_call = {c.id for c in an.calls_per_path.get(path, [])}
-        if reader_sources[path] != {site.path} or reader_calls[path] != every_call:
+        if st.reader_sources[path] != {site.path} or st.reader_calls[path] != every_call:
             continue
         weight = an.weight_param(path)
         owner = an.modules.get(reader.spec.owner) if isinstance(reader, LinearView) else reader
         shared = [o for o, _ in an.param_owners.get(id(weight), []) if an.modules.get(o) is not owner]
-        if (shared or an.sharing_problem(weight, path) is not None) and (path, "weight") not in unties:
+        if (shared or an.sharing_problem(weight, path) is not None) and (path, "weight") not in st.unties:
             continue  # the edit would change the other owner (a tied embedding) too
         if site.bias_attr is not None and reader.bias is None:
             continue
@@ -672,9 +825,9 @@ def _centered_readers(an: Analyzer, site: NormSite, foldable: list[str], unties:
     return out
 
 
-def _fold_blocker(an: Analyzer, site: NormSite, foldable: list[str], other: list[str], unties: dict,
-                  reader_sources: dict[str, set[str]], reader_calls: dict[str, set[int]]) -> str:
+def _fold_blocker(st: Planning, site: NormSite, foldable: list[str], other: list[str]) -> str:
     """Why nothing folds out of this norm at all ('' when its readers allow folding)."""
+    an = st.an
     if other:
         return f"output also read by {other[0]} (not a Linear)"
     if not foldable:
@@ -683,10 +836,10 @@ def _fold_blocker(an: Analyzer, site: NormSite, foldable: list[str], other: list
         return "normalises over more than one axis or has per-head parameters"
     for path in foldable:
         every_call = {c.id for c in an.calls_per_path.get(path, [])}
-        if reader_sources[path] != {site.path} or reader_calls[path] != every_call:
+        if st.reader_sources[path] != {site.path} or st.reader_calls[path] != every_call:
             return f"`{path}` also reads something else"  # folding would change that call
         weight = an.weight_param(path)
-        if an.sharing_problem(weight, path) is not None and (path, "weight") not in unties:
+        if an.sharing_problem(weight, path) is not None and (path, "weight") not in st.unties:
             owners = sorted({o for o, _ in an.param_owners.get(id(weight), [])} - {path})
             return f"`{path}` shares its weight" + (f" with {', '.join(f'`{o}`' for o in owners)}" if owners else "")
     return ""

@@ -49,7 +49,34 @@ def verify_checkpoint(
     a preset and the same preset saved to a directory match); ORIGINAL with other weights is refused
     unless ``force``. A top-1 agreement of 0 is never "ok".
     """
-    from normswap.checkpoint.conversion import check_text_file, read_calibration
+    conv_path, conv, plan = _load_converted(converted, data, trust_remote_code)
+    dtype = next((p.dtype for p in conv.parameters() if p.is_floating_point()), torch.float32)
+    src, source_match = _resolve_original(original, converted, conv, allow_pickle=allow_pickle,
+                                          trust_remote_code=trust_remote_code, force=force)
+    orig, proc = _load_original(src, conv, task, dtype, trust_remote_code)
+    batches, probe_source = _batches(data, orig, proc, conv_path)
+    figures = _figures(orig, conv, batches, set(plan.changed_outputs))
+    exact, ok, tol, verdict = _judge(plan, figures, tolerance, dtype)
+    return {
+        "figures": figures,
+        # both models run in CONVERTED's stored dtype: what a user of the checkpoint computes in
+        "precision": f"compared in {str(dtype).removeprefix('torch.')}, both models in CONVERTED's stored dtype; "
+                     + (f"tolerance {tol:g} relative" if exact else "approximate conversion: measured, no tolerance"),
+        "ok": ok,
+        "kind": "exact" if exact else "approximate",
+        "tolerance": tol,
+        "batches": len(batches),
+        "dtype": _DTYPE_NAMES.get(dtype, str(dtype)),
+        "verdict": verdict,
+        "source_match": source_match,
+        "probe": probe_source,
+    }
+
+
+def _load_converted(converted: str | os.PathLike, data: Any, trust_remote_code: bool) -> tuple[Path, Any, Plan]:
+    """CONVERTED, loaded, and the plan its manifest carries; ``data`` is checked first (a bad file fails
+    before any model loads)."""
+    from normswap.checkpoint.conversion import check_text_file
 
     conv_path = Path(converted).expanduser()
     if not conv_path.exists():
@@ -60,7 +87,13 @@ def verify_checkpoint(
     plan = _plan_of(conv)
     if plan is None:
         raise NormswapError(f"{converted} is not a normswap checkpoint (no manifest in config.json)")
-    dtype = next((p.dtype for p in conv.parameters() if p.is_floating_point()), torch.float32)
+    return conv_path, conv, plan
+
+
+def _resolve_original(original: str | os.PathLike, converted: str | os.PathLike, conv: Any, *,
+                      allow_pickle: bool, trust_remote_code: bool, force: bool) -> tuple[Any, bool | None]:
+    """ORIGINAL's source, and whether its weights are those CONVERTED's manifest says it was made from
+    (None when the manifest records no fingerprint). Another model is refused unless ``force``."""
     try:
         src = source.resolve(str(original), allow_pickle=allow_pickle, trust_remote_code=trust_remote_code)
     except source.NothingToConvert as exc:
@@ -76,6 +109,13 @@ def verify_checkpoint(
             f"its manifest records ({manifest.get('source')!r}); pass the model it was made from, or "
             "--force to compare anyway"
         )
+    return src, source_match
+
+
+def _load_original(src: Any, conv: Any, task: str | None, dtype: torch.dtype, trust_remote_code: bool
+                   ) -> tuple[Any, Any]:
+    """ORIGINAL in CONVERTED's dtype, with its processor; without ``task``, it must load as the class
+    CONVERTED records (else the two heads compute different things)."""
     arch = (
         getattr(conv.config, "normswap", {}).get("architecture") if hasattr(conv.config, "normswap") else None
     )
@@ -84,19 +124,28 @@ def verify_checkpoint(
     )
     if task is None and arch and type(orig).__name__ != arch:
         raise NormswapError(f"ORIGINAL loads as {type(orig).__name__} but CONVERTED is a {arch}; pass --task")
+    return orig, proc
+
+
+def _batches(data: Any, orig: Any, proc: Any, conv_path: Path) -> tuple[list[dict], str]:
+    """The batches both models run, and what they are: ``data`` when given; else the verification probe
+    (real text where ORIGINAL's tokenizer is known), then random ids."""
+    from normswap.checkpoint.conversion import read_calibration
+
     if data is not None:
         tok = proc if proc is not None else source.load_processor(conv_path)
-        batches = read_calibration(data, tok, orig, option="--data")
-        probe_source = f"--data {data}"
-    elif inputs.is_hf_model(orig):
-        # the verification probe (real text where ORIGINAL's tokenizer is known), then random ids
+        return read_calibration(data, tok, orig, option="--data"), f"--data {data}"
+    if inputs.is_hf_model(orig):
         tok = getattr(proc, "tokenizer", proc) if proc is not None else None
         probe = inputs.verification_probe(orig, tok if callable(tok) else None, seed=101)
         batches = [probe.kwargs, inputs.hf_example_inputs(orig, batch=2, seq=12, seed=102)]
-        probe_source = f"{probe.source}; then random inputs"
-    else:
-        raise NormswapError("cannot build inputs for this model; pass --data")
-    skip = set(plan.changed_outputs)
+        return batches, f"{probe.source}; then random inputs"
+    raise NormswapError("cannot build inputs for this model; pass --data")
+
+
+def _figures(orig: Any, conv: Any, batches: list[dict], skip: set[str]) -> dict[str, Any]:
+    """Compare the two models batch by batch (``skip``: the outputs the conversion changes on purpose):
+    the worst error over the batches, the mean KL and top-1 agreement."""
     per_batch = []
     with torch.no_grad():
         for batch in batches:
@@ -113,42 +162,33 @@ def verify_checkpoint(
         vals = [f[key] for f in per_batch if key in f]
         if vals:
             figures[key] = sum(vals) / len(vals)
+    return figures
+
+
+def _judge(plan: Plan, figures: dict[str, Any], tolerance: float | None, dtype: torch.dtype
+           ) -> tuple[bool, bool, float, str]:
+    """``(exact, ok, tolerance, verdict)``: an exact conversion must be within tolerance (by default
+    the dtype's exactness limit); an approximate one is reported, not judged; a top-1 agreement of 0
+    is never ok."""
     converted_sites = [sp for sp in plan.sites if sp.convert]
     exact = all(sp.verdict != "approximate" for sp in converted_sites)
     tol = tolerance if tolerance is not None else exact_limit(dtype)
     worst = figures["max_rel_error"]
     top1 = figures.get("top1_agreement")
     if isinstance(top1, float) and top1 <= 0.0:
-        ok = False
-        verdict = (
+        return exact, False, tol, (
             f"top-1 agreement with the original is 0 (max relative error {worst:.3g}): the converted "
             "model never predicts what the original does"
         )
-    elif exact:
+    if exact:
         ok = worst <= tol
-        verdict = (
+        return exact, ok, tol, (
             f"exact conversion: max relative error {worst:.3g} <= {tol:g}: OK"
             if ok
             else f"exact conversion misses tolerance: max relative error {worst:.3g} > {tol:g}"
         )
-    else:
-        ok = True
-        n = sum(1 for sp in converted_sites if sp.verdict == "approximate")
-        verdict = (
-            f"approximate conversion ({n} approximate norm(s)): max relative error {worst:.3g}, "
-            f"top-1 agreement {figures.get('top1_agreement', float('nan')):.3f}"
-        )
-    return {
-        "figures": figures,
-        # both models run in CONVERTED's stored dtype: what a user of the checkpoint computes in
-        "precision": f"compared in {str(dtype).removeprefix('torch.')}, both models in CONVERTED's stored dtype; "
-                     + (f"tolerance {tol:g} relative" if exact else "approximate conversion: measured, no tolerance"),
-        "ok": ok,
-        "kind": "exact" if exact else "approximate",
-        "tolerance": tol,
-        "batches": len(batches),
-        "dtype": _DTYPE_NAMES.get(dtype, str(dtype)),
-        "verdict": verdict,
-        "source_match": source_match,
-        "probe": probe_source,
-    }
+    n = sum(1 for sp in converted_sites if sp.verdict == "approximate")
+    return exact, True, tol, (
+        f"approximate conversion ({n} approximate norm(s)): max relative error {worst:.3g}, "
+        f"top-1 agreement {figures.get('top1_agreement', float('nan')):.3f}"
+    )

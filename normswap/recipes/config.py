@@ -11,6 +11,7 @@ message that names the offending key.
 from __future__ import annotations
 
 import dataclasses
+import operator
 import os
 import types
 import typing
@@ -512,13 +513,54 @@ def _positive(value: float | int | None, key: str, *, zero_ok: bool = False) -> 
         raise NormswapError(f"config key `{key}` must be {'>= 0' if zero_ok else '> 0'}, got {value!r}")
 
 
+# numeric keys that must be > 0 (False) or may be 0 (True); None means "not set" (left to the default)
+_POSITIVE_KEYS = (
+    ("data.seq_len", False), ("data.batch_size", False), ("data.eval_batch_size", False),
+    ("data.eval_batches", False), ("data.max_documents", False), ("data.neighbour_groups", False),
+    ("train.steps", False), ("train.lr", False), ("train.weight_decay", True), ("train.warmup_steps", True),
+    ("train.max_grad_norm", False), ("train.gradient_accumulation_steps", False), ("train.lora.r", False),
+    ("train.dropout", True), ("train.lora.dropout", True),
+    ("loss.temperature", False), ("loss.kl_weight", True), ("loss.ce_weight", True), ("loss.pooled_weight", True),
+    ("loss.hidden_weight", True), ("loss.similarity_weight", True),
+    ("convert.calibration_batches", True),
+    ("progressive.group_size", False), ("progressive.interval", False), ("progressive.start_step", True),
+    ("eval.every", False), ("eval.patience", False), ("log.every", False),
+    ("checkpoint.every", False), ("checkpoint.keep_last", False), ("checkpoint.stop_after", False),
+)
+
+
 def validate(cfg: RecipeConfig, *, check_paths: bool = True) -> None:
-    """Cross-key checks. Each failure names the key to fix."""
+    """Cross-key checks. Each failure names the key to fix.
+
+    The checks run in a fixed order (the first failure is the one reported): the task and the
+    conversion options, the required keys, the paths (``check_paths``: off where a config is only
+    described, not run), numeric ranges, then the keys that constrain each other.
+    """
     task = tasks.get(cfg.task)  # an unknown task name fails here, with the valid ones listed
+    _check_convert_options(cfg)
+    _check_required_keys(cfg)
+    if check_paths:
+        _check_paths(cfg)
+    _check_ranges(cfg)
+    _check_neighbour_groups(cfg, task)
+    if cfg.data.seq_len < 4:
+        raise NormswapError(f"config key `data.seq_len` must be at least 4, got {cfg.data.seq_len}")
+    task.check_losses(cfg)  # something must be trained, and teacher terms need a teacher
+    _check_progressive(cfg)
+    task.check_metric(cfg)
+    _check_training(cfg)
+
+
+def _check_convert_options(cfg: RecipeConfig) -> None:
+    """The ``convert`` section must make valid :class:`~normswap.ConvertOptions` (its own one-line errors)."""
     try:
         cfg.convert.options()
     except NormswapError as exc:
         raise NormswapError(f"config section `convert`: {exc}") from exc
+
+
+def _check_required_keys(cfg: RecipeConfig) -> None:
+    """A model to start from and data to train on: usage errors (exit 2), there is no default for them."""
     if not cfg.model.source and not cfg.model.student:
         raise UsageError("config key `model.source` is required: pass model.source=DIR (the original model "
                          "directory or a preset)")
@@ -527,53 +569,29 @@ def validate(cfg: RecipeConfig, *, check_paths: bool = True) -> None:
             "config key `data.path` is required: pass data.path=FILE (a text file, a JSONL file or a datasets "
             "directory)"
         )
-    if check_paths:
-        for key, value in (
-            ("model.source", cfg.model.source),
-            ("model.student", cfg.model.student),
-            ("model.tokenizer", cfg.model.tokenizer),
-        ):
-            if value and not Path(value).exists() and not (key != "model.student" and presets.is_preset(value)):
-                raise NormswapError(
-                    f"config key `{key}`: {value!r} does not exist (normswap never downloads; "
-                    f"give a local directory or a preset: {', '.join(presets.names())})"
-                )
-        if not Path(cfg.data.path).exists():
-            raise NormswapError(f"config key `data.path`: {cfg.data.path!r} does not exist")
-    for key, value, zero_ok in (
-        ("data.seq_len", cfg.data.seq_len, False),
-        ("data.batch_size", cfg.data.batch_size, False),
-        ("data.eval_batch_size", cfg.data.eval_batch_size, False),
-        ("data.eval_batches", cfg.data.eval_batches, False),
-        ("data.max_documents", cfg.data.max_documents, False),
-        ("data.neighbour_groups", cfg.data.neighbour_groups, False),
-        ("train.steps", cfg.train.steps, False),
-        ("train.lr", cfg.train.lr, False),
-        ("train.weight_decay", cfg.train.weight_decay, True),
-        ("train.warmup_steps", cfg.train.warmup_steps, True),
-        ("train.max_grad_norm", cfg.train.max_grad_norm, False),
-        ("train.gradient_accumulation_steps", cfg.train.gradient_accumulation_steps, False),
-        ("train.lora.r", cfg.train.lora.r, False),
-        ("train.dropout", cfg.train.dropout, True),
-        ("train.lora.dropout", cfg.train.lora.dropout, True),
-        ("loss.temperature", cfg.loss.temperature, False),
-        ("loss.kl_weight", cfg.loss.kl_weight, True),
-        ("loss.ce_weight", cfg.loss.ce_weight, True),
-        ("loss.pooled_weight", cfg.loss.pooled_weight, True),
-        ("loss.hidden_weight", cfg.loss.hidden_weight, True),
-        ("loss.similarity_weight", cfg.loss.similarity_weight, True),
-        ("convert.calibration_batches", cfg.convert.calibration_batches, True),
-        ("progressive.group_size", cfg.progressive.group_size, False),
-        ("progressive.interval", cfg.progressive.interval, False),
-        ("progressive.start_step", cfg.progressive.start_step, True),
-        ("eval.every", cfg.eval.every, False),
-        ("eval.patience", cfg.eval.patience, False),
-        ("log.every", cfg.log.every, False),
-        ("checkpoint.every", cfg.checkpoint.every, False),
-        ("checkpoint.keep_last", cfg.checkpoint.keep_last, False),
-        ("checkpoint.stop_after", cfg.checkpoint.stop_after, False),
+
+
+def _check_paths(cfg: RecipeConfig) -> None:
+    """Every path the run reads exists (a preset name stands for a model or tokenizer): normswap never
+    downloads, so a missing directory fails here rather than hours into a run."""
+    for key, value in (
+        ("model.source", cfg.model.source),
+        ("model.student", cfg.model.student),
+        ("model.tokenizer", cfg.model.tokenizer),
     ):
-        _positive(value, key, zero_ok=zero_ok)
+        if value and not Path(value).exists() and not (key != "model.student" and presets.is_preset(value)):
+            raise NormswapError(
+                f"config key `{key}`: {value!r} does not exist (normswap never downloads; "
+                f"give a local directory or a preset: {', '.join(presets.names())})"
+            )
+    if not Path(cfg.data.path).exists():
+        raise NormswapError(f"config key `data.path`: {cfg.data.path!r} does not exist")
+
+
+def _check_ranges(cfg: RecipeConfig) -> None:
+    """Each numeric key on its own: counts and rates positive, fractions and probabilities inside (0, 1)."""
+    for key, zero_ok in _POSITIVE_KEYS:
+        _positive(operator.attrgetter(key)(cfg), key, zero_ok=zero_ok)
     if not 0.0 < cfg.data.eval_fraction < 1.0:
         raise NormswapError(
             f"config key `data.eval_fraction` must be between 0 and 1, got {cfg.data.eval_fraction}"
@@ -586,35 +604,47 @@ def validate(cfg: RecipeConfig, *, check_paths: bool = True) -> None:
         raise NormswapError(f"config key `train.dropout` must be below 1, got {cfg.train.dropout}")
     if len(cfg.train.betas) != 2 or not all(0.0 <= b < 1.0 for b in cfg.train.betas):
         raise NormswapError(f"config key `train.betas` must be two numbers in [0, 1), got {cfg.train.betas}")
-    if cfg.data.neighbour_groups > 1:
-        if not task.embeds or not cfg.teacher.enabled:
-            raise NormswapError(
-                "config key `data.neighbour_groups` groups documents by the teacher's sentence embeddings: "
-                "it needs task: encoder with a teacher (set it to 1)"
-            )
-        if cfg.data.batch_size % cfg.data.neighbour_groups:
-            raise NormswapError(
-                f"config key `data.neighbour_groups` ({cfg.data.neighbour_groups}) must divide "
-                f"`data.batch_size` ({cfg.data.batch_size})"
-            )
-    if cfg.data.seq_len < 4:
-        raise NormswapError(f"config key `data.seq_len` must be at least 4, got {cfg.data.seq_len}")
-    task.check_losses(cfg)  # something must be trained, and teacher terms need a teacher
-    if cfg.progressive.enabled:
-        if cfg.model.student:
-            pass  # a student converted with mode="exact" still has LayerNorms to swap; checked at run time
-        elif cfg.convert.mode != "exact":
-            raise NormswapError(
-                "config key `convert.mode` must be 'exact' when `progressive.enabled` is true "
-                "(the approximate norms start as LayerNorm and are swapped during training)"
-            )
-        order = cfg.progressive.order
-        if isinstance(order, str) and order not in ("forward", "reverse"):
-            raise NormswapError(
-                f"config key `progressive.order` must be 'forward', 'reverse' or a list of "
-                f"module-name patterns, got {order!r}"
-            )
-    task.check_metric(cfg)
+
+
+def _check_neighbour_groups(cfg: RecipeConfig, task: tasks.Task) -> None:
+    """Neighbour groups sort documents by the teacher's sentence embeddings, so they need an embedding
+    task with a teacher, and each batch must split into whole groups."""
+    if cfg.data.neighbour_groups <= 1:
+        return
+    if not task.embeds or not cfg.teacher.enabled:
+        raise NormswapError(
+            "config key `data.neighbour_groups` groups documents by the teacher's sentence embeddings: "
+            "it needs task: encoder with a teacher (set it to 1)"
+        )
+    if cfg.data.batch_size % cfg.data.neighbour_groups:
+        raise NormswapError(
+            f"config key `data.neighbour_groups` ({cfg.data.neighbour_groups}) must divide "
+            f"`data.batch_size` ({cfg.data.batch_size})"
+        )
+
+
+def _check_progressive(cfg: RecipeConfig) -> None:
+    """Progressive swapping starts the approximate norms as LayerNorm, so the conversion must leave them
+    (``mode: exact``), and its order is a direction or a list of module-name patterns."""
+    if not cfg.progressive.enabled:
+        return
+    if not cfg.model.student and cfg.convert.mode != "exact":
+        # a given student converted with mode="exact" still has LayerNorms to swap: checked at run time
+        raise NormswapError(
+            "config key `convert.mode` must be 'exact' when `progressive.enabled` is true "
+            "(the approximate norms start as LayerNorm and are swapped during training)"
+        )
+    order = cfg.progressive.order
+    if isinstance(order, str) and order not in ("forward", "reverse"):
+        raise NormswapError(
+            f"config key `progressive.order` must be 'forward', 'reverse' or a list of "
+            f"module-name patterns, got {order!r}"
+        )
+
+
+def _check_training(cfg: RecipeConfig) -> None:
+    """The training keys that depend on each other or on the machine: LoRA targets, fp16 (GPU only),
+    early stopping (needs the best checkpoint kept) and a stop point within the run."""
     if cfg.train.trainable == "lora" and cfg.train.lora.target_modules == []:
         raise NormswapError(
             "config key `train.lora.target_modules` must name at least one module (or be null)"
