@@ -499,164 +499,250 @@ def patch(model: nn.Module, example_inputs: inputs.ExampleInputs = None, *,
           **keywords: Any) -> Report:
     """Convert ``model``'s LayerNorms to :class:`normswap.RMSNorm`, in place, verified.
 
-    The pipeline behind :func:`normswap.patch` (:mod:`normswap.api`), which passes ``on_commit``: called
-    with the converted model (the one inside a wrapper) once it is committed.
+    The pipeline behind :func:`normswap.patch` (:mod:`normswap.api`, where the arguments are
+    documented), which passes ``on_commit``: called with the converted model (the one inside a
+    wrapper) once it is committed.
 
-    Args:
-        model: a transformers model, a sentence-transformers model (its transformers model is
-            converted in place, with its tokenizer), a ``torch.compile``'d module (the module inside
-            is converted; the compiled object recompiles on its next call), or any ``nn.Module``.
-        example_inputs: inputs for the analysis run (built automatically for transformers models).
-        options: a :class:`~normswap.ConvertOptions` (mode, fold_gamma, untie, per_norm_centering,
-            mean_carry, calibration, sequential, tokenizer, verify, allow_unusable, backend; see its
-            docstring for each). Its fields may be given as keywords instead:
-            ``patch(model, mode="exact")``. An unknown keyword is an error.
-
-    Returns:
-        A :class:`Report` with per-norm verdicts, verification figures and the calibration used.
-
-    Raises:
-        NormswapError: bad input or failed verification; the model is left unchanged.
-        calibrate.UnusableConversion: the approximate conversion is unusable (``exit_code`` 4).
+    The steps, on a working copy (:func:`analysed_copy`): analyse and decide verdicts; run the unseen
+    probe on the original; edit the weights and swap the exact norms; calibrate and swap the
+    approximate ones; verify; then, only if verification passed, commit into ``model``. Any error
+    before the commit leaves ``model`` as it was.
     """
     opts = ConvertOptions.build(options, **keywords)
     model, opts, wrapped = unwrap(model, example_inputs, opts)
-    preflight(model)
-    args, kwargs = inputs.resolve(model, example_inputs)
-    user_dtype = _dtype_of(model)
-    training = {name: m.training for name, m in model.named_modules()}
-    untouched = versions(model)
+    st = _start(model, example_inputs, opts)
     with eval_mode(model):
-        work, wargs, wkwargs, an = analysed_copy(model, args, kwargs, opts)
-        work_dtype = _dtype_of(work)
-        plan_ = an.plan
-        decide_verdicts(plan_, opts.mode)
-        if plan_.options.get("already_converted"):
-            return Report([], {}, plan_, "model is already converted by normswap; nothing to do")
-        if not plan_.sites and not plan_.rms_folds:
-            return Report([], {}, plan_, "no LayerNorm found; nothing to do")
-        todo = [sp for sp in plan_.sites if sp.convert]
-        if not todo and not plan_.rms_folds:  # fold_gamma on an already-RMS model still has work
-            return Report(plan_.sites, {}, plan_, "no LayerNorm can be converted in this mode; model unchanged")
-
-        reference = an.graph.output_object
-        del an.graph  # free the recorded activations
-        # A second, unseen probe (other ids, other length) guards against a plan that only fits the
-        # inputs the analysis ran on. Built for transformers models; custom models use their inputs.
-        probe, probe_failed = None, ""
-        if opts.verify and example_inputs is None:  # real text where the tokenizer is known
-            probe = inputs.verification_probe(work, opts.tokenizer)
-            try:
-                with torch.no_grad(), running(work_dtype, an.hold):
-                    probe_reference = work(**probe.kwargs)
-            except MemoryError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - e.g. a model that takes one sequence length only
-                probe_failed = f"{type(exc).__name__}: {first_line(exc, 120, default='')}"
-                probe = None
-        originals = {sp.name: work.get_submodule(sp.name) for sp in plan_.sites}
-        own_written(work, model, plan_)  # from here on the surgery writes only tensors of its own
-        edits.apply_weight_edits(work, plan_, an.sites, originals)
-        for h in plan_.hooks:
-            edits.install_hook(work, h)
-
-        approx = [sp for sp in todo if sp.verdict == "approximate"]
-        new_modules = {}
-
-        def swap(sps: list[SitePlan], fits: dict) -> None:
-            for sp in sps:
-                new = edits.make_rmsnorm(an.sites[sp.name], sp, originals[sp.name], opts.backend,
-                                           fits.get(sp.name))
-                edits.replace_module(work, originals[sp.name], new)
-                new_modules[sp.name] = new
-            for h in plan_.hooks:  # again: a hook on a norm that was just replaced went with it
-                edits.install_hook(work, h)
-
-        # exact norms first: the approximate ones are then fitted inside the model as it will run
-        swap([sp for sp in todo if sp.verdict != "approximate"], {})
-        calib = None
-        if approx and opts.calibration is not False:
-            calib = _calibrate(work, approx, an.sites, originals, opts, example_inputs, wargs, wkwargs,
-                               work_dtype, an.hold)
-            plan_.options["calibration"] = calib.as_dict()
-            plan_.options["calibration_batches"] = calib.batches
-            reason = calibrate.unusable(calib.figures)
-            if opts.verify and reason and not opts.allow_unusable:
-                raise calibrate.UnusableConversion(
-                    f"conversion unusable: {reason} (held-out, {calib.source}); model left unchanged. "
-                    "Calibrate on data from your domain (calibration=...), keep "
-                    "approximate norms as LayerNorm (mode='exact'), or recover with the distillation "
-                    "recipe (normswap finetune distill-encoder|distill-masked-lm|distill-causal-lm); "
-                    "allow_unusable=True writes it anyway")
-        elif approx:
-            plan_.options["calibration"] = {"source": "none (γ/β copied unchanged)"}
-        swap(approx, {n: (f.weight, f.bias) for n, f in (calib.fits.items() if calib else [])})
-        check_untouched(model, untouched)  # the surgery is done: it wrote only its own tensors
-
-        # The converted model runs on the unseen probe; on the traced inputs too only when the probe
-        # did not reach every converted norm (each needs its zero-mean evidence) or there is no probe.
-        skip = set(plan_.changed_outputs)
-        with _capture(new_modules) as seen, torch.no_grad(), running(work_dtype, an.hold):
-            if probe is not None:
-                figures = compare(probe_reference, work(**probe.kwargs), skip, probe.attention_mask)
-                figures["unseen_probe_max_rel_error"] = figures.get("max_rel_error", 0.0)
-                figures["probe"] = probe.source
-                del probe_reference
-            if probe is None or any(not seen[name] for name in new_modules):
-                traced = compare(reference, work(*wargs, **wkwargs), skip)
-                if probe is None:
-                    figures = traced
-                    figures["probe"] = ("the analysis inputs (verify=False: no unseen probe)" if not opts.verify
-                                        else "the example_inputs the analysis ran on (no unseen probe for "
-                                        "inputs given by hand)" if example_inputs is not None
-                                        else f"the analysis inputs (the unseen probe did not run: {probe_failed})")
-                else:
-                    for k in ("max_rel_error", "raw_stream_rel_error"):
-                        if k in figures or k in traced:
-                            figures[k] = max(figures.get(k, 0.0), traced.get(k, 0.0))
-        with running(work_dtype, an.hold):  # the originals' forwards: a float32 norm of a float64 copy too
-            _site_checks(plan_, todo, seen, originals, an.sites, work_dtype, figures)
-        if opts.verify:
-            gate(todo, figures, work_dtype)
-        figures.update(an.precision.figures(*gate_text(todo, work_dtype, opts.verify)))
-        report_warnings(plan_, todo)
-        check_untouched(model, untouched)
-        measure_cast = user_dtype != work_dtype and opts.verify
-        if measure_cast:  # what the cast back to the model's dtype costs, next to what that dtype costs anyway
-            in_dtype, original_failed = _error_in_own_dtype(model, reference, args, kwargs)
-            figures["original_in_model_dtype"] = in_dtype.get("max_rel_error")
-        _commit(model, work, plan_, todo, user_dtype, training)
-        torch_transformer.keep_python_forward(model, plan_)
-        if measure_cast:
-            converted_in_dtype, converted_failed = _error_in_own_dtype(model, reference, args, kwargs, skip)
-            figures["in_model_dtype"] = converted_in_dtype.get("max_rel_error")
-            figures["dtype_error_ratio"] = dtype_error_ratio(in_dtype, converted_in_dtype)
-            dtype_note = _own_dtype_note(model, user_dtype, original_failed, converted_failed)
-            if converted_failed:  # committed already: say it loudly rather than leave a half-told result
-                warnings.warn(dtype_note, stacklevel=2)
-    attach_plan(model, plan_)
+        nothing = _analyse(st)
+        if nothing is not None:
+            return nothing
+        _run_unseen_probe(st)
+        _edit_weights(st)
+        _swap(st, [sp for sp in st.todo if sp.verdict != "approximate"])  # approximate ones fit around them
+        _calibrate_approximate(st)
+        check_untouched(model, st.untouched)  # the surgery is done: it wrote only its own tensors
+        _verify(st)
+        report_warnings(st.plan, st.todo)
+        check_untouched(model, st.untouched)
+        _commit_verified(st)
+    attach_plan(model, st.plan)
     if on_commit is not None:
         on_commit(model)
+    return _report(st, wrapped)
+
+
+@dataclass
+class _Patching:
+    """What travels between :func:`patch`'s steps."""
+
+    model: nn.Module  # the user's model: read until the commit, written only by it
+    opts: ConvertOptions
+    example_inputs: inputs.ExampleInputs  # as the user gave them (None: built for a transformers model)
+    args: tuple  # the resolved inputs, in the model's dtype
+    kwargs: dict
+    user_dtype: torch.dtype
+    training: dict[str, bool]  # each module's train/eval flag, restored by the commit
+    untouched: dict[str, int]  # the model's tensor versions: proof that only the commit writes
+    work: nn.Module | None = None  # the working copy that the surgery edits
+    wargs: tuple = ()  # the inputs in the working dtype
+    wkwargs: dict = field(default_factory=dict)
+    an: _Analysis | None = None
+    work_dtype: torch.dtype = torch.float64
+    todo: list[SitePlan] = field(default_factory=list)  # the norms this mode converts
+    reference: Any = None  # the original's outputs on the analysis inputs
+    probe: inputs.Probe | None = None  # the unseen verification probe, and the original's outputs on it
+    probe_reference: Any = None
+    probe_failed: str = ""  # why the probe did not run, when it did not
+    originals: dict[str, nn.Module] = field(default_factory=dict)  # the working copy's norms before the swap
+    new_modules: dict[str, nn.Module] = field(default_factory=dict)  # the RMSNorms swapped in
+    calib: calibrate.CalibrationResult | None = None
+    figures: dict[str, Any] = field(default_factory=dict)
+    dtype_note: str = ""  # what the cast back to the model's dtype costs, when measured
+
+    @property
+    def plan(self) -> Plan:
+        return self.an.plan
+
+    @property
+    def approximate(self) -> list[SitePlan]:
+        return [sp for sp in self.todo if sp.verdict == "approximate"]
+
+    @property
+    def measure_cast(self) -> bool:
+        """Whether the cast back to the model's own dtype is measured (the copy ran in another one)."""
+        return self.user_dtype != self.work_dtype and self.opts.verify
+
+
+def _start(model: nn.Module, example_inputs: inputs.ExampleInputs, opts: ConvertOptions) -> _Patching:
+    """Refuse what cannot be converted, resolve the inputs, and note what the commit must restore."""
+    preflight(model)
+    args, kwargs = inputs.resolve(model, example_inputs)
+    return _Patching(model, opts, example_inputs, args, kwargs, user_dtype=_dtype_of(model),
+                     training={name: m.training for name, m in model.named_modules()},
+                     untouched=versions(model))
+
+
+def _analyse(st: _Patching) -> Report | None:
+    """The working copy, analysed, with verdicts for the mode; a Report when there is nothing to do."""
+    st.work, st.wargs, st.wkwargs, st.an = analysed_copy(st.model, st.args, st.kwargs, st.opts)
+    st.work_dtype = _dtype_of(st.work)
+    plan_ = st.plan
+    decide_verdicts(plan_, st.opts.mode)
+    if plan_.options.get("already_converted"):
+        return Report([], {}, plan_, "model is already converted by normswap; nothing to do")
+    if not plan_.sites and not plan_.rms_folds:
+        return Report([], {}, plan_, "no LayerNorm found; nothing to do")
+    st.todo = [sp for sp in plan_.sites if sp.convert]
+    if not st.todo and not plan_.rms_folds:  # fold_gamma on an already-RMS model still has work
+        return Report(plan_.sites, {}, plan_, "no LayerNorm can be converted in this mode; model unchanged")
+    st.reference = st.an.graph.output_object
+    del st.an.graph  # free the recorded activations
+    return None
+
+
+def _run_unseen_probe(st: _Patching) -> None:
+    """The original's outputs on a second, unseen probe (other ids, other length): it guards against a
+    plan that only fits the inputs the analysis ran on. Built for transformers models (real text where
+    the tokenizer is known); custom models are verified on their own inputs."""
+    if not st.opts.verify or st.example_inputs is not None:
+        return
+    st.probe = inputs.verification_probe(st.work, st.opts.tokenizer)
+    try:
+        with torch.no_grad(), running(st.work_dtype, st.an.hold):
+            st.probe_reference = st.work(**st.probe.kwargs)
+    except MemoryError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - e.g. a model that takes one sequence length only
+        st.probe_failed = f"{type(exc).__name__}: {first_line(exc, 120, default='')}"
+        st.probe = None
+
+
+def _edit_weights(st: _Patching) -> None:
+    """The plan's weight edits and run-time ops on the working copy, which from here on holds its own
+    copy of every tensor it writes."""
+    st.originals = {sp.name: st.work.get_submodule(sp.name) for sp in st.plan.sites}
+    own_written(st.work, st.model, st.plan)
+    edits.apply_weight_edits(st.work, st.plan, st.an.sites, st.originals)
+    for h in st.plan.hooks:
+        edits.install_hook(st.work, h)
+
+
+def _swap(st: _Patching, sps: list[SitePlan], fits: dict | None = None) -> None:
+    """Replace the norms ``sps`` in the working copy by RMSNorms (γ/β from ``fits`` where calibrated)."""
+    fits = fits or {}
+    for sp in sps:
+        new = edits.make_rmsnorm(st.an.sites[sp.name], sp, st.originals[sp.name], st.opts.backend,
+                                 fits.get(sp.name))
+        edits.replace_module(st.work, st.originals[sp.name], new)
+        st.new_modules[sp.name] = new
+    for h in st.plan.hooks:  # again: a hook on a norm that was just replaced went with it
+        edits.install_hook(st.work, h)
+
+
+def _calibrate_approximate(st: _Patching) -> None:
+    """Fit the approximate norms inside the model as it will run (exact ones already swapped), refuse
+    an unusable result, then swap them."""
+    approx, opts, plan_ = st.approximate, st.opts, st.plan
+    if approx and opts.calibration is not False:
+        st.calib = _calibrate(st.work, approx, st.an.sites, st.originals, opts, st.example_inputs, st.wargs,
+                              st.wkwargs, st.work_dtype, st.an.hold)
+        plan_.options["calibration"] = st.calib.as_dict()
+        plan_.options["calibration_batches"] = st.calib.batches
+        reason = calibrate.unusable(st.calib.figures)
+        if opts.verify and reason and not opts.allow_unusable:
+            raise calibrate.UnusableConversion(
+                f"conversion unusable: {reason} (held-out, {st.calib.source}); model left unchanged. "
+                "Calibrate on data from your domain (calibration=...), keep "
+                "approximate norms as LayerNorm (mode='exact'), or recover with the distillation "
+                "recipe (normswap finetune distill-encoder|distill-masked-lm|distill-causal-lm); "
+                "allow_unusable=True writes it anyway")
+    elif approx:
+        plan_.options["calibration"] = {"source": "none (γ/β copied unchanged)"}
+    _swap(st, approx, {n: (f.weight, f.bias) for n, f in (st.calib.fits.items() if st.calib else [])})
+
+
+def _verify(st: _Patching) -> None:
+    """Run the converted copy, compare with the original, check each norm, and gate (``verify``).
+
+    It runs on the unseen probe; on the traced inputs too only when the probe did not reach every
+    converted norm (each needs its zero-mean evidence) or there is no probe."""
+    skip = set(st.plan.changed_outputs)
+    figures: dict[str, Any] = {}
+    with _capture(st.new_modules) as seen, torch.no_grad(), running(st.work_dtype, st.an.hold):
+        if st.probe is not None:
+            figures = compare(st.probe_reference, st.work(**st.probe.kwargs), skip, st.probe.attention_mask)
+            figures["unseen_probe_max_rel_error"] = figures.get("max_rel_error", 0.0)
+            figures["probe"] = st.probe.source
+            st.probe_reference = None
+        if st.probe is None or any(not seen[name] for name in st.new_modules):
+            traced = compare(st.reference, st.work(*st.wargs, **st.wkwargs), skip)
+            if st.probe is None:
+                figures = traced
+                figures["probe"] = _probe_used(st)
+            else:
+                for k in ("max_rel_error", "raw_stream_rel_error"):
+                    if k in figures or k in traced:
+                        figures[k] = max(figures.get(k, 0.0), traced.get(k, 0.0))
+    with running(st.work_dtype, st.an.hold):  # the originals' forwards: a float32 norm of a float64 copy too
+        _site_checks(st.plan, st.todo, seen, st.originals, st.an.sites, st.work_dtype, figures)
+    if st.opts.verify:
+        gate(st.todo, figures, st.work_dtype)
+    figures.update(st.an.precision.figures(*gate_text(st.todo, st.work_dtype, st.opts.verify)))
+    st.figures = figures
+
+
+def _probe_used(st: _Patching) -> str:
+    """What the verification ran on, when it is not the unseen probe."""
+    if not st.opts.verify:
+        return "the analysis inputs (verify=False: no unseen probe)"
+    if st.example_inputs is not None:
+        return "the example_inputs the analysis ran on (no unseen probe for inputs given by hand)"
+    return f"the analysis inputs (the unseen probe did not run: {st.probe_failed})"
+
+
+def _commit_verified(st: _Patching) -> None:
+    """Copy the verified copy into the user's model, and measure what the cast back to its own dtype
+    costs next to what that dtype costs the original anyway."""
+    model, figures = st.model, st.figures
+    if st.measure_cast:
+        in_dtype, original_failed = _error_in_own_dtype(model, st.reference, st.args, st.kwargs)
+        figures["original_in_model_dtype"] = in_dtype.get("max_rel_error")
+    _commit(model, st.work, st.plan, st.todo, st.user_dtype, st.training)
+    torch_transformer.keep_python_forward(model, st.plan)
+    if st.measure_cast:
+        skip = set(st.plan.changed_outputs)
+        converted_in_dtype, converted_failed = _error_in_own_dtype(model, st.reference, st.args, st.kwargs, skip)
+        figures["in_model_dtype"] = converted_in_dtype.get("max_rel_error")
+        figures["dtype_error_ratio"] = dtype_error_ratio(in_dtype, converted_in_dtype)
+        st.dtype_note = _own_dtype_note(model, st.user_dtype, original_failed, converted_failed)
+        if converted_failed:  # committed already: say it loudly rather than leave a half-told result
+            warnings.warn(st.dtype_note, stacklevel=4)
+
+
+def _report(st: _Patching, wrapped: str) -> Report:
+    """The Report: the plan's conversion line with what else the user should know, then the rotation
+    (``options.rotate``, proven output-preserving: :mod:`normswap.rotation.rotate`) of the committed
+    model."""
+    plan_, figures, calib, opts = st.plan, st.figures, st.calib, st.opts
     message = plan_.conversion_line()
     if wrapped:
         message = f"{wrapped}; {message}"
-    if measure_cast and dtype_note:
-        message += f"; {dtype_note}"
+    if st.dtype_note:
+        message += f"; {st.dtype_note}"
     if plan_.options.get("working_dtype"):
         message += f"; analysed and verified in {plan_.options['working_dtype']}"
-    elif an.hold:  # a fact of these inputs' run (DINOv2 casts only where it interpolates), not of the plan
-        message += (f"; the model's casts to lower precision held at {str(work_dtype).removeprefix('torch.')} "
-                    f"in analysis and verification ({precision.describe(an.held)})")
+    elif st.an.hold:  # a fact of these inputs' run (DINOv2 casts only where it interpolates), not of the plan
+        message += (f"; the model's casts to lower precision held at {str(st.work_dtype).removeprefix('torch.')} "
+                    f"in analysis and verification ({precision.describe(st.an.held)})")
     if calib is not None:
         message += f"; {calib.summary()}"
         figures.update({f"heldout_{k}": v for k, v in calib.figures.items()})
-    elif approx:
+    elif st.approximate:
         message += "; no calibration (γ/β copied unchanged)"
     rotation = None
-    if opts.rotate is not None:  # proven output-preserving (normswap.rotate); applied to the committed model
+    if opts.rotate is not None:
         from normswap.rotation.rotate import rotate
 
-        rotation = rotate(model, opts.rotate, seed=opts.rotate_seed, online=opts.online_hadamard,
+        rotation = rotate(st.model, opts.rotate, seed=opts.rotate_seed, online=opts.online_hadamard,
                           output=opts.rotate_output)
         message += f"; {rotation.headline()}"
     return Report(plan_.sites, figures, plan_, message, changed=True, calibration=calib, rotation=rotation)
@@ -811,7 +897,7 @@ def report_warnings(plan_: Plan, todo: list[SitePlan]) -> None:
         if sp.verdict == "approximate":
             warnings.warn(f"normswap: `{sp.name}` converted approximately ({sp.reason}); "
                           f"relative output error {sp.error:.3g}. Use mode='exact' to keep it as LayerNorm, "
-                          "or recover accuracy with `normswap finetune`", stacklevel=3)
+                          "or recover accuracy with `normswap finetune`", stacklevel=4)  # the user's call
 
 
 def _commit(model: nn.Module, work: nn.Module, plan_: Plan, todo: list[SitePlan], dtype: torch.dtype,

@@ -11,6 +11,7 @@ take the streaming path in :mod:`normswap.checkpoint.streaming` instead.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import json
 import logging
@@ -486,27 +487,74 @@ def convert(
     say = echo or (lambda msg: log.info(msg))
     if allow_new_head and task is None:
         raise NormswapError("--new-head adds a task head: pass --task as well (e.g. --task sequence-classification)")
-    opts = check_options(
-        ConvertOptions.build(options, **keywords),
-        fmt=format,
-        dtype=dtype,
-        max_shard_size=max_shard_size,
-        task=task,
-        low_memory=low_memory,
-        calibration_data=calibration_data,
-    )
+    opts = check_options(ConvertOptions.build(options, **keywords), fmt=format, dtype=dtype,
+                         max_shard_size=max_shard_size, task=task, low_memory=low_memory,
+                         calibration_data=calibration_data)
     if calibration_data is not None:
         check_text_file(calibration_data, "--calibration-data")
-    src = source.resolve(
-        str(model_id_or_path), allow_pickle=allow_pickle, trust_remote_code=trust_remote_code, revision=revision
-    )
+    src = source.resolve(str(model_id_or_path), allow_pickle=allow_pickle, trust_remote_code=trust_remote_code,
+                         revision=revision)
     out = io.check_destination(out_dir, overwrite=overwrite, source=src.path)
-    automatic = low_memory is None
+    st = _Conversion(src, out, opts, fmt=format, dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite,
+                     task=task, trust_remote_code=trust_remote_code, allow_new_head=allow_new_head,
+                     calibration_data=calibration_data, say=say)
+    if _streams(st, low_memory):
+        from normswap.checkpoint import streaming
+
+        return streaming.convert_streaming(src, out, fmt=format, options=st.opts, dtype=dtype,
+                                           max_shard_size=max_shard_size, overwrite=overwrite, task=task,
+                                           progress=progress, echo=say, automatic=low_memory is None)
+    check_float64_fits(src, dtype, st.opts)
+    st.side_bytes = io.side_file_bytes(src.path)
+    io.check_space(out, src.nbytes + st.side_bytes)
+    st.steps = _progress(progress, 4, f"normswap convert {src.spec}")
+    with st.steps:
+        _load(st)
+        st.steps.update()
+        _convert_loaded(st, progress)
+        st.steps.update()
+        _cast_to_dtype(st)
+        _write_and_check(st)
+    st.report.output, st.report.output_format = str(out), format
+    return st.report
+
+
+@dataclasses.dataclass
+class _Conversion:
+    """What travels between :func:`convert`'s steps (the in-memory path)."""
+
+    src: Source
+    out: Path
+    opts: ConvertOptions
+    fmt: str
+    dtype: str  # the written checkpoint's dtype ("auto": the source's)
+    max_shard_size: int | str
+    overwrite: bool
+    task: str | None
+    trust_remote_code: bool
+    allow_new_head: bool
+    calibration_data: str | os.PathLike | None
+    say: Callable[[str], None]
+    steps: Steps | None = None
+    model: nn.Module | None = None  # the loaded model, converted in place; freed before the reload check
+    proc: Any = None  # its tokenizer / processor
+    probe: dict[str, Any] | None = None  # inputs the written checkpoint is checked on
+    original: Any = None  # the original's outputs on them (None: no reload check)
+    converted: Any = None  # the converted model's, in the written dtype
+    report: pipeline.Report | None = None
+    side_bytes: int = 0  # the source's side files (tokenizer, processor), copied beside the weights
+
+
+def _streams(st: _Conversion, low_memory: bool | None) -> bool:
+    """Whether the checkpoint takes the streaming path: ``low_memory`` as asked, else when the in-memory
+    conversion would not fit (and nothing needs the whole model: calibration, per-norm centering).
+    Refuses what streaming cannot do."""
+    src, opts = st.src, st.opts
     if low_memory is None:
-        low_memory = (wants_low_memory(src, dtype) and calibration_data is None and opts.calibration is None
+        low_memory = (wants_low_memory(src, st.dtype) and st.calibration_data is None and opts.calibration is None
                       and not opts.per_norm_centering)
         if low_memory:
-            say(
+            st.say(
                 f"checkpoint is {io.human(src.nbytes)}: converting it in memory would need more than the "
                 f"available RAM ({io.human(int(available_memory()))}); streaming conversion (--low-memory)"
             )
@@ -516,125 +564,101 @@ def convert(
         raise NormswapError(f"{src.label} is streamed (its in-memory conversion would not fit in the available "
                             "RAM) and --rotate needs the whole model in memory; pass --in-memory to force it, or "
                             "drop --rotate")
-    if low_memory:
-        if src.kind == "preset":
-            raise NormswapError(
-                "--low-memory converts a checkpoint on disk; save the preset first "
-                "(normswap.presets.save) or drop --low-memory"
-            )
-        from normswap.checkpoint import streaming
+    if low_memory and src.kind == "preset":
+        raise NormswapError("--low-memory converts a checkpoint on disk; save the preset first "
+                            "(normswap.presets.save) or drop --low-memory")
+    return bool(low_memory)
 
-        return streaming.convert_streaming(
-            src,
-            out,
-            fmt=format,
-            options=opts,
-            dtype=dtype,
-            max_shard_size=max_shard_size,
-            overwrite=overwrite,
-            task=task,
-            progress=progress,
-            echo=say,
-            automatic=automatic,
-        )
-    check_float64_fits(src, dtype, opts)
-    side_bytes = io.side_file_bytes(src.path)
-    io.check_space(out, src.nbytes + side_bytes)
-    steps = _progress(progress, 4, f"normswap convert {src.spec}")
-    with steps:
-        steps.set_postfix_str("loading")
-        # --dtype: load in float32 (exact for bf16/fp16 checkpoints), do the fp64 surgery on the
-        # unrounded weights, cast once at the end; loading in the target dtype would round twice
-        model, proc = source.load_model(
-            src,
-            task=task,
-            dtype="auto" if dtype == "auto" else "float32",
-            trust_remote_code=trust_remote_code,
-            allow_new_head=allow_new_head,
-        )
-        if src.left_out:
-            say(
-                f"left out {source.names(src.left_out)}: the checkpoint has no tensors for it, and the "
-                f"{src.layout} pipeline does not use it (it reads {source.PIPELINE_READS[src.layout]})"
-            )
-        if src.new_head:
-            say(
-                f"new task head, randomly initialised (--new-head): {source.names(src.new_head)}; "
-                "train it before use"
-            )
-        if format == "native" and type(model).__module__.startswith("transformers_modules"):
-            raise NormswapError(
-                f"{src.spec} uses custom modeling code; the native format needs a transformers "
-                "architecture. Use --format compat"
-            )
-        steps.update()
-        if opts.calibration is None and calibration_data is not None:
-            opts = opts.replace(calibration=read_calibration(calibration_data, proc, model))
-        if opts.tokenizer is None:
-            opts = opts.replace(tokenizer=calibration_tokenizer(proc))
-        probe = probe_inputs(model) if inputs.is_hf_model(model) else None
-        original = _run(model, probe) if (opts.verify and probe is not None) else None
-        steps.set_postfix_str("analysing and converting")
-        try:
-            with calibration_progress(progress):
-                report = pipeline.patch(model, options=opts)
-        except VerificationFailed as exc:
-            raise VerificationFailed(f"{exc}; nothing was written") from exc
-        if not report.changed:
-            raise NothingToConvert(f"{src.label}: {report.message}")
-        if opts.allow_unusable:
-            top1 = report.verification.get("top1_agreement")
-            if isinstance(top1, (int, float)) and top1 <= 0.0:
-                say("top-1 agreement with the original is 0; writing it anyway (--allow-unusable)")
-        else:
-            check_agreement(report.verification)
-        plan = plan_of(model)
-        if plan.unties:
-            grown = sum(u.numel for u in plan.unties)
-            itemsize = next((p.element_size() for p in model.parameters() if p.is_floating_point()), 4)
-            say(io.untie_note(len(plan.unties), grown, grown * itemsize, output_bytes(model)))
-        steps.update()
-        plan = plan_of(model)
-        kept = [sp.name for sp in plan.sites if sp.verdict == "approximate" and not sp.convert]
-        if format == "compat" and kept:
-            say(
-                f"compat format keeps LayerNorms: {len(kept)} approximate norm(s) left unconverted "
-                "(use --format native --mode all to convert them)"
-            )
-        if dtype != "auto":
-            model.to(source.torch_dtype(dtype))  # the one cast from the float32 result
-            if probe is not None:
-                probe = {k: (v.to(source.torch_dtype(dtype)) if torch.is_tensor(v) and v.is_floating_point() else v)
-                         for k, v in probe.items()}
-        converted = _run(model, probe) if original is not None else None
-        steps.set_postfix_str("writing")
-        needed = io.check_space(out, output_bytes(model) + side_bytes)
-        with io.atomic_directory(out, overwrite=overwrite, needed=needed) as tmp:
-            writer.write_model_dir(
-                model,
-                tmp,
-                fmt=format,
-                plan=plan,
-                max_shard_size=max_shard_size,
-                verification=report.verification,
-                source=src.spec,
-                tokenizer=proc if src.kind == "preset" else None,
-                side_files_from=src.path,
-                manifest_extra=source.record(src),
-            )
-            steps.update()
-            if original is not None:
-                steps.set_postfix_str("verifying the written checkpoint")
-                dtype_ = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-                # the converted model's outputs are kept (``converted``): free the model itself, so the
-                # reloaded checkpoint (and a half model's float32 run) takes its place, not a place beside it
-                del model
-                gc.collect()
-                figures = reload_check(
-                    format, tmp, converted, original, probe, plan, dtype_, trust_remote_code=trust_remote_code
-                )
-                _update_manifest(tmp, figures, src.path)
-                report.verification.update(figures)
-            steps.update()
-    report.output, report.output_format = str(out), format
-    return report
+
+def _load(st: _Conversion) -> None:
+    """Load the model and its processor, say what was left out or added, and complete the options from
+    them (calibration batches, the tokenizer of the verification probe)."""
+    st.steps.set_postfix_str("loading")
+    src = st.src
+    # --dtype: load in float32 (exact for bf16/fp16 checkpoints), do the fp64 surgery on the
+    # unrounded weights, cast once at the end; loading in the target dtype would round twice
+    st.model, st.proc = source.load_model(src, task=st.task, dtype="auto" if st.dtype == "auto" else "float32",
+                                          trust_remote_code=st.trust_remote_code,
+                                          allow_new_head=st.allow_new_head)
+    if src.left_out:
+        st.say(f"left out {source.names(src.left_out)}: the checkpoint has no tensors for it, and the "
+               f"{src.layout} pipeline does not use it (it reads {source.PIPELINE_READS[src.layout]})")
+    if src.new_head:
+        st.say(f"new task head, randomly initialised (--new-head): {source.names(src.new_head)}; "
+               "train it before use")
+    if st.fmt == "native" and type(st.model).__module__.startswith("transformers_modules"):
+        raise NormswapError(f"{src.spec} uses custom modeling code; the native format needs a transformers "
+                            "architecture. Use --format compat")
+    if st.opts.calibration is None and st.calibration_data is not None:
+        st.opts = st.opts.replace(calibration=read_calibration(st.calibration_data, st.proc, st.model))
+    if st.opts.tokenizer is None:
+        st.opts = st.opts.replace(tokenizer=calibration_tokenizer(st.proc))
+
+
+def _convert_loaded(st: _Conversion, progress: bool) -> None:
+    """``normswap.patch`` on the loaded model (the original's outputs kept first for the reload check),
+    refusing a conversion that never agrees with the original, and saying what grows or stays."""
+    model = st.model
+    st.probe = probe_inputs(model) if inputs.is_hf_model(model) else None
+    st.original = _run(model, st.probe) if (st.opts.verify and st.probe is not None) else None
+    st.steps.set_postfix_str("analysing and converting")
+    try:
+        with calibration_progress(progress):
+            st.report = pipeline.patch(model, options=st.opts)
+    except VerificationFailed as exc:
+        raise VerificationFailed(f"{exc}; nothing was written") from exc
+    if not st.report.changed:
+        raise NothingToConvert(f"{st.src.label}: {st.report.message}")
+    if st.opts.allow_unusable:
+        top1 = st.report.verification.get("top1_agreement")
+        if isinstance(top1, (int, float)) and top1 <= 0.0:
+            st.say("top-1 agreement with the original is 0; writing it anyway (--allow-unusable)")
+    else:
+        check_agreement(st.report.verification)
+    plan = plan_of(model)
+    if plan.unties:
+        grown = sum(u.numel for u in plan.unties)
+        itemsize = next((p.element_size() for p in model.parameters() if p.is_floating_point()), 4)
+        st.say(io.untie_note(len(plan.unties), grown, grown * itemsize, output_bytes(model)))
+    kept = [sp.name for sp in plan.sites if sp.verdict == "approximate" and not sp.convert]
+    if st.fmt == "compat" and kept:
+        st.say(f"compat format keeps LayerNorms: {len(kept)} approximate norm(s) left unconverted "
+               "(use --format native --mode all to convert them)")
+
+
+def _cast_to_dtype(st: _Conversion) -> None:
+    """The one cast from the float32 result to ``--dtype``, and the converted model's outputs in it."""
+    if st.dtype != "auto":
+        target = source.torch_dtype(st.dtype)
+        st.model.to(target)
+        if st.probe is not None:
+            st.probe = {k: (v.to(target) if torch.is_tensor(v) and v.is_floating_point() else v)
+                        for k, v in st.probe.items()}
+    st.converted = _run(st.model, st.probe) if st.original is not None else None
+
+
+def _write_and_check(st: _Conversion) -> None:
+    """Write the checkpoint into a temporary directory beside ``out``, reload it and check it against
+    the converted model's and the original's outputs, then move it into place (:func:`io.atomic_directory`)."""
+    st.steps.set_postfix_str("writing")
+    model, src = st.model, st.src
+    plan = plan_of(model)
+    needed = io.check_space(st.out, output_bytes(model) + st.side_bytes)
+    with io.atomic_directory(st.out, overwrite=st.overwrite, needed=needed) as tmp:
+        writer.write_model_dir(model, tmp, fmt=st.fmt, plan=plan, max_shard_size=st.max_shard_size,
+                               verification=st.report.verification, source=src.spec,
+                               tokenizer=st.proc if src.kind == "preset" else None, side_files_from=src.path,
+                               manifest_extra=source.record(src))
+        st.steps.update()
+        if st.original is not None:
+            st.steps.set_postfix_str("verifying the written checkpoint")
+            dtype_ = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+            # the converted model's outputs are kept (``converted``): free the model itself, so the
+            # reloaded checkpoint (and a half model's float32 run) takes its place, not a place beside it
+            st.model = model = None
+            gc.collect()
+            figures = reload_check(st.fmt, tmp, st.converted, st.original, st.probe, plan, dtype_,
+                                   trust_remote_code=st.trust_remote_code)
+            _update_manifest(tmp, figures, src.path)
+            st.report.verification.update(figures)
+        st.steps.update()

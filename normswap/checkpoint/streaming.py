@@ -17,6 +17,7 @@ output directory and the config/manifest, written as the in-memory path writes t
 from __future__ import annotations
 
 import copy
+import dataclasses
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -55,6 +56,64 @@ def convert_streaming(
 
     ``automatic``: the caller chose this path because the in-memory one would not fit (the user did
     not ask for ``--low-memory``); errors then name ``--in-memory`` as the way out."""
+    st = _open(src, task, dtype, echo)
+    # a bias slot is a tensor the checkpoint lacks: the streamed rewrite writes only tensors it reads, so
+    # β that no bias can take stays in the norm (as β/γ with fold_gamma), as before bias slots existed
+    if options.fold_gamma:  # (bias slots exist only with fold_gamma)
+        options = options.replace(bias_slots=False)
+    st.fp = proxy.plan_full(st.cls, st.config, st.meta, options, echo=echo, left_out=src.left_out)
+    _refuse_plan(st, fmt, automatic)
+    _check_tensors(st, task)
+    needed = _space_needed(st, out, echo)
+    # chosen (and a float64 that does not fit refused) before anything is written
+    precision = (truncated.truncated_precision(st.cls, st.fp, st.float_dtype, options.verify_dtype)
+                 if options.verify else None)
+    echo(f"streaming {len(st.entries)} tensors from {len(src.safetensors)} shard(s) ({io.human(src.nbytes)})")
+    report = pipeline.Report(st.plan.sites, {}, st.plan, "", changed=True)
+    with io.atomic_directory(out, overwrite=overwrite, needed=needed) as tmp:
+        out_entries, out_model_keys = _write_tensors(st, tmp, options, fmt, max_shard_size, progress)
+        if precision is not None:
+            echo(f"verifying layers 0, 1 and L-1 of every stack on the real weights, in {precision.name}"
+                 + (f" ({precision.reason})" if precision.reason else ""))
+            report.verification.update(truncated.verify_truncated(
+                st.cls, st.fp, st.meta, st.entries, out_entries, st.keys, out_model_keys, st.float_dtype,
+                st.config.model_type, fmt, precision))
+        _write_config(st.meta, st.config, tmp, st.plan, fmt=fmt, out_dtype=st.float_dtype, source_spec=src.spec,
+                      verification=report.verification, extra=source.record(src))
+        io.copy_side_files(src.path, tmp)
+    report.message = st.plan.conversion_line()
+    report.output, report.output_format, report.streamed = str(out), fmt, True
+    return report
+
+
+@dataclasses.dataclass
+class _Streaming:
+    """What travels between :func:`convert_streaming`'s steps."""
+
+    src: Source
+    config: Any  # the checkpoint's transformers config
+    cls: type  # the model class it converts as
+    meta: nn.Module  # that model on the meta device: names and shapes, no weights
+    entries: dict[str, Any]  # the checkpoint's tensors (:func:`stream_io.scan`), by name
+    keys: KeyMap  # checkpoint names <-> model names
+    out_dtype: torch.dtype | None  # --dtype (None: each tensor keeps its stored dtype)
+    missing: list[str]  # model parameters the checkpoint has no tensor for (after the left-out parts)
+    fp: proxy.FullPlan | None = None  # the plan, from random-weight proxies, extrapolated to full depth
+
+    @property
+    def plan(self) -> Plan:
+        return self.fp.plan
+
+    @property
+    def float_dtype(self) -> torch.dtype:
+        """The written checkpoint's floating dtype."""
+        first = next(iter(self.entries.values())).dtype
+        return self.out_dtype or stream_io.ST_TO_TORCH.get(first, torch.float32)
+
+
+def _open(src: Source, task: str | None, dtype: str, echo: Callable[[str], None]) -> _Streaming:
+    """The checkpoint's config, model class, meta model and tensor index; the parts the pipeline does not
+    use and the checkpoint lacks are left out, as the in-memory path leaves them out."""
     from transformers import AutoConfig
 
     assert src.path is not None
@@ -67,11 +126,9 @@ def convert_streaming(
     except Exception as exc:  # noqa: BLE001
         raise NormswapError(f"cannot read the config of {src.spec}: {exc}") from exc
     cls = source.source_class(src, config, task)
-    base = config.model_type
     with torch.device("meta"):
         meta = cls(copy.deepcopy(config))
     want = source.torch_dtype(dtype)
-    out_dtype = None if want == "auto" else want
     entries = stream_io.scan(src.safetensors)
     keys = KeyMap(meta, entries)
     tied_ok = set(getattr(meta, "get_expanded_tied_weights_keys", lambda **_: {})(all_submodels=True))
@@ -85,43 +142,45 @@ def convert_streaming(
                 f"left out {source.names(src.left_out)}: the checkpoint has no tensors for it, and the "
                 f"{src.layout} pipeline does not use it (it reads {source.PIPELINE_READS[src.layout]})"
             )
-    # a bias slot is a tensor the checkpoint lacks: the streamed rewrite writes only tensors it reads, so
-    # β that no bias can take stays in the norm (as β/γ with fold_gamma), as before bias slots existed
-    if options.fold_gamma:  # (bias slots exist only with fold_gamma)
-        options = options.replace(bias_slots=False)
-    fp = proxy.plan_full(cls, config, meta, options, echo=echo, left_out=src.left_out)
-    plan = fp.plan
+    return _Streaming(src, config, cls, meta, entries, keys, None if want == "auto" else want, missing)
+
+
+def _refuse_plan(st: _Streaming, fmt: str, automatic: bool) -> None:
+    """Refuse a plan with nothing to convert, or with approximate norms: the in-memory path fits those on
+    calibration activations of the real model; the streamed path only sees random-weight proxies, so it
+    could only copy γ/β, which is what wrecks deep Post-LN models. Refuse instead of writing a worse model."""
+    plan, label = st.plan, st.src.label
     if not plan.sites:
-        raise NothingToConvert(f"{src.label}: no LayerNorm found; nothing to do")
+        raise NothingToConvert(f"{label}: no LayerNorm found; nothing to do")
     if not any(sp.convert for sp in plan.sites):
-        raise NothingToConvert(f"{src.label}: no LayerNorm can be converted in this mode; nothing to do")
+        raise NothingToConvert(f"{label}: no LayerNorm can be converted in this mode; nothing to do")
     if fmt == "compat" and any(sp.convert and sp.verdict == "approximate" for sp in plan.sites):
         raise NormswapError("compat format keeps LayerNorms; convert with --mode exact")
     approximate = sum(1 for sp in plan.sites if sp.convert and sp.verdict == "approximate")
-    if approximate:
-        # The in-memory path fits approximate norms on calibration activations of the real model;
-        # the streamed path only sees random-weight proxies, so it could only copy gamma/beta,
-        # which is what wrecks deep Post-LN models. Refuse instead of writing a worse model.
-        if automatic:
-            raise NormswapError(
-                f"{src.label}: {approximate} approximate norm(s) need calibration on the whole model, and "
-                "this checkpoint was streamed because its in-memory conversion is predicted not to fit in "
-                "the available RAM; pass --in-memory to convert it in memory anyway (with RAM to spare), "
-                "or --mode exact to stream only the exact norms"
-            )
+    if approximate and automatic:
         raise NormswapError(
-            f"{src.label}: {approximate} approximate norm(s) need calibration on the whole model, which "
+            f"{label}: {approximate} approximate norm(s) need calibration on the whole model, and "
+            "this checkpoint was streamed because its in-memory conversion is predicted not to fit in "
+            "the available RAM; pass --in-memory to convert it in memory anyway (with RAM to spare), "
+            "or --mode exact to stream only the exact norms"
+        )
+    if approximate:
+        raise NormswapError(
+            f"{label}: {approximate} approximate norm(s) need calibration on the whole model, which "
             "--low-memory cannot do; convert without --low-memory, or add --mode exact to stream only "
             "the exact norms"
         )
-    # the same rule as the in-memory load (source.check_loading_info): tensors the model does not
-    # use are an error unless --task chose a class without the checkpoint's head
+
+
+def _check_tensors(st: _Streaming, task: str | None) -> None:
+    """The same rule as the in-memory load (source.check_loading_info): shapes must match the config, and
+    tensors the model does not use are an error unless --task chose a class without the checkpoint's
+    head; a tensor the model needs and the checkpoint lacks is an error (a new head cannot be streamed)."""
+    src, cls, missing = st.src, st.cls, st.missing
     ignore = [re.compile(p) for p in (getattr(cls, "_keys_to_ignore_on_load_unexpected", None) or [])]
-    unexpected = [k for k in entries if k not in keys.to_model and not any(p.search(k) for p in ignore)]
-    meta_sd = meta.state_dict()
-    mismatched = [
-        k for k, m in keys.to_model.items() if tuple(entries[k].shape) != tuple(meta_sd[m].shape)
-    ]
+    unexpected = [k for k in st.entries if k not in st.keys.to_model and not any(p.search(k) for p in ignore)]
+    meta_sd = st.meta.state_dict()
+    mismatched = [k for k, m in st.keys.to_model.items() if tuple(st.entries[k].shape) != tuple(meta_sd[m].shape)]
     if mismatched:
         raise NormswapError(
             f"{src.spec}: tensor shape(s) do not match the config for {source.names(mismatched)}; "
@@ -132,9 +191,9 @@ def convert_streaming(
             f"{src.spec}: the checkpoint has tensor(s) {cls.__name__} does not use: "
             f"{source.names(unexpected)}; pass --task to choose the model class on purpose"
         )
-    saved_class = source.checkpoint_class(src, config) if missing and task is not None else None
+    saved_class = source.checkpoint_class(src, st.config) if missing and task is not None else None
     if saved_class is not None and saved_class is not cls:
-        head = source.new_parts(meta, saved_class, config, set(missing))
+        head = source.new_parts(st.meta, saved_class, st.config, set(missing))
         if head and head == set(missing):
             raise NormswapError(
                 f"{src.spec} as {cls.__name__}: {source.names(head)} are not in the checkpoint "
@@ -151,58 +210,38 @@ def convert_streaming(
             f"{src.spec} as {cls.__name__}: the checkpoint has no tensor(s) {source.names(missing)}{needed}; "
             "the download is incomplete or the files do not belong together"
         )
-    # untied heads are written twice: count them (the pre-check must see what will be written)
-    itemsize = out_dtype.itemsize if out_dtype is not None else stream_io.itemsize(next(iter(entries.values())).dtype)
+
+
+def _space_needed(st: _Streaming, out: Path, echo: Callable[[str], None]) -> int:
+    """Bytes the output needs, checked against the free space before anything is written: untied heads
+    are written twice, so they count (and are announced)."""
+    src, plan, out_dtype = st.src, st.plan, st.out_dtype
+    stored = next(iter(st.entries.values())).dtype
+    itemsize = out_dtype.itemsize if out_dtype is not None else stream_io.itemsize(stored)
     untied = sum(u.numel for u in plan.unties) * itemsize
     needed = io.check_space(out, int(src.nbytes * (2 if out_dtype == torch.float32 else 1) * 1.1) + untied
                             + io.side_file_bytes(src.path))
     if plan.unties:
         grown = sum(u.numel for u in plan.unties)
         echo(io.untie_note(len(plan.unties), grown, untied, src.nbytes + untied))
-    float_dtype = out_dtype or stream_io.ST_TO_TORCH.get(next(iter(entries.values())).dtype, torch.float32)
-    # chosen (and a float64 that does not fit refused) before anything is written
-    precision = truncated.truncated_precision(cls, fp, float_dtype, options.verify_dtype) if options.verify else None
-    echo(f"streaming {len(entries)} tensors from {len(src.safetensors)} shard(s) ({io.human(src.nbytes)})")
-    reader = stream_io.Reader(entries)
+    return needed
+
+
+def _write_tensors(st: _Streaming, tmp: Path, options: ConvertOptions, fmt: str, max_shard_size: int | str,
+                   progress: bool) -> tuple[dict[str, Any], dict[str, str]]:
+    """Place β on the checkpoint's own tensors, then rewrite every tensor into shards in ``tmp``; the
+    written tensors' index and their model names, for the verification."""
+    reader = stream_io.Reader(st.entries)
     try:
-        place_beta(fp, meta, keys, reader, options)
-    except BaseException:
-        reader.close()
-        raise
-    rewriter = TensorRewriter(plan, meta, keys, reader, fmt=fmt, dtype=out_dtype)
-    limit = io.parse_size(max_shard_size)
-    report = pipeline.Report(plan.sites, {}, plan, "", changed=True)
-    with io.atomic_directory(out, overwrite=overwrite, needed=needed) as tmp:
+        place_beta(st.fp, st.meta, st.keys, reader, options)
+        rewriter = TensorRewriter(st.plan, st.meta, st.keys, reader, fmt=fmt, dtype=st.out_dtype)
         layout = rewriter.layout()
-        try:
-            weight_map = stream_io.write_shards([entry[:4] for entry in layout], tmp, limit, progress)
-        finally:
-            reader.close()
-        out_model_keys = {entry[4]: entry[0] for entry in layout if entry[4] is not None}
-        out_entries = stream_io.scan(sorted({tmp / f for f in weight_map.values()}))
-        if precision is not None:
-            echo(f"verifying layers 0, 1 and L-1 of every stack on the real weights, in {precision.name}"
-                 + (f" ({precision.reason})" if precision.reason else ""))
-            report.verification.update(
-                truncated.verify_truncated(
-                    cls, fp, meta, entries, out_entries, keys, out_model_keys, float_dtype, base, fmt, precision
-                )
-            )
-        _write_config(
-            meta,
-            config,
-            tmp,
-            plan,
-            fmt=fmt,
-            out_dtype=float_dtype,
-            source_spec=src.spec,
-            verification=report.verification,
-            extra=source.record(src),
-        )
-        io.copy_side_files(src.path, tmp)
-    report.message = plan.conversion_line()
-    report.output, report.output_format, report.streamed = str(out), fmt, True
-    return report
+        weight_map = stream_io.write_shards([entry[:4] for entry in layout], tmp, io.parse_size(max_shard_size),
+                                            progress)
+    finally:
+        reader.close()
+    out_model_keys = {entry[4]: entry[0] for entry in layout if entry[4] is not None}
+    return stream_io.scan(sorted({tmp / f for f in weight_map.values()})), out_model_keys
 
 
 def place_beta(fp: proxy.FullPlan, meta: nn.Module, keys: KeyMap, reader: stream_io.Reader,
