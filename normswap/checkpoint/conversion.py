@@ -4,7 +4,7 @@ In-memory path: load, ``normswap.patch`` (analysis + fp64 surgery + verification
 temporary directory beside ``out``, reload what was written and check it reproduces the
 converted model (bitwise for native, within dtype tolerance of the original for compat), then
 rename into place. Checkpoints whose in-memory conversion would not fit in the available RAM
-(:func:`in_memory_peak`; or ``low_memory=True``)
+(:func:`normswap.memory.in_memory_peak`; or ``low_memory=True``)
 take the streaming path in :mod:`normswap.checkpoint.streaming` instead.
 """
 
@@ -185,12 +185,6 @@ def calibration_tokenizer(proc: Any) -> Any:
     return tok if callable(tok) and getattr(tok, "pad_token", None) is not None else None
 
 
-# the in-memory path's predicted peak (model + working copy + runtime) and the share of RAM it may take;
-# one definition, shared with the working precision's choice (normswap.memory)
-ACTIVATION_BYTES, WRITTEN_SHARE, PEAK_SHARE = memory.ACTIVATION_BYTES, memory.WRITTEN_SHARE, memory.PEAK_SHARE
-in_memory_peak = memory.in_memory_peak
-
-
 def _itemsize(src: Source) -> int:
     sizes = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2}
     for f in src.safetensors[:1]:
@@ -210,13 +204,13 @@ def loaded_size(src: Source, dtype: str) -> tuple[int, int]:
 
 def wants_low_memory(src: Source, dtype: str) -> bool:
     """Stream when the in-memory path's predicted peak with its cheapest working copy
-    (:func:`in_memory_peak`) would not fit in :data:`PEAK_SHARE` of the available RAM: no default
+    (:func:`normswap.memory.in_memory_peak`) would not fit in ``memory.PEAK_SHARE`` of the available RAM: no default
     conversion is left to the OOM killer. Whether float64 fits is decided after loading, by ``patch``
     (:func:`normswap.memory.choose_precision`): a model that fits in memory only with a float32
     copy is converted in memory and verified whole, in float32, rather than streamed."""
     if src.kind == "preset":
         return False
-    return in_memory_peak(*loaded_size(src, dtype)) > PEAK_SHARE * available_memory()
+    return memory.in_memory_peak(*loaded_size(src, dtype)) > memory.PEAK_SHARE * available_memory()
 
 
 def check_float64_fits(src: Source, dtype: str, opts: ConvertOptions) -> None:
@@ -462,7 +456,7 @@ def convert(
         calibration_data: text file or JSONL (``"text"`` field) used to fit approximate norms.
         max_shard_size: shard limit for the written safetensors (``"5GB"``, ``"500MB"``, bytes).
         low_memory: stream tensors shard by shard (``None``: automatic for checkpoints whose
-            in-memory conversion would not fit in memory: :func:`in_memory_peak`).
+            in-memory conversion would not fit in memory: :func:`normswap.memory.in_memory_peak`).
         trust_remote_code: allow custom modeling code shipped with the source model.
         overwrite: replace a non-empty ``out_dir`` (only once the new one is complete).
         task: override the model class picked from ``config.architectures`` (``source.TASKS``);

@@ -105,10 +105,14 @@ class _Streaming:
         return self.fp.plan
 
     @property
+    def stored_dtype(self) -> str:
+        """The safetensors dtype of the checkpoint's (first) tensor."""
+        return next(iter(self.entries.values())).dtype
+
+    @property
     def float_dtype(self) -> torch.dtype:
         """The written checkpoint's floating dtype."""
-        first = next(iter(self.entries.values())).dtype
-        return self.out_dtype or stream_io.ST_TO_TORCH.get(first, torch.float32)
+        return self.out_dtype or stream_io.ST_TO_TORCH.get(self.stored_dtype, torch.float32)
 
 
 def _open(src: Source, task: str | None, dtype: str, echo: Callable[[str], None]) -> _Streaming:
@@ -216,8 +220,7 @@ def _space_needed(st: _Streaming, out: Path, echo: Callable[[str], None]) -> int
     """Bytes the output needs, checked against the free space before anything is written: untied heads
     are written twice, so they count (and are announced)."""
     src, plan, out_dtype = st.src, st.plan, st.out_dtype
-    stored = next(iter(st.entries.values())).dtype
-    itemsize = out_dtype.itemsize if out_dtype is not None else stream_io.itemsize(stored)
+    itemsize = out_dtype.itemsize if out_dtype is not None else stream_io.itemsize(st.stored_dtype)
     untied = sum(u.numel for u in plan.unties) * itemsize
     needed = io.check_space(out, int(src.nbytes * (2 if out_dtype == torch.float32 else 1) * 1.1) + untied
                             + io.side_file_bytes(src.path))

@@ -31,32 +31,32 @@ def test_predicted_peak_counts_the_working_copy_in_its_dtype():
     gib = 1 << 30
     small, big = 50_000_000, 2_600_000_000
     # a float64 working copy beside the model, whatever its size (the precision's choice asks for it)
-    assert conversion.in_memory_peak(small, 4, 8) == small * 4 + small * 8 + conversion.ACTIVATION_BYTES
-    assert conversion.in_memory_peak(big, 2, 8) == big * 2 + big * 8 + conversion.ACTIVATION_BYTES
+    assert memory.in_memory_peak(small, 4, 8) == small * 4 + small * 8 + memory.ACTIVATION_BYTES
+    assert memory.in_memory_peak(big, 2, 8) == big * 2 + big * 8 + memory.ACTIVATION_BYTES
     # the cheapest copy (the switch's prediction): a big half model gets a float32 working copy (2x the
     # checkpoint), or its float32 run; the reloaded checkpoint replaces the freed model, it is not held beside it
-    assert conversion.in_memory_peak(big, 2) == big * 2 + big * 4 + conversion.ACTIVATION_BYTES
+    assert memory.in_memory_peak(big, 2) == big * 2 + big * 4 + memory.ACTIVATION_BYTES
     # a float32 model: the written tensors beside it
-    assert conversion.in_memory_peak(big, 4) <= 1.5 * big * 4 + gib
-    assert conversion.in_memory_peak(small, 4) == small * 4 + small * 2 + conversion.ACTIVATION_BYTES
+    assert memory.in_memory_peak(big, 4) <= 1.5 * big * 4 + gib
+    assert memory.in_memory_peak(small, 4) == small * 4 + small * 2 + memory.ACTIVATION_BYTES
     # the bound the task sets for the cheapest copy: 2 x the model in its compute dtype (float32 here) + 1 GiB
     for n, size in ((big, 2), (big, 4), (small, 2), (small, 4)):
-        assert conversion.in_memory_peak(n, size) <= 2 * n * max(size, 4) + 2 * gib
+        assert memory.in_memory_peak(n, size) <= 2 * n * max(size, 4) + 2 * gib
 
 
 def test_the_switch_streams_when_the_predicted_peak_does_not_fit(half_checkpoint, tmp_path, monkeypatch):
     src = source_mod.resolve(str(half_checkpoint))
     numel = src.nbytes // 2
-    peak = conversion.in_memory_peak(numel, 2)
+    peak = memory.in_memory_peak(numel, 2)
     assert peak > 2 * src.nbytes  # the old rule (half the RAM) would have let this peak through
     monkeypatch.setattr(proxy, "available_memory", lambda: 8 << 30)  # the small proxies fit
     # just too little memory for the in-memory path: streamed, with a note that says why
-    monkeypatch.setattr(conversion, "available_memory", lambda: int(peak / conversion.PEAK_SHARE) - 1)
+    monkeypatch.setattr(conversion, "available_memory", lambda: int(peak / memory.PEAK_SHARE) - 1)
     notes: list[str] = []
     report = normswap.convert(half_checkpoint, tmp_path / "s", echo=notes.append)
     assert report.streamed and any("--low-memory" in n and "available RAM" in n for n in notes), notes
     # just enough: in memory
-    monkeypatch.setattr(conversion, "available_memory", lambda: int(peak / conversion.PEAK_SHARE) + 1)
+    monkeypatch.setattr(conversion, "available_memory", lambda: int(peak / memory.PEAK_SHARE) + 1)
     notes.clear()
     report = normswap.convert(half_checkpoint, tmp_path / "m", echo=notes.append)
     assert not report.streamed and not any("--low-memory" in n for n in notes)
