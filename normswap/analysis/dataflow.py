@@ -28,8 +28,9 @@ ADD_OPS = {"add", "__add__", "__radd__", "add_", "__iadd__", "sub", "__sub__", "
 IDENTITY_OPS = {"to", "type", "float", "half", "bfloat16", "double", "type_as", "detach", "dropout",
                 "alpha_dropout", "feature_alpha_dropout", "dropout1d", "dropout2d", "dropout3d",
                 "contiguous", "clone"}
-SHAPE_OPS = {"view", "reshape", "flatten", "unflatten", "permute", "transpose", "t", "squeeze", "unsqueeze",
-             "expand", "expand_as", "view_as", "reshape_as", "movedim", "moveaxis", "swapaxes", "swapdims",
+SHAPE_OPS = {"view", "reshape", "flatten", "unflatten", "permute", "transpose", "t", "T", "mT", "squeeze",
+             "unsqueeze", "expand", "expand_as", "broadcast_to", "view_as", "reshape_as", "movedim", "moveaxis",
+             "swapaxes", "swapdims",
              "__getitem__", "select", "narrow", "split", "chunk", "unbind", "tensor_split", "repeat",
              "index_select", "split_with_sizes",
              # element moves: every output element is one input element (exact on index maps)
@@ -39,10 +40,22 @@ SCALE_OPS = {"mul", "__mul__", "__rmul__", "mul_", "__imul__", "div", "__truediv
 JOIN_OPS = {"cat", "concat", "concatenate", "stack"}
 PAD_OPS = {"pad"}
 ZERO_FILL_OPS = {"__setitem__", "masked_fill", "masked_fill_"}  # a pass-through when the fill is 0
+# Ops that sum (or average) whole rows of a source into rows of ``self``, one weight per row shared by every
+# feature: ``y = self ⊕ Σ w·source rows`` (message passing, a fused MoE's routed experts). Each maps to where
+# it takes the source (position, keyword); ``self`` is its first argument. Proved per use by channel_mixing
+# (with ``self`` zeroed), and only the linear reductions qualify (:func:`row_sum_parts`).
+ROW_SUM_OPS = {"index_add": (3, "source"), "index_add_": (3, "source"), "scatter_add": (3, "src"),
+               "scatter_add_": (3, "src"), "scatter_reduce": (3, "src"), "scatter_reduce_": (3, "src"),
+               "index_put": (2, "values"), "index_put_": (2, "values")}
 # Ops that may mix tokens with weights every channel shares; each use is proved by channel_mixing.
 MIX_OPS = {"interpolate", "upsample", "upsample_nearest", "upsample_bilinear", "mean", "sum", "nanmean", "cumsum",
            "avg_pool1d", "avg_pool2d", "avg_pool3d", "adaptive_avg_pool1d", "adaptive_avg_pool2d",
-           "adaptive_avg_pool3d", "conv1d", "conv2d", "conv3d"}
+           "adaptive_avg_pool3d", "conv1d", "conv2d", "conv3d",
+           # a matmul of data by data (a sparse or dense adjacency over tokens, attention weights over a stream)
+           "mm", "matmul", "__matmul__", "__rmatmul__", "bmm", "einsum", "sparse_mm", "_sparse_mm", "spmm",
+           *ROW_SUM_OPS}
+# Ops that create a tensor of zeros from no data: a term that adds nothing (``torch.zeros_like(x).index_add(...)``).
+ZERO_OPS = {"zeros", "zeros_like", "new_zeros", "full", "full_like", "new_full"}
 # Readers may only be reached through ops that keep the feature axis last and unmixed.
 READER_OPS = IDENTITY_OPS | {"view", "reshape", "__getitem__", "select", "narrow", "squeeze", "unsqueeze",
                              "index_select", "expand", "split", "chunk", "unbind", "flatten"}
@@ -111,6 +124,56 @@ class Mixing:
     keeps_constants: bool
 
 
+def row_sum_parts(op: Op) -> tuple[int, int] | None:
+    """``(self, source)`` value ids of a :data:`ROW_SUM_OPS` op that sums whole rows linearly (``index_add``,
+    ``scatter_add``, ``scatter_reduce`` with ``sum``/``mean``, ``index_put`` with ``accumulate=True``), else None."""
+    where = ROW_SUM_OPS.get(op.name)
+    if where is None or not op.args or not isinstance(op.args[0], ValueRef):
+        return None
+    src = op.kwargs.get(where[1], op.args[where[0]] if len(op.args) > where[0] else None)
+    if not isinstance(src, ValueRef) or src == op.args[0]:
+        return None
+    if op.name.startswith("scatter_reduce"):
+        reduce = op.kwargs.get("reduce", op.args[4] if len(op.args) > 4 else None)
+        if reduce not in ("sum", "mean"):
+            return None  # prod, amax, amin: not linear
+    if op.name.startswith("index_put") and not op.kwargs.get("accumulate", op.args[3] if len(op.args) > 3 else False):
+        return None  # a plain write, not a sum
+    return op.args[0].id, src.id
+
+
+def is_zeros(op: Op) -> bool:
+    """Does ``op`` create a tensor of zeros from no data (``torch.zeros_like(x)``, ``x.new_zeros(n, d)``)?"""
+    if op.name not in ZERO_OPS or op.inputs:
+        return False
+    if op.name.endswith("zeros") or op.name == "zeros_like":
+        return True
+    at = 1 if op.name in ("full", "full_like", "new_full") else 0
+    fill = op.kwargs.get("fill_value", op.args[at] if len(op.args) > at else None)
+    return isinstance(fill, (int, float)) and not isinstance(fill, bool) and fill == 0
+
+
+def run_on(graph: Graph, op: Op, vid: int, x: torch.Tensor, zero: tuple[int, ...] = ()) -> object:
+    """``op`` run again on float64 data ``x`` in place of value ``vid``, the values ``zero`` as zeros and every
+    other argument as traced; for a row sum (:func:`row_sum_parts`) fed ``vid`` as its source, ``self`` as
+    zeros too (its rows are the op's other term). None when it fails."""
+    parts = row_sum_parts(op)
+    if parts is not None and parts[1] == vid:
+        zero = (*zero, parts[0])
+
+    def arg(a: object) -> object:
+        if isinstance(a, ValueRef) and a.id in zero and a.id != vid:
+            return torch.zeros(graph.values[a.id].shape, dtype=torch.float64)
+        return replay_arg(graph, a, vid, x)
+
+    args, kwargs = pytree.tree_map(arg, (op.args, op.kwargs))
+    try:
+        with torch.no_grad():
+            return op.func(*args, **kwargs)
+    except Exception:  # noqa: BLE001 - not replayable on float64 data
+        return None
+
+
 def channel_mixing(graph: Graph, op: Op, vid: int) -> tuple[Mixing, ...]:
     """Prove, on the traced op in float64, that it mixes positions of ``vid`` with channel-shared weights.
 
@@ -118,8 +181,9 @@ def channel_mixing(graph: Graph, op: Op, vid: int) -> tuple[Mixing, ...]:
     channel-shared along the features and along the batch alike; the index map decides which one
     carries the features), or ``()``.
 
-    ``op`` (a :data:`MIX_OPS` name) is replayed with its data argument (``vid``, its first argument
-    and nowhere else) replaced by random tensors and every other argument as traced. Checked, for a
+    ``op`` (a :data:`MIX_OPS` name) is replayed with its data argument (``vid``, in any one position: an
+    adjacency matmul takes it second, an ``einsum`` after its equation; a row sum as its source, with its
+    ``self`` zeroed) replaced by random tensors and every other argument as traced. Checked, for a
     channel axis ``a`` of the input and ``b`` of the output of the same size:
 
     - linear: ``f(x1 + 2 x2) = f(x1) + 2 f(x2)`` and ``f(0) = 0`` (a bias or a fill value fails);
@@ -131,20 +195,38 @@ def channel_mixing(graph: Graph, op: Op, vid: int) -> tuple[Mixing, ...]:
     On random inputs a linear map that breaks an identity satisfies it with probability 0. A
     depthwise convolution with a kernel per channel, or a per-channel scale, fails the last check.
     """
-    if op.name not in MIX_OPS or len(op.outputs) != 1 or not op.args or op.args[0] != ValueRef(vid) \
+    parts = row_sum_parts(op)
+    if op.name not in MIX_OPS or len(op.outputs) != 1 \
+            or (op.name in ROW_SUM_OPS and (parts is None or parts[1] != vid)) \
             or sum(isinstance(r, ValueRef) and r.id == vid for r in pytree.tree_leaves((op.args, op.kwargs))) != 1:
         return ()
+    return shared_axes(graph, op, vid)
+
+
+def weight_axes(graph: Graph, op: Op, weight: int, bias: int | None = None) -> tuple[Mixing, ...]:
+    """Which axis of a contraction's weight operand becomes which axis of its output, proved on the op.
+
+    The same identities as :func:`channel_mixing`, with the weight operand (value ``weight``) in the role of
+    the data and the data operands as traced (a ``bias`` operand zeroed): a pair ``(a, b)`` holds when output
+    position ``i`` along ``b`` is one linear function, the same for every ``i``, of the weight's slice ``i``
+    along ``a`` alone. Centering the weight along ``a`` then centers the output along ``b``, whatever
+    ``einsum``, ``@``, ``bmm``, ``F.linear`` or ``addmm`` spells the contraction.
+    """
+    if len(op.outputs) != 1 or sum(isinstance(r, ValueRef) and r.id == weight
+                                   for r in pytree.tree_leaves((op.args, op.kwargs))) != 1:
+        return ()
+    return shared_axes(graph, op, weight, zero=() if bias is None else (bias,))
+
+
+def shared_axes(graph: Graph, op: Op, vid: int, zero: tuple[int, ...] = ()) -> tuple[Mixing, ...]:
+    """The (input axis of ``vid``, output axis) pairs along which ``op`` is linear in ``vid``, keeps the
+    positions along that axis apart and applies one map to each (see :func:`channel_mixing`)."""
     in_shape, out_shape = graph.values[vid].shape, graph.values[op.outputs[0]].shape
-    if not in_shape or not out_shape:
+    if not in_shape or not out_shape or not math.prod(in_shape) or not math.prod(out_shape):
         return ()
 
     def f(x: torch.Tensor) -> torch.Tensor | None:
-        args, kwargs = pytree.tree_map(lambda a: replay_arg(graph, a, vid, x), (op.args, op.kwargs))
-        try:
-            with torch.no_grad():
-                y = op.func(*args, **kwargs)
-        except Exception:  # noqa: BLE001 - not replayable on float64 data: no proof
-            return None
+        y = run_on(graph, op, vid, x, zero)
         ok = isinstance(y, torch.Tensor) and tuple(y.shape) == tuple(out_shape) and y.dtype == torch.float64
         return y if ok else None
 

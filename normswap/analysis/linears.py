@@ -134,11 +134,53 @@ class LinearView:
         self.bias_param = getattr(self.owner, attr)
 
 
+# Ops that contract a weight operand with data: a Linear map however the code spells it.
+CONTRACTION_OPS = {"linear", "matmul", "__matmul__", "__rmatmul__", "mm", "bmm", "mv", "addmm", "addmv", "baddbmm",
+                   "addbmm", "einsum", "tensordot", "inner"}
+# Where those that add a bias take it: (position, keyword).
+CONTRACTION_BIAS = {"linear": (2, "bias"), "addmm": (0, "input"), "addmv": (0, "input"), "baddbmm": (0, "input"),
+                    "addbmm": (0, "input")}
+# Ops that only move, repeat, select or cast the elements of a tensor (recorded names; ``.T`` and ``.mT``
+# are recorded by their attribute names): a parameter reaching a contraction through any chain of them is
+# still that parameter, laid out another way. An einops ``rearrange`` or ``repeat`` lowers to these.
+LAYOUT_OPS = {"T", "mT", "t", "transpose", "permute", "reshape", "view", "contiguous", "clone", "expand", "expand_as",
+              "broadcast_to", "unsqueeze", "squeeze", "flatten", "unflatten", "movedim", "moveaxis", "swapaxes",
+              "swapdims", "view_as", "reshape_as", "__getitem__", "select", "narrow", "index_select", "to", "type",
+              "float", "double", "half", "bfloat16", "type_as", "detach", "repeat", "tile", "flip", "roll"}
+
+
+class ParamContraction:
+    """One contraction op (``einsum``, ``@``, ``bmm``, ``F.linear``, ``addmm``, ...) whose weight operand is a
+    stored parameter reached through layout ops (:data:`LAYOUT_OPS`): ``F.linear(h, W.T.contiguous())``,
+    ``einsum("bhsd,hdm->bsm", z, W_O)``, ``F.linear(x, experts.down_proj[e])``.
+
+    It is a writer (or reader) like any Linear, but no ``[out, in]`` matrix need exist: which axis of the
+    stored parameter becomes which output axis is proved on the traced op
+    (:func:`normswap.analysis.dataflow.weight_axes`) and followed back through the layout ops by an index map,
+    so a centering edit lands on the stored parameter's own axis. The traced call's plan name is
+    ``einsum(blocks.0.attn.W_O)``: every call of one parameter by one op kind is one writer (the experts of a
+    fused MoE, called once per routed expert), sharing its edits.
+    """
+
+    kind = "contraction"
+
+    def __init__(self, name: str, weight: str, owner: str, op_index: int, weight_operand: int, weight_value: int,
+                 bias: str | None = None, bias_operand: int | None = None, bias_value: int | None = None) -> None:
+        self.name, self.weight, self.owner = name, weight, owner
+        self.op_index, self.weight_operand, self.weight_value = op_index, weight_operand, weight_value
+        self.bias, self.bias_operand, self.bias_value = bias, bias_operand, bias_value
+
+    def __repr__(self) -> str:
+        return f"ParamContraction({self.name})"
+
+
 def linear_module_kind(module: object) -> str | None:
     """``linear`` (``nn.Linear``: weight ``[out, in]``), ``conv1d`` (HF's transposed Linear: ``[in, out]``)
     or None. A :class:`LinearView` answers for the functional linear it stands for."""
     if isinstance(module, LinearView):
         return module.kind
+    if isinstance(module, ParamContraction):
+        return None  # no ``[out, in]`` matrix to fold β or γ into
     if type(module).__name__ == "Conv1D" and hasattr(module, "nf"):
         return "conv1d"
     if isinstance(module, nn.Linear):

@@ -56,12 +56,15 @@ from normswap.analysis.dataflow import (
     ZERO_FILL_OPS,
     Mixing,
     channel_mixing,
+    is_zeros,
     pad_mode,
     pad_value,
     replay,
-    replay_arg,
+    row_sum_parts,
+    run_on,
+    weight_axes,
 )
-from normswap.analysis.linears import LinearView, linear_module_kind
+from normswap.analysis.linears import LAYOUT_OPS, LinearView, ParamContraction, linear_module_kind
 from normswap.analysis.plan import (
     CenterHook,
     MeanCarry,
@@ -72,7 +75,9 @@ from normswap.analysis.trace import Graph, ModuleCall, Op, Value, ValueRef
 from normswap.analysis.walker import NormSite
 
 
-def writer_kind(module: nn.Module | LinearView) -> str | None:
+def writer_kind(module: nn.Module | LinearView | ParamContraction) -> str | None:
+    if isinstance(module, ParamContraction):
+        return "contraction"  # a parameter through layout ops into einsum / @ / bmm / F.linear (linears.py)
     linear = linear_module_kind(module)
     if linear is not None:
         return linear
@@ -96,7 +101,9 @@ _WRITER_PARAMS = {
     "embedding": (("weight", 1),),
     "conv": (("weight", 0), ("bias", 0)),
 }
-OUTPUT_AXIS = {"linear": -1, "conv1d": -1, "embedding": -1, "conv": 1}
+# a contraction's output axis is proved per call (Analyzer._contraction_centering); -1 is where its output
+# reaches (which model outputs an edit changes: any axis's map reaches the same values)
+OUTPUT_AXIS = {"linear": -1, "conv1d": -1, "embedding": -1, "conv": 1, "contraction": -1}
 
 
 @dataclass
@@ -120,6 +127,9 @@ class Reach:
     mapped: dict[int, torch.Tensor] = field(default_factory=dict)  # every value reached
     conflict: str | None = None
     token_width: int = 0  # > 0: the maps hold ``token * token_width + feature`` (Analyzer.reach(tokens=True))
+    # flat element ids summed with each other (a table added to a slice of itself): centering along one axis of
+    # the parameter keeps each sum centered only where both lie at the same place along that axis
+    sums: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
 
 class _TokenIds:
@@ -145,7 +155,7 @@ class Analyzer:
         self.bias_slots = False  # bias-less Linear readers may get a bias for β (planner.analyse sets it)
         self.modules: dict[str, nn.Module | LinearView] = dict(model.named_modules())
         for c in graph.calls:  # Linear maps the model's code applies to parameters itself (normswap.analysis.linears)
-            if c.functional and isinstance(c.module, LinearView):
+            if c.functional and isinstance(c.module, (LinearView, ParamContraction)):
                 self.modules.setdefault(c.path, c.module)
         self.by_output = graph.call_by_output()
         self.by_input = graph.call_by_input()
@@ -234,6 +244,8 @@ class Analyzer:
         if value.source == "param":
             return [Term(value.id, "param", f"parameter `{value.name}`", self._embedding_owner(value))]
         op = self.graph.producer(value)
+        if op is not None and is_zeros(op):
+            return []  # a tensor of zeros the forward creates (``torch.zeros_like(x).index_add(...)``): adds nothing
         if op is None:
             kind = value.source
             label = {"input": f"model input `{value.name}`", "buffer": f"buffer `{value.name}`"}.get(
@@ -246,7 +258,14 @@ class Analyzer:
         scaled = self._layer_scale(op)
         if scaled is not None:
             return self.leaves(scaled)
-        if self._passthrough_back(op):
+        parts = row_sum_parts(op)
+        if parts is not None and self.mixing(op, parts[1]):  # self ⊕ rows of the source summed into its rows
+            return self.leaves(parts[0]) + self.leaves(parts[1])
+        if op.name in MIX_OPS:
+            mixed = self._mixed_operand(op)
+            if mixed is not None:
+                return self.leaves(mixed)
+        elif self._passthrough_back(op):
             if op.name in JOIN_OPS:
                 out = []
                 for ref in tensor_args:
@@ -358,12 +377,28 @@ class Analyzer:
         if op.name in IDENTITY_OPS or op.name in JOIN_OPS:
             return True
         if op.name in MIX_OPS:  # token mixing with channel-shared weights keeps zero-mean tokens zero-mean
-            return bool(op.args) and isinstance(op.args[0], ValueRef) and bool(self.mixing(op, op.args[0].id))
+            return self._mixed_operand(op) is not None
         if op.name in SHAPE_OPS:
             return isinstance(op.args[0], ValueRef) if op.args else False
         if op.name in SCALE_OPS:
             return self._scale_ok(op, op.args[0].id if op.args and isinstance(op.args[0], ValueRef) else -1)
         return False
+
+    def _mixed_operand(self, op: Op) -> int | None:
+        """The operand a :data:`MIX_OPS` op is proved to mix with channel-shared weights (:meth:`mixing`), or None.
+
+        A matmul of data by data is linear in each operand: ``A @ x`` mixes the rows of ``x`` (its features
+        kept, last in and out) and also, read the other way, the columns of ``A``. The stream is the
+        operand whose last axis is the output's last axis; with one candidate, that one."""
+        refs = [r for r in pytree.tree_leaves((op.args, op.kwargs)) if isinstance(r, ValueRef)
+                and self.graph.values[r.id].tensor.is_floating_point()]
+        proved = {r.id: self.mixing(op, r.id) for r in refs}
+        proved = {v: m for v, m in proved.items() if m}
+        if len(proved) > 1:
+            out_last = len(self.graph.values[op.outputs[0]].shape) - 1
+            proved = {v: m for v, m in proved.items()
+                      if any(x.in_axis == len(self.graph.values[v].shape) - 1 and x.out_axis == out_last for x in m)}
+        return next(iter(proved)) if len(proved) == 1 else None
 
     def _scale_ok(self, op: Op, tracked: int) -> bool:
         """A multiply/divide by something constant along the features keeps zero-mean rows zero-mean."""
@@ -433,7 +468,7 @@ class Analyzer:
             if any(self._inside(op.index, self.graph.calls[c.id])
                    for t in tracked for c in self.input_to_sites.get(t, [])):
                 continue
-            outs = self._propagate(op, tracked, maps, shape if axis is None else None, token_ids)
+            outs = self._propagate(op, tracked, maps, shape if axis is None else None, token_ids, result.sums)
             if outs is None:
                 feats: set[int] = set()
                 for t in tracked:
@@ -458,11 +493,13 @@ class Analyzer:
         return result
 
     def _propagate(self, op: Op, tracked: list[int], maps: dict[int, torch.Tensor],
-                   flat: tuple[int, ...] | None = None, token_ids: _TokenIds | None = None):
+                   flat: tuple[int, ...] | None = None, token_ids: _TokenIds | None = None,
+                   sums: list[tuple[torch.Tensor, torch.Tensor]] | None = None):
         """Index maps for ``op``'s outputs, ``None`` if the op is not a pass-through.
 
         ``flat``: the maps hold flat element ids of a value of this shape (else feature ids).
         ``token_ids``: the maps hold token and feature ids (:meth:`reach` with ``tokens``).
+        ``sums``: where flat element ids are summed with each other, the pairs are recorded here.
         """
         out_shape = self.graph.values[op.outputs[0]].shape if op.outputs else ()
         if op.name in ADD_OPS:
@@ -470,13 +507,20 @@ class Analyzer:
             if not all(isinstance(a, ValueRef) for a in refs):
                 return None
             ms = [maps[a.id].broadcast_to(out_shape) for a in refs if a.id in maps]
-            m = ms[0]
-            if len(ms) == 2:
-                both = ~torch.isnan(ms[0]) & ~torch.isnan(ms[1])
-                if bool(both.any()):
-                    return "a residual add sums a writer's output with itself"
-                m = torch.where(torch.isnan(ms[0]), ms[1], ms[0])
-            return {op.outputs[0]: m}
+            m = self._sum_maps(ms, flat, token_ids, sums)
+            return m if isinstance(m, str) else {op.outputs[0]: m}
+        parts = row_sum_parts(op)
+        if parts is not None:  # ``self`` keeps its place; the source's rows are a channel-shared mix (_mix)
+            ms = [maps[parts[0]]] if parts[0] in tracked else []
+            if parts[1] in tracked:
+                mixed = self._mix(op, parts[1], maps[parts[1]], flat, token_ids)
+                if mixed is None:
+                    return None
+                ms.append(mixed[op.outputs[0]])
+            if not ms or len(op.outputs) != 1 or any(m.shape != out_shape for m in ms):
+                return None
+            m = self._sum_maps(ms, flat, token_ids, sums)
+            return m if isinstance(m, str) else {op.outputs[0]: m}
         if op.name in IDENTITY_OPS:
             if not (op.args and isinstance(op.args[0], ValueRef) and op.args[0].id in tracked):
                 return None
@@ -505,6 +549,43 @@ class Analyzer:
                 return None
             return {op.outputs[0]: m}
         return None
+
+    @staticmethod
+    def _sum_maps(ms: list[torch.Tensor], flat: tuple[int, ...] | None, token_ids: _TokenIds | None,
+                  sums: list[tuple[torch.Tensor, torch.Tensor]] | None) -> torch.Tensor | str:
+        """The index map of a sum of two tracked terms (an add, a row sum's ``self`` and source).
+
+        Where only one holds an element, it is that one's. Where both do, the element is a sum of two
+        elements of the tracked value, which keeps centering when both are the same feature (each summed
+        row is then zero-mean, and a norm row of such sums was shifted by one amount): feature maps must
+        agree there; token maps must agree on the feature, and each distinct pair of summed tokens is a
+        token of its own (one combination of whole tokens, like a channel-shared mix's output); flat
+        element ids of a parameter keep the first's ids, and the pairs go to ``sums``, checked once the
+        axis the norm rows lie along is known (:meth:`param_centering`)."""
+        if len(ms) == 1:
+            return ms[0]
+        a, b = ms
+        both = ~torch.isnan(a) & ~torch.isnan(b)
+        m = torch.where(torch.isnan(a), b, a)
+        if not bool(both.any()):
+            return m
+        if flat is not None:
+            if sums is not None:
+                sums.append((a[both], b[both]))
+            return m
+        if token_ids is None:
+            return m if torch.equal(a[both], b[both]) else "sums different features of a writer's output"
+        width = token_ids.width
+        fa, fb = torch.remainder(a[both], width), torch.remainder(b[both], width)
+        if not torch.equal(fa, fb):
+            return "sums different features of a writer's output"
+        ta = torch.div(a[both], width, rounding_mode="floor")
+        tb = torch.div(b[both], width, rounding_mode="floor")
+        pairs, inverse = torch.unique(torch.stack([ta, tb], 1), dim=0, return_inverse=True)
+        base = token_ids.fresh(len(pairs))
+        m = m.clone()
+        m[both] = (inverse.double() + base) * width + fa
+        return m
 
     def _mix(self, op: Op, vid: int, m: torch.Tensor, flat: tuple[int, ...] | None,
              token_ids: _TokenIds | None = None) -> dict[int, torch.Tensor] | None:
@@ -572,13 +653,9 @@ class Analyzer:
         return rep
 
     def _replay_data(self, op: Op, vid: int, x: torch.Tensor) -> torch.Tensor | None:
-        """``op`` run again with ``x`` in place of value ``vid`` and every other argument as traced."""
-        args, kwargs = pytree.tree_map(lambda r: replay_arg(self.graph, r, vid, x), (op.args, op.kwargs))
-        try:
-            with torch.no_grad():
-                y = op.func(*args, **kwargs)
-        except Exception:  # noqa: BLE001 - proved replayable by channel_mixing; be safe anyway
-            return None
+        """``op`` run again with ``x`` in place of value ``vid`` and every other argument as traced (a row
+        sum's ``self`` as zeros: :func:`normswap.analysis.dataflow.run_on`)."""
+        y = run_on(self.graph, op, vid, x)
         return y if isinstance(y, torch.Tensor) else None
 
     # ------------------------------------------------------------------ rows -> centering blocks
@@ -695,6 +772,8 @@ class Analyzer:
         """Weight edits that make every output of writer module ``path`` zero-mean per norm row."""
         module = self.modules[path]
         kind = writer_kind(module)
+        if kind == "contraction":
+            return self._contraction_centering(path)
         calls = self.calls_per_path.get(path, [])
         all_groups: set[tuple[int, ...]] = set()
         blockers: list[tuple[str, set[int]]] = []  # (what reads the output, which features it reads)
@@ -740,6 +819,129 @@ class Analyzer:
                     return [], [], ("weight is tied to another module (untie=False)" if why == "tied" else why)
             edits.append(WriterEdit(f"{path}.{attr}", axis, blocks, path, kind))
         return edits, unties, None
+
+    def _contraction_centering(self, path: str) -> tuple[list[WriterEdit], list[Untie], str | None]:
+        """Writer edits for a :class:`~normswap.analysis.linears.ParamContraction` (every call of it).
+
+        Per call: which axis of the weight operand becomes which output axis is proved on the op
+        (:func:`~normswap.analysis.dataflow.weight_axes`); the output axis whose index map lands in whole norm
+        rows (one token each, nothing else reading them) is the writer's feature axis, exactly as for a
+        Linear; the weight operand's axis is then followed back through the layout ops to one axis of the
+        stored parameter (:meth:`_stored_axis`), and the bias, broadcast onto the output, likewise. Every call
+        must ask for the same edits (a fused MoE's experts: one parameter, one axis)."""
+        found: dict[str, tuple[int, list[tuple[int, int]] | None]] = {}
+        any_norm = False
+        for call in self.calls_per_path.get(path, []):
+            pc: ParamContraction = call.module
+            op, out = self.graph.ops[pc.op_index], call.outputs[0]
+            out_shape = self.graph.values[out].shape
+            why, chosen = "keeps no axis of its weight apart in its output", None
+            for pair in sorted(weight_axes(self.graph, op, pc.weight_operand, pc.bias_operand),
+                               key=lambda x: -x.out_axis):  # features last, usually
+                reach = self.reach(out, pair.out_axis)
+                problem = reach.conflict or ("" if reach.site_rows else "reaches no norm")
+                if not problem and [o for o in reach.outputs if "hidden_state" not in o]:
+                    problem = f"output is also returned as `{reach.outputs[0]}`"
+                groups: set[tuple[int, ...]] = set()
+                if not problem:
+                    groups, problem = self._groups(
+                        reach, lambda o=out, a=pair.out_axis: self.reach(o, a, tokens=True))
+                blocks = None
+                if not problem:
+                    blocks, problem = self._blocks_along(groups, out_shape[pair.out_axis])
+                if not problem:
+                    covered = set(range(out_shape[pair.out_axis])) if blocks is None else \
+                        {i for lo, hi in blocks for i in range(lo, hi)}
+                    what = next((w for w, feats in reach.blockers if feats & covered), None)
+                    problem = f"output also read by {what} (not a norm)" if what else ""
+                if problem:
+                    why = problem if why.startswith("keeps no axis") or why == "reaches no norm" else why
+                    continue
+                chosen = (pair, blocks)
+                break
+            if chosen is None:
+                if why == "reaches no norm":
+                    continue
+                return [], [], why
+            any_norm = True
+            pair, blocks = chosen
+            parts = [(pc.weight, pc.weight_value, pc.weight_operand, pair.in_axis)]
+            if pc.bias is not None and pc.bias_value is not None and pc.bias_operand is not None:
+                parts.append((pc.bias, pc.bias_value, pc.bias_operand, None))
+            for name, source, operand, axis in parts:
+                m = self.reach(source, None).mapped.get(operand)
+                if m is None:
+                    return [], [], f"`{name}` is not followed to the op"
+                if axis is None:  # the bias: as broadcast onto the output
+                    try:
+                        m = m.broadcast_to(out_shape)
+                    except RuntimeError:
+                        return [], [], f"bias `{name}` does not broadcast onto the output"
+                    axis = pair.out_axis
+                stored = self._stored_axis(m, axis, blocks, self.graph.values[source].shape)
+                if isinstance(stored, str):
+                    return [], [], f"`{name}`: {stored}"
+                if found.setdefault(name, stored) != stored:
+                    return [], [], f"calls center `{name}` differently"
+                sharing = self._contraction_sharing(source, path)
+                if sharing:
+                    return [], [], sharing
+        if not any_norm:
+            return [], [], "reaches no norm"
+        return [WriterEdit(name, axis, blocks, path, "contraction") for name, (axis, blocks) in found.items()], [], None
+
+    @staticmethod
+    def _stored_axis(m: torch.Tensor, axis: int, blocks: list[tuple[int, int]] | None, shape: tuple[int, ...]
+                     ) -> tuple[int, list[tuple[int, int]] | None] | str:
+        """``(axis, blocks)`` of a stored parameter of ``shape`` that centering an operand along ``axis``
+        (per ``blocks``) amounts to, read from ``m``, the operand's map of the parameter's flat element ids; or
+        why there is none. Along the operand's axis the elements must step along one axis of the parameter,
+        in the same order at every other position; each block must land on a contiguous block there."""
+        n = m.shape[axis]
+        rows = m.movedim(axis, -1).reshape(-1, n)
+        if bool(torch.isnan(rows).any()):
+            return "the operand is not the parameter alone"
+        coords = torch.stack(torch.unravel_index(rows.long(), shape))  # (axes, rows, n)
+        varies = (coords != coords[..., :1]).any(-1).any(-1)
+        axes = varies.nonzero().flatten().tolist()
+        if len(axes) != 1:
+            return "the output features do not lie along one axis of the stored parameter"
+        order = coords[axes[0]]
+        if not bool((order == order[:1]).all()):
+            return "the output features lie along the parameter in different orders"
+        order_list = order[0].tolist()
+        stored = []
+        for lo, hi in blocks or [(0, n)]:
+            idx = sorted(order_list[lo:hi])
+            if idx != list(range(idx[0], idx[-1] + 1)):
+                return "a block of output features is not a block of the stored parameter"
+            stored.append((idx[0], idx[-1] + 1))
+        return axes[0], (None if stored == [(0, shape[axes[0]])] else sorted(stored))
+
+    def _contraction_sharing(self, source: int, path: str) -> str:
+        """Why centering the parameter read as value ``source`` would change something other than the
+        calls of contraction ``path`` ('' when nothing else reads it: every use is a layout op on the way to
+        one of those calls, or computes nothing that is used)."""
+        calls = {c.start_op for c in self.calls_per_path.get(path, [])}
+        value = self.graph.values[source]
+        stack = [v.id for v in self.param_values.get(id(value.tensor), [value])]
+        seen: set[int] = set()
+        while stack:
+            v = stack.pop()
+            if v in seen:
+                continue
+            seen.add(v)
+            for i in self.graph.values[v].consumers:
+                op = self.graph.ops[i]
+                if i in calls:
+                    continue
+                if op.name in LAYOUT_OPS and op.args and op.args[0] == ValueRef(v):
+                    stack.extend(op.outputs)
+                    continue
+                if not self._dead(op):
+                    where = self._call_of_op(op)
+                    return f"`{value.name}` is also read by `{op.name}`" + (f" in `{where}`" if where else "")
+        return ""
 
     def _view_centering(self, path: str, view: LinearView, blocks: list[tuple[int, int]] | None
                         ) -> tuple[list[WriterEdit], list[Untie], str | None]:

@@ -32,7 +32,15 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
-from normswap.analysis.linears import FunctionalLinear, LinearView, linear_module_kind
+from normswap.analysis.linears import (
+    CONTRACTION_BIAS,
+    CONTRACTION_OPS,
+    LAYOUT_OPS,
+    FunctionalLinear,
+    LinearView,
+    ParamContraction,
+    linear_module_kind,
+)
 from normswap.analysis.precision import HoldCasts
 
 
@@ -205,7 +213,7 @@ class _Recorder(TorchFunctionMode):
         if func in OPENED:
             return self._run_opened(func, args, kwargs)
         result = func(*args, **kwargs)
-        name = getattr(func, "__name__", str(func))
+        name = _op_name(func)
         if name in _NOOP_WHEN_SAME and args and result is args[0]:
             return result  # nothing happened to the value
         out_leaves, out_spec = pytree.tree_flatten(result)
@@ -235,10 +243,12 @@ class _Recorder(TorchFunctionMode):
         outputs = [self._new_value(t, index, "op") for t in out_tensors]
         call = self.call_stack[-1] if self.call_stack else None
         applied = self._functional_linear(name, args, kwargs) if len(outputs) == 1 else None
+        data_id = ref_args[LINEAR_OPS[name][0]].id if applied is not None else None
+        if applied is None and len(outputs) == 1 and name in CONTRACTION_OPS:
+            applied, data_id = self._param_contraction(name, index, ref_args, ref_kwargs)
         if applied is not None:
             path, module = applied
-            data = ref_args[LINEAR_OPS[name][0]]
-            fcall = ModuleCall(len(self.graph.calls), path, module, call, [data.id], {}, outputs=outputs,
+            fcall = ModuleCall(len(self.graph.calls), path, module, call, [data_id], {}, outputs=outputs,
                                start_op=index, end_op=index + 1, functional=True)
             self.graph.calls.append(fcall)
             call = fcall.id
@@ -311,9 +321,11 @@ class _Recorder(TorchFunctionMode):
         if found is None or found[0].dim() != 2:
             return None
         weight, rows, swapped = found
-        if swapped and rows is not None:
-            return None
+        if rows == (0, weight.shape[0]):
+            rows = None  # a view of the whole parameter (``W.mT.mT``)
         transposed = as_x_w != swapped  # stored [in, out]: applied as x @ W
+        if rows is not None and (swapped or transposed):
+            return None  # rows of its input axis, not its output's: a ParamContraction (_param_contraction)
         wname = self.params[id(weight)]
         owner_path = wname.rpartition(".")[0]
         owner = self.modules.get(owner_path)
@@ -343,6 +355,58 @@ class _Recorder(TorchFunctionMode):
             return owner_path, owner
         spec = FunctionalLinear(wname, rows, transposed, bias, bias_rows)
         return spec.name, LinearView(spec, weight, None if bias is None else self.named[id(part[0])], owner)
+
+    def _layout_source(self, vid: int) -> int | None:
+        """The parameter value that value ``vid`` is, laid out another way (through :data:`LAYOUT_OPS` only,
+        each taking it as its data argument; other tensor arguments are integer indices), or None."""
+        for _ in range(64):
+            value = self.graph.values[vid]
+            if value.source == "param":
+                return vid
+            if value.producer is None:
+                return None
+            op = self.graph.ops[value.producer]
+            if op.name not in LAYOUT_OPS or not op.args or not isinstance(op.args[0], ValueRef) or len(op.outputs) != 1:
+                return None
+            others = [r for r in pytree.tree_leaves((op.args[1:], op.kwargs)) if isinstance(r, ValueRef)]
+            if any(self.graph.values[r.id].tensor.is_floating_point() for r in others):
+                return None
+            vid = op.args[0].id
+        return None
+
+    def _param_contraction(self, name: str, index: int, ref_args: tuple, ref_kwargs: dict
+                           ) -> tuple[tuple[str, ParamContraction] | None, int | None]:
+        """``((path, ParamContraction), data value id)`` for a contraction one of whose operands is a stored
+        parameter through layout ops and whose other operands are not, outside the ``forward`` of a
+        Linear-like module owning that parameter; ``(None, None)`` otherwise."""
+        bias_at = CONTRACTION_BIAS.get(name)
+        bias_ref = None
+        if bias_at is not None:
+            bias_ref = ref_kwargs.get(bias_at[1], ref_args[bias_at[0]] if len(ref_args) > bias_at[0] else None)
+        operands = [r for r in pytree.tree_leaves((ref_args, ref_kwargs))
+                    if isinstance(r, ValueRef) and r != bias_ref and self.graph.values[r.id].tensor.is_floating_point()]
+        sources = [self._layout_source(r.id) for r in operands]
+        weights = [(r, s) for r, s in zip(operands, sources, strict=True) if s is not None]
+        data = [r for r, s in zip(operands, sources, strict=True) if s is None]
+        if len(weights) != 1 or not data:
+            return None, None
+        (wref, wsrc), param = weights[0], self.graph.values[weights[0][1]]
+        owner_path = (param.name or "").rpartition(".")[0]
+        if self.call_stack:  # inside a Linear's own forward: that module call is the writer
+            inner = self.graph.calls[self.call_stack[-1]].module
+            if linear_module_kind(inner) is not None and any(q is param.tensor for q in inner._parameters.values()):
+                return None, None
+        bias, bias_src = None, None
+        if isinstance(bias_ref, ValueRef):
+            bias_src = self._layout_source(bias_ref.id)
+            if bias_src is None:
+                return None, None  # a computed bias: not one stored parameter
+            bias = self.graph.values[bias_src].name
+        label = {"__matmul__": "matmul", "__rmatmul__": "matmul"}.get(name, name)
+        path = f"{label}({param.name})"
+        module = ParamContraction(path, param.name or "", owner_path, index, wref.id, wsrc, bias,
+                                  bias_ref.id if bias is not None else None, bias_src)
+        return (path, module), data[0].id
 
     # -- module hooks ---------------------------------------------------------------------------
     def pre_hook(self, path: str) -> Callable[..., None]:
@@ -433,6 +497,15 @@ def record(model: nn.Module, args: tuple, kwargs: dict, *, snapshot: Collection[
     graph.outputs = [(path, recorder.value_of(t)) for path, t in flatten_outputs(output)]
     graph._keep = recorder.keep  # type: ignore[attr-defined]
     return graph
+
+
+def _op_name(func: Callable[..., Any]) -> str:
+    """The name an op is recorded under: ``x.T`` and ``x.mT`` (attribute reads, dispatched as the
+    descriptor's ``__get__``) by their attribute names."""
+    name = getattr(func, "__name__", str(func))
+    if name == "__get__":
+        return getattr(getattr(func, "__self__", None), "__name__", name)
+    return name
 
 
 def _named_inputs(args: tuple, kwargs: dict) -> list[tuple[str, torch.Tensor]]:

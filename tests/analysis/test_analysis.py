@@ -383,15 +383,23 @@ def test_a_writer_behind_a_centering_op_is_left_uncentered_and_the_conversion_st
 
 def test_a_term_added_again_past_its_centering_op_is_not_centered_by_it():
     """The table joins the stream at the start (where the op sits) and again before block 1: block 1's
-    norms see the second copy uncentered, so the op does not make them exact (the plan said it did)."""
+    norms see the second copy, which the op does not center (the plan once said it did). The table is
+    centered by its own edit instead (a table summed with itself, row by row, stays centered), so every
+    norm is exact, and the conversion is."""
+    import normswap
+
     class Twice(StemNet):
         def forward(self, x):
             h = nn.functional.gelu(self.stem(x)) + self.pos[:x.shape[1]]
             h = self.blocks[0](h)
             return self.out(self.n_f(self.blocks[1](h + self.pos[:x.shape[1]])))
 
-    plan, _, _ = _analyse(Twice(), (torch.randn(3, 9, 6, dtype=torch.float64),))
-    assert [s.verdict for s in plan.sites] == ["exact-with-centering"] * 2 + ["approximate"] * 3, plan.table()
+    model = randomise(Twice(), seed=3)
+    converted = copy.deepcopy(model)
+    plan = normswap.patch(converted, example_inputs=(torch.randn(3, 9, 6, dtype=torch.float64),)).plan
+    assert [s.verdict for s in plan.sites] == ["exact-with-centering"] * 5, plan.table()
+    assert "pos" in {e.target for e in plan.writer_edits}
+    _exact(model, converted, torch.randn(5, 12, 6, dtype=torch.float64))
 
 
 def test_whisper_encoder_position_table_is_behind_the_stem_centering_op():
