@@ -184,8 +184,8 @@ class MessageLayer(nn.Module):
             agg = torch.zeros_like(h).index_put_((dst,), m, accumulate=True)
         elif self.how == "sparse_mm":
             n = h.shape[0]
-            adj = torch.sparse_coo_tensor(torch.stack([dst, torch.arange(len(dst))]), torch.ones(len(dst), dtype=h.dtype),
-                                          (n, len(dst)))
+            adj = torch.sparse_coo_tensor(torch.stack([dst, torch.arange(len(dst))]),
+                                          torch.ones(len(dst), dtype=h.dtype), (n, len(dst)), check_invariants=True)
             agg = torch.sparse.mm(adj, m)
         else:
             raise ValueError(self.how)

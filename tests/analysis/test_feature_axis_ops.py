@@ -1,0 +1,218 @@
+"""Writers, readers and centering-preserving ops recognised by their action on the feature axis (issue 37 §1-§2).
+
+Every model is built twice from one seed in float64 with LayerNorm γ/β (and biases) randomised, patched on one
+input and compared with the original on another: every norm must be planned ``exact`` (weight surgery alone,
+no centering op), the converted model's output must match to 1e-9, and every converted norm's input must be
+zero-mean to 1e-9 (each norm checked on its own, not only through the output).
+"""
+
+from __future__ import annotations
+
+import tempfile
+
+import pytest
+import torch
+from torch import nn
+
+import normswap
+from tests.feature_axis_models import EinsumLM, LayoutBlock, LayoutLM, MessagePassingNet, TokenViT
+
+
+def _build(make, seed: int = 0) -> nn.Module:  # noqa: ANN001
+    torch.manual_seed(seed)
+    model = make()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:  # LayerNorm γ/β and biases far from their init
+                p.add_(0.3 * torch.randn(p.shape, generator=gen))
+    return model.double().eval()
+
+
+def _norm_inputs(model: nn.Module, paths: list[str], inputs: tuple) -> dict[str, torch.Tensor]:
+    seen: dict[str, torch.Tensor] = {}
+    handles = [model.get_submodule(p).register_forward_pre_hook(
+        lambda m, a, p=p: seen.setdefault(p, a[0].detach().clone())) for p in paths]
+    try:
+        with torch.no_grad():
+            model(*inputs)
+    finally:
+        for h in handles:
+            h.remove()
+    return seen
+
+
+def _assert_exact(model: nn.Module, reference: nn.Module, report: normswap.Report, other: tuple) -> None:
+    plan = report.plan
+    assert [s.verdict for s in plan.sites] == ["exact"] * len(plan.sites), plan.table()
+    assert not plan.hooks, plan.table()
+    with torch.no_grad():
+        got, want = (getattr(y, "logits", y) for y in (model(*other), reference(*other)))
+    assert float((got - want).abs().max()) <= 1e-9
+    inputs = _norm_inputs(model, [s.name for s in plan.sites], other)
+    assert set(inputs) == {s.name for s in plan.sites}
+    for name, x in inputs.items():
+        ratio = (x.mean(-1).abs() / x.pow(2).mean(-1).sqrt()).max()
+        assert float(ratio) <= 1e-9, name
+
+
+def _check(make, example: tuple, other: tuple) -> normswap.Report:  # noqa: ANN001
+    model, reference = _build(make), _build(make)
+    report = normswap.patch(model, example)
+    _assert_exact(model, reference, report, other)
+    return report
+
+
+def _ids(n: int, t: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, 50, (n, t), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("how", ["T", "T.contiguous", "permute", "rearrange", "mT.float", "einsum", "bmm",
+                                 "baddbmm", "addmm", "tensordot"])
+def test_a_parameter_through_layout_ops_into_a_contraction_is_a_centerable_writer(how):
+    report = _check(lambda: LayoutLM(how), (_ids(2, 7, 1),), (_ids(3, 5, 2),))
+    edits = {e.target: e for e in report.plan.writer_edits}
+    if how in ("permute", "rearrange"):  # W_O [heads, d_head, d_model]: centered over its last axis
+        assert edits["blocks.0.W_O"].axis == 2 and edits["blocks.0.W_O"].blocks is None
+    elif how in ("T.contiguous", "tensordot"):  # W [64, d_model] read as W.T: its output features are axis 1
+        assert edits["blocks.1.W"].axis == 1
+    assert edits["blocks.0.b"].axis == 0
+
+
+def test_an_interpretability_style_einsum_model_is_exact_and_round_trips():
+    model, reference = _build(EinsumLM), _build(EinsumLM)
+    report = normswap.patch(model, (_ids(2, 7, 1),))
+    _assert_exact(model, reference, report, (_ids(3, 9, 2),))
+    edits = {e.target: (e.axis, e.blocks) for e in report.plan.writer_edits}
+    assert edits["blocks.0.attn.W_O"] == (2, None)  # [heads, d_head, d_model]
+    assert edits["blocks.1.mlp.W_out"] == (1, None)  # [d_mlp, d_model]
+    assert edits["W_E"] == (1, None) and edits["W_pos"] == (1, None) and edits["blocks.0.attn.b_O"] == (0, None)
+    assert not any(t.endswith(("W_Q", "W_K", "W_V", "W_in", "W_U")) for t in edits)  # readers: untouched
+    with tempfile.TemporaryDirectory() as tmp:
+        normswap.save(model, tmp)
+        fresh = normswap.load(tmp, model=EinsumLM().double())
+        for (name, a), (name_b, b) in zip(model.state_dict().items(), fresh.state_dict().items(), strict=True):
+            assert name == name_b and torch.equal(a, b), name
+        with torch.no_grad():
+            assert torch.equal(fresh(_ids(3, 9, 2)), model(_ids(3, 9, 2)))
+
+
+@pytest.mark.parametrize("pe_slice", [False, True])
+def test_a_class_token_by_broadcast_to_and_a_table_added_to_a_slice_of_itself_are_stream_start_tables(pe_slice):
+    def patches(n: int, s: int) -> tuple:
+        return (torch.randn(n, 6, 12, generator=torch.Generator().manual_seed(s), dtype=torch.float64),)
+
+    report = _check(lambda: TokenViT(pe_slice), patches(2, 1), patches(3, 2))
+    edits = {e.target: e.axis for e in report.plan.writer_edits}
+    assert edits["pos"] == 2 and ("cls" in edits) != pe_slice
+
+
+@pytest.mark.parametrize("how", ["index_add", "index_add_", "scatter_add", "scatter_reduce_sum", "scatter_reduce_mean",
+                                 "index_put", "sparse_mm"])
+def test_rows_summed_into_rows_with_one_weight_per_row_keep_centering(how):
+    def graph(seed: int, nodes: int, edges: int) -> tuple:
+        gen = torch.Generator().manual_seed(seed)
+        return (torch.randn(nodes, 7, generator=gen, dtype=torch.float64),
+                torch.randint(0, nodes, (2, edges), generator=gen),
+                torch.rand(edges, generator=gen, dtype=torch.float64))
+
+    _check(lambda: MessagePassingNet(how), graph(1, 9, 20), graph(2, 11, 25))
+
+
+class _PerFeatureMessages(MessagePassingNet):
+    """Messages weighted per edge *and per feature* before the row sum: not one weight per row."""
+
+    def __init__(self) -> None:
+        super().__init__("index_add")
+        self.mix = nn.Parameter(torch.rand(20, 32) + 0.5)
+
+    def forward(self, x, edges, weight):  # noqa: ANN001, ANN201
+        h = self.embed(x)
+        for layer in self.layers:
+            src, dst = edges
+            m = layer.msg(layer.ln(h))[src] * (weight[:, None] * self.mix)
+            h = h + torch.zeros_like(h).index_add(0, dst, m)
+        return self.readout(self.norm(h))
+
+
+def test_a_row_sum_with_weights_per_feature_does_not_keep_centering():
+    gen = torch.Generator().manual_seed(1)
+    inputs = (torch.randn(9, 7, generator=gen, dtype=torch.float64), torch.randint(0, 9, (2, 20), generator=gen),
+              torch.rand(20, generator=gen, dtype=torch.float64))
+    model, reference = _build(_PerFeatureMessages), _build(_PerFeatureMessages)
+    report = normswap.patch(model, inputs, mode="exact")
+    verdicts = [s.verdict for s in report.plan.sites]
+    assert verdicts[0] == "exact" and verdicts[1:] != ["exact", "exact"], report.plan.table()
+    with torch.no_grad():  # what is converted stays exact
+        assert float((model(*inputs) - reference(*inputs)).abs().max()) <= 1e-9
+
+
+class _SplitOutputAxis(LayoutBlock):
+    """A writer whose output features are two axes of its stored weight (``[2, 16, 64]`` flattened to 32): no
+    single stored axis to center along."""
+
+    def __init__(self) -> None:
+        super().__init__("T")
+        self.W2 = nn.Parameter(torch.randn(2, 16, 64) / 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = nn.functional.gelu(self.up(self.ln(x)))
+        return x + nn.functional.linear(h, self.W2.reshape(32, 64).contiguous(), self.b)
+
+
+class _SplitNet(LayoutLM):
+    def __init__(self) -> None:
+        super().__init__("T")
+        self.blocks = nn.ModuleList([_SplitOutputAxis(), _SplitOutputAxis()])
+
+
+def test_a_writer_whose_features_span_two_stored_axes_is_not_centered_by_a_guess():
+    model = _build(_SplitNet)
+    report = normswap.patch(model, (_ids(2, 7, 1),))  # verified: whatever is planned exact is
+    assert not any(e.target.endswith("W2") for e in report.plan.writer_edits), report.plan.table()
+    verdicts = [s.verdict for s in report.plan.sites]
+    assert verdicts[0] == "exact" and "exact" not in verdicts[1:], report.plan.table()
+
+
+def _moe(kind: str, implementation: str) -> nn.Module:
+    if kind == "phimoe":
+        from transformers import PhimoeConfig, PhimoeForCausalLM
+        config = PhimoeConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                              max_position_embeddings=64, experts_implementation=implementation)
+        model = PhimoeForCausalLM(config)
+    else:
+        from transformers import DbrxConfig, DbrxForCausalLM
+        config = DbrxConfig(vocab_size=64, d_model=32, n_heads=4, n_layers=2, max_seq_len=64,
+                            attn_config={"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
+                            ffn_config={"ffn_hidden_size": 48, "moe_num_experts": 4, "moe_top_k": 2},
+                            experts_implementation=implementation)
+        model = DbrxForCausalLM(config)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            one = 1.0 if "norm" in name and name.endswith("weight") else 0.0
+            p.copy_(torch.randn(p.shape, generator=gen) * (0.3 if p.dim() == 1 else 0.2) + one)
+    return model.double().eval()
+
+
+@pytest.mark.parametrize(("kind", "implementation"), [("phimoe", "eager"), ("phimoe", "batched_mm"), ("dbrx", "eager")])
+def test_fused_moe_experts_are_writers_and_their_routed_rows_keep_centering(kind, implementation):
+    """transformers' fused experts: 3-D ``down_proj`` read per expert (``F.linear`` on ``down_proj[e]``, or a
+    ``bmm`` on the gathered experts), rows scaled by routing weights and summed with ``index_add_`` (or a sum
+    over top-k). One edit per stored tensor, no centering op: every norm exact."""
+    model, reference = _moe(kind, implementation), _moe(kind, implementation)
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(3))
+    report = normswap.patch(model, (ids,))
+    other = torch.randint(0, 64, (3, 11), generator=torch.Generator().manual_seed(4))
+    _assert_exact(model, reference, report, (other,))
+    down = {e.target: e.axis for e in report.plan.writer_edits if e.target.endswith(("down_proj", "w2"))}
+    assert down == ({f"model.layers.{i}.mlp.experts.down_proj": 1 for i in range(2)} if kind == "phimoe"
+                    else {f"transformer.blocks.{i}.ffn.experts.mlp.w2": 1 for i in range(2)})
+
+
+def test_the_same_model_split_differently_gets_the_same_verdicts():
+    """A writer's weight transposed in the model's code or stored transposed: the same edits, the same verdicts."""
+    a = normswap.plan(_build(lambda: LayoutLM("T")), (_ids(2, 7, 1),))
+    b = normswap.plan(_build(lambda: LayoutLM("T.contiguous")), (_ids(2, 7, 1),))
+    assert [s.verdict for s in a.sites] == [s.verdict for s in b.sites] == ["exact"] * 3
