@@ -29,6 +29,7 @@ import argparse
 import importlib
 import importlib.machinery
 import importlib.metadata
+import importlib.util
 import inspect
 import json
 import re
@@ -96,6 +97,20 @@ def install_torchvision_stand_in() -> None:
         if parent:
             setattr(sys.modules[parent], child, module)
     sys.modules["torchvision.models.feature_extraction"] = None  # timm guards this one itself
+
+
+def install_wandb_stand_in() -> None:
+    """Satisfy TransformerLens 2.x's import-time ``import wandb`` (its training helpers) when wandb is not
+    installed: a stand-in module, in this process only, after accelerate has looked for the real one."""
+    if importlib.util.find_spec("wandb") is not None:
+        return
+    try:
+        importlib.import_module("accelerate")  # checks for wandb at import: let it find none first
+    except Exception:  # noqa: BLE001
+        pass
+    module = _StandIn("wandb")
+    module.__spec__ = importlib.machinery.ModuleSpec("wandb", None)
+    sys.modules["wandb"] = module
 
 
 # ------------------------------------------------------------------------------------ helpers
@@ -166,7 +181,8 @@ def layernorm_like(model: nn.Module) -> list[str]:
         calls = False
         if cls.__module__.split(".")[0] not in ("torch", "normswap"):
             try:
-                calls = "layer_norm" in inspect.getsource(cls.forward)
+                calls = bool(re.search(r"\blayer_norm\s*\(", inspect.getsource(cls.forward)))  # a call, not
+                # a name that contains it (TransformerLens's ``cfg.is_layer_norm_activation()``)
             except (OSError, TypeError):
                 calls = False
         inside = any(path.startswith(f + ".") for f in found)  # a wrapper's own LayerNorm counts once
@@ -516,6 +532,24 @@ def nanogpt_cases() -> list[Case]:
                  (ids(64, 2, 9, 0),), (ids(64, 3, 14, 1),)) for bias in (False, True)]
 
 
+def transformer_lens_cases() -> list[Case]:
+    """TransformerLens's ``HookedTransformer`` (2.x): W_E / W_pos tables, W_Q/W_K/W_V ``[heads, d_model, d_head]``
+    and W_O ``[heads, d_head, d_model]`` applied with einsum, W_in / W_out ``[d_in, d_out]`` (issue 37 §1)."""
+    from transformer_lens import HookedTransformer, HookedTransformerConfig
+
+    def c(name: str, **kw: Any) -> Case:
+        def make() -> nn.Module:
+            config = dict(n_layers=2, d_model=32, n_ctx=16, d_head=8, n_heads=4, d_mlp=64, d_vocab=64,
+                          act_fn="gelu", normalization_type="LN", dtype=torch.float64)
+            return HookedTransformer(HookedTransformerConfig(**{**config, **kw}))
+        return Case("transformer-lens", name, make, (ids(64, 2, 9, 0),), (ids(64, 3, 14, 1),))
+
+    return [c("HookedTransformer"), c("HookedTransformer attn-only", attn_only=True),
+            c("HookedTransformer SoLU (LN in the MLP)", act_fn="solu_ln"),
+            c("HookedTransformer shortformer positions", positional_embedding_type="shortformer"),
+            c("HookedTransformer rotary", positional_embedding_type="rotary")]
+
+
 LIBRARIES: dict[str, tuple[str, Callable[[], list[Case]]]] = {
     "x-transformers": ("x_transformers", x_transformers_cases),
     "vit-pytorch": ("vit_pytorch", vit_pytorch_cases),
@@ -525,6 +559,7 @@ LIBRARIES: dict[str, tuple[str, Callable[[], list[Case]]]] = {
     "perceiver-pytorch": ("perceiver_pytorch", perceiver_cases),
     "rotary-embedding-torch": ("rotary_embedding_torch", rotary_cases),
     "nanoGPT (replica)": ("torch", nanogpt_cases),
+    "transformer-lens": ("transformer_lens", transformer_lens_cases),
 }
 
 
@@ -636,6 +671,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     install_torchvision_stand_in()
+    install_wandb_stand_in()
     rows, versions = [], {"torch": torch.__version__, "normswap": normswap.__version__}
     for library, (module, cases) in LIBRARIES.items():
         try:

@@ -148,7 +148,7 @@ def is_zeros(op: Op) -> bool:
         return False
     if op.name.endswith("zeros") or op.name == "zeros_like":
         return True
-    at = 1 if op.name in ("full", "full_like", "new_full") else 0
+    at = 2 if op.name == "new_full" else 1  # full(size, v), full_like(x, v), x.new_full(size, v)
     fill = op.kwargs.get("fill_value", op.args[at] if len(op.args) > at else None)
     return isinstance(fill, (int, float)) and not isinstance(fill, bool) and fill == 0
 
