@@ -182,6 +182,10 @@ class MessageLayer(nn.Module):
                                                      include_self=False)
         elif self.how == "index_put":
             agg = torch.zeros_like(h).index_put_((dst,), m, accumulate=True)
+        elif self.how == "segment_reduce":  # messages sorted by destination, summed per segment
+            order = torch.argsort(dst, stable=True)
+            lengths = torch.bincount(dst, minlength=h.shape[0])
+            agg = torch.segment_reduce(m[order], "sum", lengths=lengths, unsafe=True)
         elif self.how == "sparse_mm":
             n = h.shape[0]
             adj = torch.sparse_coo_tensor(torch.stack([dst, torch.arange(len(dst))]),

@@ -53,6 +53,7 @@ MIX_OPS = {"interpolate", "upsample", "upsample_nearest", "upsample_bilinear", "
            "adaptive_avg_pool3d", "conv1d", "conv2d", "conv3d",
            # a matmul of data by data (a sparse or dense adjacency over tokens, attention weights over a stream)
            "mm", "matmul", "__matmul__", "__rmatmul__", "bmm", "einsum", "sparse_mm", "_sparse_mm", "spmm",
+           "segment_reduce",  # sums or means over contiguous segments of rows (proved linear: max is not)
            *ROW_SUM_OPS}
 # Ops that create a tensor of zeros from no data: a term that adds nothing (``torch.zeros_like(x).index_add(...)``).
 ZERO_OPS = {"zeros", "zeros_like", "new_zeros", "full", "full_like", "new_full"}

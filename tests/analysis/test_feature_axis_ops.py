@@ -108,7 +108,7 @@ def test_a_class_token_by_broadcast_to_and_a_table_added_to_a_slice_of_itself_ar
 
 
 @pytest.mark.parametrize("how", ["index_add", "index_add_", "scatter_add", "scatter_reduce_sum", "scatter_reduce_mean",
-                                 "index_put", "sparse_mm"])
+                                 "index_put", "sparse_mm", "segment_reduce"])
 def test_rows_summed_into_rows_with_one_weight_per_row_keep_centering(how):
     def graph(seed: int, nodes: int, edges: int) -> tuple:
         gen = torch.Generator().manual_seed(seed)
