@@ -71,7 +71,7 @@ from normswap.analysis.plan import (
     Untie,
     WriterEdit,
 )
-from normswap.analysis.trace import Graph, ModuleCall, Op, Value, ValueRef
+from normswap.analysis.trace import Graph, ModuleCall, Op, Value, ValueRef, layout_coords
 from normswap.analysis.walker import NormSite
 
 
@@ -869,16 +869,16 @@ class Analyzer:
             if pc.bias is not None and pc.bias_value is not None and pc.bias_operand is not None:
                 parts.append((pc.bias, pc.bias_value, pc.bias_operand, None))
             for name, source, operand, axis in parts:
-                m = self.reach(source, None).mapped.get(operand)
-                if m is None:
+                coords = layout_coords(self.graph, source, operand)
+                if coords is None:
                     return [], [], f"`{name}` is not followed to the op"
                 if axis is None:  # the bias: as broadcast onto the output
                     try:
-                        m = m.broadcast_to(out_shape)
+                        coords = [c.broadcast_to(out_shape) for c in coords]
                     except RuntimeError:
                         return [], [], f"bias `{name}` does not broadcast onto the output"
                     axis = pair.out_axis
-                stored = self._stored_axis(m, axis, blocks, self.graph.values[source].shape)
+                stored = self._stored_axis(coords, axis, blocks, self.graph.values[source].shape)
                 if isinstance(stored, str):
                     return [], [], f"`{name}`: {stored}"
                 if found.setdefault(name, stored) != stored:
@@ -891,25 +891,25 @@ class Analyzer:
         return [WriterEdit(name, axis, blocks, path, "contraction") for name, (axis, blocks) in found.items()], [], None
 
     @staticmethod
-    def _stored_axis(m: torch.Tensor, axis: int, blocks: list[tuple[int, int]] | None, shape: tuple[int, ...]
-                     ) -> tuple[int, list[tuple[int, int]] | None] | str:
+    def _stored_axis(coords: list[torch.Tensor], axis: int, blocks: list[tuple[int, int]] | None,
+                     shape: tuple[int, ...]) -> tuple[int, list[tuple[int, int]] | None] | str:
         """``(axis, blocks)`` of a stored parameter of ``shape`` that centering an operand along ``axis``
-        (per ``blocks``) amounts to, read from ``m``, the operand's map of the parameter's flat element ids; or
-        why there is none. Along the operand's axis the elements must step along one axis of the parameter,
-        in the same order at every other position; each block must land on a contiguous block there."""
-        n = m.shape[axis]
-        rows = m.movedim(axis, -1).reshape(-1, n)
-        if bool(torch.isnan(rows).any()):
-            return "the operand is not the parameter alone"
-        coords = torch.stack(torch.unravel_index(rows.long(), shape))  # (axes, rows, n)
-        varies = (coords != coords[..., :1]).any(-1).any(-1)
-        axes = varies.nonzero().flatten().tolist()
-        if len(axes) != 1:
+        (per ``blocks``) amounts to, read from ``coords`` (per parameter axis, each operand element's
+        coordinate: :func:`~normswap.analysis.trace.layout_coords`); or why there is none. Along the operand's
+        axis the elements must step along one axis of the parameter, in the same order at every other
+        position; each block must land on a contiguous block there."""
+        n = coords[0].shape[axis]
+        varying = []
+        for d, c in enumerate(coords):
+            rows = c.movedim(axis, -1).reshape(-1, n)
+            if bool((rows != rows[:, :1]).any()):
+                varying.append((d, rows))
+        if len(varying) != 1:
             return "the output features do not lie along one axis of the stored parameter"
-        order = coords[axes[0]]
+        axes, order = [varying[0][0]], varying[0][1]
         if not bool((order == order[:1]).all()):
             return "the output features lie along the parameter in different orders"
-        order_list = order[0].tolist()
+        order_list = order[0].long().tolist()
         stored = []
         for lo, hi in blocks or [(0, n)]:
             idx = sorted(order_list[lo:hi])

@@ -318,6 +318,8 @@ class _Recorder(TorchFunctionMode):
         if len(args) <= max(data_at, weight_at) or not isinstance(args[data_at], torch.Tensor):
             return None
         found = self._param_part(args[weight_at])
+        if found is None:
+            found = self._laid_out_part(args[weight_at])
         if found is None or found[0].dim() != 2:
             return None
         weight, rows, swapped = found
@@ -372,6 +374,29 @@ class _Recorder(TorchFunctionMode):
             if any(self.graph.values[r.id].tensor.is_floating_point() for r in others):
                 return None
             vid = op.args[0].id
+        return None
+
+    def _laid_out_part(self, t: Any) -> tuple[nn.Parameter, None, bool] | None:
+        """``(parameter, None, transposed)`` when ``t`` holds a 2-D parameter's elements in their own order or
+        transposed, reached through layout ops that copied them (``W.T.contiguous()``, ``W.to(dtype)``): read
+        off :func:`layout_coords`; None otherwise."""
+        if not isinstance(t, torch.Tensor) or t.dim() != 2 or id(t) not in self.binding:
+            return None
+        vid = self.binding[id(t)]
+        source = self._layout_source(vid)
+        if source is None or self.graph.values[source].tensor.dim() != 2:
+            return None
+        coords = layout_coords(self.graph, source, vid)
+        param = self.graph.values[source].tensor
+        if coords is None or id(param) not in self.named:
+            return None
+        rows, cols = (torch.arange(n, dtype=torch.float64) for n in param.shape)
+        if tuple(t.shape) == tuple(param.shape) and torch.equal(coords[0], rows[:, None].expand(t.shape)) \
+                and torch.equal(coords[1], cols[None, :].expand(t.shape)):
+            return self.named[id(param)], None, False
+        if tuple(t.shape) == tuple(param.shape)[::-1] and torch.equal(coords[0], rows[None, :].expand(t.shape)) \
+                and torch.equal(coords[1], cols[:, None].expand(t.shape)):
+            return self.named[id(param)], None, True
         return None
 
     def _param_contraction(self, name: str, index: int, ref_args: tuple, ref_kwargs: dict
@@ -497,6 +522,55 @@ def record(model: nn.Module, args: tuple, kwargs: dict, *, snapshot: Collection[
     graph.outputs = [(path, recorder.value_of(t)) for path, t in flatten_outputs(output)]
     graph._keep = recorder.keep  # type: ignore[attr-defined]
     return graph
+
+
+# casts and copies: the same elements in the same places (a coordinate map passes them unchanged)
+_SAME_ELEMENTS = {"to", "type", "type_as", "float", "double", "half", "bfloat16", "detach", "contiguous", "clone"}
+
+
+def layout_coords(graph: Graph, source: int, operand: int) -> list[torch.Tensor] | None:
+    """Where each element of value ``operand`` sits in the stored parameter value ``source`` it was laid out
+    from (``operand`` reached from ``source`` through layout ops, each taking it as its first argument): per
+    axis of the parameter, a float64 tensor shaped like ``operand`` holding that coordinate.
+
+    Each axis's coordinates start as an expanded ``arange`` (no copy of a parameter-sized tensor) and go
+    through the recorded ops, so the maps cost what the operand costs: a fused MoE's 3-D experts
+    tensor read one expert at a time never has a map of its own size. Casts and copies pass the maps as
+    they are (a cast to half precision would round coordinates). None when an op does not replay."""
+    chain, vid = [], operand
+    while vid != source:
+        value = graph.values[vid]
+        if value.producer is None:
+            return None
+        op = graph.ops[value.producer]
+        if not op.args or not isinstance(op.args[0], ValueRef):
+            return None
+        chain.append(op)
+        vid = op.args[0].id
+    shape = graph.values[source].shape
+    out = []
+    with torch._C.DisableTorchFunction():  # our own replay, not ops of the model
+        for axis, n in enumerate(shape):
+            view = [n if i == axis else 1 for i in range(len(shape))]
+            m = torch.arange(n, dtype=torch.float64).reshape(view).expand(shape)
+            for op in reversed(chain):
+                if op.name in _SAME_ELEMENTS:
+                    continue
+                rest = pytree.tree_map(lambda a: graph.values[a.id].tensor if isinstance(a, ValueRef) else a,
+                                       (op.args[1:], op.kwargs))
+                try:
+                    try:
+                        m = op.func(m, *rest[0], **rest[1])
+                    except RuntimeError:  # a view an expanded tensor cannot take: on a copy
+                        m = op.func(m.contiguous(), *rest[0], **rest[1])
+                except Exception:  # noqa: BLE001 - not replayable on a map: no coordinates
+                    return None
+                if not isinstance(m, torch.Tensor):
+                    return None
+            if tuple(m.shape) != graph.values[operand].shape:
+                return None
+            out.append(m)
+    return out
 
 
 def _op_name(func: Callable[..., Any]) -> str:
