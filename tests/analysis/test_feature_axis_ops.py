@@ -216,3 +216,33 @@ def test_the_same_model_split_differently_gets_the_same_verdicts():
     a = normswap.plan(_build(lambda: LayoutLM("T")), (_ids(2, 7, 1),))
     b = normswap.plan(_build(lambda: LayoutLM("T.contiguous")), (_ids(2, 7, 1),))
     assert [s.verdict for s in a.sites] == [s.verdict for s in b.sites] == ["exact"] * 3
+
+
+class _CopiedReaderBlock(LayoutBlock):
+    """The norm read through a weight copied into its transpose (``W_up`` stored ``[in, out]``)."""
+
+    def __init__(self) -> None:
+        super().__init__("T.contiguous")
+        self.W_up, self.b_up = nn.Parameter(torch.randn(32, 64) / 6), nn.Parameter(torch.randn(64) / 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = nn.functional.gelu(nn.functional.linear(self.ln(x), self.W_up.T.contiguous(), self.b_up))
+        return x + nn.functional.linear(h, self.W.T.contiguous(), self.b)
+
+
+class _CopiedReaderNet(LayoutLM):
+    def __init__(self) -> None:
+        super().__init__("T.contiguous")
+        self.blocks = nn.ModuleList([_CopiedReaderBlock(), _CopiedReaderBlock()])
+
+
+def test_a_reader_whose_weight_is_copied_into_its_transpose_takes_the_folds_and_the_rotation():
+    model, reference = _build(_CopiedReaderNet), _build(_CopiedReaderNet)
+    report = normswap.patch(model, (_ids(2, 7, 1),), fold_gamma=True)
+    folds = {(f.site, f.reader): f for f in report.plan.folds}
+    fold = folds[("blocks.0.ln", "blocks.0.W_up.T+b_up")]
+    assert fold.gamma and fold.beta and fold.kind == "conv1d"
+    assert all(s.rotation_ready for s in report.plan.sites), report.plan.table()
+    normswap.rotate(model, "hadamard")
+    with torch.no_grad():
+        assert float((model(_ids(3, 5, 2)) - reference(_ids(3, 5, 2))).abs().max()) <= 1e-9
