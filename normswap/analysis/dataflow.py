@@ -164,7 +164,7 @@ def run_on(graph: Graph, op: Op, vid: int, x: torch.Tensor, zero: tuple[int, ...
 
     def arg(a: object) -> object:
         if isinstance(a, ValueRef) and a.id in zero and a.id != vid:
-            return torch.zeros(graph.values[a.id].shape, dtype=torch.float64)
+            return torch.zeros(graph.values[a.id].shape, dtype=x.dtype)
         return replay_arg(graph, a, vid, x)
 
     args, kwargs = pytree.tree_map(arg, (op.args, op.kwargs))
@@ -225,27 +225,34 @@ def shared_axes(graph: Graph, op: Op, vid: int, zero: tuple[int, ...] = ()) -> t
     in_shape, out_shape = graph.values[vid].shape, graph.values[op.outputs[0]].shape
     if not in_shape or not out_shape or not math.prod(in_shape) or not math.prod(out_shape):
         return ()
+    dtype, tol = torch.float64, 1e-9
+    traced = graph.values[vid].tensor.dtype
 
     def f(x: torch.Tensor) -> torch.Tensor | None:
         y = run_on(graph, op, vid, x, zero)
-        ok = isinstance(y, torch.Tensor) and tuple(y.shape) == tuple(out_shape) and y.dtype == torch.float64
+        ok = isinstance(y, torch.Tensor) and tuple(y.shape) == tuple(out_shape) and y.dtype == dtype
         return y if ok else None
 
     gen = torch.Generator().manual_seed(op.index)
     x1 = torch.randn(in_shape, generator=gen, dtype=torch.float64)
     x2 = torch.randn(in_shape, generator=gen, dtype=torch.float64)
+    if f(x1) is None and traced in (torch.float32, torch.float16, torch.bfloat16):
+        # an op with no float64 kernel here (``torch._grouped_mm``, a fused MoE's experts): proved in float32,
+        # where an identity a linear map breaks still misses by O(1), far above float32 rounding
+        dtype, tol = torch.float32, 1e-4
+        x1, x2 = x1.float(), x2.float()
     y1, y2, y12, y0 = f(x1), f(x2), f(x1 + 2 * x2), f(torch.zeros_like(x1))
     if y1 is None or y2 is None or y12 is None or y0 is None:
         return ()
     scale = float(max(y1.abs().max(), y2.abs().max(), 1e-300))
 
     def same(a: torch.Tensor | None, b: torch.Tensor) -> bool:
-        return a is not None and bool(((a - b).abs() <= 1e-9 * scale).all())
+        return a is not None and bool(((a - b).abs() <= tol * scale).all())
 
     if not same(y12, y1 + 2 * y2) or not same(y0, torch.zeros_like(y0)) or not bool((y1 != 0).any()):
         return ()
     ones = f(torch.ones_like(x1))
-    keeps = ones is not None and bool(((ones - 1).abs() <= 1e-9).all())
+    keeps = ones is not None and bool(((ones - 1).abs() <= tol).all())
     found = []
     for a, d in enumerate(in_shape):
         if d < 2:
@@ -253,7 +260,7 @@ def shared_axes(graph: Graph, op: Op, vid: int, zero: tuple[int, ...] = ()) -> t
         for b, e in enumerate(out_shape):
             if e != d:
                 continue
-            v = 1 + torch.rand(d, generator=gen, dtype=torch.float64)
+            v = 1 + torch.rand(d, generator=gen, dtype=torch.float64).to(dtype)
             va = v.reshape([d if i == a else 1 for i in range(len(in_shape))])
             vb = v.reshape([d if i == b else 1 for i in range(len(out_shape))])
             if same(f(x1 * va), y1 * vb) and same(f(x1.roll(1, a)), y1.roll(1, b)):
@@ -262,11 +269,12 @@ def shared_axes(graph: Graph, op: Op, vid: int, zero: tuple[int, ...] = ()) -> t
 
 
 def replay_arg(graph: Graph, a: object, vid: int, x: torch.Tensor) -> object:
-    """One argument of an op run again on float64 data ``x`` in place of value ``vid``: other traced
-    tensors as they were, floating ones in float64 (a conv's weight must match its input's dtype)."""
+    """One argument of an op run again on data ``x`` (float64, or float32 where the op has no float64 kernel)
+    in place of value ``vid``: other traced tensors as they were, floating ones in ``x``'s dtype (a conv's
+    weight must match its input's dtype)."""
     if not isinstance(a, ValueRef):
         return a
     if a.id == vid:
         return x
     t = graph.values[a.id].tensor
-    return t.double() if t.is_floating_point() else t
+    return t.to(x.dtype) if t.is_floating_point() else t

@@ -136,7 +136,7 @@ class LinearView:
 
 # Ops that contract a weight operand with data: a Linear map however the code spells it.
 CONTRACTION_OPS = {"linear", "matmul", "__matmul__", "__rmatmul__", "mm", "bmm", "mv", "addmm", "addmv", "baddbmm",
-                   "addbmm", "einsum", "tensordot", "inner"}
+                   "addbmm", "einsum", "tensordot", "inner", "_grouped_mm", "grouped_mm"}
 # Where those that add a bias take it: (position, keyword).
 CONTRACTION_BIAS = {"linear": (2, "bias"), "addmm": (0, "input"), "addmv": (0, "input"), "baddbmm": (0, "input"),
                     "addbmm": (0, "input")}

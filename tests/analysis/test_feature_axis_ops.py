@@ -211,6 +211,21 @@ def test_fused_moe_experts_are_writers_and_their_routed_rows_keep_centering(kind
                     else {f"transformer.blocks.{i}.ffn.experts.mlp.w2": 1 for i in range(2)})
 
 
+def test_grouped_mm_experts_with_no_float64_kernel_are_proved_in_float32():
+    """transformers' default fused-experts path on CPU, ``torch._grouped_mm`` over the whole 3-D tensor, has no
+    float64 kernel: the model runs (and is verified) in float32, and the weight-axis proof runs there too."""
+    model, reference = (_moe("phimoe", "grouped_mm").float() for _ in range(2))
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(3))
+    report = normswap.patch(model, (ids,))
+    assert [s.verdict for s in report.plan.sites] == ["exact"] * 5 and not report.plan.hooks, report.plan.table()
+    assert {e.target: e.axis for e in report.plan.writer_edits if e.target.endswith("down_proj")} == \
+        {f"model.layers.{i}.mlp.experts.down_proj": 1 for i in range(2)}
+    other = torch.randint(0, 64, (3, 11), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        got, want = model(other).logits, reference(other).logits
+    assert float((got - want).abs().max() / want.abs().max()) <= 1e-5
+
+
 def test_the_same_model_split_differently_gets_the_same_verdicts():
     """A writer's weight transposed in the model's code or stored transposed: the same edits, the same verdicts."""
     a = normswap.plan(_build(lambda: LayoutLM("T")), (_ids(2, 7, 1),))
