@@ -1027,6 +1027,10 @@ class Analyzer:
         blocks, why = self._blocks_along(set(coords_per_group), shape[axis])
         if why:
             return [], why
+        for first, second in reach.sums:  # elements summed with each other: the same feature, or no edit
+            if not torch.equal(torch.unravel_index(first.long(), shape)[axis],
+                               torch.unravel_index(second.long(), shape)[axis]):
+                return [], "is summed with itself at other features"
         if term.module_path is not None and axis == 1:  # an Embedding's table, its rows centered: its own edit
             return [WriterEdit(value.name, axis, blocks, term.module_path, "embedding")], None
         return [WriterEdit(value.name, axis, blocks, "", "param")], None

@@ -119,6 +119,23 @@ def test_rows_summed_into_rows_with_one_weight_per_row_keep_centering(how):
     _check(lambda: MessagePassingNet(how), graph(1, 9, 20), graph(2, 11, 25))
 
 
+class _RolledTableViT(TokenViT):
+    """A position table added to itself with its features rolled: not a sum of one feature's elements."""
+
+    def forward(self, patches: torch.Tensor) -> torch.Tensor:
+        x = self.embed(patches) + (self.pos[:, 1:] + self.pos[:, 1:].roll(1, -1))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x)[:, 0])
+
+
+def test_a_table_summed_with_itself_at_other_features_gets_no_edit():
+    images = torch.randn(2, 6, 12, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    report = normswap.patch(_build(_RolledTableViT), (images,), mode="exact")  # verified: every exact claim holds
+    assert "pos" not in {e.target for e in report.plan.writer_edits}, report.plan.table()
+    assert all(s.verdict != "exact" for s in report.plan.sites), report.plan.table()
+
+
 class _PerFeatureMessages(MessagePassingNet):
     """Messages weighted per edge *and per feature* before the row sum: not one weight per row."""
 
