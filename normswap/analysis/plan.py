@@ -253,6 +253,7 @@ class SitePlan:
     rotation_outputs: list[str] = field(default_factory=list)  # model outputs the norm's output is (rotate's output=)
     rotation_ops: list[dict] = field(default_factory=list)  # where a centered stream takes its Q as an op
     rotation_upstream: list[str] = field(default_factory=list)  # writer targets that op turns (not their weights)
+    extra_args: bool = False  # the norm's forward takes more than its input: the RMSNorm accepts (and ignores) it
 
 
 def _placement(s: SitePlan) -> tuple[str, str]:
