@@ -145,13 +145,22 @@ class RmsFold:
 
 @dataclass
 class CenterHook:
-    """Subtract the per-token mean of a module's ``output`` or of one ``input`` argument."""
+    """Subtract the per-token mean of a value: a module's ``output``, one ``input`` argument, or the
+    ``residual`` sum ``a + M(a)`` its caller computes (``a``: input ``arg`` of module ``M``), a value
+    inside another module's forward that is no module boundary (installed on ``M``)."""
 
     module: str
-    where: str  # input | output
+    where: str  # input | output | residual
     arg: int | str | None
     reason: str = ""
-    per_norm: bool = False  # centers a stream written by another norm's output (Post-LN): LayerNorm by another name
+    per_norm: bool = False  # one op per norm (Post-LN, or a stream that reaches one norm): opt-in
+
+    def place(self) -> str:
+        """Where the op sits, in words (reasons and ``inspect --verbose``)."""
+        if self.where == "residual":
+            arg = f"argument {self.arg}" if isinstance(self.arg, int) else f"`{self.arg}`"
+            return f"on the residual sum of `{self.module}`'s input ({arg}) and its output"
+        return f"at `{self.module}` {self.where}" if self.arg is None else f"at `{self.module}` {self.where} {self.arg}"
 
 
 @dataclass
@@ -391,6 +400,8 @@ class Plan:
                     lines += wrapped(f"β: {s.beta_detail}", "    ", "  ")
             for h in self.hooks:
                 where = h.where if h.arg is None else f"{h.where} {h.arg}"
+                if h.where == "residual":
+                    where = f"residual sum of its input {h.arg} and its output"
                 lines += wrapped(f"centering op: {h.module} ({where}): {h.reason}", "  ")
             for u in self.unties:
                 lines += wrapped(f"untie: {u.module}.{u.attr} from {u.source} (+{u.numel:,} params)", "  ")

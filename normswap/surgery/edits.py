@@ -394,6 +394,25 @@ class CenterInput:
         return args, kwargs
 
 
+class CenterResidual:
+    """Forward hook: center the residual sum ``a + M(a)`` that module ``M``'s caller computes, from inside
+    ``M``: its first output ``b`` becomes ``b - mean(a + b)`` (``a`` is its input ``arg``), so the sum is
+    zero-mean while ``M`` still reads ``a`` as it was. One mean per token, as any centering op."""
+
+    def __init__(self, arg: int | str) -> None:
+        self.arg = arg
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        a = args[self.arg] if isinstance(self.arg, int) else kwargs[self.arg]
+        leaves, spec = pytree.tree_flatten(output)
+        i = next(i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor))
+        b = leaves[i]
+        compute = torch.float32 if b.dtype in (torch.bfloat16, torch.float16) else b.dtype
+        mean = (a.to(compute) + b.to(compute)).mean(-1, keepdim=True)
+        leaves[i] = (b.to(compute) - mean).to(b.dtype)  # one rounding, as center_last
+        return pytree.tree_unflatten(leaves, spec)
+
+
 def install_hook(model: nn.Module, h: CenterHook) -> None:
     """Register one centering op. Idempotent: a module never gets the same hook twice."""
     module = model.get_submodule(h.module)
@@ -403,6 +422,8 @@ def install_hook(model: nn.Module, h: CenterHook) -> None:
         return
     if h.where == "output":
         handle = module.register_forward_hook(CenterOutput())
+    elif h.where == "residual":
+        handle = module.register_forward_hook(CenterResidual(h.arg), with_kwargs=True)
     else:
         handle = module.register_forward_pre_hook(CenterInput(h.arg), with_kwargs=True)
     installed[key] = handle
