@@ -323,14 +323,16 @@ def _place_op(st: Planning, call: ModuleCall, term: Term, at_norms: bool, lone: 
             continue
         if call.id not in reach.site_rows:
             continue  # an op for another norm's stream (CrossViT: one image, two patch embedders)
+        if hook.where == "residual" and len({an.graph.calls[c].path for c in reach.site_rows}) < 2:
+            continue  # an op on a sum that one norm alone reads is that norm's own-input op (Post-LN: opt-in)
         per_norm = at_norms and not lone
-        if not per_norm and not lone and _serves_one_norm(st, reach):
+        own = hook.where == "input" and hook.module == call.path
+        if not own and not lone and _serves_one_norm(st, reach) and an.depends_on_norm(term.value):
             # an op whose stream reaches one norm and no other (a NormFormer mid-MLP norm after its GELU,
-            # a ConvNeXt-style block norm after its depthwise conv) is one op per norm wherever it sits,
-            # at a module boundary or at the norm's input: opt-in, whichever way the code is split into modules
-            if not st.per_norm_centering:
-                return False
-            per_norm = True
+            # a ConvNeXt-style block norm after its depthwise conv) is one op per norm wherever it sits, at
+            # a module boundary or not: so it sits at the norm's own input, opt-in (the at_norms pass),
+            # whichever way the code is split into modules
+            continue
         hook.reason = (f"stream written by {term.label}: one mean per token before this norm"
                        if per_norm else f"stream starts at {term.label}")
         unedited = st.term_status[term.value][1].removeprefix(term.label).strip()
@@ -344,7 +346,9 @@ def _place_op(st: Planning, call: ModuleCall, term: Term, at_norms: bool, lone: 
 
 def _serves_one_norm(st: Planning, reach: Reach) -> bool:
     """Does an op with this reach center the input of one norm only (every call of one path), a norm
-    whose output reaches other norms (not a head's)? Such an op is one per norm, like a Post-LN one."""
+    whose output reaches other norms (not a head's)? Where the op's value is computed from another
+    norm's output (inside the layers, not the model's first op on its raw input), such an op is one per
+    norm, like a Post-LN one."""
     calls = [st.an.graph.calls[c] for c in reach.site_rows]
     return len({c.path for c in calls}) == 1 and not any(_is_head(st.an, c) for c in calls)
 
@@ -516,8 +520,8 @@ def _read_by_linears(st: Planning, term: Term) -> bool:
 
 
 def _reaches_one_norm(st: Planning, term: Term) -> bool:
-    """Does ``term``'s stream reach one norm only (its every row), a norm that is not a head's?"""
-    return _serves_one_norm(st, st.an.reach(term.value, -1))
+    """Does ``term``'s stream, computed from another norm's output, reach one norm only, not a head's?"""
+    return st.an.depends_on_norm(term.value) and _serves_one_norm(st, st.an.reach(term.value, -1))
 
 
 def _per_norm_op_fits(st: Planning, stream: SiteStream) -> str:
