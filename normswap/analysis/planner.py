@@ -661,6 +661,8 @@ def _rotation_ops(st: Planning, calls: list[ModuleCall]) -> tuple[list[dict], li
         last = [v for v in mine if not any(w != v and w in an.reach(v, -1).mapped for w in mine)]
         for v in last:
             h = hooks[v][0]
+            if h.where == "residual":
+                continue  # no rotation op there (_rotation_blocker says so)
             ops[(h.module, h.where, h.arg)] = {"module": h.module, "where": h.where, "arg": h.arg}
             for term in st.site_terms[call.id]:
                 if st.term_status[term.value][0] and v in an.reach(term.value, -1).mapped:
@@ -685,6 +687,9 @@ def _rotation_blocker(an: Analyzer, site: NormSite, sp: SitePlan, centered_by: l
     if any(h.per_norm for h in centered_by):
         h = next(h for h in centered_by if h.per_norm)
         return f"centering op before each norm (`{h.module}`; per_norm_centering): one rotation op per norm"
+    if any(h.where == "residual" for h in centered_by):
+        h = next(h for h in centered_by if h.where == "residual")
+        return f"centering op {h.place()}: no rotation op sits on a residual sum inside a forward"
     if centered_by and not sp.rotation_ops:
         return f"centering op at `{centered_by[0].module}` that no rotation op can follow"
     if len(site.normalized_shape) != 1 or list(site.param_shape) != list(site.normalized_shape):

@@ -185,6 +185,9 @@ def test_tabular_transformer_without_a_first_attention_norm_is_exact_and_round_t
     assert report.plan.site("blocks.0.ffn_norm").verdict == "exact-with-centering"
     assert [(h.module, h.where) for h in report.plan.hooks] == [("blocks.0.attn", "residual")]
     assert err <= 1e-9
+    # a rotation op cannot follow an op on a sum inside a forward: said, not attempted
+    assert all("no rotation op sits on a residual sum" in s.rotation_reason
+               for s in report.plan.sites if s.verdict == "exact-with-centering")
     normswap.save(model, tmp_path / "tab")
     loaded = normswap.load(tmp_path / "tab", model=fresh)
     with torch.no_grad():
