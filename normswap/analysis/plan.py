@@ -160,7 +160,7 @@ class CenterHook:
         if self.where == "residual":
             arg = f"argument {self.arg}" if isinstance(self.arg, int) else f"`{self.arg}`"
             return f"on the residual sum of `{self.module}`'s input ({arg}) and its output"
-        return f"at `{self.module}` {self.where}" if self.arg is None else f"at `{self.module}` {self.where} {self.arg}"
+        return f"at `{self.module}` {self.where}"
 
 
 @dataclass

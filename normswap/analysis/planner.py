@@ -112,6 +112,8 @@ class Planning:
     reader_sources: dict[str, set[str]] = field(default_factory=dict)  # Linear reader -> the norms it reads
     reader_calls: dict[str, set[int]] = field(default_factory=dict)  # Linear reader -> its calls that read a norm
     carried_mlps: set[str] = field(default_factory=set)  # MLP up-projections already widened for one mean
+    # do several norms inside the layers each need an op that serves them alone (one op per norm: opt-in)
+    one_norm_ops: bool = False
 
     def centered_by_op(self, value: int) -> bool:
         """Is ``value`` downstream of a centering op already placed?"""
@@ -233,6 +235,11 @@ def _place_centering_ops(st: Planning) -> None:
     MLP can carry its mean instead (a real RMSNorm beats a centering op). A lone head term may take
     its op right at its norm's input (:func:`_lone_head_term`).
     """
+    inner = {call.path for call in st.an.site_calls for term in st.site_terms[call.id]
+             if not st.term_status[term.value][0] and term.kind != "norm" and _reaches_one_norm(st, term)}
+    # one such norm is one op for the model (wav2vec2's conv feature extractor, GELU, then its projection
+    # norm); one per block (NormFormer's mid-MLP norms, ConvNeXt's block norms) is LayerNorm by another name
+    st.one_norm_ops = len(inner) >= 2
     for call in st.an.site_calls:
         for term in st.site_terms[call.id]:
             if st.term_status[term.value][0] or st.centered_by_op(term.value):
@@ -306,13 +313,23 @@ def _place_op(st: Planning, call: ModuleCall, term: Term, at_norms: bool, lone: 
     norms' inputs when ``at_norms``); ``st.unhooked`` records why a stream start has none. Returns
     whether one was placed."""
     an = st.an
-    for vid, hook in an.hook_candidates(term, at_norms=at_norms):
+    candidates = an.hook_candidates(term, at_norms=at_norms)
+    for i, (vid, hook) in enumerate(candidates):
         if hook.where == "input" and hook.module in an.sites:
             if hook.module != call.path:
                 continue  # another norm's own op: it centers what that norm reads, not this one's stream
             reach = an.own_input_reach(vid, call)  # what this norm reads, not the stream others read too
         else:
             reach = an.hook_valid(vid)
+        if reach is not None and hook.where == "residual":
+            # a module boundary that centers the same norms wins: an op on a residual sum inside a forward
+            # is installed on one addend, and the centered sum rounds twice in half precision where a
+            # boundary op centers the sum and rounds once (wav2vec2's `h + pos_conv(h)`, then dropout)
+            same = next(((v, h, r) for v, h in candidates[i + 1:] if h.where in ("input", "output")
+                         and h.module not in an.sites and (r := an.hook_valid(v)) is not None
+                         and r.site_rows.keys() == reach.site_rows.keys()), None)
+            if same is not None:
+                vid, hook, reach = same
         if reach is None:
             if term.kind == "norm" and not at_norms and not _read_by_linears(st, term):
                 # a stream start no op can center: say why (a Swin merge's rows, a conv neck or classifier
@@ -327,7 +344,8 @@ def _place_op(st: Planning, call: ModuleCall, term: Term, at_norms: bool, lone: 
             continue  # an op on a sum that one norm alone reads is that norm's own-input op (Post-LN: opt-in)
         per_norm = at_norms and not lone
         own = hook.where == "input" and hook.module == call.path
-        if not own and not lone and _serves_one_norm(st, reach) and an.depends_on_norm(term.value):
+        if st.one_norm_ops and not own and not lone and _serves_one_norm(st, reach) \
+                and an.depends_on_norm(term.value):
             # an op whose stream reaches one norm and no other (a NormFormer mid-MLP norm after its GELU,
             # a ConvNeXt-style block norm after its depthwise conv) is one op per norm wherever it sits, at
             # a module boundary or not: so it sits at the norm's own input, opt-in (the at_norms pass),
@@ -499,7 +517,7 @@ def _approximate_reason(st: Planning, stream: SiteStream) -> str:
     elif term.value in st.chained:
         reason = (f"stream written by {st.term_status[term.value][1]}, computed after the centering op at "
                   f"`{st.chained[term.value]}` (a second op on one stream)")
-    elif _reaches_one_norm(st, term):
+    elif st.one_norm_ops and _reaches_one_norm(st, term):
         reason = (f"stream starts at {st.term_status[term.value][1]}, which reaches this norm alone: its "
                   "centering op would be one per norm")
     else:
