@@ -390,8 +390,9 @@ def find_sites(model: nn.Module, graph: Graph) -> WalkResult:
     found = WalkResult()
     modules = dict(model.named_modules())
     claimed: list[str] = []
-    direct_ln = computes_norm(graph)
-    for path in candidates(model, direct_ln):
+    direct_ln = {graph.calls[op.call].path for op in graph.ops if op.name == "layer_norm" and op.call is not None}
+    computed = computes_norm(graph)
+    for path in candidates(model, direct_ln | computed):
         if any(path.startswith(c + ".") for c in claimed):
             continue  # inside a wrapper already identified as the norm
         calls = graph.calls_of(path)
@@ -415,9 +416,12 @@ def find_sites(model: nn.Module, graph: Graph) -> WalkResult:
         if result is None:
             result = identify_channels_first(path, modules[path], x, y)
         extras = _extra_arguments(call)
+        leaf = not any(True for _ in modules[path].children())
         if result is None and (isinstance(modules[path], nn.LayerNorm) or path in direct_ln
-                               or (_LN_CLASS.search(type(modules[path]).__name__)
-                                   and not any(True for _ in modules[path].children()))):
+                               # a block that computes a norm inline among other work is not one: its
+                               # own norms inside stay candidates (it is not reported, nor claimed)
+                               or (path in computed and leaf)
+                               or (_LN_CLASS.search(type(modules[path]).__name__) and leaf)):
             # a LayerNorm that ran and matched no formula is reported, never dropped in silence
             if not (bool(torch.isfinite(x).all()) and bool(torch.isfinite(y).all())):
                 why = "its traced input or output is not finite"

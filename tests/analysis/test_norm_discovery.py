@@ -178,3 +178,28 @@ def test_pooling_and_l2_normalisation_are_not_reported_as_norms():
 
     plan = normswap.plan(WithPool().double().eval(), example_inputs=_inputs())
     assert [s.name for s in plan.sites] == ["n1", "n2"] and not plan.skipped
+
+
+def test_a_block_computing_a_norm_inline_does_not_hide_the_norms_inside_it():
+    """A block whose own ops take a mean and a root among other work is no norm, and is not reported as
+    one: the LayerNorm inside it is still found and converted."""
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ln, self.fc = nn.LayerNorm(16), nn.Linear(16, 16)
+
+        def forward(self, x):
+            x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)  # an inline RMS scaling
+            return x + self.fc(self.ln(x))
+
+    class Outer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inp, self.block, self.out = nn.Linear(8, 16), Block(), nn.Linear(16, 2)
+
+        def forward(self, x, batch):
+            return self.out(self.block(self.inp(x)))
+
+    plan = normswap.plan(Outer().double().eval(), example_inputs=_inputs())
+    assert [s.name for s in plan.sites] == ["block.ln"] and not plan.skipped
