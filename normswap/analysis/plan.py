@@ -145,13 +145,22 @@ class RmsFold:
 
 @dataclass
 class CenterHook:
-    """Subtract the per-token mean of a module's ``output`` or of one ``input`` argument."""
+    """Subtract the per-token mean of a value: a module's ``output``, one ``input`` argument, or the
+    ``residual`` sum ``a + M(a)`` its caller computes (``a``: input ``arg`` of module ``M``), a value
+    inside another module's forward that is no module boundary (installed on ``M``)."""
 
     module: str
-    where: str  # input | output
+    where: str  # input | output | residual
     arg: int | str | None
     reason: str = ""
-    per_norm: bool = False  # centers a stream written by another norm's output (Post-LN): LayerNorm by another name
+    per_norm: bool = False  # one op per norm (Post-LN, or a stream that reaches one norm): opt-in
+
+    def place(self) -> str:
+        """Where the op sits, in words (reasons and ``inspect --verbose``)."""
+        if self.where == "residual":
+            arg = f"argument {self.arg}" if isinstance(self.arg, int) else f"`{self.arg}`"
+            return f"on the residual sum of `{self.module}`'s input ({arg}) and its output"
+        return f"at `{self.module}` {self.where}"
 
 
 @dataclass
@@ -253,6 +262,7 @@ class SitePlan:
     rotation_outputs: list[str] = field(default_factory=list)  # model outputs the norm's output is (rotate's output=)
     rotation_ops: list[dict] = field(default_factory=list)  # where a centered stream takes its Q as an op
     rotation_upstream: list[str] = field(default_factory=list)  # writer targets that op turns (not their weights)
+    extra_args: bool = False  # the norm's forward takes more than its input: the RMSNorm accepts (and ignores) it
 
 
 def _placement(s: SitePlan) -> tuple[str, str]:
@@ -390,6 +400,8 @@ class Plan:
                     lines += wrapped(f"β: {s.beta_detail}", "    ", "  ")
             for h in self.hooks:
                 where = h.where if h.arg is None else f"{h.where} {h.arg}"
+                if h.where == "residual":
+                    where = f"residual sum of its input {h.arg} and its output"
                 lines += wrapped(f"centering op: {h.module} ({where}): {h.reason}", "  ")
             for u in self.unties:
                 lines += wrapped(f"untie: {u.module}.{u.attr} from {u.source} (+{u.numel:,} params)", "  ")

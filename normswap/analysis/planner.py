@@ -46,7 +46,7 @@ from normswap.errors import NormswapError
 def _site_plan(site: NormSite) -> SitePlan:
     return SitePlan(name=site.path, class_name=site.class_name, verdict="", reason="",
                     normalized_shape=list(site.normalized_shape), param_shape=list(site.param_shape),
-                    eps=site.eps, flavour=site.flavour)
+                    eps=site.eps, flavour=site.flavour, extra_args=site.extra_args)
 
 
 def _rms_folds(an: Analyzer, rms_norms: list[SkippedNorm], site_reader_paths: set[str]) -> list[RmsFold]:
@@ -112,6 +112,8 @@ class Planning:
     reader_sources: dict[str, set[str]] = field(default_factory=dict)  # Linear reader -> the norms it reads
     reader_calls: dict[str, set[int]] = field(default_factory=dict)  # Linear reader -> its calls that read a norm
     carried_mlps: set[str] = field(default_factory=set)  # MLP up-projections already widened for one mean
+    # do several norms inside the layers each need an op that serves them alone (one op per norm: opt-in)
+    one_norm_ops: bool = False
 
     def centered_by_op(self, value: int) -> bool:
         """Is ``value`` downstream of a centering op already placed?"""
@@ -233,6 +235,11 @@ def _place_centering_ops(st: Planning) -> None:
     MLP can carry its mean instead (a real RMSNorm beats a centering op). A lone head term may take
     its op right at its norm's input (:func:`_lone_head_term`).
     """
+    inner = {call.path for call in st.an.site_calls for term in st.site_terms[call.id]
+             if not st.term_status[term.value][0] and term.kind != "norm" and _reaches_one_norm(st, term)}
+    # one such norm is one op for the model (wav2vec2's conv feature extractor, GELU, then its projection
+    # norm); one per block (NormFormer's mid-MLP norms, ConvNeXt's block norms) is LayerNorm by another name
+    st.one_norm_ops = len(inner) >= 2
     for call in st.an.site_calls:
         for term in st.site_terms[call.id]:
             if st.term_status[term.value][0] or st.centered_by_op(term.value):
@@ -306,17 +313,44 @@ def _place_op(st: Planning, call: ModuleCall, term: Term, at_norms: bool, lone: 
     norms' inputs when ``at_norms``); ``st.unhooked`` records why a stream start has none. Returns
     whether one was placed."""
     an = st.an
-    for vid, hook in an.hook_candidates(term, at_norms=at_norms):
-        reach = an.hook_valid(vid)
+    candidates = an.hook_candidates(term, at_norms=at_norms)
+    for i, (vid, hook) in enumerate(candidates):
+        if hook.where == "input" and hook.module in an.sites:
+            if hook.module != call.path:
+                continue  # another norm's own op: it centers what that norm reads, not this one's stream
+            reach = an.own_input_reach(vid, call)  # what this norm reads, not the stream others read too
+        else:
+            reach = an.hook_valid(vid)
+        if reach is not None and hook.where == "residual":
+            # a module boundary that centers the same norms wins: an op on a residual sum inside a forward
+            # is installed on one addend, and the centered sum rounds twice in half precision where a
+            # boundary op centers the sum and rounds once (wav2vec2's `h + pos_conv(h)`, then dropout)
+            same = next(((v, h, r) for v, h in candidates[i + 1:] if h.where in ("input", "output")
+                         and h.module not in an.sites and (r := an.hook_valid(v)) is not None
+                         and r.site_rows.keys() == reach.site_rows.keys()), None)
+            if same is not None:
+                vid, hook, reach = same
         if reach is None:
-            if term.kind == "norm" and not at_norms and not an.reach(vid, -1).blockers:
-                # a stream start no op can center although only norms read it (a Swin merge): say why;
-                # one that attention reads too is a Post-LN stream, and said so
-                st.unhooked.setdefault(term.value, an.hook_problem(vid))
+            if term.kind == "norm" and not at_norms and not _read_by_linears(st, term):
+                # a stream start no op can center: say why (a Swin merge's rows, a conv neck or classifier
+                # reading the raw stream: named); a norm output that Linears read directly is Post-LN, said so
+                problem = an.hook_problem(vid)
+                if not an.reach(vid, -1).blockers or term.value not in st.unhooked:
+                    st.unhooked[term.value] = problem
             continue
         if call.id not in reach.site_rows:
             continue  # an op for another norm's stream (CrossViT: one image, two patch embedders)
+        if hook.where == "residual" and len({an.graph.calls[c].path for c in reach.site_rows}) < 2:
+            continue  # an op on a sum that one norm alone reads is that norm's own-input op (Post-LN: opt-in)
         per_norm = at_norms and not lone
+        own = hook.where == "input" and hook.module == call.path
+        if st.one_norm_ops and not own and not lone and _serves_one_norm(st, reach) \
+                and an.depends_on_norm(term.value):
+            # an op whose stream reaches one norm and no other (a NormFormer mid-MLP norm after its GELU,
+            # a ConvNeXt-style block norm after its depthwise conv) is one op per norm wherever it sits, at
+            # a module boundary or not: so it sits at the norm's own input, opt-in (the at_norms pass),
+            # whichever way the code is split into modules
+            continue
         hook.reason = (f"stream written by {term.label}: one mean per token before this norm"
                        if per_norm else f"stream starts at {term.label}")
         unedited = st.term_status[term.value][1].removeprefix(term.label).strip()
@@ -326,6 +360,15 @@ def _place_op(st: Planning, call: ModuleCall, term: Term, at_norms: bool, lone: 
         st.hooks[vid] = (hook, reach)
         return True
     return False
+
+
+def _serves_one_norm(st: Planning, reach: Reach) -> bool:
+    """Does an op with this reach center the input of one norm only (every call of one path), a norm
+    whose output reaches other norms (not a head's)? Where the op's value is computed from another
+    norm's output (inside the layers, not the model's first op on its raw input), such an op is one per
+    norm, like a Post-LN one."""
+    calls = [st.an.graph.calls[c] for c in reach.site_rows]
+    return len({c.path for c in calls}) == 1 and not any(_is_head(st.an, c) for c in calls)
 
 
 def _commit_writer_edits(st: Planning) -> None:
@@ -436,11 +479,11 @@ def _site_verdict(st: Planning, sp: SitePlan, stream: SiteStream) -> list[MeanCa
                      f"{c.added} neuron(s) added to `{c.up}` -> `{c.down}` ({c.activation})")
     elif stream.problems:
         sp.verdict = "approximate"
-        sp.reason = _approximate_reason(st, stream.problems[0])
+        sp.reason = _approximate_reason(st, stream)
     elif stream.centered_by:
         h = next((h for h in stream.centered_by if h.per_norm), stream.centered_by[0])
         sp.verdict = "exact-with-per-norm-centering" if h.per_norm else "exact-with-centering"
-        sp.reason = f"centering op at `{h.module}` {h.where}: {h.reason}"
+        sp.reason = f"centering op {h.place()}: {h.reason}"
     else:
         sp.verdict = "exact"
         sp.reason = f"stream written by {len(set(stream.writers))} centered writer(s)"
@@ -461,25 +504,59 @@ def _claim_mean_carries(st: Planning, stream: SiteStream) -> list[MeanCarry]:
     return carries
 
 
-def _approximate_reason(st: Planning, term: Term) -> str:
-    """Why a norm whose input holds ``term`` (its first problem term) is approximate, and, where a
-    centering op before the norm would do (Post-LN, or a second op on one stream), that it is opt-in."""
-    per_norm = term.kind == "norm"
+def _approximate_reason(st: Planning, stream: SiteStream) -> str:
+    """Why a norm is approximate (said of its first problem term), and whether ``per_norm_centering``
+    would make it exact: promised only where :func:`_per_norm_op_fits` checks that an op on this norm's
+    own input centers every call of it (tests plan with the option and hold the promise to it)."""
+    term = stream.problems[0]
     if term.kind == "norm" and term.value in st.unhooked:  # a stream start, but no op can center it
         reason = (f"stream starts at {term.label}; no centering point feeds only norms: the stream "
                   f"{st.unhooked[term.value]}")
     elif term.kind == "norm":
         reason = f"stream written by {term.label} (Post-LN)"
     elif term.value in st.chained:
-        per_norm = True
         reason = (f"stream written by {st.term_status[term.value][1]}, computed after the centering op at "
                   f"`{st.chained[term.value]}` (a second op on one stream)")
+    elif st.one_norm_ops and _reaches_one_norm(st, term):
+        reason = (f"stream starts at {st.term_status[term.value][1]}, which reaches this norm alone: its "
+                  "centering op would be one per norm")
     else:
         reason = f"stream written by {st.term_status[term.value][1]}; no centering point feeds only norms"
-    if per_norm and not st.per_norm_centering:
-        reason += ("; a centering op before this norm would make it exact (per_norm_centering=True): "
+    if not st.per_norm_centering:
+        why_not = _per_norm_op_fits(st, stream)
+        reason += (f"; per_norm_centering=True would not help: {why_not}" if why_not else
+                   "; a centering op before this norm would make it exact (per_norm_centering=True): "
                    "LayerNorm by another name")
     return reason
+
+
+def _read_by_linears(st: Planning, term: Term) -> bool:
+    """Do Linear/Conv1D layers read norm output ``term`` itself (BERT's embedding norm, read by the first
+    attention): the stream is then Post-LN, not a Pre-LN tower that some other reader blocks."""
+    call = st.an.graph.calls[term.call] if term.call is not None else None
+    return call is not None and bool(st.an.readers(call)[0])
+
+
+def _reaches_one_norm(st: Planning, term: Term) -> bool:
+    """Does ``term``'s stream, computed from another norm's output, reach one norm only, not a head's?"""
+    return st.an.depends_on_norm(term.value) and _serves_one_norm(st, st.an.reach(term.value, -1))
+
+
+def _per_norm_op_fits(st: Planning, stream: SiteStream) -> str:
+    """Why an op on the norm's own input (what ``per_norm_centering`` adds) would not make every call of
+    it exact ('' when it would): one mean per row is the norm's mean only when it normalises the last axis
+    alone, and a hook on a norm called several times runs at each call."""
+    an = st.an
+    for call in stream.calls:
+        vid = an.site_input.get(call.id)
+        if vid is None:
+            return "its input is no tensor argument"
+        if an.own_input_reach(vid, call) is None:
+            site = an.sites[call.path]
+            if len(site.normalized_shape) != 1:
+                return f"it normalises over {tuple(site.normalized_shape)}, more than the last axis"
+            return f"it is called {len(an.calls_per_path[call.path])} times (a module shared across depth)"
+    return ""
 
 
 def _site_folds(st: Planning, site: NormSite, sp: SitePlan) -> str:
@@ -602,6 +679,8 @@ def _rotation_ops(st: Planning, calls: list[ModuleCall]) -> tuple[list[dict], li
         last = [v for v in mine if not any(w != v and w in an.reach(v, -1).mapped for w in mine)]
         for v in last:
             h = hooks[v][0]
+            if h.where == "residual":
+                continue  # no rotation op there (_rotation_blocker says so)
             ops[(h.module, h.where, h.arg)] = {"module": h.module, "where": h.where, "arg": h.arg}
             for term in st.site_terms[call.id]:
                 if st.term_status[term.value][0] and v in an.reach(term.value, -1).mapped:
@@ -626,6 +705,9 @@ def _rotation_blocker(an: Analyzer, site: NormSite, sp: SitePlan, centered_by: l
     if any(h.per_norm for h in centered_by):
         h = next(h for h in centered_by if h.per_norm)
         return f"centering op before each norm (`{h.module}`; per_norm_centering): one rotation op per norm"
+    if any(h.where == "residual" for h in centered_by):
+        h = next(h for h in centered_by if h.where == "residual")
+        return f"centering op {h.place()}: no rotation op sits on a residual sum inside a forward"
     if centered_by and not sp.rotation_ops:
         return f"centering op at `{centered_by[0].module}` that no rotation op can follow"
     if len(site.normalized_shape) != 1 or list(site.param_shape) != list(site.normalized_shape):

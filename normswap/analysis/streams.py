@@ -143,6 +143,10 @@ class _TokenIds:
         return base
 
 
+# adds whose result is exactly the sum of their two operands (no ``alpha``): a residual sum
+_PLAIN_ADDS = frozenset({"add", "__add__", "__radd__", "add_", "__iadd__"})
+
+
 class Analyzer:
     def __init__(self, model: nn.Module, graph: Graph, sites: list[NormSite], *, untie: bool,
                  fold_gamma: bool, fold_beta: bool = True) -> None:
@@ -1085,9 +1089,56 @@ class Analyzer:
                         or call.functional:
                     continue
                 consumers = self.graph.values[vid].consumers
-                if all(self._inside(i, call) for i in consumers):
+                # a norm's own input takes an op whoever else reads the value: the op changes only what
+                # that norm reads (the planner judges it by own_input_reach, not by the value's reach)
+                if call.id in self.site_call_ids or all(self._inside(i, call) for i in consumers):
                     cands.append((vid, CenterHook(call.path, "input", slot)))
+            residual = self._residual_sum(vid)
+            if residual is not None:
+                cands.append((vid, residual))
         return cands
+
+    def _residual_sum(self, vid: int) -> CenterHook | None:
+        """A centering op on ``vid`` when it is no module boundary but a residual sum ``a + M(a)`` inside some
+        forward: module ``M`` (called once) reads ``a`` and returns the other addend, which nothing else reads.
+        The op is installed on ``M`` (its first output minus the mean of input ``a`` plus that output), so
+        ``M`` itself still reads ``a`` as it was. ModernBERT's first layer (``attn_norm = Identity``, the
+        attention reads the raw stream) centers its stream there, after the attention and before
+        ``mlp_norm``: every norm after it is then exact within the one-op-per-stream policy, where an op at
+        the layer's output would leave ``mlp_norm`` out."""
+        op = self.graph.producer(self.graph.values[vid])
+        if op is None or op.name not in _PLAIN_ADDS or op.kwargs or len(op.args) != 2 \
+                or not all(isinstance(a, ValueRef) for a in op.args):
+            return None
+        for a, b in ((op.args[0].id, op.args[1].id), (op.args[1].id, op.args[0].id)):
+            if self.graph.values[a].shape != self.graph.values[b].shape or self.graph.values[b].consumers != [op.index]:
+                continue
+            for call in self.by_output.get(b, []):
+                if call.functional or not call.outputs or call.outputs[0] != b \
+                        or len(self.calls_per_path[call.path]) != 1:
+                    continue
+                slot = next((i for i, v in enumerate(call.args) if v == a), None)
+                if slot is None:
+                    slot = next((k for k, v in call.kwargs.items() if v == a), None)
+                if slot is not None:
+                    return CenterHook(call.path, "residual", slot)
+        return None
+
+    def own_input_reach(self, vid: int, call: ModuleCall) -> Reach | None:
+        """The reach of an op on norm ``call``'s own input argument (a pre-hook on the norm): it changes
+        what that norm reads and nothing else, however many others read the value (the residual stream
+        of a Pre-LN block does), so it is exact wherever the norm normalises the last axis alone. Its
+        ``mapped`` is empty: the value itself is not centered for anyone else. None where the norm reduces
+        over more than the last axis (one mean per row would not be its mean), or it is called more than
+        once (the hook would run at every call)."""
+        site = self.sites.get(call.path)
+        if site is None or len(site.normalized_shape) != 1 or len(self.calls_per_path[call.path]) != 1:
+            return None
+        shape = self.graph.values[vid].shape
+        if not shape:
+            return None
+        rows = torch.arange(shape[-1], dtype=torch.float64).expand(shape)
+        return Reach(site_rows={call.id: rows})
 
     def behind(self, vid: int, stops: set[int], norm_inputs: set[int] | None = None) -> bool:
         """Does every path from value ``vid`` to a norm's input pass through one of the values ``stops``?

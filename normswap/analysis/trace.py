@@ -165,6 +165,12 @@ LINEAR_OPS = {"linear": (0, 1, 2, False), "matmul": (0, 1, None, True), "__matmu
               "mm": (0, 1, None, True), "addmm": (1, 2, 0, True)}
 
 
+# ops whose module call the walker may identify as a norm by what it computes (``layer_norm`` itself, or the
+# statistics of one written in ops: ``x.mean(-1)``, ``x.var(-1)``, ``torch.rsqrt``): that call's input and
+# output are snapshotted like a named candidate's
+NORM_STAT_OPS = frozenset({"layer_norm", "mean", "var", "var_mean", "std", "std_mean", "rsqrt", "sqrt"})
+
+
 class _Recorder(TorchFunctionMode):
     def __init__(self, graph: Graph, params: dict[int, str], buffers: dict[int, str],
                  modules: dict[str, nn.Module] | None = None) -> None:
@@ -186,7 +192,7 @@ class _Recorder(TorchFunctionMode):
                         self.by_storage.setdefault(p.untyped_storage().data_ptr(), []).append(p)
         self.above: TorchFunctionMode | None = None  # a mode that runs above this one (record's ``hold``)
         self.snapshot_paths: set[str] = set()
-        self.direct_ln: set[int] = set()  # calls inside which `layer_norm` itself ran
+        self.direct_ln: set[int] = set()  # calls inside which `layer_norm` or a norm's statistic ran
         self.snapshots: dict[int, tuple[int, torch.Tensor]] = {}  # Value id -> (version, copy)
 
     # -- values ---------------------------------------------------------------------------------
@@ -252,7 +258,7 @@ class _Recorder(TorchFunctionMode):
                                start_op=index, end_op=index + 1, functional=True)
             self.graph.calls.append(fcall)
             call = fcall.id
-        if name == "layer_norm" and call is not None:
+        if name in NORM_STAT_OPS and call is not None:  # a norm written in ops: the walker identifies it
             self.direct_ln.add(call)
         self.graph.ops.append(Op(index, name, func, ref_args, ref_kwargs, inputs, outputs, out_spec, call))
         for vid in set(inputs):

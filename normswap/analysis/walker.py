@@ -11,14 +11,16 @@ each one's formula numerically from the input/output pair captured during the tr
 from __future__ import annotations
 
 import copy
+import inspect
 import itertools
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from normswap.analysis.trace import Graph
+from normswap.analysis.trace import Graph, ModuleCall
 from normswap.nn.rmsnorm import RMSNorm
 
 _LN_NAME = re.compile(r"norm|\bln\b", re.IGNORECASE)
@@ -41,6 +43,9 @@ class NormSite:
     weight_attr: str | None = None  # attribute holding γ (on the module itself)
     bias_attr: str | None = None
     offset: float = 0.0  # effective γ = offset + weight
+    # the module's forward takes more than its input (``norm(h, batch=batch)``): the replacement accepts
+    # and ignores the rest, which the traced call showed do not change what it computes
+    extra_args: bool = False
 
     def gamma(self, module: nn.Module) -> torch.Tensor | None:
         """Effective γ in float64 (``None`` for non-affine)."""
@@ -88,7 +93,9 @@ def candidates(model: nn.Module, calls_layer_norm: set[str] = frozenset()) -> li
     """Module paths that might be LayerNorms, outermost first.
 
     Structural (``nn.LayerNorm`` subclasses, wrappers around a non-affine one, modules whose forward
-    calls ``layer_norm`` directly: ``calls_layer_norm``) and by class name (``*Norm*``).
+    computes a norm in its own ops: ``calls_layer_norm``, from :func:`computes_norm`) and by class name
+    (``*Norm*``, which only adds candidates before a trace). The verdict on each is numerical
+    (:func:`identify`): no name decides what a module is.
     """
     found = []
     for path, module in model.named_modules():
@@ -102,6 +109,44 @@ def candidates(model: nn.Module, calls_layer_norm: set[str] = frozenset()) -> li
                 or path in calls_layer_norm:
             found.append(path)
     return found
+
+
+# what a norm written in ops computes (its own ops, not its submodules'): a mean over features, and a root
+# of a second moment (``(x - mu) / sqrt(var + eps)``, ``x * rsqrt(...)``) or the fused ``layer_norm`` itself
+_FUSED_NORMS = frozenset({"layer_norm", "rms_norm"})
+_MEANS = frozenset({"mean", "var_mean", "std_mean"})
+_ROOTS = frozenset({"rsqrt", "sqrt", "std", "std_mean", "var", "var_mean"})
+
+
+def computes_norm(graph: Graph) -> set[str]:
+    """Paths of the module calls whose own ops compute a norm over features, whatever the class is
+    called: the fused ``layer_norm`` / ``rms_norm``, or a mean and a root (a hand-written ``MyLN``,
+    ``ManualLayerNorm``, Llama's RMSNorm). Only calls whose first output has their input's shape: a
+    mean-pool followed by an L2 normalisation is not one."""
+    names: dict[int, set[str]] = {}
+    for op in graph.ops:
+        if op.call is not None:
+            names.setdefault(op.call, set()).add(op.name)
+    found = set()
+    for call_id, ops in names.items():
+        if not (ops & _FUSED_NORMS or (ops & _MEANS and ops & _ROOTS)):
+            continue
+        call = graph.calls[call_id]
+        vid = call.first_input()
+        if call.functional or vid is None or not call.outputs \
+                or graph.values[vid].shape != graph.values[call.outputs[0]].shape:
+            continue
+        found.add(call.path)
+    return found
+
+
+def _affine_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The module's own tensors that may be its γ or β: its parameters, then its floating-point buffers
+    (``F.layer_norm(x, s, self.gamma, self.beta_buffer)`` is a LayerNorm with that buffer as β)."""
+    direct = [(n, p) for n, p in module._parameters.items() if p is not None]
+    direct += [(n, b) for n, b in module._buffers.items()
+               if b is not None and b.is_floating_point() and 0 < b.dim() and b.numel() > 1]
+    return direct
 
 
 def _eps_of(module: nn.Module) -> list[float]:
@@ -143,7 +188,8 @@ def identify(path: str, module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> 
         return SkippedNorm(path, type(module).__name__,
                            f"GroupNorm with {module.num_groups} groups is not a LayerNorm; kept")
     x64, y64 = x.detach().double(), y.detach().double()
-    direct = [(n, p) for n, p in module._parameters.items() if p is not None]
+    direct = _affine_tensors(module)
+    tensors = dict(direct)
     tol = 1e-5 if x.dtype in (torch.float32, torch.float64) else 2e-2
     scale = max(1.0, float(y64.abs().max())) if y64.numel() else 1.0
 
@@ -155,30 +201,46 @@ def identify(path: str, module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> 
         mu = x64.mean(dims, keepdim=True)
         var = (x64 - mu).pow(2).mean(dims, keepdim=True)
         ms = x64.pow(2).mean(dims, keepdim=True)
+        # every ε guess is tried and the closest match kept: a module with no ε attribute matches the
+        # default guesses within the tolerance, and only its own ε makes the replacement exact
+        best: tuple[float, NormSite | SkippedNorm] | None = None
         for eps in _eps_of(module):
             ln_hat = (x64 - mu) / torch.sqrt(var + eps)
             rms_hat = x64 / torch.sqrt(ms + eps)
-            for hat, kind in ((ln_hat, "ln"), (rms_hat, "rms")):
-                for flavour, w_attr, b_attr, offset in _assignments(direct):
-                    cand = hat
-                    try:
-                        if w_attr is not None:
-                            cand = cand * (offset + module._parameters[w_attr].detach().double())
-                        if b_attr is not None:
-                            cand = cand + module._parameters[b_attr].detach().double()
-                    except RuntimeError:  # parameter does not broadcast with this reduction
-                        continue
-                    if not close(cand):
-                        continue
-                    if kind == "rms":
-                        plain = len(reduce) == 1 and w_attr is not None and \
-                            tuple(module._parameters[w_attr].shape) == reduce
-                        return SkippedNorm(path, type(module).__name__, "already RMS-style (no mean subtraction)",
-                                           w_attr if plain else None, offset, b_attr)
-                    param_shape = tuple(module._parameters[w_attr or b_attr].shape) if (w_attr or b_attr) \
-                        else reduce
-                    return NormSite(path, type(module).__name__, reduce, param_shape, eps, flavour,
-                                    w_attr, b_attr, offset)
+            found = _first_match(path, module, ln_hat, rms_hat, reduce, eps, direct, tensors, close)
+            if found is not None:
+                err = float((found[0] - y64).abs().max()) if y64.numel() else 0.0
+                if best is None or err < best[0]:
+                    best = (err, found[1])
+        if best is not None:
+            return best[1]
+    return None
+
+
+def _first_match(path: str, module: nn.Module, ln_hat: torch.Tensor, rms_hat: torch.Tensor,
+                 reduce: tuple[int, ...], eps: float, direct: list[tuple[str, torch.Tensor]],
+                 tensors: dict[str, torch.Tensor], close: Callable[[torch.Tensor], bool]
+                 ) -> tuple[torch.Tensor, NormSite | SkippedNorm] | None:
+    """The first (flavour, γ, β) assignment whose formula with this ε matches: ``(its output, the result)``."""
+    for hat, kind in ((ln_hat, "ln"), (rms_hat, "rms")):
+        for flavour, w_attr, b_attr, offset in _assignments(direct):
+            cand = hat
+            try:
+                if w_attr is not None:
+                    cand = cand * (offset + tensors[w_attr].detach().double())
+                if b_attr is not None:
+                    cand = cand + tensors[b_attr].detach().double()
+            except RuntimeError:  # parameter does not broadcast with this reduction
+                continue
+            if not close(cand):
+                continue
+            if kind == "rms":
+                plain = len(reduce) == 1 and w_attr is not None and tuple(tensors[w_attr].shape) == reduce
+                return cand, SkippedNorm(path, type(module).__name__, "already RMS-style (no mean subtraction)",
+                                         w_attr if plain else None, offset, b_attr)
+            param_shape = tuple(tensors[w_attr or b_attr].shape) if (w_attr or b_attr) else reduce
+            return cand, NormSite(path, type(module).__name__, reduce, param_shape, eps, flavour,
+                                  w_attr, b_attr, offset)
     return None
 
 
@@ -287,6 +349,24 @@ def identify_flattened_heads(path: str, module: nn.Module, x: torch.Tensor, y: t
     return None
 
 
+def _extra_arguments(call: ModuleCall) -> list[str]:
+    """The tensor arguments of a norm's call besides its input, by position or keyword (``batch``)."""
+    first = call.first_input()
+    found = [f"argument {i}" for i, v in enumerate(call.args) if v is not None and v != first]
+    return found + [f"`{k}`" for k, v in call.kwargs.items() if v != first]
+
+
+def _takes_more_than_input(module: nn.Module) -> bool:
+    """Does the module's ``forward`` accept anything besides its input (``forward(x, batch=None)``)?
+    Its replacement must accept the same calls (:class:`normswap.nn.rmsnorm.RMSNorm`'s forward takes one
+    tensor)."""
+    try:
+        params = list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    return len(params) > 1 or any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params)
+
+
 def _assignments(direct: list[tuple[str, torch.Tensor]]):
     """(flavour, weight attr, bias attr, offset) guesses, most common first."""
     names = [n for n, _ in direct]
@@ -311,7 +391,8 @@ def find_sites(model: nn.Module, graph: Graph) -> WalkResult:
     modules = dict(model.named_modules())
     claimed: list[str] = []
     direct_ln = {graph.calls[op.call].path for op in graph.ops if op.name == "layer_norm" and op.call is not None}
-    for path in candidates(model, direct_ln):
+    computed = computes_norm(graph)
+    for path in candidates(model, direct_ln | computed):
         if any(path.startswith(c + ".") for c in claimed):
             continue  # inside a wrapper already identified as the norm
         calls = graph.calls_of(path)
@@ -334,15 +415,25 @@ def find_sites(model: nn.Module, graph: Graph) -> WalkResult:
             result = identify_flattened_heads(path, modules[path], x, y)
         if result is None:
             result = identify_channels_first(path, modules[path], x, y)
+        extras = _extra_arguments(call)
+        leaf = not any(True for _ in modules[path].children())
         if result is None and (isinstance(modules[path], nn.LayerNorm) or path in direct_ln
-                               or (_LN_CLASS.search(type(modules[path]).__name__)
-                                   and not any(True for _ in modules[path].children()))):
+                               # a block that computes a norm inline among other work is not one: its
+                               # own norms inside stay candidates (it is not reported, nor claimed)
+                               or (path in computed and leaf)
+                               or (_LN_CLASS.search(type(modules[path]).__name__) and leaf)):
             # a LayerNorm that ran and matched no formula is reported, never dropped in silence
-            why = ("its traced input or output is not finite" if not (bool(torch.isfinite(x).all())
-                                                                        and bool(torch.isfinite(y).all()))
-                   else "its traced output matches no LayerNorm/RMSNorm formula of its parameters")
+            if not (bool(torch.isfinite(x).all()) and bool(torch.isfinite(y).all())):
+                why = "its traced input or output is not finite"
+            elif extras:
+                why = (f"its traced output matches no per-row LayerNorm/RMSNorm formula of its input, parameters "
+                       f"and buffers, with {', '.join(extras)} also passed to it: a norm over the rows of a graph "
+                       "or batch those arguments pick out is not a per-row norm, and no RMSNorm replaces it")
+            else:
+                why = "its traced output matches no LayerNorm/RMSNorm formula of its parameters and buffers"
             result = SkippedNorm(path, type(modules[path]).__name__, f"{why}; kept")
         if isinstance(result, NormSite):
+            result.extra_args = bool(extras) or _takes_more_than_input(modules[path])
             found.sites.append(result)
             claimed.append(path)
         elif isinstance(result, SkippedNorm):

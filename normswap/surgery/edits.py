@@ -36,6 +36,7 @@ from normswap.analysis.plan import (
 )
 from normswap.analysis.walker import NormSite
 from normswap.integrations import torch_transformer
+from normswap.nn.call_args import RMSNormTakingArgs
 from normswap.nn.rmsnorm import RMSNorm
 
 
@@ -309,11 +310,12 @@ def make_rmsnorm(site: NormSite, sp: SitePlan, module: nn.Module, backend: str,
         gamma, beta = fit
     has_weight, keep_beta = rms_slots(sp, has_gamma=gamma is not None, has_beta=beta is not None)
     keep_gamma = has_weight and not sp.fold_gamma
-    ref = next(iter(module.parameters()), None)
+    # a norm may hold γ/β in buffers only (F.layer_norm(x, s, self.gamma, self.beta_buffer))
+    ref = next((t for t in [*module.parameters(), *module.buffers()] if t.is_floating_point()), None)
     dtype = ref.dtype if ref is not None else torch.get_default_dtype()
     device = ref.device if ref is not None else None
-    norm = RMSNorm(site.normalized_shape, eps=site.eps, elementwise_affine=has_weight, bias=keep_beta,
-                   backend=backend, param_shape=site.param_shape, device=device, dtype=dtype)
+    norm = _rmsnorm_class(sp)(site.normalized_shape, eps=site.eps, elementwise_affine=has_weight, bias=keep_beta,
+                              backend=backend, param_shape=site.param_shape, device=device, dtype=dtype)
     sp.rms_weight, sp.rms_bias = has_weight, keep_beta
     with torch.no_grad():
         if keep_gamma:
@@ -323,6 +325,11 @@ def make_rmsnorm(site: NormSite, sp: SitePlan, module: nn.Module, backend: str,
             kept = beta / gamma if (sp.fold_gamma and gamma is not None and fit is None) else beta
             norm.bias.copy_(kept.to(dtype))
     return norm
+
+
+def _rmsnorm_class(sp: SitePlan) -> type[RMSNorm]:
+    """The replacement's class: one that accepts the original's extra call arguments where it took some."""
+    return RMSNormTakingArgs if sp.extra_args else RMSNorm
 
 
 def replace_module(model: nn.Module, old: nn.Module, new: nn.Module) -> list[str]:
@@ -387,6 +394,25 @@ class CenterInput:
         return args, kwargs
 
 
+class CenterResidual:
+    """Forward hook: center the residual sum ``a + M(a)`` that module ``M``'s caller computes, from inside
+    ``M``: its first output ``b`` becomes ``b - mean(a + b)`` (``a`` is its input ``arg``), so the sum is
+    zero-mean while ``M`` still reads ``a`` as it was. One mean per token, as any centering op."""
+
+    def __init__(self, arg: int | str) -> None:
+        self.arg = arg
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        a = args[self.arg] if isinstance(self.arg, int) else kwargs[self.arg]
+        leaves, spec = pytree.tree_flatten(output)
+        i = next(i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor))
+        b = leaves[i]
+        compute = torch.float32 if b.dtype in (torch.bfloat16, torch.float16) else b.dtype
+        mean = (a.to(compute) + b.to(compute)).mean(-1, keepdim=True)
+        leaves[i] = (b.to(compute) - mean).to(b.dtype)  # one rounding, as center_last
+        return pytree.tree_unflatten(leaves, spec)
+
+
 def install_hook(model: nn.Module, h: CenterHook) -> None:
     """Register one centering op. Idempotent: a module never gets the same hook twice."""
     module = model.get_submodule(h.module)
@@ -396,6 +422,8 @@ def install_hook(model: nn.Module, h: CenterHook) -> None:
         return
     if h.where == "output":
         handle = module.register_forward_hook(CenterOutput())
+    elif h.where == "residual":
+        handle = module.register_forward_hook(CenterResidual(h.arg), with_kwargs=True)
     else:
         handle = module.register_forward_pre_hook(CenterInput(h.arg), with_kwargs=True)
     installed[key] = handle
@@ -478,11 +506,11 @@ def apply_structure(model: nn.Module, plan: Plan, backend: str = "auto") -> nn.M
         if not sp.convert:
             continue
         old = model.get_submodule(sp.name)
-        ref = next(iter(old.parameters()), None)
-        new = RMSNorm(sp.normalized_shape, eps=sp.eps, elementwise_affine=sp.rms_weight, bias=sp.rms_bias,
-                      backend=backend, param_shape=sp.param_shape,
-                      device=ref.device if ref is not None else None,
-                      dtype=ref.dtype if ref is not None else None)
+        ref = next((t for t in [*old.parameters(), *old.buffers()] if t.is_floating_point()), None)
+        new = _rmsnorm_class(sp)(sp.normalized_shape, eps=sp.eps, elementwise_affine=sp.rms_weight,
+                                 bias=sp.rms_bias, backend=backend, param_shape=sp.param_shape,
+                                 device=ref.device if ref is not None else None,
+                                 dtype=ref.dtype if ref is not None else None)
         replace_module(model, old, new)
     for h in plan.hooks:
         install_hook(model, h)

@@ -283,7 +283,9 @@ def test_a_stream_written_by_a_non_linearity_with_no_module_boundary_is_approxim
     for name in ("blocks.1.n", "blocks.2.n", "n_f"):
         site = plan.site(name)
         assert site.verdict == "approximate"
-        assert site.reason == "stream written by `tanh`; no centering point feeds only norms"
+        assert site.reason == ("stream written by `tanh`; no centering point feeds only norms; a centering op "
+                               "before this norm would make it exact (per_norm_centering=True): LayerNorm by "
+                               "another name")
     assert not plan.hooks
 
 
@@ -326,8 +328,11 @@ def test_a_writer_that_is_also_a_model_output_cannot_be_centered():
     plan, an, _ = _analyse(Both(), (torch.randn(3, 6, dtype=torch.float64),))
     _, _, why = an.module_centering("inp")
     assert why == "output is also returned as `[1]`"
-    assert plan.site("n").verdict == "approximate" and not plan.writer_edits
-    assert plan.site("n").reason.startswith("stream written by `inp` (Linear) output is also returned as `[1]`")
+    # the head norm's own input takes the op: it changes what `n` reads, not the returned `h`
+    assert plan.site("n").verdict == "exact-with-centering" and not plan.writer_edits
+    assert [(h.module, h.where) for h in plan.hooks] == [("n", "input")]
+    assert plan.site("n").reason.endswith("which no weight edit can center (output is also returned as `[1]`)")
+    assert "[1]" not in plan.changed_outputs
 
 
 # ------------------------------------------------------------------ writers behind a centering op

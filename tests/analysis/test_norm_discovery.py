@@ -1,0 +1,205 @@
+"""Norms are found by what their traced forward computes, not by their class name (issue 37 §4).
+
+A hand-written LayerNorm in a class with any name, a LayerNorm whose β is a buffer, and a norm whose
+``forward`` takes extra arguments (``norm(h, batch=batch)``, as graph libraries call theirs) are
+converted exactly; one whose extra argument changes what it computes is kept, with that reason.
+"""
+
+import copy
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import normswap
+from normswap.nn.call_args import RMSNormTakingArgs
+
+
+class MyLN(nn.Module):
+    """A LayerNorm written in ops, in a class whose name says nothing."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.g = nn.Parameter(torch.randn(d))
+        self.b = nn.Parameter(torch.randn(d))
+
+    def forward(self, x):
+        mu = x.mean(-1, keepdim=True)
+        var = ((x - mu) ** 2).mean(-1, keepdim=True)
+        return (x - mu) / torch.sqrt(var + 1e-5) * self.g + self.b
+
+
+class Affine(nn.Module):
+    """rsqrt-based, γ first: the same formula written another way (no `norm` in the name either)."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.randn(d))
+        self.shift = nn.Parameter(torch.randn(d))
+
+    def forward(self, x):
+        c = x - x.mean(-1, keepdim=True)
+        return self.scale * (c * torch.rsqrt(c.pow(2).mean(-1, keepdim=True) + 1e-6)) + self.shift
+
+
+class BufferBeta(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.gamma = nn.Parameter(torch.randn(d))
+        self.register_buffer("beta_buffer", torch.randn(d))
+
+    def forward(self, x):
+        return F.layer_norm(x, (x.shape[-1],), self.gamma, self.beta_buffer)
+
+
+class GraphNorm(nn.Module):
+    """Called as ``norm(h, batch=batch)``; ``per_graph`` makes the batch vector change the computation
+    (a LayerNorm over all nodes and features of each graph, as PyG's ``mode='graph'``)."""
+
+    def __init__(self, d: int, per_graph: bool = False) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(d))
+        self.bias = nn.Parameter(torch.randn(d))
+        self.per_graph = per_graph
+
+    def forward(self, x, batch=None):
+        if not self.per_graph or batch is None:
+            return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, 1e-5)
+        out = torch.empty_like(x)
+        for g in batch.unique():
+            rows = x[batch == g]
+            out[batch == g] = (rows - rows.mean()) / torch.sqrt(rows.var(unbiased=False) + 1e-5)
+        return out * self.weight + self.bias
+
+
+class Net(nn.Module):
+    """Pre-LN: an input projection, one residual block, a final norm and a head."""
+
+    def __init__(self, norm, takes_batch: bool = False) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        self.n1 = norm(16)
+        self.fc = nn.Linear(16, 16)
+        self.n2 = norm(16)
+        self.head = nn.Linear(16, 3)
+        self.takes_batch = takes_batch
+
+    def forward(self, x, batch):
+        kw = {"batch": batch} if self.takes_batch else {}
+        h = self.inp(x)
+        h = h + self.fc(F.gelu(self.n1(h, **kw)))
+        return self.head(self.n2(h, **kw))
+
+
+def _inputs(n: int = 10, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 8, dtype=torch.float64, generator=gen), torch.tensor([0] * (n // 2) + [1] * (n - n // 2))
+
+
+def _patched(model: nn.Module):
+    original = copy.deepcopy(model)
+    report = normswap.patch(model, example_inputs=_inputs())
+    probe = _inputs(14, seed=1)
+    with torch.no_grad():
+        err = float((model(*probe) - original(*probe)).abs().max() / original(*probe).abs().max())
+    return report, err
+
+
+def test_layernorm_written_in_ops_is_found_whatever_its_class_is_called():
+    for norm in (MyLN, Affine):
+        torch.manual_seed(0)
+        report, err = _patched(Net(norm).double().eval())
+        assert {s.name: s.verdict for s in report.sites} == {"n1": "exact", "n2": "exact"}, norm
+        assert err <= 1e-9, (norm, err)
+        assert {s.class_name for s in report.plan.sites} == {norm.__name__}
+
+
+def test_beta_held_in_a_buffer_is_that_layernorm_beta():
+    torch.manual_seed(1)
+    model = Net(BufferBeta).double().eval()
+    found = normswap.pipeline.find_norms(model, _inputs()).sites
+    assert [(s.path, s.weight_attr, s.bias_attr) for s in found] == [("n1", "gamma", "beta_buffer"),
+                                                                      ("n2", "gamma", "beta_buffer")]
+    report, err = _patched(model)
+    assert all(s.verdict == "exact" for s in report.sites)
+    assert err <= 1e-9
+
+
+def test_norm_called_with_extra_arguments_is_replaced_by_one_that_accepts_them():
+    torch.manual_seed(2)
+    model = Net(GraphNorm, takes_batch=True).double().eval()
+    report, err = _patched(model)
+    assert all(s.verdict == "exact" for s in report.sites)
+    assert all(s.extra_args for s in report.plan.sites)
+    assert isinstance(model.n1, RMSNormTakingArgs) and isinstance(model.n1, normswap.RMSNorm)
+    assert err <= 1e-9
+    x, batch = _inputs()
+    assert torch.equal(model.n2(x @ torch.ones(8, 16, dtype=torch.float64), batch=batch),
+                       model.n2(x @ torch.ones(8, 16, dtype=torch.float64)))
+
+
+def test_extra_argument_norm_survives_save_and_load(tmp_path):
+    torch.manual_seed(3)
+    model = Net(GraphNorm, takes_batch=True).double().eval()
+    normswap.patch(model, example_inputs=_inputs())
+    normswap.save(model, tmp_path / "out")
+    fresh = normswap.load(tmp_path / "out", model=Net(GraphNorm, takes_batch=True).double().eval())
+    assert isinstance(fresh.n1, RMSNormTakingArgs)
+    probe = _inputs(6, seed=4)
+    with torch.no_grad():
+        assert torch.equal(fresh(*probe), model(*probe))
+
+
+def test_extra_argument_that_changes_the_computation_keeps_the_norm_with_that_reason():
+    torch.manual_seed(4)
+    model = Net(lambda d: GraphNorm(d, per_graph=True), takes_batch=True).double().eval()
+    plan = normswap.plan(model, example_inputs=_inputs())
+    assert not plan.sites
+    reasons = {s["name"]: s["reason"] for s in plan.skipped}
+    assert set(reasons) == {"n1", "n2"}
+    assert all("`batch` also passed to it" in r and "not a per-row norm" in r for r in reasons.values()), reasons
+
+
+def test_pooling_and_l2_normalisation_are_not_reported_as_norms():
+    """A module computing a mean and a root whose output is not its input's shape is no norm candidate."""
+
+    class Pool(nn.Module):
+        def forward(self, x):
+            p = x.mean(0, keepdim=True)
+            return p / torch.sqrt(p.pow(2).sum(-1, keepdim=True))
+
+    class WithPool(Net):
+        def __init__(self) -> None:
+            super().__init__(nn.LayerNorm)
+            self.pool = Pool()
+
+        def forward(self, x, batch):
+            return self.pool(super().forward(x, batch))
+
+    plan = normswap.plan(WithPool().double().eval(), example_inputs=_inputs())
+    assert [s.name for s in plan.sites] == ["n1", "n2"] and not plan.skipped
+
+
+def test_a_block_computing_a_norm_inline_does_not_hide_the_norms_inside_it():
+    """A block whose own ops take a mean and a root among other work is no norm, and is not reported as
+    one: the LayerNorm inside it is still found and converted."""
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ln, self.fc = nn.LayerNorm(16), nn.Linear(16, 16)
+
+        def forward(self, x):
+            x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)  # an inline RMS scaling
+            return x + self.fc(self.ln(x))
+
+    class Outer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inp, self.block, self.out = nn.Linear(8, 16), Block(), nn.Linear(16, 2)
+
+        def forward(self, x, batch):
+            return self.out(self.block(self.inp(x)))
+
+    plan = normswap.plan(Outer().double().eval(), example_inputs=_inputs())
+    assert [s.name for s in plan.sites] == ["block.ln"] and not plan.skipped
