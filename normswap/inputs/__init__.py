@@ -226,7 +226,7 @@ def with_generated_media(kwargs: dict[str, Any], seed: int) -> dict[str, Any]:
     gen = torch.Generator().manual_seed(seed)
     out = dict(kwargs)
     pixels = kwargs.get("pixel_values")
-    if isinstance(pixels, torch.Tensor) and pixels.is_floating_point():
+    if isinstance(pixels, torch.Tensor) and pixels.is_floating_point() and pixels.dim() >= 4:  # not patch rows
         out["pixel_values"] = generated_images(tuple(pixels.shape), gen, pixels.dtype).to(pixels.device)
     feats = kwargs.get("input_features")
     if isinstance(feats, torch.Tensor) and feats.is_floating_point() and feats.dim() == 3:
