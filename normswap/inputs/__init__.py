@@ -26,6 +26,7 @@ from torch import nn
 
 from normswap.errors import NormswapError, first_line
 from normswap.inputs import speech
+from normswap.inputs.builder import describe as describe_built  # noqa: F401
 from normswap.inputs.builder import encoder_states, has_cross_attention, hf_example_inputs  # noqa: F401
 from normswap.inputs.media import AUDIO_FRAME_BUDGET  # noqa: F401
 

@@ -340,3 +340,27 @@ def encoder_states(model: nn.Module, batch: int, length: int, gen: torch.Generat
     p = next((p for p in model.parameters() if p.is_floating_point()), None)
     t = torch.randn(batch, length, width, generator=gen)
     return t if p is None else t.to(p.device, p.dtype)
+
+
+MODALITY = {"input_ids": "text", "pixel_values": "images", "pixel_values_videos": "video", "input_features": "audio",
+            "input_values": "audio", "past_values": "time series", "decoder_input_ids": "decoder text"}
+
+
+def describe(model: nn.Module, kwargs: dict[str, Any]) -> str:
+    """One line for the report: what the built analysis inputs hold, and how they reach every tower
+    (all modalities in one run of the whole model: each tower runs on its own modality's inputs)."""
+    parts = []
+    for name, value in kwargs.items():
+        if not isinstance(value, torch.Tensor) or name not in MODALITY and not name.endswith(("_thw", "_sizes")):
+            continue
+        text = f"`{name}` {tuple(value.shape)}"
+        if name == "input_ids":
+            tokens = {kind: _media_token(model.config, kind, MEDIA_TOKEN) for kind in MEDIA_TOKEN}
+            marks = [f"{int((value[0] == tok).sum())} {kind} tokens" for kind, tok in tokens.items()
+                     if tok is not None and bool((value == tok).any())]
+            text += f" ({', '.join(marks)} per sample)" if marks else ""
+        parts.append(text)
+    kinds = sorted({MODALITY[k] for k in kwargs if k in MODALITY} - {"decoder text"})
+    how = (f"; {' + '.join(kinds)} in one run of the whole model, so each tower runs on inputs of its own modality"
+           if len(kinds) > 1 else "")
+    return "built from the config: " + ", ".join(parts) + how

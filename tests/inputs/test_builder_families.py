@@ -125,6 +125,9 @@ def test_inputs_are_built_and_every_norm_is_reached(family):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         report = normswap.patch(model)  # no inputs: as the CLI converts
+    note = report.plan.options["analysis_inputs"]  # the report says what was built and how it reached the towers
+    assert note.startswith("built from the config") and ("one run of the whole model" in note) == (
+        "pixel_values" in built and "input_ids" in built), note
     found = {s.name for s in report.plan.sites} | {s["name"] for s in report.plan.skipped}
     assert norms <= found, f"norms the inputs never reached: {sorted(norms - found)}"
     if any(s.verdict == "approximate" for s in report.sites):  # measure the exact ones alone (PatchTST: none)
