@@ -201,14 +201,15 @@ def hf_example_inputs(model: nn.Module, batch: int = 2, seq: int = 8, seed: int 
     if chosen is not None and chosen[0] < len(combos):
         index, counts = chosen
         return _finish(model, config, params, combos[index], counts, batch, seq, seed, device)
-    built = None
+    built, first, first_counts = None, 0, {}
     for index, media_kw in enumerate(combos):
         try:
             counts = _counts(model, config, params, media_kw, batch)
         except Exception:  # noqa: BLE001 - the encoder does not take this layout
             continue
         kwargs = _finish(model, config, params, media_kw, counts, batch, seq, seed, device)
-        built = built or kwargs
+        if built is None:
+            built, first, first_counts = kwargs, index, counts
         if len(combos) == 1 and not counts:
             return kwargs
         error = _run_error(model, kwargs)
@@ -224,6 +225,7 @@ def hf_example_inputs(model: nn.Module, batch: int = 2, seq: int = 8, seed: int 
             return kwargs
     if built is None:  # no layout even reached the model: the first, so the pipeline's error says why
         built = _finish(model, config, params, combos[0], {}, batch, seq, seed, device)
+    _CHOSEN[key] = (first, first_counts)  # none ran: later calls (probe, calibration) need not try them again
     return built
 
 
