@@ -365,11 +365,16 @@ def sweep(types: list[str], jobs: int, limit: float, save=None) -> list[dict]:  
 
 # --------------------------------------------------------------------------------------- outcome and table
 def outcome(row: dict) -> str:
-    """One word per class: ``unbuilt``, ``converted``, ``refused`` or ``crash``."""
+    """One word per class: ``unbuilt``, ``converted``, ``no-run`` (refused: the model does not run on
+    the built inputs, or none could be built), ``refused`` (for another reason) or ``crash``."""
     if row.get("build") != "ok":
         return "unbuilt"
     p = row.get("patch", "")
-    return "converted" if p == "ok" else "crash" if p.startswith("crash") else "refused"
+    if p == "ok":
+        return "converted"
+    if p.startswith("crash"):
+        return "crash"
+    return "no-run" if re.search(r"on the example inputs|cannot build example inputs|outputs NaN", p) else "refused"
 
 
 def worst_err(row: dict) -> float | None:
@@ -393,6 +398,7 @@ def totals(rows: list[dict]) -> dict:
             "classes": len(per_class), "classes_built": len(built),
             "classes_converted": sum(outcome(c) == "converted" for c in built),
             "classes_refused": sum(outcome(c) == "refused" for c in built),
+            "classes_no_run": sum(outcome(c) == "no-run" for c in built),
             "classes_crashed": sum(outcome(c) == "crash" for c in built),
             "inputs_not_built": sum(c.get("inputs", "ok") != "ok" for c in built),
             "exact_over_1e-9": len(over)}
@@ -411,16 +417,22 @@ def table(rows: list[dict], before: dict | None) -> str:
            f"converted with no inputs (every built class): **{t['types_converted']}** "
            f"({100 * t['types_converted'] / max(1, t['types_built']):.0f}% of those built).", "",
            f"Classes built: {t['classes_built']} of {t['classes']}; converted {t['classes_converted']}, "
-           f"refused {t['classes_refused']}, crashed {t['classes_crashed']}; inputs not built: "
+           f"not run on the built inputs {t['classes_no_run']}, refused for another reason {t['classes_refused']}, "
+           f"crashed {t['classes_crashed']}; inputs not built: "
            f"{t['inputs_not_built']}; exact conversions above 1e-9: {t['exact_over_1e-9']}.", ""]
     if before:
         b = totals(before["rows"])
-        out += [f"Before this change ({before.get('label', 'earlier run')}): converted with no inputs "
-                f"**{b['types_converted']}** of {b['types_built']} types built; classes crashed "
-                f"{b['classes_crashed']}, refused {b['classes_refused']}, inputs not built {b['inputs_not_built']}.",
-                ""]
-    out += ["| model type | class | outcome | verdicts (exact / centered / approx / skipped) | exact err, 2 shapes | "
-            "note |", "|---|---|---|---|---|---|"]
+        same = {r["type"] for r in before["rows"]} & {r["type"] for r in rows}
+        a = totals([r for r in rows if r["type"] in same])
+        b = totals([r for r in before["rows"] if r["type"] in same])
+        out += [f"Before and after on the {len(same)} types both runs measured ({before.get('label') or 'before'} "
+                f"vs this run): types converted with no inputs **{b['types_converted']} → {a['types_converted']}** "
+                f"of {a['types_built']} built; classes converted {b['classes_converted']} → {a['classes_converted']}, "
+                f"not run on the built inputs {b['classes_no_run']} → {a['classes_no_run']}, crashed "
+                f"{b['classes_crashed']} → {a['classes_crashed']}.", ""]
+    was = {(r["type"], c["class"]): outcome(c) for r in (before or {}).get("rows", []) for c in r["classes"]}
+    out += ["| model type | class | outcome | before | verdicts (exact / centered / approx / skipped) | "
+            "exact err, 2 shapes | note |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         for c in r["classes"]:
             o = outcome(c)
@@ -428,11 +440,12 @@ def table(rows: list[dict], before: dict | None) -> str:
             v = (f"{counts.get('exact', 0)} / "
                  f"{counts.get('exact-with-centering', 0) + counts.get('exact-with-per-norm-centering', 0)} / "
                  f"{counts.get('approximate', 0)} / {counts.get('skipped', 0)}") if counts else "-"
-            note = "" if o == "converted" else c.get("patch") if o in ("refused", "crash") else c.get("build", "")
+            note = "" if o == "converted" else c.get("patch") if o in ("refused", "no-run", "crash") else c.get("build", "")
             if o == "converted" and c.get("message"):
                 note = c["message"]
             note = (note or "").replace("|", "\\|").replace("\n", " ")[:160]
-            out.append(f"| {r['type']} | {c['class']} | {o} | {v} | {fmt_err(c)} | {note} |")
+            out.append(f"| {r['type']} | {c['class']} | {o} | {was.get((r['type'], c['class']), '')} | {v} | "
+                       f"{fmt_err(c)} | {note} |")
     return "\n".join(out)
 
 
@@ -472,6 +485,7 @@ def main() -> None:
     ap.add_argument("--before", type=Path, default=None, help="JSON of an earlier run, for the before line")
     ap.add_argument("--label", default=None, help="what this run is, stored in the JSON")
     ap.add_argument("--write", action="store_true", help="write the docs page and the JSON")
+    ap.add_argument("--render", action="store_true", help="no sweep: the table from the JSON as it is")
     args = ap.parse_args()
     if args.worker:
         worker(args.worker.split(","))
@@ -489,7 +503,7 @@ def main() -> None:
         path.write_text(json.dumps({"transformers": transformers.__version__, "label": args.label or old.get("label"),
                                     "rows": [merged[t] for t in sorted(merged)]}, indent=1, default=str) + "\n")
 
-    rows = sweep(types, args.jobs, args.limit, save if path is not None else None)
+    rows = [] if args.render else sweep(types, args.jobs, args.limit, save if path is not None else None)
     if path is not None and path.exists():
         rows = json.loads(path.read_text())["rows"]
     before = json.loads(args.before.read_text()) if args.before else None
