@@ -111,7 +111,9 @@ def _feature_count(model: nn.Module, kind: str, layout: Layout, batch: int) -> i
         return None
     accepted = inspect.signature(fn).parameters
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())
-    kw = {k: v for k, v in layout.items() if k in accepted or (takes_any and k.endswith(("_thw", "_mask", "_sizes")))}
+    # a signature hidden behind a decorator's (*args, **kwargs) takes the media and its metadata by name
+    kw = {k: v for k, v in layout.items() if k in accepted or (takes_any and (k in MODALITY or k.endswith((
+        "_thw", "_mask", "_sizes"))))}
     with torch.no_grad():
         out = fn(**kw)
     feats = getattr(out, "pooler_output", None)

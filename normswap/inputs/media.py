@@ -144,8 +144,9 @@ def feature_frames(config: Any) -> int:
 
 
 def feature_layouts(config: Any, batch: int, gen: torch.Generator, dtype: torch.dtype) -> Iterator[Layout]:
-    """``input_features``: log-mel ``(B, mels, T)`` (Whisper and its kin), or ``(B, T, F)`` filterbank
-    features (Speech2Text, Wav2Vec2-BERT, Conformer encoders), ``F`` being the config's feature size."""
+    """``input_features``: log-mel ``(B, mels, T)`` (Whisper and its kin), ``(B, T, F)`` filterbank
+    features (Speech2Text, Wav2Vec2-BERT, Conformer encoders), ``F`` being the config's feature size, or a
+    one-channel spectrogram ``(B, 1, T, mels)`` (CLAP)."""
     acfg = audio_config(config)
     frames = feature_frames(config)
     mels = _int(cfg(acfg, "num_mel_bins", "n_mels", "feature_size", "input_feat_size")) or \
@@ -155,6 +156,8 @@ def feature_layouts(config: Any, batch: int, gen: torch.Generator, dtype: torch.
     feats *= _int(cfg(acfg, "input_channels")) or 1
     yield {"input_features": torch.randn(batch, width, frames, generator=gen).to(dtype)}
     yield {"input_features": torch.randn(batch, min(frames, 200), feats, generator=gen).to(dtype)}
+    # one-channel spectrogram images (B, 1, T, mels): CLAP's audio tower
+    yield {"input_features": torch.randn(batch, 1, min(frames, 1024), mels, generator=gen).to(dtype)}
 
 
 def value_layouts(config: Any, batch: int, gen: torch.Generator, dtype: torch.dtype) -> Iterator[Layout]:
