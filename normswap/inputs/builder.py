@@ -36,7 +36,7 @@ from normswap.inputs.media import AUDIO_FRAME_BUDGET, Layout, cfg, sub_config
 KNOWN = {"input_ids", "pixel_values", "input_features", "input_values", "past_values", "past_time_features",
          "past_observed_mask", "decoder_input_ids", "pixel_values_videos", "image_grid_thw", "video_grid_thw",
          "image_sizes", "pixel_attention_mask", "pixel_mask", "future_values", "future_time_features",
-         "static_categorical_features", "static_real_features", "feature_attention_mask"}
+         "static_categorical_features", "static_real_features", "feature_attention_mask", "input_features_mask"}
 MEDIA_TOKEN = {"image": ("image_token_id", "image_token_index", "image_token"),
                "audio": ("audio_token_id", "audio_token_index", "audio_token")}
 MEDIA_START = {"image": ("vision_start_token_id", "boi_token_id", "boi_token_index", "image_start_token_id"),
@@ -240,12 +240,8 @@ def _combinations(config: Any, params: dict[str, Any], batch: int, seed: int, dt
     if "pixel_values" in params:
         groups.append(list(media.image_layouts(config, params, batch, gen, dtype)))
     if "input_features" in params:
-        layouts = list(media.feature_layouts(config, batch, gen, dtype))
-        if "feature_attention_mask" in params:
-            for lay in layouts:
-                t = lay["input_features"]
-                lay["feature_attention_mask"] = torch.ones(t.shape[0], t.shape[-1], dtype=torch.long)
-        groups.append(layouts)
+        masks = [m for m in ("feature_attention_mask", "input_features_mask") if m in params]
+        groups.append(list(media.feature_layouts(config, batch, gen, dtype, masks)))
     if "input_values" in params:
         groups.append(list(media.value_layouts(config, batch, gen, dtype)))
     if "past_values" in params:

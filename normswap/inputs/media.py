@@ -143,10 +143,12 @@ def feature_frames(config: Any) -> int:
     return 2 * positions if positions else 200
 
 
-def feature_layouts(config: Any, batch: int, gen: torch.Generator, dtype: torch.dtype) -> Iterator[Layout]:
+def feature_layouts(config: Any, batch: int, gen: torch.Generator, dtype: torch.dtype,
+                    masks: list[str] = ()) -> Iterator[Layout]:
     """``input_features``: log-mel ``(B, mels, T)`` (Whisper and its kin), ``(B, T, F)`` filterbank
     features (Speech2Text, Wav2Vec2-BERT, Conformer encoders), ``F`` being the config's feature size, or a
-    one-channel spectrogram ``(B, 1, T, mels)`` (CLAP)."""
+    one-channel spectrogram ``(B, 1, T, mels)`` (CLAP). Each of ``masks`` (``feature_attention_mask``,
+    ``input_features_mask``) comes along as ones over the frames."""
     acfg = audio_config(config)
     frames = feature_frames(config)
     mels = _int(cfg(acfg, "num_mel_bins", "n_mels", "feature_size", "input_feat_size")) or \
@@ -154,10 +156,14 @@ def feature_layouts(config: Any, batch: int, gen: torch.Generator, dtype: torch.
     width = mels * (_int(cfg(acfg, "input_channels")) or 1)
     feats = _int(cfg(acfg, "feature_size", "input_feat_per_channel", "input_dim", "num_mel_bins")) or mels
     feats *= _int(cfg(acfg, "input_channels")) or 1
-    yield {"input_features": torch.randn(batch, width, frames, generator=gen).to(dtype)}
-    yield {"input_features": torch.randn(batch, min(frames, 200), feats, generator=gen).to(dtype)}
+    def with_masks(features: torch.Tensor, time_axis: int) -> Layout:
+        mask = torch.ones(batch, features.shape[time_axis], dtype=torch.long)
+        return {"input_features": features, **{m: mask for m in masks}}
+
+    yield with_masks(torch.randn(batch, width, frames, generator=gen).to(dtype), -1)
+    yield with_masks(torch.randn(batch, min(frames, 200), feats, generator=gen).to(dtype), 1)
     # one-channel spectrogram images (B, 1, T, mels): CLAP's audio tower
-    yield {"input_features": torch.randn(batch, 1, min(frames, 1024), mels, generator=gen).to(dtype)}
+    yield with_masks(torch.randn(batch, 1, min(frames, 1024), mels, generator=gen).to(dtype), 2)
 
 
 def value_layouts(config: Any, batch: int, gen: torch.Generator, dtype: torch.dtype) -> Iterator[Layout]:
