@@ -134,8 +134,13 @@ def shrink(config: object, depth: int = 0, ids: list[int] | None = None, images:
     ids = all_special_ids(config) if ids is None else ids
     images = images and "mm_tokens_per_image" not in config.__dict__
     d = config.__dict__
-    if d.get("use_timm_backbone"):  # timm is not a dependency; the transformers backbone is the same model
-        d["use_timm_backbone"] = False
+    for k, v in list(d.items()):  # timm is not installed: a small transformers ResNet backbone instead
+        if type(v).__name__ == "TimmBackboneConfig":
+            import transformers as tf
+
+            idx = [i for i in (getattr(v, "out_indices", None) or [1, 2, 3, 4]) if 1 <= i <= 4]
+            d[k] = tf.ResNetConfig(embedding_size=16, hidden_sizes=[16, 32, 64, 128], depths=[1, 1, 1, 1],
+                                   out_indices=idx)
     if "prediction_length" in d and d["prediction_length"] is None:  # time-series configs leave it unset
         d["prediction_length"] = 8
         if d.get("context_length") is None:
@@ -440,7 +445,7 @@ def table(rows: list[dict], before: dict | None) -> str:
             v = (f"{counts.get('exact', 0)} / "
                  f"{counts.get('exact-with-centering', 0) + counts.get('exact-with-per-norm-centering', 0)} / "
                  f"{counts.get('approximate', 0)} / {counts.get('skipped', 0)}") if counts else "-"
-            note = "" if o == "converted" else c.get("patch") if o in ("refused", "no-run", "crash") else c.get("build", "")
+            note = {"unbuilt": c.get("build", ""), "converted": ""}.get(o, c.get("patch"))
             if o == "converted" and c.get("message"):
                 note = c["message"]
             note = (note or "").replace("|", "\\|").replace("\n", " ")[:160]
