@@ -23,7 +23,9 @@ crash costs one row. ``--jobs`` runs that many workers side by side.
     python benchmarks/sweep_transformers.py --write --jobs 2     # two workers
 
 ``--write`` writes docs/results/transformers-sweep.md and benchmarks/transformers_sweep.json.
-``PYTHONPATH=/path/to/other/checkout`` sweeps another checkout's normswap (the before/after numbers).
+The normswap swept is the one Python imports: ``PYTHONPATH=$PWD`` for this checkout,
+``PYTHONPATH=/path/to/other/checkout`` for another (the before/after numbers), else the installed one;
+each worker prints the path it imported into the JSON (``normswap``).
 """
 
 from __future__ import annotations
@@ -208,8 +210,7 @@ def build(class_name: str, model_type: str):  # noqa: ANN201 - the model
     import torch
     import transformers as tf
 
-    from tests.zoo import randomise
-
+    randomise = zoo().randomise
     config = tf.AutoConfig.for_model(model_type)
     shrink(config)
     cls = getattr(tf, class_name)
@@ -233,7 +234,8 @@ def run_class(class_name: str, model_type: str) -> dict:
     from normswap.inputs import hf_example_inputs
     from normswap.pipeline import default_dtype
     from normswap.surgery.verify import compare
-    from tests.zoo import float64_casts
+
+    float64_casts = zoo().float64_casts
 
     row: dict = {"class": class_name}
     t0 = time.perf_counter()
@@ -295,9 +297,21 @@ def _line(exc: BaseException, n: int = 240) -> str:
     return text if len(text) <= n else text[: n - 1] + "…"
 
 
+def zoo():  # noqa: ANN201 - the tests.zoo module
+    """``tests/zoo.py`` loaded from its file: with the repository itself on ``sys.path``, its ``normswap``
+    would shadow the one ``PYTHONPATH`` or the installed package names (a sweep of another checkout)."""
+    import importlib.util
+
+    if "sweep_zoo" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("sweep_zoo", REPO / "tests" / "zoo.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["sweep_zoo"] = module
+        spec.loader.exec_module(module)
+    return sys.modules["sweep_zoo"]
+
+
 def worker(types: list[str]) -> None:
     """Sweep ``types`` in this process, one JSON line per type on stdout (``START`` before each)."""
-    sys.path.append(str(REPO))  # tests.zoo; normswap itself from PYTHONPATH (another checkout) if set
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
 
@@ -308,7 +322,10 @@ def worker(types: list[str]) -> None:
             rows = [run_class(c, t) for c in classes(t)]
         except Exception as exc:  # noqa: BLE001
             rows = [{"class": "?", "build": f"{type(exc).__name__}: {_line(exc)}"}]
-        print("ROW " + json.dumps({"type": t, "classes": rows}, default=str), flush=True)
+        import normswap
+
+        print("ROW " + json.dumps({"type": t, "classes": rows, "normswap": str(Path(normswap.__file__).parents[1])},
+                                  default=str), flush=True)
 
 
 def sweep(types: list[str], jobs: int, limit: float, save=None) -> list[dict]:  # noqa: ANN001
@@ -495,7 +512,6 @@ def main() -> None:
     if args.worker:
         worker(args.worker.split(","))
         return
-    sys.path.append(str(REPO))
     types = args.only.split(",") if args.only else layernorm_types()
     types = types[args.start: None if args.count is None else args.start + args.count]
     path = args.json or (JSON if args.write else None)
