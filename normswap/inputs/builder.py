@@ -33,7 +33,7 @@ from normswap.inputs import media
 from normswap.inputs.media import AUDIO_FRAME_BUDGET, Layout, cfg, sub_config
 
 # how to build each required forward argument; any other required one is refused by name
-KNOWN = {"input_ids", "pixel_values", "input_features", "input_values", "past_values", "past_time_features",
+KNOWN = {"input_ids", "pixel_values", "grid_thw", "input_features", "input_values", "past_values", "past_time_features",
          "past_observed_mask", "decoder_input_ids", "pixel_values_videos", "image_grid_thw", "video_grid_thw",
          "image_sizes", "pixel_attention_mask", "pixel_mask", "future_values", "future_time_features",
          "static_categorical_features", "static_real_features", "feature_attention_mask", "input_features_mask"}

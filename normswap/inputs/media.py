@@ -86,6 +86,8 @@ def image_layouts(config: Any, params: Any, batch: int, gen: torch.Generator, dt
         yield from extras(per_sample)
     if "image_grid_thw" in params:
         yield from extras(grid_layout(vcfg, batch, gen, dtype))
+    if "grid_thw" in params:  # a Qwen-VL style vision tower alone
+        yield grid_layout(vcfg, batch, gen, dtype, grid="grid_thw")
 
 
 def anyres_tiles(config: Any, size: int) -> int:
