@@ -5,7 +5,8 @@ time series with a forecast window, XLNet's unlimited positions), float64, γ/β
 
 Each must get inputs with no help, run on them, and convert with every LayerNorm reached (each one
 found by the analysis, so converted or skipped with a reason) and the exact ones exact to 1e-9 on
-inputs the analysis never saw. The CLI test converts a saved tiny Idefics3 directory end to end.
+inputs the analysis never saw. The CLI test converts saved tiny Idefics3 and LLaVA-OneVision
+directories end to end (both used to end in an internal error).
 """
 
 from __future__ import annotations
@@ -160,13 +161,14 @@ def test_a_required_input_with_no_rule_is_refused_by_name():
         hf_example_inputs(NeedsBoxes())
 
 
-def test_cli_converts_a_saved_vision_language_model(tmp_path):
+@pytest.mark.parametrize("family", [idefics3, llava_onevision], ids=["idefics3", "llava_onevision"])
+def test_cli_converts_a_saved_vision_language_model(tmp_path, family):
     from normswap.cli import main as cli
 
     torch.manual_seed(0)
-    model = randomise(idefics3(), 0).float()
-    model.save_pretrained(tmp_path / "idefics3")
-    result = CliRunner().invoke(cli, ["convert", str(tmp_path / "idefics3"), "--out", str(tmp_path / "out"), "-q"])
+    model = randomise(family(), 0).float()
+    model.save_pretrained(tmp_path / "model")
+    result = CliRunner().invoke(cli, ["convert", str(tmp_path / "model"), "--out", str(tmp_path / "out"), "-q"])
     assert result.exit_code == 0, result.output
     reloaded = normswap.load(tmp_path / "out")
     assert not _layernorms(reloaded)
