@@ -63,6 +63,8 @@ class Report:
                          + (" (streamed)" if self.streamed else ""))
         if self.plan is not None:
             lines.append(self.plan.summary(self.output_format))
+            if self.plan.options.get("analysis_inputs"):
+                lines.append(f"analysis inputs: {self.plan.options['analysis_inputs']}")
         if self.calibration is not None:
             lines.append(self.calibration.summary())
         if self.verification:
@@ -586,6 +588,8 @@ def _analyse(st: _Patching) -> Report | None:
     st.work, st.wargs, st.wkwargs, st.an = analysed_copy(st.model, st.args, st.kwargs, st.opts)
     st.work_dtype = _dtype_of(st.work)
     plan_ = st.plan
+    if st.example_inputs is None and inputs.is_hf_model(st.model):  # what normswap built, and which towers it reached
+        plan_.options["analysis_inputs"] = inputs.describe_built(st.model, st.kwargs)
     decide_verdicts(plan_, st.opts.mode)
     if plan_.options.get("already_converted"):
         return Report([], {}, plan_, "model is already converted by normswap; nothing to do")

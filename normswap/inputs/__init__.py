@@ -16,7 +16,6 @@ import inspect
 import math
 import os
 import random
-import re
 import warnings
 from dataclasses import dataclass
 from importlib import resources
@@ -27,6 +26,9 @@ from torch import nn
 
 from normswap.errors import NormswapError, first_line
 from normswap.inputs import speech
+from normswap.inputs.builder import describe as describe_built  # noqa: F401
+from normswap.inputs.builder import encoder_states, has_cross_attention, hf_example_inputs  # noqa: F401
+from normswap.inputs.media import AUDIO_FRAME_BUDGET  # noqa: F401
 
 ExampleInputs = tuple[Any, ...] | dict[str, Any] | torch.Tensor | None
 
@@ -51,85 +53,6 @@ def _sub_config(config: Any, kind: str) -> Any:
 
 def is_hf_model(model: nn.Module) -> bool:
     return hasattr(model, "config") and hasattr(model.config, "to_dict") and hasattr(model, "main_input_name")
-
-
-AUDIO_FRAME_BUDGET = 3000  # log-mel frames of 10 ms per batch: one 30-second clip
-
-
-def hf_example_inputs(model: nn.Module, batch: int = 2, seq: int = 8, seed: int = 0) -> dict[str, Any]:
-    """Random but valid inputs for a transformers model, from its config and forward signature."""
-    config = model.config
-    params = inspect.signature(model.forward).parameters
-    gen = torch.Generator().manual_seed(seed)
-    device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-    inputs: dict[str, Any] = {}
-
-    def token_ids(cfg: Any, length: int) -> torch.Tensor:
-        vocab = int(_cfg(cfg, "vocab_size", default=100))
-        max_pos = _cfg(cfg, "max_position_embeddings", "n_positions", "max_target_positions", "n_ctx")
-        length = min(length, int(max_pos) - 2) if max_pos else length
-        # Avoid the special ids at the bottom of the vocab (pad/bos/eos) so no masking kicks in.
-        low = min(3, vocab - 1)
-        return torch.randint(low, vocab, (batch, length), generator=gen).to(device)
-
-    frames = 2 * int(_cfg(config, "max_source_positions", default=1500))
-    if "input_features" in params:
-        # log-mel models fix their own length (Whisper: 30 s, 1500 encoder tokens per clip): a batch
-        # holds as many clips as fit in AUDIO_FRAME_BUDGET, at least one, so that analysis, probes and
-        # calibration cost about what they do for text per token
-        batch = max(1, min(batch, AUDIO_FRAME_BUDGET // frames))
-    if "input_ids" in params:
-        inputs["input_ids"] = token_ids(_sub_config(config, "text"), seq)
-    if "pixel_values" in params:
-        vcfg = _sub_config(config, "vision")
-        size = _cfg(vcfg, "image_size", default=32)
-        size = size if isinstance(size, int) else size[0]
-        channels = int(_cfg(vcfg, "num_channels", default=3))
-        frames = _cfg(vcfg, "num_frames")  # video models (VideoMAE, TimeSformer, ViViT): (B, T, C, H, W)
-        shape = (batch, int(frames), channels, size, size) if frames else (batch, channels, size, size)
-        inputs["pixel_values"] = torch.randn(*shape, generator=gen).to(device, dtype)
-    if "input_features" in params:
-        mels = int(_cfg(config, "num_mel_bins", default=80))
-        inputs["input_features"] = torch.randn(batch, mels, frames, generator=gen).to(device, dtype)
-    if "input_values" in params:
-        inputs["input_values"] = torch.randn(batch, 4000, generator=gen).to(device, dtype)
-    if getattr(config, "is_encoder_decoder", False) and "decoder_input_ids" in params:
-        dcfg = _sub_config(config, "decoder")
-        inputs["decoder_input_ids"] = token_ids(dcfg, seq)
-    if inputs and "encoder_hidden_states" in params and has_cross_attention(model):
-        # a decoder with cross-attention (BLIP's text decoder, BERT/GPT-2 with add_cross_attention): its
-        # cross-attention blocks and their norms run only when given encoder states
-        inputs["encoder_hidden_states"] = encoder_states(model, batch, max(2, seq // 2 + 1), gen)
-    if not inputs:
-        raise NormswapError(
-            f"cannot build example inputs for {type(model).__name__} (main input "
-            f"{getattr(model, 'main_input_name', '?')!r}); pass example_inputs=(...) or a dict of kwargs"
-        )
-    if "use_cache" in params:
-        inputs["use_cache"] = False
-    return inputs
-
-
-def has_cross_attention(model: nn.Module) -> bool:
-    """True when a model that is not an encoder-decoder holds cross-attention blocks (they run only
-    when ``encoder_hidden_states`` are given)."""
-    if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
-        return False
-    return any(_CROSS_ATTENTION.search(name) for name, _ in model.named_modules())
-
-
-_CROSS_ATTENTION = re.compile(r"cross_?att|encoder_attn", re.IGNORECASE)
-
-
-def encoder_states(model: nn.Module, batch: int, length: int, gen: torch.Generator) -> torch.Tensor:
-    """Random ``encoder_hidden_states`` of the width the model's cross-attention takes."""
-    config = model.config
-    width = int(_cfg(config, "encoder_hidden_size", "cross_attention_hidden_size", "hidden_size", "n_embd",
-                     "d_model"))
-    p = next((p for p in model.parameters() if p.is_floating_point()), None)
-    t = torch.randn(batch, length, width, generator=gen)
-    return t if p is None else t.to(p.device, p.dtype)
 
 
 def resolve(model: nn.Module, example_inputs: ExampleInputs) -> tuple[tuple, dict]:
@@ -304,7 +227,7 @@ def with_generated_media(kwargs: dict[str, Any], seed: int) -> dict[str, Any]:
     gen = torch.Generator().manual_seed(seed)
     out = dict(kwargs)
     pixels = kwargs.get("pixel_values")
-    if isinstance(pixels, torch.Tensor) and pixels.is_floating_point():
+    if isinstance(pixels, torch.Tensor) and pixels.is_floating_point() and pixels.dim() >= 4:  # not patch rows
         out["pixel_values"] = generated_images(tuple(pixels.shape), gen, pixels.dtype).to(pixels.device)
     feats = kwargs.get("input_features")
     if isinstance(feats, torch.Tensor) and feats.is_floating_point() and feats.dim() == 3:

@@ -1,0 +1,540 @@
+"""Sweep every LayerNorm model type the installed transformers ships: build it tiny, convert it with no
+inputs (as ``normswap convert`` does), and write the results table.
+
+Which types: every ``model_type`` with a base class in ``MODEL_MAPPING_NAMES`` whose modeling code
+(``transformers/models/<name>/modeling_*.py``) uses a LayerNorm (``nn.LayerNorm`` or a ``*LayerNorm``
+class). For each, the base class and the main head class (the first of :data:`HEADS` that maps the
+type), each built from the config class's defaults shrunk to tiny (:func:`shrink`: 2 layers, width 32,
+small vocab, image, audio and patch sizes), random weights, float64, LayerNorm γ/β and biases
+randomised, eval mode. Per class:
+
+- ``inputs``: whether :func:`normswap.inputs.hf_example_inputs` built inputs (or its error);
+- ``patch``: ``normswap.patch(model)`` with no inputs, verification on (the CLI's call): ``ok`` or the
+  one-line error, and the verdict counts;
+- ``err``: the max relative output error of the exact norms (``mode="exact"``, approximate norms kept as
+  LayerNorm) against the float64 original, at two input shapes (batch 1 x 5 tokens, batch 2 x 11);
+- ``crash``: an exception that is not a :class:`normswap.NormswapError` (a bug, not a refusal).
+
+Each type runs in a worker process (``OMP_NUM_THREADS=1``) with a per-type time limit, so a hang or a
+crash costs one row. ``--jobs`` runs that many workers side by side.
+
+    python benchmarks/sweep_transformers.py --write              # all types (~35 min on one core)
+    python benchmarks/sweep_transformers.py --only vit,whisper   # a few rows, printed
+    python benchmarks/sweep_transformers.py --write --jobs 2     # two workers
+
+``--write`` writes docs/results/transformers-sweep.md and benchmarks/transformers_sweep.json.
+The normswap swept is the one Python imports: ``PYTHONPATH=$PWD`` for this checkout,
+``PYTHONPATH=/path/to/other/checkout`` for another (the before/after numbers), else the installed one;
+each worker prints the path it imported into the JSON (``normswap``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+DOC = REPO / "docs" / "results" / "transformers-sweep.md"
+JSON = REPO / "benchmarks" / "transformers_sweep.json"
+TYPE_LIMIT_S = 150  # per type, both classes: past this the worker is killed and the row says "timeout"
+MAX_PARAMS = 30_000_000  # a "tiny" config still above this is not built (memory on a shared machine)
+EXACT_LIMIT = 1e-9
+
+# the main head class: the first of these mappings that holds the type (a class other than the base)
+HEADS = ("IMAGE_TEXT_TO_TEXT", "MULTIMODAL_LM", "SPEECH_SEQ_2_SEQ", "SEQ_TO_SEQ_CAUSAL_LM", "CAUSAL_LM", "MASKED_LM",
+         "CTC", "IMAGE_CLASSIFICATION", "AUDIO_CLASSIFICATION", "VIDEO_CLASSIFICATION", "OBJECT_DETECTION",
+         "SEMANTIC_SEGMENTATION", "UNIVERSAL_SEGMENTATION", "INSTANCE_SEGMENTATION", "DEPTH_ESTIMATION",
+         "TIME_SERIES_PREDICTION", "TIME_SERIES_CLASSIFICATION", "TEXT_TO_SPECTROGRAM", "TEXT_TO_WAVEFORM",
+         "ZERO_SHOT_OBJECT_DETECTION", "ZERO_SHOT_IMAGE_CLASSIFICATION", "KEYPOINT_DETECTION", "MASK_GENERATION",
+         "SEQUENCE_CLASSIFICATION", "PRETRAINING", "MASKED_IMAGE_MODELING", "IMAGE_TO_IMAGE", "BACKBONE")
+
+
+def layernorm_types() -> list[str]:
+    """Model types with a base class whose modeling code uses a LayerNorm."""
+    import transformers
+    from transformers.models.auto import configuration_auto as ca
+    from transformers.models.auto import modeling_auto as ma
+
+    root = Path(transformers.__file__).parent / "models"
+    uses = set()
+    for d in os.listdir(root):
+        text = "".join(Path(f).read_text(encoding="utf-8", errors="ignore")
+                       for f in glob.glob(str(root / d / "modeling_*.py")))
+        if re.search(r"LayerNorm\b", text):  # nn.LayerNorm, a *LayerNorm class, or one imported
+            uses.add(d)
+    return sorted(t for t in ca.CONFIG_MAPPING_NAMES if t in ma.MODEL_MAPPING_NAMES
+                  and ca.model_type_to_module_name(t) in uses)
+
+
+def classes(model_type: str) -> list[str]:
+    """The base class and the main head class names of ``model_type``."""
+    from transformers.models.auto import modeling_auto as ma
+
+    def first(v: object) -> str:
+        return v[0] if isinstance(v, (tuple, list)) else v
+
+    base = first(ma.MODEL_MAPPING_NAMES[model_type])
+    out = [base]
+    for head in HEADS:
+        mapping = getattr(ma, f"MODEL_FOR_{head}_MAPPING_NAMES", {})
+        if model_type in mapping and first(mapping[model_type]) != base:
+            out.append(first(mapping[model_type]))
+            break
+    return out
+
+
+# ------------------------------------------------------------------------------------------- tiny configs
+WIDTH = {"hidden_size", "d_model", "n_embd", "embed_dim", "dim", "hidden_dim", "embedding_dim", "d_embed",
+         "word_embed_proj_dim", "projection_dim", "encoder_hidden_size", "decoder_hidden_size", "text_embed_dim",
+         "vision_embed_dim", "audio_embed_dim", "cross_attention_hidden_size", "encoder_embed_dim",
+         "decoder_embed_dim", "n_embed", "model_dim", "latent_dim", "out_hidden_size", "output_dim"}
+FFN = {"intermediate_size", "ffn_dim", "encoder_ffn_dim", "decoder_ffn_dim", "d_ff", "n_inner", "mlp_dim",
+       "decoder_intermediate_size", "encoder_intermediate_size", "dim_feedforward", "ffn_hidden_size"}
+LAYERS = {"num_hidden_layers", "num_layers", "n_layer", "n_layers", "encoder_layers", "decoder_layers",
+          "num_encoder_layers", "num_decoder_layers", "depth", "decoder_num_hidden_layers", "num_blocks",
+          "decoder_depth", "encoder_depth", "num_decoder_blocks", "num_encoder_blocks"}
+HEADS_ATTR = {"num_attention_heads", "n_head", "n_heads", "encoder_attention_heads", "decoder_attention_heads",
+              "num_heads", "decoder_num_attention_heads", "num_attention_heads_text", "decoder_num_heads",
+              "encoder_num_heads"}
+KV_HEADS = {"num_key_value_heads", "num_kv_heads", "n_head_kv"}
+TOKEN_ID = re.compile(r"_(token_)?(id|index)$")
+
+
+def _special_ids(d: dict) -> list[int]:
+    out = []
+    for k, v in d.items():
+        if TOKEN_ID.search(k) and isinstance(v, int) and v >= 0:
+            out.append(v)
+    return out
+
+
+def all_special_ids(config: object) -> list[int]:
+    """Every token id named anywhere in the config tree (an image token id at the top must fit the
+    text config's vocabulary)."""
+    from transformers import PretrainedConfig
+
+    out = _special_ids(config.__dict__)
+    for v in config.__dict__.values():
+        if isinstance(v, PretrainedConfig):
+            out += all_special_ids(v)
+    return out
+
+
+def shrink(config: object, depth: int = 0, ids: list[int] | None = None, images: bool = True) -> None:
+    """Shrink ``config`` (and its sub-configs) in place to a tiny model of the same architecture.
+    ``images=False`` keeps image sizes (a config that fixes its image tokens, ``mm_tokens_per_image``)."""
+    from transformers import PretrainedConfig
+
+    ids = all_special_ids(config) if ids is None else ids
+    images = images and "mm_tokens_per_image" not in config.__dict__
+    d = config.__dict__
+    for k, v in list(d.items()):  # timm is not installed: a small transformers ResNet backbone instead
+        if type(v).__name__ == "TimmBackboneConfig":
+            import transformers as tf
+
+            idx = [i for i in (getattr(v, "out_indices", None) or [1, 2, 3, 4]) if 1 <= i <= 4]
+            d[k] = tf.ResNetConfig(embedding_size=16, hidden_sizes=[16, 32, 64, 128], depths=[1, 1, 1, 1],
+                                   out_indices=idx)
+    if "prediction_length" in d and d["prediction_length"] is None:  # time-series configs leave it unset
+        d["prediction_length"] = 8
+        if d.get("context_length") is None:
+            d["context_length"] = 8
+    heads = next((d[k] for k in HEADS_ATTR if isinstance(d.get(k), int)), None)
+    for k in list(d):
+        v = d[k]
+        if isinstance(v, PretrainedConfig):
+            if depth < 4:
+                shrink(v, depth + 1, ids, images)
+            continue
+        if isinstance(v, bool) or k.startswith("_"):
+            continue
+        if k in LAYERS and isinstance(v, int) and v > 2:
+            d[k] = 2
+        elif k in HEADS_ATTR and isinstance(v, int) and v > 4:
+            d[k] = 4
+        elif k in KV_HEADS and isinstance(v, int) and v > 2:
+            d[k] = 2
+        elif k in WIDTH and isinstance(v, int) and v > 64:
+            d[k] = 32 if heads is None or 32 % min(4, heads) == 0 else 64
+        elif k in FFN and isinstance(v, int) and v > 64:
+            d[k] = 64
+        elif k == "head_dim" and isinstance(v, int) and v > 16:
+            d[k] = 8
+        elif k in ("vocab_size", "n_vocab", "text_vocab_size") and isinstance(v, int) and v > 128:
+            d[k] = max(128, 1 + max(ids + [0]))
+        elif k in ("max_position_embeddings", "n_positions", "max_source_positions", "max_target_positions",
+                   "max_seq_len", "context_length") and isinstance(v, int) and v > 4096:
+            d[k] = 4096
+        elif k == "image_size" and images and isinstance(v, int) and v > 64 and (v % 2 == 0):
+            patch = d.get("patch_size")
+            if isinstance(patch, int) and patch > 0 and v % patch == 0 and v // patch > 4:
+                d[k] = patch * 4 if patch * 4 >= 32 else 32 - 32 % patch
+        elif k == "num_labels" and isinstance(v, int) and v > 32:
+            d[k] = 32
+        elif k == "num_mel_bins" and isinstance(v, int) and v > 40:
+            pass
+        elif k in ("depths",) and isinstance(v, (list, tuple)) and all(isinstance(x, int) for x in v):
+            d[k] = type(v)(min(x, 1) for x in v)
+    # keep every special token id inside the (maybe shrunk) vocabulary
+    vocab = d.get("vocab_size")
+    if isinstance(vocab, int) and vocab > 0:
+        if ids and max(ids) >= vocab:
+            d["vocab_size"] = max(ids) + 1
+    hidden, heads_now = d.get("hidden_size"), next((d[k] for k in HEADS_ATTR if isinstance(d.get(k), int)), None)
+    head_dim = d.get("head_dim") or (hidden // heads_now if isinstance(hidden, int) and heads_now else None)
+    for k in ("rope_parameters", "rope_scaling"):  # multimodal RoPE sections follow the head width
+        rope = d.get(k)
+        multimodal_rope = re.search(r"vl|omni", str(getattr(config, "model_type", "")))
+        if isinstance(rope, dict) and "mrope_section" not in rope and multimodal_rope:
+            rope["mrope_section"] = [16, 24, 24]  # the modeling code's default when the config has none
+        if isinstance(rope, dict) and isinstance(rope.get("mrope_section"), list) and isinstance(head_dim, int):
+            half, n = head_dim // 2, len(rope["mrope_section"])
+            rope["mrope_section"] = [half - (n - 1) * (half // n)] + [half // n] * (n - 1)
+    for k in ("layer_types", "block_types", "layers_block_type"):  # per-layer lists follow the layer count
+        v = d.get(k)
+        n = d.get("num_hidden_layers")
+        if isinstance(v, list) and isinstance(n, int) and len(v) > n:
+            d[k] = v[:n]
+
+
+def build(class_name: str, model_type: str):  # noqa: ANN201 - the model
+    """The tiny, random, float64, eval-mode model of ``class_name``; raises when it cannot be built."""
+    import torch
+    import transformers as tf
+
+    randomise = zoo().randomise
+    config = tf.AutoConfig.for_model(model_type)
+    shrink(config)
+    cls = getattr(tf, class_name)
+    with torch.device("meta"):
+        n = sum(p.numel() for p in cls(config).parameters())
+    if n > MAX_PARAMS:
+        raise RuntimeError(f"tiny config still has {n / 1e6:.0f}M parameters")
+    torch.manual_seed(0)
+    return randomise(cls(config), 0)
+
+
+# --------------------------------------------------------------------------------------- per class
+def run_class(class_name: str, model_type: str) -> dict:
+    import copy
+    import warnings
+
+    import torch
+
+    import normswap
+    from normswap import NormswapError
+    from normswap.inputs import hf_example_inputs
+    from normswap.pipeline import default_dtype
+    from normswap.surgery.verify import compare
+
+    float64_casts = zoo().float64_casts
+
+    row: dict = {"class": class_name}
+    t0 = time.perf_counter()
+    try:
+        model = build(class_name, model_type)
+    except Exception as exc:  # noqa: BLE001 - the config cannot be built tiny: recorded, not a normswap bug
+        row["build"] = f"{type(exc).__name__}: {_line(exc)}"
+        return row
+    row["build"] = "ok"
+    try:
+        hf_example_inputs(model)
+        row["inputs"] = "ok"
+    except NormswapError as exc:
+        row["inputs"] = f"refused: {_line(exc)}"
+    except Exception as exc:  # noqa: BLE001
+        row["inputs"] = f"crash: {type(exc).__name__}: {_line(exc)}"
+    original = copy.deepcopy(model)
+    warnings.simplefilter("ignore")
+    try:
+        report = normswap.patch(model)
+        row["patch"] = "ok"
+        row["counts"] = report.plan.counts() if report.plan is not None else {}
+        row["message"] = report.message
+        row["verify_err"] = report.verification.get("max_rel_error")
+    except NormswapError as exc:
+        row["patch"] = f"refused: {_line(exc)}"
+    except Exception as exc:  # noqa: BLE001 - a bug: the CLI would say "internal error"
+        row["patch"] = f"crash: {type(exc).__name__}: {_line(exc)}"
+    if row["patch"] == "ok" and row["counts"].get("approximate"):
+        model = copy.deepcopy(original)
+        try:
+            normswap.patch(model, mode="exact", verify=False)
+        except Exception as exc:  # noqa: BLE001
+            row["err"] = f"exact-mode patch failed: {type(exc).__name__}: {_line(exc)}"
+            model = None
+    if row["patch"] == "ok" and model is not None and any(
+            row["counts"].get(k) for k in ("exact", "exact-with-centering", "exact-with-per-norm-centering")):
+        errs = []
+        for batch, seq in ((1, 5), (2, 11)):
+            try:
+                kw = hf_example_inputs(original, batch=batch, seq=seq, seed=7)
+                with torch.no_grad(), default_dtype(torch.float64), float64_casts():
+                    torch.manual_seed(0)
+                    ref = original(**kw)
+                    torch.manual_seed(0)
+                    out = model(**kw)
+                skip = set(report.plan.changed_outputs) if report.plan else set()
+                errs.append(compare(ref, out, skip).get("max_rel_error"))
+            except Exception as exc:  # noqa: BLE001 - e.g. a model that takes one length only
+                errs.append(f"{type(exc).__name__}: {_line(exc, 80)}")
+        row["err"] = errs
+    row["seconds"] = round(time.perf_counter() - t0, 1)
+    return row
+
+
+def _line(exc: BaseException, n: int = 240) -> str:
+    text = str(exc).strip().splitlines()
+    text = text[0] if text else ""
+    return text if len(text) <= n else text[: n - 1] + "…"
+
+
+def zoo():  # noqa: ANN201 - the tests.zoo module
+    """``tests/zoo.py`` loaded from its file: with the repository itself on ``sys.path``, its ``normswap``
+    would shadow the one ``PYTHONPATH`` or the installed package names (a sweep of another checkout)."""
+    import importlib.util
+
+    if "sweep_zoo" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("sweep_zoo", REPO / "tests" / "zoo.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["sweep_zoo"] = module
+        spec.loader.exec_module(module)
+    return sys.modules["sweep_zoo"]
+
+
+def worker(types: list[str]) -> None:
+    """Sweep ``types`` in this process, one JSON line per type on stdout (``START`` before each)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+
+    torch.set_num_threads(1)
+    for t in types:
+        print(f"START {t}", flush=True)
+        try:
+            rows = [run_class(c, t) for c in classes(t)]
+        except Exception as exc:  # noqa: BLE001
+            rows = [{"class": "?", "build": f"{type(exc).__name__}: {_line(exc)}"}]
+        import normswap
+
+        print("ROW " + json.dumps({"type": t, "classes": rows, "normswap": str(Path(normswap.__file__).parents[1])},
+                                  default=str), flush=True)
+
+
+def sweep(types: list[str], jobs: int, limit: float, save=None) -> list[dict]:  # noqa: ANN001
+    """Run ``types`` in ``jobs`` worker processes; a type whose worker dies or passes ``limit`` seconds
+    gets a row saying so, and a new worker carries on with the rest."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", HF_HUB_OFFLINE="1",
+               TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONWARNINGS="ignore")
+    queue = list(types)
+    done: dict[str, dict] = {}
+    slots: list[dict] = []
+
+    def spawn() -> dict | None:
+        if not queue:
+            return None
+        take = queue[: max(1, math.ceil(len(queue) / max(1, jobs - len(slots) + 1)))] if jobs > 1 else list(queue)
+        take = queue[: min(len(take), 40)]
+        del queue[: len(take)]
+        p = subprocess.Popen([sys.executable, __file__, "--worker", ",".join(take)], stdout=subprocess.PIPE,
+                             stderr=subprocess.DEVNULL, env=env)
+        os.set_blocking(p.stdout.fileno(), False)
+        return {"p": p, "todo": list(take), "current": None, "since": time.time(), "buf": ""}
+
+    while queue or slots:
+        while len(slots) < jobs and queue:
+            slots.append(spawn())
+        time.sleep(0.2)
+        for s in list(slots):
+            chunk = (s["p"].stdout.read() or b"").decode("utf-8", "replace")
+            s["buf"] += chunk
+            *lines, s["buf"] = s["buf"].split("\n")
+            for line in lines:
+                if line.startswith("START "):
+                    s["current"], s["since"] = line[6:], time.time()
+                elif line.startswith("ROW "):
+                    row = json.loads(line[4:])
+                    done[row["type"]] = row
+                    s["todo"].remove(row["type"])
+                    s["current"] = None
+                    print(f"[{len(done)}/{len(types)}] {summary_line(row)}", flush=True)
+                    if save is not None:
+                        save(row)
+            dead = s["p"].poll() is not None
+            late = s["current"] is not None and time.time() - s["since"] > limit
+            if dead or late:
+                if late:
+                    s["p"].kill()
+                    s["p"].wait()
+                if s["current"] is not None and s["current"] not in done:
+                    why = f"timeout after {limit:.0f} s" if late else f"worker died (exit {s['p'].returncode})"
+                    done[s["current"]] = {"type": s["current"], "classes": [{"class": "?", "build": why}]}
+                    s["todo"].remove(s["current"])
+                    print(f"[{len(done)}/{len(types)}] {s['current']}: {why}", flush=True)
+                    if save is not None:
+                        save(done[s["current"]])
+                queue[:0] = s["todo"]
+                slots.remove(s)
+    return [done[t] for t in types if t in done]
+
+
+# --------------------------------------------------------------------------------------- outcome and table
+def outcome(row: dict) -> str:
+    """One word per class: ``unbuilt``, ``converted``, ``no-run`` (refused: the model does not run on
+    the built inputs, or none could be built), ``refused`` (for another reason) or ``crash``."""
+    if row.get("build") != "ok":
+        return "unbuilt"
+    p = row.get("patch", "")
+    if p == "ok":
+        return "converted"
+    if p.startswith("crash"):
+        return "crash"
+    return "no-run" if re.search(r"on the example inputs|cannot build example inputs|outputs NaN", p) else "refused"
+
+
+def worst_err(row: dict) -> float | None:
+    errs = [e for e in row.get("err", []) or [] if isinstance(e, float)] if isinstance(row.get("err"), list) else []
+    return max(errs) if errs else None
+
+
+def summary_line(row: dict) -> str:
+    return f"{row['type']}: " + "; ".join(
+        f"{c['class']} {outcome(c)}" + (f" ({c.get('patch', c.get('build'))[:100]})" if outcome(c) != "converted"
+                                        else "") for c in row["classes"])
+
+
+def totals(rows: list[dict]) -> dict:
+    per_class = [c for r in rows for c in r["classes"]]
+    built = [c for c in per_class if outcome(c) != "unbuilt"]
+    types_built = [r for r in rows if any(outcome(c) != "unbuilt" for c in r["classes"])]
+    types_ok = [r for r in types_built if all(outcome(c) in ("converted", "unbuilt") for c in r["classes"])]
+    over = [c for c in built if (worst_err(c) or 0) > EXACT_LIMIT]
+    return {"types": len(rows), "types_built": len(types_built), "types_converted": len(types_ok),
+            "classes": len(per_class), "classes_built": len(built),
+            "classes_converted": sum(outcome(c) == "converted" for c in built),
+            "classes_refused": sum(outcome(c) == "refused" for c in built),
+            "classes_no_run": sum(outcome(c) == "no-run" for c in built),
+            "classes_crashed": sum(outcome(c) == "crash" for c in built),
+            "inputs_not_built": sum(c.get("inputs", "ok") != "ok" for c in built),
+            "exact_over_1e-9": len(over)}
+
+
+def fmt_err(c: dict) -> str:
+    e = c.get("err")
+    if isinstance(e, list):
+        return " / ".join(f"{x:.0e}" if isinstance(x, float) else ("-" if x is None else "fails") for x in e)
+    return "-" if e is None else "fails"
+
+
+def table(rows: list[dict], before: dict | None) -> str:
+    t = totals(rows)
+    out = [f"Types: **{t['types']}** with a LayerNorm in their modeling code; built tiny: **{t['types_built']}**; "
+           f"converted with no inputs (every built class): **{t['types_converted']}** "
+           f"({100 * t['types_converted'] / max(1, t['types_built']):.0f}% of those built).", "",
+           f"Classes built: {t['classes_built']} of {t['classes']}; converted {t['classes_converted']}, "
+           f"not run on the built inputs {t['classes_no_run']}, refused for another reason {t['classes_refused']}, "
+           f"crashed {t['classes_crashed']}; inputs not built: "
+           f"{t['inputs_not_built']}; exact conversions above 1e-9: {t['exact_over_1e-9']}.", ""]
+    if before:
+        b = totals(before["rows"])
+        same = {r["type"] for r in before["rows"]} & {r["type"] for r in rows}
+        a = totals([r for r in rows if r["type"] in same])
+        b = totals([r for r in before["rows"] if r["type"] in same])
+        out += [f"Before and after on the {len(same)} types both runs measured ({before.get('label') or 'before'} "
+                f"vs this run): types converted with no inputs **{b['types_converted']} → {a['types_converted']}** "
+                f"of {a['types_built']} built; classes converted {b['classes_converted']} → {a['classes_converted']}, "
+                f"not run on the built inputs {b['classes_no_run']} → {a['classes_no_run']}, crashed "
+                f"{b['classes_crashed']} → {a['classes_crashed']}.", ""]
+    was = {(r["type"], c["class"]): outcome(c) for r in (before or {}).get("rows", []) for c in r["classes"]}
+    out += ["| model type | class | outcome | before | verdicts (exact / centered / approx / skipped) | "
+            "exact err, 2 shapes | note |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        for c in r["classes"]:
+            o = outcome(c)
+            counts = c.get("counts") or {}
+            v = (f"{counts.get('exact', 0)} / "
+                 f"{counts.get('exact-with-centering', 0) + counts.get('exact-with-per-norm-centering', 0)} / "
+                 f"{counts.get('approximate', 0)} / {counts.get('skipped', 0)}") if counts else "-"
+            note = {"unbuilt": c.get("build", ""), "converted": ""}.get(o, c.get("patch"))
+            if o == "converted" and c.get("message"):
+                note = c["message"]
+            note = (note or "").replace("|", "\\|").replace("\n", " ")[:160]
+            out.append(f"| {r['type']} | {c['class']} | {o} | {was.get((r['type'], c['class']), '')} | {v} | "
+                       f"{fmt_err(c)} | {note} |")
+    return "\n".join(out)
+
+
+HEADER = """# Every transformers model type, converted with no inputs
+
+Every model type the installed transformers ships whose modeling code uses a LayerNorm: the base
+class and the main head class of each, built tiny from the config's defaults (2 layers, width 32,
+small vocabulary, image and audio sizes; random weights, float64, LayerNorm γ/β and biases
+randomised, eval mode), then `normswap.patch(model)` with **no inputs**, as `normswap convert`
+calls it: normswap builds the inputs itself. Columns: whether it converted, was refused (one line
+saying why) or crashed; the verdict counts; the max relative output error of the exact norms
+(`mode="exact"`) against the float64 original at two input shapes (1 x 5 and 2 x 11 tokens;
+images and audio at their configured size); the refusal or the model's own note.
+
+"Unbuilt" types are those whose default config does not build tiny (the sweep's shrinking, not
+normswap); they are counted apart.
+
+Regenerate (about 35 minutes on one core; `--jobs 2` halves it):
+
+```
+python benchmarks/sweep_transformers.py --write
+```
+
+"""
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--only", help="comma-separated model types")
+    ap.add_argument("--start", type=int, default=0, help="skip the first N types (run in chunks)")
+    ap.add_argument("--count", type=int, default=None, help="run N types from --start")
+    ap.add_argument("--jobs", type=int, default=1)
+    ap.add_argument("--limit", type=float, default=TYPE_LIMIT_S, help="seconds per type")
+    ap.add_argument("--json", type=Path, default=None, help="write the rows here (default with --write: "
+                    "benchmarks/transformers_sweep.json); rows already there for other types are kept")
+    ap.add_argument("--before", type=Path, default=None, help="JSON of an earlier run, for the before line")
+    ap.add_argument("--label", default=None, help="what this run is, stored in the JSON")
+    ap.add_argument("--write", action="store_true", help="write the docs page and the JSON")
+    ap.add_argument("--render", action="store_true", help="no sweep: the table from the JSON as it is")
+    args = ap.parse_args()
+    if args.worker:
+        worker(args.worker.split(","))
+        return
+    types = args.only.split(",") if args.only else layernorm_types()
+    types = types[args.start: None if args.count is None else args.start + args.count]
+    path = args.json or (JSON if args.write else None)
+
+    def save(row: dict) -> None:  # after every type: an interrupted sweep keeps what it measured
+        import transformers
+
+        old = json.loads(path.read_text()) if path.exists() else {"rows": []}
+        merged = {r["type"]: r for r in old["rows"]} | {row["type"]: row}
+        path.write_text(json.dumps({"transformers": transformers.__version__, "label": args.label or old.get("label"),
+                                    "rows": [merged[t] for t in sorted(merged)]}, indent=1, default=str) + "\n")
+
+    rows = [] if args.render else sweep(types, args.jobs, args.limit, save if path is not None else None)
+    if path is not None and path.exists():
+        rows = json.loads(path.read_text())["rows"]
+    before = json.loads(args.before.read_text()) if args.before else None
+    text = table(rows, before)
+    print(text)
+    if args.write:
+        DOC.write_text(HEADER + text + "\n")
+    t = totals(rows)
+    sys.exit(1 if t["classes_crashed"] or t["exact_over_1e-9"] else 0)
+
+
+if __name__ == "__main__":
+    main()

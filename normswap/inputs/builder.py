@@ -1,0 +1,366 @@
+"""The analysis inputs of a transformers model, built from its config, ``forward`` signature and the
+conventions of its family, so that ``normswap convert MODEL`` needs no inputs from the user.
+
+Every modality the forward takes gets inputs, so one run of the whole model reaches every tower (a
+vision tower and a text decoder, an audio encoder, a forecaster's decoder): text ids; images, in the
+layout the model takes (:func:`normswap.inputs.media.image_layouts`); log-mel or filterbank features;
+raw audio; time series. A vision-language or omni model's prompt holds the image (and audio) tokens
+its ``image_token_id`` / ``audio_token_id`` names, as many as its own encoder makes of the media
+(counted by running ``get_image_features`` / ``get_audio_features`` once), between the
+``*_start``/``boi`` and ``*_end``/``eoi`` tokens where the config has them, with ``mm_token_type_ids``
+or ``token_type_ids`` marking them where the forward takes those.
+
+Where a modality has more than one layout the model might take, the candidates are tried in order with
+one forward each, and the first that runs is kept (remembered per model class and config, so later
+calls, with other seeds and lengths, build it directly). A required forward argument with no rule to
+build it is refused in one line naming it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import itertools
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from normswap.errors import NormswapError
+from normswap.inputs import media
+from normswap.inputs.media import AUDIO_FRAME_BUDGET, Layout, cfg, sub_config
+
+# how to build each required forward argument; any other required one is refused by name
+KNOWN = {"input_ids", "pixel_values", "grid_thw", "input_features", "input_values", "past_values", "past_time_features",
+         "past_observed_mask", "decoder_input_ids", "pixel_values_videos", "image_grid_thw", "video_grid_thw",
+         "image_sizes", "pixel_attention_mask", "pixel_mask", "future_values", "future_time_features",
+         "static_categorical_features", "static_real_features", "feature_attention_mask", "input_features_mask"}
+MEDIA_TOKEN = {"image": ("image_token_id", "image_token_index", "image_token"),
+               "audio": ("audio_token_id", "audio_token_index", "audio_token")}
+MEDIA_START = {"image": ("vision_start_token_id", "boi_token_id", "boi_token_index", "image_start_token_id"),
+               "audio": ("audio_start_token_id", "boa_token_id", "audio_bos_token_id")}
+MEDIA_END = {"image": ("vision_end_token_id", "eoi_token_id", "eoi_token_index", "image_end_token_id"),
+             "audio": ("audio_end_token_id", "eoa_token_id", "audio_eos_token_id")}
+_TOKEN_KEY = re.compile(r"(_token_id|_token_index|_token|_id)$")
+
+# (model class, config) -> index of the candidate that ran, media tokens per sample
+_CHOSEN: dict[tuple[str, int], tuple[int, dict[str, int]]] = {}
+
+
+def forward_params(model: nn.Module) -> dict[str, inspect.Parameter]:
+    return dict(inspect.signature(model.forward).parameters)
+
+
+def special_ids(config: Any) -> set[int]:
+    """Every token id the config (and its sub-configs) names: pad, bos, eos, image, audio, boi..."""
+    out: set[int] = set()
+    stack, seen = [config], set()
+    while stack:
+        c = stack.pop()
+        if id(c) in seen:
+            continue
+        seen.add(id(c))
+        for k, v in vars(c).items():
+            if hasattr(v, "to_dict") and not isinstance(v, type):
+                stack.append(v)
+            elif _TOKEN_KEY.search(k) and isinstance(v, int) and not isinstance(v, bool) and v >= 0:
+                out.add(v)
+            elif _TOKEN_KEY.search(k) and isinstance(v, (list, tuple)):
+                out.update(int(x) for x in v if isinstance(x, int) and not isinstance(x, bool) and x >= 0)
+    return out
+
+
+def _max_positions(cfg_: Any) -> int | None:
+    """The longest sequence the text side takes, or None. Negative or zero (XLNet: -1, "no limit") is none."""
+    val = cfg(cfg_, "max_position_embeddings", "n_positions", "max_target_positions", "n_ctx")
+    return int(val) if isinstance(val, int) and not isinstance(val, bool) and val > 2 else None
+
+
+def text_ids(cfg_: Any, batch: int, length: int, gen: torch.Generator, avoid: set[int]) -> torch.Tensor:
+    """Random token ids over the vocabulary, none of them a special id (pad, bos, eos, image...): no
+    masking or media merging kicks in where the ids are plain text."""
+    vocab = int(cfg(cfg_, "vocab_size", default=100))
+    max_pos = _max_positions(cfg_)
+    length = max(1, min(length, max_pos - 2)) if max_pos else length
+    low = min(3, vocab - 1)
+    ids = torch.randint(low, vocab, (batch, length), generator=gen)
+    if avoid:
+        plain = next((i for i in range(low, vocab) if i not in avoid), low)
+        ids[torch.isin(ids, torch.tensor(sorted(avoid)))] = plain
+    return ids
+
+
+def _media_token(config: Any, kind: str, key: dict[str, tuple[str, ...]]) -> int | None:
+    for c in (config, sub_config(config, "text")):
+        val = cfg(c, *key[kind])
+        if isinstance(val, int) and not isinstance(val, bool) and val >= 0:
+            return val
+    return None
+
+
+def _feature_count(model: nn.Module, kind: str, layout: Layout, batch: int) -> int | None:
+    """Media tokens per sample the model's prompt must hold for ``layout``: what its own
+    ``get_<kind>_features`` makes of it, in rows of the text width. None: no such method (the caller
+    then tries the forward alone); raises when the encoder does not run on the layout."""
+    fn = getattr(model, f"get_{kind}_features", None)
+    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    width = getattr(embed, "embedding_dim", None) or getattr(getattr(embed, "weight", None), "shape", [0, 0])[-1]
+    if fn is None or not width:
+        return None
+    accepted = inspect.signature(fn).parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())
+    # a signature hidden behind a decorator's (*args, **kwargs) takes the media and its metadata by name
+    kw = {k: v for k, v in layout.items() if k in accepted or (takes_any and (k in MODALITY or k.endswith((
+        "_thw", "_mask", "_sizes"))))}
+    with torch.no_grad():
+        out = fn(**kw)
+    feats = getattr(out, "pooler_output", None)
+    if feats is None:
+        feats = getattr(out, "last_hidden_state", None) if not isinstance(out, (torch.Tensor, list, tuple)) else out
+    if feats is None and isinstance(out, (tuple, list)):
+        feats = out[0]
+    tensors = [feats] if isinstance(feats, torch.Tensor) else [t for t in feats if isinstance(t, torch.Tensor)]
+    total = sum(t.numel() for t in tensors) // int(width)
+    if tensors and tensors[0].shape[-1] != width:
+        return None  # rows of another width (the encoder's own, before a projection): not the prompt's count
+    if total <= 0 or total % batch:
+        raise ValueError(f"{total} {kind} feature rows do not split over {batch} samples")
+    return total // batch
+
+
+@contextlib.contextmanager
+def _trial(model: nn.Module) -> Iterator[None]:
+    """Eval mode, no grad and the model's dtype as the factory default (HF mask constants), undone after."""
+    modes = {m: m.training for m in model.modules()}
+    previous = torch.get_default_dtype()
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    model.eval()
+    try:
+        if dtype in (torch.float32, torch.float64):
+            torch.set_default_dtype(dtype)
+        with torch.no_grad():
+            yield
+    finally:
+        torch.set_default_dtype(previous)
+        for m, training in modes.items():
+            m.training = training
+
+
+def _run_error(model: nn.Module, kwargs: dict[str, Any]) -> Exception | None:
+    """None when the model runs on ``kwargs``, else what it raised."""
+    try:
+        with _trial(model):
+            model(**kwargs)
+        return None
+    except MemoryError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the layout does not fit the model: the next one is tried
+        return exc
+
+
+# the check transformers models make when the prompt's media tokens and the encoder's rows differ
+_MISMATCH = re.compile(r"(image|audio|video)\w* (?:features and \w+ tokens|tokens and features) do not match.*?"
+                       r"tokens: (\d+), features:? (\d+)", re.IGNORECASE | re.DOTALL)
+
+
+def _key(model: nn.Module) -> tuple[str, int]:
+    try:
+        text = model.config.to_json_string(use_diff=False)
+    except Exception:  # noqa: BLE001 - a config that does not serialise: remember by identity
+        text = str(id(model.config))
+    return type(model).__qualname__, hash(text)
+
+
+def hf_example_inputs(model: nn.Module, batch: int = 2, seq: int = 8, seed: int = 0) -> dict[str, Any]:
+    """Random but valid inputs for a transformers model, from its config and forward signature (see the
+    module docstring): every modality it takes, in the layout it runs on."""
+    config = model.config
+    params = forward_params(model)
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    missing = [n for n, p in params.items() if p.default is inspect.Parameter.empty
+               and p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+               and n != "self" and n not in KNOWN]
+    if missing:
+        raise NormswapError(
+            f"cannot build example inputs for {type(model).__name__}: its forward requires "
+            f"{', '.join(f'`{m}`' for m in missing)}, which normswap has no rule to build; pass example_inputs="
+            "{...} with it (and the model's other inputs)")
+    if "input_features" in params:
+        # log-mel models fix their own length (Whisper: 30 s, 1500 encoder tokens per clip): a batch
+        # holds as many clips as fit in AUDIO_FRAME_BUDGET, at least one, so that analysis, probes and
+        # calibration cost about what they do for text per token
+        batch = max(1, min(batch, AUDIO_FRAME_BUDGET // media.feature_frames(config)))
+    key = _key(model)
+    chosen = _CHOSEN.get(key)
+    combos = list(_combinations(config, params, batch, seed, dtype))
+    if not combos:
+        raise NormswapError(
+            f"cannot build example inputs for {type(model).__name__} (main input "
+            f"{getattr(model, 'main_input_name', '?')!r}); pass example_inputs=(...) or a dict of kwargs")
+    if chosen is not None and chosen[0] < len(combos):
+        index, counts = chosen
+        return _finish(model, config, params, combos[index], counts, batch, seq, seed, device)
+    built, first, first_counts = None, 0, {}
+    for index, media_kw in enumerate(combos):
+        try:
+            counts = _counts(model, config, params, media_kw, batch)
+        except Exception:  # noqa: BLE001 - the encoder does not take this layout
+            continue
+        kwargs = _finish(model, config, params, media_kw, counts, batch, seq, seed, device)
+        if built is None:
+            built, first, first_counts = kwargs, index, counts
+        if len(combos) == 1 and not counts:
+            return kwargs
+        error = _run_error(model, kwargs)
+        for _ in range(3):  # no usable get_*_features: the model's own check says how many, per modality
+            fix = _MISMATCH.search(str(error)) if error is not None else None
+            if not fix or int(fix.group(3)) % batch:
+                break
+            counts = {**counts, fix.group(1).lower(): int(fix.group(3)) // batch}
+            kwargs = _finish(model, config, params, media_kw, counts, batch, seq, seed, device)
+            error = _run_error(model, kwargs)
+        if error is None:
+            _CHOSEN[key] = (index, counts)
+            return kwargs
+    if built is None:  # no layout even reached the model: the first, so the pipeline's error says why
+        built = _finish(model, config, params, combos[0], {}, batch, seq, seed, device)
+    _CHOSEN[key] = (first, first_counts)  # none ran: later calls (probe, calibration) need not try them again
+    return built
+
+
+def _combinations(config: Any, params: dict[str, Any], batch: int, seed: int, dtype: torch.dtype
+                  ) -> Iterator[Layout]:
+    """Every combination of one layout per media modality the forward takes (images, audio
+    features, raw audio, time series), in order of preference; ``{}`` for a text-only model."""
+    gen = torch.Generator().manual_seed(seed + 1)  # media draws apart from the text ids' generator
+    groups: list[list[Layout]] = []
+    if "pixel_values" in params:
+        groups.append(list(media.image_layouts(config, params, batch, gen, dtype)))
+    if "input_features" in params:
+        masks = [m for m in ("feature_attention_mask", "input_features_mask") if m in params]
+        groups.append(list(media.feature_layouts(config, batch, gen, dtype, masks)))
+    if "input_values" in params:
+        groups.append(list(media.value_layouts(config, batch, gen, dtype)))
+    if "past_values" in params:
+        groups.append(list(media.series_layouts(config, params, batch, gen, dtype)))
+    if not groups:
+        if "input_ids" in params:
+            yield {}
+        return
+    for combo in itertools.product(*groups):
+        merged: Layout = {}
+        for part in combo:
+            merged.update(part)
+        yield merged
+
+
+def _counts(model: nn.Module, config: Any, params: dict[str, Any], media_kw: Layout, batch: int) -> dict[str, int]:
+    """Media tokens per sample for each modality whose tokens the prompt must hold."""
+    counts: dict[str, int] = {}
+    if "input_ids" not in params:
+        return counts
+    samples = batch
+    for kind, present in (("image", "pixel_values" in media_kw), ("audio", "input_features" in media_kw
+                                                                    or "input_values" in media_kw)):
+        if present and _media_token(config, kind, MEDIA_TOKEN) is not None:
+            with _trial(model):
+                n = _feature_count(model, kind, media_kw, samples)
+            counts[kind] = 1 if n is None else n  # None: one token, which a legacy merge expands
+    return counts
+
+
+def _finish(model: nn.Module, config: Any, params: dict[str, Any], media_kw: Layout, counts: dict[str, int],
+            batch: int, seq: int, seed: int, device: torch.device) -> dict[str, Any]:
+    """The media layout plus text ids (with the media tokens in the prompt), decoder ids and the
+    flags the forward takes, on the model's device."""
+    gen = torch.Generator().manual_seed(seed)
+    inputs: dict[str, Any] = {}
+    avoid = special_ids(config)
+    rows = next((t.shape[0] for k, t in media_kw.items() if isinstance(t, torch.Tensor) and k in (
+        "input_features", "input_values", "past_values")), batch)
+    if "input_ids" in params:
+        tcfg = sub_config(config, "text", "encoder")
+        ids = text_ids(tcfg, rows, seq, gen, avoid)
+        types = torch.zeros_like(ids)
+        for code, kind in enumerate(("image", "audio"), start=1):
+            n = counts.get(kind)
+            token = _media_token(config, kind, MEDIA_TOKEN)
+            if not n or token is None:
+                continue
+            cut = ids.shape[1] // 2
+            start, end = _media_token(config, kind, MEDIA_START), _media_token(config, kind, MEDIA_END)
+            span = [start] * (start is not None) + [token] * n + [end] * (end is not None)
+            mid = torch.tensor(span, dtype=ids.dtype).expand(ids.shape[0], -1)
+            kinds = torch.tensor([0] * (start is not None) + [code] * n + [0] * (end is not None)).expand_as(mid)
+            ids = torch.cat([ids[:, :cut], mid, ids[:, cut:]], dim=1)
+            types = torch.cat([types[:, :cut], kinds, types[:, cut:]], dim=1)
+        inputs["input_ids"] = ids
+        if counts and "attention_mask" in params:  # merging media into the prompt reads the mask (Qwen2-Audio)
+            inputs["attention_mask"] = torch.ones_like(ids)
+        if counts and "mm_token_type_ids" in params:
+            inputs["mm_token_type_ids"] = types
+        elif counts.get("image") and "token_type_ids" in params:
+            inputs["token_type_ids"] = (types == 1).long()
+    inputs.update(media_kw)
+    if "decoder_input_ids" in params and (getattr(config, "is_encoder_decoder", False) or "input_ids" not in params):
+        dcfg = sub_config(config, "decoder")
+        dec = text_ids(dcfg, rows, seq, gen, avoid)
+        first = cfg(config, "decoder_start_token_id")
+        if isinstance(first, int) and first >= 0:
+            dec[:, 0] = first
+        inputs["decoder_input_ids"] = dec
+    if inputs and "encoder_hidden_states" in params and has_cross_attention(model):
+        # a decoder with cross-attention (BLIP's text decoder, BERT/GPT-2 with add_cross_attention): its
+        # cross-attention blocks and their norms run only when given encoder states
+        inputs["encoder_hidden_states"] = encoder_states(model, rows, max(2, seq // 2 + 1), gen)
+    if "use_cache" in params:
+        inputs["use_cache"] = False
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+
+
+def has_cross_attention(model: nn.Module) -> bool:
+    """True when a model that is not an encoder-decoder holds cross-attention blocks (they run only
+    when ``encoder_hidden_states`` are given)."""
+    if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        return False
+    return any(_CROSS_ATTENTION.search(name) for name, _ in model.named_modules())
+
+
+_CROSS_ATTENTION = re.compile(r"cross_?att|encoder_attn", re.IGNORECASE)
+
+
+def encoder_states(model: nn.Module, batch: int, length: int, gen: torch.Generator) -> torch.Tensor:
+    """Random ``encoder_hidden_states`` of the width the model's cross-attention takes."""
+    config = model.config
+    width = int(cfg(config, "encoder_hidden_size", "cross_attention_hidden_size", "hidden_size", "n_embd",
+                    "d_model"))
+    p = next((p for p in model.parameters() if p.is_floating_point()), None)
+    t = torch.randn(batch, length, width, generator=gen)
+    return t if p is None else t.to(p.device, p.dtype)
+
+
+MODALITY = {"input_ids": "text", "pixel_values": "images", "pixel_values_videos": "video", "input_features": "audio",
+            "input_values": "audio", "past_values": "time series", "decoder_input_ids": "decoder text"}
+
+
+def describe(model: nn.Module, kwargs: dict[str, Any]) -> str:
+    """One line for the report: what the built analysis inputs hold, and how they reach every tower
+    (all modalities in one run of the whole model: each tower runs on its own modality's inputs)."""
+    parts = []
+    for name, value in kwargs.items():
+        if not isinstance(value, torch.Tensor) or name not in MODALITY and not name.endswith(("_thw", "_sizes")):
+            continue
+        text = f"`{name}` {tuple(value.shape)}"
+        if name == "input_ids":
+            tokens = {kind: _media_token(model.config, kind, MEDIA_TOKEN) for kind in MEDIA_TOKEN}
+            marks = [f"{int((value[0] == tok).sum())} {kind} tokens" for kind, tok in tokens.items()
+                     if tok is not None and bool((value == tok).any())]
+            text += f" ({', '.join(marks)} per sample)" if marks else ""
+        parts.append(text)
+    kinds = sorted({MODALITY[k] for k in kwargs if k in MODALITY} - {"decoder text"})
+    how = (f"; {' + '.join(kinds)} in one run of the whole model, so each tower runs on inputs of its own modality"
+           if len(kinds) > 1 else "")
+    return "built from the config: " + ", ".join(parts) + how

@@ -1,0 +1,220 @@
+"""Images, video, audio and time series for the analysis inputs, in the layouts transformers models take.
+
+Each ``*_layouts`` function yields the layouts a model's ``forward`` may take for one modality, most
+common first, as dicts of keyword arguments: :func:`normswap.inputs.builder.hf_example_inputs` keeps the
+first with which the model runs. The sizes come from the config (``image_size``, ``patch_size``,
+``num_mel_bins``, ``context_length`` ...); nothing is read from the Hub.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+Layout = dict[str, Any]
+
+
+def cfg(config: Any, *names: str, default: Any = None) -> Any:
+    """The first of ``names`` that ``config`` sets (not None), else ``default``."""
+    for name in names:
+        val = getattr(config, name, None)
+        if val is not None:
+            return val
+    return default
+
+
+def sub_config(config: Any, *kinds: str) -> Any:
+    """``config.<kind>_config`` or ``config.<kind>`` for the first kind found, else ``config``."""
+    for kind in kinds:
+        for attr in (f"{kind}_config", kind):
+            sub = getattr(config, attr, None)
+            if sub is not None and hasattr(sub, "to_dict"):
+                return sub
+    return config
+
+
+def _int(x: Any) -> int | None:
+    if isinstance(x, (list, tuple)) and x:
+        x = x[0]
+    if isinstance(x, dict):
+        x = x.get("height", x.get("shortest_edge", next(iter(x.values()), None)))
+    return int(x) if isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0 else None
+
+
+# ------------------------------------------------------------------------------------------------ images
+def image_geometry(config: Any) -> tuple[int, int, int]:
+    """``(size, channels, patch)`` of the model's images: the vision config's ``image_size`` (else the
+    top config's, else 64: big enough for a convolutional stem that halves 5 times), channels and
+    patch size (1 where there is none)."""
+    vcfg = sub_config(config, "vision", "backbone")
+    size = _int(cfg(vcfg, "image_size", "img_size", "input_size")) or _int(cfg(config, "image_size")) or 64
+    channels = _int(cfg(vcfg, "num_channels", "in_channels", "in_chans")) or 3
+    patch = _int(cfg(vcfg, "patch_size", "spatial_patch_size")) or 1
+    return size, channels, patch
+
+
+def image_layouts(config: Any, params: Any, batch: int, gen: torch.Generator, dtype: torch.dtype
+                  ) -> Iterator[Layout]:
+    """``pixel_values`` in every layout a transformers vision model takes, one image per sample:
+    ``(B, C, H, W)``; video ``(B, T, C, H, W)`` where the config has ``num_frames``; images per sample
+    ``(B, 1, C, H, W)`` (Idefics, SmolVLM) with a ``pixel_attention_mask``; Qwen-VL's flattened patches
+    ``(B·h·w, C·t·p·p)`` with ``image_grid_thw``; each with ``image_sizes`` and ``pixel_mask`` where the
+    forward takes them."""
+    size, channels, patch = image_geometry(config)
+    vcfg = sub_config(config, "vision", "backbone")
+    frames = _int(cfg(vcfg, "num_frames", "frames"))
+
+    def pixels(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(dtype)
+
+    def extras(layout: Layout) -> Iterator[Layout]:
+        if "pixel_mask" in params:
+            layout["pixel_mask"] = torch.ones(batch, size, size, dtype=torch.long)
+        yield layout
+        if "image_sizes" in params:  # LLaVA takes it optional, LLaVA-NeXT needs it: both, in that order
+            yield {**layout, "image_sizes": torch.tensor([[size, size]] * batch)}
+
+    if frames:
+        yield from extras({"pixel_values": pixels(batch, frames, channels, size, size)})
+    yield from extras({"pixel_values": pixels(batch, channels, size, size)})
+    for tiles in dict.fromkeys((1, anyres_tiles(config, size))):
+        per_sample = {"pixel_values": pixels(batch, tiles, channels, size, size)}
+        if "pixel_attention_mask" in params:
+            per_sample["pixel_attention_mask"] = torch.ones(batch, tiles, size, size, dtype=torch.bool)
+        yield from extras(per_sample)
+    if "image_grid_thw" in params:
+        yield from extras(grid_layout(vcfg, batch, gen, dtype))
+    if "grid_thw" in params:  # a Qwen-VL style vision tower alone
+        yield grid_layout(vcfg, batch, gen, dtype, grid="grid_thw")
+
+
+def anyres_tiles(config: Any, size: int) -> int:
+    """Crops per image of an "any resolution" model (LLaVA-NeXT, LLaVA-OneVision): the base image
+    plus the tiles of the grid pinpoint an image of ``size × size`` is fitted to (the closest pinpoint
+    at least that size, else the largest), each tile one ``image_size`` square."""
+    points = cfg(config, "image_grid_pinpoints")
+    if not isinstance(points, (list, tuple)) or not points:
+        return 1
+    fits = [p for p in points if isinstance(p, (list, tuple)) and len(p) == 2 and min(p) >= size]
+    best = min(fits or points, key=lambda p: p[0] * p[1])
+    return 1 + max(1, -(-int(best[0]) // size)) * max(1, -(-int(best[1]) // size))
+
+
+def grid_layout(vcfg: Any, batch: int, gen: torch.Generator, dtype: torch.dtype, *,
+                name: str = "pixel_values", grid: str = "image_grid_thw") -> Layout:
+    """Qwen-VL style patches: each image a ``t×h×w`` grid of patches, flattened to rows of
+    ``C·temporal_patch·patch·patch`` values, with its grid in ``grid`` (``h``, ``w`` four spatial merges)."""
+    patch = _int(cfg(vcfg, "patch_size", "spatial_patch_size")) or 14
+    temporal = _int(cfg(vcfg, "temporal_patch_size")) or 1
+    merge = _int(cfg(vcfg, "spatial_merge_size", "merge_size")) or 1
+    channels = _int(cfg(vcfg, "in_channels", "num_channels", "in_chans")) or 3
+    side = 2 * merge
+    rows = batch * side * side
+    return {name: torch.randn(rows, channels * temporal * patch * patch, generator=gen).to(dtype),
+            grid: torch.tensor([[1, side, side]] * batch)}
+
+
+def video_layouts(config: Any, params: Any, batch: int, gen: torch.Generator, dtype: torch.dtype
+                  ) -> Iterator[Layout]:
+    """``pixel_values_videos`` for models that take video next to images: 2 frames per sample
+    ``(B, T, C, H, W)``, or Qwen-VL patches with ``video_grid_thw``."""
+    vcfg = sub_config(config, "vision")
+    if "video_grid_thw" in params:
+        yield grid_layout(vcfg, batch, gen, dtype, name="pixel_values_videos", grid="video_grid_thw")
+        return
+    size, channels, _ = image_geometry(config)
+    yield {"pixel_values_videos": torch.randn(batch, 2, channels, size, size, generator=gen).to(dtype)}
+
+
+# ------------------------------------------------------------------------------------------------- audio
+AUDIO_FRAME_BUDGET = 3000  # log-mel frames of 10 ms per batch: one 30-second clip
+
+
+def audio_config(config: Any) -> Any:
+    return sub_config(config, "audio", "speech", "encoder")
+
+
+def feature_frames(config: Any) -> int:
+    """How many feature frames the model takes: twice its encoder positions where it fixes them
+    (Whisper: 3000 for 1500), else 200 (2 s of 10 ms frames; a conv stem that subsamples 4-8 times
+    keeps 25-50 positions)."""
+    acfg = audio_config(config)
+    positions = _int(cfg(acfg, "max_source_positions")) or _int(cfg(config, "max_source_positions"))
+    return 2 * positions if positions else 200
+
+
+def feature_layouts(config: Any, batch: int, gen: torch.Generator, dtype: torch.dtype,
+                    masks: list[str] = ()) -> Iterator[Layout]:
+    """``input_features``: log-mel ``(B, mels, T)`` (Whisper and its kin), ``(B, T, F)`` filterbank
+    features (Speech2Text, Wav2Vec2-BERT, Conformer encoders), ``F`` being the config's feature size, or a
+    one-channel spectrogram ``(B, 1, T, mels)`` (CLAP). Each of ``masks`` (``feature_attention_mask``,
+    ``input_features_mask``) comes along as ones over the frames."""
+    acfg = audio_config(config)
+    frames = feature_frames(config)
+    mels = _int(cfg(acfg, "num_mel_bins", "n_mels", "feature_size", "input_feat_size")) or \
+        _int(cfg(config, "num_mel_bins", "feature_size")) or 80
+    width = mels * (_int(cfg(acfg, "input_channels")) or 1)
+    feats = _int(cfg(acfg, "feature_size", "input_feat_per_channel", "input_dim", "num_mel_bins")) or mels
+    feats *= _int(cfg(acfg, "input_channels")) or 1
+    def with_masks(features: torch.Tensor, time_axis: int) -> Layout:
+        mask = torch.ones(batch, features.shape[time_axis], dtype=torch.long)
+        return {"input_features": features, **{m: mask for m in masks}}
+
+    yield with_masks(torch.randn(batch, width, frames, generator=gen).to(dtype), -1)
+    yield with_masks(torch.randn(batch, min(frames, 200), feats, generator=gen).to(dtype), 1)
+    # one-channel spectrogram images (B, 1, T, mels): CLAP's audio tower
+    yield with_masks(torch.randn(batch, 1, min(frames, 1024), mels, generator=gen).to(dtype), 2)
+
+
+def value_layouts(config: Any, batch: int, gen: torch.Generator, dtype: torch.dtype) -> Iterator[Layout]:
+    """``input_values``: raw mono audio ``(B, samples)`` (Wav2Vec2, HuBERT), one channel
+    ``(B, 1, samples)`` (audio codecs: EnCodec, DAC, Mimi), or spectrogram patches ``(B, T, mels)``
+    (Audio Spectrogram Transformer)."""
+    acfg = audio_config(config)
+    yield {"input_values": torch.randn(batch, 4000, generator=gen).to(dtype)}
+    channels = _int(cfg(acfg, "audio_channels", "channels")) or 1
+    hop = _int(cfg(acfg, "hop_length", "frame_size")) or 320
+    yield {"input_values": torch.randn(batch, channels, 16 * hop, generator=gen).to(dtype)}
+    mels = _int(cfg(acfg, "num_mel_bins", "feature_size")) or 128
+    length = _int(cfg(acfg, "max_length")) or 100
+    yield {"input_values": torch.randn(batch, length, mels, generator=gen).to(dtype)}
+
+
+# ------------------------------------------------------------------------------------------- time series
+def series_layouts(config: Any, params: Any, batch: int, gen: torch.Generator, dtype: torch.dtype
+                   ) -> Iterator[Layout]:
+    """``past_values`` and the inputs that come with it: ``past_time_features``,
+    ``past_observed_mask``, the future window (``future_values``, ``future_time_features``: a
+    forecaster's decoder runs only on them) and static features, at the config's context, lag and
+    prediction lengths and channel count. Univariate series ``(B, L)`` and multivariate ``(B, L, C)``."""
+    context = _int(cfg(config, "context_length", "input_size_length", "sequence_length")) or 32
+    lags = cfg(config, "lags_sequence")
+    length = context + (max(lags) if isinstance(lags, (list, tuple)) and lags else 0)
+    future = _int(cfg(config, "prediction_length", "horizon_length")) or 8
+    channels = _int(cfg(config, "input_size", "num_input_channels", "num_channels", "enc_in")) or 1
+    time_feats = _int(cfg(config, "num_time_features")) or 0
+
+    def series(n: int, shape_tail: tuple[int, ...]) -> torch.Tensor:
+        return torch.randn(batch, n, *shape_tail, generator=gen).to(dtype)
+
+    tails = [(channels,)] if channels > 1 else [(), (1,)]
+    for tail in tails:
+        layout: Layout = {"past_values": series(length, tail)}
+        if "past_observed_mask" in params:
+            layout["past_observed_mask"] = torch.ones_like(layout["past_values"])
+        if "past_time_features" in params:
+            layout["past_time_features"] = series(length, (time_feats,))
+        if "future_values" in params and "future_time_features" in params:  # seq2seq forecasters
+            layout["future_values"] = series(future, tail)
+            layout["future_time_features"] = series(future, (time_feats,))
+        cats = _int(cfg(config, "num_static_categorical_features")) or 0
+        if cats and "static_categorical_features" in params:
+            card = cfg(config, "cardinality") or [2] * cats
+            layout["static_categorical_features"] = torch.stack(
+                [torch.randint(0, max(1, int(c)), (batch,), generator=gen) for c in card[:cats]], dim=1)
+        reals = _int(cfg(config, "num_static_real_features")) or 0
+        if reals and "static_real_features" in params:
+            layout["static_real_features"] = torch.randn(batch, reals, generator=gen).to(dtype)
+        yield layout
