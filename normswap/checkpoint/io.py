@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from normswap import interrupts
 from normswap.errors import DiskFull, NormswapError
 from normswap.memory import available_memory, human  # noqa: F401 - re-exported: io.human, io.available_memory
 
@@ -284,10 +285,12 @@ def atomic_directory(out: Path, *, overwrite: bool, needed: int | None = None) -
     """Yield a fresh temporary directory beside ``out``; on success rename it to ``out``.
 
     On any exception (including KeyboardInterrupt) the temporary directory is removed and ``out``
-    is left exactly as it was. With ``overwrite`` an existing ``out`` is moved aside, replaced,
-    and deleted only after the new directory is in place. Every file written gets one mode
-    (:func:`set_modes`). When ``out`` is a mount point (which no rename can replace) the temporary
-    directory is made inside it and its entries are moved into ``out`` one by one at the end.
+    is left exactly as it was. An interrupt during the final rename is held until it is done
+    (:func:`normswap.interrupts.deferred`), then raised with the output recorded as complete. With
+    ``overwrite`` an existing ``out`` is moved aside, replaced, and deleted only after the new
+    directory is in place. Every file written gets one mode (:func:`set_modes`). When ``out`` is a
+    mount point (which no rename can replace) the temporary directory is made inside it and its
+    entries are moved into ``out`` one by one at the end.
     """
     out = Path(out).expanduser()
     into_mount = _into_mount(out)
@@ -317,16 +320,28 @@ def atomic_directory(out: Path, *, overwrite: bool, needed: int | None = None) -
     try:
         yield tmp
         set_modes(tmp)
-        if into_mount:
-            _move_entries_into(tmp, out, overwrite=overwrite)
-        else:
-            _move_into_place(tmp, out, overwrite=overwrite)
     except OSError as exc:
         cleanup(tmp)
         raise os_error(exc, out, needed=needed) from exc
     except BaseException:
         cleanup(tmp)
         raise
+    # the commit: Ctrl-C / SIGTERM are held across it, so it happens whole or not at all; one that
+    # arrived meanwhile is raised when the block ends, after the output is recorded as complete (the
+    # command line then says it was written). Nothing after the commit may remove anything.
+    with interrupts.deferred():
+        try:
+            if into_mount:
+                _move_entries_into(tmp, out, overwrite=overwrite)
+            else:
+                _move_into_place(tmp, out, overwrite=overwrite)
+        except OSError as exc:
+            cleanup(tmp)
+            raise os_error(exc, out, needed=needed) from exc
+        except BaseException:
+            cleanup(tmp)
+            raise
+        interrupts.committed(out)
 
 
 def _move_into_place(tmp: Path, out: Path, *, overwrite: bool) -> None:
