@@ -78,7 +78,8 @@ def _dangerous(out: Path) -> str | None:
 def check_destination(out: str | os.PathLike, *, overwrite: bool, source: Path | None = None) -> Path:
     """Refuse destinations we must not write: non-empty without ``overwrite``, the source itself,
     a parent of the working directory, a file, or a place we cannot write (a read-only filesystem
-    is named as such). Nothing is created."""
+    is named as such; any other place is probed by creating and removing a directory there, the one
+    thing this leaves no trace of)."""
     out = Path(out).expanduser()
     if out.exists() and not out.is_dir():
         raise NormswapError(f"--out {out} exists and is not a directory; choose another path")
@@ -107,7 +108,26 @@ def check_destination(out: str | os.PathLike, *, overwrite: bool, source: Path |
             raise NormswapError(f"cannot write --out {out}: {what}; choose a --out on a writable filesystem")
     if not os.access(where, os.W_OK | os.X_OK):
         raise NormswapError(f"cannot write to {where} (permission denied); choose a writable --out")
+    _probe(out, where)
     return out
+
+
+def _probe(out: Path, where: Path) -> None:
+    """Create and remove at once the kind of directory the output is first written into, so that a place
+    no permission bit or mount flag tells about (``/proc``, a FUSE mount that refuses writes, a root
+    process on a read-only bind) is refused now, with the system's own reason, not after the work (where
+    ``/proc``'s 0 bytes free read as a full disk)."""
+    with interrupts.deferred():  # an interrupt in between would leave the probe behind
+        try:
+            probe = tempfile.mkdtemp(prefix=f".{out.name}{TMP_MARK}{_owner()}-probe-", dir=where)
+        except OSError as exc:
+            if exc.errno == errno.EROFS:
+                raise NormswapError(f"cannot write --out {out}: its filesystem is mounted read-only; choose a "
+                                    "--out on a writable filesystem") from exc
+            raise NormswapError(f"cannot write --out {out}: a directory cannot be created in {where} "
+                                f"({exc.strerror or exc}); choose a writable --out") from exc
+        with contextlib.suppress(OSError):
+            os.rmdir(probe)
 
 
 def _existing_parent(out: Path) -> Path:

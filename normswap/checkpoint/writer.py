@@ -236,22 +236,36 @@ def write_native(
     model.save_pretrained(out, max_shard_size=max_shard_size, state_dict=dict(state))  # it pops keys
     make_native_config(model, out, manifest)
     if readback:
-        check_loads_back(out, state, manifest["architecture"])
+        check_loads_back(out, model, state, manifest["architecture"])
     return manifest
 
 
-def check_loads_back(out: Path, state: dict[str, torch.Tensor], architecture: str) -> None:
+def check_loads_back(out: Path, model: nn.Module, state: dict[str, torch.Tensor], architecture: str) -> None:
     """What loading ``out`` needs, checked without building the model: the config names a transformers
-    class, and the files hold the state dict of the model it rebuilds (every name, dtype, shape and
-    byte; ties aside). ``normswap convert`` checks more (a full reload and its outputs); this is
-    ``normswap.save``'s check, at the cost of reading the files back once."""
+    class, and the files hold ``state``, the state dict of ``model`` that loading rebuilds (every name,
+    as transformers renames it on load, dtype, shape and byte; ties aside). ``normswap convert`` checks
+    more (a full reload and its outputs); this is ``normswap.save``'s check, at the cost of reading the
+    files back once."""
     import transformers
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
 
     if getattr(transformers, architecture, None) is None:
         raise NormswapError(f"normswap.save: the checkpoint would name model class {architecture!r}, which "
                             "transformers does not have; nothing was written. Save the model itself, not a wrapper "
                             "around it")
-    stream_io.check_written(out, state, what=f"normswap.save: the {architecture} checkpoint")
+    mapping = get_model_conversion_mapping(model)
+    renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
+    converters = [m for m in mapping if isinstance(m, WeightConverter)]
+    prefix = getattr(model, "base_model_prefix", "") or ""
+
+    def as_loaded(key: str) -> str | None:  # the file's name as from_pretrained names it (as rewrite.KeyMap does)
+        new, pattern = rename_source_key(key, renamings, converters, prefix, state)
+        if new not in state and key in state:
+            new, pattern = key, None
+        return None if pattern is not None else new
+
+    stream_io.check_written(out, state, what=f"normswap.save: the {architecture} checkpoint", rename=as_loaded)
 
 
 def make_native_config(model: nn.Module, out: Path, manifest: dict[str, Any]) -> None:
@@ -545,7 +559,7 @@ def write_compat(
     stock.save_pretrained(out, max_shard_size=max_shard_size, state_dict=dict(state))  # it pops keys
     add_manifest(out, manifest)
     if readback:
-        check_loads_back(out, state, type(stock).__name__)
+        check_loads_back(out, stock, state, type(stock).__name__)
     return manifest
 
 
