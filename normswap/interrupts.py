@@ -73,6 +73,13 @@ def sentence(exc: BaseException | None = None) -> str:
     return "interrupted; nothing was written"
 
 
+def report(exc: BaseException | None = None) -> str:
+    """:func:`sentence`, for the command line to print once: a signal during the interpreter's shutdown
+    after it (which can take seconds) exits 130 at once without a second, less informed line."""
+    _state.reported = True
+    return sentence(exc)
+
+
 # ------------------------------------------------------------------------------------ commits
 def _in_main_thread() -> bool:
     return threading.current_thread() is threading.main_thread()
@@ -109,6 +116,7 @@ class _State:
     running = False  # a command's body is running: raise KeyboardInterrupt (once) to unwind it
     raised = 0  # the signal raised as KeyboardInterrupt while running (0: none)
     resending = False  # a signal that arrived inside a finaliser is on its way again
+    reported = False  # the interrupted line was printed (:func:`report`)
 
 
 _state = _State()
@@ -144,9 +152,10 @@ def _exit_now(exc: BaseException | None = None) -> None:
     """No command to unwind: say what is on disk, exit 130 (``os._exit``: nothing left can swallow it)."""
     with contextlib.suppress(Exception):
         sys.stdout.flush()
-    with contextlib.suppress(Exception):
-        sys.stderr.write(f"error: {sentence(exc)}\n")
-        sys.stderr.flush()
+    if not _state.reported:
+        with contextlib.suppress(Exception):
+            sys.stderr.write(f"error: {sentence(exc)}\n")
+            sys.stderr.flush()
     os._exit(EXIT_INTERRUPTED)
 
 
@@ -190,7 +199,8 @@ def command() -> Iterator[None]:
     program calling the command), the handlers are set for the block only and restored after."""
     temporary = not _state.installed and _in_main_thread()
     previous = {s: signal.signal(s, _handler) for s in SIGNALS} if temporary else {}
-    _state.running, _state.raised = True, 0
+    _state.running, _state.raised, _state.reported = True, 0, False
+    _committed.clear()  # what this command writes (click's test runner runs many in one process)
     try:
         yield
     finally:

@@ -52,12 +52,27 @@ def _check(out: Path, rc: int, stderr: str) -> str:
     return "written"
 
 
+def _handler_installed(pid: int) -> bool:
+    """Whether process ``pid`` catches SIGTERM yet: normswap's handler, installed with the SIGINT one
+    before the command line is parsed (Python itself starts first, ~0.1 s, with its own handling)."""
+    status = Path(f"/proc/{pid}/status")
+    if not status.is_file():
+        time.sleep(1.0)
+        return True
+    caught = next((ln.split()[1] for ln in status.read_text().splitlines() if ln.startswith("SigCgt:")), "0")
+    return bool(int(caught, 16) >> (signal.SIGTERM - 1) & 1)
+
+
 def _interrupt(out: Path, when: float | str, sig: int = signal.SIGINT, model: str = "tiny-gpt2") -> str:
-    """Run ``convert MODEL --out OUT`` and send ``sig`` after ``when`` seconds, or when its temporary
-    directory appears (``"tmp"``), or when OUT appears (``"out"``: the rename into place just happened)."""
+    """Run ``convert MODEL --out OUT`` and send ``sig`` once normswap's handler is installed and then
+    ``when`` seconds later, or when its temporary directory appears (``"tmp"``), or when OUT appears
+    (``"out"``: the rename into place just happened)."""
     p = subprocess.Popen([sys.executable, "-m", "normswap", "convert", model, "--out", str(out), "-q"],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=out.parent)
     deadline = time.monotonic() + 240
+    while p.poll() is None and not _handler_installed(p.pid):
+        assert time.monotonic() < deadline
+        time.sleep(0.002)
     if when == "tmp":
         while p.poll() is None and not any(out.parent.glob(f".{out.name}{io.TMP_MARK}*")):
             assert time.monotonic() < deadline
@@ -79,10 +94,10 @@ def _interrupt(out: Path, when: float | str, sig: int = signal.SIGINT, model: st
 
 @pytest.mark.slow
 def test_convert_interrupted_at_a_spread_of_moments(tmp_path):
-    # from 0.4 s: before that Python itself is still starting (site imports), before any normswap code
-    # runs; then imports, loading, analysis and verification, the temporary directory being written,
-    # and the moment the rename into place is seen
-    moments: list[float | str] = [0.4, 1.5, 4.0, 8.0, "tmp", "out"]
+    # from the moment normswap's handler is installed (before that, Python itself is still starting):
+    # at once (imports, argument parsing), then during loading, analysis and verification, while the
+    # temporary directory is written, and the moment the rename into place is seen
+    moments: list[float | str] = [0.0, 1.5, 4.0, 8.0, "tmp", "out"]
     seen = [_interrupt(tmp_path / f"out{i}", when) for i, when in enumerate(moments)]
     assert seen[0] == "nothing" and seen[-2] == "nothing", seen
     assert seen[-1] in ("written", "finished"), seen
@@ -94,8 +109,9 @@ def test_convert_interrupted_at_a_spread_of_moments(tmp_path):
 
 
 def test_sigterm_and_an_early_interrupt_exit_130_with_one_line(tmp_path):
-    assert _interrupt(tmp_path / "a", 0.3, signal.SIGTERM) == "nothing"
-    assert _interrupt(tmp_path / "b", 1.0, signal.SIGINT) == "nothing"
+    assert _interrupt(tmp_path / "a", 0.0, signal.SIGTERM) == "nothing"
+    assert _interrupt(tmp_path / "b", 0.05, signal.SIGINT) == "nothing"
+    assert _interrupt(tmp_path / "c", 1.0, signal.SIGTERM) == "nothing"
 
 
 _SCRIPT = """
@@ -189,3 +205,31 @@ def test_a_fine_tune_says_which_checkpoint_to_resume_from(tmp_path):
     said = on_disk(out)
     assert said == (f"checkpoints to resume from: {out / 'checkpoints' / 'step-000010'} "
                     "(resume with checkpoint.resume=true)"), said
+
+
+@pytest.mark.slow
+def test_an_interrupted_fine_tune_names_the_checkpoint_it_can_resume_from(tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(f"the fox {i % 7} jumps over the dog {i % 5} by the river" for i in range(400)) + "\n")
+    run = tmp_path / "run"
+    p = subprocess.Popen([sys.executable, "-m", "normswap", "finetune", "distill-causal-lm", "model.source=tiny-gpt2",
+                          f"data.path={corpus}", "train.steps=100000", "checkpoint.every=2", "log.plot=false",
+                          "log.progress_bar=false", "data.max_documents=200", "data.batch_size=4",
+                          f"output.dir={run}"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=tmp_path)
+    deadline = time.monotonic() + 300
+    while p.poll() is None and not list(run.glob("checkpoints/step-*/trainer_state.json")):
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    assert p.poll() is None, p.communicate()[1][-2000:]
+    time.sleep(0.3)  # into the training loop again, possibly while the next checkpoint is saved
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=300)
+    assert p.returncode == 130, err[-2000:]
+    assert "Traceback" not in err and "Exception ignored" not in err, err[-2000:]
+    last = err.strip().splitlines()[-1]
+    prefix = "error: interrupted; checkpoints to resume from: "
+    assert last.startswith(prefix) and last.endswith(" (resume with checkpoint.resume=true)"), last
+    named = Path(last[len(prefix):].split(" (resume")[0])
+    complete = sorted(run.glob("checkpoints/step-*/trainer_state.json"))
+    assert named == complete[-1].parent, (named, complete)  # the newest complete one

@@ -131,7 +131,7 @@ def handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
         except NormswapError as exc:
             fail(str(exc), int(getattr(exc, "exit_code", EXIT_ERROR)))
         except (KeyboardInterrupt, click.exceptions.Abort) as exc:
-            fail(interrupts.sentence(exc), EXIT_INTERRUPTED)
+            fail(interrupts.report(exc), EXIT_INTERRUPTED)
         except (click.exceptions.Exit, click.ClickException, SystemExit):
             raise
         except MemoryError:
