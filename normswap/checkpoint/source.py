@@ -444,7 +444,9 @@ def load_model(
     """Load the source model (eval mode) and its tokenizer/processor (or ``None``).
 
     Every parameter must come from the checkpoint (see :func:`check_loading_info`); with
-    ``allow_new_head`` a task head missing from it is initialised and listed in ``src.new_head``.
+    ``allow_new_head`` a task head missing from it is initialised and listed in ``src.new_head``. A
+    ``config.json`` that does not fit the weights is refused first (:func:`check_config_fits`), for
+    ``inspect`` and ``verify`` as for ``convert``.
     """
     want = torch_dtype(dtype)
     if src.kind == "preset":
@@ -457,6 +459,7 @@ def load_model(
     from transformers import AutoConfig
 
     assert src.path is not None
+    check_config_fits(src, task, trust_remote_code=trust_remote_code)  # before the claimed model is built
     try:
         config = AutoConfig.from_pretrained(
             src.path, trust_remote_code=trust_remote_code, local_files_only=True

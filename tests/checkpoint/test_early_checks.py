@@ -104,3 +104,15 @@ def test_a_place_that_refuses_a_directory_is_refused_whatever_the_permission_bit
 def test_the_probe_leaves_nothing_behind(tmp_path):
     io.check_destination(tmp_path / "a" / "b", overwrite=False)
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("command", ["inspect", "verify"])
+def test_inspect_and_verify_check_the_config_before_loading(gpt2_src, tmp_path, command):
+    # a small wrong claim, so that a missing early check shows as the loader's own message
+    # ("tensor shape(s) do not match the config") instead of building a huge model
+    import normswap
+
+    converted = normswap.convert(gpt2_src, tmp_path / "converted", verify=False).output if command == "verify" else ""
+    src = _with_config(gpt2_src, tmp_path, n_embd=128)
+    line = _refused(["inspect", str(src)] if command == "inspect" else ["verify", str(src), converted])
+    assert "config.json does not match the weights: `transformer.wte.weight` is [320, 64]" in line, line
