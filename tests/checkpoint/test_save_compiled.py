@@ -125,3 +125,15 @@ def test_a_checkpoint_whose_files_differ_from_the_model_is_not_written(tmp_path,
     with pytest.raises(NormswapError, match=r"would not load back equal \(the files hold `_orig_mod.extra`"):
         normswap.save(model, tmp_path / "out")
     assert not list(tmp_path.iterdir())
+
+
+def test_a_model_inside_data_parallel_is_saved_as_the_model(tmp_path):
+    model = _gpt2()
+    normswap.patch(model)
+    wrapped = torch.nn.DataParallel(model)  # on a CPU-only machine it just holds the model as `module`
+    assert next(iter(wrapped.state_dict())).startswith("module.")
+    out = normswap.save(wrapped, tmp_path / "out")
+    assert not [k for k in _keys(out) if k.startswith("module.")]
+    ids = torch.randint(0, 99, (1, 9))
+    with torch.no_grad():
+        assert torch.equal(normswap.load(out)(ids).logits, model(ids).logits)
