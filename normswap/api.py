@@ -44,6 +44,9 @@ def patch(model: nn.Module, example_inputs: inputs.ExampleInputs = None, *,
         model: a transformers model, a sentence-transformers model (its transformers model is
             converted in place, with its tokenizer), a ``torch.compile``'d module (the module inside
             is converted; the compiled object recompiles on its next call), or any ``nn.Module``.
+            A model built under ``torch.inference_mode()`` works too: its inference tensors, which
+            cannot be edited outside that mode, are first replaced by ordinary copies (same values,
+            ties kept); ``patch`` itself is called outside such a block.
         example_inputs: inputs for the analysis run (built automatically for transformers models).
         options: a :class:`~normswap.ConvertOptions` (mode, fold_gamma, untie, per_norm_centering,
             mean_carry, calibration, sequential, tokenizer, verify, allow_unusable, backend; see its

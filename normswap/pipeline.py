@@ -93,10 +93,15 @@ def refuse_torchscript(model: object) -> None:
 
 
 def preflight(model: nn.Module) -> None:
-    """Refuse models normswap cannot edit, before touching anything."""
+    """Refuse models normswap cannot edit, before touching anything (a model built under
+    ``torch.inference_mode()`` is first given ordinary tensors: :func:`release_inference_tensors`)."""
     if not isinstance(model, nn.Module):
         raise NormswapError(f"expected a torch.nn.Module, got {type(model).__name__}")
     refuse_torchscript(model)
+    if torch.is_inference_mode_enabled():
+        raise NormswapError("normswap edits the model's weights, which torch.inference_mode() forbids: call it "
+                            "outside the `with torch.inference_mode():` block (a model built inside one is fine)")
+    release_inference_tensors(model)
     for name, p in model.named_parameters():
         if p.is_meta:
             raise NormswapError(
@@ -120,6 +125,31 @@ def preflight(model: nn.Module) -> None:
     for name, p in model.named_parameters():
         if not all_finite(p):
             raise NormswapError(f"parameter `{name}` contains NaN or inf values; fix the checkpoint first")
+
+
+def release_inference_tensors(model: nn.Module) -> list[str]:
+    """Give a model built under ``torch.inference_mode()`` ordinary tensors; returns the names replaced.
+
+    Its parameters and buffers are then inference tensors, which outside that mode can be neither
+    written in place nor tracked (no version counter: "Inference tensors do not track version
+    counter"), and the conversion does both: it proves the user's weights untouched until the commit,
+    then writes them. Each is replaced by an ordinary copy with the same values, one copy per tensor
+    object (a tie stays a tie); a no-op for any other model.
+    """
+    found = [(mod, kind, name, t) for mod in model.modules(remove_duplicate=False)
+             for kind in ("_parameters", "_buffers") for name, t in getattr(mod, kind).items()
+             if t is not None and t.is_inference()]
+    if not found:
+        return []
+    copies: dict[int, torch.Tensor] = {}
+    with torch.inference_mode(False):
+        for mod, kind, name, t in found:
+            if id(t) not in copies:
+                copy = t.detach().clone()
+                copies[id(t)] = nn.Parameter(copy, requires_grad=t.requires_grad) if kind == "_parameters" else copy
+            getattr(mod, kind)[name] = copies[id(t)]
+    replaced = {id(c) for c in copies.values()}
+    return [n for n, t in [*model.named_parameters(), *model.named_buffers()] if id(t) in replaced]
 
 
 def all_finite(t: torch.Tensor) -> bool:

@@ -489,6 +489,7 @@ def convert(
     src = source.resolve(str(model_id_or_path), allow_pickle=allow_pickle, trust_remote_code=trust_remote_code,
                          revision=revision)
     out = io.check_destination(out_dir, overwrite=overwrite, source=src.path)
+    source.check_config_fits(src, task, trust_remote_code=trust_remote_code)  # before anything is built
     st = _Conversion(src, out, opts, fmt=format, dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite,
                      task=task, trust_remote_code=trust_remote_code, allow_new_head=allow_new_head,
                      calibration_data=calibration_data, say=say)

@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from normswap import interrupts
 from normswap.errors import DiskFull, NormswapError
 from normswap.memory import available_memory, human  # noqa: F401 - re-exported: io.human, io.available_memory
 
@@ -77,7 +78,8 @@ def _dangerous(out: Path) -> str | None:
 def check_destination(out: str | os.PathLike, *, overwrite: bool, source: Path | None = None) -> Path:
     """Refuse destinations we must not write: non-empty without ``overwrite``, the source itself,
     a parent of the working directory, a file, or a place we cannot write (a read-only filesystem
-    is named as such). Nothing is created."""
+    is named as such; any other place is probed by creating and removing a directory there, the one
+    thing this leaves no trace of)."""
     out = Path(out).expanduser()
     if out.exists() and not out.is_dir():
         raise NormswapError(f"--out {out} exists and is not a directory; choose another path")
@@ -106,7 +108,26 @@ def check_destination(out: str | os.PathLike, *, overwrite: bool, source: Path |
             raise NormswapError(f"cannot write --out {out}: {what}; choose a --out on a writable filesystem")
     if not os.access(where, os.W_OK | os.X_OK):
         raise NormswapError(f"cannot write to {where} (permission denied); choose a writable --out")
+    _probe(out, where)
     return out
+
+
+def _probe(out: Path, where: Path) -> None:
+    """Create and remove at once the kind of directory the output is first written into, so that a place
+    no permission bit or mount flag tells about (``/proc``, a FUSE mount that refuses writes, a root
+    process on a read-only bind) is refused now, with the system's own reason, not after the work (where
+    ``/proc``'s 0 bytes free read as a full disk)."""
+    with interrupts.deferred():  # an interrupt in between would leave the probe behind
+        try:
+            probe = tempfile.mkdtemp(prefix=f".{out.name}{TMP_MARK}{_owner()}-probe-", dir=where)
+        except OSError as exc:
+            if exc.errno == errno.EROFS:
+                raise NormswapError(f"cannot write --out {out}: its filesystem is mounted read-only; choose a "
+                                    "--out on a writable filesystem") from exc
+            raise NormswapError(f"cannot write --out {out}: a directory cannot be created in {where} "
+                                f"({exc.strerror or exc}); choose a writable --out") from exc
+        with contextlib.suppress(OSError):
+            os.rmdir(probe)
 
 
 def _existing_parent(out: Path) -> Path:
@@ -284,10 +305,12 @@ def atomic_directory(out: Path, *, overwrite: bool, needed: int | None = None) -
     """Yield a fresh temporary directory beside ``out``; on success rename it to ``out``.
 
     On any exception (including KeyboardInterrupt) the temporary directory is removed and ``out``
-    is left exactly as it was. With ``overwrite`` an existing ``out`` is moved aside, replaced,
-    and deleted only after the new directory is in place. Every file written gets one mode
-    (:func:`set_modes`). When ``out`` is a mount point (which no rename can replace) the temporary
-    directory is made inside it and its entries are moved into ``out`` one by one at the end.
+    is left exactly as it was. An interrupt during the final rename is held until it is done
+    (:func:`normswap.interrupts.deferred`), then raised with the output recorded as complete. With
+    ``overwrite`` an existing ``out`` is moved aside, replaced, and deleted only after the new
+    directory is in place. Every file written gets one mode (:func:`set_modes`). When ``out`` is a
+    mount point (which no rename can replace) the temporary directory is made inside it and its
+    entries are moved into ``out`` one by one at the end.
     """
     out = Path(out).expanduser()
     into_mount = _into_mount(out)
@@ -317,16 +340,28 @@ def atomic_directory(out: Path, *, overwrite: bool, needed: int | None = None) -
     try:
         yield tmp
         set_modes(tmp)
-        if into_mount:
-            _move_entries_into(tmp, out, overwrite=overwrite)
-        else:
-            _move_into_place(tmp, out, overwrite=overwrite)
     except OSError as exc:
         cleanup(tmp)
         raise os_error(exc, out, needed=needed) from exc
     except BaseException:
         cleanup(tmp)
         raise
+    # the commit: Ctrl-C / SIGTERM are held across it, so it happens whole or not at all; one that
+    # arrived meanwhile is raised when the block ends, after the output is recorded as complete (the
+    # command line then says it was written). Nothing after the commit may remove anything.
+    with interrupts.deferred():
+        try:
+            if into_mount:
+                _move_entries_into(tmp, out, overwrite=overwrite)
+            else:
+                _move_into_place(tmp, out, overwrite=overwrite)
+        except OSError as exc:
+            cleanup(tmp)
+            raise os_error(exc, out, needed=needed) from exc
+        except BaseException:
+            cleanup(tmp)
+            raise
+        interrupts.committed(out)
 
 
 def _move_into_place(tmp: Path, out: Path, *, overwrite: bool) -> None:

@@ -82,10 +82,6 @@ def read_manifest(path: Path) -> dict[str, Any]:
     return manifest
 
 
-def _unwrap(model: nn.Module) -> nn.Module:
-    return model._orig_mod if wrappers.is_compiled(model) else model  # torch.compile: the module inside
-
-
 def class_name(model: nn.Module) -> str:
     cls = type(model)
     return f"{cls.__module__}.{cls.__qualname__}"
@@ -144,7 +140,7 @@ def save_module(
     ``normswap.patch`` has not converted: a directory with an empty plan would look like a conversion
     and hold none (save plain weights with ``safetensors.torch.save_model`` instead).
     """
-    model = _unwrap(model)
+    model = wrappers.held_module(model)  # torch.compile / DDP: the module inside
     plan = plan_of(model)
     if not isinstance(plan, Plan):
         raise NormswapError(
@@ -174,6 +170,7 @@ def save_module(
     needed = io.check_space(out, sum(stream_io.nbytes(dtype, shape) for _, dtype, shape, _ in layout))
     with io.atomic_directory(out, overwrite=overwrite, needed=needed) as tmp:
         stream_io.write_shards(layout, tmp, limit, progress=False)
+        stream_io.check_written(tmp, model.state_dict(), what=f"normswap.save: the {type(model).__name__} checkpoint")
         io.write_json(tmp / MANIFEST_FILE, manifest)
         (tmp / "README.md").write_text(model_card(manifest, out.name))
         if tokenizer is not None:
@@ -245,7 +242,7 @@ def load_into(model: nn.Module, path: str | os.PathLike) -> nn.Module:
     and load the saved weights strictly; returns ``model`` in eval mode. See :func:`normswap.load`."""
     path = Path(path).expanduser()
     manifest = read_manifest(path)
-    target = _unwrap(model)
+    target = wrappers.held_module(model)
     if plan_of(target) is not None:
         raise NormswapError(f"{type(target).__name__} is already converted by normswap; pass a freshly built "
                             "instance of its class")

@@ -444,7 +444,9 @@ def load_model(
     """Load the source model (eval mode) and its tokenizer/processor (or ``None``).
 
     Every parameter must come from the checkpoint (see :func:`check_loading_info`); with
-    ``allow_new_head`` a task head missing from it is initialised and listed in ``src.new_head``.
+    ``allow_new_head`` a task head missing from it is initialised and listed in ``src.new_head``. A
+    ``config.json`` that does not fit the weights is refused first (:func:`check_config_fits`), for
+    ``inspect`` and ``verify`` as for ``convert``.
     """
     want = torch_dtype(dtype)
     if src.kind == "preset":
@@ -457,6 +459,7 @@ def load_model(
     from transformers import AutoConfig
 
     assert src.path is not None
+    check_config_fits(src, task, trust_remote_code=trust_remote_code)  # before the claimed model is built
     try:
         config = AutoConfig.from_pretrained(
             src.path, trust_remote_code=trust_remote_code, local_files_only=True
@@ -508,6 +511,86 @@ def load_model(
     )
     model.eval()
     return model, load_processor(src.path, trust_remote_code=trust_remote_code)
+
+
+# ------------------------------------------------------------------------------------ config vs weights
+CHECK_DEPTH = 2  # layers per stack of the meta copy the early shape check builds
+
+
+def _layer_stacks(cls: type, config: Any) -> dict[str, int]:
+    """``{stack path: layers the config claims}`` for every layer stack of ``cls(config)``, found on
+    meta copies at depth :data:`CHECK_DEPTH` with one layer count raised by one at a time (which stack
+    grows tells which count it follows: an encoder-decoder has two)."""
+    from normswap.checkpoint import proxy
+
+    counts = proxy.layer_attrs(config)
+    base = proxy.reduced_config(config, CHECK_DEPTH)
+    with torch.device("meta"):
+        before = proxy.stacks_of(cls(copy.deepcopy(base)))
+    stacks: dict[str, int] = {}
+    for attr, n in counts.items():
+        if n <= CHECK_DEPTH:
+            continue
+        grown = copy.deepcopy(base)
+        try:
+            setattr(grown, attr, CHECK_DEPTH + 1)
+            with torch.device("meta"):
+                after = proxy.stacks_of(cls(grown))
+        except Exception:  # noqa: BLE001 - per-layer lists this count must match: leave its depth to the loader
+            continue
+        stacks.update({path: n for path, k in after.items() if before.get(path) == CHECK_DEPTH and k > CHECK_DEPTH})
+    return stacks
+
+
+def check_config_fits(src: Source, task: str | None = None, *, trust_remote_code: bool = False) -> None:
+    """Refuse, before anything is built or loaded, a checkpoint whose ``config.json`` does not fit its
+    weights (a config of another model size beside them): the config's model is built on the meta device
+    at two layers per stack (no memory, well under a second at any claimed size) and its tensor shapes
+    compared with the safetensors headers (no tensor read), and every layer stack's last layer the config
+    claims must be in the files. Otherwise the in-memory path built the whole claimed model first (a
+    GPT-3-sized config: an allocator error) and ``--low-memory`` sized its proxies by it. Whatever this
+    cannot judge (a class it cannot build, names transformers renames on load) is left to the loader's
+    own check (:func:`check_loading_info`)."""
+    if src.kind == "preset" or not src.safetensors or src.path is None:
+        return
+    from transformers import AutoConfig
+
+    from normswap.checkpoint import proxy
+
+    try:
+        config = AutoConfig.from_pretrained(src.path, trust_remote_code=trust_remote_code, local_files_only=True)
+        cls = source_class(src, config, task)
+        stacks = _layer_stacks(cls, config)
+        with torch.device("meta"):
+            small = cls(copy.deepcopy(proxy.reduced_config(config, CHECK_DEPTH)))
+    except Exception:  # noqa: BLE001 - the loader reports what it cannot build, in its own words
+        return
+    shapes = {k: tuple(e.shape) for k, e in stream_io.scan(src.safetensors).items()}
+    prefix = f"{getattr(small, 'base_model_prefix', '') or ''}."
+
+    def stored(name: str) -> str | None:  # the checkpoint's name for a model name (base-model prefix or not)
+        for key in (name, prefix + name, name.removeprefix(prefix)):
+            if key in shapes:
+                return key
+        return None
+
+    wrong = []
+    for name, t in small.state_dict().items():
+        key = stored(name)
+        if key is not None and shapes[key] != tuple(t.shape):
+            wrong.append(f"`{key}` is {list(shapes[key])} in the weights, {list(t.shape)} by the config")
+    if wrong:
+        more = f" (and {len(wrong) - 2} more)" if len(wrong) > 2 else ""
+        raise NormswapError(f"{src.spec}: config.json does not match the weights: {'; '.join(wrong[:2])}{more}; "
+                            "the checkpoint does not match its config.json (a config of another model size?)")
+    for path, n in stacks.items():
+        names = (path, path.removeprefix(prefix), prefix + path)
+        layer = re.compile("(?:" + "|".join(map(re.escape, names)) + r")\.(\d+)\.")
+        held = {int(m.group(1)) for k in shapes if (m := layer.match(k))}
+        if held and max(held) + 1 != n:
+            raise NormswapError(f"{src.spec}: config.json does not match the weights: it builds {n} layers in "
+                                f"`{path}`, the weights hold {max(held) + 1}; the checkpoint does not match its "
+                                "config.json (a config of another model size?)")
 
 
 def checkpoint_class(src: Source, config: Any) -> type | None:

@@ -216,3 +216,52 @@ def write_shards(layout: list[OutputTensor], out: Path, max_shard_size: int, pro
             },
         )
     return weight_map
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+
+
+def check_written(out: Path, expected: dict[str, torch.Tensor], *, what: str,
+                  rename: Callable[[str], str | None] | None = None) -> None:
+    """Read back the safetensors ``out`` holds and compare them with ``expected`` (name -> tensor, as the
+    model to load them into names them): the same names, each tensor with the same dtype, shape and
+    bytes (so NaNs compare too), one tensor in memory at a time. A name the files lack is fine only
+    when its tensor is another name's (a tie, which loading ties again). ``rename``: a file's name as
+    loading names it (transformers renames some on load), or None for a tensor loading converts (fused
+    or split: not compared). Raises one line naming the first difference: a checkpoint normswap writes
+    loads back equal, or is not written."""
+    safe, _ = io.weight_files(out)
+    entries = scan(safe)
+    to_model = {k: (rename(k) if rename is not None else k) for k in entries}
+
+    def refuse(problem: str) -> NormswapError:
+        return NormswapError(f"{what} would not load back equal ({problem}); nothing was written. Please report "
+                             "this with the model's class")
+
+    def where(t: torch.Tensor) -> tuple:
+        return t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape)
+
+    extra = [k for k, m in to_model.items() if m is not None and m not in expected]
+    if extra:
+        raise refuse(f"the files hold `{extra[0]}`, which the model has no tensor for"
+                     + (f", and {len(extra) - 1} more" if len(extra) > 1 else ""))
+    held = {m for m in to_model.values() if m is not None}
+    if None not in to_model.values():  # (a converted tensor fills names this cannot tell)
+        stored = {where(t) for name, t in expected.items() if name in held and t.device.type != "meta"}
+        for name, t in expected.items():
+            if name not in held and (t.device.type == "meta" or where(t) not in stored):
+                raise refuse(f"`{name}` is not in the files")
+    reader = Reader(entries)
+    try:
+        for key, name in to_model.items():
+            if name is None:
+                continue
+            got, want = reader.get(key), expected[name]
+            if got.dtype != want.dtype or tuple(got.shape) != tuple(want.shape):
+                raise refuse(f"`{key}` is {got.dtype} {list(got.shape)} in the files, {want.dtype} "
+                             f"{list(want.shape)} in the model")
+            if not torch.equal(_bytes(got), _bytes(want)):
+                raise refuse(f"`{key}` holds other values than the model's")
+    finally:
+        reader.close()

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from normswap.analysis.plan import CENTERED_VERDICTS, Plan, plan_of
-from normswap.checkpoint import hf_types, io, module_io
+from normswap.checkpoint import hf_types, io, module_io, stream_io
 from normswap.errors import NormswapError
 from normswap.integrations import wrappers
 from normswap.integrations.quiet import quietly
@@ -225,14 +225,47 @@ def write_native(
     verification: dict | None = None,
     source: str | None = None,
     manifest_extra: dict | None = None,
+    readback: bool = False,
 ) -> dict[str, Any]:
-    """Write ``model`` into the (existing, empty) directory ``out``. Returns the manifest."""
+    """Write ``model`` into the (existing, empty) directory ``out``. Returns the manifest. ``readback``:
+    read the files back and compare them with the model (:func:`check_loads_back`)."""
     manifest = build_manifest(
         model, plan, fmt="native", verification=verification, source=source, extra=manifest_extra
     )
-    model.save_pretrained(out, max_shard_size=max_shard_size, state_dict=state_dict_for_save(model))
+    state = state_dict_for_save(model)
+    model.save_pretrained(out, max_shard_size=max_shard_size, state_dict=dict(state))  # it pops keys
     make_native_config(model, out, manifest)
+    if readback:
+        check_loads_back(out, model, state, manifest["architecture"])
     return manifest
+
+
+def check_loads_back(out: Path, model: nn.Module, state: dict[str, torch.Tensor], architecture: str) -> None:
+    """What loading ``out`` needs, checked without building the model: the config names a transformers
+    class, and the files hold ``state``, the state dict of ``model`` that loading rebuilds (every name,
+    as transformers renames it on load, dtype, shape and byte; ties aside). ``normswap convert`` checks
+    more (a full reload and its outputs); this is ``normswap.save``'s check, at the cost of reading the
+    files back once."""
+    import transformers
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+    if getattr(transformers, architecture, None) is None:
+        raise NormswapError(f"normswap.save: the checkpoint would name model class {architecture!r}, which "
+                            "transformers does not have; nothing was written. Save the model itself, not a wrapper "
+                            "around it")
+    mapping = get_model_conversion_mapping(model)
+    renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
+    converters = [m for m in mapping if isinstance(m, WeightConverter)]
+    prefix = getattr(model, "base_model_prefix", "") or ""
+
+    def as_loaded(key: str) -> str | None:  # the file's name as from_pretrained names it (as rewrite.KeyMap does)
+        new, pattern = rename_source_key(key, renamings, converters, prefix, state)
+        if new not in state and key in state:
+            new, pattern = key, None
+        return None if pattern is not None else new
+
+    stream_io.check_written(out, state, what=f"normswap.save: the {architecture} checkpoint", rename=as_loaded)
 
 
 def make_native_config(model: nn.Module, out: Path, manifest: dict[str, Any]) -> None:
@@ -515,14 +548,18 @@ def write_compat(
     verification: dict | None = None,
     source: str | None = None,
     manifest_extra: dict | None = None,
+    readback: bool = False,
 ) -> dict[str, Any]:
     stock, lists = compat_model(model, plan)
     manifest = build_manifest(
         model, plan, fmt="compat", verification=verification, source=source, extra=manifest_extra
     )
     manifest.update(lists)
-    stock.save_pretrained(out, max_shard_size=max_shard_size, state_dict=state_dict_for_save(stock))
+    state = state_dict_for_save(stock)
+    stock.save_pretrained(out, max_shard_size=max_shard_size, state_dict=dict(state))  # it pops keys
     add_manifest(out, manifest)
+    if readback:
+        check_loads_back(out, stock, state, type(stock).__name__)
     return manifest
 
 
@@ -620,8 +657,10 @@ def write_model_dir(
     manifest_extra: dict | None = None,
     tokenizer: Any = None,
     side_files_from: Path | None = None,
+    readback: bool = False,
 ) -> dict[str, Any]:
-    """Everything a checkpoint directory holds, written into the existing directory ``out``."""
+    """Everything a checkpoint directory holds, written into the existing directory ``out``;
+    ``readback``: the weights are read back and compared with the model's (:func:`check_loads_back`)."""
     choose("format", fmt, FORMATS)
     plan = plan if plan is not None else required_plan(model)
     io.parse_size(max_shard_size)
@@ -634,6 +673,7 @@ def write_model_dir(
         verification=verification,
         source=source,
         manifest_extra=manifest_extra,
+        readback=readback,
     )
     if tokenizer is not None:
         tokenizer.save_pretrained(out)
@@ -657,6 +697,11 @@ def save(
     source: str | None = None,
 ) -> Path:
     """Save a converted in-memory model (``normswap.patch`` output, or a loaded native checkpoint).
+
+    A ``torch.compile``'d model (or one in ``DataParallel`` / ``DistributedDataParallel``) is saved as
+    the model inside it, as ``patch`` converts it: the checkpoint has the model's own names and class.
+    Before the directory is moved into place its weights are read back and compared with the model's,
+    so what is written loads back equal, or nothing is written.
 
     A transformers model is written as a native or compat checkpoint directory. Any other patched
     ``nn.Module`` is written as safetensors plus a manifest of the structural edits
@@ -688,6 +733,7 @@ def save(
         >>> net2 = normswap.load("out/net-rms", model=MyNet())           # doctest: +SKIP
     """
     choose("format", format, FORMATS)
+    model = wrappers.held_module(model)  # torch.compile / DDP: the model inside, as patch converts it
     if wrappers.is_wrapper(model):  # its pipeline files (pooling, normalize, modules.json) are its own to write
         raise NormswapError(
             f"normswap.save writes a transformers model, not a {type(model).__name__}: save it with its own "
@@ -723,5 +769,6 @@ def save(
             manifest_extra=manifest_extra,
             tokenizer=tokenizer,
             side_files_from=side,
+            readback=True,
         )
     return out

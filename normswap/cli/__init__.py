@@ -2,12 +2,27 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import click
 
-from normswap import __version__
+from normswap import __version__, interrupts
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class _Program(click.Group):
+    """The ``normswap`` group. Run as the program (the ``normswap`` script calls ``main()``, which reads
+    ``sys.argv``), it takes over Ctrl-C and SIGTERM before parsing anything
+    (:func:`normswap.interrupts.install`), so an interrupt at any moment exits 130 with one line, never
+    click's "Aborted!" with exit 1; called in-process with ``args`` (click's test runner), each command
+    sets its handlers for its own run only."""
+
+    def main(self, args: Any = None, *rest: Any, **kwargs: Any) -> Any:
+        if args is None:
+            interrupts.install()
+        return super().main(args, *rest, **kwargs)
+
+
+@click.group(cls=_Program, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="normswap")
 def main() -> None:
     """Convert LayerNorm to RMSNorm in Hugging Face and custom PyTorch models."""

@@ -7,7 +7,8 @@ Exit codes (every command; the table in docs/cli.md):
 * 2 - invalid command line (unknown option, invalid option value, bad ``key=value`` override)
 * 3 - nothing to convert (no LayerNorm, none convertible in this mode, or already converted)
 * 4 - verification failed: the conversion misses its tolerance or is unusable (nothing written)
-* 130 - interrupted (Ctrl-C / SIGTERM); nothing written
+* 130 - interrupted (Ctrl-C / SIGTERM); the one line says what is on disk: nothing, or the complete
+  output (the interrupt came after it was moved into place), or a fine-tune's checkpoints
 
 Nothing here imports torch or transformers at module level: ``normswap --help`` and argument
 errors must answer fast.
@@ -15,17 +16,16 @@ errors must answer fast.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 import re
-import signal
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import click
 
+from normswap import interrupts
 from normswap.errors import (
     EXIT_ERROR,
     EXIT_INTERRUPTED,
@@ -77,24 +77,6 @@ def quiet_transformers() -> None:
         pass
 
 
-@contextlib.contextmanager
-def sigterm_as_interrupt() -> Iterator[None]:
-    """SIGTERM unwinds like Ctrl-C, so temporary output is removed on the way out."""
-
-    def handler(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt
-
-    try:
-        previous = signal.signal(signal.SIGTERM, handler)
-    except ValueError:  # not the main thread (e.g. some test runners)
-        yield
-        return
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
 # API spellings in library messages -> what a command-line user types
 _CLI_WORDS = (
     (re.compile(r"\bmode=['\"](\w+)['\"]"), r"--mode \1"),
@@ -129,7 +111,10 @@ def handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Turn every failure of a command into one ``error:`` line and its exit code.
 
     ``NormswapError`` (and subclasses from anywhere in normswap, e.g. the calibration's unusable-
-    conversion error) -> its ``exit_code``; Ctrl-C / SIGTERM -> 130 "interrupted"; ``OSError``
+    conversion error) -> its ``exit_code``; Ctrl-C / SIGTERM -> 130 with one true sentence about what
+    is on disk (:func:`normswap.interrupts.sentence`: nothing, the complete output when the interrupt
+    came after it was moved into place, or a fine-tune's checkpoints to resume from), also when
+    something inside swallowed the ``KeyboardInterrupt`` (:mod:`normswap.interrupts`); ``OSError``
     (disk full, permissions) -> 1 with the cause; anything else is a bug: one line, traceback with
     ``NORMSWAP_DEBUG=1``.
     """
@@ -138,12 +123,15 @@ def handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         quiet_transformers()
         try:
-            with sigterm_as_interrupt():
-                return fn(*args, **kwargs)
+            with interrupts.command():
+                result = fn(*args, **kwargs)
+            if interrupts.was_interrupted():  # the KeyboardInterrupt was swallowed on the way: still one
+                raise KeyboardInterrupt
+            return result
         except NormswapError as exc:
             fail(str(exc), int(getattr(exc, "exit_code", EXIT_ERROR)))
-        except (KeyboardInterrupt, click.exceptions.Abort):
-            fail("interrupted; nothing was written", EXIT_INTERRUPTED)
+        except (KeyboardInterrupt, click.exceptions.Abort) as exc:
+            fail(interrupts.report(exc), EXIT_INTERRUPTED)
         except (click.exceptions.Exit, click.ClickException, SystemExit):
             raise
         except MemoryError:

@@ -46,6 +46,26 @@ def is_compiled(model: nn.Module) -> bool:
     return type(model).__name__ == "OptimizedModule" and isinstance(getattr(model, "_orig_mod", None), nn.Module)
 
 
+_PARALLEL = ("DataParallel", "DistributedDataParallel")
+
+
+def held_module(model: nn.Module) -> nn.Module:
+    """The module a ``torch.compile`` wrapper (``OptimizedModule``, its ``_orig_mod``) or a
+    ``torch.nn.parallel`` ``DataParallel`` / ``DistributedDataParallel`` wrapper (its ``module``) holds,
+    through any nesting; ``model`` itself when it is none of these. What ``normswap.save`` writes and
+    ``normswap.load(dir, model=...)`` loads into: the wrappers' own state-dict keys (``_orig_mod.``,
+    ``module.``) and class names belong to no checkpoint. ``patch`` converts the same module inside a
+    compiled one (:func:`inner_model`)."""
+    while True:
+        if is_compiled(model):
+            model = model._orig_mod
+        elif (type(model).__name__ in _PARALLEL and type(model).__module__.startswith("torch.nn.parallel")
+              and isinstance(getattr(model, "module", None), nn.Module)):
+            model = model.module
+        else:
+            return model
+
+
 def inner_model(model: nn.Module) -> Wrapped | None:
     """The one transformers model inside a known wrapper, or None when ``model`` is no such wrapper
     or holds no transformers model.

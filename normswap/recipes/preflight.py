@@ -5,9 +5,9 @@ of 128 positions, a tokenizer with more ids than the model has embedding rows, `
 checkpoint without a masked-LM head, LoRA target modules the model does not have. Found late, each is a
 crash deep in a forward pass (``IndexError: index out of range in self``) after minutes of conversion,
 with a run directory half written. The runner asks this module at three points, each before the work
-the next one would waste: :func:`check_settings` (from the ``config.json`` files and the tokenizer, no
-weight read), :func:`check_data` (after tokenising) and :func:`check_student` (after the conversion);
-it creates the output directory only once all three have passed.
+the next one would waste: :func:`check_settings` (from the ``config.json`` files, the tokenizer and the
+installed packages, no weight read), :func:`check_data` (after tokenising) and :func:`check_student`
+(after the conversion); it creates the output directory only once all three have passed.
 
 A failure is a :class:`RecipeMismatch` (a usage error: exit code 2) whose one line names the config key,
 its value and the limit. A value the user did not choose (the recipe's default,
@@ -134,6 +134,7 @@ def check_settings(cfg: RecipeConfig, tokenizer: Any, device: torch.device, say:
     _check_lora(cfg, task, used[-1] if used else None)
     _check_precision(cfg, device)
     _fit_warmup(cfg, say)
+    _check_plot(cfg, say)
 
 
 def _head_classes(task: tasks.Task, model_type: str) -> set[str]:
@@ -376,6 +377,35 @@ def _fit_warmup(cfg: RecipeConfig, say: Say) -> None:
     raise RecipeMismatch(
         f"config key `train.warmup_steps`: {warmup} is more than train.steps={steps}, so the learning rate "
         f"would never reach train.lr; use train.warmup_steps={steps} or less"
+    )
+
+
+def _matplotlib_missing() -> str | None:
+    """Why ``import matplotlib`` fails here (None: it imports). Imported, not looked up: a broken
+    install fails the same way at the end of the run."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as exc:
+        return str(exc) or "not installed"
+    return None
+
+
+def _check_plot(cfg: RecipeConfig, say: Say) -> None:
+    """``log.plot`` draws ``curves.png`` after training, with matplotlib: found missing then, the run's
+    minutes are spent. A default adapts (no plot, said now); a chosen ``log.plot=true`` is an error."""
+    if not cfg.log.plot:
+        return
+    why = _matplotlib_missing()
+    if why is None:
+        return
+    if cfg.is_default("log.plot"):
+        cfg.log.plot = False
+        say(f"log.plot: matplotlib cannot be imported ({why}), so the run draws no curves.png; pip install "
+            "matplotlib for it (metrics.jsonl holds the same numbers)")
+        return
+    raise RecipeMismatch(
+        f"config key `log.plot`: true needs matplotlib, which cannot be imported ({why}); pip install matplotlib, "
+        "or set log.plot=false (metrics.jsonl holds the same numbers)"
     )
 
 

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from normswap import interrupts
 from normswap.analysis.plan import plan_of
 from normswap.errors import NormswapError
 from normswap.integrations.quiet import quietly
@@ -157,6 +158,23 @@ def _check_output(cfg: RecipeConfig) -> tuple[Path, Path | None, list[Path]]:
     return out, latest, existing if latest is None else []
 
 
+def on_disk(out: Path) -> str:
+    """What a run interrupted now leaves in ``out``, as the one line ``normswap finetune`` prints: the
+    final model when it was written, else the newest complete checkpoint (one with its
+    ``trainer_state.json``: a checkpoint cut off while saving is not one), else what little is there."""
+    model = out / "model"
+    if (model / "config.json").is_file() or (model / "normswap.json").is_file():
+        return f"the final model was already written to {model}"
+    done = io.checkpoint_dirs(out / "checkpoints")
+    if done:
+        return f"checkpoints to resume from: {done[-1][1]} (resume with checkpoint.resume=true)"
+    files = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()) if out.is_dir() else []
+    if not files:
+        return "nothing was written"
+    return (f"no checkpoint to resume from yet (the first is saved after checkpoint.every steps); {out} holds "
+            f"{', '.join(files[:4])}{' ...' if len(files) > 4 else ''}")
+
+
 def _create_output(out: Path, replaced: list[Path], main: bool) -> None:
     """Create the output directory, removing the run an overwrite replaces (main process only)."""
     if not main:
@@ -270,9 +288,15 @@ class Recipe:
         self.converged = False  # eval.patience ended the run
 
     def run(self) -> RunResult:
-        self.setup()
-        self.train()
-        return self.save()
+        try:
+            self.setup()
+            self.train()
+            return self.save()
+        except KeyboardInterrupt as exc:  # Ctrl-C / SIGTERM: say what the run leaves to resume from
+            if isinstance(exc, interrupts.Interrupted):
+                raise
+            out = getattr(self, "out", None)
+            raise interrupts.Interrupted(on_disk(out) if out is not None else "nothing was written") from None
 
     # ---- setup
     def setup(self) -> None:
