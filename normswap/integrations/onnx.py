@@ -1,9 +1,26 @@
-"""ONNX translations for normswap's fused custom ops.
+"""ONNX: what an exported converted model holds, a check that ONNX Runtime fuses it, and translations
+for normswap's fused custom ops.
 
-``torch.onnx.export(model, ...)`` never needs these: while an ONNX export traces the model,
-``normswap.RMSNorm`` emits stock aten ops (see :mod:`normswap.backends.portable`). They are for an
-*already exported* program that holds a fused op because a fused backend was asked for explicitly
-(``backend="cpu"``/``"triton"`` or ``NORMSWAP_BACKEND``) before ``torch.export.export``::
+``torch.onnx.export(model, ...)`` needs nothing from here: while an ONNX export traces the model,
+``normswap.RMSNorm`` emits the graph ONNX Runtime runs on its fused RMS kernel (see
+:mod:`normswap.backends.portable` and docs/deployment.md):
+
+============================================  ==========================================================
+export                                        each RMSNorm becomes
+============================================  ==========================================================
+``dynamo=True``, opset >= 23                  ``RMSNormalization`` (float32/float64 with a weight)
+``dynamo=True``, opsets 18-22 (default 20)    ``Pow``/``ReduceMean``/``Add``/``Sqrt``/``Div``/``Mul``, which
+                                              ORT's session fuses into ``SimplifiedLayerNormalization``
+``dynamo=False`` (legacy), any opset          the same subgraph, the same fusion
+============================================  ==========================================================
+
+``onnxruntime.transformers.optimizer.optimize_model`` additionally turns a residual ``Add`` before a
+fused norm into ``SkipSimplifiedLayerNormalization``. :func:`fused_norm_ops` counts what ONNX Runtime's
+optimiser made of an exported file, so a deployment script can assert that every norm fused.
+
+:func:`translation_table` is for an *already exported* program that holds a fused op because a fused
+backend was asked for explicitly (``backend="cpu"``/``"triton"`` or ``NORMSWAP_BACKEND``) before
+``torch.export.export``::
 
     ep = torch.export.export(model, args)          # holds normswap::cpu_rms_norm
     torch.onnx.export(ep, dynamo=True, opset_version=23,
@@ -21,12 +38,43 @@ Needs ``onnxscript``.
 
 from __future__ import annotations
 
+import os
+import tempfile
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 
 MIN_RMS_NORMALIZATION_OPSET = 23
+
+#: The ops ONNX Runtime runs an RMSNorm on in one kernel: ONNX's own, ORT's fused contrib ops.
+FUSED_RMS_OPS = ("RMSNormalization", "SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization")
+
+
+def fused_norm_ops(model_path: str | os.PathLike, *, providers: Sequence[str] = ("CPUExecutionProvider",),
+                   level: str = "ORT_ENABLE_ALL") -> dict[str, int]:
+    """How many nodes of each norm op ONNX Runtime's graph optimiser leaves in the model at ``model_path``.
+
+    Builds an ``InferenceSession`` at optimisation ``level`` (ORT's default is ``ORT_ENABLE_ALL``), has it
+    write the optimised graph to a temporary file, and counts the ops in :data:`FUSED_RMS_OPS`, ORT's
+    LayerNorm ops (``LayerNormalization``, ``SkipLayerNormalization``) and ``Pow`` (what is left of a
+    norm that did not fuse). A converted model deploys fused when the first three sum to its number of
+    ``normswap.RMSNorm`` modules and no ``Pow`` is left. Needs ``onnxruntime`` and ``onnx``.
+    """
+    import onnx
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.graph_optimization_level = getattr(ort.GraphOptimizationLevel, level)
+    options.log_severity_level = 3  # ORT warns that an ENABLE_ALL graph is specific to this machine
+    with tempfile.TemporaryDirectory() as tmp:
+        options.optimized_model_filepath = str(Path(tmp) / "optimised.onnx")
+        ort.InferenceSession(str(model_path), options, providers=list(providers))
+        graph = onnx.load(options.optimized_model_filepath, load_external_data=False).graph
+    counted = (*FUSED_RMS_OPS, "LayerNormalization", "SkipLayerNormalization", "Pow")
+    ops = [n.op_type for n in graph.node]
+    return {op: ops.count(op) for op in counted}
 
 
 def _ops(opset: int) -> Any:
