@@ -21,7 +21,9 @@ ONNX Runtime column for ``RMSNormalization``.
 Timing: one thread everywhere (``torch.set_num_threads(1)``, ORT ``intra_op_num_threads=1``); per cell,
 interleaved ABBA quads (original, converted, converted, original) until the cell's time budget is
 spent (at least ``--min-quads``); the ratio is the median over quads of converted/original time, with
-the quartiles of that ratio. Load average is recorded before and after.
+the quartiles of that ratio. Load average is recorded before and after. ``torch.compile`` (inductor,
+``dynamic=True``) is timed at batch 4 only unless ``--compile-batch1``: a batch of 1 is specialised,
+so it would cost a second compile per model (minutes each on a loaded 2-core machine).
 
     python benchmarks/bench_deploy_speed.py                 # everything (~15-30 min on a loaded 2-core box)
     python benchmarks/bench_deploy_speed.py --quick         # batch 1 and 4 at the short length, less time per cell
@@ -122,7 +124,8 @@ def inputs_for(name: str, batch: int, tokens_or_px: int) -> tuple[torch.Tensor, 
 
 def export(body: Body, example: tuple[torch.Tensor, ...], path: Path, opset: int | None) -> float:
     """``torch.onnx.export(dynamo=True)`` with a dynamic batch (and sequence for text); seconds taken."""
-    if path.exists():
+    done = path.with_suffix(".done")  # written last: a half-written export is redone
+    if path.exists() and done.exists():
         return 0.0
     batch = torch.export.Dim("batch", min=1, max=64)
     if len(example) == 2:
@@ -136,12 +139,10 @@ def export(body: Body, example: tuple[torch.Tensor, ...], path: Path, opset: int
     try:
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            tmp = path.with_suffix(".tmp.onnx")
-            torch.onnx.export(body, example, str(tmp), dynamo=True, dynamic_shapes=shapes, **kwargs)
-            for f in tmp.parent.glob(tmp.name + "*"):  # the model and its external data, if any
-                f.rename(f.with_name(f.name.replace(".tmp.onnx", ".onnx")))
+            torch.onnx.export(body, example, str(path), dynamo=True, dynamic_shapes={"tensors": shapes}, **kwargs)
     finally:
         logging.disable(logging.NOTSET)
+    done.write_text("")
     return time.perf_counter() - t0
 
 
@@ -241,6 +242,8 @@ def run_model(name: str, label: str, px: int, args: argparse.Namespace, cache: P
             continue
         fns = {k: (torch.compile(b, dynamic=True) if engine == "compile" else b) for k, b in bodies.items()}
         for (batch, n), row in rows.items():
+            if engine == "compile" and batch == 1 and not args.compile_batch1:
+                continue  # a second compile per model (size-1 dims are specialised): --compile-batch1
             example = inputs_for(name, batch, px or n)
             t0 = time.perf_counter()
             row[engine] = abba(torch_call(fns["original"], example), torch_call(fns["converted"], example),
@@ -280,6 +283,8 @@ def main() -> None:
     parser.add_argument("--cache", default=os.environ.get("TMPDIR", "/tmp") + "/normswap-deploy-bench",
                         help="where the exported .onnx files are kept between runs")
     parser.add_argument("--json", default=None, help="also write the raw figures here")
+    parser.add_argument("--compile-batch1", action="store_true",
+                        help="also time torch.compile at batch 1 (one more compile per model)")
     parser.add_argument("--layers", type=int, default=12, help="transformer layers (12: the real sizes; fewer "
                         "for a plumbing check)")
     args = parser.parse_args()
@@ -302,8 +307,13 @@ def main() -> None:
     rows: list[dict] = []
     for name in args.models.split(","):
         for label, px in variants(name):
-            rows += run_model(name, label, px, args, cache)
+            try:
+                rows += run_model(name, label, px, args, cache)
+            except Exception as exc:  # noqa: BLE001  (one model's failure must not lose the others' figures)
+                print(f"# {label} FAILED: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
             gc.collect()
+            if args.json:
+                Path(args.json).write_text(json.dumps({"versions": versions, "rows": rows}, indent=1, default=str))
     load_after = os.getloadavg()
     engines = [e for e in ("ort", "ort23", "eager", "compile") if any(e in r for r in rows)]
     print()

@@ -96,7 +96,7 @@ def onnx_rms_norm(
     width = normalized_shape[-1] if len(normalized_shape) == 1 else None
     if width is None or any(p is not None and tuple(p.shape) != normalized_shape for p in (weight, bias)):
         return None  # ORT's fused kernels take one normalised axis and a 1-D scale
-    export = _dynamo_export() if not torch.jit.is_tracing() else _LEGACY
+    export = onnx_export_settings()
     if x.dtype in (torch.float32, torch.float64) and weight is not None and export.writes_rms_normalization:
         return native.rms_norm(x, normalized_shape, weight, bias, eps)  # one RMSNormalization (+ Add)
     if export.optimizes:
@@ -120,18 +120,22 @@ def onnx_rms_norm(
 ONNXSCRIPT_MIN_EPS = 1.1e-8
 
 
-class _Export(NamedTuple):
+class OnnxExport(NamedTuple):
+    """What the running ONNX export will do with the graph being captured."""
+
     writes_rms_normalization: bool  # aten.rms_norm becomes RMSNormalization (not a decomposition)
     optimizes: bool  # onnxscript's optimiser rewrites the exported graph
 
 
-_LEGACY = _Export(writes_rms_normalization=False, optimizes=False)  # no aten::rms_norm symbolic, no rewriter
+_LEGACY = OnnxExport(writes_rms_normalization=False, optimizes=False)  # no aten::rms_norm symbolic, no rewriter
 _ONNX_EXPORT_MODULE = "torch.onnx._internal.exporter._core"  # where torch.onnx.export(dynamo=True) runs
 
 
-def _dynamo_export() -> _Export:
-    """What the running ``torch.onnx.export(dynamo=True)`` will do with the captured graph.
+def onnx_export_settings() -> OnnxExport:
+    """What the running ``torch.onnx.export`` will do with the captured graph (call it while the
+    exporter traces or translates).
 
+    The legacy exporter (a ``torch.jit`` trace) has no ``aten::rms_norm`` symbolic and no rewriter.
     The exporter builds its registry for the requested opset (plus any ``custom_translation_table``)
     before capturing the model, inside ``_core.export(..., registry=..., optimize=...)``: that frame
     says whether ``aten.rms_norm`` is translated (to ``RMSNormalization``, opset >= 23) or decomposed
@@ -140,7 +144,9 @@ def _dynamo_export() -> _Export:
     cannot inspect frames) the answer is the fused-by-ORT subgraph with the optimiser assumed on: right
     at every opset, so a miss costs the op's portable name, never speed or correctness.
     """
-    unknown = _Export(writes_rms_normalization=False, optimizes=True)
+    if torch.jit.is_tracing():
+        return _LEGACY
+    unknown = OnnxExport(writes_rms_normalization=False, optimizes=True)
     if torch.compiler.is_dynamo_compiling():
         return unknown
     frame = sys._getframe(1)
@@ -152,6 +158,6 @@ def _dynamo_export() -> _Export:
                 writes = registry is not None and bool(registry.is_registered(torch.ops.aten.rms_norm.default))
             except Exception:  # a registry of another shape: the subgraph is the safe answer
                 writes = False
-            return _Export(writes_rms_normalization=writes, optimizes=bool(local.get("optimize", True)))
+            return OnnxExport(writes_rms_normalization=writes, optimizes=bool(local.get("optimize", True)))
         frame = frame.f_back
     return unknown

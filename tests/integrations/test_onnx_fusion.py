@@ -38,9 +38,22 @@ TOL = 1e-5  # float32 through a 2-layer model; an unfused or mis-fused norm (wro
 
 
 @pytest.fixture(scope="module", params=MODELS)
-def converted(request):
-    model, inputs = tiny_converted(request.param)
-    return request.param, model, inputs
+def converted(request, tmp_path_factory):
+    """``(name, model, inputs, export)``: ``export(**kwargs)`` exports once per set of arguments and
+    returns the file (the session and the optimizer tests read the same default-opset export)."""
+    name = request.param
+    model, inputs = tiny_converted(name)
+    folder = tmp_path_factory.mktemp(name)
+    done: dict[str, object] = {}
+
+    def export(**kwargs):
+        key = "-".join(f"{k}={v}" for k, v in sorted(kwargs.items()))
+        if key not in done:
+            done[key] = folder / f"{key}.onnx"
+            _export(model, inputs, done[key], **kwargs)
+        return done[key]
+
+    return name, model, inputs, export
 
 
 def _export(model: nn.Module, inputs: dict, path, **kwargs) -> None:
@@ -83,10 +96,9 @@ def _eps_of(model: nn.Module) -> set[float]:
 # dynamo=True without an opset: torch 2.13 writes opset 20, below RMSNormalization's 23
 @pytest.mark.parametrize("export", [{"dynamo": True}, {"dynamo": False, "opset_version": 18}],
                          ids=["dynamo-default-opset", "legacy-18"])
-def test_every_norm_fuses_in_the_ort_session(converted, export, tmp_path):
-    name, model, inputs = converted
-    path = tmp_path / "m.onnx"
-    _export(model, inputs, path, **export)
+def test_every_norm_fuses_in_the_ort_session(converted, export):
+    name, model, inputs, exported = converted
+    path = exported(**export)
     ops = fused_norm_ops(path)
     n = rms_norm_count(model)
     assert ops["SimplifiedLayerNormalization"] == n, (name, ops)
@@ -99,15 +111,14 @@ def test_every_norm_fuses_in_the_ort_session(converted, export, tmp_path):
     assert agreement(_run(path, inputs), ref)["max_rel"] < TOL
 
 
-def test_opset_23_writes_rms_normalization(converted, tmp_path):
-    name, model, inputs = converted
-    path = tmp_path / "m.onnx"
-    _export(model, inputs, path, dynamo=True, opset_version=23)
+def test_opset_23_writes_rms_normalization(converted):
     import onnx
 
-    exported = collections.Counter(n.op_type for n in onnx.load(str(path)).graph.node)
+    name, model, inputs, exported = converted
+    path = exported(dynamo=True, opset_version=23)
+    ops = collections.Counter(n.op_type for n in onnx.load(str(path)).graph.node)
     n = rms_norm_count(model)
-    assert exported["RMSNormalization"] == n and exported["Pow"] == 0, exported
+    assert ops["RMSNormalization"] == n and ops["Sqrt"] == 0, ops
     assert fused_norm_ops(path)["RMSNormalization"] == n  # ORT keeps its own kernel for the op
     (eps,) = _eps_of(model)
     assert _fused_eps(path) == pytest.approx([eps] * n, rel=1e-6)  # an attribute: no optimiser can drop it
@@ -121,9 +132,8 @@ def test_transformers_optimizer_fuses_every_norm(converted, tmp_path):
     into ``SkipSimplifiedLayerNormalization``."""
     from onnxruntime.transformers.optimizer import optimize_model
 
-    name, model, inputs = converted
-    path = tmp_path / "m.onnx"
-    _export(model, inputs, path, dynamo=True)
+    name, model, inputs, exported = converted
+    path = exported(dynamo=True)
     logging.disable(logging.WARNING)
     try:
         optimised = optimize_model(str(path), model_type=name, num_heads=0, hidden_size=0)
@@ -157,36 +167,34 @@ class _Stack(nn.Module):
         return self.norms[-1](x)
 
 
-@pytest.mark.parametrize("kind", ["no-weight", "bias", "tiny-eps"])
-def test_norm_variants_fuse(kind, tmp_path):
+def _mixed() -> _Stack:
+    """A weightless norm, one with a kept bias and one with BERT's eps=1e-12."""
+    kinds = iter([lambda: normswap.RMSNorm(16, eps=1e-6, elementwise_affine=False),
+                  lambda: normswap.RMSNorm(16, eps=1e-6, bias=True),
+                  lambda: normswap.RMSNorm(16, eps=1e-12)])
+    return _Stack(lambda: next(kinds)()).eval()
+
+
+@pytest.mark.parametrize("optimize", [True, False], ids=["onnxscript-optimiser", "optimize=False"])
+def test_norm_variants_fuse(optimize, tmp_path):
     """A weightless norm (multiplied by ones to close the pattern), a kept bias (an Add after the fused
-    op) and eps=1e-12 (raised to ONNXSCRIPT_MIN_EPS: onnxscript deletes smaller Adds) all fuse; a row of
-    zeros stays finite."""
-    make = {"no-weight": lambda: normswap.RMSNorm(16, eps=1e-6, elementwise_affine=False),
-            "bias": lambda: normswap.RMSNorm(16, eps=1e-6, bias=True),
-            "tiny-eps": lambda: normswap.RMSNorm(16, eps=1e-12)}[kind]
-    model = _Stack(make).eval()
+    op) and eps=1e-12 all fuse. Under onnxscript's optimiser eps=1e-12 is raised to ONNXSCRIPT_MIN_EPS
+    (the optimiser deletes an Add of a smaller scalar); with ``optimize=False`` it is kept exactly. A row
+    of zeros stays finite."""
+    model = _mixed()
     x = torch.randn(2, 5, 16)
     x[1, 2] = 0.0
     inputs = {"x": x}
     path = tmp_path / "m.onnx"
-    _export(model, inputs, path, dynamo=True)
+    _export(model, inputs, path, dynamo=True, optimize=optimize)
     assert fused_norm_ops(path)["SimplifiedLayerNormalization"] == 3
+    kept = ONNXSCRIPT_MIN_EPS if optimize else 1e-12
+    assert sorted(_fused_eps(path)) == pytest.approx(sorted([1e-6, 1e-6, kept]), rel=1e-6)
     got = _run(path, inputs)
     with torch.no_grad():
         ref = model(x)
     assert torch.isfinite(got).all()
     assert agreement(got, ref)["max_rel"] < TOL
-
-
-def test_exact_tiny_eps_without_the_onnxscript_optimiser(tmp_path):
-    """``optimize=False`` keeps eps=1e-12 as it is, and ORT still fuses it."""
-    model = _Stack(lambda: normswap.RMSNorm(16, eps=1e-12)).eval()
-    inputs = {"x": torch.randn(2, 5, 16)}
-    path = tmp_path / "m.onnx"
-    _export(model, inputs, path, dynamo=True, optimize=False)
-    assert fused_norm_ops(path)["SimplifiedLayerNormalization"] == 3
-    assert _fused_eps(path) == pytest.approx([1e-12] * 3, rel=1e-6)
 
 
 def test_half_precision_fuses_between_casts(tmp_path):
@@ -201,3 +209,25 @@ def test_half_precision_fuses_between_casts(tmp_path):
     with torch.no_grad():
         ref = model.float()(x.float())
     assert agreement(got, ref)["max_rel"] < 5e-3  # float16 storage between the ops
+
+
+def test_translated_fused_backend_program_fuses(tmp_path):
+    """A program exported by ``torch.export`` with ``backend="cpu"`` holds ``normswap::cpu_rms_norm``;
+    ``translation_table(18)`` writes it as the graph ORT fuses (it wrote ``Mul(x, x)``/``Reciprocal``)."""
+    from normswap.integrations.onnx import translation_table
+
+    model, inputs = tiny_converted("vit")
+    for m in model.modules():
+        if isinstance(m, normswap.RMSNorm):
+            m.backend = "cpu"
+    x = tensor_inputs(inputs)["pixel_values"]
+    ep = torch.export.export(Positional(model, inputs), (x,))
+    assert any("normswap.cpu_rms_norm" in str(n.target) for n in ep.graph.nodes)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        program = torch.onnx.export(ep, dynamo=True, opset_version=18, custom_translation_table=translation_table(18))
+    program.save(str(tmp_path / "p.onnx"))
+    assert fused_norm_ops(tmp_path / "p.onnx")["SimplifiedLayerNormalization"] == rms_norm_count(model)
+    with torch.no_grad():
+        ref = model(pixel_values=x).logits
+    assert agreement(_run(tmp_path / "p.onnx", inputs), ref)["max_rel"] < TOL
