@@ -192,6 +192,79 @@ def abba(original: Callable[[], object], converted: Callable[[], object], budget
             "original_ms": 1e3 * statistics.median(base)}
 
 
+KERNELS = {
+    # label: (op, domain, inputs after x (the residual sum, or x and skip for Skip* ops), extra Add of a bias)
+    "LayerNormalization (original)": ("LayerNormalization", "", ["w", "b"], False),
+    "SimplifiedLayerNormalization": ("SimplifiedLayerNormalization", "", ["w"], False),
+    "SimplifiedLayerNormalization + Add (kept β)": ("SimplifiedLayerNormalization", "", ["w"], True),
+    "RMSNormalization (opset 23)": ("RMSNormalization", "", ["w"], False),
+    "SkipLayerNormalization (original)": ("SkipLayerNormalization", "com.microsoft", ["w", "b"], False),
+    "SkipSimplifiedLayerNormalization": ("SkipSimplifiedLayerNormalization", "com.microsoft", ["w"], False),
+}
+
+
+def kernel_rows(width: int = 768, rows_list: tuple[int, ...] = (8, 128, 512), budget: float = 3.0) -> str:
+    """ORT's norm kernels alone (one thread), each against ``LayerNormalization`` (or
+    ``SkipLayerNormalization`` for the Skip ops) on the same input, ABBA-interleaved: what the fused
+    converted graph saves per norm."""
+    import numpy as np
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    def session(label: str):
+        op, domain, params, bias_add = KERNELS[label]
+        skip = op.startswith("Skip")
+        x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", width])
+        r = helper.make_tensor_value_info("r", TensorProto.FLOAT, ["N", width])
+        y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", width])
+        gen = np.random.default_rng(0)
+        inits = [numpy_helper.from_array((gen.random(width) + 0.5).astype(np.float32), "w"),
+                 numpy_helper.from_array(gen.random(width).astype(np.float32), "b")]
+        nodes = [] if skip else [helper.make_node("Add", ["x", "r"], ["h"])]
+        first = ["x", "r"] if skip else ["h"]
+        out = "z" if bias_add else "y"
+        nodes.append(helper.make_node(op, first + params, [out], domain=domain, epsilon=1e-5,
+                                      **({} if skip else {"axis": -1})))
+        if bias_add:
+            nodes.append(helper.make_node("Add", ["z", "b"], ["y"]))
+        graph = helper.make_graph(nodes, "norm", [x, r], [y], inits)
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23),
+                                                        helper.make_opsetid("com.microsoft", 1)])
+        model.ir_version = 10
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = 1
+        options.log_severity_level = 3
+        return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+    sessions = {label: session(label) for label in KERNELS}
+    lines = ["| ORT kernel | " + " | ".join(f"{n} rows: vs original" for n in rows_list) + " |",
+             "|---|" + "---|" * len(rows_list)]
+    gen = np.random.default_rng(1)
+    results: dict[str, list[str]] = {label: [] for label in KERNELS}
+    for n in rows_list:
+        feed = {"x": gen.standard_normal((n, width), dtype=np.float32),
+                "r": gen.standard_normal((n, width), dtype=np.float32)}
+        repeat = max(1, 4096 // n)  # calls per timed block, so a block lasts long enough to time
+
+        def block(sess, feed=feed, repeat=repeat):
+            def run() -> None:
+                for _ in range(repeat):
+                    sess.run(None, feed)
+            return run
+
+        for label in KERNELS:
+            base = "SkipLayerNormalization (original)" if label.startswith("Skip") else "LayerNormalization (original)"
+            if label == base:
+                r = abba(block(sessions[base]), block(sessions[base]), budget, 5)
+                results[label].append(f"1.00 ({1e6 * r['original_ms'] / 1e3 / repeat:.1f} µs)")
+                continue
+            r = abba(block(sessions[base]), block(sessions[label]), budget, 5)
+            results[label].append(f"**{r['ratio']:.2f}** ({r['q1']:.2f}–{r['q3']:.2f})")
+    for label, cells in results.items():
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def variants(name: str) -> list[tuple[str, int]]:
     """(label, image size) per model built: one for text, one per image size for ViT."""
     return [(name, 0)] if name != "vit" else [(f"vit{px}", px) for px in VIT_SIZES]
@@ -283,6 +356,8 @@ def main() -> None:
     parser.add_argument("--cache", default=os.environ.get("TMPDIR", "/tmp") + "/normswap-deploy-bench",
                         help="where the exported .onnx files are kept between runs")
     parser.add_argument("--json", default=None, help="also write the raw figures here")
+    parser.add_argument("--kernels", action="store_true",
+                        help="only ORT's norm kernels alone, against LayerNormalization (about a minute)")
     parser.add_argument("--compile-batch1", action="store_true",
                         help="also time torch.compile at batch 1 (one more compile per model)")
     parser.add_argument("--layers", type=int, default=12, help="transformer layers (12: the real sizes; fewer "
@@ -304,6 +379,10 @@ def main() -> None:
                 f"Python {platform.python_version()}")
     print(f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {versions}; {os.cpu_count()} CPUs; "
           f"load average {load_before[0]:.1f}/{load_before[1]:.1f}/{load_before[2]:.1f}", flush=True)
+    if args.kernels:
+        print(kernel_rows(budget=args.budget / 2))
+        print(f"\nwidth 768, one thread; median of ABBA quads (quartiles); load average {os.getloadavg()[0]:.1f}")
+        return
     rows: list[dict] = []
     for name in args.models.split(","):
         for label, px in variants(name):
