@@ -47,9 +47,9 @@ def onnx_rows(tmp: Path) -> list[dict]:
                 label = f"ONNX {'dynamo' if dynamo else 'legacy (dynamo=False)'}, opset {opset}"
                 try:
                     r = compat.onnx_roundtrip(model, inputs, dynamo=dynamo, opset=opset, path=tmp / "m.onnx")
-                    # what each exporter writes for x * rsqrt(mean(x^2) + eps) (checked on the graphs)
-                    how = ("RMSNormalization" if r["rms"] else "Pow/ReduceMean/Add/Sqrt/Reciprocal/Mul" if dynamo
-                           else "Pow/ReduceMean/Add/Sqrt/Div/Mul")
+                    # what each exporter writes (tests/integrations/test_onnx_fusion.py checks ORT fuses it)
+                    how = ("RMSNormalization" if r["rms"]
+                           else "Pow/ReduceMean/Add/Sqrt/Div/Mul, fused by ORT into SimplifiedLayerNormalization")
                     rows.append({"tool": label, "model": name, "ok": r["max_rel"] < 1e-5,
                                  "max_rel": r["max_rel"], "note": f"onnxruntime; norms as {how}"})
                 except Exception as exc:  # noqa: BLE001

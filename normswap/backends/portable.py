@@ -3,19 +3,35 @@
 By default the captured graph holds only stock aten ops, so an exported program runs where
 normswap is not installed:
 
-* ``torch.export`` (and the dynamo ONNX exporter, which uses it): ``aten.rms_norm`` for float32 and
-  float64 inputs with a weight of the normalised shape (the ONNX exporter writes ``RMSNormalization``
-  at opset >= 23 and ``Pow``/``ReduceMean``/``Add``/``Sqrt``/``Reciprocal``/``Mul`` below), the ``eager``
-  backend's ops otherwise (half precision, per-head weights). Half precision stays on eager's ops
-  although ``aten.rms_norm`` itself would round once there (its decomposition upcasts, multiplies by
-  rstd and by the weight in float32 and casts once, checked in tests/integrations/test_torch_export.py):
-  ONNX's ``RMSNormalization``, which the exporter writes for it at opset >= 23, is specified to cast
-  the normalised value back to the input type *before* the scale multiply, a second rounding, and a
-  bias would be added after it in the input dtype, a third. Eager's ops export as ``Cast`` to float32,
-  the arithmetic, and one ``Cast`` back.
-* ``torch.jit.trace`` (and the legacy ONNX exporter, ``dynamo=False``): always the ``eager`` backend's
-  ops (pow, mean, add, rsqrt, mul), because the legacy exporter has no ``aten::rms_norm`` symbolic and
-  the fused kernels are invisible to a trace (they would be recorded as constants).
+* ``torch.onnx.export``, either exporter: ONNX Runtime's fused RMS kernel. Where the export will
+  write ``aten.rms_norm`` as ONNX ``RMSNormalization`` (the dynamo exporter at opset >= 23), that op,
+  for float32/float64 inputs with a weight of the normalised shape. Everywhere else (opsets 18-22,
+  among them torch 2.13's default 20, and the legacy exporter at every opset) the graph ONNX Runtime's
+  optimisers fuse into ``SimplifiedLayerNormalization``::
+
+      x -> Pow(2) -> ReduceMean(last axis, keepdims) -> Add(eps) -> Sqrt -> Div(x, .) -> Mul(weight)
+
+  (the session's C++ ``SimplifiedLayerNormFusion`` requires ``Div`` with ``x`` as its dividend, ``eps``
+  a float constant and a 1-D weight: ``aten.rms_norm``'s own decomposition ends in
+  ``Reciprocal``/``Mul`` and stays unfused; ``onnxruntime.transformers.optimizer`` then turns a
+  residual ``Add`` before it into ``SkipSimplifiedLayerNormalization``). A norm without a weight
+  multiplies by a constant of ones, so it fuses too; a bias is one ``Add`` after the fused op. Half
+  precision gets the same graph between a ``Cast`` to float32 and one ``Cast`` back (eager's one
+  rounding; never ``RMSNormalization``, whose spec rounds before the scale multiply). Norms over more
+  than one trailing dim or with per-head weights (no fused kernel takes them) get the eager ops.
+  Which ops each exporter and opset gets: docs/deployment.md; asserted in
+  tests/integrations/test_onnx_fusion.py.
+* ``torch.export`` (outside ONNX export): ``aten.rms_norm`` for float32 and float64 inputs with a
+  weight of the normalised shape, the ``eager`` backend's ops otherwise (half precision, per-head
+  weights). Half precision stays on eager's ops although ``aten.rms_norm`` itself would round once
+  there (its decomposition upcasts, multiplies by rstd and by the weight in float32 and casts once,
+  checked in tests/integrations/test_torch_export.py): ONNX's ``RMSNormalization``, which the
+  exporter writes for it at opset >= 23, is specified to cast the normalised value back to the input
+  type *before* the scale multiply, a second rounding, and a bias would be added after it in the
+  input dtype, a third.
+* ``torch.jit.trace`` (outside ONNX export): always the ``eager`` backend's ops (pow, mean, add,
+  rsqrt, mul), because the fused kernels are invisible to a trace (they would be recorded as
+  constants).
 
 A fused backend asked for explicitly (``backend="cpu"``/``"triton"`` on the module or call, or
 ``NORMSWAP_BACKEND``) stays a custom op under ``torch.export`` (``normswap::cpu_rms_norm``,
@@ -25,6 +41,9 @@ program that holds the custom op needs :func:`normswap.integrations.onnx.transla
 """
 
 from __future__ import annotations
+
+import sys
+from typing import NamedTuple
 
 import torch
 
@@ -44,11 +63,101 @@ def export_rms_norm(
 ) -> torch.Tensor | None:
     """The traceable RMSNorm for export, or None when the caller asked for a fused backend (the
     caller then dispatches to that backend, whose ``torch.export`` path is its custom op)."""
+    if torch.onnx.is_in_onnx_export():  # either exporter; ONNX Runtime brings its own (fused) kernels
+        y = onnx_rms_norm(x, normalized_shape, weight, bias, eps)
+        if y is not None:
+            return y
+        return eager.rms_norm(x, normalized_shape, weight, bias, eps)
     requested = backend if backend != "auto" else env_backend()
     if torch.jit.is_tracing():
         return eager.rms_norm(x, normalized_shape, weight, bias, eps)
-    if requested not in PORTABLE_BACKENDS and not torch.onnx.is_in_onnx_export():
-        return None  # the fused op; ONNX export always gets the portable ops (ONNX Runtime has its own kernels)
+    if requested not in PORTABLE_BACKENDS:
+        return None  # the fused op
     if requested == "eager" or x.dtype not in (torch.float32, torch.float64):
         return eager.rms_norm(x, normalized_shape, weight, bias, eps)
     return native.rms_norm(x, normalized_shape, weight, bias, eps)
+
+
+def onnx_rms_norm(
+    x: torch.Tensor,
+    normalized_shape: tuple[int, ...],
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float,
+) -> torch.Tensor | None:
+    """What ``torch.onnx.export`` records for one RMSNorm: ``aten.rms_norm`` where the exporter writes it
+    as ``RMSNormalization``, else the subgraph ONNX Runtime fuses into ``SimplifiedLayerNormalization``
+    (see the module docstring); None where no fused kernel applies (the caller emits eager's ops).
+
+    Cast order as eager's: float32 arithmetic (float64 for float64), weight and bias upcast, one
+    rounding at the end. Dividing by the root instead of multiplying by ``rsqrt`` is what ORT's fusion
+    matches; the two differ by float32 rounding only.
+    """
+    width = normalized_shape[-1] if len(normalized_shape) == 1 else None
+    if width is None or any(p is not None and tuple(p.shape) != normalized_shape for p in (weight, bias)):
+        return None  # ORT's fused kernels take one normalised axis and a 1-D scale
+    export = onnx_export_settings()
+    if x.dtype in (torch.float32, torch.float64) and weight is not None and export.writes_rms_normalization:
+        return native.rms_norm(x, normalized_shape, weight, bias, eps)  # one RMSNormalization (+ Add)
+    if export.optimizes:
+        eps = max(eps, ONNXSCRIPT_MIN_EPS)
+    cdt = eager.compute_dtype(x.dtype)
+    # a weightless norm multiplies by ones: the fusions need the scale multiply to close the pattern
+    w = weight.to(cdt) if weight is not None else torch.ones(normalized_shape, dtype=cdt, device=x.device)
+    xf = x.to(cdt)
+    y = xf / torch.sqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * w
+    if bias is not None:
+        y = y + bias.to(cdt)
+    return y.to(x.dtype)
+
+
+#: The smallest eps the dynamo exporter's graph keeps. Its default ``optimize=True`` runs onnxscript's
+#: rewriter, whose ``x + 0 -> x`` rule matches scalars within ``abs_tol=1e-8`` of zero: a BERT/ViT
+#: ``eps=1e-12`` Add vanishes, the graph divides by ``sqrt(mean(x**2))`` (a zero row gives NaN) and ORT's
+#: fusions, which need the Add, no longer match. Raised to this, the output changes by a relative
+#: ``(1.1e-8 - eps) / (2 * mean(x**2))``, below float32 rounding for rows with ``mean(x**2) > 0.1``.
+#: ``torch.onnx.export(..., optimize=False)`` and the legacy exporter keep the exact eps.
+ONNXSCRIPT_MIN_EPS = 1.1e-8
+
+
+class OnnxExport(NamedTuple):
+    """What the running ONNX export will do with the graph being captured."""
+
+    writes_rms_normalization: bool  # aten.rms_norm becomes RMSNormalization (not a decomposition)
+    optimizes: bool  # onnxscript's optimiser rewrites the exported graph
+
+
+_LEGACY = OnnxExport(writes_rms_normalization=False, optimizes=False)  # no aten::rms_norm symbolic, no rewriter
+_ONNX_EXPORT_MODULE = "torch.onnx._internal.exporter._core"  # where torch.onnx.export(dynamo=True) runs
+
+
+def onnx_export_settings() -> OnnxExport:
+    """What the running ``torch.onnx.export`` will do with the captured graph (call it while the
+    exporter traces or translates).
+
+    The legacy exporter (a ``torch.jit`` trace) has no ``aten::rms_norm`` symbolic and no rewriter.
+    The exporter builds its registry for the requested opset (plus any ``custom_translation_table``)
+    before capturing the model, inside ``_core.export(..., registry=..., optimize=...)``: that frame
+    says whether ``aten.rms_norm`` is translated (to ``RMSNormalization``, opset >= 23) or decomposed
+    (into ``Reciprocal``/``Mul``, which ORT does not fuse), and whether onnxscript's optimiser runs. When no
+    such frame is found (a torch whose exporter is laid out differently; Dynamo's strict capture, which
+    cannot inspect frames) the answer is the fused-by-ORT subgraph with the optimiser assumed on: right
+    at every opset, so a miss costs the op's portable name, never speed or correctness.
+    """
+    if torch.jit.is_tracing():
+        return _LEGACY
+    unknown = OnnxExport(writes_rms_normalization=False, optimizes=True)
+    if torch.compiler.is_dynamo_compiling():
+        return unknown
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "export" and frame.f_globals.get("__name__") == _ONNX_EXPORT_MODULE:
+            local = frame.f_locals
+            registry = local.get("registry")  # None: the exporter's default, opset 18
+            try:
+                writes = registry is not None and bool(registry.is_registered(torch.ops.aten.rms_norm.default))
+            except Exception:  # a registry of another shape: the subgraph is the safe answer
+                writes = False
+            return OnnxExport(writes_rms_normalization=writes, optimizes=bool(local.get("optimize", True)))
+        frame = frame.f_back
+    return unknown

@@ -2,10 +2,11 @@
 
 Submodules (each imported on its own, so ``import normswap`` stays light):
 
-* :mod:`normswap.integrations.onnx`: ONNX translations for the fused custom ops (only needed when a
-  fused backend was asked for explicitly; what ``normswap.RMSNorm`` computes under ``torch.export``,
-  ``torch.onnx.export`` and ``torch.jit.trace`` is the backends' portable path,
-  :mod:`normswap.backends.portable`).
+* :mod:`normswap.integrations.onnx`: ``fused_norm_ops``, which counts the norm ops ONNX Runtime's
+  optimiser leaves in an exported file (one fused op per converted norm), and ONNX translations for the
+  fused custom ops (only needed when a fused backend was asked for explicitly; what ``normswap.RMSNorm``
+  computes under ``torch.export``, ``torch.onnx.export`` and ``torch.jit.trace`` is the backends'
+  portable path, :mod:`normswap.backends.portable`).
 * :mod:`normswap.integrations.trainer`: transformers' weight-decay rules see ``normswap.RMSNorm`` as a
   norm (set up by ``normswap.patch`` and ``normswap.load``; call ``register()`` for RMSNorms you build
   yourself).

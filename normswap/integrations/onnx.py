@@ -1,9 +1,26 @@
-"""ONNX translations for normswap's fused custom ops.
+"""ONNX: what an exported converted model holds, a check that ONNX Runtime fuses it, and translations
+for normswap's fused custom ops.
 
-``torch.onnx.export(model, ...)`` never needs these: while an ONNX export traces the model,
-``normswap.RMSNorm`` emits stock aten ops (see :mod:`normswap.backends.portable`). They are for an
-*already exported* program that holds a fused op because a fused backend was asked for explicitly
-(``backend="cpu"``/``"triton"`` or ``NORMSWAP_BACKEND``) before ``torch.export.export``::
+``torch.onnx.export(model, ...)`` needs nothing from here: while an ONNX export traces the model,
+``normswap.RMSNorm`` emits the graph ONNX Runtime runs on its fused RMS kernel (see
+:mod:`normswap.backends.portable` and docs/deployment.md):
+
+============================================  ==========================================================
+export                                        each RMSNorm becomes
+============================================  ==========================================================
+``dynamo=True``, opset >= 23                  ``RMSNormalization`` (float32/float64 with a weight)
+``dynamo=True``, opsets 18-22 (default 20)    ``Pow``/``ReduceMean``/``Add``/``Sqrt``/``Div``/``Mul``, which
+                                              ORT's session fuses into ``SimplifiedLayerNormalization``
+``dynamo=False`` (legacy), any opset          the same subgraph, the same fusion
+============================================  ==========================================================
+
+``onnxruntime.transformers.optimizer.optimize_model`` additionally turns a residual ``Add`` before a
+fused norm into ``SkipSimplifiedLayerNormalization``. :func:`fused_norm_ops` counts what ONNX Runtime's
+optimiser made of an exported file, so a deployment script can assert that every norm fused.
+
+:func:`translation_table` is for an *already exported* program that holds a fused op because a fused
+backend was asked for explicitly (``backend="cpu"``/``"triton"`` or ``NORMSWAP_BACKEND``) before
+``torch.export.export``::
 
     ep = torch.export.export(model, args)          # holds normswap::cpu_rms_norm
     torch.onnx.export(ep, dynamo=True, opset_version=23,
@@ -12,21 +29,56 @@
 At opset >= 23 a float32/float64 norm whose weight has the normalised shape becomes one
 ``RMSNormalization`` node (plus an ``Add`` for a bias, exact in the input dtype there); otherwise
 (lower opsets, no weight, per-head weights, and every half-precision input) the decomposition
-``Cast``, ``Mul``, ``ReduceMean``, ``Add``, ``Sqrt``, ``Reciprocal``, ``Mul`` (weight) and ``Add``
-(bias) in the compute dtype (float32; float64 for float64), then one ``Cast`` back: the ``eager``
-backend's cast order, one rounding. Half precision never uses ``RMSNormalization``: the ONNX spec casts
-its normalised value back to the input type before multiplying by the scale (a second rounding).
+``Cast``, ``Pow``, ``ReduceMean``, ``Add``, ``Sqrt``, ``Div``, ``Mul`` (weight) and ``Add`` (bias) in the
+compute dtype (float32; float64 for float64), then one ``Cast`` back: the ``eager`` backend's cast
+order, one rounding; ORT fuses it into ``SimplifiedLayerNormalization`` where the weight is 1-D.
+Half precision never uses ``RMSNormalization``: the ONNX spec casts its normalised value back to the
+input type before multiplying by the scale (a second rounding).
 Needs ``onnxscript``.
 """
 
 from __future__ import annotations
 
+import os
+import tempfile
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from normswap.backends.portable import ONNXSCRIPT_MIN_EPS, onnx_export_settings
+
 MIN_RMS_NORMALIZATION_OPSET = 23
+
+#: The ops ONNX Runtime runs an RMSNorm on in one kernel: ONNX's own, ORT's fused contrib ops.
+FUSED_RMS_OPS = ("RMSNormalization", "SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization")
+
+
+def fused_norm_ops(model_path: str | os.PathLike, *, providers: Sequence[str] = ("CPUExecutionProvider",),
+                   level: str = "ORT_ENABLE_ALL") -> dict[str, int]:
+    """How many nodes of each norm op ONNX Runtime's graph optimiser leaves in the model at ``model_path``.
+
+    Builds an ``InferenceSession`` at optimisation ``level`` (ORT's default is ``ORT_ENABLE_ALL``), has it
+    write the optimised graph to a temporary file, and counts the ops in :data:`FUSED_RMS_OPS`, ORT's
+    LayerNorm ops (``LayerNormalization``, ``SkipLayerNormalization``) and ``Pow`` (what is left of a
+    norm that did not fuse, or of another op, e.g. a tanh-GELU's cube where ORT did not fuse that). A
+    converted model deploys fused when the first three sum to its number of ``normswap.RMSNorm``
+    modules. Needs ``onnxruntime`` and ``onnx``.
+    """
+    import onnx
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.graph_optimization_level = getattr(ort.GraphOptimizationLevel, level)
+    options.log_severity_level = 3  # ORT warns that an ENABLE_ALL graph is specific to this machine
+    with tempfile.TemporaryDirectory() as tmp:
+        options.optimized_model_filepath = str(Path(tmp) / "optimised.onnx")
+        ort.InferenceSession(str(model_path), options, providers=list(providers))
+        graph = onnx.load(options.optimized_model_filepath, load_external_data=False).graph
+    counted = (*FUSED_RMS_OPS, "LayerNormalization", "SkipLayerNormalization", "Pow")
+    ops = [n.op_type for n in graph.node]
+    return {op: ops.count(op) for op in counted}
 
 
 def _ops(opset: int) -> Any:
@@ -35,10 +87,14 @@ def _ops(opset: int) -> Any:
     return getattr(onnxscript, f"opset{min(max(opset, 18), 23)}")
 
 
-def _rstd(op: Any, xf: Any, k: int, eps: float) -> Any:
+def _root(op: Any, xf: Any, k: int, eps: float) -> Any:
+    """``sqrt(mean(xf**2) + eps)`` over the last ``k`` axes, as ``Pow(2)``, ``ReduceMean``, ``Add``, ``Sqrt``:
+    the head of the pattern ORT's ``SimplifiedLayerNormFusion`` matches (``Mul(x, x)`` does not)."""
     axes = op.Constant(value_ints=list(range(-k, 0)))
-    mean_sq = op.ReduceMean(op.Mul(xf, xf), axes, keepdims=1)
-    return op.Reciprocal(op.Sqrt(op.Add(mean_sq, op.CastLike(op.Constant(value_float=float(eps)), xf))))
+    mean_sq = op.ReduceMean(op.Pow(xf, op.CastLike(op.Constant(value_float=2.0), xf)), axes, keepdims=1)
+    if onnx_export_settings().optimizes:
+        eps = max(eps, ONNXSCRIPT_MIN_EPS)  # onnxscript's rewriter deletes an Add of a scalar within 1e-8 of 0
+    return op.Sqrt(op.Add(mean_sq, op.CastLike(op.Constant(value_float=float(eps)), xf)))
 
 
 # ONNX TensorProto data types (onnx.TensorProto.FLOAT, ...), without importing onnx here
@@ -65,7 +121,8 @@ def _make(opset: int, rstd_in_compute_dtype: bool = False) -> Callable[..., tupl
         elem = _elem_type(x)
         compute = _DOUBLE if elem == _DOUBLE else _FLOAT  # float32 statistics, float64 for float64
         xf = op.Cast(x, to=compute)
-        rstd = _rstd(op, xf, k, eps)
+        root = _root(op, xf, k, eps)
+        rstd = op.Reciprocal(root)  # the second output only; unused in inference, dropped as dead code
         flat_rstd = op.Reshape(rstd if rstd_in_compute_dtype else op.Cast(rstd, to=_FLOAT),
                                op.Constant(value_ints=[-1]))
         same_shape = weight is not None and getattr(weight, "shape", None) is not None and \
@@ -76,7 +133,9 @@ def _make(opset: int, rstd_in_compute_dtype: bool = False) -> Callable[..., tupl
             if bias is not None:
                 y = op.Add(y, op.CastLike(bias, x))
             return y, flat_rstd
-        y = op.Mul(xf, rstd)  # the compute dtype throughout, one rounding at the end (eager's order)
+        # x / root, not x * rstd: the Div is what ORT fuses (into SimplifiedLayerNormalization, when a 1-D
+        # weight follows); the compute dtype throughout, one rounding at the end (eager's order)
+        y = op.Div(xf, root)
         if weight is not None:
             y = op.Mul(y, op.Cast(weight, to=compute))
         if bias is not None:

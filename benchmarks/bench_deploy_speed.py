@@ -1,0 +1,409 @@
+"""Deployment speed: a converted model against its LayerNorm original, end to end, in the engines people
+deploy to on CPU: ONNX Runtime (CPU provider, default session optimisation), torch eager and
+``torch.compile`` (inductor).
+
+Models (random weights, seeded; LayerNorm γ/β and every bias randomised so nothing folds away by
+accident), at their real sizes, body only (``last_hidden_state``; no LM/classifier head, which would
+dilute the norms' share):
+
+* ``gpt2``: GPT-2 small (12 layers, width 768), Pre-LN, converted exactly (``normswap.patch``);
+* ``bert``: BERT-base (12 layers, width 768), Post-LN, every norm converted (``mode="all"``, approximate;
+  speed does not depend on calibration, so ``calibration=False``);
+* ``vit``: ViT-B/16 (12 layers, width 768), Pre-LN, converted exactly; two models, one per image size
+  (their position tables differ).
+
+Shapes: batch 1 and 4 at two sequence lengths (text: 8 and 32 tokens; ViT: 64 and 128 px images, 17 and
+65 tokens), small enough that the norms are a visible share and that the run stays bounded on a shared
+2-core machine. Each model is exported once per variant with ``torch.onnx.export(dynamo=True)`` at the
+exporter's default opset (dynamic batch and sequence) and cached (``--cache``); ``--opset 23`` adds an
+ONNX Runtime column for ``RMSNormalization``.
+
+Timing: one thread everywhere (``torch.set_num_threads(1)``, ORT ``intra_op_num_threads=1``); per cell,
+interleaved ABBA quads (original, converted, converted, original) until the cell's time budget is
+spent (at least ``--min-quads``); the ratio is the median over quads of converted/original time, with
+the quartiles of that ratio. Load average is recorded before and after. ``torch.compile`` (inductor,
+``dynamic=True``) is timed at batch 4 only unless ``--compile-batch1``: a batch of 1 is specialised,
+so it would cost a second compile per model (minutes each on a loaded 2-core machine).
+
+    python benchmarks/bench_deploy_speed.py                 # everything (~15-30 min on a loaded 2-core box)
+    python benchmarks/bench_deploy_speed.py --quick         # batch 1 and 4 at the short length, less time per cell
+    python benchmarks/bench_deploy_speed.py --models gpt2 --engines ort,eager
+    python benchmarks/bench_deploy_speed.py --json out.json # also write the raw figures
+
+Goal (issue 40): converted/original <= 1.00 in every cell, below 1 where the norm is a visible share.
+Results: docs/results/deploy-speed.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import json
+import logging
+import os
+import platform
+import statistics
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import normswap
+from normswap.integrations.onnx import fused_norm_ops
+
+TEXT_SHAPES = [(1, 8), (4, 8), (1, 32), (4, 32)]  # (batch, tokens)
+VIT_SIZES = (64, 128)  # image px: 17 and 65 tokens at patch 16
+ENGINES = ("ort", "eager", "compile")
+
+
+class Body(nn.Module):
+    """The model's forward on positional tensors, returning ``last_hidden_state`` (what an exporter and a
+    compiled graph see)."""
+
+    def __init__(self, model: nn.Module, keys: tuple[str, ...]) -> None:
+        super().__init__()
+        self.model, self.keys = model, keys
+        self.extra = {"use_cache": False} if "gpt2" in type(model).__name__.lower() else {}
+
+    def forward(self, *tensors: torch.Tensor) -> torch.Tensor:
+        return self.model(**dict(zip(self.keys, tensors, strict=True)), **self.extra).last_hidden_state
+
+
+def randomise_(model: nn.Module, seed: int = 0) -> nn.Module:
+    """LayerNorm γ around 1, β and every bias around 0 (the default 1/0 init would let folds vanish)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            leaf = name.rsplit(".", 1)[-1]
+            if p.dim() == 1 and ("norm" in name.lower() or "ln" in name.lower() or leaf == "bias"):
+                p.copy_((1.0 if leaf == "weight" else 0.0) + 0.3 * torch.randn(p.shape, generator=gen))
+    return model.eval()
+
+
+def build(name: str, image: int = 0, layers: int = 12) -> tuple[nn.Module, tuple[str, ...]]:
+    import transformers as tf
+
+    torch.manual_seed(0)
+    if name == "gpt2":
+        model = tf.GPT2Model(tf.GPT2Config(n_layer=layers, n_embd=768, n_head=12))
+        keys: tuple[str, ...] = ("input_ids", "attention_mask")
+    elif name == "bert":
+        model = tf.BertModel(tf.BertConfig(num_hidden_layers=layers), add_pooling_layer=False)
+        keys = ("input_ids", "attention_mask")
+    else:
+        model = tf.ViTModel(tf.ViTConfig(image_size=image, patch_size=16, num_hidden_layers=layers),
+                            add_pooling_layer=False)
+        keys = ("pixel_values",)
+    return randomise_(model), keys
+
+
+def convert(name: str, model: nn.Module) -> tuple[nn.Module, dict[str, int]]:
+    converted = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        kwargs = {"mode": "all", "calibration": False} if name == "bert" else {}
+        report = normswap.patch(converted, **kwargs)
+    verdicts: dict[str, int] = {}
+    for site in report.sites:
+        verdicts[site.verdict] = verdicts.get(site.verdict, 0) + 1
+    return converted.eval(), verdicts
+
+
+def inputs_for(name: str, batch: int, tokens_or_px: int) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(batch * 1000 + tokens_or_px)
+    if name == "vit":
+        return (torch.randn(batch, 3, tokens_or_px, tokens_or_px, generator=gen),)
+    ids = torch.randint(100, 20000, (batch, tokens_or_px), generator=gen)
+    return ids, torch.ones_like(ids)
+
+
+def export(body: Body, example: tuple[torch.Tensor, ...], path: Path, opset: int | None) -> float:
+    """``torch.onnx.export(dynamo=True)`` with a dynamic batch (and sequence for text); seconds taken."""
+    done = path.with_suffix(".done")  # written last: a half-written export is redone
+    if path.exists() and done.exists():
+        return 0.0
+    batch = torch.export.Dim("batch", min=1, max=64)
+    if len(example) == 2:
+        seq = torch.export.Dim("seq", min=2, max=512)
+        shapes: tuple = ({0: batch, 1: seq}, {0: batch, 1: seq})
+    else:
+        shapes = ({0: batch},)
+    kwargs = {} if opset is None else {"opset_version": opset}
+    t0 = time.perf_counter()
+    logging.disable(logging.WARNING)
+    try:
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torch.onnx.export(body, example, str(path), dynamo=True, dynamic_shapes={"tensors": shapes}, **kwargs)
+    finally:
+        logging.disable(logging.NOTSET)
+    done.write_text("")
+    return time.perf_counter() - t0
+
+
+def ort_session(path: Path):
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()  # default: ORT_ENABLE_ALL
+    options.intra_op_num_threads = 1
+    options.inter_op_num_threads = 1
+    options.log_severity_level = 3
+    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+
+
+def ort_call(session, example: tuple[torch.Tensor, ...]) -> Callable[[], object]:
+    feed = {i.name: t.numpy() for i, t in zip(session.get_inputs(), example, strict=True)}
+    return lambda: session.run(None, feed)
+
+
+def torch_call(fn: Callable[..., torch.Tensor], example: tuple[torch.Tensor, ...]) -> Callable[[], object]:
+    def run() -> object:
+        with torch.inference_mode():
+            return fn(*example)
+
+    return run
+
+
+def abba(original: Callable[[], object], converted: Callable[[], object], budget_s: float,
+         min_quads: int) -> dict[str, float]:
+    """Median and quartiles over ABBA quads of converted/original time; both warmed up first."""
+    for f in (original, converted, original, converted):
+        f()
+    ratios, base = [], []
+    clock = time.perf_counter
+    start = clock()
+    while len(ratios) < min_quads or clock() - start < budget_s:
+        t = []
+        for f in (original, converted, converted, original):
+            t0 = clock()
+            f()
+            t.append(clock() - t0)
+        ratios.append((t[1] + t[2]) / (t[0] + t[3]))
+        base.append((t[0] + t[3]) / 2)
+        if len(ratios) >= 400:
+            break
+    q = statistics.quantiles(ratios, n=4) if len(ratios) >= 2 else [ratios[0]] * 3
+    return {"ratio": statistics.median(ratios), "q1": q[0], "q3": q[2], "quads": len(ratios),
+            "original_ms": 1e3 * statistics.median(base)}
+
+
+KERNELS = {
+    # label: (op, domain, inputs after x (the residual sum, or x and skip for Skip* ops), extra Add of a bias)
+    "LayerNormalization (original)": ("LayerNormalization", "", ["w", "b"], False),
+    "SimplifiedLayerNormalization": ("SimplifiedLayerNormalization", "", ["w"], False),
+    "SimplifiedLayerNormalization + Add (kept β)": ("SimplifiedLayerNormalization", "", ["w"], True),
+    "RMSNormalization (opset 23)": ("RMSNormalization", "", ["w"], False),
+    "SkipLayerNormalization (original)": ("SkipLayerNormalization", "com.microsoft", ["w", "b"], False),
+    "SkipSimplifiedLayerNormalization": ("SkipSimplifiedLayerNormalization", "com.microsoft", ["w"], False),
+}
+
+
+def kernel_rows(width: int = 768, rows_list: tuple[int, ...] = (8, 128, 512), budget: float = 3.0) -> str:
+    """ORT's norm kernels alone (one thread), each against ``LayerNormalization`` (or
+    ``SkipLayerNormalization`` for the Skip ops) on the same input, ABBA-interleaved: what the fused
+    converted graph saves per norm."""
+    import numpy as np
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    def session(label: str):
+        op, domain, params, bias_add = KERNELS[label]
+        skip = op.startswith("Skip")
+        x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", width])
+        r = helper.make_tensor_value_info("r", TensorProto.FLOAT, ["N", width])
+        y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", width])
+        gen = np.random.default_rng(0)
+        inits = [numpy_helper.from_array((gen.random(width) + 0.5).astype(np.float32), "w"),
+                 numpy_helper.from_array(gen.random(width).astype(np.float32), "b")]
+        nodes = [] if skip else [helper.make_node("Add", ["x", "r"], ["h"])]
+        first = ["x", "r"] if skip else ["h"]
+        out = "z" if bias_add else "y"
+        nodes.append(helper.make_node(op, first + params, [out], domain=domain, epsilon=1e-5,
+                                      **({} if skip else {"axis": -1})))
+        if bias_add:
+            nodes.append(helper.make_node("Add", ["z", "b"], ["y"]))
+        graph = helper.make_graph(nodes, "norm", [x, r], [y], inits)
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23),
+                                                        helper.make_opsetid("com.microsoft", 1)])
+        model.ir_version = 10
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = 1
+        options.log_severity_level = 3
+        return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+    sessions = {label: session(label) for label in KERNELS}
+    lines = ["| ORT kernel | " + " | ".join(f"{n} rows: vs original" for n in rows_list) + " |",
+             "|---|" + "---|" * len(rows_list)]
+    gen = np.random.default_rng(1)
+    results: dict[str, list[str]] = {label: [] for label in KERNELS}
+    for n in rows_list:
+        feed = {"x": gen.standard_normal((n, width), dtype=np.float32),
+                "r": gen.standard_normal((n, width), dtype=np.float32)}
+        repeat = max(1, 4096 // n)  # calls per timed block, so a block lasts long enough to time
+
+        def block(sess, feed=feed, repeat=repeat):
+            def run() -> None:
+                for _ in range(repeat):
+                    sess.run(None, feed)
+            return run
+
+        for label in KERNELS:
+            base = "SkipLayerNormalization (original)" if label.startswith("Skip") else "LayerNormalization (original)"
+            if label == base:
+                r = abba(block(sessions[base]), block(sessions[base]), budget, 5)
+                results[label].append(f"1.00 ({1e6 * r['original_ms'] / 1e3 / repeat:.1f} µs)")
+                continue
+            r = abba(block(sessions[base]), block(sessions[label]), budget, 5)
+            results[label].append(f"**{r['ratio']:.2f}** ({r['q1']:.2f}–{r['q3']:.2f})")
+    for label, cells in results.items():
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def variants(name: str) -> list[tuple[str, int]]:
+    """(label, image size) per model built: one for text, one per image size for ViT."""
+    return [(name, 0)] if name != "vit" else [(f"vit{px}", px) for px in VIT_SIZES]
+
+
+def shapes(name: str, quick: bool) -> list[tuple[int, int]]:
+    if name.startswith("vit"):
+        return [(1, 0), (4, 0)] if not quick else [(1, 0)]
+    return TEXT_SHAPES if not quick else [(1, 8), (4, 8)]
+
+
+def run_model(name: str, label: str, px: int, args: argparse.Namespace, cache: Path) -> list[dict]:
+    model, keys = build(name, px, args.layers)
+    t0 = time.perf_counter()
+    converted, verdicts = convert(name, model)
+    convert_s = time.perf_counter() - t0
+    norms = sum(isinstance(m, normswap.RMSNorm) for m in converted.modules())
+    print(f"# {label}: {norms} RMSNorms, verdicts {verdicts}, converted in {convert_s:.0f} s", flush=True)
+    bodies = {"original": Body(model, keys).eval(), "converted": Body(converted, keys).eval()}
+    rows: dict[tuple[int, int], dict] = {}
+    for batch, n in shapes(label, args.quick):
+        rows[(batch, n)] = {"model": label, "batch": batch, "tokens": (px // 16) ** 2 + 1 if px else n,
+                            "verdicts": verdicts, "norms": norms}
+    ort_columns = [("ort", None)] + ([("ort23", 23)] if args.opset23 else [])
+    for engine, opset in ort_columns:
+        if engine.rstrip("23") not in args.engines:
+            continue
+        sessions, fused = {}, {}
+        for variant, body in bodies.items():
+            path = cache / f"{label}-L{args.layers}-{variant}-{opset or 'default'}.onnx"
+            example = inputs_for(name, 2, px or 16)
+            secs = export(body, example, path, opset)
+            if secs:
+                print(f"#   exported {path.name} in {secs:.0f} s", flush=True)
+            fused[variant] = {k: v for k, v in fused_norm_ops(path).items() if v}
+            sessions[variant] = ort_session(path)
+        print(f"#   {engine} norm ops after ORT's optimiser: {fused}", flush=True)
+        for (batch, n), row in rows.items():
+            example = inputs_for(name, batch, px or n)
+            row[engine] = abba(ort_call(sessions["original"], example), ort_call(sessions["converted"], example),
+                               args.budget, args.min_quads)
+            row[engine + "_ops"] = fused
+            print(f"#   {engine} b{batch} t{row['tokens']}: {row[engine]['ratio']:.3f}", flush=True)
+        del sessions
+        gc.collect()
+    for engine in ("eager", "compile"):
+        if engine not in args.engines:
+            continue
+        fns = {k: (torch.compile(b, dynamic=True) if engine == "compile" else b) for k, b in bodies.items()}
+        for (batch, n), row in rows.items():
+            if engine == "compile" and batch == 1 and not args.compile_batch1:
+                continue  # a second compile per model (size-1 dims are specialised): --compile-batch1
+            example = inputs_for(name, batch, px or n)
+            t0 = time.perf_counter()
+            row[engine] = abba(torch_call(fns["original"], example), torch_call(fns["converted"], example),
+                               args.budget, args.min_quads)
+            print(f"#   {engine} b{batch} t{row['tokens']}: {row[engine]['ratio']:.3f} "
+                  f"({time.perf_counter() - t0:.0f} s)", flush=True)
+        del fns
+        torch._dynamo.reset()
+        gc.collect()
+    return list(rows.values())
+
+
+def table(rows: list[dict], engines: list[str]) -> str:
+    head = "| model | batch | tokens | " + " | ".join(f"{e}: converted / original" for e in engines)
+    head += " | original ms (" + engines[0] + ") |"
+    lines = [head, "|" + "---|" * (len(engines) + 4)]
+    for r in rows:
+        cells = []
+        for e in engines:
+            m = r.get(e)
+            cells.append("–" if m is None else f"**{m['ratio']:.3f}** ({m['q1']:.2f}–{m['q3']:.2f}, {m['quads']})")
+        first = r.get(engines[0])
+        base = f"{first['original_ms']:.1f}" if first else "–"
+        lines.append(f"| {r['model']} | {r['batch']} | {r['tokens']} | " + " | ".join(cells) + f" | {base} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default="gpt2,bert,vit")
+    parser.add_argument("--engines", default=",".join(ENGINES))
+    parser.add_argument("--opset23", action="store_true", help="add an ORT column at opset 23 (RMSNormalization)")
+    parser.add_argument("--quick", action="store_true", help="fewer shapes, 4 s per cell")
+    parser.add_argument("--budget", type=float, default=None,
+                        help="seconds of ABBA quads per cell (default 12; 4 quick)")
+    parser.add_argument("--min-quads", type=int, default=None, help="at least this many quads per cell (5; 3 quick)")
+    parser.add_argument("--cache", default=os.environ.get("TMPDIR", "/tmp") + "/normswap-deploy-bench",
+                        help="where the exported .onnx files are kept between runs")
+    parser.add_argument("--json", default=None, help="also write the raw figures here")
+    parser.add_argument("--kernels", action="store_true",
+                        help="only ORT's norm kernels alone, against LayerNormalization (about a minute)")
+    parser.add_argument("--compile-batch1", action="store_true",
+                        help="also time torch.compile at batch 1 (one more compile per model)")
+    parser.add_argument("--layers", type=int, default=12, help="transformer layers (12: the real sizes; fewer "
+                        "for a plumbing check)")
+    args = parser.parse_args()
+    args.engines = [e for e in args.engines.split(",") if e]
+    args.budget = args.budget if args.budget is not None else (4.0 if args.quick else 12.0)
+    args.min_quads = args.min_quads if args.min_quads is not None else (3 if args.quick else 5)
+    torch.set_num_threads(1)
+    cache = Path(args.cache)
+    cache.mkdir(parents=True, exist_ok=True)
+    load_before = os.getloadavg()
+    t_start = time.perf_counter()
+    import onnxruntime
+    import transformers
+
+    versions = (f"torch {torch.__version__}, onnxruntime {onnxruntime.__version__}, transformers "
+                f"{transformers.__version__}, normswap {getattr(normswap, '__version__', '?')}, "
+                f"Python {platform.python_version()}")
+    print(f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {versions}; {os.cpu_count()} CPUs; "
+          f"load average {load_before[0]:.1f}/{load_before[1]:.1f}/{load_before[2]:.1f}", flush=True)
+    if args.kernels:
+        print(kernel_rows(budget=args.budget / 2))
+        print(f"\nwidth 768, one thread; median of ABBA quads (quartiles); load average {os.getloadavg()[0]:.1f}")
+        return
+    rows: list[dict] = []
+    for name in args.models.split(","):
+        for label, px in variants(name):
+            try:
+                rows += run_model(name, label, px, args, cache)
+            except Exception as exc:  # noqa: BLE001  (one model's failure must not lose the others' figures)
+                print(f"# {label} FAILED: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+            gc.collect()
+            if args.json:
+                Path(args.json).write_text(json.dumps({"versions": versions, "rows": rows}, indent=1, default=str))
+    load_after = os.getloadavg()
+    engines = [e for e in ("ort", "ort23", "eager", "compile") if any(e in r for r in rows)]
+    print()
+    print(table(rows, engines))
+    print(f"\nmedian over ABBA quads of converted/original time (quartiles, quads); 1 thread; "
+          f"load average {load_before[0]:.1f} before, {load_after[0]:.1f} after; "
+          f"{time.perf_counter() - t_start:.0f} s in all; {' '.join(sys.argv[1:]) or '(defaults)'}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"versions": versions, "load": [load_before, load_after],
+                                               "rows": rows}, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,233 @@
+"""An exported converted model runs on ONNX Runtime's fused RMS kernel, one fused op per norm.
+
+Before issue 40 the dynamo exporter's default opset wrote each RMSNorm as ``aten.rms_norm``'s
+decomposition (``Pow``, ``ReduceMean``, ``Add``, ``Sqrt``, ``Reciprocal``, ``Mul``, ``Mul``), which neither
+ORT's session optimiser nor ``onnxruntime.transformers.optimizer`` fuses, and onnxscript's optimiser
+deleted BERT's and ViT's ``+ 1e-12`` altogether: the converted model ran unfused, slower than its
+original's fused ``LayerNormalization``. Counts come from the graph ORT itself writes out
+(``SessionOptions.optimized_model_filepath``, through ``normswap.integrations.onnx.fused_norm_ops``).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("onnxruntime")
+pytest.importorskip("onnxscript")
+
+import normswap  # noqa: E402
+from normswap.backends.portable import ONNXSCRIPT_MIN_EPS  # noqa: E402
+from normswap.integrations.onnx import FUSED_RMS_OPS, fused_norm_ops  # noqa: E402
+from tests.integrations.compat import (  # noqa: E402
+    MODELS,
+    Positional,
+    agreement,
+    first_output,
+    rms_norm_count,
+    tensor_inputs,
+    tiny_converted,
+)
+
+TOL = 1e-5  # float32 through a 2-layer model; an unfused or mis-fused norm (wrong eps, no weight) is far off
+
+
+@pytest.fixture(scope="module", params=MODELS)
+def converted(request, tmp_path_factory):
+    """``(name, model, inputs, export)``: ``export(**kwargs)`` exports once per set of arguments and
+    returns the file (the session and the optimizer tests read the same default-opset export)."""
+    name = request.param
+    model, inputs = tiny_converted(name)
+    folder = tmp_path_factory.mktemp(name)
+    done: dict[str, object] = {}
+
+    def export(**kwargs):
+        key = "-".join(f"{k}={v}" for k, v in sorted(kwargs.items()))
+        if key not in done:
+            done[key] = folder / f"{key}.onnx"
+            _export(model, inputs, done[key], **kwargs)
+        return done[key]
+
+    return name, model, inputs, export
+
+
+def _export(model: nn.Module, inputs: dict, path, **kwargs) -> None:
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        logging.disable(logging.WARNING)  # the exporter's progress lines
+        try:
+            torch.onnx.export(Positional(model, inputs), tuple(tensor_inputs(inputs).values()), str(path), **kwargs)
+        finally:
+            logging.disable(logging.NOTSET)
+
+
+def _run(path, inputs: dict) -> torch.Tensor:
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    sess = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    feed = {i.name: t.numpy() for i, t in zip(sess.get_inputs(), tensor_inputs(inputs).values(), strict=True)}
+    return torch.from_numpy(sess.run(None, feed)[0])
+
+
+def _fused_eps(path) -> list[float]:
+    """The epsilon of every fused norm in ORT's optimised graph."""
+    import onnx
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    options.optimized_model_filepath = str(path) + ".opt"
+    ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    return [a.f for n in onnx.load(options.optimized_model_filepath).graph.node if n.op_type in FUSED_RMS_OPS
+            for a in n.attribute if a.name == "epsilon"]
+
+
+def _eps_of(model: nn.Module) -> set[float]:
+    return {m.eps for m in model.modules() if isinstance(m, normswap.RMSNorm)}
+
+
+# dynamo=True without an opset: torch 2.13 writes opset 20, below RMSNormalization's 23
+@pytest.mark.parametrize("export", [{"dynamo": True}, {"dynamo": False, "opset_version": 18}],
+                         ids=["dynamo-default-opset", "legacy-18"])
+def test_every_norm_fuses_in_the_ort_session(converted, export):
+    name, model, inputs, exported = converted
+    path = exported(**export)
+    ops = fused_norm_ops(path)
+    n = rms_norm_count(model)
+    assert ops["SimplifiedLayerNormalization"] == n, (name, ops)
+    assert ops["Pow"] == 0 and ops["RMSNormalization"] == 0, (name, ops)
+    (eps,) = _eps_of(model)
+    kept = max(eps, ONNXSCRIPT_MIN_EPS) if export["dynamo"] else eps
+    assert _fused_eps(path) == pytest.approx([kept] * n, rel=1e-6)  # ORT read the eps (its default is 1e-5)
+    with torch.no_grad():
+        ref = first_output(model(**inputs))
+    assert agreement(_run(path, inputs), ref)["max_rel"] < TOL
+
+
+def test_opset_23_writes_rms_normalization(converted):
+    import onnx
+
+    name, model, inputs, exported = converted
+    path = exported(dynamo=True, opset_version=23)
+    ops = collections.Counter(n.op_type for n in onnx.load(str(path)).graph.node)
+    n = rms_norm_count(model)
+    assert ops["RMSNormalization"] == n and ops["Sqrt"] == 0, ops
+    assert fused_norm_ops(path)["RMSNormalization"] == n  # ORT keeps its own kernel for the op
+    (eps,) = _eps_of(model)
+    assert _fused_eps(path) == pytest.approx([eps] * n, rel=1e-6)  # an attribute: no optimiser can drop it
+    with torch.no_grad():
+        ref = first_output(model(**inputs))
+    assert agreement(_run(path, inputs), ref)["max_rel"] < TOL
+
+
+def test_transformers_optimizer_fuses_every_norm(converted, tmp_path):
+    """``optimize_model`` with the model's own type fuses each norm, the ones after a residual ``Add``
+    into ``SkipSimplifiedLayerNormalization``."""
+    from onnxruntime.transformers.optimizer import optimize_model
+
+    name, model, inputs, exported = converted
+    path = exported(dynamo=True)
+    logging.disable(logging.WARNING)
+    try:
+        optimised = optimize_model(str(path), model_type=name, num_heads=0, hidden_size=0)
+    finally:
+        logging.disable(logging.NOTSET)
+    ops = collections.Counter(n.op_type for n in optimised.model.graph.node)
+    assert ops["SimplifiedLayerNormalization"] + ops["SkipSimplifiedLayerNormalization"] == rms_norm_count(model)
+    assert ops["SkipSimplifiedLayerNormalization"] >= 1 and ops["Pow"] == 0, ops
+    out = tmp_path / "optimised.onnx"
+    optimised.save_model_to_file(str(out))
+    with torch.no_grad():
+        ref = first_output(model(**inputs))
+    assert agreement(_run(out, inputs), ref)["max_rel"] < TOL
+
+
+class _Stack(nn.Module):
+    """Residual blocks around RMSNorms of one kind: ``x + linear(norm(x))`` twice, then a final norm."""
+
+    def __init__(self, make_norm, width: int = 16) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(0)
+        self.norms = nn.ModuleList(make_norm() for _ in range(3))
+        self.linears = nn.ModuleList(nn.Linear(width, width) for _ in range(2))
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.5 + (1.0 if p.dim() == 1 else 0.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for norm, linear in zip(self.norms, self.linears, strict=False):
+            x = x + linear(norm(x))
+        return self.norms[-1](x)
+
+
+def _mixed() -> _Stack:
+    """A weightless norm, one with a kept bias and one with BERT's eps=1e-12."""
+    kinds = iter([lambda: normswap.RMSNorm(16, eps=1e-6, elementwise_affine=False),
+                  lambda: normswap.RMSNorm(16, eps=1e-6, bias=True),
+                  lambda: normswap.RMSNorm(16, eps=1e-12)])
+    return _Stack(lambda: next(kinds)()).eval()
+
+
+@pytest.mark.parametrize("optimize", [True, False], ids=["onnxscript-optimiser", "optimize=False"])
+def test_norm_variants_fuse(optimize, tmp_path):
+    """A weightless norm (multiplied by ones to close the pattern), a kept bias (an Add after the fused
+    op) and eps=1e-12 all fuse. Under onnxscript's optimiser eps=1e-12 is raised to ONNXSCRIPT_MIN_EPS
+    (the optimiser deletes an Add of a smaller scalar); with ``optimize=False`` it is kept exactly. A row
+    of zeros stays finite."""
+    model = _mixed()
+    x = torch.randn(2, 5, 16)
+    x[1, 2] = 0.0
+    inputs = {"x": x}
+    path = tmp_path / "m.onnx"
+    _export(model, inputs, path, dynamo=True, optimize=optimize)
+    assert fused_norm_ops(path)["SimplifiedLayerNormalization"] == 3
+    kept = ONNXSCRIPT_MIN_EPS if optimize else 1e-12
+    assert sorted(_fused_eps(path)) == pytest.approx(sorted([1e-6, 1e-6, kept]), rel=1e-6)
+    got = _run(path, inputs)
+    with torch.no_grad():
+        ref = model(x)
+    assert torch.isfinite(got).all()
+    assert agreement(got, ref)["max_rel"] < TOL
+
+
+def test_half_precision_fuses_between_casts(tmp_path):
+    """A float16 model: the norm's float32 arithmetic between a Cast up and one Cast down (eager's one
+    rounding) fuses on the CPU provider into a float32 SimplifiedLayerNormalization."""
+    model = _Stack(lambda: normswap.RMSNorm(16, eps=1e-6, bias=True)).eval().half()
+    x = torch.randn(2, 5, 16).half()
+    path = tmp_path / "m.onnx"
+    _export(model, {"x": x}, path, dynamo=True)
+    assert fused_norm_ops(path)["SimplifiedLayerNormalization"] == 3
+    got = _run(path, {"x": x})
+    with torch.no_grad():
+        ref = model.float()(x.float())
+    assert agreement(got, ref)["max_rel"] < 5e-3  # float16 storage between the ops
+
+
+def test_translated_fused_backend_program_fuses(tmp_path):
+    """A program exported by ``torch.export`` with ``backend="cpu"`` holds ``normswap::cpu_rms_norm``;
+    ``translation_table(18)`` writes it as the graph ORT fuses (it wrote ``Mul(x, x)``/``Reciprocal``)."""
+    from normswap.integrations.onnx import translation_table
+
+    model, inputs = tiny_converted("vit")
+    for m in model.modules():
+        if isinstance(m, normswap.RMSNorm):
+            m.backend = "cpu"
+    x = tensor_inputs(inputs)["pixel_values"]
+    ep = torch.export.export(Positional(model, inputs), (x,))
+    assert any("normswap.cpu_rms_norm" in str(n.target) for n in ep.graph.nodes)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        program = torch.onnx.export(ep, dynamo=True, opset_version=18, custom_translation_table=translation_table(18))
+    program.save(str(tmp_path / "p.onnx"))
+    assert fused_norm_ops(tmp_path / "p.onnx")["SimplifiedLayerNormalization"] == rms_norm_count(model)
+    with torch.no_grad():
+        ref = model(pixel_values=x).logits
+    assert agreement(_run(tmp_path / "p.onnx", inputs), ref)["max_rel"] < TOL
