@@ -69,9 +69,10 @@ class ConvertOptions:
             ``"fold"`` folds it wherever the readers can take it (the behaviour before this option).
         layer_scale: what happens to a LayerScale λ (BEiT, DINOv2, CaiT) whose writer is centered.
             ``"keep"`` (default): the writer is centered as ``diag(λ) W`` (exact), then each output row is
-            divided back by a per-row scale that gives it the original row's rms, and that scale becomes
-            the new λ; the LayerScale multiply stays, and the weights keep the ranges of the original's,
-            so per-tensor int8 quantizers see what they saw before. ``"fold"``: ``W ← diag(λ) W``, λ ← 1
+            divided by a per-row scale that makes its largest entry the original weight's ``max|w|``, and
+            that scale becomes the new λ: the LayerScale multiply stays, the weight keeps the original's
+            range, and every row uses all of it (per-tensor int8 then quantizes the writer as finely as
+            per-channel int8 would). ``"fold"``: ``W ← diag(λ) W``, λ ← 1
             (the behaviour before this option); exact too, but λ's spread (DINOv2: 1e-4 to 10) spreads the
             rows of the writer apart, and a per-tensor quantizer then loses the small rows
             (``docs/results/quantization.md``). A rotation folds a kept λ into its writer before turning

@@ -205,28 +205,29 @@ def fold_layer_scale(model: nn.Module, sf: ScaleFold) -> None:
         lam.fill_(1.0 - sf.offset)
 
 
-def writer_row_rms(model: nn.Module, sf: ScaleFold) -> torch.Tensor:
-    """The rms of each output row of ``sf``'s writer (float64): what :func:`balance_layer_scale` restores."""
-    w = linear_at(model, sf.into).weight.detach().double()
-    return w.pow(2).mean(dim=0).sqrt() if sf.kind == "conv1d" else w.pow(2).mean(dim=1).sqrt()
+def writer_max(model: nn.Module, sf: ScaleFold) -> float:
+    """The largest ``|w|`` of ``sf``'s writer weight (float64): the range :func:`balance_layer_scale` keeps."""
+    return float(linear_at(model, sf.into).weight.detach().double().abs().max())
 
 
-def balance_layer_scale(model: nn.Module, sf: ScaleFold, row_rms: torch.Tensor) -> None:
+def balance_layer_scale(model: nn.Module, sf: ScaleFold, target: float) -> None:
     """Take a per-row scale back out of a folded and centered LayerScale writer into λ (``sf.keep``).
 
     After :func:`fold_layer_scale` and centering, the writer computes ``C diag(λ) (W x + b)``: exact, but
     its rows carry λ's spread (DINOv2: 1e-4 to 10), which a per-tensor quantizer pays for. Any per-row
-    ``s > 0`` gives the same product ``s ⊙ (diag(1/s) W' x + b'/s)``; ``s_i = rms(W'_i) / rms(W_i)`` gives
-    each row the rms it had in the original (``row_rms``), so the writer's ranges are the original's,
-    and λ ← s (the LayerScale multiply stays). A row that is zero in either keeps ``s_i = 1``.
+    ``s > 0`` gives the same product ``s ⊙ (diag(1/s) W' x + b'/s)``. ``s_i = max|W'_i| / target`` gives
+    every row the same largest entry, ``target`` (the original weight's ``max|w|``), so the weight's range
+    is the original's and a per-tensor quantizer's step is the original's, while each row uses the whole
+    range: per-tensor quantization of the writer becomes as fine as per-row (per-channel) quantization,
+    and ``max|w| / rms(w)`` is the smallest any per-row scaling can give. λ ← s (the LayerScale multiply
+    stays). A zero row keeps ``s_i = 1``.
     """
     lam = model.get_parameter(sf.param)
     module = linear_at(model, sf.into)
     with torch.no_grad():
         w = module.weight.detach().double()
-        now = w.pow(2).mean(dim=0).sqrt() if sf.kind == "conv1d" else w.pow(2).mean(dim=1).sqrt()
-        ok = (now > 0) & (row_rms.to(now.device) > 0)
-        scale = torch.where(ok, now / torch.where(ok, row_rms.to(now.device), 1.0), torch.ones_like(now))
+        peak = w.abs().amax(dim=0) if sf.kind == "conv1d" else w.abs().amax(dim=1)
+        scale = torch.where(peak > 0, peak / target, torch.ones_like(peak)) if target > 0 else torch.ones_like(peak)
         w = w / scale[None, :] if sf.kind == "conv1d" else w / scale[:, None]
         module.weight.copy_(w.to(module.weight.dtype))
         if module.bias is not None:
@@ -441,14 +442,14 @@ def apply_weight_edits(model: nn.Module, plan: Plan, sites: dict[str, NormSite],
         mark_untied(model)
     for rf in plan.rms_folds:
         fold_rms_gamma(model, rf)
-    row_rms = {sf.param: writer_row_rms(model, sf) for sf in plan.scale_folds if sf.keep}
+    ranges = {sf.param: writer_max(model, sf) for sf in plan.scale_folds if sf.keep}
     for sf in plan.scale_folds:  # before centering: the centered rows are the scaled ones
         fold_layer_scale(model, sf)
     for e in plan.writer_edits:
         center_writer(model, e)
-    for sf in plan.scale_folds:  # after centering: the writer's rows get their original rms back, λ the scale
+    for sf in plan.scale_folds:  # after centering: every row of the writer spans its original range, λ the scale
         if sf.keep:
-            balance_layer_scale(model, sf, row_rms[sf.param])
+            balance_layer_scale(model, sf, ranges[sf.param])
     for r in plan.centered_readers:  # before widening: the carry's added rows must see the norm's output as is
         center_reader(model, r, sites[r.site].gamma(originals[r.site]), sites[r.site].beta(originals[r.site]))
     for c in plan.mean_carries:  # after centering: the carry's columns are constant on purpose
