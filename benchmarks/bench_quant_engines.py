@@ -18,6 +18,7 @@ CLS embedding (``pooler_output``), averaged over the inputs, and the same over e
   transformers: stock LayerNorms, centered writers, what ``normswap convert --format compat`` writes;
 * ``compat-fold-ls``: the same with ``layer_scale="fold"`` (LayerScale λ folded into the writer rows, λ ← 1:
   the behaviour before ``layer_scale="balance"`` became the default);
+* ``fold-gamma``: ``patch(fold_gamma=True)`` (γ in the readers' columns, what a rotation needs), compat format;
 * ``native``: the default ``normswap.patch`` in memory (``normswap.RMSNorm`` modules), exported as it is;
 * ``hadamard``: ``patch(fold_gamma=True)`` then ``normswap.rotate(model, "hadamard", output="restore")`` (the
   backbone's output is a model output, so the stream is turned back before the final norm: native only).
@@ -50,7 +51,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 QUANTIZERS = ("fp32", "dyn-pt", "dyn-pc", "qdq", "nbits-rtn", "nbits-hqq")
-VARIANTS = ("original", "compat", "compat-fold-ls", "native", "hadamard")
+VARIANTS = ("original", "compat", "compat-fold-ls", "native", "fold-gamma", "hadamard")
 WEIGHTS = {"o_proj": "attention.o_proj", "fc2": "mlp.fc2", "q_proj": "attention.q_proj",
            "k_proj": "attention.k_proj", "fc1": "mlp.fc1"}
 
@@ -100,7 +101,7 @@ def variant(model: torch.nn.Module, name: str, workdir: Path) -> tuple[torch.nn.
     if name == "original":
         return model, ""
     conv = copy.deepcopy(model)
-    opts: dict[str, Any] = {"fold_gamma": name == "hadamard"}
+    opts: dict[str, Any] = {"fold_gamma": name in ("hadamard", "fold-gamma")}
     if name == "compat-fold-ls":
         opts["layer_scale"] = "fold"
     with warnings.catch_warnings():
@@ -209,7 +210,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     ap.add_argument("--quantizers", nargs="+", default=list(QUANTIZERS), choices=QUANTIZERS)
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--plot", type=Path, help="write a PNG of the error ratios (matplotlib)")
+    ap.add_argument("--from-json", type=Path, help="no measuring: print the table (and --plot) of an earlier --json")
     args = ap.parse_args(argv)
+    if args.from_json:
+        result = json.loads(args.from_json.read_text())
+        print(table(result))
+        if args.plot:
+            plot(result, args.plot)
+        return result
     torch.set_num_threads(1)
 
     model = dino(args.layers, args.seed, args.image)
@@ -241,7 +250,36 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(table(result))
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
+    if args.plot:
+        plot(result, args.plot)
     return result
+
+
+def plot(result: dict[str, Any], path: Path, metric: str = "cls") -> None:
+    """Grouped bars: each variant's error over the original's, per quantizer (log scale; 1 = the original)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    base = rows["original"]["errors"]
+    hows = [h for h in base if h != "fp32"]
+    names = [n for n in rows if n != "original"]
+    fig, ax = plt.subplots(figsize=(8, 3.6))
+    width = 0.8 / len(names)
+    for i, name in enumerate(names):
+        ratios = [rows[name]["errors"][h][metric] / base[h][metric] for h in hows]
+        ax.bar([j + (i - (len(names) - 1) / 2) * width for j in range(len(hows))], ratios, width, label=name)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.axhline(1.05, color="grey", linewidth=0.6, linestyle="--")
+    ax.set_yscale("log")
+    ax.set_xticks(range(len(hows)), hows)
+    ax.set_ylabel("error / original's error")
+    ax.set_title(f"{result['model']}: 1 − cosine ({metric}) over {result['images']} inputs")
+    ax.legend(fontsize=8, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def table(result: dict[str, Any]) -> str:
