@@ -19,6 +19,8 @@ CLS embedding (``pooler_output``), averaged over the inputs, and the same over e
 * ``compat-fold-ls``: the same with ``layer_scale="fold"`` (LayerScale λ folded into the writer rows, λ ← 1:
   the behaviour before ``layer_scale="balance"`` became the default);
 * ``fold-gamma``: ``patch(fold_gamma=True)`` (γ in the readers' columns, what a rotation needs), compat format;
+* ``jitter-1``, ``jitter-2``: the noise floor, the original with its LayerScale writers' rows and λ rescaled
+  by ``U(0.9, 1.1)`` and its inverse (exact, same ranges, other rounding: :func:`jittered`);
 * ``native``: the default ``normswap.patch`` in memory (``normswap.RMSNorm`` modules), exported as it is;
 * ``hadamard``: ``patch(fold_gamma=True)`` then ``normswap.rotate(model, "hadamard", output="restore")`` (the
   backbone's output is a model output, so the stream is turned back before the final norm: native only).
@@ -51,7 +53,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 QUANTIZERS = ("fp32", "dyn-pt", "dyn-pc", "qdq", "nbits-rtn", "nbits-hqq")
-VARIANTS = ("original", "compat", "compat-fold-ls", "native", "fold-gamma", "hadamard")
+VARIANTS = ("original", "compat", "compat-fold-ls", "native", "fold-gamma", "hadamard", "jitter-1", "jitter-2")
 WEIGHTS = {"o_proj": "attention.o_proj", "fc2": "mlp.fc2", "q_proj": "attention.q_proj",
            "k_proj": "attention.k_proj", "fc1": "mlp.fc1"}
 
@@ -100,6 +102,8 @@ def variant(model: torch.nn.Module, name: str, workdir: Path) -> tuple[torch.nn.
 
     if name == "original":
         return model, ""
+    if name.startswith("jitter-"):
+        return jittered(model, int(name.split("-")[1])), "the original, writer rows × U(0.9, 1.1), λ ÷ the same"
     conv = copy.deepcopy(model)
     opts: dict[str, Any] = {"fold_gamma": name in ("hadamard", "fold-gamma")}
     if name == "compat-fold-ls":
@@ -116,6 +120,26 @@ def variant(model: torch.nn.Module, name: str, workdir: Path) -> tuple[torch.nn.
         normswap.save(conv, out, format="compat", overwrite=True)
         del conv
         return tf.Dinov2Model.from_pretrained(out).eval(), "compat checkpoint loaded by transformers"
+
+
+@torch.no_grad()
+def jittered(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """The noise floor: an exact copy of the original whose every quantizer rounds differently.
+
+    Each LayerScale writer's rows are scaled by ``r ~ U(0.9, 1.1)`` and λ by ``1/r`` (the row holding the
+    weight's largest entry keeps ``r = 1``, so the range is unchanged): the same function, the same
+    ranges, other rounding. The spread of its error around the original's is what a variant's ratio
+    must beat to mean anything."""
+    out = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(seed)
+    for layer in out.encoder.layer:
+        for lin, ls in ((layer.attention.o_proj, layer.layer_scale1), (layer.mlp.fc2, layer.layer_scale2)):
+            r = 0.9 + 0.2 * torch.rand(lin.out_features, generator=g, dtype=torch.float64)
+            r[int(lin.weight.abs().amax(1).argmax())] = 1.0
+            lin.weight.copy_(lin.weight.double() * r[:, None])
+            lin.bias.copy_(lin.bias.double() * r)
+            ls.lambda1.copy_(ls.lambda1.double() / r)
+    return out
 
 
 def weight_ranges(model: torch.nn.Module) -> dict[str, float]:

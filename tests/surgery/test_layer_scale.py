@@ -130,3 +130,22 @@ def test_kept_layer_scale_survives_a_compat_checkpoint(tmp_path):
 def test_layer_scale_option_is_checked():
     with pytest.raises(normswap.NormswapError, match="layer_scale"):
         normswap.patch(_dinov2(), layer_scale="balance")
+
+
+@pytest.mark.parametrize("layer_scale", ["keep", "fold"])
+def test_streamed_conversion_writes_the_in_memory_layer_scale_bits(tmp_path, layer_scale: str):
+    """The low-memory path applies the same λ fold and rebalancing tensor by tensor (before, it centered the
+    writers without λ and its verification refused the result)."""
+    model = _dinov2().float()
+    model.save_pretrained(tmp_path / "src")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        normswap.convert(tmp_path / "src", tmp_path / "streamed", format="compat", low_memory=True,
+                         layer_scale=layer_scale)
+        normswap.convert(tmp_path / "src", tmp_path / "memory", format="compat", layer_scale=layer_scale)
+    streamed = transformers.Dinov2Model.from_pretrained(tmp_path / "streamed").state_dict()
+    memory = transformers.Dinov2Model.from_pretrained(tmp_path / "memory").state_dict()
+    assert streamed.keys() == memory.keys()
+    assert all(torch.equal(streamed[k], memory[k]) for k in memory)
+    lam = streamed["encoder.layer.0.layer_scale1.lambda1"]
+    assert bool((lam == 1).all()) == (layer_scale == "fold")
