@@ -235,11 +235,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--quantizers", nargs="+", default=list(QUANTIZERS), choices=QUANTIZERS)
     ap.add_argument("--json", type=Path)
     ap.add_argument("--plot", type=Path, help="write a PNG of the error ratios (matplotlib)")
-    ap.add_argument("--from-json", type=Path, help="no measuring: print the table (and --plot) of an earlier --json")
+    ap.add_argument("--from-json", type=Path, nargs="+",
+                    help="no measuring: print the tables (and --plot) of earlier --json runs, rows merged")
     args = ap.parse_args(argv)
     if args.from_json:
-        result = json.loads(args.from_json.read_text())
-        print(table(result))
+        parts = [json.loads(p.read_text()) for p in args.from_json]
+        result = parts[0]
+        for part in parts[1:]:  # runs of further variants on the same model and inputs
+            result["rows"].update(part["rows"])
+        print(table(result, "tok") + "\n\n" + table(result, "cls"))
         if args.plot:
             plot(result, args.plot)
         return result
@@ -271,7 +275,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                       flush=True)
             row["seconds"] = time.perf_counter() - t0
             result["rows"][name] = row
-    print(table(result))
+    print(table(result, "tok") + "\n\n" + table(result, "cls"))
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
     if args.plot:
@@ -279,8 +283,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     return result
 
 
-def plot(result: dict[str, Any], path: Path, metric: str = "cls") -> None:
-    """Grouped bars: each variant's error over the original's, per quantizer (log scale; 1 = the original)."""
+def plot(result: dict[str, Any], path: Path) -> None:
+    """Grouped bars: each variant's error over the original's, per quantizer, for every token's output and
+    for the CLS embedding (log scale; 1 = the original, dashed: 1.05)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -290,38 +295,45 @@ def plot(result: dict[str, Any], path: Path, metric: str = "cls") -> None:
     base = rows["original"]["errors"]
     hows = [h for h in base if h != "fp32"]
     names = [n for n in rows if n != "original"]
-    fig, ax = plt.subplots(figsize=(8, 3.6))
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4), sharey=True)
     width = 0.8 / len(names)
-    for i, name in enumerate(names):
-        ratios = [rows[name]["errors"][h][metric] / base[h][metric] for h in hows]
-        ax.bar([j + (i - (len(names) - 1) / 2) * width for j in range(len(hows))], ratios, width, label=name)
-    ax.axhline(1.0, color="black", linewidth=0.8)
-    ax.axhline(1.05, color="grey", linewidth=0.6, linestyle="--")
-    ax.set_yscale("log")
-    ax.set_xticks(range(len(hows)), hows)
-    ax.set_ylabel("error / original's error")
-    ax.set_title(f"{result['model']}: 1 − cosine ({metric}) over {result['images']} inputs")
-    ax.legend(fontsize=8, ncol=2)
+    for ax, metric in zip(axes, ("tok", "cls"), strict=True):
+        for i, name in enumerate(names):
+            ratios = [rows[name]["errors"].get(h, {}).get(metric, float("nan")) / base[h][metric] for h in hows]
+            ax.bar([j + (i - (len(names) - 1) / 2) * width for j in range(len(hows))], ratios, width, label=name)
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.axhline(1.05, color="grey", linewidth=0.6, linestyle="--")
+        ax.set_yscale("log")
+        ax.set_xticks(range(len(hows)), hows)
+        ax.set_title(f"1 − cosine, {'every token' if metric == 'tok' else 'CLS embedding'}")
+    axes[0].set_ylabel("error / original's error")
+    axes[0].legend(fontsize=8, ncol=2)
+    fig.suptitle(f"{result['model']}, {result['images']} images, ONNX Runtime quantizers")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
 
 
-def table(result: dict[str, Any]) -> str:
+def table(result: dict[str, Any], metric: str = "tok") -> str:
+    """Weight ranges, then each quantizer's error (``metric``: ``tok`` every token, ``cls`` the CLS embedding)
+    with its ratio to the original's in brackets."""
     rows = result["rows"]
     base = rows.get("original")
     hows = list(next(iter(rows.values()))["errors"])
-    lines = ["| variant | " + " | ".join(WEIGHTS) + " | " + " | ".join(hows) + " |",
+    lines = [f"1 − cosine ({metric}) against the float32 original; max|w|/rms medians over the layers",
+             "", "| variant | " + " | ".join(WEIGHTS) + " | " + " | ".join(hows) + " |",
              "|---|" + "---|" * (len(WEIGHTS) + len(hows))]
     for name, row in rows.items():
         cells = [f"{row['weights'][k]:.1f}" for k in WEIGHTS]
         for how in hows:
-            e = row["errors"][how]["cls"]
-            ratio = f" ({e / base['errors'][how]['cls']:.2f}x)" if base and name != "original" and how != "fp32" \
-                and base["errors"][how]["cls"] > 0 else ""
+            e = row["errors"].get(how, {}).get(metric)
+            if e is None:
+                cells.append("-")
+                continue
+            ratio = f" ({e / base['errors'][how][metric]:.2f}x)" if base and name != "original" and how != "fp32" \
+                and base["errors"][how][metric] > 0 else ""
             cells.append(f"{e:.2e}{ratio}")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
-
 
 if __name__ == "__main__":
     main()
