@@ -17,6 +17,7 @@ from normswap.errors import NormswapError
 
 MODES = ("auto", "exact", "all")
 BETA_PLACEMENTS = ("rounding", "fold")  # where β goes in a default conversion (normswap.surgery.beta_placement)
+LAYER_SCALES = ("keep", "fold")  # where a centered writer's LayerScale λ ends up (normswap.surgery.edits)
 FORMATS = ("native", "compat")
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # checkpoint dtypes ``convert`` can write
 VERIFY_DTYPES = ("auto", "float64", "float32")  # what the working copy computes in (normswap.memory)
@@ -66,6 +67,16 @@ class ConvertOptions:
             bfloat16 than the original's own path, and then keeps it in the RMSNorm
             (:mod:`normswap.surgery.beta_placement`; each norm's ``beta_detail`` says which and why);
             ``"fold"`` folds it wherever the readers can take it (the behaviour before this option).
+        layer_scale: what happens to a LayerScale λ (BEiT, DINOv2, CaiT) whose writer is centered.
+            ``"keep"`` (default): the writer is centered as ``diag(λ) W`` (exact), then each output row is
+            divided by a per-row scale that makes its largest entry the original weight's ``max|w|``, and
+            that scale becomes the new λ: the LayerScale multiply stays, the weight keeps the original's
+            range, and every row uses all of it (per-tensor int8 then quantizes the writer as finely as
+            per-channel int8 would). ``"fold"``: ``W ← diag(λ) W``, λ ← 1
+            (the behaviour before this option); exact too, but λ's spread (DINOv2: 1e-4 to 10) spreads the
+            rows of the writer apart, and a per-tensor quantizer then loses the small rows
+            (``docs/results/quantization.md``). A rotation folds a kept λ into its writer before turning
+            it either way.
         untie: clone tied output heads so the input embedding can be centered. ``False`` keeps the
             tie and centers at run time instead (one centering op per token).
         per_norm_centering: make Post-LN norms exact with one mean subtraction before each (verdict
@@ -105,6 +116,7 @@ class ConvertOptions:
     fold_gamma: bool = False
     bias_slots: bool = True
     beta_placement: str = "rounding"
+    layer_scale: str = "keep"
     untie: bool = True
     per_norm_centering: bool = False
     mean_carry: bool = True
@@ -125,6 +137,7 @@ class ConvertOptions:
 
         choose("mode", self.mode, MODES)
         choose("beta_placement", self.beta_placement, BETA_PLACEMENTS)
+        choose("layer_scale", self.layer_scale, LAYER_SCALES)
         choose("verify_dtype", self.verify_dtype, VERIFY_DTYPES)
         if self.rotate is not None:
             choose("rotate", self.rotate, ROTATIONS)

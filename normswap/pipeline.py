@@ -445,7 +445,7 @@ def analyse_copy(work: nn.Module, args: tuple, kwargs: dict, opts: ConvertOption
     found, graph = _identify_sites(work, args, kwargs)
     plan = analyse(work, graph, found.sites, untie=opts.untie, fold_gamma=opts.fold_gamma,
                    per_norm_centering=opts.per_norm_centering, mean_carry=opts.mean_carry,
-                   rms_norms=found.skipped, bias_slots=opts.bias_slots)
+                   rms_norms=found.skipped, bias_slots=opts.bias_slots, layer_scale=opts.layer_scale)
     plan.skipped = [{"name": s.path, "class": s.class_name, "reason": s.reason} for s in found.skipped]
     plan.options["already_converted"] = bool(found.converted) and not found.sites
     return _Analysis(plan, {s.path: s for s in found.sites}, graph, args, kwargs, dict(graph.held_casts))

@@ -93,9 +93,13 @@ def test_layer_scale_times_parameter_plus_constant_folds(unit_offset: bool):
     assert len(report.plan.scale_folds) == 4
     assert {f.offset for f in report.plan.scale_folds} == {float(unit_offset)}
     model = _build(lambda: LayerScaleLM(unit_offset=unit_offset))
-    normswap.patch(model, (_ids(2, 9, 0),))
+    normswap.patch(model, (_ids(2, 9, 0),), layer_scale="fold")
     assert all(torch.allclose(m.gamma + float(unit_offset), torch.ones_like(m.gamma))
                for m in [*model.attn, *model.mlp])  # the effective λ is 1 once folded
+    model = _build(lambda: LayerScaleLM(unit_offset=unit_offset))
+    normswap.patch(model, (_ids(2, 9, 0),))  # default layer_scale="keep": λ + offset is each row's scale
+    assert all(bool((m.gamma + float(unit_offset) > 0).all()) and not torch.allclose(m.gamma + float(unit_offset),
+               torch.ones_like(m.gamma)) for m in [*model.attn, *model.mlp])
 
 
 def test_layer_scale_after_multihead_attention_folds_through_its_view_and_transpose():

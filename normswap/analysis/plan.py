@@ -123,12 +123,18 @@ def beta_text(routes: list[tuple[str, str]], moved_into: dict[str, str]) -> str:
 
 @dataclass(frozen=True)
 class ScaleFold:
-    """Fold a per-feature LayerScale ``param`` (λ) into writer ``into``'s output rows; λ becomes 1."""
+    """Fold a per-feature LayerScale ``param`` (λ) into writer ``into``'s output rows before it is centered.
+
+    ``keep=False``: λ becomes 1 (``W ← diag(λ) W``). ``keep=True`` (option ``layer_scale="keep"``): after
+    centering, each row is scaled so that its largest entry is the original weight's ``max|w|``, and that
+    per-row scale becomes the new λ: the writer keeps the original's range
+    (:func:`normswap.surgery.edits.balance_layer_scale`)."""
 
     param: str
     into: str  # module path of the Linear / Conv1D whose output λ scales
     kind: str  # linear | conv1d
     offset: float = 0.0  # the model scales by ``param + offset`` (x-transformers' unit offset); param ← 1 − offset
+    keep: bool = False  # λ kept as a per-row scale (not 1) after centering
 
 
 @dataclass
@@ -344,7 +350,10 @@ class Plan:
         if self.rms_folds:
             extra.append(f"γ of {len(self.rms_folds)} RMS norm(s) folded")
         if self.scale_folds:
-            extra.append(f"{len(self.scale_folds)} layer scale(s) folded")
+            kept = sum(f.keep for f in self.scale_folds)
+            extra.append(f"{len(self.scale_folds) - kept} layer scale(s) folded" if not kept else
+                         f"{kept} layer scale(s) kept (rebalanced)"
+                         + (f", {len(self.scale_folds) - kept} folded" if kept < len(self.scale_folds) else ""))
         if self.mean_carries:
             widths = "/".join(sorted({str(c.added) for c in self.mean_carries}))
             extra.append(f"{len(self.mean_carries)} MLP(s) widened by {widths} neurons to cancel a Post-LN mean")

@@ -135,7 +135,7 @@ class SiteStream:
 def analyse(model: nn.Module, graph: Graph, sites: list[NormSite], *, untie: bool = True,
             fold_gamma: bool = False, per_norm_centering: bool = False,
             rms_norms: list[SkippedNorm] | None = None, mean_carry: bool = True,
-            bias_slots: bool = False) -> Plan:
+            bias_slots: bool = False, layer_scale: str = "keep") -> Plan:
     """Derive writers, readers, centering ops and a verdict for every NormSite.
 
     Verdict policy for centering ops: one op where a stream *starts* (its value depends on no
@@ -152,6 +152,9 @@ def analyse(model: nn.Module, graph: Graph, sites: list[NormSite], *, untie: boo
     ``bias_slots`` (with ``fold_gamma``): a bias-less Linear reader whose share of β has nowhere else to go
     gets a bias (:class:`normswap.analysis.plan.BiasSlot`), so β leaves the norm instead of staying there as β/γ.
 
+    ``layer_scale``: ``"keep"`` marks every LayerScale fold ``keep`` (λ rebalanced and kept after centering,
+    so the writer keeps the original's ranges); ``"fold"`` leaves λ at 1.
+
     The steps run in this order because each needs the previous ones' answers: centering ops are
     placed only for terms no weight edit centers, writer edits are committed only once the ops are
     known (an op may make one redundant), and a norm's verdict needs both its writers and its ops.
@@ -161,7 +164,7 @@ def analyse(model: nn.Module, graph: Graph, sites: list[NormSite], *, untie: boo
     an.bias_slots = bias_slots and fold_gamma
     st = Planning(an, Plan(options={"untie": untie, "fold_gamma": fold_gamma,
                                     "per_norm_centering": per_norm_centering, "mean_carry": mean_carry,
-                                    "bias_slots": an.bias_slots}),
+                                    "bias_slots": an.bias_slots, "layer_scale": layer_scale}),
                   per_norm_centering=per_norm_centering, mean_carry=mean_carry)
     _find_writers(st)
     _center_writers(st)
@@ -599,7 +602,8 @@ def _plan_lists(st: Planning) -> None:
     outputs the conversion changes (what verification compares)."""
     an, plan = st.an, st.plan
     centered_owners = {e.owner for e in st.edits.values()}
-    plan.scale_folds = sorted({ScaleFold(param, path, writer_kind(an.modules[path]), offset)
+    keep = plan.options.get("layer_scale") == "keep"
+    plan.scale_folds = sorted({ScaleFold(param, path, writer_kind(an.modules[path]), offset, keep)
                                for param, path, _, offset in an.layer_scales.values() if path in centered_owners},
                               key=lambda f: f.param)
     plan.unties = list(st.unties.values())

@@ -301,7 +301,8 @@ def extrapolate(plan: dict[str, Any], proxy: dict[str, int], full: dict[str, int
     out: dict[str, Any] = {
         k: copy.deepcopy(v)
         for k, v in plan.items()
-        if k not in ("sites", "writer_edits", "folds", "hooks", "unties", "skipped", "mean_carries", "beta_moves")
+        if k not in ("sites", "writer_edits", "folds", "hooks", "unties", "skipped", "mean_carries", "beta_moves",
+                     "scale_folds")
     }
 
     # --- sites (with their writer and reader lists)
@@ -365,6 +366,8 @@ def extrapolate(plan: dict[str, Any], proxy: dict[str, int], full: dict[str, int
     out["mean_carries"] = _simple(ex, plan.get("mean_carries", []), "up", ("down", "site"), ref_field="source",
                                   text_fields=("activation",))
     out["beta_moves"] = _simple(ex, plan.get("beta_moves", []), "into", ("reader",), ref_field="site")
+    # LayerScale folds, one per layer's λ (the low-memory rewrite folds and rebalances every one of them)
+    out["scale_folds"] = sorted(_simple(ex, plan.get("scale_folds", []), "param", ("into",)), key=lambda f: f["param"])
     moved_into = {m["reader"]: m["into"] for m in out["beta_moves"]}
     for s in out["sites"]:
         if s.get("fold_beta"):  # β left the norm: where it went is a function of the extrapolated folds
@@ -490,6 +493,8 @@ def normalise(plan: dict[str, Any]) -> dict[str, Any]:
         "changed_outputs": sorted(plan["changed_outputs"]),
         "mean_carries": sorted((c["site"], c["source"], c["up"], c["down"], c["features"], c["hidden"], c["added"])
                                for c in plan.get("mean_carries", [])),
+        "scale_folds": sorted((f["param"], f["into"], f["kind"], f["offset"], f.get("keep", False))
+                              for f in plan.get("scale_folds", [])),
     }
 
 

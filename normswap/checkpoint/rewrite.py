@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from normswap.analysis.plan import MeanCarry, Plan
+from normswap.analysis.plan import MeanCarry, Plan, ScaleFold
 from normswap.checkpoint import writer
 from normswap.checkpoint.stream_io import ST_DTYPES, ST_TO_TORCH, Entry, Reader
 from normswap.errors import NormswapError
@@ -95,6 +95,13 @@ class TensorRewriter:
         # aliases the checkpoint lacks and loading will not re-tie: written explicitly
         self.extra = {t: s for t, s in self.alias.items() if t not in after}
         self.center = {self.canonical(e.target): (e.axis, e.blocks) for e in plan.writer_edits}
+        # LayerScale λ folded into its writer before centering (plan.ScaleFold), and with ``keep`` the
+        # per-row scale taken back out into λ afterwards, as surgery.edits does in memory
+        self.scales: dict[str, tuple[ScaleFold, str]] = {}
+        for sf in plan.scale_folds:
+            for what, key in (("weight", f"{sf.into}.weight"), ("bias", f"{sf.into}.bias"), ("lambda", sf.param)):
+                self.scales[self.canonical(key)] = (sf, what)
+        self._balance: dict[str, torch.Tensor] = {}
         # MLPs widened to carry a Post-LN mean (plan.MeanCarry): model key -> (carry, which tensor).
         # compat keeps the stock width (its norms are LayerNorms, which ignore the mean).
         self.widen = {} if fmt == "compat" else {
@@ -159,8 +166,17 @@ class TensorRewriter:
         """Float64 value after untie, centering and the folds (those before plan index ``upto``)."""
         key = self.canonical(model_key)
         w = self.read(self.untie.get(key, key)).double()
+        sf, what = self.scales.get(key, (None, ""))
+        if sf is not None:
+            if what == "lambda":
+                return (self._row_scale(sf) if sf.keep else torch.ones_like(w)).reshape(w.shape) - sf.offset
+            w = self._scaled(w, sf, what)
         if key in self.center:
             center_(w, *self.center[key])
+        if sf is not None and sf.keep:
+            s = self._row_scale(sf)
+            w = w / s[None, :] if what == "weight" and sf.kind == "conv1d" else \
+                (w / s[:, None] if what == "weight" else w / s)
         for m in self.moves.get(key, []):  # after centering, before every fold, as the in-memory surgery
             w = w + moved_shift(self.edited(f"{m.reader}.weight", 0), self.edited(f"{m.into}.weight", 0),
                                 self._beta(m.site), m)
@@ -178,6 +194,27 @@ class TensorRewriter:
             w = carried(w, *self.widen[key])
         return w
 
+    def _scaled(self, w: torch.Tensor, sf: ScaleFold, what: str) -> torch.Tensor:
+        """``w`` (the writer's weight or bias) times its LayerScale λ, before centering (``fold_layer_scale``)."""
+        lam = self.read(sf.param).double().reshape(-1) + sf.offset
+        if what == "bias":
+            return w * lam
+        return w * lam[None, :] if sf.kind == "conv1d" else w * lam[:, None]
+
+    def _row_scale(self, sf: ScaleFold) -> torch.Tensor:
+        """The per-row scale ``balance_layer_scale`` takes out of a folded, centered writer into λ (cached)."""
+        if sf.param not in self._balance:
+            key = self.canonical(f"{sf.into}.weight")
+            raw = self.read(self.untie.get(key, key)).double()
+            w = self._scaled(raw.clone(), sf, "weight")
+            if key in self.center:
+                center_(w, *self.center[key])
+            peak = w.abs().amax(dim=0) if sf.kind == "conv1d" else w.abs().amax(dim=1)
+            target = float(raw.abs().max())
+            self._balance[sf.param] = torch.where(peak > 0, peak / target, torch.ones_like(peak)) if target > 0 \
+                else torch.ones_like(peak)
+        return self._balance[sf.param]
+
     def _beta(self, site: str) -> torch.Tensor:
         """A norm's β in float64 (read up front for converted norms)."""
         if site in self.norms:
@@ -188,7 +225,7 @@ class TensorRewriter:
     def is_edited(self, model_key: str) -> bool:
         key = self.canonical(model_key)
         return key in self.center or key in self.untie or bool(self.folds.get(key)) or key in self.widen \
-            or key in self.moves
+            or key in self.moves or key in self.scales
 
     def shape(self, model_key: str | None, shape: tuple[int, ...]) -> tuple[int, ...]:
         """The output shape of a tensor (MLPs carrying a mean are wider)."""

@@ -35,7 +35,7 @@ from normswap.errors import (
     NormswapError,
     first_line,
 )
-from normswap.options import BETA_PLACEMENTS, DTYPES, FORMATS, MODES, ROTATIONS, TASKS, VERIFY_DTYPES
+from normswap.options import BETA_PLACEMENTS, DTYPES, FORMATS, LAYER_SCALES, MODES, ROTATIONS, TASKS, VERIFY_DTYPES
 
 __all__ = [
     "EXIT_CODES",
@@ -46,6 +46,7 @@ __all__ = [
     "EXIT_VERIFY",
     "MODES",
     "BETA_PLACEMENTS",
+    "LAYER_SCALES",
     "ROTATIONS",
     "DTYPES",
     "VERIFY_DTYPES",

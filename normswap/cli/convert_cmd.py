@@ -18,6 +18,7 @@ from normswap.cli.common import (
     DTYPES,
     EXIT_CODES,
     FORMATS,
+    LAYER_SCALES,
     MODES,
     ROTATIONS,
     TASK_NAMES,
@@ -155,6 +156,15 @@ Presets (offline, seeded tiny models with tokenizers/processors):
     "'fold' folds it wherever the readers can take it.",
 )
 @click.option(
+    "--layer-scale",
+    type=click.Choice(LAYER_SCALES),
+    default="keep",
+    show_default=True,
+    help="A LayerScale λ (DINOv2, BEiT) whose writer is centered: 'keep' leaves it as a per-channel scale "
+    "that gives every row of the writer the original weight's range (per-tensor int8 then quantizes it "
+    "as finely as per-channel); 'fold' multiplies it into the writer's rows (λ = 1). Both exact.",
+)
+@click.option(
     "--keep-tied",
     "--no-untie",
     "keep_tied",
@@ -267,6 +277,7 @@ def convert(
     no_mean_carry: bool,
     no_bias_slots: bool,
     beta_placement: str,
+    layer_scale: str,
     keep_tied: bool,
     dtype: str,
     calibration_data: str | None,
@@ -317,6 +328,7 @@ def convert(
         mean_carry=not no_mean_carry,
         bias_slots=not no_bias_slots,
         beta_placement=beta_placement,
+        layer_scale=layer_scale,
         verify=not no_verify,
         verify_dtype=verify_dtype,
         allow_unusable=allow_unusable,

@@ -24,12 +24,12 @@ hook that :func:`install_ops` rebuilds when a native checkpoint loads; the compa
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
 
-from normswap.analysis.linears import LinearView, linear_at, linear_module_kind
+from normswap.analysis.linears import LinearView, linear_at, linear_module_kind, param_names
 from normswap.analysis.plan import CENTERED_VERDICTS, Plan, SitePlan, plan_of
 from normswap.errors import NormswapError
 from normswap.nn.rmsnorm import RMSNorm
@@ -554,7 +554,9 @@ def rotate(model: nn.Module, q: str | int | torch.Tensor = "hadamard", *, seed: 
     result = Rotation()
     todo = _choose_streams(model, plan, choice, output, result)
     axes = _axes(plan)  # the output-feature axis of every writer tensor
-    for turn in _stream_turns(model, axes, todo, output, result):
+    turns = _stream_turns(model, axes, todo, output, result)
+    _fold_kept_layer_scales(model, plan, {w for turn in turns for w in turn.writers.values()})
+    for turn in turns:
         result.rotated.append(_turn_stream(model, axes, turn, output, online, result))
     if online and result.rotated and not any(r.get("value_heads") for r in plan.rotations):
         # per-head Hadamards on values and outputs: offline folds, no op (once: a second H̃ would undo nothing)
@@ -564,6 +566,28 @@ def rotate(model: nn.Module, q: str | int | torch.Tensor = "hadamard", *, seed: 
             result.online_skipped.append(f"per-head Hadamard on values: {why}")
     plan.rotations = plan.rotations + [manifest_entry(r) for r in result.rotated]
     return result
+
+
+def _fold_kept_layer_scales(model: nn.Module, plan: Plan, turned: set[str]) -> None:
+    """Fold each LayerScale λ the conversion kept (``layer_scale="keep"``) into its writer, where that writer
+    turns: ``λ ⊙ (Qᵀ W x)`` is not ``Qᵀ (λ ⊙ W x)``, so the rows take λ first (``W ← diag(λ) W``, λ ← 1)
+    and then turn. The plan records the fold (``keep=False``), as a conversion with ``layer_scale="fold"``."""
+    folds = []
+    for sf in plan.scale_folds:
+        if sf.keep and param_names(model, sf.into)[0] in turned:
+            lam = model.get_parameter(sf.param)
+            scale = lam.detach().double().reshape(-1) + sf.offset
+            module = linear_at(model, sf.into)
+            with torch.no_grad():
+                w = module.weight.detach().double()
+                w = w * scale[None, :] if sf.kind == "conv1d" else w * scale[:, None]
+                module.weight.copy_(w.to(module.weight.dtype))
+                if module.bias is not None:
+                    module.bias.copy_((module.bias.detach().double() * scale).to(module.bias.dtype))
+                lam.fill_(1.0 - sf.offset)
+            sf = replace(sf, keep=False)
+        folds.append(sf)
+    plan.scale_folds = folds
 
 
 def _converted_plan(model: nn.Module) -> Plan:

@@ -206,6 +206,36 @@ def fold_layer_scale(model: nn.Module, sf: ScaleFold) -> None:
         lam.fill_(1.0 - sf.offset)
 
 
+def writer_max(model: nn.Module, sf: ScaleFold) -> float:
+    """The largest ``|w|`` of ``sf``'s writer weight (float64): the range :func:`balance_layer_scale` keeps."""
+    return float(linear_at(model, sf.into).weight.detach().double().abs().max())
+
+
+def balance_layer_scale(model: nn.Module, sf: ScaleFold, target: float) -> None:
+    """Take a per-row scale back out of a folded and centered LayerScale writer into λ (``sf.keep``).
+
+    After :func:`fold_layer_scale` and centering, the writer computes ``C diag(λ) (W x + b)``: exact, but
+    its rows carry λ's spread (DINOv2: 1e-4 to 10), which a per-tensor quantizer pays for. Any per-row
+    ``s > 0`` gives the same product ``s ⊙ (diag(1/s) W' x + b'/s)``. ``s_i = max|W'_i| / target`` gives
+    every row the same largest entry, ``target`` (the original weight's ``max|w|``), so the weight's range
+    is the original's and a per-tensor quantizer's step is the original's, while each row uses the whole
+    range: per-tensor quantization of the writer becomes as fine as per-row (per-channel) quantization,
+    and ``max|w| / rms(w)`` is the smallest any per-row scaling can give. λ ← s (the LayerScale multiply
+    stays). A zero row keeps ``s_i = 1``.
+    """
+    lam = model.get_parameter(sf.param)
+    module = linear_at(model, sf.into)
+    with torch.no_grad():
+        w = module.weight.detach().double()
+        peak = w.abs().amax(dim=0) if sf.kind == "conv1d" else w.abs().amax(dim=1)
+        scale = torch.where(peak > 0, peak / target, torch.ones_like(peak)) if target > 0 else torch.ones_like(peak)
+        w = w / scale[None, :] if sf.kind == "conv1d" else w / scale[:, None]
+        module.weight.copy_(w.to(module.weight.dtype))
+        if module.bias is not None:
+            module.bias.copy_((module.bias.detach().double() / scale).to(module.bias.dtype))
+        lam.copy_((scale - sf.offset).reshape(lam.shape).to(lam.dtype))
+
+
 def fold_rms_gamma(model: nn.Module, rf: RmsFold) -> None:
     """An already-RMS norm's γ into its Linear readers (``W ← W diag γ``); its effective γ becomes 1."""
     weight = model.get_parameter(rf.weight)
@@ -440,10 +470,14 @@ def apply_weight_edits(model: nn.Module, plan: Plan, sites: dict[str, NormSite],
         mark_untied(model)
     for rf in plan.rms_folds:
         fold_rms_gamma(model, rf)
+    ranges = {sf.param: writer_max(model, sf) for sf in plan.scale_folds if sf.keep}
     for sf in plan.scale_folds:  # before centering: the centered rows are the scaled ones
         fold_layer_scale(model, sf)
     for e in plan.writer_edits:
         center_writer(model, e)
+    for sf in plan.scale_folds:  # after centering: every row of the writer spans its original range, λ the scale
+        if sf.keep:
+            balance_layer_scale(model, sf, ranges[sf.param])
     for r in plan.centered_readers:  # before widening: the carry's added rows must see the norm's output as is
         center_reader(model, r, sites[r.site].gamma(originals[r.site]), sites[r.site].beta(originals[r.site]))
     for c in plan.mean_carries:  # after centering: the carry's columns are constant on purpose
@@ -474,7 +508,7 @@ def written_parameters(plan: Plan, model: nn.Module) -> set[str]:
     def bias(path: str) -> str:
         return param_names(model, path)[1]
 
-    for sf in plan.scale_folds:  # λ is set to 1; its writer's rows are scaled
+    for sf in plan.scale_folds:  # λ is set to 1 (or rebalanced); its writer's rows are scaled
         names |= {sf.param, weight(sf.into), bias(sf.into)}
     for rf in plan.rms_folds:
         names |= {rf.weight} | {weight(r) for r in rf.readers}

@@ -1,0 +1,339 @@
+"""Original vs normswap-converted models through real quantizers, in the engines' own formats.
+
+Each variant is exported to ONNX by ``torch.onnx.export`` and quantized by ONNX Runtime's own tools:
+
+* ``dyn-pt``: ``quantize_dynamic`` int8 weights per tensor, dynamic uint8 activations;
+* ``dyn-pc``: the same with per-channel weights;
+* ``qdq``: ``quantize_static``, QDQ format, int8 weights per tensor and uint8 activations calibrated (MinMax)
+  on held-out inputs;
+* ``nbits-rtn``: ``MatMulNBitsQuantizer`` 4-bit block-wise (block 32, symmetric; its default algorithm);
+* ``nbits-hqq``: the same with ``HQQWeightOnlyQuantConfig`` (4-bit, block 32).
+
+The error is measured on held-out inputs against the float32 original in torch: ``1 − cosine`` of the
+CLS embedding (``pooler_output``), averaged over the inputs, and the same over every token's output
+(``tok``). Variants:
+
+* ``original``: the model as it is;
+* ``compat``: ``normswap.patch`` (default options) saved with ``format="compat"`` and loaded back by plain
+  transformers: stock LayerNorms, centered writers, what ``normswap convert --format compat`` writes;
+* ``compat-fold-ls``: the same with ``layer_scale="fold"`` (LayerScale λ folded into the writer rows, λ ← 1:
+  the behaviour before ``layer_scale="balance"`` became the default);
+* ``fold-gamma``: ``patch(fold_gamma=True)`` (γ in the readers' columns, what a rotation needs), compat format;
+* ``jitter-1``, ``jitter-2``: the noise floor, the original with its LayerScale writers' rows and λ rescaled
+  by ``U(0.9, 1.1)`` and its inverse (exact, same ranges, other rounding: :func:`jittered`);
+* ``native``: the default ``normswap.patch`` in memory (``normswap.RMSNorm`` modules), exported as it is;
+* ``hadamard``: ``patch(fold_gamma=True)`` then ``normswap.rotate(model, "hadamard", output="restore")`` (the
+  backbone's output is a model output, so the stream is turned back before the final norm: native only).
+
+The model is DINOv2-shaped (``bench_layerscale_bf16.build``: hidden 384, patch 14, LayerScale λ
+log-normal over three decades, LayerNorm γ/β randomised, a few massive channels) with random weights:
+no DINOv2 checkpoint is on the package index. ``--weights`` prints the per-tensor range statistics
+(``max|w| / rms(w)``, median over the layers) that a per-tensor quantizer sees.
+
+    python benchmarks/bench_quant_engines.py --layers 6 --images 256 --json quant_engines.json
+
+Every run is bounded: one variant at a time, single-threaded ONNX Runtime sessions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+QUANTIZERS = ("fp32", "dyn-pt", "dyn-pc", "qdq", "nbits-rtn", "nbits-hqq")
+VARIANTS = ("original", "compat", "compat-fold-ls", "native", "fold-gamma", "hadamard", "jitter-1", "jitter-2")
+WEIGHTS = {"o_proj": "attention.o_proj", "fc2": "mlp.fc2", "q_proj": "attention.q_proj",
+           "k_proj": "attention.k_proj", "fc1": "mlp.fc1"}
+
+
+def dino(layers: int, seed: int, image: int) -> torch.nn.Module:
+    """A DINOv2-small-shaped model with trained-like parameter statistics (see ``bench_layerscale_bf16``)."""
+    import transformers as tf
+    from bench_layerscale_bf16 import build
+
+    model = build(layers, seed, massive=True)
+    cfg = model.config.to_dict()
+    cfg.update(image_size=image)
+    small = tf.Dinov2Model(tf.Dinov2Config(**{k: v for k, v in cfg.items() if k in tf.Dinov2Config().to_dict()}))
+    state = model.state_dict()
+    grid = image // 14
+    pos = state["embeddings.position_embeddings"]  # 1 + 37² rows at 518 px: keep the top-left grid
+    table = pos[:, 1:].reshape(1, 37, 37, -1)[:, :grid, :grid].reshape(1, grid * grid, -1)
+    state["embeddings.position_embeddings"] = torch.cat([pos[:, :1], table], 1)
+    small.load_state_dict(state)
+    return small.eval()
+
+
+def images(n: int, size: int, seed: int) -> torch.Tensor:
+    from normswap.inputs import generated_images
+
+    return generated_images((n, 3, size, size), torch.Generator().manual_seed(seed), torch.float32)
+
+
+class Outputs(torch.nn.Module):
+    """The model as a function of pixels to ``(pooler_output, last_hidden_state)``: what ONNX exports."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, pixel_values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out = self.model(pixel_values=pixel_values)
+        return out.pooler_output, out.last_hidden_state
+
+
+def variant(model: torch.nn.Module, name: str, workdir: Path) -> tuple[torch.nn.Module, str]:
+    """``name``'s model as a stock transformers model (compat checkpoint written and loaded back)."""
+    import transformers as tf
+
+    import normswap
+
+    if name == "original":
+        return model, ""
+    if name.startswith("jitter-"):
+        return jittered(model, int(name.split("-")[1])), "the original, writer rows × U(0.9, 1.1), λ ÷ the same"
+    conv = copy.deepcopy(model)
+    opts: dict[str, Any] = {"fold_gamma": name in ("hadamard", "fold-gamma")}
+    if name == "compat-fold-ls":
+        opts["layer_scale"] = "fold"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        normswap.patch(conv, **opts)
+        if name == "native":
+            return conv, "in memory (normswap.RMSNorm modules)"
+        if name == "hadamard":  # the backbone's output is a model output: turned back (native format only)
+            r = normswap.rotate(conv, "hadamard", seed=0, output="restore")
+            return conv, f"{len(r.rotated)} stream(s) rotated, output restored; native, in memory"
+        out = workdir / name
+        normswap.save(conv, out, format="compat", overwrite=True)
+        del conv
+        return tf.Dinov2Model.from_pretrained(out).eval(), "compat checkpoint loaded by transformers"
+
+
+@torch.no_grad()
+def jittered(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """The noise floor: an exact copy of the original whose every quantizer rounds differently.
+
+    Each LayerScale writer's rows are scaled by ``r ~ U(0.9, 1.1)`` and λ by ``1/r`` (the row holding the
+    weight's largest entry keeps ``r = 1``, so the range is unchanged): the same function, the same
+    ranges, other rounding. The spread of its error around the original's is what a variant's ratio
+    must beat to mean anything."""
+    out = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(seed)
+    for layer in out.encoder.layer:
+        for lin, ls in ((layer.attention.o_proj, layer.layer_scale1), (layer.mlp.fc2, layer.layer_scale2)):
+            r = 0.9 + 0.2 * torch.rand(lin.out_features, generator=g, dtype=torch.float64)
+            r[int(lin.weight.abs().amax(1).argmax())] = 1.0
+            lin.weight.copy_(lin.weight.double() * r[:, None])
+            lin.bias.copy_(lin.bias.double() * r)
+            ls.lambda1.copy_(ls.lambda1.double() / r)
+    return out
+
+
+def weight_ranges(model: torch.nn.Module) -> dict[str, float]:
+    """Median over layers of ``max|w| / rms(w)`` per tensor, for each writer/reader kind."""
+    out = {}
+    for short, path in WEIGHTS.items():
+        vals = []
+        for layer in model.encoder.layer:
+            w = layer.get_submodule(path).weight.detach().double()
+            vals.append(float(w.abs().max() / w.pow(2).mean().sqrt()))
+        out[short] = statistics.median(vals)
+    return out
+
+
+def export(model: torch.nn.Module, px: torch.Tensor, path: Path) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(Outputs(model), (px[:2],), str(path), input_names=["pixel_values"],
+                          output_names=["pooler_output", "last_hidden_state"],
+                          dynamic_axes={"pixel_values": {0: "batch"}, "pooler_output": {0: "batch"},
+                                        "last_hidden_state": {0: "batch"}}, dynamo=False, opset_version=17)
+
+
+class Reader:
+    """ONNX Runtime's calibration data reader over pixel batches."""
+
+    def __init__(self, px: torch.Tensor, batch: int = 8) -> None:
+        self.batches = [{"pixel_values": px[i:i + batch].numpy()} for i in range(0, len(px), batch)]
+        self.i = 0
+
+    def get_next(self) -> dict | None:
+        if self.i >= len(self.batches):
+            return None
+        self.i += 1
+        return self.batches[self.i - 1]
+
+    def rewind(self) -> None:
+        self.i = 0
+
+
+def quantize(fp32: Path, how: str, calib: torch.Tensor) -> Path:
+    """Write ``how``'s quantized model next to ``fp32`` with ONNX Runtime's own quantization tools."""
+    import onnx
+    from onnxruntime.quantization import QuantFormat, QuantType, quantize_dynamic, quantize_static
+
+    out = fp32.with_name(f"{fp32.stem}.{how}.onnx")
+    if how == "fp32":
+        return fp32
+    if how in ("dyn-pt", "dyn-pc"):
+        quantize_dynamic(str(fp32), str(out), weight_type=QuantType.QInt8, per_channel=how == "dyn-pc")
+    elif how == "qdq":
+        quantize_static(str(fp32), str(out), Reader(calib), quant_format=QuantFormat.QDQ,
+                        activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8, per_channel=False)
+    elif how.startswith("nbits"):
+        from onnxruntime.quantization import matmul_nbits_quantizer as mq
+
+        algo = (mq.HQQWeightOnlyQuantConfig(block_size=32, bits=4) if how == "nbits-hqq"
+                else mq.DefaultWeightOnlyQuantConfig(block_size=32, is_symmetric=True))
+        q = mq.MatMulNBitsQuantizer(onnx.load(str(fp32)), block_size=32, is_symmetric=True, algo_config=algo)
+        q.process()
+        q.model.save_model_to_file(str(out), use_external_data_format=False)
+    else:
+        raise ValueError(how)
+    return out
+
+
+def run_onnx(path: Path, px: torch.Tensor, batch: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = so.inter_op_num_threads = 1
+    sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+    pooled, tokens = [], []
+    for i in range(0, len(px), batch):
+        p, t = sess.run(None, {"pixel_values": px[i:i + batch].numpy()})
+        pooled.append(torch.from_numpy(p))
+        tokens.append(torch.from_numpy(t))
+    return torch.cat(pooled), torch.cat(tokens)
+
+
+def one_minus_cos(ref: torch.Tensor, out: torch.Tensor) -> float:
+    return float((1 - torch.nn.functional.cosine_similarity(ref.double(), out.double(), dim=-1)).mean())
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=6)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--image", type=int, default=112, help="image side in pixels (patch 14)")
+    ap.add_argument("--images", type=int, default=256, help="held-out inputs the error is averaged over")
+    ap.add_argument("--calib", type=int, default=32, help="calibration inputs for the static (QDQ) quantizer")
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    ap.add_argument("--quantizers", nargs="+", default=list(QUANTIZERS), choices=QUANTIZERS)
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--plot", type=Path, help="write a PNG of the error ratios (matplotlib)")
+    ap.add_argument("--from-json", type=Path, nargs="+",
+                    help="no measuring: print the tables (and --plot) of earlier --json runs, rows merged")
+    args = ap.parse_args(argv)
+    if args.from_json:
+        parts = [json.loads(p.read_text()) for p in args.from_json]
+        result = parts[0]
+        for part in parts[1:]:  # runs of further variants on the same model and inputs
+            result["rows"].update(part["rows"])
+        print(table(result, "tok") + "\n\n" + table(result, "cls"))
+        if args.plot:
+            plot(result, args.plot)
+        return result
+    torch.set_num_threads(1)
+
+    model = dino(args.layers, args.seed, args.image)
+    px = images(args.images, args.image, 1)
+    calib = images(args.calib, args.image, 2)
+    with torch.no_grad():
+        ref_pool, ref_tok = Outputs(model)(px)
+    result: dict[str, Any] = {"model": f"DINOv2-like, {args.layers} layers, {args.image} px",
+                              "images": args.images, "rows": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        for name in args.variants:
+            t0 = time.perf_counter()
+            m, note = variant(model, name, work)
+            row: dict[str, Any] = {"note": note, "weights": weight_ranges(m), "errors": {}}
+            fp32 = work / f"{name}.onnx"
+            export(m, px, fp32)
+            del m
+            for how in args.quantizers:
+                q = quantize(fp32, how, calib)
+                pool, tok = run_onnx(q, px)
+                row["errors"][how] = {"cls": one_minus_cos(ref_pool, pool), "tok": one_minus_cos(ref_tok, tok)}
+                if q != fp32:
+                    q.unlink()
+                print(f"{name:15s} {how:10s} cls {row['errors'][how]['cls']:.3e} tok {row['errors'][how]['tok']:.3e}",
+                      flush=True)
+            row["seconds"] = time.perf_counter() - t0
+            result["rows"][name] = row
+    print(table(result, "tok") + "\n\n" + table(result, "cls"))
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1))
+    if args.plot:
+        plot(result, args.plot)
+    return result
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    """Grouped bars: each variant's error over the original's, per quantizer, for every token's output and
+    for the CLS embedding (log scale; 1 = the original, dashed: 1.05)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    base = rows["original"]["errors"]
+    hows = [h for h in base if h != "fp32"]
+    names = [n for n in rows if n != "original"]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4), sharey=True)
+    width = 0.8 / len(names)
+    for ax, metric in zip(axes, ("tok", "cls"), strict=True):
+        for i, name in enumerate(names):
+            ratios = [rows[name]["errors"].get(h, {}).get(metric, float("nan")) / base[h][metric] for h in hows]
+            ax.bar([j + (i - (len(names) - 1) / 2) * width for j in range(len(hows))], ratios, width, label=name)
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.axhline(1.05, color="grey", linewidth=0.6, linestyle="--")
+        ax.set_yscale("log")
+        ax.set_xticks(range(len(hows)), hows)
+        ax.set_title(f"1 − cosine, {'every token' if metric == 'tok' else 'CLS embedding'}")
+    axes[0].set_ylabel("error / original's error")
+    axes[0].legend(fontsize=8, ncol=2)
+    fig.suptitle(f"{result['model']}, {result['images']} images, ONNX Runtime quantizers")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def table(result: dict[str, Any], metric: str = "tok") -> str:
+    """Weight ranges, then each quantizer's error (``metric``: ``tok`` every token, ``cls`` the CLS embedding)
+    with its ratio to the original's in brackets."""
+    rows = result["rows"]
+    base = rows.get("original")
+    hows = list(next(iter(rows.values()))["errors"])
+    lines = [f"1 − cosine ({metric}) against the float32 original; max|w|/rms medians over the layers",
+             "", "| variant | " + " | ".join(WEIGHTS) + " | " + " | ".join(hows) + " |",
+             "|---|" + "---|" * (len(WEIGHTS) + len(hows))]
+    for name, row in rows.items():
+        cells = [f"{row['weights'][k]:.1f}" for k in WEIGHTS]
+        for how in hows:
+            e = row["errors"].get(how, {}).get(metric)
+            if e is None:
+                cells.append("-")
+                continue
+            ratio = f" ({e / base['errors'][how][metric]:.2f}x)" if base and name != "original" and how != "fp32" \
+                and base["errors"][how][metric] > 0 else ""
+            cells.append(f"{e:.2e}{ratio}")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+if __name__ == "__main__":
+    main()
