@@ -31,7 +31,7 @@ from normswap.checkpoint.source import Source
 from normswap.errors import NormswapError, NothingToConvert, VerificationFailed
 from normswap.integrations.quiet import quietly
 from normswap.options import DTYPES, FORMATS, TASKS, ConvertOptions, choose
-from normswap.surgery.verify import comparable, compare, exact_limit, primary_key
+from normswap.surgery.verify import comparable, compare, exact_limit, primary_key, same_draws
 
 log = logging.getLogger("normswap")
 
@@ -321,10 +321,10 @@ def _run(model: nn.Module, probe: dict[str, Any]) -> Any:
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     on_cpu = all(p.device.type == "cpu" for p in model.parameters())
     if dtype not in pipeline.HALF_DTYPES or not on_cpu:
-        with torch.no_grad():
+        with torch.no_grad(), same_draws():  # a model drawing random numbers in eval mode: the same draws
             return model(**probe)
     cast = {k: (v.float() if torch.is_tensor(v) and v.is_floating_point() else v) for k, v in probe.items()}
-    with torch.no_grad(), pipeline.computing_in(model, torch.float32):
+    with torch.no_grad(), pipeline.computing_in(model, torch.float32), same_draws():
         return model(**cast)
 
 
@@ -358,7 +358,7 @@ def reload_check(
         "reload_bitwise_equal": bitwise,
         "reload_max_abs_diff": max(float((a[k].double() - b[k].double()).abs().max()) for k in keys),
     }
-    vs_orig = compare(original, reloaded, skip)
+    vs_orig = compare(original, reloaded, skip, axes=plan.changed_output_axes)
     if "max_rel_error" in vs_orig:
         figures["reload_vs_original_max_rel_error"] = vs_orig["max_rel_error"]
     exact = all(sp.verdict != "approximate" for sp in plan.sites if sp.convert)
