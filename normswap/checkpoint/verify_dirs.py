@@ -13,6 +13,7 @@ from normswap.analysis.plan import Plan, plan_of
 from normswap.checkpoint import source
 from normswap.checkpoint.reader import load
 from normswap.errors import NormswapError, first_line
+from normswap.inputs.probe import HELD_OUT_SEED, held_out_like
 from normswap.integrations.quiet import quietly
 from normswap.surgery.verify import compare, derived_text, precision_limit, same_draws
 
@@ -34,6 +35,7 @@ def verify_checkpoint(
     trust_remote_code: bool = False,
     allow_pickle: bool = False,
     force: bool = False,
+    example_inputs: Any = None,
 ) -> dict[str, Any]:
     """Figures for ``converted`` vs ``original`` and whether an exact conversion is within tolerance.
 
@@ -48,13 +50,18 @@ def verify_checkpoint(
     (:func:`normswap.checkpoint.source.fingerprint`: what the tensors are, not where they are stored, so
     a preset and the same preset saved to a directory match); ORIGINAL with other weights is refused
     unless ``force``. A top-1 agreement of 0 is never "ok".
+
+    ``example_inputs``: the inputs to compare on instead of the probe (a dict of ``forward``'s keyword
+    arguments, or a function of ORIGINAL and its processor returning one: the CLI's ``--example-inputs``
+    and ``--sample``), then the same redrawn from a seed the conversion did not use
+    (:func:`normswap.inputs.probe.held_out_like`).
     """
     conv_path, conv, plan = _load_converted(converted, data, trust_remote_code)
     dtype = next((p.dtype for p in conv.parameters() if p.is_floating_point()), torch.float32)
     src, source_match = _resolve_original(original, converted, conv, allow_pickle=allow_pickle,
                                           trust_remote_code=trust_remote_code, force=force)
     orig, proc = _load_original(src, conv, task, dtype, trust_remote_code)
-    batches, probe_source = _batches(data, orig, proc, conv_path)
+    batches, probe_source = _batches(data, orig, proc, conv_path, example_inputs)
     skip, axes = set(plan.changed_outputs), dict(plan.changed_output_axes)
     figures, references = _figures(orig, conv, batches, skip, axes)
     exact = all(sp.verdict != "approximate" for sp in plan.sites if sp.convert)
@@ -145,11 +152,22 @@ def _load_original(src: Any, conv: Any, task: str | None, dtype: torch.dtype, tr
     return orig, proc
 
 
-def _batches(data: Any, orig: Any, proc: Any, conv_path: Path) -> tuple[list[dict], str]:
-    """The batches both models run, and what they are: ``data`` when given; else the verification probe
-    on passages the conversion never used (``passage_offset``: neither its probe's nor its calibration's
-    sentences), then random ids from a seed the analysis did not use."""
+def _batches(data: Any, orig: Any, proc: Any, conv_path: Path, example_inputs: Any = None
+             ) -> tuple[list[dict], str]:
+    """The batches both models run, and what they are: ``data`` when given; ``example_inputs`` and the same
+    redrawn from a seed the conversion did not use; else the verification probe on passages the conversion
+    never used (``passage_offset``: neither its probe's nor its calibration's sentences), then random ids
+    from a seed the analysis did not use."""
     from normswap.checkpoint.conversion import read_calibration
+
+    if example_inputs is not None:
+        given = example_inputs(orig, proc) if callable(example_inputs) else example_inputs
+        if not isinstance(given, dict):
+            raise NormswapError("example_inputs for verify must be a dict of forward's keyword arguments")
+        held_out = held_out_like((), given, seed=HELD_OUT_SEED + 1)
+        if held_out is None:
+            return [given], "the example inputs given (nothing in them to redraw)"
+        return [given, held_out.kwargs], f"the example inputs given, then {held_out.source}"
 
     if data is not None:
         tok = proc if proc is not None else source.load_processor(conv_path)
