@@ -145,10 +145,10 @@ def test_held_out_inputs_keep_masks_positions_and_ids_in_range():
     args, kwargs = call_args(probe.kwargs)
     assert args[0].shape == ids.shape and args[0].dtype == ids.dtype and not torch.equal(args[0], ids)
     assert int(args[0].min()) >= 5 and int(args[0].max()) <= 39
-    for name in ("attention_mask", "position_ids", "image_grid_thw", "scale"):
-        assert kwargs[name] is not None and torch.equal(kwargs[name], {"attention_mask": mask, "position_ids": positions,
-                                                                      "image_grid_thw": grid,
-                                                                      "scale": torch.full((2, 1), 0.5)}[name]), name
+    given = {"attention_mask": mask, "position_ids": positions, "image_grid_thw": grid,
+             "scale": torch.full((2, 1), 0.5)}
+    for name, value in given.items():
+        assert torch.equal(kwargs[name], value), name
     assert kwargs["flag"] is True and probe.attention_mask is mask
     assert held_out_like((), {"attention_mask": mask}) is None  # nothing to redraw: no probe
 
