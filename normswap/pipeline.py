@@ -46,6 +46,7 @@ from normswap.surgery.verify import (
 log = logging.getLogger("normswap")
 # how patch measures the working dtype's own error (surgery.verify.rounding_error), for the precision line
 OWN_ERROR_HOW = "estimated by one rounding of every module's output"
+NOTHING_TO_REDRAW = "the example inputs hold no tensor of data to redraw"
 
 
 
@@ -654,7 +655,7 @@ def _run_unseen_probe(st: _Patching) -> None:
     else:
         st.probe = held_out_like(st.wargs, st.wkwargs)
         if st.probe is None:
-            st.probe_failed = "the example inputs hold no tensor of data to redraw"
+            st.probe_failed = NOTHING_TO_REDRAW
     if st.probe is not None:
         try:
             st.probe_reference = _forward(st, st.probe.kwargs)
@@ -762,7 +763,9 @@ def _probe_used(st: _Patching) -> str:
     """What the verification ran on, when it is not the unseen probe."""
     if not st.opts.verify:
         return "the analysis inputs (verify=False: no unseen probe)"
-    return f"the analysis inputs (no unseen probe: {st.probe_failed})"
+    if st.example_inputs is not None and st.probe_failed == NOTHING_TO_REDRAW:
+        return f"the analysis inputs (no unseen probe: {st.probe_failed})"
+    return f"the analysis inputs (the unseen probe did not run: {st.probe_failed})"
 
 
 def _commit_verified(st: _Patching) -> None:

@@ -16,8 +16,8 @@ EXAMPLE_INPUTS_HELP = (
     "Names are checked against the forward signature.")
 SAMPLE_HELP = (
     "A sample the model's own processor turns into inputs: a text file (tokenizer), an image (image "
-    "processor; needs Pillow) or an audio file (feature extractor; WAV read as is, other formats need "
-    "soundfile). Repeat for several modalities (a text prompt and an image).")
+    "processor; needs Pillow) or an audio file (feature extractor; WAV read by the standard library, "
+    "other formats need soundfile). Repeat for several modalities (a text prompt and an image).")
 
 
 def example_input_options(fn: Callable[..., Any]) -> Callable[..., Any]:
