@@ -27,7 +27,7 @@ from normswap.analysis.planner import analyse
 from normswap.analysis.trace import flatten_outputs
 from normswap.copying import deepcopy_module
 from normswap.errors import ModelRunFailed, NaNOutputs, NormswapError, first_line
-from normswap.inputs.probe import call_args, held_out_like
+from normswap.inputs.probe import call_args, held_out_like, special_ids
 from normswap.integrations import torch_transformer, wrappers
 from normswap.options import ConvertOptions
 from normswap.surgery import beta_placement, calibrate, edits
@@ -653,7 +653,7 @@ def _run_unseen_probe(st: _Patching) -> None:
     if st.example_inputs is None:
         st.probe = inputs.verification_probe(st.work, st.opts.tokenizer)
     else:
-        st.probe = held_out_like(st.wargs, st.wkwargs)
+        st.probe = held_out_like(st.wargs, st.wkwargs, keep_ids=special_ids(st.work))
         if st.probe is None:
             st.probe_failed = NOTHING_TO_REDRAW
     if st.probe is not None:

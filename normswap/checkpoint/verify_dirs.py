@@ -13,7 +13,7 @@ from normswap.analysis.plan import Plan, plan_of
 from normswap.checkpoint import source
 from normswap.checkpoint.reader import load
 from normswap.errors import NormswapError, first_line
-from normswap.inputs.probe import HELD_OUT_SEED, held_out_like
+from normswap.inputs.probe import HELD_OUT_SEED, held_out_like, special_ids
 from normswap.integrations.quiet import quietly
 from normswap.surgery.verify import compare, derived_text, precision_limit, same_draws
 
@@ -164,7 +164,7 @@ def _batches(data: Any, orig: Any, proc: Any, conv_path: Path, example_inputs: A
         given = example_inputs(orig, proc) if callable(example_inputs) else example_inputs
         if not isinstance(given, dict):
             raise NormswapError("example_inputs for verify must be a dict of forward's keyword arguments")
-        held_out = held_out_like((), given, seed=HELD_OUT_SEED + 1)
+        held_out = held_out_like((), given, seed=HELD_OUT_SEED + 1, keep_ids=special_ids(orig))
         if held_out is None:
             return [given], "the example inputs given (nothing in them to redraw)"
         return [given, held_out.kwargs], f"the example inputs given, then {held_out.source}"

@@ -153,6 +153,30 @@ def test_held_out_inputs_keep_masks_positions_and_ids_in_range():
     assert held_out_like((), {"attention_mask": mask}) is None  # nothing to redraw: no probe
 
 
+def test_held_out_ids_keep_special_tokens_and_placeholder_runs():
+    """A vision-language prompt: its image placeholder run and special ids stay where they are (the model
+    counts them against its image features); the text around them is redrawn."""
+    from normswap.inputs.probe import call_args, held_out_like, special_ids
+
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(10, 90, (2, 30), generator=gen)
+    ids[:, 0] = 1  # bos
+    ids[:, 5:15] = 95  # an image placeholder run
+    ids[1, 25:] = 0  # padding
+    args, _ = call_args(held_out_like((ids,), {}, keep_ids={0, 1}).kwargs)
+    new = args[0]
+    assert torch.equal(new[:, 0], ids[:, 0]) and torch.equal(new[:, 5:15], ids[:, 5:15])
+    assert torch.equal(new[1, 25:], ids[1, 25:])
+    free = torch.ones_like(ids, dtype=torch.bool)
+    free[:, 0] = free[:, 5:15] = False
+    free[1, 25:] = False
+    assert not torch.equal(new[free], ids[free])
+    assert not torch.isin(new[free], torch.tensor([0, 1, 95])).any()
+    config = tf.LlavaConfig(text_config=tf.LlamaConfig(pad_token_id=0, bos_token_id=1, eos_token_id=2),
+                            image_token_index=95)
+    assert {0, 1, 2, 95} <= special_ids(type("M", (), {"config": config})())
+
+
 def test_a_tokenizer_that_does_not_fit_the_model_warns_and_falls_back():
     model = build(EXACT, "gpt2")  # vocabulary of 99; the preset tokenizer's ids go up to 319
     with pytest.warns(UserWarning, match="cannot make the verification probe"):
