@@ -8,14 +8,14 @@ from typing import Any
 
 import torch
 
-from normswap import inputs
+from normswap import inputs, memory
 from normswap.analysis.plan import Plan, plan_of
 from normswap.checkpoint import source
 from normswap.checkpoint.reader import load
 from normswap.errors import NormswapError, first_line
 from normswap.inputs.probe import HELD_OUT_SEED, held_out_like, special_ids
 from normswap.integrations.quiet import quietly
-from normswap.surgery.verify import compare, derived_text, precision_limit, same_draws
+from normswap.surgery.verify import compare, derived_text, precision_limit, rounding_error, same_draws
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -66,9 +66,14 @@ def verify_checkpoint(
     figures, references = _figures(orig, conv, batches, skip, axes)
     exact = all(sp.verdict != "approximate" for sp in plan.sites if sp.convert)
     own, own_failed = (None, "")
+    how = "against ORIGINAL run in float64 on the same batches"
     if exact and tolerance is None and dtype != torch.float64:
         del conv  # ORIGINAL's float64 run needs the room
-        own, own_failed = _own_error(orig, batches, references, skip, axes)
+        if _float64_fits(orig):
+            own, own_failed = _own_error(orig, batches, references, skip, axes)
+        else:  # estimated in ORIGINAL's own dtype instead (surgery.verify.rounding_error, as patch does)
+            own, how = _estimated_own_error(orig, batches, references, skip, dtype), (
+                "estimated by one rounding of every module's output (a float64 ORIGINAL would not fit in memory)")
         if own is not None:
             figures["own_rounding_error"] = own
     exact, ok, tol, verdict = _judge(plan, figures, tolerance, dtype, own)
@@ -77,8 +82,7 @@ def verify_checkpoint(
     elif tolerance is not None:
         gated = f"tolerance {tol:g} relative (--tolerance)"
     elif own is not None:
-        gated = f"tolerance {tol:.3g} relative" + derived_text(dtype, own, "against ORIGINAL run in float64 on the "
-                                                                           "same batches")
+        gated = f"tolerance {tol:.3g} relative" + derived_text(dtype, own, how)
     else:
         gated = f"tolerance {tol:g} relative" + (f" (ORIGINAL does not run in float64: {own_failed})"
                                                  if own_failed else "")
@@ -211,6 +215,31 @@ def _figures(orig: Any, conv: Any, batches: list[dict], skip: set[str], axes: di
         if vals:
             figures[key] = sum(vals) / len(vals)
     return figures, references
+
+
+def _float64_fits(orig: Any) -> bool:
+    """Whether ORIGINAL cast to float64 fits in the memory share a working copy may take
+    (:data:`normswap.memory.PEAK_SHARE` of what is available, its own bytes counted as freed by the cast)."""
+    params = [p for p in orig.parameters() if p.is_floating_point()]
+    own = sum(p.numel() * p.element_size() for p in params)
+    needed = sum(p.numel() for p in params) * 8 + memory.ACTIVATION_BYTES
+    device = params[0].device if params else torch.device("cpu")
+    return needed <= memory.PEAK_SHARE * (memory.device_memory(device) + own)
+
+
+def _estimated_own_error(orig: Any, batches: list[dict], references: list[Any], skip: set[str],
+                         dtype: torch.dtype) -> float:
+    """ORIGINAL's own rounding error in ``dtype`` estimated without float64
+    (:func:`normswap.surgery.verify.rounding_error`), worst over the batches."""
+    worst = 0.0
+    with torch.no_grad():
+        for batch, reference in zip(batches, references, strict=True):
+            def run(batch: dict = batch) -> Any:
+                with same_draws():
+                    return orig(**batch)
+
+            worst = max(worst, rounding_error(orig, run, reference, dtype, skip))
+    return worst
 
 
 def _own_error(orig: Any, batches: list[dict], references: list[Any], skip: set[str], axes: dict[str, int]

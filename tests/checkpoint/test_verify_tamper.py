@@ -119,3 +119,16 @@ def test_verify_checks_on_passages_the_conversion_never_used(converted, monkeypa
     assert not verify_texts & set(inputs.passages(64, 0))
     manifest = json.loads((conv / "config.json").read_text())["normswap"]
     assert manifest["verification"]["probe"].startswith("built-in English text")
+
+
+def test_without_room_for_a_float64_original_the_own_error_is_estimated(converted, tmp_path, monkeypatch):
+    """Where ORIGINAL cast to float64 would not fit, verify estimates its own error in the stored dtype
+    (one rounding of every module's output) and says so; the tampered checkpoint still fails."""
+    dtype, orig, conv = converted
+    if dtype != "float32":
+        return  # float64 needs no yardstick
+    monkeypatch.setattr(verify_dirs, "_float64_fits", lambda model: False)
+    good = verify_checkpoint(orig, conv)
+    assert good["ok"] and "estimated by one rounding of every module's output" in good["precision"]
+    assert good["tolerance"] < 1e-4
+    assert not verify_checkpoint(orig, _tampered(conv, tmp_path / "bad"))["ok"]
