@@ -27,12 +27,26 @@ from normswap.analysis.planner import analyse
 from normswap.analysis.trace import flatten_outputs
 from normswap.copying import deepcopy_module
 from normswap.errors import ModelRunFailed, NaNOutputs, NormswapError, first_line
+from normswap.inputs.probe import call_args, held_out_like, special_ids
 from normswap.integrations import torch_transformer, wrappers
 from normswap.options import ConvertOptions
 from normswap.surgery import beta_placement, calibrate, edits
-from normswap.surgery.verify import compare, dtype_error_ratio, figures_text, gate, gate_text
+from normswap.surgery.verify import (
+    RANDOM_NOTE,
+    compare,
+    dtype_error_ratio,
+    figures_text,
+    gate,
+    gate_text,
+    precision_limit,
+    rounding_error,
+    same_draws,
+)
 
 log = logging.getLogger("normswap")
+# how patch measures the working dtype's own error (surgery.verify.rounding_error), for the precision line
+OWN_ERROR_HOW = "estimated by one rounding of every module's output"
+NOTHING_TO_REDRAW = "the example inputs hold no tensor of data to redraw"
 
 
 
@@ -107,21 +121,15 @@ def preflight(model: nn.Module) -> None:
             raise NormswapError(
                 f"parameter `{name}` is on the meta device (no data); load real weights first "
                 "(e.g. from_pretrained without device_map='meta' or init_empty_weights)")
-        if getattr(p, "is_quantized", False) or not p.is_floating_point():
-            raise NormswapError(
-                f"parameter `{name}` is quantized ({p.dtype}); convert the full-precision model, "
-                "then quantize the result")
     for name, module in model.named_modules():
         if hasattr(module, "peft_config") or hasattr(module, "lora_A"):  # PeftModel / a LoRA layer
             where = f"module `{name}` is a PEFT adapter layer" if name else f"{type(model).__name__} is a PEFT model"
             raise NormswapError(
                 f"{where} ({type(module).__name__}); merge the adapters first (model = model.merge_and_unload()) "
                 "and convert the merged model, or convert the base model before adding adapters")
-        cls = type(module).__name__
-        if any(tag in cls for tag in ("Linear8bit", "Linear4bit", "QuantLinear", "QLinear", "FP8Linear")):
-            raise NormswapError(
-                f"module `{name}` is a quantized layer ({cls}); convert the full-precision model, "
-                "then quantize the result")
+    quantized = quantized_weight(model)
+    if quantized is not None:
+        raise NormswapError(f"{quantized}; convert the full-precision model, then quantize the result")
     for name, p in model.named_parameters():
         if not all_finite(p):
             raise NormswapError(f"parameter `{name}` contains NaN or inf values; fix the checkpoint first")
@@ -150,6 +158,32 @@ def release_inference_tensors(model: nn.Module) -> list[str]:
             getattr(mod, kind)[name] = copies[id(t)]
     replaced = {id(c) for c in copies.values()}
     return [n for n, t in [*model.named_parameters(), *model.named_buffers()] if id(t) in replaced]
+# floating dtypes of quantized storage: no float64 surgery can be written back into them
+_QUANTIZED_FLOATS = {getattr(torch, n) for n in ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz",
+                                                  "float8_e8m0fnu", "float4_e2m1fn_x2") if hasattr(torch, n)}
+
+
+def quantized_weight(model: nn.Module) -> str | None:
+    """Why ``model`` holds quantized weights (None when it does not), judged by the tensors, not by class
+    names: a parameter that is not a float (int8 ``Int8Params``, packed 4-bit ``Params4bit``), a float8 one,
+    a quantized tensor (``torch.ao``'s ``qint8``) or a tensor subclass carrying quantization state (torchao),
+    an integer buffer named like a weight (GPTQ/AWQ ``qweight``), or a ``torch.ao`` quantized module's packed
+    parameters. A module whose class name says "Quant" but computes on float weights (I-BERT with
+    ``quant_mode=False``: ``F.linear`` on a float ``weight``) is not quantized and converts."""
+    for name, p in model.named_parameters():
+        if getattr(p, "is_quantized", False) or not p.is_floating_point() or p.dtype in _QUANTIZED_FLOATS:
+            return f"parameter `{name}` is quantized ({p.dtype})"
+        if type(p.data) not in (torch.Tensor, nn.Parameter) and any(
+                hasattr(p.data, a) for a in ("quant_state", "tensor_impl", "layout_tensor", "qdata", "scale")):
+            return f"parameter `{name}` is a quantized tensor ({type(p.data).__name__})"
+    for name, b in model.named_buffers():
+        leaf = name.rpartition(".")[2]
+        if b.is_quantized or (not b.is_floating_point() and "weight" in leaf and b.dim() >= 2):
+            return f"buffer `{name}` holds quantized weights ({b.dtype})"
+    for name, module in model.named_modules():
+        if hasattr(module, "_packed_params"):  # torch.ao.nn.quantized Linear/Conv: weights packed, not parameters
+            return f"module `{name}` holds packed quantized weights ({type(module).__name__})"
+    return None
 
 
 def all_finite(t: torch.Tensor) -> bool:
@@ -304,6 +338,7 @@ class _Analysis:
     kwargs: dict
     held: dict[str, int] = field(default_factory=dict)  # the model's downcasts held in the traced run
     precision: memory.Precision | None = None  # what the copy computes in, and why (None: a streaming proxy)
+    random: bool = False  # the model drew random numbers in eval mode (every compared forward is seeded)
 
     @property
     def hold(self) -> bool:
@@ -338,9 +373,11 @@ def _run_trace(work: nn.Module, args: tuple, kwargs: dict) -> trace.Graph:
     computes a norm in float32 runs in a float64 copy; ``graph.held_casts`` says what was held)."""
     dtype = _dtype_of(work)
     try:
-        with default_dtype(dtype):
-            return trace.record(work, args, kwargs, snapshot=walker.candidates(work),
-                                hold=precision.HoldCasts(dtype))
+        with default_dtype(dtype), same_draws() as draws:  # seeded as every verification forward is
+            graph = trace.record(work, args, kwargs, snapshot=walker.candidates(work),
+                                 hold=precision.HoldCasts(dtype))
+        graph.draws_random = draws.drew
+        return graph
     except NormswapError:
         raise
     except Exception as exc:  # noqa: BLE001 - the model does not run on these inputs in this dtype
@@ -448,7 +485,8 @@ def analyse_copy(work: nn.Module, args: tuple, kwargs: dict, opts: ConvertOption
                    rms_norms=found.skipped, bias_slots=opts.bias_slots, layer_scale=opts.layer_scale)
     plan.skipped = [{"name": s.path, "class": s.class_name, "reason": s.reason} for s in found.skipped]
     plan.options["already_converted"] = bool(found.converted) and not found.sites
-    return _Analysis(plan, {s.path: s for s in found.sites}, graph, args, kwargs, dict(graph.held_casts))
+    return _Analysis(plan, {s.path: s for s in found.sites}, graph, args, kwargs, dict(graph.held_casts),
+                     random=graph.draws_random)
 
 
 def decide_verdicts(plan: Plan, mode: str) -> None:
@@ -584,6 +622,7 @@ class _Patching:
     probe: inputs.Probe | None = None  # the unseen verification probe, and the original's outputs on it
     probe_reference: Any = None
     probe_failed: str = ""  # why the probe did not run, when it did not
+    own_error: float | None = None  # below float64: the original's error from the working dtype's rounding alone
     originals: dict[str, nn.Module] = field(default_factory=dict)  # the working copy's norms before the swap
     new_modules: dict[str, nn.Module] = field(default_factory=dict)  # the RMSNorms swapped in
     calib: calibrate.CalibrationResult | None = None
@@ -634,20 +673,42 @@ def _analyse(st: _Patching) -> Report | None:
 
 
 def _run_unseen_probe(st: _Patching) -> None:
-    """The original's outputs on a second, unseen probe (other ids, other length): it guards against a
-    plan that only fits the inputs the analysis ran on. Built for transformers models (real text where
-    the tokenizer is known); custom models are verified on their own inputs."""
-    if not st.opts.verify or st.example_inputs is not None:
+    """The original's outputs on a second, unseen probe: it guards against a plan that only fits the
+    inputs the analysis ran on. A transformers model analysed on inputs normswap built gets the built-in
+    probe (real text where the tokenizer is known: :func:`inputs.verification_probe`); a model given
+    ``example_inputs`` (every custom model) gets those inputs redrawn from another seed, same shapes
+    (:func:`normswap.inputs.probe.held_out_like`). Below float64, also what the working dtype's rounding
+    alone costs the original on those inputs (:func:`surgery.verify.rounding_error`), from which the
+    exactness tolerance is derived."""
+    if not st.opts.verify:
         return
-    st.probe = inputs.verification_probe(st.work, st.opts.tokenizer)
-    try:
-        with torch.no_grad(), running(st.work_dtype, st.an.hold):
-            st.probe_reference = st.work(**st.probe.kwargs)
-    except MemoryError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - e.g. a model that takes one sequence length only
-        st.probe_failed = f"{type(exc).__name__}: {first_line(exc, 120, default='')}"
-        st.probe = None
+    if st.example_inputs is None:
+        st.probe = inputs.verification_probe(st.work, st.opts.tokenizer)
+    else:
+        st.probe = held_out_like(st.wargs, st.wkwargs, keep_ids=special_ids(st.work))
+        if st.probe is None:
+            st.probe_failed = NOTHING_TO_REDRAW
+    if st.probe is not None:
+        try:
+            st.probe_reference = _forward(st, st.probe.kwargs)
+        except MemoryError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - e.g. a model that takes one sequence length only
+            st.probe_failed = f"{type(exc).__name__}: {first_line(exc, 120, default='')}"
+            st.probe = None
+    if st.work_dtype != torch.float64 and all(sp.verdict != "approximate" for sp in st.todo):
+        kwargs, reference = (st.probe.kwargs, st.probe_reference) if st.probe is not None else \
+            ({**{f"*{i}": a for i, a in enumerate(st.wargs)}, **st.wkwargs}, st.reference)
+        st.own_error = rounding_error(st.work, lambda: _forward(st, kwargs), reference, st.work_dtype,
+                                      set(st.plan.changed_outputs))
+
+
+def _forward(st: _Patching, probe_kwargs: dict[str, Any]) -> Any:
+    """The working copy on a probe's inputs (:func:`normswap.inputs.probe.call_args`), run as every
+    verification forward is: no grad, the model's casts held, the same seeded random draws."""
+    args, kwargs = call_args(probe_kwargs)
+    with torch.no_grad(), running(st.work_dtype, st.an.hold), same_draws():
+        return st.work(*args, **kwargs)
 
 
 def _edit_weights(st: _Patching) -> None:
@@ -699,16 +760,19 @@ def _verify(st: _Patching) -> None:
 
     It runs on the unseen probe; on the traced inputs too only when the probe did not reach every
     converted norm (each needs its zero-mean evidence) or there is no probe."""
-    skip = set(st.plan.changed_outputs)
+    skip, axes = set(st.plan.changed_outputs), st.plan.changed_output_axes
     figures: dict[str, Any] = {}
     with _capture(st.new_modules) as seen, torch.no_grad(), running(st.work_dtype, st.an.hold):
         if st.probe is not None:
-            figures = compare(st.probe_reference, st.work(**st.probe.kwargs), skip, st.probe.attention_mask)
+            out = _forward(st, st.probe.kwargs)
+            figures = compare(st.probe_reference, out, skip, st.probe.attention_mask, axes)
             figures["unseen_probe_max_rel_error"] = figures.get("max_rel_error", 0.0)
             figures["probe"] = st.probe.source
             st.probe_reference = None
         if st.probe is None or any(not seen[name] for name in st.new_modules):
-            traced = compare(st.reference, st.work(*st.wargs, **st.wkwargs), skip)
+            with same_draws():
+                out = st.work(*st.wargs, **st.wkwargs)
+            traced = compare(st.reference, out, skip, axes=axes)
             if st.probe is None:
                 figures = traced
                 figures["probe"] = _probe_used(st)
@@ -719,8 +783,11 @@ def _verify(st: _Patching) -> None:
     with running(st.work_dtype, st.an.hold):  # the originals' forwards: a float32 norm of a float64 copy too
         _site_checks(st.plan, st.todo, seen, st.originals, st.an.sites, st.work_dtype, figures)
     if st.opts.verify:
-        gate(st.todo, figures, st.work_dtype)
-    figures.update(st.an.precision.figures(*gate_text(st.todo, st.work_dtype, st.opts.verify)))
+        gate(st.todo, figures, st.work_dtype, precision_limit(st.work_dtype, st.own_error))
+    if st.own_error is not None:
+        figures["own_rounding_error"] = st.own_error
+    figures.update(st.an.precision.figures(*gate_text(st.todo, st.work_dtype, st.opts.verify, st.own_error,
+                                                      OWN_ERROR_HOW)))
     st.figures = figures
 
 
@@ -728,8 +795,8 @@ def _probe_used(st: _Patching) -> str:
     """What the verification ran on, when it is not the unseen probe."""
     if not st.opts.verify:
         return "the analysis inputs (verify=False: no unseen probe)"
-    if st.example_inputs is not None:
-        return "the example_inputs the analysis ran on (no unseen probe for inputs given by hand)"
+    if st.example_inputs is not None and st.probe_failed == NOTHING_TO_REDRAW:
+        return f"the analysis inputs (no unseen probe: {st.probe_failed})"
     return f"the analysis inputs (the unseen probe did not run: {st.probe_failed})"
 
 
@@ -744,7 +811,8 @@ def _commit_verified(st: _Patching) -> None:
     torch_transformer.keep_python_forward(model, st.plan)
     if st.measure_cast:
         skip = set(st.plan.changed_outputs)
-        converted_in_dtype, converted_failed = _error_in_own_dtype(model, st.reference, st.args, st.kwargs, skip)
+        converted_in_dtype, converted_failed = _error_in_own_dtype(model, st.reference, st.args, st.kwargs, skip,
+                                                                   st.plan.changed_output_axes)
         figures["in_model_dtype"] = converted_in_dtype.get("max_rel_error")
         figures["dtype_error_ratio"] = dtype_error_ratio(in_dtype, converted_in_dtype)
         st.dtype_note = _own_dtype_note(model, st.user_dtype, original_failed, converted_failed)
@@ -762,6 +830,8 @@ def _report(st: _Patching, wrapped: str) -> Report:
         message = f"{wrapped}; {message}"
     if st.dtype_note:
         message += f"; {st.dtype_note}"
+    if st.an.random:
+        message += f"; {RANDOM_NOTE}"
     if plan_.options.get("working_dtype"):
         message += f"; analysed and verified in {plan_.options['working_dtype']}"
     elif st.an.hold:  # a fact of these inputs' run (DINOv2 casts only where it interpolates), not of the plan
@@ -783,14 +853,16 @@ def _report(st: _Patching, wrapped: str) -> Report:
 
 
 def _error_in_own_dtype(model: nn.Module, reference: Any, args: tuple, kwargs: dict,
-                        skip: set[str] | frozenset[str] = frozenset()) -> tuple[dict, str]:
+                        skip: set[str] | frozenset[str] = frozenset(),
+                        axes: dict[str, int] | None = None) -> tuple[dict, str]:
     """``compare()`` of the model run as it is (its own dtype) against the float64 reference, or
     ``({}, why)`` where the model's own code cannot run in that dtype: Whisper's LayerNorm computes in
     float32 and on a CPU refuses bfloat16 parameters ("mixed dtype"). A figure, not a gate: the
     conversion was verified in the working dtype, and a failure here must not undo a commit."""
     try:
-        with torch.no_grad():
-            return compare(reference, model(*args, **kwargs), skip), ""
+        with torch.no_grad(), same_draws():
+            out = model(*args, **kwargs)
+        return compare(reference, out, skip, axes=axes), ""
     except Exception as exc:  # the model's own code, in its own dtype: any error it raises
         return {}, f"{type(exc).__name__}: {first_line(exc, 120)}"
 

@@ -21,7 +21,7 @@ from normswap import memory, pipeline, presets
 from normswap.checkpoint import conversion, truncated
 from normswap.cli import main
 from normswap.errors import NormswapError
-from normswap.surgery.verify import exact_limit
+from normswap.surgery.verify import exact_limit, precision_limit
 from tests.custom_models import TinyViT, randomise
 from tests.custom_models_cast import Float32OnlyNet
 
@@ -123,9 +123,13 @@ def test_the_report_states_float32_when_forced_and_when_float64_does_not_fit(mon
     model, _ = presets.build("tiny-gpt2")
     forced = normswap.patch(model, verify_dtype="float32")
     assert forced.verification["verify_dtype"] == "float32"
-    assert forced.verification["verify_tolerance"] == exact_limit(torch.float32)
+    # the tolerance is derived from the original's own float32 rounding error, not a flat 2e-3
+    own = forced.verification["own_rounding_error"]
+    assert 1e-8 < own < 1e-5
+    assert forced.verification["verify_tolerance"] == precision_limit(torch.float32, own) < 1e-4
     assert ("precision: verified in float32 against the float32 original (verify_dtype='float32'); "
-            "tolerance 0.002 relative") in str(forced)
+            f"tolerance {precision_limit(torch.float32, own):.3g} relative (= min(0.002, max(16 x the original's "
+            "own float32 error") in str(forced)
     assert 1e-12 < forced.verification["max_rel_error"] < 1e-4  # float32 rounding, not float64's
 
     model, _ = presets.build("tiny-gpt2")
@@ -134,7 +138,8 @@ def test_the_report_states_float32_when_forced_and_when_float64_does_not_fit(mon
     text = fell_back.verification["verify_precision"]
     assert fell_back.verification["verify_dtype"] == "float32"
     assert text.startswith("verified in float32 against the float32 original (float64 would need ")
-    assert "usable: 60% of the memory available); tolerance 0.002 relative" in text
+    assert "usable: 60% of the memory available); tolerance " in text
+    assert fell_back.verification["verify_tolerance"] < 1e-4
 
 
 def test_an_approximate_conversion_says_no_output_tolerance_was_applied():
@@ -178,17 +183,22 @@ def test_a_custom_model_too_big_for_a_float64_copy_says_so(monkeypatch):
 
 # ------------------------------------------------------------------------------------ CLI and manifest
 @pytest.mark.parametrize("flag, dtype, tolerance", [((), "float64", 1e-6), (("--verify-dtype", "float32"), "float32",
-                                                                              2e-3)])
+                                                                              None)])
 def test_convert_prints_and_records_the_precision(tmp_path, flag, dtype, tolerance):
     out = tmp_path / "out"
     code, stdout, err = cli("convert", "tiny-gpt2", "--out", str(out), "--quiet", *flag)
     assert code == 0, err
     line = next(ln for ln in stdout.splitlines() if ln.startswith("precision: "))
     assert line.startswith(f"precision: verified in {dtype} against the {dtype} original")
-    assert line.endswith(f"tolerance {tolerance:g} relative")
+    recorded = json.loads((out / "config.json").read_text())["normswap"]["verification"]
+    if tolerance is None:  # float32: derived from the original's own float32 rounding error
+        tolerance = recorded["verify_tolerance"]
+        assert tolerance == precision_limit(torch.float32, recorded["own_rounding_error"]) < 1e-4
+        assert f"tolerance {tolerance:.3g} relative (= min(0.002, max(16 x the original's own float32 error" in line
+    else:
+        assert line.endswith(f"tolerance {tolerance:g} relative")
     if flag:
         assert "(--verify-dtype float32)" in line  # in the CLI's words
-    recorded = json.loads((out / "config.json").read_text())["normswap"]["verification"]
     assert recorded["verify_dtype"] == dtype and recorded["verify_tolerance"] == tolerance
     assert recorded["verify_precision"].startswith(f"verified in {dtype} against the {dtype} original")
     card = (out / "README.md").read_text()
@@ -235,7 +245,10 @@ def test_verify_states_the_dtype_it_compared_in(tmp_path):
     assert cli("convert", "tiny-gpt2", "--out", str(out), "--quiet")[0] == 0
     code, stdout, err = cli("verify", "tiny-gpt2", str(out))
     assert code == 0, err
-    assert "precision: compared in float32, both models in CONVERTED's stored dtype; tolerance 0.002 relative" in stdout
+    line = next(ln for ln in stdout.splitlines() if ln.startswith("precision: "))
+    assert line.startswith("precision: compared in float32, both models in CONVERTED's stored dtype; tolerance ")
+    assert "(= min(0.002, max(16 x the original's own float32 error" in line
+    assert "against ORIGINAL run in float64 on the same batches" in line
     code, stdout, _ = cli("verify", "tiny-gpt2", str(out), "--json")
     assert json.loads(stdout)["precision"].startswith("compared in float32")
 

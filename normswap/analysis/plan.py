@@ -296,6 +296,10 @@ class Plan:
     bias_slots: list[BiasSlot] = field(default_factory=list)  # bias-less Linear readers given a bias for β
     centered_readers: list[CenteredReader] = field(default_factory=list)  # readers of approximate norms
     changed_outputs: list[str] = field(default_factory=list)
+    # the feature axis (negative: counted from the end) of each changed output whose features do not lie
+    # along its last axis: a channels-first (B, C, H, W) stream output (VitDet). Verification centres the
+    # difference over this axis (surgery.verify.raw_stream_error); an output not listed uses its last axis
+    changed_output_axes: dict[str, int] = field(default_factory=dict)
     options: dict[str, Any] = field(default_factory=dict)
     # orthogonal rotations applied after the conversion (normswap.rotate), one record per stream
     rotations: list[dict[str, Any]] = field(default_factory=list)
@@ -453,6 +457,7 @@ class Plan:
             centered_readers=[CenteredReader(**r) for r in data.get("centered_readers", [])],
             bias_slots=[BiasSlot(**b) for b in data.get("bias_slots", [])],
             changed_outputs=list(data.get("changed_outputs", [])),
+            changed_output_axes={str(k): int(v) for k, v in data.get("changed_output_axes", {}).items()},
             options=dict(data.get("options", {})),
             rotations=[dict(r) for r in data.get("rotations", [])],
         )

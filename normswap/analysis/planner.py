@@ -608,12 +608,47 @@ def _plan_lists(st: Planning) -> None:
                               key=lambda f: f.param)
     plan.unties = list(st.unties.values())
     plan.hooks = [h for h, _ in st.hooks.values()]
-    changed = {o for _, r in st.hooks.values() for o in r.outputs}
+    reaches = [r for _, r in st.hooks.values()]
     for e in st.edits.values():
         if e.kind != "param":
-            for c in an.calls_per_path.get(e.owner, []):
-                changed |= set(an.reach(c.outputs[0], OUTPUT_AXIS[e.kind]).outputs)
+            reaches += [an.reach(c.outputs[0], OUTPUT_AXIS[e.kind]) for c in an.calls_per_path.get(e.owner, [])]
+    changed = {o for r in reaches for o in r.outputs}
     plan.changed_outputs = sorted(changed | an.cache_outputs)
+    plan.changed_output_axes = _output_feature_axes(an, reaches)
+
+
+def _output_feature_axes(an: Analyzer, reaches: list[Reach]) -> dict[str, int]:
+    """The axis each changed model output holds the centered stream's features along, where it is not
+    the last one (a stream permuted to channels-first (B, C, H, W) on its way out: VitDet). Read off the
+    feature index maps the reaches carried to the output: the axis along which the map varies while it
+    is constant along every other (each position holds the same features in the same order)."""
+    axes: dict[str, int] = {}
+    for reach in reaches:
+        for vid, m in reach.mapped.items():
+            path = an.output_values.get(vid)
+            if path is None or path in axes or m.dim() < 2:
+                continue
+            axis = feature_axis(m)
+            if axis is not None and axis != m.dim() - 1:
+                axes[path] = axis - m.dim()
+    return dict(sorted(axes.items()))
+
+
+def feature_axis(index_map: torch.Tensor) -> int | None:
+    """The one axis along which ``index_map`` (feature ids, NaN where not reached) varies, or None when
+    no single axis does (features spread over several axes, or only one feature)."""
+    found = None
+    for axis in range(index_map.dim()):
+        rows = index_map.movedim(axis, -1).reshape(-1, index_map.shape[axis])
+        first = rows[0]
+        known = ~torch.isnan(rows) & ~torch.isnan(first)
+        if not bool((rows == first)[known].all()):
+            continue  # varies along the other axes too
+        if index_map.shape[axis] > 1 and torch.unique(first[~torch.isnan(first)]).numel() > 1:
+            if found is not None:
+                return None
+            found = axis
+    return found
 
 
 def _starts_stream(st: Planning, term: Term) -> bool:

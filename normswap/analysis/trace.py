@@ -108,6 +108,7 @@ class Graph:
     outputs: list[tuple[str, int]] = field(default_factory=list)  # (output path, Value id)
     output_object: Any = None
     held_casts: dict[str, int] = field(default_factory=dict)  # downcasts held at the working dtype, by op name
+    draws_random: bool = False  # the traced forward drew random numbers (set by its caller: pipeline._run_trace)
 
     def calls_of(self, path: str) -> list[ModuleCall]:
         return [c for c in self.calls if c.path == path]

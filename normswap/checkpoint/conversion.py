@@ -28,10 +28,10 @@ from normswap import inputs, memory, pipeline
 from normswap.analysis.plan import plan_of
 from normswap.checkpoint import io, source, writer
 from normswap.checkpoint.source import Source
-from normswap.errors import NormswapError, NothingToConvert, VerificationFailed
+from normswap.errors import NormswapError, NothingToConvert, UsageError, VerificationFailed
 from normswap.integrations.quiet import quietly
 from normswap.options import DTYPES, FORMATS, TASKS, ConvertOptions, choose
-from normswap.surgery.verify import comparable, compare, exact_limit, primary_key
+from normswap.surgery.verify import comparable, compare, exact_limit, primary_key, same_draws
 
 log = logging.getLogger("normswap")
 
@@ -321,10 +321,10 @@ def _run(model: nn.Module, probe: dict[str, Any]) -> Any:
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     on_cpu = all(p.device.type == "cpu" for p in model.parameters())
     if dtype not in pipeline.HALF_DTYPES or not on_cpu:
-        with torch.no_grad():
+        with torch.no_grad(), same_draws():  # a model drawing random numbers in eval mode: the same draws
             return model(**probe)
     cast = {k: (v.float() if torch.is_tensor(v) and v.is_floating_point() else v) for k, v in probe.items()}
-    with torch.no_grad(), pipeline.computing_in(model, torch.float32):
+    with torch.no_grad(), pipeline.computing_in(model, torch.float32), same_draws():
         return model(**cast)
 
 
@@ -358,7 +358,7 @@ def reload_check(
         "reload_bitwise_equal": bitwise,
         "reload_max_abs_diff": max(float((a[k].double() - b[k].double()).abs().max()) for k in keys),
     }
-    vs_orig = compare(original, reloaded, skip)
+    vs_orig = compare(original, reloaded, skip, axes=plan.changed_output_axes)
     if "max_rel_error" in vs_orig:
         figures["reload_vs_original_max_rel_error"] = vs_orig["max_rel_error"]
     exact = all(sp.verdict != "approximate" for sp in plan.sites if sp.convert)
@@ -434,6 +434,7 @@ def convert(
     progress: bool = False,
     echo: Callable[[str], None] | None = None,
     options: ConvertOptions | None = None,
+    example_inputs: inputs.ExampleInputs | Callable[[nn.Module, Any], inputs.ExampleInputs] = None,
     **keywords: Any,
 ) -> pipeline.Report:
     """Convert a model into a checkpoint directory, atomically.
@@ -469,6 +470,10 @@ def convert(
         revision: with a Hub id, the branch, tag or commit to convert (default ``main``).
         progress: show progress bars on stderr.
         echo: called with one-line status messages (the CLI prints them).
+        example_inputs: what the analysis runs the model on, as ``normswap.patch`` takes them (default:
+            built from the config), or a function of the loaded model and its processor returning them
+            (:mod:`normswap.inputs.from_file`: the CLI's ``--example-inputs`` and ``--sample``). Verified
+            on them redrawn from another seed; needs the in-memory path.
 
     Returns:
         The :class:`normswap.Report` (verification figures include the reload check).
@@ -492,7 +497,7 @@ def convert(
     source.check_config_fits(src, task, trust_remote_code=trust_remote_code)  # before anything is built
     st = _Conversion(src, out, opts, fmt=format, dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite,
                      task=task, trust_remote_code=trust_remote_code, allow_new_head=allow_new_head,
-                     calibration_data=calibration_data, say=say)
+                     calibration_data=calibration_data, say=say, example_inputs=example_inputs)
     if _streams(st, low_memory):
         from normswap.checkpoint import streaming
 
@@ -538,6 +543,7 @@ class _Conversion:
     converted: Any = None  # the converted model's, in the written dtype
     report: pipeline.Report | None = None
     side_bytes: int = 0  # the source's side files (tokenizer, processor), copied beside the weights
+    example_inputs: Any = None  # as given (a function of the loaded model and processor: resolved by _load)
 
 
 def _streams(st: _Conversion, low_memory: bool | None) -> bool:
@@ -547,12 +553,15 @@ def _streams(st: _Conversion, low_memory: bool | None) -> bool:
     src, opts = st.src, st.opts
     if low_memory is None:
         low_memory = (wants_low_memory(src, st.dtype) and st.calibration_data is None and opts.calibration is None
-                      and not opts.per_norm_centering)
+                      and not opts.per_norm_centering and st.example_inputs is None)
         if low_memory:
             st.say(
                 f"checkpoint is {io.human(src.nbytes)}: converting it in memory would need more than the "
                 f"available RAM ({io.human(int(available_memory()))}); streaming conversion (--low-memory)"
             )
+    if low_memory and st.example_inputs is not None:
+        raise UsageError("example inputs (--example-inputs, --sample) need the whole model in memory; drop "
+                         "--low-memory")
     if low_memory and opts.per_norm_centering:
         raise NormswapError("--per-norm-centering needs the whole model in memory; drop --low-memory")
     if low_memory and opts.rotate is not None:
@@ -588,18 +597,23 @@ def _load(st: _Conversion) -> None:
         st.opts = st.opts.replace(calibration=read_calibration(st.calibration_data, st.proc, st.model))
     if st.opts.tokenizer is None:
         st.opts = st.opts.replace(tokenizer=calibration_tokenizer(st.proc))
+    if callable(st.example_inputs) and not isinstance(st.example_inputs, torch.Tensor):
+        st.example_inputs = st.example_inputs(st.model, st.proc)
 
 
 def _convert_loaded(st: _Conversion, progress: bool) -> None:
     """``normswap.patch`` on the loaded model (the original's outputs kept first for the reload check),
     refusing a conversion that never agrees with the original, and saying what grows or stays."""
     model = st.model
-    st.probe = probe_inputs(model) if inputs.is_hf_model(model) else None
+    if isinstance(st.example_inputs, dict):  # the reload check runs on the inputs the model is known to take
+        st.probe = dict(st.example_inputs)
+    else:
+        st.probe = probe_inputs(model) if inputs.is_hf_model(model) and st.example_inputs is None else None
     st.original = _run(model, st.probe) if (st.opts.verify and st.probe is not None) else None
     st.steps.set_postfix_str("analysing and converting")
     try:
         with calibration_progress(progress):
-            st.report = pipeline.patch(model, options=st.opts)
+            st.report = pipeline.patch(model, st.example_inputs, options=st.opts)
     except VerificationFailed as exc:
         raise VerificationFailed(f"{exc}; nothing was written") from exc
     if not st.report.changed:

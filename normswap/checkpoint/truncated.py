@@ -25,7 +25,7 @@ from normswap.checkpoint.rewrite import KeyMap
 from normswap.checkpoint.stream_io import Entry, Reader
 from normswap.errors import NormswapError, VerificationFailed
 from normswap.surgery.edits import mark_untied
-from normswap.surgery.verify import compare, exact_limit, gate_text
+from normswap.surgery.verify import compare, exact_limit, gate_text, same_draws
 
 
 def load_truncated(
@@ -145,11 +145,11 @@ def verify_truncated(
         model.eval()
         if probe is None:
             probe = inputs.cast_inputs((), inputs.hf_example_inputs(model, batch=2, seq=8, seed=4242), work)[1]
-        with torch.no_grad(), pipeline.default_dtype(work):
+        with torch.no_grad(), pipeline.default_dtype(work), same_draws():
             outputs.append(model(**probe))
         del model
         gc.collect()
-    figures = compare(outputs[0], outputs[1], set(fp.plan.changed_outputs))
+    figures = compare(outputs[0], outputs[1], set(fp.plan.changed_outputs), axes=fp.plan.changed_output_axes)
     result: dict[str, Any] = {
         f"truncated_{k}": v
         for k, v in figures.items()

@@ -8,13 +8,14 @@ from typing import Any
 
 import torch
 
-from normswap import inputs
+from normswap import inputs, memory
 from normswap.analysis.plan import Plan, plan_of
 from normswap.checkpoint import source
 from normswap.checkpoint.reader import load
-from normswap.errors import NormswapError
+from normswap.errors import NormswapError, first_line
+from normswap.inputs.probe import HELD_OUT_SEED, held_out_like, special_ids
 from normswap.integrations.quiet import quietly
-from normswap.surgery.verify import compare, exact_limit
+from normswap.surgery.verify import compare, derived_text, precision_limit, rounding_error, same_draws
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -34,6 +35,7 @@ def verify_checkpoint(
     trust_remote_code: bool = False,
     allow_pickle: bool = False,
     force: bool = False,
+    example_inputs: Any = None,
 ) -> dict[str, Any]:
     """Figures for ``converted`` vs ``original`` and whether an exact conversion is within tolerance.
 
@@ -48,20 +50,47 @@ def verify_checkpoint(
     (:func:`normswap.checkpoint.source.fingerprint`: what the tensors are, not where they are stored, so
     a preset and the same preset saved to a directory match); ORIGINAL with other weights is refused
     unless ``force``. A top-1 agreement of 0 is never "ok".
+
+    ``example_inputs``: the inputs to compare on instead of the probe (a dict of ``forward``'s keyword
+    arguments, or a function of ORIGINAL and its processor returning one: the CLI's ``--example-inputs``
+    and ``--sample``), then the same redrawn from a seed the conversion did not use
+    (:func:`normswap.inputs.probe.held_out_like`).
     """
     conv_path, conv, plan = _load_converted(converted, data, trust_remote_code)
     dtype = next((p.dtype for p in conv.parameters() if p.is_floating_point()), torch.float32)
     src, source_match = _resolve_original(original, converted, conv, allow_pickle=allow_pickle,
                                           trust_remote_code=trust_remote_code, force=force)
     orig, proc = _load_original(src, conv, task, dtype, trust_remote_code)
-    batches, probe_source = _batches(data, orig, proc, conv_path)
-    figures = _figures(orig, conv, batches, set(plan.changed_outputs))
-    exact, ok, tol, verdict = _judge(plan, figures, tolerance, dtype)
+    batches, probe_source = _batches(data, orig, proc, conv_path, example_inputs)
+    skip, axes = set(plan.changed_outputs), dict(plan.changed_output_axes)
+    figures, references = _figures(orig, conv, batches, skip, axes)
+    exact = all(sp.verdict != "approximate" for sp in plan.sites if sp.convert)
+    own, own_failed = (None, "")
+    how = "against ORIGINAL run in float64 on the same batches"
+    if exact and tolerance is None and dtype != torch.float64:
+        del conv  # ORIGINAL's float64 run needs the room
+        if _float64_fits(orig):
+            own, own_failed = _own_error(orig, batches, references, skip, axes)
+        else:  # estimated in ORIGINAL's own dtype instead (surgery.verify.rounding_error, as patch does)
+            own, how = _estimated_own_error(orig, batches, references, skip, dtype), (
+                "estimated by one rounding of every module's output (a float64 ORIGINAL would not fit in memory)")
+        if own is not None:
+            figures["own_rounding_error"] = own
+    exact, ok, tol, verdict = _judge(plan, figures, tolerance, dtype, own)
+    if not exact:
+        gated = "approximate conversion: measured, no tolerance"
+    elif tolerance is not None:
+        gated = f"tolerance {tol:g} relative (--tolerance)"
+    elif own is not None:
+        gated = f"tolerance {tol:.3g} relative" + derived_text(dtype, own, how)
+    else:
+        gated = f"tolerance {tol:g} relative" + (f" (ORIGINAL does not run in float64: {own_failed})"
+                                                 if own_failed else "")
     return {
         "figures": figures,
         # both models run in CONVERTED's stored dtype: what a user of the checkpoint computes in
         "precision": f"compared in {str(dtype).removeprefix('torch.')}, both models in CONVERTED's stored dtype; "
-                     + (f"tolerance {tol:g} relative" if exact else "approximate conversion: measured, no tolerance"),
+                     + gated,
         "ok": ok,
         "kind": "exact" if exact else "approximate",
         "tolerance": tol,
@@ -127,30 +156,53 @@ def _load_original(src: Any, conv: Any, task: str | None, dtype: torch.dtype, tr
     return orig, proc
 
 
-def _batches(data: Any, orig: Any, proc: Any, conv_path: Path) -> tuple[list[dict], str]:
-    """The batches both models run, and what they are: ``data`` when given; else the verification probe
-    (real text where ORIGINAL's tokenizer is known), then random ids."""
+def _batches(data: Any, orig: Any, proc: Any, conv_path: Path, example_inputs: Any = None
+             ) -> tuple[list[dict], str]:
+    """The batches both models run, and what they are: ``data`` when given; ``example_inputs`` and the same
+    redrawn from a seed the conversion did not use; else the verification probe on passages the conversion
+    never used (``passage_offset``: neither its probe's nor its calibration's sentences), then random ids
+    from a seed the analysis did not use."""
     from normswap.checkpoint.conversion import read_calibration
+
+    if example_inputs is not None:
+        given = example_inputs(orig, proc) if callable(example_inputs) else example_inputs
+        if not isinstance(given, dict):
+            raise NormswapError("example_inputs for verify must be a dict of forward's keyword arguments")
+        held_out = held_out_like((), given, seed=HELD_OUT_SEED + 1, keep_ids=special_ids(orig))
+        if held_out is None:
+            return [given], "the example inputs given (nothing in them to redraw)"
+        return [given, held_out.kwargs], f"the example inputs given, then {held_out.source}"
 
     if data is not None:
         tok = proc if proc is not None else source.load_processor(conv_path)
         return read_calibration(data, tok, orig, option="--data"), f"--data {data}"
     if inputs.is_hf_model(orig):
         tok = getattr(proc, "tokenizer", proc) if proc is not None else None
-        probe = inputs.verification_probe(orig, tok if callable(tok) else None, seed=101)
+        probe = inputs.verification_probe(orig, tok if callable(tok) else None, seed=101,
+                                          passage_offset=inputs.PROBE_BATCH)
         batches = [probe.kwargs, inputs.hf_example_inputs(orig, batch=2, seq=12, seed=102)]
-        return batches, f"{probe.source}; then random inputs"
+        what = probe.source
+        if probe.text:
+            what += " (passages the conversion neither verified nor calibrated on)"
+        return batches, f"{what}; then random inputs"
     raise NormswapError("cannot build inputs for this model; pass --data")
 
 
-def _figures(orig: Any, conv: Any, batches: list[dict], skip: set[str]) -> dict[str, Any]:
-    """Compare the two models batch by batch (``skip``: the outputs the conversion changes on purpose):
-    the worst error over the batches, the mean KL and top-1 agreement."""
-    per_batch = []
+def _figures(orig: Any, conv: Any, batches: list[dict], skip: set[str], axes: dict[str, int]
+             ) -> tuple[dict[str, Any], list[Any]]:
+    """Compare the two models batch by batch (``skip``: the outputs the conversion changes on purpose,
+    ``axes`` their feature axes), every forward with the same seeded random draws: the worst error over
+    the batches, the mean KL and top-1 agreement; and ORIGINAL's outputs, batch by batch."""
+    per_batch, references = [], []
     with torch.no_grad():
         for batch in batches:
             mask = batch.get("attention_mask") if isinstance(batch.get("attention_mask"), torch.Tensor) else None
-            per_batch.append(compare(orig(**batch), conv(**batch), skip, mask))
+            with same_draws():
+                reference = orig(**batch)
+            with same_draws():
+                converted = conv(**batch)
+            per_batch.append(compare(reference, converted, skip, mask, axes))
+            references.append(reference)
     if not per_batch or "max_rel_error" not in per_batch[0]:
         raise NormswapError("the two models share no comparable output (different tasks?); pass --task")
     figures: dict[str, Any] = {"output": per_batch[0].get("output")}
@@ -162,17 +214,66 @@ def _figures(orig: Any, conv: Any, batches: list[dict], skip: set[str]) -> dict[
         vals = [f[key] for f in per_batch if key in f]
         if vals:
             figures[key] = sum(vals) / len(vals)
-    return figures
+    return figures, references
 
 
-def _judge(plan: Plan, figures: dict[str, Any], tolerance: float | None, dtype: torch.dtype
-           ) -> tuple[bool, bool, float, str]:
+def _float64_fits(orig: Any) -> bool:
+    """Whether ORIGINAL cast to float64 fits in the memory share a working copy may take
+    (:data:`normswap.memory.PEAK_SHARE` of what is available, its own bytes counted as freed by the cast)."""
+    params = [p for p in orig.parameters() if p.is_floating_point()]
+    own = sum(p.numel() * p.element_size() for p in params)
+    needed = sum(p.numel() for p in params) * 8 + memory.ACTIVATION_BYTES
+    device = params[0].device if params else torch.device("cpu")
+    return needed <= memory.PEAK_SHARE * (memory.device_memory(device) + own)
+
+
+def _estimated_own_error(orig: Any, batches: list[dict], references: list[Any], skip: set[str],
+                         dtype: torch.dtype) -> float:
+    """ORIGINAL's own rounding error in ``dtype`` estimated without float64
+    (:func:`normswap.surgery.verify.rounding_error`), worst over the batches."""
+    worst = 0.0
+    with torch.no_grad():
+        for batch, reference in zip(batches, references, strict=True):
+            def run(batch: dict = batch) -> Any:
+                with same_draws():
+                    return orig(**batch)
+
+            worst = max(worst, rounding_error(orig, run, reference, dtype, skip))
+    return worst
+
+
+def _own_error(orig: Any, batches: list[dict], references: list[Any], skip: set[str], axes: dict[str, int]
+               ) -> tuple[float | None, str]:
+    """ORIGINAL's own relative error in its loaded dtype: its outputs (``references``) against the same
+    model run in float64 on the same batches (cast in place: ORIGINAL is not used afterwards), the yardstick
+    :func:`normswap.surgery.verify.precision_limit` derives the tolerance from. ``(None, why)`` where the
+    model does not run in float64."""
+    from normswap.pipeline import default_dtype
+
+    try:
+        orig.to(torch.float64)
+        worst = 0.0
+        with torch.no_grad(), default_dtype(torch.float64):
+            for batch, reference in zip(batches, references, strict=True):
+                _, cast = inputs.cast_inputs((), batch, torch.float64)
+                mask = batch.get("attention_mask") if isinstance(batch.get("attention_mask"), torch.Tensor) else None
+                with same_draws():
+                    precise = orig(**cast)
+                worst = max(worst, compare(precise, reference, skip, mask, axes).get("max_rel_error", 0.0))
+        return worst, ""
+    except Exception as exc:  # noqa: BLE001 - the model's own code refuses float64 (a dtype check, a kernel)
+        return None, f"{type(exc).__name__}: {first_line(exc, 120)}"
+
+
+def _judge(plan: Plan, figures: dict[str, Any], tolerance: float | None, dtype: torch.dtype,
+           own_error: float | None = None) -> tuple[bool, bool, float, str]:
     """``(exact, ok, tolerance, verdict)``: an exact conversion must be within tolerance (by default
-    the dtype's exactness limit); an approximate one is reported, not judged; a top-1 agreement of 0
-    is never ok."""
+    what the dtype explains for this model: :func:`~normswap.surgery.verify.precision_limit` of ORIGINAL's
+    own error ``own_error``); an approximate one is reported, not judged; a top-1 agreement of 0 is
+    never ok."""
     converted_sites = [sp for sp in plan.sites if sp.convert]
     exact = all(sp.verdict != "approximate" for sp in converted_sites)
-    tol = tolerance if tolerance is not None else exact_limit(dtype)
+    tol = tolerance if tolerance is not None else precision_limit(dtype, own_error)
     worst = figures["max_rel_error"]
     top1 = figures.get("top1_agreement")
     if isinstance(top1, float) and top1 <= 0.0:
@@ -183,9 +284,9 @@ def _judge(plan: Plan, figures: dict[str, Any], tolerance: float | None, dtype: 
     if exact:
         ok = worst <= tol
         return exact, ok, tol, (
-            f"exact conversion: max relative error {worst:.3g} <= {tol:g}: OK"
+            f"exact conversion: max relative error {worst:.3g} <= {tol:.3g}: OK"
             if ok
-            else f"exact conversion misses tolerance: max relative error {worst:.3g} > {tol:g}"
+            else f"exact conversion misses tolerance: max relative error {worst:.3g} > {tol:.3g}"
         )
     n = sum(1 for sp in converted_sites if sp.verdict == "approximate")
     return exact, True, tol, (

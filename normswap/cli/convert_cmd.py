@@ -27,6 +27,7 @@ from normswap.cli.common import (
     figures_line,
     handle_errors,
 )
+from normswap.cli.inputs_opts import example_input_options, inputs_from
 from normswap.errors import NormswapError, UsageError
 
 # normswap.presets.names(), spelled out so that --help does not import torch (a test keeps it true)
@@ -94,6 +95,8 @@ Examples:
   normswap convert gpt2 --out gpt2-compat --format compat      # stock transformers, no normswap needed
   normswap convert ./bert --out bert-rms --mode all --calibration-data corpus.jsonl
   normswap convert ./big-model --out big-rms --low-memory --dtype bfloat16
+  normswap convert ./my-vlm --out vlm-rms --example-inputs inputs.safetensors   # inputs from a file
+  normswap convert ./my-asr --out asr-rms --sample clip.wav        # the model's processor on a sample
   normswap convert gpt2 --out gpt2-rot --format compat --rotate hadamard   # rotated, stock transformers
 
 \b
@@ -265,6 +268,7 @@ Presets (offline, seeded tiny models with tokenizers/processors):
 )
 @click.option("--online-hadamard", is_flag=True,
               help="With --rotate hadamard and --format native: also the online Hadamard rotations.")
+@example_input_options
 @click.option("--quiet", "-q", is_flag=True, help="No progress bars.")
 @handle_errors
 def convert(
@@ -296,6 +300,8 @@ def convert(
     rotate_seed: int,
     rotate_output: str | None,
     online_hadamard: bool,
+    example_inputs: str | None,
+    samples: tuple[str, ...],
     quiet: bool,
 ) -> None:
     """Convert MODEL's LayerNorms to RMSNorm and write a checkpoint to --out.
@@ -314,6 +320,7 @@ def convert(
         raise UsageError("--no-bias-slots applies with --fold-gamma (or --rotate) only: a bias slot takes the β of a "
                          "γ-folded norm, and without --fold-gamma none is made; pass --fold-gamma too, or drop "
                          "--no-bias-slots")
+    given_inputs = inputs_from(example_inputs, samples)
     if rotation is not None and not fold_gamma:
         click.echo("note: --rotate implies --fold-gamma (rotation needs RMSNorms of unit weight)", err=True)
     options = ConvertOptions(
@@ -350,6 +357,7 @@ def convert(
             allow_pickle=allow_pickle,
             allow_new_head=new_head,
             revision=revision,
+            example_inputs=given_inputs,
             progress=not quiet,
             echo=lambda msg: click.echo(f"note: {cli_words(msg)}", err=True),
         )

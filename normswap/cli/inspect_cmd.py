@@ -9,12 +9,15 @@ import click
 
 from normswap.cli import main
 from normswap.cli.common import EXIT_CODES, EXIT_NOTHING, MODES, TASK_NAMES, cli_words, fail, handle_errors
+from normswap.cli.inputs_opts import example_input_options, inputs_from
 
 INSPECT_EPILOG = f"""\b
 Examples:
   normswap inspect tiny-gpt2
   normswap inspect tiny-bert --mode exact --verbose
   normswap inspect ./my-model --json > plan.json
+  normswap inspect ./my-vlm --example-inputs inputs.safetensors
+  normswap inspect ./my-vit --sample cat.png
   normswap inspect ./tiny-gpt2-rms          # a converted checkpoint: shows its manifest
   normswap inspect ./my-net-rms             # normswap.save of a custom module: its manifest
 
@@ -42,6 +45,7 @@ Examples:
 @click.option("--task", type=click.Choice(TASK_NAMES), default=None, help="Model class to load.")
 @click.option("--trust-remote-code", is_flag=True, help="Allow custom modeling code shipped with MODEL.")
 @click.option("--allow-pickle", is_flag=True, help="Accept pickle-only (.bin) checkpoints.")
+@example_input_options
 @handle_errors
 def inspect(
     model: str,
@@ -53,6 +57,8 @@ def inspect(
     task: str | None,
     trust_remote_code: bool,
     allow_pickle: bool,
+    example_inputs: str | None,
+    samples: tuple[str, ...],
 ) -> None:
     """Show what normswap would do to MODEL's norms: verdict, reason, writers and readers.
 
@@ -65,6 +71,7 @@ def inspect(
     from normswap.checkpoint import hf, module_io, source
 
     fmt = None
+    given_inputs = inputs_from(example_inputs, samples)
     if module_io.is_module_dir(Path(model).expanduser()):  # normswap.save of a custom module: no config.json
         manifest = module_io.read_manifest(Path(model).expanduser())
         plan = Plan.from_dict(manifest["plan"])
@@ -85,8 +92,9 @@ def inspect(
 
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                loaded, _ = source.load_model(src, task=task, dtype="auto", trust_remote_code=trust_remote_code)
-                plan = normswap.plan(loaded, mode=mode, fold_gamma=fold_gamma, untie=not keep_tied)
+                loaded, proc = source.load_model(src, task=task, dtype="auto", trust_remote_code=trust_remote_code)
+                example = given_inputs(loaded, proc) if given_inputs is not None else None
+                plan = normswap.plan(loaded, example, mode=mode, fold_gamma=fold_gamma, untie=not keep_tied)
             header = f"{model} ({type(loaded).__name__})"
     if as_json:
         click.echo(json.dumps(plan.to_dict(), indent=2, default=str))

@@ -8,17 +8,21 @@ import click
 
 from normswap.cli import main
 from normswap.cli.common import EXIT_CODES, EXIT_VERIFY, TASK_NAMES, fail, figures_line, handle_errors
+from normswap.cli.inputs_opts import example_input_options, inputs_from
 
 VERIFY_EPILOG = f"""\b
 Examples:
   normswap verify tiny-gpt2 ./tiny-gpt2-rms
   normswap verify ./gpt2 ./gpt2-rms --data prompts.txt
   normswap verify ./bert ./bert-rms --json
+  normswap verify ./my-vlm ./vlm-rms --example-inputs inputs.safetensors
 
 \b
 Exit code 4 when every converted norm is exact but the outputs differ by more than
-the tolerance for the dtype (float32: 2e-3 relative; --tolerance overrides).
-Approximate conversions only report their error.
+what the dtype explains for this model: 16x ORIGINAL's own error in CONVERTED's dtype
+(measured against ORIGINAL run in float64 on the same inputs), at least 16x the dtype's
+eps, at most 2e-3 (float32); --tolerance overrides. Approximate conversions only report
+their error.
 
 {EXIT_CODES}"""
 
@@ -43,12 +47,14 @@ Approximate conversions only report their error.
     "--tolerance",
     type=click.FloatRange(min=0),
     default=None,
-    help="Max relative error for exact conversions (default depends on dtype).",
+    help="Max relative error for exact conversions (default: 16x ORIGINAL's own error in the dtype, at most "
+    "2e-3 in float32).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON.")
 @click.option("--task", type=click.Choice(TASK_NAMES), default=None, help="Model class for ORIGINAL.")
 @click.option("--trust-remote-code", is_flag=True, help="Allow custom modeling code shipped with ORIGINAL.")
 @click.option("--allow-pickle", is_flag=True, help="Accept a pickle-only ORIGINAL.")
+@example_input_options
 @handle_errors
 def verify(
     original: str,
@@ -60,10 +66,17 @@ def verify(
     trust_remote_code: bool,
     allow_pickle: bool,
     force: bool,
+    example_inputs: str | None,
+    samples: tuple[str, ...],
 ) -> None:
     """Compare ORIGINAL's outputs with CONVERTED's (a directory written by normswap convert)."""
     from normswap.checkpoint.verify_dirs import verify_checkpoint
 
+    if data is not None and (example_inputs is not None or samples):
+        from normswap.errors import UsageError
+
+        raise UsageError("--data and --example-inputs/--sample both give the inputs to compare on; pass one")
+    given_inputs = inputs_from(example_inputs, samples)
     result = verify_checkpoint(
         original,
         converted,
@@ -73,6 +86,7 @@ def verify(
         trust_remote_code=trust_remote_code,
         allow_pickle=allow_pickle,
         force=force,
+        example_inputs=given_inputs,
     )
     if result["source_match"] is False:
         click.echo("warning: CONVERTED was made from another model (--force)", err=True)

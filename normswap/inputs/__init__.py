@@ -250,7 +250,7 @@ def _random_source(kwargs: dict[str, Any]) -> str:
 
 def verification_probe(model: nn.Module, tokenizer: Any = None, *, batch: int = PROBE_BATCH,
                        seq: int = PROBE_SEQ, seed: int = PROBE_SEED,
-                       max_tokens: int = PROBE_MAX_TOKENS) -> Probe:
+                       max_tokens: int = PROBE_MAX_TOKENS, passage_offset: int = 0) -> Probe:
     """The unseen inputs ``patch`` verifies a transformers model on (never the analysis inputs).
 
     With a tokenizer (``tokenizer``, else :func:`find_tokenizer`) and a model that reads
@@ -264,7 +264,9 @@ def verification_probe(model: nn.Module, tokenizer: Any = None, *, batch: int = 
     :func:`hf_example_inputs` builds them.
     Without a usable tokenizer: :func:`hf_example_inputs` with ``seed`` (other ids and another length
     than the analysis inputs), and ``source`` says why; a tokenizer that was given but cannot be
-    used also warns.
+    used also warns. ``passage_offset`` skips that many passages first: ``normswap verify`` passes
+    ``PROBE_BATCH`` so that it checks on passages (other sentences) that neither the conversion's probe
+    nor its calibration used.
     """
     base = with_generated_media(hf_example_inputs(model, batch=batch, seq=seq, seed=seed), seed)
     if "input_ids" not in base:
@@ -276,7 +278,8 @@ def verification_probe(model: nn.Module, tokenizer: Any = None, *, batch: int = 
     if not understands_text(tok):
         return Probe(base, f"{_random_source(base)} ({where} reads most built-in English words as unknown)")
     try:
-        kwargs, lengths = _tokenised(model, tok, base, passages(batch, 0, from_end=True), max_tokens)
+        texts = passages(batch + passage_offset, 0, from_end=True)[passage_offset:]
+        kwargs, lengths = _tokenised(model, tok, base, texts, max_tokens)
     except (NormswapError, TypeError, ValueError, KeyError, AttributeError) as exc:
         reason = first_line(exc, 160)
         if tokenizer is not None:

@@ -18,9 +18,9 @@ def _spy_compare(monkeypatch) -> list[dict]:
     calls: list[dict] = []
     real = pipeline.compare
 
-    def spy(reference, converted, skip=frozenset(), attention_mask=None):
+    def spy(reference, converted, skip=frozenset(), attention_mask=None, axes=None):
         calls.append({"shape": tuple(converted.logits.shape[:2]), "mask": attention_mask})
-        return real(reference, converted, skip, attention_mask)
+        return real(reference, converted, skip, attention_mask, axes)
 
     monkeypatch.setattr(pipeline, "compare", spy)
     return calls
@@ -113,11 +113,68 @@ def test_without_a_tokenizer_the_fallback_is_random_ids_and_says_so():
     assert across > 0.5, across
 
 
-def test_a_custom_model_is_verified_on_its_example_inputs_and_the_report_says_so():
+def test_a_custom_model_is_verified_on_held_out_inputs_and_the_report_says_so(monkeypatch):
+    """Fails if a custom model were verified on the very inputs the analysis ran on: the converted model
+    must have been run on inputs of the example's shape but other values, and the report says so."""
     from tests.custom_models import TinyViT, randomise
 
-    report = normswap.patch(randomise(TinyViT()), (torch.randn(2, 3, 32, 32, dtype=torch.float64),))
-    assert report.verification["probe"].startswith("the example_inputs the analysis ran on")
+    example = torch.randn(2, 3, 32, 32, dtype=torch.float64) * 0.5 + 0.2
+    seen: list[torch.Tensor] = []
+    model = randomise(TinyViT())
+    model.register_forward_pre_hook(lambda m, args: seen.append(args[0].detach().clone()))
+    report = normswap.patch(model, (example,))
+    assert report.verification["probe"].startswith("the example inputs redrawn from seed")
+    assert "unseen_probe_max_rel_error" in report.verification
+    held_out = [x for x in seen if x.shape == example.shape and not torch.equal(x, example)]
+    assert held_out, "no forward on redrawn inputs"
+    x = held_out[0]
+    assert abs(float(x.mean()) - 0.2) < 0.05 and abs(float(x.std()) - 0.5) < 0.05  # same statistics
+
+
+def test_held_out_inputs_keep_masks_positions_and_ids_in_range():
+    from normswap.inputs.probe import call_args, held_out_like
+
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(5, 40, (2, 9), generator=gen)
+    mask = torch.ones(2, 9, dtype=torch.long)
+    mask[1, 6:] = 0
+    positions = torch.arange(9).expand(2, 9)
+    grid = torch.tensor([[1, 4, 4]])
+    probe = held_out_like((ids,), {"attention_mask": mask, "position_ids": positions, "image_grid_thw": grid,
+                                   "scale": torch.full((2, 1), 0.5), "flag": True})
+    args, kwargs = call_args(probe.kwargs)
+    assert args[0].shape == ids.shape and args[0].dtype == ids.dtype and not torch.equal(args[0], ids)
+    assert int(args[0].min()) >= 5 and int(args[0].max()) <= 39
+    given = {"attention_mask": mask, "position_ids": positions, "image_grid_thw": grid,
+             "scale": torch.full((2, 1), 0.5)}
+    for name, value in given.items():
+        assert torch.equal(kwargs[name], value), name
+    assert kwargs["flag"] is True and probe.attention_mask is mask
+    assert held_out_like((), {"attention_mask": mask}) is None  # nothing to redraw: no probe
+
+
+def test_held_out_ids_keep_special_tokens_and_placeholder_runs():
+    """A vision-language prompt: its image placeholder run and special ids stay where they are (the model
+    counts them against its image features); the text around them is redrawn."""
+    from normswap.inputs.probe import call_args, held_out_like, special_ids
+
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(10, 90, (2, 30), generator=gen)
+    ids[:, 0] = 1  # bos
+    ids[:, 5:15] = 95  # an image placeholder run
+    ids[1, 25:] = 0  # padding
+    args, _ = call_args(held_out_like((ids,), {}, keep_ids={0, 1}).kwargs)
+    new = args[0]
+    assert torch.equal(new[:, 0], ids[:, 0]) and torch.equal(new[:, 5:15], ids[:, 5:15])
+    assert torch.equal(new[1, 25:], ids[1, 25:])
+    free = torch.ones_like(ids, dtype=torch.bool)
+    free[:, 0] = free[:, 5:15] = False
+    free[1, 25:] = False
+    assert not torch.equal(new[free], ids[free])
+    assert not torch.isin(new[free], torch.tensor([0, 1, 95])).any()
+    config = tf.LlavaConfig(text_config=tf.LlamaConfig(pad_token_id=0, bos_token_id=1, eos_token_id=2),
+                            image_token_index=95)
+    assert {0, 1, 2, 95} <= special_ids(type("M", (), {"config": config})())
 
 
 def test_a_tokenizer_that_does_not_fit_the_model_warns_and_falls_back():

@@ -1,0 +1,141 @@
+"""Verification that knows its model: the feature axis of a changed output comes from the analysis (a
+channels-first VitDet stream), models drawing random numbers in eval mode are compared under the same
+draws (ViT-MAE's random masking), and only quantized *tensors* are refused as quantized (I-BERT with
+``quant_mode=False`` computes on float weights). Tiny transformers replicas in float64, LayerNorm γ/β
+randomised."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers as tf
+from torch import nn
+
+import normswap
+from normswap import pipeline
+from normswap.errors import NormswapError
+from normswap.surgery.verify import RANDOM_NOTE, compare, raw_stream_error, same_draws
+
+
+def _randomised(model: nn.Module) -> nn.Module:
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, nn.LayerNorm):
+                m.weight.copy_(torch.empty_like(m.weight).uniform_(0.5, 1.5, generator=gen))
+                m.bias.copy_(torch.randn(m.bias.shape, generator=gen, dtype=m.bias.dtype) * 0.2)
+    return model.double().eval()
+
+
+def _vitdet() -> nn.Module:
+    cfg = tf.VitDetConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, mlp_ratio=2, image_size=32,
+                          patch_size=8, pretrain_image_size=32)
+    torch.manual_seed(0)
+    return _randomised(tf.VitDetModel(cfg))
+
+
+def _vitmae(cls: type = tf.ViTMAEModel) -> nn.Module:
+    cfg = tf.ViTMAEConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                          image_size=32, patch_size=8, decoder_hidden_size=32, decoder_num_hidden_layers=1,
+                          decoder_num_attention_heads=2, decoder_intermediate_size=64)
+    torch.manual_seed(0)
+    return _randomised(cls(cfg))
+
+
+def _every_norm_converted(report: normswap.Report, model: nn.Module) -> None:
+    assert report.changed and report.sites
+    assert all(sp.convert and sp.verdict.startswith("exact") for sp in report.sites), report.plan.table()
+    assert not any(isinstance(m, nn.LayerNorm) for m in model.modules())
+
+
+def test_a_channels_first_stream_output_is_centred_over_its_channel_axis():
+    """Fails if the raw-stream check centred over the last axis: VitDet's output is (B, C, H, W)."""
+    model = _vitdet()
+    original = pipeline.working_copy(model, torch.float64)
+    pixels = torch.randn(2, 3, 32, 32, dtype=torch.float64)
+    report = normswap.patch(model)
+    _every_norm_converted(report, model)
+    assert report.plan.changed_output_axes == {"last_hidden_state": -3}  # (B, C, H, W): C
+    assert report.verification["raw_stream_rel_error"] < 1e-12
+    with torch.no_grad():
+        ref, out = original(pixel_values=pixels), model(pixel_values=pixels)
+    # the outputs differ by a per-token constant over C (centering), not over W: only the analysis' axis says so
+    axes = report.plan.changed_output_axes
+    changed = set(report.plan.changed_outputs)
+    assert raw_stream_error(ref, out, changed, lambda t: t, axes)["raw_stream_rel_error"] < 1e-12
+    assert raw_stream_error(ref, out, changed, lambda t: t)["raw_stream_rel_error"] > 1e-4
+
+
+@pytest.mark.parametrize("cls", [tf.ViTMAEModel, tf.ViTMAEForPreTraining])
+def test_a_model_drawing_random_numbers_in_eval_mode_is_compared_under_the_same_draws(cls):
+    """Fails if the original and the converted model ran with different random masks (ViT-MAE's)."""
+    model = _vitmae(cls)
+    pixels = torch.randn(2, 3, 32, 32, dtype=torch.float64)
+    with torch.no_grad():  # the model really is random in eval mode: two runs differ
+        a, b = model(pixel_values=pixels), model(pixel_values=pixels)
+    assert not torch.equal(a.mask, b.mask)
+    original = pipeline.working_copy(model, torch.float64)
+    state = torch.get_rng_state()
+    report = normswap.patch(model)
+    assert torch.equal(torch.get_rng_state(), state)  # the user's random stream is untouched
+    _every_norm_converted(report, model)
+    assert RANDOM_NOTE in report.message
+    assert report.verification["max_rel_error"] < 1e-12
+    with torch.no_grad():
+        with same_draws():
+            ref = original(pixel_values=pixels)
+        with same_draws():
+            out = model(pixel_values=pixels)
+    assert compare(ref, out, set(report.plan.changed_outputs))["worst_rel_error_any_output"] < 1e-12
+
+
+def test_a_deterministic_model_is_not_said_to_draw_random_numbers():
+    report = normswap.patch(_vitdet())
+    assert RANDOM_NOTE not in report.message
+
+
+def test_a_float_model_with_quant_in_its_class_names_is_not_refused_as_quantized():
+    """I-BERT with quant_mode=False runs F.linear on float weights in classes named QuantLinear/QuantAct."""
+    cfg = tf.IBertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+                         vocab_size=100, quant_mode=False)
+    model = tf.IBertModel(cfg).double().eval()
+    assert any("Quant" in type(m).__name__ for m in model.modules())
+    assert pipeline.quantized_weight(model) is None
+    pipeline.preflight(model)  # no "quantized layer" refusal
+
+
+class _Int8Linear(nn.Module):
+    """A layer whose weights are int8 (a parameter that is not a float)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(4, 4, dtype=torch.int8), requires_grad=False)
+
+
+class _Packed(nn.Module):
+    """A GPTQ-style layer: packed integer weights in a buffer, float scales."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("qweight", torch.zeros(4, 2, dtype=torch.int32))
+        self.scales = nn.Parameter(torch.ones(4))
+
+
+@pytest.mark.parametrize("layer, words", [
+    (_Int8Linear(), "parameter `q.weight` is quantized (torch.int8)"),
+    (_Packed(), "buffer `q.qweight` holds quantized weights (torch.int32)"),
+])
+def test_quantized_weights_are_refused_whatever_the_class_is_called(layer, words):
+    model = nn.Sequential()
+    model.add_module("norm", nn.LayerNorm(4))
+    model.add_module("q", layer)
+    with pytest.raises(NormswapError, match="convert the full-precision model") as err:
+        pipeline.preflight(model)
+    assert words in str(err.value)
+
+
+def test_float8_weights_are_refused():
+    model = nn.Linear(4, 4)
+    model.weight.data = model.weight.data.to(torch.float8_e4m3fn)
+    with pytest.raises(NormswapError, match="is quantized"):
+        pipeline.preflight(model)
