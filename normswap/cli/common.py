@@ -141,6 +141,8 @@ def handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
             with sigterm_as_interrupt():
                 return fn(*args, **kwargs)
         except NormswapError as exc:
+            if getattr(exc, "shown_by_main", False):  # another process of a distributed run prints it
+                sys.exit(int(getattr(exc, "exit_code", EXIT_ERROR)))
             fail(str(exc), int(getattr(exc, "exit_code", EXIT_ERROR)))
         except (KeyboardInterrupt, click.exceptions.Abort):
             fail("interrupted; nothing was written", EXIT_INTERRUPTED)

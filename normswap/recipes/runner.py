@@ -37,6 +37,7 @@ from normswap.recipes import io, preflight, tasks
 from normswap.recipes import metrics as metrics_mod
 from normswap.recipes import models as models_mod
 from normswap.recipes.config import RecipeConfig, load_config, selection_metric
+from normswap.recipes.processes import shown_by_main
 
 
 @dataclass
@@ -78,7 +79,23 @@ def _make_accelerator(cfg: RecipeConfig) -> Any:
         mixed_precision=cfg.train.mixed_precision,
         gradient_accumulation_steps=cfg.train.gradient_accumulation_steps,
         kwargs_handlers=handlers,
+        cpu=launched_on_cpu_only(),
     )
+
+
+def launched_on_cpu_only() -> bool:
+    """True for a multi-process launch (``accelerate launch``, ``torchrun``) on a machine without an
+    accelerator, unless the launcher chose the device itself (``ACCELERATE_TORCH_DEVICE``).
+
+    accelerate sets up its process group only for GPU-like devices unless told ``cpu=True``: without it
+    a GPU config (ddp.yaml, fsdp.yaml) on a CPU-only machine starts N unconnected single-process runs,
+    each of which believes it is the main process, trains alone and writes the same ``OUT/model``. With
+    it the processes form one data-parallel group over gloo (accelerate's ``MULTI_CPU``; FSDP and
+    DeepSpeed need an accelerator, so their configs run as plain data parallelism there).
+    """
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or os.environ.get("ACCELERATE_TORCH_DEVICE"):
+        return False
+    return not torch.accelerator.is_available()
 
 
 def _optimizer(model: nn.Module, cfg: RecipeConfig) -> torch.optim.Optimizer:
@@ -144,7 +161,7 @@ def _check_output(cfg: RecipeConfig) -> tuple[Path, Path | None, list[Path]]:
         else None
     )
     existing = [p for p in (out / "metrics.jsonl", ckpt_root, out / "model") if p.exists()]
-    if latest is None and existing and not cfg.output.overwrite:  # every process raises: none waits forever
+    if latest is None and existing and not cfg.output.overwrite:
         if cfg.checkpoint.resume:
             raise NormswapError(
                 f"config key `checkpoint.resume`: {str(out / 'checkpoints')!r} holds no checkpoint to resume "
@@ -279,8 +296,36 @@ class Recipe:
         """Everything before the first optimiser step, including the "before" evaluation.
 
         The settings are checked against the model, tokenizer, data and machine (:mod:`preflight`) as
-        soon as each is known, and the output directory is created only after the last check.
+        soon as each is known, and the output directory is created only after the last check. In a
+        distributed run every process makes the same checks on the same files and settings: a refusal
+        is printed by the main process alone (:mod:`normswap.recipes.processes`).
         """
+        try:
+            self._setup()
+        except NormswapError as exc:
+            raise shown_by_main(exc, getattr(self, "main", None)) from None
+
+    def _check_output_once(self) -> tuple[Path, Path | None, list[Path]]:
+        """:func:`_check_output` on the main process, before any process creates anything; the others
+        take its verdict (a broadcast), so none of them looks at the directory once the main one has
+        started writing into it."""
+        if self.accelerator.num_processes == 1:
+            return _check_output(self.cfg)
+        from accelerate.utils import broadcast_object_list
+
+        verdict: list[Any] = [None]
+        if self.main:
+            try:
+                verdict[0] = ("ok", _check_output(self.cfg))
+            except NormswapError as exc:
+                verdict[0] = ("refused", str(exc))
+        broadcast_object_list(verdict)
+        kind, value = verdict[0]
+        if kind == "refused":
+            raise NormswapError(value)
+        return value
+
+    def _setup(self) -> None:
         from accelerate.utils import set_seed
 
         cfg = self.cfg
@@ -295,10 +340,17 @@ class Recipe:
                 "config key `progressive.enabled` is not supported under FSDP or DeepSpeed (norms are "
                 "swapped after the model is sharded); use DDP, or convert.mode=all"
             )
-        self.out, self.resume_dir, replaced = _check_output(cfg)
+        self.out, self.resume_dir, replaced = self._check_output_once()
         set_seed(cfg.train.seed)
         self.device = self.accelerator.device
         self.console = _Console(self.main, False, 0, 0)
+        sharding = [k for k in ("FSDP", "DEEPSPEED") if os.environ.get(f"ACCELERATE_USE_{k}", "").lower() == "true"]
+        if sharding and launched_on_cpu_only():
+            self.console.print(
+                f"note: {'FSDP' if sharding[0] == 'FSDP' else 'DeepSpeed'} needs a GPU; on this CPU-only machine "
+                f"the {self.accelerator.num_processes} processes run as plain data parallelism over gloo (each "
+                "holds the whole model)"
+            )
         if cfg.loss.pooling == "auto":  # the sentence-transformers pooling when the model ships one
             cfg.loss.pooling = models_mod.sentence_pooling(cfg.model.source or cfg.model.student) or "mean"
             if self.task.embeds:
