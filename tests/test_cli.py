@@ -310,7 +310,7 @@ def test_conflicting_options(tmp_path):
     code, _, err, _ = run(
         "convert", "tiny-bert", "--out", str(tmp_path / "o"), "--format", "compat", "--mode", "all"
     )
-    assert_one_line_error(code, err, 1, "compat")
+    assert_one_line_error(code, err, 2, "compat")
     code, _, err, _ = run(
         "convert",
         "tiny-gpt2",
@@ -320,7 +320,7 @@ def test_conflicting_options(tmp_path):
         "--calibration-data",
         str(tmp_path / "x.txt"),
     )
-    assert_one_line_error(code, err, 1, "--calibration-data")
+    assert_one_line_error(code, err, 2, "--calibration-data")
     assert listing(tmp_path) == []
 
 
@@ -713,7 +713,7 @@ def test_per_norm_centering_flag_makes_post_ln_exact_and_says_so(tmp_path):
     assert code == 0 and "--per-norm-centering" in err and "per_norm_centering=" not in err
     src = presets.save("tiny-bert", tmp_path / "src")
     code, _, err, _ = run("convert", str(src), "--out", str(tmp_path / "b3"), "--low-memory", "--per-norm-centering")
-    assert_one_line_error(code, err, 1, "--per-norm-centering needs the whole model in memory")
+    assert_one_line_error(code, err, 2, "--per-norm-centering needs the whole model in memory")
     assert not (tmp_path / "b3").exists()
 
 
@@ -756,7 +756,7 @@ def test_options_that_would_do_nothing_are_refused_in_python_too():
 def test_verify_data_that_does_not_exist_is_named_as_data(tmp_path):
     normswap.convert("tiny-gpt2", tmp_path / "g")
     code, _, err, _ = run("verify", "tiny-gpt2", str(tmp_path / "g"), "--data", str(tmp_path / "nope.txt"))
-    assert_one_line_error(code, err, 1, f"--data {tmp_path / 'nope.txt'} does not exist")
+    assert_one_line_error(code, err, 2, f"--data {tmp_path / 'nope.txt'} does not exist")
     assert "calibration" not in err
     empty = tmp_path / "empty.txt"
     empty.write_text("\n\n")
@@ -794,3 +794,56 @@ def test_compat_summary_says_where_beta_is_kept(tmp_path):
     assert "stock LayerNorm bias(es)" in " ".join(out.split()) and "RMSNorm" not in out
     report = normswap.convert("tiny-gpt2", tmp_path / "n")
     assert "β kept in 2 RMSNorm(s)" in str(report)
+
+
+# ------------------------------------------------------------------------------------ issue 39 §6, §7
+ARGUMENT_ERRORS = [
+    (["--max-shard-size", "banana"], "invalid size 'banana'"),
+    (["--seed", "3"], "--seed applies to a rotation"),
+    (["--no-bias-slots"], "--no-bias-slots applies with --fold-gamma"),
+    (["--low-memory", "--rotate", "hadamard"], "--rotate needs the whole model in memory; drop --low-memory"),
+    (["--low-memory", "--per-norm-centering"], "--per-norm-centering needs the whole model in memory"),
+    (["--rotate", "hadamard", "--rotate-output", "restore", "--format", "compat"], "--rotate-output restore adds"),
+    (["--rotate", "hadamard", "--online-hadamard", "--format", "compat"], "--online-hadamard adds ops"),
+    (["--format", "compat", "--mode", "all"], "--format compat keeps LayerNorms"),
+    (["--new-head"], "--new-head adds a task head: name it with --task"),
+    (["--calibration-data", "no-such-file.txt"], "--calibration-data no-such-file.txt does not exist"),
+]
+
+
+@pytest.mark.parametrize("args, fragment", ARGUMENT_ERRORS, ids=[" ".join(a) for a, _ in ARGUMENT_ERRORS])
+def test_argument_errors_exit_2_without_importing_torch(tmp_path, args, fragment):
+    """Conflicting or dependent options and a missing input file are usage errors (exit 2, docs/cli.md's
+    table), answered before torch or transformers is imported (as fast as ``--help``)."""
+    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "normswap", "convert", "tiny-gpt2",
+                           "--out", str(tmp_path / "o"), *args], capture_output=True, text=True, cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    imported = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
+    assert not imported & {"torch", "transformers", "safetensors"}, sorted(imported & {"torch", "transformers"})
+    ours = [line for line in proc.stderr.splitlines() if not line.startswith("import time:")]
+    assert any(fragment in line for line in ours), ours
+    assert "Traceback" not in proc.stderr and listing(tmp_path) == []
+
+
+def test_python_callers_read_python_words_the_cli_reads_flags(tmp_path):
+    """The library's messages name keyword arguments (``overwrite=True``); the command line translates
+    them to its flags (``--overwrite``): each caller reads the spelling it types."""
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    model = presets.build_model("tiny-gpt2")
+    normswap.patch(model)
+    for call in (lambda: normswap.save(model, out), lambda: normswap.convert("tiny-gpt2", out)):
+        with pytest.raises(normswap.NormswapError) as info:
+            call()
+        assert "pass overwrite=True" in str(info.value) and f"out_dir {out}" in str(info.value)
+        assert "--" not in str(info.value)
+    with pytest.raises(normswap.NormswapError, match="allow_new_head=True adds a task head.*task='sequence"):
+        normswap.convert("tiny-bert", tmp_path / "b", allow_new_head=True)
+    with pytest.raises(normswap.NormswapError, match="format='native'.*online_hadamard=True"):
+        normswap.convert("tiny-gpt2", tmp_path / "g", format="compat", rotate="hadamard", online_hadamard=True)
+    code, _, err, _ = run("convert", "tiny-gpt2", "--out", str(out))
+    assert_one_line_error(code, err, 1, f"--out {out} exists and is not empty; pass --overwrite")
+    assert "out_dir" not in err and "overwrite=True" not in err
+    assert (out / "keep.txt").read_text() == "mine"

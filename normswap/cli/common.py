@@ -51,6 +51,7 @@ __all__ = [
     "VERIFY_DTYPES",
     "FORMATS",
     "TASK_NAMES",
+    "check_input_file",
     "cli_words",
     "figures_line",
     "fail",
@@ -109,6 +110,15 @@ _CLI_WORDS = (
     (re.compile(r"\ballow_unusable=True\b"), "--allow-unusable"),
     (re.compile(r"\bper_norm_centering=True\b"), "--per-norm-centering"),
     (re.compile(r"\bcalibration=\.\.\."), "--calibration-data FILE"),
+    (re.compile(r"\bcalibration_data\b(?!=)"), "--calibration-data"),
+    (re.compile(r"\bout_dir\b"), "--out"),
+    (re.compile(r"\boverwrite=True\b"), "--overwrite"),
+    (re.compile(r"\blow_memory=False\b"), "--in-memory"),
+    (re.compile(r"\brotate_output=['\"](\w+)['\"]"), r"--rotate-output \1"),
+    (re.compile(r"\brotate=['\"](\w+)['\"]"), r"--rotate \1"),
+    (re.compile(r"\bonline_hadamard=True\b"), "--online-hadamard"),
+    (re.compile(r"\ballow_new_head=True\b"), "--new-head"),
+    (re.compile(r"\btask=['\"]([\w-]+)['\"]"), r"--task \1"),
 )
 
 
@@ -117,6 +127,17 @@ def cli_words(text: str) -> str:
     for pattern, repl in _CLI_WORDS:
         text = pattern.sub(repl, text)
     return text
+
+
+def check_input_file(path: str, option: str) -> None:
+    """A text input named on the command line must be a file that exists: else a usage error (exit 2,
+    like a missing ``data.path`` in a recipe), said before any model is loaded or torch imported."""
+    from normswap.errors import UsageError
+
+    if not os.path.exists(path):
+        raise UsageError(f"{option} {path} does not exist")
+    if not os.path.isfile(path):
+        raise UsageError(f"{option} {path} is not a file; pass a text file (one sample per line) or JSONL")
 
 
 def fail(message: str, code: int = EXIT_ERROR) -> None:

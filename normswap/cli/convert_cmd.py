@@ -22,6 +22,7 @@ from normswap.cli.common import (
     ROTATIONS,
     TASK_NAMES,
     VERIFY_DTYPES,
+    check_input_file,
     cli_words,
     figures_line,
     handle_errors,
@@ -33,7 +34,7 @@ PRESET_NAMES = ("tiny-bert", "tiny-bloom", "tiny-gpt2", "tiny-opt", "tiny-phi", 
 
 
 def _shard_size(ctx: click.Context, param: click.Parameter, value: str) -> str:
-    from normswap.checkpoint.io import parse_size
+    from normswap.options import parse_size  # torch-free: an argument error answers at once
 
     try:
         parse_size(value)
@@ -83,6 +84,41 @@ def _recovery_note(plan: Any, calibration_data: str | None) -> str | None:
         "error above; for more, the fine-tune recipes distil the converted model towards the "
         "original (`normswap finetune --list`)"
     )
+
+
+def _check_combination(
+    mode: str, fmt: str, fold_gamma: bool, per_norm_centering: bool, no_bias_slots: bool,
+    calibration_data: str | None, low_memory: bool | None, task: str | None, new_head: bool,
+    rotation: str | None, rotate_seed: int, rotate_output: str | None, online_hadamard: bool,
+) -> None:
+    """Options that conflict or depend on one another, and a missing --calibration-data file: a usage
+    error (exit 2), answered before torch is imported. The library checks the same combinations for
+    Python callers (``checkpoint.conversion.check_options``), in its own words."""
+    if rotation is None and (online_hadamard or rotate_output or rotate_seed):
+        what = "--online-hadamard" if online_hadamard else "--rotate-output" if rotate_output else "--seed"
+        raise UsageError(f"{what} applies to a rotation: pass --rotate hadamard (or random) too")
+    if no_bias_slots and not fold_gamma and rotation is None:
+        raise UsageError("--no-bias-slots applies with --fold-gamma (or --rotate) only: a bias slot takes the β of a "
+                         "γ-folded norm, and without --fold-gamma none is made; pass --fold-gamma too, or drop "
+                         "--no-bias-slots")
+    if new_head and task is None:
+        raise UsageError("--new-head adds a task head: name it with --task (e.g. --task sequence-classification)")
+    if fmt == "compat" and mode == "all":
+        raise UsageError("--format compat keeps LayerNorms, so approximate norms cannot be converted: use --mode "
+                         "exact or --mode auto with --format compat, or --format native with --mode all")
+    if fmt == "compat" and rotate_output == "restore":
+        raise UsageError("--rotate-output restore adds an un-rotation op the stock architecture lacks: use --format "
+                         "native, or --rotate-output rotated with --format compat")
+    if fmt == "compat" and online_hadamard:
+        raise UsageError("--online-hadamard adds ops the stock architecture lacks: use --format native with it, or "
+                         "drop it for --format compat")
+    if low_memory:
+        for flag, given in (("--rotate", rotation), ("--calibration-data", calibration_data),
+                            ("--per-norm-centering", per_norm_centering)):
+            if given:
+                raise UsageError(f"{flag} needs the whole model in memory; drop --low-memory or {flag}")
+    if calibration_data is not None:
+        check_input_file(calibration_data, "--calibration-data")
 
 
 # ------------------------------------------------------------------------------------ convert
@@ -293,16 +329,11 @@ def convert(
     written atomically: into a temporary directory beside --out, renamed at the end; a failed or
     interrupted run leaves nothing behind.
     """
+    _check_combination(mode, fmt, fold_gamma, per_norm_centering, no_bias_slots, calibration_data, low_memory,
+                       task, new_head, rotation, rotate_seed, rotate_output, online_hadamard)
     from normswap.checkpoint.conversion import convert as run
     from normswap.options import ConvertOptions
 
-    if rotation is None and (online_hadamard or rotate_output or rotate_seed):
-        what = "--online-hadamard" if online_hadamard else "--rotate-output" if rotate_output else "--seed"
-        raise UsageError(f"{what} applies to a rotation: pass --rotate hadamard (or random) too")
-    if no_bias_slots and not fold_gamma and rotation is None:
-        raise UsageError("--no-bias-slots applies with --fold-gamma (or --rotate) only: a bias slot takes the β of a "
-                         "γ-folded norm, and without --fold-gamma none is made; pass --fold-gamma too, or drop "
-                         "--no-bias-slots")
     if rotation is not None and not fold_gamma:
         click.echo("note: --rotate implies --fold-gamma (rotation needs RMSNorms of unit weight)", err=True)
     options = ConvertOptions(

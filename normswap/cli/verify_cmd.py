@@ -7,7 +7,15 @@ import json
 import click
 
 from normswap.cli import main
-from normswap.cli.common import EXIT_CODES, EXIT_VERIFY, TASK_NAMES, fail, figures_line, handle_errors
+from normswap.cli.common import (
+    EXIT_CODES,
+    EXIT_VERIFY,
+    TASK_NAMES,
+    check_input_file,
+    fail,
+    figures_line,
+    handle_errors,
+)
 
 VERIFY_EPILOG = f"""\b
 Examples:
@@ -62,6 +70,8 @@ def verify(
     force: bool,
 ) -> None:
     """Compare ORIGINAL's outputs with CONVERTED's (a directory written by normswap convert)."""
+    if data is not None:
+        check_input_file(data, "--data")
     from normswap.checkpoint.verify_dirs import verify_checkpoint
 
     result = verify_checkpoint(
