@@ -91,7 +91,7 @@ def finetune(recipe: str | None, overrides: tuple[str, ...], list_: bool, print_
     except NormswapError as exc:  # every process of a distributed launch reads the same recipe
         raise shown_by_main(exc) from None
     if print_config:
-        click.echo(cfg.to_yaml(), nl=False)
+        click.echo(cfg.to_yaml(mark_required=True), nl=False)
         return
     from normswap.recipes import run
 
