@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from io import StringIO
 from pathlib import Path
 
 import pytest
@@ -709,7 +710,7 @@ def test_per_norm_centering_flag_makes_post_ln_exact_and_says_so(tmp_path):
     assert manifest["counts"]["exact-with-per-norm-centering"] == 2
     assert manifest["verification"]["max_rel_error"] < 1e-9
     # without the flag the warning names the flag in CLI words, not the API's keyword
-    code, stdout, err, _ = run("convert", "tiny-bert", "--out", str(tmp_path / "b2"), "-q")
+    code, stdout, err, _ = run("convert", "tiny-bert", "--out", str(tmp_path / "b2"))
     assert code == 0 and "--per-norm-centering" in err and "per_norm_centering=" not in err
     src = presets.save("tiny-bert", tmp_path / "src")
     code, _, err, _ = run("convert", str(src), "--out", str(tmp_path / "b3"), "--low-memory", "--per-norm-centering")
@@ -847,3 +848,30 @@ def test_python_callers_read_python_words_the_cli_reads_flags(tmp_path):
     assert_one_line_error(code, err, 1, f"--out {out} exists and is not empty; pass --overwrite")
     assert "out_dir" not in err and "overwrite=True" not in err
     assert (out / "keep.txt").read_text() == "mine"
+
+
+def test_quiet_prints_errors_only_and_notes_start_their_own_line(tmp_path, monkeypatch):
+    """``-q``: no progress, note or warning on stderr (tiny-gpt2 has an untie note, tiny-bert approximate-
+    norm warnings); without it they are there. On a terminal a note first clears the progress line
+    that is rewritten in place, so it never runs on after "(3 s)"."""
+    for args in (("tiny-gpt2", "--rotate", "hadamard"), ("tiny-bert",)):  # notes (untie, rotate); warnings
+        code, stdout, err, _ = run("convert", *args, "--out", str(tmp_path / args[0]), "-q")
+        assert code == 0 and err == "", err
+        assert "wrote native checkpoint" in stdout
+    code, _, err, _ = run("convert", "tiny-bert", "--out", str(tmp_path / "loud"))
+    assert code == 0 and "note: untied" in err and "warning:" in err, err
+
+    from normswap.cli import common
+
+    class Terminal(StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    term = Terminal()
+    term.write("normswap convert tiny-gpt2: step 2/4: analysing (3 s)")  # the progress line, unfinished
+    monkeypatch.setattr(common.click, "get_text_stream", lambda name: term)
+    monkeypatch.setattr(common.click, "echo", lambda text, err=False: term.write(text + "\n"))
+    common.say("note", "untied 1 tied weight(s): untie=False keeps the tie")
+    assert term.getvalue().endswith("(3 s)\r\033[Knote: untied 1 tied weight(s): --no-untie keeps the tie\n")
+    common.say("warning", "not shown", quiet=True)
+    assert "not shown" not in term.getvalue()

@@ -53,6 +53,7 @@ __all__ = [
     "TASK_NAMES",
     "check_input_file",
     "cli_words",
+    "say",
     "figures_line",
     "fail",
     "handle_errors",
@@ -127,6 +128,16 @@ def cli_words(text: str) -> str:
     for pattern, repl in _CLI_WORDS:
         text = pattern.sub(repl, text)
     return text
+
+
+def say(kind: str, text: str, quiet: bool = False) -> None:
+    """Print ``kind: text`` (a ``note`` or a ``warning``, in CLI words) on stderr, on a line of its own,
+    unless ``quiet`` (``-q``: errors only). On a terminal a progress line may stand there unfinished
+    (it is rewritten in place), so it is cleared first; the next progress update redraws it."""
+    if quiet:
+        return
+    clear = "\r\033[K" if click.get_text_stream("stderr").isatty() else ""
+    click.echo(f"{clear}{kind}: {cli_words(text)}", err=True)
 
 
 def check_input_file(path: str, option: str) -> None:

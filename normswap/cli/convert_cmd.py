@@ -26,6 +26,7 @@ from normswap.cli.common import (
     cli_words,
     figures_line,
     handle_errors,
+    say,
 )
 from normswap.errors import NormswapError, UsageError
 
@@ -49,7 +50,7 @@ _APPROXIMATE = re.compile(r"`(?P<name>[^`]+)` converted approximately \((?P<reas
 GROUP_APPROXIMATE_FROM = 4  # this many approximate-norm warnings or more print as one line
 
 
-def _echo_warnings(caught: list[warnings.WarningMessage]) -> None:
+def _echo_warnings(caught: list[warnings.WarningMessage], quiet: bool = False) -> None:
     """Print the library's warnings in CLI words. A deep Post-LN model's per-norm "converted
     approximately" warnings (one per layer, alike but for the name) become one line with the count,
     the error range and the worst norm; the manifest and ``normswap inspect`` keep each reason."""
@@ -58,17 +59,15 @@ def _echo_warnings(caught: list[warnings.WarningMessage]) -> None:
     grouped = len(approximate) >= GROUP_APPROXIMATE_FROM
     for text in texts:
         if not (grouped and _APPROXIMATE.fullmatch(text)):
-            click.echo(f"warning: {cli_words(text)}", err=True)
+            say("warning", text, quiet)
     if grouped:
         errors = [float(m["error"]) for m in approximate]
         worst = approximate[errors.index(max(errors))]
-        click.echo(cli_words(
-            f"warning: {len(approximate)} LayerNorm(s) converted approximately, relative output error "
+        say("warning",
+            f"{len(approximate)} LayerNorm(s) converted approximately, relative output error "
             f"{min(errors):.3g}-{max(errors):.3g} (largest at `{worst['name']}`: {worst['reason']}). "
             "Use --mode exact to keep them as LayerNorm, or recover accuracy with `normswap finetune`; "
-            "`normswap inspect` lists each norm with its reason"),
-            err=True,
-        )
+            "`normswap inspect` lists each norm with its reason", quiet)
 
 
 def _recovery_note(plan: Any, calibration_data: str | None) -> str | None:
@@ -291,7 +290,8 @@ Presets (offline, seeded tiny models with tokenizers/processors):
 )
 @click.option("--online-hadamard", is_flag=True,
               help="With --rotate hadamard and --format native: also the online Hadamard rotations.")
-@click.option("--quiet", "-q", is_flag=True, help="No progress bars.")
+@click.option("--quiet", "-q", is_flag=True,
+              help="Errors only on stderr: no progress, notes or warnings (the results still go to stdout).")
 @handle_errors
 def convert(
     model: str,
@@ -335,7 +335,7 @@ def convert(
     from normswap.options import ConvertOptions
 
     if rotation is not None and not fold_gamma:
-        click.echo("note: --rotate implies --fold-gamma (rotation needs RMSNorms of unit weight)", err=True)
+        say("note", "--rotate implies --fold-gamma (rotation needs RMSNorms of unit weight)", quiet)
     options = ConvertOptions(
         mode=mode,
         fold_gamma=fold_gamma or rotation is not None,
@@ -370,9 +370,9 @@ def convert(
             allow_new_head=new_head,
             revision=revision,
             progress=not quiet,
-            echo=lambda msg: click.echo(f"note: {cli_words(msg)}", err=True),
+            echo=lambda msg: say("note", msg, quiet),
         )
-    _echo_warnings(caught)
+    _echo_warnings(caught, quiet)
     plan = report.plan
     headline = report.message + (" (streamed)" if report.streamed else "")
     if headline:
@@ -390,5 +390,5 @@ def convert(
         click.echo(f"precision: {cli_words(report.verification['verify_precision'])}")
     note = _recovery_note(plan, calibration_data)
     if note:
-        click.echo(f"note: {note}", err=True)
+        say("note", note, quiet)
     click.echo(f"wrote {fmt} checkpoint to {out}")

@@ -184,10 +184,16 @@ def _create_output(out: Path, replaced: list[Path], main: bool) -> None:
 
 
 class _Console:
+    """What the main process prints: lines, and the progress bar (``log.progress_bar``) on a terminal
+    only. Piped into a log, a bar is carriage returns and half-drawn lines; the ``step N:`` evaluation
+    lines are the progress there."""
+
     def __init__(self, enabled: bool, bar: bool, total: int, initial: int) -> None:
+        import sys
+
         self.enabled = enabled
         self.bar = None
-        if enabled and bar:
+        if enabled and bar and sys.stderr is not None and sys.stderr.isatty():
             from tqdm.auto import tqdm
 
             self.bar = tqdm(total=total, initial=initial, desc="finetune", unit="step", dynamic_ncols=True)
@@ -684,13 +690,23 @@ class Recipe:
                 "progressive_stages": self.prog.stages if self.prog else None,
             }
         }
+        source = cfg.model.source or cfg.model.student
+        card = [
+            "## Distillation (normswap finetune)",
+            "",
+            f"{self.step} step(s) of the `{cfg.task}` recipe towards the original, {self.seen_tokens:,} tokens; "
+            f"the kept model is step {kept_step}'s. Held-out figures against the original:",
+            "",
+            f"- before: {metrics_mod.headline(self.metrics_before) or 'not measured'}",
+            f"- after: {metrics_mod.headline(metrics_after) or 'not measured'}",
+        ]
         saved_with = io.save_converted(
-            model, model_dir, tokenizer=self.tokenizer, fmt=cfg.output.format, manifest_extra=extra
+            model, model_dir, tokenizer=self.tokenizer, fmt=cfg.output.format, manifest_extra=extra,
+            source=str(source), card_section=card,
         )
         if cfg.log.plot:
-            source = Path(cfg.model.source or cfg.model.student)
             png = metrics_mod.plot(self.log.records(), self.out / "curves.png",
-                                   title=f"{cfg.task}: {'/'.join(source.parts[-2:])}")
+                                   title=f"{cfg.task}: {'/'.join(Path(source).parts[-2:])}")
             if png:
                 self.console.print(f"plot: {png}")
         self.console.print(f"after: {metrics_mod.headline(metrics_after)}")

@@ -48,6 +48,7 @@ def _check_run(proc: subprocess.CompletedProcess, out: Path) -> None:
     assert not repeated, f"printed more than once: {repeated}"
     assert sum(line.startswith("done:") for line in lines) == 1
     assert not any(line.startswith("error") for line in lines), lines
+    assert "\r" not in proc.stdout + proc.stderr  # piped: no progress bar redrawn with carriage returns
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     keys = [(r["step"], r["split"]) for r in records]
     assert len(keys) == len(set(keys)), keys  # one writer
