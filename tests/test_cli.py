@@ -875,3 +875,30 @@ def test_quiet_prints_errors_only_and_notes_start_their_own_line(tmp_path, monke
     assert term.getvalue().endswith("(3 s)\r\033[Knote: untied 1 tied weight(s): --no-untie keeps the tie\n")
     common.say("warning", "not shown", quiet=True)
     assert "not shown" not in term.getvalue()
+
+
+def test_a_misspelt_preset_is_answered_at_once_with_the_nearest(tmp_path):
+    """``tiny-gpt3`` is no Hub id anyone means: the nearest preset is suggested before torch is imported
+    and before any network, by every command that takes a MODEL; Python callers hear the same."""
+    for args in (["convert", "tiny-gpt3", "--out", str(tmp_path / "o")], ["inspect", "tiny-brt"],
+                 ["verify", "tiny-gpt3", str(tmp_path / "o")]):
+        proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "normswap", *args], capture_output=True,
+                              text=True, cwd=tmp_path, env={**os.environ, "HF_HUB_OFFLINE": "0",
+                                                            "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+        ours = [line for line in proc.stderr.splitlines() if not line.startswith("import time:")]
+        assert proc.returncode == 1 and len(ours) == 1, proc.stderr[-2000:]
+        near = "tiny-bert" if "tiny-brt" in args else "tiny-gpt2"
+        assert ours[0].startswith("error: ") and f"did you mean {near}?" in ours[0], ours
+        assert not any(line.rstrip().endswith("| torch") for line in proc.stderr.splitlines())
+    code, _, err, _ = run("convert", "tiny-foo", "--out", str(tmp_path / "o"))
+    assert_one_line_error(code, err, 1, "tiny-foo is not a preset", "presets: tiny-bert")
+    assert "did you mean" not in err  # nothing near: the list only
+    with pytest.raises(normswap.NormswapError, match="did you mean tiny-gpt2"):
+        normswap.convert("tiny-gpt3", tmp_path / "o")
+    assert listing(tmp_path) == []
+
+
+def test_inspect_speaks_flags_like_convert():
+    code, stdout, err, _ = run("inspect", "tiny-bert")
+    assert code == 0, err
+    assert "(--per-norm-centering)" in stdout and "per_norm_centering=" not in stdout

@@ -51,7 +51,9 @@ __all__ = [
     "VERIFY_DTYPES",
     "FORMATS",
     "TASK_NAMES",
+    "PRESET_NAMES",
     "check_input_file",
+    "check_model_name",
     "cli_words",
     "say",
     "figures_line",
@@ -128,6 +130,23 @@ def cli_words(text: str) -> str:
     for pattern, repl in _CLI_WORDS:
         text = pattern.sub(repl, text)
     return text
+
+
+# normswap.presets.names(), spelled out so that --help and a misspelt preset answer without importing torch
+# (a test keeps it equal to presets.names())
+PRESET_NAMES = ("tiny-bert", "tiny-bloom", "tiny-gpt2", "tiny-opt", "tiny-phi", "tiny-vit", "tiny-whisper")
+
+
+def check_model_name(model: str) -> None:
+    """A MODEL that looks like a preset (``tiny-*``, no slash) but is none, and is no local path, is
+    refused at once with the nearest preset: a Hub lookup would wait on the network only to fail."""
+    import difflib
+
+    if model in PRESET_NAMES or "/" in model or not model.startswith("tiny-") or os.path.exists(model):
+        return
+    near = difflib.get_close_matches(model, PRESET_NAMES, n=1, cutoff=0.8)
+    hint = f"did you mean {near[0]}? " if near else ""
+    raise NormswapError(f"{model} is not a preset or a local directory; {hint}presets: {', '.join(PRESET_NAMES)}")
 
 
 def say(kind: str, text: str, quiet: bool = False) -> None:

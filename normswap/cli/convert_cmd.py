@@ -19,19 +19,18 @@ from normswap.cli.common import (
     EXIT_CODES,
     FORMATS,
     MODES,
+    PRESET_NAMES,
     ROTATIONS,
     TASK_NAMES,
     VERIFY_DTYPES,
     check_input_file,
+    check_model_name,
     cli_words,
     figures_line,
     handle_errors,
     say,
 )
 from normswap.errors import NormswapError, UsageError
-
-# normswap.presets.names(), spelled out so that --help does not import torch (a test keeps it true)
-PRESET_NAMES = ("tiny-bert", "tiny-bloom", "tiny-gpt2", "tiny-opt", "tiny-phi", "tiny-vit", "tiny-whisper")
 
 
 def _shard_size(ctx: click.Context, param: click.Parameter, value: str) -> str:
@@ -329,6 +328,7 @@ def convert(
     written atomically: into a temporary directory beside --out, renamed at the end; a failed or
     interrupted run leaves nothing behind.
     """
+    check_model_name(model)
     _check_combination(mode, fmt, fold_gamma, per_norm_centering, no_bias_slots, calibration_data, low_memory,
                        task, new_head, rotation, rotate_seed, rotate_output, online_hadamard)
     from normswap.checkpoint.conversion import convert as run

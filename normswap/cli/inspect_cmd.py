@@ -8,7 +8,16 @@ import warnings
 import click
 
 from normswap.cli import main
-from normswap.cli.common import EXIT_CODES, EXIT_NOTHING, MODES, TASK_NAMES, fail, handle_errors
+from normswap.cli.common import (
+    EXIT_CODES,
+    EXIT_NOTHING,
+    MODES,
+    TASK_NAMES,
+    check_model_name,
+    cli_words,
+    fail,
+    handle_errors,
+)
 
 INSPECT_EPILOG = f"""\b
 Examples:
@@ -59,6 +68,7 @@ def inspect(
     Nothing is written and the model is not modified. For a checkpoint normswap already
     converted, the stored manifest is shown instead (no analysis).
     """
+    check_model_name(model)
     from pathlib import Path
 
     from normswap.analysis.plan import Plan
@@ -92,7 +102,8 @@ def inspect(
         click.echo(json.dumps(plan.to_dict(), indent=2, default=str))
     else:
         click.echo(header)
-        click.echo(plan.table(verbose=verbose, fmt=fmt))  # 100 columns, whole reasons (wrapped)
+        # 100 columns, whole reasons (wrapped); the reasons' advice in flags, as `convert` prints it
+        click.echo(cli_words(plan.table(verbose=verbose, fmt=fmt)))
     if not any(sp.convert for sp in plan.sites):
         why = "no LayerNorm found" if not plan.sites else f"no LayerNorm can be converted with --mode {mode}"
         fail(f"{model}: {why}; nothing to convert", EXIT_NOTHING)

@@ -12,6 +12,7 @@ from normswap.cli.common import (
     EXIT_VERIFY,
     TASK_NAMES,
     check_input_file,
+    check_model_name,
     fail,
     figures_line,
     handle_errors,
@@ -70,6 +71,7 @@ def verify(
     force: bool,
 ) -> None:
     """Compare ORIGINAL's outputs with CONVERTED's (a directory written by normswap convert)."""
+    check_model_name(original)
     if data is not None:
         check_input_file(data, "--data")
     from normswap.checkpoint.verify_dirs import verify_checkpoint
