@@ -218,7 +218,12 @@ class _Console:
 
 
 class _Best:
-    """The held-out-best student so far (``eval.keep_best``): step, metrics and a CPU weight copy."""
+    """The held-out-best student so far (``eval.keep_best``): step, metrics and a CPU weight copy.
+
+    Steps are ranked by the selection metric (float64 figures over the whole held-out split: the KL
+    is summed in float64, :func:`losses.token_kl_exact`); on a tie, by a second figure (top-1
+    agreement when ranking by a KL, else the KL), and on a tie of both the earlier step is kept: it is
+    closer to the conversion, and later steps must earn their place."""
 
     def __init__(self, metric: str, maximize: bool, enabled: bool) -> None:
         self.metric, self.maximize, self.enabled = metric, maximize, enabled
@@ -226,12 +231,19 @@ class _Best:
         self.metrics: dict[str, float] = {}
         self.state: dict[str, torch.Tensor] | None = None
 
+    def _key(self, metrics: dict[str, float]) -> tuple[float, float]:
+        """Smaller is better: (primary, tie-break), each signed so."""
+        primary = metrics[self.metric]
+        second = "top1_agreement" if self.metric.startswith("kl") else "kl"
+        tie = metrics.get(second)
+        tie = 0.0 if tie is None or tie != tie else (-tie if second == "top1_agreement" else tie)
+        return (-primary if self.maximize else primary, tie)
+
     def consider(self, step: int, metrics: dict[str, float], model: nn.Module) -> None:
         value = metrics.get(self.metric)
         if not self.enabled or value is None or value != value:
             return
-        best = self.metrics.get(self.metric)
-        if best is not None and not (value > best if self.maximize else value < best):
+        if self.metrics and not self._key(metrics) < self._key(self.metrics):
             return
         self.step, self.metrics = step, dict(metrics)
         self.state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
@@ -501,7 +513,9 @@ class Recipe:
             self.log.write({"step": 0, "split": "eval", **self.last_eval})
             if self.final_structure <= 0:
                 self.best.consider(0, self.last_eval, self.accelerator.unwrap_model(self.model))
-        self.console.print(f"before: {metrics_mod.headline(self.metrics_before)}")
+        # the student line's figures were measured on the conversion's own inputs (built-in text); these
+        # and every later evaluation on the held-out split of data.path, prepared as for training
+        self.console.print(f"before (held-out split of data.path): {metrics_mod.headline(self.metrics_before)}")
 
     # ---- evaluate
     def evaluate(self, model: nn.Module) -> dict[str, float]:
