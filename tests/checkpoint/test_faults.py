@@ -121,7 +121,7 @@ def test_new_task_head_needs_the_flag_and_is_recorded(tmp_path, gpt2_src):
     manifest = json.loads((out / "config.json").read_text())["normswap"]
     assert manifest["new_head"] == ["score.weight"]
     code, _, err = run("convert", str(src), "--out", str(tmp_path / "o2"), "--new-head")
-    one_line_error(code, err, 1, "--task")
+    one_line_error(code, err, 2, "--task")  # an option that needs another: a usage error
 
 
 # ------------------------------------------------------------------------------------ defect 9
