@@ -89,7 +89,8 @@ def finetune(recipe: str | None, overrides: tuple[str, ...], list_: bool, print_
                 raise UsageError(str(exc)) from exc
             raise
     except NormswapError as exc:  # every process of a distributed launch reads the same recipe
-        raise shown_by_main(exc) from None
+        shown_by_main(exc)
+        raise
     if print_config:
         click.echo(cfg.to_yaml(mark_required=True), nl=False)
         return

@@ -321,7 +321,8 @@ class Recipe:
         try:
             self._setup()
         except NormswapError as exc:
-            raise shown_by_main(exc, getattr(self, "main", None)) from None
+            shown_by_main(exc, getattr(self, "main", None))
+            raise
 
     def _check_output_once(self) -> tuple[Path, Path | None, list[Path]]:
         """:func:`_check_output` on the main process, before any process creates anything; the others
