@@ -871,7 +871,7 @@ def test_quiet_prints_errors_only_and_notes_start_their_own_line(tmp_path, monke
 
     term = Terminal()
     term.write("normswap convert tiny-gpt2: step 2/4: analysing (3 s)")  # the progress line, unfinished
-    monkeypatch.setattr(common.click, "get_text_stream", lambda name: term)
+    monkeypatch.setattr(common.sys, "stderr", term)
     monkeypatch.setattr(common.click, "echo", lambda text, err=False: term.write(text + "\n"))
     common.say("note", "untied 1 tied weight(s): untie=False keeps the tie")
     assert term.getvalue().endswith("(3 s)\r\033[Knote: untied 1 tied weight(s): --no-untie keeps the tie\n")

@@ -155,7 +155,8 @@ def say(kind: str, text: str, quiet: bool = False) -> None:
     (it is rewritten in place), so it is cleared first; the next progress update redraws it."""
     if quiet:
         return
-    clear = "\r\033[K" if click.get_text_stream("stderr").isatty() else ""
+    stream = sys.stderr
+    clear = "\r\033[K" if stream is not None and stream.isatty() else ""
     click.echo(f"{clear}{kind}: {cli_words(text)}", err=True)
 
 
