@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import resource
-import shutil
 import statistics
 import subprocess
 import sys
@@ -24,6 +23,12 @@ COMMANDS = {
     "normswap convert --help": ["convert", "--help"],
     "normswap convert (missing --out)": ["convert", "tiny-gpt2"],
     "normswap convert --mode bogus": ["convert", "tiny-gpt2", "--out", "x", "--mode", "bogus"],
+    "convert --max-shard-size banana": ["convert", "tiny-gpt2", "--out", "x", "--max-shard-size", "banana"],
+    "convert --seed 3 (no --rotate)": ["convert", "tiny-gpt2", "--out", "x", "--seed", "3"],
+    "convert --no-bias-slots": ["convert", "tiny-gpt2", "--out", "x", "--no-bias-slots"],
+    "convert --low-memory --rotate": ["convert", "tiny-gpt2", "--out", "x", "--low-memory", "--rotate", "hadamard"],
+    "convert --calibration-data missing": ["convert", "tiny-gpt2", "--out", "x", "--calibration-data", "nope.txt"],
+    "finetune NAME --print-config": ["finetune", "distill-masked-lm", "--print-config"],
     "normswap finetune --list": ["finetune", "--list"],
     "normswap backends": ["backends"],
 }
@@ -44,8 +49,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=5)
     args = parser.parse_args()
-    exe = shutil.which("normswap")
-    base = [exe] if exe else [sys.executable, "-m", "normswap.cli"]
+    base = [sys.executable, "-m", "normswap"]  # the normswap on sys.path (a checkout's, with PYTHONPATH)
     print(f"{'command':36} {'exit':>4} {'min s':>7} {'median s':>9} {'cpu s (min)':>12}")
     for label, cmd in COMMANDS.items():
         runs = [time_one(base + cmd) for _ in range(args.runs)]

@@ -10,10 +10,42 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 from dataclasses import dataclass, fields
 from typing import Any
 
 from normswap.errors import NormswapError
+
+# shard sizes (``max_shard_size``); here, not in checkpoint.io, so the CLI checks them without torch
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
+
+
+def parse_size(value: int | str) -> int:
+    """``"500MB"`` / ``"2GB"`` / ``"1.5GiB"`` / ``1000000`` -> bytes (HF's decimal convention for GB)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value <= 0:
+            raise NormswapError(f"max shard size must be positive, not {value}")
+        return value
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(value))
+    unit = m.group(2).upper() if m else ""
+    if not m or unit not in _UNITS:
+        raise NormswapError(f"invalid size {value!r}: use a number with a unit, e.g. 500MB, 2GB or 1.5GiB")
+    size = int(float(m.group(1)) * _UNITS[unit])
+    if size <= 0:
+        raise NormswapError(f"size must be positive, not {value!r}")
+    return size
+
 
 MODES = ("auto", "exact", "all")
 BETA_PLACEMENTS = ("rounding", "fold")  # where β goes in a default conversion (normswap.surgery.beta_placement)

@@ -943,7 +943,8 @@ def _calibrate(work: nn.Module, approx: list[SitePlan], sites: dict, originals: 
         try:
             with computing_in(work, dtype), running(dtype, hold):
                 result = calibrate.calibrate(work, targets, fit, held_out, source=source,
-                                             sequential=opts.sequential, call=call)
+                                             sequential=opts.sequential, call=call,
+                                             eval_source="built-in text" if hf else "the example inputs")
         except (NormswapError, MemoryError):
             raise
         except Exception as exc:  # noqa: BLE001 - the model does not run on these batches in this dtype

@@ -250,3 +250,54 @@ def test_readme_quickstart_is_what_ci_runs():
     for step in line.split(" && "):
         want = pip + step[len("pip install "):] if step.startswith("pip install ") else step
         assert re.search(r"(?m)^" + re.escape(want) + "$", ci), f"{want!r} is not a line of .ci/run"
+
+
+# --------------------------------------------------------------------------------------------- in sequence
+def reading_order() -> list[Path]:
+    """The pages as a reader meets them: the README, then mkdocs.yml's nav, then the other pages."""
+    nav = re.findall(r"^\s*-\s*(?:[^:\n]+:\s*)?([\w/.-]+\.md)\s*$", (REPO / "mkdocs.yml").read_text(), re.M)
+    ordered = [REPO / "README.md", *(REPO / "docs" / name for name in nav)]
+    return ordered + [p for p in pages() if p not in ordered]
+
+
+# the destinations an example writes: `normswap convert SRC --out DIR`, normswap.convert/save(x, "DIR", ...)
+_SHELL_WRITE = re.compile(r"normswap convert \S+[^\n#]*?--out (\S+)([^\n#]*)")
+_PY_WRITE = re.compile(r"normswap\.(?:convert|save)\(\s*[^,()]+,\s*[\"']([^\"']+)[\"']([^)]*)\)")
+
+
+def writes(block: Block) -> list[tuple[str, bool]]:
+    """(destination, overwrites) for every checkpoint an example block writes to a literal path."""
+    if block.lang == "python":
+        return [(m[1], "overwrite=True" in m[2]) for m in _PY_WRITE.finditer(block.code)]
+    found = []
+    for m in _SHELL_WRITE.finditer(block.code):
+        flags = m.group(0)
+        found.append((m[1], "--overwrite" in flags))
+    return found
+
+
+def test_examples_run_one_after_another_in_one_directory():
+    """A reader runs the pages in order in one directory (README's quickstart, Getting started, then
+    the guides): no example may write a checkpoint directory that an earlier one already wrote unless
+    it says overwrite (the write would fail with "exists and is not empty"). The placeholders of
+    ``no-run``/``hub``/``gpu`` blocks are not the reader's files and are left out."""
+    first: dict[str, str] = {}
+    clashes = []
+    for page in reading_order():
+        for b in blocks(page):
+            if b.lang == "other" or b.marker in ("no-run", "hub", "gpu"):
+                continue
+            for dest, overwrites in writes(b):
+                if dest in first and not overwrites:
+                    clashes.append(f"{b.where}: writes {dest}, which {first[dest]} already wrote (pass overwrite)")
+                first.setdefault(dest, b.where)
+    assert not clashes, "\n".join(clashes)
+
+
+def test_the_sequence_check_sees_what_examples_write():
+    page = Block(REPO / "x.md", 1, "shell", "normswap convert tiny-gpt2 --out a --format compat  # x\n"
+                 "normswap convert tiny-bert --out b --overwrite\n", None)
+    assert writes(page) == [("a", False), ("b", True)]
+    code = 'normswap.convert("tiny-gpt2", "c")\nnormswap.save(model, "d", tokenizer=t, overwrite=True)\n'
+    assert writes(Block(REPO / "x.md", 1, "python", code, None)) == [("c", False), ("d", True)]
+    assert reading_order()[:3] == [REPO / "README.md", REPO / "docs" / "index.md", REPO / "docs" / "getting-started.md"]

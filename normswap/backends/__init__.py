@@ -400,7 +400,8 @@ _REPRESENTATIVE = (
 def describe() -> list[dict]:
     """One dict per backend (``name``, ``available``, ``reason``) plus one per representative call
     (``name="auto"``, ``device``, ``dtype``, ``shape``, ``mode`` (eager or compiled), ``picks``,
-    ``why``), for ``normswap backends``."""
+    ``why``, ``device_present``: whether this machine has that device: the rule for a device that is
+    not here is what ``auto`` would do there), for ``normswap backends``."""
     out: list[dict] = []
     for bname, module in BACKENDS.items():
         ok, reason = module.available()
@@ -418,6 +419,7 @@ def describe() -> list[dict]:
         out.append({
             "name": "auto", "device": device, "dtype": str(dtype).replace("torch.", ""),
             "shape": [rows, n], "mode": "compiled" if graph else "eager", "picks": picks, "why": why,
+            "device_present": device == "cpu" or torch.cuda.is_available(),
         })
     return out
 

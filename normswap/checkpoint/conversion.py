@@ -157,19 +157,20 @@ def check_options(
     if fmt == "compat" and opts.mode == "all":
         raise NormswapError(
             "compat format keeps LayerNorms, so approximate norms cannot be converted: "
-            "use --mode exact (or auto) with --format compat, or --format native with --mode all"
+            "use mode='exact' or mode='auto' with format='compat', or format='native' with mode='all'"
         )
     if fmt == "compat" and opts.rotate_output == "restore":
-        raise NormswapError("--rotate-output restore adds an un-rotation op the stock architecture lacks: use "
-                            "--format native, or --rotate-output rotated with --format compat")
+        raise NormswapError("rotate_output='restore' adds an un-rotation op the stock architecture lacks: use "
+                            "format='native', or rotate_output='rotated' with format='compat'")
     if fmt == "compat" and opts.online_hadamard:
-        raise NormswapError("online Hadamard rotations add ops the stock architecture lacks: use --format native "
-                            "with --online-hadamard, or drop it for --format compat")
+        raise NormswapError("online Hadamard rotations add ops the stock architecture lacks: use format='native' "
+                            "with online_hadamard=True, or drop it for format='compat'")
     if low_memory and opts.rotate is not None:
-        raise NormswapError("--rotate needs the whole model in memory; drop --low-memory or --rotate")
+        raise NormswapError(f"rotate={opts.rotate!r} needs the whole model in memory; drop low_memory=True or the "
+                            "rotation")
     if low_memory and calibration_data is not None:
         raise NormswapError(
-            "--calibration-data needs the whole model in memory; drop --low-memory or the calibration data"
+            "calibration_data needs the whole model in memory; drop low_memory=True or the calibration data"
         )
     return opts.replace(mode="exact") if fmt == "compat" else opts
 
@@ -485,12 +486,12 @@ def convert(
     """
     say = echo or (lambda msg: log.info(msg))
     if allow_new_head and task is None:
-        raise NormswapError("--new-head adds a task head: pass --task as well (e.g. --task sequence-classification)")
+        raise NormswapError("allow_new_head=True adds a task head: name it, e.g. task='sequence-classification'")
     opts = check_options(ConvertOptions.build(options, **keywords), fmt=format, dtype=dtype,
                          max_shard_size=max_shard_size, task=task, low_memory=low_memory,
                          calibration_data=calibration_data)
     if calibration_data is not None:
-        check_text_file(calibration_data, "--calibration-data")
+        check_text_file(calibration_data, "calibration_data")
     src = source.resolve(str(model_id_or_path), allow_pickle=allow_pickle, trust_remote_code=trust_remote_code,
                          revision=revision)
     out = io.check_destination(out_dir, overwrite=overwrite, source=src.path)
@@ -563,14 +564,14 @@ def _streams(st: _Conversion, low_memory: bool | None) -> bool:
         raise UsageError("example inputs (--example-inputs, --sample) need the whole model in memory; drop "
                          "--low-memory")
     if low_memory and opts.per_norm_centering:
-        raise NormswapError("--per-norm-centering needs the whole model in memory; drop --low-memory")
+        raise NormswapError("per_norm_centering=True needs the whole model in memory; drop low_memory=True")
     if low_memory and opts.rotate is not None:
         raise NormswapError(f"{src.label} is streamed (its in-memory conversion would not fit in the available "
-                            "RAM) and --rotate needs the whole model in memory; pass --in-memory to force it, or "
-                            "drop --rotate")
+                            f"RAM) and rotate={opts.rotate!r} needs the whole model in memory; pass low_memory=False "
+                            "to force it, or drop the rotation")
     if low_memory and src.kind == "preset":
-        raise NormswapError("--low-memory converts a checkpoint on disk; save the preset first "
-                            "(normswap.presets.save) or drop --low-memory")
+        raise NormswapError("low_memory=True converts a checkpoint on disk; save the preset first "
+                            "(normswap.presets.save) or drop low_memory=True")
     return bool(low_memory)
 
 

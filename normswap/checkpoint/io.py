@@ -25,40 +25,10 @@ from typing import Any
 from normswap import interrupts
 from normswap.errors import DiskFull, NormswapError
 from normswap.memory import available_memory, human  # noqa: F401 - re-exported: io.human, io.available_memory
+from normswap.options import parse_size  # noqa: F401 - io.parse_size, as the writers call it (torch-free home)
 
 TMP_MARK = ".normswap-tmp-"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
-
-
-# ------------------------------------------------------------------------------------ sizes
-_UNITS = {
-    "": 1,
-    "B": 1,
-    "KB": 10**3,
-    "MB": 10**6,
-    "GB": 10**9,
-    "TB": 10**12,
-    "KIB": 2**10,
-    "MIB": 2**20,
-    "GIB": 2**30,
-    "TIB": 2**40,
-}
-
-
-def parse_size(value: int | str) -> int:
-    """``"500MB"`` / ``"2GB"`` / ``"1.5GiB"`` / ``1000000`` -> bytes (HF's decimal convention for GB)."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        if value <= 0:
-            raise NormswapError(f"max shard size must be positive, not {value}")
-        return value
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(value))
-    unit = m.group(2).upper() if m else ""
-    if not m or unit not in _UNITS:
-        raise NormswapError(f"invalid size {value!r}: use a number with a unit, e.g. 500MB, 2GB or 1.5GiB")
-    size = int(float(m.group(1)) * _UNITS[unit])
-    if size <= 0:
-        raise NormswapError(f"size must be positive, not {value!r}")
-    return size
 
 
 # ------------------------------------------------------------------------------------ output dirs
@@ -82,16 +52,16 @@ def check_destination(out: str | os.PathLike, *, overwrite: bool, source: Path |
     thing this leaves no trace of)."""
     out = Path(out).expanduser()
     if out.exists() and not out.is_dir():
-        raise NormswapError(f"--out {out} exists and is not a directory; choose another path")
+        raise NormswapError(f"out_dir {out} exists and is not a directory; choose another path")
     if source is not None:
         src = source.resolve()
         dst = out.resolve()
         if dst == src or dst in src.parents or src in dst.parents:
-            raise NormswapError(f"--out {out} overlaps the source model at {source}; write somewhere else")
+            raise NormswapError(f"out_dir {out} overlaps the source model at {source}; write somewhere else")
     if out.is_dir() and any(out.iterdir()):
         if not overwrite:
             raise NormswapError(
-                f"--out {out} exists and is not empty; pass --overwrite to replace it, "
+                f"out_dir {out} exists and is not empty; pass overwrite=True to replace it, "
                 "or choose a new directory"
             )
         why = _dangerous(out)
@@ -99,15 +69,15 @@ def check_destination(out: str | os.PathLike, *, overwrite: bool, source: Path |
             raise NormswapError(f"refusing to overwrite {out}: {why}")
     where = staging_dir(out)
     if not where.is_dir():
-        raise NormswapError(f"cannot create --out {out}: {where} is a file, not a directory")
+        raise NormswapError(f"cannot create out_dir {out}: {where} is a file, not a directory")
     for place in (out, where) if out.is_dir() else (where,):
         mount = read_only_mount(place)
         if mount is not None:
             what = "it is a read-only mount" if mount == out.resolve() else (
                 f"its filesystem is mounted read-only (at {mount})")
-            raise NormswapError(f"cannot write --out {out}: {what}; choose a --out on a writable filesystem")
+            raise NormswapError(f"cannot write out_dir {out}: {what}; choose out_dir on a writable filesystem")
     if not os.access(where, os.W_OK | os.X_OK):
-        raise NormswapError(f"cannot write to {where} (permission denied); choose a writable --out")
+        raise NormswapError(f"cannot write to {where} (permission denied); choose a writable out_dir")
     _probe(out, where)
     return out
 
@@ -200,7 +170,7 @@ def check_space(out: Path, needed: int) -> int:
 
 def disk_full(out: Path, needed: int | None, free: int | None = None, *, early: bool = False,
               quota: bool = False) -> DiskFull:
-    """One line naming ``--out``, the directory whose filesystem is full and figures that agree.
+    """One line naming ``out_dir``, the directory whose filesystem is full and figures that agree.
 
     ``early`` (the pre-check): what is needed, the headroom asked on top of it, and the free space,
     which is less than their sum. Otherwise the disk filled up while writing: what was being written
@@ -212,17 +182,17 @@ def disk_full(out: Path, needed: int | None, free: int | None = None, *, early: 
     free = free_bytes(out) if free is None else free
     if early and needed:
         margin = space_required(needed) - needed
-        what = (f"--out {out} needs ~{human(space_required(needed))} ({human(needed)} to write + "
+        what = (f"out_dir {out} needs ~{human(space_required(needed))} ({human(needed)} to write + "
                 f"{human(margin)} headroom), and the filesystem of {where} has {human(free)} free")
     elif quota:
         size = f" (~{human(needed)} to write)" if needed else ""
         return DiskFull(f"disk quota exceeded: your quota on the filesystem of {where} ran out while writing "
-                        f"--out {out}{size}; nothing was written. Free some of your files or choose another --out")
+                        f"out_dir {out}{size}; nothing was written. Free some of your files or choose another out_dir")
     else:
         size = f" (~{human(needed)} to write)" if needed else ""
-        what = (f"the filesystem of {where} filled up while writing --out {out}{size}; "
+        what = (f"the filesystem of {where} filled up while writing out_dir {out}{size}; "
                 f"{human(free)} free once the partial output was removed")
-    return DiskFull(f"disk full: {what}; nothing was written. Free some space or choose another --out")
+    return DiskFull(f"disk full: {what}; nothing was written. Free some space or choose another out_dir")
 
 
 def _host() -> str:
@@ -273,7 +243,7 @@ def untie_note(count: int, params: int, extra: int, total: int) -> str:
     pct = 100 * extra / max(1, total - extra)
     return (
         f"untied {count} tied weight(s): +{params:,} parameters, +{human(extra)} on disk "
-        f"(+{pct:.0f}%); --no-untie keeps the tie instead (also exact: one centering op per token)"
+        f"(+{pct:.0f}%); untie=False keeps the tie instead (also exact: one centering op per token)"
     )
 
 
@@ -369,7 +339,7 @@ def _move_into_place(tmp: Path, out: Path, *, overwrite: bool) -> None:
         out.rmdir()
     if out.exists():
         if not overwrite:  # appeared while we were converting
-            raise NormswapError(f"--out {out} appeared during the conversion; result discarded")
+            raise NormswapError(f"out_dir {out} appeared during the conversion; result discarded")
         old = out.parent / f".{out.name}{TMP_MARK}{_owner()}-old"
         os.rename(out, old)
         try:
@@ -388,7 +358,7 @@ def _move_entries_into(tmp: Path, out: Path, *, overwrite: bool) -> None:
     mine = f".{out.name}{TMP_MARK}"
     others = [p for p in out.iterdir() if p != tmp and not p.name.startswith(mine)]
     if others and not overwrite:  # appeared while we were converting
-        raise NormswapError(f"--out {out} appeared during the conversion; result discarded")
+        raise NormswapError(f"out_dir {out} appeared during the conversion; result discarded")
     old = out / f"{mine}{_owner()}-old"
     moved_old: list[Path] = []
     moved_new: list[Path] = []
@@ -421,10 +391,10 @@ def os_error(exc: OSError, where: Path | str, *, needed: int | None = None) -> N
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
         return disk_full(Path(where), needed, quota=exc.errno == errno.EDQUOT)
     if exc.errno == errno.EROFS:
-        return NormswapError(f"cannot write {where}: its filesystem is mounted read-only; choose a --out on "
+        return NormswapError(f"cannot write {where}: its filesystem is mounted read-only; choose out_dir on "
                              "a writable filesystem")
     if exc.errno in (errno.EACCES, errno.EPERM):
-        return NormswapError(f"cannot write {where} ({exc.strerror}); choose a writable --out")
+        return NormswapError(f"cannot write {where} ({exc.strerror}); choose a writable out_dir")
     return NormswapError(f"I/O error on {where}: {exc.strerror or exc}")
 
 

@@ -9,6 +9,7 @@ while offline (or with no network), truncated or corrupted safetensors, pickle-o
 from __future__ import annotations
 
 import copy
+import difflib
 import hashlib
 import json
 import logging
@@ -266,9 +267,11 @@ def resolve(
             trust_remote_code=trust_remote_code,
             allow_converted=allow_converted,
         )
-    if not is_hub_id(spec):
+    near = difflib.get_close_matches(spec, presets.names(), n=1, cutoff=0.8) if spec.startswith("tiny-") else []
+    if not is_hub_id(spec) or ("/" not in spec and spec.startswith("tiny-")):  # a misspelt preset: no Hub wait
+        hint = f"did you mean {near[0]}? " if near else ""
         raise NormswapError(
-            f"{spec} does not exist (not a directory, a preset or a Hub id); "
+            f"{spec} does not exist (not a directory, a preset or a Hub id); {hint}"
             f"presets: {', '.join(presets.names())}"
         )
     local = hub_snapshot(spec, revision=revision, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code)

@@ -41,10 +41,13 @@ def backends_cmd(as_json: bool) -> None:
     for r in plain:
         click.echo(f"{r['name']:{width + 2}} {'yes' if r['available'] else 'no':10} {r['reason']}")
     click.echo("")
-    for r in rows:
-        if r["name"] == "auto":
+    autos = [r for r in rows if r["name"] == "auto"]
+    for r in autos:
+        if r.get("device_present", True):  # a device this machine lacks gets one line below, not its rules
             shape = "x".join(str(s) for s in r["shape"])
             click.echo(f"auto on {r['device']} {r['dtype']} {shape} -> {r['picks']}: {r['why']}")
+    for device in dict.fromkeys(r["device"] for r in autos if not r.get("device_present", True)):
+        click.echo(f"auto on {device}: no {device.upper()} device here (--json lists what auto would pick there)")
 
 
 @main.command("bench")

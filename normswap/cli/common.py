@@ -52,7 +52,11 @@ __all__ = [
     "VERIFY_DTYPES",
     "FORMATS",
     "TASK_NAMES",
+    "PRESET_NAMES",
+    "check_input_file",
+    "check_model_name",
     "cli_words",
+    "say",
     "figures_line",
     "fail",
     "handle_errors",
@@ -92,6 +96,15 @@ _CLI_WORDS = (
     (re.compile(r"\ballow_unusable=True\b"), "--allow-unusable"),
     (re.compile(r"\bper_norm_centering=True\b"), "--per-norm-centering"),
     (re.compile(r"\bcalibration=\.\.\."), "--calibration-data FILE"),
+    (re.compile(r"\bcalibration_data\b(?!=)"), "--calibration-data"),
+    (re.compile(r"\bout_dir\b"), "--out"),
+    (re.compile(r"\boverwrite=True\b"), "--overwrite"),
+    (re.compile(r"\blow_memory=False\b"), "--in-memory"),
+    (re.compile(r"\brotate_output=['\"](\w+)['\"]"), r"--rotate-output \1"),
+    (re.compile(r"\brotate=['\"](\w+)['\"]"), r"--rotate \1"),
+    (re.compile(r"\bonline_hadamard=True\b"), "--online-hadamard"),
+    (re.compile(r"\ballow_new_head=True\b"), "--new-head"),
+    (re.compile(r"\btask=['\"]([\w-]+)['\"]"), r"--task \1"),
 )
 
 
@@ -100,6 +113,45 @@ def cli_words(text: str) -> str:
     for pattern, repl in _CLI_WORDS:
         text = pattern.sub(repl, text)
     return text
+
+
+# normswap.presets.names(), spelled out so that --help and a misspelt preset answer without importing torch
+# (a test keeps it equal to presets.names())
+PRESET_NAMES = ("tiny-bert", "tiny-bloom", "tiny-gpt2", "tiny-opt", "tiny-phi", "tiny-vit", "tiny-whisper")
+
+
+def check_model_name(model: str) -> None:
+    """A MODEL that looks like a preset (``tiny-*``, no slash) but is none, and is no local path, is
+    refused at once with the nearest preset: a Hub lookup would wait on the network only to fail."""
+    import difflib
+
+    if model in PRESET_NAMES or "/" in model or not model.startswith("tiny-") or os.path.exists(model):
+        return
+    near = difflib.get_close_matches(model, PRESET_NAMES, n=1, cutoff=0.8)
+    hint = f"did you mean {near[0]}? " if near else ""
+    raise NormswapError(f"{model} is not a preset or a local directory; {hint}presets: {', '.join(PRESET_NAMES)}")
+
+
+def say(kind: str, text: str, quiet: bool = False) -> None:
+    """Print ``kind: text`` (a ``note`` or a ``warning``, in CLI words) on stderr, on a line of its own,
+    unless ``quiet`` (``-q``: errors only). On a terminal a progress line may stand there unfinished
+    (it is rewritten in place), so it is cleared first; the next progress update redraws it."""
+    if quiet:
+        return
+    stream = sys.stderr
+    clear = "\r\033[K" if stream is not None and stream.isatty() else ""
+    click.echo(f"{clear}{kind}: {cli_words(text)}", err=True)
+
+
+def check_input_file(path: str, option: str) -> None:
+    """A text input named on the command line must be a file that exists: else a usage error (exit 2,
+    like a missing ``data.path`` in a recipe), said before any model is loaded or torch imported."""
+    from normswap.errors import UsageError
+
+    if not os.path.exists(path):
+        raise UsageError(f"{option} {path} does not exist")
+    if not os.path.isfile(path):
+        raise UsageError(f"{option} {path} is not a file; pass a text file (one sample per line) or JSONL")
 
 
 def fail(message: str, code: int = EXIT_ERROR) -> None:
@@ -130,6 +182,8 @@ def handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
                 raise KeyboardInterrupt
             return result
         except NormswapError as exc:
+            if getattr(exc, "shown_by_main", False):  # another process of a distributed run prints it
+                sys.exit(int(getattr(exc, "exit_code", EXIT_ERROR)))
             fail(str(exc), int(getattr(exc, "exit_code", EXIT_ERROR)))
         except (KeyboardInterrupt, click.exceptions.Abort) as exc:
             fail(interrupts.report(exc), EXIT_INTERRUPTED)

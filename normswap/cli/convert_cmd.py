@@ -20,22 +20,23 @@ from normswap.cli.common import (
     FORMATS,
     LAYER_SCALES,
     MODES,
+    PRESET_NAMES,
     ROTATIONS,
     TASK_NAMES,
     VERIFY_DTYPES,
+    check_input_file,
+    check_model_name,
     cli_words,
     figures_line,
     handle_errors,
+    say,
 )
 from normswap.cli.inputs_opts import example_input_options, inputs_from
 from normswap.errors import NormswapError, UsageError
 
-# normswap.presets.names(), spelled out so that --help does not import torch (a test keeps it true)
-PRESET_NAMES = ("tiny-bert", "tiny-bloom", "tiny-gpt2", "tiny-opt", "tiny-phi", "tiny-vit", "tiny-whisper")
-
 
 def _shard_size(ctx: click.Context, param: click.Parameter, value: str) -> str:
-    from normswap.checkpoint.io import parse_size
+    from normswap.options import parse_size  # torch-free: an argument error answers at once
 
     try:
         parse_size(value)
@@ -50,7 +51,7 @@ _APPROXIMATE = re.compile(r"`(?P<name>[^`]+)` converted approximately \((?P<reas
 GROUP_APPROXIMATE_FROM = 4  # this many approximate-norm warnings or more print as one line
 
 
-def _echo_warnings(caught: list[warnings.WarningMessage]) -> None:
+def _echo_warnings(caught: list[warnings.WarningMessage], quiet: bool = False) -> None:
     """Print the library's warnings in CLI words. A deep Post-LN model's per-norm "converted
     approximately" warnings (one per layer, alike but for the name) become one line with the count,
     the error range and the worst norm; the manifest and ``normswap inspect`` keep each reason."""
@@ -59,17 +60,15 @@ def _echo_warnings(caught: list[warnings.WarningMessage]) -> None:
     grouped = len(approximate) >= GROUP_APPROXIMATE_FROM
     for text in texts:
         if not (grouped and _APPROXIMATE.fullmatch(text)):
-            click.echo(f"warning: {cli_words(text)}", err=True)
+            say("warning", text, quiet)
     if grouped:
         errors = [float(m["error"]) for m in approximate]
         worst = approximate[errors.index(max(errors))]
-        click.echo(cli_words(
-            f"warning: {len(approximate)} LayerNorm(s) converted approximately, relative output error "
+        say("warning",
+            f"{len(approximate)} LayerNorm(s) converted approximately, relative output error "
             f"{min(errors):.3g}-{max(errors):.3g} (largest at `{worst['name']}`: {worst['reason']}). "
             "Use --mode exact to keep them as LayerNorm, or recover accuracy with `normswap finetune`; "
-            "`normswap inspect` lists each norm with its reason"),
-            err=True,
-        )
+            "`normswap inspect` lists each norm with its reason", quiet)
 
 
 def _recovery_note(plan: Any, calibration_data: str | None) -> str | None:
@@ -85,6 +84,41 @@ def _recovery_note(plan: Any, calibration_data: str | None) -> str | None:
         "error above; for more, the fine-tune recipes distil the converted model towards the "
         "original (`normswap finetune --list`)"
     )
+
+
+def _check_combination(
+    mode: str, fmt: str, fold_gamma: bool, per_norm_centering: bool, no_bias_slots: bool,
+    calibration_data: str | None, low_memory: bool | None, task: str | None, new_head: bool,
+    rotation: str | None, rotate_seed: int, rotate_output: str | None, online_hadamard: bool,
+) -> None:
+    """Options that conflict or depend on one another, and a missing --calibration-data file: a usage
+    error (exit 2), answered before torch is imported. The library checks the same combinations for
+    Python callers (``checkpoint.conversion.check_options``), in its own words."""
+    if rotation is None and (online_hadamard or rotate_output or rotate_seed):
+        what = "--online-hadamard" if online_hadamard else "--rotate-output" if rotate_output else "--seed"
+        raise UsageError(f"{what} applies to a rotation: pass --rotate hadamard (or random) too")
+    if no_bias_slots and not fold_gamma and rotation is None:
+        raise UsageError("--no-bias-slots applies with --fold-gamma (or --rotate) only: a bias slot takes the β of a "
+                         "γ-folded norm, and without --fold-gamma none is made; pass --fold-gamma too, or drop "
+                         "--no-bias-slots")
+    if new_head and task is None:
+        raise UsageError("--new-head adds a task head: name it with --task (e.g. --task sequence-classification)")
+    if fmt == "compat" and mode == "all":
+        raise UsageError("--format compat keeps LayerNorms, so approximate norms cannot be converted: use --mode "
+                         "exact or --mode auto with --format compat, or --format native with --mode all")
+    if fmt == "compat" and rotate_output == "restore":
+        raise UsageError("--rotate-output restore adds an un-rotation op the stock architecture lacks: use --format "
+                         "native, or --rotate-output rotated with --format compat")
+    if fmt == "compat" and online_hadamard:
+        raise UsageError("--online-hadamard adds ops the stock architecture lacks: use --format native with it, or "
+                         "drop it for --format compat")
+    if low_memory:
+        for flag, given in (("--rotate", rotation), ("--calibration-data", calibration_data),
+                            ("--per-norm-centering", per_norm_centering)):
+            if given:
+                raise UsageError(f"{flag} needs the whole model in memory; drop --low-memory or {flag}")
+    if calibration_data is not None:
+        check_input_file(calibration_data, "--calibration-data")
 
 
 # ------------------------------------------------------------------------------------ convert
@@ -269,7 +303,8 @@ Presets (offline, seeded tiny models with tokenizers/processors):
 @click.option("--online-hadamard", is_flag=True,
               help="With --rotate hadamard and --format native: also the online Hadamard rotations.")
 @example_input_options
-@click.option("--quiet", "-q", is_flag=True, help="No progress bars.")
+@click.option("--quiet", "-q", is_flag=True,
+              help="Errors only on stderr: no progress, notes or warnings (the results still go to stdout).")
 @handle_errors
 def convert(
     model: str,
@@ -310,19 +345,15 @@ def convert(
     written atomically: into a temporary directory beside --out, renamed at the end; a failed or
     interrupted run leaves nothing behind.
     """
+    check_model_name(model)
+    _check_combination(mode, fmt, fold_gamma, per_norm_centering, no_bias_slots, calibration_data, low_memory,
+                       task, new_head, rotation, rotate_seed, rotate_output, online_hadamard)
     from normswap.checkpoint.conversion import convert as run
     from normswap.options import ConvertOptions
 
-    if rotation is None and (online_hadamard or rotate_output or rotate_seed):
-        what = "--online-hadamard" if online_hadamard else "--rotate-output" if rotate_output else "--seed"
-        raise UsageError(f"{what} applies to a rotation: pass --rotate hadamard (or random) too")
-    if no_bias_slots and not fold_gamma and rotation is None:
-        raise UsageError("--no-bias-slots applies with --fold-gamma (or --rotate) only: a bias slot takes the β of a "
-                         "γ-folded norm, and without --fold-gamma none is made; pass --fold-gamma too, or drop "
-                         "--no-bias-slots")
     given_inputs = inputs_from(example_inputs, samples)
     if rotation is not None and not fold_gamma:
-        click.echo("note: --rotate implies --fold-gamma (rotation needs RMSNorms of unit weight)", err=True)
+        say("note", "--rotate implies --fold-gamma (rotation needs RMSNorms of unit weight)", quiet)
     options = ConvertOptions(
         mode=mode,
         fold_gamma=fold_gamma or rotation is not None,
@@ -359,9 +390,9 @@ def convert(
             revision=revision,
             example_inputs=given_inputs,
             progress=not quiet,
-            echo=lambda msg: click.echo(f"note: {cli_words(msg)}", err=True),
+            echo=lambda msg: say("note", msg, quiet),
         )
-    _echo_warnings(caught)
+    _echo_warnings(caught, quiet)
     plan = report.plan
     headline = report.message + (" (streamed)" if report.streamed else "")
     if headline:
@@ -379,5 +410,5 @@ def convert(
         click.echo(f"precision: {cli_words(report.verification['verify_precision'])}")
     note = _recovery_note(plan, calibration_data)
     if note:
-        click.echo(f"note: {note}", err=True)
+        say("note", note, quiet)
     click.echo(f"wrote {fmt} checkpoint to {out}")

@@ -75,18 +75,24 @@ def finetune(recipe: str | None, overrides: tuple[str, ...], list_: bool, print_
         return
     if recipe is None:
         raise UsageError("missing RECIPE: a built-in recipe name or a YAML file (see `normswap finetune --list`)")
-    keys = _check_overrides(overrides)
-    from normswap.recipes.config import load_config
+    from normswap.recipes.processes import shown_by_main
 
     try:
-        cfg = load_config(recipe, list(overrides), check_paths=not print_config)
-    except NormswapError as exc:
-        # a bad override value or key is a command-line error (2); a bad recipe file is not
-        if any(f"`{k}" in str(exc) for k in keys):
-            raise UsageError(str(exc)) from exc
+        keys = _check_overrides(overrides)
+        from normswap.recipes.config import load_config
+
+        try:
+            cfg = load_config(recipe, list(overrides), check_paths=not print_config)
+        except NormswapError as exc:
+            # a bad override value or key is a command-line error (2); a bad recipe file is not
+            if any(f"`{k}" in str(exc) for k in keys):
+                raise UsageError(str(exc)) from exc
+            raise
+    except NormswapError as exc:  # every process of a distributed launch reads the same recipe
+        shown_by_main(exc)
         raise
     if print_config:
-        click.echo(cfg.to_yaml(), nl=False)
+        click.echo(cfg.to_yaml(mark_required=True), nl=False)
         return
     from normswap.recipes import run
 

@@ -8,7 +8,16 @@ import warnings
 import click
 
 from normswap.cli import main
-from normswap.cli.common import EXIT_CODES, EXIT_NOTHING, MODES, TASK_NAMES, cli_words, fail, handle_errors
+from normswap.cli.common import (
+    EXIT_CODES,
+    EXIT_NOTHING,
+    MODES,
+    TASK_NAMES,
+    check_model_name,
+    cli_words,
+    fail,
+    handle_errors,
+)
 from normswap.cli.inputs_opts import example_input_options, inputs_from
 
 INSPECT_EPILOG = f"""\b
@@ -65,6 +74,7 @@ def inspect(
     Nothing is written and the model is not modified. For a checkpoint normswap already
     converted, the stored manifest is shown instead (no analysis).
     """
+    check_model_name(model)
     from pathlib import Path
 
     from normswap.analysis.plan import Plan
@@ -100,7 +110,7 @@ def inspect(
         click.echo(json.dumps(plan.to_dict(), indent=2, default=str))
     else:
         click.echo(header)
-        # 100 columns, whole reasons (wrapped); options in the command line's spelling, as convert prints them
+        # 100 columns, whole reasons (wrapped); the reasons' advice in flags, as `convert` prints it
         click.echo(cli_words(plan.table(verbose=verbose, fmt=fmt)))
     if not any(sp.convert for sp in plan.sites):
         why = "no LayerNorm found" if not plan.sites else f"no LayerNorm can be converted with --mode {mode}"

@@ -7,7 +7,16 @@ import json
 import click
 
 from normswap.cli import main
-from normswap.cli.common import EXIT_CODES, EXIT_VERIFY, TASK_NAMES, fail, figures_line, handle_errors
+from normswap.cli.common import (
+    EXIT_CODES,
+    EXIT_VERIFY,
+    TASK_NAMES,
+    check_input_file,
+    check_model_name,
+    fail,
+    figures_line,
+    handle_errors,
+)
 from normswap.cli.inputs_opts import example_input_options, inputs_from
 
 VERIFY_EPILOG = f"""\b
@@ -70,6 +79,9 @@ def verify(
     samples: tuple[str, ...],
 ) -> None:
     """Compare ORIGINAL's outputs with CONVERTED's (a directory written by normswap convert)."""
+    check_model_name(original)
+    if data is not None:
+        check_input_file(data, "--data")
     from normswap.checkpoint.verify_dirs import verify_checkpoint
 
     if data is not None and (example_inputs is not None or samples):

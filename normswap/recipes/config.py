@@ -189,8 +189,25 @@ class RecipeConfig:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
-    def to_yaml(self) -> str:
-        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+    def to_yaml(self, mark_required: bool = False) -> str:
+        """The recipe as YAML, every key with its value. ``mark_required``: a required key that is not
+        set yet (``model.source``, ``data.path``) is followed by a ``# REQUIRED`` comment saying what
+        to pass, so a printed recipe reads as the template it is."""
+        text = yaml.safe_dump(self.to_dict(), sort_keys=False)
+        if not mark_required:
+            return text
+        missing = dict(_REQUIRED)
+        if self.model.student:
+            missing.pop("model.source")
+        lines, section = [], ""
+        for line in text.splitlines():
+            if not line.startswith(" "):
+                section = line.split(":", 1)[0]
+            key = f"{section}.{line.strip().split(':', 1)[0]}" if line.startswith("  ") else ""
+            if key in missing and line.rstrip().endswith(": null"):
+                line += f"  # REQUIRED: {missing[key]}"
+            lines.append(line)
+        return "\n".join(lines) + "\n"
 
 
 # ---------------------------------------------------------------------------------- typing
@@ -538,8 +555,8 @@ def validate(cfg: RecipeConfig, *, check_paths: bool = True) -> None:
     """
     task = tasks.get(cfg.task)  # an unknown task name fails here, with the valid ones listed
     _check_convert_options(cfg)
-    _check_required_keys(cfg)
-    if check_paths:
+    if check_paths:  # a recipe only described (--print-config) may still lack its model and data
+        _check_required_keys(cfg)
         _check_paths(cfg)
     _check_ranges(cfg)
     _check_neighbour_groups(cfg, task)
@@ -559,16 +576,19 @@ def _check_convert_options(cfg: RecipeConfig) -> None:
         raise NormswapError(f"config section `convert`: {exc}") from exc
 
 
+# the keys a run cannot do without, and what to pass for each (to_yaml marks them; the checks below)
+_REQUIRED = (
+    ("model.source", "pass model.source=DIR (the original model directory or a preset)"),
+    ("data.path", "pass data.path=FILE (a text file, a JSONL file or a datasets directory)"),
+)
+
+
 def _check_required_keys(cfg: RecipeConfig) -> None:
     """A model to start from and data to train on: usage errors (exit 2), there is no default for them."""
     if not cfg.model.source and not cfg.model.student:
-        raise UsageError("config key `model.source` is required: pass model.source=DIR (the original model "
-                         "directory or a preset)")
+        raise UsageError(f"config key `model.source` is required: {dict(_REQUIRED)['model.source']}")
     if not cfg.data.path:
-        raise UsageError(
-            "config key `data.path` is required: pass data.path=FILE (a text file, a JSONL file or a datasets "
-            "directory)"
-        )
+        raise UsageError(f"config key `data.path` is required: {dict(_REQUIRED)['data.path']}")
 
 
 def _check_paths(cfg: RecipeConfig) -> None:

@@ -25,14 +25,28 @@ def save_converted(
     tokenizer: Any = None,
     fmt: str = "native",
     manifest_extra: dict[str, Any] | None = None,
+    source: str | None = None,
+    card_section: list[str] | None = None,
 ) -> str:
-    """Write the converted ``model`` (and tokenizer) to ``out_dir``; returns how it was saved."""
+    """Write the converted ``model`` (and tokenizer) to ``out_dir``; returns how it was saved.
+
+    ``source`` (the original model's path or preset) is recorded in the manifest and names the model
+    in its card (README.md), whose title is then the source's name, not the directory's (a recipe's
+    is always ``model``); ``card_section`` lines are appended to the card (the run's figures)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     split_stale_ties(model)
-    checkpoint.save(model, str(out), format=fmt, manifest_extra=manifest_extra)
+    checkpoint.save(model, str(out), format=fmt, manifest_extra=manifest_extra, source=source)
     if tokenizer is not None:
         tokenizer.save_pretrained(str(out))
+    card = out / "README.md"
+    if card.is_file() and (source or card_section):
+        lines = card.read_text().splitlines()
+        if source:
+            title = next((i for i, line in enumerate(lines) if line.startswith("# ")), None)
+            if title is not None:
+                lines[title] = f"# {Path(source).name} (RMSNorm, distilled)"
+        card.write_text("\n".join([*lines, *([""] + card_section if card_section else [])]) + "\n")
     return "normswap.checkpoint"
 
 

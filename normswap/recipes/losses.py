@@ -31,6 +31,27 @@ def token_kl(
     return (t.exp() * (t - s)).sum(-1)
 
 
+def token_kl_exact(student_logits: torch.Tensor, teacher_logits: torch.Tensor, chunk: int = 1 << 22) -> torch.Tensor:
+    """Per-token ``KL(teacher ‖ student)`` at T=1 in float64 (shape ``[..., ]``): the held-out figure.
+
+    In float32 the KL of two near-equal distributions is rounding noise of either sign: its mean over
+    a held-out split can round to 0 or below (then logged as 0.0), and ``eval.keep_best`` would rank
+    steps by that noise. The float64 log-softmax of the same logits is exact to ~1e-16, so the figure
+    is never negative and two steps that differ are told apart. Computed ``chunk`` logits at a time
+    (a float64 copy of a few rows, not of the whole batch's vocabulary-wide logits).
+    """
+    shape, vocab = student_logits.shape[:-1], student_logits.shape[-1]
+    s_rows, t_rows = student_logits.reshape(-1, vocab), teacher_logits.reshape(-1, vocab)
+    device = s_rows.device if s_rows.device.type != "mps" else torch.device("cpu")  # MPS has no float64
+    out = torch.empty(s_rows.shape[0], dtype=torch.float64, device=device)
+    step = max(1, chunk // max(1, vocab))
+    for i in range(0, s_rows.shape[0], step):
+        s = F.log_softmax(s_rows[i : i + step].to(device, torch.float64), dim=-1)
+        t = F.log_softmax(t_rows[i : i + step].to(device, torch.float64), dim=-1)
+        out[i : i + step] = (t.exp() * (t - s)).sum(-1)
+    return out.reshape(shape)  # on the logits' device (on CPU for MPS logits)
+
+
 def kl_logits(
     student_logits: torch.Tensor, teacher_logits: torch.Tensor, mask: torch.Tensor, temperature: float
 ) -> torch.Tensor:

@@ -38,6 +38,7 @@ from normswap.recipes import io, preflight, tasks
 from normswap.recipes import metrics as metrics_mod
 from normswap.recipes import models as models_mod
 from normswap.recipes.config import RecipeConfig, load_config, selection_metric
+from normswap.recipes.processes import shown_by_main
 
 
 @dataclass
@@ -79,7 +80,23 @@ def _make_accelerator(cfg: RecipeConfig) -> Any:
         mixed_precision=cfg.train.mixed_precision,
         gradient_accumulation_steps=cfg.train.gradient_accumulation_steps,
         kwargs_handlers=handlers,
+        cpu=launched_on_cpu_only(),
     )
+
+
+def launched_on_cpu_only() -> bool:
+    """True for a multi-process launch (``accelerate launch``, ``torchrun``) on a machine without an
+    accelerator, unless the launcher chose the device itself (``ACCELERATE_TORCH_DEVICE``).
+
+    accelerate sets up its process group only for GPU-like devices unless told ``cpu=True``: without it
+    a GPU config (ddp.yaml, fsdp.yaml) on a CPU-only machine starts N unconnected single-process runs,
+    each of which believes it is the main process, trains alone and writes the same ``OUT/model``. With
+    it the processes form one data-parallel group over gloo (accelerate's ``MULTI_CPU``; FSDP and
+    DeepSpeed need an accelerator, so their configs run as plain data parallelism there).
+    """
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or os.environ.get("ACCELERATE_TORCH_DEVICE"):
+        return False
+    return not torch.accelerator.is_available()
 
 
 def _optimizer(model: nn.Module, cfg: RecipeConfig) -> torch.optim.Optimizer:
@@ -145,7 +162,7 @@ def _check_output(cfg: RecipeConfig) -> tuple[Path, Path | None, list[Path]]:
         else None
     )
     existing = [p for p in (out / "metrics.jsonl", ckpt_root, out / "model") if p.exists()]
-    if latest is None and existing and not cfg.output.overwrite:  # every process raises: none waits forever
+    if latest is None and existing and not cfg.output.overwrite:
         if cfg.checkpoint.resume:
             raise NormswapError(
                 f"config key `checkpoint.resume`: {str(out / 'checkpoints')!r} holds no checkpoint to resume "
@@ -185,10 +202,16 @@ def _create_output(out: Path, replaced: list[Path], main: bool) -> None:
 
 
 class _Console:
+    """What the main process prints: lines, and the progress bar (``log.progress_bar``) on a terminal
+    only. Piped into a log, a bar is carriage returns and half-drawn lines; the ``step N:`` evaluation
+    lines are the progress there."""
+
     def __init__(self, enabled: bool, bar: bool, total: int, initial: int) -> None:
+        import sys
+
         self.enabled = enabled
         self.bar = None
-        if enabled and bar:
+        if enabled and bar and sys.stderr is not None and sys.stderr.isatty():
             from tqdm.auto import tqdm
 
             self.bar = tqdm(total=total, initial=initial, desc="finetune", unit="step", dynamic_ncols=True)
@@ -213,7 +236,12 @@ class _Console:
 
 
 class _Best:
-    """The held-out-best student so far (``eval.keep_best``): step, metrics and a CPU weight copy."""
+    """The held-out-best student so far (``eval.keep_best``): step, metrics and a CPU weight copy.
+
+    Steps are ranked by the selection metric (float64 figures over the whole held-out split: the KL
+    is summed in float64, :func:`losses.token_kl_exact`); on a tie, by a second figure (top-1
+    agreement when ranking by a KL, else the KL), and on a tie of both the earlier step is kept: it is
+    closer to the conversion, and later steps must earn their place."""
 
     def __init__(self, metric: str, maximize: bool, enabled: bool) -> None:
         self.metric, self.maximize, self.enabled = metric, maximize, enabled
@@ -221,12 +249,19 @@ class _Best:
         self.metrics: dict[str, float] = {}
         self.state: dict[str, torch.Tensor] | None = None
 
+    def _key(self, metrics: dict[str, float]) -> tuple[float, float]:
+        """Smaller is better: (primary, tie-break), each signed so."""
+        primary = metrics[self.metric]
+        second = "top1_agreement" if self.metric.startswith("kl") else "kl"
+        tie = metrics.get(second)
+        tie = 0.0 if tie is None or tie != tie else (-tie if second == "top1_agreement" else tie)
+        return (-primary if self.maximize else primary, tie)
+
     def consider(self, step: int, metrics: dict[str, float], model: nn.Module) -> None:
         value = metrics.get(self.metric)
         if not self.enabled or value is None or value != value:
             return
-        best = self.metrics.get(self.metric)
-        if best is not None and not (value > best if self.maximize else value < best):
+        if self.metrics and not self._key(metrics) < self._key(self.metrics):
             return
         self.step, self.metrics = step, dict(metrics)
         self.state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
@@ -303,8 +338,37 @@ class Recipe:
         """Everything before the first optimiser step, including the "before" evaluation.
 
         The settings are checked against the model, tokenizer, data and machine (:mod:`preflight`) as
-        soon as each is known, and the output directory is created only after the last check.
+        soon as each is known, and the output directory is created only after the last check. In a
+        distributed run every process makes the same checks on the same files and settings: a refusal
+        is printed by the main process alone (:mod:`normswap.recipes.processes`).
         """
+        try:
+            self._setup()
+        except NormswapError as exc:
+            shown_by_main(exc, getattr(self, "main", None))
+            raise
+
+    def _check_output_once(self) -> tuple[Path, Path | None, list[Path]]:
+        """:func:`_check_output` on the main process, before any process creates anything; the others
+        take its verdict (a broadcast), so none of them looks at the directory once the main one has
+        started writing into it."""
+        if self.accelerator.num_processes == 1:
+            return _check_output(self.cfg)
+        from accelerate.utils import broadcast_object_list
+
+        verdict: list[Any] = [None]
+        if self.main:
+            try:
+                verdict[0] = ("ok", _check_output(self.cfg))
+            except NormswapError as exc:
+                verdict[0] = ("refused", str(exc))
+        broadcast_object_list(verdict)
+        kind, value = verdict[0]
+        if kind == "refused":
+            raise NormswapError(value)
+        return value
+
+    def _setup(self) -> None:
         from accelerate.utils import set_seed
 
         cfg = self.cfg
@@ -319,10 +383,17 @@ class Recipe:
                 "config key `progressive.enabled` is not supported under FSDP or DeepSpeed (norms are "
                 "swapped after the model is sharded); use DDP, or convert.mode=all"
             )
-        self.out, self.resume_dir, replaced = _check_output(cfg)
+        self.out, self.resume_dir, replaced = self._check_output_once()
         set_seed(cfg.train.seed)
         self.device = self.accelerator.device
         self.console = _Console(self.main, False, 0, 0)
+        sharding = [k for k in ("FSDP", "DEEPSPEED") if os.environ.get(f"ACCELERATE_USE_{k}", "").lower() == "true"]
+        if sharding and launched_on_cpu_only():
+            self.console.print(
+                f"note: {'FSDP' if sharding[0] == 'FSDP' else 'DeepSpeed'} needs a GPU; on this CPU-only machine "
+                f"the {self.accelerator.num_processes} processes run as plain data parallelism over gloo (each "
+                "holds the whole model)"
+            )
         if cfg.loss.pooling == "auto":  # the sentence-transformers pooling when the model ships one
             cfg.loss.pooling = models_mod.sentence_pooling(cfg.model.source or cfg.model.student) or "mean"
             if self.task.embeds:
@@ -467,7 +538,9 @@ class Recipe:
             self.log.write({"step": 0, "split": "eval", **self.last_eval})
             if self.final_structure <= 0:
                 self.best.consider(0, self.last_eval, self.accelerator.unwrap_model(self.model))
-        self.console.print(f"before: {metrics_mod.headline(self.metrics_before)}")
+        # the student line's figures were measured on the conversion's own inputs (built-in text); these
+        # and every later evaluation on the held-out split of data.path, prepared as for training
+        self.console.print(f"before (held-out split of data.path): {metrics_mod.headline(self.metrics_before)}")
 
     # ---- evaluate
     def evaluate(self, model: nn.Module) -> dict[str, float]:
@@ -656,13 +729,23 @@ class Recipe:
                 "progressive_stages": self.prog.stages if self.prog else None,
             }
         }
+        source = cfg.model.source or cfg.model.student
+        card = [
+            "## Distillation (normswap finetune)",
+            "",
+            f"{self.step} step(s) of the `{cfg.task}` recipe towards the original, {self.seen_tokens:,} tokens; "
+            f"the kept model is step {kept_step}'s. Held-out figures against the original:",
+            "",
+            f"- before: {metrics_mod.headline(self.metrics_before) or 'not measured'}",
+            f"- after: {metrics_mod.headline(metrics_after) or 'not measured'}",
+        ]
         saved_with = io.save_converted(
-            model, model_dir, tokenizer=self.tokenizer, fmt=cfg.output.format, manifest_extra=extra
+            model, model_dir, tokenizer=self.tokenizer, fmt=cfg.output.format, manifest_extra=extra,
+            source=str(source), card_section=card,
         )
         if cfg.log.plot:
-            source = Path(cfg.model.source or cfg.model.student)
             png = metrics_mod.plot(self.log.records(), self.out / "curves.png",
-                                   title=f"{cfg.task}: {'/'.join(source.parts[-2:])}")
+                                   title=f"{cfg.task}: {'/'.join(Path(source).parts[-2:])}")
             if png:
                 self.console.print(f"plot: {png}")
         self.console.print(f"after: {metrics_mod.headline(metrics_after)}")

@@ -241,8 +241,8 @@ class _LanguageModel(Task):
     def _agreement(self, acc: dict[str, float], s_log: torch.Tensor, t_log: torch.Tensor,
                    mask: torch.Tensor) -> torch.Tensor:
         """KL and top-1/top-5 agreement over ``mask``; returns the per-token KL."""
-        kl = losses.token_kl(s_log, t_log)
-        acc["kl"] += float(kl[mask].sum())
+        kl = losses.token_kl_exact(s_log, t_log)  # float64: the figure keep_best ranks steps by
+        acc["kl"] += float(kl[mask.to(kl.device)].sum())
         acc["agree"] += float((s_log.argmax(-1) == t_log.argmax(-1))[mask].sum())
         acc["agree5"] += float(_in_top5(s_log, t_log)[mask].sum())
         return kl
@@ -319,7 +319,7 @@ class MaskedLM(_LanguageModel):
         if t_out is not None:
             t_log = logits_of(t_out).float()
             kl = self._agreement(acc, s_log, t_log, mask)
-            acc["kl_m"] += float(kl[masked].sum())
+            acc["kl_m"] += float(kl[masked.to(kl.device)].sum())
             acc["agree_m"] += float((s_log.argmax(-1) == t_log.argmax(-1))[masked].sum())
             acc["tce"] += _ce_sum(t_log, labels)
         acc["n"] += float(mask.sum())

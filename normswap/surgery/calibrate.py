@@ -81,12 +81,14 @@ class CalibrationResult:
     fits: dict[str, NormFit] = field(default_factory=dict)
     figures: dict[str, float] = field(default_factory=dict)
     pipeline: str = ""  # how the sequential fits got their activations (:func:`fit_norms`)
+    eval_source: str = ""  # what the held-out figures were measured on (a recipe's figures use other data)
 
     def summary(self) -> str:
         """One line for reports: the data, the method and the held-out figures."""
         figs = ", ".join(f"{k}={figure(v)}" for k, v in self.figures.items())
+        on = f" ({self.eval_source})" if self.eval_source else ""
         return (f"calibration: {self.source}, {self.method}, {self.batches} batch(es)"
-                + (f"; held-out vs original: {figs}" if figs else ""))
+                + (f"; held-out{on} vs original: {figs}" if figs else ""))
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-friendly form for manifests and reports."""
@@ -777,10 +779,12 @@ def unusable(figures: dict[str, float]) -> str | None:
 
 def calibrate(model: nn.Module, targets: list[Target], fit_batches: list[Batch], eval_batches: list[Batch], *,
               source: str, sequential: bool = True, call: Callable[[Batch], Batch] | None = None,
-              pipeline: str = "auto") -> CalibrationResult:
-    """Fit ``targets`` on ``fit_batches`` (:func:`fit_norms`) and measure the result on ``eval_batches``."""
+              pipeline: str = "auto", eval_source: str = "") -> CalibrationResult:
+    """Fit ``targets`` on ``fit_batches`` (:func:`fit_norms`) and measure the result on ``eval_batches``
+    (``eval_source`` names them in the summary)."""
     fitted = _fit(model, targets, fit_batches, sequential=sequential, call=call, micro_batch=None,
                   pipeline=pipeline)
     figures = measure(model, targets, fitted.fits, eval_batches, call=call) if eval_batches else {}
     return CalibrationResult(source, "sequential least squares" if sequential else "independent least squares",
-                             len(fit_batches), len(eval_batches), fitted.fits, figures, pipeline=fitted.pipeline)
+                             len(fit_batches), len(eval_batches), fitted.fits, figures, pipeline=fitted.pipeline,
+                             eval_source=eval_source)

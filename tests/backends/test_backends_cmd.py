@@ -24,6 +24,27 @@ def test_backends_table_and_json():
     assert {r["name"] for r in rows} == {"eager", "native", "cpu", "triton", "auto"}
 
 
+def test_backends_shows_auto_rules_only_for_devices_this_machine_has(monkeypatch):
+    """No "auto on cuda" rules on a CPU-only machine: one line says CUDA is not here (--json keeps
+    every rule, each with ``device_present``); on a machine with CUDA its rules are listed."""
+    from normswap import backends
+
+    rows = backends.describe()
+    autos = [r for r in rows if r["name"] == "auto"]
+    assert autos and all(r["device_present"] == (r["device"] == "cpu" or torch.cuda.is_available()) for r in autos)
+    for cuda in (False, True):
+        faked = [{**r, "device_present": r["device"] == "cpu" or cuda} if r["name"] == "auto" else r for r in rows]
+        monkeypatch.setattr(backends, "describe", lambda faked=faked: faked)
+        res = CliRunner().invoke(main, ["backends"])
+        assert res.exit_code == 0, res.output
+        cuda_lines = [line for line in res.output.splitlines() if line.startswith("auto on cuda")]
+        if cuda:
+            assert len(cuda_lines) == 3 and all(" -> " in line for line in cuda_lines), cuda_lines
+        else:
+            assert cuda_lines == ["auto on cuda: no CUDA device here (--json lists what auto would pick there)"]
+        assert "auto on cpu float32" in res.output
+
+
 @pytest.mark.parametrize("cmd", ["backends", "bench"])
 def test_help_has_an_example(cmd):
     res = CliRunner().invoke(main, [cmd, "--help"])

@@ -114,14 +114,14 @@ def test_new_task_head_needs_the_flag_and_is_recorded(tmp_path, gpt2_src):
     refused(tmp_path, src, 1, "score.weight", "--new-head", extra=("--task", "sequence-classification"))
     out = tmp_path / "out"
     code, _, err = run(
-        "convert", str(src), "--out", str(out), "-q", "--task", "sequence-classification", "--new-head"
+        "convert", str(src), "--out", str(out), "--task", "sequence-classification", "--new-head"
     )
     assert code == 0, err
     assert "score.weight" in err  # said out loud, not only in the manifest
     manifest = json.loads((out / "config.json").read_text())["normswap"]
     assert manifest["new_head"] == ["score.weight"]
     code, _, err = run("convert", str(src), "--out", str(tmp_path / "o2"), "--new-head")
-    one_line_error(code, err, 1, "--task")
+    one_line_error(code, err, 2, "--task")  # an option that needs another: a usage error
 
 
 # ------------------------------------------------------------------------------------ defect 9
@@ -319,7 +319,7 @@ def test_space_precheck_counts_untied_bytes(tmp_path, gpt2_src, monkeypatch):
     src_bytes = (gpt2_src / "model.safetensors").stat().st_size
     for flags in ((), ("--low-memory",)):
         seen.clear()
-        code, _, err = run("convert", str(gpt2_src), "--out", str(tmp_path / f"o{len(flags)}"), "-q", *flags)
+        code, _, err = run("convert", str(gpt2_src), "--out", str(tmp_path / f"o{len(flags)}"), *flags)  # notes on
         assert code == 0, err
         assert max(seen) >= src_bytes - 4096 + wte.numel() * wte.element_size(), (flags, seen)
         assert "+" in err and "--no-untie" in err  # the growth is said out loud
@@ -345,7 +345,7 @@ def test_sigkill_then_rerun_cleans_the_stale_temp_dir(tmp_path):
     assert proc.returncode == -9, proc.stderr
     stale = [p for p in tmp_path.iterdir() if p.name.startswith(".out.normswap-tmp-")]
     assert len(stale) == 1 and not out.exists()
-    code, _, err = run("convert", "tiny-gpt2", "--out", str(out), "-q")
+    code, _, err = run("convert", "tiny-gpt2", "--out", str(out))  # not -q: the note is what is checked
     assert code == 0, err
     assert "removed" in err and stale[0].name in err and "no longer exists" in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -55,6 +56,12 @@ def test_masked_lm_distillation_recovers_the_teacher(tiny_bert, corpus, tmp_path
     assert ft["recipe"]["task"] == "masked-lm" and ft["recipe"]["train"]["steps"] == 150
     assert ft["metrics_before"]["kl"] == pytest.approx(before["kl"])
     assert ft["metrics_after"]["kl"] == pytest.approx(after["kl"])
+    # the model card names the model it came from and says what the run did (not "# model", "a model")
+    card = (Path(result.model_dir) / "README.md").read_text()
+    assert card.splitlines()[card.splitlines().index("---", 1) + 2] == f"# {tiny_bert.name} (RMSNorm, distilled)"
+    assert f"`{tiny_bert}` (BertForMaskedLM)" in card and "a model" not in card and "# model" not in card
+    assert "## Distillation (normswap finetune)" in card and f"- after: kl={after['kl']:.4g}" in card
+    assert manifest["source"] == str(tiny_bert)
 
 
 def test_causal_lm_distillation_recovers_a_post_ln_decoder(tiny_opt_post_ln, corpus, tmp_path, make_config):

@@ -3,6 +3,7 @@ figure that is not a max error (``dtype_error_ratio``, a ratio of RMS errors) is
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from normswap.pipeline import Report
@@ -29,21 +30,26 @@ def test_kl_is_never_negative():
 
 
 def test_recipe_kl_metric_is_never_negative():
-    """The recipes' KL is float32: per token it is rounding noise of either sign for near-equal logits.
-    The mean keeps that noise unbiased (a per-token clamp would inflate it), and is clamped at 0."""
+    """The recipes' held-out KL is summed in float64 from the logits: for near-equal logits, where a
+    float32 sum is rounding noise of either sign (it came out negative here, then clamped to 0), it is
+    the small positive divergence there is. A negative mean is still clamped at 0."""
     from normswap.recipes import tasks
 
     task = tasks.get("causal-lm")
     g = torch.Generator().manual_seed(1)
     teacher = torch.randn(2, 3, 50, generator=g)
     student = teacher + 1e-6 * torch.randn(2, 3, 50, generator=g)
+    lt, ls = torch.log_softmax(teacher.double(), -1), torch.log_softmax(student.double(), -1)
+    want = float((lt.exp() * (lt - ls)).sum(-1).sum())
+    lt32, ls32 = torch.log_softmax(teacher, -1), torch.log_softmax(student, -1)
+    assert float((lt32.exp() * (lt32 - ls32)).sum(-1).sum()) < 0  # what float32 said
     acc = dict.fromkeys(task.accumulators, 0.0)
     task._agreement(acc, student, teacher, torch.ones(2, 3, dtype=torch.bool))
     acc["n"] = 6.0  # the tokens counted (accumulate() adds them)
-    assert acc["kl"] < 0  # the summed noise came out negative here
+    assert acc["kl"] > 0 and acc["kl"] == pytest.approx(want, rel=1e-9)
+    assert task._with_teacher(acc, 1.0, 1.0)["kl"] == pytest.approx(want / 6, rel=1e-9)
+    acc["kl"] = -1e-18  # a negative mean (float64 rounding at worst) is reported as 0
     assert task._with_teacher(acc, 1.0, 1.0)["kl"] == 0.0
-    acc["kl"] = 3e-6  # a real divergence is reported as it is
-    assert task._with_teacher(acc, 1.0, 1.0)["kl"] == 3e-6 / 6
 
 
 def test_report_labels_the_ratio_of_rms_errors():

@@ -1,0 +1,80 @@
+"""The shipped accelerate configs launch a recipe to the end: two CPU processes over gloo.
+
+``accelerate launch --config_file recipes/accelerate/ddp.yaml -m normswap.recipes ...`` on a machine
+without a GPU must form one process group (not two unconnected runs that each write ``OUT/model``):
+the main process alone prints, writes the metrics and the model; the other waits; the launch exits 0
+with one model that loads. A refused run (the output directory already holds a run) says so once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import normswap
+
+ROOT = Path(__file__).resolve().parents[2]
+RECIPE = ROOT / "recipes" / "distill-masked-lm.yaml"
+
+
+def _launch(config: str, out: Path, source: Path, corpus: Path, *extra: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+           str(ROOT / "recipes" / "accelerate" / config), "--num_processes", "2", "-m", "normswap.recipes",
+           str(RECIPE), f"model.source={source}", f"data.path={corpus}", f"output.dir={out}", "train.steps=6",
+           "train.warmup_steps=1", "data.seq_len=32", "data.batch_size=8", "data.eval_batch_size=32",
+           "eval.every=3", "log.every=3", "checkpoint.every=3", "log.plot=false", *extra]
+    # no accelerator visible, whatever the machine has: the CPU-only path is the one under test
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240, cwd=out.parent)
+
+
+def _our_lines(text: str) -> list[str]:
+    """normswap's own output lines (not torch's launcher chatter, which starts with a log prefix)."""
+    return [line for line in text.replace("\r", "\n").splitlines()
+            if line.strip() and not line.startswith(("W1", "E1", "I1", "[W", "[I"))]
+
+
+def _check_run(proc: subprocess.CompletedProcess, out: Path) -> None:
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = _our_lines(proc.stdout) + _our_lines(proc.stderr)
+    repeated = sorted({line for line in lines if lines.count(line) > 1})
+    assert not repeated, f"printed more than once: {repeated}"
+    assert sum(line.startswith("done:") for line in lines) == 1
+    assert not any(line.startswith("error") for line in lines), lines
+    assert "\r" not in proc.stdout + proc.stderr  # piped: no progress bar redrawn with carriage returns
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    keys = [(r["step"], r["split"]) for r in records]
+    assert len(keys) == len(set(keys)), keys  # one writer
+    assert [r for r in records if r["split"] == "replicas"][0]["processes"] == 2  # one process group of 2
+    model = normswap.load(out / "model")
+    assert not any(isinstance(m, torch.nn.LayerNorm) for m in model.modules())
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-000003", "step-000006"]
+
+
+def test_ddp_config_on_two_cpu_processes(tiny_bert, corpus, tmp_path):
+    out = tmp_path / "run"
+    _check_run(_launch("ddp.yaml", out, tiny_bert, corpus), out)
+    written = sorted(p.name for p in (out / "model").iterdir())
+
+    # a second launch into the same directory is refused once, before anything is touched
+    again = _launch("ddp.yaml", out, tiny_bert, corpus)
+    assert again.returncode == 1
+    errors = [line for line in _our_lines(again.stderr) if line.startswith("error:")]
+    assert len(errors) == 1 and "already holds a run" in errors[0], again.stderr[-3000:]
+    assert sorted(p.name for p in (out / "model").iterdir()) == written
+
+
+@pytest.mark.slow
+def test_fsdp_config_on_two_cpu_processes(tiny_bert, corpus, tmp_path):
+    """FSDP needs an accelerator: on CPU the config runs as data parallelism, says so once, and ends."""
+    out = tmp_path / "run"
+    proc = _launch("fsdp.yaml", out, tiny_bert, corpus, "train.mixed_precision=no")
+    _check_run(proc, out)
+    assert "FSDP needs a GPU" in proc.stdout
