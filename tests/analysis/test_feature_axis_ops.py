@@ -243,6 +243,27 @@ def test_grouped_mm_experts_with_no_float64_kernel_are_proved_in_float32():
     assert float((got - want).abs().max() / want.abs().max()) <= 1e-5
 
 
+def test_nllb_moe_routed_experts_keep_the_stream_start_op_the_only_one():
+    """NLLB-MoE: experts are ``nn.Linear`` modules, their rows routed with ``index_add_`` into the stream; the
+    sinusoidal position buffer starts each stack (one op there). Before, each routed layer was "a second op
+    on one stream" and 7 of 12 norms were approximate."""
+    from transformers import NllbMoeConfig, NllbMoeForConditionalGeneration
+
+    config = NllbMoeConfig(vocab_size=64, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                           decoder_attention_heads=4, encoder_ffn_dim=48, decoder_ffn_dim=48, num_experts=4,
+                           expert_capacity=8, encoder_sparse_step=1, decoder_sparse_step=1, max_position_embeddings=64)
+    model, reference = (_build(lambda: NllbMoeForConditionalGeneration(config)) for _ in range(2))
+    ids = torch.randint(4, 64, (2, 9), generator=torch.Generator().manual_seed(3))
+    report = normswap.patch(model, {"input_ids": ids, "decoder_input_ids": ids[:, :5]})
+    assert [s.verdict for s in report.plan.sites] == ["exact-with-centering"] * 12, report.plan.table()
+    assert sorted(h.module for h in report.plan.hooks) == ["model.decoder.embed_positions",
+                                                           "model.encoder.embed_positions"]
+    other = torch.randint(4, 64, (3, 11), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        got, want = (m(input_ids=other, decoder_input_ids=other[:, :6]).logits for m in (model, reference))
+    assert float((got - want).abs().max() / want.abs().max()) <= 1e-9
+
+
 def test_the_same_model_split_differently_gets_the_same_verdicts():
     """A writer's weight transposed in the model's code or stored transposed: the same edits, the same verdicts."""
     a = normswap.plan(_build(lambda: LayoutLM("T")), (_ids(2, 7, 1),))
