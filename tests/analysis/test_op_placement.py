@@ -284,3 +284,20 @@ def test_inspect_and_convert_speak_the_command_line_spelling_of_the_option():
     plan = normswap.plan(randomise(PostLNEncoder()).double().eval(), example_inputs=(_ids(),))
     text = cli_words(plan.table())
     assert "--per-norm-centering" in text and "per_norm_centering=True" not in text
+
+
+@pytest.mark.parametrize("name", ["bert", "bart", "albert"])
+def test_every_promise_of_per_norm_centering_is_kept_in_post_ln_transformers(name):
+    """The transformers Post-LN families of the zoo: every norm whose reason promises the option is exact
+    with it; ALBERT's layer, shared across depth, is told it would not help."""
+    from tests.zoo import APPROXIMATE, build
+
+    model = build(APPROXIMATE, name)
+    promised, broken = _promises_kept(model, None)
+    assert not broken, f"{name}: promised but not exact with per_norm_centering=True: {broken}"
+    if name == "albert":
+        assert not promised
+        plan = normswap.plan(model)
+        assert any("per_norm_centering=True would not help: it is called" in s.reason for s in plan.sites)
+    else:
+        assert promised
