@@ -136,6 +136,10 @@ def shrink(config: object, depth: int = 0, ids: list[int] | None = None, images:
     ids = all_special_ids(config) if ids is None else ids
     images = images and "mm_tokens_per_image" not in config.__dict__
     d = config.__dict__
+    for k in ("image_token_id", "image_token_index"):  # unset in some defaults (BLIP-2), set in real checkpoints
+        if k in d and d[k] is None and depth == 0:
+            d[k] = max(ids + [127]) + 1
+            ids.append(d[k])
     for k, v in list(d.items()):  # timm is not installed: a small transformers ResNet backbone instead
         if type(v).__name__ == "TimmBackboneConfig":
             import transformers as tf
