@@ -180,9 +180,7 @@ def hf_example_inputs(model: nn.Module, batch: int = 2, seq: int = 8, seed: int 
     params = forward_params(model)
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-    missing = [n for n, p in params.items() if p.default is inspect.Parameter.empty
-               and p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
-               and n != "self" and n not in KNOWN]
+    missing = [n for n in _required(params) if n not in KNOWN and not _side_ids(n)]
     if missing:
         raise NormswapError(
             f"cannot build example inputs for {type(model).__name__}: its forward requires "
@@ -229,6 +227,18 @@ def hf_example_inputs(model: nn.Module, batch: int = 2, seq: int = 8, seed: int 
         built = _finish(model, config, params, combos[0], {}, batch, seq, seed, device)
     _CHOSEN[key] = (first, first_counts)  # none ran: later calls (probe, calibration) need not try them again
     return built
+
+
+def _required(params: dict[str, inspect.Parameter]) -> list[str]:
+    return [n for n, p in params.items() if p.default is inspect.Parameter.empty and n != "self"
+            and p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)]
+
+
+def _side_ids(name: str) -> str | None:
+    """``qformer`` for ``qformer_input_ids``: token ids for a side model whose config is ``<side>_config``
+    (InstructBLIP's Q-Former reads the prompt too)."""
+    side = name.removesuffix("_input_ids")
+    return side if side != name and side not in ("decoder", "") else None
 
 
 def _combinations(config: Any, params: dict[str, Any], batch: int, seed: int, dtype: torch.dtype
@@ -298,6 +308,9 @@ def _finish(model: nn.Module, config: Any, params: dict[str, Any], media_kw: Lay
             ids = torch.cat([ids[:, :cut], mid, ids[:, cut:]], dim=1)
             types = torch.cat([types[:, :cut], kinds, types[:, cut:]], dim=1)
         inputs["input_ids"] = ids
+        for name in _required(params):  # side models' ids (InstructBLIP's Q-Former), over their own vocabulary
+            if (side := _side_ids(name)) is not None:
+                inputs[name] = text_ids(sub_config(config, side), rows, seq, gen, avoid)
         if counts and "attention_mask" in params:  # merging media into the prompt reads the mask (Qwen2-Audio)
             inputs["attention_mask"] = torch.ones_like(ids)
         if counts and "mm_token_type_ids" in params:
