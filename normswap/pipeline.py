@@ -639,8 +639,11 @@ class _Patching:
 
     @property
     def measure_cast(self) -> bool:
-        """Whether the cast back to the model's own dtype is measured (the copy ran in another one)."""
-        return self.user_dtype != self.work_dtype and self.opts.verify
+        """Whether the cast back to the model's own dtype is measured (the copy ran in another one). Not
+        for a model that draws random numbers in eval mode: the same seed draws other numbers in another
+        dtype (ViT-MAE's ``torch.rand`` noise follows the default dtype), so the figure would measure two
+        different random masks, not the cast."""
+        return self.user_dtype != self.work_dtype and self.opts.verify and not self.an.random
 
 
 def _start(model: nn.Module, example_inputs: inputs.ExampleInputs, opts: ConvertOptions) -> _Patching:
@@ -699,8 +702,7 @@ def _run_unseen_probe(st: _Patching) -> None:
     if st.work_dtype != torch.float64 and all(sp.verdict != "approximate" for sp in st.todo):
         kwargs, reference = (st.probe.kwargs, st.probe_reference) if st.probe is not None else \
             ({**{f"*{i}": a for i, a in enumerate(st.wargs)}, **st.wkwargs}, st.reference)
-        st.own_error = rounding_error(st.work, lambda: _forward(st, kwargs), reference, st.work_dtype,
-                                      set(st.plan.changed_outputs))
+        st.own_error = rounding_error(st.work, lambda: _forward(st, kwargs), reference, st.work_dtype)
 
 
 def _forward(st: _Patching, probe_kwargs: dict[str, Any]) -> Any:
@@ -832,6 +834,9 @@ def _report(st: _Patching, wrapped: str) -> Report:
         message += f"; {st.dtype_note}"
     if st.an.random:
         message += f"; {RANDOM_NOTE}"
+        if st.user_dtype != st.work_dtype:
+            message += (f" (the cost of {str(st.user_dtype).removeprefix('torch.')} is not measured: the same "
+                        "seed draws other numbers in another dtype)")
     if plan_.options.get("working_dtype"):
         message += f"; analysed and verified in {plan_.options['working_dtype']}"
     elif st.an.hold:  # a fact of these inputs' run (DINOv2 casts only where it interpolates), not of the plan

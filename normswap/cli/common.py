@@ -220,6 +220,8 @@ def figures_line(verification: dict[str, Any]) -> str:
         "kl",
         "top1_agreement",
         "max_stream_mean_ratio",
+        "raw_stream_rel_error",
+        "own_rounding_error",
         "in_model_dtype",
         "reload_bitwise_equal",
         "reload_max_abs_diff",

@@ -100,7 +100,7 @@ def test_verify_checks_on_passages_the_conversion_never_used(converted, monkeypa
     seen: list[dict] = []
     real = verify_dirs._figures
 
-    def spy(orig_model, conv_model, batches, skip, axes):
+    def spy(orig_model, conv_model, batches, skip, axes):  # noqa: ANN202
         seen.extend(batches)
         return real(orig_model, conv_model, batches, skip, axes)
 
