@@ -699,6 +699,10 @@ def _run_unseen_probe(st: _Patching) -> None:
         except Exception as exc:  # noqa: BLE001 - e.g. a model that takes one sequence length only
             st.probe_failed = f"{type(exc).__name__}: {first_line(exc, 120, default='')}"
             st.probe = None
+    if st.probe is not None and any(t.is_floating_point() and not bool(torch.isfinite(t).all())
+                                    for _, t in flatten_outputs(st.probe_reference)):
+        # redrawn inputs outside the model's domain (a log of a negative value): NaN compares as "no error"
+        st.probe_failed, st.probe, st.probe_reference = "the original outputs NaN or inf on it", None, None
     if st.work_dtype != torch.float64 and all(sp.verdict != "approximate" for sp in st.todo):
         kwargs, reference = (st.probe.kwargs, st.probe_reference) if st.probe is not None else \
             ({**{f"*{i}": a for i, a in enumerate(st.wargs)}, **st.wkwargs}, st.reference)

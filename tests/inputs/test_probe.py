@@ -266,3 +266,24 @@ def test_a_tokenizer_of_another_domain_is_kept_but_not_fed_english():
     probe = inputs.verification_probe(model, tok)
     assert not probe.text and "reads most built-in English words as unknown" in probe.source
     assert "reads most built-in English words as unknown" in calibrate.builtin_batches(model, tok, batches=1)[1]
+
+
+def test_a_held_out_probe_the_model_outputs_nan_on_is_not_used():
+    """Redrawn inputs can leave the model's domain (here: a log of a negative value): NaN compares as "no
+    error", so that probe is dropped, the traced inputs verify, and the report says why."""
+
+    class LogNet(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = torch.nn.Linear(8, 8)
+            self.norm = torch.nn.LayerNorm(8)
+            self.head = torch.nn.Linear(8, 4)
+
+        def forward(self, x):  # noqa: ANN001, ANN201
+            return self.head(self.norm(self.proj(torch.log(x))))
+
+    x = torch.rand(16, 8, dtype=torch.float64) + 1e-4  # positive; the redraw (same mean and std) is not
+    report = normswap.patch(LogNet().double(), (x,))
+    assert report.verification["probe"] == ("the analysis inputs (the unseen probe did not run: the original "
+                                            "outputs NaN or inf on it)")
+    assert report.verification["max_rel_error"] < 1e-12
