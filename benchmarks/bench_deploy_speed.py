@@ -21,7 +21,8 @@ ONNX Runtime column for ``RMSNormalization``.
 Timing: one thread everywhere (``torch.set_num_threads(1)``, ORT ``intra_op_num_threads=1``); per cell,
 interleaved ABBA quads (original, converted, converted, original) until the cell's time budget is
 spent (at least ``--min-quads``); the ratio is the median over quads of converted/original time, with
-the quartiles of that ratio. Load average is recorded before and after. ``torch.compile`` (inductor,
+the quartiles of that ratio (``--control`` adds the original timed against itself, the noise floor).
+Load average is recorded before and after. ``torch.compile`` (inductor,
 ``dynamic=True``) is timed at batch 4 only unless ``--compile-batch1``: a batch of 1 is specialised,
 so it would cost a second compile per model (minutes each on a loaded 2-core machine).
 
@@ -306,6 +307,9 @@ def run_model(name: str, label: str, px: int, args: argparse.Namespace, cache: P
             example = inputs_for(name, batch, px or n)
             row[engine] = abba(ort_call(sessions["original"], example), ort_call(sessions["converted"], example),
                                args.budget, args.min_quads)
+            if args.control:  # original against itself: how far from 1.00 noise alone moves a ratio
+                row[engine + "_aa"] = abba(ort_call(sessions["original"], example),
+                                           ort_call(sessions["original"], example), args.budget, args.min_quads)
             row[engine + "_ops"] = fused
             print(f"#   {engine} b{batch} t{row['tokens']}: {row[engine]['ratio']:.3f}", flush=True)
         del sessions
@@ -321,6 +325,9 @@ def run_model(name: str, label: str, px: int, args: argparse.Namespace, cache: P
             t0 = time.perf_counter()
             row[engine] = abba(torch_call(fns["original"], example), torch_call(fns["converted"], example),
                                args.budget, args.min_quads)
+            if args.control:
+                row[engine + "_aa"] = abba(torch_call(fns["original"], example),
+                                           torch_call(fns["original"], example), args.budget, args.min_quads)
             print(f"#   {engine} b{batch} t{row['tokens']}: {row[engine]['ratio']:.3f} "
                   f"({time.perf_counter() - t0:.0f} s)", flush=True)
         del fns
@@ -336,8 +343,9 @@ def table(rows: list[dict], engines: list[str]) -> str:
     for r in rows:
         cells = []
         for e in engines:
-            m = r.get(e)
-            cells.append("–" if m is None else f"**{m['ratio']:.3f}** ({m['q1']:.2f}–{m['q3']:.2f}, {m['quads']})")
+            m, aa = r.get(e), r.get(e + "_aa")
+            cell = "–" if m is None else f"**{m['ratio']:.3f}** ({m['q1']:.2f}–{m['q3']:.2f}, {m['quads']})"
+            cells.append(cell + (f"; A/A {aa['ratio']:.3f}" if aa else ""))
         first = r.get(engines[0])
         base = f"{first['original_ms']:.1f}" if first else "–"
         lines.append(f"| {r['model']} | {r['batch']} | {r['tokens']} | " + " | ".join(cells) + f" | {base} |")
@@ -356,6 +364,8 @@ def main() -> None:
     parser.add_argument("--cache", default=os.environ.get("TMPDIR", "/tmp") + "/normswap-deploy-bench",
                         help="where the exported .onnx files are kept between runs")
     parser.add_argument("--json", default=None, help="also write the raw figures here")
+    parser.add_argument("--control", action="store_true",
+                        help="also time the original against itself per cell (the noise floor; doubles the time)")
     parser.add_argument("--kernels", action="store_true",
                         help="only ORT's norm kernels alone, against LayerNormalization (about a minute)")
     parser.add_argument("--compile-batch1", action="store_true",
