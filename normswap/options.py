@@ -101,10 +101,11 @@ class ConvertOptions:
             ``"fold"`` folds it wherever the readers can take it (the behaviour before this option).
         layer_scale: what happens to a LayerScale λ (BEiT, DINOv2, CaiT) whose writer is centered.
             ``"keep"`` (default): the writer is centered as ``diag(λ) W`` (exact), then each output row is
-            divided by a per-row scale that makes its largest entry the original weight's ``max|w|``, and
-            that scale becomes the new λ: the LayerScale multiply stays, the weight keeps the original's
-            range, and every row uses all of it (per-tensor int8 then quantizes the writer as finely as
-            per-channel int8 would). ``"fold"``: ``W ← diag(λ) W``, λ ← 1
+            divided by a per-row scale that puts its largest entry within 8/9 of the original weight's
+            ``max|w|`` (at most that), and that scale becomes the new λ: the LayerScale multiply stays, the
+            weight keeps the original's range, and every row uses nearly all of it (per-tensor int8 then
+            quantizes the writer almost as finely as per-channel int8). The scale has four significant
+            bits, so λ is exact in bfloat16/float16. ``"fold"``: ``W ← diag(λ) W``, λ ← 1
             (the behaviour before this option); exact too, but λ's spread (DINOv2: 1e-4 to 10) spreads the
             rows of the writer apart, and a per-tensor quantizer then loses the small rows
             (``docs/results/quantization.md``). A rotation folds a kept λ into its writer before turning

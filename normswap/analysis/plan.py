@@ -126,8 +126,8 @@ class ScaleFold:
     """Fold a per-feature LayerScale ``param`` (λ) into writer ``into``'s output rows before it is centered.
 
     ``keep=False``: λ becomes 1 (``W ← diag(λ) W``). ``keep=True`` (option ``layer_scale="keep"``): after
-    centering, each row is scaled so that its largest entry is the original weight's ``max|w|``, and that
-    per-row scale becomes the new λ: the writer keeps the original's range
+    centering, each row is scaled so that its largest entry is within 8/9 of the original weight's ``max|w|``,
+    and that per-row scale becomes the new λ: the writer keeps the original's range
     (:func:`normswap.surgery.edits.balance_layer_scale`)."""
 
     param: str

@@ -19,7 +19,7 @@ from normswap.analysis.plan import MeanCarry, Plan, ScaleFold
 from normswap.checkpoint import writer
 from normswap.checkpoint.stream_io import ST_DTYPES, ST_TO_TORCH, Entry, Reader
 from normswap.errors import NormswapError
-from normswap.surgery.edits import CARRY_TENSORS, carried, center_, mark_untied, moved_shift
+from normswap.surgery.edits import CARRY_TENSORS, carried, center_, layer_scale_balance, mark_untied, moved_shift
 
 
 class KeyMap:
@@ -211,8 +211,7 @@ class TensorRewriter:
                 center_(w, *self.center[key])
             peak = w.abs().amax(dim=0) if sf.kind == "conv1d" else w.abs().amax(dim=1)
             target = float(raw.abs().max())
-            self._balance[sf.param] = torch.where(peak > 0, peak / target, torch.ones_like(peak)) if target > 0 \
-                else torch.ones_like(peak)
+            self._balance[sf.param] = layer_scale_balance(peak, target)
         return self._balance[sf.param]
 
     def _beta(self, site: str) -> torch.Tensor:

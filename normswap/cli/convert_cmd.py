@@ -198,8 +198,8 @@ Presets (offline, seeded tiny models with tokenizers/processors):
     default="keep",
     show_default=True,
     help="A LayerScale λ (DINOv2, BEiT) whose writer is centered: 'keep' leaves it as a per-channel scale "
-    "that gives every row of the writer the original weight's range (per-tensor int8 then quantizes it "
-    "as finely as per-channel); 'fold' multiplies it into the writer's rows (λ = 1). Both exact.",
+    "that gives every row of the writer nearly all of the original weight's range (per-tensor int8 then "
+    "quantizes it almost as finely as per-channel); 'fold' multiplies it into the writer's rows (λ = 1). Both exact.",
 )
 @click.option(
     "--keep-tied",

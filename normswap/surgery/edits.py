@@ -211,24 +211,39 @@ def writer_max(model: nn.Module, sf: ScaleFold) -> float:
     return float(linear_at(model, sf.into).weight.detach().double().abs().max())
 
 
+def layer_scale_balance(peak: torch.Tensor, target: float) -> torch.Tensor:
+    """The per-row scale :func:`balance_layer_scale` takes into λ: the smallest ``s_i`` of four significant
+    bits (``m · 2^e``, ``m`` in ``{1, 1.125, …, 1.875}``) with ``peak_i / s_i ≤ target``, so every row's largest
+    entry lies in ``(8/9 · target, target]`` (1 for a zero row). Four bits so that λ = s is exact in bfloat16,
+    float16 and float32: a half-precision model rounds λ no more than the folded one (λ = 1) does. One
+    function for the in-memory surgery and the streamed rewrite."""
+    ok = peak > 0
+    if target <= 0:
+        return torch.ones_like(peak)
+    ratio = torch.where(ok, peak, target) / target
+    exponent = torch.floor(torch.log2(ratio))
+    scale = torch.ceil(ratio / torch.exp2(exponent) * 8) / 8 * torch.exp2(exponent)
+    scale = torch.where(scale * target < torch.where(ok, peak, target), scale + torch.exp2(exponent) / 8, scale)
+    return torch.where(ok, scale, torch.ones_like(peak))
+
+
 def balance_layer_scale(model: nn.Module, sf: ScaleFold, target: float) -> None:
     """Take a per-row scale back out of a folded and centered LayerScale writer into λ (``sf.keep``).
 
     After :func:`fold_layer_scale` and centering, the writer computes ``C diag(λ) (W x + b)``: exact, but
     its rows carry λ's spread (DINOv2: 1e-4 to 10), which a per-tensor quantizer pays for. Any per-row
-    ``s > 0`` gives the same product ``s ⊙ (diag(1/s) W' x + b'/s)``. ``s_i = max|W'_i| / target`` gives
-    every row the same largest entry, ``target`` (the original weight's ``max|w|``), so the weight's range
-    is the original's and a per-tensor quantizer's step is the original's, while each row uses the whole
-    range: per-tensor quantization of the writer becomes as fine as per-row (per-channel) quantization,
-    and ``max|w| / rms(w)`` is the smallest any per-row scaling can give. λ ← s (the LayerScale multiply
-    stays). A zero row keeps ``s_i = 1``.
+    ``s > 0`` gives the same product ``s ⊙ (diag(1/s) W' x + b'/s)``. ``s_i`` puts row ``i``'s largest entry in
+    ``(8/9 · target, target]`` (``target``: the original weight's ``max|w|``; ``s`` has four significant bits,
+    exact in half precision: :func:`layer_scale_balance`), so the weight's range is the original's and every
+    row uses almost all of it: per-tensor quantization of the writer is nearly as fine as per-row
+    (per-channel) quantization. λ ← s (the LayerScale multiply stays). A zero row keeps ``s_i = 1``.
     """
     lam = model.get_parameter(sf.param)
     module = linear_at(model, sf.into)
     with torch.no_grad():
         w = module.weight.detach().double()
         peak = w.abs().amax(dim=0) if sf.kind == "conv1d" else w.abs().amax(dim=1)
-        scale = torch.where(peak > 0, peak / target, torch.ones_like(peak)) if target > 0 else torch.ones_like(peak)
+        scale = layer_scale_balance(peak, target)
         w = w / scale[None, :] if sf.kind == "conv1d" else w / scale[:, None]
         module.weight.copy_(w.to(module.weight.dtype))
         if module.bias is not None:
