@@ -291,7 +291,7 @@ def convert(
 
     MODEL is a Hugging Face Hub id, a local model directory, or a preset name. The output is
     written atomically: into a temporary directory beside --out, renamed at the end; a failed or
-    interrupted run leaves nothing behind.
+    interrupted run leaves nothing behind (Ctrl-C after the rename says the output is complete).
     """
     from normswap.checkpoint.conversion import convert as run
     from normswap.options import ConvertOptions
