@@ -343,7 +343,7 @@ def convert(
 
     MODEL is a Hugging Face Hub id, a local model directory, or a preset name. The output is
     written atomically: into a temporary directory beside --out, renamed at the end; a failed or
-    interrupted run leaves nothing behind.
+    interrupted run leaves nothing behind (Ctrl-C after the rename says the output is complete).
     """
     check_model_name(model)
     _check_combination(mode, fmt, fold_gamma, per_norm_centering, no_bias_slots, calibration_data, low_memory,
