@@ -307,6 +307,14 @@ def _finish(model: nn.Module, config: Any, params: dict[str, Any], media_kw: Lay
             kinds = torch.tensor([0] * (start is not None) + [code] * n + [0] * (end is not None)).expand_as(mid)
             ids = torch.cat([ids[:, :cut], mid, ids[:, cut:]], dim=1)
             types = torch.cat([types[:, :cut], kinds, types[:, cut:]], dim=1)
+        latents = cfg(config, "latent_query_num")
+        if "image_embeds_position_mask" in params and "pixel_values" in media_kw and isinstance(latents, int):
+            # Kosmos-2: the image's latent queries take the places this mask marks in the prompt
+            place = torch.zeros(ids.shape[0], latents, dtype=ids.dtype)
+            ids = torch.cat([ids[:, :1], place + ids[:, 1:2], ids[:, 1:]], dim=1)
+            mask = torch.zeros_like(ids, dtype=torch.bool)
+            mask[:, 1:1 + latents] = True
+            inputs["image_embeds_position_mask"] = mask
         inputs["input_ids"] = ids
         for name in _required(params):  # side models' ids (InstructBLIP's Q-Former), over their own vocabulary
             if (side := _side_ids(name)) is not None:
