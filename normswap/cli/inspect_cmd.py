@@ -93,6 +93,8 @@ def inspect(
     else:
         click.echo(header)
         click.echo(plan.table(verbose=verbose, fmt=fmt))  # 100 columns, whole reasons (wrapped)
+        if plan.options.get("analysis_inputs"):  # what normswap ran the model on, and how it reached every tower
+            click.echo(f"analysis inputs: {plan.options['analysis_inputs']}")
     if not any(sp.convert for sp in plan.sites):
         why = "no LayerNorm found" if not plan.sites else f"no LayerNorm can be converted with --mode {mode}"
         fail(f"{model}: {why}; nothing to convert", EXIT_NOTHING)
