@@ -33,10 +33,11 @@ from normswap.inputs import media
 from normswap.inputs.media import AUDIO_FRAME_BUDGET, Layout, cfg, sub_config
 
 # how to build each required forward argument; any other required one is refused by name
-KNOWN = {"input_ids", "pixel_values", "grid_thw", "input_features", "input_values", "past_values", "past_time_features",
-         "past_observed_mask", "decoder_input_ids", "pixel_values_videos", "image_grid_thw", "video_grid_thw",
-         "image_sizes", "pixel_attention_mask", "pixel_mask", "future_values", "future_time_features",
-         "static_categorical_features", "static_real_features", "feature_attention_mask", "input_features_mask"}
+KNOWN = {"input_ids", "pixel_values", "grid_thw", "spatial_shapes", "input_features", "input_values", "past_values",
+         "past_time_features", "past_observed_mask", "decoder_input_ids", "pixel_values_videos", "image_grid_thw",
+         "video_grid_thw", "image_sizes", "pixel_attention_mask", "pixel_mask", "future_values",
+         "future_time_features", "static_categorical_features", "static_real_features", "feature_attention_mask",
+         "input_features_mask"}
 MEDIA_TOKEN = {"image": ("image_token_id", "image_token_index", "image_token"),
                "audio": ("audio_token_id", "audio_token_index", "audio_token")}
 MEDIA_START = {"image": ("vision_start_token_id", "boi_token_id", "boi_token_index", "image_start_token_id"),
