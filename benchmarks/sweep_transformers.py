@@ -18,9 +18,9 @@ randomised, eval mode. Per class:
 Each type runs in a worker process (``OMP_NUM_THREADS=1``) with a per-type time limit, so a hang or a
 crash costs one row. ``--jobs`` runs that many workers side by side.
 
-    python benchmarks/sweep_transformers.py --write              # all types (~35 min on one core)
+    PYTHONPATH=$PWD python benchmarks/sweep_transformers.py --write   # all types (hours on 2 shared cores)
     python benchmarks/sweep_transformers.py --only vit,whisper   # a few rows, printed
-    python benchmarks/sweep_transformers.py --write --jobs 2     # two workers
+    python benchmarks/sweep_transformers.py --render --write --before benchmarks/transformers_sweep_before.json
 
 ``--write`` writes docs/results/transformers-sweep.md and benchmarks/transformers_sweep.json.
 The normswap swept is the one Python imports: ``PYTHONPATH=$PWD`` for this checkout,
@@ -497,10 +497,13 @@ normswap); they are counted apart. A `no-run` row is often the tiny config's fau
 config whose sizes disagree once shrunk: image sizes a projector does not take, MoE kernels without
 float64); the note gives the model's own error.
 
-Regenerate (about 35 minutes on one core; `--jobs 2` halves it):
+Regenerate (every type: hours on a shared 2-core machine, so run it in chunks with `--start`/`--count`
+or `--only`; rows accumulate in the JSON), then the page with the before column:
 
 ```
-python benchmarks/sweep_transformers.py --write
+PYTHONPATH=$PWD python benchmarks/sweep_transformers.py --write --start 0 --count 100
+PYTHONPATH=/path/to/old/checkout python benchmarks/sweep_transformers.py --json old.json   # a "before"
+python benchmarks/sweep_transformers.py --render --write --before benchmarks/transformers_sweep_before.json
 ```
 
 """

@@ -542,6 +542,8 @@ def plan(model: nn.Module, example_inputs: inputs.ExampleInputs = None, *,
         result = analysed_copy(model, args, kwargs, opts)[3]
     check_untouched(model, untouched)
     decide_verdicts(result.plan, opts.mode)
+    if example_inputs is None and inputs.is_hf_model(model):
+        result.plan.options["analysis_inputs"] = inputs.describe_built(model, kwargs)
     return result.plan
 
 

@@ -112,6 +112,8 @@ def inspect(
         click.echo(header)
         # 100 columns, whole reasons (wrapped); the reasons' advice in flags, as `convert` prints it
         click.echo(cli_words(plan.table(verbose=verbose, fmt=fmt)))
+        if plan.options.get("analysis_inputs"):  # what normswap ran the model on, and how it reached every tower
+            click.echo(f"analysis inputs: {plan.options['analysis_inputs']}")
     if not any(sp.convert for sp in plan.sites):
         why = "no LayerNorm found" if not plan.sites else f"no LayerNorm can be converted with --mode {mode}"
         fail(f"{model}: {why}; nothing to convert", EXIT_NOTHING)

@@ -1,8 +1,9 @@
 """Example inputs: what the analysis runs the model on, and what verification probes it with.
 
-For Hugging Face models the analysis inputs are built from the config and the forward signature
-(token ids, ``pixel_values``, ``input_features``, ``input_values``, decoder ids). Custom models must
-pass ``example_inputs``: a tuple of positional args or a dict of kwargs.
+For Hugging Face models the analysis inputs are built from the config, the forward signature and the
+family's conventions (:mod:`normswap.inputs.builder`: text with image and audio tokens, images, video,
+audio features, raw audio, time series, in the layout the model runs on; :mod:`normswap.inputs.media`).
+Custom models must pass ``example_inputs``: a tuple of positional args or a dict of kwargs.
 
 The verification probe (:func:`verification_probe`) is real text where the model's tokenizer is
 known: the package's built-in English sentences (``normswap/data/calibration_en.txt``, also the

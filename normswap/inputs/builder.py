@@ -33,10 +33,11 @@ from normswap.inputs import media
 from normswap.inputs.media import AUDIO_FRAME_BUDGET, Layout, cfg, sub_config
 
 # how to build each required forward argument; any other required one is refused by name
-KNOWN = {"input_ids", "pixel_values", "grid_thw", "input_features", "input_values", "past_values", "past_time_features",
-         "past_observed_mask", "decoder_input_ids", "pixel_values_videos", "image_grid_thw", "video_grid_thw",
-         "image_sizes", "pixel_attention_mask", "pixel_mask", "future_values", "future_time_features",
-         "static_categorical_features", "static_real_features", "feature_attention_mask", "input_features_mask"}
+KNOWN = {"input_ids", "pixel_values", "grid_thw", "spatial_shapes", "input_features", "input_values", "past_values",
+         "past_time_features", "past_observed_mask", "decoder_input_ids", "pixel_values_videos", "image_grid_thw",
+         "video_grid_thw", "image_sizes", "pixel_attention_mask", "pixel_mask", "future_values",
+         "future_time_features", "static_categorical_features", "static_real_features", "feature_attention_mask",
+         "input_features_mask"}
 MEDIA_TOKEN = {"image": ("image_token_id", "image_token_index", "image_token"),
                "audio": ("audio_token_id", "audio_token_index", "audio_token")}
 MEDIA_START = {"image": ("vision_start_token_id", "boi_token_id", "boi_token_index", "image_start_token_id"),
@@ -307,6 +308,14 @@ def _finish(model: nn.Module, config: Any, params: dict[str, Any], media_kw: Lay
             kinds = torch.tensor([0] * (start is not None) + [code] * n + [0] * (end is not None)).expand_as(mid)
             ids = torch.cat([ids[:, :cut], mid, ids[:, cut:]], dim=1)
             types = torch.cat([types[:, :cut], kinds, types[:, cut:]], dim=1)
+        latents = cfg(config, "latent_query_num")
+        if "image_embeds_position_mask" in params and "pixel_values" in media_kw and isinstance(latents, int):
+            # Kosmos-2: the image's latent queries take the places this mask marks in the prompt
+            place = torch.zeros(ids.shape[0], latents, dtype=ids.dtype)
+            ids = torch.cat([ids[:, :1], place + ids[:, 1:2], ids[:, 1:]], dim=1)
+            mask = torch.zeros_like(ids, dtype=torch.bool)
+            mask[:, 1:1 + latents] = True
+            inputs["image_embeds_position_mask"] = mask
         inputs["input_ids"] = ids
         for name in _required(params):  # side models' ids (InstructBLIP's Q-Former), over their own vocabulary
             if (side := _side_ids(name)) is not None:

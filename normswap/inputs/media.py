@@ -8,6 +8,7 @@ first with which the model runs. The sizes come from the config (``image_size``,
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -84,6 +85,13 @@ def image_layouts(config: Any, params: Any, batch: int, gen: torch.Generator, dt
         if "pixel_attention_mask" in params:
             per_sample["pixel_attention_mask"] = torch.ones(batch, tiles, size, size, dtype=torch.bool)
         yield from extras(per_sample)
+    if "spatial_shapes" in params:  # NaFlex (SigLIP2, LFM2-VL): patch rows, their grid and a mask over them
+        side = 2 * max(1, _int(cfg(config, "downsample_factor")) or 1)
+        side = max(side, min(16, math.isqrt(_int(cfg(vcfg, "num_patches")) or 16)) // side * side)
+        layout = {"pixel_values": pixels(batch, side * side, channels * patch * patch),
+                  "spatial_shapes": torch.tensor([[side, side]] * batch),
+                  "pixel_attention_mask": torch.ones(batch, side * side, dtype=torch.long)}
+        yield layout
     if "image_grid_thw" in params:
         yield from extras(grid_layout(vcfg, batch, gen, dtype))
     if "grid_thw" in params:  # a Qwen-VL style vision tower alone
