@@ -110,7 +110,7 @@ def test_kept_layer_scale_stream_is_zero_mean():
     for lin, lam in _writers(conv):
         prod = lam.detach()[:, None] * lin.weight.detach()
         assert float(prod.sum(0).abs().max()) < 1e-12 * float(prod.abs().max())
-        assert abs(float((lam.detach() * lin.bias.detach()).sum())) < 1e-12 * float(lin.bias.abs().max() + 1)
+        assert abs(float((lam.detach() * lin.bias.detach()).sum())) < 1e-12 * float(lin.bias.detach().abs().max() + 1)
 
 
 def test_rotation_folds_kept_layer_scale_first():
