@@ -775,7 +775,6 @@ def test_inspect_fits_100_columns_and_shows_where_beta_goes(preset):
     assert max(len(ln) for ln in lines) <= 100, max(lines, key=len)
     header = next(ln for ln in lines if ln.startswith("norm "))
     assert header.split() == ["norm", "verdict", "convert", "β", "γ", "writers", "readers"]
-    from normswap.cli.common import cli_words
 
     plan = normswap.plan(presets.build_model(preset))
     for sp in plan.sites:  # every norm and its whole reason are there, β placement in its row

@@ -92,10 +92,10 @@ def _probe(out: Path, where: Path) -> None:
             probe = tempfile.mkdtemp(prefix=f".{out.name}{TMP_MARK}{_owner()}-probe-", dir=where)
         except OSError as exc:
             if exc.errno == errno.EROFS:
-                raise NormswapError(f"cannot write --out {out}: its filesystem is mounted read-only; choose a "
-                                    "--out on a writable filesystem") from exc
-            raise NormswapError(f"cannot write --out {out}: a directory cannot be created in {where} "
-                                f"({exc.strerror or exc}); choose a writable --out") from exc
+                raise NormswapError(f"cannot write out_dir {out}: its filesystem is mounted read-only; choose "
+                                    "out_dir on a writable filesystem") from exc
+            raise NormswapError(f"cannot write out_dir {out}: a directory cannot be created in {where} "
+                                f"({exc.strerror or exc}); choose a writable out_dir") from exc
         with contextlib.suppress(OSError):
             os.rmdir(probe)
 
@@ -110,7 +110,7 @@ def _existing_parent(out: Path) -> Path:
 def _into_mount(out: Path) -> bool:
     """Whether ``out`` is an existing mount point (a Docker volume, say): no rename can replace it, so
     the output is staged *inside* it and its entries are moved into place (see :func:`atomic_directory`)."""
-    return out.is_dir() and os.path.ismount(out)
+    return out.is_dir() and os.path.ismount(out.resolve())  # resolved: a link to a mount point is one too
 
 
 def staging_dir(out: Path) -> Path:
@@ -280,9 +280,12 @@ def atomic_directory(out: Path, *, overwrite: bool, needed: int | None = None) -
     ``overwrite`` an existing ``out`` is moved aside, replaced, and deleted only after the new
     directory is in place. Every file written gets one mode (:func:`set_modes`). When ``out`` is a
     mount point (which no rename can replace) the temporary directory is made inside it and its
-    entries are moved into ``out`` one by one at the end.
+    entries are moved into ``out`` one by one at the end. When ``out`` is a symbolic link (an output
+    directory kept on a bigger disk, say) the output goes where it points, and the link is kept.
     """
     out = Path(out).expanduser()
+    if out.is_symlink():  # write into its target: renaming onto the link would replace the link itself
+        out = out.resolve()
     into_mount = _into_mount(out)
     parent = out.resolve() if into_mount else out.resolve().parent
     created = parent  # the outermost directory this call creates (removed again on failure)

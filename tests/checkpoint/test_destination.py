@@ -236,3 +236,37 @@ def test_a_quota_that_runs_out_is_named_as_a_quota(tmp_path, monkeypatch):
     line = error_line(*run("convert", "tiny-gpt2", "--out", str(tmp_path / "o"), "-q")[::2], 1)
     assert line.startswith("error: disk quota exceeded:") and f"--out {tmp_path / 'o'}" in line, line
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("target", ["empty", "full", "dangling"])
+def test_out_that_is_a_symlink_is_written_where_it_points_and_stays_a_link(tmp_path, target):
+    """An output directory kept on another disk behind a link: the result goes into the link's target
+    (the link itself is neither removed nor replaced by a directory), an empty or absent target needs no
+    overwrite, a full one is replaced only with it."""
+    real = tmp_path / "disk" / "out"
+    if target != "dangling":
+        real.mkdir(parents=True)
+    if target == "full":
+        (real / "old.txt").write_text("old")
+    link = tmp_path / "out"
+    link.symlink_to(real)
+    if target == "full":
+        with pytest.raises(normswap.NormswapError, match="exists and is not empty"):
+            io.check_destination(link, overwrite=False)
+    io.check_destination(link, overwrite=target == "full")
+    with io.atomic_directory(link, overwrite=target == "full") as tmp:
+        (tmp / "model.safetensors").write_text("new")
+    assert link.is_symlink() and link.resolve() == real.resolve()
+    assert sorted(p.name for p in real.iterdir()) == ["model.safetensors"]
+    assert not [p for p in tmp_path.rglob(".*normswap-tmp*")]
+
+
+def test_python_api_errors_on_an_unwritable_place_name_out_dir(tmp_path, monkeypatch):
+    """The probe's refusal speaks to a Python caller (``out_dir``); the command line turns it into ``--out``."""
+    def refuse(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(io.tempfile, "mkdtemp", refuse)
+    wording = r"cannot write out_dir .*\(Permission denied\); choose a writable out_dir"
+    with pytest.raises(normswap.NormswapError, match=wording):
+        io.check_destination(tmp_path / "o", overwrite=False)
