@@ -133,7 +133,7 @@ def test_a_layernorm_that_matches_no_formula_is_reported_as_skipped():
     model = nn.Sequential(nn.Linear(8, 16), Doubled(16), nn.Linear(16, 4)).double()
     plan = normswap.plan(model, (torch.randn(3, 8, dtype=torch.float64),))
     assert not plan.sites
-    reason = "its traced output matches no LayerNorm/RMSNorm formula of its parameters; kept"
+    reason = "its traced output matches no LayerNorm/RMSNorm formula of its parameters and buffers; kept"
     assert plan.skipped == [{"name": "1", "class": "Doubled", "reason": reason}]
 
 
