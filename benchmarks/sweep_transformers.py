@@ -202,6 +202,10 @@ def shrink(config: object, depth: int = 0, ids: list[int] | None = None, images:
         if isinstance(rope, dict) and isinstance(rope.get("mrope_section"), list) and isinstance(head_dim, int):
             half, n = head_dim // 2, len(rope["mrope_section"])
             rope["mrope_section"] = [half - (n - 1) * (half // n)] + [half // n] * (n - 1)
+    vision = d.get("vision_config")
+    if isinstance(d.get("image_grid_pinpoints"), list) and isinstance(getattr(vision, "image_size", None), int):
+        side = vision.image_size  # any-resolution grids in units of the (shrunk) tile size
+        d["image_grid_pinpoints"] = [[side, side], [side, 2 * side], [2 * side, side]]
     for k in ("layer_types", "block_types", "layers_block_type"):  # per-layer lists follow the layer count
         v = d.get(k)
         n = d.get("num_hidden_layers")
