@@ -30,6 +30,10 @@ so it would cost a second compile per model (minutes each on a loaded 2-core mac
     python benchmarks/bench_deploy_speed.py --quick         # batch 1 and 4 at the short length, less time per cell
     python benchmarks/bench_deploy_speed.py --models gpt2 --engines ort,eager
     python benchmarks/bench_deploy_speed.py --json out.json # also write the raw figures
+    python benchmarks/bench_deploy_speed.py --control       # also the original against itself (noise floor)
+    python benchmarks/bench_deploy_speed.py --models gpt2 --engines ort --opset23   # + ORT at opset 23
+    python benchmarks/bench_deploy_speed.py --round-robin 45  # cached ORT exports timed in turn, batch 1
+    python benchmarks/bench_deploy_speed.py --kernels       # ORT's norm kernels alone (about a minute)
 
 Goal (issue 40): converted/original <= 1.00 in every cell, below 1 where the norm is a visible share.
 Results: docs/results/deploy-speed.md.
