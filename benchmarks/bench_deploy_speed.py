@@ -30,6 +30,10 @@ so it would cost a second compile per model (minutes each on a loaded 2-core mac
     python benchmarks/bench_deploy_speed.py --quick         # batch 1 and 4 at the short length, less time per cell
     python benchmarks/bench_deploy_speed.py --models gpt2 --engines ort,eager
     python benchmarks/bench_deploy_speed.py --json out.json # also write the raw figures
+    python benchmarks/bench_deploy_speed.py --control       # also the original against itself (noise floor)
+    python benchmarks/bench_deploy_speed.py --models gpt2 --engines ort --opset23   # + ORT at opset 23
+    python benchmarks/bench_deploy_speed.py --round-robin 45  # cached ORT exports timed in turn, batch 1
+    python benchmarks/bench_deploy_speed.py --kernels       # ORT's norm kernels alone (about a minute)
 
 Goal (issue 40): converted/original <= 1.00 in every cell, below 1 where the norm is a visible share.
 Results: docs/results/deploy-speed.md.
@@ -266,6 +270,35 @@ def kernel_rows(width: int = 768, rows_list: tuple[int, ...] = (8, 128, 512), bu
     return "\n".join(lines)
 
 
+def round_robin(label: str, cache: Path, opsets: list[str], batch: int, tokens: int, seconds: float) -> str:
+    """Every cached ORT session of one model (original and converted, per opset) timed in turn, one call
+    each per round with the order reversed every other round, for ``seconds``: medians over hundreds of
+    rounds, steadier than ABBA cells when calls are short. Needs the exports a normal run cached."""
+    opsets = [o for o in opsets if all((cache / f"{label}-{v}-{o}.done").exists() for v in ("original", "converted"))]
+    if not opsets:
+        return f"{label}: no cached exports in {cache} (run without --round-robin first)"
+    paths = {f"{v}-{o}": cache / f"{label}-{v}-{o}.onnx" for o in opsets for v in ("original", "converted")}
+    name = "vit" if label.startswith("vit") else label.split("-")[0]
+    px = int(label[3:].split("-")[0]) if name == "vit" else 0
+    example = inputs_for(name, batch, px or tokens)
+    calls = {k: ort_call(ort_session(p), example) for k, p in paths.items()}
+    for f in calls.values():
+        f()
+    times: dict[str, list[float]] = {k: [] for k in calls}
+    keys, rounds, end = list(calls), 0, time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        for k in keys if rounds % 2 == 0 else keys[::-1]:
+            t0 = time.perf_counter()
+            calls[k]()
+            times[k].append(time.perf_counter() - t0)
+        rounds += 1
+    med = {k: 1e3 * statistics.median(v) for k, v in times.items()}
+    cells = [f"{k}: {m:.1f} ms" for k, m in med.items()]
+    ratios = [f"converted/original at opset {o}: **{med['converted-' + o] / med['original-' + o]:.3f}**"
+              for o in opsets]
+    return f"{label} b{batch} t{tokens}, {rounds} rounds: " + ", ".join(cells) + "; " + ", ".join(ratios)
+
+
 def variants(name: str) -> list[tuple[str, int]]:
     """(label, image size) per model built: one for text, one per image size for ViT."""
     return [(name, 0)] if name != "vit" else [(f"vit{px}", px) for px in VIT_SIZES]
@@ -366,6 +399,8 @@ def main() -> None:
     parser.add_argument("--json", default=None, help="also write the raw figures here")
     parser.add_argument("--control", action="store_true",
                         help="also time the original against itself per cell (the noise floor; doubles the time)")
+    parser.add_argument("--round-robin", type=float, default=0, metavar="SECONDS",
+                        help="only ORT: the cached exports of each model timed round-robin at batch 1 for SECONDS")
     parser.add_argument("--kernels", action="store_true",
                         help="only ORT's norm kernels alone, against LayerNormalization (about a minute)")
     parser.add_argument("--compile-batch1", action="store_true",
@@ -389,6 +424,14 @@ def main() -> None:
                 f"Python {platform.python_version()}")
     print(f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {versions}; {os.cpu_count()} CPUs; "
           f"load average {load_before[0]:.1f}/{load_before[1]:.1f}/{load_before[2]:.1f}", flush=True)
+    if args.round_robin:
+        opsets = ["default"] + (["23"] if args.opset23 else [])
+        for name in args.models.split(","):
+            for label, _ in variants(name):
+                batch, n = shapes(label, quick=True)[0]
+                print(round_robin(f"{label}-L{args.layers}", cache, opsets, batch, n, args.round_robin), flush=True)
+        print(f"load average {os.getloadavg()[0]:.1f}")
+        return
     if args.kernels:
         print(kernel_rows(budget=args.budget / 2))
         print(f"\nwidth 768, one thread; median of ABBA quads (quartiles); load average {os.getloadavg()[0]:.1f}")
