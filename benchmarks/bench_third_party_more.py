@@ -137,7 +137,8 @@ def tab_transformer_cases() -> list[Case]:
     return [Case("tab-transformer-pytorch", f"FTTransformer num_residual_streams={n}",
                  lambda n=n: tt.FTTransformer(**kw, num_residual_streams=n), a, b) for n in (1, 4)] + [
         Case("tab-transformer-pytorch", f"TabTransformer num_residual_streams={n}",
-             lambda n=n: tt.TabTransformer(**kw, mlp_hidden_mults=(2,), mlp_act=nn.ReLU(), num_residual_streams=n), a, b)
+             lambda n=n: tt.TabTransformer(**kw, mlp_hidden_mults=(2,), mlp_act=nn.ReLU(), num_residual_streams=n),
+             a, b)
         for n in (1, 4)]
 
 
