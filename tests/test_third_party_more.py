@@ -98,8 +98,9 @@ def test_messages_weighted_per_head_are_not_claimed_exact() -> None:
     exact and then refused by verification."""
     torch.manual_seed(1)
     model = _randomised(_GraphPreLN("scatter_add per head"))
-    counts = normswap.patch(model, _graph(9, 0)).plan.counts()
-    assert counts["exact"] == 1 and counts["approximate"] == 2, counts
+    plan = normswap.patch(model, _graph(9, 0)).plan
+    assert plan.counts()["exact"] == 1 and plan.counts()["approximate"] == 2, plan.counts()
+    assert "its rows stop at `mul`" in plan.site("norms.1").reason  # names the per-head factor
 
 
 # --------------------------------------------------------------- residual branch behind dropout

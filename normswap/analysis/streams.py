@@ -852,8 +852,9 @@ class Analyzer:
             if why:
                 return [], [], why
             all_groups |= groups
-        if not all_groups:
-            return [], [], "reaches no norm"
+        if not all_groups:  # name where its rows stop (a per-head factor, a reader), so the user can find it
+            return [], [], "reaches no norm" + (f" (its rows stop at {blockers[0][0]}, which does not carry a "
+                                                "centered row on unchanged)" if blockers else "")
         size = module.weight.shape[_WRITER_PARAMS[kind][0][1]]
         blocks, why = self._blocks_along(all_groups, size)
         if why:
