@@ -420,6 +420,28 @@ class Analyzer:
             return math.prod(shape) == 1 or (len(shape) > 0 and shape[-1] == 1)
         return isinstance(other, (int, float)) and not isinstance(other, bool)
 
+    def _scale_spans_rows(self, op: Op, tracked: int, m: torch.Tensor, flat: tuple[int, ...] | None,
+                          token_ids: _TokenIds | None) -> bool:
+        """Is the factor of a scale op one number per whole row of features? :meth:`_scale_ok` checks it is
+        constant along the last axis; where the map's features lie along several axes (a message viewed
+        ``[edges, heads, head_dim]``), a factor per head (``[edges, heads, 1]``) scales each head's block
+        by its own number, and a centered row would not stay centered: the factor must be constant along
+        every axis the features vary along."""
+        other = next((a for a in op.args if isinstance(a, ValueRef) and a.id != tracked), None)
+        if other is None or flat is not None or m.dim() < 2:
+            return True
+        shape = self.graph.values[other.id].shape
+        features = m if token_ids is None else torch.remainder(m, token_ids.width)
+        for axis in range(m.dim() - 1):
+            k = axis - m.dim() + len(shape)  # the factor's axis aligned from the right
+            if k < 0 or shape[k] == 1 or m.shape[axis] < 2:
+                continue
+            first = features.narrow(axis, 0, 1)
+            differs = (features != first) & ~torch.isnan(features) & ~torch.isnan(first)
+            if bool(differs.any()):
+                return False
+        return True
+
     # ------------------------------------------------------------------ 2. forward index maps
     def reach(self, vid: int, axis: int | None, tokens: bool = False) -> Reach:
         """Propagate an index map from ``vid``: features along ``axis`` (``None``: flat element ids).
@@ -533,7 +555,8 @@ class Analyzer:
             return {op.outputs[0]: maps[tracked[0]].broadcast_to(out_shape)}  # λ is folded and set to 1
         if op.name in SCALE_OPS:
             t = tracked[0]
-            if len(tracked) != 1 or not self._scale_ok(op, t):
+            if len(tracked) != 1 or not self._scale_ok(op, t) \
+                    or not self._scale_spans_rows(op, t, maps[t], flat, token_ids):
                 return None
             return {op.outputs[0]: maps[t].broadcast_to(out_shape)}
         if op.name in SHAPE_OPS or op.name in JOIN_OPS or op.name in PAD_OPS:
@@ -629,7 +652,41 @@ class Analyzer:
                 out = ((token.unsqueeze(mix.out_axis) + token_ids.fresh(token.numel())) * token_ids.width
                        + out).contiguous()
             return {op.outputs[0]: torch.where(reached != 0, out, torch.full((), math.nan, dtype=torch.float64))}
-        return None
+        return self._mix_joint(op, vid, m, features, mixes, flat, token_ids)
+
+    def _mix_joint(self, op: Op, vid: int, m: torch.Tensor, features: torch.Tensor, mixes: tuple,
+                   flat: tuple[int, ...] | None, token_ids: _TokenIds | None) -> dict[int, torch.Tensor] | None:
+        """:meth:`_mix` where a token's features lie along several trailing axes at once (a message of
+        ``heads × head_dim`` scattered into nodes: torch_geometric's ``TransformerConv``). The op was proved
+        channel-shared along each of those axes alone (kept apart and one map, per axis); the diagonal
+        scalings and cyclic shifts along each axis then generate every diagonal and a transitive group of
+        shifts on their product, so the op applies one map to every channel of the joint axis: the
+        trailing block is one channel axis, judged as :meth:`_mix` judges one."""
+        n_in, out_shape = m.dim(), self.graph.values[op.outputs[0]].shape
+        pairs = {(x.in_axis, x.out_axis) for x in mixes}
+        ins = sorted(a for a, _ in pairs)
+        k = len(ins)
+        if k < 2 or ins != list(range(n_in - k, n_in)) or len(out_shape) < k:
+            return None
+        n_out = len(out_shape)
+        if any((a, n_out - n_in + a) not in pairs for a in ins) \
+                or tuple(m.shape[-k:]) != tuple(out_shape[-k:]):
+            return None
+        block = tuple(m.shape[-k:])
+        rep = self._mixed_group(features.flatten(n_in - k), n_in - k, flat)
+        if rep is None:
+            return None
+        gen = torch.Generator().manual_seed(op.index)
+        probe = torch.randn(m.shape, generator=gen, dtype=torch.float64) * (~torch.isnan(m)).double()
+        reached = self._replay_data(op, vid, probe)
+        if reached is None or tuple(reached.shape) != tuple(out_shape):
+            return None
+        out = rep.reshape(block).expand(reached.shape)
+        if token_ids is not None:
+            positions = list(reached.shape[:-k])
+            token = torch.arange(math.prod(positions), dtype=torch.float64).reshape(positions + [1] * k)
+            out = ((token + token_ids.fresh(math.prod(positions))) * token_ids.width + out).contiguous()
+        return {op.outputs[0]: torch.where(reached != 0, out, torch.full((), math.nan, dtype=torch.float64))}
 
     @staticmethod
     def _mixed_group(m: torch.Tensor, axis: int, flat: tuple[int, ...] | None) -> torch.Tensor | None:
@@ -795,8 +852,9 @@ class Analyzer:
             if why:
                 return [], [], why
             all_groups |= groups
-        if not all_groups:
-            return [], [], "reaches no norm"
+        if not all_groups:  # name where its rows stop (a per-head factor, a reader), so the user can find it
+            return [], [], "reaches no norm" + (f" (its rows stop at {blockers[0][0]}, which does not carry a "
+                                                "centered row on unchanged)" if blockers else "")
         size = module.weight.shape[_WRITER_PARAMS[kind][0][1]]
         blocks, why = self._blocks_along(all_groups, size)
         if why:
@@ -1113,9 +1171,8 @@ class Analyzer:
         for a, b in ((op.args[0].id, op.args[1].id), (op.args[1].id, op.args[0].id)):
             if self.graph.values[a].shape != self.graph.values[b].shape or self.graph.values[b].consumers != [op.index]:
                 continue
-            for call in self.by_output.get(b, []):
-                if call.functional or not call.outputs or call.outputs[0] != b \
-                        or len(self.calls_per_path[call.path]) != 1:
+            for call in self._identity_producers(b):
+                if call.functional or len(self.calls_per_path[call.path]) != 1:
                     continue
                 slot = next((i for i, v in enumerate(call.args) if v == a), None)
                 if slot is None:
@@ -1123,6 +1180,25 @@ class Analyzer:
                 if slot is not None:
                     return CenterHook(call.path, "residual", slot)
         return None
+
+    def _identity_producers(self, vid: int) -> list[ModuleCall]:
+        """The module calls whose first output becomes ``vid`` unchanged: those returning ``vid`` itself, then
+        those returning a value that reaches ``vid`` only through identity ops (eval-mode dropout, casts,
+        ``contiguous``) of the same shape, each read once. A residual branch written ``x + drop(M(x, ...))``
+        (rtdl's FT-Transformer) is then a residual sum of ``M`` just as ``x + M(x)`` is: a change to ``M``'s
+        output reaches the sum as it is."""
+        calls = []
+        while True:
+            calls.extend(c for c in self.by_output.get(vid, []) if c.outputs and c.outputs[0] == vid)
+            op = self.graph.producer(self.graph.values[vid])
+            if op is None or op.name not in IDENTITY_OPS or len(op.outputs) != 1 or not op.args \
+                    or not isinstance(op.args[0], ValueRef):
+                return calls
+            src = op.args[0].id
+            if len(self.graph.values[src].consumers) != 1 \
+                    or self.graph.values[src].shape != self.graph.values[vid].shape:
+                return calls
+            vid = src
 
     def own_input_reach(self, vid: int, call: ModuleCall) -> Reach | None:
         """The reach of an op on norm ``call``'s own input argument (a pre-hook on the norm): it changes
