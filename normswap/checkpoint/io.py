@@ -50,6 +50,8 @@ def check_destination(out: str | os.PathLike, *, overwrite: bool, source: Path |
     a parent of the working directory, a file, or a place we cannot write (a read-only filesystem
     is named as such; any other place is probed by creating and removing a directory there, the one
     thing this leaves no trace of)."""
+    if not os.fspath(out).strip():  # Path("") is ".": an unset shell variable must not mean "here"
+        raise NormswapError("out_dir is empty; give the directory to write to (`.` for the current one)")
     out = Path(out).expanduser()
     if out.exists() and not out.is_dir():
         raise NormswapError(f"out_dir {out} exists and is not a directory; choose another path")
@@ -108,9 +110,14 @@ def _existing_parent(out: Path) -> Path:
 
 
 def _into_mount(out: Path) -> bool:
-    """Whether ``out`` is an existing mount point (a Docker volume, say): no rename can replace it, so
-    the output is staged *inside* it and its entries are moved into place (see :func:`atomic_directory`)."""
-    return out.is_dir() and os.path.ismount(out.resolve())  # resolved: a link to a mount point is one too
+    """Whether ``out`` is an existing directory no rename may replace, so that the output is staged
+    *inside* it and its entries are moved into place (see :func:`atomic_directory`): a mount point (a
+    Docker volume, say), or the working directory (``--out .`` in an empty directory), which replacing
+    would leave the user's shell in a deleted directory."""
+    if not out.is_dir():
+        return False
+    resolved = out.resolve()  # resolved: a link to a mount point is one too
+    return os.path.ismount(resolved) or resolved == Path.cwd().resolve()
 
 
 def staging_dir(out: Path) -> Path:
@@ -286,6 +293,8 @@ def atomic_directory(out: Path, *, overwrite: bool, needed: int | None = None) -
     out = Path(out).expanduser()
     if out.is_symlink():  # write into its target: renaming onto the link would replace the link itself
         out = out.resolve()
+    if out.name in ("", ".."):  # `.` or `x/..`: name the directory itself (the temporary one is named after it)
+        out = Path(os.path.abspath(out))
     into_mount = _into_mount(out)
     parent = out.resolve() if into_mount else out.resolve().parent
     created = parent  # the outermost directory this call creates (removed again on failure)

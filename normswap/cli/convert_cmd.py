@@ -45,6 +45,12 @@ def _shard_size(ctx: click.Context, param: click.Parameter, value: str) -> str:
     return value
 
 
+def _out_dir(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    if not value.strip():  # `--out "$DIR"` with DIR unset: refuse, rather than read it as the current directory
+        raise click.BadParameter("empty; give the directory to write to (`.` for the current one)")
+    return value
+
+
 # ``normswap: `NAME` converted approximately (REASON); relative output error E. ADVICE`` (pipeline.report_warnings)
 _APPROXIMATE = re.compile(r"`(?P<name>[^`]+)` converted approximately \((?P<reason>.*)\); "
                           r"relative output error (?P<error>\S+)\. .*", re.S)
@@ -146,7 +152,8 @@ Presets (offline, seeded tiny models with tokenizers/processors):
 
 @main.command("convert", epilog=CONVERT_EPILOG)
 @click.argument("model")
-@click.option("--out", "out", required=True, type=click.Path(file_okay=False), help="Output directory.")
+@click.option("--out", "out", required=True, type=click.Path(file_okay=False), callback=_out_dir,
+              help="Output directory.")
 @click.option(
     "--mode",
     type=click.Choice(MODES),

@@ -270,3 +270,29 @@ def test_python_api_errors_on_an_unwritable_place_name_out_dir(tmp_path, monkeyp
     wording = r"cannot write out_dir .*\(Permission denied\); choose a writable out_dir"
     with pytest.raises(normswap.NormswapError, match=wording):
         io.check_destination(tmp_path / "o", overwrite=False)
+
+
+@pytest.mark.parametrize("spelling", [".", "../here"])
+def test_out_that_is_the_empty_working_directory_is_written_into(tmp_path, monkeypatch, spelling):
+    """``cd empty && normswap convert ... --out .``: the files land in the working directory, which is
+    not removed and replaced (the user's shell would be left in a deleted directory)."""
+    here = tmp_path / "here"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    inode = here.stat().st_ino
+    io.check_destination(spelling, overwrite=False)
+    with io.atomic_directory(Path(spelling), overwrite=False) as tmp:
+        (tmp / "model.safetensors").write_text("new")
+    assert here.stat().st_ino == inode and Path.cwd().resolve() == here.resolve()
+    assert [p.name for p in here.iterdir()] == ["model.safetensors"]
+    assert (here / "model.safetensors").read_text() == "new"
+    assert [p.name for p in tmp_path.iterdir()] == ["here"]
+
+
+def test_an_empty_out_is_refused_not_read_as_the_working_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    code, _, err = run("convert", "tiny-gpt2", "--out", "")
+    assert code == 2 and "'--out': empty; give the directory to write to" in err, err
+    with pytest.raises(normswap.NormswapError, match="out_dir is empty"):
+        io.check_destination("", overwrite=False)
+    assert not list(tmp_path.iterdir())
