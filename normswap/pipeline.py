@@ -29,6 +29,7 @@ from normswap.copying import deepcopy_module
 from normswap.errors import ModelRunFailed, NaNOutputs, NormswapError, first_line
 from normswap.inputs.probe import call_args, held_out_like, special_ids
 from normswap.integrations import torch_transformer, wrappers
+from normswap.nn.call_args import normalised
 from normswap.options import ConvertOptions
 from normswap.surgery import beta_placement, calibrate, edits
 from normswap.surgery.verify import (
@@ -557,7 +558,7 @@ def _capture(modules: dict[str, nn.Module]) -> Iterator[dict[str, list[tuple[tor
     for name, module in modules.items():
         def hook(mod, args, kwargs, output, name=name):  # noqa: ANN001
             x = args[0] if args else next(iter(kwargs.values()))
-            seen[name].append((x.detach().clone(), output.detach().clone()))
+            seen[name].append((x.detach().clone(), normalised(output).detach().clone()))
         handles.append(module.register_forward_hook(hook, with_kwargs=True))
     try:
         yield seen
@@ -993,7 +994,7 @@ def _site_checks(plan_: Plan, todo: list[SitePlan], seen: dict, originals: dict,
             num = den = 0.0
             with torch.no_grad():
                 for x, y in pairs:
-                    ref = originals[sp.name](x)
+                    ref = normalised(originals[sp.name](x))
                     num += float((y.double() - ref.double()).pow(2).sum())
                     den += float(ref.double().pow(2).sum())
             sp.error = (num / den) ** 0.5 if den > 0 else 0.0

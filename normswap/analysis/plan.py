@@ -269,6 +269,9 @@ class SitePlan:
     rotation_ops: list[dict] = field(default_factory=list)  # where a centered stream takes its Q as an op
     rotation_upstream: list[str] = field(default_factory=list)  # writer targets that op turns (not their weights)
     extra_args: bool = False  # the norm's forward takes more than its input: the RMSNorm accepts (and ignores) it
+    # what the norm returned when not its output alone (``{"type": "tuple", "items": ["output", "None"]}``,
+    # normswap.nn.call_args.Returns): the RMSNorm returns the same structure
+    returns: dict[str, Any] = field(default_factory=dict)
 
 
 def _placement(s: SitePlan) -> tuple[str, str]:

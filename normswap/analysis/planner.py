@@ -46,7 +46,8 @@ from normswap.errors import NormswapError
 def _site_plan(site: NormSite) -> SitePlan:
     return SitePlan(name=site.path, class_name=site.class_name, verdict="", reason="",
                     normalized_shape=list(site.normalized_shape), param_shape=list(site.param_shape),
-                    eps=site.eps, flavour=site.flavour, extra_args=site.extra_args)
+                    eps=site.eps, flavour=site.flavour, extra_args=site.extra_args,
+                    returns=dict(site.returns))
 
 
 def _rms_folds(an: Analyzer, rms_norms: list[SkippedNorm], site_reader_paths: set[str]) -> list[RmsFold]:

@@ -91,6 +91,9 @@ class ModuleCall:
     # a Linear the model's code applied to parameters itself (``module`` is a LinearView, ``path`` its
     # name): one op, no module call, so no hook can sit on it
     functional: bool = False
+    # how the call returned its result when not one tensor (``(x, None)``: I-BERT's IntLayerNorm), in
+    # normswap.nn.call_args' ``Returns`` form; a norm's replacement returns the same structure
+    returns: dict[str, Any] = field(default_factory=dict)
 
     def first_input(self) -> int | None:
         """Value id of the first tensor argument (positional first, then keyword): a norm's input."""
@@ -460,6 +463,8 @@ class _Recorder(TorchFunctionMode):
             call.end_op = len(self.graph.ops)
             leaves = pytree.tree_leaves(output)
             call.outputs = [self.value_of(t) for t in leaves if isinstance(t, torch.Tensor)]
+            if not isinstance(output, torch.Tensor):
+                call.returns = return_form(output, args, kwargs)
             if path in self.snapshot_paths or call.id in self.direct_ln:
                 tensors = [v for v in [*call.args, *call.kwargs.values()] if v is not None]
                 for vid in [*tensors[:2], *call.outputs[:1]]:
@@ -593,6 +598,27 @@ def _named_inputs(args: tuple, kwargs: dict) -> list[tuple[str, torch.Tensor]]:
     named = [(f"arg{i}", a) for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
     named += [(k, v) for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
     return named
+
+
+def return_form(output: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
+    """How a module call returned something other than one tensor: a tuple/list whose items are
+    ``"output"`` (a tensor it computed), ``"None"``, ``"arg N"``/``"kwarg NAME"`` (an argument returned
+    as it came in, by identity) or ``"other"``; any other result is ``{"type": <its class name>}``."""
+    if not isinstance(output, (tuple, list)) or type(output) not in (tuple, list):
+        return {"type": type(output).__name__}
+
+    def item(v: Any) -> str:
+        if v is None:
+            return "None"
+        for i, a in enumerate(args):
+            if v is a:
+                return f"arg {i}"
+        for k, a in kwargs.items():
+            if v is a:
+                return f"kwarg {k}"
+        return "output" if isinstance(v, torch.Tensor) else "other"
+
+    return {"type": type(output).__name__, "items": [item(v) for v in output]}
 
 
 def flatten_outputs(obj: Any, prefix: str = "") -> list[tuple[str, torch.Tensor]]:

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from normswap.analysis.trace import Graph, ModuleCall
+from normswap.nn.call_args import reproducible
 from normswap.nn.rmsnorm import RMSNorm
 
 _LN_NAME = re.compile(r"norm|\bln\b", re.IGNORECASE)
@@ -46,6 +47,9 @@ class NormSite:
     # the module's forward takes more than its input (``norm(h, batch=batch)``): the replacement accepts
     # and ignores the rest, which the traced call showed do not change what it computes
     extra_args: bool = False
+    # what the module returned when not its output alone (``(x, None)``, normswap.nn.call_args.Returns):
+    # the replacement returns the same structure
+    returns: dict = field(default_factory=dict)
 
     def gamma(self, module: nn.Module) -> torch.Tensor | None:
         """Effective γ in float64 (``None`` for non-affine)."""
@@ -356,6 +360,14 @@ def _extra_arguments(call: ModuleCall) -> list[str]:
     return found + [f"`{k}`" for k, v in call.kwargs.items() if v != first]
 
 
+def _returned(returns: dict) -> str:
+    """A recorded return structure as the user would write it: ``(output, None, other)``, ``dict``."""
+    if "items" not in returns:
+        return f"a {returns.get('type')}"
+    items = ", ".join(returns["items"])
+    return f"[{items}]" if returns["type"] == "list" else f"({items})"
+
+
 def _takes_more_than_input(module: nn.Module) -> bool:
     """Does the module's ``forward`` accept anything besides its input (``forward(x, batch=None)``)?
     Its replacement must accept the same calls (:class:`normswap.nn.rmsnorm.RMSNorm`'s forward takes one
@@ -432,8 +444,13 @@ def find_sites(model: nn.Module, graph: Graph) -> WalkResult:
             else:
                 why = "its traced output matches no LayerNorm/RMSNorm formula of its parameters and buffers"
             result = SkippedNorm(path, type(modules[path]).__name__, f"{why}; kept")
+        if isinstance(result, NormSite) and not reproducible(call.returns):
+            result = SkippedNorm(path, type(modules[path]).__name__,
+                                 f"it returns {_returned(call.returns)}, which holds more than its normalised "
+                                 "output, None and its own arguments: no RMSNorm can return it; kept")
         if isinstance(result, NormSite):
-            result.extra_args = bool(extras) or _takes_more_than_input(modules[path])
+            result.extra_args = bool(extras) or _takes_more_than_input(modules[path]) or bool(call.returns)
+            result.returns = dict(call.returns)
             found.sites.append(result)
             claimed.append(path)
         elif isinstance(result, SkippedNorm):

@@ -40,6 +40,7 @@ from torch import nn
 from normswap import inputs
 from normswap.errors import NormswapError
 from normswap.memory import available_memory
+from normswap.nn.call_args import normalised, with_normalised
 from normswap.surgery.verify import comparable, figure, primary_key, token_kl
 
 Batch = tuple[tuple, dict]
@@ -265,11 +266,11 @@ class _Router:
             if name not in self.order:
                 self.order.append(name)
             if name == self.want:
-                self.got = (x if self.student else output).detach()
+                self.got = (x if self.student else normalised(output)).detach()
                 raise _Stop
             if self.student and name in self.fitted:
                 g, b = self.fitted[name]
-                return self.targets[name].apply(x, g.to(x.device), b.to(x.device))
+                return with_normalised(output, self.targets[name].apply(x, g.to(x.device), b.to(x.device)))
             return None
         return fn
 
@@ -395,7 +396,7 @@ class _Lockstep:
             return None
         x = args[0] if args else next(iter(kwargs.values()))
         if name not in self.passed:
-            w.at, w.value = name, (x if w.student else output).detach()
+            w.at, w.value = name, (x if w.student else normalised(output)).detach()
             if name not in self.order:
                 self.order.append(name)
             self.paused.release()
@@ -405,7 +406,8 @@ class _Lockstep:
                 raise _Stop
         fitted = self.router.fitted.get(name)
         if w.student and fitted is not None:
-            return self.router.targets[name].apply(x, fitted[0].to(x.device), fitted[1].to(x.device))
+            return with_normalised(output, self.router.targets[name].apply(x, fitted[0].to(x.device),
+                                                                           fitted[1].to(x.device)))
         return None
 
     def body(self, w: _Worker) -> None:
@@ -533,7 +535,7 @@ def _fit_replay(model: nn.Module, router: _Router, fittable: list[Target], batch
         sums = {n: _Sums() for n in order}
         grab: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         handles = [router.targets[n].module.register_forward_hook(
-            lambda m, a, o, n=n: grab.__setitem__(n, (a[0].detach(), o.detach()))) for n in order]
+            lambda m, a, o, n=n: grab.__setitem__(n, (a[0].detach(), normalised(o).detach()))) for n in order]
         try:
             for batch in batches:
                 grab.clear()

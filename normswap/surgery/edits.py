@@ -359,8 +359,8 @@ def make_rmsnorm(site: NormSite, sp: SitePlan, module: nn.Module, backend: str,
     ref = next((t for t in [*module.parameters(), *module.buffers()] if t.is_floating_point()), None)
     dtype = ref.dtype if ref is not None else torch.get_default_dtype()
     device = ref.device if ref is not None else None
-    norm = _rmsnorm_class(sp)(site.normalized_shape, eps=site.eps, elementwise_affine=has_weight, bias=keep_beta,
-                              backend=backend, param_shape=site.param_shape, device=device, dtype=dtype)
+    norm = _new_rmsnorm(sp, site.normalized_shape, eps=site.eps, elementwise_affine=has_weight, bias=keep_beta,
+                        backend=backend, param_shape=site.param_shape, device=device, dtype=dtype)
     sp.rms_weight, sp.rms_bias = has_weight, keep_beta
     with torch.no_grad():
         if keep_gamma:
@@ -372,9 +372,12 @@ def make_rmsnorm(site: NormSite, sp: SitePlan, module: nn.Module, backend: str,
     return norm
 
 
-def _rmsnorm_class(sp: SitePlan) -> type[RMSNorm]:
-    """The replacement's class: one that accepts the original's extra call arguments where it took some."""
-    return RMSNormTakingArgs if sp.extra_args else RMSNorm
+def _new_rmsnorm(sp: SitePlan, *args: Any, **kwargs: Any) -> RMSNorm:
+    """The replacement: one that accepts the original's extra call arguments, and returns its structure
+    (``(x, None)``), where it did; the plain RMSNorm (one-tensor forward, no per-call cost) otherwise."""
+    if sp.extra_args or sp.returns:
+        return RMSNormTakingArgs(*args, returns=sp.returns, **kwargs)
+    return RMSNorm(*args, **kwargs)
 
 
 def replace_module(model: nn.Module, old: nn.Module, new: nn.Module) -> list[str]:
@@ -556,10 +559,10 @@ def apply_structure(model: nn.Module, plan: Plan, backend: str = "auto") -> nn.M
             continue
         old = model.get_submodule(sp.name)
         ref = next((t for t in [*old.parameters(), *old.buffers()] if t.is_floating_point()), None)
-        new = _rmsnorm_class(sp)(sp.normalized_shape, eps=sp.eps, elementwise_affine=sp.rms_weight,
-                                 bias=sp.rms_bias, backend=backend, param_shape=sp.param_shape,
-                                 device=ref.device if ref is not None else None,
-                                 dtype=ref.dtype if ref is not None else None)
+        new = _new_rmsnorm(sp, sp.normalized_shape, eps=sp.eps, elementwise_affine=sp.rms_weight,
+                           bias=sp.rms_bias, backend=backend, param_shape=sp.param_shape,
+                           device=ref.device if ref is not None else None,
+                           dtype=ref.dtype if ref is not None else None)
         replace_module(model, old, new)
     for h in plan.hooks:
         install_hook(model, h)
