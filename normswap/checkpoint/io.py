@@ -325,9 +325,12 @@ def atomic_directory(out: Path, *, overwrite: bool, needed: int | None = None) -
     except OSError as exc:
         cleanup(tmp)
         raise os_error(exc, out, needed=needed) from exc
-    except BaseException:
+    except BaseException as exc:
         cleanup(tmp)
-        raise
+        cause = wrapped_os_error(exc)
+        if cause is None:
+            raise
+        raise os_error(cause, out, needed=needed) from exc
     # the commit: Ctrl-C / SIGTERM are held across it, so it happens whole or not at all; one that
     # arrived meanwhile is raised when the block ends, after the output is recorded as complete (the
     # command line then says it was written). Nothing after the commit may remove anything.
@@ -398,8 +401,25 @@ def _move_entries_into(tmp: Path, out: Path, *, overwrite: bool) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+def wrapped_os_error(exc: BaseException) -> OSError | None:
+    """The operating-system error inside a writer's own exception type, or None: safetensors' Rust writer
+    (which ``save_pretrained`` uses) raises ``SafetensorError("... I/O error: No space left on device
+    (os error 28)")``, not an ``OSError``, so a full disk would otherwise read as an internal error."""
+    if type(exc).__name__ != "SafetensorError":
+        return None
+    found = re.search(r"\(os error (\d+)\)", str(exc))
+    if found is None:
+        return None
+    code = int(found[1])
+    return OSError(code, os.strerror(code))
+
+
 def os_error(exc: OSError, where: Path | str, *, needed: int | None = None) -> NormswapError:
     """One actionable line for an I/O failure while writing."""
+    if exc.errno == errno.EFBIG:
+        return NormswapError(f"cannot write {where}: a file is larger than its filesystem or your file-size "
+                             "limit allows (FAT32's 4 GiB, `ulimit -f`); nothing was written. Pass a smaller "
+                             "max_shard_size, or choose another out_dir")
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
         return disk_full(Path(where), needed, quota=exc.errno == errno.EDQUOT)
     if exc.errno == errno.EROFS:

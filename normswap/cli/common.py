@@ -99,6 +99,7 @@ _CLI_WORDS = (
     (re.compile(r"\bcalibration_data\b(?!=)"), "--calibration-data"),
     (re.compile(r"\bout_dir\b"), "--out"),
     (re.compile(r"\boverwrite=True\b"), "--overwrite"),
+    (re.compile(r"\bmax_shard_size\b"), "--max-shard-size"),
     (re.compile(r"\blow_memory=False\b"), "--in-memory"),
     (re.compile(r"\brotate_output=['\"](\w+)['\"]"), r"--rotate-output \1"),
     (re.compile(r"\brotate=['\"](\w+)['\"]"), r"--rotate \1"),

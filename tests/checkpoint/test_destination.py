@@ -296,3 +296,23 @@ def test_an_empty_out_is_refused_not_read_as_the_working_directory(tmp_path, mon
     with pytest.raises(normswap.NormswapError, match="out_dir is empty"):
         io.check_destination("", overwrite=False)
     assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize(("code", "wording"), [(28, "disk full: the filesystem of"),
+                                                (27, "a file is larger than its filesystem or your file-size limit")])
+def test_a_safetensors_write_error_is_named_by_its_os_cause(tmp_path, code, wording):
+    """safetensors' Rust writer (under save_pretrained) raises SafetensorError, not OSError: a disk that
+    fills up, or a file past a FAT32 / ``ulimit -f`` limit, is still one line naming the cause, not an
+    internal error, and nothing is left behind."""
+    from safetensors import SafetensorError
+
+    out = tmp_path / "out"
+    with pytest.raises(normswap.NormswapError, match=wording) as info:
+        with io.atomic_directory(out, overwrite=False, needed=1000) as tmp:
+            (tmp / "partial").write_text("x")
+            raise SafetensorError(f"Error while serializing: I/O error: {os.strerror(code)} (os error {code})")
+    assert "nothing was written" in str(info.value)
+    assert list(tmp_path.iterdir()) == []
+    other = ValueError("not an I/O error (os error 28)")  # only the writer's own type is read this way
+    with pytest.raises(ValueError), io.atomic_directory(out, overwrite=False) as tmp:
+        raise other
