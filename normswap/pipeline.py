@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import logging
 import warnings
 from collections.abc import Callable, Iterator
@@ -261,8 +262,47 @@ def working_copy(model: nn.Module, target: torch.dtype) -> nn.Module:
     work = deepcopy_module(model, memo)
     if cast:
         work.to(target)  # the floating buffers (parameters are cast already)
+    if target == torch.float64:
+        _experts_in_float64(work)
     work.eval()
     return work
+
+
+# transformers' fused-experts implementations that run in float64 on any device (loops of F.linear; bmm)
+_FLOAT64_EXPERTS = ("eager", "batched_mm")
+
+
+def _experts_in_float64(work: nn.Module) -> None:
+    """Switch a float64 working copy's fused MoE experts to transformers' ``eager`` implementation where
+    the model's own (``grouped_mm``, the default; fp8/deepgemm kernels) has no float64 kernel, so a MoE
+    model is analysed and verified in float64 rather than falling back to float32. Only the copy's own
+    (deep-copied) config changes: the user's model keeps its setting. :func:`experts_note` says so."""
+    get = getattr(work, "get_experts_implementation", None)
+    if get is None or not callable(get):
+        return
+    try:
+        current = get()
+    except (AttributeError, TypeError):
+        return
+    if any(v is not None and v not in _FLOAT64_EXPERTS for v in current.values()):
+        work.set_experts_implementation({k: v if v in _FLOAT64_EXPERTS or v is None else "eager"
+                                         for k, v in current.items()})
+
+
+def experts_note(model: nn.Module, work: nn.Module) -> str:
+    """What :func:`_experts_in_float64` changed in ``work``, as a clause for the precision line
+    (empty when nothing): ``fused MoE experts run with experts_implementation='eager' in the float64
+    copy ('grouped_mm' has no float64 kernel; the model keeps 'grouped_mm')``."""
+    try:
+        before, after = model.get_experts_implementation(), work.get_experts_implementation()
+    except (AttributeError, TypeError):
+        return ""
+    changed = sorted({before[k] for k in before if after.get(k) != before[k]})
+    if not changed:
+        return ""
+    was = ", ".join(f"'{v}'" for v in changed)
+    return (f"fused MoE experts run with experts_implementation='eager' in the float64 copy ({was} has no "
+            f"float64 kernel; the model keeps {was})")
 
 
 def _storage(t: torch.Tensor) -> int:
@@ -417,6 +457,10 @@ def analysed_copy(model: nn.Module, args: tuple, kwargs: dict,
     try:
         an = analyse_copy(work, wargs, wkwargs, opts)
         an.precision = chosen
+        note = experts_note(model, work)
+        if note:  # the manifest and the precision line say the copy ran other expert code than the model
+            an.plan.options["experts_implementation"] = note
+            an.precision = dataclasses.replace(chosen, reason="; ".join(r for r in (chosen.reason, note) if r))
         place_beta(work, an, opts)
         return work, wargs, wkwargs, an
     except (NaNOutputs, ModelRunFailed) as exc:

@@ -602,23 +602,26 @@ def _named_inputs(args: tuple, kwargs: dict) -> list[tuple[str, torch.Tensor]]:
 
 def return_form(output: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
     """How a module call returned something other than one tensor: a tuple/list whose items are
-    ``"output"`` (a tensor it computed), ``"None"``, ``"arg N"``/``"kwarg NAME"`` (an argument returned
-    as it came in, by identity) or ``"other"``; any other result is ``{"type": <its class name>}``."""
+    ``"output"`` (the first item, a tensor it computed), ``"None"``, ``"arg N"``/``"kwarg NAME"`` (an
+    argument returned as it came in, by identity), ``"computed tensor"`` or ``"other"``; any other result
+    is ``{"type": <its class name>}``."""
     if not isinstance(output, (tuple, list)) or type(output) not in (tuple, list):
         return {"type": type(output).__name__}
 
-    def item(v: Any) -> str:
+    def item(i: int, v: Any) -> str:
         if v is None:
             return "None"
-        for i, a in enumerate(args):
+        for n, a in enumerate(args):
             if v is a:
-                return f"arg {i}"
+                return f"arg {n}"
         for k, a in kwargs.items():
             if v is a:
                 return f"kwarg {k}"
-        return "output" if isinstance(v, torch.Tensor) else "other"
+        if isinstance(v, torch.Tensor):
+            return "output" if i == 0 else "computed tensor"
+        return "other"
 
-    return {"type": type(output).__name__, "items": [item(v) for v in output]}
+    return {"type": type(output).__name__, "items": [item(i, v) for i, v in enumerate(output)]}
 
 
 def flatten_outputs(obj: Any, prefix: str = "") -> list[tuple[str, torch.Tensor]]:

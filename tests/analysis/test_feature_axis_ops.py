@@ -230,10 +230,12 @@ def test_fused_moe_experts_are_writers_and_their_routed_rows_keep_centering(kind
 
 def test_grouped_mm_experts_with_no_float64_kernel_are_proved_in_float32():
     """transformers' default fused-experts path on CPU, ``torch._grouped_mm`` over the whole 3-D tensor, has no
-    float64 kernel: the model runs (and is verified) in float32, and the weight-axis proof runs there too."""
+    float64 kernel: a copy worked on in float32 (``verify_dtype='float32'``; by default the float64 copy runs
+    the ``eager`` experts instead) runs it, and the weight-axis proof runs in float32 too."""
     model, reference = (_moe("phimoe", "grouped_mm").float() for _ in range(2))
     ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(3))
-    report = normswap.patch(model, (ids,))
+    report = normswap.patch(model, (ids,), verify_dtype="float32")
+    assert report.verification["verify_dtype"] == "float32"
     assert [s.verdict for s in report.plan.sites] == ["exact"] * 5 and not report.plan.hooks, report.plan.table()
     assert {e.target: e.axis for e in report.plan.writer_edits if e.target.endswith("down_proj")} == \
         {f"model.layers.{i}.mlp.experts.down_proj": 1 for i in range(2)}
