@@ -142,6 +142,12 @@ def _resend(signum: int) -> None:
     def later() -> None:
         time.sleep(0.002)
         _state.resending = False
+        if _state.raised:
+            return  # the interrupt got through meanwhile and is unwinding the command
+        if not _state.running:
+            # The command ended meanwhile, and interpreter shutdown may already have put back the
+            # default handlers (a signal now would kill the process, exit -2): exit as the handler would.
+            _exit_now()
         os.kill(os.getpid(), signum)
 
     _state.resending = True
