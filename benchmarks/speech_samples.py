@@ -7,6 +7,7 @@ the ``espeak-ng`` synthesizer (a Debian package: ``apt-get install espeak-ng``),
 and speeds, and writes ``NNN.wav`` plus ``transcripts.json`` (file name → the sentence spoken).
 
     python benchmarks/speech_samples.py OUT_DIR [--count 24]
+    python benchmarks/speech_samples.py OUT_DIR2 --respeak OUT_DIR   # same sentences, other voices
 
 ``load_clips(OUT_DIR)`` gives back the waveforms (float32, 16 kHz) and their transcripts.
 """
@@ -65,6 +66,22 @@ def make(out: Path, count: int) -> list[Path]:
     return paths
 
 
+def respeak(src: Path, out: Path) -> list[Path]:
+    """The sentences of clip set ``src`` spoken again with other voices and speeds (more clips, same text)."""
+    out.mkdir(parents=True, exist_ok=True)
+    transcripts, paths = {}, []
+    for i, (_, text) in enumerate(sorted(json.loads((src / "transcripts.json").read_text()).items())):
+        path, raw = out / f"{i:03d}.wav", out / f"{i:03d}.22k.wav"
+        voice, speed = VOICES[(i + 2) % len(VOICES)], 135 + 20 * ((i + 1) % 4)
+        subprocess.run(["espeak-ng", "-v", voice, "-s", str(speed), "-w", str(raw), text], check=True)
+        _resample_to_16k(raw, path)
+        raw.unlink()
+        transcripts[path.name] = text
+        paths.append(path)
+    (out / "transcripts.json").write_text(json.dumps(transcripts, indent=1))
+    return paths
+
+
 def _read_wav(path: Path) -> tuple[torch.Tensor, int]:
     with wave.open(str(path)) as w:
         rate, width, channels = w.getframerate(), w.getsampwidth(), w.getnchannels()
@@ -99,8 +116,9 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out", type=Path)
     ap.add_argument("--count", type=int, default=24)
+    ap.add_argument("--respeak", type=Path, metavar="SRC", help="re-speak clip set SRC's sentences instead")
     args = ap.parse_args(argv)
-    paths = make(args.out, args.count)
+    paths = respeak(args.respeak, args.out) if args.respeak else make(args.out, args.count)
     print(f"{len(paths)} clips in {args.out}")
 
 
