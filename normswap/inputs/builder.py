@@ -133,15 +133,18 @@ def _feature_count(model: nn.Module, kind: str, layout: Layout, batch: int) -> i
 
 @contextlib.contextmanager
 def _trial(model: nn.Module) -> Iterator[None]:
-    """Eval mode, no grad and the model's dtype as the factory default (HF mask constants), undone after."""
+    """Eval mode, no grad and the model's dtype as the factory default (HF mask constants), undone after;
+    torch's random generators forked, so a model that draws random numbers in eval mode (ViT-MAE's
+    masking) leaves the user's random stream where it was."""
     modes = {m: m.training for m in model.modules()}
     previous = torch.get_default_dtype()
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()  # never initialise CUDA for a CPU model
     model.eval()
     try:
         if dtype in (torch.float32, torch.float64):
             torch.set_default_dtype(dtype)
-        with torch.no_grad():
+        with torch.no_grad(), torch.random.fork_rng(devices=list(range(torch.cuda.device_count())) if cuda else []):
             yield
     finally:
         torch.set_default_dtype(previous)
