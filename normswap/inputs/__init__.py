@@ -29,17 +29,12 @@ from normswap.errors import NormswapError, first_line
 from normswap.inputs import speech
 from normswap.inputs.builder import describe as describe_built  # noqa: F401
 from normswap.inputs.builder import encoder_states, has_cross_attention, hf_example_inputs  # noqa: F401
-from normswap.inputs.media import AUDIO_FRAME_BUDGET  # noqa: F401
+from normswap.inputs.media import (
+    AUDIO_FRAME_BUDGET,  # noqa: F401
+    cfg,
+)
 
 ExampleInputs = tuple[Any, ...] | dict[str, Any] | torch.Tensor | None
-
-
-def _cfg(config: Any, *names: str, default: Any = None) -> Any:
-    for name in names:
-        val = getattr(config, name, None)
-        if val is not None:
-            return val
-    return default
 
 
 def _sub_config(config: Any, kind: str) -> Any:
@@ -302,8 +297,8 @@ def _tokenised(model: nn.Module, tok: Any, base: dict[str, Any], texts: list[str
     tokenizer without a pad token is neither refused nor modified)."""
     config = model.config
     tcfg = _sub_config(config, "text")
-    vocab = int(_cfg(tcfg, "vocab_size", default=0))
-    max_pos = _cfg(tcfg, "max_position_embeddings", "n_positions", "max_target_positions", "n_ctx")
+    vocab = int(cfg(tcfg, "vocab_size", default=0))
+    max_pos = cfg(tcfg, "max_position_embeddings", "n_positions", "max_target_positions", "n_ctx")
     limit = max(2, min(max_tokens, int(max_pos) - 2)) if max_pos else max_tokens
     rows = []
     for i, text in enumerate(texts):  # cut at limit, 2/3 and 1/3 of it...: rows of different lengths

@@ -35,6 +35,7 @@ from normswap.errors import NormswapError
 from normswap.nn.rmsnorm import RMSNorm
 from normswap.options import choose
 from normswap.rotation import hadamard
+from normswap.surgery.scales import fold_layer_scale
 
 KINDS = ("hadamard", "random")
 
@@ -575,16 +576,7 @@ def _fold_kept_layer_scales(model: nn.Module, plan: Plan, turned: set[str]) -> N
     folds = []
     for sf in plan.scale_folds:
         if sf.keep and param_names(model, sf.into)[0] in turned:
-            lam = model.get_parameter(sf.param)
-            scale = lam.detach().double().reshape(-1) + sf.offset
-            module = linear_at(model, sf.into)
-            with torch.no_grad():
-                w = module.weight.detach().double()
-                w = w * scale[None, :] if sf.kind == "conv1d" else w * scale[:, None]
-                module.weight.copy_(w.to(module.weight.dtype))
-                if module.bias is not None:
-                    module.bias.copy_((module.bias.detach().double() * scale).to(module.bias.dtype))
-                lam.fill_(1.0 - sf.offset)
+            fold_layer_scale(model, sf)
             sf = replace(sf, keep=False)
         folds.append(sf)
     plan.scale_folds = folds

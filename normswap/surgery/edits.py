@@ -38,6 +38,7 @@ from normswap.analysis.walker import NormSite
 from normswap.integrations import torch_transformer
 from normswap.nn.call_args import RMSNormTakingArgs
 from normswap.nn.rmsnorm import RMSNorm
+from normswap.surgery.scales import fold_layer_scale
 
 
 def center_(w: torch.Tensor, axis: int, blocks: list[tuple[int, int]] | None) -> torch.Tensor:
@@ -189,21 +190,6 @@ def release_free_memory() -> None:
     trim = _malloc_trim()
     if trim is not None:
         trim(0)
-
-
-def fold_layer_scale(model: nn.Module, sf: ScaleFold) -> None:
-    """``λ ⊙ (W x + b) = (diag(λ) W) x + λ ⊙ b``, then λ ← 1 (float64, cast once). The model's λ is
-    ``param + offset``, so the parameter becomes ``1 − offset``."""
-    lam = model.get_parameter(sf.param)
-    scale = lam.detach().double().reshape(-1) + sf.offset
-    module = linear_at(model, sf.into)
-    with torch.no_grad():
-        w = module.weight.detach().double()
-        w = w * scale[None, :] if sf.kind == "conv1d" else w * scale[:, None]
-        module.weight.copy_(w.to(module.weight.dtype))
-        if module.bias is not None:
-            module.bias.copy_((module.bias.detach().double() * scale).to(module.bias.dtype))
-        lam.fill_(1.0 - sf.offset)
 
 
 def writer_max(model: nn.Module, sf: ScaleFold) -> float:
