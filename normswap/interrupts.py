@@ -215,6 +215,21 @@ def command() -> Iterator[None]:
             signal.signal(s, handler if handler is not None else signal.SIG_DFL)
 
 
+def exit_interrupted(line: str) -> None:
+    """Print ``line`` (the interrupted command's one line, already unwound: its ``finally`` blocks have
+    removed what it left half-written) and exit 130. Under the command line's handlers the process ends
+    at once (``os._exit``), so a signal re-sent for a finaliser, or one more Ctrl-C, cannot land in the
+    interpreter's shutdown, where the default handlers are back and it would kill the process instead
+    (exit -2); in-process callers (click's test runner) get ``SystemExit(130)``."""
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+    if _state.installed:
+        os._exit(EXIT_INTERRUPTED)
+    raise SystemExit(EXIT_INTERRUPTED)
+
+
 def was_interrupted() -> bool:
     """Whether the command now ending was interrupted (even if something swallowed the exception)."""
     return bool(_state.raised)

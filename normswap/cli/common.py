@@ -187,7 +187,7 @@ def handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
                 sys.exit(int(getattr(exc, "exit_code", EXIT_ERROR)))
             fail(str(exc), int(getattr(exc, "exit_code", EXIT_ERROR)))
         except (KeyboardInterrupt, click.exceptions.Abort) as exc:
-            fail(interrupts.report(exc), EXIT_INTERRUPTED)
+            interrupts.exit_interrupted(f"error: {cli_words(interrupts.report(exc))}")
         except (click.exceptions.Exit, click.ClickException, SystemExit):
             raise
         except MemoryError:
