@@ -166,6 +166,22 @@ class PostLNEncoder(nn.Module):
         return self.head(x)
 
 
+def randomise_layer_norms(model: nn.Module) -> None:
+    """Every ``nn.LayerNorm``'s γ in U(0.5, 1.5) and β in N(0, 0.1), from torch's global generator (in place)."""
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, nn.LayerNorm):
+                m.weight.uniform_(0.5, 1.5)
+                m.bias.normal_(0, 0.1)
+
+
+def tiny_gpt2_config():  # noqa: ANN201 - transformers is imported lazily: most users of this module never need it
+    """The 2-layer, width-32 GPT-2 config the save/load and inference-mode tests build."""
+    import transformers
+
+    return transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=99, n_positions=64)
+
+
 def randomise(model: nn.Module, seed: int = 0) -> nn.Module:
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():

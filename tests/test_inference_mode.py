@@ -15,22 +15,13 @@ import transformers
 import normswap
 from normswap.errors import NormswapError
 from normswap.pipeline import release_inference_tensors
-from tests.custom_models import TinyGPT
-
-
-def _randomise_norms(model: torch.nn.Module) -> None:
-    with torch.no_grad():
-        for m in model.modules():
-            if isinstance(m, torch.nn.LayerNorm):
-                m.weight.uniform_(0.5, 1.5)
-                m.bias.normal_(0, 0.1)
+from tests.custom_models import TinyGPT, randomise_layer_norms, tiny_gpt2_config
 
 
 def _gpt2_in_inference_mode() -> transformers.GPT2LMHeadModel:
     torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=99,
-                                                                 n_positions=64))
-    _randomise_norms(model)
+    model = transformers.GPT2LMHeadModel(tiny_gpt2_config())
+    randomise_layer_norms(model)
     with torch.inference_mode():
         built = transformers.GPT2LMHeadModel(model.config).double()
         built.load_state_dict(model.double().state_dict())
@@ -57,7 +48,7 @@ def test_a_custom_module_built_under_inference_mode_converts_and_saves(tmp_path)
     torch.manual_seed(2)
     with torch.inference_mode():
         net = TinyGPT().double().eval()
-        _randomise_norms(net)
+        randomise_layer_norms(net)
     ids = torch.randint(0, 50, (2, 16), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         expected = net(ids)

@@ -11,7 +11,6 @@ import tempfile
 
 import pytest
 import torch
-from torch import nn
 
 import normswap
 from normswap.copying import deepcopy_module
@@ -25,18 +24,8 @@ from tests.third_party_models import (
     NanoGptStyle,
     TwoInputPerceiver,
     TwoScaleViT,
+    build_randomised,
 )
-
-
-def _build(make, seed: int = 0) -> nn.Module:  # noqa: ANN001
-    torch.manual_seed(seed)
-    model = make()
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 1:  # LayerNorm γ/β, biases and LayerScale far from their init
-                p.add_(0.3 * torch.randn(p.shape, generator=gen))
-    return model.double().eval()
 
 
 def _ids(n: int, t: int, seed: int) -> torch.Tensor:
@@ -53,7 +42,7 @@ def _rel(a: torch.Tensor | tuple, b: torch.Tensor | tuple) -> float:
 
 
 def _exact_everywhere(make, example: torch.Tensor, other: torch.Tensor, **options) -> normswap.Report:  # noqa: ANN001, ANN003
-    model, reference = _build(make), _build(make)
+    model, reference = build_randomised(make), build_randomised(make)
     report = normswap.patch(model, (example,), **options)
     assert all(s.verdict in ("exact", "exact-with-centering") for s in report.plan.sites), report.plan.table()
     with torch.no_grad():
@@ -61,7 +50,7 @@ def _exact_everywhere(make, example: torch.Tensor, other: torch.Tensor, **option
             assert _rel(model(x), reference(x)) <= 1e-9
     with tempfile.TemporaryDirectory() as tmp:
         normswap.save(model, tmp)
-        loaded = normswap.load(tmp, model=_build(make, seed=1))
+        loaded = normswap.load(tmp, model=build_randomised(make, seed=1))
         with torch.no_grad():
             assert all(_rel(loaded(x), model(x)) == 0.0 for x in (example, other))
     return report
@@ -77,7 +66,7 @@ def test_logits_from_a_lambda_over_self_are_seen_and_stay_exact():
 
 
 def test_a_deep_copy_computes_from_its_own_weights():
-    model = _build(ClosureTiedLM)
+    model = build_randomised(ClosureTiedLM)
     copy = deepcopy_module(model)
     with torch.no_grad():
         copy.tok.weight.zero_()
@@ -92,11 +81,11 @@ def test_layer_scale_times_parameter_plus_constant_folds(unit_offset: bool):
     report = _exact_everywhere(lambda: LayerScaleLM(unit_offset=unit_offset), _ids(2, 9, 0), _ids(3, 13, 1))
     assert len(report.plan.scale_folds) == 4
     assert {f.offset for f in report.plan.scale_folds} == {float(unit_offset)}
-    model = _build(lambda: LayerScaleLM(unit_offset=unit_offset))
+    model = build_randomised(lambda: LayerScaleLM(unit_offset=unit_offset))
     normswap.patch(model, (_ids(2, 9, 0),), layer_scale="fold")
     assert all(torch.allclose(m.gamma + float(unit_offset), torch.ones_like(m.gamma))
                for m in [*model.attn, *model.mlp])  # the effective λ is 1 once folded
-    model = _build(lambda: LayerScaleLM(unit_offset=unit_offset))
+    model = build_randomised(lambda: LayerScaleLM(unit_offset=unit_offset))
     normswap.patch(model, (_ids(2, 9, 0),))  # default layer_scale="keep": λ + offset is each row's scale
     assert all(bool((m.gamma + float(unit_offset) > 0).all()) and not torch.allclose(m.gamma + float(unit_offset),
                torch.ones_like(m.gamma)) for m in [*model.attn, *model.mlp])
@@ -139,7 +128,7 @@ def test_rotation_leaves_a_stream_whose_op_would_share_a_module_with_another_str
         return (torch.randn(n, 7 + seed, 24, generator=gen, dtype=torch.float64),
                 torch.randn(n, 3 + seed, 16, generator=gen, dtype=torch.float64))
 
-    model, reference = _build(TwoInputPerceiver), _build(TwoInputPerceiver)
+    model, reference = build_randomised(TwoInputPerceiver), build_randomised(TwoInputPerceiver)
     report = normswap.patch(model, inputs(2, 0), fold_gamma=True)
     assert sorted((h.module, h.where, h.arg) for h in report.plan.hooks) == [("", "input", 0), ("", "input", 1)]
     rotation = normswap.rotate(model, "hadamard")
@@ -161,7 +150,7 @@ def test_norms_named_layernorm_that_no_formula_converts_are_reported_not_dropped
     """vit-pytorch's ChanLayerNorm with trained (1, C, 1, 1) γ/β matched no formula once moved channels-last
     (its parameters did not broadcast), and a class named LayerNorm that matches no formula at all was
     dropped in silence: neither a site nor a skipped norm."""
-    model = _build(KeptNormsNet)
+    model = build_randomised(KeptNormsNet)
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() == 4 and p.numel() == p.shape[1]:  # the channels-first γ/β, away from 1/0
@@ -177,7 +166,7 @@ def test_norms_named_layernorm_that_no_formula_converts_are_reported_not_dropped
 def test_a_norm_inside_the_layers_after_a_depthwise_conv_stays_approximate():
     """The head rule above (one op at a norm's input) does not reach into the layers: there it would be one
     op per block (HF ConvNeXt's block norms stay approximate)."""
-    model = _build(DepthwiseBlockNet)
+    model = build_randomised(DepthwiseBlockNet)
     plan = normswap.plan(model, (torch.randn(2, 7, 6, dtype=torch.float64),))
     assert [plan.site(f"norms.{i}").verdict for i in range(2)] == ["approximate", "approximate"]
     assert not any(h.module.startswith("norms.") for h in plan.hooks)

@@ -342,3 +342,16 @@ class DepthwiseBlockNet(nn.Module):
         for dw, norm, mlp in zip(self.dw, self.norms, self.mlps, strict=True):
             x = x + mlp(norm(dw(x.transpose(1, 2)).transpose(1, 2)))
         return self.head(self.norm(x).mean(dim=1))
+
+
+def build_randomised(make, seed: int = 0) -> nn.Module:  # noqa: ANN001
+    """``make()`` under seed ``seed`` with every 1-D parameter (LayerNorm γ/β, biases, LayerScale) moved far
+    from its init, in float64 and eval mode: the replica tests' models."""
+    torch.manual_seed(seed)
+    model = make()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.add_(0.3 * torch.randn(p.shape, generator=gen))
+    return model.double().eval()

@@ -16,17 +16,7 @@ from torch import nn
 
 import normswap
 from tests.feature_axis_models import EinsumLM, LayoutBlock, LayoutLM, MessagePassingNet, TokenViT
-
-
-def _build(make, seed: int = 0) -> nn.Module:  # noqa: ANN001
-    torch.manual_seed(seed)
-    model = make()
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 1:  # LayerNorm γ/β and biases far from their init
-                p.add_(0.3 * torch.randn(p.shape, generator=gen))
-    return model.double().eval()
+from tests.third_party_models import build_randomised
 
 
 def _norm_inputs(model: nn.Module, paths: list[str], inputs: tuple) -> dict[str, torch.Tensor]:
@@ -57,7 +47,7 @@ def _assert_exact(model: nn.Module, reference: nn.Module, report: normswap.Repor
 
 
 def _check(make, example: tuple, other: tuple) -> normswap.Report:  # noqa: ANN001
-    model, reference = _build(make), _build(make)
+    model, reference = build_randomised(make), build_randomised(make)
     report = normswap.patch(model, example)
     _assert_exact(model, reference, report, other)
     return report
@@ -80,7 +70,7 @@ def test_a_parameter_through_layout_ops_into_a_contraction_is_a_centerable_write
 
 
 def test_an_interpretability_style_einsum_model_is_exact_and_round_trips():
-    model, reference = _build(EinsumLM), _build(EinsumLM)
+    model, reference = build_randomised(EinsumLM), build_randomised(EinsumLM)
     report = normswap.patch(model, (_ids(2, 7, 1),))
     _assert_exact(model, reference, report, (_ids(3, 9, 2),))
     edits = {e.target: (e.axis, e.blocks) for e in report.plan.writer_edits}
@@ -131,7 +121,8 @@ class _RolledTableViT(TokenViT):
 
 def test_a_table_summed_with_itself_at_other_features_gets_no_edit():
     images = torch.randn(2, 6, 12, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
-    report = normswap.patch(_build(_RolledTableViT), (images,), mode="exact")  # verified: every exact claim holds
+    # verified: every exact claim holds
+    report = normswap.patch(build_randomised(_RolledTableViT), (images,), mode="exact")
     assert "pos" not in {e.target for e in report.plan.writer_edits}, report.plan.table()
     assert all(s.verdict != "exact" for s in report.plan.sites), report.plan.table()
 
@@ -156,7 +147,7 @@ def test_a_row_sum_with_weights_per_feature_does_not_keep_centering():
     gen = torch.Generator().manual_seed(1)
     inputs = (torch.randn(9, 7, generator=gen, dtype=torch.float64), torch.randint(0, 9, (2, 20), generator=gen),
               torch.rand(20, generator=gen, dtype=torch.float64))
-    model, reference = _build(_PerFeatureMessages), _build(_PerFeatureMessages)
+    model, reference = build_randomised(_PerFeatureMessages), build_randomised(_PerFeatureMessages)
     report = normswap.patch(model, inputs, mode="exact")
     verdicts = [s.verdict for s in report.plan.sites]
     assert verdicts[0] == "exact" and verdicts[1:] != ["exact", "exact"], report.plan.table()
@@ -184,7 +175,7 @@ class _SplitNet(LayoutLM):
 
 
 def test_a_writer_whose_features_span_two_stored_axes_is_not_centered_by_a_guess():
-    model = _build(_SplitNet)
+    model = build_randomised(_SplitNet)
     report = normswap.patch(model, (_ids(2, 7, 1),))  # verified: whatever is planned exact is
     assert not any(e.target.endswith("W2") for e in report.plan.writer_edits), report.plan.table()
     verdicts = [s.verdict for s in report.plan.sites]
@@ -254,7 +245,7 @@ def test_nllb_moe_routed_experts_keep_the_stream_start_op_the_only_one():
     config = NllbMoeConfig(vocab_size=64, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
                            decoder_attention_heads=4, encoder_ffn_dim=48, decoder_ffn_dim=48, num_experts=4,
                            expert_capacity=8, encoder_sparse_step=1, decoder_sparse_step=1, max_position_embeddings=64)
-    model, reference = (_build(lambda: NllbMoeForConditionalGeneration(config)) for _ in range(2))
+    model, reference = (build_randomised(lambda: NllbMoeForConditionalGeneration(config)) for _ in range(2))
     ids = torch.randint(4, 64, (2, 9), generator=torch.Generator().manual_seed(3))
     report = normswap.patch(model, {"input_ids": ids, "decoder_input_ids": ids[:, :5]})
     assert [s.verdict for s in report.plan.sites] == ["exact-with-centering"] * 12, report.plan.table()
@@ -268,8 +259,8 @@ def test_nllb_moe_routed_experts_keep_the_stream_start_op_the_only_one():
 
 def test_the_same_model_split_differently_gets_the_same_verdicts():
     """A writer's weight transposed in the model's code or stored transposed: the same edits, the same verdicts."""
-    a = normswap.plan(_build(lambda: LayoutLM("T")), (_ids(2, 7, 1),))
-    b = normswap.plan(_build(lambda: LayoutLM("T.contiguous")), (_ids(2, 7, 1),))
+    a = normswap.plan(build_randomised(lambda: LayoutLM("T")), (_ids(2, 7, 1),))
+    b = normswap.plan(build_randomised(lambda: LayoutLM("T.contiguous")), (_ids(2, 7, 1),))
     assert [s.verdict for s in a.sites] == [s.verdict for s in b.sites] == ["exact"] * 3
 
 
@@ -292,7 +283,7 @@ class _CopiedReaderNet(LayoutLM):
 
 
 def test_a_reader_whose_weight_is_copied_into_its_transpose_takes_the_folds_and_the_rotation():
-    model, reference = _build(_CopiedReaderNet), _build(_CopiedReaderNet)
+    model, reference = build_randomised(_CopiedReaderNet), build_randomised(_CopiedReaderNet)
     report = normswap.patch(model, (_ids(2, 7, 1),), fold_gamma=True)
     folds = {(f.site, f.reader): f for f in report.plan.folds}
     fold = folds[("blocks.0.ln", "blocks.0.W_up.T+b_up")]

@@ -20,22 +20,13 @@ import normswap
 from normswap.checkpoint import writer
 from normswap.errors import NormswapError
 from normswap.integrations import wrappers
-from tests.custom_models import TinyGPT
-
-
-def _randomise_norms(model: torch.nn.Module) -> None:
-    with torch.no_grad():
-        for m in model.modules():
-            if isinstance(m, torch.nn.LayerNorm):
-                m.weight.uniform_(0.5, 1.5)
-                m.bias.normal_(0, 0.1)
+from tests.custom_models import TinyGPT, randomise_layer_norms, tiny_gpt2_config
 
 
 def _gpt2() -> transformers.GPT2LMHeadModel:
     torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=99,
-                                                                 n_positions=64))
-    _randomise_norms(model)
+    model = transformers.GPT2LMHeadModel(tiny_gpt2_config())
+    randomise_layer_norms(model)
     return model.eval()
 
 
@@ -74,7 +65,7 @@ def test_a_compiled_transformers_model_is_saved_as_the_model_inside(tmp_path):
 def test_a_compiled_custom_module_saves_and_loads_into_a_fresh_instance(tmp_path):
     torch.manual_seed(1)
     net = TinyGPT().eval()
-    _randomise_norms(net)
+    randomise_layer_norms(net)
     ids = torch.randint(0, 50, (2, 16), generator=torch.Generator().manual_seed(3))
     compiled = torch.compile(net, backend="eager")
     normswap.patch(compiled, example_inputs=(ids,))
