@@ -60,6 +60,20 @@ def first_output(out) -> torch.Tensor:
     return out[0]
 
 
+def vit_exported_with_cpu_op() -> tuple[nn.Module, dict[str, torch.Tensor], torch.Tensor, object]:
+    """A converted tiny ViT with every RMSNorm on the fused ``cpu`` backend, and its ``torch.export``
+    program, which holds ``normswap::cpu_rms_norm`` (checked): ``(model, inputs, pixel_values, program)``,
+    for the tests of the ONNX translation table."""
+    model, inputs = tiny_converted("vit")
+    for m in model.modules():
+        if isinstance(m, normswap.RMSNorm):
+            m.backend = "cpu"
+    x = tensor_inputs(inputs)["pixel_values"]
+    ep = torch.export.export(Positional(model, inputs), (x,))
+    assert any("normswap.cpu_rms_norm" in str(n.target) for n in ep.graph.nodes)
+    return model, inputs, x, ep
+
+
 def rms_norm_count(model: nn.Module) -> int:
     return sum(isinstance(m, normswap.RMSNorm) for m in model.modules())
 

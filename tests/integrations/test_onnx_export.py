@@ -80,17 +80,10 @@ def test_exported_program_with_fused_op_translates(tmp_path, opset):
     import onnx
     import onnxruntime as ort
 
-    import normswap
     from normswap.integrations.onnx import translation_table
-    from tests.integrations.compat import Positional, tensor_inputs
+    from tests.integrations.compat import vit_exported_with_cpu_op
 
-    model, inputs = tiny_converted("vit")
-    for m in model.modules():
-        if isinstance(m, normswap.RMSNorm):
-            m.backend = "cpu"
-    x = tensor_inputs(inputs)["pixel_values"]
-    ep = torch.export.export(Positional(model, inputs), (x,))
-    assert any("normswap.cpu_rms_norm" in str(n.target) for n in ep.graph.nodes)
+    model, inputs, x, ep = vit_exported_with_cpu_op()
     program = torch.onnx.export(ep, dynamo=True, opset_version=opset,
                                 custom_translation_table=translation_table(opset))
     program.save(str(tmp_path / "p.onnx"))

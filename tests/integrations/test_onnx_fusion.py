@@ -32,6 +32,7 @@ from tests.integrations.compat import (  # noqa: E402
     rms_norm_count,
     tensor_inputs,
     tiny_converted,
+    vit_exported_with_cpu_op,
 )
 
 TOL = 1e-5  # float32 through a 2-layer model; an unfused or mis-fused norm (wrong eps, no weight) is far off
@@ -216,13 +217,7 @@ def test_translated_fused_backend_program_fuses(tmp_path):
     ``translation_table(18)`` writes it as the graph ORT fuses (it wrote ``Mul(x, x)``/``Reciprocal``)."""
     from normswap.integrations.onnx import translation_table
 
-    model, inputs = tiny_converted("vit")
-    for m in model.modules():
-        if isinstance(m, normswap.RMSNorm):
-            m.backend = "cpu"
-    x = tensor_inputs(inputs)["pixel_values"]
-    ep = torch.export.export(Positional(model, inputs), (x,))
-    assert any("normswap.cpu_rms_norm" in str(n.target) for n in ep.graph.nodes)
+    model, inputs, x, ep = vit_exported_with_cpu_op()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         program = torch.onnx.export(ep, dynamo=True, opset_version=18, custom_translation_table=translation_table(18))
