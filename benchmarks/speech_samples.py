@@ -51,28 +51,23 @@ def make(out: Path, count: int) -> list[Path]:
     """Speak ``count`` sentences into ``out``; returns the WAV paths."""
     if shutil.which("espeak-ng") is None:
         raise SystemExit("espeak-ng is not installed (Debian: apt-get install espeak-ng)")
-    out.mkdir(parents=True, exist_ok=True)
-    transcripts, paths = {}, []
-    for i, text in enumerate(sentences(count)):
-        path = out / f"{i:03d}.wav"
-        voice, speed = VOICES[i % len(VOICES)], 150 + 15 * (i % 4)
-        raw = out / f"{i:03d}.22k.wav"
-        subprocess.run(["espeak-ng", "-v", voice, "-s", str(speed), "-w", str(raw), text], check=True)
-        _resample_to_16k(raw, path)
-        raw.unlink()
-        transcripts[path.name] = text
-        paths.append(path)
-    (out / "transcripts.json").write_text(json.dumps(transcripts, indent=1))
-    return paths
+    return _speak(out, sentences(count), lambda i: (VOICES[i % len(VOICES)], 150 + 15 * (i % 4)))
 
 
 def respeak(src: Path, out: Path) -> list[Path]:
     """The sentences of clip set ``src`` spoken again with other voices and speeds (more clips, same text)."""
+    texts = [text for _, text in sorted(json.loads((src / "transcripts.json").read_text()).items())]
+    return _speak(out, texts, lambda i: (VOICES[(i + 2) % len(VOICES)], 135 + 20 * ((i + 1) % 4)))
+
+
+def _speak(out: Path, texts: list[str], voice_and_speed) -> list[Path]:  # noqa: ANN001
+    """Clip ``i`` of ``out`` is ``texts[i]`` spoken by espeak-ng with ``voice_and_speed(i)``, at 16 kHz;
+    ``transcripts.json`` maps each clip to its text."""
     out.mkdir(parents=True, exist_ok=True)
     transcripts, paths = {}, []
-    for i, (_, text) in enumerate(sorted(json.loads((src / "transcripts.json").read_text()).items())):
+    for i, text in enumerate(texts):
         path, raw = out / f"{i:03d}.wav", out / f"{i:03d}.22k.wav"
-        voice, speed = VOICES[(i + 2) % len(VOICES)], 135 + 20 * ((i + 1) % 4)
+        voice, speed = voice_and_speed(i)
         subprocess.run(["espeak-ng", "-v", voice, "-s", str(speed), "-w", str(raw), text], check=True)
         _resample_to_16k(raw, path)
         raw.unlink()
