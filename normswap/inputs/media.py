@@ -17,10 +17,20 @@ import torch
 Layout = dict[str, Any]
 
 
+def attribute(config: Any, name: str) -> Any:
+    """``config.<name>``, or None where it is unset or is a computed property that cannot be computed
+    (WavTokenizer's ``encoder_config`` builds a sub-config that validates itself): a config the model
+    never reads that way must not stop the input builder."""
+    try:
+        return getattr(config, name, None)
+    except Exception:  # noqa: BLE001 - any error inside a config property means "not available"
+        return None
+
+
 def cfg(config: Any, *names: str, default: Any = None) -> Any:
     """The first of ``names`` that ``config`` sets (not None), else ``default``."""
     for name in names:
-        val = getattr(config, name, None)
+        val = attribute(config, name)
         if val is not None:
             return val
     return default
@@ -30,7 +40,7 @@ def sub_config(config: Any, *kinds: str) -> Any:
     """``config.<kind>_config`` or ``config.<kind>`` for the first kind found, else ``config``."""
     for kind in kinds:
         for attr in (f"{kind}_config", kind):
-            sub = getattr(config, attr, None)
+            sub = attribute(config, attr)
             if sub is not None and hasattr(sub, "to_dict"):
                 return sub
     return config
