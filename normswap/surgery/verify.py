@@ -201,10 +201,13 @@ def comparable(obj: Any, skip: set[str]) -> dict[str, torch.Tensor]:
 
 
 def primary_key(outputs: dict[str, torch.Tensor]) -> str | None:
-    for key in PRIMARY_KEYS:
-        if key in outputs:
-            return key
-    return next(iter(outputs), None)
+    """The output that stands for the model in summaries: a conventional name (:data:`PRIMARY_KEYS`), else
+    the first output that varies. An output constant over the batch says nothing about the conversion
+    (PE-Audio's ``logits_audio_text`` is all zero while its logit scale is zero): its cosine or agreement
+    would call any conversion unusable."""
+    ordered = [k for k in PRIMARY_KEYS if k in outputs] + [k for k in outputs if k not in PRIMARY_KEYS]
+    varying = (k for k in ordered if outputs[k].numel() > 1 and bool((outputs[k] != outputs[k].reshape(-1)[0]).any()))
+    return next(varying, next(iter(ordered), None))
 
 
 def figures(reference: torch.Tensor, converted: torch.Tensor) -> dict[str, float]:
