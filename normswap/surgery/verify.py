@@ -63,13 +63,14 @@ def precision_limit(dtype: torch.dtype, own_error: float | None) -> float:
 
 
 def rounding_error(model: torch.nn.Module, run: Any, reference: Any, dtype: torch.dtype,
-                   skip: set[str] = frozenset(), seed: int = 0) -> float:
+                   skip: set[str] = frozenset(), seed: int = 0, worst: bool = False) -> float:
     """An estimate of the relative output error ``dtype``'s rounding alone causes in ``model``, for
     :func:`precision_limit` where no float64 run is affordable (a working copy in float32 because a float64
     one would not fit): ``run()`` once more with the output of every module that holds parameters
     multiplied by ``1 ± eps/2`` (random signs: one rounding of each result, the backward-error model of
     floating point), compared with ``reference`` (its unperturbed outputs). On GPT-2, BERT and tiny
-    presets it lands within 1.3x of the measured float32-vs-float64 error."""
+    presets it lands within 1.3x of the measured float32-vs-float64 error. The figure is the primary
+    output's (:func:`compare`'s ``max_rel_error``), or with ``worst`` the worst over every compared output."""
     unit = torch.finfo(dtype).eps / 2
     gen = torch.Generator().manual_seed(seed)
 
@@ -87,7 +88,7 @@ def rounding_error(model: torch.nn.Module, run: Any, reference: Any, dtype: torc
         for h in handles:
             h.remove()
     figs = compare(reference, perturbed, skip)  # every output by default: a raw stream rounds as any other
-    return float(figs.get("max_rel_error", 0.0))
+    return float(figs.get("worst_rel_error_any_output" if worst else "max_rel_error", 0.0))
 
 
 def gate(converted: list[SitePlan], figures: dict[str, Any], dtype: torch.dtype, limit: float | None = None) -> None:
@@ -183,11 +184,13 @@ RANDOM_NOTE = ("the model draws random numbers in eval mode; the original and th
 
 
 
-def derived_text(dtype: torch.dtype, own_error: float, how: str) -> str:
-    """`` (= ...)``: how :func:`precision_limit` got the tolerance, for the precision statement."""
+def derived_text(dtype: torch.dtype, own_error: float, how: str, whose: str = "the original's") -> str:
+    """`` (= ...)``: how :func:`precision_limit` got the tolerance, for the precision statement (``whose``
+    rounding error ``own_error`` is: the original's, or a reloaded checkpoint's)."""
     name = str(dtype).removeprefix("torch.")
-    return (f" (= min({exact_limit(dtype):g}, max({PRECISION_FACTOR} x the original's own {name} error "
+    return (f" (= min({exact_limit(dtype):g}, max({PRECISION_FACTOR} x {whose} own {name} error "
             f"{own_error:.2g}{' ' + how if how else ''}, {PRECISION_FACTOR} x {name} eps)))")
+
 
 PRIMARY_KEYS = ("logits", "logits_per_image", "pooler_output", "image_embeds", "text_embeds",
                 "last_hidden_state", "prediction_logits", "start_logits")
@@ -364,7 +367,8 @@ FIGURE_NOTES = {
     "own_rounding_error": "the original's error from the working dtype's rounding alone, which the tolerance "
                           "is derived from",
 }
-NOT_FIGURES = {"verify_tolerance"}  # a float in the figures that is a setting, stated in ``verify_precision``
+# floats in the figures that are settings, stated in ``verify_precision``
+NOT_FIGURES = {"verify_tolerance", "reload_tolerance"}
 
 
 def figures_text(figures: dict[str, Any]) -> str:
