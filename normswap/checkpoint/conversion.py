@@ -329,10 +329,10 @@ def _run(model: nn.Module, probe: dict[str, Any]) -> Any:
     and the reloaded checkpoint are all run this way, so the comparisons between them still hold
     (bitwise for native); ``patch`` measures the cast in the model's own dtype."""
     if not _half_on_cpu(model):
-        with torch.no_grad(), same_draws():  # a model drawing random numbers in eval mode: the same draws
+        with torch.no_grad(), same_draws(model):  # a model drawing random numbers in eval mode: the same draws
             return model(**probe)
     cast = {k: (v.float() if torch.is_tensor(v) and v.is_floating_point() else v) for k, v in probe.items()}
-    with torch.no_grad(), pipeline.computing_in(model, torch.float32), same_draws():
+    with torch.no_grad(), pipeline.computing_in(model, torch.float32), same_draws(model):
         return model(**cast)
 
 

@@ -84,7 +84,7 @@ def own_rounding_error(model: nn.Module, probe: dict[str, Any], reference: Any, 
         try:
             model.to(torch.float32)
             _, cast = inputs.cast_inputs((), probe, torch.float32)
-            with torch.no_grad(), pipeline.default_dtype(torch.float32), same_draws():
+            with torch.no_grad(), pipeline.default_dtype(torch.float32), same_draws(model):
                 rounded = model(**cast)
             return (compare(reference, rounded, set()).get("max_rel_error", 0.0),
                     "against its float64 run, on the same layers and inputs")
@@ -92,7 +92,7 @@ def own_rounding_error(model: nn.Module, probe: dict[str, Any], reference: Any, 
             model.to(work)
 
     def run() -> Any:
-        with torch.no_grad(), pipeline.default_dtype(work), same_draws():
+        with torch.no_grad(), pipeline.default_dtype(work), same_draws(model):
             return model(**probe)
 
     return (rounding_error(model, run, reference, dtype),
@@ -178,7 +178,7 @@ def verify_truncated(
         model.eval()
         if probe is None:
             probe = inputs.cast_inputs((), inputs.hf_example_inputs(model, batch=2, seq=8, seed=4242), work)[1]
-        with torch.no_grad(), pipeline.default_dtype(work), same_draws():
+        with torch.no_grad(), pipeline.default_dtype(work), same_draws(model):
             outputs.append(model(**probe))
         if which == "original" and exact and dtype != torch.float64:
             own, how = own_rounding_error(model, probe, outputs[0], dtype, work)

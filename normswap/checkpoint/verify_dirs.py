@@ -200,10 +200,10 @@ def _figures(orig: Any, conv: Any, batches: list[dict], skip: set[str], axes: di
     with torch.no_grad():
         for batch in batches:
             mask = batch.get("attention_mask") if isinstance(batch.get("attention_mask"), torch.Tensor) else None
-            with same_draws() as draws:
+            with same_draws(orig) as draws:
                 reference = orig(**batch)
             drew = drew or draws.drew
-            with same_draws():
+            with same_draws(conv):
                 converted = conv(**batch)
             per_batch.append(compare(reference, converted, skip, mask, axes))
             references.append(reference)
@@ -240,7 +240,7 @@ def _estimated_own_error(orig: Any, batches: list[dict], references: list[Any], 
     with torch.no_grad():
         for batch, reference in zip(batches, references, strict=True):
             def run(batch: dict = batch) -> Any:
-                with same_draws():
+                with same_draws(orig):
                     return orig(**batch)
 
             worst = max(worst, rounding_error(orig, run, reference, dtype))
@@ -261,7 +261,7 @@ def _own_error(orig: Any, batches: list[dict], references: list[Any]) -> tuple[f
             for batch, reference in zip(batches, references, strict=True):
                 _, cast = inputs.cast_inputs((), batch, torch.float64)
                 mask = batch.get("attention_mask") if isinstance(batch.get("attention_mask"), torch.Tensor) else None
-                with same_draws():
+                with same_draws(orig):
                     precise = orig(**cast)
                 worst = max(worst, compare(precise, reference, set(), mask).get("max_rel_error", 0.0))
         return worst, ""
