@@ -820,7 +820,8 @@ def _verify(st: _Patching) -> None:
         if st.probe is not None:
             out = _forward(st, st.probe.kwargs)
             figures = compare(st.probe_reference, out, skip, st.probe.attention_mask, axes)
-            figures["unseen_probe_max_rel_error"] = figures.get("max_rel_error", 0.0)
+            if "max_rel_error" in figures:  # not a 0 where no output was compared
+                figures["unseen_probe_max_rel_error"] = figures["max_rel_error"]
             figures["probe"] = st.probe.source
             st.probe_reference = None
         if st.probe is None or any(not seen[name] for name in st.new_modules):
@@ -849,9 +850,16 @@ def _verify(st: _Patching) -> None:
             raise VerificationFailed(f"{exc}; {why}") from None
     if st.own_error is not None:
         figures["own_rounding_error"] = st.own_error
-    figures.update(st.an.precision.figures(*gate_text(st.todo, st.work_dtype, st.opts.verify, st.own_error,
-                                                      OWN_ERROR_HOW)))
+    limit, gated = gate_text(st.todo, st.work_dtype, st.opts.verify, st.own_error, OWN_ERROR_HOW)
+    if st.opts.verify and not figures.get("compared") and "raw_stream_rel_error" not in figures:
+        gated += f"; {NOTHING_COMPARED}"  # integer ids, objects: else a pass would read as outputs compared
+    figures.update(st.an.precision.figures(limit, gated))
     st.figures = figures
+
+
+NOTHING_COMPARED = ("the model returns no floating-point output to compare (outputs compared: none): only the "
+                    "converted norms were checked, an exact norm's input zero-mean, an approximate norm's output "
+                    "against the original norm's")
 
 
 def _probe_used(st: _Patching) -> str:
