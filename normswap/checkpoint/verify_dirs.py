@@ -15,7 +15,14 @@ from normswap.checkpoint.reader import load
 from normswap.errors import NormswapError, first_line
 from normswap.inputs.probe import HELD_OUT_SEED, held_out_like, special_ids
 from normswap.integrations.quiet import quietly
-from normswap.surgery.verify import compare, derived_text, precision_limit, rounding_error, same_draws
+from normswap.surgery.verify import (
+    compare,
+    derived_text,
+    precision_limit,
+    rounding_error,
+    same_draws,
+    unseeded_randomness,
+)
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -79,6 +86,9 @@ def verify_checkpoint(
         if own is not None:
             figures["own_rounding_error"] = own
     exact, ok, tol, verdict = _judge(plan, figures, tolerance, dtype, own)
+    if exact and not ok:  # the original's own randomness, where no seed reaches it, says so
+        why = _unseeded(orig, batches[0])
+        verdict += f"; {why}" if why else ""
     if not exact:
         gated = "approximate conversion: measured, no tolerance"
     elif tolerance is not None:
@@ -221,6 +231,17 @@ def _figures(orig: Any, conv: Any, batches: list[dict], skip: set[str], axes: di
         if vals:
             figures[key] = sum(vals) / len(vals)
     return figures, references, drew
+
+
+def _unseeded(orig: Any, batch: dict) -> str | None:
+    """:func:`~normswap.surgery.verify.unseeded_randomness` of ORIGINAL (in whatever dtype it now is: the
+    own-error measurement may have cast it to float64) on ``batch``; None where it does not run."""
+    dtype = next((p.dtype for p in orig.parameters() if p.is_floating_point()), torch.float32)
+    _, cast = inputs.cast_inputs((), batch, dtype)
+    try:
+        return unseeded_randomness(lambda: orig(**cast), dtype, orig)
+    except Exception:  # noqa: BLE001 - the original failing to run again: the verdict stands as it is
+        return None
 
 
 def _float64_fits(orig: Any) -> bool:

@@ -107,3 +107,19 @@ def test_own_memory_copies_every_tensor_and_keeps_ties():
     for n, p in model.named_parameters():
         assert p.data_ptr() != before[n][0] and torch.equal(p, before[n][1])
     assert all(b.data_ptr() != buffers[n] for n, b in model.named_buffers() if b.numel())
+
+
+def test_compat_is_held_to_the_derived_tolerance_against_the_original(whisper, tmp_path, monkeypatch):
+    """A compat checkpoint (stock LayerNorms on centered weights) computes otherwise than the original: it is
+    held to 16 x its own float32 rounding, not the flat 2e-3, so a weight 1% off fails."""
+    model_dir, clip = whisper
+    code, out, err = cli("convert", model_dir, "--sample", clip, "--format", "compat", "--out", tmp_path / "ok", "-q")
+    assert code == 0, err
+    assert "reloaded checkpoint (compat) against the original:" in out
+    ver = json.loads((tmp_path / "ok" / "config.json").read_text())["normswap"]["verification"]
+    assert ver["reload_vs_original_max_rel_error"] <= ver["reload_tolerance"] < 1e-4
+    _tamper_written(monkeypatch, lambda w: w * 1.01)
+    code, _, err = cli("convert", model_dir, "--sample", clip, "--format", "compat", "--out", tmp_path / "bad", "-q")
+    assert code == 4, err
+    assert "the compat checkpoint differs from the original by" in err and "16 x the reloaded model's own" in err
+    assert not (tmp_path / "bad").exists()

@@ -132,3 +132,17 @@ def test_randomness_no_seed_reaches_is_named_in_the_refusal(source):
     assert "model left unchanged; the original itself differs by" in msg
     assert "mask_ratio=0" in msg and "\n" not in msg
     assert isinstance(model.ln1, nn.LayerNorm)  # untouched
+
+
+@pytest.mark.parametrize("source", [*SEEDED, "deterministic", "system-seeded torch", "system-seeded numpy"])
+def test_unseeded_randomness_names_only_what_no_seed_reaches(source):
+    """What ``patch``'s refusal and ``normswap verify``'s verdict append (verify runs ORIGINAL's forward with
+    keyword inputs, in whatever dtype its own-error measurement left it)."""
+    from normswap.checkpoint import verify_dirs
+
+    model = _model(source)
+    x = torch.randn(2, 6, 8, dtype=torch.float32)
+    why = verify_dirs._unseeded(model, {"x": x})  # cast to the model's float64
+    assert (why is not None) == source.startswith("system-seeded"), why
+    if why:
+        assert why.startswith("the original itself differs by") and "noise=" in why
