@@ -391,7 +391,8 @@ def reload_check(
     from normswap.checkpoint.reader import load
 
     model = load(out, trust_remote_code=True) if trust_remote_code else load(out)
-    own_memory(model)
+    if not _half_on_cpu(model):  # (a half model on a CPU computes on float32 copies of its tensors anyway)
+        own_memory(model)
     reloaded = _run(model, probe)
     skip = set(plan.changed_outputs)
     # reloaded vs converted: every output, the raw streams the plan changes included (they must reload bitwise
