@@ -73,14 +73,15 @@ def truncated_precision(cls: type, fp: FullPlan, dtype: torch.dtype, requested: 
 
 
 def own_rounding_error(model: nn.Module, probe: dict[str, Any], reference: Any, dtype: torch.dtype,
-                       work: torch.dtype) -> tuple[float, str]:
+                       work: torch.dtype, drew: bool = False) -> tuple[float, str]:
     """The truncated original's own relative error in the checkpoints' ``dtype`` on ``probe``, and how it
     was found: the yardstick :func:`~normswap.surgery.verify.precision_limit` derives the tolerance from,
     as the in-memory path and ``normswap verify`` do. ``reference`` is its output computed in ``work``.
     Measured (the model run in ``dtype`` against its float64 run) where ``work`` is float64 and ``dtype``
-    float32; else, and where the model does not run in float32, estimated by one rounding of every module's
-    output in ``dtype`` (:func:`~normswap.surgery.verify.rounding_error`; a CPU computes bfloat16 slowly)."""
-    if work == torch.float64 and dtype == torch.float32:
+    float32; else, where the model does not run in float32, and where it draws random numbers (``drew``: the
+    same seed draws other numbers in another dtype), estimated by one rounding of every module's output in
+    ``dtype`` (:func:`~normswap.surgery.verify.rounding_error`; a CPU computes bfloat16 slowly)."""
+    if work == torch.float64 and dtype == torch.float32 and not drew:
         try:
             model.to(torch.float32)
             _, cast = inputs.cast_inputs((), probe, torch.float32)
@@ -95,8 +96,9 @@ def own_rounding_error(model: nn.Module, probe: dict[str, Any], reference: Any, 
         with torch.no_grad(), pipeline.default_dtype(work), same_draws(model):
             return model(**probe)
 
+    why = " (the model draws random numbers, which differ in another dtype)" if drew else ""
     return (rounding_error(model, run, reference, dtype),
-            f"estimated by one rounding of every module's output in {str(dtype).removeprefix('torch.')}")
+            f"estimated by one rounding of every module's output in {str(dtype).removeprefix('torch.')}{why}")
 
 
 def verify_truncated(
@@ -178,10 +180,10 @@ def verify_truncated(
         model.eval()
         if probe is None:
             probe = inputs.cast_inputs((), inputs.hf_example_inputs(model, batch=2, seq=8, seed=4242), work)[1]
-        with torch.no_grad(), pipeline.default_dtype(work), same_draws(model):
+        with torch.no_grad(), pipeline.default_dtype(work), same_draws(model) as draws:
             outputs.append(model(**probe))
         if which == "original" and exact and dtype != torch.float64:
-            own, how = own_rounding_error(model, probe, outputs[0], dtype, work)
+            own, how = own_rounding_error(model, probe, outputs[0], dtype, work, draws.drew)
         del model
         gc.collect()
     figures = compare(outputs[0], outputs[1], set(fp.plan.changed_outputs), axes=fp.plan.changed_output_axes)

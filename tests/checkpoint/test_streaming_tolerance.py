@@ -83,3 +83,22 @@ def test_the_cli_states_the_derivation(gpt2_6, tmp_path):
     res = CliRunner().invoke(main, ["convert", str(gpt2_6), "--out", str(tmp_path / "out"), "--low-memory"])
     assert res.exit_code == 0, res.output
     assert "(= min(0.002, max(16 x the original's own float32 error" in res.stdout
+
+
+def test_a_model_drawing_random_numbers_gets_an_estimated_yardstick(tmp_path):
+    """ViT-MAE's random masking draws other numbers in float32 than in float64 under the same seed: a measured
+    float32-vs-float64 error would be the two masks' difference, and the tolerance the flat ceiling."""
+    cfg = tf.ViTMAEConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                          image_size=32, patch_size=8, decoder_hidden_size=32, decoder_num_hidden_layers=1,
+                          decoder_num_attention_heads=2, decoder_intermediate_size=64)
+    torch.manual_seed(0)
+    model = tf.ViTMAEModel(cfg).eval()
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, torch.nn.LayerNorm):
+                m.weight.uniform_(0.5, 1.5)
+                m.bias.normal_(0, 0.2)
+    model.save_pretrained(tmp_path / "src")
+    ver = normswap.convert(tmp_path / "src", tmp_path / "out", low_memory=True).verification
+    assert "(the model draws random numbers, which differ in another dtype)" in ver["verify_precision"]
+    assert ver["truncated_max_rel_error"] <= ver["verify_tolerance"] < 1e-4
