@@ -27,7 +27,7 @@ from normswap.analysis.plan import EXACT_VERDICTS, Plan, SitePlan, attach_plan
 from normswap.analysis.planner import analyse
 from normswap.analysis.trace import flatten_outputs
 from normswap.copying import deepcopy_module
-from normswap.errors import ModelRunFailed, NaNOutputs, NormswapError, first_line
+from normswap.errors import ModelRunFailed, NaNOutputs, NormswapError, VerificationFailed, first_line
 from normswap.inputs.probe import call_args, held_out_like, special_ids
 from normswap.integrations import torch_transformer, wrappers
 from normswap.nn.call_args import normalised
@@ -43,6 +43,7 @@ from normswap.surgery.verify import (
     precision_limit,
     rounding_error,
     same_draws,
+    unseeded_randomness,
 )
 
 log = logging.getLogger("normswap")
@@ -414,7 +415,7 @@ def _run_trace(work: nn.Module, args: tuple, kwargs: dict) -> trace.Graph:
     computes a norm in float32 runs in a float64 copy; ``graph.held_casts`` says what was held)."""
     dtype = _dtype_of(work)
     try:
-        with default_dtype(dtype), same_draws() as draws:  # seeded as every verification forward is
+        with default_dtype(dtype), same_draws(work) as draws:  # seeded as every verification forward is
             graph = trace.record(work, args, kwargs, snapshot=walker.candidates(work),
                                  hold=precision.HoldCasts(dtype))
         graph.draws_random = draws.drew
@@ -760,7 +761,7 @@ def _forward(st: _Patching, probe_kwargs: dict[str, Any]) -> Any:
     """The working copy on a probe's inputs (:func:`normswap.inputs.probe.call_args`), run as every
     verification forward is: no grad, the model's casts held, the same seeded random draws."""
     args, kwargs = call_args(probe_kwargs)
-    with torch.no_grad(), running(st.work_dtype, st.an.hold), same_draws():
+    with torch.no_grad(), running(st.work_dtype, st.an.hold), same_draws(st.work):
         return st.work(*args, **kwargs)
 
 
@@ -819,11 +820,12 @@ def _verify(st: _Patching) -> None:
         if st.probe is not None:
             out = _forward(st, st.probe.kwargs)
             figures = compare(st.probe_reference, out, skip, st.probe.attention_mask, axes)
-            figures["unseen_probe_max_rel_error"] = figures.get("max_rel_error", 0.0)
+            if "max_rel_error" in figures:  # not a 0 where no output was compared
+                figures["unseen_probe_max_rel_error"] = figures["max_rel_error"]
             figures["probe"] = st.probe.source
             st.probe_reference = None
         if st.probe is None or any(not seen[name] for name in st.new_modules):
-            with same_draws():
+            with same_draws(st.work):
                 out = st.work(*st.wargs, **st.wkwargs)
             traced = compare(st.reference, out, skip, axes=axes)
             if st.probe is None:
@@ -836,12 +838,28 @@ def _verify(st: _Patching) -> None:
     with running(st.work_dtype, st.an.hold):  # the originals' forwards: a float32 norm of a float64 copy too
         _site_checks(st.plan, st.todo, seen, st.originals, st.an.sites, st.work_dtype, figures)
     if st.opts.verify:
-        gate(st.todo, figures, st.work_dtype, precision_limit(st.work_dtype, st.own_error))
+        try:
+            gate(st.todo, figures, st.work_dtype, precision_limit(st.work_dtype, st.own_error))
+        except VerificationFailed as exc:  # the original's own randomness, where no seed reaches it, says so
+            try:
+                why = unseeded_randomness(lambda: st.model(*st.args, **st.kwargs), st.user_dtype, st.model)
+            except Exception:  # noqa: BLE001 - the original failing to run again: the gate's own reason stands
+                why = None
+            if why is None:
+                raise
+            raise VerificationFailed(f"{exc}; {why}") from None
     if st.own_error is not None:
         figures["own_rounding_error"] = st.own_error
-    figures.update(st.an.precision.figures(*gate_text(st.todo, st.work_dtype, st.opts.verify, st.own_error,
-                                                      OWN_ERROR_HOW)))
+    limit, gated = gate_text(st.todo, st.work_dtype, st.opts.verify, st.own_error, OWN_ERROR_HOW)
+    if st.opts.verify and not figures.get("compared") and "raw_stream_rel_error" not in figures:
+        gated += f"; {NOTHING_COMPARED}"  # integer ids, objects: else a pass would read as outputs compared
+    figures.update(st.an.precision.figures(limit, gated))
     st.figures = figures
+
+
+NOTHING_COMPARED = ("the model returns no floating-point output to compare (outputs compared: none): only the "
+                    "converted norms were checked, an exact norm's input zero-mean, an approximate norm's output "
+                    "against the original norm's")
 
 
 def _probe_used(st: _Patching) -> str:
@@ -916,7 +934,7 @@ def _error_in_own_dtype(model: nn.Module, reference: Any, args: tuple, kwargs: d
     float32 and on a CPU refuses bfloat16 parameters ("mixed dtype"). A figure, not a gate: the
     conversion was verified in the working dtype, and a failure here must not undo a commit."""
     try:
-        with torch.no_grad(), same_draws():
+        with torch.no_grad(), same_draws(model):
             out = model(*args, **kwargs)
         return compare(reference, out, skip, axes=axes), ""
     except Exception as exc:  # the model's own code, in its own dtype: any error it raises

@@ -21,6 +21,7 @@ An argument an op reads for its dtype, device or shape only (``attn_weights.type
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import sys
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
@@ -625,8 +626,8 @@ def return_form(output: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
 
 
 def flatten_outputs(obj: Any, prefix: str = "") -> list[tuple[str, torch.Tensor]]:
-    """Every tensor of a model's output (tensors, dicts, tuples, lists, nested), with its path
-    (``logits``, ``past_key_values[0][1]``)."""
+    """Every tensor of a model's output (tensors, dicts, tuples, lists, dataclasses, nested), with its path
+    (``logits``, ``past_key_values[0][1]``, ``hidden`` of a custom model's ``@dataclass`` output)."""
     out: list[tuple[str, torch.Tensor]] = []
     if isinstance(obj, torch.Tensor):
         out.append((prefix or "output", obj))
@@ -636,4 +637,7 @@ def flatten_outputs(obj: Any, prefix: str = "") -> list[tuple[str, torch.Tensor]
     elif isinstance(obj, (tuple, list)):
         for i, v in enumerate(obj):
             out += flatten_outputs(v, f"{prefix}[{i}]")
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):  # else verification would compare nothing
+        for f in dataclasses.fields(obj):
+            out += flatten_outputs(getattr(obj, f.name), f"{prefix}.{f.name}" if prefix else f.name)
     return out

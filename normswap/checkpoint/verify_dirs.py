@@ -15,7 +15,14 @@ from normswap.checkpoint.reader import load
 from normswap.errors import NormswapError, first_line
 from normswap.inputs.probe import HELD_OUT_SEED, held_out_like, special_ids
 from normswap.integrations.quiet import quietly
-from normswap.surgery.verify import compare, derived_text, precision_limit, rounding_error, same_draws
+from normswap.surgery.verify import (
+    compare,
+    derived_text,
+    precision_limit,
+    rounding_error,
+    same_draws,
+    unseeded_randomness,
+)
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -79,6 +86,9 @@ def verify_checkpoint(
         if own is not None:
             figures["own_rounding_error"] = own
     exact, ok, tol, verdict = _judge(plan, figures, tolerance, dtype, own)
+    if exact and not ok:  # the original's own randomness, where no seed reaches it, says so
+        why = _unseeded(orig, batches[0])
+        verdict += f"; {why}" if why else ""
     if not exact:
         gated = "approximate conversion: measured, no tolerance"
     elif tolerance is not None:
@@ -200,10 +210,10 @@ def _figures(orig: Any, conv: Any, batches: list[dict], skip: set[str], axes: di
     with torch.no_grad():
         for batch in batches:
             mask = batch.get("attention_mask") if isinstance(batch.get("attention_mask"), torch.Tensor) else None
-            with same_draws() as draws:
+            with same_draws(orig) as draws:
                 reference = orig(**batch)
             drew = drew or draws.drew
-            with same_draws():
+            with same_draws(conv):
                 converted = conv(**batch)
             per_batch.append(compare(reference, converted, skip, mask, axes))
             references.append(reference)
@@ -223,6 +233,17 @@ def _figures(orig: Any, conv: Any, batches: list[dict], skip: set[str], axes: di
     return figures, references, drew
 
 
+def _unseeded(orig: Any, batch: dict) -> str | None:
+    """:func:`~normswap.surgery.verify.unseeded_randomness` of ORIGINAL (in whatever dtype it now is: the
+    own-error measurement may have cast it to float64) on ``batch``; None where it does not run."""
+    dtype = next((p.dtype for p in orig.parameters() if p.is_floating_point()), torch.float32)
+    _, cast = inputs.cast_inputs((), batch, dtype)
+    try:
+        return unseeded_randomness(lambda: orig(**cast), dtype, orig)
+    except Exception:  # noqa: BLE001 - the original failing to run again: the verdict stands as it is
+        return None
+
+
 def _float64_fits(orig: Any) -> bool:
     """Whether ORIGINAL cast to float64 fits in the memory share a working copy may take
     (:data:`normswap.memory.PEAK_SHARE` of what is available, its own bytes counted as freed by the cast)."""
@@ -240,7 +261,7 @@ def _estimated_own_error(orig: Any, batches: list[dict], references: list[Any], 
     with torch.no_grad():
         for batch, reference in zip(batches, references, strict=True):
             def run(batch: dict = batch) -> Any:
-                with same_draws():
+                with same_draws(orig):
                     return orig(**batch)
 
             worst = max(worst, rounding_error(orig, run, reference, dtype))
@@ -261,7 +282,7 @@ def _own_error(orig: Any, batches: list[dict], references: list[Any]) -> tuple[f
             for batch, reference in zip(batches, references, strict=True):
                 _, cast = inputs.cast_inputs((), batch, torch.float64)
                 mask = batch.get("attention_mask") if isinstance(batch.get("attention_mask"), torch.Tensor) else None
-                with same_draws():
+                with same_draws(orig):
                     precise = orig(**cast)
                 worst = max(worst, compare(precise, reference, set(), mask).get("max_rel_error", 0.0))
         return worst, ""

@@ -11,7 +11,9 @@ softmax over the last dim, reference ‖ converted), ``top1_agreement``. Given t
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import random
+import sys
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,13 +65,14 @@ def precision_limit(dtype: torch.dtype, own_error: float | None) -> float:
 
 
 def rounding_error(model: torch.nn.Module, run: Any, reference: Any, dtype: torch.dtype,
-                   skip: set[str] = frozenset(), seed: int = 0) -> float:
+                   skip: set[str] = frozenset(), seed: int = 0, worst: bool = False) -> float:
     """An estimate of the relative output error ``dtype``'s rounding alone causes in ``model``, for
     :func:`precision_limit` where no float64 run is affordable (a working copy in float32 because a float64
     one would not fit): ``run()`` once more with the output of every module that holds parameters
     multiplied by ``1 ± eps/2`` (random signs: one rounding of each result, the backward-error model of
     floating point), compared with ``reference`` (its unperturbed outputs). On GPT-2, BERT and tiny
-    presets it lands within 1.3x of the measured float32-vs-float64 error."""
+    presets it lands within 1.3x of the measured float32-vs-float64 error. The figure is the primary
+    output's (:func:`compare`'s ``max_rel_error``), or with ``worst`` the worst over every compared output."""
     unit = torch.finfo(dtype).eps / 2
     gen = torch.Generator().manual_seed(seed)
 
@@ -87,7 +90,7 @@ def rounding_error(model: torch.nn.Module, run: Any, reference: Any, dtype: torc
         for h in handles:
             h.remove()
     figs = compare(reference, perturbed, skip)  # every output by default: a raw stream rounds as any other
-    return float(figs.get("max_rel_error", 0.0))
+    return float(figs.get("worst_rel_error_any_output" if worst else "max_rel_error", 0.0))
 
 
 def gate(converted: list[SitePlan], figures: dict[str, Any], dtype: torch.dtype, limit: float | None = None) -> None:
@@ -144,50 +147,159 @@ class Draws:
     drew: bool = False
 
 
-def _rng_states() -> list[torch.Tensor]:
-    states = [torch.get_rng_state()]
+def _rng_states() -> list[Any]:
+    states: list[Any] = [torch.get_rng_state()]
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         states += torch.cuda.get_rng_state_all()
+    states.append(random.getstate())
+    numpy = sys.modules.get("numpy")  # a model drawing from numpy has imported it
+    if numpy is not None:
+        states.append(numpy.random.get_state(legacy=False))
     return states
 
 
+def _same_state(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same_state(a[k], b[k]) for k in a)
+    if isinstance(a, (tuple, list)):
+        return isinstance(b, (tuple, list)) and len(a) == len(b) and all(map(_same_state, a, b))
+    equal = a == b
+    return bool(equal.all()) if hasattr(equal, "all") else bool(equal)  # numpy arrays compare elementwise
+
+
+def held_generators(*models: Any) -> list[Any]:
+    """The random generators ``models``' modules hold as attributes (``self.generator = torch.Generator()``,
+    a NumPy ``Generator`` or ``RandomState``; also inside a list, tuple or dict attribute), each once, in
+    module order: the same order in a model and its copy."""
+    numpy = sys.modules.get("numpy")
+    kinds: tuple[type, ...] = (torch.Generator,)
+    if numpy is not None:
+        kinds += (numpy.random.Generator, numpy.random.RandomState)
+    found: dict[int, Any] = {}
+    for model in models:
+        for module in model.modules() if isinstance(model, torch.nn.Module) else ():
+            for value in vars(module).values():
+                items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) \
+                    else (value,)
+                for item in items:
+                    if isinstance(item, kinds):
+                        found.setdefault(id(item), item)
+    return list(found.values())
+
+
+def _seed_held(gens: list[Any], seed: int) -> list[tuple[Any, Any]]:
+    """Seed each of ``gens`` with ``seed + k``; their states before, to restore."""
+    saved = []
+    for k, gen in enumerate(gens):
+        if isinstance(gen, torch.Generator):
+            saved.append((gen, gen.get_state()))
+            gen.manual_seed(seed + k)
+        elif hasattr(gen, "bit_generator"):  # numpy.random.Generator
+            saved.append((gen, gen.bit_generator.state))
+            gen.bit_generator.state = type(gen.bit_generator)(seed + k).state
+        else:  # numpy.random.RandomState
+            saved.append((gen, gen.get_state()))
+            gen.seed(seed + k)
+    return saved
+
+
+def _held_state(gen: Any) -> Any:
+    if isinstance(gen, torch.Generator):
+        return gen.get_state()
+    return gen.bit_generator.state if hasattr(gen, "bit_generator") else gen.get_state()
+
+
+def _restore_held(saved: list[tuple[Any, Any]]) -> None:
+    for gen, state in saved:
+        if isinstance(gen, torch.Generator):
+            gen.set_state(state)
+        elif hasattr(gen, "bit_generator"):
+            gen.bit_generator.state = state
+        else:
+            gen.set_state(state)
+
+
 @contextlib.contextmanager
-def same_draws(seed: int = VERIFY_SEED) -> Iterator[Draws]:
-    """Run the block with torch's random number generators forked and seeded with ``seed``.
+def same_draws(*models: Any, seed: int = VERIFY_SEED) -> Iterator[Draws]:
+    """Run the block with every random number generator the model draws from seeded with ``seed``.
 
     A model that draws random numbers in eval mode (ViT-MAE's random patch masking: ``torch.rand``,
     ``randn``, ``randperm``, ``multinomial``, ``bernoulli``, ``normal_``...) computes something else on
     every call: compared run for run, the original would differ from itself, and a correct conversion
     would fail. Every forward that verification compares (the original's and the converted model's)
-    runs under this, so both see the same draws; the caller's generator state is restored after the
-    block (the user's random stream is untouched). ``Draws.drew`` says whether the forwards consumed
-    any random numbers, for the report."""
+    runs under this, so both see the same draws. Seeded: torch's default generators (CPU, and CUDA where
+    initialised), NumPy's global generator (``np.random.rand``), Python's ``random``, and the generators
+    ``models`` hold (:func:`held_generators`: ``torch.rand(..., generator=self.generator)``; the k-th
+    with ``seed + k``, so a model and its copy draw alike). Each is restored after the block (the user's
+    random streams are untouched). ``Draws.drew`` says whether the forwards drew from any of them, for the
+    report. Not reachable: a generator seeded from the system on each call (``torch.seed()``,
+    ``np.random.default_rng()``) or held outside the model; :func:`unseeded_randomness` names that case."""
     draws = Draws()
     cuda = torch.cuda.is_available() and torch.cuda.is_initialized()  # never initialise CUDA for a CPU model
+    numpy = sys.modules.get("numpy")
+    py_state = random.getstate()
+    np_state = numpy.random.get_state(legacy=False) if numpy is not None else None
+    held = held_generators(*models)
     with torch.random.fork_rng(devices=list(range(torch.cuda.device_count())) if cuda else []):
         if cuda:
             torch.manual_seed(seed)
         else:
             torch.random.default_generator.manual_seed(seed)
-        before = _rng_states()
+        random.seed(seed)
+        if numpy is not None:
+            numpy.random.seed(seed)
+        saved = _seed_held(held, seed)
+        before = _rng_states() + [_held_state(g) for g in held]
         try:
             yield draws
         finally:
-            after = _rng_states()
-            draws.drew = len(before) != len(after) or any(
-                not torch.equal(a, b) for a, b in zip(before, after, strict=False))
+            after = _rng_states() + [_held_state(g) for g in held]
+            draws.drew = len(before) != len(after) or not all(
+                _same_state(a, b) for a, b in zip(before, after, strict=False))
+            _restore_held(saved)
+            random.setstate(py_state)
+            if numpy is not None:
+                numpy.random.set_state(np_state)
 
 
 RANDOM_NOTE = ("the model draws random numbers in eval mode; the original and the converted model ran with "
-               f"the same seeded draws (torch.manual_seed({VERIFY_SEED}) before each run)")
+               f"the same seeded draws (torch's, NumPy's and Python's generators and those the model holds, "
+               f"seeded from {VERIFY_SEED} before each run)")
 
 
+def unseeded_randomness(run: Callable[[], Any], dtype: torch.dtype, *models: Any) -> str | None:
+    """Why a model's outputs cannot be compared run for run, or None: ``run()`` (the original on the inputs
+    it was compared on; ``models``: the ones it runs) twice under :func:`same_draws`. Outputs that differ
+    by more than ``dtype``'s :func:`exact_limit` come from random numbers no seed reaches (a generator
+    seeded from the system on each call), so verification cannot tell a conversion's error from the
+    model's own variation. The sentence says how far the original is from itself and how to switch the
+    randomness off."""
+    with torch.no_grad():
+        with same_draws(*models):
+            first = run()
+        with same_draws(*models):
+            second = run()
+    figs = compare(first, second, set())
+    worst = max(figs.get("worst_rel_error_any_output", 0.0), figs.get("max_rel_error", 0.0))
+    if worst <= exact_limit(dtype):
+        return None
+    return (f"the original itself differs by {worst:.2e} (relative) between two runs on the same inputs with every "
+            "seed normswap sets fixed (torch's, NumPy's, Python's and the generators the model holds): it draws "
+            "random numbers from a generator seeded anew on each call (torch.seed(), numpy.random.default_rng(), "
+            "os.urandom), which no seed reaches. Switch that randomness off where the model offers it (a noise= "
+            "input, a config option such as ViT-MAE's mask_ratio=0) or draw it from torch's generator, and convert "
+            "again")
 
-def derived_text(dtype: torch.dtype, own_error: float, how: str) -> str:
-    """`` (= ...)``: how :func:`precision_limit` got the tolerance, for the precision statement."""
+
+def derived_text(dtype: torch.dtype, own_error: float, how: str, whose: str = "the original's") -> str:
+    """`` (= ...)``: how :func:`precision_limit` got the tolerance, for the precision statement (``whose``
+    rounding error ``own_error`` is: the original's, or a reloaded checkpoint's)."""
     name = str(dtype).removeprefix("torch.")
-    return (f" (= min({exact_limit(dtype):g}, max({PRECISION_FACTOR} x the original's own {name} error "
+    return (f" (= min({exact_limit(dtype):g}, max({PRECISION_FACTOR} x {whose} own {name} error "
             f"{own_error:.2g}{' ' + how if how else ''}, {PRECISION_FACTOR} x {name} eps)))")
+
 
 PRIMARY_KEYS = ("logits", "logits_per_image", "pooler_output", "image_embeds", "text_embeds",
                 "last_hidden_state", "prediction_logits", "start_logits")
@@ -367,7 +479,8 @@ FIGURE_NOTES = {
     "own_rounding_error": "the original's error from the working dtype's rounding alone, which the tolerance "
                           "is derived from",
 }
-NOT_FIGURES = {"verify_tolerance"}  # a float in the figures that is a setting, stated in ``verify_precision``
+# floats in the figures that are settings, stated in ``verify_precision``
+NOT_FIGURES = {"verify_tolerance", "reload_tolerance"}
 
 
 def figures_text(figures: dict[str, Any]) -> str:
