@@ -114,3 +114,20 @@ def test_keep_with_fold_gamma_folds_beta_as_rotation_needs():
     model, _ = presets.build("tiny-gpt2", dtype=torch.float64)
     plan = normswap.plan(model, presets.example_inputs("tiny-gpt2"), beta_placement="keep", fold_gamma=True)
     assert all(s.fold_beta for s in plan.sites) and not any(s.beta_detail.startswith(BETA_KEEP_WHY) for s in plan.sites)
+
+
+def test_cli_beta_placement_keep_writes_a_stock_compat_model_with_every_beta(tmp_path):
+    from click.testing import CliRunner
+
+    from normswap.cli import main
+
+    res = CliRunner().invoke(main, ["convert", "tiny-gpt2", "--out", str(tmp_path / "c"), "--format", "compat",
+                                    "--beta-placement", "keep"], catch_exceptions=False)
+    assert res.exit_code == 0, res.stderr
+    plan_line = next(ln for ln in res.stdout.splitlines() if ln.startswith("plan:"))
+    assert "β kept in 4 stock LayerNorm bias(es) (beta_placement='keep')" in plan_line, plan_line
+    model, _ = presets.build("tiny-gpt2")
+    stock = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "c").eval()
+    for name, p in model.named_parameters():  # every LayerNorm β and every reader bias as the original's
+        if name.endswith((".ln_1.bias", ".ln_2.bias", ".c_attn.bias", ".c_fc.bias")):
+            assert torch.equal(stock.get_parameter(name), p), name
