@@ -18,6 +18,8 @@ CLS embedding (``pooler_output``), averaged over the inputs, and the same over e
   transformers: stock LayerNorms, centered writers, what ``normswap convert --format compat`` writes;
 * ``compat-fold-ls``: the same with ``layer_scale="fold"`` (LayerScale λ folded into the writer rows, λ ← 1:
   the behaviour before ``layer_scale="balance"`` became the default);
+* ``compat-keep``, ``native-keep``: ``compat`` and ``native`` with ``beta_placement="keep"`` (every β kept
+  in its norm, the readers' biases and inputs the original's);
 * ``fold-gamma``: ``patch(fold_gamma=True)`` (γ in the readers' columns, what a rotation needs), compat format;
 * ``jitter-1``, ``jitter-2``: the noise floor, the original with its LayerScale writers' rows and λ rescaled
   by ``U(0.9, 1.1)`` and its inverse (exact, same ranges, other rounding: :func:`jittered`);
@@ -53,7 +55,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 QUANTIZERS = ("fp32", "dyn-pt", "dyn-pc", "qdq", "nbits-rtn", "nbits-hqq")
-VARIANTS = ("original", "compat", "compat-fold-ls", "native", "fold-gamma", "hadamard", "jitter-1", "jitter-2")
+VARIANTS = ("original", "compat", "compat-keep", "compat-fold-ls", "native", "native-keep", "fold-gamma", "hadamard",
+            "jitter-1", "jitter-2")
 WEIGHTS = {"o_proj": "attention.o_proj", "fc2": "mlp.fc2", "q_proj": "attention.q_proj",
            "k_proj": "attention.k_proj", "fc1": "mlp.fc1"}
 
@@ -108,10 +111,12 @@ def variant(model: torch.nn.Module, name: str, workdir: Path) -> tuple[torch.nn.
     opts: dict[str, Any] = {"fold_gamma": name in ("hadamard", "fold-gamma")}
     if name == "compat-fold-ls":
         opts["layer_scale"] = "fold"
+    if name.endswith("-keep"):
+        opts["beta_placement"] = "keep"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         normswap.patch(conv, **opts)
-        if name == "native":
+        if name.startswith("native"):
             return conv, "in memory (normswap.RMSNorm modules)"
         if name == "hadamard":  # the backbone's output is a model output: turned back (native format only)
             r = normswap.rotate(conv, "hadamard", seed=0, output="restore")

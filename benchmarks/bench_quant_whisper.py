@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 import time
@@ -36,16 +37,30 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from speech_samples import load_clips  # noqa: E402
 
-SOT_NOTS = (50257, 50362)  # tiny.en/base.en: <|startoftranscript|><|notimestamps|>
+SOT_NOTS = (50257, 50362)  # tiny.en/base.en: <|startoftranscript|><|notimestamps|> (set_prompt: others)
+EOT = 50256
 
 
-def features(orig: Path, speech_dirs: list[Path], limit: int = 0) -> np.ndarray:
+def set_prompt(orig: Path) -> None:
+    """The decoder prompt of ``orig``'s vocabulary: ``<|startoftranscript|>`` (``<|en|><|transcribe|>`` for a
+    multilingual model) ``<|notimestamps|>``, and its end-of-text id."""
+    global SOT_NOTS, EOT
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(orig)
+    ids = tok.convert_tokens_to_ids
+    multilingual = json.loads((orig / "config.json").read_text())["vocab_size"] >= 51865  # as openai-whisper tells
+    lang = ["<|en|>", "<|transcribe|>"] if multilingual else []
+    SOT_NOTS = tuple(ids(t) for t in ["<|startoftranscript|>", *lang, "<|notimestamps|>"])
+    EOT = ids("<|endoftext|>")
+
+
+def features(orig: Path, clips: list[tuple[torch.Tensor, str]]) -> np.ndarray:
     """Log-mel features (N, 80, 3000) of every clip, by the checkpoint's own feature extractor."""
     from transformers import WhisperFeatureExtractor
 
     fe = WhisperFeatureExtractor.from_pretrained(orig)
-    waves = [w.numpy() for d in speech_dirs for w, _ in load_clips(d)][: limit or None]
-    return fe(waves, sampling_rate=16000, return_tensors="np").input_features.astype(np.float32)
+    return fe([w.numpy() for w, _ in clips], sampling_rate=16000, return_tensors="np").input_features.astype(np.float32)
 
 
 def ct2_convert(src: Path, dst: Path, quantization: str) -> Path:
@@ -55,34 +70,49 @@ def ct2_convert(src: Path, dst: Path, quantization: str) -> Path:
     return dst
 
 
-def ct2_logits(model_dir: Path, feats: np.ndarray, refs: list[list[int]] | None) -> tuple[list, list]:
-    """(per-clip log-probs [n+1, V] teacher-forced on refs, greedy refs if refs is None)."""
+# Greedy decoding for WER: CTranslate2's default token suppression, and no repeated 3-gram (greedy
+# Whisper without the temperature fallback of openai-whisper / faster-whisper otherwise loops on a few
+# synthetic clips until max_length, and those loops would be most of the word errors).
+WER_DECODING = {"beam_size": 1, "no_repeat_ngram_size": 3, "max_length": 160}
+
+
+def ct2_logits(model_dir: Path, feats: np.ndarray, refs: list[list[int]] | None,
+               greedy: bool = False, forced: bool = True) -> tuple[list, list]:
+    """(per-clip log-probs [n+1, V] teacher-forced on refs, greedy token ids for WER).
+
+    ``refs=None``: the greedy transcript (no suppression, raw logits) is the reference, and its logits
+    the reference distributions (each step conditioned on the previous argmax). ``greedy``: also decode
+    with :data:`WER_DECODING` (for WER), on the same encoder output; ``forced=False`` skips the
+    teacher-forced pass."""
     import ctranslate2
 
     m = ctranslate2.models.Whisper(str(model_dir), device="cpu", intra_threads=2)
-    out_logp, out_refs = [], []
+    opts = {"beam_size": 1, "return_logits_vocab": True, "suppress_blank": False, "suppress_tokens": []}
+    out_logp, out_greedy = [], []
     for i in range(0, len(feats), 8):
         enc = m.encode(ctranslate2.StorageView.from_array(np.ascontiguousarray(feats[i:i + 8])), to_cpu=True)
+        n = len(feats[i:i + 8])
+        if greedy:
+            res = m.generate(enc, [list(SOT_NOTS)] * n, **WER_DECODING)
+            out_greedy += [[t for t in r.sequences_ids[0] if t != EOT] for r in res]
         if refs is None:
-            # Greedy with the logits of every step: the reference tokens, and the original's
-            # distributions teacher-forced on them (each step is conditioned on the previous argmax).
-            res = m.generate(enc, [list(SOT_NOTS)] * len(feats[i:i + 8]), beam_size=1, max_length=120,
-                             return_logits_vocab=True, suppress_blank=False, suppress_tokens=[])
+            res = m.generate(enc, [list(SOT_NOTS)] * n, max_length=120, **opts)
             for r in res:
-                ref = [t for t in r.sequences_ids[0] if t != 50256]
-                steps = np.stack([np.array(x) for x in r.logits[0]])[: len(ref) + 1]
-                out_refs.append(ref)
+                ids = [t for t in r.sequences_ids[0] if t != EOT]
+                out_greedy.append(ids)
+                steps = np.stack([np.array(x) for x in r.logits[0]])[: len(ids) + 1]
                 out_logp.append(torch.log_softmax(torch.from_numpy(steps).double(), -1))
+            continue
+        if not forced:
             continue
         batch = refs[i:i + 8]
         prompts = [list(SOT_NOTS) + r for r in batch]
-        res = m.generate(enc, prompts, beam_size=1, max_length=min(440, 2 * max(map(len, batch)) + 8),
-                         return_logits_vocab=True, suppress_blank=False, suppress_tokens=[])
+        res = m.generate(enc, prompts, max_length=min(440, 2 * max(map(len, batch)) + 8), **opts)
         for r, ref in zip(res, batch, strict=True):
             steps = np.stack([np.array(x) for x in r.logits[0]])[: len(ref) + 1]
             assert r.sequences_ids[0][: len(ref)] == ref, (r.sequences_ids[0], ref, len(steps))
             out_logp.append(torch.log_softmax(torch.from_numpy(steps).double(), -1))
-    return out_logp, out_refs
+    return out_logp, out_greedy
 
 
 def torch_logits(model_dir: Path, feats: np.ndarray, refs: list[list[int]], quant: str) -> list:
@@ -99,21 +129,124 @@ def torch_logits(model_dir: Path, feats: np.ndarray, refs: list[list[int]], quan
         for i in range(0, len(feats), 4):
             batch = refs[i:i + 4]
             n = max(map(len, batch))
-            ids = torch.full((len(batch), 2 + n), 50256)
+            p = len(SOT_NOTS)
+            ids = torch.full((len(batch), p + n), EOT)
             for j, r in enumerate(batch):
-                ids[j, : 2 + len(r)] = torch.tensor(list(SOT_NOTS) + r)
+                ids[j, : p + len(r)] = torch.tensor(list(SOT_NOTS) + r)
             logits = model(input_features=torch.from_numpy(feats[i:i + 4]), decoder_input_ids=ids).logits
             for j, r in enumerate(batch):
-                out.append(torch.log_softmax(logits[j, 1: 2 + len(r)].double(), -1))
+                out.append(torch.log_softmax(logits[j, p - 1: p + len(r)].double(), -1))
+    return out
+
+
+class TeacherForced(torch.nn.Module):
+    """Whisper's whole teacher-forced forward as one graph: (log-mel features, decoder ids) → logits."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_features: torch.Tensor, decoder_input_ids: torch.Tensor) -> torch.Tensor:
+        # an explicit all-ones mask: without one, transformers' mask builder looks for packed sequences
+        # in the position ids (``aten::diff``, which the TorchScript exporter has no symbolic for)
+        return self.model(input_features=input_features, decoder_input_ids=decoder_input_ids, use_cache=False,
+                          decoder_attention_mask=torch.ones_like(decoder_input_ids)).logits
+
+
+def ort_export(model_dir: Path, path: Path) -> Path:
+    """The variant's transformers directory exported to ONNX (fp32, opset 17, TorchScript exporter)."""
+    import warnings
+
+    from transformers import WhisperForConditionalGeneration
+
+    if path.exists():
+        return path
+    model = WhisperForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32,
+                                                            attn_implementation="eager").eval()
+    feats = torch.zeros(1, model.config.num_mel_bins, 3000)
+    ids = torch.tensor([list(SOT_NOTS) + [EOT]])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(TeacherForced(model), (feats, ids), str(path), input_names=["input_features",
+                          "decoder_input_ids"], output_names=["logits"], dynamo=False, opset_version=17,
+                          dynamic_axes={"input_features": {0: "batch"}, "decoder_input_ids": {0: "batch", 1: "len"},
+                                        "logits": {0: "batch", 1: "len"}})
+    return path
+
+
+def ort_quantize(fp32: Path, how: str) -> Path:
+    """ONNX Runtime's own ``quantize_dynamic``: int8 weights per tensor (``dyn-pt``) or per channel
+    (``dyn-pc``), activations uint8 per tensor at run time."""
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    out = fp32.with_name(f"{fp32.stem}.{how}.onnx")
+    if how != "fp32" and not out.exists():
+        quantize_dynamic(str(fp32), str(out), weight_type=QuantType.QInt8, per_channel=how == "dyn-pc")
+    return fp32 if how == "fp32" else out
+
+
+def ort_logits(path: Path, feats: np.ndarray, refs: list[list[int]]) -> list:
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.intra_op_num_threads, so.inter_op_num_threads = 2, 1
+    sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+    out = []
+    for i in range(0, len(feats), 4):
+        batch = refs[i:i + 4]
+        n = max(map(len, batch))
+        p = len(SOT_NOTS)
+        ids = np.full((len(batch), p + n), EOT, dtype=np.int64)
+        for j, r in enumerate(batch):
+            ids[j, : p + len(r)] = list(SOT_NOTS) + r
+        (logits,) = sess.run(None, {"input_features": np.ascontiguousarray(feats[i:i + 4]), "decoder_input_ids": ids})
+        for j, r in enumerate(batch):
+            out.append(torch.log_softmax(torch.from_numpy(logits[j, p - 1: p + len(r)]).double(), -1))
     return out
 
 
 def compare(ref: list, got: list) -> dict:
+    """Mean KL(ref ‖ got) over every position, top-1 agreement, and the per-clip sums (for the bootstrap)."""
     # A clip whose greedy reference stopped at max_length has no end-of-text step: common length.
     pairs = [(p[: min(len(p), len(q))], q[: min(len(p), len(q))]) for p, q in zip(ref, got, strict=True)]
-    kl = torch.cat([(p.exp() * (p - q)).sum(-1) for p, q in pairs])
-    agree = torch.cat([(p.argmax(-1) == q.argmax(-1)).double() for p, q in pairs])
-    return {"kl": kl.mean().item(), "top1": agree.mean().item(), "positions": kl.numel()}
+    kl = [(p.exp() * (p - q)).sum(-1) for p, q in pairs]
+    agree = [(p.argmax(-1) == q.argmax(-1)).double() for p, q in pairs]
+    total = sum(k.numel() for k in kl)
+    return {"kl": float(sum(k.sum() for k in kl)) / total, "top1": float(sum(a.sum() for a in agree)) / total,
+            "positions": total, "clip_kl": [float(k.sum()) for k in kl], "clip_n": [k.numel() for k in kl]}
+
+
+def words(text: str) -> list[str]:
+    """Lower-case words, punctuation dropped (the clips are prose: no digits, no symbols)."""
+    return re.sub(r"[^a-z' ]+", " ", text.lower().replace("-", " ")).split()
+
+
+def edit_distance(a: list[str], b: list[str]) -> int:
+    row = list(range(len(b) + 1))
+    for i, x in enumerate(a, 1):
+        prev, row[0] = row[0], i
+        for j, y in enumerate(b, 1):
+            prev, row[j] = row[j], min(row[j] + 1, row[j - 1] + 1, prev + (x != y))
+    return row[-1]
+
+
+def wer_counts(tokenizer, hyps: list[list[int]], texts: list[str]) -> tuple[list[int], list[int]]:  # noqa: ANN001
+    """Per clip (word errors, reference words) of the greedy transcripts against the spoken sentences."""
+    errs = [edit_distance(words(t), words(tokenizer.decode(h, skip_special_tokens=True)))
+            for h, t in zip(hyps, texts, strict=True)]
+    return errs, [len(words(t)) for t in texts]
+
+
+def bootstrap(num: np.ndarray, den: np.ndarray, base_num: np.ndarray, base_den: np.ndarray,
+              draws: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """95% interval of ``(Σnum/Σden) / (Σbase_num/Σbase_den)`` over clips resampled with replacement
+    (paired: a draw takes the same clips for the variant and the original)."""
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, len(num), size=(draws, len(num)))
+    ratios = (num[idx].sum(1) / den[idx].sum(1)) / (base_num[idx].sum(1) / base_den[idx].sum(1))
+    lo, hi = np.percentile(ratios, [2.5, 97.5])
+    return float(lo), float(hi)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -122,14 +255,19 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("variants", nargs="*", help="name=DIR (transformers directories written by normswap)")
     ap.add_argument("--speech", type=Path, nargs="+", required=True)
     ap.add_argument("--work", type=Path, required=True)
-    ap.add_argument("--engines", default="ct2,torch")
+    ap.add_argument("--engines", default="ct2,torch", help="comma list of ct2, ort, torch")
     ap.add_argument("--limit", type=int, default=0, help="first N clips only")
+    ap.add_argument("--ort-limit", type=int, default=0, help="first N clips only for the ONNX Runtime rows")
     ap.add_argument("--ct2-types", default="int8", help="CTranslate2 compute types, e.g. float32,int8")
+    ap.add_argument("--wer", action="store_true", help="also greedy-decode every CTranslate2 variant: WER")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     torch.set_num_threads(2)
+    set_prompt(args.orig)
     variants = {"original": args.orig, **{v.split("=", 1)[0]: Path(v.split("=", 1)[1]) for v in args.variants}}
-    feats = features(args.orig, args.speech, args.limit)
+    clips = [c for d in args.speech for c in load_clips(d)][: args.limit or None]
+    feats = features(args.orig, clips)
+    texts = [t for _, t in clips]
     args.work.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     ref_logp, refs = ct2_logits(ct2_convert(args.orig, args.work / "original-float32", "float32"), feats, None)
@@ -137,27 +275,69 @@ def main(argv: list[str] | None = None) -> None:
           f"(reference: CTranslate2 float32 original, {time.time() - t0:.0f} s)", flush=True)
     rows = []
     engines = args.engines.split(",")
+    tok = None
+    if args.wer:
+        from transformers import WhisperTokenizer
+
+        tok = WhisperTokenizer.from_pretrained(args.orig)
+        _, hyps = ct2_logits(args.work / "original-float32", feats, refs, greedy=True, forced=False)
+        errs, nwords = wer_counts(tok, hyps, texts)
+        rows.append({"engine": "CTranslate2 float32", "variant": "original", "wer": sum(errs) / sum(nwords),
+                     "clip_err": errs, "clip_words": nwords})
+        report(rows, args.json, len(feats))
     if "ct2" in engines:
         for name, d in variants.items():
             for q in args.ct2_types.split(","):
-                logp, _ = ct2_logits(ct2_convert(d, args.work / f"{name}-{q}", q), feats, refs)
+                logp, hyps = ct2_logits(ct2_convert(d, args.work / f"{name}-{q}", q), feats, refs, greedy=args.wer)
                 rows.append({"engine": f"CTranslate2 {q}", "variant": name, **compare(ref_logp, logp)})
-                print(rows[-1], flush=True)
+                if args.wer:
+                    errs, nwords = wer_counts(tok, hyps, texts)
+                    rows[-1].update(wer=sum(errs) / sum(nwords), clip_err=errs, clip_words=nwords)
+                report(rows, args.json, len(feats))
+    if "ort" in engines:
+        n = args.ort_limit or len(feats)
+        paths = {name: ort_export(d, args.work / "onnx" / name / "model.onnx") for name, d in variants.items()}
+        ref_o = ort_logits(paths["original"], feats[:n], refs[:n])
+        for q in ("dyn-pt", "dyn-pc"):
+            for name, path in paths.items():
+                rows.append({"engine": f"ONNX Runtime dynamic int8 {q}", "variant": name,
+                             **compare(ref_o, ort_logits(ort_quantize(path, q), feats[:n], refs[:n]))})
+                report(rows, args.json, len(feats))
     if "torch" in engines:
         ref_t = torch_logits(args.orig, feats, refs, "fp32")
         for name, d in variants.items():
             for q in ("per-tensor", "per-channel"):
                 rows.append({"engine": f"torch dynamic int8 {q}", "variant": name,
                              **compare(ref_t, torch_logits(d, feats, refs, q))})
-                print(rows[-1], flush=True)
-    print("\n| engine | variant | KL(fp32 original ‖ q) | ratio vs original | top-1 agreement |")
-    print("|---|---|---|---|---|")
-    base = {r["engine"]: r["kl"] for r in rows if r["variant"] == "original"}
+                report(rows, args.json, len(feats))
+    print(table(rows))
+
+
+def report(rows: list[dict], path: Path | None, clips: int) -> None:
+    """Print the newest row and rewrite the JSON with every row so far (a long run keeps what it measured)."""
+    print({k: v for k, v in rows[-1].items() if not k.startswith("clip")}, flush=True)
+    if path:
+        path.write_text(json.dumps({"clips": clips, "rows": rows}))
+
+
+def table(rows: list[dict]) -> str:
+    """Markdown: KL and its ratio to the original's in the same engine with a 95% bootstrap interval over
+    clips, top-1 agreement, and (with ``--wer``) the WER and its penalty over the float32 original."""
+    base = {r["engine"]: r for r in rows if r["variant"] == "original"}
+    fp32_wer = next((r["wer"] for r in rows if r["engine"] == "CTranslate2 float32"), None)
+    lines = ["| engine | variant | clips | KL(fp32 original ‖ q) | ratio to original (95% bootstrap) | top-1 "
+             "agreement | WER | WER − fp32 |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        ratio = r["kl"] / base[r["engine"]] if base[r["engine"]] else float("nan")
-        print(f"| {r['engine']} | {r['variant']} | {r['kl']:.3e} | {ratio:.2f} | {r['top1']:.4f} |")
-    if args.json:
-        args.json.write_text(json.dumps({"clips": len(feats), "rows": rows}, indent=1))
+        if "kl" not in r:
+            lines.append(f"| {r['engine']} | {r['variant']} | {len(r['clip_err'])} | | | | {100 * r['wer']:.2f}% | |")
+            continue
+        b = base[r["engine"]]
+        ratio = r["kl"] / b["kl"] if b["kl"] else float("nan")
+        lo, hi = bootstrap(*(np.array(x, dtype=float) for x in (r["clip_kl"], r["clip_n"], b["clip_kl"], b["clip_n"])))
+        wer = f"{100 * r['wer']:.2f}% | {100 * (r['wer'] - fp32_wer):+.2f}" if "wer" in r else " | "
+        lines.append(f"| {r['engine']} | {r['variant']} | {len(r['clip_kl'])} | {r['kl']:.3e} | {ratio:.3f} "
+                     f"({lo:.3f}-{hi:.3f}) | {100 * r['top1']:.2f}% | {wer} |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

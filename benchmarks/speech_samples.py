@@ -8,6 +8,7 @@ and speeds, and writes ``NNN.wav`` plus ``transcripts.json`` (file name → the 
 
     python benchmarks/speech_samples.py OUT_DIR [--count 24]
     python benchmarks/speech_samples.py OUT_DIR2 --respeak OUT_DIR   # same sentences, other voices
+    python benchmarks/speech_samples.py OUT_DIR3 --respeak OUT_DIR --shift 1   # and others again
 
 ``load_clips(OUT_DIR)`` gives back the waveforms (float32, 16 kHz) and their transcripts.
 """
@@ -54,10 +55,14 @@ def make(out: Path, count: int) -> list[Path]:
     return _speak(out, sentences(count), lambda i: (VOICES[i % len(VOICES)], 150 + 15 * (i % 4)))
 
 
-def respeak(src: Path, out: Path) -> list[Path]:
-    """The sentences of clip set ``src`` spoken again with other voices and speeds (more clips, same text)."""
+def respeak(src: Path, out: Path, shift: int = 0) -> list[Path]:
+    """The sentences of clip set ``src`` spoken again with other voices and speeds (more clips, same text).
+
+    ``shift`` moves every clip to the next voice and speed again, so shifts 0-2 give three more sets whose
+    clip ``i`` differs in voice from ``make``'s and from each other (speeds 125-205 words a minute)."""
     texts = [text for _, text in sorted(json.loads((src / "transcripts.json").read_text()).items())]
-    return _speak(out, texts, lambda i: (VOICES[(i + 2) % len(VOICES)], 135 + 20 * ((i + 1) % 4)))
+    return _speak(out, texts, lambda i: (VOICES[(i + 2 + shift) % len(VOICES)],
+                                         135 + 20 * ((i + 1 + shift) % 4) - 10 * (shift % 2)))
 
 
 def _speak(out: Path, texts: list[str], voice_and_speed) -> list[Path]:  # noqa: ANN001
@@ -112,8 +117,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("out", type=Path)
     ap.add_argument("--count", type=int, default=24)
     ap.add_argument("--respeak", type=Path, metavar="SRC", help="re-speak clip set SRC's sentences instead")
+    ap.add_argument("--shift", type=int, default=0, help="with --respeak: another voice and speed per clip")
     args = ap.parse_args(argv)
-    paths = respeak(args.respeak, args.out) if args.respeak else make(args.out, args.count)
+    paths = respeak(args.respeak, args.out, args.shift) if args.respeak else make(args.out, args.count)
     print(f"{len(paths)} clips in {args.out}")
 
 

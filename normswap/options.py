@@ -48,7 +48,7 @@ def parse_size(value: int | str) -> int:
 
 
 MODES = ("auto", "exact", "all")
-BETA_PLACEMENTS = ("rounding", "fold")  # where β goes in a default conversion (normswap.surgery.beta_placement)
+BETA_PLACEMENTS = ("rounding", "keep", "fold")  # where β goes in a default conversion (normswap.surgery.beta_placement)
 LAYER_SCALES = ("keep", "fold")  # where a centered writer's LayerScale λ ends up (normswap.surgery.edits)
 FORMATS = ("native", "compat")
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # checkpoint dtypes ``convert`` can write
@@ -98,7 +98,11 @@ class ConvertOptions:
             ``"rounding"`` (default) folds it into the readers' biases unless that would round worse in
             bfloat16 than the original's own path, and then keeps it in the RMSNorm
             (:mod:`normswap.surgery.beta_placement`; each norm's ``beta_detail`` says which and why);
-            ``"fold"`` folds it wherever the readers can take it (the behaviour before this option).
+            ``"keep"`` keeps every β in its norm (the readers' biases and inputs stay the original's, so
+            int8 engines that quantize the readers' inputs see the original's ranges: the choice for
+            CTranslate2, see ``docs/deployment.md``); ``"fold"`` folds it wherever the readers can take
+            it (the behaviour before this option). All three are exact; with ``fold_gamma`` (rotation)
+            β leaves the norm whatever the placement.
         layer_scale: what happens to a LayerScale λ (BEiT, DINOv2, CaiT) whose writer is centered.
             ``"keep"`` (default): the writer is centered as ``diag(λ) W`` (exact), then each output row is
             divided by a per-row scale that puts its largest entry within 8/9 of the original weight's

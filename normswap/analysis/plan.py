@@ -100,6 +100,7 @@ TABLE_WIDTH = 100  # columns Plan.table fits by default (a common terminal)
 
 KEY_DROP_WHY = "keys: softmax over the keys ignores a constant key shift"
 BETA_KEPT_WHY = "kept in the RMSNorm: folding it into the reader biases would round worse in bf16"
+BETA_KEEP_WHY = "kept in the RMSNorm (beta_placement='keep'): the readers' biases and inputs stay the original's"
 VALUE_MOVE_WHY = "values: attention weights sum to 1 over the keys, so the shift passes through"
 
 
@@ -346,10 +347,12 @@ class Plan:
             extra.append(f"β dropped at {dropped} key projection(s)")
         if self.beta_moves:
             extra.append(f"β moved through attention into {len(self.beta_moves)} output bias(es)")
-        kept = sum(s.beta_detail.startswith(BETA_KEPT_WHY) for s in self.sites)
-        if kept:
-            where = "stock LayerNorm bias(es)" if fmt == "compat" else "RMSNorm(s)"
-            extra.append(f"β kept in {kept} {where} (folding would round worse in bf16)")
+        where = "stock LayerNorm bias(es)" if fmt == "compat" else "RMSNorm(s)"
+        for why, because in ((BETA_KEPT_WHY, "folding would round worse in bf16"),
+                             (BETA_KEEP_WHY, "beta_placement='keep'")):
+            kept = sum(s.beta_detail.startswith(why) for s in self.sites)
+            if kept:
+                extra.append(f"β kept in {kept} {where} ({because})")
         if self.hooks:
             extra.append(f"{len(self.hooks)} centering op(s)")
         if self.centered_readers:

@@ -196,8 +196,9 @@ Presets (offline, seeded tiny models with tokenizers/processors):
     default="rounding",
     show_default=True,
     help="Where a norm's β goes without --fold-gamma: 'rounding' folds it into the readers' biases unless "
-    "that rounds worse in bfloat16 than the original's own path (then the RMSNorm keeps it; both exact); "
-    "'fold' folds it wherever the readers can take it.",
+    "that rounds worse in bfloat16 than the original's own path (then the RMSNorm keeps it); 'keep' keeps "
+    "every β in its norm (readers' biases and inputs stay the original's: int8 engines such as CTranslate2 "
+    "quantize them as they did the original); 'fold' folds it wherever the readers can take it. All exact.",
 )
 @click.option(
     "--layer-scale",

@@ -18,6 +18,14 @@ scored (rare: a bias-less value projection). The decision is a function of the w
 streaming path (which plans on random-weight proxies) takes it again on the checkpoint's tensors and
 reaches the same plan. ``beta_placement="fold"`` folds β wherever the readers can take it.
 
+``beta_placement="keep"`` keeps every β in its norm: each reader's input is then the original's
+(``γ⊙u + β``, with ``u`` the normalised stream, identical to LayerNorm's ``x̂`` on a centered stream) and
+its bias is untouched. Activation quantizers scale to the reader's input per token or per tensor, and a
+fold changes that input's range (``γ⊙u`` instead of ``γ⊙u + β``); int8 engines that keep biases in
+float (CTranslate2, ONNX Runtime) then quantize a folded model differently from its original
+(``docs/results/quantization.md``, Whisper in CTranslate2). The cost is one add per norm, which the
+fused RMS kernels of the engines take as their bias input or a following Add.
+
 It applies to the default conversion only: with ``fold_gamma`` (rotation, quantization) β must
 leave the norm, since a kept β would become ``β/γ`` there, and a norm already rotation-ready (no γ
 to keep) stays so. Measured on Whisper tiny.en: ``docs/results/field.md``.
@@ -31,10 +39,11 @@ import torch
 from torch import nn
 
 from normswap.analysis.linears import tensors_by_name
-from normswap.analysis.plan import BETA_KEPT_WHY, Plan, SitePlan
+from normswap.analysis.plan import BETA_KEEP_WHY, BETA_KEPT_WHY, Plan, SitePlan
 
 MARGIN = 1.0  # keep β where folding's squared rounding error exceeds the original path's by this factor
 KEPT_WHY = BETA_KEPT_WHY
+KEEP_WHY = BETA_KEEP_WHY
 
 Tensor = Callable[[str], torch.Tensor]
 
@@ -83,8 +92,9 @@ def keep_beta(plan: Plan, sp: SitePlan, why: str) -> None:
 
 def place_beta(plan: Plan, tensor: Tensor, beta_of: Callable[[str], torch.Tensor | None],
                placement: str = "rounding", keep: dict[str, str] | None = None) -> list[str]:
-    """Apply the rule to every norm of ``plan`` it decides for (``placement="fold"``: to none); returns
-    the norms that keep β. ``plan.options["beta_placement"]`` records which placement ran.
+    """Apply the rule to every norm of ``plan`` it decides for (``placement="fold"``: to none;
+    ``placement="keep"``: every such norm keeps β); returns the norms that keep β.
+    ``plan.options["beta_placement"]`` records which placement ran.
 
     ``tensor(name)``: a parameter of the original model by name; ``beta_of(norm)``: that norm's β.
     Both read the original weights (before any edit): the in-memory path from the working copy, the
@@ -94,14 +104,14 @@ def place_beta(plan: Plan, tensor: Tensor, beta_of: Callable[[str], torch.Tensor
     :func:`head_readers`).
     """
     plan.options["beta_placement"] = placement
-    if placement != "rounding":  # "fold": β leaves every norm whose readers can take it
+    if placement == "fold":  # β leaves every norm whose readers can take it
         return []
     kept = []
     for sp in plan.sites:
         if not applies(plan, sp):
             continue
-        if keep and sp.name in keep:
-            keep_beta(plan, sp, keep[sp.name])
+        if (keep and sp.name in keep) or placement == "keep":
+            keep_beta(plan, sp, keep[sp.name] if keep and sp.name in keep else KEEP_WHY)
             kept.append(sp.name)
             continue
         beta = beta_of(sp.name)

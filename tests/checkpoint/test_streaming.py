@@ -157,6 +157,7 @@ def sources(tmp_path_factory) -> dict[str, Path]:
         ("gpt2-6", {}),
         ("gpt2-6", {"untie": False}),
         ("gpt2-6", {"dtype": "bfloat16"}),
+        ("gpt2-6", {"format": "compat", "beta_placement": "keep"}),  # every β kept, taken at full depth
         ("bert-5", {"mode": "exact"}),
         ("bert-5", {"format": "compat"}),
         ("vit-5", {}),
