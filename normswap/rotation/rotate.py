@@ -25,6 +25,7 @@ hook that :func:`install_ops` rebuilds when a native checkpoint loads; the compa
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 from torch import nn
@@ -56,6 +57,7 @@ class Rotation:
     rotated: list[dict] = field(default_factory=list)
     skipped: list[dict] = field(default_factory=list)  # {"norms", "reason"}
     online_skipped: list[str] = field(default_factory=list)  # down projections left without an online Hadamard
+    smoothing: Any = None  # normswap.rotation.smooth.Smoothing where rotate(smooth=α) ran, else None
 
     @property
     def matrices(self) -> dict[str, torch.Tensor]:
@@ -75,6 +77,8 @@ class Rotation:
             line += f", {len(self.fallbacks)} by a random orthogonal matrix (no Hadamard order fits their width)"
         if self.skipped:
             line += f", {len(self.skipped)} left unrotated ({self.skipped[0]['reason']})"
+        if self.smoothing is not None:
+            line += f"; {self.smoothing.headline()}"
         return line
 
     def __str__(self) -> str:
@@ -94,6 +98,9 @@ class Rotation:
         lines += [f"not rotated ({len(s['norms'])} norm(s), e.g. `{s['norms'][0]}`): {s['reason']}"
                   for s in self.skipped]
         lines += [f"no online Hadamard: {why}" for why in self.online_skipped]
+        if self.smoothing is not None:
+            lines.append(self.smoothing.headline())
+            lines += [f"not smoothed: `{n}`: {why}" for n, why in self.smoothing.skipped.items()]
         return "\n".join(lines) or "no stream to rotate"
 
 
@@ -502,7 +509,8 @@ def _user_matrix(q: torch.Tensor) -> torch.Tensor:
 
 
 def rotate(model: nn.Module, q: str | int | torch.Tensor = "hadamard", *, seed: int = 0,
-           online: bool = False, output: str | None = None) -> Rotation:
+           online: bool = False, output: str | None = None, smooth: float | None = None,
+           calibration: Any = None) -> Rotation:
     """Multiply every rotation-ready residual stream of a converted model by an orthogonal matrix.
 
     Args:
@@ -533,6 +541,17 @@ def rotate(model: nn.Module, q: str | int | torch.Tensor = "hadamard", *, seed: 
             before that norm (one ``d × d`` matmul per token: a ``Qᵀ`` buffer and pre-hook on the norm, which
             the native format saves and rebuilds; the compat format cannot hold it). ``"rotated"`` needs
             the norm's γ folded, i.e. a Linear reader besides the output; ``"restore"`` works either way.
+        smooth: SmoothQuant's α in [0, 1], or None (default: no smoothing). After the turn, each norm of a
+            rotated stream whose output only Linears read takes a per-channel weight ``1/s`` in the rotated
+            basis and its readers' input columns ``× s``, with ``s_j = max|a_j|^α / max|W_:,j|^(1-α)`` from
+            the norm's rotated output ``a`` on ``calibration`` and the readers' columns ``W``
+            (:mod:`normswap.rotation.smooth`). Exact for any ``s``; it evens activation and weight channel
+            ranges out between them. The norms keep that weight (a float multiply in every engine), so the
+            model cannot be rotated again afterwards.
+        calibration: the inputs ``smooth`` measures activations on: a tensor, a tuple or dict of model
+            inputs, or a list of them (as ``normswap.patch``'s ``calibration``). Default: for a transformers
+            model, the built-in calibration batches (English text, generated images or speech); a custom
+            model must pass it.
 
     Returns:
         A :class:`Rotation` listing the streams rotated (with the matrix of each) and, for the others, why not.
@@ -550,6 +569,12 @@ def rotate(model: nn.Module, q: str | int | torch.Tensor = "hadamard", *, seed: 
     """
     plan = _converted_plan(model)
     choice = MatrixChoice.of(q, seed)
+    batches = None
+    if smooth is not None:  # checked and resolved before anything turns: a bad request leaves the model as it was
+        from normswap.rotation import smooth as smoothing
+
+        smoothing.check_alpha(smooth)
+        batches = smoothing.calibration_batches(model, calibration)
     if output is not None:
         choose("output", output, ("rotated", "restore"))
     result = Rotation()
@@ -565,8 +590,22 @@ def rotate(model: nn.Module, q: str | int | torch.Tensor = "hadamard", *, seed: 
         result.rotated[0].update(value_heads=heads, head_dim=hd)
         if why:
             result.online_skipped.append(f"per-head Hadamard on values: {why}")
+    if batches is not None and result.rotated:
+        _smooth_streams(model, plan, result, smooth, batches)
     plan.rotations = plan.rotations + [manifest_entry(r) for r in result.rotated]
     return result
+
+
+def _smooth_streams(model: nn.Module, plan: Plan, result: Rotation, alpha: float, batches: list) -> None:
+    """Scale migration on the streams just turned (:func:`normswap.rotation.smooth.smooth_`); each stream's
+    entry records ``smooth`` (α) and ``smoothed`` (its norms that took a scale), and ``result.smoothing`` the
+    details."""
+    from normswap.rotation import smooth as smoothing
+
+    done = smoothing.smooth_(model, plan, result.rotated, batches, alpha)
+    for r in result.rotated:
+        r.update(smooth=done.alpha, smoothed=[n for n in r["norms"] if n in done.scales])
+    result.smoothing = done
 
 
 def _fold_kept_layer_scales(model: nn.Module, plan: Plan, turned: set[str]) -> None:
