@@ -152,3 +152,36 @@ def test_a_custom_model_must_bring_calibration_and_is_left_as_it_was():
     assert rot.smoothing.scales
     with torch.no_grad():
         assert _relative(model(ids), ref) <= 1e-9
+
+
+def test_patch_rotate_smooth_option_and_its_refusals():
+    from normswap.options import ConvertOptions
+
+    with pytest.raises(NormswapError, match="rotate_smooth applies to a rotation"):
+        ConvertOptions(rotate_smooth=0.5)
+    with pytest.raises(NormswapError, match=r"rotate_smooth must be a number in \[0, 1\]"):
+        ConvertOptions(rotate="hadamard", rotate_smooth=2)
+    model = build(EXACT, "gpt2")
+    probe = hf_example_inputs(model, seed=5)
+    ref = _run(model, probe)
+    report = normswap.patch(model, rotate="hadamard", rotate_smooth=0.5,
+                            calibration=hf_example_inputs(model, batch=4, seed=7))
+    assert report.rotation.smoothing.scales and "smoothed" in str(report)
+    assert _relative(_run(model, probe), ref) <= 1e-9
+
+
+def test_cli_smooth_needs_rotate_and_writes_a_stock_checkpoint(tmp_path):
+    from click.testing import CliRunner
+
+    from normswap.cli import main
+
+    runner = CliRunner()
+    res = runner.invoke(main, ["convert", "tiny-gpt2", "--out", str(tmp_path / "a"), "--smooth", "0.5"])
+    assert res.exit_code == 2 and "--smooth applies to a rotation" in res.stderr
+    assert not (tmp_path / "a").exists()
+    res = runner.invoke(main, ["convert", "tiny-gpt2", "--out", str(tmp_path / "b"), "--rotate", "hadamard",
+                               "--smooth", "0.5", "--format", "compat", "--quiet"])
+    assert res.exit_code == 0, res.stderr
+    assert "smoothed" in res.stdout
+    config = (tmp_path / "b" / "config.json").read_text()
+    assert '"model_type": "gpt2"' in config
