@@ -352,22 +352,36 @@ def _install_rotation_op(module: nn.Module, op: dict, value: torch.Tensor, *, co
 
 
 HADAMARD_BUFFER = "normswap_hadamard"  # H_K of an online Hadamard (the small factor; fwht does the 2^m part)
+SIGNS_BUFFER = "normswap_hadamard_signs"  # its random signs D (x → x D H/sqrt(n))
 
 
 class OnlineHadamard:
-    """Forward pre-hook: the module's input times ``H/sqrt(n)`` by the fast Walsh–Hadamard transform
-    (:func:`normswap.rotation.hadamard.fwht`, stock ops only, so it exports); the module's weight holds ``Hᵀ``."""
+    """Forward pre-hook: the module's input times ``D·H/sqrt(n)`` (``D`` random signs, where the module holds
+    them) by the fast Walsh–Hadamard transform (:func:`normswap.rotation.hadamard.fwht`, stock ops only, so it
+    exports); the module's weight holds ``(D H/sqrt(n))ᵀ``.
+
+    Why the signs: an MLP down projection reads GELU/ReLU outputs, whose per-token mean is a third of their
+    rms or more. A plain ``H`` maps that mean onto one coordinate (its first column is all ones), a spike of
+    ``sqrt(n)·mean`` that sets every per-token activation scale (a DINOv2-shaped MLP input's max/rms went
+    5.9 → 10.2 under ``H``, 3.5 under ``D·H``); with ``D`` the mean spreads like everything else."""
 
     def __call__(self, module: nn.Module, args: tuple) -> tuple:
         x = args[0]
+        signs = getattr(module, SIGNS_BUFFER, None)
+        if signs is not None:
+            x = x * signs.to(x.dtype)
         return (hadamard.fwht(x, getattr(module, HADAMARD_BUFFER)), *args[1:])
 
 
-def _install_online(module: nn.Module, small: torch.Tensor) -> None:
+def _install_online(module: nn.Module, small: torch.Tensor, signs: torch.Tensor | None = None) -> None:
     if getattr(module, "_normswap_online", None) is not None:
         setattr(module, HADAMARD_BUFFER, small)
+        if signs is not None:
+            setattr(module, SIGNS_BUFFER, signs)
         return
     module.register_buffer(HADAMARD_BUFFER, small)
+    if signs is not None:
+        module.register_buffer(SIGNS_BUFFER, signs)
     module._normswap_online = module.register_forward_pre_hook(OnlineHadamard())
 
 
@@ -475,8 +489,10 @@ def install_ops(model: nn.Module, plan: Plan) -> None:
             _install_rotation_op(module, op, torch.empty(width, width, **_like(module, model)))
         for path in r.get("online", []):
             module = model.get_submodule(path)
-            k = hadamard.hadamard_order(module.weight.shape[_reader_axis(module)])
-            _install_online(module, torch.empty(k, k, **_like(module, model)))
+            n = module.weight.shape[_reader_axis(module)]
+            k = hadamard.hadamard_order(n)
+            signs = torch.empty(n, **_like(module, model)) if r.get("online_signs") else None  # since 2026-11-29
+            _install_online(module, torch.empty(k, k, **_like(module, model)), signs)
 
 
 def _rotate_axis_(p: torch.Tensor, axis: int, q: torch.Tensor) -> None:
@@ -765,21 +781,25 @@ def _turn_stream(model: nn.Module, axes: dict[str, int], turn: StreamTurn, outpu
     if online:
         online_paths, skipped_online = _online_targets(model, writers, rot.shape[0])
         result.online_skipped += skipped_online
-        for path in online_paths:
-            _add_online_hadamard(model, path)
+        for i, path in enumerate(online_paths):
+            _add_online_hadamard(model, path, seed=(turn.info.get("seed") or 0) + 7919 * (i + 1))
     outputs = sorted({o for sp in turn.group for o in sp.rotation_outputs})
     return {"width": rot.shape[0], "norms": [sp.name for sp in turn.group], "writers": writers,
             "readers": turn.readers, **turn.info, "output": (output or "") if outputs else "", "outputs": outputs,
-            "restore": sorted(turn.restored), "ops": turn.ops, "online": online_paths, "q": rot}
+            "restore": sorted(turn.restored), "ops": turn.ops, "online": online_paths,
+            "online_signs": bool(online_paths), "q": rot}
 
 
-def _add_online_hadamard(model: nn.Module, path: str) -> None:
-    """QuaRot's online Hadamard before the down projection at ``path``: ``W ← W H̃`` and the op ``x H̃``."""
+def _add_online_hadamard(model: nn.Module, path: str, seed: int) -> None:
+    """QuaRot's online Hadamard before the down projection at ``path``, with random signs ``D`` (from ``seed``;
+    :class:`OnlineHadamard` says why): ``W ← W D H̃`` and the op ``x D H̃``."""
     module = model.get_submodule(path)
     n = module.weight.shape[_reader_axis(module)]
-    h = hadamard.hadamard(n) / n**0.5
-    _rotate_axis_(module.weight, _reader_axis(module), h.to(module.weight.device))  # W ← W H̃
-    _install_online(module, hadamard.small_factor(n).to(**_like(module, model)))
+    signs = hadamard.random_signs(n, seed)
+    turn = signs.unsqueeze(1) * hadamard.hadamard(n) / n**0.5  # D H̃
+    _rotate_axis_(module.weight, _reader_axis(module), turn.to(module.weight.device))  # W ← W D H̃
+    like = _like(module, model)
+    _install_online(module, hadamard.small_factor(n).to(**like), signs.to(**like))
 
 
 def manifest_entry(stream: dict) -> dict:
