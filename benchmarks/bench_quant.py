@@ -68,7 +68,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import quant_utils  # noqa: E402  (the benchmark's own helper module, next to this file)
 
 PRECISIONS = (("W8A8", 8, 8), ("W4A8", 4, 8), ("W8A4", 8, 4), ("W4A4", 4, 4))
-ROTATIONS = ("random", "hadamard", "hadamard+online")
+ROTATIONS = ("random", "hadamard", "hadamard+online", "hadamard+smooth", "hadamard+online+smooth")
+SMOOTH_ALPHA = 0.5  # "+smooth": rotate(..., smooth=0.5), SmoothQuant's usual α, on CALIBRATION
+CALIBRATION: list[dict] | None = None  # held-out batches for "+smooth" (None: normswap's built-in ones)
 TOYS = ("toy-gpt2", "toy-gpt2-outliers")
 RANDOMS = ("random-gpt2", "random-vit", "random-bert", "random-whisper")
 SPEECH_TYPES = ("whisper",)
@@ -378,6 +380,11 @@ def _rotate(model: torch.nn.Module, which: str, seed: int, kind: str) -> Any:
         return normswap.rotate(model, "random", seed=seed, **extra) if api["named"] else normswap.rotate(model, seed)
     if not api["named"]:
         raise NotImplementedError("this normswap.rotate takes a seed or a matrix only (no \"hadamard\")")
+    if which.endswith("+smooth"):
+        if "smooth" not in inspect.signature(normswap.rotate).parameters:
+            raise NotImplementedError("this normswap.rotate has no smooth=")
+        extra.update(smooth=SMOOTH_ALPHA, calibration=CALIBRATION)
+        which = which[: -len("+smooth")]
     if which == "hadamard":
         return normswap.rotate(model, "hadamard", seed=seed, **extra)
     if not api["online"]:
@@ -427,6 +434,8 @@ def build_variants(model: torch.nn.Module, tok: Any, which: list[str], seed: int
         note = f"{len(result.rotated)} stream(s) rotated" + (f", {len(kept)} not: {kept[0]['reason']}" if kept else "")
         if getattr(result, "online_skipped", None):
             note += f"; no online Hadamard: {result.online_skipped[0]}"
+        if getattr(result, "smoothing", None) is not None:
+            note += f"; {result.smoothing.headline()}"
         READERS.update(r for stream in result.rotated for r in stream.get("readers", []))
         yield rot, m, note
         del m
@@ -658,6 +667,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--json", default=None, help="also write the results to this JSON file")
     args = ap.parse_args(argv)
     torch.manual_seed(args.seed)
+    global CALIBRATION  # "+smooth" variants calibrate on these (speech, vision, random ids: normswap's built-in)
 
     from normswap.recipes.models import sentence_pooling
 
@@ -687,9 +697,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
         batches = text_batches(tok, grammar_corpus(args.texts, seed=10_000 + args.seed), args.max_len)
         data = f"{args.texts} held-out toy-grammar lines"
+        CALIBRATION = text_batches(tok, grammar_corpus(32, seed=20_000 + args.seed), args.max_len)
     else:
         batches = text_batches(tok, english(args.texts, args.seed), args.max_len)
         data = f"{args.texts} English paragraphs (Python reference docs), up to {args.max_len} tokens"
+        CALIBRATION = text_batches(tok, english(args.texts + 32, args.seed)[args.texts:], args.max_len)  # disjoint
 
     precisions = [p for p in PRECISIONS if p[0] in args.precisions]
     keep: set[str] = set()

@@ -147,6 +147,9 @@ class ConvertOptions:
         rotate_output: how a stream whose last norm output is itself a model output (a ViT/DINOv2
             backbone's ``last_hidden_state``) is handled (see :func:`normswap.rotate`'s ``output``).
         online_hadamard: also the online Hadamard rotations (see :func:`normswap.rotate`'s ``online``).
+        rotate_smooth: SmoothQuant's α in [0, 1] for a scale migration after the rotation (see
+            :func:`normswap.rotate`'s ``smooth``), measured on ``calibration`` (default: the built-in
+            batches); ``None`` (default) does not smooth.
     """
 
     mode: str = "auto"
@@ -168,6 +171,7 @@ class ConvertOptions:
     rotate_seed: int = 0
     rotate_output: str | None = None
     online_hadamard: bool = False
+    rotate_smooth: float | None = None
 
     def __post_init__(self) -> None:
         from normswap import backends  # the registry of backend names (imports torch kernels)
@@ -186,6 +190,13 @@ class ConvertOptions:
         if (self.online_hadamard or self.rotate_output is not None) and self.rotate is None:
             what = "online_hadamard" if self.online_hadamard else "rotate_output"
             raise NormswapError(f"option {what} applies to a rotation: pass rotate='hadamard' (--rotate hadamard) too")
+        if self.rotate_smooth is not None:
+            a = self.rotate_smooth
+            if isinstance(a, bool) or not isinstance(a, (int, float)) or not 0.0 <= float(a) <= 1.0:
+                raise NormswapError(f"option rotate_smooth must be a number in [0, 1] (SmoothQuant's alpha), not {a!r}")
+            if self.rotate is None:
+                raise NormswapError("option rotate_smooth applies to a rotation: pass rotate='hadamard' "
+                                    "(--rotate hadamard) too")
         for name in ("fold_gamma", "bias_slots", "untie", "per_norm_centering", "mean_carry", "sequential", "verify",
                      "allow_unusable", "online_hadamard"):
             if not isinstance(getattr(self, name), bool):

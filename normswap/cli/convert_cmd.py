@@ -96,12 +96,14 @@ def _check_combination(
     mode: str, fmt: str, fold_gamma: bool, per_norm_centering: bool, no_bias_slots: bool,
     calibration_data: str | None, low_memory: bool | None, task: str | None, new_head: bool,
     rotation: str | None, rotate_seed: int, rotate_output: str | None, online_hadamard: bool,
+    smooth: float | None = None,
 ) -> None:
     """Options that conflict or depend on one another, and a missing --calibration-data file: a usage
     error (exit 2), answered before torch is imported. The library checks the same combinations for
     Python callers (``checkpoint.conversion.check_options``), in its own words."""
-    if rotation is None and (online_hadamard or rotate_output or rotate_seed):
-        what = "--online-hadamard" if online_hadamard else "--rotate-output" if rotate_output else "--seed"
+    if rotation is None and (online_hadamard or rotate_output or rotate_seed or smooth is not None):
+        what = "--online-hadamard" if online_hadamard else "--rotate-output" if rotate_output else \
+            "--smooth" if smooth is not None else "--seed"
         raise UsageError(f"{what} applies to a rotation: pass --rotate hadamard (or random) too")
     if no_bias_slots and not fold_gamma and rotation is None:
         raise UsageError("--no-bias-slots applies with --fold-gamma (or --rotate) only: a bias slot takes the β of a "
@@ -310,6 +312,10 @@ Presets (offline, seeded tiny models with tokenizers/processors):
 )
 @click.option("--online-hadamard", is_flag=True,
               help="With --rotate hadamard and --format native: also the online Hadamard rotations.")
+@click.option("--smooth", "smooth", type=click.FloatRange(0.0, 1.0), default=None, metavar="ALPHA",
+              help="With --rotate: after the rotation, move a per-channel scale between each norm's weight and "
+              "its readers' input columns (SmoothQuant's alpha, e.g. 0.5), measured on --calibration-data "
+              "(default: built-in batches). Exact; works with --format compat.")
 @example_input_options
 @click.option("--quiet", "-q", is_flag=True,
               help="Errors only on stderr: no progress, notes or warnings (the results still go to stdout).")
@@ -343,6 +349,7 @@ def convert(
     rotate_seed: int,
     rotate_output: str | None,
     online_hadamard: bool,
+    smooth: float | None,
     example_inputs: str | None,
     samples: tuple[str, ...],
     quiet: bool,
@@ -355,7 +362,7 @@ def convert(
     """
     check_model_name(model)
     _check_combination(mode, fmt, fold_gamma, per_norm_centering, no_bias_slots, calibration_data, low_memory,
-                       task, new_head, rotation, rotate_seed, rotate_output, online_hadamard)
+                       task, new_head, rotation, rotate_seed, rotate_output, online_hadamard, smooth)
     from normswap.checkpoint.conversion import convert as run
     from normswap.options import ConvertOptions
 
@@ -369,6 +376,7 @@ def convert(
         rotate_seed=rotate_seed,
         rotate_output=rotate_output,
         online_hadamard=online_hadamard,
+        rotate_smooth=smooth,
         untie=not keep_tied,
         per_norm_centering=per_norm_centering,
         mean_carry=not no_mean_carry,

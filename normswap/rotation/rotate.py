@@ -25,6 +25,7 @@ hook that :func:`install_ops` rebuilds when a native checkpoint loads; the compa
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 from torch import nn
@@ -56,6 +57,7 @@ class Rotation:
     rotated: list[dict] = field(default_factory=list)
     skipped: list[dict] = field(default_factory=list)  # {"norms", "reason"}
     online_skipped: list[str] = field(default_factory=list)  # down projections left without an online Hadamard
+    smoothing: Any = None  # normswap.rotation.smooth.Smoothing where rotate(smooth=α) ran, else None
 
     @property
     def matrices(self) -> dict[str, torch.Tensor]:
@@ -75,6 +77,8 @@ class Rotation:
             line += f", {len(self.fallbacks)} by a random orthogonal matrix (no Hadamard order fits their width)"
         if self.skipped:
             line += f", {len(self.skipped)} left unrotated ({self.skipped[0]['reason']})"
+        if self.smoothing is not None:
+            line += f"; {self.smoothing.headline()}"
         return line
 
     def __str__(self) -> str:
@@ -94,6 +98,9 @@ class Rotation:
         lines += [f"not rotated ({len(s['norms'])} norm(s), e.g. `{s['norms'][0]}`): {s['reason']}"
                   for s in self.skipped]
         lines += [f"no online Hadamard: {why}" for why in self.online_skipped]
+        if self.smoothing is not None:
+            lines.append(self.smoothing.headline())
+            lines += [f"not smoothed: `{n}`: {why}" for n, why in self.smoothing.skipped.items()]
         return "\n".join(lines) or "no stream to rotate"
 
 
@@ -345,22 +352,36 @@ def _install_rotation_op(module: nn.Module, op: dict, value: torch.Tensor, *, co
 
 
 HADAMARD_BUFFER = "normswap_hadamard"  # H_K of an online Hadamard (the small factor; fwht does the 2^m part)
+SIGNS_BUFFER = "normswap_hadamard_signs"  # its random signs D (x → x D H/sqrt(n))
 
 
 class OnlineHadamard:
-    """Forward pre-hook: the module's input times ``H/sqrt(n)`` by the fast Walsh–Hadamard transform
-    (:func:`normswap.rotation.hadamard.fwht`, stock ops only, so it exports); the module's weight holds ``Hᵀ``."""
+    """Forward pre-hook: the module's input times ``D·H/sqrt(n)`` (``D`` random signs, where the module holds
+    them) by the fast Walsh–Hadamard transform (:func:`normswap.rotation.hadamard.fwht`, stock ops only, so it
+    exports); the module's weight holds ``(D H/sqrt(n))ᵀ``.
+
+    Why the signs: an MLP down projection reads GELU/ReLU outputs, whose per-token mean is a third of their
+    rms or more. A plain ``H`` maps that mean onto one coordinate (its first column is all ones), a spike of
+    ``sqrt(n)·mean`` that sets every per-token activation scale (a DINOv2-shaped MLP input's max/rms went
+    5.9 → 10.2 under ``H``, 3.5 under ``D·H``); with ``D`` the mean spreads like everything else."""
 
     def __call__(self, module: nn.Module, args: tuple) -> tuple:
         x = args[0]
+        signs = getattr(module, SIGNS_BUFFER, None)
+        if signs is not None:
+            x = x * signs.to(x.dtype)
         return (hadamard.fwht(x, getattr(module, HADAMARD_BUFFER)), *args[1:])
 
 
-def _install_online(module: nn.Module, small: torch.Tensor) -> None:
+def _install_online(module: nn.Module, small: torch.Tensor, signs: torch.Tensor | None = None) -> None:
     if getattr(module, "_normswap_online", None) is not None:
         setattr(module, HADAMARD_BUFFER, small)
+        if signs is not None:
+            setattr(module, SIGNS_BUFFER, signs)
         return
     module.register_buffer(HADAMARD_BUFFER, small)
+    if signs is not None:
+        module.register_buffer(SIGNS_BUFFER, signs)
     module._normswap_online = module.register_forward_pre_hook(OnlineHadamard())
 
 
@@ -468,8 +489,10 @@ def install_ops(model: nn.Module, plan: Plan) -> None:
             _install_rotation_op(module, op, torch.empty(width, width, **_like(module, model)))
         for path in r.get("online", []):
             module = model.get_submodule(path)
-            k = hadamard.hadamard_order(module.weight.shape[_reader_axis(module)])
-            _install_online(module, torch.empty(k, k, **_like(module, model)))
+            n = module.weight.shape[_reader_axis(module)]
+            k = hadamard.hadamard_order(n)
+            signs = torch.empty(n, **_like(module, model)) if r.get("online_signs") else None  # since 2026-11-29
+            _install_online(module, torch.empty(k, k, **_like(module, model)), signs)
 
 
 def _rotate_axis_(p: torch.Tensor, axis: int, q: torch.Tensor) -> None:
@@ -502,7 +525,8 @@ def _user_matrix(q: torch.Tensor) -> torch.Tensor:
 
 
 def rotate(model: nn.Module, q: str | int | torch.Tensor = "hadamard", *, seed: int = 0,
-           online: bool = False, output: str | None = None) -> Rotation:
+           online: bool = False, output: str | None = None, smooth: float | None = None,
+           calibration: Any = None) -> Rotation:
     """Multiply every rotation-ready residual stream of a converted model by an orthogonal matrix.
 
     Args:
@@ -533,6 +557,17 @@ def rotate(model: nn.Module, q: str | int | torch.Tensor = "hadamard", *, seed: 
             before that norm (one ``d × d`` matmul per token: a ``Qᵀ`` buffer and pre-hook on the norm, which
             the native format saves and rebuilds; the compat format cannot hold it). ``"rotated"`` needs
             the norm's γ folded, i.e. a Linear reader besides the output; ``"restore"`` works either way.
+        smooth: SmoothQuant's α in [0, 1], or None (default: no smoothing). After the turn, each norm of a
+            rotated stream whose output only Linears read takes a per-channel weight ``1/s`` in the rotated
+            basis and its readers' input columns ``× s``, with ``s_j = max|a_j|^α / max|W_:,j|^(1-α)`` from
+            the norm's rotated output ``a`` on ``calibration`` and the readers' columns ``W``
+            (:mod:`normswap.rotation.smooth`). Exact for any ``s``; it evens activation and weight channel
+            ranges out between them. The norms keep that weight (a float multiply in every engine), so the
+            model cannot be rotated again afterwards.
+        calibration: the inputs ``smooth`` measures activations on: a tensor, a tuple or dict of model
+            inputs, or a list of them (as ``normswap.patch``'s ``calibration``). Default: for a transformers
+            model, the built-in calibration batches (English text, generated images or speech); a custom
+            model must pass it.
 
     Returns:
         A :class:`Rotation` listing the streams rotated (with the matrix of each) and, for the others, why not.
@@ -550,6 +585,12 @@ def rotate(model: nn.Module, q: str | int | torch.Tensor = "hadamard", *, seed: 
     """
     plan = _converted_plan(model)
     choice = MatrixChoice.of(q, seed)
+    batches = None
+    if smooth is not None:  # checked and resolved before anything turns: a bad request leaves the model as it was
+        from normswap.rotation import smooth as smoothing
+
+        smoothing.check_alpha(smooth)
+        batches = smoothing.calibration_batches(model, calibration)
     if output is not None:
         choose("output", output, ("rotated", "restore"))
     result = Rotation()
@@ -565,8 +606,22 @@ def rotate(model: nn.Module, q: str | int | torch.Tensor = "hadamard", *, seed: 
         result.rotated[0].update(value_heads=heads, head_dim=hd)
         if why:
             result.online_skipped.append(f"per-head Hadamard on values: {why}")
+    if batches is not None and result.rotated:
+        _smooth_streams(model, plan, result, smooth, batches)
     plan.rotations = plan.rotations + [manifest_entry(r) for r in result.rotated]
     return result
+
+
+def _smooth_streams(model: nn.Module, plan: Plan, result: Rotation, alpha: float, batches: list) -> None:
+    """Scale migration on the streams just turned (:func:`normswap.rotation.smooth.smooth_`); each stream's
+    entry records ``smooth`` (α) and ``smoothed`` (its norms that took a scale), and ``result.smoothing`` the
+    details."""
+    from normswap.rotation import smooth as smoothing
+
+    done = smoothing.smooth_(model, plan, result.rotated, batches, alpha)
+    for r in result.rotated:
+        r.update(smooth=done.alpha, smoothed=[n for n in r["norms"] if n in done.scales])
+    result.smoothing = done
 
 
 def _fold_kept_layer_scales(model: nn.Module, plan: Plan, turned: set[str]) -> None:
@@ -726,21 +781,25 @@ def _turn_stream(model: nn.Module, axes: dict[str, int], turn: StreamTurn, outpu
     if online:
         online_paths, skipped_online = _online_targets(model, writers, rot.shape[0])
         result.online_skipped += skipped_online
-        for path in online_paths:
-            _add_online_hadamard(model, path)
+        for i, path in enumerate(online_paths):
+            _add_online_hadamard(model, path, seed=(turn.info.get("seed") or 0) + 7919 * (i + 1))
     outputs = sorted({o for sp in turn.group for o in sp.rotation_outputs})
     return {"width": rot.shape[0], "norms": [sp.name for sp in turn.group], "writers": writers,
             "readers": turn.readers, **turn.info, "output": (output or "") if outputs else "", "outputs": outputs,
-            "restore": sorted(turn.restored), "ops": turn.ops, "online": online_paths, "q": rot}
+            "restore": sorted(turn.restored), "ops": turn.ops, "online": online_paths,
+            "online_signs": bool(online_paths), "q": rot}
 
 
-def _add_online_hadamard(model: nn.Module, path: str) -> None:
-    """QuaRot's online Hadamard before the down projection at ``path``: ``W ← W H̃`` and the op ``x H̃``."""
+def _add_online_hadamard(model: nn.Module, path: str, seed: int) -> None:
+    """QuaRot's online Hadamard before the down projection at ``path``, with random signs ``D`` (from ``seed``;
+    :class:`OnlineHadamard` says why): ``W ← W D H̃`` and the op ``x D H̃``."""
     module = model.get_submodule(path)
     n = module.weight.shape[_reader_axis(module)]
-    h = hadamard.hadamard(n) / n**0.5
-    _rotate_axis_(module.weight, _reader_axis(module), h.to(module.weight.device))  # W ← W H̃
-    _install_online(module, hadamard.small_factor(n).to(**_like(module, model)))
+    signs = hadamard.random_signs(n, seed)
+    turn = signs.unsqueeze(1) * hadamard.hadamard(n) / n**0.5  # D H̃
+    _rotate_axis_(module.weight, _reader_axis(module), turn.to(module.weight.device))  # W ← W D H̃
+    like = _like(module, model)
+    _install_online(module, hadamard.small_factor(n).to(**like), signs.to(**like))
 
 
 def manifest_entry(stream: dict) -> dict:

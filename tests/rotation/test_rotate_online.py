@@ -7,7 +7,7 @@ import torch
 import normswap
 from normswap.inputs import hf_example_inputs
 from normswap.pipeline import default_dtype
-from normswap.rotation.rotate import HADAMARD_BUFFER, rotate
+from normswap.rotation.rotate import HADAMARD_BUFFER, OnlineHadamard, rotate
 from tests.integrations.compat import Positional
 from tests.zoo import EXACT, RMS, build
 
@@ -152,3 +152,17 @@ def test_rotating_twice_composes_ops_and_adds_online_hadamards_once():
     assert first.rotated[0]["value_heads"] and "value_heads" not in second.rotated[0]
     assert float((out - ref).abs().max() / ref.abs().max()) <= 1e-9
     assert len(normswap.plan_of(model).rotations) == 2
+
+
+def test_the_online_hadamard_spreads_a_per_token_mean():
+    """An MLP down projection reads GELU outputs with a large per-token mean; a plain Hadamard would put it
+    all on one coordinate (max/rms = sqrt(n) for a constant vector). The random signs spread it."""
+    model = build(EXACT, "gpt2")
+    normswap.patch(model, fold_gamma=True)
+    rot = rotate(model, "hadamard", online=True)
+    assert normswap.plan_of(model).rotations[0]["online_signs"]
+    module = model.get_submodule(rot.rotated[0]["online"][0])
+    n = module.weight.shape[0]  # Conv1D: [in, out]
+    (turned,) = OnlineHadamard()(module, (torch.ones(1, n, dtype=module.weight.dtype),))
+    ratio = float(turned.abs().max() / turned.pow(2).mean().sqrt())
+    assert ratio < 0.5 * n**0.5, ratio  # a plain Hadamard gives exactly sqrt(n)
