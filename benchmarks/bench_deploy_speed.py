@@ -18,13 +18,18 @@ Shapes: batch 1 and 4 at two sequence lengths (text: 8 and 32 tokens; ViT: 64 an
 exporter's default opset (dynamic batch and sequence) and cached (``--cache``); ``--opset 23`` adds an
 ONNX Runtime column for ``RMSNormalization``.
 
-Timing: one thread everywhere (``torch.set_num_threads(1)``, ORT ``intra_op_num_threads=1``); per cell,
-interleaved ABBA quads (original, converted, converted, original) until the cell's time budget is
-spent (at least ``--min-quads``); the ratio is the median over quads of converted/original time, with
-the quartiles of that ratio (``--control`` adds the original timed against itself, the noise floor).
-Load average is recorded before and after. ``torch.compile`` (inductor,
-``dynamic=True``) is timed at batch 4 only unless ``--compile-batch1``: a batch of 1 is specialised,
-so it would cost a second compile per model (minutes each on a loaded 2-core machine).
+Timing: one thread everywhere (``torch.set_num_threads(1)``, ORT ``intra_op_num_threads=1``), timed by
+the calling thread's CPU time (``--clock cpu``, the default: on a loaded machine wall time also counts
+the time the thread waited for a core); per cell, interleaved ABBA quads (original, converted,
+converted, original) until the cell's time budget is spent (at least ``--min-quads``); the ratio is the
+median over quads of converted/original time, with the quartiles of that ratio. Two copies of one
+model run a few percent apart depending on where their weights landed in memory (measured: two ORT
+sessions of one file, 2-7%), so each cell pools two halves: ORT sessions created in opposite orders,
+and in torch a second copy of the original allocated after the converted model. ``--control`` adds
+the original against its second session/copy, the noise floor. Load average is recorded before and
+after. ``torch.compile`` (inductor, ``dynamic=True``) is timed at batch 4 only unless
+``--compile-batch1``: a batch of 1 is specialised, so it would cost a second compile per model (minutes
+each on a loaded 2-core machine).
 
     python benchmarks/bench_deploy_speed.py                 # everything (~15-30 min on a loaded 2-core box)
     python benchmarks/bench_deploy_speed.py --quick         # batch 1 and 4 at the short length, less time per cell
@@ -197,15 +202,23 @@ def torch_call(fn: Callable[..., torch.Tensor], example: tuple[torch.Tensor, ...
     return run
 
 
-def abba(original: Callable[[], object], converted: Callable[[], object], budget_s: float,
-         min_quads: int) -> dict[str, float]:
-    """Median and quartiles over ABBA quads of converted/original time; both warmed up first."""
+#: The clock cells are timed with: "cpu" (the calling thread's CPU time, ``time.thread_time``; every
+#: engine here computes on the calling thread: one torch thread, ORT with one intra-op thread and no
+#: inter-op pool), which leaves out the time the thread waits for a core on a loaded machine, or
+#: "wall" (``time.perf_counter``). Set from ``--clock``.
+CLOCK: list[Callable[[], float]] = [time.thread_time]
+
+
+def quads(original: Callable[[], object], converted: Callable[[], object], budget_s: float,
+          min_quads: int) -> tuple[list[float], list[float]]:
+    """Interleaved ABBA quads (original, converted, converted, original) for ``budget_s`` seconds of wall
+    time (at least ``min_quads``): per quad, converted/original time and the original's mean time."""
     for f in (original, converted, original, converted):
         f()
     ratios, base = [], []
-    clock = time.perf_counter
-    start = clock()
-    while len(ratios) < min_quads or clock() - start < budget_s:
+    clock, wall = CLOCK[0], time.perf_counter
+    start = wall()
+    while len(ratios) < min_quads or wall() - start < budget_s:
         t = []
         for f in (original, converted, converted, original):
             t0 = clock()
@@ -215,9 +228,45 @@ def abba(original: Callable[[], object], converted: Callable[[], object], budget
         base.append((t[0] + t[3]) / 2)
         if len(ratios) >= 400:
             break
+    return ratios, base
+
+
+def summary(ratios: list[float], base: list[float]) -> dict[str, float]:
     q = statistics.quantiles(ratios, n=4) if len(ratios) >= 2 else [ratios[0]] * 3
     return {"ratio": statistics.median(ratios), "q1": q[0], "q3": q[2], "quads": len(ratios),
             "original_ms": 1e3 * statistics.median(base)}
+
+
+def abba(original: Callable[[], object], converted: Callable[[], object], budget_s: float,
+         min_quads: int) -> dict[str, float]:
+    """Median and quartiles over ABBA quads of converted/original time; both warmed up first."""
+    return summary(*quads(original, converted, budget_s, min_quads))
+
+
+def abba_sessions(original: Path, converted: Path, example: tuple[torch.Tensor, ...], budget_s: float,
+                  min_quads: int) -> dict[str, float]:
+    """:func:`abba` for two ONNX files, over two halves whose sessions are created in opposite orders.
+
+    Two sessions of the *same* file, created one after the other, ran 2-7% apart in this process
+    (BERT-base, batch 1, 8 tokens: the second one slower, steadily over 40-90 quads; memory placement
+    of the weights, not the graph). One creation order would add that bias to every ratio; pooling the
+    quads of both orders cancels it."""
+    ratios: list[float] = []
+    base: list[float] = []
+    for first_original in (True, False):
+        if first_original:
+            s_original = ort_session(original)
+            s_converted = ort_session(converted)  # a second session even when it is the same file (A/A)
+        else:
+            s_converted = ort_session(converted)
+            s_original = ort_session(original)
+        r, b = quads(ort_call(s_original, example), ort_call(s_converted, example), budget_s / 2,
+                     max(1, (min_quads + 1) // 2))
+        ratios += r
+        base += b
+        del s_original, s_converted
+        gc.collect()
+    return summary(ratios, base)
 
 
 KERNELS = {
@@ -348,7 +397,7 @@ def run_model(name: str, label: str, px: int, args: argparse.Namespace, cache: P
     for engine, opset in ort_columns:
         if engine not in args.engines and not (engine == "ort23" and "ort" in args.engines):
             continue
-        sessions, fused = {}, {}
+        paths, fused = {}, {}
         for variant, body in bodies.items():
             path = cache / f"{label}-L{args.layers}-{variant}-{opset or 'default'}.onnx"
             example = inputs_for(name, 2, px or 16)
@@ -358,19 +407,22 @@ def run_model(name: str, label: str, px: int, args: argparse.Namespace, cache: P
             if engine == "ortopt":
                 path = ort_optimised(path, name)
             fused[variant] = {k: v for k, v in fused_norm_ops(path).items() if v}
-            sessions[variant] = ort_session(path)
+            paths[variant] = path
         print(f"#   {engine} norm ops after ORT's optimiser: {fused}", flush=True)
         for (batch, n), row in rows.items():
             example = inputs_for(name, batch, px or n)
-            row[engine] = abba(ort_call(sessions["original"], example), ort_call(sessions["converted"], example),
-                               args.budget, args.min_quads)
-            if args.control:  # original against itself: how far from 1.00 noise alone moves a ratio
-                row[engine + "_aa"] = abba(ort_call(sessions["original"], example),
-                                           ort_call(sessions["original"], example), args.budget, args.min_quads)
+            row[engine] = abba_sessions(paths["original"], paths["converted"], example, args.budget,
+                                        args.min_quads)
+            if args.control:  # original against a second session of itself: the noise floor
+                row[engine + "_aa"] = abba_sessions(paths["original"], paths["original"], example, args.budget,
+                                                    args.min_quads)
             row[engine + "_ops"] = fused
             print(f"#   {engine} b{batch} t{row['tokens']}: {row[engine]['ratio']:.3f}", flush=True)
-        del sessions
-        gc.collect()
+    if "eager" in args.engines or "compile" in args.engines:
+        # a second copy of the original, allocated after the converted model: half of each cell's quads
+        # time it instead of the first, so where in memory a model's weights landed (2-7% between two
+        # copies of one model, see abba_sessions) cancels out, and the A/A control sees it
+        bodies["original2"] = Body(copy.deepcopy(model), keys).eval()
     for engine in ("eager", "compile"):
         if engine not in args.engines:
             continue
@@ -380,11 +432,12 @@ def run_model(name: str, label: str, px: int, args: argparse.Namespace, cache: P
                 continue  # a second compile per model (size-1 dims are specialised): --compile-batch1
             example = inputs_for(name, batch, px or n)
             t0 = time.perf_counter()
-            row[engine] = abba(torch_call(fns["original"], example), torch_call(fns["converted"], example),
-                               args.budget, args.min_quads)
-            if args.control:
-                row[engine + "_aa"] = abba(torch_call(fns["original"], example),
-                                           torch_call(fns["original"], example), args.budget, args.min_quads)
+            half, least = args.budget / 2, max(1, (args.min_quads + 1) // 2)
+            calls = {k: torch_call(f, example) for k, f in fns.items()}
+            pooled = [quads(calls[o], calls["converted"], half, least) for o in ("original", "original2")]
+            row[engine] = summary(pooled[0][0] + pooled[1][0], pooled[0][1] + pooled[1][1])
+            if args.control:  # the first copy of the original against the second
+                row[engine + "_aa"] = abba(calls["original"], calls["original2"], args.budget, args.min_quads)
             print(f"#   {engine} b{batch} t{row['tokens']}: {row[engine]['ratio']:.3f} "
                   f"({time.perf_counter() - t0:.0f} s)", flush=True)
         del fns
@@ -429,6 +482,9 @@ def main() -> None:
                         help="only ORT's norm kernels alone, against LayerNormalization (about a minute)")
     parser.add_argument("--compile-batch1", action="store_true",
                         help="also time torch.compile at batch 1 (one more compile per model)")
+    parser.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
+                        help="time cells by the calling thread's CPU time (default; robust to a loaded "
+                        "machine) or by wall time")
     parser.add_argument("--layers", type=int, default=12, help="transformer layers (12: the real sizes; fewer "
                         "for a plumbing check)")
     args = parser.parse_args()
@@ -436,6 +492,7 @@ def main() -> None:
     args.budget = args.budget if args.budget is not None else (4.0 if args.quick else 12.0)
     args.min_quads = args.min_quads if args.min_quads is not None else (3 if args.quick else 5)
     torch.set_num_threads(1)
+    CLOCK[0] = time.thread_time if args.clock == "cpu" else time.perf_counter
     cache = Path(args.cache)
     cache.mkdir(parents=True, exist_ok=True)
     load_before = os.getloadavg()
