@@ -40,6 +40,7 @@ each on a loaded 2-core machine).
     python benchmarks/bench_deploy_speed.py --engines ortopt  # ORT after onnxruntime.transformers.optimizer
     python benchmarks/bench_deploy_speed.py --round-robin 45  # cached ORT exports timed in turn, batch 1
     python benchmarks/bench_deploy_speed.py --kernels       # ORT's norm kernels alone (about a minute)
+    python benchmarks/bench_deploy_speed.py --models bert --profile 50  # ORT kernel time per op type
 
 Goal (issue 40): converted/original <= 1.00 in every cell, below 1 where the norm is a visible share.
 Results: docs/results/deploy-speed.md.
@@ -370,6 +371,59 @@ def round_robin(label: str, cache: Path, opsets: list[str], batch: int, tokens: 
     return f"{label} b{batch} t{tokens}, {rounds} rounds: " + ", ".join(cells) + "; " + ", ".join(ratios)
 
 
+def op_profile(label: str, cache: Path, batch: int, tokens: int, runs: int) -> str:
+    """ORT's own profiler over the cached default-opset exports of one model (original and converted,
+    ``runs`` calls each, alternating): kernel time per op type (the sum over its nodes of each node's
+    median over calls, so a call preempted on a loaded machine does not count), microseconds per call,
+    as a table. Which ops the conversion changed, and what each costs, apart from end-to-end noise."""
+    import onnxruntime as ort
+
+    name = "vit" if label.startswith("vit") else label.split("-")[0]
+    px = int(label[3:].split("-")[0]) if name == "vit" else 0
+    example = inputs_for(name, batch, px or tokens)
+    sessions = {}
+    for variant in ("original", "converted"):
+        path = cache / f"{label}-{variant}-default.onnx"
+        if not path.with_suffix(".done").exists():
+            return f"{label}: no cached export in {cache} (run without --profile first)"
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = options.inter_op_num_threads = 1
+        options.log_severity_level = 3
+        options.enable_profiling = True
+        options.profile_file_prefix = str(cache / f"profile-{label}-{variant}")
+        sessions[variant] = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    calls = {v: ort_call(sess, example) for v, sess in sessions.items()}
+    for f in calls.values():
+        f()
+    for _ in range(runs):
+        for f in calls.values():
+            f()
+    per_op: dict[str, dict[str, tuple[float, int]]] = {}
+    for variant, sess in sessions.items():
+        trace = Path(sess.end_profiling())
+        per_node: dict[str, tuple[str, list[float]]] = {}  # node -> (op type, its time in each call)
+        for event in json.loads(trace.read_text()):
+            if event.get("cat") == "Node" and event.get("name", "").endswith("_kernel_time"):
+                per_node.setdefault(event["name"], (event["args"]["op_name"], []))[1].append(event["dur"])
+        trace.unlink()
+        totals: dict[str, tuple[float, int]] = {}
+        for op, durations in per_node.values():  # each node's median call: a preempted call does not count
+            us, n = totals.get(op, (0.0, 0))
+            totals[op] = (us + statistics.median(durations), n + 1)
+        per_op[variant] = totals
+    lines = [f"{label}, batch {batch}, {example[0].shape[1] if name != 'vit' else (px // 16) ** 2 + 1} tokens, "
+             f"{runs} calls each (ORT profiler, median µs per call):", "",
+             "| op | original: µs (nodes) | converted: µs (nodes) |", "|---|---|---|"]
+    ops = sorted(set(per_op["original"]) | set(per_op["converted"]),
+                 key=lambda op: -max(per_op[v].get(op, (0, 0))[0] for v in per_op))
+    for op in ops:
+        cells = [f"{per_op[v][op][0]:.0f} ({per_op[v][op][1]})" if op in per_op[v] else "–" for v in per_op]
+        lines.append(f"| {op} | " + " | ".join(cells) + " |")
+    totals = [sum(us for us, _ in per_op[v].values()) for v in per_op]
+    lines.append(f"| all kernels | {totals[0]:.0f} | {totals[1]:.0f} |")
+    return "\n".join(lines)
+
+
 def variants(name: str) -> list[tuple[str, int]]:
     """(label, image size) per model built: one for text, one per image size for ViT."""
     return [(name, 0)] if name != "vit" else [(f"vit{px}", px) for px in VIT_SIZES]
@@ -478,6 +532,9 @@ def main() -> None:
                         help="also time the original against itself per cell (the noise floor; doubles the time)")
     parser.add_argument("--round-robin", type=float, default=0, metavar="SECONDS",
                         help="only ORT: the cached exports of each model timed round-robin at batch 1 for SECONDS")
+    parser.add_argument("--profile", type=int, default=0, metavar="CALLS",
+                        help="only ORT: its profiler's kernel time per op type, original vs converted "
+                        "(cached exports, batch 1, the short length), over CALLS calls each")
     parser.add_argument("--kernels", action="store_true",
                         help="only ORT's norm kernels alone, against LayerNormalization (about a minute)")
     parser.add_argument("--compile-batch1", action="store_true",
@@ -511,6 +568,13 @@ def main() -> None:
             for label, _ in variants(name):
                 batch, n = shapes(label, quick=True)[0]
                 print(round_robin(f"{label}-L{args.layers}", cache, opsets, batch, n, args.round_robin), flush=True)
+        print(f"load average {os.getloadavg()[0]:.1f}")
+        return
+    if args.profile:
+        for name in args.models.split(","):
+            for label, _ in variants(name):
+                batch, n = shapes(label, quick=True)[0]
+                print(op_profile(f"{label}-L{args.layers}", cache, batch, n, args.profile), flush=True)
         print(f"load average {os.getloadavg()[0]:.1f}")
         return
     if args.kernels:
