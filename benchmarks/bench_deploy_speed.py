@@ -25,7 +25,7 @@ converted, original) until the cell's time budget is spent (at least ``--min-qua
 median over quads of converted/original time, with the quartiles of that ratio. Two copies of one
 model run a few percent apart depending on where their weights landed in memory (measured: two ORT
 sessions of one file, 2-7%), so each cell pools two halves: ORT sessions created in opposite orders,
-and in torch a second copy of the original allocated after the converted model. ``--control`` adds
+and in torch second copies of both models allocated in the opposite order. ``--control`` adds
 the original against its second session/copy, the noise floor. Load average is recorded before and
 after. ``torch.compile`` (inductor, ``dynamic=True``) is timed at batch 4 only unless
 ``--compile-batch1``: a batch of 1 is specialised, so it would cost a second compile per model (minutes
@@ -484,9 +484,10 @@ def run_model(name: str, label: str, px: int, args: argparse.Namespace, cache: P
             row[engine + "_ops"] = fused
             print(f"#   {engine} b{batch} t{row['tokens']}: {row[engine]['ratio']:.3f}", flush=True)
     if "eager" in args.engines or "compile" in args.engines:
-        # a second copy of the original, allocated after the converted model: half of each cell's quads
-        # time it instead of the first, so where in memory a model's weights landed (2-7% between two
-        # copies of one model, see abba_sessions) cancels out, and the A/A control sees it
+        # second copies, allocated in the opposite order (converted, then original): half of each cell's
+        # quads time them instead of the first ones, so where in memory a model's weights landed (2-7%
+        # between two copies of one model, see abba_sessions) averages out, and the A/A control sees it
+        bodies["converted2"] = Body(copy.deepcopy(converted), keys).eval()
         bodies["original2"] = Body(copy.deepcopy(model), keys).eval()
     for engine in ("eager", "compile"):
         if engine not in args.engines:
@@ -499,7 +500,7 @@ def run_model(name: str, label: str, px: int, args: argparse.Namespace, cache: P
             t0 = time.perf_counter()
             half, least = args.budget / 2, max(1, (args.min_quads + 1) // 2)
             calls = {k: torch_call(f, example) for k, f in fns.items()}
-            pooled = [quads(calls[o], calls["converted"], half, least) for o in ("original", "original2")]
+            pooled = [quads(calls["original" + k], calls["converted" + k], half, least) for k in ("", "2")]
             row[engine] = summary(pooled[0][0] + pooled[1][0], pooled[0][1] + pooled[1][1])
             if args.control:  # the first copy of the original against the second
                 row[engine + "_aa"] = abba(calls["original"], calls["original2"], args.budget, args.min_quads)
