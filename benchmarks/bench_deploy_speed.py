@@ -18,13 +18,18 @@ Shapes: batch 1 and 4 at two sequence lengths (text: 8 and 32 tokens; ViT: 64 an
 exporter's default opset (dynamic batch and sequence) and cached (``--cache``); ``--opset 23`` adds an
 ONNX Runtime column for ``RMSNormalization``.
 
-Timing: one thread everywhere (``torch.set_num_threads(1)``, ORT ``intra_op_num_threads=1``); per cell,
-interleaved ABBA quads (original, converted, converted, original) until the cell's time budget is
-spent (at least ``--min-quads``); the ratio is the median over quads of converted/original time, with
-the quartiles of that ratio (``--control`` adds the original timed against itself, the noise floor).
-Load average is recorded before and after. ``torch.compile`` (inductor,
-``dynamic=True``) is timed at batch 4 only unless ``--compile-batch1``: a batch of 1 is specialised,
-so it would cost a second compile per model (minutes each on a loaded 2-core machine).
+Timing: one thread everywhere (``torch.set_num_threads(1)``, ORT ``intra_op_num_threads=1``), timed by
+the calling thread's CPU time (``--clock cpu``, the default: on a loaded machine wall time also counts
+the time the thread waited for a core); per cell, interleaved ABBA quads (original, converted,
+converted, original) until the cell's time budget is spent (at least ``--min-quads``); the ratio is the
+median over quads of converted/original time, with the quartiles of that ratio. Two copies of one
+model run a few percent apart depending on where their weights landed in memory (measured: two ORT
+sessions of one file, 2-7%), so each cell pools two halves: ORT sessions created in opposite orders,
+and in torch second copies of both models allocated in the opposite order. ``--control`` adds
+the original against its second session/copy, the noise floor. Load average is recorded before and
+after. ``torch.compile`` (inductor, ``dynamic=True``) is timed at batch 4 only unless
+``--compile-batch1``: a batch of 1 is specialised, so it would cost a second compile per model (minutes
+each on a loaded 2-core machine).
 
     python benchmarks/bench_deploy_speed.py                 # everything (~15-30 min on a loaded 2-core box)
     python benchmarks/bench_deploy_speed.py --quick         # batch 1 and 4 at the short length, less time per cell
@@ -32,8 +37,10 @@ so it would cost a second compile per model (minutes each on a loaded 2-core mac
     python benchmarks/bench_deploy_speed.py --json out.json # also write the raw figures
     python benchmarks/bench_deploy_speed.py --control       # also the original against itself (noise floor)
     python benchmarks/bench_deploy_speed.py --models gpt2 --engines ort --opset23   # + ORT at opset 23
+    python benchmarks/bench_deploy_speed.py --engines ortopt  # ORT after onnxruntime.transformers.optimizer
     python benchmarks/bench_deploy_speed.py --round-robin 45  # cached ORT exports timed in turn, batch 1
     python benchmarks/bench_deploy_speed.py --kernels       # ORT's norm kernels alone (about a minute)
+    python benchmarks/bench_deploy_speed.py --models bert --profile 50  # ORT kernel time per op type
 
 Goal (issue 40): converted/original <= 1.00 in every cell, below 1 where the norm is a visible share.
 Results: docs/results/deploy-speed.md.
@@ -63,7 +70,7 @@ from normswap.integrations.onnx import fused_norm_ops
 
 TEXT_SHAPES = [(1, 8), (4, 8), (1, 32), (4, 32)]  # (batch, tokens)
 VIT_SIZES = (64, 128)  # image px: 17 and 65 tokens at patch 16
-ENGINES = ("ort", "eager", "compile")
+ENGINES = ("ort", "eager", "compile")  # also "ortopt": ORT after onnxruntime.transformers.optimizer (opt-in)
 
 
 class Body(nn.Module):
@@ -151,6 +158,39 @@ def export(body: Body, example: tuple[torch.Tensor, ...], path: Path, opset: int
     return time.perf_counter() - t0
 
 
+def ort_optimised(path: Path, name: str) -> Path:
+    """``onnxruntime.transformers.optimizer.optimize_model`` of the export at ``path`` (cached next to it):
+    its fusions on top of the session's, among them each residual ``Add`` with the norm after it
+    (``SkipLayerNormalization`` / ``SkipSimplifiedLayerNormalization``). ``model_type="bert"`` for the
+    text models (``gpt2`` fails on a dynamic-shape GPT-2 export, original or converted; docs/deployment.md)."""
+    out = path.with_name(path.stem + "-optimised.onnx")
+    done = out.with_suffix(".done")
+    if out.exists() and done.exists():
+        return out
+    # in a child process: the optimiser's protobuf copies and shape-inference session (several GB for
+    # a 12-layer model) would otherwise stay in this process's heap next to the timed sessions
+    import subprocess
+
+    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import bench_deploy_speed as b; "
+            f"b.optimise_onnx({str(path)!r}, {str(out)!r}, {name!r})")
+    subprocess.run([sys.executable, "-c", code], check=True)
+    done.write_text("")
+    return out
+
+
+def optimise_onnx(path: str, out: str, name: str) -> None:
+    """What :func:`ort_optimised` runs in its child process."""
+    from onnxruntime.transformers.optimizer import optimize_model
+
+    logging.disable(logging.WARNING)
+    try:
+        model = optimize_model(str(path), model_type="vit" if name == "vit" else "bert", num_heads=12,
+                               hidden_size=768)
+    finally:
+        logging.disable(logging.NOTSET)
+    model.save_model_to_file(out)
+
+
 def ort_session(path: Path):
     import onnxruntime as ort
 
@@ -174,15 +214,23 @@ def torch_call(fn: Callable[..., torch.Tensor], example: tuple[torch.Tensor, ...
     return run
 
 
-def abba(original: Callable[[], object], converted: Callable[[], object], budget_s: float,
-         min_quads: int) -> dict[str, float]:
-    """Median and quartiles over ABBA quads of converted/original time; both warmed up first."""
+#: The clock cells are timed with: "cpu" (the calling thread's CPU time, ``time.thread_time``; every
+#: engine here computes on the calling thread: one torch thread, ORT with one intra-op thread and no
+#: inter-op pool), which leaves out the time the thread waits for a core on a loaded machine, or
+#: "wall" (``time.perf_counter``). Set from ``--clock``.
+CLOCK: list[Callable[[], float]] = [time.thread_time]
+
+
+def quads(original: Callable[[], object], converted: Callable[[], object], budget_s: float,
+          min_quads: int) -> tuple[list[float], list[float]]:
+    """Interleaved ABBA quads (original, converted, converted, original) for ``budget_s`` seconds of wall
+    time (at least ``min_quads``): per quad, converted/original time and the original's mean time."""
     for f in (original, converted, original, converted):
         f()
     ratios, base = [], []
-    clock = time.perf_counter
-    start = clock()
-    while len(ratios) < min_quads or clock() - start < budget_s:
+    clock, wall = CLOCK[0], time.perf_counter
+    start = wall()
+    while len(ratios) < min_quads or wall() - start < budget_s:
         t = []
         for f in (original, converted, converted, original):
             t0 = clock()
@@ -192,9 +240,45 @@ def abba(original: Callable[[], object], converted: Callable[[], object], budget
         base.append((t[0] + t[3]) / 2)
         if len(ratios) >= 400:
             break
+    return ratios, base
+
+
+def summary(ratios: list[float], base: list[float]) -> dict[str, float]:
     q = statistics.quantiles(ratios, n=4) if len(ratios) >= 2 else [ratios[0]] * 3
     return {"ratio": statistics.median(ratios), "q1": q[0], "q3": q[2], "quads": len(ratios),
             "original_ms": 1e3 * statistics.median(base)}
+
+
+def abba(original: Callable[[], object], converted: Callable[[], object], budget_s: float,
+         min_quads: int) -> dict[str, float]:
+    """Median and quartiles over ABBA quads of converted/original time; both warmed up first."""
+    return summary(*quads(original, converted, budget_s, min_quads))
+
+
+def abba_sessions(original: Path, converted: Path, example: tuple[torch.Tensor, ...], budget_s: float,
+                  min_quads: int) -> dict[str, float]:
+    """:func:`abba` for two ONNX files, over two halves whose sessions are created in opposite orders.
+
+    Two sessions of the *same* file, created one after the other, ran 2-7% apart in this process
+    (BERT-base, batch 1, 8 tokens: the second one slower, steadily over 40-90 quads; memory placement
+    of the weights, not the graph). One creation order would add that bias to every ratio; pooling the
+    quads of both orders cancels it."""
+    ratios: list[float] = []
+    base: list[float] = []
+    for first_original in (True, False):
+        if first_original:
+            s_original = ort_session(original)
+            s_converted = ort_session(converted)  # a second session even when it is the same file (A/A)
+        else:
+            s_converted = ort_session(converted)
+            s_original = ort_session(original)
+        r, b = quads(ort_call(s_original, example), ort_call(s_converted, example), budget_s / 2,
+                     max(1, (min_quads + 1) // 2))
+        ratios += r
+        base += b
+        del s_original, s_converted
+        gc.collect()
+    return summary(ratios, base)
 
 
 KERNELS = {
@@ -294,9 +378,61 @@ def round_robin(label: str, cache: Path, opsets: list[str], batch: int, tokens: 
         rounds += 1
     med = {k: 1e3 * statistics.median(v) for k, v in times.items()}
     cells = [f"{k}: {m:.1f} ms" for k, m in med.items()]
-    ratios = [f"converted/original at opset {o}: **{med['converted-' + o] / med['original-' + o]:.3f}**"
-              for o in opsets]
+    ratios = [f"converted/original, {o}: **{med['converted-' + o] / med['original-' + o]:.3f}**" for o in opsets]
     return f"{label} b{batch} t{tokens}, {rounds} rounds: " + ", ".join(cells) + "; " + ", ".join(ratios)
+
+
+def op_profile(label: str, cache: Path, batch: int, tokens: int, runs: int) -> str:
+    """ORT's own profiler over the cached default-opset exports of one model (original and converted,
+    ``runs`` calls each, alternating): kernel time per op type (the sum over its nodes of each node's
+    median over calls, so a call preempted on a loaded machine does not count), microseconds per call,
+    as a table. Which ops the conversion changed, and what each costs, apart from end-to-end noise."""
+    import onnxruntime as ort
+
+    name = "vit" if label.startswith("vit") else label.split("-")[0]
+    px = int(label[3:].split("-")[0]) if name == "vit" else 0
+    example = inputs_for(name, batch, px or tokens)
+    sessions = {}
+    for variant in ("original", "converted"):
+        path = cache / f"{label}-{variant}-default.onnx"
+        if not path.with_suffix(".done").exists():
+            return f"{label}: no cached export in {cache} (run without --profile first)"
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = options.inter_op_num_threads = 1
+        options.log_severity_level = 3
+        options.enable_profiling = True
+        options.profile_file_prefix = str(cache / f"profile-{label}-{variant}")
+        sessions[variant] = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    calls = {v: ort_call(sess, example) for v, sess in sessions.items()}
+    for f in calls.values():
+        f()
+    for _ in range(runs):
+        for f in calls.values():
+            f()
+    per_op: dict[str, dict[str, tuple[float, int]]] = {}
+    for variant, sess in sessions.items():
+        trace = Path(sess.end_profiling())
+        per_node: dict[str, tuple[str, list[float]]] = {}  # node -> (op type, its time in each call)
+        for event in json.loads(trace.read_text()):
+            if event.get("cat") == "Node" and event.get("name", "").endswith("_kernel_time"):
+                per_node.setdefault(event["name"], (event["args"]["op_name"], []))[1].append(event["dur"])
+        trace.unlink()
+        totals: dict[str, tuple[float, int]] = {}
+        for op, durations in per_node.values():  # each node's median call: a preempted call does not count
+            us, n = totals.get(op, (0.0, 0))
+            totals[op] = (us + statistics.median(durations), n + 1)
+        per_op[variant] = totals
+    lines = [f"{label}, batch {batch}, {example[0].shape[1] if name != 'vit' else (px // 16) ** 2 + 1} tokens, "
+             f"{runs} calls each (ORT profiler, median µs per call):", "",
+             "| op | original: µs (nodes) | converted: µs (nodes) |", "|---|---|---|"]
+    ops = sorted(set(per_op["original"]) | set(per_op["converted"]),
+                 key=lambda op: -max(per_op[v].get(op, (0, 0))[0] for v in per_op))
+    for op in ops:
+        cells = [f"{per_op[v][op][0]:.0f} ({per_op[v][op][1]})" if op in per_op[v] else "–" for v in per_op]
+        lines.append(f"| {op} | " + " | ".join(cells) + " |")
+    totals = [sum(us for us, _ in per_op[v].values()) for v in per_op]
+    lines.append(f"| all kernels | {totals[0]:.0f} | {totals[1]:.0f} |")
+    return "\n".join(lines)
 
 
 def variants(name: str) -> list[tuple[str, int]]:
@@ -322,31 +458,37 @@ def run_model(name: str, label: str, px: int, args: argparse.Namespace, cache: P
     for batch, n in shapes(label, args.quick):
         rows[(batch, n)] = {"model": label, "batch": batch, "tokens": (px // 16) ** 2 + 1 if px else n,
                             "verdicts": verdicts, "norms": norms}
-    ort_columns = [("ort", None)] + ([("ort23", 23)] if args.opset23 else [])
+    ort_columns = [("ort", None)] + ([("ort23", 23)] if args.opset23 else []) + [("ortopt", None)]
     for engine, opset in ort_columns:
-        if engine.rstrip("23") not in args.engines:
+        if engine not in args.engines and not (engine == "ort23" and "ort" in args.engines):
             continue
-        sessions, fused = {}, {}
+        paths, fused = {}, {}
         for variant, body in bodies.items():
             path = cache / f"{label}-L{args.layers}-{variant}-{opset or 'default'}.onnx"
             example = inputs_for(name, 2, px or 16)
             secs = export(body, example, path, opset)
             if secs:
                 print(f"#   exported {path.name} in {secs:.0f} s", flush=True)
+            if engine == "ortopt":
+                path = ort_optimised(path, name)
             fused[variant] = {k: v for k, v in fused_norm_ops(path).items() if v}
-            sessions[variant] = ort_session(path)
+            paths[variant] = path
         print(f"#   {engine} norm ops after ORT's optimiser: {fused}", flush=True)
         for (batch, n), row in rows.items():
             example = inputs_for(name, batch, px or n)
-            row[engine] = abba(ort_call(sessions["original"], example), ort_call(sessions["converted"], example),
-                               args.budget, args.min_quads)
-            if args.control:  # original against itself: how far from 1.00 noise alone moves a ratio
-                row[engine + "_aa"] = abba(ort_call(sessions["original"], example),
-                                           ort_call(sessions["original"], example), args.budget, args.min_quads)
+            row[engine] = abba_sessions(paths["original"], paths["converted"], example, args.budget,
+                                        args.min_quads)
+            if args.control:  # original against a second session of itself: the noise floor
+                row[engine + "_aa"] = abba_sessions(paths["original"], paths["original"], example, args.budget,
+                                                    args.min_quads)
             row[engine + "_ops"] = fused
             print(f"#   {engine} b{batch} t{row['tokens']}: {row[engine]['ratio']:.3f}", flush=True)
-        del sessions
-        gc.collect()
+    if "eager" in args.engines or "compile" in args.engines:
+        # second copies, allocated in the opposite order (converted, then original): half of each cell's
+        # quads time them instead of the first ones, so where in memory a model's weights landed (2-7%
+        # between two copies of one model, see abba_sessions) averages out, and the A/A control sees it
+        bodies["converted2"] = Body(copy.deepcopy(converted), keys).eval()
+        bodies["original2"] = Body(copy.deepcopy(model), keys).eval()
     for engine in ("eager", "compile"):
         if engine not in args.engines:
             continue
@@ -356,11 +498,12 @@ def run_model(name: str, label: str, px: int, args: argparse.Namespace, cache: P
                 continue  # a second compile per model (size-1 dims are specialised): --compile-batch1
             example = inputs_for(name, batch, px or n)
             t0 = time.perf_counter()
-            row[engine] = abba(torch_call(fns["original"], example), torch_call(fns["converted"], example),
-                               args.budget, args.min_quads)
-            if args.control:
-                row[engine + "_aa"] = abba(torch_call(fns["original"], example),
-                                           torch_call(fns["original"], example), args.budget, args.min_quads)
+            half, least = args.budget / 2, max(1, (args.min_quads + 1) // 2)
+            calls = {k: torch_call(f, example) for k, f in fns.items()}
+            pooled = [quads(calls["original" + k], calls["converted" + k], half, least) for k in ("", "2")]
+            row[engine] = summary(pooled[0][0] + pooled[1][0], pooled[0][1] + pooled[1][1])
+            if args.control:  # the first copy of the original against the second
+                row[engine + "_aa"] = abba(calls["original"], calls["original2"], args.budget, args.min_quads)
             print(f"#   {engine} b{batch} t{row['tokens']}: {row[engine]['ratio']:.3f} "
                   f"({time.perf_counter() - t0:.0f} s)", flush=True)
         del fns
@@ -401,10 +544,16 @@ def main() -> None:
                         help="also time the original against itself per cell (the noise floor; doubles the time)")
     parser.add_argument("--round-robin", type=float, default=0, metavar="SECONDS",
                         help="only ORT: the cached exports of each model timed round-robin at batch 1 for SECONDS")
+    parser.add_argument("--profile", type=int, default=0, metavar="CALLS",
+                        help="only ORT: its profiler's kernel time per op type, original vs converted "
+                        "(cached exports, batch 1, the short length), over CALLS calls each")
     parser.add_argument("--kernels", action="store_true",
                         help="only ORT's norm kernels alone, against LayerNormalization (about a minute)")
     parser.add_argument("--compile-batch1", action="store_true",
                         help="also time torch.compile at batch 1 (one more compile per model)")
+    parser.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
+                        help="time cells by the calling thread's CPU time (default; robust to a loaded "
+                        "machine) or by wall time")
     parser.add_argument("--layers", type=int, default=12, help="transformer layers (12: the real sizes; fewer "
                         "for a plumbing check)")
     args = parser.parse_args()
@@ -412,6 +561,7 @@ def main() -> None:
     args.budget = args.budget if args.budget is not None else (4.0 if args.quick else 12.0)
     args.min_quads = args.min_quads if args.min_quads is not None else (3 if args.quick else 5)
     torch.set_num_threads(1)
+    CLOCK[0] = time.thread_time if args.clock == "cpu" else time.perf_counter
     cache = Path(args.cache)
     cache.mkdir(parents=True, exist_ok=True)
     load_before = os.getloadavg()
@@ -425,11 +575,18 @@ def main() -> None:
     print(f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {versions}; {os.cpu_count()} CPUs; "
           f"load average {load_before[0]:.1f}/{load_before[1]:.1f}/{load_before[2]:.1f}", flush=True)
     if args.round_robin:
-        opsets = ["default"] + (["23"] if args.opset23 else [])
+        opsets = ["default"] + (["23"] if args.opset23 else []) + ["default-optimised"]  # those cached
         for name in args.models.split(","):
             for label, _ in variants(name):
                 batch, n = shapes(label, quick=True)[0]
                 print(round_robin(f"{label}-L{args.layers}", cache, opsets, batch, n, args.round_robin), flush=True)
+        print(f"load average {os.getloadavg()[0]:.1f}")
+        return
+    if args.profile:
+        for name in args.models.split(","):
+            for label, _ in variants(name):
+                batch, n = shapes(label, quick=True)[0]
+                print(op_profile(f"{label}-L{args.layers}", cache, batch, n, args.profile), flush=True)
         print(f"load average {os.getloadavg()[0]:.1f}")
         return
     if args.kernels:
@@ -447,7 +604,7 @@ def main() -> None:
             if args.json:
                 Path(args.json).write_text(json.dumps({"versions": versions, "rows": rows}, indent=1, default=str))
     load_after = os.getloadavg()
-    engines = [e for e in ("ort", "ort23", "eager", "compile") if any(e in r for r in rows)]
+    engines = [e for e in ("ort", "ort23", "ortopt", "eager", "compile") if any(e in r for r in rows)]
     print()
     print(table(rows, engines))
     print(f"\nmedian over ABBA quads of converted/original time (quartiles, quads); 1 thread; "

@@ -261,9 +261,15 @@ def select_for(
       elementwise op ``native`` needs, so a biased norm is never slower than ``native`` plus one add.
       Under ``torch.compile`` or CUDA-graph capture (``graph=True``): GPU time alone
       (:func:`graph_triton_min_elements`). Rows longer than ``CUDA_TRITON_MAX_N`` go to ``native``.
-    * CPU: ``cpu`` (fused C++ kernel) when it built here and handles the dtype; otherwise the faster
-      of the two PyTorch paths measured on CPU: ``native`` for float32/float64, ``eager`` for
-      bfloat16/float16 (``F.rms_norm`` is slower there; see docs/backends.md).
+    * CPU, eager (``graph=False``): ``cpu`` (fused C++ kernel) when it built here and handles the
+      dtype; otherwise the faster of the two PyTorch paths measured on CPU: ``native`` for
+      float32/float64, ``eager`` for bfloat16/float16 (``F.rms_norm`` is slower there; see
+      docs/backends.md).
+    * CPU under ``torch.compile`` (``graph=True``): a decomposable path, ``native`` for
+      float32/float64 and ``eager`` for half precision. Inductor lowers both to its own loops and fuses
+      the norm with its neighbours (the residual ``Add`` before it, the bias after it: one pass over
+      memory), as it does the original's ``LayerNorm``; the ``cpu`` kernel would be an opaque extern
+      call there, with the residual sum written out and read back around it (docs/backends.md).
     * Anything else (mps, xpu, meta, ...): ``native``.
 
     Only constant-folded helpers are called, so Dynamo traces this without graph breaks.
@@ -288,6 +294,10 @@ def select_for(
         return "native", (f"eager: below {limit:.3g} elements triton's extra host time exceeds the GPU time "
                           "it saves")
     if device_type == "cpu":
+        if graph:  # inductor fuses the decomposed ops; the C++ kernel would be an unfusable extern call
+            if dtype in (torch.float32, torch.float64):
+                return "native", "compiled: inductor fuses F.rms_norm's decomposition with its neighbours"
+            return "eager", "compiled: inductor fuses the eager ops (one rounding) with their neighbours"
         if _cpu_kernel_handles(dtype):
             return "cpu", "fused C++ kernel: one read and one write of x"
         if dtype in (torch.bfloat16, torch.float16):
@@ -304,8 +314,9 @@ def _metadata(x: torch.Tensor, weight: torch.Tensor | None) -> tuple[int, int, b
 
 def select(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None) -> ModuleType:
     """The ``auto`` rule for a call (see :func:`select_for`)."""
-    if x.is_cpu and _cpu_kernel_handles(x.dtype) and cpu.supports(x, weight, bias):
-        return cpu  # the common CPU case, without the general rule's bookkeeping
+    if x.is_cpu and not torch.compiler.is_compiling() and _cpu_kernel_handles(x.dtype) and \
+            cpu.supports(x, weight, bias):
+        return cpu  # the common eager CPU case, without the general rule's bookkeeping
     rows, n, per_head = _metadata(x, weight)
     choice, _ = select_for(x.device.type, x.dtype, rows, n, bias=bias is not None, per_head=per_head,
                            grad=_wants_grad(x, weight, bias), graph=_graph_mode(x))
@@ -391,6 +402,7 @@ def _bind_cuda(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor 
 _REPRESENTATIVE = (
     ("cpu", torch.float32, 2048, 4096, False),
     ("cpu", torch.bfloat16, 2048, 4096, False),
+    ("cpu", torch.float32, 2048, 4096, True),
     ("cuda", torch.bfloat16, 8192, 4096, False),
     ("cuda", torch.bfloat16, 8192, 4096, True),
     ("cuda", torch.bfloat16, 16, 4096, False),

@@ -162,8 +162,10 @@ def test_describe_lists_every_backend_and_auto_choices(monkeypatch):
                                                           ("cuda", "bfloat16")}
     for r in autos:
         assert r["picks"] in backends.BACKENDS and r["why"]
-        if r["device"] == "cpu":
+        if r["device"] == "cpu" and r["mode"] == "eager":
             assert r["picks"] == ("cpu" if cpu.available()[0] else r["picks"])
+        elif r["device"] == "cpu":  # compiled: what inductor can fuse with its neighbours
+            assert r["picks"] in ("native", "eager") and r["why"].startswith("compiled")
     monkeypatch.setenv(backends.ENV_VAR, "eager")
     backends.refresh()
     try:

@@ -1,4 +1,6 @@
-"""``torch.compile`` through the CPU backend's custom op, and the op's registration (opcheck).
+"""``torch.compile`` on CPU: ``auto`` gives inductor a decomposable norm (which it fuses with the
+ops around it); ``backend="cpu"`` keeps the CPU backend's custom op, checked here with its registration
+(opcheck).
 
 The triton ops get the same checks under the interpreter in test_triton_interpret.py.
 """
@@ -10,6 +12,7 @@ import torch
 from backend_ref import make_inputs
 
 import normswap
+from normswap import backends
 from normswap.backends import cpu, eager
 
 pytestmark = pytest.mark.skipif(not cpu.available()[0], reason="cpu kernel unavailable (no compiler)")
@@ -26,11 +29,15 @@ def test_opcheck_cpu_op():
             torch.library.opcheck(torch.ops.normswap.cpu_rms_norm_bwd, (dy, x, rstd, [40], wt, bt, 1e-6))
 
 
-@pytest.mark.parametrize("compile_backend", ["aot_eager", "inductor"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_compile_fullgraph_dynamic_rows_no_recompile(compile_backend, dtype):
+# auto: the decomposed ops (inductor in float32 only: an inductor compile costs ~10 s); cpu: the custom op
+@pytest.mark.parametrize(("compile_backend", "dtype", "backend"), [
+    *((c, d, "cpu") for c in ("aot_eager", "inductor") for d in (torch.float32, torch.bfloat16)),
+    ("aot_eager", torch.float32, "auto"), ("aot_eager", torch.bfloat16, "auto"),
+    ("inductor", torch.float32, "auto"),
+])
+def test_compile_fullgraph_dynamic_rows_no_recompile(compile_backend, dtype, backend):
     torch._dynamo.reset()
-    m = normswap.RMSNorm(48, bias=True, dtype=dtype)  # backend="auto" -> cpu on CPU
+    m = normswap.RMSNorm(48, bias=True, dtype=dtype, backend=backend)
     with torch.no_grad():
         m.weight.normal_(1.0, 0.2)
         m.bias.normal_(0.0, 0.2)
@@ -49,23 +56,50 @@ def test_compile_fullgraph_dynamic_rows_no_recompile(compile_backend, dtype):
                 assert torch.allclose(a.float(), r.float(), atol=tol * 10, rtol=tol)
 
 
-def test_compiled_graph_calls_the_custom_op():
-    """The compiled graph contains our op (not an inlined eager fallback) and no graph break."""
+def _compiled_targets(m: torch.nn.Module, x: torch.Tensor) -> list[str]:
+    """The ops Dynamo hands the compiler for ``m(x)`` (fullgraph: no graph break)."""
     torch._dynamo.reset()
-    seen = []
+    seen: list[str] = []
 
     def capture(gm, example_inputs):
         seen.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
         return gm.forward
 
-    m = normswap.RMSNorm(32)
-    torch.compile(m, fullgraph=True, backend=capture)(torch.randn(4, 32))
+    torch.compile(m, fullgraph=True, backend=capture)(x)
+    return seen
+
+
+def test_compiled_graph_calls_the_custom_op():
+    """Asked for explicitly, the cpu backend is our op in the compiled graph (not an inlined eager
+    fallback), with no graph break."""
+    seen = _compiled_targets(normswap.RMSNorm(32, backend="cpu"), torch.randn(4, 32))
     assert any("cpu_rms_norm" in t for t in seen), seen
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+def test_auto_under_compile_on_cpu_is_decomposable(dtype, monkeypatch):
+    """Under torch.compile on CPU ``auto`` picks a path inductor decomposes and fuses with the residual add
+    and the bias around it (issue 40: the fused C++ kernel, an opaque extern call to inductor, made a
+    compiled GPT-2 5% slower than its LayerNorm original); eager mode keeps the C++ kernel."""
+    monkeypatch.delenv(backends.ENV_VAR, raising=False)
+    backends.refresh()
+    rows, n = 128, 768
+    want = "native" if dtype in (torch.float32, torch.float64) else "eager"
+    assert backends.select_for("cpu", dtype, rows, n, graph=True)[0] == want
+    assert backends.select_for("cpu", dtype, rows, n, bias=True, grad=True, graph=True)[0] == want
+    if dtype in cpu.kernel().dtypes:
+        assert backends.select_for("cpu", dtype, rows, n)[0] == "cpu"  # eager: the fused kernel
+    m = normswap.RMSNorm(n, bias=True, dtype=dtype)
+    seen = _compiled_targets(m, torch.randn(4, n, dtype=dtype))
+    assert not any("normswap" in t for t in seen), seen
+    assert any("rms_norm" in t or "rsqrt" in t for t in seen), seen
+    if dtype in cpu.kernel().dtypes:
+        assert backends.resolve("auto", torch.randn(4, n, dtype=dtype), m.weight, m.bias) is cpu  # eager
 
 
 def test_inference_under_no_grad_compiled():
     torch._dynamo.reset()
-    m = normswap.RMSNorm(64, dtype=torch.bfloat16)
+    m = normswap.RMSNorm(64, dtype=torch.bfloat16, backend="cpu")
     fn = torch.compile(m, fullgraph=True, backend="aot_eager")
     x = torch.randn(5, 64, dtype=torch.bfloat16)
     with torch.no_grad():

@@ -45,7 +45,8 @@ def test_a_compiled_transformers_model_is_saved_as_the_model_inside(tmp_path):
     ids = torch.randint(0, 99, (2, 11), generator=torch.Generator().manual_seed(7))
     with torch.no_grad():
         expected = model(ids).logits
-        assert torch.equal(compiled(ids).logits, expected)
+        # compiled, auto picks F.rms_norm (what inductor fuses), eager the C++ kernel: float32 rounding apart
+        torch.testing.assert_close(compiled(ids).logits, expected, rtol=1e-5, atol=1e-5)
 
     out = normswap.save(compiled, tmp_path / "out")
     cfg = json.loads((out / "config.json").read_text())
@@ -79,7 +80,8 @@ def test_a_compiled_custom_module_saves_and_loads_into_a_fresh_instance(tmp_path
         fresh = normswap.load(out, model=TinyGPT())
         assert torch.equal(fresh(probe), expected)
         into_compiled = normswap.load(out, model=torch.compile(TinyGPT(), backend="eager"))
-        assert torch.equal(into_compiled(probe), expected)
+        # compiled, auto picks F.rms_norm (what inductor fuses), eager the C++ kernel: float32 rounding apart
+        torch.testing.assert_close(into_compiled(probe), expected, rtol=1e-5, atol=1e-5)
 
 
 def test_a_checkpoint_that_would_not_load_back_is_not_written(tmp_path, monkeypatch):

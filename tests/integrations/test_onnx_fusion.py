@@ -34,6 +34,7 @@ from tests.integrations.compat import (  # noqa: E402
     tiny_converted,
     vit_exported_with_cpu_op,
 )
+from tests.zoo import APPROXIMATE, EXACT, build  # noqa: E402
 
 TOL = 1e-5  # float32 through a 2-layer model; an unfused or mis-fused norm (wrong eps, no weight) is far off
 
@@ -148,6 +149,19 @@ def test_transformers_optimizer_fuses_every_norm(converted, tmp_path):
     with torch.no_grad():
         ref = first_output(model(**inputs))
     assert agreement(_run(out, inputs), ref)["max_rel"] < TOL
+    # every residual Add the original's LayerNorms absorb (SkipLayerNormalization), the converted
+    # model's RMSNorms absorb too (SkipSimplifiedLayerNormalization): the same Skip count
+    original = build(APPROXIMATE if name == "bert" else EXACT, name).float().eval()
+    original_path = tmp_path / "original.onnx"
+    _export(original, inputs, original_path, dynamo=True)
+    logging.disable(logging.WARNING)
+    try:
+        original_ops = collections.Counter(
+            n.op_type for n in optimize_model(str(original_path), model_type=name, num_heads=0,
+                                              hidden_size=0).model.graph.node)
+    finally:
+        logging.disable(logging.NOTSET)
+    assert ops["SkipSimplifiedLayerNormalization"] == original_ops["SkipLayerNormalization"], (ops, original_ops)
 
 
 class _Stack(nn.Module):
