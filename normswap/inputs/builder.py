@@ -103,6 +103,13 @@ def _media_token(config: Any, kind: str, key: dict[str, tuple[str, ...]]) -> int
     return None
 
 
+def media_token_ids(config: Any) -> set[int]:
+    """The ids that mark media in a prompt the builder makes: each modality's placeholder token and its
+    start/end tokens, where the config names them."""
+    found = (_media_token(config, kind, table) for table in (MEDIA_TOKEN, MEDIA_START, MEDIA_END) for kind in table)
+    return {i for i in found if i is not None}
+
+
 def _feature_count(model: nn.Module, kind: str, layout: Layout, batch: int) -> int | None:
     """Media tokens per sample the model's prompt must hold for ``layout``: what its own
     ``get_<kind>_features`` makes of it, in rows of the text width. None: no such method (the caller
