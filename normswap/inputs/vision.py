@@ -5,6 +5,9 @@ never from a per-model table.
 - A vision tower run alone that takes its flattened patches as ``hidden_states`` with their ``grid_thw``
   (the Qwen-VL towers of GLM-4V, Qwen2.5-VL, EXAONE 4.5): the grid layout under that name.
 - A Q-Former run alone (BLIP-2's ``query_embeds``): query rows of its own width.
+- Patch rows kept square, ``(N, C, p, p)`` with their ``grid_thw``, for towers that embed them with a
+  2-D convolution (Kimi-K2.5, PaddleOCR-VL).
+- Patch rows with their ``(x, y)`` places (Gemma 4's ``pixel_position_ids``).
 - A second image input at another resolution, ``<name>_pixel_values`` next to a ``<name>_vision_config``
   (DeepSeek-VL hybrid's ``high_res_pixel_values``): the same images at that tower's size.
 - Tiled images with aspect-ratio ids (Mllama): ``(B, images, tiles, C, H, W)`` at the config's
@@ -34,6 +37,8 @@ def built_here(params: Any) -> set[str]:
         out.add("hidden_states")
     if "query_embeds" in params:
         out.add("query_embeds")
+    if "pixel_position_ids" in params and "pixel_values" in params:
+        out.add("pixel_position_ids")
     return out
 
 
@@ -69,6 +74,40 @@ def tiled_layouts(config: Any, params: Any, batch: int, gen: torch.Generator, dt
     mask[..., :used] = 1
     yield {"pixel_values": torch.randn(batch, 1, tiles, channels, size, size, generator=gen).to(dtype),
            "aspect_ratio_ids": torch.full((batch, 1), ratio_id, dtype=torch.long), "aspect_ratio_mask": mask}
+
+
+def patch_layouts(config: Any, params: Any, batch: int, gen: torch.Generator, dtype: torch.dtype
+                  ) -> Iterator[Layout]:
+    """Qwen-VL style patches kept square, ``(N, C, p, p)`` rows with their grid, for towers that embed
+    them with a 2-D convolution (Kimi-K2.5, PaddleOCR-VL); after the flattened rows of
+    :func:`~normswap.inputs.media.grid_layout`, which most such towers take."""
+    vcfg = sub_config(config, "vision")
+    for grid in ("image_grid_thw", "grid_thw"):
+        if grid not in params:
+            continue
+        layout = grid_layout(vcfg, batch, gen, dtype, grid=grid)
+        rows = layout["pixel_values"]
+        patch = int(cfg(vcfg, "patch_size", "spatial_patch_size", default=14))
+        channels = rows.shape[1] // (patch * patch)
+        if channels * patch * patch == rows.shape[1]:  # one frame per patch: a square image of it
+            yield {**layout, "pixel_values": rows.reshape(rows.shape[0], channels, patch, patch)}
+
+
+def positioned_patch_layouts(config: Any, params: Any, batch: int, gen: torch.Generator, dtype: torch.dtype
+                             ) -> Iterator[Layout]:
+    """Patch rows with their ``(x, y)`` places, ``pixel_position_ids`` (Gemma 4's vision tower): a square
+    grid of patches whose side is a multiple of the pooling kernel, ``(B, side², C·p·p)``."""
+    if "pixel_position_ids" not in params:
+        return
+    vcfg = sub_config(config, "vision")
+    patch = int(cfg(vcfg, "patch_size", default=16))
+    kernel = int(cfg(vcfg, "pooling_kernel_size", default=1))
+    channels = int(cfg(vcfg, "num_channels", default=3))
+    side = 2 * kernel
+    ys, xs = torch.meshgrid(torch.arange(side), torch.arange(side), indexing="ij")
+    places = torch.stack([xs.flatten(), ys.flatten()], dim=-1)
+    yield {"pixel_values": torch.rand(batch, side * side, channels * patch * patch, generator=gen).to(dtype),
+           "pixel_position_ids": places.expand(batch, -1, -1).clone()}
 
 
 def with_companions(layout: Layout, config: Any, params: Any, gen: torch.Generator, dtype: torch.dtype) -> Layout:
