@@ -344,18 +344,19 @@ def _finish(model: nn.Module, config: Any, params: dict[str, Any], media_kw: Lay
         tcfg = sub_config(config, "text", "encoder")
         ids = text_ids(tcfg, rows, seq, gen, avoid)
         types = torch.zeros_like(ids)
+        cut = ids.shape[1] // 2  # each modality's span after the one before, never inside it (omni rope indices)
         for code, kind in enumerate(("image", "audio"), start=1):
             n = counts.get(kind)
             token = _media_token(config, kind, MEDIA_TOKEN)
             if not n or token is None:
                 continue
-            cut = ids.shape[1] // 2
             start, end = _media_token(config, kind, MEDIA_START), _media_token(config, kind, MEDIA_END)
             span = [start] * (start is not None) + [token] * n + [end] * (end is not None)
             mid = torch.tensor(span, dtype=ids.dtype).expand(ids.shape[0], -1)
             kinds = torch.tensor([0] * (start is not None) + [code] * n + [0] * (end is not None)).expand_as(mid)
             ids = torch.cat([ids[:, :cut], mid, ids[:, cut:]], dim=1)
             types = torch.cat([types[:, :cut], kinds, types[:, cut:]], dim=1)
+            cut += mid.shape[1]
         latents = cfg(config, "latent_query_num")
         if "image_embeds_position_mask" in params and "pixel_values" in media_kw and isinstance(latents, int):
             # Kosmos-2: the image's latent queries take the places this mask marks in the prompt
