@@ -294,7 +294,8 @@ def _combinations(config: Any, params: dict[str, Any], batch: int, seed: int, dt
         images = [*vision.tiled_layouts(config, params, batch, gen, dtype),
                   *media.image_layouts(config, params, batch, gen, dtype),
                   *vision.patch_layouts(config, params, batch, gen, dtype),
-                  *vision.positioned_patch_layouts(config, params, batch, gen, dtype)]
+                  *vision.positioned_patch_layouts(config, params, batch, gen, dtype),
+                  *vision.packed_layouts(config, params, batch, gen, dtype)]
         groups.append([vision.with_companions(layout, config, params, gen, dtype) for layout in images])
     elif towers := list(vision.tower_layouts(config, params, batch, gen, dtype)):
         groups.append(towers)

@@ -7,6 +7,7 @@ never from a per-model table.
 - A Q-Former run alone (BLIP-2's ``query_embeds``): query rows of its own width.
 - Patch rows kept square, ``(N, C, p, p)`` with their ``grid_thw``, for towers that embed them with a
   2-D convolution (Kimi-K2.5, PaddleOCR-VL).
+- Images packed into one strip of patches with ``target_sizes`` (MiniCPM-V).
 - Patch rows with their ``(x, y)`` places (Gemma 4's ``pixel_position_ids``).
 - A second image input at another resolution, ``<name>_pixel_values`` next to a ``<name>_vision_config``
   (DeepSeek-VL hybrid's ``high_res_pixel_values``): the same images at that tower's size.
@@ -108,6 +109,22 @@ def positioned_patch_layouts(config: Any, params: Any, batch: int, gen: torch.Ge
     places = torch.stack([xs.flatten(), ys.flatten()], dim=-1)
     yield {"pixel_values": torch.rand(batch, side * side, channels * patch * patch, generator=gen).to(dtype),
            "pixel_position_ids": places.expand(batch, -1, -1).clone()}
+
+
+def packed_layouts(config: Any, params: Any, batch: int, gen: torch.Generator, dtype: torch.dtype
+                   ) -> Iterator[Layout]:
+    """Images packed into one strip of patches with each image's patch grid in ``target_sizes`` (MiniCPM-V,
+    MiniCPM-o OCR): ``(1, C, p, n·p)`` for ``n`` patches in all, each image a square grid whose side the
+    tower's window kernel (``window_kernel_size``) and its 2× merger divide."""
+    if "target_sizes" not in params:
+        return
+    vcfg = sub_config(config, "vision")
+    patch = int(cfg(vcfg, "patch_size", default=14))
+    channels = int(cfg(vcfg, "num_channels", default=3))
+    kernel = cfg(vcfg, "window_kernel_size", default=None)
+    side = 2 * math.lcm(*(int(k) for k in kernel)) if isinstance(kernel, (list, tuple)) and kernel else 4
+    strip = torch.randn(1, channels, patch, batch * side * side * patch, generator=gen).to(dtype)
+    yield {"pixel_values": strip, "target_sizes": torch.tensor([[side, side]] * batch, dtype=torch.int32)}
 
 
 def with_companions(layout: Layout, config: Any, params: Any, gen: torch.Generator, dtype: torch.dtype) -> Layout:
