@@ -28,7 +28,7 @@ from torch import nn
 from normswap.errors import NormswapError, first_line
 from normswap.inputs import speech
 from normswap.inputs.builder import describe as describe_built  # noqa: F401
-from normswap.inputs.builder import encoder_states, has_cross_attention, hf_example_inputs  # noqa: F401
+from normswap.inputs.builder import encoder_states, has_cross_attention, hf_example_inputs, media_token_ids  # noqa: F401
 from normswap.inputs.media import (
     AUDIO_FRAME_BUDGET,  # noqa: F401
     cfg,
@@ -254,8 +254,10 @@ def verification_probe(model: nn.Module, tokenizer: Any = None, *, batch: int = 
     calibration order, so never the ones the built-in calibration fits on), each tokenised as the
     tokenizer does (special tokens included), the rows cut at ``max_tokens``, 2/3 and 1/3 of it (so
     the batch needs padding), padded on the tokenizer's padding side with an ``attention_mask``.
-    Decoder ids, where the model takes them, are the same text. Images (a vision model's, or a
-    text+image model's) are :func:`generated_images` and audio is generated speech
+    Decoder ids, where the model takes them, are the same text. A vision-language or omni prompt keeps
+    its media: the span of image/audio placeholder tokens (with start/end tokens, token types and the
+    like) the built inputs hold goes after each passage's first token, so every tower still runs.
+    Images (a vision model's, or a text+image model's) are :func:`generated_images` and audio is generated speech
     (:func:`with_generated_media`), never white noise; other inputs stay as
     :func:`hf_example_inputs` builds them.
     Without a usable tokenizer: :func:`hf_example_inputs` with ``seed`` (other ids and another length
@@ -286,9 +288,21 @@ def verification_probe(model: nn.Module, tokenizer: Any = None, *, batch: int = 
     span = f"{min(lengths)}-{max(lengths)}" if min(lengths) != max(lengths) else str(lengths[0])
     padded = f", {side}-padded with an attention mask" if "attention_mask" in kwargs and min(lengths) != max(
         lengths) else ""
+    media = media_token_ids(model.config)
+    held = sorted({int(i) for i in kwargs["input_ids"][0].tolist() if int(i) in media}) if media else []
+    kept = f" (each with the prompt's media span, ids {held}, after its first token)" if held else ""
     source = (f"built-in English text: {batch} passages tokenised with {where} ({type(tok).__name__}), "
-              f"{span} tokens{padded}" + (f"; {GENERATED_IMAGES}" if "pixel_values" in kwargs else ""))
+              f"{span} tokens{kept}{padded}" + (f"; {GENERATED_IMAGES}" if "pixel_values" in kwargs else ""))
     return Probe(kwargs, source, text=True)
+
+
+def text_with_media(model: nn.Module, tok: Any, base: dict[str, Any], texts: list[str],
+                    max_tokens: int) -> dict[str, Any]:
+    """``base`` (built inputs of a model that reads ``input_ids``) with its token ids replaced by ``texts``
+    tokenised with ``tok``, one text per row, keeping the prompt's media span (see
+    :func:`verification_probe`); raises ValueError (or the tokenizer's error) when the text cannot be
+    used with this model."""
+    return _tokenised(model, tok, base, texts, max_tokens)[0]
 
 
 def _tokenised(model: nn.Module, tok: Any, base: dict[str, Any], texts: list[str],
@@ -300,6 +314,8 @@ def _tokenised(model: nn.Module, tok: Any, base: dict[str, Any], texts: list[str
     vocab = int(cfg(tcfg, "vocab_size", default=0))
     max_pos = cfg(tcfg, "max_position_embeddings", "n_positions", "max_target_positions", "n_ctx")
     limit = max(2, min(max_tokens, int(max_pos) - 2)) if max_pos else max_tokens
+    span, at, side = _media_span(config, base)
+    limit = max(2, limit - len(span)) if span else limit
     rows = []
     for i, text in enumerate(texts):  # cut at limit, 2/3 and 1/3 of it...: rows of different lengths
         cap = max(2, limit * (len(texts) - i) // len(texts))
@@ -313,17 +329,27 @@ def _tokenised(model: nn.Module, tok: Any, base: dict[str, Any], texts: list[str
     top = max(max(r) for r in rows + [[pad]])
     if vocab and top >= vocab:
         raise ValueError(f"token id {top} is outside the model's vocabulary of {vocab}")
+    text_rows = rows
+    # the media span (placeholder tokens and their start/end) goes after the first token of each row
+    cuts = [min(at, 1, len(r)) for r in rows]
+    rows = [r[:c] + span + r[c:] for r, c in zip(rows, cuts, strict=True)]
     width = max(len(r) for r in rows)
     left = getattr(tok, "padding_side", "right") == "left"
     ids = torch.full((len(rows), width), pad, dtype=torch.long)
     mask = torch.zeros((len(rows), width), dtype=torch.long)
+    out = dict(base)
+    per_token = {k: torch.zeros((len(rows), width, *v.shape[2:]), dtype=v.dtype) + v[0, side[k]]
+                 for k, v in base.items() if k in side}
     for i, r in enumerate(rows):
         cols = slice(width - len(r), width) if left else slice(0, len(r))
         ids[i, cols] = torch.tensor(r, dtype=torch.long)
         mask[i, cols] = 1
+        first = cols.start + cuts[i]
+        for k, t in per_token.items():  # the media positions' values (token types, latent places) move along
+            t[i, first:first + len(span)] = base[k][0, at:at + len(span)]
     device = base["input_ids"].device
     params = inspect.signature(model.forward).parameters
-    out = dict(base)
+    out.update({k: t.to(base[k].device) for k, t in per_token.items()})
     out["input_ids"] = ids.to(device)
     if "attention_mask" in params:
         out["attention_mask"] = mask.to(device)
@@ -331,4 +357,32 @@ def _tokenised(model: nn.Module, tok: Any, base: dict[str, Any], texts: list[str
         out["decoder_input_ids"] = ids.to(device)
         if "decoder_attention_mask" in params:
             out["decoder_attention_mask"] = mask.to(device)
-    return out, [len(r) for r in rows]
+    return out, [len(r) for r in text_rows]
+
+
+def _media_span(config: Any, base: dict[str, Any]) -> tuple[list[int], int, dict[str, int]]:
+    """Where the built inputs hold their media in the prompt, so tokenised text can keep it: the ids of
+    the span (placeholder tokens with their start/end tokens, and the places Kosmos-2's latent queries
+    take), where it starts, and for each other per-token input (``mm_token_type_ids``,
+    ``image_embeds_position_mask``, ``image_attention_mask``, ...) a text position whose value the
+    text tokens take. Empty when the prompt holds no media. The span must be one run, as the builder
+    makes it; anything else is refused (ValueError), so the probe falls back to the built inputs."""
+    ids = base.get("input_ids")
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
+        return [], 0, {}
+    row = ids[0].cpu()
+    marked = torch.isin(row, torch.tensor(sorted(media_token_ids(config)) or [-1], dtype=row.dtype))
+    side = [k for k, v in base.items() if isinstance(v, torch.Tensor) and v.dim() >= 2 and k not in (
+        "input_ids", "attention_mask") and not k.endswith("input_ids") and tuple(v.shape[:2]) == tuple(ids.shape)]
+    for k in side:  # a per-token input that marks positions (token types, latent places) marks media too
+        values = base[k][0].reshape(ids.shape[1], -1).cpu()
+        common = torch.mode(values[:, 0]).values
+        marked |= (values != common).any(dim=1)
+    if not bool(marked.any()):
+        return [], 0, {}
+    where = marked.nonzero().flatten()
+    start, end = int(where[0]), int(where[-1]) + 1
+    if end - start != where.numel():
+        raise ValueError("the built prompt's media tokens are not one run")
+    text_at = int((~marked).nonzero().flatten()[0]) if bool((~marked).any()) else 0
+    return row[start:end].tolist(), start, {k: text_at for k in side}

@@ -28,8 +28,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from normswap.analysis import precision
 from normswap.errors import NormswapError
-from normswap.inputs import media
+from normswap.inputs import media, vision
 from normswap.inputs.media import AUDIO_FRAME_BUDGET, Layout, cfg, sub_config
 
 # how to build each required forward argument; any other required one is refused by name
@@ -38,7 +39,8 @@ KNOWN = {"input_ids", "pixel_values", "grid_thw", "spatial_shapes", "input_featu
          "video_grid_thw", "image_sizes", "pixel_attention_mask", "pixel_mask", "future_values",
          "future_time_features", "static_categorical_features", "static_real_features", "feature_attention_mask",
          "input_features_mask"}
-MEDIA_TOKEN = {"image": ("image_token_id", "image_token_index", "image_token"),
+# a video-only model (InstructBLIP-Video) marks its frames' rows with its video token
+MEDIA_TOKEN = {"image": ("image_token_id", "image_token_index", "image_token", "video_token_id", "video_token_index"),
                "audio": ("audio_token_id", "audio_token_index", "audio_token")}
 MEDIA_START = {"image": ("vision_start_token_id", "boi_token_id", "boi_token_index", "image_start_token_id"),
                "audio": ("audio_start_token_id", "boa_token_id", "audio_bos_token_id")}
@@ -101,11 +103,20 @@ def _media_token(config: Any, kind: str, key: dict[str, tuple[str, ...]]) -> int
     return None
 
 
+def media_token_ids(config: Any) -> set[int]:
+    """The ids that mark media in a prompt the builder makes: each modality's placeholder token and its
+    start/end tokens, where the config names them."""
+    found = (_media_token(config, kind, table) for table in (MEDIA_TOKEN, MEDIA_START, MEDIA_END) for kind in table)
+    return {i for i in found if i is not None}
+
+
 def _feature_count(model: nn.Module, kind: str, layout: Layout, batch: int) -> int | None:
     """Media tokens per sample the model's prompt must hold for ``layout``: what its own
     ``get_<kind>_features`` makes of it, in rows of the text width. None: no such method (the caller
     then tries the forward alone); raises when the encoder does not run on the layout."""
     fn = getattr(model, f"get_{kind}_features", None)
+    if fn is None:  # a head class that leaves it to its base model (DeepSeek-VL hybrid)
+        fn = getattr(getattr(model, "base_model", None), f"get_{kind}_features", None)
     embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     width = getattr(embed, "embedding_dim", None) or getattr(getattr(embed, "weight", None), "shape", [0, 0])[-1]
     if fn is None or not width:
@@ -135,21 +146,43 @@ def _feature_count(model: nn.Module, kind: str, layout: Layout, batch: int) -> i
 def _trial(model: nn.Module) -> Iterator[None]:
     """Eval mode, no grad and the model's dtype as the factory default (HF mask constants), undone after;
     torch's random generators forked, so a model that draws random numbers in eval mode (ViT-MAE's
-    masking) leaves the user's random stream where it was."""
+    masking) leaves the user's random stream where it was. A float64 model runs with its float32 casts
+    held at float64, as the analysis runs it (:mod:`normswap.analysis.precision`): GLM-4V's position
+    interpolation casts the grid to float32 and would not meet its float64 embeddings otherwise."""
     modes = {m: m.training for m in model.modules()}
     previous = torch.get_default_dtype()
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     cuda = torch.cuda.is_available() and torch.cuda.is_initialized()  # never initialise CUDA for a CPU model
     model.eval()
+    experts = _float64_experts(model) if dtype == torch.float64 else None
     try:
         if dtype in (torch.float32, torch.float64):
             torch.set_default_dtype(dtype)
-        with torch.no_grad(), torch.random.fork_rng(devices=list(range(torch.cuda.device_count())) if cuda else []):
+        with torch.no_grad(), torch.random.fork_rng(devices=list(range(torch.cuda.device_count())) if cuda else []), \
+                precision.holding(torch.float64, enabled=dtype == torch.float64):
             yield
     finally:
         torch.set_default_dtype(previous)
         for m, training in modes.items():
             m.training = training
+        if experts is not None:
+            model.set_experts_implementation(experts)
+
+
+def _float64_experts(model: nn.Module) -> dict[str, Any] | None:
+    """Switch a float64 model's fused MoE experts to transformers' ``eager`` implementation for a trial
+    forward where its own (``grouped_mm``) has no float64 kernel, as the pipeline's float64 working copy
+    runs them; the setting to restore, or None when nothing changed."""
+    get = getattr(model, "get_experts_implementation", None)
+    try:
+        current = get() if callable(get) else None
+    except (AttributeError, TypeError):
+        return None
+    if not current or all(v in (None, "eager", "batched_mm") for v in current.values()):
+        return None
+    model.set_experts_implementation({k: v if v in (None, "eager", "batched_mm") else "eager"
+                                      for k, v in current.items()})
+    return current
 
 
 def _run_error(model: nn.Module, kwargs: dict[str, Any]) -> Exception | None:
@@ -184,7 +217,8 @@ def hf_example_inputs(model: nn.Module, batch: int = 2, seq: int = 8, seed: int 
     params = forward_params(model)
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-    missing = [n for n in _required(params) if n not in KNOWN and not _side_ids(n)]
+    missing = [n for n in _required(params) if n not in KNOWN and not _side_ids(n)
+               and n not in vision.built_here(params)]
     if missing:
         raise NormswapError(
             f"cannot build example inputs for {type(model).__name__}: its forward requires "
@@ -227,6 +261,11 @@ def hf_example_inputs(model: nn.Module, batch: int = 2, seq: int = 8, seed: int 
         if error is None:
             _CHOSEN[key] = (index, counts)
             return kwargs
+    if (key_unset := vision.required_media_token(model, params)) is not None:
+        raise NormswapError(
+            f"{type(model).__name__} cannot run on any inputs: its config's `{key_unset}` is None, so its forward "
+            f"cannot place the images in the prompt; set `config.{key_unset}` to its processor's image token id "
+            "(checkpoints saved by recent transformers set it)")
     if built is None:  # no layout even reached the model: the first, so the pipeline's error says why
         built = _finish(model, config, params, combos[0], {}, batch, seq, seed, device)
     _CHOSEN[key] = (first, first_counts)  # none ran: later calls (probe, calibration) need not try them again
@@ -252,7 +291,14 @@ def _combinations(config: Any, params: dict[str, Any], batch: int, seed: int, dt
     gen = torch.Generator().manual_seed(seed + 1)  # media draws apart from the text ids' generator
     groups: list[list[Layout]] = []
     if "pixel_values" in params:
-        groups.append(list(media.image_layouts(config, params, batch, gen, dtype)))
+        images = [*vision.tiled_layouts(config, params, batch, gen, dtype),
+                  *media.image_layouts(config, params, batch, gen, dtype),
+                  *vision.patch_layouts(config, params, batch, gen, dtype),
+                  *vision.positioned_patch_layouts(config, params, batch, gen, dtype),
+                  *vision.packed_layouts(config, params, batch, gen, dtype)]
+        groups.append([vision.with_companions(layout, config, params, gen, dtype) for layout in images])
+    elif towers := list(vision.tower_layouts(config, params, batch, gen, dtype)):
+        groups.append(towers)
     if "input_features" in params:
         masks = [m for m in ("feature_attention_mask", "input_features_mask") if m in params]
         groups.append(list(media.feature_layouts(config, batch, gen, dtype, masks)))
@@ -299,18 +345,19 @@ def _finish(model: nn.Module, config: Any, params: dict[str, Any], media_kw: Lay
         tcfg = sub_config(config, "text", "encoder")
         ids = text_ids(tcfg, rows, seq, gen, avoid)
         types = torch.zeros_like(ids)
+        cut = ids.shape[1] // 2  # each modality's span after the one before, never inside it (omni rope indices)
         for code, kind in enumerate(("image", "audio"), start=1):
             n = counts.get(kind)
             token = _media_token(config, kind, MEDIA_TOKEN)
             if not n or token is None:
                 continue
-            cut = ids.shape[1] // 2
             start, end = _media_token(config, kind, MEDIA_START), _media_token(config, kind, MEDIA_END)
             span = [start] * (start is not None) + [token] * n + [end] * (end is not None)
             mid = torch.tensor(span, dtype=ids.dtype).expand(ids.shape[0], -1)
             kinds = torch.tensor([0] * (start is not None) + [code] * n + [0] * (end is not None)).expand_as(mid)
             ids = torch.cat([ids[:, :cut], mid, ids[:, cut:]], dim=1)
             types = torch.cat([types[:, :cut], kinds, types[:, cut:]], dim=1)
+            cut += mid.shape[1]
         latents = cfg(config, "latent_query_num")
         if "image_embeds_position_mask" in params and "pixel_values" in media_kw and isinstance(latents, int):
             # Kosmos-2: the image's latent queries take the places this mask marks in the prompt
@@ -330,6 +377,7 @@ def _finish(model: nn.Module, config: Any, params: dict[str, Any], media_kw: Lay
         elif counts.get("image") and "token_type_ids" in params:
             inputs["token_type_ids"] = (types == 1).long()
     inputs.update(media_kw)
+    vision.complete(params, inputs)
     if "decoder_input_ids" in params and (getattr(config, "is_encoder_decoder", False) or "input_ids" not in params):
         dcfg = sub_config(config, "decoder")
         dec = text_ids(dcfg, rows, seq, gen, avoid)

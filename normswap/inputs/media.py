@@ -63,7 +63,21 @@ def image_geometry(config: Any) -> tuple[int, int, int]:
     size = _int(cfg(vcfg, "image_size", "img_size", "input_size")) or _int(cfg(config, "image_size")) or 64
     channels = _int(cfg(vcfg, "num_channels", "in_channels", "in_chans")) or 3
     patch = _int(cfg(vcfg, "patch_size", "spatial_patch_size")) or 1
+    counts = projector_patch_counts(config)
+    if counts and (size // patch) ** 2 not in counts:
+        # a projector that takes only some patch counts (Aria: 1225 or 4900): the smallest square one
+        size = patch * min(math.isqrt(n) for n in counts)
     return size, channels, patch
+
+
+def projector_patch_counts(config: Any) -> set[int]:
+    """The patch counts per image a projector takes, where the config fixes them as the keys of a
+    ``*patch_to_query_dict`` (Aria's ``projector_patch_to_query_dict``): the square ones only."""
+    for key, value in vars(config).items():
+        if key.endswith("patch_to_query_dict") and isinstance(value, dict):
+            counts = {int(k) for k in value if str(k).isdigit()}
+            return {n for n in counts if n > 0 and math.isqrt(n) ** 2 == n}
+    return set()
 
 
 def image_layouts(config: Any, params: Any, batch: int, gen: torch.Generator, dtype: torch.dtype

@@ -132,15 +132,22 @@ def builtin_batches(model: nn.Module, tokenizer: Any = None, *, batches: int = 4
                 kw["encoder_hidden_states"] = inputs.encoder_states(model, kw["input_ids"].shape[0], 8, gen)
             out.append(((), kw))
         return out, f"built-in English sentences ({batches * batch_size} passages, model tokenizer)"
-    for i in range(batches):
-        kw = inputs.hf_example_inputs(model, batch=batch_size, seq=seq_len, seed=seed + 1000 + i)
-        out.append(((), inputs.with_generated_media(kw, seed + i)))
+    texts = inputs.passages(batches * batch_size, seed) if english and "input_ids" in probe else []
+    built = [inputs.with_generated_media(inputs.hf_example_inputs(
+        model, batch=batch_size, seq=seq_len, seed=seed + 1000 + i), seed + i) for i in range(batches)]
+    try:  # a vision-language or omni prompt: the built-in sentences around its media tokens
+        out = [((), inputs.text_with_media(model, tok, kw, texts[i * batch_size:i * batch_size + kw[
+            "input_ids"].shape[0]], seq_len) if texts else kw) for i, kw in enumerate(built)]
+    except (NormswapError, TypeError, ValueError, KeyError, AttributeError):  # text the model cannot take
+        texts, out = [], [((), kw) for kw in built]
     kinds = [k for k in ("pixel_values", "input_features", "input_values") if k in probe]
     what = {"pixel_values": "generated images", "input_features": "log-mel features of generated speech",
             "input_values": "generated speech"}
     desc = ", ".join(what[k] for k in kinds) or "token ids drawn over the vocabulary " + (
         "(the model's tokenizer reads most built-in English words as unknown)" if tok is not None
         else "(no tokenizer found)")
+    if texts:
+        desc = f"English sentences (model tokenizer) around the media tokens, {desc}"
     rows = next((v.shape[0] for v in out[0][1].values() if isinstance(v, torch.Tensor)), batch_size) if out else 0
     return out, f"built-in {desc} ({batches} x {rows})"  # rows: a 30-second audio batch holds one clip
 

@@ -1,0 +1,176 @@
+"""Rules for the vision side of vision-language models whose inputs the common image layouts
+(:mod:`normswap.inputs.media`) do not cover: each one read from the config or the forward signature,
+never from a per-model table.
+
+- A vision tower run alone that takes its flattened patches as ``hidden_states`` with their ``grid_thw``
+  (the Qwen-VL towers of GLM-4V, Qwen2.5-VL, EXAONE 4.5): the grid layout under that name.
+- A Q-Former run alone (BLIP-2's ``query_embeds``): query rows of its own width.
+- Patch rows kept square, ``(N, C, p, p)`` with their ``grid_thw``, for towers that embed them with a
+  2-D convolution (Kimi-K2.5, PaddleOCR-VL).
+- Images packed into one strip of patches with ``target_sizes`` (MiniCPM-V).
+- Patch rows with their ``(x, y)`` places (Gemma 4's ``pixel_position_ids``).
+- A second image input at another resolution, ``<name>_pixel_values`` next to a ``<name>_vision_config``
+  (DeepSeek-VL hybrid's ``high_res_pixel_values``): the same images at that tower's size.
+- Tiled images with aspect-ratio ids (Mllama): ``(B, images, tiles, C, H, W)`` at the config's
+  ``max_num_tiles``, the id of the supported aspect ratio that uses every tile, and its tile mask.
+- Masks that say which text positions see which image (Idefics' ``image_attention_mask``, Mllama's
+  ``cross_attention_mask``): every position sees every image, once the prompt's length is known.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from normswap.inputs.media import Layout, cfg, grid_layout, image_geometry, sub_config
+
+QUERY_ROWS = 8  # query rows of a Q-Former run alone when the config does not fix how many
+
+
+def built_here(params: Any) -> set[str]:
+    """The required forward arguments this module has a rule for, given the forward's parameters."""
+    out = set()
+    if "hidden_states" in params and "grid_thw" in params and "pixel_values" not in params:
+        out.add("hidden_states")
+    if "query_embeds" in params:
+        out.add("query_embeds")
+    if "pixel_position_ids" in params and "pixel_values" in params:
+        out.add("pixel_position_ids")
+    return out
+
+
+def tower_layouts(config: Any, params: Any, batch: int, gen: torch.Generator, dtype: torch.dtype
+                  ) -> Iterator[Layout]:
+    """Inputs of a vision-side module that takes no ``pixel_values`` (see :func:`built_here`)."""
+    made = built_here(params)
+    if "hidden_states" in made:
+        # a Qwen-VL tower alone: the patches it embeds are its "hidden states"
+        yield grid_layout(sub_config(config, "vision"), batch, gen, dtype, name="hidden_states", grid="grid_thw")
+    if "query_embeds" in made:
+        width = int(cfg(config, "hidden_size", default=32))
+        rows = int(cfg(config, "num_query_tokens", default=QUERY_ROWS))
+        yield {"query_embeds": torch.randn(batch, rows, width, generator=gen).to(dtype)}
+
+
+def tiled_layouts(config: Any, params: Any, batch: int, gen: torch.Generator, dtype: torch.dtype
+                  ) -> Iterator[Layout]:
+    """Mllama-style tiled images: one image per sample cut into ``max_num_tiles`` tiles, with the
+    (1-based) id of a supported aspect ratio of that many tiles and a mask over the tiles."""
+    if "aspect_ratio_ids" not in params:
+        return
+    vcfg = sub_config(config, "vision")
+    tiles = int(cfg(vcfg, "max_num_tiles", default=1))
+    ratios = cfg(vcfg, "supported_aspect_ratios", default=[[1, 1]])
+    ratio_id = next((i + 1 for i, r in enumerate(ratios) if math.prod(r) == tiles), None)
+    if ratio_id is None:  # no ratio uses every tile: the first, with its tiles marked
+        ratio_id, used = 1, math.prod(ratios[0])
+    else:
+        used = tiles
+    size, channels, _ = image_geometry(config)
+    mask = torch.zeros(batch, 1, tiles, dtype=torch.long)
+    mask[..., :used] = 1
+    yield {"pixel_values": torch.randn(batch, 1, tiles, channels, size, size, generator=gen).to(dtype),
+           "aspect_ratio_ids": torch.full((batch, 1), ratio_id, dtype=torch.long), "aspect_ratio_mask": mask}
+
+
+def patch_layouts(config: Any, params: Any, batch: int, gen: torch.Generator, dtype: torch.dtype
+                  ) -> Iterator[Layout]:
+    """Qwen-VL style patches kept square, ``(N, C, p, p)`` rows with their grid, for towers that embed
+    them with a 2-D convolution (Kimi-K2.5, PaddleOCR-VL); after the flattened rows of
+    :func:`~normswap.inputs.media.grid_layout`, which most such towers take."""
+    vcfg = sub_config(config, "vision")
+    for grid in ("image_grid_thw", "grid_thw"):
+        if grid not in params:
+            continue
+        layout = grid_layout(vcfg, batch, gen, dtype, grid=grid)
+        rows = layout["pixel_values"]
+        patch = int(cfg(vcfg, "patch_size", "spatial_patch_size", default=14))
+        channels = rows.shape[1] // (patch * patch)
+        if channels * patch * patch == rows.shape[1]:  # one frame per patch: a square image of it
+            yield {**layout, "pixel_values": rows.reshape(rows.shape[0], channels, patch, patch)}
+
+
+def positioned_patch_layouts(config: Any, params: Any, batch: int, gen: torch.Generator, dtype: torch.dtype
+                             ) -> Iterator[Layout]:
+    """Patch rows with their ``(x, y)`` places, ``pixel_position_ids`` (Gemma 4's vision tower): a square
+    grid of patches whose side is a multiple of the pooling kernel, ``(B, side², C·p·p)``."""
+    if "pixel_position_ids" not in params:
+        return
+    vcfg = sub_config(config, "vision")
+    patch = int(cfg(vcfg, "patch_size", default=16))
+    kernel = int(cfg(vcfg, "pooling_kernel_size", default=1))
+    channels = int(cfg(vcfg, "num_channels", default=3))
+    side = 2 * kernel
+    ys, xs = torch.meshgrid(torch.arange(side), torch.arange(side), indexing="ij")
+    places = torch.stack([xs.flatten(), ys.flatten()], dim=-1)
+    yield {"pixel_values": torch.rand(batch, side * side, channels * patch * patch, generator=gen).to(dtype),
+           "pixel_position_ids": places.expand(batch, -1, -1).clone()}
+
+
+def packed_layouts(config: Any, params: Any, batch: int, gen: torch.Generator, dtype: torch.dtype
+                   ) -> Iterator[Layout]:
+    """Images packed into one strip of patches with each image's patch grid in ``target_sizes`` (MiniCPM-V,
+    MiniCPM-o OCR): ``(1, C, p, n·p)`` for ``n`` patches in all, each image a square grid whose side the
+    tower's window kernel (``window_kernel_size``) and its 2× merger divide."""
+    if "target_sizes" not in params:
+        return
+    vcfg = sub_config(config, "vision")
+    patch = int(cfg(vcfg, "patch_size", default=14))
+    channels = int(cfg(vcfg, "num_channels", default=3))
+    kernel = cfg(vcfg, "window_kernel_size", default=None)
+    side = 2 * math.lcm(*(int(k) for k in kernel)) if isinstance(kernel, (list, tuple)) and kernel else 4
+    strip = torch.randn(1, channels, patch, batch * side * side * patch, generator=gen).to(dtype)
+    yield {"pixel_values": strip, "target_sizes": torch.tensor([[side, side]] * batch, dtype=torch.int32)}
+
+
+def with_companions(layout: Layout, config: Any, params: Any, gen: torch.Generator, dtype: torch.dtype) -> Layout:
+    """``layout`` plus the images a second vision tower takes at its own size: ``<name>_pixel_values``
+    for each ``<name>_vision_config`` (DeepSeek-VL hybrid's high-resolution SAM tower)."""
+    pixels = layout.get("pixel_values")
+    if not isinstance(pixels, torch.Tensor) or pixels.dim() != 4:
+        return layout
+    out = dict(layout)
+    for name in params:
+        prefix = name.removesuffix("_pixel_values")
+        sub = getattr(config, f"{prefix}_vision_config", None)
+        if prefix == name or sub is None or name in out:
+            continue
+        size = int(cfg(sub, "image_size", default=pixels.shape[-1]))
+        channels = int(cfg(sub, "num_channels", default=pixels.shape[1]))
+        out[name] = torch.randn(pixels.shape[0], channels, size, size, generator=gen).to(dtype)
+    return out
+
+
+def complete(params: Any, inputs: dict[str, Any]) -> None:
+    """Add, in place, the masks that say which text positions see which image, now that the prompt's
+    length is known: every position sees every image (and every used tile)."""
+    ids, pixels = inputs.get("input_ids"), inputs.get("pixel_values")
+    if not isinstance(ids, torch.Tensor) or not isinstance(pixels, torch.Tensor):
+        return
+    if "image_attention_mask" in params and pixels.dim() == 5:  # Idefics: (B, seq, images)
+        inputs["image_attention_mask"] = torch.ones(ids.shape[0], ids.shape[1], pixels.shape[1], dtype=torch.long)
+    tiles = inputs.get("aspect_ratio_mask")
+    if "cross_attention_mask" in params and isinstance(tiles, torch.Tensor):  # Mllama: (B, seq, images, tiles)
+        inputs["cross_attention_mask"] = tiles[:, None].expand(-1, ids.shape[1], -1, -1).clone()
+
+
+def required_media_token(model: Any, params: Any) -> str | None:
+    """The config key of a media placeholder token the forward needs but the config leaves unset
+    (BLIP-2 and InstructBLIP-Video configs saved before transformers placed the query outputs by token:
+    ``image_token_index: null``), or None. Such a forward cannot run on any input."""
+    if "input_ids" not in params or "pixel_values" not in params:
+        return None
+    try:
+        source = inspect.getsource(type(model))
+    except (OSError, TypeError):
+        return None
+    config = model.config
+    for key in ("image_token_id", "image_token_index", "video_token_id", "video_token_index"):
+        if key in vars(config) and getattr(config, key) is None and f"config.{key.rsplit('_', 1)[0]}" in source:
+            if not any(isinstance(getattr(config, k, None), int) for k in ("image_token_id", "video_token_id")):
+                return key
+    return None
