@@ -109,6 +109,7 @@ KV_HEADS = {"num_key_value_heads", "num_kv_heads", "n_head_kv"}
 # low ranks of latent projections: cut together so that their sums and products stay consistent
 HEAD_SIZES = {"head_dim", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "index_head_dim", "rotary_dim"}
 LOW_RANKS = {"kv_lora_rank", "q_lora_rank", "mamba_d_state"}
+FOLLOWS_WIDTH = re.compile(r"(groups|codebook_dim|output_hidden_size)$")
 TOKEN_ID = re.compile(r"_(token_)?(id|index)$")
 
 
@@ -165,6 +166,7 @@ def shrink(config: object, depth: int = 0, ids: list[int] | None = None, images:
         if d.get("context_length") is None:
             d["context_length"] = 8
     heads = next((d[k] for k in HEADS_ATTR if isinstance(d.get(k), int)), None)
+    before = dict(d)
     for k in list(d):
         v = d[k]
         if isinstance(v, PretrainedConfig):
@@ -221,6 +223,13 @@ def shrink(config: object, depth: int = 0, ids: list[int] | None = None, images:
         if isinstance(rope, dict) and isinstance(rope.get("mrope_section"), list) and isinstance(head_dim, int):
             half, n = head_dim // 2, len(rope["mrope_section"])
             rope["mrope_section"] = [half - (n - 1) * (half // n)] + [half // n] * (n - 1)
+    for k, v in list(d.items()):
+        # a size defined as equal to a width follows it: a conv grouped per channel (Mimi's upsample_groups
+        # = hidden_size), a codec's codebook vectors (EnCodec's codebook_dim = hidden_size)
+        if FOLLOWS_WIDTH.search(k) and isinstance(v, int) and not isinstance(v, bool) and v > 1:
+            width = next((w for w in WIDTH | FFN if before.get(w) == v and d.get(w) != v), None)
+            if width is not None:
+                d[k] = d[width]
     if isinstance(d.get("n_routed_experts"), int) and d.get("num_experts_per_tok") is None:
         # defaults that leave routing unset (DeepSeek-V2) do not run; real checkpoints set it
         d["num_experts_per_tok"] = 2
