@@ -28,8 +28,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from normswap.analysis import precision
 from normswap.errors import NormswapError
-from normswap.inputs import media
+from normswap.inputs import media, structured
 from normswap.inputs.media import AUDIO_FRAME_BUDGET, Layout, cfg, sub_config
 
 # how to build each required forward argument; any other required one is refused by name
@@ -144,7 +145,10 @@ def _trial(model: nn.Module) -> Iterator[None]:
     try:
         if dtype in (torch.float32, torch.float64):
             torch.set_default_dtype(dtype)
-        with torch.no_grad(), torch.random.fork_rng(devices=list(range(torch.cuda.device_count())) if cuda else []):
+        # a float64 model runs with its float32 round trips held at float64, as the traced analysis runs
+        # it (a cast down inside a float64 model otherwise fails: "expected scalar type Float")
+        with torch.no_grad(), torch.random.fork_rng(devices=list(range(torch.cuda.device_count())) if cuda else []), \
+                precision.holding(dtype, dtype == torch.float64):
             yield
     finally:
         torch.set_default_dtype(previous)
@@ -184,7 +188,7 @@ def hf_example_inputs(model: nn.Module, batch: int = 2, seq: int = 8, seed: int 
     params = forward_params(model)
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-    missing = [n for n in _required(params) if n not in KNOWN and not _side_ids(n)]
+    missing = [n for n in _required(params) if n not in KNOWN and n not in structured.NAMES and not _side_ids(n)]
     if missing:
         raise NormswapError(
             f"cannot build example inputs for {type(model).__name__}: its forward requires "
@@ -198,6 +202,8 @@ def hf_example_inputs(model: nn.Module, batch: int = 2, seq: int = 8, seed: int 
     key = _key(model)
     chosen = _CHOSEN.get(key)
     combos = list(_combinations(config, params, batch, seed, dtype))
+    if not combos and structured.main_inputs(config, params):
+        combos = [{}]  # a trajectory, a codec decoder's latents: built whole in _finish
     if not combos:
         raise NormswapError(
             f"cannot build example inputs for {type(model).__name__} (main input "
@@ -330,6 +336,8 @@ def _finish(model: nn.Module, config: Any, params: dict[str, Any], media_kw: Lay
         elif counts.get("image") and "token_type_ids" in params:
             inputs["token_type_ids"] = (types == 1).long()
     inputs.update(media_kw)
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    inputs.update(structured.extra_inputs(config, params, inputs, rows, seq, gen, dtype))
     if "decoder_input_ids" in params and (getattr(config, "is_encoder_decoder", False) or "input_ids" not in params):
         dcfg = sub_config(config, "decoder")
         dec = text_ids(dcfg, rows, seq, gen, avoid)

@@ -141,7 +141,7 @@ AUDIO_FRAME_BUDGET = 3000  # log-mel frames of 10 ms per batch: one 30-second cl
 
 
 def audio_config(config: Any) -> Any:
-    return sub_config(config, "audio", "speech", "encoder")
+    return sub_config(config, "audio", "speech", "encoder", "asr")
 
 
 def feature_frames(config: Any) -> int:
@@ -174,6 +174,25 @@ def feature_layouts(config: Any, batch: int, gen: torch.Generator, dtype: torch.
     yield with_masks(torch.randn(batch, min(frames, 200), feats, generator=gen).to(dtype), 1)
     # one-channel spectrogram images (B, 1, T, mels): CLAP's audio tower
     yield with_masks(torch.randn(batch, 1, min(frames, 1024), mels, generator=gen).to(dtype), 2)
+    for size in stacked_feature_sizes(config, mels, feats):
+        yield with_masks(torch.randn(batch, min(frames, 200), size, generator=gen).to(dtype), 1)
+    for size in dict.fromkeys((128, 80)):  # the common mel counts, where the config does not say
+        if size != width:
+            yield with_masks(torch.randn(batch, size, frames, generator=gen).to(dtype), -1)
+
+
+def stacked_feature_sizes(config: Any, mels: int, feats: int) -> list[int]:
+    """Feature widths of ``(B, T, F)`` models whose frames are stacked or expanded before the encoder,
+    beyond the configured ``mels``/``feats``: ``feature_projection_input_dim`` (Wav2Vec2-BERT, SeamlessM4T:
+    two stacked 80-mel frames = 160), ``num_mel_bins · num_stacked_frames`` (FunASR's low frame rate
+    stacking), mels × 2 and × 4 (delta-expanded then pair-stacked frames: Granite Speech 5) and the
+    first sub-sampling conv's channels (Gemma 4's audio tower reads 128 mels off
+    ``subsampling_conv_channels[0]``)."""
+    acfg = audio_config(config)
+    sizes = [_int(cfg(acfg, "feature_projection_input_dim")) or _int(cfg(config, "feature_projection_input_dim"))]
+    stack = _int(cfg(acfg, "num_stacked_frames", "lfr_m"))
+    sizes += [mels * stack if stack else None, 2 * mels, 4 * mels, _int(cfg(acfg, "subsampling_conv_channels"))]
+    return [s for s in dict.fromkeys(sizes) if s and s not in (mels, feats)]
 
 
 def value_layouts(config: Any, batch: int, gen: torch.Generator, dtype: torch.dtype) -> Iterator[Layout]:
