@@ -53,7 +53,25 @@ def image_geometry(config: Any) -> tuple[int, int, int]:
     size = _int(cfg(vcfg, "image_size", "img_size", "input_size")) or _int(cfg(config, "image_size")) or 64
     channels = _int(cfg(vcfg, "num_channels", "in_channels", "in_chans")) or 3
     patch = _int(cfg(vcfg, "patch_size", "spatial_patch_size")) or 1
-    return size, channels, patch
+    return detection_size(config, size), channels, patch
+
+
+def detection_size(config: Any, size: int) -> int:
+    """``size``, or the smallest multiple of the coarsest stride above it whose feature maps hold at
+    least ``num_queries`` positions, for a detector that picks its queries as the top-k encoder positions
+    (RT-DETR, D-FINE, DEIM: ``feat_strides``; two-stage Deformable DETR / Grounding DINO: strides 8 to 64,
+    one per feature level). Such a model cannot run on fewer positions than queries."""
+    queries = _int(cfg(config, "num_queries"))
+    strides = cfg(config, "feat_strides")
+    if not queries or not (isinstance(strides, (list, tuple)) and strides or cfg(config, "two_stage") is True):
+        return size
+    if not (isinstance(strides, (list, tuple)) and strides):
+        strides = (8, 16, 32, 64)[: _int(cfg(config, "num_feature_levels")) or 4]
+    step = max(int(s) for s in strides)
+    side = -(-size // step) * step
+    while sum((side // int(s)) ** 2 for s in strides) < queries:
+        side += step
+    return side
 
 
 def image_layouts(config: Any, params: Any, batch: int, gen: torch.Generator, dtype: torch.dtype
