@@ -182,6 +182,9 @@ def shrink(config: object, depth: int = 0, ids: list[int] | None = None, images:
             continue
         elif k in HEADS_ATTR and isinstance(v, int) and v > 4:
             d[k] = 4
+        elif k in HEADS_ATTR and isinstance(v, (list, tuple)) and v and all(isinstance(x, int) and x > 0 for x in v):
+            # heads per stage (Swin, SegFormer): a power of two up to 4, which divides the shrunk widths
+            d[k] = type(v)(min(4, 1 << (x.bit_length() - 1)) for x in v)
         elif k in KV_HEADS and isinstance(v, int) and v > 2:
             # grouped-query attention keeps grouping (2 kv heads); as many kv heads as heads stays so (MLA)
             d[k] = heads_cut(heads) if v == heads else 2
@@ -198,7 +201,8 @@ def shrink(config: object, depth: int = 0, ids: list[int] | None = None, images:
         elif k in ("max_position_embeddings", "n_positions", "max_source_positions", "max_target_positions",
                    "max_seq_len", "context_length") and isinstance(v, int) and v > 4096:
             d[k] = 4096
-        elif k == "image_size" and images and isinstance(v, int) and v > 64 and (v % 2 == 0):
+        elif k == "image_size" and images and isinstance(v, int) and v > 64 and (v % 2 == 0) and \
+                not isinstance(d.get("window_size"), int):  # windowed attention (Swin) needs whole windows
             patch = d.get("patch_size")
             if isinstance(patch, int) and patch > 0 and v % patch == 0 and v // patch > 4:
                 d[k] = patch * 4 if patch * 4 >= 32 else 32 - 32 % patch
