@@ -163,8 +163,8 @@ def shrink(config: object, depth: int = 0, ids: list[int] | None = None, images:
                                    out_indices=idx)
     if "prediction_length" in d and d["prediction_length"] is None:  # time-series configs leave it unset
         d["prediction_length"] = 8
-        if d.get("context_length") is None:
-            d["context_length"] = 8
+        if d.get("context_length") is None:  # the decoder starts from the last label_length steps (Autoformer)
+            d["context_length"] = max(8, d.get("label_length") or 0)
     heads = next((d[k] for k in HEADS_ATTR if isinstance(d.get(k), int)), None)
     before = dict(d)
     for k in list(d):
@@ -272,6 +272,8 @@ def build(class_name: str, model_type: str, widths: bool = True):  # noqa: ANN20
     randomise = zoo().randomise
     config = tf.AutoConfig.for_model(model_type)
     shrink(config, widths=widths)
+    if class_name.endswith("ForCTC") and getattr(config, "vocab_size", 0) is None:
+        config.vocab_size = 32  # a CTC head's defaults leave its alphabet to the checkpoint
     cls = getattr(tf, class_name)
     with torch.device("meta"):
         n = sum(p.numel() for p in cls(config).parameters())

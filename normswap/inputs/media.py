@@ -215,8 +215,10 @@ def stacked_feature_sizes(config: Any, mels: int, feats: int) -> list[int]:
 
 def value_layouts(config: Any, batch: int, gen: torch.Generator, dtype: torch.dtype) -> Iterator[Layout]:
     """``input_values``: raw mono audio ``(B, samples)`` (Wav2Vec2, HuBERT), one channel
-    ``(B, 1, samples)`` (audio codecs: EnCodec, DAC, Mimi), or spectrogram patches ``(B, T, mels)``
-    (Audio Spectrogram Transformer)."""
+    ``(B, 1, samples)`` (audio codecs: EnCodec, DAC, Mimi), spectrogram patches ``(B, T, mels)``
+    (Audio Spectrogram Transformer), hidden states ``(B, T, hidden_size)`` (an encoder without its
+    pre-net: SpeechT5Model), or mono audio in whole frames of the config's ``frame_size`` / ``hop_length``
+    or of its strides' product (MuseSpark's audio patches: 16·6·5·4 = 1920 samples)."""
     acfg = audio_config(config)
     yield {"input_values": torch.randn(batch, 4000, generator=gen).to(dtype)}
     channels = _int(cfg(acfg, "audio_channels", "channels")) or 1
@@ -225,6 +227,14 @@ def value_layouts(config: Any, batch: int, gen: torch.Generator, dtype: torch.dt
     mels = _int(cfg(acfg, "num_mel_bins", "feature_size")) or 128
     length = _int(cfg(acfg, "max_length")) or 100
     yield {"input_values": torch.randn(batch, length, mels, generator=gen).to(dtype)}
+    hidden = _int(cfg(acfg, "hidden_size", "d_model"))
+    if hidden and hidden != mels:  # an encoder built without its pre-net takes hidden states (SpeechT5Model)
+        yield {"input_values": torch.randn(batch, 16, hidden, generator=gen).to(dtype)}
+    ratios = cfg(acfg, "patch_sizes", "downsampling_ratios", "upsampling_ratios")
+    frame = _int(cfg(acfg, "frame_size", "hop_length", "samples_per_frame")) or (
+        math.prod(ratios) if isinstance(ratios, (list, tuple)) and all(isinstance(r, int) for r in ratios) else None)
+    if frame and 4000 % frame:  # a codec or encoder that takes whole frames of samples only
+        yield {"input_values": torch.randn(batch, frame * max(1, -(-4000 // frame)), generator=gen).to(dtype)}
 
 
 # ------------------------------------------------------------------------------------------- time series

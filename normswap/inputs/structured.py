@@ -9,6 +9,8 @@ next to (or instead of) them, built from the config so that these models convert
 - ``past_values_padding`` (none padded) and ``freq`` (frequency class 0) of a TimesFM forecaster.
 - ``task_inputs``: OneFormer's task prompt, ``task_seq_len`` token ids over its text vocabulary.
 - ``latents``: a codec decoder's continuous latents ``(B, hidden_size, frames)`` (Mimi, Pocket-TTS).
+- ``decoder_input_values``: hidden states for the decoder of an encoder-decoder built without its
+  pre-nets (SpeechT5Model), when the encoder's ``input_values`` are hidden states too.
 
 Each rule fires only when the forward takes that argument; :data:`NAMES` is what the builder knows.
 """
@@ -22,7 +24,7 @@ import torch
 from normswap.inputs.media import cfg
 
 TRAJECTORY = ("states", "actions", "rewards", "returns_to_go", "timesteps")
-NAMES = {"bbox", "past_values_padding", "freq", "task_inputs", "latents", *TRAJECTORY}
+NAMES = {"bbox", "past_values_padding", "freq", "task_inputs", "latents", "decoder_input_values", *TRAJECTORY}
 
 
 def main_inputs(config: Any, params: Any) -> bool:
@@ -50,6 +52,11 @@ def extra_inputs(config: Any, params: Any, built: dict[str, Any], batch: int, se
         length = _int(cfg(config, "task_seq_len")) or 77
         vocab = _int(cfg(config, "text_encoder_vocab_size", "vocab_size")) or 100
         out["task_inputs"] = torch.randint(min(3, vocab - 1), vocab, (batch, length), generator=gen)
+    values = built.get("input_values")
+    if "decoder_input_values" in params and isinstance(values, torch.Tensor) and values.dim() == 3 and \
+            values.shape[-1] == _int(cfg(config, "hidden_size", "d_model")):
+        # an encoder-decoder without pre-nets (SpeechT5Model) takes hidden states on both sides
+        out["decoder_input_values"] = torch.randn(values.shape[0], 8, values.shape[-1], generator=gen).to(dtype)
     if "latents" in params:
         width = _int(cfg(config, "hidden_size", "latent_dim", "codebook_dim")) or 32
         out["latents"] = torch.randn(batch, width, 16, generator=gen).to(dtype)
