@@ -49,6 +49,7 @@ _TOKEN_KEY = re.compile(r"(_token_id|_token_index|_token|_id)$")
 
 # (model class, config) -> index of the candidate that ran, media tokens per sample
 _CHOSEN: dict[tuple[str, int], tuple[int, dict[str, int]]] = {}
+KNOWN |= structured.NAMES  # boxes, trajectories, forecaster padding, task prompts, codec latents
 
 
 def forward_params(model: nn.Module) -> dict[str, inspect.Parameter]:
@@ -136,24 +137,43 @@ def _feature_count(model: nn.Module, kind: str, layout: Layout, batch: int) -> i
 def _trial(model: nn.Module) -> Iterator[None]:
     """Eval mode, no grad and the model's dtype as the factory default (HF mask constants), undone after;
     torch's random generators forked, so a model that draws random numbers in eval mode (ViT-MAE's
-    masking) leaves the user's random stream where it was."""
+    masking) leaves the user's random stream where it was. A float64 model runs with its float32 casts
+    held at float64, as the analysis runs it (:mod:`normswap.analysis.precision`): GLM-4V's position
+    interpolation casts the grid to float32 and would not meet its float64 embeddings otherwise."""
     modes = {m: m.training for m in model.modules()}
     previous = torch.get_default_dtype()
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     cuda = torch.cuda.is_available() and torch.cuda.is_initialized()  # never initialise CUDA for a CPU model
     model.eval()
+    experts = _float64_experts(model) if dtype == torch.float64 else None
     try:
         if dtype in (torch.float32, torch.float64):
             torch.set_default_dtype(dtype)
-        # a float64 model runs with its float32 round trips held at float64, as the traced analysis runs
-        # it (a cast down inside a float64 model otherwise fails: "expected scalar type Float")
         with torch.no_grad(), torch.random.fork_rng(devices=list(range(torch.cuda.device_count())) if cuda else []), \
-                precision.holding(dtype, dtype == torch.float64):
+                precision.holding(torch.float64, enabled=dtype == torch.float64):
             yield
     finally:
         torch.set_default_dtype(previous)
         for m, training in modes.items():
             m.training = training
+        if experts is not None:
+            model.set_experts_implementation(experts)
+
+
+def _float64_experts(model: nn.Module) -> dict[str, Any] | None:
+    """Switch a float64 model's fused MoE experts to transformers' ``eager`` implementation for a trial
+    forward where its own (``grouped_mm``) has no float64 kernel, as the pipeline's float64 working copy
+    runs them; the setting to restore, or None when nothing changed."""
+    get = getattr(model, "get_experts_implementation", None)
+    try:
+        current = get() if callable(get) else None
+    except (AttributeError, TypeError):
+        return None
+    if not current or all(v in (None, "eager", "batched_mm") for v in current.values()):
+        return None
+    model.set_experts_implementation({k: v if v in (None, "eager", "batched_mm") else "eager"
+                                      for k, v in current.items()})
+    return current
 
 
 def _run_error(model: nn.Module, kwargs: dict[str, Any]) -> Exception | None:
@@ -188,7 +208,7 @@ def hf_example_inputs(model: nn.Module, batch: int = 2, seq: int = 8, seed: int 
     params = forward_params(model)
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-    missing = [n for n in _required(params) if n not in KNOWN and n not in structured.NAMES and not _side_ids(n)]
+    missing = [n for n in _required(params) if n not in KNOWN and not _side_ids(n)]
     if missing:
         raise NormswapError(
             f"cannot build example inputs for {type(model).__name__}: its forward requires "
@@ -336,8 +356,6 @@ def _finish(model: nn.Module, config: Any, params: dict[str, Any], media_kw: Lay
         elif counts.get("image") and "token_type_ids" in params:
             inputs["token_type_ids"] = (types == 1).long()
     inputs.update(media_kw)
-    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-    inputs.update(structured.extra_inputs(config, params, inputs, rows, seq, gen, dtype))
     if "decoder_input_ids" in params and (getattr(config, "is_encoder_decoder", False) or "input_ids" not in params):
         dcfg = sub_config(config, "decoder")
         dec = text_ids(dcfg, rows, seq, gen, avoid)
@@ -345,6 +363,8 @@ def _finish(model: nn.Module, config: Any, params: dict[str, Any], media_kw: Lay
         if isinstance(first, int) and first >= 0:
             dec[:, 0] = first
         inputs["decoder_input_ids"] = dec
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    inputs.update(structured.extra_inputs(config, params, inputs, rows, seq, gen, dtype))
     if inputs and "encoder_hidden_states" in params and has_cross_attention(model):
         # a decoder with cross-attention (BLIP's text decoder, BERT/GPT-2 with add_cross_attention): its
         # cross-attention blocks and their norms run only when given encoder states

@@ -53,25 +53,7 @@ def image_geometry(config: Any) -> tuple[int, int, int]:
     size = _int(cfg(vcfg, "image_size", "img_size", "input_size")) or _int(cfg(config, "image_size")) or 64
     channels = _int(cfg(vcfg, "num_channels", "in_channels", "in_chans")) or 3
     patch = _int(cfg(vcfg, "patch_size", "spatial_patch_size")) or 1
-    return detection_size(config, size), channels, patch
-
-
-def detection_size(config: Any, size: int) -> int:
-    """``size``, or the smallest multiple of the coarsest stride above it whose feature maps hold at
-    least ``num_queries`` positions, for a detector that picks its queries as the top-k encoder positions
-    (RT-DETR, D-FINE, DEIM: ``feat_strides``; two-stage Deformable DETR / Grounding DINO: strides 8 to 64,
-    one per feature level). Such a model cannot run on fewer positions than queries."""
-    queries = _int(cfg(config, "num_queries"))
-    strides = cfg(config, "feat_strides")
-    if not queries or not (isinstance(strides, (list, tuple)) and strides or cfg(config, "two_stage") is True):
-        return size
-    if not (isinstance(strides, (list, tuple)) and strides):
-        strides = (8, 16, 32, 64)[: _int(cfg(config, "num_feature_levels")) or 4]
-    step = max(int(s) for s in strides)
-    side = -(-size // step) * step
-    while sum((side // int(s)) ** 2 for s in strides) < queries:
-        side += step
-    return side
+    return size, channels, patch
 
 
 def image_layouts(config: Any, params: Any, batch: int, gen: torch.Generator, dtype: torch.dtype
@@ -82,6 +64,7 @@ def image_layouts(config: Any, params: Any, batch: int, gen: torch.Generator, dt
     ``(B·h·w, C·t·p·p)`` with ``image_grid_thw``; each with ``image_sizes`` and ``pixel_mask`` where the
     forward takes them."""
     size, channels, patch = image_geometry(config)
+    size = detection_size(config, size)
     vcfg = sub_config(config, "vision", "backbone")
     frames = _int(cfg(vcfg, "num_frames", "frames"))
 
@@ -140,6 +123,24 @@ def grid_layout(vcfg: Any, batch: int, gen: torch.Generator, dtype: torch.dtype,
     rows = batch * side * side
     return {name: torch.randn(rows, channels * temporal * patch * patch, generator=gen).to(dtype),
             grid: torch.tensor([[1, side, side]] * batch)}
+
+
+def detection_size(config: Any, size: int) -> int:
+    """``size``, or the smallest multiple of the coarsest stride above it whose feature maps hold at
+    least ``num_queries`` positions, for a detector that picks its queries as the top-k encoder positions
+    (RT-DETR, D-FINE, DEIM: ``feat_strides``; two-stage Deformable DETR / Grounding DINO: strides 8 to 64,
+    one per feature level). Such a model cannot run on fewer positions than queries."""
+    queries = _int(cfg(config, "num_queries"))
+    strides = cfg(config, "feat_strides")
+    if not queries or not (isinstance(strides, (list, tuple)) and strides or cfg(config, "two_stage") is True):
+        return size
+    if not (isinstance(strides, (list, tuple)) and strides):
+        strides = (8, 16, 32, 64)[: _int(cfg(config, "num_feature_levels")) or 4]
+    step = max(int(s) for s in strides)
+    side = -(-size // step) * step
+    while sum((side // int(s)) ** 2 for s in strides) < queries:
+        side += step
+    return side
 
 
 def video_layouts(config: Any, params: Any, batch: int, gen: torch.Generator, dtype: torch.dtype
