@@ -145,3 +145,26 @@ def test_a_trajectory_follows_the_config():
     built = hf_example_inputs(decision_transformer(), batch=2, seq=6)
     assert built["states"].shape == (2, 6, 5) and built["actions"].shape == (2, 6, 3)
     assert built["timesteps"].dtype == torch.long and int(built["timesteps"].max()) < 64
+
+
+def test_a_missing_input_is_named_in_one_line_in_cli_words():
+    """A forward argument no rule builds is refused in one line naming it; on the command line the way
+    out is a file of inputs (``--example-inputs``), not the Python keyword."""
+    from normswap.cli.common import cli_words
+
+    class NeedsQueries(nn.Module):
+        main_input_name = "pixel_values"
+
+        def __init__(self):
+            super().__init__()
+            self.config = tf.PretrainedConfig()
+            self.norm = nn.LayerNorm(4)
+
+        def forward(self, pixel_values, query_boxes):
+            return self.norm(pixel_values)
+
+    with pytest.raises(normswap.NormswapError) as caught:
+        hf_example_inputs(NeedsQueries())
+    line = cli_words(str(caught.value))
+    assert "\n" not in line and "`query_boxes`" in line, line
+    assert "--example-inputs FILE.safetensors holding it" in line and "example_inputs=" not in line, line
