@@ -705,7 +705,11 @@ def table(rows: list[dict], before: dict | None, all_types: int | None = None) -
             note = {"unbuilt": c.get("build", ""), "converted": ""}.get(o, c.get("patch"))
             if o == "converted" and c.get("message"):
                 note = c["message"]
-            note = (note or "").replace("|", "\\|").replace("\n", " ")[:160]
+            if c.get("shrink"):  # the fully shrunk config ran on no inputs; this one keeps the model's widths
+                note = f"[{c['shrink']}] {note or ''}"
+            if o != "converted" and c.get("runs_on"):
+                note = f"{note or ''} (runs on {c['runs_on']})"
+            note = (note or "").replace("|", "\\|").replace("\n", " ")[:200]
             out.append(f"| {r['type']} | {c['class']} | {o} | {was.get((r['type'], c['class']), '')} | {v} | "
                        f"{fmt_err(c)} | {note} |")
     out += ["", "## Runnable but not converted with no inputs", "",

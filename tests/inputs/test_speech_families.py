@@ -2,7 +2,7 @@
 sweep (benchmarks/sweep_transformers.py) showed not running on normswap's own inputs: one tiny model per
 rule, float64, LayerNorm γ/β randomised, eval.
 
-- RT-DETR picks its 300 queries as the top-k encoder positions: images whose feature maps hold fewer
+- RT-DETR picks its queries as the top-k encoder positions: images whose feature maps hold fewer
   positions fail ("selected index k out of range"), so the builder sizes them from ``feat_strides``;
 - Wav2Vec2-BERT reads two stacked 80-mel frames (``feature_projection_input_dim``), not ``num_mel_bins``;
 - SpeechT5Model, built without pre-nets, takes hidden states on both sides;
@@ -30,14 +30,14 @@ from normswap.surgery.verify import compare
 from tests.zoo import float64_casts, randomise
 
 
-def rt_detr():  # top-k query selection over the encoder's positions: 300 queries need 128 x 128 images
+def rt_detr():  # top-k query selection over the encoder's positions: 100 queries need 96 x 96 images
     backbone = tf.RTDetrResNetConfig(embedding_size=16, hidden_sizes=[16, 32, 64, 128], depths=[1, 1, 1, 1],
                                      out_features=["stage2", "stage3", "stage4"])
     return tf.RTDetrForObjectDetection(tf.RTDetrConfig(
         backbone_config=backbone, encoder_in_channels=[32, 64, 128], encoder_hidden_dim=32, d_model=32,
         decoder_in_channels=[32, 32, 32],
         encoder_ffn_dim=64, decoder_ffn_dim=64, encoder_attention_heads=4, decoder_attention_heads=4,
-        decoder_layers=2, decoder_n_points=2, num_queries=300, num_labels=4))
+        decoder_layers=2, decoder_n_points=2, num_queries=100, num_labels=4))
 
 
 def wav2vec2_bert():  # (B, T, F) features, F = feature_projection_input_dim (stacked frames)
@@ -124,10 +124,10 @@ def test_built_inputs_run_the_model_and_it_converts_exactly(family):
 
 def test_detector_images_hold_as_many_positions_as_queries():
     """The image side the builder picks for a top-k detector: the smallest multiple of the coarsest
-    stride whose feature maps (strides 8, 16, 32) hold the 300 queries: 128 (336 positions; 96 holds 189)."""
+    stride whose feature maps (strides 8, 16, 32) hold the 100 queries: 96 (189 positions; 64 holds 84)."""
     model = rt_detr()
     pixels = hf_example_inputs(model)["pixel_values"]
-    assert tuple(pixels.shape[-2:]) == (128, 128)
+    assert tuple(pixels.shape[-2:]) == (96, 96)
 
 
 def test_stacked_speech_features_run_the_model():
