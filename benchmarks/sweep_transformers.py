@@ -95,7 +95,8 @@ def classes(model_type: str) -> list[str]:
 WIDTH = {"hidden_size", "d_model", "n_embd", "embed_dim", "dim", "hidden_dim", "embedding_dim", "d_embed",
          "word_embed_proj_dim", "projection_dim", "encoder_hidden_size", "decoder_hidden_size", "text_embed_dim",
          "vision_embed_dim", "audio_embed_dim", "cross_attention_hidden_size", "encoder_embed_dim",
-         "decoder_embed_dim", "n_embed", "model_dim", "latent_dim", "out_hidden_size", "output_dim"}
+         "decoder_embed_dim", "n_embed", "model_dim", "latent_dim", "out_hidden_size", "output_dim",
+         "cross_hidden_size"}
 FFN = {"intermediate_size", "ffn_dim", "encoder_ffn_dim", "decoder_ffn_dim", "d_ff", "n_inner", "mlp_dim",
        "decoder_intermediate_size", "encoder_intermediate_size", "dim_feedforward", "ffn_hidden_size"}
 LAYERS = {"num_hidden_layers", "num_layers", "n_layer", "n_layers", "encoder_layers", "decoder_layers",
@@ -103,11 +104,12 @@ LAYERS = {"num_hidden_layers", "num_layers", "n_layer", "n_layers", "encoder_lay
           "decoder_depth", "encoder_depth", "num_decoder_blocks", "num_encoder_blocks"}
 HEADS_ATTR = {"num_attention_heads", "n_head", "n_heads", "encoder_attention_heads", "decoder_attention_heads",
               "num_heads", "decoder_num_attention_heads", "num_attention_heads_text", "decoder_num_heads",
-              "encoder_num_heads"}
-KV_HEADS = {"num_key_value_heads", "num_kv_heads", "n_head_kv"}
+              "encoder_num_heads", "cross_num_attention_heads"}
+KV_HEADS = {"num_key_value_heads", "num_kv_heads", "n_head_kv", "cross_num_key_value_heads"}
 # per-head sizes (multi-head latent attention's rope/nope/value parts, a partial rotary width) and the
 # low ranks of latent projections: cut together so that their sums and products stay consistent
-HEAD_SIZES = {"head_dim", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "index_head_dim", "rotary_dim"}
+HEAD_SIZES = {"head_dim", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "index_head_dim", "rotary_dim",
+              "cross_head_dim"}
 LOW_RANKS = {"kv_lora_rank", "q_lora_rank", "mamba_d_state"}
 FOLLOWS_WIDTH = re.compile(r"(groups|codebook_dim|output_hidden_size)$")
 TOKEN_ID = re.compile(r"_(token_)?(id|index)$")

@@ -9,6 +9,8 @@ next to (or instead of) them, built from the config so that these models convert
 - ``past_values_padding`` (none padded) and ``freq`` (frequency class 0) of a TimesFM forecaster.
 - ``task_inputs``: OneFormer's task prompt, ``task_seq_len`` token ids over its text vocabulary.
 - ``latents``: a codec decoder's continuous latents ``(B, hidden_size, frames)`` (Mimi, Pocket-TTS).
+- ``decoder_input_ids`` of a text-to-speech decoder that reads one audio code per codebook per step
+  (Dia: the decoder config's ``num_channels`` codebooks), ``(B, T, codebooks)``.
 - ``decoder_input_values``: hidden states for the decoder of an encoder-decoder built without its
   pre-nets (SpeechT5Model), when the encoder's ``input_values`` are hidden states too.
 
@@ -21,7 +23,7 @@ from typing import Any
 
 import torch
 
-from normswap.inputs.media import cfg
+from normswap.inputs.media import cfg, sub_config
 
 TRAJECTORY = ("states", "actions", "rewards", "returns_to_go", "timesteps")
 NAMES = {"bbox", "past_values_padding", "freq", "task_inputs", "latents", "decoder_input_values", *TRAJECTORY}
@@ -57,6 +59,13 @@ def extra_inputs(config: Any, params: Any, built: dict[str, Any], batch: int, se
             values.shape[-1] == _int(cfg(config, "hidden_size", "d_model")):
         # an encoder-decoder without pre-nets (SpeechT5Model) takes hidden states on both sides
         out["decoder_input_values"] = torch.randn(values.shape[0], 8, values.shape[-1], generator=gen).to(dtype)
+    dec = built.get("decoder_input_ids")
+    dcfg = sub_config(config, "decoder")
+    codebooks = _int(cfg(dcfg, "num_codebooks")) or (_int(cfg(dcfg, "num_channels")) if dcfg is not config else None)
+    if isinstance(dec, torch.Tensor) and dec.dim() == 2 and codebooks and codebooks > 1:
+        # a text-to-speech decoder reads one id per codebook per step: (B, T, codebooks), as Dia's own
+        # default start is shaped (its 2-D reshape leaves a view its embedding cannot take)
+        out["decoder_input_ids"] = dec[:, :, None].repeat(1, 1, codebooks)
     if "latents" in params:
         width = _int(cfg(config, "hidden_size", "latent_dim", "codebook_dim")) or 32
         out["latents"] = torch.randn(batch, width, 16, generator=gen).to(dtype)
