@@ -747,9 +747,17 @@ verdict counts; the max relative output error of the exact norms
 images and audio at their configured size); the refusal or the model's own note.
 
 "Unbuilt" types are those whose default config does not build tiny (the sweep's shrinking, not
-normswap); they are counted apart. A `no-run` row is often the tiny config's fault too (a default
-config whose sizes disagree once shrunk: image sizes a projector does not take, MoE kernels without
-float64); the note gives the model's own error.
+normswap); they are counted apart. When no inputs run the fully shrunk model, the sweep builds it again
+with the model's own widths (only layers, vocabulary and positions cut; "[widths kept]" in the note), for
+sizes that derive from each other in ways the shrinking does not know (CLAP's audio width is its patch
+width times 2^(stages - 1)).
+
+**Runnable** means that some inputs run the class: normswap's built inputs, or the sweep's oracle,
+which is not normswap: the model's own `dummy_inputs`, its feature extractor's defaults applied to a
+second of noise, or inputs written by hand for a few types whose forwards take arguments no generic rule
+builds (`oracle_inputs` in the script). The measure the issue sets, "types some inputs can run that
+convert with no inputs", counts a type when one of its classes is runnable and converted when every
+runnable class converted; the two lists at the end give the rest, each with its one-line reason.
 
 Regenerate (every type: hours on a shared 2-core machine, so run it in chunks with `--start`/`--count`
 or `--only`; rows accumulate in the JSON), then the page with the before column:
