@@ -611,12 +611,12 @@ def outcome(row: dict) -> str:
 
 
 def is_runnable(c: dict) -> bool | None:
-    """Whether some inputs run the class (normswap's or the oracle's); None for a row measured before
-    the sweep asked (no ``runnable`` key) that did not convert."""
+    """Whether some inputs run the class (normswap's or the oracle's); None when unknown: a row measured
+    before the sweep asked (no ``runnable`` key) that did not convert, or a type that ran out of time."""
     if outcome(c) == "converted":
         return True
-    if outcome(c) == "unbuilt":
-        return False
+    if outcome(c) == "unbuilt":  # a type whose worker timed out or died was not measured: unknown
+        return None if re.match(r"timeout|worker died", c.get("build", "")) else False
     return c.get("runnable")
 
 
@@ -682,8 +682,8 @@ def table(rows: list[dict], before: dict | None, all_types: int | None = None) -
             "normswap's built inputs or on the sweep's oracle (inputs that are not normswap's: the model's own "
             "`dummy_inputs`, its feature extractor's defaults on noise, inputs written by hand for a few types); "
             f"{len(rt['not_runnable'])} types run on neither (listed below with the error)"
-            + (f"; {rt['unknown']} rows were measured before the sweep asked and are left out of this count"
-               if rt["unknown"] else "") + ".", ""]
+            + (f"; {rt['unknown']} types are left out of this count (measured before the sweep asked, or out of "
+               "time)" if rt["unknown"] else "") + ".", ""]
     if before:
         b = totals(before["rows"])
         same = {r["type"] for r in before["rows"]} & {r["type"] for r in rows}
