@@ -236,6 +236,10 @@ def shrink(config: object, depth: int = 0, ids: list[int] | None = None, images:
             width = next((w for w in WIDTH | FFN if before.get(w) == v and d.get(w) != v), None)
             if width is not None:
                 d[k] = d[width]
+    if widths and isinstance(d.get("patch_embeds_hidden_size"), int) and isinstance(d.get("depths"), (list, tuple)):
+        # a hierarchical audio tower (CLAP's HTSAT) doubles its patch width per stage: hidden_size is the last
+        d["patch_embeds_hidden_size"] = min(d["patch_embeds_hidden_size"], 16)
+        d["hidden_size"] = d["patch_embeds_hidden_size"] * 2 ** (len(d["depths"]) - 1)
     if isinstance(d.get("n_routed_experts"), int) and d.get("num_experts_per_tok") is None:
         # defaults that leave routing unset (DeepSeek-V2) do not run; real checkpoints set it
         d["num_experts_per_tok"] = 2
