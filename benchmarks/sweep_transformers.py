@@ -252,6 +252,10 @@ def shrink(config: object, depth: int = 0, ids: list[int] | None = None, images:
         # Mamba-2 mixers split expand · hidden into heads of mamba_d_head
         d["mamba_n_heads"] = min(d["mamba_n_heads"], 4)
         d["mamba_d_head"] = max(1, int(d.get("mamba_expand") or 2) * hidden // d["mamba_n_heads"])
+    stages = getattr(config, "out_indices", None)  # a backbone read at these stages keeps the layers they name
+    if isinstance(stages, (list, tuple)) and stages and isinstance(d.get("num_hidden_layers"), int) and \
+            isinstance(d.get("stage_names"), list) and len(d["stage_names"]) == before.get("num_hidden_layers", 0) + 1:
+        d["num_hidden_layers"] = max(d["num_hidden_layers"], max(int(i) for i in stages))
     out_idx = d.get("backbone_out_indices")
     if isinstance(out_idx, (list, tuple)) and isinstance(d.get("num_hidden_layers"), int) and \
             max(out_idx, default=0) >= d["num_hidden_layers"]:

@@ -129,14 +129,21 @@ def detection_size(config: Any, size: int) -> int:
     """``size``, or the smallest multiple of the coarsest stride above it whose feature maps hold at
     least ``num_queries`` positions, for a detector that picks its queries as the top-k encoder positions
     (RT-DETR, D-FINE, DEIM: ``feat_strides``; two-stage Deformable DETR / Grounding DINO: strides 8 to 64,
-    one per feature level). Such a model cannot run on fewer positions than queries."""
+    one per feature level; LW-DETR / RF-DETR: the backbone's patch over each projector scale). Such a
+    model cannot run on fewer positions than queries."""
     queries = _int(cfg(config, "num_queries"))
     strides = cfg(config, "feat_strides")
+    patch = _int(cfg(sub_config(config, "backbone"), "patch_size"))
+    if queries and patch and cfg(config, "group_detr") is not None and not strides:
+        # LW-DETR / RF-DETR: always two-stage, over a ViT backbone's patches scaled by the projector
+        scales = cfg(config, "projector_scale_factors") or [1.0]
+        strides = [max(1, round(patch / float(f))) for f in scales]
     if not queries or not (isinstance(strides, (list, tuple)) and strides or cfg(config, "two_stage") is True):
         return size
     if not (isinstance(strides, (list, tuple)) and strides):
         strides = (8, 16, 32, 64)[: _int(cfg(config, "num_feature_levels")) or 4]
-    step = max(int(s) for s in strides)
+    # whole windows for a windowed ViT backbone (RF-DETR's DINOv2 splits the patch grid num_windows ways)
+    step = max(int(s) for s in strides) * (_int(cfg(sub_config(config, "backbone"), "num_windows")) or 1)
     side = -(-size // step) * step
     while sum((side // int(s)) ** 2 for s in strides) < queries:
         side += step
