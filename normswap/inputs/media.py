@@ -97,6 +97,8 @@ def image_layouts(config: Any, params: Any, batch: int, gen: torch.Generator, dt
         yield from extras(grid_layout(vcfg, batch, gen, dtype))
     if "grid_thw" in params:  # a Qwen-VL style vision tower alone
         yield grid_layout(vcfg, batch, gen, dtype, grid="grid_thw")
+    # a pair of images per sample (B, 2, C, H, W): keypoint matchers (LightGlue, EfficientLoFTR)
+    yield {"pixel_values": pixels(batch, 2, channels, size, size)}
 
 
 def anyres_tiles(config: Any, size: int) -> int:

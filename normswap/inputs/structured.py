@@ -1,7 +1,7 @@
 """Analysis inputs that are neither text, images, audio nor a series' values: what some forwards take
 next to (or instead of) them, built from the config so that these models convert with no inputs.
 
-- ``bbox``: one box per token for a document-layout model that requires them (BROS): ``x0 ≤ x1``,
+- ``bbox``: one box per token for a document-layout model that requires them (BROS, UDOP): ``x0 ≤ x1``,
   ``y0 ≤ y1``; integer coordinates below ``max_2d_position_embeddings`` where the config has a 2-D
   position table (LayoutLM family), else fractions of the page in [0, 1].
 - a Decision Transformer's trajectory: ``states`` (``state_dim``), ``actions`` (``act_dim``),
@@ -82,7 +82,14 @@ def _requires(params: Any, name: str, config: Any) -> bool:
     import inspect
 
     p = params[name]
-    return p.default is inspect.Parameter.empty or cfg(config, "dim_bbox") is not None
+    return p.default is inspect.Parameter.empty or cfg(config, "dim_bbox") is not None or _box_biases(config)
+
+
+def _box_biases(config: Any) -> bool:
+    """UDOP: attention biases over box coordinates (``relative_bias_args`` of type horizontal/vertical),
+    which raise without boxes; its boxes are fractions of the page."""
+    kinds = cfg(config, "relative_bias_args") or []
+    return any(isinstance(k, dict) and k.get("type") in ("horizontal", "vertical") for k in kinds)
 
 
 def _boxes(config: Any, batch: int, tokens: int, gen: torch.Generator, dtype: torch.dtype) -> torch.Tensor:
@@ -90,7 +97,7 @@ def _boxes(config: Any, batch: int, tokens: int, gen: torch.Generator, dtype: to
     low, high = corners.min(dim=2).values, corners.max(dim=2).values
     boxes = torch.cat([low, high], dim=-1)  # x0, y0, x1, y1
     limit = _int(cfg(config, "max_2d_position_embeddings"))
-    if limit:
+    if limit and not _box_biases(config):
         return (boxes * (limit - 1)).long()
     return boxes.to(dtype)
 
