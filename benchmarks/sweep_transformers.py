@@ -13,7 +13,13 @@ randomised, eval mode. Per class:
   one-line error, and the verdict counts;
 - ``err``: the max relative output error of the exact norms (``mode="exact"``, approximate norms kept as
   LayerNorm) against the float64 original, at two input shapes (batch 1 x 5 tokens, batch 2 x 11);
-- ``crash``: an exception that is not a :class:`normswap.NormswapError` (a bug, not a refusal).
+- ``crash``: an exception that is not a :class:`normswap.NormswapError` (a bug, not a refusal);
+- ``runs_on`` / ``runnable`` / ``not_run``: what ran the class (normswap's inputs, else the oracle's:
+  :func:`oracle_inputs`, which is not normswap) or the error when nothing did; ``shrink: widths kept``
+  when only the config with its own widths ran (:func:`shrink` ``widths=False``).
+
+The page's headline is the issue's measure: of the types some inputs can run, how many convert with no
+inputs (:func:`runnable_totals`).
 
 Each type runs in a worker process (``OMP_NUM_THREADS=1``) with a per-type time limit, so a hang or a
 crash costs one row. ``--jobs`` runs that many workers side by side.
