@@ -13,7 +13,13 @@ randomised, eval mode. Per class:
   one-line error, and the verdict counts;
 - ``err``: the max relative output error of the exact norms (``mode="exact"``, approximate norms kept as
   LayerNorm) against the float64 original, at two input shapes (batch 1 x 5 tokens, batch 2 x 11);
-- ``crash``: an exception that is not a :class:`normswap.NormswapError` (a bug, not a refusal).
+- ``crash``: an exception that is not a :class:`normswap.NormswapError` (a bug, not a refusal);
+- ``runs_on`` / ``runnable`` / ``not_run``: what ran the class (normswap's inputs, else the oracle's:
+  :func:`oracle_inputs`, which is not normswap) or the error when nothing did; ``shrink: widths kept``
+  when only the config with its own widths ran (:func:`shrink` ``widths=False``).
+
+The page's headline is the issue's measure: of the types some inputs can run, how many convert with no
+inputs (:func:`runnable_totals`).
 
 Each type runs in a worker process (``OMP_NUM_THREADS=1``) with a per-type time limit, so a hang or a
 crash costs one row. ``--jobs`` runs that many workers side by side.
@@ -95,7 +101,8 @@ def classes(model_type: str) -> list[str]:
 WIDTH = {"hidden_size", "d_model", "n_embd", "embed_dim", "dim", "hidden_dim", "embedding_dim", "d_embed",
          "word_embed_proj_dim", "projection_dim", "encoder_hidden_size", "decoder_hidden_size", "text_embed_dim",
          "vision_embed_dim", "audio_embed_dim", "cross_attention_hidden_size", "encoder_embed_dim",
-         "decoder_embed_dim", "n_embed", "model_dim", "latent_dim", "out_hidden_size", "output_dim"}
+         "decoder_embed_dim", "n_embed", "model_dim", "latent_dim", "out_hidden_size", "output_dim",
+         "cross_hidden_size"}
 FFN = {"intermediate_size", "ffn_dim", "encoder_ffn_dim", "decoder_ffn_dim", "d_ff", "n_inner", "mlp_dim",
        "decoder_intermediate_size", "encoder_intermediate_size", "dim_feedforward", "ffn_hidden_size"}
 LAYERS = {"num_hidden_layers", "num_layers", "n_layer", "n_layers", "encoder_layers", "decoder_layers",
@@ -103,8 +110,14 @@ LAYERS = {"num_hidden_layers", "num_layers", "n_layer", "n_layers", "encoder_lay
           "decoder_depth", "encoder_depth", "num_decoder_blocks", "num_encoder_blocks"}
 HEADS_ATTR = {"num_attention_heads", "n_head", "n_heads", "encoder_attention_heads", "decoder_attention_heads",
               "num_heads", "decoder_num_attention_heads", "num_attention_heads_text", "decoder_num_heads",
-              "encoder_num_heads"}
-KV_HEADS = {"num_key_value_heads", "num_kv_heads", "n_head_kv"}
+              "encoder_num_heads", "cross_num_attention_heads"}
+KV_HEADS = {"num_key_value_heads", "num_kv_heads", "n_head_kv", "cross_num_key_value_heads"}
+# per-head sizes (multi-head latent attention's rope/nope/value parts, a partial rotary width) and the
+# low ranks of latent projections: cut together so that their sums and products stay consistent
+HEAD_SIZES = {"head_dim", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "index_head_dim", "rotary_dim",
+              "cross_head_dim"}
+LOW_RANKS = {"kv_lora_rank", "q_lora_rank", "mamba_d_state"}
+FOLLOWS_WIDTH = re.compile(r"(groups|codebook_dim|output_hidden_size)$")
 TOKEN_ID = re.compile(r"_(token_)?(id|index)$")
 
 
@@ -128,9 +141,18 @@ def all_special_ids(config: object) -> list[int]:
     return out
 
 
-def shrink(config: object, depth: int = 0, ids: list[int] | None = None, images: bool = True) -> None:
+def heads_cut(n: int | None) -> int | None:
+    """What :func:`shrink` makes of a head count."""
+    return n if not isinstance(n, int) or n <= 4 else 4
+
+
+def shrink(config: object, depth: int = 0, ids: list[int] | None = None, images: bool = True,
+           widths: bool = True) -> None:
     """Shrink ``config`` (and its sub-configs) in place to a tiny model of the same architecture.
-    ``images=False`` keeps image sizes (a config that fixes its image tokens, ``mm_tokens_per_image``)."""
+    ``images=False`` keeps image sizes (a config that fixes its image tokens, ``mm_tokens_per_image``).
+    ``widths=False`` keeps every width, head count and head size (layers, vocabulary and positions are
+    still cut): the fallback for a config whose sizes derive from each other in ways no rule here
+    knows (CLAP's audio width is ``patch_embeds_hidden_size · 2^(stages-1)``), see :func:`run_class`."""
     from transformers import PretrainedConfig
 
     ids = all_special_ids(config) if ids is None else ids
@@ -149,35 +171,46 @@ def shrink(config: object, depth: int = 0, ids: list[int] | None = None, images:
                                    out_indices=idx)
     if "prediction_length" in d and d["prediction_length"] is None:  # time-series configs leave it unset
         d["prediction_length"] = 8
-        if d.get("context_length") is None:
-            d["context_length"] = 8
+        if d.get("context_length") is None:  # the decoder starts from the last label_length steps (Autoformer)
+            d["context_length"] = max(8, d.get("label_length") or 0)
     heads = next((d[k] for k in HEADS_ATTR if isinstance(d.get(k), int)), None)
+    before = dict(d)
     for k in list(d):
         v = d[k]
         if isinstance(v, PretrainedConfig):
             if depth < 4:
-                shrink(v, depth + 1, ids, images)
+                shrink(v, depth + 1, ids, images, widths)
             continue
         if isinstance(v, bool) or k.startswith("_"):
             continue
         if k in LAYERS and isinstance(v, int) and v > 2:
             d[k] = 2
+        elif not widths and (k in HEADS_ATTR or k in KV_HEADS or k in WIDTH or k in FFN or k in HEAD_SIZES
+                             or k in LOW_RANKS):
+            continue
         elif k in HEADS_ATTR and isinstance(v, int) and v > 4:
             d[k] = 4
+        elif k in HEADS_ATTR and isinstance(v, (list, tuple)) and v and all(isinstance(x, int) and x > 0 for x in v):
+            # heads per stage (Swin, SegFormer): a power of two up to 4, which divides the shrunk widths
+            d[k] = type(v)(min(4, 1 << (x.bit_length() - 1)) for x in v)
         elif k in KV_HEADS and isinstance(v, int) and v > 2:
-            d[k] = 2
+            # grouped-query attention keeps grouping (2 kv heads); as many kv heads as heads stays so (MLA)
+            d[k] = heads_cut(heads) if v == heads else 2
         elif k in WIDTH and isinstance(v, int) and v > 64:
             d[k] = 32 if heads is None or 32 % min(4, heads) == 0 else 64
         elif k in FFN and isinstance(v, int) and v > 64:
             d[k] = 64
-        elif k == "head_dim" and isinstance(v, int) and v > 16:
+        elif k in HEAD_SIZES and isinstance(v, int) and v > 16:
             d[k] = 8
+        elif k in LOW_RANKS and isinstance(v, int) and v > 32:
+            d[k] = 16
         elif k in ("vocab_size", "n_vocab", "text_vocab_size") and isinstance(v, int) and v > 128:
             d[k] = max(128, 1 + max(ids + [0]))
         elif k in ("max_position_embeddings", "n_positions", "max_source_positions", "max_target_positions",
                    "max_seq_len", "context_length") and isinstance(v, int) and v > 4096:
             d[k] = 4096
-        elif k == "image_size" and images and isinstance(v, int) and v > 64 and (v % 2 == 0):
+        elif k == "image_size" and images and isinstance(v, int) and v > 64 and (v % 2 == 0) and \
+                not isinstance(d.get("window_size"), int):  # windowed attention (Swin) needs whole windows
             patch = d.get("patch_size")
             if isinstance(patch, int) and patch > 0 and v % patch == 0 and v // patch > 4:
                 d[k] = patch * 4 if patch * 4 >= 32 else 32 - 32 % patch
@@ -202,6 +235,39 @@ def shrink(config: object, depth: int = 0, ids: list[int] | None = None, images:
         if isinstance(rope, dict) and isinstance(rope.get("mrope_section"), list) and isinstance(head_dim, int):
             half, n = head_dim // 2, len(rope["mrope_section"])
             rope["mrope_section"] = [half - (n - 1) * (half // n)] + [half // n] * (n - 1)
+    for k, v in list(d.items()):
+        # a size defined as equal to a width follows it: a conv grouped per channel (Mimi's upsample_groups
+        # = hidden_size), a codec's codebook vectors (EnCodec's codebook_dim = hidden_size)
+        if FOLLOWS_WIDTH.search(k) and isinstance(v, int) and not isinstance(v, bool) and v > 1:
+            width = next((w for w in WIDTH | FFN if before.get(w) == v and d.get(w) != v), None)
+            if width is not None:
+                d[k] = d[width]
+    if widths and isinstance(d.get("patch_embeds_hidden_size"), int) and isinstance(d.get("depths"), (list, tuple)):
+        # a hierarchical audio tower (CLAP's HTSAT) doubles its patch width per stage: hidden_size is the last
+        d["patch_embeds_hidden_size"] = min(d["patch_embeds_hidden_size"], 16)
+        d["hidden_size"] = d["patch_embeds_hidden_size"] * 2 ** (len(d["depths"]) - 1)
+    if isinstance(d.get("n_routed_experts"), int) and d.get("num_experts_per_tok") is None:
+        # defaults that leave routing unset (DeepSeek-V2) do not run; real checkpoints set it
+        d["num_experts_per_tok"] = 2
+        for k in ("n_group", "topk_group"):
+            if k in d and d[k] is None:
+                d[k] = 1
+    if isinstance(d.get("qk_head_dim"), int) and isinstance(d.get("qk_nope_head_dim"), int):  # MLA: nope + rope
+        d["qk_head_dim"] = d["qk_nope_head_dim"] + (d.get("qk_rope_head_dim") or 0)
+    if widths and isinstance(d.get("mamba_n_heads"), int) and isinstance(d.get("mamba_d_head"), int) and hidden:
+        # Mamba-2 mixers split expand · hidden into heads of mamba_d_head
+        d["mamba_n_heads"] = min(d["mamba_n_heads"], 4)
+        d["mamba_d_head"] = max(1, int(d.get("mamba_expand") or 2) * hidden // d["mamba_n_heads"])
+    stages = getattr(config, "out_indices", None)  # a backbone read at these stages keeps the layers they name
+    if isinstance(stages, (list, tuple)) and stages and isinstance(d.get("num_hidden_layers"), int) and \
+            isinstance(d.get("stage_names"), list) and len(d["stage_names"]) == before.get("num_hidden_layers", 0) + 1:
+        d["num_hidden_layers"] = max(d["num_hidden_layers"], max(int(i) for i in stages))
+    out_idx = d.get("backbone_out_indices")
+    if isinstance(out_idx, (list, tuple)) and isinstance(d.get("num_hidden_layers"), int) and \
+            max(out_idx, default=0) >= d["num_hidden_layers"]:
+        # a ViT backbone read at these layers (DPT): as many layers as indices, each read
+        d["num_hidden_layers"] = len(out_idx)
+        d["backbone_out_indices"] = type(out_idx)(range(len(out_idx)))
     vision = d.get("vision_config")
     if isinstance(d.get("image_grid_pinpoints"), list) and isinstance(getattr(vision, "image_size", None), int):
         side = vision.image_size  # any-resolution grids in units of the (shrunk) tile size
@@ -213,21 +279,151 @@ def shrink(config: object, depth: int = 0, ids: list[int] | None = None, images:
             d[k] = v[:n]
 
 
-def build(class_name: str, model_type: str):  # noqa: ANN201 - the model
-    """The tiny, random, float64, eval-mode model of ``class_name``; raises when it cannot be built."""
+def build(class_name: str, model_type: str, widths: bool = True):  # noqa: ANN201 - the model
+    """The tiny, random, float64, eval-mode model of ``class_name``; raises when it cannot be built.
+    ``widths=False``: only layers, vocabulary and positions cut (:func:`shrink`)."""
     import torch
     import transformers as tf
 
     randomise = zoo().randomise
     config = tf.AutoConfig.for_model(model_type)
-    shrink(config)
+    shrink(config, widths=widths)
+    if class_name.endswith("ForCTC") and getattr(config, "vocab_size", 0) is None:
+        config.vocab_size = 32  # a CTC head's defaults leave its alphabet to the checkpoint
     cls = getattr(tf, class_name)
     with torch.device("meta"):
         n = sum(p.numel() for p in cls(config).parameters())
     if n > MAX_PARAMS:
         raise RuntimeError(f"tiny config still has {n / 1e6:.0f}M parameters")
     torch.manual_seed(0)
-    return randomise(cls(config), 0)
+    model = randomise(cls(config), 0)
+    if callable(getattr(model, "set_experts_implementation", None)):
+        # fused MoE kernels (grouped_mm) take no float64: a float64 model runs its experts eagerly, as a
+        # float64 transformers model must (normswap's float64 working copy does the same)
+        try:
+            model.set_experts_implementation("eager")
+        except Exception:  # noqa: BLE001 - a model without experts
+            pass
+    return model
+
+
+# ------------------------------------------------------------------------------------ runnable oracle
+def _oracle_table() -> dict:
+    """Inputs written by hand for types whose forward takes arguments no generic rule here builds
+    (read from each model's forward in transformers 5.24): the oracle's last resort, never normswap's."""
+    import torch
+
+    def ids(config: object, n: int = 8, batch: int = 2) -> torch.Tensor:
+        vocab = getattr(config, "vocab_size", None) or getattr(getattr(config, "text_config", None), "vocab_size", 100)
+        return torch.randint(3, max(4, min(int(vocab), 1000)), (batch, n))
+
+    def decision(config: object) -> dict:
+        b, t = 2, 5
+        return {"states": torch.randn(b, t, config.state_dim), "actions": torch.randn(b, t, config.act_dim),
+                "rewards": torch.randn(b, t, 1), "returns_to_go": torch.randn(b, t, 1),
+                "timesteps": torch.arange(t).expand(b, t), "attention_mask": torch.ones(b, t, dtype=torch.long)}
+
+    def bros(config: object) -> dict:
+        box = torch.rand(2, 8, 4)
+        box = torch.cat([box[..., :2].minimum(box[..., 2:]), box[..., :2].maximum(box[..., 2:])], -1)
+        return {"input_ids": ids(config), "bbox": box}
+
+    def timesfm(config: object) -> dict:
+        n = config.context_length
+        return {"past_values": torch.randn(2, n), "past_values_padding": torch.zeros(2, n),
+                "freq": torch.zeros(2, 1, dtype=torch.long)}
+
+    def oneformer(config: object) -> dict:
+        side = 64
+        return {"pixel_values": torch.randn(2, 3, side, side),
+                "task_inputs": ids(config.text_config if hasattr(config, "text_config") else config,
+                                   config.task_seq_len)}
+
+    return {"decision_transformer": decision, "bros": bros, "timesfm": timesfm, "oneformer": oneformer}
+
+
+def oracle_inputs(model: object, model_type: str):  # noqa: ANN201 - (source, kwargs) pairs
+    """Inputs that do not come from normswap, to tell a model that some inputs run from a config that
+    runs on none: the model's own ``dummy_inputs``; its feature extractor's defaults applied to one
+    second of noise (audio models); inputs written by hand for the few types in :func:`_oracle_table`."""
+    import inspect
+
+    import numpy as np
+    import torch
+    import transformers as tf
+    from transformers.models.auto import feature_extraction_auto as fa
+
+    params = inspect.signature(model.forward).parameters
+    config = model.config
+
+    def decoder(kw: dict) -> dict:
+        if "decoder_input_ids" in params and getattr(config, "is_encoder_decoder", False):
+            start = getattr(config, "decoder_start_token_id", None)
+            kw["decoder_input_ids"] = torch.tensor([[start if isinstance(start, int) else 0, 4, 5]] * len(
+                next(iter(kw.values()))))
+        return kw
+
+    try:
+        dummy = dict(model.dummy_inputs)
+    except Exception:  # noqa: BLE001 - a model whose dummy_inputs property itself fails
+        dummy = {}
+    if dummy and all(k in params for k in dummy):
+        yield "the model's dummy_inputs", decoder(dummy)
+    name = fa.FEATURE_EXTRACTOR_MAPPING_NAMES.get(model_type)
+    if name and hasattr(tf, name):
+        try:
+            fe = getattr(tf, name)()
+            rate = getattr(fe, "sampling_rate", 16000) or 16000
+            wave = np.random.default_rng(0).standard_normal(int(rate)).astype(np.float32) * 0.1
+            got = fe([wave, wave], sampling_rate=rate, return_tensors="pt")
+            kw = {k: v for k, v in dict(got).items() if k in params and isinstance(v, torch.Tensor)}
+            if "input_ids" in params and "input_ids" in dummy:
+                kw["input_ids"] = dummy["input_ids"][:1].expand(2, -1)
+            if kw:
+                yield f"{name} defaults on noise", decoder(kw)
+        except Exception:  # noqa: BLE001 - an extractor that needs files or arguments: no candidate
+            pass
+    table = _oracle_table()
+    if model_type in table:
+        yield "inputs written for this type", decoder(table[model_type](config))
+
+
+def runs(model: object, kwargs: dict) -> str | None:
+    """None when ``model`` runs on ``kwargs`` (float64, eval, no grad, random state untouched), else the
+    error in one line."""
+    import torch
+
+    from normswap.pipeline import default_dtype
+
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float64)
+    kwargs = {k: v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+              for k, v in kwargs.items()}
+    try:
+        with torch.no_grad(), default_dtype(dtype), zoo().float64_casts(), torch.random.fork_rng():
+            model(**kwargs)
+        return None
+    except Exception as exc:  # noqa: BLE001 - the answer is the error
+        return f"{type(exc).__name__}: {_line(exc, 160)}"
+
+
+def runnable(model: object, model_type: str) -> tuple[str | None, str]:
+    """``(what ran the model, why not)``: "normswap's inputs", an oracle source, or None and the last
+    error."""
+    from normswap import NormswapError
+    from normswap.inputs import hf_example_inputs
+
+    try:
+        why = runs(model, hf_example_inputs(model))
+        if why is None:
+            return "normswap's inputs", ""
+    except NormswapError as exc:
+        why = _line(exc, 160)
+    for source, kw in oracle_inputs(model, model_type):
+        err = runs(model, kw)
+        if err is None:
+            return source, ""
+        why = err
+    return None, why
 
 
 # --------------------------------------------------------------------------------------- per class
@@ -251,8 +447,29 @@ def run_class(class_name: str, model_type: str) -> dict:
         model = build(class_name, model_type)
     except Exception as exc:  # noqa: BLE001 - the config cannot be built tiny: recorded, not a normswap bug
         row["build"] = f"{type(exc).__name__}: {_line(exc)}"
+        model = None
+    source, why = runnable(model, model_type) if model is not None else (None, row["build"])
+    if source is None:
+        # no inputs run the fully shrunk model: a config whose sizes derive from each other may have been
+        # made inconsistent by shrinking its widths; the same model with its own widths is tried
+        try:
+            wide = build(class_name, model_type, widths=False)
+            wide_source, wide_why = runnable(wide, model_type)
+            if wide_source is not None or model is None:
+                model, source, why = wide, wide_source, wide_why
+                row["shrink"] = "widths kept"
+                row["build"] = "ok"
+        except Exception as exc:  # noqa: BLE001 - too big or unbuildable with its widths: the first try stands
+            if model is None:
+                return row
+            row["wide"] = f"{type(exc).__name__}: {_line(exc, 120)}"
+    if model is None:
         return row
     row["build"] = "ok"
+    row["runs_on"] = source
+    row["runnable"] = source is not None
+    if source is None:
+        row["not_run"] = why
     try:
         hf_example_inputs(model)
         row["inputs"] = "ok"
@@ -407,6 +624,27 @@ def outcome(row: dict) -> str:
     return "no-run" if re.search(r"on the example inputs|cannot build example inputs|outputs NaN", p) else "refused"
 
 
+def is_runnable(c: dict) -> bool | None:
+    """Whether some inputs run the class (normswap's or the oracle's); None when unknown: a row measured
+    before the sweep asked (no ``runnable`` key) that did not convert, or a type that ran out of time."""
+    if outcome(c) == "converted":
+        return True
+    if outcome(c) == "unbuilt":  # a type whose worker timed out or died was not measured: unknown
+        return None if re.match(r"timeout|worker died", c.get("build", "")) else False
+    return c.get("runnable")
+
+
+def runnable_totals(rows: list[dict]) -> dict:
+    """The issue's measure: of the types some inputs can run (a built class runs on normswap's inputs or
+    the oracle's), how many convert with no inputs (every class that some inputs run converted)."""
+    known = [r for r in rows if all(is_runnable(c) is not None for c in r["classes"])]
+    runnable_types = [r for r in known if any(is_runnable(c) for c in r["classes"])]
+    converted = [r for r in runnable_types if all(outcome(c) == "converted" for c in r["classes"] if is_runnable(c))]
+    return {"asked": len(known), "unknown": len(rows) - len(known), "runnable": len(runnable_types),
+            "converted": len(converted), "not_runnable": [r for r in known if r not in runnable_types],
+            "failing": [r for r in runnable_types if r not in converted]}
+
+
 def worst_err(row: dict) -> float | None:
     errs = [e for e in row.get("err", []) or [] if isinstance(e, float)] if isinstance(row.get("err"), list) else []
     return max(errs) if errs else None
@@ -452,6 +690,14 @@ def table(rows: list[dict], before: dict | None, all_types: int | None = None) -
            f"not run on the built inputs {t['classes_no_run']}, refused for another reason {t['classes_refused']}, "
            f"crashed {t['classes_crashed']}; inputs not built: "
            f"{t['inputs_not_built']}; exact conversions above 1e-9: {t['exact_over_1e-9']}.", ""]
+    rt = runnable_totals(rows)
+    out += [f"**Types some inputs can run: {rt['runnable']}; converted with no inputs: {rt['converted']} "
+            f"({100 * rt['converted'] / max(1, rt['runnable']):.1f}%).** A class counts as runnable when it runs on "
+            "normswap's built inputs or on the sweep's oracle (inputs that are not normswap's: the model's own "
+            "`dummy_inputs`, its feature extractor's defaults on noise, inputs written by hand for a few types); "
+            f"{len(rt['not_runnable'])} types run on neither (listed below with the error)"
+            + (f"; {rt['unknown']} types are left out of this count (measured before the sweep asked, or out of "
+               "time)" if rt["unknown"] else "") + ".", ""]
     if before:
         b = totals(before["rows"])
         same = {r["type"] for r in before["rows"]} & {r["type"] for r in rows}
@@ -475,9 +721,27 @@ def table(rows: list[dict], before: dict | None, all_types: int | None = None) -
             note = {"unbuilt": c.get("build", ""), "converted": ""}.get(o, c.get("patch"))
             if o == "converted" and c.get("message"):
                 note = c["message"]
-            note = (note or "").replace("|", "\\|").replace("\n", " ")[:160]
+            if c.get("shrink"):  # the fully shrunk config ran on no inputs; this one keeps the model's widths
+                note = f"[{c['shrink']}] {note or ''}"
+            if o != "converted" and c.get("runs_on"):
+                note = f"{note or ''} (runs on {c['runs_on']})"
+            note = (note or "").replace("|", "\\|").replace("\n", " ")[:200]
             out.append(f"| {r['type']} | {c['class']} | {o} | {was.get((r['type'], c['class']), '')} | {v} | "
                        f"{fmt_err(c)} | {note} |")
+    out += ["", "## Runnable but not converted with no inputs", "",
+            "| model type | class | outcome | runs on | why not converted |", "|---|---|---|---|---|"]
+    for r in rt["failing"]:
+        for c in r["classes"]:
+            if is_runnable(c) and outcome(c) != "converted":
+                why = (c.get("patch") or "").replace("|", "\\|")[:200]
+                out.append(f"| {r['type']} | {c['class']} | {outcome(c)} | {c.get('runs_on') or '-'} | {why} |")
+    out += ["", "## Not runnable on any inputs the sweep has", "",
+            "Neither normswap's inputs nor the oracle's run these tiny models (or they do not build tiny); "
+            "the model's own error, one line:", "", "| model type | class | error |", "|---|---|---|"]
+    for r in rt["not_runnable"]:
+        for c in r["classes"]:
+            why = c.get("not_run") or c.get("build") or ""
+            out.append(f"| {r['type']} | {c['class']} | {why.replace('|', chr(92) + '|')[:200]} |")
     return "\n".join(out)
 
 
@@ -497,9 +761,17 @@ verdict counts; the max relative output error of the exact norms
 images and audio at their configured size); the refusal or the model's own note.
 
 "Unbuilt" types are those whose default config does not build tiny (the sweep's shrinking, not
-normswap); they are counted apart. A `no-run` row is often the tiny config's fault too (a default
-config whose sizes disagree once shrunk: image sizes a projector does not take, MoE kernels without
-float64); the note gives the model's own error.
+normswap); they are counted apart. When no inputs run the fully shrunk model, the sweep builds it again
+with the model's own widths (only layers, vocabulary and positions cut; "[widths kept]" in the note), for
+sizes that derive from each other in ways the shrinking does not know (CLAP's audio width is its patch
+width times 2^(stages - 1)).
+
+**Runnable** means that some inputs run the class: normswap's built inputs, or the sweep's oracle,
+which is not normswap: the model's own `dummy_inputs`, its feature extractor's defaults applied to a
+second of noise, or inputs written by hand for a few types whose forwards take arguments no generic rule
+builds (`oracle_inputs` in the script). The measure the issue sets, "types some inputs can run that
+convert with no inputs", counts a type when one of its classes is runnable and converted when every
+runnable class converted; the two lists at the end give the rest, each with its one-line reason.
 
 Regenerate (every type: hours on a shared 2-core machine, so run it in chunks with `--start`/`--count`
 or `--only`; rows accumulate in the JSON), then the page with the before column:

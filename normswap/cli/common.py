@@ -107,6 +107,12 @@ _CLI_WORDS = (
     (re.compile(r"\brotate_smooth=([\d.]+)"), r"--smooth \1"),
     (re.compile(r"\ballow_new_head=True\b"), "--new-head"),
     (re.compile(r"\btask=['\"]([\w-]+)['\"]"), r"--task \1"),
+    # the inputs a model needs and normswap cannot build: on the command line they come from a file
+    (re.compile(r"\bexample_inputs=\{\.\.\.\} with it"), "--example-inputs FILE.safetensors holding it"),
+    (re.compile(r"\bexample_inputs=\((?:tensor, )?\.\.\.\) or (?:a dict of kwargs(?: that the model accepts)?|"
+                r"example_inputs=\{'name': tensor\})"),
+     "--example-inputs FILE.safetensors with the tensors its forward takes, by name (or --sample FILE)"),
+    (re.compile(r"\bexample_inputs\b"), "--example-inputs FILE.safetensors"),
 )
 
 

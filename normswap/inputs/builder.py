@@ -30,7 +30,7 @@ from torch import nn
 
 from normswap.analysis import precision
 from normswap.errors import NormswapError
-from normswap.inputs import media, vision
+from normswap.inputs import media, structured, vision
 from normswap.inputs.media import AUDIO_FRAME_BUDGET, Layout, cfg, sub_config
 
 # how to build each required forward argument; any other required one is refused by name
@@ -50,6 +50,7 @@ _TOKEN_KEY = re.compile(r"(_token_id|_token_index|_token|_id)$")
 
 # (model class, config) -> index of the candidate that ran, media tokens per sample
 _CHOSEN: dict[tuple[str, int], tuple[int, dict[str, int]]] = {}
+KNOWN |= structured.NAMES  # boxes, trajectories, forecaster padding, task prompts, codec latents
 
 
 def forward_params(model: nn.Module) -> dict[str, inspect.Parameter]:
@@ -232,6 +233,8 @@ def hf_example_inputs(model: nn.Module, batch: int = 2, seq: int = 8, seed: int 
     key = _key(model)
     chosen = _CHOSEN.get(key)
     combos = list(_combinations(config, params, batch, seed, dtype))
+    if not combos and structured.main_inputs(config, params):
+        combos = [{}]  # a trajectory, a codec decoder's latents: built whole in _finish
     if not combos:
         raise NormswapError(
             f"cannot build example inputs for {type(model).__name__} (main input "
@@ -385,6 +388,8 @@ def _finish(model: nn.Module, config: Any, params: dict[str, Any], media_kw: Lay
         if isinstance(first, int) and first >= 0:
             dec[:, 0] = first
         inputs["decoder_input_ids"] = dec
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    inputs.update(structured.extra_inputs(config, params, inputs, rows, seq, gen, dtype))
     if inputs and "encoder_hidden_states" in params and has_cross_attention(model):
         # a decoder with cross-attention (BLIP's text decoder, BERT/GPT-2 with add_cross_attention): its
         # cross-attention blocks and their norms run only when given encoder states

@@ -88,6 +88,7 @@ def image_layouts(config: Any, params: Any, batch: int, gen: torch.Generator, dt
     ``(B·h·w, C·t·p·p)`` with ``image_grid_thw``; each with ``image_sizes`` and ``pixel_mask`` where the
     forward takes them."""
     size, channels, patch = image_geometry(config)
+    size = detection_size(config, size)
     vcfg = sub_config(config, "vision", "backbone")
     frames = _int(cfg(vcfg, "num_frames", "frames"))
 
@@ -120,6 +121,8 @@ def image_layouts(config: Any, params: Any, batch: int, gen: torch.Generator, dt
         yield from extras(grid_layout(vcfg, batch, gen, dtype))
     if "grid_thw" in params:  # a Qwen-VL style vision tower alone
         yield grid_layout(vcfg, batch, gen, dtype, grid="grid_thw")
+    # a pair of images per sample (B, 2, C, H, W): keypoint matchers (LightGlue, EfficientLoFTR)
+    yield {"pixel_values": pixels(batch, 2, channels, size, size)}
 
 
 def anyres_tiles(config: Any, size: int) -> int:
@@ -148,6 +151,31 @@ def grid_layout(vcfg: Any, batch: int, gen: torch.Generator, dtype: torch.dtype,
             grid: torch.tensor([[1, side, side]] * batch)}
 
 
+def detection_size(config: Any, size: int) -> int:
+    """``size``, or the smallest multiple of the coarsest stride above it whose feature maps hold at
+    least ``num_queries`` positions, for a detector that picks its queries as the top-k encoder positions
+    (RT-DETR, D-FINE, DEIM: ``feat_strides``; two-stage Deformable DETR / Grounding DINO: strides 8 to 64,
+    one per feature level; LW-DETR / RF-DETR: the backbone's patch over each projector scale). Such a
+    model cannot run on fewer positions than queries."""
+    queries = _int(cfg(config, "num_queries"))
+    strides = cfg(config, "feat_strides")
+    patch = _int(cfg(sub_config(config, "backbone"), "patch_size"))
+    if queries and patch and cfg(config, "group_detr") is not None and not strides:
+        # LW-DETR / RF-DETR: always two-stage, over a ViT backbone's patches scaled by the projector
+        scales = cfg(config, "projector_scale_factors") or [1.0]
+        strides = [max(1, round(patch / float(f))) for f in scales]
+    if not queries or not (isinstance(strides, (list, tuple)) and strides or cfg(config, "two_stage") is True):
+        return size
+    if not (isinstance(strides, (list, tuple)) and strides):
+        strides = (8, 16, 32, 64)[: _int(cfg(config, "num_feature_levels")) or 4]
+    # whole windows for a windowed ViT backbone (RF-DETR's DINOv2 splits the patch grid num_windows ways)
+    step = max(int(s) for s in strides) * (_int(cfg(sub_config(config, "backbone"), "num_windows")) or 1)
+    side = -(-size // step) * step
+    while sum((side // int(s)) ** 2 for s in strides) < queries:
+        side += step
+    return side
+
+
 def video_layouts(config: Any, params: Any, batch: int, gen: torch.Generator, dtype: torch.dtype
                   ) -> Iterator[Layout]:
     """``pixel_values_videos`` for models that take video next to images: 2 frames per sample
@@ -165,7 +193,7 @@ AUDIO_FRAME_BUDGET = 3000  # log-mel frames of 10 ms per batch: one 30-second cl
 
 
 def audio_config(config: Any) -> Any:
-    return sub_config(config, "audio", "speech", "encoder")
+    return sub_config(config, "audio", "speech", "encoder", "asr")
 
 
 def feature_frames(config: Any) -> int:
@@ -198,12 +226,33 @@ def feature_layouts(config: Any, batch: int, gen: torch.Generator, dtype: torch.
     yield with_masks(torch.randn(batch, min(frames, 200), feats, generator=gen).to(dtype), 1)
     # one-channel spectrogram images (B, 1, T, mels): CLAP's audio tower
     yield with_masks(torch.randn(batch, 1, min(frames, 1024), mels, generator=gen).to(dtype), 2)
+    for size in stacked_feature_sizes(config, mels, feats):
+        yield with_masks(torch.randn(batch, min(frames, 200), size, generator=gen).to(dtype), 1)
+    for size in dict.fromkeys((128, 80)):  # the common mel counts, where the config does not say
+        if size != width:
+            yield with_masks(torch.randn(batch, size, frames, generator=gen).to(dtype), -1)
+
+
+def stacked_feature_sizes(config: Any, mels: int, feats: int) -> list[int]:
+    """Feature widths of ``(B, T, F)`` models whose frames are stacked or expanded before the encoder,
+    beyond the configured ``mels``/``feats``: ``feature_projection_input_dim`` (Wav2Vec2-BERT, SeamlessM4T:
+    two stacked 80-mel frames = 160), ``num_mel_bins · num_stacked_frames`` (FunASR's low frame rate
+    stacking), mels × 2 and × 4 (delta-expanded then pair-stacked frames: Granite Speech 5) and the
+    first sub-sampling conv's channels (Gemma 4's audio tower reads 128 mels off
+    ``subsampling_conv_channels[0]``)."""
+    acfg = audio_config(config)
+    sizes = [_int(cfg(acfg, "feature_projection_input_dim")) or _int(cfg(config, "feature_projection_input_dim"))]
+    stack = _int(cfg(acfg, "num_stacked_frames", "lfr_m"))
+    sizes += [mels * stack if stack else None, 2 * mels, 4 * mels, _int(cfg(acfg, "subsampling_conv_channels"))]
+    return [s for s in dict.fromkeys(sizes) if s and s not in (mels, feats)]
 
 
 def value_layouts(config: Any, batch: int, gen: torch.Generator, dtype: torch.dtype) -> Iterator[Layout]:
     """``input_values``: raw mono audio ``(B, samples)`` (Wav2Vec2, HuBERT), one channel
-    ``(B, 1, samples)`` (audio codecs: EnCodec, DAC, Mimi), or spectrogram patches ``(B, T, mels)``
-    (Audio Spectrogram Transformer)."""
+    ``(B, 1, samples)`` (audio codecs: EnCodec, DAC, Mimi), spectrogram patches ``(B, T, mels)``
+    (Audio Spectrogram Transformer), hidden states ``(B, T, hidden_size)`` (an encoder without its
+    pre-net: SpeechT5Model), or mono audio in whole frames of the config's ``frame_size`` / ``hop_length``
+    or of its strides' product (MuseSpark's audio patches: 16·6·5·4 = 1920 samples)."""
     acfg = audio_config(config)
     yield {"input_values": torch.randn(batch, 4000, generator=gen).to(dtype)}
     channels = _int(cfg(acfg, "audio_channels", "channels")) or 1
@@ -212,6 +261,14 @@ def value_layouts(config: Any, batch: int, gen: torch.Generator, dtype: torch.dt
     mels = _int(cfg(acfg, "num_mel_bins", "feature_size")) or 128
     length = _int(cfg(acfg, "max_length")) or 100
     yield {"input_values": torch.randn(batch, length, mels, generator=gen).to(dtype)}
+    hidden = _int(cfg(acfg, "hidden_size", "d_model"))
+    if hidden and hidden != mels:  # an encoder built without its pre-net takes hidden states (SpeechT5Model)
+        yield {"input_values": torch.randn(batch, 16, hidden, generator=gen).to(dtype)}
+    ratios = cfg(acfg, "patch_sizes", "downsampling_ratios", "upsampling_ratios")
+    frame = _int(cfg(acfg, "frame_size", "hop_length", "samples_per_frame")) or (
+        math.prod(ratios) if isinstance(ratios, (list, tuple)) and all(isinstance(r, int) for r in ratios) else None)
+    if frame and 4000 % frame:  # a codec or encoder that takes whole frames of samples only
+        yield {"input_values": torch.randn(batch, frame * max(1, -(-4000 // frame)), generator=gen).to(dtype)}
 
 
 # ------------------------------------------------------------------------------------------- time series
