@@ -6,19 +6,27 @@ the quantized model's *distribution* instead, teacher-forced, at every decoder p
 
 * reference tokens: the float32 original's greedy transcript of each clip (CTranslate2 float32);
 * KL(float32 original ‖ quantized variant), mean over all positions (the step after the last token,
-  which predicts end-of-text, included), and top-1 agreement with the float32 original's argmax.
+  which predicts end-of-text, included), and top-1 agreement with the float32 original's argmax;
+* the ratio of each variant's KL to the original's in the same engine, with a 95% interval from a
+  paired bootstrap over clips (the noise of the clip sample: "within noise" = the interval holds 1);
+* ``--wer``: also the word error rate of each CTranslate2 variant's greedy transcript
+  (:data:`WER_DECODING`) against the sentence spoken, and its penalty over the float32 original.
 
 Engines: CTranslate2 int8 (each variant's transformers directory converted by CTranslate2's own
 ``ct2-transformers-converter --quantization int8``; teacher forcing through ``Whisper.generate`` with the
 reference tokens as the prompt and ``return_logits_vocab=True``, which returns the logits of forced steps
-too), and torch's dynamic int8 (``torch.ao.quantization.quantize_dynamic`` on every ``nn.Linear``,
-per-tensor and per-channel weights; a CPU stand-in for ONNX Runtime's ``quantize_dynamic``, same scheme:
-int8 weights, dynamic uint8 activations).
+too); ONNX Runtime's ``quantize_dynamic`` (``ort``: the whole teacher-forced forward exported to ONNX,
+int8 weights per tensor and per channel, uint8 activations; without ``ct2`` it is forced on the spoken
+sentences' tokens); and torch's dynamic int8 (``torch``: ``torch.ao.quantization.quantize_dynamic`` on
+every ``nn.Linear``, per-tensor and per-channel weights).
 
     python benchmarks/bench_quant_whisper.py --orig DIR name=DIR ... --speech DIR [DIR ...] \
-        --work WORKDIR [--engines ct2,torch] [--json out.json]
+        --work WORKDIR [--engines ct2,ort,torch] [--wer] [--json out.json]
+    python benchmarks/bench_quant_whisper.py --orig DIR --speech DIR --work W --merge a.json b.json
 
-The variants' directories come from ``normswap convert ORIG --format compat --dtype float32 ...``.
+The variants' directories come from ``normswap convert ORIG --format compat --dtype float32 ...``. Runs on
+disjoint clip sets (one per ``--speech`` directory, side by side) pool with ``--merge``. Memory: the
+reference log-probs of every position are held (float32, 51,864 per position: ~0.2 MB each).
 """
 
 from __future__ import annotations
