@@ -370,8 +370,10 @@ def table(rows: list[dict]) -> str:
     clips, top-1 agreement, and (with ``--wer``) the WER and its penalty over the float32 original."""
     base = {r["engine"]: r for r in rows if r["variant"] == "original"}
     fp32_wer = next((r["wer"] for r in rows if r["engine"] == "CTranslate2 float32"), None)
+    with_wer = any("wer" in r for r in rows)
     lines = ["| engine | variant | clips | KL(fp32 original ‖ q) | ratio to original (95% bootstrap) | top-1 "
-             "agreement | WER | WER − fp32 |", "|---|---|---|---|---|---|---|---|"]
+             "agreement |" + (" WER | WER − fp32 |" if with_wer else ""),
+             "|---|---|---|---|---|---|" + "---|" * 2 * with_wer]
     for r in rows:
         if "kl" not in r:
             lines.append(f"| {r['engine']} | {r['variant']} | {len(r['clip_err'])} | | | | {100 * r['wer']:.2f}% | |")
@@ -379,9 +381,9 @@ def table(rows: list[dict]) -> str:
         b = base[r["engine"]]
         ratio = r["kl"] / b["kl"] if b["kl"] else float("nan")
         lo, hi = bootstrap(*(np.array(x, dtype=float) for x in (r["clip_kl"], r["clip_n"], b["clip_kl"], b["clip_n"])))
-        wer = f"{100 * r['wer']:.2f}% | {100 * (r['wer'] - fp32_wer):+.2f}" if "wer" in r else " | "
+        wer = f" {100 * r['wer']:.2f}% | {100 * (r['wer'] - fp32_wer):+.2f} |" if "wer" in r else " | |" * with_wer
         lines.append(f"| {r['engine']} | {r['variant']} | {len(r['clip_kl'])} | {r['kl']:.3e} | {ratio:.3f} "
-                     f"({lo:.3f}-{hi:.3f}) | {100 * r['top1']:.2f}% | {wer} |")
+                     f"({lo:.3f}-{hi:.3f}) | {100 * r['top1']:.2f}% |{wer}")
     return "\n".join(lines)
 
 
