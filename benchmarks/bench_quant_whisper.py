@@ -6,19 +6,27 @@ the quantized model's *distribution* instead, teacher-forced, at every decoder p
 
 * reference tokens: the float32 original's greedy transcript of each clip (CTranslate2 float32);
 * KL(float32 original ‖ quantized variant), mean over all positions (the step after the last token,
-  which predicts end-of-text, included), and top-1 agreement with the float32 original's argmax.
+  which predicts end-of-text, included), and top-1 agreement with the float32 original's argmax;
+* the ratio of each variant's KL to the original's in the same engine, with a 95% interval from a
+  paired bootstrap over clips (the noise of the clip sample: "within noise" = the interval holds 1);
+* ``--wer``: also the word error rate of each CTranslate2 variant's greedy transcript
+  (:data:`WER_DECODING`) against the sentence spoken, and its penalty over the float32 original.
 
 Engines: CTranslate2 int8 (each variant's transformers directory converted by CTranslate2's own
 ``ct2-transformers-converter --quantization int8``; teacher forcing through ``Whisper.generate`` with the
 reference tokens as the prompt and ``return_logits_vocab=True``, which returns the logits of forced steps
-too), and torch's dynamic int8 (``torch.ao.quantization.quantize_dynamic`` on every ``nn.Linear``,
-per-tensor and per-channel weights; a CPU stand-in for ONNX Runtime's ``quantize_dynamic``, same scheme:
-int8 weights, dynamic uint8 activations).
+too); ONNX Runtime's ``quantize_dynamic`` (``ort``: the whole teacher-forced forward exported to ONNX,
+int8 weights per tensor and per channel, uint8 activations; without ``ct2`` it is forced on the spoken
+sentences' tokens); and torch's dynamic int8 (``torch``: ``torch.ao.quantization.quantize_dynamic`` on
+every ``nn.Linear``, per-tensor and per-channel weights).
 
     python benchmarks/bench_quant_whisper.py --orig DIR name=DIR ... --speech DIR [DIR ...] \
-        --work WORKDIR [--engines ct2,torch] [--json out.json]
+        --work WORKDIR [--engines ct2,ort,torch] [--wer] [--json out.json]
+    python benchmarks/bench_quant_whisper.py --orig DIR --speech DIR --work W --merge a.json b.json
 
-The variants' directories come from ``normswap convert ORIG --format compat --dtype float32 ...``.
+The variants' directories come from ``normswap convert ORIG --format compat --dtype float32 ...``. Runs on
+disjoint clip sets (one per ``--speech`` directory, side by side) pool with ``--merge``. Memory: the
+reference log-probs of every position are held (float32, 51,864 per position: ~0.2 MB each).
 """
 
 from __future__ import annotations
@@ -101,7 +109,7 @@ def ct2_logits(model_dir: Path, feats: np.ndarray, refs: list[list[int]] | None,
                 ids = [t for t in r.sequences_ids[0] if t != EOT]
                 out_greedy.append(ids)
                 steps = np.stack([np.array(x) for x in r.logits[0]])[: len(ids) + 1]
-                out_logp.append(torch.log_softmax(torch.from_numpy(steps).double(), -1))
+                out_logp.append(torch.log_softmax(torch.from_numpy(steps).double(), -1).float())
             continue
         if not forced:
             continue
@@ -111,7 +119,7 @@ def ct2_logits(model_dir: Path, feats: np.ndarray, refs: list[list[int]] | None,
         for r, ref in zip(res, batch, strict=True):
             steps = np.stack([np.array(x) for x in r.logits[0]])[: len(ref) + 1]
             assert r.sequences_ids[0][: len(ref)] == ref, (r.sequences_ids[0], ref, len(steps))
-            out_logp.append(torch.log_softmax(torch.from_numpy(steps).double(), -1))
+            out_logp.append(torch.log_softmax(torch.from_numpy(steps).double(), -1).float())
     return out_logp, out_greedy
 
 
@@ -135,7 +143,7 @@ def torch_logits(model_dir: Path, feats: np.ndarray, refs: list[list[int]], quan
                 ids[j, : p + len(r)] = torch.tensor(list(SOT_NOTS) + r)
             logits = model(input_features=torch.from_numpy(feats[i:i + 4]), decoder_input_ids=ids).logits
             for j, r in enumerate(batch):
-                out.append(torch.log_softmax(logits[j, p - 1: p + len(r)].double(), -1))
+                out.append(torch.log_softmax(logits[j, p - 1: p + len(r)].double(), -1).float())
     return out
 
 
@@ -202,19 +210,23 @@ def ort_logits(path: Path, feats: np.ndarray, refs: list[list[int]]) -> list:
             ids[j, : p + len(r)] = list(SOT_NOTS) + r
         (logits,) = sess.run(None, {"input_features": np.ascontiguousarray(feats[i:i + 4]), "decoder_input_ids": ids})
         for j, r in enumerate(batch):
-            out.append(torch.log_softmax(torch.from_numpy(logits[j, p - 1: p + len(r)]).double(), -1))
+            out.append(torch.log_softmax(torch.from_numpy(logits[j, p - 1: p + len(r)]).double(), -1).float())
     return out
 
 
 def compare(ref: list, got: list) -> dict:
     """Mean KL(ref ‖ got) over every position, top-1 agreement, and the per-clip sums (for the bootstrap)."""
     # A clip whose greedy reference stopped at max_length has no end-of-text step: common length.
-    pairs = [(p[: min(len(p), len(q))], q[: min(len(p), len(q))]) for p, q in zip(ref, got, strict=True)]
-    kl = [(p.exp() * (p - q)).sum(-1) for p, q in pairs]
-    agree = [(p.argmax(-1) == q.argmax(-1)).double() for p, q in pairs]
+    # (log-probs are stored in float32 to bound memory: positions × 51,864 vocabulary; KL summed in float64)
+    kl, agree = [], []
+    for p, q in zip(ref, got, strict=True):  # one clip at a time in float64
+        n = min(len(p), len(q))
+        p, q = p[:n].double(), q[:n].double()
+        kl.append((p.exp() * (p - q)).sum(-1))
+        agree.append(float((p.argmax(-1) == q.argmax(-1)).sum()))
     total = sum(k.numel() for k in kl)
-    return {"kl": float(sum(k.sum() for k in kl)) / total, "top1": float(sum(a.sum() for a in agree)) / total,
-            "positions": total, "clip_kl": [float(k.sum()) for k in kl], "clip_n": [k.numel() for k in kl]}
+    return {"kl": float(sum(k.sum() for k in kl)) / total, "top1": sum(agree) / total, "positions": total,
+            "clip_kl": [float(k.sum()) for k in kl], "clip_n": [k.numel() for k in kl], "clip_agree": agree}
 
 
 def words(text: str) -> list[str]:
@@ -261,7 +273,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--ct2-types", default="int8", help="CTranslate2 compute types, e.g. float32,int8")
     ap.add_argument("--wer", action="store_true", help="also greedy-decode every CTranslate2 variant: WER")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--merge", type=Path, nargs="+", help="no measuring: the table of earlier --json runs on "
+                    "disjoint clip sets (e.g. one per --speech directory, run side by side), clips pooled")
     args = ap.parse_args(argv)
+    if args.merge:
+        print(table(merge([json.loads(p.read_text())["rows"] for p in args.merge])))
+        return
     torch.set_num_threads(2)
     set_prompt(args.orig)
     variants = {"original": args.orig, **{v.split("=", 1)[0]: Path(v.split("=", 1)[1]) for v in args.variants}}
@@ -270,11 +287,19 @@ def main(argv: list[str] | None = None) -> None:
     texts = [t for _, t in clips]
     args.work.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
-    ref_logp, refs = ct2_logits(ct2_convert(args.orig, args.work / "original-float32", "float32"), feats, None)
-    print(f"{len(feats)} clips, {sum(map(len, refs)) + len(refs)} decoder positions "
-          f"(reference: CTranslate2 float32 original, {time.time() - t0:.0f} s)", flush=True)
-    rows = []
     engines = args.engines.split(",")
+    if "ct2" in engines or args.wer:
+        ref_logp, refs = ct2_logits(ct2_convert(args.orig, args.work / "original-float32", "float32"), feats, None)
+        what = "CTranslate2 float32 original's greedy transcripts"
+    else:  # no CTranslate2 here: teacher-force the sentences spoken
+        from transformers import AutoTokenizer
+
+        spoken = AutoTokenizer.from_pretrained(args.orig)
+        refs = [spoken.encode(" " + t.strip(), add_special_tokens=False) for t in texts]
+        what = "the spoken sentences"
+    print(f"{len(feats)} clips, {sum(map(len, refs)) + len(refs)} decoder positions "
+          f"(forced on {what}, {time.time() - t0:.0f} s)", flush=True)
+    rows = []
     tok = None
     if args.wer:
         from transformers import WhisperTokenizer
@@ -290,6 +315,7 @@ def main(argv: list[str] | None = None) -> None:
             for q in args.ct2_types.split(","):
                 logp, hyps = ct2_logits(ct2_convert(d, args.work / f"{name}-{q}", q), feats, refs, greedy=args.wer)
                 rows.append({"engine": f"CTranslate2 {q}", "variant": name, **compare(ref_logp, logp)})
+                del logp  # one variant's log-probs at a time
                 if args.wer:
                     errs, nwords = wer_counts(tok, hyps, texts)
                     rows[-1].update(wer=sum(errs) / sum(nwords), clip_err=errs, clip_words=nwords)
@@ -320,13 +346,34 @@ def report(rows: list[dict], path: Path | None, clips: int) -> None:
         path.write_text(json.dumps({"clips": clips, "rows": rows}))
 
 
+def merge(runs: list[list[dict]]) -> list[dict]:
+    """Rows of runs on disjoint clip sets pooled into one row per (engine, variant): per-clip lists
+    concatenated, means recomputed from them."""
+    pooled: dict[tuple[str, str], dict] = {}
+    for rows in runs:
+        for r in rows:
+            into = pooled.setdefault((r["engine"], r["variant"]), {"engine": r["engine"], "variant": r["variant"]})
+            for k, v in r.items():
+                if k.startswith("clip_"):
+                    into.setdefault(k, []).extend(v)
+    for r in pooled.values():
+        if "clip_kl" in r:
+            total = sum(r["clip_n"])
+            r.update(kl=sum(r["clip_kl"]) / total, top1=sum(r["clip_agree"]) / total, positions=total)
+        if "clip_err" in r:
+            r["wer"] = sum(r["clip_err"]) / sum(r["clip_words"])
+    return list(pooled.values())
+
+
 def table(rows: list[dict]) -> str:
     """Markdown: KL and its ratio to the original's in the same engine with a 95% bootstrap interval over
     clips, top-1 agreement, and (with ``--wer``) the WER and its penalty over the float32 original."""
     base = {r["engine"]: r for r in rows if r["variant"] == "original"}
     fp32_wer = next((r["wer"] for r in rows if r["engine"] == "CTranslate2 float32"), None)
+    with_wer = any("wer" in r for r in rows)
     lines = ["| engine | variant | clips | KL(fp32 original ‖ q) | ratio to original (95% bootstrap) | top-1 "
-             "agreement | WER | WER − fp32 |", "|---|---|---|---|---|---|---|---|"]
+             "agreement |" + (" WER | WER − fp32 |" if with_wer else ""),
+             "|---|---|---|---|---|---|" + "---|" * 2 * with_wer]
     for r in rows:
         if "kl" not in r:
             lines.append(f"| {r['engine']} | {r['variant']} | {len(r['clip_err'])} | | | | {100 * r['wer']:.2f}% | |")
@@ -334,9 +381,9 @@ def table(rows: list[dict]) -> str:
         b = base[r["engine"]]
         ratio = r["kl"] / b["kl"] if b["kl"] else float("nan")
         lo, hi = bootstrap(*(np.array(x, dtype=float) for x in (r["clip_kl"], r["clip_n"], b["clip_kl"], b["clip_n"])))
-        wer = f"{100 * r['wer']:.2f}% | {100 * (r['wer'] - fp32_wer):+.2f}" if "wer" in r else " | "
+        wer = f" {100 * r['wer']:.2f}% | {100 * (r['wer'] - fp32_wer):+.2f} |" if "wer" in r else " | |" * with_wer
         lines.append(f"| {r['engine']} | {r['variant']} | {len(r['clip_kl'])} | {r['kl']:.3e} | {ratio:.3f} "
-                     f"({lo:.3f}-{hi:.3f}) | {100 * r['top1']:.2f}% | {wer} |")
+                     f"({lo:.3f}-{hi:.3f}) | {100 * r['top1']:.2f}% |{wer}")
     return "\n".join(lines)
 
 

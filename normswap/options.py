@@ -95,14 +95,16 @@ class ConvertOptions:
             moves the shift back into the stock LayerNorm's bias, and the low-memory path plans without
             slots. ``False``: β/γ stays in the norm (the behaviour before this option).
         beta_placement: where a norm's β goes in a default conversion (no ``fold_gamma``):
-            ``"rounding"`` (default) folds it into the readers' biases unless that would round worse in
+            ``"rounding"`` folds it into the readers' biases unless that would round worse in
             bfloat16 than the original's own path, and then keeps it in the RMSNorm
             (:mod:`normswap.surgery.beta_placement`; each norm's ``beta_detail`` says which and why);
             ``"keep"`` keeps every β in its norm (the readers' biases and inputs stay the original's, so
-            int8 engines that quantize the readers' inputs see the original's ranges: the choice for
-            CTranslate2, see ``docs/deployment.md``); ``"fold"`` folds it wherever the readers can take
-            it (the behaviour before this option). All three are exact; with ``fold_gamma`` (rotation)
-            β leaves the norm whatever the placement.
+            int8 engines that quantize the readers' inputs see the original's ranges: CTranslate2, ONNX
+            Runtime, see ``docs/deployment.md``); ``"fold"`` folds it wherever the readers can take
+            it (the behaviour before these options). All three are exact; with ``fold_gamma`` (rotation)
+            β leaves the norm whatever the placement. ``None`` (default): ``"keep"`` where ``convert``
+            writes the compat format (the checkpoint engines quantize; its stock LayerNorm takes β at no
+            cost), ``"rounding"`` otherwise (:meth:`beta_placement_for`).
         layer_scale: what happens to a LayerScale λ (BEiT, DINOv2, CaiT) whose writer is centered.
             ``"keep"`` (default): the writer is centered as ``diag(λ) W`` (exact), then each output row is
             divided by a per-row scale that puts its largest entry within 8/9 of the original weight's
@@ -155,7 +157,7 @@ class ConvertOptions:
     mode: str = "auto"
     fold_gamma: bool = False
     bias_slots: bool = True
-    beta_placement: str = "rounding"
+    beta_placement: str | None = None
     layer_scale: str = "keep"
     untie: bool = True
     per_norm_centering: bool = False
@@ -177,7 +179,8 @@ class ConvertOptions:
         from normswap import backends  # the registry of backend names (imports torch kernels)
 
         choose("mode", self.mode, MODES)
-        choose("beta_placement", self.beta_placement, BETA_PLACEMENTS)
+        if self.beta_placement is not None:
+            choose("beta_placement", self.beta_placement, BETA_PLACEMENTS)
         choose("layer_scale", self.layer_scale, LAYER_SCALES)
         choose("verify_dtype", self.verify_dtype, VERIFY_DTYPES)
         if self.rotate is not None:
@@ -206,6 +209,13 @@ class ConvertOptions:
                                 "of a γ-folded norm; without fold_gamma none is made): pass fold_gamma=True too, or "
                                 "drop bias_slots=False")
         backends.check_name(self.backend)
+
+    def beta_placement_for(self, fmt: str | None) -> str:
+        """The β placement a conversion written in ``fmt`` runs (``None``: an in-memory ``patch``/``plan``):
+        the option when given, else ``"keep"`` for the compat format and ``"rounding"`` otherwise."""
+        if self.beta_placement is not None:
+            return self.beta_placement
+        return "keep" if fmt == "compat" else "rounding"
 
     @classmethod
     def names(cls) -> tuple[str, ...]:

@@ -501,8 +501,8 @@ def place_beta(work: nn.Module, an: _Analysis, opts: ConvertOptions) -> None:
     keep = dict.fromkeys(torch_transformer.fused_norm_paths(work), torch_transformer.FUSED_WHY)
     keep |= beta_placement.head_readers(an.plan, work)  # a head class: its base model stays whole
     beta_placement.place_beta(an.plan, lambda name: work.get_parameter(name).detach(),
-                              lambda norm: an.sites[norm].beta(work.get_submodule(norm)), opts.beta_placement,
-                              keep)
+                              lambda norm: an.sites[norm].beta(work.get_submodule(norm)),
+                              opts.beta_placement_for(None), keep)
 
 
 def find_norms(model: nn.Module, example_inputs: inputs.ExampleInputs = None) -> walker.WalkResult:

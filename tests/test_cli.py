@@ -794,7 +794,8 @@ def test_compat_summary_says_where_beta_is_kept(tmp_path):
     code, out, err, _ = run("convert", "tiny-gpt2", "--out", str(tmp_path / "c"), "--format", "compat")
     assert code == 0, err
     plan_line = next(ln for ln in out.splitlines() if ln.startswith("plan:"))
-    assert "β kept in 2 stock LayerNorm bias(es)" in plan_line and "RMSNorm" not in plan_line
+    # compat keeps every β by default (beta_placement resolves to "keep" for that format)
+    assert "β kept in 4 stock LayerNorm bias(es) (beta_placement='keep')" in plan_line and "RMSNorm" not in plan_line
     code, out, _, _ = run("inspect", str(tmp_path / "c"))
     assert "stock LayerNorm bias(es)" in " ".join(out.split()) and "RMSNorm" not in out
     report = normswap.convert("tiny-gpt2", tmp_path / "n")

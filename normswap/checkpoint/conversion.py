@@ -157,7 +157,8 @@ def check_options(
     calibration_data: Any,
 ) -> ConvertOptions:
     """Validate the checkpoint options before touching anything; returns the effective conversion
-    options (compat keeps approximate norms as LayerNorm: mode ``exact``)."""
+    options (compat keeps approximate norms as LayerNorm: mode ``exact``; the β placement resolved for
+    ``fmt``: :meth:`ConvertOptions.beta_placement_for`)."""
     choose("format", fmt, FORMATS)
     choose("dtype", dtype, DTYPES)
     io.parse_size(max_shard_size)
@@ -181,6 +182,7 @@ def check_options(
         raise NormswapError(
             "calibration_data needs the whole model in memory; drop low_memory=True or the calibration data"
         )
+    opts = opts.replace(beta_placement=opts.beta_placement_for(fmt))  # compat: every β kept by default
     return opts.replace(mode="exact") if fmt == "compat" else opts
 
 

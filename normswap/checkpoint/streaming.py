@@ -271,7 +271,7 @@ def place_beta(fp: proxy.FullPlan, meta: nn.Module, keys: KeyMap, reader: stream
 
     keep = beta_placement.head_readers(fp.plan, meta)
     kept = {name: fp.plan.site(name).beta_detail
-            for name in beta_placement.place_beta(fp.plan, tensor, beta_of, options.beta_placement, keep)}
+            for name in beta_placement.place_beta(fp.plan, tensor, beta_of, options.beta_placement_for(None), keep)}
     for sp in fp.proxy_plan.sites:
         full = fp.full_name(sp.name)
         if full in kept and beta_placement.applies(fp.proxy_plan, sp):

@@ -195,12 +195,12 @@ Presets (offline, seeded tiny models with tokenizers/processors):
 @click.option(
     "--beta-placement",
     type=click.Choice(BETA_PLACEMENTS),
-    default="rounding",
-    show_default=True,
-    help="Where a norm's β goes without --fold-gamma: 'rounding' folds it into the readers' biases unless "
-    "that rounds worse in bfloat16 than the original's own path (then the RMSNorm keeps it); 'keep' keeps "
-    "every β in its norm (readers' biases and inputs stay the original's: int8 engines such as CTranslate2 "
-    "quantize them as they did the original); 'fold' folds it wherever the readers can take it. All exact.",
+    default=None,
+    help="Where a norm's β goes without --fold-gamma: 'keep' keeps every β in its norm (readers' biases and "
+    "inputs stay the original's: int8 engines such as CTranslate2 and ONNX Runtime quantize them as they did "
+    "the original; default with --format compat); 'rounding' folds it into the readers' biases unless that "
+    "rounds worse in bfloat16 than the original's own path (default for the native format); 'fold' folds it "
+    "wherever the readers can take it. All exact.",
 )
 @click.option(
     "--layer-scale",
@@ -329,7 +329,7 @@ def convert(
     per_norm_centering: bool,
     no_mean_carry: bool,
     no_bias_slots: bool,
-    beta_placement: str,
+    beta_placement: str | None,
     layer_scale: str,
     keep_tied: bool,
     dtype: str,

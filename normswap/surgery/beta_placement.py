@@ -9,13 +9,14 @@ Both are exact in float64. They differ in what half precision rounds:
   from them, so the constant part of the reader's output is off by ``round(W)·round(β) − Wβ`` plus
   ``round(c) − c``, whose roundings partly cancel across the ``d`` inputs.
 
-**The rule** (option ``beta_placement="rounding"``, the default): for each norm whose β the plan
-folds, sum both squared errors over the readers whose bias takes a share (bfloat16, computed exactly
-from the weights in float64; no data), and keep β in the RMSNorm where folding rounds worse by more
-than :data:`MARGIN`. A key projection that drops its share costs nothing either way (softmax removes
-a constant key shift in both), and a share moved through attention into an output projection is not
-scored (rare: a bias-less value projection). The decision is a function of the weights alone, so the
-streaming path (which plans on random-weight proxies) takes it again on the checkpoint's tensors and
+**The rule** (option ``beta_placement="rounding"``, the default of ``patch`` and of the native format):
+for each norm whose β the plan folds, sum both squared errors over the readers whose bias takes a
+share (bfloat16, computed exactly from the weights in float64; no data), and keep β in the RMSNorm
+where folding rounds worse by more than :data:`MARGIN`. A key projection that drops its share costs
+nothing either way (softmax removes a constant key shift in both), and a share moved through attention
+into an output projection is not scored (rare: a bias-less value projection). The decision is a
+function of the weights alone, so the streaming path (which plans on random-weight proxies) takes it
+again on the checkpoint's tensors and
 reaches the same plan. ``beta_placement="fold"`` folds β wherever the readers can take it.
 
 ``beta_placement="keep"`` keeps every β in its norm: each reader's input is then the original's
