@@ -106,7 +106,25 @@ def targets(model: nn.Module, plan: Plan, rotated: Iterable[dict]) -> tuple[dict
                 skipped[name] = "a reader's weight also writes the stream (tied embedding)"
             else:
                 found[name] = sorted(set(sp.linear_readers))
+    # a reader weight shared by two norms (layers that share weights) cannot take two scales: leave those alone
+    users: dict[tuple, set[str]] = {}
+    for name, readers in found.items():
+        for rd in readers:
+            users.setdefault(_rows(model, rd), set()).add(name)
+    for norms in users.values():
+        if len(norms) > 1:
+            for name in norms:
+                found.pop(name, None)
+                skipped[name] = f"a reader's weight is shared with {len(norms) - 1} other norm(s) (shared layers)"
     return found, skipped
+
+
+def _rows(model: nn.Module, reader: str) -> tuple:
+    """What a scale on ``reader``'s columns touches: its weight parameter and the rows it uses."""
+    module = linear_at(model, reader)
+    if isinstance(module, LinearView):
+        return id(module.weight_param), module.spec.rows
+    return id(module.weight), None
 
 
 def _param(model: nn.Module, reader: str) -> torch.Tensor:

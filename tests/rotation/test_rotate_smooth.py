@@ -185,3 +185,36 @@ def test_cli_smooth_needs_rotate_and_writes_a_stock_checkpoint(tmp_path):
     assert "smoothed" in res.stdout
     config = (tmp_path / "b" / "config.json").read_text()
     assert '"model_type": "gpt2"' in config
+
+
+class _SharedMLP(torch.nn.Module):
+    """Two Pre-LN blocks that share one MLP (weight-shared layers): each norm's reader is the same Linear."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(30, d)
+        self.n1, self.n2, self.nf = torch.nn.LayerNorm(d), torch.nn.LayerNorm(d), torch.nn.LayerNorm(d)
+        self.up, self.down = torch.nn.Linear(d, 2 * d), torch.nn.Linear(2 * d, d)
+        self.head = torch.nn.Linear(d, 30)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.emb(ids)
+        x = x + self.down(torch.relu(self.up(self.n1(x))))
+        x = x + self.down(torch.relu(self.up(self.n2(x))))
+        return self.head(self.nf(x))
+
+
+def test_norms_whose_readers_share_a_weight_never_take_a_scale():
+    """Shared layers: one Linear reads two norms, so its columns cannot take two scales. (normswap.rotate
+    already leaves such a stream unrotated, since γ cannot fold into a shared reader; the guard holds on
+    its own too.)"""
+    torch.manual_seed(0)
+    model = randomise_custom(_SharedMLP())
+    ids = torch.randint(0, 30, (2, 6))
+    normswap.patch(model, (ids,), fold_gamma=True)
+    plan = normswap.plan_of(model)
+    found, skipped = smoothing.targets(model, plan, [{"norms": ["n1", "n2", "nf"], "writers": [], "restore": []}])
+    assert set(found) == {"nf"}, (found, skipped)
+    assert "shared" in skipped["n1"] and "shared" in skipped["n2"]
+    rot = rotate(model, "hadamard", smooth=0.5, calibration=torch.randint(0, 30, (4, 6)))
+    assert not rot.rotated and rot.smoothing is None  # nothing turned, nothing smoothed
