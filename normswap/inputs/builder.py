@@ -291,8 +291,9 @@ def _combinations(config: Any, params: dict[str, Any], batch: int, seed: int, dt
     gen = torch.Generator().manual_seed(seed + 1)  # media draws apart from the text ids' generator
     groups: list[list[Layout]] = []
     if "pixel_values" in params:
-        images = [*vision.tiled_layouts(config, params, batch, gen, dtype),
-                  *media.image_layouts(config, params, batch, gen, dtype),
+        common = list(media.image_layouts(config, params, batch, gen, dtype))
+        images = [*vision.tiled_layouts(config, params, batch, gen, dtype), *common,
+                  *vision.tile_mask_variants(common),
                   *vision.patch_layouts(config, params, batch, gen, dtype),
                   *vision.positioned_patch_layouts(config, params, batch, gen, dtype),
                   *vision.packed_layouts(config, params, batch, gen, dtype)]
