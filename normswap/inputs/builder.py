@@ -417,7 +417,8 @@ def encoder_states(model: nn.Module, batch: int, length: int, gen: torch.Generat
 
 
 MODALITY = {"input_ids": "text", "pixel_values": "images", "pixel_values_videos": "video", "input_features": "audio",
-            "input_values": "audio", "past_values": "time series", "decoder_input_ids": "decoder text"}
+            "input_values": "audio", "past_values": "time series", "decoder_input_ids": "decoder text",
+            "hidden_states": "image patches", "query_embeds": "queries"}  # a vision tower or Q-Former alone
 
 
 def describe(model: nn.Module, kwargs: dict[str, Any]) -> str:
