@@ -294,8 +294,9 @@ def _combinations(config: Any, params: dict[str, Any], batch: int, seed: int, dt
     gen = torch.Generator().manual_seed(seed + 1)  # media draws apart from the text ids' generator
     groups: list[list[Layout]] = []
     if "pixel_values" in params:
-        images = [*vision.tiled_layouts(config, params, batch, gen, dtype),
-                  *media.image_layouts(config, params, batch, gen, dtype),
+        common = list(media.image_layouts(config, params, batch, gen, dtype))
+        images = [*vision.tiled_layouts(config, params, batch, gen, dtype), *common,
+                  *vision.tile_mask_variants(common),
                   *vision.patch_layouts(config, params, batch, gen, dtype),
                   *vision.positioned_patch_layouts(config, params, batch, gen, dtype),
                   *vision.packed_layouts(config, params, batch, gen, dtype)]
@@ -421,7 +422,8 @@ def encoder_states(model: nn.Module, batch: int, length: int, gen: torch.Generat
 
 
 MODALITY = {"input_ids": "text", "pixel_values": "images", "pixel_values_videos": "video", "input_features": "audio",
-            "input_values": "audio", "past_values": "time series", "decoder_input_ids": "decoder text"}
+            "input_values": "audio", "past_values": "time series", "decoder_input_ids": "decoder text",
+            "hidden_states": "image patches", "query_embeds": "queries"}  # a vision tower or Q-Former alone
 
 
 def describe(model: nn.Module, kwargs: dict[str, Any]) -> str:

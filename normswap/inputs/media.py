@@ -142,7 +142,7 @@ def grid_layout(vcfg: Any, batch: int, gen: torch.Generator, dtype: torch.dtype,
     """Qwen-VL style patches: each image a ``t×h×w`` grid of patches, flattened to rows of
     ``C·temporal_patch·patch·patch`` values, with its grid in ``grid`` (``h``, ``w`` four spatial merges)."""
     patch = _int(cfg(vcfg, "patch_size", "spatial_patch_size")) or 14
-    temporal = _int(cfg(vcfg, "temporal_patch_size")) or 1
+    temporal = _int(cfg(vcfg, "temporal_patch_size", "patch_temporal")) or 1
     merge = _int(cfg(vcfg, "spatial_merge_size", "merge_size")) or 1
     channels = _int(cfg(vcfg, "in_channels", "num_channels", "in_chans")) or 3
     side = 2 * merge

@@ -7,6 +7,7 @@ never from a per-model table.
 - A Q-Former run alone (BLIP-2's ``query_embeds``): query rows of its own width.
 - Patch rows kept square, ``(N, C, p, p)`` with their ``grid_thw``, for towers that embed them with a
   2-D convolution (Kimi-K2.5, PaddleOCR-VL).
+- Images per sample with a per-tile ``pixel_attention_mask`` (Granite-Docling).
 - Images packed into one strip of patches with ``target_sizes`` (MiniCPM-V).
 - Patch rows with their ``(x, y)`` places (Gemma 4's ``pixel_position_ids``).
 - A second image input at another resolution, ``<name>_pixel_values`` next to a ``<name>_vision_config``
@@ -125,6 +126,15 @@ def packed_layouts(config: Any, params: Any, batch: int, gen: torch.Generator, d
     side = 2 * math.lcm(*(int(k) for k in kernel)) if isinstance(kernel, (list, tuple)) and kernel else 4
     strip = torch.randn(1, channels, patch, batch * side * side * patch, generator=gen).to(dtype)
     yield {"pixel_values": strip, "target_sizes": torch.tensor([[side, side]] * batch, dtype=torch.int32)}
+
+
+def tile_mask_variants(layouts: list[Layout]) -> Iterator[Layout]:
+    """Each images-per-sample layout again with its ``pixel_attention_mask`` per tile, ``(B, tiles)``,
+    instead of per pixel (Granite-Docling marks which tiles of a sample are real)."""
+    for layout in layouts:
+        mask = layout.get("pixel_attention_mask")
+        if isinstance(mask, torch.Tensor) and mask.dim() == 4 and layout["pixel_values"].dim() == 5:
+            yield {**layout, "pixel_attention_mask": mask.flatten(2).any(-1)}
 
 
 def with_companions(layout: Layout, config: Any, params: Any, gen: torch.Generator, dtype: torch.dtype) -> Layout:

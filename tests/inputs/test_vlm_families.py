@@ -5,6 +5,7 @@
 - Idefics (v1): images per sample with an ``image_attention_mask`` over the prompt;
 - Mllama: tiled images with aspect-ratio ids, a tile mask and a ``cross_attention_mask``;
 - DeepSeek-VL hybrid: a second, high-resolution image for its SAM tower (``high_res_pixel_values``);
+- Qwen2.5-Omni: image and audio spans one after the other in the prompt (its rope index reads them so);
 - BLIP-2's Q-Former alone (``query_embeds``) and a Qwen-VL style vision tower alone (``hidden_states``
   with ``grid_thw``).
 
@@ -85,7 +86,21 @@ def glm4v_vision():  # a Qwen-VL style tower alone: flattened patches as hidden_
                                                     temporal_patch_size=2, image_size=32))
 
 
+def qwen2_5_omni():  # images and audio in one prompt: the audio span after the image span, never inside it
+    text = dict(TEXT, rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]})
+    audio = dict(num_mel_bins=16, encoder_layers=2, encoder_attention_heads=4, encoder_ffn_dim=64, d_model=32,
+                 max_source_positions=100, n_window=50, output_dim=32)
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=4, patch_size=4, spatial_merge_size=2,
+                  temporal_patch_size=2, window_size=16, out_hidden_size=32, fullatt_block_indexes=[1])
+    config = tf.Qwen2_5OmniThinkerConfig(text_config=text, audio_config=audio, vision_config=vision,
+                                         audio_token_index=100, image_token_index=101, video_token_index=102,
+                                         audio_start_token_id=103, audio_end_token_id=104)
+    config.vision_start_token_id, config.vision_end_token_id = 105, 106  # checkpoints set them; 5.24's defaults not
+    return tf.Qwen2_5OmniThinkerForConditionalGeneration(config)
+
+
 FAMILIES = {
+    "qwen2_5_omni_thinker (image and audio spans)": qwen2_5_omni,
     "aria (projector patch counts)": aria,
     "idefics (image_attention_mask)": idefics,
     "mllama (tiles, aspect-ratio ids, cross-attention mask)": mllama,
