@@ -10,7 +10,9 @@ rule, float64, LayerNorm γ/β randomised, eval.
 - CLAP's audio tower takes one-channel spectrogram images (B, 1, T, mels).
 
 Each must get inputs with no help, run on them, reach every LayerNorm and convert, the exact norms exact
-to 1e-9 on inputs the analysis never saw (another seed and shape).
+to 1e-9 on inputs the analysis never saw (another seed and shape). Wav2Vec2-BERT also checks that
+verification's zero-mean evidence ignores rows that are zero to rounding: its first norm reads the
+features centred at the input, and generated speech ends in silence, constant rows that centre to ~1e-16.
 """
 
 from __future__ import annotations
@@ -80,6 +82,7 @@ def clap():  # text + one-channel spectrogram images (B, 1, T, mels)
 
 FAMILIES = {
     "rt_detr (top-k queries: image size)": rt_detr,
+    "wav2vec2_bert (stacked features)": wav2vec2_bert,
     "speecht5 (no pre-nets)": speecht5,
     "bros (boxes)": bros,
     "decision_transformer (trajectory)": decision_transformer,
@@ -132,8 +135,7 @@ def test_detector_images_hold_as_many_positions_as_queries():
 
 def test_stacked_speech_features_run_the_model():
     """Wav2Vec2-BERT's features are (B, T, feature_projection_input_dim), two stacked mel frames: built so,
-    they run it. (Its conversion is not asserted here: the norm that reads the model's input directly gets
-    a centering op at the input that verification refuses, an analysis matter outside the input builder.)"""
+    they run it."""
     model = randomise(wav2vec2_bert(), 0)
     built = hf_example_inputs(model)
     assert built["input_features"].shape[-1] == 48
