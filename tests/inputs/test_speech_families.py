@@ -170,3 +170,20 @@ def test_a_missing_input_is_named_in_one_line_in_cli_words():
     line = cli_words(str(caught.value))
     assert "\n" not in line and "`query_boxes`" in line, line
     assert "--example-inputs FILE.safetensors holding it" in line and "example_inputs=" not in line, line
+
+
+def test_a_text_to_speech_decoder_reads_one_code_per_codebook():
+    """Dia's decoder embeds one audio code per codebook per step: its ids are (B, T, num_channels), and
+    the whole model (text encoder and audio decoder) runs on them."""
+    enc = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4, head_dim=8,
+               intermediate_size=64, vocab_size=64, max_position_embeddings=64)
+    dec = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+               intermediate_size=64, vocab_size=40, num_channels=3, cross_hidden_size=32, cross_num_attention_heads=4,
+               cross_head_dim=8, cross_num_key_value_heads=4, max_position_embeddings=64, pad_token_id=37,
+               eos_token_id=36, bos_token_id=38)
+    model = tf.DiaModel(tf.DiaConfig(encoder_config=enc, decoder_config=dec, delay_pattern=[0, 1, 2])).double().eval()
+    built = hf_example_inputs(model, batch=2, seq=6)
+    ids = built["decoder_input_ids"]
+    assert ids.shape[0] == 2 and ids.shape[-1] == 3 and ids.dim() == 3 and int(ids.max()) < 40
+    with torch.no_grad(), default_dtype(torch.float64), float64_casts():
+        model(**built)
