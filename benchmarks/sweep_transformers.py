@@ -102,9 +102,10 @@ WIDTH = {"hidden_size", "d_model", "n_embd", "embed_dim", "dim", "hidden_dim", "
          "word_embed_proj_dim", "projection_dim", "encoder_hidden_size", "decoder_hidden_size", "text_embed_dim",
          "vision_embed_dim", "audio_embed_dim", "cross_attention_hidden_size", "encoder_embed_dim",
          "decoder_embed_dim", "n_embed", "model_dim", "latent_dim", "out_hidden_size", "output_dim",
-         "cross_hidden_size"}
+         "cross_hidden_size", "unit_embed_dim"}
 FFN = {"intermediate_size", "ffn_dim", "encoder_ffn_dim", "decoder_ffn_dim", "d_ff", "n_inner", "mlp_dim",
-       "decoder_intermediate_size", "encoder_intermediate_size", "dim_feedforward", "ffn_hidden_size"}
+       "decoder_intermediate_size", "encoder_intermediate_size", "dim_feedforward", "ffn_hidden_size",
+       "speech_encoder_intermediate_size", "t2u_encoder_ffn_dim", "t2u_decoder_ffn_dim"}
 LAYERS = {"num_hidden_layers", "num_layers", "n_layer", "n_layers", "encoder_layers", "decoder_layers",
           "num_encoder_layers", "num_decoder_layers", "depth", "decoder_num_hidden_layers", "num_blocks",
           "decoder_depth", "encoder_depth", "num_decoder_blocks", "num_encoder_blocks"}
@@ -204,7 +205,8 @@ def shrink(config: object, depth: int = 0, ids: list[int] | None = None, images:
             d[k] = 8
         elif k in LOW_RANKS and isinstance(v, int) and v > 32:
             d[k] = 16
-        elif k in ("vocab_size", "n_vocab", "text_vocab_size") and isinstance(v, int) and v > 128:
+        elif k in ("vocab_size", "n_vocab", "text_vocab_size", "t2u_vocab_size", "unit_hifi_gan_vocab_size") and \
+                isinstance(v, int) and v > 128:
             d[k] = max(128, 1 + max(ids + [0]))
         elif k in ("max_position_embeddings", "n_positions", "max_source_positions", "max_target_positions",
                    "max_seq_len", "context_length") and isinstance(v, int) and v > 4096:

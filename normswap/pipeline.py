@@ -1065,8 +1065,12 @@ def _site_checks(plan_: Plan, todo: list[SitePlan], seen: dict, originals: dict,
             ratio = 0.0
             for x, _ in pairs:
                 x = x.double()
-                rms = x.pow(2).mean(dims).sqrt().clamp_min(1e-30)
-                ratio = max(ratio, float((x.mean(dims).abs() / rms).max()))
+                rms = x.pow(2).mean(dims).sqrt()
+                # a row that is zero to rounding (a centred constant row: silence in speech features) has
+                # |mean| ~ rms ~ 1e-16 and says nothing about centring; |mean| <= rms bounds what it leaves out
+                rows = rms > max(1e-30, float(rms.max()) * 1e-9)
+                if bool(rows.any()):
+                    ratio = max(ratio, float((x.mean(dims).abs()[rows] / rms[rows]).max()))
             sp.error = ratio
             worst = max(worst, ratio)
     figures["max_stream_mean_ratio"] = worst

@@ -46,3 +46,54 @@ def test_one_class_swept_and_counted():
     totals = sweep.totals([{"type": "a", "classes": [row, no_run]}, {"type": "b", "classes": [crash]}])
     assert (totals["classes_converted"], totals["classes_no_run"], totals["classes_crashed"]) == (1, 1, 1)
     assert totals["types_converted"] == 0
+
+
+def test_shrunk_sizes_that_derive_from_each_other_stay_consistent():
+    """Sizes one config defines through another follow it when shrunk: multi-head latent attention's
+    parts (qk_head_dim = nope + rope; as many kv heads as heads), per-channel conv groups and codebook
+    vectors (Mimi, EnCodec), Swin's heads per stage (each divides its stage's width), CLAP's audio
+    width (patch width x 2^(stages-1)), DPT's read layers, Autoformer's context over its label window."""
+    sweep = _sweep()
+    mla = tf.AutoConfig.for_model("deepseek_v2")
+    sweep.shrink(mla)
+    assert mla.qk_head_dim == mla.qk_nope_head_dim + mla.qk_rope_head_dim <= 16
+    assert mla.num_key_value_heads == mla.num_attention_heads == 4 and mla.num_experts_per_tok
+    mimi, encodec = tf.AutoConfig.for_model("mimi"), tf.AutoConfig.for_model("encodec")
+    sweep.shrink(mimi)
+    sweep.shrink(encodec)
+    assert mimi.upsample_groups == mimi.hidden_size == 32 and encodec.codebook_dim == encodec.hidden_size == 32
+    swin = tf.AutoConfig.for_model("swin")
+    sweep.shrink(swin)
+    assert all((swin.embed_dim * 2 ** i) % h == 0 for i, h in enumerate(swin.num_heads)), swin.num_heads
+    assert swin.image_size == 224  # whole 7 x 7 windows at every stage
+    clap = tf.AutoConfig.for_model("clap")
+    sweep.shrink(clap)
+    audio = clap.audio_config
+    assert audio.hidden_size == audio.patch_embeds_hidden_size * 2 ** (len(audio.depths) - 1)
+    dpt = tf.AutoConfig.for_model("dpt")
+    sweep.shrink(dpt)
+    assert max(dpt.backbone_out_indices) < dpt.num_hidden_layers and len(dpt.backbone_out_indices) == 4
+    autoformer = tf.AutoConfig.for_model("autoformer")
+    sweep.shrink(autoformer)
+    assert autoformer.context_length >= autoformer.label_length
+
+
+def test_the_oracle_is_not_normswap_and_runnable_types_are_counted():
+    """A forward normswap cannot build inputs for still counts as runnable when the oracle (here inputs
+    written for the type) runs it; the measure counts runnable types only, and a timeout is unknown."""
+    sweep = _sweep()
+    model = sweep.build("DecisionTransformerModel", "decision_transformer")
+    sources = [source for source, _ in sweep.oracle_inputs(model, "decision_transformer")]
+    assert sources == ["inputs written for this type"]
+    assert all(sweep.runs(model, kw) is None for _, kw in sweep.oracle_inputs(model, "decision_transformer"))
+    ok = {"build": "ok", "patch": "ok", "counts": {"exact": 1}}
+    failing = {"build": "ok", "patch": "refused: could not run X.forward on the example inputs (...)",
+               "runnable": True, "runs_on": "the model's dummy_inputs"}
+    dead = {"build": "ok", "patch": "refused: could not run X.forward on the example inputs (...)",
+            "runnable": False, "not_run": "ValueError: ..."}
+    late = {"class": "?", "build": "timeout after 150 s"}
+    rows = [{"type": "a", "classes": [ok, ok]}, {"type": "b", "classes": [ok, failing]},
+            {"type": "c", "classes": [dead]}, {"type": "d", "classes": [ok, dead]}, {"type": "e", "classes": [late]}]
+    t = sweep.runnable_totals(rows)
+    assert (t["runnable"], t["converted"], t["unknown"]) == (3, 2, 1)  # a, b, d runnable; a and d converted
+    assert [r["type"] for r in t["not_runnable"]] == ["c"] and [r["type"] for r in t["failing"]] == ["b"]

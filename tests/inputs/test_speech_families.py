@@ -10,7 +10,9 @@ rule, float64, LayerNorm γ/β randomised, eval.
 - CLAP's audio tower takes one-channel spectrogram images (B, 1, T, mels).
 
 Each must get inputs with no help, run on them, reach every LayerNorm and convert, the exact norms exact
-to 1e-9 on inputs the analysis never saw (another seed and shape).
+to 1e-9 on inputs the analysis never saw (another seed and shape). Wav2Vec2-BERT also checks that
+verification's zero-mean evidence ignores rows that are zero to rounding: its first norm reads the
+features centred at the input, and generated speech ends in silence, constant rows that centre to ~1e-16.
 """
 
 from __future__ import annotations
@@ -80,6 +82,7 @@ def clap():  # text + one-channel spectrogram images (B, 1, T, mels)
 
 FAMILIES = {
     "rt_detr (top-k queries: image size)": rt_detr,
+    "wav2vec2_bert (stacked features)": wav2vec2_bert,
     "speecht5 (no pre-nets)": speecht5,
     "bros (boxes)": bros,
     "decision_transformer (trajectory)": decision_transformer,
@@ -132,8 +135,7 @@ def test_detector_images_hold_as_many_positions_as_queries():
 
 def test_stacked_speech_features_run_the_model():
     """Wav2Vec2-BERT's features are (B, T, feature_projection_input_dim), two stacked mel frames: built so,
-    they run it. (Its conversion is not asserted here: the norm that reads the model's input directly gets
-    a centering op at the input that verification refuses, an analysis matter outside the input builder.)"""
+    they run it."""
     model = randomise(wav2vec2_bert(), 0)
     built = hf_example_inputs(model)
     assert built["input_features"].shape[-1] == 48
@@ -168,3 +170,20 @@ def test_a_missing_input_is_named_in_one_line_in_cli_words():
     line = cli_words(str(caught.value))
     assert "\n" not in line and "`query_boxes`" in line, line
     assert "--example-inputs FILE.safetensors holding it" in line and "example_inputs=" not in line, line
+
+
+def test_a_text_to_speech_decoder_reads_one_code_per_codebook():
+    """Dia's decoder embeds one audio code per codebook per step: its ids are (B, T, num_channels), and
+    the whole model (text encoder and audio decoder) runs on them."""
+    enc = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4, head_dim=8,
+               intermediate_size=64, vocab_size=64, max_position_embeddings=64)
+    dec = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+               intermediate_size=64, vocab_size=40, num_channels=3, cross_hidden_size=32, cross_num_attention_heads=4,
+               cross_head_dim=8, cross_num_key_value_heads=4, max_position_embeddings=64, pad_token_id=37,
+               eos_token_id=36, bos_token_id=38)
+    model = tf.DiaModel(tf.DiaConfig(encoder_config=enc, decoder_config=dec, delay_pattern=[0, 1, 2])).double().eval()
+    built = hf_example_inputs(model, batch=2, seq=6)
+    ids = built["decoder_input_ids"]
+    assert ids.shape[0] == 2 and ids.shape[-1] == 3 and ids.dim() == 3 and int(ids.max()) < 40
+    with torch.no_grad(), default_dtype(torch.float64), float64_casts():
+        model(**built)
