@@ -56,9 +56,11 @@ def fresh_kernel(monkeypatch, tmp_path):
     """Build into an empty cache dir; restore the normal kernel afterwards."""
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     cpu.reset()
+    backends.refresh()  # availability is cached per process (backends.is_available): forget it with the kernel
     yield tmp_path
     monkeypatch.undo()
     cpu.reset()
+    backends.refresh()  # else a failed build's "cpu unavailable" outlives the fixture
 
 
 def test_kernel_builds_where_a_compiler_exists():
