@@ -128,9 +128,12 @@ def all_special_ids(config: object) -> list[int]:
     return out
 
 
-def shrink(config: object, depth: int = 0, ids: list[int] | None = None, images: bool = True) -> None:
+def shrink(config: object, depth: int = 0, ids: list[int] | None = None, images: bool = True,
+           mild: bool = False) -> None:
     """Shrink ``config`` (and its sub-configs) in place to a tiny model of the same architecture.
-    ``images=False`` keeps image sizes (a config that fixes its image tokens, ``mm_tokens_per_image``)."""
+    ``images=False`` keeps image sizes (a config that fixes its image tokens, ``mm_tokens_per_image``);
+    ``mild=True`` keeps every width, head count and image size (layers, experts and vocabularies only:
+    the fallback for a config whose widths do not shrink together)."""
     from transformers import PretrainedConfig
 
     ids = all_special_ids(config) if ids is None else ids
@@ -151,14 +154,17 @@ def shrink(config: object, depth: int = 0, ids: list[int] | None = None, images:
         d["prediction_length"] = 8
         if d.get("context_length") is None:
             d["context_length"] = 8
+    before = dict(d)  # the full-size values: the consistency rules below map them to their tiny ones
     heads = next((d[k] for k in HEADS_ATTR if isinstance(d.get(k), int)), None)
     for k in list(d):
         v = d[k]
         if isinstance(v, PretrainedConfig):
             if depth < 4:
-                shrink(v, depth + 1, ids, images)
+                shrink(v, depth + 1, ids, images, mild)
             continue
         if isinstance(v, bool) or k.startswith("_"):
+            continue
+        if mild and (k in WIDTH or k in FFN or k in HEADS_ATTR or k in KV_HEADS or k in ("head_dim", "image_size")):
             continue
         if k in LAYERS and isinstance(v, int) and v > 2:
             d[k] = 2
@@ -206,11 +212,259 @@ def shrink(config: object, depth: int = 0, ids: list[int] | None = None, images:
     if isinstance(d.get("image_grid_pinpoints"), list) and isinstance(getattr(vision, "image_size", None), int):
         side = vision.image_size  # any-resolution grids in units of the (shrunk) tile size
         d["image_grid_pinpoints"] = [[side, side], [side, 2 * side], [2 * side, side]]
+    consistent(config, before, mild)
     for k in ("layer_types", "block_types", "layers_block_type"):  # per-layer lists follow the layer count
         v = d.get(k)
         n = d.get("num_hidden_layers")
         if isinstance(v, list) and isinstance(n, int) and len(v) > n:
             d[k] = v[:n]
+
+
+# ------------------------------------------------------------------ self-consistent tiny configs (rules)
+# shrink() above cuts each size it knows by name; these rules then make every other attribute agree with
+# the cut ones, so the tiny model runs with its own sizes (a size left full-width, or cut on its own,
+# builds a model whose layers disagree: "size of tensor a (32) must match … (4)").
+EXPERTS = {"num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts", "n_experts",
+           "zero_expert_num", "num_experts_total"}
+EXPERTS_PER_TOKEN = {"num_experts_per_tok", "num_experts_per_token", "moe_topk", "moe_top_k", "moe_k",
+                     "n_activated_experts", "num_selected_experts"}
+SHARED_EXPERTS = {"n_shared_experts", "num_shared_experts", "moe_num_shared_experts"}
+EXPERT_GROUPS = {"n_group", "num_expert_group", "topk_group"}  # group-limited routing: one group of 4
+FFN_LIKE = re.compile(r"(intermediate|ffn|feed_forward|mlp).*(size|dim)$")  # moe_intermediate_size, …
+WIDTH_LIKE = re.compile(r"(size|dim|channels|width|hidden|embed)$")
+NOT_WIDTH = re.compile(r"vocab|position|patch|image|window|kernel|stride|chunk|sampl|max_|min_|token|length|"
+                       r"^num_|^n_|rate|frame|seq|codebook|bins|spatial|temporal|pool|bucket|cache|batch|"
+                       r"label|state|conv|rank|head")
+VOCAB_LIKE = re.compile(r"vocab(_size)?$|vocab_size_|^codebook_size$")
+MAMBA_HEADS = ("mamba_n_heads", "n_mamba_heads")
+MAMBA_HEAD_DIM = ("mamba_d_head", "mamba_headdim", "mamba_head_dim")
+MAMBA_GROUPS = ("mamba_n_groups", "mamba_ngroups", "n_groups")
+HEAD_DIM = 8  # shrink()'s head width
+LORA_RANK = 16  # low-rank projections (MLA's q/kv/o LoRA ranks, …)
+KINDS = ("layer_types", "block_types", "layers_block_type", "layers_type", "attn_type_list", "hybrid_layer_types")
+
+
+def _int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def consistent(config: object, before: dict, mild: bool = False) -> None:
+    """Make the attributes ``shrink`` did not cut by name agree with those it cut (``before``: the
+    config's full-size attributes). Each rule is general: it applies to any config with such names.
+    ``mild``: widths are kept, so only the rules that do not touch a width run."""
+    d = config.__dict__
+    if not mild:
+        _aliases(config, d)
+        _follow_widths(d, before)
+    _moe(d)
+    if not mild:
+        _head_dims(d, before)
+        _mamba(d)
+        _staged_heads(d, before)
+    _missing_defaults(d)
+    _vocabularies(d)
+    _per_layer_lists(d, before)
+
+
+def _aliases(config: object, d: dict) -> None:
+    """Sizes stored under the config's own name for a standard one (``attribute_map``: XLM's ``emb_dim``
+    is its ``hidden_size``) are cut as the standard name would be."""
+    for alias, real in (getattr(config, "attribute_map", None) or {}).items():
+        v = d.get(real)
+        if not _int(v) or real in WIDTH | FFN | LAYERS | HEADS_ATTR | KV_HEADS:
+            continue
+        if alias in WIDTH and v > 64:
+            d[real] = 32
+        elif alias in FFN and v > 64:
+            d[real] = 64
+        elif alias in LAYERS and v > 2 and real != "num_stages":  # stages: their lists (depths …) hold the count
+            d[real] = 2
+        elif alias in HEADS_ATTR and v > 4:
+            d[real] = 4
+        elif alias in KV_HEADS and v > 2:
+            d[real] = 2
+
+
+def _follow_widths(d: dict, before: dict) -> None:
+    """Every width-named int attribute that had the same full-size value as a width shrink() cut (the
+    hidden size under another name: ``cross_hidden_size``, ``emb_dim``, ``d_latents`` …) takes the same
+    tiny value; every feed-forward width (``moe_intermediate_size``, ``expert_ffn_hidden_size`` …) → 64."""
+    cut = {before[k]: d[k] for k in WIDTH if _int(before.get(k)) and _int(d.get(k)) and d[k] != before[k]}
+    for k, v in d.items():
+        if not _int(v) or k.startswith("_") or v != before.get(k) or NOT_WIDTH.search(k):
+            continue
+        if FFN_LIKE.search(k) and v > 64:
+            d[k] = 64
+        elif WIDTH_LIKE.search(k) and v in cut:
+            d[k] = cut[v]
+    # a derived width stays derived: Swin's hidden_size is embed_dim * 2 ** (stages - 1)
+    depths, embed, hidden = before.get("depths"), before.get("embed_dim"), before.get("hidden_size")
+    if isinstance(depths, (list, tuple)) and _int(embed) and _int(hidden) and hidden == embed * 2 ** (len(depths) - 1):
+        d["hidden_size"] = d["embed_dim"] * 2 ** (len(depths) - 1)
+
+
+def _moe(d: dict) -> None:
+    """Mixture of experts: 4 experts, at most 2 per token, at most 1 shared, one routing group."""
+    if not any(_int(d.get(k)) and d[k] > 4 for k in EXPERTS):
+        return
+    for k, v in list(d.items()):
+        if not _int(v):
+            continue
+        if k in EXPERTS and v > 4:
+            d[k] = 4
+        elif k in EXPERTS_PER_TOKEN and v > 2:
+            d[k] = 2
+        elif k in SHARED_EXPERTS and v > 1:
+            d[k] = 1
+        elif k in EXPERT_GROUPS and v > 1:
+            d[k] = 1
+
+
+def _head_dims(d: dict, before: dict) -> None:
+    """Every ``*_head_dim`` (MLA's ``qk_rope_head_dim``, ``qk_nope_head_dim``, ``v_head_dim``, linear
+    attention's key/value head dims …) shrinks with ``head_dim``; a sum of two of them stays their sum
+    (``qk_head_dim`` = nope + rope); every low rank (``kv_lora_rank`` …) → 16; a rotary width is at most
+    the head width."""
+    for k, v in list(d.items()):
+        if not _int(v) or k.startswith("_"):
+            continue
+        if (k.endswith("head_dim") or k.endswith("head_size")) and k != "head_dim" and v > 2 * HEAD_DIM:
+            d[k] = HEAD_DIM
+        elif (k.endswith("_rank") or k.endswith("lowrank")) and v > 2 * LORA_RANK:
+            d[k] = LORA_RANK
+    nope, rope = d.get("qk_nope_head_dim"), d.get("qk_rope_head_dim")
+    if _int(nope) and _int(rope):
+        if _int(d.get("qk_head_dim")):
+            d["qk_head_dim"] = nope + rope
+        if before.get("head_dim") == before.get("qk_rope_head_dim"):  # DeepSeek: head_dim is the rope width
+            d["head_dim"] = rope
+    hidden = d.get("hidden_size")
+    heads = next((d[k] for k in HEADS_ATTR if _int(d.get(k))), None)
+    head_dim = d.get("head_dim") if _int(d.get("head_dim")) else (hidden // heads if _int(hidden) and heads else None)
+    if _int(d.get("rotary_dim")) and head_dim and d["rotary_dim"] > head_dim:  # GPT-J, CodeGen
+        d["rotary_dim"] = head_dim
+
+
+def _mamba(d: dict) -> None:
+    """Mamba-2 mixers: heads x head width = expand x hidden size, groups dividing the heads."""
+    expand = d.get("mamba_expand", d.get("expand"))
+    hidden = d.get("hidden_size")
+    if not (_int(expand) and _int(hidden)):
+        return
+    inner = expand * hidden
+    dim_key = next((k for k in MAMBA_HEAD_DIM if _int(d.get(k))), None)
+    heads_key = next((k for k in MAMBA_HEADS if _int(d.get(k))), None)
+    if heads_key is None and _int(d.get("num_heads")) and _int(d.get("state_size")):  # Mamba2Config's own names
+        heads_key, dim_key = "num_heads", "head_dim" if _int(d.get("head_dim")) else dim_key
+    if dim_key is None or heads_key is None:
+        return
+    d[dim_key] = min(d[dim_key], HEAD_DIM)
+    d[heads_key] = max(1, inner // d[dim_key])
+    for k in MAMBA_GROUPS:
+        if _int(d.get(k)) and d[heads_key] % d[k]:
+            d[k] = 1
+
+
+def _staged_heads(d: dict, before: dict) -> None:
+    """Hierarchical vision models (Swin, …): stage i is ``embed_dim * 2**i`` wide, with ``num_heads[i]``
+    heads: each head count becomes the largest divisor of its stage width not above the old count."""
+    embed = d.get("embed_dim")
+    if not _int(embed) or embed == before.get("embed_dim"):
+        return
+    for k in HEADS_ATTR:
+        v = d.get(k)
+        if isinstance(v, (list, tuple)) and v and all(_int(x) for x in v):
+            width = [embed * 2 ** i for i in range(len(v))]
+            d[k] = type(v)(max(h for h in range(1, max(1, x) + 1) if w % h == 0) for x, w in zip(v, width, strict=True))
+
+
+def _missing_defaults(d: dict) -> None:
+    """Defaults some configs leave unset, which their modeling code then divides by: ``head_dim`` None →
+    hidden / heads; ``num_key_value_heads`` None → one per head; per-layer-type RoPE parameters missing
+    for a layer type → the default RoPE."""
+    hidden = d.get("hidden_size")
+    heads = next((d[k] for k in HEADS_ATTR if _int(d.get(k))), None)
+    if "head_dim" in d and d["head_dim"] is None and _int(hidden) and heads:
+        d["head_dim"] = hidden // heads
+    if "n_routed_experts" in d and d["n_routed_experts"] is None and "num_experts_per_tok" in d:  # dots1
+        d["n_routed_experts"], d["num_experts_per_tok"] = 4, d["num_experts_per_tok"] or 2
+    if "num_key_value_heads" in d and d["num_key_value_heads"] is None and heads:
+        d["num_key_value_heads"] = heads
+    kinds, rope = d.get("layer_types"), d.get("rope_parameters")
+    if isinstance(kinds, list) and isinstance(rope, dict) and not rope and all(isinstance(x, str) for x in kinds):
+        d["rope_parameters"] = {kind: {"rope_type": "default", "rope_theta": 10000.0} for kind in set(kinds)}
+
+
+def _vocabularies(d: dict) -> None:
+    """Every other vocabulary (entity, per-layer-input, hash n-gram, codebook …) shrinks like
+    ``vocab_size``: to 128, or to the text vocabulary when that is larger (special ids must fit)."""
+    text = d.get("vocab_size") if _int(d.get("vocab_size")) else 128
+    for k, v in list(d.items()):
+        if k != "vocab_size" and _int(v) and VOCAB_LIKE.search(k) and v > max(128, text) and "divisible" not in k:
+            d[k] = max(128, text)
+
+
+def _per_layer_lists(d: dict, before: dict) -> None:
+    """Every list as long as the full layer count follows the tiny one, keeping one layer of each kind:
+    a hybrid model (linear and full attention, Mamba and attention, sliding and global) stays hybrid, with
+    as many layers as it has kinds (at most 4), the same layers kept in every per-layer list."""
+    for key in LAYERS:
+        old, new = before.get(key), d.get(key)
+        if not (_int(old) and _int(new) and old > new and old >= 6):
+            continue
+        # lists of layer indices (``moe_layers``, ``full_attn_idxs``) are renumbered, not cut by position
+        indices = [k for k, v in d.items() if re.search(r"layers|idxs", k) and isinstance(v, list) and v
+                   and all(_int(x) for x in v) and v == sorted(set(v)) and v[-1] < old
+                   and (len(v) < old or v == list(range(old)))]
+        lists = [k for k, v in d.items() if isinstance(v, list) and len(v) == old and not k.startswith("_")
+                 and k not in indices]
+        kinds = next((d[k] for k in KINDS if k in lists), None)
+        keep = list(range(new))
+        if kinds is not None and all(isinstance(x, str) for x in kinds):
+            first = {}
+            for i, kind in enumerate(kinds):
+                first.setdefault(kind, i)
+            if len(first) > 1 and set(kinds[:new]) != set(first):
+                keep = sorted(first.values())[:4]
+                keep = sorted(set(keep) | set(range(new - len(keep))))  # at least the tiny count
+                d[key] = len(keep)
+        for k in lists:
+            d[k] = [d[k][i] for i in keep]
+        for k in indices:
+            d[k] = [keep.index(i) for i in d[k] if i in keep]
+
+
+# True one-offs, applied after shrink() (each says why no rule covers it).
+OVERRIDES: dict[str, dict] = {
+    # the hybrid layers share one transformer, tied from the first hybrid layer to the others: transformers'
+    # tie needs a second hybrid layer to exist, and one-of-each-kind keeps one
+    "zamba": {"num_hidden_layers": 3, "layers_block_type": ["linear_attention", "hybrid", "hybrid"]},
+}
+
+
+def tiny_config(model_type: str, class_name: str):  # noqa: ANN201 - the config
+    """``model_type``'s default config shrunk to tiny and self-consistent: the full shrink, or when that
+    does not build ``class_name`` (or stays over :data:`MAX_PARAMS`), the mild one (widths kept: layers,
+    experts and vocabularies cut). Raises the full shrink's error when neither builds."""
+    import torch
+    import transformers as tf
+
+    cls = getattr(tf, class_name)
+    first: Exception | None = None
+    for mild in (False, True):
+        config = tf.AutoConfig.for_model(model_type)
+        shrink(config, mild=mild)
+        for k, v in OVERRIDES.get(model_type, {}).items():
+            setattr(config, k, v)
+        try:
+            with torch.device("meta"):
+                n = sum(p.numel() for p in cls(config).parameters())
+            if n > MAX_PARAMS:
+                raise RuntimeError(f"tiny config still has {n / 1e6:.0f}M parameters")
+            return config
+        except Exception as exc:  # noqa: BLE001 - recorded by the caller when no shrink builds
+            first = first or exc
+    raise first
 
 
 def build(class_name: str, model_type: str):  # noqa: ANN201 - the model
@@ -219,15 +473,9 @@ def build(class_name: str, model_type: str):  # noqa: ANN201 - the model
     import transformers as tf
 
     randomise = zoo().randomise
-    config = tf.AutoConfig.for_model(model_type)
-    shrink(config)
-    cls = getattr(tf, class_name)
-    with torch.device("meta"):
-        n = sum(p.numel() for p in cls(config).parameters())
-    if n > MAX_PARAMS:
-        raise RuntimeError(f"tiny config still has {n / 1e6:.0f}M parameters")
+    config = tiny_config(model_type, class_name)
     torch.manual_seed(0)
-    return randomise(cls(config), 0)
+    return randomise(getattr(tf, class_name)(config), 0)
 
 
 # --------------------------------------------------------------------------------------- per class
