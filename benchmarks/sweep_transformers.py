@@ -95,12 +95,12 @@ def classes(model_type: str) -> list[str]:
 WIDTH = {"hidden_size", "d_model", "n_embd", "embed_dim", "dim", "hidden_dim", "embedding_dim", "d_embed",
          "word_embed_proj_dim", "projection_dim", "encoder_hidden_size", "decoder_hidden_size", "text_embed_dim",
          "vision_embed_dim", "audio_embed_dim", "cross_attention_hidden_size", "encoder_embed_dim",
-         "decoder_embed_dim", "n_embed", "model_dim", "latent_dim", "out_hidden_size", "output_dim"}
+         "decoder_embed_dim", "n_embed", "model_dim", "d_latents", "latent_dim", "out_hidden_size", "output_dim"}
 FFN = {"intermediate_size", "ffn_dim", "encoder_ffn_dim", "decoder_ffn_dim", "d_ff", "n_inner", "mlp_dim",
        "decoder_intermediate_size", "encoder_intermediate_size", "dim_feedforward", "ffn_hidden_size"}
 LAYERS = {"num_hidden_layers", "num_layers", "n_layer", "n_layers", "encoder_layers", "decoder_layers",
           "num_encoder_layers", "num_decoder_layers", "depth", "decoder_num_hidden_layers", "num_blocks",
-          "decoder_depth", "encoder_depth", "num_decoder_blocks", "num_encoder_blocks"}
+          "decoder_depth", "encoder_depth", "num_decoder_blocks", "num_encoder_blocks", "num_self_attends_per_block"}
 HEADS_ATTR = {"num_attention_heads", "n_head", "n_heads", "encoder_attention_heads", "decoder_attention_heads",
               "num_heads", "decoder_num_attention_heads", "num_attention_heads_text", "decoder_num_heads",
               "encoder_num_heads"}
@@ -256,11 +256,13 @@ def consistent(config: object, before: dict, mild: bool = False) -> None:
     if not mild:
         _aliases(config, d)
         _follow_widths(d, before)
+        _kv_heads(d, before)
     _moe(d)
     if not mild:
         _head_dims(d, before)
         _mamba(d)
         _staged_heads(d, before)
+        _windows(d)
     _missing_defaults(d)
     _vocabularies(d)
     _per_layer_lists(d, before)
@@ -290,6 +292,8 @@ def _follow_widths(d: dict, before: dict) -> None:
     hidden size under another name: ``cross_hidden_size``, ``emb_dim``, ``d_latents`` …) takes the same
     tiny value; every feed-forward width (``moe_intermediate_size``, ``expert_ffn_hidden_size`` …) → 64."""
     cut = {before[k]: d[k] for k in WIDTH if _int(before.get(k)) and _int(d.get(k)) and d[k] != before[k]}
+    shrunk = _int(d.get("hidden_size")) and d["hidden_size"] != before["hidden_size"]
+    hidden = before["hidden_size"] if shrunk else None
     for k, v in d.items():
         if not _int(v) or k.startswith("_") or v != before.get(k) or NOT_WIDTH.search(k):
             continue
@@ -297,10 +301,21 @@ def _follow_widths(d: dict, before: dict) -> None:
             d[k] = 64
         elif WIDTH_LIKE.search(k) and v in cut:
             d[k] = cut[v]
+        elif WIDTH_LIKE.search(k) and _int(hidden) and v in (2 * hidden, 3 * hidden, 4 * hidden):  # Zamba2's 2h
+            d[k] = v // hidden * d["hidden_size"]
     # a derived width stays derived: Swin's hidden_size is embed_dim * 2 ** (stages - 1)
     depths, embed, hidden = before.get("depths"), before.get("embed_dim"), before.get("hidden_size")
     if isinstance(depths, (list, tuple)) and _int(embed) and _int(hidden) and hidden == embed * 2 ** (len(depths) - 1):
         d["hidden_size"] = d["embed_dim"] * 2 ** (len(depths) - 1)
+
+
+def _kv_heads(d: dict, before: dict) -> None:
+    """Multi-head attention stays multi-head: a key/value head count equal to the head count (DeepSeek's
+    MLA, …) follows the head count instead of being cut on its own."""
+    heads = next((k for k in HEADS_ATTR if _int(d.get(k))), None)
+    for k in KV_HEADS:
+        if heads and _int(d.get(k)) and before.get(k) == before.get(heads):
+            d[k] = d[heads]
 
 
 def _moe(d: dict) -> None:
@@ -332,14 +347,25 @@ def _head_dims(d: dict, before: dict) -> None:
             d[k] = HEAD_DIM
         elif (k.endswith("_rank") or k.endswith("lowrank")) and v > 2 * LORA_RANK:
             d[k] = LORA_RANK
+    hidden = next((d[k] for k in ("hidden_size", *sorted(WIDTH)) if _int(d.get(k))), None)
+    heads = next((d[k] for k in HEADS_ATTR if _int(d.get(k))), None)
+    heads_before = next((before[k] for k in HEADS_ATTR if _int(before.get(k))), None)
+    for k, v in list(d.items()):  # a head width that was a width / heads stays so (Zamba2: 2 x hidden / heads)
+        if (k.endswith("head_dim") and _int(v) and _int(before.get(k)) and heads and heads_before
+                and k not in ("qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")):
+            for w, full in before.items():
+                if (w != k and _int(full) and full == before[k] * heads_before and _int(d.get(w)) and d[w] != full
+                        and d[w] % heads == 0 and WIDTH_LIKE.search(w)):
+                    d[k] = d[w] // heads
+                    break
     nope, rope = d.get("qk_nope_head_dim"), d.get("qk_rope_head_dim")
-    if _int(nope) and _int(rope):
+    if _int(nope) and _int(rope):  # multi-head latent attention (DeepSeek V2/V3, MiniCPM3, Mistral4 …)
         if _int(d.get("qk_head_dim")):
             d["qk_head_dim"] = nope + rope
         if before.get("head_dim") == before.get("qk_rope_head_dim"):  # DeepSeek: head_dim is the rope width
             d["head_dim"] = rope
-    hidden = d.get("hidden_size")
-    heads = next((d[k] for k in HEADS_ATTR if _int(d.get(k))), None)
+        elif before.get("head_dim") == before.get("qk_head_dim"):  # Mistral4: head_dim is nope + rope
+            d["head_dim"] = nope + rope
     head_dim = d.get("head_dim") if _int(d.get("head_dim")) else (hidden // heads if _int(hidden) and heads else None)
     if _int(d.get("rotary_dim")) and head_dim and d["rotary_dim"] > head_dim:  # GPT-J, CodeGen
         d["rotary_dim"] = head_dim
@@ -378,6 +404,19 @@ def _staged_heads(d: dict, before: dict) -> None:
             d[k] = type(v)(max(h for h in range(1, max(1, x) + 1) if w % h == 0) for x, w in zip(v, width, strict=True))
 
 
+def _windows(d: dict) -> None:
+    """Windowed hierarchical vision models (Swin family): windows of 2 patches, and an image large enough
+    that the last stage still holds a whole window (a stage smaller than its window shrinks the window and
+    no longer matches its relative-position table)."""
+    depths, window, patch = d.get("depths"), d.get("window_size"), d.get("patch_size")
+    if not (isinstance(depths, (list, tuple)) and _int(window) and window > 2 and _int(patch)):
+        return
+    d["window_size"] = 2
+    side = patch * 2 * 2 ** (len(depths) - 1)
+    if _int(d.get("image_size")) and d["image_size"] < side:
+        d["image_size"] = side
+
+
 def _missing_defaults(d: dict) -> None:
     """Defaults some configs leave unset, which their modeling code then divides by: ``head_dim`` None →
     hidden / heads; ``num_key_value_heads`` None → one per head; per-layer-type RoPE parameters missing
@@ -388,6 +427,15 @@ def _missing_defaults(d: dict) -> None:
         d["head_dim"] = hidden // heads
     if "n_routed_experts" in d and d["n_routed_experts"] is None and "num_experts_per_tok" in d:  # dots1
         d["n_routed_experts"], d["num_experts_per_tok"] = 4, d["num_experts_per_tok"] or 2
+        if "n_shared_experts" in d and d["n_shared_experts"] is None:
+            d["n_shared_experts"] = 1
+    if "vocab_size" in d and d["vocab_size"] is None and "pad_token_id" in d:  # ESM: set by each checkpoint
+        d["vocab_size"] = 128
+        if d["pad_token_id"] is None:  # ESM's positions count from its padding id
+            d["pad_token_id"] = 1
+    for k in ("width_coefficient", "depth_coefficient"):  # EfficientNet scales its widths and depths up
+        if isinstance(d.get(k), float) and d[k] > 1:
+            d[k] = 1.0
     if "num_key_value_heads" in d and d["num_key_value_heads"] is None and heads:
         d["num_key_value_heads"] = heads
     kinds, rope = d.get("layer_types"), d.get("rope_parameters")
@@ -413,7 +461,7 @@ def _per_layer_lists(d: dict, before: dict) -> None:
         if not (_int(old) and _int(new) and old > new and old >= 6):
             continue
         # lists of layer indices (``moe_layers``, ``full_attn_idxs``) are renumbered, not cut by position
-        indices = [k for k, v in d.items() if re.search(r"layers|idxs", k) and isinstance(v, list) and v
+        indices = [k for k, v in d.items() if re.search(r"layers|layer_ids|idxs", k) and isinstance(v, list) and v
                    and all(_int(x) for x in v) and v == sorted(set(v)) and v[-1] < old
                    and (len(v) < old or v == list(range(old)))]
         lists = [k for k, v in d.items() if isinstance(v, list) and len(v) == old and not k.startswith("_")
