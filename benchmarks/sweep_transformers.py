@@ -231,7 +231,7 @@ EXPERTS_PER_TOKEN = {"num_experts_per_tok", "num_experts_per_token", "moe_topk",
 SHARED_EXPERTS = {"n_shared_experts", "num_shared_experts", "moe_num_shared_experts"}
 EXPERT_GROUPS = {"n_group", "num_expert_group", "topk_group"}  # group-limited routing: one group of 4
 FFN_LIKE = re.compile(r"(intermediate|ffn|feed_forward|mlp).*(size|dim)$")  # moe_intermediate_size, …
-WIDTH_LIKE = re.compile(r"(size|dim|channels|width|hidden|embed)$")
+WIDTH_LIKE = re.compile(r"(size|dim|channel|width|hidden|embed)s?$")
 NOT_WIDTH = re.compile(r"vocab|position|patch|image|window|kernel|stride|chunk|sampl|max_|min_|token|length|"
                        r"^num_|^n_|rate|frame|seq|codebook|bins|spatial|temporal|pool|bucket|cache|batch|"
                        r"label|state|conv|rank|head")
@@ -260,9 +260,10 @@ def consistent(config: object, before: dict, mild: bool = False) -> None:
     _moe(d)
     if not mild:
         _head_dims(d, before)
-        _mamba(d)
+        _mamba(d, before)
         _staged_heads(d, before)
         _windows(d)
+    _queries(d)
     _missing_defaults(d)
     _vocabularies(d)
     _per_layer_lists(d, before)
@@ -295,6 +296,9 @@ def _follow_widths(d: dict, before: dict) -> None:
     shrunk = _int(d.get("hidden_size")) and d["hidden_size"] != before["hidden_size"]
     hidden = before["hidden_size"] if shrunk else None
     for k, v in d.items():
+        if (isinstance(v, (list, tuple)) and v and all(_int(x) for x in v) and v == before.get(k)
+                and WIDTH_LIKE.search(k) and not NOT_WIDTH.search(k) and any(x in cut for x in v)):
+            d[k] = type(v)(cut.get(x, x) for x in v)  # RT-DETR's decoder_in_channels
         if not _int(v) or k.startswith("_") or v != before.get(k) or NOT_WIDTH.search(k):
             continue
         if FFN_LIKE.search(k) and v > 64:
@@ -371,8 +375,9 @@ def _head_dims(d: dict, before: dict) -> None:
         d["rotary_dim"] = head_dim
 
 
-def _mamba(d: dict) -> None:
-    """Mamba-2 mixers: heads x head width = expand x hidden size, groups dividing the heads."""
+def _mamba(d: dict, before: dict) -> None:
+    """Mamba-2 mixers: heads x head width = expand x hidden size (when it was so: Falcon-H1 sets its own
+    inner width), groups dividing the heads."""
     expand = d.get("mamba_expand", d.get("expand"))
     hidden = d.get("hidden_size")
     if not (_int(expand) and _int(hidden)):
@@ -383,6 +388,8 @@ def _mamba(d: dict) -> None:
     if heads_key is None and _int(d.get("num_heads")) and _int(d.get("state_size")):  # Mamba2Config's own names
         heads_key, dim_key = "num_heads", "head_dim" if _int(d.get("head_dim")) else dim_key
     if dim_key is None or heads_key is None:
+        return
+    if before.get(heads_key, 0) * before.get(dim_key, 0) != expand * before.get("hidden_size", 0):
         return
     d[dim_key] = min(d[dim_key], HEAD_DIM)
     d[heads_key] = max(1, inner // d[dim_key])
@@ -415,6 +422,14 @@ def _windows(d: dict) -> None:
     side = patch * 2 * 2 ** (len(depths) - 1)
     if _int(d.get("image_size")) and d["image_size"] < side:
         d["image_size"] = side
+
+
+def _queries(d: dict) -> None:
+    """Detection heads that pick their queries as the top-k encoder tokens (RT-DETR, D-FINE, DEIM …) need
+    no more queries than a tiny image has tokens: at most 16 (a 32-pixel image at strides 8/16/32 gives 21)."""
+    for k in ("num_queries", "num_top_queries"):
+        if _int(d.get(k)) and d[k] > 16:
+            d[k] = 16
 
 
 def _missing_defaults(d: dict) -> None:
