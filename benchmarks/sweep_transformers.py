@@ -129,13 +129,17 @@ def all_special_ids(config: object) -> list[int]:
 
 
 def shrink(config: object, depth: int = 0, ids: list[int] | None = None, images: bool = True,
-           mild: bool = False) -> None:
+           mild: bool = False, renumber: bool = False) -> None:
     """Shrink ``config`` (and its sub-configs) in place to a tiny model of the same architecture.
     ``images=False`` keeps image sizes (a config that fixes its image tokens, ``mm_tokens_per_image``);
     ``mild=True`` keeps every width, head count and image size (layers, experts and vocabularies only:
-    the fallback for a config whose widths do not shrink together)."""
+    the fallback for a config whose widths do not shrink together); ``renumber=True`` renumbers the
+    special token ids into a small vocabulary (:func:`renumber_ids`)."""
     from transformers import PretrainedConfig
 
+    tree = _snapshot(config) if depth == 0 else None  # every sub-config's full-size attributes
+    if renumber and depth == 0:
+        renumber_ids(config)
     ids = all_special_ids(config) if ids is None else ids
     images = images and "mm_tokens_per_image" not in config.__dict__
     d = config.__dict__
@@ -213,6 +217,8 @@ def shrink(config: object, depth: int = 0, ids: list[int] | None = None, images:
         side = vision.image_size  # any-resolution grids in units of the (shrunk) tile size
         d["image_grid_pinpoints"] = [[side, side], [side, 2 * side], [2 * side, side]]
     consistent(config, before, mild)
+    if tree is not None and not mild:
+        _follow_widths_across(tree)
     for k in ("layer_types", "block_types", "layers_block_type"):  # per-layer lists follow the layer count
         v = d.get(k)
         n = d.get("num_hidden_layers")
@@ -248,6 +254,28 @@ def _int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def renumber_ids(config: object) -> None:
+    """Special token ids past 127, anywhere in the config tree, renumbered 128, 129, … in their order,
+    equal ids staying equal: a default config whose image token is id 200,093 otherwise keeps a
+    200,094-row embedding (and head) in its tiny model."""
+    from transformers import PretrainedConfig
+
+    refs: list[tuple[dict, str]] = []
+
+    def walk(c: object) -> None:
+        for k, v in c.__dict__.items():
+            if isinstance(v, PretrainedConfig):
+                walk(v)
+            elif TOKEN_ID.search(k) and (_int(v) or isinstance(v, list) and v and all(_int(x) for x in v)):
+                refs.append((c.__dict__, k))
+
+    walk(config)
+    big = sorted({x for d, k in refs for x in (d[k] if isinstance(d[k], list) else [d[k]]) if x >= 128})
+    new = {x: 128 + i for i, x in enumerate(big)}
+    for d, k in refs:
+        d[k] = [new.get(x, x) for x in d[k]] if isinstance(d[k], list) else new.get(d[k], d[k])
+
+
 def consistent(config: object, before: dict, mild: bool = False) -> None:
     """Make the attributes ``shrink`` did not cut by name agree with those it cut (``before``: the
     config's full-size attributes). Each rule is general: it applies to any config with such names.
@@ -267,6 +295,33 @@ def consistent(config: object, before: dict, mild: bool = False) -> None:
     _missing_defaults(d)
     _vocabularies(d)
     _per_layer_lists(d, before)
+
+
+def _snapshot(config: object) -> list[tuple[dict, dict]]:
+    """(attributes, a copy of them) for ``config`` and every sub-config below it."""
+    from transformers import PretrainedConfig
+
+    out = [(config.__dict__, dict(config.__dict__))]
+    for v in config.__dict__.values():
+        if isinstance(v, PretrainedConfig):
+            out += _snapshot(v)
+    return out
+
+
+def _follow_widths_across(tree: list[tuple[dict, dict]]) -> None:
+    """A width named in one sub-config after another's (a vision config's ``projector_output_dim`` or
+    ``text_hidden_size`` is the text model's hidden size) follows that one's cut: every width-named int
+    left at a full-size width that some config of the tree cut takes its tiny value."""
+    cut: dict[int, int] = {}
+    for d, before in tree:
+        for k in sorted(WIDTH):
+            if _int(before.get(k)) and _int(d.get(k)) and d[k] != before[k]:
+                cut.setdefault(before[k], d[k])
+    for d, before in tree:
+        for k, v in list(d.items()):
+            if (_int(v) and v == before.get(k) and v in cut and WIDTH_LIKE.search(k) and not NOT_WIDTH.search(k)
+                    and not k.startswith("_")):
+                d[k] = cut[v]
 
 
 def _aliases(config: object, d: dict) -> None:
@@ -506,17 +561,18 @@ OVERRIDES: dict[str, dict] = {
 
 
 def tiny_config(model_type: str, class_name: str):  # noqa: ANN201 - the config
-    """``model_type``'s default config shrunk to tiny and self-consistent: the full shrink, or when that
-    does not build ``class_name`` (or stays over :data:`MAX_PARAMS`), the mild one (widths kept: layers,
-    experts and vocabularies cut). Raises the full shrink's error when neither builds."""
+    """``model_type``'s default config shrunk to tiny and self-consistent: the full shrink; when that
+    does not build ``class_name`` or stays over :data:`MAX_PARAMS`, the full shrink with the special ids
+    renumbered into a small vocabulary; then the mild one (widths kept: layers, experts and vocabularies
+    cut, ids renumbered). Raises the full shrink's error when none builds."""
     import torch
     import transformers as tf
 
     cls = getattr(tf, class_name)
     first: Exception | None = None
-    for mild in (False, True):
+    for mild, renumber in ((False, False), (False, True), (True, True)):
         config = tf.AutoConfig.for_model(model_type)
-        shrink(config, mild=mild)
+        shrink(config, mild=mild, renumber=renumber)
         for k, v in OVERRIDES.get(model_type, {}).items():
             setattr(config, k, v)
         try:
