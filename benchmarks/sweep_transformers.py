@@ -352,7 +352,7 @@ def _follow_widths(d: dict, before: dict) -> None:
     hidden = before["hidden_size"] if shrunk else None
     for k, v in d.items():
         if (isinstance(v, (list, tuple)) and v and all(_int(x) for x in v) and v == before.get(k)
-                and WIDTH_LIKE.search(k) and not NOT_WIDTH.search(k) and any(x in cut for x in v)):
+                and WIDTH_LIKE.search(k) and not NOT_WIDTH.search(k) and all(x in cut for x in v)):
             d[k] = type(v)(cut.get(x, x) for x in v)  # RT-DETR's decoder_in_channels
         if not _int(v) or k.startswith("_") or v != before.get(k) or NOT_WIDTH.search(k):
             continue
