@@ -399,10 +399,12 @@ def _head_dims(d: dict, before: dict) -> None:
     attention's key/value head dims …) shrinks with ``head_dim``; a sum of two of them stays their sum
     (``qk_head_dim`` = nope + rope); every low rank (``kv_lora_rank`` …) → 16; a rotary width is at most
     the head width."""
+    # only where this config's heads were cut (Idefics2's resampler keeps its own heads and head width)
+    heads_cut = any(_int(before.get(k)) and d.get(k) != before[k] for k in (*HEADS_ATTR, "head_dim"))
     for k, v in list(d.items()):
         if not _int(v) or k.startswith("_"):
             continue
-        if (k.endswith("head_dim") or k.endswith("head_size")) and k != "head_dim" and v > 2 * HEAD_DIM:
+        if (k.endswith("head_dim") or k.endswith("head_size")) and k != "head_dim" and v > 2 * HEAD_DIM and heads_cut:
             d[k] = HEAD_DIM
         elif (k.endswith("_rank") or k.endswith("lowrank")) and v > 2 * LORA_RANK:
             d[k] = LORA_RANK
