@@ -4,9 +4,10 @@ inputs (as ``normswap convert`` does), and write the results table.
 Which types: every ``model_type`` with a base class in ``MODEL_MAPPING_NAMES`` whose modeling code
 (``transformers/models/<name>/modeling_*.py``) uses a LayerNorm (``nn.LayerNorm`` or a ``*LayerNorm``
 class). For each, the base class and the main head class (the first of :data:`HEADS` that maps the
-type), each built from the config class's defaults shrunk to tiny (:func:`shrink`: 2 layers, width 32,
-small vocab, image, audio and patch sizes), random weights, float64, LayerNorm γ/β and biases
-randomised, eval mode. Per class:
+type), each built from the config class's defaults shrunk to tiny (:func:`tiny_config`: :func:`shrink`'s
+2 layers, width 32, small vocab, image, audio and patch sizes, made self-consistent by
+:func:`consistent`'s rules, with fallbacks when that does not build), random weights, float64,
+LayerNorm γ/β and biases randomised, eval mode. Per class:
 
 - ``inputs``: whether :func:`normswap.inputs.hf_example_inputs` built inputs (or its error);
 - ``patch``: ``normswap.patch(model)`` with no inputs, verification on (the CLI's call): ``ok`` or the
@@ -865,10 +866,18 @@ verdict counts; the max relative output error of the exact norms
 (`mode="exact"`) against the float64 original at two input shapes (1 x 5 and 2 x 11 tokens;
 images and audio at their configured size); the refusal or the model's own note.
 
-"Unbuilt" types are those whose default config does not build tiny (the sweep's shrinking, not
-normswap); they are counted apart. A `no-run` row is often the tiny config's fault too (a default
-config whose sizes disagree once shrunk: image sizes a projector does not take, MoE kernels without
-float64); the note gives the model's own error.
+The tiny config is self-consistent by rules, not by a per-type table: every size under another name
+follows the one it equals (a width named after the hidden size, a head width after the head count,
+MLA's rope/nope/value head widths and LoRA ranks together, a multiple of the hidden size), experts
+cut to 4 with at most 2 per token, every per-layer list cut with the layer count keeping one layer of
+each kind (a hybrid model stays hybrid), Swin windows that fit the last stage, detection queries that
+fit a tiny image. When that does not build (or stays over 30M parameters), the special token ids are
+renumbered into a small vocabulary, then a mild shrink keeps every width (layers, experts and
+vocabularies cut).
+
+"Unbuilt" types are those whose default config does not build tiny even so (the sweep's shrinking,
+not normswap); they are counted apart. A `no-run` row can still be the tiny config's fault (a default
+config whose sizes disagree once shrunk); the note gives the model's own error.
 
 Regenerate (every type: hours on a shared 2-core machine, so run it in chunks with `--start`/`--count`
 or `--only`; rows accumulate in the JSON), then the page with the before column:
