@@ -4,9 +4,10 @@ inputs (as ``normswap convert`` does), and write the results table.
 Which types: every ``model_type`` with a base class in ``MODEL_MAPPING_NAMES`` whose modeling code
 (``transformers/models/<name>/modeling_*.py``) uses a LayerNorm (``nn.LayerNorm`` or a ``*LayerNorm``
 class). For each, the base class and the main head class (the first of :data:`HEADS` that maps the
-type), each built from the config class's defaults shrunk to tiny (:func:`shrink`: 2 layers, width 32,
-small vocab, image, audio and patch sizes), random weights, float64, LayerNorm γ/β and biases
-randomised, eval mode. Per class:
+type), each built from the config class's defaults shrunk to tiny (:func:`tiny_config`: :func:`shrink`'s
+2 layers, width 32, small vocab, image, audio and patch sizes, made self-consistent by
+:func:`consistent`'s and :func:`derived_sizes`' rules, with fallbacks when that does not build), random
+weights, float64, LayerNorm γ/β and biases randomised, eval mode. Per class:
 
 - ``inputs``: whether :func:`normswap.inputs.hf_example_inputs` built inputs (or its error);
 - ``patch``: ``normswap.patch(model)`` with no inputs, verification on (the CLI's call): ``ok`` or the
@@ -16,7 +17,7 @@ randomised, eval mode. Per class:
 - ``crash``: an exception that is not a :class:`normswap.NormswapError` (a bug, not a refusal);
 - ``runs_on`` / ``runnable`` / ``not_run``: what ran the class (normswap's inputs, else the oracle's:
   :func:`oracle_inputs`, which is not normswap) or the error when nothing did; ``shrink: widths kept``
-  when only the config with its own widths ran (:func:`shrink` ``widths=False``).
+  when only the config with its own widths ran (:func:`build` ``widths=False``: the mild shrink).
 
 The page's headline is the issue's measure: of the types some inputs can run, how many convert with no
 inputs (:func:`runnable_totals`).
@@ -101,23 +102,20 @@ def classes(model_type: str) -> list[str]:
 WIDTH = {"hidden_size", "d_model", "n_embd", "embed_dim", "dim", "hidden_dim", "embedding_dim", "d_embed",
          "word_embed_proj_dim", "projection_dim", "encoder_hidden_size", "decoder_hidden_size", "text_embed_dim",
          "vision_embed_dim", "audio_embed_dim", "cross_attention_hidden_size", "encoder_embed_dim",
-         "decoder_embed_dim", "n_embed", "model_dim", "latent_dim", "out_hidden_size", "output_dim",
+         "decoder_embed_dim", "n_embed", "model_dim", "d_latents", "latent_dim", "out_hidden_size", "output_dim",
          "cross_hidden_size", "unit_embed_dim"}
 FFN = {"intermediate_size", "ffn_dim", "encoder_ffn_dim", "decoder_ffn_dim", "d_ff", "n_inner", "mlp_dim",
        "decoder_intermediate_size", "encoder_intermediate_size", "dim_feedforward", "ffn_hidden_size",
        "speech_encoder_intermediate_size", "t2u_encoder_ffn_dim", "t2u_decoder_ffn_dim"}
 LAYERS = {"num_hidden_layers", "num_layers", "n_layer", "n_layers", "encoder_layers", "decoder_layers",
           "num_encoder_layers", "num_decoder_layers", "depth", "decoder_num_hidden_layers", "num_blocks",
-          "decoder_depth", "encoder_depth", "num_decoder_blocks", "num_encoder_blocks"}
+          "decoder_depth", "encoder_depth", "num_decoder_blocks", "num_encoder_blocks", "num_self_attends_per_block"}
 HEADS_ATTR = {"num_attention_heads", "n_head", "n_heads", "encoder_attention_heads", "decoder_attention_heads",
               "num_heads", "decoder_num_attention_heads", "num_attention_heads_text", "decoder_num_heads",
               "encoder_num_heads", "cross_num_attention_heads"}
 KV_HEADS = {"num_key_value_heads", "num_kv_heads", "n_head_kv", "cross_num_key_value_heads"}
-# per-head sizes (multi-head latent attention's rope/nope/value parts, a partial rotary width) and the
-# low ranks of latent projections: cut together so that their sums and products stay consistent
-HEAD_SIZES = {"head_dim", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "index_head_dim", "rotary_dim",
-              "cross_head_dim"}
-LOW_RANKS = {"kv_lora_rank", "q_lora_rank", "mamba_d_state"}
+# sizes defined as equal to a width: a conv grouped per channel (Mimi's upsample_groups = hidden_size), a
+# codec's codebook vectors (EnCodec's codebook_dim = hidden_size)
 FOLLOWS_WIDTH = re.compile(r"(groups|codebook_dim|output_hidden_size)$")
 TOKEN_ID = re.compile(r"_(token_)?(id|index)$")
 
@@ -142,20 +140,18 @@ def all_special_ids(config: object) -> list[int]:
     return out
 
 
-def heads_cut(n: int | None) -> int | None:
-    """What :func:`shrink` makes of a head count."""
-    return n if not isinstance(n, int) or n <= 4 else 4
-
-
 def shrink(config: object, depth: int = 0, ids: list[int] | None = None, images: bool = True,
-           widths: bool = True) -> None:
+           mild: bool = False, renumber: bool = False) -> None:
     """Shrink ``config`` (and its sub-configs) in place to a tiny model of the same architecture.
-    ``images=False`` keeps image sizes (a config that fixes its image tokens, ``mm_tokens_per_image``).
-    ``widths=False`` keeps every width, head count and head size (layers, vocabulary and positions are
-    still cut): the fallback for a config whose sizes derive from each other in ways no rule here
-    knows (CLAP's audio width is ``patch_embeds_hidden_size · 2^(stages-1)``), see :func:`run_class`."""
+    ``images=False`` keeps image sizes (a config that fixes its image tokens, ``mm_tokens_per_image``);
+    ``mild=True`` keeps every width, head count and image size (layers, experts and vocabularies only:
+    the fallback for a config whose widths do not shrink together); ``renumber=True`` renumbers the
+    special token ids into a small vocabulary (:func:`renumber_ids`)."""
     from transformers import PretrainedConfig
 
+    tree = _snapshot(config) if depth == 0 else None  # every sub-config's full-size attributes
+    if renumber and depth == 0:
+        renumber_ids(config)
     ids = all_special_ids(config) if ids is None else ids
     images = images and "mm_tokens_per_image" not in config.__dict__
     d = config.__dict__
@@ -174,45 +170,36 @@ def shrink(config: object, depth: int = 0, ids: list[int] | None = None, images:
         d["prediction_length"] = 8
         if d.get("context_length") is None:  # the decoder starts from the last label_length steps (Autoformer)
             d["context_length"] = max(8, d.get("label_length") or 0)
+    before = dict(d)  # the full-size values: the consistency rules below map them to their tiny ones
     heads = next((d[k] for k in HEADS_ATTR if isinstance(d.get(k), int)), None)
-    before = dict(d)
     for k in list(d):
         v = d[k]
         if isinstance(v, PretrainedConfig):
             if depth < 4:
-                shrink(v, depth + 1, ids, images, widths)
+                shrink(v, depth + 1, ids, images, mild)
             continue
         if isinstance(v, bool) or k.startswith("_"):
             continue
+        if mild and (k in WIDTH or k in FFN or k in HEADS_ATTR or k in KV_HEADS or k in ("head_dim", "image_size")):
+            continue
         if k in LAYERS and isinstance(v, int) and v > 2:
             d[k] = 2
-        elif not widths and (k in HEADS_ATTR or k in KV_HEADS or k in WIDTH or k in FFN or k in HEAD_SIZES
-                             or k in LOW_RANKS):
-            continue
         elif k in HEADS_ATTR and isinstance(v, int) and v > 4:
             d[k] = 4
-        elif k in HEADS_ATTR and isinstance(v, (list, tuple)) and v and all(isinstance(x, int) and x > 0 for x in v):
-            # heads per stage (Swin, SegFormer): a power of two up to 4, which divides the shrunk widths
-            d[k] = type(v)(min(4, 1 << (x.bit_length() - 1)) for x in v)
         elif k in KV_HEADS and isinstance(v, int) and v > 2:
-            # grouped-query attention keeps grouping (2 kv heads); as many kv heads as heads stays so (MLA)
-            d[k] = heads_cut(heads) if v == heads else 2
+            d[k] = 2
         elif k in WIDTH and isinstance(v, int) and v > 64:
             d[k] = 32 if heads is None or 32 % min(4, heads) == 0 else 64
         elif k in FFN and isinstance(v, int) and v > 64:
             d[k] = 64
-        elif k in HEAD_SIZES and isinstance(v, int) and v > 16:
+        elif k == "head_dim" and isinstance(v, int) and v > 16:
             d[k] = 8
-        elif k in LOW_RANKS and isinstance(v, int) and v > 32:
-            d[k] = 16
-        elif k in ("vocab_size", "n_vocab", "text_vocab_size", "t2u_vocab_size", "unit_hifi_gan_vocab_size") and \
-                isinstance(v, int) and v > 128:
+        elif k in ("vocab_size", "n_vocab", "text_vocab_size") and isinstance(v, int) and v > 128:
             d[k] = max(128, 1 + max(ids + [0]))
         elif k in ("max_position_embeddings", "n_positions", "max_source_positions", "max_target_positions",
                    "max_seq_len", "context_length") and isinstance(v, int) and v > 4096:
             d[k] = 4096
-        elif k == "image_size" and images and isinstance(v, int) and v > 64 and (v % 2 == 0) and \
-                not isinstance(d.get("window_size"), int):  # windowed attention (Swin) needs whole windows
+        elif k == "image_size" and images and isinstance(v, int) and v > 64 and (v % 2 == 0):
             patch = d.get("patch_size")
             if isinstance(patch, int) and patch > 0 and v % patch == 0 and v // patch > 4:
                 d[k] = patch * 4 if patch * 4 >= 32 else 32 - 32 % patch
@@ -237,43 +224,14 @@ def shrink(config: object, depth: int = 0, ids: list[int] | None = None, images:
         if isinstance(rope, dict) and isinstance(rope.get("mrope_section"), list) and isinstance(head_dim, int):
             half, n = head_dim // 2, len(rope["mrope_section"])
             rope["mrope_section"] = [half - (n - 1) * (half // n)] + [half // n] * (n - 1)
-    for k, v in list(d.items()):
-        # a size defined as equal to a width follows it: a conv grouped per channel (Mimi's upsample_groups
-        # = hidden_size), a codec's codebook vectors (EnCodec's codebook_dim = hidden_size)
-        if FOLLOWS_WIDTH.search(k) and isinstance(v, int) and not isinstance(v, bool) and v > 1:
-            width = next((w for w in WIDTH | FFN if before.get(w) == v and d.get(w) != v), None)
-            if width is not None:
-                d[k] = d[width]
-    if widths and isinstance(d.get("patch_embeds_hidden_size"), int) and isinstance(d.get("depths"), (list, tuple)):
-        # a hierarchical audio tower (CLAP's HTSAT) doubles its patch width per stage: hidden_size is the last
-        d["patch_embeds_hidden_size"] = min(d["patch_embeds_hidden_size"], 16)
-        d["hidden_size"] = d["patch_embeds_hidden_size"] * 2 ** (len(d["depths"]) - 1)
-    if isinstance(d.get("n_routed_experts"), int) and d.get("num_experts_per_tok") is None:
-        # defaults that leave routing unset (DeepSeek-V2) do not run; real checkpoints set it
-        d["num_experts_per_tok"] = 2
-        for k in ("n_group", "topk_group"):
-            if k in d and d[k] is None:
-                d[k] = 1
-    if isinstance(d.get("qk_head_dim"), int) and isinstance(d.get("qk_nope_head_dim"), int):  # MLA: nope + rope
-        d["qk_head_dim"] = d["qk_nope_head_dim"] + (d.get("qk_rope_head_dim") or 0)
-    if widths and isinstance(d.get("mamba_n_heads"), int) and isinstance(d.get("mamba_d_head"), int) and hidden:
-        # Mamba-2 mixers split expand · hidden into heads of mamba_d_head
-        d["mamba_n_heads"] = min(d["mamba_n_heads"], 4)
-        d["mamba_d_head"] = max(1, int(d.get("mamba_expand") or 2) * hidden // d["mamba_n_heads"])
-    stages = getattr(config, "out_indices", None)  # a backbone read at these stages keeps the layers they name
-    if isinstance(stages, (list, tuple)) and stages and isinstance(d.get("num_hidden_layers"), int) and \
-            isinstance(d.get("stage_names"), list) and len(d["stage_names"]) == before.get("num_hidden_layers", 0) + 1:
-        d["num_hidden_layers"] = max(d["num_hidden_layers"], max(int(i) for i in stages))
-    out_idx = d.get("backbone_out_indices")
-    if isinstance(out_idx, (list, tuple)) and isinstance(d.get("num_hidden_layers"), int) and \
-            max(out_idx, default=0) >= d["num_hidden_layers"]:
-        # a ViT backbone read at these layers (DPT): as many layers as indices, each read
-        d["num_hidden_layers"] = len(out_idx)
-        d["backbone_out_indices"] = type(out_idx)(range(len(out_idx)))
     vision = d.get("vision_config")
     if isinstance(d.get("image_grid_pinpoints"), list) and isinstance(getattr(vision, "image_size", None), int):
         side = vision.image_size  # any-resolution grids in units of the (shrunk) tile size
         d["image_grid_pinpoints"] = [[side, side], [side, 2 * side], [2 * side, side]]
+    consistent(config, before, mild)
+    derived_sizes(config, before, mild)
+    if tree is not None and not mild:
+        _follow_widths_across(tree)
     for k in ("layer_types", "block_types", "layers_block_type"):  # per-layer lists follow the layer count
         v = d.get(k)
         n = d.get("num_hidden_layers")
@@ -281,24 +239,413 @@ def shrink(config: object, depth: int = 0, ids: list[int] | None = None, images:
             d[k] = v[:n]
 
 
+# ------------------------------------------------------------------ self-consistent tiny configs (rules)
+# shrink() above cuts each size it knows by name; these rules then make every other attribute agree with
+# the cut ones, so the tiny model runs with its own sizes (a size left full-width, or cut on its own,
+# builds a model whose layers disagree: "size of tensor a (32) must match … (4)").
+EXPERTS = {"num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts", "n_experts",
+           "zero_expert_num", "num_experts_total"}
+EXPERTS_PER_TOKEN = {"num_experts_per_tok", "num_experts_per_token", "moe_topk", "moe_top_k", "moe_k",
+                     "n_activated_experts", "num_selected_experts"}
+SHARED_EXPERTS = {"n_shared_experts", "num_shared_experts", "moe_num_shared_experts"}
+EXPERT_GROUPS = {"n_group", "num_expert_group", "topk_group"}  # group-limited routing: one group of 4
+FFN_LIKE = re.compile(r"(intermediate|ffn|feed_forward|mlp).*(size|dim)$")  # moe_intermediate_size, …
+WIDTH_LIKE = re.compile(r"(size|dim|channel|width|hidden|embed)s?$")
+NOT_WIDTH = re.compile(r"vocab|position|patch|image|window|kernel|stride|chunk|sampl|max_|min_|token|length|"
+                       r"^num_|^n_|rate|frame|seq|codebook|bins|spatial|temporal|pool|bucket|cache|batch|"
+                       r"label|state|conv|rank|head")
+VOCAB_LIKE = re.compile(r"vocab(_size)?$|vocab_size_|^codebook_size$")
+MAMBA_HEADS = ("mamba_n_heads", "n_mamba_heads")
+MAMBA_HEAD_DIM = ("mamba_d_head", "mamba_headdim", "mamba_head_dim")
+MAMBA_GROUPS = ("mamba_n_groups", "mamba_ngroups", "n_groups")
+HEAD_DIM = 8  # shrink()'s head width
+LORA_RANK = 16  # low-rank projections (MLA's q/kv/o LoRA ranks, …)
+KINDS = ("layer_types", "block_types", "layers_block_type", "layers_type", "attn_type_list", "hybrid_layer_types")
+
+
+def _int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def renumber_ids(config: object) -> None:
+    """Special token ids past 127, anywhere in the config tree, renumbered 128, 129, … in their order,
+    equal ids staying equal: a default config whose image token is id 200,093 otherwise keeps a
+    200,094-row embedding (and head) in its tiny model."""
+    from transformers import PretrainedConfig
+
+    refs: list[tuple[dict, str]] = []
+
+    def walk(c: object) -> None:
+        for k, v in c.__dict__.items():
+            if isinstance(v, PretrainedConfig):
+                walk(v)
+            elif TOKEN_ID.search(k) and (_int(v) or isinstance(v, list) and v and all(_int(x) for x in v)):
+                refs.append((c.__dict__, k))
+
+    walk(config)
+    big = sorted({x for d, k in refs for x in (d[k] if isinstance(d[k], list) else [d[k]]) if x >= 128})
+    new = {x: 128 + i for i, x in enumerate(big)}
+    for d, k in refs:
+        d[k] = [new.get(x, x) for x in d[k]] if isinstance(d[k], list) else new.get(d[k], d[k])
+
+
+def consistent(config: object, before: dict, mild: bool = False) -> None:
+    """Make the attributes ``shrink`` did not cut by name agree with those it cut (``before``: the
+    config's full-size attributes). Each rule is general: it applies to any config with such names.
+    ``mild``: widths are kept, so only the rules that do not touch a width run."""
+    d = config.__dict__
+    if not mild:
+        _aliases(config, d)
+        _follow_widths(d, before)
+        _kv_heads(d, before)
+    _moe(d)
+    if not mild:
+        _head_dims(d, before)
+        _mamba(d, before)
+        _staged_heads(d, before)
+        _windows(d)
+    _queries(d)
+    _missing_defaults(d)
+    _vocabularies(d)
+    _per_layer_lists(d, before)
+
+
+def _snapshot(config: object) -> list[tuple[dict, dict]]:
+    """(attributes, a copy of them) for ``config`` and every sub-config below it."""
+    from transformers import PretrainedConfig
+
+    out = [(config.__dict__, dict(config.__dict__))]
+    for v in config.__dict__.values():
+        if isinstance(v, PretrainedConfig):
+            out += _snapshot(v)
+    return out
+
+
+def _follow_widths_across(tree: list[tuple[dict, dict]]) -> None:
+    """A width named in one sub-config after another's (a vision config's ``projector_output_dim`` or
+    ``text_hidden_size`` is the text model's hidden size) follows that one's cut: every width-named int
+    left at a full-size width that some config of the tree cut takes its tiny value."""
+    cut: dict[int, int] = {}
+    for d, before in tree:
+        for k in sorted(WIDTH):
+            if _int(before.get(k)) and _int(d.get(k)) and d[k] != before[k]:
+                cut.setdefault(before[k], d[k])
+    for d, before in tree:
+        for k, v in list(d.items()):
+            if (_int(v) and v == before.get(k) and v in cut and WIDTH_LIKE.search(k) and not NOT_WIDTH.search(k)
+                    and not k.startswith("_")):
+                d[k] = cut[v]
+
+
+def _aliases(config: object, d: dict) -> None:
+    """Sizes stored under the config's own name for a standard one (``attribute_map``: XLM's ``emb_dim``
+    is its ``hidden_size``) are cut as the standard name would be."""
+    for alias, real in (getattr(config, "attribute_map", None) or {}).items():
+        v = d.get(real)
+        if not _int(v) or real in WIDTH | FFN | LAYERS | HEADS_ATTR | KV_HEADS:
+            continue
+        if alias in WIDTH and v > 64:
+            d[real] = 32
+        elif alias in FFN and v > 64:
+            d[real] = 64
+        elif alias in LAYERS and v > 2 and real != "num_stages":  # stages: their lists (depths …) hold the count
+            d[real] = 2
+        elif alias in HEADS_ATTR and v > 4:
+            d[real] = 4
+        elif alias in KV_HEADS and v > 2:
+            d[real] = 2
+
+
+def _follow_widths(d: dict, before: dict) -> None:
+    """Every width-named int attribute that had the same full-size value as a width shrink() cut (the
+    hidden size under another name: ``cross_hidden_size``, ``emb_dim``, ``d_latents`` …) takes the same
+    tiny value; every feed-forward width (``moe_intermediate_size``, ``expert_ffn_hidden_size`` …) → 64."""
+    cut = {before[k]: d[k] for k in WIDTH if _int(before.get(k)) and _int(d.get(k)) and d[k] != before[k]}
+    shrunk = _int(d.get("hidden_size")) and d["hidden_size"] != before["hidden_size"]
+    hidden = before["hidden_size"] if shrunk else None
+    for k, v in d.items():
+        if (isinstance(v, (list, tuple)) and v and all(_int(x) for x in v) and v == before.get(k)
+                and WIDTH_LIKE.search(k) and not NOT_WIDTH.search(k) and all(x in cut for x in v)):
+            d[k] = type(v)(cut.get(x, x) for x in v)  # RT-DETR's decoder_in_channels
+        if not _int(v) or k.startswith("_") or v != before.get(k) or NOT_WIDTH.search(k):
+            continue
+        if FFN_LIKE.search(k) and v > 64:
+            d[k] = 64
+        elif WIDTH_LIKE.search(k) and v in cut:
+            d[k] = cut[v]
+        elif WIDTH_LIKE.search(k) and _int(hidden) and v in (2 * hidden, 3 * hidden, 4 * hidden):  # Zamba2's 2h
+            d[k] = v // hidden * d["hidden_size"]
+    # a derived width stays derived: Swin's hidden_size is embed_dim * 2 ** (stages - 1)
+    depths, embed, hidden = before.get("depths"), before.get("embed_dim"), before.get("hidden_size")
+    if isinstance(depths, (list, tuple)) and _int(embed) and _int(hidden) and hidden == embed * 2 ** (len(depths) - 1):
+        d["hidden_size"] = d["embed_dim"] * 2 ** (len(depths) - 1)
+
+
+def _kv_heads(d: dict, before: dict) -> None:
+    """Multi-head attention stays multi-head: a key/value head count equal to the head count (DeepSeek's
+    MLA, …) follows the head count instead of being cut on its own."""
+    heads = next((k for k in HEADS_ATTR if _int(d.get(k))), None)
+    for k in KV_HEADS:
+        if heads and _int(d.get(k)) and before.get(k) == before.get(heads):
+            d[k] = d[heads]
+
+
+def _moe(d: dict) -> None:
+    """Mixture of experts: 4 experts, at most 2 per token, at most 1 shared, one routing group."""
+    if not any(_int(d.get(k)) and d[k] > 4 for k in EXPERTS):
+        return
+    for k, v in list(d.items()):
+        if not _int(v):
+            continue
+        if k in EXPERTS and v > 4:
+            d[k] = 4
+        elif k in EXPERTS_PER_TOKEN and v > 2:
+            d[k] = 2
+        elif k in SHARED_EXPERTS and v > 1:
+            d[k] = 1
+        elif k in EXPERT_GROUPS and v > 1:
+            d[k] = 1
+
+
+def _head_dims(d: dict, before: dict) -> None:
+    """Every ``*_head_dim`` (MLA's ``qk_rope_head_dim``, ``qk_nope_head_dim``, ``v_head_dim``, linear
+    attention's key/value head dims …) shrinks with ``head_dim``; a sum of two of them stays their sum
+    (``qk_head_dim`` = nope + rope); every low rank (``kv_lora_rank`` …) → 16; a rotary width is at most
+    the head width."""
+    # only where this config's heads were cut (Idefics2's resampler keeps its own heads and head width)
+    heads_cut = any(_int(before.get(k)) and d.get(k) != before[k] for k in (*HEADS_ATTR, "head_dim"))
+    for k, v in list(d.items()):
+        if not _int(v) or k.startswith("_"):
+            continue
+        if (k.endswith("head_dim") or k.endswith("head_size")) and k != "head_dim" and v > 2 * HEAD_DIM and heads_cut:
+            d[k] = HEAD_DIM
+        elif (k.endswith("_rank") or k.endswith("lowrank")) and v > 2 * LORA_RANK:
+            d[k] = LORA_RANK
+    hidden = next((d[k] for k in ("hidden_size", *sorted(WIDTH)) if _int(d.get(k))), None)
+    heads = next((d[k] for k in HEADS_ATTR if _int(d.get(k))), None)
+    heads_before = next((before[k] for k in HEADS_ATTR if _int(before.get(k))), None)
+    for k, v in list(d.items()):  # a head width that was a width / heads stays so (Zamba2: 2 x hidden / heads)
+        if (k.endswith("head_dim") and _int(v) and _int(before.get(k)) and heads and heads_before
+                and k not in ("qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")):
+            for w, full in before.items():
+                if (w != k and _int(full) and full == before[k] * heads_before and _int(d.get(w)) and d[w] != full
+                        and d[w] % heads == 0 and WIDTH_LIKE.search(w)):
+                    d[k] = d[w] // heads
+                    break
+    nope, rope = d.get("qk_nope_head_dim"), d.get("qk_rope_head_dim")
+    if _int(nope) and _int(rope):  # multi-head latent attention (DeepSeek V2/V3, MiniCPM3, Mistral4 …)
+        if _int(d.get("qk_head_dim")):
+            d["qk_head_dim"] = nope + rope
+        if before.get("head_dim") == before.get("qk_rope_head_dim"):  # DeepSeek: head_dim is the rope width
+            d["head_dim"] = rope
+        elif before.get("head_dim") == before.get("qk_head_dim"):  # Mistral4: head_dim is nope + rope
+            d["head_dim"] = nope + rope
+    head_dim = d.get("head_dim") if _int(d.get("head_dim")) else (hidden // heads if _int(hidden) and heads else None)
+    if _int(d.get("rotary_dim")) and head_dim and d["rotary_dim"] > head_dim:  # GPT-J, CodeGen
+        d["rotary_dim"] = head_dim
+
+
+def _mamba(d: dict, before: dict) -> None:
+    """Mamba-2 mixers: heads x head width = expand x hidden size (when it was so: Falcon-H1 sets its own
+    inner width), groups dividing the heads."""
+    expand = d.get("mamba_expand", d.get("expand"))
+    hidden = d.get("hidden_size")
+    if not (_int(expand) and _int(hidden)):
+        return
+    inner = expand * hidden
+    dim_key = next((k for k in MAMBA_HEAD_DIM if _int(d.get(k))), None)
+    heads_key = next((k for k in MAMBA_HEADS if _int(d.get(k))), None)
+    if heads_key is None and _int(d.get("num_heads")) and _int(d.get("state_size")):  # Mamba2Config's own names
+        heads_key, dim_key = "num_heads", "head_dim" if _int(d.get("head_dim")) else dim_key
+    if dim_key is None or heads_key is None:
+        return
+    if before.get(heads_key, 0) * before.get(dim_key, 0) != expand * before.get("hidden_size", 0):
+        return
+    d[dim_key] = min(d[dim_key], HEAD_DIM)
+    d[heads_key] = max(1, inner // d[dim_key])
+    for k in MAMBA_GROUPS:
+        if _int(d.get(k)) and d[heads_key] % d[k]:
+            d[k] = 1
+
+
+def _staged_heads(d: dict, before: dict) -> None:
+    """Hierarchical vision models (Swin, …): stage i is ``embed_dim * 2**i`` wide, with ``num_heads[i]``
+    heads: each head count becomes the largest divisor of its stage width not above the old count."""
+    embed = d.get("embed_dim")
+    if not _int(embed) or embed == before.get("embed_dim"):
+        return
+    for k in HEADS_ATTR:
+        v = d.get(k)
+        if isinstance(v, (list, tuple)) and v and all(_int(x) for x in v):
+            width = [embed * 2 ** i for i in range(len(v))]
+            d[k] = type(v)(max(h for h in range(1, max(1, x) + 1) if w % h == 0) for x, w in zip(v, width, strict=True))
+
+
+def _windows(d: dict) -> None:
+    """Windowed hierarchical vision models (Swin family): windows of 2 patches, and an image large enough
+    that the last stage still holds a whole window (a stage smaller than its window shrinks the window and
+    no longer matches its relative-position table)."""
+    depths, window, patch = d.get("depths"), d.get("window_size"), d.get("patch_size")
+    if not (isinstance(depths, (list, tuple)) and _int(window) and window > 2 and _int(patch)):
+        return
+    d["window_size"] = 2
+    side = patch * 2 * 2 ** (len(depths) - 1)
+    if _int(d.get("image_size")) and d["image_size"] < side:
+        d["image_size"] = side
+
+
+def _queries(d: dict) -> None:
+    """Detection heads that pick their queries as the top-k encoder tokens (RT-DETR, D-FINE, DEIM …) need
+    no more queries than a tiny image has tokens: at most 16 (a 32-pixel image at strides 8/16/32 gives 21)."""
+    for k in ("num_queries", "num_top_queries"):
+        if _int(d.get(k)) and d[k] > 16:
+            d[k] = 16
+
+
+def _missing_defaults(d: dict) -> None:
+    """Defaults some configs leave unset, which their modeling code then divides by: ``head_dim`` None →
+    hidden / heads; ``num_key_value_heads`` None → one per head; per-layer-type RoPE parameters missing
+    for a layer type → the default RoPE."""
+    hidden = d.get("hidden_size")
+    heads = next((d[k] for k in HEADS_ATTR if _int(d.get(k))), None)
+    if "head_dim" in d and d["head_dim"] is None and _int(hidden) and heads:
+        d["head_dim"] = hidden // heads
+    if "n_routed_experts" in d and d["n_routed_experts"] is None and "num_experts_per_tok" in d:  # dots1
+        d["n_routed_experts"], d["num_experts_per_tok"] = 4, d["num_experts_per_tok"] or 2
+        if "n_shared_experts" in d and d["n_shared_experts"] is None:
+            d["n_shared_experts"] = 1
+    if "vocab_size" in d and d["vocab_size"] is None and "pad_token_id" in d:  # ESM: set by each checkpoint
+        d["vocab_size"] = 128
+        if d["pad_token_id"] is None:  # ESM's positions count from its padding id
+            d["pad_token_id"] = 1
+    for k in ("width_coefficient", "depth_coefficient"):  # EfficientNet scales its widths and depths up
+        if isinstance(d.get(k), float) and d[k] > 1:
+            d[k] = 1.0
+    if "num_key_value_heads" in d and d["num_key_value_heads"] is None and heads:
+        d["num_key_value_heads"] = heads
+    kinds, rope = d.get("layer_types"), d.get("rope_parameters")
+    if isinstance(kinds, list) and isinstance(rope, dict) and not rope and all(isinstance(x, str) for x in kinds):
+        d["rope_parameters"] = {kind: {"rope_type": "default", "rope_theta": 10000.0} for kind in set(kinds)}
+
+
+def _vocabularies(d: dict) -> None:
+    """Every other vocabulary (entity, per-layer-input, hash n-gram, codebook …) shrinks like
+    ``vocab_size``: to 128, or to the text vocabulary when that is larger (special ids must fit)."""
+    text = d.get("vocab_size") if _int(d.get("vocab_size")) else 128
+    for k, v in list(d.items()):
+        if k != "vocab_size" and _int(v) and VOCAB_LIKE.search(k) and v > max(128, text) and "divisible" not in k:
+            d[k] = max(128, text)
+
+
+def _per_layer_lists(d: dict, before: dict) -> None:
+    """Every list as long as the full layer count follows the tiny one, keeping one layer of each kind:
+    a hybrid model (linear and full attention, Mamba and attention, sliding and global) stays hybrid, with
+    as many layers as it has kinds (at most 4), the same layers kept in every per-layer list."""
+    for key in LAYERS:
+        old, new = before.get(key), d.get(key)
+        if not (_int(old) and _int(new) and old > new and old >= 6):
+            continue
+        # lists of layer indices (``moe_layers``, ``full_attn_idxs``) are renumbered, not cut by position
+        indices = [k for k, v in d.items() if re.search(r"layers|layer_ids|idxs", k) and isinstance(v, list) and v
+                   and all(_int(x) for x in v) and v == sorted(set(v)) and v[-1] < old
+                   and (len(v) < old or v == list(range(old)))]
+        lists = [k for k, v in d.items() if isinstance(v, list) and len(v) == old and not k.startswith("_")
+                 and k not in indices]
+        kinds = next((d[k] for k in KINDS if k in lists), None)
+        keep = list(range(new))
+        if kinds is not None and all(isinstance(x, str) for x in kinds):
+            first = {}
+            for i, kind in enumerate(kinds):
+                first.setdefault(kind, i)
+            if len(first) > 1 and set(kinds[:new]) != set(first):
+                keep = sorted(first.values())[:4]
+                keep = sorted(set(keep) | set(range(new - len(keep))))  # at least the tiny count
+                d[key] = len(keep)
+        for k in lists:
+            d[k] = [d[k][i] for i in keep]
+        for k in indices:
+            d[k] = [keep.index(i) for i in d[k] if i in keep]
+
+
+def derived_sizes(config: object, before: dict, mild: bool = False) -> None:
+    """Sizes a model derives from others in ways the name rules above do not see: per-channel groups and
+    codebook vectors equal to a width, a hierarchical audio tower's width (CLAP's HTSAT doubles its patch
+    width per stage), routing a default config leaves unset (DeepSeek-V2), a backbone read at stages past
+    the tiny layer count (its ``out_indices``, DPT's ``backbone_out_indices``)."""
+    d = config.__dict__
+    for k, v in list(d.items()):
+        if FOLLOWS_WIDTH.search(k) and _int(v) and v > 1:
+            width = next((w for w in sorted(WIDTH | FFN) if before.get(w) == v and d.get(w) != v), None)
+            if width is not None:
+                d[k] = d[width]
+    if not mild and _int(d.get("patch_embeds_hidden_size")) and isinstance(d.get("depths"), (list, tuple)):
+        d["patch_embeds_hidden_size"] = min(d["patch_embeds_hidden_size"], 16)
+        d["hidden_size"] = d["patch_embeds_hidden_size"] * 2 ** (len(d["depths"]) - 1)
+    if _int(d.get("n_routed_experts")) and d.get("num_experts_per_tok") is None:
+        d["num_experts_per_tok"] = 2  # real checkpoints set it
+        for k in ("n_group", "topk_group"):
+            if k in d and d[k] is None:
+                d[k] = 1
+    stages = getattr(config, "out_indices", None)  # a backbone read at these stages keeps the layers they name
+    if isinstance(stages, (list, tuple)) and stages and _int(d.get("num_hidden_layers")) and \
+            isinstance(d.get("stage_names"), list) and len(d["stage_names"]) == before.get("num_hidden_layers", 0) + 1:
+        d["num_hidden_layers"] = max(d["num_hidden_layers"], max(int(i) for i in stages))
+    out_idx = d.get("backbone_out_indices")
+    if isinstance(out_idx, (list, tuple)) and _int(d.get("num_hidden_layers")) and \
+            max(out_idx, default=0) >= d["num_hidden_layers"]:
+        # a ViT backbone read at these layers (DPT): as many layers as indices, each read
+        d["num_hidden_layers"] = len(out_idx)
+        d["backbone_out_indices"] = type(out_idx)(range(len(out_idx)))
+
+
+# True one-offs, applied after shrink() (each says why no rule covers it).
+OVERRIDES: dict[str, dict] = {
+    # the hybrid layers share one transformer, tied from the first hybrid layer to the others: transformers'
+    # tie needs a second hybrid layer to exist, and one-of-each-kind keeps one
+    "zamba": {"num_hidden_layers": 3, "layers_block_type": ["linear_attention", "hybrid", "hybrid"]},
+}
+
+
+def tiny_config(model_type: str, class_name: str, widths: bool = True):  # noqa: ANN201 - the config
+    """``model_type``'s default config shrunk to tiny and self-consistent: the full shrink; when that
+    does not build ``class_name`` or stays over :data:`MAX_PARAMS`, the full shrink with the special ids
+    renumbered into a small vocabulary; then the mild one (widths kept: layers, experts and vocabularies
+    cut, ids renumbered). ``widths=False`` goes straight to the mild one (:func:`run_class`'s second try
+    for a model no inputs run once its widths are cut). Raises the first error when none builds."""
+    import torch
+    import transformers as tf
+
+    cls = getattr(tf, class_name)
+    first: Exception | None = None
+    tries = ((False, False), (False, True), (True, True)) if widths else ((True, True),)
+    for mild, renumber in tries:
+        config = tf.AutoConfig.for_model(model_type)
+        shrink(config, mild=mild, renumber=renumber)
+        for k, v in OVERRIDES.get(model_type, {}).items():
+            setattr(config, k, v)
+        if class_name.endswith("ForCTC") and getattr(config, "vocab_size", 0) is None:
+            config.vocab_size = 32  # a CTC head's defaults leave its alphabet to the checkpoint
+        try:
+            with torch.device("meta"):
+                n = sum(p.numel() for p in cls(config).parameters())
+            if n > MAX_PARAMS:
+                raise RuntimeError(f"tiny config still has {n / 1e6:.0f}M parameters")
+            return config
+        except Exception as exc:  # noqa: BLE001 - recorded by the caller when no shrink builds
+            first = first or exc
+    raise first
+
+
 def build(class_name: str, model_type: str, widths: bool = True):  # noqa: ANN201 - the model
     """The tiny, random, float64, eval-mode model of ``class_name``; raises when it cannot be built.
-    ``widths=False``: only layers, vocabulary and positions cut (:func:`shrink`)."""
+    ``widths=False``: the mild shrink only (:func:`tiny_config`)."""
     import torch
     import transformers as tf
 
     randomise = zoo().randomise
-    config = tf.AutoConfig.for_model(model_type)
-    shrink(config, widths=widths)
-    if class_name.endswith("ForCTC") and getattr(config, "vocab_size", 0) is None:
-        config.vocab_size = 32  # a CTC head's defaults leave its alphabet to the checkpoint
-    cls = getattr(tf, class_name)
-    with torch.device("meta"):
-        n = sum(p.numel() for p in cls(config).parameters())
-    if n > MAX_PARAMS:
-        raise RuntimeError(f"tiny config still has {n / 1e6:.0f}M parameters")
+    config = tiny_config(model_type, class_name, widths)
     torch.manual_seed(0)
-    model = randomise(cls(config), 0)
+    model = randomise(getattr(tf, class_name)(config), 0)
     if callable(getattr(model, "set_experts_implementation", None)):
         # fused MoE kernels (grouped_mm) take no float64: a float64 model runs its experts eagerly, as a
         # float64 transformers model must (normswap's float64 working copy does the same)
@@ -762,11 +1109,19 @@ verdict counts; the max relative output error of the exact norms
 (`mode="exact"`) against the float64 original at two input shapes (1 x 5 and 2 x 11 tokens;
 images and audio at their configured size); the refusal or the model's own note.
 
-"Unbuilt" types are those whose default config does not build tiny (the sweep's shrinking, not
+The tiny config is self-consistent by rules, not by a per-type table: every size under another name
+follows the one it equals (a width named after the hidden size, a head width after the head count,
+MLA's rope/nope/value head widths and LoRA ranks together, a multiple of the hidden size, per-channel
+conv groups and codebook vectors), experts cut to 4 with at most 2 per token, every per-layer list cut
+with the layer count keeping one layer of each kind (a hybrid model stays hybrid), Swin windows that fit
+the last stage, detection queries that fit a tiny image, a backbone keeping the layers it is read at.
+When that does not build (or stays over 30M parameters), the special token ids are renumbered into a
+small vocabulary, then a mild shrink keeps every width (layers, experts and vocabularies cut).
+
+"Unbuilt" types are those whose default config does not build tiny even so (the sweep's shrinking, not
 normswap); they are counted apart. When no inputs run the fully shrunk model, the sweep builds it again
-with the model's own widths (only layers, vocabulary and positions cut; "[widths kept]" in the note), for
-sizes that derive from each other in ways the shrinking does not know (CLAP's audio width is its patch
-width times 2^(stages - 1)).
+with the mild shrink, the model's own widths ("[widths kept]" in the note), for sizes that derive from
+each other in ways the rules do not know.
 
 **Runnable** means that some inputs run the class: normswap's built inputs, or the sweep's oracle,
 which is not normswap: the model's own `dummy_inputs`, its feature extractor's defaults applied to a

@@ -65,7 +65,8 @@ def test_shrunk_sizes_that_derive_from_each_other_stay_consistent():
     swin = tf.AutoConfig.for_model("swin")
     sweep.shrink(swin)
     assert all((swin.embed_dim * 2 ** i) % h == 0 for i, h in enumerate(swin.num_heads)), swin.num_heads
-    assert swin.image_size == 224  # whole 7 x 7 windows at every stage
+    last_stage = swin.image_size // swin.patch_size // 2 ** (len(swin.depths) - 1)
+    assert last_stage >= swin.window_size and last_stage % swin.window_size == 0  # whole windows at every stage
     clap = tf.AutoConfig.for_model("clap")
     sweep.shrink(clap)
     audio = clap.audio_config
@@ -97,3 +98,63 @@ def test_the_oracle_is_not_normswap_and_runnable_types_are_counted():
     t = sweep.runnable_totals(rows)
     assert (t["runnable"], t["converted"], t["unknown"]) == (3, 2, 1)  # a, b, d runnable; a and d converted
     assert [r["type"] for r in t["not_runnable"]] == ["c"] and [r["type"] for r in t["failing"]] == ["b"]
+
+
+def _runs(model, **inputs) -> None:
+    import torch
+
+    with torch.no_grad():
+        model.eval()(**inputs)
+
+
+def test_tiny_mla_moe_config_is_self_consistent_and_runs():
+    """DeepSeek-V3: the multi-head latent attention widths shrink together (head_dim is the rope width,
+    qk_head_dim = nope + rope, key/value heads = heads) and the experts to 4, 2 per token."""
+    import torch
+
+    sweep = _sweep()
+    config = sweep.tiny_config("deepseek_v3", "DeepseekV3Model")
+    assert config.qk_head_dim == config.qk_nope_head_dim + config.qk_rope_head_dim
+    assert config.head_dim == config.qk_rope_head_dim <= 16
+    assert config.num_key_value_heads == config.num_attention_heads
+    assert config.n_routed_experts == 4 and config.num_experts_per_tok <= 2 and config.n_group == 1
+    assert config.kv_lora_rank <= 32 and config.q_lora_rank <= 32
+    _runs(tf.DeepseekV3Model(config), input_ids=torch.randint(0, config.vocab_size, (1, 5)))
+
+
+def test_tiny_configs_rotary_width_and_windows_fit():
+    """GPT-J's rotary width fits its (cut) head width; Swin's windows fit its last stage."""
+    import torch
+
+    sweep = _sweep()
+    config = sweep.tiny_config("gptj", "GPTJModel")
+    assert config.rotary_dim <= config.n_embd // config.n_head
+    _runs(tf.GPTJModel(config), input_ids=torch.randint(0, config.vocab_size, (1, 5)))
+    config = sweep.tiny_config("swin", "SwinModel")
+    assert config.embed_dim <= 64 and all(config.embed_dim * 2 ** i % h == 0 for i, h in enumerate(config.num_heads))
+    _runs(tf.SwinModel(config), pixel_values=torch.randn(1, config.num_channels, config.image_size, config.image_size))
+
+
+def test_per_layer_lists_keep_one_layer_of_each_kind():
+    """A hybrid model stays hybrid: Qwen3.5's linear and full attention both kept, every per-layer list
+    as long as the layer count; Llama 4's layer-index lists renumbered into the kept layers."""
+    sweep = _sweep()
+    config = tf.AutoConfig.for_model("qwen3_5_text")
+    sweep.shrink(config)
+    assert set(config.layer_types) == {"linear_attention", "full_attention"}
+    assert len(config.layer_types) == config.num_hidden_layers <= 4
+    config = tf.AutoConfig.for_model("llama4_text")
+    sweep.shrink(config)
+    assert len(config.no_rope_layers) == len(config.layer_types) == config.num_hidden_layers
+    assert all(0 <= i < config.num_hidden_layers for i in config.moe_layers)
+
+
+def test_fallbacks_when_the_full_shrink_does_not_build():
+    """MobileBERT's MLM head does not build with its widths cut apart: the mild shrink (widths kept)
+    does. Gemma 4's special ids near 260,000 are renumbered, so its vocabulary is tiny too."""
+    sweep = _sweep()
+    config = sweep.tiny_config("mobilebert", "MobileBertForMaskedLM")
+    assert config.hidden_size == tf.AutoConfig.for_model("mobilebert").hidden_size and config.num_hidden_layers <= 2
+    config = sweep.tiny_config("gemma4", "Gemma4Model")
+    assert config.text_config.vocab_size < 1024
+    assert config.image_token_id < config.text_config.vocab_size
