@@ -261,10 +261,19 @@ MAMBA_GROUPS = ("mamba_n_groups", "mamba_ngroups", "n_groups")
 HEAD_DIM = 8  # shrink()'s head width
 LORA_RANK = 16  # low-rank projections (MLA's q/kv/o LoRA ranks, …)
 KINDS = ("layer_types", "block_types", "layers_block_type", "layers_type", "attn_type_list", "hybrid_layer_types")
+# (names, cut above, cut to): an alias of a standard size is cut as the standard name; MoE sizes
+ALIAS_CAPS = ((WIDTH, 64, 32), (FFN, 64, 64), (LAYERS, 2, 2), (HEADS_ATTR, 4, 4), (KV_HEADS, 2, 2))
+MOE_CAPS = ((EXPERTS, 4, 4), (EXPERTS_PER_TOKEN, 2, 2), (SHARED_EXPERTS, 1, 1), (EXPERT_GROUPS, 1, 1))
 
 
 def _int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
+
+
+def capped(name: str, value: int, caps: tuple[tuple[set[str], int, int], ...]) -> int:
+    """``value`` cut to the first ``(names, above, to)`` of ``caps`` whose names hold ``name`` and
+    whose threshold it passes, else kept."""
+    return next((to for names, above, to in caps if name in names and value > above), value)
 
 
 def renumber_ids(config: object) -> None:
@@ -344,16 +353,9 @@ def _aliases(config: object, d: dict) -> None:
         v = d.get(real)
         if not _int(v) or real in WIDTH | FFN | LAYERS | HEADS_ATTR | KV_HEADS:
             continue
-        if alias in WIDTH and v > 64:
-            d[real] = 32
-        elif alias in FFN and v > 64:
-            d[real] = 64
-        elif alias in LAYERS and v > 2 and real != "num_stages":  # stages: their lists (depths …) hold the count
-            d[real] = 2
-        elif alias in HEADS_ATTR and v > 4:
-            d[real] = 4
-        elif alias in KV_HEADS and v > 2:
-            d[real] = 2
+        if real == "num_stages" and alias in LAYERS:  # stages: their lists (depths …) hold the count
+            continue
+        d[real] = capped(alias, v, ALIAS_CAPS)
 
 
 def _follow_widths(d: dict, before: dict) -> None:
@@ -395,16 +397,8 @@ def _moe(d: dict) -> None:
     if not any(_int(d.get(k)) and d[k] > 4 for k in EXPERTS):
         return
     for k, v in list(d.items()):
-        if not _int(v):
-            continue
-        if k in EXPERTS and v > 4:
-            d[k] = 4
-        elif k in EXPERTS_PER_TOKEN and v > 2:
-            d[k] = 2
-        elif k in SHARED_EXPERTS and v > 1:
-            d[k] = 1
-        elif k in EXPERT_GROUPS and v > 1:
-            d[k] = 1
+        if _int(v):
+            d[k] = capped(k, v, MOE_CAPS)
 
 
 def _head_dims(d: dict, before: dict) -> None:

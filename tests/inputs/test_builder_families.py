@@ -11,9 +11,6 @@ directories end to end (both used to end in an internal error).
 
 from __future__ import annotations
 
-import copy
-import warnings
-
 import pytest
 import torch
 import transformers as tf
@@ -22,9 +19,8 @@ from torch import nn
 
 import normswap
 from normswap.inputs import hf_example_inputs
-from normswap.pipeline import default_dtype
-from normswap.surgery.verify import compare
-from tests.zoo import float64_casts, randomise
+from tests.input_families import assert_exact_on_unseen_inputs, convert_with_no_inputs, layernorms
+from tests.zoo import randomise
 
 TEXT = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
             vocab_size=128, max_position_embeddings=512, pad_token_id=0, bos_token_id=1, eos_token_id=2)
@@ -109,40 +105,14 @@ FAMILIES = {
 }
 
 
-def _layernorms(model: nn.Module) -> set[str]:
-    return {n for n, m in model.named_modules() if isinstance(m, nn.LayerNorm)}
-
-
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_inputs_are_built_and_every_norm_is_reached(family):
     torch.manual_seed(0)
-    model = randomise(FAMILIES[family](), 0)
-    norms = _layernorms(model)
-    assert norms, "the replica has no LayerNorm to reach"
-    built = hf_example_inputs(model)
-    original = copy.deepcopy(model)
-    with torch.no_grad(), default_dtype(torch.float64), float64_casts():
-        original(**built)  # the inputs run the model as built
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        report = normswap.patch(model)  # no inputs: as the CLI converts
+    built, original, exact, report = convert_with_no_inputs(randomise(FAMILIES[family](), 0))
     note = report.plan.options["analysis_inputs"]  # the report says what was built and how it reached the towers
     assert note.startswith("built from the config") and ("one run of the whole model" in note) == (
         "pixel_values" in built and "input_ids" in built), note
-    found = {s.name for s in report.plan.sites} | {s["name"] for s in report.plan.skipped}
-    assert norms <= found, f"norms the inputs never reached: {sorted(norms - found)}"
-    if any(s.verdict == "approximate" for s in report.sites):  # measure the exact ones alone (PatchTST: none)
-        model = copy.deepcopy(original)
-        normswap.patch(model, mode="exact", verify=False)
-    probe = hf_example_inputs(original, batch=1, seq=5, seed=99)  # unseen by the analysis
-    with torch.no_grad(), default_dtype(torch.float64), float64_casts():
-        torch.manual_seed(0)
-        ref = original(**probe)
-        torch.manual_seed(0)
-        out = model(**probe)
-    figures = compare(ref, out, set(report.plan.changed_outputs))
-    assert figures["compared"], figures
-    assert figures["worst_rel_error_any_output"] <= 1e-9, figures
+    assert_exact_on_unseen_inputs(original, exact, report)
 
 
 def test_a_required_input_with_no_rule_is_refused_by_name():
@@ -171,4 +141,4 @@ def test_cli_converts_a_saved_vision_language_model(tmp_path, family):
     result = CliRunner().invoke(cli, ["convert", str(tmp_path / "model"), "--out", str(tmp_path / "out"), "-q"])
     assert result.exit_code == 0, result.output
     reloaded = normswap.load(tmp_path / "out")
-    assert not _layernorms(reloaded)
+    assert not layernorms(reloaded)

@@ -17,9 +17,6 @@ features centred at the input, and generated speech ends in silence, constant ro
 
 from __future__ import annotations
 
-import copy
-import warnings
-
 import pytest
 import torch
 import transformers as tf
@@ -28,7 +25,7 @@ from torch import nn
 import normswap
 from normswap.inputs import hf_example_inputs
 from normswap.pipeline import default_dtype
-from normswap.surgery.verify import compare
+from tests.input_families import assert_exact_on_unseen_inputs, convert_with_no_inputs
 from tests.zoo import float64_casts, randomise
 
 
@@ -91,38 +88,12 @@ FAMILIES = {
 }
 
 
-def _layernorms(model: nn.Module) -> set[str]:
-    return {n for n, m in model.named_modules() if isinstance(m, nn.LayerNorm)}
-
-
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_built_inputs_run_the_model_and_it_converts_exactly(family):
     torch.manual_seed(0)
-    model = randomise(FAMILIES[family](), 0)
-    norms = _layernorms(model)
-    assert norms, "the replica has no LayerNorm to reach"
-    built = hf_example_inputs(model)
-    original = copy.deepcopy(model)
-    with torch.no_grad(), default_dtype(torch.float64), float64_casts():
-        original(**built)  # the inputs run the model as built
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        report = normswap.patch(model)  # no inputs: as the CLI converts
-    found = {s.name for s in report.plan.sites} | {s["name"] for s in report.plan.skipped}
-    assert norms <= found, f"norms the inputs never reached: {sorted(norms - found)}"
+    _, original, exact, report = convert_with_no_inputs(randomise(FAMILIES[family](), 0))
     assert any(s.verdict != "approximate" for s in report.sites), "no exact norm to measure"
-    if any(s.verdict == "approximate" for s in report.sites):  # measure the exact ones alone
-        model = copy.deepcopy(original)
-        normswap.patch(model, mode="exact", verify=False)
-    probe = hf_example_inputs(original, batch=1, seq=5, seed=99)  # unseen by the analysis
-    with torch.no_grad(), default_dtype(torch.float64), float64_casts():
-        torch.manual_seed(0)
-        ref = original(**probe)
-        torch.manual_seed(0)
-        out = model(**probe)
-    figures = compare(ref, out, set(report.plan.changed_outputs))
-    assert figures["compared"], figures
-    assert figures["worst_rel_error_any_output"] <= 1e-9, figures
+    assert_exact_on_unseen_inputs(original, exact, report)
 
 
 def test_detector_images_hold_as_many_positions_as_queries():

@@ -23,15 +23,13 @@ import warnings
 import pytest
 import torch
 import transformers as tf
-from torch import nn
 
 import normswap
 from normswap import inputs, presets
 from normswap.inputs import hf_example_inputs
-from normswap.pipeline import default_dtype
 from normswap.surgery import calibrate
-from normswap.surgery.verify import compare
-from tests.zoo import float64_casts, randomise
+from tests.input_families import assert_exact_on_unseen_inputs, convert_with_no_inputs
+from tests.zoo import randomise
 
 TEXT = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
             vocab_size=128, max_position_embeddings=512, pad_token_id=0, bos_token_id=1, eos_token_id=2)
@@ -110,38 +108,11 @@ FAMILIES = {
 }
 
 
-def _layernorms(model: nn.Module) -> set[str]:
-    return {n for n, m in model.named_modules() if isinstance(m, nn.LayerNorm)}
-
-
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_inputs_are_built_and_every_norm_is_reached(family):
     torch.manual_seed(0)
-    model = randomise(FAMILIES[family](), 0)
-    norms = _layernorms(model)
-    assert norms, "the replica has no LayerNorm to reach"
-    assert hf_example_inputs(model)  # built with no help; patch below runs the model on them
-    original = copy.deepcopy(model)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        report = normswap.patch(model)  # no inputs: as the CLI converts
-    found = {s.name for s in report.plan.sites} | {s["name"] for s in report.plan.skipped}
-    assert norms <= found, f"norms the inputs never reached: {sorted(norms - found)}"
-    if any(s.verdict == "approximate" for s in report.sites):  # measure the exact ones alone
-        model = copy.deepcopy(original)
-        normswap.patch(model, mode="exact", verify=False)
-    probe = hf_example_inputs(original, batch=1, seq=5, seed=99)  # unseen by the analysis
-    for m in (original, model):  # fused MoE experts (Aria) have no float64 kernel: transformers' eager loop
-        if getattr(m, "get_experts_implementation", None) is not None:
-            m.set_experts_implementation("eager")
-    with torch.no_grad(), default_dtype(torch.float64), float64_casts():
-        torch.manual_seed(0)
-        ref = original(**probe)
-        torch.manual_seed(0)
-        out = model(**probe)
-    figures = compare(ref, out, set(report.plan.changed_outputs))
-    assert figures["compared"], figures
-    assert figures["worst_rel_error_any_output"] <= 1e-9, figures
+    _, original, exact, report = convert_with_no_inputs(randomise(FAMILIES[family](), 0))
+    assert_exact_on_unseen_inputs(original, exact, report)
 
 
 def test_the_built_layouts_follow_the_config():
