@@ -16,6 +16,7 @@ import itertools
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -181,8 +182,14 @@ def _reduce_options(module: nn.Module, x: torch.Tensor, params: list[torch.Tenso
     return out
 
 
-def identify(path: str, module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> NormSite | SkippedNorm | None:
-    """Match the captured ``y = module(x)`` against LayerNorm / RMSNorm formulas (float64)."""
+def identify(path: str, module: nn.Module, x: torch.Tensor, y: torch.Tensor,
+             probe: Callable[[torch.Tensor], Any] | None = None) -> NormSite | SkippedNorm | None:
+    """Match the captured ``y = module(x)`` against LayerNorm / RMSNorm formulas (float64).
+
+    Rows of ``x`` with zero mean make the two formulas agree (Idefics2's perceiver latents reach an
+    RMSNorm so): such a match says nothing about the mean subtraction. ``probe`` (the module's output on
+    another input of ``x``'s layout) then decides, on ``x`` plus a per-row constant, which a LayerNorm
+    ignores and an RMSNorm does not."""
     if isinstance(module, nn.GroupNorm):
         if module.num_groups == 1:
             return SkippedNorm(path, type(module).__name__,
@@ -208,6 +215,7 @@ def identify(path: str, module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> 
         # every ε guess is tried and the closest match kept: a module with no ε attribute matches the
         # default guesses within the tolerance, and only its own ε makes the replacement exact
         best: tuple[float, NormSite | SkippedNorm] | None = None
+        ambiguous = False
         for eps in _eps_of(module):
             ln_hat = (x64 - mu) / torch.sqrt(var + eps)
             rms_hat = x64 / torch.sqrt(ms + eps)
@@ -216,17 +224,42 @@ def identify(path: str, module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> 
                 err = float((found[0] - y64).abs().max()) if y64.numel() else 0.0
                 if best is None or err < best[0]:
                     best = (err, found[1])
+                ambiguous = ambiguous or (isinstance(found[1], NormSite) and _first_match(
+                    path, module, None, rms_hat, reduce, eps, direct, tensors, close) is not None)
         if best is not None:
+            if ambiguous and probe is not None:
+                return _identify_off_centre(path, module, x, probe) or best[1]
             return best[1]
     return None
 
 
-def _first_match(path: str, module: nn.Module, ln_hat: torch.Tensor, rms_hat: torch.Tensor,
+def _identify_off_centre(path: str, module: nn.Module, x: torch.Tensor,
+                         probe: Callable[[torch.Tensor], Any]) -> NormSite | SkippedNorm | None:
+    """:func:`identify` on ``x`` moved off zero mean (a per-row constant) and off constant rows (seeded
+    noise: on a constant row a LayerNorm with β = γ' and an RMSNorm with γ' agree too), or None where the
+    module does not run on it."""
+    scale = 1.0 + float(x.detach().abs().max())
+    noise = torch.randn(x.shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    shifted = (x.detach().double() + scale * (1.0 + 0.5 * noise)).to(x.dtype)
+    try:
+        with torch.no_grad():
+            out = probe(shifted)
+    except Exception:  # noqa: BLE001 - a module that needs more than its input: the first match stands
+        return None
+    out = out[0] if isinstance(out, (tuple, list)) and out else out
+    if not isinstance(out, torch.Tensor) or out.shape != x.shape:
+        return None
+    return identify(path, module, shifted, out)
+
+
+def _first_match(path: str, module: nn.Module, ln_hat: torch.Tensor | None, rms_hat: torch.Tensor,
                  reduce: tuple[int, ...], eps: float, direct: list[tuple[str, torch.Tensor]],
                  tensors: dict[str, torch.Tensor], close: Callable[[torch.Tensor], bool]
                  ) -> tuple[torch.Tensor, NormSite | SkippedNorm] | None:
     """The first (flavour, γ, β) assignment whose formula with this ε matches: ``(its output, the result)``."""
     for hat, kind in ((ln_hat, "ln"), (rms_hat, "rms")):
+        if hat is None:
+            continue
         for flavour, w_attr, b_attr, offset in _assignments(direct):
             cand = hat
             try:
@@ -258,11 +291,13 @@ def identify_channels_first(path: str, module: nn.Module, x: torch.Tensor, y: to
     flat = {n: p.detach().reshape(-1) for n, p in module._parameters.items()
             if p is not None and p.numel() == channels and p.dim() > 1 and p.shape[1 if p.dim() == x.dim() else 0]
             == channels}
+    original = module
     if flat:  # γ, β kept as (1, C, 1, 1) or (C, 1, 1): matched as the (C,) vectors they are
         proxy = copy.copy(module)
         proxy._parameters = {**module._parameters, **flat}
         module = proxy
-    found = identify(path, module, x.movedim(1, -1), y.movedim(1, -1))
+    found = identify(path, module, x.movedim(1, -1), y.movedim(1, -1),
+                     probe=lambda t: original(t.movedim(-1, 1)).movedim(1, -1))
     if not isinstance(found, NormSite):
         return None
     return SkippedNorm(path, type(module).__name__,
@@ -419,7 +454,7 @@ def find_sites(model: nn.Module, graph: Graph) -> WalkResult:
             continue
         x = graph.values[vid].tensor
         y = graph.values[call.outputs[0]].tensor
-        result = identify(path, modules[path], x, y)
+        result = identify(path, modules[path], x, y, probe=modules[path])
         tensors = [v for v in [*call.args, *call.kwargs.values()] if v is not None]
         if result is None and len(tensors) == 2:
             result = identify_gated(path, modules[path], x, graph.values[tensors[1]].tensor, y)

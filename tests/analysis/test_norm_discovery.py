@@ -203,3 +203,66 @@ def test_a_block_computing_a_norm_inline_does_not_hide_the_norms_inside_it():
 
     plan = normswap.plan(Outer().double().eval(), example_inputs=_inputs())
     assert [s.name for s in plan.sites] == ["block.ln"] and not plan.skipped
+
+
+
+class RMSNormModule(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(d))
+
+    def forward(self, x):
+        return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
+class LatentsThroughNorm(nn.Module):
+    """Idefics2's perceiver: an RMSNorm whose input is a learned latent table, here constant rows (its
+    initial value). On such rows a LayerNorm with β = γ gives the same output, to ε."""
+
+    def __init__(self, d: int = 16, n: int = 4) -> None:
+        super().__init__()
+        self.latents = nn.Parameter(torch.ones(n, d))
+        self.norm = RMSNormModule(d)
+        self.proj = nn.Linear(d, d)
+
+    def forward(self, x):
+        latents = self.norm(self.latents).expand(x.shape[0], -1, -1)
+        return self.proj(torch.cat([latents, x], 1))
+
+
+def test_an_rmsnorm_on_constant_rows_is_not_taken_for_a_layernorm():
+    torch.manual_seed(0)
+    model = LatentsThroughNorm().double().eval()
+    x = torch.randn(2, 3, 16, dtype=torch.float64)
+    reference = model(x)
+    report = normswap.patch(model, (x,))
+    assert not report.sites, [(s.name, s.verdict) for s in report.sites]
+    assert any(s["name"] == "norm" and "RMS" in s["reason"] for s in report.plan.skipped), report.plan.skipped
+    assert torch.equal(model(x), reference)
+
+
+class CenteredInputLN(nn.Module):
+    """A true LayerNorm whose input rows are already zero mean: still a LayerNorm, and converted."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.inp = nn.Linear(d, d)
+        self.ln = nn.LayerNorm(d)
+        self.out = nn.Linear(d, d)
+
+    def forward(self, x):
+        h = self.inp(x)
+        return self.out(self.ln(h - h.mean(-1, keepdim=True)))
+
+
+def test_a_layernorm_fed_zero_mean_rows_stays_a_layernorm():
+    torch.manual_seed(0)
+    model = CenteredInputLN().double().eval()
+    with torch.no_grad():
+        model.ln.weight.normal_()
+        model.ln.bias.normal_()
+    x = torch.randn(2, 3, 16, dtype=torch.float64)
+    reference = model(x)
+    report = normswap.patch(model, (x,))
+    assert [s.name for s in report.sites] == ["ln"]
+    assert (model(x) - reference).abs().max() <= 1e-9 * reference.abs().max()
