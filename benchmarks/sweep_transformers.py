@@ -393,6 +393,8 @@ def _moe(d: dict) -> None:
             d[k] = 1
         elif k in EXPERT_GROUPS and v > 1:
             d[k] = 1
+    if "num_experts_per_tok" in d and d["num_experts_per_tok"] is None:  # DeepSeek-V2 leaves it to checkpoints
+        d["num_experts_per_tok"] = 2
 
 
 def _head_dims(d: dict, before: dict) -> None:
