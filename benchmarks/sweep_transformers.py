@@ -1024,8 +1024,12 @@ def fmt_err(c: dict) -> str:
 
 def table(rows: list[dict], before: dict | None, all_types: int | None = None) -> str:
     t = totals(rows)
+    kept = sum(1 for r in rows if str(r.get("swept_on", "")).startswith("main"))
+    provenance = (f"Rows of {kept} types come from an earlier run (their `swept_on` in the JSON): types that "
+                  "converted there were not swept again; every other type was swept with this code."
+                  if kept else "")
     out = [f"Swept: **{len(rows)} of the {all_types}** LayerNorm model types of this transformers."
-           if all_types and all_types > len(rows) else "", "",
+           if all_types and all_types > len(rows) else "", provenance, "",
            f"Types: **{t['types']}** with a LayerNorm in their modeling code; built tiny: **{t['types_built']}**; "
            f"converted with no inputs (every built class): **{t['types_converted']}** "
            f"({100 * t['types_converted'] / max(1, t['types_built']):.0f}% of those built).", "",
