@@ -186,10 +186,10 @@ def identify(path: str, module: nn.Module, x: torch.Tensor, y: torch.Tensor,
              probe: Callable[[torch.Tensor], Any] | None = None) -> NormSite | SkippedNorm | None:
     """Match the captured ``y = module(x)`` against LayerNorm / RMSNorm formulas (float64).
 
-    Rows of ``x`` with zero mean make the two formulas agree (Idefics2's perceiver latents reach an
-    RMSNorm so): such a match says nothing about the mean subtraction. ``probe`` (the module's output on
-    another input of ``x``'s layout) then decides, on ``x`` plus a per-row constant, which a LayerNorm
-    ignores and an RMSNorm does not."""
+    Rows of ``x`` with zero mean, or constant rows, make the two formulas agree (Idefics2's perceiver
+    latents reach an RMSNorm as a constant table): such a match says nothing about the mean
+    subtraction. ``probe`` (the module's output on another input of ``x``'s layout) then decides, on
+    ``x`` moved off zero mean and off constant rows (:func:`_identify_off_centre`)."""
     if isinstance(module, nn.GroupNorm):
         if module.num_groups == 1:
             return SkippedNorm(path, type(module).__name__,
