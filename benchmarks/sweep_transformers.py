@@ -508,6 +508,11 @@ def _missing_defaults(d: dict) -> None:
         d["n_routed_experts"], d["num_experts_per_tok"] = 4, d["num_experts_per_tok"] or 2
         if "n_shared_experts" in d and d["n_shared_experts"] is None:
             d["n_shared_experts"] = 1
+    if _int(d.get("n_routed_experts")) and d.get("num_experts_per_tok") is None:  # DeepSeek-V2: routing unset
+        d["num_experts_per_tok"] = 2  # real checkpoints set it
+        for k in ("n_group", "topk_group"):
+            if k in d and d[k] is None:
+                d[k] = 1
     if "vocab_size" in d and d["vocab_size"] is None and "pad_token_id" in d:  # ESM: set by each checkpoint
         d["vocab_size"] = 128
         if d["pad_token_id"] is None:  # ESM's positions count from its padding id
@@ -564,8 +569,8 @@ def _per_layer_lists(d: dict, before: dict) -> None:
 def derived_sizes(config: object, before: dict, mild: bool = False) -> None:
     """Sizes a model derives from others in ways the name rules above do not see: per-channel groups and
     codebook vectors equal to a width, a hierarchical audio tower's width (CLAP's HTSAT doubles its patch
-    width per stage), routing a default config leaves unset (DeepSeek-V2), a backbone read at stages past
-    the tiny layer count (its ``out_indices``, DPT's ``backbone_out_indices``)."""
+    width per stage), a backbone read at stages past the tiny layer count (its ``out_indices``, DPT's
+    ``backbone_out_indices``)."""
     d = config.__dict__
     for k, v in list(d.items()):
         if FOLLOWS_WIDTH.search(k) and _int(v) and v > 1:
@@ -575,11 +580,6 @@ def derived_sizes(config: object, before: dict, mild: bool = False) -> None:
     if not mild and _int(d.get("patch_embeds_hidden_size")) and isinstance(d.get("depths"), (list, tuple)):
         d["patch_embeds_hidden_size"] = min(d["patch_embeds_hidden_size"], 16)
         d["hidden_size"] = d["patch_embeds_hidden_size"] * 2 ** (len(d["depths"]) - 1)
-    if _int(d.get("n_routed_experts")) and d.get("num_experts_per_tok") is None:
-        d["num_experts_per_tok"] = 2  # real checkpoints set it
-        for k in ("n_group", "topk_group"):
-            if k in d and d[k] is None:
-                d[k] = 1
     stages = getattr(config, "out_indices", None)  # a backbone read at these stages keeps the layers they name
     if isinstance(stages, (list, tuple)) and stages and _int(d.get("num_hidden_layers")) and \
             isinstance(d.get("stage_names"), list) and len(d["stage_names"]) == before.get("num_hidden_layers", 0) + 1:
