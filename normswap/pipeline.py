@@ -431,8 +431,8 @@ def _run_trace(work: nn.Module, args: tuple, kwargs: dict) -> trace.Graph:
 
 def _identify_sites(work: nn.Module, args: tuple, kwargs: dict) -> tuple[walker.WalkResult, trace.Graph]:
     graph = _run_trace(work, args, kwargs)
-    nan = next((k for k, t in flatten_outputs(graph.output_object) if t.is_floating_point() and bool(t.isnan().any())),
-               None)
+    nan = next((k for k, t in flatten_outputs(graph.output_object)
+                if (t.is_floating_point() or t.is_complex()) and bool(t.isnan().any())), None)
     if nan is not None:  # nothing can be identified, fitted or verified on NaN (it compares as "no error")
         raise NaNOutputs(
             f"{type(work).__name__} outputs NaN in `{nan}` on the example inputs, before any change (inputs "
@@ -747,7 +747,7 @@ def _run_unseen_probe(st: _Patching) -> None:
         except Exception as exc:  # noqa: BLE001 - e.g. a model that takes one sequence length only
             st.probe_failed = f"{type(exc).__name__}: {first_line(exc, 120, default='')}"
             st.probe = None
-    if st.probe is not None and any(t.is_floating_point() and not bool(torch.isfinite(t).all())
+    if st.probe is not None and any((t.is_floating_point() or t.is_complex()) and not bool(torch.isfinite(t).all())
                                     for _, t in flatten_outputs(st.probe_reference)):
         # redrawn inputs outside the model's domain (a log of a negative value): NaN compares as "no error"
         st.probe_failed, st.probe, st.probe_reference = "the original outputs NaN or inf on it", None, None

@@ -306,10 +306,22 @@ PRIMARY_KEYS = ("logits", "logits_per_image", "pooler_output", "image_embeds", "
 
 
 def comparable(obj: Any, skip: set[str]) -> dict[str, torch.Tensor]:
-    """Floating outputs worth comparing: not cached keys/values, not documented raw-stream outputs."""
-    return {k: v for k, v in flatten_outputs(obj)
-            if v.is_floating_point() and k not in skip and "past_key_values" not in k
+    """Floating outputs worth comparing: not cached keys/values, not documented raw-stream outputs. A
+    complex output (a spectrogram, an FFT of the stream) is compared as real numbers: its real and
+    imaginary parts interleaved along the last axis (:func:`as_real`)."""
+    return {k: as_real(v) for k, v in flatten_outputs(obj)
+            if (v.is_floating_point() or v.is_complex()) and k not in skip and "past_key_values" not in k
             and not k.startswith("hidden_states") and "encoder_hidden_states" not in k}
+
+
+def as_real(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself when real; a complex ``t`` of shape ``(..., n)`` as ``(..., 2n)`` real numbers (each
+    element's real and imaginary part side by side), so every error figure of a complex output is the
+    figure of its components, relative to the largest component."""
+    if not t.is_complex():
+        return t
+    real = torch.view_as_real(t.resolve_conj())
+    return real.reshape(*t.shape[:-1], -1) if t.dim() else real
 
 
 def primary_key(outputs: dict[str, torch.Tensor]) -> str | None:

@@ -1,7 +1,8 @@
 """Verification reads every output a model returns (issue 38): a custom model's ``@dataclass`` output is
 compared field by field as a dict's would be (it was not read at all: the returned stream changed unseen,
-and the report compared nothing), and a model with no floating-point output says that only its norms
-were checked. Small Pre-LN models in float64, LayerNorm γ/β randomised."""
+and the report compared nothing), a model with no floating-point output says that only its norms
+were checked, and a complex output (an FFT of the stream) is compared as its real and imaginary parts
+(it was left out, as an integer output is). Small Pre-LN models in float64, LayerNorm γ/β randomised."""
 
 from __future__ import annotations
 
@@ -40,6 +41,8 @@ class Block(nn.Module):
         logits = self.head(self.ln2(h + self.fc(self.ln1(h))))
         if self.returns == "dataclass":
             return Out(logits, h, logits.argmax(-1))
+        if self.returns == "spectrum":  # only a complex output: verification must read it
+            return torch.fft.rfft(logits, dim=-1)
         if self.returns == "nested":
             return {"out": [logits, (h, {"ids": logits.argmax(-1), "note": "x", "none": None})], "n": 3}
         return logits.argmax(-1)
@@ -73,3 +76,19 @@ def test_a_model_with_no_floating_output_says_only_its_norms_were_checked():
     assert pipeline.NOTHING_COMPARED in report.verification["verify_precision"]
     assert "unseen_probe_max_rel_error" not in report.verification  # not a 0 that reads as a comparison
     assert "max_stream_mean_ratio" in report.verification
+
+
+def test_a_complex_output_is_compared_as_its_real_and_imaginary_parts():
+    x = torch.randn(2, 6, 8, dtype=torch.float64)
+    model = _model("spectrum")
+    original = pipeline.working_copy(model, torch.float64)
+    report = normswap.patch(model, (x,))
+    assert report.verification["compared"] == ["output"]
+    assert pipeline.NOTHING_COMPARED not in report.verification["verify_precision"]
+    assert report.verification["max_rel_error"] < 1e-9  # an exact conversion, read on the complex output
+    with torch.no_grad():
+        ref = original(x)
+        wrong = torch.complex(ref.real, ref.imag * 1.01)  # only the imaginary part off: still seen
+    figs = compare(ref, wrong)
+    assert figs["compared"] == ["output"]
+    assert 1e-3 < figs["max_rel_error"] < 2e-2
