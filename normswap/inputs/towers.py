@@ -119,9 +119,8 @@ class Route:
                 f"per-token mean); pass example_inputs with every modality so that one run covers the seam "
                 f"(no whole-model layout with media ran: {self.why})")
         embedding = _input_embedding_path(model)
-        in_towers = tuple(t + "." for t in self.towers)
-        seam = [sp.name for sp in plan.sites if sp.convert and not sp.name.startswith(in_towers)
-                and embedding is not None and any(w == embedding or w.startswith(embedding + ".") for w in sp.writers)]
+        seam = [sp.name for sp in plan.sites if sp.convert and embedding is not None
+                and any(w == embedding or w.startswith(embedding + ".") for w in sp.writers)]
         if seam:
             raise NormswapError(
                 f"{type(model).__name__}: per-tower analysis refused: `{seam[0]}` ({len(seam)} LayerNorm(s)) reads "
@@ -131,16 +130,28 @@ class Route:
 
 def find_towers(model: nn.Module) -> list[str]:
     """Paths of the media towers inside ``model`` (outermost only), by what they are: a transformers
-    ``PreTrainedModel`` with a config of its own whose main input is media, holding a LayerNorm."""
+    ``PreTrainedModel`` with a config of its own, holding a LayerNorm, that is not the text side. The
+    text side is the innermost such model holding the input embeddings (``language_model``): it, what
+    lies inside it and what holds it are not towers. Where the model has no input embeddings to tell
+    the text side by, a tower is one whose ``main_input_name`` is media (``pixel_values``, ...)."""
     from transformers import PreTrainedModel
 
+    own = getattr(model, "config", None)
+    models = [(path, m) for path, m in model.named_modules()
+              if path and isinstance(m, PreTrainedModel) and getattr(m, "config", None) is not own]
+    embedding = _input_embedding_path(model)
+    text = None
+    if embedding is not None:
+        holders = [path for path, _ in models if embedding.startswith(path + ".")]
+        text = max(holders, key=len) if holders else ""
     found: list[str] = []
-    for path, module in model.named_modules():
-        if not path or any(path.startswith(t + ".") for t in found):
+    for path, module in models:
+        if any(path.startswith(t + ".") for t in found):
             continue
-        if not isinstance(module, PreTrainedModel) or getattr(module, "config", None) is getattr(model, "config", None):
-            continue
-        if getattr(module, "main_input_name", None) not in MEDIA_MAIN_INPUTS:
+        if text is None:
+            if getattr(module, "main_input_name", None) not in MEDIA_MAIN_INPUTS:
+                continue
+        elif embedding.startswith(path + ".") or (text and (path == text or path.startswith(text + "."))):
             continue
         if any(isinstance(m, nn.LayerNorm) or _computes_layer_norm(m) for m in module.modules()):
             found.append(path)
@@ -177,12 +188,13 @@ def _feature_method(model: nn.Module, kind: str) -> tuple[str, Any] | None:
     return None
 
 
-def _accepted(fn: Any, layout: dict[str, Any]) -> dict[str, Any]:
-    """The part of ``layout`` a feature method takes (one behind ``**kwargs`` takes media and their
-    metadata by name, as the builder hands them)."""
+def _accepted(fn: Any, layout: dict[str, Any], kind: str) -> dict[str, Any]:
+    """The part of ``layout`` the ``kind`` feature method takes: what it names, and behind ``**kwargs``
+    its own modality's media and their metadata by name (never another modality's media)."""
     params = inspect.signature(fn).parameters
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-    return {k: v for k, v in layout.items() if k in params or (takes_any and (
+    others = {k for other, keys in FEATURE_KINDS.items() if other != kind for k in keys}
+    return {k: v for k, v in layout.items() if k in params or (takes_any and k not in others and (
         k in builder.MODALITY or k.endswith(("_thw", "_mask", "_sizes"))))}
 
 
@@ -197,16 +209,17 @@ def features_of(out: Any) -> Any:
 
 
 class _Called:
-    """Which of ``paths`` run during the block (forward pre-hooks)."""
+    """The paths of ``model``'s modules that run during the block (forward pre-hooks on every module)."""
 
-    def __init__(self, model: nn.Module, paths: list[str]) -> None:
-        self.model, self.paths, self.called, self.handles = model, paths, set(), []
+    def __init__(self, model: nn.Module) -> None:
+        self.model, self.called, self.handles = model, set(), []
 
     def __enter__(self) -> set[str]:
-        for path in self.paths:
-            def hook(module: nn.Module, args: Any, path: str = path) -> None:
-                self.called.add(path)
-            self.handles.append(self.model.get_submodule(path).register_forward_pre_hook(hook))
+        for path, module in self.model.named_modules():
+            if path:
+                def hook(module: nn.Module, args: Any, path: str = path) -> None:
+                    self.called.add(path)
+                self.handles.append(module.register_forward_pre_hook(hook))
         return self.called
 
     def __exit__(self, *exc: Any) -> None:
@@ -214,8 +227,14 @@ class _Called:
             h.remove()
 
 
-def _feature_runs(model: nn.Module, towers: list[str]) -> list[Run]:
-    """One run per modality whose ``get_<kind>_features`` runs on one of the builder's layouts."""
+def _outermost(paths: set[str]) -> list[str]:
+    """The paths of ``paths`` that lie inside no other of them."""
+    return sorted(p for p in paths if not any(p.startswith(q + ".") for q in paths))
+
+
+def _feature_runs(model: nn.Module, text_called: set[str]) -> list[Run]:
+    """One run per modality whose ``get_<kind>_features`` runs on one of the builder's layouts; each run's
+    towers are the outermost modules it calls that the text run does not (the tower, its projector)."""
     runs: list[Run] = []
     try:
         layouts = builder.media_layouts(model)
@@ -228,19 +247,20 @@ def _feature_runs(model: nn.Module, towers: list[str]) -> list[Run]:
         owner, fn = found
         seen: list[dict[str, Any]] = []
         for layout in layouts:
-            kw = _accepted(fn, layout)
+            kw = _accepted(fn, layout, kind)
             if not any(k in kw for k in keys) or any(kw.keys() == s.keys() and all(
                     kw[k] is s[k] for k in kw) for s in seen):
                 continue
             seen.append(kw)
             try:
-                with builder.trial(model), _Called(model, towers) as called:
+                with builder.trial(model), _Called(model) as called:
                     fn(**kw)
             except MemoryError:
                 raise
             except Exception:  # noqa: BLE001 - the method does not take this layout: the next one is tried
                 continue
-            runs.append(Run(kind, "features", kw, sorted(called), f"{owner}:get_{kind}_features", held=True))
+            runs.append(Run(kind, "features", kw, _outermost(called - text_called), f"{owner}:get_{kind}_features",
+                            held=True))
             break
     return runs
 
@@ -262,33 +282,36 @@ def _tower_run(model: nn.Module, path: str) -> tuple[Run | None, str]:
 
 def fallback(model: nn.Module, failure: Exception) -> Route | None:
     """The per-tower route of ``model`` after its whole-model inputs failed with ``failure``: None when
-    ``model`` has no media tower (the failure stands). Raises NormswapError (one line, the failure
-    included) when a tower or the text run cannot run on inputs of its own."""
-    towers = find_towers(model)
-    if not towers:
-        return None
+    ``model`` has no media path of its own (no ``get_<kind>_features`` that runs, no tower: the failure
+    stands). Raises NormswapError (one line, the failure included) when a tower or the text run cannot
+    run on inputs of its own."""
     cause = failure.__cause__ if failure.__cause__ is not None else failure
     why = f"{type(cause).__name__}: {first_line(cause, 160)}" if cause is not failure else first_line(failure, 160)
-    runs = _feature_runs(model, towers)
+    towers = find_towers(model)
+    try:
+        text = builder.text_inputs(model)
+    except NormswapError as exc:
+        text, error = None, exc
+    else:
+        with _Called(model) as text_called:
+            error = builder.run_error(model, text)
+    runs = _feature_runs(model, set(text_called) if text is not None else set())
+    if not runs and not towers:
+        return None
+    if error is not None:
+        raise NormswapError(f"{why}; per-tower analysis: the model does not run on text alone either "
+                            f"({type(error).__name__}: {first_line(error, 160)})")
     reached = {t for run in runs for t in run.towers}
     for path in towers:
-        if path in reached:
+        if any(path == r or path.startswith(r + ".") for r in reached):
             continue
         run, problem = _tower_run(model, path)
         if run is None:
             raise NormswapError(f"{why}; per-tower analysis: tower `{path}` does not run on inputs built for it "
                                 f"either ({problem})")
         runs.append(run)
-    try:
-        text = builder.text_inputs(model)
-    except NormswapError as exc:
-        raise NormswapError(f"{why}; per-tower analysis: no text-only inputs ({first_line(exc, 160)})") from None
-    error = builder.run_error(model, text)
-    if error is not None:
-        raise NormswapError(f"{why}; per-tower analysis: the model does not run on text alone either "
-                            f"({type(error).__name__}: {first_line(error, 160)})")
     runs.insert(0, Run("text", "model", text))
-    return Route(runs, towers, why)
+    return Route(runs, sorted({t for run in runs for t in run.towers}), why)
 
 
 def view(model: nn.Module, route: Route) -> nn.Module:

@@ -101,7 +101,7 @@ def test_llava_converts_by_towers_exact_through_the_full_model():
     line = report.plan.options["analysis_inputs"]
     assert line.startswith("per tower") and "`model.vision_tower` through the model's get_image_features" in line
     assert "text alone" in line and "unknown prompt format" in line
-    assert report.plan.options["towers"] == ["model.vision_tower"]
+    assert report.plan.options["towers"] == ["model.multi_modal_projector", "model.vision_tower"]  # tower + projector
     assert "per tower" in str(report)
     gen = torch.Generator().manual_seed(5)
     pixels = torch.randn(2, 3, 32, 32, generator=gen, dtype=torch.float64)
@@ -132,7 +132,8 @@ def test_audio_tower_converts_by_towers_exact_through_the_full_model():
     report = patched(model)
     assert not layernorms(model)
     assert all(s.verdict.startswith("exact") for s in report.sites if s.convert), report.plan.table()
-    assert "`model.audio_tower` through the model's get_audio_features" in report.plan.options["analysis_inputs"]
+    assert "`model.audio_tower`, `model.multi_modal_projector` through the model's get_audio_features" in \
+        report.plan.options["analysis_inputs"]
     gen = torch.Generator().manual_seed(3)
     features = torch.randn(2, 16, 32, generator=gen, dtype=torch.float64)
     stock = tf.VoxtralForConditionalGeneration
