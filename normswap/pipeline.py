@@ -1030,6 +1030,8 @@ def _calibrate(work: nn.Module, approx: list[SitePlan], sites: dict, originals: 
         fit, source = calibrate.user_batches(calibration), "user calibration data"
     elif hf:
         fit, source = calibrate.builtin_batches(work, tokenizer, batches=4, batch_size=16, seed=0)
+    elif towers.is_view(work):  # converted by towers: the runs' built inputs are all there is
+        fit, source = [(args, kwargs)], "the per-tower runs' built inputs (pass calibration= for a better fit)"
     else:
         fit, source = [(args, kwargs)], "the example inputs (custom model: pass calibration= for a better fit)"
     if not held_out:

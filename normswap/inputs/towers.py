@@ -33,6 +33,7 @@ join that stream, and no run analysed them there.
 from __future__ import annotations
 
 import inspect
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -272,12 +273,25 @@ def _tower_run(model: nn.Module, path: str) -> tuple[Run | None, str]:
         kw = builder.hf_example_inputs(tower)
     except NormswapError as exc:
         return None, first_line(exc, 160)
-    if "output_hidden_states" in builder.forward_params(tower):
-        kw["output_hidden_states"] = True  # the parent may read any layer's stream (LLaVA's vision_feature_layer)
+    if "output_hidden_states" in builder.forward_params(tower) and _reads_hidden_states(model):
+        kw["output_hidden_states"] = True  # the parent reads a layer's stream (LLaVA's vision_feature_layer)
     error = builder.run_error(tower, kw)
     if error is not None:
         return None, f"{type(error).__name__}: {first_line(error, 160)}"
     return Run(f"tower:{path}", "module", kw, [path], path, held=True), ""
+
+
+_LAYER_CHOICE = re.compile(r"feature_layer|select_layer|intermediate_layers|layers_indices|layer_ids|deepstack")
+
+
+def _reads_hidden_states(model: nn.Module) -> bool:
+    """Whether the model's own config picks a tower layer's stream to read (``vision_feature_layer``,
+    ``intermediate_layers_indices``, ...): the tower alone then runs with ``output_hidden_states=True``,
+    and every stream it returns is held exact."""
+    config = getattr(model, "config", None)
+    keys = [k for c in (config, *(v for v in vars(config).values() if hasattr(v, "to_dict"))) for k in vars(c)] \
+        if config is not None else []
+    return any(_LAYER_CHOICE.search(k) for k in keys)
 
 
 def fallback(model: nn.Module, failure: Exception) -> Route | None:
@@ -328,6 +342,11 @@ def view(model: nn.Module, route: Route) -> nn.Module:
     shared = object.__new__(sub)
     shared.__dict__ = model.__dict__
     return shared
+
+
+def is_view(model: nn.Module) -> bool:
+    """Whether ``model`` is a :func:`view` (or a copy of one): a model converted by towers."""
+    return getattr(type(model), "_normswap_route", None) is not None
 
 
 def _runs_forward(self: nn.Module, **kwargs: Any) -> dict[str, Any]:

@@ -176,3 +176,20 @@ def test_a_model_without_towers_keeps_its_error():
     assert towers.find_towers(model) == []
     with pytest.raises(NormswapError, match="could not run Broken.forward"):
         patched(model)
+
+
+def test_a_tower_run_alone_is_held_to_every_stream_the_model_reads():
+    """Without a feature method, the tower runs alone; LLaVA's config picks a middle layer
+    (``vision_feature_layer``), so its hidden states are outputs held exact, which centering its writers
+    would change: refused in one line naming the stream, model untouched."""
+    model = llava()
+    for holder in (model, model.model):  # no get_image_features anywhere: the tower must run alone
+        object.__setattr__(holder, "get_image_features", None)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(NormswapError) as err:
+        patched(model)
+    text = str(err.value)
+    assert "\n" not in text and "per-tower analysis refused: converting `model.vision_tower`" in text, text
+    assert "would change `tower:model.vision_tower." in text and "raw residual stream" in text
+    assert layernorms(model) == layernorms(llava())
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
