@@ -6,15 +6,16 @@ one forward (text with the image/audio tokens, plus the media). Where no layout 
 the builder does not know, a config whose cross-references a checkpoint fixes), ``patch`` would stop at
 "could not run X.forward". This module builds the other route the issue asks for:
 
-- **the media towers**, found by what they are: submodules that are transformers ``PreTrainedModel``\\ s
-  with a config of their own, a ``main_input_name`` that is media (``pixel_values``, ``input_features``,
-  ``input_values``, ``pixel_values_videos``) and LayerNorms inside;
-- **one run per modality through the parent's own feature method** (``get_image_features``,
-  ``get_video_features``, ``get_audio_features``: the tower *and* what the parent does to its output
-  before merging it, e.g. LLaVA's ``vision_feature_layer`` selection and its projector), on the first of
-  the builder's media layouts it runs on. A tower no feature method runs is run alone, on inputs built
-  for it (:func:`~normswap.inputs.builder.hf_example_inputs` of the tower, with
-  ``output_hidden_states=True`` where it takes it);
+- **one run per modality through the model's own feature method** (``get_image_features``,
+  ``get_video_features``, ``get_audio_features``: the tower *and* what the model does to its output
+  before merging it, e.g. LLaVA's ``vision_feature_layer`` selection and its projector), on the first
+  of the builder's media layouts it runs on. The modules it runs and the text run does not are its
+  towers, whatever their attribute names;
+- **a media tower no feature method runs, alone**, on inputs built for it
+  (:func:`~normswap.inputs.builder.hf_example_inputs` of the tower; ``output_hidden_states=True`` where
+  the model's config picks a layer to read). Such towers are found by what they are
+  (:func:`find_towers`): transformers ``PreTrainedModel`` models with a config of their own and a LayerNorm
+  inside, other than the text side;
 - **one text-only run of the whole model** (token ids, decoder ids for an encoder-decoder), which
   reaches every norm outside the towers.
 
