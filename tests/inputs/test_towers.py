@@ -193,3 +193,30 @@ def test_a_tower_run_alone_is_held_to_every_stream_the_model_reads():
     assert "would change `tower:model.vision_tower." in text and "raw residual stream" in text
     assert layernorms(model) == layernorms(llava())
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_cli_converts_and_verifies_by_towers(tmp_path):
+    """A saved Voxtral whose config leaves the audio token unset (no prompt can hold the audio): ``normswap
+    convert`` takes the per-tower route, says so, and checks the written checkpoint on the same runs
+    (reloaded bitwise); ``normswap verify`` compares original and checkpoint on them too."""
+    from click.testing import CliRunner
+
+    from normswap.cli import main
+
+    torch.manual_seed(0)
+    audio = tf.VoxtralEncoderConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                                    num_mel_bins=16, max_source_positions=16)
+    model = randomise(tf.VoxtralForConditionalGeneration(tf.VoxtralConfig(
+        audio_config=audio, text_config=tf.LlamaConfig(**TEXT), audio_token_id=None)), 0).float()
+    model.save_pretrained(tmp_path / "orig")
+    runner = CliRunner()
+    res = runner.invoke(main, ["convert", str(tmp_path / "orig"), "--out", str(tmp_path / "out")],
+                        catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    assert "analysis inputs: per tower" in res.stdout and "get_audio_features" in res.stdout, res.stdout
+    assert "reload_bitwise_equal=True" in res.stdout, res.stdout
+    res = runner.invoke(main, ["verify", str(tmp_path / "orig"), str(tmp_path / "out")], catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    assert "per-tower runs' built inputs" in res.stdout and ": OK" in res.stdout, res.stdout
+    converted = normswap.load(tmp_path / "out")
+    assert not layernorms(converted) and normswap.plan_of(converted).options["towers"]
