@@ -28,6 +28,7 @@ from normswap.analysis.planner import analyse
 from normswap.analysis.trace import flatten_outputs
 from normswap.copying import deepcopy_module
 from normswap.errors import ModelRunFailed, NaNOutputs, NormswapError, VerificationFailed, first_line
+from normswap.inputs import towers
 from normswap.inputs.probe import call_args, held_out_like, special_ids
 from normswap.integrations import torch_transformer, wrappers
 from normswap.nn.call_args import normalised
@@ -584,11 +585,20 @@ def plan(model: nn.Module, example_inputs: inputs.ExampleInputs = None, *,
     preflight(model)
     args, kwargs = inputs.resolve(model, example_inputs)
     untouched = versions(model)
+    route = None
     with eval_mode(model):
-        result = analysed_copy(model, args, kwargs, opts)[3]
+        try:
+            result = analysed_copy(model, args, kwargs, opts)[3]
+        except ModelRunFailed as exc:  # as patch does: each tower on inputs of its own (towers.fallback)
+            route = towers.fallback(model, exc) if example_inputs is None and inputs.is_hf_model(model) else None
+            if route is None:
+                raise
+            result = analysed_copy(towers.view(model, route), (), route.example_inputs(), opts)[3]
     check_untouched(model, untouched)
     decide_verdicts(result.plan, opts.mode)
-    if example_inputs is None and inputs.is_hf_model(model):
+    if route is not None:
+        route.check(result.plan, model)
+    elif example_inputs is None and inputs.is_hf_model(model):
         result.plan.options["analysis_inputs"] = inputs.describe_built(model, kwargs)
     return result.plan
 
@@ -629,10 +639,32 @@ def patch(model: nn.Module, example_inputs: inputs.ExampleInputs = None, *,
     opts = ConvertOptions.build(options, **keywords)
     model, opts, wrapped = unwrap(model, example_inputs, opts)
     st = _start(model, example_inputs, opts)
+    try:
+        committed = _convert(st)
+    except ModelRunFailed as exc:  # no whole-model layout ran: each tower on inputs of its own, if it has towers
+        route = towers.fallback(model, exc) if example_inputs is None and inputs.is_hf_model(model) else None
+        if route is None:
+            raise
+        st = _start(towers.view(model, route), route.example_inputs(), opts)
+        committed = _convert(st, lambda plan_: route.check(plan_, model))
+    if not committed:
+        return st.nothing
+    attach_plan(model, st.plan)
+    if on_commit is not None:
+        on_commit(model)
+    return _report(st, wrapped)
+
+
+def _convert(st: _Patching, check: Callable[[Plan], None] | None = None) -> bool:
+    """:func:`patch`'s steps on ``st``; False when there is nothing to do (``st.nothing`` says why).
+    ``check``: called on the plan before any edit, may refuse it (the per-tower route's conditions)."""
+    model = st.model
     with eval_mode(model):
-        nothing = _analyse(st)
-        if nothing is not None:
-            return nothing
+        st.nothing = _analyse(st)
+        if st.nothing is not None:
+            return False
+        if check is not None:
+            check(st.plan)
         _run_unseen_probe(st)
         _edit_weights(st)
         _swap(st, [sp for sp in st.todo if sp.verdict != "approximate"])  # approximate ones fit around them
@@ -642,10 +674,7 @@ def patch(model: nn.Module, example_inputs: inputs.ExampleInputs = None, *,
         report_warnings(st.plan, st.todo)
         check_untouched(model, st.untouched)
         _commit_verified(st)
-    attach_plan(model, st.plan)
-    if on_commit is not None:
-        on_commit(model)
-    return _report(st, wrapped)
+    return True
 
 
 @dataclass
@@ -676,6 +705,7 @@ class _Patching:
     calib: calibrate.CalibrationResult | None = None
     figures: dict[str, Any] = field(default_factory=dict)
     dtype_note: str = ""  # what the cast back to the model's dtype costs, when measured
+    nothing: Report | None = None  # the Report when there is nothing to convert
 
     @property
     def plan(self) -> Plan:
@@ -1000,6 +1030,8 @@ def _calibrate(work: nn.Module, approx: list[SitePlan], sites: dict, originals: 
         fit, source = calibrate.user_batches(calibration), "user calibration data"
     elif hf:
         fit, source = calibrate.builtin_batches(work, tokenizer, batches=4, batch_size=16, seed=0)
+    elif towers.is_view(work):  # converted by towers: the runs' built inputs are all there is
+        fit, source = [(args, kwargs)], "the per-tower runs' built inputs (pass calibration= for a better fit)"
     else:
         fit, source = [(args, kwargs)], "the example inputs (custom model: pass calibration= for a better fit)"
     if not held_out:

@@ -30,6 +30,7 @@ from normswap.analysis.plan import plan_of
 from normswap.checkpoint import io, source, writer
 from normswap.checkpoint.source import Source
 from normswap.errors import NormswapError, NothingToConvert, UsageError, VerificationFailed
+from normswap.inputs import towers
 from normswap.integrations.quiet import quietly
 from normswap.options import DTYPES, FORMATS, TASKS, ConvertOptions, choose
 from normswap.surgery.verify import (
@@ -384,6 +385,7 @@ def reload_check(
     dtype: torch.dtype,
     *,
     trust_remote_code: bool = False,
+    route: towers.Route | None = None,
 ) -> dict[str, Any]:
     """Load what was written and compare it with the converted model it was written from, on the same
     inputs (``probe``) and with its tensors in memory of their own as the converted model's are
@@ -395,7 +397,7 @@ def reload_check(
     model = load(out, trust_remote_code=True) if trust_remote_code else load(out)
     if not _half_on_cpu(model):  # (a half model on a CPU computes on float32 copies of its tensors anyway)
         own_memory(model)
-    reloaded = _run(model, probe)
+    reloaded = _run(towers.view(model, route) if route is not None else model, probe)  # a per-tower probe: its runs
     skip = set(plan.changed_outputs)
     # reloaded vs converted: every output, the raw streams the plan changes included (they must reload bitwise
     # too; a model whose only output is its raw stream, VitDet's backbone, has nothing else to compare)
@@ -628,6 +630,7 @@ class _Conversion:
     report: pipeline.Report | None = None
     side_bytes: int = 0  # the source's side files (tokenizer, processor), copied beside the weights
     example_inputs: Any = None  # as given (a function of the loaded model and processor: resolved by _load)
+    route: towers.Route | None = None  # converted by towers: the probe is the route's (``_original_outputs``)
 
 
 def _streams(st: _Conversion, low_memory: bool | None) -> bool:
@@ -685,6 +688,23 @@ def _load(st: _Conversion) -> None:
         st.example_inputs = st.example_inputs(st.model, st.proc)
 
 
+def _original_outputs(st: _Conversion) -> Any:
+    """The original's outputs on ``st.probe``. A multimodal model whose whole-model inputs do not run is
+    converted by towers (:mod:`normswap.inputs.towers`): its reload check then runs that route (a text-only
+    run and each tower's feature run, ``st.route``) on the original, the converted model and the reloaded
+    checkpoint alike."""
+    try:
+        return _run(st.model, st.probe)
+    except Exception as exc:  # the model's own code on the built inputs: any error it raises
+        if st.example_inputs is not None or not inputs.is_hf_model(st.model):
+            raise
+        route = towers.fallback(st.model, exc)
+        if route is None:
+            raise
+    st.route, st.probe = route, route.example_inputs()  # the route's inputs, as patch builds them
+    return _run(towers.view(st.model, route), st.probe)
+
+
 def _convert_loaded(st: _Conversion, progress: bool) -> None:
     """``normswap.patch`` on the loaded model (the original's outputs kept first for the reload check),
     refusing a conversion that never agrees with the original, and saying what grows or stays."""
@@ -693,7 +713,7 @@ def _convert_loaded(st: _Conversion, progress: bool) -> None:
         st.probe = dict(st.example_inputs)
     else:
         st.probe = probe_inputs(model) if inputs.is_hf_model(model) and st.example_inputs is None else None
-    st.original = _run(model, st.probe) if (st.opts.verify and st.probe is not None) else None
+    st.original = _original_outputs(st) if (st.opts.verify and st.probe is not None) else None
     st.steps.set_postfix_str("analysing and converting")
     try:
         with calibration_progress(progress):
@@ -727,7 +747,8 @@ def _cast_to_dtype(st: _Conversion) -> None:
         if st.probe is not None:
             st.probe = {k: (v.to(target) if torch.is_tensor(v) and v.is_floating_point() else v)
                         for k, v in st.probe.items()}
-    st.converted = _run(st.model, st.probe) if st.original is not None else None
+    if st.original is not None:
+        st.converted = _run(towers.view(st.model, st.route) if st.route else st.model, st.probe)
 
 
 def _write_and_check(st: _Conversion) -> None:
@@ -751,7 +772,7 @@ def _write_and_check(st: _Conversion) -> None:
             st.model = model = None
             gc.collect()
             figures = reload_check(st.fmt, tmp, st.converted, st.original, st.probe, plan, dtype_,
-                                   trust_remote_code=st.trust_remote_code)
+                                   trust_remote_code=st.trust_remote_code, route=st.route)
             if "reload_precision" in figures:  # stated where the precision of the conversion is
                 said = st.report.verification.get("verify_precision")
                 reload = f"reloaded checkpoint {figures.pop('reload_precision')}"

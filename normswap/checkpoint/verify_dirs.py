@@ -13,6 +13,7 @@ from normswap.analysis.plan import Plan, plan_of
 from normswap.checkpoint import source
 from normswap.checkpoint.reader import load
 from normswap.errors import NormswapError, first_line
+from normswap.inputs import towers
 from normswap.inputs.probe import HELD_OUT_SEED, held_out_like, special_ids
 from normswap.integrations.quiet import quietly
 from normswap.surgery.verify import (
@@ -68,7 +69,15 @@ def verify_checkpoint(
     src, source_match = _resolve_original(original, converted, conv, allow_pickle=allow_pickle,
                                           trust_remote_code=trust_remote_code, force=force)
     orig, proc = _load_original(src, conv, task, dtype, trust_remote_code)
+    if plan.options.get("towers") and data is None and example_inputs is None and inputs.is_hf_model(orig):
+        # converted per tower (its whole model runs on no built media): compared on the same runs
+        route = towers.fallback(orig, NormswapError("the conversion analysed it per tower"))
+        if route is not None:
+            orig, conv = towers.view(orig, route), towers.view(conv, route)
+            example_inputs = route.example_inputs()
     batches, probe_source = _batches(data, orig, proc, conv_path, example_inputs)
+    if towers.is_view(orig):
+        probe_source = probe_source.replace("the example inputs given", "the per-tower runs' built inputs", 1)
     skip, axes = set(plan.changed_outputs), dict(plan.changed_output_axes)
     figures, references, drew = _figures(orig, conv, batches, skip, axes)
     exact = all(sp.verdict != "approximate" for sp in plan.sites if sp.convert)

@@ -415,6 +415,8 @@ def convert(
         click.echo(headline)
     if plan is not None:
         click.echo(f"plan: {plan.summary(fmt)}")
+        if plan.options.get("towers"):  # converted by towers: which run reached which tower (inputs.towers)
+            click.echo(f"analysis inputs: {plan.options['analysis_inputs']}")
     if report.rotation is not None:
         click.echo(f"rotation: {report.rotation.headline()}")
     figs = figures_line(report.verification)

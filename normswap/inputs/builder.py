@@ -444,3 +444,29 @@ def describe(model: nn.Module, kwargs: dict[str, Any]) -> str:
     how = (f"; {' + '.join(kinds)} in one run of the whole model, so each tower runs on inputs of its own modality"
            if len(kinds) > 1 else "")
     return "built from the config: " + ", ".join(parts) + how
+
+
+# ------------------------------------------------------------------ pieces the per-tower route reuses
+def media_layouts(model: nn.Module, batch: int = 2, seed: int = 0) -> list[Layout]:
+    """Every media layout the builder would try for ``model`` (one per combination of modalities), in
+    its order of preference: what :mod:`normswap.inputs.towers` hands each tower's feature method."""
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    return list(_combinations(model.config, forward_params(model), batch, seed, dtype))
+
+
+def text_inputs(model: nn.Module, batch: int = 2, seq: int = 8, seed: int = 0) -> dict[str, Any]:
+    """The whole model's inputs with no media: text ids (decoder ids for an encoder-decoder) and the flags
+    the forward takes, as :func:`hf_example_inputs` builds them around a media layout."""
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    return _finish(model, model.config, forward_params(model), {}, {}, batch, seq, seed, device)
+
+
+def run_error(model: nn.Module, kwargs: dict[str, Any]) -> Exception | None:
+    """None when ``model`` runs on ``kwargs`` (a trial forward: eval, no grad, random state kept), else
+    what it raised."""
+    return _run_error(model, kwargs)
+
+
+def trial(model: nn.Module) -> contextlib.AbstractContextManager[None]:
+    """The context a trial forward of ``model`` runs in (see :func:`run_error`)."""
+    return _trial(model)
