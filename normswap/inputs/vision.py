@@ -168,19 +168,33 @@ def complete(params: Any, inputs: dict[str, Any]) -> None:
         inputs["cross_attention_mask"] = tiles[:, None].expand(-1, ids.shape[1], -1, -1).clone()
 
 
+MEDIA_KEYS = {"image": ("image_token_id", "image_token_index", "video_token_id", "video_token_index"),
+              "audio": ("audio_token_id", "audio_token_index")}
+MEDIA_INPUTS = {"image": ("pixel_values",), "audio": ("input_features", "input_values")}
+
+
 def required_media_token(model: Any, params: Any) -> str | None:
-    """The config key of a media placeholder token the forward needs but the config leaves unset
-    (BLIP-2 and InstructBLIP-Video configs saved before transformers placed the query outputs by token:
-    ``image_token_index: null``), or None. Such a forward cannot run on any input."""
-    if "input_ids" not in params or "pixel_values" not in params:
+    """The config key of a media placeholder token the forward needs but the config leaves unset, or None:
+    BLIP-2 and InstructBLIP-Video configs saved before transformers placed the query outputs by token
+    (``image_token_index: null``), Voxtral's default config (``audio_token_id: None``; its checkpoints set
+    it). The forward compares the prompt's ids with that key, so no input places the media: such a forward
+    cannot run on any input with its media."""
+    if "input_ids" not in params:
         return None
-    try:
-        source = inspect.getsource(type(model))
-    except (OSError, TypeError):
-        return None
+    sources = []
+    for module in dict.fromkeys((model, getattr(model, "base_model", None), getattr(model, "model", None))):
+        try:  # a head class leaves the merging to its base model (Voxtral)
+            sources.append(inspect.getsource(type(module)) if module is not None else "")
+        except (OSError, TypeError):
+            continue
+    source = "\n".join(sources)
     config = model.config
-    for key in ("image_token_id", "image_token_index", "video_token_id", "video_token_index"):
-        if key in vars(config) and getattr(config, key) is None and f"config.{key.rsplit('_', 1)[0]}" in source:
-            if not any(isinstance(getattr(config, k, None), int) for k in ("image_token_id", "video_token_id")):
+    for kind, keys in MEDIA_KEYS.items():
+        if not any(name in params for name in MEDIA_INPUTS[kind]):
+            continue
+        if any(isinstance(getattr(config, k, None), int) for k in keys):
+            continue
+        for key in keys:
+            if key in vars(config) and getattr(config, key) is None and f"config.{key.rsplit('_', 1)[0]}" in source:
                 return key
     return None
