@@ -129,7 +129,7 @@ def _feature_count(model: nn.Module, kind: str, layout: Layout, batch: int) -> i
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())
     # a signature hidden behind a decorator's (*args, **kwargs) takes the media and its metadata by name
     kw = {k: v for k, v in layout.items() if k in accepted or (takes_any and (k in MODALITY or k.endswith((
-        "_thw", "_mask", "_sizes"))))}
+        "_thw", "_mask", "_sizes", "_lengths"))))}
     with torch.no_grad():
         out = fn(**kw)
     feats = getattr(out, "pooler_output", None)
@@ -202,8 +202,21 @@ def _run_error(model: nn.Module, kwargs: dict[str, Any]) -> Exception | None:
 
 
 # the check transformers models make when the prompt's media tokens and the encoder's rows differ
-_MISMATCH = re.compile(r"(image|audio|video)\w* (?:features and \w+ tokens|tokens and features) do not match.*?"
-                       r"tokens: (\d+), features:? (\d+)", re.IGNORECASE | re.DOTALL)
+_MISMATCH = re.compile(r"(image|audio|video|multimodal)\w* (?:features and \w+ tokens|tokens and features) "
+                       r"do not match.*?tokens: (\d+), features:? (\d+)", re.IGNORECASE | re.DOTALL)
+
+
+def _mismatched_kind(fix: re.Match | None, counts: dict[str, int], batch: int) -> str | None:
+    """The modality whose prompt tokens the model's check found wrong: the one it names, or, where it says
+    "multimodal" (dots.note), the one whose tokens in the prompt are as many as the check counted."""
+    if fix is None:
+        return None
+    kind = fix.group(1).lower()
+    if kind != "multimodal":
+        return kind
+    tokens = int(fix.group(2))
+    matching = [k for k, n in counts.items() if n * batch == tokens]
+    return matching[0] if len(matching) == 1 else None
 
 
 def _key(model: nn.Module) -> tuple[str, int]:
@@ -263,9 +276,10 @@ def hf_example_inputs(model: nn.Module, batch: int = 2, seq: int = 8, seed: int 
                                             kwargs, error, variant)
         for _ in range(3):  # no usable get_*_features: the model's own check says how many, per modality
             fix = _MISMATCH.search(str(error)) if error is not None else None
-            if not fix or int(fix.group(3)) % batch:
+            kind = _mismatched_kind(fix, counts, batch)
+            if kind is None or int(fix.group(3)) % batch:
                 break
-            counts = {**counts, fix.group(1).lower(): int(fix.group(3)) // batch}
+            counts = {**counts, kind: int(fix.group(3)) // batch}
             kwargs = _finish(model, config, params, media_kw, counts, batch, seq, seed, device, variant)
             error = _run_error(model, kwargs)
         if error is not None:

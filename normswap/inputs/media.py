@@ -270,20 +270,26 @@ def with_sample_mask(layout: Layout, params: Any, *, from_features: bool = False
     """``layout`` plus ``padding_mask``, ones over the clip's raw samples ``(B, samples)``, where the forward
     takes one next to features (MOSS Transcribe-Diarize's audio features read it: one row per clip, as long
     as the audio the features were cut from, ``frames · 160``) or requires one next to raw audio. Left out
-    where it is optional next to raw audio: codecs (EnCodec, DAC) take a mask shaped like their input."""
-    param = params.get("padding_mask") if hasattr(params, "get") else None
-    if param is None or "padding_mask" in layout:
-        return layout
+    where it is optional next to raw audio: codecs (EnCodec, DAC) take a mask shaped like their input.
+    Next to features, also each clip's raw length where the forward takes ``*_sample_lengths``
+    (dots.note's ``chunk_sample_lengths``, one per clip)."""
+    batch = layout[next(iter(layout))].shape[0]
     if from_features:
         feats = layout["input_features"]
         mask = next((layout[k] for k in ("feature_attention_mask", "input_features_mask") if k in layout), None)
         frames = mask.shape[-1] if isinstance(mask, torch.Tensor) else max(feats.shape[1:])
         samples = frames * HOP_SAMPLES
-    elif getattr(param, "default", None) is inspect.Parameter.empty:
-        samples = layout["input_values"].shape[-1]
-    else:
+        # each chunk's raw length, where the forward reads it (dots.note's chunk_sample_lengths): all of it
+        layout = {**layout, **{name: torch.full((batch,), samples, dtype=torch.long) for name in params
+                               if name.endswith("_sample_lengths") and name not in layout}}
+    param = params.get("padding_mask") if hasattr(params, "get") else None
+    if param is None or "padding_mask" in layout:
         return layout
-    return {**layout, "padding_mask": torch.ones(layout[next(iter(layout))].shape[0], samples, dtype=torch.long)}
+    if not from_features:
+        if getattr(param, "default", None) is not inspect.Parameter.empty:
+            return layout
+        samples = layout["input_values"].shape[-1]
+    return {**layout, "padding_mask": torch.ones(batch, samples, dtype=torch.long)}
 
 
 def value_layouts(config: Any, batch: int, gen: torch.Generator, dtype: torch.dtype) -> Iterator[Layout]:

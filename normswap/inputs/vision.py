@@ -139,11 +139,17 @@ def tile_mask_variants(layouts: list[Layout]) -> Iterator[Layout]:
 
 def with_companions(layout: Layout, config: Any, params: Any, gen: torch.Generator, dtype: torch.dtype) -> Layout:
     """``layout`` plus the images a second vision tower takes at its own size: ``<name>_pixel_values``
-    for each ``<name>_vision_config`` (DeepSeek-VL hybrid's high-resolution SAM tower)."""
+    for each ``<name>_vision_config`` (DeepSeek-VL hybrid's high-resolution SAM tower); and each image's
+    merge factor, ``image_merge_sizes``, next to its grid where the forward takes it (VideoLLaMA 3)."""
+    out = dict(layout)
+    grid = layout.get("image_grid_thw")
+    if isinstance(grid, torch.Tensor) and "image_merge_sizes" in params:
+        # VideoLLaMA 3 merges each image's patches by its own factor: the tower's, which the grid's sides divide
+        merge = int(cfg(sub_config(config, "vision"), "spatial_merge_size", "merge_size", default=1))
+        out["image_merge_sizes"] = torch.full((grid.shape[0],), merge, dtype=torch.long)
     pixels = layout.get("pixel_values")
     if not isinstance(pixels, torch.Tensor) or pixels.dim() != 4:
-        return layout
-    out = dict(layout)
+        return out
     for name in params:
         prefix = name.removesuffix("_pixel_values")
         sub = getattr(config, f"{prefix}_vision_config", None)
