@@ -248,7 +248,7 @@ def hf_example_inputs(model: nn.Module, batch: int = 2, seq: int = 8, seed: int 
         batch = max(1, min(batch, AUDIO_FRAME_BUDGET // media.feature_frames(config)))
     key = _key(model)
     chosen = _CHOSEN.get(key)
-    combos = list(_combinations(config, params, batch, seed, dtype))
+    combos = list(_combinations(config, params, batch, seed, dtype, _encoder_needs(model)))
     if not combos and structured.main_inputs(config, params):
         combos = [{}]  # a trajectory, a codec decoder's latents: built whole in _finish
     if not combos:
@@ -347,10 +347,25 @@ def _side_ids(name: str) -> str | None:
     return side if side != name and side not in ("decoder", "") else None
 
 
-def _combinations(config: Any, params: dict[str, Any], batch: int, seed: int, dtype: torch.dtype
-                  ) -> Iterator[Layout]:
+def _encoder_needs(model: nn.Module) -> set[str]:
+    """The arguments the model's own media encoders (``get_image_features``, ``get_audio_features``, on it or
+    its base model) require, though its forward takes them as optional (Apertus 1.5's ``padding_mask``)."""
+    out: set[str] = set()
+    for owner in (model, getattr(model, "base_model", None)):
+        for kind in ("image", "audio"):
+            fn = getattr(owner, f"get_{kind}_features", None)
+            try:
+                out.update(_required(dict(inspect.signature(fn).parameters)) if callable(fn) else ())
+            except (TypeError, ValueError):
+                continue
+    return out
+
+
+def _combinations(config: Any, params: dict[str, Any], batch: int, seed: int, dtype: torch.dtype,
+                  needs: set[str] = frozenset()) -> Iterator[Layout]:
     """Every combination of one layout per media modality the forward takes (images, audio
-    features, raw audio, time series), in order of preference; ``{}`` for a text-only model."""
+    features, raw audio, time series), in order of preference; ``{}`` for a text-only model. ``needs``:
+    what the model's media encoders require (:func:`_encoder_needs`)."""
     gen = torch.Generator().manual_seed(seed + 1)  # media draws apart from the text ids' generator
     groups: list[list[Layout]] = []
     if "pixel_values" in params:
@@ -368,7 +383,7 @@ def _combinations(config: Any, params: dict[str, Any], batch: int, seed: int, dt
         groups.append([media.with_sample_mask(layout, params, from_features=True)
                        for layout in media.feature_layouts(config, batch, gen, dtype, masks)])
     if "input_values" in params:
-        groups.append([media.with_sample_mask(layout, params)
+        groups.append([media.with_sample_mask(layout, params, required="padding_mask" in needs)
                        for layout in media.value_layouts(config, batch, gen, dtype)])
     if "past_values" in params:
         groups.append(list(media.series_layouts(config, params, batch, gen, dtype)))

@@ -266,11 +266,12 @@ def stacked_feature_sizes(config: Any, mels: int, feats: int) -> list[int]:
 HOP_SAMPLES = 160  # 16 kHz samples per 10 ms feature frame
 
 
-def with_sample_mask(layout: Layout, params: Any, *, from_features: bool = False) -> Layout:
+def with_sample_mask(layout: Layout, params: Any, *, from_features: bool = False, required: bool = False) -> Layout:
     """``layout`` plus ``padding_mask``, ones over the clip's raw samples ``(B, samples)``, where the forward
     takes one next to features (MOSS Transcribe-Diarize's audio features read it: one row per clip, as long
-    as the audio the features were cut from, ``frames · 160``) or requires one next to raw audio. Left out
-    where it is optional next to raw audio: codecs (EnCodec, DAC) take a mask shaped like their input.
+    as the audio the features were cut from, ``frames · 160``) or requires one next to raw audio (``required``:
+    its audio encoder does, Apertus 1.5). Left out where it is optional next to raw audio: codecs (EnCodec,
+    DAC) take a mask shaped like their input.
     Next to features, also each clip's raw length where the forward takes ``*_sample_lengths``
     (dots.note's ``chunk_sample_lengths``, one per clip)."""
     batch = layout[next(iter(layout))].shape[0]
@@ -286,7 +287,7 @@ def with_sample_mask(layout: Layout, params: Any, *, from_features: bool = False
     if param is None or "padding_mask" in layout:
         return layout
     if not from_features:
-        if getattr(param, "default", None) is not inspect.Parameter.empty:
+        if not required and getattr(param, "default", None) is not inspect.Parameter.empty:
             return layout
         samples = layout["input_values"].shape[-1]
     return {**layout, "padding_mask": torch.ones(batch, samples, dtype=torch.long)}
