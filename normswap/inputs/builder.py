@@ -38,7 +38,7 @@ KNOWN = {"input_ids", "pixel_values", "grid_thw", "spatial_shapes", "input_featu
          "past_time_features", "past_observed_mask", "decoder_input_ids", "pixel_values_videos", "image_grid_thw",
          "video_grid_thw", "image_sizes", "pixel_attention_mask", "pixel_mask", "future_values",
          "future_time_features", "static_categorical_features", "static_real_features", "feature_attention_mask",
-         "input_features_mask"}
+         "input_features_mask", "padding_mask"}
 # a video-only model (InstructBLIP-Video) marks its frames' rows with its video token
 MEDIA_TOKEN = {"image": ("image_token_id", "image_token_index", "image_token", "video_token_id", "video_token_index"),
                "audio": ("audio_token_id", "audio_token_index", "audio_token")}
@@ -48,8 +48,11 @@ MEDIA_END = {"image": ("vision_end_token_id", "eoi_token_id", "eoi_token_index",
              "audio": ("audio_end_token_id", "eoa_token_id", "audio_eos_token_id")}
 _TOKEN_KEY = re.compile(r"(_token_id|_token_index|_token|_id)$")
 
-# (model class, config) -> index of the candidate that ran, media tokens per sample
-_CHOSEN: dict[tuple[str, int], tuple[int, dict[str, int]]] = {}
+# (model class, config) -> index of the candidate that ran, media tokens per sample, variant (below)
+_CHOSEN: dict[tuple[str, int], tuple[int, dict[str, int], frozenset[str]]] = {}
+# what a candidate is retried with when it does not run as first built (see _retry)
+NO_PROMPT_MASK = "no prompt mask"  # the prompt's all-ones attention_mask left out
+MASK_OVER_ROWS = "feature mask over encoder rows"  # the audio feature mask over the encoder's output rows
 KNOWN |= structured.NAMES  # boxes, trajectories, forecaster padding, task prompts, codec latents
 
 
@@ -126,7 +129,7 @@ def _feature_count(model: nn.Module, kind: str, layout: Layout, batch: int) -> i
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())
     # a signature hidden behind a decorator's (*args, **kwargs) takes the media and its metadata by name
     kw = {k: v for k, v in layout.items() if k in accepted or (takes_any and (k in MODALITY or k.endswith((
-        "_thw", "_mask", "_sizes"))))}
+        "_thw", "_mask", "_sizes", "_lengths"))))}
     with torch.no_grad():
         out = fn(**kw)
     feats = getattr(out, "pooler_output", None)
@@ -199,8 +202,21 @@ def _run_error(model: nn.Module, kwargs: dict[str, Any]) -> Exception | None:
 
 
 # the check transformers models make when the prompt's media tokens and the encoder's rows differ
-_MISMATCH = re.compile(r"(image|audio|video)\w* (?:features and \w+ tokens|tokens and features) do not match.*?"
-                       r"tokens: (\d+), features:? (\d+)", re.IGNORECASE | re.DOTALL)
+_MISMATCH = re.compile(r"(image|audio|video|multimodal)\w* (?:features and \w+ tokens|tokens and features) "
+                       r"do not match.*?tokens: (\d+), features:? (\d+)", re.IGNORECASE | re.DOTALL)
+
+
+def _mismatched_kind(fix: re.Match | None, counts: dict[str, int], batch: int) -> str | None:
+    """The modality whose prompt tokens the model's check found wrong: the one it names, or, where it says
+    "multimodal" (dots.note), the one whose tokens in the prompt are as many as the check counted."""
+    if fix is None:
+        return None
+    kind = fix.group(1).lower()
+    if kind != "multimodal":
+        return kind
+    tokens = int(fix.group(2))
+    matching = [k for k, n in counts.items() if n * batch == tokens]
+    return matching[0] if len(matching) == 1 else None
 
 
 def _key(model: nn.Module) -> tuple[str, int]:
@@ -232,7 +248,7 @@ def hf_example_inputs(model: nn.Module, batch: int = 2, seq: int = 8, seed: int 
         batch = max(1, min(batch, AUDIO_FRAME_BUDGET // media.feature_frames(config)))
     key = _key(model)
     chosen = _CHOSEN.get(key)
-    combos = list(_combinations(config, params, batch, seed, dtype))
+    combos = list(_combinations(config, params, batch, seed, dtype, _encoder_needs(model)))
     if not combos and structured.main_inputs(config, params):
         combos = [{}]  # a trajectory, a codec decoder's latents: built whole in _finish
     if not combos:
@@ -240,8 +256,8 @@ def hf_example_inputs(model: nn.Module, batch: int = 2, seq: int = 8, seed: int 
             f"cannot build example inputs for {type(model).__name__} (main input "
             f"{getattr(model, 'main_input_name', '?')!r}); pass example_inputs=(...) or a dict of kwargs")
     if chosen is not None and chosen[0] < len(combos):
-        index, counts = chosen
-        return _finish(model, config, params, combos[index], counts, batch, seq, seed, device)
+        index, counts, variant = chosen
+        return _finish(model, config, params, combos[index], counts, batch, seq, seed, device, variant)
     built, first, first_counts = None, 0, {}
     for index, media_kw in enumerate(combos):
         try:
@@ -254,25 +270,69 @@ def hf_example_inputs(model: nn.Module, batch: int = 2, seq: int = 8, seed: int 
         if len(combos) == 1 and not counts:
             return kwargs
         error = _run_error(model, kwargs)
+        variant: frozenset[str] = frozenset()
+        if error is not None:  # first with the counts the encoder gave, then with the ones the model's check says
+            kwargs, error, variant = _retry(model, config, params, media_kw, counts, batch, seq, seed, device,
+                                            kwargs, error, variant)
         for _ in range(3):  # no usable get_*_features: the model's own check says how many, per modality
             fix = _MISMATCH.search(str(error)) if error is not None else None
-            if not fix or int(fix.group(3)) % batch:
+            kind = _mismatched_kind(fix, counts, batch)
+            if kind is None or int(fix.group(3)) % batch:
                 break
-            counts = {**counts, fix.group(1).lower(): int(fix.group(3)) // batch}
-            kwargs = _finish(model, config, params, media_kw, counts, batch, seq, seed, device)
+            counts = {**counts, kind: int(fix.group(3)) // batch}
+            kwargs = _finish(model, config, params, media_kw, counts, batch, seq, seed, device, variant)
             error = _run_error(model, kwargs)
+        if error is not None:
+            kwargs, error, variant = _retry(model, config, params, media_kw, counts, batch, seq, seed, device,
+                                            kwargs, error, variant)
         if error is None:
-            _CHOSEN[key] = (index, counts)
+            _CHOSEN[key] = (index, counts, variant)
             return kwargs
     if (key_unset := vision.required_media_token(model, params)) is not None:
         raise NormswapError(
             f"{type(model).__name__} cannot run on any inputs: its config's `{key_unset}` is None, so its forward "
-            f"cannot place the images in the prompt; set `config.{key_unset}` to its processor's image token id "
-            "(checkpoints saved by recent transformers set it)")
+            f"cannot place the {_KIND_WORDS[key_unset.split('_')[0]]} in the prompt; set `config.{key_unset}` to its "
+            f"processor's {key_unset.split('_')[0]} token id (checkpoints saved by recent transformers set it)")
     if built is None:  # no layout even reached the model: the first, so the pipeline's error says why
         built = _finish(model, config, params, combos[0], {}, batch, seq, seed, device)
-    _CHOSEN[key] = (first, first_counts)  # none ran: later calls (probe, calibration) need not try them again
+    _CHOSEN[key] = (first, first_counts, frozenset())  # none ran: later calls (probe, calibration) need not retry
     return built
+
+
+def _retry(model: nn.Module, config: Any, params: dict[str, Any], media_kw: Layout, counts: dict[str, int],
+           batch: int, seq: int, seed: int, device: torch.device, kwargs: dict[str, Any], error: Exception,
+           variant: frozenset[str]) -> tuple[dict[str, Any], Exception | None, frozenset[str]]:
+    """A candidate that did not run, built again the way the model's own error points to:
+
+    - its check that the prompt's audio tokens match the encoder's rows fails although their counts
+      agree, and a feature mask came along: the mask is over the encoder's output rows, boolean, as
+      the model indexes its features with it (Granite Speech's ``input_features_mask``, which its
+      processor makes one entry per projected audio token);
+    - it reads a config key this config does not set (Qwen2.5-Omni's ``vision_start_token_id``, which
+      checkpoints set and 5.24's default config lacks) on the path the prompt's ``attention_mask``
+      opens (its 3-D rope index): the mask, all ones, is left out, and the positions are the plain ones.
+
+    ``(kwargs, error, variant)``: the inputs, None or what they raised, and the variant (``variant`` plus
+    what was kept) they were built with."""
+    tries = []
+    fix = _MISMATCH.search(str(error))
+    masks = [m for m in _FEATURE_MASKS if m in kwargs]
+    if fix and fix.group(1).lower() == "audio" and masks and counts.get("audio") and MASK_OVER_ROWS not in variant:
+        tries.append(MASK_OVER_ROWS)
+    if isinstance(error, AttributeError) and "Config' object has no attribute" in str(error) and \
+            "attention_mask" in kwargs and counts and NO_PROMPT_MASK not in variant:
+        tries.append(NO_PROMPT_MASK)
+    for extra in tries:
+        trial = _finish(model, config, params, media_kw, counts, batch, seq, seed, device, variant | {extra})
+        trial_error = _run_error(model, trial)
+        if trial_error is None or type(trial_error) is not type(error) or str(trial_error) != str(error):
+            variant, kwargs, error = variant | {extra}, trial, trial_error  # it moved on: keep it
+        if error is None:
+            break
+    return kwargs, error, variant
+
+
+_KIND_WORDS = {"image": "images", "video": "video frames", "audio": "audio"}
 
 
 def _required(params: dict[str, inspect.Parameter]) -> list[str]:
@@ -287,10 +347,25 @@ def _side_ids(name: str) -> str | None:
     return side if side != name and side not in ("decoder", "") else None
 
 
-def _combinations(config: Any, params: dict[str, Any], batch: int, seed: int, dtype: torch.dtype
-                  ) -> Iterator[Layout]:
+def _encoder_needs(model: nn.Module) -> set[str]:
+    """The arguments the model's own media encoders (``get_image_features``, ``get_audio_features``, on it or
+    its base model) require, though its forward takes them as optional (Apertus 1.5's ``padding_mask``)."""
+    out: set[str] = set()
+    for owner in (model, getattr(model, "base_model", None)):
+        for kind in ("image", "audio"):
+            fn = getattr(owner, f"get_{kind}_features", None)
+            try:
+                out.update(_required(dict(inspect.signature(fn).parameters)) if callable(fn) else ())
+            except (TypeError, ValueError):
+                continue
+    return out
+
+
+def _combinations(config: Any, params: dict[str, Any], batch: int, seed: int, dtype: torch.dtype,
+                  needs: set[str] = frozenset()) -> Iterator[Layout]:
     """Every combination of one layout per media modality the forward takes (images, audio
-    features, raw audio, time series), in order of preference; ``{}`` for a text-only model."""
+    features, raw audio, time series), in order of preference; ``{}`` for a text-only model. ``needs``:
+    what the model's media encoders require (:func:`_encoder_needs`)."""
     gen = torch.Generator().manual_seed(seed + 1)  # media draws apart from the text ids' generator
     groups: list[list[Layout]] = []
     if "pixel_values" in params:
@@ -305,9 +380,11 @@ def _combinations(config: Any, params: dict[str, Any], batch: int, seed: int, dt
         groups.append(towers)
     if "input_features" in params:
         masks = [m for m in ("feature_attention_mask", "input_features_mask") if m in params]
-        groups.append(list(media.feature_layouts(config, batch, gen, dtype, masks)))
+        groups.append([media.with_sample_mask(layout, params, from_features=True)
+                       for layout in media.feature_layouts(config, batch, gen, dtype, masks)])
     if "input_values" in params:
-        groups.append(list(media.value_layouts(config, batch, gen, dtype)))
+        groups.append([media.with_sample_mask(layout, params, required="padding_mask" in needs)
+                       for layout in media.value_layouts(config, batch, gen, dtype)])
     if "past_values" in params:
         groups.append(list(media.series_layouts(config, params, batch, gen, dtype)))
     if not groups:
@@ -336,10 +413,14 @@ def _counts(model: nn.Module, config: Any, params: dict[str, Any], media_kw: Lay
     return counts
 
 
+_FEATURE_MASKS = ("feature_attention_mask", "input_features_mask")
+
+
 def _finish(model: nn.Module, config: Any, params: dict[str, Any], media_kw: Layout, counts: dict[str, int],
-            batch: int, seq: int, seed: int, device: torch.device) -> dict[str, Any]:
+            batch: int, seq: int, seed: int, device: torch.device, variant: frozenset[str] = frozenset()
+            ) -> dict[str, Any]:
     """The media layout plus text ids (with the media tokens in the prompt), decoder ids and the
-    flags the forward takes, on the model's device."""
+    flags the forward takes, on the model's device; ``variant`` as :func:`_retry` found it."""
     gen = torch.Generator().manual_seed(seed)
     inputs: dict[str, Any] = {}
     avoid = special_ids(config)
@@ -374,13 +455,17 @@ def _finish(model: nn.Module, config: Any, params: dict[str, Any], media_kw: Lay
         for name in _required(params):  # side models' ids (InstructBLIP's Q-Former), over their own vocabulary
             if (side := _side_ids(name)) is not None:
                 inputs[name] = text_ids(sub_config(config, side), rows, seq, gen, avoid)
-        if counts and "attention_mask" in params:  # merging media into the prompt reads the mask (Qwen2-Audio)
-            inputs["attention_mask"] = torch.ones_like(ids)
+        if counts and "attention_mask" in params and NO_PROMPT_MASK not in variant:
+            inputs["attention_mask"] = torch.ones_like(ids)  # merging media into the prompt reads it (Qwen2-Audio)
         if counts and "mm_token_type_ids" in params:
             inputs["mm_token_type_ids"] = types
         elif counts.get("image") and "token_type_ids" in params:
             inputs["token_type_ids"] = (types == 1).long()
     inputs.update(media_kw)
+    if MASK_OVER_ROWS in variant:
+        for name in _FEATURE_MASKS:
+            if name in inputs:
+                inputs[name] = torch.ones(rows, counts["audio"], dtype=torch.bool)
     vision.complete(params, inputs)
     if "decoder_input_ids" in params and (getattr(config, "is_encoder_decoder", False) or "input_ids" not in params):
         dcfg = sub_config(config, "decoder")

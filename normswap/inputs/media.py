@@ -8,6 +8,7 @@ first with which the model runs. The sizes come from the config (``image_size``,
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Iterator
 from typing import Any
@@ -192,8 +193,23 @@ def video_layouts(config: Any, params: Any, batch: int, gen: torch.Generator, dt
 AUDIO_FRAME_BUDGET = 3000  # log-mel frames of 10 ms per batch: one 30-second clip
 
 
+AUDIO_KINDS = ("audio", "speech", "encoder", "asr")
+FEATURE_KEYS = ("num_mel_bins", "n_mels", "feature_size", "input_feat_size")
+
+
 def audio_config(config: Any) -> Any:
-    return sub_config(config, "audio", "speech", "encoder", "asr")
+    """The config of the audio encoder: ``audio_config`` (or ``speech``, ``encoder``, ``asr``), and
+    inside it the one that sets the feature width where it only groups others (Nemotron 3.5
+    Transcribe's ``audio_config`` holds an ``asr_config`` with the mel count and a diarization config)."""
+    acfg = sub_config(config, *AUDIO_KINDS)
+    for _ in range(2):
+        if acfg is config or cfg(acfg, *FEATURE_KEYS) is not None:
+            break
+        inner = sub_config(acfg, *AUDIO_KINDS)
+        if inner is acfg:
+            break
+        acfg = inner
+    return acfg
 
 
 def feature_frames(config: Any) -> int:
@@ -245,6 +261,36 @@ def stacked_feature_sizes(config: Any, mels: int, feats: int) -> list[int]:
     stack = _int(cfg(acfg, "num_stacked_frames", "lfr_m"))
     sizes += [mels * stack if stack else None, 2 * mels, 4 * mels, _int(cfg(acfg, "subsampling_conv_channels"))]
     return [s for s in dict.fromkeys(sizes) if s and s not in (mels, feats)]
+
+
+HOP_SAMPLES = 160  # 16 kHz samples per 10 ms feature frame
+
+
+def with_sample_mask(layout: Layout, params: Any, *, from_features: bool = False, required: bool = False) -> Layout:
+    """``layout`` plus ``padding_mask``, ones over the clip's raw samples ``(B, samples)``, where the forward
+    takes one next to features (MOSS Transcribe-Diarize's audio features read it: one row per clip, as long
+    as the audio the features were cut from, ``frames · 160``) or requires one next to raw audio (``required``:
+    its audio encoder does, Apertus 1.5). Left out where it is optional next to raw audio: codecs (EnCodec,
+    DAC) take a mask shaped like their input.
+    Next to features, also each clip's raw length where the forward takes ``*_sample_lengths``
+    (dots.note's ``chunk_sample_lengths``, one per clip)."""
+    batch = layout[next(iter(layout))].shape[0]
+    if from_features:
+        feats = layout["input_features"]
+        mask = next((layout[k] for k in ("feature_attention_mask", "input_features_mask") if k in layout), None)
+        frames = mask.shape[-1] if isinstance(mask, torch.Tensor) else max(feats.shape[1:])
+        samples = frames * HOP_SAMPLES
+        # each chunk's raw length, where the forward reads it (dots.note's chunk_sample_lengths): all of it
+        layout = {**layout, **{name: torch.full((batch,), samples, dtype=torch.long) for name in params
+                               if name.endswith("_sample_lengths") and name not in layout}}
+    param = params.get("padding_mask") if hasattr(params, "get") else None
+    if param is None or "padding_mask" in layout:
+        return layout
+    if not from_features:
+        if not required and getattr(param, "default", None) is not inspect.Parameter.empty:
+            return layout
+        samples = layout["input_values"].shape[-1]
+    return {**layout, "padding_mask": torch.ones(batch, samples, dtype=torch.long)}
 
 
 def value_layouts(config: Any, batch: int, gen: torch.Generator, dtype: torch.dtype) -> Iterator[Layout]:

@@ -139,11 +139,17 @@ def tile_mask_variants(layouts: list[Layout]) -> Iterator[Layout]:
 
 def with_companions(layout: Layout, config: Any, params: Any, gen: torch.Generator, dtype: torch.dtype) -> Layout:
     """``layout`` plus the images a second vision tower takes at its own size: ``<name>_pixel_values``
-    for each ``<name>_vision_config`` (DeepSeek-VL hybrid's high-resolution SAM tower)."""
+    for each ``<name>_vision_config`` (DeepSeek-VL hybrid's high-resolution SAM tower); and each image's
+    merge factor, ``image_merge_sizes``, next to its grid where the forward takes it (VideoLLaMA 3)."""
+    out = dict(layout)
+    grid = layout.get("image_grid_thw")
+    if isinstance(grid, torch.Tensor) and "image_merge_sizes" in params:
+        # VideoLLaMA 3 merges each image's patches by its own factor: the tower's, which the grid's sides divide
+        merge = int(cfg(sub_config(config, "vision"), "spatial_merge_size", "merge_size", default=1))
+        out["image_merge_sizes"] = torch.full((grid.shape[0],), merge, dtype=torch.long)
     pixels = layout.get("pixel_values")
     if not isinstance(pixels, torch.Tensor) or pixels.dim() != 4:
-        return layout
-    out = dict(layout)
+        return out
     for name in params:
         prefix = name.removesuffix("_pixel_values")
         sub = getattr(config, f"{prefix}_vision_config", None)
@@ -168,19 +174,33 @@ def complete(params: Any, inputs: dict[str, Any]) -> None:
         inputs["cross_attention_mask"] = tiles[:, None].expand(-1, ids.shape[1], -1, -1).clone()
 
 
+MEDIA_KEYS = {"image": ("image_token_id", "image_token_index", "video_token_id", "video_token_index"),
+              "audio": ("audio_token_id", "audio_token_index")}
+MEDIA_INPUTS = {"image": ("pixel_values",), "audio": ("input_features", "input_values")}
+
+
 def required_media_token(model: Any, params: Any) -> str | None:
-    """The config key of a media placeholder token the forward needs but the config leaves unset
-    (BLIP-2 and InstructBLIP-Video configs saved before transformers placed the query outputs by token:
-    ``image_token_index: null``), or None. Such a forward cannot run on any input."""
-    if "input_ids" not in params or "pixel_values" not in params:
+    """The config key of a media placeholder token the forward needs but the config leaves unset, or None:
+    BLIP-2 and InstructBLIP-Video configs saved before transformers placed the query outputs by token
+    (``image_token_index: null``), Voxtral's default config (``audio_token_id: None``; its checkpoints set
+    it). The forward compares the prompt's ids with that key, so no input places the media: such a forward
+    cannot run on any input with its media."""
+    if "input_ids" not in params:
         return None
-    try:
-        source = inspect.getsource(type(model))
-    except (OSError, TypeError):
-        return None
+    sources = []
+    for module in dict.fromkeys((model, getattr(model, "base_model", None), getattr(model, "model", None))):
+        try:  # a head class leaves the merging to its base model (Voxtral)
+            sources.append(inspect.getsource(type(module)) if module is not None else "")
+        except (OSError, TypeError):
+            continue
+    source = "\n".join(sources)
     config = model.config
-    for key in ("image_token_id", "image_token_index", "video_token_id", "video_token_index"):
-        if key in vars(config) and getattr(config, key) is None and f"config.{key.rsplit('_', 1)[0]}" in source:
-            if not any(isinstance(getattr(config, k, None), int) for k in ("image_token_id", "video_token_id")):
+    for kind, keys in MEDIA_KEYS.items():
+        if not any(name in params for name in MEDIA_INPUTS[kind]):
+            continue
+        if any(isinstance(getattr(config, k, None), int) for k in keys):
+            continue
+        for key in keys:
+            if key in vars(config) and getattr(config, key) is None and f"config.{key.rsplit('_', 1)[0]}" in source:
                 return key
     return None
