@@ -691,25 +691,64 @@ def _pooled(hidden: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     return (h * m).sum(1) / m.sum(1).clamp_min(1.0)
 
 
-def neighbour_figures(teacher: torch.Tensor, student: torch.Tensor) -> dict[str, float]:
+# a converted model's neighbour the original rates within this share of the item's similarity range
+# (best minus worst over the other items) of its own best is a tie: the original does not prefer one
+# to the other (see :func:`neighbour_figures`)
+TIE_SHARE = 1e-3
+# similarities closer than this many ulps of the embedding dtype, times sqrt(width), are rounding
+RESOLUTION_ULPS = 16.0
+
+
+def similarity_resolution(dtype: torch.dtype, width: int) -> float:
+    """The smallest cosine-similarity difference that embeddings computed in ``dtype`` of ``width``
+    features resolve: ``RESOLUTION_ULPS · sqrt(width) · eps`` (a dot product's rounding grows with the
+    square root of its length). float64, width 32: 2e-14; float32, width 768: 5e-5."""
+    eps = torch.finfo(dtype).eps if dtype.is_floating_point else torch.finfo(torch.float64).eps
+    return RESOLUTION_ULPS * max(width, 1) ** 0.5 * eps
+
+
+def neighbour_figures(teacher: torch.Tensor, student: torch.Tensor,
+                      resolution: float | None = None) -> dict[str, float]:
     """Retrieval figures of embeddings ``[n, d]`` against the original's (n ≥ 3).
 
-    ``top1_neighbour_agreement``: share of items whose nearest other item (cosine) is the same;
-    ``recall_at_10``: share of the original's 10 nearest neighbours among the converted ones';
-    ``similarity_spearman``: Spearman correlation of all pairwise similarities.
+    ``top1_neighbour_agreement``: share of items whose nearest other item (cosine) is the same, or one
+    the original rates tied with its own nearest; ``recall_at_10``: share of the converted model's 10
+    nearest neighbours that the original rates at least as close as its own 10th (ties again count);
+    ``similarity_spearman``: Spearman correlation of all pairwise similarities. ``neighbour_items``: how
+    many items were judged.
+
+    A tie is a similarity within ``max(TIE_SHARE × range, resolution)`` of the original's, ``range``
+    being the spread of the original's similarities from that item to the others. Random tiny models
+    give held-out embeddings in clusters of near-duplicates (RT-DETR's decoder states: 21 of 32 items
+    with an exact twin; GroupViT: best and runner-up 3e-11 apart where the item's similarities span
+    1e-4): which of two items the original itself rates the same comes first is decided by rounding, and
+    a strict argmax called those conversions unusable (top-1 0.19 and 0.22). An item whose similarities
+    to all others are equal to within ``resolution`` (:func:`similarity_resolution`; the default is the
+    float64 one) has no nearest neighbour for the original either: it is not judged, and when no item is
+    judged the result is ``{}`` (D-FINE's or WavTokenizer's 32 outputs, identical to 1e-15).
     """
     n = teacher.shape[0]
     if n < 3:
         return {}
+    if resolution is None:
+        resolution = similarity_resolution(torch.float64, teacher.shape[-1])
     t = torch.nn.functional.normalize(teacher.double(), dim=-1)
     s = torch.nn.functional.normalize(student.double(), dim=-1)
     st, ss = t @ t.T, s @ s.T
     eye = torch.eye(n, dtype=torch.bool)
     st_m, ss_m = st.masked_fill(eye, -2.0), ss.masked_fill(eye, -2.0)
-    top1 = float((st_m.argmax(1) == ss_m.argmax(1)).double().mean())
+    spread = st_m.max(1).values - st.masked_fill(eye, 2.0).min(1).values
+    judged = spread > resolution
+    if not bool(judged.any()):
+        return {}
+    tol = (TIE_SHARE * spread).clamp_min(resolution)
+    best = st_m.max(1).values
+    chosen = st_m.gather(1, ss_m.argmax(1, keepdim=True)).squeeze(1)  # the original's rating of the converted choice
+    top1 = float((chosen >= best - tol)[judged].double().mean())
     k = min(10, n - 1)
-    nt, ns = st_m.topk(k, dim=1).indices, ss_m.topk(k, dim=1).indices
-    hits = (nt.unsqueeze(2) == ns.unsqueeze(1)).any(2).double().mean()
+    kth = st_m.topk(k, dim=1).values[:, -1]
+    picked = st_m.gather(1, ss_m.topk(k, dim=1).indices)  # the original's ratings of the converted top k
+    hits = (picked >= (kth - tol).unsqueeze(1)).double().mean(1)[judged].mean()
     iu = torch.triu_indices(n, n, 1)
     a, b = st[iu[0], iu[1]], ss[iu[0], iu[1]]
 
@@ -721,27 +760,43 @@ def neighbour_figures(teacher: torch.Tensor, student: torch.Tensor) -> dict[str,
     ra, rb = rank(a), rank(b)
     ra, rb = ra - ra.mean(), rb - rb.mean()
     rho = float((ra * rb).sum() / (ra.norm() * rb.norm()).clamp_min(1e-30))
-    return {"top1_neighbour_agreement": top1, "recall_at_10": float(hits), "similarity_spearman": rho}
+    return {"top1_neighbour_agreement": top1, "recall_at_10": float(hits), "similarity_spearman": rho,
+            "neighbour_items": float(judged.sum())}
+
+
+def decoder_states(outputs: dict[str, torch.Tensor], key: str) -> bool:
+    """Is output ``key`` a decoder's per-position states? ``last_hidden_state`` of a model that also
+    returns its encoder's (``encoder_last_hidden_state*``: a seq2seq model's decoder tokens, a DETR-style
+    detector's object queries, a time-series model's forecast steps). A head reads those states one
+    position at a time (a language-model head per token, a box head per query); nobody mean-pools them
+    into one embedding per input, so neighbours among such pooled vectors are not what a user sees."""
+    return key == "last_hidden_state" and outputs[key].dim() >= 3 and any(
+        k.startswith("encoder_last_hidden_state") for k in outputs)
 
 
 def measure(model: nn.Module, targets: list[Target], fits: dict[str, NormFit], batches: list[Batch],
             call: Callable[[Batch], Batch] | None = None,
             micro_batch: int | None = LOCKSTEP_MICRO_BATCH) -> dict[str, float]:
-    """Original vs calibrated model (fits standing in for their LayerNorms) on ``batches``.
+    """Original vs calibrated model (fits standing in for their LayerNorms) on ``batches``, in the figure
+    a user of the model's output reads.
 
     Models with logits: ``top1_agreement``, ``top5_agreement`` (the original's top-1 is in the
-    converted model's top 5), ``kl``. Others: ``cosine`` of mean-pooled embeddings (attention mask
-    respected) and the :func:`neighbour_figures`. Streamed per batch, in pieces of ``micro_batch`` rows
-    (every figure is per row: the pieces give the same result); only pooled embeddings are kept.
+    converted model's top 5), ``kl``. Decoder states (:func:`decoder_states`): ``state_cosine``, the mean
+    cosine of each position's state to the original's (real positions where the batch's
+    ``attention_mask`` covers them). Others (embeddings): ``cosine`` of mean-pooled embeddings (attention
+    mask respected) and the :func:`neighbour_figures` at the output dtype's resolution. Streamed per
+    batch, in pieces of ``micro_batch`` rows (every figure is per row: the pieces give the same result);
+    only pooled embeddings are kept.
     """
     prep = call or (lambda b: b)
     if micro_batch:
         batches = [piece for b in batches for piece in split_batch(b, micro_batch)]
     router = _Router(targets)
     router.fitted = {n: (f.weight, f.bias) for n, f in fits.items()}
-    acc = {"agree": 0.0, "agree5": 0.0, "kl": 0.0, "n": 0.0}
+    acc = {"agree": 0.0, "agree5": 0.0, "kl": 0.0, "n": 0.0, "state_cos": 0.0, "positions": 0.0}
     emb_t: list[torch.Tensor] = []
     emb_s: list[torch.Tensor] = []
+    dtype = torch.float64
     with router.installed():
         for batch in batches:
             b = prep(batch)
@@ -761,24 +816,35 @@ def measure(model: nn.Module, targets: list[Target], fits: dict[str, NormFit], b
             key = "last_hidden_state" if "last_hidden_state" in ref else primary_key(ref)
             if key is None or key not in out:
                 continue
+            if decoder_states(ref, key):
+                cos = torch.nn.functional.cosine_similarity(ref[key].double(), out[key].double(), dim=-1)
+                sel = mask.to(device=cos.device, dtype=torch.bool) if isinstance(mask, torch.Tensor) \
+                    and mask.shape == cos.shape[:2] and cos.dim() == 2 else torch.ones_like(cos, dtype=torch.bool)
+                acc["state_cos"] += float(cos[sel].sum())
+                acc["positions"] += float(sel.sum())
+                continue
+            dtype = ref[key].dtype
             emb_t.append(_pooled(ref[key], mask))
             emb_s.append(_pooled(out[key], mask))
     if acc["n"]:
         return {"top1_agreement": acc["agree"] / acc["n"], "top5_agreement": acc["agree5"] / acc["n"],
                 "kl": acc["kl"] / acc["n"]}
+    if acc["positions"]:
+        return {"state_cosine": acc["state_cos"] / acc["positions"]}
     if not emb_t:
         return {}
     t, s = torch.cat(emb_t), torch.cat(emb_s)
     figs = {"cosine": float(torch.nn.functional.cosine_similarity(t, s, dim=-1).mean())}
-    figs.update(neighbour_figures(t, s))
+    figs.update(neighbour_figures(t, s, similarity_resolution(dtype, t.shape[-1])))
     return figs
 
 
 def unusable(figures: dict[str, float]) -> str | None:
     """Why ``figures`` (from :func:`measure`) mean an unusable model, or None when usable."""
-    cos = figures.get("cosine")
-    if cos is not None and cos < MIN_COSINE:
-        return f"embedding cosine to the original {cos:.3f} < {MIN_COSINE}"
+    for key, what in (("cosine", "embedding cosine"), ("state_cosine", "per-position decoder-state cosine")):
+        cos = figures.get(key)
+        if cos is not None and cos < MIN_COSINE:
+            return f"{what} to the original {cos:.3f} < {MIN_COSINE}"
     top1 = figures.get("top1_agreement", figures.get("top1_neighbour_agreement"))
     if top1 is not None and top1 < MIN_TOP1:
         what = "top-1 agreement" if "top1_agreement" in figures else "top-1 neighbour agreement"
