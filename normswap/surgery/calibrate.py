@@ -246,6 +246,15 @@ def _token_rows(batch: Batch, x: torch.Tensor, rows: int) -> torch.Tensor | None
     return keep if bool(keep.any()) else None
 
 
+def _paired(x: torch.Tensor, y: torch.Tensor) -> bool:
+    """Can the converted model's input ``x`` at a norm be paired row for row with the original's output
+    ``y`` there? Not when their shapes differ: a length the model computes from its own predictions
+    (FastSpeech 2's length regulator repeats each phoneme by its predicted, rounded duration) came out
+    differently for the two (3040 vs 3056 frames on a tiny FastSpeech2-Conformer). The norm is then fitted,
+    for that batch, on the original's own input there (as an independent fit is)."""
+    return tuple(x.shape) == tuple(y.shape)
+
+
 def _add(sums: _Sums, target: Target, batch: Batch, x: torch.Tensor, y: torch.Tensor) -> None:
     """Add one batch's (normalised input, original output) rows to ``sums``, padding tokens left out."""
     u = target.normalise(x)
@@ -264,6 +273,7 @@ class _Router:
         self.student = False  # True: fitted targets output their RMSNorm instead of the LayerNorm
         self.fitted: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self.want: str | None = None  # capture this target's input (student) or output (teacher), then stop
+        self.want_input = False  # capture the teacher's input instead (see _paired)
         self.got: torch.Tensor | None = None
         self.order: list[str] = []
 
@@ -273,7 +283,7 @@ class _Router:
             if name not in self.order:
                 self.order.append(name)
             if name == self.want:
-                self.got = (x if self.student else normalised(output)).detach()
+                self.got = (x if self.student or self.want_input else normalised(output)).detach()
                 raise _Stop
             if self.student and name in self.fitted:
                 g, b = self.fitted[name]
@@ -292,8 +302,9 @@ class _Router:
                 h.remove()
 
 
-def _run(model: nn.Module, batch: Batch, router: _Router, *, student: bool, want: str | None) -> Any:
-    router.student, router.want, router.got = student, want, None
+def _run(model: nn.Module, batch: Batch, router: _Router, *, student: bool, want: str | None,
+         want_input: bool = False) -> Any:
+    router.student, router.want, router.got, router.want_input = student, want, None, want_input
     args, kwargs = batch
     try:
         with torch.no_grad():
@@ -301,7 +312,7 @@ def _run(model: nn.Module, batch: Batch, router: _Router, *, student: bool, want
     except _Stop:
         return router.got
     finally:
-        router.want = None
+        router.want, router.want_input = None, False
     return out if want is None else None
 
 
@@ -314,6 +325,7 @@ class _Worker:
         self.go = threading.Semaphore(0)
         self.at: str | None = None  # the norm it is paused at
         self.value: torch.Tensor | None = None  # that norm's input (student) or output (teacher)
+        self.source: torch.Tensor | None = None  # a teacher's input at that norm (see _paired)
         self.done = False
         self.error: BaseException | None = None
 
@@ -404,11 +416,12 @@ class _Lockstep:
         x = args[0] if args else next(iter(kwargs.values()))
         if name not in self.passed:
             w.at, w.value = name, (x if w.student else normalised(output)).detach()
+            w.source = None if w.student else x.detach()
             if name not in self.order:
                 self.order.append(name)
             self.paused.release()
             w.go.acquire()
-            w.at = w.value = None
+            w.at = w.value = w.source = None
             if self.abort:
                 raise _Stop
         fitted = self.router.fitted.get(name)
@@ -429,7 +442,7 @@ class _Lockstep:
         except BaseException as exc:  # noqa: BLE001 - handed to the scheduler, which raises it
             w.error = exc
         finally:
-            w.done, w.at, w.value = True, None, None
+            w.done, w.at, w.value, w.source = True, None, None, None
             self.paused.release()
 
     # -- the scheduler (caller's thread)
@@ -442,11 +455,12 @@ class _Lockstep:
         if w.error is not None:
             raise w.error
 
-    def run(self, fit: Callable[[str, list[tuple[Batch, torch.Tensor, torch.Tensor]]], None],
+    def run(self, fit: Callable[[str, list[tuple[Batch, torch.Tensor, torch.Tensor, torch.Tensor]]], None],
             fits_left: Callable[[], None] | None = None,
             budget: Callable[[_Worker], bool] | None = None) -> bool:
-        """Drive every forward to its end, calling ``fit(name, [(batch, x, y), ...])`` whenever all
-        paused forwards wait for ``name``. ``budget(first_teacher)``, asked once the first teacher
+        """Drive every forward to its end, calling ``fit(name, [(batch, x, y, x_teacher), ...])`` whenever
+        all paused forwards wait for ``name`` (``x_teacher``: the original's own input there, for
+        :func:`_paired`). ``budget(first_teacher)``, asked once the first teacher
         reached its first norm, may refuse the run (the set will not fit in memory): returns False."""
         threads = [threading.Thread(target=self.body, args=(w,), daemon=True, name=f"normswap-calib-{i}")
                    for i, w in enumerate(self.workers)]
@@ -463,9 +477,9 @@ class _Lockstep:
                     return True
                 name = min((w.at for w in waiting), key=self.order.index)
                 here = [w for w in waiting if w.at == name]
-                teach = {w.index: w.value for w in here if not w.student}
+                teach = {w.index: (w.value, w.source) for w in here if not w.student}
                 stud = {w.index: w.value for w in here if w.student}
-                fit(name, [(self.batches[i], stud[i], teach[i]) for i in sorted(teach.keys() & stud.keys())])
+                fit(name, [(self.batches[i], stud[i], *teach[i]) for i in sorted(teach.keys() & stud.keys())])
                 del teach, stud
                 self.passed.add(name)
                 for w in here:
@@ -531,9 +545,10 @@ def _fit_one(t: Target, s: _Sums) -> NormFit:
 
 
 def _fit_replay(model: nn.Module, router: _Router, fittable: list[Target], batches: list[Batch],
-                prep: Callable[[Batch], Batch], sequential: bool) -> dict[str, NormFit]:
+                prep: Callable[[Batch], Batch], sequential: bool, unpaired: set[str]) -> dict[str, NormFit]:
     """The replaying path: for each norm, every batch runs from the input up to that norm, teacher
-    and student (cost quadratic in depth; memory one micro-batch). Independent fits: one pass."""
+    and student (cost quadratic in depth; memory one micro-batch). Independent fits: one pass.
+    ``unpaired`` collects the norms some batch of which was fitted on the original's input (:func:`_paired`)."""
     fits: dict[str, NormFit] = {}
     _run(model, prep(batches[0]), router, student=False, want=None)  # learn the execution order
     order = [n for n in router.order if n in router.targets]
@@ -566,6 +581,9 @@ def _fit_replay(model: nn.Module, router: _Router, fittable: list[Target], batch
                     x = _run(model, b, router, student=True, want=n)
                     if x is None or y is None:
                         continue
+                    if not _paired(x, y):
+                        x = _run(model, b, router, student=False, want=n, want_input=True)
+                        unpaired.add(n)
                     _add(s, t, b, x, y)
                     del x, y
             else:
@@ -580,10 +598,11 @@ def _fit_replay(model: nn.Module, router: _Router, fittable: list[Target], batch
     return fits
 
 
-def _fit_lockstep(model: nn.Module, router: _Router, batches: list[Batch],
-                  prep: Callable[[Batch], Batch], memory_limit: int | None) -> dict[str, NormFit] | str:
+def _fit_lockstep(model: nn.Module, router: _Router, batches: list[Batch], prep: Callable[[Batch], Batch],
+                  memory_limit: int | None, unpaired: set[str]) -> dict[str, NormFit] | str:
     """The one-pass sequential path (:class:`_Lockstep`): the fits, or why it did not run (the
-    calibration set's boundary activations would not fit in ``memory_limit`` bytes)."""
+    calibration set's boundary activations would not fit in ``memory_limit`` bytes). ``unpaired``: as
+    in :func:`_fit_replay`."""
     prepped = [prep(b) for b in batches]
     fits: dict[str, NormFit] = {}
     bar = _progress(len(router.targets), "fitting norms")
@@ -601,10 +620,13 @@ def _fit_lockstep(model: nn.Module, router: _Router, batches: list[Batch],
                    f"student) do not fit in {memory_limit / 2**30:.1f} GiB")
         return False
 
-    def fit(name: str, rows: list[tuple[Batch, torch.Tensor, torch.Tensor]]) -> None:
+    def fit(name: str, rows: list[tuple[Batch, torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
         t = router.targets[name]
         s = _Sums()
-        for b, x, y in rows:
+        for b, x, y, x_teacher in rows:
+            if not _paired(x, y):
+                x = x_teacher
+                unpaired.add(name)
             _add(s, t, b, x, y)
         bar.update(1)
         bar.set_postfix_str(name, refresh=False)
@@ -663,21 +685,28 @@ def _fit(model: nn.Module, targets: list[Target], batches: list[Batch], *, seque
         return _Fitted({}, "nothing to fit")
     router = _Router(fittable)
     why = ""
+    unpaired: set[str] = set()
+
+    def unpaired_note() -> str:
+        return (f"; {len(unpaired)} norm(s) fitted on the original's own inputs, where the converted model's "
+                "activations came out at other lengths (lengths computed from its own predictions)") if unpaired else ""
+
     if sequential and pipeline != "replay":
         pieces = [p for b in batches for p in split_batch(b, micro_batch or LOCKSTEP_MICRO_BATCH)]
         limit = None if pipeline == "lockstep" else int(LOCKSTEP_MEMORY_SHARE * available_memory())
-        got = _fit_lockstep(model, router, pieces, prep, limit)
+        got = _fit_lockstep(model, router, pieces, prep, limit, unpaired)
         if not isinstance(got, str):
             return _Fitted(got, f"one pass (each layer runs once per batch for teacher and student; "
-                                f"{len(pieces)} forward(s) of each paused at every norm)")
+                                f"{len(pieces)} forward(s) of each paused at every norm)" + unpaired_note())
         why = got
         router = _Router(fittable)
+        unpaired.clear()
     pieces = [p for b in batches for p in split_batch(b, micro_batch or FIT_MICRO_BATCH)]
     with router.installed():
-        fits = _fit_replay(model, router, fittable, pieces, prep, sequential)
+        fits = _fit_replay(model, router, fittable, pieces, prep, sequential, unpaired)
     if not sequential:
         return _Fitted(fits, "one pass (independent fits)")
-    return _Fitted(fits, "replayed from the input for each norm" + (f" ({why})" if why else ""))
+    return _Fitted(fits, "replayed from the input for each norm" + (f" ({why})" if why else "") + unpaired_note())
 
 
 # ------------------------------------------------------------------------------ measurement
@@ -816,7 +845,7 @@ def measure(model: nn.Module, targets: list[Target], fits: dict[str, NormFit], b
             key = "last_hidden_state" if "last_hidden_state" in ref else primary_key(ref)
             if key is None or key not in out:
                 continue
-            if decoder_states(ref, key):
+            if decoder_states(ref, key) and ref[key].shape == out[key].shape:
                 cos = torch.nn.functional.cosine_similarity(ref[key].double(), out[key].double(), dim=-1)
                 sel = mask.to(device=cos.device, dtype=torch.bool) if isinstance(mask, torch.Tensor) \
                     and mask.shape == cos.shape[:2] and cos.dim() == 2 else torch.ones_like(cos, dtype=torch.bool)
