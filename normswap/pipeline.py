@@ -1051,7 +1051,7 @@ def _calibrate(work: nn.Module, approx: list[SitePlan], sites: dict, originals: 
             with computing_in(work, dtype), running(dtype, hold):
                 result = calibrate.calibrate(work, targets, fit, held_out, source=source,
                                              sequential=opts.sequential, call=call,
-                                             eval_source="built-in text" if hf else "the example inputs")
+                                             eval_source="built-in, another seed" if hf else "the example inputs")
         except (NormswapError, MemoryError):
             raise
         except Exception as exc:  # noqa: BLE001 - the model does not run on these batches in this dtype

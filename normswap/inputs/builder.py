@@ -482,6 +482,10 @@ def _finish(model: nn.Module, config: Any, params: dict[str, Any], media_kw: Lay
         inputs["encoder_hidden_states"] = encoder_states(model, rows, max(2, seq // 2 + 1), gen)
     if "use_cache" in params:
         inputs["use_cache"] = False
+    if "return_loss" in params:
+        # no loss: normswap compares outputs; a config that asks for one by default (FLAVA pre-training's
+        # return_loss=True) then demands labels no built input has (`codebook_pixel_values`)
+        inputs["return_loss"] = False
     return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
 
 

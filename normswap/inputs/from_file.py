@@ -71,11 +71,12 @@ def read_safetensors(path: str | os.PathLike, option: str = "--example-inputs") 
 
 
 def no_cache(model: nn.Module, kwargs: dict[str, Any]) -> dict[str, Any]:
-    """``use_cache=False`` where the forward takes it and the inputs do not say: one forward builds no
-    key/value cache (as the inputs normswap builds itself say)."""
-    if "use_cache" in inspect.signature(model.forward).parameters and "use_cache" not in kwargs:
-        return {**kwargs, "use_cache": False}
-    return kwargs
+    """``use_cache=False`` and ``return_loss=False`` where the forward takes them and the inputs do not
+    say: one forward builds no key/value cache and computes no loss (as the inputs normswap builds itself
+    say; FLAVA pre-training's config asks for a loss, which needs labels a file of inputs rarely holds)."""
+    params = inspect.signature(model.forward).parameters
+    flags = {k: False for k in ("use_cache", "return_loss") if k in params and k not in kwargs}
+    return {**kwargs, **flags} if flags else kwargs
 
 
 def check_names(model: nn.Module, given: dict[str, Any], what: str) -> None:

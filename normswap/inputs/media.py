@@ -59,8 +59,8 @@ def _int(x: Any) -> int | None:
 def image_geometry(config: Any) -> tuple[int, int, int]:
     """``(size, channels, patch)`` of the model's images: the vision config's ``image_size`` (else the
     top config's, else 64: big enough for a convolutional stem that halves 5 times), channels and
-    patch size (1 where there is none)."""
-    vcfg = sub_config(config, "vision", "backbone")
+    patch size (1 where there is none). FLAVA names its vision tower's config ``image_config``."""
+    vcfg = sub_config(config, "vision", "backbone", "image")
     size = _int(cfg(vcfg, "image_size", "img_size", "input_size")) or _int(cfg(config, "image_size")) or 64
     channels = _int(cfg(vcfg, "num_channels", "in_channels", "in_chans")) or 3
     patch = _int(cfg(vcfg, "patch_size", "spatial_patch_size")) or 1
@@ -90,7 +90,7 @@ def image_layouts(config: Any, params: Any, batch: int, gen: torch.Generator, dt
     forward takes them."""
     size, channels, patch = image_geometry(config)
     size = detection_size(config, size)
-    vcfg = sub_config(config, "vision", "backbone")
+    vcfg = sub_config(config, "vision", "backbone", "image")
     frames = _int(cfg(vcfg, "num_frames", "frames"))
 
     def pixels(*shape: int) -> torch.Tensor:

@@ -9,14 +9,22 @@ description the trace recorded (:data:`Returns`, kept in the plan and the checkp
 
 A subclass, so :class:`normswap.nn.rmsnorm.RMSNorm`'s own one-tensor ``forward`` (the decode hot
 path) keeps its cost; only these norms pay one extra Python call.
+
+:func:`argument_slot` finds a traced argument in a later call that passes it the other way (by name
+instead of position, or back), for the centering and rotation hooks installed on a module's inputs.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
+from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch import nn
 
+from normswap.errors import NormswapError
 from normswap.nn.rmsnorm import RMSNorm
 
 # What a norm returned, as recorded by the trace: ``{}`` for the normalised tensor alone, else
@@ -74,3 +82,39 @@ def with_normalised(output: Any, y: torch.Tensor) -> Any:
     if isinstance(output, torch.Tensor):
         return y
     return type(output)([y, *output[1:]])
+
+
+@functools.cache
+def _positional_names(forward: Callable) -> tuple[str, ...]:
+    """The names of ``forward``'s parameters that a caller may pass by position, in order (``self``
+    already bound); empty when the signature cannot be read."""
+    try:
+        params = inspect.signature(forward).parameters.values()
+    except (TypeError, ValueError):
+        return ()
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return tuple(p.name for p in params if p.kind in kinds)
+
+
+def argument_slot(module: nn.Module, args: tuple, kwargs: dict, arg: int | str) -> int | str:
+    """Where the argument the trace recorded as ``arg`` (a position, or a keyword's name) is in this call.
+
+    The trace records the slot as the traced call passed it, but a later caller may pass the same
+    argument the other way (traced as ``model(hidden_states=x)``, called as ``model(x)``): the module's
+    ``forward`` signature maps a name to its position and back. Raises :class:`NormswapError` when this
+    call does not pass it at all: the centering op would then be skipped and the converted norms would
+    read an uncentred stream, silently wrong."""
+    if isinstance(arg, int) and arg < len(args):
+        return arg
+    if isinstance(arg, str) and arg in kwargs:
+        return arg
+    names = _positional_names(type(module).forward)[1:]  # the unbound forward: its first name is self
+    if isinstance(arg, int) and arg < len(names) and names[arg] in kwargs:
+        return names[arg]
+    if isinstance(arg, str) and arg in names and names.index(arg) < len(args):
+        return names.index(arg)
+    what = f"argument {arg}" if isinstance(arg, int) else f"`{arg}`"
+    raise NormswapError(
+        f"{type(module).__name__}.forward was converted with an op (centering or rotation) on its input {what}, which "
+        "this call "
+        "does not pass; pass it (the converted norms need that stream centred to stay exact)")

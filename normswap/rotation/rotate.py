@@ -33,6 +33,7 @@ from torch import nn
 from normswap.analysis.linears import LinearView, linear_at, linear_module_kind, param_names
 from normswap.analysis.plan import CENTERED_VERDICTS, Plan, SitePlan, plan_of
 from normswap.errors import NormswapError
+from normswap.nn.call_args import argument_slot
 from normswap.nn.rmsnorm import RMSNorm
 from normswap.options import choose
 from normswap.rotation import hadamard
@@ -302,12 +303,13 @@ class RotateInput:
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         q = getattr(module, ROTATION_BUFFER)
-        if isinstance(self.arg, int):
+        slot = argument_slot(module, args, kwargs, self.arg)  # traced by name, perhaps called by position
+        if isinstance(slot, int):
             args = list(args)
-            args[self.arg] = torch.matmul(args[self.arg], q.to(args[self.arg].dtype))
+            args[slot] = torch.matmul(args[slot], q.to(args[slot].dtype))
             return tuple(args), kwargs
         kwargs = dict(kwargs)
-        kwargs[self.arg] = torch.matmul(kwargs[self.arg], q.to(kwargs[self.arg].dtype))
+        kwargs[slot] = torch.matmul(kwargs[slot], q.to(kwargs[slot].dtype))
         return args, kwargs
 
 

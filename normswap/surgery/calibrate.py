@@ -246,6 +246,15 @@ def _token_rows(batch: Batch, x: torch.Tensor, rows: int) -> torch.Tensor | None
     return keep if bool(keep.any()) else None
 
 
+def _paired(x: torch.Tensor, y: torch.Tensor) -> bool:
+    """Can the converted model's input ``x`` at a norm be paired row for row with the original's output
+    ``y`` there? Not when their shapes differ: a length the model computes from its own predictions
+    (FastSpeech 2's length regulator repeats each phoneme by its predicted, rounded duration) came out
+    differently for the two (3040 vs 3056 frames on a tiny FastSpeech2-Conformer). The norm is then fitted,
+    for that batch, on the original's own input there (as an independent fit is)."""
+    return tuple(x.shape) == tuple(y.shape)
+
+
 def _add(sums: _Sums, target: Target, batch: Batch, x: torch.Tensor, y: torch.Tensor) -> None:
     """Add one batch's (normalised input, original output) rows to ``sums``, padding tokens left out."""
     u = target.normalise(x)
@@ -264,6 +273,7 @@ class _Router:
         self.student = False  # True: fitted targets output their RMSNorm instead of the LayerNorm
         self.fitted: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self.want: str | None = None  # capture this target's input (student) or output (teacher), then stop
+        self.want_input = False  # capture the teacher's input instead (see _paired)
         self.got: torch.Tensor | None = None
         self.order: list[str] = []
 
@@ -273,7 +283,7 @@ class _Router:
             if name not in self.order:
                 self.order.append(name)
             if name == self.want:
-                self.got = (x if self.student else normalised(output)).detach()
+                self.got = (x if self.student or self.want_input else normalised(output)).detach()
                 raise _Stop
             if self.student and name in self.fitted:
                 g, b = self.fitted[name]
@@ -292,8 +302,9 @@ class _Router:
                 h.remove()
 
 
-def _run(model: nn.Module, batch: Batch, router: _Router, *, student: bool, want: str | None) -> Any:
-    router.student, router.want, router.got = student, want, None
+def _run(model: nn.Module, batch: Batch, router: _Router, *, student: bool, want: str | None,
+         want_input: bool = False) -> Any:
+    router.student, router.want, router.got, router.want_input = student, want, None, want_input
     args, kwargs = batch
     try:
         with torch.no_grad():
@@ -301,7 +312,7 @@ def _run(model: nn.Module, batch: Batch, router: _Router, *, student: bool, want
     except _Stop:
         return router.got
     finally:
-        router.want = None
+        router.want, router.want_input = None, False
     return out if want is None else None
 
 
@@ -314,6 +325,7 @@ class _Worker:
         self.go = threading.Semaphore(0)
         self.at: str | None = None  # the norm it is paused at
         self.value: torch.Tensor | None = None  # that norm's input (student) or output (teacher)
+        self.source: torch.Tensor | None = None  # a teacher's input at that norm (see _paired)
         self.done = False
         self.error: BaseException | None = None
 
@@ -404,11 +416,12 @@ class _Lockstep:
         x = args[0] if args else next(iter(kwargs.values()))
         if name not in self.passed:
             w.at, w.value = name, (x if w.student else normalised(output)).detach()
+            w.source = None if w.student else x.detach()
             if name not in self.order:
                 self.order.append(name)
             self.paused.release()
             w.go.acquire()
-            w.at = w.value = None
+            w.at = w.value = w.source = None
             if self.abort:
                 raise _Stop
         fitted = self.router.fitted.get(name)
@@ -429,7 +442,7 @@ class _Lockstep:
         except BaseException as exc:  # noqa: BLE001 - handed to the scheduler, which raises it
             w.error = exc
         finally:
-            w.done, w.at, w.value = True, None, None
+            w.done, w.at, w.value, w.source = True, None, None, None
             self.paused.release()
 
     # -- the scheduler (caller's thread)
@@ -442,11 +455,12 @@ class _Lockstep:
         if w.error is not None:
             raise w.error
 
-    def run(self, fit: Callable[[str, list[tuple[Batch, torch.Tensor, torch.Tensor]]], None],
+    def run(self, fit: Callable[[str, list[tuple[Batch, torch.Tensor, torch.Tensor, torch.Tensor]]], None],
             fits_left: Callable[[], None] | None = None,
             budget: Callable[[_Worker], bool] | None = None) -> bool:
-        """Drive every forward to its end, calling ``fit(name, [(batch, x, y), ...])`` whenever all
-        paused forwards wait for ``name``. ``budget(first_teacher)``, asked once the first teacher
+        """Drive every forward to its end, calling ``fit(name, [(batch, x, y, x_teacher), ...])`` whenever
+        all paused forwards wait for ``name`` (``x_teacher``: the original's own input there, for
+        :func:`_paired`). ``budget(first_teacher)``, asked once the first teacher
         reached its first norm, may refuse the run (the set will not fit in memory): returns False."""
         threads = [threading.Thread(target=self.body, args=(w,), daemon=True, name=f"normswap-calib-{i}")
                    for i, w in enumerate(self.workers)]
@@ -463,9 +477,9 @@ class _Lockstep:
                     return True
                 name = min((w.at for w in waiting), key=self.order.index)
                 here = [w for w in waiting if w.at == name]
-                teach = {w.index: w.value for w in here if not w.student}
+                teach = {w.index: (w.value, w.source) for w in here if not w.student}
                 stud = {w.index: w.value for w in here if w.student}
-                fit(name, [(self.batches[i], stud[i], teach[i]) for i in sorted(teach.keys() & stud.keys())])
+                fit(name, [(self.batches[i], stud[i], *teach[i]) for i in sorted(teach.keys() & stud.keys())])
                 del teach, stud
                 self.passed.add(name)
                 for w in here:
@@ -531,9 +545,10 @@ def _fit_one(t: Target, s: _Sums) -> NormFit:
 
 
 def _fit_replay(model: nn.Module, router: _Router, fittable: list[Target], batches: list[Batch],
-                prep: Callable[[Batch], Batch], sequential: bool) -> dict[str, NormFit]:
+                prep: Callable[[Batch], Batch], sequential: bool, unpaired: set[str]) -> dict[str, NormFit]:
     """The replaying path: for each norm, every batch runs from the input up to that norm, teacher
-    and student (cost quadratic in depth; memory one micro-batch). Independent fits: one pass."""
+    and student (cost quadratic in depth; memory one micro-batch). Independent fits: one pass.
+    ``unpaired`` collects the norms some batch of which was fitted on the original's input (:func:`_paired`)."""
     fits: dict[str, NormFit] = {}
     _run(model, prep(batches[0]), router, student=False, want=None)  # learn the execution order
     order = [n for n in router.order if n in router.targets]
@@ -566,6 +581,9 @@ def _fit_replay(model: nn.Module, router: _Router, fittable: list[Target], batch
                     x = _run(model, b, router, student=True, want=n)
                     if x is None or y is None:
                         continue
+                    if not _paired(x, y):
+                        x = _run(model, b, router, student=False, want=n, want_input=True)
+                        unpaired.add(n)
                     _add(s, t, b, x, y)
                     del x, y
             else:
@@ -580,10 +598,11 @@ def _fit_replay(model: nn.Module, router: _Router, fittable: list[Target], batch
     return fits
 
 
-def _fit_lockstep(model: nn.Module, router: _Router, batches: list[Batch],
-                  prep: Callable[[Batch], Batch], memory_limit: int | None) -> dict[str, NormFit] | str:
+def _fit_lockstep(model: nn.Module, router: _Router, batches: list[Batch], prep: Callable[[Batch], Batch],
+                  memory_limit: int | None, unpaired: set[str]) -> dict[str, NormFit] | str:
     """The one-pass sequential path (:class:`_Lockstep`): the fits, or why it did not run (the
-    calibration set's boundary activations would not fit in ``memory_limit`` bytes)."""
+    calibration set's boundary activations would not fit in ``memory_limit`` bytes). ``unpaired``: as
+    in :func:`_fit_replay`."""
     prepped = [prep(b) for b in batches]
     fits: dict[str, NormFit] = {}
     bar = _progress(len(router.targets), "fitting norms")
@@ -601,10 +620,13 @@ def _fit_lockstep(model: nn.Module, router: _Router, batches: list[Batch],
                    f"student) do not fit in {memory_limit / 2**30:.1f} GiB")
         return False
 
-    def fit(name: str, rows: list[tuple[Batch, torch.Tensor, torch.Tensor]]) -> None:
+    def fit(name: str, rows: list[tuple[Batch, torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
         t = router.targets[name]
         s = _Sums()
-        for b, x, y in rows:
+        for b, x, y, x_teacher in rows:
+            if not _paired(x, y):
+                x = x_teacher
+                unpaired.add(name)
             _add(s, t, b, x, y)
         bar.update(1)
         bar.set_postfix_str(name, refresh=False)
@@ -663,21 +685,28 @@ def _fit(model: nn.Module, targets: list[Target], batches: list[Batch], *, seque
         return _Fitted({}, "nothing to fit")
     router = _Router(fittable)
     why = ""
+    unpaired: set[str] = set()
+
+    def unpaired_note() -> str:
+        return (f"; {len(unpaired)} norm(s) fitted on the original's own inputs, where the converted model's "
+                "activations came out at other lengths (lengths computed from its own predictions)") if unpaired else ""
+
     if sequential and pipeline != "replay":
         pieces = [p for b in batches for p in split_batch(b, micro_batch or LOCKSTEP_MICRO_BATCH)]
         limit = None if pipeline == "lockstep" else int(LOCKSTEP_MEMORY_SHARE * available_memory())
-        got = _fit_lockstep(model, router, pieces, prep, limit)
+        got = _fit_lockstep(model, router, pieces, prep, limit, unpaired)
         if not isinstance(got, str):
             return _Fitted(got, f"one pass (each layer runs once per batch for teacher and student; "
-                                f"{len(pieces)} forward(s) of each paused at every norm)")
+                                f"{len(pieces)} forward(s) of each paused at every norm)" + unpaired_note())
         why = got
         router = _Router(fittable)
+        unpaired.clear()
     pieces = [p for b in batches for p in split_batch(b, micro_batch or FIT_MICRO_BATCH)]
     with router.installed():
-        fits = _fit_replay(model, router, fittable, pieces, prep, sequential)
+        fits = _fit_replay(model, router, fittable, pieces, prep, sequential, unpaired)
     if not sequential:
         return _Fitted(fits, "one pass (independent fits)")
-    return _Fitted(fits, "replayed from the input for each norm" + (f" ({why})" if why else ""))
+    return _Fitted(fits, "replayed from the input for each norm" + (f" ({why})" if why else "") + unpaired_note())
 
 
 # ------------------------------------------------------------------------------ measurement
@@ -691,25 +720,64 @@ def _pooled(hidden: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     return (h * m).sum(1) / m.sum(1).clamp_min(1.0)
 
 
-def neighbour_figures(teacher: torch.Tensor, student: torch.Tensor) -> dict[str, float]:
+# a converted model's neighbour the original rates within this share of the item's similarity range
+# (best minus worst over the other items) of its own best is a tie: the original does not prefer one
+# to the other (see :func:`neighbour_figures`)
+TIE_SHARE = 1e-3
+# similarities closer than this many ulps of the embedding dtype, times sqrt(width), are rounding
+RESOLUTION_ULPS = 16.0
+
+
+def similarity_resolution(dtype: torch.dtype, width: int) -> float:
+    """The smallest cosine-similarity difference that embeddings computed in ``dtype`` of ``width``
+    features resolve: ``RESOLUTION_ULPS · sqrt(width) · eps`` (a dot product's rounding grows with the
+    square root of its length). float64, width 32: 2e-14; float32, width 768: 5e-5."""
+    eps = torch.finfo(dtype).eps if dtype.is_floating_point else torch.finfo(torch.float64).eps
+    return RESOLUTION_ULPS * max(width, 1) ** 0.5 * eps
+
+
+def neighbour_figures(teacher: torch.Tensor, student: torch.Tensor,
+                      resolution: float | None = None) -> dict[str, float]:
     """Retrieval figures of embeddings ``[n, d]`` against the original's (n ≥ 3).
 
-    ``top1_neighbour_agreement``: share of items whose nearest other item (cosine) is the same;
-    ``recall_at_10``: share of the original's 10 nearest neighbours among the converted ones';
-    ``similarity_spearman``: Spearman correlation of all pairwise similarities.
+    ``top1_neighbour_agreement``: share of items whose nearest other item (cosine) is the same, or one
+    the original rates tied with its own nearest; ``recall_at_10``: share of the converted model's 10
+    nearest neighbours that the original rates at least as close as its own 10th (ties again count);
+    ``similarity_spearman``: Spearman correlation of all pairwise similarities. ``neighbour_items``: how
+    many items were judged.
+
+    A tie is a similarity within ``max(TIE_SHARE × range, resolution)`` of the original's, ``range``
+    being the spread of the original's similarities from that item to the others. Random tiny models
+    give held-out embeddings in clusters of near-duplicates (RT-DETR's decoder states: 21 of 32 items
+    with an exact twin; GroupViT: best and runner-up 3e-11 apart where the item's similarities span
+    1e-4): which of two items the original itself rates the same comes first is decided by rounding, and
+    a strict argmax called those conversions unusable (top-1 0.19 and 0.22). An item whose similarities
+    to all others are equal to within ``resolution`` (:func:`similarity_resolution`; the default is the
+    float64 one) has no nearest neighbour for the original either: it is not judged, and when no item is
+    judged the result is ``{}`` (D-FINE's or WavTokenizer's 32 outputs, identical to 1e-15).
     """
     n = teacher.shape[0]
     if n < 3:
         return {}
+    if resolution is None:
+        resolution = similarity_resolution(torch.float64, teacher.shape[-1])
     t = torch.nn.functional.normalize(teacher.double(), dim=-1)
     s = torch.nn.functional.normalize(student.double(), dim=-1)
     st, ss = t @ t.T, s @ s.T
     eye = torch.eye(n, dtype=torch.bool)
     st_m, ss_m = st.masked_fill(eye, -2.0), ss.masked_fill(eye, -2.0)
-    top1 = float((st_m.argmax(1) == ss_m.argmax(1)).double().mean())
+    spread = st_m.max(1).values - st.masked_fill(eye, 2.0).min(1).values
+    judged = spread > resolution
+    if not bool(judged.any()):
+        return {}
+    tol = (TIE_SHARE * spread).clamp_min(resolution)
+    best = st_m.max(1).values
+    chosen = st_m.gather(1, ss_m.argmax(1, keepdim=True)).squeeze(1)  # the original's rating of the converted choice
+    top1 = float((chosen >= best - tol)[judged].double().mean())
     k = min(10, n - 1)
-    nt, ns = st_m.topk(k, dim=1).indices, ss_m.topk(k, dim=1).indices
-    hits = (nt.unsqueeze(2) == ns.unsqueeze(1)).any(2).double().mean()
+    kth = st_m.topk(k, dim=1).values[:, -1]
+    picked = st_m.gather(1, ss_m.topk(k, dim=1).indices)  # the original's ratings of the converted top k
+    hits = (picked >= (kth - tol).unsqueeze(1)).double().mean(1)[judged].mean()
     iu = torch.triu_indices(n, n, 1)
     a, b = st[iu[0], iu[1]], ss[iu[0], iu[1]]
 
@@ -721,27 +789,43 @@ def neighbour_figures(teacher: torch.Tensor, student: torch.Tensor) -> dict[str,
     ra, rb = rank(a), rank(b)
     ra, rb = ra - ra.mean(), rb - rb.mean()
     rho = float((ra * rb).sum() / (ra.norm() * rb.norm()).clamp_min(1e-30))
-    return {"top1_neighbour_agreement": top1, "recall_at_10": float(hits), "similarity_spearman": rho}
+    return {"top1_neighbour_agreement": top1, "recall_at_10": float(hits), "similarity_spearman": rho,
+            "neighbour_items": float(judged.sum())}
+
+
+def decoder_states(outputs: dict[str, torch.Tensor], key: str) -> bool:
+    """Is output ``key`` a decoder's per-position states? ``last_hidden_state`` of a model that also
+    returns its encoder's (``encoder_last_hidden_state*``: a seq2seq model's decoder tokens, a DETR-style
+    detector's object queries, a time-series model's forecast steps). A head reads those states one
+    position at a time (a language-model head per token, a box head per query); nobody mean-pools them
+    into one embedding per input, so neighbours among such pooled vectors are not what a user sees."""
+    return key == "last_hidden_state" and outputs[key].dim() >= 3 and any(
+        k.startswith("encoder_last_hidden_state") for k in outputs)
 
 
 def measure(model: nn.Module, targets: list[Target], fits: dict[str, NormFit], batches: list[Batch],
             call: Callable[[Batch], Batch] | None = None,
             micro_batch: int | None = LOCKSTEP_MICRO_BATCH) -> dict[str, float]:
-    """Original vs calibrated model (fits standing in for their LayerNorms) on ``batches``.
+    """Original vs calibrated model (fits standing in for their LayerNorms) on ``batches``, in the figure
+    a user of the model's output reads.
 
     Models with logits: ``top1_agreement``, ``top5_agreement`` (the original's top-1 is in the
-    converted model's top 5), ``kl``. Others: ``cosine`` of mean-pooled embeddings (attention mask
-    respected) and the :func:`neighbour_figures`. Streamed per batch, in pieces of ``micro_batch`` rows
-    (every figure is per row: the pieces give the same result); only pooled embeddings are kept.
+    converted model's top 5), ``kl``. Decoder states (:func:`decoder_states`): ``state_cosine``, the mean
+    cosine of each position's state to the original's (real positions where the batch's
+    ``attention_mask`` covers them). Others (embeddings): ``cosine`` of mean-pooled embeddings (attention
+    mask respected) and the :func:`neighbour_figures` at the output dtype's resolution. Streamed per
+    batch, in pieces of ``micro_batch`` rows (every figure is per row: the pieces give the same result);
+    only pooled embeddings are kept.
     """
     prep = call or (lambda b: b)
     if micro_batch:
         batches = [piece for b in batches for piece in split_batch(b, micro_batch)]
     router = _Router(targets)
     router.fitted = {n: (f.weight, f.bias) for n, f in fits.items()}
-    acc = {"agree": 0.0, "agree5": 0.0, "kl": 0.0, "n": 0.0}
+    acc = {"agree": 0.0, "agree5": 0.0, "kl": 0.0, "n": 0.0, "state_cos": 0.0, "positions": 0.0}
     emb_t: list[torch.Tensor] = []
     emb_s: list[torch.Tensor] = []
+    dtype = torch.float64
     with router.installed():
         for batch in batches:
             b = prep(batch)
@@ -761,24 +845,35 @@ def measure(model: nn.Module, targets: list[Target], fits: dict[str, NormFit], b
             key = "last_hidden_state" if "last_hidden_state" in ref else primary_key(ref)
             if key is None or key not in out:
                 continue
+            if decoder_states(ref, key) and ref[key].shape == out[key].shape:
+                cos = torch.nn.functional.cosine_similarity(ref[key].double(), out[key].double(), dim=-1)
+                sel = mask.to(device=cos.device, dtype=torch.bool) if isinstance(mask, torch.Tensor) \
+                    and mask.shape == cos.shape[:2] and cos.dim() == 2 else torch.ones_like(cos, dtype=torch.bool)
+                acc["state_cos"] += float(cos[sel].sum())
+                acc["positions"] += float(sel.sum())
+                continue
+            dtype = ref[key].dtype
             emb_t.append(_pooled(ref[key], mask))
             emb_s.append(_pooled(out[key], mask))
     if acc["n"]:
         return {"top1_agreement": acc["agree"] / acc["n"], "top5_agreement": acc["agree5"] / acc["n"],
                 "kl": acc["kl"] / acc["n"]}
+    if acc["positions"]:
+        return {"state_cosine": acc["state_cos"] / acc["positions"]}
     if not emb_t:
         return {}
     t, s = torch.cat(emb_t), torch.cat(emb_s)
     figs = {"cosine": float(torch.nn.functional.cosine_similarity(t, s, dim=-1).mean())}
-    figs.update(neighbour_figures(t, s))
+    figs.update(neighbour_figures(t, s, similarity_resolution(dtype, t.shape[-1])))
     return figs
 
 
 def unusable(figures: dict[str, float]) -> str | None:
     """Why ``figures`` (from :func:`measure`) mean an unusable model, or None when usable."""
-    cos = figures.get("cosine")
-    if cos is not None and cos < MIN_COSINE:
-        return f"embedding cosine to the original {cos:.3f} < {MIN_COSINE}"
+    for key, what in (("cosine", "embedding cosine"), ("state_cosine", "per-position decoder-state cosine")):
+        cos = figures.get(key)
+        if cos is not None and cos < MIN_COSINE:
+            return f"{what} to the original {cos:.3f} < {MIN_COSINE}"
     top1 = figures.get("top1_agreement", figures.get("top1_neighbour_agreement"))
     if top1 is not None and top1 < MIN_TOP1:
         what = "top-1 agreement" if "top1_agreement" in figures else "top-1 neighbour agreement"

@@ -36,7 +36,7 @@ from normswap.analysis.plan import (
 )
 from normswap.analysis.walker import NormSite
 from normswap.integrations import torch_transformer
-from normswap.nn.call_args import RMSNormTakingArgs
+from normswap.nn.call_args import RMSNormTakingArgs, argument_slot
 from normswap.nn.rmsnorm import RMSNorm
 from normswap.surgery.scales import fold_layer_scale
 
@@ -419,12 +419,13 @@ class CenterInput:
         self.arg = arg
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict):
-        if isinstance(self.arg, int):
+        slot = argument_slot(module, args, kwargs, self.arg)
+        if isinstance(slot, int):
             args = list(args)
-            args[self.arg] = center_last(args[self.arg])
+            args[slot] = center_last(args[slot])
             return tuple(args), kwargs
         kwargs = dict(kwargs)
-        kwargs[self.arg] = center_last(kwargs[self.arg])
+        kwargs[slot] = center_last(kwargs[slot])
         return args, kwargs
 
 
@@ -437,7 +438,8 @@ class CenterResidual:
         self.arg = arg
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
-        a = args[self.arg] if isinstance(self.arg, int) else kwargs[self.arg]
+        slot = argument_slot(module, args, kwargs, self.arg)
+        a = args[slot] if isinstance(slot, int) else kwargs[slot]
         leaves, spec = pytree.tree_flatten(output)
         i = next(i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor))
         b = leaves[i]

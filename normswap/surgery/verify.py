@@ -356,10 +356,14 @@ def token_kl(reference_logits: torch.Tensor, converted_logits: torch.Tensor) -> 
     """``KL(softmax(reference) ‖ softmax(converted))`` over the last dim, per row, in float64, never below 0.
 
     A divergence is non-negative; the sum ``Σ p (log p − log q)`` of two nearly equal distributions can
-    round to a tiny negative number (``-4.5e-17``), which says nothing, so each row is clamped at 0."""
+    round to a tiny negative number (``-4.5e-17``), which says nothing, so each row is clamped at 0.
+    Classes the reference gives probability 0 add nothing (``0 · log 0 = 0``): masked logits of ``-inf``
+    in both (Grounding DINO's padded text positions) made the sum NaN."""
     logp_ref = torch.log_softmax(reference_logits.detach().double(), -1)
     logp_out = torch.log_softmax(converted_logits.detach().double(), -1)
-    return (logp_ref.exp() * (logp_ref - logp_out)).sum(-1).clamp_min(0.0)
+    p = logp_ref.exp()
+    terms = torch.where(p > 0, p * (logp_ref - logp_out), torch.zeros_like(p))
+    return terms.sum(-1).clamp_min(0.0)
 
 
 def max_rel_error(reference: torch.Tensor, converted: torch.Tensor) -> float:

@@ -29,6 +29,18 @@ def test_kl_is_never_negative():
     assert torch.allclose(token_kl(ref, far), (lr.exp() * (lr - lf)).sum(-1))
 
 
+def test_kl_ignores_classes_masked_out_in_both():
+    """Grounding DINO masks padded text positions with -inf logits: KL was NaN there (0 · (-inf + inf));
+    a class the reference gives probability 0 adds nothing, one only the converted model drops is inf."""
+    ref, out = near_identical_logits()
+    ref[:, 40:], out[:, 40:] = float("-inf"), float("-inf")
+    kl = token_kl(ref, out)
+    assert torch.isfinite(kl).all()
+    assert torch.allclose(kl, token_kl(ref[:, :40], out[:, :40]))
+    out[0, 3] = float("-inf")
+    assert token_kl(ref, out)[0] == float("inf")
+
+
 def test_recipe_kl_metric_is_never_negative():
     """The recipes' held-out KL is summed in float64 from the logits: for near-equal logits, where a
     float32 sum is rounding noise of either sign (it came out negative here, then clamped to 0), it is
