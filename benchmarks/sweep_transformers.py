@@ -25,8 +25,10 @@ inputs (:func:`runnable_totals`).
 Each type runs in a worker process (``OMP_NUM_THREADS=1``) with a per-type time limit, so a hang or a
 crash costs one row. ``--jobs`` runs that many workers side by side.
 
-    PYTHONPATH=$PWD python benchmarks/sweep_transformers.py --write   # all types (hours on 2 shared cores)
-    python benchmarks/sweep_transformers.py --only vit,whisper   # a few rows, printed
+    # everything (every type, the JSON and the page; about 40 min with two free cores):
+    PYTHONPATH=$PWD python benchmarks/sweep_transformers.py --write --jobs 2 \\
+        --before benchmarks/transformers_sweep_before.json
+    PYTHONPATH=$PWD python benchmarks/sweep_transformers.py --only vit,whisper   # a few rows, printed
     python benchmarks/sweep_transformers.py --render --write --before benchmarks/transformers_sweep_before.json
 
 ``--write`` writes docs/results/transformers-sweep.md and benchmarks/transformers_sweep.json.
@@ -53,6 +55,7 @@ DOC = REPO / "docs" / "results" / "transformers-sweep.md"
 JSON = REPO / "benchmarks" / "transformers_sweep.json"
 TYPE_LIMIT_S = 150  # per type, both classes: past this the worker is killed and the row says "timeout"
 MAX_PARAMS = 30_000_000  # a "tiny" config still above this is not built (memory on a shared machine)
+MAX_VOCAB = 65_536  # a tiny vocabulary kept larger than this (to fit a special id) is renumbered instead
 EXACT_LIMIT = 1e-9
 
 # the main head class: the first of these mappings that holds the type (a class other than the base)
@@ -109,13 +112,15 @@ FFN = {"intermediate_size", "ffn_dim", "encoder_ffn_dim", "decoder_ffn_dim", "d_
        "speech_encoder_intermediate_size", "t2u_encoder_ffn_dim", "t2u_decoder_ffn_dim"}
 LAYERS = {"num_hidden_layers", "num_layers", "n_layer", "n_layers", "encoder_layers", "decoder_layers",
           "num_encoder_layers", "num_decoder_layers", "depth", "decoder_num_hidden_layers", "num_blocks",
-          "decoder_depth", "encoder_depth", "num_decoder_blocks", "num_encoder_blocks", "num_self_attends_per_block"}
+          "decoder_depth", "encoder_depth", "num_decoder_blocks", "num_encoder_blocks", "num_self_attends_per_block",
+          "num_global_layers"}
 HEADS_ATTR = {"num_attention_heads", "n_head", "n_heads", "encoder_attention_heads", "decoder_attention_heads",
               "num_heads", "decoder_num_attention_heads", "num_attention_heads_text", "decoder_num_heads",
               "encoder_num_heads", "cross_num_attention_heads"}
 KV_HEADS = {"num_key_value_heads", "num_kv_heads", "n_head_kv", "cross_num_key_value_heads"}
-# sizes defined as equal to a width: a conv grouped per channel (Mimi's upsample_groups = hidden_size), a
-# codec's codebook vectors (EnCodec's codebook_dim = hidden_size)
+# sizes defined as equal to a width or a feed-forward width although their names say neither (or say
+# "not a width": codebook): a conv grouped per channel (Mimi's upsample_groups = hidden_size), a codec's
+# codebook vectors (EnCodec's codebook_dim = hidden_size); :func:`_follow_widths` applies them
 FOLLOWS_WIDTH = re.compile(r"(groups|codebook_dim|output_hidden_size)$")
 TOKEN_ID = re.compile(r"_(token_)?(id|index)$")
 
@@ -140,6 +145,36 @@ def all_special_ids(config: object) -> list[int]:
     return out
 
 
+def modeling_source(config: object) -> str:
+    """The text of the modeling code next to ``config``'s class (``modeling_*.py`` in its folder): what the
+    model reads from its config, which the config itself may not hold."""
+    import importlib
+
+    module = importlib.import_module(type(config).__module__)
+    folder = Path(module.__file__).parent
+    if folder not in _SOURCES:
+        _SOURCES[folder] = "".join(Path(f).read_text(encoding="utf-8", errors="ignore")
+                                   for f in sorted(glob.glob(str(folder / "modeling_*.py"))))
+    return _SOURCES[folder]
+
+
+_SOURCES: dict[Path, str] = {}
+
+
+def _unset_token_ids(config: object, ids: list[int]) -> None:
+    """A multimodal model's config (one that sets a media token id) that lacks a media token id its modeling
+    code reads (``self.config.vision_start_token_id``: Qwen2.5-Omni's thinker config does not define it, real
+    checkpoints set it) gets a fresh id past every other, as ``image_token_id`` does when unset."""
+    media = ("vision_", "image_", "video_", "audio_")
+    if not any(TOKEN_ID.search(k) and k.startswith(media) and _int(v) for k, v in config.__dict__.items()):
+        return
+    read = set(re.findall(r"config\.(\w+_token_id)\b", modeling_source(config)))
+    for name in sorted(read):  # hasattr: also a name the config maps to another (``image_token_id`` → ``_index``)
+        if not hasattr(config, name) and name.startswith(media):
+            config.__dict__[name] = max(ids + [127]) + 1
+            ids.append(config.__dict__[name])
+
+
 def shrink(config: object, depth: int = 0, ids: list[int] | None = None, images: bool = True,
            mild: bool = False, renumber: bool = False) -> None:
     """Shrink ``config`` (and its sub-configs) in place to a tiny model of the same architecture.
@@ -155,6 +190,8 @@ def shrink(config: object, depth: int = 0, ids: list[int] | None = None, images:
     ids = all_special_ids(config) if ids is None else ids
     images = images and "mm_tokens_per_image" not in config.__dict__
     d = config.__dict__
+    if depth == 0:  # the config the model class is built from
+        _unset_token_ids(config, ids)
     for k in ("image_token_id", "image_token_index"):  # unset in some defaults (BLIP-2), set in real checkpoints
         if k in d and d[k] is None and depth == 0:
             d[k] = max(ids + [127]) + 1
@@ -201,7 +238,9 @@ def shrink(config: object, depth: int = 0, ids: list[int] | None = None, images:
             d[k] = 4096
         elif k == "image_size" and images and isinstance(v, int) and v > 64 and (v % 2 == 0):
             patch = d.get("patch_size")
-            if isinstance(patch, int) and patch > 0 and v % patch == 0 and v // patch > 4:
+            # 4 patches a side; also an image that is not a whole number of patches (Aya Vision's default 384
+            # at patch 14: 27 patches a side, which its 2x pixel shuffle cannot fold)
+            if isinstance(patch, int) and patch > 0 and v // patch > 4:
                 d[k] = patch * 4 if patch * 4 >= 32 else 32 - 32 % patch
         elif k == "num_labels" and isinstance(v, int) and v > 32:
             d[k] = 32
@@ -218,8 +257,11 @@ def shrink(config: object, depth: int = 0, ids: list[int] | None = None, images:
     head_dim = d.get("head_dim") or (hidden // heads_now if isinstance(hidden, int) and heads_now else None)
     for k in ("rope_parameters", "rope_scaling"):  # multimodal RoPE sections follow the head width
         rope = d.get(k)
-        multimodal_rope = re.search(r"vl|omni", str(getattr(config, "model_type", "")))
-        if isinstance(rope, dict) and "mrope_section" not in rope and multimodal_rope:
+        # multimodal RoPE: by the type's name, or its modeling code reads sections (GLM-4V: "glm4v_text")
+        multimodal_rope = (re.search(r"vl|omni", str(getattr(config, "model_type", "")))
+                           or "mrope_section" in modeling_source(config))
+        flat = isinstance(rope, dict) and not any(isinstance(x, dict) for x in rope.values())  # not per layer type
+        if flat and "mrope_section" not in rope and multimodal_rope:
             rope["mrope_section"] = [16, 24, 24]  # the modeling code's default when the config has none
         if isinstance(rope, dict) and isinstance(rope.get("mrope_section"), list) and isinstance(head_dim, int):
             half, n = head_dim // 2, len(rope["mrope_section"])
@@ -232,6 +274,8 @@ def shrink(config: object, depth: int = 0, ids: list[int] | None = None, images:
     derived_sizes(config, before, mild)
     if tree is not None and not mild:
         _follow_widths_across(tree)
+    if tree is not None:
+        _read_out_layers(tree)
     for k in ("layer_types", "block_types", "layers_block_type"):  # per-layer lists follow the layer count
         v = d.get(k)
         n = d.get("num_hidden_layers")
@@ -260,6 +304,10 @@ MAMBA_HEAD_DIM = ("mamba_d_head", "mamba_headdim", "mamba_head_dim")
 MAMBA_GROUPS = ("mamba_n_groups", "mamba_ngroups", "n_groups")
 HEAD_DIM = 8  # shrink()'s head width
 LORA_RANK = 16  # low-rank projections (MLA's q/kv/o LoRA ranks, …)
+# lists of layers whose hidden states are read out (concatenated, stacked, fed to a projector): their
+# length is part of the architecture, unlike a list of the layers of one kind (``moe_layers``)
+READ_OUT = re.compile(r"(feature_layers?|intermediate_\w*ind(ices|exes)|deepstack_\w*indexes|hidden_state_indices)$")
+MAX_READ_OUT_DEPTH = 6
 KINDS = ("layer_types", "block_types", "layers_block_type", "layers_type", "attn_type_list", "hybrid_layer_types")
 # (names, cut above, cut to): an alias of a standard size is cut as the standard name; MoE sizes
 ALIAS_CAPS = ((WIDTH, 64, 32), (FFN, 64, 64), (LAYERS, 2, 2), (HEADS_ATTR, 4, 4), (KV_HEADS, 2, 2))
@@ -346,6 +394,64 @@ def _follow_widths_across(tree: list[tuple[dict, dict]]) -> None:
                 d[k] = cut[v]
 
 
+def _tower(tree: list[tuple[dict, dict]], d: dict, name: str) -> tuple[dict, dict, str] | None:
+    """The config whose layers ``d[name]`` indexes, its full-size attributes and its layer-count key:
+    ``d`` itself when its layers were cut, else the sub-config the name starts with (``vision_feature_layer``
+    → ``vision_config``), found in ``d`` or in the root config (Molmo2's adapter reads the vision tower)."""
+    from transformers import PretrainedConfig
+
+    def depth_key(c: dict, before: dict) -> str | None:
+        order = ("num_hidden_layers", "depth", "num_layers", "n_layer", "n_layers", *sorted(LAYERS))  # main stack 1st
+        return next((k for k in order if _int(before.get(k)) and _int(c.get(k)) and c[k] < before[k]), None)
+
+    befores = {id(c): before for c, before in tree}
+    if (key := depth_key(d, befores[id(d)])) is not None:
+        return d, befores[id(d)], key
+    prefix = name.split("_")[0]
+    for holder in (d, tree[0][0]):
+        sub = holder.get(f"{prefix}_config")
+        if isinstance(sub, PretrainedConfig) and id(sub.__dict__) in befores:
+            key = depth_key(sub.__dict__, befores[id(sub.__dict__)])
+            return (sub.__dict__, befores[id(sub.__dict__)], key) if key else None
+    return None
+
+
+def _read_out_layers(tree: list[tuple[dict, dict]]) -> None:
+    """Hidden states read out at listed layers (Mllama's ``intermediate_layers_indices``, VipLLaVA's
+    ``vision_feature_layer`` list, Qwen3-VL's ``deepstack_visual_indexes``; in the config itself or indexing a
+    sub-config's layers) keep their number, each renumbered into the tiny depth in the same order (the
+    projector reading them is as wide as their count); the tower keeps as many layers as distinct read-outs
+    (at most :data:`MAX_READ_OUT_DEPTH`); a width that was the hidden size x the number of read-outs
+    (Mllama's ``vision_output_dim``) stays so. Indices already valid in the tiny depth stay as they are."""
+    for d, _ in tree:
+        for k, v in list(d.items()):
+            if k.startswith("_") or not READ_OUT.search(k):
+                continue
+            ints = isinstance(v, (list, tuple)) and v and all(_int(x) for x in v)
+            idx = [v] if _int(v) else list(v) if ints else None
+            found = _tower(tree, d, k) if idx else None
+            if found is None:
+                continue
+            tower, before, key = found
+            old, new = before[key], tower[key]
+            if len(set(idx)) == len(idx) and all(-new <= i < new for i in idx):
+                continue
+            positions = [i if i >= 0 else old + 1 + i for i in idx]  # negative: counted from the last hidden state
+            distinct = sorted(set(positions))
+            per_layer = any(isinstance(x, list) and len(x) == old for n, x in before.items() if not n.startswith("_"))
+            depth = new if per_layer else max(new, min(len(distinct), MAX_READ_OUT_DEPTH))
+            tower[key] = depth
+            out = [max(0, depth - len(distinct) + distinct.index(p)) for p in positions]  # the last layers, in order
+            d[k] = out[0] if _int(v) else type(v)(out)
+            hidden_before, hidden = before.get("hidden_size"), tower.get("hidden_size")
+            if _int(hidden_before) and _int(hidden) and hidden != hidden_before:
+                for c in (d, tower):
+                    for w, x in list(c.items()):
+                        if (len(idx) > 1 and _int(x) and WIDTH_LIKE.search(w) and not NOT_WIDTH.search(w)
+                                and x % hidden_before == 0 and x // hidden_before in (len(idx), len(idx) + 1)):
+                            c[w] = x // hidden_before * hidden
+
+
 def _aliases(config: object, d: dict) -> None:
     """Sizes stored under the config's own name for a standard one (``attribute_map``: XLM's ``emb_dim``
     is its ``hidden_size``) are cut as the standard name would be."""
@@ -361,7 +467,9 @@ def _aliases(config: object, d: dict) -> None:
 def _follow_widths(d: dict, before: dict) -> None:
     """Every width-named int attribute that had the same full-size value as a width shrink() cut (the
     hidden size under another name: ``cross_hidden_size``, ``emb_dim``, ``d_latents`` …) takes the same
-    tiny value; every feed-forward width (``moe_intermediate_size``, ``expert_ffn_hidden_size`` …) → 64."""
+    tiny value; every feed-forward width (``moe_intermediate_size``, ``expert_ffn_hidden_size`` …) → 64;
+    a size defined as equal to a width or feed-forward width under another kind of name
+    (:data:`FOLLOWS_WIDTH`: per-channel conv groups, codebook vectors) takes that one's tiny value."""
     cut = {before[k]: d[k] for k in WIDTH if _int(before.get(k)) and _int(d.get(k)) and d[k] != before[k]}
     shrunk = _int(d.get("hidden_size")) and d["hidden_size"] != before["hidden_size"]
     hidden = before["hidden_size"] if shrunk else None
@@ -369,14 +477,22 @@ def _follow_widths(d: dict, before: dict) -> None:
         if (isinstance(v, (list, tuple)) and v and all(_int(x) for x in v) and v == before.get(k)
                 and WIDTH_LIKE.search(k) and not NOT_WIDTH.search(k) and all(x in cut for x in v)):
             d[k] = type(v)(cut.get(x, x) for x in v)  # RT-DETR's decoder_in_channels
-        if not _int(v) or k.startswith("_") or v != before.get(k) or NOT_WIDTH.search(k):
+        if not _int(v) or k.startswith("_") or v != before.get(k):
             continue
-        if FFN_LIKE.search(k) and v > 64:
-            d[k] = 64
-        elif WIDTH_LIKE.search(k) and v in cut:
-            d[k] = cut[v]
-        elif WIDTH_LIKE.search(k) and _int(hidden) and v in (2 * hidden, 3 * hidden, 4 * hidden):  # Zamba2's 2h
-            d[k] = v // hidden * d["hidden_size"]
+        if not NOT_WIDTH.search(k):
+            if FFN_LIKE.search(k) and v > 64:
+                d[k] = 64
+                continue
+            if WIDTH_LIKE.search(k) and v in cut:
+                d[k] = cut[v]
+                continue
+            if WIDTH_LIKE.search(k) and _int(hidden) and v in (2 * hidden, 3 * hidden, 4 * hidden):  # Zamba2's 2h
+                d[k] = v // hidden * d["hidden_size"]
+                continue
+        if FOLLOWS_WIDTH.search(k) and v > 1:
+            width = next((w for w in sorted(WIDTH | FFN) if before.get(w) == v and d.get(w) != v), None)
+            if width is not None:
+                d[k] = d[width]
     # a derived width stays derived: Swin's hidden_size is embed_dim * 2 ** (stages - 1)
     depths, embed, hidden = before.get("depths"), before.get("embed_dim"), before.get("hidden_size")
     if isinstance(depths, (list, tuple)) and _int(embed) and _int(hidden) and hidden == embed * 2 ** (len(depths) - 1):
@@ -536,6 +652,13 @@ def _vocabularies(d: dict) -> None:
             d[k] = max(128, text)
 
 
+def _stack(name: str) -> str | None:
+    """Which stack a name is about: ``encode`` (``encoder_layers``, ``encode_proj_layers``), ``decode``, or
+    None (the model's main stack)."""
+    m = re.search(r"encode|decode", name)
+    return m.group(0) if m else None
+
+
 def _per_layer_lists(d: dict, before: dict) -> None:
     """Every list as long as the full layer count follows the tiny one, keeping one layer of each kind:
     a hybrid model (linear and full attention, Mamba and attention, sliding and global) stays hybrid, with
@@ -544,10 +667,17 @@ def _per_layer_lists(d: dict, before: dict) -> None:
         old, new = before.get(key), d.get(key)
         if not (_int(old) and _int(new) and old > new and old >= 6):
             continue
-        # lists of layer indices (``moe_layers``, ``full_attn_idxs``) are renumbered, not cut by position
-        indices = [k for k, v in d.items() if re.search(r"layers|layer_ids|idxs", k) and isinstance(v, list) and v
-                   and all(_int(x) for x in v) and v == sorted(set(v)) and v[-1] < old
-                   and (len(v) < old or v == list(range(old)))]
+        if isinstance(d.get("stage_names"), list) and (d.get("_out_indices") or d.get("out_indices")):
+            break  # a backbone read at stages: derived_sizes() sets its depth from them, its lists stay whole
+        # lists of layer indices (``moe_layers``, ``full_attn_idxs``, SAM's ``global_attn_indexes``) are
+        # renumbered, not cut by position; read-out lists are :func:`_read_out_layers`'
+        # (a tuple only under an ``_indexes`` name; a list named for the encoder or the decoder indexes that
+        # stack only: RT-DETR-style ``encode_proj_layers`` is not renumbered with ``decoder_layers``)
+        indices = [k for k, v in d.items() if re.search(r"layers|layer_ids|idxs|_indexes$", k)
+                   and not READ_OUT.search(k) and _stack(k) in (None, _stack(key))
+                   and (isinstance(v, list) or isinstance(v, tuple) and k.endswith("_indexes"))
+                   and v and all(_int(x) for x in v) and list(v) == sorted(set(v))
+                   and v[-1] < old and (len(v) < old or list(v) == list(range(old)))]
         lists = [k for k, v in d.items() if isinstance(v, list) and len(v) == old and not k.startswith("_")
                  and k not in indices]
         kinds = next((d[k] for k in KINDS if k in lists), None)
@@ -563,20 +693,17 @@ def _per_layer_lists(d: dict, before: dict) -> None:
         for k in lists:
             d[k] = [d[k][i] for i in keep]
         for k in indices:
-            d[k] = [keep.index(i) for i in d[k] if i in keep]
+            # a kind of layer named by its indices (cross-attention, global attention) stays present: when
+            # none of its layers is kept, the last tiny layer is of that kind
+            kept = [keep.index(i) for i in d[k] if i in keep] or [len(keep) - 1]
+            d[k] = type(d[k])(kept)
 
 
 def derived_sizes(config: object, before: dict, mild: bool = False) -> None:
-    """Sizes a model derives from others in ways the name rules above do not see: per-channel groups and
-    codebook vectors equal to a width, a hierarchical audio tower's width (CLAP's HTSAT doubles its patch
-    width per stage), a backbone read at stages past the tiny layer count (its ``out_indices``, DPT's
-    ``backbone_out_indices``)."""
+    """Sizes a model derives from others in ways the name rules above do not see: a hierarchical audio
+    tower's width (CLAP's HTSAT doubles its patch width per stage), a backbone read at stages past the tiny
+    layer count (its ``out_indices``, DPT's ``backbone_out_indices``)."""
     d = config.__dict__
-    for k, v in list(d.items()):
-        if FOLLOWS_WIDTH.search(k) and _int(v) and v > 1:
-            width = next((w for w in sorted(WIDTH | FFN) if before.get(w) == v and d.get(w) != v), None)
-            if width is not None:
-                d[k] = d[width]
     if not mild and _int(d.get("patch_embeds_hidden_size")) and isinstance(d.get("depths"), (list, tuple)):
         d["patch_embeds_hidden_size"] = min(d["patch_embeds_hidden_size"], 16)
         d["hidden_size"] = d["patch_embeds_hidden_size"] * 2 ** (len(d["depths"]) - 1)
@@ -603,14 +730,17 @@ OVERRIDES: dict[str, dict] = {
 def tiny_config(model_type: str, class_name: str, widths: bool = True):  # noqa: ANN201 - the config
     """``model_type``'s default config shrunk to tiny and self-consistent: the full shrink; when that
     does not build ``class_name`` or stays over :data:`MAX_PARAMS`, the full shrink with the special ids
-    renumbered into a small vocabulary; then the mild one (widths kept: layers, experts and vocabularies
-    cut, ids renumbered). ``widths=False`` goes straight to the mild one (:func:`run_class`'s second try
-    for a model no inputs run once its widths are cut). Raises the first error when none builds."""
+    renumbered into a small vocabulary (also when the full shrink keeps a vocabulary over
+    :data:`MAX_VOCAB` to fit a special id; that one is used if the renumbered one does not build); then the
+    mild one (widths kept: layers, experts and vocabularies cut, ids renumbered). ``widths=False`` goes
+    straight to the mild one (:func:`run_class`'s second try for a model no inputs run once its widths are
+    cut). Raises the first error when none builds."""
     import torch
     import transformers as tf
 
     cls = getattr(tf, class_name)
     first: Exception | None = None
+    large = None  # the full shrink when it builds but keeps a vocabulary over MAX_VOCAB
     tries = ((False, False), (False, True), (True, True)) if widths else ((True, True),)
     for mild, renumber in tries:
         config = tf.AutoConfig.for_model(model_type)
@@ -624,10 +754,27 @@ def tiny_config(model_type: str, class_name: str, widths: bool = True):  # noqa:
                 n = sum(p.numel() for p in cls(config).parameters())
             if n > MAX_PARAMS:
                 raise RuntimeError(f"tiny config still has {n / 1e6:.0f}M parameters")
-            return config
         except Exception as exc:  # noqa: BLE001 - recorded by the caller when no shrink builds
+            if large is not None:  # the renumbered shrink does not build: the one with the large vocabulary
+                return large
             first = first or exc
+            continue
+        if not renumber and largest_vocabulary(config) > MAX_VOCAB:
+            # kept large to hold a special id (Aya Vision's image token 255,036): its logits cost gigabytes in
+            # calibration and verification; the same shrink with the ids renumbered is tried first
+            large = config
+            continue
+        return config
     raise first
+
+
+def largest_vocabulary(config: object) -> int:
+    """The largest ``*vocab_size`` anywhere in the config tree (0 when none is set)."""
+    from transformers import PretrainedConfig
+
+    sizes = [v for k, v in config.__dict__.items() if _int(v) and VOCAB_LIKE.search(k)]
+    sizes += [largest_vocabulary(v) for v in config.__dict__.values() if isinstance(v, PretrainedConfig)]
+    return max(sizes, default=0)
 
 
 def build(class_name: str, model_type: str, widths: bool = True):  # noqa: ANN201 - the model
@@ -749,18 +896,28 @@ def runs(model: object, kwargs: dict) -> str | None:
         return f"{type(exc).__name__}: {_line(exc, 160)}"
 
 
-def runnable(model: object, model_type: str) -> tuple[str | None, str]:
-    """``(what ran the model, why not)``: "normswap's inputs", an oracle source, or None and the last
-    error."""
+def built_inputs(model: object) -> tuple[dict | None, str]:
+    """normswap's own inputs for ``model`` (``hf_example_inputs`` at its defaults: what ``patch`` with no
+    inputs builds) and ``"ok"``, or None and the refusal (``refused: …``) or crash (``crash: …``) in one
+    line. Built once per model: the runnable check, the ``inputs`` column and the exact-mode run share it."""
     from normswap import NormswapError
     from normswap.inputs import hf_example_inputs
 
     try:
-        why = runs(model, hf_example_inputs(model))
-        if why is None:
-            return "normswap's inputs", ""
+        return hf_example_inputs(model), "ok"
     except NormswapError as exc:
-        why = _line(exc, 160)
+        return None, f"refused: {_line(exc)}"
+    except Exception as exc:  # noqa: BLE001 - a bug in the input builder: recorded, and patch will say so too
+        return None, f"crash: {type(exc).__name__}: {_line(exc)}"
+
+
+def runnable(model: object, model_type: str, built: tuple[dict | None, str] | None = None) -> tuple[str | None, str]:
+    """``(what ran the model, why not)``: "normswap's inputs", an oracle source, or None and the last
+    error. ``built``: :func:`built_inputs` of ``model`` when the caller has them."""
+    kw, status = built if built is not None else built_inputs(model)
+    why = runs(model, kw) if kw is not None else status.split(": ", 1)[1][:160]
+    if why is None:
+        return "normswap's inputs", ""
     for source, kw in oracle_inputs(model, model_type):
         err = runs(model, kw)
         if err is None:
@@ -786,26 +943,39 @@ def run_class(class_name: str, model_type: str) -> dict:
 
     row: dict = {"class": class_name}
     t0 = time.perf_counter()
+    phases: dict[str, float] = {}  # seconds per step, in the JSON: where a slow type's time goes
+
+    def lap(name: str, since: float) -> float:
+        now = time.perf_counter()
+        phases[name] = round(phases.get(name, 0.0) + now - since, 2)
+        return now
+
     try:
         model = build(class_name, model_type)
     except Exception as exc:  # noqa: BLE001 - the config cannot be built tiny: recorded, not a normswap bug
         row["build"] = f"{type(exc).__name__}: {_line(exc)}"
         model = None
-    source, why = runnable(model, model_type) if model is not None else (None, row["build"])
+    t = lap("build", t0)
+    built = built_inputs(model) if model is not None else None
+    t = lap("inputs", t)
+    source, why = runnable(model, model_type, built) if model is not None else (None, row["build"])
+    t = lap("runnable", t)
     if source is None:
         # no inputs run the fully shrunk model: a config whose sizes derive from each other may have been
         # made inconsistent by shrinking its widths; the same model with its own widths is tried
         try:
             wide = build(class_name, model_type, widths=False)
-            wide_source, wide_why = runnable(wide, model_type)
+            wide_built = built_inputs(wide)
+            wide_source, wide_why = runnable(wide, model_type, wide_built)
             if wide_source is not None or model is None:
-                model, source, why = wide, wide_source, wide_why
+                model, source, why, built = wide, wide_source, wide_why, wide_built
                 row["shrink"] = "widths kept"
                 row["build"] = "ok"
         except Exception as exc:  # noqa: BLE001 - too big or unbuildable with its widths: the first try stands
             if model is None:
                 return row
             row["wide"] = f"{type(exc).__name__}: {_line(exc, 120)}"
+        t = lap("widths kept retry", t)
     if model is None:
         return row
     row["build"] = "ok"
@@ -813,32 +983,36 @@ def run_class(class_name: str, model_type: str) -> dict:
     row["runnable"] = source is not None
     if source is None:
         row["not_run"] = why
-    try:
-        hf_example_inputs(model)
-        row["inputs"] = "ok"
-    except NormswapError as exc:
-        row["inputs"] = f"refused: {_line(exc)}"
-    except Exception as exc:  # noqa: BLE001
-        row["inputs"] = f"crash: {type(exc).__name__}: {_line(exc)}"
+    kw, row["inputs"] = built
     original = copy.deepcopy(model)
     warnings.simplefilter("ignore")
+    t = time.perf_counter()
     try:
         report = normswap.patch(model)
         row["patch"] = "ok"
         row["counts"] = report.plan.counts() if report.plan is not None else {}
+        # LayerNorms the built inputs never reached are kept as LayerNorm: the class is only partly converted
+        uncalled = not_called(report.plan)
+        row["not_called"] = len(uncalled)
+        if uncalled:
+            row["not_called_names"] = uncalled[:3]
         row["message"] = report.message
         row["verify_err"] = report.verification.get("max_rel_error")
     except NormswapError as exc:
         row["patch"] = f"refused: {_line(exc)}"
     except Exception as exc:  # noqa: BLE001 - a bug: the CLI would say "internal error"
         row["patch"] = f"crash: {type(exc).__name__}: {_line(exc)}"
+    t = lap("patch", t)
     if row["patch"] == "ok" and row["counts"].get("approximate"):
         model = copy.deepcopy(original)
         try:
-            normswap.patch(model, mode="exact", verify=False)
+            # the inputs patch() built for itself, built once above: the same analysis, without building
+            # them again (a VLM's input builder tries layouts with trial forwards)
+            normswap.patch(model, dict(kw) if kw is not None else None, mode="exact", verify=False)
         except Exception as exc:  # noqa: BLE001
             row["err"] = f"exact-mode patch failed: {type(exc).__name__}: {_line(exc)}"
             model = None
+        t = lap("exact-mode patch", t)
     if row["patch"] == "ok" and model is not None and any(
             row["counts"].get(k) for k in ("exact", "exact-with-centering", "exact-with-per-norm-centering")):
         errs = []
@@ -855,7 +1029,9 @@ def run_class(class_name: str, model_type: str) -> dict:
             except Exception as exc:  # noqa: BLE001 - e.g. a model that takes one length only
                 errs.append(f"{type(exc).__name__}: {_line(exc, 80)}")
         row["err"] = errs
+        lap("exact error, 2 shapes", t)
     row["seconds"] = round(time.perf_counter() - t0, 1)
+    row["phases"] = phases
     return row
 
 
@@ -878,11 +1054,31 @@ def zoo():  # noqa: ANN201 - the tests.zoo module
     return sys.modules["sweep_zoo"]
 
 
+def code_version(checkout: Path) -> str:
+    """Which normswap code a row was swept on: ``git describe`` of the checkout Python imported it from
+    (``-dirty`` when its working tree has uncommitted changes), else the installed package's version."""
+    try:
+        out = subprocess.run(["git", "-C", str(checkout), "describe", "--always", "--dirty", "--abbrev=9"],
+                             capture_output=True, text=True, timeout=20, check=True).stdout.strip()
+        return f"normswap {out}" if out else "normswap (unknown commit)"
+    except Exception:  # noqa: BLE001 - not a git checkout: an installed copy
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            return f"normswap {version('normswap')} (installed)"
+        except PackageNotFoundError:
+            return "normswap (unknown version)"
+
+
 def worker(types: list[str]) -> None:
     """Sweep ``types`` in this process, one JSON line per type on stdout (``START`` before each)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
 
+    import normswap
+
+    checkout = Path(normswap.__file__).parents[1]
+    swept_on = code_version(checkout)
     torch.set_num_threads(1)
     for t in types:
         print(f"START {t}", flush=True)
@@ -890,9 +1086,7 @@ def worker(types: list[str]) -> None:
             rows = [run_class(c, t) for c in classes(t)]
         except Exception as exc:  # noqa: BLE001
             rows = [{"class": "?", "build": f"{type(exc).__name__}: {_line(exc)}"}]
-        import normswap
-
-        print("ROW " + json.dumps({"type": t, "classes": rows, "normswap": str(Path(normswap.__file__).parents[1])},
+        print("ROW " + json.dumps({"type": t, "classes": rows, "normswap": str(checkout), "swept_on": swept_on},
                                   default=str), flush=True)
 
 
@@ -954,14 +1148,28 @@ def sweep(types: list[str], jobs: int, limit: float, save=None) -> list[dict]:  
 
 
 # --------------------------------------------------------------------------------------- outcome and table
+# a norm the inputs never ran: the planner's reason for a traced site never called, the walker's for a
+# norm found in no trace (a branch the inputs do not take)
+NOT_CALLED = re.compile(r"not called by the example inputs|did not run on the analysis inputs")
+
+
+def not_called(plan: object) -> list[str]:
+    """Names of the norms ``plan`` kept because the inputs never called them (sites and skipped norms)."""
+    if plan is None:
+        return []
+    names = [sp.name for sp in plan.sites if NOT_CALLED.match(sp.reason or "")]
+    return names + [s["name"] for s in plan.skipped if NOT_CALLED.match(str(s.get("reason", "")))]
+
+
 def outcome(row: dict) -> str:
-    """One word per class: ``unbuilt``, ``converted``, ``no-run`` (refused: the model does not run on
-    the built inputs, or none could be built), ``refused`` (for another reason) or ``crash``."""
+    """One word per class: ``unbuilt``, ``converted``, ``partial`` (patched, but some LayerNorms were never
+    called by the built inputs and stay LayerNorm: ``not_called``), ``no-run`` (refused: the model does not
+    run on the built inputs, or none could be built), ``refused`` (for another reason) or ``crash``."""
     if row.get("build") != "ok":
         return "unbuilt"
     p = row.get("patch", "")
     if p == "ok":
-        return "converted"
+        return "partial" if row.get("not_called") else "converted"
     if p.startswith("crash"):
         return "crash"
     return "no-run" if re.search(r"on the example inputs|cannot build example inputs|outputs NaN", p) else "refused"
@@ -1008,6 +1216,8 @@ def totals(rows: list[dict]) -> dict:
     return {"types": len(rows), "types_built": len(types_built), "types_converted": len(types_ok),
             "classes": len(per_class), "classes_built": len(built),
             "classes_converted": sum(outcome(c) == "converted" for c in built),
+            "classes_partial": sum(outcome(c) == "partial" for c in built),
+            "layernorms_not_called": sum(c.get("not_called") or 0 for c in built),
             "classes_refused": sum(outcome(c) == "refused" for c in built),
             "classes_no_run": sum(outcome(c) == "no-run" for c in built),
             "classes_crashed": sum(outcome(c) == "crash" for c in built),
@@ -1022,18 +1232,26 @@ def fmt_err(c: dict) -> str:
     return "-" if e is None else "fails"
 
 
-def table(rows: list[dict], before: dict | None, all_types: int | None = None) -> str:
+def table(rows: list[dict], before: dict | None, all_types: int | None = None,
+          transformers_version: str | None = None) -> str:
     t = totals(rows)
+    import collections
+
     kept = sum(1 for r in rows if str(r.get("swept_on", "")).startswith("main"))
-    provenance = (f"Rows of {kept} types come from an earlier run (their `swept_on` in the JSON): types that "
-                  "converted there were not swept again; every other type was swept with this code."
-                  if kept else "")
+    codes = collections.Counter(str(r.get("swept_on") or "unrecorded") for r in rows)
+    provenance = (f"Swept with transformers {transformers_version or '(version not recorded)'}; "
+                  "normswap code swept (each row's `swept_on` in the JSON): " + "; ".join(
+        f"{code}: {n} types" for code, n in codes.most_common()) + "."
+        + (f" Rows of {kept} types come from an earlier run: types that converted there were not swept again."
+           if kept else ""))
     out = [f"Swept: **{len(rows)} of the {all_types}** LayerNorm model types of this transformers."
            if all_types and all_types > len(rows) else "", provenance, "",
            f"Types: **{t['types']}** with a LayerNorm in their modeling code; built tiny: **{t['types_built']}**; "
            f"converted with no inputs (every built class): **{t['types_converted']}** "
            f"({100 * t['types_converted'] / max(1, t['types_built']):.0f}% of those built).", "",
            f"Classes built: {t['classes_built']} of {t['classes']}; converted {t['classes_converted']}, "
+           f"partly converted {t['classes_partial']} ({t['layernorms_not_called']} LayerNorms the built inputs "
+           "never called, kept as LayerNorm), "
            f"not run on the built inputs {t['classes_no_run']}, refused for another reason {t['classes_refused']}, "
            f"crashed {t['classes_crashed']}; inputs not built: "
            f"{t['inputs_not_built']}; exact conversions above 1e-9: {t['exact_over_1e-9']}.", ""]
@@ -1053,6 +1271,7 @@ def table(rows: list[dict], before: dict | None, all_types: int | None = None) -
         out += [f"Before and after on the {len(same)} types both runs measured ({before.get('label') or 'before'} "
                 f"vs this run): types converted with no inputs **{b['types_converted']} → {a['types_converted']}** "
                 f"of {a['types_built']} built; classes converted {b['classes_converted']} → {a['classes_converted']}, "
+                f"partly converted {b['classes_partial']} → {a['classes_partial']}, "
                 f"not run on the built inputs {b['classes_no_run']} → {a['classes_no_run']}, crashed "
                 f"{b['classes_crashed']} → {a['classes_crashed']}.", ""]
     was = {(r["type"], c["class"]): outcome(c) for r in (before or {}).get("rows", []) for c in r["classes"]}
@@ -1065,9 +1284,12 @@ def table(rows: list[dict], before: dict | None, all_types: int | None = None) -
             v = (f"{counts.get('exact', 0)} / "
                  f"{counts.get('exact-with-centering', 0) + counts.get('exact-with-per-norm-centering', 0)} / "
                  f"{counts.get('approximate', 0)} / {counts.get('skipped', 0)}") if counts else "-"
-            note = {"unbuilt": c.get("build", ""), "converted": ""}.get(o, c.get("patch"))
-            if o == "converted" and c.get("message"):
+            note = {"unbuilt": c.get("build", ""), "converted": "", "partial": ""}.get(o, c.get("patch"))
+            if o in ("converted", "partial") and c.get("message"):
                 note = c["message"]
+            if o == "partial":
+                names = ", ".join(c.get("not_called_names", [])) + (", …" if c["not_called"] > 3 else "")
+                note = f"{c['not_called']} LayerNorm(s) not called by the inputs, kept ({names}) {note or ''}"
             if c.get("shrink"):  # the fully shrunk config ran on no inputs; this one keeps the model's widths
                 note = f"[{c['shrink']}] {note or ''}"
             if o != "converted" and c.get("runs_on"):
@@ -1081,6 +1303,8 @@ def table(rows: list[dict], before: dict | None, all_types: int | None = None) -
         for c in r["classes"]:
             if is_runnable(c) and outcome(c) != "converted":
                 why = (c.get("patch") or "").replace("|", "\\|")[:200]
+                if outcome(c) == "partial":
+                    why = f"{c['not_called']} LayerNorm(s) not called by the built inputs (kept as LayerNorm)"
                 out.append(f"| {r['type']} | {c['class']} | {outcome(c)} | {c.get('runs_on') or '-'} | {why} |")
     out += ["", "## Not runnable on any inputs the sweep has", "",
             "Neither normswap's inputs nor the oracle's run these tiny models (or they do not build tiny); "
@@ -1111,9 +1335,14 @@ The tiny config is self-consistent by rules, not by a per-type table: every size
 follows the one it equals (a width named after the hidden size, a head width after the head count,
 MLA's rope/nope/value head widths and LoRA ranks together, a multiple of the hidden size, per-channel
 conv groups and codebook vectors), experts cut to 4 with at most 2 per token, every per-layer list cut
-with the layer count keeping one layer of each kind (a hybrid model stays hybrid), Swin windows that fit
-the last stage, detection queries that fit a tiny image, a backbone keeping the layers it is read at.
-When that does not build (or stays over 30M parameters), the special token ids are renumbered into a
+with the layer count keeping one layer of each kind (a hybrid model stays hybrid; a kind named by layer
+indices, such as cross-attention or global-attention layers, keeps a layer), hidden states read out at
+listed layers keeping their number inside the tiny depth (also when the list indexes a sub-config's
+layers; a width derived from their count follows), multimodal RoPE sections summing to the rotary
+half-width, a media token id the modeling code reads but the config lacks set, an image that is a whole
+number of patches, Swin windows that fit the last stage, detection queries that fit a tiny image, a
+backbone keeping the layers it is read at. When that does not build (or stays over 30M parameters, or
+keeps a vocabulary over 65,536 tokens to fit a special id), the special token ids are renumbered into a
 small vocabulary, then a mild shrink keeps every width (layers, experts and vocabularies cut).
 
 "Unbuilt" types are those whose default config does not build tiny even so (the sweep's shrinking, not
@@ -1128,20 +1357,36 @@ builds (`oracle_inputs` in the script). The measure the issue sets, "types some 
 convert with no inputs", counts a type when one of its classes is runnable and converted when every
 runnable class converted; the two lists at the end give the rest, each with its one-line reason.
 
-Regenerate (every type: hours on a shared 2-core machine, so run it in chunks with `--start`/`--count`
-or `--only`; rows accumulate in the JSON), then the page with the before column:
+A class whose patch succeeded but where some LayerNorms were never called by the built inputs (the
+planner keeps them as LayerNorm: "not called by the example inputs") is **partial**, not converted: it
+is counted apart, with the number of such LayerNorms, and its type does not count as converted.
+
+Regenerate everything (every type, the JSON and this page, with the before column; about 40 minutes
+with two free cores):
 
 ```
-PYTHONPATH=$PWD python benchmarks/sweep_transformers.py --write --start 0 --count 100
-PYTHONPATH=/path/to/old/checkout python benchmarks/sweep_transformers.py --json old.json   # a "before"
-python benchmarks/sweep_transformers.py --render --write --before benchmarks/transformers_sweep_before.json
+PYTHONPATH=$PWD python benchmarks/sweep_transformers.py --write --jobs 2 \\
+    --before benchmarks/transformers_sweep_before.json
 ```
+
+A few types: `--only vit,whisper --json /tmp/x.json` (printed, nothing committed is written); in chunks:
+`--write --start 0 --count 100` (rows accumulate in the JSON); the page again from the JSON:
+`--render --write --before benchmarks/transformers_sweep_before.json`; a "before" run of other code:
+`PYTHONPATH=/path/to/old/checkout python benchmarks/sweep_transformers.py --json old.json`.
 
 """
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="regenerate everything (every type, benchmarks/transformers_sweep.json and "
+               "docs/results/transformers-sweep.md; about 40 min with two free cores):\n"
+               "  PYTHONPATH=$PWD python benchmarks/sweep_transformers.py --write --jobs 2 "
+               "--before benchmarks/transformers_sweep_before.json\n"
+               "a few types, printed:  PYTHONPATH=$PWD python benchmarks/sweep_transformers.py --only vit,whisper\n"
+               "the page from the JSON as it is:  python benchmarks/sweep_transformers.py --render --write "
+               "--before benchmarks/transformers_sweep_before.json")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--only", help="comma-separated model types")
     ap.add_argument("--start", type=int, default=0, help="skip the first N types (run in chunks)")
@@ -1174,7 +1419,10 @@ def main() -> None:
     if path is not None and path.exists():
         rows = json.loads(path.read_text())["rows"]
     before = json.loads(args.before.read_text()) if args.before else None
-    text = table(rows, before, len(layernorm_types()))
+    import transformers
+
+    stored = json.loads(path.read_text()).get("transformers") if path is not None and path.exists() else None
+    text = table(rows, before, len(layernorm_types()), stored or transformers.__version__)
     print(text)
     if args.write:
         DOC.write_text(HEADER + text + "\n")

@@ -158,3 +158,100 @@ def test_fallbacks_when_the_full_shrink_does_not_build():
     config = sweep.tiny_config("gemma4", "Gemma4Model")
     assert config.text_config.vocab_size < 1024
     assert config.image_token_id < config.text_config.vocab_size
+
+
+def test_cross_references_survive_the_shrink():
+    """References between keys stay valid in the tiny config: hidden states read out at listed layers keep
+    their number inside the tiny depth (Mllama's ``intermediate_layers_indices`` with the width derived from
+    it, VipLLaVA's ``vision_feature_layer`` into its vision tower's layers); a kind of layer named by index
+    stays present (Mllama's cross-attention layers, SAM's global attention in DeepSeek-VL hybrid); a list
+    named for the encoder is not renumbered with the decoder's layers; RoPE sections the code reads sum to
+    the rotary half-width (GLM-4V); a token id the code reads but the config lacks is set (Qwen2.5-Omni's
+    thinker); an image that is not a whole number of patches is cut to one (Aya Vision)."""
+    sweep = _sweep()
+    mllama = sweep.tiny_config("mllama", "MllamaModel")
+    vision, text = mllama.vision_config, mllama.text_config
+    read = vision.intermediate_layers_indices
+    assert len(read) == 5 and len(set(read)) == 5 and all(0 <= i < vision.num_hidden_layers for i in read)
+    assert vision.vision_output_dim == vision.hidden_size * (len(read) + 1)
+    assert text.cross_attention_layers and all(0 <= i < text.num_hidden_layers for i in text.cross_attention_layers)
+    vip = sweep.tiny_config("vipllava", "VipLlavaModel")
+    depth = vip.vision_config.num_hidden_layers
+    assert len(vip.vision_feature_layer) == 5 and all(-depth - 1 <= i <= depth for i in vip.vision_feature_layer)
+    hybrid = sweep.tiny_config("deepseek_vl_hybrid", "DeepseekVLHybridModel").high_res_vision_config
+    assert hybrid.global_attn_indexes and all(0 <= i < hybrid.num_hidden_layers for i in hybrid.global_attn_indexes)
+    doclayout = sweep.tiny_config("pp_doclayout_v3", "PPDocLayoutV3Model")
+    assert doclayout.encode_proj_layers == tf.AutoConfig.for_model("pp_doclayout_v3").encode_proj_layers
+    glm = sweep.tiny_config("glm4v_text", "Glm4vTextModel")
+    head_dim = getattr(glm, "head_dim", None) or glm.hidden_size // glm.num_attention_heads
+    assert sum(glm.rope_parameters["mrope_section"]) == head_dim // 2
+    omni = sweep.tiny_config("qwen2_5_omni_thinker", "Qwen2_5OmniThinkerModel")
+    assert not hasattr(tf.AutoConfig.for_model("qwen2_5_omni_thinker"), "vision_start_token_id")
+    assert omni.vision_start_token_id < omni.text_config.vocab_size
+    assert omni.vision_start_token_id not in (omni.image_token_id, omni.audio_token_id, omni.video_token_id)
+    aya = sweep.tiny_config("aya_vision", "AyaVisionForConditionalGeneration")
+    side = aya.vision_config.image_size // aya.vision_config.patch_size
+    assert aya.vision_config.image_size % aya.vision_config.patch_size == 0 and side % aya.downsample_factor == 0
+    assert sweep.largest_vocabulary(aya) <= sweep.MAX_VOCAB  # its image token 255,036 renumbered
+
+
+def test_fixed_cross_references_run_on_normswaps_inputs():
+    """The models those configs build run on normswap's own inputs (before: "tuple index out of range",
+    "stack expects a non-empty TensorList", "split_with_sizes expects split_sizes to sum exactly to 4")."""
+    sweep = _sweep()
+    for model_type, cls in (("vipllava", "VipLlavaModel"), ("mllama", "MllamaModel"), ("glm4v_text", "Glm4vTextModel"),
+                            ("deepseek_vl_hybrid", "DeepseekVLHybridModel")):
+        source, why = sweep.runnable(sweep.build(cls, model_type), model_type)
+        assert source == "normswap's inputs", (model_type, why)
+
+
+def test_layernorms_never_called_make_a_class_partial():
+    """A class whose patch succeeded while some LayerNorms were never called by the built inputs is
+    ``partial``: counted apart (with how many), its type not converted, listed with the reason. The sweep
+    reads the count from the planner's own reason, checked here on a model with an unused LayerNorm."""
+    import torch
+    from torch import nn
+
+    import normswap
+
+    sweep = _sweep()
+
+    class Unused(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.unused, self.head = nn.LayerNorm(8), nn.LayerNorm(8), nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.a(x))
+
+    torch.manual_seed(0)
+    report = normswap.patch(Unused().double().eval(), torch.randn(2, 5, 8, dtype=torch.float64))
+    assert sweep.not_called(report.plan) == ["unused"], (report.plan.sites, report.plan.skipped)
+    ok = {"class": "A", "build": "ok", "patch": "ok", "counts": {"exact": 2}, "not_called": 0, "runnable": True}
+    partial = {"class": "B", "build": "ok", "patch": "ok", "counts": {"exact": 1, "skipped": 1}, "not_called": 1,
+               "not_called_names": ["unused"], "runnable": True}
+    assert (sweep.outcome(ok), sweep.outcome(partial)) == ("converted", "partial")
+    rows = [{"type": "a", "classes": [ok]}, {"type": "b", "classes": [ok, partial]}]
+    t = sweep.totals(rows)
+    assert (t["classes_converted"], t["classes_partial"], t["layernorms_not_called"]) == (2, 1, 1)
+    assert t["types_converted"] == 1
+    rt = sweep.runnable_totals(rows)
+    assert (rt["runnable"], rt["converted"]) == (2, 1) and [r["type"] for r in rt["failing"]] == ["b"]
+    page = sweep.table(rows, None, 2, "5.24.0")
+    assert "partly converted 1 (1 LayerNorms" in page and "| b | B | partial |" in page and "unused" in page
+
+
+def test_help_and_page_say_how_to_regenerate_and_what_was_swept():
+    """``--help`` gives the one command that regenerates everything; the page says which code the rows were
+    swept on (each row's ``swept_on``) and with which transformers."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, str(_PATH), "--help"], capture_output=True, text=True, check=True).stdout
+    assert "--write --jobs 2" in out and "regenerate everything" in out
+    sweep = _sweep()
+    rows = [{"type": "a", "swept_on": "normswap 0123abcd", "classes": [{"class": "A", "build": "ok", "patch": "ok"}]}]
+    page = sweep.table(rows, None, 1, "5.24.0")
+    assert "transformers 5.24.0" in page and "normswap 0123abcd: 1 types" in page
+    assert sweep.code_version(_PATH.parents[1]).startswith("normswap ")
+    assert "--write --jobs 2" in sweep.HEADER
