@@ -274,7 +274,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--ct2-types", default="int8", help="CTranslate2 compute types, e.g. float32,int8")
     ap.add_argument("--wer", action="store_true", help="also greedy-decode every CTranslate2 variant: WER")
     ap.add_argument("--no-kl", action="store_true", help="with --wer: WER only (no reference distributions "
-                    "and no teacher-forced pass; about half the time per variant)")
+                    "and no teacher-forced pass; the encoder, most of a pass's time, runs either way)")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--merge", type=Path, nargs="+", help="no measuring: the table of earlier --json runs on "
                     "disjoint clip sets (e.g. one per --speech directory, run side by side), clips pooled")
@@ -448,16 +448,26 @@ def wer_table(rows: list[dict], quant: str = "CTranslate2 int8", full: str = "CT
              "",
              "| variant | WER float32 | WER int8 | int8 penalty | penalty − original's |",
              "|---|---|---|---|---|"]
+    shared = False
     for name in dict.fromkeys(r["variant"] for r in rows):
-        if (quant, name) not in by or (full, name) not in by or len(by[(quant, name)]["clip_err"]) != len(words_):
+        if (quant, name) not in by or len(by[(quant, name)]["clip_err"]) != len(words_):
             continue
-        pen = errs(quant, name) - errs(full, name)
+        # a variant without float32 transcripts of its own is measured against the original's: an exact
+        # conversion's float32 model is the original's up to float32 rounding (marked *)
+        own = (full, name) in by and len(by[(full, name)]["clip_err"]) == len(words_)
+        shared |= not own
+        fp32 = errs(full, name if own else "original")
+        pen = errs(quant, name) - fp32
         lo, hi = interval(pen)
         dlo, dhi = interval(pen - base)
         d = f"{100 * (pen - base).sum() / words_.sum():+.2f} ({dlo:+.2f} to {dhi:+.2f})"
-        lines.append(f"| {name} | {100 * by[(full, name)]['wer']:.2f} | {100 * by[(quant, name)]['wer']:.2f} | "
+        lines.append(f"| {name} | {100 * fp32.sum() / words_.sum():.2f}{'' if own else '*'} | "
+                     f"{100 * by[(quant, name)]['wer']:.2f} | "
                      f"{100 * pen.sum() / words_.sum():+.2f} ({lo:+.2f} to {hi:+.2f}) | "
                      f"{'–' if name == 'original' else d} |")
+    if shared:
+        lines.append("\n\\* the original's float32 transcripts (no float32 run of this variant): its penalty "
+                     "difference is then its int8 WER minus the original's, paired over clips")
     return "\n".join(lines)
 
 
