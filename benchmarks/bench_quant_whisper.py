@@ -85,18 +85,19 @@ WER_DECODING = {"beam_size": 1, "no_repeat_ngram_size": 3, "max_length": 160}
 
 
 def ct2_logits(model_dir: Path, feats: np.ndarray, refs: list[list[int]] | None,
-               greedy: bool = False, forced: bool = True) -> tuple[list, list]:
-    """(per-clip log-probs [n+1, V] teacher-forced on refs, greedy token ids for WER).
+               greedy: bool = False, forced: bool = True) -> tuple[list, list, list]:
+    """(per-clip log-probs [n+1, V] teacher-forced on refs, greedy token ids for WER, reference ids).
 
-    ``refs=None``: the greedy transcript (no suppression, raw logits) is the reference, and its logits
-    the reference distributions (each step conditioned on the previous argmax). ``greedy``: also decode
-    with :data:`WER_DECODING` (for WER), on the same encoder output; ``forced=False`` skips the
+    ``refs=None``: the greedy transcript (no suppression, raw logits) is the reference (returned third),
+    and its logits the reference distributions (each step conditioned on the previous argmax).
+    ``greedy``: also decode with :data:`WER_DECODING` (for WER), on the same encoder output (the
+    encoder is most of the time of a pass over 30-second windows); ``forced=False`` skips the
     teacher-forced pass."""
     import ctranslate2
 
     m = ctranslate2.models.Whisper(str(model_dir), device="cpu", intra_threads=2)
     opts = {"beam_size": 1, "return_logits_vocab": True, "suppress_blank": False, "suppress_tokens": []}
-    out_logp, out_greedy = [], []
+    out_logp, out_greedy, out_refs = [], [], []
     for i in range(0, len(feats), 8):
         enc = m.encode(ctranslate2.StorageView.from_array(np.ascontiguousarray(feats[i:i + 8])), to_cpu=True)
         n = len(feats[i:i + 8])
@@ -107,7 +108,7 @@ def ct2_logits(model_dir: Path, feats: np.ndarray, refs: list[list[int]] | None,
             res = m.generate(enc, [list(SOT_NOTS)] * n, max_length=120, **opts)
             for r in res:
                 ids = [t for t in r.sequences_ids[0] if t != EOT]
-                out_greedy.append(ids)
+                out_refs.append(ids)
                 steps = np.stack([np.array(x) for x in r.logits[0]])[: len(ids) + 1]
                 out_logp.append(torch.log_softmax(torch.from_numpy(steps).double(), -1).float())
             continue
@@ -120,7 +121,7 @@ def ct2_logits(model_dir: Path, feats: np.ndarray, refs: list[list[int]] | None,
             steps = np.stack([np.array(x) for x in r.logits[0]])[: len(ref) + 1]
             assert r.sequences_ids[0][: len(ref)] == ref, (r.sequences_ids[0], ref, len(steps))
             out_logp.append(torch.log_softmax(torch.from_numpy(steps).double(), -1).float())
-    return out_logp, out_greedy
+    return out_logp, out_greedy, out_refs
 
 
 def torch_logits(model_dir: Path, feats: np.ndarray, refs: list[list[int]], quant: str) -> list:
@@ -272,12 +273,20 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--ort-limit", type=int, default=0, help="first N clips only for the ONNX Runtime rows")
     ap.add_argument("--ct2-types", default="int8", help="CTranslate2 compute types, e.g. float32,int8")
     ap.add_argument("--wer", action="store_true", help="also greedy-decode every CTranslate2 variant: WER")
+    ap.add_argument("--no-kl", action="store_true", help="with --wer: WER only (no reference distributions "
+                    "and no teacher-forced pass; the encoder, most of a pass's time, runs either way)")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--merge", type=Path, nargs="+", help="no measuring: the table of earlier --json runs on "
                     "disjoint clip sets (e.g. one per --speech directory, run side by side), clips pooled")
     args = ap.parse_args(argv)
     if args.merge:
-        print(table(merge([json.loads(p.read_text())["rows"] for p in args.merge])))
+        rows = merge([json.loads(p.read_text())["rows"] for p in args.merge])
+        print(table(rows))
+        if any("wer" in r for r in rows):
+            print(wer_table(rows))
+        if args.json:
+            args.json.write_text(json.dumps({"clips": len(rows[0].get("clip_kl") or rows[0]["clip_err"]),
+                                             "merged": [str(p) for p in args.merge], "rows": rows}))
         return
     torch.set_num_threads(2)
     set_prompt(args.orig)
@@ -288,8 +297,16 @@ def main(argv: list[str] | None = None) -> None:
     args.work.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     engines = args.engines.split(",")
-    if "ct2" in engines or args.wer:
-        ref_logp, refs = ct2_logits(ct2_convert(args.orig, args.work / "original-float32", "float32"), feats, None)
+    if args.no_kl:  # transcripts only: no reference distributions, no teacher-forced pass
+        if not args.wer or engines != ["ct2"]:
+            sys.exit("error: --no-kl measures WER only: pass --wer and --engines ct2")
+        ct2_convert(args.orig, args.work / "original-float32", "float32")
+        ref_logp, refs = None, [[] for _ in feats]
+        what = "nothing: --no-kl"
+    elif "ct2" in engines or args.wer:
+        t1 = time.time()
+        ref_logp, ref_hyps, refs = ct2_logits(ct2_convert(args.orig, args.work / "original-float32", "float32"),
+                                              feats, None, greedy=args.wer)
         what = "CTranslate2 float32 original's greedy transcripts"
     else:  # no CTranslate2 here: teacher-force the sentences spoken
         from transformers import AutoTokenizer
@@ -305,20 +322,32 @@ def main(argv: list[str] | None = None) -> None:
         from transformers import WhisperTokenizer
 
         tok = WhisperTokenizer.from_pretrained(args.orig)
-        _, hyps = ct2_logits(args.work / "original-float32", feats, refs, greedy=True, forced=False)
+        if args.no_kl:
+            t1 = time.time()
+            _, ref_hyps, _ = ct2_logits(args.work / "original-float32", feats, refs, greedy=True, forced=False)
+        hyps = ref_hyps
         errs, nwords = wer_counts(tok, hyps, texts)
         rows.append({"engine": "CTranslate2 float32", "variant": "original", "wer": sum(errs) / sum(nwords),
-                     "clip_err": errs, "clip_words": nwords})
+                     "clip_err": errs, "clip_words": nwords, "seconds": round(time.time() - t1, 1)})
         report(rows, args.json, len(feats))
     if "ct2" in engines:
-        for name, d in variants.items():
-            for q in args.ct2_types.split(","):
-                logp, hyps = ct2_logits(ct2_convert(d, args.work / f"{name}-{q}", q), feats, refs, greedy=args.wer)
-                rows.append({"engine": f"CTranslate2 {q}", "variant": name, **compare(ref_logp, logp)})
+        for q in args.ct2_types.split(","):  # every variant in one type before the next type
+            for name, d in variants.items():
+                # float32 with --wer: transcripts only (an exact variant's float32 KL to the float32
+                # original is rounding noise, and the original's float32 WER row is measured above)
+                wer_only = args.wer and (q == "float32" or args.no_kl)
+                if wer_only and name == "original":
+                    continue
+                t1 = time.time()
+                logp, hyps, _ = ct2_logits(ct2_convert(d, args.work / f"{name}-{q}", q), feats, refs,
+                                        greedy=args.wer, forced=not wer_only)
+                rows.append({"engine": f"CTranslate2 {q}", "variant": name,
+                             **({} if wer_only else compare(ref_logp, logp))})
                 del logp  # one variant's log-probs at a time
                 if args.wer:
                     errs, nwords = wer_counts(tok, hyps, texts)
                     rows[-1].update(wer=sum(errs) / sum(nwords), clip_err=errs, clip_words=nwords)
+                rows[-1]["seconds"] = round(time.time() - t1, 1)
                 report(rows, args.json, len(feats))
     if "ort" in engines:
         n = args.ort_limit or len(feats)
@@ -337,6 +366,8 @@ def main(argv: list[str] | None = None) -> None:
                              **compare(ref_t, torch_logits(d, feats, refs, q))})
                 report(rows, args.json, len(feats))
     print(table(rows))
+    if args.wer:
+        print(wer_table(rows))
 
 
 def report(rows: list[dict], path: Path | None, clips: int) -> None:
@@ -376,14 +407,67 @@ def table(rows: list[dict]) -> str:
              "|---|---|---|---|---|---|" + "---|" * 2 * with_wer]
     for r in rows:
         if "kl" not in r:
-            lines.append(f"| {r['engine']} | {r['variant']} | {len(r['clip_err'])} | | | | {100 * r['wer']:.2f}% | |")
+            lines.append(f"| {r['engine']} | {r['variant']} | {len(r['clip_err'])} | | | | {100 * r['wer']:.2f}% | "
+                         f"{100 * (r['wer'] - fp32_wer):+.2f} |")
             continue
         b = base[r["engine"]]
+        if len(r["clip_kl"]) != len(b["clip_kl"]):  # merged from fewer runs than the original: not paired
+            lines.append(f"| {r['engine']} | {r['variant']} | {len(r['clip_kl'])} | (not on the original's "
+                         f"{len(b['clip_kl'])} clips: merge its runs alone) | | | |" + " |" * 2 * with_wer)
+            continue
         ratio = r["kl"] / b["kl"] if b["kl"] else float("nan")
         lo, hi = bootstrap(*(np.array(x, dtype=float) for x in (r["clip_kl"], r["clip_n"], b["clip_kl"], b["clip_n"])))
         wer = f" {100 * r['wer']:.2f}% | {100 * (r['wer'] - fp32_wer):+.2f} |" if "wer" in r else " | |" * with_wer
         lines.append(f"| {r['engine']} | {r['variant']} | {len(r['clip_kl'])} | {r['kl']:.3e} | {ratio:.3f} "
                      f"({lo:.3f}-{hi:.3f}) | {100 * r['top1']:.2f}% |{wer}")
+    return "\n".join(lines)
+
+
+def wer_table(rows: list[dict], quant: str = "CTranslate2 int8", full: str = "CTranslate2 float32",
+              draws: int = 2000, seed: int = 0) -> str:
+    """Markdown: each variant's WER in float32 and int8, its int8 penalty (int8 − float32, both of that
+    variant), and the penalty's difference to the original's with a 95% paired bootstrap over clips
+    (a draw takes the same clips for every cell; word counts are the same for every variant)."""
+    by = {(r["engine"], r["variant"]): r for r in rows if "wer" in r}
+    if (quant, "original") not in by or (full, "original") not in by:
+        return ""
+    words_ = np.array(by[(full, "original")]["clip_words"], dtype=float)
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, len(words_), size=(draws, len(words_)))
+
+    def errs(engine: str, name: str) -> np.ndarray:
+        return np.array(by[(engine, name)]["clip_err"], dtype=float)
+
+    def interval(per_clip: np.ndarray) -> tuple[float, float]:
+        lo, hi = np.percentile(per_clip[idx].sum(1) / words_[idx].sum(1), [2.5, 97.5])
+        return 100 * float(lo), 100 * float(hi)
+
+    base = errs(quant, "original") - errs(full, "original")
+    lines = [f"{len(words_)} clips, {int(words_.sum())} words; WER in %, penalty = {quant} − {full} of the same "
+             "variant, in points (95% paired bootstrap over clips)",
+             "",
+             "| variant | WER float32 | WER int8 | int8 penalty | penalty − original's |",
+             "|---|---|---|---|---|"]
+    shared = False
+    for name in dict.fromkeys(r["variant"] for r in rows):
+        if (quant, name) not in by or len(by[(quant, name)]["clip_err"]) != len(words_):
+            continue
+        # a variant without float32 transcripts of its own is measured against the original's: an exact
+        # conversion's float32 model is the original's up to float32 rounding (marked *)
+        own = (full, name) in by and len(by[(full, name)]["clip_err"]) == len(words_)
+        shared |= not own
+        fp32 = errs(full, name if own else "original")
+        pen = errs(quant, name) - fp32
+        lo, hi = interval(pen)
+        dlo, dhi = interval(pen - base)
+        d = f"{100 * (pen - base).sum() / words_.sum():+.2f} ({dlo:+.2f} to {dhi:+.2f})"
+        lines.append(f"| {name} | {100 * fp32.sum() / words_.sum():.2f}{'' if own else '*'} | "
+                     f"{100 * by[(quant, name)]['wer']:.2f} | "
+                     f"{100 * pen.sum() / words_.sum():+.2f} ({lo:+.2f} to {hi:+.2f}) | "
+                     f"{'–' if name == 'original' else d} |")
+    if shared:
+        lines.append("\n\\* the original's float32 transcripts (no float32 run of this variant): its penalty "
+                     "difference is then its int8 WER minus the original's, paired over clips")
     return "\n".join(lines)
 
 

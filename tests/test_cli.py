@@ -807,6 +807,8 @@ ARGUMENT_ERRORS = [
     (["--max-shard-size", "banana"], "invalid size 'banana'"),
     (["--seed", "3"], "--seed applies to a rotation"),
     (["--no-bias-slots"], "--no-bias-slots applies with --fold-gamma"),
+    (["--rotate", "hadamard", "--beta-placement", "keep"], "--beta-placement keep applies without --rotate"),
+    (["--fold-gamma", "--beta-placement", "rounding"], "--beta-placement rounding applies without --fold-gamma"),
     (["--low-memory", "--rotate", "hadamard"], "--rotate needs the whole model in memory; drop --low-memory"),
     (["--low-memory", "--per-norm-centering"], "--per-norm-centering needs the whole model in memory"),
     (["--rotate", "hadamard", "--rotate-output", "restore", "--format", "compat"], "--rotate-output restore adds"),

@@ -96,7 +96,7 @@ def _check_combination(
     mode: str, fmt: str, fold_gamma: bool, per_norm_centering: bool, no_bias_slots: bool,
     calibration_data: str | None, low_memory: bool | None, task: str | None, new_head: bool,
     rotation: str | None, rotate_seed: int, rotate_output: str | None, online_hadamard: bool,
-    smooth: float | None = None,
+    smooth: float | None = None, beta_placement: str | None = None,
 ) -> None:
     """Options that conflict or depend on one another, and a missing --calibration-data file: a usage
     error (exit 2), answered before torch is imported. The library checks the same combinations for
@@ -109,6 +109,11 @@ def _check_combination(
         raise UsageError("--no-bias-slots applies with --fold-gamma (or --rotate) only: a bias slot takes the β of a "
                          "γ-folded norm, and without --fold-gamma none is made; pass --fold-gamma too, or drop "
                          "--no-bias-slots")
+    if beta_placement in ("keep", "rounding") and (fold_gamma or rotation is not None):
+        flag = "--rotate" if rotation is not None else "--fold-gamma"
+        raise UsageError(f"--beta-placement {beta_placement} applies without {flag}: a norm whose γ is folded into "
+                         "its readers has no γ for β to sit behind, so β leaves every such norm whatever the "
+                         f"placement; drop --beta-placement, or drop {flag}")
     if new_head and task is None:
         raise UsageError("--new-head adds a task head: name it with --task (e.g. --task sequence-classification)")
     if fmt == "compat" and mode == "all":
@@ -362,7 +367,7 @@ def convert(
     """
     check_model_name(model)
     _check_combination(mode, fmt, fold_gamma, per_norm_centering, no_bias_slots, calibration_data, low_memory,
-                       task, new_head, rotation, rotate_seed, rotate_output, online_hadamard, smooth)
+                       task, new_head, rotation, rotate_seed, rotate_output, online_hadamard, smooth, beta_placement)
     from normswap.checkpoint.conversion import convert as run
     from normswap.options import ConvertOptions
 
