@@ -814,27 +814,19 @@ def _calibrate_approximate(st: _Patching) -> None:
 
 def _fold_residual_beta(st: _Patching) -> None:
     """Move the bias of each converted Post-LN norm whose output is read by Linear readers and residual adds
-    into those readers' and the residual writers' biases (:class:`~normswap.analysis.plan.ResidualFold`): after
-    calibration, so an approximate norm's fitted bias moves too. Exact for any value; with
-    ``beta_placement="rounding"`` (the default) only where bf16 rounds the folded biases no worse
-    (:func:`normswap.surgery.beta_placement.residual_costs`)."""
+    into those readers' and the residual writers' biases (:class:`~normswap.analysis.plan.ResidualFold`,
+    ``beta_placement="fold"``): after calibration, so an approximate norm's fitted bias moves too. Exact for
+    any value; the RMSNorm then has no bias (an exported graph, no ``Add`` after the fused norm)."""
     plan_, done = st.plan, []
-    placement = plan_.options.get("beta_placement", "rounding")
     for rf in plan_.residual_folds:
         sp = plan_.site(rf.site)
         norm = st.new_modules.get(rf.site)
         if not sp.convert or getattr(norm, "bias", None) is None:
             continue
-        readers = ", ".join(f"`{p}`" for p in rf.readers)
-        writers = ", ".join(f"`{p}`" for p in rf.writers)
-        if placement == "rounding":
-            folded, kept = beta_placement.residual_costs(st.work, rf, norm.bias)
-            if folded > beta_placement.MARGIN * kept:
-                sp.beta_detail = (f"{beta_placement.KEPT_WHY} (those of {readers} and of {RESIDUAL_WHY} "
-                                  f"{writers}: squared error {folded:.3g} folded vs {kept:.3g} kept)")
-                continue
         st.residual_shifts[rf.site] = edits.fold_residual_beta(st.work, rf)
         sp.fold_beta, sp.rms_bias = True, False
+        readers = ", ".join(f"`{p}`" for p in rf.readers)
+        writers = ", ".join(f"`{p}`" for p in rf.writers)
         what = "fitted bias" if sp.verdict == "approximate" else "β"
         sp.beta_detail = (f"{what} folded into the bias of {readers}" + (" and " if readers else "")
                           + f"of {RESIDUAL_WHY} {writers} (Post-LN: the residual adds it to the next "

@@ -39,8 +39,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from normswap.analysis.linears import linear_at, tensors_by_name
-from normswap.analysis.plan import BETA_KEEP_WHY, BETA_KEPT_WHY, Plan, ResidualFold, SitePlan
+from normswap.analysis.linears import tensors_by_name
+from normswap.analysis.plan import BETA_KEEP_WHY, BETA_KEPT_WHY, Plan, SitePlan
 
 MARGIN = 1.0  # keep β where folding's squared rounding error exceeds the original path's by this factor
 KEPT_WHY = BETA_KEPT_WHY
@@ -148,13 +148,23 @@ def head_readers(plan: Plan, model: nn.Module) -> dict[str, str]:
     return keep
 
 
+RESIDUAL_HINT = "; beta_placement='fold' folds it into the readers' biases and the residual writer's"
+
+
 def place_residual(plan: Plan, placement: str, model: nn.Module, keep: dict[str, str] | None = None) -> None:
-    """Which :class:`~normswap.analysis.plan.ResidualFold` candidates may run: none with ``"keep"``; never one
-    that would move β from the base model into a task head (as :func:`head_readers`), nor one of the norms
-    ``keep`` names (a fused kernel reads β from the norm). With ``"rounding"``
-    the rule decides again for each when it runs (:func:`residual_costs`: the value folded is known only
-    then, an approximate norm's bias being fitted by the calibration)."""
-    if placement == "keep":
+    """Which :class:`~normswap.analysis.plan.ResidualFold` candidates run: all of them with ``"fold"``, none
+    otherwise (a norm that keeps β for its residual reader then says that ``fold`` would fold it), and never
+    one that would move β from the base model into a task head (as :func:`head_readers`), nor one of the
+    norms ``keep`` names (a fused kernel reads β from the norm).
+
+    Opt-in, unlike the bias folds the rounding rule decides: the low-memory path does not rewrite the
+    residual writers (it refuses ``"fold"`` where a candidate exists), and ``patch`` must write the same
+    tensors as ``convert`` for the same options whichever path runs."""
+    if placement != "fold":
+        for rf in plan.residual_folds:
+            sp = plan.site(rf.site)
+            if sp.beta_detail.startswith("kept in the RMSNorm: output also read by"):
+                sp.beta_detail += RESIDUAL_HINT
         plan.residual_folds = []
         return
     plan.residual_folds = [rf for rf in plan.residual_folds if not keep or rf.site not in keep]
@@ -164,20 +174,3 @@ def place_residual(plan: Plan, placement: str, model: nn.Module, keep: dict[str,
     inside = f"{prefix}."
     plan.residual_folds = [rf for rf in plan.residual_folds if not rf.site.startswith(inside)
                            or all(p.startswith(inside) for p in (*rf.readers, *rf.writers))]
-
-
-def residual_costs(model: nn.Module, rf: ResidualFold, b: torch.Tensor) -> tuple[float, float]:
-    """(folded, kept): the squared bf16 rounding error of the constant terms a :class:`ResidualFold` of bias
-    ``b`` changes, from ``model``'s current weights. Readers as :func:`rounding_costs`; a residual writer
-    ``W h + c`` folded stores ``c + b`` (one rounding), kept rounds ``c`` and ``b`` apart."""
-    folded = kept = 0.0
-    b = b.detach().double()
-    for path, kind in zip(rf.readers, rf.reader_kinds, strict=True):
-        reader = linear_at(model, path)
-        a, k = rounding_costs(reader.weight.detach(), reader.bias.detach(), b, kind)
-        folded, kept = folded + a, kept + k
-    for path in rf.writers:
-        c = linear_at(model, path).bias.detach().double()
-        folded += float((_round(c + b) - (c + b)).pow(2).sum())
-        kept += float(((_round(c) - c) + (_round(b) - b)).pow(2).sum())
-    return folded, kept

@@ -19,7 +19,8 @@ import torch
 
 import normswap
 from normswap import plan_of
-from normswap.analysis.plan import BETA_KEPT_WHY, RESIDUAL_WHY
+from normswap.analysis.plan import RESIDUAL_WHY
+from normswap.surgery.beta_placement import RESIDUAL_HINT
 
 transformers = pytest.importorskip("transformers")
 
@@ -115,20 +116,29 @@ def test_fold_is_exact_against_the_unfolded_conversion(family):
             assert s.error == pytest.approx(errors[s.name], rel=1e-6, abs=1e-12), s.name
 
 
-def test_default_rounding_rule_decides_each_norm_and_stays_exact(family):
-    """``beta_placement="rounding"`` (the default of patch): each candidate is folded or kept by the bf16
-    rounding rule, with the reason on the site; either way the outputs are the un-folded conversion's."""
+def test_default_keeps_the_bias_and_names_the_option(family):
+    """Opt-in: the default placement (``rounding``) keeps β in a norm whose output a residual reads (the
+    low-memory path, which must write the same tensors, does not fold through residual writers), and its
+    ``beta_detail`` says that ``beta_placement='fold'`` would fold it."""
     name, model, kept = family
     conv, report = _patched(model)
     inputs = _inputs()
     assert _rel(_out(conv, inputs), _out(kept, inputs)) <= 1e-12, name
     plan = report.plan
-    for s in plan.sites[:-1]:
-        folded = RESIDUAL_WHY in s.beta_detail and s.fold_beta
-        kept_by_rule = s.beta_detail.startswith(BETA_KEPT_WHY) and RESIDUAL_WHY in s.beta_detail
-        assert folded != kept_by_rule, (s.name, s.beta_detail)
-        assert (s.name in _biased_norms(conv)) == kept_by_rule, s.name
-    assert {rf.site for rf in plan.residual_folds} == {s.name for s in plan.sites if s.fold_beta}
+    assert not plan.residual_folds
+    assert _biased_norms(conv) == [s.name for s in plan.sites if s.convert]
+    exact = [s for s in plan.sites[:-1] if s.verdict == "exact"]
+    assert exact and all(s.beta_detail.endswith(RESIDUAL_HINT) for s in exact), [s.beta_detail for s in exact]
+
+
+def test_low_memory_convert_refuses_the_fold_it_cannot_write(tmp_path):
+    """``convert --low-memory --beta-placement fold`` on a Post-LN checkpoint: one clear error, nothing
+    written (the streamed rewrite does not fold through residual writers)."""
+    model = _replica("bert")
+    model.save_pretrained(tmp_path / "src")
+    with pytest.raises(normswap.NormswapError, match="residual writers, which the low-memory path cannot do"):
+        normswap.convert(tmp_path / "src", tmp_path / "out", low_memory=True, mode="exact", beta_placement="fold")
+    assert not (tmp_path / "out").exists()
 
 
 def test_native_checkpoint_rebuilds_the_norms_without_bias(family, tmp_path):
