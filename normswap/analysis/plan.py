@@ -18,6 +18,8 @@ EXACT_VERDICTS = ("exact",) + CENTERED_VERDICTS
 # not serialised (see Plan.to_dict)
 RUNTIME_SITE_FIELDS = ("writer_targets", "linear_readers", "rotation_ops", "rotation_upstream")
 RESIDUAL_WHY = "the residual add's other writer"  # in beta_detail: β folded out of a Post-LN norm (ResidualFold)
+# appended to the beta_detail of an exact norm that keeps β although a ResidualFold could take it out
+RESIDUAL_HINT = "; beta_placement='fold' folds it into the readers' biases and the residual writer's"
 
 
 @dataclass

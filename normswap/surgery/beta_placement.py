@@ -148,12 +148,10 @@ def head_readers(plan: Plan, model: nn.Module) -> dict[str, str]:
     return keep
 
 
-RESIDUAL_HINT = "; beta_placement='fold' folds it into the readers' biases and the residual writer's"
-
-
 def place_residual(plan: Plan, placement: str, model: nn.Module, keep: dict[str, str] | None = None) -> None:
     """Which :class:`~normswap.analysis.plan.ResidualFold` candidates run: all of them with ``"fold"``, none
-    otherwise (a norm that keeps β for its residual reader then says that ``fold`` would fold it), and never
+    otherwise (an exact norm that keeps β for its residual reader says that ``fold`` would fold it:
+    :data:`~normswap.analysis.plan.RESIDUAL_HINT`), and never
     one that would move β from the base model into a task head (as :func:`head_readers`), nor one of the
     norms ``keep`` names (a fused kernel reads β from the norm).
 
@@ -161,10 +159,6 @@ def place_residual(plan: Plan, placement: str, model: nn.Module, keep: dict[str,
     residual writers (it refuses ``"fold"`` where a candidate exists), and ``patch`` must write the same
     tensors as ``convert`` for the same options whichever path runs."""
     if placement != "fold":
-        for rf in plan.residual_folds:
-            sp = plan.site(rf.site)
-            if sp.beta_detail.startswith("kept in the RMSNorm: output also read by"):
-                sp.beta_detail += RESIDUAL_HINT
         plan.residual_folds = []
         return
     plan.residual_folds = [rf for rf in plan.residual_folds if not keep or rf.site not in keep]

@@ -19,8 +19,7 @@ import torch
 
 import normswap
 from normswap import plan_of
-from normswap.analysis.plan import RESIDUAL_WHY
-from normswap.surgery.beta_placement import RESIDUAL_HINT
+from normswap.analysis.plan import RESIDUAL_HINT, RESIDUAL_WHY
 
 transformers = pytest.importorskip("transformers")
 
