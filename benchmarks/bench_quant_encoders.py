@@ -12,8 +12,10 @@ bootstrap interval over texts (the same resampled texts for both).
 Variants: ``original``; ``converted`` (``normswap.patch`` with default options: these are Post-LN
 encoders, so some norms are approximate and calibrated on the built-in sentences); ``converted-fold``
 (``beta_placement="fold"``: every β out of the norms, through the residual writers where the output is
-also a residual); ``converted-keep`` (``beta_placement="keep"``). ``--texts`` English paragraphs from
-Python's reference docs (offline, held out from the calibration sentences), up to ``--max-len`` tokens.
+also a residual); ``converted-keep`` (``beta_placement="keep"``); ``converted-nocarry``
+(``mean_carry=False``: no MLP widened to carry a Post-LN mean, so those norms are approximate too).
+``--texts`` English paragraphs from Python's reference docs (offline, held out from the calibration
+sentences), up to ``--max-len`` tokens.
 
     python benchmarks/bench_quant_encoders.py --model DIR --texts 256 --json out.json
 
@@ -38,8 +40,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 QUANTIZERS = ("fp32", "dyn-pt", "dyn-pc")
-VARIANTS = ("original", "converted", "converted-fold", "converted-keep")
-PLACEMENT = {"converted": None, "converted-fold": "fold", "converted-keep": "keep"}
+VARIANTS = ("original", "converted", "converted-fold", "converted-keep", "converted-nocarry")
+OPTIONS: dict[str, dict[str, Any]] = {"converted": {}, "converted-fold": {"beta_placement": "fold"},
+                                      "converted-keep": {"beta_placement": "keep"},
+                                      "converted-nocarry": {"mean_carry": False}}
 
 
 def english(n: int, seed: int = 0) -> list[str]:
@@ -131,10 +135,9 @@ def build(name: str, original: torch.nn.Module, model_dir: Path) -> tuple[torch.
     import normswap
 
     model = copy.deepcopy(original)
-    kw = {} if PLACEMENT[name] is None else {"beta_placement": PLACEMENT[name]}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        report = normswap.patch(model, tokenizer=str(model_dir), **kw)
+        report = normswap.patch(model, tokenizer=str(model_dir), **OPTIONS[name])
     biased = sum(1 for m in model.modules() if isinstance(m, normswap.RMSNorm) and m.bias is not None)
     return model, f"{report.plan.summary()}; RMSNorms keeping a bias: {biased}"
 
