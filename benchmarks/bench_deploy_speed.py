@@ -41,6 +41,7 @@ each on a loaded 2-core machine).
     python benchmarks/bench_deploy_speed.py --round-robin 45  # cached ORT exports timed in turn, batch 1
     python benchmarks/bench_deploy_speed.py --kernels       # ORT's norm kernels alone (about a minute)
     python benchmarks/bench_deploy_speed.py --models bert --profile 50  # ORT kernel time per op type
+    python benchmarks/bench_deploy_speed.py --models bert --beta-placement fold  # β out of BERT's norms
 
 Goal (issue 40): converted/original <= 1.00 in every cell, below 1 where the norm is a visible share.
 Results: docs/results/deploy-speed.md.
@@ -114,11 +115,13 @@ def build(name: str, image: int = 0, layers: int = 12) -> tuple[nn.Module, tuple
     return randomise_(model), keys
 
 
-def convert(name: str, model: nn.Module) -> tuple[nn.Module, dict[str, int]]:
+def convert(name: str, model: nn.Module, beta_placement: str | None = None) -> tuple[nn.Module, dict[str, int]]:
     converted = copy.deepcopy(model)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         kwargs = {"mode": "all", "calibration": False} if name == "bert" else {}
+        if beta_placement:
+            kwargs["beta_placement"] = beta_placement
         report = normswap.patch(converted, **kwargs)
     verdicts: dict[str, int] = {}
     for site in report.sites:
@@ -435,6 +438,22 @@ def op_profile(label: str, cache: Path, batch: int, tokens: int, runs: int) -> s
     return "\n".join(lines)
 
 
+def session_adds(path: Path) -> int:
+    """``Add`` nodes left in ONNX Runtime's session-optimised graph of ``path`` (residuals, biases, kept β)."""
+    import tempfile
+
+    import onnx
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    with tempfile.TemporaryDirectory() as tmp:
+        options.optimized_model_filepath = str(Path(tmp) / "optimised.onnx")
+        ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        graph = onnx.load(options.optimized_model_filepath, load_external_data=False).graph
+    return sum(n.op_type == "Add" for n in graph.node)
+
+
 def variants(name: str) -> list[tuple[str, int]]:
     """(label, image size) per model built: one for text, one per image size for ViT."""
     return [(name, 0)] if name != "vit" else [(f"vit{px}", px) for px in VIT_SIZES]
@@ -449,10 +468,12 @@ def shapes(name: str, quick: bool) -> list[tuple[int, int]]:
 def run_model(name: str, label: str, px: int, args: argparse.Namespace, cache: Path) -> list[dict]:
     model, keys = build(name, px, args.layers)
     t0 = time.perf_counter()
-    converted, verdicts = convert(name, model)
+    converted, verdicts = convert(name, model, args.beta_placement)
     convert_s = time.perf_counter() - t0
     norms = sum(isinstance(m, normswap.RMSNorm) for m in converted.modules())
-    print(f"# {label}: {norms} RMSNorms, verdicts {verdicts}, converted in {convert_s:.0f} s", flush=True)
+    biased = sum(isinstance(m, normswap.RMSNorm) and m.bias is not None for m in converted.modules())
+    print(f"# {label}: {norms} RMSNorms ({biased} with a bias), verdicts {verdicts}, converted in {convert_s:.0f} s"
+          + (f", beta_placement={args.beta_placement}" if args.beta_placement else ""), flush=True)
     bodies = {"original": Body(model, keys).eval(), "converted": Body(converted, keys).eval()}
     rows: dict[tuple[int, int], dict] = {}
     for batch, n in shapes(label, args.quick):
@@ -464,14 +485,15 @@ def run_model(name: str, label: str, px: int, args: argparse.Namespace, cache: P
             continue
         paths, fused = {}, {}
         for variant, body in bodies.items():
-            path = cache / f"{label}-L{args.layers}-{variant}-{opset or 'default'}.onnx"
+            placed = f"-{args.beta_placement}" if args.beta_placement and variant == "converted" else ""
+            path = cache / f"{label}-L{args.layers}-{variant}{placed}-{opset or 'default'}.onnx"
             example = inputs_for(name, 2, px or 16)
             secs = export(body, example, path, opset)
             if secs:
                 print(f"#   exported {path.name} in {secs:.0f} s", flush=True)
             if engine == "ortopt":
                 path = ort_optimised(path, name)
-            fused[variant] = {k: v for k, v in fused_norm_ops(path).items() if v}
+            fused[variant] = {k: v for k, v in fused_norm_ops(path).items() if v} | {"Add": session_adds(path)}
             paths[variant] = path
         print(f"#   {engine} norm ops after ORT's optimiser: {fused}", flush=True)
         for (batch, n), row in rows.items():
@@ -554,6 +576,9 @@ def main() -> None:
     parser.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
                         help="time cells by the calling thread's CPU time (default; robust to a loaded "
                         "machine) or by wall time")
+    parser.add_argument("--beta-placement", choices=("rounding", "keep", "fold"), default=None,
+                        help="the converted model's beta_placement (default: patch's); 'fold' folds a Post-LN "
+                        "norm's β through the residual's writer (BERT: no Add after the norm)")
     parser.add_argument("--layers", type=int, default=12, help="transformer layers (12: the real sizes; fewer "
                         "for a plumbing check)")
     args = parser.parse_args()

@@ -101,10 +101,12 @@ class ConvertOptions:
             ``"keep"`` keeps every β in its norm (the readers' biases and inputs stay the original's, so
             int8 engines that quantize the readers' inputs see the original's ranges: CTranslate2, ONNX
             Runtime, see ``docs/deployment.md``); ``"fold"`` folds it wherever the readers can take
-            it (the behaviour before these options). All three are exact; with ``fold_gamma`` (rotation)
-            β leaves the norm whatever the placement. ``None`` (default): ``"keep"`` where ``convert``
-            writes the compat format (the checkpoint engines quantize; its stock LayerNorm takes β at no
-            cost), ``"rounding"`` otherwise (:meth:`beta_placement_for`).
+            it (the behaviour before these options), and also takes a Post-LN norm's β (or fitted bias)
+            out through the residual's other writer (:class:`normswap.analysis.plan.ResidualFold`: one
+            ``Add`` less per BERT norm in ONNX Runtime; the low-memory path refuses it). All three are
+            exact; with ``fold_gamma`` (rotation) β leaves the norm whatever the placement. ``None``
+            (default): ``"keep"`` where ``convert`` writes the compat format (the checkpoint engines
+            quantize; its stock LayerNorm takes β at no cost), ``"rounding"`` otherwise (:meth:`beta_placement_for`).
         layer_scale: what happens to a LayerScale λ (BEiT, DINOv2, CaiT) whose writer is centered.
             ``"keep"`` (default): the writer is centered as ``diag(λ) W`` (exact), then each output row is
             divided by a per-row scale that puts its largest entry within 8/9 of the original weight's

@@ -23,7 +23,7 @@ from torch import nn
 from normswap import inputs, memory
 from normswap.analysis import precision, trace, walker
 from normswap.analysis.linears import linear_at
-from normswap.analysis.plan import EXACT_VERDICTS, Plan, SitePlan, attach_plan
+from normswap.analysis.plan import EXACT_VERDICTS, RESIDUAL_WHY, Plan, SitePlan, attach_plan
 from normswap.analysis.planner import analyse
 from normswap.analysis.trace import flatten_outputs
 from normswap.copying import deepcopy_module
@@ -504,6 +504,7 @@ def place_beta(work: nn.Module, an: _Analysis, opts: ConvertOptions) -> None:
     beta_placement.place_beta(an.plan, lambda name: work.get_parameter(name).detach(),
                               lambda norm: an.sites[norm].beta(work.get_submodule(norm)),
                               opts.beta_placement_for(None), keep)
+    beta_placement.place_residual(an.plan, opts.beta_placement_for(None), work, keep)
 
 
 def find_norms(model: nn.Module, example_inputs: inputs.ExampleInputs = None) -> walker.WalkResult:
@@ -669,6 +670,7 @@ def _convert(st: _Patching, check: Callable[[Plan], None] | None = None) -> bool
         _edit_weights(st)
         _swap(st, [sp for sp in st.todo if sp.verdict != "approximate"])  # approximate ones fit around them
         _calibrate_approximate(st)
+        _fold_residual_beta(st)
         check_untouched(model, st.untouched)  # the surgery is done: it wrote only its own tensors
         _verify(st)
         report_warnings(st.plan, st.todo)
@@ -702,6 +704,7 @@ class _Patching:
     own_error: float | None = None  # below float64: the original's error from the working dtype's rounding alone
     originals: dict[str, nn.Module] = field(default_factory=dict)  # the working copy's norms before the swap
     new_modules: dict[str, nn.Module] = field(default_factory=dict)  # the RMSNorms swapped in
+    residual_shifts: dict[str, torch.Tensor] = field(default_factory=dict)  # bias folded out of each norm (float64)
     calib: calibrate.CalibrationResult | None = None
     figures: dict[str, Any] = field(default_factory=dict)
     dtype_note: str = ""  # what the cast back to the model's dtype costs, when measured
@@ -839,6 +842,29 @@ def _calibrate_approximate(st: _Patching) -> None:
     _swap(st, approx, {n: (f.weight, f.bias) for n, f in (st.calib.fits.items() if st.calib else [])})
 
 
+def _fold_residual_beta(st: _Patching) -> None:
+    """Move the bias of each converted Post-LN norm whose output is read by Linear readers and residual adds
+    into those readers' and the residual writers' biases (:class:`~normswap.analysis.plan.ResidualFold`,
+    ``beta_placement="fold"``): after calibration, so an approximate norm's fitted bias moves too. Exact for
+    any value; the RMSNorm then has no bias (an exported graph, no ``Add`` after the fused norm)."""
+    plan_, done = st.plan, []
+    for rf in plan_.residual_folds:
+        sp = plan_.site(rf.site)
+        norm = st.new_modules.get(rf.site)
+        if not sp.convert or getattr(norm, "bias", None) is None:
+            continue
+        st.residual_shifts[rf.site] = edits.fold_residual_beta(st.work, rf)
+        sp.fold_beta, sp.rms_bias = True, False
+        readers = ", ".join(f"`{p}`" for p in rf.readers)
+        writers = ", ".join(f"`{p}`" for p in rf.writers)
+        what = "fitted bias" if sp.verdict == "approximate" else "β"
+        sp.beta_detail = (f"{what} folded into the bias of {readers}" + (" and " if readers else "")
+                          + f"of {RESIDUAL_WHY} {writers} (Post-LN: the residual adds it to the next "
+                          "stream from there, the same sum)")
+        done.append(rf)
+    plan_.residual_folds = done
+
+
 def _verify(st: _Patching) -> None:
     """Run the converted copy, compare with the original, check each norm, and gate (``verify``).
 
@@ -866,7 +892,7 @@ def _verify(st: _Patching) -> None:
                     if k in figures or k in traced:
                         figures[k] = max(figures.get(k, 0.0), traced.get(k, 0.0))
     with running(st.work_dtype, st.an.hold):  # the originals' forwards: a float32 norm of a float64 copy too
-        _site_checks(st.plan, st.todo, seen, st.originals, st.an.sites, st.work_dtype, figures)
+        _site_checks(st.plan, st.todo, seen, st.originals, st.an.sites, st.work_dtype, figures, st.residual_shifts)
     if st.opts.verify:
         try:
             gate(st.todo, figures, st.work_dtype, precision_limit(st.work_dtype, st.own_error))
@@ -1077,8 +1103,9 @@ def _calibrate(work: nn.Module, approx: list[SitePlan], sites: dict, originals: 
 
 
 def _site_checks(plan_: Plan, todo: list[SitePlan], seen: dict, originals: dict, sites: dict,
-                 dtype: torch.dtype, figures: dict) -> None:
-    """Per-norm evidence: exact norms must read a zero-mean stream; approximate ones get an error."""
+                 dtype: torch.dtype, figures: dict, shifts: dict[str, torch.Tensor] | None = None) -> None:
+    """Per-norm evidence: exact norms must read a zero-mean stream; approximate ones get an error (of their
+    output with the bias a residual fold moved out of them, ``shifts``, added back)."""
     worst = 0.0
     for sp in todo:
         pairs = seen.get(sp.name, [])
@@ -1087,10 +1114,12 @@ def _site_checks(plan_: Plan, todo: list[SitePlan], seen: dict, originals: dict,
         dims = tuple(range(-len(sp.normalized_shape), 0))
         if sp.verdict == "approximate":
             num = den = 0.0
+            shift = (shifts or {}).get(sp.name)
             with torch.no_grad():
                 for x, y in pairs:
                     ref = normalised(originals[sp.name](x))
-                    num += float((y.double() - ref.double()).pow(2).sum())
+                    y = y.double() if shift is None else y.double() + shift.to(y.device)
+                    num += float((y - ref.double()).pow(2).sum())
                     den += float(ref.double().pow(2).sum())
             sp.error = (num / den) ** 0.5 if den > 0 else 0.0
         else:

@@ -17,6 +17,9 @@ CENTERED_VERDICTS = ("exact-with-centering", "exact-with-per-norm-centering")
 EXACT_VERDICTS = ("exact",) + CENTERED_VERDICTS
 # not serialised (see Plan.to_dict)
 RUNTIME_SITE_FIELDS = ("writer_targets", "linear_readers", "rotation_ops", "rotation_upstream")
+RESIDUAL_WHY = "the residual add's other writer"  # in beta_detail: β folded out of a Post-LN norm (ResidualFold)
+# appended to the beta_detail of an exact norm that keeps β although a ResidualFold could take it out
+RESIDUAL_HINT = "; beta_placement='fold' folds it into the readers' biases and the residual writer's"
 
 
 @dataclass
@@ -234,6 +237,28 @@ class CenteredReader:
 
 
 @dataclass
+class ResidualFold:
+    """Take a norm's β out of its RMSNorm where the norm's output is read by Linear readers and by
+    residual adds (Post-LN: BERT's ``norm2(W h + c + n)``, :mod:`normswap.analysis.residual`).
+
+    With ``n = g⊙u + b`` the converted norm's output: each reader ``R n + r`` takes ``R b`` in its bias,
+    and each residual's other writer takes ``b`` in its own (``(W h + c + b) + g⊙u`` is the same sum), so
+    every value after the norm is unchanged while the norm computes ``g⊙u`` alone: one ``Add`` less per
+    norm in an exported graph. ``b`` is the value the converted norm holds when the fold runs, after
+    calibration (the fitted bias of an approximate norm, β of an exact one), so the fold is exact for
+    both. A candidate of the analysis; :func:`normswap.surgery.edits.fold_residual_beta` applies it and
+    the site's ``beta_detail`` records it (``rms_bias`` false): loading needs nothing more, so it is not
+    in the manifest.
+    """
+
+    site: str
+    readers: list[str]  # Linear / Conv1D readers of the norm's output (each has a bias)
+    reader_kinds: list[str]  # linear | conv1d, per reader
+    writers: list[str]  # the Linear / Conv1D whose output each residual add sums with the norm's output
+    writer_kinds: list[str]
+
+
+@dataclass
 class Untie:
     """Give ``module.attr`` its own copy of the tied parameter ``source`` before centering."""
 
@@ -299,6 +324,8 @@ class Plan:
     beta_moves: list[BetaMove] = field(default_factory=list)  # value-projection β shares moved into an output bias
     bias_slots: list[BiasSlot] = field(default_factory=list)  # bias-less Linear readers given a bias for β
     centered_readers: list[CenteredReader] = field(default_factory=list)  # readers of approximate norms
+    # runtime only (not in the manifest): Post-LN norms whose β may leave through the residual's writer
+    residual_folds: list[ResidualFold] = field(default_factory=list)
     changed_outputs: list[str] = field(default_factory=list)
     # the feature axis (negative: counted from the end) of each changed output whose features do not lie
     # along its last axis: a channels-first (B, C, H, W) stream output (VitDet). Verification centres the
@@ -353,6 +380,9 @@ class Plan:
             kept = sum(s.beta_detail.startswith(why) for s in self.sites)
             if kept:
                 extra.append(f"β kept in {kept} {where} ({because})")
+        residual = sum(RESIDUAL_WHY in s.beta_detail and s.fold_beta for s in self.sites)
+        if residual:
+            extra.append(f"β of {residual} Post-LN norm(s) folded into their readers and residual writers")
         if self.hooks:
             extra.append(f"{len(self.hooks)} centering op(s)")
         if self.centered_readers:
@@ -439,6 +469,7 @@ class Plan:
         data = asdict(self)
         data.pop("rms_sites")
         data.pop("rotation_axes")
+        data.pop("residual_folds")  # applied as weights; the sites' rms_bias and beta_detail record it
         for site in data["sites"]:
             for key in RUNTIME_SITE_FIELDS:
                 site.pop(key, None)

@@ -23,6 +23,7 @@ from torch import nn
 from normswap.analysis.attention import Route
 from normswap.analysis.linears import LinearView
 from normswap.analysis.plan import (
+    RESIDUAL_HINT,
     BetaMove,
     BiasSlot,
     CenteredReader,
@@ -30,6 +31,7 @@ from normswap.analysis.plan import (
     FoldEdit,
     MeanCarry,
     Plan,
+    ResidualFold,
     RmsFold,
     ScaleFold,
     SitePlan,
@@ -37,6 +39,7 @@ from normswap.analysis.plan import (
     WriterEdit,
     beta_text,
 )
+from normswap.analysis.residual import residual_writers
 from normswap.analysis.streams import OUTPUT_AXIS, Analyzer, Reach, Term, mutated_parameters, writer_kind
 from normswap.analysis.trace import Graph, ModuleCall
 from normswap.analysis.walker import NormSite, SkippedNorm
@@ -569,10 +572,42 @@ def _site_folds(st: Planning, site: NormSite, sp: SitePlan) -> str:
     foldable, other = st.site_readers.get(sp.name, (set(), []))
     sp.readers = sorted(foldable) + sorted(set(other))
     sp.linear_readers = sorted(foldable)
+    residual = bool(other) and _residual_fold(st, site, sp, sorted(foldable))
     if sp.verdict != "approximate":
-        return _plan_folds(st, site, sp, sorted(foldable), other)
+        blocker = _plan_folds(st, site, sp, sorted(foldable), other)
+        if residual and sp.beta_detail.startswith("kept in the RMSNorm: output also read by"):
+            sp.beta_detail += RESIDUAL_HINT  # the placement decides later (opt-in); said in every plan
+        return blocker
     st.plan.centered_readers += _centered_readers(st, site, sorted(foldable))
     return ""
+
+
+def _residual_fold(st: Planning, site: NormSite, sp: SitePlan, foldable: list[str]) -> bool:
+    """A :class:`~normswap.analysis.plan.ResidualFold` candidate for a norm whose other readers are residual
+    adds (Post-LN): one call, every Linear reader reads only this norm, on every call, and has a bias; every
+    residual's other term is one Linear writer with a bias (:func:`normswap.analysis.residual.residual_writers`).
+    Not with ``fold_gamma`` or ``fold_beta=False``. A norm with neither β nor a fitted bias (an exact
+    non-affine one) has nothing to fold. Returns whether it added one."""
+    an = st.an
+    calls = [c for c in an.site_calls if c.path == sp.name]
+    if an.fold_gamma or not an.fold_beta or len(calls) != 1 or len(site.normalized_shape) != 1 \
+            or list(site.param_shape) != list(site.normalized_shape):
+        return False
+    if site.bias_attr is None and sp.verdict != "approximate":
+        return False
+    for path in foldable:
+        every_call = {c.id for c in an.calls_per_path.get(path, [])}
+        if st.reader_sources[path] != {site.path} or st.reader_calls[path] != every_call \
+                or getattr(an.modules[path], "bias", None) is None:
+            return False
+    reader_calls, _ = an.readers(calls[0])
+    writers, _ = residual_writers(an, calls[0], {c.id for c in reader_calls})
+    if not writers or any(w in foldable for w, _ in writers):
+        return False
+    st.plan.residual_folds.append(ResidualFold(
+        site.path, foldable, [writer_kind(an.modules[p]) for p in foldable],
+        [w for w, _ in writers], [k for _, k in writers]))
+    return True
 
 
 def _site_rotation(st: Planning, site: NormSite, sp: SitePlan, stream: SiteStream, carries: list[MeanCarry],

@@ -63,6 +63,7 @@ def convert_streaming(
         options = options.replace(bias_slots=False)
     st.fp = proxy.plan_full(st.cls, st.config, st.meta, options, echo=echo, left_out=src.left_out)
     _refuse_plan(st, fmt, automatic)
+    _refuse_residual_fold(st, options, automatic)
     _check_tensors(st, task)
     needed = _space_needed(st, out, echo)
     # chosen (and a float64 that does not fit refused) before anything is written
@@ -174,6 +175,22 @@ def _refuse_plan(st: _Streaming, fmt: str, automatic: bool) -> None:
             "--low-memory cannot do; convert without --low-memory, or add --mode exact to stream only "
             "the exact norms"
         )
+
+
+def _refuse_residual_fold(st: _Streaming, options: ConvertOptions, automatic: bool) -> None:
+    """Refuse ``beta_placement="fold"`` where it would fold a Post-LN norm's β through the residual's writer
+    (:class:`~normswap.analysis.plan.ResidualFold`): the streamed rewrite does not, so it would write other
+    tensors than the in-memory path for the same options."""
+    if options.beta_placement_for(None) != "fold":
+        return
+    proxy_plan = st.fp.proxy_plan
+    folds = [rf for rf in proxy_plan.residual_folds if proxy_plan.site(rf.site).convert]
+    if folds:
+        way_out = "pass --in-memory" if automatic else "convert without --low-memory"
+        raise NormswapError(
+            f"{st.src.label}: beta_placement='fold' folds the β of {len(folds)} Post-LN norm(s) of the proxy "
+            f"(`{folds[0].site}`, ...) through their residual writers, which the low-memory path cannot do; "
+            f"{way_out} (with RAM to spare), or use another --beta-placement")
 
 
 def _check_tensors(st: _Streaming, task: str | None) -> None:

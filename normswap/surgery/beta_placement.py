@@ -146,3 +146,25 @@ def head_readers(plan: Plan, model: nn.Module) -> dict[str, str]:
         if f.beta and f.site.startswith(inside) and not f.reader.startswith(inside):
             keep.setdefault(f.site, HEAD_WHY.format(head=f.reader))
     return keep
+
+
+def place_residual(plan: Plan, placement: str, model: nn.Module, keep: dict[str, str] | None = None) -> None:
+    """Which :class:`~normswap.analysis.plan.ResidualFold` candidates run: all of them with ``"fold"``, none
+    otherwise (an exact norm that keeps β for its residual reader says that ``fold`` would fold it:
+    :data:`~normswap.analysis.plan.RESIDUAL_HINT`), and never
+    one that would move β from the base model into a task head (as :func:`head_readers`), nor one of the
+    norms ``keep`` names (a fused kernel reads β from the norm).
+
+    Opt-in, unlike the bias folds the rounding rule decides: the low-memory path does not rewrite the
+    residual writers (it refuses ``"fold"`` where a candidate exists), and ``patch`` must write the same
+    tensors as ``convert`` for the same options whichever path runs."""
+    if placement != "fold":
+        plan.residual_folds = []
+        return
+    plan.residual_folds = [rf for rf in plan.residual_folds if not keep or rf.site not in keep]
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    if not prefix or not isinstance(getattr(model, prefix, None), nn.Module):
+        return
+    inside = f"{prefix}."
+    plan.residual_folds = [rf for rf in plan.residual_folds if not rf.site.startswith(inside)
+                           or all(p.startswith(inside) for p in (*rf.readers, *rf.writers))]

@@ -27,6 +27,7 @@ from normswap.analysis.plan import (
     FoldEdit,
     MeanCarry,
     Plan,
+    ResidualFold,
     RmsFold,
     ScaleFold,
     SitePlan,
@@ -318,6 +319,32 @@ def move_beta(model: nn.Module, m: BetaMove, beta: torch.Tensor) -> None:
         into.bias.copy_((into.bias.detach().double() + shift).to(into.bias.dtype))
 
 
+def residual_shares(model: nn.Module, rf: ResidualFold, b: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """What :func:`fold_residual_beta` adds to each bias, as ``[(parameter name, shift)]`` (float64): ``R b``
+    for each reader (its current weight, after every other edit: a centered reader, a widened MLP), ``b`` for
+    each residual writer."""
+    b = b.detach().double()
+    out = []
+    for path, kind in zip(rf.readers, rf.reader_kinds, strict=True):
+        w = linear_at(model, path).weight.detach().double()
+        out.append((param_names(model, path)[1], b @ w if kind == "conv1d" else w @ b))
+    out += [(param_names(model, path)[1], b) for path in rf.writers]
+    return out
+
+
+def fold_residual_beta(model: nn.Module, rf: ResidualFold) -> torch.Tensor:
+    """Move the bias of the converted norm ``rf.site`` into its readers' and residual writers' biases
+    (:class:`~normswap.analysis.plan.ResidualFold`) and drop it from the norm; returns the bias moved."""
+    norm = model.get_submodule(rf.site)
+    b = norm.bias.detach().double().clone()
+    with torch.no_grad():
+        for name, shift in residual_shares(model, rf, b):
+            bias = model.get_parameter(name)
+            bias.copy_((bias.detach().double() + shift.to(bias.device)).to(bias.dtype))
+    norm.register_parameter("bias", None)
+    return b
+
+
 def rms_slots(sp: SitePlan, *, has_gamma: bool, has_beta: bool) -> tuple[bool, bool]:
     """The replacement RMSNorm's (weight, bias) slots: a weight wherever the norm has γ (ones when γ
     is folded, so the slot stays trainable), a bias only where β could not be folded."""
@@ -523,6 +550,8 @@ def written_parameters(plan: Plan, model: nn.Module) -> set[str]:
     names |= {bias(m.into) for m in plan.beta_moves}  # value β shares carried through attention
     for r in plan.centered_readers:  # readers of approximate norms, blind to the leaked mean
         names |= {weight(r.reader), bias(r.reader)}
+    for rf in plan.residual_folds:  # a Post-LN norm's β into its readers' and residual writers' biases
+        names |= {bias(p) for p in (*rf.readers, *rf.writers)}
     present = {name for name, _ in model.named_parameters(remove_duplicate=False)}
     return names & present  # e.g. a LayerScale writer without a bias
 

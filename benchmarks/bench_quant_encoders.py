@@ -1,0 +1,210 @@
+"""Sentence encoders (real checkpoints) original vs converted, in ONNX Runtime int8: embedding cosine.
+
+Each variant of a sentence-transformers encoder (a transformers directory: all-MiniLM-L6-v2,
+all-mpnet-base-v2) is exported by ``torch.onnx.export`` (legacy exporter, opset 17, dynamic batch and
+sequence) and quantized by ONNX Runtime's ``quantize_dynamic`` (int8 weights, dynamic uint8
+activations), per tensor (``dyn-pt``) and per channel (``dyn-pc``). The embedding is the model's own
+pooling (mean over the attention mask, then L2-normalised, as its ``1_Pooling`` / ``Normalize``
+modules do). The error of a text is ``1 − cos`` against the float32 original in torch; a cell is the
+mean over the texts, and its ratio to the original's in the same quantizer comes with a 95% paired
+bootstrap interval over texts (the same resampled texts for both).
+
+Variants: ``original``; ``converted`` (``normswap.patch`` with default options: these are Post-LN
+encoders, so some norms are approximate and calibrated on the built-in sentences); ``converted-fold``
+(``beta_placement="fold"``: every β out of the norms, through the residual writers where the output is
+also a residual); ``converted-keep`` (``beta_placement="keep"``); ``converted-nocarry``
+(``mean_carry=False``: no MLP widened to carry a Post-LN mean, so those norms are approximate too).
+``--texts`` English paragraphs from Python's reference docs (offline, held out from the calibration
+sentences), up to ``--max-len`` tokens.
+
+    python benchmarks/bench_quant_encoders.py --model DIR --texts 256 --json out.json
+
+One variant at a time, single-threaded ONNX Runtime sessions; checkpoints never enter the tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+QUANTIZERS = ("fp32", "dyn-pt", "dyn-pc")
+VARIANTS = ("original", "converted", "converted-fold", "converted-keep", "converted-nocarry")
+OPTIONS: dict[str, dict[str, Any]] = {"converted": {}, "converted-fold": {"beta_placement": "fold"},
+                                      "converted-keep": {"beta_placement": "keep"},
+                                      "converted-nocarry": {"mean_carry": False}}
+
+
+def english(n: int, seed: int = 0) -> list[str]:
+    """``n`` English paragraphs from Python's reference docs (shipped with Python, offline)."""
+    import pydoc_data.topics as topics
+    import random
+
+    paras = [" ".join(p.split()) for text in topics.topics.values() for p in text.split("\n\n")]
+    paras = sorted({p for p in paras if len(p.split()) >= 8 and not p.startswith(("*", ">>>", "|"))})
+    random.Random(seed).shuffle(paras)
+    return paras[:n]
+
+
+class Body(torch.nn.Module):
+    """The encoder's ``last_hidden_state`` from explicit tensors (what the ONNX graph takes)."""
+
+    def __init__(self, model: torch.nn.Module, names: list[str]) -> None:
+        super().__init__()
+        self.model, self.names = model, names
+
+    def forward(self, *tensors: torch.Tensor) -> torch.Tensor:
+        return self.model(**dict(zip(self.names, tensors, strict=True))).last_hidden_state
+
+
+def pooled(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean over the attention mask, L2-normalised (sentence-transformers' Pooling + Normalize)."""
+    m = mask.to(hidden.dtype).unsqueeze(-1)
+    e = (hidden * m).sum(1) / m.sum(1).clamp(min=1e-9)
+    return torch.nn.functional.normalize(e.double(), dim=-1)
+
+
+def batches(tok: Any, texts: list[str], max_len: int, names: list[str], size: int = 16) -> list[dict]:
+    out = []
+    for i in range(0, len(texts), size):
+        enc = tok(texts[i:i + size], padding=True, truncation=True, max_length=max_len, return_tensors="pt")
+        out.append({k: enc[k] for k in names})
+    return out
+
+
+def export(model: torch.nn.Module, example: dict, path: Path) -> None:
+    names = list(example)
+    axes = {n: {0: "batch", 1: "seq"} for n in names} | {"last_hidden_state": {0: "batch", 1: "seq"}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(Body(model, names), tuple(example.values()), str(path), input_names=names,
+                          output_names=["last_hidden_state"], dynamic_axes=axes, dynamo=False, opset_version=17)
+
+
+def quantize(fp32: Path, how: str) -> Path:
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    if how == "fp32":
+        return fp32
+    out = fp32.with_name(f"{fp32.stem}.{how}.onnx")
+    quantize_dynamic(str(fp32), str(out), weight_type=QuantType.QInt8, per_channel=how == "dyn-pc")
+    return out
+
+
+def embed_onnx(path: Path, data: list[dict]) -> torch.Tensor:
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = so.inter_op_num_threads = 1
+    sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+    out = []
+    for b in data:
+        (h,) = sess.run(None, {k: v.numpy() for k, v in b.items()})
+        out.append(pooled(torch.from_numpy(h), b["attention_mask"]))
+    return torch.cat(out)
+
+
+def embed_torch(model: torch.nn.Module, data: list[dict]) -> torch.Tensor:
+    with torch.no_grad():
+        return torch.cat([pooled(model(**b).last_hidden_state, b["attention_mask"]) for b in data])
+
+
+def bootstrap(err: np.ndarray, base: np.ndarray, draws: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """95% interval of ``mean(err)/mean(base)`` over texts resampled with replacement (paired)."""
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, len(err), size=(draws, len(err)))
+    ratios = err[idx].mean(1) / base[idx].mean(1)
+    lo, hi = np.percentile(ratios, [2.5, 97.5])
+    return float(lo), float(hi)
+
+
+def build(name: str, original: torch.nn.Module, model_dir: Path) -> tuple[torch.nn.Module, str]:
+    if name == "original":
+        return original, ""
+    import normswap
+
+    model = copy.deepcopy(original)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        report = normswap.patch(model, tokenizer=str(model_dir), **OPTIONS[name])
+    biased = sum(1 for m in model.modules() if isinstance(m, normswap.RMSNorm) and m.bias is not None)
+    return model, f"{report.plan.summary()}; RMSNorms keeping a bias: {biased}"
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", type=Path, required=True, help="a transformers directory (config + weights)")
+    ap.add_argument("--texts", type=int, default=256)
+    ap.add_argument("--max-len", type=int, default=128)
+    ap.add_argument("--variants", nargs="+", default=["original", "converted"], choices=VARIANTS)
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args(argv)
+    from transformers import AutoModel, AutoTokenizer
+
+    torch.set_num_threads(1)
+    tok = AutoTokenizer.from_pretrained(args.model)
+    original = AutoModel.from_pretrained(args.model).float().eval()
+    names = [n for n in ("input_ids", "attention_mask", "token_type_ids") if n in tok.model_input_names]
+    texts = english(args.texts)
+    data = batches(tok, texts, args.max_len, names)
+    ref = embed_torch(original, data)
+    result: dict[str, Any] = {"model": str(args.model), "texts": len(texts), "max_len": args.max_len,
+                              "cells": {}, "notes": {}, "per_text": {}}
+    t0 = time.time()
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.variants:
+            model, note = build(name, original, args.model)
+            result["notes"][name] = note
+            fp32 = Path(tmp) / f"{name}.onnx"
+            export(model, data[0], fp32)
+            own = embed_onnx(fp32, data)
+            for how in QUANTIZERS:
+                got = own if how == "fp32" else embed_onnx(quantize(fp32, how), data)
+                err = (1 - (ref * got).sum(-1)).clamp(min=0).numpy()
+                self_err = (1 - (own * got).sum(-1)).clamp(min=0).numpy()
+                result["per_text"][f"{name}/{how}"] = err.tolist()
+                result["cells"][f"{name}/{how}"] = {"err": float(err.mean()), "err_vs_own_fp32": float(self_err.mean())}
+                print(f"{name:15s} {how:7s} 1-cos {err.mean():.4e} (vs its own fp32 {self_err.mean():.4e})"
+                      f"  [{time.time() - t0:.0f} s]", flush=True)
+            if model is not original:
+                del model
+    for key, cell in result["cells"].items():
+        name, how = key.split("/")
+        base = np.array(result["per_text"][f"original/{how}"])
+        err = np.array(result["per_text"][key])
+        if name != "original" and how != "fp32":
+            cell["ratio"] = float(err.mean() / base.mean())
+            cell["ci95"] = bootstrap(err, base)
+    print(table(result))
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1))
+    return result
+
+
+def table(result: dict[str, Any]) -> str:
+    lines = ["| variant | fp32: 1 − cos | int8 per-tensor: 1 − cos | ratio (95% CI) | int8 per-channel: 1 − cos "
+             "| ratio (95% CI) |", "|---|---|---|---|---|---|"]
+    variants = dict.fromkeys(k.split("/")[0] for k in result["cells"])
+    for v in variants:
+        row = [v, f"{result['cells'][f'{v}/fp32']['err']:.3e}"]
+        for how in ("dyn-pt", "dyn-pc"):
+            c = result["cells"][f"{v}/{how}"]
+            row.append(f"{c['err']:.3e}")
+            row.append(f"**{c['ratio']:.3f}** ({c['ci95'][0]:.3f}–{c['ci95'][1]:.3f})" if "ratio" in c else "1")
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
