@@ -47,7 +47,10 @@ def patch(model: nn.Module, example_inputs: inputs.ExampleInputs = None, *,
             A model built under ``torch.inference_mode()`` works too: its inference tensors, which
             cannot be edited outside that mode, are first replaced by ordinary copies (same values,
             ties kept); ``patch`` itself is called outside such a block.
-        example_inputs: inputs for the analysis run (built automatically for transformers models).
+        example_inputs: inputs for the analysis run (built automatically for transformers models:
+            every modality in one run of the whole model; where no such layout runs, a multimodal
+            model is analysed per tower, each tower through its own feature method and the rest on
+            text, said in ``report.plan.options["analysis_inputs"]``: :mod:`normswap.inputs.towers`).
         options: a :class:`~normswap.ConvertOptions` (mode, fold_gamma, untie, per_norm_centering,
             mean_carry, calibration, sequential, tokenizer, verify, allow_unusable, backend; see its
             docstring for each). Its fields may be given as keywords instead:

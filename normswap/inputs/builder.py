@@ -540,7 +540,10 @@ def media_layouts(model: nn.Module, batch: int = 2, seed: int = 0) -> list[Layou
     """Every media layout the builder would try for ``model`` (one per combination of modalities), in
     its order of preference: what :mod:`normswap.inputs.towers` hands each tower's feature method."""
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-    return list(_combinations(model.config, forward_params(model), batch, seed, dtype))
+    params = forward_params(model)
+    if "input_features" in params:  # as hf_example_inputs: log-mel clips fix their own length
+        batch = max(1, min(batch, AUDIO_FRAME_BUDGET // media.feature_frames(model.config)))
+    return list(_combinations(model.config, params, batch, seed, dtype))
 
 
 def text_inputs(model: nn.Module, batch: int = 2, seq: int = 8, seed: int = 0) -> dict[str, Any]:
