@@ -368,7 +368,7 @@ def _combinations(config: Any, params: dict[str, Any], batch: int, seed: int, dt
     what the model's media encoders require (:func:`_encoder_needs`)."""
     gen = torch.Generator().manual_seed(seed + 1)  # media draws apart from the text ids' generator
     groups: list[list[Layout]] = []
-    if "pixel_values" in params:
+    if "pixel_values" in params and not media.tower_unset(config, "vision"):
         common = list(media.image_layouts(config, params, batch, gen, dtype))
         images = [*vision.tiled_layouts(config, params, batch, gen, dtype), *common,
                   *vision.tile_mask_variants(common),
@@ -378,11 +378,12 @@ def _combinations(config: Any, params: dict[str, Any], batch: int, seed: int, dt
         groups.append([vision.with_companions(layout, config, params, gen, dtype) for layout in images])
     elif towers := list(vision.tower_layouts(config, params, batch, gen, dtype)):
         groups.append(towers)
-    if "input_features" in params:
+    audio = not media.tower_unset(config, "audio")
+    if "input_features" in params and audio:
         masks = [m for m in ("feature_attention_mask", "input_features_mask") if m in params]
         groups.append([media.with_sample_mask(layout, params, from_features=True)
                        for layout in media.feature_layouts(config, batch, gen, dtype, masks)])
-    if "input_values" in params:
+    if "input_values" in params and audio:
         groups.append([media.with_sample_mask(layout, params, required="padding_mask" in needs)
                        for layout in media.value_layouts(config, batch, gen, dtype)])
     if "past_values" in params:

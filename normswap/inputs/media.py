@@ -47,6 +47,13 @@ def sub_config(config: Any, *kinds: str) -> Any:
     return config
 
 
+def tower_unset(config: Any, kind: str) -> bool:
+    """True when the config sets its ``<kind>_config`` to None: the model is built without that tower (Gemma 4's
+    default config is text-only, though its forward takes ``pixel_values`` and ``input_features``), so no
+    input of that modality can run it, and the other towers are every tower there is."""
+    return f"{kind}_config" in vars(config) and attribute(config, f"{kind}_config") is None
+
+
 def _int(x: Any) -> int | None:
     if isinstance(x, (list, tuple)) and x:
         x = x[0]
