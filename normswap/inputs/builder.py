@@ -206,15 +206,33 @@ _MISMATCH = re.compile(r"(image|audio|video|multimodal)\w* (?:features and \w+ t
                        r"do not match.*?tokens: (\d+), features:? (\d+)", re.IGNORECASE | re.DOTALL)
 
 
-def _mismatched_kind(fix: re.Match | None, counts: dict[str, int], batch: int) -> str | None:
-    """The modality whose prompt tokens the model's check found wrong: the one it names, or, where it says
-    "multimodal" (dots.note), the one whose tokens in the prompt are as many as the check counted."""
-    if fix is None:
+# torch's own error where a model writes the encoder's rows into the prompt's media positions by index (CSM):
+# the indexing result holds the prompt's tokens, the value tensor the encoder's rows
+_SCATTER = re.compile(r"value tensor of shape \[(\d+), \d+\] cannot be broadcast to indexing result of shape "
+                      r"\[(\d+), \d+\]")
+
+
+def _mismatch(error: Exception | None) -> tuple[str, int, int] | None:
+    """``(kind, tokens, rows)`` from a model's error that its prompt's media tokens and its encoder's rows differ:
+    its own check (:data:`_MISMATCH`) or torch's indexed write (:data:`_SCATTER`, kind "multimodal")."""
+    if error is None:
         return None
-    kind = fix.group(1).lower()
+    if fix := _MISMATCH.search(str(error)):
+        return fix.group(1).lower(), int(fix.group(2)), int(fix.group(3))
+    if fix := _SCATTER.search(str(error)):
+        return "multimodal", int(fix.group(2)), int(fix.group(1))
+    return None
+
+
+def _mismatched_kind(found: tuple[str, int, int] | None, counts: dict[str, int], batch: int) -> str | None:
+    """The modality whose prompt tokens the model found wrong (``found`` from :func:`_mismatch`): the one it
+    names, or, where it says "multimodal" (dots.note, CSM), the one whose tokens in the prompt are as many
+    as it counted."""
+    if found is None:
+        return None
+    kind, tokens, _ = found
     if kind != "multimodal":
         return kind
-    tokens = int(fix.group(2))
     matching = [k for k, n in counts.items() if n * batch == tokens]
     return matching[0] if len(matching) == 1 else None
 
@@ -275,11 +293,11 @@ def hf_example_inputs(model: nn.Module, batch: int = 2, seq: int = 8, seed: int 
             kwargs, error, variant = _retry(model, config, params, media_kw, counts, batch, seq, seed, device,
                                             kwargs, error, variant)
         for _ in range(3):  # no usable get_*_features: the model's own check says how many, per modality
-            fix = _MISMATCH.search(str(error)) if error is not None else None
-            kind = _mismatched_kind(fix, counts, batch)
-            if kind is None or int(fix.group(3)) % batch:
+            found = _mismatch(error)
+            kind = _mismatched_kind(found, counts, batch)
+            if kind is None or found[2] % batch:
                 break
-            counts = {**counts, kind: int(fix.group(3)) // batch}
+            counts = {**counts, kind: found[2] // batch}
             kwargs = _finish(model, config, params, media_kw, counts, batch, seq, seed, device, variant)
             error = _run_error(model, kwargs)
         if error is not None:
@@ -315,9 +333,9 @@ def _retry(model: nn.Module, config: Any, params: dict[str, Any], media_kw: Layo
     ``(kwargs, error, variant)``: the inputs, None or what they raised, and the variant (``variant`` plus
     what was kept) they were built with."""
     tries = []
-    fix = _MISMATCH.search(str(error))
+    found = _mismatch(error)
     masks = [m for m in _FEATURE_MASKS if m in kwargs]
-    if fix and fix.group(1).lower() == "audio" and masks and counts.get("audio") and MASK_OVER_ROWS not in variant:
+    if found and found[0] == "audio" and masks and counts.get("audio") and MASK_OVER_ROWS not in variant:
         tries.append(MASK_OVER_ROWS)
     if isinstance(error, AttributeError) and "Config' object has no attribute" in str(error) and \
             "attention_mask" in kwargs and counts and NO_PROMPT_MASK not in variant:
@@ -368,7 +386,7 @@ def _combinations(config: Any, params: dict[str, Any], batch: int, seed: int, dt
     what the model's media encoders require (:func:`_encoder_needs`)."""
     gen = torch.Generator().manual_seed(seed + 1)  # media draws apart from the text ids' generator
     groups: list[list[Layout]] = []
-    if "pixel_values" in params:
+    if "pixel_values" in params and not media.tower_unset(config, "vision"):
         common = list(media.image_layouts(config, params, batch, gen, dtype))
         images = [*vision.tiled_layouts(config, params, batch, gen, dtype), *common,
                   *vision.tile_mask_variants(common),
@@ -378,11 +396,12 @@ def _combinations(config: Any, params: dict[str, Any], batch: int, seed: int, dt
         groups.append([vision.with_companions(layout, config, params, gen, dtype) for layout in images])
     elif towers := list(vision.tower_layouts(config, params, batch, gen, dtype)):
         groups.append(towers)
-    if "input_features" in params:
+    audio = not media.tower_unset(config, "audio")
+    if "input_features" in params and audio:
         masks = [m for m in ("feature_attention_mask", "input_features_mask") if m in params]
         groups.append([media.with_sample_mask(layout, params, from_features=True)
                        for layout in media.feature_layouts(config, batch, gen, dtype, masks)])
-    if "input_values" in params:
+    if "input_values" in params and audio:
         groups.append([media.with_sample_mask(layout, params, required="padding_mask" in needs)
                        for layout in media.value_layouts(config, batch, gen, dtype)])
     if "past_values" in params:

@@ -47,6 +47,13 @@ def sub_config(config: Any, *kinds: str) -> Any:
     return config
 
 
+def tower_unset(config: Any, kind: str) -> bool:
+    """True when the config sets its ``<kind>_config`` to None: the model is built without that tower (Gemma 4's
+    default config is text-only, though its forward takes ``pixel_values`` and ``input_features``), so no
+    input of that modality can run it, and the other towers are every tower there is."""
+    return f"{kind}_config" in vars(config) and attribute(config, f"{kind}_config") is None
+
+
 def _int(x: Any) -> int | None:
     if isinstance(x, (list, tuple)) and x:
         x = x[0]
@@ -273,7 +280,8 @@ def with_sample_mask(layout: Layout, params: Any, *, from_features: bool = False
     its audio encoder does, Apertus 1.5). Left out where it is optional next to raw audio: codecs (EnCodec,
     DAC) take a mask shaped like their input.
     Next to features, also each clip's raw length where the forward takes ``*_sample_lengths``
-    (dots.note's ``chunk_sample_lengths``, one per clip)."""
+    (dots.note's ``chunk_sample_lengths``, one per clip); next to raw audio, where each sample's clips end
+    (CSM's ``input_values_cutoffs``: one clip per sample, all of it)."""
     batch = layout[next(iter(layout))].shape[0]
     if from_features:
         feats = layout["input_features"]
@@ -283,6 +291,9 @@ def with_sample_mask(layout: Layout, params: Any, *, from_features: bool = False
         # each chunk's raw length, where the forward reads it (dots.note's chunk_sample_lengths): all of it
         layout = {**layout, **{name: torch.full((batch,), samples, dtype=torch.long) for name in params
                                if name.endswith("_sample_lengths") and name not in layout}}
+    else:  # where each sample's clips end (CSM's input_values_cutoffs, (B, clips)): one clip, all of it
+        layout = {**layout, **{name: torch.full((batch, 1), layout["input_values"].shape[-1], dtype=torch.long)
+                               for name in params if name == "input_values_cutoffs" and name not in layout}}
     param = params.get("padding_mask") if hasattr(params, "get") else None
     if param is None or "padding_mask" in layout:
         return layout

@@ -144,7 +144,8 @@ def with_companions(layout: Layout, config: Any, params: Any, gen: torch.Generat
     out = dict(layout)
     grid = layout.get("image_grid_thw")
     if isinstance(grid, torch.Tensor) and "image_merge_sizes" in params:
-        # VideoLLaMA 3 merges each image's patches by its own factor: the tower's, which the grid's sides divide
+        # VideoLLaMA 3 merges each image's patches by its own factor: the tower's where its config names one (the
+        # grid's sides are a multiple of it), else 1, as its image processor merges images
         merge = int(cfg(sub_config(config, "vision"), "spatial_merge_size", "merge_size", default=1))
         out["image_merge_sizes"] = torch.full((grid.shape[0],), merge, dtype=torch.long)
     pixels = layout.get("pixel_values")
