@@ -446,7 +446,9 @@ def _finish(model: nn.Module, config: Any, params: dict[str, Any], media_kw: Lay
     rows = next((t.shape[0] for k, t in media_kw.items() if isinstance(t, torch.Tensor) and k in (
         "input_features", "input_values", "past_values")), batch)
     if "input_ids" in params:
-        tcfg = sub_config(config, "text", "encoder")
+        # a wrapper's text model may sit in `model_config` (FastSpeech2-Conformer with HiFi-GAN: the
+        # acoustic model's vocabulary there, the vocoder's config beside it)
+        tcfg = sub_config(config, "text", "encoder", "model")
         ids = text_ids(tcfg, rows, seq, gen, avoid)
         types = torch.zeros_like(ids)
         cut = ids.shape[1] // 2  # each modality's span after the one before, never inside it (omni rope indices)

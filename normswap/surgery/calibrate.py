@@ -422,7 +422,9 @@ class _Lockstep:
             self.paused.release()
             w.go.acquire()
             w.at = w.value = w.source = None
-            if self.abort:
+            if self.abort or self.passed.issuperset(self.router.targets):
+                # nothing after the last norm's fit is needed: a head or a vocoder (FastSpeech 2 with
+                # HiFi-GAN) would only cost time
                 raise _Stop
         fitted = self.router.fitted.get(name)
         if w.student and fitted is not None:

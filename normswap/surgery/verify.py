@@ -334,12 +334,27 @@ def primary_key(outputs: dict[str, torch.Tensor]) -> str | None:
     return next(varying, next(iter(ordered), None))
 
 
+def difference(reference: torch.Tensor, converted: torch.Tensor) -> torch.Tensor:
+    """``converted − reference`` (float64) where an entry equal in both, infinities included (or NaN in
+    both), differs by 0, and any other NaN counts as an infinite difference. Masked logits (``-inf`` in
+    both: Grounding DINO's padded text positions) made every error figure NaN, and a NaN error is never
+    above a tolerance: the check could not fail."""
+    ref, out = reference.detach().double(), converted.detach().double()
+    same = (out == ref) | (torch.isnan(out) & torch.isnan(ref))
+    diff = torch.where(same, torch.zeros_like(ref), out - ref)
+    return torch.where(torch.isnan(diff), torch.full_like(diff, float("inf")), diff)
+
+
+def _finite(t: torch.Tensor) -> torch.Tensor:
+    return t[torch.isfinite(t)]
+
+
 def figures(reference: torch.Tensor, converted: torch.Tensor) -> dict[str, float]:
     ref, out = reference.detach().double(), converted.detach().double()
-    diff = out - ref
+    diff = difference(ref, out)
     worst = float(diff.abs().max()) if diff.numel() else 0.0
-    scale = float(ref.abs().max()) if ref.numel() else 0.0
-    norm = float(ref.norm()) if ref.numel() else 0.0
+    scale = float(_finite(ref).abs().max()) if _finite(ref).numel() else 0.0  # the reference's own size
+    norm = float(_finite(ref).norm()) if ref.numel() else 0.0
     result = {
         "max_abs_error": worst,
         "max_rel_error": worst / scale if scale > 0 else 0.0,
@@ -372,15 +387,15 @@ def max_rel_error(reference: torch.Tensor, converted: torch.Tensor) -> float:
     ref, out = reference.detach().double(), converted.detach().double()
     if not ref.numel():
         return 0.0
-    scale = float(ref.abs().max())
-    return float((out - ref).abs().max()) / scale if scale > 0 else 0.0
+    scale = float(_finite(ref).abs().max()) if _finite(ref).numel() else 0.0
+    return float(difference(ref, out).abs().max()) / scale if scale > 0 else 0.0
 
 
 def rel_rms_error(reference: torch.Tensor, converted: torch.Tensor) -> float:
     """``‖converted − reference‖ / ‖reference‖`` (the ``rel_rms_error`` of :func:`figures`)."""
     ref, out = reference.detach().double(), converted.detach().double()
-    norm = float(ref.norm()) if ref.numel() else 0.0
-    return float((out - ref).norm()) / norm if norm > 0 else 0.0
+    norm = float(_finite(ref).norm()) if ref.numel() else 0.0
+    return float(difference(ref, out).norm()) / norm if norm > 0 else 0.0
 
 
 def embedding_cosine(reference: torch.Tensor, converted: torch.Tensor,

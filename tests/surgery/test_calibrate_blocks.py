@@ -185,7 +185,8 @@ def test_the_paused_forwards_run_under_the_callers_torch_modes():
     batches = [((torch.randint(0, 40, (4, 10)),), {}) for _ in range(2)]
     targets = [calibrate.Target(s.path, model.get_submodule(s.path), s) for s in find_norms(model, batches[0][0]).sites]
     state: list[tuple] = []
-    h = model.head.register_forward_hook(lambda m, a, out: state.append((
+    # the last MLP runs before the last norm: the one-pass path's forwards end at the last norm's fit
+    h = model.mlp[-1].register_forward_hook(lambda m, a, out: state.append((
         torch.is_inference_mode_enabled(), torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"),
         torch.is_grad_enabled(), out.dtype)))
     try:
@@ -207,3 +208,21 @@ def test_the_paused_forwards_run_under_the_callers_torch_modes():
         torch.testing.assert_close(fits["lockstep"][n].weight, f.weight, rtol=1e-6, atol=1e-8)
     last = list(plain)[-1]  # autocast changed the fits: it was not lost on the way
     assert not torch.allclose(fits["lockstep"][last].weight, plain[last].weight, rtol=1e-4, atol=1e-6)
+
+
+def test_the_paused_forwards_stop_once_every_norm_is_fitted():
+    """What runs after the last norm (a head, FastSpeech 2's HiFi-GAN vocoder: minutes per batch on CPU)
+    is no part of any fit: the one-pass path's forwards end there."""
+    torch.manual_seed(0)
+    model = randomise_custom(PostLNEncoder(layers=2)).float()
+    batches = [((torch.randint(0, 40, (4, 10)),), {}) for _ in range(2)]
+    targets = [calibrate.Target(s.path, model.get_submodule(s.path), s) for s in find_norms(model, batches[0][0]).sites]
+    calls: list[str] = []
+    hooks = [model.head.register_forward_hook(lambda m, a, out: calls.append("head")),
+             model.n2[-1].register_forward_hook(lambda m, a, out: calls.append("last norm"))]
+    try:
+        fits = calibrate.fit_norms(model, targets, batches, pipeline="lockstep")
+    finally:
+        for h in hooks:
+            h.remove()
+    assert len(fits) == len(targets) and "last norm" in calls and "head" not in calls

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from normswap.pipeline import Report
-from normswap.surgery.verify import compare, figures, token_kl
+from normswap.surgery.verify import compare, figures, max_rel_error, rel_rms_error, token_kl
 
 
 def near_identical_logits() -> tuple[torch.Tensor, torch.Tensor]:
@@ -39,6 +39,25 @@ def test_kl_ignores_classes_masked_out_in_both():
     assert torch.allclose(kl, token_kl(ref[:, :40], out[:, :40]))
     out[0, 3] = float("-inf")
     assert token_kl(ref, out)[0] == float("inf")
+
+
+def test_error_figures_of_masked_outputs_are_numbers_that_can_fail():
+    """-inf in both (masked logits) is no difference; a NaN or an infinity only one side has is an
+    infinite one. The errors were NaN before, and NaN is never above a tolerance."""
+    ref, out = near_identical_logits()
+    ref[:, 40:], out[:, 40:] = float("-inf"), float("-inf")
+    got = figures(ref, out)
+    finite = figures(ref[:, :40], out[:, :40])
+    for key in ("max_abs_error", "max_rel_error", "rel_rms_error"):
+        assert got[key] == pytest.approx(finite[key], rel=1e-12), key
+    assert max_rel_error(ref, out) == pytest.approx(finite["max_rel_error"], rel=1e-12)
+    assert rel_rms_error(ref, out) == pytest.approx(finite["rel_rms_error"], rel=1e-12)
+    broken = out.clone()
+    broken[1, 2] = float("nan")
+    assert figures(ref, broken)["max_rel_error"] == float("inf") and max_rel_error(ref, broken) == float("inf")
+    broken = out.clone()
+    broken[0, 45] = 0.0  # a masked class that came back
+    assert figures(ref, broken)["max_rel_error"] == float("inf")
 
 
 def test_recipe_kl_metric_is_never_negative():
