@@ -260,7 +260,8 @@ def shrink(config: object, depth: int = 0, ids: list[int] | None = None, images:
         # multimodal RoPE: by the type's name, or its modeling code reads sections (GLM-4V: "glm4v_text")
         multimodal_rope = (re.search(r"vl|omni", str(getattr(config, "model_type", "")))
                            or "mrope_section" in modeling_source(config))
-        flat = isinstance(rope, dict) and not any(isinstance(x, dict) for x in rope.values())  # not per layer type
+        # one set of parameters (not per layer type, not left empty for _missing_defaults' per-type defaults)
+        flat = isinstance(rope, dict) and bool(rope) and not any(isinstance(x, dict) for x in rope.values())
         if flat and "mrope_section" not in rope and multimodal_rope:
             rope["mrope_section"] = [16, 24, 24]  # the modeling code's default when the config has none
         if isinstance(rope, dict) and isinstance(rope.get("mrope_section"), list) and isinstance(head_dim, int):

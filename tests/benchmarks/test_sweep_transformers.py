@@ -255,3 +255,25 @@ def test_help_and_page_say_how_to_regenerate_and_what_was_swept():
     assert "transformers 5.24.0" in page and "normswap 0123abcd: 1 types" in page
     assert sweep.code_version(_PATH.parents[1]).startswith("normswap ")
     assert "--write --jobs 2" in sweep.HEADER
+
+
+def test_exact_mode_run_on_the_built_inputs_is_the_same_conversion():
+    """The sweep's exact-mode run reuses the inputs it built once (``built_inputs``) instead of letting
+    patch() build them again: the same verdicts and bitwise the same weights as patch() with no inputs."""
+    import copy
+
+    import torch
+
+    import normswap
+
+    sweep = _sweep()
+    model = sweep.build("Blip2Model", "blip-2")
+    kw, status = sweep.built_inputs(model)
+    assert status == "ok"
+    own, reused = copy.deepcopy(model), copy.deepcopy(model)
+    a = normswap.patch(own, mode="exact", verify=False)
+    b = normswap.patch(reused, dict(kw), mode="exact", verify=False)
+    assert [(s.name, s.verdict) for s in a.plan.sites] == [(s.name, s.verdict) for s in b.plan.sites]
+    assert a.plan.counts()["approximate"] > 0  # the case the sweep re-runs in exact mode
+    wa, wb = own.state_dict(), reused.state_dict()
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
