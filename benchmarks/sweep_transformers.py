@@ -307,7 +307,9 @@ HEAD_DIM = 8  # shrink()'s head width
 LORA_RANK = 16  # low-rank projections (MLA's q/kv/o LoRA ranks, …)
 # lists of layers whose hidden states are read out (concatenated, stacked, fed to a projector): their
 # length is part of the architecture, unlike a list of the layers of one kind (``moe_layers``)
-READ_OUT = re.compile(r"(feature_layers?|intermediate_\w*ind(ices|exes)|deepstack_\w*indexes|hidden_state_indices)$")
+# (also one layer a module is inserted after: MiniCPM-V's ``insert_layer_id``, where its merger runs)
+READ_OUT = re.compile(r"(feature_layers?|intermediate_\w*ind(ices|exes)|deepstack_\w*indexes|hidden_state_indices|"
+                      r"_layer_(id|idx|index))$")
 MAX_READ_OUT_DEPTH = 6
 KINDS = ("layer_types", "block_types", "layers_block_type", "layers_type", "attn_type_list", "hybrid_layer_types")
 # (names, cut above, cut to): an alias of a standard size is cut as the standard name; MoE sizes

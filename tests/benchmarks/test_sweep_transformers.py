@@ -167,7 +167,8 @@ def test_cross_references_survive_the_shrink():
     stays present (Mllama's cross-attention layers, SAM's global attention in DeepSeek-VL hybrid); a list
     named for the encoder is not renumbered with the decoder's layers; RoPE sections the code reads sum to
     the rotary half-width (GLM-4V); a token id the code reads but the config lacks is set (Qwen2.5-Omni's
-    thinker); an image that is not a whole number of patches is cut to one (Aya Vision)."""
+    thinker); an image that is not a whole number of patches is cut to one (Aya Vision); a module inserted
+    after a layer stays inside the tiny depth (MiniCPM-V's merger)."""
     sweep = _sweep()
     mllama = sweep.tiny_config("mllama", "MllamaModel")
     vision, text = mllama.vision_config, mllama.text_config
@@ -189,6 +190,8 @@ def test_cross_references_survive_the_shrink():
     assert not hasattr(tf.AutoConfig.for_model("qwen2_5_omni_thinker"), "vision_start_token_id")
     assert omni.vision_start_token_id < omni.text_config.vocab_size
     assert omni.vision_start_token_id not in (omni.image_token_id, omni.audio_token_id, omni.video_token_id)
+    minicpm = sweep.tiny_config("minicpm_ocr_vision", "MiniCPMOcrVisionModel")  # its merger runs after this layer
+    assert 0 <= minicpm.insert_layer_id < minicpm.num_hidden_layers
     aya = sweep.tiny_config("aya_vision", "AyaVisionForConditionalGeneration")
     side = aya.vision_config.image_size // aya.vision_config.patch_size
     assert aya.vision_config.image_size % aya.vision_config.patch_size == 0 and side % aya.downsample_factor == 0
