@@ -176,17 +176,17 @@ def _unset_token_ids(config: object, ids: list[int]) -> None:
 
 
 def shrink(config: object, depth: int = 0, ids: list[int] | None = None, images: bool = True,
-           mild: bool = False, renumber: bool = False) -> None:
+           mild: bool = False, renumber: bool | int = False) -> None:
     """Shrink ``config`` (and its sub-configs) in place to a tiny model of the same architecture.
     ``images=False`` keeps image sizes (a config that fixes its image tokens, ``mm_tokens_per_image``);
     ``mild=True`` keeps every width, head count and image size (layers, experts and vocabularies only:
     the fallback for a config whose widths do not shrink together); ``renumber=True`` renumbers the
-    special token ids into a small vocabulary (:func:`renumber_ids`)."""
+    special token ids into a small vocabulary (:func:`renumber_ids`; an int: only the ids from it up)."""
     from transformers import PretrainedConfig
 
     tree = _snapshot(config) if depth == 0 else None  # every sub-config's full-size attributes
     if renumber and depth == 0:
-        renumber_ids(config)
+        renumber_ids(config, 128 if renumber is True else renumber)
     ids = all_special_ids(config) if ids is None else ids
     images = images and "mm_tokens_per_image" not in config.__dict__
     d = config.__dict__
@@ -260,7 +260,8 @@ def shrink(config: object, depth: int = 0, ids: list[int] | None = None, images:
         # multimodal RoPE: by the type's name, or its modeling code reads sections (GLM-4V: "glm4v_text")
         multimodal_rope = (re.search(r"vl|omni", str(getattr(config, "model_type", "")))
                            or "mrope_section" in modeling_source(config))
-        flat = isinstance(rope, dict) and not any(isinstance(x, dict) for x in rope.values())  # not per layer type
+        # one set of parameters (not per layer type, not left empty for _missing_defaults' per-type defaults)
+        flat = isinstance(rope, dict) and bool(rope) and not any(isinstance(x, dict) for x in rope.values())
         if flat and "mrope_section" not in rope and multimodal_rope:
             rope["mrope_section"] = [16, 24, 24]  # the modeling code's default when the config has none
         if isinstance(rope, dict) and isinstance(rope.get("mrope_section"), list) and isinstance(head_dim, int):
@@ -306,7 +307,9 @@ HEAD_DIM = 8  # shrink()'s head width
 LORA_RANK = 16  # low-rank projections (MLA's q/kv/o LoRA ranks, …)
 # lists of layers whose hidden states are read out (concatenated, stacked, fed to a projector): their
 # length is part of the architecture, unlike a list of the layers of one kind (``moe_layers``)
-READ_OUT = re.compile(r"(feature_layers?|intermediate_\w*ind(ices|exes)|deepstack_\w*indexes|hidden_state_indices)$")
+# (also one layer a module is inserted after: MiniCPM-V's ``insert_layer_id``, where its merger runs)
+READ_OUT = re.compile(r"(feature_layers?|intermediate_\w*ind(ices|exes)|deepstack_\w*indexes|hidden_state_indices|"
+                      r"_layer_(id|idx|index))$")
 MAX_READ_OUT_DEPTH = 6
 KINDS = ("layer_types", "block_types", "layers_block_type", "layers_type", "attn_type_list", "hybrid_layer_types")
 # (names, cut above, cut to): an alias of a standard size is cut as the standard name; MoE sizes
@@ -324,10 +327,10 @@ def capped(name: str, value: int, caps: tuple[tuple[set[str], int, int], ...]) -
     return next((to for names, above, to in caps if name in names and value > above), value)
 
 
-def renumber_ids(config: object) -> None:
-    """Special token ids past 127, anywhere in the config tree, renumbered 128, 129, … in their order,
-    equal ids staying equal: a default config whose image token is id 200,093 otherwise keeps a
-    200,094-row embedding (and head) in its tiny model."""
+def renumber_ids(config: object, above: int = 128) -> None:
+    """Special token ids from ``above`` up, anywhere in the config tree, renumbered in their order past the
+    largest id below it (128, 129, … for the default), equal ids staying equal: a default config whose image
+    token is id 200,093 otherwise keeps a 200,094-row embedding (and head) in its tiny model."""
     from transformers import PretrainedConfig
 
     refs: list[tuple[dict, str]] = []
@@ -340,8 +343,9 @@ def renumber_ids(config: object) -> None:
                 refs.append((c.__dict__, k))
 
     walk(config)
-    big = sorted({x for d, k in refs for x in (d[k] if isinstance(d[k], list) else [d[k]]) if x >= 128})
-    new = {x: 128 + i for i, x in enumerate(big)}
+    every = {x for d, k in refs for x in (d[k] if isinstance(d[k], list) else [d[k]])}
+    start = max([x for x in every if x < above] + [127]) + 1
+    new = {x: start + i for i, x in enumerate(sorted(x for x in every if x >= above))}
     for d, k in refs:
         d[k] = [new.get(x, x) for x in d[k]] if isinstance(d[k], list) else new.get(d[k], d[k])
 
@@ -730,40 +734,45 @@ OVERRIDES: dict[str, dict] = {
 def tiny_config(model_type: str, class_name: str, widths: bool = True):  # noqa: ANN201 - the config
     """``model_type``'s default config shrunk to tiny and self-consistent: the full shrink; when that
     does not build ``class_name`` or stays over :data:`MAX_PARAMS`, the full shrink with the special ids
-    renumbered into a small vocabulary (also when the full shrink keeps a vocabulary over
-    :data:`MAX_VOCAB` to fit a special id; that one is used if the renumbered one does not build); then the
-    mild one (widths kept: layers, experts and vocabularies cut, ids renumbered). ``widths=False`` goes
-    straight to the mild one (:func:`run_class`'s second try for a model no inputs run once its widths are
-    cut). Raises the first error when none builds."""
+    renumbered into a small vocabulary; then the mild one (widths kept: layers, experts and vocabularies
+    cut, ids renumbered). ``widths=False`` goes straight to the mild one (:func:`run_class`'s second try
+    for a model no inputs run once its widths are cut). A full shrink that builds but keeps a vocabulary
+    over :data:`MAX_VOCAB` to fit a special id has the ids past MAX_VOCAB renumbered (kept as it is if that
+    does not build). Raises the first error when none builds."""
     import torch
     import transformers as tf
 
     cls = getattr(tf, class_name)
-    first: Exception | None = None
-    large = None  # the full shrink when it builds but keeps a vocabulary over MAX_VOCAB
-    tries = ((False, False), (False, True), (True, True)) if widths else ((True, True),)
-    for mild, renumber in tries:
+
+    def shrunk(mild: bool, renumber: bool | int):  # noqa: ANN202 - the config, or raises when it does not build
         config = tf.AutoConfig.for_model(model_type)
         shrink(config, mild=mild, renumber=renumber)
         for k, v in OVERRIDES.get(model_type, {}).items():
             setattr(config, k, v)
         if class_name.endswith("ForCTC") and getattr(config, "vocab_size", 0) is None:
             config.vocab_size = 32  # a CTC head's defaults leave its alphabet to the checkpoint
+        with torch.device("meta"):
+            n = sum(p.numel() for p in cls(config).parameters())
+        if n > MAX_PARAMS:
+            raise RuntimeError(f"tiny config still has {n / 1e6:.0f}M parameters")
+        return config
+
+    first: Exception | None = None
+    tries = ((False, False), (False, True), (True, True)) if widths else ((True, True),)
+    for mild, renumber in tries:
         try:
-            with torch.device("meta"):
-                n = sum(p.numel() for p in cls(config).parameters())
-            if n > MAX_PARAMS:
-                raise RuntimeError(f"tiny config still has {n / 1e6:.0f}M parameters")
+            config = shrunk(mild, renumber)
         except Exception as exc:  # noqa: BLE001 - recorded by the caller when no shrink builds
-            if large is not None:  # the renumbered shrink does not build: the one with the large vocabulary
-                return large
             first = first or exc
             continue
         if not renumber and largest_vocabulary(config) > MAX_VOCAB:
             # kept large to hold a special id (Aya Vision's image token 255,036): its logits cost gigabytes in
-            # calibration and verification; the same shrink with the ids renumbered is tried first
-            large = config
-            continue
+            # calibration and verification; the ids past MAX_VOCAB are renumbered (those below keep their
+            # meaning: Higgs Audio's codebook-space stream ids), unless that does not build
+            try:
+                return shrunk(False, MAX_VOCAB)
+            except Exception:  # noqa: BLE001 - the large vocabulary, as before
+                return config
         return config
     raise first
 

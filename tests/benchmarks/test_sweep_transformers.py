@@ -167,7 +167,8 @@ def test_cross_references_survive_the_shrink():
     stays present (Mllama's cross-attention layers, SAM's global attention in DeepSeek-VL hybrid); a list
     named for the encoder is not renumbered with the decoder's layers; RoPE sections the code reads sum to
     the rotary half-width (GLM-4V); a token id the code reads but the config lacks is set (Qwen2.5-Omni's
-    thinker); an image that is not a whole number of patches is cut to one (Aya Vision)."""
+    thinker); an image that is not a whole number of patches is cut to one (Aya Vision); a module inserted
+    after a layer stays inside the tiny depth (MiniCPM-V's merger)."""
     sweep = _sweep()
     mllama = sweep.tiny_config("mllama", "MllamaModel")
     vision, text = mllama.vision_config, mllama.text_config
@@ -189,6 +190,8 @@ def test_cross_references_survive_the_shrink():
     assert not hasattr(tf.AutoConfig.for_model("qwen2_5_omni_thinker"), "vision_start_token_id")
     assert omni.vision_start_token_id < omni.text_config.vocab_size
     assert omni.vision_start_token_id not in (omni.image_token_id, omni.audio_token_id, omni.video_token_id)
+    minicpm = sweep.tiny_config("minicpm_ocr_vision", "MiniCPMOcrVisionModel")  # its merger runs after this layer
+    assert 0 <= minicpm.insert_layer_id < minicpm.num_hidden_layers
     aya = sweep.tiny_config("aya_vision", "AyaVisionForConditionalGeneration")
     side = aya.vision_config.image_size // aya.vision_config.patch_size
     assert aya.vision_config.image_size % aya.vision_config.patch_size == 0 and side % aya.downsample_factor == 0
@@ -255,3 +258,25 @@ def test_help_and_page_say_how_to_regenerate_and_what_was_swept():
     assert "transformers 5.24.0" in page and "normswap 0123abcd: 1 types" in page
     assert sweep.code_version(_PATH.parents[1]).startswith("normswap ")
     assert "--write --jobs 2" in sweep.HEADER
+
+
+def test_exact_mode_run_on_the_built_inputs_is_the_same_conversion():
+    """The sweep's exact-mode run reuses the inputs it built once (``built_inputs``) instead of letting
+    patch() build them again: the same verdicts and bitwise the same weights as patch() with no inputs."""
+    import copy
+
+    import torch
+
+    import normswap
+
+    sweep = _sweep()
+    model = sweep.build("Blip2Model", "blip-2")
+    kw, status = sweep.built_inputs(model)
+    assert status == "ok"
+    own, reused = copy.deepcopy(model), copy.deepcopy(model)
+    a = normswap.patch(own, mode="exact", verify=False)
+    b = normswap.patch(reused, dict(kw), mode="exact", verify=False)
+    assert [(s.name, s.verdict) for s in a.plan.sites] == [(s.name, s.verdict) for s in b.plan.sites]
+    assert a.plan.counts()["approximate"] > 0  # the case the sweep re-runs in exact mode
+    wa, wb = own.state_dict(), reused.state_dict()
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
