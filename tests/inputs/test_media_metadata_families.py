@@ -119,3 +119,25 @@ def test_an_unset_audio_token_is_refused_in_one_line_naming_it():
     model.config.audio_token_id = AUDIO_TOKEN
     built = _runs(model)
     assert int((built["input_ids"] == AUDIO_TOKEN).sum()) > 0
+
+
+def csm():
+    """CSM: text with audio tokens, its clips encoded by a Mimi codec into one embedded frame per token."""
+    layers = dict(intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    return tf.CsmForConditionalGeneration(tf.AutoConfig.for_model(
+        "csm", hidden_size=32, **layers, num_codebooks=4, vocab_size=64, text_vocab_size=128, codebook_pad_token_id=63,
+        codebook_eos_token_id=0, audio_token_id=AUDIO_TOKEN, audio_eos_token_id=AUDIO_TOKEN + 1, pad_token_id=0,
+        bos_token_id=1, eos_token_id=2, max_position_embeddings=512,
+        depth_decoder_config=dict(hidden_size=32, backbone_hidden_size=32, num_codebooks=4, vocab_size=64, **layers),
+        codec_config=dict(hidden_size=32, codebook_size=64, num_quantizers=4, upsample_groups=32, num_hidden_layers=1,
+                          intermediate_size=64, num_attention_heads=4, num_key_value_heads=4, head_dim=8)))
+
+
+def test_audio_clips_end_where_the_cutoffs_say_and_fill_the_prompt():
+    """CSM cuts each sample's audio at ``input_values_cutoffs`` (one clip per sample, all of it) and writes the
+    codec's frames into the prompt's audio positions by index: torch's shape error there tells how many
+    frames a clip makes, and the prompt then holds that many audio tokens."""
+    model = randomise(csm(), 0)
+    built = _runs(model)
+    assert built["input_values_cutoffs"].tolist() == [[built["input_values"].shape[-1]]] * 2
+    assert int((built["input_ids"][0] == AUDIO_TOKEN).sum()) > 1
