@@ -1211,9 +1211,12 @@ def worst_err(row: dict) -> float | None:
 
 
 def summary_line(row: dict) -> str:
-    return f"{row['type']}: " + "; ".join(
-        f"{c['class']} {outcome(c)}" + (f" ({c.get('patch', c.get('build'))[:100]})" if outcome(c) != "converted"
-                                        else "") for c in row["classes"])
+    def why(c: dict) -> str:
+        if outcome(c) == "partial":
+            return f" ({c['not_called']} LayerNorm(s) not called)"
+        return f" ({c.get('patch', c.get('build'))[:100]})" if outcome(c) != "converted" else ""
+
+    return f"{row['type']}: " + "; ".join(f"{c['class']} {outcome(c)}{why(c)}" for c in row["classes"])
 
 
 def totals(rows: list[dict]) -> dict:
