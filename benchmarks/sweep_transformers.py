@@ -1211,9 +1211,12 @@ def worst_err(row: dict) -> float | None:
 
 
 def summary_line(row: dict) -> str:
-    return f"{row['type']}: " + "; ".join(
-        f"{c['class']} {outcome(c)}" + (f" ({c.get('patch', c.get('build'))[:100]})" if outcome(c) != "converted"
-                                        else "") for c in row["classes"])
+    def why(c: dict) -> str:
+        if outcome(c) == "partial":
+            return f" ({c['not_called']} LayerNorm(s) not called)"
+        return f" ({c.get('patch', c.get('build'))[:100]})" if outcome(c) != "converted" else ""
+
+    return f"{row['type']}: " + "; ".join(f"{c['class']} {outcome(c)}{why(c)}" for c in row["classes"])
 
 
 def totals(rows: list[dict]) -> dict:
@@ -1227,6 +1230,8 @@ def totals(rows: list[dict]) -> dict:
             "classes_converted": sum(outcome(c) == "converted" for c in built),
             "classes_partial": sum(outcome(c) == "partial" for c in built),
             "layernorms_not_called": sum(c.get("not_called") or 0 for c in built),
+            # converted before the sweep counted LayerNorms never called (rows kept from an earlier run)
+            "not_called_unrecorded": sum(c.get("patch") == "ok" and "not_called" not in c for c in built),
             "classes_refused": sum(outcome(c) == "refused" for c in built),
             "classes_no_run": sum(outcome(c) == "no-run" for c in built),
             "classes_crashed": sum(outcome(c) == "crash" for c in built),
@@ -1260,7 +1265,9 @@ def table(rows: list[dict], before: dict | None, all_types: int | None = None,
            f"({100 * t['types_converted'] / max(1, t['types_built']):.0f}% of those built).", "",
            f"Classes built: {t['classes_built']} of {t['classes']}; converted {t['classes_converted']}, "
            f"partly converted {t['classes_partial']} ({t['layernorms_not_called']} LayerNorms the built inputs "
-           "never called, kept as LayerNorm), "
+           "never called, kept as LayerNorm"
+           + (f"; not recorded for {t['not_called_unrecorded']} converted classes swept before the sweep counted "
+              "them" if t["not_called_unrecorded"] else "") + "), "
            f"not run on the built inputs {t['classes_no_run']}, refused for another reason {t['classes_refused']}, "
            f"crashed {t['classes_crashed']}; inputs not built: "
            f"{t['inputs_not_built']}; exact conversions above 1e-9: {t['exact_over_1e-9']}.", ""]
