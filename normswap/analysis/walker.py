@@ -198,6 +198,8 @@ def identify(path: str, module: nn.Module, x: torch.Tensor, y: torch.Tensor,
                                "identity, could not be centered anyway)")
         return SkippedNorm(path, type(module).__name__,
                            f"GroupNorm with {module.num_groups} groups is not a LayerNorm; kept")
+    if not x.numel():  # no rows: every formula matches vacuously, so nothing is identified
+        return None
     x64, y64 = x.detach().double(), y.detach().double()
     direct = _affine_tensors(module)
     tensors = dict(direct)
@@ -430,6 +432,11 @@ NOT_RUN = ("did not run on the analysis inputs (a branch they do not take), so i
            "converted; kept as LayerNorm: pass example_inputs that reach it to convert it")
 
 
+EMPTY_ONLY = ("ran on the analysis inputs only with no rows (an empty tensor, as a branch given no media), so "
+              "nothing identified or analysed it; kept as LayerNorm: pass example_inputs that give it rows to "
+              "convert it")
+
+
 def find_sites(model: nn.Module, graph: Graph) -> WalkResult:
     """Every norm of ``model`` that ran in the traced ``graph``, identified from its real input and
     output (a wrapper identified as a norm claims the modules inside it); and the modules already
@@ -443,12 +450,15 @@ def find_sites(model: nn.Module, graph: Graph) -> WalkResult:
         if any(path.startswith(c + ".") for c in claimed):
             continue  # inside a wrapper already identified as the norm
         calls = graph.calls_of(path)
-        if not calls:
+        # a call on no rows (an audio branch given no audio: shape (0, d)) matches every formula vacuously
+        live = [c for c in calls if (v := c.first_input()) is None or graph.values[v].tensor.numel()]
+        if not live:
             if isinstance(modules[path], nn.LayerNorm) or path in direct_ln:
-                found.skipped.append(SkippedNorm(path, type(modules[path]).__name__, NOT_RUN))
+                found.skipped.append(SkippedNorm(path, type(modules[path]).__name__,
+                                                 NOT_RUN if not calls else EMPTY_ONLY))
                 claimed.append(path)
             continue
-        call = calls[0]
+        call = live[0]
         vid = call.first_input()
         if vid is None or not call.outputs:
             continue

@@ -266,3 +266,31 @@ def test_a_layernorm_fed_zero_mean_rows_stays_a_layernorm():
     report = normswap.patch(model, (x,))
     assert [s.name for s in report.sites] == ["ln"]
     assert (model(x) - reference).abs().max() <= 1e-9 * reference.abs().max()
+
+
+class EmptyBranch(nn.Module):
+    """A norm that runs only on no rows (a media branch given no media: ``x[:0]``): every formula matches
+    an empty tensor, so nothing can be identified from it (identifying it crashed on ``max()`` of nothing)."""
+
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.inp, self.ln, self.side, self.out = nn.Linear(d, d), nn.LayerNorm(d), nn.LayerNorm(d), nn.Linear(d, 3)
+
+    def forward(self, x):
+        return self.out(self.ln(self.inp(x))) + self.side(x[:, :0]).sum()
+
+
+def test_a_norm_run_only_on_no_rows_is_kept_with_that_reason():
+    torch.manual_seed(0)
+    model = EmptyBranch().double().eval()
+    with torch.no_grad():
+        for ln in (model.ln, model.side):
+            ln.weight.normal_()
+            ln.bias.normal_()
+    x = torch.randn(2, 5, 8, dtype=torch.float64)
+    reference = model(x)
+    report = normswap.patch(model, (x,))
+    assert [s.name for s in report.sites] == ["ln"]
+    assert any(s["name"] == "side" and "no rows" in s["reason"] for s in report.plan.skipped), report.plan.skipped
+    assert isinstance(model.side, nn.LayerNorm)
+    assert (model(x) - reference).abs().max() <= 1e-9 * reference.abs().max()
