@@ -1159,7 +1159,8 @@ def sweep(types: list[str], jobs: int, limit: float, save=None) -> list[dict]:  
 # --------------------------------------------------------------------------------------- outcome and table
 # a norm the inputs never ran: the planner's reason for a traced site never called, the walker's for a
 # norm found in no trace (a branch the inputs do not take)
-NOT_CALLED = re.compile(r"not called by the example inputs|did not run on the analysis inputs|ran on the analysis inputs only with no rows")
+NOT_CALLED = re.compile(r"not called by the example inputs|did not run on the analysis inputs"
+                        r"|ran on the analysis inputs only with no rows")
 
 
 def not_called(plan: object) -> list[str]:

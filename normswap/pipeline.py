@@ -584,11 +584,11 @@ def plan(model: nn.Module, example_inputs: inputs.ExampleInputs = None, *,
     opts = ConvertOptions.build(options, **keywords)
     model, opts, _ = unwrap(model, example_inputs, opts)
     preflight(model)
-    args, kwargs = inputs.resolve(model, example_inputs)
     untouched = versions(model)
-    route = None
+    route, kwargs = None, {}
     with eval_mode(model):
         try:
+            args, kwargs = inputs.resolve(model, example_inputs)
             result = analysed_copy(model, args, kwargs, opts)[3]
         except ModelRunFailed as exc:  # as patch does: each tower on inputs of its own (towers.fallback)
             route = towers.fallback(model, exc) if example_inputs is None and inputs.is_hf_model(model) else None
@@ -639,8 +639,8 @@ def patch(model: nn.Module, example_inputs: inputs.ExampleInputs = None, *,
     """
     opts = ConvertOptions.build(options, **keywords)
     model, opts, wrapped = unwrap(model, example_inputs, opts)
-    st = _start(model, example_inputs, opts)
     try:
+        st = _start(model, example_inputs, opts)
         committed = _convert(st)
     except ModelRunFailed as exc:  # no whole-model layout ran: each tower on inputs of its own, if it has towers
         route = towers.fallback(model, exc) if example_inputs is None and inputs.is_hf_model(model) else None

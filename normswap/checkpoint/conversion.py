@@ -694,6 +694,8 @@ def _original_outputs(st: _Conversion) -> Any:
     run and each tower's feature run, ``st.route``) on the original, the converted model and the reloaded
     checkpoint alike."""
     try:
+        if st.probe is None:  # built here: an unset media token fails already in the builder
+            st.probe = probe_inputs(st.model)
         return _run(st.model, st.probe)
     except Exception as exc:  # the model's own code on the built inputs: any error it raises
         if st.example_inputs is not None or not inputs.is_hf_model(st.model):
@@ -712,8 +714,9 @@ def _convert_loaded(st: _Conversion, progress: bool) -> None:
     if isinstance(st.example_inputs, dict):  # the reload check runs on the inputs the model is known to take
         st.probe = dict(st.example_inputs)
     else:
-        st.probe = probe_inputs(model) if inputs.is_hf_model(model) and st.example_inputs is None else None
-    st.original = _original_outputs(st) if (st.opts.verify and st.probe is not None) else None
+        st.probe = None  # built by _original_outputs for a transformers model given no inputs
+    built = inputs.is_hf_model(model) and st.example_inputs is None
+    st.original = _original_outputs(st) if (st.opts.verify and (st.probe is not None or built)) else None
     st.steps.set_postfix_str("analysing and converting")
     try:
         with calibration_progress(progress):

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from normswap.analysis import precision
-from normswap.errors import NormswapError
+from normswap.errors import ModelRunFailed, NormswapError
 from normswap.inputs import media, structured, vision
 from normswap.inputs.media import AUDIO_FRAME_BUDGET, Layout, cfg, sub_config
 
@@ -307,7 +307,9 @@ def hf_example_inputs(model: nn.Module, batch: int = 2, seq: int = 8, seed: int 
             _CHOSEN[key] = (index, counts, variant)
             return kwargs
     if (key_unset := vision.required_media_token(model, params)) is not None:
-        raise NormswapError(
+        # a run failure: the pipeline then tries each tower on inputs of its own (inputs.towers), and says
+        # this when that cannot be done either
+        raise ModelRunFailed(
             f"{type(model).__name__} cannot run on any inputs: its config's `{key_unset}` is None, so its forward "
             f"cannot place the {_KIND_WORDS[key_unset.split('_')[0]]} in the prompt; set `config.{key_unset}` to its "
             f"processor's {key_unset.split('_')[0]} token id (checkpoints saved by recent transformers set it)")

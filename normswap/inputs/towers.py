@@ -301,7 +301,7 @@ def fallback(model: nn.Module, failure: Exception) -> Route | None:
     stands). Raises NormswapError (one line, the failure included) when a tower or the text run cannot
     run on inputs of its own."""
     cause = failure.__cause__ if failure.__cause__ is not None else failure
-    why = f"{type(cause).__name__}: {first_line(cause, 160)}" if cause is not failure else first_line(failure, 160)
+    why = f"{type(cause).__name__}: {first_line(cause, 160)}" if cause is not failure else first_line(failure, 400)
     towers = find_towers(model)
     try:
         text = builder.text_inputs(model)

@@ -8,7 +8,7 @@ rather than from a per-type table. Each is a tiny replica (float64, LayerNorm γ
 - VideoLLaMA 3 merges each image's patches by ``image_merge_sizes``, one per image next to its grid;
 - Nemotron 3.5 Transcribe keeps its mel count in ``audio_config.asr_config``;
 - dots.note reads each clip's raw length (``chunk_sample_lengths``) and reports a "multimodal" mismatch;
-- Voxtral's default config leaves ``audio_token_id`` unset: refused in one line naming the key.
+- Voxtral's default config leaves ``audio_token_id`` unset: converted by towers, the report naming the key.
 
 The first three convert with no inputs, every LayerNorm reached, the exact ones exact to 1e-9 on inputs
 the analysis never saw; the others' built inputs run the model (their conversion is the sweep's to time).
@@ -103,19 +103,21 @@ def test_mel_count_of_a_nested_asr_config():
     assert config.audio_config.asr_config.num_mel_bins == 128 and built["input_features"].shape[-1] == 128
 
 
-def test_an_unset_audio_token_is_refused_in_one_line_naming_it():
+def test_an_unset_audio_token_sends_the_model_by_towers_and_says_why():
     """Voxtral's default config leaves ``audio_token_id`` None; its forward compares the prompt with it, so
-    no input places the audio: refused naming the key, the model untouched; with the key set, inputs run."""
+    no whole-model input places the audio. The per-tower route (inputs.towers) converts it, and its report
+    line says why the whole model could not run, naming the key; with the key set, whole-model inputs run."""
     config = tf.VoxtralConfig(text_config=dict(TEXT, model_type="llama"), audio_config=dict(
         num_mel_bins=16, encoder_layers=1, encoder_attention_heads=4, encoder_ffn_dim=64, d_model=32,
         max_source_positions=50, intermediate_size=128))
     model = randomise(tf.VoxtralForConditionalGeneration(config), 0)
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(normswap.NormswapError) as err:
-        normswap.patch(model)
-    text = str(err.value)
-    assert "\n" not in text and "`audio_token_id` is None" in text and "set `config.audio_token_id`" in text, text
-    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    with pytest.raises(normswap.NormswapError) as err:  # the builder alone: one line naming the key
+        _runs(model)
+    assert "\n" not in str(err.value) and "set `config.audio_token_id`" in str(err.value), err.value
+    report = normswap.patch(model)
+    route = report.plan.options["analysis_inputs"]
+    assert "per tower" in route and "`audio_token_id` is None" in route, route
+    assert report.sites and all(s.verdict != "approximate" for s in report.sites)
     model.config.audio_token_id = AUDIO_TOKEN
     built = _runs(model)
     assert int((built["input_ids"] == AUDIO_TOKEN).sum()) > 0
