@@ -1,0 +1,77 @@
+"""The Whisper quantization benchmark's bookkeeping (``benchmarks/bench_quant_whisper.py``), no model run.
+
+What can be wrong without anything crashing: clip sets pooled out of order (a paired bootstrap then
+pairs one variant's clip with another clip of the original), a variant measured on fewer clips than the
+original compared as if paired, and a penalty taken against the wrong float32 run.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import numpy as np
+
+_DIR = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, _DIR / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault(name, module)
+    spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+bq = _load("bench_quant_whisper")
+
+
+def _run(seed: int, clips: int, variants: tuple[str, ...]) -> list[dict]:
+    """Rows of one fake clip set: float32 original WER row, int8 rows with KL and WER per variant."""
+    rng = np.random.default_rng(seed)
+    words = [int(w) for w in rng.integers(5, 30, clips)]
+    rows = [{"engine": "CTranslate2 float32", "variant": "original",
+             "clip_err": [int(e) for e in rng.integers(0, 5, clips)], "clip_words": words}]
+    for v in variants:
+        n = [int(x) for x in rng.integers(10, 40, clips)]
+        rows.append({"engine": "CTranslate2 int8", "variant": v, "clip_kl": list(rng.random(clips) * 0.1),
+                     "clip_n": n, "clip_agree": [x - 1 for x in n],
+                     "clip_err": [int(e) for e in rng.integers(0, 6, clips)], "clip_words": words})
+    return rows
+
+
+def test_merge_pools_clip_sets_in_run_order_and_recomputes_the_means():
+    a, b = _run(0, 5, ("original", "keep")), _run(1, 3, ("original", "keep"))
+    pooled = {(r["engine"], r["variant"]): r for r in bq.merge([a, b])}
+    keep = pooled[("CTranslate2 int8", "keep")]
+    assert keep["clip_kl"] == a[2]["clip_kl"] + b[2]["clip_kl"]
+    assert keep["kl"] == sum(keep["clip_kl"]) / sum(keep["clip_n"])
+    assert keep["wer"] == sum(keep["clip_err"]) / sum(keep["clip_words"])
+
+
+def test_wer_table_penalty_difference_is_the_int8_wer_difference_on_shared_float32():
+    """Without a float32 run of its own, a variant's penalty is taken against the original's float32
+    transcripts, so its difference to the original's penalty is exactly its int8 WER minus the original's."""
+    rows = bq.merge([_run(2, 40, ("original", "keep"))])
+    by = {(r["engine"], r["variant"]): r for r in rows}
+    words = sum(by[("CTranslate2 float32", "original")]["clip_words"])
+    diff = 100 * (sum(by[("CTranslate2 int8", "keep")]["clip_err"])
+                  - sum(by[("CTranslate2 int8", "original")]["clip_err"])) / words
+    line = next(ln for ln in bq.wer_table(rows).splitlines() if ln.startswith("| keep |"))
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    assert cells[1].endswith("*")  # the original's float32 WER, marked
+    point, interval = cells[4].split(" (")
+    assert float(point) == round(diff, 2)
+    lo, hi = (float(x) for x in interval.rstrip(")").split(" to "))
+    assert lo <= float(point) <= hi and hi - lo > 0
+
+
+def test_a_variant_on_fewer_clips_than_the_original_is_not_paired():
+    full, part = _run(3, 6, ("original", "keep")), _run(4, 6, ("original", "keep", "extra"))
+    rows = bq.merge([full, part])
+    rows = [r for r in rows if r["variant"] != "extra"] + [r for r in bq.merge([part]) if r["variant"] == "extra"]
+    text = bq.table(rows)
+    extra = next(ln for ln in text.splitlines() if "| extra |" in ln)
+    assert "not on the original's 12 clips" in extra
+    assert "| extra |" not in bq.wer_table(rows)
