@@ -149,6 +149,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--max-len", type=int, default=128)
     ap.add_argument("--variants", nargs="+", default=["original", "converted"], choices=VARIANTS)
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--baseline", type=Path, help="an earlier --json of the same model and texts: its "
+                    "original's errors are reused (the original variant is not measured again)")
     args = ap.parse_args(argv)
     from transformers import AutoModel, AutoTokenizer
 
@@ -161,6 +163,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ref = embed_torch(original, data)
     result: dict[str, Any] = {"model": str(args.model), "texts": len(texts), "max_len": args.max_len,
                               "cells": {}, "notes": {}, "per_text": {}}
+    if args.baseline:
+        old = json.loads(args.baseline.read_text())
+        assert old["texts"] == len(texts) and old["max_len"] == args.max_len, "baseline of other texts"
+        for key in [k for k in old["cells"] if k.startswith("original/")]:
+            result["cells"][key], result["per_text"][key] = old["cells"][key], old["per_text"][key]
+        args.variants = [v for v in args.variants if v != "original"]
     t0 = time.time()
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.variants:
