@@ -320,26 +320,28 @@ def move_beta(model: nn.Module, m: BetaMove, beta: torch.Tensor) -> None:
 
 
 def residual_shares(model: nn.Module, rf: ResidualFold, b: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-    """What :func:`fold_residual_beta` adds to each bias, as ``[(parameter name, shift)]`` (float64): ``R b``
+    """What :func:`fold_residual_beta` adds to each bias, as ``[(module path, shift)]`` (float64): ``R b``
     for each reader (its current weight, after every other edit: a centered reader, a widened MLP), ``b`` for
     each residual writer."""
     b = b.detach().double()
     out = []
     for path, kind in zip(rf.readers, rf.reader_kinds, strict=True):
         w = linear_at(model, path).weight.detach().double()
-        out.append((param_names(model, path)[1], b @ w if kind == "conv1d" else w @ b))
-    out += [(param_names(model, path)[1], b) for path in rf.writers]
+        out.append((path, b @ w if kind == "conv1d" else w @ b))
+    out += [(path, b) for path in rf.writers]
     return out
 
 
 def fold_residual_beta(model: nn.Module, rf: ResidualFold) -> torch.Tensor:
     """Move the bias of the converted norm ``rf.site`` into its readers' and residual writers' biases
-    (:class:`~normswap.analysis.plan.ResidualFold`) and drop it from the norm; returns the bias moved."""
+    (:class:`~normswap.analysis.plan.ResidualFold`) and drop it from the norm; returns the bias moved.
+    Each bias is reached as :func:`fold_into_reader` reaches it (a functional linear's slice of a fused
+    bias included)."""
     norm = model.get_submodule(rf.site)
     b = norm.bias.detach().double().clone()
     with torch.no_grad():
-        for name, shift in residual_shares(model, rf, b):
-            bias = model.get_parameter(name)
+        for path, shift in residual_shares(model, rf, b):
+            bias = linear_at(model, path).bias
             bias.copy_((bias.detach().double() + shift.to(bias.device)).to(bias.dtype))
     norm.register_parameter("bias", None)
     return b
