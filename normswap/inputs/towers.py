@@ -41,7 +41,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from normswap.errors import NormswapError, first_line
+from normswap.errors import ModelRunFailed, NormswapError, first_line
 from normswap.inputs import builder
 
 # media inputs a tower takes first (its ``main_input_name``) -> the modality
@@ -298,10 +298,11 @@ def _reads_hidden_states(model: nn.Module) -> bool:
 def fallback(model: nn.Module, failure: Exception) -> Route | None:
     """The per-tower route of ``model`` after its whole-model inputs failed with ``failure``: None when
     ``model`` has no media path of its own (no ``get_<kind>_features`` that runs, no tower: the failure
-    stands). Raises NormswapError (one line, the failure included) when a tower or the text run cannot
-    run on inputs of its own."""
+    stands). Raises ModelRunFailed (one line: the whole-model failure as the pipeline said it, then why the
+    route could not run either) when a tower or the text run cannot run on inputs of its own."""
     cause = failure.__cause__ if failure.__cause__ is not None else failure
     why = f"{type(cause).__name__}: {first_line(cause, 160)}" if cause is not failure else first_line(failure, 400)
+    said = first_line(failure, 400)  # "could not run X.forward on the example inputs (...); pass example_inputs=..."
     towers = find_towers(model)
     try:
         text = builder.text_inputs(model)
@@ -314,7 +315,7 @@ def fallback(model: nn.Module, failure: Exception) -> Route | None:
     if not runs and not towers:
         return None
     if error is not None:
-        raise NormswapError(f"{why}; per-tower analysis: the model does not run on text alone either "
+        raise ModelRunFailed(f"{said}; per-tower analysis: the model does not run on text alone either "
                             f"({type(error).__name__}: {first_line(error, 160)})")
     reached = {t for run in runs for t in run.towers}
     for path in towers:
@@ -322,7 +323,7 @@ def fallback(model: nn.Module, failure: Exception) -> Route | None:
             continue
         run, problem = _tower_run(model, path)
         if run is None:
-            raise NormswapError(f"{why}; per-tower analysis: tower `{path}` does not run on inputs built for it "
+            raise ModelRunFailed(f"{said}; per-tower analysis: tower `{path}` does not run on inputs built for it "
                                 f"either ({problem})")
         runs.append(run)
     runs.insert(0, Run("text", "model", text))
