@@ -1065,11 +1065,16 @@ def zoo():  # noqa: ANN201 - the tests.zoo module
 
 def code_version(checkout: Path) -> str:
     """Which normswap code a row was swept on: ``git describe`` of the checkout Python imported it from
-    (``-dirty`` when its working tree has uncommitted changes), else the installed package's version."""
+    (``-dirty`` when its working tree has uncommitted changes other than the sweep's own outputs, which
+    ``--write`` rewrites as rows arrive), else the installed package's version."""
     try:
-        out = subprocess.run(["git", "-C", str(checkout), "describe", "--always", "--dirty", "--abbrev=9"],
+        git = ["git", "-C", str(checkout)]
+        out = subprocess.run([*git, "describe", "--always", "--abbrev=9"],
                              capture_output=True, text=True, timeout=20, check=True).stdout.strip()
-        return f"normswap {out}" if out else "normswap (unknown commit)"
+        own = [f":(exclude){p.relative_to(REPO)}" for p in (JSON, DOC)]
+        changed = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no", "--", ".", *own],
+                                 capture_output=True, text=True, timeout=20, check=True).stdout.strip()
+        return f"normswap {out}{'-dirty' if changed else ''}" if out else "normswap (unknown commit)"
     except Exception:  # noqa: BLE001 - not a git checkout: an installed copy
         from importlib.metadata import PackageNotFoundError, version
 
