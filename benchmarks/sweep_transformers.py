@@ -1187,7 +1187,13 @@ def outcome(row: dict) -> str:
         return "partial" if row.get("not_called") else "converted"
     if p.startswith("crash"):
         return "crash"
-    return "no-run" if re.search(r"on the example inputs|cannot build example inputs|outputs NaN", p) else "refused"
+    return "no-run" if NO_RUN.search(p) else "refused"
+
+
+# refusals that say the model did not run: the pipeline's own, a media token no prompt can hold, and the
+# per-tower route's (rows swept before the route's refusal said the pipeline's words too)
+NO_RUN = re.compile(r"on the example inputs|cannot build example inputs|outputs NaN|cannot run on any inputs"
+                    r"|per-tower analysis: .*does not run")
 
 
 def is_runnable(c: dict) -> bool | None:
