@@ -29,7 +29,7 @@ from normswap import inputs, memory, pipeline
 from normswap.analysis.plan import plan_of
 from normswap.checkpoint import io, source, writer
 from normswap.checkpoint.source import Source
-from normswap.errors import NormswapError, NothingToConvert, UsageError, VerificationFailed
+from normswap.errors import ModelRunFailed, NormswapError, NothingToConvert, UsageError, VerificationFailed
 from normswap.inputs import towers
 from normswap.integrations.quiet import quietly
 from normswap.options import DTYPES, FORMATS, TASKS, ConvertOptions, choose
@@ -694,11 +694,12 @@ def _original_outputs(st: _Conversion) -> Any:
     run and each tower's feature run, ``st.route``) on the original, the converted model and the reloaded
     checkpoint alike."""
     try:
-        if st.probe is None:  # built here: an unset media token fails already in the builder
+        if st.probe is None:  # built here: an unset media token is a run failure already in the builder
             st.probe = probe_inputs(st.model)
         return _run(st.model, st.probe)
     except Exception as exc:  # the model's own code on the built inputs: any error it raises
-        if st.example_inputs is not None or not inputs.is_hf_model(st.model):
+        if st.example_inputs is not None or not inputs.is_hf_model(st.model) or st.probe is None and \
+                not isinstance(exc, ModelRunFailed):  # inputs that cannot be built: patch says which
             raise
         route = towers.fallback(st.model, exc)
         if route is None:
