@@ -27,15 +27,22 @@ def eager_experts(model: nn.Module) -> nn.Module:
     return model
 
 
+def run_built(model: nn.Module, on: nn.Module | None = None) -> dict:
+    """The inputs normswap builds for ``model``, after running ``on`` (``model`` itself by default) on
+    them in float64: a model they do not run raises."""
+    built = hf_example_inputs(model)
+    with torch.no_grad(), default_dtype(torch.float64), float64_casts():
+        (model if on is None else on)(**built)
+    return built
+
+
 def convert_with_no_inputs(model: nn.Module) -> tuple[dict, nn.Module, nn.Module, normswap.Report]:
     """``(built inputs, original, model with only its exact norms converted, report)`` of ``model``
     patched in place with no inputs. Asserts the built inputs run the original and reach every norm."""
     norms = layernorms(model)
     assert norms, "the replica has no LayerNorm to reach"
-    built = hf_example_inputs(model)
     original = eager_experts(copy.deepcopy(model))
-    with torch.no_grad(), default_dtype(torch.float64), float64_casts():
-        original(**built)  # the inputs run the model as built
+    built = run_built(model, on=original)  # the inputs run the model as built
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         report = normswap.patch(model)  # no inputs: as the CLI converts

@@ -22,9 +22,8 @@ import transformers as tf
 
 import normswap
 from normswap.inputs import hf_example_inputs
-from normswap.pipeline import default_dtype
-from tests.input_families import assert_exact_on_unseen_inputs, convert_with_no_inputs
-from tests.zoo import float64_casts, randomise
+from tests.input_families import assert_exact_on_unseen_inputs, convert_with_no_inputs, run_built
+from tests.zoo import randomise
 
 TEXT = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             vocab_size=128, max_position_embeddings=512, pad_token_id=0, bos_token_id=1, eos_token_id=2)
@@ -80,13 +79,6 @@ def test_the_metadata_follows_the_model():
     assert built["image_merge_sizes"].tolist() == [1] * built["image_grid_thw"].shape[0]
 
 
-def _runs(model: torch.nn.Module) -> dict:
-    built = hf_example_inputs(model)
-    with torch.no_grad(), default_dtype(torch.float64), float64_casts():
-        model(**built)
-    return built
-
-
 def test_mel_count_of_a_nested_asr_config():
     """Nemotron 3.5 Transcribe's ``audio_config`` groups an ASR and a diarization config; the mel count the
     encoder reads (its 128, not the builder's default 80) is the ASR config's."""
@@ -99,7 +91,7 @@ def test_mel_count_of_a_nested_asr_config():
         n_groups=1, ssm_state_size=8))
     config.audio_token_id = AUDIO_TOKEN
     model = randomise(tf.Nemotron3_5TranscribeForConditionalGeneration(config), 0)
-    built = _runs(model)
+    built = run_built(model)
     assert config.audio_config.asr_config.num_mel_bins == 128 and built["input_features"].shape[-1] == 128
 
 
@@ -112,14 +104,14 @@ def test_an_unset_audio_token_sends_the_model_by_towers_and_says_why():
         max_source_positions=50, intermediate_size=128))
     model = randomise(tf.VoxtralForConditionalGeneration(config), 0)
     with pytest.raises(normswap.NormswapError) as err:  # the builder alone: one line naming the key
-        _runs(model)
+        run_built(model)
     assert "\n" not in str(err.value) and "set `config.audio_token_id`" in str(err.value), err.value
     report = normswap.patch(model)
     route = report.plan.options["analysis_inputs"]
     assert "per tower" in route and "`audio_token_id` is None" in route, route
     assert report.sites and all(s.verdict != "approximate" for s in report.sites)
     model.config.audio_token_id = AUDIO_TOKEN
-    built = _runs(model)
+    built = run_built(model)
     assert int((built["input_ids"] == AUDIO_TOKEN).sum()) > 0
 
 
@@ -140,6 +132,6 @@ def test_audio_clips_end_where_the_cutoffs_say_and_fill_the_prompt():
     codec's frames into the prompt's audio positions by index: torch's shape error there tells how many
     frames a clip makes, and the prompt then holds that many audio tokens."""
     model = randomise(csm(), 0)
-    built = _runs(model)
+    built = run_built(model)
     assert built["input_values_cutoffs"].tolist() == [[built["input_values"].shape[-1]]] * 2
     assert int((built["input_ids"][0] == AUDIO_TOKEN).sum()) > 1
