@@ -248,6 +248,11 @@ def shrink(config: object, depth: int = 0, ids: list[int] | None = None, images:
             pass
         elif k in ("depths",) and isinstance(v, (list, tuple)) and all(isinstance(x, int) for x in v):
             d[k] = type(v)(min(x, 1) for x in v)
+        elif k == "blocks_per_stage" and isinstance(v, list) and all(_int(x) for x in v):
+            # two blocks a stage: a stage's first block pools (Hiera), its global-attention block is another
+            d[k] = [min(x, 2) for x in v]
+        elif k == "image_size" and images and isinstance(v, list) and len(v) == 2 and all(_int(x) for x in v):
+            d[k] = [min(x, TINY_STAGED_IMAGE) for x in v]  # [height, width]: a staged (Hiera) backbone's input
     # keep every special token id inside the (maybe shrunk) vocabulary
     vocab = d.get("vocab_size")
     if isinstance(vocab, int) and vocab > 0:
@@ -275,6 +280,7 @@ def shrink(config: object, depth: int = 0, ids: list[int] | None = None, images:
     derived_sizes(config, before, mild)
     if tree is not None and not mild:
         _follow_widths_across(tree)
+        _follow_stage_widths(tree)
     if tree is not None:
         _read_out_layers(tree)
     for k in ("layer_types", "block_types", "layers_block_type"):  # per-layer lists follow the layer count
@@ -294,7 +300,7 @@ EXPERTS_PER_TOKEN = {"num_experts_per_tok", "num_experts_per_token", "moe_topk",
                      "n_activated_experts", "num_selected_experts"}
 SHARED_EXPERTS = {"n_shared_experts", "num_shared_experts", "moe_num_shared_experts"}
 EXPERT_GROUPS = {"n_group", "num_expert_group", "topk_group"}  # group-limited routing: one group of 4
-FFN_LIKE = re.compile(r"(intermediate|ffn|feed_forward|mlp).*(size|dim)$")  # moe_intermediate_size, …
+FFN_LIKE = re.compile(r"(intermediate|ffn|feed_forward|mlp).*(size|dim)$|linear_units$")  # moe_intermediate_size, …
 WIDTH_LIKE = re.compile(r"(size|dim|channel|width|hidden|embed)s?$")
 NOT_WIDTH = re.compile(r"vocab|position|patch|image|window|kernel|stride|chunk|sampl|max_|min_|token|length|"
                        r"^num_|^n_|rate|frame|seq|codebook|bins|spatial|temporal|pool|bucket|cache|batch|"
@@ -304,6 +310,7 @@ MAMBA_HEADS = ("mamba_n_heads", "n_mamba_heads")
 MAMBA_HEAD_DIM = ("mamba_d_head", "mamba_headdim", "mamba_head_dim")
 MAMBA_GROUPS = ("mamba_n_groups", "mamba_ngroups", "n_groups")
 HEAD_DIM = 8  # shrink()'s head width
+TINY_STAGED_IMAGE = 128  # a staged backbone's [height, width] (Hiera: stride 4, then 3 poolings → 4 x 4 at the end)
 LORA_RANK = 16  # low-rank projections (MLA's q/kv/o LoRA ranks, …)
 # lists of layers whose hidden states are read out (concatenated, stacked, fed to a projector): their
 # length is part of the architecture, unlike a list of the layers of one kind (``moe_layers``)
@@ -385,17 +392,73 @@ def _snapshot(config: object) -> list[tuple[dict, dict]]:
 def _follow_widths_across(tree: list[tuple[dict, dict]]) -> None:
     """A width named in one sub-config after another's (a vision config's ``projector_output_dim`` or
     ``text_hidden_size`` is the text model's hidden size) follows that one's cut: every width-named int
-    left at a full-size width that some config of the tree cut takes its tiny value."""
+    left at a full-size width that some config of the tree cut takes its tiny value. So does one that
+    :func:`_follow_widths` took for a multiple of its own config's hidden size when its full-size value is
+    exactly another config's width (SAM-HQ's mask decoder ``vit_dim``: the vision tower's 768, not 3 x its
+    own 256)."""
     cut: dict[int, int] = {}
     for d, before in tree:
         for k in sorted(WIDTH):
             if _int(before.get(k)) and _int(d.get(k)) and d[k] != before[k]:
                 cut.setdefault(before[k], d[k])
     for d, before in tree:
+        # random Fourier position features, sine and cosine of each: half the width they are added to (SAM's
+        # ``num_pos_feats`` 128 in the vision config, for the prompt encoder's and mask decoder's 256)
+        feats = d.get("num_pos_feats")
+        if _int(feats) and feats == before.get("num_pos_feats") and 2 * feats in cut:
+            d["num_pos_feats"] = cut[2 * feats] // 2
+        own = {before[k] for k in WIDTH if _int(before.get(k)) and _int(d.get(k)) and d[k] != before[k]}
         for k, v in list(d.items()):
-            if (_int(v) and v == before.get(k) and v in cut and WIDTH_LIKE.search(k) and not NOT_WIDTH.search(k)
+            if not (_int(v) and before.get(k) in cut and WIDTH_LIKE.search(k) and not NOT_WIDTH.search(k)
                     and not k.startswith("_")):
-                d[k] = cut[v]
+                continue
+            full = before[k]
+            if v == full or (k not in WIDTH and not FFN_LIKE.search(k) and full not in own
+                             and _int(before.get("hidden_size")) and full % before["hidden_size"] == 0
+                             and v == full // before["hidden_size"] * d.get("hidden_size", 0)):
+                d[k] = cut[full]
+
+
+def _follow_stage_widths(tree: list[tuple[dict, dict]]) -> None:
+    """Staged backbones that list their widths per stage (SAM 2's Hiera: ``embed_dim_per_stage`` 96, 192,
+    384, 768 from ``hidden_size`` 96) scale the list with the cut hidden size, heads per stage at most
+    the stage's width; lists elsewhere in the tree naming those widths (the neck's
+    ``backbone_channel_list``) follow; a global-attention block becomes the last block of the stage it was
+    in (at most two a stage: :func:`shrink` cut ``blocks_per_stage``; the first one pools), and
+    feature-map sizes listed per level (``backbone_feature_sizes``) follow the tiny image at the
+    backbone's strides."""
+    cut: dict[int, int] = {}
+    for d, before in tree:
+        dims, hidden = before.get("embed_dim_per_stage"), before.get("hidden_size")
+        if not (isinstance(dims, list) and dims and all(_int(x) for x in dims) and _int(hidden)
+                and _int(d.get("hidden_size")) and d["hidden_size"] != hidden and dims[0] == hidden):
+            continue
+        d["embed_dim_per_stage"] = [x * d["hidden_size"] // hidden for x in dims]
+        cut.update(zip(dims, d["embed_dim_per_stage"], strict=True))
+        heads = d.get("num_attention_heads_per_stage")
+        if isinstance(heads, list) and len(heads) == len(dims):
+            d["num_attention_heads_per_stage"] = [max(h for h in range(1, max(1, n) + 1) if w % h == 0)
+                                                  for n, w in zip(heads, d["embed_dim_per_stage"], strict=True)]
+        blocks, glob = before.get("blocks_per_stage"), d.get("global_attention_blocks")
+        if isinstance(blocks, list) and isinstance(glob, list) and d.get("blocks_per_stage") != blocks:
+            ends = [sum(blocks[: i + 1]) for i in range(len(blocks))]
+            tiny_ends = [sum(d["blocks_per_stage"][: i + 1]) for i in range(len(blocks))]
+            d["global_attention_blocks"] = sorted({tiny_ends[next(i for i, e in enumerate(ends) if b < e)] - 1
+                                                   for b in glob if b < ends[-1]})
+    if not cut:
+        return
+    for d, before in tree:
+        for k, v in list(d.items()):
+            if (isinstance(v, list) and v and v == before.get(k) and all(_int(x) and x in cut for x in v)
+                    and re.search(r"channel|dim|width|hidden", k)):
+                d[k] = [cut[x] for x in v]
+        feats, side = d.get("backbone_feature_sizes"), next(
+            (c.get("image_size") for c, _ in tree if isinstance(c.get("embed_dim_per_stage"), list)), None)
+        full_side = next((b.get("image_size") for c, b in tree if isinstance(c.get("embed_dim_per_stage"), list)), None)
+        if (isinstance(feats, list) and isinstance(side, list) and isinstance(full_side, list) and side != full_side
+                and all(isinstance(f, list) and len(f) == 2 for f in feats)):
+            d["backbone_feature_sizes"] = [[f[0] * side[0] // full_side[0], f[1] * side[1] // full_side[1]]
+                                           for f in feats]
 
 
 def _tower(tree: list[tuple[dict, dict]], d: dict, name: str) -> tuple[dict, dict, str] | None:
@@ -706,8 +769,17 @@ def _per_layer_lists(d: dict, before: dict) -> None:
 def derived_sizes(config: object, before: dict, mild: bool = False) -> None:
     """Sizes a model derives from others in ways the name rules above do not see: a hierarchical audio
     tower's width (CLAP's HTSAT doubles its patch width per stage), a backbone read at stages past the tiny
-    layer count (its ``out_indices``, DPT's ``backbone_out_indices``)."""
+    layer count (its ``out_indices``, DPT's ``backbone_out_indices``), a grid of patch embeddings that is
+    the image in patches (SAM's prompt encoder ``image_embedding_size``: 1024 / 16), a vocoder's first
+    channel count (HiFi-GAN's ``upsample_initial_channel``, halved at each upsampling stage)."""
     d = config.__dict__
+    image, patch, grid = d.get("image_size"), d.get("patch_size"), before.get("image_embedding_size")
+    if (_int(grid) and _int(image) and _int(patch) and patch > 0 and _int(before.get("image_size"))
+            and grid == before["image_size"] // patch and image != before["image_size"]):
+        d["image_embedding_size"] = image // patch
+    rates, channels = d.get("upsample_rates"), d.get("upsample_initial_channel")
+    if not mild and isinstance(rates, (list, tuple)) and _int(channels) and channels > 64:
+        d["upsample_initial_channel"] = max(32, 2 ** len(rates))  # every stage keeps at least one channel
     if not mild and _int(d.get("patch_embeds_hidden_size")) and isinstance(d.get("depths"), (list, tuple)):
         d["patch_embeds_hidden_size"] = min(d["patch_embeds_hidden_size"], 16)
         d["hidden_size"] = d["patch_embeds_hidden_size"] * 2 ** (len(d["depths"]) - 1)
