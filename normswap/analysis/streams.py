@@ -172,6 +172,11 @@ class Analyzer:
             if self.site_input[c.id] is not None:
                 self.input_to_sites.setdefault(self.site_input[c.id], []).append(c)
         self.output_values = {vid: path for path, vid in graph.outputs}
+        # every path a value is returned at: a model may return one tensor twice (SAM 2's Hiera returns its
+        # last stage as ``last_hidden_state`` and as ``intermediate_hidden_states[3]``), and each copy is changed
+        self.output_paths: dict[int, list[str]] = {}
+        for path, vid in graph.outputs:
+            self.output_paths.setdefault(vid, []).append(path)
         self.calls_per_path: dict[str, list[ModuleCall]] = {}
         for c in graph.calls:
             self.calls_per_path.setdefault(c.path, []).append(c)
@@ -477,8 +482,7 @@ class Analyzer:
 
         def visit(v: int) -> None:
             result.mapped[v] = maps[v]
-            if v in self.output_values:
-                result.outputs.append(self.output_values[v])
+            result.outputs.extend(self.output_paths.get(v, ()))
             for call in self.input_to_sites.get(v, []):
                 result.site_rows[call.id] = maps[v]
             for op_index in self.graph.values[v].consumers:

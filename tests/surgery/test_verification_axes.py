@@ -161,3 +161,30 @@ def test_convert_and_verify_on_the_command_line(build, tmp_path):
         assert "raw_stream_rel_error=" in res.stdout
     else:
         assert "ORIGINAL draws random numbers, which differ in float64" in res.stdout
+
+
+def _hiera() -> nn.Module:
+    cfg = tf.Sam2HieraDetConfig(hidden_size=16, embed_dim_per_stage=[16, 32, 64, 128],
+                                num_attention_heads_per_stage=[1, 2, 4, 8], blocks_per_stage=[1, 2, 2, 2],
+                                global_attention_blocks=[2, 4, 6], image_size=[64, 64])
+    torch.manual_seed(0)
+    return _randomised(tf.Sam2HieraDetModel(cfg))
+
+
+def test_a_stream_returned_at_two_outputs_is_changed_at_both():
+    """Fails if only one path of a value the model returns twice is counted as changed: SAM 2's Hiera
+    returns its last stage as ``last_hidden_state`` and as ``intermediate_hidden_states[3]``. Its stream is
+    centered after each max-pooling block, so both differ from the original by a per-token constant; with
+    one path missed, verification compared it raw and refused a correct conversion (1.2e-3)."""
+    model = _hiera()
+    original = pipeline.working_copy(model, torch.float64)
+    report = normswap.patch(model, mode="exact")  # the norms after a max-pool stay LayerNorm in this mode
+    assert report.plan.hooks and report.plan.counts()["exact-with-centering"] > 0
+    assert {"last_hidden_state", "intermediate_hidden_states[3]"} <= set(report.plan.changed_outputs)
+    assert report.verification["raw_stream_rel_error"] < 1e-12  # every output is the stream, centered
+    pixels = torch.randn(2, 3, 64, 64, dtype=torch.float64)
+    with torch.no_grad():
+        ref, out = original(pixel_values=pixels), model(pixel_values=pixels)
+    assert (ref.last_hidden_state - out.last_hidden_state).abs().max() > 1e-6  # changed, by a per-token constant
+    figures = compare(ref, out, set(report.plan.changed_outputs))
+    assert figures["compared"] == [] and figures["raw_stream_rel_error"] < 1e-12
