@@ -770,16 +770,26 @@ def derived_sizes(config: object, before: dict, mild: bool = False) -> None:
     """Sizes a model derives from others in ways the name rules above do not see: a hierarchical audio
     tower's width (CLAP's HTSAT doubles its patch width per stage), a backbone read at stages past the tiny
     layer count (its ``out_indices``, DPT's ``backbone_out_indices``), a grid of patch embeddings that is
-    the image in patches (SAM's prompt encoder ``image_embedding_size``: 1024 / 16), a vocoder's first
-    channel count (HiFi-GAN's ``upsample_initial_channel``, halved at each upsampling stage)."""
+    the image in patches (SAM's prompt encoder ``image_embedding_size``: 1024 / 16), a HiFi-GAN vocoder's
+    upsampling chain (its first channel count ``upsample_initial_channel``, halved at each stage, and
+    its strides: 2 a stage)."""
     d = config.__dict__
     image, patch, grid = d.get("image_size"), d.get("patch_size"), before.get("image_embedding_size")
     if (_int(grid) and _int(image) and _int(patch) and patch > 0 and _int(before.get("image_size"))
             and grid == before["image_size"] // patch and image != before["image_size"]):
         d["image_embedding_size"] = image // patch
-    rates, channels = d.get("upsample_rates"), d.get("upsample_initial_channel")
-    if not mild and isinstance(rates, (list, tuple)) and _int(channels) and channels > 64:
-        d["upsample_initial_channel"] = max(32, 2 ** len(rates))  # every stage keeps at least one channel
+    rates, kernels = d.get("upsample_rates"), d.get("upsample_kernel_sizes")
+    channels = d.get("upsample_initial_channel")
+    if (not mild and isinstance(rates, (list, tuple)) and isinstance(kernels, (list, tuple)) and _int(channels)
+            and len(kernels) == len(rates)
+            and all(_int(u) and k == 2 * u for u, k in zip(rates, kernels, strict=True))):
+        # HiFi-GAN's convention (each transposed conv's kernel twice its stride): every stage upsamples 2x with
+        # a kernel of 4, so a waveform is 2**stages samples a frame, not 256 (the float64 convolutions over
+        # 256 samples a frame took most of VITS' and FastSpeech 2's sweep time), and every stage keeps a channel
+        d["upsample_rates"] = type(rates)(2 for _ in rates)
+        d["upsample_kernel_sizes"] = type(kernels)(4 for _ in kernels)
+        if channels > 64:
+            d["upsample_initial_channel"] = max(32, 2 ** len(rates))
     if not mild and _int(d.get("patch_embeds_hidden_size")) and isinstance(d.get("depths"), (list, tuple)):
         d["patch_embeds_hidden_size"] = min(d["patch_embeds_hidden_size"], 16)
         d["hidden_size"] = d["patch_embeds_hidden_size"] * 2 ** (len(d["depths"]) - 1)
