@@ -208,6 +208,38 @@ def test_fixed_cross_references_run_on_normswaps_inputs():
         assert source == "normswap's inputs", (model_type, why)
 
 
+def test_sam_hiera_and_vocoder_types_shrink_to_tiny_models_that_run():
+    """Sizes derived from the image, the stages and the vocoder follow the cut (before, each full shrink
+    built a model that did not run, so the sweep fell back to the widths-kept one: 1024-px SAM images,
+    a 26M-parameter Hiera, a vocoder at 512 channels and 256 samples a frame; out of time or memory at
+    --limit 600): SAM's prompt grid is the image in patches and its position features half the prompt
+    width, SAM-HQ's ``vit_dim`` the vision width (not 3 x its own), Hiera's per-stage widths follow its
+    stem with the neck's channel list, its global-attention blocks inside the tiny stages, VITS' HiFi-GAN
+    upsamples 2x a stage."""
+    sweep = _sweep()
+    sam = sweep.tiny_config("sam_hq", "SamHQModel")
+    vision, prompt, decoder = sam.vision_config, sam.prompt_encoder_config, sam.mask_decoder_config
+    assert vision.image_size <= 64 and prompt.image_embedding_size == prompt.image_size // prompt.patch_size
+    assert decoder.vit_dim == vision.hidden_size and 2 * vision.num_pos_feats == prompt.hidden_size
+    hiera = sweep.tiny_config("sam2_vision_model", "Sam2VisionModel")
+    backbone = hiera.backbone_config
+    assert backbone.embed_dim_per_stage[0] == backbone.hidden_size <= 32 and max(backbone.image_size) <= 128
+    assert hiera.backbone_channel_list == backbone.embed_dim_per_stage[::-1]
+    starts = [sum(backbone.blocks_per_stage[:i]) for i in range(len(backbone.blocks_per_stage))]
+    # a global block is never a stage's first (that one pools) and lies inside the tiny depth
+    assert backbone.global_attention_blocks and all(
+        0 < i < sum(backbone.blocks_per_stage) and i not in starts for i in backbone.global_attention_blocks)
+    vits = sweep.tiny_config("vits", "VitsModel")
+    assert list(vits.upsample_rates) == [2] * 4 and list(vits.upsample_kernel_sizes) == [4] * 4
+    assert vits.upsample_initial_channel <= 32
+    for model_type, cls in (("sam", "SamModel"), ("sam_hq", "SamHQModel"), ("sam2_vision_model", "Sam2VisionModel"),
+                            ("vits", "VitsModel")):
+        model = sweep.build(cls, model_type)
+        assert sum(p.numel() for p in model.parameters()) < 3_000_000, model_type
+        source, why = sweep.runnable(model, model_type)
+        assert source == "normswap's inputs", (model_type, why)
+
+
 def test_layernorms_never_called_make_a_class_partial():
     """A class whose patch succeeded while some LayerNorms were never called by the built inputs is
     ``partial``: counted apart (with how many), its type not converted, listed with the reason. The sweep
