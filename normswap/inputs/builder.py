@@ -394,7 +394,9 @@ def _combinations(config: Any, params: dict[str, Any], batch: int, seed: int, dt
                   *vision.tile_mask_variants(common),
                   *vision.patch_layouts(config, params, batch, gen, dtype),
                   *vision.positioned_patch_layouts(config, params, batch, gen, dtype),
-                  *vision.packed_layouts(config, params, batch, gen, dtype)]
+                  *vision.packed_layouts(config, params, batch, gen, dtype),
+                  *vision.channels_last_patch_layouts(config, params, batch, gen, dtype),
+                  *vision.pooled_crop_layouts(config, params, batch, gen, dtype)]
         groups.append([vision.with_companions(layout, config, params, gen, dtype) for layout in images])
     elif towers := list(vision.tower_layouts(config, params, batch, gen, dtype)):
         groups.append(towers)
