@@ -412,6 +412,17 @@ def _follow_widths_across(tree: list[tuple[dict, dict]]) -> None:
             if _int(v) and v == before.get(k) and sub is not None and sub.__dict__ is not d and _int(size) \
                     and v != size:
                 d[k] = size
+    # an adapter's or projector's output width that was the text model's full hidden size writes into the text
+    # stream (dots.note's audio `adapter_out_dim`, 5120, which the rules within its config took for 4 x its
+    # own 1280): it follows the text width
+    text = root.get("text_config")
+    text_before = next((b for d, b in tree if text is not None and d is text.__dict__), None)
+    if text_before is not None and _int(text_before.get("hidden_size")) and _int(text.hidden_size):
+        for d, before in tree:
+            for k, v in list(d.items()):
+                if (d is not text.__dict__ and d is not root and "out" in k and WIDTH_LIKE.search(k)
+                        and _int(v) and before.get(k) == text_before["hidden_size"] != before.get("hidden_size")):
+                    d[k] = text.hidden_size
 
 
 def _token_offsets(config: object) -> None:
