@@ -400,7 +400,7 @@ def _follow_widths_across(tree: list[tuple[dict, dict]]) -> None:
             # a list of channel widths ending at the width another tower reads (Unlimited-OCR's SAM
             # `downsample_channels` (512, 1024) feeding its 1024-wide CLIP encoder): the last one follows
             if (isinstance(v, (list, tuple)) and v and all(_int(x) for x in v) and v == before.get(k)
-                    and v[-1] in cut and WIDTH_LIKE.search(k) and (k.endswith("_channels") or not NOT_WIDTH.search(k))):
+                    and v[-1] in cut and k.endswith("_channels")):
                 d[k] = type(v)([*v[:-1], cut[v[-1]]])
     # `<kind>_hidden_size` in one sub-config is the `<kind>_config`'s hidden size (Molmo2's adapter
     # `text_hidden_size`; its default config itself has 3584 there and 4096 in the text config)
