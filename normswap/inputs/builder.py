@@ -540,12 +540,16 @@ MODALITY = {"input_ids": "text", "pixel_values": "images", "pixel_values_videos"
             "hidden_states": "image patches", "query_embeds": "queries"}  # a vision tower or Q-Former alone
 
 
+# metadata the report names next to the modalities: grids, sizes, pooling indices (Molmo 2), entities (LUKE)
+DESCRIBED = ("_thw", "_sizes", "_grids", "_token_pooling", "entity_ids")
+
+
 def describe(model: nn.Module, kwargs: dict[str, Any]) -> str:
     """One line for the report: what the built analysis inputs hold, and how they reach every tower
     (all modalities in one run of the whole model: each tower runs on its own modality's inputs)."""
     parts = []
     for name, value in kwargs.items():
-        if not isinstance(value, torch.Tensor) or name not in MODALITY and not name.endswith(("_thw", "_sizes")):
+        if not isinstance(value, torch.Tensor) or name not in MODALITY and not name.endswith(DESCRIBED):
             continue
         text = f"`{name}` {tuple(value.shape)}"
         if name == "input_ids":

@@ -22,6 +22,7 @@ import transformers as tf
 
 import normswap
 from normswap.inputs import hf_example_inputs
+from normswap.inputs.builder import describe
 from tests.input_families import assert_exact_on_unseen_inputs, convert_with_no_inputs, eager_experts, run_built
 from tests.zoo import randomise
 
@@ -110,6 +111,7 @@ def test_entities_mention_the_prompts_words():
     assert used.numel() and int(used.min()) >= offset + 1 and int(used.max()) < offset + words
     assert built["entity_ids"].shape == built["entity_attention_mask"].shape == positions.shape[:2]
     assert int(built["entity_ids"].min()) >= 3  # past the padding, unknown and mask entities
+    assert "`entity_ids` (2, 2)" in describe(model, built)  # the report says the entities were built
 
 
 def test_patch_cubes_run_a_model_with_no_layernorm():
