@@ -283,6 +283,7 @@ def shrink(config: object, depth: int = 0, ids: list[int] | None = None, images:
         _follow_stage_widths(tree)
     if tree is not None:
         _read_out_layers(tree)
+        _token_offsets(config)
     for k in ("layer_types", "block_types", "layers_block_type"):  # per-layer lists follow the layer count
         v = d.get(k)
         n = d.get("num_hidden_layers")
@@ -409,6 +410,11 @@ def _follow_widths_across(tree: list[tuple[dict, dict]]) -> None:
             d["num_pos_feats"] = cut[2 * feats] // 2
         own = {before[k] for k in WIDTH if _int(before.get(k)) and _int(d.get(k)) and d[k] != before[k]}
         for k, v in list(d.items()):
+            # a list of channel widths ending at the width another tower reads (Unlimited-OCR's SAM
+            # `downsample_channels` (512, 1024) feeding its 1024-wide CLIP encoder): the last one follows
+            if (isinstance(v, (list, tuple)) and v and all(_int(x) for x in v) and v == before.get(k)
+                    and v[-1] in cut and k.endswith("_channels")):
+                d[k] = type(v)([*v[:-1], cut[v[-1]]])
             if not (_int(v) and before.get(k) in cut and WIDTH_LIKE.search(k) and not NOT_WIDTH.search(k)
                     and not k.startswith("_")):
                 continue
@@ -417,6 +423,27 @@ def _follow_widths_across(tree: list[tuple[dict, dict]]) -> None:
                              and _int(before.get("hidden_size")) and full % before["hidden_size"] == 0
                              and v == full // before["hidden_size"] * d.get("hidden_size", 0)):
                 d[k] = cut[full]
+    # `<kind>_hidden_size` in one sub-config is the `<kind>_config`'s hidden size (Molmo2's adapter
+    # `text_hidden_size`; its default config itself has 3584 there and 4096 in the text config)
+    root = tree[0][0]
+    for d, before in tree:
+        for k, v in list(d.items()):
+            sub = root.get(f"{k.removesuffix('_hidden_size')}_config") if k.endswith("_hidden_size") else None
+            size = getattr(sub, "hidden_size", None)
+            if _int(v) and v == before.get(k) and sub is not None and sub.__dict__ is not d and _int(size) \
+                    and v != size:
+                d[k] = size
+    # an adapter's or projector's output width that was the text model's full hidden size writes into the text
+    # stream (dots.note's audio `adapter_out_dim`, 5120, which the rules within its config took for 4 x its
+    # own 1280): it follows the text width
+    text = root.get("text_config")
+    text_before = next((b for d, b in tree if text is not None and d is text.__dict__), None)
+    if text_before is not None and _int(text_before.get("hidden_size")) and _int(text.hidden_size):
+        for d, before in tree:
+            for k, v in list(d.items()):
+                if (d is not text.__dict__ and d is not root and "out" in k and WIDTH_LIKE.search(k)
+                        and _int(v) and before.get(k) == text_before["hidden_size"] != before.get("hidden_size")):
+                    d[k] = text.hidden_size
 
 
 def _follow_stage_widths(tree: list[tuple[dict, dict]]) -> None:
@@ -459,6 +486,24 @@ def _follow_stage_widths(tree: list[tuple[dict, dict]]) -> None:
                 and all(isinstance(f, list) and len(f) == 2 for f in feats)):
             d["backbone_feature_sizes"] = [[f[0] * side[0] // full_side[0], f[1] * side[1] // full_side[1]]
                                            for f in feats]
+
+
+def _token_offsets(config: object) -> None:
+    """Blocks of media codes placed in the text vocabulary at ``<kind>_token_offset`` (Apertus 1.5's image and
+    audio tokenizers' codes, at 131,272 and 262,344 of 266,752 ids) follow the tiny vocabulary: each block, in
+    the order of its offset, starts after the one before (the first after the text vocabulary and every special
+    id) and is as long as its tower's ``codebook_size``; the text vocabulary grows to hold them."""
+    d = config.__dict__
+    offsets = sorted((v, k) for k, v in d.items() if k.endswith("_token_offset") and _int(v))
+    text = d.get("text_config") if _int(getattr(d.get("text_config"), "vocab_size", None)) else config
+    vocab = getattr(text, "vocab_size", None)
+    if not offsets or not _int(vocab) or offsets[0][0] < vocab:
+        return
+    start = max([vocab - 1, *all_special_ids(config)]) + 1
+    for _, k in offsets:
+        d[k] = start
+        start += int(getattr(d.get(f"{k.removesuffix('_token_offset')}_config"), "codebook_size", None) or 128)
+    text.vocab_size = start
 
 
 def _tower(tree: list[tuple[dict, dict]], d: dict, name: str) -> tuple[dict, dict, str] | None:

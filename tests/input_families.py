@@ -4,6 +4,7 @@ converted with no inputs, as the CLI converts it, then measured on inputs the an
 from __future__ import annotations
 
 import copy
+import re
 import warnings
 
 import torch
@@ -14,6 +15,9 @@ from normswap.inputs import hf_example_inputs
 from normswap.pipeline import default_dtype
 from normswap.surgery.verify import compare
 from tests.zoo import float64_casts
+
+# the reasons the planner keeps a norm the analysis inputs never ran (normswap.analysis.planner, .walker)
+_NOT_CALLED = re.compile(r"not called by the example inputs|did not run on the analysis inputs|only with no rows")
 
 
 def layernorms(model: nn.Module) -> set[str]:
@@ -48,6 +52,10 @@ def convert_with_no_inputs(model: nn.Module) -> tuple[dict, nn.Module, nn.Module
         report = normswap.patch(model)  # no inputs: as the CLI converts
     found = {s.name for s in report.plan.sites} | {s["name"] for s in report.plan.skipped}
     assert norms <= found, f"norms the inputs never reached: {sorted(norms - found)}"
+    # a norm kept because the inputs never called it (or called it on no rows) is found, not reached
+    kept = [s.name for s in report.plan.sites if _NOT_CALLED.search(s.reason or "")]
+    kept += [s["name"] for s in report.plan.skipped if _NOT_CALLED.search(str(s.get("reason", "")))]
+    assert not kept, f"norms the inputs never called: {sorted(kept)}"
     exact = model
     if any(s.verdict == "approximate" for s in report.sites):  # measure the exact ones alone
         exact = copy.deepcopy(original)

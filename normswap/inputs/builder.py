@@ -394,7 +394,9 @@ def _combinations(config: Any, params: dict[str, Any], batch: int, seed: int, dt
                   *vision.tile_mask_variants(common),
                   *vision.patch_layouts(config, params, batch, gen, dtype),
                   *vision.positioned_patch_layouts(config, params, batch, gen, dtype),
-                  *vision.packed_layouts(config, params, batch, gen, dtype)]
+                  *vision.packed_layouts(config, params, batch, gen, dtype),
+                  *vision.channels_last_patch_layouts(config, params, batch, gen, dtype),
+                  *vision.pooled_crop_layouts(config, params, batch, gen, dtype)]
         groups.append([vision.with_companions(layout, config, params, gen, dtype) for layout in images])
     elif towers := list(vision.tower_layouts(config, params, batch, gen, dtype)):
         groups.append(towers)
@@ -538,12 +540,16 @@ MODALITY = {"input_ids": "text", "pixel_values": "images", "pixel_values_videos"
             "hidden_states": "image patches", "query_embeds": "queries"}  # a vision tower or Q-Former alone
 
 
+# metadata the report names next to the modalities: grids, sizes, pooling indices (Molmo 2), entities (LUKE)
+DESCRIBED = ("_thw", "_sizes", "_grids", "_token_pooling", "entity_ids")
+
+
 def describe(model: nn.Module, kwargs: dict[str, Any]) -> str:
     """One line for the report: what the built analysis inputs hold, and how they reach every tower
     (all modalities in one run of the whole model: each tower runs on its own modality's inputs)."""
     parts = []
     for name, value in kwargs.items():
-        if not isinstance(value, torch.Tensor) or name not in MODALITY and not name.endswith(("_thw", "_sizes")):
+        if not isinstance(value, torch.Tensor) or name not in MODALITY and not name.endswith(DESCRIBED):
             continue
         text = f"`{name}` {tuple(value.shape)}"
         if name == "input_ids":

@@ -13,6 +13,12 @@ next to (or instead of) them, built from the config so that these models convert
   (Dia: the decoder config's ``num_channels`` codebooks), ``(B, T, codebooks)``.
 - ``decoder_input_values``: hidden states for the decoder of an encoder-decoder built without its
   pre-nets (SpeechT5Model), when the encoder's ``input_values`` are hidden states too.
+- entities next to the text (LUKE): ``entity_ids`` over the config's ``entity_vocab_size`` (past its
+  padding, unknown and mask entities), each entity a mention of :data:`MENTION` words of the prompt in
+  ``entity_position_ids`` ``(B, entities, max_mention_length)`` (``-1`` past the mention, as the model's
+  tokenizer pads it), ``entity_attention_mask`` ones, and where the forward takes them the mention's first
+  and last word (``entity_start_positions``, ``entity_end_positions``). The entity embeddings and their
+  LayerNorm (and a masked-LM head's entity predictions) run only on entities.
 
 Each rule fires only when the forward takes that argument; :data:`NAMES` is what the builder knows.
 """
@@ -26,7 +32,13 @@ import torch
 from normswap.inputs.media import cfg, sub_config
 
 TRAJECTORY = ("states", "actions", "rewards", "returns_to_go", "timesteps")
-NAMES = {"bbox", "past_values_padding", "freq", "task_inputs", "latents", "decoder_input_values", *TRAJECTORY}
+ENTITY = ("entity_ids", "entity_attention_mask", "entity_position_ids", "entity_start_positions",
+          "entity_end_positions")
+NAMES = {"bbox", "past_values_padding", "freq", "task_inputs", "latents", "decoder_input_values", *TRAJECTORY,
+         *ENTITY}
+ENTITIES = 2  # entities per sample
+MENTION = 2  # words each entity's mention spans
+
 
 
 def main_inputs(config: Any, params: Any) -> bool:
@@ -66,10 +78,32 @@ def extra_inputs(config: Any, params: Any, built: dict[str, Any], batch: int, se
         # a text-to-speech decoder reads one id per codebook per step: (B, T, codebooks), as Dia's own
         # default start is shaped (its 2-D reshape leaves a view its embedding cannot take)
         out["decoder_input_ids"] = dec[:, :, None].repeat(1, 1, codebooks)
+    if "entity_ids" in params and isinstance(ids, torch.Tensor):
+        out.update({k: v for k, v in _entities(config, ids.shape[0], ids.shape[1], gen).items() if k in params})
     if "latents" in params:
         width = _int(cfg(config, "hidden_size", "latent_dim", "codebook_dim")) or 32
         out["latents"] = torch.randn(batch, width, 16, generator=gen).to(dtype)
     return out
+
+
+def _entities(config: Any, batch: int, words: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """:data:`ENTITIES` entities per sample, each a mention of :data:`MENTION` consecutive words of a
+    ``words``-long prompt (the first at word 1, after the start token; the next after it, wrapping round
+    a short prompt), at the model's word positions (RoBERTa-style: counted from ``pad_token_id + 1``)."""
+    vocab = _int(cfg(config, "entity_vocab_size")) or 3
+    ids = torch.randint(min(3, vocab - 1), vocab, (batch, ENTITIES), generator=gen)
+    longest = _int(cfg(config, "max_mention_length")) or MENTION
+    span = max(1, min(MENTION, longest, words - 1))
+    first = torch.tensor([(1 + e * span) % max(1, words - span) for e in range(ENTITIES)])
+    pad = cfg(config, "pad_token_id")
+    offset = pad + 1 if isinstance(pad, int) and not isinstance(pad, bool) and pad >= 0 else 0
+    positions = torch.full((batch, ENTITIES, longest), -1, dtype=torch.long)
+    positions[:, :, :span] = (first[:, None] + torch.arange(span) + offset).clamp(
+        max=(_int(cfg(config, "max_position_embeddings")) or 512) - 1)
+    return {"entity_ids": ids, "entity_attention_mask": torch.ones(batch, ENTITIES, dtype=torch.long),
+            "entity_position_ids": positions,
+            "entity_start_positions": first.expand(batch, -1).clone(),
+            "entity_end_positions": (first + span - 1).expand(batch, -1).clone()}
 
 
 def _int(value: Any) -> int | None:

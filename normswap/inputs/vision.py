@@ -16,6 +16,11 @@ never from a per-model table.
   ``max_num_tiles``, the id of the supported aspect ratio that uses every tile, and its tile mask.
 - Masks that say which text positions see which image (Idefics' ``image_attention_mask``, Mllama's
   ``cross_attention_mask``): every position sees every image, once the prompt's length is known.
+- Channels-last patches, one row per prompt token: merged ``m·p × m·p`` squares with a grid counted in
+  prompt tokens next to ``image_grid_thw`` (Inkling 2), or ``t × p × p`` cubes where the tower takes
+  patches with no grid (Inkling).
+- Crops of patch rows pooled into prompt tokens by index (``image_token_pooling``, Molmo 2): windows of
+  the patch grid, and each image's token grid in ``image_grids``.
 """
 
 from __future__ import annotations
@@ -126,6 +131,73 @@ def packed_layouts(config: Any, params: Any, batch: int, gen: torch.Generator, d
     side = 2 * math.lcm(*(int(k) for k in kernel)) if isinstance(kernel, (list, tuple)) and kernel else 4
     strip = torch.randn(1, channels, patch, batch * side * side * patch, generator=gen).to(dtype)
     yield {"pixel_values": strip, "target_sizes": torch.tensor([[side, side]] * batch, dtype=torch.int32)}
+
+
+def channels_last_patch_layouts(config: Any, params: Any, batch: int, gen: torch.Generator, dtype: torch.dtype
+                                 ) -> Iterator[Layout]:
+    """Patches channels-last, one row per prompt token, for towers that cut no image themselves:
+
+    - next to ``image_grid_thw``, each row an ``m·p × m·p × C`` square of ``m × m`` merged patches and the
+      grid counted in those rows, i.e. in prompt tokens (Inkling 2: ``(tokens, m·p, m·p, C)``, its tower
+      multiplying the grid by ``spatial_merge_size`` itself);
+    - where the forward takes no grid and the vision config has a ``temporal_patch_size``, each row a
+      ``t × p × p × C`` cube that the tower folds into one token (Inkling's hierarchical patch MLP).
+
+    Four rows (a 2 × 2 grid) per image, one image per sample. Tried after the flattened and square patch
+    layouts, which most grid models take."""
+    vcfg = sub_config(config, "vision")
+    patch = int(cfg(vcfg, "patch_size", "spatial_patch_size", default=14))
+    channels = int(cfg(vcfg, "num_channels", "in_channels", "in_chans", default=3))
+    side = 2
+    rows = batch * side * side
+    if "image_grid_thw" in params:
+        merge = int(cfg(vcfg, "spatial_merge_size", "merge_size", default=1))
+        square = merge * patch
+        yield {"pixel_values": torch.randn(rows, square, square, channels, generator=gen).to(dtype),
+               "image_grid_thw": torch.tensor([[1, side, side]] * batch)}
+        return
+    temporal = cfg(vcfg, "temporal_patch_size")
+    if "grid_thw" not in params and isinstance(temporal, int) and temporal > 0:
+        yield {"pixel_values": torch.randn(rows, temporal, patch, patch, channels, generator=gen).to(dtype)}
+
+
+POOLING_WINDOW = 2  # patches a side pooled into one prompt token, as Molmo 2's image processor pools by default
+
+
+def pooled_crop_layouts(config: Any, params: Any, batch: int, gen: torch.Generator, dtype: torch.dtype
+                        ) -> Iterator[Layout]:
+    """Crops of patch rows pooled into prompt tokens by index, for a forward that takes
+    ``<kind>_token_pooling`` (Molmo 2): ``pixel_values`` one crop per image of the tower's
+    ``num_position_embeddings`` patch rows ``(crops, patches, C·p·p)`` (its position table is added as is,
+    so every crop has that many patches); ``image_token_pooling`` the flat patch indices each token pools,
+    2 × 2 windows of the crop's patch grid with ``-1`` where a window passes the edge, as the model's image
+    processor makes them; ``image_grids`` each image's token grid ``[rows, cols, 0, 0]`` (a low-resolution
+    grid and no high-resolution one: the model splits its tokens per image by ``g0·g1 + g2·g3``), and
+    ``image_num_crops`` one per image where the forward takes it."""
+    pooling = next((n for n in params if n.endswith("_token_pooling") and n.startswith("image")), None)
+    if pooling is None:
+        return
+    vcfg = sub_config(config, "vision")
+    patch = int(cfg(vcfg, "patch_size", default=14))
+    channels = int(cfg(vcfg, "num_channels", default=3))
+    positions = cfg(vcfg, "num_position_embeddings")
+    sizes = cfg(vcfg, "image_size", default=patch * 4)
+    sizes = list(sizes) if isinstance(sizes, (list, tuple)) else [sizes, sizes]
+    high, wide = int(sizes[0]) // patch, int(sizes[-1]) // patch
+    if isinstance(positions, int) and positions != high * wide:
+        high = wide = math.isqrt(positions)
+    k = POOLING_WINDOW
+    rows, cols = -(-high // k), -(-wide // k)
+    grid = torch.arange(high * wide).reshape(high, wide)
+    grid = torch.nn.functional.pad(grid, (0, cols * k - wide, 0, rows * k - high), value=-1)
+    windows = grid.reshape(rows, k, cols, k).permute(0, 2, 1, 3).reshape(rows * cols, k * k)
+    patches = high * wide  # per crop; crop i's patches are rows i·patches … of the flattened features
+    index = torch.cat([torch.where(windows >= 0, windows + i * patches, windows) for i in range(batch)])
+    layout = {"pixel_values": torch.randn(batch, patches, channels * patch * patch, generator=gen).to(dtype),
+              pooling: index, "image_grids": torch.tensor([[rows, cols, 0, 0]] * batch)}
+    if "image_num_crops" in params:
+        layout["image_num_crops"] = torch.ones(batch, dtype=torch.long)
+    yield {k_: v for k_, v in layout.items() if k_ in params}
 
 
 def tile_mask_variants(layouts: list[Layout]) -> Iterator[Layout]:
