@@ -88,6 +88,11 @@ class SubRun:
         return f"`{self.path}` ({len(self.norms)} norm(s)) run alone {self.how}"
 
 
+def _numbered(path: str) -> str:
+    """``path`` with its numeric parts as ``*``: what numbered siblings share."""
+    return re.sub(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.)", "*", path)
+
+
 def _ancestors(path: str) -> list[str]:
     """The modules enclosing ``path``, smallest first, the model itself left out; last the norm ``path``
     itself (run alone where nothing around it runs: a norm only training mode calls, RF-DETR's group heads)."""
@@ -166,12 +171,14 @@ def _model_layouts(module: nn.Module) -> list[tuple[dict[str, Any], str]]:
     return [(kw, f"{how} ({', '.join(shapes)})" if shapes else how)]
 
 
-def sub_runs(model: nn.Module, norms: list[str]) -> tuple[list[SubRun], list[str]]:
+def sub_runs(model: nn.Module, norms: list[str], in_place: set[str] = frozenset()) -> tuple[list[SubRun], list[str]]:
     """Sub-runs that reach ``norms`` (unreached by the model's own run), and the norms none reaches.
 
     Per norm, the smallest enclosing transformers model that runs alone on inputs built for it and calls the
-    norm; failing that, the smallest enclosing module with a stream input (:func:`_stream_layouts`). A run
-    found for one norm serves every other norm it calls."""
+    norm; failing that, the smallest enclosing module with a stream input (:func:`_stream_layouts`); failing
+    that, the norm alone (a centering op then makes it exact), except for the norms of ``in_place``: an input
+    of the model reaches those (:func:`missing_inputs`), and they are best analysed in place, where their
+    writers can be centered. A run found for one norm serves every other norm it calls."""
     from transformers import PreTrainedModel
 
     runs: list[SubRun] = []
@@ -181,13 +188,18 @@ def sub_runs(model: nn.Module, norms: list[str]) -> tuple[list[SubRun], list[str
         found = None
         for kind in ("model", "stream"):
             for path in _ancestors(norm):
+                if path == norm and norm in in_place:
+                    continue
                 sub = model.get_submodule(path)
                 if not _has_forward(sub) or (kind == "model") != isinstance(sub, PreTrainedModel):
                     continue
                 for kw, how in (_model_layouts(sub) if kind == "model" else _stream_layouts(sub, model)):
                     if path == norm:  # the norm alone: its input by position (the RMSNorm swapped in names it `x`)
                         kw = {f"*{i}": v for i, v in enumerate(kw.values())}
-                    called = called_by(sub, lambda sub=sub, kw=kw: sub(*kw.values()) if path == norm else sub(**kw))
+                        how = "(the norm itself: nothing around it runs) on built rows " + how[how.rfind("(width"):]
+                    alone = path == norm
+                    called = called_by(sub, lambda sub=sub, kw=kw, alone=alone:
+                                       sub(*kw.values()) if alone else sub(**kw))
                     inside = {f"{path}.{c}" for c in called or ()} | ({path} if called is not None else set())
                     if norm in inside:
                         found = SubRun(path, kw, [n for n in left if n in inside], how, inside | {path})
@@ -214,14 +226,28 @@ class SubRoute(towers.Route):
     base: str = ""  # what the whole-model run's inputs are (builder.describe)
 
     def describe(self) -> str:
-        return (f"{self.base}; norms the whole model's run does not reach, by sub-runs: "
-                + "; ".join(s.describe() for s in self.subs))
+        return f"{self.base}; norms the whole model's run does not reach, by sub-runs: {'; '.join(self.lines())}"
+
+    def lines(self) -> list[str]:
+        """One phrase per kind of sub-run: runs of numbered siblings built alike (``layers.0``, ``layers.1``)
+        said once, as ``layers.*``."""
+        groups: dict[tuple[str, str], list[SubRun]] = {}
+        for s in self.subs:
+            groups.setdefault((_numbered(s.path), s.how), []).append(s)
+        out = []
+        for (pattern, how), subs in groups.items():
+            if len(subs) == 1:
+                out.append(subs[0].describe())
+            else:
+                norms = sum(len(s.norms) for s in subs)
+                out.append(f"`{pattern}` ({len(subs)} modules, {norms} norm(s)) each run alone {how}")
+        return out
 
     def check(self, plan: Any, model: nn.Module) -> None:
         """Refuse (one line, NormswapError) a plan that changes what the model reads of a sub-run's module (a
         held output); record the runs in ``plan.options`` (``analysis_inputs``, ``sub_runs``)."""
         plan.options["analysis_inputs"] = self.describe()
-        plan.options["sub_runs"] = [s.describe() for s in self.subs]
+        plan.options["sub_runs"] = self.lines()
         held = [s.run().name for s in self.subs]
         changed = [o for o in plan.changed_outputs if any(o == h or o.startswith(h + ".") for h in held)]
         if changed:
@@ -246,7 +272,14 @@ def route(model: nn.Module, kwargs: dict[str, Any],
     norms = unreached(model, called)
     if not norms:
         return None, called
-    subs, _ = sub_runs(model, norms)
+    given = {k.rpartition(towers.SEP)[2]: v for k, v in (base.example_inputs() if base is not None else kwargs).items()}
+    try:
+        in_place = {n for m in missing_inputs(model, norms, called, given) if m.inputs for n in m.norms}
+    except MemoryError:
+        raise
+    except Exception:  # noqa: BLE001 - a forward whose source cannot be read: no input named, every way tried
+        in_place = set()
+    subs, _ = sub_runs(model, norms, in_place)
     for s in subs:
         called |= s.called
     if not subs:
@@ -301,7 +334,40 @@ def _guards(fn: Any, attrs: set[str]) -> tuple[bool, set[str]]:
             visit(child, conditions)
 
     visit(tree, [])
+    if used:  # one step of dataflow: the local names passed to the child, and what guards their assignment
+        passed = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and any(isinstance(n, ast.Attribute) and n.attr in attrs and
+                                                  isinstance(n.value, ast.Name) and n.value.id == "self"
+                                                  for n in ast.walk(node.func)):
+                passed |= {n.id for a in [*node.args, *(k.value for k in node.keywords)] for n in ast.walk(a)
+                           if isinstance(n, ast.Name)}
+        if passed:
+            guards |= _assignment_guards(tree, passed)
     return used, guards
+
+
+def _assignment_guards(tree: ast.AST, targets: set[str]) -> set[str]:
+    """The names the conditions around an assignment to any of ``targets`` test."""
+    found: set[str] = set()
+
+    def visit(node: ast.AST, conditions: list[set[str]]) -> None:
+        if isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            names = {n.id for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
+                     for n in ast.walk(t) if isinstance(n, ast.Name)}
+            if names & targets:
+                for c in conditions:
+                    found.update(c)
+        if isinstance(node, ast.If):
+            inner = [*conditions, _names(node.test)]
+            for child in [*node.body, *node.orelse]:
+                visit(child, inner)
+            return
+        for child in ast.iter_child_nodes(node):
+            visit(child, conditions)
+
+    visit(tree, [])
+    return found
 
 
 def _methods_using(cls: type, attr: str) -> list[str]:
@@ -337,12 +403,13 @@ class Missing:
     norms: list[str]
     inputs: list[str]  # the model's forward parameters that would reach them
     dead: str = ""  # why no input of the model's forward reaches them (an inner guard it never passes)
+    owner: str = "the model"  # the model's class name
 
     def line(self) -> str:
         head = f"{len(self.norms)} LayerNorm(s) in `{self.module}` not reached"
         if self.inputs:
-            return f"{head}: pass {' or '.join(f'`{i}`' for i in self.inputs)} (the forward runs `{self.module}` " \
-                   "only when given)"
+            return f"{head}: pass {' or '.join(f'`{i}`' for i in self.inputs)} ({self.owner}.forward reaches them " \
+                   "only with it)"
         if self.dead:
             return f"{head}: {self.dead}"
         return f"{head} by the built inputs (no forward parameter found that reaches them; pass example_inputs that do)"
@@ -379,11 +446,20 @@ def missing_inputs(model: nn.Module, norms: list[str], called: set[str], given: 
                 if reachable:
                     inputs += reachable
                 else:
-                    dead = (f"`{'.'.join(parts[:i])}` runs it only with {', '.join(f'`{g}`' for g in inner)}, which "
+                    guard = ", ".join(f"`{g}`" for g in inner)
+                    dead = (f"`{_numbered('.'.join(parts[:i]))}` runs it only with {guard}, which "
                             f"{type(model).__name__}.forward never passes (dead for this class)")
                     break
-        found.append(Missing(top, members, inputs, "" if inputs else dead))
-    return found
+        found.append(Missing(top, members, inputs, "" if inputs else dead, type(model).__name__))
+    merged: dict[tuple[str, tuple[str, ...], str], Missing] = {}  # numbered siblings alike: one line
+    for m in found:
+        key = (_numbered(m.module), tuple(m.inputs), m.dead)
+        if key in merged:
+            merged[key].norms += m.norms
+            merged[key].module = key[0]
+        else:
+            merged[key] = m
+    return list(merged.values())
 
 
 def say_missing(plan: Any, model: nn.Module, called: set[str] | None, given: dict[str, Any]) -> None:
