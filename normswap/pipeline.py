@@ -592,31 +592,40 @@ def plan(model: nn.Module, example_inputs: inputs.ExampleInputs = None, *,
         try:
             args, kwargs = inputs.resolve(model, example_inputs)
             route, called = reach.route(model, kwargs) if built else (None, None)
+            result = None
+            if route is not None:  # as patch does: sub-runs for the norms the built inputs do not reach
+                result, refused = _planned_view(model, route, opts)
+                route = route if result is not None else None
+            if result is None:
+                result = analysed_copy(model, args, kwargs, opts)[3]
+                decide_verdicts(result.plan, opts.mode)
         except ModelRunFailed as exc:  # as patch does: each tower on inputs of its own (towers.fallback)
             route = towers.fallback(model, exc) if built else None
             if route is None:
                 raise
             sub, called = reach.route(model, {}, route)
             route = sub or route
-        result = None
-        if route is not None:
             result = analysed_copy(towers.view(model, route), (), route.example_inputs(), opts)[3]
             decide_verdicts(result.plan, opts.mode)
-            try:
-                route.check(result.plan, model)
-            except NormswapError as exc:
-                if not isinstance(route, reach.SubRoute) or route.towers:
-                    raise
-                refused, result, route = first_line(exc, 300), None, None  # as patch: converted without sub-runs
-        if result is None:
-            result = analysed_copy(model, args, kwargs, opts)[3]
-            decide_verdicts(result.plan, opts.mode)
+            route.check(result.plan, model)
     check_untouched(model, untouched)
     if route is None and built:
         result.plan.options["analysis_inputs"] = inputs.describe_built(model, kwargs)
     if built:
         _say_reach(result.plan, model, route, kwargs, called, refused)
     return result.plan
+
+
+def _planned_view(model: nn.Module, route: towers.Route, opts: ConvertOptions) -> tuple[Any, str]:
+    """The analysis of the view making ``route``'s runs, checked; ``(None, why)`` where the analysis or the check
+    refuses the sub-runs (``patch`` then converts without them)."""
+    try:
+        result = analysed_copy(towers.view(model, route), (), route.example_inputs(), opts)[3]
+        decide_verdicts(result.plan, opts.mode)
+        route.check(result.plan, model)
+    except NormswapError as exc:  # a sub-run the analysis cannot trace either: as patch, planned without them
+        return None, first_line(exc, 300)
+    return result, ""
 
 
 def _say_reach(plan_: Plan, model: nn.Module, route: towers.Route | None, kwargs: dict[str, Any],
