@@ -28,7 +28,7 @@ from normswap.analysis.planner import analyse
 from normswap.analysis.trace import flatten_outputs
 from normswap.copying import deepcopy_module
 from normswap.errors import ModelRunFailed, NaNOutputs, NormswapError, VerificationFailed, first_line
-from normswap.inputs import towers
+from normswap.inputs import reach, towers
 from normswap.inputs.probe import call_args, held_out_like, special_ids
 from normswap.integrations import torch_transformer, wrappers
 from normswap.nn.call_args import normalised
@@ -586,22 +586,57 @@ def plan(model: nn.Module, example_inputs: inputs.ExampleInputs = None, *,
     preflight(model)
     untouched = versions(model)
     route, kwargs = None, {}
+    built = example_inputs is None and inputs.is_hf_model(model)
+    refused = ""
     with eval_mode(model):
         try:
             args, kwargs = inputs.resolve(model, example_inputs)
-            result = analysed_copy(model, args, kwargs, opts)[3]
+            route, called = reach.route(model, kwargs) if built else (None, None)
+            result = None
+            if route is not None:  # as patch does: sub-runs for the norms the built inputs do not reach
+                result, refused = _planned_view(model, route, opts)
+                route = route if result is not None else None
+            if result is None:
+                result = analysed_copy(model, args, kwargs, opts)[3]
+                decide_verdicts(result.plan, opts.mode)
         except ModelRunFailed as exc:  # as patch does: each tower on inputs of its own (towers.fallback)
-            route = towers.fallback(model, exc) if example_inputs is None and inputs.is_hf_model(model) else None
+            route = towers.fallback(model, exc) if built else None
             if route is None:
                 raise
+            sub, called = reach.route(model, {}, route)
+            route = sub or route
             result = analysed_copy(towers.view(model, route), (), route.example_inputs(), opts)[3]
+            decide_verdicts(result.plan, opts.mode)
+            route.check(result.plan, model)
     check_untouched(model, untouched)
-    decide_verdicts(result.plan, opts.mode)
-    if route is not None:
-        route.check(result.plan, model)
-    elif example_inputs is None and inputs.is_hf_model(model):
+    if route is None and built:
         result.plan.options["analysis_inputs"] = inputs.describe_built(model, kwargs)
+    if built:
+        _say_reach(result.plan, model, route, kwargs, called, refused)
     return result.plan
+
+
+def _planned_view(model: nn.Module, route: towers.Route, opts: ConvertOptions) -> tuple[Any, str]:
+    """The analysis of the view making ``route``'s runs, checked; ``(None, why)`` where the analysis or the check
+    refuses the sub-runs (``patch`` then converts without them)."""
+    try:
+        result = analysed_copy(towers.view(model, route), (), route.example_inputs(), opts)[3]
+        decide_verdicts(result.plan, opts.mode)
+        route.check(result.plan, model)
+    except NormswapError as exc:  # a sub-run the analysis cannot trace either: as patch, planned without them
+        return None, first_line(exc, 300)
+    return result, ""
+
+
+def _say_reach(plan_: Plan, model: nn.Module, route: towers.Route | None, kwargs: dict[str, Any],
+               called: set[str] | None, refused: str = "") -> None:
+    """Name, in ``plan_``, the input that would reach each norm still not called (``reach.say_missing``; the
+    runs called the modules in ``called``), and why the sub-runs were dropped where they were refused."""
+    given = route.example_inputs() if route is not None else kwargs
+    if refused:
+        plan_.options["analysis_inputs"] = (plan_.options.get("analysis_inputs") or "") + \
+            f"; converted without sub-runs ({refused})"
+    reach.say_missing(plan_, model, called, {k.rpartition(towers.SEP)[2]: v for k, v in given.items()})
 
 
 # ---------------------------------------------------------------------------------- patch
@@ -639,15 +674,31 @@ def patch(model: nn.Module, example_inputs: inputs.ExampleInputs = None, *,
     """
     opts = ConvertOptions.build(options, **keywords)
     model, opts, wrapped = unwrap(model, example_inputs, opts)
+    built = example_inputs is None and inputs.is_hf_model(model)
+    route, refused, called = None, "", None
     try:
         st = _start(model, example_inputs, opts)
-        committed = _convert(st)
+        route, called = reach.route(model, st.kwargs) if built else (None, None)
+        if route is not None:  # norms the built inputs do not reach: sub-runs join the whole-model run
+            plain = st
+            try:
+                st = _start(towers.view(model, route), route.example_inputs(), opts)
+                committed = _convert(st, lambda plan_: route.check(plan_, model))
+            except (NormswapError, torch.linalg.LinAlgError) as exc:  # model untouched: convert without them
+                refused, route, st = first_line(exc, 300), None, plain
+                committed = _convert(st)
+        else:
+            committed = _convert(st)
     except ModelRunFailed as exc:  # no whole-model layout ran: each tower on inputs of its own, if it has towers
-        route = towers.fallback(model, exc) if example_inputs is None and inputs.is_hf_model(model) else None
+        route = towers.fallback(model, exc) if built else None
         if route is None:
             raise
+        sub, called = reach.route(model, {}, route)
+        route = sub or route
         st = _start(towers.view(model, route), route.example_inputs(), opts)
         committed = _convert(st, lambda plan_: route.check(plan_, model))
+    if built and st.an is not None:
+        _say_reach(st.plan, model, route, st.kwargs, called, refused)
     if not committed:
         return st.nothing
     attach_plan(model, st.plan)
@@ -967,6 +1018,10 @@ def _report(st: _Patching, wrapped: str) -> Report:
     elif st.an.hold:  # a fact of these inputs' run (DINOv2 casts only where it interpolates), not of the plan
         message += (f"; the model's casts to lower precision held at {str(st.work_dtype).removeprefix('torch.')} "
                     f"in analysis and verification ({precision.describe(st.an.held)})")
+    if plan_.options.get("sub_runs"):  # norms the model's own run does not reach (inputs.reach)
+        message += f"; reached by sub-runs: {'; '.join(plan_.options['sub_runs'])}"
+    if plan_.options.get("unreached"):
+        message += f"; kept as LayerNorm: {'; '.join(plan_.options['unreached'])}"
     if calib is not None:
         message += f"; {calib.summary()}"
         figures.update({f"heldout_{k}": v for k, v in calib.figures.items()})
@@ -1048,14 +1103,21 @@ def _calibrate(work: nn.Module, approx: list[SitePlan], sites: dict, originals: 
     """
     calibration, tokenizer = opts.calibration, opts.tokenizer
     device = next((p.device for p in work.parameters()), torch.device("cpu"))
-    hf = inputs.is_hf_model(work) and example_inputs is None
+    sub = reach.sub_route_of(work)  # converted with sub-runs: the model's own batches, lifted into the view's runs
+    base = reach.plain(work) if sub is not None else work
+    hf = inputs.is_hf_model(work) and (example_inputs is None or sub is not None)
+
+    def lifted(batches: list[calibrate.Batch]) -> list[calibrate.Batch]:
+        return [reach.lift(sub, b) for b in batches] if sub is not None else batches
+
     held_out: list[calibrate.Batch] = []
     if hf:  # built-in held-out batches (other seed): never fitted on, whichever data the fit used
-        held_out, _ = calibrate.builtin_batches(work, tokenizer, batches=2, batch_size=16, seed=7)
+        held_out = lifted(calibrate.builtin_batches(base, tokenizer, batches=2, batch_size=16, seed=7)[0])
     if calibration is not None:
-        fit, source = calibrate.user_batches(calibration), "user calibration data"
+        fit, source = lifted(calibrate.user_batches(calibration)), "user calibration data"
     elif hf:
-        fit, source = calibrate.builtin_batches(work, tokenizer, batches=4, batch_size=16, seed=0)
+        fit, source = calibrate.builtin_batches(base, tokenizer, batches=4, batch_size=16, seed=0)
+        fit = lifted(fit)
     elif towers.is_view(work):  # converted by towers: the runs' built inputs are all there is
         fit, source = [(args, kwargs)], "the per-tower runs' built inputs (pass calibration= for a better fit)"
     else:

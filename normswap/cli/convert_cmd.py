@@ -420,7 +420,8 @@ def convert(
         click.echo(headline)
     if plan is not None:
         click.echo(f"plan: {plan.summary(fmt)}")
-        if plan.options.get("towers"):  # converted by towers: which run reached which tower (inputs.towers)
+        if plan.options.get("towers") or plan.options.get("sub_runs") or plan.options.get("unreached"):
+            # converted by towers or sub-runs, or norms kept unreached: which run reached what, which input would
             click.echo(f"analysis inputs: {plan.options['analysis_inputs']}")
     if report.rotation is not None:
         click.echo(f"rotation: {report.rotation.headline()}")

@@ -155,12 +155,12 @@ def find_towers(model: nn.Module) -> list[str]:
                 continue
         elif embedding.startswith(path + ".") or (text and (path == text or path.startswith(text + "."))):
             continue
-        if any(isinstance(m, nn.LayerNorm) or _computes_layer_norm(m) for m in module.modules()):
+        if any(isinstance(m, nn.LayerNorm) or computes_layer_norm(m) for m in module.modules()):
             found.append(path)
     return found
 
 
-def _computes_layer_norm(module: nn.Module) -> bool:
+def computes_layer_norm(module: nn.Module) -> bool:
     """A norm module that is no ``nn.LayerNorm`` subclass (HF's custom LayerNorm classes): it has a
     weight and an eps and its class name says Norm but not RMS. A tower holding one needs the route;
     whether it really is a LayerNorm is the analysis's numerical call, not this one."""
@@ -210,7 +210,7 @@ def features_of(out: Any) -> Any:
     return last if last is not None else out
 
 
-class _Called:
+class Called:
     """The paths of ``model``'s modules that run during the block (forward pre-hooks on every module)."""
 
     def __init__(self, model: nn.Module) -> None:
@@ -229,7 +229,7 @@ class _Called:
             h.remove()
 
 
-def _outermost(paths: set[str]) -> list[str]:
+def outermost(paths: set[str]) -> list[str]:
     """The paths of ``paths`` that lie inside no other of them."""
     return sorted(p for p in paths if not any(p.startswith(q + ".") for q in paths))
 
@@ -255,13 +255,13 @@ def _feature_runs(model: nn.Module, text_called: set[str]) -> list[Run]:
                 continue
             seen.append(kw)
             try:
-                with builder.trial(model), _Called(model) as called:
+                with builder.trial(model), Called(model) as called:
                     fn(**kw)
             except MemoryError:
                 raise
             except Exception:  # noqa: BLE001 - the method does not take this layout: the next one is tried
                 continue
-            runs.append(Run(kind, "features", kw, _outermost(called - text_called), f"{owner}:get_{kind}_features",
+            runs.append(Run(kind, "features", kw, outermost(called - text_called), f"{owner}:get_{kind}_features",
                             held=True))
             break
     return runs
@@ -309,7 +309,7 @@ def fallback(model: nn.Module, failure: Exception) -> Route | None:
     except NormswapError as exc:
         text, error = None, exc
     else:
-        with _Called(model) as text_called:
+        with Called(model) as text_called:
             error = builder.run_error(model, text)
     runs = _feature_runs(model, set(text_called) if text is not None else set())
     if not runs and not towers:
@@ -363,6 +363,7 @@ def _runs_forward(self: nn.Module, **kwargs: Any) -> dict[str, Any]:
             owner, _, method = run.target.rpartition(":")
             holder = self.get_submodule(owner) if owner else self
             out[run.name] = features_of(getattr(holder, method)(**kw))
-        else:
-            out[run.name] = self.get_submodule(run.target)(**kw)
+        else:  # "*<i>" names the i-th positional input (a norm run alone: RMSNorm names its input otherwise)
+            args = [kw.pop(k) for k in sorted((k for k in kw if k.startswith("*")), key=lambda k: int(k[1:]))]
+            out[run.name] = self.get_submodule(run.target)(*args, **kw)
     return out

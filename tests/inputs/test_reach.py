@@ -1,0 +1,194 @@
+"""Reaching every LayerNorm (:mod:`normswap.inputs.reach`): norms the built inputs never call are converted by a
+sub-run of the smallest enclosing submodule that runs alone, or the input that would reach them is named.
+
+Replicas are tiny transformers models (float64, LayerNorm γ/β randomised, eval). Exactness is measured against a
+float64 copy of the original, on the model's own forward and on the submodule the parent never feeds fully.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+import transformers as tf
+from torch import nn
+
+import normswap
+from normswap import RMSNorm
+from normswap.errors import NormswapError
+from normswap.inputs import reach, towers
+from tests.zoo import randomise
+
+GPT2 = dict(n_embd=32, n_layer=2, n_head=4, vocab_size=128, n_positions=64, add_cross_attention=True,
+            bos_token_id=1, eos_token_id=2)
+
+
+class CaptionerWithoutEncoderStates(tf.GPT2LMHeadModel):
+    """A text decoder with cross-attention whose own forward never passes encoder states (as ``BlipModel`` calls
+    its text model): its ``ln_cross_attn`` norms are dead for this class, live in a sibling class that does."""
+
+    def forward(self, input_ids=None, attention_mask=None, **kwargs):  # noqa: ANN001, ANN003, ANN201
+        return super().forward(input_ids=input_ids, attention_mask=attention_mask)
+
+
+def captioner() -> nn.Module:
+    torch.manual_seed(0)
+    return randomise(CaptionerWithoutEncoderStates(tf.GPT2Config(**GPT2)), 0)
+
+
+def patched(model: nn.Module, **options: object) -> normswap.Report:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return normswap.patch(model, **options)
+
+
+def cross_norms(model: nn.Module) -> list[str]:
+    return [n for n, _ in model.named_modules() if n.endswith("ln_cross_attn")]
+
+
+def test_cross_attention_the_parent_never_feeds_converts_by_a_sub_run_exactly() -> None:
+    model = captioner()
+    original = copy.deepcopy(model)
+    ids = torch.randint(3, 128, (2, 9), generator=torch.Generator().manual_seed(5))
+    states = torch.randn(2, 6, 32, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+
+    report = patched(model)
+
+    assert cross_norms(model) and all(isinstance(model.get_submodule(n), RMSNorm) for n in cross_norms(model))
+    assert not any(isinstance(m, nn.LayerNorm) for m in model.modules())  # converted whole
+    assert all(s.convert for s in report.plan.sites), [(s.name, s.reason) for s in report.plan.sites]
+    said = report.plan.options["analysis_inputs"]
+    assert "`transformer` (2 norm(s)) run alone on inputs built from its config with encoder states" in said
+    assert "reached by sub-runs: `transformer`" in report.message
+    with torch.no_grad():
+        # through the parent's forward (no encoder states), and through the text model with them (a sibling
+        # class's path: the checkpoint must be exact there too)
+        assert (model(input_ids=ids).logits - original(input_ids=ids).logits).abs().max() <= 1e-9
+        got = model.transformer(input_ids=ids, encoder_hidden_states=states).last_hidden_state
+        want = original.transformer(input_ids=ids, encoder_hidden_states=states).last_hidden_state
+        assert (got - want).abs().max() <= 1e-9
+    assert isinstance(model, CaptionerWithoutEncoderStates) and not towers.is_view(model)  # no view leaks out
+
+
+def test_plan_says_the_same_sub_runs_and_leaves_the_model_untouched() -> None:
+    model = captioner()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    plan = normswap.plan(model)
+    assert all(s.convert for s in plan.sites)
+    assert plan.options["sub_runs"] == ["`transformer` (2 norm(s)) run alone on inputs built from its config with "
+                                        "encoder states (`input_ids` (2, 8), `encoder_hidden_states` (2, 5, 32))"]
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+class EntityEmbeddings(nn.Module):
+    """Embeddings of entity ids, normalised: the model runs them only when ``entity_ids`` are given."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.table = nn.Embedding(16, width)
+        self.LayerNorm = nn.LayerNorm(width)
+
+    def forward(self, entity_ids: torch.Tensor) -> torch.Tensor:
+        return self.LayerNorm(self.table(entity_ids))
+
+
+class BertWithEntities(tf.BertModel):
+    """BERT (Post-LN, so its own norms are approximate) whose entity branch runs only with ``entity_ids``."""
+
+    def __init__(self, config: tf.BertConfig) -> None:
+        super().__init__(config)
+        self.entity_embeddings = EntityEmbeddings(config.hidden_size)
+
+    def forward(self, input_ids=None, attention_mask=None, entity_ids=None, **kwargs):  # noqa: ANN001, ANN003, ANN201
+        out = super().forward(input_ids=input_ids, attention_mask=attention_mask)
+        if entity_ids is not None:
+            return out.last_hidden_state, self.entity_embeddings(entity_ids)
+        return out.last_hidden_state
+
+
+def bert_with_entities() -> nn.Module:
+    torch.manual_seed(0)
+    config = tf.BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64,
+                           vocab_size=128, max_position_embeddings=64)
+    return randomise(BertWithEntities(config), 0)
+
+
+def test_a_norm_only_an_optional_input_reaches_is_kept_and_the_input_named() -> None:
+    model = bert_with_entities()
+    original = copy.deepcopy(model)
+    report = patched(model, mode="exact")
+
+    assert isinstance(model.entity_embeddings.LayerNorm, nn.LayerNorm)  # kept: partial, exact
+    line = ("1 LayerNorm(s) in `entity_embeddings` not reached: pass `entity_ids` (BertWithEntities.forward reaches "
+            "them only with it)")
+    assert report.plan.options["unreached"] == [line]
+    assert line in report.message and line in report.plan.options["analysis_inputs"]
+    [reason] = [s.reason for s in report.plan.sites if s.name == "entity_embeddings.LayerNorm"] + \
+        [s["reason"] for s in report.plan.skipped if s["name"] == "entity_embeddings.LayerNorm"]
+    assert reason.endswith("; pass `entity_ids` (BertWithEntities.forward reaches them only with it)")
+    ids = torch.randint(3, 128, (2, 7), generator=torch.Generator().manual_seed(1))
+    ent = torch.randint(0, 16, (2, 3), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        outputs = model(input_ids=ids, entity_ids=ent), original(input_ids=ids, entity_ids=ent)
+        for got, want in zip(*outputs, strict=True):
+            assert (got - want).abs().max() <= 1e-9
+
+
+def test_missing_inputs_reads_guards_through_an_assignment() -> None:
+    """The call itself is unconditional; what it is given is not (SAM 3's geometry encoder on boxes)."""
+
+    class Boxes(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm = nn.LayerNorm(4)
+
+        def forward(self, boxes: torch.Tensor) -> torch.Tensor:
+            return self.norm(boxes) if boxes.shape[1] else boxes
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.geometry = Boxes()
+
+        def forward(self, pixel_values=None, input_boxes=None):  # noqa: ANN001, ANN201
+            if input_boxes is not None:
+                boxes = input_boxes
+            else:
+                boxes = torch.zeros(1, 0, 4)
+            return self.geometry(boxes)
+
+    model = Model()
+    [found] = reach.missing_inputs(model, ["geometry.norm"], {"geometry"}, {"pixel_values": torch.zeros(1)})
+    assert found.inputs == ["input_boxes"] and found.norms == ["geometry.norm"]
+
+
+def test_a_refused_sub_run_leaves_the_model_untouched_and_converts_without_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = captioner()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+
+    def refuse(self, plan, model):  # noqa: ANN001, ANN202
+        raise NormswapError("sub-run of `transformer` refused: converting it would change `sub:transformer.x`")
+
+    calls = []
+    real_convert = normswap.pipeline._convert
+
+    def convert(st, check=None):  # noqa: ANN001, ANN202
+        calls.append(reach.sub_route_of(st.model) is not None)
+        if calls[-1]:  # the view's conversion is refused: the user's model must be as it was
+            with pytest.raises(NormswapError):
+                real_convert(st, check)
+            assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+            raise NormswapError("sub-run of `transformer` refused: converting it would change `sub:transformer.x`")
+        return real_convert(st, check)
+
+    monkeypatch.setattr(reach.SubRoute, "check", refuse)
+    monkeypatch.setattr(normswap.pipeline, "_convert", convert)
+    report = patched(model)
+    assert calls == [True, False]
+    assert all(isinstance(model.get_submodule(n), nn.LayerNorm) for n in cross_norms(model))  # kept, exact
+    assert "converted without sub-runs (sub-run of `transformer` refused" in report.plan.options["analysis_inputs"]
+    assert ("kept as LayerNorm: 2 LayerNorm(s) in `transformer.h.*.ln_cross_attn` not reached: `transformer.h.*` runs "
+            "it only with `encoder_hidden_states`, which CaptionerWithoutEncoderStates.forward never passes (dead for "
+            "this class)") in report.message
