@@ -430,11 +430,12 @@ def round_robin(label: str, cache: Path, opsets: list[str], batch: int, tokens: 
     return f"{label} b{batch} t{tokens}, {rounds} rounds: " + ", ".join(cells) + "; " + ", ".join(ratios)
 
 
-def op_profile(label: str, cache: Path, batch: int, tokens: int, runs: int) -> str:
+def op_profile(label: str, cache: Path, batch: int, tokens: int, runs: int, placed: str = "") -> str:
     """ORT's own profiler over the cached default-opset exports of one model (original and converted,
     ``runs`` calls each, alternating): kernel time per op type (the sum over its nodes of each node's
     median over calls, so a call preempted on a loaded machine does not count), microseconds per call,
-    as a table. Which ops the conversion changed, and what each costs, apart from end-to-end noise."""
+    as a table. Which ops the conversion changed, and what each costs, apart from end-to-end noise.
+    ``placed``: the converted file's β-placement suffix (``-fold`` for ``--beta-placement fold``)."""
     import onnxruntime as ort
 
     name = "vit" if label.startswith("vit") else label.split("-")[0]
@@ -442,7 +443,7 @@ def op_profile(label: str, cache: Path, batch: int, tokens: int, runs: int) -> s
     example = inputs_for(name, batch, px or tokens)
     sessions = {}
     for variant in ("original", "converted"):
-        path = cache / f"{label}-{variant}-default.onnx"
+        path = cache / f"{label}-{variant}{placed if variant == 'converted' else ''}-default.onnx"
         if not path.with_suffix(".done").exists():
             return f"{label}: no cached export in {cache} (run without --profile first)"
         options = ort.SessionOptions()
@@ -659,7 +660,8 @@ def main() -> None:
         for name in args.models.split(","):
             for label, _ in variants(name):
                 batch, n = shapes(label, quick=True)[0]
-                print(op_profile(f"{label}-L{args.layers}", cache, batch, n, args.profile), flush=True)
+                placed = f"-{args.beta_placement}" if args.beta_placement else ""
+                print(op_profile(f"{label}-L{args.layers}", cache, batch, n, args.profile, placed), flush=True)
         print(f"load average {os.getloadavg()[0]:.1f}")
         return
     if args.norm_calls:
