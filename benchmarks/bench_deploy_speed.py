@@ -40,6 +40,7 @@ each on a loaded 2-core machine).
     python benchmarks/bench_deploy_speed.py --engines ortopt  # ORT after onnxruntime.transformers.optimizer
     python benchmarks/bench_deploy_speed.py --round-robin 45  # cached ORT exports timed in turn, batch 1
     python benchmarks/bench_deploy_speed.py --kernels       # ORT's norm kernels alone (about a minute)
+    python benchmarks/bench_deploy_speed.py --norm-calls --budget 2 --control  # eager norm modules alone
     python benchmarks/bench_deploy_speed.py --models bert --profile 50  # ORT kernel time per op type
     python benchmarks/bench_deploy_speed.py --models bert --beta-placement fold  # β out of BERT's norms
 
@@ -357,6 +358,50 @@ def kernel_rows(width: int = 768, rows_list: tuple[int, ...] = (8, 128, 512), bu
     return "\n".join(lines)
 
 
+NORM_CALL_SHAPES = ((1, 1), (1, 8), (4, 8), (1, 32), (4, 32), (4, 65))  # (batch, tokens); 1x1: a decode step
+
+
+def norm_calls(budget: float, min_quads: int, control: bool) -> str:
+    """Eager per-call cost of the converted norm module against the ``nn.LayerNorm`` it replaced: GPT-2
+    small's own modules (``h.0.ln_1``: exact, β folded away; ``ln_f``: the last norm, which keeps β),
+    one module call at a time (its output dropped before the next), in inference mode and with
+    gradients enabled (a model called without ``torch.no_grad``: the parameters require grad, so each
+    call records an autograd node). End to end the norms are under 1% of an eager forward, below what
+    a loaded machine resolves; this is where their host cost shows. Each timed block is 200 calls (the
+    clock's resolution is ~1 us)."""
+    model, _ = build("gpt2", layers=1)
+    converted, _ = convert("gpt2", model)
+    pairs = [("h.0.ln_1", model.h[0].ln_1, converted.h[0].ln_1), ("ln_f", model.ln_f, converted.ln_f)]
+    lines = ["| norm | mode | batch x tokens | converted / original | A/A | original µs per call |",
+             "|---|---|---|---|---|---|"]
+    gen = torch.Generator().manual_seed(0)
+    for mode in ("inference", "grad"):
+        for label, original, ours in pairs:
+            if mode == "grad":
+                assert all(p.requires_grad for p in (*original.parameters(), *ours.parameters()))
+            twin = copy.deepcopy(original)
+            for batch, tokens in NORM_CALL_SHAPES:
+                x = torch.randn(batch, tokens, 768, generator=gen)
+
+                def block(module: nn.Module, x: torch.Tensor = x) -> Callable[[], object]:
+                    def run() -> None:
+                        for _ in range(200):  # each output dropped at once, as a model's activations are
+                            module(x)
+                    return run
+
+                with torch.inference_mode() if mode == "inference" else torch.enable_grad():
+                    cell = abba(block(original), block(ours), budget, min_quads)
+                    aa = abba(block(original), block(twin), budget, min_quads) if control else None
+                lines.append(f"| {label} | {mode} | {batch}x{tokens} | **{cell['ratio']:.3f}** "
+                             f"({cell['q1']:.2f}–{cell['q3']:.2f}, {cell['quads']}) | "
+                             f"{aa['ratio']:.3f} | {cell['original_ms'] * 1e3 / 200:.2f} |" if aa else
+                             f"| {label} | {mode} | {batch}x{tokens} | **{cell['ratio']:.3f}** "
+                             f"({cell['q1']:.2f}–{cell['q3']:.2f}, {cell['quads']}) | – | "
+                             f"{cell['original_ms'] * 1e3 / 200:.2f} |")
+                print(lines[-1], flush=True)
+    return "\n".join(lines)
+
+
 def round_robin(label: str, cache: Path, opsets: list[str], batch: int, tokens: int, seconds: float) -> str:
     """Every cached ORT session of one model (original and converted, per opset) timed in turn, one call
     each per round with the order reversed every other round, for ``seconds``: medians over hundreds of
@@ -385,11 +430,12 @@ def round_robin(label: str, cache: Path, opsets: list[str], batch: int, tokens: 
     return f"{label} b{batch} t{tokens}, {rounds} rounds: " + ", ".join(cells) + "; " + ", ".join(ratios)
 
 
-def op_profile(label: str, cache: Path, batch: int, tokens: int, runs: int) -> str:
+def op_profile(label: str, cache: Path, batch: int, tokens: int, runs: int, placed: str = "") -> str:
     """ORT's own profiler over the cached default-opset exports of one model (original and converted,
     ``runs`` calls each, alternating): kernel time per op type (the sum over its nodes of each node's
     median over calls, so a call preempted on a loaded machine does not count), microseconds per call,
-    as a table. Which ops the conversion changed, and what each costs, apart from end-to-end noise."""
+    as a table. Which ops the conversion changed, and what each costs, apart from end-to-end noise.
+    ``placed``: the converted file's β-placement suffix (``-fold`` for ``--beta-placement fold``)."""
     import onnxruntime as ort
 
     name = "vit" if label.startswith("vit") else label.split("-")[0]
@@ -397,7 +443,7 @@ def op_profile(label: str, cache: Path, batch: int, tokens: int, runs: int) -> s
     example = inputs_for(name, batch, px or tokens)
     sessions = {}
     for variant in ("original", "converted"):
-        path = cache / f"{label}-{variant}-default.onnx"
+        path = cache / f"{label}-{variant}{placed if variant == 'converted' else ''}-default.onnx"
         if not path.with_suffix(".done").exists():
             return f"{label}: no cached export in {cache} (run without --profile first)"
         options = ort.SessionOptions()
@@ -571,6 +617,9 @@ def main() -> None:
                         "(cached exports, batch 1, the short length), over CALLS calls each")
     parser.add_argument("--kernels", action="store_true",
                         help="only ORT's norm kernels alone, against LayerNormalization (about a minute)")
+    parser.add_argument("--norm-calls", action="store_true",
+                        help="only the eager norm modules alone (GPT-2's ln_1 and ln_f, LayerNorm vs converted), "
+                        "in inference mode and with gradients: the per-call host cost")
     parser.add_argument("--compile-batch1", action="store_true",
                         help="also time torch.compile at batch 1 (one more compile per model)")
     parser.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
@@ -611,8 +660,14 @@ def main() -> None:
         for name in args.models.split(","):
             for label, _ in variants(name):
                 batch, n = shapes(label, quick=True)[0]
-                print(op_profile(f"{label}-L{args.layers}", cache, batch, n, args.profile), flush=True)
+                placed = f"-{args.beta_placement}" if args.beta_placement else ""
+                print(op_profile(f"{label}-L{args.layers}", cache, batch, n, args.profile, placed), flush=True)
         print(f"load average {os.getloadavg()[0]:.1f}")
+        return
+    if args.norm_calls:
+        print(norm_calls(args.budget, args.min_quads, args.control))
+        print(f"\nGPT-2 small's norm modules in eager, one thread; median of ABBA quads of 200-call blocks "
+              f"(quartiles, quads); load average {os.getloadavg()[0]:.1f}")
         return
     if args.kernels:
         print(kernel_rows(budget=args.budget / 2))

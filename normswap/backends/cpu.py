@@ -497,13 +497,14 @@ def _grad_call(normalized_shape: tuple[int, ...], item: int):
     outputs below the pool threshold; larger ones keep the Function, which reuses pooled storage and
     whose host cost no longer shows), the Function otherwise."""
     n = normalized_shape[0]
-    apply, op_ref = _RMSNormCPU.apply, _OP
+    apply, op_ref, max_elements = _RMSNormCPU.apply, _OP, -(-_POOL_MIN_BYTES // item)  # ceil: numel*item < pool
 
     def call_grad(x: torch.Tensor, w: torch.Tensor | None, b: torch.Tensor | None, eps: float):
-        if not (x.dim() and x.shape[-1] == n):
+        shape = x.shape  # read once: the decode-sized call is host-bound (~5 us in all)
+        if not (shape and shape[-1] == n):
             return None
         op = op_ref[0]
-        if op is not None and x.numel() * item < _POOL_MIN_BYTES:
+        if op is not None and x.numel() < max_elements:
             return op(x, w, b, eps)
         return apply(x, normalized_shape, w, b, eps)
 
