@@ -54,7 +54,7 @@ class LearnSettings:
     act_bits: int | None = None
     group_size: int | None = None
     steps: int = 100
-    lr: float = 2e-3
+    lr: float = 1e-3
 
     def __post_init__(self) -> None:
         for name, lo, hi, optional in (("bits", 2, 8, False), ("act_bits", 2, 16, True)):
@@ -274,21 +274,29 @@ def optimise(model: nn.Module, streams: list[StreamTensors], batches: list[tuple
 
     identity = {k: torch.eye(s.shape[0], dtype=torch.float64) for k, s in skews.items()}
     history: list[float] = []
+    # one batch per step is a noisy estimate: every tenth of the run the matrices are scored on every batch,
+    # and the best scored (the Hadamard start included) is returned
+    check_every = max(1, settings.steps // 10)
     try:
         with quant:
             start = mean_loss(identity)
+            best, best_loss = identity, start
             opt = torch.optim.Adam(list(skews.values()), lr=float(settings.lr))
+            decay = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0 - i / max(1, settings.steps))
             for step in range(settings.steps):
                 opt.zero_grad(set_to_none=True)
                 loss = loss_on(step % len(batches), {k: cayley(s) for k, s in skews.items()})
                 loss.backward()
                 opt.step()
-                history.append(float(loss))
-            with torch.no_grad():
-                learned = {k: cayley(s.detach()) for k, s in skews.items()}
-            end = mean_loss(learned) if settings.steps else start
+                decay.step()
+                history.append(float(loss.detach()))
+                if (step + 1) % check_every == 0 or step + 1 == settings.steps:
+                    with torch.no_grad():
+                        now = {k: cayley(s.detach()) for k, s in skews.items()}
+                    score = mean_loss(now)
+                    if score < best_loss:
+                        best, best_loss = now, score
     finally:
         model.train(was_training)
-    kept = end >= start
-    result = identity if kept else learned
-    return result, Learned(settings, start, min(end, start), time.perf_counter() - t0, kept, history)
+    kept = best is identity
+    return best, Learned(settings, start, best_loss, time.perf_counter() - t0, kept, history)

@@ -535,7 +535,7 @@ def _user_matrix(q: torch.Tensor) -> torch.Tensor:
 def rotate(model: nn.Module, q: str | int | torch.Tensor = "hadamard", *, seed: int = 0,
            online: bool = False, output: str | None = None, smooth: float | None = None,
            calibration: Any = None, bits: int = 4, act_bits: int | None = None, group_size: int | None = None,
-           steps: int = 100, lr: float = 2e-3) -> Rotation:
+           steps: int = 100, lr: float = 1e-3) -> Rotation:
     """Multiply every rotation-ready residual stream of a converted model by an orthogonal matrix.
 
     Args:
@@ -610,7 +610,7 @@ def rotate(model: nn.Module, q: str | int | torch.Tensor = "hadamard", *, seed: 
         from normswap.rotation import learn
 
         settings = learn.LearnSettings(bits=bits, act_bits=act_bits, group_size=group_size, steps=steps, lr=lr)
-    elif (bits, act_bits, group_size, steps, lr) != (4, None, None, 100, 2e-3):
+    elif (bits, act_bits, group_size, steps, lr) != (4, None, None, 100, 1e-3):
         raise NormswapError("bits, act_bits, group_size, steps and lr apply to a learned rotation: pass "
                             "q='learned' (--rotate learned) too")
     if smooth is not None or settings is not None:  # checked and resolved before anything turns
