@@ -168,3 +168,37 @@ def test_custom_model_with_a_tied_head_learns_and_stays_exact():
     with torch.no_grad():
         out = model(ids)
     assert _relative(out, ref) <= 1e-9, str(rot)
+
+
+def test_patch_option_rotate_learned_is_exact_and_checked_before_converting():
+    model = build(EXACT, "gpt2")
+    probe = hf_example_inputs(model, seed=5)
+    ref = _run(model, probe)
+    with pytest.raises(NormswapError, match="rotate_learn applies to a learned rotation"):
+        normswap.patch(copy.deepcopy(model), rotate="hadamard", rotate_learn={"steps": 3})
+    with pytest.raises(NormswapError, match="keys among"):
+        normswap.patch(copy.deepcopy(model), rotate="learned", rotate_learn={"step": 3})
+    report = normswap.patch(model, rotate="learned", rotate_learn={"bits": 4, "group_size": 16, "steps": 5},
+                            calibration=hf_example_inputs(model, batch=4, seed=7))
+    assert report.rotation.learned is not None and "learned rotation" in str(report)
+    assert report.rotation.learned.settings.group_size == 16
+    assert _relative(_run(model, probe), ref) <= 1e-9
+    assert all(r["kind"] == "learned" for r in normswap.plan_of(model).rotations)
+
+
+def test_cli_learned_rotation_needs_rotate_learned_and_writes_a_stock_checkpoint(tmp_path):
+    from click.testing import CliRunner
+
+    from normswap.cli import main
+
+    runner = CliRunner()
+    res = runner.invoke(main, ["convert", "tiny-gpt2", "--out", str(tmp_path / "a"), "--rotate", "hadamard",
+                               "--learn-steps", "5"])
+    assert res.exit_code == 2 and "--learn-steps applies to a learned rotation" in res.stderr
+    assert not (tmp_path / "a").exists()
+    res = runner.invoke(main, ["convert", "tiny-gpt2", "--out", str(tmp_path / "b"), "--rotate", "learned",
+                               "--learn-steps", "5", "--learn-act-bits", "8", "--format", "compat", "--quiet"])
+    assert res.exit_code == 0, res.stderr
+    assert "learned rotation (W4A8, 5 steps" in res.stdout
+    config = (tmp_path / "b" / "config.json").read_text()
+    assert '"model_type": "gpt2"' in config and '"kind": "learned"' in config
