@@ -13,6 +13,10 @@ rotated float model equals the original), equal to ``I`` at ``S = 0`` (the searc
 and ``R·1 = 1`` because ``A·1 = 0``, so ``Q·1 = Q₀·1 = 1`` keeps zero-mean streams zero-mean (compat format,
 centering ops) exactly as the fixed matrices do. ``S`` is a free ``d × d`` parameter, optimised by Adam.
 
+Where the stream quantizes better unturned (a stream lighter-tailed than Gaussian: rotation makes it *more*
+Gaussian), the search starts from ``R = Q₀ᵀ`` instead (``Q = Q₀ Q₀ᵀ cayley(S)``: no rotation, then the
+learned one); both starts are scored on every calibration batch first.
+
 The loss is the fake-quantized model's output error against the float model on the calibration batches:
 every ``nn.Linear`` / transformers ``Conv1D`` weight rounded to ``bits`` (symmetric absmax, one scale per
 output channel or per ``group_size`` inputs) and, with ``act_bits``, every such module's input rounded per
@@ -88,6 +92,7 @@ class StreamTensors:
 
     key: str  # the stream's first norm
     width: int
+    undo: torch.Tensor | None = None  # Q₀ᵀ: R = Q₀ᵀ turns the stream back (the no-rotation start)
     turned: list[tuple[str, int, tuple[int, int, int] | None]] = field(default_factory=list)
     restore: list[str] = field(default_factory=list)
     ops: list[str] = field(default_factory=list)
@@ -106,16 +111,22 @@ class Learned:
     seconds: float
     kept_start: bool
     history: list[float] = field(default_factory=list)
+    start: str = "hadamard"  # or "identity": the stream unrotated scored better than the Hadamard on the data
+    loss_hadamard: float = float("nan")
+    loss_identity: float = float("nan")
 
     def headline(self) -> str:
         line = (f"learned rotation ({self.settings.describe()}, {self.seconds:.1f} s): fake-quant output error "
-                f"{self.loss_start:.3g} at the Hadamard start → {self.loss_end:.3g}")
-        return line + (" (no gain: the Hadamard start kept)" if self.kept_start else "")
+                f"{self.loss_start:.3g} at the {self.start} start → {self.loss_end:.3g}")
+        if self.start == "identity":
+            line += f" (the Hadamard scored {self.loss_hadamard:.3g})"
+        return line + (f" (no gain: the {self.start} start kept)" if self.kept_start else "")
 
     def record(self) -> dict:
         """The manifest's fields (plain numbers)."""
         s = self.settings
         return {"bits": s.bits, "act_bits": s.act_bits, "group_size": s.group_size, "steps": s.steps, "lr": s.lr,
+                "start": self.start, "loss_hadamard": self.loss_hadamard, "loss_identity": self.loss_identity,
                 "loss_start": self.loss_start, "loss_end": self.loss_end, "kept_start": self.kept_start}
 
 
@@ -217,8 +228,22 @@ class _Quantized:
         return out
 
 
-def _relative_error(out: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
-    return (out - ref).pow(2).mean() / ref.pow(2).mean().clamp_min(1e-30)
+def output_error(out: torch.Tensor, ref: torch.Tensor, logits: bool, mask: torch.Tensor | None) -> torch.Tensor:
+    """What the learning minimises: for logits, KL(float ‖ quantized) per position (the figure LMs are compared
+    by); otherwise the relative squared error. ``mask`` (``[batch, seq]``, 1 = real token) leaves padding out."""
+    if logits:
+        log_ref = ref.log_softmax(-1)
+        per = (log_ref.exp() * (log_ref - out.log_softmax(-1))).sum(-1)
+    else:
+        per = (out - ref).pow(2).mean(-1) / ref.pow(2).mean().clamp_min(1e-30)
+    if mask is not None and mask.shape == per.shape:
+        w = mask.to(per.dtype)
+        return (per * w).sum() / w.sum().clamp_min(1)
+    return per.mean()
+
+
+def _is_logits(out: Any) -> bool:
+    return not torch.is_tensor(out) and torch.is_tensor(getattr(out, "logits", None))
 
 
 def optimise(model: nn.Module, streams: list[StreamTensors], batches: list[tuple[tuple, dict]],
@@ -226,7 +251,8 @@ def optimise(model: nn.Module, streams: list[StreamTensors], batches: list[tuple
     """Learn one ``R`` per stream of ``model`` (already turned by its start matrices ``Q₀``), so that ``Q₀ R``
     minimises the fake-quantized model's output error on ``batches``. Returns ``({stream key: R}`` in float64,
     what it did``)``. The model's parameters are read, never written; it runs in its own dtype, in eval mode.
-    If the learned matrices do no better than ``R = I`` on the calibration batches, ``R = I`` is returned."""
+    The search starts from the better of ``R = I`` (the Hadamard) and ``R = Q₀ᵀ`` (no rotation; where every
+    stream has ``undo``) on all the batches; if nothing learned beats that start, the start is returned."""
     from torch.func import functional_call
 
     if not batches:
@@ -259,44 +285,56 @@ def optimise(model: nn.Module, streams: list[StreamTensors], batches: list[tuple
         return out
 
     with torch.no_grad():
-        refs = [output_tensor(model(*args, **kwargs)).detach() for args, kwargs in batches]
+        first = model(*batches[0][0], **batches[0][1])
+        logits = _is_logits(first)
+        refs = [output_tensor(first).detach()] + [output_tensor(model(*args, **kwargs)).detach()
+                                                  for args, kwargs in batches[1:]]
+    masks = [kwargs.get("attention_mask") for _, kwargs in batches]
     quant = _Quantized(model, settings)
 
     def loss_on(i: int, rs: dict[str, torch.Tensor]) -> torch.Tensor:
         args, kwargs = batches[i]
         # tie_weights=False: a weight tied to a writer (an LM head) is rounded where its matmul reads it only
         out = functional_call(model, quant.params(turned(rs)), args, kwargs, tie_weights=False, strict=False)
-        return _relative_error(output_tensor(out).to(refs[i].dtype), refs[i])
+        return output_error(output_tensor(out).to(refs[i].dtype), refs[i], logits, masks[i])
 
     def mean_loss(rs: dict[str, torch.Tensor]) -> float:
         with torch.no_grad():
             return sum(float(loss_on(i, rs)) for i in range(len(batches))) / len(batches)
 
     identity = {k: torch.eye(s.shape[0], dtype=torch.float64) for k, s in skews.items()}
+    undo = {st.key: st.undo for st in streams if st.undo is not None}
     history: list[float] = []
     # one batch per step is a noisy estimate: every tenth of the run the matrices are scored on every batch,
     # and the best scored (the Hadamard start included) is returned
     check_every = max(1, settings.steps // 10)
     try:
         with quant:
-            start = mean_loss(identity)
-            best, best_loss = identity, start
+            # two starts, scored on every batch: the Hadamard (R = I) and no rotation at all (R = Q₀ᵀ), which
+            # a stream lighter-tailed than Gaussian quantizes better with; the search goes on from the better
+            loss_hadamard = start = mean_loss(identity)
+            loss_identity = mean_loss(undo) if len(undo) == len(skews) else float("nan")
+            base, start_name = identity, "hadamard"
+            if loss_identity < loss_hadamard:
+                base, start_name, start = undo, "identity", loss_identity
+            best, best_loss = base, start
             opt = torch.optim.Adam(list(skews.values()), lr=float(settings.lr))
             decay = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0 - i / max(1, settings.steps))
             for step in range(settings.steps):
                 opt.zero_grad(set_to_none=True)
-                loss = loss_on(step % len(batches), {k: cayley(s) for k, s in skews.items()})
+                loss = loss_on(step % len(batches), {k: base[k] @ cayley(s) for k, s in skews.items()})
                 loss.backward()
                 opt.step()
                 decay.step()
                 history.append(float(loss.detach()))
                 if (step + 1) % check_every == 0 or step + 1 == settings.steps:
                     with torch.no_grad():
-                        now = {k: cayley(s.detach()) for k, s in skews.items()}
+                        now = {k: base[k] @ cayley(s.detach()) for k, s in skews.items()}
                     score = mean_loss(now)
                     if score < best_loss:
                         best, best_loss = now, score
     finally:
         model.train(was_training)
-    kept = best is identity
-    return best, Learned(settings, start, best_loss, time.perf_counter() - t0, kept, history)
+    kept = best is base
+    return best, Learned(settings, start, best_loss, time.perf_counter() - t0, kept, history, start_name,
+                         loss_hadamard, loss_identity)

@@ -550,8 +550,9 @@ def rotate(model: nn.Module, q: str | int | torch.Tensor = "hadamard", *, seed: 
             ``calibration`` so that the model quantized as ``bits``/``act_bits``/``group_size`` say comes out
             closest to the float model (SpinQuant's R1: the Cayley transform of a skew-symmetric parameter,
             ``steps`` Adam steps at ``lr``; :mod:`normswap.rotation.learn`). Still orthogonal and
-            mean-preserving, so the float model's outputs are unchanged; ``R = I`` (the Hadamard) is kept
-            where learning does not lower the error on the calibration batches.
+            mean-preserving, so the float model's outputs are unchanged. The search starts from the better,
+            on the calibration batches, of the Hadamard and no rotation (``R = Q₀ᵀ``: a stream lighter-tailed
+            than Gaussian quantizes worse turned), and keeps that start where learning does not lower the error.
         seed: the random signs / random matrix of the first stream; the i-th stream uses ``seed + i``.
         online: also QuaRot's online Hadamard on every MLP down projection of a rotated stream (a writer
             Linear/Conv1D whose input width ``n`` is not the stream's): an op computing ``x·H/sqrt(n)``
@@ -663,7 +664,7 @@ def _learn_matrices(model: nn.Module, seed: int, online: bool, output: str | Non
         names.setdefault(id(p), name)
     specs = []
     for r in start.rotated:
-        spec = learn.StreamTensors(r["norms"][0], int(r["width"]))
+        spec = learn.StreamTensors(r["norms"][0], int(r["width"]), undo=r["q"].T.contiguous())
         writer_ids = {id(work.get_parameter(w)) for w in r["writers"]}
         spec.turned += [(w, axes[w], None) for w in r["writers"]]
         for name in r["norms"]:
