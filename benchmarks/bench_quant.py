@@ -8,6 +8,9 @@ Variants of one fp32 model:
   random orthogonal matrix, a randomized Hadamard, and a Hadamard with QuaRot's online rotations.
   A variant that this normswap cannot build (no Hadamard API yet) or that rotates nothing (no
   rotation-ready stream: Post-LN encoders) is reported with the reason, not measured.
+* ``learned-w4a4``, ``learned-w4a4+online``, ``learned-w4a8``: ``normswap.rotate(model, "learned", bits=4,
+  act_bits=4|8, steps=LEARN_STEPS)`` on the held-out calibration batches (the ``+smooth`` ones): the Hadamard
+  times an orthogonal R learned for that RTN setting (``normswap.rotation.learn``).
 
 Quantizers (``quant_utils``): round-to-nearest fake quantization of every ``nn.Linear`` and HF
 ``Conv1D`` at W8A8, W4A8, W8A4 and W4A4 (weights symmetric absmax per output channel, the Linear's
@@ -68,7 +71,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import quant_utils  # noqa: E402  (the benchmark's own helper module, next to this file)
 
 PRECISIONS = (("W8A8", 8, 8), ("W4A8", 4, 8), ("W8A4", 8, 4), ("W4A4", 4, 4))
-ROTATIONS = ("random", "hadamard", "hadamard+online", "hadamard+smooth", "hadamard+online+smooth")
+ROTATIONS = ("random", "hadamard", "hadamard+online", "hadamard+smooth", "hadamard+online+smooth",
+             "learned-w4a4", "learned-w4a4+online", "learned-w4a8")
+LEARN_STEPS = 100  # "learned-wXaY": rotate(..., "learned", bits=X, act_bits=Y, steps=LEARN_STEPS) on CALIBRATION
 SMOOTH_ALPHA = 0.5  # "+smooth": rotate(..., smooth=0.5), SmoothQuant's usual α, on CALIBRATION
 CALIBRATION: list[dict] | None = None  # held-out batches for "+smooth" (None: normswap's built-in ones)
 TOYS = ("toy-gpt2", "toy-gpt2-outliers")
@@ -380,6 +385,11 @@ def _rotate(model: torch.nn.Module, which: str, seed: int, kind: str) -> Any:
         return normswap.rotate(model, "random", seed=seed, **extra) if api["named"] else normswap.rotate(model, seed)
     if not api["named"]:
         raise NotImplementedError("this normswap.rotate takes a seed or a matrix only (no \"hadamard\")")
+    if which.startswith("learned-"):  # learned-w4a4[+online]: the rotation learned for that RTN setting
+        target, _, online = which.removeprefix("learned-").partition("+")
+        w_bits, a_bits = (int(x) for x in target[1:].split("a"))
+        return normswap.rotate(model, "learned", seed=seed, online=online == "online", calibration=CALIBRATION,
+                               bits=w_bits, act_bits=a_bits, steps=LEARN_STEPS, **extra)
     if which.endswith("+smooth"):
         if "smooth" not in inspect.signature(normswap.rotate).parameters:
             raise NotImplementedError("this normswap.rotate has no smooth=")

@@ -17,6 +17,9 @@ backbone's output is the final norm's, so its input is turned back by one ``Qᵀ
   held-out calibration images (the ones static QDQ calibrates on);
 * ``hadamard+online``, ``hadamard+online+smooth``: with QuaRot's online Hadamards (before every MLP down
   projection; per-head value/output Hadamards).
+* ``learned-w4g32[+smooth]``, ``learned-w4a4[+online]``, ``learned-w8a8``: ``rotate(m, "learned", ...)``, the
+  Hadamard times an orthogonal R learned on the calibration images (``--learn-steps`` Adam steps) for 4-bit
+  weights in blocks of 32 (``MatMulNBits``' setting, weight-only), RTN W4A4, RTN W8A8 (per-token activations).
 
 Error: ``1 − cosine`` against the float32 original in torch, over every output token (``tok``) and the CLS
 embedding (``cls``), on ``--images`` held-out generated images.
@@ -46,7 +49,17 @@ import quant_utils  # noqa: E402
 ORT = ("dyn-pt", "dyn-pc", "qdq", "nbits-rtn", "nbits-hqq")
 RTN = {"w8a4": (8, 4), "w4a4": (4, 4)}
 VARIANTS = ("original", "converted", "hadamard", "hadamard+float-ops", "hadamard+smooth", "hadamard+smooth0.25",
-            "hadamard+online", "hadamard+online+smooth")
+            "hadamard+online", "hadamard+online+smooth", "learned-w4g32", "learned-w4g32+smooth", "learned-w4a4",
+            "learned-w4a4+online", "learned-w8a8")
+LEARN_STEPS = 100  # --learn-steps
+
+
+def learn_target(name: str) -> dict[str, Any]:
+    """``learned-w4g32`` → bits 4, groups of 32 (MatMulNBits' blocks); ``learned-w4a4`` → W4A4 per token."""
+    target = name.removeprefix("learned-").split("+")[0]
+    w, _, rest = target[1:].partition("g" if "g" in target else "a")
+    kind = "group_size" if "g" in target else "act_bits"
+    return {"bits": int(w), kind: int(rest), "steps": LEARN_STEPS}
 
 
 def build(model: torch.nn.Module, name: str, calib: torch.Tensor) -> tuple[torch.nn.Module, str, bool]:
@@ -64,9 +77,11 @@ def build(model: torch.nn.Module, name: str, calib: torch.Tensor) -> tuple[torch
         alpha = None
         if "+smooth" in name:
             alpha = float(name.split("+smooth")[1] or 0.5)
-        r = normswap.rotate(m, "hadamard", seed=0, output="restore", online="+online" in name, smooth=alpha,
-                            calibration=[{"pixel_values": calib[i:i + 8]} for i in range(0, len(calib), 8)]
-                            if alpha is not None else None)
+        batches = [{"pixel_values": calib[i:i + 8]} for i in range(0, len(calib), 8)]
+        learned = learn_target(name) if name.startswith("learned-") else {}
+        r = normswap.rotate(m, "learned" if learned else "hadamard", seed=0, output="restore",
+                            online="+online" in name, smooth=alpha,
+                            calibration=batches if alpha is not None or learned else None, **learned)
     return m, r.headline(), name != "hadamard"
 
 
@@ -111,6 +126,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--images", type=int, default=256)
     ap.add_argument("--calib", type=int, default=32)
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    ap.add_argument("--learn-steps", type=int, default=LEARN_STEPS, help="steps of the learned rotations")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--from-json", type=Path, nargs="+", help="print the tables of earlier --json runs, rows merged")
     args = ap.parse_args(argv)
@@ -121,6 +137,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(table(result, "tok") + "\n\n" + table(result, "cls"))
         return result
     torch.set_num_threads(1)
+    globals()["LEARN_STEPS"] = args.learn_steps
     model = engines.dino(args.layers, args.seed, args.image)
     px = engines.images(args.images, args.image, 1)
     calib = engines.images(args.calib, args.image, 2)

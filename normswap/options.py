@@ -53,7 +53,8 @@ LAYER_SCALES = ("keep", "fold")  # where a centered writer's LayerScale λ ends 
 FORMATS = ("native", "compat")
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # checkpoint dtypes ``convert`` can write
 VERIFY_DTYPES = ("auto", "float64", "float32")  # what the working copy computes in (normswap.memory)
-ROTATIONS = ("hadamard", "random")  # the rotations ``rotate`` builds (normswap.rotate also takes a seed or a matrix)
+ROTATIONS = ("hadamard", "random", "learned")  # what ``rotate`` builds (normswap.rotate also takes a seed or a matrix)
+LEARN_KEYS = ("bits", "act_bits", "group_size", "steps", "lr")  # rotate_learn's keys (normswap.rotation.learn)
 ROTATE_OUTPUTS = ("rotated", "restore")  # a stream ending in a model output: turned output, or turned back
 # task name -> transformers Auto class that loads it (the --task option)
 TASKS = {
@@ -154,6 +155,10 @@ class ConvertOptions:
         rotate_smooth: SmoothQuant's α in [0, 1] for a scale migration after the rotation (see
             :func:`normswap.rotate`'s ``smooth``), measured on ``calibration`` (default: the built-in
             batches); ``None`` (default) does not smooth.
+        rotate_learn: with ``rotate="learned"``: the learned rotation's settings as a dict of
+            :func:`normswap.rotate`'s ``bits``, ``act_bits``, ``group_size``, ``steps``, ``lr`` (default
+            ``{}``: 4-bit weights per output channel, float activations, 100 steps); learned on
+            ``calibration`` (default: the built-in batches).
     """
 
     mode: str = "auto"
@@ -176,6 +181,7 @@ class ConvertOptions:
     rotate_output: str | None = None
     online_hadamard: bool = False
     rotate_smooth: float | None = None
+    rotate_learn: dict | None = None
 
     def __post_init__(self) -> None:
         from normswap import backends  # the registry of backend names (imports torch kernels)
@@ -202,6 +208,16 @@ class ConvertOptions:
             if self.rotate is None:
                 raise NormswapError("option rotate_smooth applies to a rotation: pass rotate='hadamard' "
                                     "(--rotate hadamard) too")
+        if self.rotate_learn is not None:
+            from normswap.rotation.learn import LearnSettings  # checked here: a bad setting fails before converting
+
+            if not isinstance(self.rotate_learn, dict) or not set(self.rotate_learn) <= set(LEARN_KEYS):
+                raise NormswapError(f"option rotate_learn must be a dict with keys among {', '.join(LEARN_KEYS)}, "
+                                    f"not {self.rotate_learn!r}")
+            if self.rotate != "learned":
+                raise NormswapError("option rotate_learn applies to a learned rotation: pass rotate='learned' "
+                                    "(--rotate learned) too")
+            LearnSettings(**self.rotate_learn)
         for name in ("fold_gamma", "bias_slots", "untie", "per_norm_centering", "mean_carry", "sequential", "verify",
                      "allow_unusable", "online_hadamard"):
             if not isinstance(getattr(self, name), bool):

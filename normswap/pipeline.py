@@ -1032,7 +1032,7 @@ def _report(st: _Patching, wrapped: str) -> Report:
         from normswap.rotation.rotate import rotate
 
         rotation = rotate(st.model, opts.rotate, seed=opts.rotate_seed, online=opts.online_hadamard,
-                          output=opts.rotate_output, smooth=opts.rotate_smooth,
+                          output=opts.rotate_output, smooth=opts.rotate_smooth, **(opts.rotate_learn or {}),
                           calibration=opts.calibration if opts.calibration is not False else None)
         message += f"; {rotation.headline()}"
     return Report(plan_.sites, figures, plan_, message, changed=True, calibration=calib, rotation=rotation)

@@ -96,7 +96,7 @@ def _check_combination(
     mode: str, fmt: str, fold_gamma: bool, per_norm_centering: bool, no_bias_slots: bool,
     calibration_data: str | None, low_memory: bool | None, task: str | None, new_head: bool,
     rotation: str | None, rotate_seed: int, rotate_output: str | None, online_hadamard: bool,
-    smooth: float | None = None, beta_placement: str | None = None,
+    smooth: float | None = None, beta_placement: str | None = None, learn: dict | None = None,
 ) -> None:
     """Options that conflict or depend on one another, and a missing --calibration-data file: a usage
     error (exit 2), answered before torch is imported. The library checks the same combinations for
@@ -105,6 +105,9 @@ def _check_combination(
         what = "--online-hadamard" if online_hadamard else "--rotate-output" if rotate_output else \
             "--smooth" if smooth is not None else "--seed"
         raise UsageError(f"{what} applies to a rotation: pass --rotate hadamard (or random) too")
+    if learn and rotation != "learned":
+        flag = "--learn-" + next(iter(learn)).replace("_", "-")
+        raise UsageError(f"{flag} applies to a learned rotation: pass --rotate learned too")
     if no_bias_slots and not fold_gamma and rotation is None:
         raise UsageError("--no-bias-slots applies with --fold-gamma (or --rotate) only: a bias slot takes the β of a "
                          "γ-folded norm, and without --fold-gamma none is made; pass --fold-gamma too, or drop "
@@ -145,6 +148,7 @@ Examples:
   normswap convert ./my-vlm --out vlm-rms --example-inputs inputs.safetensors   # inputs from a file
   normswap convert ./my-asr --out asr-rms --sample clip.wav        # the model's processor on a sample
   normswap convert gpt2 --out gpt2-rot --format compat --rotate hadamard   # rotated, stock transformers
+  normswap convert gpt2 --out gpt2-w4 --rotate learned --learn-bits 4 --learn-group-size 32   # Q from data
 
 \b
 Then load it:
@@ -301,9 +305,21 @@ Presets (offline, seeded tiny models with tokenizers/processors):
     default=None,
     help="After converting, rotate every rotation-ready residual stream by an orthogonal Q (outputs "
     "unchanged): hadamard = randomized Hadamard (QuaRot's choice; a random orthogonal Q where no "
-    "Hadamard order fits the width), random = random orthogonal. Implies --fold-gamma. Q keeps the "
+    "Hadamard order fits the width), random = random orthogonal, learned = the Hadamard times an "
+    "orthogonal R learned on --calibration-data (default: built-in batches) for the quantizer the --learn-* "
+    "options describe (SpinQuant's R1). Implies --fold-gamma. Q keeps the "
     "mean (Q·1 = 1), so --format compat works too. Recorded in the manifest.",
 )
+@click.option("--learn-bits", type=click.IntRange(2, 8), default=None, metavar="N",
+              help="With --rotate learned: the weight bits it is learned for (default 4).")
+@click.option("--learn-act-bits", type=click.IntRange(2, 16), default=None, metavar="N",
+              help="With --rotate learned: per-token activation bits it is learned for (default: none, "
+              "weight-only quantization).")
+@click.option("--learn-group-size", type=click.IntRange(2), default=None, metavar="N",
+              help="With --rotate learned: one weight scale per N inputs, as block-wise 4-bit quantizers "
+              "(ONNX Runtime MatMulNBits: 32; default: one per output channel).")
+@click.option("--learn-steps", type=click.IntRange(0, 100_000), default=None, metavar="N",
+              help="With --rotate learned: optimiser steps, one calibration batch each (default 100).")
 @click.option("--seed", "rotate_seed", type=int, default=0, show_default=True,
               help="With --rotate: the seed of the random signs / random matrix (stream i uses seed + i).")
 @click.option(
@@ -355,6 +371,10 @@ def convert(
     rotate_output: str | None,
     online_hadamard: bool,
     smooth: float | None,
+    learn_bits: int | None,
+    learn_act_bits: int | None,
+    learn_group_size: int | None,
+    learn_steps: int | None,
     example_inputs: str | None,
     samples: tuple[str, ...],
     quiet: bool,
@@ -366,8 +386,11 @@ def convert(
     interrupted run leaves nothing behind (Ctrl-C after the rename says the output is complete).
     """
     check_model_name(model)
+    learn = {k: v for k, v in (("bits", learn_bits), ("act_bits", learn_act_bits), ("group_size", learn_group_size),
+                               ("steps", learn_steps)) if v is not None}
     _check_combination(mode, fmt, fold_gamma, per_norm_centering, no_bias_slots, calibration_data, low_memory,
-                       task, new_head, rotation, rotate_seed, rotate_output, online_hadamard, smooth, beta_placement)
+                       task, new_head, rotation, rotate_seed, rotate_output, online_hadamard, smooth, beta_placement,
+                       learn)
     from normswap.checkpoint.conversion import convert as run
     from normswap.options import ConvertOptions
 
@@ -382,6 +405,7 @@ def convert(
         rotate_output=rotate_output,
         online_hadamard=online_hadamard,
         rotate_smooth=smooth,
+        rotate_learn=learn or None,
         untie=not keep_tied,
         per_norm_centering=per_norm_centering,
         mean_carry=not no_mean_carry,

@@ -39,7 +39,8 @@ from normswap.options import choose
 from normswap.rotation import hadamard
 from normswap.surgery.scales import fold_layer_scale
 
-KINDS = ("hadamard", "random")
+KINDS = ("hadamard", "random")  # built from (width, kind, seed)
+LEARNED = "learned"  # Q₀ (the "hadamard" matrix) times an R chosen from calibration data (rotation/learn.py)
 
 
 @dataclass
@@ -59,6 +60,7 @@ class Rotation:
     skipped: list[dict] = field(default_factory=list)  # {"norms", "reason"}
     online_skipped: list[str] = field(default_factory=list)  # down projections left without an online Hadamard
     smoothing: Any = None  # normswap.rotation.smooth.Smoothing where rotate(smooth=α) ran, else None
+    learned: Any = None  # normswap.rotation.learn.Learned where rotate(q="learned") ran, else None
 
     @property
     def matrices(self) -> dict[str, torch.Tensor]:
@@ -78,6 +80,8 @@ class Rotation:
             line += f", {len(self.fallbacks)} by a random orthogonal matrix (no Hadamard order fits their width)"
         if self.skipped:
             line += f", {len(self.skipped)} left unrotated ({self.skipped[0]['reason']})"
+        if self.learned is not None:
+            line += f"; {self.learned.headline()}"
         if self.smoothing is not None:
             line += f"; {self.smoothing.headline()}"
         return line
@@ -99,6 +103,8 @@ class Rotation:
         lines += [f"not rotated ({len(s['norms'])} norm(s), e.g. `{s['norms'][0]}`): {s['reason']}"
                   for s in self.skipped]
         lines += [f"no online Hadamard: {why}" for why in self.online_skipped]
+        if self.learned is not None:
+            lines.append(self.learned.headline())
         if self.smoothing is not None:
             lines.append(self.smoothing.headline())
             lines += [f"not smoothed: `{n}`: {why}" for n, why in self.smoothing.skipped.items()]
@@ -528,7 +534,8 @@ def _user_matrix(q: torch.Tensor) -> torch.Tensor:
 
 def rotate(model: nn.Module, q: str | int | torch.Tensor = "hadamard", *, seed: int = 0,
            online: bool = False, output: str | None = None, smooth: float | None = None,
-           calibration: Any = None) -> Rotation:
+           calibration: Any = None, bits: int = 4, act_bits: int | None = None, group_size: int | None = None,
+           steps: int = 100, lr: float = 1e-3) -> Rotation:
     """Multiply every rotation-ready residual stream of a converted model by an orthogonal matrix.
 
     Args:
@@ -539,6 +546,13 @@ def rotate(model: nn.Module, q: str | int | torch.Tensor = "hadamard", *, seed: 
             ``"random"``: a Haar-random orthogonal matrix per stream, made mean-preserving. An int: a seed
             for ``"random"`` (``rotate(model, 3)`` = ``rotate(model, "random", seed=3)``). A tensor: your own
             orthogonal ``d × d`` matrix, applied as given to every ready stream of width ``d``.
+            ``"learned"``: per stream, the ``"hadamard"`` matrix times an orthogonal ``R`` learned on
+            ``calibration`` so that the model quantized as ``bits``/``act_bits``/``group_size`` say comes out
+            closest to the float model (SpinQuant's R1: the Cayley transform of a skew-symmetric parameter,
+            ``steps`` Adam steps at ``lr``; :mod:`normswap.rotation.learn`). Still orthogonal and
+            mean-preserving, so the float model's outputs are unchanged. The search starts from the better,
+            on the calibration batches, of the Hadamard and no rotation (``R = Q₀ᵀ``: a stream lighter-tailed
+            than Gaussian quantizes worse turned), and keeps that start where learning does not lower the error.
         seed: the random signs / random matrix of the first stream; the i-th stream uses ``seed + i``.
         online: also QuaRot's online Hadamard on every MLP down projection of a rotated stream (a writer
             Linear/Conv1D whose input width ``n`` is not the stream's): an op computing ``x·H/sqrt(n)``
@@ -566,10 +580,14 @@ def rotate(model: nn.Module, q: str | int | torch.Tensor = "hadamard", *, seed: 
             (:mod:`normswap.rotation.smooth`). Exact for any ``s``; it evens activation and weight channel
             ranges out between them. The norms keep that weight (a float multiply in every engine), so the
             model cannot be rotated again afterwards.
-        calibration: the inputs ``smooth`` measures activations on: a tensor, a tuple or dict of model
-            inputs, or a list of them (as ``normswap.patch``'s ``calibration``). Default: for a transformers
-            model, the built-in calibration batches (English text, generated images or speech); a custom
-            model must pass it.
+        calibration: the inputs ``smooth`` measures activations on and ``"learned"`` learns from: a tensor,
+            a tuple or dict of model inputs, or a list of them (as ``normswap.patch``'s ``calibration``).
+            Default: for a transformers model, the built-in calibration batches (English text, generated
+            images or speech); a custom model must pass it.
+        bits, act_bits, group_size, steps, lr: with ``q="learned"`` only: the fake quantizer the rotation is
+            learned for (weights to ``bits``, symmetric, per output channel or per ``group_size`` inputs;
+            inputs of every Linear per token to ``act_bits``, or left in float with None) and the
+            optimisation's length and step (:class:`normswap.rotation.learn.LearnSettings`).
 
     Returns:
         A :class:`Rotation` listing the streams rotated (with the matrix of each) and, for the others, why not.
@@ -588,14 +606,25 @@ def rotate(model: nn.Module, q: str | int | torch.Tensor = "hadamard", *, seed: 
     plan = _converted_plan(model)
     choice = MatrixChoice.of(q, seed)
     batches = None
-    if smooth is not None:  # checked and resolved before anything turns: a bad request leaves the model as it was
+    settings = None
+    if choice.kind == LEARNED:
+        from normswap.rotation import learn
+
+        settings = learn.LearnSettings(bits=bits, act_bits=act_bits, group_size=group_size, steps=steps, lr=lr)
+    elif (bits, act_bits, group_size, steps, lr) != (4, None, None, 100, 1e-3):
+        raise NormswapError("bits, act_bits, group_size, steps and lr apply to a learned rotation: pass "
+                            "q='learned' (--rotate learned) too")
+    if smooth is not None or settings is not None:  # checked and resolved before anything turns
         from normswap.rotation import smooth as smoothing
 
-        smoothing.check_alpha(smooth)
+        if smooth is not None:
+            smoothing.check_alpha(smooth)
         batches = smoothing.calibration_batches(model, calibration)
     if output is not None:
         choose("output", output, ("rotated", "restore"))
     result = Rotation()
+    if settings is not None:
+        choice.learned, result.learned = _learn_matrices(model, seed, online, output, settings, batches)
     todo = _choose_streams(model, plan, choice, output, result)
     axes = _axes(plan)  # the output-feature axis of every writer tensor
     turns = _stream_turns(model, axes, todo, output, result)
@@ -608,10 +637,55 @@ def rotate(model: nn.Module, q: str | int | torch.Tensor = "hadamard", *, seed: 
         result.rotated[0].update(value_heads=heads, head_dim=hd)
         if why:
             result.online_skipped.append(f"per-head Hadamard on values: {why}")
-    if batches is not None and result.rotated:
+    if result.learned is not None:
+        for r in result.rotated:
+            r["learned"] = result.learned.record()
+    if smooth is not None and result.rotated:
         _smooth_streams(model, plan, result, smooth, batches)
     plan.rotations = plan.rotations + [manifest_entry(r) for r in result.rotated]
     return result
+
+
+def _learn_matrices(model: nn.Module, seed: int, online: bool, output: str | None, settings: Any,
+                    batches: list) -> tuple[dict[str, torch.Tensor], Any]:
+    """``({first norm: Q₀ R}, what the learning did)`` for the streams ``rotate(model, "hadamard", seed=seed,
+    online=online, output=output)`` would turn: that rotation is applied to a copy of the model (ops, online
+    Hadamards and all), and :func:`normswap.rotation.learn.optimise` learns each stream's ``R`` on top of it,
+    from the names of the tensors the turn multiplied. The model itself is not touched here."""
+    import copy
+
+    from normswap.rotation import learn
+
+    work = copy.deepcopy(model)
+    start = rotate(work, "hadamard", seed=seed, online=online, output=output)
+    axes = _axes(_converted_plan(work))
+    names: dict[int, str] = {}
+    for name, p in work.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), name)
+    specs = []
+    for r in start.rotated:
+        spec = learn.StreamTensors(r["norms"][0], int(r["width"]), undo=r["q"].T.contiguous())
+        writer_ids = {id(work.get_parameter(w)) for w in r["writers"]}
+        spec.turned += [(w, axes[w], None) for w in r["writers"]]
+        for name in r["norms"]:
+            bias = getattr(work.get_submodule(name), "bias", None)
+            if name not in r["restore"] and isinstance(bias, torch.Tensor):
+                spec.turned.append((f"{name}.bias" if name else "bias", 0, None))
+        for rd in r["readers"]:
+            module = linear_at(work, rd)
+            weight = module.weight_param if isinstance(module, LinearView) else module.weight
+            if id(weight) in writer_ids:
+                continue  # a reader tied to a writer of this stream: turned once, as the writer
+            rows = module.spec.rows if isinstance(module, LinearView) else None
+            spec.turned.append((names[id(weight)], _reader_axis(module),
+                                (rows[0], rows[1], module.out_axis) if rows else None))
+        spec.restore = [f"{n}.{RESTORE_BUFFER}" if n else RESTORE_BUFFER for n in r["restore"]]
+        spec.ops = [f"{op['module']}.{ROTATION_BUFFER}" if op["module"] else ROTATION_BUFFER for op in r["ops"]]
+        specs.append(spec)
+    if not specs:
+        return {}, None
+    rs, done = learn.optimise(work, specs, batches, settings)
+    return {r["norms"][0]: r["q"] @ rs[r["norms"][0]] for r in start.rotated}, done
 
 
 def _smooth_streams(model: nn.Module, plan: Plan, result: Rotation, alpha: float, batches: list) -> None:
@@ -654,6 +728,7 @@ class MatrixChoice:
     matrix: torch.Tensor | None
     kind: str
     seed: int
+    learned: dict[str, torch.Tensor] = field(default_factory=dict)  # "learned": {first norm: Q₀ R} per stream
 
     @classmethod
     def of(cls, q: str | int | torch.Tensor, seed: int) -> MatrixChoice:
@@ -664,7 +739,7 @@ class MatrixChoice:
         if isinstance(q, int) and not isinstance(q, bool):
             return cls(None, "random", q)
         if isinstance(q, str):
-            return cls(None, choose("rotation", q, KINDS), seed)
+            return cls(None, choose("rotation", q, (*KINDS, LEARNED)), seed)
         raise NormswapError(f"q must be 'hadamard', 'random', an int seed or an orthogonal matrix, "
                             f"not {type(q).__name__}")
 
@@ -672,8 +747,13 @@ class MatrixChoice:
     def keeps_mean(self) -> bool:
         return self.matrix is not None and is_mean_preserving(self.matrix)
 
-    def for_stream(self, i: int, width: int) -> tuple[torch.Tensor, dict]:
+    def for_stream(self, i: int, width: int, first_norm: str = "") -> tuple[torch.Tensor, dict]:
         """The matrix of the ``i``-th stream and its description (the manifest's fields)."""
+        if self.kind == LEARNED:
+            start, info = rotation_matrix(width, "hadamard", self.seed + i)
+            q = self.learned.get(first_norm, start)  # a stream the learning did not see keeps its start
+            construction = (info["construction"] or "random orthogonal") + " × learned R"
+            return q, {**info, "kind": LEARNED, "construction": construction}
         if self.matrix is None:
             return rotation_matrix(width, self.kind, self.seed + i)
         return self.matrix, {"kind": "user", "seed": None, "construction": "", "fallback": "",
@@ -703,7 +783,7 @@ def _choose_streams(model: nn.Module, plan: Plan, choice: MatrixChoice, output: 
         if why:
             result.skipped.append({"norms": [sp.name for sp in group], "reason": why})
         else:
-            todo.append((group, *choice.for_stream(i, width)))
+            todo.append((group, *choice.for_stream(i, width, group[0].name)))
     gamma_kept = [s for s in result.skipped if "fold_gamma" in s["reason"]]
     if gamma_kept and not plan.options.get("fold_gamma"):  # a model that cannot take it: say so, not "0 rotated"
         raise NormswapError(
@@ -808,7 +888,7 @@ def manifest_entry(stream: dict) -> dict:
     """What the checkpoint manifest records of one rotated stream: enough to rebuild ``Q`` (kind, seed,
     width; :func:`rotation_matrix`) or, for a user matrix, to recognise it (its SHA-256), and to undo it."""
     entry = {k: v for k, v in stream.items() if k not in ("q", "writers", "readers")}
-    if stream["kind"] == "user":
+    if stream["kind"] in ("user", LEARNED):  # not rebuildable from (kind, seed): recognisable by its hash
         import hashlib
 
         entry["sha256"] = hashlib.sha256(stream["q"].contiguous().numpy().tobytes()).hexdigest()

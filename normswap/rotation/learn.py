@@ -1,0 +1,340 @@
+"""A residual-stream rotation chosen from data: SpinQuant's R1 by the Cayley transform, on a fake-quantized copy.
+
+A fixed rotation (the randomized Hadamard) evens out a stream's channels on average; which orthogonal ``Q``
+is best for a given quantizer depends on the model's weights and activations. SpinQuant (Liu et al. 2024)
+learns it: minimise the quantized model's output error over orthogonal matrices, starting from the Hadamard.
+Here, per stream, ``Q = Q₀ · R(S)`` with ``Q₀`` the mean-keeping randomized Hadamard that ``rotate(...,
+"hadamard")`` builds and
+
+    R(S) = (I − A/2)⁻¹ (I + A/2),   A = P (S − Sᵀ) P,   P = I − 11ᵀ/d,
+
+the Cayley transform of a skew-symmetric ``A``: orthogonal for every ``S`` (to float64 rounding, so the
+rotated float model equals the original), equal to ``I`` at ``S = 0`` (the search starts at the Hadamard),
+and ``R·1 = 1`` because ``A·1 = 0``, so ``Q·1 = Q₀·1 = 1`` keeps zero-mean streams zero-mean (compat format,
+centering ops) exactly as the fixed matrices do. ``S`` is a free ``d × d`` parameter, optimised by Adam.
+
+Where the stream quantizes better unturned (a stream lighter-tailed than Gaussian: rotation makes it *more*
+Gaussian), the search starts from ``R = Q₀ᵀ`` instead (``Q = Q₀ Q₀ᵀ cayley(S)``: no rotation, then the
+learned one); both starts are scored on every calibration batch first.
+
+The loss is the fake-quantized model's output error against the float model on the calibration batches:
+every ``nn.Linear`` / transformers ``Conv1D`` weight rounded to ``bits`` (symmetric absmax, one scale per
+output channel or per ``group_size`` inputs) and, with ``act_bits``, every such module's input rounded per
+token, both with straight-through rounding (the scales stay differentiable). The weights are the copy's,
+turned by ``R`` through ``torch.func.functional_call`` (nothing is written into the model while learning);
+the rotation ops a stream already has (``output="restore"``'s ``Qᵀ``, a centering op's ``Q``) take ``R`` too.
+
+Cost: one forward and backward of the fake-quantized model per step, plus a ``d × d`` solve per stream, and
+one float copy of the model. A few hundred steps of a 4-layer, width-64 toy take seconds on one CPU core;
+a 7B model is SpinQuant's territory (a GPU, ~800 steps of 800 samples in its paper).
+
+This module knows nothing of how a stream is found or turned: :func:`normswap.rotation.rotate.rotate`
+hands it, per stream, the names of the tensors its rotation multiplies (:class:`StreamTensors`), and takes
+back each stream's ``R``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from normswap.errors import NormswapError
+
+
+@dataclass(frozen=True)
+class LearnSettings:
+    """What the learned rotation optimises for and how long.
+
+    ``bits``: weight bits of the fake quantizer (2-8; default 4). ``act_bits``: per-token activation bits,
+    or None for weight-only quantization. ``group_size``: one weight scale per this many inputs (None: per
+    output channel). ``steps``: optimiser steps (one calibration batch each, cycling). ``lr``: Adam's step on
+    the skew parameter."""
+
+    bits: int = 4
+    act_bits: int | None = None
+    group_size: int | None = None
+    steps: int = 100
+    lr: float = 1e-3
+
+    def __post_init__(self) -> None:
+        for name, lo, hi, optional in (("bits", 2, 8, False), ("act_bits", 2, 16, True)):
+            v = getattr(self, name)
+            if v is None and optional:
+                continue
+            if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+                raise NormswapError(f"learned rotation: {name} must be an int in [{lo}, {hi}]"
+                                    f"{' or None' if optional else ''}, not {v!r}")
+        g = self.group_size
+        if g is not None and (isinstance(g, bool) or not isinstance(g, int) or g < 2):
+            raise NormswapError(f"learned rotation: group_size must be an int ≥ 2 or None, not {g!r}")
+        if isinstance(self.steps, bool) or not isinstance(self.steps, int) or not 0 <= self.steps <= 100_000:
+            raise NormswapError(f"learned rotation: steps must be an int in [0, 100000], not {self.steps!r}")
+        if isinstance(self.lr, bool) or not isinstance(self.lr, (int, float)) or not 0 < float(self.lr) < 10:
+            raise NormswapError(f"learned rotation: lr must be a number in (0, 10), not {self.lr!r}")
+
+    def describe(self) -> str:
+        what = f"W{self.bits}" + (f"A{self.act_bits}" if self.act_bits else "") \
+            + (f", groups of {self.group_size}" if self.group_size else "")
+        return f"{what}, {self.steps} steps"
+
+
+@dataclass
+class StreamTensors:
+    """What turning one stream by ``R`` multiplies, by name in the model: ``turned`` = ``(parameter, axis,
+    rows)`` whose ``axis`` features become ``· R`` (writers' output features, kept norm biases, readers' input
+    features; ``rows = (start, stop, row_axis)`` where only some rows of the parameter are one reader's, as a
+    stacked q/k/v weight), ``restore`` = buffers holding a ``Qᵀ`` (they become ``Rᵀ Qᵀ``), ``ops`` = buffers
+    holding a ``Q`` (they become ``Q R``)."""
+
+    key: str  # the stream's first norm
+    width: int
+    undo: torch.Tensor | None = None  # Q₀ᵀ: R = Q₀ᵀ turns the stream back (the no-rotation start)
+    turned: list[tuple[str, int, tuple[int, int, int] | None]] = field(default_factory=list)
+    restore: list[str] = field(default_factory=list)
+    ops: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Learned:
+    """What the optimisation did: the settings, the loss (relative squared output error of the fake-quantized
+    model, mean over the calibration batches) at the Hadamard start and at the end, and the time taken.
+    ``kept_start`` is True where the learned matrix did no better on the calibration batches than the start,
+    so the start (``R = I``) was kept."""
+
+    settings: LearnSettings
+    loss_start: float
+    loss_end: float
+    seconds: float
+    kept_start: bool
+    history: list[float] = field(default_factory=list)
+    start: str = "hadamard"  # or "identity": the stream unrotated scored better than the Hadamard on the data
+    loss_hadamard: float = float("nan")
+    loss_identity: float = float("nan")
+
+    def headline(self) -> str:
+        line = (f"learned rotation ({self.settings.describe()}, {self.seconds:.1f} s): fake-quant output error "
+                f"{self.loss_start:.3g} at the {self.start} start → {self.loss_end:.3g}")
+        if self.start == "identity":
+            line += f" (the Hadamard scored {self.loss_hadamard:.3g})"
+        return line + (f" (no gain: the {self.start} start kept)" if self.kept_start else "")
+
+    def record(self) -> dict:
+        """The manifest's fields (plain numbers)."""
+        s = self.settings
+        return {"bits": s.bits, "act_bits": s.act_bits, "group_size": s.group_size, "steps": s.steps, "lr": s.lr,
+                "start": self.start, "loss_hadamard": self.loss_hadamard, "loss_identity": self.loss_identity,
+                "loss_start": self.loss_start, "loss_end": self.loss_end, "kept_start": self.kept_start}
+
+
+def cayley(skew_param: torch.Tensor) -> torch.Tensor:
+    """``R = (I − A/2)⁻¹(I + A/2)`` with ``A = P (S − Sᵀ) P``: orthogonal, ``R·1 = 1``, ``R = I`` at ``S = 0``."""
+    d = skew_param.shape[0]
+    eye = torch.eye(d, dtype=skew_param.dtype, device=skew_param.device)
+    proj = eye - 1.0 / d
+    a = proj @ (skew_param - skew_param.T) @ proj
+    return torch.linalg.solve(eye - a / 2, eye + a / 2)
+
+
+def fake_quant(x: torch.Tensor, bits: int, dim: int, group_size: int | None = None) -> torch.Tensor:
+    """Symmetric absmax round-to-nearest along ``dim`` (one scale per slice, or per ``group_size`` entries of
+    it), with the straight-through estimator: the forward value is rounded, the gradient passes as if not."""
+    qmax = 2 ** (bits - 1) - 1
+    moved = x.movedim(dim, -1)
+    n = moved.shape[-1]
+    if group_size is not None and n % group_size == 0 and n > group_size:
+        work = moved.reshape(*moved.shape[:-1], n // group_size, group_size)
+    else:
+        work = moved
+    scale = work.abs().amax(-1, keepdim=True).clamp_min(1e-12) / qmax
+    rounded = (work / scale).round().clamp(-qmax, qmax) * scale
+    q = work + (rounded - work).detach()
+    return q.reshape(moved.shape).movedim(-1, dim)
+
+
+def _input_axis(module: nn.Module) -> int | None:
+    """The weight's input-feature axis of a matmul the loss quantizes (Linear: 1, HF Conv1D: 0), else None."""
+    if isinstance(module, nn.Linear):
+        return 1
+    if type(module).__name__ == "Conv1D" and getattr(module, "weight", None) is not None and module.weight.dim() == 2:
+        return 0
+    return None
+
+
+def _turn(p: torch.Tensor, axis: int, r: torch.Tensor, rows: tuple[int, int, int] | None) -> torch.Tensor:
+    """``p`` with its ``axis`` features times ``r`` (only rows ``rows`` of it, where given); differentiable."""
+    if rows is not None:
+        start, stop, row_axis = rows
+        parts = [p.narrow(row_axis, 0, start), _turn(p.narrow(row_axis, start, stop - start), axis, r, None),
+                 p.narrow(row_axis, stop, p.shape[row_axis] - stop)]
+        return torch.cat(parts, dim=row_axis)
+    return (p.movedim(axis, -1) @ r.to(p.dtype)).movedim(-1, axis)
+
+
+def output_tensor(out: Any) -> torch.Tensor:
+    """The model output the loss compares: a tensor itself, else ``logits``, ``last_hidden_state``, or the first
+    tensor of a tuple/ModelOutput."""
+    if torch.is_tensor(out):
+        return out
+    for name in ("logits", "last_hidden_state"):
+        v = getattr(out, name, None)
+        if torch.is_tensor(v):
+            return v
+    items = out.values() if isinstance(out, dict) else out if isinstance(out, (tuple, list)) else []
+    for v in items:
+        if torch.is_tensor(v):
+            return v
+    raise NormswapError(f"learned rotation: the model's output ({type(out).__name__}) holds no tensor to compare")
+
+
+class _Quantized:
+    """The fake quantizer around ``functional_call``: weights rounded in the parameter dict, inputs by pre-hooks."""
+
+    def __init__(self, model: nn.Module, settings: LearnSettings) -> None:
+        self.model, self.s = model, settings
+        self.weights = {f"{path}.weight" if path else "weight": _input_axis(m)
+                        for path, m in model.named_modules() if _input_axis(m) is not None}
+        self.handles: list = []
+
+    def __enter__(self) -> _Quantized:
+        if self.s.act_bits is not None:
+            bits = self.s.act_bits
+
+            def hook(module: nn.Module, args: tuple) -> tuple:
+                if not args or not torch.is_tensor(args[0]) or not args[0].is_floating_point():
+                    return args
+                return (fake_quant(args[0], bits, -1), *args[1:])
+
+            self.handles = [m.register_forward_pre_hook(hook) for m in self.model.modules()
+                            if _input_axis(m) is not None]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for h in self.handles:
+            h.remove()
+
+    def params(self, turned: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Every quantized weight, rounded (the turned value where the rotation changed it), plus the turned
+        tensors that are not quantized weights (biases, raw parameters, rotation-op buffers)."""
+        out = dict(turned)
+        state = dict(self.model.named_parameters(remove_duplicate=False))
+        for name, axis in self.weights.items():
+            w = turned.get(name, state.get(name))
+            if w is not None:
+                out[name] = fake_quant(w, self.s.bits, axis, self.s.group_size)
+        return out
+
+
+def output_error(out: torch.Tensor, ref: torch.Tensor, logits: bool, mask: torch.Tensor | None) -> torch.Tensor:
+    """What the learning minimises: for logits, KL(float ‖ quantized) per position (the figure LMs are compared
+    by); otherwise the relative squared error. ``mask`` (``[batch, seq]``, 1 = real token) leaves padding out."""
+    if logits:
+        log_ref = ref.log_softmax(-1)
+        per = (log_ref.exp() * (log_ref - out.log_softmax(-1))).sum(-1)
+    else:
+        per = (out - ref).pow(2).mean(-1) / ref.pow(2).mean().clamp_min(1e-30)
+    if mask is not None and mask.shape == per.shape:
+        w = mask.to(per.dtype)
+        return (per * w).sum() / w.sum().clamp_min(1)
+    return per.mean()
+
+
+def _is_logits(out: Any) -> bool:
+    return not torch.is_tensor(out) and torch.is_tensor(getattr(out, "logits", None))
+
+
+def optimise(model: nn.Module, streams: list[StreamTensors], batches: list[tuple[tuple, dict]],
+             settings: LearnSettings) -> tuple[dict[str, torch.Tensor], Learned]:
+    """Learn one ``R`` per stream of ``model`` (already turned by its start matrices ``Q₀``), so that ``Q₀ R``
+    minimises the fake-quantized model's output error on ``batches``. Returns ``({stream key: R}`` in float64,
+    what it did``)``. The model's parameters are read, never written; it runs in its own dtype, in eval mode.
+    The search starts from the better of ``R = I`` (the Hadamard) and ``R = Q₀ᵀ`` (no rotation; where every
+    stream has ``undo``) on all the batches; if nothing learned beats that start, the start is returned."""
+    from torch.func import functional_call
+
+    if not batches:
+        raise NormswapError("learned rotation: no calibration batch to learn from")
+    t0 = time.perf_counter()
+    was_training = model.training
+    model.eval()
+    state = {**dict(model.named_parameters(remove_duplicate=False)), **dict(model.named_buffers())}
+    for p in model.parameters():
+        p.requires_grad_(False)
+    # S = 0: R = I, the search starts at the Hadamard
+    skews = {s.key: torch.zeros(s.width, s.width, dtype=torch.float64, requires_grad=True) for s in streams}
+
+    aliases: dict[int, list[str]] = {}  # a tensor reachable by several names (tied weights) turns under all
+    for name, t in state.items():
+        aliases.setdefault(id(t), []).append(name)
+
+    def turned(rs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        for st in streams:
+            r = rs[st.key]
+            for name, axis, rows in st.turned:
+                out[name] = _turn(out.get(name, state[name]), axis, r, rows)
+            for name in st.restore:
+                out[name] = r.T.to(state[name].dtype) @ state[name]
+            for name in st.ops:
+                out[name] = state[name] @ r.to(state[name].dtype)
+        for name in list(out):
+            out.update({alias: out[name] for alias in aliases[id(state[name])]})
+        return out
+
+    with torch.no_grad():
+        first = model(*batches[0][0], **batches[0][1])
+        logits = _is_logits(first)
+        refs = [output_tensor(first).detach()] + [output_tensor(model(*args, **kwargs)).detach()
+                                                  for args, kwargs in batches[1:]]
+    masks = [kwargs.get("attention_mask") for _, kwargs in batches]
+    quant = _Quantized(model, settings)
+
+    def loss_on(i: int, rs: dict[str, torch.Tensor]) -> torch.Tensor:
+        args, kwargs = batches[i]
+        # tie_weights=False: a weight tied to a writer (an LM head) is rounded where its matmul reads it only
+        out = functional_call(model, quant.params(turned(rs)), args, kwargs, tie_weights=False, strict=False)
+        return output_error(output_tensor(out).to(refs[i].dtype), refs[i], logits, masks[i])
+
+    def mean_loss(rs: dict[str, torch.Tensor]) -> float:
+        with torch.no_grad():
+            return sum(float(loss_on(i, rs)) for i in range(len(batches))) / len(batches)
+
+    identity = {k: torch.eye(s.shape[0], dtype=torch.float64) for k, s in skews.items()}
+    undo = {st.key: st.undo for st in streams if st.undo is not None}
+    history: list[float] = []
+    # one batch per step is a noisy estimate: every tenth of the run the matrices are scored on every batch,
+    # and the best scored (the Hadamard start included) is returned
+    check_every = max(1, settings.steps // 10)
+    try:
+        with quant:
+            # two starts, scored on every batch: the Hadamard (R = I) and no rotation at all (R = Q₀ᵀ), which
+            # a stream lighter-tailed than Gaussian quantizes better with; the search goes on from the better
+            loss_hadamard = start = mean_loss(identity)
+            loss_identity = mean_loss(undo) if len(undo) == len(skews) else float("nan")
+            base, start_name = identity, "hadamard"
+            if loss_identity < loss_hadamard:
+                base, start_name, start = undo, "identity", loss_identity
+            best, best_loss = base, start
+            opt = torch.optim.Adam(list(skews.values()), lr=float(settings.lr))
+            decay = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0 - i / max(1, settings.steps))
+            for step in range(settings.steps):
+                opt.zero_grad(set_to_none=True)
+                loss = loss_on(step % len(batches), {k: base[k] @ cayley(s) for k, s in skews.items()})
+                loss.backward()
+                opt.step()
+                decay.step()
+                history.append(float(loss.detach()))
+                if (step + 1) % check_every == 0 or step + 1 == settings.steps:
+                    with torch.no_grad():
+                        now = {k: base[k] @ cayley(s.detach()) for k, s in skews.items()}
+                    score = mean_loss(now)
+                    if score < best_loss:
+                        best, best_loss = now, score
+    finally:
+        model.train(was_training)
+    kept = best is base
+    return best, Learned(settings, start, best_loss, time.perf_counter() - t0, kept, history, start_name,
+                         loss_hadamard, loss_identity)
