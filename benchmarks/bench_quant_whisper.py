@@ -342,12 +342,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--no-kl", action="store_true", help="with --wer: WER only (no reference distributions "
                     "and no teacher-forced pass; the encoder, most of a pass's time, runs either way)")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--plot", type=Path, help="with --merge: a PNG of the KL ratios and their intervals")
+    ap.add_argument("--plot-title", default="Whisper: quantized variants against the quantized original")
     ap.add_argument("--merge", type=Path, nargs="+", help="no measuring: the table of earlier --json runs on "
                     "disjoint clip sets (e.g. one per --speech directory, run side by side), clips pooled")
     args = ap.parse_args(argv)
     if args.merge:
         rows = merge([json.loads(p.read_text())["rows"] for p in args.merge])
         print(table(rows))
+        if args.plot:
+            plot(rows, args.plot, args.plot_title)
         if any("wer" in r for r in rows):
             print(wer_table(rows))
         if args.json:
@@ -481,6 +485,51 @@ def merge(runs: list[list[dict]]) -> list[dict]:
         if "clip_err" in r:
             r["wer"] = sum(r["clip_err"]) / sum(r["clip_words"])
     return list(pooled.values())
+
+
+def ratios(rows: list[dict]) -> list[tuple[str, str, float, float, float]]:
+    """(engine, variant, KL ratio to the original's in that engine, 95% bootstrap low, high) of every
+    variant measured on the same clips as its engine's original."""
+    base = {r["engine"]: r for r in rows if r["variant"] == "original" and "kl" in r}
+    out = []
+    for r in rows:
+        b = base.get(r["engine"])
+        if r["variant"] == "original" or "kl" not in r or b is None or len(r["clip_kl"]) != len(b["clip_kl"]):
+            continue
+        lo, hi = bootstrap(*(np.array(x, dtype=float) for x in (r["clip_kl"], r["clip_n"], b["clip_kl"], b["clip_n"])))
+        out.append((r["engine"], r["variant"], r["kl"] / b["kl"], lo, hi))
+    return out
+
+
+def plot(rows: list[dict], path: Path, title: str) -> None:
+    """One row per engine, one marker per variant: KL ratio to the original's with its 95% interval
+    (log scale; the band is ±5%, the issue's "within noise of the original")."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pts = ratios(rows)
+    engines = list(dict.fromkeys(e for e, *_ in pts))
+    variants = list(dict.fromkeys(v for _, v, *_ in pts))
+    fig, ax = plt.subplots(figsize=(8, 0.5 + 0.45 * len(engines) * max(1, len(variants)) / 2))
+    ax.axvspan(1 / 1.05, 1.05, color="0.9")
+    ax.axvline(1, color="0.4", lw=0.8)
+    step = 0.8 / max(1, len(variants))
+    for k, v in enumerate(variants):
+        ys = [engines.index(e) + (k - (len(variants) - 1) / 2) * step for e, w, *_ in pts if w == v]
+        xs = [(x, lo, hi) for _, w, x, lo, hi in pts if w == v]
+        ax.errorbar([x for x, _, _ in xs], ys, xerr=[[x - lo for x, lo, _ in xs], [hi - x for x, _, hi in xs]],
+                    fmt="o", ms=4, capsize=2, label=v)
+    ax.set_yticks(range(len(engines)), engines)
+    ax.invert_yaxis()
+    ax.set_xscale("log")
+    ax.set_xlabel("KL(fp32 original ‖ quantized variant) / KL(fp32 original ‖ quantized original), "
+                  "95% bootstrap", fontsize=8)
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8, loc="best")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def table(rows: list[dict]) -> str:

@@ -102,3 +102,18 @@ def test_gptq_calibration_reader_serves_every_clip_to_both_of_onnx_runtimes_prot
     while (f := reader.get_next()) is not None:
         drained.append(int(f["x"][0]))
     assert drained == [0, 1, 2]
+
+
+def test_ratios_pair_each_variant_with_its_own_engines_original_and_skip_unpaired_rows():
+    """The plotted ratio is the variant's KL over the original's in the same engine; a variant measured on
+    other clips than that original (a partial merge) is left out rather than compared unpaired."""
+    rows = _run(3, 6, ("original", "keep"))
+    other = _run(4, 6, ("original", "keep"))
+    for r in other:
+        r["engine"] = r["engine"].replace("CTranslate2", "ONNX Runtime")
+    short = dict(other[2], variant="short", clip_kl=other[2]["clip_kl"][:4], clip_n=other[2]["clip_n"][:4])
+    got = {(e, v): (x, lo, hi) for e, v, x, lo, hi in bq.ratios(bq.merge([rows + other[1:] + [short]]))}
+    assert set(got) == {("CTranslate2 int8", "keep"), ("ONNX Runtime int8", "keep")}
+    x, lo, hi = got[("ONNX Runtime int8", "keep")]
+    want = (sum(other[2]["clip_kl"]) / sum(other[2]["clip_n"])) / (sum(other[1]["clip_kl"]) / sum(other[1]["clip_n"]))
+    assert abs(x - want) < 1e-12 and lo <= x <= hi
