@@ -333,6 +333,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--limit", type=int, default=0, help="first N clips only")
     ap.add_argument("--ort-limit", type=int, default=0, help="first N clips only for the ONNX Runtime rows")
     ap.add_argument("--ort-quant", default="dyn-pt,dyn-pc", help="comma list of " + ", ".join(ORT_QUANT))
+    ap.add_argument("--nbits-variants", help="comma list: the only variants the 4-bit quantizers run (time)")
+    ap.add_argument("--ref-cache", type=Path, help="file holding the ONNX Runtime float32 original's log-probs, "
+                    "reused by a later run on the same clips (another quantizer, another variant)")
     ap.add_argument("--calib", type=Path, help="clip directory for nbits-gptq's calibration (not a measured clip)")
     ap.add_argument("--calib-count", type=int, default=8, help="clips of --calib used (from its first)")
     ap.add_argument("--torch-quant", default="per-tensor,per-channel",
@@ -422,10 +425,18 @@ def main(argv: list[str] | None = None) -> None:
     if "ort" in engines:
         n = args.ort_limit or len(feats)
         paths = {name: ort_export(d, args.work / "onnx" / name / "model.onnx") for name, d in variants.items()}
-        ref_o = ort_logits(paths["original"], feats[:n], refs[:n])
-        # the exported float32 graphs of the variants against the original's (exact conversions: rounding)
+        key = {"clips": n, "refs": refs[:n], "speech": [str(d) for d in args.speech]}
+        if args.ref_cache and args.ref_cache.exists() and (c := torch.load(args.ref_cache))["key"] == key:
+            ref_o, cached = c["logp"], True  # the same clips, tokens and float32 graph as a run before
+        else:
+            cached = False
+            ref_o = ort_logits(paths["original"], feats[:n], refs[:n])
+            if args.ref_cache:
+                torch.save({"key": key, "logp": ref_o}, args.ref_cache)
+        # the exported float32 graphs of the variants against the original's (exact conversions: rounding;
+        # once per clip set: not again in a run that reuses the cached reference)
         for name, path in paths.items():
-            if name != "original":
+            if name != "original" and not cached:
                 got = ort_logits(path, feats[:2], refs[:2])
                 err = max(float((a.exp() - b.exp()).abs().max()) for a, b in zip(ref_o[:2], got, strict=True))
                 print(f"{name}: ONNX Runtime float32, max |Δprob| against the original on 2 clips {err:.2e}",
@@ -442,6 +453,8 @@ def main(argv: list[str] | None = None) -> None:
                      for c in cal]
         for q in args.ort_quant.split(","):
             for name, path in paths.items():
+                if q.startswith("nbits") and args.nbits_variants and name not in args.nbits_variants.split(","):
+                    continue
                 t1 = time.time()
                 rows.append({"engine": ORT_ENGINE[q], "variant": name,
                              **compare(ref_o, ort_logits(ort_quantize(path, q, calib), feats[:n], refs[:n])),
