@@ -124,11 +124,29 @@ def ct2_logits(model_dir: Path, feats: np.ndarray, refs: list[list[int]] | None,
     return out_logp, out_greedy, out_refs
 
 
-def torch_logits(model_dir: Path, feats: np.ndarray, refs: list[list[int]], quant: str) -> list:
-    from transformers import WhisperForConditionalGeneration
+def whisper_model(model_dir: Path) -> torch.nn.Module:
+    """A variant's directory in float32, eager attention: a compat (stock) directory as
+    ``WhisperForConditionalGeneration``, a native one through the auto class its config names (registered
+    by ``import normswap``), as the docs load it."""
+    import transformers
 
-    model = WhisperForConditionalGeneration.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
-    if quant != "fp32":
+    import normswap  # noqa: F401  (registers the native checkpoints' model types)
+
+    native = json.loads((model_dir / "config.json").read_text())["model_type"].startswith("normswap")
+    cls = transformers.AutoModelForSpeechSeq2Seq if native else transformers.WhisperForConditionalGeneration
+    return cls.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
+
+
+def torch_logits(model_dir: Path, feats: np.ndarray, refs: list[list[int]], quant: str) -> list:
+    """Teacher-forced log-probs in torch eager: ``fp32``; torch's ``quantize_dynamic`` (``per-tensor`` /
+    ``per-channel`` int8 weights); or torchao's ``Int8DynamicActivationInt8WeightConfig`` (``torchao``:
+    int8 weights per output channel, int8 activations per token at run time, ``torch._int_mm``)."""
+    model = whisper_model(model_dir)
+    if quant == "torchao":
+        from torchao.quantization import Int8DynamicActivationInt8WeightConfig, quantize_
+
+        quantize_(model, Int8DynamicActivationInt8WeightConfig())
+    elif quant != "fp32":
         from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
 
         spec = {torch.nn.Linear: per_channel_dynamic_qconfig} if quant == "per-channel" else {torch.nn.Linear}
@@ -166,12 +184,9 @@ def ort_export(model_dir: Path, path: Path) -> Path:
     """The variant's transformers directory exported to ONNX (fp32, opset 17, TorchScript exporter)."""
     import warnings
 
-    from transformers import WhisperForConditionalGeneration
-
     if path.exists():
         return path
-    model = WhisperForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32,
-                                                            attn_implementation="eager").eval()
+    model = whisper_model(model_dir)
     feats = torch.zeros(1, model.config.num_mel_bins, 3000)
     ids = torch.tensor([list(SOT_NOTS) + [EOT]])
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -184,15 +199,65 @@ def ort_export(model_dir: Path, path: Path) -> Path:
     return path
 
 
-def ort_quantize(fp32: Path, how: str) -> Path:
-    """ONNX Runtime's own ``quantize_dynamic``: int8 weights per tensor (``dyn-pt``) or per channel
-    (``dyn-pc``), activations uint8 per tensor at run time."""
+ORT_QUANT = ("dyn-pt", "dyn-pc", "nbits-rtn", "nbits-hqq", "nbits-gptq")
+ORT_ENGINE = {"dyn-pt": "ONNX Runtime dynamic int8 dyn-pt", "dyn-pc": "ONNX Runtime dynamic int8 dyn-pc",
+              "nbits-rtn": "ONNX Runtime MatMulNBits 4-bit RTN", "nbits-hqq": "ONNX Runtime MatMulNBits 4-bit HQQ",
+              "nbits-gptq": "ONNX Runtime MatMulNBits 4-bit GPTQ"}
+
+
+class CalibrationFeed:
+    """ONNX Runtime calibration reader: one clip per call (features, decoder ids forced on its tokens)."""
+
+    def __init__(self, feeds: list[dict]) -> None:
+        self.feeds = list(feeds)
+
+    def get_next(self) -> dict | None:
+        return self.feeds.pop(0) if self.feeds else None
+
+    def __iter__(self):  # noqa: ANN204 (the GPTQ path iterates a deep copy)
+        return iter(list(self.feeds))
+
+
+def ort_feed(feats: np.ndarray, refs: list[list[int]]) -> dict:
+    """The exported graph's inputs for a batch of clips, forced on ``refs`` (padded with end-of-text)."""
+    n = max(map(len, refs))
+    ids = np.full((len(refs), len(SOT_NOTS) + n), EOT, dtype=np.int64)
+    for j, r in enumerate(refs):
+        ids[j, : len(SOT_NOTS) + len(r)] = list(SOT_NOTS) + r
+    return {"input_features": np.ascontiguousarray(feats), "decoder_input_ids": ids}
+
+
+def ort_quantize(fp32: Path, how: str, calib: list[dict] | None = None) -> Path:
+    """The exported fp32 graph quantized by ONNX Runtime's own tools.
+
+    ``dyn-pt`` / ``dyn-pc``: ``quantize_dynamic``, int8 weights per tensor / per channel, uint8
+    activations per tensor at run time. ``nbits-rtn`` / ``nbits-hqq`` / ``nbits-gptq``:
+    ``MatMulNBitsQuantizer``, 4-bit weights in blocks of 32 along the input features (RTN symmetric, its
+    default algorithm; HQQ; GPTQ calibrated on ``calib``, per-block scales), activations float."""
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
+    if how == "fp32":
+        return fp32
     out = fp32.with_name(f"{fp32.stem}.{how}.onnx")
-    if how != "fp32" and not out.exists():
+    if out.exists():
+        return out
+    if how in ("dyn-pt", "dyn-pc"):
         quantize_dynamic(str(fp32), str(out), weight_type=QuantType.QInt8, per_channel=how == "dyn-pc")
-    return fp32 if how == "fp32" else out
+    elif how.startswith("nbits-"):
+        import onnx
+        from onnxruntime.quantization import matmul_nbits_quantizer as mq
+
+        algo = {"nbits-rtn": lambda: mq.DefaultWeightOnlyQuantConfig(block_size=32, is_symmetric=True),
+                "nbits-hqq": lambda: mq.HQQWeightOnlyQuantConfig(block_size=32, bits=4),
+                "nbits-gptq": lambda: mq.GPTQWeightOnlyQuantConfig(CalibrationFeed(calib or []), block_size=128,
+                                                                   perchannel=False)}[how]()
+        q = mq.MatMulNBitsQuantizer(onnx.load(str(fp32)) if how != "nbits-gptq" else str(fp32), block_size=32,
+                                    is_symmetric=True, algo_config=algo)
+        q.process()
+        q.model.save_model_to_file(str(out), use_external_data_format=False)
+    else:
+        raise ValueError(how)
+    return out
 
 
 def ort_logits(path: Path, feats: np.ndarray, refs: list[list[int]]) -> list:
@@ -202,14 +267,10 @@ def ort_logits(path: Path, feats: np.ndarray, refs: list[list[int]]) -> list:
     so.intra_op_num_threads, so.inter_op_num_threads = 2, 1
     sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
     out = []
+    p = len(SOT_NOTS)
     for i in range(0, len(feats), 4):
         batch = refs[i:i + 4]
-        n = max(map(len, batch))
-        p = len(SOT_NOTS)
-        ids = np.full((len(batch), p + n), EOT, dtype=np.int64)
-        for j, r in enumerate(batch):
-            ids[j, : p + len(r)] = list(SOT_NOTS) + r
-        (logits,) = sess.run(None, {"input_features": np.ascontiguousarray(feats[i:i + 4]), "decoder_input_ids": ids})
+        (logits,) = sess.run(None, ort_feed(feats[i:i + 4], batch))
         for j, r in enumerate(batch):
             out.append(torch.log_softmax(torch.from_numpy(logits[j, p - 1: p + len(r)]).double(), -1).float())
     return out
@@ -271,17 +332,29 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--engines", default="ct2,torch", help="comma list of ct2, ort, torch")
     ap.add_argument("--limit", type=int, default=0, help="first N clips only")
     ap.add_argument("--ort-limit", type=int, default=0, help="first N clips only for the ONNX Runtime rows")
+    ap.add_argument("--ort-quant", default="dyn-pt,dyn-pc", help="comma list of " + ", ".join(ORT_QUANT))
+    ap.add_argument("--nbits-variants", help="comma list: the only variants the 4-bit quantizers run (time)")
+    ap.add_argument("--ref-cache", type=Path, help="file holding the ONNX Runtime float32 original's log-probs, "
+                    "reused by a later run on the same clips (another quantizer, another variant)")
+    ap.add_argument("--calib", type=Path, help="clip directory for nbits-gptq's calibration (not a measured clip)")
+    ap.add_argument("--calib-count", type=int, default=8, help="clips of --calib used (from its first)")
+    ap.add_argument("--torch-quant", default="per-tensor,per-channel",
+                    help="comma list of per-tensor, per-channel, torchao (engine torch)")
     ap.add_argument("--ct2-types", default="int8", help="CTranslate2 compute types, e.g. float32,int8")
     ap.add_argument("--wer", action="store_true", help="also greedy-decode every CTranslate2 variant: WER")
     ap.add_argument("--no-kl", action="store_true", help="with --wer: WER only (no reference distributions "
                     "and no teacher-forced pass; the encoder, most of a pass's time, runs either way)")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--plot", type=Path, help="with --merge: a PNG of the KL ratios and their intervals")
+    ap.add_argument("--plot-title", default="Whisper: quantized variants against the quantized original")
     ap.add_argument("--merge", type=Path, nargs="+", help="no measuring: the table of earlier --json runs on "
                     "disjoint clip sets (e.g. one per --speech directory, run side by side), clips pooled")
     args = ap.parse_args(argv)
     if args.merge:
         rows = merge([json.loads(p.read_text())["rows"] for p in args.merge])
         print(table(rows))
+        if args.plot:
+            plot(rows, args.plot, args.plot_title)
         if any("wer" in r for r in rows):
             print(wer_table(rows))
         if args.json:
@@ -352,18 +425,49 @@ def main(argv: list[str] | None = None) -> None:
     if "ort" in engines:
         n = args.ort_limit or len(feats)
         paths = {name: ort_export(d, args.work / "onnx" / name / "model.onnx") for name, d in variants.items()}
-        ref_o = ort_logits(paths["original"], feats[:n], refs[:n])
-        for q in ("dyn-pt", "dyn-pc"):
+        key = {"clips": n, "refs": refs[:n], "speech": [str(d) for d in args.speech]}
+        if args.ref_cache and args.ref_cache.exists() and (c := torch.load(args.ref_cache))["key"] == key:
+            ref_o, cached = c["logp"], True  # the same clips, tokens and float32 graph as a run before
+        else:
+            cached = False
+            ref_o = ort_logits(paths["original"], feats[:n], refs[:n])
+            if args.ref_cache:
+                torch.save({"key": key, "logp": ref_o}, args.ref_cache)
+        # the exported float32 graphs of the variants against the original's (exact conversions: rounding;
+        # once per clip set: not again in a run that reuses the cached reference)
+        for name, path in paths.items():
+            if name != "original" and not cached:
+                got = ort_logits(path, feats[:2], refs[:2])
+                err = max(float((a.exp() - b.exp()).abs().max()) for a, b in zip(ref_o[:2], got, strict=True))
+                print(f"{name}: ONNX Runtime float32, max |Δprob| against the original on 2 clips {err:.2e}",
+                      flush=True)
+        calib = None
+        if "nbits-gptq" in args.ort_quant.split(","):
+            if not args.calib:
+                sys.exit("error: nbits-gptq needs --calib DIR (clips not among the measured ones)")
+            from transformers import AutoTokenizer
+
+            cal = load_clips(args.calib)[-args.calib_count:]
+            spoken = AutoTokenizer.from_pretrained(args.orig)
+            calib = [ort_feed(features(args.orig, [c]), [spoken.encode(" " + c[1].strip(), add_special_tokens=False)])
+                     for c in cal]
+        for q in args.ort_quant.split(","):
             for name, path in paths.items():
-                rows.append({"engine": f"ONNX Runtime dynamic int8 {q}", "variant": name,
-                             **compare(ref_o, ort_logits(ort_quantize(path, q), feats[:n], refs[:n]))})
+                if q.startswith("nbits") and args.nbits_variants and name not in args.nbits_variants.split(","):
+                    continue
+                t1 = time.time()
+                rows.append({"engine": ORT_ENGINE[q], "variant": name,
+                             **compare(ref_o, ort_logits(ort_quantize(path, q, calib), feats[:n], refs[:n])),
+                             "seconds": round(time.time() - t1, 1)})
                 report(rows, args.json, len(feats))
     if "torch" in engines:
         ref_t = torch_logits(args.orig, feats, refs, "fp32")
-        for name, d in variants.items():
-            for q in ("per-tensor", "per-channel"):
-                rows.append({"engine": f"torch dynamic int8 {q}", "variant": name,
-                             **compare(ref_t, torch_logits(d, feats, refs, q))})
+        for q in args.torch_quant.split(","):
+            for name, d in variants.items():
+                t1 = time.time()
+                rows.append({"engine": "torchao int8 dynamic" if q == "torchao" else f"torch dynamic int8 {q}",
+                             "variant": name, **compare(ref_t, torch_logits(d, feats, refs, q)),
+                             "seconds": round(time.time() - t1, 1)})
                 report(rows, args.json, len(feats))
     print(table(rows))
     if args.wer:
@@ -394,6 +498,51 @@ def merge(runs: list[list[dict]]) -> list[dict]:
         if "clip_err" in r:
             r["wer"] = sum(r["clip_err"]) / sum(r["clip_words"])
     return list(pooled.values())
+
+
+def ratios(rows: list[dict]) -> list[tuple[str, str, float, float, float]]:
+    """(engine, variant, KL ratio to the original's in that engine, 95% bootstrap low, high) of every
+    variant measured on the same clips as its engine's original."""
+    base = {r["engine"]: r for r in rows if r["variant"] == "original" and "kl" in r}
+    out = []
+    for r in rows:
+        b = base.get(r["engine"])
+        if r["variant"] == "original" or "kl" not in r or b is None or len(r["clip_kl"]) != len(b["clip_kl"]):
+            continue
+        lo, hi = bootstrap(*(np.array(x, dtype=float) for x in (r["clip_kl"], r["clip_n"], b["clip_kl"], b["clip_n"])))
+        out.append((r["engine"], r["variant"], r["kl"] / b["kl"], lo, hi))
+    return out
+
+
+def plot(rows: list[dict], path: Path, title: str) -> None:
+    """One row per engine, one marker per variant: KL ratio to the original's with its 95% interval
+    (log scale; the band is ±5%, the issue's "within noise of the original")."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pts = ratios(rows)
+    engines = list(dict.fromkeys(e for e, *_ in pts))
+    variants = list(dict.fromkeys(v for _, v, *_ in pts))
+    fig, ax = plt.subplots(figsize=(8, 0.5 + 0.45 * len(engines) * max(1, len(variants)) / 2))
+    ax.axvspan(1 / 1.05, 1.05, color="0.9")
+    ax.axvline(1, color="0.4", lw=0.8)
+    step = 0.8 / max(1, len(variants))
+    for k, v in enumerate(variants):
+        ys = [engines.index(e) + (k - (len(variants) - 1) / 2) * step for e, w, *_ in pts if w == v]
+        xs = [(x, lo, hi) for _, w, x, lo, hi in pts if w == v]
+        ax.errorbar([x for x, _, _ in xs], ys, xerr=[[x - lo for x, lo, _ in xs], [hi - x for x, _, hi in xs]],
+                    fmt="o", ms=4, capsize=2, label=v)
+    ax.set_yticks(range(len(engines)), engines)
+    ax.invert_yaxis()
+    ax.set_xscale("log")
+    ax.set_xlabel("KL(fp32 original ‖ quantized variant) / KL(fp32 original ‖ quantized original), "
+                  "95% bootstrap", fontsize=8)
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8, loc="best")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def table(rows: list[dict]) -> str:

@@ -75,3 +75,45 @@ def test_a_variant_on_fewer_clips_than_the_original_is_not_paired():
     extra = next(ln for ln in text.splitlines() if "| extra |" in ln)
     assert "not on the original's 12 clips" in extra
     assert "| extra |" not in bq.wer_table(rows)
+
+
+def test_ort_feed_forces_each_clip_on_its_own_tokens_after_the_prompt_padded_with_end_of_text():
+    """A clip's decoder row is the prompt then its tokens; shorter clips are padded with end-of-text after
+    their own tokens (causal attention: padding after a position cannot change that position's logits)."""
+    feats = np.zeros((2, 80, 3000), dtype=np.float32)
+    feed = bq.ort_feed(feats, [[11, 12, 13], [21]])
+    p = len(bq.SOT_NOTS)
+    ids = feed["decoder_input_ids"]
+    assert ids.dtype == np.int64 and ids.shape == (2, p + 3)
+    assert list(ids[0]) == [*bq.SOT_NOTS, 11, 12, 13]
+    assert list(ids[1]) == [*bq.SOT_NOTS, 21, bq.EOT, bq.EOT]
+    assert feed["input_features"].flags["C_CONTIGUOUS"]
+
+
+def test_gptq_calibration_reader_serves_every_clip_to_both_of_onnx_runtimes_protocols():
+    """ONNX Runtime's GPTQ path iterates a deep copy of the reader; its static path drains ``get_next``.
+    Both must see every calibration clip, once."""
+    import copy
+
+    feeds = [{"x": np.full(1, i)} for i in range(3)]
+    reader = bq.CalibrationFeed(feeds)
+    assert [int(f["x"][0]) for f in copy.deepcopy(reader)] == [0, 1, 2]
+    drained = []
+    while (f := reader.get_next()) is not None:
+        drained.append(int(f["x"][0]))
+    assert drained == [0, 1, 2]
+
+
+def test_ratios_pair_each_variant_with_its_own_engines_original_and_skip_unpaired_rows():
+    """The plotted ratio is the variant's KL over the original's in the same engine; a variant measured on
+    other clips than that original (a partial merge) is left out rather than compared unpaired."""
+    rows = _run(3, 6, ("original", "keep"))
+    other = _run(4, 6, ("original", "keep"))
+    for r in other:
+        r["engine"] = r["engine"].replace("CTranslate2", "ONNX Runtime")
+    short = dict(other[2], variant="short", clip_kl=other[2]["clip_kl"][:4], clip_n=other[2]["clip_n"][:4])
+    got = {(e, v): (x, lo, hi) for e, v, x, lo, hi in bq.ratios(bq.merge([rows + other[1:] + [short]]))}
+    assert set(got) == {("CTranslate2 int8", "keep"), ("ONNX Runtime int8", "keep")}
+    x, lo, hi = got[("ONNX Runtime int8", "keep")]
+    want = (sum(other[2]["clip_kl"]) / sum(other[2]["clip_n"])) / (sum(other[1]["clip_kl"]) / sum(other[1]["clip_n"]))
+    assert abs(x - want) < 1e-12 and lo <= x <= hi
