@@ -83,28 +83,28 @@ def test_plan_says_the_same_sub_runs_and_leaves_the_model_untouched() -> None:
 
 
 class EntityEmbeddings(nn.Module):
-    """Embeddings of entity ids, normalised: the model runs them only when ``entity_ids`` are given."""
+    """Embeddings of concept ids, normalised: the model runs them only when ``concept_ids`` are given."""
 
     def __init__(self, width: int) -> None:
         super().__init__()
         self.table = nn.Embedding(16, width)
         self.LayerNorm = nn.LayerNorm(width)
 
-    def forward(self, entity_ids: torch.Tensor) -> torch.Tensor:
-        return self.LayerNorm(self.table(entity_ids))
+    def forward(self, concept_ids: torch.Tensor) -> torch.Tensor:
+        return self.LayerNorm(self.table(concept_ids))
 
 
 class BertWithEntities(tf.BertModel):
-    """BERT (Post-LN, so its own norms are approximate) whose entity branch runs only with ``entity_ids``."""
+    """BERT (Post-LN, so its own norms are approximate) whose entity branch runs only with ``concept_ids``."""
 
     def __init__(self, config: tf.BertConfig) -> None:
         super().__init__(config)
         self.entity_embeddings = EntityEmbeddings(config.hidden_size)
 
-    def forward(self, input_ids=None, attention_mask=None, entity_ids=None, **kwargs):  # noqa: ANN001, ANN003, ANN201
+    def forward(self, input_ids=None, attention_mask=None, concept_ids=None, **kwargs):  # noqa: ANN001, ANN003, ANN201
         out = super().forward(input_ids=input_ids, attention_mask=attention_mask)
-        if entity_ids is not None:
-            return out.last_hidden_state, self.entity_embeddings(entity_ids)
+        if concept_ids is not None:
+            return out.last_hidden_state, self.entity_embeddings(concept_ids)
         return out.last_hidden_state
 
 
@@ -121,17 +121,17 @@ def test_a_norm_only_an_optional_input_reaches_is_kept_and_the_input_named() -> 
     report = patched(model, mode="exact")
 
     assert isinstance(model.entity_embeddings.LayerNorm, nn.LayerNorm)  # kept: partial, exact
-    line = ("1 LayerNorm(s) in `entity_embeddings` not reached: pass `entity_ids` (BertWithEntities.forward reaches "
+    line = ("1 LayerNorm(s) in `entity_embeddings` not reached: pass `concept_ids` (BertWithEntities.forward reaches "
             "them only with it)")
     assert report.plan.options["unreached"] == [line]
     assert line in report.message and line in report.plan.options["analysis_inputs"]
     [reason] = [s.reason for s in report.plan.sites if s.name == "entity_embeddings.LayerNorm"] + \
         [s["reason"] for s in report.plan.skipped if s["name"] == "entity_embeddings.LayerNorm"]
-    assert reason.endswith("; pass `entity_ids` (BertWithEntities.forward reaches them only with it)")
+    assert reason.endswith("; pass `concept_ids` (BertWithEntities.forward reaches them only with it)")
     ids = torch.randint(3, 128, (2, 7), generator=torch.Generator().manual_seed(1))
     ent = torch.randint(0, 16, (2, 3), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
-        outputs = model(input_ids=ids, entity_ids=ent), original(input_ids=ids, entity_ids=ent)
+        outputs = model(input_ids=ids, concept_ids=ent), original(input_ids=ids, concept_ids=ent)
         for got, want in zip(*outputs, strict=True):
             assert (got - want).abs().max() <= 1e-9
 
