@@ -239,6 +239,17 @@ def test_forward_reads_a_parametrized_or_absent_weight_the_ordinary_way():
     torch.testing.assert_close(bare(x), x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + bare.eps))
 
 
+def test_forward_sees_parameters_swapped_by_functional_call():
+    """``torch.func.functional_call`` swaps tensors into ``_parameters``: the forward uses them."""
+    m = normswap.RMSNorm(16, bias=True)
+    x, w, b = torch.randn(3, 16), torch.randn(16), torch.randn(16)
+    with torch.no_grad():
+        m(x)  # a cached decision first
+        got = torch.func.functional_call(m, {"weight": w, "bias": b}, (x,))
+        torch.testing.assert_close(got, x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + m.eps) * w + b)
+        torch.testing.assert_close(m(x), x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + m.eps))
+
+
 def test_converted_model_dispatches_no_more_aten_ops_than_the_original():
     """Eager per-call work of a whole converted model, counted by op: each LayerNorm's ``aten.layer_norm``
     becomes at most one aten op (the output's allocation; the C++ kernel then fills it), and nothing
