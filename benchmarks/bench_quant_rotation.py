@@ -51,6 +51,7 @@ ORT = ("dyn-pt", "dyn-pc", "qdq", "nbits-rtn", "nbits-hqq")
 RTN = {"w8a4": (8, 4), "w4a4": (4, 4)}
 VARIANTS = ("original", "converted", "hadamard", "hadamard+float-ops", "hadamard+smooth", "hadamard+smooth0.25",
             "hadamard+online", "hadamard+online+smooth", "learned-w4g32", "learned-w4g32f", "learned-w4g32+smooth",
+            "learned-w4g32f+smooth",
             "learned-w4a4", "learned-w4a4+online", "learned-w8a8")
 LEARN_STEPS = 100  # --learn-steps
 
