@@ -17,9 +17,10 @@ backbone's output is the final norm's, so its input is turned back by one ``Qᵀ
   held-out calibration images (the ones static QDQ calibrates on);
 * ``hadamard+online``, ``hadamard+online+smooth``: with QuaRot's online Hadamards (before every MLP down
   projection; per-head value/output Hadamards).
-* ``learned-w4g32[+smooth]``, ``learned-w4a4[+online]``, ``learned-w8a8``: ``rotate(m, "learned", ...)``, the
-  Hadamard times an orthogonal R learned on the calibration images (``--learn-steps`` Adam steps) for 4-bit
-  weights in blocks of 32 (``MatMulNBits``' setting, weight-only), RTN W4A4, RTN W8A8 (per-token activations).
+* ``learned-w4g32[f][+smooth]``, ``learned-w4a4[+online]``, ``learned-w8a8``: ``rotate(m, "learned", ...)``,
+  the Hadamard times an orthogonal R learned on the calibration images (``--learn-steps`` Adam steps) for
+  4-bit weights in blocks of 32 (``MatMulNBits``' setting, weight-only; ``f``: on its own grid,
+  ``grid="full"``), RTN W4A4, RTN W8A8 (per-token activations).
 
 Error: ``1 − cosine`` against the float32 original in torch, over every output token (``tok``) and the CLS
 embedding (``cls``), on ``--images`` held-out generated images.
@@ -49,17 +50,20 @@ import quant_utils  # noqa: E402
 ORT = ("dyn-pt", "dyn-pc", "qdq", "nbits-rtn", "nbits-hqq")
 RTN = {"w8a4": (8, 4), "w4a4": (4, 4)}
 VARIANTS = ("original", "converted", "hadamard", "hadamard+float-ops", "hadamard+smooth", "hadamard+smooth0.25",
-            "hadamard+online", "hadamard+online+smooth", "learned-w4g32", "learned-w4g32+smooth", "learned-w4a4",
-            "learned-w4a4+online", "learned-w8a8")
+            "hadamard+online", "hadamard+online+smooth", "learned-w4g32", "learned-w4g32f", "learned-w4g32+smooth",
+            "learned-w4g32f+smooth",
+            "learned-w4a4", "learned-w4a4+online", "learned-w8a8")
 LEARN_STEPS = 100  # --learn-steps
 
 
 def learn_target(name: str) -> dict[str, Any]:
-    """``learned-w4g32`` → bits 4, groups of 32 (MatMulNBits' blocks); ``learned-w4a4`` → W4A4 per token."""
+    """``learned-w4g32`` → bits 4, groups of 32 (MatMulNBits' blocks); ``learned-w4g32f`` → the same on
+    MatMulNBits' own grid (``grid="full"``); ``learned-w4a4`` → W4A4 per token."""
     target = name.removeprefix("learned-").split("+")[0]
-    w, _, rest = target[1:].partition("g" if "g" in target else "a")
+    grid = "full" if target.endswith("f") else "symmetric"
+    w, _, rest = target.removesuffix("f")[1:].partition("g" if "g" in target else "a")
     kind = "group_size" if "g" in target else "act_bits"
-    return {"bits": int(w), kind: int(rest), "steps": LEARN_STEPS}
+    return {"bits": int(w), kind: int(rest), "steps": LEARN_STEPS, "grid": grid}
 
 
 def build(model: torch.nn.Module, name: str, calib: torch.Tensor) -> tuple[torch.nn.Module, str, bool]:

@@ -54,7 +54,7 @@ FORMATS = ("native", "compat")
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # checkpoint dtypes ``convert`` can write
 VERIFY_DTYPES = ("auto", "float64", "float32")  # what the working copy computes in (normswap.memory)
 ROTATIONS = ("hadamard", "random", "learned")  # what ``rotate`` builds (normswap.rotate also takes a seed or a matrix)
-LEARN_KEYS = ("bits", "act_bits", "group_size", "steps", "lr")  # rotate_learn's keys (normswap.rotation.learn)
+LEARN_KEYS = ("bits", "act_bits", "group_size", "steps", "lr", "grid")  # rotate_learn's keys (normswap.rotation.learn)
 ROTATE_OUTPUTS = ("rotated", "restore")  # a stream ending in a model output: turned output, or turned back
 # task name -> transformers Auto class that loads it (the --task option)
 TASKS = {
@@ -156,7 +156,7 @@ class ConvertOptions:
             :func:`normswap.rotate`'s ``smooth``), measured on ``calibration`` (default: the built-in
             batches); ``None`` (default) does not smooth.
         rotate_learn: with ``rotate="learned"``: the learned rotation's settings as a dict of
-            :func:`normswap.rotate`'s ``bits``, ``act_bits``, ``group_size``, ``steps``, ``lr`` (default
+            :func:`normswap.rotate`'s ``bits``, ``act_bits``, ``group_size``, ``steps``, ``lr``, ``grid`` (default
             ``{}``: 4-bit weights per output channel, float activations, 100 steps); learned on
             ``calibration`` (default: the built-in batches).
     """

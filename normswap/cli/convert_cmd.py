@@ -320,6 +320,10 @@ Presets (offline, seeded tiny models with tokenizers/processors):
               "(ONNX Runtime MatMulNBits: 32; default: one per output channel).")
 @click.option("--learn-steps", type=click.IntRange(0, 100_000), default=None, metavar="N",
               help="With --rotate learned: optimiser steps, one calibration batch each (default 100).")
+@click.option("--learn-grid", type=click.Choice(("symmetric", "full")), default=None,
+              help="With --rotate learned: the weights' integer grid: symmetric (±(2^(b-1)-1): RTN, CTranslate2, "
+              "torchao; default) or full (-2^(b-1) … 2^(b-1)-1, the largest magnitude at the far end: ONNX "
+              "Runtime's symmetric MatMulNBits).")
 @click.option("--seed", "rotate_seed", type=int, default=0, show_default=True,
               help="With --rotate: the seed of the random signs / random matrix (stream i uses seed + i).")
 @click.option(
@@ -375,6 +379,7 @@ def convert(
     learn_act_bits: int | None,
     learn_group_size: int | None,
     learn_steps: int | None,
+    learn_grid: str | None,
     example_inputs: str | None,
     samples: tuple[str, ...],
     quiet: bool,
@@ -387,7 +392,7 @@ def convert(
     """
     check_model_name(model)
     learn = {k: v for k, v in (("bits", learn_bits), ("act_bits", learn_act_bits), ("group_size", learn_group_size),
-                               ("steps", learn_steps)) if v is not None}
+                               ("steps", learn_steps), ("grid", learn_grid)) if v is not None}
     _check_combination(mode, fmt, fold_gamma, per_norm_centering, no_bias_slots, calibration_data, low_memory,
                        task, new_head, rotation, rotate_seed, rotate_output, online_hadamard, smooth, beta_placement,
                        learn)

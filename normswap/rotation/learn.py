@@ -44,6 +44,8 @@ from torch import nn
 
 from normswap.errors import NormswapError
 
+GRIDS = ("symmetric", "full")
+
 
 @dataclass(frozen=True)
 class LearnSettings:
@@ -52,15 +54,21 @@ class LearnSettings:
     ``bits``: weight bits of the fake quantizer (2-8; default 4). ``act_bits``: per-token activation bits,
     or None for weight-only quantization. ``group_size``: one weight scale per this many inputs (None: per
     output channel). ``steps``: optimiser steps (one calibration batch each, cycling). ``lr``: Adam's step on
-    the skew parameter."""
+    the skew parameter. ``grid``: the weights' integer grid: ``"symmetric"`` (levels ``±(2^(b−1) − 1)``, step
+    ``max|w|/(2^(b−1) − 1)``: RTN, CTranslate2, torchao) or ``"full"`` (levels ``−2^(b−1) … 2^(b−1) − 1``, the
+    block's largest magnitude at ``−2^(b−1)``: ONNX Runtime's symmetric ``MatMulNBits``). A rotation learned
+    on one grid need not carry to the other (``docs/results/quantization.md``)."""
 
     bits: int = 4
     act_bits: int | None = None
     group_size: int | None = None
     steps: int = 100
     lr: float = 1e-3
+    grid: str = "symmetric"
 
     def __post_init__(self) -> None:
+        if self.grid not in GRIDS:
+            raise NormswapError(f"learned rotation: grid must be one of {', '.join(GRIDS)}, not {self.grid!r}")
         for name, lo, hi, optional in (("bits", 2, 8, False), ("act_bits", 2, 16, True)):
             v = getattr(self, name)
             if v is None and optional:
@@ -78,7 +86,8 @@ class LearnSettings:
 
     def describe(self) -> str:
         what = f"W{self.bits}" + (f"A{self.act_bits}" if self.act_bits else "") \
-            + (f", groups of {self.group_size}" if self.group_size else "")
+            + (f", groups of {self.group_size}" if self.group_size else "") \
+            + (", full grid" if self.grid == "full" else "")
         return f"{what}, {self.steps} steps"
 
 
@@ -126,6 +135,7 @@ class Learned:
         """The manifest's fields (plain numbers)."""
         s = self.settings
         return {"bits": s.bits, "act_bits": s.act_bits, "group_size": s.group_size, "steps": s.steps, "lr": s.lr,
+                "grid": s.grid,
                 "start": self.start, "loss_hadamard": self.loss_hadamard, "loss_identity": self.loss_identity,
                 "loss_start": self.loss_start, "loss_end": self.loss_end, "kept_start": self.kept_start}
 
@@ -139,9 +149,11 @@ def cayley(skew_param: torch.Tensor) -> torch.Tensor:
     return torch.linalg.solve(eye - a / 2, eye + a / 2)
 
 
-def fake_quant(x: torch.Tensor, bits: int, dim: int, group_size: int | None = None) -> torch.Tensor:
+def fake_quant(x: torch.Tensor, bits: int, dim: int, group_size: int | None = None,
+               grid: str = "symmetric") -> torch.Tensor:
     """Symmetric absmax round-to-nearest along ``dim`` (one scale per slice, or per ``group_size`` entries of
-    it), with the straight-through estimator: the forward value is rounded, the gradient passes as if not."""
+    it), with the straight-through estimator: the forward value is rounded, the gradient passes as if not.
+    ``grid="full"``: ONNX Runtime ``MatMulNBits``' symmetric grid (the largest magnitude at ``−2^(b−1)``)."""
     qmax = 2 ** (bits - 1) - 1
     moved = x.movedim(dim, -1)
     n = moved.shape[-1]
@@ -149,8 +161,14 @@ def fake_quant(x: torch.Tensor, bits: int, dim: int, group_size: int | None = No
         work = moved.reshape(*moved.shape[:-1], n // group_size, group_size)
     else:
         work = moved
-    scale = work.abs().amax(-1, keepdim=True).clamp_min(1e-12) / qmax
-    rounded = (work / scale).round().clamp(-qmax, qmax) * scale
+    if grid == "full":  # scale = signed max / −2^(b−1): that entry lands on the grid's far end
+        peak = torch.gather(work, -1, work.abs().argmax(-1, keepdim=True))
+        scale = peak / -(qmax + 1)
+        scale = torch.where(scale.abs() < 1e-12, torch.full_like(scale, 1e-12), scale)
+        rounded = (work / scale).round().clamp(-qmax - 1, qmax) * scale
+    else:
+        scale = work.abs().amax(-1, keepdim=True).clamp_min(1e-12) / qmax
+        rounded = (work / scale).round().clamp(-qmax, qmax) * scale
     q = work + (rounded - work).detach()
     return q.reshape(moved.shape).movedim(-1, dim)
 
@@ -224,7 +242,7 @@ class _Quantized:
         for name, axis in self.weights.items():
             w = turned.get(name, state.get(name))
             if w is not None:
-                out[name] = fake_quant(w, self.s.bits, axis, self.s.group_size)
+                out[name] = fake_quant(w, self.s.bits, axis, self.s.group_size, self.s.grid)
         return out
 
 

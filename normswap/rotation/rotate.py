@@ -535,7 +535,7 @@ def _user_matrix(q: torch.Tensor) -> torch.Tensor:
 def rotate(model: nn.Module, q: str | int | torch.Tensor = "hadamard", *, seed: int = 0,
            online: bool = False, output: str | None = None, smooth: float | None = None,
            calibration: Any = None, bits: int = 4, act_bits: int | None = None, group_size: int | None = None,
-           steps: int = 100, lr: float = 1e-3) -> Rotation:
+           steps: int = 100, lr: float = 1e-3, grid: str = "symmetric") -> Rotation:
     """Multiply every rotation-ready residual stream of a converted model by an orthogonal matrix.
 
     Args:
@@ -584,10 +584,14 @@ def rotate(model: nn.Module, q: str | int | torch.Tensor = "hadamard", *, seed: 
             a tuple or dict of model inputs, or a list of them (as ``normswap.patch``'s ``calibration``).
             Default: for a transformers model, the built-in calibration batches (English text, generated
             images or speech); a custom model must pass it.
-        bits, act_bits, group_size, steps, lr: with ``q="learned"`` only: the fake quantizer the rotation is
-            learned for (weights to ``bits``, symmetric, per output channel or per ``group_size`` inputs;
-            inputs of every Linear per token to ``act_bits``, or left in float with None) and the
-            optimisation's length and step (:class:`normswap.rotation.learn.LearnSettings`).
+        bits: with ``q="learned"`` only (as the five below; :class:`normswap.rotation.learn.LearnSettings`):
+            the weight bits of the fake quantizer the rotation is learned for (symmetric, per output channel).
+        act_bits: per-token bits of every Linear's input in that quantizer, or None (weights only).
+        group_size: one weight scale per this many inputs (ONNX Runtime ``MatMulNBits``: 32), or None.
+        steps: optimiser steps, one calibration batch each.
+        lr: Adam's step on the skew parameter.
+        grid: the weights' integer grid: ``"symmetric"`` (±(2^(b−1) − 1)) or ``"full"`` (ONNX Runtime
+            ``MatMulNBits``' −2^(b−1) … 2^(b−1) − 1); learn on the grid the engine uses.
 
     Returns:
         A :class:`Rotation` listing the streams rotated (with the matrix of each) and, for the others, why not.
@@ -610,9 +614,10 @@ def rotate(model: nn.Module, q: str | int | torch.Tensor = "hadamard", *, seed: 
     if choice.kind == LEARNED:
         from normswap.rotation import learn
 
-        settings = learn.LearnSettings(bits=bits, act_bits=act_bits, group_size=group_size, steps=steps, lr=lr)
-    elif (bits, act_bits, group_size, steps, lr) != (4, None, None, 100, 1e-3):
-        raise NormswapError("bits, act_bits, group_size, steps and lr apply to a learned rotation: pass "
+        settings = learn.LearnSettings(bits=bits, act_bits=act_bits, group_size=group_size, steps=steps, lr=lr,
+                                       grid=grid)
+    elif (bits, act_bits, group_size, steps, lr, grid) != (4, None, None, 100, 1e-3, "symmetric"):
+        raise NormswapError("bits, act_bits, group_size, steps, lr and grid apply to a learned rotation: pass "
                             "q='learned' (--rotate learned) too")
     if smooth is not None or settings is not None:  # checked and resolved before anything turns
         from normswap.rotation import smooth as smoothing

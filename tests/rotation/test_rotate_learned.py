@@ -61,6 +61,18 @@ def test_cayley_is_orthogonal_keeps_ones_and_starts_at_identity():
     assert torch.equal(learn.cayley(torch.zeros(24, 24, dtype=torch.float64)), eye)
 
 
+def test_fake_quant_grids():
+    """``symmetric``: levels ±7 at 4 bits, step max/7; ``full``: ONNX Runtime MatMulNBits' symmetric grid, step
+    max/8 with the block's largest magnitude on −8 (so +max and −max land on the grid's far end)."""
+    w = torch.tensor([[0.8, -0.13, 0.33, -0.41], [-0.8, 0.13, -0.33, 0.41]], dtype=torch.float64)
+    sym = learn.fake_quant(w, 4, 1)
+    assert torch.allclose(sym / (0.8 / 7), (w / (0.8 / 7)).round())
+    full = learn.fake_quant(w, 4, 1, grid="full")
+    assert torch.allclose(full / (0.8 / 8), (w / (0.8 / 8)).round())
+    grouped = learn.fake_quant(torch.cat([w, 10 * w], dim=1), 4, 1, group_size=4)
+    assert torch.allclose(grouped[:, :4], sym) and torch.allclose(grouped[:, 4:], 10 * sym)  # one scale per group
+
+
 def _outlier_gpt2() -> torch.nn.Module:
     """A 2-layer width-64 GPT-2 (γ/β randomised) whose stream has three planted outlier channels: the embedding
     tables' and every MLP output projection's features 3, 17 and 40 scaled up."""
@@ -128,6 +140,7 @@ def test_learned_rotation_beats_its_hadamard_start_on_held_out_inputs():
     ({"q": "learned", "group_size": 1}, "group_size must be an int ≥ 2"),
     ({"q": "learned", "steps": -1}, "steps must be an int"),
     ({"q": "learned", "lr": 0}, "lr must be a number"),
+    ({"q": "learned", "grid": "asymmetric"}, "grid must be one of symmetric, full"),
 ])
 def test_bad_requests_are_refused_and_leave_the_model_as_it_was(kwargs, message):
     model = build(EXACT, "gpt2")
