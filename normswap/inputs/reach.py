@@ -140,13 +140,11 @@ def _stream_layouts(module: nn.Module, model: nn.Module) -> list[tuple[dict[str,
         kw: dict[str, Any] = {n: torch.randn(2, 8, width, generator=gen).to(device, dtype) for n in streams}
         kw.update({n: torch.ones(2, 8, dtype=torch.bool, device=device) for n in masks})
         how = f"on built {', '.join(f'`{n}`' for n in streams)} (width {width})"
-        if "encoder_hidden_states" not in params or "encoder_hidden_states" in streams:
-            layouts.append((kw, how))
-            continue
+        if "encoder_hidden_states" in params and "encoder_hidden_states" not in streams:
+            for enc in widths:  # with encoder states first: a cross-attention also runs without them, on itself
+                states = torch.randn(2, 5, enc, generator=gen).to(device, dtype)
+                layouts.append(({**kw, "encoder_hidden_states": states}, f"{how} and encoder states (width {enc})"))
         layouts.append((kw, how))
-        for enc in widths:
-            states = torch.randn(2, 5, enc, generator=gen).to(device, dtype)
-            layouts.append(({**kw, "encoder_hidden_states": states}, f"{how} and encoder states (width {enc})"))
     return layouts[:MAX_TRIES]
 
 
@@ -171,40 +169,35 @@ def _model_layouts(module: nn.Module) -> list[tuple[dict[str, Any], str]]:
     return [(kw, f"{how} ({', '.join(shapes)})" if shapes else how)]
 
 
-def sub_runs(model: nn.Module, norms: list[str], in_place: set[str] = frozenset()) -> tuple[list[SubRun], list[str]]:
-    """Sub-runs that reach ``norms`` (unreached by the model's own run), and the norms none reaches.
+def sub_runs(model: nn.Module, norms: list[str], in_place: set[str] = frozenset(),
+             called: set[str] = frozenset()) -> tuple[list[SubRun], list[str]]:
+    """Sub-runs that reach ``norms`` (unreached by the model's own run, which calls the modules ``called``),
+    and the norms none reaches.
 
-    Per norm, the smallest enclosing transformers model that runs alone on inputs built for it and calls the
-    norm; failing that, the smallest enclosing module with a stream input (:func:`_stream_layouts`); failing
-    that, the norm alone (a centering op then makes it exact), except for the norms of ``in_place``: an input
-    of the model reaches those (:func:`missing_inputs`), and they are best analysed in place, where their
-    writers can be centered. A run found for one norm serves every other norm it calls."""
-    from transformers import PreTrainedModel
-
+    Per norm, the candidates of :func:`_candidates` in order (what is safe to hold exact: a module inside an
+    unreached one, outermost first; an enclosing transformers model the model's run calls; the norm alone,
+    a centering op at its input then making it exact), except the norm alone for the norms of ``in_place``:
+    an input of the model reaches those (:func:`missing_inputs`), and they are best analysed in place,
+    where their writers can be centered. The first candidate whose run calls the norm is taken; it serves
+    every other norm it calls."""
     runs: list[SubRun] = []
     left, kept = list(norms), []
     while left:
         norm = left[0]
         found = None
-        for kind in ("model", "stream"):
-            for path in _ancestors(norm):
-                if path == norm and norm in in_place:
-                    continue
-                sub = model.get_submodule(path)
-                if not _has_forward(sub) or (kind == "model") != isinstance(sub, PreTrainedModel):
-                    continue
-                for kw, how in (_model_layouts(sub) if kind == "model" else _stream_layouts(sub, model)):
-                    if path == norm:  # the norm alone: its input by position (the RMSNorm swapped in names it `x`)
-                        kw = {f"*{i}": v for i, v in enumerate(kw.values())}
-                        how = "(the norm itself: nothing around it runs) on built rows " + how[how.rfind("(width"):]
-                    alone = path == norm
-                    called = called_by(sub, lambda sub=sub, kw=kw, alone=alone:
-                                       sub(*kw.values()) if alone else sub(**kw))
-                    inside = {f"{path}.{c}" for c in called or ()} | ({path} if called is not None else set())
-                    if norm in inside:
-                        found = SubRun(path, kw, [n for n in left if n in inside], how, inside | {path})
-                        break
-                if found:
+        for path, kind in _candidates(model, norm, called):
+            if path == norm and norm in in_place:
+                continue
+            sub = model.get_submodule(path)
+            for kw, how in (_model_layouts(sub) if kind == "model" else _stream_layouts(sub, model)):
+                alone = path == norm
+                if alone:  # the norm alone: its input by position (the RMSNorm swapped in names it `x`)
+                    kw = {f"*{i}": v for i, v in enumerate(kw.values())}
+                    how = "(the norm itself: nothing around it runs) on built rows " + how[how.rfind("(width"):]
+                ran = called_by(sub, lambda sub=sub, kw=kw, alone=alone: sub(*kw.values()) if alone else sub(**kw))
+                inside = {f"{path}.{c}" for c in ran or ()} | ({path} if ran is not None else set())
+                if norm in inside:
+                    found = SubRun(path, kw, [n for n in left if n in inside], how, inside)
                     break
             if found:
                 break
@@ -215,6 +208,43 @@ def sub_runs(model: nn.Module, norms: list[str], in_place: set[str] = frozenset(
         runs.append(found)
         left = [n for n in left if n not in found.norms]
     return runs, kept
+
+
+def _candidates(model: nn.Module, norm: str, called: set[str]) -> list[tuple[str, str]]:
+    """``(path, "model" | "stream")`` for each module :func:`sub_runs` tries for ``norm``, in its order.
+
+    A sub-run holds its module's output exact, but the analysis sees only what happens inside it: where that
+    output goes is unanalysed. So a module is a candidate only where that is safe:
+
+    - a module the model's run never calls *inside one it never calls either* (its caller: the nearest
+      enclosing module with a forward of its own): what it returns goes into code no run converted, so it
+      meets only kept LayerNorms or other sub-runs (whose built inputs get a centering op where they start a
+      stream). Outermost first: one run for the whole unreached part;
+    - else an enclosing transformers model the model's run calls, smallest first, run alone on inputs built
+      for it that reach the norm (GPT-2's text model with encoder states): the junction, where what the
+      unreached part returns joins the analysed streams, is then analysed too. A module only the model's
+      run calls is never held otherwise: GPT-2's cross-attention run alone would add its uncentered output to
+      a stream whose norms were converted without it;
+    - last the norm alone, on the same condition as the first (its caller never called).
+    """
+    from transformers import PreTrainedModel
+
+    def is_called(path: str) -> bool:
+        return not path or any(c == path or c.startswith(path + ".") for c in called)
+
+    def caller(path: str) -> str:
+        up = path.rpartition(".")[0]
+        while up and not _has_forward(model.get_submodule(up)):
+            up = up.rpartition(".")[0]
+        return up
+
+    around = [p for p in _ancestors(norm)[:-1] if _has_forward(model.get_submodule(p))]  # smallest first
+    inner = [p for p in around if not is_called(p) and not is_called(caller(p))]
+    order = [(p, "model" if isinstance(model.get_submodule(p), PreTrainedModel) else "stream") for p in reversed(inner)]
+    order += [(p, "model") for p in around if is_called(p) and isinstance(model.get_submodule(p), PreTrainedModel)]
+    if not is_called(caller(norm)):
+        order.append((norm, "stream"))
+    return order
 
 
 @dataclass
@@ -248,6 +278,9 @@ class SubRoute(towers.Route):
         held output); record the runs in ``plan.options`` (``analysis_inputs``, ``sub_runs``)."""
         plan.options["analysis_inputs"] = self.describe()
         plan.options["sub_runs"] = self.lines()
+        if self.towers:
+            plan.options["towers"] = list(self.towers)
+        towers.place_input_ops(plan, self)
         held = [s.run().name for s in self.subs]
         changed = [o for o in plan.changed_outputs if any(o == h or o.startswith(h + ".") for h in held)]
         if changed:
@@ -279,7 +312,7 @@ def route(model: nn.Module, kwargs: dict[str, Any],
         raise
     except Exception:  # noqa: BLE001 - a forward whose source cannot be read: no input named, every way tried
         in_place = set()
-    subs, _ = sub_runs(model, norms, in_place)
+    subs, _ = sub_runs(model, norms, in_place, called)
     for s in subs:
         called |= s.called
     if not subs:
