@@ -7,16 +7,17 @@ only with labels or a mask (``FlavaForPreTraining``'s MIM/MLM heads), a protein 
 runs only when its own input is given. Before this module such norms were kept as LayerNorm
 ("not called by the example inputs") and nobody said which input would reach them.
 
-- **Sub-runs** (:func:`sub_runs`). For each unreached norm, the smallest enclosing submodule that can run
-  alone on inputs built for it: first a transformers ``PreTrainedModel`` (its own config and
+- **Sub-runs** (:func:`sub_runs`). For each unreached norm, a submodule around it that can run alone on
+  inputs built for it and calls the norm: a transformers ``PreTrainedModel`` (its own config and
   ``main_input_name``: :func:`~normswap.inputs.builder.hf_example_inputs`, which adds
-  ``encoder_hidden_states`` where the model holds cross-attention), else any module whose forward takes a
-  stream (``hidden_states``, ``inputs_embeds``, ``x``, ...) of a width its own first LayerNorm or Linear
-  gives (``encoder_hidden_states`` added where it takes them). The run is kept only if it calls the norm.
-  The sub-runs join the whole-model run in a *view* of the model (:func:`normswap.inputs.towers.view`),
-  so ``patch`` still makes one working copy, one trace, one plan, one verification and one commit. Every
-  output of a sub-run is held exact (what the rest of the model reads of that submodule): a plan that
-  would change one is refused (:meth:`SubRoute.check`), and ``patch`` then converts without the sub-runs.
+  ``encoder_hidden_states`` where the model holds cross-attention), or any module whose forward takes a
+  stream (``hidden_states``, ``x``, ...) of a width its own first LayerNorm or Linear gives. Only modules
+  whose output is safe to hold exact are tried (:func:`_candidates`: inside unreached code, or an
+  enclosing transformers model the model's run calls, so the junction is analysed too). The sub-runs
+  join the whole-model run in a *view* of the model (:func:`normswap.inputs.towers.view`), so ``patch``
+  still makes one working copy, one trace, one plan, one verification and one commit. Every output of a
+  sub-run is held exact (what the rest of the model reads of that submodule): a plan that would change
+  one is refused (:meth:`SubRoute.check`), and ``patch`` then converts without the sub-runs.
 - **Naming the missing input** (:func:`missing_inputs`). For a norm still unreached, the forward
   parameters that guard the call of the module holding it (``if entity_ids is not None: ...
   self.entity_embeddings(...)``), read from the source of each forward on the way down from the model:
