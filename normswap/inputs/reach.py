@@ -217,16 +217,17 @@ def _candidates(model: nn.Module, norm: str, called: set[str]) -> list[tuple[str
     A sub-run holds its module's output exact, but the analysis sees only what happens inside it: where that
     output goes is unanalysed. So a module is a candidate only where that is safe:
 
-    - a module the model's run never calls *inside one it never calls either* (its caller: the nearest
-      enclosing module with a forward of its own): what it returns goes into code no run converted, so it
-      meets only kept LayerNorms or other sub-runs (whose built inputs get a centering op where they start a
-      stream). Outermost first: one run for the whole unreached part;
-    - else an enclosing transformers model the model's run calls, smallest first, run alone on inputs built
-      for it that reach the norm (GPT-2's text model with encoder states): the junction, where what the
-      unreached part returns joins the analysed streams, is then analysed too. A module only the model's
-      run calls is never held otherwise: GPT-2's cross-attention run alone would add its uncentered output to
-      a stream whose norms were converted without it;
-    - last the norm alone, on the same condition as the first (its caller never called).
+    - first an enclosing transformers model the model's run calls, smallest first, run alone on inputs built
+      for it that reach the norm (GPT-2's or BLIP's text model with encoder states): the junction, where what
+      the unreached part returns joins the analysed streams, is then analysed too. GPT-2's cross-attention
+      run alone would add its uncentered output to a stream whose norms were converted without it;
+    - else a module the model's run never calls *inside one it never calls either* (its caller: the nearest
+      enclosing module with a forward of its own), outermost first: what it returns goes into code no run
+      converted. What that unreached code returns in turn is not analysed where it lands; where it lands in
+      a model output or a reader that only reads it (a pre-training head's logits, a protein encoder's
+      features read by cross-attention projections) that is exact, where it joins a stream the model's run
+      analysed it is not proven (docs/compatibility.md says so);
+    - last the norm alone, on the same condition as the second (its caller never called).
     """
     from transformers import PreTrainedModel
 
@@ -241,8 +242,11 @@ def _candidates(model: nn.Module, norm: str, called: set[str]) -> list[tuple[str
 
     around = [p for p in _ancestors(norm)[:-1] if _has_forward(model.get_submodule(p))]  # smallest first
     inner = [p for p in around if not is_called(p) and not is_called(caller(p))]
-    order = [(p, "model" if isinstance(model.get_submodule(p), PreTrainedModel) else "stream") for p in reversed(inner)]
-    order += [(p, "model") for p in around if is_called(p) and isinstance(model.get_submodule(p), PreTrainedModel)]
+    def kind(path: str) -> str:
+        return "model" if isinstance(model.get_submodule(path), PreTrainedModel) else "stream"
+
+    order = [(p, "model") for p in around if is_called(p) and kind(p) == "model"]
+    order += [(p, kind(p)) for p in reversed(inner)]
     if not is_called(caller(norm)):
         order.append((norm, "stream"))
     return order
