@@ -245,3 +245,24 @@ def test_a_refused_sub_run_leaves_the_model_untouched_and_converts_without_it(mo
     assert ("kept as LayerNorm: 2 LayerNorm(s) in `transformer.h.*.ln_cross_attn` not reached: `transformer.h.*` runs "
             "it only with `encoder_hidden_states`, which CaptionerWithoutEncoderStates.forward never passes (dead for "
             "this class)") in report.message
+
+
+def test_ops_on_the_views_inputs_move_onto_the_module_each_run_calls() -> None:
+    """A centering op the plan puts on a run's built input (the view's own argument) must be installed on the
+    module that run calls: the converted model never sees the view's argument names."""
+    from normswap.analysis.plan import CenterHook
+
+    runs = [towers.Run("model", "model", {}), towers.Run("sub:head.norm", "module", {}, target="head.norm"),
+            towers.Run("sub:head", "module", {}, target="head")]
+    route = reach.SubRoute(runs, [], "")
+    hooks = [CenterHook("", "input", "sub:head.norm/*0"), CenterHook("", "input", "sub:head/hidden_states"),
+             CenterHook("", "input", "model/inputs_embeds"), CenterHook("body", "input", 0)]
+
+    class Plan:
+        pass
+
+    plan = Plan()
+    plan.hooks = hooks
+    towers.place_input_ops(plan, route)
+    assert [(h.module, h.arg) for h in hooks] == [("head.norm", 0), ("head", "hidden_states"), ("", "inputs_embeds"),
+                                                  ("body", 0)]
