@@ -51,6 +51,9 @@ def patch(model: nn.Module, example_inputs: inputs.ExampleInputs = None, *,
             every modality in one run of the whole model; where no such layout runs, a multimodal
             model is analysed per tower, each tower through its own feature method and the rest on
             text, said in ``report.plan.options["analysis_inputs"]``: :mod:`normswap.inputs.towers`).
+            LayerNorms those inputs never call are reached by sub-runs of a submodule around them, or
+            kept as LayerNorm (exact) with the input that would reach them named in the report
+            (``options["sub_runs"]``, ``options["unreached"]``: :mod:`normswap.inputs.reach`).
         options: a :class:`~normswap.ConvertOptions` (mode, fold_gamma, untie, per_norm_centering,
             mean_carry, calibration, sequential, tokenizer, verify, allow_unusable, backend; see its
             docstring for each). Its fields may be given as keywords instead:

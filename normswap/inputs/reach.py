@@ -7,16 +7,17 @@ only with labels or a mask (``FlavaForPreTraining``'s MIM/MLM heads), a protein 
 runs only when its own input is given. Before this module such norms were kept as LayerNorm
 ("not called by the example inputs") and nobody said which input would reach them.
 
-- **Sub-runs** (:func:`sub_runs`). For each unreached norm, the smallest enclosing submodule that can run
-  alone on inputs built for it: first a transformers ``PreTrainedModel`` (its own config and
+- **Sub-runs** (:func:`sub_runs`). For each unreached norm, a submodule around it that can run alone on
+  inputs built for it and calls the norm: a transformers ``PreTrainedModel`` (its own config and
   ``main_input_name``: :func:`~normswap.inputs.builder.hf_example_inputs`, which adds
-  ``encoder_hidden_states`` where the model holds cross-attention), else any module whose forward takes a
-  stream (``hidden_states``, ``inputs_embeds``, ``x``, ...) of a width its own first LayerNorm or Linear
-  gives (``encoder_hidden_states`` added where it takes them). The run is kept only if it calls the norm.
-  The sub-runs join the whole-model run in a *view* of the model (:func:`normswap.inputs.towers.view`),
-  so ``patch`` still makes one working copy, one trace, one plan, one verification and one commit. Every
-  output of a sub-run is held exact (what the rest of the model reads of that submodule): a plan that
-  would change one is refused (:meth:`SubRoute.check`), and ``patch`` then converts without the sub-runs.
+  ``encoder_hidden_states`` where the model holds cross-attention), or any module whose forward takes a
+  stream (``hidden_states``, ``x``, ...) of a width its own first LayerNorm or Linear gives. Only modules
+  whose output is safe to hold exact are tried (:func:`_candidates`: inside unreached code, or an
+  enclosing transformers model the model's run calls, so the junction is analysed too). The sub-runs
+  join the whole-model run in a *view* of the model (:func:`normswap.inputs.towers.view`), so ``patch``
+  still makes one working copy, one trace, one plan, one verification and one commit. Every output of a
+  sub-run is held exact (what the rest of the model reads of that submodule): a plan that would change
+  one is refused (:meth:`SubRoute.check`), and ``patch`` then converts without the sub-runs.
 - **Naming the missing input** (:func:`missing_inputs`). For a norm still unreached, the forward
   parameters that guard the call of the module holding it (``if entity_ids is not None: ...
   self.entity_embeddings(...)``), read from the source of each forward on the way down from the model:
@@ -140,13 +141,11 @@ def _stream_layouts(module: nn.Module, model: nn.Module) -> list[tuple[dict[str,
         kw: dict[str, Any] = {n: torch.randn(2, 8, width, generator=gen).to(device, dtype) for n in streams}
         kw.update({n: torch.ones(2, 8, dtype=torch.bool, device=device) for n in masks})
         how = f"on built {', '.join(f'`{n}`' for n in streams)} (width {width})"
-        if "encoder_hidden_states" not in params or "encoder_hidden_states" in streams:
-            layouts.append((kw, how))
-            continue
+        if "encoder_hidden_states" in params and "encoder_hidden_states" not in streams:
+            for enc in widths:  # with encoder states first: a cross-attention also runs without them, on itself
+                states = torch.randn(2, 5, enc, generator=gen).to(device, dtype)
+                layouts.append(({**kw, "encoder_hidden_states": states}, f"{how} and encoder states (width {enc})"))
         layouts.append((kw, how))
-        for enc in widths:
-            states = torch.randn(2, 5, enc, generator=gen).to(device, dtype)
-            layouts.append(({**kw, "encoder_hidden_states": states}, f"{how} and encoder states (width {enc})"))
     return layouts[:MAX_TRIES]
 
 
@@ -171,40 +170,35 @@ def _model_layouts(module: nn.Module) -> list[tuple[dict[str, Any], str]]:
     return [(kw, f"{how} ({', '.join(shapes)})" if shapes else how)]
 
 
-def sub_runs(model: nn.Module, norms: list[str], in_place: set[str] = frozenset()) -> tuple[list[SubRun], list[str]]:
-    """Sub-runs that reach ``norms`` (unreached by the model's own run), and the norms none reaches.
+def sub_runs(model: nn.Module, norms: list[str], in_place: set[str] = frozenset(),
+             called: set[str] = frozenset()) -> tuple[list[SubRun], list[str]]:
+    """Sub-runs that reach ``norms`` (unreached by the model's own run, which calls the modules ``called``),
+    and the norms none reaches.
 
-    Per norm, the smallest enclosing transformers model that runs alone on inputs built for it and calls the
-    norm; failing that, the smallest enclosing module with a stream input (:func:`_stream_layouts`); failing
-    that, the norm alone (a centering op then makes it exact), except for the norms of ``in_place``: an input
-    of the model reaches those (:func:`missing_inputs`), and they are best analysed in place, where their
-    writers can be centered. A run found for one norm serves every other norm it calls."""
-    from transformers import PreTrainedModel
-
+    Per norm, the candidates of :func:`_candidates` in order (what is safe to hold exact: a module inside an
+    unreached one, outermost first; an enclosing transformers model the model's run calls; the norm alone,
+    a centering op at its input then making it exact), except the norm alone for the norms of ``in_place``:
+    an input of the model reaches those (:func:`missing_inputs`), and they are best analysed in place,
+    where their writers can be centered. The first candidate whose run calls the norm is taken; it serves
+    every other norm it calls."""
     runs: list[SubRun] = []
     left, kept = list(norms), []
     while left:
         norm = left[0]
         found = None
-        for kind in ("model", "stream"):
-            for path in _ancestors(norm):
-                if path == norm and norm in in_place:
-                    continue
-                sub = model.get_submodule(path)
-                if not _has_forward(sub) or (kind == "model") != isinstance(sub, PreTrainedModel):
-                    continue
-                for kw, how in (_model_layouts(sub) if kind == "model" else _stream_layouts(sub, model)):
-                    if path == norm:  # the norm alone: its input by position (the RMSNorm swapped in names it `x`)
-                        kw = {f"*{i}": v for i, v in enumerate(kw.values())}
-                        how = "(the norm itself: nothing around it runs) on built rows " + how[how.rfind("(width"):]
-                    alone = path == norm
-                    called = called_by(sub, lambda sub=sub, kw=kw, alone=alone:
-                                       sub(*kw.values()) if alone else sub(**kw))
-                    inside = {f"{path}.{c}" for c in called or ()} | ({path} if called is not None else set())
-                    if norm in inside:
-                        found = SubRun(path, kw, [n for n in left if n in inside], how, inside | {path})
-                        break
-                if found:
+        for path, kind in _candidates(model, norm, called):
+            if path == norm and norm in in_place:
+                continue
+            sub = model.get_submodule(path)
+            for kw, how in (_model_layouts(sub) if kind == "model" else _stream_layouts(sub, model)):
+                alone = path == norm
+                if alone:  # the norm alone: its input by position (the RMSNorm swapped in names it `x`)
+                    kw = {f"*{i}": v for i, v in enumerate(kw.values())}
+                    how = "(the norm itself: nothing around it runs) on built rows " + how[how.rfind("(width"):]
+                ran = called_by(sub, lambda sub=sub, kw=kw, alone=alone: sub(*kw.values()) if alone else sub(**kw))
+                inside = {f"{path}.{c}" for c in ran or ()} | ({path} if ran is not None else set())
+                if norm in inside:
+                    found = SubRun(path, kw, [n for n in left if n in inside], how, inside)
                     break
             if found:
                 break
@@ -215,6 +209,47 @@ def sub_runs(model: nn.Module, norms: list[str], in_place: set[str] = frozenset(
         runs.append(found)
         left = [n for n in left if n not in found.norms]
     return runs, kept
+
+
+def _candidates(model: nn.Module, norm: str, called: set[str]) -> list[tuple[str, str]]:
+    """``(path, "model" | "stream")`` for each module :func:`sub_runs` tries for ``norm``, in its order.
+
+    A sub-run holds its module's output exact, but the analysis sees only what happens inside it: where that
+    output goes is unanalysed. So a module is a candidate only where that is safe:
+
+    - first an enclosing transformers model the model's run calls, smallest first, run alone on inputs built
+      for it that reach the norm (GPT-2's or BLIP's text model with encoder states): the junction, where what
+      the unreached part returns joins the analysed streams, is then analysed too. GPT-2's cross-attention
+      run alone would add its uncentered output to a stream whose norms were converted without it;
+    - else a module the model's run never calls *inside one it never calls either* (its caller: the nearest
+      enclosing module with a forward of its own), outermost first: what it returns goes into code no run
+      converted. What that unreached code returns in turn is not analysed where it lands; where it lands in
+      a model output or a reader that only reads it (a pre-training head's logits, a protein encoder's
+      features read by cross-attention projections) that is exact, where it joins a stream the model's run
+      analysed it is not proven (docs/compatibility.md says so);
+    - last the norm alone, on the same condition as the second (its caller never called).
+    """
+    from transformers import PreTrainedModel
+
+    def is_called(path: str) -> bool:
+        return not path or any(c == path or c.startswith(path + ".") for c in called)
+
+    def caller(path: str) -> str:
+        up = path.rpartition(".")[0]
+        while up and not _has_forward(model.get_submodule(up)):
+            up = up.rpartition(".")[0]
+        return up
+
+    around = [p for p in _ancestors(norm)[:-1] if _has_forward(model.get_submodule(p))]  # smallest first
+    inner = [p for p in around if not is_called(p) and not is_called(caller(p))]
+    def kind(path: str) -> str:
+        return "model" if isinstance(model.get_submodule(path), PreTrainedModel) else "stream"
+
+    order = [(p, "model") for p in around if is_called(p) and kind(p) == "model"]
+    order += [(p, kind(p)) for p in reversed(inner)]
+    if not is_called(caller(norm)):
+        order.append((norm, "stream"))
+    return order
 
 
 @dataclass
@@ -248,6 +283,9 @@ class SubRoute(towers.Route):
         held output); record the runs in ``plan.options`` (``analysis_inputs``, ``sub_runs``)."""
         plan.options["analysis_inputs"] = self.describe()
         plan.options["sub_runs"] = self.lines()
+        if self.towers:
+            plan.options["towers"] = list(self.towers)
+        towers.place_input_ops(plan, self)
         held = [s.run().name for s in self.subs]
         changed = [o for o in plan.changed_outputs if any(o == h or o.startswith(h + ".") for h in held)]
         if changed:
@@ -279,7 +317,7 @@ def route(model: nn.Module, kwargs: dict[str, Any],
         raise
     except Exception:  # noqa: BLE001 - a forward whose source cannot be read: no input named, every way tried
         in_place = set()
-    subs, _ = sub_runs(model, norms, in_place)
+    subs, _ = sub_runs(model, norms, in_place, called)
     for s in subs:
         called |= s.called
     if not subs:

@@ -105,6 +105,7 @@ class Route:
         """
         plan.options["analysis_inputs"] = self.describe()
         plan.options["towers"] = list(self.towers)
+        place_input_ops(plan, self)
         unreached = [sp.name for sp in plan.sites if sp.verdict == "skipped" and "not called" in sp.reason]
         if unreached:
             plan.options["analysis_inputs"] += (f"; {len(unreached)} LayerNorm(s) no run reaches, kept: "
@@ -128,6 +129,23 @@ class Route:
                 f"{type(model).__name__}: per-tower analysis refused: `{seam[0]}` ({len(seam)} LayerNorm(s)) reads "
                 f"the stream `{embedding}` writes, which the media features join in rows no run analysed; "
                 f"pass example_inputs with every modality (no whole-model layout with media ran: {self.why})")
+
+
+def place_input_ops(plan: Any, route: Route) -> None:
+    """Move the plan's ops on the view's own inputs (``<run>/<input>``: a centering op where a run's input
+    starts a stream, e.g. a module run alone on built rows) to the module that run calls, on the input of
+    that name: the view exists only for the analysis, and the converted model must center what that module
+    is given wherever it is called from."""
+    runs = {run.name: run for run in route.runs}
+    for hook in getattr(plan, "hooks", []):
+        if hook.module or hook.where != "input" or not isinstance(hook.arg, str) or SEP not in hook.arg:
+            continue
+        name, _, arg = hook.arg.partition(SEP)
+        run = runs.get(name)
+        if run is None or run.call == "features":
+            continue  # a feature method's input: no module to hold it (the check refuses such plans elsewhere)
+        hook.module = run.target if run.call == "module" else ""
+        hook.arg = int(arg[1:]) if arg.startswith("*") and arg[1:].isdigit() else arg
 
 
 def find_towers(model: nn.Module) -> list[str]:

@@ -59,6 +59,7 @@ def test_cross_attention_the_parent_never_feeds_converts_by_a_sub_run_exactly() 
     assert cross_norms(model) and all(isinstance(model.get_submodule(n), RMSNorm) for n in cross_norms(model))
     assert not any(isinstance(m, nn.LayerNorm) for m in model.modules())  # converted whole
     assert all(s.convert for s in report.plan.sites), [(s.name, s.reason) for s in report.plan.sites]
+    # not the cross-attention alone: its output joins the block's stream, whose norms the parent's run converts
     said = report.plan.options["analysis_inputs"]
     assert "`transformer` (2 norm(s)) run alone on inputs built from its config with encoder states" in said
     assert "reached by sub-runs: `transformer`" in report.message
@@ -80,6 +81,58 @@ def test_plan_says_the_same_sub_runs_and_leaves_the_model_untouched() -> None:
     assert plan.options["sub_runs"] == ["`transformer` (2 norm(s)) run alone on inputs built from its config with "
                                         "encoder states (`input_ids` (2, 8), `encoder_hidden_states` (2, 5, 32))"]
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+class Transform(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.dense, self.norm = nn.Linear(width, width), nn.LayerNorm(width)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.norm(nn.functional.gelu(self.dense(hidden_states)))
+
+
+class MaskedHead(nn.Module):
+    """A pre-training head (a transform: dense, GELU, LayerNorm; then a decoder), as FLAVA's MIM/MLM heads."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.transform, self.decoder = Transform(width), nn.Linear(width, 16)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.decoder(self.transform(hidden_states))
+
+
+class GPT2WithMaskedHead(tf.GPT2Model):
+    """A head its forward runs only when ``bool_masked_pos`` is given (no rule builds it)."""
+
+    def __init__(self, config: tf.GPT2Config) -> None:
+        super().__init__(config)
+        self.mim_head = MaskedHead(config.n_embd)
+
+    def forward(self, input_ids=None, bool_masked_pos=None, **kwargs):  # noqa: ANN001, ANN003, ANN201
+        hidden = super().forward(input_ids=input_ids).last_hidden_state
+        if bool_masked_pos is not None:
+            return hidden, self.mim_head(hidden[bool_masked_pos])
+        return hidden
+
+
+def test_a_head_only_an_optional_input_runs_converts_by_running_it_alone() -> None:
+    torch.manual_seed(0)
+    model = randomise(GPT2WithMaskedHead(tf.GPT2Config(**{**GPT2, "add_cross_attention": False})), 0)
+    original = copy.deepcopy(model)
+    report = patched(model)
+    # the transform, inside the head the model's run never calls: what it returns meets no converted norm
+    assert report.plan.options["sub_runs"] == ["`mim_head.transform` (1 norm(s)) run alone on built `hidden_states` "
+                                               "(width 32)"]
+    assert isinstance(model.mim_head.transform.norm, RMSNorm)
+    ids = torch.randint(3, 128, (2, 7), generator=torch.Generator().manual_seed(1))
+    mask = torch.rand(2, 7, generator=torch.Generator().manual_seed(2)) > 0.5
+    rows = torch.randn(3, 5, 32, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    with torch.no_grad():
+        for got, want in zip(model(ids, bool_masked_pos=mask), original(ids, bool_masked_pos=mask), strict=True):
+            assert (got - want).abs().max() <= 1e-9
+        assert (model.mim_head(rows) - original.mim_head(rows)).abs().max() <= 1e-9
 
 
 class EntityEmbeddings(nn.Module):
@@ -192,3 +245,24 @@ def test_a_refused_sub_run_leaves_the_model_untouched_and_converts_without_it(mo
     assert ("kept as LayerNorm: 2 LayerNorm(s) in `transformer.h.*.ln_cross_attn` not reached: `transformer.h.*` runs "
             "it only with `encoder_hidden_states`, which CaptionerWithoutEncoderStates.forward never passes (dead for "
             "this class)") in report.message
+
+
+def test_ops_on_the_views_inputs_move_onto_the_module_each_run_calls() -> None:
+    """A centering op the plan puts on a run's built input (the view's own argument) must be installed on the
+    module that run calls: the converted model never sees the view's argument names."""
+    from normswap.analysis.plan import CenterHook
+
+    runs = [towers.Run("model", "model", {}), towers.Run("sub:head.norm", "module", {}, target="head.norm"),
+            towers.Run("sub:head", "module", {}, target="head")]
+    route = reach.SubRoute(runs, [], "")
+    hooks = [CenterHook("", "input", "sub:head.norm/*0"), CenterHook("", "input", "sub:head/hidden_states"),
+             CenterHook("", "input", "model/inputs_embeds"), CenterHook("body", "input", 0)]
+
+    class Plan:
+        pass
+
+    plan = Plan()
+    plan.hooks = hooks
+    towers.place_input_ops(plan, route)
+    assert [(h.module, h.arg) for h in hooks] == [("head.norm", 0), ("head", "hidden_states"), ("", "inputs_embeds"),
+                                                  ("body", 0)]
