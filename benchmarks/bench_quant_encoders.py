@@ -3,7 +3,10 @@
 Each variant of a sentence-transformers encoder (a transformers directory: all-MiniLM-L6-v2,
 all-mpnet-base-v2) is exported by ``torch.onnx.export`` (legacy exporter, opset 17, dynamic batch and
 sequence) and quantized by ONNX Runtime's ``quantize_dynamic`` (int8 weights, dynamic uint8
-activations), per tensor (``dyn-pt``) and per channel (``dyn-pc``). The embedding is the model's own
+activations), per tensor (``dyn-pt``) and per channel (``dyn-pc``); with ``--quantizers`` also
+``quantize_static`` (``qdq``: QDQ format, int8 weights per tensor, uint8 activations calibrated by MinMax on
+32 held-out paragraphs) and ``MatMulNBitsQuantizer`` 4-bit RTN (``nbits-rtn``: block 32, symmetric). The
+embedding is the model's own
 pooling (mean over the attention mask, then L2-normalised, as its ``1_Pooling`` / ``Normalize``
 modules do). The error of a text is ``1 − cos`` against the float32 original in torch; a cell is the
 mean over the texts, and its ratio to the original's in the same quantizer comes with a 95% paired
@@ -39,7 +42,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-QUANTIZERS = ("fp32", "dyn-pt", "dyn-pc")
+QUANTIZERS = ("fp32", "dyn-pt", "dyn-pc", "qdq", "nbits-rtn")
+DEFAULT_QUANTIZERS = ("fp32", "dyn-pt", "dyn-pc")
+CALIBRATION_TEXTS = 32  # qdq's calibration paragraphs, the ones after the measured texts (held out)
 VARIANTS = ("original", "converted", "converted-fold", "converted-keep", "converted-nocarry")
 OPTIONS: dict[str, dict[str, Any]] = {"converted": {}, "converted-fold": {"beta_placement": "fold"},
                                       "converted-keep": {"beta_placement": "keep"},
@@ -92,13 +97,46 @@ def export(model: torch.nn.Module, example: dict, path: Path) -> None:
                           output_names=["last_hidden_state"], dynamic_axes=axes, dynamo=False, opset_version=17)
 
 
-def quantize(fp32: Path, how: str) -> Path:
-    from onnxruntime.quantization import QuantType, quantize_dynamic
+class Reader:
+    """ONNX Runtime's calibration data reader over tokenized batches (for ``qdq``)."""
+
+    def __init__(self, data: list[dict]) -> None:
+        self.batches = [{k: v.numpy() for k, v in b.items()} for b in data]
+        self.i = 0
+
+    def get_next(self) -> dict | None:
+        if self.i >= len(self.batches):
+            return None
+        self.i += 1
+        return self.batches[self.i - 1]
+
+    def rewind(self) -> None:
+        self.i = 0
+
+
+def quantize(fp32: Path, how: str, calib: list[dict] | None = None) -> Path:
+    """Write ``how``'s quantized model next to ``fp32`` with ONNX Runtime's own quantization tools."""
+    from onnxruntime.quantization import QuantFormat, QuantType, quantize_dynamic, quantize_static
 
     if how == "fp32":
         return fp32
     out = fp32.with_name(f"{fp32.stem}.{how}.onnx")
-    quantize_dynamic(str(fp32), str(out), weight_type=QuantType.QInt8, per_channel=how == "dyn-pc")
+    if how in ("dyn-pt", "dyn-pc"):
+        quantize_dynamic(str(fp32), str(out), weight_type=QuantType.QInt8, per_channel=how == "dyn-pc")
+    elif how == "qdq":
+        assert calib is not None, "qdq needs calibration batches"
+        quantize_static(str(fp32), str(out), Reader(calib), quant_format=QuantFormat.QDQ,
+                        activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8, per_channel=False)
+    elif how == "nbits-rtn":
+        import onnx
+        from onnxruntime.quantization import matmul_nbits_quantizer as mq
+
+        algo = mq.DefaultWeightOnlyQuantConfig(block_size=32, is_symmetric=True)
+        q = mq.MatMulNBitsQuantizer(onnx.load(str(fp32)), block_size=32, is_symmetric=True, algo_config=algo)
+        q.process()
+        q.model.save_model_to_file(str(out), use_external_data_format=False)
+    else:
+        raise ValueError(how)
     return out
 
 
@@ -148,6 +186,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--texts", type=int, default=256)
     ap.add_argument("--max-len", type=int, default=128)
     ap.add_argument("--variants", nargs="+", default=["original", "converted"], choices=VARIANTS)
+    ap.add_argument("--quantizers", nargs="+", default=list(DEFAULT_QUANTIZERS), choices=QUANTIZERS,
+                    help="fp32 is always measured (the conversion's own error)")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--baseline", type=Path, help="an earlier --json of the same model and texts: its "
                     "original's errors are reused (the original variant is not measured again)")
@@ -158,7 +198,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     tok = AutoTokenizer.from_pretrained(args.model)
     original = AutoModel.from_pretrained(args.model).float().eval()
     names = [n for n in ("input_ids", "attention_mask", "token_type_ids") if n in tok.model_input_names]
-    texts = english(args.texts)
+    quantizers = ["fp32", *[q for q in args.quantizers if q != "fp32"]]
+    texts = english(args.texts + CALIBRATION_TEXTS)
+    texts, calib = texts[:args.texts], batches(tok, texts[args.texts:], args.max_len, names, size=8)
     data = batches(tok, texts, args.max_len, names)
     ref = embed_torch(original, data)
     result: dict[str, Any] = {"model": str(args.model), "texts": len(texts), "max_len": args.max_len,
@@ -166,6 +208,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.baseline:
         old = json.loads(args.baseline.read_text())
         assert old["texts"] == len(texts) and old["max_len"] == args.max_len, "baseline of other texts"
+        missing = [q for q in quantizers if f"original/{q}" not in old["cells"]]
+        assert not missing, f"the baseline has no original measured in {missing}: run without --baseline"
         for key in [k for k in old["cells"] if k.startswith("original/")]:
             result["cells"][key], result["per_text"][key] = old["cells"][key], old["per_text"][key]
         args.variants = [v for v in args.variants if v != "original"]
@@ -177,8 +221,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             fp32 = Path(tmp) / f"{name}.onnx"
             export(model, data[0], fp32)
             own = embed_onnx(fp32, data)
-            for how in QUANTIZERS:
-                got = own if how == "fp32" else embed_onnx(quantize(fp32, how), data)
+            for how in quantizers:
+                got = own if how == "fp32" else embed_onnx(quantize(fp32, how, calib), data)
                 err = (1 - (ref * got).sum(-1)).clamp(min=0).numpy()
                 self_err = (1 - (own * got).sum(-1)).clamp(min=0).numpy()
                 result["per_text"][f"{name}/{how}"] = err.tolist()
@@ -201,12 +245,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 def table(result: dict[str, Any]) -> str:
-    lines = ["| variant | fp32: 1 − cos | int8 per-tensor: 1 − cos | ratio (95% CI) | int8 per-channel: 1 − cos "
-             "| ratio (95% CI) |", "|---|---|---|---|---|---|"]
+    names = {"dyn-pt": "int8 per-tensor", "dyn-pc": "int8 per-channel", "qdq": "static QDQ int8",
+             "nbits-rtn": "4-bit RTN"}
     variants = dict.fromkeys(k.split("/")[0] for k in result["cells"])
+    hows = [h for h in names if all(f"{v}/{h}" in result["cells"] for v in variants)]
+    lines = ["| variant | fp32: 1 − cos | " + " | ".join(f"{names[h]}: 1 − cos | ratio (95% CI)" for h in hows) + " |",
+             "|---" * (2 + 2 * len(hows)) + "|"]
     for v in variants:
         row = [v, f"{result['cells'][f'{v}/fp32']['err']:.3e}"]
-        for how in ("dyn-pt", "dyn-pc"):
+        for how in hows:
             c = result["cells"][f"{v}/{how}"]
             row.append(f"{c['err']:.3e}")
             row.append(f"**{c['ratio']:.3f}** ({c['ci95'][0]:.3f}–{c['ci95'][1]:.3f})" if "ratio" in c else "1")

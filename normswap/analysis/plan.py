@@ -6,6 +6,7 @@ manifest, from which loading re-applies the structural edits without re-running 
 
 from __future__ import annotations
 
+import math
 import textwrap
 from collections import Counter
 from dataclasses import asdict, dataclass, field
@@ -195,28 +196,37 @@ class MeanCarry:
     added: int
     activation: str
     # the carry neurons' rows are ``±scale/d`` and their columns ``∓1/scale``: exact for any scale > 0, since
-    # act(s·m) − act(−s·m) = s·m; :meth:`scale_for` picks it so that they quantize like the other columns
+    # act(s·m) − act(−s·m) = s·m; :meth:`scale_for` picks it so that the columns survive int8 quantization
     scale: float = 1.0
 
     @staticmethod
     def scale_for(down_weight: Any) -> float:
-        """The carry scale for a down projection ``[d, hidden]``: the power of two ``s`` with ``1/s`` at most
+        """The carry scale ``s`` for a down projection ``[d, hidden]`` (its real columns, as exported):
+        ``1/s = k·max|w|/127``, the largest whole number ``k ≥ 1`` of per-tensor int8 steps that is at most
         the smallest of its rows' largest ``|w|``.
 
-        Why: per-output-channel weight quantization gives each row of ``down`` one scale, its largest
-        ``|w|``. Carry columns of ``∓1`` (a trained BERT's rows peak at 0.1-0.25) would set every row's
-        scale and leave the real weights a few grid steps (W4: MiniLM's error 5x the original's). At
-        ``1/s`` no larger than any row's own peak they set none, so every other weight quantizes as in the
-        unwidened MLP; a power of two keeps ``±1/s`` exact in every float format. The price moves to the
-        activations: the carry neurons output about ``s·|mean(h)|``.
+        Why: the carry is exact only if its columns keep their value, and an int8 quantizer rounds them.
+        A per-tensor quantizer (ONNX Runtime's ``quantize_dynamic`` default: symmetric, step
+        ``max|w|/127``) would round a column off its grid by up to half a step, leaving that fraction of
+        the Post-LN mean in a stream whose RMSNorm no longer removes it (all-mpnet-base-v2, whose FFN
+        output dense peaks at 50-340× its rms, so a power-of-two carry was 0.5-2.5 steps in most layers and
+        rounded by up to 96%: 1.40× the original's int8 error).
+        On the grid, ``k`` steps quantize to exactly ``k`` steps. At most the smallest row peak, the
+        columns set no row's scale, so per-output-channel quantization sees the same row scales as in the
+        unwidened MLP (carry columns of ``∓1`` would set every row's scale and leave the real weights a few
+        grid steps: MiniLM's W4 error 5× the original's), and rounding them there costs at most
+        ``rowmax/(254·k·step)`` of the mean per row. The step is taken from the float32 maximum, the
+        precision models are exported and quantized in; the price moves to the activations: the carry
+        neurons output about ``s·|mean(h)|``, like a neuron whose ``down`` column peaks at the row minimum.
         """
-        import torch
-
-        peaks = down_weight.detach().abs().amax(dim=1).double()
+        w = down_weight.detach().abs()
+        peaks = w.amax(dim=1).double()
         peaks = peaks[peaks > 0]
         if peaks.numel() == 0:
             return 1.0
-        return float(2.0 ** torch.ceil(-torch.log2(peaks.min())))
+        step = float(peaks.max().float()) / 127  # the float32 maximum: what the quantizer reads
+        k = max(1, math.floor(float(peaks.min()) / step))
+        return 1.0 / (k * step)
 
 
 @dataclass

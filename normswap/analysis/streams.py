@@ -1391,8 +1391,11 @@ class Analyzer:
                 continue
             hidden = down.in_features
             added = -(-(hidden + 2) // 8) * 8 - hidden
+            # the scale comes from down's columns as the surgery writes them (centered, in float64), as
+            # the streamed rewrite computes it (checkpoint.rewrite), so both write and record the same
+            w = down.weight.detach().double()
             return MeanCarry(site_call.path, norm_term.module_path or norm_term.label, ucall.path, t.module_path,
-                             d, hidden, added, label, MeanCarry.scale_for(down.weight))
+                             d, hidden, added, label, MeanCarry.scale_for(w - w.mean(0, keepdim=True)))
         return None
 
     # ------------------------------------------------------------------ 4. readers

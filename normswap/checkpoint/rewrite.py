@@ -107,8 +107,6 @@ class TensorRewriter:
         self.widen = {} if fmt == "compat" else {
             f"{getattr(c, which.split('.')[0])}.{which.split('.')[1]}": (c, which)
             for c in plan.mean_carries for which in CARRY_TENSORS}
-        for c in plan.mean_carries if self.widen else []:  # the plan came from random-weight proxies:
-            c.scale = MeanCarry.scale_for(self.read(f"{c.down}.weight"))  # the real down weight sets it
         # value β shares carried through attention (plan.BetaMove): output bias key -> moves, in plan order
         self.moves: dict[str, list[Any]] = {}
         for m in plan.beta_moves:
@@ -132,6 +130,9 @@ class TensorRewriter:
             for attr in (g_attr, b_attr):
                 if attr:
                     self.norm_keys[f"{sp.name}.{attr}"] = (sp.name, g_attr, b_attr)
+        for c in plan.mean_carries:  # the plan came from random-weight proxies: the real down weight as the
+            # surgery writes it (centered, before any fold, not widened) sets it; compat records it too, unused
+            c.scale = MeanCarry.scale_for(self.edited(f"{c.down}.weight", upto=0))
 
     def _ties(self) -> tuple[dict[str, str], dict[str, str]]:
         """Tied parameters (target -> source) with the original config, and after ``mark_untied``."""
