@@ -283,11 +283,28 @@ def shrink(config: object, depth: int = 0, ids: list[int] | None = None, images:
         _follow_stage_widths(tree)
     if tree is not None:
         _read_out_layers(tree)
+    for k, v in list(d.items()):
+        # a plain dict the config built from its own attributes at construction (FastSpeech 2's
+        # ``encoder_config = {"layers": encoder_layers, "linear_units": encoder_linear_units, …}``, which its
+        # modeling code reads): each entry follows the attribute it was copied from
+        if k.endswith("_config") and isinstance(v, dict) and not isinstance(before.get(k), PretrainedConfig):
+            prefix = k[: -len("_config")]
+            d[k] = {key: d[f"{prefix}_{key}"] if f"{prefix}_{key}" in d and x == before.get(f"{prefix}_{key}") else x
+                    for key, x in v.items()}
     for k in ("layer_types", "block_types", "layers_block_type"):  # per-layer lists follow the layer count
         v = d.get(k)
         n = d.get("num_hidden_layers")
         if isinstance(v, list) and isinstance(n, int) and len(v) > n:
             d[k] = v[:n]
+        elif isinstance(v, list) and n is None and len(v) > 2 and all(isinstance(x, str) for x in v) \
+                and not any(_int(d.get(x)) for x in LAYERS):
+            # the list is the depth (Nemotron-H inside NeMo SpeechLM: 52 layers, 23 of them Mamba mixers on the
+            # reference scan, 15 s a forward): the first layer of each kind, at least 2 (as the layer-count rule)
+            first: dict[str, int] = {}
+            for i, kind in enumerate(v):
+                first.setdefault(kind, i)
+            keep = sorted(set(sorted(first.values())[:4]) | {0, 1})
+            d[k] = [v[i] for i in keep]
 
 
 # ------------------------------------------------------------------ self-consistent tiny configs (rules)
