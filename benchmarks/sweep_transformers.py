@@ -283,14 +283,6 @@ def shrink(config: object, depth: int = 0, ids: list[int] | None = None, images:
         _follow_stage_widths(tree)
     if tree is not None:
         _read_out_layers(tree)
-    for k, v in list(d.items()):
-        # a plain dict the config built from its own attributes at construction (FastSpeech 2's
-        # ``encoder_config = {"layers": encoder_layers, "linear_units": encoder_linear_units, …}``, which its
-        # modeling code reads): each entry follows the attribute it was copied from
-        if k.endswith("_config") and isinstance(v, dict) and not isinstance(before.get(k), PretrainedConfig):
-            prefix = k[: -len("_config")]
-            d[k] = {key: d[f"{prefix}_{key}"] if f"{prefix}_{key}" in d and x == before.get(f"{prefix}_{key}") else x
-                    for key, x in v.items()}
     for k in ("layer_types", "block_types", "layers_block_type"):  # per-layer lists follow the layer count
         v = d.get(k)
         n = d.get("num_hidden_layers")
@@ -317,7 +309,7 @@ EXPERTS_PER_TOKEN = {"num_experts_per_tok", "num_experts_per_token", "moe_topk",
                      "n_activated_experts", "num_selected_experts"}
 SHARED_EXPERTS = {"n_shared_experts", "num_shared_experts", "moe_num_shared_experts"}
 EXPERT_GROUPS = {"n_group", "num_expert_group", "topk_group"}  # group-limited routing: one group of 4
-FFN_LIKE = re.compile(r"(intermediate|ffn|feed_forward|mlp).*(size|dim)$|linear_units$")  # moe_intermediate_size, …
+FFN_LIKE = re.compile(r"(intermediate|ffn|feed_forward|mlp).*(size|dim)$")  # moe_intermediate_size, …
 WIDTH_LIKE = re.compile(r"(size|dim|channel|width|hidden|embed)s?$")
 NOT_WIDTH = re.compile(r"vocab|position|patch|image|window|kernel|stride|chunk|sampl|max_|min_|token|length|"
                        r"^num_|^n_|rate|frame|seq|codebook|bins|spatial|temporal|pool|bucket|cache|batch|"
@@ -1133,7 +1125,10 @@ def run_class(class_name: str, model_type: str) -> dict:
                     torch.manual_seed(0)
                     out = model(**kw)
                 skip = set(report.plan.changed_outputs) if report.plan else set()
-                errs.append(compare(ref, out, skip).get("max_rel_error"))
+                figures = compare(ref, out, skip)
+                # a model whose every output is its raw stream (SAM 2's Hiera): the error after each
+                # token's mean is removed, the figure verification holds such an output to
+                errs.append(figures.get("max_rel_error", figures.get("raw_stream_rel_error")))
             except Exception as exc:  # noqa: BLE001 - e.g. a model that takes one length only
                 errs.append(f"{type(exc).__name__}: {_line(exc, 80)}")
         row["err"] = errs

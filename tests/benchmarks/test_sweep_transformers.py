@@ -229,9 +229,6 @@ def test_sam_hiera_and_vocoder_types_shrink_to_tiny_models_that_run():
     # a global block is never a stage's first (that one pools) and lies inside the tiny depth
     assert backbone.global_attention_blocks and all(
         0 < i < sum(backbone.blocks_per_stage) and i not in starts for i in backbone.global_attention_blocks)
-    speech = sweep.tiny_config("fastspeech2_conformer", "FastSpeech2ConformerModel")  # its layers read a dict
-    assert speech.encoder_config["layers"] == speech.encoder_layers <= 2
-    assert speech.decoder_config["linear_units"] == speech.decoder_linear_units <= 64
     nemo = sweep.tiny_config("nemo_speechlm", "Nemotron3_5TranscribeModel").text_config  # the kinds list is the depth
     assert len(nemo.layers_block_type) <= 4 and set(nemo.layers_block_type) == set(
         tf.AutoConfig.for_model("nemo_speechlm").text_config.layers_block_type)
