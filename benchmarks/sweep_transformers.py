@@ -251,7 +251,8 @@ def shrink(config: object, depth: int = 0, ids: list[int] | None = None, images:
         elif k == "blocks_per_stage" and isinstance(v, list) and all(_int(x) for x in v):
             # two blocks a stage: a stage's first block pools (Hiera), its global-attention block is another
             d[k] = [min(x, 2) for x in v]
-        elif k == "image_size" and images and isinstance(v, list) and len(v) == 2 and all(_int(x) for x in v):
+        elif (k == "image_size" and images and isinstance(v, list) and len(v) == 2 and all(_int(x) for x in v)
+              and "blocks_per_stage" in d):
             d[k] = [min(x, TINY_STAGED_IMAGE) for x in v]  # [height, width]: a staged (Hiera) backbone's input
     # keep every special token id inside the (maybe shrunk) vocabulary
     vocab = d.get("vocab_size")
