@@ -854,9 +854,14 @@ def measure(model: nn.Module, targets: list[Target], fits: dict[str, NormFit], b
                 acc["state_cos"] += float(cos[sel].sum())
                 acc["positions"] += float(sel.sum())
                 continue
+            pooled_t, pooled_s = _pooled(ref[key], mask), _pooled(out[key], mask)
+            if pooled_t.shape != pooled_s.shape:
+                # an output whose length the model computes from its own predictions (VITS' waveform, from
+                # predicted durations): the converted model's is another length, nothing to pair row by row
+                continue
             dtype = ref[key].dtype
-            emb_t.append(_pooled(ref[key], mask))
-            emb_s.append(_pooled(out[key], mask))
+            emb_t.append(pooled_t)
+            emb_s.append(pooled_s)
     if acc["n"]:
         return {"top1_agreement": acc["agree"] / acc["n"], "top5_agreement": acc["agree5"] / acc["n"],
                 "kl": acc["kl"] / acc["n"]}
@@ -864,9 +869,12 @@ def measure(model: nn.Module, targets: list[Target], fits: dict[str, NormFit], b
         return {"state_cosine": acc["state_cos"] / acc["positions"]}
     if not emb_t:
         return {}
-    t, s = torch.cat(emb_t), torch.cat(emb_s)
-    figs = {"cosine": float(torch.nn.functional.cosine_similarity(t, s, dim=-1).mean())}
-    figs.update(neighbour_figures(t, s, similarity_resolution(dtype, t.shape[-1])))
+    cosines = torch.cat([torch.nn.functional.cosine_similarity(t, s, dim=-1)
+                         for t, s in zip(emb_t, emb_s, strict=True)])
+    figs = {"cosine": float(cosines.mean())}
+    if len({t.shape[1:] for t in emb_t}) == 1:  # neighbours need one width: not batches of other-length waveforms
+        t, s = torch.cat(emb_t), torch.cat(emb_s)
+        figs.update(neighbour_figures(t, s, similarity_resolution(dtype, t.shape[-1])))
     return figs
 
 

@@ -229,6 +229,9 @@ def test_sam_hiera_and_vocoder_types_shrink_to_tiny_models_that_run():
     # a global block is never a stage's first (that one pools) and lies inside the tiny depth
     assert backbone.global_attention_blocks and all(
         0 < i < sum(backbone.blocks_per_stage) and i not in starts for i in backbone.global_attention_blocks)
+    nemo = sweep.tiny_config("nemo_speechlm", "Nemotron3_5TranscribeModel").text_config  # the kinds list is the depth
+    assert len(nemo.layers_block_type) <= 4 and set(nemo.layers_block_type) == set(
+        tf.AutoConfig.for_model("nemo_speechlm").text_config.layers_block_type)
     vits = sweep.tiny_config("vits", "VitsModel")
     assert list(vits.upsample_rates) == [2] * 4 and list(vits.upsample_kernel_sizes) == [4] * 4
     assert vits.upsample_initial_channel <= 32
