@@ -312,7 +312,7 @@ def route(model: nn.Module, kwargs: dict[str, Any],
         return None, called
     given = {k.rpartition(towers.SEP)[2]: v for k, v in (base.example_inputs() if base is not None else kwargs).items()}
     try:
-        in_place = {n for m in missing_inputs(model, norms, called, given) if m.inputs for n in m.norms}
+        in_place = {n for m in missing_inputs(model, norms, called, given) if m.inputs or m.without for n in m.norms}
     except MemoryError:
         raise
     except Exception:  # noqa: BLE001 - a forward whose source cannot be read: no input named, every way tried
@@ -342,31 +342,63 @@ def _names(node: ast.AST) -> set[str]:
     return {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
 
 
-def _guards(fn: Any, attrs: set[str]) -> tuple[bool, set[str]]:
-    """Whether ``fn`` uses ``self.<attr>`` for an attr in ``attrs``, and the names its enclosing conditions
-    (``if``, ``a if c else b``, ``and``/``or``) test at those uses."""
+SET, UNSET = "set", "unset"
+Want = tuple[str, str]  # (name, SET or UNSET): what a condition needs of a name
+Condition = frozenset[Want]  # any one of these holds the condition (alternatives)
+
+
+def _conditions(test: ast.AST, truth: bool) -> list[Condition]:
+    """What ``test`` evaluating to ``truth`` needs of the names it tests, as conditions that must all hold
+    (each a set of alternatives): ``x is None`` true needs ``x`` unset, ``x is not None`` or a bare ``x``
+    true needs it set, ``not`` flips, ``and``/``or`` combine. A test it cannot read (a call, a comparison
+    of values, an attribute) needs nothing it can name: ``[]``."""
+    if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+        return _conditions(test.operand, not truth)
+    if isinstance(test, ast.Name):
+        return [frozenset({(test.id, SET if truth else UNSET)})]
+    if (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.left, ast.Name)
+            and isinstance(test.comparators[0], ast.Constant) and test.comparators[0].value is None
+            and isinstance(test.ops[0], (ast.Is, ast.IsNot))):
+        is_set = isinstance(test.ops[0], ast.IsNot) == truth
+        return [frozenset({(test.left.id, SET if is_set else UNSET)})]
+    if isinstance(test, ast.BoolOp):
+        every = isinstance(test.op, ast.And) == truth  # each operand must evaluate to ``truth``
+        parts = [_conditions(v, truth) for v in test.values]
+        if every:
+            return [c for part in parts for c in part]
+        if all(len(part) == 1 for part in parts):  # one operand evaluating to ``truth`` is enough
+            return [frozenset().union(*(part[0] for part in parts))]
+    return []
+
+
+def _guards(fn: Any, attrs: set[str]) -> tuple[bool, list[Condition]]:
+    """Whether ``fn`` uses ``self.<attr>`` for an attr in ``attrs``, and the conditions its enclosing tests
+    (``if``/``elif``/``else``, ``a if c else b``, ``and``/``or``) put on the names they test at those uses,
+    with their polarity: a use in an ``else`` needs its test false."""
     tree = _source_tree(fn)
     if tree is None:
-        return False, set()
-    used, guards = False, set()
+        return False, []
+    used, guards = False, []
 
-    def visit(node: ast.AST, conditions: list[set[str]]) -> None:
+    def visit(node: ast.AST, conditions: list[Condition]) -> None:
         nonlocal used
         if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self" \
                 and node.attr in attrs:
             used = True
-            for c in conditions:
-                guards.update(c)
+            guards.extend(c for c in conditions if c not in guards)
         if isinstance(node, (ast.If, ast.While, ast.IfExp)):
             visit(node.test, conditions)
-            inner = [*conditions, _names(node.test)]
-            for child in ast.iter_child_nodes(node):
-                if child is not node.test:
-                    visit(child, inner)
+            body = node.body if isinstance(node.body, list) else [node.body]
+            orelse = node.orelse if isinstance(node.orelse, list) else [node.orelse]
+            for child in body:
+                visit(child, [*conditions, *_conditions(node.test, True)])
+            for child in orelse:
+                visit(child, [*conditions, *_conditions(node.test, False)])
             return
-        if isinstance(node, ast.BoolOp):
+        if isinstance(node, ast.BoolOp):  # ``a and self.x(...)``: x runs only once a is true (false for ``or``)
             for i, child in enumerate(node.values):
-                visit(child, [*conditions, *(_names(v) for v in node.values[:i])])
+                before = [c for v in node.values[:i] for c in _conditions(v, isinstance(node.op, ast.And))]
+                visit(child, [*conditions, *before])
             return
         for child in ast.iter_child_nodes(node):
             visit(child, conditions)
@@ -381,25 +413,28 @@ def _guards(fn: Any, attrs: set[str]) -> tuple[bool, set[str]]:
                 passed |= {n.id for a in [*node.args, *(k.value for k in node.keywords)] for n in ast.walk(a)
                            if isinstance(n, ast.Name)}
         if passed:
-            guards |= _assignment_guards(tree, passed)
+            guards.extend(c for c in _assignment_guards(tree, passed) if c not in guards)
     return used, guards
 
 
-def _assignment_guards(tree: ast.AST, targets: set[str]) -> set[str]:
-    """The names the conditions around an assignment to any of ``targets`` test."""
-    found: set[str] = set()
+def _assignment_guards(tree: ast.AST, targets: set[str]) -> list[Condition]:
+    """The conditions of the tests around an assignment to any of ``targets`` that need a name given
+    (``if input_boxes is not None: boxes = input_boxes``): what gives the passed name a real value. The
+    other branch's fallback (``else: boxes = torch.zeros(1, 0, 4)``) needs a name left out, which is what the
+    built inputs already do, so those alternatives are dropped."""
+    found: list[Condition] = []
 
-    def visit(node: ast.AST, conditions: list[set[str]]) -> None:
+    def visit(node: ast.AST, conditions: list[Condition]) -> None:
         if isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
             names = {n.id for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
                      for n in ast.walk(t) if isinstance(n, ast.Name)}
             if names & targets:
-                for c in conditions:
-                    found.update(c)
+                found.extend(c for c in conditions if all(want == SET for _, want in c) and c not in found)
         if isinstance(node, ast.If):
-            inner = [*conditions, _names(node.test)]
-            for child in [*node.body, *node.orelse]:
-                visit(child, inner)
+            for child in node.body:
+                visit(child, [*conditions, *_conditions(node.test, True)])
+            for child in node.orelse:
+                visit(child, [*conditions, *_conditions(node.test, False)])
             return
         for child in ast.iter_child_nodes(node):
             visit(child, conditions)
@@ -419,18 +454,23 @@ def _methods_using(cls: type, attr: str) -> list[str]:
     return found
 
 
-def _level_guards(module: nn.Module, child: str) -> tuple[bool, set[str]]:
+def _level_guards(module: nn.Module, child: str) -> tuple[bool, list[Condition]]:
     """Whether ``module``'s forward reaches its child ``child`` (directly or through one of its own methods),
-    and the forward parameters that guard it."""
+    and the conditions on its forward parameters that guard it (a condition naming anything else is left
+    out: a local could hold it either way)."""
     forward = type(module).forward
     params = set(builder.forward_params(module))
     used, guards = _guards(forward, {child})
     if not used:
         helpers = _methods_using(type(module), child)
-        used, guards = _guards(forward, set(helpers)) if helpers else (False, set())
-        for helper in helpers:  # what guards the child inside the helper, by the helper's own parameters
-            guards |= _guards(getattr(type(module), helper), {child})[1]
-    return used, guards & params
+        used, guards = _guards(forward, set(helpers)) if helpers else (False, [])
+        for helper in helpers if used else ():  # what guards the child inside the helper, by its own parameters
+            guards += [c for c in _guards(getattr(type(module), helper), {child})[1] if c not in guards]
+    return used, [c for c in guards if all(name in params for name, _ in c)]
+
+
+def _is_given(value: Any) -> bool:
+    return value is not None and value is not False
 
 
 @dataclass
@@ -439,24 +479,47 @@ class Missing:
 
     module: str
     norms: list[str]
-    inputs: list[str]  # the model's forward parameters that would reach them
+    inputs: list[str]  # the model's forward parameters that would reach them (any one of them)
     dead: str = ""  # why no input of the model's forward reaches them (an inner guard it never passes)
     owner: str = "the model"  # the model's class name
+    without: list[str] = field(default_factory=list)  # given inputs whose presence keeps them off the path
 
     def line(self) -> str:
         head = f"{len(self.norms)} LayerNorm(s) in `{self.module}` not reached"
+        leave = " and ".join(f"`{i}`" for i in self.without)
         if self.inputs:
-            return f"{head}: pass {' or '.join(f'`{i}`' for i in self.inputs)} ({self.owner}.forward reaches them " \
-                   "only with it)"
+            also = f" without {leave}" if self.without else ""
+            return f"{head}: pass {' or '.join(f'`{i}`' for i in self.inputs)}{also} ({self.owner}.forward " \
+                   "reaches them only with it)"
+        if self.without:
+            return f"{head}: pass example inputs without {leave} ({self.owner}.forward reaches them only when " \
+                   f"{'it is' if len(self.without) == 1 else 'they are'} not given)"
         if self.dead:
             return f"{head}: {self.dead}"
         return f"{head} by the built inputs (no forward parameter found that reaches them; pass example_inputs that do)"
 
 
+def _unmet(conditions: list[Condition], given: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """For the ``conditions`` the ``given`` inputs do not meet: the parameters to pass (any one of a
+    condition's) and the given ones to leave out."""
+    to_pass: list[str] = []
+    to_leave: list[str] = []
+    for condition in conditions:
+        if any(_is_given(given.get(name)) == (want == SET) for name, want in condition):
+            continue
+        for name, want in sorted(condition):
+            target = to_pass if want == SET else to_leave
+            if name not in target:
+                target.append(name)
+    return to_pass, to_leave
+
+
 def missing_inputs(model: nn.Module, norms: list[str], called: set[str], given: dict[str, Any]) -> list[Missing]:
     """For ``norms`` no run reaches, grouped by the outermost module on their path that holds nothing
-    ``called``: the model's forward parameters, unset in ``given``, whose tests guard the call of the
-    module on the way down; else the inner guard the model never passes (dead for this class)."""
+    ``called``: the model's forward parameters whose tests guard the call of the module on the way down,
+    read with their polarity (the inputs to pass that the built ones left out, and the built ones to leave
+    out: SeamlessM4T's text encoder runs only when ``input_features`` is not given); else the inner guard
+    the model never passes (dead for this class)."""
     groups: dict[str, list[str]] = {}
     for norm in norms:
         parts = norm.split(".")
@@ -464,34 +527,51 @@ def missing_inputs(model: nn.Module, norms: list[str], called: set[str], given: 
                     if not any(c == ".".join(parts[:i]) or c.startswith(".".join(parts[:i]) + ".") for c in called)),
                    norm)
         groups.setdefault(top, []).append(norm)
-    own = builder.forward_params(model)
-    unset = {n for n in own if given.get(n) is None or given.get(n) is False}
+    own = set(builder.forward_params(model))
     found = []
     for top, members in groups.items():
         parts = top.split(".")
         inputs: list[str] = []
+        without: list[str] = []
         dead = ""
         for i in range(len(parts)):
             holder = model.get_submodule(".".join(parts[:i])) if i else model
             if isinstance(holder, (nn.ModuleList, nn.ModuleDict, nn.Sequential)) or not _has_forward(holder):
                 continue
-            _, guards = _level_guards(holder, parts[i])
+            child = ".".join(parts[:i + 1])
+            ran = any(c == child or c.startswith(child + ".") for c in called)
+            used, guards = _level_guards(holder, parts[i])
+            if not used and not ran and not inputs and not without:  # never called by forward (a generate-only vocoder)
+                others = _methods_using(type(holder), parts[i])
+                dead = (f"`{_numbered(child)}` is not called by {type(holder).__name__}.forward"
+                        + (f"; only {', '.join(f'`{m}`' for m in others)} {'calls' if len(others) == 1 else 'call'} it"
+                           if others else "")
+                        + " (dead for this class)")
+                break
             if i == 0 or holder is model:
-                inputs += sorted(g for g in guards if g in unset and g not in inputs)
-            elif guards and not inputs:
-                inner = sorted(guards)
-                reachable = [g for g in inner if g in unset]
-                if reachable:
-                    inputs += reachable
-                else:
-                    guard = ", ".join(f"`{g}`" for g in inner)
-                    dead = (f"`{_numbered('.'.join(parts[:i]))}` runs it only with {guard}, which "
-                            f"{type(model).__name__}.forward never passes (dead for this class)")
-                    break
-        found.append(Missing(top, members, inputs, "" if inputs else dead, type(model).__name__))
-    merged: dict[tuple[str, tuple[str, ...], str], Missing] = {}  # numbered siblings alike: one line
+                to_pass, to_leave = _unmet(guards, given)
+                inputs += [n for n in to_pass if n not in inputs]
+                without += [n for n in to_leave if n not in without]
+                continue
+            # an inner forward's guard: met by default unless it needs a parameter given, which the model
+            # can pass only under the same name
+            needed = [c for c in guards if all(want == SET for _, want in c)]
+            if not needed or inputs or without:
+                continue
+            reachable = sorted({name for c in needed for name, _ in c
+                                if name in own and not _is_given(given.get(name))})
+            if reachable:
+                inputs += reachable
+            else:
+                guard = ", ".join(f"`{g}`" for g in sorted({name for c in needed for name, _ in c}))
+                dead = (f"`{_numbered('.'.join(parts[:i]))}` runs it only with {guard}, which "
+                        f"{type(model).__name__}.forward never passes (dead for this class)")
+                break
+        found.append(Missing(top, members, inputs, "" if inputs or without else dead, type(model).__name__,
+                             without))
+    merged: dict[tuple[str, tuple[str, ...], tuple[str, ...], str], Missing] = {}  # numbered siblings: one line
     for m in found:
-        key = (_numbered(m.module), tuple(m.inputs), m.dead)
+        key = (_numbered(m.module), tuple(m.inputs), tuple(m.without), m.dead)
         if key in merged:
             merged[key].norms += m.norms
             merged[key].module = key[0]

@@ -266,3 +266,45 @@ def test_ops_on_the_views_inputs_move_onto_the_module_each_run_calls() -> None:
     towers.place_input_ops(plan, route)
     assert [(h.module, h.arg) for h in hooks] == [("head.norm", 0), ("head", "hidden_states"), ("", "inputs_embeds"),
                                                   ("body", 0)]
+
+
+class _Encoders(nn.Module):
+    """A speech encoder and a text encoder, the text one run only when no speech features are given (as
+    ``SeamlessM4TModel`` picks one by its inputs), and a vocoder that only ``generate`` runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.speech = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8))
+        self.text = nn.Sequential(nn.Embedding(16, 8), nn.LayerNorm(8))
+        self.vocoder = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8))
+
+    def forward(self, input_ids=None, input_features=None, encoder_outputs=None):  # noqa: ANN001, ANN201
+        if encoder_outputs is None:
+            if input_features is not None:
+                encoder_outputs = self.speech(input_features)
+            elif input_ids is not None:
+                encoder_outputs = self.text(input_ids)
+        return encoder_outputs
+
+    def generate(self, input_ids=None, input_features=None):  # noqa: ANN001, ANN201
+        return self.vocoder(self.forward(input_ids, input_features))
+
+
+def test_missing_inputs_read_guards_with_their_polarity() -> None:
+    """A branch taken only when an input is *not* given names that input as one to leave out, never as one to
+    pass (``encoder_outputs is None`` is met by leaving it out); a module only another method calls is dead for
+    this class, whatever that method's own guards."""
+    model = _Encoders()
+    given = {"input_ids": torch.zeros(1, 3, dtype=torch.long), "input_features": torch.zeros(1, 3, 4)}
+    called = {"speech", "speech.0", "speech.1"}
+    found = {m.module: m for m in reach.missing_inputs(model, ["text.1", "vocoder.1"], called, given)}
+    assert found["text"].inputs == [] and found["text"].without == ["input_features"]
+    assert found["text"].line() == ("1 LayerNorm(s) in `text` not reached: pass example inputs without "
+                                    "`input_features` (_Encoders.forward reaches them only when it is not given)")
+    assert found["vocoder"].inputs == [] and found["vocoder"].without == []
+    assert found["vocoder"].line() == ("1 LayerNorm(s) in `vocoder` not reached: `vocoder` is not called by "
+                                       "_Encoders.forward; only `generate` calls it (dead for this class)")
+    # with only text given, the speech encoder's guard names the input to pass
+    text_only = {"input_ids": given["input_ids"]}
+    [speech] = reach.missing_inputs(model, ["speech.1"], {"text", "text.0", "text.1"}, text_only)
+    assert speech.inputs == ["input_features"] and speech.without == []
