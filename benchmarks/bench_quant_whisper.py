@@ -523,7 +523,7 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     pts = ratios(rows)
     engines = list(dict.fromkeys(e for e, *_ in pts))
     variants = list(dict.fromkeys(v for _, v, *_ in pts))
-    fig, ax = plt.subplots(figsize=(8, 0.5 + 0.45 * len(engines) * max(1, len(variants)) / 2))
+    fig, ax = plt.subplots(figsize=(10, 1.2 + 0.25 * len(engines) * max(2, len(variants))))
     ax.axvspan(1 / 1.05, 1.05, color="0.9")
     ax.axvline(1, color="0.4", lw=0.8)
     step = 0.8 / max(1, len(variants))
@@ -533,12 +533,12 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
         ax.errorbar([x for x, _, _ in xs], ys, xerr=[[x - lo for x, lo, _ in xs], [hi - x for x, _, hi in xs]],
                     fmt="o", ms=4, capsize=2, label=v)
     ax.set_yticks(range(len(engines)), engines)
-    ax.invert_yaxis()
+    ax.set_ylim(len(engines) - 0.5, -0.5)  # first engine on top, every marker inside
     ax.set_xscale("log")
     ax.set_xlabel("KL(fp32 original ‖ quantized variant) / KL(fp32 original ‖ quantized original), "
                   "95% bootstrap", fontsize=8)
     ax.set_title(title, fontsize=10)
-    ax.legend(fontsize=8, loc="best")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
