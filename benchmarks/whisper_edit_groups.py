@@ -33,6 +33,9 @@ GROUPS = {
     # every edit of one stack, the other stack as the original's
     "encoder": re.compile(r"^model\.encoder\."),
     "decoder": re.compile(r"^model\.decoder\.|^proj_out"),
+    # the encoder's norms and their readers alone (γ and β folded into q/k/v/fc1; writers the original's)
+    "encoder-readers": re.compile(r"^model\.encoder\.layers\.\d+\.(self_attn\.[qkv]_proj|fc1|self_attn_layer_norm"
+                                  r"|final_layer_norm)\."),
 }
 DEFAULT_GROUPS = ("writers", "embeddings", "beta")
 
