@@ -11,7 +11,9 @@ original's up to rounding, and only the quantizer sees the difference.
 
 writes OUT_PREFIX-writers (centered ``out_proj``/``fc2``), OUT_PREFIX-embeddings (centered decoder
 ``embed_tokens``/``embed_positions``, untied ``proj_out``) and OUT_PREFIX-beta (LayerNorm β folded into
-``q_proj``/``v_proj``/``fc1`` biases).
+``q_proj``/``v_proj``/``fc1`` biases); a fourth argument names other groups, e.g. ``encoder,decoder``:
+every edit of one stack (the decoder's with ``proj_out``), the other stack the original's (exact for a
+rotated compat model, whose encoder output is a model output and so left as the original's).
 """
 
 from __future__ import annotations
@@ -27,12 +29,21 @@ GROUPS = {
     "writers": re.compile(r"\.(out_proj|fc2)\."),
     "embeddings": re.compile(r"decoder\.embed_(tokens|positions)|^proj_out"),
     "beta": re.compile(r"layer_norm\.bias|\.(q_proj|v_proj|fc1)\.bias"),
+    # by stream (for a rotated compat model, whose encoder output is a model output and so is the original's):
+    # every edit of one stack, the other stack as the original's
+    "encoder": re.compile(r"^model\.encoder\."),
+    "decoder": re.compile(r"^model\.decoder\.|^proj_out"),
+    # the encoder's norms and their readers alone (γ and β folded into q/k/v/fc1; writers the original's)
+    "encoder-readers": re.compile(r"^model\.encoder\.layers\.\d+\.(self_attn\.[qkv]_proj|fc1|self_attn_layer_norm"
+                                  r"|final_layer_norm)\."),
 }
+DEFAULT_GROUPS = ("writers", "embeddings", "beta")
 
 
-def main(orig: Path, compat: Path, prefix: str) -> None:
+def main(orig: Path, compat: Path, prefix: str, groups: tuple[str, ...] = DEFAULT_GROUPS) -> None:
     a, b = load_file(orig / "model.safetensors"), load_file(compat / "model.safetensors")
-    for name, pattern in GROUPS.items():
+    for name in groups:
+        pattern = GROUPS[name]
         out = Path(f"{prefix}-{name}")
         shutil.copytree(compat, out, dirs_exist_ok=True)
         hybrid = {}
@@ -47,4 +58,5 @@ def main(orig: Path, compat: Path, prefix: str) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3])
+    chosen = tuple(sys.argv[4].split(",")) if len(sys.argv) > 4 else DEFAULT_GROUPS
+    main(Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3], chosen)
