@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from normswap.errors import NormswapError, first_line
 from normswap.inputs import builder, towers
@@ -54,11 +55,37 @@ def layer_norms(model: nn.Module) -> list[str]:
     return [p for p, m in model.named_modules() if p and (isinstance(m, nn.LayerNorm) or towers.computes_layer_norm(m))]
 
 
+class _ParameterWrite(Exception):
+    """A trial forward was about to write one of the model's parameters in place."""
+
+
+class _NoParameterWrites(TorchDispatchMode):
+    """Stops a forward before any op writes into a parameter's storage (RWKV divides its weights in eval
+    mode on the first call): the trial forward runs on the user's model, which must stay untouched, and the
+    analysis on the working copy refuses such a model with its own line."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.storages = {p.untyped_storage().data_ptr() for p in model.parameters() if p.device.type != "meta"}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        schema = func._schema
+        if schema.is_mutable:
+            for i, arg in enumerate(schema.arguments):
+                if arg.alias_info is None or not arg.alias_info.is_write:
+                    continue
+                value = kwargs.get(arg.name, args[i] if i < len(args) and not arg.kwarg_only else None)
+                if isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() in self.storages:
+                    raise _ParameterWrite(str(func))
+        return func(*args, **kwargs)
+
+
 def called_by(model: nn.Module, forward: Any) -> set[str] | None:
     """Paths of ``model``'s modules that ``forward()`` calls (a trial forward: eval, no grad, random state
-    kept), or None where it raises."""
+    kept, no parameter written), or None where it raises or would write a parameter in place."""
     try:
-        with builder.trial(model), towers.Called(model) as called:
+        with builder.trial(model), towers.Called(model) as called, _NoParameterWrites(model):
             forward()
     except MemoryError:
         raise
