@@ -41,6 +41,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from quant_utils import BatchReader  # noqa: E402 (the benchmarks folder is on the path only now)
 
 QUANTIZERS = ("fp32", "dyn-pt", "dyn-pc", "qdq", "nbits-rtn")
 DEFAULT_QUANTIZERS = ("fp32", "dyn-pt", "dyn-pc")
@@ -97,23 +98,6 @@ def export(model: torch.nn.Module, example: dict, path: Path) -> None:
                           output_names=["last_hidden_state"], dynamic_axes=axes, dynamo=False, opset_version=17)
 
 
-class Reader:
-    """ONNX Runtime's calibration data reader over tokenized batches (for ``qdq``)."""
-
-    def __init__(self, data: list[dict]) -> None:
-        self.batches = [{k: v.numpy() for k, v in b.items()} for b in data]
-        self.i = 0
-
-    def get_next(self) -> dict | None:
-        if self.i >= len(self.batches):
-            return None
-        self.i += 1
-        return self.batches[self.i - 1]
-
-    def rewind(self) -> None:
-        self.i = 0
-
-
 def quantize(fp32: Path, how: str, calib: list[dict] | None = None) -> Path:
     """Write ``how``'s quantized model next to ``fp32`` with ONNX Runtime's own quantization tools."""
     from onnxruntime.quantization import QuantFormat, QuantType, quantize_dynamic, quantize_static
@@ -125,7 +109,8 @@ def quantize(fp32: Path, how: str, calib: list[dict] | None = None) -> Path:
         quantize_dynamic(str(fp32), str(out), weight_type=QuantType.QInt8, per_channel=how == "dyn-pc")
     elif how == "qdq":
         assert calib is not None, "qdq needs calibration batches"
-        quantize_static(str(fp32), str(out), Reader(calib), quant_format=QuantFormat.QDQ,
+        feeds = [{k: v.numpy() for k, v in b.items()} for b in calib]
+        quantize_static(str(fp32), str(out), BatchReader(feeds), quant_format=QuantFormat.QDQ,
                         activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8, per_channel=False)
     elif how == "nbits-rtn":
         import onnx

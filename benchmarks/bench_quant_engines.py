@@ -53,6 +53,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from quant_utils import BatchReader  # noqa: E402 (the benchmarks folder is on the path only now)
 
 QUANTIZERS = ("fp32", "dyn-pt", "dyn-pc", "qdq", "nbits-rtn", "nbits-hqq")
 VARIANTS = ("original", "compat", "compat-keep", "compat-fold-ls", "native", "native-keep", "fold-gamma", "hadamard",
@@ -168,23 +169,6 @@ def export(model: torch.nn.Module, px: torch.Tensor, path: Path) -> None:
                                         "last_hidden_state": {0: "batch"}}, dynamo=False, opset_version=17)
 
 
-class Reader:
-    """ONNX Runtime's calibration data reader over pixel batches."""
-
-    def __init__(self, px: torch.Tensor, batch: int = 8) -> None:
-        self.batches = [{"pixel_values": px[i:i + batch].numpy()} for i in range(0, len(px), batch)]
-        self.i = 0
-
-    def get_next(self) -> dict | None:
-        if self.i >= len(self.batches):
-            return None
-        self.i += 1
-        return self.batches[self.i - 1]
-
-    def rewind(self) -> None:
-        self.i = 0
-
-
 def quantize(fp32: Path, how: str, calib: torch.Tensor) -> Path:
     """Write ``how``'s quantized model next to ``fp32`` with ONNX Runtime's own quantization tools."""
     import onnx
@@ -196,7 +180,8 @@ def quantize(fp32: Path, how: str, calib: torch.Tensor) -> Path:
     if how in ("dyn-pt", "dyn-pc"):
         quantize_dynamic(str(fp32), str(out), weight_type=QuantType.QInt8, per_channel=how == "dyn-pc")
     elif how == "qdq":
-        quantize_static(str(fp32), str(out), Reader(calib), quant_format=QuantFormat.QDQ,
+        feeds = [{"pixel_values": calib[i:i + 8].numpy()} for i in range(0, len(calib), 8)]
+        quantize_static(str(fp32), str(out), BatchReader(feeds), quant_format=QuantFormat.QDQ,
                         activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8, per_channel=False)
     elif how.startswith("nbits"):
         from onnxruntime.quantization import matmul_nbits_quantizer as mq

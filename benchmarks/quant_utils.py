@@ -14,6 +14,7 @@ transformers' ``Conv1D`` (GPT-2 style, weight stored ``[in, out]``).
 * :func:`torchao_int8`: torchao's int8 dynamic-activation / int8-weight (per-token activations,
   per-channel weights, both symmetric: the W8A8 scheme above, run with ``torch._int_mm``), when
   torchao is installed (the ``quant`` extra).
+* :class:`BatchReader`: ONNX Runtime's calibration data reader over ready feeds (static QDQ).
 """
 
 from __future__ import annotations
@@ -265,3 +266,21 @@ def torchao_int8(model: nn.Module) -> nn.Module:
     hoist_input_hooks_(work)
     quantize_(work, Int8DynamicActivationInt8WeightConfig())
     return work
+
+
+class BatchReader:
+    """ONNX Runtime's calibration data reader (``quantize_static``) over a list of ready feeds, each a dict of
+    input name to NumPy array; ``rewind`` starts again for a second calibration pass."""
+
+    def __init__(self, feeds: list[dict]) -> None:
+        self.batches = list(feeds)
+        self.i = 0
+
+    def get_next(self) -> dict | None:
+        if self.i >= len(self.batches):
+            return None
+        self.i += 1
+        return self.batches[self.i - 1]
+
+    def rewind(self) -> None:
+        self.i = 0

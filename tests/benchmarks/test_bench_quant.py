@@ -9,23 +9,16 @@ Each is checked against a hand computation.
 from __future__ import annotations
 
 import copy
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
-_DIR = Path(__file__).resolve().parents[2] / "benchmarks"
+from tests import benchmark_modules
 
 
 def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, _DIR / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault(name, module)  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return sys.modules[name]
+    return benchmark_modules.load(name)
 
 
 qu = _load("quant_utils")

@@ -7,21 +7,13 @@ original compared as if paired, and a penalty taken against the wrong float32 ru
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import numpy as np
 
-_DIR = Path(__file__).resolve().parents[2] / "benchmarks"
+from tests import benchmark_modules
 
 
 def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, _DIR / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault(name, module)
-    spec.loader.exec_module(module)
-    return sys.modules[name]
+    return benchmark_modules.load(name)
 
 
 bq = _load("bench_quant_whisper")

@@ -4,17 +4,11 @@ the sweep counted a model normswap's inputs run as not running."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
-_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "sweep_transformers.py"
+from tests import benchmark_modules
 
 
 def _sweep():
-    spec = importlib.util.spec_from_file_location("sweep_transformers", _PATH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return benchmark_modules.load("sweep_transformers")
 
 
 def test_widths_handed_from_tower_to_tower_follow_the_cut():

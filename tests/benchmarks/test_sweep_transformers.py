@@ -4,19 +4,13 @@ how rows are counted (a refusal for want of runnable inputs is told apart from a
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import transformers as tf
 
-_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "sweep_transformers.py"
+from tests import benchmark_modules
 
 
 def _sweep():
-    spec = importlib.util.spec_from_file_location("sweep_transformers", _PATH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return benchmark_modules.load("sweep_transformers")
 
 
 def test_types_and_classes():
@@ -285,13 +279,14 @@ def test_help_and_page_say_how_to_regenerate_and_what_was_swept():
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, str(_PATH), "--help"], capture_output=True, text=True, check=True).stdout
+    script = benchmark_modules.BENCHMARKS / "sweep_transformers.py"
+    out = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, check=True).stdout
     assert "--write --jobs 2" in out and "regenerate everything" in out
     sweep = _sweep()
     rows = [{"type": "a", "swept_on": "normswap 0123abcd", "classes": [{"class": "A", "build": "ok", "patch": "ok"}]}]
     page = sweep.table(rows, None, 1, "5.24.0")
     assert "transformers 5.24.0" in page and "normswap 0123abcd: 1 types" in page
-    assert sweep.code_version(_PATH.parents[1]).startswith("normswap ")
+    assert sweep.code_version(benchmark_modules.BENCHMARKS.parent).startswith("normswap ")
     assert "--write --jobs 2" in sweep.HEADER
 
 
