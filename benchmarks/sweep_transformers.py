@@ -1171,7 +1171,8 @@ def run_class(class_name: str, model_type: str) -> dict:
                     torch.manual_seed(0)
                     out = model(**kw)
                 skip = set(report.plan.changed_outputs) if report.plan else set()
-                figures = compare(ref, out, skip)
+                axes = dict(report.plan.changed_output_axes) if report.plan else {}  # VitDet's (B, C, H, W)
+                figures = compare(ref, out, skip, axes=axes)
                 # a model whose every output is its raw stream (SAM 2's Hiera): the error after each
                 # token's mean is removed, the figure verification holds such an output to
                 errs.append(figures.get("max_rel_error", figures.get("raw_stream_rel_error")))

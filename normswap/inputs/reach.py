@@ -546,7 +546,9 @@ def missing_inputs(model: nn.Module, norms: list[str], called: set[str], given: 
     ``called``: the model's forward parameters whose tests guard the call of the module on the way down,
     read with their polarity (the inputs to pass that the built ones left out, and the built ones to leave
     out: SeamlessM4T's text encoder runs only when ``input_features`` is not given); else the inner guard
-    the model never passes (dead for this class)."""
+    the model never passes (dead for this class). The guards of a call that did run (what it was given) are
+    named only where no deeper guard is: SAM's prompt encoder runs on the points but embeds masks only with
+    ``input_masks``, the guard one level down."""
     groups: dict[str, list[str]] = {}
     for norm in norms:
         parts = norm.split(".")
@@ -561,6 +563,7 @@ def missing_inputs(model: nn.Module, norms: list[str], called: set[str], given: 
         inputs: list[str] = []
         without: list[str] = []
         dead = ""
+        ran_pass: list[str] = []  # what guards the levels that did run (the values they were given), a fallback
         for i in range(len(parts)):
             holder = model.get_submodule(".".join(parts[:i])) if i else model
             if isinstance(holder, (nn.ModuleList, nn.ModuleDict, nn.Sequential)) or not _has_forward(holder):
@@ -577,6 +580,9 @@ def missing_inputs(model: nn.Module, norms: list[str], called: set[str], given: 
                 break
             if i == 0 or holder is model:
                 to_pass, to_leave = _unmet(guards, given)
+                if ran:  # called, so its own guards held: only what it was given may have been empty
+                    ran_pass += [n for n in to_pass if n not in ran_pass]
+                    continue
                 inputs += [n for n in to_pass if n not in inputs]
                 without += [n for n in to_leave if n not in without]
                 continue
@@ -594,6 +600,8 @@ def missing_inputs(model: nn.Module, norms: list[str], called: set[str], given: 
                 dead = (f"`{_numbered('.'.join(parts[:i]))}` runs it only with {guard}, which "
                         f"{type(model).__name__}.forward never passes (dead for this class)")
                 break
+        if not (inputs or without or dead):  # SAM 3's geometry encoder runs on empty boxes without `input_boxes`
+            inputs = ran_pass
         found.append(Missing(top, members, inputs, "" if inputs or without else dead, type(model).__name__,
                              without))
     merged: dict[tuple[str, tuple[str, ...], tuple[str, ...], str], Missing] = {}  # numbered siblings: one line

@@ -37,6 +37,13 @@ from normswap.inputs.media import Layout, cfg, grid_layout, image_geometry, sub_
 QUERY_ROWS = 8  # query rows of a Q-Former run alone when the config does not fix how many
 
 
+
+def patch_side(vcfg: Any, *keys: str, default: int) -> int:
+    """A vision config's patch side: an int, or the first of a ``(height, width)`` pair (Hiera's and
+    InternVL's ``patch_size`` ``[14, 14]``; every layout built here is square)."""
+    value = cfg(vcfg, *keys, default=default)
+    return int(value[0]) if isinstance(value, (list, tuple)) and value else int(value)
+
 def built_here(params: Any) -> set[str]:
     """The required forward arguments this module has a rule for, given the forward's parameters."""
     out = set()
@@ -94,7 +101,7 @@ def patch_layouts(config: Any, params: Any, batch: int, gen: torch.Generator, dt
             continue
         layout = grid_layout(vcfg, batch, gen, dtype, grid=grid)
         rows = layout["pixel_values"]
-        patch = int(cfg(vcfg, "patch_size", "spatial_patch_size", default=14))
+        patch = patch_side(vcfg, "patch_size", "spatial_patch_size", default=14)
         channels = rows.shape[1] // (patch * patch)
         if channels * patch * patch == rows.shape[1]:  # one frame per patch: a square image of it
             yield {**layout, "pixel_values": rows.reshape(rows.shape[0], channels, patch, patch)}
@@ -107,7 +114,7 @@ def positioned_patch_layouts(config: Any, params: Any, batch: int, gen: torch.Ge
     if "pixel_position_ids" not in params:
         return
     vcfg = sub_config(config, "vision")
-    patch = int(cfg(vcfg, "patch_size", default=16))
+    patch = patch_side(vcfg, "patch_size", default=16)
     kernel = int(cfg(vcfg, "pooling_kernel_size", default=1))
     channels = int(cfg(vcfg, "num_channels", default=3))
     side = 2 * kernel
@@ -125,7 +132,7 @@ def packed_layouts(config: Any, params: Any, batch: int, gen: torch.Generator, d
     if "target_sizes" not in params:
         return
     vcfg = sub_config(config, "vision")
-    patch = int(cfg(vcfg, "patch_size", default=14))
+    patch = patch_side(vcfg, "patch_size", default=14)
     channels = int(cfg(vcfg, "num_channels", default=3))
     kernel = cfg(vcfg, "window_kernel_size", default=None)
     side = 2 * math.lcm(*(int(k) for k in kernel)) if isinstance(kernel, (list, tuple)) and kernel else 4
@@ -146,7 +153,7 @@ def channels_last_patch_layouts(config: Any, params: Any, batch: int, gen: torch
     Four rows (a 2 × 2 grid) per image, one image per sample. Tried after the flattened and square patch
     layouts, which most grid models take."""
     vcfg = sub_config(config, "vision")
-    patch = int(cfg(vcfg, "patch_size", "spatial_patch_size", default=14))
+    patch = patch_side(vcfg, "patch_size", "spatial_patch_size", default=14)
     channels = int(cfg(vcfg, "num_channels", "in_channels", "in_chans", default=3))
     side = 2
     rows = batch * side * side
@@ -178,7 +185,7 @@ def pooled_crop_layouts(config: Any, params: Any, batch: int, gen: torch.Generat
     if pooling is None:
         return
     vcfg = sub_config(config, "vision")
-    patch = int(cfg(vcfg, "patch_size", default=14))
+    patch = patch_side(vcfg, "patch_size", default=14)
     channels = int(cfg(vcfg, "num_channels", default=3))
     positions = cfg(vcfg, "num_position_embeddings")
     sizes = cfg(vcfg, "image_size", default=patch * 4)

@@ -21,7 +21,7 @@ import torch
 import transformers as tf
 
 import normswap
-from normswap.inputs import hf_example_inputs
+from normswap.inputs import hf_example_inputs, vision
 from normswap.inputs.builder import describe
 from tests.input_families import assert_exact_on_unseen_inputs, convert_with_no_inputs, eager_experts, run_built
 from tests.zoo import randomise
@@ -129,3 +129,15 @@ def test_patch_cubes_run_a_model_with_no_layernorm():
     assert tuple(built["pixel_values"].shape[1:]) == (vision.temporal_patch_size, 4, 4, vision.num_channels)
     report = normswap.patch(model)
     assert not report.sites and "no LayerNorm" in report.message
+
+
+def test_a_patch_size_given_as_a_pair_builds_inputs() -> None:
+    """Hiera and InternVL give ``patch_size`` as ``[h, w]``: the channels-last rules, tried for every image
+    model, read it as a side instead of crashing the builder (``int()`` of a list)."""
+    config = tf.HieraConfig(embed_dim=8, image_size=[64, 64], num_heads=[1, 1, 1, 1], depths=[1, 1, 1, 1],
+                            patch_size=[7, 7], patch_stride=[4, 4], patch_padding=[3, 3], mlp_ratio=2.0,
+                            masked_unit_size=[8, 8], query_stride=[2, 2], num_query_pool=2)
+    model = tf.HieraModel(config).double().eval()
+    built = hf_example_inputs(model)
+    assert tuple(built["pixel_values"].shape) == (2, 3, 64, 64)
+    assert vision.patch_side(config, "patch_size", default=14) == 7

@@ -308,3 +308,35 @@ def test_missing_inputs_read_guards_with_their_polarity() -> None:
     text_only = {"input_ids": given["input_ids"]}
     [speech] = reach.missing_inputs(model, ["speech.1"], {"text", "text.0", "text.1"}, text_only)
     assert speech.inputs == ["input_features"] and speech.without == []
+
+
+class _Prompts(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.points = nn.Linear(2, 8)
+        self.mask_embed = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8))
+
+    def forward(self, input_points=None, input_masks=None):  # noqa: ANN001, ANN201
+        dense = self.mask_embed(input_masks) if input_masks is not None else None
+        return (self.points(input_points) if input_points is not None else None), dense
+
+
+class _Segmenter(nn.Module):
+    """SAM's shape: the prompt encoder runs with or without points, its mask branch only with ``input_masks``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.prompt_encoder = _Prompts()
+
+    def forward(self, pixel_values=None, input_points=None, input_masks=None):  # noqa: ANN001, ANN201
+        if input_points is not None:
+            input_points = input_points * 2
+        return self.prompt_encoder(input_points=input_points, input_masks=input_masks)
+
+
+def test_a_call_that_ran_names_the_guard_one_level_down() -> None:
+    """The prompt encoder ran (its arguments' guards held), so the input to name is the one its mask branch
+    tests, not the one guarding what the encoder was given."""
+    given = {"pixel_values": torch.zeros(1)}
+    [found] = reach.missing_inputs(_Segmenter(), ["prompt_encoder.mask_embed.1"], {"prompt_encoder"}, given)
+    assert found.module == "prompt_encoder.mask_embed" and found.inputs == ["input_masks"]
