@@ -1495,7 +1495,7 @@ small vocabulary, image and audio sizes; random weights, float64, LayerNorm Î³/Î
 randomised, eval mode), then `normswap.patch(model)` with **no inputs**, as `normswap convert`
 calls it: normswap builds the inputs itself. Columns: whether it converted, was refused (one line
 saying why; `no-run` when the model did not run on the inputs normswap built) or crashed; the
-outcome before this release's input builder (`before`, normswap at a96ef03, where measured); the
+outcome in the previous sweep (`before`: `benchmarks/transformers_sweep_before.json`, where measured); the
 verdict counts; the max relative output error of the exact norms
 (`mode="exact"`) against the float64 original at two input shapes (1 x 5 and 2 x 11 tokens;
 images and audio at their configured size); the refusal or the model's own note.
