@@ -326,7 +326,7 @@ def route(model: nn.Module, kwargs: dict[str, Any],
           base: towers.Route | None = None) -> tuple[SubRoute | None, set[str] | None]:
     """The sub-runs that reach what the model's own run on ``kwargs`` (or the per-tower route ``base``) does
     not (None when it reaches every LayerNorm or no sub-run reaches any of the rest), and the paths of the
-    modules the runs call (None where the model's own run failed here)."""
+    modules the model's own run calls (None where it failed here), which naming the missing input reads."""
     if base is None:
         called = called_by(model, lambda: model(**kwargs))
     else:
@@ -345,8 +345,8 @@ def route(model: nn.Module, kwargs: dict[str, Any],
     except Exception:  # noqa: BLE001 - a forward whose source cannot be read: no input named, every way tried
         in_place = set()
     subs, _ = sub_runs(model, norms, in_place, called)
-    for s in subs:
-        called |= s.called
+    # ``called`` stays the model's own run's: a norm a sub-run reaches is converted, and one it does not is
+    # named by the guards on the model's own path (a sub-run that ran part of a module says nothing of them)
     if not subs:
         return None, called
     runs = list(base.runs) if base is not None else [towers.Run("model", "model", dict(kwargs))]
