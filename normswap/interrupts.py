@@ -13,9 +13,11 @@ Two users:
   package's ``Group.__del__`` while a tokenizer compiles its patterns, say) the exception is printed as
   "Exception ignored in ..." and dropped: the command would carry on and exit 0. So the handler here:
 
-  - before a command runs (imports, argument parsing) and after it ended (printing, interpreter
-    shutdown) there is nothing to unwind: it prints the one sentence about what is on disk and exits
-    with 130 at once (no click "Aborted!", no traceback);
+  - before a command runs (imports, argument parsing) and after it ended (printing, exit handlers)
+    there is nothing to unwind: it prints the one sentence about what is on disk and exits with 130 at
+    once (no click "Aborted!", no traceback); in the last of interpreter shutdown, where Python would
+    put its default handlers back (a signal would kill the process silently, exit -2), signals are
+    ignored and the command's own exit status stands;
   - while a command runs it raises ``KeyboardInterrupt`` once, so ``finally`` blocks remove temporary
     output; inside a finaliser it re-sends the signal instead (from a helper thread), to be raised
     once the finaliser has returned; an interrupt a finaliser swallowed anyway is re-sent
@@ -30,6 +32,7 @@ imported).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import signal
@@ -195,7 +198,18 @@ def install() -> None:
     for s in SIGNALS:
         signal.signal(s, _handler)
     sys.unraisablehook = _unraisable(sys.unraisablehook)
+    atexit.register(_ignore_late_signals)  # registered first, so it runs last of the exit handlers
     _state.installed = True
+
+
+def _ignore_late_signals() -> None:
+    """At interpreter shutdown, once every exit handler before it has run: ignore SIGINT and SIGTERM. The
+    command is over and its sentence printed; past this point Python puts its default handlers back (a
+    signal would kill the process, exit -2, with nothing said) and no Python handler runs any more, so
+    the process ends with the command's own exit status."""
+    if _in_main_thread():
+        for s in SIGNALS:
+            signal.signal(s, signal.SIG_IGN)
 
 
 @contextlib.contextmanager
