@@ -599,12 +599,8 @@ def plan(model: nn.Module, example_inputs: inputs.ExampleInputs = None, *,
             if result is None:
                 result = analysed_copy(model, args, kwargs, opts)[3]
                 decide_verdicts(result.plan, opts.mode)
-        except ModelRunFailed as exc:  # as patch does: each tower on inputs of its own (towers.fallback)
-            route = towers.fallback(model, exc) if built else None
-            if route is None:
-                raise
-            sub, called = reach.route(model, {}, route)
-            route = sub or route
+        except ModelRunFailed as exc:  # as patch does: each tower on inputs of its own
+            route, called = _tower_route(model, exc, built)
             result = analysed_copy(towers.view(model, route), (), route.example_inputs(), opts)[3]
             decide_verdicts(result.plan, opts.mode)
             route.check(result.plan, model)
@@ -614,6 +610,17 @@ def plan(model: nn.Module, example_inputs: inputs.ExampleInputs = None, *,
     if built:
         _say_reach(result.plan, model, route, kwargs, called, refused)
     return result.plan
+
+
+def _tower_route(model: nn.Module, exc: ModelRunFailed, built: bool) -> tuple[towers.Route, set[str] | None]:
+    """No whole-model layout ran: the per-tower route (:func:`towers.fallback`) with sub-runs for the norms its
+    runs do not reach, and the modules its runs call; ``exc`` raised again where the inputs were the user's
+    or the model has no towers."""
+    route = towers.fallback(model, exc) if built else None
+    if route is None:
+        raise exc
+    sub, called = reach.route(model, {}, route)
+    return sub or route, called
 
 
 def _planned_view(model: nn.Module, route: towers.Route, opts: ConvertOptions) -> tuple[Any, str]:
@@ -690,11 +697,7 @@ def patch(model: nn.Module, example_inputs: inputs.ExampleInputs = None, *,
         else:
             committed = _convert(st)
     except ModelRunFailed as exc:  # no whole-model layout ran: each tower on inputs of its own, if it has towers
-        route = towers.fallback(model, exc) if built else None
-        if route is None:
-            raise
-        sub, called = reach.route(model, {}, route)
-        route = sub or route
+        route, called = _tower_route(model, exc, built)
         st = _start(towers.view(model, route), route.example_inputs(), opts)
         committed = _convert(st, lambda plan_: route.check(plan_, model))
     if built and st.an is not None:

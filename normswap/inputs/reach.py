@@ -94,6 +94,11 @@ def called_by(model: nn.Module, forward: Any) -> set[str] | None:
     return set(called)
 
 
+def was_called(path: str, called: set[str]) -> bool:
+    """Whether the module at ``path``, or one inside it, is among the ``called`` module paths."""
+    return any(c == path or c.startswith(path + ".") for c in called)
+
+
 def unreached(model: nn.Module, called: set[str]) -> list[str]:
     """The LayerNorms of ``model`` that no module call in ``called`` reaches."""
     return [p for p in layer_norms(model) if p not in called]
@@ -107,7 +112,6 @@ class SubRun:
     kwargs: dict[str, Any]
     norms: list[str]
     how: str  # "on inputs built from its config" | "on built hidden states (width 32)" ...
-    called: set[str] = field(default_factory=set)  # the model's module paths it calls
 
     def run(self) -> towers.Run:
         return towers.Run(f"{SUB}{self.path}", "module", self.kwargs, [self.path], self.path, held=True)
@@ -225,7 +229,7 @@ def sub_runs(model: nn.Module, norms: list[str], in_place: set[str] = frozenset(
                 ran = called_by(sub, lambda sub=sub, kw=kw, alone=alone: sub(*kw.values()) if alone else sub(**kw))
                 inside = {f"{path}.{c}" for c in ran or ()} | ({path} if ran is not None else set())
                 if norm in inside:
-                    found = SubRun(path, kw, [n for n in left if n in inside], how, inside)
+                    found = SubRun(path, kw, [n for n in left if n in inside], how)
                     break
             if found:
                 break
@@ -259,7 +263,7 @@ def _candidates(model: nn.Module, norm: str, called: set[str]) -> list[tuple[str
     from transformers import PreTrainedModel
 
     def is_called(path: str) -> bool:
-        return not path or any(c == path or c.startswith(path + ".") for c in called)
+        return not path or was_called(path, called)
 
     def caller(path: str) -> str:
         up = path.rpartition(".")[0]
@@ -552,9 +556,8 @@ def missing_inputs(model: nn.Module, norms: list[str], called: set[str], given: 
     groups: dict[str, list[str]] = {}
     for norm in norms:
         parts = norm.split(".")
-        top = next((".".join(parts[:i]) for i in range(1, len(parts) + 1)
-                    if not any(c == ".".join(parts[:i]) or c.startswith(".".join(parts[:i]) + ".") for c in called)),
-                   norm)
+        prefixes = (".".join(parts[:i]) for i in range(1, len(parts) + 1))
+        top = next((p for p in prefixes if not was_called(p, called)), norm)
         groups.setdefault(top, []).append(norm)
     own = set(builder.forward_params(model))
     found = []
@@ -569,9 +572,9 @@ def missing_inputs(model: nn.Module, norms: list[str], called: set[str], given: 
             if isinstance(holder, (nn.ModuleList, nn.ModuleDict, nn.Sequential)) or not _has_forward(holder):
                 continue
             child = ".".join(parts[:i + 1])
-            ran = any(c == child or c.startswith(child + ".") for c in called)
+            child_ran = was_called(child, called)
             used, guards = _level_guards(holder, parts[i])
-            if not used and not ran and not inputs and not without:  # never called by forward (a generate-only vocoder)
+            if not used and not child_ran and not inputs and not without:  # forward never calls it (generate-only)
                 others = _methods_using(type(holder), parts[i])
                 dead = (f"`{_numbered(child)}` is not called by {type(holder).__name__}.forward"
                         + (f"; only {', '.join(f'`{m}`' for m in others)} {'calls' if len(others) == 1 else 'call'} it"
@@ -580,7 +583,7 @@ def missing_inputs(model: nn.Module, norms: list[str], called: set[str], given: 
                 break
             if i == 0 or holder is model:
                 to_pass, to_leave = _unmet(guards, given)
-                if ran:  # called, so its own guards held: only what it was given may have been empty
+                if child_ran:  # called, so its own guards held: only what it was given may have been empty
                     ran_pass += [n for n in to_pass if n not in ran_pass]
                     continue
                 inputs += [n for n in to_pass if n not in inputs]
