@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import re
 import warnings
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -14,7 +15,7 @@ import normswap
 from normswap.inputs import hf_example_inputs
 from normswap.pipeline import default_dtype
 from normswap.surgery.verify import compare
-from tests.zoo import float64_casts
+from tests.zoo import float64_casts, randomise
 
 # the reasons the planner keeps a norm the analysis inputs never ran (normswap.analysis.planner, .walker)
 _NOT_CALLED = re.compile(r"not called by the example inputs|did not run on the analysis inputs|only with no rows")
@@ -75,3 +76,12 @@ def assert_exact_on_unseen_inputs(original: nn.Module, exact: nn.Module, report:
     figures = compare(ref, out, set(report.plan.changed_outputs))
     assert figures["compared"], figures
     assert figures["worst_rel_error_any_output"] <= 1e-9, figures
+
+
+def assert_family_converts_exactly(build: Callable[[], nn.Module]) -> normswap.Report:
+    """The family test's body: a replica from ``build`` with LayerNorm γ/β randomised converts with no inputs
+    (every norm reached) and its exact norms agree with the original on unseen inputs; its report."""
+    torch.manual_seed(0)
+    _, original, exact, report = convert_with_no_inputs(randomise(build(), 0))
+    assert_exact_on_unseen_inputs(original, exact, report)
+    return report
