@@ -171,12 +171,12 @@ class Analyzer:
         for c in self.site_calls:
             if self.site_input[c.id] is not None:
                 self.input_to_sites.setdefault(self.site_input[c.id], []).append(c)
-        self.output_values = {vid: path for path, vid in graph.outputs}
         # every path a value is returned at: a model may return one tensor twice (SAM 2's Hiera returns its
         # last stage as ``last_hidden_state`` and as ``intermediate_hidden_states[3]``), and each copy is changed
         self.output_paths: dict[int, list[str]] = {}
         for path, vid in graph.outputs:
             self.output_paths.setdefault(vid, []).append(path)
+        self.output_values = {vid: paths[-1] for vid, paths in self.output_paths.items()}  # one name per value
         self.calls_per_path: dict[str, list[ModuleCall]] = {}
         for c in graph.calls:
             self.calls_per_path.setdefault(c.path, []).append(c)

@@ -40,7 +40,6 @@ ENTITIES = 2  # entities per sample
 MENTION = 2  # words each entity's mention spans
 
 
-
 def main_inputs(config: Any, params: Any) -> bool:
     """True when these rules build a model's main input on their own (no text or media to go with it)."""
     return "latents" in params or all(n in params for n in ("states", "actions", "returns_to_go"))
