@@ -88,7 +88,9 @@ class ConvertOptions:
     Attributes:
         mode: ``"auto"`` converts every norm and warns about approximate ones; ``"exact"`` leaves
             approximate norms as LayerNorm; ``"all"`` converts everything silently.
-        fold_gamma: also fold γ into the reader Linears (the RMSNorm keeps weight 1: "rotation-ready").
+        fold_gamma: also fold γ into the reader Linears (the RMSNorm keeps weight 1: "rotation-ready"), in
+            every norm where the readers allow it, whether or not a rotation turns its stream. With ``rotate``
+            and without ``fold_gamma``, γ is folded only into the norms of the streams the rotation turns.
         bias_slots: with ``fold_gamma``, give a bias-less Linear reader (GPT-2's LM head) a bias that takes
             the norm's β as ``W β`` (exact), instead of keeping ``β/γ`` in the RMSNorm, a constant that a
             small γ makes huge and that per-token activation quantization then pays for. On by default;
@@ -143,10 +145,13 @@ class ConvertOptions:
         backend: the RMSNorm backend of the new modules (``"auto"`` or a name from
             ``normswap backends``).
         rotate: after the conversion, rotate every rotation-ready residual stream
-            (:func:`normswap.rotate`): ``"hadamard"`` (randomized Hadamard, QuaRot's choice) or
-            ``"random"`` (random orthogonal); ``None`` (default) does not rotate. Rotation needs γ
-            folded, so ``rotate`` implies ``fold_gamma=True``. Both matrices keep ``Q·1 = 1``, so a
-            rotated exact model can still be written in the compat format.
+            (:func:`normswap.rotate`): ``"hadamard"`` (randomized Hadamard, QuaRot's choice),
+            ``"random"`` (random orthogonal) or ``"learned"``; ``None`` (default) does not rotate. A rotated
+            stream needs γ folded, so ``rotate`` folds γ into the norms of every stream it will turn; the
+            norms of a stream it leaves alone (Whisper's encoder, whose last norm output is a model output)
+            keep γ and β as a conversion without ``rotate`` leaves them, and say why
+            (``plan.options["gamma_kept"]``). ``fold_gamma=True`` as well folds γ everywhere. The matrices
+            keep ``Q·1 = 1``, so a rotated exact model can still be written in the compat format.
         rotate_seed: the seed of the rotation's random signs / random matrix (stream ``i`` uses
             ``rotate_seed + i``); recorded in the manifest with the kind, enough to rebuild ``Q``.
         rotate_output: how a stream whose last norm output is itself a model output (a ViT/DINOv2
@@ -192,8 +197,7 @@ class ConvertOptions:
         choose("layer_scale", self.layer_scale, LAYER_SCALES)
         choose("verify_dtype", self.verify_dtype, VERIFY_DTYPES)
         if self.rotate is not None:
-            choose("rotate", self.rotate, ROTATIONS)
-            object.__setattr__(self, "fold_gamma", True)  # rotation needs unit-weight norms
+            choose("rotate", self.rotate, ROTATIONS)  # γ folded where it turns (pipeline.analyse_copy)
         if self.rotate_output is not None:
             choose("rotate_output", self.rotate_output, ROTATE_OUTPUTS)
         if isinstance(self.rotate_seed, bool) or not isinstance(self.rotate_seed, int):
@@ -222,11 +226,16 @@ class ConvertOptions:
                      "allow_unusable", "online_hadamard"):
             if not isinstance(getattr(self, name), bool):
                 raise NormswapError(f"option {name} must be True or False, not {getattr(self, name)!r}")
-        if not self.bias_slots and not self.fold_gamma:  # slots only ever take β of a γ-folded norm
+        if not self.bias_slots and not self.folds_gamma:  # slots only ever take β of a γ-folded norm
             raise NormswapError("option bias_slots=False applies with fold_gamma=True only (a bias slot takes the β "
                                 "of a γ-folded norm; without fold_gamma none is made): pass fold_gamma=True too, or "
                                 "drop bias_slots=False")
         backends.check_name(self.backend)
+
+    @property
+    def folds_gamma(self) -> bool:
+        """Is γ folded anywhere: ``fold_gamma`` (every norm), or a rotation (the norms of the streams it turns)."""
+        return self.fold_gamma or self.rotate is not None
 
     def beta_placement_for(self, fmt: str | None) -> str:
         """The β placement a conversion written in ``fmt`` runs (``None``: an in-memory ``patch``/``plan``):

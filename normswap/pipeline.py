@@ -528,9 +528,23 @@ def analyse_copy(work: nn.Module, args: tuple, kwargs: dict, opts: ConvertOption
     Shared by ``plan``/``patch`` and the streaming converter, which runs it on a reduced-depth proxy.
     """
     found, graph = _identify_sites(work, args, kwargs)
-    plan = analyse(work, graph, found.sites, untie=opts.untie, fold_gamma=opts.fold_gamma,
-                   per_norm_centering=opts.per_norm_centering, mean_carry=opts.mean_carry,
-                   rms_norms=found.skipped, bias_slots=opts.bias_slots, layer_scale=opts.layer_scale)
+
+    def planned(keep_gamma: dict[str, str] | None = None) -> Plan:
+        return analyse(work, graph, found.sites, untie=opts.untie, fold_gamma=opts.folds_gamma,
+                       per_norm_centering=opts.per_norm_centering, mean_carry=opts.mean_carry,
+                       rms_norms=found.skipped, bias_slots=opts.bias_slots, layer_scale=opts.layer_scale,
+                       keep_gamma=keep_gamma)
+
+    plan = planned()
+    if opts.rotate is not None and not opts.fold_gamma:
+        # the rotation asked for the fold, so only where it will turn: the norms of every stream it will leave
+        # alone are planned again as without it (γ and β where a conversion without rotate puts them)
+        from normswap.rotation.rotate import unturned_norms
+
+        decide_verdicts(plan, opts.mode)
+        keep = unturned_norms(work, plan, opts.rotate_output)
+        if keep:
+            plan = planned(keep)
     plan.skipped = [{"name": s.path, "class": s.class_name, "reason": s.reason} for s in found.skipped]
     plan.options["already_converted"] = bool(found.converted) and not found.sites
     return _Analysis(plan, {s.path: s for s in found.sites}, graph, args, kwargs, dict(graph.held_casts),
@@ -801,7 +815,10 @@ def _analyse(st: _Patching) -> Report | None:
     if plan_.options.get("already_converted"):
         return Report([], {}, plan_, "model is already converted by normswap; nothing to do")
     if not plan_.sites and not plan_.rms_folds:
-        return Report([], {}, plan_, "no LayerNorm found; nothing to do")
+        kept = plan_.options.get("gamma_kept") or {}  # RMS norms only, on streams a rotation would leave alone
+        why = (f"; nothing to rotate either, so every RMS norm keeps γ ({next(iter(kept.values()))})"
+               if kept else "")
+        return Report([], {}, plan_, f"no LayerNorm found; nothing to do{why}")
     st.todo = [sp for sp in plan_.sites if sp.convert]
     if not st.todo and not plan_.rms_folds:  # fold_gamma on an already-RMS model still has work
         return Report(plan_.sites, {}, plan_, "no LayerNorm can be converted in this mode; model unchanged")

@@ -747,7 +747,8 @@ def test_options_that_would_do_nothing_are_refused_in_python_too():
     with pytest.raises(normswap.NormswapError, match="bias_slots=False applies with fold_gamma=True"):
         ConvertOptions(bias_slots=False)
     assert not ConvertOptions(bias_slots=False, fold_gamma=True).bias_slots
-    assert ConvertOptions(bias_slots=False, rotate="hadamard").fold_gamma  # rotate implies fold_gamma
+    opts = ConvertOptions(bias_slots=False, rotate="hadamard")  # rotate folds γ where it turns
+    assert opts.folds_gamma and not opts.fold_gamma
     model = presets.build_model("tiny-gpt2")
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(normswap.NormswapError, match="bias_slots"):
@@ -807,7 +808,7 @@ ARGUMENT_ERRORS = [
     (["--max-shard-size", "banana"], "invalid size 'banana'"),
     (["--seed", "3"], "--seed applies to a rotation"),
     (["--no-bias-slots"], "--no-bias-slots applies with --fold-gamma"),
-    (["--rotate", "hadamard", "--beta-placement", "keep"], "--beta-placement keep applies without --rotate"),
+    (["--fold-gamma", "--beta-placement", "keep"], "--beta-placement keep applies without --fold-gamma"),
     (["--fold-gamma", "--beta-placement", "rounding"], "--beta-placement rounding applies without --fold-gamma"),
     (["--low-memory", "--rotate", "hadamard"], "--rotate needs the whole model in memory; drop --low-memory"),
     (["--low-memory", "--per-norm-centering"], "--per-norm-centering needs the whole model in memory"),

@@ -105,6 +105,8 @@ TABLE_WIDTH = 100  # columns Plan.table fits by default (a common terminal)
 KEY_DROP_WHY = "keys: softmax over the keys ignores a constant key shift"
 BETA_KEPT_WHY = "kept in the RMSNorm: folding it into the reader biases would round worse in bf16"
 BETA_KEEP_WHY = "kept in the RMSNorm (beta_placement='keep'): the readers' biases and inputs stay the original's"
+# a norm's rotation_reason where a rotation asked for fold_gamma but leaves its stream alone (planner keep_gamma)
+GAMMA_KEPT = "γ kept in the norm, as without a rotation, because the rotation leaves its stream alone"
 VALUE_MOVE_WHY = "values: attention weights sum to 1 over the keys, so the shift passes through"
 
 

@@ -23,6 +23,7 @@ from torch import nn
 from normswap.analysis.attention import Route
 from normswap.analysis.linears import LinearView
 from normswap.analysis.plan import (
+    GAMMA_KEPT,
     RESIDUAL_HINT,
     BetaMove,
     BiasSlot,
@@ -118,6 +119,12 @@ class Planning:
     carried_mlps: set[str] = field(default_factory=set)  # MLP up-projections already widened for one mean
     # do several norms inside the layers each need an op that serves them alone (one op per norm: opt-in)
     one_norm_ops: bool = False
+    # norm -> why its stream does not turn: planned as without ``fold_gamma`` (a rotation folds γ only where it turns)
+    keep_gamma: dict[str, str] = field(default_factory=dict)
+
+    def folds_gamma(self, path: str) -> bool:
+        """Is ``fold_gamma`` asked for this norm? (asked, and its stream not one the rotation leaves alone)"""
+        return self.an.fold_gamma and path not in self.keep_gamma
 
     def centered_by_op(self, value: int) -> bool:
         """Is ``value`` downstream of a centering op already placed?"""
@@ -139,7 +146,7 @@ class SiteStream:
 def analyse(model: nn.Module, graph: Graph, sites: list[NormSite], *, untie: bool = True,
             fold_gamma: bool = False, per_norm_centering: bool = False,
             rms_norms: list[SkippedNorm] | None = None, mean_carry: bool = True,
-            bias_slots: bool = False, layer_scale: str = "keep") -> Plan:
+            bias_slots: bool = False, layer_scale: str = "keep", keep_gamma: dict[str, str] | None = None) -> Plan:
     """Derive writers, readers, centering ops and a verdict for every NormSite.
 
     Verdict policy for centering ops: one op where a stream *starts* (its value depends on no
@@ -159,6 +166,12 @@ def analyse(model: nn.Module, graph: Graph, sites: list[NormSite], *, untie: boo
     ``layer_scale``: ``"keep"`` marks every LayerScale fold ``keep`` (λ rebalanced and kept after centering,
     so the writer keeps the original's ranges); ``"fold"`` leaves λ at 1.
 
+    ``keep_gamma`` (with ``fold_gamma``): ``{norm: why its stream does not turn}``. Those norms (converted or
+    RMS from the start) are planned as without ``fold_gamma``: γ stays in the norm, β goes where the β
+    placement puts it, no bias slot is made for them, and their ``rotation_reason`` says why. A rotation
+    asks for the fold only where it turns the stream (``normswap.rotation.rotate.unturned_norms``); the plan
+    records the map as ``options["gamma_kept"]``.
+
     The steps run in this order because each needs the previous ones' answers: centering ops are
     placed only for terms no weight edit centers, writer edits are committed only once the ops are
     known (an op may make one redundant), and a norm's verdict needs both its writers and its ops.
@@ -169,7 +182,10 @@ def analyse(model: nn.Module, graph: Graph, sites: list[NormSite], *, untie: boo
     st = Planning(an, Plan(options={"untie": untie, "fold_gamma": fold_gamma,
                                     "per_norm_centering": per_norm_centering, "mean_carry": mean_carry,
                                     "bias_slots": an.bias_slots, "layer_scale": layer_scale}),
-                  per_norm_centering=per_norm_centering, mean_carry=mean_carry)
+                  per_norm_centering=per_norm_centering, mean_carry=mean_carry,
+                  keep_gamma=dict(keep_gamma or {}) if fold_gamma else {})
+    if st.keep_gamma:
+        st.plan.options["gamma_kept"] = dict(sorted(st.keep_gamma.items()))
     _find_writers(st)
     _center_writers(st)
     _place_centering_ops(st)
@@ -590,7 +606,7 @@ def _residual_fold(st: Planning, site: NormSite, sp: SitePlan, foldable: list[st
     non-affine one) has nothing to fold. Returns whether it added one."""
     an = st.an
     calls = [c for c in an.site_calls if c.path == sp.name]
-    if an.fold_gamma or not an.fold_beta or len(calls) != 1 or len(site.normalized_shape) != 1 \
+    if st.folds_gamma(sp.name) or not an.fold_beta or len(calls) != 1 or len(site.normalized_shape) != 1 \
             or list(site.param_shape) != list(site.normalized_shape):
         return False
     if site.bias_attr is None and sp.verdict != "approximate":
@@ -618,7 +634,8 @@ def _site_rotation(st: Planning, site: NormSite, sp: SitePlan, stream: SiteStrea
     _, other = st.site_readers.get(sp.name, (set(), []))
     if stream.centered_by:
         sp.rotation_ops, sp.rotation_upstream = _rotation_ops(st, stream.calls)
-    sp.rotation_reason = _rotation_blocker(st.an, site, sp, stream.centered_by, sorted(set(other)), fold_blocker)
+    sp.rotation_reason = _rotation_blocker(st.an, site, sp, stream.centered_by, sorted(set(other)), fold_blocker,
+                                           st.keep_gamma.get(sp.name, ""))
     if carries and not sp.rotation_reason:
         sp.rotation_reason = "its stream carries a Post-LN norm output (mean cancelled in the MLP)"
     sp.rotation_ready = not sp.rotation_reason
@@ -628,9 +645,10 @@ def _plan_rms_norms(st: Planning, rms_norms: list[SkippedNorm]) -> None:
     """Norms that were RMS from the start: ``fold_gamma`` folds their γ into their readers, and their
     streams are described for rotation like converted ones."""
     if st.an.fold_gamma and rms_norms:
-        st.plan.rms_folds = _rms_folds(st.an, rms_norms, set(st.reader_sources))
+        st.plan.rms_folds = [f for f in _rms_folds(st.an, rms_norms, set(st.reader_sources))
+                             if st.folds_gamma(f.norm)]
     if rms_norms:
-        st.plan.rms_sites, st.plan.rotation_axes = _rms_streams(st.an, rms_norms, st.plan.rms_folds)
+        st.plan.rms_sites, st.plan.rotation_axes = _rms_streams(st.an, rms_norms, st.plan.rms_folds, st.keep_gamma)
 
 
 def _plan_lists(st: Planning) -> None:
@@ -764,13 +782,14 @@ def _rotation_ops(st: Planning, calls: list[ModuleCall]) -> tuple[list[dict], li
 
 
 def _rotation_blocker(an: Analyzer, site: NormSite, sp: SitePlan, centered_by: list[CenterHook],
-                      other: list[str], fold_blocker: str = "") -> str:
+                      other: list[str], fold_blocker: str = "", unturned: str = "") -> str:
     """Why the stream this norm reads cannot be rotated by an orthogonal Q ('' when it can).
 
     Rotation needs an RMSNorm with unit weight and no bias (``rms(xQ) = rms(x)``), writers whose
     output features can absorb Q (Linear, Conv1D, Embedding, conv, raw parameters), and readers
     that are Linear layers seeing the norm's features unpermuted (they absorb Qᵀ). ``fold_blocker``
-    is why nothing folds out of this norm at all (:func:`_fold_blocker`), when that is why γ stays.
+    is why nothing folds out of this norm at all (:func:`_fold_blocker`), when that is why γ stays;
+    ``unturned`` why the rotation leaves this norm's stream alone, where that is why γ was not folded.
     """
     sp.rotation_outputs = _output_names(other)
     if sp.verdict == "approximate":
@@ -791,6 +810,8 @@ def _rotation_blocker(an: Analyzer, site: NormSite, sp: SitePlan, centered_by: l
     if why:
         return why
     if site.weight_attr is not None and not sp.fold_gamma:
+        if unturned:
+            return f"{GAMMA_KEPT}: {unturned}"
         if not an.fold_gamma:
             return "γ stays in the RMSNorm (pass fold_gamma=True)"
         if fold_blocker:  # Whisper's final norm: its one reader is the embedding, read again as the logits
@@ -806,7 +827,7 @@ _ROTATED_PARAMS = {"linear": (("weight", 0), ("bias", 0)), "conv1d": (("weight",
                    "embedding": (("weight", 1),)}
 
 
-def _rms_streams(an: Analyzer, rms_norms: list[SkippedNorm], folds: list[RmsFold]
+def _rms_streams(an: Analyzer, rms_norms: list[SkippedNorm], folds: list[RmsFold], keep_gamma: dict[str, str]
                  ) -> tuple[list[SitePlan], dict[str, int]]:
     """Rotation facts for norms that were RMS from the start (Llama, Mistral, Gemma, T5): one
     :class:`SitePlan` each (verdict ``"rms"``, never converted, not in the plan's tables) with the
@@ -843,7 +864,8 @@ def _rms_streams(an: Analyzer, rms_norms: list[SkippedNorm], folds: list[RmsFold
         sp.writer_targets = sorted(targets)
         sp.linear_readers = sorted(readers)
         sp.readers = sorted(readers) + sorted(set(other))
-        sp.rotation_reason = why or _rms_rotation_blocker(an, norm, sp, sorted(set(other)), folded.get(norm.path))
+        sp.rotation_reason = why or _rms_rotation_blocker(an, norm, sp, sorted(set(other)), folded.get(norm.path),
+                                                          keep_gamma.get(norm.path, ""))
         sp.rotation_outputs = _output_names(sorted(set(other)))
         sp.rotation_ready = not sp.rotation_reason
         out.append(sp)
@@ -867,12 +889,15 @@ def _rms_writer(an: Analyzer, term: Term, width: int) -> tuple[dict[str, int], s
 
 
 def _rms_rotation_blocker(an: Analyzer, norm: SkippedNorm, sp: SitePlan, other: list[str],
-                          fold: RmsFold | None) -> str:
+                          fold: RmsFold | None, unturned: str = "") -> str:
     """Why an RMS norm whose writers can all turn still blocks rotation ('' when it does not): a bias,
-    readers that cannot absorb Qᵀ, or a γ that stays in the norm."""
+    readers that cannot absorb Qᵀ, or a γ that stays in the norm (``unturned``: because the rotation
+    leaves its stream alone)."""
     if norm.bias_attr is not None:
         return "the RMS norm has a bias"
     why = _reader_blocker(other, sp.linear_readers)
+    if not why and fold is None and unturned:
+        return f"{GAMMA_KEPT}: {unturned}"
     if not why and fold is None:
         return ("γ stays in the RMS norm (pass fold_gamma=True)" if not an.fold_gamma else
                 "γ cannot fold into the readers (a reader also reads another stream or is shared)")
@@ -927,7 +952,8 @@ def _plan_folds(st: Planning, site: NormSite, sp: SitePlan, foldable: list[str],
     if an.fold_beta and has_beta:
         for p in foldable:
             routes[p] = Route("bias", "") if an.modules[p].bias is not None else an.attention.route(p)
-            if routes[p].how == "kept" and an.bias_slots and isinstance(an.modules[p], nn.Linear):
+            if routes[p].how == "kept" and an.bias_slots and st.folds_gamma(site.path) \
+                    and isinstance(an.modules[p], nn.Linear):
                 routes[p] = Route("slot", "")  # a bias slot of its own (BiasSlot) takes W β
     stuck = [p for p, r in routes.items() if r.how == "kept"]
     fold_beta = bool(routes) and not stuck
@@ -935,7 +961,7 @@ def _plan_folds(st: Planning, site: NormSite, sp: SitePlan, foldable: list[str],
         sp.beta_detail = _beta_detail(routes, stuck) if an.fold_beta else "kept in the RMSNorm (fold_beta=False)"
     # γ leaves the norm together with β, or, where β cannot fold (a reader has no bias slot), with
     # the norm keeping β/γ: γ⊙u + β = γ⊙(u + β/γ). Only where no γ is near zero relative to the rest.
-    fold_gamma = an.fold_gamma and site.weight_attr is not None and (
+    fold_gamma = st.folds_gamma(site.path) and site.weight_attr is not None and (
         fold_beta or not has_beta or _well_conditioned(site.gamma(an.modules[site.path])))
     if fold_beta or fold_gamma:
         sp.fold_beta, sp.fold_gamma = fold_beta, fold_gamma

@@ -112,11 +112,10 @@ def _check_combination(
         raise UsageError("--no-bias-slots applies with --fold-gamma (or --rotate) only: a bias slot takes the β of a "
                          "γ-folded norm, and without --fold-gamma none is made; pass --fold-gamma too, or drop "
                          "--no-bias-slots")
-    if beta_placement in ("keep", "rounding") and (fold_gamma or rotation is not None):
-        flag = "--rotate" if rotation is not None else "--fold-gamma"
-        raise UsageError(f"--beta-placement {beta_placement} applies without {flag}: a norm whose γ is folded into "
-                         "its readers has no γ for β to sit behind, so β leaves every such norm whatever the "
-                         f"placement; drop --beta-placement, or drop {flag}")
+    if beta_placement in ("keep", "rounding") and fold_gamma:  # with --rotate alone: the norms it does not turn
+        raise UsageError(f"--beta-placement {beta_placement} applies without --fold-gamma: a norm whose γ is folded "
+                         "into its readers has no γ for β to sit behind, so β leaves every such norm whatever the "
+                         "placement; drop --beta-placement, or drop --fold-gamma")
     if new_head and task is None:
         raise UsageError("--new-head adds a task head: name it with --task (e.g. --task sequence-classification)")
     if fmt == "compat" and mode == "all":
@@ -307,7 +306,8 @@ Presets (offline, seeded tiny models with tokenizers/processors):
     "unchanged): hadamard = randomized Hadamard (QuaRot's choice; a random orthogonal Q where no "
     "Hadamard order fits the width), random = random orthogonal, learned = the Hadamard times an "
     "orthogonal R learned on --calibration-data (default: built-in batches) for the quantizer the --learn-* "
-    "options describe (SpinQuant's R1). Implies --fold-gamma. Q keeps the "
+    "options describe (SpinQuant's R1). γ is folded into the readers of the streams it turns; the norms of "
+    "a stream it leaves alone keep γ and β as without --rotate (add --fold-gamma to fold γ everywhere). Q keeps the "
     "mean (Q·1 = 1), so --format compat works too. Recorded in the manifest.",
 )
 @click.option("--learn-bits", type=click.IntRange(2, 8), default=None, metavar="N",
@@ -400,11 +400,9 @@ def convert(
     from normswap.options import ConvertOptions
 
     given_inputs = inputs_from(example_inputs, samples)
-    if rotation is not None and not fold_gamma:
-        say("note", "--rotate implies --fold-gamma (rotation needs RMSNorms of unit weight)", quiet)
     options = ConvertOptions(
         mode=mode,
-        fold_gamma=fold_gamma or rotation is not None,
+        fold_gamma=fold_gamma,  # --rotate folds γ where it turns the stream; --fold-gamma everywhere
         rotate=rotation,
         rotate_seed=rotate_seed,
         rotate_output=rotate_output,

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from normswap.analysis.linears import LinearView, linear_at, linear_module_kind, param_names
-from normswap.analysis.plan import CENTERED_VERDICTS, Plan, SitePlan, plan_of
+from normswap.analysis.plan import CENTERED_VERDICTS, FLAVOUR_SLOTS, Plan, SitePlan, plan_of
 from normswap.errors import NormswapError
 from normswap.nn.call_args import argument_slot
 from normswap.nn.rmsnorm import RMSNorm
@@ -53,11 +53,13 @@ class Rotation:
     random orthogonal matrix instead: no Hadamard order fits the width; ``""`` otherwise),
     ``mean_preserving`` (``Q·1 = ±1``), ``output`` (how a stream whose last norm output is a model output
     was handled: ``""``, ``"rotated"`` or ``"restore"``) and ``q``, the float64 ``d × d`` matrix itself
-    (row-vector convention: the stream ``x`` became ``x @ q``). ``skipped`` entries have ``norms`` and ``reason``.
+    (row-vector convention: the stream ``x`` became ``x @ q``). ``skipped`` entries have ``norms``, ``reason``
+    and ``gamma_kept``: the norms that keep γ because the conversion's rotation planned to leave this stream
+    alone (``normswap.patch(model, rotate=...)`` without ``fold_gamma=True`` folds γ only where it turns).
     """
 
     rotated: list[dict] = field(default_factory=list)
-    skipped: list[dict] = field(default_factory=list)  # {"norms", "reason"}
+    skipped: list[dict] = field(default_factory=list)  # {"norms", "reason", "gamma_kept"}
     online_skipped: list[str] = field(default_factory=list)  # down projections left without an online Hadamard
     smoothing: Any = None  # normswap.rotation.smooth.Smoothing where rotate(smooth=α) ran, else None
     learned: Any = None  # normswap.rotation.learn.Learned where rotate(q="learned") ran, else None
@@ -219,7 +221,24 @@ def _axes(plan: Plan) -> dict[str, int]:
     return axes
 
 
-def _blocker(model: nn.Module, plan: Plan, group: list[SitePlan], output: str | None) -> str:
+GAMMA_STAYS = ("so its norms keep γ (and β where a conversion without rotate puts it): the rotation folds γ only "
+               "into the streams it turns")
+
+
+def _kept_reason(plan: Plan, group: list[SitePlan]) -> str:
+    """Why the stream of ``group`` was left alone when the conversion's rotation planned the γ folds, where it
+    kept γ in its norms for that reason (``plan.options["gamma_kept"]``); '' otherwise."""
+    kept = plan.options.get("gamma_kept") or {}
+    why = next((kept[sp.name] for sp in group if sp.name in kept), "")
+    return f"{why}; {GAMMA_STAYS}" if why else ""
+
+
+def _blocker(model: nn.Module, plan: Plan, group: list[SitePlan], output: str | None, planned: bool = False) -> str:
+    """Why the stream of ``group`` cannot turn ('' when it can). ``planned``: asked of ``plan`` before its
+    surgery (``model`` is the unedited one): a converted norm's weight will be 1 where the plan folds its γ."""
+    kept = _kept_reason(plan, group)
+    if kept:
+        return kept
     restored = _restored(group, output)
     for sp in group:
         if sp.rotation_ready:
@@ -251,6 +270,11 @@ def _blocker(model: nn.Module, plan: Plan, group: list[SitePlan], output: str | 
             unit = isinstance(weight, torch.Tensor) and bool((weight == 1).all())
             if sp.rotation_outputs and sp.name not in folded and not unit:
                 return f"`{sp.name}` {keeps_gamma}"
+            continue
+        if planned:  # after the surgery: an RMSNorm whose weight is 1 where γ folds (or there is none)
+            has_gamma = FLAVOUR_SLOTS.get(sp.flavour, (True, True))[0]
+            if has_gamma and not sp.fold_gamma:
+                return f"`{sp.name}` {keeps_gamma}" if sp.rotation_outputs else f"`{sp.name}` keeps γ"
             continue
         if not isinstance(module, RMSNorm):
             return f"`{sp.name}` is not an RMSNorm"
@@ -786,7 +810,9 @@ def _choose_streams(model: nn.Module, plan: Plan, choice: MatrixChoice, output: 
         width = group[0].normalized_shape[0]
         why = _blocker(model, plan, group, output) or choice.refusal(group, width)
         if why:
-            result.skipped.append({"norms": [sp.name for sp in group], "reason": why})
+            kept = plan.options.get("gamma_kept") or {}
+            result.skipped.append({"norms": [sp.name for sp in group], "reason": why,
+                                   "gamma_kept": [sp.name for sp in group if sp.name in kept]})
         else:
             todo.append((group, *choice.for_stream(i, width, group[0].name)))
     gamma_kept = [s for s in result.skipped if "fold_gamma" in s["reason"]]
@@ -828,8 +854,7 @@ def _stream_turns(model: nn.Module, axes: dict[str, int], todo: list[tuple[list[
         readers = sorted({r for sp in group if sp.name not in restored for r in sp.linear_readers})
         tied = {r for r in readers if id(linear_at(model, r).weight) in by_id
                 and axes[by_id[id(linear_at(model, r).weight)]] == _reader_axis(linear_at(model, r))}
-        ops = list({(o["module"], o["where"], o["arg"]): o for sp in group for o in sp.rotation_ops}.values())
-        turns.append(StreamTurn(group, rot, info, by_id, readers, tied, restored, ops))
+        turns.append(StreamTurn(group, rot, info, by_id, readers, tied, restored, _stream_ops(group)))
     turns = _one_slot_per_module(model, turns, result)
     writer_params = [p for t in turns for p in t.writers]
     reader_params = [_reader_rows(model, r) for t in turns for r in t.readers if r not in t.tied]
@@ -837,6 +862,35 @@ def _stream_turns(model: nn.Module, axes: dict[str, int], todo: list[tuple[list[
             or set(writer_params) & set(reader_params):
         raise NormswapError("streams share a writer or a reader; this model cannot be rotated stream by stream")
     return turns
+
+
+def _stream_ops(group: list[SitePlan]) -> list[dict]:
+    """The rotation ops of a stream (each centering op's turn once)."""
+    return list({(o["module"], o["where"], o["arg"]): o for sp in group for o in sp.rotation_ops}.values())
+
+
+def unturned_norms(model: nn.Module, plan: Plan, output: str | None = None) -> dict[str, str]:
+    """``{norm: why its stream will not turn}`` for the norms whose γ ``plan`` folds but whose stream
+    ``rotate(model, q, output=output)`` would leave alone once ``plan`` is applied: asked before the surgery, of
+    a plan made with ``fold_gamma`` and its verdicts decided, on the unedited ``model``.
+
+    Why: a rotation needs γ folded only where it turns the stream. Folded into the readers of a stream that
+    stays unrotated (Whisper's encoder, whose last norm output is a model output), γ only widens the readers'
+    input columns, and a quantizer whose blocks run along them pays for it (ONNX Runtime's 4-bit
+    ``MatMulNBits``: 1.55× the original's error from the encoder's folds alone). ``normswap.patch(model,
+    rotate=...)`` plans those norms again as without ``fold_gamma`` (:func:`normswap.analysis.planner.analyse`'s
+    ``keep_gamma``). The same checks as :func:`rotate`'s, which any matrix it builds passes."""
+    skipped = Rotation()
+    turns = []
+    for group in streams(plan, model):
+        why = _blocker(model, plan, group, output, planned=True)
+        if why:
+            skipped.skipped.append({"norms": [sp.name for sp in group], "reason": why})
+        else:
+            turns.append(StreamTurn(group, torch.empty(0), {}, {}, [], set(), set(), _stream_ops(group)))
+    _one_slot_per_module(model, turns, skipped)
+    folds = {sp.name for sp in plan.sites if sp.convert and sp.fold_gamma} | {f.norm for f in plan.rms_folds}
+    return {name: s["reason"] for s in skipped.skipped for name in s["norms"] if name in folds}
 
 
 def _turn_stream(model: nn.Module, axes: dict[str, int], turn: StreamTurn, output: str | None, online: bool,

@@ -29,7 +29,9 @@ fused RMS kernels of the engines take as their bias input or a following Add.
 
 It applies to the default conversion only: with ``fold_gamma`` (rotation, quantization) β must
 leave the norm, since a kept β would become ``β/γ`` there, and a norm already rotation-ready (no γ
-to keep) stays so. Measured on Whisper tiny.en: ``docs/results/field.md``.
+to keep) stays so. A rotation asks for ``fold_gamma`` only on the streams it turns: the norms of the
+others keep γ and are placed here as in a default conversion (``plan.options["gamma_kept"]``).
+Measured on Whisper tiny.en: ``docs/results/field.md``.
 """
 
 from __future__ import annotations
@@ -77,9 +79,10 @@ def site_costs(plan: Plan, sp: SitePlan, tensor: Tensor, beta: torch.Tensor) -> 
 
 
 def applies(plan: Plan, sp: SitePlan) -> bool:
-    """Is ``sp`` a norm the rule decides for? (β folded in a default conversion, γ kept in the RMSNorm.)"""
-    return (sp.fold_beta and not sp.fold_gamma and not plan.options.get("fold_gamma")
-            and not sp.rotation_ready)
+    """Is ``sp`` a norm the rule decides for? (β folded in a default conversion, γ kept in the RMSNorm; or a
+    norm whose γ a rotation keeps because it leaves its stream alone: planned as in a default conversion.)"""
+    gamma_asked = plan.options.get("fold_gamma") and sp.name not in (plan.options.get("gamma_kept") or {})
+    return sp.fold_beta and not sp.fold_gamma and not gamma_asked and not sp.rotation_ready
 
 
 def keep_beta(plan: Plan, sp: SitePlan, why: str) -> None:

@@ -105,7 +105,7 @@ def test_rotation_flags_without_rotate_and_online_with_compat_are_errors(tmp_pat
     assert not (tmp_path / "x").exists()
     with pytest.raises(normswap.NormswapError, match="did you mean 'hadamard'"):
         normswap.ConvertOptions(rotate="hadamad")
-    assert normswap.ConvertOptions(rotate="random").fold_gamma  # rotation implies fold_gamma
+    assert normswap.ConvertOptions(rotate="random").folds_gamma  # γ folded where the rotation turns
 
 
 def test_compat_refuses_a_rotation_it_cannot_hold():
