@@ -149,19 +149,27 @@ def test_a_model_with_no_stream_to_turn_keeps_its_rms_norms_as_they_were():
     assert all(torch.equal(before[n], p) for n, p in model.named_parameters())
 
 
-def test_rotated_compat_whisper_loads_in_stock_transformers_and_matches(tmp_path):
+def test_rotated_whisper_checkpoints_load_and_match(tmp_path):
+    """Compat: stock transformers loads it (stock LayerNorms, the encoder's holding γ and β); native:
+    ``normswap.load`` rebuilds it, the manifest carrying ``gamma_kept``."""
     original = _whisper().float()
     original.save_pretrained(tmp_path / "src")
-    with warnings.catch_warnings():
+    with warnings.catch_warnings():  # in memory, whatever RAM the machine has free (a rotation needs it)
         warnings.simplefilter("ignore")
-        normswap.convert(tmp_path / "src", tmp_path / "rot", format="compat", rotate="hadamard")
-        normswap.convert(tmp_path / "src", tmp_path / "plain", format="compat")
+        normswap.convert(tmp_path / "src", tmp_path / "rot", format="compat", rotate="hadamard", low_memory=False)
+        normswap.convert(tmp_path / "src", tmp_path / "plain", format="compat", low_memory=False)
+        normswap.convert(tmp_path / "src", tmp_path / "native", rotate="hadamard", low_memory=False)
+        native = normswap.load(tmp_path / "native").eval()
     loaded = transformers.WhisperForConditionalGeneration.from_pretrained(tmp_path / "rot").eval()
     assert all(type(m) is not RMSNorm for m in loaded.modules())  # the stock architecture
     probe = hf_example_inputs(original, seed=7)
     with torch.no_grad():
-        ref, out = original(**probe).logits, loaded(**probe).logits
+        ref, out, nat = original(**probe).logits, loaded(**probe).logits, native(**probe).logits
     assert float((out - ref).abs().max() / ref.abs().max()) < 1e-4
+    assert float((nat - ref).abs().max() / ref.abs().max()) < 1e-4
+    assert set(normswap.plan_of(native).options["gamma_kept"]) == set(ENCODER_LAYER_NORMS)
+    assert torch.equal(native.model.encoder.layers[0].self_attn_layer_norm.weight,
+                       original.model.encoder.layers[0].self_attn_layer_norm.weight)
 
     rot, plain = load_file(tmp_path / "rot" / "model.safetensors"), load_file(tmp_path / "plain" / "model.safetensors")
     gammas = _gammas(original)
