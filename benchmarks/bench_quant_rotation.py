@@ -197,6 +197,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             row["seconds"] = time.perf_counter() - t0
             row["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
             result["rows"][name] = row
+            if args.json:  # after every row: a long run stopped early keeps what it measured
+                args.json.write_text(json.dumps(result, indent=1))
             print(f"{name}: {note}; float ops {exclude}; " + ", ".join(
                 f"{h} {e['tok']:.3e}" for h, e in row["errors"].items()), flush=True)
     print(table(result, "tok") + "\n\n" + table(result, "cls"))
