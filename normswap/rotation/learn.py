@@ -65,7 +65,9 @@ class LearnSettings:
     the skew parameter. ``grid``: the weights' integer grid: ``"symmetric"`` (levels ``±(2^(b−1) − 1)``, step
     ``max|w|/(2^(b−1) − 1)``: RTN, CTranslate2, torchao) or ``"full"`` (levels ``−2^(b−1) … 2^(b−1) − 1``, the
     block's largest magnitude at ``−2^(b−1)``: ONNX Runtime's symmetric ``MatMulNBits``). A rotation learned
-    on one grid need not carry to the other (``docs/results/quantization.md``)."""
+    on one grid need not carry to the other (``docs/results/quantization.md``). ``scales``: also learn a
+    per-channel scale between each norm of a rotated stream and its Linear readers (its log at ten times
+    ``lr``)."""
 
     bits: int = 4
     act_bits: int | None = None

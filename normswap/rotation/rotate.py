@@ -584,7 +584,7 @@ def rotate(model: nn.Module, q: str | int | torch.Tensor = "hadamard", *, seed: 
             a tuple or dict of model inputs, or a list of them (as ``normswap.patch``'s ``calibration``).
             Default: for a transformers model, the built-in calibration batches (English text, generated
             images or speech); a custom model must pass it.
-        bits: with ``q="learned"`` only (as the five below; :class:`normswap.rotation.learn.LearnSettings`):
+        bits: with ``q="learned"`` only (as the six below; :class:`normswap.rotation.learn.LearnSettings`):
             the weight bits of the fake quantizer the rotation is learned for (symmetric, per output channel).
         act_bits: per-token bits of every Linear's input in that quantizer, or None (weights only).
         group_size: one weight scale per this many inputs (ONNX Runtime ``MatMulNBits``: 32), or None.
