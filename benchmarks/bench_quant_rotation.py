@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import resource
 import sys
 import tempfile
 import time
@@ -52,8 +53,10 @@ RTN = {"w8a4": (8, 4), "w4a4": (4, 4)}
 VARIANTS = ("original", "converted", "hadamard", "hadamard+float-ops", "hadamard+smooth", "hadamard+smooth0.25",
             "hadamard+online", "hadamard+online+smooth", "learned-w4g32", "learned-w4g32f", "learned-w4g32+smooth",
             "learned-w4g32f+smooth",
-            "learned-w4a4", "learned-w4a4+online", "learned-w8a8")
+            "learned-w4a4", "learned-w4a4+online", "learned-w8a8", "learned-w4g32f+online",
+            "learned-w4g32f+scales", "learned-w4g32f+online+scales")
 LEARN_STEPS = 100  # --learn-steps
+LEARN_LR = 1e-3  # --learn-lr
 
 
 def learn_target(name: str) -> dict[str, Any]:
@@ -63,7 +66,8 @@ def learn_target(name: str) -> dict[str, Any]:
     grid = "full" if target.endswith("f") else "symmetric"
     w, _, rest = target.removesuffix("f")[1:].partition("g" if "g" in target else "a")
     kind = "group_size" if "g" in target else "act_bits"
-    return {"bits": int(w), kind: int(rest), "steps": LEARN_STEPS, "grid": grid}
+    return {"bits": int(w), kind: int(rest), "steps": LEARN_STEPS, "grid": grid, "lr": LEARN_LR,
+            **({"scales": True} if "+scales" in name else {})}
 
 
 def build(model: torch.nn.Module, name: str, calib: torch.Tensor) -> tuple[torch.nn.Module, str, bool]:
@@ -100,7 +104,8 @@ def quantize(fp32: Path, how: str, calib: torch.Tensor, exclude: list[str]) -> P
         quantize_dynamic(str(fp32), str(out), weight_type=QuantType.QInt8, per_channel=how == "dyn-pc",
                          nodes_to_exclude=exclude)
     elif how == "qdq":
-        quantize_static(str(fp32), str(out), engines.Reader(calib), quant_format=QuantFormat.QDQ,
+        quantize_static(str(fp32), str(out), quant_utils.BatchReader(
+            [{"pixel_values": calib[i:i + 8].numpy()} for i in range(0, len(calib), 8)]), quant_format=QuantFormat.QDQ,
                         activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8, per_channel=False,
                         nodes_to_exclude=exclude)
     else:
@@ -111,6 +116,24 @@ def quantize(fp32: Path, how: str, calib: torch.Tensor, exclude: list[str]) -> P
         q.process()
         q.model.save_model_to_file(str(out), use_external_data_format=False)
     return out
+
+
+def errors(ref_pool: torch.Tensor, ref_tok: torch.Tensor, pool: torch.Tensor,
+           tok: torch.Tensor) -> tuple[dict[str, float], dict[str, list[float]]]:
+    """``({"cls", "tok"}: 1 − cosine over all images, {"cls", "tok"}: the same per image)``: the per-image
+    figures (``tok``: the image's tokens' mean) are what the paired bootstrap resamples."""
+    per = {"cls": 1 - torch.nn.functional.cosine_similarity(ref_pool.double(), pool.double(), dim=-1),
+           "tok": (1 - torch.nn.functional.cosine_similarity(ref_tok.double(), tok.double(), dim=-1)).mean(-1)}
+    return {k: float(v.mean()) for k, v in per.items()}, {k: v.tolist() for k, v in per.items()}
+
+
+def bootstrap(err: list[float], base: list[float], draws: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """95% interval of ``mean(err) / mean(base)`` over images resampled with replacement, the same images for
+    both (paired): the noise of the image sample, not of the quantizer."""
+    e, b = torch.tensor(err, dtype=torch.float64), torch.tensor(base, dtype=torch.float64)
+    idx = torch.randint(0, len(e), (draws, len(e)), generator=torch.Generator().manual_seed(seed))
+    ratios = e[idx].mean(1) / b[idx].mean(1)
+    return float(ratios.quantile(0.025)), float(ratios.quantile(0.975))
 
 
 @torch.no_grad()
@@ -131,6 +154,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--calib", type=int, default=32)
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     ap.add_argument("--learn-steps", type=int, default=LEARN_STEPS, help="steps of the learned rotations")
+    ap.add_argument("--learn-lr", type=float, default=LEARN_LR, help="Adam's step of the learned rotations")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--from-json", type=Path, nargs="+", help="print the tables of earlier --json runs, rows merged")
     args = ap.parse_args(argv)
@@ -142,6 +166,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         return result
     torch.set_num_threads(1)
     globals()["LEARN_STEPS"] = args.learn_steps
+    globals()["LEARN_LR"] = args.learn_lr
     model = engines.dino(args.layers, args.seed, args.image)
     px = engines.images(args.images, args.image, 1)
     calib = engines.images(args.calib, args.image, 2)
@@ -153,11 +178,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for name in args.variants:
             t0 = time.perf_counter()
             m, note, float_ops = build(model, name, calib)
-            row: dict[str, Any] = {"note": note, "errors": {}}
+            row: dict[str, Any] = {"note": note, "errors": {}, "per_image": {}}
             for how, (wb, ab) in RTN.items():
                 pool, tok = rtn(m, px, wb, ab)
-                row["errors"][how] = {"cls": engines.one_minus_cos(ref_pool, pool),
-                                      "tok": engines.one_minus_cos(ref_tok, tok)}
+                row["errors"][how], row["per_image"][how] = errors(ref_pool, ref_tok, pool, tok)
             fp32 = Path(tmp) / f"{name.replace('+', '_')}.onnx"
             engines.export(m, px, fp32)
             from normswap.rotation.onnx_nodes import float_nodes
@@ -168,11 +192,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             for how in ORT:
                 q = quantize(fp32, how, calib, exclude)
                 pool, tok = engines.run_onnx(q, px)
-                row["errors"][how] = {"cls": engines.one_minus_cos(ref_pool, pool),
-                                      "tok": engines.one_minus_cos(ref_tok, tok)}
+                row["errors"][how], row["per_image"][how] = errors(ref_pool, ref_tok, pool, tok)
                 q.unlink()
             row["seconds"] = time.perf_counter() - t0
+            row["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
             result["rows"][name] = row
+            if args.json:  # after every row: a long run stopped early keeps what it measured
+                args.json.write_text(json.dumps(result, indent=1))
             print(f"{name}: {note}; float ops {exclude}; " + ", ".join(
                 f"{h} {e['tok']:.3e}" for h, e in row["errors"].items()), flush=True)
     print(table(result, "tok") + "\n\n" + table(result, "cls"))
@@ -192,7 +218,13 @@ def table(result: dict[str, Any], metric: str) -> str:
         cells = []
         for how in hows:
             e = row["errors"][how][metric]
-            ratio = f" ({e / base['errors'][how][metric]:.2f}x)" if base and name != "original" else ""
+            ratio = ""
+            if base and name != "original":
+                ratio = f" ({e / base['errors'][how][metric]:.2f}x"
+                if how in row.get("per_image", {}) and how in base.get("per_image", {}):
+                    lo, hi = bootstrap(row["per_image"][how][metric], base["per_image"][how][metric])
+                    ratio += f", {lo:.2f}-{hi:.2f}"
+                ratio += ")"
             cells.append(f"{e:.2e}{ratio}")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)

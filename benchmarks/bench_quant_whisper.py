@@ -196,7 +196,19 @@ def ort_export(model_dir: Path, path: Path) -> Path:
                           "decoder_input_ids"], output_names=["logits"], dynamo=False, opset_version=17,
                           dynamic_axes={"input_features": {0: "batch"}, "decoder_input_ids": {0: "batch", 1: "len"},
                                         "logits": {0: "batch", 1: "len"}})
+    from normswap.rotation.onnx_nodes import float_nodes
+
+    # the rotation's own ops (output="restore"'s Qᵀ, online Hadamards), for --float-ops
+    path.with_name("float_nodes.json").write_text(json.dumps(float_nodes(path, model)))
     return path
+
+
+FLOAT_OPS = False  # --float-ops: the quantizers leave the rotation's own ops in float (nodes_to_exclude)
+
+
+def excluded(fp32: Path) -> list[str]:
+    side = fp32.with_name("float_nodes.json")
+    return json.loads(side.read_text()) if FLOAT_OPS and side.exists() else []
 
 
 ORT_QUANT = ("dyn-pt", "dyn-pc", "nbits-rtn", "nbits-hqq", "nbits-gptq")
@@ -242,7 +254,8 @@ def ort_quantize(fp32: Path, how: str, calib: list[dict] | None = None) -> Path:
     if out.exists():
         return out
     if how in ("dyn-pt", "dyn-pc"):
-        quantize_dynamic(str(fp32), str(out), weight_type=QuantType.QInt8, per_channel=how == "dyn-pc")
+        quantize_dynamic(str(fp32), str(out), weight_type=QuantType.QInt8, per_channel=how == "dyn-pc",
+                         nodes_to_exclude=excluded(fp32))
     elif how.startswith("nbits-"):
         import onnx
         from onnxruntime.quantization import matmul_nbits_quantizer as mq
@@ -252,7 +265,7 @@ def ort_quantize(fp32: Path, how: str, calib: list[dict] | None = None) -> Path:
                 "nbits-gptq": lambda: mq.GPTQWeightOnlyQuantConfig(CalibrationFeed(calib or []), block_size=128,
                                                                    perchannel=False)}[how]()
         q = mq.MatMulNBitsQuantizer(onnx.load(str(fp32)) if how != "nbits-gptq" else str(fp32), block_size=32,
-                                    is_symmetric=True, algo_config=algo)
+                                    is_symmetric=True, algo_config=algo, nodes_to_exclude=excluded(fp32))
         q.process()
         q.model.save_model_to_file(str(out), use_external_data_format=False)
     else:
@@ -344,12 +357,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--wer", action="store_true", help="also greedy-decode every CTranslate2 variant: WER")
     ap.add_argument("--no-kl", action="store_true", help="with --wer: WER only (no reference distributions "
                     "and no teacher-forced pass; the encoder, most of a pass's time, runs either way)")
+    ap.add_argument("--float-ops", action="store_true", help="ONNX Runtime quantizers leave a rotation's own ops "
+                    "(output='restore''s Qᵀ, online Hadamards) in float: nodes_to_exclude")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--plot", type=Path, help="with --merge: a PNG of the KL ratios and their intervals")
     ap.add_argument("--plot-title", default="Whisper: quantized variants against the quantized original")
     ap.add_argument("--merge", type=Path, nargs="+", help="no measuring: the table of earlier --json runs on "
                     "disjoint clip sets (e.g. one per --speech directory, run side by side), clips pooled")
     args = ap.parse_args(argv)
+    global FLOAT_OPS
+    FLOAT_OPS = args.float_ops
     if args.merge:
         rows = merge([json.loads(p.read_text())["rows"] for p in args.merge])
         print(table(rows))

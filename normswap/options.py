@@ -54,7 +54,7 @@ FORMATS = ("native", "compat")
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # checkpoint dtypes ``convert`` can write
 VERIFY_DTYPES = ("auto", "float64", "float32")  # what the working copy computes in (normswap.memory)
 ROTATIONS = ("hadamard", "random", "learned")  # what ``rotate`` builds (normswap.rotate also takes a seed or a matrix)
-LEARN_KEYS = ("bits", "act_bits", "group_size", "steps", "lr", "grid")  # rotate_learn's keys (normswap.rotation.learn)
+LEARN_KEYS = ("bits", "act_bits", "group_size", "steps", "lr", "grid", "scales")  # rotate_learn (rotation.learn)
 ROTATE_OUTPUTS = ("rotated", "restore")  # a stream ending in a model output: turned output, or turned back
 # task name -> transformers Auto class that loads it (the --task option)
 TASKS = {
@@ -161,7 +161,8 @@ class ConvertOptions:
             :func:`normswap.rotate`'s ``smooth``), measured on ``calibration`` (default: the built-in
             batches); ``None`` (default) does not smooth.
         rotate_learn: with ``rotate="learned"``: the learned rotation's settings as a dict of
-            :func:`normswap.rotate`'s ``bits``, ``act_bits``, ``group_size``, ``steps``, ``lr``, ``grid`` (default
+            :func:`normswap.rotate`'s ``bits``, ``act_bits``, ``group_size``, ``steps``, ``lr``, ``grid``,
+            ``scales`` (default
             ``{}``: 4-bit weights per output channel, float activations, 100 steps); learned on
             ``calibration`` (default: the built-in batches).
     """
@@ -222,6 +223,9 @@ class ConvertOptions:
                 raise NormswapError("option rotate_learn applies to a learned rotation: pass rotate='learned' "
                                     "(--rotate learned) too")
             LearnSettings(**self.rotate_learn)
+            if self.rotate_learn.get("scales") and self.rotate_smooth is not None:
+                raise NormswapError("option rotate_learn's scales and rotate_smooth both set each norm's scale: "
+                                    "pass one of them")
         for name in ("fold_gamma", "bias_slots", "untie", "per_norm_centering", "mean_carry", "sequential", "verify",
                      "allow_unusable", "online_hadamard"):
             if not isinstance(getattr(self, name), bool):

@@ -108,6 +108,8 @@ def _check_combination(
     if learn and rotation != "learned":
         flag = "--learn-" + next(iter(learn)).replace("_", "-")
         raise UsageError(f"{flag} applies to a learned rotation: pass --rotate learned too")
+    if learn and learn.get("scales") and smooth is not None:
+        raise UsageError("--learn-scales and --smooth both set each norm's scale: pass one of them")
     if no_bias_slots and not fold_gamma and rotation is None:
         raise UsageError("--no-bias-slots applies with --fold-gamma (or --rotate) only: a bias slot takes the β of a "
                          "γ-folded norm, and without --fold-gamma none is made; pass --fold-gamma too, or drop "
@@ -324,6 +326,9 @@ Presets (offline, seeded tiny models with tokenizers/processors):
               help="With --rotate learned: the weights' integer grid: symmetric (±(2^(b-1)-1): RTN, CTranslate2, "
               "torchao; default) or full (-2^(b-1) … 2^(b-1)-1, the largest magnitude at the far end: ONNX "
               "Runtime's symmetric MatMulNBits).")
+@click.option("--learn-scales", is_flag=True, default=None,
+              help="With --rotate learned: also learn a per-channel scale between each norm and its readers "
+              "(exact; the norms keep it as their weight). Not with --smooth.")
 @click.option("--seed", "rotate_seed", type=int, default=0, show_default=True,
               help="With --rotate: the seed of the random signs / random matrix (stream i uses seed + i).")
 @click.option(
@@ -380,6 +385,7 @@ def convert(
     learn_group_size: int | None,
     learn_steps: int | None,
     learn_grid: str | None,
+    learn_scales: bool | None,
     example_inputs: str | None,
     samples: tuple[str, ...],
     quiet: bool,
@@ -392,7 +398,8 @@ def convert(
     """
     check_model_name(model)
     learn = {k: v for k, v in (("bits", learn_bits), ("act_bits", learn_act_bits), ("group_size", learn_group_size),
-                               ("steps", learn_steps), ("grid", learn_grid)) if v is not None}
+                               ("steps", learn_steps), ("grid", learn_grid), ("scales", learn_scales or None))
+             if v is not None}
     _check_combination(mode, fmt, fold_gamma, per_norm_centering, no_bias_slots, calibration_data, low_memory,
                        task, new_head, rotation, rotate_seed, rotate_output, online_hadamard, smooth, beta_placement,
                        learn)

@@ -24,6 +24,14 @@ token, both with straight-through rounding (the scales stay differentiable). The
 turned by ``R`` through ``torch.func.functional_call`` (nothing is written into the model while learning);
 the rotation ops a stream already has (``output="restore"``'s ``Qᵀ``, a centering op's ``Q``) take ``R`` too.
 
+With ``scales=True`` a per-channel scale ``s > 0`` per norm (in the rotated basis) is learned with ``R``:
+the norm's unit weight becomes ``1/s`` and its Linear readers' input columns ``× s`` (the migration
+:mod:`normswap.rotation.smooth` makes with SmoothQuant's formula; exact for any ``s``), parametrised as
+``s = exp(t − mean t)`` so an overall factor, which no quantizer's rounding sees, is not a free direction.
+A weight-only block quantizer (``MatMulNBits``) sees only the readers' columns, so the scale evens the
+columns of each block of 32 out; with ``act_bits`` it trades activation against weight ranges as
+SmoothQuant does, but chosen against the quantized model's output error rather than by a formula.
+
 Cost: one forward and backward of the fake-quantized model per step, plus a ``d × d`` solve per stream, and
 one float copy of the model. A few hundred steps of a 4-layer, width-64 toy take seconds on one CPU core;
 a 7B model is SpinQuant's territory (a GPU, ~800 steps of 800 samples in its paper).
@@ -57,7 +65,9 @@ class LearnSettings:
     the skew parameter. ``grid``: the weights' integer grid: ``"symmetric"`` (levels ``±(2^(b−1) − 1)``, step
     ``max|w|/(2^(b−1) − 1)``: RTN, CTranslate2, torchao) or ``"full"`` (levels ``−2^(b−1) … 2^(b−1) − 1``, the
     block's largest magnitude at ``−2^(b−1)``: ONNX Runtime's symmetric ``MatMulNBits``). A rotation learned
-    on one grid need not carry to the other (``docs/results/quantization.md``)."""
+    on one grid need not carry to the other (``docs/results/quantization.md``). ``scales``: also learn a
+    per-channel scale between each norm of a rotated stream and its Linear readers (its log at ten times
+    ``lr``)."""
 
     bits: int = 4
     act_bits: int | None = None
@@ -65,6 +75,7 @@ class LearnSettings:
     steps: int = 100
     lr: float = 1e-3
     grid: str = "symmetric"
+    scales: bool = False
 
     def __post_init__(self) -> None:
         if self.grid not in GRIDS:
@@ -81,13 +92,15 @@ class LearnSettings:
             raise NormswapError(f"learned rotation: group_size must be an int ≥ 2 or None, not {g!r}")
         if isinstance(self.steps, bool) or not isinstance(self.steps, int) or not 0 <= self.steps <= 100_000:
             raise NormswapError(f"learned rotation: steps must be an int in [0, 100000], not {self.steps!r}")
+        if not isinstance(self.scales, bool):
+            raise NormswapError(f"learned rotation: scales must be True or False, not {self.scales!r}")
         if isinstance(self.lr, bool) or not isinstance(self.lr, (int, float)) or not 0 < float(self.lr) < 10:
             raise NormswapError(f"learned rotation: lr must be a number in (0, 10), not {self.lr!r}")
 
     def describe(self) -> str:
         what = f"W{self.bits}" + (f"A{self.act_bits}" if self.act_bits else "") \
             + (f", groups of {self.group_size}" if self.group_size else "") \
-            + (", full grid" if self.grid == "full" else "")
+            + (", full grid" if self.grid == "full" else "") + (", learned scales" if self.scales else "")
         return f"{what}, {self.steps} steps"
 
 
@@ -97,7 +110,8 @@ class StreamTensors:
     rows)`` whose ``axis`` features become ``· R`` (writers' output features, kept norm biases, readers' input
     features; ``rows = (start, stop, row_axis)`` where only some rows of the parameter are one reader's, as a
     stacked q/k/v weight), ``restore`` = buffers holding a ``Qᵀ`` (they become ``Rᵀ Qᵀ``), ``ops`` = buffers
-    holding a ``Q`` (they become ``Q R``)."""
+    holding a ``Q`` (they become ``Q R``). ``scaled`` = the norms that can take a learned per-channel scale
+    (``LearnSettings.scales``): ``(norm, [its weight and kept bias], [(reader weight, input axis, rows)])``."""
 
     key: str  # the stream's first norm
     width: int
@@ -105,6 +119,8 @@ class StreamTensors:
     turned: list[tuple[str, int, tuple[int, int, int] | None]] = field(default_factory=list)
     restore: list[str] = field(default_factory=list)
     ops: list[str] = field(default_factory=list)
+    scaled: list[tuple[str, list[str], list[tuple[str, int, tuple[int, int, int] | None]]]] = \
+        field(default_factory=list)
 
 
 @dataclass
@@ -123,19 +139,23 @@ class Learned:
     start: str = "hadamard"  # or "identity": the stream unrotated scored better than the Hadamard on the data
     loss_hadamard: float = float("nan")
     loss_identity: float = float("nan")
+    scales: dict[str, torch.Tensor] = field(default_factory=dict)  # norm → s (float64), with settings.scales
 
     def headline(self) -> str:
         line = (f"learned rotation ({self.settings.describe()}, {self.seconds:.1f} s): fake-quant output error "
                 f"{self.loss_start:.3g} at the {self.start} start → {self.loss_end:.3g}")
         if self.start == "identity":
             line += f" (the Hadamard scored {self.loss_hadamard:.3g})"
+        if self.scales:
+            spread = max(float(s.max() / s.min()) for s in self.scales.values())
+            line += f"; {len(self.scales)} norm scale(s) learned (largest spread max/min {spread:.3g})"
         return line + (f" (no gain: the {self.start} start kept)" if self.kept_start else "")
 
     def record(self) -> dict:
         """The manifest's fields (plain numbers)."""
         s = self.settings
         return {"bits": s.bits, "act_bits": s.act_bits, "group_size": s.group_size, "steps": s.steps, "lr": s.lr,
-                "grid": s.grid,
+                "grid": s.grid, "scales": s.scales, "scaled_norms": sorted(self.scales),
                 "start": self.start, "loss_hadamard": self.loss_hadamard, "loss_identity": self.loss_identity,
                 "loss_start": self.loss_start, "loss_end": self.loss_end, "kept_start": self.kept_start}
 
@@ -190,6 +210,23 @@ def _turn(p: torch.Tensor, axis: int, r: torch.Tensor, rows: tuple[int, int, int
                  p.narrow(row_axis, stop, p.shape[row_axis] - stop)]
         return torch.cat(parts, dim=row_axis)
     return (p.movedim(axis, -1) @ r.to(p.dtype)).movedim(-1, axis)
+
+
+def _scale(p: torch.Tensor, axis: int, s: torch.Tensor, rows: tuple[int, int, int] | None) -> torch.Tensor:
+    """``p`` with its ``axis`` features times ``s`` (only rows ``rows`` of it, where given); differentiable."""
+    if rows is not None:
+        start, stop, row_axis = rows
+        parts = [p.narrow(row_axis, 0, start), _scale(p.narrow(row_axis, start, stop - start), axis, s, None),
+                 p.narrow(row_axis, stop, p.shape[row_axis] - stop)]
+        return torch.cat(parts, dim=row_axis)
+    shape = [1] * p.dim()
+    shape[axis] = -1
+    return p * s.to(p.dtype).reshape(shape)
+
+
+def norm_scales(logs: torch.Tensor) -> torch.Tensor:
+    """``s = exp(t − mean t)``: positive, geometric mean 1 (an overall factor changes no rounding)."""
+    return (logs - logs.mean()).exp()
 
 
 def output_tensor(out: Any) -> torch.Tensor:
@@ -283,12 +320,15 @@ def optimise(model: nn.Module, streams: list[StreamTensors], batches: list[tuple
         p.requires_grad_(False)
     # S = 0: R = I, the search starts at the Hadamard
     skews = {s.key: torch.zeros(s.width, s.width, dtype=torch.float64, requires_grad=True) for s in streams}
+    # t = 0: s = 1, every norm's weight as the start has it
+    logs = {norm: torch.zeros(st.width, dtype=torch.float64, requires_grad=True)
+            for st in streams if settings.scales for norm, _, _ in st.scaled}
 
     aliases: dict[int, list[str]] = {}  # a tensor reachable by several names (tied weights) turns under all
     for name, t in state.items():
         aliases.setdefault(id(t), []).append(name)
 
-    def turned(rs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def turned(rs: dict[str, torch.Tensor], ss: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
         for st in streams:
             r = rs[st.key]
@@ -298,6 +338,12 @@ def optimise(model: nn.Module, streams: list[StreamTensors], batches: list[tuple
                 out[name] = r.T.to(state[name].dtype) @ state[name]
             for name in st.ops:
                 out[name] = state[name] @ r.to(state[name].dtype)
+            for norm, own, readers in st.scaled if ss else ():
+                s = ss[norm]
+                for name in own:  # the norm's weight (and a kept bias) ÷ s
+                    out[name] = out.get(name, state[name]) / s.to(state[name].dtype)
+                for name, axis, rows in readers:  # its readers' input columns × s
+                    out[name] = _scale(out.get(name, state[name]), axis, s, rows)
         for name in list(out):
             out.update({alias: out[name] for alias in aliases[id(state[name])]})
         return out
@@ -310,15 +356,15 @@ def optimise(model: nn.Module, streams: list[StreamTensors], batches: list[tuple
     masks = [kwargs.get("attention_mask") for _, kwargs in batches]
     quant = _Quantized(model, settings)
 
-    def loss_on(i: int, rs: dict[str, torch.Tensor]) -> torch.Tensor:
+    def loss_on(i: int, rs: dict[str, torch.Tensor], ss: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
         args, kwargs = batches[i]
         # tie_weights=False: a weight tied to a writer (an LM head) is rounded where its matmul reads it only
-        out = functional_call(model, quant.params(turned(rs)), args, kwargs, tie_weights=False, strict=False)
+        out = functional_call(model, quant.params(turned(rs, ss)), args, kwargs, tie_weights=False, strict=False)
         return output_error(output_tensor(out).to(refs[i].dtype), refs[i], logits, masks[i])
 
-    def mean_loss(rs: dict[str, torch.Tensor]) -> float:
+    def mean_loss(rs: dict[str, torch.Tensor], ss: dict[str, torch.Tensor] | None = None) -> float:
         with torch.no_grad():
-            return sum(float(loss_on(i, rs)) for i in range(len(batches))) / len(batches)
+            return sum(float(loss_on(i, rs, ss)) for i in range(len(batches))) / len(batches)
 
     identity = {k: torch.eye(s.shape[0], dtype=torch.float64) for k, s in skews.items()}
     undo = {st.key: st.undo for st in streams if st.undo is not None}
@@ -335,12 +381,17 @@ def optimise(model: nn.Module, streams: list[StreamTensors], batches: list[tuple
             base, start_name = identity, "hadamard"
             if loss_identity < loss_hadamard:
                 base, start_name, start = undo, "identity", loss_identity
-            best, best_loss = base, start
-            opt = torch.optim.Adam(list(skews.values()), lr=float(settings.lr))
+            best, best_loss, best_scales = base, start, {}
+            # the scales' log moves at ten times R's step: a log-scale of 1 is e×, a rotation angle of 1 is 57°
+            groups: list[dict] = [{"params": list(skews.values())}]
+            if logs:
+                groups.append({"params": list(logs.values()), "lr": 10 * float(settings.lr)})
+            opt = torch.optim.Adam(groups, lr=float(settings.lr))
             decay = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0 - i / max(1, settings.steps))
             for step in range(settings.steps):
                 opt.zero_grad(set_to_none=True)
-                loss = loss_on(step % len(batches), {k: base[k] @ cayley(s) for k, s in skews.items()})
+                loss = loss_on(step % len(batches), {k: base[k] @ cayley(s) for k, s in skews.items()},
+                               {n: norm_scales(t) for n, t in logs.items()})
                 loss.backward()
                 opt.step()
                 decay.step()
@@ -348,11 +399,12 @@ def optimise(model: nn.Module, streams: list[StreamTensors], batches: list[tuple
                 if (step + 1) % check_every == 0 or step + 1 == settings.steps:
                     with torch.no_grad():
                         now = {k: base[k] @ cayley(s.detach()) for k, s in skews.items()}
-                    score = mean_loss(now)
+                        now_scales = {n: norm_scales(t.detach()) for n, t in logs.items()}
+                    score = mean_loss(now, now_scales)
                     if score < best_loss:
-                        best, best_loss = now, score
+                        best, best_loss, best_scales = now, score, now_scales
     finally:
         model.train(was_training)
     kept = best is base
     return best, Learned(settings, start, best_loss, time.perf_counter() - t0, kept, history, start_name,
-                         loss_hadamard, loss_identity)
+                         loss_hadamard, loss_identity, best_scales)

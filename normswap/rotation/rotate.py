@@ -559,7 +559,7 @@ def _user_matrix(q: torch.Tensor) -> torch.Tensor:
 def rotate(model: nn.Module, q: str | int | torch.Tensor = "hadamard", *, seed: int = 0,
            online: bool = False, output: str | None = None, smooth: float | None = None,
            calibration: Any = None, bits: int = 4, act_bits: int | None = None, group_size: int | None = None,
-           steps: int = 100, lr: float = 1e-3, grid: str = "symmetric") -> Rotation:
+           steps: int = 100, lr: float = 1e-3, grid: str = "symmetric", scales: bool = False) -> Rotation:
     """Multiply every rotation-ready residual stream of a converted model by an orthogonal matrix.
 
     Args:
@@ -608,7 +608,7 @@ def rotate(model: nn.Module, q: str | int | torch.Tensor = "hadamard", *, seed: 
             a tuple or dict of model inputs, or a list of them (as ``normswap.patch``'s ``calibration``).
             Default: for a transformers model, the built-in calibration batches (English text, generated
             images or speech); a custom model must pass it.
-        bits: with ``q="learned"`` only (as the five below; :class:`normswap.rotation.learn.LearnSettings`):
+        bits: with ``q="learned"`` only (as the six below; :class:`normswap.rotation.learn.LearnSettings`):
             the weight bits of the fake quantizer the rotation is learned for (symmetric, per output channel).
         act_bits: per-token bits of every Linear's input in that quantizer, or None (weights only).
         group_size: one weight scale per this many inputs (ONNX Runtime ``MatMulNBits``: 32), or None.
@@ -616,6 +616,10 @@ def rotate(model: nn.Module, q: str | int | torch.Tensor = "hadamard", *, seed: 
         lr: Adam's step on the skew parameter.
         grid: the weights' integer grid: ``"symmetric"`` (±(2^(b−1) − 1)) or ``"full"`` (ONNX Runtime
             ``MatMulNBits``' −2^(b−1) … 2^(b−1) − 1); learn on the grid the engine uses.
+        scales: also learn, with ``R``, a per-channel scale between each norm of a rotated stream and its
+            Linear readers (the migration ``smooth`` makes, chosen against the quantized model's error instead
+            of by SmoothQuant's formula; exact for any scale; the norms keep the weight ``1/s``, as with
+            ``smooth``). Not with ``smooth``.
 
     Returns:
         A :class:`Rotation` listing the streams rotated (with the matrix of each) and, for the others, why not.
@@ -639,10 +643,12 @@ def rotate(model: nn.Module, q: str | int | torch.Tensor = "hadamard", *, seed: 
         from normswap.rotation import learn
 
         settings = learn.LearnSettings(bits=bits, act_bits=act_bits, group_size=group_size, steps=steps, lr=lr,
-                                       grid=grid)
-    elif (bits, act_bits, group_size, steps, lr, grid) != (4, None, None, 100, 1e-3, "symmetric"):
-        raise NormswapError("bits, act_bits, group_size, steps, lr and grid apply to a learned rotation: pass "
-                            "q='learned' (--rotate learned) too")
+                                       grid=grid, scales=scales)
+        if scales and smooth is not None:
+            raise NormswapError("scales (learned) and smooth both set each norm's scale: pass one of them")
+    elif (bits, act_bits, group_size, steps, lr, grid, scales) != (4, None, None, 100, 1e-3, "symmetric", False):
+        raise NormswapError("bits, act_bits, group_size, steps, lr, grid and scales apply to a learned rotation: "
+                            "pass q='learned' (--rotate learned) too")
     if smooth is not None or settings is not None:  # checked and resolved before anything turns
         from normswap.rotation import smooth as smoothing
 
@@ -669,6 +675,8 @@ def rotate(model: nn.Module, q: str | int | torch.Tensor = "hadamard", *, seed: 
     if result.learned is not None:
         for r in result.rotated:
             r["learned"] = result.learned.record()
+        if result.learned.scales:
+            _apply_learned_scales(model, plan, result)
     if smooth is not None and result.rotated:
         _smooth_streams(model, plan, result, smooth, batches)
     plan.rotations = plan.rotations + [manifest_entry(r) for r in result.rotated]
@@ -713,8 +721,38 @@ def _learn_matrices(model: nn.Module, seed: int, online: bool, output: str | Non
         specs.append(spec)
     if not specs:
         return {}, None
+    if settings.scales:  # the norms that can take a scale, and what a scale multiplies (smooth's own rule)
+        from normswap.rotation import smooth as smoothing
+
+        found, _ = smoothing.targets(work, _converted_plan(work), start.rotated)
+        for spec, r in zip(specs, start.rotated, strict=True):
+            for norm in (n for n in r["norms"] if n in found):
+                module = work.get_submodule(norm)
+                own = [f"{norm}.{p}" for p in ("weight", "bias") if isinstance(getattr(module, p, None), torch.Tensor)]
+                readers = []
+                for rd in found[norm]:
+                    reader = linear_at(work, rd)
+                    weight = reader.weight_param if isinstance(reader, LinearView) else reader.weight
+                    rows = reader.spec.rows if isinstance(reader, LinearView) else None
+                    readers.append((names[id(weight)], _reader_axis(reader),
+                                    (rows[0], rows[1], reader.out_axis) if rows else None))
+                spec.scaled.append((norm, own, readers))
     rs, done = learn.optimise(work, specs, batches, settings)
     return {r["norms"][0]: r["q"] @ rs[r["norms"][0]] for r in start.rotated}, done
+
+
+def _apply_learned_scales(model: nn.Module, plan: Plan, result: Rotation) -> None:
+    """The learned per-norm scales (``rotate(..., scales=True)``) written as ``smooth`` writes its own: the
+    norm's weight ``÷ s``, its readers' input columns ``× s``; each stream's entry lists the norms in
+    ``smoothed``."""
+    from normswap.rotation import smooth as smoothing
+
+    found, _ = smoothing.targets(model, plan, result.rotated)
+    for r in result.rotated:
+        done = [n for n in r["norms"] if n in found and n in result.learned.scales]
+        for name in done:
+            smoothing.apply_(model, name, found[name], result.learned.scales[name])
+        r.update(smooth="learned", smoothed=done)
 
 
 def _smooth_streams(model: nn.Module, plan: Plan, result: Rotation, alpha: float, batches: list) -> None:
