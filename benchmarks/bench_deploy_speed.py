@@ -38,6 +38,7 @@ each on a loaded 2-core machine).
     python benchmarks/bench_deploy_speed.py --control       # also the original against itself (noise floor)
     python benchmarks/bench_deploy_speed.py --models gpt2 --engines ort --opset23   # + ORT at opset 23
     python benchmarks/bench_deploy_speed.py --engines ortopt  # ORT after onnxruntime.transformers.optimizer
+    python benchmarks/bench_deploy_speed.py --engines ort,ortfuse,ortopt,ortoptfuse  # + normswap's fuse_norms
     python benchmarks/bench_deploy_speed.py --round-robin 45  # cached ORT exports timed in turn, batch 1
     python benchmarks/bench_deploy_speed.py --kernels       # ORT's norm kernels alone (about a minute)
     python benchmarks/bench_deploy_speed.py --norm-calls --budget 2 --control  # eager norm modules alone
@@ -72,7 +73,9 @@ from normswap.integrations.onnx import fused_norm_ops
 
 TEXT_SHAPES = [(1, 8), (4, 8), (1, 32), (4, 32)]  # (batch, tokens)
 VIT_SIZES = (64, 128)  # image px: 17 and 65 tokens at patch 16
-ENGINES = ("ort", "eager", "compile")  # also "ortopt": ORT after onnxruntime.transformers.optimizer (opt-in)
+ENGINES = ("ort", "eager", "compile")
+# opt-in: "ortopt" (ORT after onnxruntime.transformers.optimizer), "ortfuse" and "ortoptfuse" (the same two with
+# the converted file passed through normswap.integrations.onnx.fuse_norms; the original as it is)
 
 
 class Body(nn.Module):
@@ -177,6 +180,22 @@ def ort_optimised(path: Path, name: str) -> Path:
 
     code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import bench_deploy_speed as b; "
             f"b.optimise_onnx({str(path)!r}, {str(out)!r}, {name!r})")
+    subprocess.run([sys.executable, "-c", code], check=True)
+    done.write_text("")
+    return out
+
+
+def norms_fused(path: Path) -> Path:
+    """``normswap.integrations.onnx.fuse_norms`` of the file at ``path`` (cached next to it, written in a child
+    process as :func:`ort_optimised`): the converted model's norms with their residual and bias ``Add``s in
+    ``SkipSimplifiedLayerNormalization``, as the original's LayerNorms are in ``SkipLayerNormalization``."""
+    out = path.with_name(path.stem + "-fused.onnx")
+    done = out.with_suffix(".done")
+    if out.exists() and done.exists():
+        return out
+    import subprocess
+
+    code = (f"from normswap.integrations.onnx import fuse_norms; fuse_norms({str(path)!r}, {str(out)!r})")
     subprocess.run([sys.executable, "-c", code], check=True)
     done.write_text("")
     return out
@@ -525,7 +544,8 @@ def run_model(name: str, label: str, px: int, args: argparse.Namespace, cache: P
     for batch, n in shapes(label, args.quick):
         rows[(batch, n)] = {"model": label, "batch": batch, "tokens": (px // 16) ** 2 + 1 if px else n,
                             "verdicts": verdicts, "norms": norms}
-    ort_columns = [("ort", None)] + ([("ort23", 23)] if args.opset23 else []) + [("ortopt", None)]
+    ort_columns = [("ort", None)] + ([("ort23", 23)] if args.opset23 else []) + [("ortopt", None)] + \
+        [("ortfuse", None), ("ortoptfuse", None)]
     for engine, opset in ort_columns:
         if engine not in args.engines and not (engine == "ort23" and "ort" in args.engines):
             continue
@@ -537,8 +557,10 @@ def run_model(name: str, label: str, px: int, args: argparse.Namespace, cache: P
             secs = export(body, example, path, opset)
             if secs:
                 print(f"#   exported {path.name} in {secs:.0f} s", flush=True)
-            if engine == "ortopt":
+            if engine in ("ortopt", "ortoptfuse"):
                 path = ort_optimised(path, name)
+            if engine.endswith("fuse") and variant == "converted":
+                path = norms_fused(path)
             fused[variant] = {k: v for k, v in fused_norm_ops(path).items() if v} | {"Add": session_adds(path)}
             paths[variant] = path
         print(f"#   {engine} norm ops after ORT's optimiser: {fused}", flush=True)
@@ -684,7 +706,8 @@ def main() -> None:
             if args.json:
                 Path(args.json).write_text(json.dumps({"versions": versions, "rows": rows}, indent=1, default=str))
     load_after = os.getloadavg()
-    engines = [e for e in ("ort", "ort23", "ortopt", "eager", "compile") if any(e in r for r in rows)]
+    engines = [e for e in ("ort", "ort23", "ortopt", "ortfuse", "ortoptfuse", "eager", "compile")
+               if any(e in r for r in rows)]
     print()
     print(table(rows, engines))
     print(f"\nmedian over ABBA quads of converted/original time (quartiles, quads); 1 thread; "
