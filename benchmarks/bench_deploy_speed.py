@@ -44,6 +44,8 @@ each on a loaded 2-core machine).
     python benchmarks/bench_deploy_speed.py --norm-calls --budget 2 --control  # eager norm modules alone
     python benchmarks/bench_deploy_speed.py --models bert --profile 50  # ORT kernel time per op type
     python benchmarks/bench_deploy_speed.py --models bert --beta-placement fold  # β out of BERT's norms
+    python benchmarks/bench_deploy_speed.py --gemm-widths 3074,3080,3136 --budget 6  # BERT's FFN GEMMs by width
+    python benchmarks/bench_deploy_speed.py --carry-eager --budget 6 --quick  # BERT eager, mean carry on/off
 
 Goal (issue 40): converted/original <= 1.00 in every cell, below 1 where the norm is a visible share.
 Results: docs/results/deploy-speed.md.
@@ -503,6 +505,102 @@ def op_profile(label: str, cache: Path, batch: int, tokens: int, runs: int, plac
     return "\n".join(lines)
 
 
+def gemm_widths(widths: tuple[int, ...], rows_list: tuple[int, ...], budget: float) -> str:
+    """BERT-base's FFN alone, ``linear(x, up) -> linear(h, down)`` (768 -> width -> 768, with biases, one
+    thread, float32), at each width against 3072: the mean carry widens BERT's FFN 3072 -> 3080 (issue 40:
+    is a GEMM of width 3080 slower per call than 3072 on CPU?). ``3072+8``: the stock FFN plus a separate
+    8-wide one (the carry as its own pair of GEMMs). Median of ABBA quads, A/A = 3072 against a second copy."""
+    gen = torch.Generator().manual_seed(0)
+
+    def ffn(rows: int, width: int, extra: int = 0) -> Callable[[], object]:
+        def make(n: int) -> tuple[torch.Tensor, ...]:
+            return (torch.randn(n, 768, generator=gen) * 0.03, torch.randn(n, generator=gen) * 0.03,
+                    torch.randn(768, n, generator=gen) * 0.03)
+
+        x, (up, ub, down), db = torch.randn(rows, 768, generator=gen), make(width), torch.randn(768, generator=gen)
+        side = make(extra) if extra else None
+        f = torch.nn.functional
+
+        def run() -> object:
+            with torch.inference_mode():
+                y = f.linear(f.gelu(f.linear(x, up, ub)), down, db)
+                if side is not None:
+                    y = y + f.linear(f.gelu(f.linear(x, side[0], side[1])), side[2])
+                return y
+        return run
+
+    cols = [str(w) for w in widths] + ["3072+8", "A/A"]
+    lines = ["| rows | " + " | ".join(f"{c} / 3072" for c in cols) + " | 3072 µs |", "|" + "---|" * (len(cols) + 2)]
+    for rows in rows_list:
+        base, cells = ffn(rows, 3072), []
+        for c in cols:
+            other = ffn(rows, 3072) if c == "A/A" else ffn(rows, 3072, 8) if c == "3072+8" else ffn(rows, int(c))
+            m = abba(base, other, budget, 5)
+            cells.append(f"**{m['ratio']:.3f}** ({m['q1']:.2f}–{m['q3']:.2f}, {m['quads']})")
+        lines.append(f"| {rows} | " + " | ".join(cells) + f" | {1e3 * m['original_ms']:.0f} |")
+    return "\n".join(lines)
+
+
+def carry_eager(budget: float, min_quads: int, layers: int, quick: bool) -> str:
+    """BERT-base in torch eager: the default conversion (mean carry on, FFN 3080 wide in the 12 carried
+    layers) and ``mean_carry=False`` (stock widths, those norms approximate), each against the original
+    and against each other, with the original's A/A, per text shape (second copies in opposite order,
+    as :func:`run_model`)."""
+    model, keys = build("bert", 0, layers)
+    variants_ = {"original": model}
+    for label, carry in (("carry", True), ("nocarry", False)):
+        converted = copy.deepcopy(model)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            normswap.patch(converted, mode="all", calibration=False, mean_carry=carry)
+        variants_[label] = converted.eval()
+    widths = {k: sorted({m.out_features for m in v.modules() if isinstance(m, nn.Linear)})
+              for k, v in variants_.items()}
+    bodies = {k: Body(v, keys).eval() for k, v in variants_.items()}
+    bodies |= {k + "2": Body(copy.deepcopy(v), keys).eval() for k, v in reversed(list(variants_.items()))}
+    pairs = [("carry", "original"), ("nocarry", "original"), ("carry", "nocarry"), ("original2", "original")]
+    lines = [f"Linear output widths: {widths}", "",
+             "| batch | tokens | " + " | ".join(f"{a} / {b}" for a, b in pairs) + " | original ms |",
+             "|" + "---|" * (len(pairs) + 3)]
+    for batch, n in shapes("bert", quick):
+        example = inputs_for("bert", batch, n)
+        calls = {k: torch_call(b, example) for k, b in bodies.items()}
+        cells, base = [], 0.0
+        for a, b in pairs:
+            if b == "original" and a != "original2":
+                half = [quads(calls[b + k], calls[a + k], budget / 2, max(1, (min_quads + 1) // 2)) for k in ("", "2")]
+                m = summary(half[0][0] + half[1][0], half[0][1] + half[1][1])
+            else:
+                m = abba(calls[b], calls[a], budget, min_quads)
+            cells.append(f"**{m['ratio']:.3f}** ({m['q1']:.2f}–{m['q3']:.2f}, {m['quads']})")
+            base = m["original_ms"] if (a, b) == ("carry", "original") else base
+        lines.append(f"| {batch} | {n} | " + " | ".join(cells) + f" | {base:.1f} |")
+        print(lines[-1], flush=True)
+    return "\n".join(lines)
+
+
+def fused_against_unfused(label: str, cache: Path, batch: int, tokens: int, budget: float, min_quads: int,
+                          placed: str = "") -> str:
+    """The converted model's cached exports with and without :func:`normswap.integrations.onnx.fuse_norms`,
+    against each other in ORT sessions (fused / unfused), plain and after ``optimize_model``, with the
+    unfused file's A/A: what the Skip fusion itself is worth, measured side by side."""
+    lines = []
+    for suffix in ("", "-optimised"):
+        unfused = cache / f"{label}-converted{placed}-default{suffix}.onnx"
+        fused = unfused.with_name(unfused.stem + "-fused.onnx")
+        if not (unfused.exists() and fused.exists()):
+            lines.append(f"{label}{suffix}: not cached in {cache} (run with --engines ortfuse,ortoptfuse first)")
+            continue
+        example = inputs_for(label.split("-")[0].rstrip("0123456789") or label, batch, tokens)
+        m = abba_sessions(unfused, fused, example, budget, min_quads)
+        aa = abba_sessions(unfused, unfused, example, budget, min_quads)
+        lines.append(f"| {label} | {'optimize_model' if suffix else 'session'} | {batch} | {tokens} | "
+                     f"**{m['ratio']:.3f}** ({m['q1']:.2f}–{m['q3']:.2f}, {m['quads']}); A/A {aa['ratio']:.3f} | "
+                     f"{m['original_ms']:.1f} |")
+        print(lines[-1], flush=True)
+    return "\n".join(lines)
+
+
 def session_adds(path: Path) -> int:
     """``Add`` nodes left in ONNX Runtime's session-optimised graph of ``path`` (residuals, biases, kept β)."""
     import tempfile
@@ -652,6 +750,13 @@ def main() -> None:
                         "norm's β through the residual's writer (BERT: no Add after the norm)")
     parser.add_argument("--layers", type=int, default=12, help="transformer layers (12: the real sizes; fewer "
                         "for a plumbing check)")
+    parser.add_argument("--gemm-widths", default="", metavar="W,W,..",
+                        help="only BERT's FFN GEMMs alone at these widths against 3072 (e.g. 3074,3080,3136)")
+    parser.add_argument("--fused-vs-unfused", action="store_true",
+                        help="only ORT: the converted model's cached exports with fuse_norms against without")
+    parser.add_argument("--carry-eager", action="store_true",
+                        help="only BERT eager: the default conversion (mean carry) and mean_carry=False, against "
+                        "the original and each other")
     args = parser.parse_args()
     args.engines = [e for e in args.engines.split(",") if e]
     args.budget = args.budget if args.budget is not None else (4.0 if args.quick else 12.0)
@@ -690,6 +795,27 @@ def main() -> None:
         print(norm_calls(args.budget, args.min_quads, args.control))
         print(f"\nGPT-2 small's norm modules in eager, one thread; median of ABBA quads of 200-call blocks "
               f"(quartiles, quads); load average {os.getloadavg()[0]:.1f}")
+        return
+    if args.fused_vs_unfused:
+        print("| model | graph | batch | tokens | fused / unfused | unfused ms |\n|---|---|---|---|---|---|")
+        for name in args.models.split(","):
+            for label, px in variants(name):
+                placed = f"-{args.beta_placement}" if args.beta_placement else ""
+                for batch, n in shapes(label, args.quick):
+                    fused_against_unfused(f"{label}-L{args.layers}", cache, batch, px or n, args.budget,
+                                          args.min_quads, placed)
+        print(f"\nload average {os.getloadavg()[0]:.1f}")
+        return
+    if args.gemm_widths:
+        widths = tuple(int(w) for w in args.gemm_widths.split(","))
+        print(gemm_widths(widths, (8, 32, 128), args.budget))
+        print(f"\nBERT-base FFN (768 -> width -> 768, GELU, biases), one thread; median of ABBA quads (quartiles, "
+              f"quads); load average {os.getloadavg()[0]:.1f}")
+        return
+    if args.carry_eager:
+        print(carry_eager(args.budget, args.min_quads, args.layers, args.quick))
+        print(f"\nBERT-base eager, one thread; median of ABBA quads, a / b time (quartiles, quads); load average "
+              f"{os.getloadavg()[0]:.1f}")
         return
     if args.kernels:
         print(kernel_rows(budget=args.budget / 2))

@@ -15,8 +15,12 @@ export                                        each RMSNorm becomes
 ============================================  ==========================================================
 
 ``onnxruntime.transformers.optimizer.optimize_model`` additionally turns a residual ``Add`` before a
-fused norm into ``SkipSimplifiedLayerNormalization``. :func:`fused_norm_ops` counts what ONNX Runtime's
-optimiser made of an exported file, so a deployment script can assert that every norm fused.
+fused norm into ``SkipSimplifiedLayerNormalization``, but leaves the projection bias ``Add`` before it
+outside, and ORT's session does neither. :func:`fuse_norms` does both, on an export or on
+``optimize_model``'s output: the converted model's norms land on ``SkipSimplifiedLayerNormalization``
+(with its bias input) wherever the original's land on ``SkipLayerNormalization``.
+:func:`fused_norm_ops` counts what ONNX Runtime's optimiser made of an exported file, so a deployment
+script can assert that every norm fused.
 
 :func:`translation_table` is for an *already exported* program that holds a fused op because a fused
 backend was asked for explicitly (``backend="cpu"``/``"triton"`` or ``NORMSWAP_BACKEND``) before
