@@ -89,8 +89,9 @@ def fuse_norms(model: str | os.PathLike | Any, out: str | os.PathLike | None = N
     """Rewrite an exported model's RMSNorms into ONNX Runtime's fused ops, each with the residual ``Add``
     and the projection bias before it, and return the model (``onnx.ModelProto``); also saved to ``out``.
 
-    ``model`` is a path or an ``onnx.ModelProto``: an export of a converted model (any path of the
-    table above but opset 23's ``RMSNormalization``), or the output of
+    ``model`` is a path or an ``onnx.ModelProto`` (rewritten in place): an export of a converted model
+    (any path of the table above but opset 23's ``RMSNormalization``; the exporter's optimised graph, so
+    not ``optimize=False``, where nothing matches and nothing changes), or the output of
     ``onnxruntime.transformers.optimizer.optimize_model``. Why: ORT fuses
     ``Add(MatMul + bias) + Add(residual) + LayerNormalization`` into one ``SkipLayerNormalization`` with
     a bias input, but neither its session nor ``optimize_model`` does the same for an RMSNorm (the
@@ -108,7 +109,10 @@ def fuse_norms(model: str | os.PathLike | Any, out: str | os.PathLike | None = N
 
     The arithmetic is the same additions in float32 (outputs agree to float32 rounding); LayerNorms
     (the original's, a compat checkpoint's) are left to ORT, which fuses them itself. Run the result
-    with any ORT session (its CPU and CUDA providers have both ops). Needs ``onnx`` and ``onnxruntime``.
+    with any ORT session (its CPU and CUDA providers have both ops). On ORT 1.32's CPU provider the fused
+    graph is no faster than the unfused one (its Skip kernels cost about what the ``Add`` nodes did;
+    docs/results/deploy-speed.md, fifth round): use it where the graph should match the original's
+    fusion. Needs ``onnx`` and ``onnxruntime``.
     """
     import logging
 
