@@ -386,17 +386,28 @@ def test_fuse_norms_pre_ln_residual_read_twice(tmp_path):
     assert agreement(_run(out, {"x": x}), ref)["max_rel"] < TOL
 
 
-def test_fuse_norms_leaves_layer_norms_to_ort(tmp_path):
-    """A model without RMSNorms (the original; a compat checkpoint's LayerNorms) comes back as it was:
-    ORT fuses those itself, and ``fuse_norms`` must not turn a LayerNorm into an RMSNorm."""
+def test_compat_checkpoint_fuses_as_the_original(tmp_path):
+    """The compat format (stock transformers, LayerNorms kept, every norm exact) lands on the original's
+    fused ops in ORT's session, ``SkipLayerNormalization`` included, and ``fuse_norms`` leaves it as it
+    is: it never turns a LayerNorm into an RMSNorm, and ORT fuses those itself."""
     import onnx
 
     from normswap.integrations.onnx import fuse_norms
 
     original = build(EXACT, "vit").float().eval()
+    converted = build(EXACT, "vit")
+    normswap.patch(converted)
+    normswap.save(converted.float().eval(), tmp_path / "compat", format="compat")
+    stock = type(original).from_pretrained(tmp_path / "compat").float().eval()
     inputs = {"pixel_values": torch.randn(2, 3, 32, 32)}
-    path = tmp_path / "o.onnx"
-    _export(original, inputs, path, dynamo=True)
-    before = _counts(onnx.load(str(path)).graph)
-    after = _counts(fuse_norms(path, tmp_path / "f.onnx").graph)
-    assert after == before and after["LayerNormalization"] > 0
+    _export(original, inputs, tmp_path / "o.onnx", dynamo=True)
+    _export(stock, inputs, tmp_path / "c.onnx", dynamo=True)
+    norms = ("LayerNormalization", "SkipLayerNormalization", *FUSED_RMS_OPS)
+    want = {op: _counts(_session_graph(tmp_path / "o.onnx"))[op] for op in norms}
+    assert want["SkipLayerNormalization"] >= 1
+    assert {op: _counts(_session_graph(tmp_path / "c.onnx"))[op] for op in norms} == want
+    before = _counts(onnx.load(str(tmp_path / "c.onnx")).graph)
+    assert _counts(fuse_norms(tmp_path / "c.onnx", tmp_path / "f.onnx").graph) == before
+    with torch.no_grad():
+        ref = first_output(original(**inputs))
+    assert agreement(_run(tmp_path / "f.onnx", inputs), ref)["max_rel"] < TOL
