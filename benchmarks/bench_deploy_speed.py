@@ -38,11 +38,14 @@ each on a loaded 2-core machine).
     python benchmarks/bench_deploy_speed.py --control       # also the original against itself (noise floor)
     python benchmarks/bench_deploy_speed.py --models gpt2 --engines ort --opset23   # + ORT at opset 23
     python benchmarks/bench_deploy_speed.py --engines ortopt  # ORT after onnxruntime.transformers.optimizer
+    python benchmarks/bench_deploy_speed.py --engines ort,ortfuse,ortopt,ortoptfuse  # + normswap's fuse_norms
     python benchmarks/bench_deploy_speed.py --round-robin 45  # cached ORT exports timed in turn, batch 1
     python benchmarks/bench_deploy_speed.py --kernels       # ORT's norm kernels alone (about a minute)
     python benchmarks/bench_deploy_speed.py --norm-calls --budget 2 --control  # eager norm modules alone
     python benchmarks/bench_deploy_speed.py --models bert --profile 50  # ORT kernel time per op type
     python benchmarks/bench_deploy_speed.py --models bert --beta-placement fold  # β out of BERT's norms
+    python benchmarks/bench_deploy_speed.py --gemm-widths 3074,3080,3136 --budget 6  # BERT's FFN GEMMs by width
+    python benchmarks/bench_deploy_speed.py --carry-eager --budget 6 --quick  # BERT eager, mean carry on/off
 
 Goal (issue 40): converted/original <= 1.00 in every cell, below 1 where the norm is a visible share.
 Results: docs/results/deploy-speed.md.
@@ -72,7 +75,9 @@ from normswap.integrations.onnx import fused_norm_ops
 
 TEXT_SHAPES = [(1, 8), (4, 8), (1, 32), (4, 32)]  # (batch, tokens)
 VIT_SIZES = (64, 128)  # image px: 17 and 65 tokens at patch 16
-ENGINES = ("ort", "eager", "compile")  # also "ortopt": ORT after onnxruntime.transformers.optimizer (opt-in)
+ENGINES = ("ort", "eager", "compile")
+# opt-in: "ortopt" (ORT after onnxruntime.transformers.optimizer), "ortfuse" and "ortoptfuse" (the same two with
+# the converted file passed through normswap.integrations.onnx.fuse_norms; the original as it is)
 
 
 class Body(nn.Module):
@@ -177,6 +182,22 @@ def ort_optimised(path: Path, name: str) -> Path:
 
     code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import bench_deploy_speed as b; "
             f"b.optimise_onnx({str(path)!r}, {str(out)!r}, {name!r})")
+    subprocess.run([sys.executable, "-c", code], check=True)
+    done.write_text("")
+    return out
+
+
+def norms_fused(path: Path) -> Path:
+    """``normswap.integrations.onnx.fuse_norms`` of the file at ``path`` (cached next to it, written in a child
+    process as :func:`ort_optimised`): the converted model's norms with their residual and bias ``Add``s in
+    ``SkipSimplifiedLayerNormalization``, as the original's LayerNorms are in ``SkipLayerNormalization``."""
+    out = path.with_name(path.stem + "-fused.onnx")
+    done = out.with_suffix(".done")
+    if out.exists() and done.exists():
+        return out
+    import subprocess
+
+    code = (f"from normswap.integrations.onnx import fuse_norms; fuse_norms({str(path)!r}, {str(out)!r})")
     subprocess.run([sys.executable, "-c", code], check=True)
     done.write_text("")
     return out
@@ -484,6 +505,102 @@ def op_profile(label: str, cache: Path, batch: int, tokens: int, runs: int, plac
     return "\n".join(lines)
 
 
+def gemm_widths(widths: tuple[int, ...], rows_list: tuple[int, ...], budget: float) -> str:
+    """BERT-base's FFN alone, ``linear(x, up) -> linear(h, down)`` (768 -> width -> 768, with biases, one
+    thread, float32), at each width against 3072: the mean carry widens BERT's FFN 3072 -> 3080 (issue 40:
+    is a GEMM of width 3080 slower per call than 3072 on CPU?). ``3072+8``: the stock FFN plus a separate
+    8-wide one (the carry as its own pair of GEMMs). Median of ABBA quads, A/A = 3072 against a second copy."""
+    gen = torch.Generator().manual_seed(0)
+
+    def ffn(rows: int, width: int, extra: int = 0) -> Callable[[], object]:
+        def make(n: int) -> tuple[torch.Tensor, ...]:
+            return (torch.randn(n, 768, generator=gen) * 0.03, torch.randn(n, generator=gen) * 0.03,
+                    torch.randn(768, n, generator=gen) * 0.03)
+
+        x, (up, ub, down), db = torch.randn(rows, 768, generator=gen), make(width), torch.randn(768, generator=gen)
+        side = make(extra) if extra else None
+        f = torch.nn.functional
+
+        def run() -> object:
+            with torch.inference_mode():
+                y = f.linear(f.gelu(f.linear(x, up, ub)), down, db)
+                if side is not None:
+                    y = y + f.linear(f.gelu(f.linear(x, side[0], side[1])), side[2])
+                return y
+        return run
+
+    cols = [str(w) for w in widths] + ["3072+8", "A/A"]
+    lines = ["| rows | " + " | ".join(f"{c} / 3072" for c in cols) + " | 3072 µs |", "|" + "---|" * (len(cols) + 2)]
+    for rows in rows_list:
+        base, cells = ffn(rows, 3072), []
+        for c in cols:
+            other = ffn(rows, 3072) if c == "A/A" else ffn(rows, 3072, 8) if c == "3072+8" else ffn(rows, int(c))
+            m = abba(base, other, budget, 5)
+            cells.append(f"**{m['ratio']:.3f}** ({m['q1']:.2f}–{m['q3']:.2f}, {m['quads']})")
+        lines.append(f"| {rows} | " + " | ".join(cells) + f" | {1e3 * m['original_ms']:.0f} |")
+    return "\n".join(lines)
+
+
+def carry_eager(budget: float, min_quads: int, layers: int, quick: bool) -> str:
+    """BERT-base in torch eager: the default conversion (mean carry on, FFN 3080 wide in the 12 carried
+    layers) and ``mean_carry=False`` (stock widths, those norms approximate), each against the original
+    and against each other, with the original's A/A, per text shape (second copies in opposite order,
+    as :func:`run_model`)."""
+    model, keys = build("bert", 0, layers)
+    variants_ = {"original": model}
+    for label, carry in (("carry", True), ("nocarry", False)):
+        converted = copy.deepcopy(model)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            normswap.patch(converted, mode="all", calibration=False, mean_carry=carry)
+        variants_[label] = converted.eval()
+    widths = {k: sorted({m.out_features for m in v.modules() if isinstance(m, nn.Linear)})
+              for k, v in variants_.items()}
+    bodies = {k: Body(v, keys).eval() for k, v in variants_.items()}
+    bodies |= {k + "2": Body(copy.deepcopy(v), keys).eval() for k, v in reversed(list(variants_.items()))}
+    pairs = [("carry", "original"), ("nocarry", "original"), ("carry", "nocarry"), ("original2", "original")]
+    lines = [f"Linear output widths: {widths}", "",
+             "| batch | tokens | " + " | ".join(f"{a} / {b}" for a, b in pairs) + " | original ms |",
+             "|" + "---|" * (len(pairs) + 3)]
+    for batch, n in shapes("bert", quick):
+        example = inputs_for("bert", batch, n)
+        calls = {k: torch_call(b, example) for k, b in bodies.items()}
+        cells, base = [], 0.0
+        for a, b in pairs:
+            if b == "original" and a != "original2":
+                half = [quads(calls[b + k], calls[a + k], budget / 2, max(1, (min_quads + 1) // 2)) for k in ("", "2")]
+                m = summary(half[0][0] + half[1][0], half[0][1] + half[1][1])
+            else:
+                m = abba(calls[b], calls[a], budget, min_quads)
+            cells.append(f"**{m['ratio']:.3f}** ({m['q1']:.2f}–{m['q3']:.2f}, {m['quads']})")
+            base = m["original_ms"] if (a, b) == ("carry", "original") else base
+        lines.append(f"| {batch} | {n} | " + " | ".join(cells) + f" | {base:.1f} |")
+        print(lines[-1], flush=True)
+    return "\n".join(lines)
+
+
+def fused_against_unfused(label: str, cache: Path, batch: int, tokens: int, budget: float, min_quads: int,
+                          placed: str = "") -> str:
+    """The converted model's cached exports with and without :func:`normswap.integrations.onnx.fuse_norms`,
+    against each other in ORT sessions (fused / unfused), plain and after ``optimize_model``, with the
+    unfused file's A/A: what the Skip fusion itself is worth, measured side by side."""
+    lines = []
+    for suffix in ("", "-optimised"):
+        unfused = cache / f"{label}-converted{placed}-default{suffix}.onnx"
+        fused = unfused.with_name(unfused.stem + "-fused.onnx")
+        if not (unfused.exists() and fused.exists()):
+            lines.append(f"{label}{suffix}: not cached in {cache} (run with --engines ortfuse,ortoptfuse first)")
+            continue
+        example = inputs_for(label.split("-")[0].rstrip("0123456789") or label, batch, tokens)
+        m = abba_sessions(unfused, fused, example, budget, min_quads)
+        aa = abba_sessions(unfused, unfused, example, budget, min_quads)
+        lines.append(f"| {label} | {'optimize_model' if suffix else 'session'} | {batch} | {tokens} | "
+                     f"**{m['ratio']:.3f}** ({m['q1']:.2f}–{m['q3']:.2f}, {m['quads']}); A/A {aa['ratio']:.3f} | "
+                     f"{m['original_ms']:.1f} |")
+        print(lines[-1], flush=True)
+    return "\n".join(lines)
+
+
 def session_adds(path: Path) -> int:
     """``Add`` nodes left in ONNX Runtime's session-optimised graph of ``path`` (residuals, biases, kept β)."""
     import tempfile
@@ -525,7 +642,8 @@ def run_model(name: str, label: str, px: int, args: argparse.Namespace, cache: P
     for batch, n in shapes(label, args.quick):
         rows[(batch, n)] = {"model": label, "batch": batch, "tokens": (px // 16) ** 2 + 1 if px else n,
                             "verdicts": verdicts, "norms": norms}
-    ort_columns = [("ort", None)] + ([("ort23", 23)] if args.opset23 else []) + [("ortopt", None)]
+    ort_columns = [("ort", None)] + ([("ort23", 23)] if args.opset23 else []) + [("ortopt", None)] + \
+        [("ortfuse", None), ("ortoptfuse", None)]
     for engine, opset in ort_columns:
         if engine not in args.engines and not (engine == "ort23" and "ort" in args.engines):
             continue
@@ -537,8 +655,10 @@ def run_model(name: str, label: str, px: int, args: argparse.Namespace, cache: P
             secs = export(body, example, path, opset)
             if secs:
                 print(f"#   exported {path.name} in {secs:.0f} s", flush=True)
-            if engine == "ortopt":
+            if engine in ("ortopt", "ortoptfuse"):
                 path = ort_optimised(path, name)
+            if engine.endswith("fuse") and variant == "converted":
+                path = norms_fused(path)
             fused[variant] = {k: v for k, v in fused_norm_ops(path).items() if v} | {"Add": session_adds(path)}
             paths[variant] = path
         print(f"#   {engine} norm ops after ORT's optimiser: {fused}", flush=True)
@@ -630,6 +750,13 @@ def main() -> None:
                         "norm's β through the residual's writer (BERT: no Add after the norm)")
     parser.add_argument("--layers", type=int, default=12, help="transformer layers (12: the real sizes; fewer "
                         "for a plumbing check)")
+    parser.add_argument("--gemm-widths", default="", metavar="W,W,..",
+                        help="only BERT's FFN GEMMs alone at these widths against 3072 (e.g. 3074,3080,3136)")
+    parser.add_argument("--fused-vs-unfused", action="store_true",
+                        help="only ORT: the converted model's cached exports with fuse_norms against without")
+    parser.add_argument("--carry-eager", action="store_true",
+                        help="only BERT eager: the default conversion (mean carry) and mean_carry=False, against "
+                        "the original and each other")
     args = parser.parse_args()
     args.engines = [e for e in args.engines.split(",") if e]
     args.budget = args.budget if args.budget is not None else (4.0 if args.quick else 12.0)
@@ -669,6 +796,27 @@ def main() -> None:
         print(f"\nGPT-2 small's norm modules in eager, one thread; median of ABBA quads of 200-call blocks "
               f"(quartiles, quads); load average {os.getloadavg()[0]:.1f}")
         return
+    if args.fused_vs_unfused:
+        print("| model | graph | batch | tokens | fused / unfused | unfused ms |\n|---|---|---|---|---|---|")
+        for name in args.models.split(","):
+            for label, px in variants(name):
+                placed = f"-{args.beta_placement}" if args.beta_placement else ""
+                for batch, n in shapes(label, args.quick):
+                    fused_against_unfused(f"{label}-L{args.layers}", cache, batch, px or n, args.budget,
+                                          args.min_quads, placed)
+        print(f"\nload average {os.getloadavg()[0]:.1f}")
+        return
+    if args.gemm_widths:
+        widths = tuple(int(w) for w in args.gemm_widths.split(","))
+        print(gemm_widths(widths, (8, 32, 128), args.budget))
+        print(f"\nBERT-base FFN (768 -> width -> 768, GELU, biases), one thread; median of ABBA quads (quartiles, "
+              f"quads); load average {os.getloadavg()[0]:.1f}")
+        return
+    if args.carry_eager:
+        print(carry_eager(args.budget, args.min_quads, args.layers, args.quick))
+        print(f"\nBERT-base eager, one thread; median of ABBA quads, a / b time (quartiles, quads); load average "
+              f"{os.getloadavg()[0]:.1f}")
+        return
     if args.kernels:
         print(kernel_rows(budget=args.budget / 2))
         print(f"\nwidth 768, one thread; median of ABBA quads (quartiles); load average {os.getloadavg()[0]:.1f}")
@@ -684,7 +832,8 @@ def main() -> None:
             if args.json:
                 Path(args.json).write_text(json.dumps({"versions": versions, "rows": rows}, indent=1, default=str))
     load_after = os.getloadavg()
-    engines = [e for e in ("ort", "ort23", "ortopt", "eager", "compile") if any(e in r for r in rows)]
+    engines = [e for e in ("ort", "ort23", "ortopt", "ortfuse", "ortoptfuse", "eager", "compile")
+               if any(e in r for r in rows)]
     print()
     print(table(rows, engines))
     print(f"\nmedian over ABBA quads of converted/original time (quartiles, quads); 1 thread; "

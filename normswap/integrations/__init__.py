@@ -3,7 +3,8 @@
 Submodules (each imported on its own, so ``import normswap`` stays light):
 
 * :mod:`normswap.integrations.onnx`: ``fused_norm_ops``, which counts the norm ops ONNX Runtime's
-  optimiser leaves in an exported file (one fused op per converted norm), and ONNX translations for the
+  optimiser leaves in an exported file (one fused op per converted norm), ``fuse_norms``, which puts each
+  converted norm's residual and bias ``Add``s into ``SkipSimplifiedLayerNormalization``, and ONNX translations for the
   fused custom ops (only needed when a fused backend was asked for explicitly; what ``normswap.RMSNorm``
   computes under ``torch.export``, ``torch.onnx.export`` and ``torch.jit.trace`` is the backends'
   portable path, :mod:`normswap.backends.portable`).

@@ -15,8 +15,12 @@ export                                        each RMSNorm becomes
 ============================================  ==========================================================
 
 ``onnxruntime.transformers.optimizer.optimize_model`` additionally turns a residual ``Add`` before a
-fused norm into ``SkipSimplifiedLayerNormalization``. :func:`fused_norm_ops` counts what ONNX Runtime's
-optimiser made of an exported file, so a deployment script can assert that every norm fused.
+fused norm into ``SkipSimplifiedLayerNormalization``, but leaves the projection bias ``Add`` before it
+outside, and ORT's session does neither. :func:`fuse_norms` does both, on an export or on
+``optimize_model``'s output: the converted model's norms land on ``SkipSimplifiedLayerNormalization``
+(with its bias input) wherever the original's land on ``SkipLayerNormalization``.
+:func:`fused_norm_ops` counts what ONNX Runtime's optimiser made of an exported file, so a deployment
+script can assert that every norm fused.
 
 :func:`translation_table` is for an *already exported* program that holds a fused op because a fused
 backend was asked for explicitly (``backend="cpu"``/``"triton"`` or ``NORMSWAP_BACKEND``) before
@@ -79,6 +83,114 @@ def fused_norm_ops(model_path: str | os.PathLike, *, providers: Sequence[str] = 
     counted = (*FUSED_RMS_OPS, "LayerNormalization", "SkipLayerNormalization", "Pow")
     ops = [n.op_type for n in graph.node]
     return {op: ops.count(op) for op in counted}
+
+
+def fuse_norms(model: str | os.PathLike | Any, out: str | os.PathLike | None = None) -> Any:
+    """Rewrite an exported model's RMSNorms into ONNX Runtime's fused ops, each with the residual ``Add``
+    and the projection bias before it, and return the model (``onnx.ModelProto``); also saved to ``out``.
+
+    ``model`` is a path or an ``onnx.ModelProto`` (rewritten in place): an export of a converted model
+    (any path of the table above but opset 23's ``RMSNormalization``; the exporter's optimised graph, so
+    not ``optimize=False``, where nothing matches and nothing changes), or the output of
+    ``onnxruntime.transformers.optimizer.optimize_model``. Why: ORT fuses
+    ``Add(MatMul + bias) + Add(residual) + LayerNormalization`` into one ``SkipLayerNormalization`` with
+    a bias input, but neither its session nor ``optimize_model`` does the same for an RMSNorm (the
+    session's Skip fusion matches ``LayerNormalization`` only; ``optimize_model``'s bias fusion
+    ``SkipLayerNormalization`` only), so a converted model ran one or two more ``Add`` nodes per block
+    than its original. Here, with ONNX Runtime's own fusion classes
+    (``onnxruntime.transformers``), on the top-level graph:
+
+    1. each ``Pow``/``ReduceMean``/``Add``/``Sqrt``/``Div``/``Mul`` norm becomes
+       ``SimplifiedLayerNormalization`` (the session's fusion, done ahead of it);
+    2. a residual ``Add`` of two activations before it becomes ``SkipSimplifiedLayerNormalization``
+       (a Pre-LN block's sum, read again by the next block, comes out as its fourth output,
+       ``input_skip_bias_sum``);
+    3. a 1-D bias ``Add`` after a ``MatMul`` feeding that ``Add`` becomes the fused op's ``bias`` input.
+
+    The arithmetic is the same additions in float32 (outputs agree to float32 rounding); LayerNorms
+    (the original's, a compat checkpoint's) are left to ORT, which fuses them itself. Run the result
+    with any ORT session (its CPU and CUDA providers have both ops). On ORT 1.32's CPU provider the fused
+    graph is no faster than the unfused one (its Skip kernels cost about what the ``Add`` nodes did;
+    docs/results/deploy-speed.md, fifth round): use it where the graph should match the original's
+    fusion. Needs ``onnx`` and ``onnxruntime``.
+    """
+    import logging
+
+    import onnx
+    from onnxruntime.transformers.fusion_simplified_layernorm import (
+        FusionSimplifiedLayerNormalization,
+        FusionSkipSimplifiedLayerNormalization,
+    )
+    from onnxruntime.transformers.onnx_model import OnnxModel
+
+    proto = onnx.load(str(model)) if isinstance(model, (str, os.PathLike)) else model
+    graph = OnnxModel(proto)
+    quiet = logging.getLogger("onnxruntime.transformers").level, logging.root.manager.disable
+    logging.disable(logging.WARNING)  # the fusions log every pattern they skip, and shape inference's notes
+    try:
+        graph.remove_useless_cast_nodes()  # the legacy exporter's float-to-float Casts sit inside the pattern
+        for fusion in (FusionSimplifiedLayerNormalization, FusionSkipSimplifiedLayerNormalization,
+                       _bias_fusion()):
+            fusion(graph).apply()
+        graph.prune_graph(allow_remove_graph_inputs=False)  # an unread input stays: the signature is the export's
+    finally:
+        logging.disable(quiet[1])
+    graph.topological_sort()
+    if not any(o.domain == "com.microsoft" for o in proto.opset_import) and \
+            any(n.domain == "com.microsoft" for n in proto.graph.node):
+        proto.opset_import.add(domain="com.microsoft", version=1)
+    if out is not None:
+        big = sum(t.ByteSize() for t in proto.graph.initializer) > 1_500_000_000  # protobuf's 2 GB limit
+        onnx.save(proto, str(out), save_as_external_data=big, all_tensors_to_one_file=True,
+                  location=Path(out).name + ".data" if big else None)
+    return proto
+
+
+def _bias_fusion() -> type:
+    """``SkipSimplifiedLayerNormalization(Add(MatMul(..), bias), skip, γ)`` -> its 4-input form with ``bias``:
+    ``FusionBiasSkipLayerNormalization`` for the simplified op (ORT's matches ``SkipLayerNormalization``
+    only, whose bias is its fifth input, after β)."""
+    from onnx import helper
+    from onnxruntime.transformers.fusion_base import Fusion
+    from onnxruntime.transformers.fusion_utils import NumpyHelper
+
+    class FusionBiasSkipSimplifiedLayerNormalization(Fusion):
+        def __init__(self, model: Any) -> None:
+            super().__init__(model, "SkipSimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization",
+                             "add bias")
+
+        def fuse(self, node: Any, input_name_to_nodes: dict, output_name_to_node: dict) -> None:
+            if len(node.input) != 3:  # already has a bias
+                return
+            for path in (["Add", "MatMul"], ["Add", "Cast", "MatMul"]):  # a Cast: half-precision exports
+                indices: list[int] = []
+                nodes = self.model.match_parent_path(node, path, [None] * len(path), output_name_to_node, indices)
+                if nodes is not None:
+                    break
+            else:
+                return
+            add, which = nodes[0], indices[0]
+            if which >= 2:
+                return
+            bias = add.input[1 - indices[1]]
+            initializer = self.model.get_initializer(bias)
+            if initializer is None or NumpyHelper.to_array(initializer).ndim != 1:
+                return
+            if not self.model.is_safe_to_fuse_nodes([node, add], node.output, input_name_to_nodes,
+                                                    output_name_to_node):
+                return  # the biased product is read elsewhere too
+            self.nodes_to_remove.extend([node, add])
+            fused = helper.make_node(
+                "SkipSimplifiedLayerNormalization",
+                inputs=[add.input[indices[1]], node.input[1 - which], node.input[2], bias],
+                outputs=node.output,
+                name=self.model.create_node_name("SkipSimplifiedLayerNormalization", "SkipRMSNorm_AddBias_"),
+                domain="com.microsoft")
+            fused.attribute.extend(a for a in node.attribute if a.name == "epsilon")
+            self.nodes_to_add.append(fused)
+            self.node_name_to_graph_name[fused.name] = self.this_graph_name
+
+    return FusionBiasSkipSimplifiedLayerNormalization
 
 
 def _ops(opset: int) -> Any:
