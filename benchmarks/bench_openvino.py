@@ -34,13 +34,17 @@ by NNCF: ``w8`` (``nncf.compress_weights`` defaults: int8 asymmetric per channel
 int8 weights and activations, calibrated on ``--calib`` held-out paragraphs not used in the measurement).
 Every variant runs with ``INFERENCE_PRECISION_HINT=f32``, so the error is the quantization's, not bf16's.
 Variants: ``original``; ``converted`` (``normswap.patch`` defaults, the native format); ``compat``
-(``normswap.save(format="compat")`` of the same, loaded back by plain transformers), where the
-conversion can be written in that format.
+(``normswap.save(format="compat")`` of the same, loaded back by plain transformers: refused for a
+Post-LN encoder, whose default conversion has approximate norms; recorded as not measured);
+``compat-exact`` (``mode="exact"``: only the exact norms converted, the rest kept as LayerNorm, saved
+as compat and loaded back); ``converted-nocarry`` (``mean_carry=False``: no widened FFN, those norms
+approximate too). int4 groups use ``group_size_fallback_mode=ADJUST`` (see :func:`nncf_quantize`).
 
     python benchmarks/bench_openvino.py speed --control --json ov_speed.json     # ~20-30 min, loaded 2-core box
     python benchmarks/bench_openvino.py speed --models gpt2 --layers 2 --budget 1  # plumbing check
     python benchmarks/bench_openvino.py fusion --layers 2        # only the runtime op counts
     python benchmarks/bench_openvino.py quant --model DIR --texts 256 --json ov_quant.json
+    python benchmarks/bench_openvino.py quant --model DIR --baseline ov_quant.json --variants compat-exact
 
 Needs ``openvino`` (speed) and ``nncf`` (quant); neither is a normswap dependency. Results:
 docs/results/openvino.md.
@@ -50,6 +54,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import copy
 import gc
 import json
 import logging
@@ -281,20 +286,25 @@ def speed_table(rows: list[dict], routes: list[str], precisions: list[str]) -> s
 
 
 def variant_model(name: str, original: torch.nn.Module, model_dir: Path, workdir: Path) -> tuple[torch.nn.Module, str]:
-    """``original``, ``converted`` (native, in memory) or ``compat`` (saved and loaded back by transformers)."""
-    if name != "compat":
+    """``original``, one of ``bench_quant_encoders``' variants (native, in memory), ``compat`` (the default
+    conversion saved with ``format="compat"`` and loaded back by transformers: fails where some norms are
+    approximate, as in Post-LN encoders) or ``compat-exact`` (``mode="exact"``: only the exact norms
+    converted, the others kept as LayerNorm, which the compat format can write)."""
+    if not name.startswith("compat"):
         return encoders.build(name, original, model_dir)
     import transformers as tf
 
     import normswap
 
-    model, note = encoders.build("converted", original, model_dir)
-    out = workdir / "compat"
+    model = copy.deepcopy(original)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
+        mode = {"mode": "exact"} if name == "compat-exact" else {}
+        report = normswap.patch(model, tokenizer=str(model_dir), **mode)
+        out = workdir / name
         normswap.save(model, out, format="compat", overwrite=True)
     del model
-    return tf.AutoModel.from_pretrained(out).float().eval(), note + "; compat checkpoint loaded by transformers"
+    return tf.AutoModel.from_pretrained(out).float().eval(), f"{report.plan.summary()}; compat checkpoint loaded back"
 
 
 def nncf_quantize(ov_model, how: str, calib: list[dict]):
@@ -447,7 +457,8 @@ def main() -> None:
     q.add_argument("--texts", type=int, default=256)
     q.add_argument("--calib", type=int, default=100, help="held-out paragraphs for nncf.quantize")
     q.add_argument("--max-len", type=int, default=128)
-    q.add_argument("--variants", nargs="+", default=["original", "converted", "compat", "converted-nocarry"])
+    q.add_argument("--variants", nargs="+",
+                   default=["original", "converted", "compat", "compat-exact", "converted-nocarry"])
     q.add_argument("--modes", nargs="+", default=list(QUANT_MODES), choices=QUANT_MODES)
     q.add_argument("--json", type=Path)
     q.add_argument("--baseline", type=Path, help="an earlier --json of the same model and texts: its original's "
