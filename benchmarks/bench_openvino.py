@@ -43,6 +43,7 @@ approximate too). int4 groups use ``group_size_fallback_mode=ADJUST`` (see :func
     python benchmarks/bench_openvino.py speed --control --json ov_speed.json     # ~20-30 min, loaded 2-core box
     python benchmarks/bench_openvino.py speed --models gpt2 --layers 2 --budget 1  # plumbing check
     python benchmarks/bench_openvino.py fusion --layers 2        # only the runtime op counts
+    python benchmarks/bench_openvino.py speed --models bert --routes torch --quick --no-mean-carry --control
     python benchmarks/bench_openvino.py quant --model DIR --texts 256 --json ov_quant.json
     python benchmarks/bench_openvino.py quant --model DIR --baseline ov_quant.json --variants compat-exact
 
@@ -133,17 +134,30 @@ def to_ir(body: torch.nn.Module, example: tuple[torch.Tensor, ...], route: str, 
     done.write_text("")
 
 
-def prepare(name: str, label: str, px: int, layers: int, cache: Path, routes: list[str]) -> dict:
-    """IR files per (variant, route) for one model; the torch models are freed before timing."""
+def prepare(name: str, label: str, px: int, layers: int, cache: Path, routes: list[str],
+            mean_carry: bool = True) -> dict:
+    """IR files per (variant, route) for one model; the torch models are freed before timing.
+    ``mean_carry=False``: BERT converted without the mean carry (no FFN widened by 8 units)."""
     model, keys = deploy.build(name, px, layers)
-    converted, verdicts = deploy.convert(name, model)
+    if mean_carry:
+        converted, verdicts = deploy.convert(name, model)
+    else:
+        import normswap
+
+        converted = copy.deepcopy(model)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            report = normswap.patch(converted, mean_carry=False,
+                                    **({"mode": "all", "calibration": False} if name == "bert" else {}))
+        verdicts = dict(collections.Counter(site.verdict for site in report.sites))
+        converted.eval()
     norms = sum(type(m).__name__ == "RMSNorm" for m in converted.modules())
     example = deploy.inputs_for(name, 2, px or 16)
     paths: dict[tuple[str, str], Path] = {}
     for variant, m in (("original", model), ("converted", converted)):
         body = deploy.Body(m, keys).eval()
         for route in routes:
-            stem = f"{label}-L{layers}-{variant}"
+            stem = f"{label}-L{layers}-{variant}" + ("-nocarry" if variant == "converted" and not mean_carry else "")
             path = cache / f"{stem}-{route}.xml"
             t0 = time.perf_counter()
             to_ir(body, example, route, path, cache / f"{stem}-default.onnx")
@@ -220,7 +234,7 @@ def speed(args: argparse.Namespace) -> None:
     ops: dict[str, Any] = {}
     for name in args.models.split(","):
         for label, px in deploy.variants(name):
-            prep = prepare(name, label, px, args.layers, cache, args.routes)
+            prep = prepare(name, label, px, args.layers, cache, args.routes, mean_carry=not args.no_mean_carry)
             print(f"# {label}: {prep['norms']} RMSNorms, verdicts {prep['verdicts']}", flush=True)
             ops[label] = fusion(prep["paths"], args.precisions)
             for key, counts in ops[label].items():
@@ -452,6 +466,8 @@ def main() -> None:
         p.add_argument("--control", action="store_true", help="also the original against a second copy (A/A)")
         p.add_argument("--cache", default=os.environ.get("TMPDIR", "/tmp") + "/normswap-openvino-bench")
         p.add_argument("--json", default=None)
+        p.add_argument("--no-mean-carry", action="store_true",
+                       help="convert with mean_carry=False (BERT: no FFN widened by the mean carry)")
     q = sub.add_parser("quant")
     q.add_argument("--model", type=Path, required=True, help="a sentence-transformers transformers directory")
     q.add_argument("--texts", type=int, default=256)
