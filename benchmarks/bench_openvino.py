@@ -1,0 +1,494 @@
+"""OpenVINO (CPU plugin): a converted model against its LayerNorm original, in speed and in NNCF quantization.
+
+An engine the rest of the benchmarks do not name (issue 40's "engines that are not named here").
+
+**Speed** (``speed``, the default): the models of ``bench_deploy_speed.py`` (GPT-2 small, BERT-base,
+ViT-B/16 at 64 and 128 px; random weights, LayerNorm γ/β and every bias randomised; body only), each
+original and converted (``normswap.patch``; BERT ``mode="all"``), through OpenVINO's two import routes:
+
+* ``torch``: ``openvino.convert_model(module, example_input=...)`` straight from the PyTorch model;
+* ``onnx``: ``openvino.convert_model("model.onnx")`` of the file ``torch.onnx.export(dynamo=True)`` writes
+  (default opset, dynamic batch and sequence: the export docs/deployment.md shows).
+
+Each converted OpenVINO model is saved as IR (``.xml``/``.bin``) in ``--cache`` and compiled on the CPU
+plugin with one inference thread and one stream, at two inference precisions: ``default`` (the plugin's
+own choice: bf16 on a CPU with AVX-512 BF16 or AMX, f32 otherwise; what a user gets) and ``f32``
+(``INFERENCE_PRECISION_HINT=f32``). Before timing, the compiled model's runtime graph
+(``compiled.get_runtime_model()``) is counted: ``RMS`` nodes (OpenVINO's fused RMS kernel, from its
+``RMSFusion`` transformation) in the converted model, ``MVN`` (its LayerNorm kernel) in the original.
+
+Timing reuses ``bench_deploy_speed.py``'s ABBA quads (original, converted, converted, original) and
+summary, timed by the calling thread's CPU time (OpenVINO's CPU plugin with one inference thread runs the
+request on the calling thread: measured, thread CPU time equals process CPU time), pooled over two
+halves whose compiled models are created in opposite orders. ``--control`` adds the original against
+a second compiled copy of itself (the A/A noise floor).
+
+**Quantization** (``quant --model DIR``): a sentence encoder (a transformers directory, e.g.
+all-MiniLM-L6-v2, all-mpnet-base-v2), with ``bench_quant_encoders.py``'s texts, export (legacy ONNX
+exporter, opset 17), pooling and metric (1 − cos of the pooled embedding against the float32 original
+in torch, per text, over ``--texts`` paragraphs; ratio to the original in the same quantizer with a 95%
+paired bootstrap interval). Each variant's ONNX file is read by ``openvino.convert_model`` and quantized
+by NNCF: ``w8`` (``nncf.compress_weights`` defaults: int8 asymmetric per channel), ``w4s128`` /
+``w4a128`` / ``w4s32`` (int4 symmetric / asymmetric, group 128 / 32, RTN, NNCF's defaults otherwise:
+``ratio=1``, the embedding and last layer in int8), ``static`` (``nncf.quantize``, ``ModelType.TRANSFORMER``,
+int8 weights and activations, calibrated on ``--calib`` held-out paragraphs not used in the measurement).
+Every variant runs with ``INFERENCE_PRECISION_HINT=f32``, so the error is the quantization's, not bf16's.
+Variants: ``original``; ``converted`` (``normswap.patch`` defaults, the native format); ``compat``
+(``normswap.save(format="compat")`` of the same, loaded back by plain transformers: refused for a
+Post-LN encoder, whose default conversion has approximate norms; recorded as not measured);
+``compat-exact`` (``mode="exact"``: only the exact norms converted, the rest kept as LayerNorm, saved
+as compat and loaded back); ``converted-nocarry`` (``mean_carry=False``: no widened FFN, those norms
+approximate too). int4 groups use ``group_size_fallback_mode=ADJUST`` (see :func:`nncf_quantize`).
+
+    python benchmarks/bench_openvino.py speed --control --json ov_speed.json     # ~20-30 min, loaded 2-core box
+    python benchmarks/bench_openvino.py speed --models gpt2 --layers 2 --budget 1  # plumbing check
+    python benchmarks/bench_openvino.py fusion --layers 2        # only the runtime op counts
+    python benchmarks/bench_openvino.py speed --models bert --routes torch --quick --no-mean-carry --control
+    python benchmarks/bench_openvino.py quant --model DIR --texts 256 --json ov_quant.json
+    python benchmarks/bench_openvino.py quant --model DIR --baseline ov_quant.json --variants compat-exact
+
+Needs ``openvino`` (speed) and ``nncf`` (quant); neither is a normswap dependency. Results:
+docs/results/openvino.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import copy
+import gc
+import json
+import logging
+import os
+import platform
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_deploy_speed as deploy  # noqa: E402 (the benchmarks folder is on the path only now)
+import bench_quant_encoders as encoders  # noqa: E402
+
+ROUTES = ("torch", "onnx")
+PRECISIONS = ("default", "f32")
+QUANT_MODES = ("fp32", "w8", "w4s128", "w4a128", "w4s32", "static")
+
+
+def core():
+    import openvino as ov
+
+    return ov.Core()
+
+
+def compile_ir(path: Path, precision: str):
+    """The IR at ``path`` compiled on the CPU plugin: one inference thread, one stream, ``precision``."""
+    config: dict[str, Any] = {"INFERENCE_NUM_THREADS": 1, "NUM_STREAMS": 1}
+    if precision != "default":
+        config["INFERENCE_PRECISION_HINT"] = precision
+    return core().compile_model(str(path), "CPU", config)
+
+
+def runtime_ops(compiled) -> collections.Counter:
+    """Op types of the compiled model's runtime graph (what the plugin executes after its fusions)."""
+    return collections.Counter(op.get_rt_info()["layerType"].astype(str)
+                               for op in compiled.get_runtime_model().get_ops())
+
+
+def source_ops(path: Path) -> collections.Counter:
+    """Op types of the IR before compilation (what the import route wrote)."""
+    return collections.Counter(op.get_type_name() for op in core().read_model(str(path)).get_ops())
+
+
+def ir_call(compiled, example: tuple[torch.Tensor, ...]):
+    request = compiled.create_infer_request()
+    feed = [t.numpy() for t in example]
+    return lambda: request.infer(feed)
+
+
+def to_ir(body: torch.nn.Module, example: tuple[torch.Tensor, ...], route: str, out: Path,
+          onnx_path: Path) -> None:
+    """``body`` converted by OpenVINO's ``route`` and saved as IR at ``out`` (cached: kept if complete)."""
+    import openvino as ov
+
+    done = out.with_suffix(".done")
+    if out.exists() and done.exists():
+        return
+    logging.disable(logging.WARNING)
+    try:
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            if route == "torch":
+                model = ov.convert_model(body, example_input=example)
+            else:
+                deploy.export(body, example, onnx_path, None)
+                model = ov.convert_model(str(onnx_path))
+    finally:
+        logging.disable(logging.NOTSET)
+    ov.save_model(model, str(out), compress_to_fp16=False)
+    done.write_text("")
+
+
+def prepare(name: str, label: str, px: int, layers: int, cache: Path, routes: list[str],
+            mean_carry: bool = True) -> dict:
+    """IR files per (variant, route) for one model; the torch models are freed before timing.
+    ``mean_carry=False``: BERT converted without the mean carry (no FFN widened by 8 units)."""
+    model, keys = deploy.build(name, px, layers)
+    if mean_carry:
+        converted, verdicts = deploy.convert(name, model)
+    else:
+        import normswap
+
+        converted = copy.deepcopy(model)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            report = normswap.patch(converted, mean_carry=False,
+                                    **({"mode": "all", "calibration": False} if name == "bert" else {}))
+        verdicts = dict(collections.Counter(site.verdict for site in report.sites))
+        converted.eval()
+    norms = sum(type(m).__name__ == "RMSNorm" for m in converted.modules())
+    example = deploy.inputs_for(name, 2, px or 16)
+    paths: dict[tuple[str, str], Path] = {}
+    for variant, m in (("original", model), ("converted", converted)):
+        body = deploy.Body(m, keys).eval()
+        for route in routes:
+            stem = f"{label}-L{layers}-{variant}" + ("-nocarry" if variant == "converted" and not mean_carry else "")
+            path = cache / f"{stem}-{route}.xml"
+            t0 = time.perf_counter()
+            to_ir(body, example, route, path, cache / f"{stem}-default.onnx")
+            print(f"#   {path.name} ready in {time.perf_counter() - t0:.0f} s", flush=True)
+            paths[(variant, route)] = path
+    del model, converted
+    gc.collect()
+    return {"paths": paths, "verdicts": verdicts, "norms": norms}
+
+
+def fusion(paths: dict[tuple[str, str], Path], precisions: list[str]) -> dict[str, dict[str, int]]:
+    """Per variant/route/precision: norm-related op counts before and after the plugin's fusions."""
+    keep_src = ("MVN", "RMS", "Power", "ReduceMean", "Sqrt", "Divide")
+    keep_rt = ("MVN", "RMS", "Reduce", "Eltwise", "Math")
+    counts: dict[str, dict[str, int]] = {}
+    for (variant, route), path in paths.items():
+        src = source_ops(path)
+        for precision in precisions:
+            rt = runtime_ops(compile_ir(path, precision))
+            counts[f"{variant}/{route}/{precision}"] = (
+                {f"ir:{k}": src[k] for k in keep_src if src[k]} | {k: rt[k] for k in keep_rt if rt[k]})
+    return counts
+
+
+def time_cells(paths: dict[tuple[str, str], Path], route: str, precision: str,
+               examples: dict[tuple[int, int], tuple[torch.Tensor, ...]], args: argparse.Namespace) -> dict:
+    """ABBA cells, converted against original (and original against a second copy with ``--control``),
+    per shape, pooled over two halves whose compiled models are created in opposite orders."""
+    pooled: dict[tuple[int, int], dict[str, tuple[list[float], list[float]]]] = {
+        shape: {"cell": ([], []), "aa": ([], [])} for shape in examples}
+    for original_first in (True, False):
+        order = ("original", "converted") if original_first else ("converted", "original")
+        compiled = {v: compile_ir(paths[(v, route)], precision) for v in order}
+        if args.control:
+            compiled["original2"] = compile_ir(paths[("original", route)], precision)
+        for shape, example in examples.items():
+            calls = {v: ir_call(c, example) for v, c in compiled.items()}
+            least = max(1, (args.min_quads + 1) // 2)
+            r, b = deploy.quads(calls["original"], calls["converted"], args.budget / 2, least)
+            pooled[shape]["cell"][0].extend(r)
+            pooled[shape]["cell"][1].extend(b)
+            if args.control:
+                r, b = deploy.quads(calls["original"], calls["original2"], args.budget / 2, least)
+                pooled[shape]["aa"][0].extend(r)
+                pooled[shape]["aa"][1].extend(b)
+        del compiled, calls
+        gc.collect()
+    return {shape: {k: deploy.summary(*v) for k, v in cells.items() if v[0]} for shape, cells in pooled.items()}
+
+
+def check_outputs(paths: dict[tuple[str, str], Path], route: str,
+                  example: tuple[torch.Tensor, ...]) -> float:
+    """Largest |converted − original| over the output at f32 precision (the conversion is exact for GPT-2
+    and ViT; BERT's ``mode="all"`` is approximate)."""
+    outs = [compile_ir(paths[(v, route)], "f32")([t.numpy() for t in example])[0]
+            for v in ("original", "converted")]
+    return float(np.abs(outs[0] - outs[1]).max())
+
+
+def speed(args: argparse.Namespace) -> None:
+    import openvino as ov
+
+    cache = Path(args.cache)
+    cache.mkdir(parents=True, exist_ok=True)
+    deploy.CLOCK[0] = time.thread_time
+    torch.set_num_threads(1)
+    load_before = os.getloadavg()
+    t_start = time.perf_counter()
+    info = (f"openvino {ov.__version__}, torch {torch.__version__}, Python {platform.python_version()}; "
+            f"CPU plugin default precision {core().get_property('CPU', 'INFERENCE_PRECISION_HINT')}")
+    print(f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {info}; {os.cpu_count()} CPUs; load "
+          f"average {load_before[0]:.1f}", flush=True)
+    rows: list[dict] = []
+    ops: dict[str, Any] = {}
+    for name in args.models.split(","):
+        for label, px in deploy.variants(name):
+            prep = prepare(name, label, px, args.layers, cache, args.routes, mean_carry=not args.no_mean_carry)
+            print(f"# {label}: {prep['norms']} RMSNorms, verdicts {prep['verdicts']}", flush=True)
+            ops[label] = fusion(prep["paths"], args.precisions)
+            for key, counts in ops[label].items():
+                print(f"#   {key}: {counts}", flush=True)
+            if args.fusion_only:
+                continue
+            examples = {(batch, n): deploy.inputs_for(name, batch, px or n)
+                        for batch, n in deploy.shapes(label, args.quick)}
+            diff = {route: check_outputs(prep["paths"], route, next(iter(examples.values())))
+                    for route in args.routes}
+            print(f"#   max |converted - original| at f32: {diff}", flush=True)
+            for route in args.routes:
+                for precision in args.precisions:
+                    t0 = time.perf_counter()
+                    cells = time_cells(prep["paths"], route, precision, examples, args)
+                    for (batch, n), cell in cells.items():
+                        row = {"model": label, "batch": batch, "tokens": (px // 16) ** 2 + 1 if px else n,
+                               "route": route, "precision": precision, **cell}
+                        rows.append(row)
+                        aa = f"; A/A {cell['aa']['ratio']:.3f}" if "aa" in cell else ""
+                        print(f"#   {route} {precision} b{batch} t{row['tokens']}: {cell['cell']['ratio']:.3f}{aa} "
+                              f"({cell['cell']['original_ms']:.1f} ms)", flush=True)
+                    print(f"#   ({time.perf_counter() - t0:.0f} s)", flush=True)
+            if args.json:
+                Path(args.json).write_text(json.dumps({"info": info, "ops": ops, "rows": rows}, indent=1))
+    if args.fusion_only:
+        return
+    load_after = os.getloadavg()
+    print()
+    print(speed_table(rows, args.routes, args.precisions))
+    print(f"\nmedian over ABBA quads of converted/original CPU time (quartiles, quads); 1 inference thread; "
+          f"load average {load_before[0]:.1f} before, {load_after[0]:.1f} after; "
+          f"{time.perf_counter() - t_start:.0f} s in all; {' '.join(sys.argv[1:])}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"info": info, "load": [load_before, load_after], "ops": ops,
+                                               "rows": rows}, indent=1))
+
+
+def speed_table(rows: list[dict], routes: list[str], precisions: list[str]) -> str:
+    columns = [(r, p) for r in routes for p in precisions]
+    lines = ["| model | batch | tokens | " + " | ".join(f"{r}, {p}" for r, p in columns) + " | original ms |",
+             "|" + "---|" * (len(columns) + 4)]
+    keys = list(dict.fromkeys((r["model"], r["batch"], r["tokens"]) for r in rows))
+    for key in keys:
+        cells, base = [], "–"
+        for route, precision in columns:
+            match = [r for r in rows if (r["model"], r["batch"], r["tokens"], r["route"], r["precision"])
+                     == (*key, route, precision)]
+            if not match:
+                cells.append("–")
+                continue
+            m = match[0]["cell"]
+            aa = match[0].get("aa")
+            control = f"; A/A {aa['ratio']:.3f}" if aa else ""
+            cells.append(f"**{m['ratio']:.3f}** ({m['q1']:.2f}–{m['q3']:.2f})" + control)
+            if (route, precision) == columns[0]:
+                base = f"{m['original_ms']:.1f}"
+        lines.append(f"| {key[0]} | {key[1]} | {key[2]} | " + " | ".join(cells) + f" | {base} |")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------- quant
+
+
+def variant_model(name: str, original: torch.nn.Module, model_dir: Path, workdir: Path) -> tuple[torch.nn.Module, str]:
+    """``original``, one of ``bench_quant_encoders``' variants (native, in memory), ``compat`` (the default
+    conversion saved with ``format="compat"`` and loaded back by transformers: fails where some norms are
+    approximate, as in Post-LN encoders) or ``compat-exact`` (``mode="exact"``: only the exact norms
+    converted, the others kept as LayerNorm, which the compat format can write)."""
+    if not name.startswith("compat"):
+        return encoders.build(name, original, model_dir)
+    import transformers as tf
+
+    import normswap
+
+    model = copy.deepcopy(original)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        mode = {"mode": "exact"} if name == "compat-exact" else {}
+        report = normswap.patch(model, tokenizer=str(model_dir), **mode)
+        out = workdir / name
+        normswap.save(model, out, format="compat", overwrite=True)
+    del model
+    return tf.AutoModel.from_pretrained(out).float().eval(), f"{report.plan.summary()}; compat checkpoint loaded back"
+
+
+def nncf_quantize(ov_model, how: str, calib: list[dict]):
+    """``how``'s NNCF quantization of an OpenVINO model (a new model; the input is left as is)."""
+    import nncf
+
+    if how == "fp32":
+        return ov_model
+    if how == "static":
+        feeds = [{k: v.numpy() for k, v in b.items()} for b in calib]
+        return nncf.quantize(ov_model.clone(), nncf.Dataset(feeds), model_type=nncf.ModelType.TRANSFORMER,
+                             subset_size=len(feeds))
+    if how == "w8":
+        return nncf.compress_weights(ov_model.clone())
+    mode = nncf.CompressWeightsMode.INT4_SYM if how.startswith("w4s") else nncf.CompressWeightsMode.INT4_ASYM
+    # ADJUST: a layer whose input width the group size does not divide gets a smaller power-of-two group
+    # (>= 32) or, failing that, NNCF's int8 backup. NNCF's default (ERROR) refuses the converted encoders
+    # outright: the mean carry widens each FFN output projection's input by 8 (MiniLM 1536 -> 1544)
+    fallback = nncf.AdvancedCompressionParameters(group_size_fallback_mode=nncf.GroupSizeFallbackMode.ADJUST)
+    return nncf.compress_weights(ov_model.clone(), mode=mode, group_size=int(how[3:]),
+                                 advanced_parameters=fallback)
+
+
+def low_bit_constants(ov_model) -> dict[str, int]:
+    """How many weight constants of each low-bit element type the model holds (int4 against NNCF's int8
+    backup: which layers a group size could not reach)."""
+    kinds: collections.Counter = collections.Counter()
+    for op in ov_model.get_ops():
+        if op.get_type_name() == "Constant":
+            t = op.get_element_type().get_type_name()
+            if t in ("i4", "u4", "i8", "u8") and op.get_output_partial_shape(0).rank.get_length() >= 2:
+                kinds[t] += 1
+    return dict(kinds)
+
+
+def embed_ov(ov_model, data: list[dict]) -> torch.Tensor:
+    compiled = core().compile_model(ov_model, "CPU", {"INFERENCE_NUM_THREADS": 1, "NUM_STREAMS": 1,
+                                                      "INFERENCE_PRECISION_HINT": "f32"})
+    out = []
+    for b in data:
+        h = compiled({k: v.numpy() for k, v in b.items()})[0]
+        out.append(encoders.pooled(torch.from_numpy(np.asarray(h)), b["attention_mask"]))
+    return torch.cat(out)
+
+
+def quant(args: argparse.Namespace) -> dict[str, Any]:
+    import nncf
+    import openvino as ov
+    from transformers import AutoModel, AutoTokenizer
+
+    nncf.set_log_level(logging.ERROR)
+    torch.set_num_threads(1)
+    tok = AutoTokenizer.from_pretrained(args.model)
+    original = AutoModel.from_pretrained(args.model).float().eval()
+    names = [n for n in ("input_ids", "attention_mask", "token_type_ids") if n in tok.model_input_names]
+    texts = encoders.english(args.texts + args.calib)
+    texts, calib_texts = texts[:args.texts], texts[args.texts:]
+    data = encoders.batches(tok, texts, args.max_len, names)
+    calib = encoders.batches(tok, calib_texts, args.max_len, names, size=1)  # one paragraph per sample
+    ref = encoders.embed_torch(original, data)
+    result: dict[str, Any] = {"model": str(args.model), "texts": len(texts), "calib": len(calib),
+                              "max_len": args.max_len, "openvino": ov.__version__, "nncf": nncf.__version__,
+                              "cells": {}, "notes": {}, "per_text": {}}
+    if args.baseline:  # an earlier run's original, same texts: its errors reused, not measured again
+        old = json.loads(args.baseline.read_text())
+        assert (old["texts"], old["calib"], old["max_len"]) == (len(texts), len(calib), args.max_len), \
+            "baseline of other texts"
+        for key in [k for k in old["cells"] if k.startswith("original/")]:
+            result["cells"][key], result["per_text"][key] = old["cells"][key], old["per_text"][key]
+        args.variants = [v for v in args.variants if v != "original"]
+    t0 = time.time()
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.variants:
+            try:
+                model, note = variant_model(name, original, args.model, Path(tmp))
+            except Exception as exc:  # noqa: BLE001  (e.g. a conversion compat cannot write: recorded, not fatal)
+                result["notes"][name] = f"not measured: {type(exc).__name__}: {str(exc)[:300]}"
+                print(f"{name}: {result['notes'][name]}", flush=True)
+                continue
+            result["notes"][name] = note
+            path = Path(tmp) / f"{name}.onnx"
+            encoders.export(model, data[0], path)
+            if model is not original:
+                del model
+            gc.collect()
+            fp32 = ov.convert_model(str(path))
+            own = None
+            for how in ["fp32", *[q for q in args.modes if q != "fp32"]]:
+                quantized = nncf_quantize(fp32, how, calib)
+                kinds = low_bit_constants(quantized)
+                got = embed_ov(quantized, data)
+                del quantized
+                own = got if how == "fp32" else own
+                err = (1 - (ref * got).sum(-1)).clamp(min=0).numpy()
+                self_err = (1 - (own * got).sum(-1)).clamp(min=0).numpy()
+                result["per_text"][f"{name}/{how}"] = err.tolist()
+                result["cells"][f"{name}/{how}"] = {"err": float(err.mean()), "err_vs_own_fp32": float(self_err.mean()),
+                                                    "constants": kinds}
+                print(f"{name:10s} {how:7s} 1-cos {err.mean():.4e} (vs its own fp32 {self_err.mean():.4e}) {kinds}"
+                      f"  [{time.time() - t0:.0f} s]", flush=True)
+                gc.collect()
+            if args.json:
+                args.json.write_text(json.dumps(result, indent=1))
+    for key, cell in result["cells"].items():
+        name, how = key.split("/")
+        if name != "original" and how != "fp32" and f"original/{how}" in result["per_text"]:
+            err, base = np.array(result["per_text"][key]), np.array(result["per_text"][f"original/{how}"])
+            cell["ratio"] = float(err.mean() / base.mean())
+            cell["ci95"] = encoders.bootstrap(err, base)
+    print(quant_table(result))
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1))
+    return result
+
+
+def quant_table(result: dict[str, Any]) -> str:
+    labels = {"w8": "int8 weights", "w4s128": "int4 sym g128", "w4a128": "int4 asym g128",
+              "w4s32": "int4 sym g32", "static": "static int8"}
+    variants = list(dict.fromkeys(k.split("/")[0] for k in result["cells"]))
+    hows = [h for h in labels if all(f"{v}/{h}" in result["cells"] for v in variants)]
+    lines = ["| variant | fp32: 1 − cos | " + " | ".join(f"{labels[h]}: 1 − cos | ratio (95% CI)" for h in hows) + " |",
+             "|---" * (2 + 2 * len(hows)) + "|"]
+    for v in variants:
+        row = [v, f"{result['cells'][f'{v}/fp32']['err']:.2e}"]
+        for how in hows:
+            c = result["cells"][f"{v}/{how}"]
+            row.append(f"{c['err']:.3e}")
+            row.append(f"**{c['ratio']:.3f}** ({c['ci95'][0]:.3f}–{c['ci95'][1]:.3f})" if "ratio" in c else "1")
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command")
+    for cmd in ("speed", "fusion"):
+        p = sub.add_parser(cmd)
+        p.add_argument("--models", default="gpt2,bert,vit")
+        p.add_argument("--routes", default=",".join(ROUTES))
+        p.add_argument("--precisions", default=",".join(PRECISIONS))
+        p.add_argument("--layers", type=int, default=12)
+        p.add_argument("--quick", action="store_true", help="batch 1 and 4 at the short length only")
+        p.add_argument("--budget", type=float, default=6.0, help="seconds of ABBA quads per cell (both halves)")
+        p.add_argument("--min-quads", type=int, default=5)
+        p.add_argument("--control", action="store_true", help="also the original against a second copy (A/A)")
+        p.add_argument("--cache", default=os.environ.get("TMPDIR", "/tmp") + "/normswap-openvino-bench")
+        p.add_argument("--json", default=None)
+        p.add_argument("--no-mean-carry", action="store_true",
+                       help="convert with mean_carry=False (BERT: no FFN widened by the mean carry)")
+    q = sub.add_parser("quant")
+    q.add_argument("--model", type=Path, required=True, help="a sentence-transformers transformers directory")
+    q.add_argument("--texts", type=int, default=256)
+    q.add_argument("--calib", type=int, default=100, help="held-out paragraphs for nncf.quantize")
+    q.add_argument("--max-len", type=int, default=128)
+    q.add_argument("--variants", nargs="+",
+                   default=["original", "converted", "compat", "compat-exact", "converted-nocarry"])
+    q.add_argument("--modes", nargs="+", default=list(QUANT_MODES), choices=QUANT_MODES)
+    q.add_argument("--json", type=Path)
+    q.add_argument("--baseline", type=Path, help="an earlier --json of the same model and texts: its original's "
+                   "errors are reused")
+    args = parser.parse_args(sys.argv[1:] if len(sys.argv) > 1 and sys.argv[1] in ("speed", "fusion", "quant")
+                             else ["speed", *sys.argv[1:]])
+    if args.command == "quant":
+        quant(args)
+        return
+    args.routes = [r for r in args.routes.split(",") if r]
+    args.precisions = [p for p in args.precisions.split(",") if p]
+    args.fusion_only = args.command == "fusion"
+    speed(args)
+
+
+if __name__ == "__main__":
+    main()
