@@ -283,7 +283,8 @@ def ratio_ci(runs: list[dict[str, Any]], name: str, how: str, metric: str, draws
 def ci_table(runs: list[dict[str, Any]], metric: str) -> str:
     """Ratios to the original with 95% intervals, pooled over ``runs`` (each with per-image errors)."""
     rows = runs[0]["rows"]
-    hows = [h for h in rows["original"]["per_image"] if h != "fp32"]
+    hows = [h for h in rows["original"]["per_image"] if h != "fp32"
+            and all(h in run["rows"]["original"]["per_image"] for run in runs)]  # the quantizers every run has
     lines = [f"error / original's ({metric}), {len(runs)} run(s) pooled, 95% interval over images",
              "", "| variant | " + " | ".join(hows) + " |", "|---|" + "---|" * len(hows)]
     for name in rows:
