@@ -7,7 +7,10 @@ Each variant is exported to ONNX by ``torch.onnx.export`` and quantized by ONNX 
 * ``qdq``: ``quantize_static``, QDQ format, int8 weights per tensor and uint8 activations calibrated (MinMax)
   on held-out inputs;
 * ``nbits-rtn``: ``MatMulNBitsQuantizer`` 4-bit block-wise (block 32, symmetric; its default algorithm);
-* ``nbits-hqq``: the same with ``HQQWeightOnlyQuantConfig`` (4-bit, block 32).
+* ``nbits-hqq``: the same with ``HQQWeightOnlyQuantConfig`` (4-bit, block 32);
+* ``nbits-gptq``, ``nbits-gptq-patched`` (only when asked for with ``--quantizers``): ONNX Runtime's GPTQ
+  (``GPTQWeightOnlyQuantConfig``, per-channel group scales, calibrated on the static quantizer's images) as
+  shipped, and with its two bugs fixed (``ort_gptq.py`` says which).
 
 The error is measured on held-out inputs against the float32 original in torch: ``1 − cosine`` of the
 CLS embedding (``pooler_output``), averaged over the inputs, and the same over every token's output
@@ -20,6 +23,9 @@ CLS embedding (``pooler_output``), averaged over the inputs, and the same over e
   the behaviour before ``layer_scale="balance"`` became the default);
 * ``compat-keep``, ``native-keep``: ``compat`` and ``native`` with ``beta_placement="keep"`` (every β kept
   in its norm, the readers' biases and inputs the original's);
+* ``compat-retrade``: ``compat`` with the centering's constant traded between the embedding writers
+  (:func:`retraded`): the patch convolution's bias takes the position table's mean row mean, the class token
+  the position table's first row mean, and the tables keep the rest (exact: every token's sum is unchanged);
 * ``fold-gamma``: ``patch(fold_gamma=True)`` (γ in the readers' columns, what a rotation needs), compat format;
 * ``jitter-1``, ``jitter-2``: the noise floor, the original with its LayerScale writers' rows and λ rescaled
   by ``U(0.9, 1.1)`` and its inverse (exact, same ranges, other rounding: :func:`jittered`);
@@ -56,8 +62,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from quant_utils import BatchReader  # noqa: E402 (the benchmarks folder is on the path only now)
 
 QUANTIZERS = ("fp32", "dyn-pt", "dyn-pc", "qdq", "nbits-rtn", "nbits-hqq")
-VARIANTS = ("original", "compat", "compat-keep", "compat-fold-ls", "native", "native-keep", "fold-gamma", "hadamard",
-            "jitter-1", "jitter-2")
+GPTQ = ("nbits-gptq", "nbits-gptq-patched")  # minutes each: asked for by name
+VARIANTS = ("original", "compat", "compat-retrade", "compat-keep", "compat-fold-ls", "native", "native-keep",
+            "fold-gamma", "hadamard", "jitter-1", "jitter-2")
 WEIGHTS = {"o_proj": "attention.o_proj", "fc2": "mlp.fc2", "q_proj": "attention.q_proj",
            "k_proj": "attention.k_proj", "fc1": "mlp.fc1"}
 
@@ -108,6 +115,9 @@ def variant(model: torch.nn.Module, name: str, workdir: Path) -> tuple[torch.nn.
         return model, ""
     if name.startswith("jitter-"):
         return jittered(model, int(name.split("-")[1])), "the original, writer rows × U(0.9, 1.1), λ ÷ the same"
+    if name == "compat-retrade":
+        compat, _ = variant(model, "compat", workdir)
+        return retraded(compat, model), "compat, the position table's row mean moved into the conv bias / CLS"
     conv = copy.deepcopy(model)
     opts: dict[str, Any] = {"fold_gamma": name in ("hadamard", "fold-gamma")}
     if name == "compat-fold-ls":
@@ -148,6 +158,33 @@ def jittered(model: torch.nn.Module, seed: int) -> torch.nn.Module:
     return out
 
 
+@torch.no_grad()
+def retraded(compat: torch.nn.Module, original: torch.nn.Module) -> torch.nn.Module:
+    """``compat`` (centered embeddings) with the position table's row means put back where they cost nothing.
+
+    Static QDQ rounds ``cat(CLS, patches)`` and then ``cat(CLS, patches) + positions`` on nearly the same uint8
+    grid (both ranges are set by the CLS token's massive channels). Where a position entry is below half a
+    step, the second rounding gives back the first one's value for free; centering the table shifts every
+    entry by its row's mean (the massive channels' share), off that grid, and the stream is rounded twice.
+    Only the sum ``token + position`` must be zero-mean, so the constant can move between writers: the patch
+    convolution's bias (which reaches every patch token) takes ``−μ``, ``μ`` being the mean over the patch
+    rows of the original table's row means, and those rows get ``+μ`` back; the CLS token takes its row's
+    own mean ``m₀`` and that row gets ``+m₀`` back. Each token's sum is unchanged (exact); the patch rows keep
+    ``m_t − μ`` of centering, and the bicubic resampling of the grid keeps a constant (its weights sum to 1).
+    """
+    e = compat.embeddings
+    means = original.embeddings.position_embeddings.detach().double().mean(-1)[0]
+    mu, m0 = means[1:].mean(), means[0]
+    pos = e.position_embeddings.double()
+    pos[:, 1:] += mu
+    pos[:, :1] += m0
+    e.position_embeddings.copy_(pos)
+    bias = e.patch_embeddings.projection.bias
+    bias.copy_(bias.double() - mu)
+    e.cls_token.copy_(e.cls_token.double() - m0)
+    return compat
+
+
 def weight_ranges(model: torch.nn.Module) -> dict[str, float]:
     """Median over layers of ``max|w| / rms(w)`` per tensor, for each writer/reader kind."""
     out = {}
@@ -183,6 +220,10 @@ def quantize(fp32: Path, how: str, calib: torch.Tensor) -> Path:
         feeds = [{"pixel_values": calib[i:i + 8].numpy()} for i in range(0, len(calib), 8)]
         quantize_static(str(fp32), str(out), BatchReader(feeds), quant_format=QuantFormat.QDQ,
                         activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8, per_channel=False)
+    elif how in GPTQ:
+        import ort_gptq
+
+        ort_gptq.quantize(fp32, out, how, [{"pixel_values": calib[i:i + 8].numpy()} for i in range(0, len(calib), 8)])
     elif how.startswith("nbits"):
         from onnxruntime.quantization import matmul_nbits_quantizer as mq
 
@@ -211,7 +252,47 @@ def run_onnx(path: Path, px: torch.Tensor, batch: int = 16) -> tuple[torch.Tenso
 
 
 def one_minus_cos(ref: torch.Tensor, out: torch.Tensor) -> float:
-    return float((1 - torch.nn.functional.cosine_similarity(ref.double(), out.double(), dim=-1)).mean())
+    return float(per_image(ref, out).mean())
+
+
+def per_image(ref: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``1 − cos`` per image: the CLS embedding's (``[images, dim]``), or the mean over the image's tokens."""
+    err = 1 - torch.nn.functional.cosine_similarity(ref.double(), out.double(), dim=-1)
+    return err if err.dim() == 1 else err.mean(-1)
+
+
+def ratio_ci(runs: list[dict[str, Any]], name: str, how: str, metric: str, draws: int = 2000) -> tuple[float, ...]:
+    """``name``'s error over the original's in quantizer ``how``, pooled over ``runs`` (seeds: the geometric
+    mean of their ratios), with a 95% interval from resampling each run's images (paired: the same draws
+    for both)."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    logs = np.zeros(draws)
+    point = 0.0
+    for run in runs:
+        err = np.array(run["rows"][name]["per_image"][how][metric])
+        base = np.array(run["rows"]["original"]["per_image"][how][metric])
+        point += np.log(err.mean() / base.mean())
+        idx = rng.integers(0, len(err), size=(draws, len(err)))
+        logs += np.log(err[idx].mean(1) / base[idx].mean(1))
+    lo, hi = np.percentile(logs, [2.5, 97.5])
+    return tuple(float(np.exp(v / len(runs))) for v in (point, lo, hi))
+
+
+def ci_table(runs: list[dict[str, Any]], metric: str) -> str:
+    """Ratios to the original with 95% intervals, pooled over ``runs`` (each with per-image errors)."""
+    rows = runs[0]["rows"]
+    hows = [h for h in rows["original"]["per_image"] if h != "fp32"
+            and all(h in run["rows"]["original"]["per_image"] for run in runs)]  # the quantizers every run has
+    lines = [f"error / original's ({metric}), {len(runs)} run(s) pooled, 95% interval over images",
+             "", "| variant | " + " | ".join(hows) + " |", "|---|" + "---|" * len(hows)]
+    for name in rows:
+        if name == "original" or "per_image" not in rows[name]:
+            continue
+        cells = ["{:.3f} ({:.3f}-{:.3f})".format(*ratio_ci(runs, name, h, metric)) for h in hows]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -222,14 +303,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--images", type=int, default=256, help="held-out inputs the error is averaged over")
     ap.add_argument("--calib", type=int, default=32, help="calibration inputs for the static (QDQ) quantizer")
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
-    ap.add_argument("--quantizers", nargs="+", default=list(QUANTIZERS), choices=QUANTIZERS)
+    ap.add_argument("--quantizers", nargs="+", default=list(QUANTIZERS), choices=QUANTIZERS + GPTQ)
     ap.add_argument("--json", type=Path)
     ap.add_argument("--plot", type=Path, help="write a PNG of the error ratios (matplotlib)")
     ap.add_argument("--from-json", type=Path, nargs="+",
                     help="no measuring: print the tables (and --plot) of earlier --json runs, rows merged")
+    ap.add_argument("--ci", action="store_true", help="with --from-json: the runs are seeds of the same variants; "
+                    "print each variant's ratio to the original pooled over them, with 95%% intervals")
     args = ap.parse_args(argv)
     if args.from_json:
         parts = [json.loads(p.read_text()) for p in args.from_json]
+        if args.ci:  # runs of the same variants on other seeds: ratios pooled, with intervals
+            print(ci_table(parts, "tok") + "\n\n" + ci_table(parts, "cls"))
+            return parts[0]
         result = parts[0]
         for part in parts[1:]:  # runs of further variants on the same model and inputs
             result["rows"].update(part["rows"])
@@ -251,7 +337,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for name in args.variants:
             t0 = time.perf_counter()
             m, note = variant(model, name, work)
-            row: dict[str, Any] = {"note": note, "weights": weight_ranges(m), "errors": {}}
+            row: dict[str, Any] = {"note": note, "weights": weight_ranges(m), "errors": {}, "per_image": {}}
             fp32 = work / f"{name}.onnx"
             export(m, px, fp32)
             del m
@@ -259,6 +345,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 q = quantize(fp32, how, calib)
                 pool, tok = run_onnx(q, px)
                 row["errors"][how] = {"cls": one_minus_cos(ref_pool, pool), "tok": one_minus_cos(ref_tok, tok)}
+                row["per_image"][how] = {"cls": per_image(ref_pool, pool).tolist(),
+                                         "tok": per_image(ref_tok, tok).tolist()}
                 if q != fp32:
                     q.unlink()
                 print(f"{name:15s} {how:10s} cls {row['errors'][how]['cls']:.3e} tok {row['errors'][how]['tok']:.3e}",

@@ -1,0 +1,277 @@
+"""ONNX Runtime's GPTQ (``MatMulNBitsQuantizer`` + ``GPTQWeightOnlyQuantConfig``): how to call it, what is wrong
+with it in ONNX Runtime 1.32, and a patched copy to measure what GPTQ would do if it worked.
+
+ONNX Runtime's GPTQ is a vendored copy of Intel Neural Compressor's
+(``onnxruntime/quantization/neural_compressor/weight_only.py``). Three things make it unusable as shipped:
+
+1. **The setting** ``perchannel=False`` (what the Whisper benchmark passed) is not "per-block scales": the
+   vendored ``find_params`` then flattens each group of ``group_size`` input rows over *every* output column
+   and gives it one scale, so a 4-bit grid spans a whole 32 × N band and most weights round to 0. Use the
+   default ``perchannel=True`` (one scale per group and output column, what ``MatMulNBits`` stores).
+2. **The error feedback is dropped** (an ONNX Runtime bug). ``Hinv = cholesky(inv(H)).T`` is upper triangular,
+   but the updates read its lower part: ``W1[i:, :] -= Hinv1[i:, i] ⊗ err`` (only the diagonal entry is
+   non-zero, so a row just becomes its own rounding) and ``W[i2:, :] -= Hinv[i2:, i1:i2] @ Err1`` (an all-zero
+   block). GPTQ reduces to round-to-nearest. The weight layout is ``[in, out]`` (``MatMul``'s ``B``), so the
+   reference's ``Hinv1[i, i:]`` and ``Hinv[i1:i2, i2:]`` become ``Hinv1[i, i:]`` and ``Hinv[i1:i2, i2:].T`` here.
+3. **The result is rounded twice** (an ONNX Runtime bug). GPTQ's values lie on its grid (``k · 2·max/15``,
+   ``k ∈ −8…7``); ``gptq_quantize`` then re-quantizes them with ``quant_tensor`` on another grid
+   (``2·max|Q|/15`` with the codes offset by 8, which never holds a group's own extremes), so every weight
+   is rounded a second time. (With ``actorder=True`` the groups are also formed in the permuted order while
+   ``MatMulNBits`` blocks follow the stored order.)
+
+:func:`patched` swaps in :func:`gptq_fixed` (2 fixed) and :func:`encode_exact` (3 fixed: the codes of GPTQ's own
+grid are stored as they are) for the duration of a ``with`` block; :func:`config` builds the quantizer's config
+with the right setting (1) and a reader the GPTQ path can iterate.
+
+    python benchmarks/ort_gptq.py --repro                                 # the bug on one random layer
+    python benchmarks/ort_gptq.py --model DIR --texts 256 --json out.json  # a sentence encoder, original vs converted
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from quant_utils import BatchReader  # noqa: E402 (the benchmarks folder is on the path only now)
+
+MODES = ("nbits-rtn", "nbits-gptq", "nbits-gptq-patched")
+
+
+class IterableReader(BatchReader):
+    """A calibration reader the GPTQ path accepts: it ``deepcopy``s the reader and iterates it (``for data in
+    reader``), which ONNX Runtime's ``CalibrationDataReader`` protocol (``get_next``) alone does not give."""
+
+    def __iter__(self) -> Iterator[dict]:
+        return iter(list(self.batches))
+
+
+def config(feeds: list[dict]) -> Any:
+    """``GPTQWeightOnlyQuantConfig`` as it should be called: per-channel group scales (``perchannel=True``, the
+    default: one scale per block of 32 input rows and output column, what ``MatMulNBits`` stores), GPTQ's
+    own column blocks of 128, no activation ordering, calibrated on ``feeds``."""
+    from onnxruntime.quantization import matmul_nbits_quantizer as mq
+
+    return mq.GPTQWeightOnlyQuantConfig(IterableReader(feeds), block_size=128, perchannel=True, actorder=False)
+
+
+def quantize(fp32: Path, out: Path, how: str, feeds: list[dict] | None = None) -> Path:
+    """``fp32`` as 4-bit ``MatMulNBits`` (blocks of 32, symmetric): ``nbits-rtn`` ONNX Runtime's default
+    round-to-nearest, ``nbits-gptq`` its GPTQ as shipped (set up right), ``nbits-gptq-patched`` the same with
+    the two bugs fixed (:func:`patched`)."""
+    import onnx
+    from onnxruntime.quantization import matmul_nbits_quantizer as mq
+
+    if how == "nbits-rtn":
+        algo = mq.DefaultWeightOnlyQuantConfig(block_size=32, is_symmetric=True)
+        q = mq.MatMulNBitsQuantizer(onnx.load(str(fp32)), block_size=32, is_symmetric=True, algo_config=algo)
+        q.process()
+    else:
+        assert feeds, "GPTQ needs calibration feeds"
+        with patched() if how == "nbits-gptq-patched" else contextlib.nullcontext():
+            q = mq.MatMulNBitsQuantizer(str(fp32), block_size=32, is_symmetric=True, algo_config=config(feeds))
+            q.process()
+    q.model.save_model_to_file(str(out), use_external_data_format=False)
+    for name in ("onnxruntime.quantization.matmul_nbits_quantizer", "onnxruntime.quantization"):
+        logging.getLogger(name).setLevel(logging.WARNING)  # the GPTQ path leaves it at INFO (a line per node)
+    return out
+
+
+_GRIDS: list[tuple[np.ndarray, np.ndarray]] = []  # (scale, zero) per group row, per layer: gptq_fixed → encode_exact
+
+
+def gptq_fixed(W: np.ndarray, H: np.ndarray, num_bits: int = 4, group_size: int = 32,  # noqa: N803
+               scheme: str = "asym", blocksize: int = 128, percdamp: float = 0.01, actorder: bool = False,
+               mse: bool = False, perchannel: bool = True) -> np.ndarray:
+    """ONNX Runtime's ``gptq`` with the error feedback reading the upper Cholesky factor (bug 2), and the grid
+    of every group kept for :func:`encode_exact`. ``W`` is ``[in, out]``; returns the fake-quantized weight."""
+    if actorder or mse or not perchannel:
+        raise NotImplementedError("the patched GPTQ covers perchannel=True, actorder=False, mse=False")
+    maxq = 2 ** num_bits - 1
+    W = W.astype(np.float64).copy()  # noqa: N806
+    H = H.copy()  # noqa: N806
+
+    def find_params(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:  # per output column, as ONNX Runtime's
+        xmin = np.minimum(w.min(0), 0)
+        xmax = np.maximum(w.max(0), 0)
+        if scheme == "sym":
+            xmax = np.maximum(-xmin, xmax)
+            xmin = np.where(xmin < 0, -xmax, xmin)
+        both0 = (xmin == 0) & (xmax == 0)
+        xmin[both0], xmax[both0] = -1, 1
+        scale = (xmax - xmin) / maxq
+        zero = np.full_like(scale, (maxq + 1) / 2) if scheme == "sym" else np.round(-xmin / scale)
+        return scale, zero
+
+    k = W.shape[0]
+    dead = np.diag(H) == 0
+    H[dead, dead] = 1
+    W[dead, :] = 0
+    H[np.arange(k), np.arange(k)] += percdamp * np.mean(np.diag(H))
+    Hinv = np.linalg.cholesky(np.linalg.inv(H)).T  # upper: Hinv ᵀHinv = H⁻¹  # noqa: N806
+    Q = np.zeros_like(W)  # noqa: N806
+    scales, zeros = [], []
+    scale, zero = find_params(W[:group_size])
+    for i1 in range(0, k, blocksize):
+        i2 = min(i1 + blocksize, k)
+        W1 = W[i1:i2].copy()  # noqa: N806
+        Err1 = np.zeros_like(W1)  # noqa: N806
+        Hinv1 = Hinv[i1:i2, i1:i2]  # noqa: N806
+        for i in range(i2 - i1):
+            if (i1 + i) % group_size == 0:
+                scale, zero = find_params(W[i1 + i:i1 + i + group_size])
+                scales.append(scale)
+                zeros.append(zero)
+            w = W1[i]
+            q = scale * (np.clip(np.round(w / scale) + zero, 0, maxq) - zero)
+            Q[i1 + i] = q
+            err = (w - q) / Hinv1[i, i]
+            W1[i:] -= np.outer(Hinv1[i, i:], err)  # the row of the upper factor (ONNX Runtime: its column)
+            Err1[i] = err
+        W[i2:] -= Hinv[i1:i2, i2:].T @ Err1  # (ONNX Runtime: Hinv[i2:, i1:i2], the zero lower block)
+    _GRIDS.append((np.stack(scales), np.stack(zeros)))  # [groups, out]
+    return Q
+
+
+def encode_exact(data: np.ndarray, num_bits: int = 4, group_size: int = 32, scheme: str = "asym",
+                 dtype: str = "int", ratio: float = 1.0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``quant_tensor``'s place after GPTQ: the codes of GPTQ's own grid (bug 3: no second rounding).
+    ``data`` is the fake-quantized ``Qᵀ`` (``[out, in]``, padded to whole groups), as ``gptq_quantize`` passes it."""
+    scale, zero = _GRIDS.pop(0)  # [groups, out]; data rows run (out, group)
+    rows = data.reshape(-1, group_size)
+    groups = rows.shape[0] // scale.shape[1]
+    pad = groups - scale.shape[0]  # a padded last group (in % group_size != 0) is all zeros
+    if pad:
+        scale = np.concatenate([scale, np.ones((pad, scale.shape[1]))])
+        zero = np.concatenate([zero, np.full((pad, zero.shape[1]), zero[-1])])
+    s = scale.T.reshape(-1, 1)
+    z = zero.T.reshape(-1, 1)
+    q = np.clip(np.round(rows / s) + z, 0, 2 ** num_bits - 1)
+    return q, s, z.astype("uint8")
+
+
+@contextlib.contextmanager
+def patched() -> Iterator[None]:
+    """ONNX Runtime's GPTQ with bugs 2 and 3 fixed, inside the ``with`` block only."""
+    import onnxruntime.quantization.neural_compressor.weight_only as wo
+
+    saved = wo.gptq, wo.quant_tensor
+    wo.gptq, wo.quant_tensor = gptq_fixed, encode_exact
+    _GRIDS.clear()
+    try:
+        yield
+    finally:
+        wo.gptq, wo.quant_tensor = saved
+        _GRIDS.clear()
+
+
+def repro(seed: int = 0) -> dict[str, float]:
+    """The bugs on one layer: ``W`` [256, 64], inputs with correlated features, layer loss ``‖X (W − Q)‖²``
+    relative to ``‖X W‖²`` for round-to-nearest on GPTQ's grid, ONNX Runtime's ``gptq`` and :func:`gptq_fixed`.
+    GPTQ's whole point is a lower loss than round-to-nearest on the same grid; ONNX Runtime's equals it."""
+    import onnxruntime.quantization.neural_compressor.weight_only as wo
+
+    rng = np.random.default_rng(seed)
+    k, n, tokens = 256, 64, 4096
+    X = rng.standard_normal((tokens, k)) @ (np.eye(k) + 0.3 * rng.standard_normal((k, k)) / np.sqrt(k))  # noqa: N806
+    X[:, :4] *= 10  # a few large input features, as activations have
+    W = rng.standard_normal((k, n)).astype(np.float32)  # noqa: N806
+    H = 2 * X.T @ X / tokens  # noqa: N806
+
+    def loss(Q: np.ndarray) -> float:  # noqa: N803
+        return float(np.sum((X @ (W - Q)) ** 2) / np.sum((X @ W) ** 2))
+
+    def rtn() -> np.ndarray:  # the same grid, no feedback
+        out = np.zeros_like(W, dtype=np.float64)
+        for g in range(0, k, 32):
+            m = np.abs(W[g:g + 32]).max(0)
+            s = 2 * m / 15
+            out[g:g + 32] = s * (np.clip(np.round(W[g:g + 32] / s) + 8, 0, 15) - 8)
+        return out
+
+    kw = {"num_bits": 4, "group_size": 32, "scheme": "sym", "blocksize": 128, "perchannel": True}
+    out = {"rtn (GPTQ's grid)": loss(rtn()), "onnxruntime gptq": loss(wo.gptq(W.copy(), H.copy(), **kw)),
+           "gptq, feedback fixed": loss(gptq_fixed(W.copy(), H.copy(), **kw))}
+    _GRIDS.clear()
+    return out
+
+
+def encoder_main(args: argparse.Namespace) -> dict[str, Any]:
+    """A sentence encoder (``bench_quant_encoders``' model, texts, export and metric), original vs converted,
+    in each of ``MODES``: 1 − cosine of the pooled embedding against the float32 original, ratio with a 95%
+    paired bootstrap interval over texts."""
+    import bench_quant_encoders as enc
+    import torch
+    from transformers import AutoModel, AutoTokenizer
+
+    torch.set_num_threads(1)
+    tok = AutoTokenizer.from_pretrained(args.model)
+    original = AutoModel.from_pretrained(args.model).float().eval()
+    names = [n for n in ("input_ids", "attention_mask", "token_type_ids") if n in tok.model_input_names]
+    texts = enc.english(args.texts + enc.CALIBRATION_TEXTS)
+    data = enc.batches(tok, texts[:args.texts], args.max_len, names)
+    calib = enc.batches(tok, texts[args.texts:args.texts + args.calib], args.max_len, names, size=8)
+    feeds = [{k: v.numpy() for k, v in b.items()} for b in calib]
+    ref = enc.embed_torch(original, data)
+    result: dict[str, Any] = {"model": str(args.model), "texts": args.texts, "calib": args.calib, "cells": {},
+                              "per_text": {}}
+    t0 = time.time()
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.variants:
+            model, _ = enc.build(name, original, args.model)
+            fp32 = Path(tmp) / f"{name}.onnx"
+            enc.export(model, data[0], fp32)
+            for how in args.modes:
+                got = enc.embed_onnx(quantize(fp32, Path(tmp) / f"{name}.{how}.onnx", how, feeds), data)
+                err = (1 - (ref * got).sum(-1)).clamp(min=0).numpy()
+                result["per_text"][f"{name}/{how}"] = err.tolist()
+                result["cells"][f"{name}/{how}"] = {"err": float(err.mean())}
+                print(f"{name:10s} {how:19s} 1-cos {err.mean():.4e}  [{time.time() - t0:.0f} s]", flush=True)
+    for key, cell in result["cells"].items():
+        name, how = key.split("/")
+        if name != "original" and f"original/{how}" in result["per_text"]:
+            err, base = np.array(result["per_text"][key]), np.array(result["per_text"][f"original/{how}"])
+            cell["ratio"], cell["ci95"] = float(err.mean() / base.mean()), enc.bootstrap(err, base)
+    print("| variant | " + " | ".join(args.modes) + " |\n|---|" + "---|" * len(args.modes))
+    for name in args.variants:
+        cells = []
+        for how in args.modes:
+            c = result["cells"][f"{name}/{how}"]
+            ci = f" ({c['ratio']:.2f}×, {c['ci95'][0]:.2f}-{c['ci95'][1]:.2f})" if "ratio" in c else ""
+            cells.append(f"{c['err']:.3e}{ci}")
+        print(f"| {name} | " + " | ".join(cells) + " |")
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1))
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repro", action="store_true", help="the bug on one random layer (seconds, no model)")
+    ap.add_argument("--model", type=Path, help="a sentence-transformers directory (transformers format)")
+    ap.add_argument("--texts", type=int, default=256)
+    ap.add_argument("--calib", type=int, default=32, help="calibration paragraphs (held out), batches of 8")
+    ap.add_argument("--max-len", type=int, default=128)
+    ap.add_argument("--variants", nargs="+", default=["original", "converted"])
+    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args(argv)
+    if args.repro:
+        for seed in range(3):
+            print(f"seed {seed}: " + ", ".join(f"{k} {v:.4e}" for k, v in repro(seed).items()))
+    if args.model:
+        encoder_main(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,112 @@
+"""Pieces of the ONNX Runtime quantizer benchmarks: the exact embedding retrade (``bench_quant_engines.retraded``)
+and the patched GPTQ (``ort_gptq``).
+
+What could be silently wrong: a retrade that is not exact (it moves a constant between writers that do not
+reach the same tokens), one that is exact only at the table's own grid size (the resampled table must keep the
+constant), a patched GPTQ that is no better than round-to-nearest, and an encoding whose stored codes and
+scales do not give back GPTQ's own values.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from tests import benchmark_modules
+
+engines = benchmark_modules.load("bench_quant_engines")
+gptq = benchmark_modules.load("ort_gptq")
+
+
+def _tiny_dino(seed: int = 0) -> torch.nn.Module:
+    """A 2-layer DINOv2-shaped model with massive class/position channels, randomised γ/β, float64."""
+    import transformers as tf
+
+    cfg = tf.Dinov2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                          image_size=56, patch_size=14, layerscale_value=1.0)
+    torch.manual_seed(seed)
+    model = tf.Dinov2Model(cfg).eval().double()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_((1 + 0.5 * torch.randn(p.shape, generator=g, dtype=p.dtype)) if name.endswith("weight")
+                        else 0.3 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+            elif "lambda" in name:
+                p.copy_(torch.exp(torch.randn(p.shape, generator=g, dtype=p.dtype) - 2))
+        model.embeddings.cls_token[..., :2] += 20
+        model.embeddings.position_embeddings[..., 2:4] += 5
+        model.embeddings.position_embeddings.add_(0.1 * torch.randn(model.embeddings.position_embeddings.shape,
+                                                                    generator=g, dtype=torch.float64))
+    return model
+
+
+def _converted(model: torch.nn.Module) -> torch.nn.Module:
+    import normswap
+
+    conv = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        normswap.patch(conv)
+    return conv
+
+
+@pytest.fixture(scope="module")
+def pair() -> tuple[torch.nn.Module, torch.nn.Module]:
+    """The tiny model and its retraded conversion (one conversion for the tests below)."""
+    model = _tiny_dino()
+    return model, engines.retraded(_converted(model), model)
+
+
+def test_retrade_is_exact_in_float64_and_keeps_the_stream_zero_mean(pair):
+    model, retraded = pair
+    px = torch.randn(3, 3, 56, 56, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    with torch.no_grad():
+        ref, out = model(pixel_values=px), retraded(pixel_values=px)
+        stream = retraded.embeddings(px)
+    assert (out.last_hidden_state - ref.last_hidden_state).abs().max() <= 1e-9
+    assert (out.pooler_output - ref.pooler_output).abs().max() <= 1e-9
+    assert stream.mean(-1).abs().max() <= 1e-12
+    # the patch rows of the table keep the original's entries up to the spread of the row means, not the means
+    pos, pos0 = retraded.embeddings.position_embeddings[0], model.embeddings.position_embeddings[0]
+    means = pos0.mean(-1)
+    spread = (means[1:] - means[1:].mean()).abs().max()
+    assert (pos[1:] - pos0[1:]).abs().max() <= spread + 1e-12
+    assert spread < 0.5 * means[1:].abs().mean()  # the test model has a common row mean worth keeping
+    assert (pos[0] - pos0[0]).abs().max() <= 1e-12  # the class row's table entry is the original's
+
+
+def test_retrade_stays_exact_when_the_table_is_resampled(pair):
+    """At another image size transformers resamples the grid bicubically (in float32): the constant moved
+    into the table survives because the bicubic weights sum to 1."""
+    model, retraded = pair
+    px = torch.randn(2, 3, 84, 70, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    with torch.no_grad():
+        ref, out = model(pixel_values=px), retraded(pixel_values=px)
+        stream = retraded.embeddings(px)
+    assert stream.mean(-1).abs().max() <= 1e-6  # float32 resampling
+    assert (out.last_hidden_state - ref.last_hidden_state).abs().max() <= 1e-5
+
+
+def test_patched_gptq_beats_round_to_nearest_on_a_correlated_layer():
+    losses = gptq.repro(0)
+    assert losses["gptq, feedback fixed"] < 0.9 * losses["rtn (GPTQ's grid)"]
+
+
+@pytest.mark.parametrize("scheme", ["sym", "asym"])
+def test_exact_encoding_stores_gptqs_own_values(scheme):
+    """The codes and scales handed to ``MatMulNBits`` dequantize to GPTQ's output exactly (no second rounding)."""
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((96, 24)).astype(np.float32)  # [in, out], three groups of 32
+    x = rng.standard_normal((512, 96))
+    gptq._GRIDS.clear()
+    q = gptq.gptq_fixed(w, 2 * x.T @ x / 512, num_bits=4, group_size=32, scheme=scheme, blocksize=64)
+    codes, scale, zero = gptq.encode_exact(q.T.copy(), 4, 32, scheme, "uint")
+    assert codes.min() >= 0 and codes.max() <= 15
+    back = ((codes - zero) * scale).reshape(24, 96).T
+    np.testing.assert_allclose(back, q, rtol=0, atol=1e-12)
+    assert not gptq._GRIDS  # one grid per layer, consumed
