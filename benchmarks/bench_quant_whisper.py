@@ -15,10 +15,11 @@ the quantized model's *distribution* instead, teacher-forced, at every decoder p
 Engines: CTranslate2 int8 (each variant's transformers directory converted by CTranslate2's own
 ``ct2-transformers-converter --quantization int8``; teacher forcing through ``Whisper.generate`` with the
 reference tokens as the prompt and ``return_logits_vocab=True``, which returns the logits of forced steps
-too); ONNX Runtime's ``quantize_dynamic`` (``ort``: the whole teacher-forced forward exported to ONNX,
-int8 weights per tensor and per channel, uint8 activations; without ``ct2`` it is forced on the spoken
-sentences' tokens); and torch's dynamic int8 (``torch``: ``torch.ao.quantization.quantize_dynamic`` on
-every ``nn.Linear``, per-tensor and per-channel weights).
+too); ONNX Runtime's quantizers (``ort``: the whole teacher-forced forward exported to ONNX, then
+``--ort-quant``: ``quantize_dynamic`` with int8 weights per tensor and per channel and uint8 activations,
+``quantize_static`` in QDQ format calibrated on ``--calib`` clips, 4-bit ``MatMulNBits``; without ``ct2``
+it is forced on the spoken sentences' tokens); and torch's dynamic int8 (``torch``:
+``torch.ao.quantization.quantize_dynamic`` on every ``nn.Linear``, per-tensor and per-channel weights).
 
     python benchmarks/bench_quant_whisper.py --orig DIR name=DIR ... --speech DIR [DIR ...] \
         --work WORKDIR [--engines ct2,ort,torch] [--wer] [--json out.json]
@@ -199,8 +200,10 @@ def ort_export(model_dir: Path, path: Path) -> Path:
     return path
 
 
-ORT_QUANT = ("dyn-pt", "dyn-pc", "nbits-rtn", "nbits-hqq", "nbits-gptq")
+ORT_QUANT = ("dyn-pt", "dyn-pc", "qdq", "qdq-pc", "nbits-rtn", "nbits-hqq", "nbits-gptq")
+CALIBRATED = ("qdq", "qdq-pc", "nbits-gptq")  # the quantizers that need --calib
 ORT_ENGINE = {"dyn-pt": "ONNX Runtime dynamic int8 dyn-pt", "dyn-pc": "ONNX Runtime dynamic int8 dyn-pc",
+              "qdq": "ONNX Runtime static QDQ int8 qdq", "qdq-pc": "ONNX Runtime static QDQ int8 qdq-pc",
               "nbits-rtn": "ONNX Runtime MatMulNBits 4-bit RTN", "nbits-hqq": "ONNX Runtime MatMulNBits 4-bit HQQ",
               "nbits-gptq": "ONNX Runtime MatMulNBits 4-bit GPTQ"}
 
@@ -231,10 +234,13 @@ def ort_quantize(fp32: Path, how: str, calib: list[dict] | None = None) -> Path:
     """The exported fp32 graph quantized by ONNX Runtime's own tools.
 
     ``dyn-pt`` / ``dyn-pc``: ``quantize_dynamic``, int8 weights per tensor / per channel, uint8
-    activations per tensor at run time. ``nbits-rtn`` / ``nbits-hqq`` / ``nbits-gptq``:
+    activations per tensor at run time. ``qdq`` / ``qdq-pc``: ``quantize_static`` in QDQ format with its
+    default op types (``MatMul``, ``LayerNormalization``, ``Gather``, ``Conv``, … ), int8 weights per tensor /
+    per channel, uint8 activations with ranges calibrated (MinMax, its default) on ``calib``: the
+    settings of ``bench_quant_engines.py``'s ``qdq``. ``nbits-rtn`` / ``nbits-hqq`` / ``nbits-gptq``:
     ``MatMulNBitsQuantizer``, 4-bit weights in blocks of 32 along the input features (RTN symmetric, its
     default algorithm; HQQ; GPTQ calibrated on ``calib``, per-block scales), activations float."""
-    from onnxruntime.quantization import QuantType, quantize_dynamic
+    from onnxruntime.quantization import QuantFormat, QuantType, quantize_dynamic, quantize_static
 
     if how == "fp32":
         return fp32
@@ -243,6 +249,9 @@ def ort_quantize(fp32: Path, how: str, calib: list[dict] | None = None) -> Path:
         return out
     if how in ("dyn-pt", "dyn-pc"):
         quantize_dynamic(str(fp32), str(out), weight_type=QuantType.QInt8, per_channel=how == "dyn-pc")
+    elif how in ("qdq", "qdq-pc"):
+        quantize_static(str(fp32), str(out), CalibrationFeed(calib or []), quant_format=QuantFormat.QDQ,
+                        activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8, per_channel=how == "qdq-pc")
     elif how.startswith("nbits-"):
         import onnx
         from onnxruntime.quantization import matmul_nbits_quantizer as mq
@@ -336,8 +345,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--nbits-variants", help="comma list: the only variants the 4-bit quantizers run (time)")
     ap.add_argument("--ref-cache", type=Path, help="file holding the ONNX Runtime float32 original's log-probs, "
                     "reused by a later run on the same clips (another quantizer, another variant)")
-    ap.add_argument("--calib", type=Path, help="clip directory for nbits-gptq's calibration (not a measured clip)")
-    ap.add_argument("--calib-count", type=int, default=8, help="clips of --calib used (from its first)")
+    ap.add_argument("--calib", type=Path, help="clip directory for the calibration of qdq, qdq-pc and nbits-gptq "
+                    "(its last --calib-count clips; none of them may be measured)")
+    ap.add_argument("--calib-count", type=int, default=8, help="clips of --calib used (its last N)")
     ap.add_argument("--torch-quant", default="per-tensor,per-channel",
                     help="comma list of per-tensor, per-channel, torchao (engine torch)")
     ap.add_argument("--ct2-types", default="int8", help="CTranslate2 compute types, e.g. float32,int8")
@@ -424,6 +434,27 @@ def main(argv: list[str] | None = None) -> None:
                 report(rows, args.json, len(feats))
     if "ort" in engines:
         n = args.ort_limit or len(feats)
+        calib = None
+        if needs := [q for q in args.ort_quant.split(",") if q in CALIBRATED]:
+            if not args.calib:
+                sys.exit(f"error: {', '.join(needs)} need(s) --calib DIR (clips not among the measured ones)")
+            from transformers import AutoTokenizer
+
+            cal = load_clips(args.calib)[-args.calib_count:]
+            # a calibration clip must not be measured: the same directory's clips are taken in order, so
+            # its measured ones are its first (what --limit left of it), the calibration ones its last
+            measured = 0
+            for d in args.speech:
+                here = len(load_clips(d))
+                if d.resolve() == args.calib.resolve():
+                    taken = min(here, max(0, (args.limit or 10**9) - measured))
+                    if taken > here - len(cal):
+                        sys.exit(f"error: --calib {args.calib}: its last {len(cal)} clips are among the measured "
+                                 f"ones (the first {taken}); lower --calib-count or --limit")
+                measured += here
+            spoken = AutoTokenizer.from_pretrained(args.orig)
+            calib = [ort_feed(features(args.orig, [c]), [spoken.encode(" " + c[1].strip(), add_special_tokens=False)])
+                     for c in cal]
         paths = {name: ort_export(d, args.work / "onnx" / name / "model.onnx") for name, d in variants.items()}
         key = {"clips": n, "refs": refs[:n], "speech": [str(d) for d in args.speech]}
         if args.ref_cache and args.ref_cache.exists() and (c := torch.load(args.ref_cache))["key"] == key:
@@ -439,16 +470,6 @@ def main(argv: list[str] | None = None) -> None:
                 err = max(float((a.exp() - b.exp()).abs().max()) for a, b in zip(ref_o[:2], got, strict=True))
                 print(f"{name}: ONNX Runtime float32, max |Δprob| against the original on 2 clips {err:.2e}",
                       flush=True)
-        calib = None
-        if "nbits-gptq" in args.ort_quant.split(","):
-            if not args.calib:
-                sys.exit("error: nbits-gptq needs --calib DIR (clips not among the measured ones)")
-            from transformers import AutoTokenizer
-
-            cal = load_clips(args.calib)[-args.calib_count:]
-            spoken = AutoTokenizer.from_pretrained(args.orig)
-            calib = [ort_feed(features(args.orig, [c]), [spoken.encode(" " + c[1].strip(), add_special_tokens=False)])
-                     for c in cal]
         for q in args.ort_quant.split(","):
             for name, path in paths.items():
                 if q.startswith("nbits") and args.nbits_variants and name not in args.nbits_variants.split(","):
