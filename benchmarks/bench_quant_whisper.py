@@ -269,6 +269,18 @@ def ort_quantize(fp32: Path, how: str, calib: list[dict] | None = None) -> Path:
     return out
 
 
+def calibration_overlap(speech: list[tuple[Path, int]], calib: Path, count: int, limit: int) -> int:
+    """How many of ``calib``'s last ``count`` clips a run also measures: ``speech`` is the run's clip
+    directories with their clip counts, in order, of which it measures the first ``limit`` clips (0: all)."""
+    before = 0
+    for d, size in speech:
+        if d.resolve() == calib.resolve():
+            measured = min(size, max(0, (limit or before + size) - before))  # this directory's first ones
+            return max(0, measured - (size - count))
+        before += size
+    return 0
+
+
 def ort_logits(path: Path, feats: np.ndarray, refs: list[list[int]]) -> list:
     import onnxruntime as ort
 
@@ -441,17 +453,10 @@ def main(argv: list[str] | None = None) -> None:
             from transformers import AutoTokenizer
 
             cal = load_clips(args.calib)[-args.calib_count:]
-            # a calibration clip must not be measured: the same directory's clips are taken in order, so
-            # its measured ones are its first (what --limit left of it), the calibration ones its last
-            measured = 0
-            for d in args.speech:
-                here = len(load_clips(d))
-                if d.resolve() == args.calib.resolve():
-                    taken = min(here, max(0, (args.limit or 10**9) - measured))
-                    if taken > here - len(cal):
-                        sys.exit(f"error: --calib {args.calib}: its last {len(cal)} clips are among the measured "
-                                 f"ones (the first {taken}); lower --calib-count or --limit")
-                measured += here
+            if shared := calibration_overlap([(d, len(load_clips(d))) for d in args.speech], args.calib, len(cal),
+                                             args.limit):
+                sys.exit(f"error: --calib {args.calib}: {shared} of its last {len(cal)} clips are measured too; "
+                         "lower --calib-count or --limit")
             spoken = AutoTokenizer.from_pretrained(args.orig)
             calib = [ort_feed(features(args.orig, [c]), [spoken.encode(" " + c[1].strip(), add_special_tokens=False)])
                      for c in cal]
