@@ -200,10 +200,13 @@ def ort_export(model_dir: Path, path: Path) -> Path:
     return path
 
 
-ORT_QUANT = ("dyn-pt", "dyn-pc", "qdq", "qdq-pc", "nbits-rtn", "nbits-hqq", "nbits-gptq")
-CALIBRATED = ("qdq", "qdq-pc", "nbits-gptq")  # the quantizers that need --calib
+ORT_QUANT = ("dyn-pt", "dyn-pc", "qdq", "qdq-pc", "qdq-nonorm", "qdq-mm", "nbits-rtn", "nbits-hqq", "nbits-gptq")
+QDQ = ("qdq", "qdq-pc", "qdq-nonorm", "qdq-mm")
+CALIBRATED = (*QDQ, "nbits-gptq")  # the quantizers that need --calib
 ORT_ENGINE = {"dyn-pt": "ONNX Runtime dynamic int8 dyn-pt", "dyn-pc": "ONNX Runtime dynamic int8 dyn-pc",
               "qdq": "ONNX Runtime static QDQ int8 qdq", "qdq-pc": "ONNX Runtime static QDQ int8 qdq-pc",
+              "qdq-nonorm": "ONNX Runtime static QDQ int8, LayerNormalization float",
+              "qdq-mm": "ONNX Runtime static QDQ int8, weight MatMuls only",
               "nbits-rtn": "ONNX Runtime MatMulNBits 4-bit RTN", "nbits-hqq": "ONNX Runtime MatMulNBits 4-bit HQQ",
               "nbits-gptq": "ONNX Runtime MatMulNBits 4-bit GPTQ"}
 
@@ -237,7 +240,9 @@ def ort_quantize(fp32: Path, how: str, calib: list[dict] | None = None) -> Path:
     activations per tensor at run time. ``qdq`` / ``qdq-pc``: ``quantize_static`` in QDQ format with its
     default op types (``MatMul``, ``LayerNormalization``, ``Gather``, ``Conv``, … ), int8 weights per tensor /
     per channel, uint8 activations with ranges calibrated (MinMax, its default) on ``calib``: the
-    settings of ``bench_quant_engines.py``'s ``qdq``. ``nbits-rtn`` / ``nbits-hqq`` / ``nbits-gptq``:
+    settings of ``bench_quant_engines.py``'s ``qdq``; ``qdq-nonorm``: ``qdq`` with ``LayerNormalization`` left
+    float; ``qdq-mm``: only the ``MatMul``s that have a weight (attention's activation-by-activation ``MatMul``s,
+    norms, gathers float). ``nbits-rtn`` / ``nbits-hqq`` / ``nbits-gptq``:
     ``MatMulNBitsQuantizer``, 4-bit weights in blocks of 32 along the input features (RTN symmetric, its
     default algorithm; HQQ; GPTQ calibrated on ``calib``, per-block scales), activations float."""
     from onnxruntime.quantization import QuantFormat, QuantType, quantize_dynamic, quantize_static
@@ -249,9 +254,23 @@ def ort_quantize(fp32: Path, how: str, calib: list[dict] | None = None) -> Path:
         return out
     if how in ("dyn-pt", "dyn-pc"):
         quantize_dynamic(str(fp32), str(out), weight_type=QuantType.QInt8, per_channel=how == "dyn-pc")
-    elif how in ("qdq", "qdq-pc"):
+    elif how in QDQ:
+        import onnx
+        from onnxruntime.quantization.registry import QDQRegistry
+
+        which: dict = {}
+        if how == "qdq-nonorm":
+            which["op_types_to_quantize"] = sorted(set(QDQRegistry) - {"LayerNormalization"})
+        elif how == "qdq-mm":
+            graph = onnx.load(str(fp32), load_external_data=False).graph
+            weights = {i.name for i in graph.initializer}
+            weights |= {n.output[0] for n in graph.node if n.op_type == "Transpose" and n.input[0] in weights}
+            which["op_types_to_quantize"] = ["MatMul"]
+            which["nodes_to_exclude"] = [n.name for n in graph.node if n.op_type == "MatMul"
+                                         and not weights.intersection(n.input)]
         quantize_static(str(fp32), str(out), CalibrationFeed(calib or []), quant_format=QuantFormat.QDQ,
-                        activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8, per_channel=how == "qdq-pc")
+                        activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8, per_channel=how == "qdq-pc",
+                        **which)
     elif how.startswith("nbits-"):
         import onnx
         from onnxruntime.quantization import matmul_nbits_quantizer as mq
