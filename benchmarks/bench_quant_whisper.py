@@ -15,10 +15,11 @@ the quantized model's *distribution* instead, teacher-forced, at every decoder p
 Engines: CTranslate2 int8 (each variant's transformers directory converted by CTranslate2's own
 ``ct2-transformers-converter --quantization int8``; teacher forcing through ``Whisper.generate`` with the
 reference tokens as the prompt and ``return_logits_vocab=True``, which returns the logits of forced steps
-too); ONNX Runtime's ``quantize_dynamic`` (``ort``: the whole teacher-forced forward exported to ONNX,
-int8 weights per tensor and per channel, uint8 activations; without ``ct2`` it is forced on the spoken
-sentences' tokens); and torch's dynamic int8 (``torch``: ``torch.ao.quantization.quantize_dynamic`` on
-every ``nn.Linear``, per-tensor and per-channel weights).
+too); ONNX Runtime's quantizers (``ort``: the whole teacher-forced forward exported to ONNX, then
+``--ort-quant``: ``quantize_dynamic`` with int8 weights per tensor and per channel and uint8 activations,
+``quantize_static`` in QDQ format calibrated on ``--calib`` clips, 4-bit ``MatMulNBits``; without ``ct2``
+it is forced on the spoken sentences' tokens); and torch's dynamic int8 (``torch``:
+``torch.ao.quantization.quantize_dynamic`` on every ``nn.Linear``, per-tensor and per-channel weights).
 
     python benchmarks/bench_quant_whisper.py --orig DIR name=DIR ... --speech DIR [DIR ...] \
         --work WORKDIR [--engines ct2,ort,torch] [--wer] [--json out.json]
@@ -211,8 +212,13 @@ def excluded(fp32: Path) -> list[str]:
     return json.loads(side.read_text()) if FLOAT_OPS and side.exists() else []
 
 
-ORT_QUANT = ("dyn-pt", "dyn-pc", "nbits-rtn", "nbits-hqq", "nbits-gptq")
+ORT_QUANT = ("dyn-pt", "dyn-pc", "qdq", "qdq-pc", "qdq-nonorm", "qdq-mm", "nbits-rtn", "nbits-hqq", "nbits-gptq")
+QDQ = ("qdq", "qdq-pc", "qdq-nonorm", "qdq-mm")
+CALIBRATED = (*QDQ, "nbits-gptq")  # the quantizers that need --calib
 ORT_ENGINE = {"dyn-pt": "ONNX Runtime dynamic int8 dyn-pt", "dyn-pc": "ONNX Runtime dynamic int8 dyn-pc",
+              "qdq": "ONNX Runtime static QDQ int8 qdq", "qdq-pc": "ONNX Runtime static QDQ int8 qdq-pc",
+              "qdq-nonorm": "ONNX Runtime static QDQ int8, LayerNormalization float",
+              "qdq-mm": "ONNX Runtime static QDQ int8, weight MatMuls only",
               "nbits-rtn": "ONNX Runtime MatMulNBits 4-bit RTN", "nbits-hqq": "ONNX Runtime MatMulNBits 4-bit HQQ",
               "nbits-gptq": "ONNX Runtime MatMulNBits 4-bit GPTQ"}
 
@@ -243,10 +249,15 @@ def ort_quantize(fp32: Path, how: str, calib: list[dict] | None = None) -> Path:
     """The exported fp32 graph quantized by ONNX Runtime's own tools.
 
     ``dyn-pt`` / ``dyn-pc``: ``quantize_dynamic``, int8 weights per tensor / per channel, uint8
-    activations per tensor at run time. ``nbits-rtn`` / ``nbits-hqq`` / ``nbits-gptq``:
+    activations per tensor at run time. ``qdq`` / ``qdq-pc``: ``quantize_static`` in QDQ format with its
+    default op types (``MatMul``, ``LayerNormalization``, ``Gather``, ``Conv``, … ), int8 weights per tensor /
+    per channel, uint8 activations with ranges calibrated (MinMax, its default) on ``calib``: the
+    settings of ``bench_quant_engines.py``'s ``qdq``; ``qdq-nonorm``: ``qdq`` with ``LayerNormalization`` left
+    float; ``qdq-mm``: only the ``MatMul``s that have a weight (attention's activation-by-activation ``MatMul``s,
+    norms, gathers float). ``nbits-rtn`` / ``nbits-hqq`` / ``nbits-gptq``:
     ``MatMulNBitsQuantizer``, 4-bit weights in blocks of 32 along the input features (RTN symmetric, its
     default algorithm; HQQ; GPTQ calibrated on ``calib``, per-block scales), activations float."""
-    from onnxruntime.quantization import QuantType, quantize_dynamic
+    from onnxruntime.quantization import QuantFormat, QuantType, quantize_dynamic, quantize_static
 
     if how == "fp32":
         return fp32
@@ -256,14 +267,33 @@ def ort_quantize(fp32: Path, how: str, calib: list[dict] | None = None) -> Path:
     if how in ("dyn-pt", "dyn-pc"):
         quantize_dynamic(str(fp32), str(out), weight_type=QuantType.QInt8, per_channel=how == "dyn-pc",
                          nodes_to_exclude=excluded(fp32))
+    elif how in QDQ:
+        import onnx
+        from onnxruntime.quantization.registry import QDQRegistry
+
+        which: dict = {"nodes_to_exclude": excluded(fp32)}
+        if how == "qdq-nonorm":
+            which["op_types_to_quantize"] = sorted(set(QDQRegistry) - {"LayerNormalization"})
+        elif how == "qdq-mm":
+            graph = onnx.load(str(fp32), load_external_data=False).graph
+            weights = {i.name for i in graph.initializer}
+            weights |= {n.output[0] for n in graph.node if n.op_type == "Transpose" and n.input[0] in weights}
+            which["op_types_to_quantize"] = ["MatMul"]
+            which["nodes_to_exclude"] += [n.name for n in graph.node if n.op_type == "MatMul"
+                                         and not weights.intersection(n.input)]
+        quantize_static(str(fp32), str(out), CalibrationFeed(calib or []), quant_format=QuantFormat.QDQ,
+                        activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8, per_channel=how == "qdq-pc",
+                        **which)
     elif how.startswith("nbits-"):
         import onnx
         from onnxruntime.quantization import matmul_nbits_quantizer as mq
 
         algo = {"nbits-rtn": lambda: mq.DefaultWeightOnlyQuantConfig(block_size=32, is_symmetric=True),
                 "nbits-hqq": lambda: mq.HQQWeightOnlyQuantConfig(block_size=32, bits=4),
+                # perchannel=True (the config's default): False shares one scale across a 32-row band of
+                # every output column, which broke even the original (docs/results/quantization.md, GPTQ)
                 "nbits-gptq": lambda: mq.GPTQWeightOnlyQuantConfig(CalibrationFeed(calib or []), block_size=128,
-                                                                   perchannel=False)}[how]()
+                                                                   perchannel=True)}[how]()
         q = mq.MatMulNBitsQuantizer(onnx.load(str(fp32)) if how != "nbits-gptq" else str(fp32), block_size=32,
                                     is_symmetric=True, algo_config=algo, nodes_to_exclude=excluded(fp32))
         q.process()
@@ -271,6 +301,18 @@ def ort_quantize(fp32: Path, how: str, calib: list[dict] | None = None) -> Path:
     else:
         raise ValueError(how)
     return out
+
+
+def calibration_overlap(speech: list[tuple[Path, int]], calib: Path, count: int, limit: int) -> int:
+    """How many of ``calib``'s last ``count`` clips a run also measures: ``speech`` is the run's clip
+    directories with their clip counts, in order, of which it measures the first ``limit`` clips (0: all)."""
+    before = 0
+    for d, size in speech:
+        if d.resolve() == calib.resolve():
+            measured = min(size, max(0, (limit or before + size) - before))  # this directory's first ones
+            return max(0, measured - (size - count))
+        before += size
+    return 0
 
 
 def ort_logits(path: Path, feats: np.ndarray, refs: list[list[int]]) -> list:
@@ -349,8 +391,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--nbits-variants", help="comma list: the only variants the 4-bit quantizers run (time)")
     ap.add_argument("--ref-cache", type=Path, help="file holding the ONNX Runtime float32 original's log-probs, "
                     "reused by a later run on the same clips (another quantizer, another variant)")
-    ap.add_argument("--calib", type=Path, help="clip directory for nbits-gptq's calibration (not a measured clip)")
-    ap.add_argument("--calib-count", type=int, default=8, help="clips of --calib used (from its first)")
+    ap.add_argument("--calib", type=Path, help="clip directory for the calibration of qdq, qdq-pc and nbits-gptq "
+                    "(its last --calib-count clips; none of them may be measured)")
+    ap.add_argument("--calib-count", type=int, default=8, help="clips of --calib used (its last N)")
     ap.add_argument("--torch-quant", default="per-tensor,per-channel",
                     help="comma list of per-tensor, per-channel, torchao (engine torch)")
     ap.add_argument("--ct2-types", default="int8", help="CTranslate2 compute types, e.g. float32,int8")
@@ -441,6 +484,20 @@ def main(argv: list[str] | None = None) -> None:
                 report(rows, args.json, len(feats))
     if "ort" in engines:
         n = args.ort_limit or len(feats)
+        calib = None
+        if needs := [q for q in args.ort_quant.split(",") if q in CALIBRATED]:
+            if not args.calib:
+                sys.exit(f"error: {', '.join(needs)} need(s) --calib DIR (clips not among the measured ones)")
+            from transformers import AutoTokenizer
+
+            cal = load_clips(args.calib)[-args.calib_count:]
+            if shared := calibration_overlap([(d, len(load_clips(d))) for d in args.speech], args.calib, len(cal),
+                                             args.limit):
+                sys.exit(f"error: --calib {args.calib}: {shared} of its last {len(cal)} clips are measured too; "
+                         "lower --calib-count or --limit")
+            spoken = AutoTokenizer.from_pretrained(args.orig)
+            calib = [ort_feed(features(args.orig, [c]), [spoken.encode(" " + c[1].strip(), add_special_tokens=False)])
+                     for c in cal]
         paths = {name: ort_export(d, args.work / "onnx" / name / "model.onnx") for name, d in variants.items()}
         key = {"clips": n, "refs": refs[:n], "speech": [str(d) for d in args.speech]}
         if args.ref_cache and args.ref_cache.exists() and (c := torch.load(args.ref_cache))["key"] == key:
@@ -456,16 +513,6 @@ def main(argv: list[str] | None = None) -> None:
                 err = max(float((a.exp() - b.exp()).abs().max()) for a, b in zip(ref_o[:2], got, strict=True))
                 print(f"{name}: ONNX Runtime float32, max |Δprob| against the original on 2 clips {err:.2e}",
                       flush=True)
-        calib = None
-        if "nbits-gptq" in args.ort_quant.split(","):
-            if not args.calib:
-                sys.exit("error: nbits-gptq needs --calib DIR (clips not among the measured ones)")
-            from transformers import AutoTokenizer
-
-            cal = load_clips(args.calib)[-args.calib_count:]
-            spoken = AutoTokenizer.from_pretrained(args.orig)
-            calib = [ort_feed(features(args.orig, [c]), [spoken.encode(" " + c[1].strip(), add_special_tokens=False)])
-                     for c in cal]
         for q in args.ort_quant.split(","):
             for name, path in paths.items():
                 if q.startswith("nbits") and args.nbits_variants and name not in args.nbits_variants.split(","):

@@ -109,3 +109,16 @@ def test_ratios_pair_each_variant_with_its_own_engines_original_and_skip_unpaire
     x, lo, hi = got[("ONNX Runtime int8", "keep")]
     want = (sum(other[2]["clip_kl"]) / sum(other[2]["clip_n"])) / (sum(other[1]["clip_kl"]) / sum(other[1]["clip_n"]))
     assert abs(x - want) < 1e-12 and lo <= x <= hi
+
+
+def test_calibration_overlap_counts_the_calibration_clips_a_run_also_measures(tmp_path):
+    """Static QDQ and GPTQ calibrate on ``--calib``'s last clips; a run that measures them too would grade
+    the quantizer on its own calibration data, so the benchmark refuses it (this count non-zero)."""
+    a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
+    sets = [(a, 82), (b, 82)]
+    assert bq.calibration_overlap(sets, c, 16, 0) == 0  # not a measured directory
+    assert bq.calibration_overlap(sets, b, 16, 0) == 16  # all of b measured
+    assert bq.calibration_overlap(sets, b, 16, 82 + 66) == 0  # b's first 66 measured, its last 16 not
+    assert bq.calibration_overlap(sets, b, 16, 82 + 70) == 4
+    assert bq.calibration_overlap(sets, a, 16, 50) == 0 and bq.calibration_overlap(sets, a, 40, 50) == 8
+    assert bq.calibration_overlap([(a / ".." / "a", 82)], a, 8, 0) == 8  # the same directory spelt differently
