@@ -201,25 +201,40 @@ class MeanCarry:
     # act(s·m) − act(−s·m) = s·m; :meth:`scale_for` picks it so that the columns survive int8 quantization
     scale: float = 1.0
 
-    @staticmethod
-    def scale_for(down_weight: Any) -> float:
-        """The carry scale ``s`` for a down projection ``[d, hidden]`` (its real columns, as exported):
-        ``1/s = k·max|w|/127``, the largest whole number ``k ≥ 1`` of per-tensor int8 steps that is at most
-        the smallest of its rows' largest ``|w|``.
+    # the carry neuron's row may be at most this fraction of the MLP's longest ``up`` row (see scale_for)
+    ROW_NORM_SHARE = 0.5
 
-        Why: the carry is exact only if its columns keep their value, and an int8 quantizer rounds them.
-        A per-tensor quantizer (ONNX Runtime's ``quantize_dynamic`` default: symmetric, step
-        ``max|w|/127``) would round a column off its grid by up to half a step, leaving that fraction of
-        the Post-LN mean in a stream whose RMSNorm no longer removes it (all-mpnet-base-v2, whose FFN
-        output dense peaks at 50-340× its rms, so a power-of-two carry was 0.5-2.5 steps in most layers and
-        rounded by up to 96%: 1.40× the original's int8 error).
-        On the grid, ``k`` steps quantize to exactly ``k`` steps. At most the smallest row peak, the
-        columns set no row's scale, so per-output-channel quantization sees the same row scales as in the
-        unwidened MLP (carry columns of ``∓1`` would set every row's scale and leave the real weights a few
-        grid steps: MiniLM's W4 error 5× the original's), and rounding them there costs at most
-        ``rowmax/(254·k·step)`` of the mean per row. The step is taken from the float32 maximum, the
-        precision models are exported and quantized in; the price moves to the activations: the carry
-        neurons output about ``s·|mean(h)|``, like a neuron whose ``down`` column peaks at the row minimum.
+    @staticmethod
+    def scale_for(down_weight: Any, up_weight: Any) -> float:
+        """The carry scale ``s`` for a down projection ``[d, hidden]`` (its real columns, centered, as exported)
+        and the up projection ``[hidden, d]`` that feeds it (its real rows): ``1/s = k·max|down|/127``, a whole
+        number ``k ≥ 1`` of per-tensor int8 steps of ``down``, the *fewest* for which the carry neuron's ``up``
+        row (``s/d`` in each of ``d`` entries, length ``s/√d``) is at most half the longest row of ``up``,
+        and never more than the smallest of ``down``'s row peaks allows.
+
+        Why, from the three quantizers the columns, the rows and the activations meet:
+
+        - ``down`` per tensor (ONNX Runtime's ``quantize_dynamic`` default, static QDQ: symmetric, step
+          ``max|w|/127``): the carry is exact only if its columns keep their value; ``k`` whole steps
+          quantize to exactly ``k`` steps (off the grid, all-mpnet-base-v2's power-of-two columns were
+          rounded by up to 96%: 1.40× the original's int8 error).
+        - the carry neurons' activations (dynamic uint8, one step for the whole intermediate, whose range
+          its largest neurons set: 5-100 on all-mpnet-base-v2): each rounding error ``e`` lands, times
+          ``1/s``, in the mean direction that the RMSNorm keeps, for every feature. So ``1/s`` as small as
+          the grid allows (``k = 1``): the carry's activation ``s·mean(h)`` then spans as many uint8 steps
+          as it can (measured on all-mpnet-base-v2, a torch replica of ORT: per channel 1.079 → 1.026×
+          the original's error, per tensor 0.931 → 0.881).
+        - the activation range: ``s`` must not make the carry the intermediate's largest neuron (it would
+          widen every neuron's uint8 step, and a calibrated static range). By Cauchy-Schwarz a row ``r``
+          gives at most ``‖r‖·‖h‖`` on the norm output ``h`` that all rows read, so a carry row no longer
+          than half the longest real row stays inside the range the real neurons can reach (the weights'
+          worst case, no data; on all-mpnet-base-v2's last layer ``k = 1`` would be 3.6× the longest row
+          and measured 4.5× the intermediate's largest activation).
+        - ``down`` per output channel: at most the smallest row peak, the columns set no row's scale, so
+          the real weights keep the same row scales as in the unwidened MLP (columns of ``∓1`` would:
+          MiniLM's W4 error 5× the original's).
+
+        The step is taken from the float32 maximum, the precision models are exported and quantized in.
         """
         w = down_weight.detach().abs()
         peaks = w.amax(dim=1).double()
@@ -227,8 +242,14 @@ class MeanCarry:
         if peaks.numel() == 0:
             return 1.0
         step = float(peaks.max().float()) / 127  # the float32 maximum: what the quantizer reads
-        k = max(1, math.floor(float(peaks.min()) / step))
-        return 1.0 / (k * step)
+        k_most = max(1, math.floor(float(peaks.min()) / step))  # within every row's peak
+        longest = float(up_weight.detach().double().norm(dim=1).max())
+        d = w.shape[0]
+        if longest <= 0:
+            return 1.0 / (k_most * step)
+        # s = 1/(k·step) with s/√d <= share·longest  <=>  k >= 1/(√d·share·longest·step)
+        k_fewest = math.ceil(1 / (math.sqrt(d) * MeanCarry.ROW_NORM_SHARE * longest * step) * (1 - 1e-12))
+        return 1.0 / (max(1, min(k_most, k_fewest)) * step)
 
 
 @dataclass

@@ -1394,8 +1394,9 @@ class Analyzer:
             # the scale comes from down's columns as the surgery writes them (centered, in float64), as
             # the streamed rewrite computes it (checkpoint.rewrite), so both write and record the same
             w = down.weight.detach().double()
+            scale = MeanCarry.scale_for(w - w.mean(0, keepdim=True), ucall.module.weight.detach().double())
             return MeanCarry(site_call.path, norm_term.module_path or norm_term.label, ucall.path, t.module_path,
-                             d, hidden, added, label, MeanCarry.scale_for(w - w.mean(0, keepdim=True)))
+                             d, hidden, added, label, scale)
         return None
 
     # ------------------------------------------------------------------ 4. readers

@@ -131,8 +131,11 @@ class TensorRewriter:
                 if attr:
                     self.norm_keys[f"{sp.name}.{attr}"] = (sp.name, g_attr, b_attr)
         for c in plan.mean_carries:  # the plan came from random-weight proxies: the real down weight as the
-            # surgery writes it (centered, before any fold, not widened) sets it; compat records it too, unused
-            c.scale = MeanCarry.scale_for(self.edited(f"{c.down}.weight", upto=0))
+            # surgery writes it (centered, before any fold, not widened) and the real up weight as the analysis
+            # reads it (before any edit) set it; compat records it too, unused
+            up = self.canonical(f"{c.up}.weight")
+            c.scale = MeanCarry.scale_for(self.edited(f"{c.down}.weight", upto=0),
+                                          self.read(self.untie.get(up, up)).double())
 
     def _ties(self) -> tuple[dict[str, str], dict[str, str]]:
         """Tied parameters (target -> source) with the original config, and after ``mark_untied``."""

@@ -175,12 +175,60 @@ def test_carry_columns_sit_on_the_int8_grid_and_set_no_rows_weight_scale():
         torch.testing.assert_close(up[c.hidden], torch.full_like(up[0], 1 / (col * c.features)))
         torch.testing.assert_close(up[c.hidden + 1], -up[c.hidden])
         assert c.hidden + c.added > c.hidden + 2 and not down[:, c.hidden + 2:].any()  # padding neurons: zero
-        k = col / step  # a whole number of steps, the most that stays within every row's peak
+        k = col / step  # a whole number of steps, within every row's peak
         assert abs(k - round(k)) < 1e-5 and round(k) >= 1, k
-        assert col <= float(peaks.min()) * (1 + 1e-6) < col + step
+        assert col <= max(float(peaks.min()), step) * (1 + 1e-6)
         # per tensor, the carry survives quantization: the quantized columns still multiply to 1
         q = _int8_per_tensor(down)
         assert torch.allclose(q[:, c.hidden] * -up[c.hidden, 0] * c.features, torch.ones_like(q[:, 0]), rtol=1e-6)
         # the choice before (1/s the power of two at most the row minimum) was off that grid by far more
         old = 2.0 ** -torch.ceil(-torch.log2(peaks.min())).item()
         assert abs(old / step - round(old / step)) * step / old > 1e-3
+
+
+def test_carry_takes_the_fewest_grid_steps_its_row_length_allows_and_stays_inside_the_activation_range():
+    """``1/s`` is the *fewest* whole per-tensor int8 steps of ``down`` for which the carry neuron's ``up`` row
+    (length ``s/√d``) is at most half the longest real ``up`` row: the carry's activations ``±s·mean(h)``
+    then span as many of the intermediate's dynamic uint8 steps as they can (their rounding, times ``1/s``,
+    lands in the mean direction the RMSNorm keeps), without becoming the intermediate's largest neuron.
+    Layer 0's ``up`` rows are long enough for one step; layer 1's cap the carry at four. The choice before
+    (the most steps within the row peaks, 30-40 here) fails both."""
+    model = build(APPROXIMATE, "bert")
+    d = model.config.hidden_size
+    with torch.no_grad():
+        for i, layer in enumerate(model.bert.encoder.layer):
+            w = layer.output.dense.weight
+            w.mul_(0.2 / w.abs().max())
+            w[3, 5] = 1.0  # the outlier sets the per-tensor step: 1/127
+            wc = w - w.mean(0, keepdim=True)
+            step = float(wc.abs().max()) / 127
+            row = 1 / (step * d ** 0.5)  # the carry row's length at one step
+            up = layer.intermediate.dense.weight
+            up.mul_((2.02 if i == 0 else 0.6) * row / up.norm(dim=1).max())  # room for 1 step / for 1/0.3 -> 4
+    original = copy.deepcopy(model)
+    normswap.patch(model, mode="exact")
+    assert _fp64_error(original, model) <= 1e-9
+    carries = sorted(normswap.plan_of(model).mean_carries, key=lambda c: c.down)
+    assert len(carries) == 2
+    reach: dict[str, list[torch.Tensor]] = {}
+    hooks = [model.get_submodule(c.up).register_forward_hook(
+        lambda mod, args, out, c=c: reach.setdefault(c.up, []).append(out.detach().abs().flatten(0, -2)))
+        for c in carries]
+    probe = hf_example_inputs(model, seed=3)
+    with torch.no_grad():
+        model(**probe)
+    for h in hooks:
+        h.remove()
+    for c, expected_k in zip(carries, (1, 4), strict=True):
+        down = model.get_submodule(c.down).weight.detach().double()
+        real = down[:, :c.hidden]
+        step = float(real.abs().max()) / 127
+        k = -float(down[0, c.hidden]) / step
+        assert abs(k - round(k)) < 1e-6 and round(k) == expected_k, (c.down, k)
+        longest = float(original.get_submodule(c.up).weight.detach().norm(dim=1).max())
+        assert c.scale / d ** 0.5 <= 0.5 * longest * (1 + 1e-9)  # the carry row is at most half the longest
+        if expected_k > 1:  # one step fewer would make it longer
+            assert 1 / ((expected_k - 1) * step) / d ** 0.5 > 0.5 * longest
+        # on real inputs the carry neurons' pre-activations (±s·mean(h)) stay inside the real neurons' range
+        pre = torch.cat(reach[c.up])
+        assert float(pre[:, c.hidden:c.hidden + 2].max()) <= float(pre[:, :c.hidden].max())
