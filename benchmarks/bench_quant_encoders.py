@@ -46,10 +46,12 @@ from quant_utils import BatchReader  # noqa: E402 (the benchmarks folder is on t
 QUANTIZERS = ("fp32", "dyn-pt", "dyn-pc", "qdq", "nbits-rtn")
 DEFAULT_QUANTIZERS = ("fp32", "dyn-pt", "dyn-pc")
 CALIBRATION_TEXTS = 32  # qdq's calibration paragraphs, the ones after the measured texts (held out)
-VARIANTS = ("original", "converted", "converted-fold", "converted-keep", "converted-nocarry")
+VARIANTS = ("original", "converted", "converted-fold", "converted-keep", "converted-nocarry", "converted-carry128")
 OPTIONS: dict[str, dict[str, Any]] = {"converted": {}, "converted-fold": {"beta_placement": "fold"},
                                       "converted-keep": {"beta_placement": "keep"},
-                                      "converted-nocarry": {"mean_carry": False}}
+                                      "converted-nocarry": {"mean_carry": False},
+                                      # the carry's MLPs padded to a multiple of 128 (int4 groups along that width)
+                                      "converted-carry128": {"carry_multiple": 128}}
 
 
 def english(n: int, seed: int = 0) -> list[str]:

@@ -102,6 +102,7 @@ class Planning:
     plan: Plan  # the result: each step appends its sites and edits
     per_norm_centering: bool  # may a centering op sit before each Post-LN norm (opt-in)
     mean_carry: bool  # may an MLP be widened to cancel a Post-LN mean
+    carry_multiple: int  # a widened MLP's width is padded to a multiple of this
     site_terms: dict[int, list[Term]] = field(default_factory=dict)  # norm call -> the terms of its input
     module_ok: dict[str, str | None] = field(default_factory=dict)  # writer module -> why no edit centers it, or None
     # term value -> (centered by surgery, why not)
@@ -145,7 +146,7 @@ class SiteStream:
 
 def analyse(model: nn.Module, graph: Graph, sites: list[NormSite], *, untie: bool = True,
             fold_gamma: bool = False, per_norm_centering: bool = False,
-            rms_norms: list[SkippedNorm] | None = None, mean_carry: bool = True,
+            rms_norms: list[SkippedNorm] | None = None, mean_carry: bool = True, carry_multiple: int = 8,
             bias_slots: bool = False, layer_scale: str = "keep", keep_gamma: dict[str, str] | None = None) -> Plan:
     """Derive writers, readers, centering ops and a verdict for every NormSite.
 
@@ -158,7 +159,7 @@ def analyse(model: nn.Module, graph: Graph, sites: list[NormSite], *, untie: boo
 
     ``mean_carry``: where a Post-LN stream is ``h + MLP(h)`` (BERT's FFN-output norms), widen the
     MLP by a few neurons that cancel ``mean(h)`` (see :class:`normswap.analysis.plan.MeanCarry`), making
-    that norm exact instead of approximate.
+    that norm exact instead of approximate; the widened width is padded to a multiple of ``carry_multiple``.
 
     ``bias_slots`` (with ``fold_gamma``): a bias-less Linear reader whose share of β has nowhere else to go
     gets a bias (:class:`normswap.analysis.plan.BiasSlot`), so β leaves the norm instead of staying there as β/γ.
@@ -181,8 +182,8 @@ def analyse(model: nn.Module, graph: Graph, sites: list[NormSite], *, untie: boo
     an.bias_slots = bias_slots and fold_gamma
     st = Planning(an, Plan(options={"untie": untie, "fold_gamma": fold_gamma,
                                     "per_norm_centering": per_norm_centering, "mean_carry": mean_carry,
-                                    "bias_slots": an.bias_slots, "layer_scale": layer_scale}),
-                  per_norm_centering=per_norm_centering, mean_carry=mean_carry,
+                                    "carry_multiple": carry_multiple, "bias_slots": an.bias_slots, "layer_scale": layer_scale}),
+                  per_norm_centering=per_norm_centering, mean_carry=mean_carry, carry_multiple=carry_multiple,
                   keep_gamma=dict(keep_gamma or {}) if fold_gamma else {})
     if st.keep_gamma:
         st.plan.options["gamma_kept"] = dict(sorted(st.keep_gamma.items()))
@@ -318,7 +319,8 @@ def _stream_start_op_before(st: Planning, term: Term) -> CenterHook | None:
 def _mlp_carries_mean(st: Planning, call: ModuleCall, term: Term) -> bool:
     """Can an MLP cancel ``term``'s mean at this norm call (:class:`~normswap.analysis.plan.MeanCarry`)?"""
     shared = sum(c.path == call.path for c in st.an.site_calls)
-    return st.an.mean_carry(call, term, st.site_terms[call.id], st.module_ok, shared_calls=shared) is not None
+    return st.an.mean_carry(call, term, st.site_terms[call.id], st.module_ok, shared_calls=shared,
+                            multiple=st.carry_multiple) is not None
 
 
 def _lone_head_term(st: Planning, call: ModuleCall, term: Term) -> bool:
@@ -739,7 +741,8 @@ def _site_carries(st: Planning, calls: list[ModuleCall], problem_calls: dict[int
     found: dict[tuple[str, str], MeanCarry] = {}
     for call in calls:
         for term in problem_calls.get(call.id, []):
-            c = st.an.mean_carry(call, term, st.site_terms[call.id], st.module_ok, shared_calls=len(calls))
+            c = st.an.mean_carry(call, term, st.site_terms[call.id], st.module_ok, shared_calls=len(calls),
+                             multiple=st.carry_multiple)
             if c is None:
                 return []
             found.setdefault((c.up, c.down), c)

@@ -1344,13 +1344,14 @@ class Analyzer:
         return None
 
     def mean_carry(self, site_call: ModuleCall, norm_term: Term, terms: list[Term],
-                   module_ok: dict[str, str | None], shared_calls: int = 1) -> MeanCarry | None:
+                   module_ok: dict[str, str | None], shared_calls: int = 1, multiple: int = 8) -> MeanCarry | None:
         """An MLP of this stream that can cancel ``norm_term``'s mean (see :class:`MeanCarry`), or None.
 
         Needed: the stream is ``h + down(act(up(h)))`` plus centerable terms, with ``h`` the norm
         output entering once and unscaled, ``up``/``down`` Linears called once per call of the norm
         (``shared_calls``: more than one for a layer shared across depth), ``act`` elementwise and
-        odd-split, each intermediate read only by the next step, and ``down`` centerable.
+        odd-split, each intermediate read only by the next step, and ``down`` centerable. The widened
+        width is the next multiple of ``multiple`` with room for the two carry neurons.
         """
         site = self.sites[site_call.path]
         target = self.site_input[site_call.id]
@@ -1390,7 +1391,7 @@ class Analyzer:
             if h is None or self._back_identity(h, single=False) != norm_term.value:
                 continue
             hidden = down.in_features
-            added = -(-(hidden + 2) // 8) * 8 - hidden
+            added = -(-(hidden + 2) // multiple) * multiple - hidden
             # the scale comes from down's columns as the surgery writes them (centered, in float64), as
             # the streamed rewrite computes it (checkpoint.rewrite), so both write and record the same
             w = down.weight.detach().double()

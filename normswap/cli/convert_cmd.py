@@ -196,6 +196,15 @@ Presets (offline, seeded tiny models with tokenizers/processors):
     "those norms are approximate instead.",
 )
 @click.option(
+    "--carry-multiple",
+    type=click.IntRange(1, 4096),
+    default=8,
+    show_default=True,
+    metavar="N",
+    help="Pad an MLP the mean carry widens to a multiple of N neurons. Pass your weight quantizer's group "
+    "size when it groups along the MLP's width (OpenVINO NNCF int4: 128), which must divide the width.",
+)
+@click.option(
     "--no-bias-slots",
     is_flag=True,
     help="With --fold-gamma: keep β/γ in a norm whose reader has no bias (GPT-2's LM head). By default that "
@@ -358,6 +367,7 @@ def convert(
     fold_gamma: bool,
     per_norm_centering: bool,
     no_mean_carry: bool,
+    carry_multiple: int,
     no_bias_slots: bool,
     beta_placement: str | None,
     layer_scale: str,
@@ -419,6 +429,7 @@ def convert(
         untie=not keep_tied,
         per_norm_centering=per_norm_centering,
         mean_carry=not no_mean_carry,
+        carry_multiple=carry_multiple,
         bias_slots=not no_bias_slots,
         beta_placement=beta_placement,
         layer_scale=layer_scale,

@@ -101,6 +101,40 @@ def test_mean_carry_can_be_switched_off(tmp_path):
     assert manifest["plan"]["options"]["mean_carry"] is False
 
 
+def test_carry_width_pads_to_the_multiple_asked_for(tmp_path):
+    """``carry_multiple`` (``--carry-multiple``): a weight quantizer that groups along the MLP's width
+    (OpenVINO NNCF int4, groups of 128) refuses a width its group does not divide; the widened MLP is
+    padded to the multiple asked for (zero neurons besides the carry's two) and stays exact, through
+    a native checkpoint too. A bad multiple is a one-line usage error."""
+    model = build(APPROXIMATE, "bert")
+    original = copy.deepcopy(model)
+    report = normswap.patch(model, mode="exact", carry_multiple=48)
+    carries = report.plan.mean_carries
+    assert len(carries) == 2 and report.plan.options["carry_multiple"] == 48
+    for c in carries:  # 64 + 2 needs a second group of 48: 96
+        assert c.hidden + c.added == 96 and model.get_submodule(c.up).out_features == 96
+        down = model.get_submodule(c.down).weight
+        assert torch.count_nonzero(down[:, c.hidden + 2:]) == 0  # the padding neurons write nothing
+    assert _fp64_error(original, model) <= 1e-9
+    normswap.save(model, tmp_path / "n")
+    assert _fp64_error(original, normswap.load(tmp_path / "n", dtype=torch.float64).eval()) <= 1e-9
+
+    from click.testing import CliRunner
+
+    from normswap.cli import main
+
+    res = CliRunner().invoke(main, ["convert", "tiny-bert", "--out", str(tmp_path / "b"), "-q",
+                                    "--carry-multiple", "128"])
+    assert res.exit_code == 0, res.stderr
+    manifest = json.loads((tmp_path / "b" / "config.json").read_text())["normswap"]
+    assert manifest["plan"]["options"]["carry_multiple"] == 128
+    assert all((c["hidden"] + c["added"]) % 128 == 0 for c in manifest["plan"]["mean_carries"])
+    res = CliRunner().invoke(main, ["convert", "tiny-bert", "--out", str(tmp_path / "c"), "--carry-multiple", "0"])
+    assert res.exit_code == 2 and "--carry-multiple" in res.stderr and not (tmp_path / "c").exists()
+    with pytest.raises(normswap.NormswapError, match="carry_multiple must be a whole number"):
+        normswap.plan(build(APPROXIMATE, "bert"), carry_multiple=True)
+
+
 @pytest.mark.parametrize("fmt", ["native", "compat"])
 def test_checkpoints_round_trip(tmp_path, fmt):
     model = build(APPROXIMATE, "bert")
