@@ -182,7 +182,8 @@ def analyse(model: nn.Module, graph: Graph, sites: list[NormSite], *, untie: boo
     an.bias_slots = bias_slots and fold_gamma
     st = Planning(an, Plan(options={"untie": untie, "fold_gamma": fold_gamma,
                                     "per_norm_centering": per_norm_centering, "mean_carry": mean_carry,
-                                    "carry_multiple": carry_multiple, "bias_slots": an.bias_slots, "layer_scale": layer_scale}),
+                                    "carry_multiple": carry_multiple, "bias_slots": an.bias_slots,
+                                    "layer_scale": layer_scale}),
                   per_norm_centering=per_norm_centering, mean_carry=mean_carry, carry_multiple=carry_multiple,
                   keep_gamma=dict(keep_gamma or {}) if fold_gamma else {})
     if st.keep_gamma:
