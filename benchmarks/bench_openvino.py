@@ -135,11 +135,12 @@ def to_ir(body: torch.nn.Module, example: tuple[torch.Tensor, ...], route: str, 
 
 
 def prepare(name: str, label: str, px: int, layers: int, cache: Path, routes: list[str],
-            mean_carry: bool = True) -> dict:
+            mean_carry: bool = True, carry_multiple: int = 8) -> dict:
     """IR files per (variant, route) for one model; the torch models are freed before timing.
-    ``mean_carry=False``: BERT converted without the mean carry (no FFN widened by 8 units)."""
+    ``mean_carry=False``: BERT converted without the mean carry (no FFN widened by 8 units);
+    ``carry_multiple``: the widened FFN padded to a multiple of this instead of 8."""
     model, keys = deploy.build(name, px, layers)
-    if mean_carry:
+    if mean_carry and carry_multiple == 8:
         converted, verdicts = deploy.convert(name, model)
     else:
         import normswap
@@ -147,7 +148,7 @@ def prepare(name: str, label: str, px: int, layers: int, cache: Path, routes: li
         converted = copy.deepcopy(model)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            report = normswap.patch(converted, mean_carry=False,
+            report = normswap.patch(converted, mean_carry=mean_carry, carry_multiple=carry_multiple,
                                     **({"mode": "all", "calibration": False} if name == "bert" else {}))
         verdicts = dict(collections.Counter(site.verdict for site in report.sites))
         converted.eval()
@@ -157,7 +158,8 @@ def prepare(name: str, label: str, px: int, layers: int, cache: Path, routes: li
     for variant, m in (("original", model), ("converted", converted)):
         body = deploy.Body(m, keys).eval()
         for route in routes:
-            stem = f"{label}-L{layers}-{variant}" + ("-nocarry" if variant == "converted" and not mean_carry else "")
+            tag = "-nocarry" if not mean_carry else f"-carry{carry_multiple}" if carry_multiple != 8 else ""
+            stem = f"{label}-L{layers}-{variant}" + (tag if variant == "converted" else "")
             path = cache / f"{stem}-{route}.xml"
             t0 = time.perf_counter()
             to_ir(body, example, route, path, cache / f"{stem}-default.onnx")
@@ -234,7 +236,8 @@ def speed(args: argparse.Namespace) -> None:
     ops: dict[str, Any] = {}
     for name in args.models.split(","):
         for label, px in deploy.variants(name):
-            prep = prepare(name, label, px, args.layers, cache, args.routes, mean_carry=not args.no_mean_carry)
+            prep = prepare(name, label, px, args.layers, cache, args.routes, mean_carry=not args.no_mean_carry,
+                           carry_multiple=args.carry_multiple)
             print(f"# {label}: {prep['norms']} RMSNorms, verdicts {prep['verdicts']}", flush=True)
             ops[label] = fusion(prep["paths"], args.precisions)
             for key, counts in ops[label].items():
@@ -451,6 +454,43 @@ def quant_table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def gemm_widths(widths: list[int], rows_list: list[int], precisions: list[str], budget: float) -> str:
+    """BERT-base's FFN alone (768 -> width -> 768, GELU, biases) in OpenVINO's CPU plugin, one thread, at each
+    width against the stock 3072: does a width the mean carry pads to (3080 by default; ``carry_multiple``
+    16/32/64/128 give 3088/3104/3136/3200) cost OpenVINO's GEMMs more than its FLOPs? Median ABBA quad
+    ratio (quartiles, quads); A/A = 3072 against a second compiled copy."""
+    import openvino as ov
+
+    cache = Path(tempfile.mkdtemp(prefix="normswap-ov-gemm-"))
+
+    def compiled(width: int, rows: int, precision: str, copy_no: int = 0):
+        torch.manual_seed(width + copy_no)
+        ffn = torch.nn.Sequential(torch.nn.Linear(768, width), torch.nn.GELU(), torch.nn.Linear(width, 768)).eval()
+        path = cache / f"ffn{width}-{rows}-{copy_no}.xml"
+        if not path.exists():
+            ov.save_model(ov.convert_model(ffn, example_input=torch.randn(rows, 768)), str(path),
+                          compress_to_fp16=False)
+        model = compile_ir(path, precision)
+        x = np.random.default_rng(0).standard_normal((rows, 768)).astype(np.float32)
+        request = model.create_infer_request()
+        return lambda: request.infer([x])
+
+    deploy.CLOCK[0] = time.thread_time
+    cols = [*map(str, widths), "A/A"]
+    lines = ["| precision | rows | " + " | ".join(f"{c} / 3072" for c in cols) + " | 3072 µs |",
+             "|" + "---|" * (len(cols) + 3)]
+    for precision in precisions:
+        for rows in rows_list:
+            base, cells = compiled(3072, rows, precision), []
+            for c in cols:
+                other = compiled(3072, rows, precision, 1) if c == "A/A" else compiled(int(c), rows, precision)
+                m = deploy.abba(base, other, budget, 5)
+                cells.append(f"**{m['ratio']:.3f}** ({m['q1']:.2f}–{m['q3']:.2f}, {m['quads']})")
+            lines.append(f"| {precision} | {rows} | " + " | ".join(cells) + f" | {1e3 * m['original_ms']:.0f} |")
+            print(lines[-1], flush=True)
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command")
@@ -468,6 +508,13 @@ def main() -> None:
         p.add_argument("--json", default=None)
         p.add_argument("--no-mean-carry", action="store_true",
                        help="convert with mean_carry=False (BERT: no FFN widened by the mean carry)")
+        p.add_argument("--carry-multiple", type=int, default=8,
+                       help="convert with carry_multiple=N (BERT: the carried FFNs padded to a multiple of N)")
+    g = sub.add_parser("gemm", help="BERT's FFN alone at the widths the mean carry pads to, against 3072")
+    g.add_argument("--widths", default="3080,3088,3104,3136,3200")
+    g.add_argument("--rows", default="8,32,128")
+    g.add_argument("--precisions", default="f32,default")
+    g.add_argument("--budget", type=float, default=4.0)
     q = sub.add_parser("quant")
     q.add_argument("--model", type=Path, required=True, help="a sentence-transformers transformers directory")
     q.add_argument("--texts", type=int, default=256)
@@ -479,10 +526,14 @@ def main() -> None:
     q.add_argument("--json", type=Path)
     q.add_argument("--baseline", type=Path, help="an earlier --json of the same model and texts: its original's "
                    "errors are reused")
-    args = parser.parse_args(sys.argv[1:] if len(sys.argv) > 1 and sys.argv[1] in ("speed", "fusion", "quant")
+    args = parser.parse_args(sys.argv[1:] if len(sys.argv) > 1 and sys.argv[1] in ("speed", "fusion", "quant", "gemm")
                              else ["speed", *sys.argv[1:]])
     if args.command == "quant":
         quant(args)
+        return
+    if args.command == "gemm":
+        print(gemm_widths([int(w) for w in args.widths.split(",")], [int(r) for r in args.rows.split(",")],
+                          args.precisions.split(","), args.budget))
         return
     args.routes = [r for r in args.routes.split(",") if r]
     args.precisions = [p for p in args.precisions.split(",") if p]
