@@ -438,20 +438,8 @@ def quant(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def quant_table(result: dict[str, Any]) -> str:
-    labels = {"w8": "int8 weights", "w4s128": "int4 sym g128", "w4a128": "int4 asym g128",
-              "w4s32": "int4 sym g32", "static": "static int8"}
-    variants = list(dict.fromkeys(k.split("/")[0] for k in result["cells"]))
-    hows = [h for h in labels if all(f"{v}/{h}" in result["cells"] for v in variants)]
-    lines = ["| variant | fp32: 1 − cos | " + " | ".join(f"{labels[h]}: 1 − cos | ratio (95% CI)" for h in hows) + " |",
-             "|---" * (2 + 2 * len(hows)) + "|"]
-    for v in variants:
-        row = [v, f"{result['cells'][f'{v}/fp32']['err']:.2e}"]
-        for how in hows:
-            c = result["cells"][f"{v}/{how}"]
-            row.append(f"{c['err']:.3e}")
-            row.append(f"**{c['ratio']:.3f}** ({c['ci95'][0]:.3f}–{c['ci95'][1]:.3f})" if "ratio" in c else "1")
-        lines.append("| " + " | ".join(row) + " |")
-    return "\n".join(lines)
+    return encoders.table(result, {"w8": "int8 weights", "w4s128": "int4 sym g128", "w4a128": "int4 asym g128",
+                                   "w4s32": "int4 sym g32", "static": "static int8"})
 
 
 def gemm_widths(widths: list[int], rows_list: list[int], precisions: list[str], budget: float) -> str:

@@ -231,9 +231,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     return result
 
 
-def table(result: dict[str, Any]) -> str:
-    names = {"dyn-pt": "int8 per-tensor", "dyn-pc": "int8 per-channel", "qdq": "static QDQ int8",
-             "nbits-rtn": "4-bit RTN"}
+QUANTIZER_NAMES = {"dyn-pt": "int8 per-tensor", "dyn-pc": "int8 per-channel", "qdq": "static QDQ int8",
+                   "nbits-rtn": "4-bit RTN"}
+
+
+def table(result: dict[str, Any], names: dict[str, str] | None = None) -> str:
+    """One row per variant: its float error, then per quantizer (``names``: key -> column label, default
+    this benchmark's) its error and ratio to the original's with the 95% interval."""
+    names = names or QUANTIZER_NAMES
     variants = dict.fromkeys(k.split("/")[0] for k in result["cells"])
     hows = [h for h in names if all(f"{v}/{h}" in result["cells"] for v in variants)]
     lines = ["| variant | fp32: 1 − cos | " + " | ".join(f"{names[h]}: 1 − cos | ratio (95% CI)" for h in hows) + " |",
