@@ -44,6 +44,7 @@ back each stream's ``R``.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -202,26 +203,28 @@ def _input_axis(module: nn.Module) -> int | None:
     return None
 
 
+def _on_rows(p: torch.Tensor, rows: tuple[int, int, int] | None,
+             edit: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``edit(p)``, or, where ``rows = (start, stop, row_axis)`` is given, ``p`` with only those rows edited
+    (a packed tensor's slice of one stream); differentiable."""
+    if rows is None:
+        return edit(p)
+    start, stop, row_axis = rows
+    parts = [p.narrow(row_axis, 0, start), edit(p.narrow(row_axis, start, stop - start)),
+             p.narrow(row_axis, stop, p.shape[row_axis] - stop)]
+    return torch.cat(parts, dim=row_axis)
+
+
 def _turn(p: torch.Tensor, axis: int, r: torch.Tensor, rows: tuple[int, int, int] | None) -> torch.Tensor:
     """``p`` with its ``axis`` features times ``r`` (only rows ``rows`` of it, where given); differentiable."""
-    if rows is not None:
-        start, stop, row_axis = rows
-        parts = [p.narrow(row_axis, 0, start), _turn(p.narrow(row_axis, start, stop - start), axis, r, None),
-                 p.narrow(row_axis, stop, p.shape[row_axis] - stop)]
-        return torch.cat(parts, dim=row_axis)
-    return (p.movedim(axis, -1) @ r.to(p.dtype)).movedim(-1, axis)
+    return _on_rows(p, rows, lambda t: (t.movedim(axis, -1) @ r.to(t.dtype)).movedim(-1, axis))
 
 
 def _scale(p: torch.Tensor, axis: int, s: torch.Tensor, rows: tuple[int, int, int] | None) -> torch.Tensor:
     """``p`` with its ``axis`` features times ``s`` (only rows ``rows`` of it, where given); differentiable."""
-    if rows is not None:
-        start, stop, row_axis = rows
-        parts = [p.narrow(row_axis, 0, start), _scale(p.narrow(row_axis, start, stop - start), axis, s, None),
-                 p.narrow(row_axis, stop, p.shape[row_axis] - stop)]
-        return torch.cat(parts, dim=row_axis)
     shape = [1] * p.dim()
     shape[axis] = -1
-    return p * s.to(p.dtype).reshape(shape)
+    return _on_rows(p, rows, lambda t: t * s.to(t.dtype).reshape(shape))
 
 
 def norm_scales(logs: torch.Tensor) -> torch.Tensor:
