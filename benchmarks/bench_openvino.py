@@ -386,11 +386,7 @@ def quant(args: argparse.Namespace) -> dict[str, Any]:
                               "max_len": args.max_len, "openvino": ov.__version__, "nncf": nncf.__version__,
                               "cells": {}, "notes": {}, "per_text": {}}
     if args.baseline:  # an earlier run's original, same texts: its errors reused, not measured again
-        old = json.loads(args.baseline.read_text())
-        assert (old["texts"], old["calib"], old["max_len"]) == (len(texts), len(calib), args.max_len), \
-            "baseline of other texts"
-        for key in [k for k in old["cells"] if k.startswith("original/")]:
-            result["cells"][key], result["per_text"][key] = old["cells"][key], old["per_text"][key]
+        encoders.reuse_baseline(result, args.baseline, args.modes)
         args.variants = [v for v in args.variants if v != "original"]
     t0 = time.time()
     with tempfile.TemporaryDirectory() as tmp:

@@ -193,12 +193,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result: dict[str, Any] = {"model": str(args.model), "texts": len(texts), "max_len": args.max_len,
                               "cells": {}, "notes": {}, "per_text": {}}
     if args.baseline:
-        old = json.loads(args.baseline.read_text())
-        assert old["texts"] == len(texts) and old["max_len"] == args.max_len, "baseline of other texts"
-        missing = [q for q in quantizers if f"original/{q}" not in old["cells"]]
-        assert not missing, f"the baseline has no original measured in {missing}: run without --baseline"
-        for key in [k for k in old["cells"] if k.startswith("original/")]:
-            result["cells"][key], result["per_text"][key] = old["cells"][key], old["per_text"][key]
+        reuse_baseline(result, args.baseline, quantizers)
         args.variants = [v for v in args.variants if v != "original"]
     t0 = time.time()
     with tempfile.TemporaryDirectory() as tmp:
@@ -229,6 +224,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
     return result
+
+
+def reuse_baseline(result: dict[str, Any], baseline: Path, quantizers: list[str] | tuple[str, ...]) -> None:
+    """Copy an earlier run's ``original`` cells and per-text errors into ``result``, so the original is not
+    measured again; refused unless the earlier run measured the same inputs (every key ``result`` holds besides
+    its cells: texts, calibration count, length) and the original in every one of ``quantizers``."""
+    old = json.loads(baseline.read_text())
+    same = [k for k in ("texts", "calib", "max_len") if k in result]
+    assert all(old.get(k) == result[k] for k in same), f"baseline of other inputs (it must match in {', '.join(same)})"
+    missing = [q for q in quantizers if f"original/{q}" not in old["cells"]]
+    assert not missing, f"the baseline has no original measured in {missing}: run without --baseline"
+    for key in [k for k in old["cells"] if k.startswith("original/")]:
+        result["cells"][key], result["per_text"][key] = old["cells"][key], old["per_text"][key]
 
 
 QUANTIZER_NAMES = {"dyn-pt": "int8 per-tensor", "dyn-pc": "int8 per-channel", "qdq": "static QDQ int8",
