@@ -186,7 +186,7 @@ class MeanCarry:
     ``+1/d`` and ``-1/d``, ``down`` the columns ``-1`` and ``+1``, so the MLP adds ``-mean(h)``. With
     ``down`` centered, ``s`` is then zero-mean and the norm reading it is exactly an RMSNorm. The
     MLP grows from ``hidden`` to ``hidden + added`` neurons (2 used, the rest zero, to keep the width
-    a multiple of 8).
+    a multiple of the ``carry_multiple`` option, 8 by default).
     """
 
     site: str  # the norm made exact

@@ -192,7 +192,8 @@ Presets (offline, seeded tiny models with tokenizers/processors):
     "--no-mean-carry",
     is_flag=True,
     help="Keep MLPs at their stock width. By default a Post-LN norm whose stream is h + MLP(h) becomes "
-    "exact by adding a few neurons (a multiple of 8) to that MLP that cancel the mean; with this flag "
+    "exact by adding a few neurons to that MLP that cancel the mean (its width padded to a multiple of "
+    "--carry-multiple); with this flag "
     "those norms are approximate instead.",
 )
 @click.option(
