@@ -23,9 +23,12 @@ CLS embedding (``pooler_output``), averaged over the inputs, and the same over e
   the behaviour before ``layer_scale="balance"`` became the default);
 * ``compat-keep``, ``native-keep``: ``compat`` and ``native`` with ``beta_placement="keep"`` (every β kept
   in its norm, the readers' biases and inputs the original's);
-* ``compat-retrade``: ``compat`` with the centering's constant traded between the embedding writers
-  (:func:`retraded`): the patch convolution's bias takes the position table's mean row mean, the class token
-  the position table's first row mean, and the tables keep the rest (exact: every token's sum is unchanged);
+* ``compat-notrade``: ``compat`` with ``trade_constants=False``: every embedding writer centered alone (the
+  default before normswap traded the position table's row means into the patch bias and the class token);
+* ``compat-retrade``: ``compat-notrade`` with the centering's constant traded between the embedding writers
+  by hand (:func:`retraded`, the benchmark's own version of what ``compat`` now does: the patch
+  convolution's bias takes the position table's mean row mean, the class token the position table's first
+  row mean, and the tables keep the rest; exact: every token's sum is unchanged);
 * ``fold-gamma``: ``patch(fold_gamma=True)`` (γ in the readers' columns, what a rotation needs), compat format;
 * ``jitter-1``, ``jitter-2``: the noise floor, the original with its LayerScale writers' rows and λ rescaled
   by ``U(0.9, 1.1)`` and its inverse (exact, same ranges, other rounding: :func:`jittered`);
@@ -63,8 +66,8 @@ from quant_utils import BatchReader  # noqa: E402 (the benchmarks folder is on t
 
 QUANTIZERS = ("fp32", "dyn-pt", "dyn-pc", "qdq", "nbits-rtn", "nbits-hqq")
 GPTQ = ("nbits-gptq", "nbits-gptq-patched")  # minutes each: asked for by name
-VARIANTS = ("original", "compat", "compat-retrade", "compat-keep", "compat-fold-ls", "native", "native-keep",
-            "fold-gamma", "hadamard", "jitter-1", "jitter-2")
+VARIANTS = ("original", "compat", "compat-notrade", "compat-retrade", "compat-keep", "compat-fold-ls", "native",
+            "native-keep", "fold-gamma", "hadamard", "jitter-1", "jitter-2")
 WEIGHTS = {"o_proj": "attention.o_proj", "fc2": "mlp.fc2", "q_proj": "attention.q_proj",
            "k_proj": "attention.k_proj", "fc1": "mlp.fc1"}
 
@@ -116,10 +119,13 @@ def variant(model: torch.nn.Module, name: str, workdir: Path) -> tuple[torch.nn.
     if name.startswith("jitter-"):
         return jittered(model, int(name.split("-")[1])), "the original, writer rows × U(0.9, 1.1), λ ÷ the same"
     if name == "compat-retrade":
-        compat, _ = variant(model, "compat", workdir)
-        return retraded(compat, model), "compat, the position table's row mean moved into the conv bias / CLS"
+        compat, _ = variant(model, "compat-notrade", workdir)
+        return retraded(compat, model), "compat-notrade, the position table's row mean moved by hand into the " \
+            "conv bias / CLS"
     conv = copy.deepcopy(model)
     opts: dict[str, Any] = {"fold_gamma": name in ("hadamard", "fold-gamma")}
+    if name == "compat-notrade":
+        opts["trade_constants"] = False
     if name == "compat-fold-ls":
         opts["layer_scale"] = "fold"
     if name.endswith("-keep"):
@@ -160,7 +166,9 @@ def jittered(model: torch.nn.Module, seed: int) -> torch.nn.Module:
 
 @torch.no_grad()
 def retraded(compat: torch.nn.Module, original: torch.nn.Module) -> torch.nn.Module:
-    """``compat`` (centered embeddings) with the position table's row means put back where they cost nothing.
+    """``compat-notrade`` (every embedding writer centered alone) with the position table's row means put back
+    where they cost nothing: the hand-written reference for what ``normswap.patch`` now does by default
+    (``trade_constants``, :class:`normswap.analysis.plan.ConstantTrade`).
 
     Static QDQ rounds ``cat(CLS, patches)`` and then ``cat(CLS, patches) + positions`` on nearly the same uint8
     grid (both ranges are set by the CLS token's massive channels). Where a position entry is below half a

@@ -121,6 +121,13 @@ class ConvertOptions:
             rows of the writer apart, and a per-tensor quantizer then loses the small rows
             (``docs/results/quantization.md``). A rotation folds a kept λ into its writer before turning
             it either way.
+        trade_constants: let a centered position table keep its row means where a float bias or a class
+            token reaching exactly the same tokens can take them away instead
+            (:class:`normswap.analysis.plan.ConstantTrade`, proved by probing the model in float64): exact,
+            and the table's entries then stay on the grid a static int8 quantizer rounded the original's to
+            (DINOv2/ViT in ONNX Runtime's static QDQ: 1.13× the original's error without it, ~1.00× with;
+            ``docs/results/quantization.md``). On by default; ``False`` centers every writer alone (the
+            behaviour before this option).
         untie: clone tied output heads so the input embedding can be centered. ``False`` keeps the
             tie and centers at run time instead (one centering op per token).
         per_norm_centering: make Post-LN norms exact with one mean subtraction before each (verdict
@@ -176,6 +183,7 @@ class ConvertOptions:
     bias_slots: bool = True
     beta_placement: str | None = None
     layer_scale: str = "keep"
+    trade_constants: bool = True
     untie: bool = True
     per_norm_centering: bool = False
     mean_carry: bool = True
@@ -236,7 +244,7 @@ class ConvertOptions:
             raise NormswapError(f"option carry_multiple must be a whole number of neurons from 1 to 4096 (the MLP "
                                 f"width the mean carry pads to a multiple of), not {c!r}")
         for name in ("fold_gamma", "bias_slots", "untie", "per_norm_centering", "mean_carry", "sequential", "verify",
-                     "allow_unusable", "online_hadamard"):
+                     "allow_unusable", "online_hadamard", "trade_constants"):
             if not isinstance(getattr(self, name), bool):
                 raise NormswapError(f"option {name} must be True or False, not {getattr(self, name)!r}")
         if not self.bias_slots and not self.folds_gamma:  # slots only ever take β of a γ-folded norm

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from normswap import inputs, memory
-from normswap.analysis import precision, trace, walker
+from normswap.analysis import precision, trace, trades, walker
 from normswap.analysis.linears import linear_at
 from normswap.analysis.plan import EXACT_VERDICTS, RESIDUAL_WHY, Plan, SitePlan, attach_plan
 from normswap.analysis.planner import analyse
@@ -545,6 +545,8 @@ def analyse_copy(work: nn.Module, args: tuple, kwargs: dict, opts: ConvertOption
         keep = unturned_norms(work, plan, opts.rotate_output)
         if keep:
             plan = planned(keep)
+    # where the centering may leave a table's row means (a proof by probing the unedited copy, in float64)
+    plan.constant_trades = trades.find_trades(work, plan, args, kwargs) if opts.trade_constants else []
     plan.skipped = [{"name": s.path, "class": s.class_name, "reason": s.reason} for s in found.skipped]
     plan.options["already_converted"] = bool(found.converted) and not found.sites
     return _Analysis(plan, {s.path: s for s in found.sites}, graph, args, kwargs, dict(graph.held_casts),

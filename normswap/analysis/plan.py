@@ -35,6 +35,29 @@ class WriterEdit:
 
 
 @dataclass
+class ConstantTrade:
+    """Rows ``[lo, hi)`` of the centered table ``table`` get back one constant ``c``, which ``into`` gives up.
+
+    Exactness needs each token's *sum* of writers to be zero-mean, not each writer. Centering every writer
+    alone moves each entry of a position table by its row's mean, off the grid a quantizer rounded the
+    original's small entries to (ONNX Runtime's static QDQ rounds the stream before and after the table is
+    added: ``docs/results/quantization.md``). When a float bias or a one-token parameter (a class token)
+    reaches exactly the tokens those rows reach, each once, the rows can keep ``c`` = the mean of their
+    original row means (each entry then moves by ``|m_t − c|``, not ``|m_t|``) and ``into`` take ``−c``:
+    every token's sum is unchanged. ``c`` is computed from the table's tensor when the edit is applied
+    (:func:`normswap.surgery.edits.trade_constants`), so a plan fits any weights of the same structure.
+    Rows count over the table's axes other than ``axis`` (its feature axis), flattened in order.
+    """
+
+    table: str  # a centered writer parameter (a position table, row per token position)
+    axis: int  # its feature axis (the one centering subtracts the mean along)
+    lo: int
+    hi: int
+    into: str  # a centered bias or one-token parameter that reaches the same tokens, each once
+    reason: str = ""
+
+
+@dataclass
 class FoldEdit:
     """Fold a norm's β (into the bias) and/or γ (into the weight) of reader ``reader``.
 
@@ -357,6 +380,8 @@ class Plan:
     beta_moves: list[BetaMove] = field(default_factory=list)  # value-projection β shares moved into an output bias
     bias_slots: list[BiasSlot] = field(default_factory=list)  # bias-less Linear readers given a bias for β
     centered_readers: list[CenteredReader] = field(default_factory=list)  # readers of approximate norms
+    # position-table row means given back to the table and taken from a bias / class token with the same reach
+    constant_trades: list[ConstantTrade] = field(default_factory=list)
     # runtime only (not in the manifest): Post-LN norms whose β may leave through the residual's writer
     residual_folds: list[ResidualFold] = field(default_factory=list)
     changed_outputs: list[str] = field(default_factory=list)
@@ -416,6 +441,10 @@ class Plan:
         residual = sum(RESIDUAL_WHY in s.beta_detail and s.fold_beta for s in self.sites)
         if residual:
             extra.append(f"β of {residual} Post-LN norm(s) folded into their readers and residual writers")
+        if self.constant_trades:
+            tables = len({t.table for t in self.constant_trades})
+            extra.append(f"{len(self.constant_trades)} row mean(s) of {tables} table(s) traded into a bias or "
+                         "class token")
         if self.hooks:
             extra.append(f"{len(self.hooks)} centering op(s)")
         if self.centered_readers:
@@ -487,6 +516,8 @@ class Plan:
                 lines += wrapped(f"centering op: {h.module} ({where}): {h.reason}", "  ")
             for u in self.unties:
                 lines += wrapped(f"untie: {u.module}.{u.attr} from {u.source} (+{u.numel:,} params)", "  ")
+            for t in self.constant_trades:
+                lines += wrapped(f"constant trade: {t.reason}", "  ")
             lines.append("")
         lines += wrapped(self.summary(fmt), "  ")
         if self.changed_outputs:
@@ -526,6 +557,7 @@ class Plan:
             beta_moves=[BetaMove(**{**m, "runs": [tuple(r) for r in m["runs"]]}) for m in data.get("beta_moves", [])],
             centered_readers=[CenteredReader(**r) for r in data.get("centered_readers", [])],
             bias_slots=[BiasSlot(**b) for b in data.get("bias_slots", [])],
+            constant_trades=[ConstantTrade(**t) for t in data.get("constant_trades", [])],
             changed_outputs=list(data.get("changed_outputs", [])),
             changed_output_axes={str(k): int(v) for k, v in data.get("changed_output_axes", {}).items()},
             options=dict(data.get("options", {})),

@@ -227,6 +227,11 @@ def validate_against_meta(plan: Plan, meta: nn.Module) -> None:
     for u in plan.unties:
         if u.module not in modules or u.source not in params:
             fail(f"no tie {u.module}.{u.attr}")
+    for t in plan.constant_trades:
+        if t.table not in params or t.into not in params:
+            fail(f"no parameter {t.table if t.table not in params else t.into}")
+        if t.hi * params[t.table].shape[t.axis] > params[t.table].numel():
+            fail(f"`{t.table}` has fewer than {t.hi} rows")
     covered = {sp.name for sp in plan.sites} | {s["name"] for s in plan.skipped}
     missing = [
         p

@@ -188,6 +188,7 @@ def rebase_plan(plan: dict, model: nn.Module) -> tuple[dict, list[str]]:
     out["hooks"] = _records(out.get("hooks", []), pmap, ("module",), texts=("reason",))
     out["mean_carries"] = _records(out.get("mean_carries", []), pmap, ("up", "down"), ("site", "source"))
     out["centered_readers"] = _records(out.get("centered_readers", []), pmap, ("site", "reader"))
+    out["constant_trades"] = _records(out.get("constant_trades", []), pmap, ("table", "into"), texts=("reason",))
     out["unties"] = _records(out.get("unties", []), pmap, ("module", "source"))
     out["rotations"] = [r for r in (_rotation(r, pmap) for r in out.get("rotations", [])) if r is not None]
     return out, lost_folds(plan, pmap)

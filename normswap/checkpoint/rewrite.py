@@ -19,7 +19,16 @@ from normswap.analysis.plan import MeanCarry, Plan, ScaleFold
 from normswap.checkpoint import writer
 from normswap.checkpoint.stream_io import ST_DTYPES, ST_TO_TORCH, Entry, Reader
 from normswap.errors import NormswapError
-from normswap.surgery.edits import CARRY_TENSORS, carried, center_, layer_scale_balance, mark_untied, moved_shift
+from normswap.surgery.edits import (
+    CARRY_TENSORS,
+    carried,
+    center_,
+    layer_scale_balance,
+    mark_untied,
+    moved_shift,
+    trade_constant,
+    traded,
+)
 
 
 class KeyMap:
@@ -95,6 +104,12 @@ class TensorRewriter:
         # aliases the checkpoint lacks and loading will not re-tie: written explicitly
         self.extra = {t: s for t, s in self.alias.items() if t not in after}
         self.center = {self.canonical(e.target): (e.axis, e.blocks) for e in plan.writer_edits}
+        # row means a centered table keeps, taken from a bias or class token (plan.ConstantTrade), as in memory
+        self.trades: dict[str, list[tuple[int, bool]]] = {}
+        for i, t in enumerate(plan.constant_trades):
+            self.trades.setdefault(self.canonical(t.table), []).append((i, True))
+            self.trades.setdefault(self.canonical(t.into), []).append((i, False))
+        self._trade_constants: dict[int, torch.Tensor] = {}
         # LayerScale λ folded into its writer before centering (plan.ScaleFold), and with ``keep`` the
         # per-row scale taken back out into λ afterwards, as surgery.edits does in memory
         self.scales: dict[str, tuple[ScaleFold, str]] = {}
@@ -177,6 +192,8 @@ class TensorRewriter:
             w = self._scaled(w, sf, what)
         if key in self.center:
             center_(w, *self.center[key])
+        for i, table in self.trades.get(key, []):
+            traded(w, self.plan.constant_trades[i], self._trade_constant(i), table=table)
         if sf is not None and sf.keep:
             s = self._row_scale(sf)
             w = w / s[None, :] if what == "weight" and sf.kind == "conv1d" else \
@@ -197,6 +214,14 @@ class TensorRewriter:
         if upto is None and key in self.widen:  # after centering, as the in-memory surgery does
             w = carried(w, *self.widen[key])
         return w
+
+    def _trade_constant(self, i: int) -> torch.Tensor:
+        """Trade ``i``'s constant from its table as the checkpoint holds it (cached)."""
+        if i not in self._trade_constants:
+            t = self.plan.constant_trades[i]
+            key = self.canonical(t.table)
+            self._trade_constants[i] = trade_constant(self.read(self.untie.get(key, key)).double(), t)
+        return self._trade_constants[i]
 
     def _scaled(self, w: torch.Tensor, sf: ScaleFold, what: str) -> torch.Tensor:
         """``w`` (the writer's weight or bias) times its LayerScale λ, before centering (``fold_layer_scale``)."""

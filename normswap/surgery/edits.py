@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -24,6 +25,7 @@ from normswap.analysis.plan import (
     BiasSlot,
     CenteredReader,
     CenterHook,
+    ConstantTrade,
     FoldEdit,
     MeanCarry,
     Plan,
@@ -98,6 +100,42 @@ def center_writer(model: nn.Module, e: WriterEdit) -> None:
     w = center_(t.detach().double(), e.axis, e.blocks)
     with torch.no_grad():
         t.copy_(w)
+
+
+def trade_constant(table: torch.Tensor, t: ConstantTrade) -> torch.Tensor:
+    """The constant rows ``[t.lo, t.hi)`` of ``table`` (before centering) keep: the mean of their row means.
+
+    One function for the in-memory surgery and the streamed rewrite (float64, the same reduction order)."""
+    ax = t.axis % table.dim()
+    means = table.double().mean(ax).reshape(-1)
+    return means[t.lo:t.hi].mean()
+
+
+def traded(w: torch.Tensor, t: ConstantTrade, c: torch.Tensor, *, table: bool) -> torch.Tensor:
+    """The centered float64 ``w`` after trade ``t`` of constant ``c``, in place: ``+c`` on the table's rows
+    ``[lo, hi)`` (``table``), ``−c`` on every entry of the taker."""
+    if not table:
+        return w.sub_(c)
+    ax = t.axis % w.dim()
+    marks = torch.zeros(math.prod(n for i, n in enumerate(w.shape) if i != ax), dtype=w.dtype)
+    marks[t.lo:t.hi] = 1
+    rows = [n for i, n in enumerate(w.shape) if i != ax]
+    return w.add_((marks * c).reshape(rows).unsqueeze(ax))
+
+
+def trade_constants(model: nn.Module, trades: list[ConstantTrade]) -> list[torch.Tensor]:
+    """Each trade's constant, from the tables as they are now (call before centering)."""
+    return [trade_constant(model.get_parameter(t.table).detach(), t) for t in trades]
+
+
+def apply_trades(model: nn.Module, trades: list[ConstantTrade], constants: list[torch.Tensor]) -> None:
+    """Give each trade's constant back to its table's rows and take it from its taker (after centering)."""
+    for t, c in zip(trades, constants, strict=True):
+        for name, table in ((t.table, True), (t.into, False)):
+            p = model.get_parameter(name)
+            w = traded(p.detach().double(), t, c, table=table)
+            with torch.no_grad():
+                p.copy_(w)
 
 
 CARRY_TENSORS = ("up.weight", "up.bias", "down.weight")  # what a MeanCarry widens (down.bias is not)
@@ -508,8 +546,10 @@ def apply_weight_edits(model: nn.Module, plan: Plan, sites: dict[str, NormSite],
     ranges = {sf.param: writer_max(model, sf) for sf in plan.scale_folds if sf.keep}
     for sf in plan.scale_folds:  # before centering: the centered rows are the scaled ones
         fold_layer_scale(model, sf)
+    constants = trade_constants(model, plan.constant_trades)  # the tables' row means before centering
     for e in plan.writer_edits:
         center_writer(model, e)
+    apply_trades(model, plan.constant_trades, constants)
     for sf in plan.scale_folds:  # after centering: every row of the writer spans its original range, λ the scale
         if sf.keep:
             balance_layer_scale(model, sf, ranges[sf.param])

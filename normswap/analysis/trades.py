@@ -1,0 +1,198 @@
+"""Where a stream's centering may leave a table's row means: :class:`~normswap.analysis.plan.ConstantTrade`.
+
+Centering each writer of a stream alone is sufficient for exactness, not necessary: only each token's sum
+of writers must be zero-mean. A position table centered row by row moves every entry by its row's mean
+(the massive channels' share in a ViT), and a quantizer that rounds the stream before and after the table
+is added then rounds it twice (``docs/results/quantization.md``). Where a *float* writer (a bias: every
+engine keeps biases in float) or a one-token parameter (a class token) reaches exactly the tokens a block
+of the table's rows reaches, each token once, that block can keep its mean row mean and the other writer
+take it away: the table's entries move by ``|m_t − c|`` instead of ``|m_t|``, and no token's sum changes.
+
+Which tokens a writer reaches is proved numerically, in float64, on the analysis inputs: the working
+copy runs with a parameter shifted (:func:`torch.func.functional_call`, the model itself is never
+written) and the per-token mean of every norm's input is compared with the unshifted run. Ops are
+recognised by what they do to the shift, not by their names: a class token concatenated in front, a
+table sliced and added, a bias reaching every patch token, a gather by position ids all look the same.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from normswap.analysis.plan import ConstantTrade, Plan
+
+TOLERANCE = 1e-9  # the shifts are 1 or small integers: float64 rounding of the stream is ~1e-13 of them
+BIAS_KINDS = ("linear", "conv1d", "conv")
+
+
+@dataclass
+class _Slot:
+    """A centered writer parameter that could take or give a constant."""
+
+    name: str
+    axis: int
+    rows: int  # entries along the axes other than ``axis``
+    bias: bool  # a Linear/conv bias: kept in float by quantizers
+
+
+class _Prober:
+    """Per-token means of every norm's input, for the working copy run with some parameters shifted."""
+
+    def __init__(self, model: nn.Module, plan: Plan, args: tuple, kwargs: dict) -> None:
+        self.model, self.args, self.kwargs = model, args, kwargs
+        self.sites = {sp.name: len(sp.normalized_shape) for sp in plan.sites}
+        self.params = dict(model.named_parameters(remove_duplicate=False))
+        self.base = self._run({})
+
+    def _run(self, shifts: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        seen: list[torch.Tensor] = []
+        handles = []
+        for name, dims in self.sites.items():
+            def hook(mod, args, kwargs, dims=dims):  # noqa: ANN001
+                x = args[0] if args else next(iter(kwargs.values()), None)
+                if isinstance(x, torch.Tensor) and x.is_floating_point():
+                    seen.append(x.detach().mean(tuple(range(-dims, 0))).reshape(-1))
+            handles.append(self.model.get_submodule(name).register_forward_pre_hook(hook, with_kwargs=True))
+        replaced = {n: self.params[n] + d for n, d in shifts.items()}
+        try:
+            with torch.no_grad():
+                torch.func.functional_call(self.model, replaced, self.args, self.kwargs, strict=False)
+        except Exception:  # noqa: BLE001 (a model that cannot be probed gets no trade; the conversion goes on)
+            return None
+        finally:
+            for h in handles:
+                h.remove()
+        return torch.cat(seen) if seen else None
+
+    def reach(self, shifts: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        """How much each norm input token's mean moves (every call of every norm, in call order)."""
+        if self.base is None:
+            return None
+        out = self._run(shifts)
+        return None if out is None or out.shape != self.base.shape else out - self.base
+
+
+def _rows_shape(p: torch.Tensor, axis: int) -> list[int]:
+    return [n for i, n in enumerate(p.shape) if i != axis % p.dim()]
+
+
+def row_shift(p: torch.Tensor, axis: int, per_row: torch.Tensor) -> torch.Tensor:
+    """A tensor of ``p``'s shape holding ``per_row[r]`` on every feature of row ``r`` (rows: the other axes)."""
+    ax = axis % p.dim()
+    return per_row.reshape(_rows_shape(p, axis)).unsqueeze(ax).expand(p.shape).to(p.dtype)
+
+
+def _slots(model: nn.Module, plan: Plan) -> list[_Slot]:
+    """Centered writers that no other edit touches: whole-axis centering, no fold, no untie, no λ."""
+    busy = {u.source for u in plan.unties} | {f"{u.module}.{u.attr}" if u.module else u.attr for u in plan.unties}
+    busy |= {sf.param for sf in plan.scale_folds}
+    owners_busy = {sf.into for sf in plan.scale_folds} | {f.reader for f in plan.folds} \
+        | {m.into for m in plan.beta_moves} | {c.down for c in plan.mean_carries} | {b.reader for b in plan.bias_slots}
+    out = []
+    for e in plan.writer_edits:
+        if e.blocks is not None or e.target in busy or (e.owner and e.owner in owners_busy):
+            continue
+        p = model.get_parameter(e.target)
+        rows = math.prod(_rows_shape(p, e.axis))
+        out.append(_Slot(e.target, e.axis, rows, e.kind in BIAS_KINDS and p.dim() == 1))
+    return out
+
+
+def _streams(plan: Plan) -> dict[str, frozenset[str]]:
+    """The norms each centered writer writes (the analysis's stream records)."""
+    where: dict[str, set[str]] = {}
+    for sp in plan.sites:
+        for t in sp.writer_targets:
+            where.setdefault(t, set()).add(sp.name)
+    return {t: frozenset(s) for t, s in where.items()}
+
+
+def _is(values: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return (values - target).abs() <= TOLERANCE * target.abs().clamp_min(1)
+
+
+def find_trades(model: nn.Module, plan: Plan, args: tuple, kwargs: dict) -> list[ConstantTrade]:
+    """The constant trades of ``plan``'s centered writers, proved on ``model`` (the unedited float64 copy).
+
+    A *taker* is a bias or a one-row parameter whose unit shift moves each norm-input token's mean by 0 or
+    1: its reach. A *giver* is a table of several rows whose rows each reach whole tokens, each token at
+    most one row (row ids shifted by ``r+1`` and ``(r+1)²`` give back ``r`` consistently). The rows that
+    reach the taker's tokens, if they are a contiguous block and reach no other token, trade; the trade
+    itself (block +1, taker −1) must then leave every norm input's token means where they were. Takers
+    are tried biases first (a bias costs no quantizer anything), each table row at most once. Rows no token
+    read join a bias's block (a bias reaches every token of its writer, at any length, so the rows longer
+    inputs read must carry the constant too); where they cannot (the block would not be contiguous), there
+    is no trade. A resampled table (a ViT at another image size) mixes rows within the block only, with
+    weights that sum to 1, so the constant survives.
+    """
+    if not plan.writer_edits or next(model.parameters()).dtype != torch.float64:
+        return []
+    slots = _slots(model, plan)
+    streams = _streams(plan)
+    takers = sorted((s for s in slots if s.bias or s.rows == 1), key=lambda s: (not s.bias, s.name))
+    givers = [s for s in slots if not s.bias and s.rows > 1]
+    pairs = [(g, t) for g in givers for t in takers
+             if streams.get(g.name) and streams.get(g.name) == streams.get(t.name)]
+    if not pairs:
+        return []
+    prober = _Prober(model, plan, args, kwargs)
+    params = prober.params
+
+    taker_reach: dict[str, torch.Tensor | None] = {}
+    for t in {t.name: t for _, t in pairs}.values():
+        r = prober.reach({t.name: torch.ones_like(params[t.name])})
+        ok = r is not None and bool((_is(r, torch.zeros_like(r)) | _is(r, torch.ones_like(r))).all())
+        taker_reach[t.name] = (r > 0.5) if ok and bool((r > 0.5).any()) else None
+
+    trades: list[ConstantTrade] = []
+    for g in {g.name: g for g, _ in pairs}.values():
+        p = params[g.name]
+        ids = torch.arange(1, g.rows + 1, dtype=torch.float64)
+        count = prober.reach({g.name: torch.ones_like(p)})
+        first = prober.reach({g.name: row_shift(p, g.axis, ids)})
+        second = prober.reach({g.name: row_shift(p, g.axis, ids * ids)})
+        if count is None or first is None or second is None:
+            continue
+        once = _is(count, torch.ones_like(count))
+        none = _is(count, torch.zeros_like(count))
+        row = torch.where(once, first.round() - 1, torch.full_like(first, -1)).long()
+        single = once & _is(first, first.round()) & _is(second, first.round() ** 2)
+        if not bool((single | none).all()):
+            continue  # some token reads a mix of rows at these inputs: no row has tokens of its own
+        used = torch.zeros(g.rows, dtype=torch.bool)
+        unread = torch.ones(g.rows, dtype=torch.bool)  # rows no token read at these inputs
+        unread[row[once].unique()] = False
+        for t in (t for gg, t in pairs if gg.name == g.name):
+            reach = taker_reach.get(t.name)
+            if reach is None or not bool(once[reach].all()):
+                continue
+            block = torch.unique(row[reach])
+            rows_in = torch.zeros(g.rows, dtype=torch.bool)
+            rows_in[block] = True
+            if t.bias:  # a bias reaches every token of its writer's output, however many there are: longer
+                # inputs read rows these did not (a text model's later positions), so those join its block
+                rows_in |= unread & ~used
+            span = rows_in.nonzero().flatten()
+            lo, hi = int(span.min()), int(span.max()) + 1
+            if len(span) != hi - lo or bool(used[lo:hi].any()):
+                continue  # not one block of rows, or rows already traded
+            in_block = (row >= lo) & (row < hi) & once
+            if not torch.equal(in_block, reach):
+                continue  # the block's rows also reach tokens the taker does not
+            marks = torch.zeros(g.rows, dtype=torch.float64)
+            marks[lo:hi] = 1
+            check = prober.reach({g.name: row_shift(p, g.axis, marks), t.name: -torch.ones_like(params[t.name])})
+            if check is None or not bool(_is(check, torch.zeros_like(check)).all()):
+                continue
+            used[lo:hi] = True
+            what = "bias" if t.bias else "one-token parameter"
+            rows = f"row {lo}" if hi == lo + 1 else f"rows {lo}..{hi - 1}"
+            trades.append(ConstantTrade(
+                g.name, g.axis, lo, hi, t.name,
+                f"{rows} of `{g.name}` keep their mean row mean, the {what} `{t.name}` takes it away "
+                "(both reach the same tokens, each token once)"))
+    return trades
