@@ -25,7 +25,9 @@ from torch import nn
 
 from normswap.analysis.plan import ConstantTrade, Plan
 
-TOLERANCE = 1e-9  # the shifts are 1 or small integers: float64 rounding of the stream is ~1e-13 of them
+# the shifts are 1 or whole row ids: float64 rounding leaves ~1e-13 of them, a model that resamples its table in
+# float32 (transformers' DINOv2) ~1e-7; a writer that does not reach a token moves it by a whole unit
+TOLERANCE = 1e-5
 BIAS_KINDS = ("linear", "conv1d", "conv")
 
 
@@ -119,21 +121,22 @@ def find_trades(model: nn.Module, plan: Plan, args: tuple, kwargs: dict) -> list
     """The constant trades of ``plan``'s centered writers, proved on ``model`` (the unedited float64 copy).
 
     A *taker* is a bias or a one-row parameter whose unit shift moves each norm-input token's mean by 0 or
-    1: its reach. A *giver* is a table of several rows whose rows each reach whole tokens, each token at
-    most one row (row ids shifted by ``r+1`` and ``(r+1)²`` give back ``r`` consistently). The rows that
-    reach the taker's tokens, if they are a contiguous block and reach no other token, trade; the trade
-    itself (block +1, taker −1) must then leave every norm input's token means where they were. Takers
-    are tried biases first (a bias costs no quantizer anything), each table row at most once. Rows no token
-    read join a bias's block (a bias reaches every token of its writer, at any length, so the rows longer
-    inputs read must carry the constant too); where they cannot (the block would not be contiguous), there
-    is no trade. A resampled table (a ViT at another image size) mixes rows within the block only, with
-    weights that sum to 1, so the constant survives.
+    1: its reach. A *giver* is a table of several rows, each token reading rows with weights that sum to 0
+    or 1 (a slice, a gather by position ids, a bicubic resampling). A block of the giver's rows is proposed
+    for each taker, one-token takers first (the class token, which reads its own row: row ids shifted by
+    ``r+1`` and ``(r+1)²`` give back one ``r`` at its token), then each bias: the rows its tokens read
+    where each reads one row, with the rows no token read (a bias reaches every token of its writer at
+    any length, so the rows longer inputs read must carry the constant too), or else every row no other
+    taker holds (a resampled grid reads a mix of them). A proposal is a trade only when the trade itself
+    (block +1, taker −1) leaves every norm input's token means where they were: the proof, whatever the
+    proposal's reasoning. So the trades do not depend on the inputs' shape: a ViT traced at another
+    image size reads a resampled table and gets the same trades.
     """
     if not plan.writer_edits or next(model.parameters()).dtype != torch.float64:
         return []
     slots = _slots(model, plan)
     streams = _streams(plan)
-    takers = sorted((s for s in slots if s.bias or s.rows == 1), key=lambda s: (not s.bias, s.name))
+    takers = sorted((s for s in slots if s.bias or s.rows == 1), key=lambda s: (s.bias, s.name))
     givers = [s for s in slots if not s.bias and s.rows > 1]
     pairs = [(g, t) for g in givers for t in takers
              if streams.get(g.name) and streams.get(g.name) == streams.get(t.name)]
@@ -158,41 +161,45 @@ def find_trades(model: nn.Module, plan: Plan, args: tuple, kwargs: dict) -> list
         if count is None or first is None or second is None:
             continue
         once = _is(count, torch.ones_like(count))
-        none = _is(count, torch.zeros_like(count))
-        row = torch.where(once, first.round() - 1, torch.full_like(first, -1)).long()
-        single = once & _is(first, first.round()) & _is(second, first.round() ** 2)
-        if not bool((single | none).all()):
-            continue  # some token reads a mix of rows at these inputs: no row has tokens of its own
+        if not bool((once | _is(count, torch.zeros_like(count))).all()):
+            continue  # some token reads the table with weights that do not sum to 0 or 1
+        single = once & _is(first, first.round()) & _is(second, first.round() ** 2)  # reads one row
+        row = torch.where(single, first.round() - 1, torch.full_like(first, -1)).long()
+        unread = torch.ones(g.rows, dtype=torch.bool)  # rows no token read alone at these inputs
+        unread[row[single].unique()] = False
+        if not bool(single[once].all()):
+            unread[:] = False  # some rows are read in mixes: which is unknown, so none is "unread"
         used = torch.zeros(g.rows, dtype=torch.bool)
-        unread = torch.ones(g.rows, dtype=torch.bool)  # rows no token read at these inputs
-        unread[row[once].unique()] = False
         for t in (t for gg, t in pairs if gg.name == g.name):
             reach = taker_reach.get(t.name)
             if reach is None or not bool(once[reach].all()):
                 continue
-            block = torch.unique(row[reach])
-            rows_in = torch.zeros(g.rows, dtype=torch.bool)
-            rows_in[block] = True
-            if t.bias:  # a bias reaches every token of its writer's output, however many there are: longer
-                # inputs read rows these did not (a text model's later positions), so those join its block
-                rows_in |= unread & ~used
-            span = rows_in.nonzero().flatten()
-            lo, hi = int(span.min()), int(span.max()) + 1
-            if len(span) != hi - lo or bool(used[lo:hi].any()):
-                continue  # not one block of rows, or rows already traded
-            in_block = (row >= lo) & (row < hi) & once
-            if not torch.equal(in_block, reach):
-                continue  # the block's rows also reach tokens the taker does not
-            marks = torch.zeros(g.rows, dtype=torch.float64)
-            marks[lo:hi] = 1
-            check = prober.reach({g.name: row_shift(p, g.axis, marks), t.name: -torch.ones_like(params[t.name])})
-            if check is None or not bool(_is(check, torch.zeros_like(check)).all()):
-                continue
-            used[lo:hi] = True
-            what = "bias" if t.bias else "one-token parameter"
-            rows = f"row {lo}" if hi == lo + 1 else f"rows {lo}..{hi - 1}"
-            trades.append(ConstantTrade(
-                g.name, g.axis, lo, hi, t.name,
-                f"{rows} of `{g.name}` keep their mean row mean, the {what} `{t.name}` takes it away "
-                "(both reach the same tokens, each token once)"))
-    return trades
+            proposals = []
+            if bool(single[reach].all()):
+                rows_in = torch.zeros(g.rows, dtype=torch.bool)
+                rows_in[row[reach].unique()] = True
+                proposals.append(rows_in | (unread & ~used) if t.bias else rows_in)
+            if t.bias:
+                proposals.append(~used)
+            for rows_in in proposals:
+                span = rows_in.nonzero().flatten()
+                if not len(span):
+                    continue
+                lo, hi = int(span.min()), int(span.max()) + 1
+                if len(span) != hi - lo or bool(used[lo:hi].any()):
+                    continue  # not one block of rows, or rows already traded
+                marks = torch.zeros(g.rows, dtype=torch.float64)
+                marks[lo:hi] = 1
+                check = prober.reach({g.name: row_shift(p, g.axis, marks),
+                                      t.name: -torch.ones_like(params[t.name])})
+                if check is None or not bool(_is(check, torch.zeros_like(check)).all()):
+                    continue
+                used[lo:hi] = True
+                rows = f"row {lo}" if hi == lo + 1 else f"rows {lo}..{hi - 1}"
+                what = "bias" if t.bias else "one-token parameter"
+                trades.append(ConstantTrade(
+                    g.name, g.axis, lo, hi, t.name,
+                    f"{rows} of `{g.name}` keep their mean row mean, the {what} `{t.name}` takes it away "
+                    "(both reach the same tokens, each token once)"))
+                break
+    return sorted(trades, key=lambda t: (t.table, t.lo))

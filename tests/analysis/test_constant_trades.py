@@ -199,12 +199,14 @@ def test_planning_probes_without_writing_the_model():
 
 
 class _Tokens(nn.Module):
-    """A custom encoder: a Linear input projection plus a learned position table (``mix``: each token reads
-    the mean of two neighbouring rows instead of one), then two Pre-LN blocks and a final norm."""
+    """A custom encoder: a Linear input projection plus a learned position table, then two Pre-LN blocks and a
+    final norm. ``read``: how each token reads the table: its own row (``"row"``), the mean of two
+    neighbouring rows (``"mixed"``: weights that sum to 1, as a resampled grid's), or half its row
+    (``"halved"``: a constant in the table reaches the token at half strength, so no bias can take it)."""
 
-    def __init__(self, mix: bool) -> None:
+    def __init__(self, read: str) -> None:
         super().__init__()
-        self.mix = mix
+        self.read = read
         self.proj = nn.Linear(6, 16)
         self.pos = nn.Parameter(torch.randn(1, 12, 16) + 0.5 + torch.randn(1, 12, 1) * 0.1)
         self.norms = nn.ModuleList(nn.LayerNorm(16) for _ in range(3))
@@ -213,22 +215,26 @@ class _Tokens(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         t = x.shape[1]
-        pos = (self.pos[:, :t] + self.pos[:, 1:t + 1]) / 2 if self.mix else self.pos[:, :t]
+        pos = self.pos[:, :t]
+        if self.read == "mixed":
+            pos = (pos + self.pos[:, 1:t + 1]) / 2
+        elif self.read == "halved":
+            pos = pos * 0.5
         h = self.proj(x) + pos
         for norm, fc in zip(self.norms, self.fcs, strict=False):
             h = h + fc(norm(h))
         return self.head(self.norms[-1](h))
 
 
-@pytest.mark.parametrize("mix", [False, True])
-def test_a_custom_model_trades_only_where_each_token_reads_one_row(mix):
+@pytest.mark.parametrize("read", ["row", "mixed", "halved"])
+def test_a_custom_model_trades_where_every_token_reads_the_table_with_weights_summing_to_one(read):
     torch.manual_seed(0)
-    model = zoo.randomise(_Tokens(mix), 0)
+    model = zoo.randomise(_Tokens(read), 0)
     x = torch.randn(3, 8, 6, dtype=torch.float64)
     trades = normswap.plan(model, (x,)).constant_trades
-    if mix:
-        assert trades == []  # rows mixed: no block of rows has tokens of its own
-    else:  # every row (the 8 the tokens read, and those longer inputs read) keeps the mean row mean; the
+    if read == "halved":
+        assert trades == []
+    else:  # every row (those the 8 tokens read, and those longer inputs read) keeps the mean row mean; the
         # projection's bias takes it
         assert [(t.table, t.lo, t.hi, t.into) for t in trades] == [("pos", 0, 12, "proj.bias")]
     conv = copy.deepcopy(model)
