@@ -546,7 +546,8 @@ def analyse_copy(work: nn.Module, args: tuple, kwargs: dict, opts: ConvertOption
         if keep:
             plan = planned(keep)
     # where the centering may leave a table's row means (a proof by probing the unedited copy, in float64)
-    plan.constant_trades = trades.find_trades(work, plan, args, kwargs) if opts.trade_constants else []
+    plan.constant_trades = trades.find_trades(work, plan, args, kwargs, lambda: same_draws(work)) \
+        if opts.trade_constants else []
     plan.skipped = [{"name": s.path, "class": s.class_name, "reason": s.reason} for s in found.skipped]
     plan.options["already_converted"] = bool(found.converted) and not found.sites
     return _Analysis(plan, {s.path: s for s in found.sites}, graph, args, kwargs, dict(graph.held_casts),

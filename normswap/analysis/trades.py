@@ -17,7 +17,10 @@ table sliced and added, a bias reaching every patch token, a gather by position 
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import torch
@@ -44,8 +47,9 @@ class _Slot:
 class _Prober:
     """Per-token means of every norm's input, for the working copy run with some parameters shifted."""
 
-    def __init__(self, model: nn.Module, plan: Plan, args: tuple, kwargs: dict) -> None:
-        self.model, self.args, self.kwargs = model, args, kwargs
+    def __init__(self, model: nn.Module, plan: Plan, args: tuple, kwargs: dict,
+                 draws: Callable[[], AbstractContextManager]) -> None:
+        self.model, self.args, self.kwargs, self.draws = model, args, kwargs, draws
         self.sites = {sp.name: len(sp.normalized_shape) for sp in plan.sites}
         self.params = dict(model.named_parameters(remove_duplicate=False))
         self.base = self._run({})
@@ -61,7 +65,7 @@ class _Prober:
             handles.append(self.model.get_submodule(name).register_forward_pre_hook(hook, with_kwargs=True))
         replaced = {n: self.params[n] + d for n, d in shifts.items()}
         try:
-            with torch.no_grad():
+            with torch.no_grad(), self.draws():  # a model that draws in eval mode (ViT-MAE) draws alike
                 torch.func.functional_call(self.model, replaced, self.args, self.kwargs, strict=False)
         except Exception:  # noqa: BLE001 (a model that cannot be probed gets no trade; the conversion goes on)
             return None
@@ -117,7 +121,8 @@ def _is(values: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return (values - target).abs() <= TOLERANCE * target.abs().clamp_min(1)
 
 
-def find_trades(model: nn.Module, plan: Plan, args: tuple, kwargs: dict) -> list[ConstantTrade]:
+def find_trades(model: nn.Module, plan: Plan, args: tuple, kwargs: dict,
+                draws: Callable[[], AbstractContextManager] = contextlib.nullcontext) -> list[ConstantTrade]:
     """The constant trades of ``plan``'s centered writers, proved on ``model`` (the unedited float64 copy).
 
     A *taker* is a bias or a one-row parameter whose unit shift moves each norm-input token's mean by 0 or
@@ -130,7 +135,9 @@ def find_trades(model: nn.Module, plan: Plan, args: tuple, kwargs: dict) -> list
     taker holds (a resampled grid reads a mix of them). A proposal is a trade only when the trade itself
     (block +1, taker −1) leaves every norm input's token means where they were: the proof, whatever the
     proposal's reasoning. So the trades do not depend on the inputs' shape: a ViT traced at another
-    image size reads a resampled table and gets the same trades.
+    image size reads a resampled table and gets the same trades. ``draws``: a context every probe runs in,
+    which seeds the model's random draws alike each time and restores the caller's
+    (:func:`normswap.surgery.verify.same_draws`).
     """
     if not plan.writer_edits or next(model.parameters()).dtype != torch.float64:
         return []
@@ -142,7 +149,7 @@ def find_trades(model: nn.Module, plan: Plan, args: tuple, kwargs: dict) -> list
              if streams.get(g.name) and streams.get(g.name) == streams.get(t.name)]
     if not pairs:
         return []
-    prober = _Prober(model, plan, args, kwargs)
+    prober = _Prober(model, plan, args, kwargs, draws)
     params = prober.params
 
     taker_reach: dict[str, torch.Tensor | None] = {}
