@@ -8,7 +8,8 @@ engine keeps biases in float) or a one-token parameter (a class token) reaches e
 of the table's rows reaches, each token once, that block can keep its mean row mean and the other writer
 take it away: the table's entries move by ``|m_t − c|`` instead of ``|m_t|``, and no token's sum changes.
 
-Which tokens a writer reaches is proved numerically, in float64, on the analysis inputs: the working
+Which tokens a writer reaches is proved numerically, in the working copy's float64 (float32 where a float64
+copy does not fit), on the analysis inputs: the working
 copy runs with a parameter shifted (:func:`torch.func.functional_call`, the model itself is never
 written) and the per-token mean of every norm's input is compared with the unshifted run. Ops are
 recognised by what they do to the shift, not by their names: a class token concatenated in front, a
@@ -29,8 +30,9 @@ from torch import nn
 from normswap.analysis.plan import ConstantTrade, Plan
 
 # the shifts are 1 or whole row ids: float64 rounding leaves ~1e-13 of them, a model that resamples its table in
-# float32 (transformers' DINOv2) ~1e-7; a writer that does not reach a token moves it by a whole unit
-TOLERANCE = 1e-5
+# float32 (transformers' DINOv2) ~1e-7, a float32 working copy (a model too big for a float64 one) ~1e-5; a
+# writer that does not reach a token moves it by a whole unit, a wrong trade by a mix weight (≳ 0.01)
+TOLERANCE = {torch.float64: 1e-5, torch.float32: 1e-3}
 BIAS_KINDS = ("linear", "conv1d", "conv")
 
 
@@ -118,12 +120,13 @@ def _streams(plan: Plan) -> dict[str, frozenset[str]]:
 
 
 def _is(values: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return (values - target).abs() <= TOLERANCE * target.abs().clamp_min(1)
+    return (values - target).abs() <= TOLERANCE[values.dtype] * target.abs().clamp_min(1)
 
 
 def find_trades(model: nn.Module, plan: Plan, args: tuple, kwargs: dict,
                 draws: Callable[[], AbstractContextManager] = contextlib.nullcontext) -> list[ConstantTrade]:
-    """The constant trades of ``plan``'s centered writers, proved on ``model`` (the unedited float64 copy).
+    """The constant trades of ``plan``'s centered writers, proved on ``model`` (the unedited working copy:
+    float64, or float32 where a float64 copy does not fit, at a looser tolerance).
 
     A *taker* is a bias or a one-row parameter whose unit shift moves each norm-input token's mean by 0 or
     1: its reach. A *giver* is a table of several rows, each token reading rows with weights that sum to 0
@@ -139,7 +142,7 @@ def find_trades(model: nn.Module, plan: Plan, args: tuple, kwargs: dict,
     which seeds the model's random draws alike each time and restores the caller's
     (:func:`normswap.surgery.verify.same_draws`).
     """
-    if not plan.writer_edits or next(model.parameters()).dtype != torch.float64:
+    if not plan.writer_edits or next(model.parameters()).dtype not in TOLERANCE:
         return []
     slots = _slots(model, plan)
     streams = _streams(plan)

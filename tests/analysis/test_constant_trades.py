@@ -191,6 +191,13 @@ def test_compat_and_native_checkpoints_keep_the_trade(converted, tmp_path):
     assert plan is not None and len(plan.constant_trades) == 2
 
 
+def test_a_float32_working_copy_proves_the_same_trades():
+    """A model too big for a float64 copy is analysed in float32: the trades must not depend on that."""
+    model = _build("deit").float()
+    in_64, in_32 = normswap.plan(model).constant_trades, normswap.plan(model, verify_dtype="float32").constant_trades
+    assert in_32 == in_64 and len(in_64) == 3
+
+
 def test_planning_probes_without_writing_the_model():
     model = _build("vit")
     before = {k: v.clone() for k, v in model.state_dict().items()}
