@@ -46,7 +46,10 @@ def test_conv_patch_embedding_cls_token_and_position_parameter():
                           torch.randn(4, 3, 32, 32, dtype=torch.float64))
     targets = {e.target for e in report.plan.writer_edits}
     assert {"patch.weight", "patch.bias", "cls", "pos"} <= targets
-    assert abs(float(model.cls.detach().sum())) < 1e-12  # raw Parameter writers are centered too
+    # raw Parameter writers are centered too: the class token together with its position row (the row keeps
+    # its mean, the class token takes it away: a constant trade), the patch rows with the conv's bias
+    assert {(t.table, t.into) for t in report.plan.constant_trades} == {("pos", "cls"), ("pos", "patch.bias")}
+    assert abs(float((model.cls + model.pos[:, :1]).detach().sum())) < 1e-12
 
 
 def test_norm_flavours_wrapper_offset_non_affine_multidim():
