@@ -34,6 +34,7 @@ from normswap.analysis.plan import ConstantTrade, Plan
 # writer that does not reach a token moves it by a whole unit, a wrong trade by a mix weight (≳ 0.01)
 TOLERANCE = {torch.float64: 1e-5, torch.float32: 1e-3}
 BIAS_KINDS = ("linear", "conv1d", "conv")
+TABLE_KINDS = ("param", "embedding")
 
 
 @dataclass
@@ -44,40 +45,75 @@ class _Slot:
     axis: int
     rows: int  # entries along the axes other than ``axis``
     bias: bool  # a Linear/conv bias: kept in float by quantizers
+    table: bool  # a parameter or embedding table the stream reads rows of (a weight's output depends on data)
+
+
+class _Enough(Exception):
+    """Raised inside a probe's forward once the norm inputs it needs are recorded (the rest need not run)."""
 
 
 class _Prober:
-    """Per-token means of every norm's input, for the working copy run with some parameters shifted."""
+    """Per-token means at the first norm each stream reaches, for the working copy run with some parameters
+    shifted.
+
+    The first norm a stream reaches is enough: every shift probed is one number per token (the same on every
+    feature), and a LayerNorm ignores such a shift, so the layers after it see the same inputs and each later
+    norm of the stream sees the shift exactly as it was, or mixed over tokens by ops the analysis proved keep
+    token means (a trade that leaves every token's mean alone at the first norm leaves it alone everywhere).
+    So each probe runs the model only up to that norm's last call; the verification of the whole conversion
+    checks every norm's input afterwards."""
 
     def __init__(self, model: nn.Module, plan: Plan, args: tuple, kwargs: dict,
-                 draws: Callable[[], AbstractContextManager]) -> None:
+                 draws: Callable[[], AbstractContextManager], streams: list[frozenset[str]]) -> None:
         self.model, self.args, self.kwargs, self.draws = model, args, kwargs, draws
         self.sites = {sp.name: len(sp.normalized_shape) for sp in plan.sites}
         self.params = dict(model.named_parameters(remove_duplicate=False))
-        self.base = self._run({})
+        self.keep: set[str] = set(self.sites)
+        self.until: int | None = None
+        self.streams = streams  # the plain run stops once each stream's first norm was called
+        order = self._run({}, calls=True)
+        self.base = None
+        if order is None:
+            return
+        firsts = {next((name for name, _ in order if name in stream), None) for stream in streams} - {None}
+        if not firsts:
+            return
+        self.keep = set(firsts)
+        self.until = max(i for i, (name, _) in enumerate(order) if name in self.keep)
+        self.base = torch.cat([m for name, m in order if name in self.keep])
 
-    def _run(self, shifts: dict[str, torch.Tensor]) -> torch.Tensor | None:
-        seen: list[torch.Tensor] = []
+    def _run(self, shifts: dict[str, torch.Tensor], calls: bool = False):  # noqa: ANN202
+        seen: list[tuple[str, torch.Tensor]] = []
+        count = [0]
         handles = []
         for name, dims in self.sites.items():
-            def hook(mod, args, kwargs, dims=dims):  # noqa: ANN001
+            def hook(mod, args, kwargs, name=name, dims=dims):  # noqa: ANN001
                 x = args[0] if args else next(iter(kwargs.values()), None)
-                if isinstance(x, torch.Tensor) and x.is_floating_point():
-                    seen.append(x.detach().mean(tuple(range(-dims, 0))).reshape(-1))
+                if name in self.keep and isinstance(x, torch.Tensor) and x.is_floating_point():
+                    seen.append((name, x.detach().mean(tuple(range(-dims, 0))).reshape(-1)))
+                if self.until is not None and count[0] >= self.until:
+                    raise _Enough
+                if self.until is None and all(any(n in stream for n, _ in seen) for stream in self.streams):
+                    raise _Enough  # the plain run: every stream's first norm is known
+                count[0] += 1
             handles.append(self.model.get_submodule(name).register_forward_pre_hook(hook, with_kwargs=True))
         replaced = {n: self.params[n] + d for n, d in shifts.items()}
         try:
             with torch.no_grad(), self.draws():  # a model that draws in eval mode (ViT-MAE) draws alike
                 torch.func.functional_call(self.model, replaced, self.args, self.kwargs, strict=False)
+        except _Enough:
+            pass
         except Exception:  # noqa: BLE001 (a model that cannot be probed gets no trade; the conversion goes on)
             return None
         finally:
             for h in handles:
                 h.remove()
-        return torch.cat(seen) if seen else None
+        if calls:
+            return seen
+        return torch.cat([m for _, m in seen]) if seen else None
 
     def reach(self, shifts: dict[str, torch.Tensor]) -> torch.Tensor | None:
-        """How much each norm input token's mean moves (every call of every norm, in call order)."""
+        """How much each token's mean moves at the first norm of each stream (every call, in call order)."""
         if self.base is None:
             return None
         out = self._run(shifts)
@@ -106,7 +142,7 @@ def _slots(model: nn.Module, plan: Plan) -> list[_Slot]:
             continue
         p = model.get_parameter(e.target)
         rows = math.prod(_rows_shape(p, e.axis))
-        out.append(_Slot(e.target, e.axis, rows, e.kind in BIAS_KINDS and p.dim() == 1))
+        out.append(_Slot(e.target, e.axis, rows, e.kind in BIAS_KINDS and p.dim() == 1, e.kind in TABLE_KINDS))
     return out
 
 
@@ -146,13 +182,13 @@ def find_trades(model: nn.Module, plan: Plan, args: tuple, kwargs: dict,
         return []
     slots = _slots(model, plan)
     streams = _streams(plan)
-    takers = sorted((s for s in slots if s.bias or s.rows == 1), key=lambda s: (s.bias, s.name))
-    givers = [s for s in slots if not s.bias and s.rows > 1]
+    takers = sorted((s for s in slots if s.bias or (s.table and s.rows == 1)), key=lambda s: (s.bias, s.name))
+    givers = [s for s in slots if s.table and s.rows > 1]
     pairs = [(g, t) for g in givers for t in takers
              if streams.get(g.name) and streams.get(g.name) == streams.get(t.name)]
     if not pairs:
         return []
-    prober = _Prober(model, plan, args, kwargs, draws)
+    prober = _Prober(model, plan, args, kwargs, draws, [streams[g.name] for g, _ in pairs])
     params = prober.params
 
     taker_reach: dict[str, torch.Tensor | None] = {}
