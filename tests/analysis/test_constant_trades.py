@@ -43,12 +43,19 @@ def _dinov2_registers() -> tuple[type, tf.PretrainedConfig]:
         num_register_tokens=2)
 
 
+def _beit_absolute() -> tuple[type, tf.PretrainedConfig]:
+    return tf.BeitModel, tf.BeitConfig(image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=2,
+                                       num_attention_heads=4, intermediate_size=64, use_mean_pooling=False,
+                                       use_absolute_position_embeddings=True)
+
+
 BUILDERS = {
     "dinov2": zoo.MORE["dinov2"][0],
     "dinov2-registers": _dinov2_registers,
     "vit": zoo.EXACT["vit"],
     "deit": zoo.MORE["deit"][0],
     "clip-vision": zoo.EXACT["clip-vision"],
+    "beit-absolute": _beit_absolute,
     "gpt2": zoo.EXACT["gpt2"],
 }
 # the trades each model gets: (first row, end row, taker's last name part); every token's sum zero-mean
@@ -58,6 +65,7 @@ EXPECTED = {
     "vit": {(0, 1, "cls_token"), (1, 17, "bias")},
     "deit": {(0, 1, "cls_token"), (1, 2, "distillation_token"), (2, 18, "bias")},
     "clip-vision": {(0, 1, "class_embedding")},  # its patch convolution has no bias: the patch rows stay centered
+    "beit-absolute": {(0, 1, "cls_token"), (1, 17, "bias")},
     "gpt2": set(),  # wte + wpe: no float writer reaches every token (see docs/concepts.md)
 }
 
@@ -75,7 +83,7 @@ def _inputs(name: str, model: nn.Module, size: int | None = None) -> dict:
     size = size or model.config.image_size
     kw = {"pixel_values": torch.randn(2, 3, size, size + 8 * (size != model.config.image_size), generator=g,
                                       dtype=torch.float64)}
-    if name in ("vit", "deit", "clip-vision"):
+    if name in ("vit", "deit", "clip-vision", "beit-absolute"):
         kw["interpolate_pos_encoding"] = True
     return kw
 
