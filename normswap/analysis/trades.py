@@ -136,11 +136,12 @@ def _slots(model: nn.Module, plan: Plan) -> list[_Slot]:
     busy |= {sf.param for sf in plan.scale_folds}
     owners_busy = {sf.into for sf in plan.scale_folds} | {f.reader for f in plan.folds} \
         | {m.into for m in plan.beta_moves} | {c.down for c in plan.mean_carries} | {b.reader for b in plan.bias_slots}
+    params = dict(model.named_parameters(remove_duplicate=False))
     out = []
     for e in plan.writer_edits:
-        if e.blocks is not None or e.target in busy or (e.owner and e.owner in owners_busy):
+        if e.blocks is not None or e.target in busy or (e.owner and e.owner in owners_busy) or e.target not in params:
             continue
-        p = model.get_parameter(e.target)
+        p = params[e.target]
         rows = math.prod(_rows_shape(p, e.axis))
         out.append(_Slot(e.target, e.axis, rows, e.kind in BIAS_KINDS and p.dim() == 1, e.kind in TABLE_KINDS))
     return out
