@@ -8,12 +8,13 @@ engine keeps biases in float) or a one-token parameter (a class token) reaches e
 of the table's rows reaches, each token once, that block can keep its mean row mean and the other writer
 take it away: the table's entries move by ``|m_t − c|`` instead of ``|m_t|``, and no token's sum changes.
 
-Which tokens a writer reaches is proved numerically, in the working copy's float64 (float32 where a float64
-copy does not fit), on the analysis inputs: the working
-copy runs with a parameter shifted (:func:`torch.func.functional_call`, the model itself is never
-written) and the per-token mean of every norm's input is compared with the unshifted run. Ops are
-recognised by what they do to the shift, not by their names: a class token concatenated in front, a
-table sliced and added, a bias reaching every patch token, a gather by position ids all look the same.
+Which tokens a writer reaches is proved numerically on the analysis inputs, in the working copy's float64
+(float32 where a float64 copy does not fit): the copy runs with a parameter shifted
+(:func:`torch.func.functional_call`: the model itself is never written) up to the first norm of the
+stream, and the per-token mean of that norm's input is compared with the unshifted run (:class:`_Prober`
+says why the first norm is enough). Ops are recognised by what they do to the shift, not by their names: a
+class token concatenated in front, a table sliced and added, a bias reaching every patch token, a gather
+by position ids, a bicubic resampling of the grid all look the same.
 """
 
 from __future__ import annotations
@@ -173,9 +174,10 @@ def find_trades(model: nn.Module, plan: Plan, args: tuple, kwargs: dict,
     where each reads one row, with the rows no token read (a bias reaches every token of its writer at
     any length, so the rows longer inputs read must carry the constant too), or else every row no other
     taker holds (a resampled grid reads a mix of them). A proposal is a trade only when the trade itself
-    (block +1, taker −1) leaves every norm input's token means where they were: the proof, whatever the
-    proposal's reasoning. So the trades do not depend on the inputs' shape: a ViT traced at another
-    image size reads a resampled table and gets the same trades. ``draws``: a context every probe runs in,
+    (block +1, taker −1) leaves the token means at the stream's first norm where they were (see
+    :class:`_Prober`): the proof, whatever the proposal's reasoning. So the trades do not depend on the
+    inputs' shape: a ViT traced at another image size reads a resampled table and gets the same trades.
+    ``draws``: a context every probe runs in,
     which seeds the model's random draws alike each time and restores the caller's
     (:func:`normswap.surgery.verify.same_draws`).
     """
