@@ -17,9 +17,9 @@ import torch
 import transformers as tf
 
 import normswap
+from normswap.analysis.plan import MeanCarry
 from normswap.inputs import hf_example_inputs
 from normswap.pipeline import default_dtype
-from normswap.analysis.plan import MeanCarry
 from normswap.surgery.edits import carried
 from normswap.surgery.verify import compare
 from tests.zoo import APPROXIMATE, LLM, build, randomise
