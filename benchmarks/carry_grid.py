@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> None:
         rounding = abs(round(old / step) * step - old) / old
         rms = float(w.pow(2).mean().sqrt())
         print(f"| {name.split('.')[2]} | {float(w.abs().max()) / rms:.0f} | {float(peaks.min()) / step:.2f} "
-              f"| {old / step:.2f} | {rounding:.0%} | {new / step:.0f} "
+              f"| {old / step:.2f} | {rounding:.0%} | {new / step:.2f} "
               f"| {1 / (old * d) / ustep:.2f} → {1 / (new * d) / ustep:.2f} | {row_share:.2f} "
               f"| {1 / (d * step * ustep):.2f} |")
 

@@ -271,8 +271,44 @@ class MeanCarry:
         if longest <= 0:
             return 1.0 / (k_most * step)
         # s = 1/(k·step) with s/√d <= share·longest  <=>  k >= 1/(√d·share·longest·step)
-        k_fewest = math.ceil(1 / (math.sqrt(d) * MeanCarry.ROW_NORM_SHARE * longest * step) * (1 - 1e-12))
-        return 1.0 / (max(1, min(k_most, k_fewest)) * step)
+        x_row = math.sqrt(d) * MeanCarry.ROW_NORM_SHARE * longest * step  # the row limit, as s·step
+        k = max(1, min(k_most, math.ceil(1 / x_row * (1 - 1e-12))))
+        u_peak = float(up_weight.detach().abs().max().float())
+        if u_peak <= 0:
+            return 1.0 / (k * step)
+        return MeanCarry._widest(1.0 / k, x_row, d * step * u_peak / 127) / step
+
+    # the relative margin kept from a per-tensor rounding boundary (the quantizers' float32 steps, the
+    # conversion's centered readers moving ``up``'s range by a few %)
+    GAIN_MARGIN = 0.03
+
+    @staticmethod
+    def _widest(x0: float, x_row: float, inv_p: float) -> float:
+        """The largest ``x = s·step_down`` in ``[x0, x_row]`` whose carry gain after per-tensor rounding is no
+        further from 1 than at ``x0`` (the whole-step choice), with :attr:`GAIN_MARGIN` from every boundary.
+
+        After per-tensor rounding of both matrices the carry's gain is ``round(P·x)·round(1/x)/P``
+        (``P = 1/inv_p = 1/(d·step_down·step_up)``: ``up``'s entries ``s/d`` are ``P·x`` steps, ``down``'s
+        ``1/s`` are ``1/x``), piecewise constant in ``x``. Within a piece a larger ``s`` costs per tensor
+        nothing and spans more of the intermediate's uint8 steps, whose rounding the carry returns times
+        ``1/s`` in the mean direction the RMSNorm keeps (the per-channel grid's largest cost, where ``down``'s
+        whole steps are no longer exact anyway).
+        """
+        def gain_error(x: float) -> float:
+            return abs(round(x / inv_p) * round(1 / x) * inv_p - 1)
+
+        def safe(x: float) -> float:
+            return max(gain_error(x * f) for f in (1 - MeanCarry.GAIN_MARGIN, 1.0, 1 + MeanCarry.GAIN_MARGIN))
+
+        if x_row <= x0:
+            return x0
+        allowed = safe(x0) + 1e-9
+        best, steps = x0, 256
+        for i in range(1, steps + 1):
+            x = x0 * (x_row / x0) ** (i / steps)
+            if safe(x) <= allowed:
+                best = x
+        return best
 
 
 @dataclass

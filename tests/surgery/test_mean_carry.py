@@ -17,8 +17,10 @@ import torch
 import transformers as tf
 
 import normswap
+from normswap.analysis.plan import MeanCarry
 from normswap.inputs import hf_example_inputs
 from normswap.pipeline import default_dtype
+from normswap.surgery.edits import carried
 from normswap.surgery.verify import compare
 from tests.zoo import APPROXIMATE, LLM, build, randomise
 
@@ -181,12 +183,18 @@ def _int8_per_tensor(w: torch.Tensor) -> torch.Tensor:
     return torch.round(w / step).clamp(-127, 127) * step
 
 
-def test_carry_columns_sit_on_the_int8_grid_and_set_no_rows_weight_scale():
-    """The carry neurons' down-projection columns are ``∓1/s`` with ``1/s`` a whole number of per-tensor int8
-    steps of the real columns (``max|w|/127``), so per-tensor quantization keeps them exactly and the
-    FFN-output norm's input stays zero-mean; and ``1/s`` is no larger than any row's own largest weight, so
-    per-output-channel quantization sees the same row scales as the unwidened MLP. The replica's FFN output
-    dense has an all-mpnet-like outlier (one weight ~60x the rms), where a power-of-two ``1/s`` is off the grid."""
+def _per_tensor_gain(up: torch.Tensor, down: torch.Tensor, c) -> float:
+    """The carry's gain ``s·(1/s)`` after per-tensor int8 rounding of both matrices (1 in float)."""
+    return float(_int8_per_tensor(up)[c.hidden, 0] * c.features * -_int8_per_tensor(down)[0, c.hidden])
+
+
+def test_carry_columns_keep_their_per_tensor_gain_and_set_no_rows_weight_scale():
+    """After per-tensor int8 rounding of both matrices (ONNX Runtime ``quantize_dynamic``'s weights: step
+    ``max|w|/127``) the carry's gain (``up`` entry times ``d`` times ``down`` entry: 1 in float) is as close to 1
+    as with ``1/s`` a whole number of ``down``'s steps, which per-tensor quantization keeps exactly; and
+    ``1/s`` is no larger than any row's own largest weight, so per-output-channel quantization sees the same
+    row scales as the unwidened MLP. The replica's FFN output dense has an all-mpnet-like outlier (one
+    weight ~60x the rms), where a power-of-two ``1/s`` is off the grid."""
     model = build(APPROXIMATE, "bert")
     with torch.no_grad():  # a trained-like spread: rows that peak well below 1, one outlier weight
         for i, layer in enumerate(model.bert.encoder.layer):
@@ -209,15 +217,58 @@ def test_carry_columns_sit_on_the_int8_grid_and_set_no_rows_weight_scale():
         torch.testing.assert_close(up[c.hidden], torch.full_like(up[0], 1 / (col * c.features)))
         torch.testing.assert_close(up[c.hidden + 1], -up[c.hidden])
         assert c.hidden + c.added > c.hidden + 2 and not down[:, c.hidden + 2:].any()  # padding neurons: zero
-        k = col / step  # a whole number of steps, within every row's peak
-        assert abs(k - round(k)) < 1e-5 and round(k) >= 1, k
-        assert col <= max(float(peaks.min()), step) * (1 + 1e-6)
-        # per tensor, the carry survives quantization: the quantized columns still multiply to 1
-        q = _int8_per_tensor(down)
-        assert torch.allclose(q[:, c.hidden] * -up[c.hidden, 0] * c.features, torch.ones_like(q[:, 0]), rtol=1e-6)
-        # the choice before (1/s the power of two at most the row minimum) was off that grid by far more
+        assert col <= max(float(peaks.min()), step) * (1 + 1e-6)  # within every row's peak
+        # per tensor, the carry keeps its gain as well as whole steps of down would
+        whole = copy.deepcopy(c)
+        whole.scale = 1 / (max(1, round(col / step)) * step) if col >= step else 1 / step
+        wide_up, wide_down = (carried(t, whole, which) for t, which in
+                              ((up[:c.hidden], "up.weight"), (real, "down.weight")))
+        assert abs(_per_tensor_gain(up, down, c) - 1) <= abs(_per_tensor_gain(wide_up, wide_down, whole) - 1) + 1e-6
+        # the choice before (1/s the power of two at most the row minimum) was off down's grid by far more
         old = 2.0 ** -torch.ceil(-torch.log2(peaks.min())).item()
         assert abs(old / step - round(old / step)) * step / old > 1e-3
+
+
+def test_carry_is_as_wide_as_its_per_tensor_gain_allows():
+    """The invariant the carry's scale rests on: the per-tensor gain ``round(P·x)·round(1/x)/P`` (``x = s·step``
+    of ``down``, ``P = 1/(d·step_down·step_up)``) is piecewise constant in ``s``, so among the scales whose
+    gain after per-tensor rounding of both matrices is no further from 1 than the fewest whole steps' (and
+    whose row stays at most half the longest real ``up`` row), the carry takes the largest: its activations
+    ``±s·mean(h)`` span the most uint8 steps, and their rounding comes back divided by ``s``. Here one
+    outlier in each ``up`` sets ``P = 0.7`` (an all-mpnet-like layer 7 has 0.53): at one whole step the
+    gain is ``1/0.7`` after rounding, and it stays so up to ``x = 2``, where ``1/s`` would round to no step
+    at all; the carry widens to just under that (a 3% margin from the boundary). The choice before
+    (``1/s`` exactly one step) fails the width."""
+    model = build(APPROXIMATE, "bert")
+    d = model.config.hidden_size
+    with torch.no_grad():
+        for layer in model.bert.encoder.layer:
+            w = layer.output.dense.weight
+            w.mul_(0.2 / w.abs().max())
+            w[3, 5] = 1.0
+            wc = w - w.mean(0, keepdim=True)
+            step = float(wc.abs().max()) / 127
+            layer.intermediate.dense.weight[0, 0] = 127 / (0.7 * d * step)  # P = 127²/(d·max|down|·max|up|)
+    original = copy.deepcopy(model)
+    normswap.patch(model, mode="exact")
+    assert _fp64_error(original, model) <= 1e-9
+    carries = normswap.plan_of(model).mean_carries
+    assert len(carries) == 2
+    for c in carries:
+        down = model.get_submodule(c.down).weight.detach().double()
+        up = model.get_submodule(c.up).weight.detach().double()
+        real, step = down[:, :c.hidden], float(down[:, :c.hidden].abs().max()) / 127
+        x = c.scale * step
+        assert 1.9 <= x <= 2 / (1 + MeanCarry.GAIN_MARGIN) * (1 + 1e-6), x  # wider than one whole step
+        longest = float(original.get_submodule(c.up).weight.detach().norm(dim=1).max())
+        assert c.scale / d ** 0.5 <= 0.5 * longest  # the carry row: at most half the longest real row
+        whole = copy.deepcopy(c)
+        whole.scale = 1 / step
+        wide_up, wide_down = (carried(t, whole, which) for t, which in
+                              ((up[:c.hidden], "up.weight"), (real, "down.weight")))
+        g, g_whole = _per_tensor_gain(up, down, c), _per_tensor_gain(wide_up, wide_down, whole)
+        assert abs(g_whole - 1) > 0.3  # the replica's grids: no scale keeps the gain
+        assert abs(g - 1) <= abs(g_whole - 1) + 1e-6, (g, g_whole)
 
 
 def test_carry_takes_the_fewest_grid_steps_its_row_length_allows_and_stays_inside_the_activation_range():
@@ -225,8 +276,9 @@ def test_carry_takes_the_fewest_grid_steps_its_row_length_allows_and_stays_insid
     (length ``s/√d``) is at most half the longest real ``up`` row: the carry's activations ``±s·mean(h)``
     then span as many of the intermediate's dynamic uint8 steps as they can (their rounding, times ``1/s``,
     lands in the mean direction the RMSNorm keeps), without becoming the intermediate's largest neuron.
-    Layer 0's ``up`` rows are long enough for one step; layer 1's cap the carry at four. The choice before
-    (the most steps within the row peaks, 30-40 here) fails both."""
+    Layer 0's ``up`` rows are long enough for one step; layer 1's cap the carry at four (from there
+    ``test_carry_is_as_wide_as_its_per_tensor_gain_allows`` widens it within the same row bound). The
+    choice before (the most steps within the row peaks, 30-40 here) fails both."""
     model = build(APPROXIMATE, "bert")
     d = model.config.hidden_size
     with torch.no_grad():
@@ -258,7 +310,8 @@ def test_carry_takes_the_fewest_grid_steps_its_row_length_allows_and_stays_insid
         real = down[:, :c.hidden]
         step = float(real.abs().max()) / 127
         k = -float(down[0, c.hidden]) / step
-        assert abs(k - round(k)) < 1e-6 and round(k) == expected_k, (c.down, k)
+        # at least as wide as the fewest whole steps (it widens further only where the per-tensor gain allows)
+        assert expected_k - 1 < k <= expected_k * (1 + 1e-6), (c.down, k)
         longest = float(original.get_submodule(c.up).weight.detach().norm(dim=1).max())
         assert c.scale / d ** 0.5 <= 0.5 * longest * (1 + 1e-9)  # the carry row is at most half the longest
         if expected_k > 1:  # one step fewer would make it longer
