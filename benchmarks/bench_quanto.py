@@ -85,7 +85,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     from optimum import quanto  # fail early, with the import error, when quanto is not on the path
-
     from photo_crops import photo_crops, photographs
 
     torch.set_num_threads(1)

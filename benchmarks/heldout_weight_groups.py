@@ -58,7 +58,7 @@ def quantized(model: torch.nn.Module, pattern: str, bits: int) -> torch.nn.Modul
 def layer_scales(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Each writer's LayerScale λ (1 where there is none), keyed by the writer's module name."""
     out = {}
-    for name, module in model.named_modules():
+    for name, _ in model.named_modules():
         match = re.match(r"(.*encoder\.layer\.\d+)\.(attention\.o_proj|mlp\.fc2)$", name)
         if match:
             scale = "layer_scale1" if "o_proj" in name else "layer_scale2"
@@ -91,7 +91,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     import numpy as np
-
     from photo_crops import photo_crops
 
     torch.set_num_threads(1)
