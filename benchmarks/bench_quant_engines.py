@@ -18,11 +18,14 @@ CLS embedding (``pooler_output``), averaged over the inputs, and the same over e
 
 * ``original``: the model as it is;
 * ``compat``: ``normswap.patch`` (default options) saved with ``format="compat"`` and loaded back by plain
-  transformers: stock LayerNorms, centered writers, what ``normswap convert --format compat`` writes;
+  transformers: stock LayerNorms, centered writers (β placed by ``patch``'s default rule, ``"rounding"``: what
+  ``normswap convert --format compat --beta-placement rounding`` writes; the CLI's compat default is
+  ``compat-keep``);
 * ``compat-fold-ls``: the same with ``layer_scale="fold"`` (LayerScale λ folded into the writer rows, λ ← 1:
   the behaviour before ``layer_scale="balance"`` became the default);
 * ``compat-keep``, ``native-keep``: ``compat`` and ``native`` with ``beta_placement="keep"`` (every β kept
-  in its norm, the readers' biases and inputs the original's);
+  in its norm, the readers' biases and inputs the original's; ``compat-keep`` is what ``normswap convert
+  --format compat`` writes by default, ``native`` what ``normswap convert`` writes);
 * ``compat-retrade``: ``compat`` with the centering's constant traded between the embedding writers
   (:func:`retraded`): the patch convolution's bias takes the position table's mean row mean, the class token
   the position table's first row mean, and the tables keep the rest (exact: every token's sum is unchanged);

@@ -35,23 +35,34 @@ from bench_quant_engines import Outputs, per_image  # noqa: E402
 from heldout_exactness import load  # noqa: E402
 
 GROUPS = {"writers": r"\.(o_proj|fc2)$", "readers": r"\.(q_proj|k_proj|v_proj|fc1)$",
-          "patch": r"patch_embeddings\.projection$", "all": r"."}
+          "patch": r"patch_embeddings\.projection$", "linears": r"\.(o_proj|fc2|q_proj|k_proj|v_proj|fc1)$",
+          "all": r"."}
 
 
-def fake_quant_rows(weight: torch.Tensor, bits: int) -> torch.Tensor:
-    """Symmetric absmax round-to-nearest with one scale per output channel (row, or conv filter)."""
-    levels = 2 ** (bits - 1) - 1
+def fake_quant_rows(weight: torch.Tensor, bits: int, group: int = 0, asymmetric: bool = False) -> torch.Tensor:
+    """Round-to-nearest with one scale per output channel (row, or conv filter), or per ``group`` inputs of a
+    row where the row's length divides into them. Symmetric absmax (quanto's int8), or ``asymmetric``:
+    ``2^bits`` levels from the group's min to its max (quanto's int4: affine, a shift per group)."""
     flat = weight.detach().double().reshape(weight.shape[0], -1)
-    step = flat.abs().amax(1, keepdim=True).clamp_min(1e-30) / levels
-    return (torch.round(flat / step) * step).reshape(weight.shape).to(weight.dtype)
+    if group and flat.shape[1] % group == 0:
+        flat = flat.reshape(-1, group)
+    if asymmetric:
+        low, high = flat.amin(1, keepdim=True), flat.amax(1, keepdim=True)
+        step = ((high - low) / (2 ** bits - 1)).clamp_min(1e-30)
+        out = torch.round((flat - low) / step) * step + low
+    else:
+        step = flat.abs().amax(1, keepdim=True).clamp_min(1e-30) / (2 ** (bits - 1) - 1)
+        out = torch.round(flat / step) * step
+    return out.reshape(weight.shape).to(weight.dtype)
 
 
-def quantized(model: torch.nn.Module, pattern: str, bits: int) -> torch.nn.Module:
+def quantized(model: torch.nn.Module, pattern: str, bits: int, group: int = 0,
+              asymmetric: bool = False) -> torch.nn.Module:
     q = copy.deepcopy(model)
     with torch.no_grad():
         for name, module in q.named_modules():
             if isinstance(module, (torch.nn.Linear, torch.nn.Conv2d)) and re.search(pattern, name):
-                module.weight.copy_(fake_quant_rows(module.weight, bits))
+                module.weight.copy_(fake_quant_rows(module.weight, bits, group, asymmetric))
     return q
 
 
@@ -87,6 +98,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--image", type=int, default=112)
     ap.add_argument("--images", type=int, default=32)
     ap.add_argument("--bits", type=int, default=8)
+    ap.add_argument("--group", type=int, default=0, help="inputs per scale (0: one scale per row; quanto's int4: 128)")
+    ap.add_argument("--asymmetric", action="store_true", help="min/max grid with a shift (quanto's int4)")
     ap.add_argument("--groups", nargs="+", default=list(GROUPS), choices=list(GROUPS))
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
@@ -104,13 +117,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         errors[name] = {}
         for group in args.groups:
             with torch.no_grad():
-                out = Outputs(quantized(model, GROUPS[group], args.bits))(px)
+                out = Outputs(quantized(model, GROUPS[group], args.bits, args.group, args.asymmetric))(px)
             errors[name][group] = {m: per_image(r, o).tolist() for m, r, o in zip(("cls", "tok"), ref, out,
                                                                                    strict=True)}
             print(f"{name:10s} {group:8s} cls {np.mean(errors[name][group]['cls']):.3e} "
                   f"tok {np.mean(errors[name][group]['tok']):.3e}", flush=True)
     rng = np.random.default_rng(0)
-    lines = [f"\nint{args.bits} per output channel, weights only; error / original's, 95% interval over "
+    grid = f"groups of {args.group}" if args.group else "per output channel"
+    grid += ", asymmetric" if args.asymmetric else ""
+    lines = [f"\nint{args.bits} {grid}, weights only; error / original's, 95% interval over "
              f"{len(px)} images", "", "| variant | group | CLS | every token |", "|---|---|---|---|"]
     for name in models:
         if name == "original":
