@@ -8,6 +8,8 @@ Each variant is exported to ONNX by ``torch.onnx.export`` and quantized by ONNX 
   on held-out inputs;
 * ``nbits-rtn``: ``MatMulNBitsQuantizer`` 4-bit block-wise (block 32, symmetric; its default algorithm);
 * ``nbits-hqq``: the same with ``HQQWeightOnlyQuantConfig`` (4-bit, block 32);
+* ``dyn-pt-matmul``, ``dyn-pc-matmul`` (only when asked for): ``dyn-pt``/``dyn-pc`` with
+  ``op_types_to_quantize=["MatMul"]``, the patch convolution (a centered writer) left in float;
 * ``nbits-gptq``, ``nbits-gptq-patched`` (only when asked for with ``--quantizers``): ONNX Runtime's GPTQ
   (``GPTQWeightOnlyQuantConfig``, per-channel group scales, calibrated on the static quantizer's images) as
   shipped, and with its two bugs fixed (``ort_gptq.py`` says which).
@@ -71,6 +73,8 @@ from quant_utils import BatchReader  # noqa: E402 (the benchmarks folder is on t
 
 QUANTIZERS = ("fp32", "dyn-pt", "dyn-pc", "qdq", "nbits-rtn", "nbits-hqq")
 GPTQ = ("nbits-gptq", "nbits-gptq-patched")  # minutes each: asked for by name
+# asked for by name too: dynamic int8 of the MatMuls only (the patch convolution left in float), per tensor/channel
+MATMUL_ONLY = ("dyn-pt-matmul", "dyn-pc-matmul")
 VARIANTS = ("original", "compat", "compat-retrade", "compat-keep", "compat-fold-ls", "native", "native-keep",
             "fold-gamma", "hadamard", "jitter-1", "jitter-2")
 WEIGHTS = {"o_proj": "attention.o_proj", "fc2": "mlp.fc2", "q_proj": "attention.q_proj",
@@ -222,8 +226,10 @@ def quantize(fp32: Path, how: str, calib: torch.Tensor) -> Path:
     out = fp32.with_name(f"{fp32.stem}.{how}.onnx")
     if how == "fp32":
         return fp32
-    if how in ("dyn-pt", "dyn-pc"):
-        quantize_dynamic(str(fp32), str(out), weight_type=QuantType.QInt8, per_channel=how == "dyn-pc")
+    if how in ("dyn-pt", "dyn-pc") or how in MATMUL_ONLY:
+        ops = {"op_types_to_quantize": ["MatMul"]} if how in MATMUL_ONLY else {}
+        quantize_dynamic(str(fp32), str(out), weight_type=QuantType.QInt8, per_channel=how.startswith("dyn-pc"),
+                         **ops)
     elif how == "qdq":
         feeds = [{"pixel_values": calib[i:i + 8].numpy()} for i in range(0, len(calib), 8)]
         quantize_static(str(fp32), str(out), BatchReader(feeds), quant_format=QuantFormat.QDQ,
@@ -317,7 +323,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--calib-photos", default="motorcycle_right.png,gravel.png,brick.png",
                     help="with --photos: the photographs calibration crops come from, left out of the held-out ones")
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
-    ap.add_argument("--quantizers", nargs="+", default=list(QUANTIZERS), choices=QUANTIZERS + GPTQ)
+    ap.add_argument("--quantizers", nargs="+", default=list(QUANTIZERS), choices=QUANTIZERS + GPTQ + MATMUL_ONLY)
     ap.add_argument("--json", type=Path)
     ap.add_argument("--plot", type=Path, help="write a PNG of the error ratios (matplotlib)")
     ap.add_argument("--from-json", type=Path, nargs="+",
@@ -343,7 +349,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         import transformers as tf
 
         model = tf.Dinov2Model.from_pretrained(args.model).eval()
-        label = f"{args.model.name} (real checkpoint), {model.config.num_hidden_layers} layers, {args.image} px"
+        label = f"{args.model.name}, {model.config.num_hidden_layers} layers, {args.image} px"
     else:
         model = dino(args.layers, args.seed, args.image)
         label = f"DINOv2-like, {args.layers} layers, {args.image} px"
@@ -354,7 +360,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         px = photo_crops(args.photos, args.images, args.image, seed=1, exclude=held_out)
         calib = photo_crops(n=args.calib, size=args.image, seed=2,
                             files=[p for p in photographs(args.photos) if p.name in held_out])
-        label += f", {len(px)} crops of photographs in {args.photos.name} (calibration: {args.calib_photos})"
+        label += ", photograph crops"
     else:
         px = images(args.images, args.image, 1)
         calib = images(args.calib, args.image, 2)
