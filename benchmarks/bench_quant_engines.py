@@ -275,10 +275,12 @@ def per_image(ref: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     return err if err.dim() == 1 else err.mean(-1)
 
 
-def ratio_ci(runs: list[dict[str, Any]], name: str, how: str, metric: str, draws: int = 2000) -> tuple[float, ...]:
+def ratio_ci(runs: list[dict[str, Any]], name: str, how: str, metric: str, draws: int = 2000,
+             typical: bool = False) -> tuple[float, ...]:
     """``name``'s error over the original's in quantizer ``how``, pooled over ``runs`` (seeds: the geometric
     mean of their ratios), with a 95% interval from resampling each run's images (paired: the same draws
-    for both)."""
+    for both). ``typical``: the geometric mean of the per-image ratios instead of the ratio of the mean
+    errors: what the typical input sees, where a few inputs with large errors dominate the means."""
     import numpy as np
 
     rng = np.random.default_rng(0)
@@ -287,24 +289,31 @@ def ratio_ci(runs: list[dict[str, Any]], name: str, how: str, metric: str, draws
     for run in runs:
         err = np.array(run["rows"][name]["per_image"][how][metric])
         base = np.array(run["rows"]["original"]["per_image"][how][metric])
-        point += np.log(err.mean() / base.mean())
         idx = rng.integers(0, len(err), size=(draws, len(err)))
+        if typical:
+            per = np.log(err / base)
+            point += per.mean()
+            logs += per[idx].mean(1)
+            continue
+        point += np.log(err.mean() / base.mean())
         logs += np.log(err[idx].mean(1) / base[idx].mean(1))
     lo, hi = np.percentile(logs, [2.5, 97.5])
     return tuple(float(np.exp(v / len(runs))) for v in (point, lo, hi))
 
 
-def ci_table(runs: list[dict[str, Any]], metric: str) -> str:
-    """Ratios to the original with 95% intervals, pooled over ``runs`` (each with per-image errors)."""
+def ci_table(runs: list[dict[str, Any]], metric: str, typical: bool = False) -> str:
+    """Ratios to the original with 95% intervals, pooled over ``runs`` (each with per-image errors);
+    ``typical``: geometric means of the per-image ratios (:func:`ratio_ci`)."""
     rows = runs[0]["rows"]
     hows = [h for h in rows["original"]["per_image"] if h != "fp32"
             and all(h in run["rows"]["original"]["per_image"] for run in runs)]  # the quantizers every run has
-    lines = [f"error / original's ({metric}), {len(runs)} run(s) pooled, 95% interval over images",
+    what = "typical image (geometric mean of per-image ratios)" if typical else "error / original's"
+    lines = [f"{what} ({metric}), {len(runs)} run(s) pooled, 95% interval over images",
              "", "| variant | " + " | ".join(hows) + " |", "|---|" + "---|" * len(hows)]
     for name in rows:
         if name == "original" or "per_image" not in rows[name]:
             continue
-        cells = ["{:.3f} ({:.3f}-{:.3f})".format(*ratio_ci(runs, name, h, metric)) for h in hows]
+        cells = ["{:.3f} ({:.3f}-{:.3f})".format(*ratio_ci(runs, name, h, metric, typical=typical)) for h in hows]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -328,6 +337,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--plot", type=Path, help="write a PNG of the error ratios (matplotlib)")
     ap.add_argument("--from-json", type=Path, nargs="+",
                     help="no measuring: print the tables (and --plot) of earlier --json runs, rows merged")
+    ap.add_argument("--typical", action="store_true", help="with --ci: also the typical image's ratio (geometric "
+                    "mean of the per-image ratios)")
     ap.add_argument("--ci", action="store_true", help="with --from-json: the runs are seeds of the same variants; "
                     "print each variant's ratio to the original pooled over them, with 95%% intervals")
     args = ap.parse_args(argv)
@@ -335,6 +346,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         parts = [json.loads(p.read_text()) for p in args.from_json]
         if args.ci:  # runs of the same variants on other seeds: ratios pooled, with intervals
             print(ci_table(parts, "tok") + "\n\n" + ci_table(parts, "cls"))
+            if args.typical:
+                print("\n" + ci_table(parts, "tok", typical=True) + "\n\n" + ci_table(parts, "cls", typical=True))
             return parts[0]
         result = parts[0]
         for part in parts[1:]:  # runs of further variants on the same model and inputs

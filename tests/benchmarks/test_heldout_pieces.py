@@ -143,3 +143,19 @@ def test_speed_inputs_follow_the_models_kind() -> None:
     ids, mask = bench_heldout_speed.example(text, 4, 8)
     assert ids.shape == mask.shape == (4, 8) and int(ids.max()) < 500 and bool(mask.all())
     torch.testing.assert_close(bench_heldout_speed.example(vision, 2, 112)[0], px)  # seeded
+
+
+def test_typical_ratio_is_the_geometric_mean_of_per_image_ratios_where_the_mean_ratio_is_swayed_by_one_image() -> None:
+    """One image the original quantizes 100× worse than the rest, which the variant halves: the ratio of
+    means follows that image (about 0.6), the typical image's ratio stays at every other image's 1.1."""
+    import bench_quant_engines as engines
+
+    base = [1.0] * 63 + [100.0]
+    err = [1.1] * 63 + [50.0]
+    runs = [{"rows": {"original": {"per_image": {"q": {"tok": base}}}, "v": {"per_image": {"q": {"tok": err}}}}}]
+    mean, lo, hi = engines.ratio_ci(runs, "v", "q", "tok")
+    assert mean == pytest.approx((1.1 * 63 + 50) / (63 + 100)) and lo < mean < hi
+    typical, lo, hi = engines.ratio_ci(runs, "v", "q", "tok", typical=True)
+    assert typical == pytest.approx(float(torch.tensor(err).div(torch.tensor(base)).log().mean().exp()))
+    assert 1.05 < typical < 1.1 and lo <= typical <= hi
+    assert "typical image" in engines.ci_table(runs, "tok", typical=True)
