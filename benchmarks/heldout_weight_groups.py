@@ -36,6 +36,8 @@ from heldout_exactness import load  # noqa: E402
 
 GROUPS = {"writers": r"\.(o_proj|fc2)$", "readers": r"\.(q_proj|k_proj|v_proj|fc1)$",
           "patch": r"patch_embeddings\.projection$", "linears": r"\.(o_proj|fc2|q_proj|k_proj|v_proj|fc1)$",
+          "writers+patch": r"(\.(o_proj|fc2)|patch_embeddings\.projection)$",
+          "readers+patch": r"(\.(q_proj|k_proj|v_proj|fc1)|patch_embeddings\.projection)$",
           "all": r"."}
 
 
