@@ -207,15 +207,15 @@ class MeanCarry:
     @staticmethod
     def scale_for(down_weight: Any, up_weight: Any) -> float:
         """The carry scale ``s`` for a down projection ``[d, hidden]`` (its real columns, centered, as exported) and
-        the up projection ``[hidden, d]`` that feeds it (its real rows). It starts from ``1/s =
-        k·max|down|/127``, a whole number ``k ≥ 1`` of per-tensor int8 steps of ``down``, the *fewest* for
+        the up projection ``[hidden, d]`` that feeds it (its real rows). It starts from
+        ``1/s = k·max|down|/127``, a whole number ``k ≥ 1`` of per-tensor int8 steps of ``down``, the *fewest* for
         which the carry neuron's ``up`` row (``s/d`` in each of ``d`` entries, length ``s/√d``) is at most
         half the longest row of ``up``, and never more than the smallest of ``down``'s row peaks allows;
         then it widens ``s`` as far as the same row bound and the per-tensor gain allow (:meth:`_widest`):
         the carry's gain after per-tensor rounding of both matrices stays as close to 1 as at ``k`` whole
         steps.
 
-        Why, from the three quantizers the columns, the rows and the activations meet:
+        Why, from the quantizers the columns, the rows and the activations meet:
 
         - ``down`` per tensor (ONNX Runtime's ``quantize_dynamic`` default, static QDQ: symmetric, step
           ``max|w|/127``): the carry is exact only if its columns keep their value; ``k`` whole steps
