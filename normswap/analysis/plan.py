@@ -242,8 +242,8 @@ class MeanCarry:
           columns but not the gain where ``P`` is not whole. Widening ``s`` within the piece (or onto pieces
           no further from 1) costs per tensor no gain and makes the activations' rounding, divided by ``s``,
           smaller on every grid: on all-mpnet-base-v2 ``s`` grows 1.0-1.9× and ONNX Runtime's per-channel
-          dynamic int8 error falls from 1.048 to 0.976× the original's (per tensor 0.902 → 0.948: the
-          coarser activations had hidden part of the gain error where ``P < 2``). Per channel the columns
+          dynamic int8 error falls from 1.048 to 0.976× the original's (per tensor 0.902 → 0.948, still
+          below the original; cause open). Per channel the columns
           are off each row's grid at any ``s``, and their rounding grows with ``s``: a weight-only
           per-channel quantizer, which rounds no activations, pays it alone (NNCF int8 weights on
           all-mpnet-base-v2: 1.080 → 1.115).
