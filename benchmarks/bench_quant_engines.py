@@ -79,7 +79,7 @@ GPTQ = ("nbits-gptq", "nbits-gptq-patched")  # minutes each: asked for by name
 # asked for by name too: dynamic int8 of the MatMuls only (the patch convolution left in float), per tensor/channel
 MATMUL_ONLY = ("dyn-pt-matmul", "dyn-pc-matmul")
 VARIANTS = ("original", "compat", "compat-notrade", "compat-retrade", "compat-keep", "compat-fold-ls", "native",
-            "native-keep", "fold-gamma", "hadamard", "jitter-1", "jitter-2")
+            "native-keep", "native-centerop", "fold-gamma", "hadamard", "jitter-1", "jitter-2")
 WEIGHTS = {"o_proj": "attention.o_proj", "fc2": "mlp.fc2", "q_proj": "attention.q_proj",
            "k_proj": "attention.k_proj", "fc1": "mlp.fc1"}
 
@@ -136,7 +136,7 @@ def variant(model: torch.nn.Module, name: str, workdir: Path) -> tuple[torch.nn.
             "conv bias / CLS"
     conv = copy.deepcopy(model)
     opts: dict[str, Any] = {"fold_gamma": name in ("hadamard", "fold-gamma")}
-    if name == "compat-notrade":
+    if name in ("compat-notrade", "native-centerop"):
         opts["trade_constants"] = False
     if name == "compat-fold-ls":
         opts["layer_scale"] = "fold"
@@ -145,6 +145,8 @@ def variant(model: torch.nn.Module, name: str, workdir: Path) -> tuple[torch.nn.
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         normswap.patch(conv, **opts)
+        if name == "native-centerop":
+            return centered_by_op(conv, model), "native, the original's patch convolution, centered by an op"
         if name.startswith("native"):
             return conv, "in memory (normswap.RMSNorm modules)"
         if name == "hadamard":  # the backbone's output is a model output: turned back (native format only)
@@ -154,6 +156,22 @@ def variant(model: torch.nn.Module, name: str, workdir: Path) -> tuple[torch.nn.
         normswap.save(conv, out, format="compat", overwrite=True)
         del conv
         return tf.Dinov2Model.from_pretrained(out).eval(), "compat checkpoint loaded by transformers"
+
+
+@torch.no_grad()
+def centered_by_op(conv: torch.nn.Module, original: torch.nn.Module) -> torch.nn.Module:
+    """``conv`` with the patch convolution's weights put back as the original's and its output centered by an
+    op (a mean subtraction over the features, once per image) instead of by weight surgery: the quantizer then
+    rounds the very weights it rounds in the original, and the op removes the mean of their rounding error as
+    the original's first LayerNorm does. Exact: the stream is zero-mean either way (needs the untraded plan,
+    whose position table and class token are centered on their own)."""
+    src = original.embeddings.patch_embeddings.projection
+    dst = conv.embeddings.patch_embeddings.projection
+    dst.weight.copy_(src.weight)
+    dst.bias.copy_(src.bias)
+    conv.embeddings.patch_embeddings.register_forward_hook(
+        lambda _module, _inputs, out: out - out.mean(-1, keepdim=True))
+    return conv
 
 
 @torch.no_grad()

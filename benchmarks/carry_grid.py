@@ -3,11 +3,11 @@
 For each FFN output dense ``down`` (centered, as the conversion writes it) and FFN first dense ``up`` of
 a BERT/MPNet-layout transformers directory: ``max|w|/rms``, the smallest row peak in per-tensor steps
 (``max|w|/127``), the carry column ``1/s`` in steps for the power-of-two choice of the first commit and
-its rounding, ``1/s`` now (``MeanCarry.scale_for``), the carry rows ``s/d`` in ``up``'s steps before and
-now, the carry row's length ``s/√d`` over the longest real ``up`` row (at most 1/2 by construction), and
-``P = 1/(d·step_down·step_up)``: the carry's gain after per-tensor quantization is a whole
-multiple of ``1/P``. ``up`` is the checkpoint's (the conversion's centered readers move its range by a
-few %). Weights only, no inputs; seconds on CPU.
+its rounding, ``1/s`` now (``MeanCarry.scale_for``: whole steps, or fewer where the per-tensor gain
+allows), the carry rows ``s/d`` in ``up``'s steps before and now, the carry row's length ``s/√d`` over
+the longest real ``up`` row (at most 1/2 by construction), and ``P = 1/(d·step_down·step_up)``: the
+carry's gain after per-tensor quantization is a whole multiple of ``1/P``. ``up`` is the checkpoint's
+(the conversion's centered readers move its range by a few %). Weights only, no inputs; seconds on CPU.
 
     python benchmarks/carry_grid.py --model DIR
 """
