@@ -38,6 +38,9 @@ CLS embedding (``pooler_output``), averaged over the inputs, and the same over e
 * ``jitter-1``, ``jitter-2``: the noise floor, the original with its LayerScale writers' rows and λ rescaled
   by ``U(0.9, 1.1)`` and its inverse (exact, same ranges, other rounding: :func:`jittered`);
 * ``native``: the default ``normswap.patch`` in memory (``normswap.RMSNorm`` modules), exported as it is;
+* ``native-centerop``: ``native`` with the patch convolution's weights the original's and its output centered
+  by an op instead (:func:`centered_by_op`; the untraded plan): whether the stem's weight centering is what a
+  per-channel quantizer pays for;
 * ``hadamard``: ``patch(fold_gamma=True)`` then ``normswap.rotate(model, "hadamard", output="restore")`` (the
   backbone's output is a model output, so the stream is turned back before the final norm: native only).
 
