@@ -82,6 +82,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--builtin", default="hadamard,hadamard+online",
                     help="comma list of the variants built here: hadamard, hadamard+online (or empty)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--ref-cache", type=Path, help="file holding the float32 original's log-probs on these clips, "
+                    "reused by a later run (another setting, another variant)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -99,7 +101,13 @@ def main(argv: list[str] | None = None) -> None:
         name, d = v.split("=", 1)
         builders[name] = lambda d=Path(d): bqw.whisper_model(d)
     t0 = time.time()
-    ref = logprobs(builders["original"](), feats, refs)
+    key = {"clips": len(feats), "refs": refs, "speech": [str(d) for d in args.speech]}
+    if args.ref_cache and args.ref_cache.exists() and (cache := torch.load(args.ref_cache))["key"] == key:
+        ref = cache["logp"]
+    else:
+        ref = logprobs(builders["original"](), feats, refs)
+        if args.ref_cache:
+            torch.save({"key": key, "logp": ref}, args.ref_cache)
     print(f"{len(feats)} clips, {sum(map(len, refs)) + len(refs)} positions; float32 original {time.time() - t0:.0f} s",
           flush=True)
     rows: list[dict] = []
