@@ -56,8 +56,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--bits", type=int, default=4)
-    ap.add_argument("--group-size", type=int, default=32)
-    ap.add_argument("--grid", default="full", choices=("symmetric", "full"))
+    ap.add_argument("--group-size", type=int, default=32, help="0: one scale per output channel")
+    ap.add_argument("--grid", default="full", help="symmetric, full, asymmetric, or several joined by + "
+                    "(full+asymmetric: one rotation for ONNX Runtime's RTN grid and HQQ's asymmetric one)")
+    ap.add_argument("--act-bits", type=int, help="also round every Linear input per token to this many bits")
+    ap.add_argument("--online", action="store_true", help="QuaRot's online Hadamards before the down projections")
     ap.add_argument("--scales", action="store_true", help="also learn per-channel norm scales")
     ap.add_argument("--output", default="restore", choices=("none", "restore"))
     ap.add_argument("--out", type=Path, required=True)
@@ -72,8 +75,9 @@ def main(argv: list[str] | None = None) -> None:
         normswap.patch(model, fold_gamma=True)
         t0 = time.perf_counter()
         rot = normswap.rotate(model, "learned", output=None if args.output == "none" else args.output,
-                              calibration=cal, bits=args.bits, group_size=args.group_size, grid=args.grid,
-                              steps=args.steps, lr=args.lr, scales=args.scales)
+                              online=args.online, calibration=cal, bits=args.bits, act_bits=args.act_bits,
+                              group_size=args.group_size or None, grid=args.grid, steps=args.steps, lr=args.lr,
+                              scales=args.scales)
         seconds = time.perf_counter() - t0
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(rot)

@@ -108,6 +108,11 @@ def _check_combination(
     if learn and rotation != "learned":
         flag = "--learn-" + next(iter(learn)).replace("_", "-")
         raise UsageError(f"{flag} applies to a learned rotation: pass --rotate learned too")
+    grids = str(learn.get("grid") or "symmetric").split("+") if learn else []
+    # the names of normswap.rotation.learn.GRIDS, spelled here: that module imports torch
+    if any(g not in ("symmetric", "full", "asymmetric") for g in grids) or len(set(grids)) != len(grids):
+        raise UsageError(f"--learn-grid {learn['grid']!r}: pass symmetric, full or asymmetric, or several of them "
+                         "joined by + (e.g. full+asymmetric)")
     if learn and learn.get("scales") and smooth is not None:
         raise UsageError("--learn-scales and --smooth both set each norm's scale: pass one of them")
     if no_bias_slots and not fold_gamma and rotation is None:
@@ -332,10 +337,11 @@ Presets (offline, seeded tiny models with tokenizers/processors):
               "(ONNX Runtime MatMulNBits: 32; default: one per output channel).")
 @click.option("--learn-steps", type=click.IntRange(0, 100_000), default=None, metavar="N",
               help="With --rotate learned: optimiser steps, one calibration batch each (default 100).")
-@click.option("--learn-grid", type=click.Choice(("symmetric", "full")), default=None,
+@click.option("--learn-grid", default=None, metavar="GRID[+GRID]",
               help="With --rotate learned: the weights' integer grid: symmetric (±(2^(b-1)-1): RTN, CTranslate2, "
-              "torchao; default) or full (-2^(b-1) … 2^(b-1)-1, the largest magnitude at the far end: ONNX "
-              "Runtime's symmetric MatMulNBits).")
+              "torchao; default), full (-2^(b-1) … 2^(b-1)-1, the largest magnitude at the far end: ONNX "
+              "Runtime's symmetric MatMulNBits) or asymmetric (min … max with a zero point: HQQ's start, "
+              "asymmetric int4); several joined by + (full+asymmetric) take turns in the loss.")
 @click.option("--learn-scales", is_flag=True, default=None,
               help="With --rotate learned: also learn a per-channel scale between each norm and its readers "
               "(exact; the norms keep it as their weight). Not with --smooth.")

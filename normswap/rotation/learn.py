@@ -53,7 +53,7 @@ from torch import nn
 
 from normswap.errors import NormswapError
 
-GRIDS = ("symmetric", "full")
+GRIDS = ("symmetric", "full", "asymmetric")
 
 
 @dataclass(frozen=True)
@@ -64,11 +64,15 @@ class LearnSettings:
     or None for weight-only quantization. ``group_size``: one weight scale per this many inputs (None: per
     output channel). ``steps``: optimiser steps (one calibration batch each, cycling). ``lr``: Adam's step on
     the skew parameter. ``grid``: the weights' integer grid: ``"symmetric"`` (levels ``±(2^(b−1) − 1)``, step
-    ``max|w|/(2^(b−1) − 1)``: RTN, CTranslate2, torchao) or ``"full"`` (levels ``−2^(b−1) … 2^(b−1) − 1``, the
-    block's largest magnitude at ``−2^(b−1)``: ONNX Runtime's symmetric ``MatMulNBits``). A rotation learned
-    on one grid need not carry to the other (``docs/results/quantization.md``). ``scales``: also learn a
-    per-channel scale between each norm of a rotated stream and its Linear readers (its log at ten times
-    ``lr``)."""
+    ``max|w|/(2^(b−1) − 1)``: RTN, CTranslate2, torchao), ``"full"`` (levels ``−2^(b−1) … 2^(b−1) − 1``, the
+    block's largest magnitude at ``−2^(b−1)``: ONNX Runtime's symmetric ``MatMulNBits``) or ``"asymmetric"``
+    (levels ``0 … 2^b − 1`` from the block's minimum to its maximum, with a zero point: the start HQQ refines,
+    asymmetric ``MatMulNBits``, NNCF/llama.cpp-style asymmetric int4), or several joined by ``+``
+    (``"full+asymmetric"``): the steps take the grids in turn and the checkpoints are scored on their mean, so
+    the rotation is fitted to no single rounding. A rotation learned on one grid need not carry to another
+    (``docs/results/quantization.md``: fitted to the full grid alone, Whisper's HQQ error rose). ``scales``:
+    also learn a per-channel scale between each norm of a rotated stream and its Linear readers (its log at ten
+    times ``lr``)."""
 
     bits: int = 4
     act_bits: int | None = None
@@ -79,8 +83,10 @@ class LearnSettings:
     scales: bool = False
 
     def __post_init__(self) -> None:
-        if self.grid not in GRIDS:
-            raise NormswapError(f"learned rotation: grid must be one of {', '.join(GRIDS)}, not {self.grid!r}")
+        parts = self.grid.split("+") if isinstance(self.grid, str) else [None]
+        if any(g not in GRIDS for g in parts) or len(set(parts)) != len(parts):
+            raise NormswapError(f"learned rotation: grid must be one of {', '.join(GRIDS)}, or several of them "
+                                f"joined by '+' (e.g. 'full+asymmetric'), not {self.grid!r}")
         for name, lo, hi, optional in (("bits", 2, 8, False), ("act_bits", 2, 16, True)):
             v = getattr(self, name)
             if v is None and optional:
@@ -98,10 +104,15 @@ class LearnSettings:
         if isinstance(self.lr, bool) or not isinstance(self.lr, (int, float)) or not 0 < float(self.lr) < 10:
             raise NormswapError(f"learned rotation: lr must be a number in (0, 10), not {self.lr!r}")
 
+    @property
+    def grids(self) -> tuple[str, ...]:
+        """The grids the loss takes in turn (one, unless ``grid`` joins several with ``+``)."""
+        return tuple(self.grid.split("+"))
+
     def describe(self) -> str:
         what = f"W{self.bits}" + (f"A{self.act_bits}" if self.act_bits else "") \
             + (f", groups of {self.group_size}" if self.group_size else "") \
-            + (", full grid" if self.grid == "full" else "") + (", learned scales" if self.scales else "")
+            + (f", {self.grid} grid" if self.grid != "symmetric" else "") + (", learned scales" if self.scales else "")
         return f"{what}, {self.steps} steps"
 
 
@@ -174,7 +185,9 @@ def fake_quant(x: torch.Tensor, bits: int, dim: int, group_size: int | None = No
                grid: str = "symmetric") -> torch.Tensor:
     """Symmetric absmax round-to-nearest along ``dim`` (one scale per slice, or per ``group_size`` entries of
     it), with the straight-through estimator: the forward value is rounded, the gradient passes as if not.
-    ``grid="full"``: ONNX Runtime ``MatMulNBits``' symmetric grid (the largest magnitude at ``−2^(b−1)``)."""
+    ``grid="full"``: ONNX Runtime ``MatMulNBits``' symmetric grid (the largest magnitude at ``−2^(b−1)``).
+    ``grid="asymmetric"``: ``2^b`` levels from the slice's minimum to its maximum (scale ``(max − min)/(2^b − 1)``,
+    an integer zero point), the grid asymmetric int4 quantizers use and HQQ starts its search from."""
     qmax = 2 ** (bits - 1) - 1
     moved = x.movedim(dim, -1)
     n = moved.shape[-1]
@@ -182,7 +195,12 @@ def fake_quant(x: torch.Tensor, bits: int, dim: int, group_size: int | None = No
         work = moved.reshape(*moved.shape[:-1], n // group_size, group_size)
     else:
         work = moved
-    if grid == "full":  # scale = signed max / −2^(b−1): that entry lands on the grid's far end
+    if grid == "asymmetric":  # min → level 0, max → level 2^b − 1 (the zero point rounded, as engines store it)
+        lo, hi = work.amin(-1, keepdim=True), work.amax(-1, keepdim=True)
+        scale = ((hi - lo) / (2 ** bits - 1)).clamp_min(1e-12)
+        zero = (-lo / scale).round().detach()
+        rounded = ((work / scale).round() + zero).clamp(0, 2 ** bits - 1).sub(zero) * scale
+    elif grid == "full":  # scale = signed max / −2^(b−1): that entry lands on the grid's far end
         peak = torch.gather(work, -1, work.abs().argmax(-1, keepdim=True))
         scale = peak / -(qmax + 1)
         scale = torch.where(scale.abs() < 1e-12, torch.full_like(scale, 1e-12), scale)
@@ -274,15 +292,15 @@ class _Quantized:
         for h in self.handles:
             h.remove()
 
-    def params(self, turned: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Every quantized weight, rounded (the turned value where the rotation changed it), plus the turned
-        tensors that are not quantized weights (biases, raw parameters, rotation-op buffers)."""
+    def params(self, turned: dict[str, torch.Tensor], grid: str) -> dict[str, torch.Tensor]:
+        """Every quantized weight, rounded on ``grid`` (the turned value where the rotation changed it), plus the
+        turned tensors that are not quantized weights (biases, raw parameters, rotation-op buffers)."""
         out = dict(turned)
         state = dict(self.model.named_parameters(remove_duplicate=False))
         for name, axis in self.weights.items():
             w = turned.get(name, state.get(name))
             if w is not None:
-                out[name] = fake_quant(w, self.s.bits, axis, self.s.group_size, self.s.grid)
+                out[name] = fake_quant(w, self.s.bits, axis, self.s.group_size, grid)
         return out
 
 
@@ -359,15 +377,21 @@ def optimise(model: nn.Module, streams: list[StreamTensors], batches: list[tuple
     masks = [kwargs.get("attention_mask") for _, kwargs in batches]
     quant = _Quantized(model, settings)
 
-    def loss_on(i: int, rs: dict[str, torch.Tensor], ss: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+    grids = settings.grids
+
+    def loss_on(i: int, rs: dict[str, torch.Tensor], ss: dict[str, torch.Tensor] | None = None,
+                grid: str = grids[0]) -> torch.Tensor:
         args, kwargs = batches[i]
         # tie_weights=False: a weight tied to a writer (an LM head) is rounded where its matmul reads it only
-        out = functional_call(model, quant.params(turned(rs, ss)), args, kwargs, tie_weights=False, strict=False)
+        out = functional_call(model, quant.params(turned(rs, ss), grid), args, kwargs, tie_weights=False,
+                              strict=False)
         return output_error(output_tensor(out).to(refs[i].dtype), refs[i], logits, masks[i])
 
     def mean_loss(rs: dict[str, torch.Tensor], ss: dict[str, torch.Tensor] | None = None) -> float:
+        """The loss on every batch, on every grid (the mean: several grids score as one)."""
         with torch.no_grad():
-            return sum(float(loss_on(i, rs, ss)) for i in range(len(batches))) / len(batches)
+            return sum(float(loss_on(i, rs, ss, g)) for i in range(len(batches)) for g in grids) \
+                / (len(batches) * len(grids))
 
     identity = {k: torch.eye(s.shape[0], dtype=torch.float64) for k, s in skews.items()}
     undo = {st.key: st.undo for st in streams if st.undo is not None}
@@ -393,8 +417,11 @@ def optimise(model: nn.Module, streams: list[StreamTensors], batches: list[tuple
             decay = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0 - i / max(1, settings.steps))
             for step in range(settings.steps):
                 opt.zero_grad(set_to_none=True)
-                loss = loss_on(step % len(batches), {k: base[k] @ cayley(s) for k, s in skews.items()},
-                               {n: norm_scales(t) for n, t in logs.items()})
+                # several grids: each pass over the batches shifts which grid a batch meets, so every batch
+                # meets every grid and none is fitted alone
+                batch, rounds = step % len(batches), step // len(batches)
+                loss = loss_on(batch, {k: base[k] @ cayley(s) for k, s in skews.items()},
+                               {n: norm_scales(t) for n, t in logs.items()}, grids[(batch + rounds) % len(grids)])
                 loss.backward()
                 opt.step()
                 decay.step()

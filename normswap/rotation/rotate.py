@@ -614,8 +614,10 @@ def rotate(model: nn.Module, q: str | int | torch.Tensor = "hadamard", *, seed: 
         group_size: one weight scale per this many inputs (ONNX Runtime ``MatMulNBits``: 32), or None.
         steps: optimiser steps, one calibration batch each.
         lr: Adam's step on the skew parameter.
-        grid: the weights' integer grid: ``"symmetric"`` (±(2^(b−1) − 1)) or ``"full"`` (ONNX Runtime
-            ``MatMulNBits``' −2^(b−1) … 2^(b−1) − 1); learn on the grid the engine uses.
+        grid: the weights' integer grid: ``"symmetric"`` (±(2^(b−1) − 1)), ``"full"`` (ONNX Runtime
+            ``MatMulNBits``' −2^(b−1) … 2^(b−1) − 1) or ``"asymmetric"`` (min … max with a zero point: HQQ's
+            start, asymmetric int4); learn on the grid the engine uses, or on several joined by ``+``
+            (``"full+asymmetric"``) for one rotation that serves quantizers on different grids.
         scales: also learn, with ``R``, a per-channel scale between each norm of a rotated stream and its
             Linear readers (the migration ``smooth`` makes, chosen against the quantized model's error instead
             of by SmoothQuant's formula; exact for any scale; the norms keep the weight ``1/s``, as with

@@ -140,7 +140,8 @@ def test_learned_rotation_beats_its_hadamard_start_on_held_out_inputs():
     ({"q": "learned", "group_size": 1}, "group_size must be an int ≥ 2"),
     ({"q": "learned", "steps": -1}, "steps must be an int"),
     ({"q": "learned", "lr": 0}, "lr must be a number"),
-    ({"q": "learned", "grid": "asymmetric"}, "grid must be one of symmetric, full"),
+    ({"q": "learned", "grid": "nf4"}, "grid must be one of symmetric, full, asymmetric"),
+    ({"q": "learned", "grid": "full+full"}, "grid must be one of symmetric, full, asymmetric"),
 ])
 def test_bad_requests_are_refused_and_leave_the_model_as_it_was(kwargs, message):
     model = build(EXACT, "gpt2")
