@@ -167,7 +167,7 @@ def find_trades(model: nn.Module, plan: Plan, args: tuple, kwargs: dict,
     float64, or float32 where a float64 copy does not fit, at a looser tolerance).
 
     A *taker* is a bias or a one-row parameter whose unit shift moves each norm-input token's mean by 0 or
-    1: its reach. A *giver* is a table of several rows, each token reading rows with weights that sum to 0
+    1: its reach (one that reaches every token is taken as a bias: it reaches every token at any length). A *giver* is a table of several rows, each token reading rows with weights that sum to 0
     or 1 (a slice, a gather by position ids, a bicubic resampling). A block of the giver's rows is proposed
     for each taker, one-token takers first (the class token, which reads its own row: row ids shifted by
     ``r+1`` and ``(r+1)²`` give back one ``r`` at its token), then each bias: the rows its tokens read
@@ -223,12 +223,16 @@ def find_trades(model: nn.Module, plan: Plan, args: tuple, kwargs: dict,
             reach = taker_reach.get(t.name)
             if reach is None or not bool(once[reach].all()):
                 continue
+            # a one-row parameter every token reads (RoBERTa's single token-type row, a broadcast bias
+            # parameter) reaches every token at any length, as a bias does: the rows longer or padded inputs
+            # read must carry the constant too. Only one that reaches some tokens (a class token) is one-token.
+            every = t.bias or bool(reach.all())
             proposals = []
             if bool(single[reach].all()):
                 rows_in = torch.zeros(g.rows, dtype=torch.bool)
                 rows_in[row[reach].unique()] = True
-                proposals.append(rows_in | (unread & ~used) if t.bias else rows_in)
-            if t.bias:
+                proposals.append(rows_in | (unread & ~used) if every else rows_in)
+            if every:
                 proposals.append(~used)
             for rows_in in proposals:
                 span = rows_in.nonzero().flatten()
@@ -245,7 +249,7 @@ def find_trades(model: nn.Module, plan: Plan, args: tuple, kwargs: dict,
                     continue
                 used[lo:hi] = True
                 rows = f"row {lo}" if hi == lo + 1 else f"rows {lo}..{hi - 1}"
-                what = "bias" if t.bias else "one-token parameter"
+                what = "bias" if t.bias else "parameter every token reads" if every else "one-token parameter"
                 trades.append(ConstantTrade(
                     g.name, g.axis, lo, hi, t.name,
                     f"{rows} of `{g.name}` keep their mean row mean, the {what} `{t.name}` takes it away "

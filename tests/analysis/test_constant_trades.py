@@ -259,3 +259,32 @@ def test_a_custom_model_trades_where_every_token_reads_the_table_with_weights_su
     for length in (8, 11):  # 11: rows no analysis token read, which the bias's block must hold too
         y = torch.randn(2, length, 6, dtype=torch.float64)
         assert (conv(y) - model(y)).abs().max() <= 1e-9
+
+
+def test_a_one_row_table_every_token_reads_takes_the_constant_of_every_row_at_any_length_and_padding():
+    """RoBERTa's token-type table has one row that every token reads: it reaches every token at any length,
+    as a bias does, so the rows a longer or padded input reads must keep the constant too (a trade of only the
+    rows the traced tokens read left every other position's sum off zero-mean: CLAP's text tower failed its
+    verification so)."""
+    torch.manual_seed(0)
+    cfg = tf.RobertaConfig(vocab_size=40, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                           intermediate_size=64, max_position_embeddings=40, type_vocab_size=1)
+    model = zoo.randomise(tf.RobertaModel(cfg, add_pooling_layer=False).double().eval(), 0)
+    with torch.no_grad():  # position rows with large means that differ per row
+        table = model.embeddings.position_embeddings.weight
+        table.add_(0.5 + 0.05 * torch.randn(table.shape[0], 1, dtype=table.dtype))
+    short = {"input_ids": torch.randint(3, 40, (2, 6))}
+    conv = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        normswap.patch(conv, short, mode="exact")  # Post-LN: only the exact norms (embedding, FFN outputs)
+    trades = normswap.plan(model, short).constant_trades
+    table_trade = next(t for t in trades if t.table == "embeddings.position_embeddings.weight")
+    assert (table_trade.lo, table_trade.hi, table_trade.into) == (0, 40, "embeddings.token_type_embeddings.weight")
+    ids = torch.randint(3, 40, (2, 30))
+    mask = torch.ones_like(ids)
+    ids[1, 20:], mask[1, 20:] = cfg.pad_token_id, 0  # padded positions read the padding row
+    with torch.no_grad():
+        ref = model(input_ids=ids, attention_mask=mask).last_hidden_state
+        out = conv(input_ids=ids, attention_mask=mask).last_hidden_state
+    assert (out - ref).abs().max() <= 1e-9 * ref.abs().max()
