@@ -668,8 +668,9 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     ax.set_yticks(range(len(engines)), engines)
     ax.set_ylim(len(engines) - 0.5, -0.5)  # first engine on top, every marker inside
     ax.set_xscale("log")
-    ticks = [t for t in (0.25, 0.5, 0.67, 0.8, 1, 1.25, 1.5, 2, 4) if min(lo for *_, lo, _ in pts) / 1.1 <= t
-             <= max(hi for *_, hi in pts) * 1.1]
+    low, high = min(lo for *_, lo, _ in pts) / 1.1, max(hi for *_, hi in pts) * 1.1
+    fine = (0.9, 0.95, 1.05, 1.1) if high / low < 1.6 else ()  # a narrow span (intervals near 1): more ticks
+    ticks = [t for t in sorted((0.25, 0.5, 0.67, 0.8, 1, 1.25, 1.5, 2, 4, *fine)) if low <= t <= high]
     ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
     ax.minorticks_off()
     ax.set_xlabel("KL(fp32 original ‖ quantized variant) / KL(fp32 original ‖ quantized original), "
