@@ -212,15 +212,58 @@ def excluded(fp32: Path) -> list[str]:
     return json.loads(side.read_text()) if FLOAT_OPS and side.exists() else []
 
 
-ORT_QUANT = ("dyn-pt", "dyn-pc", "qdq", "qdq-pc", "qdq-nonorm", "qdq-mm", "nbits-rtn", "nbits-hqq", "nbits-gptq")
-QDQ = ("qdq", "qdq-pc", "qdq-nonorm", "qdq-mm")
-CALIBRATED = (*QDQ, "nbits-gptq")  # the quantizers that need --calib
+ORT_QUANT = ("dyn-pt", "dyn-pc", "qdq", "qdq-pc", "qdq-nonorm", "qdq-mm", "nbits-rtn", "nbits-hqq", "nbits-gptq",
+             "nbits-gptq-patched")
+# Static QDQ: ``qdq`` followed by any of these knobs (ONNX Runtime's own ``quantize_static`` options), joined by
+# ``-``: ``qdq-mm-pc-pct`` = weight MatMuls only, per-channel weights, Percentile calibration.
+QDQ_KNOBS = {
+    "nonorm": "LayerNormalization left float (every other op type of ONNX Runtime's QDQ registry quantized)",
+    "mm": "only the MatMuls that have a weight (attention's activation-by-activation MatMuls, norms, gathers float)",
+    "nohead": "with mm: the output projection (proj_out, the logits) left float as well",
+    "nofc2": "with mm: the MLPs' output projections (fc2, whose post-GELU input spans 0.2 to 560 in tiny.en's last "
+             "encoder layer) left float as well",
+    "pc": "int8 weights per output channel (per_channel=True)",
+    "pct": "Percentile calibration (99.999th percentile of |x|; default MinMax)",
+    "ent": "Entropy (KL) calibration",
+    "sym": "symmetric activation ranges (extra_options ActivationSymmetric)",
+    "s8": "int8 activations (QInt8; default uint8)",
+    "rr": "reduce_range=True (7-bit weights)",
+}
+QDQ = ("qdq", "qdq-pc", "qdq-nonorm", "qdq-mm")  # the named configurations of earlier rounds (any qdq-… is accepted)
+GPTQ = ("nbits-gptq", "nbits-gptq-patched")
+
+
+def qdq_knobs(how: str) -> list[str]:
+    """The knobs of a static QDQ name (``qdq-mm-pc`` → ``["mm", "pc"]``); [] for ``qdq``, None if not one."""
+    if how != "qdq" and not how.startswith("qdq-"):
+        return None
+    knobs = how.split("-")[1:]
+    if bad := [k for k in knobs if k not in QDQ_KNOBS]:
+        raise ValueError(f"{how}: unknown static QDQ knob(s) {', '.join(bad)} (known: {', '.join(QDQ_KNOBS)})")
+    if bad := [k for k in ("nohead", "nofc2") if k in knobs and "mm" not in knobs]:
+        raise ValueError(f"{how}: {bad[0]} goes with mm")
+    if "pct" in knobs and "ent" in knobs:
+        raise ValueError(f"{how}: one calibration method (pct or ent)")
+    return knobs
+
+
+def calibrated(how: str) -> bool:
+    """Whether a quantizer needs ``--calib`` (static QDQ and GPTQ)."""
+    return qdq_knobs(how) is not None or how in GPTQ
+
+
 ORT_ENGINE = {"dyn-pt": "ONNX Runtime dynamic int8 dyn-pt", "dyn-pc": "ONNX Runtime dynamic int8 dyn-pc",
               "qdq": "ONNX Runtime static QDQ int8 qdq", "qdq-pc": "ONNX Runtime static QDQ int8 qdq-pc",
               "qdq-nonorm": "ONNX Runtime static QDQ int8, LayerNormalization float",
               "qdq-mm": "ONNX Runtime static QDQ int8, weight MatMuls only",
               "nbits-rtn": "ONNX Runtime MatMulNBits 4-bit RTN", "nbits-hqq": "ONNX Runtime MatMulNBits 4-bit HQQ",
-              "nbits-gptq": "ONNX Runtime MatMulNBits 4-bit GPTQ"}
+              "nbits-gptq": "ONNX Runtime MatMulNBits 4-bit GPTQ",
+              "nbits-gptq-patched": "ONNX Runtime MatMulNBits 4-bit GPTQ, patched (ort_gptq.py)"}
+
+
+def ort_engine(how: str) -> str:
+    """The row label of a quantizer (the earlier rounds' labels kept, so their JSON merges with new runs)."""
+    return ORT_ENGINE.get(how) or f"ONNX Runtime static QDQ int8 {how}"
 
 
 class CalibrationFeed:
@@ -249,14 +292,15 @@ def ort_quantize(fp32: Path, how: str, calib: list[dict] | None = None) -> Path:
     """The exported fp32 graph quantized by ONNX Runtime's own tools.
 
     ``dyn-pt`` / ``dyn-pc``: ``quantize_dynamic``, int8 weights per tensor / per channel, uint8
-    activations per tensor at run time. ``qdq`` / ``qdq-pc``: ``quantize_static`` in QDQ format with its
-    default op types (``MatMul``, ``LayerNormalization``, ``Gather``, ``Conv``, … ), int8 weights per tensor /
-    per channel, uint8 activations with ranges calibrated (MinMax, its default) on ``calib``: the
-    settings of ``bench_quant_engines.py``'s ``qdq``; ``qdq-nonorm``: ``qdq`` with ``LayerNormalization`` left
-    float; ``qdq-mm``: only the ``MatMul``s that have a weight (attention's activation-by-activation ``MatMul``s,
-    norms, gathers float). ``nbits-rtn`` / ``nbits-hqq`` / ``nbits-gptq``:
-    ``MatMulNBitsQuantizer``, 4-bit weights in blocks of 32 along the input features (RTN symmetric, its
-    default algorithm; HQQ; GPTQ calibrated on ``calib``, per-block scales), activations float."""
+    activations per tensor at run time. ``qdq``: ``quantize_static`` in QDQ format with its defaults (every op
+    type of its QDQ registry: ``MatMul``, ``LayerNormalization``, ``Gather``, ``Conv``, …; int8 weights per
+    tensor, uint8 activations with MinMax ranges calibrated on ``calib``: the settings of
+    ``bench_quant_engines.py``'s ``qdq``); ``qdq-KNOB-…``: the same with the knobs of :data:`QDQ_KNOBS`
+    (:func:`qdq_options`). ``nbits-rtn`` / ``nbits-hqq`` / ``nbits-gptq``: ``MatMulNBitsQuantizer``, 4-bit
+    weights in blocks of 32 along the input features (RTN symmetric, its default algorithm; HQQ; GPTQ
+    calibrated on ``calib``, one scale per block and output column, ``perchannel=True``);
+    ``nbits-gptq-patched``: that GPTQ with ONNX Runtime 1.32's two bugs fixed (``ort_gptq.py``); activations
+    float."""
     from onnxruntime.quantization import QuantFormat, QuantType, quantize_dynamic, quantize_static
 
     if how == "fp32":
@@ -267,40 +311,56 @@ def ort_quantize(fp32: Path, how: str, calib: list[dict] | None = None) -> Path:
     if how in ("dyn-pt", "dyn-pc"):
         quantize_dynamic(str(fp32), str(out), weight_type=QuantType.QInt8, per_channel=how == "dyn-pc",
                          nodes_to_exclude=excluded(fp32))
-    elif how in QDQ:
-        import onnx
-        from onnxruntime.quantization.registry import QDQRegistry
-
-        which: dict = {"nodes_to_exclude": excluded(fp32)}
-        if how == "qdq-nonorm":
-            which["op_types_to_quantize"] = sorted(set(QDQRegistry) - {"LayerNormalization"})
-        elif how == "qdq-mm":
-            graph = onnx.load(str(fp32), load_external_data=False).graph
-            weights = {i.name for i in graph.initializer}
-            weights |= {n.output[0] for n in graph.node if n.op_type == "Transpose" and n.input[0] in weights}
-            which["op_types_to_quantize"] = ["MatMul"]
-            which["nodes_to_exclude"] += [n.name for n in graph.node if n.op_type == "MatMul"
-                                         and not weights.intersection(n.input)]
+    elif (knobs := qdq_knobs(how)) is not None:
         quantize_static(str(fp32), str(out), CalibrationFeed(calib or []), quant_format=QuantFormat.QDQ,
-                        activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8, per_channel=how == "qdq-pc",
-                        **which)
+                        weight_type=QuantType.QInt8, **qdq_options(fp32, knobs))
+    elif how in GPTQ:
+        import ort_gptq
+
+        ort_gptq.quantize(fp32, out, how, calib, nodes_to_exclude=excluded(fp32))
     elif how.startswith("nbits-"):
         import onnx
         from onnxruntime.quantization import matmul_nbits_quantizer as mq
 
         algo = {"nbits-rtn": lambda: mq.DefaultWeightOnlyQuantConfig(block_size=32, is_symmetric=True),
-                "nbits-hqq": lambda: mq.HQQWeightOnlyQuantConfig(block_size=32, bits=4),
-                # perchannel=True (the config's default): False shares one scale across a 32-row band of
-                # every output column, which broke even the original (docs/results/quantization.md, GPTQ)
-                "nbits-gptq": lambda: mq.GPTQWeightOnlyQuantConfig(CalibrationFeed(calib or []), block_size=128,
-                                                                   perchannel=True)}[how]()
-        q = mq.MatMulNBitsQuantizer(onnx.load(str(fp32)) if how != "nbits-gptq" else str(fp32), block_size=32,
-                                    is_symmetric=True, algo_config=algo, nodes_to_exclude=excluded(fp32))
+                "nbits-hqq": lambda: mq.HQQWeightOnlyQuantConfig(block_size=32, bits=4)}[how]()
+        q = mq.MatMulNBitsQuantizer(onnx.load(str(fp32)), block_size=32, is_symmetric=True, algo_config=algo,
+                                    nodes_to_exclude=excluded(fp32))
         q.process()
         q.model.save_model_to_file(str(out), use_external_data_format=False)
     else:
         raise ValueError(how)
     return out
+
+
+def qdq_options(fp32: Path, knobs: list[str]) -> dict:
+    """``quantize_static``'s keyword arguments (besides the model, reader and format) for the knobs of
+    :data:`QDQ_KNOBS`: op types and excluded nodes, per-channel weights, calibration method, activation type
+    and symmetry, reduced range. No knob: ONNX Runtime's defaults (every op type its QDQ registry lists,
+    MinMax, uint8 activations, int8 weights per tensor)."""
+    import onnx
+    from onnxruntime.quantization import CalibrationMethod, QuantType
+    from onnxruntime.quantization.registry import QDQRegistry
+
+    which: dict = {"nodes_to_exclude": excluded(fp32), "per_channel": "pc" in knobs, "reduce_range": "rr" in knobs,
+                   "activation_type": QuantType.QInt8 if "s8" in knobs else QuantType.QUInt8,
+                   "calibrate_method": CalibrationMethod.Percentile if "pct" in knobs
+                   else CalibrationMethod.Entropy if "ent" in knobs else CalibrationMethod.MinMax,
+                   # (not CalibMaxIntermediateOutputs: ONNX Runtime 1.32's MinMax calibrator then drops every
+                   # full chunk of outputs unread, keeping only the remainder's ranges)
+                   "extra_options": {"ActivationSymmetric": "sym" in knobs}}
+    if "nonorm" in knobs:
+        which["op_types_to_quantize"] = sorted(set(QDQRegistry) - {"LayerNormalization"})
+    if "mm" in knobs:
+        graph = onnx.load(str(fp32), load_external_data=False).graph
+        weights = {i.name for i in graph.initializer}
+        weights |= {n.output[0] for n in graph.node if n.op_type == "Transpose" and n.input[0] in weights}
+        which["op_types_to_quantize"] = ["MatMul"]
+        outputs = {o.name for o in graph.output}  # nohead: the MatMul that writes the logits
+        which["nodes_to_exclude"] += [n.name for n in graph.node if n.op_type == "MatMul" and (
+            not weights.intersection(n.input) or ("nohead" in knobs and outputs.intersection(n.output))
+            or ("nofc2" in knobs and "/fc2/" in n.name))]
+    return which
 
 
 def calibration_overlap(speech: list[tuple[Path, int]], calib: Path, count: int, limit: int) -> int:
@@ -387,7 +447,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--engines", default="ct2,torch", help="comma list of ct2, ort, torch")
     ap.add_argument("--limit", type=int, default=0, help="first N clips only")
     ap.add_argument("--ort-limit", type=int, default=0, help="first N clips only for the ONNX Runtime rows")
-    ap.add_argument("--ort-quant", default="dyn-pt,dyn-pc", help="comma list of " + ", ".join(ORT_QUANT))
+    ap.add_argument("--ort-quant", default="dyn-pt,dyn-pc", help="comma list of " + ", ".join(ORT_QUANT) + "; or "
+                    "qdq-KNOB-KNOB…, static QDQ with knobs " + ", ".join(f"{k} ({v})" for k, v in QDQ_KNOBS.items()))
     ap.add_argument("--nbits-variants", help="comma list: the only variants the 4-bit quantizers run (time)")
     ap.add_argument("--ref-cache", type=Path, help="file holding the ONNX Runtime float32 original's log-probs, "
                     "reused by a later run on the same clips (another quantizer, another variant)")
@@ -410,6 +471,14 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     global FLOAT_OPS
     FLOAT_OPS = args.float_ops
+    for q in args.ort_quant.split(","):  # before any measuring: a typo costs nothing
+        try:
+            known = q in ORT_QUANT or qdq_knobs(q) is not None
+        except ValueError as e:
+            sys.exit(f"error: --ort-quant {e}")
+        if not known:
+            sys.exit(f"error: --ort-quant {q}: not one of {', '.join(ORT_QUANT)}, "
+                     f"nor qdq-KNOB-… ({', '.join(QDQ_KNOBS)})")
     if args.merge:
         rows = merge([json.loads(p.read_text())["rows"] for p in args.merge])
         print(table(rows))
@@ -485,7 +554,7 @@ def main(argv: list[str] | None = None) -> None:
     if "ort" in engines:
         n = args.ort_limit or len(feats)
         calib = None
-        if needs := [q for q in args.ort_quant.split(",") if q in CALIBRATED]:
+        if needs := [q for q in args.ort_quant.split(",") if calibrated(q)]:
             if not args.calib:
                 sys.exit(f"error: {', '.join(needs)} need(s) --calib DIR (clips not among the measured ones)")
             from transformers import AutoTokenizer
@@ -518,7 +587,7 @@ def main(argv: list[str] | None = None) -> None:
                 if q.startswith("nbits") and args.nbits_variants and name not in args.nbits_variants.split(","):
                     continue
                 t1 = time.time()
-                rows.append({"engine": ORT_ENGINE[q], "variant": name,
+                rows.append({"engine": ort_engine(q), "variant": name,
                              **compare(ref_o, ort_logits(ort_quantize(path, q, calib), feats[:n], refs[:n])),
                              "seconds": round(time.time() - t1, 1)})
                 report(rows, args.json, len(feats))
@@ -599,8 +668,9 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     ax.set_yticks(range(len(engines)), engines)
     ax.set_ylim(len(engines) - 0.5, -0.5)  # first engine on top, every marker inside
     ax.set_xscale("log")
-    ticks = [t for t in (0.25, 0.5, 0.67, 0.8, 1, 1.25, 1.5, 2, 4) if min(lo for *_, lo, _ in pts) / 1.1 <= t
-             <= max(hi for *_, hi in pts) * 1.1]
+    low, high = min(lo for *_, lo, _ in pts) / 1.1, max(hi for *_, hi in pts) * 1.1
+    fine = (0.9, 0.95, 1.05, 1.1) if high / low < 1.6 else ()  # a narrow span (intervals near 1): more ticks
+    ticks = [t for t in sorted((0.25, 0.5, 0.67, 0.8, 1, 1.25, 1.5, 2, 4, *fine)) if low <= t <= high]
     ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
     ax.minorticks_off()
     ax.set_xlabel("KL(fp32 original ‖ quantized variant) / KL(fp32 original ‖ quantized original), "

@@ -65,21 +65,24 @@ def config(feeds: list[dict]) -> Any:
     return mq.GPTQWeightOnlyQuantConfig(IterableReader(feeds), block_size=128, perchannel=True, actorder=False)
 
 
-def quantize(fp32: Path, out: Path, how: str, feeds: list[dict] | None = None) -> Path:
+def quantize(fp32: Path, out: Path, how: str, feeds: list[dict] | None = None,
+             nodes_to_exclude: list[str] | None = None) -> Path:
     """``fp32`` as 4-bit ``MatMulNBits`` (blocks of 32, symmetric): ``nbits-rtn`` ONNX Runtime's default
     round-to-nearest, ``nbits-gptq`` its GPTQ as shipped (set up right), ``nbits-gptq-patched`` the same with
-    the two bugs fixed (:func:`patched`)."""
+    the two bugs fixed (:func:`patched`); ``nodes_to_exclude`` stay float."""
     import onnx
     from onnxruntime.quantization import matmul_nbits_quantizer as mq
 
     if how == "nbits-rtn":
         algo = mq.DefaultWeightOnlyQuantConfig(block_size=32, is_symmetric=True)
-        q = mq.MatMulNBitsQuantizer(onnx.load(str(fp32)), block_size=32, is_symmetric=True, algo_config=algo)
+        q = mq.MatMulNBitsQuantizer(onnx.load(str(fp32)), block_size=32, is_symmetric=True, algo_config=algo,
+                                    nodes_to_exclude=nodes_to_exclude)
         q.process()
     else:
         assert feeds, "GPTQ needs calibration feeds"
         with patched() if how == "nbits-gptq-patched" else contextlib.nullcontext():
-            q = mq.MatMulNBitsQuantizer(str(fp32), block_size=32, is_symmetric=True, algo_config=config(feeds))
+            q = mq.MatMulNBitsQuantizer(str(fp32), block_size=32, is_symmetric=True, algo_config=config(feeds),
+                                        nodes_to_exclude=nodes_to_exclude)
             q.process()
     q.model.save_model_to_file(str(out), use_external_data_format=False)
     for name in ("onnxruntime.quantization.matmul_nbits_quantizer", "onnxruntime.quantization"):

@@ -167,9 +167,9 @@ def find_trades(model: nn.Module, plan: Plan, args: tuple, kwargs: dict,
     float64, or float32 where a float64 copy does not fit, at a looser tolerance).
 
     A *taker* is a bias or a one-row parameter whose unit shift moves each norm-input token's mean by 0 or
-    1: its reach (one that reaches every token is taken as a bias: it reaches every token at any length). A *giver* is a table of several rows, each token reading rows with weights that sum to 0
-    or 1 (a slice, a gather by position ids, a bicubic resampling). A block of the giver's rows is proposed
-    for each taker, one-token takers first (the class token, which reads its own row: row ids shifted by
+    1: its reach (one that reaches every token is taken as a bias: it reaches every token at any length). A
+    *giver* is a table of several rows, each token reading rows with weights that sum to 0 or 1 (a slice, a
+    gather by position ids, a bicubic resampling). A block of the giver's rows is proposed for each taker, one-token takers first (the class token, which reads its own row: row ids shifted by
     ``r+1`` and ``(r+1)²`` give back one ``r`` at its token), then each bias: the rows its tokens read
     where each reads one row, with the rows no token read (a bias reaches every token of its writer at
     any length, so the rows longer inputs read must carry the constant too), or else every row no other

@@ -8,6 +8,7 @@ original compared as if paired, and a penalty taken against the wrong float32 ru
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from tests import benchmark_modules
 
@@ -122,3 +123,66 @@ def test_calibration_overlap_counts_the_calibration_clips_a_run_also_measures(tm
     assert bq.calibration_overlap(sets, b, 16, 82 + 70) == 4
     assert bq.calibration_overlap(sets, a, 16, 50) == 0 and bq.calibration_overlap(sets, a, 40, 50) == 8
     assert bq.calibration_overlap([(a / ".." / "a", 82)], a, 8, 0) == 8  # the same directory spelt differently
+
+
+def test_static_qdq_names_parse_into_knobs_and_refuse_unknown_or_orphaned_ones():
+    """``qdq-mm-pc-pct`` is the weight MatMuls, per-channel weights, Percentile calibration; the earlier rounds'
+    names keep their meaning; a knob the name grammar does not know, two calibration methods, or an exclusion
+    that only makes sense with ``mm`` is refused (before any measuring)."""
+    assert bq.qdq_knobs("qdq") == []
+    assert bq.qdq_knobs("qdq-mm-pc-pct") == ["mm", "pc", "pct"]
+    assert bq.qdq_knobs("nbits-rtn") is None and bq.qdq_knobs("qdqx") is None
+    assert bq.calibrated("qdq-mm-nofc2") and bq.calibrated("nbits-gptq-patched") and not bq.calibrated("dyn-pc")
+    for bad in ("qdq-mm-foo", "qdq-nofc2", "qdq-nohead-pc", "qdq-mm-pct-ent"):
+        with pytest.raises(ValueError):
+            bq.qdq_knobs(bad)
+    assert bq.ort_engine("qdq-mm") == "ONNX Runtime static QDQ int8, weight MatMuls only"  # earlier JSON merges
+    assert bq.ort_engine("qdq-mm-nofc2-pc") == "ONNX Runtime static QDQ int8 qdq-mm-nofc2-pc"
+
+
+def test_an_unknown_quantizer_name_exits_with_one_line_before_loading_anything(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        bq.main(["--orig", str(tmp_path / "absent"), "--speech", str(tmp_path), "--work", str(tmp_path),
+                 "--engines", "ort", "--ort-quant", "dyn-pt,qdq-mm-nofc3"])
+    assert "nofc3" in str(e.value) and "\n" not in str(e.value)
+
+
+def _whisper_like_graph(path):
+    """A graph with the MatMul kinds of an exported Whisper: weight MatMuls (one through a Transpose of its
+    initializer), an attention score MatMul of two activations, an fc2 and the logits' projection."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    w = {k: numpy_helper.from_array(np.ones((4, 4), np.float32), k) for k in ("wq", "wt", "wfc2", "whead")}
+    nodes = [helper.make_node("MatMul", ["x", "wq"], ["q"], name="/model/encoder/layers.0/self_attn/q_proj/MatMul"),
+             helper.make_node("Transpose", ["wt"], ["wtT"], name="T"),
+             helper.make_node("MatMul", ["x", "wtT"], ["k"], name="/model/encoder/layers.0/self_attn/k_proj/MatMul"),
+             helper.make_node("MatMul", ["q", "k"], ["s"], name="/model/encoder/layers.0/self_attn/MatMul"),
+             helper.make_node("MatMul", ["s", "wfc2"], ["h"], name="/model/encoder/layers.0/fc2/MatMul"),
+             helper.make_node("MatMul", ["h", "whead"], ["logits"], name="/model/proj_out/MatMul")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 4])],
+                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [4, 4])], list(w.values()))
+    onnx.save(helper.make_model(graph), str(path))
+    return path
+
+
+def test_qdq_options_leave_float_what_each_knob_names_and_nothing_else(tmp_path):
+    from onnxruntime.quantization import CalibrationMethod, QuantType
+
+    fp32 = _whisper_like_graph(tmp_path / "model.onnx")
+    score = "/model/encoder/layers.0/self_attn/MatMul"
+    fc2, head = "/model/encoder/layers.0/fc2/MatMul", "/model/proj_out/MatMul"
+    default = bq.qdq_options(fp32, [])
+    assert "op_types_to_quantize" not in default and default["nodes_to_exclude"] == []  # ONNX Runtime's defaults
+    assert default["calibrate_method"] == CalibrationMethod.MinMax and default["activation_type"] == QuantType.QUInt8
+    assert not default["per_channel"] and not default["extra_options"]["ActivationSymmetric"]
+    assert "CalibMaxIntermediateOutputs" not in default["extra_options"]  # drops full chunks unread in ORT 1.32
+    assert "LayerNormalization" not in bq.qdq_options(fp32, ["nonorm"])["op_types_to_quantize"]
+    mm = bq.qdq_options(fp32, ["mm"])
+    assert mm["op_types_to_quantize"] == ["MatMul"] and mm["nodes_to_exclude"] == [score]  # k_proj (Transpose) kept
+    assert bq.qdq_options(fp32, ["mm", "nohead"])["nodes_to_exclude"] == [score, head]
+    assert bq.qdq_options(fp32, ["mm", "nofc2"])["nodes_to_exclude"] == [score, fc2]
+    knobs = bq.qdq_options(fp32, ["mm", "pc", "ent", "sym", "s8", "rr"])
+    assert knobs["per_channel"] and knobs["reduce_range"] and knobs["extra_options"]["ActivationSymmetric"]
+    assert knobs["calibrate_method"] == CalibrationMethod.Entropy and knobs["activation_type"] == QuantType.QInt8
+    assert bq.qdq_options(fp32, ["pct"])["calibrate_method"] == CalibrationMethod.Percentile
