@@ -166,17 +166,17 @@ def find_trades(model: nn.Module, plan: Plan, args: tuple, kwargs: dict,
     """The constant trades of ``plan``'s centered writers, proved on ``model`` (the unedited working copy:
     float64, or float32 where a float64 copy does not fit, at a looser tolerance).
 
-    A *taker* is a bias or a one-row parameter whose unit shift moves each norm-input token's mean by 0 or
-    1: its reach (one that reaches every token is taken as a bias: it reaches every token at any length). A
-    *giver* is a table of several rows, each token reading rows with weights that sum to 0 or 1 (a slice, a
-    gather by position ids, a bicubic resampling). A block of the giver's rows is proposed for each taker, one-token takers first (the class token, which reads its own row: row ids shifted by
-    ``r+1`` and ``(r+1)²`` give back one ``r`` at its token), then each bias: the rows its tokens read
-    where each reads one row, with the rows no token read (a bias reaches every token of its writer at
-    any length, so the rows longer inputs read must carry the constant too), or else every row no other
-    taker holds (a resampled grid reads a mix of them). A proposal is a trade only when the trade itself
-    (block +1, taker −1) leaves the token means at the stream's first norm where they were (see
-    :class:`_Prober`): the proof, whatever the proposal's reasoning. So the trades do not depend on the
-    inputs' shape: a ViT traced at another image size reads a resampled table and gets the same trades.
+    A *taker* is a bias or a one-row parameter whose unit shift moves each norm-input token's mean by 0 or 1: its
+    reach (one that reaches every token is taken as a bias: it reaches every token at any length). A *giver* is a
+    table of several rows, each token reading rows with weights that sum to 0 or 1 (a slice, a gather by position
+    ids, a bicubic resampling). A block of the giver's rows is proposed for each taker, one-token takers first (the
+    class token, which reads its own row: row ids shifted by ``r+1`` and ``(r+1)²`` give back one ``r`` at its
+    token), then each bias: the rows its tokens read where each reads one row, with the rows no token read (a bias
+    reaches every token of its writer at any length, so the rows longer inputs read must carry the constant too), or
+    else every row no other taker holds (a resampled grid reads a mix of them). A proposal is a trade only when the
+    trade itself (block +1, taker −1) leaves the token means at the stream's first norm where they were (see
+    :class:`_Prober`): the proof, whatever the proposal's reasoning. So the trades do not depend on the inputs'
+    shape: a ViT traced at another image size reads a resampled table and gets the same trades.
     ``draws``: a context every probe runs in,
     which seeds the model's random draws alike each time and restores the caller's
     (:func:`normswap.surgery.verify.same_draws`).
