@@ -548,6 +548,7 @@ def analyse_copy(work: nn.Module, args: tuple, kwargs: dict, opts: ConvertOption
     # where the centering may leave a table's row means (a proof by probing the unedited copy, in float64)
     plan.constant_trades = trades.find_trades(work, plan, args, kwargs, lambda: same_draws(work)) \
         if opts.trade_constants else []
+    plan.options["trade_constants"] = opts.trade_constants  # the manifest says whether trades were looked for
     plan.skipped = [{"name": s.path, "class": s.class_name, "reason": s.reason} for s in found.skipped]
     plan.options["already_converted"] = bool(found.converted) and not found.sites
     return _Analysis(plan, {s.path: s for s in found.sites}, graph, args, kwargs, dict(graph.held_casts),

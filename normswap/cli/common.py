@@ -95,6 +95,7 @@ _CLI_WORDS = (
     (re.compile(r"\btrust_remote_code=True\b"), "--trust-remote-code"),
     (re.compile(r"\ballow_unusable=True\b"), "--allow-unusable"),
     (re.compile(r"\bper_norm_centering=True\b"), "--per-norm-centering"),
+    (re.compile(r"\btrade_constants=False\b"), "--no-constant-trades"),
     (re.compile(r"\bcalibration=\.\.\."), "--calibration-data FILE"),
     (re.compile(r"\bcalibration_data\b(?!=)"), "--calibration-data"),
     (re.compile(r"\bout_dir\b"), "--out"),

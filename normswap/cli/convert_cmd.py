@@ -202,6 +202,13 @@ Presets (offline, seeded tiny models with tokenizers/processors):
     "those norms are approximate instead.",
 )
 @click.option(
+    "--no-constant-trades",
+    is_flag=True,
+    help="Center every embedding writer on its own. By default a centered position table keeps its row means "
+    "where a bias or class token reaching the same tokens takes them away instead (exact; what a static int8 "
+    "quantizer needs on a ViT/DINOv2).",
+)
+@click.option(
     "--carry-multiple",
     type=click.IntRange(1, 4096),
     default=8,
@@ -374,6 +381,7 @@ def convert(
     fold_gamma: bool,
     per_norm_centering: bool,
     no_mean_carry: bool,
+    no_constant_trades: bool,
     carry_multiple: int,
     no_bias_slots: bool,
     beta_placement: str | None,
@@ -436,6 +444,7 @@ def convert(
         untie=not keep_tied,
         per_norm_centering=per_norm_centering,
         mean_carry=not no_mean_carry,
+        trade_constants=not no_constant_trades,
         carry_multiple=carry_multiple,
         bias_slots=not no_bias_slots,
         beta_placement=beta_placement,

@@ -288,3 +288,21 @@ def test_a_one_row_table_every_token_reads_takes_the_constant_of_every_row_at_an
         ref = model(input_ids=ids, attention_mask=mask).last_hidden_state
         out = conv(input_ids=ids, attention_mask=mask).last_hidden_state
     assert (out - ref).abs().max() <= 1e-9 * ref.abs().max()
+
+
+def test_the_command_line_trades_by_default_and_not_with_no_constant_trades(tmp_path):
+    """``normswap convert`` records the trades in the manifest; ``--no-constant-trades`` (``trade_constants=False``)
+    converts with none, exact either way (the command verifies the output)."""
+    import json
+
+    from click.testing import CliRunner
+
+    from normswap.cli import main
+
+    for flags, out in (([], "traded"), (["--no-constant-trades"], "alone")):
+        res = CliRunner().invoke(main, ["convert", "tiny-vit", "--out", str(tmp_path / out), "-q", *flags])
+        assert res.exit_code == 0, res.stderr
+        manifest = json.loads((tmp_path / out / "config.json").read_text())["normswap"]
+        trades = manifest["plan"]["constant_trades"]
+        assert bool(trades) == (not flags), trades
+        assert manifest["plan"]["options"]["trade_constants"] is (not flags)
