@@ -494,7 +494,7 @@ class Plan:
         if self.constant_trades:
             tables = len({t.table for t in self.constant_trades})
             extra.append(f"{len(self.constant_trades)} row mean(s) of {tables} table(s) traded into a bias or "
-                         "class token")
+                         "a parameter reaching the same tokens")
         if self.hooks:
             extra.append(f"{len(self.hooks)} centering op(s)")
         if self.centered_readers:

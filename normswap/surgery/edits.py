@@ -10,7 +10,6 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -37,6 +36,7 @@ from normswap.analysis.plan import (
     WriterEdit,
     attach_plan,
 )
+from normswap.analysis.trades import row_shift
 from normswap.analysis.walker import NormSite
 from normswap.integrations import torch_transformer
 from normswap.nn.call_args import RMSNormTakingArgs, argument_slot
@@ -116,11 +116,9 @@ def traded(w: torch.Tensor, t: ConstantTrade, c: torch.Tensor, *, table: bool) -
     ``[lo, hi)`` (``table``), ``−c`` on every entry of the taker."""
     if not table:
         return w.sub_(c)
-    ax = t.axis % w.dim()
-    marks = torch.zeros(math.prod(n for i, n in enumerate(w.shape) if i != ax), dtype=w.dtype)
+    marks = torch.zeros(w.numel() // w.shape[t.axis], dtype=w.dtype)
     marks[t.lo:t.hi] = 1
-    rows = [n for i, n in enumerate(w.shape) if i != ax]
-    return w.add_((marks * c).reshape(rows).unsqueeze(ax))
+    return w.add_(row_shift(w, t.axis, marks * c))
 
 
 def trade_constants(model: nn.Module, trades: list[ConstantTrade]) -> list[torch.Tensor]:
