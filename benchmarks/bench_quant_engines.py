@@ -42,7 +42,13 @@ CLS embedding (``pooler_output``), averaged over the inputs, and the same over e
   by an op instead (:func:`centered_by_op`; the untraded plan): whether the stem's weight centering is what a
   per-channel quantizer pays for;
 * ``hadamard``: ``patch(fold_gamma=True)`` then ``normswap.rotate(model, "hadamard", output="restore")`` (the
-  backbone's output is a model output, so the stream is turned back before the final norm: native only).
+  backbone's output is a model output, so the stream is turned back before the final norm: native only);
+* ``learned``, ``learned-mix``: the same with ``normswap.rotate(model, "learned", output="restore", ...)``:
+  the Hadamard times a rotation learned for 4-bit weights in blocks of 32 (``--learn-grid``, default ONNX
+  Runtime's ``full`` grid; ``learned-mix``: ``full+asymmetric``, RTN's grid and HQQ's start in turn), for
+  ``--learn-steps`` steps on ``--learn-images`` crops (with ``--photos``: of the calibration photographs, which
+  no measurement uses; else generated images of another seed than the held-out ones and the static
+  quantizer's).
 
 By default the model is DINOv2-shaped (``bench_layerscale_bf16.build``: hidden 384, patch 14, LayerScale λ
 log-normal over three decades, LayerNorm γ/β randomised, a few massive channels) with random weights and
@@ -83,6 +89,7 @@ GPTQ = ("nbits-gptq", "nbits-gptq-patched")  # minutes each: asked for by name
 MATMUL_ONLY = ("dyn-pt-matmul", "dyn-pc-matmul")
 VARIANTS = ("original", "compat", "compat-notrade", "compat-retrade", "compat-keep", "compat-fold-ls", "native",
             "native-keep", "native-centerop", "fold-gamma", "hadamard", "jitter-1", "jitter-2")
+LEARNED = ("learned", "learned-mix")  # minutes each (the learning): asked for by name
 WEIGHTS = {"o_proj": "attention.o_proj", "fc2": "mlp.fc2", "q_proj": "attention.q_proj",
            "k_proj": "attention.k_proj", "fc1": "mlp.fc1"}
 
@@ -123,8 +130,10 @@ class Outputs(torch.nn.Module):
         return out.pooler_output, out.last_hidden_state
 
 
-def variant(model: torch.nn.Module, name: str, workdir: Path) -> tuple[torch.nn.Module, str]:
-    """``name``'s model as a stock transformers model (compat checkpoint written and loaded back)."""
+def variant(model: torch.nn.Module, name: str, workdir: Path,
+            learn: dict[str, Any] | None = None) -> tuple[torch.nn.Module, str]:
+    """``name``'s model as a stock transformers model (compat checkpoint written and loaded back); ``learn``:
+    ``normswap.rotate``'s learned-rotation keywords (``calibration`` included) for the ``learned*`` variants."""
     import transformers as tf
 
     import normswap
@@ -138,7 +147,7 @@ def variant(model: torch.nn.Module, name: str, workdir: Path) -> tuple[torch.nn.
         return retraded(compat, model), "compat-notrade, the position table's row mean moved by hand into the " \
             "conv bias / CLS"
     conv = copy.deepcopy(model)
-    opts: dict[str, Any] = {"fold_gamma": name in ("hadamard", "fold-gamma")}
+    opts: dict[str, Any] = {"fold_gamma": name in ("hadamard", "fold-gamma") + LEARNED}
     if name in ("compat-notrade", "native-centerop"):
         opts["trade_constants"] = False
     if name == "compat-fold-ls":
@@ -155,6 +164,12 @@ def variant(model: torch.nn.Module, name: str, workdir: Path) -> tuple[torch.nn.
         if name == "hadamard":  # the backbone's output is a model output: turned back (native format only)
             r = normswap.rotate(conv, "hadamard", seed=0, output="restore")
             return conv, f"{len(r.rotated)} stream(s) rotated, output restored; native, in memory"
+        if name in LEARNED:
+            grid = learn.pop("grid")
+            if name == "learned-mix":
+                grid = "full+asymmetric"
+            r = normswap.rotate(conv, "learned", seed=0, output="restore", grid=grid, **learn)
+            return conv, f"{r.learned.headline()}; output restored; native, in memory"
         out = workdir / name
         normswap.save(conv, out, format="compat", overwrite=True)
         del conv
@@ -360,7 +375,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     "inputs and calibration are random crops of them (photo_crops.py) instead of generated images")
     ap.add_argument("--calib-photos", default="motorcycle_right.png,gravel.png,brick.png",
                     help="with --photos: the photographs calibration crops come from, left out of the held-out ones")
-    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS + LEARNED)
+    ap.add_argument("--learn-steps", type=int, default=100, help="learned*: optimiser steps")
+    ap.add_argument("--learn-images", type=int, default=32, help="learned*: calibration crops the rotation learns "
+                    "from (in batches of --learn-batch)")
+    ap.add_argument("--learn-batch", type=int, default=8)
+    ap.add_argument("--learn-lr", type=float, default=2e-3)
+    ap.add_argument("--learn-grid", default="full", help="learned: the grid (learned-mix: full+asymmetric)")
+    ap.add_argument("--learn-scales", action="store_true", help="learned*: also learn per-channel norm scales")
     ap.add_argument("--quantizers", nargs="+", default=list(QUANTIZERS), choices=QUANTIZERS + GPTQ + MATMUL_ONLY)
     ap.add_argument("--json", type=Path)
     ap.add_argument("--plot", type=Path, help="write a PNG of the error ratios (matplotlib)")
@@ -406,6 +428,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     else:
         px = images(args.images, args.image, 1)
         calib = images(args.calib, args.image, 2)
+    learn = None
+    if set(args.variants) & set(LEARNED):  # learning crops: never the held-out ones, nor the static quantizer's
+        if args.photos:
+            shots = photo_crops(n=args.learn_images, size=args.image, seed=3,
+                                files=[p for p in photographs(args.photos) if p.name in held_out])
+        else:
+            shots = images(args.learn_images, args.image, 3)
+        learn = {"calibration": [{"pixel_values": b} for b in shots.split(args.learn_batch)], "bits": 4,
+                 "group_size": 32, "steps": args.learn_steps, "lr": args.learn_lr, "grid": args.learn_grid,
+                 "scales": args.learn_scales}
     with torch.no_grad():
         ref_pool, ref_tok = Outputs(model)(px)
     result: dict[str, Any] = {"model": label, "images": args.images, "rows": {}}
@@ -413,7 +445,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         work = Path(tmp)
         for name in args.variants:
             t0 = time.perf_counter()
-            m, note = variant(model, name, work)
+            m, note = variant(model, name, work, dict(learn) if learn else None)
             row: dict[str, Any] = {"note": note, "weights": weight_ranges(m), "errors": {}, "per_image": {}}
             fp32 = work / f"{name}.onnx"
             export(m, px, fp32)

@@ -7,11 +7,24 @@ re-spoken set), teacher-forced on each clip's spoken sentence (``<|startoftransc
 its tokens, end-of-text): the loss is the KL of the fake-quantized model's next-token distribution against the
 float model's at every position. ``--output restore`` turns the encoder's stream too (its last norm's output
 is the encoder's output, read by every cross-attention: one ``Qᵀ`` matmul before that norm, which the native
-format holds and ``bench_quant_whisper.py --float-ops`` keeps in float). Prints the learning's time and
-peak memory.
+format holds and ``bench_quant_whisper.py --float-ops`` keeps in float). ``--output none`` leaves the encoder's
+stream unturned (only the decoder's turns and learns); with ``--fold turned`` the conversion and rotation are one
+``normswap.patch(model, rotate="learned", ...)``, which folds γ only into the stream that turns, so the
+encoder's norms keep γ as ``convert --rotate`` writes them (its readers' columns are not widened by a fold
+nothing undoes: what HQQ and RTN pay for on the encoder). ``--cache-encoder`` (with ``--output none``): the
+calibration batches carry the float encoder's output (``encoder_outputs``) instead of the audio features, so
+each step runs the decoder only: the encoder's stream is not turned, so nothing the learning moves reaches
+its computation; the loss is then the decoder's own quantization error on the float encoder states (the
+encoder's weights are not rounded in it); the encoder, most of a step's work on 30-second windows, runs once.
+Prints the learning's time and peak memory, and each loss the learning computes to stderr (with the time since
+the start).
 
     python benchmarks/whisper_learned_rotation.py --orig tiny-orig --calib speech4 --clips 16 --batch 4 \
         --steps 100 --group-size 32 --grid full --output restore --out tiny-learned
+    # decoder only, γ folded where the stream turns, one rotation for RTN's and HQQ's grids
+    python benchmarks/whisper_learned_rotation.py --orig tiny-orig --calib speech4 --clips 16 --batch 2 \
+        --steps 100 --group-size 32 --grid full+asymmetric --output none --fold turned --cache-encoder \
+        --out tiny-learned-dec
 """
 
 from __future__ import annotations
@@ -30,9 +43,10 @@ import bench_quant_whisper as bqw  # noqa: E402
 from speech_samples import load_clips  # noqa: E402
 
 
-def batches(orig: Path, calib: Path, clips: int, batch: int) -> list[dict]:
+def batches(orig: Path, calib: Path, clips: int, batch: int, encoder: torch.nn.Module | None = None) -> list[dict]:
     """``clips`` clips of ``calib`` as ``{"input_features", "decoder_input_ids"}`` batches, each forced on its
-    spoken sentence (padded with end-of-text)."""
+    spoken sentence (padded with end-of-text); with ``encoder``, ``input_features`` replaced by
+    ``encoder_outputs``, that encoder's float output on them."""
     from transformers import AutoTokenizer
 
     bqw.set_prompt(orig)
@@ -43,8 +57,30 @@ def batches(orig: Path, calib: Path, clips: int, batch: int) -> list[dict]:
     out = []
     for i in range(0, len(chosen), batch):
         feed = bqw.ort_feed(feats[i:i + batch], refs[i:i + batch])
-        out.append({k: torch.from_numpy(v) for k, v in feed.items()})
+        one = {k: torch.from_numpy(v) for k, v in feed.items()}
+        if encoder is not None:
+            with torch.no_grad():
+                one["encoder_outputs"] = (encoder(one.pop("input_features")).last_hidden_state,)
+        out.append(one)
     return out
+
+
+def progress() -> None:
+    """Print each loss the learning computes to stderr, with the time since the start: the learning itself
+    reports only at its end, and a run on a shared machine needs watching (``learn.output_error`` is
+    called once per batch and grid, in the optimiser's steps and in each scoring pass)."""
+    from normswap.rotation import learn
+
+    t0, count, inner = time.perf_counter(), [0], learn.output_error
+
+    def logged(*a, **k):
+        value = inner(*a, **k)
+        count[0] += 1
+        print(f"[{time.perf_counter() - t0:7.0f} s] loss call {count[0]}: {float(value):.4g}", file=sys.stderr,
+              flush=True)
+        return value
+
+    learn.output_error = logged
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -63,21 +99,38 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--online", action="store_true", help="QuaRot's online Hadamards before the down projections")
     ap.add_argument("--scales", action="store_true", help="also learn per-channel norm scales")
     ap.add_argument("--output", default="restore", choices=("none", "restore"))
+    ap.add_argument("--fold", default="all", choices=("all", "turned"),
+                    help="all: patch(fold_gamma=True) then rotate; turned: one patch(rotate='learned'), γ folded "
+                    "only into the streams that turn")
+    ap.add_argument("--cache-encoder", action="store_true", help="with --output none: learn on the float "
+                    "encoder's outputs (the decoder alone runs per step)")
+    ap.add_argument("--seed", type=int, default=0, help="the Hadamard start's random signs")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     import normswap
 
-    cal = batches(args.orig, args.calib, args.clips, args.batch)
+    if args.cache_encoder and args.output != "none":
+        ap.error("--cache-encoder needs --output none: a turned encoder stream moves with the learning")
     model = bqw.whisper_model(args.orig)
+    cal = batches(args.orig, args.calib, args.clips, args.batch,
+                  model.get_encoder().eval() if args.cache_encoder else None)
+    output = None if args.output == "none" else args.output
+    learn_settings = dict(bits=args.bits, act_bits=args.act_bits, group_size=args.group_size or None, grid=args.grid,
+                          steps=args.steps, lr=args.lr, scales=args.scales)
+    progress()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        normswap.patch(model, fold_gamma=True)
-        t0 = time.perf_counter()
-        rot = normswap.rotate(model, "learned", output=None if args.output == "none" else args.output,
-                              online=args.online, calibration=cal, bits=args.bits, act_bits=args.act_bits,
-                              group_size=args.group_size or None, grid=args.grid, steps=args.steps, lr=args.lr,
-                              scales=args.scales)
+        if args.fold == "turned":
+            t0 = time.perf_counter()
+            rot = normswap.patch(model, rotate="learned", rotate_output=output, rotate_seed=args.seed,
+                                 online_hadamard=args.online, rotate_learn=learn_settings,
+                                 calibration=cal).rotation
+        else:
+            normswap.patch(model, fold_gamma=True)
+            t0 = time.perf_counter()
+            rot = normswap.rotate(model, "learned", seed=args.seed, output=output, online=args.online,
+                                  calibration=cal, **learn_settings)
         seconds = time.perf_counter() - t0
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(rot)

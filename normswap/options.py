@@ -54,7 +54,8 @@ FORMATS = ("native", "compat")
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # checkpoint dtypes ``convert`` can write
 VERIFY_DTYPES = ("auto", "float64", "float32")  # what the working copy computes in (normswap.memory)
 ROTATIONS = ("hadamard", "random", "learned")  # what ``rotate`` builds (normswap.rotate also takes a seed or a matrix)
-LEARN_KEYS = ("bits", "act_bits", "group_size", "steps", "lr", "grid", "scales")  # rotate_learn (rotation.learn)
+# rotate_learn's keys (normswap.rotation.learn.LearnSettings)
+LEARN_KEYS = ("bits", "act_bits", "group_size", "steps", "lr", "grid", "scales", "heads")
 ROTATE_OUTPUTS = ("rotated", "restore")  # a stream ending in a model output: turned output, or turned back
 # task name -> transformers Auto class that loads it (the --task option)
 TASKS = {

@@ -352,6 +352,9 @@ Presets (offline, seeded tiny models with tokenizers/processors):
 @click.option("--learn-scales", is_flag=True, default=None,
               help="With --rotate learned: also learn a per-channel scale between each norm and its readers "
               "(exact; the norms keep it as their weight). Not with --smooth.")
+@click.option("--learn-heads", is_flag=True, default=None,
+              help="With --rotate learned: also learn one rotation per attention layer on each head's values and "
+              "the output projection's columns of that head (SpinQuant's R2; exact, weights only).")
 @click.option("--seed", "rotate_seed", type=int, default=0, show_default=True,
               help="With --rotate: the seed of the random signs / random matrix (stream i uses seed + i).")
 @click.option(
@@ -411,6 +414,7 @@ def convert(
     learn_steps: int | None,
     learn_grid: str | None,
     learn_scales: bool | None,
+    learn_heads: bool | None,
     example_inputs: str | None,
     samples: tuple[str, ...],
     quiet: bool,
@@ -423,7 +427,8 @@ def convert(
     """
     check_model_name(model)
     learn = {k: v for k, v in (("bits", learn_bits), ("act_bits", learn_act_bits), ("group_size", learn_group_size),
-                               ("steps", learn_steps), ("grid", learn_grid), ("scales", learn_scales or None))
+                               ("steps", learn_steps), ("grid", learn_grid), ("scales", learn_scales or None),
+                               ("heads", learn_heads or None))
              if v is not None}
     _check_combination(mode, fmt, fold_gamma, per_norm_centering, no_bias_slots, calibration_data, low_memory,
                        task, new_head, rotation, rotate_seed, rotate_output, online_hadamard, smooth, beta_placement,

@@ -32,6 +32,14 @@ A weight-only block quantizer (``MatMulNBits``) sees only the readers' columns, 
 columns of each block of 32 out; with ``act_bits`` it trades activation against weight ranges as
 SmoothQuant does, but chosen against the quantized model's output error rather than by a formula.
 
+With ``heads=True`` SpinQuant's R2 is learned with ``R``: per attention layer one orthogonal ``h × h`` matrix
+``R2 = cayley(S2)`` (``h`` the head size; no mean to keep: the values are no normed stream), shared by the
+layer's heads, turning each head's values ``v_h → v_h R2`` (the value projection's rows and bias, per head) and
+the output projection's input columns of each head by the same ``R2``. Attention is linear in each head's
+values, so ``softmax(.) V_h R2 R2ᵀ W_o,hᵀ = softmax(.) V_h W_o,hᵀ``: exact for any orthogonal ``R2``, and
+grouped-query heads share it. It evens out the ranges of the value projection's rows and the output
+projection's per-head column blocks, which a block-wise weight quantizer rounds together.
+
 Cost: one forward and backward of the fake-quantized model per step, plus a ``d × d`` solve per stream, and
 one float copy of the model. A few hundred steps of a 4-layer, width-64 toy take seconds on one CPU core;
 a 7B model is SpinQuant's territory (a GPU, ~800 steps of 800 samples in its paper).
@@ -72,7 +80,8 @@ class LearnSettings:
     the rotation is fitted to no single rounding. A rotation learned on one grid need not carry to another
     (``docs/results/quantization.md``: fitted to the full grid alone, Whisper's HQQ error rose). ``scales``:
     also learn a per-channel scale between each norm of a rotated stream and its Linear readers (its log at ten
-    times ``lr``)."""
+    times ``lr``). ``heads``: also learn SpinQuant's R2, one orthogonal head-size matrix per attention layer on
+    its values and output projection (:class:`HeadTensors`)."""
 
     bits: int = 4
     act_bits: int | None = None
@@ -81,6 +90,7 @@ class LearnSettings:
     lr: float = 1e-3
     grid: str = "symmetric"
     scales: bool = False
+    heads: bool = False
 
     def __post_init__(self) -> None:
         parts = self.grid.split("+") if isinstance(self.grid, str) else [None]
@@ -99,8 +109,9 @@ class LearnSettings:
             raise NormswapError(f"learned rotation: group_size must be an int ≥ 2 or None, not {g!r}")
         if isinstance(self.steps, bool) or not isinstance(self.steps, int) or not 0 <= self.steps <= 100_000:
             raise NormswapError(f"learned rotation: steps must be an int in [0, 100000], not {self.steps!r}")
-        if not isinstance(self.scales, bool):
-            raise NormswapError(f"learned rotation: scales must be True or False, not {self.scales!r}")
+        for flag in ("scales", "heads"):
+            if not isinstance(getattr(self, flag), bool):
+                raise NormswapError(f"learned rotation: {flag} must be True or False, not {getattr(self, flag)!r}")
         if isinstance(self.lr, bool) or not isinstance(self.lr, (int, float)) or not 0 < float(self.lr) < 10:
             raise NormswapError(f"learned rotation: lr must be a number in (0, 10), not {self.lr!r}")
 
@@ -112,7 +123,8 @@ class LearnSettings:
     def describe(self) -> str:
         what = f"W{self.bits}" + (f"A{self.act_bits}" if self.act_bits else "") \
             + (f", groups of {self.group_size}" if self.group_size else "") \
-            + (f", {self.grid} grid" if self.grid != "symmetric" else "") + (", learned scales" if self.scales else "")
+            + (f", {self.grid} grid" if self.grid != "symmetric" else "") \
+            + (", learned scales" if self.scales else "") + (", learned head rotations" if self.heads else "")
         return f"{what}, {self.steps} steps"
 
 
@@ -136,6 +148,17 @@ class StreamTensors:
 
 
 @dataclass
+class HeadTensors:
+    """One attention layer's values and output projection, for R2 (``LearnSettings.heads``): ``turned`` =
+    ``(parameter, axis)`` whose ``axis`` runs over whole heads of ``head_dim`` features, each block of which
+    becomes ``· R2`` (the value projection's weight rows and bias, the output projection's input columns)."""
+
+    key: str  # the attention module's path
+    head_dim: int
+    turned: list[tuple[str, int]] = field(default_factory=list)
+
+
+@dataclass
 class Learned:
     """What the optimisation did: the settings, the loss (relative squared output error of the fake-quantized
     model, mean over the calibration batches) at the Hadamard start and at the end, and the time taken.
@@ -152,6 +175,7 @@ class Learned:
     loss_hadamard: float = float("nan")
     loss_identity: float = float("nan")
     scales: dict[str, torch.Tensor] = field(default_factory=dict)  # norm → s (float64), with settings.scales
+    heads: dict[str, torch.Tensor] = field(default_factory=dict)  # attention path → R2 (float64), settings.heads
 
     def headline(self) -> str:
         line = (f"learned rotation ({self.settings.describe()}, {self.seconds:.1f} s): fake-quant output error "
@@ -161,6 +185,8 @@ class Learned:
         if self.scales:
             spread = max(float(s.max() / s.min()) for s in self.scales.values())
             line += f"; {len(self.scales)} norm scale(s) learned (largest spread max/min {spread:.3g})"
+        if self.heads:
+            line += f"; {len(self.heads)} head rotation(s) learned"
         return line + (f" (no gain: the {self.start} start kept)" if self.kept_start else "")
 
     def record(self) -> dict:
@@ -168,17 +194,29 @@ class Learned:
         s = self.settings
         return {"bits": s.bits, "act_bits": s.act_bits, "group_size": s.group_size, "steps": s.steps, "lr": s.lr,
                 "grid": s.grid, "scales": s.scales, "scaled_norms": sorted(self.scales),
+                "heads": s.heads, "head_rotations": sorted(self.heads),
                 "start": self.start, "loss_hadamard": self.loss_hadamard, "loss_identity": self.loss_identity,
                 "loss_start": self.loss_start, "loss_end": self.loss_end, "kept_start": self.kept_start}
 
 
-def cayley(skew_param: torch.Tensor) -> torch.Tensor:
-    """``R = (I − A/2)⁻¹(I + A/2)`` with ``A = P (S − Sᵀ) P``: orthogonal, ``R·1 = 1``, ``R = I`` at ``S = 0``."""
+def cayley(skew_param: torch.Tensor, keep_mean: bool = True) -> torch.Tensor:
+    """``R = (I − A/2)⁻¹(I + A/2)`` with ``A = P (S − Sᵀ) P``: orthogonal, ``R·1 = 1``, ``R = I`` at ``S = 0``.
+    ``keep_mean=False``: ``A = S − Sᵀ`` (any rotation near ``I``; for features no centering relies on)."""
     d = skew_param.shape[0]
     eye = torch.eye(d, dtype=skew_param.dtype, device=skew_param.device)
-    proj = eye - 1.0 / d
-    a = proj @ (skew_param - skew_param.T) @ proj
+    a = skew_param - skew_param.T
+    if keep_mean:
+        proj = eye - 1.0 / d
+        a = proj @ a @ proj
     return torch.linalg.solve(eye - a / 2, eye + a / 2)
+
+
+def turn_heads(p: torch.Tensor, axis: int, r2: torch.Tensor) -> torch.Tensor:
+    """``p`` with each block of ``r2``'s size along ``axis`` (one head's features) times ``r2``; differentiable."""
+    moved = p.movedim(axis, -1)
+    hd = r2.shape[0]
+    blocks = moved.reshape(*moved.shape[:-1], moved.shape[-1] // hd, hd) @ r2.to(p.dtype)
+    return blocks.reshape(moved.shape).movedim(-1, axis)
 
 
 def fake_quant(x: torch.Tensor, bits: int, dim: int, group_size: int | None = None,
@@ -323,9 +361,11 @@ def _is_logits(out: Any) -> bool:
 
 
 def optimise(model: nn.Module, streams: list[StreamTensors], batches: list[tuple[tuple, dict]],
-             settings: LearnSettings) -> tuple[dict[str, torch.Tensor], Learned]:
+             settings: LearnSettings,
+             heads: list[HeadTensors] | None = None) -> tuple[dict[str, torch.Tensor], Learned]:
     """Learn one ``R`` per stream of ``model`` (already turned by its start matrices ``Q₀``), so that ``Q₀ R``
-    minimises the fake-quantized model's output error on ``batches``. Returns ``({stream key: R}`` in float64,
+    minimises the fake-quantized model's output error on ``batches``; with ``heads`` (``settings.heads``), one
+    ``R2`` per attention layer too, in ``Learned.heads``. Returns ``({stream key: R}`` in float64,
     what it did``)``. The model's parameters are read, never written; it runs in its own dtype, in eval mode.
     The search starts from the better of ``R = I`` (the Hadamard) and ``R = Q₀ᵀ`` (no rotation; where every
     stream has ``undo``) on all the batches; if nothing learned beats that start, the start is returned."""
@@ -344,12 +384,16 @@ def optimise(model: nn.Module, streams: list[StreamTensors], batches: list[tuple
     # t = 0: s = 1, every norm's weight as the start has it
     logs = {norm: torch.zeros(st.width, dtype=torch.float64, requires_grad=True)
             for st in streams if settings.scales for norm, _, _ in st.scaled}
+    # S2 = 0: R2 = I, each head's values as the start has them
+    heads = list(heads or []) if settings.heads else []
+    head_skews = {h.key: torch.zeros(h.head_dim, h.head_dim, dtype=torch.float64, requires_grad=True) for h in heads}
 
     aliases: dict[int, list[str]] = {}  # a tensor reachable by several names (tied weights) turns under all
     for name, t in state.items():
         aliases.setdefault(id(t), []).append(name)
 
-    def turned(rs: dict[str, torch.Tensor], ss: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    def turned(rs: dict[str, torch.Tensor], ss: dict[str, torch.Tensor] | None = None,
+               r2s: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
         for st in streams:
             r = rs[st.key]
@@ -365,6 +409,9 @@ def optimise(model: nn.Module, streams: list[StreamTensors], batches: list[tuple
                     out[name] = out.get(name, state[name]) / s.to(state[name].dtype)
                 for name, axis, rows in readers:  # its readers' input columns × s
                     out[name] = _scale(out.get(name, state[name]), axis, s, rows)
+        for h in heads if r2s else ():  # R2 on the head axis: the stream's R (other axis) commutes with it
+            for name, axis in h.turned:
+                out[name] = turn_heads(out.get(name, state[name]), axis, r2s[h.key])
         for name in list(out):
             out.update({alias: out[name] for alias in aliases[id(state[name])]})
         return out
@@ -380,17 +427,18 @@ def optimise(model: nn.Module, streams: list[StreamTensors], batches: list[tuple
     grids = settings.grids
 
     def loss_on(i: int, rs: dict[str, torch.Tensor], ss: dict[str, torch.Tensor] | None = None,
-                grid: str = grids[0]) -> torch.Tensor:
+                grid: str = grids[0], r2s: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
         args, kwargs = batches[i]
         # tie_weights=False: a weight tied to a writer (an LM head) is rounded where its matmul reads it only
-        out = functional_call(model, quant.params(turned(rs, ss), grid), args, kwargs, tie_weights=False,
+        out = functional_call(model, quant.params(turned(rs, ss, r2s), grid), args, kwargs, tie_weights=False,
                               strict=False)
         return output_error(output_tensor(out).to(refs[i].dtype), refs[i], logits, masks[i])
 
-    def mean_loss(rs: dict[str, torch.Tensor], ss: dict[str, torch.Tensor] | None = None) -> float:
+    def mean_loss(rs: dict[str, torch.Tensor], ss: dict[str, torch.Tensor] | None = None,
+                  r2s: dict[str, torch.Tensor] | None = None) -> float:
         """The loss on every batch, on every grid (the mean: several grids score as one)."""
         with torch.no_grad():
-            return sum(float(loss_on(i, rs, ss, g)) for i in range(len(batches)) for g in grids) \
+            return sum(float(loss_on(i, rs, ss, g, r2s)) for i in range(len(batches)) for g in grids) \
                 / (len(batches) * len(grids))
 
     identity = {k: torch.eye(s.shape[0], dtype=torch.float64) for k, s in skews.items()}
@@ -408,9 +456,9 @@ def optimise(model: nn.Module, streams: list[StreamTensors], batches: list[tuple
             base, start_name = identity, "hadamard"
             if loss_identity < loss_hadamard:
                 base, start_name, start = undo, "identity", loss_identity
-            best, best_loss, best_scales = base, start, {}
+            best, best_loss, best_scales, best_heads = base, start, {}, {}
             # the scales' log moves at ten times R's step: a log-scale of 1 is e×, a rotation angle of 1 is 57°
-            groups: list[dict] = [{"params": list(skews.values())}]
+            groups: list[dict] = [{"params": list(skews.values()) + list(head_skews.values())}]
             if logs:
                 groups.append({"params": list(logs.values()), "lr": 10 * float(settings.lr)})
             opt = torch.optim.Adam(groups, lr=float(settings.lr))
@@ -421,7 +469,8 @@ def optimise(model: nn.Module, streams: list[StreamTensors], batches: list[tuple
                 # meets every grid and none is fitted alone
                 batch, rounds = step % len(batches), step // len(batches)
                 loss = loss_on(batch, {k: base[k] @ cayley(s) for k, s in skews.items()},
-                               {n: norm_scales(t) for n, t in logs.items()}, grids[(batch + rounds) % len(grids)])
+                               {n: norm_scales(t) for n, t in logs.items()}, grids[(batch + rounds) % len(grids)],
+                               {k: cayley(s, keep_mean=False) for k, s in head_skews.items()})
                 loss.backward()
                 opt.step()
                 decay.step()
@@ -430,11 +479,12 @@ def optimise(model: nn.Module, streams: list[StreamTensors], batches: list[tuple
                     with torch.no_grad():
                         now = {k: base[k] @ cayley(s.detach()) for k, s in skews.items()}
                         now_scales = {n: norm_scales(t.detach()) for n, t in logs.items()}
-                    score = mean_loss(now, now_scales)
+                        now_heads = {k: cayley(s.detach(), keep_mean=False) for k, s in head_skews.items()}
+                    score = mean_loss(now, now_scales, now_heads)
                     if score < best_loss:
-                        best, best_loss, best_scales = now, score, now_scales
+                        best, best_loss, best_scales, best_heads = now, score, now_scales, now_heads
     finally:
         model.train(was_training)
     kept = best is base
     return best, Learned(settings, start, best_loss, time.perf_counter() - t0, kept, history, start_name,
-                         loss_hadamard, loss_identity, best_scales)
+                         loss_hadamard, loss_identity, best_scales, best_heads)

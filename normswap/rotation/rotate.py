@@ -500,6 +500,21 @@ def _rotate_heads_(model: nn.Module) -> tuple[list[str], int | None, str]:
     return [path for path, _, _ in pairs], hd, ""
 
 
+def _turn_heads_(model: nn.Module, matrices: dict[str, torch.Tensor]) -> None:
+    """Each attention layer's learned R2 (``{attention path: R2}``, :func:`_value_heads`' paths) folded as
+    :func:`_rotate_heads_` folds the Hadamard: the value projection's rows and bias, and the output projection's
+    input columns, per head."""
+    from normswap.rotation.learn import turn_heads
+
+    pairs = {path: (v, o) for path, v, o in _value_heads(model)[0]}
+    for path, r2 in matrices.items():
+        v, o = pairs[path]
+        for p, axis in ((v.weight, 0), (v.bias, 0), (o.weight, 1)):
+            if p is not None:
+                with torch.no_grad():
+                    p.copy_(turn_heads(p.detach().double(), axis, r2.to(p.device)).to(p.dtype))
+
+
 def _like(module: nn.Module, model: nn.Module) -> dict:
     ref = next(iter(module.parameters()), None)
     if ref is None:
@@ -559,7 +574,8 @@ def _user_matrix(q: torch.Tensor) -> torch.Tensor:
 def rotate(model: nn.Module, q: str | int | torch.Tensor = "hadamard", *, seed: int = 0,
            online: bool = False, output: str | None = None, smooth: float | None = None,
            calibration: Any = None, bits: int = 4, act_bits: int | None = None, group_size: int | None = None,
-           steps: int = 100, lr: float = 1e-3, grid: str = "symmetric", scales: bool = False) -> Rotation:
+           steps: int = 100, lr: float = 1e-3, grid: str = "symmetric", scales: bool = False,
+           heads: bool = False) -> Rotation:
     """Multiply every rotation-ready residual stream of a converted model by an orthogonal matrix.
 
     Args:
@@ -622,6 +638,11 @@ def rotate(model: nn.Module, q: str | int | torch.Tensor = "hadamard", *, seed: 
             Linear readers (the migration ``smooth`` makes, chosen against the quantized model's error instead
             of by SmoothQuant's formula; exact for any scale; the norms keep the weight ``1/s``, as with
             ``smooth``). Not with ``smooth``.
+        heads: also learn, with ``R``, SpinQuant's R2: per attention layer with separate value and output
+            projections over whole heads (the layouts ``online`` turns), one orthogonal head-size matrix turning
+            each head's values (the value projection's rows and bias) and the output projection's columns of
+            that head; weights only, no op, exact (attention is linear in each head's values). With
+            ``online=True`` it is learned on top of the per-head Hadamard.
 
     Returns:
         A :class:`Rotation` listing the streams rotated (with the matrix of each) and, for the others, why not.
@@ -645,12 +666,13 @@ def rotate(model: nn.Module, q: str | int | torch.Tensor = "hadamard", *, seed: 
         from normswap.rotation import learn
 
         settings = learn.LearnSettings(bits=bits, act_bits=act_bits, group_size=group_size, steps=steps, lr=lr,
-                                       grid=grid, scales=scales)
+                                       grid=grid, scales=scales, heads=heads)
         if scales and smooth is not None:
             raise NormswapError("scales (learned) and smooth both set each norm's scale: pass one of them")
-    elif (bits, act_bits, group_size, steps, lr, grid, scales) != (4, None, None, 100, 1e-3, "symmetric", False):
-        raise NormswapError("bits, act_bits, group_size, steps, lr, grid and scales apply to a learned rotation: "
-                            "pass q='learned' (--rotate learned) too")
+    elif (bits, act_bits, group_size, steps, lr, grid, scales, heads) \
+            != (4, None, None, 100, 1e-3, "symmetric", False, False):
+        raise NormswapError("bits, act_bits, group_size, steps, lr, grid, scales and heads apply to a learned "
+                            "rotation: pass q='learned' (--rotate learned) too")
     if smooth is not None or settings is not None:  # checked and resolved before anything turns
         from normswap.rotation import smooth as smoothing
 
@@ -679,6 +701,9 @@ def rotate(model: nn.Module, q: str | int | torch.Tensor = "hadamard", *, seed: 
             r["learned"] = result.learned.record()
         if result.learned.scales:
             _apply_learned_scales(model, plan, result)
+        if result.learned.heads and result.rotated:  # R2 after the per-head Hadamard it was learned on top of
+            _turn_heads_(model, result.learned.heads)
+            result.rotated[0].update(learned_heads=sorted(result.learned.heads))
     if smooth is not None and result.rotated:
         _smooth_streams(model, plan, result, smooth, batches)
     plan.rotations = plan.rotations + [manifest_entry(r) for r in result.rotated]
@@ -739,7 +764,13 @@ def _learn_matrices(model: nn.Module, seed: int, online: bool, output: str | Non
                     readers.append((names[id(weight)], _reader_axis(reader),
                                     (rows[0], rows[1], reader.out_axis) if rows else None))
                 spec.scaled.append((norm, own, readers))
-    rs, done = learn.optimise(work, specs, batches, settings)
+    heads = []
+    if settings.heads:  # R2: the layouts the per-head Hadamard turns, with the same parameters
+        pairs, hd = _value_heads(work)
+        for path, v, o in pairs:
+            turned = [(names[id(p)], axis) for p, axis in ((v.weight, 0), (v.bias, 0), (o.weight, 1)) if p is not None]
+            heads.append(learn.HeadTensors(path, hd, turned))
+    rs, done = learn.optimise(work, specs, batches, settings, heads)
     return {r["norms"][0]: r["q"] @ rs[r["norms"][0]] for r in start.rotated}, done
 
 
