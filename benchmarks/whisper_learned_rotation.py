@@ -104,6 +104,10 @@ def main(argv: list[str] | None = None) -> None:
                     "only into the streams that turn")
     ap.add_argument("--cache-encoder", action="store_true", help="with --output none: learn on the float "
                     "encoder's outputs (the decoder alone runs per step)")
+    ap.add_argument("--kind", default="learned", choices=("learned", "hadamard"),
+                    help="hadamard: no learning (the learned rotation's start), e.g. with --smooth")
+    ap.add_argument("--smooth", type=float, help="SmoothQuant's α after the turn (rotate's smooth=), measured on "
+                    "the --calib clips")
     ap.add_argument("--seed", type=int, default=0, help="the Hadamard start's random signs")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
@@ -117,24 +121,25 @@ def main(argv: list[str] | None = None) -> None:
                   model.get_encoder().eval() if args.cache_encoder else None)
     output = None if args.output == "none" else args.output
     learn_settings = dict(bits=args.bits, act_bits=args.act_bits, group_size=args.group_size or None, grid=args.grid,
-                          steps=args.steps, lr=args.lr, scales=args.scales)
+                          steps=args.steps, lr=args.lr, scales=args.scales) if args.kind == "learned" else {}
     progress()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         if args.fold == "turned":
             t0 = time.perf_counter()
-            rot = normswap.patch(model, rotate="learned", rotate_output=output, rotate_seed=args.seed,
-                                 online_hadamard=args.online, rotate_learn=learn_settings,
-                                 calibration=cal).rotation
+            rot = normswap.patch(model, rotate=args.kind, rotate_output=output, rotate_seed=args.seed,
+                                 online_hadamard=args.online, rotate_learn=learn_settings or None,
+                                 rotate_smooth=args.smooth, calibration=cal).rotation
         else:
             normswap.patch(model, fold_gamma=True)
             t0 = time.perf_counter()
-            rot = normswap.rotate(model, "learned", seed=args.seed, output=output, online=args.online,
-                                  calibration=cal, **learn_settings)
+            rot = normswap.rotate(model, args.kind, seed=args.seed, output=output, online=args.online,
+                                  smooth=args.smooth, calibration=cal, **learn_settings)
         seconds = time.perf_counter() - t0
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(rot)
-    print(f"learning: {seconds:.0f} s, peak RSS {peak:.0f} MB, {args.clips} clips in batches of {args.batch}")
+    print(f"{args.kind} rotation: {seconds:.0f} s, peak RSS {peak:.0f} MB, {args.clips} clips in batches of "
+          f"{args.batch}")
     normswap.save(model, args.out)  # the benchmark reads the tokenizer and features from --orig
 
 
