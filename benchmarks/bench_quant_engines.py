@@ -262,8 +262,9 @@ def export(model: torch.nn.Module, px: torch.Tensor, path: Path) -> None:
                                         "last_hidden_state": {0: "batch"}}, dynamo=False, opset_version=17)
 
 
-def quantize(fp32: Path, how: str, calib: torch.Tensor) -> Path:
-    """Write ``how``'s quantized model next to ``fp32`` with ONNX Runtime's own quantization tools."""
+def quantize(fp32: Path, how: str, calib: torch.Tensor, keep: list[str] | None = None) -> Path:
+    """Write ``how``'s quantized model next to ``fp32`` with ONNX Runtime's own quantization tools; ``keep``:
+    nodes left in float (``--float-ops``: a rotation's own ops, ``normswap.rotation.onnx_nodes.float_nodes``)."""
     import onnx
     from onnxruntime.quantization import QuantFormat, QuantType, quantize_dynamic, quantize_static
 
@@ -273,11 +274,12 @@ def quantize(fp32: Path, how: str, calib: torch.Tensor) -> Path:
     if how in ("dyn-pt", "dyn-pc") or how in MATMUL_ONLY:
         ops = {"op_types_to_quantize": ["MatMul"]} if how in MATMUL_ONLY else {}
         quantize_dynamic(str(fp32), str(out), weight_type=QuantType.QInt8, per_channel=how.startswith("dyn-pc"),
-                         **ops)
+                         nodes_to_exclude=keep or [], **ops)
     elif how == "qdq":
         feeds = [{"pixel_values": calib[i:i + 8].numpy()} for i in range(0, len(calib), 8)]
         quantize_static(str(fp32), str(out), BatchReader(feeds), quant_format=QuantFormat.QDQ,
-                        activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8, per_channel=False)
+                        activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8, per_channel=False,
+                        nodes_to_exclude=keep or [])
     elif how in GPTQ:
         import ort_gptq
 
@@ -287,7 +289,8 @@ def quantize(fp32: Path, how: str, calib: torch.Tensor) -> Path:
 
         algo = (mq.HQQWeightOnlyQuantConfig(block_size=32, bits=4) if how == "nbits-hqq"
                 else mq.DefaultWeightOnlyQuantConfig(block_size=32, is_symmetric=True))
-        q = mq.MatMulNBitsQuantizer(onnx.load(str(fp32)), block_size=32, is_symmetric=True, algo_config=algo)
+        q = mq.MatMulNBitsQuantizer(onnx.load(str(fp32)), block_size=32, is_symmetric=True, algo_config=algo,
+                                    nodes_to_exclude=keep or [])
         q.process()
         q.model.save_model_to_file(str(out), use_external_data_format=False)
     else:
@@ -376,6 +379,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--calib-photos", default="motorcycle_right.png,gravel.png,brick.png",
                     help="with --photos: the photographs calibration crops come from, left out of the held-out ones")
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS + LEARNED)
+    ap.add_argument("--float-ops", action="store_true", help="leave a rotation's own ops (output='restore''s "
+                    "Qᵀ) in float in every quantizer (GPTQ aside), as docs/rotation.md says to")
     ap.add_argument("--learn-steps", type=int, default=100, help="learned*: optimiser steps")
     ap.add_argument("--learn-images", type=int, default=32, help="learned*: calibration crops the rotation learns "
                     "from (in batches of --learn-batch)")
@@ -449,9 +454,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             row: dict[str, Any] = {"note": note, "weights": weight_ranges(m), "errors": {}, "per_image": {}}
             fp32 = work / f"{name}.onnx"
             export(m, px, fp32)
+            keep = None
+            if args.float_ops:
+                from normswap.rotation.onnx_nodes import float_nodes
+
+                keep = float_nodes(fp32, m)
+                row["float_nodes"] = keep
             del m
             for how in args.quantizers:
-                q = quantize(fp32, how, calib)
+                q = quantize(fp32, how, calib, keep)
                 pool, tok = run_onnx(q, px)
                 row["errors"][how] = {"cls": one_minus_cos(ref_pool, pool), "tok": one_minus_cos(ref_tok, tok)}
                 row["per_image"][how] = {"cls": per_image(ref_pool, pool).tolist(),
