@@ -24,11 +24,13 @@ tensor (entries that land on another level, and the difference's norm over the r
 
 Variants: ``original`` (transformers' ``AutoModel``), each directory passed as ``NAME=DIR`` (native
 outputs through ``normswap.load``, compat ones through ``AutoModel``), and the names ``native``,
-``native-centerop`` and ``compat-keep`` without a directory: built in memory from the original by
-``bench_quant_engines.variant`` (``native``: the default ``normswap.patch``; ``native-centerop``: the stem
-centered by a mean op on the original convolution instead of by its weights). The error is ``1 − cos`` against the
-float32 original per image (CLS token, and the mean over every token), and the ratio to the original's
-in the same setting with a 95% paired bootstrap interval over images (``bench_quant_engines.ci_table``).
+``native-centerop``, ``native-keep``, ``native-keep-centerop`` and ``compat-keep`` without a directory: built
+in memory from the original by ``bench_quant_engines.variant`` (``native``: the default ``normswap.patch``;
+``native-centerop``: the stem centered by a mean op on the original convolution instead of by its weights;
+``-keep``: ``beta_placement="keep"``, every β left in its norm, so the readers see the original's inputs).
+The error is ``1 − cos`` against the float32 original per image (CLS token, and the mean over every token),
+and the ratio to the original's in the same setting with a 95% paired bootstrap interval over images
+(``bench_quant_engines.ci_table``; typical image: the geometric mean of the per-image ratios).
 
     PYTHONPATH=QUANTO_DIR:$PWD python benchmarks/bench_quanto.py ORIGINAL_DIR native=CONVERTED_DIR \\
         --photos SKIMAGE/data --image 112 --images 256 --json quanto.json
@@ -57,7 +59,7 @@ from heldout_exactness import load  # noqa: E402
 from heldout_weight_groups import fake_quant_rows  # noqa: E402
 
 QUANTIZERS = ("fp32", "w8", "w4", "w8a8", "w4-sim")
-BUILT = ("native", "native-centerop", "compat-keep")  # variants built in memory from the original
+BUILT = ("native", "native-centerop", "native-keep", "native-keep-centerop", "compat-keep")  # built in memory
 # heldout_weight_groups.GROUPS as quanto's include patterns (fnmatch on module names)
 WRITERS, READERS = ["*.o_proj", "*.fc2"], ["*.q_proj", "*.k_proj", "*.v_proj", "*.fc1"]
 PATCH = ["*patch_embeddings.projection"]
@@ -94,13 +96,29 @@ def quantized(model: torch.nn.Module, how: str, calib: torch.Tensor, group: str 
     return q.eval()
 
 
+def built(original: torch.nn.Module, name: str, workdir: Path) -> tuple[torch.nn.Module, str]:
+    """A variant built in memory from the original: ``bench_quant_engines.variant``'s, or
+    ``native-keep-centerop`` (β kept in every norm, the stem centered by an op on the original convolution)."""
+    if name != "native-keep-centerop":
+        return variant(original, name, workdir)
+    from bench_quant_engines import centered_by_op
+
+    import normswap
+
+    conv = copy.deepcopy(original)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        normswap.patch(conv, beta_placement="keep", trade_constants=False)
+    return centered_by_op(conv, original), "native, β kept in every norm, the stem centered by an op"
+
+
 def grid_check(model: torch.nn.Module) -> dict[str, float]:
     """quanto's own 4-bit weights, dequantized, against the float simulation of its grid, tensor by tensor:
     how many entries land on another level, and the worst tensor's ``‖quanto − simulation‖ / ‖quanto − w‖``."""
     from optimum import quanto
 
     q = copy.deepcopy(model)
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
         quanto.quantize(q, weights=quanto.qint4)
         quanto.freeze(q)
@@ -109,7 +127,7 @@ def grid_check(model: torch.nn.Module) -> dict[str, float]:
         if not hasattr(module, "weight_qtype") or module.weight_qtype is None:
             continue
         w = model.get_submodule(name).weight.detach().float()
-        mine = module.weight.dequantize().float()
+        mine = module.weight.dequantize().detach().float()
         sim = fake_quant_rows(w, 4, 128, asymmetric=True).float()
         other += int(((mine - sim).abs() > 1e-6 * w.abs().max()).sum())
         total += w.numel()
@@ -167,7 +185,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if name == "original":
             model = original
         elif path == name:  # built in memory from the original, as bench_quant_engines does
-            model, path = variant(original, name, workdir)
+            model, path = built(original, name, workdir)
         else:
             model = load(Path(path))
         row: dict[str, Any] = {"note": str(path), "weights": weight_ranges(model), "errors": {}, "per_image": {}}
