@@ -27,7 +27,9 @@ outputs through ``normswap.load``, compat ones through ``AutoModel``), and the n
 ``native-centerop``, ``native-keep``, ``native-keep-centerop`` and ``compat-keep`` without a directory: built
 in memory from the original by ``bench_quant_engines.variant`` (``native``: the default ``normswap.patch``;
 ``native-centerop``: the stem centered by a mean op on the original convolution instead of by its weights;
-``-keep``: ``beta_placement="keep"``, every β left in its norm, so the readers see the original's inputs).
+``-keep``: ``beta_placement="keep"``, every β left in its norm, so the readers see the original's inputs;
+``native-meanops``: ``native`` with a mean subtraction before every RMSNorm, a no-op in float: whether the
+per-token mean of the edited writers' rounding error, which LayerNorm removed and RMSNorm passes on, is the cost).
 The error is ``1 − cos`` against the float32 original per image (CLS token, and the mean over every token),
 and the ratio to the original's in the same setting with a 95% paired bootstrap interval over images
 (``bench_quant_engines.ci_table``; typical image: the geometric mean of the per-image ratios).
@@ -59,7 +61,8 @@ from heldout_exactness import load  # noqa: E402
 from heldout_weight_groups import fake_quant_rows  # noqa: E402
 
 QUANTIZERS = ("fp32", "w8", "w4", "w8a8", "w4-sim")
-BUILT = ("native", "native-centerop", "native-keep", "native-keep-centerop", "compat-keep")  # built in memory
+BUILT = ("native", "native-centerop", "native-keep", "native-keep-centerop", "native-meanops",
+         "compat-keep")  # built in memory from the original
 # heldout_weight_groups.GROUPS as quanto's include patterns (fnmatch on module names)
 WRITERS, READERS = ["*.o_proj", "*.fc2"], ["*.q_proj", "*.k_proj", "*.v_proj", "*.fc1"]
 PATCH = ["*patch_embeddings.projection"]
@@ -99,6 +102,8 @@ def quantized(model: torch.nn.Module, how: str, calib: torch.Tensor, group: str 
 def built(original: torch.nn.Module, name: str, workdir: Path) -> tuple[torch.nn.Module, str]:
     """A variant built in memory from the original: ``bench_quant_engines.variant``'s, or
     ``native-keep-centerop`` (β kept in every norm, the stem centered by an op on the original convolution)."""
+    if name == "native-meanops":
+        return mean_ops(variant(original, "native", workdir)[0]), "native, every RMSNorm's input centered by an op"
     if name != "native-keep-centerop":
         return variant(original, name, workdir)
     from bench_quant_engines import centered_by_op
@@ -110,6 +115,19 @@ def built(original: torch.nn.Module, name: str, workdir: Path) -> tuple[torch.nn
         warnings.simplefilter("ignore")
         normswap.patch(conv, beta_placement="keep", trade_constants=False)
     return centered_by_op(conv, original), "native, β kept in every norm, the stem centered by an op"
+
+
+def mean_ops(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` with a mean subtraction before every ``normswap.RMSNorm`` (a forward pre-hook): a no-op in float,
+    where the conversion made every stream zero-mean, but under quantization it removes the per-token mean of
+    the rounding error the edited writers add, as the original's LayerNorms did (diagnosis only: it puts back
+    the op the conversion removed)."""
+    import normswap
+
+    for module in model.modules():
+        if isinstance(module, normswap.RMSNorm):
+            module.register_forward_pre_hook(lambda _m, args: (args[0] - args[0].mean(-1, keepdim=True), *args[1:]))
+    return model
 
 
 def grid_check(model: torch.nn.Module) -> dict[str, float]:
