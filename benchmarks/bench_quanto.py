@@ -29,7 +29,8 @@ in memory from the original by ``bench_quant_engines.variant`` (``native``: the 
 ``native-centerop``: the stem centered by a mean op on the original convolution instead of by its weights;
 ``-keep``: ``beta_placement="keep"``, every β left in its norm, so the readers see the original's inputs;
 ``native-meanops``: ``native`` with a mean subtraction before every RMSNorm, a no-op in float: whether the
-per-token mean of the edited writers' rounding error, which LayerNorm removed and RMSNorm passes on, is the cost).
+per-token mean of the edited writers' rounding error, which LayerNorm removed and RMSNorm passes on, is the cost;
+``permuted-1``, ``permuted-2``: the noise floor, the original with its MLP hidden neurons reordered).
 The error is ``1 − cos`` against the float32 original per image (CLS token, and the mean over every token),
 and the ratio to the original's in the same setting with a 95% paired bootstrap interval over images
 (``bench_quant_engines.ci_table``; typical image: the geometric mean of the per-image ratios).
@@ -62,7 +63,7 @@ from heldout_weight_groups import fake_quant_rows  # noqa: E402
 
 QUANTIZERS = ("fp32", "w8", "w4", "w8a8", "w4-sim")
 BUILT = ("native", "native-centerop", "native-keep", "native-keep-centerop", "native-meanops",
-         "compat-keep")  # built in memory from the original
+         "compat-keep", "permuted-1", "permuted-2")  # built in memory from the original
 # heldout_weight_groups.GROUPS as quanto's include patterns (fnmatch on module names)
 WRITERS, READERS = ["*.o_proj", "*.fc2"], ["*.q_proj", "*.k_proj", "*.v_proj", "*.fc1"]
 PATCH = ["*patch_embeddings.projection"]
@@ -102,6 +103,8 @@ def quantized(model: torch.nn.Module, how: str, calib: torch.Tensor, group: str 
 def built(original: torch.nn.Module, name: str, workdir: Path) -> tuple[torch.nn.Module, str]:
     """A variant built in memory from the original: ``bench_quant_engines.variant``'s, or
     ``native-keep-centerop`` (β kept in every norm, the stem centered by an op on the original convolution)."""
+    if name.startswith("permuted-"):
+        return permuted(original, int(name.split("-")[1])), "the original, MLP hidden neurons permuted (exact)"
     if name == "native-meanops":
         return mean_ops(variant(original, "native", workdir)[0]), "native, every RMSNorm's input centered by an op"
     if name != "native-keep-centerop":
@@ -115,6 +118,23 @@ def built(original: torch.nn.Module, name: str, workdir: Path) -> tuple[torch.nn
         warnings.simplefilter("ignore")
         normswap.patch(conv, beta_placement="keep", trade_constants=False)
     return centered_by_op(conv, original), "native, β kept in every norm, the stem centered by an op"
+
+
+@torch.no_grad()
+def permuted(original: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """The noise floor of a grouped weight quantizer: the original with every MLP's hidden neurons in another
+    order (``fc1``'s rows and bias, ``fc2``'s columns: the same function, the same weights), so ``fc2``'s groups of
+    128 inputs hold other entries and round differently. A row rescaling (``bench_quant_engines.jittered``)
+    is no floor here: a group inside a row scales with it and rounds alike."""
+    out = copy.deepcopy(original)
+    g = torch.Generator().manual_seed(seed)
+    for layer in out.encoder.layer:
+        fc1, fc2 = layer.mlp.fc1, layer.mlp.fc2
+        p = torch.randperm(fc1.out_features, generator=g)
+        fc1.weight.copy_(fc1.weight[p])
+        fc1.bias.copy_(fc1.bias[p])
+        fc2.weight.copy_(fc2.weight[:, p])
+    return out
 
 
 def mean_ops(model: torch.nn.Module) -> torch.nn.Module:
