@@ -13,21 +13,42 @@ Settings (``--quantizers``):
   on crops of other photographs than the held-out ones; every Linear's input and output, and each
   LayerNorm's output, on a per-tensor int8 grid.
 
-Variants: ``original`` (transformers' ``AutoModel``), and each directory passed as ``NAME=DIR`` (native
-outputs through ``normswap.load``, compat ones through ``AutoModel``). The error is ``1 − cos`` against the
-float32 original per image (CLS token, and the mean over every token), and the ratio to the original's
-in the same setting with a 95% paired bootstrap interval over images (``bench_quant_engines.ci_table``).
+* ``w4-sim``: not quanto: its 4-bit grid simulated in float (``heldout_weight_groups.fake_quant_rows``: min/max
+  per 128 inputs, 16 levels, round to nearest) on the same crops, to tell the grid from the crops.
+
+``--groups`` quantizes one group of weights at a time THROUGH quanto (its ``include`` patterns; the groups of
+``heldout_weight_groups.py``: ``writers`` = ``o_proj``/``fc2``, ``readers`` = q/k/v/``fc1``, ``patch`` = the
+patch convolution, ``linears``, ``all``, and their unions); each setting is then reported as ``HOW:GROUP``.
+``--grid-check`` compares quanto's own quantized weights (dequantized) with the float simulation tensor by
+tensor (entries that land on another level, and the difference's norm over the rounding error's).
+
+Variants: ``original`` (transformers' ``AutoModel``), each directory passed as ``NAME=DIR`` (native
+outputs through ``normswap.load``, compat ones through ``AutoModel``), and the names ``native``,
+``native-centerop``, ``native-keep``, ``native-keep-centerop`` and ``compat-keep`` without a directory: built
+in memory from the original by ``bench_quant_engines.variant`` (``native``: the default ``normswap.patch``;
+``native-centerop``: the stem centered by a mean op on the original convolution instead of by its weights;
+``-keep``: ``beta_placement="keep"``, every β left in its norm, so the readers see the original's inputs;
+``native-meanops``: ``native`` with a mean subtraction before every RMSNorm, a no-op in float: whether the
+per-token mean of the edited writers' rounding error, which LayerNorm removed and RMSNorm passes on, is the cost;
+``permuted-1``, ``permuted-2``: the noise floor, the original with its MLP hidden neurons reordered).
+The error is ``1 − cos`` against the float32 original per image (CLS token, and the mean over every token),
+and the ratio to the original's in the same setting with a 95% paired bootstrap interval over images
+(``bench_quant_engines.ci_table``; typical image: the geometric mean of the per-image ratios).
 
     PYTHONPATH=QUANTO_DIR:$PWD python benchmarks/bench_quanto.py ORIGINAL_DIR native=CONVERTED_DIR \\
         --photos SKIMAGE/data --image 112 --images 256 --json quanto.json
+    PYTHONPATH=QUANTO_DIR:$PWD python benchmarks/bench_quanto.py ORIGINAL_DIR native native-centerop \\
+        --photos SKIMAGE/data --images 256 --quantizers w4 --groups writers readers patch linears all
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import fnmatch
 import json
 import sys
+import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -36,30 +57,121 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_quant_engines import Outputs, ci_table, per_image, table, weight_ranges  # noqa: E402
+from bench_quant_engines import Outputs, ci_table, per_image, table, variant, weight_ranges  # noqa: E402
 from heldout_exactness import load  # noqa: E402
+from heldout_weight_groups import fake_quant_rows  # noqa: E402
 
-QUANTIZERS = ("fp32", "w8", "w4", "w8a8")
+QUANTIZERS = ("fp32", "w8", "w4", "w8a8", "w4-sim")
+BUILT = ("native", "native-centerop", "native-keep", "native-keep-centerop", "native-meanops",
+         "compat-keep", "permuted-1", "permuted-2")  # built in memory from the original
+# heldout_weight_groups.GROUPS as quanto's include patterns (fnmatch on module names)
+WRITERS, READERS = ["*.o_proj", "*.fc2"], ["*.q_proj", "*.k_proj", "*.v_proj", "*.fc1"]
+PATCH = ["*patch_embeddings.projection"]
+GROUPS = {"writers": WRITERS, "readers": READERS, "patch": PATCH, "linears": WRITERS + READERS,
+          "writers+patch": WRITERS + PATCH, "readers+patch": READERS + PATCH, "all": ["*"]}
 
 
-def quantized(model: torch.nn.Module, how: str, calib: torch.Tensor) -> torch.nn.Module:
-    """A quantized copy of ``model`` in quanto's setting ``how`` (frozen: integer weights stored)."""
+def quantized(model: torch.nn.Module, how: str, calib: torch.Tensor, group: str = "all") -> torch.nn.Module:
+    """A quantized copy of ``model`` in quanto's setting ``how`` (frozen: integer weights stored), only the
+    modules of ``group`` quantized (quanto's ``include``)."""
     from optimum import quanto
 
     if how == "fp32":
         return model
     q = copy.deepcopy(model)
+    if how == "w4-sim":  # quanto's qint4 weight grid in float: min/max per 128 inputs, round to nearest
+        with torch.no_grad():
+            for name, module in q.named_modules():
+                if isinstance(module, (torch.nn.Linear, torch.nn.Conv2d)) and \
+                        any(fnmatch.fnmatch(name, p) for p in GROUPS[group]):
+                    module.weight.copy_(fake_quant_rows(module.weight, 4, 128, asymmetric=True))
+        return q.eval()
     weights = quanto.qint4 if how == "w4" else quanto.qint8
     activations = quanto.qint8 if how == "w8a8" else None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        quanto.quantize(q, weights=weights, activations=activations)
+        quanto.quantize(q, weights=weights, activations=activations,
+                        include=None if group == "all" else GROUPS[group])
         if activations is not None:
             with torch.no_grad(), quanto.Calibration():
                 for i in range(0, len(calib), 8):
                     q(pixel_values=calib[i:i + 8])
         quanto.freeze(q)
     return q.eval()
+
+
+def built(original: torch.nn.Module, name: str, workdir: Path) -> tuple[torch.nn.Module, str]:
+    """A variant built in memory from the original: ``bench_quant_engines.variant``'s, or
+    ``native-keep-centerop`` (β kept in every norm, the stem centered by an op on the original convolution)."""
+    if name.startswith("permuted-"):
+        return permuted(original, int(name.split("-")[1])), "the original, MLP hidden neurons permuted (exact)"
+    if name == "native-meanops":
+        return mean_ops(variant(original, "native", workdir)[0]), "native, every RMSNorm's input centered by an op"
+    if name != "native-keep-centerop":
+        return variant(original, name, workdir)
+    from bench_quant_engines import centered_by_op
+
+    import normswap
+
+    conv = copy.deepcopy(original)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        normswap.patch(conv, beta_placement="keep", trade_constants=False)
+    return centered_by_op(conv, original), "native, β kept in every norm, the stem centered by an op"
+
+
+@torch.no_grad()
+def permuted(original: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """The noise floor of a grouped weight quantizer: the original with every MLP's hidden neurons in another
+    order (``fc1``'s rows and bias, ``fc2``'s columns: the same function, the same weights), so ``fc2``'s groups of
+    128 inputs hold other entries and round differently. A row rescaling (``bench_quant_engines.jittered``)
+    is no floor here: a group inside a row scales with it and rounds alike."""
+    out = copy.deepcopy(original)
+    g = torch.Generator().manual_seed(seed)
+    for layer in out.encoder.layer:
+        fc1, fc2 = layer.mlp.fc1, layer.mlp.fc2
+        p = torch.randperm(fc1.out_features, generator=g)
+        fc1.weight.copy_(fc1.weight[p])
+        fc1.bias.copy_(fc1.bias[p])
+        fc2.weight.copy_(fc2.weight[:, p])
+    return out
+
+
+def mean_ops(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` with a mean subtraction before every ``normswap.RMSNorm`` (a forward pre-hook): a no-op in float,
+    where the conversion made every stream zero-mean, but under quantization it removes the per-token mean of
+    the rounding error the edited writers add, as the original's LayerNorms did (diagnosis only: it puts back
+    the op the conversion removed)."""
+    import normswap
+
+    for module in model.modules():
+        if isinstance(module, normswap.RMSNorm):
+            module.register_forward_pre_hook(lambda _m, args: (args[0] - args[0].mean(-1, keepdim=True), *args[1:]))
+    return model
+
+
+def grid_check(model: torch.nn.Module) -> dict[str, float]:
+    """quanto's own 4-bit weights, dequantized, against the float simulation of its grid, tensor by tensor:
+    how many entries land on another level, and the worst tensor's ``‖quanto − simulation‖ / ‖quanto − w‖``."""
+    from optimum import quanto
+
+    q = copy.deepcopy(model)
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        quanto.quantize(q, weights=quanto.qint4)
+        quanto.freeze(q)
+    other, total, worst, tensors = 0, 0, 0.0, 0
+    for name, module in q.named_modules():
+        if not hasattr(module, "weight_qtype") or module.weight_qtype is None:
+            continue
+        w = model.get_submodule(name).weight.detach().float()
+        mine = module.weight.dequantize().detach().float()
+        sim = fake_quant_rows(w, 4, 128, asymmetric=True).float()
+        other += int(((mine - sim).abs() > 1e-6 * w.abs().max()).sum())
+        total += w.numel()
+        tensors += 1
+        worst = max(worst, float((mine - sim).norm() / (mine - w).norm()))
+    return {"tensors": tensors, "entries": total, "on_another_level": other, "worst_norm_ratio": worst}
 
 
 def run(model: torch.nn.Module, px: torch.Tensor, batch: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,7 +193,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--image", type=int, default=112)
     ap.add_argument("--images", type=int, default=256)
     ap.add_argument("--calib", type=int, default=32)
-    ap.add_argument("--quantizers", nargs="+", default=list(QUANTIZERS), choices=QUANTIZERS)
+    ap.add_argument("--quantizers", nargs="+", default=list(QUANTIZERS[:4]), choices=QUANTIZERS)
+    ap.add_argument("--groups", nargs="+", default=["all"], choices=list(GROUPS),
+                    help="quantize only this group of weights through quanto, one group at a time")
+    ap.add_argument("--seed", type=int, default=1, help="the held-out crops' seed")
+    ap.add_argument("--grid-check", action="store_true",
+                    help="compare quanto's 4-bit weights with the float simulation, tensor by tensor")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     from optimum import quanto  # fail early, with the import error, when quanto is not on the path
@@ -89,30 +206,46 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     torch.set_num_threads(1)
     held_out = args.calib_photos.split(",")
-    px = photo_crops(args.photos, args.images, args.image, seed=1, exclude=held_out)
+    px = photo_crops(args.photos, args.images, args.image, seed=args.seed, exclude=held_out)
     calib = photo_crops(n=args.calib, size=args.image, seed=2,
                         files=[p for p in photographs(args.photos) if p.name in held_out])
     original = load(args.original)
     ref_pool, ref_tok = run(original, px)
-    dirs = {"original": args.original} | dict(v.split("=", 1) for v in args.variants)
+    dirs = {"original": args.original} | dict(v.split("=", 1) if "=" in v else (v, v) for v in args.variants)
+    bad = [v for v, p in dirs.items() if v != "original" and p == v and v not in BUILT]
+    if bad:
+        sys.exit(f"bench_quanto: {bad[0]!r} is neither NAME=DIR nor one of {', '.join(BUILT)}")
+    workdir = Path(tempfile.mkdtemp(prefix="bench_quanto_"))
     result: dict[str, Any] = {"model": f"{args.original.name}, {args.image} px, optimum-quanto "
                               f"{getattr(quanto, '__version__', '?')}", "images": len(px), "rows": {}}
     for name, path in dirs.items():
         t0 = time.perf_counter()
-        model = original if name == "original" else load(Path(path))
+        if name == "original":
+            model = original
+        elif path == name:  # built in memory from the original, as bench_quant_engines does
+            model, path = built(original, name, workdir)
+        else:
+            model = load(Path(path))
         row: dict[str, Any] = {"note": str(path), "weights": weight_ranges(model), "errors": {}, "per_image": {}}
+        if args.grid_check:
+            row["grid_check"] = grid_check(model)
+            print(f"{name:12s} grid check: {row['grid_check']}", flush=True)
         for how in args.quantizers:
-            pool, tok = run(quantized(model, how, calib), px)
-            row["errors"][how] = {"cls": float(per_image(ref_pool, pool).mean()),
-                                  "tok": float(per_image(ref_tok, tok).mean())}
-            row["per_image"][how] = {"cls": per_image(ref_pool, pool).tolist(), "tok": per_image(ref_tok, tok).tolist()}
-            print(f"{name:12s} {how:5s} cls {row['errors'][how]['cls']:.3e} tok {row['errors'][how]['tok']:.3e}",
-                  flush=True)
+            for group in ["all"] if how == "fp32" else args.groups:
+                key = how if group == "all" else f"{how}:{group}"
+                pool, tok = run(quantized(model, how, calib, group), px)
+                row["errors"][key] = {"cls": float(per_image(ref_pool, pool).mean()),
+                                      "tok": float(per_image(ref_tok, tok).mean())}
+                row["per_image"][key] = {"cls": per_image(ref_pool, pool).tolist(),
+                                         "tok": per_image(ref_tok, tok).tolist()}
+                print(f"{name:16s} {key:18s} cls {row['errors'][key]['cls']:.3e} tok {row['errors'][key]['tok']:.3e}",
+                      flush=True)
         row["seconds"] = time.perf_counter() - t0
         result["rows"][name] = row
     print(table(result, "tok") + "\n\n" + table(result, "cls"))
     if len(dirs) > 1:
         print("\n" + ci_table([result], "tok") + "\n\n" + ci_table([result], "cls"))
+        print("\n" + ci_table([result], "tok", typical=True) + "\n\n" + ci_table([result], "cls", typical=True))
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
     return result
