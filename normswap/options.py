@@ -123,16 +123,18 @@ class ConvertOptions:
             rows of the writer apart, and a per-tensor quantizer then loses the small rows
             (``docs/results/quantization.md``). A rotation folds a kept λ into its writer before turning
             it either way.
-        stem_centering: how a stream whose start is written by a weight quantizers round (a ViT/DINOv2/CLIP
+        stem_centering: how a stream whose start is written by a weight quantizers round (a ViT/DINOv2/DeiT
             patch convolution, an audio or time-series input projection: a Linear or conv that reads no norm)
-            is made zero-mean. ``"op"`` (default): that writer keeps its original weights and one centering
-            op (one mean per token) sits where the stream starts, after every writer of the start (the
-            position table and class token behind it keep their weights too); the verdict is
-            ``exact-with-centering``. An int8/4-bit quantizer then rounds the very weights it rounds in the
-            original, and the op removes the mean of that rounding error as the original's first LayerNorm
-            did (DINOv2-small, ONNX Runtime per-channel int8: typical image 1.08× the original's error
-            with ``"weights"``, ~0.99× with ``"op"``; ``docs/results/quantization.md``). ``"weights"``:
-            the writer's weights are centered instead (no op; the behaviour before this option). Embedding
+            is made zero-mean. ``"op"``: that writer keeps its original weights and one centering op (one mean
+            per token) sits where the stream starts, after every writer of the start (the position table and
+            class token behind it keep their weights too); the verdict is ``exact-with-centering``. An
+            int8/4-bit quantizer then rounds the very weights it rounds in the original, and the op removes
+            the mean of that rounding error as the original's first LayerNorm did (DINOv2-small, ONNX Runtime
+            per-channel int8: typical image 1.08× the original's error with ``"weights"``, ~0.99× with
+            ``"op"``; ``docs/results/quantization.md``). ``"weights"``: the writer's weights are centered
+            instead (no op; the behaviour before this option). ``None`` (default): ``"op"``, or ``"weights"``
+            with ``rotate`` (the rotation then folds ``Q`` into those weights instead of adding it as an op
+            after the stem op, and the rotated model can still be written in the compat format). Embedding
             tables (gathers) are centered by weights either way, and a writer no op can serve falls back to
             its weights.
         trade_constants: let a centered position table keep its row means where a float bias or a class
@@ -197,7 +199,7 @@ class ConvertOptions:
     bias_slots: bool = True
     beta_placement: str | None = None
     layer_scale: str = "keep"
-    stem_centering: str = "op"
+    stem_centering: str | None = None
     trade_constants: bool = True
     untie: bool = True
     per_norm_centering: bool = False
@@ -224,7 +226,8 @@ class ConvertOptions:
         if self.beta_placement is not None:
             choose("beta_placement", self.beta_placement, BETA_PLACEMENTS)
         choose("layer_scale", self.layer_scale, LAYER_SCALES)
-        choose("stem_centering", self.stem_centering, STEM_CENTERINGS)
+        if self.stem_centering is not None:
+            choose("stem_centering", self.stem_centering, STEM_CENTERINGS)
         choose("verify_dtype", self.verify_dtype, VERIFY_DTYPES)
         if self.rotate is not None:
             choose("rotate", self.rotate, ROTATIONS)  # γ folded where it turns (pipeline.analyse_copy)
@@ -268,6 +271,14 @@ class ConvertOptions:
                                 "of a γ-folded norm; without fold_gamma none is made): pass fold_gamma=True too, or "
                                 "drop bias_slots=False")
         backends.check_name(self.backend)
+
+    @property
+    def stem_centering_used(self) -> str:
+        """``stem_centering``, or its default: ``"weights"`` with a rotation (its ``Q`` then folds into the start
+        writers instead of being an op of its own), ``"op"`` otherwise."""
+        if self.stem_centering is not None:
+            return self.stem_centering
+        return "weights" if self.rotate is not None else "op"
 
     @property
     def folds_gamma(self) -> bool:

@@ -247,12 +247,12 @@ Presets (offline, seeded tiny models with tokenizers/processors):
 @click.option(
     "--stem-centering",
     type=click.Choice(STEM_CENTERINGS),
-    default="op",
-    show_default=True,
+    default=None,
     help="A stream started by a Linear or conv (a ViT/DINOv2 patch convolution, an input projection): 'op' "
     "keeps its weights and centers the stream with one mean per token where it starts (exact-with-centering; "
     "int8/4-bit quantizers then round the original's weights, and the op removes their rounding error's mean "
-    "as the original's first LayerNorm did); 'weights' centers that writer's weights instead (no op). Both exact.",
+    "as the original's first LayerNorm did; default); 'weights' centers that writer's weights instead (no op; "
+    "default with --rotate, whose rotation then folds into those weights). Both exact.",
 )
 @click.option(
     "--keep-tied",
@@ -397,7 +397,7 @@ def convert(
     no_bias_slots: bool,
     beta_placement: str | None,
     layer_scale: str,
-    stem_centering: str,
+    stem_centering: str | None,
     keep_tied: bool,
     dtype: str,
     calibration_data: str | None,

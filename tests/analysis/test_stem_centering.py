@@ -246,16 +246,30 @@ def test_low_memory_conversion_carries_the_op(tmp_path):
     assert torch.equal(b.get_parameter(key), model.get_parameter(key))
 
 
-def test_rotation_turns_the_stream_after_the_op(pairs):
+def test_rotation_folds_into_the_start_writers_by_default_and_follows_the_op_when_asked(pairs, tmp_path):
+    """With ``rotate`` the default is ``"weights"``: ``Q`` folds into the centered start writers, no op, and the
+    compat format holds it. ``stem_centering="op"`` with a rotation: the op commutes with ``Q`` (``Q·1 = ±1``),
+    and ``Q`` is an op right after it (native only). Exact both ways."""
     model, _ = _pair(pairs, "vit")
-    conv = copy.deepcopy(model)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        report = normswap.patch(conv, rotate="hadamard")
-    plan = report.plan
-    assert len(plan.hooks) == 1 and plan.rotations, plan.summary()
     kw = _pixels(model, None, True)
-    _assert_close(_run(model, kw), _run(conv, kw), "rotated")
+    ref = _run(model, kw)
+    for stem in (None, "op"):
+        conv = copy.deepcopy(model)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            report = normswap.patch(conv, rotate="hadamard", stem_centering=stem)
+        plan = report.plan
+        assert plan.options["stem_centering"] == (stem or "weights")
+        assert len(plan.hooks) == (1 if stem else 0) and plan.rotations, plan.summary()
+        assert bool(plan.rotations[0].get("ops")) == bool(stem)
+        _assert_close(ref, _run(conv, kw), stem)
+        if stem is None:
+            normswap.save(conv, tmp_path / "compat", format="compat")
+            stock = tf.ViTForImageClassification.from_pretrained(tmp_path / "compat", dtype=torch.float64).eval()
+            _assert_close(ref, _run(stock, kw), "compat")
+        else:
+            with pytest.raises(NormswapError, match="compat format cannot hold the rotation op"):
+                normswap.save(conv, tmp_path / "refused", format="compat")
 
 
 def test_a_bad_value_is_a_one_line_error(tmp_path):
