@@ -313,28 +313,43 @@ def _place_centering_ops(st: Planning) -> None:
     its op right at its norm's input (:func:`_lone_head_term`).
     """
     inner = {call.path for call in st.an.site_calls for term in st.site_terms[call.id]
-             if not st.term_status[term.value][0] and term.kind != "norm" and _reaches_one_norm(st, term)}
+             if not st.term_status[term.value][0] and term.kind != "norm" and term.value not in st.stem_terms
+             and _reaches_one_norm(st, term)}
     # one such norm is one op for the model (wav2vec2's conv feature extractor, GELU, then its projection
     # norm); one per block (NormFormer's mid-MLP norms, ConvNeXt's block norms) is LayerNorm by another name
     st.one_norm_ops = len(inner) >= 2
     for call in st.an.site_calls:
         for term in st.site_terms[call.id]:
-            if st.term_status[term.value][0] or st.centered_by_op(term.value):
+            if st.term_status[term.value][0] or st.centered_by_op(term.value) or term.value in st.stem_terms:
                 continue
             per_norm = _needs_op_per_norm(st, term)
             if per_norm and not st.per_norm_centering:
                 continue
             if per_norm and st.mean_carry and _mlp_carries_mean(st, call, term):
                 continue
-            if term.value in st.stem_terms:
-                if per_norm or not _place_op(st, call, term, False, False, latest=True):
-                    st.term_status[term.value] = st.stem_terms.pop(term.value)  # no op can serve: its weights
-                continue
             lone = not per_norm and _lone_head_term(st, call, term)
             tries = [False, True] if (st.per_norm_centering or lone) and not per_norm else [per_norm]
             for at_norms in tries:
                 if _place_op(st, call, term, at_norms, lone):
                     break
+    _place_stem_ops(st)
+
+
+def _place_stem_ops(st: Planning) -> None:
+    """The stem writers' ops (:func:`_stem_ops`), placed after every op a term surgery cannot center needs, so
+    that a stem op never takes the one-op-per-stream place such a term needs (which would make its norms
+    approximate). A stem writer whose stream already has an op keeps its weight edits (where that op is
+    downstream of it, the rule of :func:`_commit_writer_edits` then leaves it as it is); one that no op can
+    serve does too."""
+    an = st.an
+    for call in an.site_calls:
+        for term in st.site_terms[call.id]:
+            if term.value not in st.stem_terms:
+                continue
+            reached = set(an.reach(term.value, -1).site_rows)
+            shared = st.centered_by_op(term.value) or any(reached & set(r.site_rows) for _, r in st.hooks.values())
+            if shared or _needs_op_per_norm(st, term) or not _place_op(st, call, term, False, False, latest=True):
+                st.term_status[term.value] = st.stem_terms.pop(term.value)  # centered by its weights after all
 
 
 def _needs_op_per_norm(st: Planning, term: Term) -> bool:
