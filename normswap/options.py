@@ -133,8 +133,9 @@ class ConvertOptions:
             per-channel int8: typical image 1.08× the original's error with ``"weights"``, ~0.99× with
             ``"op"``; ``docs/results/quantization.md``). ``"weights"``: the writer's weights are centered
             instead (no op; the behaviour before this option). ``None`` (default): ``"op"``, or ``"weights"``
-            with ``rotate`` (the rotation then folds ``Q`` into those weights instead of adding it as an op
-            after the stem op, and the rotated model can still be written in the compat format). Embedding
+            with ``rotate`` or ``fold_gamma`` (a rotation, then or later with :func:`normswap.rotate`, folds
+            ``Q`` into those weights instead of adding it as an op after the stem op, and the rotated model
+            can still be written in the compat format). Embedding
             tables (gathers) are centered by weights either way, and a writer no op can serve falls back to
             its weights.
         trade_constants: let a centered position table keep its row means where a float bias or a class
@@ -274,11 +275,12 @@ class ConvertOptions:
 
     @property
     def stem_centering_used(self) -> str:
-        """``stem_centering``, or its default: ``"weights"`` with a rotation (its ``Q`` then folds into the start
-        writers instead of being an op of its own), ``"op"`` otherwise."""
+        """``stem_centering``, or its default: ``"weights"`` for a rotation-ready conversion (``rotate`` or
+        ``fold_gamma``: a rotation's ``Q`` then folds into the start writers instead of being an op of its own),
+        ``"op"`` otherwise."""
         if self.stem_centering is not None:
             return self.stem_centering
-        return "weights" if self.rotate is not None else "op"
+        return "weights" if self.folds_gamma else "op"
 
     @property
     def folds_gamma(self) -> bool:

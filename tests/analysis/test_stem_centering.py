@@ -293,3 +293,17 @@ def test_cli_flag_reaches_the_manifest(tmp_path):
         loaded = normswap.load(out)
         assert plan_of(loaded).options["stem_centering"] == (value or "op")
         assert len(plan_of(loaded).hooks) == (0 if value else 1)
+
+
+def test_a_rotation_after_the_op_on_a_module_returning_a_tuple():
+    """Data2Vec-vision's embeddings return ``(tokens, grid size)``: the stem op sits on that output, and a
+    rotation of a model patched with the op puts its ``Q`` there too, turning the one tensor it holds."""
+    model = _hf("data2vec-vision")
+    conv = _patched(model, fold_gamma=True, stem_centering="op")
+    assert len(plan_of(conv).hooks) == 1
+    rot = normswap.rotate(conv, "hadamard", seed=0)
+    assert rot.rotated and [op["module"] for r in rot.rotated for op in r["ops"]] == ["data2vec_vision.embeddings"]
+    kw = _pixels(model, None, False)
+    with torch.no_grad():
+        ref, out = model(**kw).logits, conv(**kw).logits
+    assert float((out - ref).abs().max()) <= TOL * max(1.0, float(ref.abs().max()))
