@@ -307,3 +307,36 @@ def test_a_rotation_after_the_op_on_a_module_returning_a_tuple():
     with torch.no_grad():
         ref, out = model(**kw).logits, conv(**kw).logits
     assert float((out - ref).abs().max()) <= TOL * max(1.0, float(ref.abs().max()))
+
+
+def test_the_op_is_one_mean_and_one_subtraction_in_onnx_runtime_and_every_norm_fuses(pairs, tmp_path):
+    """Exported, the stem op is one ``ReduceMean`` and one ``Sub`` per image in ONNX Runtime's optimised graph
+    (the stream start, not a norm's), every RMSNorm still lands on ``SimplifiedLayerNormalization``, and the
+    conversion without the op has none."""
+    pytest.importorskip("onnxruntime")
+    import onnx
+    import onnxruntime as ort
+
+    from normswap.integrations.onnx import fused_norm_ops
+
+    model, conv = _pair(pairs, "vit")
+    x = _pixels(model, None, False)["pixel_values"].float()
+    with torch.no_grad():
+        ref = copy.deepcopy(model).float()(pixel_values=x).logits
+    counts = {}
+    for name, m in (("op", conv), ("weights", _patched(model, stem_centering="weights"))):
+        m = copy.deepcopy(m).float().eval()
+        path = tmp_path / f"{name}.onnx"
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torch.onnx.export(m, (x,), str(path), dynamo=False, opset_version=18)
+        assert fused_norm_ops(path)["SimplifiedLayerNormalization"] == len(plan_of(conv).sites), name
+        options = ort.SessionOptions()
+        options.log_severity_level = 3
+        options.optimized_model_filepath = str(tmp_path / f"{name}.opt.onnx")
+        sess = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        ops = [n.op_type for n in onnx.load(options.optimized_model_filepath).graph.node]
+        counts[name] = (ops.count("ReduceMean"), ops.count("Sub"))
+        out = torch.from_numpy(sess.run(None, {sess.get_inputs()[0].name: x.numpy()})[0])
+        assert float((out - ref).abs().max()) <= 1e-4 * float(ref.abs().max()), name
+    assert counts["op"][0] == counts["weights"][0] + 1 and counts["op"][1] == counts["weights"][1] + 1, counts
