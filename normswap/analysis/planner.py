@@ -417,8 +417,11 @@ def _place_op(st: Planning, call: ModuleCall, term: Term, at_norms: bool, lone: 
     an = st.an
     candidates = an.hook_candidates(term, at_norms=at_norms)
     if latest:  # by value, last first; one value's places keep their order (a module's output before an input)
-        candidates = sorted((c for c in candidates if not an.depends_on_norm(c[0])),
-                            key=lambda c: -(an.graph.values[c[0]].producer or -1))
+        def order(c: tuple[int, CenterHook]) -> int:
+            producer = an.graph.values[c[0]].producer
+            return 1 if producer is None else -producer  # a graph input is no later place than any op's value
+
+        candidates = sorted((c for c in candidates if not an.depends_on_norm(c[0])), key=order)
     for i, (vid, hook) in enumerate(candidates):
         if hook.where == "input" and hook.module in an.sites:
             if hook.module != call.path:
