@@ -38,9 +38,12 @@ CLS embedding (``pooler_output``), averaged over the inputs, and the same over e
 * ``jitter-1``, ``jitter-2``: the noise floor, the original with its LayerScale writers' rows and λ rescaled
   by ``U(0.9, 1.1)`` and its inverse (exact, same ranges, other rounding: :func:`jittered`);
 * ``native``: the default ``normswap.patch`` in memory (``normswap.RMSNorm`` modules), exported as it is;
-* ``native-centerop``: ``native`` with the patch convolution's weights the original's and its output centered
-  by an op instead (:func:`centered_by_op`; the untraded plan): whether the stem's weight centering is what a
-  per-channel quantizer pays for;
+* ``native-centerop``: ``native-weights`` with the patch convolution's weights the original's and its output
+  centered by an op instead (:func:`centered_by_op`; the untraded plan, the position table and class token
+  centered alone): the experiment that led to ``stem_centering="op"``;
+* ``native-weights``, ``compat-weights``, ``compat-keep-weights``: the same with ``stem_centering="weights"``
+  (the patch convolution, class token and position table centered by their weights, constants traded: the
+  default before the stem op);
 * ``hadamard``: ``patch(fold_gamma=True)`` then ``normswap.rotate(model, "hadamard", output="restore")`` (the
   backbone's output is a model output, so the stream is turned back before the final norm: native only);
 * ``learned``, ``learned-mix``: the same with ``normswap.rotate(model, "learned", output="restore", ...)``:
@@ -88,7 +91,8 @@ GPTQ = ("nbits-gptq", "nbits-gptq-patched")  # minutes each: asked for by name
 # asked for by name too: dynamic int8 of the MatMuls only (the patch convolution left in float), per tensor/channel
 MATMUL_ONLY = ("dyn-pt-matmul", "dyn-pc-matmul")
 VARIANTS = ("original", "compat", "compat-notrade", "compat-retrade", "compat-keep", "compat-fold-ls", "native",
-            "native-keep", "native-centerop", "fold-gamma", "hadamard", "jitter-1", "jitter-2")
+            "native-keep", "native-centerop", "native-weights", "compat-weights", "compat-keep-weights", "fold-gamma",
+            "hadamard", "jitter-1", "jitter-2")
 LEARNED = ("learned", "learned-mix")  # minutes each (the learning): asked for by name
 WEIGHTS = {"o_proj": "attention.o_proj", "fc2": "mlp.fc2", "q_proj": "attention.q_proj",
            "k_proj": "attention.k_proj", "fc1": "mlp.fc1"}
@@ -150,6 +154,9 @@ def variant(model: torch.nn.Module, name: str, workdir: Path,
     opts: dict[str, Any] = {"fold_gamma": name in ("hadamard", "fold-gamma") + LEARNED}
     if name in ("compat-notrade", "native-centerop"):
         opts["trade_constants"] = False
+    if name.endswith("-weights") or name in ("compat-notrade", "compat-retrade", "native-centerop"):
+        opts["stem_centering"] = "weights"  # the patch convolution centered by its weights (before the op rule)
+        name = name.removesuffix("-weights")
     if name == "compat-fold-ls":
         opts["layer_scale"] = "fold"
     if name.endswith("-keep"):

@@ -50,6 +50,8 @@ def parse_size(value: int | str) -> int:
 MODES = ("auto", "exact", "all")
 BETA_PLACEMENTS = ("rounding", "keep", "fold")  # where β goes in a default conversion (normswap.surgery.beta_placement)
 LAYER_SCALES = ("keep", "fold")  # where a centered writer's LayerScale λ ends up (normswap.surgery.edits)
+# how a stream started by a Linear/conv (a patch or feature projection) is made zero-mean (normswap.analysis.planner)
+STEM_CENTERINGS = ("op", "weights")
 FORMATS = ("native", "compat")
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # checkpoint dtypes ``convert`` can write
 VERIFY_DTYPES = ("auto", "float64", "float32")  # what the working copy computes in (normswap.memory)
@@ -122,6 +124,21 @@ class ConvertOptions:
             rows of the writer apart, and a per-tensor quantizer then loses the small rows
             (``docs/results/quantization.md``). A rotation folds a kept λ into its writer before turning
             it either way.
+        stem_centering: how a stream whose start is written by a weight quantizers round (a ViT/DINOv2/DeiT
+            patch convolution, an audio or time-series input projection: a Linear or conv that reads no norm)
+            is made zero-mean. ``"op"``: that writer keeps its original weights and one centering op (one mean
+            per token) sits where the stream starts, after every writer of the start (the position table and
+            class token behind it keep their weights too); the verdict is ``exact-with-centering``. An
+            int8/4-bit quantizer then rounds the very weights it rounds in the original, and the op removes
+            the mean of that rounding error as the original's first LayerNorm did (DINOv2-small, ONNX Runtime
+            per-channel int8: typical image 1.08× the original's error with ``"weights"``, ~0.99× with
+            ``"op"``; ``docs/results/quantization.md``). ``"weights"``: the writer's weights are centered
+            instead (no op; the behaviour before this option). ``None`` (default): ``"op"``, or ``"weights"``
+            with ``rotate`` or ``fold_gamma`` (a rotation, then or later with :func:`normswap.rotate`, folds
+            ``Q`` into those weights instead of adding it as an op after the stem op, and the rotated model
+            can still be written in the compat format). Embedding
+            tables (gathers) are centered by weights either way, and a writer no op can serve falls back to
+            its weights.
         trade_constants: let a centered position table keep its row means where a float bias or a class
             token reaching exactly the same tokens can take them away instead
             (:class:`normswap.analysis.plan.ConstantTrade`, proved by probing the model in float64): exact,
@@ -184,6 +201,7 @@ class ConvertOptions:
     bias_slots: bool = True
     beta_placement: str | None = None
     layer_scale: str = "keep"
+    stem_centering: str | None = None
     trade_constants: bool = True
     untie: bool = True
     per_norm_centering: bool = False
@@ -210,6 +228,8 @@ class ConvertOptions:
         if self.beta_placement is not None:
             choose("beta_placement", self.beta_placement, BETA_PLACEMENTS)
         choose("layer_scale", self.layer_scale, LAYER_SCALES)
+        if self.stem_centering is not None:
+            choose("stem_centering", self.stem_centering, STEM_CENTERINGS)
         choose("verify_dtype", self.verify_dtype, VERIFY_DTYPES)
         if self.rotate is not None:
             choose("rotate", self.rotate, ROTATIONS)  # γ folded where it turns (pipeline.analyse_copy)
@@ -253,6 +273,15 @@ class ConvertOptions:
                                 "of a γ-folded norm; without fold_gamma none is made): pass fold_gamma=True too, or "
                                 "drop bias_slots=False")
         backends.check_name(self.backend)
+
+    @property
+    def stem_centering_used(self) -> str:
+        """``stem_centering``, or its default: ``"weights"`` for a rotation-ready conversion (``rotate`` or
+        ``fold_gamma``: a rotation's ``Q`` then folds into the start writers instead of being an op of its own),
+        ``"op"`` otherwise."""
+        if self.stem_centering is not None:
+            return self.stem_centering
+        return "weights" if self.folds_gamma else "op"
 
     @property
     def folds_gamma(self) -> bool:

@@ -124,7 +124,11 @@ PRESETS: dict[str, Preset] = {
             tuple(BERT_SPECIALS),
         ),
         Preset(
-            "tiny-vit", "ViT image classifier (Pre-LN): exact", "ViTForImageClassification", _vit, "image"
+            "tiny-vit",
+            "ViT image classifier (Pre-LN): exact with one centering op",
+            "ViTForImageClassification",
+            _vit,
+            "image",
         ),
         Preset(
             "tiny-whisper",

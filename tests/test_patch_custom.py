@@ -18,9 +18,9 @@ def _no_layernorm(model: nn.Module) -> bool:
     return not any(isinstance(m, nn.LayerNorm) for m in model.modules())
 
 
-def _check_exact(model, example, probe):
+def _check_exact(model, example, probe, **options):
     original = copy.deepcopy(model)
-    report = normswap.patch(model, example_inputs=example)
+    report = normswap.patch(model, example_inputs=example, **options)
     assert all(s.verdict in ("exact", "exact-with-centering") for s in report.sites), report.plan.table()
     with torch.no_grad():
         assert _rel(model(probe), original(probe)) <= 1e-9
@@ -42,8 +42,12 @@ def test_parallel_blocks_fused_qkv_per_head_norms_and_tied_head():
 def test_conv_patch_embedding_cls_token_and_position_parameter():
     torch.manual_seed(1)
     model = randomise(TinyViT())
-    report = _check_exact(model, (torch.randn(2, 3, 32, 32, dtype=torch.float64),),
-                          torch.randn(4, 3, 32, 32, dtype=torch.float64))
+    example = (torch.randn(2, 3, 32, 32, dtype=torch.float64),)
+    # by default one op centers the stream and the conv, class token and table keep their weights
+    default = _check_exact(copy.deepcopy(model), example, torch.randn(4, 3, 32, 32, dtype=torch.float64))
+    assert len(default.plan.hooks) == 1 and not {"patch.weight", "cls", "pos"} & {
+        e.target for e in default.plan.writer_edits}
+    report = _check_exact(model, example, torch.randn(4, 3, 32, 32, dtype=torch.float64), stem_centering="weights")
     targets = {e.target for e in report.plan.writer_edits}
     assert {"patch.weight", "patch.bias", "cls", "pos"} <= targets
     # raw Parameter writers are centered too: the class token together with its position row (the row keeps

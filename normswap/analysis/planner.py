@@ -103,6 +103,7 @@ class Planning:
     per_norm_centering: bool  # may a centering op sit before each Post-LN norm (opt-in)
     mean_carry: bool  # may an MLP be widened to cancel a Post-LN mean
     carry_multiple: int  # a widened MLP's width is padded to a multiple of this
+    stem_centering: str = "op"  # a stream start a quantized weight writes: centered by an op or by its weights
     site_terms: dict[int, list[Term]] = field(default_factory=dict)  # norm call -> the terms of its input
     module_ok: dict[str, str | None] = field(default_factory=dict)  # writer module -> why no edit centers it, or None
     # term value -> (centered by surgery, why not)
@@ -122,6 +123,8 @@ class Planning:
     one_norm_ops: bool = False
     # norm -> why its stream does not turn: planned as without ``fold_gamma`` (a rotation folds γ only where it turns)
     keep_gamma: dict[str, str] = field(default_factory=dict)
+    # stem writer term value -> its weight edits' status, restored where no op can take its place (_stem_ops)
+    stem_terms: dict[int, tuple[bool, str]] = field(default_factory=dict)
 
     def folds_gamma(self, path: str) -> bool:
         """Is ``fold_gamma`` asked for this norm? (asked, and its stream not one the rotation leaves alone)"""
@@ -147,7 +150,8 @@ class SiteStream:
 def analyse(model: nn.Module, graph: Graph, sites: list[NormSite], *, untie: bool = True,
             fold_gamma: bool = False, per_norm_centering: bool = False,
             rms_norms: list[SkippedNorm] | None = None, mean_carry: bool = True, carry_multiple: int = 8,
-            bias_slots: bool = False, layer_scale: str = "keep", keep_gamma: dict[str, str] | None = None) -> Plan:
+            bias_slots: bool = False, layer_scale: str = "keep", keep_gamma: dict[str, str] | None = None,
+            stem_centering: str = "op") -> Plan:
     """Derive writers, readers, centering ops and a verdict for every NormSite.
 
     Verdict policy for centering ops: one op where a stream *starts* (its value depends on no
@@ -167,6 +171,10 @@ def analyse(model: nn.Module, graph: Graph, sites: list[NormSite], *, untie: boo
     ``layer_scale``: ``"keep"`` marks every LayerScale fold ``keep`` (λ rebalanced and kept after centering,
     so the writer keeps the original's ranges); ``"fold"`` leaves λ at 1.
 
+    ``stem_centering``: ``"op"`` centers a stream whose start a Linear or conv writes (a patch or input
+    projection: a weight quantizers round) by one op where the stream starts, the writer's weights left as
+    they are (:func:`_stem_ops`); ``"weights"`` centers that writer's weights as any other's.
+
     ``keep_gamma`` (with ``fold_gamma``): ``{norm: why its stream does not turn}``. Those norms (converted or
     RMS from the start) are planned as without ``fold_gamma``: γ stays in the norm, β goes where the β
     placement puts it, no bias slot is made for them, and their ``rotation_reason`` says why. A rotation
@@ -183,13 +191,15 @@ def analyse(model: nn.Module, graph: Graph, sites: list[NormSite], *, untie: boo
     st = Planning(an, Plan(options={"untie": untie, "fold_gamma": fold_gamma,
                                     "per_norm_centering": per_norm_centering, "mean_carry": mean_carry,
                                     "carry_multiple": carry_multiple, "bias_slots": an.bias_slots,
-                                    "layer_scale": layer_scale}),
+                                    "layer_scale": layer_scale, "stem_centering": stem_centering}),
                   per_norm_centering=per_norm_centering, mean_carry=mean_carry, carry_multiple=carry_multiple,
+                  stem_centering=stem_centering,
                   keep_gamma=dict(keep_gamma or {}) if fold_gamma else {})
     if st.keep_gamma:
         st.plan.options["gamma_kept"] = dict(sorted(st.keep_gamma.items()))
     _find_writers(st)
     _center_writers(st)
+    _stem_ops(st)
     _place_centering_ops(st)
     _commit_writer_edits(st)
     _find_readers(st)
@@ -252,6 +262,48 @@ def _center_writers(st: Planning) -> None:
             st.term_status[term.value] = (why is None, f"{term.label} {why}" if why else "")
 
 
+# writer kinds whose weights int8/4-bit quantizers round (MatMul/Conv weights); an Embedding's table is a gather
+_QUANTIZED_WRITERS = ("linear", "conv1d", "conv")
+STEM_WHY = "(its weights kept: quantizers round them; stem_centering='op')"
+
+
+def _stem_ops(st: Planning) -> None:
+    """``stem_centering="op"``: mark each stream-start writer whose weights quantizers round as centered by an
+    op rather than by its weights (``st.stem_terms``); :func:`_place_centering_ops` then places one op for it
+    where its stream starts, and puts the weight edits back where none can sit.
+
+    **Rule: a stream started by a quantized weight is centered by one op, not by that weight.** A stream's
+    start writer is a module term whose value is computed from no LayerNorm output (the model's raw input
+    through a patch convolution, an audio or time-series input projection), called once. Centering its
+    weights is exact, but a quantizer then rounds other weights than the original's, and the mean of their
+    rounding error, which the original's first LayerNorm removed, stays in every token of the stream: no
+    RMSNorm after it removes a mean (DINOv2-small's patch convolution in per-channel int8,
+    ``docs/results/quantization.md``). One op (one mean per token at the stream start) keeps the writer's
+    weights as they were and removes that error's mean as the original did. Embedding tables (gathers, not
+    rounded by weight quantizers) and streams no such writer starts keep their weight edits.
+    """
+    if st.stem_centering != "op":
+        return
+    an = st.an
+    norm_started: set[int | None] | None = None
+    for call in an.site_calls:
+        for term in st.site_terms[call.id]:
+            ok, why = st.term_status[term.value]
+            if not ok or term.kind != "module" or term.value in st.stem_terms \
+                    or len(an.calls_per_path.get(term.module_path, [])) != 1 \
+                    or writer_kind(an.modules[term.module_path]) not in _QUANTIZED_WRITERS \
+                    or an.depends_on_norm(term.value):
+                continue
+            if norm_started is None:  # the norms whose output is itself a term of another norm's input
+                norm_started = {t.call for terms in st.site_terms.values() for t in terms if t.kind == "norm"}
+            if set(an.reach(term.value, -1).site_rows) & norm_started:
+                # the stream ends in a norm whose output starts the stream the blocks read (CLIP's pre-LayerNorm):
+                # that stream takes the stream-start op, and a second op before it would be a chain of two
+                continue
+            st.stem_terms[term.value] = (ok, why)
+            st.term_status[term.value] = (False, f"{term.label} {STEM_WHY}")
+
+
 def _place_centering_ops(st: Planning) -> None:
     """One centering op (``st.hooks``) for each term surgery cannot center, where the policy allows one.
 
@@ -261,13 +313,14 @@ def _place_centering_ops(st: Planning) -> None:
     its op right at its norm's input (:func:`_lone_head_term`).
     """
     inner = {call.path for call in st.an.site_calls for term in st.site_terms[call.id]
-             if not st.term_status[term.value][0] and term.kind != "norm" and _reaches_one_norm(st, term)}
+             if not st.term_status[term.value][0] and term.kind != "norm" and term.value not in st.stem_terms
+             and _reaches_one_norm(st, term)}
     # one such norm is one op for the model (wav2vec2's conv feature extractor, GELU, then its projection
     # norm); one per block (NormFormer's mid-MLP norms, ConvNeXt's block norms) is LayerNorm by another name
     st.one_norm_ops = len(inner) >= 2
     for call in st.an.site_calls:
         for term in st.site_terms[call.id]:
-            if st.term_status[term.value][0] or st.centered_by_op(term.value):
+            if st.term_status[term.value][0] or st.centered_by_op(term.value) or term.value in st.stem_terms:
                 continue
             per_norm = _needs_op_per_norm(st, term)
             if per_norm and not st.per_norm_centering:
@@ -279,6 +332,24 @@ def _place_centering_ops(st: Planning) -> None:
             for at_norms in tries:
                 if _place_op(st, call, term, at_norms, lone):
                     break
+    _place_stem_ops(st)
+
+
+def _place_stem_ops(st: Planning) -> None:
+    """The stem writers' ops (:func:`_stem_ops`), placed after every op a term surgery cannot center needs, so
+    that a stem op never takes the one-op-per-stream place such a term needs (which would make its norms
+    approximate). A stem writer whose stream already has an op keeps its weight edits (where that op is
+    downstream of it, the rule of :func:`_commit_writer_edits` then leaves it as it is); one that no op can
+    serve does too."""
+    an = st.an
+    for call in an.site_calls:
+        for term in st.site_terms[call.id]:
+            if term.value not in st.stem_terms:
+                continue
+            reached = set(an.reach(term.value, -1).site_rows)
+            shared = st.centered_by_op(term.value) or any(reached & set(r.site_rows) for _, r in st.hooks.values())
+            if shared or _needs_op_per_norm(st, term) or not _place_op(st, call, term, False, False, latest=True):
+                st.term_status[term.value] = st.stem_terms.pop(term.value)  # centered by its weights after all
 
 
 def _needs_op_per_norm(st: Planning, term: Term) -> bool:
@@ -334,12 +405,23 @@ def _lone_head_term(st: Planning, call: ModuleCall, term: Term) -> bool:
         and set(an.reach(term.value, -1).site_rows) == {call.id} and _is_head(an, call)
 
 
-def _place_op(st: Planning, call: ModuleCall, term: Term, at_norms: bool, lone: bool) -> bool:
+def _place_op(st: Planning, call: ModuleCall, term: Term, at_norms: bool, lone: bool, latest: bool = False) -> bool:
     """Place the first valid centering op for ``term`` that centers this norm call's stream (at the
     norms' inputs when ``at_norms``); ``st.unhooked`` records why a stream start has none. Returns
-    whether one was placed."""
+    whether one was placed.
+
+    ``latest`` (a stem writer's op, :func:`_stem_ops`): the last valid place computed from no norm's output
+    instead of the first, i.e. where every writer of the stream's start has been summed (after a ViT's
+    class token and position table, not right after its patch convolution): those writers are then behind
+    the op and keep their weights too (:func:`_commit_writer_edits`), so the whole start is the original's."""
     an = st.an
     candidates = an.hook_candidates(term, at_norms=at_norms)
+    if latest:  # by value, last first; one value's places keep their order (a module's output before an input)
+        def order(c: tuple[int, CenterHook]) -> int:
+            producer = an.graph.values[c[0]].producer
+            return 1 if producer is None else -producer  # a graph input is no later place than any op's value
+
+        candidates = sorted((c for c in candidates if not an.depends_on_norm(c[0])), key=order)
     for i, (vid, hook) in enumerate(candidates):
         if hook.where == "input" and hook.module in an.sites:
             if hook.module != call.path:
@@ -380,7 +462,10 @@ def _place_op(st: Planning, call: ModuleCall, term: Term, at_norms: bool, lone: 
         hook.reason = (f"stream written by {term.label}: one mean per token before this norm"
                        if per_norm else f"stream starts at {term.label}")
         unedited = st.term_status[term.value][1].removeprefix(term.label).strip()
-        if unedited and not per_norm and term.kind in ("module", "param"):
+        if term.value in st.stem_terms:
+            hook.reason += ", a weight quantizers round: its weights are kept and this op centers the stream " \
+                           "(stem_centering='op')"
+        elif unedited and not per_norm and term.kind in ("module", "param"):
             hook.reason += f", which no weight edit can center ({unedited})"
         hook.per_norm = per_norm
         st.hooks[vid] = (hook, reach)

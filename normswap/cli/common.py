@@ -35,7 +35,17 @@ from normswap.errors import (
     NormswapError,
     first_line,
 )
-from normswap.options import BETA_PLACEMENTS, DTYPES, FORMATS, LAYER_SCALES, MODES, ROTATIONS, TASKS, VERIFY_DTYPES
+from normswap.options import (
+    BETA_PLACEMENTS,
+    DTYPES,
+    FORMATS,
+    LAYER_SCALES,
+    MODES,
+    ROTATIONS,
+    STEM_CENTERINGS,
+    TASKS,
+    VERIFY_DTYPES,
+)
 
 __all__ = [
     "EXIT_CODES",
@@ -47,6 +57,7 @@ __all__ = [
     "MODES",
     "BETA_PLACEMENTS",
     "LAYER_SCALES",
+    "STEM_CENTERINGS",
     "ROTATIONS",
     "DTYPES",
     "VERIFY_DTYPES",
@@ -96,6 +107,7 @@ _CLI_WORDS = (
     (re.compile(r"\ballow_unusable=True\b"), "--allow-unusable"),
     (re.compile(r"\bper_norm_centering=True\b"), "--per-norm-centering"),
     (re.compile(r"\btrade_constants=False\b"), "--no-constant-trades"),
+    (re.compile(r"\bstem_centering=['\"](\w+)['\"]"), r"--stem-centering \1"),
     (re.compile(r"\bcalibration=\.\.\."), "--calibration-data FILE"),
     (re.compile(r"\bcalibration_data\b(?!=)"), "--calibration-data"),
     (re.compile(r"\bout_dir\b"), "--out"),

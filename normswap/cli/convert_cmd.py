@@ -22,6 +22,7 @@ from normswap.cli.common import (
     MODES,
     PRESET_NAMES,
     ROTATIONS,
+    STEM_CENTERINGS,
     TASK_NAMES,
     VERIFY_DTYPES,
     check_input_file,
@@ -244,6 +245,16 @@ Presets (offline, seeded tiny models with tokenizers/processors):
     "quantizes it almost as finely as per-channel); 'fold' multiplies it into the writer's rows (λ = 1). Both exact.",
 )
 @click.option(
+    "--stem-centering",
+    type=click.Choice(STEM_CENTERINGS),
+    default=None,
+    help="A stream started by a Linear or conv (a ViT/DINOv2 patch convolution, an input projection): 'op' "
+    "keeps its weights and centers the stream with one mean per token where it starts (exact-with-centering; "
+    "int8/4-bit quantizers then round the original's weights, and the op removes their rounding error's mean "
+    "as the original's first LayerNorm did; default); 'weights' centers that writer's weights instead (no op; "
+    "default with --rotate or --fold-gamma: a rotation then folds into those weights). Both exact.",
+)
+@click.option(
     "--keep-tied",
     "--no-untie",
     "keep_tied",
@@ -389,6 +400,7 @@ def convert(
     no_bias_slots: bool,
     beta_placement: str | None,
     layer_scale: str,
+    stem_centering: str | None,
     keep_tied: bool,
     dtype: str,
     calibration_data: str | None,
@@ -454,6 +466,7 @@ def convert(
         bias_slots=not no_bias_slots,
         beta_placement=beta_placement,
         layer_scale=layer_scale,
+        stem_centering=stem_centering,
         verify=not no_verify,
         verify_dtype=verify_dtype,
         allow_unusable=allow_unusable,

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from normswap.analysis.linears import LinearView, linear_at, linear_module_kind, param_names
 from normswap.analysis.plan import CENTERED_VERDICTS, FLAVOUR_SLOTS, Plan, SitePlan, plan_of
@@ -321,8 +322,13 @@ ROTATION_BUFFER = "normswap_rotation"  # Q on the module where a centered stream
 class RotateOutput:
     """Forward hook: the module's output times the ``Q`` it holds (a stream start no weight can turn)."""
 
-    def __call__(self, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
-        return torch.matmul(output, getattr(module, ROTATION_BUFFER).to(output.dtype))
+    def __call__(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        q = getattr(module, ROTATION_BUFFER)
+        if not isinstance(output, torch.Tensor):
+            # a module returning (tensor, grid size) (Data2Vec-vision's embeddings, where a stem centering op
+            # sits): the plan places an op only where the output holds one tensor, the one turned here
+            return pytree.tree_map_only(torch.Tensor, lambda t: torch.matmul(t, q.to(t.dtype)), output)
+        return torch.matmul(output, q.to(output.dtype))
 
 
 class RotateInput:

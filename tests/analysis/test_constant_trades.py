@@ -96,6 +96,9 @@ def _outputs(model: nn.Module, kw: dict) -> list[torch.Tensor]:
 
 
 def _patched(model: nn.Module, **options) -> nn.Module:
+    # the trades are between centered writers: the patch convolution's stream centered by weights, not by the
+    # stem op (stem_centering="op", the default, leaves every writer of a ViT's start as it is: nothing to trade)
+    options.setdefault("stem_centering", "weights")
     conv = copy.deepcopy(model)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -118,7 +121,7 @@ def _pair(cache: dict, name: str) -> tuple[nn.Module, nn.Module]:
 @pytest.mark.parametrize("name", list(BUILDERS))
 def test_trades_are_found_and_exact_at_the_configured_and_another_size(converted, name):
     model, conv = _pair(converted, name)
-    trades = normswap.plan(model).constant_trades
+    trades = normswap.plan(model, stem_centering="weights").constant_trades
     assert {(t.lo, t.hi, t.into.rsplit(".", 1)[-1]) for t in trades} == EXPECTED[name]
     sizes = [None] if name == "gpt2" else [None, 48]  # 48 px: a 6×7 grid resampled from the 4×4 table
     for size in sizes:
@@ -202,14 +205,15 @@ def test_compat_and_native_checkpoints_keep_the_trade(converted, tmp_path):
 def test_a_float32_working_copy_proves_the_same_trades():
     """A model too big for a float64 copy is analysed in float32: the trades must not depend on that."""
     model = _build("deit").float()
-    in_64, in_32 = normswap.plan(model).constant_trades, normswap.plan(model, verify_dtype="float32").constant_trades
+    in_64 = normswap.plan(model, stem_centering="weights").constant_trades
+    in_32 = normswap.plan(model, verify_dtype="float32", stem_centering="weights").constant_trades
     assert in_32 == in_64 and len(in_64) == 3
 
 
 def test_planning_probes_without_writing_the_model():
     model = _build("vit")
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    assert normswap.plan(model).constant_trades
+    assert normswap.plan(model, stem_centering="weights").constant_trades
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
@@ -246,7 +250,7 @@ def test_a_custom_model_trades_where_every_token_reads_the_table_with_weights_su
     torch.manual_seed(0)
     model = zoo.randomise(_Tokens(read), 0)
     x = torch.randn(3, 8, 6, dtype=torch.float64)
-    trades = normswap.plan(model, (x,)).constant_trades
+    trades = normswap.plan(model, (x,), stem_centering="weights").constant_trades
     if read == "halved":
         assert trades == []
     else:  # every row (those the 8 tokens read, and those longer inputs read) keeps the mean row mean; the
@@ -255,7 +259,7 @@ def test_a_custom_model_trades_where_every_token_reads_the_table_with_weights_su
     conv = copy.deepcopy(model)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        normswap.patch(conv, (x,))
+        normswap.patch(conv, (x,), stem_centering="weights")
     for length in (8, 11):  # 11: rows no analysis token read, which the bias's block must hold too
         y = torch.randn(2, length, 6, dtype=torch.float64)
         assert (conv(y) - model(y)).abs().max() <= 1e-9
@@ -300,7 +304,8 @@ def test_the_command_line_trades_by_default_and_not_with_no_constant_trades(tmp_
     from normswap.cli import main
 
     for flags, out in (([], "traded"), (["--no-constant-trades"], "alone")):
-        res = CliRunner().invoke(main, ["convert", "tiny-vit", "--out", str(tmp_path / out), "-q", *flags])
+        res = CliRunner().invoke(main, ["convert", "tiny-vit", "--out", str(tmp_path / out), "-q",
+                                        "--stem-centering", "weights", *flags])
         assert res.exit_code == 0, res.stderr
         manifest = json.loads((tmp_path / out / "config.json").read_text())["normswap"]
         trades = manifest["plan"]["constant_trades"]

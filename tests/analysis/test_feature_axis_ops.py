@@ -48,7 +48,9 @@ def _assert_exact(model: nn.Module, reference: nn.Module, report: normswap.Repor
 
 def _check(make, example: tuple, other: tuple) -> normswap.Report:  # noqa: ANN001
     model, reference = build_randomised(make), build_randomised(make)
-    report = normswap.patch(model, example)
+    # the weight edits under test: the Linear stems centered by weights, not by the stem op (tests of that:
+    # test_stem_centering.py)
+    report = normswap.patch(model, example, stem_centering="weights")
     _assert_exact(model, reference, report, other)
     return report
 
@@ -148,7 +150,7 @@ def test_a_row_sum_with_weights_per_feature_does_not_keep_centering():
     inputs = (torch.randn(9, 7, generator=gen, dtype=torch.float64), torch.randint(0, 9, (2, 20), generator=gen),
               torch.rand(20, generator=gen, dtype=torch.float64))
     model, reference = build_randomised(_PerFeatureMessages), build_randomised(_PerFeatureMessages)
-    report = normswap.patch(model, inputs, mode="exact")
+    report = normswap.patch(model, inputs, mode="exact", stem_centering="weights")
     verdicts = [s.verdict for s in report.plan.sites]
     assert verdicts[0] == "exact" and verdicts[1:] != ["exact", "exact"], report.plan.table()
     with torch.no_grad():  # what is converted stays exact

@@ -51,7 +51,7 @@ def _converted(model: torch.nn.Module) -> torch.nn.Module:
     conv = copy.deepcopy(model)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        normswap.patch(conv, trade_constants=False)  # the centering ``retraded`` starts from
+        normswap.patch(conv, trade_constants=False, stem_centering="weights")  # what ``retraded`` starts from
     return conv
 
 
