@@ -53,6 +53,33 @@ def test_every_post_ln_norm_is_exact_by_an_op_and_no_mlp_is_widened(name, tmp_pa
     assert _fp64_error(original, loaded) <= 1e-9
 
 
+@pytest.mark.parametrize("name", ["bert", "mpnet"])
+def test_writers_behind_the_ops_keep_the_originals_weights(name):
+    """A centering op before a norm centers its stream whatever the writers add, so the attention and FFN
+    output projections stay as the original's, bit for bit: a weight quantizer then rounds exactly what
+    it rounds in the original (centered, their column means moved every row's range: NNCF int8 weights on
+    all-mpnet-base-v2). With the carry kept, its ``down`` projection must stay centered; the attention
+    output projection, behind its op, still keeps its weights."""
+    model = build(APPROXIMATE, name)
+    original = dict(copy.deepcopy(model).named_parameters())
+    normswap.patch(model, options=OPS_NO_CARRY)
+    encoder = {n: p for n, p in model.named_parameters() if ".encoder." in n and "LayerNorm" not in n}
+    assert len(encoder) >= 16
+    changed = [n for n, p in encoder.items() if not torch.equal(p, original[n])]
+    assert not changed, changed
+
+    model = build(APPROXIMATE, name)
+    report = normswap.patch(model, options=normswap.ConvertOptions(mode="exact", per_norm_centering=True))
+    carries = report.plan.mean_carries
+    assert len(carries) == 2
+    after = dict(model.named_parameters())
+    widened = tuple(f"{m}." for c in carries for m in (c.up, c.down))
+    kept = [n for n in encoder if not n.startswith(widened)]
+    assert len(kept) >= 12 and all(torch.equal(after[n], original[n]) for n in kept)
+    downs = [f"{c.down}.weight" for c in carries]  # centered: the carry needs a zero-mean down
+    assert all(not torch.equal(after[n][:, :original[n].shape[1]], original[n]) for n in downs)
+
+
 def test_the_cli_writes_the_choice_into_the_manifest(tmp_path):
     from click.testing import CliRunner
 
