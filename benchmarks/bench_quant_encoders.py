@@ -16,11 +16,21 @@ Variants: ``original``; ``converted`` (``normswap.patch`` with default options: 
 encoders, so some norms are approximate and calibrated on the built-in sentences); ``converted-fold``
 (``beta_placement="fold"``: every β out of the norms, through the residual writers where the output is
 also a residual); ``converted-keep`` (``beta_placement="keep"``); ``converted-nocarry``
-(``mean_carry=False``: no MLP widened to carry a Post-LN mean, so those norms are approximate too).
+(``mean_carry=False``: no MLP widened to carry a Post-LN mean, so those norms are approximate too);
+``converted-pnc`` (``per_norm_centering=True``: a centering op before each Post-LN norm the carry leaves
+approximate); ``converted-pnc-nocarry`` (``per_norm_centering=True, mean_carry=False``: a centering op
+before every Post-LN norm, no MLP widened).
 ``--texts`` English paragraphs from Python's reference docs (offline, held out from the calibration
 sentences), up to ``--max-len`` tokens.
 
     python benchmarks/bench_quant_encoders.py --model DIR --texts 256 --json out.json
+    python benchmarks/bench_quant_encoders.py --model DIR --texts 16 --quantizers fp32 --speed 20 \
+        --variants original converted converted-pnc-nocarry      # + ORT speed and norm ops, vs the original
+
+``--speed SECONDS``: each variant's float ONNX file (the one the quantizers read) against the original's in
+ONNX Runtime (default session optimisation, one thread), ABBA quads of ``bench_deploy_speed.py`` (thread CPU
+time, two halves with sessions created in opposite orders) at batch 1 (the first text) and batch 16 (the
+first batch), SECONDS per shape; and the norm-related op types in ORT's optimised graph of each file.
 
 One variant at a time, single-threaded ONNX Runtime sessions; checkpoints never enter the tests.
 """
@@ -46,12 +56,18 @@ from quant_utils import BatchReader  # noqa: E402 (the benchmarks folder is on t
 QUANTIZERS = ("fp32", "dyn-pt", "dyn-pc", "qdq", "nbits-rtn")
 DEFAULT_QUANTIZERS = ("fp32", "dyn-pt", "dyn-pc")
 CALIBRATION_TEXTS = 32  # qdq's calibration paragraphs, the ones after the measured texts (held out)
-VARIANTS = ("original", "converted", "converted-fold", "converted-keep", "converted-nocarry", "converted-carry128")
+VARIANTS = ("original", "converted", "converted-fold", "converted-keep", "converted-nocarry", "converted-carry128",
+            "converted-pnc", "converted-pnc-nocarry")
 OPTIONS: dict[str, dict[str, Any]] = {"converted": {}, "converted-fold": {"beta_placement": "fold"},
                                       "converted-keep": {"beta_placement": "keep"},
                                       "converted-nocarry": {"mean_carry": False},
                                       # the carry's MLPs padded to a multiple of 128 (int4 groups along that width)
-                                      "converted-carry128": {"carry_multiple": 128}}
+                                      "converted-carry128": {"carry_multiple": 128},
+                                      # a centering op before each Post-LN norm the carry does not make exact
+                                      "converted-pnc": {"per_norm_centering": True},
+                                      # a centering op before every Post-LN norm, no MLP widened (RMSNorm + op
+                                      # is LayerNorm: nothing of the conversion left for a quantizer to round)
+                                      "converted-pnc-nocarry": {"per_norm_centering": True, "mean_carry": False}}
 
 
 def english(n: int, seed: int = 0) -> list[str]:
@@ -178,6 +194,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--json", type=Path)
     ap.add_argument("--baseline", type=Path, help="an earlier --json of the same model and texts: its "
                     "original's errors are reused (the original variant is not measured again)")
+    ap.add_argument("--speed", type=float, default=0, metavar="SECONDS",
+                    help="also time each variant's float ONNX file against the original's in ONNX Runtime")
     args = ap.parse_args(argv)
     from transformers import AutoModel, AutoTokenizer
 
@@ -213,6 +231,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                       f"  [{time.time() - t0:.0f} s]", flush=True)
             if model is not original:
                 del model
+        if args.speed:
+            result["speed"] = speed(original, args.model, [v for v in args.variants if v != "original"],
+                                    data[0], Path(tmp), args.speed)
     for key, cell in result["cells"].items():
         name, how = key.split("/")
         base = np.array(result["per_text"][f"original/{how}"])
@@ -224,6 +245,55 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
     return result
+
+
+NORM_OPS = ("LayerNormalization", "SkipLayerNormalization", "SimplifiedLayerNormalization",
+            "SkipSimplifiedLayerNormalization", "ReduceMean", "Sub", "Pow", "Sqrt", "Div", "Reciprocal")
+
+
+def ort_norm_ops(path: Path) -> dict[str, int]:
+    """How many of each norm-related op type ONNX Runtime's optimised graph of ``path`` holds (its default
+    session optimisation level): did it fuse a centering op and the RMSNorm after it into one kernel?"""
+    import collections
+
+    import onnx
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    so.optimized_model_filepath = str(path.with_name(path.stem + ".ort-optimised.onnx"))
+    ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+    counts = collections.Counter(n.op_type for n in onnx.load(so.optimized_model_filepath).graph.node)
+    return {op: counts[op] for op in NORM_OPS if counts[op]}
+
+
+def speed(original: torch.nn.Module, model_dir: Path, names: list[str], batch: dict, tmp: Path,
+          seconds: float) -> dict[str, Any]:
+    """Each variant's float ONNX file (exported again here, as for the quantizers) against the original's in
+    ONNX Runtime, ABBA quads at batch 1 and at ``batch``'s size; and the norm ops of every optimised graph."""
+    import bench_deploy_speed as deploy
+
+    paths = {"original": tmp / "original.onnx"}
+    if not paths["original"].exists():
+        export(original, batch, paths["original"])
+    for name in names:
+        paths[name] = tmp / f"{name}.onnx"
+        if not paths[name].exists():
+            model, _ = build(name, original, model_dir)
+            export(model, batch, paths[name])
+            del model
+    one = {k: v[:1, :int(batch["attention_mask"][0].sum())] for k, v in batch.items()}
+    out: dict[str, Any] = {"ops": {name: ort_norm_ops(p) for name, p in paths.items()}, "ratios": {}}
+    for name, ops in out["ops"].items():
+        print(f"ORT optimised graph, {name}: {ops}", flush=True)
+    for name in names:
+        for label, example in ((f"batch 1, {one['input_ids'].shape[1]} tokens", one),
+                               (f"batch {batch['input_ids'].shape[0]}, {batch['input_ids'].shape[1]} tokens", batch)):
+            m = deploy.abba_sessions(paths["original"], paths[name], tuple(example.values()), seconds, 5)
+            out["ratios"][f"{name}/{label}"] = m
+            print(f"ORT speed {name} / original, {label}: {m['ratio']:.3f} ({m['q1']:.3f}–{m['q3']:.3f}, "
+                  f"{m['quads']} quads; original {m['original_ms']:.2f} ms)", flush=True)
+    return out
 
 
 def reuse_baseline(result: dict[str, Any], baseline: Path, quantizers: list[str] | tuple[str, ...]) -> None:

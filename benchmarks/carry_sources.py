@@ -12,6 +12,7 @@ original): how much of the converted model's excess each source, and each layer'
 rescaled ones, range-setting spare neurons); every one is exact in float (the printed float error).
 
     python benchmarks/carry_sources.py --model /tmp/carry40/mpnet --texts 64 --grids pc --per-layer
+    python benchmarks/carry_sources.py --model /tmp/carry40/mpnet --texts 64 --grids w8 --per-layer  # NNCF int8 weights
 """
 
 from __future__ import annotations
@@ -34,8 +35,16 @@ from bench_quant_encoders import batches, bootstrap, embed_torch, english  # noq
 SOURCES = ("up", "down", "act")
 
 
-def quant_weight(w: torch.Tensor, per_channel: bool) -> torch.Tensor:
-    """Symmetric int8, step ``max|w|/127`` per tensor or per output row (ORT's ``quantize_dynamic``)."""
+def quant_weight(w: torch.Tensor, per_channel: bool, asymmetric: bool = False) -> torch.Tensor:
+    """Symmetric int8, step ``max|w|/127`` per tensor or per output row (ORT's ``quantize_dynamic``); with
+    ``asymmetric``, per output row on ``[min, max]`` in 255 steps with a whole zero point (NNCF's
+    ``compress_weights`` default, INT8_ASYM)."""
+    if asymmetric:
+        lo = torch.clamp(w.amin(dim=1, keepdim=True), max=0)
+        hi = torch.clamp(w.amax(dim=1, keepdim=True), min=0)
+        step = torch.clamp((hi - lo) / 255, min=1e-30)
+        zero = torch.clamp(torch.round(-lo / step), 0, 255)
+        return (torch.clamp(torch.round(w / step) + zero, 0, 255) - zero) * step
     peak = w.abs().amax(dim=1, keepdim=True) if per_channel else w.abs().max()
     step = torch.clamp(peak / 127, min=1e-30)
     return torch.round(w / step).clamp(-127, 127) * step
@@ -50,8 +59,9 @@ def quant_act(x: torch.Tensor) -> torch.Tensor:
 
 
 def quantized(model: torch.nn.Module, carries: list[Any], per_channel: bool,
-              exact: dict[str, set[str]]) -> torch.nn.Module:
-    """A fake-quantized copy; ``exact[source]`` names the carries (by ``down``) whose ``source`` stays float."""
+              exact: dict[str, set[str]], weights_only: bool = False) -> torch.nn.Module:
+    """A fake-quantized copy; ``exact[source]`` names the carries (by ``down``) whose ``source`` stays float.
+    ``weights_only``: NNCF's int8 weight compression instead (asymmetric per output row, activations float)."""
     m = copy.deepcopy(model)
     by_up = {c.up: c for c in carries}
     by_down = {c.down: c for c in carries}
@@ -60,7 +70,7 @@ def quantized(model: torch.nn.Module, carries: list[Any], per_channel: bool,
             continue
         w0 = mod.weight.detach().clone()
         with torch.no_grad():
-            mod.weight.copy_(quant_weight(w0, per_channel))
+            mod.weight.copy_(quant_weight(w0, per_channel, asymmetric=weights_only))
             c = by_up.get(name)
             if c is not None and c.down in exact["up"]:
                 mod.weight[c.hidden:c.hidden + 2] = w0[c.hidden:c.hidden + 2]
@@ -76,7 +86,8 @@ def quantized(model: torch.nn.Module, carries: list[Any], per_channel: bool,
                 q[..., keep] = args[0][..., keep]
             return (q,)
 
-        mod.register_forward_pre_hook(hook)
+        if not weights_only:
+            mod.register_forward_pre_hook(hook)
     return m
 
 
@@ -84,7 +95,8 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", type=Path, required=True)
     ap.add_argument("--texts", type=int, default=64)
-    ap.add_argument("--grids", default="pt,pc", help="pt (per tensor) and/or pc (per channel)")
+    ap.add_argument("--grids", default="pt,pc", help="pt (per tensor), pc (per channel) and/or w8 (weights only, "
+                    "int8 asymmetric per channel: NNCF's compress_weights default)")
     ap.add_argument("--per-layer", action="store_true", help="also one row per layer: that layer's carry in float")
     ap.add_argument("--quick", action="store_true", help="only the row with every rounding")
     ap.add_argument("--construction", default="default", help="default | a name from CONSTRUCTIONS")
@@ -123,9 +135,10 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.time()
     print("| grid | carry rounding | original | converted | ratio (95% CI) |\n|---|---|---|---|---|")
     for grid in args.grids.split(","):
-        base = err(quantized(original, [], grid == "pc", {s: set() for s in SOURCES}))
+        pc, w8 = grid in ("pc", "w8"), grid == "w8"
+        base = err(quantized(original, [], pc, {s: set() for s in SOURCES}, w8))
         for label, exact in rows:
-            e = err(quantized(converted, carries, grid == "pc", exact))
+            e = err(quantized(converted, carries, pc, exact, w8))
             lo, hi = bootstrap(e, base)
             print(f"| {grid} | {label} | {base.mean():.4e} | {e.mean():.4e} | {e.mean() / base.mean():.3f} "
                   f"({lo:.3f}–{hi:.3f}) |  <!-- {time.time() - t0:.0f} s -->", flush=True)
