@@ -144,7 +144,9 @@ def per_group(model_dir: Path, feats: torch.Tensor, ids: list[torch.Tensor], ref
     linears = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
     own = {n: m.weight.detach().clone() for n, m in linears.items()}
     rounded = {n: rtn4(w) for n, w in own.items()}
-    _, enc_float = forced_logp(model, feats, ids)
+    # the float encoder's states, reused by the groups that round no encoder Linear
+    decoder_only = [g for g in names if not any(".encoder." in n for n in linears if g in groups(n))]
+    enc_float = forced_logp(model, feats, ids)[1] if decoder_only else None
     out = {}
     label = model_dir.name if null_seed is None else f"null{null_seed}"
     for g in names:
