@@ -9,7 +9,7 @@ exactly this with ``v`` = the writer's mean row (centring), whose norm is ~1% of
 random ``v`` of the same norm. The spread of the nulls' 4-bit error around the original's is the noise of
 "which weights happen to round which way", which a bootstrap over clips does not see.
 
-    python benchmarks/whisper_null_draws.py ORIG OUT_DIR --seed 1 [--check SPEECH_DIR]
+    python benchmarks/whisper_null_draws.py ORIG OUT_DIR --seed 1 [--alpha A | --signs] [--check SPEECH_DIR]
 """
 
 from __future__ import annotations
@@ -30,15 +30,24 @@ def writers(model: torch.nn.Module) -> dict[str, torch.nn.Linear]:
             and n.rsplit(".", 1)[-1] in ("out_proj", "fc2") and (".encoder." in n or ".decoder." in n)}
 
 
-def shift(model: torch.nn.Module, seed: int) -> int:
-    """Every writer's rows shifted by a random vector as long as its mean row (the centring's shift)."""
+def shift(model: torch.nn.Module, seed: int, alpha: float | None = None, signs: bool = False) -> int:
+    """Every writer's rows shifted by a random vector as long as its mean row (the centring's shift); with
+    ``alpha``, by ``alpha`` × the mean row instead (1: the conversion's centring; −1: its mirror image); with
+    ``signs``, by the mean row with each entry's sign drawn at random (the columns the centring moves most,
+    moved as much)."""
     g = torch.Generator().manual_seed(seed)
     found = writers(model)
     with torch.no_grad():
         for mod in found.values():
             w = mod.weight
-            v = torch.randn(w.shape[1], generator=g, dtype=torch.float64)
-            v = v * (w.double().mean(0).norm() / v.norm())
+            mean = w.double().mean(0)
+            if signs:  # the centring's shift per column, each with a random sign
+                v = mean * (torch.randint(0, 2, mean.shape, generator=g, dtype=torch.float64) * 2 - 1)
+            elif alpha is None:
+                v = torch.randn(w.shape[1], generator=g, dtype=torch.float64)
+                v = v * (mean.norm() / v.norm())
+            else:
+                v = alpha * mean
             w.copy_((w.double() - v).to(w.dtype))
     return len(found)
 
@@ -48,10 +57,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("orig", type=Path)
     ap.add_argument("out", type=Path)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--alpha", type=float, help="shift by ALPHA × each writer's mean row instead of a random vector")
+    ap.add_argument("--signs", action="store_true", help="shift by each writer's mean row with random signs")
     ap.add_argument("--check", type=Path, help="a clip directory: float64 logits of one clip, null vs original")
     args = ap.parse_args(argv)
     model = bq.whisper_model(args.orig)
-    n = shift(model, args.seed)
+    n = shift(model, args.seed, args.alpha, args.signs)
     if args.check:
         from speech_samples import load_clips
 
@@ -68,7 +79,9 @@ def main(argv: list[str] | None = None) -> None:
     for f in args.orig.iterdir():  # tokenizer and feature extractor files, as the original's directory has them
         if f.is_file() and not (args.out / f.name).exists() and f.suffix != ".safetensors":
             shutil.copy(f, args.out / f.name)
-    print(f"{n} writers shifted (seed {args.seed}) → {args.out}")
+    how = (f"alpha {args.alpha:g} × the mean row" if args.alpha is not None
+           else f"the mean row, random signs, seed {args.seed}" if args.signs else f"seed {args.seed}")
+    print(f"{n} writers shifted ({how}) → {args.out}")
 
 
 if __name__ == "__main__":
