@@ -17,7 +17,8 @@ Two measurements, original against variant, on the same clips:
   original with a paired bootstrap over clips. Groups: encoder / decoder × readers (q, k, v, fc1) and
   writers (out_proj, fc2), cross-attention's q and k/v apart, the LM head (``proj_out``), and all.
 
-    python benchmarks/whisper_nbits_groups.py ORIG VARIANT SPEECH_DIR [--clips 16] [--linears 2]
+    python benchmarks/whisper_nbits_groups.py ORIG VARIANT SPEECH_DIR [--clips 16] [--linears 2] \
+        [--groups all,enc.writers,...] [--nulls K]   # K null draws of the original (whisper_null_draws.py)
     python benchmarks/whisper_nbits_groups.py --check FLOAT.onnx NBITS.onnx
 """
 
