@@ -695,7 +695,11 @@ def table(rows: list[dict]) -> str:
             lines.append(f"| {r['engine']} | {r['variant']} | {len(r['clip_err'])} | | | | {100 * r['wer']:.2f}% | "
                          f"{100 * (r['wer'] - fp32_wer):+.2f} |")
             continue
-        b = base[r["engine"]]
+        b = base.get(r["engine"])
+        if b is None:  # the original not measured in this run (--nbits-variants): merge with a run that has it
+            lines.append(f"| {r['engine']} | {r['variant']} | {len(r['clip_kl'])} | {r['kl']:.3e} | (no original "
+                         f"in this run) | {100 * r['top1']:.2f}% |" + " |" * 2 * with_wer)
+            continue
         if len(r["clip_kl"]) != len(b["clip_kl"]):  # merged from fewer runs than the original: not paired
             lines.append(f"| {r['engine']} | {r['variant']} | {len(r['clip_kl'])} | (not on the original's "
                          f"{len(b['clip_kl'])} clips: merge its runs alone) | | | |" + " |" * 2 * with_wer)
