@@ -217,7 +217,10 @@ def test_multihead_attention_variants(add_bias_kv: bool, bias: bool) -> None:
     model = _model(CrossAttention, add_bias_kv=add_bias_kv, bias=bias)
     memory = torch.randn(2, 5, 24, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
     report, err = _patch_and_compare(model, (_ids(2, 6), memory, _pad(2, 5)), beta_placement="fold")
-    assert {s.verdict for s in report.sites} == {"exact"} and err < 1e-12
+    # the memory projection reads the raw input: a stream start quantizers round, kept and centered by one op
+    verdicts = {s.name: s.verdict for s in report.sites}
+    assert verdicts.pop("memory_norm") == "exact-with-centering" and err < 1e-12
+    assert set(verdicts.values()) == {"exact"}
     beta = {s.name: s.beta_detail for s in report.sites}
     if bias:  # q, k and v are rows of one bias: each reader takes its share there
         assert beta["memory_norm"] == ("folded into the bias of `cross.k_proj_weight+in_proj_bias[32:64]`, "
