@@ -25,12 +25,12 @@ def _randomised(model: nn.Module) -> nn.Module:
     return model
 
 
-def _max_error(make, inputs_a: tuple, inputs_b: tuple) -> tuple[float, dict]:
+def _max_error(make, inputs_a: tuple, inputs_b: tuple, **options: object) -> tuple[float, dict]:
     torch.manual_seed(1)
     original = _randomised(make())
     torch.manual_seed(1)
     model = _randomised(make())
-    report = normswap.patch(model, inputs_a)
+    report = normswap.patch(model, inputs_a, **options)
     with torch.no_grad():
         errs = [float((model(*x) - original(*x)).abs().max() / original(*x).abs().max()) for x in (inputs_a, inputs_b)]
     return max(errs), report.plan.counts()
@@ -86,9 +86,14 @@ def _graph(nodes: int, seed: int) -> tuple:
 @pytest.mark.parametrize("how", ["scatter_add", "index_add", "scatter_add per edge"])
 def test_messages_over_heads_summed_into_nodes_stay_exact(how: str) -> None:
     """A row sum whose rows lie along two axes (heads × head_dim) mixes whole rows with one weight per
-    edge: every norm after it stays exact (it read 'reaches no norm' and went approximate)."""
-    err, counts = _max_error(lambda: _GraphPreLN(how), _graph(9, 0), _graph(13, 1))
+    edge: every norm after it stays exact (it read 'reaches no norm' and went approximate). The node
+    embedding Linear is centered by its weights, so every centering here is a weight edit (no stem op)."""
+    err, counts = _max_error(lambda: _GraphPreLN(how), _graph(9, 0), _graph(13, 1), stem_centering="weights")
     assert counts["approximate"] == 0 and counts["exact"] == 3, counts
+    assert err <= 1e-9
+    # the default keeps the node embedding's weights and centers its stream by one op: exact all the same
+    err, counts = _max_error(lambda: _GraphPreLN(how), _graph(9, 0), _graph(13, 1))
+    assert counts["approximate"] == 0 and counts["exact-with-centering"] == 3, counts
     assert err <= 1e-9
 
 
@@ -98,7 +103,7 @@ def test_messages_weighted_per_head_are_not_claimed_exact() -> None:
     exact and then refused by verification."""
     torch.manual_seed(1)
     model = _randomised(_GraphPreLN("scatter_add per head"))
-    plan = normswap.patch(model, _graph(9, 0)).plan
+    plan = normswap.patch(model, _graph(9, 0), stem_centering="weights").plan  # weight edits only (no stem op)
     assert plan.counts()["exact"] == 1 and plan.counts()["approximate"] == 2, plan.counts()
     assert "its rows stop at `mul`" in plan.site("norms.1").reason  # names the per-head factor
 
