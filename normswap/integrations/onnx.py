@@ -20,7 +20,8 @@ outside, and ORT's session does neither. :func:`fuse_norms` does both, on an exp
 ``optimize_model``'s output: the converted model's norms land on ``SkipSimplifiedLayerNormalization``
 (with its bias input) wherever the original's land on ``SkipLayerNormalization``.
 :func:`fused_norm_ops` counts what ONNX Runtime's optimiser made of an exported file, so a deployment
-script can assert that every norm fused.
+script can assert that every norm fused. :func:`stem_float_nodes` names the nodes static (QDQ)
+quantization should leave in float so that a stream start centered by an op is rounded once.
 
 :func:`translation_table` is for an *already exported* program that holds a fused op because a fused
 backend was asked for explicitly (``backend="cpu"``/``"triton"`` or ``NORMSWAP_BACKEND``) before
@@ -83,6 +84,43 @@ def fused_norm_ops(model_path: str | os.PathLike, *, providers: Sequence[str] = 
     counted = (*FUSED_RMS_OPS, "LayerNormalization", "SkipLayerNormalization", "Pow")
     ops = [n.op_type for n in graph.node]
     return {op: ops.count(op) for op in counted}
+
+
+def stem_float_nodes(model: str | os.PathLike | Any) -> list[str]:
+    """Names of the nodes ONNX Runtime's static (QDQ) quantizer should leave in float in an exported
+    native model: each centering op (``x − ReduceMean(x)``, the stem op of ``stem_centering="op"``) and the
+    ``Add``/``Concat`` nodes that assemble its input ``x`` (a ViT's class token, patch tokens and position
+    table). Pass them as ``quantize_static(..., nodes_to_exclude=stem_float_nodes(path))``.
+
+    Why: QDQ puts a quantize/dequantize pair on every quantized node's output. Quantized, the uncentered
+    embedding sum is rounded on its own grid and the op's centered output again on another one: two
+    roundings, where the original's LayerNorm reads the sum rounded once (and that sum's grid is nearly
+    the one its inputs were rounded on, so its own rounding costs almost nothing). Left in float, the sum
+    is centered before its one rounding, at the op's consumers. The tokens' inputs (the patch projection,
+    the class token, the table) stay quantized as in the original. ``model``: a path or an
+    ``onnx.ModelProto``; a model without a centering op gives ``[]`` (a compat export, whose
+    ``LayerNormalization`` centers). Needs ``onnx``."""
+    import onnx
+
+    proto = onnx.load(os.fspath(model), load_external_data=False) if isinstance(model, (str, os.PathLike)) else model
+    producer = {o: n for n in proto.graph.node for o in n.output}
+    names: list[str] = []
+
+    def assembly(tensor: str) -> None:  # the nodes summing/joining the stream start, back to its writers
+        node = producer.get(tensor)
+        if node is None or node.op_type not in ("Add", "Concat", "Cast") or node.name in names:
+            return
+        names.append(node.name)
+        for t in node.input:
+            assembly(t)
+
+    for sub in proto.graph.node:
+        mean = producer.get(sub.input[1]) if sub.op_type == "Sub" and len(sub.input) == 2 else None
+        if mean is None or mean.op_type != "ReduceMean" or mean.input[0] != sub.input[0]:
+            continue
+        names += [mean.name, sub.name]
+        assembly(sub.input[0])
+    return names
 
 
 def fuse_norms(model: str | os.PathLike | Any, out: str | os.PathLike | None = None) -> Any:
