@@ -99,7 +99,10 @@ def stem_float_nodes(model: str | os.PathLike | Any) -> list[str]:
     is centered before its one rounding, at the op's consumers. The tokens' inputs (the patch projection,
     the class token, the table) stay quantized as in the original. ``model``: a path or an
     ``onnx.ModelProto``; a model without a centering op gives ``[]`` (a compat export, whose
-    ``LayerNormalization`` centers). Needs ``onnx``."""
+    ``LayerNormalization`` centers). Every mean subtraction is named: in a model with per-norm centering ops
+    (``per_norm_centering=True``, Post-LN encoders) each of them and the residual ``Add`` before it too, a
+    case measured for quantization only as the stem op. Legacy and ``dynamo=True`` exports alike.
+    Needs ``onnx``."""
     import onnx
 
     proto = onnx.load(os.fspath(model), load_external_data=False) if isinstance(model, (str, os.PathLike)) else model

@@ -32,7 +32,7 @@ def _dinov2() -> torch.nn.Module:
     return zoo.randomise(model, 0).float().eval()
 
 
-def _export(model: torch.nn.Module, path) -> None:
+def _export(model: torch.nn.Module, path, dynamo: bool = False) -> None:
     class Body(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -46,8 +46,11 @@ def _export(model: torch.nn.Module, path) -> None:
         warnings.simplefilter("ignore")
         logging.disable(logging.WARNING)
         try:
-            torch.onnx.export(Body(), (px,), str(path), dynamo=False, opset_version=17,
-                              input_names=["pixel_values"], dynamic_axes={"pixel_values": {0: "batch"}})
+            if dynamo:  # the export the deployment guide names first
+                torch.onnx.export(Body(), (px,), str(path), dynamo=True, verbose=False)
+            else:
+                torch.onnx.export(Body(), (px,), str(path), dynamo=False, opset_version=17,
+                                  input_names=["pixel_values"], dynamic_axes={"pixel_values": {0: "batch"}})
         finally:
             logging.disable(logging.NOTSET)
 
@@ -126,6 +129,20 @@ def test_the_stem_op_and_the_embedding_sum_are_named_and_the_stream_is_rounded_o
             assert n.op_type == "Cast", n.op_type
             after = [m.op_type for m in excluded.node if n.output[0] in m.input]
             assert after == ["QuantizeLinear"], after
+
+
+def test_the_dynamo_export_names_the_same_nodes(tmp_path):
+    from normswap.integrations.onnx import stem_float_nodes
+
+    path = tmp_path / "native-dynamo.onnx"
+    _export(_converted(), path, dynamo=True)
+    graph = onnx.load(str(path)).graph
+    by_name = {n.name: n for n in graph.node}
+    names = stem_float_nodes(path)
+    mean, sub = _stem_op(graph)
+    assert {mean.name, sub.name} <= set(names)
+    assert by_name[[n for n in names if by_name[n].op_type == "Add"][0]].output[0] == sub.input[0]
+    assert any(by_name[n].op_type == "Concat" for n in names)
 
 
 @pytest.mark.parametrize("options", [{"stem_centering": "weights"}, {"format": "compat"}])
