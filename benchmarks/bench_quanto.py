@@ -206,18 +206,26 @@ def draw_ratio(orig: Any, conv: Any, boots: int = 2000, typical: bool = False, p
 def draw_sets(names: list[str]) -> dict[tuple[str, str], list[str]]:
     """The rows that are draws of one model by one kind of reordering, keyed ``(base, kind)``: ``original``
     with its ``permuted-N`` (kind ``permuted``) or its ``reordered-N``, and each ``BASE`` with its
-    ``BASE-permuted-N`` or ``BASE-reordered-N``; the base itself (no reordering) is a draw of every kind."""
+    ``BASE-permuted-N`` or ``BASE-reordered-N``; the base itself (no reordering) is a draw of every kind, and
+    a base with draws of both kinds also gets the set of them all (kind ``all``). Each set in seed order."""
     sets: dict[tuple[str, str], list[str]] = {}
     for name in names:
         draw = DRAW.match(name)
         if draw:
             sets.setdefault((draw["base"] or "original", draw["how"]), []).append(name)
-    return {(base, how): [base] + draws if base in names else draws for (base, how), draws in sets.items()}
+    for base in dict.fromkeys(base for base, _ in sets):
+        kinds = [kind for b, kind in sets if b == base]
+        if len(kinds) > 1:
+            sets[base, "all"] = [n for kind in sorted(kinds) for n in sets[base, kind]]
+    return {(base, how): ([base] if base in names else []) + sorted(draws, key=_seeds)
+            for (base, how), draws in sets.items()}
 
 
-def _seeds(names: list[str]) -> list[int]:
-    """The reordering seeds of a set of draws, in its order (0: the model as it is)."""
-    return [int(m["seed"]) if (m := DRAW.match(n)) else 0 for n in names]
+def _seeds(name: str) -> tuple[str, int]:
+    """A draw's reordering, ``(kind, seed)`` (``("", 0)``: the model as it is): the same for a converted
+    model's draw and the original's it pairs with."""
+    m = DRAW.match(name)
+    return (m["how"], int(m["seed"])) if m else ("", 0)
 
 
 def draw_table(result: dict[str, Any], how: str = "w4") -> str:
@@ -236,7 +244,7 @@ def draw_table(result: dict[str, Any], how: str = "w4") -> str:
         if ("original", kind) not in sets:
             continue
         cells = []
-        paired = _seeds(names) == _seeds(sets["original", kind])
+        paired = [_seeds(n) for n in names] == [_seeds(n) for n in sets["original", kind]]
         for metric in ("tok", "cls"):
             mine = np.stack([np.array(rows[n]["per_image"][how][metric]) for n in names])
             orig = np.stack([np.array(rows[n]["per_image"][how][metric]) for n in sets["original", kind]])

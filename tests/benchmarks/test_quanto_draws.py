@@ -106,11 +106,12 @@ def test_draw_ratio_holds_the_draw_spread() -> None:
 
 
 def test_draw_sets_and_names() -> None:
-    names = ["original", "permuted-1", "reordered-1", "reordered-2", "native", "native-reordered-1",
+    names = ["original", "reordered-2", "permuted-1", "reordered-1", "native", "native-reordered-1",
              "native-keep-centerop-permuted-4"]
     assert quanto_bench.draw_sets(names) == {
-        ("original", "permuted"): ["original", "permuted-1"],
         ("original", "reordered"): ["original", "reordered-1", "reordered-2"],
+        ("original", "permuted"): ["original", "permuted-1"],
+        ("original", "all"): ["original", "permuted-1", "reordered-1", "reordered-2"],
         ("native", "reordered"): ["native", "native-reordered-1"],
         ("native-keep-centerop", "permuted"): ["native-keep-centerop-permuted-4"]}
     assert quanto_bench.DRAW.match("native-keep-centerop-permuted-4")["base"] == "native-keep-centerop"
