@@ -30,7 +30,10 @@ in memory from the original by ``bench_quant_engines.variant`` (``native``: the 
 ``-keep``: ``beta_placement="keep"``, every β left in its norm, so the readers see the original's inputs;
 ``native-meanops``: ``native`` with a mean subtraction before every RMSNorm, a no-op in float: whether the
 per-token mean of the edited writers' rounding error, which LayerNorm removed and RMSNorm passes on, is the cost;
-``permuted-1``, ``permuted-2``: the noise floor, the original with its MLP hidden neurons reordered).
+``permuted-N``: a rounding draw, the original with its MLP hidden neurons reordered by seed N;
+``reordered-N``: also its attention heads and each head's value dimensions, so ``o_proj`` rounds differently
+too; ``BASE-permuted-N``, ``BASE-reordered-N``: the same reordering of a built variant BASE, e.g.
+``native-reordered-3``, a draw of the conversion to set against the original's).
 The error is ``1 − cos`` against the float32 original per image (CLS token, and the mean over every token),
 and the ratio to the original's in the same setting with a 95% paired bootstrap interval over images
 (``bench_quant_engines.ci_table``; typical image: the geometric mean of the per-image ratios).
@@ -39,6 +42,11 @@ and the ratio to the original's in the same setting with a 95% paired bootstrap 
         --photos SKIMAGE/data --image 112 --images 256 --json quanto.json
     PYTHONPATH=QUANTO_DIR:$PWD python benchmarks/bench_quanto.py ORIGINAL_DIR native native-centerop \\
         --photos SKIMAGE/data --images 256 --quantizers w4 --groups writers readers patch linears all
+    PYTHONPATH=QUANTO_DIR:$PWD python benchmarks/bench_quanto.py ORIGINAL_DIR reordered-{1..5} native \
+        native-reordered-{1..5} --photos SKIMAGE/data --images 256 --quantizers w4   # draws of both, judged
+
+With draws of the original and of a variant on the same crops, a last table sets the two means against each
+other with an interval over draws and images (:func:`draw_ratio`): the verdict a single draw cannot give.
 """
 
 from __future__ import annotations
@@ -47,6 +55,7 @@ import argparse
 import copy
 import fnmatch
 import json
+import re
 import sys
 import tempfile
 import time
@@ -64,6 +73,9 @@ from heldout_weight_groups import fake_quant_rows  # noqa: E402
 QUANTIZERS = ("fp32", "w8", "w4", "w8a8", "w4-sim")
 BUILT = ("native", "native-centerop", "native-keep", "native-keep-centerop", "native-meanops",
          "compat-keep", "permuted-1", "permuted-2")  # built in memory from the original
+# a rounding draw: [BASE-]permuted-N (MLP neurons reordered) or [BASE-]reordered-N (MLP neurons, attention heads
+# and the value dimensions inside each head reordered) of the original or of BASE (one of BUILT), seed N
+DRAW = re.compile(r"^(?:(?P<base>.+)-)?(?P<how>permuted|reordered)-(?P<seed>\d+)$")
 # heldout_weight_groups.GROUPS as quanto's include patterns (fnmatch on module names)
 WRITERS, READERS = ["*.o_proj", "*.fc2"], ["*.q_proj", "*.k_proj", "*.v_proj", "*.fc1"]
 PATCH = ["*patch_embeddings.projection"]
@@ -103,8 +115,13 @@ def quantized(model: torch.nn.Module, how: str, calib: torch.Tensor, group: str 
 def built(original: torch.nn.Module, name: str, workdir: Path) -> tuple[torch.nn.Module, str]:
     """A variant built in memory from the original: ``bench_quant_engines.variant``'s, or
     ``native-keep-centerop`` (β kept in every norm, the stem centered by an op on the original convolution)."""
-    if name.startswith("permuted-"):
-        return permuted(original, int(name.split("-")[1])), "the original, MLP hidden neurons permuted (exact)"
+    draw = DRAW.match(name)
+    if draw:
+        base, note = (original, "the original") if draw["base"] in (None, "original") else \
+            built(original, draw["base"], workdir)
+        attention = draw["how"] == "reordered"
+        what = "MLP neurons, heads and value dims" if attention else "MLP hidden neurons"
+        return permuted(base, int(draw["seed"]), attention=attention), f"{note}; {what} reordered (exact)"
     if name == "native-meanops":
         return mean_ops(variant(original, "native", workdir)[0]), "native, every RMSNorm's input centered by an op"
     if name != "native-keep-centerop":
@@ -121,12 +138,17 @@ def built(original: torch.nn.Module, name: str, workdir: Path) -> tuple[torch.nn
 
 
 @torch.no_grad()
-def permuted(original: torch.nn.Module, seed: int) -> torch.nn.Module:
-    """The noise floor of a grouped weight quantizer: the original with every MLP's hidden neurons in another
-    order (``fc1``'s rows and bias, ``fc2``'s columns: the same function, the same weights), so ``fc2``'s groups of
-    128 inputs hold other entries and round differently. A row rescaling (``bench_quant_engines.jittered``)
-    is no floor here: a group inside a row scales with it and rounds alike."""
-    out = copy.deepcopy(original)
+def permuted(model: torch.nn.Module, seed: int, attention: bool = False) -> torch.nn.Module:
+    """A rounding draw of a grouped weight quantizer: ``model`` (a Dinov2Model, original or converted) with
+    every MLP's hidden neurons in another order (``fc1``'s rows and bias, ``fc2``'s columns: the same function,
+    the same weights), so ``fc2``'s groups of 128 inputs hold other entries and round differently.
+    ``attention``: also the heads in another order (q/k/v rows and biases by head, ``o_proj``'s columns) and
+    the value dimensions inside each head (``v_proj`` rows, ``o_proj`` columns), so ``o_proj``'s groups round
+    differently too; q/k/v/``fc1`` rows keep their entries, so they round as before. The same seed gives the
+    same reordering on any model of the same shape, so a converted model's draw N matches the original's.
+    A row rescaling (``bench_quant_engines.jittered``) is no draw here: a group inside a row scales with it
+    and rounds alike."""
+    out = copy.deepcopy(model)
     g = torch.Generator().manual_seed(seed)
     for layer in out.encoder.layer:
         fc1, fc2 = layer.mlp.fc1, layer.mlp.fc2
@@ -134,7 +156,108 @@ def permuted(original: torch.nn.Module, seed: int) -> torch.nn.Module:
         fc1.weight.copy_(fc1.weight[p])
         fc1.bias.copy_(fc1.bias[p])
         fc2.weight.copy_(fc2.weight[:, p])
+        if not attention:
+            continue
+        att = layer.attention
+        heads = out.config.num_attention_heads
+        width = att.v_proj.out_features // heads
+        order = torch.randperm(heads, generator=g)
+        qk = (order[:, None] * width + torch.arange(width)).reshape(-1)  # heads moved, dims kept (q·k per head)
+        v = (order[:, None] * width + torch.stack([torch.randperm(width, generator=g) for _ in range(heads)]))
+        v = v.reshape(-1)  # heads moved as q/k's, dims shuffled inside each head (o_proj reads them back)
+        for proj, idx in ((att.q_proj, qk), (att.k_proj, qk), (att.v_proj, v)):
+            proj.weight.copy_(proj.weight[idx])
+            if proj.bias is not None:
+                proj.bias.copy_(proj.bias[idx])
+        att.o_proj.weight.copy_(att.o_proj.weight[:, v])
     return out
+
+
+def draw_ratio(orig: Any, conv: Any, boots: int = 2000, typical: bool = False, paired: bool = False,
+               seed: int = 0) -> tuple[float, float, float]:
+    """The converted model's error over the original's when both are rounding draws: ``orig`` ``[draws, images]``
+    and ``conv`` ``[draws', images]`` per-image errors (the same images, in the same order). The point is the
+    ratio of the means over draws and images (``typical``: the geometric mean of the per-image ratios of the
+    draw-averaged errors); the 95% interval resamples the images (paired: the same ones for both) and the
+    draws, so it holds both the image noise and the rounding draw, which a fixed model's image-only interval
+    leaves out. ``paired``: row k of both is the same reordering (same seed), so the draws are resampled
+    together, as pairs; else each side's apart."""
+    import numpy as np
+
+    orig, conv = np.asarray(orig, dtype=float), np.asarray(conv, dtype=float)
+    rng = np.random.default_rng(seed)
+
+    def ratio(o: Any, c: Any) -> Any:  # o, c: [..., draws, images] -> [...]
+        if typical:
+            return np.exp(np.log(c.mean(-2) / o.mean(-2)).mean(-1))
+        return c.mean((-2, -1)) / o.mean((-2, -1))
+
+    imgs = rng.integers(0, orig.shape[1], size=(boots, orig.shape[1]))
+    do = rng.integers(0, len(orig), size=(boots, len(orig)))
+    if paired and len(orig) != len(conv):
+        raise ValueError(f"paired draws need as many of each, got {len(orig)} and {len(conv)}")
+    dc = do if paired else rng.integers(0, len(conv), size=(boots, len(conv)))
+    o = orig[do[:, :, None], imgs[:, None, :]]  # [boots, draws, images]
+    c = conv[dc[:, :, None], imgs[:, None, :]]
+    lo, hi = np.percentile(ratio(o, c), [2.5, 97.5])
+    return float(ratio(orig, conv)), float(lo), float(hi)
+
+
+def draw_sets(names: list[str]) -> dict[tuple[str, str], list[str]]:
+    """The rows that are draws of one model by one kind of reordering, keyed ``(base, kind)``: ``original``
+    with its ``permuted-N`` (kind ``permuted``) or its ``reordered-N``, and each ``BASE`` with its
+    ``BASE-permuted-N`` or ``BASE-reordered-N``; the base itself (no reordering) is a draw of every kind, and
+    a base with draws of both kinds also gets the set of them all (kind ``all``). Each set in seed order."""
+    sets: dict[tuple[str, str], list[str]] = {}
+    for name in names:
+        draw = DRAW.match(name)
+        if draw:
+            sets.setdefault((draw["base"] or "original", draw["how"]), []).append(name)
+    for base in dict.fromkeys(base for base, _ in sets):
+        kinds = [kind for b, kind in sets if b == base]
+        if len(kinds) > 1:
+            sets[base, "all"] = [n for kind in sorted(kinds) for n in sets[base, kind]]
+    return {(base, how): ([base] if base in names else []) + sorted(draws, key=_seeds)
+            for (base, how), draws in sets.items()}
+
+
+def _seeds(name: str) -> tuple[str, int]:
+    """A draw's reordering, ``(kind, seed)`` (``("", 0)``: the model as it is): the same for a converted
+    model's draw and the original's it pairs with."""
+    m = DRAW.match(name)
+    return (m["how"], int(m["seed"])) if m else ("", 0)
+
+
+def draw_table(result: dict[str, Any], how: str = "w4") -> str:
+    """Each set of draws (:func:`draw_sets`): its draws' mean error, their spread, and the ratio of its mean to
+    the original's draws of the same kind, with :func:`draw_ratio`'s interval (over draws and images; the
+    draws paired by seed where both sets have the same seeds)."""
+    import numpy as np
+
+    rows = result["rows"]
+    sets = draw_sets([n for n in rows if how in rows[n]["per_image"]])
+    lines = [f"rounding draws in {how}: 1 − cos; mean over draws (sd between draws, min-max); ratio of means to "
+             "the original's draws of the same kind, 95% interval over draws and images", "",
+             "| model | kind | draws | tok: mean (sd, min-max) | tok ratio | typical | CLS: mean (sd) | CLS ratio |",
+             "|---|---|---|---|---|---|---|---|"]
+    for (base, kind), names in sets.items():
+        if ("original", kind) not in sets:
+            continue
+        cells = []
+        paired = [_seeds(n) for n in names] == [_seeds(n) for n in sets["original", kind]]
+        for metric in ("tok", "cls"):
+            mine = np.stack([np.array(rows[n]["per_image"][how][metric]) for n in names])
+            orig = np.stack([np.array(rows[n]["per_image"][how][metric]) for n in sets["original", kind]])
+            means = mine.mean(1)
+            sd = means.std(ddof=1) if len(means) > 1 else float("nan")
+            r = "{:.3f} ({:.3f}-{:.3f})".format(*draw_ratio(orig, mine, paired=paired))
+            if metric == "tok":
+                t = "{:.3f} ({:.3f}-{:.3f})".format(*draw_ratio(orig, mine, typical=True, paired=paired))
+                cells += [f"{means.mean():.3e} ({sd:.1e}, {means.min():.3e}-{means.max():.3e})", r, t]
+            else:
+                cells += [f"{means.mean():.3e} ({sd:.1e})", r]
+        lines.append(f"| {base} | {kind}{', paired' if paired else ''} | {len(names)} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def mean_ops(model: torch.nn.Module) -> torch.nn.Module:
@@ -212,7 +335,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     original = load(args.original)
     ref_pool, ref_tok = run(original, px)
     dirs = {"original": args.original} | dict(v.split("=", 1) if "=" in v else (v, v) for v in args.variants)
-    bad = [v for v, p in dirs.items() if v != "original" and p == v and v not in BUILT]
+    bad = [v for v, p in dirs.items() if v != "original" and p == v and v not in BUILT
+           and not (DRAW.match(v) and DRAW.match(v)["base"] in (None, "original", *BUILT))]
     if bad:
         sys.exit(f"bench_quanto: {bad[0]!r} is neither NAME=DIR nor one of {', '.join(BUILT)}")
     workdir = Path(tempfile.mkdtemp(prefix="bench_quanto_"))
@@ -246,6 +370,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if len(dirs) > 1:
         print("\n" + ci_table([result], "tok") + "\n\n" + ci_table([result], "cls"))
         print("\n" + ci_table([result], "tok", typical=True) + "\n\n" + ci_table([result], "cls", typical=True))
+    if "w4" in args.quantizers and len(draw_sets(list(dirs))) > 0:
+        print("\n" + draw_table(result))
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
     return result
