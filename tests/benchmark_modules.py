@@ -8,6 +8,8 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+import torch
+
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
@@ -20,3 +22,23 @@ def load(name: str) -> ModuleType:
     sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
+
+
+def tiny_dinov2(seed: int = 0, heads: int = 2) -> torch.nn.Module:
+    """A 2-layer DINOv2-shaped model (hidden 32, ``heads`` heads) in float64, eval mode, LayerNorm γ/β and
+    LayerScale λ randomised: the replica the quantization benchmarks' pieces are tested on."""
+    import transformers as tf
+
+    cfg = tf.Dinov2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=heads, intermediate_size=64,
+                          image_size=56, patch_size=14, layerscale_value=1.0)
+    torch.manual_seed(seed)
+    model = tf.Dinov2Model(cfg).eval().double()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_((1 + 0.5 * torch.randn(p.shape, generator=g, dtype=p.dtype)) if name.endswith("weight")
+                        else 0.3 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+            elif "lambda" in name:
+                p.copy_(torch.exp(torch.randn(p.shape, generator=g, dtype=p.dtype) - 2))
+    return model

@@ -24,20 +24,9 @@ gptq = benchmark_modules.load("ort_gptq")
 
 def _tiny_dino(seed: int = 0) -> torch.nn.Module:
     """A 2-layer DINOv2-shaped model with massive class/position channels, randomised γ/β, float64."""
-    import transformers as tf
-
-    cfg = tf.Dinov2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-                          image_size=56, patch_size=14, layerscale_value=1.0)
-    torch.manual_seed(seed)
-    model = tf.Dinov2Model(cfg).eval().double()
-    g = torch.Generator().manual_seed(seed)
+    model = benchmark_modules.tiny_dinov2(seed)
+    g = torch.Generator().manual_seed(seed + 1)  # the plants' own draws (benchmark_modules used ``seed``'s)
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_((1 + 0.5 * torch.randn(p.shape, generator=g, dtype=p.dtype)) if name.endswith("weight")
-                        else 0.3 * torch.randn(p.shape, generator=g, dtype=p.dtype))
-            elif "lambda" in name:
-                p.copy_(torch.exp(torch.randn(p.shape, generator=g, dtype=p.dtype) - 2))
         model.embeddings.cls_token[..., :2] += 20
         model.embeddings.position_embeddings[..., 2:4] += 5
         model.embeddings.position_embeddings.add_(0.1 * torch.randn(model.embeddings.position_embeddings.shape,

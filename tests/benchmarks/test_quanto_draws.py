@@ -23,21 +23,7 @@ quanto_bench = benchmark_modules.load("bench_quanto")
 
 def _tiny_dino() -> torch.nn.Module:
     """A 2-layer DINOv2-shaped model (4 heads of 8), LayerNorm γ/β and LayerScale randomised, float64."""
-    import transformers as tf
-
-    cfg = tf.Dinov2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
-                          image_size=56, patch_size=14, layerscale_value=1.0)
-    torch.manual_seed(0)
-    model = tf.Dinov2Model(cfg).eval().double()
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_((1 + 0.5 * torch.randn(p.shape, generator=g, dtype=p.dtype)) if name.endswith("weight")
-                        else 0.3 * torch.randn(p.shape, generator=g, dtype=p.dtype))
-            elif "lambda" in name:
-                p.copy_(torch.exp(torch.randn(p.shape, generator=g, dtype=p.dtype) - 2))
-    return model
+    return benchmark_modules.tiny_dinov2(heads=4)
 
 
 def _tokens(model: torch.nn.Module, px: torch.Tensor) -> torch.Tensor:
