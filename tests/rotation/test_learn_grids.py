@@ -16,7 +16,7 @@ from normswap.errors import NormswapError
 from normswap.inputs import hf_example_inputs
 from normswap.rotation import learn
 from normswap.rotation.rotate import rotate
-from tests.rotation.test_rotate_smooth import _dinov2_backbone, _relative, _run
+from tests.rotation.test_rotate_smooth import _dinov2_backbone, _patched_for_rotation, _relative, _run
 from tests.zoo import EXACT, build
 
 
@@ -90,10 +90,7 @@ def test_a_mixed_grid_trains_every_batch_on_every_grid(monkeypatch):
 
 def test_learned_on_mixed_grids_is_exact_and_orthogonal():
     model = _dinov2_backbone()
-    probe = hf_example_inputs(model, seed=5)
-    ref = _run(model, probe)
-    normswap.patch(model, fold_gamma=True)
-    calib = [hf_example_inputs(model, batch=4, seed=s) for s in (7, 8)]
+    probe, ref, calib = _patched_for_rotation(model)
     rot = rotate(model, "learned", output="restore", calibration=calib, bits=4, group_size=16,
                  grid="full+asymmetric", steps=12, lr=1e-2, scales=True)
     assert _relative(_run(model, probe), ref) <= 1e-9, str(rot)

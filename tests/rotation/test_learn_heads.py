@@ -11,10 +11,9 @@ import torch
 
 import normswap
 from normswap.errors import NormswapError
-from normswap.inputs import hf_example_inputs
 from normswap.rotation import learn
 from normswap.rotation.rotate import _value_heads, rotate
-from tests.rotation.test_rotate_smooth import _dinov2_backbone, _relative, _run
+from tests.rotation.test_rotate_smooth import _dinov2_backbone, _patched_for_rotation, _relative, _run
 from tests.zoo import EXACT, build
 
 
@@ -43,10 +42,7 @@ CASES = {  # name: (model builder, rotate's output=, online=)
 def test_learned_head_rotations_are_exact_orthogonal_and_written_per_head(name):
     make, output, online = CASES[name]
     model = make()
-    probe = hf_example_inputs(model, seed=5)
-    ref = _run(model, probe)
-    normswap.patch(model, fold_gamma=True)
-    calib = [hf_example_inputs(model, batch=4, seed=s) for s in (7, 8)]
+    probe, ref, calib = _patched_for_rotation(model)
     start = copy.deepcopy(model)
     rot = rotate(model, "learned", seed=0, output=output, online=online, calibration=calib, bits=3, group_size=16,
                  grid="full", steps=12, lr=2e-2, heads=True)

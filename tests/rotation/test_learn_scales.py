@@ -13,7 +13,7 @@ from normswap.inputs import hf_example_inputs
 from normswap.rotation import learn
 from normswap.rotation.rotate import rotate
 from tests.rotation.test_rotate_learned import _outlier_gpt2
-from tests.rotation.test_rotate_smooth import _dinov2_backbone, _relative, _run
+from tests.rotation.test_rotate_smooth import _dinov2_backbone, _patched_for_rotation, _relative, _run
 from tests.zoo import EXACT, build
 
 CASES = {  # name: (model builder, rotate's output=, online=, act_bits)
@@ -26,10 +26,7 @@ CASES = {  # name: (model builder, rotate's output=, online=, act_bits)
 def test_learned_scales_are_exact_and_written_into_norms_and_readers(name):
     make, output, online, act_bits = CASES[name]
     model = make()
-    probe = hf_example_inputs(model, seed=5)
-    ref = _run(model, probe)
-    normswap.patch(model, fold_gamma=True)
-    calib = [hf_example_inputs(model, batch=4, seed=s) for s in (7, 8)]
+    probe, ref, calib = _patched_for_rotation(model)
     rot = rotate(model, "learned", output=output, online=online, calibration=calib, bits=4, act_bits=act_bits,
                  group_size=16, steps=12, lr=1e-2, scales=True)
     assert _relative(_run(model, probe), ref) <= 1e-9, str(rot)

@@ -14,7 +14,7 @@ from normswap.errors import NormswapError
 from normswap.inputs import hf_example_inputs
 from normswap.rotation import learn
 from normswap.rotation.rotate import rotate
-from tests.rotation.test_rotate_smooth import _dinov2_backbone, _relative, _run
+from tests.rotation.test_rotate_smooth import _dinov2_backbone, _patched_for_rotation, _relative, _run
 from tests.zoo import EXACT, build, randomise
 
 CASES = {  # name: (model builder, rotate's output=, online=)
@@ -28,10 +28,7 @@ CASES = {  # name: (model builder, rotate's output=, online=)
 def test_learned_rotation_is_exact_orthogonal_and_mean_preserving(name):
     make, output, online = CASES[name]
     model = make()
-    probe = hf_example_inputs(model, seed=5)
-    ref = _run(model, probe)
-    normswap.patch(model, fold_gamma=True)
-    calib = [hf_example_inputs(model, batch=4, seed=s) for s in (7, 8)]
+    probe, ref, calib = _patched_for_rotation(model)
     rot = rotate(model, "learned", output=output, online=online, calibration=calib, bits=4, act_bits=4, steps=20)
     assert _relative(_run(model, probe), ref) <= 1e-9, str(rot)
     assert rot.rotated and rot.learned is not None, str(rot)

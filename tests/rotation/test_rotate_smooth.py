@@ -36,6 +36,15 @@ def _dinov2_backbone() -> torch.nn.Module:
     return randomise(model)
 
 
+def _patched_for_rotation(model: torch.nn.Module) -> tuple[dict, torch.Tensor, list[dict]]:
+    """The rotation tests' set-up: a probe and the model's output on it (the reference), then the model patched
+    rotation-ready (γ folded) in place, and two calibration batches of other seeds."""
+    probe = hf_example_inputs(model, seed=5)
+    ref = _run(model, probe)
+    normswap.patch(model, fold_gamma=True)
+    return probe, ref, [hf_example_inputs(model, batch=4, seed=s) for s in (7, 8)]
+
+
 def _run(model, probe):
     with torch.no_grad(), default_dtype(torch.float64):
         out = model(**probe)
@@ -53,10 +62,7 @@ CASES = {  # name: (model builder, rotate's output=)
 def test_smoothed_rotation_is_exact_in_float64(name):
     make, output = CASES[name]
     model = make()
-    probe = hf_example_inputs(model, seed=5)
-    ref = _run(model, probe)
-    normswap.patch(model, fold_gamma=True)
-    calib = [hf_example_inputs(model, batch=4, seed=s) for s in (7, 8)]
+    probe, ref, calib = _patched_for_rotation(model)
     rot = rotate(model, "hadamard", output=output, smooth=0.5, calibration=calib)
     assert _relative(_run(model, probe), ref) <= 1e-9, str(rot)
     done = rot.smoothing
