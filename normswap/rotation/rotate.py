@@ -495,26 +495,19 @@ def _rotate_heads_(model: nn.Module) -> tuple[list[str], int | None, str]:
     if not hadamard.has_hadamard(hd):
         return [], hd, f"no Hadamard matrix of order {hd} (the head size)"
     h = hadamard.hadamard(hd) / hd**0.5
-    for _, v, o in pairs:
-        for p, axis in ((v.weight, 0), (v.bias, 0), (o.weight, 1)):
-            if p is None:
-                continue
-            blocks = p.detach().double().movedim(axis, -1)
-            turned = (blocks.reshape(*blocks.shape[:-1], -1, hd) @ h.to(p.device)).reshape(blocks.shape)
-            with torch.no_grad():
-                p.copy_(turned.movedim(-1, axis).to(p.dtype))
+    _turn_heads_(pairs, {path: h for path, _, _ in pairs})
     return [path for path, _, _ in pairs], hd, ""
 
 
-def _turn_heads_(model: nn.Module, matrices: dict[str, torch.Tensor]) -> None:
-    """Each attention layer's learned R2 (``{attention path: R2}``, :func:`_value_heads`' paths) folded as
-    :func:`_rotate_heads_` folds the Hadamard: the value projection's rows and bias, and the output projection's
-    input columns, per head."""
+def _turn_heads_(pairs: list[tuple[str, nn.Linear, nn.Linear]], matrices: dict[str, torch.Tensor]) -> None:
+    """Fold one head-size orthogonal matrix per attention layer (``{attention path: matrix}``, paths of
+    ``pairs``, :func:`_value_heads`' layers): the value projection's rows and bias, and the output projection's
+    input columns, per head. The per-head Hadamard (:func:`_rotate_heads_`) and a learned R2 alike."""
     from normswap.rotation.learn import turn_heads
 
-    pairs = {path: (v, o) for path, v, o in _value_heads(model)[0]}
+    by_path = {path: (v, o) for path, v, o in pairs}
     for path, r2 in matrices.items():
-        v, o = pairs[path]
+        v, o = by_path[path]
         for p, axis in ((v.weight, 0), (v.bias, 0), (o.weight, 1)):
             if p is not None:
                 with torch.no_grad():
@@ -708,7 +701,7 @@ def rotate(model: nn.Module, q: str | int | torch.Tensor = "hadamard", *, seed: 
         if result.learned.scales:
             _apply_learned_scales(model, plan, result)
         if result.learned.heads and result.rotated:  # R2 after the per-head Hadamard it was learned on top of
-            _turn_heads_(model, result.learned.heads)
+            _turn_heads_(_value_heads(model)[0], result.learned.heads)
             result.rotated[0].update(learned_heads=sorted(result.learned.heads))
     if smooth is not None and result.rotated:
         _smooth_streams(model, plan, result, smooth, batches)
