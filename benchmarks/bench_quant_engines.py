@@ -52,6 +52,10 @@ CLS embedding (``pooler_output``), averaged over the inputs, and the same over e
   ``--learn-steps`` steps on ``--learn-images`` crops (with ``--photos``: of the calibration photographs, which
   no measurement uses; else generated images of another seed than the held-out ones and the static
   quantizer's).
+* ``hadamard-keep``: ``hadamard`` with the ``--keep`` stream channels of largest energy in the norms' outputs
+  on the calibration crops left unturned (identity) and the rest turned by a Hadamard of seed ``--rotate-seed``
+  (``dinov2_rotation_groups.keep_matrix``, a user matrix), then ``rotate(smooth=--smooth)`` on the same crops
+  (``--smooth 0``: none). Asked for by name.
 
 By default the model is DINOv2-shaped (``bench_layerscale_bf16.build``: hidden 384, patch 14, LayerScale λ
 log-normal over three decades, LayerNorm γ/β randomised, a few massive channels) with random weights and
@@ -98,6 +102,7 @@ VARIANTS = ("original", "compat", "compat-notrade", "compat-retrade", "compat-ke
             "native-keep", "native-centerop", "native-weights", "compat-weights", "compat-keep-weights", "fold-gamma",
             "hadamard", "jitter-1", "jitter-2")
 LEARNED = ("learned", "learned-mix")  # minutes each (the learning): asked for by name
+KEPT = ("hadamard-keep",)  # needs calibration crops (--keep, --smooth, --rotate-seed): asked for by name
 WEIGHTS = {"o_proj": "attention.o_proj", "fc2": "mlp.fc2", "q_proj": "attention.q_proj",
            "k_proj": "attention.k_proj", "fc1": "mlp.fc1"}
 
@@ -141,7 +146,8 @@ class Outputs(torch.nn.Module):
 def variant(model: torch.nn.Module, name: str, workdir: Path,
             learn: dict[str, Any] | None = None) -> tuple[torch.nn.Module, str]:
     """``name``'s model as a stock transformers model (compat checkpoint written and loaded back); ``learn``:
-    ``normswap.rotate``'s learned-rotation keywords (``calibration`` included) for the ``learned*`` variants."""
+    ``normswap.rotate``'s learned-rotation keywords (``calibration`` included) for the ``learned*`` variants, and
+    ``keep``/``smooth``/``rotate_seed`` for ``hadamard-keep``."""
     import transformers as tf
 
     import normswap
@@ -155,7 +161,7 @@ def variant(model: torch.nn.Module, name: str, workdir: Path,
         return retraded(compat, model), "compat-notrade, the position table's row mean moved by hand into the " \
             "conv bias / CLS"
     conv = copy.deepcopy(model)
-    opts: dict[str, Any] = {"fold_gamma": name in ("hadamard", "fold-gamma") + LEARNED}
+    opts: dict[str, Any] = {"fold_gamma": name in ("hadamard", "fold-gamma") + LEARNED + KEPT}
     if name in ("compat-notrade", "native-centerop"):
         opts["trade_constants"] = False
     if name.endswith("-weights") or name in ("compat-notrade", "compat-retrade", "native-centerop"):
@@ -175,7 +181,17 @@ def variant(model: torch.nn.Module, name: str, workdir: Path,
         if name == "hadamard":  # the backbone's output is a model output: turned back (native format only)
             r = normswap.rotate(conv, "hadamard", seed=0, output="restore")
             return conv, f"{len(r.rotated)} stream(s) rotated, output restored; native, in memory"
+        if name in KEPT:
+            from dinov2_rotation_groups import keep_matrix
+
+            shots = torch.cat([b["pixel_values"] for b in learn["calibration"]])
+            q = keep_matrix(conv, model.config.hidden_size, learn["keep"], shots, learn["rotate_seed"])
+            smooth = {"smooth": learn["smooth"], "calibration": learn["calibration"]} if learn["smooth"] else {}
+            normswap.rotate(conv, q, output="restore", **smooth)
+            return conv, (f"{learn['keep']} channels kept, the rest Hadamard (seed {learn['rotate_seed']}), "
+                          f"smooth {learn['smooth']}; output restored; native, in memory")
         if name in LEARNED:
+            learn = {k: v for k, v in learn.items() if k not in ("keep", "smooth", "rotate_seed")}
             grid = learn.pop("grid")
             if name == "learned-mix":
                 grid = "full+asymmetric"
@@ -389,7 +405,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     "inputs and calibration are random crops of them (photo_crops.py) instead of generated images")
     ap.add_argument("--calib-photos", default="motorcycle_right.png,gravel.png,brick.png",
                     help="with --photos: the photographs calibration crops come from, left out of the held-out ones")
-    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS + LEARNED)
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS + LEARNED + KEPT)
     ap.add_argument("--float-stem", action="store_true", help="static QDQ: leave each centering op and the Add/"
                     "Concat assembling its input in float (normswap.integrations.onnx.stem_float_nodes)")
     ap.add_argument("--float-ops", action="store_true", help="leave a rotation's own ops (output='restore''s "
@@ -401,6 +417,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--learn-lr", type=float, default=2e-3)
     ap.add_argument("--learn-grid", default="full", help="learned: the grid (learned-mix: full+asymmetric)")
     ap.add_argument("--learn-scales", action="store_true", help="learned*: also learn per-channel norm scales")
+    ap.add_argument("--keep", type=int, default=4, help="hadamard-keep: stream channels left unturned")
+    ap.add_argument("--smooth", type=float, default=0.5, help="hadamard-keep: rotate(smooth=) after the turn (0: none)")
+    ap.add_argument("--rotate-seed", type=int, default=0, help="hadamard-keep: the Hadamard's sign seed")
     ap.add_argument("--quantizers", nargs="+", default=list(QUANTIZERS), choices=QUANTIZERS + GPTQ + MATMUL_ONLY)
     ap.add_argument("--json", type=Path)
     ap.add_argument("--plot", type=Path, help="write a PNG of the error ratios (matplotlib)")
@@ -447,7 +466,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         px = images(args.images, args.image, 1)
         calib = images(args.calib, args.image, 2)
     learn = None
-    if set(args.variants) & set(LEARNED):  # learning crops: never the held-out ones, nor the static quantizer's
+    if set(args.variants) & set(LEARNED + KEPT):  # learning crops: never the held-out ones, nor the static quantizer's
         if args.photos:
             shots = photo_crops(n=args.learn_images, size=args.image, seed=3,
                                 files=[p for p in photographs(args.photos) if p.name in held_out])
@@ -455,7 +474,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             shots = images(args.learn_images, args.image, 3)
         learn = {"calibration": [{"pixel_values": b} for b in shots.split(args.learn_batch)], "bits": 4,
                  "group_size": 32, "steps": args.learn_steps, "lr": args.learn_lr, "grid": args.learn_grid,
-                 "scales": args.learn_scales}
+                 "scales": args.learn_scales, "keep": args.keep, "smooth": args.smooth,
+                 "rotate_seed": args.rotate_seed}
     with torch.no_grad():
         ref_pool, ref_tok = Outputs(model)(px)
     result: dict[str, Any] = {"model": label, "images": args.images, "rows": {}}

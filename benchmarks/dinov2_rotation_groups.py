@@ -74,9 +74,10 @@ def build(model: torch.nn.Module, name: str, calib: torch.Tensor) -> torch.nn.Mo
             normswap.rotate(conv, torch.eye(d, dtype=torch.float64), output="restore")
         elif name.split("@")[0] == "hadamard":  # hadamard@S: the signs of seed S (default 0)
             normswap.rotate(conv, "hadamard", seed=int(name.partition("@")[2] or 0), output="restore")
-        elif name.startswith("keep-"):  # keep-K or keep-K+smooth-A
-            keep, _, smooth = name.partition("+smooth-")
-            q = keep_matrix(conv, d, int(keep.split("-")[1]), calib)
+        elif name.startswith("keep-"):  # keep-K or keep-K+smooth-A, optionally @S: the Hadamard's seed
+            spec, _, seed = name.partition("@")
+            keep, _, smooth = spec.partition("+smooth-")
+            q = keep_matrix(conv, d, int(keep.split("-")[1]), calib, int(seed or 0))
             opts = {"smooth": float(smooth), "calibration": [{"pixel_values": b} for b in calib.split(8)]} \
                 if smooth else {}
             normswap.rotate(conv, q, output="restore", **opts)
@@ -89,7 +90,7 @@ def build(model: torch.nn.Module, name: str, calib: torch.Tensor) -> torch.nn.Mo
 
 
 @torch.no_grad()
-def keep_matrix(conv: torch.nn.Module, d: int, k: int, calib: torch.Tensor) -> torch.Tensor:
+def keep_matrix(conv: torch.nn.Module, d: int, k: int, calib: torch.Tensor, seed: int = 0) -> torch.Tensor:
     """Identity on the ``k`` channels of largest mean energy in the norms' outputs, Hadamard on the rest."""
     from normswap.nn.rmsnorm import RMSNorm
     from normswap.rotation.rotate import rotation_matrix
@@ -106,7 +107,7 @@ def keep_matrix(conv: torch.nn.Module, d: int, k: int, calib: torch.Tensor) -> t
     print(f"  kept channels {sorted(kept.tolist())}", flush=True)
     rest = torch.tensor([i for i in range(d) if i not in set(kept.tolist())])
     q = torch.eye(d, dtype=torch.float64)
-    q[rest[:, None], rest[None, :]] = rotation_matrix(len(rest), "hadamard", 0)[0]
+    q[rest[:, None], rest[None, :]] = rotation_matrix(len(rest), "hadamard", seed)[0]
     return q
 
 
