@@ -24,8 +24,9 @@ Variants (``--variants``):
   ``keep-K+smooth-A``: ``keep-K`` with it.
 
 ``--linears`` also prints, per Linear kind, the rounding's relative output error on that Linear's own float
-inputs (``‖ΔW x‖ / ‖W x‖``, median over layers), rotated over folded, and the share of the norm output's
-energy in its top channels (the massive channels a turn spreads over every input feature).
+inputs (``‖ΔW x‖ / ‖W x‖``, median over layers), its token-constant part (the mean over an image's tokens of
+``ΔW x``, which attention's averaging passes whole), and the share of the input's energy in its top channels
+(the massive channels a turn spreads over every input feature).
 
     python benchmarks/dinov2_rotation_groups.py --model /tmp/held46/dinov2-focus \
         --photos /tmp/held46/dl/skimage/skimage/data --images 64 --variants original folded hadamard keep-8
@@ -195,11 +196,16 @@ def linear_errors(model: torch.nn.Module, px: torch.Tensor, top: int = 8) -> dic
         h.remove()
     out: dict[str, Any] = {}
     for n, m in lins.items():
-        x = torch.cat([t.reshape(-1, t.shape[-1]) for t in seen[n]]).double()
+        xs = torch.cat(seen[n]).double()  # [images, tokens, in]
+        x = xs.reshape(-1, xs.shape[-1])
         w = m.weight.double()
         dw = rtn4(m.weight).double() - w
         energy = x.pow(2).mean(0)
-        out[n] = {"rel": float((x @ dw.T).norm() / (x @ w.T).norm()),
+        err = xs @ dw.T
+        # the token-constant part of the error (its mean over each image's tokens), which attention's
+        # averaging passes whole, against the output's typical token norm
+        coherent = float(err.mean(1).norm(dim=-1).mean() / (xs @ w.T).norm(dim=-1).mean())
+        out[n] = {"rel": float((x @ dw.T).norm() / (x @ w.T).norm()), "coherent": coherent,
                   "top_share": float(energy.topk(top).values.sum() / energy.sum())}
     return out
 
@@ -262,14 +268,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 print(f"| {g} | {statistics.fmean(base[g][metric]):.2e} | " + " | ".join(cells) + " |")
     if args.linears and len(result["linears"]) > 1:
         names = list(result["linears"])
-        print("\nper Linear kind, median over layers: ‖ΔW x‖/‖W x‖ (and top-8 channel energy share of x)\n")
+        print("\nper Linear kind, median over layers: ‖ΔW x‖/‖W x‖, its token-mean part (‖mean_t ΔW x‖ / ‖W x‖) "
+              "and the top-8 channel energy share of x\n")
         print("| kind | " + " | ".join(names) + " |")
         print("|---|" + "---|" * len(names))
         for kind in READERS + WRITERS:
             cells = []
             for n in names:
                 vals = [v for k, v in result["linears"][n].items() if k.endswith(kind)]
-                cells.append(f"{statistics.median(v['rel'] for v in vals):.4f} "
+                cells.append(f"{statistics.median(v['rel'] for v in vals):.4f} / "
+                             f"{statistics.median(v['coherent'] for v in vals):.4f} "
                              f"({statistics.median(v['top_share'] for v in vals):.2f})")
             print(f"| {kind} | " + " | ".join(cells) + " |")
     if args.json:
