@@ -179,7 +179,8 @@ def variant(model: torch.nn.Module, name: str, workdir: Path,
         if name.startswith("native"):
             return conv, "in memory (normswap.RMSNorm modules)"
         if name == "hadamard":  # the backbone's output is a model output: turned back (native format only)
-            r = normswap.rotate(conv, "hadamard", seed=0, output="restore")
+            seed = learn["rotate_seed"] if learn else 0
+            r = normswap.rotate(conv, "hadamard", seed=seed, output="restore")
             return conv, f"{len(r.rotated)} stream(s) rotated, output restored; native, in memory"
         if name in KEPT:
             from dinov2_rotation_groups import keep_matrix
@@ -419,7 +420,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--learn-scales", action="store_true", help="learned*: also learn per-channel norm scales")
     ap.add_argument("--keep", type=int, default=4, help="hadamard-keep: stream channels left unturned")
     ap.add_argument("--smooth", type=float, default=0.5, help="hadamard-keep: rotate(smooth=) after the turn (0: none)")
-    ap.add_argument("--rotate-seed", type=int, default=0, help="hadamard-keep: the Hadamard's sign seed")
+    ap.add_argument("--rotate-seed", type=int, default=0, help="hadamard, hadamard-keep: the Hadamard's sign seed")
     ap.add_argument("--quantizers", nargs="+", default=list(QUANTIZERS), choices=QUANTIZERS + GPTQ + MATMUL_ONLY)
     ap.add_argument("--json", type=Path)
     ap.add_argument("--plot", type=Path, help="write a PNG of the error ratios (matplotlib)")
@@ -466,7 +467,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         px = images(args.images, args.image, 1)
         calib = images(args.calib, args.image, 2)
     learn = None
-    if set(args.variants) & set(LEARNED + KEPT):  # learning crops: never the held-out ones, nor the static quantizer's
+    # learning crops: never the held-out ones, nor the static quantizer's
+    if set(args.variants) & set(LEARNED + KEPT) or args.rotate_seed:
         if args.photos:
             shots = photo_crops(n=args.learn_images, size=args.image, seed=3,
                                 files=[p for p in photographs(args.photos) if p.name in held_out])
