@@ -1,0 +1,95 @@
+"""Pieces of ``benchmarks/dinov2_rotation_groups.py`` (the group-at-a-time 4-bit attribution on DINOv2).
+
+What could be silently wrong: a ``keep-K`` matrix that is not orthogonal or not mean-preserving (the rotated
+model would no longer be exact, and every ratio it gave would measure a different model), that turns the
+channels it says it keeps or keeps the wrong ones; a group that holds other Linears than it names; and a
+group measurement that leaves its rounding in the model, so every later group is measured on a rounded one.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import torch
+
+from tests import benchmark_modules
+
+groups = benchmark_modules.load("dinov2_rotation_groups")
+
+
+def _pixels(n: int, seed: int) -> torch.Tensor:
+    return torch.randn(n, 3, 56, 56, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+def _patched() -> tuple[torch.nn.Module, torch.nn.Module]:
+    import normswap
+
+    model = benchmark_modules.tiny_dinov2(3)
+    conv = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        normswap.patch(conv, fold_gamma=True)
+    return model, conv
+
+
+def test_keep_matrix_is_an_exact_rotation_that_keeps_the_highest_energy_channels() -> None:
+    from normswap.nn.rmsnorm import RMSNorm
+
+    _, conv = _patched()
+    calib = _pixels(4, 1)
+    with torch.no_grad():
+        conv.embeddings.cls_token[..., 5] += 30  # a massive channel the ranking must find
+    q = groups.keep_matrix(conv, 32, 4, calib)
+    eye = torch.eye(32, dtype=torch.float64)
+    assert float((q.T @ q - eye).abs().max()) < 1e-12
+    assert float((q.sum(1) - 1).abs().max()) < 1e-12  # Q·1 = 1: a centered stream stays centered
+    kept = [i for i in range(32) if float((q[i] - eye[i]).abs().max()) == 0 and float((q[:, i] - eye[:, i])
+                                                                                    .abs().max()) == 0]
+    assert len(kept) == 4 and 5 in kept
+    # the kept channels are those of largest energy in the norms' outputs
+    energy = torch.zeros(32, dtype=torch.float64)
+
+    def record(module: torch.nn.Module, args: tuple, out: torch.Tensor) -> None:
+        energy.add_(out.detach().pow(2).reshape(-1, 32).mean(0))
+
+    hooks = [m.register_forward_hook(record) for m in conv.modules() if isinstance(m, RMSNorm)]
+    groups.outputs(conv, calib)
+    for h in hooks:
+        h.remove()
+    assert sorted(kept) == sorted(energy.topk(4).indices.tolist())
+    rest = [i for i in range(32) if i not in kept]
+    assert float(q[rest][:, rest].abs().min()) > 0  # the other channels are all turned into each other
+
+
+def test_keep_rotation_with_smoothing_is_exact_in_float64() -> None:
+    import normswap
+
+    model, conv = _patched()
+    px = _pixels(3, 2)
+    q = groups.keep_matrix(conv, 32, 4, _pixels(4, 1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        normswap.rotate(conv, q, output="restore", smooth=0.5, calibration=[{"pixel_values": _pixels(4, 5)}])
+    ref, out = groups.outputs(model, px), groups.outputs(conv, px)
+    assert float((ref[0] - out[0]).abs().max()) < 1e-9
+    assert float((ref[1] - out[1]).abs().max()) < 1e-9
+
+
+def test_groups_hold_the_linears_they_name_and_measuring_leaves_the_model_unrounded() -> None:
+    model = benchmark_modules.tiny_dinov2(0)
+    names = list(groups.linears(model))
+    assert len(names) == 12  # 2 layers × q, k, v, o, fc1, fc2
+    v1 = "encoder.layer.1.attention.v_proj"
+    assert groups.in_group(v1, "readers") and groups.in_group(v1, "L1.readers") and groups.in_group(v1, "v_proj")
+    assert not groups.in_group(v1, "writers") and not groups.in_group(v1, "L0.readers")
+    fc2 = "encoder.layer.0.mlp.fc2"
+    assert groups.in_group(fc2, "L0.writers") and not groups.in_group(fc2, "fc1")
+    for g in groups.group_names(2, True):
+        assert any(groups.in_group(n, g) for n in names), g
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    px = _pixels(2, 4)
+    ref = groups.outputs(model, px)
+    err = groups.group_errors(model, px, ref, ["all", "L1.writers"])
+    assert all(v.equal(model.state_dict()[k]) for k, v in before.items())
+    assert min(err["all"]["tok"]) > 0  # the rounding did reach the model while measured
