@@ -29,10 +29,12 @@ Models: ``--dinov2 DIR`` (a ``Dinov2Model``; error ``1 − cos`` per image again
 token and the CLS embedding, on ``--images`` crops of ``--photos``: bench_quanto's crops and metrics), or
 ``--whisper DIR`` (teacher-forced KL(float32 original ‖ variant) summed per clip over every decoder position,
 forced on the spoken sentence, ``--clips`` clips of ``--speech``). Variants: ``NAME=DIR`` (``normswap
-convert`` outputs), and for DINOv2 ``reordered-N`` / ``NAME-reordered-N``: bench_quanto's exact re-roundings
-(heads, value dimensions and MLP neurons reordered by seed N), so a draw of the original and of NAME pair by
-seed. Ratios to the original in the same engine with a 95% paired bootstrap over inputs
-(``bench_quant_engines.ci_table``), the typical input too, and the draws table where there are draws.
+convert`` outputs), and exact re-roundings that pair by seed N with the same draw of the original: ``permuted-N``
+/ ``NAME-permuted-N`` (every MLP's hidden neurons reordered: ``fc2`` rounds other numbers) and, for DINOv2,
+``reordered-N`` / ``NAME-reordered-N`` (bench_quanto's: heads and value dimensions too, ``o_proj`` as well).
+Ratios to the original in the same engine with a 95% paired bootstrap over inputs
+(``bench_quant_engines.ci_table``), the typical input too, and the draws table where there are draws
+(bench_quanto's ``draw_ratio``: an interval over draws and inputs).
 
     PYTHONPATH=HELD:$PWD python benchmarks/bench_heldout_engines.py --dinov2 ORIG native=N compat=C had=H \\
         --photos SKIMAGE/data --images 256 --engines bnb-nf4 bnb-int8 hqq-w4 gguf-q4_0 --json out.json
@@ -50,6 +52,7 @@ import argparse
 import copy
 import fnmatch
 import json
+import re
 import sys
 import time
 import warnings
@@ -173,6 +176,27 @@ def quantized(model: torch.nn.Module, how: str, include: list[str] | None = None
     return q.eval()
 
 
+@torch.no_grad()
+def mlp_permuted(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """A rounding draw of a grouped weight quantizer for any model whose MLPs are ``fc1``/``fc2`` pairs (Whisper's
+    layers, DINOv2's ``mlp``): a copy with every MLP's hidden neurons in another order (``fc1``'s rows and bias,
+    ``fc2``'s columns), the same function, so ``fc2``'s groups along its input hold other entries and round
+    differently. The same seed gives the same order on any model of the same shape (a converted model's draw N
+    pairs with the original's). bench_quanto's ``permuted`` for DINOv2, by module names instead of its layout."""
+    out = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(seed)
+    for module in out.modules():
+        fc1, fc2 = getattr(module, "fc1", None), getattr(module, "fc2", None)
+        if not (isinstance(fc1, torch.nn.Linear) and isinstance(fc2, torch.nn.Linear)):
+            continue
+        p = torch.randperm(fc1.out_features, generator=g)
+        fc1.weight.copy_(fc1.weight[p])
+        if fc1.bias is not None:
+            fc1.bias.copy_(fc1.bias[p])
+        fc2.weight.copy_(fc2.weight[:, p])
+    return out
+
+
 def versions() -> dict[str, str]:
     out = {"torch": torch.__version__}
     for mod in ("bitsandbytes", "hqq", "gguf", "transformers"):
@@ -258,10 +282,19 @@ def whisper_rows(args: argparse.Namespace, dirs: dict[str, str]) -> dict[str, An
     spoken = AutoTokenizer.from_pretrained(args.whisper)
     refs = [spoken.encode(" " + text.strip(), add_special_tokens=False) for _, text in clips]
     ref = whisper_logp(bqw.whisper_model(args.whisper), feats, refs)
+    from bench_quanto import DRAW
+
     rows: dict[str, Any] = {}
     for name, path in dirs.items():
         t0 = time.perf_counter()
-        model = bqw.whisper_model(Path(path))
+        draw = DRAW.match(name) if path == name else None
+        if draw:  # MLP neurons reordered (exact): fc2 rounds other numbers
+            base = draw["base"] or "original"
+            if base not in dirs or draw["how"] != "permuted":
+                sys.exit(f"bench_heldout_engines: {name}: Whisper draws are BASE-permuted-N of a variant before it")
+            model = mlp_permuted(bqw.whisper_model(Path(dirs[base])), int(draw["seed"]))
+        else:
+            model = bqw.whisper_model(Path(path))
         row: dict[str, Any] = {"note": str(path), "errors": {}, "per_image": {}}
         for how in args.engines:
             for group in ["all"] if how == "fp32" else args.groups:
@@ -276,6 +309,33 @@ def whisper_rows(args: argparse.Namespace, dirs: dict[str, str]) -> dict[str, An
         del model
     return {"model": str(args.whisper), "inputs": len(clips), "positions": sum(map(len, refs)) + len(refs),
             "rows": rows}
+
+
+def kl_draws_table(result: dict[str, Any], how: str) -> str:
+    """Whisper's draws (``permuted-N`` of the original and ``BASE-permuted-N``): each set's mean KL over draws
+    and clips against the original's draws, with bench_quanto's interval over draws (paired by seed) and clips."""
+    from bench_quanto import DRAW, draw_ratio, draw_sets
+
+    def seeds(name: str) -> tuple[str, int]:  # a draw's reordering; ("", 0): the model as it is
+        m = DRAW.match(name)
+        return (m["how"], int(m["seed"])) if m else ("", 0)
+
+    rows = result["rows"]
+    sets = draw_sets([n for n in rows if how in rows[n]["per_image"]])
+    lines = [f"rounding draws in {how}: KL per clip; ratio of means to the original's draws, 95% interval over "
+             "draws and clips", "", "| model | draws | KL: mean (sd between draws) | ratio | typical clip |",
+             "|---|---|---|---|---|"]
+    for (base, kind), names in sets.items():
+        if ("original", kind) not in sets or base == "original":
+            continue
+        orig = np.stack([rows[n]["per_image"][how]["kl"] for n in sets["original", kind]])
+        mine = np.stack([rows[n]["per_image"][how]["kl"] for n in names])
+        paired = [seeds(n) for n in names] == [seeds(n) for n in sets["original", kind]]
+        r = "{:.3f} ({:.3f}-{:.3f})".format(*draw_ratio(orig, mine, paired=paired))
+        t = "{:.3f} ({:.3f}-{:.3f})".format(*draw_ratio(orig, mine, typical=True, paired=paired))
+        means = mine.sum(1) / result["positions"]
+        lines.append(f"| {base} | {len(names)} | {means.mean():.4e} ({means.std(ddof=1):.1e}) | {r} | {t} |")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -301,9 +361,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = ap.parse_args(argv)
     if args.dinov2 and not args.photos or args.whisper and not args.speech:
         ap.error("--dinov2 needs --photos; --whisper needs --speech")
-    bad = [v for v in args.variants if "=" not in v and not (args.dinov2 and "reordered-" in v)]
+    bad = [v for v in args.variants if "=" not in v and not re.search(r"(^|-)(reordered|permuted)-\d+$", v)]
     if bad:
-        ap.error(f"{bad[0]!r}: a variant is NAME=DIR (DINOv2 also reordered-N, NAME-reordered-N)")
+        ap.error(f"{bad[0]!r}: a variant is NAME=DIR, or a draw: [NAME-]permuted-N (DINOv2 also reordered-N)")
     torch.set_num_threads(1)
     dirs = {"original": str(args.dinov2 or args.whisper)} | dict(
         v.split("=", 1) if "=" in v else (v, v) for v in args.variants)
@@ -315,13 +375,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if len(dirs) > 1:
         for metric in metrics:
             print("\n" + ci_table([result], metric) + "\n\n" + ci_table([result], metric, typical=True))
-    if args.dinov2:
-        from bench_quanto import draw_sets, draw_table
+    from bench_quanto import draw_sets, draw_table
 
-        if draw_sets(list(dirs)):
-            for how in args.engines:
-                if how != "fp32":
-                    print("\n" + draw_table(result, how))
+    if draw_sets(list(dirs)):
+        for how in args.engines:
+            if how != "fp32":
+                print("\n" + (draw_table(result, how) if args.dinov2 else kl_draws_table(result, how)))
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
     return result

@@ -113,3 +113,26 @@ def test_gguf_quantized_rounds_the_linears_and_leaves_the_rest() -> None:
     assert isinstance(q.layer.conv, torch.nn.Conv1d)
     assert torch.equal(q.layer.fc2.bias, m.layer.fc2.bias)
     assert type(m.layer.fc2) is torch.nn.Linear  # the input model is not touched
+
+
+class _Mlp(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(8, 32), torch.nn.Linear(32, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.nn.functional.gelu(self.fc1(x)))
+
+
+def test_mlp_permuted_is_the_same_function_rounded_elsewhere() -> None:
+    torch.manual_seed(2)
+    m = torch.nn.Sequential(_Mlp(), _Mlp()).double()
+    x = torch.randn(5, 8, dtype=torch.float64)
+    d1, d1_again, d2 = (bench.mlp_permuted(m, s) for s in (1, 1, 2))
+    with torch.no_grad():
+        assert torch.allclose(d1(x), m(x), rtol=0, atol=1e-12)
+    for a, b in ((m, d1), (d1, d2)):  # fc2's inputs (what a grouped quantizer blocks) hold other entries
+        assert not torch.equal(a[0].fc2.weight, b[0].fc2.weight)
+        assert not torch.equal(a[1].fc2.weight[:, :16], b[1].fc2.weight[:, :16])
+    assert all(torch.equal(p, q) for p, q in zip(d1.parameters(), d1_again.parameters(), strict=True))  # by seed
+    assert torch.equal(torch.sort(d1[0].fc2.weight, dim=1).values, torch.sort(m[0].fc2.weight, dim=1).values)
