@@ -252,9 +252,11 @@ def dinov2_rows(args: argparse.Namespace, dirs: dict[str, str]) -> dict[str, Any
 
 # ---------------------------------------------------------------- Whisper (teacher-forced KL per clip)
 
-def whisper_logp(model: torch.nn.Module, feats: np.ndarray, refs: list[list[int]]) -> list[torch.Tensor]:
+def whisper_logp(model: torch.nn.Module, feats: np.ndarray, refs: list[list[int]],
+                 encoded: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
     """Log-probs (float32) at every teacher-forced decoder position of every clip, the end-of-text step
-    included: ``bench_quant_whisper.torch_logits``' loop on a model already built."""
+    included: ``bench_quant_whisper.torch_logits``' loop on a model already built. ``encoded``: the encoder's
+    output for each batch of 4 clips (:func:`whisper_encoded`), so only the decoder runs."""
     import bench_quant_whisper as bqw
 
     out = []
@@ -265,10 +267,25 @@ def whisper_logp(model: torch.nn.Module, feats: np.ndarray, refs: list[list[int]
             ids = torch.full((len(batch), p + max(map(len, batch))), bqw.EOT)
             for j, r in enumerate(batch):
                 ids[j, : p + len(r)] = torch.tensor(list(bqw.SOT_NOTS) + r)
-            logits = model(input_features=torch.from_numpy(feats[i:i + 4]), decoder_input_ids=ids).logits
+            if encoded is None:
+                logits = model(input_features=torch.from_numpy(feats[i:i + 4]), decoder_input_ids=ids).logits
+            else:
+                logits = model(encoder_outputs=(encoded[i // 4],), decoder_input_ids=ids).logits
             for j, r in enumerate(batch):
                 out.append(torch.log_softmax(logits[j, p - 1: p + len(r)].double(), -1).float())
     return out
+
+
+def whisper_encoded(model: torch.nn.Module, feats: np.ndarray) -> list[torch.Tensor]:
+    """The float encoder's ``last_hidden_state`` for each batch of 4 clips (``--decoder-only``)."""
+    with torch.inference_mode():
+        return [model.model.encoder(input_features=torch.from_numpy(feats[i:i + 4])).last_hidden_state
+                for i in range(0, len(feats), 4)]
+
+
+def decoder_patterns(patterns: list[str]) -> list[str]:
+    """``patterns`` (a group's, ``*.fc2``…) restricted to Whisper's decoder: ``model.decoder*.fc2``…"""
+    return ["model.decoder" + (p if p.startswith("*") else "*." + p) for p in patterns]
 
 
 def whisper_rows(args: argparse.Namespace, dirs: dict[str, str]) -> dict[str, Any]:
@@ -296,11 +313,14 @@ def whisper_rows(args: argparse.Namespace, dirs: dict[str, str]) -> dict[str, An
         else:
             model = bqw.whisper_model(Path(path))
         row: dict[str, Any] = {"note": str(path), "errors": {}, "per_image": {}}
+        encoded = whisper_encoded(model, feats) if args.decoder_only else None
         for how in args.engines:
             for group in ["all"] if how == "fp32" else args.groups:
                 key = how if group == "all" else f"{how}:{group}"
-                got = bqw.compare(ref, whisper_logp(quantized(model, how, None if group == "all" else
-                                                              GROUPS[group]), feats, refs))
+                include = None if group == "all" and not args.decoder_only else GROUPS[group]
+                if args.decoder_only:
+                    include = decoder_patterns(include)
+                got = bqw.compare(ref, whisper_logp(quantized(model, how, include), feats, refs, encoded))
                 row["errors"][key] = {"kl": got["kl"], "top1": got["top1"]}
                 row["per_image"][key] = {"kl": got["clip_kl"], "agree": got["clip_agree"]}
                 print(f"{name:22s} {key:18s} KL {got['kl']:.4e} top-1 {got['top1']:.4f}", flush=True)
@@ -308,7 +328,7 @@ def whisper_rows(args: argparse.Namespace, dirs: dict[str, str]) -> dict[str, An
         rows[name] = row
         del model
     return {"model": str(args.whisper), "inputs": len(clips), "positions": sum(map(len, refs)) + len(refs),
-            "rows": rows}
+            "decoder_only": args.decoder_only, "rows": rows}
 
 
 def kl_draws_table(result: dict[str, Any], how: str) -> str:
@@ -357,6 +377,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--seed", type=int, default=1, help="DINOv2: the crops' seed")
     ap.add_argument("--speech", type=Path, nargs="+", help="Whisper: speech_samples.py clip directories")
     ap.add_argument("--clips", type=int, default=64)
+    ap.add_argument("--decoder-only", action="store_true", help="Whisper: quantize the decoder's Linears only; "
+                    "the float encoder's output is computed once per variant (a sixth of the time)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     if args.dinov2 and not args.photos or args.whisper and not args.speech:
