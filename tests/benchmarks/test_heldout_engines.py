@@ -8,8 +8,6 @@ anyway), and a round trip that writes through a tied weight into the embedding.
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 
@@ -73,11 +71,6 @@ def test_quantized_fp32_and_unknown_setting() -> None:
         bench.quantized(m, "int3-magic")
 
 
-needs_gguf = pytest.mark.skipif(importlib.util.find_spec("gguf") is None,
-                                reason="the gguf package (optional engine, not a dependency) is not installed")
-
-
-@needs_gguf
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
 def test_gguf_round_trip_is_the_format(qtype: str) -> None:
     torch.manual_seed(1)
@@ -100,7 +93,6 @@ def test_gguf_round_trip_is_the_format(qtype: str) -> None:
     assert bench.gguf_round_trip(torch.randn(4, 40), qtype) is None  # 40 inputs: no whole block of 32
 
 
-@needs_gguf
 def test_gguf_quantized_rounds_the_linears_and_leaves_the_rest() -> None:
     m = _model()
     embed = m.embed.weight.detach().clone()
