@@ -290,10 +290,12 @@ class ConvertOptions:
 
     def beta_placement_for(self, fmt: str | None) -> str:
         """The β placement a conversion written in ``fmt`` runs (``None``: an in-memory ``patch``/``plan``):
-        the option when given, else ``"keep"`` for the compat format and ``"rounding"`` otherwise."""
+        the option when given, else ``"keep"`` for a checkpoint (either format: what engines export and
+        quantize, and a folded β costs their weight and activation quantizers) and ``"rounding"`` in memory
+        (one bias add fewer per folded norm, which CUDA eager mode runs as one more op)."""
         if self.beta_placement is not None:
             return self.beta_placement
-        return "keep" if fmt == "compat" else "rounding"
+        return "rounding" if fmt is None else "keep"
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
