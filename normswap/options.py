@@ -111,8 +111,10 @@ class ConvertOptions:
             out through the residual's other writer (:class:`normswap.analysis.plan.ResidualFold`: one
             ``Add`` less per BERT norm in ONNX Runtime; the low-memory path refuses it). All three are
             exact; with ``fold_gamma`` (rotation) β leaves the norm whatever the placement. ``None``
-            (default): ``"keep"`` where ``convert`` writes the compat format (the checkpoint engines
-            quantize; its stock LayerNorm takes β at no cost), ``"rounding"`` otherwise (:meth:`beta_placement_for`).
+            (default): ``"keep"`` where ``convert`` writes a checkpoint, either format (what engines export and
+            quantize: weight-only 4-bit/8-bit engines such as bitsandbytes, HQQ, GGUF and optimum-quanto
+            round a model with β folded worse too), ``"rounding"`` for an in-memory ``patch`` (one bias add
+            fewer per folded norm) (:meth:`beta_placement_for`).
         layer_scale: what happens to a LayerScale λ (BEiT, DINOv2, CaiT) whose writer is centered.
             ``"keep"`` (default): the writer is centered as ``diag(λ) W`` (exact), then each output row is
             divided by a per-row scale that puts its largest entry within 8/9 of the original weight's

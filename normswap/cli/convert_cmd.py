@@ -231,9 +231,10 @@ Presets (offline, seeded tiny models with tokenizers/processors):
     default=None,
     help="Where a norm's β goes without --fold-gamma: 'keep' keeps every β in its norm (readers' biases and "
     "inputs stay the original's: int8 engines such as CTranslate2 and ONNX Runtime quantize them as they did "
-    "the original; default with --format compat); 'rounding' folds it into the readers' biases unless that "
-    "rounds worse in bfloat16 than the original's own path (default for the native format); 'fold' folds it "
-    "wherever the readers can take it. All exact.",
+    "the original; the default: weight-only 4-bit/8-bit engines too quantize a folded model worse); 'rounding' "
+    "folds it into the readers' biases unless that rounds worse in bfloat16 than the original's own path (one "
+    "add fewer per folded norm: the in-memory patch's default); 'fold' folds it wherever the readers can take "
+    "it. All exact.",
 )
 @click.option(
     "--layer-scale",

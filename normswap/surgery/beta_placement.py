@@ -9,7 +9,7 @@ Both are exact in float64. They differ in what half precision rounds:
   from them, so the constant part of the reader's output is off by ``round(W)·round(β) − Wβ`` plus
   ``round(c) − c``, whose roundings partly cancel across the ``d`` inputs.
 
-**The rule** (option ``beta_placement="rounding"``, the default of ``patch`` and of the native format):
+**The rule** (option ``beta_placement="rounding"``, the default of an in-memory ``patch``):
 for each norm whose β the plan folds, sum both squared errors over the readers whose bias takes a
 share (bfloat16, computed exactly from the weights in float64; no data), and keep β in the RMSNorm
 where folding rounds worse by more than :data:`MARGIN`. A key projection that drops its share costs
@@ -24,8 +24,10 @@ reaches the same plan. ``beta_placement="fold"`` folds β wherever the readers c
 its bias is untouched. Activation quantizers scale to the reader's input per token or per tensor, and a
 fold changes that input's range (``γ⊙u`` instead of ``γ⊙u + β``); int8 engines that keep biases in
 float (CTranslate2, ONNX Runtime) then quantize a folded model differently from its original
-(``docs/results/quantization.md``, Whisper in CTranslate2). The cost is one add per norm, which the
-fused RMS kernels of the engines take as their bias input or a following Add.
+(``docs/results/quantization.md``, Whisper in CTranslate2), and weight-only engines (bitsandbytes, HQQ,
+GGUF, optimum-quanto) multiply their weight rounding error by that larger input. The cost is one add per
+norm, which the fused RMS kernels of the engines take as their bias input or a following Add. It is the
+default of every checkpoint ``convert`` writes (either format).
 
 It applies to the default conversion only: with ``fold_gamma`` (rotation, quantization) β must
 leave the norm, since a kept β would become ``β/γ`` there, and a norm already rotation-ready (no γ
