@@ -364,9 +364,10 @@ Presets (offline, seeded tiny models with tokenizers/processors):
               help="With --rotate learned: also learn a per-channel scale between each norm and its readers "
               "(exact; the norms keep it as their weight). Not with --smooth.")
 @click.option("--learn-logit-top-k", type=click.IntRange(1), default=None, metavar="K",
-              help="With --rotate learned: the loss's KL on each calibration batch's K likeliest tokens per position "
-              "(and its input tokens) only, the output head turned and rounded on those rows (a large vocabulary's "
-              "head is otherwise most of a step; default: the whole vocabulary).")
+              help="With --rotate learned: the loss's KL over each calibration batch's K likeliest tokens per "
+              "position, its input tokens and one class for all other tokens (estimated from a sample), the output "
+              "head turned and rounded on those rows only (a large vocabulary's head is otherwise most of a step; "
+              "default: the whole vocabulary).")
 @click.option("--learn-heads", is_flag=True, default=None,
               help="With --rotate learned: also learn one rotation per attention layer on each head's values and "
               "the output projection's columns of that head (SpinQuant's R2; exact, weights only).")

@@ -62,6 +62,8 @@ from torch import nn
 from normswap.errors import NormswapError
 
 GRIDS = ("symmetric", "full", "asymmetric")
+# logit_top_k: how many of the other tokens (drawn once per batch) estimate the quantized model's tail mass
+LOGIT_TAIL_SAMPLE = 2048
 
 
 @dataclass(frozen=True)
@@ -83,11 +85,14 @@ class LearnSettings:
     times ``lr``). ``heads``: also learn SpinQuant's R2, one orthogonal head-size matrix per attention layer on
     its values and output projection (:class:`HeadTensors`). ``logit_top_k``: for a model whose output is
     logits, compare them on a subset of the vocabulary only: per calibration batch, the union over its positions
-    of the float model's ``k`` likeliest tokens and the batch's input tokens; the KL is taken over that subset
-    (both distributions renormalised on it), and the output head and the input embedding are turned (and the head
-    rounded) on those rows alone. A large vocabulary's head is otherwise most of a step's work (Whisper's
-    51,865 × 384 against 7M decoder weights); each row of the head is rounded on its own (groups run along its
-    inputs), so the rows kept are rounded exactly as in the whole head."""
+    of the float model's ``k`` likeliest tokens and the batch's input tokens, plus one "every other token" class:
+    the KL is taken over those tokens and that class, whose float probability is exact (from the float logits)
+    and whose quantized probability is estimated from :data:`LOGIT_TAIL_SAMPLE` of the other tokens drawn once
+    per batch (their summed ``exp`` scaled by how many they stand for), so probability the rounding moves into
+    the tail still counts. The output head and the input embedding are turned (and the head rounded) on those
+    rows alone. A large vocabulary's head is otherwise most of a step's work (Whisper's 51,865 × 384 against 7M
+    decoder weights); each row of the head is rounded on its own (groups run along its inputs), so the rows kept
+    are rounded exactly as in the whole head."""
 
     bits: int = 4
     act_bits: int | None = None
@@ -395,6 +400,16 @@ class _VocabRows:
     rows: torch.Tensor
     source: dict[str, torch.Tensor]
     tables: list[str]
+    kept: int = 0  # rows[:kept]: the likeliest and input tokens; rows[kept:]: the sample of the others
+    tail_weight: float | None = None  # log(others / sampled): the sample's exp-sum scaled to the whole tail
+
+    def logits(self, out: torch.Tensor) -> torch.Tensor:
+        """The quantized logits on the kept tokens, and one for the tail: the sample's log-sum-exp scaled to the
+        tail's size (with no tail, the kept tokens are the whole vocabulary)."""
+        if self.tail_weight is None:
+            return out
+        tail = out[..., self.kept:].logsumexp(-1, keepdim=True) + self.tail_weight
+        return torch.cat([out[..., :self.kept], tail], dim=-1)
 
 
 def _batch_ids(args: tuple, kwargs: dict, vocab: int) -> list[torch.Tensor]:
@@ -497,12 +512,23 @@ def optimise(model: nn.Module, streams: list[StreamTensors], batches: list[tuple
         for i, (args, kwargs) in enumerate(batches):
             size = refs[i].shape[-1]
             likeliest = refs[i].topk(min(settings.logit_top_k, size), -1).indices.reshape(-1)
-            rows = torch.unique(torch.cat([likeliest, *_batch_ids(args, kwargs, size)]))
-            refs[i] = refs[i].index_select(-1, rows)
+            kept = torch.unique(torch.cat([likeliest, *_batch_ids(args, kwargs, size)]))
+            others = torch.ones(size, dtype=torch.bool)
+            others[kept] = False
+            tail = others.nonzero().reshape(-1)
+            logp = refs[i].log_softmax(-1)
+            refs[i] = logp.index_select(-1, kept)  # log-probabilities: the loss's log_softmax leaves them as they are
+            rows, weight = kept, None
+            if len(tail):  # the tail as one class: its float log-mass exact, its quantized one from a sample
+                draw = torch.randperm(len(tail), generator=torch.Generator().manual_seed(i))[:LOGIT_TAIL_SAMPLE]
+                sample = tail[draw.sort().values]
+                rows, weight = torch.cat([kept, sample]), float(torch.log(torch.tensor(len(tail) / len(sample))))
+                refs[i] = torch.cat([refs[i], logp.index_select(-1, tail).logsumexp(-1, keepdim=True)], dim=-1)
+            del logp
             source = {n: state[n].index_select(0, rows) for n in (head_w, *tables)}
             if head_b is not None:
                 source[head_b] = state[head_b].index_select(0, rows)
-            vocab_rows[i] = _VocabRows(rows, source, tables)
+            vocab_rows[i] = _VocabRows(rows, source, tables, len(kept), weight)
 
     grids = settings.grids
 
@@ -512,7 +538,10 @@ def optimise(model: nn.Module, streams: list[StreamTensors], batches: list[tuple
         # tie_weights=False: a weight tied to a writer (an LM head) is rounded where its matmul reads it only
         out = functional_call(model, quant.params(turned(rs, ss, r2s, vocab_rows[i]), grid), args, kwargs,
                               tie_weights=False, strict=False)
-        return output_error(output_tensor(out).to(refs[i].dtype), refs[i], logits, masks[i])
+        out = output_tensor(out).to(refs[i].dtype)
+        if vocab_rows[i] is not None:
+            out = vocab_rows[i].logits(out)
+        return output_error(out, refs[i], logits, masks[i])
 
     def mean_loss(rs: dict[str, torch.Tensor], ss: dict[str, torch.Tensor] | None = None,
                   r2s: dict[str, torch.Tensor] | None = None) -> float:

@@ -642,11 +642,12 @@ def rotate(model: nn.Module, q: str | int | torch.Tensor = "hadamard", *, seed: 
             each head's values (the value projection's rows and bias) and the output projection's columns of
             that head; weights only, no op, exact (attention is linear in each head's values). With
             ``online=True`` it is learned on top of the per-head Hadamard.
-        logit_top_k: for a model whose output is logits from an output head Linear: the loss's KL on part of
-            the vocabulary only, per calibration batch the float model's ``k`` likeliest tokens at each position
-            and the batch's input tokens, the head and the input embedding turned (the head rounded) on those
-            rows alone. Makes a step affordable where the head dominates it (Whisper: 51,865 × 384); None (default):
-            the whole vocabulary.
+        logit_top_k: for a model whose output is logits from an output head Linear: the loss's KL over part of
+            the vocabulary, per calibration batch the float model's ``k`` likeliest tokens at each position and
+            the batch's input tokens, plus one class for all the others (its quantized mass estimated from a
+            fixed sample of 2,048 of them); the head and the input embedding turned (the head rounded) on those
+            rows alone. Makes a step affordable where the head dominates it (Whisper: 51,865 × 384); None
+            (default): the whole vocabulary.
 
     Returns:
         A :class:`Rotation` listing the streams rotated (with the matrix of each) and, for the others, why not.

@@ -1,9 +1,12 @@
 """The learned rotation's loss on part of the vocabulary (``rotate(model, "learned", logit_top_k=k)``): per
-calibration batch, the float model's ``k`` likeliest tokens at each position and the batch's input tokens; the
-output head and the input embedding turned (the head rounded) on those rows alone.
+calibration batch, the float model's ``k`` likeliest tokens at each position and the batch's input tokens, and
+one class for every other token (its quantized mass estimated from a sample of them); the output head and the
+input embedding turned (the head rounded) on those rows alone.
 
-What must hold: the restricted loss is the full model's quantized logits on those rows, renormalised (so with
-every row kept it is the full loss, and the input embedding read at the batch's tokens sees the turned rows); the
+What must hold: the restricted loss compares the full model's quantized logits on the kept rows, and the tail's
+log-sum-exp (the test models' tails are smaller than the sample: exact here), against the float model's
+log-probabilities of the same classes; so it is at most the full KL (coarse-graining), and with every row kept
+it is the full loss; the input embedding read at the batch's tokens sees the turned rows; the
 rotation it learns is exact in float64 with γ/β randomised, orthogonal to 1e-12 and mean-keeping, and lowers the
 loss; a bad ``k``, or a model whose output is no logits, is refused with the model untouched (CLI: exit 2)."""
 
@@ -55,14 +58,21 @@ def test_the_restricted_loss_is_the_full_models_logits_on_the_kept_rows(name, mo
     part, part_learned = _calls(monkeypatch, model, calib, logit_top_k=k)
     assert len(full) == len(part) == 2 * len(calib)  # the Hadamard start, then no rotation, on every batch
     kept = []
+    assert vocab <= learn.LOGIT_TAIL_SAMPLE  # the whole tail is the sample: its class is exact
     for (out, ref), (out_k, ref_k), batch in zip(full, part, calib + calib, strict=True):
         ids = [t.reshape(-1) for t in batch.values() if torch.is_tensor(t) and not t.is_floating_point()]
         rows = torch.unique(torch.cat([ref.topk(k, -1).indices.reshape(-1), *ids]))
+        tail = torch.tensor([j for j in range(vocab) if j not in set(rows.tolist())])
         kept.append(len(rows))
-        assert torch.equal(ref_k, ref.index_select(-1, rows))
-        # the same rows of the same quantized head, on the same (turned) token embeddings
-        assert float((out_k - out.index_select(-1, rows)).abs().max()) <= 1e-5 * float(out.abs().max()), name
+        logp = ref.log_softmax(-1)
+        want_ref = torch.cat([logp[..., rows], logp[..., tail].logsumexp(-1, keepdim=True)], -1)
+        assert float((ref_k - want_ref).abs().max()) <= 1e-12
+        # the same rows of the same quantized head, on the same (turned) token embeddings; the tail's log-sum-exp
+        want = torch.cat([out[..., rows], out[..., tail].logsumexp(-1, keepdim=True)], -1)
+        assert float((out_k - want).abs().max()) <= 1e-5 * float(out.abs().max()), name
     assert max(kept) < vocab  # a subset, else this proves nothing about restricting
+    for field in ("loss_hadamard", "loss_identity"):  # KL between coarse-grained distributions: at most the full
+        assert getattr(part_learned, field) <= getattr(full_learned, field) * (1 + 1e-6), field
     assert part_learned.loss_hadamard != pytest.approx(full_learned.loss_hadamard, rel=1e-6)
     # every row kept: the full loss itself
     _, all_learned = _calls(monkeypatch, model, calib, logit_top_k=vocab)
@@ -112,3 +122,27 @@ def test_cli_learn_logit_top_k_needs_rotate_learned(tmp_path):
     res = CliRunner().invoke(main, ["convert", "gpt2", "--out", str(tmp_path / "o"), "--rotate", "learned",
                                     "--learn-logit-top-k", "0"])
     assert res.exit_code == 2 and "--learn-logit-top-k" in res.output, res.output
+
+
+def test_a_sampled_tail_stands_for_every_other_token(monkeypatch):
+    """A tail larger than the sample: its class is the drawn tokens' log-sum-exp plus log(tail / drawn), the draw
+    fixed per batch (the same tokens at every step, so the loss is a fixed function of the rotation)."""
+    model = build(EXACT, "gpt2")
+    _, _, calib = _patched_for_rotation(model)
+    vocab, k, m = model.get_output_embeddings().weight.shape[0], 2, 8
+    full, _ = _calls(monkeypatch, model, calib)
+    monkeypatch.setattr(learn, "LOGIT_TAIL_SAMPLE", m)
+    part, _ = _calls(monkeypatch, model, calib, logit_top_k=k)
+    again, _ = _calls(monkeypatch, model, calib, logit_top_k=k)
+    for i, ((out, ref), (out_k, _), (out_a, _)) in enumerate(zip(full, part, again, strict=True)):
+        batch = calib[i % len(calib)]
+        ids = [t.reshape(-1) for t in batch.values() if torch.is_tensor(t) and not t.is_floating_point()]
+        rows = torch.unique(torch.cat([ref.topk(k, -1).indices.reshape(-1), *ids]))
+        tail = torch.tensor([j for j in range(vocab) if j not in set(rows.tolist())])
+        assert len(tail) > m
+        gen = torch.Generator().manual_seed(i % len(calib))  # the batch's index seeds its draw
+        draw = tail[torch.randperm(len(tail), generator=gen)[:m].sort().values]
+        want = out[..., draw].logsumexp(-1) + torch.log(torch.tensor(len(tail) / m, dtype=out.dtype))
+        assert out_k.shape[-1] == len(rows) + 1
+        assert float((out_k[..., -1] - want).abs().max()) <= 1e-5 * float(out.abs().max())
+        assert torch.equal(out_k, out_a)  # the same draw every time
