@@ -16,8 +16,11 @@ calibration batches carry the float encoder's output (``encoder_outputs``) inste
 each step runs the decoder only: the encoder's stream is not turned, so nothing the learning moves reaches
 its computation; the loss is then the decoder's own quantization error on the float encoder states (the
 encoder's weights are not rounded in it); the encoder, most of a step's work on 30-second windows, runs once.
-Prints the learning's time and peak memory, and each loss the learning computes to stderr (with the time since
-the start).
+``--logit-top-k K``: the loss's KL on each batch's ``K`` likeliest tokens per position (of the float model) and
+its forced tokens only, the 51,865-row head turned and rounded on those rows alone (``rotate(logit_top_k=K)``);
+``--steps 0 --json F`` scores the Hadamard start and no rotation only (both losses in ``F``), which is how the
+cheaper loss is checked against the full one. Prints the learning's time and peak memory, and each loss the
+learning computes to stderr (with the time since the start).
 
     python benchmarks/whisper_learned_rotation.py --orig tiny-orig --calib speech4 --clips 16 --batch 4 \
         --steps 100 --group-size 32 --grid full --output restore --out tiny-learned
@@ -25,11 +28,14 @@ the start).
     python benchmarks/whisper_learned_rotation.py --orig tiny-orig --calib speech4 --clips 16 --batch 2 \
         --steps 100 --group-size 32 --grid full+asymmetric --output none --fold turned --cache-encoder \
         --out tiny-learned-dec
+    # the same, the KL on the top 64 tokens (and the forced ones) per batch
+    python benchmarks/whisper_learned_rotation.py ... --logit-top-k 64 --json learned.json --out tiny-learned-dec-k64
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import resource
 import sys
 import time
@@ -109,7 +115,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--smooth", type=float, help="SmoothQuant's α after the turn (rotate's smooth=), measured on "
                     "the --calib clips")
     ap.add_argument("--seed", type=int, default=0, help="the Hadamard start's random signs")
-    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--logit-top-k", type=int, help="the loss's KL on each batch's K likeliest tokens per position "
+                    "(and its forced tokens) only (default: the whole vocabulary)")
+    ap.add_argument("--heads", action="store_true", help="also learn SpinQuant's R2 (one head-size rotation per "
+                    "attention layer)")
+    ap.add_argument("--json", type=Path, help="write the learning's record, time and peak memory here")
+    ap.add_argument("--out", type=Path, help="write the rotated model here (native checkpoint)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     import normswap
@@ -121,7 +132,8 @@ def main(argv: list[str] | None = None) -> None:
                   model.get_encoder().eval() if args.cache_encoder else None)
     output = None if args.output == "none" else args.output
     learn_settings = dict(bits=args.bits, act_bits=args.act_bits, group_size=args.group_size or None, grid=args.grid,
-                          steps=args.steps, lr=args.lr, scales=args.scales) if args.kind == "learned" else {}
+                          steps=args.steps, lr=args.lr, scales=args.scales, heads=args.heads,
+                          logit_top_k=args.logit_top_k) if args.kind == "learned" else {}
     progress()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -140,7 +152,15 @@ def main(argv: list[str] | None = None) -> None:
     print(rot)
     print(f"{args.kind} rotation: {seconds:.0f} s, peak RSS {peak:.0f} MB, {args.clips} clips in batches of "
           f"{args.batch}")
-    normswap.save(model, args.out)  # the benchmark reads the tokenizer and features from --orig
+    if args.json:
+        record = rot.learned.record() if rot.learned is not None else {}
+        args.json.write_text(json.dumps({"args": {k: str(v) if isinstance(v, Path) else v
+                                                  for k, v in vars(args).items()},
+                                         "learned": record, "seconds": seconds, "peak_mb": peak,
+                                         "history": rot.learned.history if rot.learned is not None else []},
+                                        indent=1))
+    if args.out:
+        normswap.save(model, args.out)  # the benchmark reads the tokenizer and features from --orig
 
 
 if __name__ == "__main__":

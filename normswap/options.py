@@ -57,7 +57,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")  # checkpoint dtypes ``conve
 VERIFY_DTYPES = ("auto", "float64", "float32")  # what the working copy computes in (normswap.memory)
 ROTATIONS = ("hadamard", "random", "learned")  # what ``rotate`` builds (normswap.rotate also takes a seed or a matrix)
 # rotate_learn's keys (normswap.rotation.learn.LearnSettings)
-LEARN_KEYS = ("bits", "act_bits", "group_size", "steps", "lr", "grid", "scales", "heads")
+LEARN_KEYS = ("bits", "act_bits", "group_size", "steps", "lr", "grid", "scales", "heads", "logit_top_k")
 ROTATE_OUTPUTS = ("rotated", "restore")  # a stream ending in a model output: turned output, or turned back
 # task name -> transformers Auto class that loads it (the --task option)
 TASKS = {

@@ -364,6 +364,11 @@ Presets (offline, seeded tiny models with tokenizers/processors):
 @click.option("--learn-scales", is_flag=True, default=None,
               help="With --rotate learned: also learn a per-channel scale between each norm and its readers "
               "(exact; the norms keep it as their weight). Not with --smooth.")
+@click.option("--learn-logit-top-k", type=click.IntRange(1), default=None, metavar="K",
+              help="With --rotate learned: the loss's KL over each calibration batch's K likeliest tokens per "
+              "position, its input tokens and one class for all other tokens (estimated from a sample), the output "
+              "head turned and rounded on those rows only (a large vocabulary's head is otherwise most of a step; "
+              "default: the whole vocabulary).")
 @click.option("--learn-heads", is_flag=True, default=None,
               help="With --rotate learned: also learn one rotation per attention layer on each head's values and "
               "the output projection's columns of that head (SpinQuant's R2; exact, weights only).")
@@ -428,6 +433,7 @@ def convert(
     learn_grid: str | None,
     learn_scales: bool | None,
     learn_heads: bool | None,
+    learn_logit_top_k: int | None,
     example_inputs: str | None,
     samples: tuple[str, ...],
     quiet: bool,
@@ -441,7 +447,7 @@ def convert(
     check_model_name(model)
     learn = {k: v for k, v in (("bits", learn_bits), ("act_bits", learn_act_bits), ("group_size", learn_group_size),
                                ("steps", learn_steps), ("grid", learn_grid), ("scales", learn_scales or None),
-                               ("heads", learn_heads or None))
+                               ("heads", learn_heads or None), ("logit_top_k", learn_logit_top_k))
              if v is not None}
     _check_combination(mode, fmt, fold_gamma, per_norm_centering, no_bias_slots, calibration_data, low_memory,
                        task, new_head, rotation, rotate_seed, rotate_output, online_hadamard, smooth, beta_placement,

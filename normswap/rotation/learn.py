@@ -62,6 +62,8 @@ from torch import nn
 from normswap.errors import NormswapError
 
 GRIDS = ("symmetric", "full", "asymmetric")
+# logit_top_k: how many of the other tokens (drawn once per batch) estimate the quantized model's tail mass
+LOGIT_TAIL_SAMPLE = 2048
 
 
 @dataclass(frozen=True)
@@ -81,7 +83,16 @@ class LearnSettings:
     (``docs/results/quantization.md``: fitted to the full grid alone, Whisper's HQQ error rose). ``scales``:
     also learn a per-channel scale between each norm of a rotated stream and its Linear readers (its log at ten
     times ``lr``). ``heads``: also learn SpinQuant's R2, one orthogonal head-size matrix per attention layer on
-    its values and output projection (:class:`HeadTensors`)."""
+    its values and output projection (:class:`HeadTensors`). ``logit_top_k``: for a model whose output is
+    logits, compare them on a subset of the vocabulary only: per calibration batch, the union over its positions
+    of the float model's ``k`` likeliest tokens and the batch's input tokens, plus one "every other token" class:
+    the KL is taken over those tokens and that class, whose float probability is exact (from the float logits)
+    and whose quantized probability is estimated from :data:`LOGIT_TAIL_SAMPLE` of the other tokens drawn once
+    per batch (their summed ``exp`` scaled by how many they stand for), so probability the rounding moves into
+    the tail still counts. The output head and the input embedding are turned (and the head rounded) on those
+    rows alone. A large vocabulary's head is otherwise most of a step's work (Whisper's 51,865 × 384 against 7M
+    decoder weights); each row of the head is rounded on its own (groups run along its inputs), so the rows kept
+    are rounded exactly as in the whole head."""
 
     bits: int = 4
     act_bits: int | None = None
@@ -91,6 +102,7 @@ class LearnSettings:
     grid: str = "symmetric"
     scales: bool = False
     heads: bool = False
+    logit_top_k: int | None = None
 
     def __post_init__(self) -> None:
         parts = self.grid.split("+") if isinstance(self.grid, str) else [None]
@@ -107,6 +119,9 @@ class LearnSettings:
         g = self.group_size
         if g is not None and (isinstance(g, bool) or not isinstance(g, int) or g < 2):
             raise NormswapError(f"learned rotation: group_size must be an int ≥ 2 or None, not {g!r}")
+        k = self.logit_top_k
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
+            raise NormswapError(f"learned rotation: logit_top_k must be an int ≥ 1 or None, not {k!r}")
         if isinstance(self.steps, bool) or not isinstance(self.steps, int) or not 0 <= self.steps <= 100_000:
             raise NormswapError(f"learned rotation: steps must be an int in [0, 100000], not {self.steps!r}")
         for flag in ("scales", "heads"):
@@ -124,7 +139,8 @@ class LearnSettings:
         what = f"W{self.bits}" + (f"A{self.act_bits}" if self.act_bits else "") \
             + (f", groups of {self.group_size}" if self.group_size else "") \
             + (f", {self.grid} grid" if self.grid != "symmetric" else "") \
-            + (", learned scales" if self.scales else "") + (", learned head rotations" if self.heads else "")
+            + (", learned scales" if self.scales else "") + (", learned head rotations" if self.heads else "") \
+            + (f", KL on the top {self.logit_top_k} logits" if self.logit_top_k else "")
         return f"{what}, {self.steps} steps"
 
 
@@ -194,7 +210,7 @@ class Learned:
         s = self.settings
         return {"bits": s.bits, "act_bits": s.act_bits, "group_size": s.group_size, "steps": s.steps, "lr": s.lr,
                 "grid": s.grid, "scales": s.scales, "scaled_norms": sorted(self.scales),
-                "heads": s.heads, "head_rotations": sorted(self.heads),
+                "heads": s.heads, "head_rotations": sorted(self.heads), "logit_top_k": s.logit_top_k,
                 "start": self.start, "loss_hadamard": self.loss_hadamard, "loss_identity": self.loss_identity,
                 "loss_start": self.loss_start, "loss_end": self.loss_end, "kept_start": self.kept_start}
 
@@ -360,6 +376,53 @@ def _is_logits(out: Any) -> bool:
     return not torch.is_tensor(out) and torch.is_tensor(getattr(out, "logits", None))
 
 
+def _head_tensors(model: nn.Module) -> tuple[str, str | None]:
+    """The output head's weight and bias names (``get_output_embeddings()``, a Linear): the vocabulary rows
+    ``logit_top_k`` restricts."""
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    if not isinstance(head, nn.Linear):
+        raise NormswapError("learned rotation: logit_top_k needs a model whose logits come from an output head "
+                            f"Linear (get_output_embeddings()); {type(model).__name__} has "
+                            f"{type(head).__name__ if head is not None else 'none'}: leave logit_top_k unset")
+    path = next(p for p, m in model.named_modules() if m is head)
+    prefix = f"{path}." if path else ""
+    return prefix + "weight", (prefix + "bias" if head.bias is not None else None)
+
+
+@dataclass
+class _VocabRows:
+    """One calibration batch's share of the vocabulary (``LearnSettings.logit_top_k``): ``rows`` (sorted ids),
+    ``source`` = the output head's tensors (weight, bias) and the input embedding's (tied to the head or not)
+    restricted to those rows, ``tables`` = the input embedding's names, read as full tables: the batch's tokens are
+    among ``rows``, so only those rows need turning; the others keep their start value, which nothing reads."""
+
+    rows: torch.Tensor
+    source: dict[str, torch.Tensor]
+    tables: list[str]
+    kept: int = 0  # rows[:kept]: the likeliest and input tokens; rows[kept:]: the sample of the others
+    tail_weight: float | None = None  # log(others / sampled): the sample's exp-sum scaled to the whole tail
+
+    def logits(self, out: torch.Tensor) -> torch.Tensor:
+        """The quantized logits on the kept tokens, and one for the tail: the sample's log-sum-exp scaled to the
+        tail's size (with no tail, the kept tokens are the whole vocabulary)."""
+        if self.tail_weight is None:
+            return out
+        tail = out[..., self.kept:].logsumexp(-1, keepdim=True) + self.tail_weight
+        return torch.cat([out[..., :self.kept], tail], dim=-1)
+
+
+def _batch_ids(args: tuple, kwargs: dict, vocab: int) -> list[torch.Tensor]:
+    """Every integer entry of a batch's inputs that can be a token id (ids, and harmless 0/1 of a mask): the rows
+    a tied input embedding reads."""
+    out = []
+    for t in (*args, *kwargs.values()):
+        if torch.is_tensor(t) and not t.is_floating_point() and not t.is_complex() and t.dtype != torch.bool:
+            flat = t.reshape(-1).long()
+            out.append(flat[(flat >= 0) & (flat < vocab)])
+    return out
+
+
 def optimise(model: nn.Module, streams: list[StreamTensors], batches: list[tuple[tuple, dict]],
              settings: LearnSettings,
              heads: list[HeadTensors] | None = None) -> tuple[dict[str, torch.Tensor], Learned]:
@@ -393,12 +456,17 @@ def optimise(model: nn.Module, streams: list[StreamTensors], batches: list[tuple
         aliases.setdefault(id(t), []).append(name)
 
     def turned(rs: dict[str, torch.Tensor], ss: dict[str, torch.Tensor] | None = None,
-               r2s: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+               r2s: dict[str, torch.Tensor] | None = None, vocab: _VocabRows | None = None) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
+        src = vocab.source if vocab is not None else {}
+
+        def start(name: str) -> torch.Tensor:
+            return out[name] if name in out else src[name] if name in src else state[name]
+
         for st in streams:
             r = rs[st.key]
             for name, axis, rows in st.turned:
-                out[name] = _turn(out.get(name, state[name]), axis, r, rows)
+                out[name] = _turn(start(name), axis, r, rows)
             for name in st.restore:
                 out[name] = r.T.to(state[name].dtype) @ state[name]
             for name in st.ops:
@@ -406,14 +474,19 @@ def optimise(model: nn.Module, streams: list[StreamTensors], batches: list[tuple
             for norm, own, readers in st.scaled if ss else ():
                 s = ss[norm]
                 for name in own:  # the norm's weight (and a kept bias) ÷ s
-                    out[name] = out.get(name, state[name]) / s.to(state[name].dtype)
+                    out[name] = start(name) / s.to(state[name].dtype)
                 for name, axis, rows in readers:  # its readers' input columns × s
-                    out[name] = _scale(out.get(name, state[name]), axis, s, rows)
+                    out[name] = _scale(start(name), axis, s, rows)
         for h in heads if r2s else ():  # R2 on the head axis: the stream's R (other axis) commutes with it
             for name, axis in h.turned:
-                out[name] = turn_heads(out.get(name, state[name]), axis, r2s[h.key])
+                out[name] = turn_heads(start(name), axis, r2s[h.key])
         for name in list(out):
             out.update({alias: out[name] for alias in aliases[id(state[name])]})
+        if vocab is not None:  # the head on its rows only (turned or not); a tied table full size again
+            for name, t in src.items():
+                out.setdefault(name, t)
+            for name in vocab.tables:
+                out[name] = state[name].index_copy(0, vocab.rows, out[name].to(state[name].dtype))
         return out
 
     with torch.no_grad():
@@ -423,6 +496,39 @@ def optimise(model: nn.Module, streams: list[StreamTensors], batches: list[tuple
                                                   for args, kwargs in batches[1:]]
     masks = [kwargs.get("attention_mask") for _, kwargs in batches]
     quant = _Quantized(model, settings)
+    vocab_rows: list[_VocabRows | None] = [None] * len(batches)
+    if settings.logit_top_k is not None:
+        if not logits:
+            raise NormswapError(f"learned rotation: logit_top_k applies to a model whose output is logits; "
+                                f"{type(model).__name__}'s is {type(first).__name__}: leave logit_top_k unset")
+        head_w, head_b = _head_tensors(model)
+        # the input embedding's rows read are the batch's tokens: turned on the kept rows only, like the head
+        # (tied to it or not: a γ folded into the head unties them)
+        get_emb = getattr(model, "get_input_embeddings", None)
+        emb = get_emb() if callable(get_emb) else None
+        emb_names = aliases.get(id(emb.weight), []) if isinstance(emb, nn.Embedding) \
+            and emb.weight.shape[0] == state[head_w].shape[0] else []
+        tables = sorted({*aliases[id(state[head_w])], *emb_names} - {head_w})
+        for i, (args, kwargs) in enumerate(batches):
+            size = refs[i].shape[-1]
+            likeliest = refs[i].topk(min(settings.logit_top_k, size), -1).indices.reshape(-1)
+            kept = torch.unique(torch.cat([likeliest, *_batch_ids(args, kwargs, size)]))
+            others = torch.ones(size, dtype=torch.bool)
+            others[kept] = False
+            tail = others.nonzero().reshape(-1)
+            logp = refs[i].log_softmax(-1)
+            refs[i] = logp.index_select(-1, kept)  # log-probabilities: the loss's log_softmax leaves them as they are
+            rows, weight = kept, None
+            if len(tail):  # the tail as one class: its float log-mass exact, its quantized one from a sample
+                draw = torch.randperm(len(tail), generator=torch.Generator().manual_seed(i))[:LOGIT_TAIL_SAMPLE]
+                sample = tail[draw.sort().values]
+                rows, weight = torch.cat([kept, sample]), float(torch.log(torch.tensor(len(tail) / len(sample))))
+                refs[i] = torch.cat([refs[i], logp.index_select(-1, tail).logsumexp(-1, keepdim=True)], dim=-1)
+            del logp
+            source = {n: state[n].index_select(0, rows) for n in (head_w, *tables)}
+            if head_b is not None:
+                source[head_b] = state[head_b].index_select(0, rows)
+            vocab_rows[i] = _VocabRows(rows, source, tables, len(kept), weight)
 
     grids = settings.grids
 
@@ -430,9 +536,12 @@ def optimise(model: nn.Module, streams: list[StreamTensors], batches: list[tuple
                 grid: str = grids[0], r2s: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
         args, kwargs = batches[i]
         # tie_weights=False: a weight tied to a writer (an LM head) is rounded where its matmul reads it only
-        out = functional_call(model, quant.params(turned(rs, ss, r2s), grid), args, kwargs, tie_weights=False,
-                              strict=False)
-        return output_error(output_tensor(out).to(refs[i].dtype), refs[i], logits, masks[i])
+        out = functional_call(model, quant.params(turned(rs, ss, r2s, vocab_rows[i]), grid), args, kwargs,
+                              tie_weights=False, strict=False)
+        out = output_tensor(out).to(refs[i].dtype)
+        if vocab_rows[i] is not None:
+            out = vocab_rows[i].logits(out)
+        return output_error(out, refs[i], logits, masks[i])
 
     def mean_loss(rs: dict[str, torch.Tensor], ss: dict[str, torch.Tensor] | None = None,
                   r2s: dict[str, torch.Tensor] | None = None) -> float:

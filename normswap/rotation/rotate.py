@@ -574,7 +574,7 @@ def rotate(model: nn.Module, q: str | int | torch.Tensor = "hadamard", *, seed: 
            online: bool = False, output: str | None = None, smooth: float | None = None,
            calibration: Any = None, bits: int = 4, act_bits: int | None = None, group_size: int | None = None,
            steps: int = 100, lr: float = 1e-3, grid: str = "symmetric", scales: bool = False,
-           heads: bool = False) -> Rotation:
+           heads: bool = False, logit_top_k: int | None = None) -> Rotation:
     """Multiply every rotation-ready residual stream of a converted model by an orthogonal matrix.
 
     Args:
@@ -642,6 +642,12 @@ def rotate(model: nn.Module, q: str | int | torch.Tensor = "hadamard", *, seed: 
             each head's values (the value projection's rows and bias) and the output projection's columns of
             that head; weights only, no op, exact (attention is linear in each head's values). With
             ``online=True`` it is learned on top of the per-head Hadamard.
+        logit_top_k: for a model whose output is logits from an output head Linear: the loss's KL over part of
+            the vocabulary, per calibration batch the float model's ``k`` likeliest tokens at each position and
+            the batch's input tokens, plus one class for all the others (its quantized mass estimated from a
+            fixed sample of 2,048 of them); the head and the input embedding turned (the head rounded) on those
+            rows alone. Makes a step affordable where the head dominates it (Whisper: 51,865 × 384); None
+            (default): the whole vocabulary.
 
     Returns:
         A :class:`Rotation` listing the streams rotated (with the matrix of each) and, for the others, why not.
@@ -665,13 +671,13 @@ def rotate(model: nn.Module, q: str | int | torch.Tensor = "hadamard", *, seed: 
         from normswap.rotation import learn
 
         settings = learn.LearnSettings(bits=bits, act_bits=act_bits, group_size=group_size, steps=steps, lr=lr,
-                                       grid=grid, scales=scales, heads=heads)
+                                       grid=grid, scales=scales, heads=heads, logit_top_k=logit_top_k)
         if scales and smooth is not None:
             raise NormswapError("scales (learned) and smooth both set each norm's scale: pass one of them")
-    elif (bits, act_bits, group_size, steps, lr, grid, scales, heads) \
-            != (4, None, None, 100, 1e-3, "symmetric", False, False):
-        raise NormswapError("bits, act_bits, group_size, steps, lr, grid, scales and heads apply to a learned "
-                            "rotation: pass q='learned' (--rotate learned) too")
+    elif (bits, act_bits, group_size, steps, lr, grid, scales, heads, logit_top_k) \
+            != (4, None, None, 100, 1e-3, "symmetric", False, False, None):
+        raise NormswapError("bits, act_bits, group_size, steps, lr, grid, scales, heads and logit_top_k apply to a "
+                            "learned rotation: pass q='learned' (--rotate learned) too")
     if smooth is not None or settings is not None:  # checked and resolved before anything turns
         from normswap.rotation import smooth as smoothing
 
