@@ -14,7 +14,11 @@ error energy (what the next LayerNorm keeps) split per column, ``Σ_t x_j(t)² �
 terms between columns left out), for the original's and the converted rounding. Printed: per writer the
 converted / original energy, and the same for the top ``--top`` activation columns and for the rest.
 
-    python benchmarks/whisper_moved_columns.py ORIG CONV SPEECH_DIR [--clips 2] [--top 8] [--json out.json]
+``--nulls K``: how much of the error each exact shift of the original re-draws (entries whose rounding changes,
+and their share of the activation-weighted error energy): the conversion's centring, K random-vector shifts
+and 3 random-sign shifts (``whisper_null_draws.py``).
+
+    python benchmarks/whisper_moved_columns.py ORIG CONV SPEECH_DIR [--clips 2] [--top 8] [--nulls 8] [--json out.json]
 """
 
 from __future__ import annotations
@@ -50,11 +54,33 @@ def column_energy(w: torch.Tensor, act_sq: torch.Tensor) -> torch.Tensor:
     return act_sq * e.pow(2).sum(0)
 
 
+def _step(w: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
+    """Each entry's 4-bit step (its block's largest magnitude / 8)."""
+    out, k = w.shape
+    b = w.abs().reshape(out, k // block, block)
+    return (b.amax(-1, keepdim=True) / 8).expand_as(b).reshape(out, k)
+
+
+def redrawn(w: torch.Tensor, moved: torch.Tensor, act_sq: torch.Tensor) -> tuple[float, float]:
+    """How much of ``w``'s rounding ``moved`` (``w`` shifted, same function) draws anew: the share of entries
+    whose rounding error jumps by more than a quarter step (another code; the shift itself drifts an error by
+    ~3% of a step), and the share of ``w``'s activation-weighted error energy ``Σ act_sq[j] E[o, j]²`` on those
+    entries (a re-rounded entry of a column with a large activation counts for more)."""
+    e = rtn4(w.float()).double() - w.double()
+    e2 = rtn4(moved.float()).double() - moved.double()
+    changed = (e2 - e).abs() > 0.25 * _step(w.double())
+    energy = act_sq * e.pow(2)
+    return float(changed.double().mean()), float(energy[changed].sum() / energy.sum())
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("paths", type=Path, nargs=3, help="ORIG CONV SPEECH_DIR")
     ap.add_argument("--clips", type=int, default=2)
     ap.add_argument("--top", type=int, default=8, help="the columns with the largest activations, per writer")
+    ap.add_argument("--nulls", type=int, default=0,
+                    help="also the shares of error re-drawn by K random-vector shifts and 3 random-sign shifts of the "
+                         "original (whisper_null_draws.shift), against the conversion's")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     orig_dir, conv_dir, speech = args.paths
@@ -109,8 +135,35 @@ def main(argv: list[str] | None = None) -> None:
     print(f"\ngeometric mean over {len(rows)} writers, converted / original centred error energy: all "
           f"{tot['energy_all']:.3f}, top-{args.top} activation columns {tot['energy_top']:.3f}, the rest "
           f"{tot['energy_rest']:.3f}")
+    out = {"clips": args.clips, "top": args.top, "rows": rows, "geomean": tot}
+    if args.nulls:
+        import copy
+
+        import whisper_null_draws
+
+        shifts = {"conversion (centring)": wc}
+        for seed in range(1, args.nulls + 1):
+            m = copy.deepcopy(original)
+            whisper_null_draws.shift(m, seed)
+            shifts[f"random vector, seed {seed}"] = writers(m)
+        for seed in (1, 2, 3):
+            m = copy.deepcopy(original)
+            whisper_null_draws.shift(m, seed, signs=True)
+            shifts[f"mean row, random signs, seed {seed}"] = writers(m)
+        m = copy.deepcopy(original)
+        whisper_null_draws.shift(m, 0, alpha=-1.0)
+        shifts["−1 × mean row"] = writers(m)
+        print("\n| the original's writers moved by | entries re-rounded | activation-weighted error energy re-drawn "
+              "(mean over writers) |\n|---|---|---|")
+        out["redrawn"] = {}
+        for label, moved in shifts.items():
+            got = [redrawn(ws[n].weight.detach(), moved[n].weight.detach(), act_sq[n]) for n in ws]
+            share, energy = float(np.mean([g[0] for g in got])), float(np.mean([g[1] for g in got]))
+            out["redrawn"][label] = {"entries": share, "energy": energy,
+                                     "per_writer": {n: g for n, g in zip(ws, got, strict=True)}}
+            print(f"| {label} | {share:.1%} | {energy:.1%} |", flush=True)
     if args.json:
-        args.json.write_text(json.dumps({"clips": args.clips, "top": args.top, "rows": rows, "geomean": tot}))
+        args.json.write_text(json.dumps(out))
 
 
 if __name__ == "__main__":
