@@ -185,12 +185,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--skip", type=int, default=0, help="skip each SPEECH_DIR's first clips")
     ap.add_argument("--seeds", default="0-8", help="draws, e.g. 0-8 or 0,3,5 (0: as shipped)")
     ap.add_argument("--variants", default="", help="comma list of extra variants of the conversion: rms")
+    ap.add_argument("--only", default="", help="comma list: measure only these models (original, conversion, "
+                    "conversion-rms); --table joins runs of one clip set and seeds model by model")
     ap.add_argument("--ref-cache", type=Path, help="the float original's log-probs, saved / reused")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--table", type=Path, nargs="+", help="print the pooled table of these JSON files and exit")
     args = ap.parse_args(argv)
-    if args.table:
-        print(table([json.loads(p.read_text()) for p in args.table]))
+    if args.table:  # each file: one run, or a list of runs (the docs' raw figures)
+        runs = [json.loads(p.read_text()) for p in args.table]
+        print(table([r for run in runs for r in (run if isinstance(run, list) else [run])]))
         return
     orig_dir, conv_dir, *speech = args.paths
     extra = [v for v in args.variants.split(",") if v]
@@ -216,6 +219,8 @@ def main(argv: list[str] | None = None) -> None:
         models["conversion-rms"] = rms_norms(copy.deepcopy(conv))
         got, _ = forced_logp(models["conversion-rms"], feats[:1], ids[:1])
         print(f"conversion-rms, float32, no rounding: KL to the original {clip_kl(ref[:1], got)[0]:.2e} (clip 0)")
+    if args.only:
+        models = {n: m for n, m in models.items() if n in args.only.split(",")}
     seeds = parse_seeds(args.seeds)
     result = {"clips": len(clips), "speech": [str(d) for d in speech], "skip": args.skip, "seeds": [],
               "positions": [len(r) for r in ref], "kl": {n: [] for n in models}}
