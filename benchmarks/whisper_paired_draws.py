@@ -1,0 +1,242 @@
+"""Whisper at 4-bit weights, original against its conversion, judged over paired rounding draws.
+
+One set of rounded weights is one draw of "which numbers fall in which block": a clip bootstrap resamples
+clips for that fixed set and cannot see it. :func:`reordered` re-writes a Whisper so that it computes the
+same function (float64: ~1e-15) but ``MatMulNBits`` rounds other numbers: every MLP's hidden neurons in
+another order (``fc1`` rows and bias, ``fc2`` columns), and in every attention (self and cross) the heads
+in another order (q/k/v rows and biases by head) and the value dimensions inside each head (``v_proj``
+rows, ``out_proj`` columns). A block holds 32 consecutive *input* features of one output column, so the
+writers (``fc2``, ``out_proj``) get other blocks while the readers' blocks keep their entries (their rows
+move). The same seed reorders the original and the conversion the same way, and the conversion's row
+centring commutes with a column permutation, so draw N of the conversion *is* the conversion of the
+original's draw N: a pair. Seed 0 is each model as shipped.
+
+Every Linear is rounded on ``MatMulNBits``' RTN grid in float (``whisper_nbits_groups.rtn4``, checked
+against ONNX Runtime's own weights there: 1.2e-5 of weights differ, float32 ties); the error is the
+teacher-forced KL against the unrounded float32 original, summed per clip. The ratio is of the means over
+draws and clips, its 95% interval resampling clips and draw pairs together (``bench_quanto.draw_ratio``).
+
+Extra variants, each with the same draws (``--variants``):
+
+* ``rms``: the conversion with every LayerNorm computed as RMSNorm with the same γ and β and one mean
+  subtraction at the encoder's first layer (the native format's graph; what a runtime that swaps the compat
+  checkpoint's norms runs): the quantization error's per-token mean, which a LayerNorm removes, then reaches
+  every later norm. Exact in float (the streams are zero-mean); the compat checkpoint as measured keeps its
+  LayerNorms, which subtract that mean before every norm already.
+
+    python benchmarks/whisper_paired_draws.py ORIG CONV SPEECH_DIR [SPEECH_DIR ...] --clips 20 \
+        --seeds 0-8 [--variants rms] [--ref-cache ref.pt] --json out.json
+    python benchmarks/whisper_paired_draws.py --table out.json [more.json ...]   # pooled, no model run
+
+``--table`` joins runs of one clip set made with other seeds (one set split over processes), then pools clip
+sets over the seeds each has.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_quant_whisper as bq  # noqa: E402
+from bench_quanto import draw_ratio  # noqa: E402
+from speech_samples import load_clips  # noqa: E402
+from whisper_nbits_groups import clip_kl, forced_logp, rtn4  # noqa: E402
+
+
+def _layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    inner = model.model if hasattr(model, "model") else model
+    return [*inner.encoder.layers, *inner.decoder.layers]
+
+
+def _reorder_attention(att: torch.nn.Module, g: torch.Generator) -> None:
+    """Heads in another order (q/k/v rows by head, dims kept for q·k), value dims shuffled inside each head,
+    ``out_proj``'s columns read them back: the same attention, other ``out_proj`` blocks."""
+    heads, width = att.num_heads, att.head_dim
+    order = torch.randperm(heads, generator=g)
+    qk = (order[:, None] * width + torch.arange(width)).reshape(-1)
+    v = (order[:, None] * width + torch.stack([torch.randperm(width, generator=g) for _ in range(heads)]))
+    v = v.reshape(-1)
+    for proj, idx in ((att.q_proj, qk), (att.k_proj, qk), (att.v_proj, v)):
+        proj.weight.copy_(proj.weight[idx])
+        if proj.bias is not None:
+            proj.bias.copy_(proj.bias[idx])
+    att.out_proj.weight.copy_(att.out_proj.weight[:, v])
+
+
+def reordered(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """A copy of ``model`` (a Whisper, original or converted) that computes the same function with its
+    writers' 4-bit blocks holding other entries (module docstring); seed 0: the model itself, uncopied.
+    The same seed gives the same reordering on any Whisper of the same shape."""
+    if seed == 0:
+        return model
+    out = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for layer in _layers(out):
+            p = torch.randperm(layer.fc1.out_features, generator=g)
+            layer.fc1.weight.copy_(layer.fc1.weight[p])
+            layer.fc1.bias.copy_(layer.fc1.bias[p])
+            layer.fc2.weight.copy_(layer.fc2.weight[:, p])
+            _reorder_attention(layer.self_attn, g)
+            if hasattr(layer, "encoder_attn"):
+                _reorder_attention(layer.encoder_attn, g)
+    return out
+
+
+class RMSAsLayerNorm(torch.nn.Module):
+    """A LayerNorm's γ and β around RMSNorm: ``x / rms(x) · γ + β`` (no mean subtraction)."""
+
+    def __init__(self, ln: torch.nn.LayerNorm) -> None:
+        super().__init__()
+        self.weight, self.bias, self.eps = ln.weight, ln.bias, ln.eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight + self.bias
+
+
+def rms_norms(model: torch.nn.Module) -> torch.nn.Module:
+    """A converted Whisper (in place) as the native format runs it: every ``nn.LayerNorm`` computed as
+    :class:`RMSAsLayerNorm`, and one mean subtraction where the encoder's stream starts (its stem ends in a
+    GELU, so no weight edit centres it; the conversion's plan puts its one centering op there)."""
+    for name, mod in list(model.named_modules()):
+        if isinstance(mod, torch.nn.LayerNorm):
+            parent, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, leaf, RMSAsLayerNorm(mod))
+    first = _layers(model)[0]
+    first.register_forward_pre_hook(lambda _m, args: (args[0] - args[0].mean(-1, keepdim=True), *args[1:]))
+    return model
+
+
+def rounded(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``model`` with every Linear on ``MatMulNBits``' RTN 4-bit grid (the LM head included, as
+    ONNX Runtime quantizes it; a fresh parameter each, so a tied head is rounded apart from the embedding)."""
+    out = copy.deepcopy(model)
+    for mod in out.modules():
+        if isinstance(mod, torch.nn.Linear):
+            mod.weight = torch.nn.Parameter(rtn4(mod.weight.detach()), requires_grad=False)
+    return out
+
+
+def parse_seeds(text: str) -> list[int]:
+    seeds: list[int] = []
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        seeds += list(range(int(lo), int(hi or lo) + 1))
+    return seeds
+
+
+def pooled(results: list[dict]) -> tuple[list[int], dict[str, np.ndarray], float]:
+    """Runs of one clip set with other seeds joined (a set split over processes), then the clip sets side by
+    side over the seeds every set has: the seeds, per variant the KL array ``[draws, clips]``, the positions."""
+    sets: dict[tuple, dict] = {}
+    for r in results:
+        key = (tuple(r["speech"]), r["skip"], r["clips"])
+        if key not in sets:
+            sets[key] = {"positions": r["positions"], "kl": {}}
+        for name, rows in r["kl"].items():
+            got = sets[key]["kl"].setdefault(name, {})
+            for seed, row in zip(r["seeds"], rows, strict=False):  # a stopped run: fewer rows for its last variants
+                got[seed] = row
+    common = sorted(set.intersection(*(set.intersection(*(set(v) for v in s["kl"].values())) for s in sets.values())))
+    names = list(next(iter(sets.values()))["kl"])
+    kl = {n: np.concatenate([np.array([s["kl"][n][seed] for seed in common]) for s in sets.values()], axis=1)
+          for n in names if all(n in s["kl"] for s in sets.values())}
+    return common, kl, float(sum(sum(s["positions"]) for s in sets.values()))
+
+
+def table(results: list[dict]) -> str:
+    """Pooled (:func:`pooled`): per variant, the ratio of the mean KL over draws and clips to the original's,
+    95% interval over draw pairs and clips together (``draw_ratio``), the as-shipped pair, and each pair's."""
+    seeds, kl, positions = pooled(results)
+    if not seeds:
+        raise SystemExit("no seed measured in every clip set")
+    orig = kl["original"]
+    lines = [f"{len(seeds)} paired draws (seeds {', '.join(map(str, seeds))}; 0: as shipped), {orig.shape[1]} clips, "
+             f"{int(positions)} positions; simulated MatMulNBits RTN 4-bit", "",
+             "| variant | KL/clip, mean over draws (sd between draws) | ratio to original (95% CI, draws and clips) | "
+             "as shipped | per pair |", "|---|---|---|---|---|"]
+    for name, k in kl.items():
+        per = k.mean(1)
+        if name == "original":
+            own = ", ".join(f"{p / per[0]:.3f}" for p in per[1:]) if seeds[0] == 0 else "–"
+            lines.append(f"| original | {per.mean():.4f} ({per.std(ddof=1):.4f}) | 1 | – | own draws / as shipped: "
+                         f"{own} |")
+            continue
+        r, lo, hi = draw_ratio(orig, k, paired=True)
+        pairs = per / orig.mean(1)
+        shipped = f"{pairs[0]:.3f}" if seeds[0] == 0 else "–"
+        lines.append(f"| {name} | {per.mean():.4f} ({per.std(ddof=1):.4f}) | **{r:.3f}** ({lo:.3f}-{hi:.3f}) | "
+                     f"{shipped} | {', '.join(f'{p:.3f}' for p in pairs)} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("paths", type=Path, nargs="*", help="ORIG CONV SPEECH_DIR [SPEECH_DIR ...]")
+    ap.add_argument("--clips", type=int, default=20, help="clips from each SPEECH_DIR (its first ones)")
+    ap.add_argument("--skip", type=int, default=0, help="skip each SPEECH_DIR's first clips")
+    ap.add_argument("--seeds", default="0-8", help="draws, e.g. 0-8 or 0,3,5 (0: as shipped)")
+    ap.add_argument("--variants", default="", help="comma list of extra variants of the conversion: rms")
+    ap.add_argument("--only", default="", help="comma list: measure only these models (original, conversion, "
+                    "conversion-rms); --table joins runs of one clip set and seeds model by model")
+    ap.add_argument("--ref-cache", type=Path, help="the float original's log-probs, saved / reused")
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--table", type=Path, nargs="+", help="print the pooled table of these JSON files and exit")
+    args = ap.parse_args(argv)
+    if args.table:  # each file: one run, or a list of runs (the docs' raw figures)
+        runs = [json.loads(p.read_text()) for p in args.table]
+        print(table([r for run in runs for r in (run if isinstance(run, list) else [run])]))
+        return
+    orig_dir, conv_dir, *speech = args.paths
+    extra = [v for v in args.variants.split(",") if v]
+    if any(v != "rms" for v in extra):
+        raise SystemExit(f"unknown variant in --variants {args.variants!r} (known: rms)")
+    from transformers import AutoTokenizer
+
+    bq.set_prompt(orig_dir)
+    clips = [c for d in speech for c in load_clips(d)[args.skip: args.skip + args.clips]]
+    feats = torch.from_numpy(bq.features(orig_dir, clips))
+    tok = AutoTokenizer.from_pretrained(orig_dir)
+    ids = [torch.tensor([*bq.SOT_NOTS, *tok.encode(" " + t.strip(), add_special_tokens=False)]) for _, t in clips]
+    original = bq.whisper_model(orig_dir)
+    conv = bq.whisper_model(conv_dir)
+    if args.ref_cache and args.ref_cache.exists():
+        ref = torch.load(args.ref_cache)
+    else:
+        ref, _ = forced_logp(original, feats, ids)
+        if args.ref_cache:
+            torch.save(ref, args.ref_cache)
+    models = {"original": original, "conversion": conv}
+    if "rms" in extra:
+        models["conversion-rms"] = rms_norms(copy.deepcopy(conv))
+        got, _ = forced_logp(models["conversion-rms"], feats[:1], ids[:1])
+        print(f"conversion-rms, float32, no rounding: KL to the original {clip_kl(ref[:1], got)[0]:.2e} (clip 0)")
+    if args.only:
+        models = {n: m for n, m in models.items() if n in args.only.split(",")}
+    seeds = parse_seeds(args.seeds)
+    result = {"clips": len(clips), "speech": [str(d) for d in speech], "skip": args.skip, "seeds": [],
+              "positions": [len(r) for r in ref], "kl": {n: [] for n in models}}
+    for seed in seeds:
+        t0 = time.time()
+        for name, model in models.items():
+            got, _ = forced_logp(rounded(reordered(model, seed)), feats, ids)
+            result["kl"][name].append(clip_kl(ref, got).tolist())
+        result["seeds"].append(seed)
+        line = ", ".join(f"{n} {np.mean(k[-1]):.4f}" for n, k in result["kl"].items())
+        print(f"seed {seed}: KL/clip {line} ({time.time() - t0:.0f} s)", flush=True)
+        if args.json:  # after every draw, so a stopped run keeps what it measured
+            args.json.write_text(json.dumps(result))
+    print()
+    print(table([result]))
+
+
+if __name__ == "__main__":
+    main()

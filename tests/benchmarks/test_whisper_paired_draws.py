@@ -1,0 +1,132 @@
+"""Pieces of ``benchmarks/whisper_paired_draws.py``: the exact reordering that draws another 4-bit rounding of a
+Whisper's writers, applied alike to the original and its compat conversion, and the native-format variant
+(RMSNorm with one centering op) of the conversion.
+
+What could be silently wrong: a reordering that changes the function (a "draw" would then measure another
+model), one that leaves every ``MatMulNBits`` block of a writer as it was (no draw), a reader whose blocks
+change (the draw would no longer be of the writers only), a converted draw that is not the conversion of the
+original's draw with the same seed (no pair), and an ``rms`` variant that is not the conversion's function.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import transformers as tf
+
+from tests import benchmark_modules
+
+draws = benchmark_modules.load("whisper_paired_draws")
+groups = benchmark_modules.load("whisper_nbits_groups")
+
+
+def _tiny_whisper() -> torch.nn.Module:
+    """2 + 2 layers, width 64 (4 heads of 16: ``out_proj`` has two blocks of 32), FFN 128, LayerNorm γ/β random."""
+    config = tf.WhisperConfig(d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                              decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, vocab_size=99,
+                              num_mel_bins=8, max_source_positions=16, max_target_positions=32,
+                              decoder_start_token_id=0, pad_token_id=0, bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    model = tf.WhisperForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for mod in model.modules():
+            if isinstance(mod, torch.nn.LayerNorm):
+                mod.weight.uniform_(0.5, 1.5)
+                mod.bias.normal_(0, 0.3)
+    return model
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> tuple[torch.nn.Module, torch.nn.Module, dict]:
+    import normswap
+
+    root = tmp_path_factory.mktemp("whisper_draws")
+    _tiny_whisper().double().save_pretrained(root / "orig")  # float64 on disk: "auto" keeps it
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        normswap.convert(root / "orig", root / "compat", format="compat", dtype="auto")
+    original = tf.WhisperForConditionalGeneration.from_pretrained(root / "orig", dtype=torch.float64).eval()
+    converted = tf.WhisperForConditionalGeneration.from_pretrained(root / "compat", dtype=torch.float64).eval()
+    g = torch.Generator().manual_seed(1)
+    inputs = {"input_features": torch.randn(2, 8, 32, generator=g, dtype=torch.float64),
+              "decoder_input_ids": torch.randint(1, 99, (2, 6), generator=g)}
+    return original.double(), converted, inputs
+
+
+def _logits(model: torch.nn.Module, inputs: dict) -> torch.Tensor:
+    with torch.no_grad():
+        return model(**inputs, use_cache=False).logits
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max())
+
+
+def test_a_draw_is_exact_for_the_original_and_its_conversion(models) -> None:
+    original, converted, inputs = models
+    ref = _logits(original, inputs)
+    assert _rel(_logits(converted, inputs), ref) < 1e-9  # the compat conversion itself, float64
+    for model in (original, converted):
+        for seed in (1, 2):
+            assert _rel(_logits(draws.reordered(model, seed), inputs), ref) < 1e-9
+    assert draws.reordered(original, 0) is original  # seed 0: the model as shipped
+
+
+def test_a_draw_rounds_other_writer_blocks_and_the_same_reader_rows(models) -> None:
+    original, _, _ = models
+    drawn = draws.reordered(original, 3)
+    redrawn = []
+    for name, new in drawn.named_modules():
+        if not isinstance(new, torch.nn.Linear) or name == "proj_out":
+            continue
+        old = original.get_submodule(name)
+        if name.rsplit(".", 1)[-1] in ("out_proj", "fc2"):  # columns moved: a block may hold other entries
+            redrawn.append((name, not torch.equal(groups.rtn4(new.weight).sort(1).values,
+                                                  groups.rtn4(old.weight).sort(1).values)))
+        else:  # rows moved whole: each block keeps its entries, the rounded rows are the original's reordered
+            assert torch.equal(groups.rtn4(new.weight).sort(0).values, groups.rtn4(old.weight).sort(0).values)
+    # every fc2 (4 blocks of 32 neurons) rounds other numbers; an out_proj (2 blocks of 2 heads) may keep its
+    # blocks' sets when the head order does, but not all of them do
+    assert all(changed for name, changed in redrawn if name.endswith("fc2"))
+    assert any(changed for name, changed in redrawn if name.endswith("out_proj"))
+
+
+def test_the_converted_draw_is_the_conversion_of_the_originals_draw(models) -> None:
+    original, converted, _ = models
+    a, b = draws.reordered(original, 4), draws.reordered(converted, 4)
+    for name, mod in a.named_modules():
+        if isinstance(mod, torch.nn.Linear) and name.rsplit(".", 1)[-1] in ("out_proj", "fc2"):
+            w = mod.weight
+            centred = w - w.mean(0, keepdim=True)  # compat's writer edit: every row minus the mean row
+            assert (b.get_submodule(name).weight - centred).abs().max() < 1e-12 * w.abs().max()
+
+
+def test_the_native_shaped_variant_computes_the_conversion(models) -> None:
+    import copy
+
+    original, converted, inputs = models
+    rms = draws.rms_norms(copy.deepcopy(converted))
+    assert not any(isinstance(m, torch.nn.LayerNorm) for m in rms.modules())
+    assert _rel(_logits(rms, inputs), _logits(original, inputs)) < 1e-9
+    # without its one centering op the encoder's stream (a GELU stem) is not zero-mean: the op is needed
+    plain = draws.rms_norms(copy.deepcopy(converted))
+    plain.model.encoder.layers[0]._forward_pre_hooks.clear()
+    assert _rel(_logits(plain, inputs), _logits(original, inputs)) > 1e-3
+
+
+def test_runs_split_over_seeds_join_and_clip_sets_pool_over_the_seeds_all_have() -> None:
+    def run(speech: str, seeds: list[int], clips: int, scale: float) -> dict:
+        kl = {"original": [[1.0 + s] * clips for s in seeds],
+              "conversion": [[scale * (1.0 + s)] * clips for s in seeds]}
+        return {"speech": [speech], "skip": 0, "clips": clips, "seeds": seeds, "positions": [5] * clips, "kl": kl}
+
+    # speech2 measured by two processes (seeds 0-1 and 2-3), speech by one that stopped after seed 2
+    seeds, kl, positions = draws.pooled([run("a", [0, 1, 2], 2, 1.1), run("b", [0, 1], 3, 1.1),
+                                         run("b", [2, 3], 3, 1.1)])
+    assert seeds == [0, 1, 2]  # seed 3 is in one clip set only
+    assert kl["original"].shape == (3, 5) and positions == 25
+    assert kl["original"][:, 0].tolist() == [1.0, 2.0, 3.0] and kl["original"][:, 4].tolist() == [1.0, 2.0, 3.0]
+    text = draws.table([run("a", [0, 1, 2], 2, 1.1), run("b", [0, 1], 3, 1.1), run("b", [2, 3], 3, 1.1)])
+    assert "**1.100** (1.100-1.100)" in text  # every pair 1.1×: no spread between draws or clips
