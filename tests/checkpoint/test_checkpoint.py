@@ -40,9 +40,10 @@ def outputs(model: nn.Module, name: str) -> torch.Tensor:
 
 
 def converted_in_memory(name: str, mode: str) -> nn.Module:
-    """What ``convert`` does in memory: patch the preset, calibrating with its own tokenizer."""
+    """What ``convert`` does in memory: patch the preset, calibrating with its own tokenizer, every β kept
+    (the β placement ``convert`` resolves for a checkpoint; an in-memory patch's own default folds some)."""
     model, proc = presets.build(name)
-    normswap.patch(model, mode=mode, tokenizer=calibration_tokenizer(proc))
+    normswap.patch(model, mode=mode, tokenizer=calibration_tokenizer(proc), beta_placement="keep")
     return model
 
 

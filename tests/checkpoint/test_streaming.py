@@ -154,14 +154,15 @@ def sources(tmp_path_factory) -> dict[str, Path]:
 @pytest.mark.parametrize(
     "name, options",
     [
-        ("gpt2-6", {}),
-        ("gpt2-6", {"untie": False}),
-        ("gpt2-6", {"dtype": "bfloat16"}),
+        ("gpt2-6", {}),  # a checkpoint's default: every β kept
+        ("gpt2-6", {"untie": False, "beta_placement": "rounding"}),  # the rule, taken on the tensors
+        ("gpt2-6", {"dtype": "bfloat16", "beta_placement": "rounding"}),
         ("gpt2-6", {"format": "compat", "beta_placement": "keep"}),  # every β kept, taken at full depth
         ("bert-5", {"mode": "exact"}),
         ("bert-5", {"format": "compat"}),
-        ("vit-5", {}),
+        ("vit-5", {"beta_placement": "rounding"}),
         ("tiny-whisper", {}),
+        ("tiny-whisper", {"beta_placement": "rounding"}),
         ("tiny-whisper", {"format": "compat"}),
         ("dinov3-5", {"beta_placement": "fold"}),  # the moved value shares, in every layer
         ("dinov3-5", {"format": "compat", "beta_placement": "fold"}),
@@ -174,16 +175,16 @@ def test_streaming_is_bitwise_equal_to_in_memory(sources, tmp_path, name, option
     assert report.streamed and report.output is not None
     assert_same_tensors(mem, stream)
     assert_same_plan(mem, stream)
-    compat_keep = options.get("format") == "compat" and options.get("beta_placement", "keep") == "keep"
-    if name in ("gpt2-6", "vit-5", "tiny-whisper") and "beta_placement" not in options and not compat_keep:
+    keep = options.get("beta_placement", "keep") == "keep"  # a checkpoint's default, either format
+    if name in ("gpt2-6", "vit-5", "tiny-whisper") and options.get("beta_placement") == "rounding":
         # the β placement rule, taken on the checkpoint's tensors, kept β in the same norms as in memory
         # (assert_same_plan); on these random weights it keeps some
         assert any(s.beta_detail.startswith(BETA_KEPT_WHY) for s in report.plan.sites), report.plan.table()
-    if compat_keep:  # compat's default placement: every foldable β kept, none in a reader bias
+    if keep:  # every foldable β kept, none in a reader bias
         assert report.plan.options["beta_placement"] == "keep" and not any(f.beta for f in report.plan.folds)
     if name == "bert-5" and options.get("format") != "compat":  # FFN-output norms exact: widened MLPs streamed
         assert len(report.plan.mean_carries) == 5
-    if name == "tiny-whisper" and not compat_keep:  # bias-less k_proj: β dropped at the keys
+    if name == "tiny-whisper" and not keep:  # bias-less k_proj: β dropped at the keys
         assert sum(f.beta_route == "dropped" for f in report.plan.folds) > 0
     if name == "dinov3-5":  # bias-less v_proj: β moved into o_proj's bias, in every layer at full depth
         assert [m.into for m in report.plan.beta_moves] == [f"model.layer.{i}.attention.o_proj" for i in range(5)]
