@@ -183,17 +183,14 @@ def mlp_permuted(model: torch.nn.Module, seed: int) -> torch.nn.Module:
     ``fc2``'s columns), the same function, so ``fc2``'s groups along its input hold other entries and round
     differently. The same seed gives the same order on any model of the same shape (a converted model's draw N
     pairs with the original's). bench_quanto's ``permuted`` for DINOv2, by module names instead of its layout."""
+    from bench_quanto import reorder_mlp_
+
     out = copy.deepcopy(model)
     g = torch.Generator().manual_seed(seed)
     for module in out.modules():
         fc1, fc2 = getattr(module, "fc1", None), getattr(module, "fc2", None)
-        if not (isinstance(fc1, torch.nn.Linear) and isinstance(fc2, torch.nn.Linear)):
-            continue
-        p = torch.randperm(fc1.out_features, generator=g)
-        fc1.weight.copy_(fc1.weight[p])
-        if fc1.bias is not None:
-            fc1.bias.copy_(fc1.bias[p])
-        fc2.weight.copy_(fc2.weight[:, p])
+        if isinstance(fc1, torch.nn.Linear) and isinstance(fc2, torch.nn.Linear):
+            reorder_mlp_(fc1, fc2, g)
     return out
 
 

@@ -151,26 +151,41 @@ def permuted(model: torch.nn.Module, seed: int, attention: bool = False) -> torc
     out = copy.deepcopy(model)
     g = torch.Generator().manual_seed(seed)
     for layer in out.encoder.layer:
-        fc1, fc2 = layer.mlp.fc1, layer.mlp.fc2
-        p = torch.randperm(fc1.out_features, generator=g)
+        reorder_mlp_(layer.mlp.fc1, layer.mlp.fc2, g)
+        if attention:
+            att = layer.attention
+            reorder_heads_(att.q_proj, att.k_proj, att.v_proj, att.o_proj, out.config.num_attention_heads, g)
+    return out
+
+
+def reorder_mlp_(fc1: torch.nn.Linear, fc2: torch.nn.Linear, g: torch.Generator) -> None:
+    """One MLP's hidden neurons in another order drawn from ``g`` (``fc1``'s rows and bias, ``fc2``'s columns):
+    the same function, ``fc2``'s input groups holding other entries. In place; the draw of every model's
+    rounding draws (:func:`permuted`, Whisper's in ``whisper_paired_draws``/``bench_heldout_engines``)."""
+    p = torch.randperm(fc1.out_features, generator=g)
+    with torch.no_grad():
         fc1.weight.copy_(fc1.weight[p])
-        fc1.bias.copy_(fc1.bias[p])
+        if fc1.bias is not None:
+            fc1.bias.copy_(fc1.bias[p])
         fc2.weight.copy_(fc2.weight[:, p])
-        if not attention:
-            continue
-        att = layer.attention
-        heads = out.config.num_attention_heads
-        width = att.v_proj.out_features // heads
-        order = torch.randperm(heads, generator=g)
-        qk = (order[:, None] * width + torch.arange(width)).reshape(-1)  # heads moved, dims kept (q·k per head)
-        v = (order[:, None] * width + torch.stack([torch.randperm(width, generator=g) for _ in range(heads)]))
-        v = v.reshape(-1)  # heads moved as q/k's, dims shuffled inside each head (o_proj reads them back)
-        for proj, idx in ((att.q_proj, qk), (att.k_proj, qk), (att.v_proj, v)):
+
+
+def reorder_heads_(q: torch.nn.Linear, k: torch.nn.Linear, v: torch.nn.Linear, o: torch.nn.Linear, heads: int,
+                   g: torch.Generator) -> None:
+    """One attention layer's heads in another order drawn from ``g`` (q/k/v rows and biases by head, dims kept
+    for q·k), the value dims shuffled inside each head, and ``o``'s columns reading them back: the same attention,
+    ``o``'s input groups holding other entries. In place."""
+    width = v.out_features // heads
+    order = torch.randperm(heads, generator=g)
+    qk = (order[:, None] * width + torch.arange(width)).reshape(-1)  # heads moved, dims kept (q·k per head)
+    vo = (order[:, None] * width + torch.stack([torch.randperm(width, generator=g) for _ in range(heads)]))
+    vo = vo.reshape(-1)  # heads moved as q/k's, dims shuffled inside each head (o reads them back)
+    with torch.no_grad():
+        for proj, idx in ((q, qk), (k, qk), (v, vo)):
             proj.weight.copy_(proj.weight[idx])
             if proj.bias is not None:
                 proj.bias.copy_(proj.bias[idx])
-        att.o_proj.weight.copy_(att.o_proj.weight[:, v])
-    return out
+        o.weight.copy_(o.weight[:, vo])
 
 
 def draw_ratio(orig: Any, conv: Any, boots: int = 2000, typical: bool = False, paired: bool = False,

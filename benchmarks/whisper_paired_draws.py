@@ -46,7 +46,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_quant_whisper as bq  # noqa: E402
-from bench_quanto import draw_ratio  # noqa: E402
+from bench_quanto import draw_ratio, reorder_heads_, reorder_mlp_  # noqa: E402
 from speech_samples import load_clips  # noqa: E402
 from whisper_nbits_groups import clip_kl, forced_logp, rtn4  # noqa: E402
 
@@ -57,18 +57,9 @@ def _layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def _reorder_attention(att: torch.nn.Module, g: torch.Generator) -> None:
-    """Heads in another order (q/k/v rows by head, dims kept for q·k), value dims shuffled inside each head,
-    ``out_proj``'s columns read them back: the same attention, other ``out_proj`` blocks."""
-    heads, width = att.num_heads, att.head_dim
-    order = torch.randperm(heads, generator=g)
-    qk = (order[:, None] * width + torch.arange(width)).reshape(-1)
-    v = (order[:, None] * width + torch.stack([torch.randperm(width, generator=g) for _ in range(heads)]))
-    v = v.reshape(-1)
-    for proj, idx in ((att.q_proj, qk), (att.k_proj, qk), (att.v_proj, v)):
-        proj.weight.copy_(proj.weight[idx])
-        if proj.bias is not None:
-            proj.bias.copy_(proj.bias[idx])
-    att.out_proj.weight.copy_(att.out_proj.weight[:, v])
+    """Heads in another order, value dims shuffled inside each head: the same attention, other ``out_proj``
+    blocks (bench_quanto's :func:`reorder_heads_` on Whisper's projection names)."""
+    reorder_heads_(att.q_proj, att.k_proj, att.v_proj, att.out_proj, att.num_heads, g)
 
 
 def reordered(model: torch.nn.Module, seed: int) -> torch.nn.Module:
@@ -79,15 +70,11 @@ def reordered(model: torch.nn.Module, seed: int) -> torch.nn.Module:
         return model
     out = copy.deepcopy(model)
     g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for layer in _layers(out):
-            p = torch.randperm(layer.fc1.out_features, generator=g)
-            layer.fc1.weight.copy_(layer.fc1.weight[p])
-            layer.fc1.bias.copy_(layer.fc1.bias[p])
-            layer.fc2.weight.copy_(layer.fc2.weight[:, p])
-            _reorder_attention(layer.self_attn, g)
-            if hasattr(layer, "encoder_attn"):
-                _reorder_attention(layer.encoder_attn, g)
+    for layer in _layers(out):
+        reorder_mlp_(layer.fc1, layer.fc2, g)
+        _reorder_attention(layer.self_attn, g)
+        if hasattr(layer, "encoder_attn"):
+            _reorder_attention(layer.encoder_attn, g)
     return out
 
 
