@@ -10,9 +10,10 @@ Each variant is exported to ONNX by ``torch.onnx.export`` and quantized by ONNX 
 * ``nbits-hqq``: the same with ``HQQWeightOnlyQuantConfig`` (4-bit, block 32);
 * ``dyn-pt-matmul``, ``dyn-pc-matmul`` (only when asked for): ``dyn-pt``/``dyn-pc`` with
   ``op_types_to_quantize=["MatMul"]``, the patch convolution (a centered writer) left in float;
-* ``nbits-gptq``, ``nbits-gptq-patched`` (only when asked for with ``--quantizers``): ONNX Runtime's GPTQ
-  (``GPTQWeightOnlyQuantConfig``, per-channel group scales, calibrated on the static quantizer's images) as
-  shipped, and with its two bugs fixed (``ort_gptq.py`` says which).
+* ``nbits-gptq``, ``nbits-gptq-patched``, ``nbits-gptq-patched-act`` (only when asked for with ``--quantizers``):
+  ONNX Runtime's GPTQ (``GPTQWeightOnlyQuantConfig``, per-channel group scales, calibrated on the static
+  quantizer's images) as shipped, with its two bugs fixed (``ort_gptq.py`` says which), and that with
+  act-order on static groups.
 
 The error is measured on held-out inputs against the float32 original in torch: ``1 − cosine`` of the
 CLS embedding (``pooler_output``), averaged over the inputs, and the same over every token's output
@@ -95,7 +96,7 @@ from quant_utils import BatchReader  # noqa: E402 (the benchmarks folder is on t
 from normswap.integrations import onnx as onnx_integration  # noqa: E402
 
 QUANTIZERS = ("fp32", "dyn-pt", "dyn-pc", "qdq", "nbits-rtn", "nbits-hqq")
-GPTQ = ("nbits-gptq", "nbits-gptq-patched")  # minutes each: asked for by name
+GPTQ = ("nbits-gptq", "nbits-gptq-patched", "nbits-gptq-patched-act")  # minutes each: asked for by name
 # asked for by name too: dynamic int8 of the MatMuls only (the patch convolution left in float), per tensor/channel
 MATMUL_ONLY = ("dyn-pt-matmul", "dyn-pc-matmul")
 VARIANTS = ("original", "compat", "compat-notrade", "compat-retrade", "compat-keep", "compat-fold-ls", "native",
@@ -311,7 +312,8 @@ def quantize(fp32: Path, how: str, calib: torch.Tensor, keep: list[str] | None =
     elif how in GPTQ:
         import ort_gptq
 
-        ort_gptq.quantize(fp32, out, how, [{"pixel_values": calib[i:i + 8].numpy()} for i in range(0, len(calib), 8)])
+        ort_gptq.quantize(fp32, out, how, [{"pixel_values": calib[i:i + 8].numpy()} for i in range(0, len(calib), 8)],
+                          nodes_to_exclude=keep or [])
     elif how.startswith("nbits"):
         from onnxruntime.quantization import matmul_nbits_quantizer as mq
 
@@ -410,7 +412,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--float-stem", action="store_true", help="static QDQ: leave each centering op and the Add/"
                     "Concat assembling its input in float (normswap.integrations.onnx.stem_float_nodes)")
     ap.add_argument("--float-ops", action="store_true", help="leave a rotation's own ops (output='restore''s "
-                    "Qᵀ) in float in every quantizer (GPTQ aside), as docs/rotation.md says to")
+                    "Qᵀ) in float in every quantizer, as docs/rotation.md says to")
     ap.add_argument("--learn-steps", type=int, default=100, help="learned*: optimiser steps")
     ap.add_argument("--learn-images", type=int, default=32, help="learned*: calibration crops the rotation learns "
                     "from (in batches of --learn-batch)")

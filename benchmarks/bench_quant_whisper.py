@@ -213,7 +213,7 @@ def excluded(fp32: Path) -> list[str]:
 
 
 ORT_QUANT = ("dyn-pt", "dyn-pc", "qdq", "qdq-pc", "qdq-nonorm", "qdq-mm", "nbits-rtn", "nbits-hqq", "nbits-gptq",
-             "nbits-gptq-patched")
+             "nbits-gptq-patched", "nbits-gptq-patched-act")
 # Static QDQ: ``qdq`` followed by any of these knobs (ONNX Runtime's own ``quantize_static`` options), joined by
 # ``-``: ``qdq-mm-pc-pct`` = weight MatMuls only, per-channel weights, Percentile calibration.
 QDQ_KNOBS = {
@@ -230,7 +230,7 @@ QDQ_KNOBS = {
     "rr": "reduce_range=True (7-bit weights)",
 }
 QDQ = ("qdq", "qdq-pc", "qdq-nonorm", "qdq-mm")  # the named configurations of earlier rounds (any qdq-… is accepted)
-GPTQ = ("nbits-gptq", "nbits-gptq-patched")
+GPTQ = ("nbits-gptq", "nbits-gptq-patched", "nbits-gptq-patched-act")
 
 
 def qdq_knobs(how: str) -> list[str]:
@@ -258,7 +258,8 @@ ORT_ENGINE = {"dyn-pt": "ONNX Runtime dynamic int8 dyn-pt", "dyn-pc": "ONNX Runt
               "qdq-mm": "ONNX Runtime static QDQ int8, weight MatMuls only",
               "nbits-rtn": "ONNX Runtime MatMulNBits 4-bit RTN", "nbits-hqq": "ONNX Runtime MatMulNBits 4-bit HQQ",
               "nbits-gptq": "ONNX Runtime MatMulNBits 4-bit GPTQ",
-              "nbits-gptq-patched": "ONNX Runtime MatMulNBits 4-bit GPTQ, patched (ort_gptq.py)"}
+              "nbits-gptq-patched": "ONNX Runtime MatMulNBits 4-bit GPTQ, patched (ort_gptq.py)",
+              "nbits-gptq-patched-act": "ONNX Runtime MatMulNBits 4-bit GPTQ, patched, act-order (ort_gptq.py)"}
 
 
 def ort_engine(how: str) -> str:
@@ -299,8 +300,8 @@ def ort_quantize(fp32: Path, how: str, calib: list[dict] | None = None) -> Path:
     (:func:`qdq_options`). ``nbits-rtn`` / ``nbits-hqq`` / ``nbits-gptq``: ``MatMulNBitsQuantizer``, 4-bit
     weights in blocks of 32 along the input features (RTN symmetric, its default algorithm; HQQ; GPTQ
     calibrated on ``calib``, one scale per block and output column, ``perchannel=True``);
-    ``nbits-gptq-patched``: that GPTQ with ONNX Runtime 1.32's two bugs fixed (``ort_gptq.py``); activations
-    float."""
+    ``nbits-gptq-patched``: that GPTQ with ONNX Runtime 1.32's two bugs fixed (``ort_gptq.py``);
+    ``nbits-gptq-patched-act``: the same, rows rounded in act-order on static groups; activations float."""
     from onnxruntime.quantization import QuantFormat, QuantType, quantize_dynamic, quantize_static
 
     if how == "fp32":
@@ -465,6 +466,8 @@ def main(argv: list[str] | None = None) -> None:
                     "(output='restore''s Qᵀ, online Hadamards) in float: nodes_to_exclude")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--plot", type=Path, help="with --merge: a PNG of the KL ratios and their intervals")
+    ap.add_argument("--against", help="with --merge: ratios to the original's row in this engine (its label, "
+                    "e.g. 'ONNX Runtime MatMulNBits 4-bit RTN') instead of each row's own engine")
     ap.add_argument("--plot-title", default="Whisper: quantized variants against the quantized original")
     ap.add_argument("--merge", type=Path, nargs="+", help="no measuring: the table of earlier --json runs on "
                     "disjoint clip sets (e.g. one per --speech directory, run side by side), clips pooled")
@@ -481,7 +484,10 @@ def main(argv: list[str] | None = None) -> None:
                      f"nor qdq-KNOB-… ({', '.join(QDQ_KNOBS)})")
     if args.merge:
         rows = merge([json.loads(p.read_text())["rows"] for p in args.merge])
-        print(table(rows))
+        try:
+            print(table(rows, args.against))
+        except ValueError as e:
+            sys.exit(f"error: {e}")
         if args.plot:
             plot(rows, args.plot, args.plot_title)
         if any("wer" in r for r in rows):
@@ -681,10 +687,16 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     fig.savefig(path, dpi=110)
 
 
-def table(rows: list[dict]) -> str:
+def table(rows: list[dict], against: str | None = None) -> str:
     """Markdown: KL and its ratio to the original's in the same engine with a 95% bootstrap interval over
-    clips, top-1 agreement, and (with ``--wer``) the WER and its penalty over the float32 original."""
+    clips, top-1 agreement, and (with ``--wer``) the WER and its penalty over the float32 original.
+    ``against``: every row's ratio to the original's in that one engine instead (what a user who changes both
+    the model and the quantizer gains, e.g. a rotated model under GPTQ against the original under RTN)."""
     base = {r["engine"]: r for r in rows if r["variant"] == "original"}
+    if against:
+        if against not in base:
+            raise ValueError(f"--against {against!r}: no original row in that engine (engines: {', '.join(base)})")
+        base = dict.fromkeys(base, base[against])
     fp32_wer = next((r["wer"] for r in rows if r["engine"] == "CTranslate2 float32"), None)
     with_wer = any("wer" in r for r in rows)
     lines = ["| engine | variant | clips | KL(fp32 original ‖ q) | ratio to original (95% bootstrap) | top-1 "

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import json
 import logging
 import sys
@@ -45,7 +46,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from quant_utils import BatchReader  # noqa: E402 (the benchmarks folder is on the path only now)
 
-MODES = ("nbits-rtn", "nbits-gptq", "nbits-gptq-patched")
+# the patched GPTQ's settings by mode name: ``-act`` rounds rows in act-order with static groups (gptq_fixed)
+PATCHED = {"nbits-gptq-patched": {"actorder": False}, "nbits-gptq-patched-act": {"actorder": True}}
+MODES = ("nbits-rtn", "nbits-gptq", *PATCHED)
 
 
 class IterableReader(BatchReader):
@@ -56,20 +59,22 @@ class IterableReader(BatchReader):
         return iter(list(self.batches))
 
 
-def config(feeds: list[dict]) -> Any:
+def config(feeds: list[dict], actorder: bool = False) -> Any:
     """``GPTQWeightOnlyQuantConfig`` as it should be called: per-channel group scales (``perchannel=True``, the
     default: one scale per block of 32 input rows and output column, what ``MatMulNBits`` stores), GPTQ's
-    own column blocks of 128, no activation ordering, calibrated on ``feeds``."""
+    own column blocks of 128, damping 1% of the Hessian's mean diagonal (the default), calibrated on
+    ``feeds``; ``actorder`` only with :func:`patched` (ONNX Runtime's own act-order breaks the blocks)."""
     from onnxruntime.quantization import matmul_nbits_quantizer as mq
 
-    return mq.GPTQWeightOnlyQuantConfig(IterableReader(feeds), block_size=128, perchannel=True, actorder=False)
+    return mq.GPTQWeightOnlyQuantConfig(IterableReader(feeds), block_size=128, perchannel=True, actorder=actorder)
 
 
 def quantize(fp32: Path, out: Path, how: str, feeds: list[dict] | None = None,
              nodes_to_exclude: list[str] | None = None) -> Path:
     """``fp32`` as 4-bit ``MatMulNBits`` (blocks of 32, symmetric): ``nbits-rtn`` ONNX Runtime's default
     round-to-nearest, ``nbits-gptq`` its GPTQ as shipped (set up right), ``nbits-gptq-patched`` the same with
-    the two bugs fixed (:func:`patched`); ``nodes_to_exclude`` stay float."""
+    the two bugs fixed (:func:`patched`), ``nbits-gptq-patched-act`` that with act-order and static groups
+    (:func:`gptq_fixed`); ``nodes_to_exclude`` stay float."""
     import onnx
     from onnxruntime.quantization import matmul_nbits_quantizer as mq
 
@@ -80,14 +85,36 @@ def quantize(fp32: Path, out: Path, how: str, feeds: list[dict] | None = None,
         q.process()
     else:
         assert feeds, "GPTQ needs calibration feeds"
-        with patched() if how == "nbits-gptq-patched" else contextlib.nullcontext():
-            q = mq.MatMulNBitsQuantizer(str(fp32), block_size=32, is_symmetric=True, algo_config=config(feeds),
-                                        nodes_to_exclude=nodes_to_exclude)
+        if how not in ("nbits-gptq", *PATCHED):
+            raise ValueError(f"{how}: not one of {', '.join(MODES)}")
+        with patched() if how in PATCHED else contextlib.nullcontext():
+            algo = config(feeds, **PATCHED.get(how, {}))
+            q = Excluding(str(fp32), block_size=32, is_symmetric=True, algo_config=algo,
+                          nodes_to_exclude=nodes_to_exclude)
             q.process()
     q.model.save_model_to_file(str(out), use_external_data_format=False)
     for name in ("onnxruntime.quantization.matmul_nbits_quantizer", "onnxruntime.quantization"):
         logging.getLogger(name).setLevel(logging.WARNING)  # the GPTQ path leaves it at INFO (a line per node)
     return out
+
+
+def _excluding() -> type:
+    """``MatMulNBitsQuantizer`` that keeps ``nodes_to_exclude`` float under GPTQ too. ONNX Runtime 1.32 marks
+    them ``"fp32"`` in the node config for RTN only; its GPTQ path quantizes every weight ``MatMul`` whatever
+    the list says (so a rotation's ``Qᵀ`` would be rounded). Both GPTQ loops skip a node marked ``"fp32"``."""
+    from onnxruntime.quantization import matmul_nbits_quantizer as mq
+
+    class _Excluding(mq.MatMulNBitsQuantizer):
+        def _generate_q4_node_config(self) -> dict:  # ONNX Runtime's hook (private): the one place to mark them
+            cfg = super()._generate_q4_node_config()
+            return {**cfg, **dict.fromkeys(self.nodes_to_exclude, "fp32")}
+
+    return _Excluding
+
+
+def Excluding(*args: Any, **kwargs: Any) -> Any:  # noqa: N802 (a class, built on first use: no ONNX Runtime import here)
+    """A :func:`_excluding` quantizer (``MatMulNBitsQuantizer``'s arguments)."""
+    return _excluding()(*args, **kwargs)
 
 
 _GRIDS: list[tuple[np.ndarray, np.ndarray]] = []  # (scale, zero) per group row, per layer: gptq_fixed → encode_exact
@@ -97,9 +124,15 @@ def gptq_fixed(W: np.ndarray, H: np.ndarray, num_bits: int = 4, group_size: int 
                scheme: str = "asym", blocksize: int = 128, percdamp: float = 0.01, actorder: bool = False,
                mse: bool = False, perchannel: bool = True) -> np.ndarray:
     """ONNX Runtime's ``gptq`` with the error feedback reading the upper Cholesky factor (bug 2), and the grid
-    of every group kept for :func:`encode_exact`. ``W`` is ``[in, out]``; returns the fake-quantized weight."""
-    if actorder or mse or not perchannel:
-        raise NotImplementedError("the patched GPTQ covers perchannel=True, actorder=False, mse=False")
+    of every group kept for :func:`encode_exact`. ``W`` is ``[in, out]``; returns the fake-quantized weight.
+
+    ``actorder=True``: rows are rounded in decreasing order of the Hessian's diagonal (the input features
+    with the most energy first, GPTQ's "act-order"), with *static groups*: every group's grid is fixed up
+    front from the unrounded weight in the stored order, so each row still belongs to the ``MatMulNBits``
+    block of 32 it is stored in (ONNX Runtime's own ``actorder`` forms groups in the permuted order, which
+    no block-wise format can store)."""
+    if mse or not perchannel:
+        raise NotImplementedError("the patched GPTQ covers perchannel=True, mse=False")
     maxq = 2 ** num_bits - 1
     W = W.astype(np.float64).copy()  # noqa: N806
     H = H.copy()  # noqa: N806
@@ -120,6 +153,12 @@ def gptq_fixed(W: np.ndarray, H: np.ndarray, num_bits: int = 4, group_size: int 
     dead = np.diag(H) == 0
     H[dead, dead] = 1
     W[dead, :] = 0
+    perm = np.arange(k)
+    static = []  # actorder: (scale, zero) of every stored-order group, from the unrounded weight
+    if actorder:
+        static = [find_params(W[g:g + group_size]) for g in range(0, k, group_size)]
+        perm = np.argsort(np.diag(H), kind="stable")[::-1]
+        W, H = W[perm], H[perm][:, perm]  # noqa: N806
     H[np.arange(k), np.arange(k)] += percdamp * np.mean(np.diag(H))
     Hinv = np.linalg.cholesky(np.linalg.inv(H)).T  # upper: Hinv ᵀHinv = H⁻¹  # noqa: N806
     Q = np.zeros_like(W)  # noqa: N806
@@ -131,7 +170,9 @@ def gptq_fixed(W: np.ndarray, H: np.ndarray, num_bits: int = 4, group_size: int 
         Err1 = np.zeros_like(W1)  # noqa: N806
         Hinv1 = Hinv[i1:i2, i1:i2]  # noqa: N806
         for i in range(i2 - i1):
-            if (i1 + i) % group_size == 0:
+            if actorder:
+                scale, zero = static[perm[i1 + i] // group_size]
+            elif (i1 + i) % group_size == 0:
                 scale, zero = find_params(W[i1 + i:i1 + i + group_size])
                 scales.append(scale)
                 zeros.append(zero)
@@ -142,6 +183,9 @@ def gptq_fixed(W: np.ndarray, H: np.ndarray, num_bits: int = 4, group_size: int 
             W1[i:] -= np.outer(Hinv1[i, i:], err)  # the row of the upper factor (ONNX Runtime: its column)
             Err1[i] = err
         W[i2:] -= Hinv[i1:i2, i2:].T @ Err1  # (ONNX Runtime: Hinv[i2:, i1:i2], the zero lower block)
+    if actorder:
+        scales, zeros = [g[0] for g in static], [g[1] for g in static]
+        Q = Q[np.argsort(perm)]  # noqa: N806 (back to the stored order)
     _GRIDS.append((np.stack(scales), np.stack(zeros)))  # [groups, out]
     return Q
 
@@ -163,18 +207,108 @@ def encode_exact(data: np.ndarray, num_bits: int = 4, group_size: int = 32, sche
     return q, s, z.astype("uint8")
 
 
+def gptq_quantize_one_pass(model: Any, dataloader: Any, weight_config: dict | None = None, num_bits: int = 4,
+                           group_size: int = 32, scheme: str = "asym", n_samples: int = 128, percdamp: float = 0.01,
+                           blocksize: int = 128, actorder: bool = False, mse: bool = False, perchannel: bool = True,
+                           accuracy_level: int = 0, providers: list[str] | None = None) -> Any:
+    """ONNX Runtime 1.32's ``gptq_quantize`` with its two loops swapped, nothing else changed: it ran the whole
+    calibration set through the model once *per weight input* (66 passes of every clip for Whisper tiny.en,
+    most of GPTQ's time); here every weight ``MatMul``'s input is fetched in one pass per calibration batch
+    and each Hessian gets the same updates in the same order (so the same ``H`` to the bit). Every other
+    step (the weight config, ``gptq``, the padding, the 4-bit encoding and the ``MatMulNBits`` node) is
+    ONNX Runtime's own, looked up in its module at call time, so :func:`patched`'s fixes apply."""
+    import onnxruntime as ort
+    import onnxruntime.quantization.neural_compressor.weight_only as wo
+    from onnx import numpy_helper
+
+    weight_config = weight_config or {}
+    model = wo.ONNXModel(model)
+    base_dir = str(Path(model.model_path).parent) if model.model_path is not None else ""
+    inputs, so = wo.prepare_inputs(model, n_samples, dataloader, providers or ["CPUExecutionProvider"])
+    del dataloader
+    org_output = copy.deepcopy(model.model.graph.output)
+    model.remove_tensors_from_outputs([i.name for i in org_output])
+
+    def quantized(node: Any) -> bool:  # ONNX Runtime's test, and a 2-D weight initializer behind it
+        return (node.op_type == "MatMul" and weight_config.get(node.name, {}) != "fp32"
+                and weight_config.get(node.name, {}).get("algorithm", "GPTQ") == "GPTQ"
+                and model.get_initializer(node.input[1]) is not None
+                and len(model.get_initializer(node.input[1]).dims) == 2)
+
+    targets: dict[str, list[tuple[Any, np.ndarray]]] = {}  # input name -> [(node, weight)], graph order
+    for node in model.nodes():
+        if quantized(node):
+            weight = numpy_helper.to_array(model.get_initializer(node.input[1]), base_dir).copy()
+            targets.setdefault(node.input[0], []).append((node, weight))
+    output_names = list(targets)
+    # the graph's outputs as ONNX Runtime sets them (every MatMul's input, weights or not), so that the graph
+    # optimiser fuses what it fused there and the activations are the same to the bit; only ours are fetched
+    added = list({n.input[0] for n in model.nodes() if n.op_type == "MatMul" and weight_config.get(n.name, {}) != "fp32"
+                  and weight_config.get(n.name, {}).get("algorithm", "GPTQ") == "GPTQ"})
+    model.add_tensors_to_outputs(added)
+    if model.is_large_model:
+        raise NotImplementedError("gptq_quantize_one_pass: models over 2 GB (external data) not covered")
+    session = ort.InferenceSession(model.model.SerializeToString(), so, providers=providers or
+                                   ["CPUExecutionProvider"])
+    hs = {name: [np.zeros((w.shape[0], w.shape[0])) for _, w in pairs] for name, pairs in targets.items()}
+    nsamples = dict.fromkeys(output_names, 0)  # per input, as ONNX Runtime counts (its first axis)
+    for data in inputs:  # one pass per batch: every input's Hessian updated as ONNX Runtime's loop does
+        for name, inp in zip(output_names, session.run(output_names, data), strict=True):
+            tmp = inp.shape[0]
+            inp = np.reshape(inp, (-1, inp.shape[-1]))
+            hs[name] = [h * (nsamples[name] / (nsamples[name] + tmp)) for h in hs[name]]
+            nsamples[name] += tmp
+            inp = np.sqrt(2 / nsamples[name]) * inp
+            hs[name] = [h + np.matmul(inp.T, inp) for h in hs[name]]
+    for idx, name in enumerate(output_names):
+        wo.simple_progress_bar(len(output_names), idx + 1)
+        for (node, weight), H in zip(targets[name], hs.pop(name), strict=True):  # noqa: N806
+            bits, size, sch = num_bits, group_size, scheme
+            if node.name in weight_config:
+                bits, size = weight_config[node.name]["bits"], weight_config[node.name]["group_size"]
+                sch = weight_config[node.name]["scheme"]
+            size = size if size != -1 else weight.shape[0]
+            q_weight = wo.gptq(weight, H, num_bits=bits, group_size=size, scheme=sch, blocksize=blocksize,
+                               percdamp=percdamp, actorder=actorder, mse=mse, perchannel=perchannel)
+            weight_tensor = model.get_initializer(node.input[1])
+            shared = model.get_initializer_share_num(node.input[1])
+            if bits != 4:
+                raise NotImplementedError("gptq_quantize_one_pass: 4-bit MatMulNBits only")
+            k_blocks = (weight.shape[0] + size - 1) // size
+            q_weight = wo.pad_tensor(q_weight, size, k_blocks)
+            q_weight, scale, zp = wo.quant_tensor(q_weight.T, bits, size, sch, "uint")
+            q_node, new_inits = wo.make_matmul_weight_only_node(
+                node=node, weight_shape=weight.shape, num_bits=bits, group_size=size, k_blocks=k_blocks,
+                q_weight=q_weight.astype("uint8"), scale=scale.astype(weight.dtype),
+                zero_point=zp if sch == "asym" else None, accuracy_level=accuracy_level)
+            model.add_initializers(new_inits)
+            model.remove_node(node)
+            model.add_node(q_node)
+            if shared == 1:
+                model.remove_initializer(weight_tensor)
+    model.remove_tensors_from_outputs(added)
+    model.model.graph.output.MergeFrom(org_output)
+    model.topological_sort()
+    return model
+
+
 @contextlib.contextmanager
-def patched() -> Iterator[None]:
-    """ONNX Runtime's GPTQ with bugs 2 and 3 fixed, inside the ``with`` block only."""
+def patched(one_pass: bool = True) -> Iterator[None]:
+    """ONNX Runtime's GPTQ with bugs 2 and 3 fixed, inside the ``with`` block only; with ``one_pass`` its
+    calibration in one pass per batch (:func:`gptq_quantize_one_pass`: the same Hessians, a fraction of the
+    time), else ONNX Runtime's own loop."""
+    import onnxruntime.quantization.matmul_nbits_quantizer as mq
     import onnxruntime.quantization.neural_compressor.weight_only as wo
 
-    saved = wo.gptq, wo.quant_tensor
+    saved = wo.gptq, wo.quant_tensor, mq.gptq_quantize
     wo.gptq, wo.quant_tensor = gptq_fixed, encode_exact
+    if one_pass:
+        mq.gptq_quantize = gptq_quantize_one_pass
     _GRIDS.clear()
     try:
         yield
     finally:
-        wo.gptq, wo.quant_tensor = saved
+        wo.gptq, wo.quant_tensor, mq.gptq_quantize = saved
         _GRIDS.clear()
 
 

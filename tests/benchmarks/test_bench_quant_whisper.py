@@ -186,3 +186,31 @@ def test_qdq_options_leave_float_what_each_knob_names_and_nothing_else(tmp_path)
     assert knobs["per_channel"] and knobs["reduce_range"] and knobs["extra_options"]["ActivationSymmetric"]
     assert knobs["calibrate_method"] == CalibrationMethod.Entropy and knobs["activation_type"] == QuantType.QInt8
     assert bq.qdq_options(fp32, ["pct"])["calibrate_method"] == CalibrationMethod.Percentile
+
+
+def test_against_takes_every_rows_ratio_to_one_engines_original():
+    """``--against ENGINE``: each row's KL over the original's in ENGINE (paired on the same clips), its own
+    engine's original included; an engine with no original row is refused by name."""
+    rtn = [r for r in _run(5, 8, ("original", "rot")) if "clip_kl" in r]
+    gptq = [dict(r, engine="GPTQ", clip_kl=[0.6 * k for k in r["clip_kl"]]) for r in _run(6, 8, ("original", "rot"))
+            if "clip_kl" in r]
+    for r in rtn:
+        r["engine"] = "RTN"
+    for r in gptq:  # the same clips as RTN's (positions are a clip's, not a quantizer's)
+        r["clip_n"] = rtn[0]["clip_n"]
+    for r in rtn + gptq:  # KL rows only (no WER)
+        del r["clip_err"], r["clip_words"]
+    rows = bq.merge([rtn + gptq])
+
+    def ratio(text: str, engine: str, variant: str) -> float:
+        line = next(ln for ln in text.splitlines() if ln.startswith(f"| {engine} | {variant} |"))
+        return float(line.split("|")[5].split()[0])
+
+    text = bq.table(rows, against="RTN")
+    base = sum(rtn[0]["clip_kl"])
+    for r in gptq:
+        assert abs(ratio(text, "GPTQ", r["variant"]) - sum(r["clip_kl"]) / base) < 1e-3
+    assert ratio(text, "RTN", "original") == 1.0
+    assert abs(ratio(bq.table(rows), "GPTQ", "original") - 1.0) < 1e-12  # without: its own engine's original
+    with pytest.raises(ValueError, match="no original row"):
+        bq.table(rows, against="HQQ")
