@@ -2,7 +2,8 @@
 with it in ONNX Runtime 1.32, and a patched copy to measure what GPTQ would do if it worked.
 
 ONNX Runtime's GPTQ is a vendored copy of Intel Neural Compressor's
-(``onnxruntime/quantization/neural_compressor/weight_only.py``). Three things make it unusable as shipped:
+(``onnxruntime/quantization/neural_compressor/weight_only.py``). Three things make it unusable as shipped,
+and a fourth makes it unfit for rotated models:
 
 1. **The setting** ``perchannel=False`` (what the Whisper benchmark passed) is not "per-block scales": the
    vendored ``find_params`` then flattens each group of ``group_size`` input rows over *every* output column
@@ -19,9 +20,14 @@ ONNX Runtime's GPTQ is a vendored copy of Intel Neural Compressor's
    is rounded a second time. (With ``actorder=True`` the groups are also formed in the permuted order while
    ``MatMulNBits`` blocks follow the stored order.)
 
-:func:`patched` swaps in :func:`gptq_fixed` (2 fixed) and :func:`encode_exact` (3 fixed: the codes of GPTQ's own
-grid are stored as they are) for the duration of a ``with`` block; :func:`config` builds the quantizer's config
-with the right setting (1) and a reader the GPTQ path can iterate.
+4. **``nodes_to_exclude`` is ignored** (ONNX Runtime 1.32): ``MatMulNBitsQuantizer`` marks the listed nodes
+   ``"fp32"`` for RTN only; its GPTQ path rounds every weight ``MatMul`` (a rotation's ``Qᵀ`` included).
+
+:func:`patched` swaps in :func:`gptq_fixed` (2 fixed; with ``actorder=True`` it rounds in act-order on static
+groups, which ``MatMulNBits`` can store) and :func:`encode_exact` (3 fixed: the codes of GPTQ's own grid are
+stored as they are) for the duration of a ``with`` block, and :func:`gptq_quantize_one_pass` (the same
+Hessians from one calibration pass per batch instead of one per ``MatMul`` input); :func:`quantize` builds the
+quantizer with the right setting (1), a reader the GPTQ path can iterate and the excluded nodes kept float (4).
 
     python benchmarks/ort_gptq.py --repro                                 # the bug on one random layer
     python benchmarks/ort_gptq.py --model DIR --texts 256 --json out.json  # a sentence encoder, original vs converted
@@ -212,8 +218,9 @@ def gptq_quantize_one_pass(model: Any, dataloader: Any, weight_config: dict | No
                            blocksize: int = 128, actorder: bool = False, mse: bool = False, perchannel: bool = True,
                            accuracy_level: int = 0, providers: list[str] | None = None) -> Any:
     """ONNX Runtime 1.32's ``gptq_quantize`` with its two loops swapped, nothing else changed: it ran the whole
-    calibration set through the model once *per weight input* (66 passes of every clip for Whisper tiny.en,
-    most of GPTQ's time); here every weight ``MatMul``'s input is fetched in one pass per calibration batch
+    calibration set through the model once *per* ``MatMul`` *input*, the activation-by-activation ones included
+    (66 passes of every clip for Whisper tiny.en, most of GPTQ's time); here every weight ``MatMul``'s input
+    is fetched in one pass per calibration batch
     and each Hessian gets the same updates in the same order (so the same ``H`` to the bit). Every other
     step (the weight config, ``gptq``, the padding, the 4-bit encoding and the ``MatMulNBits`` node) is
     ONNX Runtime's own, looked up in its module at call time, so :func:`patched`'s fixes apply."""
