@@ -56,6 +56,9 @@ CLS embedding (``pooler_output``), averaged over the inputs, and the same over e
   on the calibration crops left unturned (identity) and the rest turned by a Hadamard of seed ``--rotate-seed``
   (``dinov2_rotation_groups.keep_matrix``, a user matrix), then ``rotate(smooth=--smooth)`` on the same crops
   (``--smooth 0``: none). Asked for by name.
+* ``--q-files NAME=PATH``: rows named ``NAME``, ``patch(fold_gamma=True)`` then ``normswap.rotate(model, Q,
+  output="restore")`` with ``Q`` the float64 matrix saved at ``PATH`` (``torch.save``; e.g. the learned rotation
+  ``dinov2_learned_rotation.py`` writes as it learns), measured after the ``--variants``.
 
 By default the model is DINOv2-shaped (``bench_layerscale_bf16.build``: hidden 384, patch 14, LayerScale λ
 log-normal over three decades, LayerNorm γ/β randomised, a few massive channels) with random weights and
@@ -144,14 +147,21 @@ class Outputs(torch.nn.Module):
 
 
 def variant(model: torch.nn.Module, name: str, workdir: Path,
-            learn: dict[str, Any] | None = None) -> tuple[torch.nn.Module, str]:
+            learn: dict[str, Any] | None = None, q_file: Path | None = None) -> tuple[torch.nn.Module, str]:
     """``name``'s model as a stock transformers model (compat checkpoint written and loaded back); ``learn``:
     ``normswap.rotate``'s learned-rotation keywords (``calibration`` included) for the ``learned*`` variants, and
-    ``keep``/``smooth``/``rotate_seed`` for ``hadamard-keep``."""
+    ``keep``/``smooth``/``rotate_seed`` for ``hadamard-keep``; ``q_file``: a saved rotation (``--q-files``)."""
     import transformers as tf
 
     import normswap
 
+    if q_file is not None:
+        conv = copy.deepcopy(model)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            normswap.patch(conv, fold_gamma=True)
+            normswap.rotate(conv, torch.load(q_file), output="restore")
+        return conv, f"rotated by the matrix in {q_file}; output restored; native, in memory"
     if name == "original":
         return model, ""
     if name.startswith("jitter-"):
@@ -406,7 +416,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     "inputs and calibration are random crops of them (photo_crops.py) instead of generated images")
     ap.add_argument("--calib-photos", default="motorcycle_right.png,gravel.png,brick.png",
                     help="with --photos: the photographs calibration crops come from, left out of the held-out ones")
-    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS + LEARNED + KEPT)
+    ap.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=VARIANTS + LEARNED + KEPT)
     ap.add_argument("--float-stem", action="store_true", help="static QDQ: leave each centering op and the Add/"
                     "Concat assembling its input in float (normswap.integrations.onnx.stem_float_nodes)")
     ap.add_argument("--float-ops", action="store_true", help="leave a rotation's own ops (output='restore''s "
@@ -421,6 +431,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--keep", type=int, default=4, help="hadamard-keep: stream channels left unturned")
     ap.add_argument("--smooth", type=float, default=0.5, help="hadamard-keep: rotate(smooth=) after the turn (0: none)")
     ap.add_argument("--rotate-seed", type=int, default=0, help="hadamard, hadamard-keep: the Hadamard's sign seed")
+    ap.add_argument("--q-files", nargs="+", default=[], metavar="NAME=PATH",
+                    help="more rows: the model rotated by the float64 matrix saved at PATH (output restored)")
     ap.add_argument("--quantizers", nargs="+", default=list(QUANTIZERS), choices=QUANTIZERS + GPTQ + MATMUL_ONLY)
     ap.add_argument("--json", type=Path)
     ap.add_argument("--plot", type=Path, help="write a PNG of the error ratios (matplotlib)")
@@ -483,9 +495,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result: dict[str, Any] = {"model": label, "images": args.images, "rows": {}}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        for name in args.variants:
+        saved = dict(spec.split("=", 1) for spec in args.q_files)
+        for name in [*args.variants, *saved]:
             t0 = time.perf_counter()
-            m, note = variant(model, name, work, dict(learn) if learn else None)
+            m, note = variant(model, name, work, dict(learn) if learn else None,
+                              Path(saved[name]) if name in saved else None)
             row: dict[str, Any] = {"note": note, "weights": weight_ranges(m), "errors": {}, "per_image": {}}
             fp32 = work / f"{name}.onnx"
             export(m, px, fp32)

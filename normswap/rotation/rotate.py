@@ -24,6 +24,7 @@ hook that :func:`install_ops` rebuilds when a native checkpoint loads; the compa
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -574,7 +575,8 @@ def rotate(model: nn.Module, q: str | int | torch.Tensor = "hadamard", *, seed: 
            online: bool = False, output: str | None = None, smooth: float | None = None,
            calibration: Any = None, bits: int = 4, act_bits: int | None = None, group_size: int | None = None,
            steps: int = 100, lr: float = 1e-3, grid: str = "symmetric", scales: bool = False,
-           heads: bool = False, logit_top_k: int | None = None) -> Rotation:
+           heads: bool = False, logit_top_k: int | None = None,
+           progress: Callable[[Any], None] | None = None) -> Rotation:
     """Multiply every rotation-ready residual stream of a converted model by an orthogonal matrix.
 
     Args:
@@ -648,6 +650,10 @@ def rotate(model: nn.Module, q: str | int | torch.Tensor = "hadamard", *, seed: 
             fixed sample of 2,048 of them); the head and the input embedding turned (the head rounded) on those
             rows alone. Makes a step affordable where the head dominates it (Whisper: 51,865 × 384); None
             (default): the whole vocabulary.
+        progress: with ``q="learned"``: called with a :class:`normswap.rotation.learn.Progress` once the starts
+            are scored and at every tenth of the run; its ``best`` holds each stream's best matrix so far
+            (``{first norm: Q₀ R}``, float64), so a long run can report and save them as it goes (a matrix saved
+            so is a user ``q`` for this function: ``rotate(model, q, output=...)`` turns the model by it).
 
     Returns:
         A :class:`Rotation` listing the streams rotated (with the matrix of each) and, for the others, why not.
@@ -674,10 +680,10 @@ def rotate(model: nn.Module, q: str | int | torch.Tensor = "hadamard", *, seed: 
                                        grid=grid, scales=scales, heads=heads, logit_top_k=logit_top_k)
         if scales and smooth is not None:
             raise NormswapError("scales (learned) and smooth both set each norm's scale: pass one of them")
-    elif (bits, act_bits, group_size, steps, lr, grid, scales, heads, logit_top_k) \
-            != (4, None, None, 100, 1e-3, "symmetric", False, False, None):
-        raise NormswapError("bits, act_bits, group_size, steps, lr, grid, scales, heads and logit_top_k apply to a "
-                            "learned rotation: pass q='learned' (--rotate learned) too")
+    elif (bits, act_bits, group_size, steps, lr, grid, scales, heads, logit_top_k, progress) \
+            != (4, None, None, 100, 1e-3, "symmetric", False, False, None, None):
+        raise NormswapError("bits, act_bits, group_size, steps, lr, grid, scales, heads, logit_top_k and progress "
+                            "apply to a learned rotation: pass q='learned' (--rotate learned) too")
     if smooth is not None or settings is not None:  # checked and resolved before anything turns
         from normswap.rotation import smooth as smoothing
 
@@ -688,7 +694,7 @@ def rotate(model: nn.Module, q: str | int | torch.Tensor = "hadamard", *, seed: 
         choose("output", output, ("rotated", "restore"))
     result = Rotation()
     if settings is not None:
-        choice.learned, result.learned = _learn_matrices(model, seed, online, output, settings, batches)
+        choice.learned, result.learned = _learn_matrices(model, seed, online, output, settings, batches, progress)
     todo = _choose_streams(model, plan, choice, output, result)
     axes = _axes(plan)  # the output-feature axis of every writer tensor
     turns = _stream_turns(model, axes, todo, output, result)
@@ -716,7 +722,8 @@ def rotate(model: nn.Module, q: str | int | torch.Tensor = "hadamard", *, seed: 
 
 
 def _learn_matrices(model: nn.Module, seed: int, online: bool, output: str | None, settings: Any,
-                    batches: list) -> tuple[dict[str, torch.Tensor], Any]:
+                    batches: list, progress: Callable[[Any], None] | None = None
+                    ) -> tuple[dict[str, torch.Tensor], Any]:
     """``({first norm: Q₀ R}, what the learning did)`` for the streams ``rotate(model, "hadamard", seed=seed,
     online=online, output=output)`` would turn: that rotation is applied to a copy of the model (ops, online
     Hadamards and all), and :func:`normswap.rotation.learn.optimise` learns each stream's ``R`` on top of it,
@@ -775,7 +782,12 @@ def _learn_matrices(model: nn.Module, seed: int, online: bool, output: str | Non
         for path, v, o in pairs:
             turned = [(names[id(p)], axis) for p, axis in ((v.weight, 0), (v.bias, 0), (o.weight, 1)) if p is not None]
             heads.append(learn.HeadTensors(path, hd, turned))
-    rs, done = learn.optimise(work, specs, batches, settings, heads)
+    starts = {r["norms"][0]: r["q"] for r in start.rotated}
+
+    def report(p: Any) -> None:  # the user sees each stream's whole matrix, Q₀ R
+        progress(replace(p, best={k: starts[k] @ r for k, r in p.best.items()}))
+
+    rs, done = learn.optimise(work, specs, batches, settings, heads, report if progress is not None else None)
     return {r["norms"][0]: r["q"] @ rs[r["norms"][0]] for r in start.rotated}, done
 
 
