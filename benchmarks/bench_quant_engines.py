@@ -56,6 +56,10 @@ CLS embedding (``pooler_output``), averaged over the inputs, and the same over e
   on the calibration crops left unturned (identity) and the rest turned by a Hadamard of seed ``--rotate-seed``
   (``dinov2_rotation_groups.keep_matrix``, a user matrix), then ``rotate(smooth=--smooth)`` on the same crops
   (``--smooth 0``: none). Asked for by name.
+* ``online``: the checkpoint ``normswap convert`` writes (``patch(beta_placement="keep")``: γ, β and LayerScale
+  where the default puts them, no stream turned) with ``normswap.rotate(model, "none", online=True,
+  seed=--rotate-seed)``: an online Hadamard before every Linear reader of a norm and every MLP down projection,
+  per-head Hadamards on the values. Asked for by name.
 * ``--q-files NAME=PATH``: rows named ``NAME``, ``patch(fold_gamma=True)`` then ``normswap.rotate(model, Q,
   output="restore")`` with ``Q`` the float64 matrix saved at ``PATH`` (``torch.save``; e.g. the learned rotation
   ``dinov2_learned_rotation.py`` writes as it learns), measured after the ``--variants``.
@@ -106,6 +110,7 @@ VARIANTS = ("original", "compat", "compat-notrade", "compat-retrade", "compat-ke
             "hadamard", "jitter-1", "jitter-2")
 LEARNED = ("learned", "learned-mix")  # minutes each (the learning): asked for by name
 KEPT = ("hadamard-keep",)  # needs calibration crops (--keep, --smooth, --rotate-seed): asked for by name
+ONLINE = ("online",)  # asked for by name
 WEIGHTS = {"o_proj": "attention.o_proj", "fc2": "mlp.fc2", "q_proj": "attention.q_proj",
            "k_proj": "attention.k_proj", "fc1": "mlp.fc1"}
 
@@ -179,7 +184,7 @@ def variant(model: torch.nn.Module, name: str, workdir: Path,
         name = name.removesuffix("-weights")
     if name == "compat-fold-ls":
         opts["layer_scale"] = "fold"
-    if name.endswith("-keep"):
+    if name.endswith("-keep") or name in ONLINE:
         opts["beta_placement"] = "keep"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -188,6 +193,9 @@ def variant(model: torch.nn.Module, name: str, workdir: Path,
             return centered_by_op(conv, model), "native, the original's patch convolution, centered by an op"
         if name.startswith("native"):
             return conv, "in memory (normswap.RMSNorm modules)"
+        if name in ONLINE:  # no stream turned: an online Hadamard at every Linear input
+            r = normswap.rotate(conv, "none", online=True, seed=learn["rotate_seed"] if learn else 0)
+            return conv, f"{r.headline()}; native, in memory"
         if name == "hadamard":  # the backbone's output is a model output: turned back (native format only)
             seed = learn["rotate_seed"] if learn else 0
             r = normswap.rotate(conv, "hadamard", seed=seed, output="restore")
@@ -416,7 +424,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     "inputs and calibration are random crops of them (photo_crops.py) instead of generated images")
     ap.add_argument("--calib-photos", default="motorcycle_right.png,gravel.png,brick.png",
                     help="with --photos: the photographs calibration crops come from, left out of the held-out ones")
-    ap.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=VARIANTS + LEARNED + KEPT)
+    ap.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=VARIANTS + LEARNED + KEPT + ONLINE)
     ap.add_argument("--float-stem", action="store_true", help="static QDQ: leave each centering op and the Add/"
                     "Concat assembling its input in float (normswap.integrations.onnx.stem_float_nodes)")
     ap.add_argument("--float-ops", action="store_true", help="leave a rotation's own ops (output='restore''s "

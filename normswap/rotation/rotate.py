@@ -43,6 +43,7 @@ from normswap.surgery.scales import fold_layer_scale
 
 KINDS = ("hadamard", "random")  # built from (width, kind, seed)
 LEARNED = "learned"  # Q₀ (the "hadamard" matrix) times an R chosen from calibration data (rotation/learn.py)
+NONE = "none"  # no stream turned; with online=True an online Hadamard at every Linear input (_online_only)
 
 
 @dataclass
@@ -78,6 +79,10 @@ class Rotation:
 
     def headline(self) -> str:
         """One line: ``rotated 2 stream(s) (hadamard), 1 left unrotated``."""
+        if any(r["kind"] == NONE for r in self.rotated):
+            n = sum(len(r["online"]) for r in self.rotated)
+            return f"no stream turned; online Hadamards before {n} Linear(s)" + \
+                (f", {len(self.online_skipped)} left alone" if self.online_skipped else "")
         kinds = "/".join(sorted({r["kind"] for r in self.rotated}))
         line = f"rotated {len(self.rotated)} stream(s)" + (f" ({kinds})" if kinds else "")
         if self.fallbacks:
@@ -93,6 +98,11 @@ class Rotation:
     def __str__(self) -> str:
         lines = []
         for r in self.rotated:
+            if r["kind"] == NONE:
+                lines.append(f"no stream turned: online Hadamard before {len(r['online'])} "
+                             f"Linear(s); per-head Hadamard (size {r['head_dim']}) on {len(r['value_heads'])} "
+                             "attention(s)' values")
+                continue
             what = r["kind"] + (f" ({r['construction']})" if r["construction"] else "")
             if r["fallback"]:
                 what += f"; {r['fallback']}"
@@ -594,6 +604,15 @@ def rotate(model: nn.Module, q: str | int | torch.Tensor = "hadamard", *, seed: 
             mean-preserving, so the float model's outputs are unchanged. The search starts from the better,
             on the calibration batches, of the Hadamard and no rotation (``R = Q₀ᵀ``: a stream lighter-tailed
             than Gaussian quantizes worse turned), and keeps that start where learning does not lower the error.
+            ``"none"`` (with ``online=True`` only): no stream turns, so the norms keep γ and β and LayerScale
+            stays where the conversion put it (any converted model, ``fold_gamma`` not needed); instead every
+            Linear input of the converted streams takes an online Hadamard: each Linear reader of a norm
+            (queries, keys, values, MLP up projection) and each MLP down projection gets the op ``x·D·H/sqrt(n)``
+            before it and ``W·D·H/sqrt(n)`` in its weight, and the values turn per head with the output
+            projection's columns (no op). For block-wise weight quantizers (blocks run along the input
+            features) this evens out every weight's blocks without folding γ into the readers' columns, which
+            is what a turned stream costs at 4 bits on a model with uneven γ (DINOv2-small:
+            ``docs/results/quantization.md``). A model turned so cannot be rotated again.
         seed: the random signs / random matrix of the first stream; the i-th stream uses ``seed + i``.
         online: also QuaRot's online Hadamard on every MLP down projection of a rotated stream (a writer
             Linear/Conv1D whose input width ``n`` is not the stream's): an op computing ``x·H/sqrt(n)``
@@ -670,6 +689,10 @@ def rotate(model: nn.Module, q: str | int | torch.Tensor = "hadamard", *, seed: 
     the model's plan (``plan.rotations``), which becomes the checkpoint manifest.
     """
     plan = _converted_plan(model)
+    if any(r.get("kind") == NONE for r in plan.rotations):
+        raise NormswapError("the model already has online Hadamards at its Linear inputs (rotate(..., 'none', "
+                            "online=True)); a stream turned now would meet them in the wrong order: rotate the "
+                            "converted model before adding them, or convert the original again")
     choice = MatrixChoice.of(q, seed)
     batches = None
     settings = None
@@ -684,6 +707,13 @@ def rotate(model: nn.Module, q: str | int | torch.Tensor = "hadamard", *, seed: 
             != (4, None, None, 100, 1e-3, "symmetric", False, False, None, None):
         raise NormswapError("bits, act_bits, group_size, steps, lr, grid, scales, heads, logit_top_k and progress "
                             "apply to a learned rotation: pass q='learned' (--rotate learned) too")
+    if choice.kind == NONE:
+        if not online:
+            raise NormswapError("q='none' turns no stream: it only adds online Hadamards, so pass online=True too")
+        if (output, smooth, calibration) != (None, None, None):
+            raise NormswapError("q='none' takes online=True and seed only: output, smooth and calibration apply to "
+                                "a turned stream")
+        return _online_only(model, plan, seed)
     if smooth is not None or settings is not None:  # checked and resolved before anything turns
         from normswap.rotation import smooth as smoothing
 
@@ -718,6 +748,55 @@ def rotate(model: nn.Module, q: str | int | torch.Tensor = "hadamard", *, seed: 
     if smooth is not None and result.rotated:
         _smooth_streams(model, plan, result, smooth, batches)
     plan.rotations = plan.rotations + [manifest_entry(r) for r in result.rotated]
+    return result
+
+
+def _online_only(model: nn.Module, plan: Plan, seed: int) -> Rotation:
+    """``rotate(model, "none", online=True)``: no stream turned; an online Hadamard before every Linear reader
+    of the converted norms and every MLP down projection (:func:`_add_online_hadamard`, the op and weight
+    ``online=True`` puts on down projections), and per-head Hadamards on the values (:func:`_rotate_heads_`).
+    Each op turns its Linear's own input, so it is exact whoever else reads that input; a reader reached
+    through a functional linear (no module to hold the op), one whose weight another module shares (a head
+    tied to the embedding), or one with no Hadamard order for its width is left alone and listed in
+    ``online_skipped``."""
+    result = Rotation()
+    sharing: dict[int, int] = {}
+    for _, m in model.named_modules(remove_duplicate=False):
+        for p in m.parameters(recurse=False):
+            sharing[id(p)] = sharing.get(id(p), 0) + 1
+    paths, widths, norms = [], [], []
+    modules = dict(model.named_modules())
+    for group in streams(plan, model):
+        norms += [sp.name for sp in group]
+        widths.append(group[0].normalized_shape[0])
+        for rd in sorted({r for sp in group for r in sp.linear_readers}):
+            module = modules.get(rd)
+            if not (isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D"):
+                result.online_skipped.append(f"`{rd}`: a functional linear (no module to hold the op)")
+            elif sharing.get(id(module.weight), 0) > 1:
+                result.online_skipped.append(f"`{rd}`: its weight is shared with another module (tied)")
+            elif getattr(module, "_normswap_online", None) is None:
+                n = module.weight.shape[_reader_axis(module)]
+                if hadamard.has_hadamard(n):
+                    paths.append(rd)
+                else:
+                    result.online_skipped.append(f"`{rd}`: no Hadamard matrix of order {n}")
+        down, why = _online_targets(model, sorted({t for sp in group for t in sp.writer_targets}), widths[-1])
+        paths += [p for p in down if p not in paths]
+        result.online_skipped += why
+    paths = sorted(paths)
+    for i, path in enumerate(paths):
+        _add_online_hadamard(model, path, seed=seed + 7919 * (i + 1))
+    heads, hd, why = _rotate_heads_(model) if paths else ([], None, "")
+    if why:
+        result.online_skipped.append(f"per-head Hadamard on values: {why}")
+    if paths:
+        entry = {"width": max(widths), "norms": norms, "writers": [], "readers": [], "kind": NONE, "seed": seed,
+                 "construction": "", "fallback": "", "mean_preserving": True, "output": "", "outputs": [],
+                 "restore": [], "ops": [], "online": paths, "online_signs": True, "value_heads": heads,
+                 "head_dim": hd, "q": torch.eye(max(widths), dtype=torch.float64)}
+        result.rotated.append(entry)
+        plan.rotations = plan.rotations + [manifest_entry(entry)]
     return result
 
 
@@ -856,7 +935,7 @@ class MatrixChoice:
         if isinstance(q, int) and not isinstance(q, bool):
             return cls(None, "random", q)
         if isinstance(q, str):
-            return cls(None, choose("rotation", q, (*KINDS, LEARNED)), seed)
+            return cls(None, choose("rotation", q, (*KINDS, LEARNED, NONE)), seed)
         raise NormswapError(f"q must be 'hadamard', 'random', an int seed or an orthogonal matrix, "
                             f"not {type(q).__name__}")
 
