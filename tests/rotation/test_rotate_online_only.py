@@ -122,3 +122,38 @@ def test_a_stream_turn_after_the_online_hadamards_is_refused():
         rotate(model, "hadamard", output="restore")
     after = model.state_dict()
     assert all(torch.equal(before[n], after[n]) for n in before)
+
+
+def test_patch_option_rotate_none_folds_no_gamma_and_stays_exact():
+    model = tiny_dinov2(seed=3)
+    probe = hf_example_inputs(model, seed=5)
+    ref = _run(model, probe)
+    gammas = [m.weight.clone() for m in model.modules() if isinstance(m, torch.nn.LayerNorm)]
+    report = normswap.patch(model, rotate="none", online_hadamard=True)
+    assert _relative(_run(model, probe), ref) <= 1e-9
+    assert "online Hadamards before 10 Linear(s)" in str(report.message)
+    kept = [m.weight for m in model.modules() if isinstance(m, normswap.RMSNorm)]
+    assert len(kept) == len(gammas) and all(torch.equal(a, b) for a, b in zip(kept, gammas, strict=True))
+    with pytest.raises(NormswapError, match="pass online_hadamard=True"):
+        normswap.patch(tiny_dinov2(seed=3), rotate="none")
+
+
+def test_cli_rotate_none_needs_online_hadamard_and_writes_a_native_checkpoint(tmp_path):
+    from click.testing import CliRunner
+
+    from normswap.cli import main
+
+    runner = CliRunner()
+    res = runner.invoke(main, ["convert", "tiny-gpt2", "--out", str(tmp_path / "a"), "--rotate", "none"])
+    assert res.exit_code == 2 and "pass --online-hadamard" in res.stderr
+    res = runner.invoke(main, ["convert", "tiny-gpt2", "--out", str(tmp_path / "c"), "--rotate", "none",
+                               "--online-hadamard", "--format", "compat"])
+    assert res.exit_code == 2 and "use --format native" in res.stderr
+    assert not (tmp_path / "a").exists() and not (tmp_path / "c").exists()
+    res = runner.invoke(main, ["convert", "tiny-gpt2", "--out", str(tmp_path / "b"), "--rotate", "none",
+                               "--online-hadamard", "--quiet"])
+    assert res.exit_code == 0, res.stderr
+    assert "no stream turned; online Hadamards before" in res.stdout
+    loaded = normswap.load(tmp_path / "b")
+    (entry,) = normswap.plan_of(loaded).rotations
+    assert entry["kind"] == "none" and entry["online"]
