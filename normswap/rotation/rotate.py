@@ -419,10 +419,24 @@ class OnlineHadamard:
         signs = getattr(module, SIGNS_BUFFER, None)
         if signs is not None:
             x = x * signs.to(x.dtype)
-        return (hadamard.fwht(x, getattr(module, HADAMARD_BUFFER)), *args[1:])
+        small, pow2 = getattr(module, HADAMARD_BUFFER), getattr(module, POW2_ATTR, None)
+        if pow2 is not None:  # two matmuls: two exported nodes instead of a butterfly's dozens
+            return (hadamard.hadamard_matmuls(x, small, pow2.to(x.device)), *args[1:])
+        return (hadamard.fwht(x, small), *args[1:])
+
+
+# H_{2^m} for OnlineHadamard's matmul form: a plain attribute (float64), not a buffer, so no checkpoint holds it
+# and no loader re-initialises it (a ±1 matrix is rebuilt from the widths whenever the op is installed)
+POW2_ATTR = "_normswap_hadamard_pow2"
 
 
 def _install_online(module: nn.Module, small: torch.Tensor, signs: torch.Tensor | None = None) -> None:
+    """The online Hadamard's buffers and pre-hook on ``module`` (or new values for them). The ``2^m`` factor,
+    where it is at most :data:`normswap.rotation.hadamard.POW2_DENSE_MAX`, is a plain attribute built here from
+    the widths, so the op runs as two matmuls (a checkpoint holds only ``H_K`` and the signs, as before)."""
+    n = module.weight.shape[_reader_axis(module)]
+    m = n // small.shape[0]
+    setattr(module, POW2_ATTR, hadamard.sylvester(m) if m <= hadamard.POW2_DENSE_MAX else None)
     if getattr(module, "_normswap_online", None) is not None:
         setattr(module, HADAMARD_BUFFER, small)
         if signs is not None:

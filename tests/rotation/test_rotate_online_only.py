@@ -157,3 +157,14 @@ def test_cli_rotate_none_needs_online_hadamard_and_writes_a_native_checkpoint(tm
     loaded = normswap.load(tmp_path / "b")
     (entry,) = normswap.plan_of(loaded).rotations
     assert entry["kind"] == "none" and entry["online"]
+
+
+def test_the_matmul_form_is_the_butterfly_to_float_rounding():
+    gen = torch.Generator().manual_seed(0)
+    for n in (384, 1536, 64, 20):
+        small = hadamard.small_factor(n)
+        m = n // small.shape[0]
+        x = torch.randn(3, 5, n, generator=gen, dtype=torch.float64)
+        pow2 = hadamard.sylvester(m)
+        assert float((hadamard.hadamard_matmuls(x, small, pow2) - hadamard.fwht(x, small)).abs().max()) <= 1e-12
+    assert hadamard.sylvester(12) is None
