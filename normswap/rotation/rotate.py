@@ -406,8 +406,10 @@ SIGNS_BUFFER = "normswap_hadamard_signs"  # its random signs D (x → x D H/sqrt
 
 class OnlineHadamard:
     """Forward pre-hook: the module's input times ``D·H/sqrt(n)`` (``D`` random signs, where the module holds
-    them) by the fast Walsh–Hadamard transform (:func:`normswap.rotation.hadamard.fwht`, stock ops only, so it
-    exports); the module's weight holds ``(D H/sqrt(n))ᵀ``.
+    them), ``H = H_K ⊗ H_{2^m}``, as two matmuls (:func:`normswap.rotation.hadamard.hadamard_matmuls`: the
+    dense Sylvester ``H_{2^m}`` up to order 256, a plain attribute rebuilt from the widths) or, for a larger
+    ``2^m``, the fast Walsh–Hadamard butterfly (:func:`normswap.rotation.hadamard.fwht`); stock ops either way,
+    so it exports. The module's weight holds ``(D H/sqrt(n))ᵀ``.
 
     Why the signs: an MLP down projection reads GELU/ReLU outputs, whose per-token mean is a third of their
     rms or more. A plain ``H`` maps that mean onto one coordinate (its first column is all ones), a spike of
