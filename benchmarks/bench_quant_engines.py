@@ -57,6 +57,13 @@ CLS embedding (``pooler_output``), averaged over the inputs, and the same over e
   on the calibration crops left unturned (identity) and the rest turned by a Hadamard of seed ``--rotate-seed``
   (``dinov2_rotation_groups.keep_matrix``, a user matrix), then ``rotate(smooth=--smooth)`` on the same crops
   (``--smooth 0``: none). Asked for by name.
+* ``online``: the checkpoint ``normswap convert`` writes (``patch(beta_placement="keep")``: γ, β and LayerScale
+  where the default puts them, no stream turned) with ``normswap.rotate(model, "none", online=True,
+  seed=--rotate-seed)``: an online Hadamard before every Linear reader of a norm and every MLP down projection,
+  per-head Hadamards on the values. Asked for by name.
+* ``--q-files NAME=PATH``: rows named ``NAME``, ``patch(fold_gamma=True)`` then ``normswap.rotate(model, Q,
+  output="restore")`` with ``Q`` the float64 matrix saved at ``PATH`` (``torch.save``; e.g. the learned rotation
+  ``dinov2_learned_rotation.py`` writes as it learns), measured after the ``--variants``.
 
 By default the model is DINOv2-shaped (``bench_layerscale_bf16.build``: hidden 384, patch 14, LayerScale λ
 log-normal over three decades, LayerNorm γ/β randomised, a few massive channels) with random weights and
@@ -104,6 +111,7 @@ VARIANTS = ("original", "compat", "compat-notrade", "compat-retrade", "compat-ke
             "hadamard", "jitter-1", "jitter-2")
 LEARNED = ("learned", "learned-mix")  # minutes each (the learning): asked for by name
 KEPT = ("hadamard-keep",)  # needs calibration crops (--keep, --smooth, --rotate-seed): asked for by name
+ONLINE = ("online",)  # asked for by name
 WEIGHTS = {"o_proj": "attention.o_proj", "fc2": "mlp.fc2", "q_proj": "attention.q_proj",
            "k_proj": "attention.k_proj", "fc1": "mlp.fc1"}
 
@@ -145,14 +153,21 @@ class Outputs(torch.nn.Module):
 
 
 def variant(model: torch.nn.Module, name: str, workdir: Path,
-            learn: dict[str, Any] | None = None) -> tuple[torch.nn.Module, str]:
+            learn: dict[str, Any] | None = None, q_file: Path | None = None) -> tuple[torch.nn.Module, str]:
     """``name``'s model as a stock transformers model (compat checkpoint written and loaded back); ``learn``:
     ``normswap.rotate``'s learned-rotation keywords (``calibration`` included) for the ``learned*`` variants, and
-    ``keep``/``smooth``/``rotate_seed`` for ``hadamard-keep``."""
+    ``keep``/``smooth``/``rotate_seed`` for ``hadamard-keep``; ``q_file``: a saved rotation (``--q-files``)."""
     import transformers as tf
 
     import normswap
 
+    if q_file is not None:
+        conv = copy.deepcopy(model)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            normswap.patch(conv, fold_gamma=True)
+            normswap.rotate(conv, torch.load(q_file), output="restore")
+        return conv, f"rotated by the matrix in {q_file}; output restored; native, in memory"
     if name == "original":
         return model, ""
     if name.startswith("jitter-"):
@@ -170,7 +185,7 @@ def variant(model: torch.nn.Module, name: str, workdir: Path,
         name = name.removesuffix("-weights")
     if name == "compat-fold-ls":
         opts["layer_scale"] = "fold"
-    if name.endswith("-keep"):
+    if name.endswith("-keep") or name in ONLINE:
         opts["beta_placement"] = "keep"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -179,6 +194,9 @@ def variant(model: torch.nn.Module, name: str, workdir: Path,
             return centered_by_op(conv, model), "native, the original's patch convolution, centered by an op"
         if name.startswith("native"):
             return conv, "in memory (normswap.RMSNorm modules)"
+        if name in ONLINE:  # no stream turned: an online Hadamard at every Linear input
+            r = normswap.rotate(conv, "none", online=True, seed=learn["rotate_seed"] if learn else 0)
+            return conv, f"{r.headline()}; native, in memory"
         if name == "hadamard":  # the backbone's output is a model output: turned back (native format only)
             seed = learn["rotate_seed"] if learn else 0
             r = normswap.rotate(conv, "hadamard", seed=seed, output="restore")
@@ -408,7 +426,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     "inputs and calibration are random crops of them (photo_crops.py) instead of generated images")
     ap.add_argument("--calib-photos", default="motorcycle_right.png,gravel.png,brick.png",
                     help="with --photos: the photographs calibration crops come from, left out of the held-out ones")
-    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS + LEARNED + KEPT)
+    ap.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=VARIANTS + LEARNED + KEPT + ONLINE)
     ap.add_argument("--float-stem", action="store_true", help="static QDQ: leave each centering op and the Add/"
                     "Concat assembling its input in float (normswap.integrations.onnx.stem_float_nodes)")
     ap.add_argument("--float-ops", action="store_true", help="leave a rotation's own ops (output='restore''s "
@@ -423,6 +441,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--keep", type=int, default=4, help="hadamard-keep: stream channels left unturned")
     ap.add_argument("--smooth", type=float, default=0.5, help="hadamard-keep: rotate(smooth=) after the turn (0: none)")
     ap.add_argument("--rotate-seed", type=int, default=0, help="hadamard, hadamard-keep: the Hadamard's sign seed")
+    ap.add_argument("--q-files", nargs="+", default=[], metavar="NAME=PATH",
+                    help="more rows: the model rotated by the float64 matrix saved at PATH (output restored)")
     ap.add_argument("--quantizers", nargs="+", default=list(QUANTIZERS), choices=QUANTIZERS + GPTQ + MATMUL_ONLY)
     ap.add_argument("--json", type=Path)
     ap.add_argument("--plot", type=Path, help="write a PNG of the error ratios (matplotlib)")
@@ -485,9 +505,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result: dict[str, Any] = {"model": label, "images": args.images, "rows": {}}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        for name in args.variants:
+        saved = dict(spec.split("=", 1) for spec in args.q_files)
+        for name in [*args.variants, *saved]:
             t0 = time.perf_counter()
-            m, note = variant(model, name, work, dict(learn) if learn else None)
+            m, note = variant(model, name, work, dict(learn) if learn else None,
+                              Path(saved[name]) if name in saved else None)
             row: dict[str, Any] = {"note": note, "weights": weight_ranges(m), "errors": {}, "per_image": {}}
             fp32 = work / f"{name}.onnx"
             export(m, px, fp32)

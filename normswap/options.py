@@ -55,7 +55,8 @@ STEM_CENTERINGS = ("op", "weights")
 FORMATS = ("native", "compat")
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # checkpoint dtypes ``convert`` can write
 VERIFY_DTYPES = ("auto", "float64", "float32")  # what the working copy computes in (normswap.memory)
-ROTATIONS = ("hadamard", "random", "learned")  # what ``rotate`` builds (normswap.rotate also takes a seed or a matrix)
+# what ``rotate`` builds (normswap.rotate also takes a seed or a matrix); "none": online Hadamards only
+ROTATIONS = ("hadamard", "random", "learned", "none")
 # rotate_learn's keys (normswap.rotation.learn.LearnSettings)
 LEARN_KEYS = ("bits", "act_bits", "group_size", "steps", "lr", "grid", "scales", "heads", "logit_top_k")
 ROTATE_OUTPUTS = ("rotated", "restore")  # a stream ending in a model output: turned output, or turned back
@@ -177,7 +178,9 @@ class ConvertOptions:
             ``normswap backends``).
         rotate: after the conversion, rotate every rotation-ready residual stream
             (:func:`normswap.rotate`): ``"hadamard"`` (randomized Hadamard, QuaRot's choice),
-            ``"random"`` (random orthogonal) or ``"learned"``; ``None`` (default) does not rotate. A rotated
+            ``"random"`` (random orthogonal) or ``"learned"``; ``"none"`` (with ``online_hadamard=True``) turns no
+            stream, folds no γ, and adds only the online Hadamards, before every Linear input
+            (:func:`normswap.rotate`'s ``q="none"``); ``None`` (default) does not rotate. A rotated
             stream needs γ folded, so ``rotate`` folds γ into the norms of every stream it will turn; the
             norms of a stream it leaves alone (Whisper's encoder, whose last norm output is a model output)
             keep γ and β as a conversion without ``rotate`` leaves them, and say why
@@ -239,6 +242,10 @@ class ConvertOptions:
             choose("rotate_output", self.rotate_output, ROTATE_OUTPUTS)
         if isinstance(self.rotate_seed, bool) or not isinstance(self.rotate_seed, int):
             raise NormswapError(f"option rotate_seed must be an int, not {self.rotate_seed!r}")
+        if self.rotate == "none" and (not self.online_hadamard or self.rotate_output is not None
+                                      or self.rotate_smooth is not None):
+            raise NormswapError("option rotate='none' turns no stream, it only adds online Hadamards: pass "
+                                "online_hadamard=True (--online-hadamard), and no rotate_output or rotate_smooth")
         if (self.online_hadamard or self.rotate_output is not None) and self.rotate is None:
             what = "online_hadamard" if self.online_hadamard else "rotate_output"
             raise NormswapError(f"option {what} applies to a rotation: pass rotate='hadamard' (--rotate hadamard) too")
@@ -287,8 +294,9 @@ class ConvertOptions:
 
     @property
     def folds_gamma(self) -> bool:
-        """Is γ folded anywhere: ``fold_gamma`` (every norm), or a rotation (the norms of the streams it turns)."""
-        return self.fold_gamma or self.rotate is not None
+        """Is γ folded anywhere: ``fold_gamma`` (every norm), or a rotation (the norms of the streams it turns;
+        ``rotate="none"`` turns none)."""
+        return self.fold_gamma or self.rotate not in (None, "none")
 
     def beta_placement_for(self, fmt: str | None) -> str:
         """The β placement a conversion written in ``fmt`` runs (``None``: an in-memory ``patch``/``plan``):

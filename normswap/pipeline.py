@@ -536,7 +536,7 @@ def analyse_copy(work: nn.Module, args: tuple, kwargs: dict, opts: ConvertOption
                        layer_scale=opts.layer_scale, keep_gamma=keep_gamma, stem_centering=opts.stem_centering_used)
 
     plan = planned()
-    if opts.rotate is not None and not opts.fold_gamma:
+    if opts.rotate not in (None, "none") and not opts.fold_gamma:
         # the rotation asked for the fold, so only where it will turn: the norms of every stream it will leave
         # alone are planned again as without it (γ and β where a conversion without rotate puts them)
         from normswap.rotation.rotate import unturned_norms

@@ -106,6 +106,9 @@ def _check_combination(
         what = "--online-hadamard" if online_hadamard else "--rotate-output" if rotate_output else \
             "--smooth" if smooth is not None else "--seed"
         raise UsageError(f"{what} applies to a rotation: pass --rotate hadamard (or random) too")
+    if rotation == "none" and not online_hadamard:
+        raise UsageError("--rotate none turns no stream, it only adds the online Hadamards: pass --online-hadamard "
+                         "too (and --format native)")
     if learn and rotation != "learned":
         flag = "--learn-" + next(iter(learn)).replace("_", "-")
         raise UsageError(f"{flag} applies to a learned rotation: pass --rotate learned too")
@@ -342,7 +345,9 @@ Presets (offline, seeded tiny models with tokenizers/processors):
     "unchanged): hadamard = randomized Hadamard (QuaRot's choice; a random orthogonal Q where no "
     "Hadamard order fits the width), random = random orthogonal, learned = the Hadamard times an "
     "orthogonal R learned on --calibration-data (default: built-in batches) for the quantizer the --learn-* "
-    "options describe (SpinQuant's R1). γ is folded into the readers of the streams it turns; the norms of "
+    "options describe (SpinQuant's R1), none = no stream turned, only --online-hadamard's ops, before every Linear "
+    "input (norms keep γ and β: the 4-bit choice for models with uneven γ, e.g. DINOv2). γ is folded into the "
+    "readers of the streams it turns; the norms of "
     "a stream it leaves alone keep γ and β as without --rotate (add --fold-gamma to fold γ everywhere). Q keeps the "
     "mean (Q·1 = 1), so --format compat works too. Recorded in the manifest.",
 )
@@ -384,7 +389,8 @@ Presets (offline, seeded tiny models with tokenizers/processors):
     "streams are not rotated.",
 )
 @click.option("--online-hadamard", is_flag=True,
-              help="With --rotate hadamard and --format native: also the online Hadamard rotations.")
+              help="With --rotate and --format native: also the online Hadamard rotations (before every MLP down "
+              "projection; with --rotate none before every Linear input).")
 @click.option("--smooth", "smooth", type=click.FloatRange(0.0, 1.0), default=None, metavar="ALPHA",
               help="With --rotate: after the rotation, move a per-channel scale between each norm's weight and "
               "its readers' input columns (SmoothQuant's alpha, e.g. 0.5), measured on --calibration-data "

@@ -215,6 +215,24 @@ class Learned:
                 "loss_start": self.loss_start, "loss_end": self.loss_end, "kept_start": self.kept_start}
 
 
+@dataclass(frozen=True)
+class Progress:
+    """Where a learning run stands (``optimise``'s ``progress`` callback): after ``step`` of ``steps``, the
+    loss of the matrices now (``score``, on every calibration batch and grid) and of the best so far
+    (``best_loss``; the start counts), ``best`` = each stream's best matrix so far (float64; from ``optimise``
+    ``{stream key: R}``, the stream's matrix being ``Q₀ R``; from ``normswap.rotate(..., progress=)`` ``{first
+    norm: Q₀ R}`` itself), the per-step losses so far and the seconds taken."""
+
+    step: int
+    steps: int
+    start: str
+    score: float
+    best_loss: float
+    best: dict[str, torch.Tensor]
+    history: list[float]
+    seconds: float
+
+
 def cayley(skew_param: torch.Tensor, keep_mean: bool = True) -> torch.Tensor:
     """``R = (I − A/2)⁻¹(I + A/2)`` with ``A = P (S − Sᵀ) P``: orthogonal, ``R·1 = 1``, ``R = I`` at ``S = 0``.
     ``keep_mean=False``: ``A = S − Sᵀ`` (any rotation near ``I``; for features no centering relies on)."""
@@ -424,14 +442,16 @@ def _batch_ids(args: tuple, kwargs: dict, vocab: int) -> list[torch.Tensor]:
 
 
 def optimise(model: nn.Module, streams: list[StreamTensors], batches: list[tuple[tuple, dict]],
-             settings: LearnSettings,
-             heads: list[HeadTensors] | None = None) -> tuple[dict[str, torch.Tensor], Learned]:
+             settings: LearnSettings, heads: list[HeadTensors] | None = None,
+             progress: Callable[[Progress], None] | None = None) -> tuple[dict[str, torch.Tensor], Learned]:
     """Learn one ``R`` per stream of ``model`` (already turned by its start matrices ``Q₀``), so that ``Q₀ R``
     minimises the fake-quantized model's output error on ``batches``; with ``heads`` (``settings.heads``), one
     ``R2`` per attention layer too, in ``Learned.heads``. Returns ``({stream key: R}`` in float64,
     what it did``)``. The model's parameters are read, never written; it runs in its own dtype, in eval mode.
     The search starts from the better of ``R = I`` (the Hadamard) and ``R = Q₀ᵀ`` (no rotation; where every
-    stream has ``undo``) on all the batches; if nothing learned beats that start, the start is returned."""
+    stream has ``undo``) on all the batches; if nothing learned beats that start, the start is returned.
+    ``progress``: called after the starts are scored and at every check (every tenth of the run) with a
+    :class:`Progress`, so a long run can report and keep its best matrices as it goes."""
     from torch.func import functional_call
 
     if not batches:
@@ -566,6 +586,9 @@ def optimise(model: nn.Module, streams: list[StreamTensors], batches: list[tuple
             if loss_identity < loss_hadamard:
                 base, start_name, start = undo, "identity", loss_identity
             best, best_loss, best_scales, best_heads = base, start, {}, {}
+            if progress is not None:
+                progress(Progress(0, settings.steps, start_name, start, start, dict(best), [],
+                                  time.perf_counter() - t0))
             # the scales' log moves at ten times R's step: a log-scale of 1 is e×, a rotation angle of 1 is 57°
             groups: list[dict] = [{"params": list(skews.values()) + list(head_skews.values())}]
             if logs:
@@ -592,6 +615,9 @@ def optimise(model: nn.Module, streams: list[StreamTensors], batches: list[tuple
                     score = mean_loss(now, now_scales, now_heads)
                     if score < best_loss:
                         best, best_loss, best_scales, best_heads = now, score, now_scales, now_heads
+                    if progress is not None:
+                        progress(Progress(step + 1, settings.steps, start_name, score, best_loss, dict(best),
+                                          list(history), time.perf_counter() - t0))
     finally:
         model.train(was_training)
     kept = best is base

@@ -17,7 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
-ROTATION_BUFFERS = ("normswap_unrotate", "normswap_rotation", "normswap_hadamard")  # rotate.py's op buffers
+# rotate.py's op buffers (the last: an online Hadamard's 2^m factor in its matmul form, a plain attribute)
+ROTATION_BUFFERS = ("normswap_unrotate", "normswap_rotation", "normswap_hadamard", "_normswap_hadamard_pow2")
 
 
 def rotation_matrices(model: nn.Module) -> list[torch.Tensor]:

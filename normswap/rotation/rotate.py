@@ -24,6 +24,7 @@ hook that :func:`install_ops` rebuilds when a native checkpoint loads; the compa
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -42,6 +43,7 @@ from normswap.surgery.scales import fold_layer_scale
 
 KINDS = ("hadamard", "random")  # built from (width, kind, seed)
 LEARNED = "learned"  # Q₀ (the "hadamard" matrix) times an R chosen from calibration data (rotation/learn.py)
+NONE = "none"  # no stream turned; with online=True an online Hadamard at every Linear input (_online_only)
 
 
 @dataclass
@@ -77,6 +79,10 @@ class Rotation:
 
     def headline(self) -> str:
         """One line: ``rotated 2 stream(s) (hadamard), 1 left unrotated``."""
+        if any(r["kind"] == NONE for r in self.rotated):
+            n = sum(len(r["online"]) for r in self.rotated)
+            return f"no stream turned; online Hadamards before {n} Linear(s)" + \
+                (f", {len(self.online_skipped)} left alone" if self.online_skipped else "")
         kinds = "/".join(sorted({r["kind"] for r in self.rotated}))
         line = f"rotated {len(self.rotated)} stream(s)" + (f" ({kinds})" if kinds else "")
         if self.fallbacks:
@@ -92,6 +98,11 @@ class Rotation:
     def __str__(self) -> str:
         lines = []
         for r in self.rotated:
+            if r["kind"] == NONE:
+                lines.append(f"no stream turned: online Hadamard before {len(r['online'])} "
+                             f"Linear(s); per-head Hadamard (size {r['head_dim']}) on {len(r['value_heads'])} "
+                             "attention(s)' values")
+                continue
             what = r["kind"] + (f" ({r['construction']})" if r["construction"] else "")
             if r["fallback"]:
                 what += f"; {r['fallback']}"
@@ -395,8 +406,10 @@ SIGNS_BUFFER = "normswap_hadamard_signs"  # its random signs D (x → x D H/sqrt
 
 class OnlineHadamard:
     """Forward pre-hook: the module's input times ``D·H/sqrt(n)`` (``D`` random signs, where the module holds
-    them) by the fast Walsh–Hadamard transform (:func:`normswap.rotation.hadamard.fwht`, stock ops only, so it
-    exports); the module's weight holds ``(D H/sqrt(n))ᵀ``.
+    them), ``H = H_K ⊗ H_{2^m}``, as two matmuls (:func:`normswap.rotation.hadamard.hadamard_matmuls`: the
+    dense Sylvester ``H_{2^m}`` up to order 256, a plain attribute rebuilt from the widths) or, for a larger
+    ``2^m``, the fast Walsh–Hadamard butterfly (:func:`normswap.rotation.hadamard.fwht`); stock ops either way,
+    so it exports. The module's weight holds ``(D H/sqrt(n))ᵀ``.
 
     Why the signs: an MLP down projection reads GELU/ReLU outputs, whose per-token mean is a third of their
     rms or more. A plain ``H`` maps that mean onto one coordinate (its first column is all ones), a spike of
@@ -408,10 +421,24 @@ class OnlineHadamard:
         signs = getattr(module, SIGNS_BUFFER, None)
         if signs is not None:
             x = x * signs.to(x.dtype)
-        return (hadamard.fwht(x, getattr(module, HADAMARD_BUFFER)), *args[1:])
+        small, pow2 = getattr(module, HADAMARD_BUFFER), getattr(module, POW2_ATTR, None)
+        if pow2 is not None:  # two matmuls: two exported nodes instead of a butterfly's dozens
+            return (hadamard.hadamard_matmuls(x, small, pow2.to(x.device)), *args[1:])
+        return (hadamard.fwht(x, small), *args[1:])
+
+
+# H_{2^m} for OnlineHadamard's matmul form: a plain attribute (float64), not a buffer, so no checkpoint holds it
+# and no loader re-initialises it (a ±1 matrix is rebuilt from the widths whenever the op is installed)
+POW2_ATTR = "_normswap_hadamard_pow2"
 
 
 def _install_online(module: nn.Module, small: torch.Tensor, signs: torch.Tensor | None = None) -> None:
+    """The online Hadamard's buffers and pre-hook on ``module`` (or new values for them). The ``2^m`` factor,
+    where it is at most :data:`normswap.rotation.hadamard.POW2_DENSE_MAX`, is a plain attribute built here from
+    the widths, so the op runs as two matmuls (a checkpoint holds only ``H_K`` and the signs, as before)."""
+    n = module.weight.shape[_reader_axis(module)]
+    m = n // small.shape[0]
+    setattr(module, POW2_ATTR, hadamard.sylvester(m) if m <= hadamard.POW2_DENSE_MAX else None)
     if getattr(module, "_normswap_online", None) is not None:
         setattr(module, HADAMARD_BUFFER, small)
         if signs is not None:
@@ -574,7 +601,8 @@ def rotate(model: nn.Module, q: str | int | torch.Tensor = "hadamard", *, seed: 
            online: bool = False, output: str | None = None, smooth: float | None = None,
            calibration: Any = None, bits: int = 4, act_bits: int | None = None, group_size: int | None = None,
            steps: int = 100, lr: float = 1e-3, grid: str = "symmetric", scales: bool = False,
-           heads: bool = False, logit_top_k: int | None = None) -> Rotation:
+           heads: bool = False, logit_top_k: int | None = None,
+           progress: Callable[[Any], None] | None = None) -> Rotation:
     """Multiply every rotation-ready residual stream of a converted model by an orthogonal matrix.
 
     Args:
@@ -592,6 +620,15 @@ def rotate(model: nn.Module, q: str | int | torch.Tensor = "hadamard", *, seed: 
             mean-preserving, so the float model's outputs are unchanged. The search starts from the better,
             on the calibration batches, of the Hadamard and no rotation (``R = Q₀ᵀ``: a stream lighter-tailed
             than Gaussian quantizes worse turned), and keeps that start where learning does not lower the error.
+            ``"none"`` (with ``online=True`` only): no stream turns, so the norms keep γ and β and LayerScale
+            stays where the conversion put it (any converted model, ``fold_gamma`` not needed); instead every
+            Linear input of the converted streams takes an online Hadamard: each Linear reader of a norm
+            (queries, keys, values, MLP up projection) and each MLP down projection gets the op ``x·D·H/sqrt(n)``
+            before it and ``W·D·H/sqrt(n)`` in its weight, and the values turn per head with the output
+            projection's columns (no op). For block-wise weight quantizers (blocks run along the input
+            features) this evens out every weight's blocks without folding γ into the readers' columns, which
+            is what a turned stream costs at 4 bits on a model with uneven γ (DINOv2-small:
+            ``docs/results/quantization.md``). A model turned so cannot be rotated again.
         seed: the random signs / random matrix of the first stream; the i-th stream uses ``seed + i``.
         online: also QuaRot's online Hadamard on every MLP down projection of a rotated stream (a writer
             Linear/Conv1D whose input width ``n`` is not the stream's): an op computing ``x·H/sqrt(n)``
@@ -648,6 +685,10 @@ def rotate(model: nn.Module, q: str | int | torch.Tensor = "hadamard", *, seed: 
             fixed sample of 2,048 of them); the head and the input embedding turned (the head rounded) on those
             rows alone. Makes a step affordable where the head dominates it (Whisper: 51,865 × 384); None
             (default): the whole vocabulary.
+        progress: with ``q="learned"``: called with a :class:`normswap.rotation.learn.Progress` once the starts
+            are scored and at every tenth of the run; its ``best`` holds each stream's best matrix so far
+            (``{first norm: Q₀ R}``, float64), so a long run can report and save them as it goes (a matrix saved
+            so is a user ``q`` for this function: ``rotate(model, q, output=...)`` turns the model by it).
 
     Returns:
         A :class:`Rotation` listing the streams rotated (with the matrix of each) and, for the others, why not.
@@ -664,6 +705,10 @@ def rotate(model: nn.Module, q: str | int | torch.Tensor = "hadamard", *, seed: 
     the model's plan (``plan.rotations``), which becomes the checkpoint manifest.
     """
     plan = _converted_plan(model)
+    if any(r.get("kind") == NONE for r in plan.rotations):
+        raise NormswapError("the model already has online Hadamards at its Linear inputs (rotate(..., 'none', "
+                            "online=True)); a stream turned now would meet them in the wrong order: rotate the "
+                            "converted model before adding them, or convert the original again")
     choice = MatrixChoice.of(q, seed)
     batches = None
     settings = None
@@ -674,10 +719,17 @@ def rotate(model: nn.Module, q: str | int | torch.Tensor = "hadamard", *, seed: 
                                        grid=grid, scales=scales, heads=heads, logit_top_k=logit_top_k)
         if scales and smooth is not None:
             raise NormswapError("scales (learned) and smooth both set each norm's scale: pass one of them")
-    elif (bits, act_bits, group_size, steps, lr, grid, scales, heads, logit_top_k) \
-            != (4, None, None, 100, 1e-3, "symmetric", False, False, None):
-        raise NormswapError("bits, act_bits, group_size, steps, lr, grid, scales, heads and logit_top_k apply to a "
-                            "learned rotation: pass q='learned' (--rotate learned) too")
+    elif (bits, act_bits, group_size, steps, lr, grid, scales, heads, logit_top_k, progress) \
+            != (4, None, None, 100, 1e-3, "symmetric", False, False, None, None):
+        raise NormswapError("bits, act_bits, group_size, steps, lr, grid, scales, heads, logit_top_k and progress "
+                            "apply to a learned rotation: pass q='learned' (--rotate learned) too")
+    if choice.kind == NONE:
+        if not online:
+            raise NormswapError("q='none' turns no stream: it only adds online Hadamards, so pass online=True too")
+        if (output, smooth, calibration) != (None, None, None):
+            raise NormswapError("q='none' takes online=True and seed only: output, smooth and calibration apply to "
+                                "a turned stream")
+        return _online_only(model, plan, seed)
     if smooth is not None or settings is not None:  # checked and resolved before anything turns
         from normswap.rotation import smooth as smoothing
 
@@ -688,7 +740,7 @@ def rotate(model: nn.Module, q: str | int | torch.Tensor = "hadamard", *, seed: 
         choose("output", output, ("rotated", "restore"))
     result = Rotation()
     if settings is not None:
-        choice.learned, result.learned = _learn_matrices(model, seed, online, output, settings, batches)
+        choice.learned, result.learned = _learn_matrices(model, seed, online, output, settings, batches, progress)
     todo = _choose_streams(model, plan, choice, output, result)
     axes = _axes(plan)  # the output-feature axis of every writer tensor
     turns = _stream_turns(model, axes, todo, output, result)
@@ -715,8 +767,58 @@ def rotate(model: nn.Module, q: str | int | torch.Tensor = "hadamard", *, seed: 
     return result
 
 
+def _online_only(model: nn.Module, plan: Plan, seed: int) -> Rotation:
+    """``rotate(model, "none", online=True)``: no stream turned; an online Hadamard before every Linear reader
+    of the converted norms and every MLP down projection (:func:`_add_online_hadamard`, the op and weight
+    ``online=True`` puts on down projections), and per-head Hadamards on the values (:func:`_rotate_heads_`).
+    Each op turns its Linear's own input, so it is exact whoever else reads that input; a reader reached
+    through a functional linear (no module to hold the op), one whose weight another module shares (a head
+    tied to the embedding), or one with no Hadamard order for its width is left alone and listed in
+    ``online_skipped``."""
+    result = Rotation()
+    sharing: dict[int, int] = {}
+    for _, m in model.named_modules(remove_duplicate=False):
+        for p in m.parameters(recurse=False):
+            sharing[id(p)] = sharing.get(id(p), 0) + 1
+    paths, widths, norms = [], [], []
+    modules = dict(model.named_modules())
+    for group in streams(plan, model):
+        norms += [sp.name for sp in group]
+        widths.append(group[0].normalized_shape[0])
+        for rd in sorted({r for sp in group for r in sp.linear_readers}):
+            module = modules.get(rd)
+            if not (isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D"):
+                result.online_skipped.append(f"`{rd}`: a functional linear (no module to hold the op)")
+            elif sharing.get(id(module.weight), 0) > 1:
+                result.online_skipped.append(f"`{rd}`: its weight is shared with another module (tied)")
+            elif getattr(module, "_normswap_online", None) is None:
+                n = module.weight.shape[_reader_axis(module)]
+                if hadamard.has_hadamard(n):
+                    paths.append(rd)
+                else:
+                    result.online_skipped.append(f"`{rd}`: no Hadamard matrix of order {n}")
+        down, why = _online_targets(model, sorted({t for sp in group for t in sp.writer_targets}), widths[-1])
+        paths += [p for p in down if p not in paths]
+        result.online_skipped += why
+    paths = sorted(paths)
+    for i, path in enumerate(paths):
+        _add_online_hadamard(model, path, seed=seed + 7919 * (i + 1))
+    heads, hd, why = _rotate_heads_(model) if paths else ([], None, "")
+    if why:
+        result.online_skipped.append(f"per-head Hadamard on values: {why}")
+    if paths:
+        entry = {"width": max(widths), "norms": norms, "writers": [], "readers": [], "kind": NONE, "seed": seed,
+                 "construction": "", "fallback": "", "mean_preserving": True, "output": "", "outputs": [],
+                 "restore": [], "ops": [], "online": paths, "online_signs": True, "value_heads": heads,
+                 "head_dim": hd, "q": torch.eye(max(widths), dtype=torch.float64)}
+        result.rotated.append(entry)
+        plan.rotations = plan.rotations + [manifest_entry(entry)]
+    return result
+
+
 def _learn_matrices(model: nn.Module, seed: int, online: bool, output: str | None, settings: Any,
-                    batches: list) -> tuple[dict[str, torch.Tensor], Any]:
+                    batches: list, progress: Callable[[Any], None] | None = None
+                    ) -> tuple[dict[str, torch.Tensor], Any]:
     """``({first norm: Q₀ R}, what the learning did)`` for the streams ``rotate(model, "hadamard", seed=seed,
     online=online, output=output)`` would turn: that rotation is applied to a copy of the model (ops, online
     Hadamards and all), and :func:`normswap.rotation.learn.optimise` learns each stream's ``R`` on top of it,
@@ -775,7 +877,12 @@ def _learn_matrices(model: nn.Module, seed: int, online: bool, output: str | Non
         for path, v, o in pairs:
             turned = [(names[id(p)], axis) for p, axis in ((v.weight, 0), (v.bias, 0), (o.weight, 1)) if p is not None]
             heads.append(learn.HeadTensors(path, hd, turned))
-    rs, done = learn.optimise(work, specs, batches, settings, heads)
+    starts = {r["norms"][0]: r["q"] for r in start.rotated}
+
+    def report(p: Any) -> None:  # the user sees each stream's whole matrix, Q₀ R
+        progress(replace(p, best={k: starts[k] @ r for k, r in p.best.items()}))
+
+    rs, done = learn.optimise(work, specs, batches, settings, heads, report if progress is not None else None)
     return {r["norms"][0]: r["q"] @ rs[r["norms"][0]] for r in start.rotated}, done
 
 
@@ -844,7 +951,7 @@ class MatrixChoice:
         if isinstance(q, int) and not isinstance(q, bool):
             return cls(None, "random", q)
         if isinstance(q, str):
-            return cls(None, choose("rotation", q, (*KINDS, LEARNED)), seed)
+            return cls(None, choose("rotation", q, (*KINDS, LEARNED, NONE)), seed)
         raise NormswapError(f"q must be 'hadamard', 'random', an int seed or an orthogonal matrix, "
                             f"not {type(q).__name__}")
 

@@ -99,3 +99,35 @@ def test_exact_encoding_stores_gptqs_own_values(scheme):
     back = ((codes - zero) * scale).reshape(24, 96).T
     np.testing.assert_allclose(back, q, rtol=0, atol=1e-12)
     assert not gptq._GRIDS  # one grid per layer, consumed
+
+
+def test_online_variant_and_a_saved_matrix_are_exact_and_what_they_say(tmp_path):
+    """``variant(model, "online")`` is the default checkpoint with online Hadamards before every Linear input
+    (no γ folded: its norms' weights are the original's γ); ``q_file`` rotates by a saved matrix, the same model
+    as rotating by it directly. Both exact in float64."""
+    import normswap
+
+    model = _tiny_dino(3)
+    px = torch.randn(2, 3, 56, 56, dtype=torch.float64)
+    with torch.no_grad():
+        ref = model(pixel_values=px).last_hidden_state
+    online, note = engines.variant(model, "online", tmp_path)
+    assert "online Hadamards before 10 Linear(s)" in note
+    with torch.no_grad():
+        out = online(pixel_values=px).last_hidden_state
+    assert float((out - ref).abs().max() / ref.abs().max()) <= 1e-9
+    assert torch.equal(online.encoder.layer[0].norm1.weight, model.encoder.layer[0].norm1.weight)
+    q, _ = normswap.rotation.rotate.rotation_matrix(32, "hadamard", 5)
+    torch.save(q, tmp_path / "q.pt")
+    turned, note = engines.variant(model, "q", tmp_path, q_file=tmp_path / "q.pt")
+    assert "q.pt" in note
+    with torch.no_grad():
+        out = turned(pixel_values=px).last_hidden_state
+    assert float((out - ref).abs().max() / ref.abs().max()) <= 1e-9
+    direct = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        normswap.patch(direct, fold_gamma=True)
+    normswap.rotate(direct, q, output="restore")
+    assert all(torch.equal(a, b) for a, b in zip(turned.state_dict().values(), direct.state_dict().values(),
+                                                  strict=True))

@@ -54,7 +54,8 @@ def test_the_restore_matmul_is_found_and_stays_float_in_quantize_dynamic(tmp_pat
 
 
 def test_online_hadamard_factors_are_found(tmp_path):
-    """MLP width 96 = 12·8: the online Hadamard is a butterfly of order 8 and one matmul by the 12 × 12 factor."""
+    """MLP width 96 = 12·8: the online Hadamard is two matmuls, by the 8 × 8 Sylvester factor and by the 12 × 12
+    one (``hadamard.hadamard_matmuls``), both found."""
     torch.manual_seed(0)
     model = randomise(tf.GPT2LMHeadModel(tf.GPT2Config(n_layer=2, n_embd=24, n_head=4, n_inner=96, vocab_size=99,
                                                        n_positions=64))).float()
@@ -72,6 +73,6 @@ def test_online_hadamard_factors_are_found(tmp_path):
     path = tmp_path / "gpt2.onnx"
     _export(Logits(model), torch.randint(0, 99, (1, 8)), path)
     names = float_nodes(path, model)
-    assert len(names) == 2, names  # one per down projection
-    # the fwht's matmul in each MLP, not a layer (the Linears export as Gemm under c_fc / c_proj / c_attn)
-    assert sorted(names) == ["/m/transformer/h.0/mlp/MatMul", "/m/transformer/h.1/mlp/MatMul"], names
+    assert len(names) == 4, names  # two per down projection
+    # the op's two matmuls in each MLP, not a layer (the Linears export as Gemm under c_fc / c_proj / c_attn)
+    assert sorted(names) == [f"/m/transformer/h.{i}/mlp/MatMul{s}" for i in (0, 1) for s in ("", "_1")], names

@@ -1,0 +1,170 @@
+"""``rotate(model, "none", online=True)``: no stream turned (the norms keep γ and β, LayerScale stays), an online
+Hadamard before every Linear reader of a norm and every MLP down projection, per-head Hadamards on the values.
+Exact in float64 (≤ 1e-9) on a DINOv2 replica with γ/β/λ randomised, with and without ``fold_gamma``, and on
+GPT-2 (a tied head left alone); every op orthogonal (1e-12); saved and rebuilt by the native format; refused by
+compat, without ``online``, with a stream option, and before a later stream turn, the model untouched."""
+
+import pytest
+import torch
+
+import normswap
+from normswap.errors import NormswapError
+from normswap.inputs import hf_example_inputs
+from normswap.pipeline import default_dtype
+from normswap.rotation import hadamard
+from normswap.rotation.rotate import HADAMARD_BUFFER, SIGNS_BUFFER, rotate
+from tests.benchmark_modules import tiny_dinov2
+from tests.zoo import EXACT, build
+
+LINEARS = ("attention.q_proj", "attention.k_proj", "attention.v_proj", "mlp.fc1", "mlp.fc2")
+
+
+def _run(model, probe):
+    with torch.no_grad(), default_dtype(torch.float64):
+        out = model(**probe)
+    return out.logits if hasattr(out, "logits") else out.last_hidden_state
+
+
+def _relative(out, ref):
+    return float((out - ref).abs().max() / ref.abs().max())
+
+
+def _op_matrix(module):
+    """The op's ``D·H/sqrt(n)`` as a dense matrix: the op applied to the identity."""
+    n = module.weight.shape[1]
+    eye = torch.eye(n, dtype=torch.float64)
+    signs = getattr(module, SIGNS_BUFFER).double()
+    return hadamard.fwht(eye * signs, getattr(module, HADAMARD_BUFFER).double())
+
+
+@pytest.mark.parametrize("fold_gamma", [False, True])
+def test_online_hadamards_at_every_linear_input_keep_dinov2_exact(fold_gamma):
+    model = tiny_dinov2(seed=3)
+    probe = hf_example_inputs(model, seed=5)
+    ref = _run(model, probe)
+    normswap.patch(model, fold_gamma=fold_gamma, beta_placement="keep")
+    gammas = {n: p.clone() for n, p in model.named_parameters() if "norm" in n}
+    rot = rotate(model, "none", online=True, seed=4)
+    assert _relative(_run(model, probe), ref) <= 1e-9, str(rot)
+    (entry,) = rot.rotated
+    assert entry["kind"] == "none" and not entry["writers"] and not entry["readers"]
+    assert entry["online"] == sorted(f"encoder.layer.{i}.{lin}" for i in range(2) for lin in LINEARS)
+    assert entry["value_heads"] and entry["head_dim"] == 16
+    # nothing turned the stream: the norms' γ and β are where the conversion put them
+    assert all(torch.equal(p, gammas[n]) for n, p in model.named_parameters() if "norm" in n)
+    for path in entry["online"]:
+        g = _op_matrix(model.get_submodule(path))
+        eye = torch.eye(g.shape[0], dtype=torch.float64)
+        assert float((g.T @ g - eye).abs().max()) <= 1e-12 and float((g - eye).abs().max()) > 0.1
+    assert "online Hadamards before 10 Linear(s)" in rot.headline()
+    # the ops do the work: without one the folded weight breaks the model
+    model.get_submodule("encoder.layer.1.mlp.fc1")._normswap_online.remove()
+    assert _relative(_run(model, probe), ref) > 1e-3
+
+
+@pytest.mark.parametrize("untie", [True, False])
+def test_gpt2_stays_exact_and_a_head_tied_to_the_embedding_is_left_alone(untie):
+    model = build(EXACT, "gpt2")
+    probe = hf_example_inputs(model, seed=5)
+    ref = _run(model, probe)
+    normswap.patch(model, untie=untie)
+    rot = rotate(model, "none", online=True)
+    assert _relative(_run(model, probe), ref) <= 1e-9, str(rot)
+    online = rot.rotated[0]["online"]
+    assert any(p.endswith("attn.c_attn") for p in online)  # HF Conv1D readers
+    assert any(p.endswith("mlp.c_proj") for p in online) and any(p.endswith("mlp.c_fc") for p in online)
+    if untie:  # the conversion cloned the head: a reader like any other
+        assert "lm_head" in online
+    else:  # tied: turning its weight would turn the embedding too
+        assert "lm_head" not in online
+        assert any("lm_head" in why and "shared" in why for why in rot.online_skipped), rot.online_skipped
+        assert model.lm_head.weight is model.transformer.wte.weight
+
+
+def test_native_checkpoint_rebuilds_the_ops_and_compat_refuses_them(tmp_path):
+    model = tiny_dinov2(seed=3)
+    probe = hf_example_inputs(model, seed=5)
+    normswap.patch(model, beta_placement="keep")
+    rotate(model, "none", online=True)
+    ref = _run(model, probe)
+    normswap.save(model, tmp_path / "ckpt")
+    loaded = normswap.load(tmp_path / "ckpt").double().eval()
+    (entry,) = normswap.plan_of(loaded).rotations
+    assert entry["kind"] == "none" and len(entry["online"]) == 10
+    assert hasattr(loaded.get_submodule("encoder.layer.0.attention.q_proj"), HADAMARD_BUFFER)
+    assert _relative(_run(loaded, probe), ref) <= 1e-12
+    with pytest.raises(NormswapError, match="compat format cannot hold the online Hadamard"):
+        normswap.save(model, tmp_path / "compat", format="compat")
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({}, "pass online=True too"),
+    ({"online": True, "output": "restore"}, "output, smooth and calibration apply to a turned stream"),
+    ({"online": True, "smooth": 0.5}, "output, smooth and calibration apply to a turned stream"),
+    ({"online": True, "steps": 5}, "apply to a learned rotation"),
+])
+def test_bad_requests_are_refused_and_leave_the_model_as_it_was(kwargs, message):
+    model = tiny_dinov2(seed=3)
+    normswap.patch(model, fold_gamma=True)
+    before = {n: p.clone() for n, p in model.state_dict().items()}
+    with pytest.raises(NormswapError, match=message):
+        rotate(model, "none", **kwargs)
+    after = model.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[n], after[n]) for n in before)
+
+
+def test_a_stream_turn_after_the_online_hadamards_is_refused():
+    model = tiny_dinov2(seed=3)
+    normswap.patch(model, fold_gamma=True)
+    rotate(model, "none", online=True)
+    before = {n: p.clone() for n, p in model.state_dict().items()}
+    with pytest.raises(NormswapError, match="already has online Hadamards at its Linear inputs"):
+        rotate(model, "hadamard", output="restore")
+    after = model.state_dict()
+    assert all(torch.equal(before[n], after[n]) for n in before)
+
+
+def test_patch_option_rotate_none_folds_no_gamma_and_stays_exact():
+    model = tiny_dinov2(seed=3)
+    probe = hf_example_inputs(model, seed=5)
+    ref = _run(model, probe)
+    gammas = [m.weight.clone() for m in model.modules() if isinstance(m, torch.nn.LayerNorm)]
+    report = normswap.patch(model, rotate="none", online_hadamard=True)
+    assert _relative(_run(model, probe), ref) <= 1e-9
+    assert "online Hadamards before 10 Linear(s)" in str(report.message)
+    kept = [m.weight for m in model.modules() if isinstance(m, normswap.RMSNorm)]
+    assert len(kept) == len(gammas) and all(torch.equal(a, b) for a, b in zip(kept, gammas, strict=True))
+    with pytest.raises(NormswapError, match="pass online_hadamard=True"):
+        normswap.patch(tiny_dinov2(seed=3), rotate="none")
+
+
+def test_cli_rotate_none_needs_online_hadamard_and_writes_a_native_checkpoint(tmp_path):
+    from click.testing import CliRunner
+
+    from normswap.cli import main
+
+    runner = CliRunner()
+    res = runner.invoke(main, ["convert", "tiny-gpt2", "--out", str(tmp_path / "a"), "--rotate", "none"])
+    assert res.exit_code == 2 and "pass --online-hadamard" in res.stderr
+    res = runner.invoke(main, ["convert", "tiny-gpt2", "--out", str(tmp_path / "c"), "--rotate", "none",
+                               "--online-hadamard", "--format", "compat"])
+    assert res.exit_code == 2 and "use --format native" in res.stderr
+    assert not (tmp_path / "a").exists() and not (tmp_path / "c").exists()
+    res = runner.invoke(main, ["convert", "tiny-gpt2", "--out", str(tmp_path / "b"), "--rotate", "none",
+                               "--online-hadamard", "--quiet"])
+    assert res.exit_code == 0, res.stderr
+    assert "no stream turned; online Hadamards before" in res.stdout
+    loaded = normswap.load(tmp_path / "b")
+    (entry,) = normswap.plan_of(loaded).rotations
+    assert entry["kind"] == "none" and entry["online"]
+
+
+def test_the_matmul_form_is_the_butterfly_to_float_rounding():
+    gen = torch.Generator().manual_seed(0)
+    for n in (384, 1536, 64, 20):
+        small = hadamard.small_factor(n)
+        m = n // small.shape[0]
+        x = torch.randn(3, 5, n, generator=gen, dtype=torch.float64)
+        pow2 = hadamard.sylvester(m)
+        assert float((hadamard.hadamard_matmuls(x, small, pow2) - hadamard.fwht(x, small)).abs().max()) <= 1e-12
+    assert hadamard.sylvester(12) is None
