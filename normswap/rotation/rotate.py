@@ -416,6 +416,9 @@ class OnlineHadamard:
     ``sqrt(n)·mean`` that sets every per-token activation scale (a DINOv2-shaped MLP input's max/rms went
     5.9 → 10.2 under ``H``, 3.5 under ``D·H``); with ``D`` the mean spreads like everything else."""
 
+    def __init__(self) -> None:
+        self.pow2_copies: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
     def __call__(self, module: nn.Module, args: tuple) -> tuple:
         x = args[0]
         signs = getattr(module, SIGNS_BUFFER, None)
@@ -423,8 +426,24 @@ class OnlineHadamard:
             x = x * signs.to(x.dtype)
         small, pow2 = getattr(module, HADAMARD_BUFFER), getattr(module, POW2_ATTR, None)
         if pow2 is not None:  # two matmuls: two exported nodes instead of a butterfly's dozens
-            return (hadamard.hadamard_matmuls(x, small, pow2.to(x.device)), *args[1:])
+            return (hadamard.hadamard_matmuls(x, small, self.pow2_like(pow2, x)), *args[1:])
         return (hadamard.fwht(x, small), *args[1:])
+
+    def pow2_like(self, pow2: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """``pow2`` (float64, on the CPU) on ``x``'s device in its dtype, converted once per device and dtype.
+
+        Why: converting it on every call costs a 256×256 cast on the host, and on a GPU a host-to-device copy
+        per Linear per decoding step. Made outside inference mode (an inference tensor cannot be saved for
+        backward, so a model verified under ``torch.inference_mode`` and then trained would fail), and not cached
+        while torch.compile or torch.export traces (their tensors must not outlive the trace)."""
+        if torch.compiler.is_compiling():
+            return pow2.to(device=x.device, dtype=x.dtype)
+        key = (x.device, x.dtype)
+        copy = self.pow2_copies.get(key)
+        if copy is None or copy.shape != pow2.shape:
+            with torch.inference_mode(False):
+                copy = self.pow2_copies[key] = pow2.to(device=x.device, dtype=x.dtype)
+        return copy
 
 
 # H_{2^m} for OnlineHadamard's matmul form: a plain attribute (float64), not a buffer, so no checkpoint holds it
