@@ -168,3 +168,22 @@ def test_the_matmul_form_is_the_butterfly_to_float_rounding():
         pow2 = hadamard.sylvester(m)
         assert float((hadamard.hadamard_matmuls(x, small, pow2) - hadamard.fwht(x, small)).abs().max()) <= 1e-12
     assert hadamard.sylvester(12) is None
+
+
+def test_online_op_after_inference_mode_still_trains_and_reuses_its_factor():
+    """The op's ``2^m`` factor is converted once per device and dtype; a copy made while the model first ran
+    under ``torch.inference_mode`` must not be an inference tensor, or training afterwards fails."""
+    model = tiny_dinov2(seed=3).float()
+    probe = hf_example_inputs(model, seed=5)
+    normswap.patch(model, beta_placement="keep")
+    rotate(model, "none", online=True, seed=4)
+    with torch.inference_mode():
+        model(**probe)
+    fc1 = model.get_submodule("encoder.layer.0.mlp.fc1")
+    (hook,) = [h for h in fc1._forward_pre_hooks.values() if hasattr(h, "pow2_copies")]
+    (copy,) = hook.pow2_copies.values()
+    assert not copy.is_inference() and copy.dtype == torch.float32
+    model.train()
+    model(**probe).last_hidden_state.square().mean().backward()
+    assert fc1.weight.grad is not None and torch.isfinite(fc1.weight.grad).all()
+    assert list(hook.pow2_copies.values())[0] is copy  # reused, not converted again
