@@ -68,7 +68,9 @@ the stem op and the nodes assembling its input in float for static QDQ only
 (``normswap.integrations.onnx.stem_float_nodes``; the other quantizers are unaffected). ``qdq-normswap`` (asked
 for by name) is the same static QDQ through ``normswap.integrations.onnx.quantize_static``, which adds those
 nodes itself. ``ov-w8``, ``ov-w4s128``, ``ov-w4a128`` (asked for by name; needs ``openvino`` and ``nncf``): the
-same ONNX file through OpenVINO and NNCF's weight compression (``bench_openvino.nncf_quantize``), run in f32.
+same ONNX file through OpenVINO and NNCF's weight compression (``bench_openvino.nncf_quantize``), run in f32;
+``ov-w8-writers`` / ``ov-w8-readers``: int8 weights on one group of Linears only (the attention output
+projections and ``fc2`` / the q, k, v projections and ``fc1``), the rest in float.
 
     python benchmarks/bench_quant_engines.py --layers 6 --images 256 --json quant_engines.json
     python benchmarks/bench_quant_engines.py --model DINOV2_DIR --photos SKIMAGE/data --image 224 --images 256 \
@@ -103,7 +105,12 @@ GPTQ = ("nbits-gptq", "nbits-gptq-patched")  # minutes each: asked for by name
 MATMUL_ONLY = ("dyn-pt-matmul", "dyn-pc-matmul")
 # asked for by name: OpenVINO's NNCF weight compression of the same ONNX file (bench_openvino.nncf_quantize's modes:
 # int8 asymmetric per channel; int4 symmetric / asymmetric, group 128), run by OpenVINO's CPU plugin in f32
-OPENVINO = ("ov-w8", "ov-w4s128", "ov-w4a128")
+OPENVINO = ("ov-w8", "ov-w4s128", "ov-w4a128", "ov-w8-writers", "ov-w8-readers")
+# ov-w8 with one group of Linears compressed, the rest left in float (NNCF's ignored scope): where the error is
+# (transformers' Dinov2Model names: attention/output/dense, attention/attention/{query,key,value}; the random
+# DINOv2-shaped model's: o_proj, q_proj, k_proj, v_proj)
+OPENVINO_GROUPS = {"writers": r".*/(o_proj|output/dense|fc2)/MatMul.*",
+                   "readers": r".*/(q_proj|k_proj|v_proj|attention/query|attention/key|attention/value|fc1)/MatMul.*"}
 # asked for by name: static QDQ through normswap.integrations.onnx.quantize_static (ONNX Runtime's call, the stem
 # op's nodes left in float), the qdq quantizer's settings otherwise
 QDQ_NORMSWAP = ("qdq-normswap",)
@@ -358,7 +365,13 @@ def run_openvino(fp32: Path, how: str, px: torch.Tensor, batch: int = 16) -> tup
     from bench_openvino import core, nncf_quantize
 
     nncf.set_log_level(40)
-    model = nncf_quantize(ov.convert_model(str(fp32)), how.removeprefix("ov-"), [])
+    mode, _, group = how.removeprefix("ov-").partition("-")
+    model = ov.convert_model(str(fp32))
+    if group:  # only that group compressed: every other weight (the patch convolution too) ignored
+        others = [p for g, p in OPENVINO_GROUPS.items() if g != group] + [r".*/Conv.*"]
+        model = nncf.compress_weights(model, ignored_scope=nncf.IgnoredScope(patterns=others, validate=False))
+    else:
+        model = nncf_quantize(model, mode, [])
     compiled = core().compile_model(model, "CPU", {"INFERENCE_NUM_THREADS": 1, "NUM_STREAMS": 1,
                                                    "INFERENCE_PRECISION_HINT": "f32"})
     pooled, tokens = [], []
