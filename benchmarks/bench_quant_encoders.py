@@ -19,7 +19,8 @@ also a residual); ``converted-keep`` (``beta_placement="keep"``); ``converted-no
 (``mean_carry=False``: no MLP widened to carry a Post-LN mean, so those norms are approximate too);
 ``converted-pnc`` (``per_norm_centering=True``: a centering op before each Post-LN norm the carry leaves
 approximate); ``converted-pnc-nocarry`` (``per_norm_centering=True, mean_carry=False``: a centering op
-before every Post-LN norm, no MLP widened).
+before every Post-LN norm, no MLP widened); ``converted-pnc-nocarry-keep`` (the same, every β kept in its
+norm: what ``normswap convert --per-norm-centering --no-mean-carry`` writes).
 ``--texts`` English paragraphs from Python's reference docs (offline, held out from the calibration
 sentences), up to ``--max-len`` tokens.
 
@@ -57,7 +58,7 @@ QUANTIZERS = ("fp32", "dyn-pt", "dyn-pc", "qdq", "nbits-rtn")
 DEFAULT_QUANTIZERS = ("fp32", "dyn-pt", "dyn-pc")
 CALIBRATION_TEXTS = 32  # qdq's calibration paragraphs, the ones after the measured texts (held out)
 VARIANTS = ("original", "converted", "converted-fold", "converted-keep", "converted-nocarry", "converted-carry128",
-            "converted-pnc", "converted-pnc-nocarry")
+            "converted-pnc", "converted-pnc-nocarry", "converted-pnc-nocarry-keep")
 OPTIONS: dict[str, dict[str, Any]] = {"converted": {}, "converted-fold": {"beta_placement": "fold"},
                                       "converted-keep": {"beta_placement": "keep"},
                                       "converted-nocarry": {"mean_carry": False},
@@ -67,7 +68,11 @@ OPTIONS: dict[str, dict[str, Any]] = {"converted": {}, "converted-fold": {"beta_
                                       "converted-pnc": {"per_norm_centering": True},
                                       # a centering op before every Post-LN norm, no MLP widened (RMSNorm + op
                                       # is LayerNorm: nothing of the conversion left for a quantizer to round)
-                                      "converted-pnc-nocarry": {"per_norm_centering": True, "mean_carry": False}}
+                                      "converted-pnc-nocarry": {"per_norm_centering": True, "mean_carry": False},
+                                      # the same two with every β kept in its norm: what `normswap convert`
+                                      # writes (its default since round 48, native or compat)
+                                      "converted-pnc-nocarry-keep": {"per_norm_centering": True, "mean_carry": False,
+                                                                     "beta_placement": "keep"}}
 
 
 def english(n: int, seed: int = 0) -> list[str]:

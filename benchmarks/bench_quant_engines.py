@@ -73,7 +73,12 @@ into one), and ``--photos DIR`` random crops of real photographs (``photo_crops.
 from other photographs than the held-out ones). ``--weights`` prints the per-tensor range statistics
 (``max|w| / rms(w)``, median over the layers) that a per-tensor quantizer sees. ``--float-stem`` leaves
 the stem op and the nodes assembling its input in float for static QDQ only
-(``normswap.integrations.onnx.stem_float_nodes``; the other quantizers are unaffected).
+(``normswap.integrations.onnx.stem_float_nodes``; the other quantizers are unaffected). ``qdq-normswap`` (asked
+for by name) is the same static QDQ through ``normswap.integrations.onnx.quantize_static``, which adds those
+nodes itself. ``ov-w8``, ``ov-w4s128``, ``ov-w4a128`` (asked for by name; needs ``openvino`` and ``nncf``): the
+same ONNX file through OpenVINO and NNCF's weight compression (``bench_openvino.nncf_quantize``), run in f32;
+``ov-w8-writers`` / ``ov-w8-readers``: int8 weights on one group of Linears only (the attention output
+projections and ``fc2`` / the q, k, v projections and ``fc1``), the rest in float.
 
     python benchmarks/bench_quant_engines.py --layers 6 --images 256 --json quant_engines.json
     python benchmarks/bench_quant_engines.py --model DINOV2_DIR --photos SKIMAGE/data --image 224 --images 256 \
@@ -106,6 +111,17 @@ QUANTIZERS = ("fp32", "dyn-pt", "dyn-pc", "qdq", "nbits-rtn", "nbits-hqq")
 GPTQ = ("nbits-gptq", "nbits-gptq-patched", "nbits-gptq-patched-act")  # minutes each: asked for by name
 # asked for by name too: dynamic int8 of the MatMuls only (the patch convolution left in float), per tensor/channel
 MATMUL_ONLY = ("dyn-pt-matmul", "dyn-pc-matmul")
+# asked for by name: OpenVINO's NNCF weight compression of the same ONNX file (bench_openvino.nncf_quantize's modes:
+# int8 asymmetric per channel; int4 symmetric / asymmetric, group 128), run by OpenVINO's CPU plugin in f32
+OPENVINO = ("ov-w8", "ov-w4s128", "ov-w4a128", "ov-w8-writers", "ov-w8-readers")
+# ov-w8 with one group of Linears compressed, the rest left in float (NNCF's ignored scope): where the error is
+# (transformers' Dinov2Model names: attention/output/dense, attention/attention/{query,key,value}; the random
+# DINOv2-shaped model's: o_proj, q_proj, k_proj, v_proj)
+OPENVINO_GROUPS = {"writers": r".*/(o_proj|output/dense|fc2)/MatMul.*",
+                   "readers": r".*/(q_proj|k_proj|v_proj|attention/query|attention/key|attention/value|fc1)/MatMul.*"}
+# asked for by name: static QDQ through normswap.integrations.onnx.quantize_static (ONNX Runtime's call, the stem
+# op's nodes left in float), the qdq quantizer's settings otherwise
+QDQ_NORMSWAP = ("qdq-normswap",)
 VARIANTS = ("original", "compat", "compat-notrade", "compat-retrade", "compat-keep", "compat-fold-ls", "native",
             "native-keep", "native-centerop", "native-weights", "compat-weights", "compat-keep-weights", "fold-gamma",
             "hadamard", "jitter-1", "jitter-2")
@@ -322,11 +338,12 @@ def quantize(fp32: Path, how: str, calib: torch.Tensor, keep: list[str] | None =
         ops = {"op_types_to_quantize": ["MatMul"]} if how in MATMUL_ONLY else {}
         quantize_dynamic(str(fp32), str(out), weight_type=QuantType.QInt8, per_channel=how.startswith("dyn-pc"),
                          nodes_to_exclude=keep or [], **ops)
-    elif how == "qdq":
+    elif how in ("qdq", *QDQ_NORMSWAP):
         feeds = [{"pixel_values": calib[i:i + 8].numpy()} for i in range(0, len(calib), 8)]
-        quantize_static(str(fp32), str(out), BatchReader(feeds), quant_format=QuantFormat.QDQ,
-                        activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8, per_channel=False,
-                        nodes_to_exclude=keep or [])
+        call = onnx_integration.quantize_static if how in QDQ_NORMSWAP else quantize_static
+        call(str(fp32), str(out), BatchReader(feeds), quant_format=QuantFormat.QDQ,
+             activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8, per_channel=False,
+             nodes_to_exclude=keep or [])
     elif how in GPTQ:
         import ort_gptq
 
@@ -357,6 +374,31 @@ def run_onnx(path: Path, px: torch.Tensor, batch: int = 16) -> tuple[torch.Tenso
         p, t = sess.run(None, {"pixel_values": px[i:i + batch].numpy()})
         pooled.append(torch.from_numpy(p))
         tokens.append(torch.from_numpy(t))
+    return torch.cat(pooled), torch.cat(tokens)
+
+
+def run_openvino(fp32: Path, how: str, px: torch.Tensor, batch: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    """``fp32`` read by ``openvino.convert_model``, compressed by NNCF (``how``: one of :data:`OPENVINO`) and run
+    by the CPU plugin, one thread, f32 inference precision (the error is the quantization's, not bf16's)."""
+    import nncf
+    import openvino as ov
+    from bench_openvino import core, nncf_quantize
+
+    nncf.set_log_level(40)
+    mode, _, group = how.removeprefix("ov-").partition("-")
+    model = ov.convert_model(str(fp32))
+    if group:  # only that group compressed: every other weight (the patch convolution too) ignored
+        others = [p for g, p in OPENVINO_GROUPS.items() if g != group] + [r".*/Conv.*"]
+        model = nncf.compress_weights(model, ignored_scope=nncf.IgnoredScope(patterns=others, validate=False))
+    else:
+        model = nncf_quantize(model, mode, [])
+    compiled = core().compile_model(model, "CPU", {"INFERENCE_NUM_THREADS": 1, "NUM_STREAMS": 1,
+                                                   "INFERENCE_PRECISION_HINT": "f32"})
+    pooled, tokens = [], []
+    for i in range(0, len(px), batch):
+        out = compiled({"pixel_values": px[i:i + batch].numpy()})
+        pooled.append(torch.from_numpy(out[0].copy()))
+        tokens.append(torch.from_numpy(out[1].copy()))
     return torch.cat(pooled), torch.cat(tokens)
 
 
@@ -443,7 +485,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--rotate-seed", type=int, default=0, help="hadamard, hadamard-keep: the Hadamard's sign seed")
     ap.add_argument("--q-files", nargs="+", default=[], metavar="NAME=PATH",
                     help="more rows: the model rotated by the float64 matrix saved at PATH (output restored)")
-    ap.add_argument("--quantizers", nargs="+", default=list(QUANTIZERS), choices=QUANTIZERS + GPTQ + MATMUL_ONLY)
+    ap.add_argument("--quantizers", nargs="+", default=list(QUANTIZERS),
+                    choices=QUANTIZERS + GPTQ + MATMUL_ONLY + OPENVINO + QDQ_NORMSWAP)
     ap.add_argument("--json", type=Path)
     ap.add_argument("--plot", type=Path, help="write a PNG of the error ratios (matplotlib)")
     ap.add_argument("--from-json", type=Path, nargs="+",
@@ -524,8 +567,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 row["float_stem"] = stem
             del m
             for how in args.quantizers:
-                q = quantize(fp32, how, calib, (keep or []) + (stem if how == "qdq" else []))
-                pool, tok = run_onnx(q, px)
+                if how in OPENVINO:
+                    q = fp32
+                    pool, tok = run_openvino(fp32, how, px)
+                else:
+                    q = quantize(fp32, how, calib, (keep or []) + (stem if how == "qdq" else []))
+                    pool, tok = run_onnx(q, px)
                 row["errors"][how] = {"cls": one_minus_cos(ref_pool, pool), "tok": one_minus_cos(ref_tok, tok)}
                 row["per_image"][how] = {"cls": per_image(ref_pool, pool).tolist(),
                                          "tok": per_image(ref_tok, tok).tolist()}

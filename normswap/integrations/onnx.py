@@ -21,7 +21,9 @@ outside, and ORT's session does neither. :func:`fuse_norms` does both, on an exp
 (with its bias input) wherever the original's land on ``SkipLayerNormalization``.
 :func:`fused_norm_ops` counts what ONNX Runtime's optimiser made of an exported file, so a deployment
 script can assert that every norm fused. :func:`stem_float_nodes` names the nodes static (QDQ)
-quantization should leave in float so that a stream start centered by an op is rounded once.
+quantization should leave in float so that a stream start centered by an op is rounded once, and
+:func:`quantize_static` is ONNX Runtime's ``quantize_static`` with those nodes left in float: the same
+call, imported from here instead.
 
 :func:`translation_table` is for an *already exported* program that holds a fused op because a fused
 backend was asked for explicitly (``backend="cpu"``/``"triton"`` or ``NORMSWAP_BACKEND``) before
@@ -90,7 +92,8 @@ def stem_float_nodes(model: str | os.PathLike | Any) -> list[str]:
     """Names of the nodes ONNX Runtime's static (QDQ) quantizer should leave in float in an exported
     native model: each centering op (``x − ReduceMean(x)``, the stem op of ``stem_centering="op"``) and the
     ``Add``/``Concat`` nodes that assemble its input ``x`` (a ViT's class token, patch tokens and position
-    table). Pass them as ``quantize_static(..., nodes_to_exclude=stem_float_nodes(path))``.
+    table). Pass them as ``quantize_static(..., nodes_to_exclude=stem_float_nodes(path))``, or call
+    :func:`quantize_static` from here, which does that.
 
     Why: QDQ puts a quantize/dequantize pair on every quantized node's output. Quantized, the uncentered
     embedding sum is rounded on its own grid and the op's centered output again on another one: two
@@ -124,6 +127,29 @@ def stem_float_nodes(model: str | os.PathLike | Any) -> list[str]:
         names += [mean.name, sub.name]
         assembly(sub.input[0])
     return names
+
+
+def quantize_static(model_input: str | os.PathLike | Any, model_output: str | os.PathLike,
+                    calibration_data_reader: Any, **options: Any) -> list[str]:
+    """``onnxruntime.quantization.quantize_static`` with :func:`stem_float_nodes` added to ``nodes_to_exclude``,
+    and return the names it added.
+
+    The same arguments as ONNX Runtime's (``quant_format``, ``per_channel``, ``activation_type``, ...: passed
+    through unchanged, its defaults kept); the only difference is that the nodes a stem op needs in float are
+    excluded as well as any the caller names, so a native checkpoint's stream start is rounded once, as the
+    original's is. Why a wrapper and not the export: the second rounding is on the output of the model's own
+    embedding sum (an ``Add``, which ONNX Runtime's quantizer registry quantizes, output included), not on the
+    op itself (``ReduceMean`` and ``Sub`` are not in the registry), so no form of the op in the exported graph
+    can prevent it; only the quantizer's ``nodes_to_exclude`` can. A model without a centering op (the
+    original, a compat export, ``stem_centering="weights"``) is quantized exactly as ONNX Runtime's own call
+    would. Needs ``onnxruntime`` and ``onnx``."""
+    from onnxruntime.quantization import quantize_static as ort_quantize_static
+
+    excluded = list(options.pop("nodes_to_exclude", None) or [])
+    added = [n for n in stem_float_nodes(model_input) if n not in excluded]
+    ort_quantize_static(model_input, model_output, calibration_data_reader, nodes_to_exclude=excluded + added,
+                        **options)
+    return added
 
 
 def fuse_norms(model: str | os.PathLike | Any, out: str | os.PathLike | None = None) -> Any:
