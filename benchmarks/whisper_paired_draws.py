@@ -226,6 +226,18 @@ def pooled(results: list[dict]) -> tuple[list[int], dict[str, np.ndarray], float
     return common, kl, float(sum(c["positions"] for c in clips.values()))
 
 
+def pair_tests(pairs: np.ndarray) -> tuple[int, float, float, float]:
+    """Two checks on the per-pair ratios alone (these clips fixed): how many pairs are above 1 with the two-sided
+    sign test's p, and the 95% t-interval of their geometric mean (on the log ratios)."""
+    from scipy import stats
+
+    above = int((pairs > 1).sum())
+    p_sign = float(stats.binomtest(above, len(pairs)).pvalue)
+    logs = np.log(pairs)
+    half = stats.t.ppf(0.975, len(logs) - 1) * logs.std(ddof=1) / np.sqrt(len(logs)) if len(logs) > 1 else np.inf
+    return above, p_sign, float(np.exp(logs.mean() - half)), float(np.exp(logs.mean() + half))
+
+
 def table(results: list[dict]) -> str:
     """One table per quantizer (a run's ``quant``; RTN where a run predates the field), each :func:`quant_table`."""
     kinds = sorted({r.get("quant", "rtn") for r in results}, key=list(QUANT).index)
@@ -242,18 +254,20 @@ def quant_table(results: list[dict], quant: str = "rtn") -> str:
     lines = [f"{len(seeds)} paired draws (seeds {', '.join(map(str, seeds))}; 0: as shipped), {orig.shape[1]} clips, "
              f"{int(positions)} positions; simulated MatMulNBits {quant.upper()} 4-bit", "",
              "| variant | KL/clip, mean over draws (sd between draws) | ratio to original (95% CI, draws and clips) | "
-             "as shipped | per pair |", "|---|---|---|---|---|"]
+             "pairs above 1 (sign test p) | t 95% over pairs | as shipped | per pair |", "|---" * 7 + "|"]
     for name, k in kl.items():
         per = k.mean(1)
         if name == "original":
             own = ", ".join(f"{p / per[0]:.3f}" for p in per[1:]) if seeds[0] == 0 else "–"
-            lines.append(f"| original | {per.mean():.4f} ({per.std(ddof=1):.4f}) | 1 | – | own draws / as shipped: "
-                         f"{own} |")
+            lines.append(f"| original | {per.mean():.4f} ({per.std(ddof=1):.4f}) | 1 | – | – | – | "
+                         f"own draws / as shipped: {own} |")
             continue
         r, lo, hi = draw_ratio(orig, k, paired=True)
         pairs = per / orig.mean(1)
         shipped = f"{pairs[0]:.3f}" if seeds[0] == 0 else "–"
+        above, p_sign, t_lo, t_hi = pair_tests(pairs)
         lines.append(f"| {name} | {per.mean():.4f} ({per.std(ddof=1):.4f}) | **{r:.3f}** ({lo:.3f}-{hi:.3f}) | "
+                     f"{above} of {len(pairs)} (p = {p_sign:.2g}) | {t_lo:.3f}-{t_hi:.3f} | "
                      f"{shipped} | {', '.join(f'{p:.3f}' for p in pairs)} |")
     return "\n".join(lines)
 

@@ -206,3 +206,12 @@ def test_hqq4_is_onnx_runtimes_hqq_matmulnbits() -> None:
     sim = x @ draws.hqq4(w).T
     assert float((torch.from_numpy(y) - sim).abs().max()) < 1e-4 * float(sim.abs().max())
     assert float((sim - x @ w.T).abs().max()) > 1e-3 * float(sim.abs().max())  # it does round
+
+
+def test_pair_tests_count_pairs_above_one_and_interval_their_geometric_mean() -> None:
+    import numpy as np
+
+    above, p, lo, hi = draws.pair_tests(np.array([1.1] * 9))
+    assert above == 9 and abs(p - 2 / 2**9) < 1e-12 and abs(lo - 1.1) < 1e-12 and abs(hi - 1.1) < 1e-12
+    above, p, lo, hi = draws.pair_tests(np.array([0.9, 1.1, 0.95, 1.05]))
+    assert above == 2 and p == 1.0 and lo < 1 < hi  # as many below as above: no evidence either way
