@@ -29,6 +29,12 @@ Extra variants, each with the same draws (``--variants``):
   checkpoint's norms runs): the quantization error's per-token mean, which a LayerNorm removes, then reaches
   every later norm. Exact in float (the streams are zero-mean); the compat checkpoint as measured keeps its
   LayerNorms, which subtract that mean before every norm already.
+* ``decw`` / ``encw``: attribution. The original's rounded draw with the conversion's rounded writers of the
+  decoder (encoder) only, the rest the original's (:func:`swapped_writers`). compat's conversion differs from the
+  original only in its writers' rows (each minus the mean row: a per-token constant in the stream, which every
+  LayerNorm removes) and in weights no ``MatMulNBits`` rounds (embeddings), so the mix computes the original's
+  function exactly and its extra error over the original's draw is that side's writers' share of the
+  conversion's. ``decw`` reuses the original draw's encoder states (a decoder pass only).
 
     python benchmarks/whisper_paired_draws.py ORIG CONV SPEECH_DIR [SPEECH_DIR ...] --clips 20 \
         --seeds 0-8 [--variants rms] [--quant hqq] [--ref-cache ref.pt] --json out.json
@@ -95,6 +101,22 @@ class RMSAsLayerNorm(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight + self.bias
+
+
+WRITERS = ("out_proj", "fc2")  # self- and cross-attention output projections, and the MLPs' second Linear
+
+
+def swapped_writers(base: torch.nn.Module, donor: torch.nn.Module, side: str) -> torch.nn.Module:
+    """A copy of ``base`` with the writers of ``side`` (``"encoder"`` or ``"decoder"``) taken from ``donor``, a
+    Whisper of the same shape (weights and biases)."""
+    out = copy.deepcopy(base)
+    for name, mod in out.named_modules():
+        if isinstance(mod, torch.nn.Linear) and f".{side}." in f".{name}" and name.rsplit(".", 1)[-1] in WRITERS:
+            src = donor.get_submodule(name)
+            mod.weight = torch.nn.Parameter(src.weight.detach().clone(), requires_grad=False)
+            if mod.bias is not None:
+                mod.bias = torch.nn.Parameter(src.bias.detach().clone(), requires_grad=False)
+    return out
 
 
 def rms_norms(model: torch.nn.Module) -> torch.nn.Module:
@@ -298,8 +320,11 @@ def main(argv: list[str] | None = None) -> None:
         return
     orig_dir, conv_dir, *speech = args.paths
     extra = [v for v in args.variants.split(",") if v]
-    if any(v != "rms" for v in extra):
-        raise SystemExit(f"unknown variant in --variants {args.variants!r} (known: rms)")
+    if any(v not in ("rms", "decw", "encw") for v in extra):
+        raise SystemExit(f"unknown variant in --variants {args.variants!r} (known: rms, decw, encw)")
+    swaps = [v for v in extra if v in ("decw", "encw")]
+    if swaps and args.only and "original" not in args.only.split(","):
+        raise SystemExit("--variants decw/encw start from the original's draw: --only must keep original")
     from transformers import AutoTokenizer
 
     bq.set_prompt(orig_dir)
@@ -324,13 +349,26 @@ def main(argv: list[str] | None = None) -> None:
         models = {n: m for n, m in models.items() if n in args.only.split(",")}
     seeds = parse_seeds(args.seeds)
     result = {"clips": len(clips), "speech": [str(d) for d in speech], "skip": args.skip, "quant": args.quant,
-              "seeds": [], "positions": [len(r) for r in ref], "kl": {n: [] for n in models}}
+              "seeds": [], "positions": [len(r) for r in ref],
+              "kl": {n: [] for n in [*models, *(f"conversion-{v}" for v in swaps)]}}
     cache = RoundingCache()
     for seed in seeds:
         t0 = time.time()
+        drawn, enc_states = {}, None  # kept for the swaps: both rounded draws, the original's encoder states
         for name, model in models.items():
-            got, _ = forced_logp(rounded(reordered(model, seed), args.quant, cache), feats, ids)
+            q = rounded(reordered(model, seed), args.quant, cache)
+            got, states = forced_logp(q, feats, ids)
             result["kl"][name].append(clip_kl(ref, got).tolist())
+            if swaps and name in ("original", "conversion"):
+                drawn[name] = q
+                enc_states = states if name == "original" else enc_states
+        if swaps and "conversion" not in drawn:  # --only original: the conversion's draw rounded, not run
+            drawn["conversion"] = rounded(reordered(conv, seed), args.quant, cache)
+        for v in swaps:  # the original's draw with one side's writers from the conversion's (same seed)
+            mixed = swapped_writers(drawn["original"], drawn["conversion"], "decoder" if v == "decw" else "encoder")
+            got, _ = forced_logp(mixed, feats, ids, enc_states if v == "decw" else None)
+            result["kl"][f"conversion-{v}"].append(clip_kl(ref, got).tolist())
+        del drawn
         cache.keep_used()
         result["seeds"].append(seed)
         line = ", ".join(f"{n} {np.mean(k[-1]):.4f}" for n, k in result["kl"].items())

@@ -215,3 +215,22 @@ def test_pair_tests_count_pairs_above_one_and_interval_their_geometric_mean() ->
     assert above == 9 and abs(p - 2 / 2**9) < 1e-12 and abs(lo - 1.1) < 1e-12 and abs(hi - 1.1) < 1e-12
     above, p, lo, hi = draws.pair_tests(np.array([0.9, 1.1, 0.95, 1.05]))
     assert above == 2 and p == 1.0 and lo < 1 < hi  # as many below as above: no evidence either way
+
+
+def test_the_conversions_writers_swapped_into_the_original_compute_the_original(models) -> None:
+    """The attribution variants: one side's writers from the conversion (rows centred) in the original compute
+    the original's function (float64), and the swap takes exactly that side's writers."""
+    original, converted, inputs = models
+    ref = _logits(original, inputs)
+    for side in ("encoder", "decoder"):
+        mixed = draws.swapped_writers(original, converted, side)
+        assert _rel(_logits(mixed, inputs), ref) < 1e-9
+        for name, mod in mixed.named_modules():
+            if not isinstance(mod, torch.nn.Linear):
+                continue
+            donor = converted if f".{side}." in f".{name}" and name.rsplit(".", 1)[-1] in ("out_proj", "fc2") \
+                else original
+            assert torch.equal(mod.weight, donor.get_submodule(name).weight), name
+    # the swapped writers are not the original's: the conversion moved them (so a draw rounds other numbers)
+    assert not torch.equal(draws.swapped_writers(original, converted, "decoder").model.decoder.layers[0].fc2.weight,
+                           original.model.decoder.layers[0].fc2.weight)
