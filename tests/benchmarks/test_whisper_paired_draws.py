@@ -6,6 +6,9 @@ What could be silently wrong: a reordering that changes the function (a "draw" w
 model), one that leaves every ``MatMulNBits`` block of a writer as it was (no draw), a reader whose blocks
 change (the draw would no longer be of the writers only), a converted draw that is not the conversion of the
 original's draw with the same seed (no pair), and an ``rms`` variant that is not the conversion's function.
+Round 49's pieces: the HQQ simulation against ONNX Runtime's own quantizer and kernel, the rounding cache (a hit
+must be the same rounding), runs joined clip by clip, the per-pair tests, and the writer swaps that attribute
+the conversion's excess to the encoder or the decoder (they must compute the original's function).
 """
 
 from __future__ import annotations
