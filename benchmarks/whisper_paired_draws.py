@@ -19,7 +19,7 @@ draws and clips, its 95% interval resampling clips and draw pairs together (``be
 ``--quant hqq`` rounds on ``MatMulNBits``' HQQ grid instead (:func:`hqq4`: ONNX Runtime's own
 ``HQQWeightOnlyQuantizer.quantize_internal`` on the same tensor, blocks of 32, float zero points; ``--check-hqq``
 compares it with a graph ONNX Runtime quantized: on Whisper base 64 of 70.6 M weights differ). Its solver
-is slow (about 5 s per million weights on one core), so a :class:`RoundingCache` keeps what a draw leaves
+is slow (about 5 s per million weights on a loaded core), so a :class:`RoundingCache` keeps what a draw leaves
 unchanged: the LM head, and the readers the original and compat's conversion share bit for bit.
 
 Extra variants, each with the same draws (``--variants``):
