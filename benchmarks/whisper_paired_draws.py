@@ -16,6 +16,12 @@ against ONNX Runtime's own weights there: 1.2e-5 of weights differ, float32 ties
 teacher-forced KL against the unrounded float32 original, summed per clip. The ratio is of the means over
 draws and clips, its 95% interval resampling clips and draw pairs together (``bench_quanto.draw_ratio``).
 
+``--quant hqq`` rounds on ``MatMulNBits``' HQQ grid instead (:func:`hqq4`: ONNX Runtime's own
+``HQQWeightOnlyQuantizer.quantize_internal`` on the same tensor, blocks of 32, float zero points; ``--check-hqq``
+compares it with a graph ONNX Runtime quantized: on Whisper base 64 of 70.6 M weights differ). Its solver
+is slow (about 5 s per million weights on a loaded core), so a :class:`RoundingCache` keeps what a draw leaves
+unchanged: the LM head, and the readers the original and compat's conversion share bit for bit.
+
 Extra variants, each with the same draws (``--variants``):
 
 * ``rms``: the conversion with every LayerNorm computed as RMSNorm with the same γ and β and one mean
@@ -23,19 +29,27 @@ Extra variants, each with the same draws (``--variants``):
   checkpoint's norms runs): the quantization error's per-token mean, which a LayerNorm removes, then reaches
   every later norm. Exact in float (the streams are zero-mean); the compat checkpoint as measured keeps its
   LayerNorms, which subtract that mean before every norm already.
+* ``decw`` / ``encw``: attribution. The original's rounded draw with the conversion's rounded writers of the
+  decoder (encoder) only, the rest the original's (:func:`swapped_writers`). compat's conversion differs from the
+  original only in its writers' rows (each minus the mean row: a per-token constant in the stream, which every
+  LayerNorm removes) and in weights no ``MatMulNBits`` rounds (embeddings), so the mix computes the original's
+  function exactly and its extra error over the original's draw is that side's writers' share of the
+  conversion's. ``decw`` reuses the original draw's encoder states (a decoder pass only).
 
     python benchmarks/whisper_paired_draws.py ORIG CONV SPEECH_DIR [SPEECH_DIR ...] --clips 20 \
-        --seeds 0-8 [--variants rms] [--ref-cache ref.pt] --json out.json
+        --seeds 0-8 [--variants rms] [--quant hqq] [--ref-cache ref.pt] --json out.json
+    python benchmarks/whisper_paired_draws.py --check-hqq FLOAT.onnx HQQ.onnx      # hqq4 against ONNX Runtime
     python benchmarks/whisper_paired_draws.py --table out.json [more.json ...]   # pooled, no model run
 
-``--table`` joins runs of one clip set made with other seeds (one set split over processes), then pools clip
-sets over the seeds each has.
+``--table`` joins runs clip by clip (a clip set split over processes by seeds, ``--skip``/``--clips`` or
+``--only``), then pools the clips over the seeds every clip has.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import hashlib
 import json
 import sys
 import time
@@ -48,7 +62,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_quant_whisper as bq  # noqa: E402
 from bench_quanto import draw_ratio, reorder_heads_, reorder_mlp_  # noqa: E402
 from speech_samples import load_clips  # noqa: E402
-from whisper_nbits_groups import clip_kl, forced_logp, rtn4  # noqa: E402
+from whisper_nbits_groups import BLOCK, clip_kl, forced_logp, rtn4  # noqa: E402
 
 
 def _layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -89,6 +103,22 @@ class RMSAsLayerNorm(torch.nn.Module):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight + self.bias
 
 
+WRITERS = ("out_proj", "fc2")  # self- and cross-attention output projections, and the MLPs' second Linear
+
+
+def swapped_writers(base: torch.nn.Module, donor: torch.nn.Module, side: str) -> torch.nn.Module:
+    """A copy of ``base`` with the writers of ``side`` (``"encoder"`` or ``"decoder"``) taken from ``donor``, a
+    Whisper of the same shape (weights and biases)."""
+    out = copy.deepcopy(base)
+    for name, mod in out.named_modules():
+        if isinstance(mod, torch.nn.Linear) and f".{side}." in f".{name}" and name.rsplit(".", 1)[-1] in WRITERS:
+            src = donor.get_submodule(name)
+            mod.weight = torch.nn.Parameter(src.weight.detach().clone(), requires_grad=False)
+            if mod.bias is not None:
+                mod.bias = torch.nn.Parameter(src.bias.detach().clone(), requires_grad=False)
+    return out
+
+
 def rms_norms(model: torch.nn.Module) -> torch.nn.Module:
     """A converted Whisper (in place) as the native format runs it: every ``nn.LayerNorm`` computed as
     :class:`RMSAsLayerNorm`, and one mean subtraction where the encoder's stream starts (its stem ends in a
@@ -102,14 +132,86 @@ def rms_norms(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def rounded(model: torch.nn.Module) -> torch.nn.Module:
-    """A copy of ``model`` with every Linear on ``MatMulNBits``' RTN 4-bit grid (the LM head included, as
-    ONNX Runtime quantizes it; a fresh parameter each, so a tied head is rounded apart from the embedding)."""
+def hqq4(w: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
+    """``w`` (out, in) as ``MatMulNBits`` HQQ 4-bit stores it, dequantized: ONNX Runtime's own
+    ``HQQWeightOnlyQuantizer.quantize_internal`` (asymmetric, blocks of ``block`` along ``in``, its proximal
+    solver choosing each block's float zero point) on the tensor the quantizer hands it (the ONNX ``MatMul``
+    weight transposed, which is ``w``), then ``(code − zero) · scale`` as the kernel reads it. The same code on
+    the same numbers, so the codes are ONNX Runtime's (``--check-hqq`` compares them with a quantized graph)."""
+    from onnxruntime.quantization.matmul_nbits_quantizer import HQQWeightOnlyQuantConfig, HQQWeightOnlyQuantizer
+
+    quantizer = HQQWeightOnlyQuantizer(HQQWeightOnlyQuantConfig(block_size=block, bits=4))
+    codes, scale, zero = quantizer.quantize_internal(w.float(), bits=4, group_size=block)
+    out, k = w.shape
+    deq = (codes.reshape(out, -1, block).float() - zero.reshape(out, -1, 1)) * scale.reshape(out, -1, 1)
+    return deq.reshape(out, -1)[:, :k].to(w.dtype)
+
+
+QUANT = {"rtn": rtn4, "hqq": hqq4}
+
+
+class RoundingCache:
+    """Rounded weights by their exact bytes: a draw moves only some Linears' entries between blocks, the LM
+    head never, and compat's readers are the original's bit for bit, so the original and the conversion of one
+    draw share most roundings and every draw shares the head's (HQQ's solver is the cost). The same bytes
+    round to the same numbers, so a hit is exact. :meth:`keep_used` drops what the last draw did not use."""
+
+    def __init__(self) -> None:
+        self.store: dict[tuple, torch.Tensor] = {}
+        self.used: set[tuple] = set()
+
+    def get(self, quant: str, w: torch.Tensor) -> torch.Tensor:
+        w = w.contiguous()
+        key = (quant, tuple(w.shape), str(w.dtype), hashlib.sha256(w.numpy()).hexdigest())
+        if key not in self.store:
+            self.store[key] = QUANT[quant](w)
+        self.used.add(key)
+        return self.store[key]
+
+    def keep_used(self) -> None:
+        self.store = {k: v for k, v in self.store.items() if k in self.used}
+        self.used = set()
+
+
+def rounded(model: torch.nn.Module, quant: str = "rtn", cache: RoundingCache | None = None) -> torch.nn.Module:
+    """A copy of ``model`` with every Linear on ``MatMulNBits``' 4-bit grid, ``quant`` one of :data:`QUANT`
+    (the LM head included, as ONNX Runtime quantizes it; a fresh parameter each, so a tied head is rounded apart
+    from the embedding); ``cache``: reuse roundings of identical weights."""
     out = copy.deepcopy(model)
     for mod in out.modules():
         if isinstance(mod, torch.nn.Linear):
-            mod.weight = torch.nn.Parameter(rtn4(mod.weight.detach()), requires_grad=False)
+            w = mod.weight.detach()
+            q = cache.get(quant, w) if cache is not None else QUANT[quant](w)
+            mod.weight = torch.nn.Parameter(q, requires_grad=False)
     return out
+
+
+def check_hqq(fp32: Path, nbits: Path) -> tuple[int, int]:
+    """Every ``MatMulNBits`` weight of an HQQ-quantized graph dequantized, against :func:`hqq4` of the float
+    graph's initializer: (weights that differ by more than 1e-6 of the largest, weights compared)."""
+    import onnx
+    from onnx import numpy_helper
+
+    f = {i.name: i for i in onnx.load(str(fp32)).graph.initializer}
+    q = onnx.load(str(nbits))
+    qinits = {i.name: i for i in q.graph.initializer}
+    off, total = 0, 0
+    for node in q.graph.node:
+        if node.op_type != "MatMulNBits":
+            continue
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        k, nout, block = attrs["K"], attrs["N"], attrs["block_size"]
+        packed = numpy_helper.to_array(qinits[node.input[1]]).reshape(nout, -1)
+        codes = np.stack([packed & 0x0F, packed >> 4], -1).reshape(nout, -1)[:, :k].astype(np.float64)
+        per_block = (nout, -1)
+        scales = numpy_helper.to_array(qinits[node.input[2]]).reshape(per_block).astype(np.float64)
+        zero = numpy_helper.to_array(qinits[node.input[3]]).reshape(per_block).astype(np.float64)
+        deq = (codes - np.repeat(zero, block, axis=1)[:, :k]) * np.repeat(scales, block, axis=1)[:, :k]
+        w = numpy_helper.to_array(f[node.input[1].removesuffix("_Q4")]).T  # MatMul weight (in, out) → (out, in)
+        sim = hqq4(torch.from_numpy(np.ascontiguousarray(w)).float()).double().numpy()
+        off += int((np.abs(sim - deq) > 1e-6 * np.abs(deq).max()).sum())
+        total += deq.size
+    return off, total
 
 
 def parse_seeds(text: str) -> list[int]:
@@ -120,47 +222,74 @@ def parse_seeds(text: str) -> list[int]:
     return seeds
 
 
+def run_clips(run: dict) -> list[tuple[str, int]]:
+    """Each clip of a run as (speech directory, index in it): the run took ``clips / len(speech)`` clips from
+    each directory, from its ``skip``-th on (:func:`main`)."""
+    per_dir = run["clips"] // len(run["speech"])
+    return [(d, run["skip"] + i) for d in run["speech"] for i in range(per_dir)]
+
+
 def pooled(results: list[dict]) -> tuple[list[int], dict[str, np.ndarray], float]:
-    """Runs of one clip set with other seeds joined (a set split over processes), then the clip sets side by
-    side over the seeds every set has: the seeds, per variant the KL array ``[draws, clips]``, the positions."""
-    sets: dict[tuple, dict] = {}
+    """Runs joined clip by clip (a clip set split over processes by seeds or by clips, or measured model by
+    model), then every clip side by side over the seeds every clip has: the seeds, per variant (one measured on
+    every clip) the KL array ``[draws, clips]``, the positions."""
+    clips: dict[tuple[str, int], dict] = {}
     for r in results:
-        key = (tuple(r["speech"]), r["skip"], r["clips"])
-        if key not in sets:
-            sets[key] = {"positions": r["positions"], "kl": {}}
-        for name, rows in r["kl"].items():
-            got = sets[key]["kl"].setdefault(name, {})
-            for seed, row in zip(r["seeds"], rows, strict=False):  # a stopped run: fewer rows for its last variants
-                got[seed] = row
-    common = sorted(set.intersection(*(set.intersection(*(set(v) for v in s["kl"].values())) for s in sets.values())))
-    names = list(next(iter(sets.values()))["kl"])
-    kl = {n: np.concatenate([np.array([s["kl"][n][seed] for seed in common]) for s in sets.values()], axis=1)
-          for n in names if all(n in s["kl"] for s in sets.values())}
-    return common, kl, float(sum(sum(s["positions"]) for s in sets.values()))
+        for j, clip in enumerate(run_clips(r)):
+            entry = clips.setdefault(clip, {"positions": r["positions"][j], "kl": {}})
+            for name, rows in r["kl"].items():
+                got = entry["kl"].setdefault(name, {})
+                for seed, row in zip(r["seeds"], rows, strict=False):  # a stopped run: fewer rows for its last variants
+                    got[seed] = row[j]
+    names = [n for n in next(iter(clips.values()))["kl"] if all(n in c["kl"] for c in clips.values())]
+    common = sorted(set.intersection(*(set.intersection(*(set(c["kl"][n]) for n in names)) for c in clips.values())))
+    kl = {n: np.array([[c["kl"][n][seed] for c in clips.values()] for seed in common]).reshape(len(common), -1)
+          for n in names}
+    return common, kl, float(sum(c["positions"] for c in clips.values()))
+
+
+def pair_tests(pairs: np.ndarray) -> tuple[int, float, float, float]:
+    """Two checks on the per-pair ratios alone (these clips fixed): how many pairs are above 1 with the two-sided
+    sign test's p, and the 95% t-interval of their geometric mean (on the log ratios)."""
+    from scipy import stats
+
+    above = int((pairs > 1).sum())
+    p_sign = float(stats.binomtest(above, len(pairs)).pvalue)
+    logs = np.log(pairs)
+    half = stats.t.ppf(0.975, len(logs) - 1) * logs.std(ddof=1) / np.sqrt(len(logs)) if len(logs) > 1 else np.inf
+    return above, p_sign, float(np.exp(logs.mean() - half)), float(np.exp(logs.mean() + half))
 
 
 def table(results: list[dict]) -> str:
+    """One table per quantizer (a run's ``quant``; RTN where a run predates the field), each :func:`quant_table`."""
+    kinds = sorted({r.get("quant", "rtn") for r in results}, key=list(QUANT).index)
+    return "\n\n".join(quant_table([r for r in results if r.get("quant", "rtn") == q], q) for q in kinds)
+
+
+def quant_table(results: list[dict], quant: str = "rtn") -> str:
     """Pooled (:func:`pooled`): per variant, the ratio of the mean KL over draws and clips to the original's,
     95% interval over draw pairs and clips together (``draw_ratio``), the as-shipped pair, and each pair's."""
     seeds, kl, positions = pooled(results)
     if not seeds:
-        raise SystemExit("no seed measured in every clip set")
+        raise SystemExit(f"{quant}: no seed measured in every clip set")
     orig = kl["original"]
     lines = [f"{len(seeds)} paired draws (seeds {', '.join(map(str, seeds))}; 0: as shipped), {orig.shape[1]} clips, "
-             f"{int(positions)} positions; simulated MatMulNBits RTN 4-bit", "",
+             f"{int(positions)} positions; simulated MatMulNBits {quant.upper()} 4-bit", "",
              "| variant | KL/clip, mean over draws (sd between draws) | ratio to original (95% CI, draws and clips) | "
-             "as shipped | per pair |", "|---|---|---|---|---|"]
+             "pairs above 1 (sign test p) | t 95% over pairs | as shipped | per pair |", "|---" * 7 + "|"]
     for name, k in kl.items():
         per = k.mean(1)
         if name == "original":
             own = ", ".join(f"{p / per[0]:.3f}" for p in per[1:]) if seeds[0] == 0 else "–"
-            lines.append(f"| original | {per.mean():.4f} ({per.std(ddof=1):.4f}) | 1 | – | own draws / as shipped: "
-                         f"{own} |")
+            lines.append(f"| original | {per.mean():.4f} ({per.std(ddof=1):.4f}) | 1 | – | – | – | "
+                         f"own draws / as shipped: {own} |")
             continue
         r, lo, hi = draw_ratio(orig, k, paired=True)
         pairs = per / orig.mean(1)
         shipped = f"{pairs[0]:.3f}" if seeds[0] == 0 else "–"
+        above, p_sign, t_lo, t_hi = pair_tests(pairs)
         lines.append(f"| {name} | {per.mean():.4f} ({per.std(ddof=1):.4f}) | **{r:.3f}** ({lo:.3f}-{hi:.3f}) | "
+                     f"{above} of {len(pairs)} (p = {p_sign:.2g}) | {t_lo:.3f}-{t_hi:.3f} | "
                      f"{shipped} | {', '.join(f'{p:.3f}' for p in pairs)} |")
     return "\n".join(lines)
 
@@ -176,16 +305,26 @@ def main(argv: list[str] | None = None) -> None:
                     "conversion-rms); --table joins runs of one clip set and seeds model by model")
     ap.add_argument("--ref-cache", type=Path, help="the float original's log-probs, saved / reused")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--quant", choices=list(QUANT), default="rtn", help="MatMulNBits' 4-bit algorithm to simulate")
     ap.add_argument("--table", type=Path, nargs="+", help="print the pooled table of these JSON files and exit")
+    ap.add_argument("--check-hqq", type=Path, nargs=2, metavar=("FLOAT.onnx", "HQQ.onnx"),
+                    help="compare hqq4 with the weights ONNX Runtime's HQQ quantizer wrote, and exit")
     args = ap.parse_args(argv)
+    if args.check_hqq:
+        off, total = check_hqq(*args.check_hqq)
+        print(f"{off} of {total} HQQ-rounded weights differ from ONNX Runtime's ({off / total:.1e})")
+        return
     if args.table:  # each file: one run, or a list of runs (the docs' raw figures)
         runs = [json.loads(p.read_text()) for p in args.table]
         print(table([r for run in runs for r in (run if isinstance(run, list) else [run])]))
         return
     orig_dir, conv_dir, *speech = args.paths
     extra = [v for v in args.variants.split(",") if v]
-    if any(v != "rms" for v in extra):
-        raise SystemExit(f"unknown variant in --variants {args.variants!r} (known: rms)")
+    if any(v not in ("rms", "decw", "encw") for v in extra):
+        raise SystemExit(f"unknown variant in --variants {args.variants!r} (known: rms, decw, encw)")
+    swaps = [v for v in extra if v in ("decw", "encw")]
+    if swaps and args.only and "original" not in args.only.split(","):
+        raise SystemExit("--variants decw/encw start from the original's draw: --only must keep original")
     from transformers import AutoTokenizer
 
     bq.set_prompt(orig_dir)
@@ -209,13 +348,28 @@ def main(argv: list[str] | None = None) -> None:
     if args.only:
         models = {n: m for n, m in models.items() if n in args.only.split(",")}
     seeds = parse_seeds(args.seeds)
-    result = {"clips": len(clips), "speech": [str(d) for d in speech], "skip": args.skip, "seeds": [],
-              "positions": [len(r) for r in ref], "kl": {n: [] for n in models}}
+    result = {"clips": len(clips), "speech": [str(d) for d in speech], "skip": args.skip, "quant": args.quant,
+              "seeds": [], "positions": [len(r) for r in ref],
+              "kl": {n: [] for n in [*models, *(f"conversion-{v}" for v in swaps)]}}
+    cache = RoundingCache()
     for seed in seeds:
         t0 = time.time()
+        drawn, enc_states = {}, None  # kept for the swaps: both rounded draws, the original's encoder states
         for name, model in models.items():
-            got, _ = forced_logp(rounded(reordered(model, seed)), feats, ids)
+            q = rounded(reordered(model, seed), args.quant, cache)
+            got, states = forced_logp(q, feats, ids)
             result["kl"][name].append(clip_kl(ref, got).tolist())
+            if swaps and name in ("original", "conversion"):
+                drawn[name] = q
+                enc_states = states if name == "original" else enc_states
+        if swaps and "conversion" not in drawn:  # --only original: the conversion's draw rounded, not run
+            drawn["conversion"] = rounded(reordered(conv, seed), args.quant, cache)
+        for v in swaps:  # the original's draw with one side's writers from the conversion's (same seed)
+            mixed = swapped_writers(drawn["original"], drawn["conversion"], "decoder" if v == "decw" else "encoder")
+            got, _ = forced_logp(mixed, feats, ids, enc_states if v == "decw" else None)
+            result["kl"][f"conversion-{v}"].append(clip_kl(ref, got).tolist())
+        del drawn
+        cache.keep_used()
         result["seeds"].append(seed)
         line = ", ".join(f"{n} {np.mean(k[-1]):.4f}" for n, k in result["kl"].items())
         print(f"seed {seed}: KL/clip {line} ({time.time() - t0:.0f} s)", flush=True)

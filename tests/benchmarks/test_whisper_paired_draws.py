@@ -6,6 +6,9 @@ What could be silently wrong: a reordering that changes the function (a "draw" w
 model), one that leaves every ``MatMulNBits`` block of a writer as it was (no draw), a reader whose blocks
 change (the draw would no longer be of the writers only), a converted draw that is not the conversion of the
 original's draw with the same seed (no pair), and an ``rms`` variant that is not the conversion's function.
+Round 49's pieces: the HQQ simulation against ONNX Runtime's own quantizer and kernel, the rounding cache (a hit
+must be the same rounding), runs joined clip by clip, the per-pair tests, and the writer swaps that attribute
+the conversion's excess to the encoder or the decoder (they must compute the original's function).
 """
 
 from __future__ import annotations
@@ -130,3 +133,107 @@ def test_runs_split_over_seeds_join_and_clip_sets_pool_over_the_seeds_all_have()
     assert kl["original"][:, 0].tolist() == [1.0, 2.0, 3.0] and kl["original"][:, 4].tolist() == [1.0, 2.0, 3.0]
     text = draws.table([run("a", [0, 1, 2], 2, 1.1), run("b", [0, 1], 3, 1.1), run("b", [2, 3], 3, 1.1)])
     assert "**1.100** (1.100-1.100)" in text  # every pair 1.1×: no spread between draws or clips
+
+
+def test_runs_split_over_clips_join_clip_by_clip() -> None:
+    """A clip set measured for new seeds by two processes, each on half of its clips (``--skip``), joins the run
+    that measured all of them for the first seeds."""
+    def run(skip: int, clips: int, seeds: list[int]) -> dict:
+        idx = range(skip, skip + clips)
+        return {"speech": ["s"], "skip": skip, "clips": clips, "seeds": seeds, "positions": [i + 1 for i in idx],
+                "kl": {"original": [[10.0 * s + i for i in idx] for s in seeds],
+                       "conversion": [[20.0 * s + i for i in idx] for s in seeds]}}
+
+    seeds, kl, positions = draws.pooled([run(0, 4, [0, 1]), run(0, 2, [2, 3]), run(2, 2, [2])])
+    assert seeds == [0, 1, 2]  # seed 3: clips 2-3 not measured
+    assert kl["original"].tolist() == [[0, 1, 2, 3], [10, 11, 12, 13], [20, 21, 22, 23]]
+    assert kl["conversion"][2].tolist() == [40, 41, 42, 43] and positions == 10
+    assert draws.run_clips({"speech": ["a", "b"], "skip": 3, "clips": 4}) == [("a", 3), ("a", 4), ("b", 3), ("b", 4)]
+
+
+def test_tables_are_per_quantizer() -> None:
+    def run(quant: str | None, scale: float) -> dict:
+        r = {"speech": ["s"], "skip": 0, "clips": 2, "seeds": [0, 1], "positions": [3, 3],
+             "kl": {"original": [[1.0, 2.0], [2.0, 3.0]], "conversion": [[scale, 2 * scale], [2 * scale, 3 * scale]]}}
+        if quant:
+            r["quant"] = quant
+        return r
+
+    text = draws.table([run("hqq", 0.9), run(None, 1.2)])  # a run without the field is RTN (round 48's)
+    rtn, hqq = text.split("simulated MatMulNBits HQQ")  # RTN's table first
+    assert "MatMulNBits RTN" in rtn and "**1.200**" in rtn and "**1.200**" not in hqq and "**0.900**" in hqq
+
+
+def test_the_rounding_cache_returns_the_same_rounding_and_keeps_only_what_a_draw_used() -> None:
+    cache = draws.RoundingCache()
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(4, 64, generator=g), torch.randn(4, 64, generator=g)
+    first = cache.get("rtn", a)
+    assert torch.equal(first, groups.rtn4(a)) and cache.get("rtn", a.clone()) is first  # same bytes: a hit
+    cache.get("rtn", b)
+    cache.keep_used()
+    cache.get("rtn", b)
+    cache.keep_used()  # a was not used by the last draw: dropped
+    assert len(cache.store) == 1 and cache.get("rtn", a) is not first
+    assert not torch.equal(cache.get("hqq", a), first)  # the quantizer is part of the key
+
+
+def test_hqq4_is_onnx_runtimes_hqq_matmulnbits() -> None:
+    """The simulated HQQ rounding against ONNX Runtime's own: the codes, scales and zero points it writes
+    (``check_hqq``) and the output of its ``MatMulNBits`` kernel (``(code − zero) · scale``)."""
+    onnx = pytest.importorskip("onnx")
+    ort = pytest.importorskip("onnxruntime")
+    from onnx import TensorProto, helper, numpy_helper
+    from onnxruntime.quantization import matmul_nbits_quantizer as mq
+
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(48, 96, generator=g) * torch.linspace(0.2, 3.0, 96)  # (out, in): uneven input columns
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 96])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3, 48])],
+                              [numpy_helper.from_array(w.T.contiguous().numpy(), "w")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as tmp:
+        fp32, nbits = Path(tmp) / "f.onnx", Path(tmp) / "q.onnx"
+        onnx.save(model, fp32)  # before quantizing: the quantizer edits the graph in place
+        quantizer = mq.MatMulNBitsQuantizer(model, block_size=32, is_symmetric=True,
+                                            algo_config=mq.HQQWeightOnlyQuantConfig(block_size=32, bits=4))
+        quantizer.process()
+        quantizer.model.save_model_to_file(str(nbits), use_external_data_format=False)
+        assert draws.check_hqq(fp32, nbits) == (0, w.numel())
+        x = torch.randn(3, 96, generator=g)
+        y = ort.InferenceSession(str(nbits), providers=["CPUExecutionProvider"]).run(None, {"x": x.numpy()})[0]
+    sim = x @ draws.hqq4(w).T
+    assert float((torch.from_numpy(y) - sim).abs().max()) < 1e-4 * float(sim.abs().max())
+    assert float((sim - x @ w.T).abs().max()) > 1e-3 * float(sim.abs().max())  # it does round
+
+
+def test_pair_tests_count_pairs_above_one_and_interval_their_geometric_mean() -> None:
+    import numpy as np
+
+    above, p, lo, hi = draws.pair_tests(np.array([1.1] * 9))
+    assert above == 9 and abs(p - 2 / 2**9) < 1e-12 and abs(lo - 1.1) < 1e-12 and abs(hi - 1.1) < 1e-12
+    above, p, lo, hi = draws.pair_tests(np.array([0.9, 1.1, 0.95, 1.05]))
+    assert above == 2 and p == 1.0 and lo < 1 < hi  # as many below as above: no evidence either way
+
+
+def test_the_conversions_writers_swapped_into_the_original_compute_the_original(models) -> None:
+    """The attribution variants: one side's writers from the conversion (rows centred) in the original compute
+    the original's function (float64), and the swap takes exactly that side's writers."""
+    original, converted, inputs = models
+    ref = _logits(original, inputs)
+    for side in ("encoder", "decoder"):
+        mixed = draws.swapped_writers(original, converted, side)
+        assert _rel(_logits(mixed, inputs), ref) < 1e-9
+        for name, mod in mixed.named_modules():
+            if not isinstance(mod, torch.nn.Linear):
+                continue
+            donor = converted if f".{side}." in f".{name}" and name.rsplit(".", 1)[-1] in ("out_proj", "fc2") \
+                else original
+            assert torch.equal(mod.weight, donor.get_submodule(name).weight), name
+    # the swapped writers are not the original's: the conversion moved them (so a draw rounds other numbers)
+    assert not torch.equal(draws.swapped_writers(original, converted, "decoder").model.decoder.layers[0].fc2.weight,
+                           original.model.decoder.layers[0].fc2.weight)
