@@ -58,16 +58,17 @@ def block_range(w: torch.Tensor, block: int = BLOCK) -> float:
     return float((b.abs().amax(-1) / b.pow(2).mean(-1).sqrt().clamp_min(1e-30)).median())
 
 
-def check(fp32: Path, nbits: Path) -> None:
-    """Every ``MatMulNBits`` weight of ``nbits`` dequantized, against :func:`rtn4` of ``fp32``'s initializer."""
+def nbits_weights(fp32: Path, nbits: Path):
+    """Every ``MatMulNBits`` weight of the quantized graph ``nbits``, dequantized as the kernel reads it (4-bit
+    codes, per-block scales, the block's zero point or 8), with the float graph ``fp32``'s weight it replaced
+    (``(out, in)``, or None where ``fp32`` has no initializer of that name): ``(node name, dequantized, float)``
+    per node, in graph order."""
     import onnx
     from onnx import numpy_helper
 
-    f = onnx.load(str(fp32))
+    inits = {i.name: i for i in onnx.load(str(fp32)).graph.initializer}
     q = onnx.load(str(nbits))
-    inits = {i.name: i for i in f.graph.initializer}
     qinits = {i.name: i for i in q.graph.initializer}
-    worst, n, total = 0, 0, 0
     for node in q.graph.node:
         if node.op_type != "MatMulNBits":
             continue
@@ -76,15 +77,23 @@ def check(fp32: Path, nbits: Path) -> None:
         packed = numpy_helper.to_array(qinits[node.input[1]]).reshape(nout, -1)
         codes = np.stack([packed & 0x0F, packed >> 4], -1).reshape(nout, -1)[:, :k].astype(np.float64)
         scales = numpy_helper.to_array(qinits[node.input[2]]).reshape(nout, -1).astype(np.float64)
-        zp = 8.0
         if len(node.input) > 3 and node.input[3]:
-            raise SystemExit(f"{node.name}: has zero points (not the symmetric RTN this script simulates)")
-        deq = (codes - zp) * np.repeat(scales, block, axis=1)[:, :k]
+            zero = np.repeat(numpy_helper.to_array(qinits[node.input[3]]).reshape(nout, -1).astype(np.float64),
+                             block, axis=1)[:, :k]
+        else:
+            zero = 8.0
+        deq = (codes - zero) * np.repeat(scales, block, axis=1)[:, :k]
         # the float graph's MatMul weight (in, out) under the same name the quantizer replaced
         src = node.input[1].removesuffix("_Q4")
-        w = numpy_helper.to_array(inits[src]).T if src in inits else None
+        yield node.name, deq, (numpy_helper.to_array(inits[src]).T if src in inits else None)
+
+
+def check(fp32: Path, nbits: Path) -> None:
+    """Every ``MatMulNBits`` weight of ``nbits`` dequantized, against :func:`rtn4` of ``fp32``'s initializer."""
+    worst, n, total = 0, 0, 0
+    for name, deq, w in nbits_weights(fp32, nbits):
         if w is None:
-            print(f"{node.name}: no float initializer {src}")
+            print(f"{name}: no float initializer")
             continue
         sim = rtn4(torch.from_numpy(np.ascontiguousarray(w)).float()).double().numpy()
         off = np.abs(sim - deq) > 1e-6 * np.abs(deq).max()

@@ -62,7 +62,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_quant_whisper as bq  # noqa: E402
 from bench_quanto import draw_ratio, reorder_heads_, reorder_mlp_  # noqa: E402
 from speech_samples import load_clips  # noqa: E402
-from whisper_nbits_groups import BLOCK, clip_kl, forced_logp, rtn4  # noqa: E402
+from whisper_nbits_groups import BLOCK, clip_kl, forced_logp, nbits_weights, rtn4  # noqa: E402
 
 
 def _layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -189,25 +189,8 @@ def rounded(model: torch.nn.Module, quant: str = "rtn", cache: RoundingCache | N
 def check_hqq(fp32: Path, nbits: Path) -> tuple[int, int]:
     """Every ``MatMulNBits`` weight of an HQQ-quantized graph dequantized, against :func:`hqq4` of the float
     graph's initializer: (weights that differ by more than 1e-6 of the largest, weights compared)."""
-    import onnx
-    from onnx import numpy_helper
-
-    f = {i.name: i for i in onnx.load(str(fp32)).graph.initializer}
-    q = onnx.load(str(nbits))
-    qinits = {i.name: i for i in q.graph.initializer}
     off, total = 0, 0
-    for node in q.graph.node:
-        if node.op_type != "MatMulNBits":
-            continue
-        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
-        k, nout, block = attrs["K"], attrs["N"], attrs["block_size"]
-        packed = numpy_helper.to_array(qinits[node.input[1]]).reshape(nout, -1)
-        codes = np.stack([packed & 0x0F, packed >> 4], -1).reshape(nout, -1)[:, :k].astype(np.float64)
-        per_block = (nout, -1)
-        scales = numpy_helper.to_array(qinits[node.input[2]]).reshape(per_block).astype(np.float64)
-        zero = numpy_helper.to_array(qinits[node.input[3]]).reshape(per_block).astype(np.float64)
-        deq = (codes - np.repeat(zero, block, axis=1)[:, :k]) * np.repeat(scales, block, axis=1)[:, :k]
-        w = numpy_helper.to_array(f[node.input[1].removesuffix("_Q4")]).T  # MatMul weight (in, out) → (out, in)
+    for _, deq, w in nbits_weights(fp32, nbits):
         sim = hqq4(torch.from_numpy(np.ascontiguousarray(w)).float()).double().numpy()
         off += int((np.abs(sim - deq) > 1e-6 * np.abs(deq).max()).sum())
         total += deq.size
