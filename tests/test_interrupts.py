@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -194,6 +195,25 @@ def test_an_interrupt_before_the_commit_removes_everything(tmp_path):
     with pytest.raises(KeyboardInterrupt), io.atomic_directory(out, overwrite=False) as tmp:
         (tmp / "a.txt").write_text("partial")
         raise KeyboardInterrupt
+    assert not (tmp_path / "deep").exists()
+
+
+def test_an_interrupt_as_the_temporary_directory_is_made_leaves_nothing(tmp_path, monkeypatch):
+    """Ctrl-C the moment ``mkdtemp`` has made the directory (before its name is held anywhere) must not leave
+    it behind: the case a CLI run interrupted when the directory appears hit under load."""
+    made = tempfile.mkdtemp
+
+    def interrupted_mkdtemp(*args, **kwargs):
+        path = made(*args, **kwargs)
+        os.kill(os.getpid(), signal.SIGINT)  # Python's own handler: KeyboardInterrupt at the next bytecode
+        for _ in range(1000):
+            pass
+        return path
+
+    monkeypatch.setattr(io.tempfile, "mkdtemp", interrupted_mkdtemp)
+    out = tmp_path / "deep" / "out"
+    with pytest.raises(KeyboardInterrupt), io.atomic_directory(out, overwrite=False) as tmp:
+        (tmp / "a.txt").write_text("never")
     assert not (tmp_path / "deep").exists()
 
 

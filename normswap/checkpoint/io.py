@@ -308,18 +308,21 @@ def atomic_directory(out: Path, *, overwrite: bool, needed: int | None = None) -
         if created is not None:
             shutil.rmtree(created, ignore_errors=True)
 
+    tmp: Path | None = None
     try:
-        parent.mkdir(parents=True, exist_ok=True)
-        clean_stale(parent, out.name)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}{TMP_MARK}{_owner()}-", dir=parent))
-    except OSError as exc:
-        cleanup(None)
-        if exc.errno == errno.EROFS:
-            raise os_error(exc, out) from exc
-        raise NormswapError(
-            f"cannot create the output directory next to {out}: {exc.strerror or exc}"
-        ) from exc
-    try:
+        try:
+            parent.mkdir(parents=True, exist_ok=True)
+            clean_stale(parent, out.name)
+            # the directory and the name that cleans it up come into being together: Ctrl-C between
+            # mkdtemp's return and the assignment would leave a temporary directory nobody removes
+            with interrupts.deferred():
+                tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}{TMP_MARK}{_owner()}-", dir=parent))
+        except OSError as exc:
+            if exc.errno == errno.EROFS:
+                raise os_error(exc, out) from exc
+            raise NormswapError(
+                f"cannot create the output directory next to {out}: {exc.strerror or exc}"
+            ) from exc
         yield tmp
         set_modes(tmp)
     except OSError as exc:
