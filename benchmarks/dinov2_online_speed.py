@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, list[float]]]:
                     path = Path(tmp) / f"{name}.onnx"
                     export(m, x, path)
                     session = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
-                    run[name] = timer(lambda s=session: s.run(None, feed))
+                    run[name] = timer(lambda s=session, f=feed: s.run(None, f))
             else:
                 def forward(m: torch.nn.Module) -> Callable[[], object]:
                     def call() -> object:

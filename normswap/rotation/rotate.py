@@ -676,7 +676,10 @@ def rotate(model: nn.Module, q: str | int | torch.Tensor = "hadamard", *, seed: 
             Linear input of the converted streams takes an online Hadamard: each Linear reader of a norm
             (queries, keys, values, MLP up projection) and each MLP down projection gets the op ``x·D·H/sqrt(n)``
             before it and ``W·D·H/sqrt(n)`` in its weight, and the values turn per head with the output
-            projection's columns (no op). For block-wise weight quantizers (blocks run along the input
+            projection's columns (no op). Where a norm's output is read only by Linears that all take the op,
+            each reading only that output (q, k and v), the op sits once after the norm instead, its transpose
+            folded into every reader (``Rotation.rotated[0]["online_outputs"]``): the same function with one
+            transform instead of one per reader. For block-wise weight quantizers (blocks run along the input
             features) this evens out every weight's blocks without folding γ into the readers' columns, which
             is what a turned stream costs at 4 bits on a model with uneven γ (DINOv2-small:
             ``docs/results/quantization.md``). A model turned so cannot be rotated again.
