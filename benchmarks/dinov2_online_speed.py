@@ -1,11 +1,17 @@
-"""ONNX Runtime float32 latency of a DINOv2 with online Hadamards alone against the original, side by side.
+"""Float32 latency of a DINOv2 with online Hadamards alone against the original, side by side, in ONNX Runtime
+and in torch eager.
 
-Three ONNX files from one checkpoint: the original, the checkpoint ``normswap convert`` writes (β kept) and the
-same with ``normswap.rotate(model, "none", online=True)``; one-thread sessions timed in ABBA rounds (the
-original, the online model, the native one, the original, ...), each ratio against the original's runs around
-it, and the original against itself (the machine's noise). Prints the median and range over the rounds.
+Four variants of one checkpoint: the original; ``native``, the checkpoint ``normswap convert`` writes (β kept);
+``online``, the same with ``normswap.rotate(model, "none", online=True)`` (one op after each norm whose output
+only its Linear readers read, so q, k and v share one, and one before each other reader and each MLP down
+projection); ``online-per-reader``, the same function laid out as before 2026-11-30 (an op before every Linear
+reader: q, k and v each transform the same tensor). One thread. Each engine is timed in ABBA rounds (the
+original, each variant in turn, the original, the variants in reverse, the original), each variant's ratio to
+the mean of the original's three runs in that round, and the original's last run against its first (the
+machine's noise). Prints the median and range over the rounds, per engine.
 
     python benchmarks/dinov2_online_speed.py --model /tmp/held46/dinov2-focus --batch 8 --image 112 --rounds 8
+    python benchmarks/dinov2_online_speed.py --model /tmp/held46/dinov2-focus --batch 1 --image 224 --rounds 8
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -24,56 +31,106 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_quant_engines import export  # noqa: E402
 
+ENGINES = ("ort", "eager")
 
-def main(argv: list[str] | None = None) -> dict[str, list[float]]:
+
+def variants(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """``{name: model}``: the original, ``native``, ``online`` and ``online-per-reader`` (see the module doc)."""
+    import normswap
+
+    out = {"original": model}
+    native = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        normswap.patch(native, beta_placement="keep")
+        out["native"] = native
+        for name in ("online", "online-per-reader"):
+            m = copy.deepcopy(native)
+            if name == "online-per-reader":  # the layout before one op per norm output: no norm shares its op
+                for sp in normswap.plan_of(m).sites:
+                    sp.readers_alone = False
+            rot = normswap.rotate(m, "none", online=True)
+            print(f"{name}: {rot.headline()}", flush=True)
+            out[name] = m
+    return out
+
+
+def abba(run: dict[str, Callable[[], float]], rounds: int) -> dict[str, list[float]]:
+    """Per round: the original, each variant, the original, the variants in reverse, the original. Returns each
+    variant's ratio (its two runs over the original's three, as means) and ``original (A/A)`` (last / first)."""
+    names = [n for n in run if n != "original"]
+    ratios: dict[str, list[float]] = {n: [] for n in names} | {"original (A/A)": []}
+    for _ in range(rounds):
+        base = [run["original"]()]
+        t = {n: run[n]() for n in names}
+        base.append(run["original"]())
+        for n in reversed(names):
+            t[n] += run[n]()
+        base.append(run["original"]())
+        for n in names:
+            ratios[n].append((t[n] / 2) / (sum(base) / 3))
+        ratios["original (A/A)"].append(base[2] / base[0])
+    return ratios
+
+
+def main(argv: list[str] | None = None) -> dict[str, dict[str, list[float]]]:
     import onnxruntime as ort
     import transformers as tf
-
-    import normswap
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, required=True, help="a Dinov2Model directory")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--image", type=int, default=112)
     ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--reps", type=int, default=3, help="runs per timing")
+    ap.add_argument("--engines", nargs="+", default=list(ENGINES), choices=ENGINES)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     model = tf.Dinov2Model.from_pretrained(args.model).eval()
     x = torch.randn(args.batch, 3, args.image, args.image)
-    native = copy.deepcopy(model)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        normswap.patch(native, beta_placement="keep")
-        online = copy.deepcopy(native)
-        normswap.rotate(online, "none", online=True)
-    so = ort.SessionOptions()
-    so.intra_op_num_threads = so.inter_op_num_threads = 1
-    feed = {"pixel_values": x.numpy()}
-    with tempfile.TemporaryDirectory() as tmp:
-        sessions = {}
-        for name, m in (("original", model), ("native", native), ("online", online)):
-            path = Path(tmp) / f"{name}.onnx"
-            export(m, x, path)
-            sessions[name] = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+    models = variants(model)
+    with torch.no_grad():
+        ref = models["original"](pixel_values=x).last_hidden_state
+        for name, m in models.items():  # every variant computes the same function
+            err = float((m(pixel_values=x).last_hidden_state - ref).abs().max() / ref.abs().max())
+            print(f"{name}: max relative difference to the original {err:.1e}", flush=True)
 
-        def seconds(name: str, reps: int = 5) -> float:
+    def timer(fn: Callable[[], object]) -> Callable[[], float]:
+        def seconds() -> float:
             t0 = time.perf_counter()
-            for _ in range(reps):
-                sessions[name].run(None, feed)
-            return (time.perf_counter() - t0) / reps
+            for _ in range(args.reps):
+                fn()
+            return (time.perf_counter() - t0) / args.reps
+        return seconds
 
-        for name in sessions:  # warm-up
-            seconds(name, 2)
-        ratios: dict[str, list[float]] = {"online": [], "native": [], "original (A/A)": []}
-        for _ in range(args.rounds):
-            a1, b1, c1, a2 = seconds("original"), seconds("online"), seconds("native"), seconds("original")
-            c2, b2, a3 = seconds("native"), seconds("online"), seconds("original")
-            ratios["online"].append((b1 + b2) / (a1 + a2))
-            ratios["native"].append((c1 + c2) / (a2 + a3))
-            ratios["original (A/A)"].append(a3 / a1)
-    for name, r in ratios.items():
-        print(f"{name}: median {statistics.median(r):.3f}, range {min(r):.3f}-{max(r):.3f}", flush=True)
-    return ratios
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for engine in args.engines:
+            if engine == "ort":
+                so = ort.SessionOptions()
+                so.intra_op_num_threads = so.inter_op_num_threads = 1
+                feed = {"pixel_values": x.numpy()}
+                run = {}
+                for name, m in models.items():
+                    path = Path(tmp) / f"{name}.onnx"
+                    export(m, x, path)
+                    session = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+                    run[name] = timer(lambda s=session, f=feed: s.run(None, f))
+            else:
+                def forward(m: torch.nn.Module) -> Callable[[], object]:
+                    def call() -> object:
+                        with torch.inference_mode():
+                            return m(pixel_values=x)
+                    return call
+                run = {name: timer(forward(m)) for name, m in models.items()}
+            for fn in run.values():  # warm-up
+                fn()
+            results[engine] = ratios = abba(run, args.rounds)
+            print(f"\n{engine}, batch {args.batch}, {args.image} px, {args.rounds} ABBA rounds, time / original's:")
+            print("| variant | median | range |\n|---|---|---|")
+            for name, r in ratios.items():
+                print(f"| {name} | {statistics.median(r):.3f} | {min(r):.3f}-{max(r):.3f} |", flush=True)
+    return results
 
 
 if __name__ == "__main__":

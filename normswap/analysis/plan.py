@@ -17,7 +17,7 @@ VERDICTS = ("exact", "exact-with-centering", "exact-with-per-norm-centering", "a
 CENTERED_VERDICTS = ("exact-with-centering", "exact-with-per-norm-centering")
 EXACT_VERDICTS = ("exact",) + CENTERED_VERDICTS
 # not serialised (see Plan.to_dict)
-RUNTIME_SITE_FIELDS = ("writer_targets", "linear_readers", "rotation_ops", "rotation_upstream")
+RUNTIME_SITE_FIELDS = ("writer_targets", "linear_readers", "rotation_ops", "rotation_upstream", "readers_alone")
 RESIDUAL_WHY = "the residual add's other writer"  # in beta_detail: β folded out of a Post-LN norm (ResidualFold)
 # appended to the beta_detail of an exact norm that keeps β although a ResidualFold could take it out
 RESIDUAL_HINT = "; beta_placement='fold' folds it into the readers' biases and the residual writer's"
@@ -395,6 +395,9 @@ class SitePlan:
     beta_detail: str = ""  # where β went, per reader, and why (or why it stays in the RMSNorm)
     writer_targets: list[str] = field(default_factory=list)  # parameters centered for this stream
     linear_readers: list[str] = field(default_factory=list)  # Linear/Conv1D readers of the output
+    # the output is read by its Linear readers alone (no other op, no model output), and each of them reads this
+    # norm's output alone, on every call: one op on the output can stand for an op before each reader
+    readers_alone: bool = False
     rotation_ready: bool = False  # the stream can take an orthogonal Q (see normswap.rotate)
     rotation_reason: str = ""  # why not, when it cannot
     rotation_outputs: list[str] = field(default_factory=list)  # model outputs the norm's output is (rotate's output=)

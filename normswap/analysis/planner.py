@@ -679,6 +679,9 @@ def _site_folds(st: Planning, site: NormSite, sp: SitePlan) -> str:
     foldable, other = st.site_readers.get(sp.name, (set(), []))
     sp.readers = sorted(foldable) + sorted(set(other))
     sp.linear_readers = sorted(foldable)
+    sp.readers_alone = bool(foldable) and not other and all(
+        st.reader_sources[path] == {sp.name}
+        and st.reader_calls[path] == {c.id for c in st.an.calls_per_path.get(path, [])} for path in foldable)
     residual = bool(other) and _residual_fold(st, site, sp, sorted(foldable))
     if sp.verdict != "approximate":
         blocker = _plan_folds(st, site, sp, sorted(foldable), other)

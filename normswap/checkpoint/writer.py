@@ -370,9 +370,9 @@ def _check_rotations(plan: Plan) -> None:
             raise NormswapError(
                 f"compat format cannot hold the un-rotation before `{r['restore'][0]}` (output='restore' adds an "
                 "op the stock architecture lacks): use the native format, or rotate with output='rotated'")
-        if r.get("online"):
-            raise NormswapError(
-                f"compat format cannot hold the online Hadamard before `{r['online'][0]}`: use the native format")
+        if r.get("online") or r.get("online_outputs"):
+            where = f"before `{r['online'][0]}`" if r.get("online") else f"after `{r['online_outputs'][0]['norm']}`"
+            raise NormswapError(f"compat format cannot hold the online Hadamard {where}: use the native format")
         if r.get("ops"):
             raise NormswapError(
                 f"compat format cannot hold the rotation op at `{r['ops'][0]['module']}` (the stream of "

@@ -80,8 +80,7 @@ class Rotation:
     def headline(self) -> str:
         """One line: ``rotated 2 stream(s) (hadamard), 1 left unrotated``."""
         if any(r["kind"] == NONE for r in self.rotated):
-            n = sum(len(r["online"]) for r in self.rotated)
-            return f"no stream turned; online Hadamards before {n} Linear(s)" + \
+            return f"no stream turned; {_online_only_counts(self.rotated)}" + \
                 (f", {len(self.online_skipped)} left alone" if self.online_skipped else "")
         kinds = "/".join(sorted({r["kind"] for r in self.rotated}))
         line = f"rotated {len(self.rotated)} stream(s)" + (f" ({kinds})" if kinds else "")
@@ -99,9 +98,10 @@ class Rotation:
         lines = []
         for r in self.rotated:
             if r["kind"] == NONE:
-                lines.append(f"no stream turned: online Hadamard before {len(r['online'])} "
-                             f"Linear(s); per-head Hadamard (size {r['head_dim']}) on {len(r['value_heads'])} "
-                             "attention(s)' values")
+                lines.append(f"no stream turned: {_online_only_counts([r])}; per-head Hadamard (size "
+                             f"{r['head_dim']}) on {len(r['value_heads'])} attention(s)' values")
+                lines += [f"one online Hadamard after `{o['norm']}` for its readers "
+                          f"{', '.join(f'`{rd}`' for rd in o['readers'])}" for o in r.get("online_outputs", [])]
                 continue
             what = r["kind"] + (f" ({r['construction']})" if r["construction"] else "")
             if r["fallback"]:
@@ -123,6 +123,16 @@ class Rotation:
             lines.append(self.smoothing.headline())
             lines += [f"not smoothed: `{n}`: {why}" for n, why in self.smoothing.skipped.items()]
         return "\n".join(lines) or "no stream to rotate"
+
+
+def _online_only_counts(rotated: list[dict]) -> str:
+    """``online Hadamards before 10 Linear(s), 6 op(s) (2 after a norm, shared by its readers)``."""
+    shared = [o for r in rotated for o in r.get("online_outputs", [])]
+    own = sum(len(r["online"]) for r in rotated)
+    line = f"online Hadamards before {own + sum(len(o['readers']) for o in shared)} Linear(s)"
+    if shared:
+        line += f", {own + len(shared)} op(s) ({len(shared)} after a norm, shared by its readers)"
+    return line
 
 
 def random_orthogonal(n: int, seed: int = 0) -> torch.Tensor:
@@ -420,14 +430,17 @@ class OnlineHadamard:
         self.pow2_copies: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
     def __call__(self, module: nn.Module, args: tuple) -> tuple:
-        x = args[0]
+        return (self.transform(module, args[0]), *args[1:])
+
+    def transform(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """``x·D·H/sqrt(n)`` with the factors ``module`` holds."""
         signs = getattr(module, SIGNS_BUFFER, None)
         if signs is not None:
             x = x * signs.to(x.dtype)
         small, pow2 = getattr(module, HADAMARD_BUFFER), getattr(module, POW2_ATTR, None)
         if pow2 is not None:  # two matmuls: two exported nodes instead of a butterfly's dozens
-            return (hadamard.hadamard_matmuls(x, small, self.pow2_like(pow2, x)), *args[1:])
-        return (hadamard.fwht(x, small), *args[1:])
+            return hadamard.hadamard_matmuls(x, small, self.pow2_like(pow2, x))
+        return hadamard.fwht(x, small)
 
     def pow2_like(self, pow2: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """``pow2`` (float64, on the CPU) on ``x``'s device in its dtype, converted once per device and dtype.
@@ -446,16 +459,29 @@ class OnlineHadamard:
         return copy
 
 
+class OnlineHadamardOutput(OnlineHadamard):
+    """Forward hook: the same op on a norm's *output*, shared by all its readers (each reader's weight holds
+    ``(D H/sqrt(n))ᵀ``): one op where a pre-hook on each reader would transform the same tensor once per
+    reader (q, k and v). Placed only where the norm's output reaches those readers alone
+    (``SitePlan.readers_alone``), so no other consumer sees the turned output."""
+
+    def __call__(self, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return self.transform(module, output)
+
+
 # H_{2^m} for OnlineHadamard's matmul form: a plain attribute (float64), not a buffer, so no checkpoint holds it
 # and no loader re-initialises it (a ±1 matrix is rebuilt from the widths whenever the op is installed)
 POW2_ATTR = "_normswap_hadamard_pow2"
 
 
-def _install_online(module: nn.Module, small: torch.Tensor, signs: torch.Tensor | None = None) -> None:
-    """The online Hadamard's buffers and pre-hook on ``module`` (or new values for them). The ``2^m`` factor,
-    where it is at most :data:`normswap.rotation.hadamard.POW2_DENSE_MAX`, is a plain attribute built here from
-    the widths, so the op runs as two matmuls (a checkpoint holds only ``H_K`` and the signs, as before)."""
-    n = module.weight.shape[_reader_axis(module)]
+def _install_online(module: nn.Module, small: torch.Tensor, signs: torch.Tensor | None = None, *,
+                    width: int | None = None) -> None:
+    """The online Hadamard's buffers and hook on ``module`` (or new values for them): a pre-hook on a Linear's
+    input, or, given the ``width`` of a norm's output, a forward hook on that output (:class:`OnlineHadamardOutput`).
+    The ``2^m`` factor, where it is at most :data:`normswap.rotation.hadamard.POW2_DENSE_MAX`, is a plain
+    attribute built here from the widths, so the op runs as two matmuls (a checkpoint holds only ``H_K`` and the
+    signs, as before)."""
+    n = width if width is not None else module.weight.shape[_reader_axis(module)]
     m = n // small.shape[0]
     setattr(module, POW2_ATTR, hadamard.sylvester(m) if m <= hadamard.POW2_DENSE_MAX else None)
     if getattr(module, "_normswap_online", None) is not None:
@@ -466,7 +492,8 @@ def _install_online(module: nn.Module, small: torch.Tensor, signs: torch.Tensor 
     module.register_buffer(HADAMARD_BUFFER, small)
     if signs is not None:
         module.register_buffer(SIGNS_BUFFER, signs)
-    module._normswap_online = module.register_forward_pre_hook(OnlineHadamard())
+    module._normswap_online = module.register_forward_pre_hook(OnlineHadamard()) if width is None else \
+        module.register_forward_hook(OnlineHadamardOutput())
 
 
 def _online_targets(model: nn.Module, writers: list[str], width: int) -> tuple[list[str], list[str]]:
@@ -585,6 +612,11 @@ def install_ops(model: nn.Module, plan: Plan) -> None:
             k = hadamard.hadamard_order(n)
             signs = torch.empty(n, **_like(module, model)) if r.get("online_signs") else None  # since 2026-11-29
             _install_online(module, torch.empty(k, k, **_like(module, model)), signs)
+        for shared in r.get("online_outputs", []):  # since 2026-11-30: one op after a norm for all its readers
+            module, n = model.get_submodule(shared["norm"]), int(shared["width"])
+            k = hadamard.hadamard_order(n)
+            _install_online(module, torch.empty(k, k, **_like(module, model)), torch.empty(n, **_like(module, model)),
+                            width=n)
 
 
 def _rotate_axis_(p: torch.Tensor, axis: int, q: torch.Tensor) -> None:
@@ -644,7 +676,10 @@ def rotate(model: nn.Module, q: str | int | torch.Tensor = "hadamard", *, seed: 
             Linear input of the converted streams takes an online Hadamard: each Linear reader of a norm
             (queries, keys, values, MLP up projection) and each MLP down projection gets the op ``x·D·H/sqrt(n)``
             before it and ``W·D·H/sqrt(n)`` in its weight, and the values turn per head with the output
-            projection's columns (no op). For block-wise weight quantizers (blocks run along the input
+            projection's columns (no op). Where a norm's output is read only by Linears that all take the op,
+            each reading only that output (q, k and v), the op sits once after the norm instead, its transpose
+            folded into every reader (``Rotation.rotated[0]["online_outputs"]``): the same function with one
+            transform instead of one per reader. For block-wise weight quantizers (blocks run along the input
             features) this evens out every weight's blocks without folding γ into the readers' columns, which
             is what a turned stream costs at 4 bits on a model with uneven γ (DINOv2-small:
             ``docs/results/quantization.md``). A model turned so cannot be rotated again.
@@ -793,46 +828,72 @@ def _online_only(model: nn.Module, plan: Plan, seed: int) -> Rotation:
     Each op turns its Linear's own input, so it is exact whoever else reads that input; a reader reached
     through a functional linear (no module to hold the op), one whose weight another module shares (a head
     tied to the embedding), or one with no Hadamard order for its width is left alone and listed in
-    ``online_skipped``."""
+    ``online_skipped``.
+
+    Where a norm's output is read by two or more Linears and by nothing else, each of them reading that
+    output alone (``SitePlan.readers_alone``, from the dataflow), and every one of them can take the op, the
+    op sits once after the norm instead (:func:`_add_output_hadamard`, one seed for all its readers): the
+    same function with one transform where q, k and v would each transform the same tensor."""
     result = Rotation()
     sharing: dict[int, int] = {}
     for _, m in model.named_modules(remove_duplicate=False):
         for p in m.parameters(recurse=False):
             sharing[id(p)] = sharing.get(id(p), 0) + 1
     paths, widths, norms = [], [], []
+    shared: list[dict] = []  # {"norm", "readers", "width"}: one op after the norm
     modules = dict(model.named_modules())
     for group in streams(plan, model):
         norms += [sp.name for sp in group]
         widths.append(group[0].normalized_shape[0])
-        for rd in sorted({r for sp in group for r in sp.linear_readers}):
-            module = modules.get(rd)
-            if not (isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D"):
-                result.online_skipped.append(f"`{rd}`: a functional linear (no module to hold the op)")
-            elif sharing.get(id(module.weight), 0) > 1:
-                result.online_skipped.append(f"`{rd}`: its weight is shared with another module (tied)")
-            elif getattr(module, "_normswap_online", None) is None:
-                n = module.weight.shape[_reader_axis(module)]
-                if hadamard.has_hadamard(n):
-                    paths.append(rd)
-                else:
-                    result.online_skipped.append(f"`{rd}`: no Hadamard matrix of order {n}")
+        own: dict[str, list[str]] = {}  # norm -> its readers that can take an op
+        for sp in group:
+            for rd in sorted(set(sp.linear_readers)):
+                module = modules.get(rd)
+                if not (isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D"):
+                    result.online_skipped.append(f"`{rd}`: a functional linear (no module to hold the op)")
+                elif sharing.get(id(module.weight), 0) > 1:
+                    result.online_skipped.append(f"`{rd}`: its weight is shared with another module (tied)")
+                elif getattr(module, "_normswap_online", None) is None:
+                    n = module.weight.shape[_reader_axis(module)]
+                    if hadamard.has_hadamard(n):
+                        own.setdefault(sp.name, []).append(rd)
+                    else:
+                        result.online_skipped.append(f"`{rd}`: no Hadamard matrix of order {n}")
+        for sp in group:
+            readers = own.get(sp.name, [])
+            if _one_op_fits(sp, readers, modules.get(sp.name)):
+                shared.append({"norm": sp.name, "readers": readers, "width": int(sp.normalized_shape[0])})
+            else:
+                paths += [rd for rd in readers if rd not in paths]
         down, why = _online_targets(model, sorted({t for sp in group for t in sp.writer_targets}), widths[-1])
         paths += [p for p in down if p not in paths]
         result.online_skipped += why
     paths = sorted(paths)
     for i, path in enumerate(paths):
         _add_online_hadamard(model, path, seed=seed + 7919 * (i + 1))
-    heads, hd, why = _rotate_heads_(model) if paths else ([], None, "")
+    for j, op in enumerate(shared):
+        _add_output_hadamard(model, op, seed=seed + 7919 * (len(paths) + j + 1))
+    heads, hd, why = _rotate_heads_(model) if paths or shared else ([], None, "")
     if why:
         result.online_skipped.append(f"per-head Hadamard on values: {why}")
-    if paths:
+    if paths or shared:
         entry = {"width": max(widths), "norms": norms, "writers": [], "readers": [], "kind": NONE, "seed": seed,
                  "construction": "", "fallback": "", "mean_preserving": True, "output": "", "outputs": [],
-                 "restore": [], "ops": [], "online": paths, "online_signs": True, "value_heads": heads,
-                 "head_dim": hd, "q": torch.eye(max(widths), dtype=torch.float64)}
+                 "restore": [], "ops": [], "online": paths, "online_signs": True, "online_outputs": shared,
+                 "value_heads": heads, "head_dim": hd, "q": torch.eye(max(widths), dtype=torch.float64)}
         result.rotated.append(entry)
         plan.rotations = plan.rotations + [manifest_entry(entry)]
     return result
+
+
+def _one_op_fits(sp: SitePlan, readers: list[str], norm: nn.Module | None) -> bool:
+    """Can one op after norm ``sp`` stand for an op before each of ``readers`` (those of its Linear readers
+    that can take one)? Where the norm's output reaches Linear readers alone, each reading only it on every
+    call (``sp.readers_alone``), all of them take the op, there are two or more (for one, the op before it is
+    the same op), the norm returns its output alone (a hook turns that tensor) and holds no online op yet."""
+    return (sp.readers_alone and len(readers) >= 2 and sorted(readers) == sorted(set(sp.linear_readers))
+            and not sp.returns and norm is not None and getattr(norm, "_normswap_online", None) is None
+            and hadamard.has_hadamard(int(sp.normalized_shape[0])))
 
 
 def _learn_matrices(model: nn.Module, seed: int, online: bool, output: str | None, settings: Any,
@@ -1143,6 +1204,20 @@ def _add_online_hadamard(model: nn.Module, path: str, seed: int) -> None:
     _rotate_axis_(module.weight, _reader_axis(module), turn.to(module.weight.device))  # W ← W D H̃
     like = _like(module, model)
     _install_online(module, hadamard.small_factor(n).to(**like), signs.to(**like))
+
+
+def _add_output_hadamard(model: nn.Module, op: dict, seed: int) -> None:
+    """One online Hadamard after the norm ``op["norm"]`` for all its readers ``op["readers"]``: the op
+    ``y D H̃`` on the norm's output and ``W ← W D H̃`` in each reader (random signs ``D`` from ``seed``)."""
+    n = op["width"]
+    signs = hadamard.random_signs(n, seed)
+    turn = signs.unsqueeze(1) * hadamard.hadamard(n) / n**0.5  # D H̃
+    for path in op["readers"]:
+        module = model.get_submodule(path)
+        _rotate_axis_(module.weight, _reader_axis(module), turn.to(module.weight.device))
+    norm = model.get_submodule(op["norm"])
+    like = _like(norm, model)
+    _install_online(norm, hadamard.small_factor(n).to(**like), signs.to(**like), width=n)
 
 
 def manifest_entry(stream: dict) -> dict:

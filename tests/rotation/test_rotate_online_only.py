@@ -1,8 +1,10 @@
 """``rotate(model, "none", online=True)``: no stream turned (the norms keep γ and β, LayerScale stays), an online
-Hadamard before every Linear reader of a norm and every MLP down projection, per-head Hadamards on the values.
-Exact in float64 (≤ 1e-9) on a DINOv2 replica with γ/β/λ randomised, with and without ``fold_gamma``, and on
-GPT-2 (a tied head left alone); every op orthogonal (1e-12); saved and rebuilt by the native format; refused by
-compat, without ``online``, with a stream option, and before a later stream turn, the model untouched."""
+Hadamard before every Linear reader of a norm and every MLP down projection, per-head Hadamards on the values;
+one op after a norm whose output only its Linear readers read (q/k/v), per-reader ops where something else reads
+it or a reader reads another norm too. Exact in float64 (≤ 1e-9) on a DINOv2 replica with γ/β/λ randomised,
+with and without ``fold_gamma``, on GPT-2 (a tied head left alone) and on small fan-out modules; every op
+orthogonal (1e-12); saved and rebuilt by the native format; refused by compat, without ``online``, with a stream
+option, and before a later stream turn, the model untouched."""
 
 import pytest
 import torch
@@ -12,11 +14,13 @@ from normswap.errors import NormswapError
 from normswap.inputs import hf_example_inputs
 from normswap.pipeline import default_dtype
 from normswap.rotation import hadamard
+from normswap.rotation.onnx_nodes import rotation_matrices
 from normswap.rotation.rotate import HADAMARD_BUFFER, SIGNS_BUFFER, rotate
 from tests.benchmark_modules import tiny_dinov2
 from tests.zoo import EXACT, build
 
-LINEARS = ("attention.q_proj", "attention.k_proj", "attention.v_proj", "mlp.fc1", "mlp.fc2")
+OWN_OP = ("mlp.fc1", "mlp.fc2")  # one reader of norm2, and the down projection: an op before each
+SHARED = ("attention.k_proj", "attention.q_proj", "attention.v_proj")  # norm1's readers: one op after norm1
 
 
 def _run(model, probe):
@@ -31,7 +35,7 @@ def _relative(out, ref):
 
 def _op_matrix(module):
     """The op's ``D·H/sqrt(n)`` as a dense matrix: the op applied to the identity."""
-    n = module.weight.shape[1]
+    n = getattr(module, SIGNS_BUFFER).shape[0]
     eye = torch.eye(n, dtype=torch.float64)
     signs = getattr(module, SIGNS_BUFFER).double()
     return hadamard.fwht(eye * signs, getattr(module, HADAMARD_BUFFER).double())
@@ -48,18 +52,73 @@ def test_online_hadamards_at_every_linear_input_keep_dinov2_exact(fold_gamma):
     assert _relative(_run(model, probe), ref) <= 1e-9, str(rot)
     (entry,) = rot.rotated
     assert entry["kind"] == "none" and not entry["writers"] and not entry["readers"]
-    assert entry["online"] == sorted(f"encoder.layer.{i}.{lin}" for i in range(2) for lin in LINEARS)
+    assert entry["online"] == sorted(f"encoder.layer.{i}.{lin}" for i in range(2) for lin in OWN_OP)
+    # q, k and v read norm1's output alone: one op after it, its transpose folded into all three
+    assert entry["online_outputs"] == [{"norm": f"encoder.layer.{i}.norm1",
+                                        "readers": [f"encoder.layer.{i}.{lin}" for lin in SHARED], "width": 32}
+                                       for i in range(2)]
     assert entry["value_heads"] and entry["head_dim"] == 16
     # nothing turned the stream: the norms' γ and β are where the conversion put them
-    assert all(torch.equal(p, gammas[n]) for n, p in model.named_parameters() if "norm" in n)
-    for path in entry["online"]:
+    assert all(torch.equal(p, gammas[n]) for n, p in model.named_parameters() if "norm" in n and "normswap" not in n)
+    ops = entry["online"] + [o["norm"] for o in entry["online_outputs"]]
+    for path in ops:
         g = _op_matrix(model.get_submodule(path))
         eye = torch.eye(g.shape[0], dtype=torch.float64)
         assert float((g.T @ g - eye).abs().max()) <= 1e-12 and float((g - eye).abs().max()) > 0.1
-    assert "online Hadamards before 10 Linear(s)" in rot.headline()
-    # the ops do the work: without one the folded weight breaks the model
-    model.get_submodule("encoder.layer.1.mlp.fc1")._normswap_online.remove()
-    assert _relative(_run(model, probe), ref) > 1e-3
+    assert len(rotation_matrices(model)) == 2 * len(ops)  # what float_nodes looks for: H_K and H_2^m per op
+    assert "online Hadamards before 10 Linear(s), 6 op(s) (2 after a norm" in rot.headline()
+    # the ops do the work: without one the folded weights break the model
+    for path in ("encoder.layer.1.mlp.fc1", "encoder.layer.0.norm1"):
+        broken = tiny_dinov2(seed=3)
+        normswap.patch(broken, fold_gamma=fold_gamma, beta_placement="keep")
+        rotate(broken, "none", online=True, seed=4)
+        broken.get_submodule(path)._normswap_online.remove()
+        assert _relative(_run(broken, probe), ref) > 1e-3, path
+
+
+class FanOut(torch.nn.Module):
+    """A norm read by three Linears; ``extra="residual"``: its output is also added to the result (a reader no
+    weight can take the op into); ``extra="shared"``: ``q`` also reads a second norm's output."""
+
+    def __init__(self, extra: str = "") -> None:
+        super().__init__()
+        self.extra = extra
+        self.inp, self.inp2 = torch.nn.Linear(8, 16), torch.nn.Linear(8, 16)
+        self.norm, self.norm2 = torch.nn.LayerNorm(16), torch.nn.LayerNorm(16)
+        self.q, self.k, self.v = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)
+        gen = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for norm in (self.norm, self.norm2):
+                norm.weight.copy_(1 + 0.5 * torch.randn(16, generator=gen))
+                norm.bias.copy_(0.3 * torch.randn(16, generator=gen))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.norm(self.inp(x))
+        out = self.q(y) * torch.sigmoid(self.k(y)) + self.v(y)
+        if self.extra == "residual":
+            out = out + y
+        if self.extra == "shared":
+            out = out + self.q(self.norm2(self.inp2(x)))
+        return out
+
+
+@pytest.mark.parametrize("extra, shared_op", [("", True), ("residual", False), ("shared", False)])
+def test_one_op_after_a_norm_only_where_its_linear_readers_alone_read_its_output(extra, shared_op):
+    torch.manual_seed(0)
+    model = FanOut(extra).double().eval()
+    x = torch.randn(2, 5, 8, dtype=torch.float64)
+    ref = model(x)
+    normswap.patch(model, example_inputs=(x,), beta_placement="keep")
+    rot = rotate(model, "none", online=True, seed=2)
+    with torch.no_grad():
+        assert _relative(model(x), ref) <= 1e-9, str(rot)
+    (entry,) = rot.rotated
+    if shared_op:
+        assert [o["norm"] for o in entry["online_outputs"]] == ["norm"] and entry["online"] == []
+        assert hasattr(model.norm, HADAMARD_BUFFER) and not hasattr(model.q, HADAMARD_BUFFER)
+    else:  # the output is also added to the result, or q reads norm2 too: an op before each reader
+        assert entry["online_outputs"] == [] and {"k", "q", "v"} <= set(entry["online"])
+        assert not hasattr(model.norm, HADAMARD_BUFFER)
 
 
 @pytest.mark.parametrize("untie", [True, False])
@@ -90,9 +149,12 @@ def test_native_checkpoint_rebuilds_the_ops_and_compat_refuses_them(tmp_path):
     normswap.save(model, tmp_path / "ckpt")
     loaded = normswap.load(tmp_path / "ckpt").double().eval()
     (entry,) = normswap.plan_of(loaded).rotations
-    assert entry["kind"] == "none" and len(entry["online"]) == 10
-    assert hasattr(loaded.get_submodule("encoder.layer.0.attention.q_proj"), HADAMARD_BUFFER)
+    assert entry["kind"] == "none" and len(entry["online"]) == 4 and len(entry["online_outputs"]) == 2
+    assert hasattr(loaded.get_submodule("encoder.layer.0.norm1"), HADAMARD_BUFFER)
+    assert hasattr(loaded.get_submodule("encoder.layer.0.mlp.fc1"), HADAMARD_BUFFER)
     assert _relative(_run(loaded, probe), ref) <= 1e-12
+    loaded.get_submodule("encoder.layer.0.norm1")._normswap_online.remove()  # the rebuilt op does the work
+    assert _relative(_run(loaded, probe), ref) > 1e-3
     with pytest.raises(NormswapError, match="compat format cannot hold the online Hadamard"):
         normswap.save(model, tmp_path / "compat", format="compat")
 
