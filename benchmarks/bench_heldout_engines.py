@@ -159,7 +159,8 @@ def _hqq_linear(linear: torch.nn.Linear, bits: int) -> torch.nn.Module:
     from hqq.core.quantize import BaseQuantizeConfig, HQQLinear
 
     src = torch.nn.Linear(linear.in_features, linear.out_features, linear.bias is not None)
-    src.load_state_dict(linear.state_dict())  # HQQLinear consumes its input module
+    # HQQLinear consumes its input module; an online Hadamard's buffers are not the Linear's (carry_input_ops)
+    src.load_state_dict({k: v for k, v in linear.state_dict().items() if k in ("weight", "bias")})
     return HQQLinear(src.requires_grad_(False), BaseQuantizeConfig(nbits=bits, group_size=64),
                      compute_dtype=torch.float32, device="cpu")
 
