@@ -90,11 +90,34 @@ def swap_linears(model: torch.nn.Module, make: Callable[[torch.nn.Linear], torch
     """Replace each of ``model``'s :func:`linears` by ``make(linear)``, in place; the names replaced.
     Every replacement is made before any is installed, so a failing ``make`` leaves ``model`` as it was."""
     names = linears(model, include)
-    made = {name: make(model.get_submodule(name)) for name in names}
+    made = {name: carry_input_ops(model.get_submodule(name), make(model.get_submodule(name))) for name in names}
     for name, module in made.items():
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, module)
     return names
+
+
+def carry_input_ops(linear: torch.nn.Module, replacement: torch.nn.Module) -> torch.nn.Module:
+    """``replacement`` (the engine's module for ``linear``) given ``linear``'s normswap input op, if it has one:
+    its forward pre-hooks, its ``normswap_*`` buffers and ``_normswap_*`` attributes. Returns ``replacement``.
+
+    Why: ``rotate(model, ..., online=True)`` puts its online Hadamard on the Linear itself (a pre-hook reading
+    the signs and the small Hadamard factor from the module; the weight holds the op's transpose). An engine
+    that swaps the Linear for its own module would drop the op and keep the turned weight: a wrong model, not
+    a quantized one. Carried over, the op stays float (it is not a Linear) and the engine rounds the weight,
+    as an engine that runs the op would."""
+    if replacement is linear:
+        return replacement
+    for name, buf in linear.named_buffers(recurse=False):
+        if name.startswith("normswap"):
+            replacement.register_buffer(name, buf)
+    for key, value in vars(linear).items():
+        if key.startswith("_normswap") and not isinstance(value, torch.utils.hooks.RemovableHandle):
+            setattr(replacement, key, value)
+    kwargs = linear._forward_pre_hooks_with_kwargs
+    for hook_id, hook in linear._forward_pre_hooks.items():
+        replacement.register_forward_pre_hook(hook, with_kwargs=hook_id in kwargs)
+    return replacement
 
 
 def gguf_round_trip(weight: torch.Tensor, qtype: str) -> torch.Tensor | None:
@@ -136,7 +159,8 @@ def _hqq_linear(linear: torch.nn.Linear, bits: int) -> torch.nn.Module:
     from hqq.core.quantize import BaseQuantizeConfig, HQQLinear
 
     src = torch.nn.Linear(linear.in_features, linear.out_features, linear.bias is not None)
-    src.load_state_dict(linear.state_dict())  # HQQLinear consumes its input module
+    # HQQLinear consumes its input module; an online Hadamard's buffers are not the Linear's (carry_input_ops)
+    src.load_state_dict({k: v for k, v in linear.state_dict().items() if k in ("weight", "bias")})
     return HQQLinear(src.requires_grad_(False), BaseQuantizeConfig(nbits=bits, group_size=64),
                      compute_dtype=torch.float32, device="cpu")
 

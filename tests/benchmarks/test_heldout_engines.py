@@ -128,3 +128,51 @@ def test_mlp_permuted_is_the_same_function_rounded_elsewhere() -> None:
         assert not torch.equal(a[1].fc2.weight[:, :16], b[1].fc2.weight[:, :16])
     assert all(torch.equal(p, q) for p, q in zip(d1.parameters(), d1_again.parameters(), strict=True))  # by seed
     assert torch.equal(torch.sort(d1[0].fc2.weight, dim=1).values, torch.sort(m[0].fc2.weight, dim=1).values)
+
+
+def test_an_online_hadamard_rides_on_the_engines_module() -> None:
+    """``rotate(model, "none", online=True)`` puts its op on each Linear (a pre-hook; the weight holds the op's
+    transpose). The engine's module must keep it: a float copy is the model itself, GGUF's round trip is the
+    same model with every weight rounded in place (the op untouched), and without the op the model breaks."""
+    import normswap
+    from normswap.inputs import hf_example_inputs
+    from normswap.rotation.rotate import rotate
+    from tests.benchmark_modules import tiny_dinov2
+
+    model = tiny_dinov2(seed=3).float()
+    probe = {k: v.float() for k, v in hf_example_inputs(model, seed=5).items()}
+    normswap.patch(model, beta_placement="keep")
+    online = rotate(model, "none", online=True, seed=4).rotated[0]["online"]
+    assert len(online) == 10
+
+    def run(m: torch.nn.Module) -> torch.Tensor:
+        with torch.no_grad():
+            return m(**probe).last_hidden_state
+
+    ref = run(model)
+
+    def plain_copy(linear: torch.nn.Linear) -> torch.nn.Module:
+        fresh = torch.nn.Linear(linear.in_features, linear.out_features, linear.bias is not None)
+        fresh.load_state_dict({k: v for k, v in linear.state_dict().items() if not k.startswith("normswap")})
+        return fresh
+
+    copied = bench.copy.deepcopy(model)
+    swapped = bench.swap_linears(copied, plain_copy)
+    assert set(online) < set(swapped)  # every Linear, o_proj (no op: a per-head turn of its columns) too
+    assert all(copied.get_submodule(p) is not model.get_submodule(p) for p in swapped)
+    assert torch.equal(run(copied), ref)
+
+    q = bench.quantized(model, "gguf-q8_0")
+    by_hand = bench.copy.deepcopy(model)
+    with torch.no_grad():
+        for path in swapped:
+            w = by_hand.get_submodule(path).weight
+            w.copy_(bench.gguf_round_trip(w, "Q8_0"))
+    assert torch.equal(run(q), run(by_hand)) and not torch.equal(run(q), ref)
+    assert float((run(q) - ref).abs().max() / ref.abs().max()) < 0.05  # a rounded model, not a broken one
+
+    dropped = bench.copy.deepcopy(model)  # what the swap did before it carried the op: a wrong model
+    for path in online:
+        parent, _, child = path.rpartition(".")
+        setattr(dropped.get_submodule(parent), child, plain_copy(dropped.get_submodule(path)))
+    assert float((run(dropped) - ref).abs().max() / ref.abs().max()) > 0.1
