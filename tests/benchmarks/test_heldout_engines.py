@@ -131,9 +131,10 @@ def test_mlp_permuted_is_the_same_function_rounded_elsewhere() -> None:
 
 
 def test_an_online_hadamard_rides_on_the_engines_module() -> None:
-    """``rotate(model, "none", online=True)`` puts its op on each Linear (a pre-hook; the weight holds the op's
-    transpose). The engine's module must keep it: a float copy is the model itself, GGUF's round trip is the
-    same model with every weight rounded in place (the op untouched), and without the op the model breaks."""
+    """``rotate(model, "none", online=True)`` puts its op on a Linear (a pre-hook; the weight holds the op's
+    transpose) wherever the Linear does not share it after a norm. The engine's module must keep it: a float
+    copy is the model itself, GGUF's round trip is the same model with every weight rounded in place (the op
+    untouched), and without the op the model breaks."""
     import normswap
     from normswap.inputs import hf_example_inputs
     from normswap.rotation.rotate import rotate
@@ -142,8 +143,9 @@ def test_an_online_hadamard_rides_on_the_engines_module() -> None:
     model = tiny_dinov2(seed=3).float()
     probe = {k: v.float() for k, v in hf_example_inputs(model, seed=5).items()}
     normswap.patch(model, beta_placement="keep")
-    online = rotate(model, "none", online=True, seed=4).rotated[0]["online"]
-    assert len(online) == 10
+    rotated = rotate(model, "none", online=True, seed=4).rotated[0]
+    online = rotated["online"]  # the Linears with an op of their own (fc1, fc2); q, k, v share one on norm1
+    assert len(online) == 4 and len(rotated["online_outputs"]) == 2
 
     def run(m: torch.nn.Module) -> torch.Tensor:
         with torch.no_grad():
