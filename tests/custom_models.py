@@ -166,13 +166,14 @@ class PostLNEncoder(nn.Module):
         return self.head(x)
 
 
-def randomise_layer_norms(model: nn.Module) -> None:
-    """Every ``nn.LayerNorm``'s γ in U(0.5, 1.5) and β in N(0, 0.1), from torch's global generator (in place)."""
+def randomise_layer_norms(model: nn.Module, beta_std: float = 0.1) -> None:
+    """Every ``nn.LayerNorm``'s γ in U(0.5, 1.5) and β in N(0, ``beta_std``), from torch's global generator
+    (in place)."""
     with torch.no_grad():
         for m in model.modules():
             if isinstance(m, nn.LayerNorm):
                 m.weight.uniform_(0.5, 1.5)
-                m.bias.normal_(0, 0.1)
+                m.bias.normal_(0, beta_std)
 
 
 def tiny_gpt2_config():  # noqa: ANN201 - transformers is imported lazily: most users of this module never need it

@@ -20,6 +20,7 @@ import torch
 import transformers as tf
 
 from tests import benchmark_modules
+from tests.custom_models import randomise_layer_norms
 
 draws = benchmark_modules.load("whisper_paired_draws")
 groups = benchmark_modules.load("whisper_nbits_groups")
@@ -33,11 +34,7 @@ def _tiny_whisper() -> torch.nn.Module:
                               decoder_start_token_id=0, pad_token_id=0, bos_token_id=0, eos_token_id=0)
     torch.manual_seed(0)
     model = tf.WhisperForConditionalGeneration(config).eval()
-    with torch.no_grad():
-        for mod in model.modules():
-            if isinstance(mod, torch.nn.LayerNorm):
-                mod.weight.uniform_(0.5, 1.5)
-                mod.bias.normal_(0, 0.3)
+    randomise_layer_norms(model, beta_std=0.3)
     return model
 
 

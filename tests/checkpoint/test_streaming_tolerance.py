@@ -17,6 +17,7 @@ import normswap
 from normswap.checkpoint import stream_io
 from normswap.errors import VerificationFailed
 from normswap.surgery.verify import exact_limit, precision_limit
+from tests.custom_models import randomise_layer_norms
 
 SPECIAL = {"bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0}
 
@@ -93,11 +94,7 @@ def test_a_model_drawing_random_numbers_gets_an_estimated_yardstick(tmp_path):
                           decoder_num_attention_heads=2, decoder_intermediate_size=64)
     torch.manual_seed(0)
     model = tf.ViTMAEModel(cfg).eval()
-    with torch.no_grad():
-        for m in model.modules():
-            if isinstance(m, torch.nn.LayerNorm):
-                m.weight.uniform_(0.5, 1.5)
-                m.bias.normal_(0, 0.2)
+    randomise_layer_norms(model, beta_std=0.2)
     model.save_pretrained(tmp_path / "src")
     ver = normswap.convert(tmp_path / "src", tmp_path / "out", low_memory=True).verification
     assert "(the model draws random numbers, which differ in another dtype)" in ver["verify_precision"]
