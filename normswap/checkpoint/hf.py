@@ -82,13 +82,27 @@ def model_class_for(base: str, class_name: str) -> type:
         if manifest is not None and outer:
             rebuild(self, manifest)
 
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):  # noqa: ANN001, ANN202, N805
+        """The base class's ``from_pretrained``, then the online Hadamards put back on the modules a
+        ``quantization_config`` swapped in for their Linears (their values read from the checkpoint), and the
+        model refused if one is still missing (:func:`normswap.rotation.carry.after_load`)."""
+        out = super(_MODELS[key], cls).from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+        loaded = out[0] if isinstance(out, tuple) else out
+        from normswap.rotation import carry
+
+        carry.after_load(loaded, lambda: _weight_files(pretrained_model_name_or_path, kwargs))
+        return out
+
     def save_pretrained(self, save_directory, *args, **kwargs):  # noqa: ANN001, ANN202
         """``save_pretrained`` that writes a complete native checkpoint (also used by ``Trainer``):
-        aliases loading will not re-tie are stored, and the modeling file and ``auto_map`` are added."""
+        aliases loading will not re-tie are stored, and the modeling file and ``auto_map`` are added. A model
+        that lost an online Hadamard to a module swap is refused before anything is written."""
         from pathlib import Path
 
         from normswap.checkpoint import writer
+        from normswap.rotation import carry
 
+        carry.check_online_ops(self)
         if kwargs.get("state_dict") is None:
             kwargs["state_dict"] = writer.state_dict_for_save(self)
         result = base_cls.save_pretrained(self, save_directory, *args, **kwargs)
@@ -103,6 +117,7 @@ def model_class_for(base: str, class_name: str) -> type:
         {
             "config_class": cfg_cls,
             "__init__": __init__,
+            "from_pretrained": classmethod(from_pretrained),
             "save_pretrained": save_pretrained,
             "__module__": __name__,
             "__qualname__": name,
@@ -113,6 +128,40 @@ def model_class_for(base: str, class_name: str) -> type:
     _MODELS[key] = cls
     register_conversion_mapping(name, class_name)
     return cls
+
+
+def _quiet_online_keys(model: nn.Module) -> None:
+    """Where a ``quantization_config`` replaces the Linears before the weights load, their online Hadamards'
+    tensors find no module to load into and transformers would list them as unexpected keys; the loader reads
+    them itself and puts the ops back (:func:`normswap.rotation.carry.after_load`), so they are not reported."""
+    from normswap.rotation import carry
+
+    if carry.held_ops(model):
+        ignored = set(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())
+        model._keys_to_ignore_on_load_unexpected = ignored | {rf"(^|\.){carry.BUFFER_PREFIX}[a-z_]*$"}
+
+
+def _weight_files(spec: object, kwargs: dict) -> list[str]:
+    """The safetensors files ``from_pretrained(spec, **kwargs)`` loaded, found as transformers finds them (a
+    local directory, or a Hub id's snapshot in the Hugging Face cache; ``revision=``, ``subfolder=``), offline."""
+    import json
+
+    from transformers.utils import cached_file
+
+    if spec is None:
+        raise NormswapError("the online Hadamards' values are in no file (the model was loaded from a state_dict); "
+                            "load it from its checkpoint directory")
+    where = {"subfolder": kwargs.get("subfolder") or "", "revision": kwargs.get("revision"),
+             "local_files_only": True, "_raise_exceptions_for_missing_entries": False}
+    single = cached_file(str(spec), "model.safetensors", **where)
+    if single is not None:
+        return [single]
+    index = cached_file(str(spec), "model.safetensors.index.json", **where)
+    if index is None:
+        raise NormswapError(f"cannot find the safetensors files of {spec} to read its online Hadamards from")
+    with open(index) as fh:
+        shards = sorted(set(json.load(fh)["weight_map"].values()))
+    return [cached_file(str(spec), shard, **where) for shard in shards]
 
 
 # ------------------------------------------------------------------------------ structure on load
@@ -147,6 +196,7 @@ def rebuild(model: nn.Module, manifest: dict) -> nn.Module:
         # modules the source checkpoint had no tensors for and its pipeline never used: absent again
         drop_modules(model, left_out)
         apply_structure(model, plan, backend=manifest.get("backend", "auto"))
+        _quiet_online_keys(model)
         trainer.register()  # transformers' Trainer: RMSNorm parameters are norm parameters (no weight decay)
     except (AttributeError, KeyError, TypeError, ValueError) as exc:
         raise NormswapError(

@@ -734,6 +734,9 @@ def save(
     """
     choose("format", format, FORMATS)
     model = wrappers.held_module(model)  # torch.compile / DDP: the model inside, as patch converts it
+    from normswap.rotation import carry
+
+    carry.check_online_ops(model)  # a module swap dropped an op: the weights saved would need it
     if wrappers.is_wrapper(model):  # its pipeline files (pooling, normalize, modules.json) are its own to write
         raise NormswapError(
             f"normswap.save writes a transformers model, not a {type(model).__name__}: save it with its own "

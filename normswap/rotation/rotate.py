@@ -38,7 +38,7 @@ from normswap.errors import NormswapError
 from normswap.nn.call_args import argument_slot
 from normswap.nn.rmsnorm import RMSNorm
 from normswap.options import choose
-from normswap.rotation import hadamard
+from normswap.rotation import carry, hadamard
 from normswap.surgery.scales import fold_layer_scale
 
 KINDS = ("hadamard", "random")  # built from (width, kind, seed)
@@ -783,7 +783,9 @@ def rotate(model: nn.Module, q: str | int | torch.Tensor = "hadamard", *, seed: 
         if (output, smooth, calibration) != (None, None, None):
             raise NormswapError("q='none' takes online=True and seed only: output, smooth and calibration apply to "
                                 "a turned stream")
-        return _online_only(model, plan, seed)
+        result = _online_only(model, plan, seed)
+        carry.record(model)  # so that a module swap can be undone (carry_online_ops) or is refused
+        return result
     if smooth is not None or settings is not None:  # checked and resolved before anything turns
         from normswap.rotation import smooth as smoothing
 
@@ -818,6 +820,7 @@ def rotate(model: nn.Module, q: str | int | torch.Tensor = "hadamard", *, seed: 
     if smooth is not None and result.rotated:
         _smooth_streams(model, plan, result, smooth, batches)
     plan.rotations = plan.rotations + [manifest_entry(r) for r in result.rotated]
+    carry.record(model)  # so that a module swap can be undone (carry_online_ops) or is refused
     return result
 
 

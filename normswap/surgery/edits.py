@@ -624,9 +624,11 @@ def apply_structure(model: nn.Module, plan: Plan, backend: str = "auto") -> nn.M
     for h in plan.hooks:
         install_hook(model, h)
     if plan.rotations:  # what a rotation added besides weights (normswap.rotate)
+        from normswap.rotation import carry
         from normswap.rotation.rotate import install_ops
 
         install_ops(model, plan)
+        carry.record(model)  # the ops' hooks and buffer names; a loader that swaps Linears needs them back
     torch_transformer.keep_python_forward(model, plan)
     attach_plan(model, plan)
     return model

@@ -1,0 +1,201 @@
+"""Online Hadamards survive engines that replace ``nn.Linear`` (:mod:`normswap.rotation.carry`).
+
+A DINOv2 replica in float64 (γ/β/λ randomised) with the ops alone (``rotate(model, "none", online=True)``):
+its Linears replaced by a stand-in module that computes ``x @ Wᵀ + b`` the way the engines' modules do
+(bitsandbytes' ``Linear4bit``, HQQ's ``HQQLinear``, quanto's ``QLinear``: a new module, no hooks). Swapped, the
+model computes wrong outputs; its next call refuses, one line naming the module; ``carry_online_ops`` puts the
+ops back and the model equals the original to 1e-9; ``normswap.save`` refuses a model missing an op before
+writing anything. A native checkpoint loaded through ``from_pretrained(..., quantization_config=...)`` with a
+stand-in quantizer that swaps the Linears before the weights load, as transformers' bitsandbytes integration
+does, gets its ops back from the checkpoint and equals the original."""
+
+import pytest
+import torch
+from torch import nn
+
+import normswap
+from normswap.errors import NormswapError
+from normswap.inputs import hf_example_inputs
+from normswap.pipeline import default_dtype
+from normswap.rotation import carry
+from normswap.rotation.rotate import HADAMARD_BUFFER, rotate
+from tests.benchmark_modules import tiny_dinov2
+
+STANDIN = "normswap_test_standin"  # the stand-in quantizer's quant_method
+
+
+class StandInLinear(nn.Module):
+    """What an engine puts where a Linear was: a new module computing ``x @ Wᵀ + b`` (with the weight in the
+    engine's format; here as is), no hooks, no buffers of the Linear's."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, device=None, dtype=None) -> None:  # noqa: ANN001
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> "StandInLinear":
+        new = cls(linear.in_features, linear.out_features, linear.bias is not None, device=linear.weight.device,
+                  dtype=linear.weight.dtype)
+        if linear.weight.device.type != "meta":
+            with torch.no_grad():
+                new.weight.copy_(linear.weight)
+                if linear.bias is not None:
+                    new.bias.copy_(linear.bias)
+        return new
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = x @ self.weight.T
+        return out + self.bias if self.bias is not None else out
+
+
+def swap_linears(model: nn.Module) -> list[str]:
+    """Replace every ``nn.Linear`` by a :class:`StandInLinear`, as the engines' replacement functions do
+    (``setattr`` on the parent); returns the paths swapped."""
+    paths = [p for p, m in model.named_modules() if isinstance(m, nn.Linear)]
+    for path in paths:
+        parent, _, name = path.rpartition(".")
+        owner = model.get_submodule(parent) if parent else model
+        setattr(owner, name, StandInLinear.from_linear(getattr(owner, name)))
+    return paths
+
+
+def _run(model, probe, *, hooks=True):
+    with torch.no_grad(), default_dtype(torch.float64):
+        out = model(**probe) if hooks else model.forward(**probe)  # forward(): past the model's own hooks
+    return out.last_hidden_state
+
+
+def _relative(out, ref):
+    return float((out - ref).abs().max() / ref.abs().max())
+
+
+def _online_model():
+    model = tiny_dinov2(seed=3)
+    probe = hf_example_inputs(model, seed=5)
+    ref = _run(model, probe)
+    normswap.patch(model, beta_placement="keep")
+    rotate(model, "none", online=True, seed=4)
+    return model, probe, ref
+
+
+def test_a_swap_drops_the_ops_the_next_call_refuses_and_carrying_them_back_is_exact():
+    model, probe, ref = _online_model()
+    assert _relative(_run(model, probe), ref) <= 1e-9
+    assert sorted(carry.held_ops(model)) == sorted(
+        [f"encoder.layer.{i}.mlp.{fc}" for i in range(2) for fc in ("fc1", "fc2")]
+        + [f"encoder.layer.{i}.norm1" for i in range(2)])
+    swapped = swap_linears(model)
+    assert "encoder.layer.0.mlp.fc2" in swapped and carry.missing_online_ops(model) == [
+        f"encoder.layer.{i}.mlp.{fc}" for i in range(2) for fc in ("fc1", "fc2")]  # norm1's ops stay: norms stay
+    # what the engines' swap gave before: a model that runs, and computes wrong outputs
+    assert _relative(_run(model, probe, hooks=False), ref) > 1e-3
+    with pytest.raises(NormswapError, match=r"^`encoder\.layer\.0\.mlp\.fc1` \(StandInLinear\) has lost its online "
+                                            r"Hadamard.*carry_online_ops.*\(3 other module\(s\) too\)$"):
+        _run(model, probe)
+    with pytest.raises(NormswapError, match="has lost its online Hadamard"):  # refused until the ops are back
+        _run(model, probe)
+    carried = carry.carry_online_ops(model)
+    assert carried == [f"encoder.layer.{i}.mlp.{fc}" for i in range(2) for fc in ("fc1", "fc2")]
+    assert isinstance(model.encoder.layer[0].mlp.fc2, StandInLinear)
+    assert _relative(_run(model, probe), ref) <= 1e-9
+    assert not model._forward_pre_hooks  # the one-shot check removed itself once the ops were back
+    assert carry.carry_online_ops(model) == []  # nothing left to carry: harmless twice
+
+
+def test_a_model_nobody_swapped_has_no_check_on_its_calls():
+    model, probe, ref = _online_model()
+    _run(model, probe)
+    assert not model._forward_pre_hooks and carry.GUARD not in model.__dict__
+
+
+def test_save_refuses_a_model_missing_an_op_and_writes_nothing(tmp_path):
+    model, probe, ref = _online_model()
+    model.encoder.layer[1].mlp.fc2 = StandInLinear.from_linear(model.encoder.layer[1].mlp.fc2)
+    with pytest.raises(NormswapError, match=r"^`encoder\.layer\.1\.mlp\.fc2` \(StandInLinear\) has lost"):
+        normswap.save(model, tmp_path / "out")
+    assert not (tmp_path / "out").exists() and not list(tmp_path.iterdir())
+
+
+def test_an_op_whose_values_were_never_loaded_is_refused_not_invented():
+    model, probe, ref = _online_model()
+    held = carry.held_ops(model)["encoder.layer.0.mlp.fc1"]
+    held.buffers = {k: torch.empty_like(v, device="meta") for k, v in held.buffers.items()}
+    model.encoder.layer[0].mlp.fc1 = StandInLinear.from_linear(model.encoder.layer[0].mlp.fc1)
+    with pytest.raises(NormswapError, match=r"^`encoder\.layer\.0\.mlp\.fc1` \(StandInLinear\) lost its online "
+                                            "Hadamard and the op's values were never loaded"):
+        carry.carry_online_ops(model)
+    assert not hasattr(model.encoder.layer[0].mlp.fc1, HADAMARD_BUFFER)
+
+
+def test_a_wrapper_that_calls_the_original_linear_keeps_the_op_and_is_left_alone():
+    model, probe, ref = _online_model()
+
+    class Wrapper(nn.Module):  # PEFT's LoRA layers call the Linear they wrap as `base_layer`
+        def __init__(self, base: nn.Module) -> None:
+            super().__init__()
+            self.base_layer = base
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.base_layer(x)
+
+    model.encoder.layer[0].mlp.fc2 = Wrapper(model.encoder.layer[0].mlp.fc2)
+    assert carry.missing_online_ops(model) == [] and carry.carry_online_ops(model) == []
+    assert _relative(_run(model, probe), ref) <= 1e-9
+
+
+def _register_standin_quantizer():
+    from transformers.quantizers.auto import (
+        AUTO_QUANTIZATION_CONFIG_MAPPING,
+        AUTO_QUANTIZER_MAPPING,
+        register_quantization_config,
+        register_quantizer,
+    )
+    from transformers.quantizers.base import HfQuantizer
+    from transformers.utils.quantization_config import QuantizationConfigMixin
+
+    if STANDIN in AUTO_QUANTIZER_MAPPING:
+        return AUTO_QUANTIZATION_CONFIG_MAPPING[STANDIN]
+
+    @register_quantization_config(STANDIN)
+    class StandInConfig(QuantizationConfigMixin):
+        def __init__(self, **kwargs) -> None:  # noqa: ANN003
+            self.quant_method = STANDIN
+
+    @register_quantizer(STANDIN)
+    class StandInQuantizer(HfQuantizer):
+        """Swaps every ``nn.Linear`` for a :class:`StandInLinear` before the weights load, on the meta device,
+        as transformers' bitsandbytes integration swaps in ``Linear4bit``; the weights load into it as they
+        are (nothing to quantize)."""
+
+        requires_calibration = False
+
+        def _process_model_before_weight_loading(self, model, **kwargs) -> None:  # noqa: ANN001, ANN003
+            swap_linears(model)
+
+        def is_serializable(self) -> bool:
+            return False
+
+        @property
+        def is_trainable(self) -> bool:
+            return False
+
+    return StandInConfig
+
+
+def test_a_quantization_config_that_swaps_linears_before_loading_gets_the_ops_back(tmp_path):
+    from transformers import AutoModel
+
+    config_cls = _register_standin_quantizer()
+    model, probe, ref = _online_model()
+    normswap.save(model, tmp_path / "ckpt")
+    loaded = AutoModel.from_pretrained(tmp_path / "ckpt", quantization_config=config_cls(), dtype=torch.float64)
+    fc2 = loaded.encoder.layer[1].mlp.fc2
+    assert isinstance(fc2, StandInLinear) and carry.holds_op(fc2)
+    assert torch.equal(getattr(fc2, HADAMARD_BUFFER), getattr(model.encoder.layer[1].mlp.fc2, HADAMARD_BUFFER))
+    assert not loaded._forward_pre_hooks  # the swap armed the call-time check; the loader's carry disarmed it
+    assert _relative(_run(loaded, probe), ref) <= 1e-9
+    loaded = normswap.load(tmp_path / "ckpt", quantization_config=config_cls(), dtype=torch.float64)
+    assert isinstance(loaded.encoder.layer[0].mlp.fc1, StandInLinear)
+    assert _relative(_run(loaded, probe), ref) <= 1e-9
