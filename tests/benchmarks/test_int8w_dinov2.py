@@ -1,0 +1,97 @@
+"""``benchmarks/int8w_dinov2.py``'s pieces on a tiny DINOv2 replica (float64, LayerNorm γ/β and LayerScale λ
+randomised): the ``writer-ops`` variant and the compat hybrids compute the original's function, and the
+simulated per-row int8 grids round each row on its own. No real checkpoint, no engine, no network."""
+
+from __future__ import annotations
+
+import copy
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+tf = pytest.importorskip("transformers")
+
+import int8w_dinov2 as bench  # noqa: E402
+
+import normswap  # noqa: E402
+
+
+def _tiny_dino() -> torch.nn.Module:
+    torch.manual_seed(0)
+    cfg = tf.Dinov2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, mlp_ratio=2, patch_size=7,
+                          image_size=28, layer_norm_eps=1e-6)
+    model = tf.Dinov2Model(cfg).eval().double()
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("lambda1"):  # LayerScale over three decades, as DINOv2's
+                p.copy_(10 ** (torch.rand(p.shape, generator=gen, dtype=p.dtype) * 3 - 2))
+            elif "norm" in name and name.endswith("weight"):
+                p.copy_(0.5 + torch.rand(p.shape, generator=gen, dtype=p.dtype))
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.3)
+    return model
+
+
+def _tokens(model: torch.nn.Module, px: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(pixel_values=px).last_hidden_state
+
+
+def test_writer_ops_is_exact_and_keeps_the_original_writers() -> None:
+    """The original's writer rows behind a centering op: the same outputs as the original in float64, and every
+    writer weight bit-identical to the original's (what a per-row quantizer then rounds); the native conversion
+    it starts from has other rows (so the check is not vacuous)."""
+    model = _tiny_dino()
+    px = torch.randn(3, 3, 28, 28, dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ops = bench.writer_ops(model)
+        native = copy.deepcopy(model)
+        normswap.patch(native, beta_placement="keep")
+    torch.testing.assert_close(_tokens(ops, px), _tokens(model, px), rtol=1e-9, atol=1e-9)
+    for mine, theirs, conv in zip(ops.encoder.layer, model.encoder.layer, native.encoder.layer, strict=True):
+        assert torch.equal(mine.attention.o_proj.weight, theirs.attention.o_proj.weight)
+        assert torch.equal(mine.mlp.fc2.weight, theirs.mlp.fc2.weight)
+        assert not torch.equal(conv.mlp.fc2.weight, theirs.mlp.fc2.weight)
+
+
+def test_hybrid_takes_one_group_and_stays_exact(tmp_path: Path) -> None:
+    """A hybrid carries compat's tensors of its group only and computes the original's function."""
+    model = _tiny_dino()
+    px = torch.randn(2, 3, 28, 28, dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        conv = copy.deepcopy(model)
+        normswap.patch(conv, beta_placement="keep")
+        normswap.save(conv, tmp_path / "compat", format="compat")
+        compat = tf.Dinov2Model.from_pretrained(tmp_path / "compat", torch_dtype=torch.float64).eval()
+    hyb = bench.hybrid(model, compat, bench.HYBRIDS["attn"])
+    torch.testing.assert_close(_tokens(hyb, px), _tokens(model, px), rtol=1e-9, atol=1e-9)
+    for mine, theirs, src in zip(hyb.encoder.layer, model.encoder.layer, compat.encoder.layer, strict=True):
+        assert torch.equal(mine.attention.o_proj.weight, src.attention.o_proj.weight)
+        assert not torch.equal(mine.attention.o_proj.weight, theirs.attention.o_proj.weight)
+        assert torch.equal(mine.mlp.fc2.weight, theirs.mlp.fc2.weight)
+
+
+@pytest.mark.parametrize("symmetric", [False, True], ids=["nncf-asym", "llm-int8-sym"])
+def test_fake_rows_rounds_each_row_on_its_own_grid(symmetric: bool) -> None:
+    """Per row: at most half a step off, at most 256 (asymmetric) / 255 (symmetric) levels, and a row scaled by a
+    power of two rounds to the same values scaled (the grid follows the row, as a per-row scale does)."""
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(6, 50, generator=gen, dtype=torch.float64) * torch.logspace(-3, 1, 6, dtype=torch.float64)[:, None]
+    q = bench.fake_rows(w, symmetric)
+    span = w.abs().amax(1) * 2 / 254 if symmetric else (w.amax(1) - w.amin(1)) / 255
+    assert ((q - w).abs() <= span[:, None] / 2 + 1e-12).all()
+    for row in q:
+        assert row.unique().numel() <= 256
+    scaled = w.clone()
+    scaled[2] *= 8
+    torch.testing.assert_close(bench.fake_rows(scaled, symmetric)[2], q[2] * 8)
+    half = bench.fake_rows(w.float(), False, half=True)
+    assert half.dtype == torch.float32 and not torch.equal(half, bench.fake_rows(w.float(), False))
