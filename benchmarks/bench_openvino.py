@@ -324,25 +324,51 @@ def variant_model(name: str, original: torch.nn.Module, model_dir: Path, workdir
     return tf.AutoModel.from_pretrained(out).float().eval(), f"{report.plan.summary()}; compat checkpoint loaded back"
 
 
-def nncf_quantize(ov_model, how: str, calib: list[dict]):
-    """``how``'s NNCF quantization of an OpenVINO model (a new model; the input is left as is)."""
+def nncf_quantize(ov_model, how: str, calib: list[dict], ignored: list[str] | None = None):
+    """``how``'s NNCF quantization of an OpenVINO model (a new model; the input is left as is); ``ignored``: names
+    of ops NNCF leaves in float (its ``IgnoredScope``: a rotation's own MatMuls, :func:`rotation_ops`)."""
     import nncf
 
     if how == "fp32":
         return ov_model
+    scope = {"ignored_scope": nncf.IgnoredScope(names=list(ignored))} if ignored else {}
     if how == "static":
         feeds = [{k: v.numpy() for k, v in b.items()} for b in calib]
         return nncf.quantize(ov_model.clone(), nncf.Dataset(feeds), model_type=nncf.ModelType.TRANSFORMER,
-                             subset_size=len(feeds))
+                             subset_size=len(feeds), **scope)
     if how == "w8":
-        return nncf.compress_weights(ov_model.clone())
+        return nncf.compress_weights(ov_model.clone(), **scope)
     mode = nncf.CompressWeightsMode.INT4_SYM if how.startswith("w4s") else nncf.CompressWeightsMode.INT4_ASYM
     # ADJUST: a layer whose input width the group size does not divide gets a smaller power-of-two group
     # (>= 32) or, failing that, NNCF's int8 backup. NNCF's default (ERROR) refuses the converted encoders
     # outright: the mean carry widens each FFN output projection's input by 8 (MiniLM 1536 -> 1544)
     fallback = nncf.AdvancedCompressionParameters(group_size_fallback_mode=nncf.GroupSizeFallbackMode.ADJUST)
     return nncf.compress_weights(ov_model.clone(), mode=mode, group_size=int(how[3:]),
-                                 advanced_parameters=fallback)
+                                 advanced_parameters=fallback, **scope)
+
+
+def rotation_ops(ov_model, matrices: list[torch.Tensor], tol: float = 1e-6) -> list[str]:
+    """Friendly names of ``ov_model``'s MatMuls whose constant input is one of ``matrices`` (a rotation's own
+    op matrices, ``normswap.rotation.onnx_nodes.rotation_matrices``; matched by value, either orientation, as
+    ``float_nodes`` matches ONNX nodes): NNCF's weight compression would round them like a Linear's weight,
+    so they go in its ignored scope."""
+    shapes = {tuple(m.shape) for m in matrices} | {tuple(m.shape[::-1]) for m in matrices}
+    names = []
+    for op in ov_model.get_ops():
+        if op.get_type_name() != "MatMul":
+            continue
+        for port in op.inputs():
+            src = port.get_source_output().get_node()
+            while src.get_type_name() in ("Convert", "Transpose"):  # a constant passed on
+                src = src.input_value(0).get_node()
+            if src.get_type_name() != "Constant" or tuple(src.get_output_shape(0)) not in shapes:
+                continue
+            value = torch.from_numpy(np.array(src.get_data(), dtype=np.float64))
+            if any(value.shape == m.shape and torch.allclose(value, m, atol=tol, rtol=0)
+                   or value.shape == m.T.shape and torch.allclose(value, m.T, atol=tol, rtol=0) for m in matrices):
+                names.append(op.get_friendly_name())
+                break
+    return names
 
 
 def low_bit_constants(ov_model) -> dict[str, int]:

@@ -78,7 +78,9 @@ for by name) is the same static QDQ through ``normswap.integrations.onnx.quantiz
 nodes itself. ``ov-w8``, ``ov-w4s128``, ``ov-w4a128`` (asked for by name; needs ``openvino`` and ``nncf``): the
 same ONNX file through OpenVINO and NNCF's weight compression (``bench_openvino.nncf_quantize``), run in f32;
 ``ov-w8-writers`` / ``ov-w8-readers``: int8 weights on one group of Linears only (the attention output
-projections and ``fc2`` / the q, k, v projections and ``fc1``), the rest in float.
+projections and ``fc2`` / the q, k, v projections and ``fc1``), the rest in float. ``torchao`` (asked for by name; needs
+``torchao``): torchao's int8 dynamic activation + int8 weight scheme on the torch model itself (no ONNX), every
+``nn.Linear`` quantized and everything else (a rotation's online ops included) left in float32.
 
     python benchmarks/bench_quant_engines.py --layers 6 --images 256 --json quant_engines.json
     python benchmarks/bench_quant_engines.py --model DINOV2_DIR --photos SKIMAGE/data --image 224 --images 256 \
@@ -119,6 +121,10 @@ OPENVINO = ("ov-w8", "ov-w4s128", "ov-w4a128", "ov-w8-writers", "ov-w8-readers")
 # DINOv2-shaped model's: o_proj, q_proj, k_proj, v_proj)
 OPENVINO_GROUPS = {"writers": r".*/(o_proj|output/dense|fc2)/MatMul.*",
                    "readers": r".*/(q_proj|k_proj|v_proj|attention/query|attention/key|attention/value|fc1)/MatMul.*"}
+# asked for by name: torchao's Int8DynamicActivationInt8WeightConfig on every nn.Linear of the torch model (int8
+# weights per output channel, int8 activations per token at run time), run in torch eager; not ONNX. A rotation's
+# online ops are not Linears: torchao leaves them in float (needs torchao on the path)
+TORCHAO = ("torchao",)
 # asked for by name: static QDQ through normswap.integrations.onnx.quantize_static (ONNX Runtime's call, the stem
 # op's nodes left in float), the qdq quantizer's settings otherwise
 QDQ_NORMSWAP = ("qdq-normswap",)
@@ -377,21 +383,38 @@ def run_onnx(path: Path, px: torch.Tensor, batch: int = 16) -> tuple[torch.Tenso
     return torch.cat(pooled), torch.cat(tokens)
 
 
-def run_openvino(fp32: Path, how: str, px: torch.Tensor, batch: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+@torch.inference_mode()
+def run_torchao(model: torch.nn.Module, px: torch.Tensor, batch: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    """A copy of ``model`` quantized by torchao's ``Int8DynamicActivationInt8WeightConfig`` (every ``nn.Linear``:
+    int8 weights per output channel, int8 activations per token, ``torch._int_mm``), run in torch eager. Anything
+    that is not an ``nn.Linear`` (the patch convolution, a rotation's online ops) stays float32."""
+    from torchao.quantization import Int8DynamicActivationInt8WeightConfig, quantize_
+
+    q = copy.deepcopy(model)
+    quantize_(q, Int8DynamicActivationInt8WeightConfig())
+    out = [Outputs(q)(px[i:i + batch]) for i in range(0, len(px), batch)]
+    return torch.cat([p for p, _ in out]), torch.cat([t for _, t in out])
+
+
+def run_openvino(fp32: Path, how: str, px: torch.Tensor, batch: int = 16,
+                 matrices: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``fp32`` read by ``openvino.convert_model``, compressed by NNCF (``how``: one of :data:`OPENVINO`) and run
-    by the CPU plugin, one thread, f32 inference precision (the error is the quantization's, not bf16's)."""
+    by the CPU plugin, one thread, f32 inference precision (the error is the quantization's, not bf16's);
+    ``matrices``: a rotation's op matrices (``--float-ops``), whose MatMuls go in NNCF's ignored scope."""
     import nncf
     import openvino as ov
-    from bench_openvino import core, nncf_quantize
+    from bench_openvino import core, nncf_quantize, rotation_ops
 
     nncf.set_log_level(40)
     mode, _, group = how.removeprefix("ov-").partition("-")
     model = ov.convert_model(str(fp32))
+    ops = rotation_ops(model, matrices) if matrices else []
     if group:  # only that group compressed: every other weight (the patch convolution too) ignored
         others = [p for g, p in OPENVINO_GROUPS.items() if g != group] + [r".*/Conv.*"]
-        model = nncf.compress_weights(model, ignored_scope=nncf.IgnoredScope(patterns=others, validate=False))
+        model = nncf.compress_weights(model, ignored_scope=nncf.IgnoredScope(names=ops, patterns=others,
+                                                                            validate=False))
     else:
-        model = nncf_quantize(model, mode, [])
+        model = nncf_quantize(model, mode, [], ops)
     compiled = core().compile_model(model, "CPU", {"INFERENCE_NUM_THREADS": 1, "NUM_STREAMS": 1,
                                                    "INFERENCE_PRECISION_HINT": "f32"})
     pooled, tokens = [], []
@@ -486,7 +509,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--q-files", nargs="+", default=[], metavar="NAME=PATH",
                     help="more rows: the model rotated by the float64 matrix saved at PATH (output restored)")
     ap.add_argument("--quantizers", nargs="+", default=list(QUANTIZERS),
-                    choices=QUANTIZERS + GPTQ + MATMUL_ONLY + OPENVINO + QDQ_NORMSWAP)
+                    choices=QUANTIZERS + GPTQ + MATMUL_ONLY + OPENVINO + QDQ_NORMSWAP + TORCHAO)
     ap.add_argument("--json", type=Path)
     ap.add_argument("--plot", type=Path, help="write a PNG of the error ratios (matplotlib)")
     ap.add_argument("--from-json", type=Path, nargs="+",
@@ -556,20 +579,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             row: dict[str, Any] = {"note": note, "weights": weight_ranges(m), "errors": {}, "per_image": {}}
             fp32 = work / f"{name}.onnx"
             export(m, px, fp32)
-            keep = None
+            keep, matrices = None, None
             if args.float_ops:
-                from normswap.rotation.onnx_nodes import float_nodes
+                from normswap.rotation.onnx_nodes import float_nodes, rotation_matrices
 
                 keep = float_nodes(fp32, m)
+                matrices = rotation_matrices(m)
                 row["float_nodes"] = keep
             stem = onnx_integration.stem_float_nodes(fp32) if args.float_stem else []
             if stem:
                 row["float_stem"] = stem
-            del m
+            if not set(args.quantizers) & set(TORCHAO):
+                del m
             for how in args.quantizers:
-                if how in OPENVINO:
+                if how in TORCHAO:
                     q = fp32
-                    pool, tok = run_openvino(fp32, how, px)
+                    pool, tok = run_torchao(m, px)
+                elif how in OPENVINO:
+                    q = fp32
+                    pool, tok = run_openvino(fp32, how, px, matrices=matrices)
                 else:
                     q = quantize(fp32, how, calib, (keep or []) + (stem if how == "qdq" else []))
                     pool, tok = run_onnx(q, px)
@@ -582,6 +610,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                       flush=True)
             row["seconds"] = time.perf_counter() - t0
             result["rows"][name] = row
+            m = None
     print(table(result, "tok") + "\n\n" + table(result, "cls"))
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))

@@ -1,0 +1,64 @@
+"""The Whisper online-Hadamard speed benchmark's graphs (``benchmarks/whisper_online_speed.py``), no timing.
+
+What can be wrong without anything crashing: a "cached step" that recomputes the cross-attention keys and values
+(timing a different graph than a greedy decoder step runs), or one that reads the cache at the wrong position,
+and an online variant whose step drops the ops.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import torch
+import transformers as tf
+
+from tests import benchmark_modules
+from tests.custom_models import randomise_layer_norms
+
+speed = benchmark_modules.load("whisper_online_speed")
+
+
+def _tiny_whisper() -> torch.nn.Module:
+    config = tf.WhisperConfig(d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                              decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, vocab_size=99,
+                              num_mel_bins=8, max_source_positions=16, max_target_positions=32,
+                              decoder_start_token_id=0, pad_token_id=0, bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    model = tf.WhisperForConditionalGeneration(config).eval()
+    randomise_layer_norms(model, beta_std=0.3)
+    return model.double()
+
+
+def _full_last_logits(model: torch.nn.Module, feats: torch.Tensor, past: int) -> torch.Tensor:
+    ids = torch.randint(0, model.config.vocab_size, (feats.shape[0], past + 1),
+                        generator=torch.Generator().manual_seed(0))  # step_inputs' tokens
+    with torch.no_grad():
+        return model(input_features=feats, decoder_input_ids=ids, use_cache=False).logits[:, -1:]
+
+
+def test_the_cached_step_is_the_uncached_forwards_last_position_and_reads_no_encoder_output():
+    import normswap
+
+    original = _tiny_whisper()
+    online = copy.deepcopy(original)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        normswap.patch(online, beta_placement="keep")
+        normswap.rotate(online, "none", online=True)
+    feats = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    want = _full_last_logits(original, feats, past=5)
+    for model in (original, online):
+        inputs = speed.step_inputs(model, feats, past=5)
+        assert inputs[0].shape == (2, 1) and len(inputs) == 1 + 4 * 2
+        assert inputs[3].shape[2] == 16  # the cross-attention cache holds every encoder position
+        with torch.no_grad():
+            got = speed.Step(model)(*inputs)
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
+    # the step takes the cross-attention keys and values from the cache: other values give other logits
+    inputs = speed.step_inputs(original, feats, past=5)
+    moved = list(inputs)
+    moved[4] = 2 * moved[4]  # the first layer's cross-attention values
+    with torch.no_grad():
+        assert not torch.allclose(speed.Step(original)(*moved), want)
