@@ -34,8 +34,16 @@ from bench_quant_engines import export  # noqa: E402
 ENGINES = ("ort", "eager")
 
 
-def variants(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
-    """``{name: model}``: the original, ``native``, ``online`` and ``online-per-reader`` (see the module doc)."""
+VARIANTS = ("native", "online", "online-per-reader", "online-b32", "online-b64", "online-b128")
+
+
+def online_block(name: str) -> int | None:
+    """The ``online_block`` of a variant name: ``online-b32`` → 32; None for the full Hadamard."""
+    return int(name.rpartition("-b")[2]) if name.startswith("online-b") else None
+
+
+def variants(model: torch.nn.Module, names: tuple[str, ...] = VARIANTS[:3]) -> dict[str, torch.nn.Module]:
+    """``{name: model}``: the original and the variants ``names`` (see the module doc)."""
     import normswap
 
     out = {"original": model}
@@ -43,13 +51,14 @@ def variants(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         normswap.patch(native, beta_placement="keep")
-        out["native"] = native
-        for name in ("online", "online-per-reader"):
+        if "native" in names:
+            out["native"] = native
+        for name in (n for n in names if n.startswith("online")):
             m = copy.deepcopy(native)
             if name == "online-per-reader":  # the layout before one op per norm output: no norm shares its op
                 for sp in normswap.plan_of(m).sites:
                     sp.readers_alone = False
-            rot = normswap.rotate(m, "none", online=True)
+            rot = normswap.rotate(m, "none", online=True, online_block=online_block(name))
             print(f"{name}: {rot.headline()}", flush=True)
             out[name] = m
     return out
@@ -84,11 +93,14 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, list[float]]]:
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--reps", type=int, default=3, help="runs per timing")
     ap.add_argument("--engines", nargs="+", default=list(ENGINES), choices=ENGINES)
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS[:3]), choices=VARIANTS,
+                    help="the variants beside the original (online-bN: rotate(..., online_block=N))")
+    ap.add_argument("--json", type=Path, help="write the per-round ratios here, engine by engine as they finish")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     model = tf.Dinov2Model.from_pretrained(args.model).eval()
     x = torch.randn(args.batch, 3, args.image, args.image)
-    models = variants(model)
+    models = variants(model, tuple(args.variants))
     with torch.no_grad():
         ref = models["original"](pixel_values=x).last_hidden_state
         for name, m in models.items():  # every variant computes the same function
@@ -130,6 +142,11 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, list[float]]]:
             print("| variant | median | range |\n|---|---|---|")
             for name, r in ratios.items():
                 print(f"| {name} | {statistics.median(r):.3f} | {min(r):.3f}-{max(r):.3f} |", flush=True)
+            if args.json:
+                import json
+
+                args.json.write_text(json.dumps({"batch": args.batch, "image": args.image, "rounds": args.rounds,
+                                                 "reps": args.reps, "ratios": results}, indent=1))
     return results
 
 
