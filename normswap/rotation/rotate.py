@@ -426,7 +426,9 @@ class OnlineHadamard:
     them), ``H = H_K ⊗ H_{2^m}``, as two matmuls (:func:`normswap.rotation.hadamard.hadamard_matmuls`: the
     dense Sylvester ``H_{2^m}`` up to order 256, a plain attribute rebuilt from the widths) or, for a larger
     ``2^m``, the fast Walsh–Hadamard butterfly (:func:`normswap.rotation.hadamard.fwht`); stock ops either way,
-    so it exports. The module's weight holds ``(D H/sqrt(n))ᵀ``.
+    so it exports. The module's weight holds ``(D H/sqrt(n))ᵀ``. Where the stored factor is a power of two
+    ``b`` (``rotate(..., online_block=b)``), ``H`` is block-diagonal, ``(I ⊗ H_b)`` scaled by ``b^-½``: one
+    matmul by the factor (:func:`normswap.rotation.hadamard.block_matmul`).
 
     Why the signs: an MLP down projection reads GELU/ReLU outputs, whose per-token mean is a third of their
     rms or more. A plain ``H`` maps that mean onto one coordinate (its first column is all ones), a spike of
