@@ -11,21 +11,11 @@ import torch
 import normswap
 from normswap.errors import NormswapError, UsageError
 from normswap.inputs import hf_example_inputs
-from normswap.pipeline import default_dtype
 from normswap.rotation import hadamard
 from normswap.rotation.rotate import HADAMARD_BUFFER, POW2_ATTR, SIGNS_BUFFER, OnlineHadamard, rotate
 from tests.benchmark_modules import tiny_dinov2
+from tests.rotation.test_rotate_online_only import _relative, _run
 from tests.zoo import EXACT, build
-
-
-def _run(model, probe):
-    with torch.no_grad(), default_dtype(torch.float64):
-        out = model(**probe)
-    return out.logits if hasattr(out, "logits") else out.last_hidden_state
-
-
-def _relative(out, ref):
-    return float((out - ref).abs().max() / ref.abs().max())
 
 
 def _op_matrix(module):
