@@ -60,7 +60,8 @@ CLS embedding (``pooler_output``), averaged over the inputs, and the same over e
 * ``online``: the checkpoint ``normswap convert`` writes (``patch(beta_placement="keep")``: γ, β and LayerScale
   where the default puts them, no stream turned) with ``normswap.rotate(model, "none", online=True,
   seed=--rotate-seed)``: an online Hadamard before every Linear reader of a norm and every MLP down projection,
-  per-head Hadamards on the values. Asked for by name.
+  per-head Hadamards on the values. Asked for by name. ``online-b32``, ``online-b64``, ``online-b128``: the same
+  with block-diagonal ops (``online_block=32/64/128``).
 * ``--q-files NAME=PATH``: rows named ``NAME``, ``patch(fold_gamma=True)`` then ``normswap.rotate(model, Q,
   output="restore")`` with ``Q`` the float64 matrix saved at ``PATH`` (``torch.save``; e.g. the learned rotation
   ``dinov2_learned_rotation.py`` writes as it learns), measured after the ``--variants``.
@@ -133,7 +134,7 @@ VARIANTS = ("original", "compat", "compat-notrade", "compat-retrade", "compat-ke
             "hadamard", "jitter-1", "jitter-2")
 LEARNED = ("learned", "learned-mix")  # minutes each (the learning): asked for by name
 KEPT = ("hadamard-keep",)  # needs calibration crops (--keep, --smooth, --rotate-seed): asked for by name
-ONLINE = ("online",)  # asked for by name
+ONLINE = ("online", "online-b32", "online-b64", "online-b128")  # asked for by name (online-bN: online_block=N)
 WEIGHTS = {"o_proj": "attention.o_proj", "fc2": "mlp.fc2", "q_proj": "attention.q_proj",
            "k_proj": "attention.k_proj", "fc1": "mlp.fc1"}
 
@@ -217,7 +218,9 @@ def variant(model: torch.nn.Module, name: str, workdir: Path,
         if name.startswith("native"):
             return conv, "in memory (normswap.RMSNorm modules)"
         if name in ONLINE:  # no stream turned: an online Hadamard at every Linear input
-            r = normswap.rotate(conv, "none", online=True, seed=learn["rotate_seed"] if learn else 0)
+            block = int(name.rpartition("-b")[2]) if name.startswith("online-b") else None
+            r = normswap.rotate(conv, "none", online=True, seed=learn["rotate_seed"] if learn else 0,
+                                online_block=block)
             return conv, f"{r.headline()}; native, in memory"
         if name == "hadamard":  # the backbone's output is a model output: turned back (native format only)
             seed = learn["rotate_seed"] if learn else 0

@@ -34,8 +34,16 @@ from bench_quant_engines import export  # noqa: E402
 ENGINES = ("ort", "eager")
 
 
-def variants(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
-    """``{name: model}``: the original, ``native``, ``online`` and ``online-per-reader`` (see the module doc)."""
+VARIANTS = ("native", "online", "online-per-reader", "online-b32", "online-b64", "online-b128")
+
+
+def online_block(name: str) -> int | None:
+    """The ``online_block`` of a variant name: ``online-b32`` → 32; None for the full Hadamard."""
+    return int(name.rpartition("-b")[2]) if name.startswith("online-b") else None
+
+
+def variants(model: torch.nn.Module, names: tuple[str, ...] = VARIANTS[:3]) -> dict[str, torch.nn.Module]:
+    """``{name: model}``: the original and the variants ``names`` (see the module doc)."""
     import normswap
 
     out = {"original": model}
@@ -43,13 +51,14 @@ def variants(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         normswap.patch(native, beta_placement="keep")
-        out["native"] = native
-        for name in ("online", "online-per-reader"):
+        if "native" in names:
+            out["native"] = native
+        for name in (n for n in names if n.startswith("online")):
             m = copy.deepcopy(native)
             if name == "online-per-reader":  # the layout before one op per norm output: no norm shares its op
                 for sp in normswap.plan_of(m).sites:
                     sp.readers_alone = False
-            rot = normswap.rotate(m, "none", online=True)
+            rot = normswap.rotate(m, "none", online=True, online_block=online_block(name))
             print(f"{name}: {rot.headline()}", flush=True)
             out[name] = m
     return out
@@ -73,8 +82,7 @@ def abba(run: dict[str, Callable[[], float]], rounds: int) -> dict[str, list[flo
     return ratios
 
 
-def main(argv: list[str] | None = None) -> dict[str, dict[str, list[float]]]:
-    import onnxruntime as ort
+def main(argv: list[str] | None = None) -> dict[str, dict[str, dict[str, list[float]]]]:
     import transformers as tf
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -83,12 +91,33 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, list[float]]]:
     ap.add_argument("--image", type=int, default=112)
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--reps", type=int, default=3, help="runs per timing")
+    ap.add_argument("--stat", choices=("mean", "min"), default="mean",
+                    help="a timing's figure over its --reps runs: their mean, or the fastest (min: robust to other "
+                    "jobs taking the core now and then, on a loaded machine)")
+    ap.add_argument("--shapes", nargs="+", metavar="BxPX",
+                    help="several (batch, image) settings timed one after the other on the same models, e.g. 8x112 "
+                    "1x224 (instead of --batch and --image)")
     ap.add_argument("--engines", nargs="+", default=list(ENGINES), choices=ENGINES)
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS[:3]), choices=VARIANTS,
+                    help="the variants beside the original (online-bN: rotate(..., online_block=N))")
+    ap.add_argument("--json", type=Path, help="write the per-round ratios here, engine by engine as they finish")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     model = tf.Dinov2Model.from_pretrained(args.model).eval()
-    x = torch.randn(args.batch, 3, args.image, args.image)
-    models = variants(model)
+    models = variants(model, tuple(args.variants))
+    shapes = [tuple(int(v) for v in sh.split("x")) for sh in args.shapes] if args.shapes else [(args.batch, args.image)]
+    results: dict = {}
+    for batch, image in shapes:
+        results[f"{batch}x{image}"] = time_shape(models, args, batch, image)
+    return results
+
+
+def time_shape(models: dict[str, torch.nn.Module], args: argparse.Namespace, batch: int,
+               image: int) -> dict[str, dict[str, list[float]]]:
+    """The ABBA rounds of every engine at one (batch, image) setting; printed, and written to ``--json``."""
+    import onnxruntime as ort
+
+    x = torch.randn(batch, 3, image, image)
     with torch.no_grad():
         ref = models["original"](pixel_values=x).last_hidden_state
         for name, m in models.items():  # every variant computes the same function
@@ -97,10 +126,12 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, list[float]]]:
 
     def timer(fn: Callable[[], object]) -> Callable[[], float]:
         def seconds() -> float:
-            t0 = time.perf_counter()
+            runs = []
             for _ in range(args.reps):
+                t0 = time.perf_counter()
                 fn()
-            return (time.perf_counter() - t0) / args.reps
+                runs.append(time.perf_counter() - t0)
+            return min(runs) if args.stat == "min" else sum(runs) / len(runs)
         return seconds
 
     results = {}
@@ -126,10 +157,17 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, list[float]]]:
             for fn in run.values():  # warm-up
                 fn()
             results[engine] = ratios = abba(run, args.rounds)
-            print(f"\n{engine}, batch {args.batch}, {args.image} px, {args.rounds} ABBA rounds, time / original's:")
+            print(f"\n{engine}, batch {batch}, {image} px, {args.rounds} ABBA rounds "
+                  f"({args.stat} of {args.reps} runs), time / original's:")
             print("| variant | median | range |\n|---|---|---|")
             for name, r in ratios.items():
                 print(f"| {name} | {statistics.median(r):.3f} | {min(r):.3f}-{max(r):.3f} |", flush=True)
+            if args.json:
+                import json
+
+                path = args.json if not args.shapes else args.json.with_name(f"{args.json.stem}_{batch}x{image}.json")
+                path.write_text(json.dumps({"batch": batch, "image": image, "rounds": args.rounds, "reps": args.reps,
+                                            "stat": args.stat, "ratios": results}, indent=1))
     return results
 
 

@@ -76,6 +76,17 @@ TASKS = {
 }
 
 
+def check_online_block(block: int | None, online: bool) -> None:
+    """Refuse an ``online_block`` that is not a power of two of at least 2, or one given without ``online=True``."""
+    if block is None:
+        return
+    if isinstance(block, bool) or not isinstance(block, int) or block < 2 or block & (block - 1):
+        raise NormswapError(f"online_block must be a power of two of at least 2 (e.g. 32, 64, 128), not {block!r}")
+    if not online:
+        raise NormswapError("online_block sets the block size of the online Hadamards: pass online=True (patch: "
+                            "online_hadamard=True) too")
+
+
 def choose(kind: str, value: str, choices: tuple[str, ...] | dict[str, Any]) -> str:
     """``value`` if it is one of ``choices``, else a one-line error naming them (and the nearest)."""
     if value in choices:
@@ -191,6 +202,9 @@ class ConvertOptions:
         rotate_output: how a stream whose last norm output is itself a model output (a ViT/DINOv2
             backbone's ``last_hidden_state``) is handled (see :func:`normswap.rotate`'s ``output``).
         online_hadamard: also the online Hadamard rotations (see :func:`normswap.rotate`'s ``online``).
+        online_block: with ``online_hadamard=True``: a power of two ``b`` for block-diagonal online Hadamards
+            ``x·D·(I ⊗ H_b)/sqrt(b)`` on every op whose width is a multiple of ``b`` larger than it (see
+            :func:`normswap.rotate`'s ``online_block``); ``None`` (default): the full Hadamard.
         rotate_smooth: SmoothQuant's α in [0, 1] for a scale migration after the rotation (see
             :func:`normswap.rotate`'s ``smooth``), measured on ``calibration`` (default: the built-in
             batches); ``None`` (default) does not smooth.
@@ -223,6 +237,7 @@ class ConvertOptions:
     rotate_seed: int = 0
     rotate_output: str | None = None
     online_hadamard: bool = False
+    online_block: int | None = None
     rotate_smooth: float | None = None
     rotate_learn: dict | None = None
 
@@ -246,6 +261,7 @@ class ConvertOptions:
                                       or self.rotate_smooth is not None):
             raise NormswapError("option rotate='none' turns no stream, it only adds online Hadamards: pass "
                                 "online_hadamard=True (--online-hadamard), and no rotate_output or rotate_smooth")
+        check_online_block(self.online_block, self.online_hadamard)
         if (self.online_hadamard or self.rotate_output is not None) and self.rotate is None:
             what = "online_hadamard" if self.online_hadamard else "rotate_output"
             raise NormswapError(f"option {what} applies to a rotation: pass rotate='hadamard' (--rotate hadamard) too")

@@ -802,6 +802,10 @@ class _Patching:
 def _start(model: nn.Module, example_inputs: inputs.ExampleInputs, opts: ConvertOptions) -> _Patching:
     """Refuse what cannot be converted, resolve the inputs, and note what the commit must restore."""
     preflight(model)
+    if opts.online_block is not None:  # a block no Linear input could take: refused before the conversion
+        from normswap.rotation.rotate import refuse_unusable_block
+
+        refuse_unusable_block(model, opts.online_block)
     args, kwargs = inputs.resolve(model, example_inputs)
     return _Patching(model, opts, example_inputs, args, kwargs, user_dtype=_dtype_of(model),
                      training={name: m.training for name, m in model.named_modules()},
@@ -1056,6 +1060,7 @@ def _report(st: _Patching, wrapped: str) -> Report:
         from normswap.rotation.rotate import rotate
 
         rotation = rotate(st.model, opts.rotate, seed=opts.rotate_seed, online=opts.online_hadamard,
+                          online_block=opts.online_block,
                           output=opts.rotate_output, smooth=opts.rotate_smooth, **(opts.rotate_learn or {}),
                           calibration=opts.calibration if opts.calibration is not False else None)
         message += f"; {rotation.headline()}"

@@ -117,6 +117,7 @@ _CLI_WORDS = (
     (re.compile(r"\brotate_output=['\"](\w+)['\"]"), r"--rotate-output \1"),
     (re.compile(r"\brotate=['\"](\w+)['\"]"), r"--rotate \1"),
     (re.compile(r"\bonline_hadamard=True\b"), "--online-hadamard"),
+    (re.compile(r"\bonline_block=(\d+)"), r"--online-block \1"),
     (re.compile(r"\brotate_smooth=([\d.]+)"), r"--smooth \1"),
     (re.compile(r"\ballow_new_head=True\b"), "--new-head"),
     (re.compile(r"\btask=['\"]([\w-]+)['\"]"), r"--task \1"),

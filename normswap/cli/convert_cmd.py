@@ -98,6 +98,7 @@ def _check_combination(
     calibration_data: str | None, low_memory: bool | None, task: str | None, new_head: bool,
     rotation: str | None, rotate_seed: int, rotate_output: str | None, online_hadamard: bool,
     smooth: float | None = None, beta_placement: str | None = None, learn: dict | None = None,
+    online_block: int | None = None,
 ) -> None:
     """Options that conflict or depend on one another, and a missing --calibration-data file: a usage
     error (exit 2), answered before torch is imported. The library checks the same combinations for
@@ -106,6 +107,11 @@ def _check_combination(
         what = "--online-hadamard" if online_hadamard else "--rotate-output" if rotate_output else \
             "--smooth" if smooth is not None else "--seed"
         raise UsageError(f"{what} applies to a rotation: pass --rotate hadamard (or random) too")
+    if online_block is not None and not online_hadamard:
+        raise UsageError("--online-block sets the block size of the online Hadamards: pass --online-hadamard (and "
+                         "--rotate none or hadamard) too")
+    if online_block is not None and (online_block < 2 or online_block & (online_block - 1)):
+        raise UsageError(f"--online-block {online_block}: pass a power of two of at least 2 (e.g. 32, 64, 128)")
     if rotation == "none" and not online_hadamard:
         raise UsageError("--rotate none turns no stream, it only adds the online Hadamards: pass --online-hadamard "
                          "too (and --format native)")
@@ -391,6 +397,11 @@ Presets (offline, seeded tiny models with tokenizers/processors):
 @click.option("--online-hadamard", is_flag=True,
               help="With --rotate and --format native: also the online Hadamard rotations (before every MLP down "
               "projection; with --rotate none before every Linear input).")
+@click.option("--online-block", "online_block", type=int, default=None, metavar="N",
+              help="With --online-hadamard: block-diagonal online Hadamards x·D·(I ⊗ H_N)/sqrt(N), N a power of two "
+              "(32, 64, 128), on every op whose width is a multiple of N larger than N (the others stay full): N "
+              "multiply-adds per feature instead of the full transform's, one MatMul when exported; exact. The "
+              "report and the manifest say which widths took it. Default: the full Hadamard.")
 @click.option("--smooth", "smooth", type=click.FloatRange(0.0, 1.0), default=None, metavar="ALPHA",
               help="With --rotate: after the rotation, move a per-channel scale between each norm's weight and "
               "its readers' input columns (SmoothQuant's alpha, e.g. 0.5), measured on --calibration-data "
@@ -431,6 +442,7 @@ def convert(
     rotate_seed: int,
     rotate_output: str | None,
     online_hadamard: bool,
+    online_block: int | None,
     smooth: float | None,
     learn_bits: int | None,
     learn_act_bits: int | None,
@@ -457,7 +469,7 @@ def convert(
              if v is not None}
     _check_combination(mode, fmt, fold_gamma, per_norm_centering, no_bias_slots, calibration_data, low_memory,
                        task, new_head, rotation, rotate_seed, rotate_output, online_hadamard, smooth, beta_placement,
-                       learn)
+                       learn, online_block)
     from normswap.checkpoint.conversion import convert as run
     from normswap.options import ConvertOptions
 
@@ -469,6 +481,7 @@ def convert(
         rotate_seed=rotate_seed,
         rotate_output=rotate_output,
         online_hadamard=online_hadamard,
+        online_block=online_block,
         rotate_smooth=smooth,
         rotate_learn=learn or None,
         untie=not keep_tied,

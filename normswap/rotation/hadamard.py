@@ -317,3 +317,32 @@ def hadamard_matmuls(x: torch.Tensor, small: torch.Tensor, pow2: torch.Tensor, *
         y = torch.matmul(small.to(y.dtype).transpose(0, 1), y)
     return y.reshape(*lead, n) * (scale if scale is not None else n**-0.5)
 
+
+
+def is_block_factor(k: int) -> bool:
+    """Whether an online Hadamard's stored factor of order ``k`` is a block ``H_b`` of a block-diagonal op
+    (``k`` a power of two, at least 2) rather than the small factor ``H_K`` of a full one: :func:`hadamard_order`
+    never returns a power of two above 1 (its ``K`` is 1 or an odd number times 4 or more), so the order alone
+    tells the two apart, in a checkpoint as in memory."""
+    return k >= 2 and k & (k - 1) == 0
+
+
+def block_hadamard(width: int, block: int, dtype: torch.dtype = torch.float64) -> torch.Tensor | None:
+    """``(I_{width/block} ⊗ H_block)/sqrt(block)``: the orthogonal block-diagonal Hadamard matrix a block-diagonal
+    online op applies (:func:`block_matmul`); None where ``block`` is not a power of two dividing ``width``."""
+    if block < 1 or block & (block - 1) or width % block:
+        return None
+    eye = torch.eye(width // block, dtype=torch.float64)
+    return (torch.kron(eye, _sylvester(block).to(torch.float64)) / block**0.5).to(dtype)
+
+
+def block_matmul(x: torch.Tensor, block: torch.Tensor) -> torch.Tensor:
+    """``x @ (I ⊗ H_b)/sqrt(b)`` along the last axis: ``x`` in blocks of ``b`` (``block`` is ``H_b``, the
+    Sylvester matrix, :func:`sylvester`) times ``H_b``, one matmul, then the scale ``b^-½``.
+
+    Why: ``n·b`` multiply-adds per token instead of the full transform's ``n·(2^m + K)``, and one exported
+    ``MatMul`` node; still orthogonal, so still exact. A block-wise weight quantizer whose groups are aligned
+    with the blocks gets each group's inputs evened out as by the full transform."""
+    n, b = x.shape[-1], block.shape[0]
+    y = torch.matmul(x.reshape(*x.shape[:-1], n // b, b), block.to(x.dtype))  # Sylvester's H is symmetric
+    return y.reshape(x.shape) * b**-0.5

@@ -34,10 +34,10 @@ from torch.utils import _pytree as pytree
 
 from normswap.analysis.linears import LinearView, linear_at, linear_module_kind, param_names
 from normswap.analysis.plan import CENTERED_VERDICTS, FLAVOUR_SLOTS, Plan, SitePlan, plan_of
-from normswap.errors import NormswapError
+from normswap.errors import NormswapError, UsageError
 from normswap.nn.call_args import argument_slot
 from normswap.nn.rmsnorm import RMSNorm
-from normswap.options import choose
+from normswap.options import check_online_block, choose
 from normswap.rotation import carry, hadamard
 from normswap.surgery.scales import fold_layer_scale
 
@@ -80,7 +80,7 @@ class Rotation:
     def headline(self) -> str:
         """One line: ``rotated 2 stream(s) (hadamard), 1 left unrotated``."""
         if any(r["kind"] == NONE for r in self.rotated):
-            return f"no stream turned; {_online_only_counts(self.rotated)}" + \
+            return f"no stream turned; {_online_only_counts(self.rotated)}" + _blocks_said(self.rotated) + \
                 (f", {len(self.online_skipped)} left alone" if self.online_skipped else "")
         kinds = "/".join(sorted({r["kind"] for r in self.rotated}))
         line = f"rotated {len(self.rotated)} stream(s)" + (f" ({kinds})" if kinds else "")
@@ -109,7 +109,7 @@ class Rotation:
             out = {"rotated": "; its model output comes out rotated",
                    "restore": "; its model output is turned back"}.get(r.get("output", ""), "")
             if r.get("online"):
-                out += f"; online Hadamard before {len(r['online'])} down projection(s)"
+                out += f"; online Hadamard before {len(r['online'])} down projection(s)" + _blocks_said([r])
             if r.get("value_heads"):
                 out += f"; per-head Hadamard (size {r['head_dim']}) on {len(r['value_heads'])} attention(s)' values"
             lines.append(f"rotated stream of width {r['width']} by {what}: {len(r['norms'])} norm(s), "
@@ -123,6 +123,13 @@ class Rotation:
             lines.append(self.smoothing.headline())
             lines += [f"not smoothed: `{n}`: {why}" for n, why in self.smoothing.skipped.items()]
         return "\n".join(lines) or "no stream to rotate"
+
+
+def _blocks_said(rotated: list[dict]) -> str:
+    """``, block-diagonal (blocks of 32) at widths 384, 1536`` where ``online_block`` applied, else ``""``."""
+    said = [f"blocks of {r['online_block']} at width(s) {', '.join(str(w) for w in r['online_block_widths'])}"
+            for r in rotated if r.get("online_block_widths")]
+    return f", block-diagonal ({'; '.join(said)})" if said else ""
 
 
 def _online_only_counts(rotated: list[dict]) -> str:
@@ -419,7 +426,9 @@ class OnlineHadamard:
     them), ``H = H_K ⊗ H_{2^m}``, as two matmuls (:func:`normswap.rotation.hadamard.hadamard_matmuls`: the
     dense Sylvester ``H_{2^m}`` up to order 256, a plain attribute rebuilt from the widths) or, for a larger
     ``2^m``, the fast Walsh–Hadamard butterfly (:func:`normswap.rotation.hadamard.fwht`); stock ops either way,
-    so it exports. The module's weight holds ``(D H/sqrt(n))ᵀ``.
+    so it exports. The module's weight holds ``(D H/sqrt(n))ᵀ``. Where the stored factor is a power of two
+    ``b`` (``rotate(..., online_block=b)``), ``H`` is block-diagonal, ``(I ⊗ H_b)`` scaled by ``b^-½``: one
+    matmul by the factor (:func:`normswap.rotation.hadamard.block_matmul`).
 
     Why the signs: an MLP down projection reads GELU/ReLU outputs, whose per-token mean is a third of their
     rms or more. A plain ``H`` maps that mean onto one coordinate (its first column is all ones), a spike of
@@ -438,6 +447,8 @@ class OnlineHadamard:
         if signs is not None:
             x = x * signs.to(x.dtype)
         small, pow2 = getattr(module, HADAMARD_BUFFER), getattr(module, POW2_ATTR, None)
+        if hadamard.is_block_factor(small.shape[0]):  # block-diagonal: the stored factor is H_b, one matmul
+            return hadamard.block_matmul(x, small)
         if pow2 is not None:  # two matmuls: two exported nodes instead of a butterfly's dozens
             return hadamard.hadamard_matmuls(x, small, self.pow2_like(pow2, x))
         return hadamard.fwht(x, small)
@@ -483,7 +494,8 @@ def _install_online(module: nn.Module, small: torch.Tensor, signs: torch.Tensor 
     signs, as before)."""
     n = width if width is not None else module.weight.shape[_reader_axis(module)]
     m = n // small.shape[0]
-    setattr(module, POW2_ATTR, hadamard.sylvester(m) if m <= hadamard.POW2_DENSE_MAX else None)
+    full = not hadamard.is_block_factor(small.shape[0])  # a block op's factor is H_b itself: nothing else to build
+    setattr(module, POW2_ATTR, hadamard.sylvester(m) if full and m <= hadamard.POW2_DENSE_MAX else None)
     if getattr(module, "_normswap_online", None) is not None:
         setattr(module, HADAMARD_BUFFER, small)
         if signs is not None:
@@ -606,15 +618,20 @@ def install_ops(model: nn.Module, plan: Plan) -> None:
         for op in r.get("ops", []):
             module = model.get_submodule(op["module"])
             _install_rotation_op(module, op, torch.empty(width, width, **_like(module, model)))
+        blocked = {int(w) for w in r.get("online_block_widths", [])}  # since round 50: block-diagonal ops
+
+        def order(n: int, r: dict = r, blocked: set[int] = blocked) -> int:
+            return int(r["online_block"]) if n in blocked else hadamard.hadamard_order(n)
+
         for path in r.get("online", []):
             module = model.get_submodule(path)
             n = module.weight.shape[_reader_axis(module)]
-            k = hadamard.hadamard_order(n)
+            k = order(n)
             signs = torch.empty(n, **_like(module, model)) if r.get("online_signs") else None  # since 2026-11-29
             _install_online(module, torch.empty(k, k, **_like(module, model)), signs)
         for shared in r.get("online_outputs", []):  # since 2026-11-30: one op after a norm for all its readers
             module, n = model.get_submodule(shared["norm"]), int(shared["width"])
-            k = hadamard.hadamard_order(n)
+            k = order(n)
             _install_online(module, torch.empty(k, k, **_like(module, model)), torch.empty(n, **_like(module, model)),
                             width=n)
 
@@ -653,7 +670,7 @@ def rotate(model: nn.Module, q: str | int | torch.Tensor = "hadamard", *, seed: 
            calibration: Any = None, bits: int = 4, act_bits: int | None = None, group_size: int | None = None,
            steps: int = 100, lr: float = 1e-3, grid: str = "symmetric", scales: bool = False,
            heads: bool = False, logit_top_k: int | None = None,
-           progress: Callable[[Any], None] | None = None) -> Rotation:
+           progress: Callable[[Any], None] | None = None, online_block: int | None = None) -> Rotation:
     """Multiply every rotation-ready residual stream of a converted model by an orthogonal matrix.
 
     Args:
@@ -739,6 +756,14 @@ def rotate(model: nn.Module, q: str | int | torch.Tensor = "hadamard", *, seed: 
             fixed sample of 2,048 of them); the head and the input embedding turned (the head rounded) on those
             rows alone. Makes a step affordable where the head dominates it (Whisper: 51,865 × 384); None
             (default): the whole vocabulary.
+        online_block: with ``online=True``: a power of two ``b`` (e.g. 32, 64, 128) for block-diagonal online
+            Hadamards, ``x·D·(I ⊗ H_b)/sqrt(b)`` (one ``b × b`` matmul per block, ``n·b`` multiply-adds per token
+            instead of the full transform's ``n·(2^m + K)``, one exported ``MatMul``), on every op whose width
+            ``n`` is a multiple of ``b`` larger than ``b``; ops of other widths keep the full Hadamard. Still
+            orthogonal, so still exact; each block of ``b`` inputs is evened out within itself only, which is what
+            a block-wise 4-bit weight quantizer with groups of ``b`` (or a divisor of ``b``) aligned with the blocks
+            needs, less than what a per-tensor activation scale needs. The result and the manifest record the
+            widths it applied to (``online_block_widths``). None (default): the full Hadamard everywhere.
         progress: with ``q="learned"``: called with a :class:`normswap.rotation.learn.Progress` once the starts
             are scored and at every tenth of the run; its ``best`` holds each stream's best matrix so far
             (``{first norm: Q₀ R}``, float64), so a long run can report and save them as it goes (a matrix saved
@@ -764,6 +789,7 @@ def rotate(model: nn.Module, q: str | int | torch.Tensor = "hadamard", *, seed: 
                             "online=True)); a stream turned now would meet them in the wrong order: rotate the "
                             "converted model before adding them, or convert the original again")
     choice = MatrixChoice.of(q, seed)
+    check_online_block(online_block, online)
     batches = None
     settings = None
     if choice.kind == LEARNED:
@@ -783,7 +809,7 @@ def rotate(model: nn.Module, q: str | int | torch.Tensor = "hadamard", *, seed: 
         if (output, smooth, calibration) != (None, None, None):
             raise NormswapError("q='none' takes online=True and seed only: output, smooth and calibration apply to "
                                 "a turned stream")
-        result = _online_only(model, plan, seed)
+        result = _online_only(model, plan, seed, online_block)
         carry.record(model)  # so that a module swap can be undone (carry_online_ops) or is refused
         return result
     if smooth is not None or settings is not None:  # checked and resolved before anything turns
@@ -796,13 +822,18 @@ def rotate(model: nn.Module, q: str | int | torch.Tensor = "hadamard", *, seed: 
         choose("output", output, ("rotated", "restore"))
     result = Rotation()
     if settings is not None:
-        choice.learned, result.learned = _learn_matrices(model, seed, online, output, settings, batches, progress)
+        choice.learned, result.learned = _learn_matrices(model, seed, online, output, settings, batches, progress,
+                                                         online_block)
     todo = _choose_streams(model, plan, choice, output, result)
     axes = _axes(plan)  # the output-feature axis of every writer tensor
     turns = _stream_turns(model, axes, todo, output, result)
+    if online_block is not None:  # refused before anything turns where no online op would take the block
+        widths = {_linear_width(model, p) for t in turns
+                  for p in _online_targets(model, sorted(t.writers.values()), t.q.shape[0])[0]}
+        _refuse_unused_block(online_block, widths)
     _fold_kept_layer_scales(model, plan, {w for turn in turns for w in turn.writers.values()})
     for turn in turns:
-        result.rotated.append(_turn_stream(model, axes, turn, output, online, result))
+        result.rotated.append(_turn_stream(model, axes, turn, output, online, result, online_block))
     if online and result.rotated and not any(r.get("value_heads") for r in plan.rotations):
         # per-head Hadamards on values and outputs: offline folds, no op (once: a second H̃ would undo nothing)
         heads, hd, why = _rotate_heads_(model)
@@ -824,7 +855,25 @@ def rotate(model: nn.Module, q: str | int | torch.Tensor = "hadamard", *, seed: 
     return result
 
 
-def _online_only(model: nn.Module, plan: Plan, seed: int) -> Rotation:
+def _refuse_unused_block(block: int, widths: set[int], what: str = "online Hadamard's") -> None:
+    """Refuse a block no online op can use (every op's width is not a multiple of it, or not larger): a usage
+    error (the CLI's exit code 2)."""
+    if not any(block_of(w, block) for w in widths):
+        have = ", ".join(str(w) for w in sorted(widths)) or "none"
+        raise UsageError(f"online_block={block}: no {what} width is a multiple of {block} larger than it (the "
+                         f"widths: {have}); pass a smaller power of two, or leave it out")
+
+
+def refuse_unusable_block(model: nn.Module, block: int) -> None:
+    """Before a conversion that will add online Hadamards with ``online_block=block``: refuse the block where no
+    Linear input of ``model`` could take it (the ops sit at Linear inputs, so their widths are among these),
+    before anything is converted. :func:`rotate` checks the ops' own widths again."""
+    widths = {int(m.weight.shape[_reader_axis(m)]) for m in model.modules()
+              if isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D"}
+    _refuse_unused_block(block, widths, "Linear input's")
+
+
+def _online_only(model: nn.Module, plan: Plan, seed: int, online_block: int | None = None) -> Rotation:
     """``rotate(model, "none", online=True)``: no stream turned; an online Hadamard before every Linear reader
     of the converted norms and every MLP down projection (:func:`_add_online_hadamard`, the op and weight
     ``online=True`` puts on down projections), and per-head Hadamards on the values (:func:`_rotate_heads_`).
@@ -872,10 +921,13 @@ def _online_only(model: nn.Module, plan: Plan, seed: int) -> Rotation:
         paths += [p for p in down if p not in paths]
         result.online_skipped += why
     paths = sorted(paths)
+    widths_used = {_linear_width(model, p) for p in paths} | {op["width"] for op in shared}
+    if online_block is not None:  # refused before any op is added
+        _refuse_unused_block(online_block, widths_used)
     for i, path in enumerate(paths):
-        _add_online_hadamard(model, path, seed=seed + 7919 * (i + 1))
+        _add_online_hadamard(model, path, seed=seed + 7919 * (i + 1), block=online_block)
     for j, op in enumerate(shared):
-        _add_output_hadamard(model, op, seed=seed + 7919 * (len(paths) + j + 1))
+        _add_output_hadamard(model, op, seed=seed + 7919 * (len(paths) + j + 1), block=online_block)
     heads, hd, why = _rotate_heads_(model) if paths or shared else ([], None, "")
     if why:
         result.online_skipped.append(f"per-head Hadamard on values: {why}")
@@ -883,6 +935,7 @@ def _online_only(model: nn.Module, plan: Plan, seed: int) -> Rotation:
         entry = {"width": max(widths), "norms": norms, "writers": [], "readers": [], "kind": NONE, "seed": seed,
                  "construction": "", "fallback": "", "mean_preserving": True, "output": "", "outputs": [],
                  "restore": [], "ops": [], "online": paths, "online_signs": True, "online_outputs": shared,
+                 **_block_record(online_block, sorted(w for w in widths_used if block_of(w, online_block))),
                  "value_heads": heads, "head_dim": hd, "q": torch.eye(max(widths), dtype=torch.float64)}
         result.rotated.append(entry)
         plan.rotations = plan.rotations + [manifest_entry(entry)]
@@ -900,7 +953,7 @@ def _one_op_fits(sp: SitePlan, readers: list[str], norm: nn.Module | None) -> bo
 
 
 def _learn_matrices(model: nn.Module, seed: int, online: bool, output: str | None, settings: Any,
-                    batches: list, progress: Callable[[Any], None] | None = None
+                    batches: list, progress: Callable[[Any], None] | None = None, online_block: int | None = None
                     ) -> tuple[dict[str, torch.Tensor], Any]:
     """``({first norm: Q₀ R}, what the learning did)`` for the streams ``rotate(model, "hadamard", seed=seed,
     online=online, output=output)`` would turn: that rotation is applied to a copy of the model (ops, online
@@ -911,7 +964,7 @@ def _learn_matrices(model: nn.Module, seed: int, online: bool, output: str | Non
     from normswap.rotation import learn
 
     work = copy.deepcopy(model)
-    start = rotate(work, "hadamard", seed=seed, online=online, output=output)
+    start = rotate(work, "hadamard", seed=seed, online=online, output=output, online_block=online_block)
     axes = _axes(_converted_plan(work))
     names: dict[int, str] = {}
     for name, p in work.named_parameters(remove_duplicate=False):
@@ -1160,7 +1213,7 @@ def unturned_norms(model: nn.Module, plan: Plan, output: str | None = None) -> d
 
 
 def _turn_stream(model: nn.Module, axes: dict[str, int], turn: StreamTurn, output: str | None, online: bool,
-                 result: Rotation) -> dict:
+                 result: Rotation, online_block: int | None = None) -> dict:
     """Rotate one stream's writers, kept biases and readers, install its ops; returns its entry."""
     rot = turn.q
     writers = sorted(turn.writers.values())  # a tied parameter is rotated once
@@ -1189,38 +1242,69 @@ def _turn_stream(model: nn.Module, axes: dict[str, int], turn: StreamTurn, outpu
         online_paths, skipped_online = _online_targets(model, writers, rot.shape[0])
         result.online_skipped += skipped_online
         for i, path in enumerate(online_paths):
-            _add_online_hadamard(model, path, seed=(turn.info.get("seed") or 0) + 7919 * (i + 1))
+            _add_online_hadamard(model, path, seed=(turn.info.get("seed") or 0) + 7919 * (i + 1), block=online_block)
     outputs = sorted({o for sp in turn.group for o in sp.rotation_outputs})
+    blocked = sorted({w for w in (_linear_width(model, p) for p in online_paths) if block_of(w, online_block)})
     return {"width": rot.shape[0], "norms": [sp.name for sp in turn.group], "writers": writers,
             "readers": turn.readers, **turn.info, "output": (output or "") if outputs else "", "outputs": outputs,
             "restore": sorted(turn.restored), "ops": turn.ops, "online": online_paths,
-            "online_signs": bool(online_paths), "q": rot}
+            "online_signs": bool(online_paths), **_block_record(online_block, blocked), "q": rot}
 
 
-def _add_online_hadamard(model: nn.Module, path: str, seed: int) -> None:
+def block_of(width: int, block: int | None) -> int | None:
+    """The block size an online op of ``width`` features takes under ``online_block=block``: ``block`` where it
+    divides ``width`` and is smaller (a block as wide as the op is the full transform), else None (the full
+    Hadamard ``D·H/sqrt(n)``)."""
+    return block if block and width % block == 0 and width > block else None
+
+
+def _block_record(block: int | None, widths: list[int]) -> dict:
+    """The manifest fields of a block-diagonal layout: ``online_block`` and the op widths it applied to (the
+    ops of other widths are full), so a loader rebuilds each op's factor with the right order. Nothing
+    without a block (older checkpoints have neither field and load as full ops)."""
+    return {"online_block": block, "online_block_widths": widths} if block and widths else {}
+
+
+def _linear_width(model: nn.Module, path: str) -> int:
+    module = model.get_submodule(path)
+    return int(module.weight.shape[_reader_axis(module)])
+
+
+def _online_factors(n: int, seed: int, block: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(D·M, stored factor, signs)`` of one online op over ``n`` features: ``M = H/sqrt(n)`` with the
+    stored factor ``H_K`` (full), or, with ``block`` (:func:`block_of`), ``M = (I ⊗ H_b)/sqrt(b)`` with the
+    stored factor ``H_b``; ``D`` the random signs from ``seed``. The weight takes ``W·D·M``."""
+    signs = hadamard.random_signs(n, seed)
+    b = block_of(n, block)
+    if b is None:
+        return signs.unsqueeze(1) * hadamard.hadamard(n) / n**0.5, hadamard.small_factor(n), signs
+    return signs.unsqueeze(1) * hadamard.block_hadamard(n, b), hadamard.sylvester(b), signs
+
+
+def _add_online_hadamard(model: nn.Module, path: str, seed: int, block: int | None = None) -> None:
     """QuaRot's online Hadamard before the down projection at ``path``, with random signs ``D`` (from ``seed``;
-    :class:`OnlineHadamard` says why): ``W ← W D H̃`` and the op ``x D H̃``."""
+    :class:`OnlineHadamard` says why): ``W ← W D H̃`` and the op ``x D H̃`` (``H̃`` block-diagonal with blocks of
+    ``block`` where :func:`block_of` says so)."""
     module = model.get_submodule(path)
     n = module.weight.shape[_reader_axis(module)]
-    signs = hadamard.random_signs(n, seed)
-    turn = signs.unsqueeze(1) * hadamard.hadamard(n) / n**0.5  # D H̃
+    turn, factor, signs = _online_factors(n, seed, block)  # D H̃
     _rotate_axis_(module.weight, _reader_axis(module), turn.to(module.weight.device))  # W ← W D H̃
     like = _like(module, model)
-    _install_online(module, hadamard.small_factor(n).to(**like), signs.to(**like))
+    _install_online(module, factor.to(**like), signs.to(**like))
 
 
-def _add_output_hadamard(model: nn.Module, op: dict, seed: int) -> None:
+def _add_output_hadamard(model: nn.Module, op: dict, seed: int, block: int | None = None) -> None:
     """One online Hadamard after the norm ``op["norm"]`` for all its readers ``op["readers"]``: the op
-    ``y D H̃`` on the norm's output and ``W ← W D H̃`` in each reader (random signs ``D`` from ``seed``)."""
+    ``y D H̃`` on the norm's output and ``W ← W D H̃`` in each reader (random signs ``D`` from ``seed``; ``H̃``
+    block-diagonal as in :func:`_add_online_hadamard`)."""
     n = op["width"]
-    signs = hadamard.random_signs(n, seed)
-    turn = signs.unsqueeze(1) * hadamard.hadamard(n) / n**0.5  # D H̃
+    turn, factor, signs = _online_factors(n, seed, block)  # D H̃
     for path in op["readers"]:
         module = model.get_submodule(path)
         _rotate_axis_(module.weight, _reader_axis(module), turn.to(module.weight.device))
     norm = model.get_submodule(op["norm"])
     like = _like(norm, model)
-    _install_online(norm, hadamard.small_factor(n).to(**like), signs.to(**like), width=n)
+    _install_online(norm, factor.to(**like), signs.to(**like), width=n)
 
 
 def manifest_entry(stream: dict) -> dict:
