@@ -104,6 +104,23 @@ def test_a_swap_drops_the_ops_the_next_call_refuses_and_carrying_them_back_is_ex
     assert carry.carry_online_ops(model) == []  # nothing left to carry: harmless twice
 
 
+def test_block_diagonal_ops_are_carried_with_their_block_factor():
+    """``online_block`` ops (round 50) store ``H_b`` itself as the factor: the carry must keep that layout."""
+    model = tiny_dinov2(seed=3)
+    probe = hf_example_inputs(model, seed=5)
+    ref = _run(model, probe)
+    normswap.patch(model, beta_placement="keep")
+    rotate(model, "none", online=True, seed=4, online_block=4)
+    fc2 = model.encoder.layer[0].mlp.fc2
+    assert getattr(fc2, HADAMARD_BUFFER).shape == (4, 4)
+    swap_linears(model)
+    assert _relative(_run(model, probe, hooks=False), ref) > 1e-3
+    carry.carry_online_ops(model)
+    assert isinstance(model.encoder.layer[0].mlp.fc2, StandInLinear)
+    assert getattr(model.encoder.layer[0].mlp.fc2, HADAMARD_BUFFER).shape == (4, 4)
+    assert _relative(_run(model, probe), ref) <= 1e-9
+
+
 def test_a_model_nobody_swapped_has_no_check_on_its_calls():
     model, probe, ref = _online_model()
     _run(model, probe)
