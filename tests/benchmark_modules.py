@@ -42,3 +42,20 @@ def tiny_dinov2(seed: int = 0, heads: int = 2) -> torch.nn.Module:
             elif "lambda" in name:
                 p.copy_(torch.exp(torch.randn(p.shape, generator=g, dtype=p.dtype) - 2))
     return model
+
+
+def tiny_whisper() -> torch.nn.Module:
+    """A 2 + 2-layer Whisper (width 64, 4 heads of 16: ``out_proj`` has two blocks of 32; FFN 128), eval mode,
+    float32, LayerNorm γ/β randomised (β std 0.3): the replica the Whisper benchmarks' pieces are tested on."""
+    import transformers as tf
+
+    from tests.custom_models import randomise_layer_norms
+
+    config = tf.WhisperConfig(d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                              decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, vocab_size=99,
+                              num_mel_bins=8, max_source_positions=16, max_target_positions=32,
+                              decoder_start_token_id=0, pad_token_id=0, bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    model = tf.WhisperForConditionalGeneration(config).eval()
+    randomise_layer_norms(model, beta_std=0.3)
+    return model

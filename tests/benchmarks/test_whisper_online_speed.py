@@ -11,23 +11,10 @@ import copy
 import warnings
 
 import torch
-import transformers as tf
 
 from tests import benchmark_modules
-from tests.custom_models import randomise_layer_norms
 
 speed = benchmark_modules.load("whisper_online_speed")
-
-
-def _tiny_whisper() -> torch.nn.Module:
-    config = tf.WhisperConfig(d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
-                              decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, vocab_size=99,
-                              num_mel_bins=8, max_source_positions=16, max_target_positions=32,
-                              decoder_start_token_id=0, pad_token_id=0, bos_token_id=0, eos_token_id=0)
-    torch.manual_seed(0)
-    model = tf.WhisperForConditionalGeneration(config).eval()
-    randomise_layer_norms(model, beta_std=0.3)
-    return model.double()
 
 
 def _full_last_logits(model: torch.nn.Module, feats: torch.Tensor, past: int) -> torch.Tensor:
@@ -40,7 +27,7 @@ def _full_last_logits(model: torch.nn.Module, feats: torch.Tensor, past: int) ->
 def test_the_cached_step_is_the_uncached_forwards_last_position_and_reads_no_encoder_output():
     import normswap
 
-    original = _tiny_whisper()
+    original = benchmark_modules.tiny_whisper().double()
     online = copy.deepcopy(original)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

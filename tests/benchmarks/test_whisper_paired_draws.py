@@ -20,22 +20,9 @@ import torch
 import transformers as tf
 
 from tests import benchmark_modules
-from tests.custom_models import randomise_layer_norms
 
 draws = benchmark_modules.load("whisper_paired_draws")
 groups = benchmark_modules.load("whisper_nbits_groups")
-
-
-def _tiny_whisper() -> torch.nn.Module:
-    """2 + 2 layers, width 64 (4 heads of 16: ``out_proj`` has two blocks of 32), FFN 128, LayerNorm γ/β random."""
-    config = tf.WhisperConfig(d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
-                              decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, vocab_size=99,
-                              num_mel_bins=8, max_source_positions=16, max_target_positions=32,
-                              decoder_start_token_id=0, pad_token_id=0, bos_token_id=0, eos_token_id=0)
-    torch.manual_seed(0)
-    model = tf.WhisperForConditionalGeneration(config).eval()
-    randomise_layer_norms(model, beta_std=0.3)
-    return model
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +30,7 @@ def models(tmp_path_factory) -> tuple[torch.nn.Module, torch.nn.Module, dict]:
     import normswap
 
     root = tmp_path_factory.mktemp("whisper_draws")
-    _tiny_whisper().double().save_pretrained(root / "orig")  # float64 on disk: "auto" keeps it
+    benchmark_modules.tiny_whisper().double().save_pretrained(root / "orig")  # float64 on disk: "auto" keeps it
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         normswap.convert(root / "orig", root / "compat", format="compat", dtype="auto")
