@@ -169,6 +169,9 @@ class Outputs(torch.nn.Module):
     def __init__(self, model: torch.nn.Module) -> None:
         super().__init__()
         self.model = model
+        # in the wrapped model's mode: torch.onnx.export restores the wrapper's mode after exporting, recursively,
+        # so a wrapper left in training mode (a new module's default) would put an eval model in training mode
+        self.train(model.training)
 
     def forward(self, pixel_values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         out = self.model(pixel_values=pixel_values)

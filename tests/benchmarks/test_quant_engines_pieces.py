@@ -131,3 +131,13 @@ def test_online_variant_and_a_saved_matrix_are_exact_and_what_they_say(tmp_path)
     normswap.rotate(direct, q, output="restore")
     assert all(torch.equal(a, b) for a, b in zip(turned.state_dict().values(), direct.state_dict().values(),
                                                   strict=True))
+
+
+def test_export_leaves_an_eval_model_in_eval_mode(tmp_path):
+    """torch.onnx.export restores its wrapper's mode recursively after exporting: a wrapper left in training mode
+    put every module of the exported eval model in training mode, so eager timings after an export ran another
+    graph (dropout and any train-only path) than the one exported."""
+    model = benchmark_modules.tiny_dinov2(seed=1).float()
+    engines.export(model, torch.randn(2, 3, 56, 56), tmp_path / "m.onnx")
+    assert (tmp_path / "m.onnx").exists()
+    assert not any(m.training for m in model.modules())
