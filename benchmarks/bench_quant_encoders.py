@@ -92,6 +92,7 @@ class Body(torch.nn.Module):
     def __init__(self, model: torch.nn.Module, names: list[str]) -> None:
         super().__init__()
         self.model, self.names = model, names
+        self.train(model.training)  # torch.onnx.export restores the wrapper's mode recursively
 
     def forward(self, *tensors: torch.Tensor) -> torch.Tensor:
         return self.model(**dict(zip(self.names, tensors, strict=True))).last_hidden_state

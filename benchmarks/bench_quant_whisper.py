@@ -173,6 +173,7 @@ class TeacherForced(torch.nn.Module):
     def __init__(self, model: torch.nn.Module) -> None:
         super().__init__()
         self.model = model
+        self.train(model.training)  # torch.onnx.export restores the wrapper's mode recursively
 
     def forward(self, input_features: torch.Tensor, decoder_input_ids: torch.Tensor) -> torch.Tensor:
         # an explicit all-ones mask: without one, transformers' mask builder looks for packed sequences

@@ -42,6 +42,7 @@ class Encoder(torch.nn.Module):
     def __init__(self, model: torch.nn.Module) -> None:
         super().__init__()
         self.encoder = model.get_encoder()
+        self.train(model.training)  # torch.onnx.export restores the wrapper's mode recursively
 
     def forward(self, input_features: torch.Tensor) -> torch.Tensor:
         return self.encoder(input_features=input_features).last_hidden_state
@@ -54,6 +55,7 @@ class Step(torch.nn.Module):
     def __init__(self, model: torch.nn.Module) -> None:
         super().__init__()
         self.model = model
+        self.train(model.training)  # torch.onnx.export restores the wrapper's mode recursively
 
     def forward(self, ids: torch.Tensor, *kv: torch.Tensor) -> torch.Tensor:
         from transformers import DynamicCache, EncoderDecoderCache
