@@ -76,11 +76,17 @@ TASKS = {
 }
 
 
+def valid_online_block(block: object) -> bool:
+    """Whether ``block`` can be an ``online_block``: an int (not a bool) that is a power of two of at least 2. The
+    one rule the library (:func:`check_online_block`) and the CLI's usage check (``--online-block``) apply."""
+    return isinstance(block, int) and not isinstance(block, bool) and block >= 2 and not block & (block - 1)
+
+
 def check_online_block(block: int | None, online: bool) -> None:
     """Refuse an ``online_block`` that is not a power of two of at least 2, or one given without ``online=True``."""
     if block is None:
         return
-    if isinstance(block, bool) or not isinstance(block, int) or block < 2 or block & (block - 1):
+    if not valid_online_block(block):
         raise NormswapError(f"online_block must be a power of two of at least 2 (e.g. 32, 64, 128), not {block!r}")
     if not online:
         raise NormswapError("online_block sets the block size of the online Hadamards: pass online=True (patch: "

@@ -34,6 +34,7 @@ from normswap.cli.common import (
 )
 from normswap.cli.inputs_opts import example_input_options, inputs_from
 from normswap.errors import NormswapError, UsageError
+from normswap.options import valid_online_block
 
 
 def _shard_size(ctx: click.Context, param: click.Parameter, value: str) -> str:
@@ -110,7 +111,7 @@ def _check_combination(
     if online_block is not None and not online_hadamard:
         raise UsageError("--online-block sets the block size of the online Hadamards: pass --online-hadamard (and "
                          "--rotate none or hadamard) too")
-    if online_block is not None and (online_block < 2 or online_block & (online_block - 1)):
+    if online_block is not None and not valid_online_block(online_block):
         raise UsageError(f"--online-block {online_block}: pass a power of two of at least 2 (e.g. 32, 64, 128)")
     if rotation == "none" and not online_hadamard:
         raise UsageError("--rotate none turns no stream, it only adds the online Hadamards: pass --online-hadamard "

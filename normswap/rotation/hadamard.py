@@ -318,7 +318,6 @@ def hadamard_matmuls(x: torch.Tensor, small: torch.Tensor, pow2: torch.Tensor, *
     return y.reshape(*lead, n) * (scale if scale is not None else n**-0.5)
 
 
-
 def is_block_factor(k: int) -> bool:
     """Whether an online Hadamard's stored factor of order ``k`` is a block ``H_b`` of a block-diagonal op
     (``k`` a power of two, at least 2) rather than the small factor ``H_K`` of a full one: :func:`hadamard_order`

@@ -18,6 +18,18 @@ from tests.rotation.test_rotate_online_only import _relative, _run
 from tests.zoo import EXACT, build
 
 
+def saved_and_loaded(tmp_path, **online):
+    """A tiny DINOv2 with the online Hadamards alone (``rotate(model, "none", online=True, **online)``), saved
+    natively and loaded back: ``(loaded, probe, ref)``, ``ref`` the rotated model's output before saving."""
+    model = tiny_dinov2(seed=3)
+    probe = hf_example_inputs(model, seed=5)
+    normswap.patch(model, beta_placement="keep")
+    rotate(model, "none", online=True, **online)
+    ref = _run(model, probe)
+    normswap.save(model, tmp_path / "ckpt")
+    return normswap.load(tmp_path / "ckpt").double().eval(), probe, ref
+
+
 def _op_matrix(module):
     """The op as a dense matrix: the installed hook's transform applied to the identity."""
     n = getattr(module, SIGNS_BUFFER).shape[0]
@@ -111,13 +123,7 @@ def test_turned_stream_with_block_down_projections_stays_exact():
 
 
 def test_native_checkpoint_rebuilds_the_block_ops(tmp_path):
-    model = tiny_dinov2(seed=3)
-    probe = hf_example_inputs(model, seed=5)
-    normswap.patch(model, beta_placement="keep")
-    rotate(model, "none", online=True, online_block=16)  # the 128 wide ops take it, the 32 wide ones too
-    ref = _run(model, probe)
-    normswap.save(model, tmp_path / "ckpt")
-    loaded = normswap.load(tmp_path / "ckpt").double().eval()
+    loaded, probe, ref = saved_and_loaded(tmp_path, online_block=16)  # the 128 wide ops take it, the 32 wide too
     (entry,) = normswap.plan_of(loaded).rotations
     assert entry["online_block"] == 16 and entry["online_block_widths"] == [32, 128]
     for path in ("encoder.layer.0.norm1", "encoder.layer.0.mlp.fc2"):
@@ -130,13 +136,7 @@ def test_native_checkpoint_rebuilds_the_block_ops(tmp_path):
 
 
 def test_a_full_checkpoint_without_the_fields_loads_as_before(tmp_path):
-    model = tiny_dinov2(seed=3)
-    probe = hf_example_inputs(model, seed=5)
-    normswap.patch(model, beta_placement="keep")
-    rotate(model, "none", online=True)
-    ref = _run(model, probe)
-    normswap.save(model, tmp_path / "ckpt")
-    loaded = normswap.load(tmp_path / "ckpt").double().eval()
+    loaded, probe, ref = saved_and_loaded(tmp_path)
     (entry,) = normswap.plan_of(loaded).rotations
     assert "online_block" not in entry and "online_block_widths" not in entry
     assert getattr(loaded.get_submodule("encoder.layer.0.norm1"), HADAMARD_BUFFER).shape == (1, 1)  # H_32 alone
