@@ -31,6 +31,7 @@ under the ``normswap_hadamard`` / ``_normswap_hadamard`` prefixes, so it carries
 
 from __future__ import annotations
 
+import types
 import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -46,7 +47,6 @@ HANDLE = "_normswap_online"  # the op's RemovableHandle on its module (rotate.py
 BUFFER_PREFIX = "normswap_hadamard"  # the op's buffers: the small Hadamard factor, the signs, ...
 ATTR_PREFIX = "_normswap_hadamard"  # its plain attributes (the Sylvester factor built from the widths)
 REGISTRY = "_normswap_online_ops"  # on the model: {module path: HeldOp}
-GUARD = "_normswap_ops_guard"  # on the model: the one-shot forward pre-hook armed when an op's module is freed
 
 __all__ = ["HeldOp", "record", "held_ops", "carry_online_ops", "check_online_ops", "missing_online_ops",
            "after_load"]
@@ -79,13 +79,17 @@ def _runs_op(module: nn.Module, held: HeldOp | None = None) -> bool:
     """The op runs when ``module`` is called: on ``module`` itself, or on a module inside it (a wrapper that
     calls the original Linear as a child, as PEFT's LoRA layers call their ``base_layer``). With ``held``, also
     where the recorded hook object was registered by other code that carried it (a benchmark's swap)."""
-    for m in module.modules():
-        if holds_op(m):
-            return True
-        if held is not None and any(h is held.hook for h in (*m._forward_pre_hooks.values(),
-                                                             *m._forward_hooks.values())):
-            return True
-    return False
+    return bool(_running_in(module, held))
+
+
+def _running_in(module: nn.Module, held: HeldOp | None = None) -> list[str]:
+    """The paths (relative to ``module``, ``""`` for itself) of the modules at or inside it that run the op."""
+    found = []
+    for sub, m in module.named_modules():
+        if holds_op(m) or (held is not None and any(h is held.hook for h in (*m._forward_pre_hooks.values(),
+                                                                            *m._forward_hooks.values()))):
+            found.append(sub)
+    return found
 
 
 def _held(module: nn.Module) -> HeldOp:
@@ -114,7 +118,8 @@ def record(model: nn.Module) -> dict[str, HeldOp]:
             ops[path] = _held(module)
     if ops:
         model.__dict__[REGISTRY] = ops
-        _watch(model, {p: model.get_submodule(p) for p in ops if _at(model, p) is not None})
+        _guard(model).watch(model)
+        _listen()
     return ops
 
 
@@ -222,7 +227,8 @@ def carry_online_ops(model: nn.Module, values: Callable[[str, HeldOp], dict[str,
     if carried:
         record(model)
     check_online_ops(model)
-    _disarm(model)  # the swap that armed it is undone
+    if ops:
+        _guard(model).watch(model)  # the modules that hold the ops now
     return carried
 
 
@@ -240,7 +246,6 @@ def after_load(model: nn.Module, files: Callable[[], Iterable[str]]) -> list[str
         carried = carry_online_ops(model, stored)
     record(model)  # the loaded values replace the meta ones
     check_online_ops(model)
-    _disarm(model)  # armed by the quantizer's swap, which is undone
     return carried
 
 
@@ -272,44 +277,136 @@ class _StoredValues:
         return out
 
 
-# ------------------------------------------------------------------------------ the guard at the next call
-_WATCHED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {path: weakref to its op's module}
+# ------------------------------------------------------------------------------ the guard at every call
+_WATCHERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> guards watching edges out of it
 
 
-def _watch(model: nn.Module, modules: dict[str, nn.Module]) -> None:
-    """Watch each op's module: freed while ``model`` lives, it arms ``model``'s one-shot check. Kept outside the
-    model (a weak reference neither pickles nor deep-copies); a module watched already keeps its reference."""
-    watched = _WATCHED.setdefault(model, {})
-    root = weakref.ref(model)
-    for path, module in modules.items():
-        ref = watched.get(path)
-        if ref is not None and ref() is module:
-            continue
-        watched[path] = weakref.ref(module, lambda _ref, root=root: _arm(root()))
+class OpsGuard:
+    """Forward pre-hook on the model (one, registered first by :func:`record`): before each call, whether every
+    module that runs an online op is still the instance the model holds on the way to it. A swap (``setattr`` or
+    a write into ``_modules``, with or without another reference to the old module), a deep copy (the copy's
+    guard watches the copy's modules: ``copy.deepcopy`` maps them) or a trace by ``torch.compile`` (Dynamo
+    evaluates the comparison while tracing and guards on it, so a swap after compiling recompiles) all meet it.
+
+    Per call: one tuple of ``dict.get`` over the watched edges (the ``_modules`` entry of each module on the
+    way from the model to an op), compared by identity with the modules recorded, in C. A changed edge runs
+    :func:`check_online_ops` (raise, one line, before the model runs) and, where the ops still run (a wrapper
+    that calls the original module, as PEFT's LoRA layers do), watches the new structure."""
+
+    def __init__(self) -> None:
+        self.dicts: tuple[dict, ...] = ()
+        self.names: tuple[str, ...] = ()
+        self.modules: tuple[nn.Module, ...] = ()
+        self.owners: tuple[nn.Module, ...] = ()  # the module whose ``_modules`` each edge is in
+
+    def __setstate__(self, state: dict) -> None:
+        """A copy (``copy.deepcopy``, pickle) watches its own modules, and is told of assignments to them."""
+        self.__dict__.update(state)
+        for owner in self.owners:
+            _WATCHERS.setdefault(owner, weakref.WeakSet()).add(self)
+
+    def watch(self, model: nn.Module) -> None:
+        """Watch the edges from ``model`` to each module that runs an op now (at an op's path, or inside the
+        wrapper now there)."""
+        self.dicts, self.names, self.modules, self.owners = (), (), (), ()
+        ops = held_ops(model)
+        for path in _expected(model):
+            module = model.get_submodule(path)
+            running = _running_in(module, ops.get(path))
+            if not running:  # an op missing already: every call takes the check, which refuses
+                self.dicts, self.names, self.modules, self.owners = ({},), ("",), (model,), ()
+                return
+            for sub in running:
+                self._add(model, f"{path}.{sub}" if path and sub else path or sub)
+
+    def _add(self, owner: nn.Module, path: str) -> None:
+        """Watch the edges from ``owner`` down ``path`` (those not watched yet)."""
+        seen = set(zip(map(id, self.dicts), self.names, strict=True))
+        dicts, names, modules, owners = list(self.dicts), list(self.names), list(self.modules), list(self.owners)
+        for part in path.split(".") if path else []:
+            d = owner.__dict__["_modules"]
+            child = d[part]
+            if (id(d), part) not in seen:
+                dicts.append(d), names.append(part), modules.append(child), owners.append(owner)
+                _WATCHERS.setdefault(owner, weakref.WeakSet()).add(self)
+            owner = child
+        self.dicts, self.names, self.modules, self.owners = tuple(dicts), tuple(names), tuple(modules), tuple(owners)
+
+    def replaced(self, parent: nn.Module, name: str, new: nn.Module) -> None:
+        """``parent.name = new`` on a watched edge, as it happens: a module that runs the op itself or calls the
+        one that does (PEFT wrapping a Linear as its ``base_layer``, or unloading it back) is watched in place
+        of the old one, so the next call, eager or traced by ``torch.compile(fullgraph=True)``, finds nothing
+        changed; any other module is left for the next call to refuse."""
+        d = parent.__dict__["_modules"]
+        edges = enumerate(zip(self.dicts, self.names, strict=True))
+        i = next((i for i, (dd, n) in edges if dd is d and n == name), None)
+        running = _running_in(new) if i is not None and isinstance(new, nn.Module) else []
+        if not running:
+            return
+        self.modules = (*self.modules[:i], new, *self.modules[i + 1:])
+        for sub in running:
+            self._add(new, sub)
+
+    def __call__(self, model: nn.Module, args: tuple) -> None:
+        if tuple(map(dict.get, self.dicts, self.names)) != self.modules:
+            check_online_ops(model)
+            self.watch(model)
 
 
-def _arm(model: nn.Module | None) -> None:
-    """Register ``model``'s one-shot check (a weak reference's callback: it runs when the module is freed)."""
-    if model is None or model.__dict__.get(GUARD) is not None:
-        return
+def _guard(model: nn.Module) -> OpsGuard:
+    """``model``'s guard, registered (first among its pre-hooks) when it has none."""
+    for hook in model._forward_pre_hooks.values():
+        if isinstance(hook, OpsGuard):
+            return hook
+    guard = OpsGuard()
+    model.register_forward_pre_hook(guard, prepend=True)
+    return guard
+
+
+# ------------------------------------------------------------------------------ PEFT adapters on an op's Linear
+_LISTENER: list = []  # the process's module-registration hook, registered once by record()
+
+
+def _listen() -> None:
+    """Register :func:`_on_register` (once per process) with torch's global module-registration hooks."""
+    if not _LISTENER:
+        _LISTENER.append(nn.modules.module.register_module_module_registration_hook(_on_register))
+
+
+def _on_register(parent: nn.Module, name: str, new: Any) -> None:
+    """Called by torch for every submodule assignment: where an adapter layer (PEFT's LoRA family: a
+    ``base_layer`` and a ``get_delta_weight``) replaces a Linear that runs an online op around that very Linear,
+    its ``get_delta_weight`` returns the update turned into the basis the Linear's weight is in
+    (:func:`turned_delta`), so that PEFT's ``merge`` / ``merge_and_unload`` / ``unmerge`` stay exact.
+    Where the assignment replaces a module an :class:`OpsGuard` watches, the guard is told
+    (:meth:`OpsGuard.replaced`). Costs two dict lookups per assignment elsewhere; never raises."""
     try:
-        model.__dict__[GUARD] = model.register_forward_pre_hook(_check_once)
-    except Exception:  # noqa: BLE001 - a callback at interpreter teardown must not print a traceback
-        return
+        for guard in list(_WATCHERS.get(parent, ())):
+            guard.replaced(parent, name, new)
+        old = parent.__dict__["_modules"].get(name)
+        if old is None or old is new or not isinstance(new, nn.Module) or not holds_op(old):
+            return None
+        if new.__dict__["_modules"].get("base_layer") is not old or not hasattr(type(new), "get_delta_weight"):
+            return None
+        if old.__dict__[HANDLE].id not in old._forward_pre_hooks:  # an op on the output (a norm's): not an input
+            return None
+        new.get_delta_weight = types.MethodType(turned_delta, new)
+    except Exception:  # noqa: BLE001 - a hook inside every module assignment must never break one
+        return None
+    return None
 
 
-def _disarm(model: nn.Module) -> None:
-    """Remove the one-shot check (the ops were just checked)."""
-    handle = model.__dict__.pop(GUARD, None)
-    if handle is not None:
-        handle.remove()
-
-
-def _check_once(model: nn.Module, args: tuple) -> None:
-    """One-shot forward pre-hook: check the ops (raise if one is missing), then remove itself. Skipped while
-    torch.compile traces (its Python would be traced, not run; the eager call and ``normswap.save`` check)."""
-    if torch.compiler.is_compiling():
-        return
-    check_online_ops(model)
-    _disarm(model)
-    record(model)  # watch the modules that hold the ops now
+def turned_delta(layer: nn.Module, adapter: str) -> torch.Tensor:
+    """PEFT's weight update of ``adapter`` (its class's ``get_delta_weight``) for a base Linear whose weight is
+    in the basis of the online op before it: the update times the op (``ΔW·M``, where the op takes ``x`` to
+    ``x·M`` and the weight holds ``W·M``), so that the merged Linear, which keeps its op, computes the unmerged
+    layer's output. The adapter itself reads the input before the op, as the Linear's caller sees it."""
+    base = layer.get_base_layer()
+    if adapter in (getattr(layer, "lora_variant", None) or {}):  # DoRA: its norm is taken in the op's basis
+        raise NormswapError(f"adapter `{adapter}` is a {type(layer.lora_variant[adapter]).__name__} on a "
+                            f"{type(base).__name__} that runs an online Hadamard: it cannot be merged exactly (its "
+                            "weight norm is taken in the op's basis); keep it unmerged, or train a plain LoRA")
+    delta = type(layer).get_delta_weight(layer, adapter)
+    hook = base._forward_pre_hooks[base.__dict__[HANDLE].id]
+    axis = 0 if type(base).__name__ == "Conv1D" else -1  # the weight's input axis (Conv1D stores [in, out])
+    return hook.transform(base, delta.movedim(axis, -1)).movedim(-1, axis)

@@ -1,0 +1,135 @@
+"""Host cost per call of the online-op guard (``normswap.rotation.carry.OpsGuard``), side by side, on one-token
+decode steps of a GPT-2 with online Hadamards alone (``rotate(model, "none", online=True)``).
+
+The guard is a forward pre-hook on the model that, before every call, compares the modules on the way to each
+online op with the ones recorded (one tuple of ``dict.get`` and an identity comparison). Measured here:
+
+* ``guard alone``: the hook called by itself (``guard(model, ())``), microseconds per call (mean of
+  ``--calls`` calls, median over ``--rounds``);
+* ``decode step``: one cached decoder token (``--past`` positions in the cache, cropped back after each step;
+  a timing is the fastest of ``--reps`` runs of about ``--seconds`` of steps),
+  eager, with the guard registered against the same model with it removed, timed in ABBA rounds
+  (``dinov2_online_speed.abba``: without, with, without, with, without), ratio with / without per round, and
+  the without-guard run's last against its first (the machine's noise).
+
+Random weights (the guard's cost depends on the module tree, not the values), float32, one thread.
+
+    OMP_NUM_THREADS=1 python benchmarks/online_guard_cost.py --json docs/results/online_guard_cost.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from dinov2_online_speed import abba  # noqa: E402
+
+SIZES = {"small": {"n_layer": 12, "n_embd": 768, "n_head": 12}, "tiny": {"n_layer": 2, "n_embd": 64, "n_head": 4}}
+
+
+def online_gpt2(size: str) -> torch.nn.Module:
+    """A random GPT-2 (``SIZES[size]``) converted (β kept) with online Hadamards alone, eval, float32."""
+    import transformers as tf
+
+    import normswap
+    from normswap.rotation.rotate import rotate
+
+    torch.manual_seed(0)
+    model = tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=1000, n_positions=256, **SIZES[size])).eval()
+    normswap.patch(model, beta_placement="keep")
+    rotate(model, "none", online=True, seed=0)
+    return model
+
+
+def guard_of(model: torch.nn.Module) -> tuple[int, Callable]:
+    from normswap.rotation.carry import OpsGuard
+
+    return next((k, h) for k, h in model._forward_pre_hooks.items() if isinstance(h, OpsGuard))
+
+
+def step_timer(model: torch.nn.Module, past: int, steps: int, reps: int = 1) -> Callable[[], float]:
+    """Seconds per one-token decode call with a cache of ``past`` positions (cropped back each time): the
+    fastest of ``reps`` runs of ``steps`` calls (robust to other jobs taking the core now and then)."""
+    ids = torch.randint(0, 1000, (1, past + 1))
+    with torch.no_grad():
+        cache = model(input_ids=ids[:, :past], use_cache=True).past_key_values
+    step = ids[:, past:]
+
+    def seconds() -> float:
+        best = float("inf")
+        with torch.no_grad():
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                for _ in range(steps):
+                    model(input_ids=step, past_key_values=cache, use_cache=True)
+                    cache.crop(-1)  # back to `past` positions
+                best = min(best, (time.perf_counter() - t0) / steps)
+        return best
+    return seconds
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", nargs="+", default=["small", "tiny"], choices=sorted(SIZES))
+    ap.add_argument("--past", type=int, default=32)
+    ap.add_argument("--seconds", type=float, default=0.05, help="about this long per run of steps (its step count "
+                    "is set from a first step)")
+    ap.add_argument("--reps", type=int, default=5, help="runs of steps per timing; a timing is the fastest")
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--calls", type=int, default=20000, help="guard calls per timing of the guard alone")
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    out: dict = {"torch": torch.__version__, "past": args.past, "seconds": args.seconds, "reps": args.reps, "rounds": args.rounds,
+                 "sizes": {}}
+    for size in args.sizes:
+        model = online_gpt2(size)
+        key, guard = guard_of(model)
+        alone = []
+        for _ in range(args.rounds):
+            t0 = time.perf_counter()
+            for _ in range(args.calls):
+                guard(model, ())
+            alone.append((time.perf_counter() - t0) / args.calls * 1e6)
+        steps = max(3, round(args.seconds / step_timer(model, args.past, 3)()))
+        timer = step_timer(model, args.past, steps, args.reps)
+        hooks = model._forward_pre_hooks
+
+        def without(timer: Callable[[], float] = timer, hooks: dict = hooks, key: int = key) -> float:
+            held = hooks.pop(key)
+            try:
+                return timer()
+            finally:
+                hooks[key] = held
+                hooks.move_to_end(key, last=False)
+
+        for _ in range(3):  # warm-up
+            timer(), without()
+        step_ms = []
+        run = {"original": lambda without=without, step_ms=step_ms: without(),
+               "guard": lambda timer=timer, step_ms=step_ms: step_ms.append(timer()) or step_ms[-1]}
+        ratios = abba(run, args.rounds)
+        row = {"edges": len(guard.modules), "steps": steps, "guard_us": alone, "step_ms": [s * 1e3 for s in step_ms],
+               "ratio": ratios["guard"], "a_over_a": ratios["original (A/A)"]}
+        out["sizes"][size] = row
+        med = statistics.median
+        print(f"{size}: {row['edges']} watched edges; guard alone {med(alone):.2f} us/call; decode step "
+              f"{med(row['step_ms']):.3f} ms; with / without guard {med(row['ratio']):.4f} "
+              f"(range {min(row['ratio']):.4f}-{max(row['ratio']):.4f}); A/A {med(row['a_over_a']):.4f} "
+              f"(range {min(row['a_over_a']):.4f}-{max(row['a_over_a']):.4f}); guard / step "
+              f"{med(alone) / (med(row['step_ms']) * 1e3):.5f}")
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=1))
+    return out
+
+
+if __name__ == "__main__":
+    main()
