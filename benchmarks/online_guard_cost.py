@@ -88,8 +88,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    out: dict = {"torch": torch.__version__, "past": args.past, "seconds": args.seconds, "reps": args.reps, "rounds": args.rounds,
-                 "sizes": {}}
+    out: dict = {"torch": torch.__version__, "past": args.past, "seconds": args.seconds, "reps": args.reps,
+                 "rounds": args.rounds, "sizes": {}}
     for size in args.sizes:
         model = online_gpt2(size)
         key, guard = guard_of(model)

@@ -206,25 +206,25 @@ def conv1d_to_linear_(model: nn.Module) -> int:
 
 class InputHooks(nn.Module):
     """Runs a module's forward pre-hooks (an online Hadamard, say) ahead of it, from a wrapper, so that a
-    quantizer that replaces the module by its own class keeps them. The hooks see a host module that
-    carries the original module's buffers."""
+    quantizer that replaces the module by its own class keeps them. The hooks are the wrapper's own pre-hooks
+    and see the wrapper, which carries the original module's buffers and ``_normswap*`` attributes (so
+    normswap's guard sees the op still run at that path)."""
 
     def __init__(self, inner: nn.Module) -> None:
         super().__init__()
         if inner._forward_pre_hooks_with_kwargs:
             raise ValueError("pre-hooks that take keyword arguments are not supported")
-        self.hooks = list(inner._forward_pre_hooks.values())
-        self.host = nn.Module()
         for name, buf in inner.named_buffers(recurse=False):
-            self.host.register_buffer(name, buf)
+            self.register_buffer(name, buf)
+        for key, value in vars(inner).items():
+            if key.startswith("_normswap") and not isinstance(value, torch.utils.hooks.RemovableHandle):
+                setattr(self, key, value)
+        for hook in inner._forward_pre_hooks.values():
+            self.register_forward_pre_hook(hook)
         inner._forward_pre_hooks.clear()
         self.inner = inner
 
     def forward(self, *args: torch.Tensor) -> torch.Tensor:
-        for hook in self.hooks:
-            out = hook(self.host, args)
-            if out is not None:
-                args = out if isinstance(out, tuple) else (out,)
         return self.inner(*args)
 
 

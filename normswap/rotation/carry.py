@@ -86,10 +86,15 @@ def _running_in(module: nn.Module, held: HeldOp | None = None) -> list[str]:
     """The paths (relative to ``module``, ``""`` for itself) of the modules at or inside it that run the op."""
     found = []
     for sub, m in module.named_modules():
-        if holds_op(m) or (held is not None and any(h is held.hook for h in (*m._forward_pre_hooks.values(),
-                                                                            *m._forward_hooks.values()))):
+        if holds_op(m) or (held is not None and _registered(m, held) and all(hasattr(m, b) for b in held.buffers)):
             found.append(sub)
     return found
+
+
+def _registered(module: nn.Module, held: HeldOp) -> list[int]:
+    """The ids under which ``held``'s hook object is registered on ``module`` (an engine that copies a module's
+    hooks onto its own, as torch.ao's ``swap_module`` does, registers it without the op's buffers)."""
+    return [k for d in (module._forward_pre_hooks, module._forward_hooks) for k, h in d.items() if h is held.hook]
 
 
 def _held(module: nn.Module) -> HeldOp:
@@ -174,6 +179,11 @@ def _device_of(module: nn.Module) -> torch.device | None:
 def _install(module: nn.Module, held: HeldOp, values: dict[str, torch.Tensor]) -> None:
     """``held`` on ``module``: its buffers (``values``, on the module's device), attributes and hook."""
     device = _device_of(module)
+    for key in _registered(module, held):  # copied by the engine without what it reads: once, from here
+        for d in (module._forward_pre_hooks, module._forward_hooks):
+            d.pop(key, None)
+        module._forward_pre_hooks_with_kwargs.pop(key, None)
+        module._forward_hooks_with_kwargs.pop(key, None)
     for name, value in values.items():
         module.register_buffer(name, value.to(device) if device is not None else value)
     for key, value in held.attrs.items():

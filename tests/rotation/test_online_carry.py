@@ -294,3 +294,25 @@ def test_torch_compile_traces_the_guard_a_swap_before_or_after_compiling_is_refu
     with pytest.raises(Exception, match=r"has lost its online Hadamard"):
         _run(torch.compile(model, fullgraph=True), probe)
     torch._dynamo.reset()
+
+
+def test_torch_ao_dynamic_quantization_is_refused_then_carried_without_running_the_op_twice():
+    """torch.ao's ``quantize_dynamic`` deep-copies the model, writes its int8 Linears into ``_modules`` and copies
+    each Linear's pre-hooks onto them, without the op's buffers: refused at the next call (not an
+    ``AttributeError`` from inside the op); carried, the op runs once and the error is int8 rounding."""
+    import warnings
+
+    from torch.ao.quantization import quantize_dynamic
+
+    model, probe, ref = _online_model()
+    model, probe, ref = model.float(), {k: v.float() for k, v in probe.items()}, ref.float()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        q = quantize_dynamic(model, {nn.Linear}, dtype=torch.qint8)
+    with pytest.raises(NormswapError, match=r"^`encoder\.layer\.0\.mlp\.fc1` \(Linear\) has lost its online"):
+        _run(q, probe)
+    assert carry.carry_online_ops(q) == [f"encoder.layer.{i}.mlp.{fc}" for i in range(2) for fc in ("fc1", "fc2")]
+    fc1 = q.encoder.layer[0].mlp.fc1
+    assert type(fc1).__module__.startswith("torch.ao.nn.quantized") and len(fc1._forward_pre_hooks) == 1
+    assert 1e-4 < _relative(_run(q, probe), ref) < 0.02
+    assert _relative(_run(model, probe), ref) <= 1e-6  # the float model it copied is untouched
