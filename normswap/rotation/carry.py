@@ -18,10 +18,15 @@ What this module does about it:
   with the op's values read from the checkpoint, since the swap left them no module to load into); users who
   swap modules themselves after loading call it.
 * :func:`check_online_ops` refuses, in one line naming the module, a model where a module that should hold
-  an op does not. ``normswap.save`` and ``save_pretrained`` call it before writing anything; and when a module
-  that held an op is freed while its model lives (what a swap does), the model's next forward call runs the
-  check once (a one-shot pre-hook on the model, removed after it passes): no Python is added to any call
-  otherwise, and none to a call of a model nobody swapped.
+  an op does not. ``normswap.save`` and ``save_pretrained`` call it before writing anything; and the model's
+  :class:`OpsGuard` (a forward pre-hook registered by :func:`record`) runs it before a call whenever a module
+  on the way to an op is no longer the instance recorded there: a swap by ``setattr`` or into ``_modules``,
+  with or without another reference to the old module, a deep copy's swap, a swap before or after
+  ``torch.compile`` (Dynamo evaluates the comparison while tracing). Per call otherwise: one tuple comparison
+  (``benchmarks/online_guard_cost.py``).
+* PEFT adapter layers that wrap a Linear holding an op merge their update turned into the op's basis
+  (:func:`turned_delta`, installed by torch's global module-registration hook as PEFT assigns its layer), so
+  ``merge_and_unload`` keeps the model exact; DoRA is refused at merge.
 
 Ops after a norm (``OnlineHadamardOutput``, a forward hook on the norm) are carried and checked the same way;
 engines do not swap norms, so in practice they stay where they are. The op itself (its math) is
@@ -314,6 +319,7 @@ class OpsGuard:
         self.__dict__.update(state)
         for owner in self.owners:
             _WATCHERS.setdefault(owner, weakref.WeakSet()).add(self)
+        _listen()  # a model unpickled in a process that recorded none
 
     def watch(self, model: nn.Module) -> None:
         """Watch the edges from ``model`` to each module that runs an op now (at an op's path, or inside the
@@ -343,18 +349,28 @@ class OpsGuard:
         self.dicts, self.names, self.modules, self.owners = tuple(dicts), tuple(names), tuple(modules), tuple(owners)
 
     def replaced(self, parent: nn.Module, name: str, new: nn.Module) -> None:
-        """``parent.name = new`` on a watched edge, as it happens: a module that runs the op itself or calls the
-        one that does (PEFT wrapping a Linear as its ``base_layer``, or unloading it back) is watched in place
-        of the old one, so the next call, eager or traced by ``torch.compile(fullgraph=True)``, finds nothing
-        changed; any other module is left for the next call to refuse."""
+        """``parent.name = new`` on a watched edge, as it happens: where ``new`` holds every op module that was at
+        or under the old one (PEFT wrapping a Linear as its ``base_layer``, or unloading it back), ``new`` is
+        watched in place of the old module, so the next call, eager or traced by
+        ``torch.compile(fullgraph=True)``, finds nothing changed; any other module is left for the next call to
+        refuse."""
         d = parent.__dict__["_modules"]
         edges = enumerate(zip(self.dicts, self.names, strict=True))
         i = next((i for i, (dd, n) in edges if dd is d and n == name), None)
-        running = _running_in(new) if i is not None and isinstance(new, nn.Module) else []
-        if not running:
+        if i is None or not isinstance(new, nn.Module):
             return
-        self.modules = (*self.modules[:i], new, *self.modules[i + 1:])
-        for sub in running:
+        old, inside = self.modules[i], {id(m) for m in new.modules()}
+        holders = [m for m in old.modules() if holds_op(m)]
+        if not holders or any(id(m) not in inside for m in holders):
+            return
+        gone = {id(m) for m in old.modules()} - inside  # a wrapper unloaded: stop watching (and holding) it
+        keep = [j for j, o in enumerate(self.owners) if id(o) not in gone]
+        modules = list(self.modules)
+        modules[i] = new
+        self.dicts, self.names, self.owners = (tuple(self.dicts[j] for j in keep), tuple(self.names[j] for j in keep),
+                                               tuple(self.owners[j] for j in keep))
+        self.modules = tuple(modules[j] for j in keep)
+        for sub in _running_in(new):
             self._add(new, sub)
 
     def __call__(self, model: nn.Module, args: tuple) -> None:

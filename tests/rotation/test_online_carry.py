@@ -316,3 +316,15 @@ def test_torch_ao_dynamic_quantization_is_refused_then_carried_without_running_t
     assert type(fc1).__module__.startswith("torch.ao.nn.quantized") and len(fc1._forward_pre_hooks) == 1
     assert 1e-4 < _relative(_run(q, probe), ref) < 0.02
     assert _relative(_run(model, probe), ref) <= 1e-6  # the float model it copied is untouched
+
+
+def test_a_module_above_the_ops_replaced_by_one_that_lacks_an_op_is_refused_even_when_told():
+    """Replacing the MLP by one whose ``fc1`` keeps its op and whose ``fc2`` does not: the guard is told of the
+    assignment (torch's module-registration hook) and must not take the new MLP as carrying both ops."""
+    model, probe, ref = _online_model()
+    layer = model.encoder.layer[1]
+    fresh = type(layer.mlp)(model.config).double()
+    fresh.fc1 = layer.mlp.fc1  # the op's module, moved over
+    layer.mlp = fresh
+    with pytest.raises(NormswapError, match=r"^`encoder\.layer\.1\.mlp\.fc2` \(Linear\) has lost"):
+        _run(model, probe)
