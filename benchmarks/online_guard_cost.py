@@ -6,6 +6,9 @@ online op with the ones recorded (one tuple of ``dict.get`` and an identity comp
 
 * ``guard alone``: the hook called by itself (``guard(model, ())``), microseconds per call (mean of
   ``--calls`` calls, median over ``--rounds``);
+* ``dispatch``: the same guard (a shallow copy: the same watched modules) as the only pre-hook of an empty
+  module, against that module without it: what the guard adds to a call, torch's hook dispatch included
+  (microseconds per call, fastest of ``--reps`` runs of ``--calls`` calls, median over ``--rounds``);
 * ``decode step``: one cached decoder token (``--past`` positions in the cache, cropped back after each step;
   a timing is the fastest of ``--reps`` runs of about ``--seconds`` of steps),
   eager, with the guard registered against the same model with it removed, timed in ABBA rounds
@@ -76,6 +79,29 @@ def step_timer(model: torch.nn.Module, past: int, steps: int, reps: int = 1) -> 
     return seconds
 
 
+class Empty(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+def dispatch_us(guard: Callable, calls: int, reps: int) -> float:
+    """Microseconds the guard adds to a call of an empty module (with it minus without, each the fastest of
+    ``reps`` runs of ``calls`` calls, alternated)."""
+    import copy
+
+    plain, hooked = Empty(), Empty()
+    hooked.register_forward_pre_hook(copy.copy(guard))
+    x = torch.zeros(1)
+    best = {"plain": float("inf"), "hooked": float("inf")}
+    for _ in range(reps):
+        for name, m in (("plain", plain), ("hooked", hooked)):
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                m(x)
+            best[name] = min(best[name], (time.perf_counter() - t0) / calls * 1e6)
+    return best["hooked"] - best["plain"]
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", nargs="+", default=["small", "tiny"], choices=sorted(SIZES))
@@ -101,6 +127,7 @@ def main(argv: list[str] | None = None) -> dict:
             alone.append((time.perf_counter() - t0) / args.calls * 1e6)
         steps = max(3, round(args.seconds / step_timer(model, args.past, 3)()))
         timer = step_timer(model, args.past, steps, args.reps)
+        dispatch = [dispatch_us(guard, args.calls, args.reps) for _ in range(args.rounds)]
         hooks = model._forward_pre_hooks
 
         def without(timer: Callable[[], float] = timer, hooks: dict = hooks, key: int = key) -> float:
@@ -114,14 +141,15 @@ def main(argv: list[str] | None = None) -> dict:
         for _ in range(3):  # warm-up
             timer(), without()
         step_ms = []
-        run = {"original": lambda without=without, step_ms=step_ms: without(),
+        run = {"original": without,
                "guard": lambda timer=timer, step_ms=step_ms: step_ms.append(timer()) or step_ms[-1]}
         ratios = abba(run, args.rounds)
-        row = {"edges": len(guard.modules), "steps": steps, "guard_us": alone, "step_ms": [s * 1e3 for s in step_ms],
-               "ratio": ratios["guard"], "a_over_a": ratios["original (A/A)"]}
+        row = {"edges": len(guard.modules), "steps": steps, "guard_us": alone, "dispatch_us": dispatch,
+               "step_ms": [s * 1e3 for s in step_ms], "ratio": ratios["guard"], "a_over_a": ratios["original (A/A)"]}
         out["sizes"][size] = row
         med = statistics.median
-        print(f"{size}: {row['edges']} watched edges; guard alone {med(alone):.2f} us/call; decode step "
+        print(f"{size}: {row['edges']} watched edges; guard alone {med(alone):.2f} us/call; with dispatch "
+              f"{med(dispatch):.2f} us/call; decode step "
               f"{med(row['step_ms']):.3f} ms; with / without guard {med(row['ratio']):.4f} "
               f"(range {min(row['ratio']):.4f}-{max(row['ratio']):.4f}); A/A {med(row['a_over_a']):.4f} "
               f"(range {min(row['a_over_a']):.4f}-{max(row['a_over_a']):.4f}); guard / step "
