@@ -1,0 +1,83 @@
+"""PEFT's ``merge_and_unload`` on a real checkpoint with online Hadamards: does the merged model compute what the
+adapter model computed?
+
+A native checkpoint with online ops (``normswap convert DINOV2 --out DIR --rotate none --online-hadamard``) is
+loaded, a LoRA adapter is put on ``--targets`` (by default the MLP Linears, which hold an op, and q / v, which
+read the op shared after ``norm1``), its ``B`` matrices drawn at random and scaled by ``--scale`` (an adapter as a
+fine-tune leaves it: ``B = 0`` at initialisation would make every merge trivially exact), and the adapter is
+merged. Per photograph crop: 1 − cos (every token, float32) of the merged model against the adapter model
+(the merge's error) and of the adapter model against the base (how much the adapter changes the model, for
+scale). Run it with normswap before and after round 51 (``PYTHONPATH``) to compare.
+
+    python benchmarks/online_peft_merge.py --model dino-none --photos SKIMAGE/data --images 16 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from photo_crops import photo_crops  # noqa: E402
+
+
+def one_minus_cos(a: torch.Tensor, b: torch.Tensor) -> list[float]:
+    """Per image: 1 − cos over every token's hidden state, averaged over tokens."""
+    cos = torch.nn.functional.cosine_similarity(a.double(), b.double(), dim=-1)
+    return (1 - cos).mean(-1).tolist()
+
+
+def main(argv: list[str] | None = None) -> dict:
+    import peft
+
+    import normswap
+    from normswap.rotation import carry
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", type=Path, required=True, help="a native checkpoint with online ops")
+    ap.add_argument("--photos", type=Path, required=True, help="scikit-image's skimage/data")
+    ap.add_argument("--images", type=int, default=16)
+    ap.add_argument("--image", type=int, default=112)
+    ap.add_argument("--targets", nargs="+", default=["fc1", "fc2", "query", "value"])
+    ap.add_argument("--rank", type=int, default=8)
+    ap.add_argument("--scale", type=float, default=0.05, help="the random B matrices' scale")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--label", default="")
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    pixels = photo_crops(args.photos, n=args.images, size=args.image, seed=args.seed)
+    model = normswap.load(args.model, dtype=torch.float32).eval()
+    with torch.no_grad():
+        base = model(pixel_values=pixels).last_hidden_state
+    torch.manual_seed(args.seed)
+    lora = peft.get_peft_model(model, peft.LoraConfig(r=args.rank, lora_alpha=2 * args.rank,
+                                                      target_modules=args.targets))
+    with torch.no_grad():
+        for name, p in lora.named_parameters():
+            if "lora_B" in name:
+                p.copy_(args.scale * torch.randn_like(p))
+        adapted = lora(pixel_values=pixels).last_hidden_state
+    merged = lora.merge_and_unload()
+    with torch.no_grad():
+        out = merged(pixel_values=pixels).last_hidden_state
+    merge_err, adapter_change = one_minus_cos(out, adapted), one_minus_cos(adapted, base)
+    ops = sum(carry.holds_op(m) for m in merged.modules())
+    result = {"label": args.label, "normswap": str(Path(normswap.__file__).parent), "peft": peft.__version__,
+              "targets": args.targets, "rank": args.rank, "scale": args.scale, "images": args.images,
+              "ops_after_merge": ops, "merge_1mcos": merge_err, "adapter_1mcos": adapter_change}
+    print(f"{args.label or 'run'}: {ops} ops on their modules after the merge; merged vs adapter model 1 - cos "
+          f"mean {statistics.mean(merge_err):.3g} (max {max(merge_err):.3g}); adapter vs base mean "
+          f"{statistics.mean(adapter_change):.3g}")
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1))
+    return result
+
+
+if __name__ == "__main__":
+    main()
