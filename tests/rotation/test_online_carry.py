@@ -329,3 +329,17 @@ def test_a_module_above_the_ops_replaced_by_one_that_lacks_an_op_is_refused_even
     layer.mlp = fresh
     with pytest.raises(NormswapError, match=r"^`encoder\.layer\.1\.mlp\.fc2` \(Linear\) has lost"):
         _run(model, probe)
+
+
+def test_a_model_pickled_whole_keeps_its_guard():
+    """``torch.save(model)`` / ``torch.load``: the guard travels with the model and watches the loaded modules."""
+    import io
+
+    model, probe, ref = _online_model()
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    loaded = torch.load(io.BytesIO(buf.getvalue()), weights_only=False)
+    assert _relative(_run(loaded, probe), ref) <= 1e-9
+    loaded.encoder.layer[0].mlp.fc2 = StandInLinear.from_linear(loaded.encoder.layer[0].mlp.fc2)
+    with pytest.raises(NormswapError, match=r"^`encoder\.layer\.0\.mlp\.fc2` \(StandInLinear\) has lost"):
+        _run(loaded, probe)
