@@ -1,0 +1,86 @@
+"""Does a real engine's module swap on a checkpoint with online Hadamards get refused before it computes a wrong
+output, in the ways a user swaps: on the model itself, on a deep copy of it, and with the old modules still
+referenced?
+
+optimum-quanto's ``quantize(model, weights=qint8)`` + ``freeze(model)`` replaces every ``nn.Linear`` by its
+``QLinear`` (the online op's hook and buffers stay on the old module). Per case, on a native checkpoint with online
+ops (``normswap convert DINOV2 --out DIR --rotate none --online-hadamard --dtype float32``): how many ops the swap
+dropped, whether the next call ran (and its 1 − cos against the float model, every token) or was refused, and
+1 − cos once ``carry_online_ops`` put the ops back. Run it with normswap before and after round 51
+(``PYTHONPATH``) to compare.
+
+    PYTHONPATH=QUANTO:$PWD python benchmarks/online_guard_engines.py --model dino-none --photos SKIMAGE/data
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from photo_crops import photo_crops  # noqa: E402
+
+CASES = ("the model", "a deep copy", "old modules referenced")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    from optimum.quanto import freeze, qint8, quantize
+
+    import normswap
+    from normswap.errors import NormswapError
+    from normswap.rotation import carry
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", type=Path, required=True, help="a native checkpoint with online ops")
+    ap.add_argument("--photos", type=Path, required=True, help="scikit-image's skimage/data")
+    ap.add_argument("--images", type=int, default=4)
+    ap.add_argument("--image", type=int, default=112)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--label", default="")
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    pixels = photo_crops(args.photos, n=args.images, size=args.image, seed=args.seed)
+
+    def run(m: torch.nn.Module) -> torch.Tensor:
+        with torch.no_grad():
+            return m(pixel_values=pixels).last_hidden_state
+
+    def err(out: torch.Tensor) -> float:
+        return float((1 - torch.nn.functional.cosine_similarity(out.double(), ref.double(), dim=-1)).mean())
+
+    rows = {}
+    for case in CASES:
+        model = normswap.load(args.model, dtype=torch.float32).eval()
+        ref = run(model)
+        kept = dict(model.named_modules()) if case == "old modules referenced" else None
+        work = copy.deepcopy(model) if case == "a deep copy" else model
+        quantize(work, weights=qint8)
+        freeze(work)
+        gc.collect()
+        row = {"dropped": len(carry.missing_online_ops(work)), "kept": kept is not None}
+        try:
+            row["ran_1mcos"] = err(run(work))
+        except NormswapError as exc:
+            row["refused"] = str(exc)
+        carry.carry_online_ops(work)
+        row["carried_1mcos"] = err(run(work))
+        rows[case] = row
+        print(f"{args.label or 'run'}, {case}: {row['dropped']} ops dropped; next call "
+              + (f"ran, 1 - cos {row['ran_1mcos']:.3g}" if "ran_1mcos" in row else "refused")
+              + f"; carried back 1 - cos {row['carried_1mcos']:.3g}")
+    result = {"label": args.label, "normswap": str(Path(normswap.__file__).parent), "images": args.images,
+              "rows": rows}
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1))
+    return result
+
+
+if __name__ == "__main__":
+    main()
