@@ -161,3 +161,18 @@ def test_cli_refuses_writer_ops_with_a_turning_rotation_as_a_usage_error(tmp_pat
                                        "--writer-centering", "op"])
     assert result.exit_code == 2, result.output
     assert "--writer-centering op" in result.output and not (tmp_path / "out").exists()
+
+
+def test_online_hadamards_alone_compose_with_writer_ops(pairs):
+    """``--rotate none --online-hadamard`` turns no stream: its ops sit before the Linear inputs and fold into the
+    readers' and writers' input columns, the writer ops after the writers stay where they are; still exact."""
+    model, _ = _pair(pairs, "gpt2")
+    conv = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        normswap.patch(conv, beta_placement="keep", writer_centering="op", rotate="none", online_hadamard=True)
+    plan = plan_of(conv)
+    assert sum(h.writer for h in plan.hooks) == 4 and plan.options["writer_centering"] == "op"
+    kw = _inputs(model)
+    ref, out = _outputs(model, kw), _outputs(conv, kw)
+    assert float((out - ref).abs().max()) <= 1e-9 * max(1.0, float(ref.abs().max()))
