@@ -176,3 +176,23 @@ def test_online_hadamards_alone_compose_with_writer_ops(pairs):
     kw = _inputs(model)
     ref, out = _outputs(model, kw), _outputs(conv, kw)
     assert float((out - ref).abs().max()) <= 1e-9 * max(1.0, float(ref.abs().max()))
+
+
+def test_low_memory_conversion_carries_every_writer_op(tmp_path):
+    """The streaming converter plans a reduced-depth proxy: the writer ops of every layer it never traced must be
+    in the written checkpoint too (5 layers, 10 writers), and the result the same as in memory."""
+    torch.manual_seed(0)
+    cfg = tf.ViTConfig(image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=5, num_attention_heads=4,
+                       intermediate_size=64, num_labels=5)
+    model = zoo.randomise(tf.ViTForImageClassification(cfg)).float()
+    model.save_pretrained(tmp_path / "src")
+    mem, stream = tmp_path / "mem", tmp_path / "stream"
+    normswap.convert(tmp_path / "src", mem, low_memory=False, writer_centering="op")
+    report = normswap.convert(tmp_path / "src", stream, low_memory=True, writer_centering="op")
+    assert report.streamed and sum(h.writer for h in report.plan.hooks) == 10
+    a, b = normswap.load(mem).eval(), normswap.load(stream).eval()
+    px = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        assert torch.equal(a(pixel_values=px).logits, b(pixel_values=px).logits)
+    key = "vit.layers.4.mlp.fc2.weight"
+    assert torch.equal(b.get_parameter(key), model.get_parameter(key))
