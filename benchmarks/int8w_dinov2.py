@@ -121,17 +121,20 @@ def hybrid(original: torch.nn.Module, compat: torch.nn.Module, pattern: str) -> 
 
 
 @torch.no_grad()
-def writer_ops(original: torch.nn.Module) -> torch.nn.Module:
+def writer_ops(original: torch.nn.Module, attention_only: bool = False) -> torch.nn.Module:
     """``native`` with every writer's weights, bias and LayerScale λ put back as the original's and its output
     centered by an op instead (a mean subtraction over the features after each LayerScale): exact, and a per-row
     weight quantizer then rounds the original's rows. Built by hand (round 50); the product option is
-    ``writer_centering="op"`` (variant ``wop``)."""
+    ``writer_centering="op"`` (variant ``wop``). ``attention_only`` (variant ``writer-ops-attn``): the attention output
+    projections alone, the MLP down projections centered by their weights as in ``native``."""
     import normswap
 
     model = copy.deepcopy(original)
     normswap.patch(model, beta_placement="keep")
     for mine, theirs in zip(model.encoder.layer, original.encoder.layer, strict=True):
-        for lin, scale in (("attention.o_proj", "layer_scale1"), ("mlp.fc2", "layer_scale2")):
+        pairs = (("attention.o_proj", "layer_scale1"),) if attention_only else \
+            (("attention.o_proj", "layer_scale1"), ("mlp.fc2", "layer_scale2"))
+        for lin, scale in pairs:
             dst, src = mine.get_submodule(lin), theirs.get_submodule(lin)
             dst.weight.copy_(src.weight)
             dst.bias.copy_(src.bias)
@@ -429,8 +432,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 elif name == "native":
                     model = copy.deepcopy(original)
                     normswap.patch(model, beta_placement="keep")
-                elif name == "writer-ops":
-                    model = writer_ops(original)
+                elif name in ("writer-ops", "writer-ops-attn"):
+                    model = writer_ops(original, attention_only=name.endswith("-attn"))
                 elif name.startswith("null-"):
                     model = null_draw(original, int(name[5:]))
                 elif name == "wop":
