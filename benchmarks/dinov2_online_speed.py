@@ -1,14 +1,14 @@
-"""Float32 latency of a DINOv2 with online Hadamards alone against the original, side by side, in ONNX Runtime
-and in torch eager.
-
-Four variants of one checkpoint: the original; ``native``, the checkpoint ``normswap convert`` writes (β kept);
-``online``, the same with ``normswap.rotate(model, "none", online=True)`` (one op after each norm whose output
-only its Linear readers read, so q, k and v share one, and one before each other reader and each MLP down
+"""Float32 latency of a DINOv2 with online Hadamards alone against the original, side by side, in ONNX Runtime and in
+torch eager. Variants of one checkpoint: the original; ``native``, the checkpoint ``normswap convert`` writes
+(β kept); ``online``, the same with ``normswap.rotate(model, "none", online=True)`` (one op after each norm whose
+output only its Linear readers read, so q, k and v share one, and one before each other reader and each MLP down
 projection); ``online-per-reader``, the same function laid out as before 2026-11-30 (an op before every Linear
-reader: q, k and v each transform the same tensor). One thread. Each engine is timed in ABBA rounds (the
-original, each variant in turn, the original, the variants in reverse, the original), each variant's ratio to
-the mean of the original's three runs in that round, and the original's last run against its first (the
-machine's noise). Prints the median and range over the rounds, per engine.
+reader: q, k and v each transform the same tensor); ``writer-ops``, ``normswap convert --writer-centering op`` (the
+writers' weights kept, a centering op after each LayerScale: 24 ops more than ``native`` on DINOv2-small). One
+thread. Each engine is timed in ABBA rounds (the original, each variant in turn, the original, the variants in
+reverse, the original), each variant's ratio to the mean of the original's three runs in that round, and the
+original's last run against its first (the machine's noise). Prints the median and range over the rounds, per
+engine.
 
     python benchmarks/dinov2_online_speed.py --model /tmp/held46/dinov2-focus --batch 8 --image 112 --rounds 8
     python benchmarks/dinov2_online_speed.py --model /tmp/held46/dinov2-focus --batch 1 --image 224 --rounds 8
@@ -34,7 +34,7 @@ from bench_quant_engines import export  # noqa: E402
 ENGINES = ("ort", "eager")
 
 
-VARIANTS = ("native", "online", "online-per-reader", "online-b32", "online-b64", "online-b128")
+VARIANTS = ("native", "online", "online-per-reader", "online-b32", "online-b64", "online-b128", "writer-ops")
 
 
 def online_block(name: str) -> int | None:
@@ -53,6 +53,9 @@ def variants(model: torch.nn.Module, names: tuple[str, ...] = VARIANTS[:3]) -> d
         normswap.patch(native, beta_placement="keep")
         if "native" in names:
             out["native"] = native
+        if "writer-ops" in names:  # the writers' weights kept, one centering op after each (two per block)
+            out["writer-ops"] = copy.deepcopy(model)
+            normswap.patch(out["writer-ops"], beta_placement="keep", writer_centering="op")
         for name in (n for n in names if n.startswith("online")):
             m = copy.deepcopy(native)
             if name == "online-per-reader":  # the layout before one op per norm output: no norm shares its op
@@ -62,6 +65,23 @@ def variants(model: torch.nn.Module, names: tuple[str, ...] = VARIANTS[:3]) -> d
             print(f"{name}: {rot.headline()}", flush=True)
             out[name] = m
     return out
+
+
+NORM_OPS = ("LayerNormalization", "SkipLayerNormalization", "SimplifiedLayerNormalization",
+            "SkipSimplifiedLayerNormalization", "ReduceMean", "Sub")
+
+
+def norm_ops(path: Path) -> dict[str, int]:
+    """How many norm kernels (and loose ``ReduceMean``/``Sub`` nodes: centering ops ONNX Runtime did not fuse) the
+    CPU provider's optimised graph of ``path`` holds, at the default optimisation level."""
+    import onnx
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.optimized_model_filepath = str(path.with_suffix(".opt.onnx"))
+    ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+    nodes = [n.op_type for n in onnx.load(so.optimized_model_filepath).graph.node]
+    return {op: nodes.count(op) for op in NORM_OPS}
 
 
 def abba(run: dict[str, Callable[[], float]], rounds: int) -> dict[str, list[float]]:
@@ -145,6 +165,7 @@ def time_shape(models: dict[str, torch.nn.Module], args: argparse.Namespace, bat
                 for name, m in models.items():
                     path = Path(tmp) / f"{name}.onnx"
                     export(m, x, path)
+                    print(f"{name}: ONNX Runtime's optimised graph {norm_ops(path)}", flush=True)
                     session = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
                     run[name] = timer(lambda s=session, f=feed: s.run(None, f))
             else:

@@ -13,7 +13,9 @@ transformers: stock LayerNorms, so each writer's edit is exact on its own); ``hy
 compat's tensors of one group (``--hybrid-groups``: regular expressions on state-dict keys, ``NAME=REGEX``) and
 the original's everywhere else; exact in float32 (the next LayerNorm removes what a centering moved);
 ``writer-ops``: ``native`` with the original's writers and a centering op after each LayerScale
-(:func:`writer_ops`).
+(:func:`writer_ops`, by hand); ``wop``: the product's way to the same model, ``normswap.patch(beta_placement="keep",
+writer_centering="op")`` (what ``normswap convert --writer-centering op`` writes); ``null-S``: the original
+re-drawn by float noise alone (:func:`null_draw`, seed ``S``).
 
 Engines (``--engines``): ``ov-w8`` (the ONNX export through OpenVINO and NNCF, ``bench_quant_engines.run_openvino``),
 ``bnb-int8`` (``bench_heldout_engines.quantized``), ``ort-dyn-pt`` / ``ort-dyn-pc`` (ONNX Runtime's
@@ -21,7 +23,9 @@ Engines (``--engines``): ``ov-w8`` (the ONNX export through OpenVINO and NNCF, `
 simulations of the first two's weight grids on every ``nn.Linear`` (``sim-asym8``: NNCF's int8 grid,
 ``sim-asym8c``: the same and the patch convolution, per filter, as NNCF compresses it; ``sim-asym8h``: that
 with OpenVINO's float16 decompression, :func:`fake_rows`; ``sim-sym8``: LLM.int8's weight grid;
-activations in float).
+activations in float; ``sim-tao``: torchao's int8 dynamic scheme, the symmetric per-row weight grid with every
+Linear input rounded per token, ``sim-tao-a`` its activation rounding alone); ``torchao``: torchao's own
+``Int8DynamicActivationInt8WeightConfig`` on the torch model (``bench_quant_engines.run_torchao``).
 
 Per image: ``1 − cos`` against the float32 original, every token (mean), the CLS token, the patch tokens; the
 per-token errors go to ``--tokens`` (``torch.save``) for the breakdown. ``--json`` is rewritten after every row.
@@ -47,9 +51,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-SIM = ("sim-asym8", "sim-asym8c", "sim-asym8h", "sim-sym8")
-ORT = ("ort-dyn-pt", "ort-dyn-pc")
-ENGINES = ("ov-w8", "bnb-int8") + ORT + SIM
+SIM = ("sim-asym8", "sim-asym8c", "sim-asym8h", "sim-sym8", "sim-tao", "sim-tao-a")
+ORT = ("ort-dyn-pt", "ort-dyn-pc", "ort-nbits-rtn")  # the last: MatMulNBits 4-bit RTN, block 32
+ENGINES = ("ov-w8", "bnb-int8", "torchao") + ORT + SIM
 # hybrids: compat's tensors matching one expression, the original's elsewhere
 HYBRIDS = {"attn": r"attention\.o_proj\.|layer_scale1\.", "mlp": r"mlp\.fc2\.|layer_scale2\.",
            "early": r"layer\.[0-5]\.(attention\.o_proj|mlp\.fc2|layer_scale)", "late":
@@ -78,13 +82,29 @@ def fake_rows(weight: torch.Tensor, symmetric: bool, half: bool = False) -> torc
     return ((q - zero) * step).to(weight.dtype)
 
 
+def per_token_int8(x: torch.Tensor) -> torch.Tensor:
+    """torchao's dynamic activation grid, approximately: symmetric int8, one scale per token (absmax over the features
+    / 127). torchao 0.18 divides by 127.5 and clamps to [−128, 127] (each token's largest positive value clipped by
+    half a step), here and for its weights: the simulations round on a slightly different grid (round 51: the
+    original's error 15% above torchao's own)."""
+    step = x.abs().amax(-1, keepdim=True).clamp_min(1e-30) / 127
+    return torch.clamp(torch.round(x / step), -128, 127) * step
+
+
 def simulated(model: torch.nn.Module, how: str) -> torch.nn.Module:
+    """``model`` with every ``nn.Linear``'s weight rounded on ``how``'s grid (``sim-tao``: torchao's
+    ``Int8DynamicActivationInt8WeightConfig``, the symmetric per-row weight grid and each Linear's input rounded
+    per token, :func:`per_token_int8`; ``sim-tao-a``: its activation grid alone, the weights left float)."""
     q = copy.deepcopy(model)
     with torch.no_grad():
         for module in q.modules():
+            if how in ("sim-tao", "sim-tao-a") and type(module) is torch.nn.Linear:
+                module.register_forward_pre_hook(lambda _m, args: (per_token_int8(args[0]),) + args[1:])
+            if how == "sim-tao-a":
+                continue
             conv = how in ("sim-asym8c", "sim-asym8h") and type(module) is torch.nn.Conv2d
             if type(module) is torch.nn.Linear or conv:
-                flat = fake_rows(module.weight.reshape(module.weight.shape[0], -1), how == "sim-sym8",
+                flat = fake_rows(module.weight.reshape(module.weight.shape[0], -1), how in ("sim-sym8", "sim-tao"),
                                  how == "sim-asym8h")
                 module.weight.copy_(flat.reshape(module.weight.shape))
     return q
@@ -101,23 +121,46 @@ def hybrid(original: torch.nn.Module, compat: torch.nn.Module, pattern: str) -> 
 
 
 @torch.no_grad()
-def writer_ops(original: torch.nn.Module) -> torch.nn.Module:
+def writer_ops(original: torch.nn.Module, attention_only: bool = False) -> torch.nn.Module:
     """``native`` with every writer's weights, bias and LayerScale λ put back as the original's and its output
     centered by an op instead (a mean subtraction over the features after each LayerScale): exact, and a per-row
-    weight quantizer then rounds the original's rows. The Pre-LN counterpart of ``--per-norm-centering``'s
-    writers; not a product option (yet)."""
+    weight quantizer then rounds the original's rows. Built by hand (round 50); the product option is
+    ``writer_centering="op"`` (variant ``wop``). ``attention_only`` (variant ``writer-ops-attn``): the attention output
+    projections alone, the MLP down projections centered by their weights as in ``native``."""
     import normswap
 
     model = copy.deepcopy(original)
     normswap.patch(model, beta_placement="keep")
     for mine, theirs in zip(model.encoder.layer, original.encoder.layer, strict=True):
-        for lin, scale in (("attention.o_proj", "layer_scale1"), ("mlp.fc2", "layer_scale2")):
+        pairs = (("attention.o_proj", "layer_scale1"),) if attention_only else \
+            (("attention.o_proj", "layer_scale1"), ("mlp.fc2", "layer_scale2"))
+        for lin, scale in pairs:
             dst, src = mine.get_submodule(lin), theirs.get_submodule(lin)
             dst.weight.copy_(src.weight)
             dst.bias.copy_(src.bias)
             mine.get_submodule(scale).lambda1.copy_(theirs.get_submodule(scale).lambda1)
             mine.get_submodule(scale).register_forward_hook(
                 lambda _module, _inputs, out: out - out.mean(-1, keepdim=True))
+    return model
+
+
+@torch.no_grad()
+def null_draw(original: torch.nn.Module, seed: int, spread: float = 1e-3) -> torch.nn.Module:
+    """The original with each writer's rows (weight and bias) scaled by ``1 + spread·u`` (``u`` uniform in [−1, 1],
+    one per row, seeded) and its LayerScale λ divided by the same: the same function up to float rounding, and the
+    same integers on any per-row grid (a row's scale moves with it). What differs from the original is only the
+    float noise of the forward pass: where an engine also rounds activations (torchao: per token), that noise moves
+    values across rounding boundaries and the error downstream is another draw of the same rounding."""
+    model = copy.deepcopy(original)
+    gen = torch.Generator().manual_seed(seed)
+    for layer in model.encoder.layer:
+        for lin, scale in (("attention.o_proj", "layer_scale1"), ("mlp.fc2", "layer_scale2")):
+            dst = layer.get_submodule(lin)
+            c = 1 + spread * (2 * torch.rand(dst.weight.shape[0], generator=gen, dtype=torch.float64) - 1)
+            dst.weight.copy_((dst.weight.double() * c[:, None]).to(dst.weight.dtype))
+            dst.bias.copy_((dst.bias.double() * c).to(dst.bias.dtype))
+            lam = layer.get_submodule(scale).lambda1
+            lam.copy_((lam.double() / c).to(lam.dtype))
     return model
 
 
@@ -141,6 +184,10 @@ def engine_tokens(model: torch.nn.Module, how: str, px: torch.Tensor, work: Path
         from bench_heldout_engines import quantized
 
         return tokens_out(quantized(model, how), px)
+    if how == "torchao":
+        from bench_quant_engines import run_torchao
+
+        return run_torchao(model, px)[1].float()
     from bench_quant_engines import export, quantize, run_onnx, run_openvino
 
     fp32 = work / "model.onnx"
@@ -198,7 +245,8 @@ def row_noise(original: torch.nn.Module, compat: torch.nn.Module, px: torch.Tens
     return out
 
 
-def summary(result: dict[str, Any], name: str, how: str, metric: str = "tok", draws: int = 2000) -> dict[str, Any]:
+def summary(result: dict[str, Any], name: str, how: str, metric: str = "tok", draws: int = 2000,
+            base: tuple[str, ...] = ("original",)) -> dict[str, Any]:
     """``name``'s error over the original's in ``how``: the ratio of the means with a 95% paired bootstrap interval
     over images, the typical image (geometric mean of per-image ratios), the median per-image ratio, the ratio
     of the medians, of the 5%-trimmed means (the images of largest original + variant error left out), and the
@@ -206,7 +254,8 @@ def summary(result: dict[str, Any], name: str, how: str, metric: str = "tok", dr
     import numpy as np
 
     b = np.array(result["rows"][name]["per_image"][how][metric])
-    a = np.array(result["rows"]["original"]["per_image"][how][metric])
+    # the baseline: the original's errors, or per image the mean over several rows (the null draws' pool)
+    a = np.mean([result["rows"][r]["per_image"][how][metric] for r in base], axis=0)
     rng = np.random.default_rng(0)
     idx = rng.integers(0, len(a), (draws, len(a)))
     lo, hi = np.percentile(b[idx].mean(1) / a[idx].mean(1), [2.5, 97.5])
@@ -223,17 +272,18 @@ def summary(result: dict[str, Any], name: str, how: str, metric: str = "tok", dr
             "original": float(a.mean()), "variant": float(b.mean())}
 
 
-def report(result: dict[str, Any], metric: str = "tok") -> str:
-    lines = [f"{result['images']} crops at {result['image']} px, 1 − cos ({metric}); ratios to the original's",
+def report(result: dict[str, Any], metric: str = "tok", base: tuple[str, ...] = ("original",)) -> str:
+    lines = [f"{result['images']} crops at {result['image']} px, 1 − cos ({metric}); ratios to "
+             + ("the original's" if base == ("original",) else f"the mean of {', '.join(base)} (per image)"),
              "", "| variant | engine | mean (95%) | typical (95%) | median ratio | ratio of medians | 5%-trimmed | "
              "top 5% images' share of the excess |", "|---|---|---|---|---|---|---|---|"]
     for name, row in result["rows"].items():
         if name == "original":
             continue
         for how in row["per_image"]:
-            if how == "fp32":
+            if how == "fp32" or any(how not in result["rows"][r]["per_image"] for r in base):
                 continue
-            s = summary(result, name, how, metric)
+            s = summary(result, name, how, metric, base=base)
             lines.append(f"| {name} | {how} | {s['mean']:.3f} ({s['lo']:.2f}-{s['hi']:.2f}) | {s['typical']:.3f} "
                          f"({s['typical_lo']:.2f}-{s['typical_hi']:.2f}) | {s['median_ratio']:.3f} | "
                          f"{s['ratio_of_medians']:.3f} | {s['trimmed']:.3f} | {s['top5pct_share']:.2f} |")
@@ -301,6 +351,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--tokens", type=Path, help="torch.save the per-token errors here")
     ap.add_argument("--from-json", type=Path, nargs="+", help="no measuring: the tables of earlier --json runs "
                     "(rows merged; the same crops)")
+    ap.add_argument("--baseline", nargs="+", default=["original"], metavar="VARIANT",
+                    help="with --from-json: the ratios' denominator, per image the mean of these rows' errors (e.g. "
+                    "the original and its null draws null-1 ... null-4: the rounding draw's spread averaged out)")
     ap.add_argument("--by-photo", nargs="*", default=[], metavar="VARIANT:ENGINE", help="with --from-json: "
                     "also the breakdown by photograph")
     ap.add_argument("--rows", action="store_true", help="no engines: each writer's per-row rounding noise in the "
@@ -322,9 +375,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         return {}
     if args.from_json:
         result = json.loads(args.from_json[0].read_text())
-        for extra in args.from_json[1:]:
-            result["rows"].update(json.loads(extra.read_text())["rows"])
-        print(report(result, "tok") + "\n\n" + report(result, "cls"))
+        for extra in args.from_json[1:]:  # a row in several runs: its engines joined (the same crops)
+            for name, row in json.loads(extra.read_text())["rows"].items():
+                result["rows"].setdefault(name, {"per_image": {}})["per_image"].update(row["per_image"])
+        base = tuple(args.baseline)
+        print(report(result, "tok", base) + "\n\n" + report(result, "cls", base))
         for spec in args.by_photo:
             print("\n" + by_photo(result, *spec.split(":")))
         return result
@@ -377,8 +432,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 elif name == "native":
                     model = copy.deepcopy(original)
                     normswap.patch(model, beta_placement="keep")
-                elif name == "writer-ops":
-                    model = writer_ops(original)
+                elif name in ("writer-ops", "writer-ops-attn"):
+                    model = writer_ops(original, attention_only=name.endswith("-attn"))
+                elif name.startswith("null-"):
+                    model = null_draw(original, int(name[5:]))
+                elif name == "wop":
+                    model = copy.deepcopy(original)
+                    normswap.patch(model, beta_placement="keep", writer_centering="op")
                 elif name == "compat" or name.startswith("hyb-"):
                     if compat is None:
                         conv = copy.deepcopy(original)

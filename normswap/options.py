@@ -52,6 +52,8 @@ BETA_PLACEMENTS = ("rounding", "keep", "fold")  # where β goes in a default con
 LAYER_SCALES = ("keep", "fold")  # where a centered writer's LayerScale λ ends up (normswap.surgery.edits)
 # how a stream started by a Linear/conv (a patch or feature projection) is made zero-mean (normswap.analysis.planner)
 STEM_CENTERINGS = ("op", "weights")
+# how a quantized writer inside the layers (a Pre-LN block's output projections) is centered (normswap.analysis.planner)
+WRITER_CENTERINGS = ("weights", "op")
 FORMATS = ("native", "compat")
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # checkpoint dtypes ``convert`` can write
 VERIFY_DTYPES = ("auto", "float64", "float32")  # what the working copy computes in (normswap.memory)
@@ -159,6 +161,17 @@ class ConvertOptions:
             can still be written in the compat format). Embedding
             tables (gathers) are centered by weights either way, and a writer no op can serve falls back to
             its weights.
+        writer_centering: how the writers inside the layers whose weights quantizers round (a Pre-LN block's
+            attention output projection and MLP down projection, each Linear/conv that reads a norm's output and
+            writes the residual stream) are made zero-mean. ``"weights"`` (default): their weights are centered
+            (each row minus the mean row; no op). ``"op"``: they keep the original's weights and one centering op
+            (one mean per token) sits right after each, after its LayerScale where there is one; the norms'
+            verdict is ``exact-with-centering``. For engines that round each weight row on its own scale and
+            run the ops in float: torchao's int8 dynamic scheme, OpenVINO NNCF's int8 weights, bitsandbytes'
+            LLM.int8 (DINOv2-small: the centered rows cost them up to 1.08× the original's error;
+            ``docs/results/quantization.md``, round 51). It gives up what the centered writers gain in ONNX
+            Runtime's per-tensor int8, and adds two ops per block; not with a rotation that turns streams (its
+            ``Q`` would need an op after each of them).
         trade_constants: let a centered position table keep its row means where a float bias or a class
             token reaching exactly the same tokens can take them away instead
             (:class:`normswap.analysis.plan.ConstantTrade`, proved by probing the model in float64): exact,
@@ -227,6 +240,7 @@ class ConvertOptions:
     beta_placement: str | None = None
     layer_scale: str = "keep"
     stem_centering: str | None = None
+    writer_centering: str = "weights"
     trade_constants: bool = True
     untie: bool = True
     per_norm_centering: bool = False
@@ -256,6 +270,11 @@ class ConvertOptions:
         choose("layer_scale", self.layer_scale, LAYER_SCALES)
         if self.stem_centering is not None:
             choose("stem_centering", self.stem_centering, STEM_CENTERINGS)
+        choose("writer_centering", self.writer_centering, WRITER_CENTERINGS)
+        if self.writer_centering == "op" and self.rotate not in (None, "none"):
+            raise NormswapError("option writer_centering='op' leaves the writers' weights as they are and centers "
+                                "their outputs by ops, which a rotation that turns the stream cannot fold into: drop "
+                                "one of them (rotate='none' with online_hadamard=True works with it)")
         choose("verify_dtype", self.verify_dtype, VERIFY_DTYPES)
         if self.rotate is not None:
             choose("rotate", self.rotate, ROTATIONS)  # γ folded where it turns (pipeline.analyse_copy)

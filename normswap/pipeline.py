@@ -533,7 +533,8 @@ def analyse_copy(work: nn.Module, args: tuple, kwargs: dict, opts: ConvertOption
         return analyse(work, graph, found.sites, untie=opts.untie, fold_gamma=opts.folds_gamma,
                        per_norm_centering=opts.per_norm_centering, mean_carry=opts.mean_carry,
                        carry_multiple=opts.carry_multiple, rms_norms=found.skipped, bias_slots=opts.bias_slots,
-                       layer_scale=opts.layer_scale, keep_gamma=keep_gamma, stem_centering=opts.stem_centering_used)
+                       layer_scale=opts.layer_scale, keep_gamma=keep_gamma, stem_centering=opts.stem_centering_used,
+                       writer_centering=opts.writer_centering)
 
     plan = planned()
     if opts.rotate not in (None, "none") and not opts.fold_gamma:

@@ -190,6 +190,7 @@ class CenterHook:
     arg: int | str | None
     reason: str = ""
     per_norm: bool = False  # one op per norm (Post-LN, or a stream that reaches one norm): opt-in
+    writer: bool = False  # one op after a writer inside the layers, which keeps its weights (writer_centering="op")
 
     def place(self) -> str:
         """Where the op sits, in words (reasons and ``inspect --verbose``)."""

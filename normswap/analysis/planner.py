@@ -104,6 +104,7 @@ class Planning:
     mean_carry: bool  # may an MLP be widened to cancel a Post-LN mean
     carry_multiple: int  # a widened MLP's width is padded to a multiple of this
     stem_centering: str = "op"  # a stream start a quantized weight writes: centered by an op or by its weights
+    writer_centering: str = "weights"  # a quantized writer inside the layers: centered by its weights or by an op
     site_terms: dict[int, list[Term]] = field(default_factory=dict)  # norm call -> the terms of its input
     module_ok: dict[str, str | None] = field(default_factory=dict)  # writer module -> why no edit centers it, or None
     # term value -> (centered by surgery, why not)
@@ -125,6 +126,8 @@ class Planning:
     keep_gamma: dict[str, str] = field(default_factory=dict)
     # stem writer term value -> its weight edits' status, restored where no op can take its place (_stem_ops)
     stem_terms: dict[int, tuple[bool, str]] = field(default_factory=dict)
+    # writer term value -> its weight edits' status, restored where no op can take its place (_writer_ops)
+    writer_terms: dict[int, tuple[bool, str]] = field(default_factory=dict)
 
     def folds_gamma(self, path: str) -> bool:
         """Is ``fold_gamma`` asked for this norm? (asked, and its stream not one the rotation leaves alone)"""
@@ -151,7 +154,7 @@ def analyse(model: nn.Module, graph: Graph, sites: list[NormSite], *, untie: boo
             fold_gamma: bool = False, per_norm_centering: bool = False,
             rms_norms: list[SkippedNorm] | None = None, mean_carry: bool = True, carry_multiple: int = 8,
             bias_slots: bool = False, layer_scale: str = "keep", keep_gamma: dict[str, str] | None = None,
-            stem_centering: str = "op") -> Plan:
+            stem_centering: str = "op", writer_centering: str = "weights") -> Plan:
     """Derive writers, readers, centering ops and a verdict for every NormSite.
 
     Verdict policy for centering ops: one op where a stream *starts* (its value depends on no
@@ -175,6 +178,11 @@ def analyse(model: nn.Module, graph: Graph, sites: list[NormSite], *, untie: boo
     projection: a weight quantizers round) by one op where the stream starts, the writer's weights left as
     they are (:func:`_stem_ops`); ``"weights"`` centers that writer's weights as any other's.
 
+    ``writer_centering``: ``"op"`` keeps the weights of every writer inside the layers that weight quantizers round
+    (a Pre-LN block's attention output projection and MLP down projection) and centers its output by one op
+    right after it, LayerScale included (:func:`_writer_ops`); ``"weights"`` (default) centers those writers'
+    weights.
+
     ``keep_gamma`` (with ``fold_gamma``): ``{norm: why its stream does not turn}``. Those norms (converted or
     RMS from the start) are planned as without ``fold_gamma``: γ stays in the norm, β goes where the β
     placement puts it, no bias slot is made for them, and their ``rotation_reason`` says why. A rotation
@@ -191,15 +199,17 @@ def analyse(model: nn.Module, graph: Graph, sites: list[NormSite], *, untie: boo
     st = Planning(an, Plan(options={"untie": untie, "fold_gamma": fold_gamma,
                                     "per_norm_centering": per_norm_centering, "mean_carry": mean_carry,
                                     "carry_multiple": carry_multiple, "bias_slots": an.bias_slots,
-                                    "layer_scale": layer_scale, "stem_centering": stem_centering}),
+                                    "layer_scale": layer_scale, "stem_centering": stem_centering,
+                                    "writer_centering": writer_centering}),
                   per_norm_centering=per_norm_centering, mean_carry=mean_carry, carry_multiple=carry_multiple,
-                  stem_centering=stem_centering,
+                  stem_centering=stem_centering, writer_centering=writer_centering,
                   keep_gamma=dict(keep_gamma or {}) if fold_gamma else {})
     if st.keep_gamma:
         st.plan.options["gamma_kept"] = dict(sorted(st.keep_gamma.items()))
     _find_writers(st)
     _center_writers(st)
     _stem_ops(st)
+    _writer_ops(st)
     _place_centering_ops(st)
     _commit_writer_edits(st)
     _find_readers(st)
@@ -304,6 +314,50 @@ def _stem_ops(st: Planning) -> None:
             st.term_status[term.value] = (False, f"{term.label} {STEM_WHY}")
 
 
+WRITER_WHY = "(its weights kept: quantizers round them; writer_centering='op')"
+
+
+def _writer_ops(st: Planning) -> None:
+    """``writer_centering="op"``: mark each writer inside the layers whose weights quantizers round (a Linear or
+    conv whose output is computed from a norm's output, called once: a Pre-LN block's attention output
+    projection, its MLP down projection) as centered by an op rather than by its weights (``st.writer_terms``);
+    :func:`_place_writer_ops` then places one op right after it, where its write is complete (after a LayerScale).
+
+    Centering those writers' weights is exact, but a per-row weight quantizer (torchao's int8, NNCF's int8
+    weights, LLM.int8) then rounds the rows ``W_i − m`` instead of the original's ``W_i``, and RMSNorm, unlike the
+    original's LayerNorm, does not remove the mean of their rounding error. With the op the writer keeps the
+    original's weights and the op removes that mean as the original's next LayerNorm did. One op per writer
+    (two per Pre-LN block): opt-in, for the engines where it pays.
+    """
+    if st.writer_centering != "op":
+        return
+    an = st.an
+    for call in an.site_calls:
+        for term in st.site_terms[call.id]:
+            ok, why = st.term_status[term.value]
+            if not ok or term.kind != "module" or term.value in st.writer_terms or term.value in st.stem_terms \
+                    or len(an.calls_per_path.get(term.module_path, [])) != 1 \
+                    or writer_kind(an.modules[term.module_path]) not in _QUANTIZED_WRITERS \
+                    or not an.depends_on_norm(term.value):
+                continue
+            st.writer_terms[term.value] = (ok, why)
+            st.term_status[term.value] = (False, f"{term.label} {WRITER_WHY}")
+
+
+def _place_writer_ops(st: Planning) -> None:
+    """The writers' ops (:func:`_writer_ops`): each at the first place after its writer that centers every norm
+    it reaches: the writer's output, or, for a writer scaled by a LayerScale λ, the product's (an op before the
+    product would center the writer's output, not what ``λ ⊙`` it adds); a writer no op can serve keeps its
+    weight edits."""
+    scaled = {path: index for index, (_, path, _, _) in st.an.layer_scales.items()}
+    for call in st.an.site_calls:
+        for term in st.site_terms[call.id]:
+            if term.value not in st.writer_terms or st.centered_by_op(term.value):
+                continue
+            if not _place_op(st, call, term, False, False, after=scaled.get(term.module_path)):
+                st.term_status[term.value] = st.writer_terms.pop(term.value)  # centered by its weights after all
+
+
 def _place_centering_ops(st: Planning) -> None:
     """One centering op (``st.hooks``) for each term surgery cannot center, where the policy allows one.
 
@@ -314,13 +368,14 @@ def _place_centering_ops(st: Planning) -> None:
     """
     inner = {call.path for call in st.an.site_calls for term in st.site_terms[call.id]
              if not st.term_status[term.value][0] and term.kind != "norm" and term.value not in st.stem_terms
-             and _reaches_one_norm(st, term)}
+             and term.value not in st.writer_terms and _reaches_one_norm(st, term)}
     # one such norm is one op for the model (wav2vec2's conv feature extractor, GELU, then its projection
     # norm); one per block (NormFormer's mid-MLP norms, ConvNeXt's block norms) is LayerNorm by another name
     st.one_norm_ops = len(inner) >= 2
     for call in st.an.site_calls:
         for term in st.site_terms[call.id]:
-            if st.term_status[term.value][0] or st.centered_by_op(term.value) or term.value in st.stem_terms:
+            if st.term_status[term.value][0] or st.centered_by_op(term.value) or term.value in st.stem_terms \
+                    or term.value in st.writer_terms:
                 continue
             per_norm = _needs_op_per_norm(st, term)
             if per_norm and not st.per_norm_centering:
@@ -333,6 +388,7 @@ def _place_centering_ops(st: Planning) -> None:
                 if _place_op(st, call, term, at_norms, lone):
                     break
     _place_stem_ops(st)
+    _place_writer_ops(st)
 
 
 def _place_stem_ops(st: Planning) -> None:
@@ -405,7 +461,8 @@ def _lone_head_term(st: Planning, call: ModuleCall, term: Term) -> bool:
         and set(an.reach(term.value, -1).site_rows) == {call.id} and _is_head(an, call)
 
 
-def _place_op(st: Planning, call: ModuleCall, term: Term, at_norms: bool, lone: bool, latest: bool = False) -> bool:
+def _place_op(st: Planning, call: ModuleCall, term: Term, at_norms: bool, lone: bool, latest: bool = False,
+              after: int | None = None) -> bool:
     """Place the first valid centering op for ``term`` that centers this norm call's stream (at the
     norms' inputs when ``at_norms``); ``st.unhooked`` records why a stream start has none. Returns
     whether one was placed.
@@ -413,9 +470,13 @@ def _place_op(st: Planning, call: ModuleCall, term: Term, at_norms: bool, lone: 
     ``latest`` (a stem writer's op, :func:`_stem_ops`): the last valid place computed from no norm's output
     instead of the first, i.e. where every writer of the stream's start has been summed (after a ViT's
     class token and position table, not right after its patch convolution): those writers are then behind
-    the op and keep their weights too (:func:`_commit_writer_edits`), so the whole start is the original's."""
+    the op and keep their weights too (:func:`_commit_writer_edits`), so the whole start is the original's.
+
+    ``after``: only values computed by op ``after`` or later (a writer's op past its LayerScale product)."""
     an = st.an
     candidates = an.hook_candidates(term, at_norms=at_norms)
+    if after is not None:
+        candidates = [c for c in candidates if (an.graph.values[c[0]].producer or -1) >= after]
     if latest:  # by value, last first; one value's places keep their order (a module's output before an input)
         def order(c: tuple[int, CenterHook]) -> int:
             producer = an.graph.values[c[0]].producer
@@ -460,11 +521,16 @@ def _place_op(st: Planning, call: ModuleCall, term: Term, at_norms: bool, lone: 
             # whichever way the code is split into modules
             continue
         hook.reason = (f"stream written by {term.label}: one mean per token before this norm"
-                       if per_norm else f"stream starts at {term.label}")
+                       if per_norm else f"{term.label}'s write" if term.value in st.writer_terms
+                       else f"stream starts at {term.label}")
         unedited = st.term_status[term.value][1].removeprefix(term.label).strip()
         if term.value in st.stem_terms:
             hook.reason += ", a weight quantizers round: its weights are kept and this op centers the stream " \
                            "(stem_centering='op')"
+        elif term.value in st.writer_terms:
+            hook.reason += ", a weight quantizers round: its weights are kept and this op centers what it adds " \
+                           "to the stream (writer_centering='op')"
+            hook.writer = True
         elif unedited and not per_norm and term.kind in ("module", "param"):
             hook.reason += f", which no weight edit can center ({unedited})"
         hook.per_norm = per_norm
@@ -861,7 +927,7 @@ def _rotation_ops(st: Planning, calls: list[ModuleCall]) -> tuple[list[dict], li
     an, hooks = st.an, st.hooks
     ops, upstream = {}, set()
     for call in calls:
-        mine = [v for v, (h, reach) in hooks.items() if call.id in reach.site_rows and not h.per_norm]
+        mine = [v for v, (h, reach) in hooks.items() if call.id in reach.site_rows and not h.per_norm and not h.writer]
         # an op whose value flows into another op's value is turned by that one: only the last ones stay
         # (wav2vec2: the positional conv's output, then the sum it joins, are both centered)
         last = [v for v in mine if not any(w != v and w in an.reach(v, -1).mapped for w in mine)]
@@ -894,6 +960,9 @@ def _rotation_blocker(an: Analyzer, site: NormSite, sp: SitePlan, centered_by: l
     if any(h.per_norm for h in centered_by):
         h = next(h for h in centered_by if h.per_norm)
         return f"centering op before each norm (`{h.module}`; per_norm_centering): one rotation op per norm"
+    if any(h.writer for h in centered_by):
+        h = next(h for h in centered_by if h.writer)
+        return f"centering op after each writer (`{h.module}`; writer_centering='op'): one rotation op per writer"
     if any(h.where == "residual" for h in centered_by):
         h = next(h for h in centered_by if h.where == "residual")
         return f"centering op {h.place()}: no rotation op sits on a residual sum inside a forward"

@@ -45,6 +45,7 @@ from normswap.options import (
     STEM_CENTERINGS,
     TASKS,
     VERIFY_DTYPES,
+    WRITER_CENTERINGS,
 )
 
 __all__ = [
@@ -58,6 +59,7 @@ __all__ = [
     "BETA_PLACEMENTS",
     "LAYER_SCALES",
     "STEM_CENTERINGS",
+    "WRITER_CENTERINGS",
     "ROTATIONS",
     "DTYPES",
     "VERIFY_DTYPES",
@@ -108,6 +110,7 @@ _CLI_WORDS = (
     (re.compile(r"\bper_norm_centering=True\b"), "--per-norm-centering"),
     (re.compile(r"\btrade_constants=False\b"), "--no-constant-trades"),
     (re.compile(r"\bstem_centering=['\"](\w+)['\"]"), r"--stem-centering \1"),
+    (re.compile(r"\bwriter_centering=['\"](\w+)['\"]"), r"--writer-centering \1"),
     (re.compile(r"\bcalibration=\.\.\."), "--calibration-data FILE"),
     (re.compile(r"\bcalibration_data\b(?!=)"), "--calibration-data"),
     (re.compile(r"\bout_dir\b"), "--out"),

@@ -25,6 +25,7 @@ from normswap.cli.common import (
     STEM_CENTERINGS,
     TASK_NAMES,
     VERIFY_DTYPES,
+    WRITER_CENTERINGS,
     check_input_file,
     check_model_name,
     cli_words,
@@ -99,7 +100,7 @@ def _check_combination(
     calibration_data: str | None, low_memory: bool | None, task: str | None, new_head: bool,
     rotation: str | None, rotate_seed: int, rotate_output: str | None, online_hadamard: bool,
     smooth: float | None = None, beta_placement: str | None = None, learn: dict | None = None,
-    online_block: int | None = None,
+    online_block: int | None = None, writer_centering: str = "weights",
 ) -> None:
     """Options that conflict or depend on one another, and a missing --calibration-data file: a usage
     error (exit 2), answered before torch is imported. The library checks the same combinations for
@@ -113,6 +114,10 @@ def _check_combination(
                          "--rotate none or hadamard) too")
     if online_block is not None and not valid_online_block(online_block):
         raise UsageError(f"--online-block {online_block}: pass a power of two of at least 2 (e.g. 32, 64, 128)")
+    if writer_centering == "op" and rotation not in (None, "none"):
+        raise UsageError(f"--writer-centering op keeps the writers' weights and centers their outputs by ops, which "
+                         f"--rotate {rotation} cannot fold its rotation into: drop one of them (--rotate none "
+                         "--online-hadamard works with it)")
     if rotation == "none" and not online_hadamard:
         raise UsageError("--rotate none turns no stream, it only adds the online Hadamards: pass --online-hadamard "
                          "too (and --format native)")
@@ -264,6 +269,17 @@ Presets (offline, seeded tiny models with tokenizers/processors):
     "int8/4-bit quantizers then round the original's weights, and the op removes their rounding error's mean "
     "as the original's first LayerNorm did; default); 'weights' centers that writer's weights instead (no op; "
     "default with --rotate or --fold-gamma: a rotation then folds into those weights). Both exact.",
+)
+@click.option(
+    "--writer-centering",
+    type=click.Choice(WRITER_CENTERINGS),
+    default="weights",
+    show_default=True,
+    help="The writers inside the layers (a Pre-LN block's attention output and MLP down projections): 'weights' "
+    "centers their weights (each row minus the mean row; no op); 'op' keeps the original's weights and centers "
+    "each one's output by one mean per token after it (two ops per block). For engines that round each weight "
+    "row on its own scale (torchao int8, OpenVINO NNCF int8 weights, LLM.int8) use 'op'; for ONNX Runtime's "
+    "per-tensor int8 keep 'weights'. Both exact.",
 )
 @click.option(
     "--keep-tied",
@@ -425,6 +441,7 @@ def convert(
     beta_placement: str | None,
     layer_scale: str,
     stem_centering: str | None,
+    writer_centering: str,
     keep_tied: bool,
     dtype: str,
     calibration_data: str | None,
@@ -470,7 +487,7 @@ def convert(
              if v is not None}
     _check_combination(mode, fmt, fold_gamma, per_norm_centering, no_bias_slots, calibration_data, low_memory,
                        task, new_head, rotation, rotate_seed, rotate_output, online_hadamard, smooth, beta_placement,
-                       learn, online_block)
+                       learn, online_block, writer_centering)
     from normswap.checkpoint.conversion import convert as run
     from normswap.options import ConvertOptions
 
@@ -494,6 +511,7 @@ def convert(
         beta_placement=beta_placement,
         layer_scale=layer_scale,
         stem_centering=stem_centering,
+        writer_centering=writer_centering,
         verify=not no_verify,
         verify_dtype=verify_dtype,
         allow_unusable=allow_unusable,

@@ -95,3 +95,26 @@ def test_fake_rows_rounds_each_row_on_its_own_grid(symmetric: bool) -> None:
     torch.testing.assert_close(bench.fake_rows(scaled, symmetric)[2], q[2] * 8)
     half = bench.fake_rows(w.float(), False, half=True)
     assert half.dtype == torch.float32 and not torch.equal(half, bench.fake_rows(w.float(), False))
+
+
+def test_null_draw_is_the_original_function_with_the_same_row_integers() -> None:
+    """A null draw rescales each writer row and divides λ by the same factor: the same function, and on a
+    symmetric per-row grid the same integers (the row's scale moves with it), so only float noise differs; the
+    rows themselves do change (not vacuous)."""
+    model = _tiny_dino()
+    px = torch.randn(2, 3, 28, 28, dtype=torch.float64)
+    null = bench.null_draw(model, 3)
+    torch.testing.assert_close(_tokens(null, px), _tokens(model, px), rtol=1e-9, atol=1e-9)
+    for mine, theirs in zip(null.encoder.layer, model.encoder.layer, strict=True):
+        a, b = mine.mlp.fc2.weight.detach(), theirs.mlp.fc2.weight.detach()
+        assert not torch.equal(a, b)
+        step_a = a.abs().amax(1, keepdim=True) / 127
+        step_b = b.abs().amax(1, keepdim=True) / 127
+        assert torch.equal(torch.round(a / step_a), torch.round(b / step_b))
+
+
+def test_per_token_grid_rounds_each_token_on_its_own_scale() -> None:
+    x = torch.tensor([[1.0, -0.5, 0.25], [100.0, 3.0, -40.0]], dtype=torch.float64)
+    q = bench.per_token_int8(x)
+    assert torch.equal(q[:, 0], x[:, 0])  # each token's absmax is on its grid
+    assert float((q - x).abs()[0].max()) <= 0.5 / 127 + 1e-12 and float((q - x).abs()[1].max()) <= 50 / 127 + 1e-12
