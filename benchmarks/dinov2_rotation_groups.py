@@ -304,6 +304,22 @@ def linear_errors(model: torch.nn.Module, px: torch.Tensor, top: int = 8) -> dic
     return out
 
 
+@torch.no_grad()
+def block_grids(model: torch.nn.Module, group: int = 128) -> dict[str, list[float]]:
+    """Per Linear kind, medians over layers of: ``‖ΔW‖/‖W‖`` on the asymmetric 4-bit grid (NNCF's int4 asym, groups
+    of ``group`` inputs), the same on the symmetric ``full`` grid, and the share of each block's energy in its
+    mean (what a zero point could absorb as an offset)."""
+    rows: dict[str, list[tuple[float, float, float]]] = {}
+    for n, lin in linears(model).items():
+        w = lin.weight.detach().double()
+        blocks = w.reshape(w.shape[0], -1, group)
+        share = float((blocks.mean(-1) ** 2).sum() / (blocks ** 2).mean(-1).sum())
+        ea = float((fake_quant(w, 4, 1, group, "asymmetric") - w).norm() / w.norm())
+        es = float((fake_quant(w, 4, 1, group, "full") - w).norm() / w.norm())
+        rows.setdefault(n.rsplit(".", 1)[-1], []).append((ea, es, share))
+    return {k: [statistics.median(x[i] for x in v) for i in range(3)] for k, v in rows.items()}
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     import transformers as tf
 
@@ -322,6 +338,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--grid", default="full", choices=("full", "symmetric", "asymmetric"),
                     help="the 4-bit weight grid (full: MatMulNBits RTN; asymmetric: NNCF int4 asym, HQQ's start)")
     ap.add_argument("--group-size", type=int, default=32, help="weights per scale along the input features")
+    ap.add_argument("--block-grids", action="store_true", help="instead: per Linear kind, the weights' rounding "
+                    "error on the asymmetric and the symmetric 4-bit grid in groups of --group-size (block_grids)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     GRID.update(grid=args.grid, group_size=args.group_size)
@@ -338,6 +356,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             print(f"seed {seed}: calibration tok {statistics.fmean(e['tok']):.4e} cls {statistics.fmean(e['cls']):.4e}",
                   flush=True)
         return {}
+    if args.block_grids:
+        print(f"| kind | variant | asym g{args.group_size} ‖ΔW‖/‖W‖ | sym | asym / sym | block-mean energy share |")
+        print("|---|---|---|---|---|---|")
+        found = {name: block_grids(build(model, name, calib), args.group_size) for name in args.variants}
+        for kind in READERS + WRITERS:
+            for name, kinds in found.items():
+                ea, es, share = kinds[kind]
+                print(f"| {kind} | {name} | {ea:.4f} | {es:.4f} | {ea / es:.3f} | {share:.4f} |")
+        return {"block_grids": found}
     ref = outputs(model, px)
     groups = args.groups or group_names(model.config.num_hidden_layers, args.per_layer)
     result: dict[str, Any] = {"images": args.images, "groups": groups, "rows": {}, "linears": {}}

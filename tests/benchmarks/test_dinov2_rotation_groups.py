@@ -132,3 +132,11 @@ def test_online_variants_and_their_edits_are_exact_and_do_what_they_say() -> Non
     finally:
         groups.GRID.update(grid="full", group_size=32)
     assert torch.equal(groups.rtn4(w), fake_quant(w, 4, 1, 32, "full"))
+
+
+def test_block_grids_reports_each_kind_and_the_grids_differ() -> None:
+    model = benchmark_modules.tiny_dinov2(0)
+    found = groups.block_grids(model, 32)
+    assert sorted(found) == sorted(groups.READERS + groups.WRITERS)
+    for ea, es, share in found.values():
+        assert 0 < ea < 1 and 0 < es < 1 and ea != es and 0 <= share < 1
