@@ -222,9 +222,16 @@ def variant(model: torch.nn.Module, name: str, workdir: Path,
             return conv, "in memory (normswap.RMSNorm modules)"
         if name in ONLINE:  # no stream turned: an online Hadamard at every Linear input
             block = int(name.rpartition("-b")[2]) if name.startswith("online-b") else None
+            edits = learn["online_edits"] if learn else []
+            if edits:  # exact edits between each norm and its readers before the ops go in (--online-edits)
+                from dinov2_rotation_groups import migrate_
+
+                shots = torch.cat([b["pixel_values"] for b in learn["calibration"]])
+                for edit in edits:
+                    migrate_(conv, edit, shots)
             r = normswap.rotate(conv, "none", online=True, seed=learn["rotate_seed"] if learn else 0,
                                 online_block=block)
-            return conv, f"{r.headline()}; native, in memory"
+            return conv, f"{r.headline()}{'; ' + ', '.join(edits) + ' first' if edits else ''}; native, in memory"
         if name == "hadamard":  # the backbone's output is a model output: turned back (native format only)
             seed = learn["rotate_seed"] if learn else 0
             r = normswap.rotate(conv, "hadamard", seed=seed, output="restore")
@@ -502,6 +509,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     "Concat assembling its input in float (normswap.integrations.onnx.stem_float_nodes)")
     ap.add_argument("--float-ops", action="store_true", help="leave a rotation's own ops (output='restore''s "
                     "Qᵀ) in float in every quantizer, as docs/rotation.md says to")
+    ap.add_argument("--qdq-whole-ops", action="store_true", help="static QDQ with --float-ops: also leave the "
+                    "online ops' sign/scale Mul and Reshape nodes and the nodes making their input in float "
+                    "(normswap.rotation.onnx_nodes.qdq_float_nodes), so the input is rounded only after the op "
+                    "has spread it")
+    ap.add_argument("--online-edits", nargs="+", default=[], metavar="EDIT",
+                    help="online*: exact edits between each norm and its readers on the calibration crops before the "
+                    "ops go in (dinov2_rotation_groups.migrate_: shift, smooth-A, awq-A), in this order")
     ap.add_argument("--learn-steps", type=int, default=100, help="learned*: optimiser steps")
     ap.add_argument("--learn-images", type=int, default=32, help="learned*: calibration crops the rotation learns "
                     "from (in batches of --learn-batch)")
@@ -562,7 +576,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         calib = images(args.calib, args.image, 2)
     learn = None
     # learning crops: never the held-out ones, nor the static quantizer's
-    if set(args.variants) & set(LEARNED + KEPT) or args.rotate_seed:
+    if set(args.variants) & set(LEARNED + KEPT) or args.rotate_seed or args.online_edits:
         if args.photos:
             shots = photo_crops(n=args.learn_images, size=args.image, seed=3,
                                 files=[p for p in photographs(args.photos) if p.name in held_out])
@@ -571,7 +585,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         learn = {"calibration": [{"pixel_values": b} for b in shots.split(args.learn_batch)], "bits": 4,
                  "group_size": 32, "steps": args.learn_steps, "lr": args.learn_lr, "grid": args.learn_grid,
                  "scales": args.learn_scales, "keep": args.keep, "smooth": args.smooth,
-                 "rotate_seed": args.rotate_seed}
+                 "rotate_seed": args.rotate_seed, "online_edits": args.online_edits}
     with torch.no_grad():
         ref_pool, ref_tok = Outputs(model)(px)
     result: dict[str, Any] = {"model": label, "images": args.images, "rows": {}}
@@ -592,6 +606,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 keep = float_nodes(fp32, m)
                 matrices = rotation_matrices(m)
                 row["float_nodes"] = keep
+                if args.qdq_whole_ops:  # static QDQ: the ops' sign/scale/reshape nodes and their input's makers
+                    from normswap.rotation.onnx_nodes import qdq_float_nodes
+
+                    around = [n for n in qdq_float_nodes(fp32, m) if n not in keep]
             stem = onnx_integration.stem_float_nodes(fp32) if args.float_stem else []
             if stem:
                 row["float_stem"] = stem
@@ -605,7 +623,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     q = fp32
                     pool, tok = run_openvino(fp32, how, px, matrices=matrices)
                 else:
-                    q = quantize(fp32, how, calib, (keep or []) + (stem if how == "qdq" else []))
+                    extra = stem if how == "qdq" else []
+                    if args.qdq_whole_ops and keep and how in ("qdq", *QDQ_NORMSWAP):
+                        extra = extra + around
+                        row["qdq_whole_ops"] = len(around)
+                    q = quantize(fp32, how, calib, (keep or []) + extra)
                     pool, tok = run_onnx(q, px)
                 row["errors"][how] = {"cls": one_minus_cos(ref_pool, pool), "tok": one_minus_cos(ref_tok, tok)}
                 row["per_image"][how] = {"cls": per_image(ref_pool, pool).tolist(),

@@ -20,6 +20,9 @@ Variants (``--variants``):
 * ``keep-K``: the same with a rotation (a user matrix) that leaves the ``K`` stream channels of largest mean
   energy in the norms' outputs on the calibration crops unturned (the massive channels) and turns the rest by
   a Hadamard (:func:`keep_matrix`).
+* ``online``, ``online-bB`` (``@S``: sign seed): the checkpoint ``normswap convert`` writes (β kept) with
+  ``rotate(model, "none", online=True, online_block=B)``: no stream turned, an online Hadamard at every Linear
+  input (the ops float, only the Linears' weights rounded).
 * ``smooth-A``: ``hadamard`` with ``rotate(smooth=A)`` on the calibration crops (scale migration after the turn);
   ``keep-K+smooth-A``: ``keep-K`` with it.
 
@@ -55,9 +58,14 @@ WRITERS = ("o_proj", "fc2")
 CALIB = ("motorcycle_right.png", "gravel.png", "brick.png")
 
 
+GRID = {"grid": "full", "group_size": 32}  # --grid / --group-size: the weight grid every rounding uses
+
+
 def rtn4(w: torch.Tensor) -> torch.Tensor:
-    """``w`` (out, in) rounded as ``MatMulNBits`` RTN symmetric 4-bit, blocks of 32 along ``in``."""
-    return fake_quant(w.detach(), 4, 1, 32, "full")
+    """``w`` (out, in) rounded to 4 bits in blocks along ``in``: by default as ``MatMulNBits`` RTN (symmetric,
+    blocks of 32); ``--grid asymmetric --group-size 128`` is NNCF's int4 asymmetric g128 (min-max, a zero point)
+    and HQQ's starting grid at ``--group-size 32``."""
+    return fake_quant(w.detach(), 4, 1, GRID["group_size"], GRID["grid"])
 
 
 def build(model: torch.nn.Module, name: str, calib: torch.Tensor) -> torch.nn.Module:
@@ -67,6 +75,17 @@ def build(model: torch.nn.Module, name: str, calib: torch.Tensor) -> torch.nn.Mo
     if name == "original":
         return model
     conv = copy.deepcopy(model)
+    if name.split("@")[0].startswith("online"):  # online[-bB][+shift][+smooth-A|+awq-A][@S]
+        spec, _, seed = name.partition("@")
+        head, *extras = spec.split("+")
+        block = int(head.rpartition("-b")[2]) if head.startswith("online-b") else None
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            normswap.patch(conv, beta_placement="keep")
+            for extra in extras:  # exact edits of the norms and their readers before the ops go in
+                migrate_(conv, extra, calib)
+            normswap.rotate(conv, "none", online=True, seed=int(seed or 0), online_block=block)
+        return conv.eval()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         normswap.patch(conv, fold_gamma=True)
@@ -88,6 +107,81 @@ def build(model: torch.nn.Module, name: str, calib: torch.Tensor) -> torch.nn.Mo
         else:
             raise SystemExit(f"unknown variant {name}")
     return conv.eval()
+
+
+def norm_readers(conv: torch.nn.Module) -> dict[str, list[str]]:
+    """Each encoder norm that only Linears read, with its readers (``norm1``: q, k, v; ``norm2``: ``fc1``)."""
+    out = {}
+    for i in range(conv.config.num_hidden_layers):
+        pre = f"encoder.layer.{i}"
+        out[f"{pre}.norm1"] = [f"{pre}.attention.{k}" for k in ("q_proj", "k_proj", "v_proj")]
+        out[f"{pre}.norm2"] = [f"{pre}.mlp.fc1"]
+    return out
+
+
+@torch.no_grad()
+def migrate_(conv: torch.nn.Module, how: str, calib: torch.Tensor) -> None:
+    """An exact edit between each norm (γ and β kept, before any op) and its Linear readers, from ``calib``:
+
+    * ``shift``: Outlier Suppression+'s shift: ``z`` = the norm output's mean per channel over the calibration
+      tokens; the norm's β ``− z``, each reader's bias ``+ W z``, so its input is centred per channel and the
+      rounding error's part that is the same for every token (``ΔW z``) is gone;
+    * ``smooth-A``: SmoothQuant's migration, ``s_j = max|a_j|^A / max|W_:,j|^(1−A)`` (``normswap.rotation.smooth``),
+      the norm's γ and β ``/ s``, the readers' columns ``× s``;
+    * ``awq-A``: the same with ``s_j = mean|a_j|^A`` (AWQ's activation-aware scale, no weight term), normalised
+      to geometric mean 1.
+
+    The online Hadamard then goes in after the norm, so the turned weight is ``W·diag(s)·D·H``: the columns of
+    the channels that carry the most activation rounded finer, relative to their size, after the spread."""
+    from normswap.rotation import smooth
+
+    batches = [((), {"pixel_values": b}) for b in calib.split(8)]
+    pairs = norm_readers(conv)
+    lins = dict(conv.named_modules())
+    if how == "shift":
+        sums: dict[str, torch.Tensor] = {}
+        counts: dict[str, int] = {}
+
+        def hook(name: str):
+            def record(module: torch.nn.Module, args: tuple, out: torch.Tensor) -> None:
+                flat = out.detach().double().reshape(-1, out.shape[-1])
+                sums[name] = sums.get(name, 0) + flat.sum(0)
+                counts[name] = counts.get(name, 0) + flat.shape[0]
+            return record
+
+        hs = [lins[n].register_forward_hook(hook(n)) for n in pairs]
+        outputs(conv, calib)
+        for h in hs:
+            h.remove()
+        for n, readers in pairs.items():
+            z = sums[n] / counts[n]
+            norm = lins[n]
+            norm.bias.copy_((norm.bias.double() - z).to(norm.bias.dtype))
+            for r in readers:
+                lin = lins[r]
+                lin.bias.copy_((lin.bias.double() + lin.weight.double() @ z).to(lin.bias.dtype))
+        return
+    kind, _, alpha = how.partition("-")
+    if kind == "smooth":
+        act = smooth.activation_maxima(conv, pairs, batches)
+    elif kind == "awq":
+        seen: dict[str, list[torch.Tensor]] = {n: [] for n in pairs}
+        hs = [lins[n].register_forward_hook(
+            lambda m, a, o, acc=seen[n]: acc.append(o.detach().double().abs().reshape(-1, o.shape[-1]).mean(0)))
+            for n in pairs]
+        outputs(conv, calib)
+        for h in hs:
+            h.remove()
+        act = {n: torch.stack(v).mean(0) for n, v in seen.items()}
+    else:
+        raise SystemExit(f"unknown edit {how}")
+    for n, readers in pairs.items():
+        if kind == "smooth":
+            s = smooth.scales(act[n], smooth.weight_maxima(conv, readers), float(alpha))
+        else:
+            s = act[n].clamp_min(1e-12).pow(float(alpha))
+            s = s / s.log().mean().exp()
+        smooth.apply_(conv, n, readers, s)
 
 
 @torch.no_grad()
@@ -210,6 +304,22 @@ def linear_errors(model: torch.nn.Module, px: torch.Tensor, top: int = 8) -> dic
     return out
 
 
+@torch.no_grad()
+def block_grids(model: torch.nn.Module, group: int = 128) -> dict[str, list[float]]:
+    """Per Linear kind, medians over layers of: ``‖ΔW‖/‖W‖`` on the asymmetric 4-bit grid (NNCF's int4 asym, groups
+    of ``group`` inputs), the same on the symmetric ``full`` grid, and the share of each block's energy in its
+    mean (what a zero point could absorb as an offset)."""
+    rows: dict[str, list[tuple[float, float, float]]] = {}
+    for n, lin in linears(model).items():
+        w = lin.weight.detach().double()
+        blocks = w.reshape(w.shape[0], -1, group)
+        share = float((blocks.mean(-1) ** 2).sum() / (blocks ** 2).mean(-1).sum())
+        ea = float((fake_quant(w, 4, 1, group, "asymmetric") - w).norm() / w.norm())
+        es = float((fake_quant(w, 4, 1, group, "full") - w).norm() / w.norm())
+        rows.setdefault(n.rsplit(".", 1)[-1], []).append((ea, es, share))
+    return {k: [statistics.median(x[i] for x in v) for i in range(3)] for k, v in rows.items()}
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     import transformers as tf
 
@@ -225,8 +335,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--groups", nargs="+", help="only these groups (default: all, readers, writers, each kind)")
     ap.add_argument("--select-seeds", type=int, default=0, help="instead: the Hadamard signs of seeds 0..N-1, each "
                     "model with every Linear rounded, scored on the calibration crops (a rotation chosen from data)")
+    ap.add_argument("--grid", default="full", choices=("full", "symmetric", "asymmetric"),
+                    help="the 4-bit weight grid (full: MatMulNBits RTN; asymmetric: NNCF int4 asym, HQQ's start)")
+    ap.add_argument("--group-size", type=int, default=32, help="weights per scale along the input features")
+    ap.add_argument("--block-grids", action="store_true", help="instead: per Linear kind, the weights' rounding "
+                    "error on the asymmetric and the symmetric 4-bit grid in groups of --group-size (block_grids)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
+    GRID.update(grid=args.grid, group_size=args.group_size)
     torch.set_num_threads(1)
     model = tf.Dinov2Model.from_pretrained(args.model).eval()
     px = photo_crops(args.photos, args.images, args.image, seed=1, exclude=CALIB)
@@ -240,6 +356,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             print(f"seed {seed}: calibration tok {statistics.fmean(e['tok']):.4e} cls {statistics.fmean(e['cls']):.4e}",
                   flush=True)
         return {}
+    if args.block_grids:
+        print(f"| kind | variant | asym g{args.group_size} ‖ΔW‖/‖W‖ | sym | asym / sym | block-mean energy share |")
+        print("|---|---|---|---|---|---|")
+        found = {name: block_grids(build(model, name, calib), args.group_size) for name in args.variants}
+        for kind in READERS + WRITERS:
+            for name, kinds in found.items():
+                ea, es, share = kinds[kind]
+                print(f"| {kind} | {name} | {ea:.4f} | {es:.4f} | {ea / es:.3f} | {share:.4f} |")
+        return {"block_grids": found}
     ref = outputs(model, px)
     groups = args.groups or group_names(model.config.num_hidden_layers, args.per_layer)
     result: dict[str, Any] = {"images": args.images, "groups": groups, "rows": {}, "linears": {}}

@@ -282,10 +282,9 @@ class ConvertOptions:
             choose("rotate_output", self.rotate_output, ROTATE_OUTPUTS)
         if isinstance(self.rotate_seed, bool) or not isinstance(self.rotate_seed, int):
             raise NormswapError(f"option rotate_seed must be an int, not {self.rotate_seed!r}")
-        if self.rotate == "none" and (not self.online_hadamard or self.rotate_output is not None
-                                      or self.rotate_smooth is not None):
+        if self.rotate == "none" and (not self.online_hadamard or self.rotate_output is not None):
             raise NormswapError("option rotate='none' turns no stream, it only adds online Hadamards: pass "
-                                "online_hadamard=True (--online-hadamard), and no rotate_output or rotate_smooth")
+                                "online_hadamard=True (--online-hadamard), and no rotate_output")
         check_online_block(self.online_block, self.online_hadamard)
         if (self.online_hadamard or self.rotate_output is not None) and self.rotate is None:
             what = "online_hadamard" if self.online_hadamard else "rotate_output"

@@ -422,7 +422,8 @@ Presets (offline, seeded tiny models with tokenizers/processors):
 @click.option("--smooth", "smooth", type=click.FloatRange(0.0, 1.0), default=None, metavar="ALPHA",
               help="With --rotate: after the rotation, move a per-channel scale between each norm's weight and "
               "its readers' input columns (SmoothQuant's alpha, e.g. 0.5), measured on --calibration-data "
-              "(default: built-in batches). Exact; works with --format compat.")
+              "(default: built-in batches). Exact; works with --format compat. With --rotate none "
+              "--online-hadamard: the scale goes in before the ops, in the norm's own basis (γ and β / s).")
 @example_input_options
 @click.option("--quiet", "-q", is_flag=True,
               help="Errors only on stderr: no progress, notes or warnings (the results still go to stdout).")

@@ -81,7 +81,8 @@ class Rotation:
         """One line: ``rotated 2 stream(s) (hadamard), 1 left unrotated``."""
         if any(r["kind"] == NONE for r in self.rotated):
             return f"no stream turned; {_online_only_counts(self.rotated)}" + _blocks_said(self.rotated) + \
-                (f", {len(self.online_skipped)} left alone" if self.online_skipped else "")
+                (f", {len(self.online_skipped)} left alone" if self.online_skipped else "") + \
+                (f"; {self.smoothing.headline()}" if self.smoothing is not None else "")
         kinds = "/".join(sorted({r["kind"] for r in self.rotated}))
         line = f"rotated {len(self.rotated)} stream(s)" + (f" ({kinds})" if kinds else "")
         if self.fallbacks:
@@ -726,7 +727,10 @@ def rotate(model: nn.Module, q: str | int | torch.Tensor = "hadamard", *, seed: 
             the norm's rotated output ``a`` on ``calibration`` and the readers' columns ``W``
             (:mod:`normswap.rotation.smooth`). Exact for any ``s``; it evens activation and weight channel
             ranges out between them. The norms keep that weight (a float multiply in every engine), so the
-            model cannot be rotated again afterwards.
+            model cannot be rotated again afterwards. With ``q="none"`` (online Hadamards alone) the scale goes
+            in before the ops, in the norm's own basis: γ and β ``/ s``, the readers' columns ``× s``, then the
+            op after the norm spreads the smoothed output; on DINOv2-small this is what takes 4-bit weights
+            furthest below the original (``docs/results/quantization.md``, round 51).
         calibration: the inputs ``smooth`` measures activations on and ``"learned"`` learns from: a tensor,
             a tuple or dict of model inputs, or a list of them (as ``normswap.patch``'s ``calibration``).
             Default: for a transformers model, the built-in calibration batches (English text, generated
@@ -806,10 +810,13 @@ def rotate(model: nn.Module, q: str | int | torch.Tensor = "hadamard", *, seed: 
     if choice.kind == NONE:
         if not online:
             raise NormswapError("q='none' turns no stream: it only adds online Hadamards, so pass online=True too")
-        if (output, smooth, calibration) != (None, None, None):
-            raise NormswapError("q='none' takes online=True and seed only: output, smooth and calibration apply to "
-                                "a turned stream")
-        result = _online_only(model, plan, seed, online_block)
+        if output is not None:
+            raise NormswapError("q='none' turns no stream, so output= (which says what a turned stream's model "
+                                "output becomes) does not apply: leave it out")
+        if smooth is None:
+            result = _online_only(model, plan, seed, online_block)
+        else:
+            result = _online_only_smoothed(model, plan, seed, online_block, smooth, calibration)
         carry.record(model)  # so that a module swap can be undone (carry_online_ops) or is refused
         return result
     if smooth is not None or settings is not None:  # checked and resolved before anything turns
@@ -939,6 +946,50 @@ def _online_only(model: nn.Module, plan: Plan, seed: int, online_block: int | No
                  "value_heads": heads, "head_dim": hd, "q": torch.eye(max(widths), dtype=torch.float64)}
         result.rotated.append(entry)
         plan.rotations = plan.rotations + [manifest_entry(entry)]
+    return result
+
+
+def _online_only_smoothed(model: nn.Module, plan: Plan, seed: int, online_block: int | None, alpha: float,
+                          calibration: Any) -> Rotation:
+    """``rotate(model, "none", online=True, smooth=alpha)``: SmoothQuant's scale migration between each converted
+    norm (γ and β kept) and its Linear readers, then the online Hadamards (:func:`_online_only`).
+
+    The scale goes in before the ops, in the norm's own basis: the norm's γ and β ``/ s``, its readers' input
+    columns ``× s`` (exact for any ``s > 0``; :mod:`normswap.rotation.smooth`), and the op after the norm then
+    spreads the smoothed output, so each reader's weight is ``W·diag(s)·D·H``: the columns of the channels
+    that carry the most activation (DINOv2's massive channels) are rounded finer, relative to their size,
+    where the Hadamard alone rounds every column on one step. Norms whose output is a model output, or whose
+    readers' weights are shared (a tied head), are left alone (``result.smoothing.skipped``). If adding the
+    ops fails, the smoothed tensors are put back, so the model is untouched."""
+    from normswap.rotation import smooth as smoothing
+
+    smoothing.check_alpha(alpha)
+    batches = smoothing.calibration_batches(model, calibration)
+    pseudo = [{"norms": [sp.name for sp in group], "writers": [], "restore": []} for group in streams(plan, model)]
+    found, skipped = smoothing.targets(model, plan, pseudo)
+    sharing: dict[int, int] = {}
+    for _, m in model.named_modules(remove_duplicate=False):
+        for p in m.parameters(recurse=False):
+            sharing[id(p)] = sharing.get(id(p), 0) + 1
+    for name, readers in list(found.items()):
+        if any(sharing.get(id(smoothing.reader_weight(model, rd)), 0) > 1 for rd in readers):
+            del found[name]
+            skipped[name] = "a reader's weight is shared with another module (tied)"
+    touched = {id(t): t for name, readers in found.items()
+               for t in [*smoothing.norm_tensors(model, name), *(smoothing.reader_weight(model, rd) for rd in readers)]}
+    saved = {k: t.detach().clone() for k, t in touched.items()}
+    try:
+        done = smoothing.smooth_found_(model, found, skipped, batches, alpha)
+        result = _online_only(model, plan, seed, online_block)
+    except BaseException:
+        with torch.no_grad():
+            for k, t in touched.items():
+                t.copy_(saved[k])
+        raise
+    result.smoothing = done
+    if result.rotated:  # recorded in the manifest entry _online_only wrote, too
+        result.rotated[0].update(smooth=done.alpha, smoothed=sorted(done.scales))
+        plan.rotations = plan.rotations[:-1] + [manifest_entry(result.rotated[0])]
     return result
 
 

@@ -207,11 +207,30 @@ def apply_(model: nn.Module, norm: str, readers: list[str], s: torch.Tensor) -> 
         w.copy_((w.double() * s.to(w.device).reshape(shape)).to(w.dtype))
 
 
+def reader_weight(model: nn.Module, reader: str) -> torch.Tensor:
+    """The weight parameter a scale on ``reader``'s input columns multiplies."""
+    return _param(model, reader)
+
+
+def norm_tensors(model: nn.Module, norm: str) -> list[torch.Tensor]:
+    """The norm's weight and (kept β) bias: what :func:`apply_` divides by ``s``."""
+    module = model.get_submodule(norm)
+    return [p for p in (getattr(module, "weight", None), getattr(module, "bias", None)) if isinstance(p, torch.Tensor)]
+
+
 def smooth_(model: nn.Module, plan: Plan, rotated: list[dict], batches: list[tuple[tuple, dict]],
             alpha: float) -> Smoothing:
     """Scale-migrate every norm of the ``rotated`` streams that can take it (:func:`targets`), in place."""
+    found, skipped = targets(model, plan, rotated)
+    return smooth_found_(model, found, skipped, batches, alpha)
+
+
+def smooth_found_(model: nn.Module, found: dict[str, list[str]], skipped: dict[str, str],
+                  batches: list[tuple[tuple, dict]], alpha: float) -> Smoothing:
+    """Scale-migrate each norm of ``found`` (``{norm: its Linear readers}``, as :func:`targets` gives) in
+    place; ``skipped`` (``{norm: why not}``) is recorded as it is."""
     result = Smoothing(check_alpha(alpha))
-    found, result.skipped = targets(model, plan, rotated)
+    result.skipped = dict(skipped)
     if not found:
         return result
     if not batches:

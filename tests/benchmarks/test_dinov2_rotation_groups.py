@@ -93,3 +93,50 @@ def test_groups_hold_the_linears_they_name_and_measuring_leaves_the_model_unroun
     err = groups.group_errors(model, px, ref, ["all", "L1.writers"])
     assert all(v.equal(model.state_dict()[k]) for k, v in before.items())
     assert min(err["all"]["tok"]) > 0  # the rounding did reach the model while measured
+
+
+def test_online_variants_and_their_edits_are_exact_and_do_what_they_say() -> None:
+    """``online[-bB][+shift][+smooth-A|+awq-A]``: the edits before the ops keep the function (float64); the shift
+    centres each norm's output per channel on the calibration crops; smoothing leaves the norms' γ ÷ s; and the
+    grid option rounds as asked."""
+    from normswap.rotation.learn import fake_quant
+
+    model = benchmark_modules.tiny_dinov2(3)
+    calib, px = _pixels(4, 1), _pixels(3, 2)
+    ref = groups.outputs(model, px)
+    for name in ("online", "online-b8@1", "online+shift", "online+smooth-0.5", "online+awq-0.5",
+                 "online+shift+smooth-0.5"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            m = groups.build(model, name, calib)
+        out = groups.outputs(m, px)
+        assert float((ref[1] - out[1]).abs().max() / ref[1].abs().max()) < 1e-9, name
+    # the shift: every norm's output (before the op) averages to zero per channel on the calibration crops
+    import normswap
+
+    conv = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        normswap.patch(conv, beta_placement="keep")
+    groups.migrate_(conv, "shift", calib)
+    seen = []
+    h = conv.encoder.layer[1].norm2.register_forward_hook(lambda m, a, o: seen.append(o.detach()))
+    groups.outputs(conv, calib)
+    h.remove()
+    assert float(torch.cat(seen).reshape(-1, 32).mean(0).abs().max()) < 1e-9
+    # the grid option
+    w = torch.randn(4, 256, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    groups.GRID.update(grid="asymmetric", group_size=128)
+    try:
+        assert torch.equal(groups.rtn4(w), fake_quant(w, 4, 1, 128, "asymmetric"))
+    finally:
+        groups.GRID.update(grid="full", group_size=32)
+    assert torch.equal(groups.rtn4(w), fake_quant(w, 4, 1, 32, "full"))
+
+
+def test_block_grids_reports_each_kind_and_the_grids_differ() -> None:
+    model = benchmark_modules.tiny_dinov2(0)
+    found = groups.block_grids(model, 32)
+    assert sorted(found) == sorted(groups.READERS + groups.WRITERS)
+    for ea, es, share in found.values():
+        assert 0 < ea < 1 and 0 < es < 1 and ea != es and 0 <= share < 1
