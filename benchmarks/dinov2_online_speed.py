@@ -3,12 +3,15 @@ torch eager. Variants of one checkpoint: the original; ``native``, the checkpoin
 (β kept); ``online``, the same with ``normswap.rotate(model, "none", online=True)`` (one op after each norm whose
 output only its Linear readers read, so q, k and v share one, and one before each other reader and each MLP down
 projection); ``online-per-reader``, the same function laid out as before 2026-11-30 (an op before every Linear
-reader: q, k and v each transform the same tensor); ``writer-ops``, ``normswap convert --writer-centering op`` (the
-writers' weights kept, a centering op after each LayerScale: 24 ops more than ``native`` on DINOv2-small). One
-thread. Each engine is timed in ABBA rounds (the original, each variant in turn, the original, the variants in
-reverse, the original), each variant's ratio to the mean of the original's three runs in that round, and the
-original's last run against its first (the machine's noise). Prints the median and range over the rounds, per
-engine.
+reader: q, k and v each transform the same tensor); ``online-bN``, the ops block-diagonal (``online_block=N``);
+``online-stock`` / ``online-b32-stock``, the same models with each op's eager call in its stock form (as before
+round 51's ``EagerOp``: :func:`stock_ops_`); ``copy``, the original's deep copy (a control: the original's weights
+are a mapping of the checkpoint file, which the kernel may back with huge pages, every other variant's are
+anonymous memory); ``writer-ops``, ``normswap convert --writer-centering op`` (the writers' weights kept, a
+centering op after each LayerScale: 24 ops more than ``native`` on DINOv2-small). One thread. Each engine is timed
+in ABBA rounds (the original, each variant in turn, the original, the variants in reverse, the original), each
+variant's ratio to the mean of the original's three runs in that round, and the original's last run against its
+first (the machine's noise). Prints the median and range over the rounds, per engine.
 
     python benchmarks/dinov2_online_speed.py --model /tmp/held46/dinov2-focus --batch 8 --image 112 --rounds 8
     python benchmarks/dinov2_online_speed.py --model /tmp/held46/dinov2-focus --batch 1 --image 224 --rounds 8
@@ -34,7 +37,21 @@ from bench_quant_engines import export  # noqa: E402
 ENGINES = ("ort", "eager")
 
 
-VARIANTS = ("native", "online", "online-per-reader", "online-b32", "online-b64", "online-b128", "writer-ops")
+VARIANTS = ("native", "online", "online-per-reader", "online-b32", "online-b64", "online-b128", "copy", "online-stock",
+            "online-b32-stock", "writer-ops")
+
+
+def stock_ops_(model: torch.nn.Module) -> int:
+    """Make every online op of ``model`` run its stock form in eager too (the form ``torch.compile`` and the
+    exporters trace; what eager ran before round 51's ``EagerOp``): the side-by-side baseline for the eager
+    form. Returns the number of ops."""
+    from normswap.rotation.rotate import OnlineHadamard
+
+    hooks = [h for m in model.modules() for h in (*m._forward_pre_hooks.values(), *m._forward_hooks.values())
+             if isinstance(h, OnlineHadamard)]
+    for h in hooks:
+        h.eager_op = lambda *_: None  # no eager form: transform falls through to the stock one
+    return len(hooks)
 
 
 def online_block(name: str) -> int | None:
@@ -47,6 +64,8 @@ def variants(model: torch.nn.Module, names: tuple[str, ...] = VARIANTS[:3]) -> d
     import normswap
 
     out = {"original": model}
+    if "copy" in names:  # the original's deep copy: its weights in anonymous memory, as every variant's are
+        out["copy"] = copy.deepcopy(model)
     native = copy.deepcopy(model)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -61,7 +80,9 @@ def variants(model: torch.nn.Module, names: tuple[str, ...] = VARIANTS[:3]) -> d
             if name == "online-per-reader":  # the layout before one op per norm output: no norm shares its op
                 for sp in normswap.plan_of(m).sites:
                     sp.readers_alone = False
-            rot = normswap.rotate(m, "none", online=True, online_block=online_block(name))
+            rot = normswap.rotate(m, "none", online=True, online_block=online_block(name.removesuffix("-stock")))
+            if name.endswith("-stock"):
+                print(f"{name}: {stock_ops_(m)} ops in their stock form", flush=True)
             print(f"{name}: {rot.headline()}", flush=True)
             out[name] = m
     return out

@@ -1,5 +1,5 @@
-"""Float32 latency of Whisper with online Hadamards alone against the original, side by side, in ONNX Runtime:
-the encoder, and one cached decoder step.
+"""Float32 latency of Whisper with online Hadamards alone against the original, side by side, in ONNX Runtime
+and (``--engines eager``) in torch eager: the encoder, and one cached decoder step.
 
 Three variants of one checkpoint directory each (``normswap convert`` outputs, loaded as the docs load them):
 the original; ``native`` (``normswap convert ORIG --out DIR --dtype float32``: β kept, no rotation) and
@@ -17,6 +17,11 @@ runs in that round, and the original's last run against its first (the machine's
 range over the rounds.
 
     python benchmarks/whisper_online_speed.py --orig tiny-orig native=tiny-native online=tiny-none --rounds 8
+    python benchmarks/whisper_online_speed.py --orig tiny-orig native=tiny-native online=tiny-none \
+        online-stock=tiny-none online-b32=tiny-none-b32 --engines eager --graphs step --rounds 12
+
+A variant named ``...-stock`` runs its ops' eager calls in their stock form (``dinov2_online_speed.stock_ops_``:
+as before round 51's ``EagerOp``), for a side-by-side of the two forms.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_quant_whisper import whisper_model  # noqa: E402
-from dinov2_online_speed import abba  # noqa: E402
+from dinov2_online_speed import abba, stock_ops_  # noqa: E402
 
 
 class Encoder(torch.nn.Module):
@@ -101,57 +106,81 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, list[float]]]:
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--reps", type=int, default=3, help="runs per timing (the step: 20 times this)")
     ap.add_argument("--graphs", nargs="+", default=["encoder", "step"], choices=["encoder", "step"])
+    ap.add_argument("--engines", nargs="+", default=["ort"], choices=["ort", "eager"],
+                    help="ONNX Runtime (the exported graphs) and/or torch eager (the same wrappers called under "
+                    "torch.inference_mode: the per-call host cost a decode loop in PyTorch pays)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     dirs = {"original": args.orig, **{v.split("=", 1)[0]: Path(v.split("=", 1)[1]) for v in args.variants}}
     models = {name: whisper_model(d) for name, d in dirs.items()}
+    for name, m in models.items():
+        if name.endswith("-stock"):  # the same checkpoint, its ops' eager calls in their stock form
+            print(f"{name}: {stock_ops_(m)} ops in their stock form", flush=True)
     feats = torch.randn(args.batch, models["original"].config.num_mel_bins, 3000,
                         generator=torch.Generator().manual_seed(1))
     so = ort.SessionOptions()
     so.intra_op_num_threads = so.inter_op_num_threads = 1
     results: dict[str, dict[str, list[float]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for graph in args.graphs:
-            run: dict[str, Callable[[], float]] = {}
-            ref = None
-            for name, m in models.items():
-                wrap = Encoder(m) if graph == "encoder" else Step(m)
-                # the step: each variant's own cache (its keys and values are its own functions of the input)
-                inputs = (feats,) if graph == "encoder" else step_inputs(m, feats, args.past)
-                names = [f"x{i}" for i in range(len(inputs))]
-                path = Path(tmp) / f"{graph}-{name}.onnx"
-                with warnings.catch_warnings(), torch.no_grad():
-                    warnings.simplefilter("ignore")
-                    torch.onnx.export(wrap, inputs, str(path), input_names=names, dynamo=False, opset_version=17)
-                    eager = wrap(*inputs)
-                sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
-                feed = {n: t.numpy() for n, t in zip(names, inputs, strict=True)}
-                got = torch.from_numpy(sess.run(None, feed)[0])
-                ref = eager if ref is None else ref
-                err_eager = float((got - eager).abs().max() / eager.abs().max())
-                err_ref = float((got - ref).abs().max() / ref.abs().max())
-                print(f"{graph} {name}: ONNX Runtime against its eager model {err_eager:.1e}, against the "
-                      f"original's eager output {err_ref:.1e}", flush=True)
-                reps = args.reps * (20 if graph == "step" else 1)
+        for engine in args.engines:
+            for graph in args.graphs:
+                run: dict[str, Callable[[], float]] = {}
+                ref = None
+                for name, m in models.items():
+                    wrap = Encoder(m) if graph == "encoder" else Step(m)
+                    # the step: each variant's own cache (its keys and values are its own functions of the input)
+                    inputs = (feats,) if graph == "encoder" else step_inputs(m, feats, args.past)
+                    reps = args.reps * (20 if graph == "step" else 1)
+                    if engine == "eager":
+                        with torch.inference_mode():
+                            got = wrap(*inputs)
+                        ref = got if ref is None else ref
+                        print(f"eager {graph} {name}: against the original's eager output "
+                              f"{float((got - ref).abs().max() / ref.abs().max()):.1e}", flush=True)
 
-                def seconds(s: ort.InferenceSession = sess, f: dict = feed, n: int = reps) -> float:
-                    t0 = time.perf_counter()
-                    for _ in range(n):
-                        s.run(None, f)
-                    return (time.perf_counter() - t0) / n
-                run[name] = seconds
-            for fn in run.values():  # warm-up
-                fn()
-            results[graph] = ratios = abba(run, args.rounds)
-            print(f"\nONNX Runtime {graph}, batch {args.batch}" + (f", {args.past} past positions" if graph == "step"
-                  else "") + f", {args.rounds} ABBA rounds, time / original's:")
-            print("| variant | median | range |\n|---|---|---|")
-            for name, r in ratios.items():
-                print(f"| {name} | {statistics.median(r):.3f} | {min(r):.3f}-{max(r):.3f} |", flush=True)
-    if args.json:
-        args.json.write_text(json.dumps({"batch": args.batch, "past": args.past, "rounds": args.rounds,
-                                         "ratios": results}, indent=1))
+                        def seconds(w: torch.nn.Module = wrap, i: tuple = inputs, n: int = reps) -> float:
+                            with torch.inference_mode():
+                                t0 = time.perf_counter()
+                                for _ in range(n):
+                                    w(*i)
+                                return (time.perf_counter() - t0) / n
+                        run[name] = seconds
+                        continue
+                    names = [f"x{i}" for i in range(len(inputs))]
+                    path = Path(tmp) / f"{graph}-{name}.onnx"
+                    with warnings.catch_warnings(), torch.no_grad():
+                        warnings.simplefilter("ignore")
+                        torch.onnx.export(wrap, inputs, str(path), input_names=names, dynamo=False, opset_version=17)
+                        eager = wrap(*inputs)
+                    sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+                    feed = {n: t.numpy() for n, t in zip(names, inputs, strict=True)}
+                    got = torch.from_numpy(sess.run(None, feed)[0])
+                    ref = eager if ref is None else ref
+                    err_eager = float((got - eager).abs().max() / eager.abs().max())
+                    err_ref = float((got - ref).abs().max() / ref.abs().max())
+                    print(f"{graph} {name}: ONNX Runtime against its eager model {err_eager:.1e}, against the "
+                          f"original's eager output {err_ref:.1e}", flush=True)
+
+                    def seconds(s: ort.InferenceSession = sess, f: dict = feed, n: int = reps) -> float:
+                        t0 = time.perf_counter()
+                        for _ in range(n):
+                            s.run(None, f)
+                        return (time.perf_counter() - t0) / n
+                    run[name] = seconds
+                for fn in run.values():  # warm-up
+                    fn()
+                key = graph if engine == "ort" else f"eager {graph}"
+                results[key] = ratios = abba(run, args.rounds)
+                print(f"\n{'ONNX Runtime' if engine == 'ort' else 'torch eager'} {graph}, batch {args.batch}"
+                      + (f", {args.past} past positions" if graph == "step" else "")
+                      + f", {args.rounds} ABBA rounds, time / original's:")
+                print("| variant | median | range |\n|---|---|---|")
+                for name, r in ratios.items():
+                    print(f"| {name} | {statistics.median(r):.3f} | {min(r):.3f}-{max(r):.3f} |", flush=True)
+                if args.json:
+                    args.json.write_text(json.dumps({"batch": args.batch, "past": args.past, "rounds": args.rounds,
+                                                     "reps": args.reps, "ratios": results}, indent=1))
     return results
 
 

@@ -39,6 +39,7 @@ from normswap.nn.call_args import argument_slot
 from normswap.nn.rmsnorm import RMSNorm
 from normswap.options import check_online_block, choose
 from normswap.rotation import carry, hadamard
+from normswap.rotation.eager_op import EagerOp
 from normswap.surgery.scales import fold_layer_scale
 
 KINDS = ("hadamard", "random")  # built from (width, kind, seed)
@@ -438,12 +439,25 @@ class OnlineHadamard:
 
     def __init__(self) -> None:
         self.pow2_copies: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+        self.eager_ops: dict[tuple[torch.device, torch.dtype], EagerOp] = {}
 
     def __call__(self, module: nn.Module, args: tuple) -> tuple:
         return (self.transform(module, args[0]), *args[1:])
 
     def transform(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """``x·D·H/sqrt(n)`` with the factors ``module`` holds."""
+        """``x·D·H/sqrt(n)`` with the factors ``module`` holds: in eager mode by its :class:`EagerOp` (constants
+        prepared once per device and dtype, few kernels), while a graph is captured (``torch.compile``, the
+        exporters, ``torch.jit.trace``) or for a tensor subclass by the stock form below, which holds the
+        stored factors as they are."""
+        if type(x) is torch.Tensor and not torch.compiler.is_compiling() and not torch._C._is_tracing():
+            buffers = module._buffers  # not module.<name>: nn.Module.__getattr__ costs ~0.6 us a read
+            small, signs = buffers.get(HADAMARD_BUFFER), buffers.get(SIGNS_BUFFER)
+            if small is not None:
+                op = self.eager_ops.get((x.device, x.dtype))
+                if op is None or not op.holds(small, signs):
+                    op = self.eager_op(small, signs, x)
+                if op is not None:
+                    return op(x)
         signs = getattr(module, SIGNS_BUFFER, None)
         if signs is not None:
             x = x * signs.to(x.dtype)
@@ -453,6 +467,15 @@ class OnlineHadamard:
         if pow2 is not None:  # two matmuls: two exported nodes instead of a butterfly's dozens
             return hadamard.hadamard_matmuls(x, small, self.pow2_like(pow2, x))
         return hadamard.fwht(x, small)
+
+    def eager_op(self, small: torch.Tensor, signs: torch.Tensor | None, x: torch.Tensor) -> EagerOp | None:
+        """A new :class:`EagerOp` for calls like ``x`` (None where the buffers cannot be cached: inference
+        tensors); the ops made from other buffers (before a ``.to``, a new value) are dropped."""
+        op = EagerOp.of(small, signs, x)
+        if op is not None:
+            self.eager_ops = {k: v for k, v in self.eager_ops.items() if v.holds(small, signs)}
+            self.eager_ops[(x.device, x.dtype)] = op
+        return op
 
     def pow2_like(self, pow2: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """``pow2`` (float64, on the CPU) on ``x``'s device in its dtype, converted once per device and dtype.

@@ -49,3 +49,17 @@ def test_the_cached_step_is_the_uncached_forwards_last_position_and_reads_no_enc
     moved[4] = 2 * moved[4]  # the first layer's cross-attention values
     with torch.no_grad():
         assert not torch.allclose(speed.Step(original)(*moved), want)
+
+
+def test_the_eager_step_leaves_its_inputs_as_they_were():
+    """The eager engine calls the same step on the same inputs again and again: a step that grew or overwrote the
+    cache it is given would time ever longer caches, and its second call would differ from its first."""
+    model = benchmark_modules.tiny_whisper().double()
+    feats = torch.randn(1, 8, 32, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    inputs = speed.step_inputs(model, feats, past=5)
+    before = [t.clone() for t in inputs]
+    step = speed.Step(model)
+    with torch.inference_mode():
+        first, second = step(*inputs), step(*inputs)
+    torch.testing.assert_close(first, second, rtol=0, atol=0)
+    assert all(torch.equal(a, b) and a.shape == b.shape for a, b in zip(inputs, before, strict=True))

@@ -15,7 +15,7 @@ from normswap.inputs import hf_example_inputs
 from normswap.pipeline import default_dtype
 from normswap.rotation import hadamard
 from normswap.rotation.onnx_nodes import rotation_matrices
-from normswap.rotation.rotate import HADAMARD_BUFFER, SIGNS_BUFFER, rotate
+from normswap.rotation.rotate import HADAMARD_BUFFER, POW2_ATTR, SIGNS_BUFFER, rotate
 from tests.benchmark_modules import tiny_dinov2
 from tests.zoo import EXACT, build
 
@@ -233,19 +233,21 @@ def test_the_matmul_form_is_the_butterfly_to_float_rounding():
 
 
 def test_online_op_after_inference_mode_still_trains_and_reuses_its_factor():
-    """The op's ``2^m`` factor is converted once per device and dtype; a copy made while the model first ran
-    under ``torch.inference_mode`` must not be an inference tensor, or training afterwards fails."""
+    """The stock form's ``2^m`` factor (what a traced graph uses; eager calls run ``EagerOp``, whose constants
+    tests/rotation/test_online_eager_op.py checks the same way) is converted once per device and dtype; a copy
+    made under ``torch.inference_mode`` must not be an inference tensor, or training afterwards fails."""
     model = tiny_dinov2(seed=3).float()
     probe = hf_example_inputs(model, seed=5)
     normswap.patch(model, beta_placement="keep")
     rotate(model, "none", online=True, seed=4)
-    with torch.inference_mode():
-        model(**probe)
     fc1 = model.get_submodule("encoder.layer.0.mlp.fc1")
     (hook,) = [h for h in fc1._forward_pre_hooks.values() if hasattr(h, "pow2_copies")]
-    (copy,) = hook.pow2_copies.values()
+    pow2 = getattr(fc1, POW2_ATTR)
+    with torch.inference_mode():
+        model(**probe)
+        copy = hook.pow2_like(pow2, torch.ones(1, dtype=torch.float32))
     assert not copy.is_inference() and copy.dtype == torch.float32
     model.train()
     model(**probe).last_hidden_state.square().mean().backward()
     assert fc1.weight.grad is not None and torch.isfinite(fc1.weight.grad).all()
-    assert list(hook.pow2_copies.values())[0] is copy  # reused, not converted again
+    assert hook.pow2_like(pow2, torch.ones(1, dtype=torch.float32)) is copy  # reused, not converted again
