@@ -426,13 +426,19 @@ def quant(args: argparse.Namespace) -> dict[str, Any]:
             result["notes"][name] = note
             path = Path(tmp) / f"{name}.onnx"
             encoders.export(model, data[0], path)
+            ignored = None
+            fp32 = ov.convert_model(str(path))
+            if args.float_ops:  # a rotation's own MatMuls (online Hadamards) in NNCF's ignored scope
+                from normswap.rotation.onnx_nodes import rotation_matrices
+
+                ignored = rotation_ops(fp32, rotation_matrices(model))
+                result["notes"][name] += f"; {len(ignored)} rotation MatMul(s) in NNCF's ignored scope"
             if model is not original:
                 del model
             gc.collect()
-            fp32 = ov.convert_model(str(path))
             own = None
             for how in ["fp32", *[q for q in args.modes if q != "fp32"]]:
-                quantized = nncf_quantize(fp32, how, calib)
+                quantized = nncf_quantize(fp32, how, calib, ignored)
                 kinds = low_bit_constants(quantized)
                 got = embed_ov(quantized, data)
                 del quantized
@@ -533,6 +539,8 @@ def main() -> None:
     q.add_argument("--variants", nargs="+",
                    default=["original", "converted", "compat", "compat-exact", "converted-nocarry"])
     q.add_argument("--modes", nargs="+", default=list(QUANT_MODES), choices=QUANT_MODES)
+    q.add_argument("--float-ops", action="store_true", help="NNCF leaves a rotation's own ops (online Hadamards: "
+                   "bench_quant_encoders' online-… variants) in float: its ignored scope")
     q.add_argument("--json", type=Path)
     q.add_argument("--baseline", type=Path, help="an earlier --json of the same model and texts: its original's "
                    "errors are reused")

@@ -20,7 +20,11 @@ also a residual); ``converted-keep`` (``beta_placement="keep"``); ``converted-no
 ``converted-pnc`` (``per_norm_centering=True``: a centering op before each Post-LN norm the carry leaves
 approximate); ``converted-pnc-nocarry`` (``per_norm_centering=True, mean_carry=False``: a centering op
 before every Post-LN norm, no MLP widened); ``converted-pnc-nocarry-keep`` (the same, every β kept in its
-norm: what ``normswap convert --per-norm-centering --no-mean-carry`` writes).
+norm: what ``normswap convert --per-norm-centering --no-mean-carry`` writes). ``online-VARIANT`` (``online``
+alone: ``online-converted``): that variant's conversion, then ``normswap.rotate(model, "none", online=True)`` (no
+stream turned; an online Hadamard before every Linear input: what ``--rotate none --online-hadamard`` adds);
+``online-b32-VARIANT`` the same with ``online_block=32``. ``--float-ops`` leaves those ops' MatMuls in float in
+ONNX Runtime's quantizers (``nodes_to_exclude``), as ``bench_quant_engines.py --float-ops`` does.
 ``--texts`` English paragraphs from Python's reference docs (offline, held out from the calibration
 sentences), up to ``--max-len`` tokens.
 
@@ -57,8 +61,11 @@ from quant_utils import BatchReader  # noqa: E402 (the benchmarks folder is on t
 QUANTIZERS = ("fp32", "dyn-pt", "dyn-pc", "qdq", "nbits-rtn")
 DEFAULT_QUANTIZERS = ("fp32", "dyn-pt", "dyn-pc")
 CALIBRATION_TEXTS = 32  # qdq's calibration paragraphs, the ones after the measured texts (held out)
-VARIANTS = ("original", "converted", "converted-fold", "converted-keep", "converted-nocarry", "converted-carry128",
-            "converted-pnc", "converted-pnc-nocarry", "converted-pnc-nocarry-keep")
+CONVERTED = ("converted", "converted-fold", "converted-keep", "converted-nocarry", "converted-carry128",
+             "converted-pnc", "converted-pnc-nocarry", "converted-pnc-nocarry-keep")
+# online Hadamards on top of a conversion: online-<variant> (full op) and online-b32-<variant> (blocks of 32)
+ONLINE = ("online", *(f"online-{v}" for v in CONVERTED), *(f"online-b32-{v}" for v in CONVERTED))
+VARIANTS = ("original", *CONVERTED, *ONLINE)
 OPTIONS: dict[str, dict[str, Any]] = {"converted": {}, "converted-fold": {"beta_placement": "fold"},
                                       "converted-keep": {"beta_placement": "keep"},
                                       "converted-nocarry": {"mean_carry": False},
@@ -122,26 +129,30 @@ def export(model: torch.nn.Module, example: dict, path: Path) -> None:
                           output_names=["last_hidden_state"], dynamic_axes=axes, dynamo=False, opset_version=17)
 
 
-def quantize(fp32: Path, how: str, calib: list[dict] | None = None) -> Path:
-    """Write ``how``'s quantized model next to ``fp32`` with ONNX Runtime's own quantization tools."""
+def quantize(fp32: Path, how: str, calib: list[dict] | None = None, exclude: list[str] | None = None) -> Path:
+    """Write ``how``'s quantized model next to ``fp32`` with ONNX Runtime's own quantization tools; ``exclude``:
+    node names every quantizer leaves in float (a rotation's own ops, ``--float-ops``)."""
     from onnxruntime.quantization import QuantFormat, QuantType, quantize_dynamic, quantize_static
 
     if how == "fp32":
         return fp32
     out = fp32.with_name(f"{fp32.stem}.{how}.onnx")
     if how in ("dyn-pt", "dyn-pc"):
-        quantize_dynamic(str(fp32), str(out), weight_type=QuantType.QInt8, per_channel=how == "dyn-pc")
+        quantize_dynamic(str(fp32), str(out), weight_type=QuantType.QInt8, per_channel=how == "dyn-pc",
+                         nodes_to_exclude=exclude or [])
     elif how == "qdq":
         assert calib is not None, "qdq needs calibration batches"
         feeds = [{k: v.numpy() for k, v in b.items()} for b in calib]
         quantize_static(str(fp32), str(out), BatchReader(feeds), quant_format=QuantFormat.QDQ,
-                        activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8, per_channel=False)
+                        activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8, per_channel=False,
+                        nodes_to_exclude=exclude or [])
     elif how == "nbits-rtn":
         import onnx
         from onnxruntime.quantization import matmul_nbits_quantizer as mq
 
         algo = mq.DefaultWeightOnlyQuantConfig(block_size=32, is_symmetric=True)
-        q = mq.MatMulNBitsQuantizer(onnx.load(str(fp32)), block_size=32, is_symmetric=True, algo_config=algo)
+        q = mq.MatMulNBitsQuantizer(onnx.load(str(fp32)), block_size=32, is_symmetric=True, algo_config=algo,
+                                    nodes_to_exclude=exclude or [])
         q.process()
         q.model.save_model_to_file(str(out), use_external_data_format=False)
     else:
@@ -181,12 +192,27 @@ def build(name: str, original: torch.nn.Module, model_dir: Path) -> tuple[torch.
         return original, ""
     import normswap
 
+    base, block = online_parts(name)
     model = copy.deepcopy(original)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        report = normswap.patch(model, tokenizer=str(model_dir), **OPTIONS[name])
+        report = normswap.patch(model, tokenizer=str(model_dir), **OPTIONS[base])
+        turned = normswap.rotate(model, "none", online=True, online_block=block) if name in ONLINE else None
     biased = sum(1 for m in model.modules() if isinstance(m, normswap.RMSNorm) and m.bias is not None)
-    return model, f"{report.plan.summary()}; RMSNorms keeping a bias: {biased}"
+    note = f"{report.plan.summary()}; RMSNorms keeping a bias: {biased}"
+    return model, note + (f"; {turned.headline()}" if turned else "")
+
+
+def online_parts(name: str) -> tuple[str, int | None]:
+    """The conversion variant under an ``online…`` name and its ``online_block`` (``online-b32-converted-keep``
+    → ``("converted-keep", 32)``; ``online`` → ``("converted", None)``); other names come back unchanged."""
+    if name not in ONLINE:
+        return name, None
+    rest = name.removeprefix("online").removeprefix("-")
+    block = None
+    if rest.startswith("b32-"):
+        block, rest = 32, rest.removeprefix("b32-")
+    return rest or "converted", block
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -197,6 +223,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--variants", nargs="+", default=["original", "converted"], choices=VARIANTS)
     ap.add_argument("--quantizers", nargs="+", default=list(DEFAULT_QUANTIZERS), choices=QUANTIZERS,
                     help="fp32 is always measured (the conversion's own error)")
+    ap.add_argument("--float-ops", action="store_true", help="ONNX Runtime's quantizers leave a rotation's own "
+                    "ops (online Hadamards) in float: nodes_to_exclude")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--baseline", type=Path, help="an earlier --json of the same model and texts: its "
                     "original's errors are reused (the original variant is not measured again)")
@@ -226,9 +254,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             result["notes"][name] = note
             fp32 = Path(tmp) / f"{name}.onnx"
             export(model, data[0], fp32)
+            exclude = []
+            if args.float_ops:
+                from normswap.rotation.onnx_nodes import float_nodes
+
+                exclude = float_nodes(fp32, model)
+                result["notes"][name] += f"; {len(exclude)} rotation MatMul(s) left in float"
             own = embed_onnx(fp32, data)
             for how in quantizers:
-                got = own if how == "fp32" else embed_onnx(quantize(fp32, how, calib), data)
+                got = own if how == "fp32" else embed_onnx(quantize(fp32, how, calib, exclude), data)
                 err = (1 - (ref * got).sum(-1)).clamp(min=0).numpy()
                 self_err = (1 - (own * got).sum(-1)).clamp(min=0).numpy()
                 result["per_text"][f"{name}/{how}"] = err.tolist()

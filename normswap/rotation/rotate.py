@@ -947,7 +947,12 @@ def _online_only(model: nn.Module, plan: Plan, seed: int, online_block: int | No
                 shared.append({"norm": sp.name, "readers": readers, "width": int(sp.normalized_shape[0])})
             else:
                 paths += [rd for rd in readers if rd not in paths]
-        down, why = _online_targets(model, sorted({t for sp in group for t in sp.writer_targets}), widths[-1])
+        # the writers the conversion centered (writer_targets), and those of a norm a centering op made exact
+        # (per_norm_centering: its writers keep their weights, so none is a target; the FFN output projection of
+        # a Post-LN block is one of them)
+        writers = {t for sp in group for t in sp.writer_targets} | {
+            f"{w}.weight" for sp in group if sp.verdict == "exact-with-per-norm-centering" for w in sp.writers}
+        down, why = _online_targets(model, sorted(writers), widths[-1])
         paths += [p for p in down if p not in paths]
         result.online_skipped += why
     paths = sorted(paths)

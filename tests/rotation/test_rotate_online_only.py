@@ -251,3 +251,40 @@ def test_online_op_after_inference_mode_still_trains_and_reuses_its_factor():
     model(**probe).last_hidden_state.square().mean().backward()
     assert fc1.weight.grad is not None and torch.isfinite(fc1.weight.grad).all()
     assert hook.pow2_like(pow2, torch.ones(1, dtype=torch.float32)) is copy  # reused, not converted again
+
+
+def _post_ln_bert(seed: int) -> torch.nn.Module:
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    config = tf.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                           intermediate_size=64, max_position_embeddings=32)
+    model = tf.BertModel(config).double().eval()
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, torch.nn.LayerNorm):
+                m.weight.uniform_(0.5, 2.0)
+                m.bias.normal_(0, 0.5)
+    return model
+
+
+def test_post_ln_norms_made_exact_by_a_centering_op_still_get_an_op_before_every_mlp_down_projection(tmp_path):
+    """With ``per_norm_centering=True, mean_carry=False`` (what ``convert --per-norm-centering --no-mean-carry``
+    does on a Post-LN encoder) the FFN output projection writes the stream unedited (no writer is centered), and
+    it is still an MLP down projection: it takes the op like every other down projection. (It was left without
+    one, silently: the down projections were found among the centered writers only.)"""
+    original = _post_ln_bert(seed=4)
+    model = _post_ln_bert(seed=4)
+    ids = torch.randint(0, 64, (3, 9), generator=torch.Generator().manual_seed(5))
+    probe = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    normswap.patch(model, per_norm_centering=True, mean_carry=False, beta_placement="keep")
+    r = rotate(model, "none", online=True)
+    downs = [f"encoder.layer.{i}.output.dense" for i in range(2)]
+    assert set(downs) <= set(r.rotated[0]["online"]), r.rotated[0]["online"]
+    assert all(hasattr(model.get_submodule(p), HADAMARD_BUFFER) for p in downs)
+    ref = _run(original, probe)
+    assert _relative(_run(model, probe), ref) <= 1e-12
+    normswap.save(model, tmp_path / "ckpt")
+    loaded = normswap.load(tmp_path / "ckpt").double().eval()
+    assert all(hasattr(loaded.get_submodule(p), HADAMARD_BUFFER) for p in downs)
+    assert _relative(_run(loaded, probe), ref) <= 1e-12
