@@ -85,12 +85,11 @@ class EagerOp:
     @classmethod
     def of(cls, small: torch.Tensor, signs: torch.Tensor | None, x: torch.Tensor) -> EagerOp | None:
         """The op for calls like ``x``, or None where the stock form runs instead: the buffers are inference
-        tensors (no version counter to notice an in-place change by), or the ``2^m`` factor is larger than
-        :data:`normswap.rotation.hadamard.POW2_DENSE_MAX` (the stock form's butterfly)."""
+        tensors (no version counter to notice an in-place change by), or ``x``'s width is not the op's."""
         if small.is_inference() or (signs is not None and signs.is_inference()):
             return None
         n, k = x.shape[-1], small.shape[0]
-        if not hadamard.is_block_factor(k) and (n % k or n // k > hadamard.POW2_DENSE_MAX):
+        if not hadamard.is_block_factor(k) and (n % k or (n // k) & (n // k - 1)):
             return None
         return cls(small, signs, n, x.dtype, x.device)
 

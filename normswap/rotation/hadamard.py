@@ -302,20 +302,39 @@ def sylvester(m: int) -> torch.Tensor | None:
 
 
 def hadamard_matmuls(x: torch.Tensor, small: torch.Tensor, pow2: torch.Tensor, *,
-                     scale: float | None = None) -> torch.Tensor:
-    """:func:`fwht` as two matmuls: ``x`` in blocks of ``2^m`` times ``H_{2^m}`` (``pow2``,
-    :func:`sylvester`), then the ``K × K`` factor across the blocks. The same transform to float rounding.
+                     scale: float | None = None, rest: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`fwht` as matmuls: ``x`` in blocks of ``2^m`` times ``H_{2^m}`` (``pow2``, :func:`sylvester`),
+    then the ``K × K`` factor across the blocks. The same transform to float rounding. Where the power-of-two
+    part is larger than :data:`POW2_DENSE_MAX`, it is split (Sylvester's ``H_{r·2^m} = H_r ⊗ H_{2^m}``): ``pow2``
+    is ``H_{2^m}`` for the last ``2^m`` of it and ``rest`` the ``H_r`` for the rest (:func:`pow2_factors`), one
+    more matmul; ``H = H_K ⊗ H_r ⊗ H_{2^m}``.
 
-    Why: an exported butterfly is about six graph nodes per stage (slices, add, sub, concat); two matmuls are
-    two nodes, and engines run a few large nodes much faster than many small ones (ONNX Runtime ran a
-    DINOv2-small with 60 butterflies at 2.6× the original's time)."""
+    Why: an exported butterfly is about six graph nodes per stage (slices, add, sub, concat); two or three
+    matmuls are as many nodes, and engines run a few large nodes much faster than many small ones (ONNX Runtime
+    ran a DINOv2-small with 60 butterflies at 2.6× the original's time)."""
     n = x.shape[-1]
     k, m = small.shape[0], pow2.shape[0]
     lead = x.shape[:-1]
-    y = torch.matmul(x.reshape(-1, k, m), pow2.to(x.dtype))  # Sylvester's H is symmetric
+    if rest is None:
+        y = torch.matmul(x.reshape(-1, k, m), pow2.to(x.dtype))  # Sylvester's H is symmetric
+    else:  # across the r blocks of 2^m inside each of the K: (H_r ⊗ H_{2^m}) is H_r applied to the block index
+        r = rest.shape[0]
+        y = torch.matmul(x.reshape(-1, k, r, m), pow2.to(x.dtype))
+        y = torch.matmul(rest.to(y.dtype), y).reshape(-1, k, r * m)
     if k > 1:
         y = torch.matmul(small.to(y.dtype).transpose(0, 1), y)
     return y.reshape(*lead, n) * (scale if scale is not None else n**-0.5)
+
+
+def pow2_factors(m: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``(H_{2^m}, H_r)``, the Sylvester factors :func:`hadamard_matmuls` multiplies by for an op whose power-of-two
+    part is ``m``: ``(H_m, None)`` up to :data:`POW2_DENSE_MAX`, above ``(H_{POW2_DENSE_MAX}, H_{m/POW2_DENSE_MAX})``
+    (widths such as 512, 2,048 or 4,096 then export as matmuls, not as a butterfly); ``(None, None)`` for an ``m``
+    that is not a power of two."""
+    if m <= POW2_DENSE_MAX:
+        return sylvester(m), None
+    rest = sylvester(m // POW2_DENSE_MAX)
+    return (None, None) if rest is None else (sylvester(POW2_DENSE_MAX), rest)
 
 
 def is_block_factor(k: int) -> bool:

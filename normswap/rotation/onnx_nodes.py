@@ -17,8 +17,9 @@ from typing import Any
 import torch
 from torch import nn
 
-# rotate.py's op buffers (the last: an online Hadamard's 2^m factor in its matmul form, a plain attribute)
-ROTATION_BUFFERS = ("normswap_unrotate", "normswap_rotation", "normswap_hadamard", "_normswap_hadamard_pow2")
+# rotate.py's op buffers (the last two: an online Hadamard's 2^m factors in its matmul form, plain attributes)
+ROTATION_BUFFERS = ("normswap_unrotate", "normswap_rotation", "normswap_hadamard", "_normswap_hadamard_pow2",
+                    "_normswap_hadamard_rest")
 
 
 def rotation_matrices(model: nn.Module) -> list[torch.Tensor]:

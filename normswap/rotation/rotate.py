@@ -425,9 +425,9 @@ SIGNS_BUFFER = "normswap_hadamard_signs"  # its random signs D (x → x D H/sqrt
 
 class OnlineHadamard:
     """Forward pre-hook: the module's input times ``D·H/sqrt(n)`` (``D`` random signs, where the module holds
-    them), ``H = H_K ⊗ H_{2^m}``, as two matmuls (:func:`normswap.rotation.hadamard.hadamard_matmuls`: the
-    dense Sylvester ``H_{2^m}`` up to order 256, a plain attribute rebuilt from the widths) or, for a larger
-    ``2^m``, the fast Walsh–Hadamard butterfly (:func:`normswap.rotation.hadamard.fwht`); stock ops either way,
+    them), ``H = H_K ⊗ H_{2^m}``, as matmuls (:func:`normswap.rotation.hadamard.hadamard_matmuls`: the
+    dense Sylvester ``H_{2^m}`` up to order 256, above it ``H_r ⊗ H_256``, plain attributes rebuilt from the
+    widths; the butterfly :func:`normswap.rotation.hadamard.fwht` only where they are missing); stock ops,
     so it exports. The module's weight holds ``(D H/sqrt(n))ᵀ``. Where the stored factor is a power of two
     ``b`` (``rotate(..., online_block=b)``), ``H`` is block-diagonal, ``(I ⊗ H_b)`` scaled by ``b^-½``: one
     matmul by the factor (:func:`normswap.rotation.hadamard.block_matmul`).
@@ -464,8 +464,10 @@ class OnlineHadamard:
         small, pow2 = getattr(module, HADAMARD_BUFFER), getattr(module, POW2_ATTR, None)
         if hadamard.is_block_factor(small.shape[0]):  # block-diagonal: the stored factor is H_b, one matmul
             return hadamard.block_matmul(x, small)
-        if pow2 is not None:  # two matmuls: two exported nodes instead of a butterfly's dozens
-            return hadamard.hadamard_matmuls(x, small, self.pow2_like(pow2, x))
+        if pow2 is not None:  # two or three matmuls: as many exported nodes instead of a butterfly's dozens
+            rest = getattr(module, REST_ATTR, None)
+            rest = None if rest is None else rest.to(device=x.device, dtype=x.dtype)  # r × r, r = 2^m / 256
+            return hadamard.hadamard_matmuls(x, small, self.pow2_like(pow2, x), rest=rest)
         return hadamard.fwht(x, small)
 
     def eager_op(self, small: torch.Tensor, signs: torch.Tensor | None, x: torch.Tensor) -> EagerOp | None:
@@ -507,19 +509,23 @@ class OnlineHadamardOutput(OnlineHadamard):
 # H_{2^m} for OnlineHadamard's matmul form: a plain attribute (float64), not a buffer, so no checkpoint holds it
 # and no loader re-initialises it (a ±1 matrix is rebuilt from the widths whenever the op is installed)
 POW2_ATTR = "_normswap_hadamard_pow2"
+# above POW2_DENSE_MAX, H_r of the split H_{r·256} = H_r ⊗ H_256 (hadamard.pow2_factors); None otherwise
+REST_ATTR = "_normswap_hadamard_rest"
 
 
 def _install_online(module: nn.Module, small: torch.Tensor, signs: torch.Tensor | None = None, *,
                     width: int | None = None) -> None:
     """The online Hadamard's buffers and hook on ``module`` (or new values for them): a pre-hook on a Linear's
     input, or, given the ``width`` of a norm's output, a forward hook on that output (:class:`OnlineHadamardOutput`).
-    The ``2^m`` factor, where it is at most :data:`normswap.rotation.hadamard.POW2_DENSE_MAX`, is a plain
-    attribute built here from the widths, so the op runs as two matmuls (a checkpoint holds only ``H_K`` and the
+    The ``2^m`` factor (above :data:`normswap.rotation.hadamard.POW2_DENSE_MAX`, its two Sylvester factors) is a
+    plain attribute built here from the widths, so the op runs as two or three matmuls (a checkpoint holds only ``H_K`` and the
     signs, as before)."""
     n = width if width is not None else module.weight.shape[_reader_axis(module)]
     m = n // small.shape[0]
     full = not hadamard.is_block_factor(small.shape[0])  # a block op's factor is H_b itself: nothing else to build
-    setattr(module, POW2_ATTR, hadamard.sylvester(m) if full and m <= hadamard.POW2_DENSE_MAX else None)
+    pow2, rest = hadamard.pow2_factors(m) if full else (None, None)
+    setattr(module, POW2_ATTR, pow2)
+    setattr(module, REST_ATTR, rest)
     if getattr(module, "_normswap_online", None) is not None:
         setattr(module, HADAMARD_BUFFER, small)
         if signs is not None:

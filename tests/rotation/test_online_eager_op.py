@@ -107,18 +107,30 @@ def test_constants_are_made_once_and_again_when_the_buffers_change():
     assert list(hook.eager_ops) == [(x.device, torch.float64)]
 
 
-def test_inference_tensor_buffers_and_a_large_pow2_factor_take_the_stock_form():
+def test_inference_tensor_buffers_take_the_stock_form():
     n = 96
     with torch.inference_mode():
         module = op_module(n)
     x = torch.randn(4, n, dtype=torch.float64)
     assert float((hook_of(module).transform(module, x) - x @ reference(n)).abs().max()) <= 1e-12
     assert not hook_of(module).eager_ops
-    n = 2 * 12 * hadamard.POW2_DENSE_MAX  # K = 12, 2^m = 512: the butterfly
+
+
+@pytest.mark.parametrize("n", [2 * 12 * 256, 2048])  # K = 12, 2^m = 512; K = 1, 2^m = 2,048
+def test_a_pow2_factor_above_the_dense_limit_runs_eager_and_exports_as_matmuls(n):
+    """Above :data:`hadamard.POW2_DENSE_MAX` the op is still exact in its eager form and in the stock form a
+    graph captures, and the stock form is matmuls (``H_K ⊗ H_r ⊗ H_256``), not a butterfly's dozens of nodes."""
     module = op_module(n)
-    x = torch.randn(2, n, dtype=torch.float64)
-    assert float((hook_of(module).transform(module, x) - x @ reference(n)).abs().max()) <= 1e-12
-    assert not hook_of(module).eager_ops
+    hook = hook_of(module)
+    x = torch.randn(2, 3, n, dtype=torch.float64)
+    want = x @ reference(n)
+    assert float((hook.transform(module, x) - want).abs().max()) <= 1e-12
+    assert list(hook.eager_ops) == [(x.device, x.dtype)]
+    traced = torch.jit.trace(lambda t: hook.transform(module, t), x, check_trace=False)
+    assert torch.allclose(traced(x), want, rtol=0, atol=1e-6)  # jit.trace takes n^-½ from a traced size: float32
+    kinds = [node.kind() for node in traced.graph.nodes()]
+    assert kinds.count("aten::matmul") == (3 if n % 3 == 0 else 2), kinds
+    assert "aten::cat" not in kinds  # no butterfly stage
 
 
 def test_online_model_after_inference_mode_still_trains_and_keeps_its_constants():

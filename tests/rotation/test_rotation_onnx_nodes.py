@@ -53,11 +53,13 @@ def test_the_restore_matmul_is_found_and_stays_float_in_quantize_dynamic(tmp_pat
     assert any(op == "MatMulInteger" for op in nodes.values())  # the layers were quantized
 
 
-def test_online_hadamard_factors_are_found(tmp_path):
+@pytest.mark.parametrize("inner", [96, 1024])
+def test_online_hadamard_factors_are_found(tmp_path, inner):
     """MLP width 96 = 12·8: the online Hadamard is two matmuls, by the 8 × 8 Sylvester factor and by the 12 × 12
-    one (``hadamard.hadamard_matmuls``), both found."""
+    one (``hadamard.hadamard_matmuls``), both found. Width 1,024 (a power of two above 256): two matmuls too, by
+    ``H_256`` and ``H_4`` (``H_1024 = H_4 ⊗ H_256``), not a butterfly."""
     torch.manual_seed(0)
-    model = randomise(tf.GPT2LMHeadModel(tf.GPT2Config(n_layer=2, n_embd=24, n_head=4, n_inner=96, vocab_size=99,
+    model = randomise(tf.GPT2LMHeadModel(tf.GPT2Config(n_layer=2, n_embd=24, n_head=4, n_inner=inner, vocab_size=99,
                                                        n_positions=64))).float()
     normswap.patch(model, fold_gamma=True)
     rotate(model, "hadamard", online=True)

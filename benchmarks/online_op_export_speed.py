@@ -1,0 +1,146 @@
+"""One online Hadamard op whose power-of-two part is above 256 (widths 512, 2,048, 4,096: Whisper base, LLaMA-7B's
+hidden size), before and after it ran as matmuls: exported to ONNX and run by ONNX Runtime (CPU provider, one
+thread), and in torch eager. Float32.
+
+Forms: ``butterfly``, the fast Walsh–Hadamard transform (``hadamard.fwht``: what the op exported and ran in eager
+above order 256 up to round 51, about six graph nodes per stage); ``matmuls``, ``H_K ⊗ H_r ⊗ H_256`` as two or
+three matmuls (``hadamard.hadamard_matmuls`` with ``rest``: what the op's stock form exports now); in eager also
+``op``, what the op's hook runs now (its eager form, ``normswap.rotation.eager_op.EagerOp``). Each (width, rows)
+cell: the ONNX graph's node count per form, then ABBA rounds (``butterfly``, the others, ``butterfly``, the
+others in reverse, ``butterfly``), each form's two timings over the mean of ``butterfly``'s three, and
+``butterfly (A/A)``, its last timing over its first. A timing is the fastest of 5 loops of ``--ms`` ms / 5.
+
+    python benchmarks/online_op_export_speed.py --rounds 7 --json docs/results/online_op_export_speed.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from normswap.rotation import hadamard
+from normswap.rotation.rotate import HADAMARD_BUFFER, POW2_ATTR, REST_ATTR, SIGNS_BUFFER, _install_online
+
+
+class Form(nn.Module):
+    """``x·D·H/sqrt(n)`` in one stock form, with the op's buffers of a module built by the product."""
+
+    def __init__(self, n: int, form: str) -> None:
+        super().__init__()
+        holder = nn.Module()
+        _install_online(holder, hadamard.small_factor(n).float(), hadamard.random_signs(n, 0).float(), width=n)
+        self.register_buffer("small", getattr(holder, HADAMARD_BUFFER))
+        self.register_buffer("signs", getattr(holder, SIGNS_BUFFER))
+        self.register_buffer("pow2", getattr(holder, POW2_ATTR).float())
+        self.register_buffer("rest", getattr(holder, REST_ATTR).float())
+        self.form = form
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x * self.signs
+        if self.form == "butterfly":
+            return hadamard.fwht(x, self.small)
+        return hadamard.hadamard_matmuls(x, self.small, self.pow2, rest=self.rest)
+
+
+def timer(fn: Callable[[], object], ms: float) -> Callable[[], float]:
+    """Seconds per call: the fastest of 5 loops of about ``ms / 5`` milliseconds each."""
+    start = time.perf_counter()
+    fn()
+    calls = max(1, int(ms / 5e3 / max(time.perf_counter() - start, 1e-7)))
+
+    def seconds() -> float:
+        best = float("inf")
+        for _ in range(5):
+            t = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            best = min(best, (time.perf_counter() - t) / calls)
+        return best
+
+    return seconds
+
+
+def abba(run: dict[str, Callable[[], float]], rounds: int) -> dict[str, list[float]]:
+    """Ratios to ``butterfly`` (the first entry of ``run``) per round, and ``butterfly (A/A)``."""
+    base, *others = run
+    out: dict[str, list[float]] = {name: [] for name in others} | {f"{base} (A/A)": []}
+    for _ in range(rounds):
+        a1 = run[base]()
+        first = {name: run[name]() for name in others}
+        a2 = run[base]()
+        second = {name: run[name]() for name in reversed(others)}
+        a3 = run[base]()
+        for name in others:
+            out[name].append((first[name] + second[name]) / (a1 + a2 + a3) * 1.5)
+        out[f"{base} (A/A)"].append(a3 / a1)
+    return out
+
+
+def measure(n: int, rows: int, tmp: Path, rounds: int, ms: float) -> dict:
+    """One (width, rows) cell: node counts, then ONNX Runtime's and eager's ABBA ratios to ``butterfly``."""
+    import onnx
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = so.inter_op_num_threads = 1
+    forms = {f: Form(n, f).eval() for f in ("butterfly", "matmuls")}
+    x = torch.randn(rows, n)
+    want = forms["butterfly"](x)
+    ort_runs, nodes = {}, {}
+    for name, module in forms.items():
+        path = tmp / f"{name}-{n}-{rows}.onnx"
+        torch.onnx.export(module, (x,), str(path), dynamo=True, optimize=True)
+        nodes[name] = len(onnx.load(str(path)).graph.node)
+        session = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+        feed = {session.get_inputs()[0].name: x.numpy()}
+        assert np.abs(session.run(None, feed)[0] - want.numpy()).max() < 1e-4, (name, n)
+        ort_runs[name] = timer(partial(session.run, None, feed), ms)
+    holder = nn.Module()
+    _install_online(holder, hadamard.small_factor(n).float(), hadamard.random_signs(n, 0).float(), width=n)
+    hook = next(iter(holder._forward_hooks.values()))
+    with torch.inference_mode():
+        torch.testing.assert_close(hook.transform(holder, x), want, atol=1e-4, rtol=0)
+        eager_runs = {name: timer(partial(m, x), ms) for name, m in forms.items()}
+        eager_runs["op"] = timer(partial(hook.transform, holder, x), ms)
+        return {"width": n, "rows": rows, "nodes": nodes, "ort": abba(ort_runs, rounds),
+                "eager": abba(eager_runs, rounds), "ort_butterfly_us": ort_runs["butterfly"]() * 1e6,
+                "eager_butterfly_us": eager_runs["butterfly"]() * 1e6}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--widths", type=int, nargs="+", default=[512, 2048, 4096])
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 64])
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--ms", type=float, default=40.0)
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    results: dict = {"cells": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for n in args.widths:
+            for rows in args.rows:
+                cell = measure(n, rows, Path(tmp), args.rounds, args.ms)
+                results["cells"].append(cell)
+                for engine in ("ort", "eager"):
+                    parts = ", ".join(f"{k} {statistics.median(v):.3f} ({min(v):.2f}-{max(v):.2f})"
+                                      for k, v in cell[engine].items())
+                    print(f"width {n:5d} rows {rows:4d} {engine:5s} nodes {cell['nodes']}: {parts}; butterfly "
+                          f"{cell[engine + '_butterfly_us']:.0f} us", flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+    return results
+
+
+if __name__ == "__main__":
+    main()
