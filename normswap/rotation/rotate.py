@@ -518,8 +518,8 @@ def _install_online(module: nn.Module, small: torch.Tensor, signs: torch.Tensor 
     """The online Hadamard's buffers and hook on ``module`` (or new values for them): a pre-hook on a Linear's
     input, or, given the ``width`` of a norm's output, a forward hook on that output (:class:`OnlineHadamardOutput`).
     The ``2^m`` factor (above :data:`normswap.rotation.hadamard.POW2_DENSE_MAX`, its two Sylvester factors) is a
-    plain attribute built here from the widths, so the op runs as two or three matmuls (a checkpoint holds only ``H_K`` and the
-    signs, as before)."""
+    plain attribute built here from the widths, so the op runs as two or three matmuls (a checkpoint holds only
+    ``H_K`` and the signs, as before)."""
     n = width if width is not None else module.weight.shape[_reader_axis(module)]
     m = n // small.shape[0]
     full = not hadamard.is_block_factor(small.shape[0])  # a block op's factor is H_b itself: nothing else to build
