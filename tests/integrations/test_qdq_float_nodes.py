@@ -10,73 +10,27 @@ without ops names nothing; the quantized graph still computes the model."""
 
 from __future__ import annotations
 
-import copy
-import logging
 import warnings
 
 import pytest
 import torch
-import transformers as tf
 
 import normswap
 from normswap.rotation.onnx_nodes import float_nodes, qdq_float_nodes
-from tests import zoo
+from tests.integrations.qdq_dinov2 import export, quantize_qdq, tiny_dinov2
 
 pytest.importorskip("onnxruntime")
 onnx = pytest.importorskip("onnx")
 
 
 def _model(online: bool = True) -> torch.nn.Module:
-    torch.manual_seed(0)
-    model = tf.Dinov2Model(tf.Dinov2Config(image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=2,
-                                           num_attention_heads=4, mlp_ratio=2))
-    model = copy.deepcopy(zoo.randomise(model, 0).float().eval())
+    model = tiny_dinov2()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         normswap.patch(model, beta_placement="keep")
         if online:
             normswap.rotate(model, "none", online=True, seed=1)
     return model.float().eval()
-
-
-def _export(model: torch.nn.Module, path) -> None:
-    class Body(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.model = model
-
-        def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
-            return self.model(pixel_values=pixel_values).last_hidden_state
-
-    px = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
-    with torch.no_grad(), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        logging.disable(logging.WARNING)
-        try:
-            torch.onnx.export(Body().eval(), (px,), str(path), dynamo=False, opset_version=17,
-                              input_names=["pixel_values"], dynamic_axes={"pixel_values": {0: "batch"}})
-        finally:
-            logging.disable(logging.NOTSET)
-
-
-def _qdq(fp32, out, exclude: list[str]):
-    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
-
-    class Reader(CalibrationDataReader):
-        def __init__(self) -> None:
-            g = torch.Generator().manual_seed(2)
-            self.feeds = iter([{"pixel_values": torch.randn(4, 3, 32, 32, generator=g).numpy()} for _ in range(2)])
-
-        def get_next(self):
-            return next(self.feeds, None)
-
-    logging.disable(logging.WARNING)
-    try:
-        quantize_static(str(fp32), str(out), Reader(), quant_format=QuantFormat.QDQ, activation_type=QuantType.QUInt8,
-                        weight_type=QuantType.QInt8, nodes_to_exclude=exclude)
-    finally:
-        logging.disable(logging.NOTSET)
-    return onnx.load(str(out)).graph
 
 
 def _rounded_before_ops(graph, ops: list[str]) -> list[str]:
@@ -107,7 +61,7 @@ def _rounded_before_ops(graph, ops: list[str]) -> list[str]:
 def test_the_ops_inputs_are_rounded_only_after_the_op(tmp_path):
     model = _model()
     fp32 = tmp_path / "online.onnx"
-    _export(model, fp32)
+    export(model, fp32)
     ops = float_nodes(fp32, model)
     names = qdq_float_nodes(fp32, model)
     assert set(ops) < set(names)
@@ -116,10 +70,10 @@ def test_the_ops_inputs_are_rounded_only_after_the_op(tmp_path):
     assert {kinds[n] for n in names} <= {"MatMul", "Mul", "Reshape", "Add", "Cast", "Div", "Transpose"}
     first = [n for n in ops if not any(n2 in ops for n2 in _upstream_matmul(graph, n))]  # each op's first matmul
 
-    only_matmuls = _qdq(fp32, tmp_path / "matmuls.onnx", ops)
+    only_matmuls = quantize_qdq(fp32, tmp_path / "matmuls.onnx", ops)
     assert _rounded_before_ops(only_matmuls, first) == sorted(first)  # every op's input rounded
 
-    whole = _qdq(fp32, tmp_path / "whole.onnx", names)
+    whole = quantize_qdq(fp32, tmp_path / "whole.onnx", names)
     assert _rounded_before_ops(whole, first) == []
     # each Linear that reads an op's output reads it rounded once (its input from a DequantizeLinear)
     producer = {o: n for n in whole.node for o in n.output}
@@ -141,12 +95,12 @@ def test_a_model_without_ops_names_nothing_and_the_quantized_graph_runs(tmp_path
 
     plain = _model(online=False)
     path = tmp_path / "plain.onnx"
-    _export(plain, path)
+    export(plain, path)
     assert qdq_float_nodes(path, plain) == []
     model = _model()
     fp32 = tmp_path / "online.onnx"
-    _export(model, fp32)
-    _qdq(fp32, tmp_path / "whole.onnx", qdq_float_nodes(onnx.load(str(fp32)), model))
+    export(model, fp32)
+    quantize_qdq(fp32, tmp_path / "whole.onnx", qdq_float_nodes(onnx.load(str(fp32)), model))
     px = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         ref = model(pixel_values=px).last_hidden_state.double()

@@ -21,68 +21,18 @@ import torch
 import transformers as tf
 
 import normswap
-from tests import zoo
+from tests.integrations.qdq_dinov2 import export, quantize_qdq, tiny_dinov2
 
 pytest.importorskip("onnxruntime")
 onnx = pytest.importorskip("onnx")
 
 
-def _dinov2() -> torch.nn.Module:
-    torch.manual_seed(0)
-    model = tf.Dinov2Model(tf.Dinov2Config(image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=2,
-                                           num_attention_heads=4, mlp_ratio=2))
-    return zoo.randomise(model, 0).float().eval()
-
-
-def _export(model: torch.nn.Module, path, dynamo: bool = False) -> None:
-    class Body(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.model = model
-
-        def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
-            return self.model(pixel_values=pixel_values).last_hidden_state
-
-    px = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
-    with torch.no_grad(), warnings.catch_warnings():  # the export the quantization benchmarks use
-        warnings.simplefilter("ignore")
-        logging.disable(logging.WARNING)
-        try:
-            if dynamo:  # the export the deployment guide names first
-                torch.onnx.export(Body(), (px,), str(path), dynamo=True, verbose=False)
-            else:
-                torch.onnx.export(Body(), (px,), str(path), dynamo=False, opset_version=17,
-                                  input_names=["pixel_values"], dynamic_axes={"pixel_values": {0: "batch"}})
-        finally:
-            logging.disable(logging.NOTSET)
-
-
 def _converted(**options) -> torch.nn.Module:
-    model = copy.deepcopy(_dinov2())
+    model = copy.deepcopy(tiny_dinov2())
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         normswap.patch(model, **options)
     return model.float().eval()
-
-
-def _qdq(fp32, out, exclude: list[str]):
-    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
-
-    class Reader(CalibrationDataReader):
-        def __init__(self) -> None:
-            g = torch.Generator().manual_seed(2)
-            self.feeds = iter([{"pixel_values": torch.randn(4, 3, 32, 32, generator=g).numpy()} for _ in range(2)])
-
-        def get_next(self):
-            return next(self.feeds, None)
-
-    logging.disable(logging.WARNING)
-    try:
-        quantize_static(str(fp32), str(out), Reader(), quant_format=QuantFormat.QDQ, activation_type=QuantType.QUInt8,
-                        weight_type=QuantType.QInt8, nodes_to_exclude=exclude)
-    finally:
-        logging.disable(logging.NOTSET)
-    return onnx.load(str(out)).graph
 
 
 def _rounded(graph, tensor: str) -> bool:
@@ -105,7 +55,7 @@ def test_the_stem_op_and_the_embedding_sum_are_named_and_the_stream_is_rounded_o
     from normswap.integrations.onnx import stem_float_nodes
 
     fp32 = tmp_path / "native.onnx"
-    _export(_converted(), fp32)
+    export(_converted(), fp32)
     names = stem_float_nodes(fp32)
     graph = onnx.load(str(fp32)).graph
     by_name = {n.name: n for n in graph.node}
@@ -116,11 +66,11 @@ def test_the_stem_op_and_the_embedding_sum_are_named_and_the_stream_is_rounded_o
     assert ops.count("Add") == 1 and ops.count("Concat") >= 1, ops
     assert by_name[[n for n in names if by_name[n].op_type == "Add"][0]].output[0] == sub.input[0]
 
-    default = _qdq(fp32, tmp_path / "default.onnx", [])
+    default = quantize_qdq(fp32, tmp_path / "default.onnx", [])
     mean_q, sub_q = _stem_op(default)
     assert _rounded(default, sub_q.input[0])  # the uncentered sum rounded before the op: the first rounding
 
-    excluded = _qdq(fp32, tmp_path / "excluded.onnx", names)
+    excluded = quantize_qdq(fp32, tmp_path / "excluded.onnx", names)
     mean_q, sub_q = _stem_op(excluded)
     assert not _rounded(excluded, sub_q.input[0]) and not _rounded(excluded, mean_q.input[0])
     # the centered stream is rounded once, where it is read: quantized itself, or through the norm's Cast
@@ -137,7 +87,7 @@ def test_the_dynamo_export_names_the_same_nodes(tmp_path):
     from normswap.integrations.onnx import stem_float_nodes
 
     path = tmp_path / "native-dynamo.onnx"
-    _export(_converted(), path, dynamo=True)
+    export(_converted(), path, dynamo=True)
     graph = onnx.load(str(path)).graph
     by_name = {n.name: n for n in graph.node}
     names = stem_float_nodes(path)
@@ -158,7 +108,7 @@ def test_a_model_without_the_stem_op_names_nothing(tmp_path, options):
     else:
         model = _converted(**options)
     path = tmp_path / "model.onnx"
-    _export(model, path)
+    export(model, path)
     assert stem_float_nodes(path) == []
     assert stem_float_nodes(onnx.load(str(path))) == []
 
@@ -209,7 +159,7 @@ def test_normswaps_quantize_static_rounds_the_native_stream_once_with_onnx_runti
     from normswap.integrations.onnx import quantize_static, stem_float_nodes
 
     fp32 = tmp_path / "native.onnx"
-    _export(_converted(), fp32)
+    export(_converted(), fp32)
     added = _quiet(quantize_static, str(fp32), str(tmp_path / "ns.onnx"), _reader())
     assert added == stem_float_nodes(fp32) and added
     graph = onnx.load(str(tmp_path / "ns.onnx")).graph
@@ -241,7 +191,7 @@ def test_normswaps_quantize_static_keeps_the_callers_exclusions_and_options(tmp_
     from normswap.integrations.onnx import quantize_static, stem_float_nodes
 
     fp32 = tmp_path / "native.onnx"
-    _export(_converted(), fp32)
+    export(_converted(), fp32)
     graph = onnx.load(str(fp32)).graph
     matmul = next(n.name for n in graph.node if n.op_type == "MatMul")
     stem = stem_float_nodes(fp32)
@@ -269,7 +219,7 @@ def test_normswaps_quantize_static_on_a_model_without_the_op_is_onnx_runtimes(tm
     model = _converted()
     normswap.save(model, tmp_path / "compat", format="compat")
     fp32 = tmp_path / "compat.onnx"
-    _export(tf.Dinov2Model.from_pretrained(tmp_path / "compat").float().eval(), fp32)
+    export(tf.Dinov2Model.from_pretrained(tmp_path / "compat").float().eval(), fp32)
     assert _quiet(quantize_static, fp32, tmp_path / "ns.onnx", _reader()) == []
     _quiet(ort_quantize_static, fp32, tmp_path / "ort.onnx", _reader())
     px = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(5))
