@@ -2,13 +2,13 @@
 hidden size), before and after it ran as matmuls: exported to ONNX and run by ONNX Runtime (CPU provider, one
 thread), and in torch eager. Float32.
 
-Forms: ``butterfly``, the fast Walsh–Hadamard transform (``hadamard.fwht``: what the op exported and ran in eager
-above order 256 up to round 51, about six graph nodes per stage); ``matmuls``, ``H_K ⊗ H_r ⊗ H_256`` as two or
+Forms: ``before`` (``butterfly``), the fast Walsh–Hadamard transform (``hadamard.fwht``: what the op exported
+and ran in eager above order 256 up to round 51, about six graph nodes per stage); ``matmuls``, ``H_K ⊗ H_r ⊗ H_256`` as two or
 three matmuls (``hadamard.hadamard_matmuls`` with ``rest``: what the op's stock form exports now); in eager also
 ``op``, what the op's hook runs now (its eager form, ``normswap.rotation.eager_op.EagerOp``). Each (width, rows)
-cell: the ONNX graph's node count per form, then ABBA rounds (``butterfly``, the others, ``butterfly``, the
-others in reverse, ``butterfly``), each form's two timings over the mean of ``butterfly``'s three, and
-``butterfly (A/A)``, its last timing over its first. A timing is the fastest of 5 loops of ``--ms`` ms / 5.
+cell: the ONNX graph's node count per form, then ABBA rounds (``before``, the others, ``before``, the others in
+reverse, ``before``), each form's two timings over the mean of ``before``'s three, and ``before (A/A)``, its
+last timing over its first (``online_op_speed.abba``). A timing is the fastest of 5 loops of ``--ms`` ms / 5.
 
     python benchmarks/online_op_export_speed.py --rounds 7 --json docs/results/online_op_export_speed.json
 """
@@ -18,9 +18,8 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import tempfile
-import time
-from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
@@ -30,6 +29,9 @@ from torch import nn
 
 from normswap.rotation import hadamard
 from normswap.rotation.rotate import HADAMARD_BUFFER, POW2_ATTR, REST_ATTR, SIGNS_BUFFER, _install_online
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from online_op_speed import abba, timer  # noqa: E402
 
 
 class Form(nn.Module):
@@ -52,40 +54,6 @@ class Form(nn.Module):
         return hadamard.hadamard_matmuls(x, self.small, self.pow2, rest=self.rest)
 
 
-def timer(fn: Callable[[], object], ms: float) -> Callable[[], float]:
-    """Seconds per call: the fastest of 5 loops of about ``ms / 5`` milliseconds each."""
-    start = time.perf_counter()
-    fn()
-    calls = max(1, int(ms / 5e3 / max(time.perf_counter() - start, 1e-7)))
-
-    def seconds() -> float:
-        best = float("inf")
-        for _ in range(5):
-            t = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            best = min(best, (time.perf_counter() - t) / calls)
-        return best
-
-    return seconds
-
-
-def abba(run: dict[str, Callable[[], float]], rounds: int) -> dict[str, list[float]]:
-    """Ratios to ``butterfly`` (the first entry of ``run``) per round, and ``butterfly (A/A)``."""
-    base, *others = run
-    out: dict[str, list[float]] = {name: [] for name in others} | {f"{base} (A/A)": []}
-    for _ in range(rounds):
-        a1 = run[base]()
-        first = {name: run[name]() for name in others}
-        a2 = run[base]()
-        second = {name: run[name]() for name in reversed(others)}
-        a3 = run[base]()
-        for name in others:
-            out[name].append((first[name] + second[name]) / (a1 + a2 + a3) * 1.5)
-        out[f"{base} (A/A)"].append(a3 / a1)
-    return out
-
-
 def measure(n: int, rows: int, tmp: Path, rounds: int, ms: float) -> dict:
     """One (width, rows) cell: node counts, then ONNX Runtime's and eager's ABBA ratios to ``butterfly``."""
     import onnx
@@ -93,9 +61,9 @@ def measure(n: int, rows: int, tmp: Path, rounds: int, ms: float) -> dict:
 
     so = ort.SessionOptions()
     so.intra_op_num_threads = so.inter_op_num_threads = 1
-    forms = {f: Form(n, f).eval() for f in ("butterfly", "matmuls")}
+    forms = {"before": Form(n, "butterfly").eval(), "matmuls": Form(n, "matmuls").eval()}
     x = torch.randn(rows, n)
-    want = forms["butterfly"](x)
+    want = forms["before"](x)
     ort_runs, nodes = {}, {}
     for name, module in forms.items():
         path = tmp / f"{name}-{n}-{rows}.onnx"
@@ -112,9 +80,9 @@ def measure(n: int, rows: int, tmp: Path, rounds: int, ms: float) -> dict:
         torch.testing.assert_close(hook.transform(holder, x), want, atol=1e-4, rtol=0)
         eager_runs = {name: timer(partial(m, x), ms) for name, m in forms.items()}
         eager_runs["op"] = timer(partial(hook.transform, holder, x), ms)
-        return {"width": n, "rows": rows, "nodes": nodes, "ort": abba(ort_runs, rounds),
-                "eager": abba(eager_runs, rounds), "ort_butterfly_us": ort_runs["butterfly"]() * 1e6,
-                "eager_butterfly_us": eager_runs["butterfly"]() * 1e6}
+        (ort_ratios, ort_s), (eager_ratios, eager_s) = abba(ort_runs, rounds), abba(eager_runs, rounds)
+    return {"width": n, "rows": rows, "nodes": nodes, "ort": ort_ratios, "eager": eager_ratios,
+            "ort_butterfly_us": statistics.median(ort_s) * 1e6, "eager_butterfly_us": statistics.median(eager_s) * 1e6}
 
 
 def main(argv: list[str] | None = None) -> dict:
