@@ -6,9 +6,10 @@ Forms: ``before`` (``butterfly``), the fast Walsh–Hadamard transform (``hadama
 ran in eager above order 256 up to round 51, about six graph nodes per stage); ``matmuls``, ``H_K ⊗ H_r ⊗ H_256``
 as two or three matmuls (``hadamard.hadamard_matmuls`` with ``rest``: what the op's stock form exports now); in
 eager also ``op``, what the op's hook runs now (its eager form, ``normswap.rotation.eager_op.EagerOp``). Each
-(width, rows) cell: the ONNX graph's node count per form, then ABBA rounds (``before``, the others, ``before``, the others in
-reverse, ``before``), each form's two timings over the mean of ``before``'s three, and ``before (A/A)``, its
-last timing over its first (``online_op_speed.abba``). A timing is the fastest of 5 loops of ``--ms`` ms / 5.
+(width, rows) cell: the ONNX graph's node count per form, then ABBA rounds (``before``, the others, ``before``,
+the others in reverse, ``before``), each form's two timings over the mean of ``before``'s three, and ``before
+(A/A)``, its last timing over its first (``online_op_speed.abba``). A timing is the fastest of 5 loops of ``--ms``
+ms / 5.
 
     python benchmarks/online_op_export_speed.py --rounds 7 --json docs/results/online_op_export_speed.json
 """
