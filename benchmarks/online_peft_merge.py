@@ -23,13 +23,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_quant_engines import per_image  # noqa: E402
 from photo_crops import photo_crops  # noqa: E402
-
-
-def one_minus_cos(a: torch.Tensor, b: torch.Tensor) -> list[float]:
-    """Per image: 1 − cos over every token's hidden state, averaged over tokens."""
-    cos = torch.nn.functional.cosine_similarity(a.double(), b.double(), dim=-1)
-    return (1 - cos).mean(-1).tolist()
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -66,7 +61,7 @@ def main(argv: list[str] | None = None) -> dict:
     merged = lora.merge_and_unload()
     with torch.no_grad():
         out = merged(pixel_values=pixels).last_hidden_state
-    merge_err, adapter_change = one_minus_cos(out, adapted), one_minus_cos(adapted, base)
+    merge_err, adapter_change = per_image(out, adapted).tolist(), per_image(adapted, base).tolist()
     ops = sum(carry.holds_op(m) for m in merged.modules())
     result = {"label": args.label, "normswap": str(Path(normswap.__file__).parent), "peft": peft.__version__,
               "targets": args.targets, "rank": args.rank, "scale": args.scale, "images": args.images,

@@ -44,6 +44,23 @@ def tiny_dinov2(seed: int = 0, heads: int = 2) -> torch.nn.Module:
     return model
 
 
+def tiny_bert(seed: int = 0) -> torch.nn.Module:
+    """A 2-layer Post-LN BERT (hidden 32, 2 heads, FFN 64), eval mode, float32, LayerNorm γ ~ U(0.5, 2) and
+    β ~ N(0, 0.5): the sentence encoders' replica (MiniLM, MPNet) for the online-op tests."""
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    config = tf.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                           intermediate_size=64, max_position_embeddings=32)
+    model = tf.BertModel(config).eval()
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, torch.nn.LayerNorm):
+                m.weight.uniform_(0.5, 2.0)
+                m.bias.normal_(0, 0.5)
+    return model
+
+
 def tiny_whisper() -> torch.nn.Module:
     """A 2 + 2-layer Whisper (width 64, 4 heads of 16: ``out_proj`` has two blocks of 32; FFN 128), eval mode,
     float32, LayerNorm γ/β randomised (β std 0.3): the replica the Whisper benchmarks' pieces are tested on."""

@@ -13,23 +13,9 @@ import pytest
 import torch
 
 from tests import benchmark_modules
+from tests.benchmark_modules import tiny_bert
 
 encoders = benchmark_modules.load("bench_quant_encoders")
-
-
-def _tiny_bert() -> torch.nn.Module:
-    import transformers as tf
-
-    torch.manual_seed(0)
-    config = tf.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                           intermediate_size=64, max_position_embeddings=32)
-    model = tf.BertModel(config).eval()
-    with torch.no_grad():
-        for m in model.modules():
-            if isinstance(m, torch.nn.LayerNorm):
-                m.weight.uniform_(0.5, 2.0)
-                m.bias.normal_(0, 0.5)
-    return model
 
 
 def test_online_names_parse_into_their_conversion_and_block():
@@ -44,7 +30,7 @@ def test_online_names_parse_into_their_conversion_and_block():
 def test_an_exact_online_variant_is_the_original_function_with_the_ops_installed(name, tmp_path):
     from normswap.rotation.onnx_nodes import rotation_matrices
 
-    original = _tiny_bert().double()
+    original = tiny_bert().double()
     ids = torch.randint(0, 64, (3, 11), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)
     with warnings.catch_warnings():
@@ -86,7 +72,7 @@ def test_float_ops_keep_the_ops_out_of_onnx_runtimes_dynamic_quantizer(tmp_path)
 
     from normswap.rotation.onnx_nodes import float_nodes
 
-    original = _tiny_bert()
+    original = tiny_bert()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model, _ = encoders.build("online-converted-pnc-nocarry-keep", original, tmp_path)

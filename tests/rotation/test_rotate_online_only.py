@@ -16,7 +16,7 @@ from normswap.pipeline import default_dtype
 from normswap.rotation import hadamard
 from normswap.rotation.onnx_nodes import rotation_matrices
 from normswap.rotation.rotate import HADAMARD_BUFFER, POW2_ATTR, SIGNS_BUFFER, rotate
-from tests.benchmark_modules import tiny_dinov2
+from tests.benchmark_modules import tiny_bert, tiny_dinov2
 from tests.zoo import EXACT, build
 
 OWN_OP = ("mlp.fc1", "mlp.fc2")  # one reader of norm2, and the down projection: an op before each
@@ -253,28 +253,13 @@ def test_online_op_after_inference_mode_still_trains_and_reuses_its_factor():
     assert hook.pow2_like(pow2, torch.ones(1, dtype=torch.float32)) is copy  # reused, not converted again
 
 
-def _post_ln_bert(seed: int) -> torch.nn.Module:
-    import transformers as tf
-
-    torch.manual_seed(seed)
-    config = tf.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                           intermediate_size=64, max_position_embeddings=32)
-    model = tf.BertModel(config).double().eval()
-    with torch.no_grad():
-        for m in model.modules():
-            if isinstance(m, torch.nn.LayerNorm):
-                m.weight.uniform_(0.5, 2.0)
-                m.bias.normal_(0, 0.5)
-    return model
-
-
 def test_post_ln_norms_made_exact_by_a_centering_op_still_get_an_op_before_every_mlp_down_projection(tmp_path):
     """With ``per_norm_centering=True, mean_carry=False`` (what ``convert --per-norm-centering --no-mean-carry``
     does on a Post-LN encoder) the FFN output projection writes the stream unedited (no writer is centered), and
     it is still an MLP down projection: it takes the op like every other down projection. (It was left without
     one, silently: the down projections were found among the centered writers only.)"""
-    original = _post_ln_bert(seed=4)
-    model = _post_ln_bert(seed=4)
+    original = tiny_bert(seed=4).double()
+    model = tiny_bert(seed=4).double()
     ids = torch.randint(0, 64, (3, 9), generator=torch.Generator().manual_seed(5))
     probe = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
     normswap.patch(model, per_norm_centering=True, mean_carry=False, beta_placement="keep")
