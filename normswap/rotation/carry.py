@@ -38,7 +38,8 @@ from __future__ import annotations
 
 import types
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,7 +55,7 @@ ATTR_PREFIX = "_normswap_hadamard"  # its plain attributes (the Sylvester factor
 REGISTRY = "_normswap_online_ops"  # on the model: {module path: HeldOp}
 
 __all__ = ["HeldOp", "record", "held_ops", "carry_online_ops", "check_online_ops", "missing_online_ops",
-           "after_load"]
+           "after_load", "lost_line", "Refuse", "OpsGuard", "MergeInOpBasis", "turned_delta"]
 
 
 @dataclass
@@ -64,13 +65,23 @@ class HeldOp:
     ``output``: a forward hook on the module's output (a norm's op shared by its readers), else a pre-hook on
     its input. ``hook``: the hook object itself (it keeps per-device copies of its constant factor).
     ``buffers`` / ``attrs``: the module's ``normswap_hadamard*`` buffers and ``_normswap_hadamard*`` attributes,
-    by name (buffers on the meta device until the checkpoint's values are loaded)."""
+    by name (buffers on the meta device until the checkpoint's values are loaded). ``live``: that module's own
+    buffer dictionary, so that :meth:`current` reads the values as they are now: ``model.float()``, ``.half()``,
+    ``.to(device)`` and ``load_state_dict(..., assign=True)`` put new tensors there, and a carry after them must
+    install those, not the ones recorded at the rotation."""
 
     output: bool
     hook: Callable
     with_kwargs: bool = False
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)
     attrs: dict[str, Any] = field(default_factory=dict)
+    live: dict[str, torch.Tensor] | None = None
+
+    def current(self) -> dict[str, torch.Tensor]:
+        """The op's buffers as the module it was recorded from holds them now (where it still does), else as
+        recorded."""
+        live = self.live or {}
+        return {n: live[n] if isinstance(live.get(n), torch.Tensor) else b for n, b in self.buffers.items()}
 
 
 def holds_op(module: nn.Module) -> bool:
@@ -109,7 +120,7 @@ def _held(module: nn.Module) -> HeldOp:
     kwargs = module._forward_hooks_with_kwargs if output else module._forward_pre_hooks_with_kwargs
     return HeldOp(output=output, hook=hooks[handle.id], with_kwargs=handle.id in kwargs,
                   buffers={n: b for n, b in module.named_buffers(recurse=False) if n.startswith(BUFFER_PREFIX)},
-                  attrs={k: v for k, v in vars(module).items() if k.startswith(ATTR_PREFIX)})
+                  attrs={k: v for k, v in vars(module).items() if k.startswith(ATTR_PREFIX)}, live=module._buffers)
 
 
 def held_ops(model: nn.Module) -> dict[str, HeldOp]:
@@ -126,6 +137,8 @@ def record(model: nn.Module) -> dict[str, HeldOp]:
     for path, module in model.named_modules():
         if holds_op(module):
             ops[path] = _held(module)
+            if hasattr(ops[path].hook, "transform"):  # the op names its module if run without its values
+                ops[path].hook.path = path
     if ops:
         model.__dict__[REGISTRY] = ops
         _guard(model).watch(model)
@@ -157,8 +170,8 @@ def missing_online_ops(model: nn.Module) -> list[str]:
     return [p for p in _expected(model) if not _runs_op(model.get_submodule(p), ops.get(p))]
 
 
-def _lost(model: nn.Module, path: str) -> str:
-    module = model.get_submodule(path)
+def lost_line(path: str, module: nn.Module) -> str:
+    """The refusal's one line for ``module`` at ``path`` (the model's, the op's own, a swapped module's)."""
     return (f"`{path}` ({type(module).__name__}) has lost its online Hadamard: its weight was turned for the op, so "
             "the model would compute wrong outputs (a module swap, e.g. by a quantization engine, drops the op); "
             "call normswap.rotation.carry.carry_online_ops(model) after replacing modules")
@@ -166,11 +179,46 @@ def _lost(model: nn.Module, path: str) -> str:
 
 def check_online_ops(model: nn.Module) -> None:
     """Raise :class:`normswap.errors.NormswapError` (one line naming the first module) when a module that should
-    run an online Hadamard does not; return quietly otherwise, and for a model without online ops."""
+    run an online Hadamard does not; return quietly otherwise, and for a model without online ops. Each module
+    found without its op is also made to refuse its own calls (:class:`Refuse`), so that calling a submodule
+    directly, past the model's guard, is refused too until the ops are carried back."""
     missing = missing_online_ops(model)
     if missing:
+        ops = held_ops(model)
+        for path in missing:
+            Refuse.arm(model.get_submodule(path), path, ops.get(path))
         more = f" ({len(missing) - 1} other module(s) too)" if len(missing) > 1 else ""
-        raise NormswapError(_lost(model, missing[0]) + more)
+        raise NormswapError(lost_line(missing[0], model.get_submodule(missing[0])) + more)
+
+
+class Refuse:
+    """Forward pre-hook on a module that sits where an online op should run and does not (an engine's module
+    swapped in by ``setattr``, seen as it happens; or one the full check found): its own calls refuse, in
+    :func:`check_online_ops`'s line, so that a submodule called directly (``model.encoder.layer[3](x)``, or
+    ``generate`` calling the encoder), which the model's guard never sees, is refused too. Nothing runs per call
+    on a model nobody swapped; once the op is back (:func:`carry_online_ops` removes this hook) or the module
+    runs it otherwise, the hook removes itself."""
+
+    def __init__(self, path: str, held: HeldOp | None = None) -> None:
+        self.path, self.held = path, held
+
+    @classmethod
+    def arm(cls, module: nn.Module, path: str, held: HeldOp | None = None) -> None:
+        """Put the refusal on ``module`` (first among its pre-hooks; once); ``held``: the op it should run."""
+        if not any(isinstance(h, cls) for h in module._forward_pre_hooks.values()):
+            module.register_forward_pre_hook(cls(path, held), prepend=True)
+
+    @classmethod
+    def disarm(cls, module: nn.Module) -> None:
+        """Take the refusal off ``module`` (where it has one)."""
+        for key in [k for k, h in module._forward_pre_hooks.items() if isinstance(h, cls)]:
+            del module._forward_pre_hooks[key]
+
+    def __call__(self, module: nn.Module, args: tuple) -> None:
+        if _runs_op(module, self.held):
+            Refuse.disarm(module)
+            return
+        raise NormswapError(lost_line(self.path, module))
 
 
 def _device_of(module: nn.Module) -> torch.device | None:
@@ -184,6 +232,7 @@ def _device_of(module: nn.Module) -> torch.device | None:
 def _install(module: nn.Module, held: HeldOp, values: dict[str, torch.Tensor]) -> None:
     """``held`` on ``module``: its buffers (``values``, on the module's device), attributes and hook."""
     device = _device_of(module)
+    Refuse.disarm(module)
     for key in _registered(module, held):  # copied by the engine without what it reads: once, from here
         for d in (module._forward_pre_hooks, module._forward_hooks):
             d.pop(key, None)
@@ -228,13 +277,17 @@ def carry_online_ops(model: nn.Module, values: Callable[[str, HeldOp], dict[str,
         module = _at(model, path)
         if module is None or _runs_op(module, held):
             continue
-        vals = dict(held.buffers)
+        now = held.current()  # as the model holds them now: after .float() / .half() / .to(), in that dtype
+        vals = now
         if any(v.device.type == "meta" for v in vals.values()):
             vals = (values(path, held) if values is not None else None) or {}
             if set(vals) != set(held.buffers) or any(v.device.type == "meta" for v in vals.values()):
                 raise NormswapError(f"`{path}` ({type(module).__name__}) lost its online Hadamard and the op's values "
                                     "were never loaded, so it cannot be put back; load the checkpoint again and "
                                     "replace modules after loading")
+            # stored values in the dtype the model was built in (a float64 checkpoint loaded as float32)
+            vals = {k: v.to(now[k].dtype) if v.is_floating_point() and now[k].is_floating_point() else v
+                    for k, v in vals.items()}
         todo.append((path, module, held, vals))
     for _, module, held, vals in todo:
         _install(module, held, vals)
@@ -298,85 +351,122 @@ _WATCHERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> 
 
 class OpsGuard:
     """Forward pre-hook on the model (one, registered first by :func:`record`): before each call, whether every
-    module that runs an online op is still the instance the model holds on the way to it. A swap (``setattr`` or
-    a write into ``_modules``, with or without another reference to the old module), a deep copy (the copy's
-    guard watches the copy's modules: ``copy.deepcopy`` maps them) or a trace by ``torch.compile`` (Dynamo
-    evaluates the comparison while tracing and guards on it, so a swap after compiling recompiles) all meet it.
+    module that runs an online op is still the instance the model holds on the way to it, and still has the op's
+    hook. A swap (``setattr`` or a write into ``_modules``, with or without another reference to the old module),
+    a deep copy (the copy's guard watches the copy's modules: ``copy.deepcopy`` maps them), a trace by
+    ``torch.compile`` (Dynamo evaluates the comparison while tracing and guards on it, so a swap after compiling
+    recompiles) and an op's hook removed from a module that stays (``handle.remove()``,
+    ``_forward_pre_hooks.clear()``) all meet it.
 
-    Per call: one tuple of ``dict.get`` over the watched edges (the ``_modules`` entry of each module on the
-    way from the model to an op), compared by identity with the modules recorded, in C. A changed edge runs
-    :func:`check_online_ops` (raise, one line, before the model runs) and, where the ops still run (a wrapper
-    that calls the original module, as PEFT's LoRA layers do), watches the new structure."""
+    Per call: one tuple of ``dict.get`` over the watched entries (the ``_modules`` entry of each module on the
+    way from the model to an op, and the op's entry in its module's hook dictionary), compared by identity with
+    the modules and hooks recorded, in C. A changed entry runs :func:`check_online_ops` (raise, one line, before
+    the model runs) and, where the ops still run (a wrapper that calls the original module, as PEFT's LoRA layers
+    do), watches the new structure. A swap by ``setattr`` is seen as it happens too (:meth:`replaced`): the new
+    module is made to refuse its own calls (:class:`Refuse`), for calls of a submodule that skip this hook."""
 
     def __init__(self) -> None:
         self.dicts: tuple[dict, ...] = ()
-        self.names: tuple[str, ...] = ()
-        self.modules: tuple[nn.Module, ...] = ()
-        self.owners: tuple[nn.Module, ...] = ()  # the module whose ``_modules`` each edge is in
+        self.names: tuple[Any, ...] = ()  # a submodule's name in ``_modules``, or the op's key in a hook dict
+        self.modules: tuple[Any, ...] = ()  # the module there, or the op's hook object
+        self.owners: tuple[nn.Module, ...] = ()  # the module whose ``_modules`` (or hooks) each entry is in
+        self.paths: tuple[str, ...] = ()  # the path from the model to each entry's module (messages only)
 
     def __setstate__(self, state: dict) -> None:
         """A copy (``copy.deepcopy``, pickle) watches its own modules, and is told of assignments to them."""
         self.__dict__.update(state)
-        for owner in self.owners:
+        self.__dict__.setdefault("paths", ("",) * len(self.dicts))  # pickled before round 52
+        for owner in self.owners:  # hook entries' owners too: harmless (no ``_modules`` entry of theirs is watched)
             _WATCHERS.setdefault(owner, weakref.WeakSet()).add(self)
         _listen()  # a model unpickled in a process that recorded none
 
+    def _set(self, entries: list[tuple]) -> None:
+        columns = tuple(zip(*entries, strict=True)) if entries else ((), (), (), (), ())
+        self.dicts, self.names, self.modules, self.owners, self.paths = (tuple(c) for c in columns)
+
+    def _entries(self) -> list[tuple]:
+        return list(zip(self.dicts, self.names, self.modules, self.owners, self.paths, strict=True))
+
     def watch(self, model: nn.Module) -> None:
         """Watch the edges from ``model`` to each module that runs an op now (at an op's path, or inside the
-        wrapper now there)."""
-        self.dicts, self.names, self.modules, self.owners = (), (), (), ()
+        wrapper now there), and each op's hook entry."""
+        self._set([])
         ops = held_ops(model)
         for path in _expected(model):
             module = model.get_submodule(path)
             running = _running_in(module, ops.get(path))
             if not running:  # an op missing already: every call takes the check, which refuses
-                self.dicts, self.names, self.modules, self.owners = ({},), ("",), (model,), ()
+                self._set([({}, "", model, model, "")])
                 return
             for sub in running:
-                self._add(model, f"{path}.{sub}" if path and sub else path or sub)
+                self._add(model, f"{path}.{sub}" if path and sub else path or sub, "", ops.get(path))
 
-    def _add(self, owner: nn.Module, path: str) -> None:
-        """Watch the edges from ``owner`` down ``path`` (those not watched yet)."""
-        seen = set(zip(map(id, self.dicts), self.names, strict=True))
-        dicts, names, modules, owners = list(self.dicts), list(self.names), list(self.modules), list(self.owners)
+    def _add(self, owner: nn.Module, path: str, prefix: str, held: HeldOp | None = None) -> None:
+        """Watch the edges from ``owner`` (at ``prefix`` in the model) down ``path`` (those not watched yet), and
+        the op's hook entry on the module at its end."""
+        entries = self._entries()
+        seen = {(id(e[0]), e[1]) for e in entries}
+        at = prefix
         for part in path.split(".") if path else []:
             d = owner.__dict__["_modules"]
             child = d[part]
+            at = f"{at}.{part}" if at else part
             if (id(d), part) not in seen:
-                dicts.append(d), names.append(part), modules.append(child), owners.append(owner)
+                entries.append((d, part, child, owner, at))
                 _WATCHERS.setdefault(owner, weakref.WeakSet()).add(self)
             owner = child
-        self.dicts, self.names, self.modules, self.owners = tuple(dicts), tuple(names), tuple(modules), tuple(owners)
+        hook = _hook_entry(owner, held)
+        if hook is not None and (id(hook[0]), hook[1]) not in seen:
+            entries.append((*hook, owner, at))
+        self._set(entries)
 
     def replaced(self, parent: nn.Module, name: str, new: nn.Module) -> None:
         """``parent.name = new`` on a watched edge, as it happens: where ``new`` holds every op module that was at
         or under the old one (PEFT wrapping a Linear as its ``base_layer``, or unloading it back), ``new`` is
         watched in place of the old module, so the next call, eager or traced by
         ``torch.compile(fullgraph=True)``, finds nothing changed; any other module is left for the next call to
-        refuse."""
+        refuse, and each module of ``new`` at an op's path that does not run the op refuses its own calls."""
         d = parent.__dict__["_modules"]
         edges = enumerate(zip(self.dicts, self.names, strict=True))
         i = next((i for i, (dd, n) in edges if dd is d and n == name), None)
         if i is None or not isinstance(new, nn.Module):
             return
         old, inside = self.modules[i], {id(m) for m in new.modules()}
-        holders = [m for m in old.modules() if holds_op(m)]
-        if not holders or any(id(m) not in inside for m in holders):
+        holders = [(sub, m) for sub, m in old.named_modules() if holds_op(m)]
+        if not holders:
+            return
+        if any(id(m) not in inside for _, m in holders):
+            for sub, m in holders:
+                target = _at(new, sub) if id(m) not in inside else None
+                held = _held(m)  # its op, as another module may run it (a hook object carried over by other code)
+                if target is not None and not _runs_op(target, held):
+                    Refuse.arm(target, f"{self.paths[i]}.{sub}" if sub else self.paths[i], held)
             return
         gone = {id(m) for m in old.modules()} - inside  # a wrapper unloaded: stop watching (and holding) it
-        keep = [j for j, o in enumerate(self.owners) if id(o) not in gone]
-        modules = list(self.modules)
-        modules[i] = new
-        self.dicts, self.names, self.owners = (tuple(self.dicts[j] for j in keep), tuple(self.names[j] for j in keep),
-                                               tuple(self.owners[j] for j in keep))
-        self.modules = tuple(modules[j] for j in keep)
+        entries = self._entries()
+        entries[i] = (*entries[i][:2], new, *entries[i][3:])
+        self._set([e for e in entries if id(e[3]) not in gone])
         for sub in _running_in(new):
-            self._add(new, sub)
+            self._add(new, sub, self.paths[i])
 
     def __call__(self, model: nn.Module, args: tuple) -> None:
         if tuple(map(dict.get, self.dicts, self.names)) != self.modules:
             check_online_ops(model)
             self.watch(model)
+
+
+def _hook_entry(module: nn.Module, held: HeldOp | None = None) -> tuple[dict, int, Callable] | None:
+    """``(hook dictionary, key, hook)`` of the op ``module`` runs itself: its handle's entry, else (a hook
+    carried by other code) the entry holding ``held``'s hook object; None where it runs none itself."""
+    handle = module.__dict__.get(HANDLE)
+    for d in (module._forward_pre_hooks, module._forward_hooks):
+        if handle is not None and handle.id in d:
+            return d, handle.id, d[handle.id]
+    for d in (module._forward_pre_hooks, module._forward_hooks) if held is not None else ():
+        for key, hook in d.items():
+            if hook is held.hook:
+                return d, key, hook
+    return None
 
 
 def _guard(model: nn.Module) -> OpsGuard:
@@ -400,11 +490,10 @@ def _listen() -> None:
 
 
 def _on_register(parent: nn.Module, name: str, new: Any) -> None:
-    """Called by torch for every submodule assignment: where an adapter layer (PEFT's LoRA family: a
-    ``base_layer`` and a ``get_delta_weight``) replaces a Linear that runs an online op around that very Linear,
-    its ``get_delta_weight`` returns the update turned into the basis the Linear's weight is in
-    (:func:`turned_delta`), so that PEFT's ``merge`` / ``merge_and_unload`` / ``unmerge`` stay exact.
-    Where the assignment replaces a module an :class:`OpsGuard` watches, the guard is told
+    """Called by torch for every submodule assignment: where an adapter layer (PEFT's: a ``base_layer`` and a
+    ``merge``) replaces a Linear that runs an online op around that very Linear, its ``merge`` / ``unmerge``
+    become :class:`MergeInOpBasis`, so that PEFT's ``merge`` / ``merge_and_unload`` / ``unmerge`` stay exact (or
+    refuse). Where the assignment replaces a module an :class:`OpsGuard` watches, the guard is told
     (:meth:`OpsGuard.replaced`). Costs two dict lookups per assignment elsewhere; never raises."""
     try:
         for guard in list(_WATCHERS.get(parent, ())):
@@ -412,27 +501,107 @@ def _on_register(parent: nn.Module, name: str, new: Any) -> None:
         old = parent.__dict__["_modules"].get(name)
         if old is None or old is new or not isinstance(new, nn.Module) or not holds_op(old):
             return None
-        if new.__dict__["_modules"].get("base_layer") is not old or not hasattr(type(new), "get_delta_weight"):
+        if new.__dict__["_modules"].get("base_layer") is not old or not callable(getattr(type(new), "merge", None)):
             return None
         if old.__dict__[HANDLE].id not in old._forward_pre_hooks:  # an op on the output (a norm's): not an input
             return None
-        new.get_delta_weight = types.MethodType(turned_delta, new)
+        new.__dict__["merge"] = MergeInOpBasis(new, "merge")
+        new.__dict__["unmerge"] = MergeInOpBasis(new, "unmerge")
     except Exception:  # noqa: BLE001 - a hook inside every module assignment must never break one
         return None
     return None
 
 
-def turned_delta(layer: nn.Module, adapter: str) -> torch.Tensor:
+def _family(layer: nn.Module) -> str | None:
+    """How a PEFT adapter layer merges: ``"delta"`` (LoRA and its kin, LoHa, LoKr: the weight plus
+    ``get_delta_weight``), ``"ia3"`` (the weight times a per-feature scale), None (another family)."""
+    names = {c.__name__ for c in type(layer).__mro__ if c.__module__.startswith("peft.")}
+    if names & {"LoraLayer", "LycorisLayer"}:
+        return "delta"
+    return "ia3" if "IA3Layer" in names else None
+
+
+class MergeInOpBasis:
+    """An adapter layer's ``merge`` or ``unmerge`` (an instance attribute in place of its class's) where the
+    Linear it wraps (``base_layer``) runs an online op before itself: that Linear's weight is ``W·M`` (the op
+    takes ``x`` to ``x·M``), and the adapter reads the Linear's input before the op, so its update belongs to
+    ``W``. Per family:
+
+    * ``"delta"`` (LoRA, AdaLoRA, LoHa, LoKr): while PEFT's method runs, ``get_delta_weight`` returns the update
+      turned, ``ΔW·M`` (:func:`turned_delta`); elsewhere (their forward, ``add_weighted_adapter``) it is the
+      class's own. DoRA is refused (its norm is taken in the op's basis).
+    * ``"ia3"`` on a feedforward layer (it scales the Linear's *input*): PEFT's method runs on the weight turned
+      back, ``W = W·M·Mᵀ``, and the result is turned again (in float64; the merged weight is
+      ``W·diag(l)·M``, the columns of ``W·M`` mixed, which no column scaling of ``W·M`` gives). On its output
+      (key, value), the scale of rows is the same in either basis: PEFT's own.
+    * any other family: ``merge`` refused, one line, before the Linear changes (not known to be exact).
+    """
+
+    def __init__(self, layer: nn.Module, name: str) -> None:
+        self.layer, self.name = layer, name
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        layer = self.layer
+        method = getattr(type(layer), self.name)
+        base = layer.get_base_layer()
+        handle = base.__dict__.get(HANDLE)
+        if handle is None or handle.id not in base._forward_pre_hooks:  # the op is gone: nothing to turn
+            return method(layer, *args, **kwargs)
+        family = _family(layer)
+        if family == "delta":
+            layer.__dict__["get_delta_weight"] = types.MethodType(turned_delta, layer)
+            try:
+                return method(layer, *args, **kwargs)
+            finally:
+                layer.__dict__.pop("get_delta_weight", None)
+        if family == "ia3":
+            if not getattr(layer, "is_feedforward", False):
+                return method(layer, *args, **kwargs)
+            with _original_basis(base):
+                return method(layer, *args, **kwargs)
+        if self.name == "merge":
+            hook = base._forward_pre_hooks[handle.id]
+            raise NormswapError(f"adapter layer {type(layer).__name__} on `{getattr(hook, 'path', '?')}` "
+                                f"({type(base).__name__}) runs an online Hadamard before that Linear: normswap knows "
+                                "the merges of LoRA, LoHa, LoKr and IA3 there, not this one's, so it is refused; keep "
+                                "the adapter unmerged")
+        return method(layer, *args, **kwargs)
+
+
+def _input_axis(module: nn.Module) -> int:
+    """The weight's input axis: 0 for HF's ``Conv1D`` (``[in, out]``), else the last."""
+    return 0 if type(module).__name__ == "Conv1D" else -1
+
+
+@contextmanager
+def _original_basis(base: nn.Module) -> Iterator[None]:
+    """Within: ``base``'s weight holds ``W = (W·M)·Mᵀ`` in float64 (the op's matrix ``M``, ``n × n``, built from
+    its hook); after (also on an error): that weight times ``M`` again, in the weight's dtype."""
+    hook = base._forward_pre_hooks[base.__dict__[HANDLE].id]
+    axis, dtype = _input_axis(base), base.weight.dtype
+    with torch.no_grad():
+        m = hook.transform(base, torch.eye(base.weight.shape[axis], dtype=torch.float64, device=base.weight.device))
+        base.weight.data = (base.weight.data.double().movedim(axis, -1) @ m.T).movedim(-1, axis).contiguous()
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            w = base.weight.data.double().movedim(axis, -1)
+            base.weight.data = (w @ m).movedim(-1, axis).contiguous().to(dtype)
+
+
+def turned_delta(layer: nn.Module, adapter: str, *args: Any, **kwargs: Any) -> torch.Tensor:
     """PEFT's weight update of ``adapter`` (its class's ``get_delta_weight``) for a base Linear whose weight is
     in the basis of the online op before it: the update times the op (``ΔW·M``, where the op takes ``x`` to
     ``x·M`` and the weight holds ``W·M``), so that the merged Linear, which keeps its op, computes the unmerged
-    layer's output. The adapter itself reads the input before the op, as the Linear's caller sees it."""
+    layer's output. The adapter itself reads the input before the op, as the Linear's caller sees it. Used by
+    :class:`MergeInOpBasis` while PEFT merges or unmerges."""
     base = layer.get_base_layer()
     if adapter in (getattr(layer, "lora_variant", None) or {}):  # DoRA: its norm is taken in the op's basis
         raise NormswapError(f"adapter `{adapter}` is a {type(layer.lora_variant[adapter]).__name__} on a "
                             f"{type(base).__name__} that runs an online Hadamard: it cannot be merged exactly (its "
                             "weight norm is taken in the op's basis); keep it unmerged, or train a plain LoRA")
-    delta = type(layer).get_delta_weight(layer, adapter)
+    delta = type(layer).get_delta_weight(layer, adapter, *args, **kwargs)
     hook = base._forward_pre_hooks[base.__dict__[HANDLE].id]
-    axis = 0 if type(base).__name__ == "Conv1D" else -1  # the weight's input axis (Conv1D stores [in, out])
+    axis = _input_axis(base)
     return hook.transform(base, delta.movedim(axis, -1)).movedim(-1, axis)

@@ -458,10 +458,12 @@ class OnlineHadamard:
                     op = self.eager_op(small, signs, x)
                 if op is not None:
                     return op(x)
+        small, pow2 = getattr(module, HADAMARD_BUFFER, None), getattr(module, POW2_ATTR, None)
+        if small is None:  # a hook copied onto another module without the op's values (torch.ao's swap)
+            raise NormswapError(carry.lost_line(getattr(self, "path", "?"), module))
         signs = getattr(module, SIGNS_BUFFER, None)
         if signs is not None:
             x = x * signs.to(x.dtype)
-        small, pow2 = getattr(module, HADAMARD_BUFFER), getattr(module, POW2_ATTR, None)
         if hadamard.is_block_factor(small.shape[0]):  # block-diagonal: the stored factor is H_b, one matmul
             return hadamard.block_matmul(x, small)
         if pow2 is not None:  # two or three matmuls: as many exported nodes instead of a butterfly's dozens

@@ -50,7 +50,7 @@ def _lora(model, targets, **kw):
 
 def test_merge_and_unload_of_a_lora_on_linears_with_ops_is_exact():
     model, probe = _online_dinov2()
-    lora = _lora(model, ["fc1", "fc2", "query"])  # fc1/fc2 run an op; query reads norm1's shared op
+    lora = _lora(model, ["fc1", "fc2", "q_proj"])  # fc1/fc2 run an op; q_proj reads norm1's shared op
     ref = _out(lora, probe)
     merged = lora.merge_and_unload()
     fc1 = merged.encoder.layer[0].mlp.fc1
@@ -126,3 +126,77 @@ def test_torch_compile_fullgraph_runs_a_lora_model_and_its_merge():
     merged = lora.merge_and_unload()
     assert _relative(_out(torch.compile(merged, fullgraph=True, backend="eager"), probe), ref) <= 1e-9
     torch._dynamo.reset()
+
+
+# ------------------------------------------------------------------ round 52: IA3, LoHa, LoKr, other families
+def _without_ops():
+    """The same replica converted without online ops: what an adapter on the original model computes."""
+    model = tiny_dinov2(seed=3)
+    normswap.patch(model, beta_placement="keep")
+    return model
+
+
+def _adapter(model, config):
+    torch.manual_seed(11)  # the same adapter values on the model with and without ops (same shapes, same order)
+    return peft.get_peft_model(model, config)
+
+
+def _configs():
+    return {
+        "loha": lambda: peft.LoHaConfig(r=4, target_modules=["fc1", "fc2"], init_weights=False),
+        "lokr": lambda: peft.LoKrConfig(r=4, target_modules=["fc1", "fc2"], init_weights=False),
+        # feedforward: IA3 scales fc1's and fc2's *inputs* (the op's side); k_proj: its outputs
+        "ia3": lambda: peft.IA3Config(target_modules=["fc1", "fc2", "k_proj"], feedforward_modules=["fc1", "fc2"],
+                                      init_ia3_weights=False),
+    }
+
+
+@pytest.mark.parametrize("kind", ["loha", "lokr", "ia3"])
+def test_an_adapter_on_linears_with_ops_computes_the_original_models_adapter_and_merges_exactly(kind):
+    """LoHa and LoKr add ``ΔW`` (their forward computes ``x·ΔWᵀ`` from the update itself, which must stay in the
+    caller's basis: before round 52 it got the turned update and failed, ``TypeError``), IA3 scales the Linear's
+    input (its merge multiplies the weight's columns, which are in the op's basis: before round 52 a wrong model,
+    no error). Unmerged, each equals the same adapter on the model without ops; merged, unmerged again and merged
+    for good, each equals its unmerged model to float64 rounding, and the merged Linears keep their ops."""
+    import warnings
+
+    model, probe = _online_dinov2()
+    ref = _out(_adapter(_without_ops(), _configs()[kind]()), probe)
+    ada = _adapter(model, _configs()[kind]())
+    assert _relative(_out(ada, probe), ref) <= 1e-9
+    fc1 = ada.get_base_model().encoder.layer[0].mlp.fc1.base_layer
+    weight = fc1.weight.detach().clone()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # IA3's "unmerge can be inaccurate"
+        ada.merge_adapter()
+        assert _relative(_out(ada, probe), ref) <= 1e-9
+        ada.unmerge_adapter()
+    assert torch.allclose(fc1.weight, weight, rtol=0, atol=1e-7 if kind == "ia3" else 1e-12)  # IA3 divides by l+1e-8
+    assert _relative(_out(ada, probe), ref) <= 1e-7
+    merged = ada.merge_and_unload()
+    assert carry.holds_op(merged.encoder.layer[0].mlp.fc1) and carry.missing_online_ops(merged) == []
+    assert _relative(_out(merged, probe), ref) <= 1e-7
+
+
+def test_a_lora_update_read_outside_a_merge_is_the_adapters_own():
+    """The turned update is the merge's alone: ``get_delta_weight`` called by other code (PEFT's
+    ``add_weighted_adapter`` combines adapters from it, to be read before the op) returns the class's update."""
+    model, probe = _online_dinov2()
+    lora = _lora(model, ["fc2"])
+    layer = lora.get_base_model().encoder.layer[0].mlp.fc2
+    expected = layer.lora_B["default"].weight @ layer.lora_A["default"].weight * layer.scaling["default"]
+    assert torch.allclose(layer.get_delta_weight("default"), expected, rtol=0, atol=1e-12)
+
+
+def test_an_adapter_family_whose_merge_normswap_does_not_know_is_refused_at_merge():
+    """An adapter layer of another family (VeRA here) wrapping a Linear that runs an op: its merge is not known
+    to be exact in the op's basis, so it is refused, one line, before the Linear changes."""
+    from normswap.errors import NormswapError
+
+    model, probe = _online_dinov2()
+    vera = peft.get_peft_model(model, peft.VeraConfig(r=4, target_modules=["fc2"], init_weights=False))
+    fc2 = vera.get_base_model().encoder.layer[0].mlp.fc2.base_layer
+    weight = fc2.weight.detach().clone()
+    with pytest.raises(NormswapError, match=r"^adapter layer \w+ on `\S*fc2` \(Linear\) runs an online Hadamard"):
+        vera.merge_and_unload()
+    assert torch.equal(fc2.weight, weight)

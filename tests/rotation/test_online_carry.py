@@ -62,6 +62,11 @@ def swap_linears(model: nn.Module) -> list[str]:
 
 
 def _run(model, probe, *, hooks=True):
+    """The model's output; ``hooks=False``: what it computes past every refusal (the model's guard and the
+    swapped modules' own, :class:`carry.Refuse`, taken off), i.e. what the swap gave before normswap guarded it."""
+    if not hooks:
+        for m in model.modules():
+            carry.Refuse.disarm(m)
     with torch.no_grad(), default_dtype(torch.float64):
         out = model(**probe) if hooks else model.forward(**probe)  # forward(): past the model's own hooks
     return out.last_hidden_state
@@ -148,6 +153,7 @@ def test_an_op_whose_values_were_never_loaded_is_refused_not_invented():
     model, probe, ref = _online_model()
     held = carry.held_ops(model)["encoder.layer.0.mlp.fc1"]
     held.buffers = {k: torch.empty_like(v, device="meta") for k, v in held.buffers.items()}
+    held.live = dict(held.buffers)  # as a loader's module holds them: on the meta device, never loaded
     model.encoder.layer[0].mlp.fc1 = StandInLinear.from_linear(model.encoder.layer[0].mlp.fc1)
     with pytest.raises(NormswapError, match=r"^`encoder\.layer\.0\.mlp\.fc1` \(StandInLinear\) lost its online "
                                             "Hadamard and the op's values were never loaded"):

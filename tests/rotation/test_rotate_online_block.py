@@ -74,7 +74,7 @@ def test_block_diagonal_ops_keep_dinov2_exact_and_are_the_block_matrix(block):
     normswap.patch(broken, beta_placement="keep")
     rotate(broken, "none", online=True, seed=4, online_block=block)
     broken.get_submodule("encoder.layer.1.mlp.fc2")._normswap_online.remove()
-    assert _relative(_run(broken, probe), ref) > 1e-3
+    assert _relative(_run(broken, probe, guarded=False), ref) > 1e-3
 
 
 def test_block_matrix_is_block_diagonal_and_the_op_is_one_matmul_of_it():
@@ -132,7 +132,7 @@ def test_native_checkpoint_rebuilds_the_block_ops(tmp_path):
         assert torch.equal(getattr(module, HADAMARD_BUFFER).double(), hadamard.sylvester(16))
     assert _relative(_run(loaded, probe), ref) <= 1e-12
     loaded.get_submodule("encoder.layer.0.mlp.fc2")._normswap_online.remove()  # the rebuilt op does the work
-    assert _relative(_run(loaded, probe), ref) > 1e-3
+    assert _relative(_run(loaded, probe, guarded=False), ref) > 1e-3
 
 
 def test_a_full_checkpoint_without_the_fields_loads_as_before(tmp_path):

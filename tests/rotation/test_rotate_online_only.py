@@ -23,9 +23,11 @@ OWN_OP = ("mlp.fc1", "mlp.fc2")  # one reader of norm2, and the down projection:
 SHARED = ("attention.k_proj", "attention.q_proj", "attention.v_proj")  # norm1's readers: one op after norm1
 
 
-def _run(model, probe):
+def _run(model, probe, *, guarded=True):
+    """The model's output; ``guarded=False``: past the model's pre-hooks (its online-op guard), to see what a
+    model missing an op computes (the guard refuses it since round 52 when an op's hook is removed in place)."""
     with torch.no_grad(), default_dtype(torch.float64):
-        out = model(**probe)
+        out = model(**probe) if guarded else model.forward(**probe)
     return out.logits if hasattr(out, "logits") else out.last_hidden_state
 
 
@@ -73,7 +75,7 @@ def test_online_hadamards_at_every_linear_input_keep_dinov2_exact(fold_gamma):
         normswap.patch(broken, fold_gamma=fold_gamma, beta_placement="keep")
         rotate(broken, "none", online=True, seed=4)
         broken.get_submodule(path)._normswap_online.remove()
-        assert _relative(_run(broken, probe), ref) > 1e-3, path
+        assert _relative(_run(broken, probe, guarded=False), ref) > 1e-3, path
 
 
 class FanOut(torch.nn.Module):
@@ -154,7 +156,7 @@ def test_native_checkpoint_rebuilds_the_ops_and_compat_refuses_them(tmp_path):
     assert hasattr(loaded.get_submodule("encoder.layer.0.mlp.fc1"), HADAMARD_BUFFER)
     assert _relative(_run(loaded, probe), ref) <= 1e-12
     loaded.get_submodule("encoder.layer.0.norm1")._normswap_online.remove()  # the rebuilt op does the work
-    assert _relative(_run(loaded, probe), ref) > 1e-3
+    assert _relative(_run(loaded, probe, guarded=False), ref) > 1e-3
     with pytest.raises(NormswapError, match="compat format cannot hold the online Hadamard"):
         normswap.save(model, tmp_path / "compat", format="compat")
 

@@ -1,0 +1,190 @@
+"""The online-op guard's round-52 cases (:mod:`normswap.rotation.carry`): a submodule called directly after a
+swap, an op's hook removed from a module that stays in place, and ops carried after the model's dtype changed.
+
+The float64 DINOv2 replica (γ/β/λ randomised) with the ops alone (``rotate(model, "none", online=True)``), as in
+``test_online_carry.py``, whose stand-in engine module (a new module computing ``x @ Wᵀ + b``, no hooks) it
+reuses."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import normswap
+from normswap.errors import NormswapError
+from normswap.pipeline import default_dtype
+from normswap.rotation import carry
+from normswap.rotation.rotate import HADAMARD_BUFFER, SIGNS_BUFFER
+from tests.rotation.test_online_carry import StandInLinear, _online_model, _register_standin_quantizer, _relative, _run
+
+FC = [f"encoder.layer.{i}.mlp.{fc}" for i in range(2) for fc in ("fc1", "fc2")]
+
+
+def _hidden(model, probe):
+    """The first layer's input (the embeddings' output), for calling layers directly."""
+    with torch.no_grad():
+        return model.embeddings(probe["pixel_values"])
+
+
+def _layer(layer, x):
+    with torch.no_grad(), default_dtype(x.dtype):
+        out = layer(x)
+    return out[0] if isinstance(out, tuple) else out
+
+
+# ------------------------------------------------------------------------------ a submodule called directly
+def test_a_layer_called_directly_after_a_swap_is_refused_before_the_swapped_module_runs():
+    """``model.encoder.layer[0](x)`` does not pass the model's pre-hook: the swapped module itself refuses (the
+    swap is seen as it happens, by torch's module-registration hook), one line naming it; carried back, the
+    layer computes what it did before the swap."""
+    model, probe, ref = _online_model()
+    x = _hidden(model, probe)
+    layer = model.encoder.layer[0]
+    before = _layer(layer, x)
+    layer.mlp.fc1 = StandInLinear.from_linear(layer.mlp.fc1)
+    line = r"^`encoder\.layer\.0\.mlp\.fc1` \(StandInLinear\) has lost its online Hadamard.*carry_online_ops"
+    with pytest.raises(NormswapError, match=line):
+        _layer(layer, x)
+    with pytest.raises(NormswapError, match=line):  # the module itself, and the MLP above it
+        layer.mlp.fc1(torch.zeros(1, 32, dtype=torch.float64))
+    with pytest.raises(NormswapError, match=line):
+        _layer(layer.mlp, x)
+    with pytest.raises(NormswapError, match=line):  # the model's call: its guard, as before
+        _run(model, probe)
+    assert carry.carry_online_ops(model) == ["encoder.layer.0.mlp.fc1"]
+    assert _relative(_layer(layer, x), before) <= 1e-9
+    assert _relative(_run(model, probe), ref) <= 1e-9
+
+
+def test_a_module_above_the_op_replaced_then_called_directly_is_refused_at_the_op_path():
+    """The whole MLP rebuilt (its fresh ``fc1`` holds no op): a direct call of the layer meets the refusal at
+    ``mlp.fc1``; an unrelated assignment (a Dropout elsewhere) arms nothing."""
+    model, probe, ref = _online_model()
+    x = _hidden(model, probe)
+    layer = model.encoder.layer[1]
+    layer.drop_path = nn.Identity()  # not on the way to an op: nothing to refuse
+    assert _relative(_run(model, probe), ref) <= 1e-9
+    layer.mlp = type(layer.mlp)(model.config).double()
+    with pytest.raises(NormswapError, match=r"^`encoder\.layer\.1\.mlp\.fc1` \(Linear\) has lost"):
+        _layer(layer, x)
+
+
+def test_torch_ao_copies_the_hook_without_its_values_a_direct_call_is_refused_in_one_line():
+    """torch.ao's ``quantize_dynamic`` writes into ``_modules`` (no registration hook) and copies the op's hook
+    onto its int8 Linear without the op's buffers: a direct call of the layer runs that hook, which refuses in
+    the guard's line (before round 52: ``AttributeError: ... no attribute 'normswap_hadamard'``)."""
+    import warnings
+
+    from torch.ao.quantization import quantize_dynamic
+
+    model, probe, ref = _online_model()
+    model, probe = model.float(), {k: v.float() for k, v in probe.items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        q = quantize_dynamic(model, {nn.Linear}, dtype=torch.qint8)
+    x = _hidden(q, probe)
+    with pytest.raises(NormswapError, match=r"^`encoder\.layer\.0\.mlp\.fc1` \(Linear\) has lost its online "
+                                            r"Hadamard"):
+        _layer(q.encoder.layer[0], x)
+    carry.carry_online_ops(q)
+    assert _relative(_layer(q.encoder.layer[0], x), _layer(model.encoder.layer[0], x)) < 0.05  # int8 rounding
+
+
+# ------------------------------------------------------------------------------ an op's hook removed in place
+@pytest.mark.parametrize("how", ["clear", "remove", "del"])
+def test_an_op_hook_removed_from_a_module_that_stays_is_refused_at_the_next_call(how):
+    """The module stays (nothing to swap), its op's hook goes: ``_forward_pre_hooks.clear()``, the handle's
+    ``remove()``, or a ``del`` of the entry. Refused at the model's next call (before round 52: only at save),
+    and carrying the op back puts the hook on again, exact."""
+    model, probe, ref = _online_model()
+    fc2 = model.encoder.layer[1].mlp.fc2
+    handle = fc2.__dict__[carry.HANDLE]
+    if how == "clear":
+        fc2._forward_pre_hooks.clear()
+    elif how == "remove":
+        handle.remove()
+    else:
+        del fc2._forward_pre_hooks[handle.id]
+    assert _relative(_run(model, probe, hooks=False), ref) > 1e-3  # what running it would give
+    with pytest.raises(NormswapError, match=r"^`encoder\.layer\.1\.mlp\.fc2` \(Linear\) has lost its online"):
+        _run(model, probe)
+    assert carry.carry_online_ops(model) == ["encoder.layer.1.mlp.fc2"]
+    assert _relative(_run(model, probe), ref) <= 1e-9
+
+
+def test_a_shared_ops_forward_hook_removed_from_its_norm_is_refused_at_the_next_call():
+    """The op after ``norm1`` (a forward hook on the norm, shared by q, k and v) removed in place."""
+    model, probe, ref = _online_model()
+    norm = model.encoder.layer[0].norm1
+    norm._forward_hooks.clear()
+    with pytest.raises(NormswapError, match=r"^`encoder\.layer\.0\.norm1` \(\w+\) has lost its online Hadamard"):
+        _run(model, probe)
+    assert carry.carry_online_ops(model) == ["encoder.layer.0.norm1"]
+    assert _relative(_run(model, probe), ref) <= 1e-9
+
+
+def test_an_unrelated_hook_added_or_removed_does_not_trip_the_guard(monkeypatch):
+    """Only the op's own hook entry is watched: other hooks on the same module come and go freely."""
+    model, probe, ref = _online_model()
+    fc1 = model.encoder.layer[0].mlp.fc1
+    handle = fc1.register_forward_pre_hook(lambda m, a: None)
+    monkeypatch.setattr(carry, "check_online_ops", lambda m: pytest.fail("the full check ran"))
+    assert _relative(_run(model, probe), ref) <= 1e-9
+    handle.remove()
+    assert _relative(_run(model, probe), ref) <= 1e-9
+
+
+# ------------------------------------------------------------------------------ dtype changes, then a carry
+def _op_dtypes(model):
+    return {f"{p}.{n}": b.dtype for p, m in model.named_modules() for n, b in m.named_buffers(recurse=False)
+            if n.startswith(carry.BUFFER_PREFIX)}
+
+
+@pytest.mark.parametrize("cast", ["float", "half", "bfloat16"])
+def test_ops_carried_after_a_dtype_change_take_the_dtype_the_model_has_now(cast):
+    """``model.float()`` / ``.half()`` / ``.to(torch.bfloat16)`` turn the ops' buffers with the model; a swap and
+    a carry afterwards must put back the op in that dtype, not the float64 values recorded at the rotation
+    (before round 52: float64 factors on a float32 model, and in its saved checkpoint)."""
+    model, probe, ref = _online_model()
+    dtype = {"float": torch.float32, "half": torch.float16, "bfloat16": torch.bfloat16}[cast]
+    model.to(dtype)
+    assert set(_op_dtypes(model).values()) == {dtype}
+    for path in FC:
+        parent, _, name = path.rpartition(".")
+        owner = model.get_submodule(parent)
+        setattr(owner, name, StandInLinear.from_linear(getattr(owner, name)))
+    carry.carry_online_ops(model)
+    assert set(_op_dtypes(model).values()) == {dtype}, _op_dtypes(model)
+    if dtype == torch.float32:
+        with torch.no_grad():
+            out = model(pixel_values=probe["pixel_values"].float()).last_hidden_state
+        assert _relative(out, ref.float()) <= 1e-4
+
+
+def test_a_carry_takes_the_values_the_module_holds_now_not_those_recorded():
+    """The record follows the module's buffers as they are now: a value assigned after the rotation (a new
+    tensor, as ``load_state_dict(..., assign=True)`` or ``fc1.normswap_hadamard_signs = ...`` put there) is the
+    one carried."""
+    model, probe, ref = _online_model()
+    fc1 = model.encoder.layer[0].mlp.fc1
+    setattr(fc1, SIGNS_BUFFER, -getattr(fc1, SIGNS_BUFFER))
+    now = getattr(fc1, SIGNS_BUFFER).clone()
+    model.encoder.layer[0].mlp.fc1 = StandInLinear.from_linear(fc1)
+    carry.carry_online_ops(model)
+    assert torch.equal(getattr(model.encoder.layer[0].mlp.fc1, SIGNS_BUFFER), now)
+
+
+def test_a_quantization_config_load_in_another_dtype_carries_the_ops_in_that_dtype(tmp_path):
+    """Saved in float64, loaded in float32 with a quantizer that swaps the Linears before the weights load:
+    the ops put back from the checkpoint take the dtype the model was built in, as the ops on the norms do."""
+    from transformers import AutoModel
+
+    config_cls = _register_standin_quantizer()
+    model, probe, ref = _online_model()
+    normswap.save(model, tmp_path / "ckpt")
+    loaded = AutoModel.from_pretrained(tmp_path / "ckpt", quantization_config=config_cls(), dtype=torch.float32)
+    fc2 = loaded.encoder.layer[1].mlp.fc2
+    assert type(fc2).__name__ == "StandInLinear" and carry.holds_op(fc2)  # the quantizer's (registered once)
+    assert set(_op_dtypes(loaded).values()) == {torch.float32}, _op_dtypes(loaded)
+    assert getattr(fc2, HADAMARD_BUFFER).dtype == torch.float32
