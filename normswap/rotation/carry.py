@@ -351,106 +351,119 @@ _WATCHERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> 
 
 class OpsGuard:
     """Forward pre-hook on the model (one, registered first by :func:`record`): before each call, whether every
-    module that runs an online op is still the instance the model holds on the way to it, and still has the op's
-    hook. A swap (``setattr`` or a write into ``_modules``, with or without another reference to the old module),
-    a deep copy (the copy's guard watches the copy's modules: ``copy.deepcopy`` maps them), a trace by
-    ``torch.compile`` (Dynamo evaluates the comparison while tracing and guards on it, so a swap after compiling
-    recompiles) and an op's hook removed from a module that stays (``handle.remove()``,
-    ``_forward_pre_hooks.clear()``) all meet it.
+    module that runs an online op is still the instance its parent holds, and still has the op's hook. A swap
+    (``setattr`` or a write into ``_modules``, with or without another reference to the old module), a deep copy
+    (the copy's guard watches the copy's modules: ``copy.deepcopy`` maps them), a trace by ``torch.compile``
+    (Dynamo evaluates the comparison while tracing and guards on it, so a swap after compiling recompiles) and
+    an op's hook removed from a module that stays (``handle.remove()``, ``_forward_pre_hooks.clear()``) all meet
+    it.
 
-    Per call: one tuple of ``dict.get`` over the watched entries (the ``_modules`` entry of each module on the
-    way from the model to an op, and the op's entry in its module's hook dictionary), compared by identity with
-    the modules and hooks recorded, in C. A changed entry runs :func:`check_online_ops` (raise, one line, before
-    the model runs) and, where the ops still run (a wrapper that calls the original module, as PEFT's LoRA layers
-    do), watches the new structure. A swap by ``setattr`` is seen as it happens too (:meth:`replaced`): the new
-    module is made to refuse its own calls (:class:`Refuse`), for calls of a submodule that skip this hook."""
+    Per call: one tuple of ``dict.get`` over the checked entries (the ``_modules`` entry of each module that runs
+    an op, in its parent, and the op's entry in that module's hook dictionary), compared by identity with the
+    modules and hooks recorded, in C, and one flag. The modules above (a layer, an MLP) are watched through
+    torch's module-registration hook instead (:meth:`replaced`, as a ``setattr`` / ``set_submodule`` /
+    ``add_module`` assigns): a replacement that drops an op sets the flag, so the next call runs the full check,
+    and makes the new module at the op's path refuse its own calls (:class:`Refuse`), for calls of a submodule
+    that skip this hook. (Round 51 compared those edges at every call too; round 52 compares the ops' hook
+    entries instead, for the same cost.) A changed entry or the flag runs :func:`check_online_ops` (raise, one
+    line, before the model runs) and, where the ops still run (a wrapper that calls the original module, as
+    PEFT's LoRA layers do), watches the new structure."""
 
     def __init__(self) -> None:
-        self.dicts: tuple[dict, ...] = ()
-        self.names: tuple[Any, ...] = ()  # a submodule's name in ``_modules``, or the op's key in a hook dict
-        self.modules: tuple[Any, ...] = ()  # the module there, or the op's hook object
-        self.owners: tuple[nn.Module, ...] = ()  # the module whose ``_modules`` (or hooks) each entry is in
-        self.paths: tuple[str, ...] = ()  # the path from the model to each entry's module (messages only)
+        self.entries: list[tuple] = []  # (dict, key, what is there, owner, path, checked at every call)
+        self.dicts: tuple[dict, ...] = ()  # the checked entries: their dictionaries, keys and recorded values
+        self.names: tuple[Any, ...] = ()
+        self.modules: tuple[Any, ...] = ()
+        self.dirty = False  # a watched module above an op was replaced without it: check at the next call
 
     def __setstate__(self, state: dict) -> None:
         """A copy (``copy.deepcopy``, pickle) watches its own modules, and is told of assignments to them."""
         self.__dict__.update(state)
-        self.__dict__.setdefault("paths", ("",) * len(self.dicts))  # pickled before round 52
-        for owner in self.owners:  # hook entries' owners too: harmless (no ``_modules`` entry of theirs is watched)
-            _WATCHERS.setdefault(owner, weakref.WeakSet()).add(self)
+        if "entries" not in state:  # pickled in round 51: every edge checked
+            self.entries = [(d, n, m, o, "", True) for d, n, m, o in zip(
+                state.get("dicts", ()), state.get("names", ()), state.get("modules", ()), state.get("owners", ()),
+                strict=False)]
+            self.dirty = False
+        for entry in self.entries:
+            _WATCHERS.setdefault(entry[3], weakref.WeakSet()).add(self)
         _listen()  # a model unpickled in a process that recorded none
 
     def _set(self, entries: list[tuple]) -> None:
-        columns = tuple(zip(*entries, strict=True)) if entries else ((), (), (), (), ())
-        self.dicts, self.names, self.modules, self.owners, self.paths = (tuple(c) for c in columns)
-
-    def _entries(self) -> list[tuple]:
-        return list(zip(self.dicts, self.names, self.modules, self.owners, self.paths, strict=True))
+        self.entries = entries
+        checked = [e for e in entries if e[5]]
+        self.dicts, self.names, self.modules = (tuple(e[i] for e in checked) for i in range(3))
 
     def watch(self, model: nn.Module) -> None:
         """Watch the edges from ``model`` to each module that runs an op now (at an op's path, or inside the
         wrapper now there), and each op's hook entry."""
         self._set([])
+        self.dirty = False
         ops = held_ops(model)
         for path in _expected(model):
             module = model.get_submodule(path)
             running = _running_in(module, ops.get(path))
             if not running:  # an op missing already: every call takes the check, which refuses
-                self._set([({}, "", model, model, "")])
+                self._set([({}, "", model, model, "", True)])
                 return
             for sub in running:
                 self._add(model, f"{path}.{sub}" if path and sub else path or sub, "", ops.get(path))
 
     def _add(self, owner: nn.Module, path: str, prefix: str, held: HeldOp | None = None) -> None:
-        """Watch the edges from ``owner`` (at ``prefix`` in the model) down ``path`` (those not watched yet), and
-        the op's hook entry on the module at its end."""
-        entries = self._entries()
-        seen = {(id(e[0]), e[1]) for e in entries}
+        """Watch the edges from ``owner`` (at ``prefix`` in the model) down ``path`` (those not watched yet), the
+        last one, into the module that runs the op, and the op's hook entry there at every call."""
+        entries = list(self.entries)
+        where = {(id(e[0]), e[1]): i for i, e in enumerate(entries)}
+        parts = path.split(".") if path else []
         at = prefix
-        for part in path.split(".") if path else []:
+        for k, part in enumerate(parts):
             d = owner.__dict__["_modules"]
             child = d[part]
             at = f"{at}.{part}" if at else part
-            if (id(d), part) not in seen:
-                entries.append((d, part, child, owner, at))
+            last = k == len(parts) - 1
+            i = where.get((id(d), part))
+            if i is None:
+                entries.append((d, part, child, owner, at, last))
                 _WATCHERS.setdefault(owner, weakref.WeakSet()).add(self)
+            elif last and not entries[i][5]:
+                entries[i] = (*entries[i][:5], True)
             owner = child
         hook = _hook_entry(owner, held)
-        if hook is not None and (id(hook[0]), hook[1]) not in seen:
-            entries.append((*hook, owner, at))
+        if hook is not None and (id(hook[0]), hook[1]) not in where:
+            entries.append((*hook, owner, at, True))
         self._set(entries)
 
     def replaced(self, parent: nn.Module, name: str, new: nn.Module) -> None:
         """``parent.name = new`` on a watched edge, as it happens: where ``new`` holds every op module that was at
         or under the old one (PEFT wrapping a Linear as its ``base_layer``, or unloading it back), ``new`` is
         watched in place of the old module, so the next call, eager or traced by
-        ``torch.compile(fullgraph=True)``, finds nothing changed; any other module is left for the next call to
-        refuse, and each module of ``new`` at an op's path that does not run the op refuses its own calls."""
+        ``torch.compile(fullgraph=True)``, finds nothing changed. Otherwise the next call runs the full check (which
+        refuses), and each module of ``new`` at an op's path that does not run the op refuses its own calls."""
         d = parent.__dict__["_modules"]
-        edges = enumerate(zip(self.dicts, self.names, strict=True))
-        i = next((i for i, (dd, n) in edges if dd is d and n == name), None)
+        i = next((i for i, e in enumerate(self.entries) if e[0] is d and e[1] == name), None)
         if i is None or not isinstance(new, nn.Module):
             return
-        old, inside = self.modules[i], {id(m) for m in new.modules()}
+        old, inside = self.entries[i][2], {id(m) for m in new.modules()}
         holders = [(sub, m) for sub, m in old.named_modules() if holds_op(m)]
         if not holders:
             return
+        path = self.entries[i][4]
         if any(id(m) not in inside for _, m in holders):
+            self.dirty = True
             for sub, m in holders:
                 target = _at(new, sub) if id(m) not in inside else None
                 held = _held(m)  # its op, as another module may run it (a hook object carried over by other code)
                 if target is not None and not _runs_op(target, held):
-                    Refuse.arm(target, f"{self.paths[i]}.{sub}" if sub else self.paths[i], held)
+                    Refuse.arm(target, f"{path}.{sub}" if sub else path, held)
             return
         gone = {id(m) for m in old.modules()} - inside  # a wrapper unloaded: stop watching (and holding) it
-        entries = self._entries()
+        entries = list(self.entries)
         entries[i] = (*entries[i][:2], new, *entries[i][3:])
         self._set([e for e in entries if id(e[3]) not in gone])
         for sub in _running_in(new):
-            self._add(new, sub, self.paths[i])
+            self._add(new, sub, path)
 
     def __call__(self, model: nn.Module, args: tuple) -> None:
-        if tuple(map(dict.get, self.dicts, self.names)) != self.modules:
+        if self.dirty or tuple(map(dict.get, self.dicts, self.names)) != self.modules:
             check_online_ops(model)
             self.watch(model)
 
