@@ -9,6 +9,13 @@ online op with the ones recorded (one tuple of ``dict.get`` and an identity comp
 * ``dispatch``: the same guard (a shallow copy: the same watched modules) as the only pre-hook of an empty
   module, against that module without it: what the guard adds to a call, torch's hook dispatch included
   (microseconds per call, fastest of ``--reps`` runs of ``--calls`` calls, median over ``--rounds``);
+* ``round 51 / round 52``: since round 52 the guard checks, at every call, each op's entry in its module's hook
+  dictionary (an op's hook removed from a module that stays in place is refused at the next call) and the edge
+  into each op's module, not the edges above it (those are watched as ``setattr`` assigns them, through torch's
+  module-registration hook); the round-51 guard checked every edge on the way. It is built here as the same hook
+  over all the ``_modules`` edges and no hook entry (:func:`module_edges_only`). Both are timed alone and with
+  the dispatch, alternated in each round (round 51, round 52, round 52, round 51), and the ratio of their means
+  is taken per round;
 * ``decode step``: one cached decoder token (``--past`` positions in the cache, cropped back after each step;
   a timing is the fastest of ``--reps`` runs of about ``--seconds`` of steps),
   eager, with the guard registered against the same model with it removed, timed in ABBA rounds
@@ -50,6 +57,24 @@ def online_gpt2(size: str) -> torch.nn.Module:
     normswap.patch(model, beta_placement="keep")
     rotate(model, "none", online=True, seed=0)
     return model
+
+
+def module_edges_only(guard: Callable) -> Callable:
+    """A copy of ``guard`` checking, at every call, every ``_modules`` edge on the way to the ops and no hook
+    entry: round 51's guard (the same ``__call__``, which since round 52 also reads one flag)."""
+    import copy
+
+    old = copy.copy(guard)
+    old._set([(*e[:5], True) for e in guard.entries if e[0] is e[3].__dict__["_modules"]])
+    return old
+
+
+def alone_us(guard: Callable, model: torch.nn.Module, calls: int) -> float:
+    """Microseconds per call of ``guard(model, ())``, the mean of ``calls`` calls."""
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        guard(model, ())
+    return (time.perf_counter() - t0) / calls * 1e6
 
 
 def guard_of(model: torch.nn.Module) -> tuple[int, Callable]:
@@ -119,15 +144,19 @@ def main(argv: list[str] | None = None) -> dict:
     for size in args.sizes:
         model = online_gpt2(size)
         key, guard = guard_of(model)
-        alone = []
-        for _ in range(args.rounds):
-            t0 = time.perf_counter()
-            for _ in range(args.calls):
-                guard(model, ())
-            alone.append((time.perf_counter() - t0) / args.calls * 1e6)
+        r51 = module_edges_only(guard)
+        alone, alone51, alone_ratio, dispatch, dispatch51, dispatch_ratio = [], [], [], [], [], []
+        for _ in range(args.rounds):  # round 51, round 52, round 52, round 51
+            a = [alone_us(r51, model, args.calls), alone_us(guard, model, args.calls)]
+            a += [alone_us(guard, model, args.calls), alone_us(r51, model, args.calls)]
+            alone.append((a[1] + a[2]) / 2), alone51.append((a[0] + a[3]) / 2)
+            alone_ratio.append(alone[-1] / alone51[-1])
+            d = [dispatch_us(r51, args.calls, args.reps), dispatch_us(guard, args.calls, args.reps)]
+            d += [dispatch_us(guard, args.calls, args.reps), dispatch_us(r51, args.calls, args.reps)]
+            dispatch.append((d[1] + d[2]) / 2), dispatch51.append((d[0] + d[3]) / 2)
+            dispatch_ratio.append((d[1] + d[2]) / (d[0] + d[3]))
         steps = max(3, round(args.seconds / step_timer(model, args.past, 3)()))
         timer = step_timer(model, args.past, steps, args.reps)
-        dispatch = [dispatch_us(guard, args.calls, args.reps) for _ in range(args.rounds)]
         hooks = model._forward_pre_hooks
 
         def without(timer: Callable[[], float] = timer, hooks: dict = hooks, key: int = key) -> float:
@@ -144,11 +173,17 @@ def main(argv: list[str] | None = None) -> dict:
         run = {"original": without,
                "guard": lambda timer=timer, step_ms=step_ms: step_ms.append(timer()) or step_ms[-1]}
         ratios = abba(run, args.rounds)
-        row = {"edges": len(guard.modules), "steps": steps, "guard_us": alone, "dispatch_us": dispatch,
+        row = {"edges": len(guard.modules), "edges_r51": len(r51.modules), "steps": steps, "guard_us": alone,
+               "guard_us_r51": alone51, "guard_r52_over_r51": alone_ratio, "dispatch_us": dispatch,
+               "dispatch_us_r51": dispatch51, "dispatch_r52_over_r51": dispatch_ratio,
                "step_ms": [s * 1e3 for s in step_ms], "ratio": ratios["guard"], "a_over_a": ratios["original (A/A)"]}
         out["sizes"][size] = row
         med = statistics.median
-        print(f"{size}: {row['edges']} watched edges; guard alone {med(alone):.2f} us/call; with dispatch "
+        print(f"{size}: {row['edges']} watched entries (round 51: {row['edges_r51']}); guard alone {med(alone):.2f} "
+              f"us/call (round 51's {med(alone51):.2f}, ratio {med(alone_ratio):.3f}); with dispatch "
+              f"{med(dispatch):.2f} (round 51's {med(dispatch51):.2f}, ratio of the pair's sums "
+              f"{med(dispatch_ratio):.3f})")
+        print(f"{size}: {row['edges']} watched entries; guard alone {med(alone):.2f} us/call; with dispatch "
               f"{med(dispatch):.2f} us/call; decode step "
               f"{med(row['step_ms']):.3f} ms; with / without guard {med(row['ratio']):.4f} "
               f"(range {min(row['ratio']):.4f}-{max(row['ratio']):.4f}); A/A {med(row['a_over_a']):.4f} "

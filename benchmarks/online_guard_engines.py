@@ -7,7 +7,9 @@ optimum-quanto's ``quantize(model, weights=qint8)`` + ``freeze(model)`` replaces
 ops (``normswap convert DINOV2 --out DIR --rotate none --online-hadamard --dtype float32``): how many ops the swap
 dropped, whether the next call ran (and its 1 − cos against the float model, every token) or was refused, and
 1 − cos once ``carry_online_ops`` put the ops back. Run it with normswap before and after round 51
-(``PYTHONPATH``) to compare.
+(``PYTHONPATH``) to compare. Round 52 adds ``a layer called directly``: the swap on the model, then
+``model.encoder.layer[0]`` called by itself (past the model's pre-hook) on the embeddings' output, compared with
+the float model's first layer.
 
     PYTHONPATH=QUANTO:$PWD python benchmarks/online_guard_engines.py --model dino-none --photos SKIMAGE/data
 """
@@ -27,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_quant_engines import one_minus_cos  # noqa: E402
 from photo_crops import photo_crops  # noqa: E402
 
-CASES = ("the model", "a deep copy", "old modules referenced")
+CASES = ("the model", "a deep copy", "old modules referenced", "a layer called directly")
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -53,10 +55,20 @@ def main(argv: list[str] | None = None) -> dict:
         with torch.no_grad():
             return m(pixel_values=pixels).last_hidden_state
 
+    def first_layer(m: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            out = m.encoder.layer[0](hidden)
+        return out[0] if isinstance(out, tuple) else out
+
     rows = {}
     for case in CASES:
         model = normswap.load(args.model, dtype=torch.float32).eval()
-        ref = run(model)
+        call = run
+        if case == "a layer called directly":
+            with torch.no_grad():
+                hidden = model.embeddings(pixel_values=pixels)
+            call = lambda m, hidden=hidden: first_layer(m, hidden)  # noqa: E731
+        ref = call(model)
         kept = dict(model.named_modules()) if case == "old modules referenced" else None
         work = copy.deepcopy(model) if case == "a deep copy" else model
         quantize(work, weights=qint8)
@@ -64,11 +76,11 @@ def main(argv: list[str] | None = None) -> dict:
         gc.collect()
         row = {"dropped": len(carry.missing_online_ops(work)), "kept": kept is not None}
         try:
-            row["ran_1mcos"] = one_minus_cos(ref, run(work))
+            row["ran_1mcos"] = one_minus_cos(ref, call(work))
         except NormswapError as exc:
             row["refused"] = str(exc)
         carry.carry_online_ops(work)
-        row["carried_1mcos"] = one_minus_cos(ref, run(work))
+        row["carried_1mcos"] = one_minus_cos(ref, call(work))
         rows[case] = row
         print(f"{args.label or 'run'}, {case}: {row['dropped']} ops dropped; next call "
               + (f"ran, 1 - cos {row['ran_1mcos']:.3g}" if "ran_1mcos" in row else "refused")

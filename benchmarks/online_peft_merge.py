@@ -9,6 +9,12 @@ merged. Per photograph crop: 1 − cos (every token, float32) of the merged mode
 (the merge's error) and of the adapter model against the base (how much the adapter changes the model, for
 scale). Run it with normswap before and after round 51 (``PYTHONPATH``) to compare.
 
+``--method`` (round 52): ``lora`` (above), ``ia3`` (its scales drawn as ``1 + scale·N(0, 1)``; ``fc1`` / ``fc2``
+feedforward: the scale is on the Linear's input, the op's side), ``loha`` / ``lokr`` (PEFT's random
+initialisation, ``init_weights=False``, every factor drawn). ``wrapped`` in the JSON lists the modules the
+adapter went on (a target name that matches no module is left out by PEFT silently: transformers 5.24's DINOv2
+calls its projections ``q_proj`` / ``k_proj`` / ``v_proj``, not ``query`` / ``value``).
+
     python benchmarks/online_peft_merge.py --model dino-none --photos SKIMAGE/data --images 16 --json out.json
 """
 
@@ -42,6 +48,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--rank", type=int, default=8)
     ap.add_argument("--scale", type=float, default=0.05, help="the random B matrices' scale")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--method", choices=("lora", "ia3", "loha", "lokr"), default="lora")
     ap.add_argument("--label", default="")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
@@ -51,12 +58,23 @@ def main(argv: list[str] | None = None) -> dict:
     with torch.no_grad():
         base = model(pixel_values=pixels).last_hidden_state
     torch.manual_seed(args.seed)
-    lora = peft.get_peft_model(model, peft.LoraConfig(r=args.rank, lora_alpha=2 * args.rank,
-                                                      target_modules=args.targets))
+    config = {
+        "lora": lambda: peft.LoraConfig(r=args.rank, lora_alpha=2 * args.rank, target_modules=args.targets),
+        "ia3": lambda: peft.IA3Config(target_modules=args.targets,
+                                      feedforward_modules=[t for t in args.targets if t in ("fc1", "fc2")]),
+        "loha": lambda: peft.LoHaConfig(r=args.rank, alpha=args.rank, target_modules=args.targets,
+                                        init_weights=False),
+        "lokr": lambda: peft.LoKrConfig(r=args.rank, alpha=args.rank, target_modules=args.targets,
+                                        init_weights=False),
+    }[args.method]()
+    lora = peft.get_peft_model(model, config)
+    wrapped = sorted(n for n, m in lora.named_modules() if hasattr(m, "base_layer") and not hasattr(m, "model"))
     with torch.no_grad():
         for name, p in lora.named_parameters():
             if "lora_B" in name:
                 p.copy_(args.scale * torch.randn_like(p))
+            elif "ia3_l" in name:
+                p.copy_(1 + args.scale * torch.randn_like(p))
         adapted = lora(pixel_values=pixels).last_hidden_state
     merged = lora.merge_and_unload()
     with torch.no_grad():
@@ -64,9 +82,11 @@ def main(argv: list[str] | None = None) -> dict:
     merge_err, adapter_change = per_image(out, adapted).tolist(), per_image(adapted, base).tolist()
     ops = sum(carry.holds_op(m) for m in merged.modules())
     result = {"label": args.label, "normswap": str(Path(normswap.__file__).parent), "peft": peft.__version__,
-              "targets": args.targets, "rank": args.rank, "scale": args.scale, "images": args.images,
+              "method": args.method, "targets": args.targets, "wrapped": wrapped, "rank": args.rank,
+              "scale": args.scale, "images": args.images,
               "ops_after_merge": ops, "merge_1mcos": merge_err, "adapter_1mcos": adapter_change}
-    print(f"{args.label or 'run'}: {ops} ops on their modules after the merge; merged vs adapter model 1 - cos "
+    print(f"{args.label or 'run'}: {args.method} on {len(wrapped)} modules; {ops} ops on their modules after the "
+          "merge; merged vs adapter model 1 - cos "
           f"mean {statistics.mean(merge_err):.3g} (max {max(merge_err):.3g}); adapter vs base mean "
           f"{statistics.mean(adapter_change):.3g}")
     if args.json:

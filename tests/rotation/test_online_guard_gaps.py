@@ -188,3 +188,19 @@ def test_a_quantization_config_load_in_another_dtype_carries_the_ops_in_that_dty
     assert type(fc2).__name__ == "StandInLinear" and carry.holds_op(fc2)  # the quantizer's (registered once)
     assert set(_op_dtypes(loaded).values()) == {torch.float32}, _op_dtypes(loaded)
     assert getattr(fc2, HADAMARD_BUFFER).dtype == torch.float32
+
+
+def test_a_module_above_the_op_written_into_modules_is_refused_at_save_and_by_the_check(tmp_path):
+    """The modules above the ops are watched as they are assigned (torch's registration hook), not compared at
+    every call (round 52 compares each op's hook entry instead, at round 51's per-call cost): a write into
+    ``_modules`` of a whole MLP is not seen at the call, and ``save`` / ``check_online_ops`` refuse it."""
+    model, probe, ref = _online_model()
+    layer = model.encoder.layer[1]
+    layer._modules["mlp"] = type(layer.mlp)(model.config).double()
+    with pytest.raises(NormswapError, match=r"^`encoder\.layer\.1\.mlp\.fc1` \(Linear\) has lost"):
+        carry.check_online_ops(model)
+    with pytest.raises(NormswapError, match=r"^`encoder\.layer\.1\.mlp\.fc1` \(Linear\) has lost"):
+        normswap.save(model, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(NormswapError, match=r"^`encoder\.layer\.1\.mlp\.fc1` \(Linear\) has lost"):
+        _run(model, probe)  # armed by the check: the fresh fc1 refuses its own calls
