@@ -8,13 +8,18 @@ reader: q, k and v each transform the same tensor); ``online-bN``, the ops block
 round 51's ``EagerOp``: :func:`stock_ops_`); ``copy``, the original's deep copy (a control: the original's weights
 are a mapping of the checkpoint file, which the kernel may back with huge pages, every other variant's are
 anonymous memory); ``writer-ops``, ``normswap convert --writer-centering op`` (the writers' weights kept, a
-centering op after each LayerScale: 24 ops more than ``native`` on DINOv2-small). One thread. Each engine is timed
+centering op after each LayerScale: 24 ops more than ``native`` on DINOv2-small); ``online-r51``, ``online`` with
+its ops captured in round 51's stock form (:func:`r51_ops_`: differs from ``online`` in ``ort`` and ``compile``
+only). Engines: ONNX Runtime (``ort``), torch eager, ``compile`` (``torch.compile``, inductor, default mode; each
+model's dynamo graphs and graph breaks printed first: :func:`compiled`). One thread. Each engine is timed
 in ABBA rounds (the original, each variant in turn, the original, the variants in reverse, the original), each
 variant's ratio to the mean of the original's three runs in that round, and the original's last run against its
 first (the machine's noise). Prints the median and range over the rounds, per engine.
 
     python benchmarks/dinov2_online_speed.py --model /tmp/held46/dinov2-focus --batch 8 --image 112 --rounds 8
     python benchmarks/dinov2_online_speed.py --model /tmp/held46/dinov2-focus --batch 1 --image 224 --rounds 8
+    python benchmarks/dinov2_online_speed.py --model DINOV2_SMALL --shapes 8x112 1x224 --engines compile ort \
+        --variants native online online-r51 online-b32 --rounds 8 --reps 5 --stat min
 """
 
 from __future__ import annotations
@@ -34,11 +39,51 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_quant_engines import export  # noqa: E402
 
-ENGINES = ("ort", "eager")
+ENGINES = ("ort", "eager", "compile")
 
 
 VARIANTS = ("native", "online", "online-per-reader", "online-b32", "online-b64", "online-b128", "copy", "online-stock",
-            "online-b32-stock", "writer-ops")
+            "online-b32-stock", "writer-ops", "online-r51")
+
+
+def r51_stock(factors: dict, module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Round 51's stock form of one online op (a replica: what graph capture recorded before round 52): the signs,
+    ``H_K ⊗ H_{2^m}`` as ``hadamard.hadamard_matmuls`` (the dense ``H_{2^m}`` up to order 256, above it
+    ``H_r ⊗ H_256``: ``factors``, float32, made once by :func:`r51_ops_` as round 51 made them at install), the
+    scale a multiply over the output; block-diagonal ops as now."""
+    from normswap.rotation import hadamard
+    from normswap.rotation.rotate import HADAMARD_BUFFER, SIGNS_BUFFER
+
+    signs = getattr(module, SIGNS_BUFFER, None)
+    if signs is not None:
+        x = x * signs.to(x.dtype)
+    small = getattr(module, HADAMARD_BUFFER)
+    if hadamard.is_block_factor(small.shape[0]):
+        return hadamard.block_matmul(x, small)
+    return hadamard.hadamard_matmuls(x, small, factors["pow2"], rest=factors["rest"])
+
+
+def r51_ops_(model: torch.nn.Module) -> int:
+    """Make every online op of ``model`` capture round 51's stock form (:func:`r51_stock`) in ``torch.compile`` and the
+    exporters (eager calls keep the eager form): the side-by-side baseline for round 52's stock form. Returns the
+    number of ops."""
+    from functools import partial
+
+    from normswap.rotation import hadamard
+    from normswap.rotation.rotate import HADAMARD_BUFFER, POW2_ATTR, REST_ATTR, OnlineHadamard
+
+    hooks = [(m, h) for m in model.modules() for h in (*m._forward_pre_hooks.values(), *m._forward_hooks.values())
+             if isinstance(h, OnlineHadamard)]
+    for m, h in hooks:
+        factors = {"pow2": None, "rest": None}
+        if getattr(m, POW2_ATTR, None) is not None:  # a full op: round 51's factors from the same widths
+            k = getattr(m, HADAMARD_BUFFER).shape[0]
+            r = getattr(m, REST_ATTR)
+            pow2, rest = hadamard.pow2_factors(getattr(m, POW2_ATTR).shape[0] * (1 if r is None else r.shape[0]))
+            factors = {"pow2": pow2.float(), "rest": None if rest is None else rest.float()}
+            assert factors["pow2"].shape[0] * (1 if rest is None else rest.shape[0]) * k > 0
+        h.stock = partial(r51_stock, factors)
+    return len(hooks)
 
 
 def stock_ops_(model: torch.nn.Module) -> int:
@@ -80,9 +125,12 @@ def variants(model: torch.nn.Module, names: tuple[str, ...] = VARIANTS[:3]) -> d
             if name == "online-per-reader":  # the layout before one op per norm output: no norm shares its op
                 for sp in normswap.plan_of(m).sites:
                     sp.readers_alone = False
-            rot = normswap.rotate(m, "none", online=True, online_block=online_block(name.removesuffix("-stock")))
+            base = name.removesuffix("-stock").removesuffix("-r51")
+            rot = normswap.rotate(m, "none", online=True, online_block=online_block(base))
             if name.endswith("-stock"):
                 print(f"{name}: {stock_ops_(m)} ops in their stock form", flush=True)
+            if name.endswith("-r51"):
+                print(f"{name}: {r51_ops_(m)} ops captured in round 51's stock form", flush=True)
             print(f"{name}: {rot.headline()}", flush=True)
             out[name] = m
     return out
@@ -153,6 +201,27 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, dict[str, list[fl
     return results
 
 
+def compiled(name: str, model: torch.nn.Module, x: torch.Tensor) -> torch.nn.Module:
+    """``torch.compile(model)`` (inductor, default mode), after ``torch._dynamo.explain`` says how many graphs and
+    graph breaks dynamo makes of it (printed: an online op that broke the graph would show here); the first call,
+    which compiles, is made here, outside the timings, and checked against eager."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    with torch.inference_mode():
+        info = torch._dynamo.explain(model)(pixel_values=x)
+    reasons = sorted({str(b.reason).splitlines()[0][:120] for b in info.break_reasons})
+    print(f"compile {name}: {info.graph_count} graph(s), {info.graph_break_count} graph break(s) {reasons}", flush=True)
+    fn = torch.compile(model)
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        got = fn(pixel_values=x).last_hidden_state
+        want = model(pixel_values=x).last_hidden_state
+    print(f"compile {name}: compiled in {time.perf_counter() - t0:.0f} s, against eager "
+          f"{float((got - want).abs().max() / want.abs().max()):.1e}", flush=True)
+    return fn
+
+
 def time_shape(models: dict[str, torch.nn.Module], args: argparse.Namespace, batch: int,
                image: int) -> dict[str, dict[str, list[float]]]:
     """The ABBA rounds of every engine at one (batch, image) setting; printed, and written to ``--json``."""
@@ -195,7 +264,10 @@ def time_shape(models: dict[str, torch.nn.Module], args: argparse.Namespace, bat
                         with torch.inference_mode():
                             return m(pixel_values=x)
                     return call
-                run = {name: timer(forward(m)) for name, m in models.items()}
+                if engine == "compile":
+                    run = {name: timer(forward(compiled(name, m, x))) for name, m in models.items()}
+                else:
+                    run = {name: timer(forward(m)) for name, m in models.items()}
             for fn in run.values():  # warm-up
                 fn()
             results[engine] = ratios = abba(run, args.rounds)

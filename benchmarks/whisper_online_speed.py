@@ -21,7 +21,11 @@ range over the rounds.
         online-stock=tiny-none online-b32=tiny-none-b32 --engines eager --graphs step --rounds 12
 
 A variant named ``...-stock`` runs its ops' eager calls in their stock form (``dinov2_online_speed.stock_ops_``:
-as before round 51's ``EagerOp``), for a side-by-side of the two forms.
+as before round 51's ``EagerOp``), for a side-by-side of the two forms; one named ``...-r51`` exports its ops in
+round 51's stock form (``dinov2_online_speed.r51_ops_``; eager calls unchanged), against round 52's.
+
+    python benchmarks/whisper_online_speed.py --orig base-orig native=base-native online=base-none \
+        online-r51=base-none online-b32=base-none-b32 --engines ort eager --rounds 5 --reps 1
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_quant_whisper import whisper_model  # noqa: E402
-from dinov2_online_speed import abba, stock_ops_  # noqa: E402
+from dinov2_online_speed import abba, r51_ops_, stock_ops_  # noqa: E402
 
 
 class Encoder(torch.nn.Module):
@@ -117,6 +121,8 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, list[float]]]:
     for name, m in models.items():
         if name.endswith("-stock"):  # the same checkpoint, its ops' eager calls in their stock form
             print(f"{name}: {stock_ops_(m)} ops in their stock form", flush=True)
+        if name.endswith("-r51"):  # the same checkpoint, its ops exported in round 51's stock form
+            print(f"{name}: {r51_ops_(m)} ops captured in round 51's stock form", flush=True)
     feats = torch.randn(args.batch, models["original"].config.num_mel_bins, 3000,
                         generator=torch.Generator().manual_seed(1))
     so = ort.SessionOptions()

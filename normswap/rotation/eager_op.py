@@ -1,9 +1,9 @@
 """The online Hadamard's eager form: its constants prepared once per device and dtype, few kernels per call.
 
 An online op computes ``x·D·H̃`` (``D`` random signs; ``H̃ = H/sqrt(n)``, ``H = H_K ⊗ H_{2^m}``, or block-diagonal
-``(I ⊗ H_b)/sqrt(b)``). Its stock form (:func:`normswap.rotation.hadamard.hadamard_matmuls`,
+``(I ⊗ H_b)/sqrt(b)``). Its stock form (:func:`normswap.rotation.hadamard.split_matmuls`,
 :func:`normswap.rotation.hadamard.block_matmul`) is what ``torch.compile`` and the exporters trace: a few stock
-ops with the module's buffers as constants, so an exported graph holds ``H_K`` and ``H_b`` as they are stored.
+ops with the module's buffers as constants (since round 52 with this module's split and the scale folded in too).
 In eager PyTorch each of its ops is a dispatch, a kernel and an allocation, paid on every call of every op (36
 ops in DINOv2-small), and its ``K`` part multiplies by a transposed (non-contiguous) ``H_K``. :class:`EagerOp`
 computes the same transform with less of that:
@@ -33,10 +33,10 @@ import torch
 
 from normswap.rotation import hadamard
 
-__all__ = ["EagerOp", "split"]
+__all__ = ["EagerOp", "FOLD_SCALE", "split"]
 
 ROW = 32  # smallest last Kronecker factor of a full op (a matmul by a narrower one ran slower: 16 against 32)
-_FOLD_SCALE = (torch.float32, torch.float64)  # dtypes whose rounding of n^-½ is below their own output rounding
+FOLD_SCALE = (torch.float32, torch.float64)  # dtypes whose rounding of n^-½ is below their own output rounding
 
 
 def split(k: int, m: int) -> int:
@@ -69,7 +69,7 @@ class EagerOp:
         k = small.shape[0]
         block = hadamard.is_block_factor(k)
         scale = (k if block else n) ** -0.5
-        self.scale, c = (None, scale) if dtype in _FOLD_SCALE else (scale, 1.0)
+        self.scale, c = (None, scale) if dtype in FOLD_SCALE else (scale, 1.0)
         # H = A ⊗ H_b with H_b the last factor of at most ROW (b = the block for a block op, A = I there)
         m = k if block else n // k
         self.b = b = m if block else split(k, m)

@@ -289,7 +289,7 @@ def fwht(x: torch.Tensor, small: torch.Tensor | None = None, *, scale: float | N
     return y * (scale if scale is not None else n**-0.5)
 
 
-POW2_DENSE_MAX = 256  # up to this order the 2^m factor runs as one dense matmul (256² entries), above as a butterfly
+POW2_DENSE_MAX = 256  # round 51's stock form (hadamard_matmuls): up to this order the 2^m factor is one dense matmul
 
 
 def sylvester(m: int) -> torch.Tensor | None:
@@ -326,11 +326,37 @@ def hadamard_matmuls(x: torch.Tensor, small: torch.Tensor, pow2: torch.Tensor, *
     return y.reshape(*lead, n) * (scale if scale is not None else n**-0.5)
 
 
+def split_matmuls(x: torch.Tensor, small: torch.Tensor, first: torch.Tensor, *, rest: torch.Tensor | None = None,
+                  scale: float | None = None) -> torch.Tensor:
+    """``x @ H`` times ``scale`` along the last axis, ``H = H_K ⊗ H_{2^m}`` (:func:`hadamard`) run as
+    ``(H_K ⊗ H_{2^m/b}) ⊗ H_b``: ``x`` in rows of ``b`` times ``first`` (``H_b``, times the scale where the caller
+    folded it in: then ``scale`` is None), then one matmul by ``(H_K ⊗ H_r)ᵀ`` across the ``g = n/b`` rows of each
+    token (``rest`` is ``H_r``, ``r = 2^m/b``, or None for ``r = 1``). The same transform as :func:`fwht` and
+    :func:`hadamard_matmuls` to float rounding; the online op's stock form (what ``torch.compile`` and the
+    exporters capture), with ``b`` from :func:`normswap.rotation.eager_op.split`, the eager form's split.
+
+    Why: ``b + K·2^m/b`` multiply-adds per feature instead of :func:`hadamard_matmuls`' ``2^m + K`` (width 1,536:
+    80 instead of 140; width 2,048, ``K = 1``: 96 instead of 264), two ``MatMul`` nodes at every width, the scale
+    in a constant instead of a ``Mul`` over the output, and one ``Reshape`` back by the input's own shape (a
+    ``Shape`` node, not a ``Shape``/``Gather``/``Unsqueeze``/``Concat`` chain per axis)."""
+    b = first.shape[0]
+    second = small.to(x.dtype) if rest is None else \
+        (small.to(x.dtype)[:, None, :, None] * rest.to(x.dtype)[None, :, None, :]).reshape(
+            small.shape[0] * rest.shape[0], -1)  # H_K ⊗ H_r, made of the stored H_K (a constant once exported)
+    g = second.shape[0]
+    y = torch.matmul(x.reshape(-1, g, b), first.to(x.dtype))  # Sylvester's H_b is symmetric
+    if g > 1:
+        y = torch.matmul(second.transpose(0, 1), y)
+    y = y.reshape_as(x)
+    return y if scale is None else y * scale
+
+
 def pow2_factors(m: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """``(H_{2^m}, H_r)``, the Sylvester factors :func:`hadamard_matmuls` multiplies by for an op whose power-of-two
-    part is ``m``: ``(H_m, None)`` up to :data:`POW2_DENSE_MAX`, above ``(H_{POW2_DENSE_MAX}, H_{m/POW2_DENSE_MAX})``
-    (widths such as 512, 2,048 or 4,096 then export as matmuls, not as a butterfly); ``(None, None)`` for an ``m``
-    that is not a power of two."""
+    """``(H_{2^m}, H_r)``, the Sylvester factors :func:`hadamard_matmuls` multiplies by (the online op's stock form
+    in round 51; since round 52 it runs :func:`split_matmuls`) for an op whose power-of-two part is ``m``:
+    ``(H_m, None)`` up to :data:`POW2_DENSE_MAX`, above ``(H_{POW2_DENSE_MAX}, H_{m/POW2_DENSE_MAX})`` (widths such
+    as 512, 2,048 or 4,096 then export as matmuls, not as a butterfly); ``(None, None)`` for an ``m`` that is not a
+    power of two."""
     if m <= POW2_DENSE_MAX:
         return sylvester(m), None
     rest = sylvester(m // POW2_DENSE_MAX)

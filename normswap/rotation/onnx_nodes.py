@@ -23,20 +23,26 @@ ROTATION_BUFFERS = ("normswap_unrotate", "normswap_rotation", "normswap_hadamard
 
 
 def rotation_matrices(model: nn.Module) -> list[torch.Tensor]:
-    """Every constant matrix a rotation's ops multiply by in ``model`` (float64, on the CPU)."""
+    """Every constant matrix a rotation's ops multiply by in ``model`` (float64, on the CPU), up to a scale: the
+    stored ones, and for an online Hadamard whose ``2^m`` part runs split (``H_{2^m} = H_r ⊗ H_b``) the ``H_K ⊗ H_r``
+    its stock form multiplies by across the rows of ``b`` (:func:`normswap.rotation.hadamard.split_matmuls`)."""
     found = []
     for module in model.modules():
         for name in ROTATION_BUFFERS:
             value = getattr(module, name, None)
             if isinstance(value, torch.Tensor) and value.dim() == 2:
                 found.append(value.detach().double().cpu())
+        small, rest = getattr(module, ROTATION_BUFFERS[2], None), getattr(module, ROTATION_BUFFERS[4], None)
+        if isinstance(small, torch.Tensor) and isinstance(rest, torch.Tensor):
+            found.append(torch.kron(small.detach().double().cpu(), rest.double().cpu()))
     return found
 
 
 def float_nodes(onnx_model: Any, model: nn.Module, *, tol: float = 1e-6) -> list[str]:
     """Names of the MatMul/Gemm nodes of ``onnx_model`` (a ``ModelProto`` or a path) that multiply by one of
     ``model``'s rotation matrices (:func:`rotation_matrices`, matched by value within ``tol``, either
-    orientation): pass them to ONNX Runtime's quantizers as ``nodes_to_exclude`` so those ops stay in float.
+    orientation, each scaled to a largest entry of 1: an exported online Hadamard's ``H_b`` holds the op's
+    ``n^-½``): pass them to ONNX Runtime's quantizers as ``nodes_to_exclude`` so those ops stay in float.
 
     ``model`` is the rotated model the ONNX file was exported from (in memory, or loaded back with
     ``normswap.load``). A model without rotation ops gives ``[]``."""
@@ -56,11 +62,17 @@ def float_nodes(onnx_model: Any, model: nn.Module, *, tol: float = 1e-6) -> list
             constants[n.output[0]] = constants[n.input[0]]
     shapes = {tuple(w.shape) for w in wanted} | {tuple(w.shape[::-1]) for w in wanted}
 
+    wanted = [w / w.abs().max() for w in wanted if bool(w.abs().max() > 0)]  # a stock form folds its scale in
+
     def is_rotation(name: str) -> bool:
         t = constants.get(name)
         if t is None or tuple(t.dims) not in shapes:
             return False
         value = torch.from_numpy(numpy_helper.to_array(t).copy()).double()
+        peak = value.abs().max()
+        if not bool(peak > 0):
+            return False
+        value = value / peak
         return any(value.shape == w.shape and torch.allclose(value, w, atol=tol, rtol=0)
                    or value.shape == w.T.shape and torch.allclose(value, w.T, atol=tol, rtol=0) for w in wanted)
 

@@ -39,7 +39,7 @@ from normswap.nn.call_args import argument_slot
 from normswap.nn.rmsnorm import RMSNorm
 from normswap.options import check_online_block, choose
 from normswap.rotation import carry, hadamard
-from normswap.rotation.eager_op import EagerOp
+from normswap.rotation.eager_op import FOLD_SCALE, EagerOp, split
 from normswap.surgery.scales import fold_layer_scale
 
 KINDS = ("hadamard", "random")  # built from (width, kind, seed)
@@ -425,10 +425,10 @@ SIGNS_BUFFER = "normswap_hadamard_signs"  # its random signs D (x → x D H/sqrt
 
 class OnlineHadamard:
     """Forward pre-hook: the module's input times ``D·H/sqrt(n)`` (``D`` random signs, where the module holds
-    them), ``H = H_K ⊗ H_{2^m}``, as matmuls (:func:`normswap.rotation.hadamard.hadamard_matmuls`: the
-    dense Sylvester ``H_{2^m}`` up to order 256, above it ``H_r ⊗ H_256``, plain attributes rebuilt from the
-    widths; the butterfly :func:`normswap.rotation.hadamard.fwht` only where they are missing); stock ops,
-    so it exports. The module's weight holds ``(D H/sqrt(n))ᵀ``. Where the stored factor is a power of two
+    them), ``H = H_K ⊗ H_{2^m}``: in eager by an :class:`EagerOp`; while a graph is captured as two matmuls of
+    stock ops (:meth:`stock`: ``(H_K ⊗ H_{2^m/b}) ⊗ H_b``, the eager form's split, the factors plain attributes
+    rebuilt from the widths; the butterfly :func:`normswap.rotation.hadamard.fwht` only where they are missing),
+    so it exports and compiles. The module's weight holds ``(D H/sqrt(n))ᵀ``. Where the stored factor is a power of two
     ``b`` (``rotate(..., online_block=b)``), ``H`` is block-diagonal, ``(I ⊗ H_b)`` scaled by ``b^-½``: one
     matmul by the factor (:func:`normswap.rotation.hadamard.block_matmul`).
 
@@ -458,6 +458,12 @@ class OnlineHadamard:
                     op = self.eager_op(small, signs, x)
                 if op is not None:
                     return op(x)
+        return self.stock(module, x)
+
+    def stock(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """The op's stock form (what graph capture records): the signs, then the matmuls by the factors ``module``
+        holds (:func:`normswap.rotation.hadamard.split_matmuls`; block-diagonal:
+        :func:`normswap.rotation.hadamard.block_matmul`; the butterfly only where no ``2^m`` factor was built)."""
         small, pow2 = getattr(module, HADAMARD_BUFFER, None), getattr(module, POW2_ATTR, None)
         if small is None:  # a hook copied onto another module without the op's values (torch.ao's swap)
             raise NormswapError(carry.lost_line(getattr(self, "path", "?"), module))
@@ -466,10 +472,14 @@ class OnlineHadamard:
             x = x * signs.to(x.dtype)
         if hadamard.is_block_factor(small.shape[0]):  # block-diagonal: the stored factor is H_b, one matmul
             return hadamard.block_matmul(x, small)
-        if pow2 is not None:  # two or three matmuls: as many exported nodes instead of a butterfly's dozens
+        if pow2 is not None:  # two matmuls, the eager form's split: as many exported nodes, not a butterfly's dozens
             rest = getattr(module, REST_ATTR, None)
-            rest = None if rest is None else rest.to(device=x.device, dtype=x.dtype)  # r × r, r = 2^m / 256
-            return hadamard.hadamard_matmuls(x, small, self.pow2_like(pow2, x), rest=rest)
+            rest = None if rest is None else rest.to(device=x.device, dtype=x.dtype)  # H_{2^m/b}
+            n = small.shape[0] * pow2.shape[0] * (1 if rest is None else rest.shape[0])
+            first = self.pow2_like(pow2, x)
+            if x.dtype in FOLD_SCALE:  # the scale in the constant (a Python float: exporters fold it), no Mul
+                return hadamard.split_matmuls(x, small, first * float(n) ** -0.5, rest=rest)
+            return hadamard.split_matmuls(x, small, first, rest=rest, scale=float(n) ** -0.5)
         return hadamard.fwht(x, small)
 
     def eager_op(self, small: torch.Tensor, signs: torch.Tensor | None, x: torch.Tensor) -> EagerOp | None:
@@ -484,7 +494,7 @@ class OnlineHadamard:
     def pow2_like(self, pow2: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """``pow2`` (float64, on the CPU) on ``x``'s device in its dtype, converted once per device and dtype.
 
-        Why: converting it on every call costs a 256×256 cast on the host, and on a GPU a host-to-device copy
+        Why: converting it on every call costs a cast on the host, and on a GPU a host-to-device copy
         per Linear per decoding step. Made outside inference mode (an inference tensor cannot be saved for
         backward, so a model verified under ``torch.inference_mode`` and then trained would fail), and not cached
         while torch.compile or torch.export traces (their tensors must not outlive the trace)."""
@@ -508,10 +518,11 @@ class OnlineHadamardOutput(OnlineHadamard):
         return self.transform(module, output)
 
 
-# H_{2^m} for OnlineHadamard's matmul form: a plain attribute (float64), not a buffer, so no checkpoint holds it
-# and no loader re-initialises it (a ±1 matrix is rebuilt from the widths whenever the op is installed)
+# H_b, the last factor of H_{2^m} = H_r ⊗ H_b in OnlineHadamard's stock form (b from eager_op.split): a plain
+# attribute (float64), not a buffer, so no checkpoint holds it and no loader re-initialises it (a ±1 matrix is
+# rebuilt from the widths whenever the op is installed)
 POW2_ATTR = "_normswap_hadamard_pow2"
-# above POW2_DENSE_MAX, H_r of the split H_{r·256} = H_r ⊗ H_256 (hadamard.pow2_factors); None otherwise
+# H_r, r = 2^m / b, of that split (the stock form multiplies by H_K ⊗ H_r across the rows of b); None for r = 1
 REST_ATTR = "_normswap_hadamard_rest"
 
 
@@ -519,13 +530,16 @@ def _install_online(module: nn.Module, small: torch.Tensor, signs: torch.Tensor 
                     width: int | None = None) -> None:
     """The online Hadamard's buffers and hook on ``module`` (or new values for them): a pre-hook on a Linear's
     input, or, given the ``width`` of a norm's output, a forward hook on that output (:class:`OnlineHadamardOutput`).
-    The ``2^m`` factor (above :data:`normswap.rotation.hadamard.POW2_DENSE_MAX`, its two Sylvester factors) is a
-    plain attribute built here from the widths, so the op runs as two or three matmuls (a checkpoint holds only
-    ``H_K`` and the signs, as before)."""
+    The ``2^m`` factor's two Sylvester factors ``H_r ⊗ H_b`` (the split of :func:`normswap.rotation.eager_op.split`)
+    are plain attributes built here from the widths, so the stock form runs as two matmuls (a checkpoint holds
+    only ``H_K`` and the signs, as before)."""
     n = width if width is not None else module.weight.shape[_reader_axis(module)]
-    m = n // small.shape[0]
-    full = not hadamard.is_block_factor(small.shape[0])  # a block op's factor is H_b itself: nothing else to build
-    pow2, rest = hadamard.pow2_factors(m) if full else (None, None)
+    k = small.shape[0]
+    m = n // k
+    full = not hadamard.is_block_factor(k)  # a block op's factor is H_b itself: nothing else to build
+    b = split(k, m) if full and m & (m - 1) == 0 else None  # the eager form's split: H_{2^m} = H_{2^m/b} ⊗ H_b
+    pow2 = None if b is None else hadamard.sylvester(b)
+    rest = None if b is None or b == m else hadamard.sylvester(m // b)
     setattr(module, POW2_ATTR, pow2)
     setattr(module, REST_ATTR, rest)
     if getattr(module, "_normswap_online", None) is not None:

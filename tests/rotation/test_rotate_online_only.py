@@ -15,7 +15,7 @@ from normswap.inputs import hf_example_inputs
 from normswap.pipeline import default_dtype
 from normswap.rotation import hadamard
 from normswap.rotation.onnx_nodes import rotation_matrices
-from normswap.rotation.rotate import HADAMARD_BUFFER, POW2_ATTR, SIGNS_BUFFER, rotate
+from normswap.rotation.rotate import HADAMARD_BUFFER, POW2_ATTR, REST_ATTR, SIGNS_BUFFER, rotate
 from tests.benchmark_modules import tiny_bert, tiny_dinov2
 from tests.zoo import EXACT, build
 
@@ -67,7 +67,13 @@ def test_online_hadamards_at_every_linear_input_keep_dinov2_exact(fold_gamma):
         g = _op_matrix(model.get_submodule(path))
         eye = torch.eye(g.shape[0], dtype=torch.float64)
         assert float((g.T @ g - eye).abs().max()) <= 1e-12 and float((g - eye).abs().max()) > 0.1
-    assert len(rotation_matrices(model)) == 2 * len(ops)  # what float_nodes looks for: H_K and H_2^m per op
+    # what float_nodes looks for: each op's two stock-form factors, H_b and H_K ⊗ H_r (hadamard.split_matmuls)
+    found = rotation_matrices(model)
+    for path in ops:
+        module = model.get_submodule(path)
+        small, rest = getattr(module, HADAMARD_BUFFER).double(), getattr(module, REST_ATTR)
+        for w in (getattr(module, POW2_ATTR), small if rest is None else torch.kron(small, rest)):
+            assert any(f.shape == w.shape and torch.equal(f, w) for f in found), path
     assert "online Hadamards before 10 Linear(s), 6 op(s) (2 after a norm" in rot.headline()
     # the ops do the work: without one the folded weights break the model
     for path in ("encoder.layer.1.mlp.fc1", "encoder.layer.0.norm1"):
