@@ -8,7 +8,8 @@ reader: q, k and v each transform the same tensor); ``online-bN``, the ops block
 round 51's ``EagerOp``: :func:`stock_ops_`); ``copy``, the original's deep copy (a control: the original's weights
 are a mapping of the checkpoint file, which the kernel may back with huge pages, every other variant's are
 anonymous memory); ``writer-ops``, ``normswap convert --writer-centering op`` (the writers' weights kept, a
-centering op after each LayerScale: 24 ops more than ``native`` on DINOv2-small). One thread. Each engine is timed
+centering op after each LayerScale: 24 ops more than ``native`` on DINOv2-small); ``writer-auto``, ``--writer-centering
+auto`` (an op after the writers whose centering widens a row: 4 on DINOv2-small). One thread. Each engine is timed
 in ABBA rounds (the original, each variant in turn, the original, the variants in reverse, the original), each
 variant's ratio to the mean of the original's three runs in that round, and the original's last run against its
 first (the machine's noise). Prints the median and range over the rounds, per engine.
@@ -38,7 +39,7 @@ ENGINES = ("ort", "eager")
 
 
 VARIANTS = ("native", "online", "online-per-reader", "online-b32", "online-b64", "online-b128", "copy", "online-stock",
-            "online-b32-stock", "writer-ops")
+            "online-b32-stock", "writer-ops", "writer-auto")
 
 
 def stock_ops_(model: torch.nn.Module) -> int:
@@ -72,9 +73,10 @@ def variants(model: torch.nn.Module, names: tuple[str, ...] = VARIANTS[:3]) -> d
         normswap.patch(native, beta_placement="keep")
         if "native" in names:
             out["native"] = native
-        if "writer-ops" in names:  # the writers' weights kept, one centering op after each (two per block)
-            out["writer-ops"] = copy.deepcopy(model)
-            normswap.patch(out["writer-ops"], beta_placement="keep", writer_centering="op")
+        for name, how in (("writer-ops", "op"), ("writer-auto", "auto")):  # op: one centering op after each writer
+            if name in names:  # (two per block); auto: after the writers whose centering widens a row (4 of 24)
+                out[name] = copy.deepcopy(model)
+                normswap.patch(out[name], beta_placement="keep", writer_centering=how)
         for name in (n for n in names if n.startswith("online")):
             m = copy.deepcopy(native)
             if name == "online-per-reader":  # the layout before one op per norm output: no norm shares its op
