@@ -169,18 +169,20 @@ class ConvertOptions:
             verdict is ``exact-with-centering``. For engines that round each weight row on its own scale and
             run the ops in float: torchao's int8 dynamic scheme, OpenVINO NNCF's int8 weights, bitsandbytes'
             LLM.int8 (DINOv2-small: the centered rows cost them up to 1.08× the original's error;
-            ``docs/results/quantization.md``, rounds 51-52). With ``layer_scale="keep"`` a LayerScale writer's λ
-            is taken into its rows and balanced back out as for a centered writer (round 52): its rows are the
-            original's up to a per-row scale (the same integers on a per-row grid), with equal maxima for a
-            per-tensor grid (ONNX Runtime's per-tensor int8 on DINOv2-small: 0.55× the original's error, as the
-            default; 1.00× with λ left as it was). It gives up what the centered writers gain in ONNX Runtime's
-            per-channel int8 (DINOv2-small 0.80× → 0.97× on the mean) and adds two ops per block. ``"auto"``: an
-            op only after the writers whose centering would widen some output row's range by more than 2×
-            (``max|W'_i| / max|W_i|``, λ folded in: a weight statistic, no data; on DINOv2-small 4 of its 24
-            writers, whose λ reaches 1e-3 of the others), balanced likewise; every other writer centered by its
-            weights. The figure per writer is in ``plan.options["writer_widening"]``. Neither ``"op"`` nor
-            ``"auto"`` goes with a rotation that turns streams (its ``Q`` would need an op after each of those
-            writers), nor ``"auto"`` with ``low_memory=True`` (planned on a proxy without the real weights).
+            ``docs/results/quantization.md``, rounds 51-52). It gives up what the centered writers gain in ONNX
+            Runtime's int8 (DINOv2-small per tensor 0.55× → 1.00×, per channel 0.80× → 0.96×) and adds two ops
+            per block. ``"auto"``: an op after every writer a LayerScale scales and after any other whose
+            centering would widen some output row's range by more than 2× (``max|W'_i| / max|W_i|``: a weight
+            statistic, no data), every other writer centered by its weights; an op writer's λ is taken into its
+            rows and balanced back out as ``layer_scale="keep"`` does for a centered writer (its rows are the
+            original's up to a per-row scale, the same integers on a per-row grid, with equal maxima for a
+            per-tensor grid: ONNX Runtime's per-tensor int8 keeps its gain, DINOv2-small 0.55×). DINOv2 gets an
+            op after every writer, GPT-2, Whisper and BERT none (the default): ops only where an engine was
+            measured to pay for the edit (DINOv2-small: ops after only the 4 writers whose rows widen left
+            torchao at 1.09× and NNCF at 1.17×). The figure per writer is in ``plan.options["writer_widening"]``.
+            Neither ``"op"`` nor ``"auto"`` goes with a rotation that turns streams (its ``Q`` would need an op
+            after each of those writers), nor ``"auto"`` with ``low_memory=True`` (planned on a proxy without the
+            real weights).
         trade_constants: let a centered position table keep its row means where a float bias or a class
             token reaching exactly the same tokens can take them away instead
             (:class:`normswap.analysis.plan.ConstantTrade`, proved by probing the model in float64): exact,

@@ -325,22 +325,25 @@ def _writer_ops(st: Planning) -> None:
     conv whose output is computed from a norm's output, called once: a Pre-LN block's attention output
     projection, its MLP down projection) as centered by an op rather than by its weights (``st.writer_terms``);
     :func:`_place_writer_ops` then places one op right after it, where its write is complete (after a LayerScale).
-    ``"auto"``: only the writers whose centering widens some output row's range on a per-row grid by more than
-    :data:`WRITER_AUTO_WIDENING` (:func:`centering_widening`; every writer's figure in
-    ``plan.options["writer_widening"]``); the others are centered by their weights.
+    ``"auto"``: only the writers a LayerScale λ scales, and those whose centering widens some output row's range
+    on a per-row grid by more than :data:`WRITER_AUTO_WIDENING` (:func:`centering_widening`; every writer's figure
+    in ``plan.options["writer_widening"]``); the others are centered by their weights.
 
     Centering those writers' weights is exact, but a per-row weight quantizer (torchao's int8, NNCF's int8
     weights, LLM.int8) then rounds the rows ``W_i − m`` instead of the original's ``W_i``, and RMSNorm, unlike the
     original's LayerNorm, does not remove the mean of their rounding error. With the op the writer keeps the
     original's weights and the op removes that mean as the original's next LayerNorm did. One op per writer
-    (two per Pre-LN block): opt-in, for the engines where it pays. Where the centering leaves every row's range
-    as it was (the mean row small against each row: DINOv2-small's writers but for three or four where
-    LayerScale made rows of 1e-3 the original's scale), ``"auto"`` keeps the weight edit and its gains.
+    (two per Pre-LN block): opt-in, for the engines where it pays. Why ``"auto"`` takes every LayerScale writer,
+    not only the ones whose rows widen (round 52, DINOv2-small): ops after those 4 of its 24 writers alone fix
+    the float simulation of a per-row grid (1.33× → 0.96×) but neither torchao (1.09×) nor NNCF's int8 weights
+    (1.17×); ops after all 24 do (1.02×, ~1.0×). A writer without LayerScale (GPT-2, Whisper, BERT) keeps its
+    weight edit unless its rows widen: no op, no cost, where no engine was measured to pay for the edit.
     """
     if st.writer_centering not in ("op", "auto"):
         return
     an = st.an
     widening: dict[str, float] = {}
+    scaled = {path for _, path, _, _ in an.layer_scales.values()}  # writers a LayerScale λ scales
     for call in an.site_calls:
         for term in st.site_terms[call.id]:
             ok, why = st.term_status[term.value]
@@ -351,7 +354,7 @@ def _writer_ops(st: Planning) -> None:
                 continue
             if st.writer_centering == "auto":
                 widening[term.module_path] = centering_widening(an, term.module_path, st.term_edits[term.value][0])
-                if not widening[term.module_path] > WRITER_AUTO_WIDENING:
+                if not widening[term.module_path] > WRITER_AUTO_WIDENING and term.module_path not in scaled:
                     continue
             st.writer_terms[term.value] = (ok, why)
             st.term_status[term.value] = (False, f"{term.label} {WRITER_WHY}")
@@ -861,12 +864,13 @@ def _plan_lists(st: Planning) -> None:
     an, plan = st.an, st.plan
     centered_owners = {e.owner for e in st.edits.values()}
     keep = plan.options.get("layer_scale") == "keep"
-    # a writer behind its op (writer_centering "op" or "auto") keeps its rows, but λ is still taken into them and the
-    # rows balanced back out (ScaleFold keep, no centering): the same integers on a per-row grid, equal row maxima for
-    # a per-tensor one, as the writers centered by weights have (DINOv2-small, ONNX Runtime per-tensor int8: 0.55×
-    # the original's error balanced, 1.00× with λ as it was; docs/results/quantization.md, round 52)
+    # writer_centering="auto": a writer behind its op keeps its rows, but λ is still taken into them and the rows
+    # balanced back out (ScaleFold keep, no centering): the same integers on a per-row grid, equal row maxima for a
+    # per-tensor one, as the writers centered by weights have (DINOv2-small, ONNX Runtime per-tensor int8: 0.55× the
+    # original's error balanced, 1.00× with λ as it was). "op" leaves λ as it was (NNCF int8 weights, 256 crops:
+    # 1.03× unbalanced, 1.08× balanced, both on one photograph; docs/results/quantization.md, round 52)
     balanced: set[str] = set()
-    if keep:
+    if keep and st.writer_centering == "auto":
         balanced = {t.module_path for call in an.site_calls for t in st.site_terms[call.id]
                     if t.value in st.writer_terms}
     plan.scale_folds = sorted({ScaleFold(param, path, writer_kind(an.modules[path]), offset, keep)

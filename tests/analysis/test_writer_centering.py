@@ -2,9 +2,7 @@
 
 What could be silently wrong: a conversion that is no longer exact; a writer whose weights are still edited (a
 per-row int8 quantizer would then round other rows than the original's, the point lost); an op before a LayerScale
-product (it would center the writer's output, not what ``λ ⊙`` adds: not exact); a LayerScale writer whose rows are
-not the original's up to a per-row scale, or not balanced (round 52: λ is taken into the rows and balanced back out,
-as ``layer_scale="keep"`` does for a centered writer, so a per-tensor grid keeps its gain);
+product (it would center the writer's output, not what ``λ ⊙`` adds: not exact); a LayerScale still rebalanced;
 ops that a native checkpoint loses; the default changed; a bad value or a rotation that turns streams silently
 accepted; the CLI answering a conflicting flag with a traceback.
 """
@@ -94,28 +92,13 @@ def test_every_writer_keeps_its_weights_and_one_op_after_it_keeps_the_conversion
     for h in ops:
         assert h.where == "output" and re.search(places, h.module), h
         assert "writer_centering='op'" in h.reason and not h.per_norm
-    # the writers (weights, biases) are the original's, bit for bit; with a LayerScale λ, what it adds (λ ⊙ rows)
-    # is, row for row, and its rows are balanced (every row's max|w| within (8/9, 1] of the original weight's)
-    scales = {f.into: f.param for f in plan.scale_folds}
-    assert all(f.keep for f in plan.scale_folds) and set(scales) <= set(names)
-    assert bool(scales) == (name == "dinov2")
+    # the writers (weights, biases) and every LayerScale λ are the original's, bit for bit
     before, after = dict(model.named_parameters()), dict(conv.named_parameters())
-    for n in names:
-        for attr in ("weight", "bias"):
-            k = f"{n}.{attr}"
-            if n not in scales:
-                assert torch.equal(before[k], after[k]), k
-                continue
-            lam0, lam1 = before[scales[n]].detach(), after[scales[n]].detach()
-            w0, w1 = before[k].detach(), after[k].detach()
-            shape = (-1, 1) if attr == "weight" else (-1,)
-            assert float((w1 * lam1.reshape(shape) - w0 * lam0.reshape(shape)).abs().max()) \
-                <= 1e-12 * float((w0 * lam0.reshape(shape)).abs().max()), k
-        if n in scales:
-            peak = after[f"{n}.weight"].detach().abs().amax(1)
-            target = float(before[f"{n}.weight"].detach().abs().max())
-            assert bool((peak <= target * (1 + 1e-12)).all() and (peak > target * 8 / 9 * (1 - 1e-12)).all()), n
-    assert not any(e.owner in names for e in plan.writer_edits)
+    kept = [k for k in before if any(k.startswith(n + ".") for n in names) or "lambda1" in k]
+    assert kept
+    for k in kept:
+        assert torch.equal(before[k], after[k]), k
+    assert not any(e.owner in names for e in plan.writer_edits) and plan.scale_folds == []
     assert "approximate" not in {s.verdict for s in plan.sites}, plan.table()
     kw = _inputs(model)
     ref, out = _outputs(model, kw), _outputs(conv, kw)
@@ -159,7 +142,7 @@ def test_native_checkpoint_keeps_the_ops_and_compat_is_the_stock_model(pairs, tm
     for loaded in (native, stock):
         out = _outputs(loaded, kw)
         assert float((out - ref).abs().max()) <= TOL * max(1.0, float(ref.abs().max())), type(loaded).__name__
-        assert torch.equal(loaded.get_parameter(key), conv.get_parameter(key))  # the balanced original rows
+        assert torch.equal(loaded.get_parameter(key), model.get_parameter(key))
 
 
 def test_a_bad_value_or_a_turning_rotation_is_a_one_line_error_and_the_model_is_untouched():
