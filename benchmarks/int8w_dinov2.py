@@ -20,7 +20,8 @@ others centered by weights); ``null-S``: the original re-drawn by float noise al
 By hand, one group at a time (round 52): ``writer-ops-attn`` / ``writer-ops-mlp`` (ops after the attention / MLP
 writers alone, the others centered by weights), ``-bal`` (those writers' λ folded into their rows and balanced back
 out, :func:`balanced_rows`), ``orig-bal`` (the original with every writer balanced so, LayerNorms kept),
-``native-fold`` (``layer_scale="fold"``), ``native-stemw`` (``stem_centering="weights"``).
+``native-fold`` (``layer_scale="fold"``), ``native-stemw`` (``stem_centering="weights"``), ``wauto-widen`` (ops after
+the writers whose centering widens a row more than 2×, balanced: ``auto``'s first form, 4 of DINOv2-small's 24).
 
 Engines (``--engines``): ``ov-w8`` (the ONNX export through OpenVINO and NNCF, ``bench_quant_engines.run_openvino``),
 ``bnb-int8`` (``bench_heldout_engines.quantized``), ``ort-dyn-pt`` / ``ort-dyn-pc`` (ONNX Runtime's
@@ -127,7 +128,7 @@ def hybrid(original: torch.nn.Module, compat: torch.nn.Module, pattern: str) -> 
 
 @torch.no_grad()
 def writer_ops(original: torch.nn.Module, attention_only: bool = False, groups: tuple[str, ...] = ("attn", "mlp"),
-               balance: bool = False) -> torch.nn.Module:
+               balance: bool = False, widening_above: float | None = None) -> torch.nn.Module:
     """``native`` with every writer's weights, bias and LayerScale λ put back as the original's and its output
     centered by an op instead (a mean subtraction over the features after each LayerScale): exact, and a per-row
     weight quantizer then rounds the original's rows. Built by hand (round 50); the product option is
@@ -135,7 +136,9 @@ def writer_ops(original: torch.nn.Module, attention_only: bool = False, groups: 
     projections alone, the MLP down projections centered by their weights as in ``native``; ``groups``: the same
     by group (``writer-ops-mlp``: the MLP down projections alone). ``balance`` (``-bal`` variants): each such
     writer's λ folded into its rows and taken back out by :func:`balanced_rows` (the rows of equal maxima that
-    ``layer_scale="keep"`` gives a centered writer, here without centering)."""
+    ``layer_scale="keep"`` gives a centered writer, here without centering). ``widening_above`` (``wauto-widen``:
+    ``writer_centering="auto"``'s first form this round): ops only after the writers whose centering widens some
+    row's ``max|w|`` (λ folded) more than this, the others centered by weights as in ``native``."""
     import normswap
 
     if attention_only:
@@ -147,6 +150,10 @@ def writer_ops(original: torch.nn.Module, attention_only: bool = False, groups: 
     for mine, theirs in zip(model.encoder.layer, original.encoder.layer, strict=True):
         for lin, scale in pairs:
             dst, src = mine.get_submodule(lin), theirs.get_submodule(lin)
+            if widening_above is not None:
+                w = src.weight.double() * theirs.get_submodule(scale).lambda1.double()[:, None]
+                if float(((w - w.mean(0)).abs().amax(1) / w.abs().amax(1)).max()) <= widening_above:
+                    continue
             dst.weight.copy_(src.weight)
             dst.bias.copy_(src.bias)
             mine.get_submodule(scale).lambda1.copy_(theirs.get_submodule(scale).lambda1)
@@ -466,6 +473,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     parts = name.removeprefix("writer-ops").split("-")[1:]
                     groups = tuple(p for p in parts if p in ("attn", "mlp")) or ("attn", "mlp")
                     model = writer_ops(original, groups=groups, balance="bal" in parts)
+                elif name == "wauto-widen":  # ops after the writers whose centering widens a row > 2x, balanced
+                    model = writer_ops(original, balance=True, widening_above=2.0)
                 elif name == "orig-bal":  # the original's writers balanced alone: no centering, LayerNorms kept
                     model = copy.deepcopy(original)
                     for layer in model.encoder.layer:
