@@ -8,7 +8,8 @@ reader: q, k and v each transform the same tensor); ``online-bN``, the ops block
 round 51's ``EagerOp``: :func:`stock_ops_`); ``copy``, the original's deep copy (a control: the original's weights
 are a mapping of the checkpoint file, which the kernel may back with huge pages, every other variant's are
 anonymous memory); ``writer-ops``, ``normswap convert --writer-centering op`` (the writers' weights kept, a
-centering op after each LayerScale: 24 ops more than ``native`` on DINOv2-small); ``online-r51``, ``online`` with
+centering op after each LayerScale: 24 ops more than ``native`` on DINOv2-small); ``writer-auto``, ``--writer-centering
+auto`` (an op after the writers whose centering widens a row); ``online-r51``, ``online`` with
 its ops captured in round 51's stock form (:func:`r51_ops_`: differs from ``online`` in ``ort`` and ``compile``
 only). Engines: ONNX Runtime (``ort``), torch eager, ``compile`` (``torch.compile``, inductor, default mode; each
 model's dynamo graphs and graph breaks printed first: :func:`compiled`). One thread. Each engine is timed
@@ -43,7 +44,8 @@ ENGINES = ("ort", "eager", "compile")
 
 
 VARIANTS = ("native", "online", "online-per-reader", "online-b32", "online-b64", "online-b128", "copy", "online-stock",
-            "online-b32-stock", "writer-ops", "online-r51")
+            "online-b32-stock", "writer-ops", "online-r51",
+            "writer-auto")
 
 
 def r51_stock(factors: dict, module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -117,9 +119,10 @@ def variants(model: torch.nn.Module, names: tuple[str, ...] = VARIANTS[:3]) -> d
         normswap.patch(native, beta_placement="keep")
         if "native" in names:
             out["native"] = native
-        if "writer-ops" in names:  # the writers' weights kept, one centering op after each (two per block)
-            out["writer-ops"] = copy.deepcopy(model)
-            normswap.patch(out["writer-ops"], beta_placement="keep", writer_centering="op")
+        for name, how in (("writer-ops", "op"), ("writer-auto", "auto")):  # op: one centering op after each writer
+            if name in names:  # (two per block); auto: after the writers whose centering widens a row (4 of 24)
+                out[name] = copy.deepcopy(model)
+                normswap.patch(out[name], beta_placement="keep", writer_centering=how)
         for name in (n for n in names if n.startswith("online")):
             m = copy.deepcopy(native)
             if name == "online-per-reader":  # the layout before one op per norm output: no norm shares its op

@@ -14,8 +14,14 @@ compat's tensors of one group (``--hybrid-groups``: regular expressions on state
 the original's everywhere else; exact in float32 (the next LayerNorm removes what a centering moved);
 ``writer-ops``: ``native`` with the original's writers and a centering op after each LayerScale
 (:func:`writer_ops`, by hand); ``wop``: the product's way to the same model, ``normswap.patch(beta_placement="keep",
-writer_centering="op")`` (what ``normswap convert --writer-centering op`` writes); ``null-S``: the original
-re-drawn by float noise alone (:func:`null_draw`, seed ``S``).
+writer_centering="op")`` (what ``normswap convert --writer-centering op`` writes); ``wauto``: the same with
+``writer_centering="auto"`` (``--writer-centering auto``: ops after the writers whose centering widens a row, the
+others centered by weights); ``null-S``: the original re-drawn by float noise alone (:func:`null_draw`, seed ``S``).
+By hand, one group at a time (round 52): ``writer-ops-attn`` / ``writer-ops-mlp`` (ops after the attention / MLP
+writers alone, the others centered by weights), ``-bal`` (those writers' λ folded into their rows and balanced back
+out, :func:`balanced_rows`), ``orig-bal`` (the original with every writer balanced so, LayerNorms kept),
+``native-fold`` (``layer_scale="fold"``), ``native-stemw`` (``stem_centering="weights"``), ``wauto-widen`` (ops after
+the writers whose centering widens a row more than 2×, balanced: ``auto``'s first form, 4 of DINOv2-small's 24).
 
 Engines (``--engines``): ``ov-w8`` (the ONNX export through OpenVINO and NNCF, ``bench_quant_engines.run_openvino``),
 ``bnb-int8`` (``bench_heldout_engines.quantized``), ``ort-dyn-pt`` / ``ort-dyn-pc`` (ONNX Runtime's
@@ -121,27 +127,58 @@ def hybrid(original: torch.nn.Module, compat: torch.nn.Module, pattern: str) -> 
 
 
 @torch.no_grad()
-def writer_ops(original: torch.nn.Module, attention_only: bool = False) -> torch.nn.Module:
+def writer_ops(original: torch.nn.Module, attention_only: bool = False, groups: tuple[str, ...] = ("attn", "mlp"),
+               balance: bool = False, widening_above: float | None = None) -> torch.nn.Module:
     """``native`` with every writer's weights, bias and LayerScale λ put back as the original's and its output
     centered by an op instead (a mean subtraction over the features after each LayerScale): exact, and a per-row
     weight quantizer then rounds the original's rows. Built by hand (round 50); the product option is
     ``writer_centering="op"`` (variant ``wop``). ``attention_only`` (variant ``writer-ops-attn``): the attention output
-    projections alone, the MLP down projections centered by their weights as in ``native``."""
+    projections alone, the MLP down projections centered by their weights as in ``native``; ``groups``: the same
+    by group (``writer-ops-mlp``: the MLP down projections alone). ``balance`` (``-bal`` variants): each such
+    writer's λ folded into its rows and taken back out by :func:`balanced_rows` (the rows of equal maxima that
+    ``layer_scale="keep"`` gives a centered writer, here without centering). ``widening_above`` (``wauto-widen``:
+    ``writer_centering="auto"``'s first form this round): ops only after the writers whose centering widens some
+    row's ``max|w|`` (λ folded) more than this, the others centered by weights as in ``native``."""
     import normswap
 
+    if attention_only:
+        groups = ("attn",)
     model = copy.deepcopy(original)
     normswap.patch(model, beta_placement="keep")
+    pairs = [p for g, p in (("attn", ("attention.o_proj", "layer_scale1")), ("mlp", ("mlp.fc2", "layer_scale2")))
+             if g in groups]
     for mine, theirs in zip(model.encoder.layer, original.encoder.layer, strict=True):
-        pairs = (("attention.o_proj", "layer_scale1"),) if attention_only else \
-            (("attention.o_proj", "layer_scale1"), ("mlp.fc2", "layer_scale2"))
         for lin, scale in pairs:
             dst, src = mine.get_submodule(lin), theirs.get_submodule(lin)
+            if widening_above is not None:
+                w = src.weight.double() * theirs.get_submodule(scale).lambda1.double()[:, None]
+                if float(((w - w.mean(0)).abs().amax(1) / w.abs().amax(1)).max()) <= widening_above:
+                    continue
             dst.weight.copy_(src.weight)
             dst.bias.copy_(src.bias)
             mine.get_submodule(scale).lambda1.copy_(theirs.get_submodule(scale).lambda1)
+            if balance:
+                balanced_rows(dst, mine.get_submodule(scale))
             mine.get_submodule(scale).register_forward_hook(
                 lambda _module, _inputs, out: out - out.mean(-1, keepdim=True))
     return model
+
+
+@torch.no_grad()
+def balanced_rows(linear: torch.nn.Linear, layer_scale: torch.nn.Module) -> None:
+    """λ folded into ``linear``'s rows, then each row divided by the four-bit scale that puts its largest entry
+    in (8/9, 1] of the weight's original ``max|w|``, that scale becoming λ (what ``layer_scale="keep"`` does
+    after centering, :func:`normswap.surgery.edits.layer_scale_balance`): the same function, the same integers
+    on any per-row grid, and rows of nearly equal maxima for a per-tensor one."""
+    from normswap.surgery.edits import layer_scale_balance
+
+    lam = layer_scale.lambda1
+    w = linear.weight.double() * lam.double()[:, None]
+    b = linear.bias.double() * lam.double()
+    s = layer_scale_balance(w.abs().amax(1), float(linear.weight.double().abs().max()))
+    linear.weight.copy_((w / s[:, None]).to(linear.weight.dtype))
+    linear.bias.copy_((b / s).to(linear.bias.dtype))
+    lam.copy_(s.to(lam.dtype))
 
 
 @torch.no_grad()
@@ -432,13 +469,29 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 elif name == "native":
                     model = copy.deepcopy(original)
                     normswap.patch(model, beta_placement="keep")
-                elif name in ("writer-ops", "writer-ops-attn"):
-                    model = writer_ops(original, attention_only=name.endswith("-attn"))
+                elif name.startswith("writer-ops"):  # writer-ops[-attn|-mlp][-bal]
+                    parts = name.removeprefix("writer-ops").split("-")[1:]
+                    groups = tuple(p for p in parts if p in ("attn", "mlp")) or ("attn", "mlp")
+                    model = writer_ops(original, groups=groups, balance="bal" in parts)
+                elif name == "wauto-widen":  # ops after the writers whose centering widens a row > 2x, balanced
+                    model = writer_ops(original, balance=True, widening_above=2.0)
+                elif name == "orig-bal":  # the original's writers balanced alone: no centering, LayerNorms kept
+                    model = copy.deepcopy(original)
+                    for layer in model.encoder.layer:
+                        balanced_rows(layer.attention.o_proj, layer.layer_scale1)
+                        balanced_rows(layer.mlp.fc2, layer.layer_scale2)
+                elif name == "native-fold":  # λ folded into the centered writers (layer_scale="fold")
+                    model = copy.deepcopy(original)
+                    normswap.patch(model, beta_placement="keep", layer_scale="fold")
+                elif name == "native-stemw":  # the stem centered by its weights, no stem op
+                    model = copy.deepcopy(original)
+                    normswap.patch(model, beta_placement="keep", stem_centering="weights")
                 elif name.startswith("null-"):
                     model = null_draw(original, int(name[5:]))
-                elif name == "wop":
+                elif name in ("wop", "wauto"):
                     model = copy.deepcopy(original)
-                    normswap.patch(model, beta_placement="keep", writer_centering="op")
+                    normswap.patch(model, beta_placement="keep",
+                                   writer_centering="op" if name == "wop" else "auto")
                 elif name == "compat" or name.startswith("hyb-"):
                     if compat is None:
                         conv = copy.deepcopy(original)

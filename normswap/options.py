@@ -53,7 +53,7 @@ LAYER_SCALES = ("keep", "fold")  # where a centered writer's LayerScale λ ends 
 # how a stream started by a Linear/conv (a patch or feature projection) is made zero-mean (normswap.analysis.planner)
 STEM_CENTERINGS = ("op", "weights")
 # how a quantized writer inside the layers (a Pre-LN block's output projections) is centered (normswap.analysis.planner)
-WRITER_CENTERINGS = ("weights", "op")
+WRITER_CENTERINGS = ("weights", "op", "auto")
 FORMATS = ("native", "compat")
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # checkpoint dtypes ``convert`` can write
 VERIFY_DTYPES = ("auto", "float64", "float32")  # what the working copy computes in (normswap.memory)
@@ -169,9 +169,20 @@ class ConvertOptions:
             verdict is ``exact-with-centering``. For engines that round each weight row on its own scale and
             run the ops in float: torchao's int8 dynamic scheme, OpenVINO NNCF's int8 weights, bitsandbytes'
             LLM.int8 (DINOv2-small: the centered rows cost them up to 1.08× the original's error;
-            ``docs/results/quantization.md``, round 51). It gives up what the centered writers gain in ONNX
-            Runtime's per-tensor int8, and adds two ops per block; not with a rotation that turns streams (its
-            ``Q`` would need an op after each of them).
+            ``docs/results/quantization.md``, rounds 51-52). It gives up what the centered writers gain in ONNX
+            Runtime's int8 (DINOv2-small per tensor 0.55× → 1.00×, per channel 0.80× → 0.96×) and adds two ops
+            per block. ``"auto"``: an op after every writer a LayerScale scales and after any other whose
+            centering would widen some output row's range by more than 2× (``max|W'_i| / max|W_i|``: a weight
+            statistic, no data), every other writer centered by its weights; an op writer's λ is taken into its
+            rows and balanced back out as ``layer_scale="keep"`` does for a centered writer (its rows are the
+            original's up to a per-row scale, the same integers on a per-row grid, with equal maxima for a
+            per-tensor grid: ONNX Runtime's per-tensor int8 keeps its gain, DINOv2-small 0.55×). DINOv2 gets an
+            op after every writer, GPT-2, Whisper and BERT none (the default): ops only where an engine was
+            measured to pay for the edit (DINOv2-small: ops after only the 4 writers whose rows widen left
+            torchao at 1.09× and NNCF at 1.17×). The figure per writer is in ``plan.options["writer_widening"]``.
+            Neither ``"op"`` nor ``"auto"`` goes with a rotation that turns streams (its ``Q`` would need an op
+            after each of those writers), nor ``"auto"`` with ``low_memory=True`` (planned on a proxy without the
+            real weights).
         trade_constants: let a centered position table keep its row means where a float bias or a class
             token reaching exactly the same tokens can take them away instead
             (:class:`normswap.analysis.plan.ConstantTrade`, proved by probing the model in float64): exact,
@@ -271,10 +282,10 @@ class ConvertOptions:
         if self.stem_centering is not None:
             choose("stem_centering", self.stem_centering, STEM_CENTERINGS)
         choose("writer_centering", self.writer_centering, WRITER_CENTERINGS)
-        if self.writer_centering == "op" and self.rotate not in (None, "none"):
-            raise NormswapError("option writer_centering='op' leaves the writers' weights as they are and centers "
-                                "their outputs by ops, which a rotation that turns the stream cannot fold into: drop "
-                                "one of them (rotate='none' with online_hadamard=True works with it)")
+        if self.writer_centering in ("op", "auto") and self.rotate not in (None, "none"):
+            raise NormswapError(f"option writer_centering={self.writer_centering!r} leaves writers' weights as they "
+                                "are and centers their outputs by ops, which a rotation that turns the stream cannot "
+                                "fold into: drop one of them (rotate='none' with online_hadamard=True works with it)")
         choose("verify_dtype", self.verify_dtype, VERIFY_DTYPES)
         if self.rotate is not None:
             choose("rotate", self.rotate, ROTATIONS)  # γ folded where it turns (pipeline.analyse_copy)

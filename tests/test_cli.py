@@ -814,6 +814,8 @@ ARGUMENT_ERRORS = [
     (["--fold-gamma", "--beta-placement", "rounding"], "--beta-placement rounding applies without --fold-gamma"),
     (["--low-memory", "--rotate", "hadamard"], "--rotate needs the whole model in memory; drop --low-memory"),
     (["--low-memory", "--per-norm-centering"], "--per-norm-centering needs the whole model in memory"),
+    (["--low-memory", "--writer-centering", "auto"], "--writer-centering auto chooses each writer's centering"),
+    (["--writer-centering", "auto", "--rotate", "hadamard"], "--writer-centering auto keeps writers' weights"),
     (["--rotate", "hadamard", "--rotate-output", "restore", "--format", "compat"], "--rotate-output restore adds"),
     (["--rotate", "hadamard", "--online-hadamard", "--format", "compat"], "--online-hadamard adds ops"),
     (["--format", "compat", "--mode", "all"], "--format compat keeps LayerNorms"),

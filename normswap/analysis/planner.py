@@ -315,6 +315,9 @@ def _stem_ops(st: Planning) -> None:
 
 
 WRITER_WHY = "(its weights kept: quantizers round them; writer_centering='op')"
+# writer_centering="auto": a writer whose centering would widen some output row's max|w| more than this (a per-row
+# weight grid's step on that row more than doubled: one bit of its int8 grid lost) keeps its weights behind an op
+WRITER_AUTO_WIDENING = 2.0
 
 
 def _writer_ops(st: Planning) -> None:
@@ -322,16 +325,25 @@ def _writer_ops(st: Planning) -> None:
     conv whose output is computed from a norm's output, called once: a Pre-LN block's attention output
     projection, its MLP down projection) as centered by an op rather than by its weights (``st.writer_terms``);
     :func:`_place_writer_ops` then places one op right after it, where its write is complete (after a LayerScale).
+    ``"auto"``: only the writers a LayerScale λ scales, and those whose centering widens some output row's range
+    on a per-row grid by more than :data:`WRITER_AUTO_WIDENING` (:func:`centering_widening`; every writer's figure
+    in ``plan.options["writer_widening"]``); the others are centered by their weights.
 
     Centering those writers' weights is exact, but a per-row weight quantizer (torchao's int8, NNCF's int8
     weights, LLM.int8) then rounds the rows ``W_i − m`` instead of the original's ``W_i``, and RMSNorm, unlike the
     original's LayerNorm, does not remove the mean of their rounding error. With the op the writer keeps the
     original's weights and the op removes that mean as the original's next LayerNorm did. One op per writer
-    (two per Pre-LN block): opt-in, for the engines where it pays.
+    (two per Pre-LN block): opt-in, for the engines where it pays. Why ``"auto"`` takes every LayerScale writer,
+    not only the ones whose rows widen (round 52, DINOv2-small): ops after those 4 of its 24 writers alone fix
+    the float simulation of a per-row grid (1.33× → 0.96×) but neither torchao (1.09×) nor NNCF's int8 weights
+    (1.17×); ops after all 24 do (1.02×, ~1.0×). A writer without LayerScale (GPT-2, Whisper, BERT) keeps its
+    weight edit unless its rows widen: no op, no cost, where no engine was measured to pay for the edit.
     """
-    if st.writer_centering != "op":
+    if st.writer_centering not in ("op", "auto"):
         return
     an = st.an
+    widening: dict[str, float] = {}
+    scaled = {path for _, path, _, _ in an.layer_scales.values()}  # writers a LayerScale λ scales
     for call in an.site_calls:
         for term in st.site_terms[call.id]:
             ok, why = st.term_status[term.value]
@@ -340,8 +352,43 @@ def _writer_ops(st: Planning) -> None:
                     or writer_kind(an.modules[term.module_path]) not in _QUANTIZED_WRITERS \
                     or not an.depends_on_norm(term.value):
                 continue
+            if st.writer_centering == "auto":
+                widening[term.module_path] = centering_widening(an, term.module_path, st.term_edits[term.value][0])
+                if not widening[term.module_path] > WRITER_AUTO_WIDENING and term.module_path not in scaled:
+                    continue
             st.writer_terms[term.value] = (ok, why)
             st.term_status[term.value] = (False, f"{term.label} {WRITER_WHY}")
+    if st.writer_centering == "auto":
+        st.plan.options["writer_widening"] = {path: round(w, 3) for path, w in sorted(widening.items())}
+
+
+def centering_widening(an: Analyzer, path: str, edits: list[WriterEdit]) -> float:
+    """How much centering writer ``path``'s weight (``edits``: the plan's edit of it, LayerScale λ folded first as
+    the surgery folds it) widens its output rows for a per-row weight grid: the largest over rows of
+    ``max|W'_i| / max|W_i|``, ``W_i`` the row (λ folded), ``W'_i`` the same row centered (``inf`` for a zero row
+    the centering fills). A per-row int8 grid's step on row ``i`` is ``max|W'_i| / 127``: a row of small λ is
+    mostly ``−m`` once centered, and its own signal then sits on a grid sized for the mean row.
+    Computed in float64 from the weights alone (no data)."""
+    edit = next((e for e in edits if an.model.get_parameter(e.target).dim() >= 2), None)  # the weight, not a bias
+    if edit is None:
+        return 1.0
+    w = an.model.get_parameter(edit.target).detach().double()
+    axis = edit.axis % w.dim()
+    lam = next((an.model.get_parameter(param).detach().double().flatten() + offset
+                for param, writer, _, offset in an.layer_scales.values() if writer == path), None)
+    if lam is not None and lam.numel() == w.shape[axis]:
+        shape = [1] * w.dim()
+        shape[axis] = -1
+        w = w * lam.reshape(shape)
+    centered = w.clone()
+    for lo, hi in edit.blocks or [(0, w.shape[axis])]:
+        part = centered.narrow(axis, lo, hi - lo)
+        part.sub_(part.mean(axis, keepdim=True))
+    rows = w.movedim(axis, 0).reshape(w.shape[axis], -1).abs().amax(1)
+    crows = centered.movedim(axis, 0).reshape(w.shape[axis], -1).abs().amax(1)
+    ratio = torch.where(rows > 0, crows / rows.clamp_min(1e-300),
+                        torch.where(crows > 0, torch.full_like(rows, float("inf")), torch.ones_like(rows)))
+    return float(ratio.max()) if ratio.numel() else 1.0
 
 
 def _place_writer_ops(st: Planning) -> None:
@@ -817,8 +864,18 @@ def _plan_lists(st: Planning) -> None:
     an, plan = st.an, st.plan
     centered_owners = {e.owner for e in st.edits.values()}
     keep = plan.options.get("layer_scale") == "keep"
+    # writer_centering="auto": a writer behind its op keeps its rows, but λ is still taken into them and the rows
+    # balanced back out (ScaleFold keep, no centering): the same integers on a per-row grid, equal row maxima for a
+    # per-tensor one, as the writers centered by weights have (DINOv2-small, ONNX Runtime per-tensor int8: 0.55× the
+    # original's error balanced, 1.00× with λ as it was). "op" leaves λ as it was (NNCF int8 weights, 256 crops:
+    # 1.03× unbalanced, 1.08× balanced, both on one photograph; docs/results/quantization.md, round 52)
+    balanced: set[str] = set()
+    if keep and st.writer_centering == "auto":
+        balanced = {t.module_path for call in an.site_calls for t in st.site_terms[call.id]
+                    if t.value in st.writer_terms}
     plan.scale_folds = sorted({ScaleFold(param, path, writer_kind(an.modules[path]), offset, keep)
-                               for param, path, _, offset in an.layer_scales.values() if path in centered_owners},
+                               for param, path, _, offset in an.layer_scales.values()
+                               if path in centered_owners or path in balanced},
                               key=lambda f: f.param)
     plan.unties = list(st.unties.values())
     plan.hooks = [h for h, _ in st.hooks.values()]

@@ -640,7 +640,8 @@ def _streams(st: _Conversion, low_memory: bool | None) -> bool:
     src, opts = st.src, st.opts
     if low_memory is None:
         low_memory = (wants_low_memory(src, st.dtype) and st.calibration_data is None and opts.calibration is None
-                      and not opts.per_norm_centering and st.example_inputs is None)
+                      and not opts.per_norm_centering and opts.writer_centering != "auto"
+                      and st.example_inputs is None)
         if low_memory:
             st.say(
                 f"checkpoint is {io.human(src.nbytes)}: converting it in memory would need more than the "
@@ -651,6 +652,10 @@ def _streams(st: _Conversion, low_memory: bool | None) -> bool:
                          "--low-memory")
     if low_memory and opts.per_norm_centering:
         raise NormswapError("per_norm_centering=True needs the whole model in memory; drop low_memory=True")
+    if low_memory and opts.writer_centering == "auto":
+        raise NormswapError("writer_centering='auto' chooses each writer's centering from its own weights, which the "
+                            "streamed conversion plans without (a depth-reduced proxy): drop low_memory=True, or pass "
+                            "writer_centering='op' or 'weights'")
     if low_memory and opts.rotate is not None:
         raise NormswapError(f"{src.label} is streamed (its in-memory conversion would not fit in the available "
                             f"RAM) and rotate={opts.rotate!r} needs the whole model in memory; pass low_memory=False "

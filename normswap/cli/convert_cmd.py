@@ -114,8 +114,9 @@ def _check_combination(
                          "--rotate none or hadamard) too")
     if online_block is not None and not valid_online_block(online_block):
         raise UsageError(f"--online-block {online_block}: pass a power of two of at least 2 (e.g. 32, 64, 128)")
-    if writer_centering == "op" and rotation not in (None, "none"):
-        raise UsageError(f"--writer-centering op keeps the writers' weights and centers their outputs by ops, which "
+    if writer_centering in ("op", "auto") and rotation not in (None, "none"):
+        raise UsageError(f"--writer-centering {writer_centering} keeps writers' weights and centers their outputs by "
+                         "ops, which "
                          f"--rotate {rotation} cannot fold its rotation into: drop one of them (--rotate none "
                          "--online-hadamard works with it)")
     if rotation == "none" and not online_hadamard:
@@ -155,6 +156,9 @@ def _check_combination(
                             ("--per-norm-centering", per_norm_centering)):
             if given:
                 raise UsageError(f"{flag} needs the whole model in memory; drop --low-memory or {flag}")
+        if writer_centering == "auto":
+            raise UsageError("--writer-centering auto chooses each writer's centering from its own weights, which "
+                             "--low-memory plans without: drop --low-memory, or pass --writer-centering op or weights")
     if calibration_data is not None:
         check_input_file(calibration_data, "--calibration-data")
 
@@ -277,9 +281,12 @@ Presets (offline, seeded tiny models with tokenizers/processors):
     show_default=True,
     help="The writers inside the layers (a Pre-LN block's attention output and MLP down projections): 'weights' "
     "centers their weights (each row minus the mean row; no op); 'op' keeps the original's weights and centers "
-    "each one's output by one mean per token after it (two ops per block). For engines that round each weight "
-    "row on its own scale (torchao int8, OpenVINO NNCF int8 weights, LLM.int8) use 'op'; for ONNX Runtime's "
-    "per-tensor int8 keep 'weights'. Both exact.",
+    "each one's output by one mean per token after it (two ops per block); 'auto' does that for the writers a "
+    "LayerScale scales (DINOv2, BEiT; their rows balanced as --layer-scale keep does) or whose centering would "
+    "widen a weight row more than 2x, and centers the others by weights (GPT-2, Whisper: the default). For "
+    "engines that round each weight row on its own scale (torchao int8, OpenVINO NNCF int8 weights, LLM.int8) "
+    "use 'op' or 'auto' ('auto' keeps ONNX Runtime's per-tensor int8 gain too); ONNX Runtime's per-channel int8 "
+    "gains most from 'weights' (docs/deployment.md). All exact.",
 )
 @click.option(
     "--keep-tied",

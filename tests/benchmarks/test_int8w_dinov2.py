@@ -61,6 +61,32 @@ def test_writer_ops_is_exact_and_keeps_the_original_writers() -> None:
         assert not torch.equal(conv.mlp.fc2.weight, theirs.mlp.fc2.weight)
 
 
+def test_balanced_writer_ops_are_the_product_auto_and_exact() -> None:
+    """``writer-ops-bal`` (by hand: the original's rows behind ops, λ folded and balanced back out) is the model
+    ``writer_centering="auto"`` writes on a DINOv2 (an op after every LayerScale writer): the same function as the
+    original, the same writer tensors as the product's to float rounding; ``orig-bal`` and ``wauto-widen`` exact too."""
+    model = _tiny_dino()
+    px = torch.randn(3, 3, 28, 28, dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        bal = bench.writer_ops(model, balance=True)
+        widen = bench.writer_ops(model, balance=True, widening_above=2.0)
+        auto = copy.deepcopy(model)
+        normswap.patch(auto, beta_placement="keep", writer_centering="auto")
+        orig_bal = copy.deepcopy(model)
+        for layer in orig_bal.encoder.layer:
+            bench.balanced_rows(layer.attention.o_proj, layer.layer_scale1)
+            bench.balanced_rows(layer.mlp.fc2, layer.layer_scale2)
+    ref = _tokens(model, px)
+    for variant in (bal, widen, auto, orig_bal):
+        torch.testing.assert_close(_tokens(variant, px), ref, rtol=1e-9, atol=1e-9)
+    for mine, theirs in zip(bal.encoder.layer, auto.encoder.layer, strict=True):
+        for path in ("attention.o_proj.weight", "mlp.fc2.weight", "layer_scale1.lambda1", "layer_scale2.lambda1"):
+            torch.testing.assert_close(mine.get_parameter(path), theirs.get_parameter(path), rtol=1e-12, atol=0)
+    w = bal.encoder.layer[0].mlp.fc2.weight.detach().abs().amax(1)  # rows balanced: equal maxima within 8/9
+    assert float(w.min() / w.max()) > 8 / 9 - 1e-12
+
+
 def test_hybrid_takes_one_group_and_stays_exact(tmp_path: Path) -> None:
     """A hybrid carries compat's tensors of its group only and computes the original's function."""
     model = _tiny_dino()
