@@ -81,7 +81,10 @@ same ONNX file through OpenVINO and NNCF's weight compression (``bench_openvino.
 ``ov-w8-writers`` / ``ov-w8-readers``: int8 weights on one group of Linears only (the attention output
 projections and ``fc2`` / the q, k, v projections and ``fc1``), the rest in float. ``torchao`` (asked for by name; needs
 ``torchao``): torchao's int8 dynamic activation + int8 weight scheme on the torch model itself (no ONNX), every
-``nn.Linear`` quantized and everything else (a rotation's online ops included) left in float32.
+``nn.Linear`` quantized and everything else (a rotation's online ops included) left in float32. ``rtn-w8a4``,
+``rtn-w4a4`` (and ``rtn-w8a8``, ``rtn-w4``, ``rtn-w8a4-pt``, ``rtn-w4a4-pt``; asked for by name): 4-bit activations,
+round-to-nearest fake quantization of the torch model (:data:`RTN_ACT`); ``qdq-a4``, ``qdq-w4a4``: ONNX Runtime's
+static QDQ with 4-bit activations (:data:`QDQ_A4`).
 
     python benchmarks/bench_quant_engines.py --layers 6 --images 256 --json quant_engines.json
     python benchmarks/bench_quant_engines.py --model DINOV2_DIR --photos SKIMAGE/data --image 224 --images 256 \
@@ -129,6 +132,17 @@ TORCHAO = ("torchao",)
 # asked for by name: static QDQ through normswap.integrations.onnx.quantize_static (ONNX Runtime's call, the stem
 # op's nodes left in float), the qdq quantizer's settings otherwise
 QDQ_NORMSWAP = ("qdq-normswap",)
+# asked for by name: round-to-nearest fake quantization in torch (quant_utils.fake_quantize_: every nn.Linear's weight
+# symmetric absmax per output channel, its input symmetric absmax per token at run time; "-pt": one input scale per
+# image instead, over all its tokens and features), bits as named (w8a4: 8-bit weights, 4-bit activations); the
+# patch convolution and a rotation's own ops stay float32. No CPU engine runs 4-bit activations in integers
+RTN_ACT = {"rtn-w8a8": (8, 8, "token"), "rtn-w8a4": (8, 4, "token"), "rtn-w4a4": (4, 4, "token"),
+           "rtn-w8a4-pt": (8, 4, "tensor"), "rtn-w4a4-pt": (4, 4, "tensor"), "rtn-w4": (4, None, "token")}
+# asked for by name: ONNX Runtime static QDQ with 4-bit activations (QuantType.QUInt4, per tensor, MinMax on the
+# calibration crops; ONNX Runtime's int4 QuantizeLinear / DequantizeLinear pairs around float MatMuls, no integer
+# kernel) and int8 weights per channel (qdq-a4) or int4 weights per channel (qdq-w4a4), through normswap's
+# quantize_static (the stem op's nodes in float); --qdq-whole-ops applies as for qdq-normswap
+QDQ_A4 = {"qdq-a4": "QInt8", "qdq-w4a4": "QInt4"}
 VARIANTS = ("original", "compat", "compat-notrade", "compat-retrade", "compat-keep", "compat-fold-ls", "native",
             "native-keep", "native-centerop", "native-weights", "compat-weights", "compat-keep-weights", "fold-gamma",
             "hadamard", "jitter-1", "jitter-2")
@@ -363,6 +377,17 @@ def quantize(fp32: Path, how: str, calib: torch.Tensor, keep: list[str] | None =
         call(str(fp32), str(out), BatchReader(feeds), quant_format=QuantFormat.QDQ,
              activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8, per_channel=False,
              nodes_to_exclude=keep or [])
+    elif how in QDQ_A4:
+        feeds = [{"pixel_values": calib[i:i + 8].numpy()} for i in range(0, len(calib), 8)]
+        graph = onnx.load(str(fp32)).graph
+        weights = {i.name for i in graph.initializer}
+        # the weight MatMuls only, as the fake quantizer: attention's two activation-activation MatMuls stay float
+        # (and the patch convolution, which ONNX Runtime would fuse into a QLinearConv it cannot run on 4 bits)
+        act_act = [n.name for n in graph.node if n.op_type == "MatMul" and not set(n.input) & weights]
+        onnx_integration.quantize_static(str(fp32), str(out), BatchReader(feeds), quant_format=QuantFormat.QDQ,
+                                         activation_type=QuantType.QUInt4, weight_type=getattr(QuantType, QDQ_A4[how]),
+                                         per_channel=True, op_types_to_quantize=["MatMul"],
+                                         nodes_to_exclude=(keep or []) + act_act)
     elif how in GPTQ:
         import ort_gptq
 
@@ -405,6 +430,18 @@ def run_torchao(model: torch.nn.Module, px: torch.Tensor, batch: int = 16) -> tu
 
     q = copy.deepcopy(model)
     quantize_(q, Int8DynamicActivationInt8WeightConfig())
+    out = [Outputs(q)(px[i:i + batch]) for i in range(0, len(px), batch)]
+    return torch.cat([p for p, _ in out]), torch.cat([t for _, t in out])
+
+
+@torch.inference_mode()
+def run_fake(model: torch.nn.Module, how: str, px: torch.Tensor, batch: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    """A copy of ``model`` fake-quantized as :data:`RTN_ACT` says (``how``), run in torch eager."""
+    from quant_utils import fake_quantize_
+
+    w_bits, a_bits, per = RTN_ACT[how]
+    q = copy.deepcopy(model)
+    fake_quantize_(q, w_bits, a_bits, act_per=per)
     out = [Outputs(q)(px[i:i + batch]) for i in range(0, len(px), batch)]
     return torch.cat([p for p, _ in out]), torch.cat([t for _, t in out])
 
@@ -515,7 +552,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     "has spread it")
     ap.add_argument("--online-edits", nargs="+", default=[], metavar="EDIT",
                     help="online*: exact edits between each norm and its readers on the calibration crops before the "
-                    "ops go in (dinov2_rotation_groups.migrate_: shift, smooth-A, awq-A), in this order")
+                    "ops go in (dinov2_rotation_groups.migrate_: shift, smooth-A, awq-A, scales=PATH), in this order")
     ap.add_argument("--learn-steps", type=int, default=100, help="learned*: optimiser steps")
     ap.add_argument("--learn-images", type=int, default=32, help="learned*: calibration crops the rotation learns "
                     "from (in batches of --learn-batch)")
@@ -529,7 +566,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--q-files", nargs="+", default=[], metavar="NAME=PATH",
                     help="more rows: the model rotated by the float64 matrix saved at PATH (output restored)")
     ap.add_argument("--quantizers", nargs="+", default=list(QUANTIZERS),
-                    choices=QUANTIZERS + GPTQ + MATMUL_ONLY + OPENVINO + QDQ_NORMSWAP + TORCHAO)
+                    choices=QUANTIZERS + GPTQ + MATMUL_ONLY + OPENVINO + QDQ_NORMSWAP + TORCHAO + tuple(RTN_ACT)
+                    + tuple(QDQ_A4))
     ap.add_argument("--json", type=Path)
     ap.add_argument("--plot", type=Path, help="write a PNG of the error ratios (matplotlib)")
     ap.add_argument("--from-json", type=Path, nargs="+",
@@ -613,18 +651,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             stem = onnx_integration.stem_float_nodes(fp32) if args.float_stem else []
             if stem:
                 row["float_stem"] = stem
-            if not set(args.quantizers) & set(TORCHAO):
+            if not set(args.quantizers) & (set(TORCHAO) | set(RTN_ACT)):
                 del m
             for how in args.quantizers:
                 if how in TORCHAO:
                     q = fp32
                     pool, tok = run_torchao(m, px)
+                elif how in RTN_ACT:
+                    q = fp32
+                    pool, tok = run_fake(m, how, px)
                 elif how in OPENVINO:
                     q = fp32
                     pool, tok = run_openvino(fp32, how, px, matrices=matrices)
                 else:
                     extra = stem if how == "qdq" else []
-                    if args.qdq_whole_ops and keep and how in ("qdq", *QDQ_NORMSWAP):
+                    if args.qdq_whole_ops and keep and how in ("qdq", *QDQ_NORMSWAP, *QDQ_A4):
                         extra = extra + around
                         row["qdq_whole_ops"] = len(around)
                     q = quantize(fp32, how, calib, (keep or []) + extra)

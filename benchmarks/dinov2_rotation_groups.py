@@ -129,7 +129,9 @@ def migrate_(conv: torch.nn.Module, how: str, calib: torch.Tensor) -> None:
     * ``smooth-A``: SmoothQuant's migration, ``s_j = max|a_j|^A / max|W_:,j|^(1−A)`` (``normswap.rotation.smooth``),
       the norm's γ and β ``/ s``, the readers' columns ``× s``;
     * ``awq-A``: the same with ``s_j = mean|a_j|^A`` (AWQ's activation-aware scale, no weight term), normalised
-      to geometric mean 1.
+      to geometric mean 1;
+    * ``scales=PATH``: the scales ``dinov2_online_scales.py`` learned and saved (``{norm: s}``), applied as
+      ``smooth-A``'s are.
 
     The online Hadamard then goes in after the norm, so the turned weight is ``W·diag(s)·D·H``: the columns of
     the channels that carry the most activation rounded finer, relative to their size, after the spread."""
@@ -160,6 +162,11 @@ def migrate_(conv: torch.nn.Module, how: str, calib: torch.Tensor) -> None:
             for r in readers:
                 lin = lins[r]
                 lin.bias.copy_((lin.bias.double() + lin.weight.double() @ z).to(lin.bias.dtype))
+        return
+    if how.startswith("scales="):  # per-norm scales saved by dinov2_online_scales.py ({norm: t}), as they are
+        saved = torch.load(how.partition("=")[2])
+        for n, readers in pairs.items():
+            smooth.apply_(conv, n, readers, saved[n])
         return
     kind, _, alpha = how.partition("-")
     if kind == "smooth":

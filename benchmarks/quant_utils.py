@@ -58,23 +58,30 @@ def absmax_quantize(x: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     return ((work / scale).round().clamp(-qmax, qmax) * scale).to(x.dtype)
 
 
-def _quantize_input(bits: int):
+def _quantize_input(bits: int, per: str = "token"):
     def hook(module: nn.Module, args: tuple) -> tuple:
         if not args or not torch.is_tensor(args[0]):
             return args
-        return (absmax_quantize(args[0], bits, dim=-1), *args[1:])  # per token: over the features
+        x = args[0]
+        if per == "tensor" and x.dim() > 2:  # one scale per sample: over its tokens and features
+            return (absmax_quantize(x.reshape(x.shape[0], -1), bits, dim=-1).reshape(x.shape), *args[1:])
+        return (absmax_quantize(x, bits, dim=-1), *args[1:])  # per token: over the features
     return hook
 
 
-def fake_quantize_(model: nn.Module, w_bits: int | None, a_bits: int | None, only: set[str] | None = None) -> list:
+def fake_quantize_(model: nn.Module, w_bits: int | None, a_bits: int | None, only: set[str] | None = None,
+                   act_per: str = "token") -> list:
     """Fake-quantize every Linear/Conv1D of ``model`` (or those named in ``only``): W per output channel,
-    inputs per token.
+    inputs per token (``act_per="tensor"``: one scale per sample, over all its tokens and features, the
+    dynamic per-tensor scale a batch of one gets).
 
     ``None`` leaves that side in floating point. Each quantized module gets its own rounded weight
     (a new parameter), so a weight tied to something else (GPT-2's head and its input embedding)
     is rounded where the matmul reads it and nowhere else. Returns the hook handles (remove them to
     stop quantizing activations; the weights stay rounded).
     """
+    if act_per not in ("token", "tensor"):
+        raise ValueError(f"act_per must be 'token' or 'tensor', got {act_per!r}")
     handles = []
     for name, module in matmuls(model):
         if only is not None and name not in only:
@@ -83,7 +90,7 @@ def fake_quantize_(model: nn.Module, w_bits: int | None, a_bits: int | None, onl
             rounded = absmax_quantize(module.weight.detach(), w_bits, dim=weight_in_axis(module))
             module.weight = nn.Parameter(rounded, requires_grad=False)
         if a_bits is not None:
-            handles.append(module.register_forward_pre_hook(_quantize_input(a_bits)))
+            handles.append(module.register_forward_pre_hook(_quantize_input(a_bits, act_per)))
     return handles
 
 

@@ -72,6 +72,20 @@ def test_fake_quantize_linear_weights_per_output_channel_and_inputs_per_token():
     torch.testing.assert_close(lin(x), x @ lin.weight.detach().T + lin.bias.detach())  # hooks removed
 
 
+def test_fake_quantize_per_tensor_inputs_share_one_scale_per_sample():
+    torch.manual_seed(0)
+    lin = nn.Linear(5, 3)
+    x = torch.randn(2, 4, 5)
+    x[1, 2, 3] = 40.0  # one outlier in sample 1: it sets that sample's scale, not sample 0's
+    qu.fake_quantize_(lin, None, 4, act_per="tensor")
+    want = torch.stack([_hand_rtn(x[i].reshape(1, 20), 4, rows=True).reshape(4, 5) for i in range(2)])
+    torch.testing.assert_close(lin(x), want @ lin.weight.detach().T + lin.bias.detach())
+    per_token = _hand_rtn(x.reshape(8, 5), 4, rows=True).reshape(2, 4, 5) @ lin.weight.detach().T + lin.bias.detach()
+    assert not torch.allclose(lin(x), per_token)
+    with pytest.raises(ValueError, match="act_per"):
+        qu.fake_quantize_(nn.Linear(2, 2), None, 4, act_per="channel")
+
+
 def _hand_rtn(w: torch.Tensor, bits: int, rows: bool) -> torch.Tensor:
     """Element by element, the way one would on paper."""
     qmax = 2 ** (bits - 1) - 1

@@ -140,3 +140,29 @@ def test_block_grids_reports_each_kind_and_the_grids_differ() -> None:
     assert sorted(found) == sorted(groups.READERS + groups.WRITERS)
     for ea, es, share in found.values():
         assert 0 < ea < 1 and 0 < es < 1 and ea != es and 0 <= share < 1
+
+
+def test_learned_online_scales_are_exact_and_replay_before_the_ops(tmp_path) -> None:
+    """``dinov2_online_scales.py``'s edit: scales ``t`` put between each norm and its readers with the op in place
+    (``W Mᵀ diag(t) M``) keep the function in float64, and ``migrate_``'s ``scales=PATH`` (the same ``t`` before
+    the ops, what ``bench_quant_engines.py`` replays) builds the very same weights."""
+    scales = benchmark_modules.load("dinov2_online_scales")
+    model = benchmark_modules.tiny_dinov2(3)
+    calib, px = _pixels(4, 1), _pixels(3, 2)
+    conv = groups.build(model, "online+smooth-0.5", calib)
+    pairs = groups.norm_readers(conv)
+    gen = torch.Generator().manual_seed(7)
+    ts = {n: torch.exp(torch.randn(32, generator=gen, dtype=torch.float64)) for n in pairs}
+    for n, rd in pairs.items():
+        m = scales.op_matrix(conv, n, rd)
+        assert float((m @ m.T - torch.eye(32, dtype=torch.float64)).abs().max()) < 1e-12
+        scales.apply_after_ops_(conv, n, rd, ts[n], m)
+    ref, out = groups.outputs(model, px), groups.outputs(conv, px)
+    assert float((ref[1] - out[1]).abs().max() / ref[1].abs().max()) < 1e-10
+    torch.save(ts, tmp_path / "t.pt")
+    replay = groups.build(model, f"online+smooth-0.5+scales={tmp_path / 't.pt'}", calib)
+    state, other = conv.state_dict(), replay.state_dict()
+    assert max(float((state[k] - other[k]).abs().max()) for k in state) < 1e-10
+    unscaled = groups.build(model, "online+smooth-0.5", calib).state_dict()
+    fc1 = "encoder.layer.0.mlp.fc1.weight"
+    assert float((state[fc1] - unscaled[fc1]).abs().max()) > 1e-3  # the scales did change the weights

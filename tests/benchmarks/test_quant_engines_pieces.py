@@ -141,3 +141,24 @@ def test_export_leaves_an_eval_model_in_eval_mode(tmp_path):
     engines.export(model, torch.randn(2, 3, 56, 56), tmp_path / "m.onnx")
     assert (tmp_path / "m.onnx").exists()
     assert not any(m.training for m in model.modules())
+
+
+def test_rtn_activation_quantizers_round_every_linear_input_after_the_online_op_and_leave_the_model_float():
+    """``--quantizers rtn-w8a4`` (``run_fake``): the rounding is on a copy (the model the next quantizer gets is
+    still float), it changes the output, and on a replica with massive channels the online ops lower the 4-bit
+    activation error (the op's spread reaches the Linear's input before its rounding)."""
+    import normswap
+
+    model = _tiny_dino(0)
+    px = torch.randn(4, 3, 56, 56, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    ref = engines.Outputs(model)(px)[1]
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    _, tok = engines.run_fake(model, "rtn-w8a4", px)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    err = engines.one_minus_cos(ref, tok)
+    assert err > 1e-8  # the float64 model against itself: 0
+    online = _converted(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        normswap.rotate(online, "none", online=True)
+    assert engines.one_minus_cos(ref, engines.run_fake(online, "rtn-w8a4", px)[1]) < err
