@@ -279,9 +279,10 @@ def test_conv1d_to_linear_carries_an_online_ops_factors_so_it_exports_as_matmuls
     """An online Hadamard reads its power-of-two factor from a plain ``_normswap_*`` attribute of its module,
     not a buffer; a Linear swapped in without it still computes the op (eager runs its own form) but exports
     it as a butterfly of adds that ``rotation.onnx_nodes.float_nodes`` cannot find (round 52: 1 op node found
-    in a 6-layer GPT-2 instead of 25, the rest left to the quantizer's mercy)."""
-    import normswap
+    in a 6-layer GPT-2 instead of 25: the others exported as butterflies)."""
     from transformers import GPT2Config, GPT2LMHeadModel
+
+    import normswap
 
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=256, n_layer=1, n_head=4, n_positions=16, bos_token_id=0,
