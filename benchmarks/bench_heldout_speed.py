@@ -7,10 +7,14 @@ The timing machinery is ``bench_deploy_speed``'s: one thread, interleaved ABBA q
 median converted/original ratio with its quartiles, ORT sessions created in both orders and second torch
 copies allocated in the opposite order (``--control`` adds the original against itself: the noise floor).
 Engines: ``ort`` (``torch.onnx.export(dynamo=True)``, ONNX Runtime's CPU provider, default optimisation),
-``ortfuse`` (the converted export through ``normswap.integrations.onnx.fuse_norms``), ``eager``.
+``ortfuse`` (the converted export through ``normswap.integrations.onnx.fuse_norms``), ``eager``, ``compile``
+(``torch.compile(dynamic=True)``, inductor; at batches above 1 only unless ``--compile-batch1``, as
+``bench_deploy_speed``: a batch of 1 is specialised, a second compile per model).
 
 Inputs: vision models (a config with ``image_size``) get ``pixel_values`` at each ``--sizes`` side;
-text models ``input_ids`` of ``--sizes`` tokens. Only ``last_hidden_state`` is returned (the body).
+text models ``input_ids`` of ``--sizes`` tokens. Only ``last_hidden_state`` is returned (the body: a
+checkpoint with a task head, a causal LM say, is timed without it, both sides loaded as ``AutoModel`` /
+the converted model's ``base_model``).
 
     python benchmarks/bench_heldout_speed.py ORIGINAL_DIR CONVERTED_DIR --label dinov2-small \\
         --sizes 112,224 --batches 1,4 --engines ort,ortfuse,eager --budget 8 --control --json out.json
@@ -69,6 +73,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     torch.set_num_threads(1)
     original = tf.AutoModel.from_pretrained(args.original).eval()
     converted = normswap.load(str(args.converted)).eval()
+    converted = getattr(converted, "base_model", converted)  # the body, as AutoModel gives the original
     norms = sum(isinstance(m, normswap.RMSNorm) for m in converted.modules())
     print(f"# {args.label}: {norms} RMSNorms in {args.converted}", flush=True)
     k = keys(original)
@@ -114,6 +119,19 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             if args.control:
                 row["eager_aa"] = deploy.abba(calls["original"], calls["original2"], args.budget, args.min_quads)
             print(f"#   eager b{batch} {size}: {row['eager']['ratio']:.3f}", flush=True)
+    if "compile" in args.engines:
+        for name in [n for n in bodies if n.endswith("2")]:
+            del bodies[name]  # one compiled graph per model, timed by plain ABBA quads (no second copies)
+        fns = {n: torch.compile(b, dynamic=True) for n, b in bodies.items()}
+        for batch, size in cells:
+            if batch == 1 and not args.compile_batch1:
+                continue
+            row = rows[(batch, size)]
+            calls = {n: deploy.torch_call(f, example(original, batch, size)) for n, f in fns.items()}
+            row["compile"] = deploy.abba(calls["original"], calls["converted"], args.budget, args.min_quads)
+            print(f"#   compile b{batch} {size}: {row['compile']['ratio']:.3f}", flush=True)
+        del fns
+        torch._dynamo.reset()
     gc.collect()
     return list(rows.values())
 
@@ -126,7 +144,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--sizes", type=lambda s: [int(v) for v in s.split(",")], default=[112, 224],
                     help="image sides (vision) or token counts (text)")
     ap.add_argument("--batches", type=lambda s: [int(v) for v in s.split(",")], default=[1, 4])
-    ap.add_argument("--engines", default="ort,eager", help="comma-separated: ort, ortfuse, eager")
+    ap.add_argument("--engines", default="ort,eager", help="comma-separated: ort, ortfuse, eager, compile")
+    ap.add_argument("--compile-batch1", action="store_true", help="also time torch.compile at batch 1")
     ap.add_argument("--budget", type=float, default=8.0, help="seconds per cell")
     ap.add_argument("--min-quads", type=int, default=5)
     ap.add_argument("--control", action="store_true", help="also the original against itself (noise floor)")
@@ -136,7 +155,7 @@ def main(argv: list[str] | None = None) -> None:
     args.engines = args.engines.split(",")
     load = os.getloadavg()[0]
     rows = run(args)
-    engines = [e for e in ("ort", "ortfuse", "eager") if e in args.engines]
+    engines = [e for e in ("ort", "ortfuse", "eager", "compile") if e in args.engines]
     print(f"\n{args.label}; torch {torch.__version__}, {platform.processor() or platform.machine()}, one thread, "
           f"load average {load:.1f} → {os.getloadavg()[0]:.1f}\n")
     print(deploy.table(rows, engines))

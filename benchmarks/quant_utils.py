@@ -206,6 +206,10 @@ def conv1d_to_linear_(model: nn.Module) -> int:
         lin._forward_hooks_with_kwargs.update(m._forward_hooks_with_kwargs)
         for bname, buf in m.named_buffers(recurse=False):  # what those hooks read
             lin.register_buffer(bname, buf)
+        for key, value in vars(m).items():  # and their plain attributes (an online op's pow2 factor: without
+            # it the op exports as a butterfly of adds that rotation.onnx_nodes.float_nodes cannot find)
+            if key.startswith("_normswap") and not isinstance(value, torch.utils.hooks.RemovableHandle):
+                setattr(lin, key, value)
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child, lin)
     return len(swaps)

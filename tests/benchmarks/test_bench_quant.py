@@ -287,3 +287,32 @@ def test_transcripts_json_beside_the_wavs(tmp_path):
     (tmp_path / "transcripts.json").write_text('{"b.wav": "one  two"}')
     assert bench.transcript_for(tmp_path / "b.wav") == "one two"
     assert bench.transcript_for(tmp_path / "c.wav") is None
+
+
+def test_conv1d_to_linear_carries_an_online_ops_factors_so_it_exports_as_matmuls():
+    """An online Hadamard reads its power-of-two factor from a plain ``_normswap_*`` attribute of its module,
+    not a buffer; a Linear swapped in without it still computes the op (eager runs its own form) but exports
+    it as a butterfly of adds that ``rotation.onnx_nodes.float_nodes`` cannot find (round 52: 1 op node found
+    in a 6-layer GPT-2 instead of 25: the others exported as butterflies)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    import normswap
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=256, n_layer=1, n_head=4, n_positions=16, bos_token_id=0,
+                                       eos_token_id=0)).double().eval()
+    bench._random_norms(model, 0)
+    normswap.patch(model, beta_placement="keep")
+    normswap.rotate(model, "none", online=True)
+    hooked = {name: {k: v for k, v in vars(m).items() if k.startswith("_normswap_hadamard")}
+              for name, m in model.named_modules() if type(m).__name__ == "Conv1D" and m._forward_pre_hooks}
+    assert any(attrs for attrs in hooked.values())  # the width makes the op keep a pow2 factor
+    ids = torch.randint(0, 64, (2, 9))
+    ref = model(ids).logits
+    qu.conv1d_to_linear_(model)
+    for name, attrs in hooked.items():
+        lin = model.get_submodule(name)
+        assert isinstance(lin, nn.Linear)
+        for key, value in attrs.items():
+            assert getattr(lin, key, None) is value
+    torch.testing.assert_close(model(ids).logits, ref)

@@ -1,6 +1,7 @@
 """The held-out benchmarks' pure pieces on tiny replicas: reading a DINOv2 backbone back out of an ONNX
 export (``benchmarks/onnx_dinov2_import.py``), photograph crops (``benchmarks/photo_crops.py``) and the
-speed script's inputs (``benchmarks/bench_heldout_speed.py``). No real checkpoint, no network."""
+speed script's inputs (``benchmarks/bench_heldout_speed.py``), and the decoder check's windows and errors
+(``benchmarks/pydoc_gpt2.py``, ``benchmarks/heldout_lm.py``). No real checkpoint, no network."""
 
 from __future__ import annotations
 
@@ -18,8 +19,10 @@ pytest.importorskip("onnxruntime")
 tf = pytest.importorskip("transformers")
 
 import bench_heldout_speed  # noqa: E402
+import heldout_lm  # noqa: E402
 import onnx_dinov2_import as imp  # noqa: E402
 import photo_crops  # noqa: E402
+import pydoc_gpt2  # noqa: E402
 
 
 class _Saliency(torch.nn.Module):
@@ -159,3 +162,28 @@ def test_typical_ratio_is_the_geometric_mean_of_per_image_ratios_where_the_mean_
     assert typical == pytest.approx(float(torch.tensor(err).div(torch.tensor(base)).log().mean().exp()))
     assert 1.05 < typical < 1.1 and lo <= typical <= hi
     assert "typical image" in engines.ci_table(runs, "tok", typical=True)
+
+
+def test_pydoc_windows_are_distinct_consecutive_cuts_of_the_text_and_repeat_with_the_seed() -> None:
+    def chars(text: str, add_special_tokens: bool = False) -> dict:  # one id per character
+        return {"input_ids": [ord(c) for c in text]}
+
+    ids = pydoc_gpt2.windows(chars, 32, 16, seed=3)
+    text = [ord(c) for c in pydoc_gpt2.pydoc_text()]
+    starts = [next(i for i in range(0, len(text) - 15, 16) if text[i:i + 16] == row.tolist()) for row in ids]
+    assert ids.shape == (32, 16) and len(set(starts)) == 32 and starts == sorted(starts)
+    torch.testing.assert_close(pydoc_gpt2.windows(chars, 32, 16, seed=3), ids)
+    assert not torch.equal(pydoc_gpt2.windows(chars, 32, 16, seed=4), ids)
+    with pytest.raises(SystemExit, match="fewer than"):
+        pydoc_gpt2.windows(chars, 10**6, 16)
+
+
+def test_lm_window_errors_against_a_hand_computation() -> None:
+    ref = torch.tensor([[[0.0, 0.0], [2.0, 0.0]]])  # one window, two positions, two tokens
+    out = torch.tensor([[[0.0, 0.0], [0.0, 2.0]]])
+    errs = heldout_lm.per_window(ref, out)
+    p = torch.softmax(torch.tensor([2.0, 0.0], dtype=torch.float64), 0)
+    kl_second = float((p * (p.log() - p.flip(0).log())).sum())
+    assert errs["kl"] == pytest.approx([kl_second / 2]) and errs["top1"] == [0.5]
+    same = heldout_lm.per_window(ref, ref + 3.0)  # a constant shift changes no distribution
+    assert same["kl"][0] == pytest.approx(0.0, abs=1e-12) and same["top1"] == [1.0]
