@@ -224,12 +224,13 @@ def test_a_quantization_config_that_swaps_linears_before_loading_gets_the_ops_ba
     normswap.save(model, tmp_path / "ckpt")
     loaded = AutoModel.from_pretrained(tmp_path / "ckpt", quantization_config=config_cls(), dtype=torch.float64)
     fc2 = loaded.encoder.layer[1].mlp.fc2
-    assert isinstance(fc2, StandInLinear) and carry.holds_op(fc2)
+    # the registered quantizer's class: by name, since this module may be imported twice (test_online_guard_gaps)
+    assert type(fc2).__name__ == "StandInLinear" and carry.holds_op(fc2)
     assert torch.equal(getattr(fc2, HADAMARD_BUFFER), getattr(model.encoder.layer[1].mlp.fc2, HADAMARD_BUFFER))
     assert fc2 in _guard(loaded).modules  # the loader's carry: the guard watches the engine's modules
     assert _relative(_run(loaded, probe), ref) <= 1e-9
     loaded = normswap.load(tmp_path / "ckpt", quantization_config=config_cls(), dtype=torch.float64)
-    assert isinstance(loaded.encoder.layer[0].mlp.fc1, StandInLinear)
+    assert type(loaded.encoder.layer[0].mlp.fc1).__name__ == "StandInLinear"
     assert _relative(_run(loaded, probe), ref) <= 1e-9
 
 
