@@ -190,8 +190,15 @@ class ConvertOptions:
             (DINOv2/ViT in ONNX Runtime's static QDQ: 1.13× the original's error without it, ~1.00× with;
             ``docs/results/quantization.md``). On by default; ``False`` centers every writer alone (the
             behaviour before this option).
-        untie: clone tied output heads so the input embedding can be centered. ``False`` keeps the
-            tie and centers at run time instead (one centering op per token).
+        untie: what to do with an output head tied to an input embedding the conversion must center.
+            ``None`` (default): keep the tie and center the embedding's output at run time (one centering
+            op per token, verdict ``exact-with-centering``), and untie only where the plan needs the head's
+            own weight: γ folded into it (``fold_gamma``, a rotation) or an approximate norm's head made
+            blind to the leaked mean. Quantizers then see the head as the original has it: ONNX Runtime's
+            skip a tied head exactly as they skip the original's (a trained GPT-2-shaped decoder untied:
+            7× the original's 4-bit error; kept: 0.97×, ``docs/results/quantization.md``), and the
+            checkpoint keeps its size. ``True``: clone tied heads so the embedding is centered by weights (no
+            op; the default before 0.2). ``False``: never untie (a plan that needs it then keeps γ or refuses).
         per_norm_centering: make Post-LN norms exact with one mean subtraction before each (verdict
             ``exact-with-per-norm-centering``) at LayerNorm's cost; off by default.
         mean_carry: make a Post-LN norm exact where its stream is ``h + MLP(h)`` by widening the MLP
@@ -253,7 +260,7 @@ class ConvertOptions:
     stem_centering: str | None = None
     writer_centering: str = "weights"
     trade_constants: bool = True
-    untie: bool = True
+    untie: bool | None = None
     per_norm_centering: bool = False
     mean_carry: bool = True
     carry_multiple: int = 8
@@ -324,7 +331,10 @@ class ConvertOptions:
         if isinstance(c, bool) or not isinstance(c, int) or not 1 <= c <= 4096:
             raise NormswapError(f"option carry_multiple must be a whole number of neurons from 1 to 4096 (the MLP "
                                 f"width the mean carry pads to a multiple of), not {c!r}")
-        for name in ("fold_gamma", "bias_slots", "untie", "per_norm_centering", "mean_carry", "sequential", "verify",
+        if self.untie is not None and not isinstance(self.untie, bool):
+            raise NormswapError(f"option untie must be True, False or None (untie where the plan needs it), "
+                                f"not {self.untie!r}")
+        for name in ("fold_gamma", "bias_slots", "per_norm_centering", "mean_carry", "sequential", "verify",
                      "allow_unusable", "online_hadamard", "trade_constants"):
             if not isinstance(getattr(self, name), bool):
                 raise NormswapError(f"option {name} must be True or False, not {getattr(self, name)!r}")
@@ -342,6 +352,15 @@ class ConvertOptions:
         if self.stem_centering is not None:
             return self.stem_centering
         return "weights" if self.folds_gamma else "op"
+
+    @property
+    def untie_used(self) -> bool | None:
+        """``untie``, or its default: ``True`` for a conversion that folds γ (a γ folded into a tied head
+        needs the head's own weight), ``None`` otherwise (the analysis keeps ties and unties only a head an
+        approximate norm's reader rewrite needs)."""
+        if self.untie is not None:
+            return self.untie
+        return True if self.folds_gamma else None
 
     @property
     def folds_gamma(self) -> bool:

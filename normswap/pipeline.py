@@ -529,14 +529,25 @@ def analyse_copy(work: nn.Module, args: tuple, kwargs: dict, opts: ConvertOption
     """
     found, graph = _identify_sites(work, args, kwargs)
 
+    untie = opts.untie_used
+
     def planned(keep_gamma: dict[str, str] | None = None) -> Plan:
-        return analyse(work, graph, found.sites, untie=opts.untie, fold_gamma=opts.folds_gamma,
+        return analyse(work, graph, found.sites, untie=untie, fold_gamma=opts.folds_gamma,
                        per_norm_centering=opts.per_norm_centering, mean_carry=opts.mean_carry,
                        carry_multiple=opts.carry_multiple, rms_norms=found.skipped, bias_slots=opts.bias_slots,
                        layer_scale=opts.layer_scale, keep_gamma=keep_gamma, stem_centering=opts.stem_centering_used,
                        writer_centering=opts.writer_centering)
 
     plan = planned()
+    if untie is None and _has_ties(work) and any(sp.verdict not in EXACT_VERDICTS for sp in plan.sites):
+        # a tie kept costs a stream its one centering op (BLOOM: the op at the tied embedding leaves none for
+        # the stream its embedding LayerNorm starts): untie where that makes more norms exact
+        untie = True
+        untied = planned()
+        if _exact_count(untied) > _exact_count(plan):
+            plan = untied
+        else:
+            untie = None
     if opts.rotate not in (None, "none") and not opts.fold_gamma:
         # the rotation asked for the fold, so only where it will turn: the norms of every stream it will leave
         # alone are planned again as without it (γ and β where a conversion without rotate puts them)
@@ -554,6 +565,15 @@ def analyse_copy(work: nn.Module, args: tuple, kwargs: dict, opts: ConvertOption
     plan.options["already_converted"] = bool(found.converted) and not found.sites
     return _Analysis(plan, {s.path: s for s in found.sites}, graph, args, kwargs, dict(graph.held_casts),
                      random=graph.draws_random)
+
+
+def _has_ties(model: nn.Module) -> bool:
+    """Does one parameter sit under two names (a head tied to an embedding)?"""
+    return len({id(p) for p in model.parameters()}) < sum(1 for _ in model.named_parameters(remove_duplicate=False))
+
+
+def _exact_count(plan: Plan) -> int:
+    return sum(sp.verdict in EXACT_VERDICTS for sp in plan.sites)
 
 
 def decide_verdicts(plan: Plan, mode: str) -> None:

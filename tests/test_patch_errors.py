@@ -225,7 +225,7 @@ def test_options_object_and_keywords_are_the_same_conversion(call):
     assert opts.replace(mode="all").mode == "all" and opts.mode == "exact"  # frozen: replace copies
     with pytest.raises(normswap.NormswapError, match="did you mean 'exact'"):
         normswap.ConvertOptions(mode="exakt")
-    with pytest.raises(normswap.NormswapError, match="untie must be True or False"):
+    with pytest.raises(normswap.NormswapError, match="untie must be True, False or None"):
         normswap.ConvertOptions(untie="no")
     with pytest.raises(normswap.NormswapError, match="did you mean 'mean_carry'"):
         opts.replace(mean_cary=False)

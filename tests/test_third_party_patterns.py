@@ -103,7 +103,7 @@ def test_a_norm_right_after_a_gelu_written_in_ops_gets_one_centering_op():
     """fair-esm's LM head: the GELU output starts a stream that only the head's norm reads. Its centering op
     sits at that norm's input (the only module boundary), one op for the stream: exact-with-centering,
     not approximate ('no centering point feeds only norms') as before."""
-    report = _exact_everywhere(EsmStyleLM, _ids(2, 9, 0), _ids(3, 14, 1))
+    report = _exact_everywhere(EsmStyleLM, _ids(2, 9, 0), _ids(3, 14, 1), untie=True)  # no op at the tied table
     head = report.plan.site("lm_head.layer_norm")
     assert head.verdict == "exact-with-centering" and "stream starts at `mul`" in head.reason
     assert [(h.module, h.where, h.per_norm) for h in report.plan.hooks] == [("lm_head.layer_norm", "input", False)]
@@ -111,9 +111,11 @@ def test_a_norm_right_after_a_gelu_written_in_ops_gets_one_centering_op():
 
 @pytest.mark.parametrize("bias", [False, True])
 def test_nanogpt_style(bias: bool):
-    """nanoGPT's patterns: F.layer_norm with bias=None, fused c_attn, SDPA, a tie by assignment (untied by
-    default), the last position's logits only."""
+    """nanoGPT's patterns: F.layer_norm with bias=None, fused c_attn, SDPA, a tie by assignment (kept by
+    default: one op at the embedding; untied with untie=True), the last position's logits only."""
     report = _exact_everywhere(lambda: NanoGptStyle(bias=bias), _ids(2, 9, 0), _ids(3, 14, 1))
+    assert not report.plan.unties and report.plan.counts()["exact-with-centering"] == 5
+    report = _exact_everywhere(lambda: NanoGptStyle(bias=bias), _ids(2, 9, 0), _ids(3, 14, 1), untie=True)
     assert report.plan.unties and report.plan.counts()["exact"] == 5
     assert {s.flavour for s in report.plan.sites} == {"standard" if bias else "gamma-only"}
 

@@ -150,7 +150,7 @@ class SiteStream:
     problem_calls: dict[int, list[Term]] = field(default_factory=dict)  # call id -> its problem terms
 
 
-def analyse(model: nn.Module, graph: Graph, sites: list[NormSite], *, untie: bool = True,
+def analyse(model: nn.Module, graph: Graph, sites: list[NormSite], *, untie: bool | None = True,
             fold_gamma: bool = False, per_norm_centering: bool = False,
             rms_norms: list[SkippedNorm] | None = None, mean_carry: bool = True, carry_multiple: int = 8,
             bias_slots: bool = False, layer_scale: str = "keep", keep_gamma: dict[str, str] | None = None,
@@ -1221,10 +1221,15 @@ def _centered_readers(st: Planning, site: NormSite, foldable: list[str]) -> list
         weight = an.weight_param(path)
         owner = an.modules.get(reader.spec.owner) if isinstance(reader, LinearView) else reader
         shared = [o for o, _ in an.param_owners.get(id(weight), []) if an.modules.get(o) is not owner]
+        untie = None
         if (shared or an.sharing_problem(weight, path) is not None) and (path, "weight") not in st.unties:
-            continue  # the edit would change the other owner (a tied embedding) too
+            if not (an.untie is None and owner is reader and an.sharing_problem(weight, path) in (None, "tied")):
+                continue  # the edit would change the other owner (a tied embedding) too
+            untie = Untie(path, "weight", an.param_name[id(weight)], weight.numel())  # untie=None: only here
         if site.bias_attr is not None and reader.bias is None:
             continue
+        if untie is not None:
+            st.unties[(path, "weight")] = untie
         out.append(CenteredReader(site.path, path, writer_kind(reader)))
     return out
 
@@ -1243,7 +1248,10 @@ def _fold_blocker(st: Planning, site: NormSite, foldable: list[str], other: list
         if st.reader_sources[path] != {site.path} or st.reader_calls[path] != every_call:
             return f"`{path}` also reads something else"  # folding would change that call
         weight = an.weight_param(path)
-        if an.sharing_problem(weight, path) is not None and (path, "weight") not in st.unties:
+        reader = an.modules[path]
+        owner = an.modules.get(reader.spec.owner) if isinstance(reader, LinearView) else reader
+        tied = any(an.modules.get(o) is not owner for o, _ in an.param_owners.get(id(weight), []))  # a kept tie
+        if (tied or an.sharing_problem(weight, path) is not None) and (path, "weight") not in st.unties:
             owners = sorted({o for o, _ in an.param_owners.get(id(weight), [])} - {path})
             return f"`{path}` shares its weight" + (f" with {', '.join(f'`{o}`' for o in owners)}" if owners else "")
     return ""

@@ -148,12 +148,12 @@ _PLAIN_ADDS = frozenset({"add", "__add__", "__radd__", "add_", "__iadd__"})
 
 
 class Analyzer:
-    def __init__(self, model: nn.Module, graph: Graph, sites: list[NormSite], *, untie: bool,
+    def __init__(self, model: nn.Module, graph: Graph, sites: list[NormSite], *, untie: bool | None,
                  fold_gamma: bool, fold_beta: bool = True) -> None:
         self.model = model
         self.graph = graph
         self.sites = {s.path: s for s in sites}
-        self.untie = untie
+        self.untie = untie  # None: keep ties of writers (a centering op instead); readers untie where they need it
         self.fold_gamma = fold_gamma
         self.fold_beta = fold_beta
         self.bias_slots = False  # bias-less Linear readers may get a bias for β (planner.analyse sets it)
@@ -882,7 +882,8 @@ class Analyzer:
                                 and owner in self.calls_per_path:  # an owner never called shares the edit
                             unties.append(Untie(owner, oattr, self.param_name[id(p)], p.numel()))
                 else:
-                    return [], [], ("weight is tied to another module (untie=False)" if why == "tied" else why)
+                    kept = "weight is tied to another module (the tie is kept; untie=True centers it by weights)"
+                    return [], [], (kept if why == "tied" else why)
             edits.append(WriterEdit(f"{path}.{attr}", axis, blocks, path, kind))
         return edits, unties, None
 

@@ -250,7 +250,7 @@ def untie_note(count: int, params: int, extra: int, total: int) -> str:
     pct = 100 * extra / max(1, total - extra)
     return (
         f"untied {count} tied weight(s): +{params:,} parameters, +{human(extra)} on disk "
-        f"(+{pct:.0f}%); untie=False keeps the tie instead (also exact: one centering op per token)"
+        f"(+{pct:.0f}%): a folded γ or a reader rewrite needs the head's own weight, or untie=True was asked"
     )
 
 

@@ -289,13 +289,15 @@ Presets (offline, seeded tiny models with tokenizers/processors):
     "gains most from 'weights' (docs/deployment.md). All exact.",
 )
 @click.option(
-    "--keep-tied",
-    "--no-untie",
-    "keep_tied",
-    is_flag=True,
-    help="Keep tied embeddings (exact too: one centering op per token at run time) instead of "
-    "untying them, which grows the checkpoint by the size of the embedding (GPT-2: about +50%).",
+    "--untie/--keep-tied",
+    "untie",
+    default=None,
+    help="What to do with an output head tied to the input embedding. Default: keep the tie (one centering "
+    "op per token at run time; quantizers see the head as the original has it) and untie only where the plan "
+    "needs it (--fold-gamma, a rotation). --untie clones the head so the embedding is centered by weights "
+    "(no op; the checkpoint grows by the embedding's size, GPT-2: about +50%); --keep-tied never unties.",
 )
+@click.option("--no-untie", "no_untie", is_flag=True, hidden=True, help="Alias of --keep-tied.")
 @click.option(
     "--dtype",
     type=click.Choice(DTYPES),
@@ -450,7 +452,8 @@ def convert(
     layer_scale: str,
     stem_centering: str | None,
     writer_centering: str,
-    keep_tied: bool,
+    untie: bool | None,
+    no_untie: bool,
     dtype: str,
     calibration_data: str | None,
     max_shard_size: str,
@@ -510,7 +513,7 @@ def convert(
         online_block=online_block,
         rotate_smooth=smooth,
         rotate_learn=learn or None,
-        untie=not keep_tied,
+        untie=False if no_untie else untie,
         per_norm_centering=per_norm_centering,
         mean_carry=not no_mean_carry,
         trade_constants=not no_constant_trades,

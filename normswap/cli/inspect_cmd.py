@@ -44,7 +44,8 @@ Examples:
     help="Which norms the plan would convert.",
 )
 @click.option("--fold-gamma", is_flag=True, help="Plan γ folding too.")
-@click.option("--keep-tied", is_flag=True, help="Plan with tied embeddings kept.")
+@click.option("--keep-tied", is_flag=True,
+              help="Plan with tied embeddings never untied (the default unties only where the plan needs it).")
 @click.option(
     "--verbose",
     "-v",
@@ -104,7 +105,8 @@ def inspect(
                 warnings.simplefilter("ignore")
                 loaded, proc = source.load_model(src, task=task, dtype="auto", trust_remote_code=trust_remote_code)
                 example = given_inputs(loaded, proc) if given_inputs is not None else None
-                plan = normswap.plan(loaded, example, mode=mode, fold_gamma=fold_gamma, untie=not keep_tied)
+                plan = normswap.plan(loaded, example, mode=mode, fold_gamma=fold_gamma,
+                                     untie=False if keep_tied else None)
             header = f"{model} ({type(loaded).__name__})"
     if as_json:
         click.echo(json.dumps(plan.to_dict(), indent=2, default=str))

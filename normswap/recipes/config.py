@@ -45,7 +45,7 @@ class ConvertConfig:
 
     mode: Literal["auto", "exact", "all"] = "all"
     fold_gamma: bool = False
-    untie: bool = True
+    untie: bool | None = None
     mean_carry: bool = True
     calibration_batches: int = 8
     backend: str = "auto"

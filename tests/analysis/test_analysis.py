@@ -75,7 +75,7 @@ def _analyse(model, example, seed=0, **options):
     work = randomise(copy.deepcopy(model), seed)
     opts = ConvertOptions(**options)
     result = analyse_copy(work, example, {}, opts)
-    an = streams.Analyzer(work, result.graph, list(result.sites.values()), untie=opts.untie,
+    an = streams.Analyzer(work, result.graph, list(result.sites.values()), untie=opts.untie_used,
                            fold_gamma=opts.fold_gamma)
     return result.plan, an, result
 
@@ -155,7 +155,7 @@ def test_vit_stream_starts_at_a_conv_a_cls_token_and_a_position_table():
 
 
 def test_parallel_block_norm_feeds_two_linears_and_the_tied_head_is_untied():
-    plan, an, _ = _analyse(TinyGPT(qk_norm=False), _ids(50))
+    plan, an, _ = _analyse(TinyGPT(qk_norm=False), _ids(50), untie=True)
     assert plan.site("blocks.0.norm").readers == ["blocks.0.attn.qkv", "blocks.0.mlp.up"]
     assert _terms(an, "blocks.0.norm") == {"tok": "module", "parameter `pos`": "param"}
     assert [(u.module, u.attr, u.source, u.numel) for u in plan.unties] == [("head", "weight", "tok.weight", 50 * 32)]
@@ -171,7 +171,8 @@ def test_untie_false_centers_the_tied_embedding_at_run_time_instead():
     assert [(h.module, h.where, h.per_norm) for h in plan.hooks] == [("tok", "output", False)]
     assert {s.verdict for s in plan.sites} == {"exact-with-centering"}
     assert all(s.reason == "centering op at `tok` output: stream starts at `tok` (Embedding), which no weight edit "
-               "can center (weight is tied to another module (untie=False))" for s in plan.sites)
+               "can center (weight is tied to another module (the tie is kept; untie=True centers it by weights))"
+               for s in plan.sites)
     assert "tok.weight" not in {e.target for e in plan.writer_edits}
     assert "pos" in {e.target for e in plan.writer_edits}  # the position Parameter is still centered by surgery
 

@@ -304,7 +304,7 @@ def test_disk_full_while_writing(tmp_path, gpt2_src, monkeypatch, low_memory):
 
 
 def test_space_precheck_counts_untied_bytes(tmp_path, gpt2_src, monkeypatch):
-    """The pre-check sees what will be written: untying the GPT-2 embedding adds its size."""
+    """The pre-check sees what will be written: untying the GPT-2 embedding (--untie) adds its size."""
     from normswap.checkpoint import io
 
     seen: list[int] = []
@@ -319,10 +319,11 @@ def test_space_precheck_counts_untied_bytes(tmp_path, gpt2_src, monkeypatch):
     src_bytes = (gpt2_src / "model.safetensors").stat().st_size
     for flags in ((), ("--low-memory",)):
         seen.clear()
-        code, _, err = run("convert", str(gpt2_src), "--out", str(tmp_path / f"o{len(flags)}"), *flags)  # notes on
+        out = tmp_path / f"o{len(flags)}"
+        code, _, err = run("convert", str(gpt2_src), "--out", str(out), "--untie", *flags)  # notes on
         assert code == 0, err
         assert max(seen) >= src_bytes - 4096 + wte.numel() * wte.element_size(), (flags, seen)
-        assert "+" in err and "--no-untie" in err  # the growth is said out loud
+        assert "+" in err and "--untie" in err  # the growth is said out loud
 
 
 def test_sigkill_then_rerun_cleans_the_stale_temp_dir(tmp_path):

@@ -152,7 +152,7 @@ def _image(size: int, n: int, seed: int) -> torch.Tensor:
 
 CASES: dict[str, Case] = {
     "TinyGPT (untied head, per-head qk norms)": Case(TinyGPT, _ids(50, 2, 9, 0), _ids(50, 3, 14, 1),
-                                                     edits=("unties",)),
+                                                     {"untie": True}, edits=("unties",)),
     "TinyGPT keeping the tie (centering op)": Case(lambda: TinyGPT(qk_norm=False), _ids(50, 2, 9, 0),
                                                    _ids(50, 3, 14, 1), {"untie": False}, edits=("hooks",)),
     "TinyGPT rotated, online Hadamards, bias slot": Case(

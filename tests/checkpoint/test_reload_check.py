@@ -23,7 +23,7 @@ from normswap import presets
 from normswap.checkpoint import conversion, writer
 from normswap.cli import main
 
-HEAD = "proj_out.weight"  # Whisper's (untied) LM head: every logit reads it
+HEADS = ("proj_out.weight", "model.decoder.embed_tokens.weight")  # Whisper's LM head (tied: stored once, either name)
 
 
 def cli(*args: object) -> tuple[int, str, str]:
@@ -54,9 +54,9 @@ def _tamper_written(monkeypatch: pytest.MonkeyPatch, change) -> None:  # noqa: A
 
     def write_then_tamper(model, out, *args, **kwargs):  # noqa: ANN001, ANN202
         result = write(model, out, *args, **kwargs)
-        file = next(f for f in Path(out).glob("*.safetensors") if HEAD in load_file(str(f)))
-        tensors = load_file(str(file))
-        tensors[HEAD] = change(tensors[HEAD])
+        tensors, file, head = next((t, f, h) for f in Path(out).glob("*.safetensors")
+                                   for t in (load_file(str(f)),) for h in HEADS if h in t)
+        tensors[head] = change(tensors[head])
         save_file(tensors, str(file), metadata={"format": "pt"})
         return result
 

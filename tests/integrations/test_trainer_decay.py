@@ -35,7 +35,7 @@ def test_converted_norms_get_no_weight_decay(name):
     assert not norms & decay, sorted(norms & decay)
     assert decay == set(decay_parameter_names(model))
     # Nothing else changed: the decayed set is the original's minus parameters folded away or added.
-    assert decay <= {n for n, _ in model.named_parameters()}
+    assert decay <= {n for n, _ in model.named_parameters(remove_duplicate=False)}  # a tie kept: both names
     assert {n for n in original_decay if n in dict(model.named_parameters())} <= decay | norms
 
 
