@@ -1219,11 +1219,11 @@ def _centered_readers(st: Planning, site: NormSite, foldable: list[str]) -> list
         if st.reader_sources[path] != {site.path} or st.reader_calls[path] != every_call:
             continue
         weight = an.weight_param(path)
-        owner = an.modules.get(reader.spec.owner) if isinstance(reader, LinearView) else reader
-        shared = [o for o, _ in an.param_owners.get(id(weight), []) if an.modules.get(o) is not owner]
         untie = None
-        if (shared or an.sharing_problem(weight, path) is not None) and (path, "weight") not in st.unties:
-            if not (an.untie is None and owner is reader and an.sharing_problem(weight, path) in (None, "tied")):
+        if (an.weight_sharers(path) or an.sharing_problem(weight, path) is not None) \
+                and (path, "weight") not in st.unties:
+            if not (an.untie is None and not isinstance(reader, LinearView)
+                    and an.sharing_problem(weight, path) in (None, "tied")):
                 continue  # the edit would change the other owner (a tied embedding) too
             untie = Untie(path, "weight", an.param_name[id(weight)], weight.numel())  # untie=None: only here
         if site.bias_attr is not None and reader.bias is None:
@@ -1248,11 +1248,10 @@ def _fold_blocker(st: Planning, site: NormSite, foldable: list[str], other: list
         if st.reader_sources[path] != {site.path} or st.reader_calls[path] != every_call:
             return f"`{path}` also reads something else"  # folding would change that call
         weight = an.weight_param(path)
-        reader = an.modules[path]
-        owner = an.modules.get(reader.spec.owner) if isinstance(reader, LinearView) else reader
-        tied = any(an.modules.get(o) is not owner for o, _ in an.param_owners.get(id(weight), []))  # a kept tie
-        if (tied or an.sharing_problem(weight, path) is not None) and (path, "weight") not in st.unties:
-            owners = sorted({o for o, _ in an.param_owners.get(id(weight), [])} - {path})
+        # a kept tie blocks only a γ fold (it rewrites the weight); β goes into the reader's bias alone
+        sharers = an.weight_sharers(path) if st.folds_gamma(site.path) else []
+        if (sharers or an.sharing_problem(weight, path) is not None) and (path, "weight") not in st.unties:
+            owners = sharers or an.weight_sharers(path)
             return f"`{path}` shares its weight" + (f" with {', '.join(f'`{o}`' for o in owners)}" if owners else "")
     return ""
 

@@ -1036,6 +1036,15 @@ class Analyzer:
         module = self.modules[path]
         return module.weight_param if isinstance(module, LinearView) else module.weight
 
+    def weight_sharers(self, path: str) -> list[str]:
+        """The other modules that own reader ``path``'s weight (a head tied to the input embedding, a
+        weight shared across layers): an edit of that weight would change them too. A
+        :class:`LinearView`'s weight belongs to the module whose code applies it, not to another."""
+        module = self.modules[path]
+        owner = self.modules.get(module.spec.owner) if isinstance(module, LinearView) else module
+        return sorted({o for o, _ in self.param_owners.get(id(self.weight_param(path)), [])
+                       if self.modules.get(o) is not owner})
+
     def sharing_problem(self, p: torch.nn.Parameter, path: str) -> str | None:
         """'tied' if another (non-writer) module owns ``p``; a reason if raw ops use it elsewhere."""
         owners = self.param_owners.get(id(p), [])
