@@ -10,6 +10,7 @@ import warnings
 import torch
 
 import normswap
+from normswap import presets
 from normswap.inputs import hf_example_inputs
 from normswap.surgery.verify import compare
 from tests.zoo import EXACT, build
@@ -73,3 +74,17 @@ def test_a_tie_that_would_cost_a_second_stream_its_op_is_untied():
     assert report.plan.unties and report.plan.counts() == untied.plan.counts()
     assert "approximate" not in {s.verdict for s in report.plan.sites}
     assert _worst(original, model, 8) <= 1e-9
+
+
+def test_beta_folds_into_a_tied_heads_own_bias_and_the_tie_stays():
+    """BERT's MLM head: the last norm's β goes into the decoder's bias (the shared weight is only read), so the
+    tie and the fold both hold; a γ fold would rewrite the shared weight and unties instead (above)."""
+    original, _ = presets.build("tiny-bert", dtype=torch.float64)
+    model = copy.deepcopy(original)
+    report = normswap.patch(model, example_inputs=presets.example_inputs("tiny-bert"), mode="exact",
+                            beta_placement="fold")
+    site = report.plan.site("cls.predictions.transform.LayerNorm")
+    assert site.convert and site.fold_beta and not report.plan.unties
+    assert model.cls.predictions.decoder.weight is model.bert.embeddings.word_embeddings.weight
+    assert not torch.equal(model.cls.predictions.decoder.bias, original.cls.predictions.decoder.bias)
+    assert all(_worst(original, model, seed) <= 1e-9 for seed in (9, 10))
