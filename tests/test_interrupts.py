@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -27,6 +28,24 @@ from normswap.checkpoint import io
 ROOT = Path(__file__).resolve().parents[1]
 NOTHING = "error: interrupted; nothing was written"
 WRITTEN = "error: interrupted after the output was complete"
+
+
+@pytest.fixture
+def python_sigint():
+    """Python's own SIGINT handling for one in-process test, whatever ran before it in this worker: the default
+    handler (``KeyboardInterrupt``), SIGINT not blocked in this thread, run in the main thread (where Python runs
+    handlers). The tests raise the signal with ``signal.raise_signal``, in this thread and at once: ``os.kill`` on
+    the process lets the kernel pick any thread that does not block it, and an xdist worker that has run engines
+    holds many, so the interrupt could arrive after the moment the test means (two order-dependent failures,
+    "DID NOT RAISE", in fresh-clone runs)."""
+    assert threading.current_thread() is threading.main_thread()
+    handler = signal.signal(signal.SIGINT, signal.default_int_handler)
+    mask = signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        signal.signal(signal.SIGINT, handler if handler is not None else signal.SIG_DFL)
 
 
 def _env() -> dict[str, str]:
@@ -170,14 +189,12 @@ def test_an_interrupt_inside_a_finaliser_is_not_swallowed(tmp_path, how):
     assert r.stderr.strip().splitlines()[-1] == NOTHING
 
 
-def test_an_interrupt_during_the_commit_is_held_until_the_output_is_whole(tmp_path, monkeypatch):
+def test_an_interrupt_during_the_commit_is_held_until_the_output_is_whole(tmp_path, monkeypatch, python_sigint):
     out = tmp_path / "out"
     move = io._move_into_place
 
     def interrupted_move(tmp, dst, *, overwrite):
-        os.kill(os.getpid(), signal.SIGINT)  # Python's own handler: KeyboardInterrupt at the next bytecode
-        for _ in range(1000):
-            pass
+        signal.raise_signal(signal.SIGINT)  # Ctrl-C here (python_sigint: Python's own handler)
         move(tmp, dst, overwrite=overwrite)
 
     monkeypatch.setattr(io, "_move_into_place", interrupted_move)
@@ -198,16 +215,14 @@ def test_an_interrupt_before_the_commit_removes_everything(tmp_path):
     assert not (tmp_path / "deep").exists()
 
 
-def test_an_interrupt_as_the_temporary_directory_is_made_leaves_nothing(tmp_path, monkeypatch):
+def test_an_interrupt_as_the_temporary_directory_is_made_leaves_nothing(tmp_path, monkeypatch, python_sigint):
     """Ctrl-C the moment ``mkdtemp`` has made the directory (before its name is held anywhere) must not leave
     it behind: the case a CLI run interrupted when the directory appears hit under load."""
     made = tempfile.mkdtemp
 
     def interrupted_mkdtemp(*args, **kwargs):
         path = made(*args, **kwargs)
-        os.kill(os.getpid(), signal.SIGINT)  # Python's own handler: KeyboardInterrupt at the next bytecode
-        for _ in range(1000):
-            pass
+        signal.raise_signal(signal.SIGINT)  # Ctrl-C here (python_sigint: Python's own handler)
         return path
 
     monkeypatch.setattr(io.tempfile, "mkdtemp", interrupted_mkdtemp)
