@@ -48,7 +48,7 @@ import torch
 from normswap.backends import cpu_build, eager
 from normswap.backends._env import env_reader
 from normswap.backends.cpu_build import DTYPE_CODES, Kernel
-from normswap.backends.rows import DENSE_TYPES, as_rows, compute_dtype, dense, grad_launcher
+from normswap.backends.rows import DENSE_TYPES, as_rows, compute_dtype, dense, grad_launcher, wants_grad
 from normswap.backends.tracing import outside_tracing
 
 name = "cpu"
@@ -678,10 +678,6 @@ def rms_norm(
     k = kernel()
     if k.fn is None:
         return eager.rms_norm(x, normalized_shape, weight, bias, eps)
-    if torch.is_grad_enabled() and (
-        x.requires_grad
-        or (weight is not None and weight.requires_grad)
-        or (bias is not None and bias.requires_grad)
-    ):
+    if wants_grad(x, weight, bias):
         return _RMSNormCPU.apply(x, normalized_shape, weight, bias, eps)
     return _run(k, x, normalized_shape, weight, bias, eps, want_rstd=False, pooled=True)[0]

@@ -32,6 +32,18 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def wants_grad(*tensors: torch.Tensor | None) -> bool:
+    """Autograd is on and one of ``tensors`` (None entries skipped) requires a gradient: the call must
+    record a graph, so a backend launches its ``autograd.Function`` (or a decision cache keys on it)
+    rather than a forward-only kernel. One definition for every backend's dispatch."""
+    if not torch.is_grad_enabled():
+        return False
+    for t in tensors:
+        if t is not None and t.requires_grad:
+            return True
+    return False
+
+
 def as_rows(x: torch.Tensor, n: int) -> torch.Tensor:
     """A (rows, n) view of ``x`` with unit column stride, copying only when no such view exists."""
     rows = x.numel() // n if n else 0

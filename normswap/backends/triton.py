@@ -30,7 +30,7 @@ import os
 import torch
 
 from normswap.backends import eager, native
-from normswap.backends.rows import as_rows, compute_dtype, dense, grad_launcher
+from normswap.backends.rows import as_rows, compute_dtype, dense, grad_launcher, wants_grad
 
 name = "triton"
 MAX_N = 32768
@@ -456,11 +456,7 @@ def rms_norm(
         return eager.rms_norm(x, normalized_shape, weight, bias, eps)
     if torch.compiler.is_compiling():
         return torch.ops.normswap.triton_rms_norm_fwd(x, list(normalized_shape), weight, bias, eps)[0]
-    if torch.is_grad_enabled() and (
-        x.requires_grad
-        or (weight is not None and weight.requires_grad)
-        or (bias is not None and bias.requires_grad)
-    ):
+    if wants_grad(x, weight, bias):
         return _TritonRMSNorm.apply(x, normalized_shape, weight, bias, eps)
     return forward(x, normalized_shape, weight, bias, eps, want_rstd=False)[0]
 
@@ -511,9 +507,7 @@ def rms_norm_residual(
         y, h, _ = torch.ops.normswap.triton_rms_norm_residual_fwd(x, residual, list(normalized_shape), weight,
                                                                    bias, eps)
         return y, h
-    if torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (x, residual, weight, bias)
-    ):
+    if wants_grad(x, residual, weight, bias):
         return _TritonRMSNormResidual.apply(x, residual, normalized_shape, weight, bias, eps)
     y, _, h = forward(x, normalized_shape, weight, bias, eps, residual, want_rstd=False)
     return y, h
