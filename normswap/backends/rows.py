@@ -44,6 +44,25 @@ def wants_grad(*tensors: torch.Tensor | None) -> bool:
     return False
 
 
+def fake_grads(
+    x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What a kernel backend's backward custom op returns, as its fake (meta) kernel builds it for
+    tracing: dx shaped as ``x``, dw/db shaped as the parameters, or for an absent parameter the empty
+    placeholder the real op returns (custom ops cannot return None; :func:`param_grads` drops it)."""
+    dw = weight.new_empty(weight.shape) if weight is not None else x.new_empty((0,))
+    db = bias.new_empty(bias.shape) if bias is not None else x.new_empty((0,))
+    return x.new_empty(x.shape), dw, db
+
+
+def param_grads(
+    weight: torch.Tensor | None, bias: torch.Tensor | None, dw: torch.Tensor, db: torch.Tensor
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The weight and bias gradients an ``autograd`` backward returns from a backward custom op's
+    ``dw``, ``db``: None for an absent parameter, in place of the op's empty placeholder."""
+    return dw if weight is not None else None, db if bias is not None else None
+
+
 def as_rows(x: torch.Tensor, n: int) -> torch.Tensor:
     """A (rows, n) view of ``x`` with unit column stride, copying only when no such view exists."""
     rows = x.numel() // n if n else 0
