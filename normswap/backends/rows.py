@@ -1,4 +1,5 @@
-"""Helpers every kernel backend shares: the (rows, n) view of an input and the accumulation dtype.
+"""Helpers every kernel backend shares: the (rows, n) view of an input, the accumulation dtype, whether a
+call wants gradients, and the backward custom ops' fake outputs and gradient placeholders.
 
 One definition each, so the ``cpu`` and ``triton`` launchers and the ``eager`` reference cannot drift.
 """
