@@ -27,8 +27,7 @@ def residual_writers(an: Analyzer, call: ModuleCall, reader_ids: set[int]) -> tu
     shape whose other operand is, through identity ops each read once, the output of a Linear /
     Conv1D call with a bias, called once in the forward, and read by nothing else."""
     graph = an.graph
-    out_vid = an.site_output.get(call.id) if call.id in an.site_output else \
-        (call.outputs[0] if len(call.outputs) == 1 else None)
+    out_vid = an.norm_output(call)
     if out_vid is None:
         return [], "no tensor output"
     writers: list[tuple[str, str]] = []

@@ -1436,10 +1436,17 @@ class Analyzer:
         order = torch.arange(width, dtype=torch.float64)
         return all(m.dim() > 0 and m.shape[-1] == width and bool((m == order).all()) for m in outs.values())
 
+    def norm_output(self, call: ModuleCall) -> int | None:
+        """The value id a norm call's readers read: a site call's recorded output (None when it has
+        none), else the call's one output, or None for a call with several outputs (no single tensor
+        to follow). :meth:`readers` and the residual-writer search start from it."""
+        if call.id in self.site_output:
+            return self.site_output[call.id]
+        return call.outputs[0] if len(call.outputs) == 1 else None
+
     def readers(self, call: ModuleCall) -> tuple[list[ModuleCall], list[str]]:
         """(Linear/Conv1D reader calls, descriptions of other readers) of one norm call."""
-        out_vid = self.site_output.get(call.id) if call.id in self.site_output else \
-            (call.outputs[0] if len(call.outputs) == 1 else None)
+        out_vid = self.norm_output(call)
         if out_vid is None:
             return [], ["no tensor output"]
         width = self.graph.values[out_vid].shape[-1]

@@ -44,6 +44,7 @@ import torch
 
 from normswap.backends import cpu, eager, native
 from normswap.backends import triton as triton_backend
+from normswap.backends.rows import wants_grad
 from normswap.errors import NormswapError
 
 BACKENDS: dict[str, ModuleType] = {"eager": eager, "native": native, "cpu": cpu, "triton": triton_backend}
@@ -229,14 +230,6 @@ def refresh() -> None:
         obj.clear_decisions()
 
 
-def _wants_grad(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None) -> bool:
-    return torch.is_grad_enabled() and (
-        x.requires_grad
-        or (weight is not None and weight.requires_grad)
-        or (bias is not None and bias.requires_grad)
-    )
-
-
 def _graph_mode(x: torch.Tensor) -> bool:
     """Compiling, or capturing a CUDA graph: host time is paid once, GPU time on every replay."""
     return torch.compiler.is_compiling() or (x.is_cuda and torch.cuda.is_current_stream_capturing())
@@ -319,7 +312,7 @@ def select(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | No
         return cpu  # the common eager CPU case, without the general rule's bookkeeping
     rows, n, per_head = _metadata(x, weight)
     choice, _ = select_for(x.device.type, x.dtype, rows, n, bias=bias is not None, per_head=per_head,
-                           grad=_wants_grad(x, weight, bias), graph=_graph_mode(x))
+                           grad=wants_grad(x, weight, bias), graph=_graph_mode(x))
     module = BACKENDS[choice]
     if module.supports(x, weight, bias):
         return module
@@ -367,7 +360,7 @@ def bind(
     callable keeps the shape-class and graph-capture thresholds and compares ``x.numel()`` with them
     (the capture query runs only for sizes where eager and graph rules disagree).
     """
-    grad = _wants_grad(x, weight, bias)
+    grad = wants_grad(x, weight, bias)
     requested = backend if backend != "auto" else env_backend()
     if requested != "auto":
         module = BACKENDS[check_name(requested)]
@@ -458,7 +451,7 @@ def rms_norm_residual(
     fused_ok = is_available("triton") and triton_backend.supports_residual(x, residual, shape, weight, bias)
     if fused_ok and requested == "auto" and x.is_cuda:
         # the fused kernel saves native's separate add, as a bias does: the same rule as a biased norm
-        grad = _wants_grad(x, weight, bias) or residual.requires_grad
+        grad = wants_grad(x, weight, bias) or residual.requires_grad
         if _graph_mode(x):
             limit = graph_triton_min_elements(math.prod(shape), grad=grad, extra_pass=True)
         else:

@@ -48,7 +48,16 @@ import torch
 from normswap.backends import cpu_build, eager
 from normswap.backends._env import env_reader
 from normswap.backends.cpu_build import DTYPE_CODES, Kernel
-from normswap.backends.rows import DENSE_TYPES, as_rows, compute_dtype, dense, grad_launcher
+from normswap.backends.rows import (
+    DENSE_TYPES,
+    as_rows,
+    compute_dtype,
+    dense,
+    fake_grads,
+    grad_launcher,
+    param_grads,
+    wants_grad,
+)
 from normswap.backends.tracing import outside_tracing
 
 name = "cpu"
@@ -546,9 +555,7 @@ def _cpu_rms_norm_bwd_op(
 
 @_cpu_rms_norm_bwd_op.register_fake
 def _(dy, x, rstd, normalized_shape, weight, bias, eps):
-    dw = weight.new_empty(weight.shape) if weight is not None else x.new_empty((0,))
-    db = bias.new_empty(bias.shape) if bias is not None else x.new_empty((0,))
-    return x.new_empty(x.shape), dw, db
+    return fake_grads(x, weight, bias)
 
 
 def _op_setup_context(ctx, inputs, output):
@@ -561,7 +568,7 @@ def _op_backward(ctx, dy, _drstd):
     x, rstd, weight, bias = ctx.saved_tensors
     dx, dw, db = torch.ops.normswap.cpu_rms_norm_bwd(dy, x, rstd, list(ctx.normalized_shape), weight, bias,
                                                      ctx.eps)
-    return dx, None, dw if weight is not None else None, db if bias is not None else None, None
+    return dx, None, *param_grads(weight, bias, dw, db), None
 
 
 _cpu_rms_norm_op.register_autograd(_op_backward, setup_context=_op_setup_context)
@@ -678,10 +685,6 @@ def rms_norm(
     k = kernel()
     if k.fn is None:
         return eager.rms_norm(x, normalized_shape, weight, bias, eps)
-    if torch.is_grad_enabled() and (
-        x.requires_grad
-        or (weight is not None and weight.requires_grad)
-        or (bias is not None and bias.requires_grad)
-    ):
+    if wants_grad(x, weight, bias):
         return _RMSNormCPU.apply(x, normalized_shape, weight, bias, eps)
     return _run(k, x, normalized_shape, weight, bias, eps, want_rstd=False, pooled=True)[0]

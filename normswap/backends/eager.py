@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from normswap.backends.rows import compute_dtype
+from normswap.backends.rows import compute_dtype, wants_grad
 
 __all__ = ["available", "compute_dtype", "rms_norm", "supports"]
 name = "eager"
@@ -54,8 +54,7 @@ def rms_norm(
     b = None if bias is None else _param(bias, dtype, cdt)
     if torch.compiler.is_compiling() or torch.jit.is_tracing() or not (_fits(w, x) and _fits(b, x)):
         return _graph(x, normalized_shape, w, b, eps)
-    if torch.is_grad_enabled() and (x.requires_grad or (w is not None and w.requires_grad)
-                                    or (b is not None and b.requires_grad)):
+    if wants_grad(x, w, b):
         if dtype == cdt:
             return _graph(x, normalized_shape, w, b, eps)
         return _HalfPrecision.apply(x, normalized_shape, w, b, eps)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from normswap.backends.rows import compute_dtype
+from normswap.backends.rows import compute_dtype, wants_grad
 
 name = "native"
 
@@ -74,7 +74,7 @@ def rms_norm(
     y = F.rms_norm(x.to(cdt), shape, weight.to(cdt) if plain else None, eps)
     post = weight.to(cdt) if weight is not None and not plain else None
     b = bias.to(cdt) if bias is not None else None
-    grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
+    grad = wants_grad(x, weight, bias)
     if not (grad or torch.compiler.is_compiling() or torch.jit.is_tracing()):
         # y is a fresh float32 tensor: finish in place, writing x's dtype on the last step
         if post is not None:

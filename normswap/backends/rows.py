@@ -1,4 +1,5 @@
-"""Helpers every kernel backend shares: the (rows, n) view of an input and the accumulation dtype.
+"""Helpers every kernel backend shares: the (rows, n) view of an input, the accumulation dtype, whether a
+call wants gradients, and the backward custom ops' fake outputs and gradient placeholders.
 
 One definition each, so the ``cpu`` and ``triton`` launchers and the ``eager`` reference cannot drift.
 """
@@ -30,6 +31,37 @@ def dense(t: torch.Tensor | None) -> bool:
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """Accumulation dtype: float64 stays float64; everything else accumulates in float32."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def wants_grad(*tensors: torch.Tensor | None) -> bool:
+    """Autograd is on and one of ``tensors`` (None entries skipped) requires a gradient: the call must
+    record a graph, so a backend launches its ``autograd.Function`` (or a decision cache keys on it)
+    rather than a forward-only kernel. One definition for every backend's dispatch."""
+    if not torch.is_grad_enabled():
+        return False
+    for t in tensors:
+        if t is not None and t.requires_grad:
+            return True
+    return False
+
+
+def fake_grads(
+    x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What a kernel backend's backward custom op returns, as its fake (meta) kernel builds it for
+    tracing: dx shaped as ``x``, dw/db shaped as the parameters, or for an absent parameter the empty
+    placeholder the real op returns (custom ops cannot return None; :func:`param_grads` drops it)."""
+    dw = weight.new_empty(weight.shape) if weight is not None else x.new_empty((0,))
+    db = bias.new_empty(bias.shape) if bias is not None else x.new_empty((0,))
+    return x.new_empty(x.shape), dw, db
+
+
+def param_grads(
+    weight: torch.Tensor | None, bias: torch.Tensor | None, dw: torch.Tensor, db: torch.Tensor
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The weight and bias gradients an ``autograd`` backward returns from a backward custom op's
+    ``dw``, ``db``: None for an absent parameter, in place of the op's empty placeholder."""
+    return dw if weight is not None else None, db if bias is not None else None
 
 
 def as_rows(x: torch.Tensor, n: int) -> torch.Tensor:

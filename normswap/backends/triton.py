@@ -30,7 +30,7 @@ import os
 import torch
 
 from normswap.backends import eager, native
-from normswap.backends.rows import as_rows, compute_dtype, dense, grad_launcher
+from normswap.backends.rows import as_rows, compute_dtype, dense, fake_grads, grad_launcher, param_grads, wants_grad
 
 name = "triton"
 MAX_N = 32768
@@ -386,9 +386,7 @@ def _bwd_op(
 
 @_bwd_op.register_fake
 def _(dy, x, rstd, normalized_shape, weight, bias, dres=None):
-    dw = weight.new_empty(weight.shape) if weight is not None else x.new_empty((0,))
-    db = bias.new_empty(bias.shape) if bias is not None else x.new_empty((0,))
-    return x.new_empty(x.shape), dw, db
+    return fake_grads(x, weight, bias)
 
 
 def _setup_context(ctx, inputs, output):
@@ -400,7 +398,7 @@ def _setup_context(ctx, inputs, output):
 def _op_backward(ctx, dy, _drstd):
     x, rstd, weight, bias = ctx.saved_tensors
     dx, dw, db = torch.ops.normswap.triton_rms_norm_bwd(dy, x, rstd, ctx.normalized_shape, weight, bias)
-    return dx, None, dw if weight is not None else None, db if bias is not None else None, None
+    return dx, None, *param_grads(weight, bias, dw, db), None
 
 
 _fwd_op.register_autograd(_op_backward, setup_context=_setup_context)
@@ -432,7 +430,7 @@ def _res_op_backward(ctx, dy, dh, _drstd):
     if dy is None:
         dy = torch.zeros_like(h)
     dx, dw, db = torch.ops.normswap.triton_rms_norm_bwd(dy, h, rstd, ctx.normalized_shape, weight, bias, dh)
-    return dx, dx, None, dw if weight is not None else None, db if bias is not None else None, None
+    return dx, dx, None, *param_grads(weight, bias, dw, db), None
 
 
 _res_fwd_op.register_autograd(_res_op_backward, setup_context=_res_setup_context)
@@ -456,11 +454,7 @@ def rms_norm(
         return eager.rms_norm(x, normalized_shape, weight, bias, eps)
     if torch.compiler.is_compiling():
         return torch.ops.normswap.triton_rms_norm_fwd(x, list(normalized_shape), weight, bias, eps)[0]
-    if torch.is_grad_enabled() and (
-        x.requires_grad
-        or (weight is not None and weight.requires_grad)
-        or (bias is not None and bias.requires_grad)
-    ):
+    if wants_grad(x, weight, bias):
         return _TritonRMSNorm.apply(x, normalized_shape, weight, bias, eps)
     return forward(x, normalized_shape, weight, bias, eps, want_rstd=False)[0]
 
@@ -511,9 +505,7 @@ def rms_norm_residual(
         y, h, _ = torch.ops.normswap.triton_rms_norm_residual_fwd(x, residual, list(normalized_shape), weight,
                                                                    bias, eps)
         return y, h
-    if torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (x, residual, weight, bias)
-    ):
+    if wants_grad(x, residual, weight, bias):
         return _TritonRMSNormResidual.apply(x, residual, normalized_shape, weight, bias, eps)
     y, _, h = forward(x, normalized_shape, weight, bias, eps, residual, want_rstd=False)
     return y, h

@@ -319,39 +319,24 @@ class TensorRewriter:
             rms_gamma = gamma if not sp.fold_gamma else torch.ones_like(gamma)
         rms_beta = beta if sp.rms_bias else None
         entries = []
+
+        def add(ckpt_key: str, value: torch.Tensor, name: str) -> None:
+            """One output tensor of this norm: ``value`` (float64) cast to the output dtype when written."""
+            entries.append((ckpt_key, dtype, shape, lambda: self.cast(value, torch_dtype), name))
+
         if self.fmt == "native":
             if rms_gamma is not None:
-                entries.append(
-                    (f"{base}.weight", dtype, shape, lambda v=rms_gamma: self.cast(v, torch_dtype), f"{site}.weight")
-                )
+                add(f"{base}.weight", rms_gamma, f"{site}.weight")
             if rms_beta is not None:
-                entries.append(
-                    (f"{base}.bias", dtype, shape, lambda v=rms_beta: self.cast(v, torch_dtype), f"{site}.bias")
-                )
+                add(f"{base}.bias", rms_beta, f"{site}.bias")
         else:  # compat: the original attributes hold the RMSNorm's values
             offset = 1.0 if sp.flavour == "offset" else 0.0
             if g_attr:
                 value = (
                     rms_gamma if rms_gamma is not None else torch.ones(shape, dtype=torch.float64)
                 ) - offset
-                entries.append(
-                    (
-                        self.keys.to_ckpt[f"{site}.{g_attr}"],
-                        dtype,
-                        shape,
-                        lambda v=value: self.cast(v, torch_dtype),
-                        f"{site}.{g_attr}",
-                    )
-                )
+                add(self.keys.to_ckpt[f"{site}.{g_attr}"], value, f"{site}.{g_attr}")
             if b_attr:
                 value = rms_beta if rms_beta is not None else torch.zeros(shape, dtype=torch.float64)
-                entries.append(
-                    (
-                        self.keys.to_ckpt[f"{site}.{b_attr}"],
-                        dtype,
-                        shape,
-                        lambda v=value: self.cast(v, torch_dtype),
-                        f"{site}.{b_attr}",
-                    )
-                )
+                add(self.keys.to_ckpt[f"{site}.{b_attr}"], value, f"{site}.{b_attr}")
         return entries

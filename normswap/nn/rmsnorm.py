@@ -16,6 +16,7 @@ from torch import nn
 from normswap import backends
 from normswap.backends import cpu
 from normswap.backends.portable import export_rms_norm
+from normswap.backends.rows import wants_grad
 from normswap.backends.tracing import exporting
 
 ShapeLike = int | Sequence[int] | torch.Size
@@ -89,8 +90,7 @@ def _param_key(p: torch.Tensor | None) -> tuple | None:
 def _cached_call(x: torch.Tensor, shape: tuple[int, ...], weight: torch.Tensor | None,
                  bias: torch.Tensor | None, eps: float, backend: str) -> torch.Tensor | None:
     """The functional call through a cached decision, or None (then the general path runs)."""
-    grad = torch.is_grad_enabled() and (
-        x.requires_grad or (weight is not None and weight.requires_grad) or (bias is not None and bias.requires_grad))
+    grad = wants_grad(x, weight, bias)
     key = (backend, type(x), x.device, x.dtype, grad, shape, _param_key(weight), _param_key(bias))
     impls = _FUNCTIONAL.impls
     impl = impls.get(key)
