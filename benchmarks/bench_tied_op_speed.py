@@ -17,10 +17,11 @@ weights, LayerNorm γ/β and biases randomised, tied head; ``GPT2LMHeadModel``, 
   (``CenteredEmbedding``: no hook, same values), at the decode and prefill shapes.
 
 Timing: per cell, palindromic rounds ``O C D U U D C O`` (O original, C a second copy of the original: the
-A/A control, D default, U ``--untie``), each variant's two calls summed; ratio per round against O; the
-median and quartiles over rounds. ``--threads 1`` times the calling thread's CPU time (every engine computes
-on it); other thread counts wall time. ORT sessions are created in the order above and again reversed,
-rounds from both pooled (creation order moved one file's time by 2-7% in bench_deploy_speed.py).
+A/A control, D default, U ``--untie``; ``--order`` permutes the first half), each variant's two calls summed;
+ratio per round against O; the median and quartiles over rounds. ``--threads 1`` times the calling thread's
+CPU time (every engine computes on it); other thread counts wall time. ORT sessions are created in the order
+above and again reversed, rounds from both pooled (creation order moved one file's time by 2-7% in
+bench_deploy_speed.py).
 
     OMP_NUM_THREADS=1 PYTHONPATH=$PWD python benchmarks/bench_tied_op_speed.py --threads 1 \\
         --json docs/results/tie53_speed_t1.json
@@ -55,6 +56,7 @@ import bench_deploy_speed as deploy  # noqa: E402 (the benchmarks folder is on t
 import normswap  # noqa: E402
 
 NAMES = ("original", "control", "default", "untie")
+ORDER = list(NAMES)  # the palindrome's first half (``--order``); ratios are always against the original
 
 
 def build(layers: int, width: int, heads: int, dtype: torch.dtype = torch.float32) -> dict[str, nn.Module]:
@@ -94,7 +96,7 @@ def describe(models: dict[str, nn.Module]) -> dict[str, Any]:
 def rounds(calls: dict[str, Callable[[], object]], budget_s: float, min_rounds: int,
            clock: Callable[[], float]) -> dict[str, list[float]]:
     """Palindromic rounds over ``calls`` (in NAMES order, then reversed): per round each variant's summed time."""
-    order = [n for n in NAMES if n in calls]
+    order = [n for n in ORDER if n in calls]
     seq = order + order[::-1]
     for n in seq:
         calls[n]()
@@ -269,6 +271,9 @@ def embed_cells(models: dict[str, nn.Module], args: argparse.Namespace, clock: C
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    ORDER[:] = args.order.split(",")
+    if sorted(ORDER) != sorted(NAMES):
+        raise SystemExit(f"--order: a permutation of {','.join(NAMES)}")
     if args.threads:
         torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()
@@ -341,6 +346,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--compile-batches", type=lambda s: [int(v) for v in s.split(",")], default=[4])
     ap.add_argument("--lengths", type=lambda s: [int(v) for v in s.split(",")], default=[32, 128])
     ap.add_argument("--past", type=int, default=64, help="KV-cache length of a decode step")
+    ap.add_argument("--order", default=",".join(NAMES), help="the palindrome's first half (position check)")
     ap.add_argument("--embed-calls", type=int, default=200, help="calls per timed sample of the embed engine")
     ap.add_argument("--budget", type=float, default=10.0, help="seconds per cell")
     ap.add_argument("--min-rounds", type=int, default=6)
