@@ -451,7 +451,7 @@ def rms_norm_residual(
     fused_ok = is_available("triton") and triton_backend.supports_residual(x, residual, shape, weight, bias)
     if fused_ok and requested == "auto" and x.is_cuda:
         # the fused kernel saves native's separate add, as a bias does: the same rule as a biased norm
-        grad = wants_grad(x, weight, bias) or residual.requires_grad
+        grad = wants_grad(x, residual, weight, bias)  # under no_grad a residual that requires grad records nothing
         if _graph_mode(x):
             limit = graph_triton_min_elements(math.prod(shape), grad=grad, extra_pass=True)
         else:
