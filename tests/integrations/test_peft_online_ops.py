@@ -259,3 +259,17 @@ def test_the_split_costs_nothing_where_no_adapter_wraps_a_reader():
     model, probe = _online_dinov2()
     _lora(model, ["fc1"])
     assert all(carry.holds_op(layer.norm1) for layer in model.encoder.layer)
+
+
+def test_an_adapter_on_a_reader_in_a_deep_copy_splits_the_copys_op_only():
+    """The reader's mark names its model weakly; a deep copy's readers name the copy, so an adapter on the copy
+    splits the copy's shared op and leaves the original's in place."""
+    import copy
+
+    model, probe = _online_dinov2()
+    twin = copy.deepcopy(model)
+    ref = _out(_adapter(_without_ops(), _reader_configs()["lora"]()), probe)
+    ada = _adapter(twin, _reader_configs()["lora"]())
+    assert _relative(_out(ada, probe), ref) <= 1e-9
+    assert all(carry.holds_op(layer.norm1) for layer in model.encoder.layer)
+    assert not any(carry.holds_op(layer.norm1) for layer in twin.encoder.layer)
