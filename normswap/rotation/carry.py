@@ -430,14 +430,19 @@ class _StoredValues:
 
 
 # ------------------------------------------------------------------------------ the guard at every call
+_WATCHERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module with a plain _modules -> its guards
+
+
 class WatchedModules(dict):
     """A module's ``_modules`` dictionary that tells the guards watching one of its entries (:class:`OpsGuard`)
     of every write, as it happens: ``setattr`` / ``set_submodule`` / ``add_module`` (which write into it) and a
     write straight into it (``parent._modules[name] = new``, ``.update``, ``.setdefault``), which no torch hook
-    sees. Put in place of a plain ``dict`` on each module on the way to an online op when the guard starts to
-    watch it (:meth:`on`); reads are the ``dict``'s own (no method of its reading side is overridden), so the
-    per-call check and ``nn.Module.__getattr__`` read it as before. A copy (``copy.deepcopy``, pickle) is a
-    ``WatchedModules`` too, whose guard is the copy's."""
+    sees. Put in place of a plain ``dict`` on each module *above* an op's module (a layer, an MLP that holds the
+    op's Linear) when the guard starts to watch it (:meth:`on`): the edge into the op's module itself is compared
+    at every call already, and its owner keeps a plain ``dict``. Reads are the ``dict``'s own (no method of its
+    reading side is overridden), but CPython's specialised ``dict[key]`` takes exact dicts only, so a submodule read
+    on a watched module costs a little more (``benchmarks/watched_modules_read.py``). A copy (``copy.deepcopy``,
+    pickle) is a ``WatchedModules`` too, whose guard is the copy's."""
 
     __slots__ = ("guards",)  # the guards watching an entry of this dictionary (weakly: a WeakSet)
 
@@ -514,10 +519,12 @@ class OpsGuard:
                 strict=False)]
             self.dirty = False
         for entry in self.entries:
-            if isinstance(entry[0], WatchedModules):  # pickled since round 53 (before: a plain dict, see __call__)
+            if isinstance(entry[0], WatchedModules):  # an edge above an op (since round 53)
                 entry[0].guards.add(self)
             elif entry[0] is entry[3].__dict__.get("_modules"):
-                self.dirty = True  # the next call checks and watches the edges as round 53 does
+                _WATCHERS.setdefault(entry[3], weakref.WeakSet()).add(self)
+                if not entry[5]:  # pickled before round 53: its edges above the ops are plain dicts
+                    self.dirty = True  # the next call checks and watches them as round 53 does
         _listen()  # a model unpickled in a process that recorded none
 
     def _set(self, entries: list[tuple]) -> None:
@@ -548,15 +555,23 @@ class OpsGuard:
         parts = path.split(".") if path else []
         at = prefix
         for k, part in enumerate(parts):
-            d = WatchedModules.on(owner)
+            last = k == len(parts) - 1
+            d = owner.__dict__["_modules"]
+            if not last and type(d) is not WatchedModules:  # a module above an op: its writes are told
+                watched = WatchedModules.on(owner)
+                if watched is not d:  # entries already taken from the plain dict now read the watched one
+                    entries = [(watched, *e[1:]) if e[0] is d else e for e in entries]
+                    where = {(id(e[0]), e[1]): i for i, e in enumerate(entries)}
+                    d = watched
             child = d[part]
             at = f"{at}.{part}" if at else part
-            last = k == len(parts) - 1
             i = where.get((id(d), part))
             if i is None:
                 entries.append((d, part, child, owner, at, last))
                 if isinstance(d, WatchedModules):
                     d.guards.add(self)
+                else:  # the edge into an op's module: told of setattr by torch's registration hook
+                    _WATCHERS.setdefault(owner, weakref.WeakSet()).add(self)
             elif last and not entries[i][5]:
                 entries[i] = (*entries[i][:5], True)
             owner = child
@@ -643,6 +658,9 @@ def _on_register(parent: nn.Module, name: str, new: Any) -> None:
     (:meth:`OpsGuard.replaced`). Costs two dict lookups per assignment elsewhere; never raises."""
     try:
         d = parent.__dict__["_modules"]
+        if type(d) is not WatchedModules:  # (a WatchedModules tells its guards itself, as the write happens)
+            for guard in list(_WATCHERS.get(parent, ())):
+                guard.replaced(d, name, new)
         old = d.get(name)
         if old is None or old is new or not isinstance(new, nn.Module):
             return None
