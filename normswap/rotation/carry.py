@@ -26,7 +26,9 @@ What this module does about it:
   (``benchmarks/online_guard_cost.py``).
 * PEFT adapter layers that wrap a Linear holding an op merge their update turned into the op's basis
   (:func:`turned_delta`, installed by torch's global module-registration hook as PEFT assigns its layer), so
-  ``merge_and_unload`` keeps the model exact; DoRA is refused at merge.
+  ``merge_and_unload`` keeps the model exact; DoRA is refused at merge. An adapter layer assigned in place of a
+  reader of an op shared after a norm first moves that op onto each of the norm's readers
+  (:func:`split_shared_op`), so the adapter reads the input before the op there too.
 
 Ops after a norm (``OnlineHadamardOutput``, a forward hook on the norm) are carried and checked the same way;
 engines do not swap norms, so in practice they stay where they are. The op itself (its math) is
