@@ -22,6 +22,15 @@ online op with the ones recorded (one tuple of ``dict.get`` and an identity comp
   (``dinov2_online_speed.abba``: without, with, without, with, without), ratio with / without per round, and
   the without-guard run's last against its first (the machine's noise).
 
+* ``watched dictionaries`` (round 53): since round 53 the ``_modules`` dictionary of each module on the way to an
+  op is a :class:`normswap.rotation.carry.WatchedModules` (a ``dict`` subclass that tells the guard of each write,
+  so a write above an op is refused at the next call with no more work per call). Its reads are the ``dict``'s
+  own, but CPython's specialised ``dict[key]`` path does not take subclasses, so each submodule read by
+  ``nn.Module.__getattr__`` on those modules may cost a little more. Measured: a submodule read
+  (``layer.mlp``), nanoseconds, watched against a plain ``dict`` with the same entries (ABBA, ``--calls``
+  reads, median over ``--rounds``), and the decode step with the watched dictionaries against the same model
+  with plain ones put back (ABBA rounds as for the guard).
+
 Random weights (the guard's cost depends on the module tree, not the values), float32, one thread.
 
     OMP_NUM_THREADS=1 python benchmarks/online_guard_cost.py --json docs/results/online_guard_cost.json
@@ -127,6 +136,60 @@ def dispatch_us(guard: Callable, calls: int, reps: int) -> float:
     return best["hooked"] - best["plain"]
 
 
+def read_ns(owner: torch.nn.Module, name: str, calls: int) -> float:
+    """Nanoseconds per ``getattr(owner, name)`` (a submodule read through ``nn.Module.__getattr__``)."""
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        getattr(owner, name)
+    return (time.perf_counter() - t0) / calls * 1e9
+
+
+def plain_dicts(model: torch.nn.Module) -> Callable[[], None]:
+    """Put plain ``dict`` copies in place of the model's :class:`WatchedModules` (the state before round 53);
+    returns the function that puts the watched ones back."""
+    from normswap.rotation.carry import WatchedModules
+
+    watched = [(m, m.__dict__["_modules"]) for m in model.modules() if type(m.__dict__["_modules"]) is WatchedModules]
+    for m, d in watched:
+        m.__dict__["_modules"] = dict(d)
+
+    def restore() -> None:
+        for m, d in watched:
+            m.__dict__["_modules"] = d
+    return restore
+
+
+def watched_rows(model: torch.nn.Module, timer: Callable[[], float], rounds: int, calls: int) -> dict:
+    """Round 53: a submodule read and the decode step, watched ``_modules`` against plain ones (ABBA)."""
+    layer = model.transformer.h[0]
+
+    def plain_read() -> float:
+        restore = plain_dicts(model)
+        try:
+            return read_ns(layer, "mlp", calls)
+        finally:
+            restore()
+
+    def plain_step() -> float:
+        restore = plain_dicts(model)
+        try:
+            return timer()
+        finally:
+            restore()
+
+    reads, reads_plain, read_ratio = [], [], []
+    for _ in range(rounds):
+        r = [plain_read(), read_ns(layer, "mlp", calls), read_ns(layer, "mlp", calls), plain_read()]
+        reads.append((r[1] + r[2]) / 2), reads_plain.append((r[0] + r[3]) / 2)
+        read_ratio.append(reads[-1] / reads_plain[-1])
+    for _ in range(2):
+        timer(), plain_step()
+    ratios = abba({"original": plain_step, "guard": timer}, rounds)
+    watched = sum(type(m.__dict__["_modules"]).__name__ == "WatchedModules" for m in model.modules())
+    return {"watched_modules": watched, "read_ns": reads, "read_ns_plain": reads_plain, "read_ratio": read_ratio,
+            "step_watched_over_plain": ratios["guard"], "step_a_over_a": ratios["original (A/A)"]}
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", nargs="+", default=["small", "tiny"], choices=sorted(SIZES))
@@ -177,8 +240,14 @@ def main(argv: list[str] | None = None) -> dict:
                "guard_us_r51": alone51, "guard_r52_over_r51": alone_ratio, "dispatch_us": dispatch,
                "dispatch_us_r51": dispatch51, "dispatch_r52_over_r51": dispatch_ratio,
                "step_ms": [s * 1e3 for s in step_ms], "ratio": ratios["guard"], "a_over_a": ratios["original (A/A)"]}
+        row["round53"] = watched_rows(model, timer, args.rounds, args.calls)
         out["sizes"][size] = row
         med = statistics.median
+        w = row["round53"]
+        print(f"{size}: {w['watched_modules']} watched _modules dicts; a submodule read {med(w['read_ns']):.1f} ns "
+              f"(plain dict {med(w['read_ns_plain']):.1f}, ratio {med(w['read_ratio']):.3f}); decode step watched / "
+              f"plain {med(w['step_watched_over_plain']):.4f} (range {min(w['step_watched_over_plain']):.4f}-"
+              f"{max(w['step_watched_over_plain']):.4f}); A/A {med(w['step_a_over_a']):.4f}")
         print(f"{size}: {row['edges']} watched entries (round 51: {row['edges_r51']}); guard alone {med(alone):.2f} "
               f"us/call (round 51's {med(alone51):.2f}, ratio {med(alone_ratio):.3f}); with dispatch "
               f"{med(dispatch):.2f} (round 51's {med(dispatch51):.2f}, ratio of the pair's sums "

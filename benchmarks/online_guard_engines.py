@@ -9,7 +9,9 @@ dropped, whether the next call ran (and its 1 − cos against the float model, e
 1 − cos once ``carry_online_ops`` put the ops back. Run it with normswap before and after round 51
 (``PYTHONPATH``) to compare. Round 52 adds ``a layer called directly``: the swap on the model, then
 ``model.encoder.layer[0]`` called by itself (past the model's pre-hook) on the embeddings' output, compared with
-the float model's first layer.
+the float model's first layer. Round 53 adds ``a quantized layer written into _modules``: a deep copy of
+``encoder.layer[0]`` quantized and frozen by itself, then written straight into the list's ``_modules``
+(``model.encoder.layer._modules["0"] = copy``, no ``setattr``: no torch hook sees it), the model called.
 
     PYTHONPATH=QUANTO:$PWD python benchmarks/online_guard_engines.py --model dino-none --photos SKIMAGE/data
 """
@@ -29,7 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_quant_engines import one_minus_cos  # noqa: E402
 from photo_crops import photo_crops  # noqa: E402
 
-CASES = ("the model", "a deep copy", "old modules referenced", "a layer called directly")
+CASES = ("the model", "a deep copy", "old modules referenced", "a layer called directly",
+         "a quantized layer written into _modules")
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -71,8 +74,14 @@ def main(argv: list[str] | None = None) -> dict:
         ref = call(model)
         kept = dict(model.named_modules()) if case == "old modules referenced" else None
         work = copy.deepcopy(model) if case == "a deep copy" else model
-        quantize(work, weights=qint8)
-        freeze(work)
+        if case == "a quantized layer written into _modules":
+            block = copy.deepcopy(work.encoder.layer[0])
+            quantize(block, weights=qint8)
+            freeze(block)
+            work.encoder.layer._modules["0"] = block
+        else:
+            quantize(work, weights=qint8)
+            freeze(work)
         gc.collect()
         row = {"dropped": len(carry.missing_online_ops(work)), "kept": kept is not None}
         try:

@@ -15,6 +15,13 @@ initialisation, ``init_weights=False``, every factor drawn). ``wrapped`` in the 
 adapter went on (a target name that matches no module is left out by PEFT silently: transformers 5.24's DINOv2
 calls its projections ``q_proj`` / ``k_proj`` / ``v_proj``, not ``query`` / ``value``).
 
+``--reference DIR`` (round 53): a model without online ops computing the same function (the original
+checkpoint), loaded with ``AutoModel``; the adapter's values are copied onto the same modules there, and the
+JSON adds the adapter model against that reference adapter model (``reference_1mcos``: what an adapter trained
+on the original computes on the converted model) and the two base models against each other
+(``reference_base_1mcos``: the conversion's own float32 rounding, for scale). Targets that read an op shared
+after a norm (``q_proj`` / ``k_proj`` / ``v_proj`` on DINOv2) read the turned tensor before round 53.
+
     python benchmarks/online_peft_merge.py --model dino-none --photos SKIMAGE/data --images 16 --json out.json
 """
 
@@ -49,6 +56,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--scale", type=float, default=0.05, help="the random B matrices' scale")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--method", choices=("lora", "ia3", "loha", "lokr"), default="lora")
+    ap.add_argument("--reference", type=Path, help="the same model without online ops (the original checkpoint)")
     ap.add_argument("--label", default="")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
@@ -76,6 +84,29 @@ def main(argv: list[str] | None = None) -> dict:
             elif "ia3_l" in name:
                 p.copy_(1 + args.scale * torch.randn_like(p))
         adapted = lora(pixel_values=pixels).last_hidden_state
+    reference = {}
+    if args.reference is not None:
+        import copy
+
+        from transformers import AutoModel
+
+        ref_model = AutoModel.from_pretrained(args.reference, dtype=torch.float32).eval()
+        with torch.no_grad():
+            ref_base = ref_model(pixel_values=pixels).last_hidden_state
+        ref_lora = peft.get_peft_model(ref_model, copy.deepcopy(config))
+        names = ("lora_", "ia3_", "hada_", "lokr_")
+        values = {n: p for n, p in lora.named_parameters() if any(k in n for k in names)}
+        ref_params = dict(ref_lora.named_parameters())
+        assert set(values) <= set(ref_params), sorted(set(values) - set(ref_params))[:3]
+        with torch.no_grad():
+            for n, p in values.items():
+                ref_params[n].copy_(p)
+            ref_adapted = ref_lora(pixel_values=pixels).last_hidden_state
+        reference = {"reference": str(args.reference), "reference_1mcos": per_image(adapted, ref_adapted).tolist(),
+                     "reference_base_1mcos": per_image(base, ref_base).tolist()}
+        print(f"{args.label or 'run'}: adapter model vs the same adapter on the reference: 1 - cos mean "
+              f"{statistics.mean(reference['reference_1mcos']):.3g} (max {max(reference['reference_1mcos']):.3g}); "
+              f"base vs reference base {statistics.mean(reference['reference_base_1mcos']):.3g}")
     merged = lora.merge_and_unload()
     with torch.no_grad():
         out = merged(pixel_values=pixels).last_hidden_state
@@ -84,7 +115,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = {"label": args.label, "normswap": str(Path(normswap.__file__).parent), "peft": peft.__version__,
               "method": args.method, "targets": args.targets, "wrapped": wrapped, "rank": args.rank,
               "scale": args.scale, "images": args.images,
-              "ops_after_merge": ops, "merge_1mcos": merge_err, "adapter_1mcos": adapter_change}
+              "ops_after_merge": ops, "merge_1mcos": merge_err, "adapter_1mcos": adapter_change, **reference}
     print(f"{args.label or 'run'}: {args.method} on {len(wrapped)} modules; {ops} ops on their modules after the "
           "merge; merged vs adapter model 1 - cos "
           f"mean {statistics.mean(merge_err):.3g} (max {max(merge_err):.3g}); adapter vs base mean "

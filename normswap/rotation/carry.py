@@ -26,7 +26,9 @@ What this module does about it:
   (``benchmarks/online_guard_cost.py``).
 * PEFT adapter layers that wrap a Linear holding an op merge their update turned into the op's basis
   (:func:`turned_delta`, installed by torch's global module-registration hook as PEFT assigns its layer), so
-  ``merge_and_unload`` keeps the model exact; DoRA is refused at merge.
+  ``merge_and_unload`` keeps the model exact; DoRA is refused at merge. An adapter layer assigned in place of a
+  reader of an op shared after a norm first moves that op onto each of the norm's readers
+  (:func:`split_shared_op`), so the adapter reads the input before the op there too.
 
 Ops after a norm (``OnlineHadamardOutput``, a forward hook on the norm) are carried and checked the same way;
 engines do not swap norms, so in practice they stay where they are. The op itself (its math) is
@@ -53,9 +55,11 @@ HANDLE = "_normswap_online"  # the op's RemovableHandle on its module (rotate.py
 BUFFER_PREFIX = "normswap_hadamard"  # the op's buffers: the small Hadamard factor, the signs, ...
 ATTR_PREFIX = "_normswap_hadamard"  # its plain attributes (the Sylvester factor built from the widths)
 REGISTRY = "_normswap_online_ops"  # on the model: {module path: HeldOp}
+READER = "_normswap_shared_reader"  # on a Linear reader of an op shared after a norm: SharedReader
 
 __all__ = ["HeldOp", "record", "held_ops", "carry_online_ops", "check_online_ops", "missing_online_ops",
-           "after_load", "lost_line", "Refuse", "OpsGuard", "MergeInOpBasis", "turned_delta"]
+           "after_load", "lost_line", "Refuse", "OpsGuard", "MergeInOpBasis", "turned_delta", "WatchedModules",
+           "SharedReader", "split_shared_op"]
 
 
 @dataclass
@@ -141,9 +145,91 @@ def record(model: nn.Module) -> dict[str, HeldOp]:
                 ops[path].hook.path = path
     if ops:
         model.__dict__[REGISTRY] = ops
+        _mark_readers(model, ops)
         _guard(model).watch(model)
         _listen()
     return ops
+
+
+def _shared_entries(model: nn.Module) -> Iterator[dict]:
+    """The manifest's shared ops (``{"norm", "readers", "width"}``, one op after a norm for all its readers)."""
+    for r in getattr(plan_of(model), "rotations", None) or []:
+        yield from r.get("online_outputs", [])
+
+
+def _mark_readers(model: nn.Module, ops: dict[str, HeldOp]) -> None:
+    """Mark each Linear reader of a shared op that runs (:class:`SharedReader`), so that an adapter layer
+    assigned in its place moves the op onto the readers first (:func:`_on_register`)."""
+    for o in _shared_entries(model):
+        if o["norm"] in ops:
+            for path in o["readers"]:
+                reader = _at(model, path)
+                if reader is not None:
+                    reader.__dict__[READER] = SharedReader(model, o["norm"])
+
+
+class SharedReader:
+    """On a Linear reader of an op shared after a norm: the model and the norm's path, so that the op can be
+    split onto the readers (:func:`split_shared_op`) when an adapter wraps this reader. The model is held weakly
+    (a reader does not keep a model alive); a deep copy of the model maps it to the copy, a copy of the reader
+    alone keeps the original's model, and pickling keeps the model by reference."""
+
+    def __init__(self, model: nn.Module, norm: str) -> None:
+        self.model, self.norm = weakref.ref(model), norm
+
+    def __deepcopy__(self, memo: dict) -> SharedReader:
+        model = self.model()
+        copy = SharedReader.__new__(SharedReader)
+        copy.model = weakref.ref(memo.get(id(model), model)) if model is not None else self.model
+        copy.norm = self.norm
+        return copy
+
+    def __getstate__(self) -> dict:
+        return {"model": self.model(), "norm": self.norm}
+
+    def __setstate__(self, state: dict) -> None:
+        model = state["model"]
+        self.model, self.norm = (weakref.ref(model) if model is not None else lambda: None), state["norm"]
+
+
+def split_shared_op(model: nn.Module, norm: str) -> list[str]:
+    """Move the online op shared after ``norm`` (a forward hook on the norm, each Linear reader's weight holding
+    ``W·M``) onto each of its readers, as a pre-hook on that reader with the same values: the same function
+    (each reader's weight holds the same ``M``), one transform per reader instead of one for all. The model's
+    manifest (``plan.rotations``: the readers move from ``online_outputs`` to ``online``) and record follow, so a
+    save writes, and a load puts back, one op per reader. Returns the readers' paths ([] where ``norm`` runs no
+    shared op or a reader is missing; nothing changes then).
+
+    Why: an adapter layer (PEFT) on one reader reads that reader's input; after a shared op that input is
+    ``x·M``, so the adapter computes something else than on the model without ops, and an adapter trained there
+    would be silently wrong. With the op on the reader, the adapter reads ``x``, as on a Linear that holds its
+    own op, and :class:`MergeInOpBasis` merges it exactly."""
+    held = held_ops(model).get(norm)
+    entry = next((o for o in _shared_entries(model) if o["norm"] == norm), None)
+    module = _at(model, norm)
+    if held is None or entry is None or module is None or not holds_op(module) or not held.output:
+        return []
+    readers = [(p, _at(model, p)) for p in entry["readers"]]
+    if any(m is None or holds_op(m) for _, m in readers):
+        return []
+    values = held.current()
+    handle = module.__dict__.pop(HANDLE)
+    handle.remove()
+    for name in held.buffers:
+        module._buffers.pop(name, None)
+    for name in held.attrs:
+        module.__dict__.pop(name, None)
+    for _, reader in readers:
+        reader.__dict__.pop(READER, None)
+        _install(reader, HeldOp(output=False, hook=held.hook.as_input(), attrs=dict(held.attrs)),
+                 {k: v.clone() for k, v in values.items()})
+    plan = plan_of(model)
+    plan.rotations = [{**r, "online_outputs": [o for o in r["online_outputs"] if o is not entry],
+                       "online": sorted([*r.get("online", []), *entry["readers"]])}
+                      if any(o is entry for o in r.get("online_outputs", [])) else r for r in plan.rotations]
+    del model.__dict__[REGISTRY][norm]
+    record(model)
+    return [p for p, _ in readers]
 
 
 def _at(model: nn.Module, path: str) -> nn.Module | None:
@@ -346,7 +432,57 @@ class _StoredValues:
 
 
 # ------------------------------------------------------------------------------ the guard at every call
-_WATCHERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> guards watching edges out of it
+_WATCHERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module with a plain _modules -> its guards
+
+
+class WatchedModules(dict):
+    """A module's ``_modules`` dictionary that tells the guards watching one of its entries (:class:`OpsGuard`)
+    of every write, as it happens: ``setattr`` / ``set_submodule`` / ``add_module`` (which write into it) and a
+    write straight into it (``parent._modules[name] = new``, ``.update``, ``.setdefault``), which no torch hook
+    sees. Put in place of a plain ``dict`` on each module *above* an op's module (a layer, an MLP that holds the
+    op's Linear) when the guard starts to watch it (:meth:`on`): the edge into the op's module itself is compared
+    at every call already, and its owner keeps a plain ``dict``. Reads are the ``dict``'s own (no method of its
+    reading side is overridden), but CPython's specialised ``dict[key]`` takes exact dicts only, so a submodule read
+    on a watched module costs a little more (``benchmarks/watched_modules_read.py``). A copy (``copy.deepcopy``,
+    pickle) is a ``WatchedModules`` too, whose guard is the copy's."""
+
+    __slots__ = ("guards",)  # the guards watching an entry of this dictionary (weakly: a WeakSet)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        dict.__init__(self, *args, **kwargs)
+        self.guards: weakref.WeakSet = weakref.WeakSet()
+
+    def __reduce_ex__(self, protocol: Any) -> tuple:
+        """Copied and pickled with its entries, not its guards (a copy's guard adds itself)."""
+        return WatchedModules, (), None, None, iter(self.items())
+
+    @classmethod
+    def on(cls, module: nn.Module) -> WatchedModules:
+        """``module``'s ``_modules``, made a :class:`WatchedModules` (same entries, same order) where it is not."""
+        d = module.__dict__["_modules"]
+        if type(d) is not cls and not any(m is module for m in _ASSIGNING):
+            d = module.__dict__["_modules"] = cls(d)
+        return d
+
+    def __setitem__(self, name: str, new: Any) -> None:
+        for guard in list(self.guards):
+            guard.replaced(self, name, new)
+        dict.__setitem__(self, name, new)
+
+    def update(self, *args: Any, **kwargs: Any) -> None:  # type: ignore[override]
+        """``dict.update``, one :meth:`__setitem__` per entry."""
+        for name, new in dict(*args, **kwargs).items():
+            self[name] = new
+
+    def __ior__(self, other: Any) -> WatchedModules:  # type: ignore[override]
+        self.update(other)
+        return self
+
+    def setdefault(self, name: str, default: Any = None) -> Any:
+        """``dict.setdefault`` through :meth:`__setitem__`."""
+        if name not in self:
+            self[name] = default
+        return self[name]
 
 
 class OpsGuard:
@@ -385,7 +521,12 @@ class OpsGuard:
                 strict=False)]
             self.dirty = False
         for entry in self.entries:
-            _WATCHERS.setdefault(entry[3], weakref.WeakSet()).add(self)
+            if isinstance(entry[0], WatchedModules):  # an edge above an op (since round 53)
+                entry[0].guards.add(self)
+            elif entry[0] is entry[3].__dict__.get("_modules"):
+                _WATCHERS.setdefault(entry[3], weakref.WeakSet()).add(self)
+                if not entry[5]:  # pickled before round 53: its edges above the ops are plain dicts
+                    self.dirty = True  # the next call checks and watches them as round 53 does
         _listen()  # a model unpickled in a process that recorded none
 
     def _set(self, entries: list[tuple]) -> None:
@@ -416,14 +557,23 @@ class OpsGuard:
         parts = path.split(".") if path else []
         at = prefix
         for k, part in enumerate(parts):
+            last = k == len(parts) - 1
             d = owner.__dict__["_modules"]
+            if not last and type(d) is not WatchedModules:  # a module above an op: its writes are told
+                watched = WatchedModules.on(owner)
+                if watched is not d:  # entries already taken from the plain dict now read the watched one
+                    entries = [(watched, *e[1:]) if e[0] is d else e for e in entries]
+                    where = {(id(e[0]), e[1]): i for i, e in enumerate(entries)}
+                    d = watched
             child = d[part]
             at = f"{at}.{part}" if at else part
-            last = k == len(parts) - 1
             i = where.get((id(d), part))
             if i is None:
                 entries.append((d, part, child, owner, at, last))
-                _WATCHERS.setdefault(owner, weakref.WeakSet()).add(self)
+                if isinstance(d, WatchedModules):
+                    d.guards.add(self)
+                else:  # the edge into an op's module: told of setattr by torch's registration hook
+                    _WATCHERS.setdefault(owner, weakref.WeakSet()).add(self)
             elif last and not entries[i][5]:
                 entries[i] = (*entries[i][:5], True)
             owner = child
@@ -432,13 +582,12 @@ class OpsGuard:
             entries.append((*hook, owner, at, True))
         self._set(entries)
 
-    def replaced(self, parent: nn.Module, name: str, new: nn.Module) -> None:
+    def replaced(self, d: dict, name: str, new: nn.Module) -> None:
         """``parent.name = new`` on a watched edge, as it happens: where ``new`` holds every op module that was at
         or under the old one (PEFT wrapping a Linear as its ``base_layer``, or unloading it back), ``new`` is
         watched in place of the old module, so the next call, eager or traced by
         ``torch.compile(fullgraph=True)``, finds nothing changed. Otherwise the next call runs the full check (which
         refuses), and each module of ``new`` at an op's path that does not run the op refuses its own calls."""
-        d = parent.__dict__["_modules"]
         i = next((i for i, e in enumerate(self.entries) if e[0] is d and e[1] == name), None)
         if i is None or not isinstance(new, nn.Module):
             return
@@ -494,6 +643,7 @@ def _guard(model: nn.Module) -> OpsGuard:
 
 # ------------------------------------------------------------------------------ PEFT adapters on an op's Linear
 _LISTENER: list = []  # the process's module-registration hook, registered once by record()
+_ASSIGNING: list = []  # the module torch is assigning a submodule into, while _on_register splits a shared op
 
 
 def _listen() -> None:
@@ -509,12 +659,25 @@ def _on_register(parent: nn.Module, name: str, new: Any) -> None:
     refuse). Where the assignment replaces a module an :class:`OpsGuard` watches, the guard is told
     (:meth:`OpsGuard.replaced`). Costs two dict lookups per assignment elsewhere; never raises."""
     try:
-        for guard in list(_WATCHERS.get(parent, ())):
-            guard.replaced(parent, name, new)
-        old = parent.__dict__["_modules"].get(name)
-        if old is None or old is new or not isinstance(new, nn.Module) or not holds_op(old):
+        d = parent.__dict__["_modules"]
+        if type(d) is not WatchedModules:  # (a WatchedModules tells its guards itself, as the write happens)
+            for guard in list(_WATCHERS.get(parent, ())):
+                guard.replaced(d, name, new)
+        old = d.get(name)
+        if old is None or old is new or not isinstance(new, nn.Module):
             return None
         if new.__dict__["_modules"].get("base_layer") is not old or not callable(getattr(type(new), "merge", None)):
+            return None
+        shared = old.__dict__.get(READER)
+        model = shared.model() if shared is not None else None
+        if model is not None and not holds_op(old):  # an adapter on a reader of a shared op: one op per reader
+            _ASSIGNING.append(parent)  # its `_modules` stays as it is: torch writes `new` into that very dict
+            try:
+                if split_shared_op(model, shared.norm):
+                    _guard(model).replaced(d, name, new)
+            finally:
+                _ASSIGNING.pop()
+        if not holds_op(old):
             return None
         if old.__dict__[HANDLE].id not in old._forward_pre_hooks:  # an op on the output (a norm's): not an input
             return None

@@ -517,6 +517,11 @@ class OnlineHadamardOutput(OnlineHadamard):
     def __call__(self, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         return self.transform(module, output)
 
+    def as_input(self) -> OnlineHadamard:
+        """The same op as a pre-hook on one reader's input (a new hook object: it keeps its own per-device
+        constants), for :func:`normswap.rotation.carry.split_shared_op`."""
+        return OnlineHadamard()
+
 
 # H_b, the last factor of H_{2^m} = H_r ⊗ H_b in OnlineHadamard's stock form (b from eager_op.split): a plain
 # attribute (float64), not a buffer, so no checkpoint holds it and no loader re-initialises it (a ±1 matrix is

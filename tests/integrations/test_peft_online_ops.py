@@ -200,3 +200,76 @@ def test_an_adapter_family_whose_merge_normswap_does_not_know_is_refused_at_merg
     with pytest.raises(NormswapError, match=r"^adapter layer \w+ on `\S*fc2` \(Linear\) runs an online Hadamard"):
         vera.merge_and_unload()
     assert torch.equal(fc2.weight, weight)
+
+
+# ------------------------------------------------------------------ round 53: readers of an op shared after a norm
+def _reader_configs():
+    return {
+        "lora": lambda: peft.LoraConfig(r=4, target_modules=["q_proj", "k_proj"], init_lora_weights=False),
+        "loha": lambda: peft.LoHaConfig(r=4, target_modules=["q_proj"], init_weights=False),
+        "lokr": lambda: peft.LoKrConfig(r=4, target_modules=["k_proj"], init_weights=False),
+        "ia3": lambda: peft.IA3Config(target_modules=["q_proj", "k_proj"], feedforward_modules=["q_proj"],
+                                      init_ia3_weights=False),
+    }
+
+
+@pytest.mark.parametrize("kind", ["lora", "loha", "lokr", "ia3"])
+def test_an_adapter_on_a_reader_of_a_shared_op_computes_the_original_models_adapter_and_merges_exactly(kind):
+    """q, k and v read norm1's output after one shared op (a hook on the norm): an adapter on ``q_proj`` read the
+    turned tensor ``x·M``, so it computed something else than the same adapter on the model without ops (relative
+    error 2.0e-3 for a LoRA on ``k_proj`` of this replica before round 53, no error). Since round 53 the op moves
+    onto each reader as PEFT wraps one (``carry.split_shared_op``): the adapter reads ``x``, equals the adapter on
+    the model without ops, and merges exactly; the manifest lists the readers' own ops."""
+    import warnings
+
+    from normswap.analysis.plan import plan_of
+
+    model, probe = _online_dinov2()
+    ref = _out(_adapter(_without_ops(), _reader_configs()[kind]()), probe)
+    ada = _adapter(model, _reader_configs()[kind]())
+    attention = ada.get_base_model().encoder.layer[0].attention
+    assert _relative(_out(ada, probe), ref) <= 1e-9
+    assert not carry.holds_op(ada.get_base_model().encoder.layer[0].norm1)
+    bases = [getattr(m, "base_layer", m) for m in (attention.q_proj, attention.k_proj, attention.v_proj)]
+    assert all(carry.holds_op(m) for m in bases)  # the op on each reader, wrapped or not
+    rotations = plan_of(ada.get_base_model()).rotations
+    assert not any(o["norm"] == "encoder.layer.0.norm1" for r in rotations for o in r.get("online_outputs", []))
+    assert any("encoder.layer.0.attention.v_proj" in r.get("online", []) for r in rotations)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # IA3's "unmerge can be inaccurate"
+        merged = ada.merge_and_unload()
+    assert carry.missing_online_ops(merged) == []
+    assert _relative(_out(merged, probe), ref) <= 1e-9
+
+
+def test_a_merged_model_whose_shared_op_was_split_saves_and_loads_exactly(tmp_path):
+    """The split is in the manifest: saved and loaded, each reader gets its own op back, outputs unchanged."""
+    model, probe = _online_dinov2()
+    merged = _lora(model, ["q_proj"]).merge_and_unload()
+    ref = _out(merged, probe)
+    normswap.save(merged, tmp_path / "ckpt")
+    loaded = normswap.load(tmp_path / "ckpt", dtype=torch.float64)
+    assert carry.holds_op(loaded.encoder.layer[0].attention.q_proj)
+    assert not carry.holds_op(loaded.encoder.layer[0].norm1)
+    assert _relative(_out(loaded, probe), ref) <= 1e-9
+
+
+def test_the_split_costs_nothing_where_no_adapter_wraps_a_reader():
+    """An adapter on fc1 only leaves the shared ops after the norms as they are (one op for q, k and v)."""
+    model, probe = _online_dinov2()
+    _lora(model, ["fc1"])
+    assert all(carry.holds_op(layer.norm1) for layer in model.encoder.layer)
+
+
+def test_an_adapter_on_a_reader_in_a_deep_copy_splits_the_copys_op_only():
+    """The reader's mark names its model weakly; a deep copy's readers name the copy, so an adapter on the copy
+    splits the copy's shared op and leaves the original's in place."""
+    import copy
+
+    model, probe = _online_dinov2()
+    twin = copy.deepcopy(model)
+    ref = _out(_adapter(_without_ops(), _reader_configs()["lora"]()), probe)
+    ada = _adapter(twin, _reader_configs()["lora"]())
+    assert _relative(_out(ada, probe), ref) <= 1e-9
+    assert all(carry.holds_op(layer.norm1) for layer in model.encoder.layer)
+    assert not any(carry.holds_op(layer.norm1) for layer in twin.encoder.layer)

@@ -190,10 +190,76 @@ def test_a_quantization_config_load_in_another_dtype_carries_the_ops_in_that_dty
     assert getattr(fc2, HADAMARD_BUFFER).dtype == torch.float32
 
 
+# ------------------------------------------------------------------------------ round 53: `_modules` writes above
+def _swap_modules_entry(model, how):
+    """A write straight into a ``_modules`` dictionary above an op (no torch hook sees it); returns the path of
+    the first op the write dropped."""
+    layer = model.encoder.layer[1]
+    fresh_mlp = type(layer.mlp)(model.config).double()
+    if how == "mlp":
+        layer._modules["mlp"] = fresh_mlp
+    elif how == "update":
+        layer._modules.update(mlp=fresh_mlp)
+    elif how == "layer":
+        model.encoder.layer._modules["1"] = type(layer)(model.config).double()
+    elif how == "layers":
+        model.encoder._modules["layer"] = nn.ModuleList([type(layer)(model.config).double() for _ in range(2)])
+        return "encoder.layer.0.mlp.fc1"
+    return "encoder.layer.1.mlp.fc1"
+
+
+@pytest.mark.parametrize("how", ["mlp", "update", "layer", "layers"])
+def test_a_modules_write_above_an_op_is_refused_at_the_next_call(how):
+    """A whole MLP, a layer or the list of layers written into a parent's ``_modules`` (not ``setattr``): the
+    fresh modules hold no op, and the model ran with wrong outputs (relative error 0.58-1.04 on this replica
+    before round 53; refused only by save and ``check_online_ops``). Refused at the next call, one line, and a
+    direct call of the new layer meets the refusal at the op's path too."""
+    model, probe, ref = _online_model()
+    path = _swap_modules_entry(model, how)
+    with pytest.raises(NormswapError, match=rf"^`{path.replace('.', chr(92) + '.')}` \(Linear\) has lost its online"):
+        _run(model, probe)
+    x = _hidden(model, probe)
+    with pytest.raises(NormswapError, match="has lost its online Hadamard"):
+        _layer(model.encoder.layer[int(path.split(".")[2])], x)
+
+
+def test_a_modules_write_of_a_copy_that_holds_the_ops_runs_and_is_watched_again():
+    """A deep copy of the MLP (it holds its ops) written into ``_modules``: the next call runs the full check,
+    which passes, and the guard watches the copy from then on (a later write above its op is refused)."""
+    import copy
+
+    model, probe, ref = _online_model()
+    layer = model.encoder.layer[1]
+    layer._modules["mlp"] = copy.deepcopy(layer.mlp)
+    assert _relative(_run(model, probe), ref) <= 1e-9
+    layer.mlp._modules["fc2"] = nn.Linear(128, 32).double()
+    with pytest.raises(NormswapError, match=r"^`encoder\.layer\.1\.mlp\.fc2` \(Linear\) has lost"):
+        _run(model, probe)
+
+
+def test_a_modules_write_in_a_deep_copy_is_refused_in_the_copy_and_the_original_runs():
+    import copy
+
+    model, probe, ref = _online_model()
+    twin = copy.deepcopy(model)
+    _swap_modules_entry(twin, "mlp")
+    with pytest.raises(NormswapError, match="has lost its online Hadamard"):
+        _run(twin, probe)
+    assert _relative(_run(model, probe), ref) <= 1e-9
+
+
+def test_an_unrelated_modules_write_does_not_run_the_full_check(monkeypatch):
+    """Writes that drop no op (a Dropout above the ops replaced, through ``_modules``) cost nothing at the call."""
+    model, probe, ref = _online_model()
+    _run(model, probe)
+    monkeypatch.setattr(carry, "check_online_ops", lambda m: pytest.fail("the full check ran"))
+    model.encoder.layer[0]._modules["drop_path"] = nn.Identity()
+    assert _relative(_run(model, probe), ref) <= 1e-9
+
+
 def test_a_module_above_the_op_written_into_modules_is_refused_at_save_and_by_the_check(tmp_path):
-    """The modules above the ops are watched as they are assigned (torch's registration hook), not compared at
-    every call (round 52 compares each op's hook entry instead, at round 51's per-call cost): a write into
-    ``_modules`` of a whole MLP is not seen at the call, and ``save`` / ``check_online_ops`` refuse it."""
+    """Save and ``check_online_ops`` refuse a whole MLP written into ``_modules`` too (since round 53 the call
+    does as well: the ``_modules`` dictionaries above the ops tell the guard of each write)."""
     model, probe, ref = _online_model()
     layer = model.encoder.layer[1]
     layer._modules["mlp"] = type(layer.mlp)(model.config).double()
