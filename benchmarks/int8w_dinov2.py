@@ -30,7 +30,10 @@ simulations of the first two's weight grids on every ``nn.Linear`` (``sim-asym8`
 ``sim-asym8c``: the same and the patch convolution, per filter, as NNCF compresses it; ``sim-asym8h``: that
 with OpenVINO's float16 decompression, :func:`fake_rows`; ``sim-sym8``: LLM.int8's weight grid;
 activations in float; ``sim-tao``: torchao's int8 dynamic scheme, the symmetric per-row weight grid with every
-Linear input rounded per token, ``sim-tao-a`` its activation rounding alone); ``torchao``: torchao's own
+Linear input rounded per token, ``sim-tao-a`` its activation rounding alone, both on LLM.int8's ``absmax / 127``
+grid; ``sim-tao-x``: torchao 0.18 bit for bit, ``quant_utils.torchao_linear_``, round 53; ``sim-tao-xw`` the same on
+the writers alone (``o_proj``, ``fc2``), ``sim-tao-xr`` on every other Linear, ``sim-tao-xwgt`` / ``sim-tao-xact``
+its weight / activation rounding alone on every Linear); ``torchao``: torchao's own
 ``Int8DynamicActivationInt8WeightConfig`` on the torch model (``bench_quant_engines.run_torchao``).
 
 Per image: ``1 − cos`` against the float32 original, every token (mean), the CLS token, the patch tokens; the
@@ -57,7 +60,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-SIM = ("sim-asym8", "sim-asym8c", "sim-asym8h", "sim-sym8", "sim-tao", "sim-tao-a")
+SIM = ("sim-asym8", "sim-asym8c", "sim-asym8h", "sim-sym8", "sim-tao", "sim-tao-a", "sim-tao-x", "sim-tao-xw",
+       "sim-tao-xr", "sim-tao-xwgt", "sim-tao-xact")
 ORT = ("ort-dyn-pt", "ort-dyn-pc", "ort-nbits-rtn")  # the last: MatMulNBits 4-bit RTN, block 32
 ENGINES = ("ov-w8", "bnb-int8", "torchao") + ORT + SIM
 # hybrids: compat's tensors matching one expression, the original's elsewhere
@@ -102,6 +106,15 @@ def simulated(model: torch.nn.Module, how: str) -> torch.nn.Module:
     ``Int8DynamicActivationInt8WeightConfig``, the symmetric per-row weight grid and each Linear's input rounded
     per token, :func:`per_token_int8`; ``sim-tao-a``: its activation grid alone, the weights left float)."""
     q = copy.deepcopy(model)
+    if how.startswith("sim-tao-x"):  # torchao bit for bit; -xw: the writers alone, -xr: every other Linear
+        from quant_utils import torchao_linear_
+
+        for name, module in q.named_modules():
+            writer = name.endswith((".o_proj", ".fc2"))
+            if type(module) is torch.nn.Linear and (how not in ("sim-tao-xw", "sim-tao-xr")
+                                                    or writer == (how == "sim-tao-xw")):
+                torchao_linear_(module, weights=how != "sim-tao-xact", activations=how != "sim-tao-xwgt")
+        return q
     with torch.no_grad():
         for module in q.modules():
             if how in ("sim-tao", "sim-tao-a") and type(module) is torch.nn.Linear:
@@ -301,7 +314,13 @@ def summary(result: dict[str, Any], name: str, how: str, metric: str = "tok", dr
     keep = np.argsort(a + b)[: int(len(a) * 0.95)]
     excess = np.sort(b - a)[::-1]
     top = max(1, len(a) // 20)
-    return {"mean": b.mean() / a.mean(), "lo": lo, "hi": hi, "typical": float(np.exp(logs.mean())),
+    photo_lo = photo_hi = float("nan")
+    if result.get("photo"):  # the photographs resampled, not the crops (quant_utils.cluster_bootstrap)
+        from quant_utils import cluster_bootstrap
+
+        _, photo_lo, photo_hi = cluster_bootstrap(b, a, result["photo"], draws)
+    return {"mean": b.mean() / a.mean(), "lo": lo, "hi": hi, "photo_lo": photo_lo, "photo_hi": photo_hi,
+            "typical": float(np.exp(logs.mean())),
             "typical_lo": float(np.exp(tlo)), "typical_hi": float(np.exp(thi)),
             "median_ratio": float(np.exp(np.median(logs))), "ratio_of_medians": float(np.median(b) / np.median(a)),
             "trimmed": float(b[keep].mean() / a[keep].mean()),
@@ -312,8 +331,9 @@ def summary(result: dict[str, Any], name: str, how: str, metric: str = "tok", dr
 def report(result: dict[str, Any], metric: str = "tok", base: tuple[str, ...] = ("original",)) -> str:
     lines = [f"{result['images']} crops at {result['image']} px, 1 − cos ({metric}); ratios to "
              + ("the original's" if base == ("original",) else f"the mean of {', '.join(base)} (per image)"),
-             "", "| variant | engine | mean (95%) | typical (95%) | median ratio | ratio of medians | 5%-trimmed | "
-             "top 5% images' share of the excess |", "|---|---|---|---|---|---|---|---|"]
+             "", "| variant | engine | mean (95%) | photographs resampled (95%) | typical (95%) | median ratio | "
+             "ratio of medians | 5%-trimmed | "
+             "top 5% images' share of the excess |", "|---|---|---|---|---|---|---|---|---|"]
     for name, row in result["rows"].items():
         if name == "original":
             continue
@@ -321,7 +341,8 @@ def report(result: dict[str, Any], metric: str = "tok", base: tuple[str, ...] = 
             if how == "fp32" or any(how not in result["rows"][r]["per_image"] for r in base):
                 continue
             s = summary(result, name, how, metric, base=base)
-            lines.append(f"| {name} | {how} | {s['mean']:.3f} ({s['lo']:.2f}-{s['hi']:.2f}) | {s['typical']:.3f} "
+            lines.append(f"| {name} | {how} | {s['mean']:.3f} ({s['lo']:.2f}-{s['hi']:.2f}) | "
+                         f"{s['photo_lo']:.2f}-{s['photo_hi']:.2f} | {s['typical']:.3f} "
                          f"({s['typical_lo']:.2f}-{s['typical_hi']:.2f}) | {s['median_ratio']:.3f} | "
                          f"{s['ratio_of_medians']:.3f} | {s['trimmed']:.3f} | {s['top5pct_share']:.2f} |")
     return "\n".join(lines)

@@ -15,12 +15,17 @@ transformers' ``Conv1D`` (GPT-2 style, weight stored ``[in, out]``).
   per-channel weights, both symmetric: the W8A8 scheme above, run with ``torch._int_mm``), when
   torchao is installed (the ``quant`` extra).
 * :class:`BatchReader`: ONNX Runtime's calibration data reader over ready feeds (static QDQ).
+* :func:`torchao_int8_grid` / :func:`torchao_linear_`: torchao 0.18's symmetric int8 grid and its dynamic W8A8
+  Linear emulated bit for bit in float (torchao need not be installed).
+* :func:`cluster_bootstrap`: a ratio of means with its interval resampling clusters (the photographs a set of
+  crops came from), not the single inputs.
 """
 
 from __future__ import annotations
 
 import copy
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -277,6 +282,70 @@ def torchao_int8(model: nn.Module) -> nn.Module:
     hoist_input_hooks_(work)
     quantize_(work, Int8DynamicActivationInt8WeightConfig())
     return work
+
+
+def torchao_int8_grid(x: torch.Tensor, dim: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
+    """torchao 0.18's symmetric int8 (``choose_qparams_affine`` + ``quantize_affine``, ``MappingType.SYMMETRIC``):
+    ``s = max(absmax / 127.5, eps)`` in float32 along ``dim``, ``q = clamp(round(x · (1/s)), −128, 127)``.
+
+    Returns ``(q, s)`` as float32 (``q`` holds integers). Not LLM.int8's ``absmax / 127``: each slice's largest
+    positive value lands on 127 (half a step short), its largest negative one on −127 or −128 depending on the
+    last bit of ``x · (1/s)`` (``127.5`` computed in float32), so the extreme element always carries the largest
+    rounding error (half a step, ``absmax / 255``) and, where negative, in a direction float noise decides.
+    """
+    xf = x.float()
+    s = (xf.abs().amax(dim, keepdim=True) / 127.5).clamp_min(torch.finfo(torch.float32).eps)
+    return torch.clamp(torch.round(xf * (1.0 / s)), -128, 127), s
+
+
+def torchao_linear_(linear: nn.Linear, weights: bool = True, activations: bool = True) -> nn.Linear:
+    """``linear`` (in place) computing as torchao's ``Int8DynamicActivationInt8WeightConfig`` does on CPU: weight
+    rows and each input token on :func:`torchao_int8_grid`, the integer product exact (``torch._int_mm`` on int32;
+    here in float64, exact for these sizes), then ``· s_x`` and ``· s_w`` in float32, then the bias. Equal to
+    torchao's own output bit for bit (checked on DINOv2-small, round 53), so a model can be quantized in part.
+    ``weights=False`` / ``activations=False``: that side left in float (the other rounded as torchao does), to
+    split torchao's error into its two roundings.
+    """
+    if not (weights or activations):
+        raise ValueError("torchao_linear_ needs weights, activations or both rounded")
+    w = linear.weight.detach().float()
+    wq, ws = torchao_int8_grid(w)
+    bias = None if linear.bias is None else linear.bias.detach().float()
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        if activations:
+            xq, xs = torchao_int8_grid(x)
+            y = ((xq.double() @ wq.double().T).float() * xs * ws.flatten() if weights
+                 else (xq * xs) @ w.T)
+        else:
+            y = x.float() @ (wq * ws).T
+        return (y if bias is None else y + bias).to(x.dtype)
+
+    linear.forward = forward
+    return linear
+
+
+def cluster_bootstrap(variant: Sequence[float], base: Sequence[float], clusters: Sequence[object],
+                      draws: int = 2000, seed: int = 0) -> tuple[float, float, float]:
+    """``mean(variant) / mean(base)`` (paired per input) with a 95% interval that resamples whole clusters.
+
+    Crops of one photograph are not independent: resampling crops treats 64 crops of one photograph as 64
+    pieces of evidence, and an interval over them is too narrow when the photographs differ. Here each draw
+    picks as many clusters as there are, with replacement, and keeps every input of each one. Returns
+    ``(ratio, low, high)``.
+    """
+    import numpy as np
+
+    v, b = np.asarray(variant, dtype=float), np.asarray(base, dtype=float)
+    labels = np.asarray([str(c) for c in clusters])
+    if not (len(v) == len(b) == len(labels)):
+        raise ValueError("variant, base and clusters must have one entry per input")
+    names = np.unique(labels)
+    sums = np.array([[v[labels == n].sum(), b[labels == n].sum()] for n in names])
+    idx = np.random.default_rng(seed).integers(0, len(names), (draws, len(names)))
+    picked = sums[idx].sum(1)
+    lo, hi = np.percentile(picked[:, 0] / picked[:, 1], [2.5, 97.5])
+    return float(v.mean() / b.mean()), float(lo), float(hi)
 
 
 class BatchReader:
