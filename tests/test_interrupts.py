@@ -24,6 +24,8 @@ import pytest
 
 from normswap import interrupts
 from normswap.checkpoint import io
+from normswap.cli.common import handle_errors
+from normswap.errors import NormswapError
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTHING = "error: interrupted; nothing was written"
@@ -272,3 +274,30 @@ def test_an_interrupted_fine_tune_names_the_checkpoint_it_can_resume_from(tmp_pa
     named = Path(last[len(prefix):].split(" (resume")[0])
     complete = sorted(run.glob("checkpoints/step-*/trainer_state.json"))
     assert named == complete[-1].parent, (named, complete)  # the newest complete one
+
+
+@pytest.mark.parametrize("error", [ModuleNotFoundError, OSError, NormswapError])
+def test_an_error_the_interrupt_caused_still_exits_130_with_its_sentence(error, capsys):
+    """transformers' lazy import turns a ``KeyboardInterrupt`` raised inside it into ``ModuleNotFoundError``
+    ("Could not import module 'GPT2LMHeadModel'"): a fresh-clone run printed "internal error", exit 1. Whatever
+    error the interrupt turned into on its way out, the command exits 130 with the interrupt's line."""
+
+    def body() -> None:
+        try:
+            signal.raise_signal(signal.SIGINT)  # the command's handler raises KeyboardInterrupt here
+        except KeyboardInterrupt as exc:
+            raise error("Could not import module 'GPT2LMHeadModel'") from exc
+
+    with pytest.raises(SystemExit) as exit_info:
+        handle_errors(body)()
+    assert exit_info.value.code == 130
+    assert capsys.readouterr().err.strip().splitlines()[-1] == NOTHING
+
+
+def test_the_same_error_without_an_interrupt_is_an_error():
+    def body() -> None:
+        raise ModuleNotFoundError("Could not import module 'GPT2LMHeadModel'")
+
+    with pytest.raises(SystemExit) as exit_info:
+        handle_errors(body)()
+    assert exit_info.value.code == 1

@@ -1251,7 +1251,7 @@ def _fold_blocker(st: Planning, site: NormSite, foldable: list[str], other: list
         # a kept tie blocks only a γ fold (it rewrites the weight); β goes into the reader's bias alone
         sharers = an.weight_sharers(path) if st.folds_gamma(site.path) else []
         if (sharers or an.sharing_problem(weight, path) is not None) and (path, "weight") not in st.unties:
-            owners = sharers or an.weight_sharers(path)
+            owners = sorted({o for o, _ in an.param_owners.get(id(weight), [])} - {path})  # a view's owner too
             return f"`{path}` shares its weight" + (f" with {', '.join(f'`{o}`' for o in owners)}" if owners else "")
     return ""
 

@@ -207,29 +207,37 @@ def handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
             if interrupts.was_interrupted():  # the KeyboardInterrupt was swallowed on the way: still one
                 raise KeyboardInterrupt
             return result
-        except NormswapError as exc:
-            if getattr(exc, "shown_by_main", False):  # another process of a distributed run prints it
-                sys.exit(int(getattr(exc, "exit_code", EXIT_ERROR)))
-            fail(str(exc), int(getattr(exc, "exit_code", EXIT_ERROR)))
         except (KeyboardInterrupt, click.exceptions.Abort) as exc:
             interrupts.exit_interrupted(f"error: {cli_words(interrupts.report(exc))}")
         except (click.exceptions.Exit, click.ClickException, SystemExit):
             raise
-        except MemoryError:
-            fail("out of memory; retry with --low-memory")
-        except OSError as exc:
-            from normswap.checkpoint.io import os_error
-
-            fail(str(os_error(exc, exc.filename or "the output")))
-        except Exception as exc:  # noqa: BLE001 - a bug: one line, traceback on request
-            if os.environ.get("NORMSWAP_DEBUG"):
-                raise
-            fail(
-                f"internal error ({type(exc).__name__}: {first_line(exc, 300, default='')}); rerun with "
-                "NORMSWAP_DEBUG=1 for a traceback and please report it"
-            )
+        except Exception as exc:  # noqa: BLE001 - sorted out below
+            if interrupts.was_interrupted():
+                # an error the interrupt caused on its way out (transformers' lazy import turns the
+                # KeyboardInterrupt raised inside it into ModuleNotFoundError): still the interrupt's line
+                interrupts.exit_interrupted(f"error: {cli_words(interrupts.report(exc))}")
+            _fail_for(exc)
 
     return wrapper
+
+
+def _fail_for(exc: Exception) -> None:
+    """Exit with the line for a command's error: a :class:`NormswapError`'s own message and exit code, out
+    of memory, an ``OSError`` with its cause, else a bug (one line; the traceback with ``NORMSWAP_DEBUG=1``)."""
+    if isinstance(exc, NormswapError):
+        if getattr(exc, "shown_by_main", False):  # another process of a distributed run prints it
+            sys.exit(int(getattr(exc, "exit_code", EXIT_ERROR)))
+        fail(str(exc), int(getattr(exc, "exit_code", EXIT_ERROR)))
+    if isinstance(exc, MemoryError):
+        fail("out of memory; retry with --low-memory")
+    if isinstance(exc, OSError):
+        from normswap.checkpoint.io import os_error
+
+        fail(str(os_error(exc, exc.filename or "the output")))
+    if os.environ.get("NORMSWAP_DEBUG"):
+        raise exc
+    fail(f"internal error ({type(exc).__name__}: {first_line(exc, 300, default='')}); rerun with "
+         "NORMSWAP_DEBUG=1 for a traceback and please report it")
 
 
 # shared option values of convert / inspect / verify: defined once, in normswap.options
