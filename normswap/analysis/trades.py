@@ -226,7 +226,9 @@ def find_trades(model: nn.Module, plan: Plan, args: tuple, kwargs: dict,
             # a one-row parameter every token reads (RoBERTa's single token-type row, a broadcast bias
             # parameter) reaches every token at any length, as a bias does: the rows longer or padded inputs
             # read must carry the constant too. Only one that reaches some tokens (a class token) is one-token.
-            every = t.bias or bool(reach.all())
+            # "Every token": of those that read this table; the probe also sees other streams' tokens (AltCLIP's
+            # image tower beside its RoBERTa text tower), which neither reaches.
+            every = t.bias or bool(reach[once].all())
             proposals = []
             if bool(single[reach].all()):
                 rows_in = torch.zeros(g.rows, dtype=torch.bool)

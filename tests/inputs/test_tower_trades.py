@@ -187,3 +187,27 @@ def test_the_streamed_rewrite_of_a_dual_encoder_applies_the_towers_trade_as_in_m
             assert (streamed.get_parameter(key) - conv.get_parameter(key)).abs().max() <= 1e-12, key
     for ref, out in zip(_dual_outputs(model), _dual_outputs(streamed), strict=True):
         assert rel_error(ref, out) <= 1e-9
+
+
+def test_a_text_towers_one_row_table_trades_every_row_beside_an_image_tower():
+    """AltCLIP: a RoBERTa text tower (its one token-type row reaches every text token, at any length) and a CLIP
+    image tower in one run. The probe sees both towers' tokens; the token-type row reaches none of the image's, and
+    was taken for a one-token parameter: only the position rows the traced text read were traded, and a longer
+    text failed verification (|mean|/rms 1.7e-2 at the embedding norm; the transformers sweep refused AltCLIP)."""
+    torch.manual_seed(0)
+    config = tf.AltCLIPConfig(
+        text_config=dict(vocab_size=99, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                         intermediate_size=64, max_position_embeddings=40, type_vocab_size=1, pad_token_id=1,
+                         project_dim=16),
+        vision_config=dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64,
+                           image_size=32, patch_size=8), projection_dim=16)
+    model = _randomise_embeddings(zoo.randomise(tf.AltCLIPModel(config).double().eval(), 0), 0)
+    short = {"input_ids": torch.randint(3, 99, (2, 6)), "pixel_values": _pixels(1)}
+    conv, _ = _patched(model, example_inputs=short, mode="exact")
+    trade = next(t for t in plan_of(conv).constant_trades if "roberta" in t.table)
+    assert (trade.lo, trade.hi) == (0, 40) and trade.into.endswith("token_type_embeddings.weight")
+    long = {"input_ids": torch.randint(3, 99, (2, 30)), "pixel_values": _pixels(2)}
+    with torch.no_grad():
+        ref, out = model(**long), conv(**long)
+    for a, b in ((ref.text_embeds, out.text_embeds), (ref.image_embeds, out.image_embeds)):
+        assert (a - b).abs().max() <= 1e-9 * a.abs().max()
