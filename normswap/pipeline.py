@@ -530,15 +530,25 @@ def analyse_copy(work: nn.Module, args: tuple, kwargs: dict, opts: ConvertOption
     found, graph = _identify_sites(work, args, kwargs)
 
     untie = opts.untie_used
+    stem = opts.stem_centering_used
 
     def planned(keep_gamma: dict[str, str] | None = None) -> Plan:
         return analyse(work, graph, found.sites, untie=untie, fold_gamma=opts.folds_gamma,
                        per_norm_centering=opts.per_norm_centering, mean_carry=opts.mean_carry,
                        carry_multiple=opts.carry_multiple, rms_norms=found.skipped, bias_slots=opts.bias_slots,
-                       layer_scale=opts.layer_scale, keep_gamma=keep_gamma, stem_centering=opts.stem_centering_used,
+                       layer_scale=opts.layer_scale, keep_gamma=keep_gamma, stem_centering=stem,
                        writer_centering=opts.writer_centering)
 
     plan = planned()
+    if opts.stem_centering is None and stem == "op" and any(sp.verdict not in EXACT_VERDICTS for sp in plan.sites):
+        # the default stem op can leave norms approximate that centered stem weights make exact (SAM2's Hiera:
+        # its position parameter is added where the op cannot reach it): exactness first, where that is so
+        stem = "weights"
+        by_weights = planned()
+        if _exact_count(by_weights) > _exact_count(plan):
+            plan = by_weights
+        else:
+            stem = "op"
     if untie is None and _has_ties(work) and any(sp.verdict not in EXACT_VERDICTS for sp in plan.sites):
         # a tie kept costs a stream its one centering op (BLOOM: the op at the tied embedding leaves none for
         # the stream its embedding LayerNorm starts): untie where that makes more norms exact
