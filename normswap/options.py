@@ -160,7 +160,8 @@ class ConvertOptions:
             ``Q`` into those weights instead of adding it as an op after the stem op, and the rotated model
             can still be written in the compat format). Embedding
             tables (gathers) are centered by weights either way, and a writer no op can serve falls back to
-            its weights.
+            its weights. The default also takes ``"weights"`` where the op would leave norms approximate that
+            centered weights make exact (SAM2's Hiera adds its position parameter where the op cannot reach it).
         writer_centering: how the writers inside the layers whose weights quantizers round (a Pre-LN block's
             attention output projection and MLP down projection, each Linear/conv that reads a norm's output and
             writes the residual stream) are made zero-mean. ``"weights"`` (default): their weights are centered

@@ -272,7 +272,8 @@ Presets (offline, seeded tiny models with tokenizers/processors):
     "keeps its weights and centers the stream with one mean per token where it starts (exact-with-centering; "
     "int8/4-bit quantizers then round the original's weights, and the op removes their rounding error's mean "
     "as the original's first LayerNorm did; default); 'weights' centers that writer's weights instead (no op; "
-    "default with --rotate or --fold-gamma: a rotation then folds into those weights). Both exact.",
+    "default with --rotate or --fold-gamma: a rotation then folds into those weights, and where the op would "
+    "leave norms approximate that centered weights make exact). Both exact.",
 )
 @click.option(
     "--writer-centering",
