@@ -529,35 +529,30 @@ def analyse_copy(work: nn.Module, args: tuple, kwargs: dict, opts: ConvertOption
     """
     found, graph = _identify_sites(work, args, kwargs)
 
-    untie = opts.untie_used
-    stem = opts.stem_centering_used
+    chosen = {"untie": opts.untie_used, "stem_centering": opts.stem_centering_used}
 
     def planned(keep_gamma: dict[str, str] | None = None) -> Plan:
-        return analyse(work, graph, found.sites, untie=untie, fold_gamma=opts.folds_gamma,
+        return analyse(work, graph, found.sites, fold_gamma=opts.folds_gamma,
                        per_norm_centering=opts.per_norm_centering, mean_carry=opts.mean_carry,
                        carry_multiple=opts.carry_multiple, rms_norms=found.skipped, bias_slots=opts.bias_slots,
-                       layer_scale=opts.layer_scale, keep_gamma=keep_gamma, stem_centering=stem,
-                       writer_centering=opts.writer_centering)
+                       layer_scale=opts.layer_scale, keep_gamma=keep_gamma, writer_centering=opts.writer_centering,
+                       **chosen)
 
     plan = planned()
-    if opts.stem_centering is None and stem == "op" and any(sp.verdict not in EXACT_VERDICTS for sp in plan.sites):
-        # the default stem op can leave norms approximate that centered stem weights make exact (SAM2's Hiera:
-        # its position parameter is added where the op cannot reach it): exactness first, where that is so
-        stem = "weights"
-        by_weights = planned()
-        if _exact_count(by_weights) > _exact_count(plan):
-            plan = by_weights
-        else:
-            stem = "op"
-    if untie is None and _has_ties(work) and any(sp.verdict not in EXACT_VERDICTS for sp in plan.sites):
-        # a tie kept costs a stream its one centering op (BLOOM: the op at the tied embedding leaves none for
-        # the stream its embedding LayerNorm starts): untie where that makes more norms exact
-        untie = True
-        untied = planned()
-        if _exact_count(untied) > _exact_count(plan):
-            plan = untied
-        else:
-            untie = None
+    # defaults chosen for what quantizers see, each planned the other way where the plan leaves norms approximate
+    # and kept only where that makes more norms exact: the stem op (SAM2's Hiera adds its position parameter where
+    # the op cannot reach it) and a kept tie (BLOOM: the op at the tied embedding leaves none for the stream its
+    # embedding LayerNorm starts)
+    fallbacks = (("stem_centering", "weights", opts.stem_centering is None and chosen["stem_centering"] == "op"),
+                 ("untie", True, chosen["untie"] is None and _has_ties(work)))
+    for option, other, applies in fallbacks:
+        if applies and _exact_count(plan) < len(plan.sites):
+            default, chosen[option] = chosen[option], other
+            replanned = planned()
+            if _exact_count(replanned) > _exact_count(plan):
+                plan = replanned
+            else:
+                chosen[option] = default
     if opts.rotate not in (None, "none") and not opts.fold_gamma:
         # the rotation asked for the fold, so only where it will turn: the norms of every stream it will leave
         # alone are planned again as without it (γ and β where a conversion without rotate puts them)
