@@ -50,16 +50,20 @@ from torch import nn
 
 from normswap.analysis.plan import plan_of
 from normswap.errors import NormswapError
+from normswap.rotation.hadamard import hadamard as hadamard_matrix
+from normswap.rotation.heads import config_head_dim, turn_heads, value_output
 
 HANDLE = "_normswap_online"  # the op's RemovableHandle on its module (rotate.py's _install_online sets it)
 BUFFER_PREFIX = "normswap_hadamard"  # the op's buffers: the small Hadamard factor, the signs, ...
 ATTR_PREFIX = "_normswap_hadamard"  # its plain attributes (the Sylvester factor built from the widths)
 REGISTRY = "_normswap_online_ops"  # on the model: {module path: HeldOp}
 READER = "_normswap_shared_reader"  # on a Linear reader of an op shared after a norm: SharedReader
+HEADS = "_normswap_value_heads"  # on a value / output projection whose weight holds the per-head turn: HeadTurn
+HEAD_HOOK = "_normswap_head_turn"  # on an adapter's lora_B / lora_A Linear: the turn hook's handle
 
 __all__ = ["HeldOp", "record", "held_ops", "carry_online_ops", "check_online_ops", "missing_online_ops",
            "after_load", "lost_line", "Refuse", "OpsGuard", "MergeInOpBasis", "turned_delta", "WatchedModules",
-           "SharedReader", "split_shared_op"]
+           "SharedReader", "split_shared_op", "HeadTurn", "TurnedHeadsDelta"]
 
 
 @dataclass
@@ -146,6 +150,7 @@ def record(model: nn.Module) -> dict[str, HeldOp]:
     if ops:
         model.__dict__[REGISTRY] = ops
         _mark_readers(model, ops)
+        _mark_heads(model)
         _guard(model).watch(model)
         _listen()
     return ops
@@ -230,6 +235,159 @@ def split_shared_op(model: nn.Module, norm: str) -> list[str]:
     del model.__dict__[REGISTRY][norm]
     record(model)
     return [p for p, _ in readers]
+
+
+# ------------------------------------------------------------- adapters on the per-head turn of the values
+class HeadTurn:
+    """On a value projection (``side="output"``) or attention output projection (``side="input"``) whose weight
+    holds the per-head Hadamard ``H̃`` of an online conversion (``rotate(model, "none", online=True)``: the
+    values' rows, the output projection's input columns, per head; no op runs): what an adapter there must turn
+    so that it acts in the original model's basis. ``path``: the Linear's path in the model (for the refusal)."""
+
+    def __init__(self, head_dim: int, side: str, path: str) -> None:
+        self.head_dim, self.side, self.path = head_dim, side, path
+        self._cache: dict = {}
+
+    def matrix(self, like: torch.Tensor) -> torch.Tensor:
+        """``H̃ = H/sqrt(head_dim)`` on ``like``'s device and dtype (cached; the same matrix the rotation
+        folded, :func:`normswap.rotation.rotate._rotate_heads_`)."""
+        key = (like.device, like.dtype)
+        if key not in self._cache:
+            h = hadamard_matrix(self.head_dim).double() / self.head_dim**0.5
+            self._cache[key] = h.to(device=like.device, dtype=like.dtype)
+        return self._cache[key]
+
+    def turn_delta(self, delta: torch.Tensor) -> torch.Tensor:
+        """An adapter's weight update ``ΔW`` (``[out, in]``) as the turned weight holds it: rows per head times
+        ``H̃`` (value projection), or columns (output projection); in float64, back in ``delta``'s dtype."""
+        axis = 0 if self.side == "output" else 1
+        d = delta.double()
+        return turn_heads(d, axis, self.matrix(d)).to(delta.dtype)
+
+    def __getstate__(self) -> dict:
+        return {"head_dim": self.head_dim, "side": self.side, "path": self.path}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["head_dim"], state["side"], state["path"])
+
+    def __deepcopy__(self, memo: dict) -> HeadTurn:
+        return HeadTurn(self.head_dim, self.side, self.path)
+
+
+class _TurnHeadsHook:
+    """Forward hook on an adapter's ``lora_B`` Linear (its output turned per head by ``H̃``: the value
+    projection's side) or forward pre-hook on its ``lora_A`` Linear (its input turned back by ``H̃ᵀ``: the
+    output projection reads the turned values)."""
+
+    def __init__(self, turn: HeadTurn) -> None:
+        self.turn = turn
+
+    def __call__(self, module: nn.Module, args: tuple, *rest: Any) -> Any:
+        if self.turn.side == "output":
+            out = rest[0]
+            return turn_heads(out, -1, self.turn.matrix(out))
+        x = args[0]
+        return (turn_heads(x, -1, self.turn.matrix(x).T), *args[1:])
+
+
+def _turn_branch(linear: nn.Module, turn: HeadTurn) -> None:
+    """Put the turn on one adapter branch Linear (``lora_B[name]`` or ``lora_A[name]``), once."""
+    if not isinstance(linear, nn.Module) or linear.__dict__.get(HEAD_HOOK) is not None:
+        return
+    hook = _TurnHeadsHook(turn)
+    linear.__dict__[HEAD_HOOK] = (linear.register_forward_hook(hook) if turn.side == "output"
+                                  else linear.register_forward_pre_hook(hook))
+
+
+def _mark_heads(model: nn.Module) -> None:
+    """Mark the value and output projections whose weights hold the per-head ``H̃`` of a rotation that turns
+    no stream (the manifest's ``value_heads`` of a ``"none"`` rotation without a learned R2), with
+    :class:`HeadTurn`, so that an adapter layer assigned in their place acts in the original basis or is
+    refused (:func:`_head_adapter`)."""
+    default = None
+    for r in getattr(plan_of(model), "rotations", None) or []:
+        hd = r.get("head_dim")
+        if r.get("kind") != "none" or r.get("learned_heads") or not isinstance(hd, int):
+            continue
+        default = default if default is not None else config_head_dim(model)
+        for path in r.get("value_heads") or []:
+            module = _at(model, path)
+            pair = value_output(module, default) if module is not None else None
+            if pair is None or pair[2] != hd:
+                continue
+            names = {id(m): n for n, m in module.named_modules()}
+            for linear, side in ((pair[0], "output"), (pair[1], "input")):
+                if HEADS not in linear.__dict__:
+                    where = names.get(id(linear), "")
+                    linear.__dict__[HEADS] = HeadTurn(hd, side, f"{path}.{where}" if path and where else path or where)
+
+
+class TurnedHeadsDelta:
+    """A LoHa / LoKr layer's ``get_delta_weight`` (an instance attribute in place of its class's) where its base
+    Linear holds the per-head ``H̃``: their forward (``x·ΔWᵀ``) and merge both read this update, so turning it
+    (:meth:`HeadTurn.turn_delta`) makes both act in the original model's basis."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        self.layer = layer
+
+    def __call__(self, adapter: str, *args: Any, **kwargs: Any) -> torch.Tensor:
+        layer = self.layer
+        delta = type(layer).get_delta_weight(layer, adapter, *args, **kwargs)
+        return layer.get_base_layer().__dict__[HEADS].turn_delta(delta)
+
+
+def _peft_classes(layer: nn.Module) -> set[str]:
+    return {c.__name__ for c in type(layer).__mro__ if c.__module__.startswith("peft.")}
+
+
+def _head_refusal(layer: nn.Module, turn: HeadTurn) -> str | None:
+    """Why the adapter layer ``layer`` (wrapping a Linear marked with ``turn``) cannot act in the original
+    model's basis there (one line), or None where it can (LoRA without a variant or, on the value projection,
+    a bias; LoHa; LoKr; IA3 scaling the output projection's output)."""
+    names = _peft_classes(layer)
+    what = None
+    if "AdaLoraLayer" in names:
+        what = "AdaLoRA (its forward reads its matrices, not its branch Linears)"
+    elif "LoraLayer" in names:
+        if any(getattr(layer, "lora_variant", None) or {}):
+            variant = type(next(iter(layer.lora_variant.values()))).__name__
+            what = f"a LoRA variant ({variant}: DoRA's norm is taken per row of the turned weight)"
+        elif turn.side == "output" and any((getattr(layer, "lora_bias", None) or {}).values()):
+            what = "a LoRA with lora_bias (its merge adds lora_B's bias unturned)"
+    elif "LycorisLayer" in names:
+        if not names & {"LoHaLayer", "LoKrLayer"}:
+            what = "this adapter type"
+    elif "IA3Layer" in names:
+        if turn.side == "output" or getattr(layer, "is_feedforward", False):
+            what = "IA3 scaling the turned values (a per-feature scale does not commute with the turn)"
+    else:
+        what = "this adapter type"
+    if what is None:
+        return None
+    parts = type(layer).__module__.split(".")
+    tuner = parts[2] if len(parts) > 2 and parts[:2] == ["peft", "tuners"] else type(layer).__module__
+    return (f"a PEFT {tuner} adapter ({type(layer).__name__}) on `{turn.path}` is refused: that Linear's weight holds "
+            f"the per-head Hadamard of the values (rotate(..., online=True)), and {what} cannot act there in the "
+            "original model's basis; use LoRA, LoHa or LoKr on it, or leave it out of target_modules")
+
+
+def _head_adapter(layer: nn.Module, turn: HeadTurn) -> None:
+    """Make the adapter layer ``layer`` (PEFT's, assigned in place of a Linear marked with ``turn``) act in the
+    original model's basis: LoRA's branch Linears turned by hooks (``lora_B``'s output on the value projection,
+    ``lora_A``'s input on the output projection; its ``lora_B`` / ``lora_A`` dictionaries marked, so an adapter
+    added later is turned as it is assigned), its merge through :class:`MergeInOpBasis`; LoHa's and LoKr's update
+    turned (:class:`TurnedHeadsDelta`). IA3 on the output projection's output needs nothing."""
+    names = _peft_classes(layer)
+    if "LoraLayer" in names:
+        branches = layer.lora_B if turn.side == "output" else layer.lora_A
+        branches.__dict__[HEADS] = turn
+        for linear in branches.values():
+            _turn_branch(linear, turn)
+    elif "LycorisLayer" in names:
+        layer.__dict__["get_delta_weight"] = TurnedHeadsDelta(layer)
+    if _family(layer) == "delta":
+        layer.__dict__["merge"] = MergeInOpBasis(layer, "merge")
+        layer.__dict__["unmerge"] = MergeInOpBasis(layer, "unmerge")
 
 
 def _at(model: nn.Module, path: str) -> nn.Module | None:
@@ -657,34 +815,65 @@ def _on_register(parent: nn.Module, name: str, new: Any) -> None:
     ``merge``) replaces a Linear that runs an online op around that very Linear, its ``merge`` / ``unmerge``
     become :class:`MergeInOpBasis`, so that PEFT's ``merge`` / ``merge_and_unload`` / ``unmerge`` stay exact (or
     refuse). Where the assignment replaces a module an :class:`OpsGuard` watches, the guard is told
-    (:meth:`OpsGuard.replaced`). Costs two dict lookups per assignment elsewhere; never raises."""
+    (:meth:`OpsGuard.replaced`). Where it replaces a value or output projection that holds the per-head ``H̃``
+    (:class:`HeadTurn`), the adapter is made to act in the original basis (:func:`_head_adapter`), or refused
+    (:class:`normswap.errors.NormswapError`, one line, before anything changes: the only exception this raises).
+    Costs a few dict lookups per assignment elsewhere."""
+    turn = _head_turn_of(parent, name, new)
+    if turn is not None:
+        why = _head_refusal(new, turn)
+        if why is not None:
+            raise NormswapError(why)
     try:
-        d = parent.__dict__["_modules"]
-        if type(d) is not WatchedModules:  # (a WatchedModules tells its guards itself, as the write happens)
-            for guard in list(_WATCHERS.get(parent, ())):
-                guard.replaced(d, name, new)
-        old = d.get(name)
-        if old is None or old is new or not isinstance(new, nn.Module):
-            return None
-        if new.__dict__["_modules"].get("base_layer") is not old or not callable(getattr(type(new), "merge", None)):
-            return None
-        shared = old.__dict__.get(READER)
-        model = shared.model() if shared is not None else None
-        if model is not None and not holds_op(old):  # an adapter on a reader of a shared op: one op per reader
-            _ASSIGNING.append(parent)  # its `_modules` stays as it is: torch writes `new` into that very dict
-            try:
-                if split_shared_op(model, shared.norm):
-                    _guard(model).replaced(d, name, new)
-            finally:
-                _ASSIGNING.pop()
-        if not holds_op(old):
-            return None
-        if old.__dict__[HANDLE].id not in old._forward_pre_hooks:  # an op on the output (a norm's): not an input
-            return None
-        new.__dict__["merge"] = MergeInOpBasis(new, "merge")
-        new.__dict__["unmerge"] = MergeInOpBasis(new, "unmerge")
+        _on_register_ops(parent, name, new)
+        if turn is not None:
+            _head_adapter(new, turn)
+        branch = parent.__dict__.get(HEADS) if isinstance(parent, nn.ModuleDict) else None
+        if branch is not None:  # an adapter added later to a turned LoRA layer (its lora_B / lora_A entry)
+            _turn_branch(new, branch)
     except Exception:  # noqa: BLE001 - a hook inside every module assignment must never break one
         return None
+    return None
+
+
+def _head_turn_of(parent: nn.Module, name: str, new: Any) -> HeadTurn | None:
+    """The :class:`HeadTurn` of the Linear an adapter layer ``new`` replaces at ``parent.name`` (None elsewhere)."""
+    try:
+        old = parent.__dict__["_modules"].get(name)
+        if old is None or old is new or not isinstance(new, nn.Module):
+            return None
+        turn = old.__dict__.get(HEADS)
+        return turn if turn is not None and new.__dict__["_modules"].get("base_layer") is old else None
+    except Exception:  # noqa: BLE001 - never break an assignment it has nothing to say about
+        return None
+
+
+def _on_register_ops(parent: nn.Module, name: str, new: Any) -> None:
+    """:func:`_on_register`'s part for online ops: guards told, a shared op split, merges turned."""
+    d = parent.__dict__["_modules"]
+    if type(d) is not WatchedModules:  # (a WatchedModules tells its guards itself, as the write happens)
+        for guard in list(_WATCHERS.get(parent, ())):
+            guard.replaced(d, name, new)
+    old = d.get(name)
+    if old is None or old is new or not isinstance(new, nn.Module):
+        return None
+    if new.__dict__["_modules"].get("base_layer") is not old or not callable(getattr(type(new), "merge", None)):
+        return None
+    shared = old.__dict__.get(READER)
+    model = shared.model() if shared is not None else None
+    if model is not None and not holds_op(old):  # an adapter on a reader of a shared op: one op per reader
+        _ASSIGNING.append(parent)  # its `_modules` stays as it is: torch writes `new` into that very dict
+        try:
+            if split_shared_op(model, shared.norm):
+                _guard(model).replaced(d, name, new)
+        finally:
+            _ASSIGNING.pop()
+    if not holds_op(old):
+        return None
+    if old.__dict__[HANDLE].id not in old._forward_pre_hooks:  # an op on the output (a norm's): not an input
+        return None
+    new.__dict__["merge"] = MergeInOpBasis(new, "merge")
+    new.__dict__["unmerge"] = MergeInOpBasis(new, "unmerge")
     return None
 
 
@@ -721,15 +910,22 @@ class MergeInOpBasis:
         method = getattr(type(layer), self.name)
         base = layer.get_base_layer()
         handle = base.__dict__.get(HANDLE)
-        if handle is None or handle.id not in base._forward_pre_hooks:  # the op is gone: nothing to turn
+        op = handle is not None and handle.id in base._forward_pre_hooks
+        if not op and HEADS not in base.__dict__:  # the op is gone, no per-head turn: nothing to turn
             return method(layer, *args, **kwargs)
         family = _family(layer)
         if family == "delta":
+            own = layer.__dict__.get("get_delta_weight")  # LoHa / LoKr on the per-head turn: TurnedHeadsDelta
             layer.__dict__["get_delta_weight"] = types.MethodType(turned_delta, layer)
             try:
                 return method(layer, *args, **kwargs)
             finally:
-                layer.__dict__.pop("get_delta_weight", None)
+                if own is None:
+                    layer.__dict__.pop("get_delta_weight", None)
+                else:
+                    layer.__dict__["get_delta_weight"] = own
+        if not op:  # IA3 on the output projection's output: rows scaled, the per-head columns untouched
+            return method(layer, *args, **kwargs)
         if family == "ia3":
             if not getattr(layer, "is_feedforward", False):
                 return method(layer, *args, **kwargs)
@@ -770,14 +966,22 @@ def turned_delta(layer: nn.Module, adapter: str, *args: Any, **kwargs: Any) -> t
     """PEFT's weight update of ``adapter`` (its class's ``get_delta_weight``) for a base Linear whose weight is
     in the basis of the online op before it: the update times the op (``ΔW·M``, where the op takes ``x`` to
     ``x·M`` and the weight holds ``W·M``), so that the merged Linear, which keeps its op, computes the unmerged
-    layer's output. The adapter itself reads the input before the op, as the Linear's caller sees it. Used by
-    :class:`MergeInOpBasis` while PEFT merges or unmerges."""
+    layer's output. The adapter itself reads the input before the op, as the Linear's caller sees it. Where the
+    base Linear holds the per-head ``H̃`` of the values (:class:`HeadTurn`), the update is turned by it too (rows
+    or columns, per head), with or without an op. Used by :class:`MergeInOpBasis` while PEFT merges or
+    unmerges."""
     base = layer.get_base_layer()
     if adapter in (getattr(layer, "lora_variant", None) or {}):  # DoRA: its norm is taken in the op's basis
         raise NormswapError(f"adapter `{adapter}` is a {type(layer.lora_variant[adapter]).__name__} on a "
                             f"{type(base).__name__} that runs an online Hadamard: it cannot be merged exactly (its "
                             "weight norm is taken in the op's basis); keep it unmerged, or train a plain LoRA")
     delta = type(layer).get_delta_weight(layer, adapter, *args, **kwargs)
-    hook = base._forward_pre_hooks[base.__dict__[HANDLE].id]
+    turn = base.__dict__.get(HEADS)
+    if turn is not None:  # the per-head H̃ in the value projection's rows / the output projection's columns
+        delta = turn.turn_delta(delta)
+    handle = base.__dict__.get(HANDLE)
+    if handle is None or handle.id not in base._forward_pre_hooks:
+        return delta
+    hook = base._forward_pre_hooks[handle.id]
     axis = _input_axis(base)
     return hook.transform(base, delta.movedim(axis, -1)).movedim(-1, axis)

@@ -60,6 +60,7 @@ import torch
 from torch import nn
 
 from normswap.errors import NormswapError
+from normswap.rotation.heads import turn_heads
 
 GRIDS = ("symmetric", "full", "asymmetric")
 # logit_top_k: how many of the other tokens (drawn once per batch) estimate the quantized model's tail mass
@@ -243,14 +244,6 @@ def cayley(skew_param: torch.Tensor, keep_mean: bool = True) -> torch.Tensor:
         proj = eye - 1.0 / d
         a = proj @ a @ proj
     return torch.linalg.solve(eye - a / 2, eye + a / 2)
-
-
-def turn_heads(p: torch.Tensor, axis: int, r2: torch.Tensor) -> torch.Tensor:
-    """``p`` with each block of ``r2``'s size along ``axis`` (one head's features) times ``r2``; differentiable."""
-    moved = p.movedim(axis, -1)
-    hd = r2.shape[0]
-    blocks = moved.reshape(*moved.shape[:-1], moved.shape[-1] // hd, hd) @ r2.to(p.dtype)
-    return blocks.reshape(moved.shape).movedim(-1, axis)
 
 
 def fake_quant(x: torch.Tensor, bits: int, dim: int, group_size: int | None = None,

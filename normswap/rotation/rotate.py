@@ -40,6 +40,7 @@ from normswap.nn.rmsnorm import RMSNorm
 from normswap.options import check_online_block, choose
 from normswap.rotation import carry, hadamard
 from normswap.rotation.eager_op import FOLD_SCALE, EagerOp, split
+from normswap.rotation.heads import turn_heads, value_heads
 from normswap.surgery.scales import fold_layer_scale
 
 KINDS = ("hadamard", "random")  # built from (width, kind, seed)
@@ -578,53 +579,12 @@ def _online_targets(model: nn.Module, writers: list[str], width: int) -> tuple[l
     return found, why
 
 
-_VALUE_OUTPUT = (("v_proj", "o_proj"), ("v_proj", "out_proj"))  # separate value / output projections
-
-
-def _head_dim(model: nn.Module) -> int | None:
-    """The head size from the (first) transformers config in ``model``: ``head_dim`` or width / heads."""
-    config = next((getattr(m, "config", None) for m in model.modules() if getattr(m, "config", None) is not None),
-                  None)
-    if config is None:
-        return None
-    config = getattr(config, "get_text_config", lambda: config)()
-    hd = getattr(config, "head_dim", None)
-    heads = getattr(config, "num_attention_heads", None)
-    width = getattr(config, "hidden_size", None)
-    return int(hd) if isinstance(hd, int) else (width // heads if width and heads else None)
-
-
-def _value_heads(model: nn.Module) -> tuple[list[tuple[str, nn.Linear, nn.Linear]], int | None]:
-    """Attention modules whose value and output projections are separate Linears over whole heads, and
-    the head size (the attention module's own ``head_dim`` / ``attention_head_size``, else the config's)."""
-    found, sizes = [], set()
-    default = _head_dim(model)
-    for path, module in model.named_modules():
-        pairs = [(module, getattr(module, v_name, None), getattr(module, o_name, None))
-                 for v_name, o_name in _VALUE_OUTPUT]
-        # BERT/ViT/DINOv2 layout: <attention>.{self|attention}.value and <attention>.output.dense
-        inner = getattr(module, "self", None) or getattr(module, "attention", None)
-        out = getattr(module, "output", None)
-        if isinstance(inner, nn.Module) and isinstance(out, nn.Module):
-            pairs.append((inner, getattr(inner, "value", None), getattr(out, "dense", None)))
-        for owner, v, o in pairs:
-            hd = getattr(owner, "head_dim", None) or getattr(owner, "attention_head_size", None) or default
-            if isinstance(v, nn.Linear) and isinstance(o, nn.Linear) and isinstance(hd, int) and hd > 0 \
-                    and v.out_features % hd == 0 and o.in_features % hd == 0:
-                found.append((path, v, o))
-                sizes.add(hd)
-                break
-    if len(sizes) > 1:
-        return [], None  # one H̃ size per model keeps the record simple; mixed head sizes are left alone
-    return found, next(iter(sizes), None)
-
-
 def _rotate_heads_(model: nn.Module) -> tuple[list[str], int | None, str]:
     """Per-head Hadamard on values, folded offline: each head's value features ``v_h → v_h H̃`` (the value
     projection's rows and bias, per head) and the output projection's input columns of each head ``W → W H̃``.
     Attention is linear in each head's values (``softmax(.) V_h H̃ = (softmax(.) V_h) H̃``), so outputs
     are unchanged; grouped-query heads share one ``H̃``, so any head mapping works."""
-    pairs, hd = _value_heads(model)
+    pairs, hd = value_heads(model)
     if not pairs:
         return [], hd, ("no attention with separate value/output projections (v_proj with o_proj/out_proj, or "
                         "self|attention.value with output.dense)")
@@ -637,10 +597,9 @@ def _rotate_heads_(model: nn.Module) -> tuple[list[str], int | None, str]:
 
 def _turn_heads_(pairs: list[tuple[str, nn.Linear, nn.Linear]], matrices: dict[str, torch.Tensor]) -> None:
     """Fold one head-size orthogonal matrix per attention layer (``{attention path: matrix}``, paths of
-    ``pairs``, :func:`_value_heads`' layers): the value projection's rows and bias, and the output projection's
-    input columns, per head. The per-head Hadamard (:func:`_rotate_heads_`) and a learned R2 alike."""
-    from normswap.rotation.learn import turn_heads
-
+    ``pairs``, :func:`normswap.rotation.heads.value_heads`' layers): the value projection's rows and bias, and
+    the output projection's input columns, per head. The per-head Hadamard (:func:`_rotate_heads_`) and a
+    learned R2 alike."""
     by_path = {path: (v, o) for path, v, o in pairs}
     for path, r2 in matrices.items():
         v, o = by_path[path]
@@ -903,7 +862,7 @@ def rotate(model: nn.Module, q: str | int | torch.Tensor = "hadamard", *, seed: 
         if result.learned.scales:
             _apply_learned_scales(model, plan, result)
         if result.learned.heads and result.rotated:  # R2 after the per-head Hadamard it was learned on top of
-            _turn_heads_(_value_heads(model)[0], result.learned.heads)
+            _turn_heads_(value_heads(model)[0], result.learned.heads)
             result.rotated[0].update(learned_heads=sorted(result.learned.heads))
     if smooth is not None and result.rotated:
         _smooth_streams(model, plan, result, smooth, batches)
@@ -1115,7 +1074,7 @@ def _learn_matrices(model: nn.Module, seed: int, online: bool, output: str | Non
                 spec.scaled.append((norm, own, readers))
     heads = []
     if settings.heads:  # R2: the layouts the per-head Hadamard turns, with the same parameters
-        pairs, hd = _value_heads(work)
+        pairs, hd = value_heads(work)
         for path, v, o in pairs:
             turned = [(names[id(p)], axis) for p, axis in ((v.weight, 0), (v.bias, 0), (o.weight, 1)) if p is not None]
             heads.append(learn.HeadTensors(path, hd, turned))

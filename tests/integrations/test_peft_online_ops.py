@@ -273,3 +273,117 @@ def test_an_adapter_on_a_reader_in_a_deep_copy_splits_the_copys_op_only():
     assert _relative(_out(ada, probe), ref) <= 1e-9
     assert all(carry.holds_op(layer.norm1) for layer in model.encoder.layer)
     assert not any(carry.holds_op(layer.norm1) for layer in twin.encoder.layer)
+
+
+# ------------------------------------------------------------------ round 54: the per-head turn of the values
+def _head_configs():
+    return {
+        "lora-v": lambda: peft.LoraConfig(r=4, target_modules=["v_proj"], init_lora_weights=False),
+        "lora-o": lambda: peft.LoraConfig(r=4, target_modules=["o_proj"], init_lora_weights=False),
+        # v_proj is also a reader of norm1's shared op: with q_proj wrapped the op is split onto v_proj, so its
+        # merge turns the update by the op (columns) and by the per-head H̃ (rows)
+        "lora-qvo-fc1": lambda: peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj", "o_proj", "fc1"],
+                                                init_lora_weights=False),
+        "loha-vo": lambda: peft.LoHaConfig(r=4, target_modules=["v_proj", "o_proj"], init_weights=False),
+        "lokr-vo": lambda: peft.LoKrConfig(r=4, target_modules=["v_proj", "o_proj"], init_weights=False),
+        # IA3 scaling o_proj's output: rows, untouched by the per-head columns (exact before round 54 too)
+        "ia3-o": lambda: peft.IA3Config(target_modules=["o_proj"], feedforward_modules=[], init_ia3_weights=False),
+    }
+
+
+@pytest.mark.parametrize("kind", list(_head_configs()))
+def test_an_adapter_on_the_value_or_output_projection_acts_in_the_original_basis_and_merges_exactly(kind):
+    """``rotate(model, "none", online=True)`` folds a per-head Hadamard ``H̃`` into v_proj's rows and o_proj's
+    columns (no op runs). An adapter there added its update in the wrong basis before round 54 (relative error
+    0.17 for a LoRA on v_proj, 0.44 on o_proj of this replica, no error). Since round 54 LoRA's ``lora_B`` output
+    (v_proj) / ``lora_A`` input (o_proj) turns per head, LoHa's and LoKr's update turns: each equals the same
+    adapter on the model without ops, unmerged, merged, unmerged again and merged for good."""
+    import warnings
+
+    model, probe = _online_dinov2()
+    ref = _out(_adapter(_without_ops(), _head_configs()[kind]()), probe)
+    ada = _adapter(model, _head_configs()[kind]())
+    assert _relative(_out(ada, probe), ref) <= 1e-9
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # IA3's "unmerge can be inaccurate"
+        ada.merge_adapter()
+        assert _relative(_out(ada, probe), ref) <= 1e-9
+        ada.unmerge_adapter()
+        assert _relative(_out(ada, probe), ref) <= 1e-7  # IA3's unmerge divides by l + 1e-8
+        merged = ada.merge_and_unload()
+    assert carry.missing_online_ops(merged) == []
+    assert _relative(_out(merged, probe), ref) <= 1e-7
+
+
+def test_a_value_adapter_saved_and_loaded_keeps_the_original_basis(tmp_path):
+    """The adapter's own weights stay in the original basis (the turn is a hook / a turned update, not a fold into
+    them): saved with ``save_pretrained`` and loaded onto another converted model, or onto a converted checkpoint
+    saved and loaded by normswap, it computes the same as on the model without ops, unmerged and merged."""
+    config = _head_configs()["lora-qvo-fc1"]
+    model, probe = _online_dinov2()
+    ref = _out(_adapter(_without_ops(), config()), probe)
+    ada = _adapter(model, config())
+    lora_b = ada.get_base_model().encoder.layer[0].attention.v_proj.lora_B["default"].weight.detach().clone()
+    ada.save_pretrained(tmp_path / "adapter")
+    base, _ = _online_dinov2()
+    assert _relative(_out(peft.PeftModel.from_pretrained(base, tmp_path / "adapter"), probe), ref) <= 1e-9
+    base, _ = _online_dinov2()
+    merged = peft.PeftModel.from_pretrained(base, tmp_path / "adapter").merge_and_unload()  # no call between
+    assert _relative(_out(merged, probe), ref) <= 1e-9
+    converted, _ = _online_dinov2()
+    normswap.save(converted, tmp_path / "ckpt")
+    loaded = normswap.load(tmp_path / "ckpt", dtype=torch.float64)
+    again = peft.PeftModel.from_pretrained(loaded, tmp_path / "adapter")
+    assert torch.equal(again.get_base_model().encoder.layer[0].attention.v_proj.lora_B["default"].weight, lora_b)
+    assert _relative(_out(again, probe), ref) <= 1e-9
+
+
+def test_an_adapter_added_later_on_a_turned_layer_is_turned_too_also_in_a_deep_copy():
+    """``add_adapter`` puts a new ``lora_B`` / ``lora_A`` entry into the layer's dictionaries, which carry the
+    turn (deep copies too), so the second adapter acts in the original basis as well."""
+    import copy
+
+    config = _head_configs()["lora-qvo-fc1"]
+    plain = _adapter(_without_ops(), config())
+    torch.manual_seed(12)
+    plain.add_adapter("two", config())
+    plain.set_adapter("two")
+    model, probe = _online_dinov2()
+    ref = _out(plain, probe)
+    ada = _adapter(model, config())
+    for target in (copy.deepcopy(ada), ada):
+        torch.manual_seed(12)
+        target.add_adapter("two", config())
+        target.set_adapter("two")
+        assert _relative(_out(target, probe), ref) <= 1e-9
+
+
+def _refused_head_configs():
+    return {
+        "ia3-v": (lambda: peft.IA3Config(target_modules=["v_proj"], feedforward_modules=[]), "v_proj", "IA3 scaling"),
+        "ia3-o-feedforward": (lambda: peft.IA3Config(target_modules=["o_proj"], feedforward_modules=["o_proj"]),
+                              "o_proj", "IA3 scaling"),
+        "dora-v": (lambda: peft.LoraConfig(r=4, target_modules=["v_proj"], use_dora=True), "v_proj", "a LoRA variant"),
+        "lora-bias-v": (lambda: peft.LoraConfig(r=4, target_modules=["v_proj"], lora_bias=True), "v_proj",
+                        "lora_bias"),
+        "adalora-v": (lambda: peft.AdaLoraConfig(r=4, target_modules=["v_proj"], total_step=10), "v_proj", "AdaLoRA"),
+        "vera-o": (lambda: peft.VeraConfig(r=4, target_modules=["o_proj"]), "o_proj", "this adapter type"),
+    }
+
+
+@pytest.mark.parametrize("kind", list(_refused_head_configs()))
+def test_an_adapter_that_cannot_act_in_the_original_basis_on_the_turned_heads_is_refused_as_it_is_attached(kind):
+    """Where the per-head turn does not commute with the adapter (a per-feature scale of the turned values, DoRA's
+    row norms, a bias merged unturned) or normswap does not know where to turn it (AdaLoRA's matrices, VeRA), PEFT's
+    attach raises one line naming the Linear, before that Linear is replaced (before round 54: it ran, silently
+    in the wrong basis); the model computes what it did."""
+    from normswap.errors import NormswapError
+
+    config, target, why = _refused_head_configs()[kind]
+    model, probe = _online_dinov2()
+    before = _out(model, probe)
+    with pytest.raises(NormswapError, match=rf"^a PEFT \w+ adapter \(\w+\) on `encoder\.layer\.0\.attention\.{target}` "
+                                            rf"is refused: that Linear's weight holds the per-head Hadamard .*{why}"):
+        peft.get_peft_model(model, config())
+    assert type(getattr(model.encoder.layer[0].attention, target)) is torch.nn.Linear
+    assert _relative(_out(model, probe), before) == 0

@@ -12,7 +12,8 @@ import torch
 import normswap
 from normswap.errors import NormswapError
 from normswap.rotation import learn
-from normswap.rotation.rotate import _value_heads, rotate
+from normswap.rotation.heads import value_heads as _value_heads
+from normswap.rotation.rotate import rotate
 from tests.rotation.test_rotate_smooth import _dinov2_backbone, _patched_for_rotation, _relative, _run
 from tests.zoo import EXACT, build
 
