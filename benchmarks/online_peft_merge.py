@@ -22,6 +22,13 @@ on the original computes on the converted model) and the two base models against
 (``reference_base_1mcos``: the conversion's own float32 rounding, for scale). Targets that read an op shared
 after a norm (``q_proj`` / ``k_proj`` / ``v_proj`` on DINOv2) read the turned tensor before round 53.
 
+``--reference-native`` (round 54): load ``--reference`` with ``normswap.load`` (a native checkpoint converted
+*without* online ops, ``normswap convert DINOV2 --out DIR``), so that the comparison isolates the online ops from
+the conversion's own folds (the writers' rows, ``o_proj`` and ``fc2``, hold the centering and DINOv2's
+LayerScale, so an adapter there computes something else than on the original checkpoint whatever the ops do).
+Targets ``v_proj`` / ``o_proj`` hold the per-head Hadamard of the values, which adapters there ignored before
+round 54.
+
     python benchmarks/online_peft_merge.py --model dino-none --photos SKIMAGE/data --images 16 --json out.json
 """
 
@@ -57,6 +64,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--method", choices=("lora", "ia3", "loha", "lokr"), default="lora")
     ap.add_argument("--reference", type=Path, help="the same model without online ops (the original checkpoint)")
+    ap.add_argument("--reference-native", action="store_true",
+                    help="load --reference with normswap.load (a native conversion without online ops)")
     ap.add_argument("--label", default="")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
@@ -90,7 +99,8 @@ def main(argv: list[str] | None = None) -> dict:
 
         from transformers import AutoModel
 
-        ref_model = AutoModel.from_pretrained(args.reference, dtype=torch.float32).eval()
+        ref_model = (normswap.load(args.reference, dtype=torch.float32) if args.reference_native else
+                     AutoModel.from_pretrained(args.reference, dtype=torch.float32)).eval()
         with torch.no_grad():
             ref_base = ref_model(pixel_values=pixels).last_hidden_state
         ref_lora = peft.get_peft_model(ref_model, copy.deepcopy(config))
@@ -102,7 +112,8 @@ def main(argv: list[str] | None = None) -> dict:
             for n, p in values.items():
                 ref_params[n].copy_(p)
             ref_adapted = ref_lora(pixel_values=pixels).last_hidden_state
-        reference = {"reference": str(args.reference), "reference_1mcos": per_image(adapted, ref_adapted).tolist(),
+        reference = {"reference": str(args.reference), "reference_native": args.reference_native,
+                     "reference_1mcos": per_image(adapted, ref_adapted).tolist(),
                      "reference_base_1mcos": per_image(base, ref_base).tolist()}
         print(f"{args.label or 'run'}: adapter model vs the same adapter on the reference: 1 - cos mean "
               f"{statistics.mean(reference['reference_1mcos']):.3g} (max {max(reference['reference_1mcos']):.3g}); "

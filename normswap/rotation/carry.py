@@ -299,6 +299,39 @@ def _turn_branch(linear: nn.Module, turn: HeadTurn) -> None:
                                   else linear.register_forward_pre_hook(hook))
 
 
+class _Branch:
+    """On a turned LoRA layer's ``lora_B`` (value projection) or ``lora_A`` (output projection) dictionary: the
+    :class:`HeadTurn` and the layer (weakly; a deep copy's mark names the copy), so that an adapter added later
+    (``add_adapter``: a new entry) is turned as it is assigned, or refused where its variant cannot be."""
+
+    def __init__(self, turn: HeadTurn, layer: nn.Module) -> None:
+        self.turn, self.layer = turn, weakref.ref(layer)
+
+    def __deepcopy__(self, memo: dict) -> _Branch:
+        layer = self.layer()
+        return _Branch(HeadTurn(self.turn.head_dim, self.turn.side, self.turn.path), memo.get(id(layer), layer))
+
+    def __getstate__(self) -> dict:
+        return {"turn": self.turn, "layer": self.layer()}
+
+    def __setstate__(self, state: dict) -> None:
+        self.turn = state["turn"]
+        layer = state["layer"]
+        self.layer = weakref.ref(layer) if layer is not None else lambda: None
+
+
+def _branch_refusal(branch: _Branch, name: str, new: Any) -> str | None:
+    """Why a new entry ``name`` of a turned LoRA layer's branch dictionary cannot act in the original basis."""
+    layer = branch.layer()
+    if layer is not None and name in (getattr(layer, "lora_variant", None) or {}):
+        variant = type(layer.lora_variant[name]).__name__
+        return _refusal_line(layer, branch.turn, f"a LoRA variant ({variant}: DoRA's norm is taken per row of the "
+                                                 "turned weight)")
+    if branch.turn.side == "output" and getattr(new, "bias", None) is not None:
+        return _refusal_line(layer, branch.turn, "a LoRA with lora_bias (its merge adds lora_B's bias unturned)")
+    return None
+
+
 def _mark_heads(model: nn.Module) -> None:
     """Mark the value and output projections whose weights hold the per-head ``H̃`` of a rotation that turns
     no stream (the manifest's ``value_heads`` of a ``"none"`` rotation without a learned R2), with
@@ -362,9 +395,12 @@ def _head_refusal(layer: nn.Module, turn: HeadTurn) -> str | None:
             what = "IA3 scaling the turned values (a per-feature scale does not commute with the turn)"
     else:
         what = "this adapter type"
-    if what is None:
-        return None
-    parts = type(layer).__module__.split(".")
+    return None if what is None else _refusal_line(layer, turn, what)
+
+
+def _refusal_line(layer: nn.Module | None, turn: HeadTurn, what: str) -> str:
+    """The one line refusing an adapter on a Linear that holds the per-head ``H̃`` (``what``: why)."""
+    parts = type(layer).__module__.split(".") if layer is not None else []
     tuner = parts[2] if len(parts) > 2 and parts[:2] == ["peft", "tuners"] else type(layer).__module__
     return (f"a PEFT {tuner} adapter ({type(layer).__name__}) on `{turn.path}` is refused: that Linear's weight holds "
             f"the per-head Hadamard of the values (rotate(..., online=True)), and {what} cannot act there in the "
@@ -380,7 +416,7 @@ def _head_adapter(layer: nn.Module, turn: HeadTurn) -> None:
     names = _peft_classes(layer)
     if "LoraLayer" in names:
         branches = layer.lora_B if turn.side == "output" else layer.lora_A
-        branches.__dict__[HEADS] = turn
+        branches.__dict__[HEADS] = _Branch(turn, layer)
         for linear in branches.values():
             _turn_branch(linear, turn)
     elif "LycorisLayer" in names:
@@ -820,17 +856,16 @@ def _on_register(parent: nn.Module, name: str, new: Any) -> None:
     (:class:`normswap.errors.NormswapError`, one line, before anything changes: the only exception this raises).
     Costs a few dict lookups per assignment elsewhere."""
     turn = _head_turn_of(parent, name, new)
-    if turn is not None:
-        why = _head_refusal(new, turn)
-        if why is not None:
-            raise NormswapError(why)
+    branch = parent.__dict__.get(HEADS) if isinstance(parent, nn.ModuleDict) else None
+    why = _head_refusal(new, turn) if turn is not None else _branch_refusal(branch, name, new) if branch else None
+    if why is not None:
+        raise NormswapError(why)
     try:
         _on_register_ops(parent, name, new)
         if turn is not None:
             _head_adapter(new, turn)
-        branch = parent.__dict__.get(HEADS) if isinstance(parent, nn.ModuleDict) else None
         if branch is not None:  # an adapter added later to a turned LoRA layer (its lora_B / lora_A entry)
-            _turn_branch(new, branch)
+            _turn_branch(new, branch.turn)
     except Exception:  # noqa: BLE001 - a hook inside every module assignment must never break one
         return None
     return None

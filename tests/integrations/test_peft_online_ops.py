@@ -387,3 +387,18 @@ def test_an_adapter_that_cannot_act_in_the_original_basis_on_the_turned_heads_is
         peft.get_peft_model(model, config())
     assert type(getattr(model.encoder.layer[0].attention, target)) is torch.nn.Linear
     assert _relative(_out(model, probe), before) == 0
+
+
+@pytest.mark.parametrize("extra", [{"use_dora": True}, {"lora_bias": True}])
+def test_an_adapter_added_later_that_cannot_act_in_the_original_basis_is_refused_as_it_is_assigned(extra):
+    """``add_adapter`` on a LoRA layer already wrapping the value projection creates no new layer: the refusal
+    comes as its branch Linear is assigned (DoRA: its variant is set before; a bias on ``lora_B``)."""
+    from normswap.errors import NormswapError
+
+    model, probe = _online_dinov2()
+    ada = _adapter(model, _head_configs()["lora-v"]())
+    ref = _out(ada, probe)
+    line = r"^a PEFT lora adapter \(Linear\) on `encoder\.layer\.0\.attention\.v_proj` is refused"
+    with pytest.raises(NormswapError, match=line):
+        ada.add_adapter("two", peft.LoraConfig(r=4, target_modules=["v_proj"], **extra))
+    assert _relative(_out(ada, probe), ref) == 0
