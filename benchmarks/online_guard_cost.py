@@ -31,6 +31,11 @@ online op with the ones recorded (one tuple of ``dict.get`` and an identity comp
   reads, median over ``--rounds``), and the decode step with the watched dictionaries against the same model
   with plain ones put back (ABBA rounds as for the guard).
 
+* ``slots`` (round 54): since round 54 the guard also compares, at every call, the slot holding each watched
+  dictionary (the owner's ``__dict__["_modules"]``), so a ``_modules`` replaced whole is refused at the next call.
+  ``--slots-only`` times the guard alone and with the dispatch against round 53's (the same guard without those
+  entries, :func:`without_slots`), alternated as above, and nothing else.
+
 Random weights (the guard's cost depends on the module tree, not the values), float32, one thread.
 
     OMP_NUM_THREADS=1 python benchmarks/online_guard_cost.py --json docs/results/online_guard_cost.json
@@ -76,6 +81,33 @@ def module_edges_only(guard: Callable) -> Callable:
     old = copy.copy(guard)
     old._set([(*e[:5], True) for e in guard.entries if e[0] is e[3].__dict__["_modules"]])
     return old
+
+
+def without_slots(guard: Callable) -> Callable:
+    """A copy of ``guard`` without the round-54 slot entries (``owner.__dict__["_modules"]``): round 53's guard."""
+    import copy
+
+    from normswap.rotation.carry import OWNED
+
+    old = copy.copy(guard)
+    old._set([e for e in guard.entries if e[1] != OWNED])
+    return old
+
+
+def paired(new: Callable, old: Callable, model: torch.nn.Module, rounds: int, calls: int, reps: int) -> dict:
+    """The guard ``new`` against ``old``, alone and with the dispatch, alternated (old, new, new, old) per round."""
+    out: dict = {"alone_us": [], "alone_us_old": [], "alone_ratio": [], "dispatch_us": [], "dispatch_us_old": [],
+                 "dispatch_ratio": []}
+    for _ in range(rounds):
+        a = [alone_us(old, model, calls), alone_us(new, model, calls), alone_us(new, model, calls),
+             alone_us(old, model, calls)]
+        out["alone_us"].append((a[1] + a[2]) / 2), out["alone_us_old"].append((a[0] + a[3]) / 2)
+        out["alone_ratio"].append(out["alone_us"][-1] / out["alone_us_old"][-1])
+        d = [dispatch_us(old, calls, reps), dispatch_us(new, calls, reps), dispatch_us(new, calls, reps),
+             dispatch_us(old, calls, reps)]
+        out["dispatch_us"].append((d[1] + d[2]) / 2), out["dispatch_us_old"].append((d[0] + d[3]) / 2)
+        out["dispatch_ratio"].append((d[1] + d[2]) / (d[0] + d[3]))
+    return out
 
 
 def alone_us(guard: Callable, model: torch.nn.Module, calls: int) -> float:
@@ -199,6 +231,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--reps", type=int, default=5, help="runs of steps per timing; a timing is the fastest")
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--calls", type=int, default=20000, help="guard calls per timing of the guard alone")
+    ap.add_argument("--slots-only", action="store_true", help="round 54's guard against round 53's, nothing else")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
@@ -207,6 +240,18 @@ def main(argv: list[str] | None = None) -> dict:
     for size in args.sizes:
         model = online_gpt2(size)
         key, guard = guard_of(model)
+        if args.slots_only:
+            r53 = without_slots(guard)
+            row = {"entries": len(guard.modules), "entries_r53": len(r53.modules),
+                   **paired(guard, r53, model, args.rounds, args.calls, args.reps)}
+            out["sizes"][size] = row
+            med = statistics.median
+            print(f"{size}: {row['entries']} checked entries (round 53: {row['entries_r53']}); guard alone "
+                  f"{med(row['alone_us']):.2f} us/call (round 53's {med(row['alone_us_old']):.2f}, ratio "
+                  f"{med(row['alone_ratio']):.3f}, range {min(row['alone_ratio']):.3f}-{max(row['alone_ratio']):.3f});"
+                  f" with dispatch {med(row['dispatch_us']):.2f} (round 53's {med(row['dispatch_us_old']):.2f}, "
+                  f"ratio {med(row['dispatch_ratio']):.3f})")
+            continue
         r51 = module_edges_only(guard)
         alone, alone51, alone_ratio, dispatch, dispatch51, dispatch_ratio = [], [], [], [], [], []
         for _ in range(args.rounds):  # round 51, round 52, round 52, round 51

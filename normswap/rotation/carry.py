@@ -627,6 +627,7 @@ class _StoredValues:
 
 # ------------------------------------------------------------------------------ the guard at every call
 _WATCHERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module with a plain _modules -> its guards
+OWNED = "_modules"  # an OpsGuard entry (owner.__dict__, OWNED, its WatchedModules, ...): the slot itself
 
 
 class WatchedModules(dict):
@@ -714,9 +715,15 @@ class OpsGuard:
                 state.get("dicts", ()), state.get("names", ()), state.get("modules", ()), state.get("owners", ()),
                 strict=False)]
             self.dirty = False
+        # an owner's `_modules` slot (since round 54): read from the owner's own __dict__ (a copy's module was
+        # given a new one; the state's copy of the old one is another dict)
+        self._set([(e[3].__dict__, *e[1:]) if e[1] == OWNED else e for e in self.entries])
+        owned = {id(e[3]) for e in self.entries if e[1] == OWNED}
         for entry in self.entries:
             if isinstance(entry[0], WatchedModules):  # an edge above an op (since round 53)
                 entry[0].guards.add(self)
+                if id(entry[3]) not in owned:  # pickled in round 53: its owners' slots are not checked yet
+                    self.dirty = True
             elif entry[0] is entry[3].__dict__.get("_modules"):
                 _WATCHERS.setdefault(entry[3], weakref.WeakSet()).add(self)
                 if not entry[5]:  # pickled before round 53: its edges above the ops are plain dicts
@@ -759,6 +766,11 @@ class OpsGuard:
                     entries = [(watched, *e[1:]) if e[0] is d else e for e in entries]
                     where = {(id(e[0]), e[1]): i for i, e in enumerate(entries)}
                     d = watched
+            if not last and (id(owner.__dict__), OWNED) not in where and type(d) is WatchedModules:
+                # the slot holding the watched dict, checked at every call: a `_modules` replaced whole
+                # (`layer._modules = {...}`, `del layer_list[0]`) with other entries runs the full check
+                where[(id(owner.__dict__), OWNED)] = len(entries)
+                entries.append((owner.__dict__, OWNED, d, owner, at, True))
             child = d[part]
             at = f"{at}.{part}" if at else part
             i = where.get((id(d), part))

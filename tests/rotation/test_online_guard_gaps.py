@@ -270,3 +270,62 @@ def test_a_module_above_the_op_written_into_modules_is_refused_at_save_and_by_th
     assert not (tmp_path / "out").exists()
     with pytest.raises(NormswapError, match=r"^`encoder\.layer\.1\.mlp\.fc1` \(Linear\) has lost"):
         _run(model, probe)  # armed by the check: the fresh fc1 refuses its own calls
+
+
+# ------------------------------------------------------------------ round 54: a `_modules` dictionary replaced whole
+def _replace_modules_dict(model, how):
+    """A module's whole ``_modules`` replaced above an op (no torch hook, and not a write into the watched
+    dictionary): returns the path of the first op the new dictionary dropped, or None where it drops none."""
+    layer = model.encoder.layer[1]
+    fresh_mlp = type(layer.mlp)(model.config).double()
+    if how == "layer-dict":
+        layer._modules = {**layer._modules, "mlp": fresh_mlp}
+        return "encoder.layer.1.mlp.fc1"
+    if how == "model-dict":  # the top: the encoder replaced by one whose layers hold no op
+        encoder = type(model.encoder)(model.config).double()
+        model._modules = {**model._modules, "encoder": encoder}
+        return "encoder.layer.0.mlp.fc1"
+    if how == "copied-then-written":  # the new dictionary drops nothing; a write into it afterwards does
+        layer._modules = dict(layer._modules)
+        layer._modules["mlp"] = fresh_mlp
+        return "encoder.layer.1.mlp.fc1"
+    raise AssertionError(how)
+
+
+@pytest.mark.parametrize("how", ["layer-dict", "model-dict", "copied-then-written"])
+def test_a_modules_dictionary_replaced_whole_above_an_op_is_refused_at_the_next_call(how):
+    """``layer._modules = {...}`` replaces the watched dictionary itself: before round 54 the guard kept watching
+    the old one, so the model ran with wrong outputs until something else ran the full check. Since round 54 the
+    slot holding each watched dictionary is compared at every call: refused at the next call, one line."""
+    model, probe, ref = _online_model()
+    _run(model, probe)
+    path = _replace_modules_dict(model, how)
+    with pytest.raises(NormswapError, match=rf"^`{path.replace('.', chr(92) + '.')}` \(Linear\) has lost its online"):
+        _run(model, probe)
+
+
+def test_deleting_a_layer_rebuilds_the_lists_dictionary_which_is_watched_again():
+    """``del model.encoder.layer[0]`` rebuilds the list's ``_modules`` (a new dictionary, the layers renumbered):
+    the next call runs the full check, which passes (each remaining layer keeps its ops), and watches the new
+    dictionary, so a later write into it that drops an op is refused (before round 54 it ran)."""
+    model, probe, ref = _online_model()
+    _run(model, probe)
+    del model.encoder.layer[0]
+    _run(model, probe)
+    assert type(model.encoder.layer.__dict__["_modules"]) is carry.WatchedModules
+    model.encoder.layer._modules["0"] = type(model.encoder.layer[0])(model.config).double()
+    with pytest.raises(NormswapError, match=r"^`encoder\.layer\.0\.mlp\.fc1` \(Linear\) has lost its online"):
+        _run(model, probe)
+
+
+def test_a_replaced_dictionary_in_a_deep_copy_is_refused_in_the_copy_and_the_original_runs():
+    """The guard's slot entries name the copy's own modules' ``__dict__`` after ``copy.deepcopy``."""
+    import copy
+
+    model, probe, ref = _online_model()
+    _run(model, probe)
+    twin = copy.deepcopy(model)
+    _replace_modules_dict(twin, "layer-dict")
+    with pytest.raises(NormswapError, match="has lost its online Hadamard"):
+        _run(twin, probe)
+    assert _relative(_run(model, probe), ref) <= 1e-9
