@@ -28,7 +28,10 @@ What this module does about it:
   (:func:`turned_delta`, installed by torch's global module-registration hook as PEFT assigns its layer), so
   ``merge_and_unload`` keeps the model exact; DoRA is refused at merge. An adapter layer assigned in place of a
   reader of an op shared after a norm first moves that op onto each of the norm's readers
-  (:func:`split_shared_op`), so the adapter reads the input before the op there too.
+  (:func:`split_shared_op`), so the adapter reads the input before the op there too. An adapter layer on a value
+  or attention output projection that holds the per-head ``H̃`` of the values (:class:`HeadTurn`, no op) is
+  turned to act in the original basis (LoRA's branch, LoHa's / LoKr's update, the merge), or refused as it is
+  attached.
 
 Ops after a norm (``OnlineHadamardOutput``, a forward hook on the norm) are carried and checked the same way;
 engines do not swap norms, so in practice they stay where they are. The op itself (its math) is
