@@ -379,9 +379,11 @@ def _peft_classes(layer: nn.Module) -> set[str]:
 def _head_refusal(layer: nn.Module, turn: HeadTurn) -> str | None:
     """Why the adapter layer ``layer`` (wrapping a Linear marked with ``turn``) cannot act in the original
     model's basis there (one line), or None where it can (LoRA without a variant or, on the value projection,
-    a bias; LoHa; LoKr; IA3 scaling the output projection's output)."""
+    a bias; LoHa; LoKr; IA3 scaling the output projection's output; a wrapper that is not PEFT's)."""
     names = _peft_classes(layer)
     what = None
+    if not names:  # not PEFT's: a wrapper normswap knows nothing of is left alone (as before round 54)
+        return None
     if "AdaLoraLayer" in names:
         what = "AdaLoRA (its forward reads its matrices, not its branch Linears)"
     elif "LoraLayer" in names:

@@ -402,3 +402,25 @@ def test_an_adapter_added_later_that_cannot_act_in_the_original_basis_is_refused
     with pytest.raises(NormswapError, match=line):
         ada.add_adapter("two", peft.LoraConfig(r=4, target_modules=["v_proj"], **extra))
     assert _relative(_out(ada, probe), ref) == 0
+
+
+def test_a_wrapper_that_is_not_peft_on_the_turned_heads_is_left_alone():
+    """Only PEFT's adapter layers are turned or refused: another module that keeps the Linear as ``base_layer``
+    (and calls it) is assigned as before and the model computes what it did."""
+
+    class Wrapper(torch.nn.Module):
+        def __init__(self, base):
+            super().__init__()
+            self.base_layer = base
+
+        def merge(self):
+            """A ``merge`` like PEFT's layers have: the registration hook looks at that too."""
+
+        def forward(self, x):
+            return self.base_layer(x)
+
+    model, probe = _online_dinov2()
+    before = _out(model, probe)
+    attention = model.encoder.layer[0].attention
+    attention.v_proj = Wrapper(attention.v_proj)
+    assert _relative(_out(model, probe), before) <= 1e-12
