@@ -329,3 +329,16 @@ def test_a_replaced_dictionary_in_a_deep_copy_is_refused_in_the_copy_and_the_ori
     with pytest.raises(NormswapError, match="has lost its online Hadamard"):
         _run(twin, probe)
     assert _relative(_run(model, probe), ref) <= 1e-9
+
+
+def test_a_replaced_dictionary_in_an_unpickled_model_is_refused():
+    """Pickled and loaded, the guard's slot entries read the loaded modules' own ``__dict__``."""
+    import pickle
+
+    model, probe, ref = _online_model()
+    _run(model, probe)
+    loaded = pickle.loads(pickle.dumps(model))
+    assert _relative(_run(loaded, probe), ref) <= 1e-9
+    _replace_modules_dict(loaded, "layer-dict")
+    with pytest.raises(NormswapError, match=r"^`encoder\.layer\.1\.mlp\.fc1` \(Linear\) has lost its online"):
+        _run(loaded, probe)
