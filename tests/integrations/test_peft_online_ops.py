@@ -424,3 +424,17 @@ def test_a_wrapper_that_is_not_peft_on_the_turned_heads_is_left_alone():
     attention = model.encoder.layer[0].attention
     attention.v_proj = Wrapper(attention.v_proj)
     assert _relative(_out(model, probe), before) <= 1e-12
+
+
+def test_torch_compile_fullgraph_runs_a_lora_on_the_turned_heads_and_its_merge():
+    """The branch hooks (``lora_B``'s output, ``lora_A``'s input turned per head) trace with ``fullgraph=True``, with
+    no eager call between wrapping and compiling; the merged model too."""
+    torch._dynamo.reset()
+    config = _head_configs()["lora-qvo-fc1"]
+    model, probe = _online_dinov2()
+    ref = _out(_adapter(_without_ops(), config()), probe)
+    ada = _adapter(model, config())
+    assert _relative(_out(torch.compile(ada, fullgraph=True, backend="eager"), probe), ref) <= 1e-9
+    merged = ada.merge_and_unload()
+    assert _relative(_out(torch.compile(merged, fullgraph=True, backend="eager"), probe), ref) <= 1e-9
+    torch._dynamo.reset()
