@@ -742,6 +742,12 @@ def save(
             f"normswap.save writes a transformers model, not a {type(model).__name__}: save it with its own "
             f"{type(model).__name__}.save(dir) (the converted transformers model inside writes a native "
             "normswap checkpoint; load it back after `import normswap`)")
+    peft = wrappers.peft_part(model)
+    if peft is not None:  # PEFT's save_pretrained writes the adapters alone: no config.json, no base weights
+        raise NormswapError(
+            f"normswap.save writes a whole model, and {peft}: merge the adapters first (model = "
+            "model.merge_and_unload()) and save the merged model, or save the adapters alone with PEFT's "
+            "model.save_pretrained(dir) (they load onto the converted base model after `import normswap`)")
     if not is_transformers_model(model):
         if format != "native":
             raise NormswapError(
