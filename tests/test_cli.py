@@ -205,6 +205,18 @@ def test_verify_exact_approximate_and_tampered(tmp_path):
     assert code == 4 and "misses tolerance" in out
 
 
+def test_verify_with_its_arguments_swapped_says_so(tmp_path):
+    """Fails without the check: ``verify CONVERTED ORIGINAL`` said only that ORIGINAL "is not a normswap
+    checkpoint", which reads as if the conversion were broken."""
+    presets.save("tiny-gpt2", tmp_path / "orig")
+    normswap.convert(tmp_path / "orig", tmp_path / "rms")
+    code, _, err, _ = run("verify", str(tmp_path / "rms"), str(tmp_path / "orig"))
+    assert_one_line_error(code, err, 1, "is the normswap checkpoint", "the order is ORIGINAL CONVERTED",
+                          f"normswap verify {tmp_path / 'orig'} {tmp_path / 'rms'}")
+    code, _, err, _ = run("verify", "tiny-gpt2", str(tmp_path / "orig"))  # neither is: as before
+    assert_one_line_error(code, err, 1, "is not a normswap checkpoint")
+
+
 # ------------------------------------------------------------------------------------ bad input
 def test_missing_path(tmp_path):
     code, _, err, secs = run("convert", "./no/such/model", "--out", str(tmp_path / "o"))
