@@ -90,8 +90,9 @@ def test_rotation_needs_folded_gamma_and_the_plan_says_so():
     report = normswap.patch(model)  # fold_gamma=False: γ stays in the norms
     assert all("fold_gamma=True" in sp.rotation_reason for sp in report.plan.sites)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(normswap.NormswapError, match=r"without fold_gamma.*patch\(model, fold_gamma=True\)"):
+    with pytest.raises(normswap.NormswapError, match=r"without fold_gamma.*patch\(model, fold_gamma=True\)") as exc:
         rotate(model, 0)  # refused, not "0 streams rotated"
+    assert "0 other stream" not in str(exc.value)  # one stream (GPT-2's): its norm alone is named
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # and nothing turned
     assert not report.plan.rotations
 
