@@ -753,6 +753,20 @@ def test_usage_errors_exit_2(tmp_path):
     assert listing(tmp_path) == ["corpus.txt"]
 
 
+def test_convert_with_the_output_as_a_second_argument_names_the_option(tmp_path):
+    """Fails without the hint: ``normswap convert MODEL OUT`` (as ``cp`` takes it) got click's bare
+    "Missing option '--out'"; now the message gives the command to type. Nothing is written."""
+    out = str(tmp_path / "rms")
+    for args in (["tiny-gpt2", out], ["tiny-gpt2", "--format", "compat", out],
+                 ["--format", "compat", "tiny-gpt2", out]):
+        code, _, err, _ = run("convert", *args)
+        assert code == 2, err
+        assert f"not a second argument: normswap convert tiny-gpt2 --out {out}" in err, err
+    code, _, err, _ = run("convert", "tiny-gpt2", "--format", "compat")  # no second argument: click's own line
+    assert code == 2 and "Missing option '--out'." in err, err
+    assert listing(tmp_path) == []
+
+
 def test_options_that_would_do_nothing_are_refused_in_python_too():
     from normswap.options import ConvertOptions
 
