@@ -7,6 +7,7 @@ import torch
 
 import normswap
 from normswap.analysis.plan import Plan
+from normswap.cli.common import cli_words
 from normswap.inputs import hf_example_inputs
 from normswap.pipeline import default_dtype
 from normswap.rotation.rotate import random_orthogonal, rotate, rotation_matrix, streams
@@ -324,6 +325,10 @@ def test_stream_centered_at_run_time_rotates_through_one_op_that_saves_and_loads
     with torch.no_grad():
         again = loaded(**probe).logits
     assert float((again - ref).abs().max() / ref.abs().max()) <= 1e-9
-    with pytest.raises(normswap.NormswapError, match="compat format cannot hold the rotation op"):
+    with pytest.raises(normswap.NormswapError, match="compat format cannot hold the rotation op") as exc:
         normswap.checkpoint.save(model, tmp_path / "compat", format="compat")
     assert not (tmp_path / "compat").exists()
+    # the way out is one the caller has (no API or option rotates "without that stream"), and the
+    # command line names it as its option
+    assert str(exc.value).endswith("write it with format='native'")
+    assert cli_words(str(exc.value)).endswith("write it with --format native")
