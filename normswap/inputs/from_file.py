@@ -271,6 +271,11 @@ def _encode(proc: Any, samples: dict[str, Any], what: str, text_limit: int | Non
                 wave_, rate = _resampled(wave_, rate, getattr(part, "sampling_rate", None))
                 out = part(wave_.numpy(), sampling_rate=rate, return_tensors="pt")
         else:
+            has = [kind for kind, (attr, _) in _PARTS.items() if getattr(proc, attr, None) is not None]
+            if any(kind not in has for kind in samples):  # a feature extractor alone would fail on `text=`
+                takes = f"takes {' and '.join(has)} samples" if has else "takes one kind of sample"
+                raise UsageError(f"{what}: the model's processor ({type(proc).__name__}) {takes}, not "
+                                 f"{' and '.join(samples)} together; pass only the samples it takes")
             args: dict[str, Any] = {}
             if "text" in samples:
                 args["text"] = samples["text"]

@@ -195,3 +195,15 @@ def test_a_processor_that_makes_empty_tensors_is_refused_by_name():
 
     with pytest.raises(UsageError, match="made an empty attention_mask, input_ids of it"):
         from_file._encode(Empty(), {"text": "some words"}, "--sample p.txt")
+
+
+def test_samples_of_two_kinds_for_a_processor_of_one_part_say_so(tmp_path):
+    """Fails without the check: a text and an audio sample for Whisper's feature extractor alone went
+    through it together and came back as "could not encode it (TypeError: ... missing ... 'raw_speech')"."""
+    clip = _wav(tmp_path / "clip.wav")
+    text = tmp_path / "prompt.txt"
+    text.write_text("The river rose after three days of rain.")
+    model, proc = presets.build("tiny-whisper")
+    with pytest.raises(UsageError, match=r"\(WhisperFeatureExtractor\) takes one kind of sample, not audio and "
+                                         r"text together; pass only the samples it takes"):
+        from_file.from_samples([clip, text])(model, proc)
