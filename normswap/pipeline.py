@@ -125,12 +125,11 @@ def preflight(model: nn.Module) -> None:
             raise NormswapError(
                 f"parameter `{name}` is on the meta device (no data); load real weights first "
                 "(e.g. from_pretrained without device_map='meta' or init_empty_weights)")
-    for name, module in model.named_modules():
-        if hasattr(module, "peft_config") or hasattr(module, "lora_A"):  # PeftModel / a LoRA layer
-            where = f"module `{name}` is a PEFT adapter layer" if name else f"{type(model).__name__} is a PEFT model"
-            raise NormswapError(
-                f"{where} ({type(module).__name__}); merge the adapters first (model = model.merge_and_unload()) "
-                "and convert the merged model, or convert the base model before adding adapters")
+    peft = wrappers.peft_part(model)
+    if peft is not None:
+        raise NormswapError(
+            f"{peft}; merge the adapters first (model = model.merge_and_unload()) "
+            "and convert the merged model, or convert the base model before adding adapters")
     quantized = quantized_weight(model)
     if quantized is not None:
         raise NormswapError(f"{quantized}; convert the full-precision model, then quantize the result")

@@ -205,6 +205,18 @@ def test_verify_exact_approximate_and_tampered(tmp_path):
     assert code == 4 and "misses tolerance" in out
 
 
+def test_verify_with_its_arguments_swapped_says_so(tmp_path):
+    """Fails without the check: ``verify CONVERTED ORIGINAL`` said only that ORIGINAL "is not a normswap
+    checkpoint", which reads as if the conversion were broken."""
+    presets.save("tiny-gpt2", tmp_path / "orig")
+    normswap.convert(tmp_path / "orig", tmp_path / "rms")
+    code, _, err, _ = run("verify", str(tmp_path / "rms"), str(tmp_path / "orig"))
+    assert_one_line_error(code, err, 1, "is the normswap checkpoint", "the order is ORIGINAL CONVERTED",
+                          f"normswap verify {tmp_path / 'orig'} {tmp_path / 'rms'}")
+    code, _, err, _ = run("verify", "tiny-gpt2", str(tmp_path / "orig"))  # neither is: as before
+    assert_one_line_error(code, err, 1, "is not a normswap checkpoint")
+
+
 # ------------------------------------------------------------------------------------ bad input
 def test_missing_path(tmp_path):
     code, _, err, secs = run("convert", "./no/such/model", "--out", str(tmp_path / "o"))
@@ -739,6 +751,20 @@ def test_usage_errors_exit_2(tmp_path):
         assert_one_line_error(code, err, 2, *fragments)
         assert "must be a string, got None" not in err and secs < 10, (args, secs)
     assert listing(tmp_path) == ["corpus.txt"]
+
+
+def test_convert_with_the_output_as_a_second_argument_names_the_option(tmp_path):
+    """Fails without the hint: ``normswap convert MODEL OUT`` (as ``cp`` takes it) got click's bare
+    "Missing option '--out'"; now the message gives the command to type. Nothing is written."""
+    out = str(tmp_path / "rms")
+    for args in (["tiny-gpt2", out], ["tiny-gpt2", "--format", "compat", out],
+                 ["--format", "compat", "tiny-gpt2", out]):
+        code, _, err, _ = run("convert", *args)
+        assert code == 2, err
+        assert f"not a second argument: normswap convert tiny-gpt2 --out {out}" in err, err
+    code, _, err, _ = run("convert", "tiny-gpt2", "--format", "compat")  # no second argument: click's own line
+    assert code == 2 and "Missing option '--out'." in err, err
+    assert listing(tmp_path) == []
 
 
 def test_options_that_would_do_nothing_are_refused_in_python_too():

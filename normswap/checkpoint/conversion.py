@@ -570,6 +570,11 @@ def convert(
         VerificationFailed: an exact conversion missed tolerance (``exit_code`` 4).
     """
     say = echo or (lambda msg: log.info(msg))
+    if not isinstance(model_id_or_path, (str, os.PathLike)):
+        how = ("; for a model in memory: normswap.patch(model), then normswap.save(model, out_dir)"
+               if isinstance(model_id_or_path, nn.Module) else "")
+        raise NormswapError(f"convert takes a Hub id, a local directory or a preset name, not a "
+                            f"{type(model_id_or_path).__name__}{how}")
     if allow_new_head and task is None:
         raise NormswapError("allow_new_head=True adds a task head: name it, e.g. task='sequence-classification'")
     opts = check_options(ConvertOptions.build(options, **keywords), fmt=format, dtype=dtype,

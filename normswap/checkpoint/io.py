@@ -50,6 +50,8 @@ def check_destination(out: str | os.PathLike, *, overwrite: bool, source: Path |
     a parent of the working directory, a file, or a place we cannot write (a read-only filesystem
     is named as such; any other place is probed by creating and removing a directory there, the one
     thing this leaves no trace of)."""
+    if not isinstance(out, (str, os.PathLike)):
+        raise NormswapError(f"out_dir must be a directory path (a str or os.PathLike), not {type(out).__name__}")
     if not os.fspath(out).strip():  # Path("") is ".": an unset shell variable must not mean "here"
         raise NormswapError("out_dir is empty; give the directory to write to (`.` for the current one)")
     out = Path(out).expanduser()

@@ -24,6 +24,23 @@ def read_config(path: Path) -> dict[str, Any]:
         raise NormswapError(f"{cfg_path} is not valid JSON ({exc}); the file is corrupted") from exc
 
 
+def is_normswap_dir(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a directory normswap wrote: a converted transformers checkpoint (a manifest in
+    its ``config.json``, or a ``normswap_*`` model type) or a custom module saved by ``normswap.save``.
+    Reads one small file; a missing or unreadable one is ``False``."""
+    path = Path(path).expanduser()
+    if not path.is_dir():
+        return False
+    if module_io.is_module_dir(path):
+        return True
+    try:
+        cfg = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(cfg, dict) and (isinstance(cfg.get(hf.MANIFEST_KEY), dict)
+                                      or hf.base_type(str(cfg.get("model_type", ""))) is not None)
+
+
 def model_class(cfg: dict[str, Any], task: str | type | None = None) -> type:
     """The class to instantiate for a normswap checkpoint's ``config.json`` content.
 

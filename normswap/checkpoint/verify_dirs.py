@@ -11,7 +11,7 @@ import torch
 from normswap import inputs, memory
 from normswap.analysis.plan import Plan, plan_of
 from normswap.checkpoint import source
-from normswap.checkpoint.reader import load
+from normswap.checkpoint.reader import is_normswap_dir, load
 from normswap.errors import NormswapError, first_line
 from normswap.inputs import towers
 from normswap.inputs.probe import HELD_OUT_SEED, held_out_like, special_ids
@@ -64,7 +64,7 @@ def verify_checkpoint(
     and ``--sample``), then the same redrawn from a seed the conversion did not use
     (:func:`normswap.inputs.probe.held_out_like`).
     """
-    conv_path, conv, plan = _load_converted(converted, data, trust_remote_code)
+    conv_path, conv, plan = _load_converted(converted, data, trust_remote_code, original=original)
     dtype = next((p.dtype for p in conv.parameters() if p.is_floating_point()), torch.float32)
     src, source_match = _resolve_original(original, converted, conv, allow_pickle=allow_pickle,
                                           trust_remote_code=trust_remote_code, force=force)
@@ -123,14 +123,21 @@ def verify_checkpoint(
     }
 
 
-def _load_converted(converted: str | os.PathLike, data: Any, trust_remote_code: bool) -> tuple[Path, Any, Plan]:
+def _load_converted(converted: str | os.PathLike, data: Any, trust_remote_code: bool,
+                    original: str | os.PathLike | None = None) -> tuple[Path, Any, Plan]:
     """CONVERTED, loaded, and the plan its manifest carries; ``data`` is checked first (a bad file fails
-    before any model loads)."""
+    before any model loads). Arguments given the wrong way round (ORIGINAL a normswap checkpoint,
+    CONVERTED not) are named as such, not as "not a normswap checkpoint"."""
     from normswap.checkpoint.conversion import check_text_file
 
     conv_path = Path(converted).expanduser()
     if not conv_path.exists():
         raise NormswapError(f"{converted} does not exist")
+    if (original is not None and conv_path.is_dir() and not is_normswap_dir(conv_path)
+            and is_normswap_dir(original)):
+        raise NormswapError(
+            f"{original} is the normswap checkpoint and {converted} is not: the order is ORIGINAL CONVERTED "
+            f"(normswap verify {converted} {original})")
     if data is not None:
         check_text_file(data, "--data")
     conv = load(conv_path, trust_remote_code=True) if trust_remote_code else load(conv_path)

@@ -372,12 +372,12 @@ def _check_rotations(plan: Plan) -> None:
                 "op the stock architecture lacks): use the native format, or rotate with output='rotated'")
         if r.get("online") or r.get("online_outputs"):
             where = f"before `{r['online'][0]}`" if r.get("online") else f"after `{r['online_outputs'][0]['norm']}`"
-            raise NormswapError(f"compat format cannot hold the online Hadamard {where}: use the native format")
+            raise NormswapError(f"compat format cannot hold the online Hadamard {where}: write it with format='native'")
         if r.get("ops"):
             raise NormswapError(
                 f"compat format cannot hold the rotation op at `{r['ops'][0]['module']}` (the stream of "
-                f"`{r['norms'][0]}` starts at a value no weight can turn, so its Q is an op): use the native "
-                "format, or rotate without that stream")
+                f"`{r['norms'][0]}` starts at a value no weight can turn, so its Q is an op the stock architecture "
+                "lacks): write it with format='native'")
         if not r.get("mean_preserving", True):
             raise NormswapError(
                 f"compat format needs a mean-preserving rotation (Q·1 = 1) so that the stock LayerNorms still "
@@ -742,6 +742,12 @@ def save(
             f"normswap.save writes a transformers model, not a {type(model).__name__}: save it with its own "
             f"{type(model).__name__}.save(dir) (the converted transformers model inside writes a native "
             "normswap checkpoint; load it back after `import normswap`)")
+    peft = wrappers.peft_part(model)
+    if peft is not None:  # PEFT's save_pretrained writes the adapters alone: no config.json, no base weights
+        raise NormswapError(
+            f"normswap.save writes a whole model, and {peft}: merge the adapters first (model = "
+            "model.merge_and_unload()) and save the merged model, or save the adapters alone with PEFT's "
+            "model.save_pretrained(dir) (they load onto the converted base model after `import normswap`)")
     if not is_transformers_model(model):
         if format != "native":
             raise NormswapError(

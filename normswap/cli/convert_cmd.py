@@ -187,7 +187,29 @@ Presets (offline, seeded tiny models with tokenizers/processors):
 {EXIT_CODES}"""
 
 
-@main.command("convert", epilog=CONVERT_EPILOG)
+class _ConvertCommand(click.Command):
+    """``convert``, whose missing ``--out`` names the fix when the output was given as a second argument
+    (``normswap convert gpt2 gpt2-rms``, as ``cp`` takes it): click alone says "Missing option '--out'"."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        given = list(args)
+        try:
+            return super().parse_args(ctx, args)
+        except click.MissingParameter as exc:
+            if exc.param is None or exc.param.name != "out":
+                raise
+            valued = {o for p in self.params if isinstance(p, click.Option) and not p.is_flag and p.nargs == 1
+                      for o in p.opts}
+            positional = [a for i, a in enumerate(given)
+                          if not a.startswith("-") and not (i and given[i - 1] in valued)]
+            if len(positional) != 2:
+                raise
+            raise click.UsageError(
+                f"Missing option '--out': the output directory is an option, not a second argument: "
+                f"normswap convert {positional[0]} --out {positional[1]}", ctx) from None
+
+
+@main.command("convert", cls=_ConvertCommand, epilog=CONVERT_EPILOG)
 @click.argument("model")
 @click.option("--out", "out", required=True, type=click.Path(file_okay=False), callback=_out_dir,
               help="Output directory.")

@@ -79,7 +79,7 @@ def special_ids(config: Any) -> set[int]:
     return out
 
 
-def _max_positions(cfg_: Any) -> int | None:
+def max_positions(cfg_: Any) -> int | None:
     """The longest sequence the text side takes, or None. Negative or zero (XLNet: -1, "no limit") is none."""
     val = cfg(cfg_, "max_position_embeddings", "n_positions", "max_target_positions", "n_ctx")
     return int(val) if isinstance(val, int) and not isinstance(val, bool) and val > 2 else None
@@ -89,7 +89,7 @@ def text_ids(cfg_: Any, batch: int, length: int, gen: torch.Generator, avoid: se
     """Random token ids over the vocabulary, none of them a special id (pad, bos, eos, image...): no
     masking or media merging kicks in where the ids are plain text."""
     vocab = int(cfg(cfg_, "vocab_size", default=100))
-    max_pos = _max_positions(cfg_)
+    max_pos = max_positions(cfg_)
     length = max(1, min(length, max_pos - 2)) if max_pos else length
     low = min(3, vocab - 1)
     ids = torch.randint(low, vocab, (batch, length), generator=gen)

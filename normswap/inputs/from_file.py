@@ -138,7 +138,7 @@ def from_samples(paths: Sequence[str | os.PathLike], option: str = "--sample") -
         if proc is None:
             raise UsageError(f"{what}: no processor or tokenizer was found for {type(model).__name__} (none in "
                              "the model's directory); pass --example-inputs FILE.safetensors instead")
-        encoded = _encode(proc, {k: v for k, (_, v) in samples.items()}, what)
+        encoded = _encode(proc, {k: v for k, (_, v) in samples.items()}, what, _text_limit(model, proc))
         return no_cache(model, to_model(model, _fit_forward(model, encoded, what)))
 
     return build
@@ -219,11 +219,17 @@ def load_processor_for(model: nn.Module) -> Any | None:
         return None
     import transformers
 
+    from normswap.inputs import has_vocabulary
+
     for cls in ("AutoProcessor", "AutoTokenizer", "AutoImageProcessor", "AutoFeatureExtractor"):
         try:
-            return getattr(transformers, cls).from_pretrained(str(path), local_files_only=True)
+            proc = getattr(transformers, cls).from_pretrained(str(path), local_files_only=True)
         except Exception:  # noqa: BLE001, S112 - no such files for this kind: try the next one
             continue
+        # transformers 5 builds a tokenizer of special tokens alone from a config.json without tokenizer
+        # files: it turns any text into no tokens at all, so it is no tokenizer
+        if not (hasattr(proc, "encode") and callable(proc) and not has_vocabulary(proc)):
+            return proc
     return None
 
 
@@ -231,8 +237,23 @@ _PARTS = {"text": ("tokenizer", "a tokenizer"), "image": ("image_processor", "an
           "audio": ("feature_extractor", "a feature extractor")}
 
 
-def _encode(proc: Any, samples: dict[str, Any], what: str) -> dict[str, Any]:
-    """``samples`` (text, an image, ``(waveform, rate)``) through ``proc`` as PyTorch tensors."""
+def _text_limit(model: nn.Module, proc: Any) -> int | None:
+    """The most tokens a text sample may have: the model's positions (its config's), or its tokenizer's
+    ``model_max_length`` where that is lower (RoBERTa's 514 positions hold 512 tokens); None: no limit."""
+    from normswap.inputs.builder import max_positions
+
+    limits = [max_positions(getattr(model, "config", None))]
+    tok = getattr(proc, "tokenizer", proc)
+    given = getattr(tok, "model_max_length", None)
+    limits.append(given if isinstance(given, int) and 0 < given < 1_000_000 else None)
+    known = [n for n in limits if n]
+    return min(known) if known else None
+
+
+def _encode(proc: Any, samples: dict[str, Any], what: str, text_limit: int | None = None) -> dict[str, Any]:
+    """``samples`` (text, an image, ``(waveform, rate)``) through ``proc`` as PyTorch tensors; a text sample
+    alone is cut to ``text_limit`` tokens (a whole file is read as one sequence, and a model given more
+    tokens than it has positions fails on an index, far from the cause)."""
     try:
         if len(samples) == 1:
             kind, value = next(iter(samples.items()))
@@ -241,7 +262,8 @@ def _encode(proc: Any, samples: dict[str, Any], what: str) -> dict[str, Any]:
             if kind == "text":
                 if not callable(part) or not hasattr(part, "encode"):
                     raise UsageError(f"{what}: the model's processor ({type(proc).__name__}) has no tokenizer")
-                out = part(value, return_tensors="pt")
+                cut = {"truncation": True, "max_length": text_limit} if text_limit else {}
+                out = part(value, return_tensors="pt", **cut)
             elif kind == "image":
                 out = part(images=value, return_tensors="pt")
             else:
@@ -249,6 +271,11 @@ def _encode(proc: Any, samples: dict[str, Any], what: str) -> dict[str, Any]:
                 wave_, rate = _resampled(wave_, rate, getattr(part, "sampling_rate", None))
                 out = part(wave_.numpy(), sampling_rate=rate, return_tensors="pt")
         else:
+            has = [kind for kind, (attr, _) in _PARTS.items() if getattr(proc, attr, None) is not None]
+            if any(kind not in has for kind in samples):  # a feature extractor alone would fail on `text=`
+                takes = f"takes {' and '.join(has)} samples" if has else "takes one kind of sample"
+                raise UsageError(f"{what}: the model's processor ({type(proc).__name__}) {takes}, not "
+                                 f"{' and '.join(samples)} together; pass only the samples it takes")
             args: dict[str, Any] = {}
             if "text" in samples:
                 args["text"] = samples["text"]
@@ -265,7 +292,13 @@ def _encode(proc: Any, samples: dict[str, Any], what: str) -> dict[str, Any]:
     except Exception as exc:  # noqa: BLE001 - the processor's own refusal, whatever its type
         raise UsageError(f"{what}: the model's processor ({type(proc).__name__}) could not encode it "
                          f"({type(exc).__name__}: {first_line(exc, 140)})") from None
-    return {k: v for k, v in dict(out).items() if isinstance(v, torch.Tensor)}
+    tensors = {k: v for k, v in dict(out).items() if isinstance(v, torch.Tensor)}
+    empty = sorted(k for k, v in tensors.items() if v.numel() == 0)
+    if empty:  # a tokenizer without a vocabulary, say: the model would fail on it, far from the cause
+        raise UsageError(f"{what}: the model's processor ({type(proc).__name__}) made an empty "
+                         f"{', '.join(empty)} of it (no vocabulary or features for this sample); pass "
+                         "--example-inputs FILE.safetensors instead")
+    return tensors
 
 
 def _resampled(wave_: torch.Tensor, rate: int, wanted: int | None) -> tuple[torch.Tensor, int]:

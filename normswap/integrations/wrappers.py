@@ -41,6 +41,18 @@ def is_wrapper(model: nn.Module) -> bool:
     return type(model).__module__.split(".")[0] in WRAPPER_PACKAGES
 
 
+def peft_part(model: nn.Module) -> str | None:
+    """Where ``model`` holds PEFT adapters, as a message's subject (``"PeftModel is a PEFT model
+    (PeftModel)"``, ``"module `h.0.attn.c_attn` is a PEFT adapter layer (Linear)"``), else None.
+    ``patch`` refuses such a model (adapters must be merged first), and ``save`` too: PEFT's own
+    ``save_pretrained`` writes the adapters alone."""
+    for name, module in model.named_modules():
+        if hasattr(module, "peft_config") or hasattr(module, "lora_A"):  # PeftModel / a LoRA layer
+            where = f"module `{name}` is a PEFT adapter layer" if name else f"{type(model).__name__} is a PEFT model"
+            return f"{where} ({type(module).__name__})"
+    return None
+
+
 def is_compiled(model: nn.Module) -> bool:
     """True for what ``torch.compile(module)`` returns (an ``OptimizedModule`` around ``_orig_mod``)."""
     return type(model).__name__ == "OptimizedModule" and isinstance(getattr(model, "_orig_mod", None), nn.Module)

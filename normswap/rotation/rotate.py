@@ -1201,9 +1201,11 @@ def _choose_streams(model: nn.Module, plan: Plan, choice: MatrixChoice, output: 
             todo.append((group, *choice.for_stream(i, width, group[0].name)))
     gamma_kept = [s for s in result.skipped if "fold_gamma" in s["reason"]]
     if gamma_kept and not plan.options.get("fold_gamma"):  # a model that cannot take it: say so, not "0 rotated"
+        others = len(gamma_kept) - 1
+        which = f"`{gamma_kept[0]['norms'][0]}`" + (f" and the norms of {others} other stream(s)" if others else "")
         raise NormswapError(
             f"cannot rotate: the model was converted without fold_gamma, so its norms keep γ "
-            f"(`{gamma_kept[0]['norms'][0]}` and {len(gamma_kept) - 1} other stream(s)) and a rotation needs RMSNorms "
+            f"({which}) and a rotation needs RMSNorms "
             "of unit weight; convert the original model with normswap.patch(model, fold_gamma=True) (CLI: normswap "
             "convert --fold-gamma, or --rotate), then rotate it")
     return todo

@@ -316,3 +316,18 @@ def test_a_safetensors_write_error_is_named_by_its_os_cause(tmp_path, code, word
     other = ValueError("not an I/O error (os error 28)")  # only the writer's own type is read this way
     with pytest.raises(ValueError), io.atomic_directory(out, overwrite=False) as tmp:
         raise other
+
+
+def test_an_out_dir_that_is_no_path_and_a_model_object_to_convert_are_one_line_errors(tmp_path):
+    """Fails without the checks: ``out_dir=None`` raised TypeError from os.fspath, and
+    ``normswap.convert(model, ...)`` an OSError "File name too long" quoting the model's repr."""
+    model, _ = presets.build("tiny-gpt2")
+    with pytest.raises(normswap.NormswapError, match="out_dir must be a directory path .*, not NoneType"):
+        normswap.convert("tiny-gpt2", None)
+    with pytest.raises(normswap.NormswapError, match=r"not a GPT2LMHeadModel; for a model in memory: "
+                                                     r"normswap.patch\(model\), then normswap.save"):
+        normswap.convert(model, tmp_path / "out")
+    normswap.patch(model)
+    with pytest.raises(normswap.NormswapError, match="out_dir must be a directory path .*, not int"):
+        normswap.save(model, 3)
+    assert not list(tmp_path.iterdir())

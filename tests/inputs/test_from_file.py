@@ -152,3 +152,58 @@ def test_unreadable_samples_and_conflicting_options_exit_2(tmp_path):
     file = _ids_file(tmp_path / "inputs.safetensors")
     code, _, err = cli("inspect", "tiny-gpt2", "--sample", tmp_path / "empty.txt", "--example-inputs", file)
     assert code == 2 and "pass one of them" in err, err
+
+
+def test_a_text_sample_longer_than_the_model_positions_is_cut_to_them(tmp_path):
+    """Fails without the cut: a whole text file read as one sequence (40 lines) has more tokens than the
+    tiny GPT-2 has positions, and the conversion died on an index error ("internal error", exit 1)."""
+    text = tmp_path / "corpus.txt"
+    text.write_text("".join(f"sentence {i} about the quick brown fox and the lazy dog\n" for i in range(40)))
+    model, tok = presets.build("tiny-gpt2")
+    assert len(tok(text.read_text())["input_ids"]) > model.config.n_positions
+    built = from_file.from_samples([text])(model, tok)
+    assert built["input_ids"].shape == (1, model.config.n_positions)
+    code, out, err = cli("convert", "tiny-gpt2", "--out", tmp_path / "out", "-q", "--sample", text)
+    assert code == 0, err
+    assert "wrote native checkpoint" in out
+
+
+def test_a_text_sample_for_a_directory_without_tokenizer_files_is_one_line_and_exit_2(tmp_path):
+    """Fails without the fix: transformers 5 builds a tokenizer of special tokens alone from a config.json
+    with no tokenizer files; the sample became an empty input_ids and the model failed on it ("internal
+    error", exit 1). Now that tokenizer counts as none, and nothing is written."""
+    model, _ = presets.build("tiny-gpt2")
+    model.save_pretrained(tmp_path / "model")  # weights and config only
+    text = tmp_path / "prompt.txt"
+    text.write_text("The river rose after three days of rain.")
+    code, _, err = cli("convert", tmp_path / "model", "--out", tmp_path / "out", "-q", "--sample", text)
+    assert code == 2, err
+    assert "no processor or tokenizer was found" in err and "--example-inputs" in err
+    assert len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_processor_that_makes_empty_tensors_is_refused_by_name():
+    """Fails without the check: an empty ``input_ids`` went on to the model."""
+
+    class Empty:
+        def encode(self, text):
+            return []
+
+        def __call__(self, text, return_tensors=None, **kwargs):
+            return {"input_ids": torch.zeros(1, 0, dtype=torch.long), "attention_mask": torch.zeros(1, 0)}
+
+    with pytest.raises(UsageError, match="made an empty attention_mask, input_ids of it"):
+        from_file._encode(Empty(), {"text": "some words"}, "--sample p.txt")
+
+
+def test_samples_of_two_kinds_for_a_processor_of_one_part_say_so(tmp_path):
+    """Fails without the check: a text and an audio sample for Whisper's feature extractor alone went
+    through it together and came back as "could not encode it (TypeError: ... missing ... 'raw_speech')"."""
+    clip = _wav(tmp_path / "clip.wav")
+    text = tmp_path / "prompt.txt"
+    text.write_text("The river rose after three days of rain.")
+    model, proc = presets.build("tiny-whisper")
+    with pytest.raises(UsageError, match=r"\(WhisperFeatureExtractor\) takes one kind of sample, not audio and "
+                                         r"text together; pass only the samples it takes"):
+        from_file.from_samples([clip, text])(model, proc)

@@ -42,3 +42,17 @@ def test_auto_peft_model_loads_normswap_base(base_dir, tmp_path, task_type):
     assert any(isinstance(m, normswap.RMSNorm) for m in loaded.modules())
     with torch.no_grad():
         assert torch.equal(loaded(input_ids=ids).logits, ref)
+
+
+def test_normswap_save_of_a_peft_model_says_how_to_save_it(base_dir, tmp_path):
+    """Fails without the check: on a converted base it failed as "I/O error on OUT: No such file or
+    directory" (PEFT's save_pretrained writes no config.json), and on an unconverted one it asked for
+    normswap.patch, which refuses PEFT models."""
+    from peft import LoraConfig, get_peft_model
+
+    for model in (normswap.load(base_dir), build(EXACT, "gpt2").float()):
+        peft_model = get_peft_model(model, LoraConfig(r=4, target_modules=["c_attn"]))
+        with pytest.raises(normswap.NormswapError, match=r"writes a whole model, and PeftModel is a PEFT model "
+                                                         r"\(PeftModel\): merge the adapters first"):
+            normswap.save(peft_model, tmp_path / "out")
+        assert not list(tmp_path.iterdir())

@@ -7,6 +7,7 @@ import torch
 
 import normswap
 from normswap.analysis.plan import Plan
+from normswap.cli.common import cli_words
 from normswap.inputs import hf_example_inputs
 from normswap.pipeline import default_dtype
 from normswap.rotation.rotate import random_orthogonal, rotate, rotation_matrix, streams
@@ -90,8 +91,9 @@ def test_rotation_needs_folded_gamma_and_the_plan_says_so():
     report = normswap.patch(model)  # fold_gamma=False: γ stays in the norms
     assert all("fold_gamma=True" in sp.rotation_reason for sp in report.plan.sites)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(normswap.NormswapError, match=r"without fold_gamma.*patch\(model, fold_gamma=True\)"):
+    with pytest.raises(normswap.NormswapError, match=r"without fold_gamma.*patch\(model, fold_gamma=True\)") as exc:
         rotate(model, 0)  # refused, not "0 streams rotated"
+    assert "0 other stream" not in str(exc.value)  # one stream (GPT-2's): its norm alone is named
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # and nothing turned
     assert not report.plan.rotations
 
@@ -323,6 +325,10 @@ def test_stream_centered_at_run_time_rotates_through_one_op_that_saves_and_loads
     with torch.no_grad():
         again = loaded(**probe).logits
     assert float((again - ref).abs().max() / ref.abs().max()) <= 1e-9
-    with pytest.raises(normswap.NormswapError, match="compat format cannot hold the rotation op"):
+    with pytest.raises(normswap.NormswapError, match="compat format cannot hold the rotation op") as exc:
         normswap.checkpoint.save(model, tmp_path / "compat", format="compat")
     assert not (tmp_path / "compat").exists()
+    # the way out is one the caller has (no API or option rotates "without that stream"), and the
+    # command line names it as its option
+    assert str(exc.value).endswith("write it with format='native'")
+    assert cli_words(str(exc.value)).endswith("write it with --format native")
