@@ -1124,25 +1124,30 @@ class Analyzer:
             if vid is None:
                 return False
         memo = self._norm_dep_memo
-        stack, seen = [vid], []
+        # post-order: a value's answer is its producer's inputs' answers, each memoised once known. Only a value
+        # whose answer is known is memoised (a value merely visited on the way to some norm is not computed from
+        # it: marking every visited value True leaked a later question's answer from an earlier one's search)
+        stack: list[tuple[int, bool]] = [(vid, False)]
+        open_: set[int] = set()  # values whose inputs are being answered (cycle guard)
         while stack:
-            v = stack.pop()
-            if v in memo:
-                if memo[v]:
-                    for s in seen:
-                        memo[s] = True
-                    return True
-                continue
-            seen.append(v)
-            memo[v] = False  # provisional (cycle guard)
-            if self._site_output_call(v) is not None:
-                for s in seen:
-                    memo[s] = True
-                return True
+            v, inputs_done = stack.pop()
             op = self.graph.producer(self.graph.values[v])
-            if op is not None:
-                stack.extend(op.inputs)
-        return False
+            if inputs_done:
+                open_.discard(v)
+                memo[v] = any(memo.get(i, False) for i in op.inputs)
+                continue
+            if v in memo or v in open_:
+                continue
+            if self._site_output_call(v) is not None:
+                memo[v] = True
+                continue
+            if op is None:
+                memo[v] = False
+                continue
+            open_.add(v)
+            stack.append((v, True))
+            stack.extend((i, False) for i in op.inputs if i not in memo)
+        return memo[vid]
 
     def hook_candidates(self, term: Term, at_norms: bool = False) -> list[tuple[int, CenterHook]]:
         """Module boundaries downstream of ``term`` where one centering op could sit.
