@@ -22,6 +22,9 @@ writers alone, the others centered by weights), ``-bal`` (those writers' λ fold
 out, :func:`balanced_rows`), ``orig-bal`` (the original with every writer balanced so, LayerNorms kept),
 ``native-fold`` (``layer_scale="fold"``), ``native-stemw`` (``stem_centering="weights"``), ``wauto-widen`` (ops after
 the writers whose centering widens a row more than 2×, balanced: ``auto``'s first form, 4 of DINOv2-small's 24).
+Round 54's diagnostics of the stream's mean (:func:`leak_variant`, ``native`` with its writer rows kept):
+``native-normc`` (a mean subtraction before every norm), ``native-lastc`` (before the final norm), ``native-cread``
+(every block norm's readers blind to the mean), ``native-cread-lastc`` (both).
 
 Engines (``--engines``): ``ov-w8`` (the ONNX export through OpenVINO and NNCF, ``bench_quant_engines.run_openvino``;
 ``ov-w8-GROUP``: NNCF on one group alone, ``qkv``, ``o``, ``fc1``, ``fc2``, ``conv``, ``writers`` or ``readers``;
