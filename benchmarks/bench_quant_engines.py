@@ -98,6 +98,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import re
 import statistics
 import sys
 import tempfile
@@ -119,12 +120,20 @@ GPTQ = ("nbits-gptq", "nbits-gptq-patched", "nbits-gptq-patched-act")  # minutes
 MATMUL_ONLY = ("dyn-pt-matmul", "dyn-pc-matmul")
 # asked for by name: OpenVINO's NNCF weight compression of the same ONNX file (bench_openvino.nncf_quantize's modes:
 # int8 asymmetric per channel; int4 symmetric / asymmetric, group 128), run by OpenVINO's CPU plugin in f32
-OPENVINO = ("ov-w8", "ov-w4s128", "ov-w4a128", "ov-w8-writers", "ov-w8-readers")
-# ov-w8 with one group of Linears compressed, the rest left in float (NNCF's ignored scope): where the error is
-# (transformers' Dinov2Model names: attention/output/dense, attention/attention/{query,key,value}; the random
-# DINOv2-shaped model's: o_proj, q_proj, k_proj, v_proj)
+# ov-w8 with one group of Linears compressed, every other weight (the patch convolution too) left in float (NNCF's
+# ignored scope): where the error is (transformers' Dinov2Model names: attention/output/dense,
+# attention/attention/{query,key,value}, or o_proj, q_proj, ... since transformers 5; the random DINOv2-shaped
+# model's: o_proj, q_proj, k_proj, v_proj). Round 54 split the writers and readers further: qkv, o (attention
+# output projections), fc1, fc2, conv (the patch embedding)
 OPENVINO_GROUPS = {"writers": r".*/(o_proj|output/dense|fc2)/MatMul.*",
-                   "readers": r".*/(q_proj|k_proj|v_proj|attention/query|attention/key|attention/value|fc1)/MatMul.*"}
+                   "readers": r".*/(q_proj|k_proj|v_proj|attention/query|attention/key|attention/value|fc1)/MatMul.*",
+                   "qkv": r".*/(q_proj|k_proj|v_proj|attention/query|attention/key|attention/value)/MatMul.*",
+                   "o": r".*/(o_proj|attention/output/dense)/MatMul.*", "fc1": r".*/fc1/MatMul.*",
+                   "fc2": r".*/fc2/MatMul.*", "conv": r".*/Conv.*"}
+# ov-w8-noact: the same int8 weights run with the CPU plugin's dynamic quantization of FullyConnected inputs off
+# (``DYNAMIC_QUANTIZATION_GROUP_SIZE`` 0; its default on this CPU is 32: each Linear input rounded to int8 per group
+# of 32 at run time, even at f32 inference precision): NNCF's weight rounding alone (round 54)
+OPENVINO = ("ov-w8", "ov-w4s128", "ov-w4a128", "ov-w8-noact") + tuple(f"ov-w8-{g}" for g in OPENVINO_GROUPS)
 # asked for by name: torchao's Int8DynamicActivationInt8WeightConfig on every nn.Linear of the torch model (int8
 # weights per output channel, int8 activations per token at run time), run in torch eager; not ONNX. A rotation's
 # online ops are not Linears: torchao leaves them in float (needs torchao on the path)
@@ -457,16 +466,21 @@ def run_openvino(fp32: Path, how: str, px: torch.Tensor, batch: int = 16,
 
     nncf.set_log_level(40)
     mode, _, group = how.removeprefix("ov-").partition("-")
+    config = {"INFERENCE_NUM_THREADS": 1, "NUM_STREAMS": 1, "INFERENCE_PRECISION_HINT": "f32"}
+    if group == "noact":
+        group = ""
+        config["DYNAMIC_QUANTIZATION_GROUP_SIZE"] = 0
     model = ov.convert_model(str(fp32))
     ops = rotation_ops(model, matrices) if matrices else []
-    if group:  # only that group compressed: every other weight (the patch convolution too) ignored
-        others = [p for g, p in OPENVINO_GROUPS.items() if g != group] + [r".*/Conv.*"]
-        model = nncf.compress_weights(model, ignored_scope=nncf.IgnoredScope(names=ops, patterns=others,
+    if group:  # only that group compressed: every other MatMul and convolution ignored, by name
+        keep = re.compile(OPENVINO_GROUPS[group])
+        others = [op.get_friendly_name() for op in model.get_ordered_ops()
+                  if op.get_type_name() in ("MatMul", "Convolution") and not keep.fullmatch(op.get_friendly_name())]
+        model = nncf.compress_weights(model, ignored_scope=nncf.IgnoredScope(names=sorted(set(ops + others)),
                                                                             validate=False))
     else:
         model = nncf_quantize(model, mode, [], ops)
-    compiled = core().compile_model(model, "CPU", {"INFERENCE_NUM_THREADS": 1, "NUM_STREAMS": 1,
-                                                   "INFERENCE_PRECISION_HINT": "f32"})
+    compiled = core().compile_model(model, "CPU", config)
     pooled, tokens = [], []
     for i in range(0, len(px), batch):
         out = compiled({"pixel_values": px[i:i + batch].numpy()})

@@ -22,8 +22,13 @@ writers alone, the others centered by weights), ``-bal`` (those writers' λ fold
 out, :func:`balanced_rows`), ``orig-bal`` (the original with every writer balanced so, LayerNorms kept),
 ``native-fold`` (``layer_scale="fold"``), ``native-stemw`` (``stem_centering="weights"``), ``wauto-widen`` (ops after
 the writers whose centering widens a row more than 2×, balanced: ``auto``'s first form, 4 of DINOv2-small's 24).
+Round 54's diagnostics of the stream's mean (:func:`leak_variant`, ``native`` with its writer rows kept):
+``native-normc`` (a mean subtraction before every norm), ``native-lastc`` (before the final norm), ``native-cread``
+(every block norm's readers blind to the mean), ``native-cread-lastc`` (both).
 
-Engines (``--engines``): ``ov-w8`` (the ONNX export through OpenVINO and NNCF, ``bench_quant_engines.run_openvino``),
+Engines (``--engines``): ``ov-w8`` (the ONNX export through OpenVINO and NNCF, ``bench_quant_engines.run_openvino``;
+``ov-w8-GROUP``: NNCF on one group alone, ``qkv``, ``o``, ``fc1``, ``fc2``, ``conv``, ``writers`` or ``readers``;
+``ov-w8-noact``: every weight, the CPU plugin's dynamic quantization of Linear inputs off),
 ``bnb-int8`` (``bench_heldout_engines.quantized``), ``ort-dyn-pt`` / ``ort-dyn-pc`` (ONNX Runtime's
 ``quantize_dynamic``, int8 weights per tensor / per channel, ``bench_quant_engines.quantize``), and the float
 simulations of the first two's weight grids on every ``nn.Linear`` (``sim-asym8``: NNCF's int8 grid,
@@ -63,7 +68,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 SIM = ("sim-asym8", "sim-asym8c", "sim-asym8h", "sim-sym8", "sim-tao", "sim-tao-a", "sim-tao-x", "sim-tao-xw",
        "sim-tao-xr", "sim-tao-xwgt", "sim-tao-xact")
 ORT = ("ort-dyn-pt", "ort-dyn-pc", "ort-nbits-rtn")  # the last: MatMulNBits 4-bit RTN, block 32
-ENGINES = ("ov-w8", "bnb-int8", "torchao") + ORT + SIM
+# ov-w8 on one group of Linears (or the patch convolution) alone, the rest float: NNCF's error split by group (round 54)
+OV_GROUPS = tuple(f"ov-w8-{g}" for g in ("qkv", "o", "fc1", "fc2", "conv", "writers", "readers", "noact"))
+ENGINES = ("ov-w8", "bnb-int8", "torchao") + ORT + SIM + OV_GROUPS
 # hybrids: compat's tensors matching one expression, the original's elsewhere
 HYBRIDS = {"attn": r"attention\.o_proj\.|layer_scale1\.", "mlp": r"mlp\.fc2\.|layer_scale2\.",
            "early": r"layer\.[0-5]\.(attention\.o_proj|mlp\.fc2|layer_scale)", "late":
@@ -211,6 +218,41 @@ def null_draw(original: torch.nn.Module, seed: int, spread: float = 1e-3) -> tor
             dst.bias.copy_((dst.bias.double() * c).to(dst.bias.dtype))
             lam = layer.get_submodule(scale).lambda1
             lam.copy_((lam.double() / c).to(lam.dtype))
+    return model
+
+
+def _center_input(_module: torch.nn.Module, args: tuple) -> tuple:
+    return (args[0] - args[0].mean(-1, keepdim=True),) + args[1:]
+
+
+@torch.no_grad()
+def leak_variant(original: torch.nn.Module, norms: str = "all", readers: bool = False) -> torch.nn.Module:
+    """``native`` (the default conversion, β kept) with what the stream's mean does downstream taken away, its
+    writer rows untouched (round 54's diagnostics of where NNCF's cost is). The converted stream is zero-mean only
+    in float: once a per-row quantizer rounds the centered writer rows, ``1ᵀ(Q(W) − W)h`` is a mean that the
+    RMSNorms pass on, where the original's LayerNorms removed it. ``norms``: ``"all"`` puts a mean subtraction on
+    every norm's input (LayerNorm by another name: the rounding left as is, its mean removed), ``"last"`` on the
+    final norm's alone, ``"none"`` on none. ``readers``: every reader of a block norm (q, k, v, fc1) made blind to
+    the mean, ``W' = W·diag(γ)·P·diag(1/γ)`` and ``b' = b + (W − W')β`` (``normswap.surgery.edits.center_reader``'s
+    arithmetic): exact on the zero-mean stream, and a mean ``m1`` then reaches the readers only through the
+    norm's ``rms``. All exact in float."""
+    import normswap
+
+    model = copy.deepcopy(original)
+    normswap.patch(model, beta_placement="keep")
+    blocks = [(layer.norm1, (layer.attention.q_proj, layer.attention.k_proj, layer.attention.v_proj))
+              for layer in model.encoder.layer] + [(layer.norm2, (layer.mlp.fc1,)) for layer in model.encoder.layer]
+    if norms in ("all", "last"):
+        for norm in ([n for n, _ in blocks] if norms == "all" else []) + [model.layernorm]:
+            norm.register_forward_pre_hook(_center_input)
+    if readers:
+        for norm, linears in blocks:
+            g, beta = norm.weight.double(), norm.bias.double()
+            for lin in linears:
+                w = lin.weight.double()
+                new = (w * g - (w * g).mean(1, keepdim=True)) / g
+                lin.bias.copy_((lin.bias.double() + (w - new) @ beta).to(lin.bias.dtype))
+                lin.weight.copy_(new.to(lin.weight.dtype))
     return model
 
 
@@ -404,7 +446,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--variants", nargs="+", default=["original", "native", "compat"])
     ap.add_argument("--hybrid-groups", nargs="*", default=[], metavar="NAME=REGEX",
                     help="more hybrids (hyb-NAME) besides " + ", ".join(HYBRIDS))
-    ap.add_argument("--engines", nargs="+", default=list(ENGINES), choices=ENGINES + ("fp32",))
+    ap.add_argument("--engines", nargs="+", default=[e for e in ENGINES if e not in OV_GROUPS],
+                    choices=ENGINES + ("fp32",))
     ap.add_argument("--json", type=Path)
     ap.add_argument("--tokens", type=Path, help="torch.save the per-token errors here")
     ap.add_argument("--from-json", type=Path, nargs="+", help="no measuring: the tables of earlier --json runs "
@@ -507,6 +550,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 elif name == "native-stemw":  # the stem centered by its weights, no stem op
                     model = copy.deepcopy(original)
                     normswap.patch(model, beta_placement="keep", stem_centering="weights")
+                elif name in ("native-normc", "native-lastc", "native-cread", "native-cread-lastc"):
+                    model = leak_variant(original, norms={"normc": "all"}.get(name[7:], "last" if "lastc" in name
+                                                                              else "none"), readers="cread" in name)
                 elif name.startswith("null-"):
                     model = null_draw(original, int(name[5:]))
                 elif name in ("wop", "wauto"):

@@ -144,3 +144,48 @@ def test_per_token_grid_rounds_each_token_on_its_own_scale() -> None:
     q = bench.per_token_int8(x)
     assert torch.equal(q[:, 0], x[:, 0])  # each token's absmax is on its grid
     assert float((q - x).abs()[0].max()) <= 0.5 / 127 + 1e-12 and float((q - x).abs()[1].max()) <= 50 / 127 + 1e-12
+
+
+@pytest.mark.parametrize(("norms", "readers"), [("all", False), ("last", False), ("none", True), ("last", True)])
+def test_leak_variants_are_exact_and_keep_the_default_writers(norms: str, readers: bool) -> None:
+    """Round 54's diagnostics (``native-normc`` / ``-lastc`` / ``-cread`` / ``-cread-lastc``): the default
+    conversion with mean subtractions before its norms or readers blind to the stream's mean computes the
+    original's function in float64, keeps the default's writer rows bit for bit (the rows NNCF rounds), and
+    changes the readers exactly when asked to."""
+    model = _tiny_dino()
+    px = torch.randn(3, 3, 28, 28, dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        variant = bench.leak_variant(model, norms, readers)
+        native = copy.deepcopy(model)
+        normswap.patch(native, beta_placement="keep")
+    torch.testing.assert_close(_tokens(variant, px), _tokens(model, px), rtol=1e-9, atol=1e-9)
+    for mine, conv in zip(variant.encoder.layer, native.encoder.layer, strict=True):
+        assert torch.equal(mine.attention.o_proj.weight, conv.attention.o_proj.weight)
+        assert torch.equal(mine.mlp.fc2.weight, conv.mlp.fc2.weight)
+        assert torch.equal(mine.mlp.fc1.weight, conv.mlp.fc1.weight) != readers
+    if readers:  # blind to a mean: the reader's γ-weighted rows sum to zero
+        layer = variant.encoder.layer[0]
+        torch.testing.assert_close(layer.mlp.fc1.weight @ layer.norm2.weight,
+                                   torch.zeros(layer.mlp.fc1.out_features, dtype=torch.float64), rtol=0, atol=1e-12)
+
+
+def test_openvino_groups_split_dinov2s_weights_once() -> None:
+    """Each weight node of DINOv2's OpenVINO graph (its friendly names, as ``openvino.convert_model`` gives them
+    for the ONNX export) falls in exactly one of the split's groups, and the writers/readers groups are their
+    unions: the per-group NNCF runs compress every weight once between them."""
+    import re
+
+    from bench_quant_engines import OPENVINO, OPENVINO_GROUPS
+
+    names = ["/model/embeddings/patch_embeddings/projection/Conv/WithoutBiases"] + [
+        f"/model/encoder/layer.{i}/{p}/MatMul" for i in range(12)
+        for p in ("attention/q_proj", "attention/k_proj", "attention/v_proj", "attention/o_proj", "mlp/fc1",
+                  "mlp/fc2")]
+    split = ("qkv", "o", "fc1", "fc2", "conv")
+    for name in names:
+        hits = [g for g in split if re.fullmatch(OPENVINO_GROUPS[g], name)]
+        assert len(hits) == 1, (name, hits)
+        assert bool(re.fullmatch(OPENVINO_GROUPS["writers"], name)) == (hits[0] in ("o", "fc2"))
+        assert bool(re.fullmatch(OPENVINO_GROUPS["readers"], name)) == (hits[0] in ("qkv", "fc1"))
+    assert {f"ov-w8-{g}" for g in split} <= set(OPENVINO) and set(bench.OV_GROUPS) <= set(OPENVINO)
