@@ -37,8 +37,13 @@ def is_normswap_dir(path: str | os.PathLike) -> bool:
         cfg = json.loads((path / "config.json").read_text())
     except (OSError, ValueError):
         return False
-    return isinstance(cfg, dict) and (isinstance(cfg.get(hf.MANIFEST_KEY), dict)
-                                      or hf.base_type(str(cfg.get("model_type", ""))) is not None)
+    return isinstance(cfg, dict) and is_normswap_config(cfg)
+
+
+def is_normswap_config(cfg: dict[str, Any]) -> bool:
+    """Whether a ``config.json``'s content is a converted checkpoint's: a normswap manifest, or a
+    ``normswap_*`` model type (the one rule for :func:`load` and :func:`is_normswap_dir`)."""
+    return isinstance(cfg.get(hf.MANIFEST_KEY), dict) or hf.base_type(str(cfg.get("model_type", ""))) is not None
 
 
 def model_class(cfg: dict[str, Any], task: str | type | None = None) -> type:
@@ -160,7 +165,7 @@ def load(path: str | os.PathLike, *, task: str | type | None = None, model: nn.M
             f"{path} has no {module_io.MANIFEST_FILE}, so normswap.save did not write it from a custom module; "
             "model= is only for those (a transformers checkpoint loads with normswap.load(path))")
     cfg = read_config(path)
-    if not isinstance(cfg.get(hf.MANIFEST_KEY), dict) and hf.base_type(cfg.get("model_type", "")) is None:
+    if not is_normswap_config(cfg):
         raise NormswapError(
             f"{path} is not a normswap checkpoint (no normswap manifest in config.json); load it "
             "with transformers.AutoModel*.from_pretrained, or convert it first with "

@@ -53,8 +53,7 @@ from torch import nn
 
 from normswap.analysis.plan import plan_of
 from normswap.errors import NormswapError
-from normswap.rotation.hadamard import hadamard as hadamard_matrix
-from normswap.rotation.heads import config_head_dim, turn_heads, value_output
+from normswap.rotation.heads import config_head_dim, head_turn, turn_heads, value_output
 
 HANDLE = "_normswap_online"  # the op's RemovableHandle on its module (rotate.py's _install_online sets it)
 BUFFER_PREFIX = "normswap_hadamard"  # the op's buffers: the small Hadamard factor, the signs, ...
@@ -253,11 +252,10 @@ class HeadTurn:
 
     def matrix(self, like: torch.Tensor) -> torch.Tensor:
         """``H̃ = H/sqrt(head_dim)`` on ``like``'s device and dtype (cached; the same matrix the rotation
-        folded, :func:`normswap.rotation.rotate._rotate_heads_`)."""
+        folded: :func:`normswap.rotation.heads.head_turn`)."""
         key = (like.device, like.dtype)
         if key not in self._cache:
-            h = hadamard_matrix(self.head_dim).double() / self.head_dim**0.5
-            self._cache[key] = h.to(device=like.device, dtype=like.dtype)
+            self._cache[key] = head_turn(self.head_dim).to(device=like.device, dtype=like.dtype)
         return self._cache[key]
 
     def turn_delta(self, delta: torch.Tensor) -> torch.Tensor:

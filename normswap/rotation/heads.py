@@ -12,9 +12,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from normswap.rotation.hadamard import hadamard
+
 VALUE_OUTPUT = (("v_proj", "o_proj"), ("v_proj", "out_proj"))  # separate value / output projections
 
-__all__ = ["VALUE_OUTPUT", "config_head_dim", "value_output", "value_heads", "turn_heads"]
+__all__ = ["VALUE_OUTPUT", "config_head_dim", "value_output", "value_heads", "head_turn", "turn_heads"]
 
 
 def config_head_dim(model: nn.Module) -> int | None:
@@ -62,6 +64,13 @@ def value_heads(model: nn.Module) -> tuple[list[tuple[str, nn.Linear, nn.Linear]
     if len(sizes) > 1:
         return [], None
     return found, next(iter(sizes), None)
+
+
+def head_turn(head_dim: int) -> torch.Tensor:
+    """The per-head ``H̃ = H/sqrt(head_dim)`` (float64) that the rotation folds into the values and output
+    projection, and that an adapter there is turned by: one builder, so the two are the same matrix. The caller
+    has checked that one of that order is built (:func:`normswap.rotation.hadamard.has_hadamard`)."""
+    return hadamard(head_dim) / head_dim**0.5
 
 
 def turn_heads(p: torch.Tensor, axis: int, r2: torch.Tensor) -> torch.Tensor:

@@ -40,7 +40,7 @@ from normswap.nn.rmsnorm import RMSNorm
 from normswap.options import check_online_block, choose
 from normswap.rotation import carry, hadamard
 from normswap.rotation.eager_op import FOLD_SCALE, EagerOp, split
-from normswap.rotation.heads import turn_heads, value_heads
+from normswap.rotation.heads import head_turn, turn_heads, value_heads
 from normswap.surgery.scales import fold_layer_scale
 
 KINDS = ("hadamard", "random")  # built from (width, kind, seed)
@@ -590,7 +590,7 @@ def _rotate_heads_(model: nn.Module) -> tuple[list[str], int | None, str]:
                         "self|attention.value with output.dense)")
     if not hadamard.has_hadamard(hd):
         return [], hd, f"no Hadamard matrix of order {hd} (the head size)"
-    h = hadamard.hadamard(hd) / hd**0.5
+    h = head_turn(hd)
     _turn_heads_(pairs, {path: h for path, _, _ in pairs})
     return [path for path, _, _ in pairs], hd, ""
 
