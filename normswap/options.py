@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 import re
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Any
 
 from normswap.errors import NormswapError
@@ -45,6 +47,31 @@ def parse_size(value: int | str) -> int:
     if size <= 0:
         raise NormswapError(f"size must be positive, not {value!r}")
     return size
+
+
+def check_out_dir(out: str | os.PathLike, *, overwrite: bool, source: str | os.PathLike | None = None) -> Path:
+    """The checks on an output directory that need only its path, torch-free so that the CLI answers them before
+    loading anything (``convert``, ``normswap.save``; :func:`normswap.checkpoint.io.check_destination` adds the
+    rest): a usage error (exit 2) when ``out`` is no path, is empty (``--out "$DIR"`` with ``DIR`` unset must
+    not mean "here"), is a file, overlaps the directory of the ``source`` model, or is a non-empty directory
+    and ``overwrite`` was not given. Returns ``out`` as a path."""
+    from normswap.errors import UsageError
+
+    if not isinstance(out, (str, os.PathLike)):
+        raise UsageError(f"out_dir must be a directory path (a str or os.PathLike), not {type(out).__name__}")
+    if not os.fspath(out).strip():  # Path("") is ".": an unset shell variable must not mean "here"
+        raise UsageError("out_dir is empty; give the directory to write to (`.` for the current one)")
+    path = Path(out).expanduser()
+    if path.exists() and not path.is_dir():
+        raise UsageError(f"out_dir {path} exists and is not a directory; choose another path")
+    if source is not None:
+        src, dst = Path(source).resolve(), path.resolve()
+        if dst == src or dst in src.parents or src in dst.parents:
+            raise UsageError(f"out_dir {path} overlaps the source model at {source}; write somewhere else")
+    if not overwrite and path.is_dir() and any(path.iterdir()):
+        raise UsageError(f"out_dir {path} exists and is not empty; pass overwrite=True to replace it, "
+                         "or choose a new directory")
+    return path
 
 
 MODES = ("auto", "exact", "all")

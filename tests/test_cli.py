@@ -380,7 +380,7 @@ def test_existing_output_refused_then_overwritten(tmp_path):
     (out / "notes.txt").write_text("mine")
     (tmp_path / "neighbour.txt").write_text("untouched")
     code, _, err, _ = run("convert", "tiny-gpt2", "--out", str(out))
-    assert_one_line_error(code, err, 1, "not empty", "--overwrite")
+    assert_one_line_error(code, err, 2, "not empty", "--overwrite")  # a usage error (docs/cli.md)
     assert listing(out) == ["notes.txt"]
     code, _, err, _ = run("convert", "tiny-gpt2", "--out", str(out), "--overwrite")
     assert code == 0, err
@@ -421,11 +421,11 @@ def test_interrupted_run_leaves_nothing(tmp_path, monkeypatch):
 
 def test_refuses_to_overwrite_the_source_or_cwd(tmp_path, gpt2_dir, monkeypatch):
     code, _, err, _ = run("convert", str(gpt2_dir), "--out", str(gpt2_dir), "--overwrite")
-    assert_one_line_error(code, err, 1, "overlaps the source")
+    assert_one_line_error(code, err, 2, "overlaps the source")
     monkeypatch.chdir(tmp_path)
     (tmp_path / "keep.txt").write_text("x")
     code, _, err, _ = run("convert", "tiny-gpt2", "--out", ".", "--overwrite")
-    assert_one_line_error(code, err, 1, "current working directory")
+    assert_one_line_error(code, err, 2, "current working directory")
     assert (tmp_path / "keep.txt").exists()
 
 
@@ -803,7 +803,7 @@ def test_inspect_fits_100_columns_and_shows_where_beta_goes(preset):
     header = next(ln for ln in lines if ln.startswith("norm "))
     assert header.split() == ["norm", "verdict", "convert", "β", "γ", "writers", "readers"]
 
-    plan = normswap.plan(presets.build_model(preset))
+    plan = normswap.plan(presets.build_model(preset), beta_placement="keep")  # what convert writes, as inspect plans
     for sp in plan.sites:  # every norm and its whole reason are there, β placement in its row
         at = next(i for i, ln in enumerate(lines) if ln.split()[:1] == [sp.name])
         row = (lines[at] if len(lines[at].split()) > 1 else lines[at + 1]).split()  # a long name: own line
@@ -883,7 +883,7 @@ def test_python_callers_read_python_words_the_cli_reads_flags(tmp_path):
     with pytest.raises(normswap.NormswapError, match="format='native'.*online_hadamard=True"):
         normswap.convert("tiny-gpt2", tmp_path / "g", format="compat", rotate="hadamard", online_hadamard=True)
     code, _, err, _ = run("convert", "tiny-gpt2", "--out", str(out))
-    assert_one_line_error(code, err, 1, f"--out {out} exists and is not empty; pass --overwrite")
+    assert_one_line_error(code, err, 2, f"--out {out} exists and is not empty; pass --overwrite")
     assert "out_dir" not in err and "overwrite=True" not in err
     assert (out / "keep.txt").read_text() == "mine"
 

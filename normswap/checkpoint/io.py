@@ -23,9 +23,9 @@ from pathlib import Path
 from typing import Any
 
 from normswap import interrupts
-from normswap.errors import DiskFull, NormswapError
+from normswap.errors import DiskFull, NormswapError, UsageError
 from normswap.memory import available_memory, human  # noqa: F401 - re-exported: io.human, io.available_memory
-from normswap.options import parse_size  # noqa: F401 - io.parse_size, as the writers call it (torch-free home)
+from normswap.options import check_out_dir, parse_size  # noqa: F401 - io.parse_size, as the writers call it (torch-free home)
 
 TMP_MARK = ".normswap-tmp-"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
@@ -50,27 +50,11 @@ def check_destination(out: str | os.PathLike, *, overwrite: bool, source: Path |
     a parent of the working directory, a file, or a place we cannot write (a read-only filesystem
     is named as such; any other place is probed by creating and removing a directory there, the one
     thing this leaves no trace of)."""
-    if not isinstance(out, (str, os.PathLike)):
-        raise NormswapError(f"out_dir must be a directory path (a str or os.PathLike), not {type(out).__name__}")
-    if not os.fspath(out).strip():  # Path("") is ".": an unset shell variable must not mean "here"
-        raise NormswapError("out_dir is empty; give the directory to write to (`.` for the current one)")
-    out = Path(out).expanduser()
-    if out.exists() and not out.is_dir():
-        raise NormswapError(f"out_dir {out} exists and is not a directory; choose another path")
-    if source is not None:
-        src = source.resolve()
-        dst = out.resolve()
-        if dst == src or dst in src.parents or src in dst.parents:
-            raise NormswapError(f"out_dir {out} overlaps the source model at {source}; write somewhere else")
-    if out.is_dir() and any(out.iterdir()):
-        if not overwrite:
-            raise NormswapError(
-                f"out_dir {out} exists and is not empty; pass overwrite=True to replace it, "
-                "or choose a new directory"
-            )
+    out = check_out_dir(out, overwrite=overwrite, source=source)
+    if out.is_dir() and any(out.iterdir()):  # overwrite=True: replace, unless that would destroy more
         why = _dangerous(out)
         if why:
-            raise NormswapError(f"refusing to overwrite {out}: {why}")
+            raise UsageError(f"refusing to overwrite {out}: {why}")
     where = staging_dir(out)
     if not where.is_dir():
         raise NormswapError(f"cannot create out_dir {out}: {where} is a file, not a directory")

@@ -6,6 +6,7 @@ in their own modules; the option values all three share are in ``common``.
 
 from __future__ import annotations
 
+import os
 import re
 import warnings
 from typing import Any
@@ -14,19 +15,10 @@ import click
 
 from normswap.cli import main
 from normswap.cli.common import (
-    BETA_PLACEMENTS,
     DTYPES,
     EXIT_CODES,
-    FORMATS,
-    LAYER_SCALES,
-    MODES,
     PRESET_NAMES,
-    ROTATIONS,
-    STEM_CENTERINGS,
-    TASK_NAMES,
     VERIFY_DTYPES,
-    WRITER_CENTERINGS,
-    check_input_file,
     check_model_name,
     cli_words,
     figures_line,
@@ -34,8 +26,15 @@ from normswap.cli.common import (
     say,
 )
 from normswap.cli.inputs_opts import example_input_options, inputs_from
-from normswap.errors import NormswapError, UsageError
-from normswap.options import valid_online_block
+from normswap.cli.plan_opts import (
+    check_combination,
+    conversion_options,
+    plan_options,
+    rotation_options,
+    source_options,
+)
+from normswap.errors import NormswapError
+from normswap.options import check_out_dir
 
 
 def _shard_size(ctx: click.Context, param: click.Parameter, value: str) -> str:
@@ -95,74 +94,6 @@ def _recovery_note(plan: Any, calibration_data: str | None) -> str | None:
     )
 
 
-def _check_combination(
-    mode: str, fmt: str, fold_gamma: bool, per_norm_centering: bool, no_bias_slots: bool,
-    calibration_data: str | None, low_memory: bool | None, task: str | None, new_head: bool,
-    rotation: str | None, rotate_seed: int, rotate_output: str | None, online_hadamard: bool,
-    smooth: float | None = None, beta_placement: str | None = None, learn: dict | None = None,
-    online_block: int | None = None, writer_centering: str = "weights",
-) -> None:
-    """Options that conflict or depend on one another, and a missing --calibration-data file: a usage
-    error (exit 2), answered before torch is imported. The library checks the same combinations for
-    Python callers (``checkpoint.conversion.check_options``), in its own words."""
-    if rotation is None and (online_hadamard or rotate_output or rotate_seed or smooth is not None):
-        what = "--online-hadamard" if online_hadamard else "--rotate-output" if rotate_output else \
-            "--smooth" if smooth is not None else "--seed"
-        raise UsageError(f"{what} applies to a rotation: pass --rotate hadamard (or random) too")
-    if online_block is not None and not online_hadamard:
-        raise UsageError("--online-block sets the block size of the online Hadamards: pass --online-hadamard (and "
-                         "--rotate none or hadamard) too")
-    if online_block is not None and not valid_online_block(online_block):
-        raise UsageError(f"--online-block {online_block}: pass a power of two of at least 2 (e.g. 32, 64, 128)")
-    if writer_centering in ("op", "auto") and rotation not in (None, "none"):
-        raise UsageError(f"--writer-centering {writer_centering} keeps writers' weights and centers their outputs by "
-                         "ops, which "
-                         f"--rotate {rotation} cannot fold its rotation into: drop one of them (--rotate none "
-                         "--online-hadamard works with it)")
-    if rotation == "none" and not online_hadamard:
-        raise UsageError("--rotate none turns no stream, it only adds the online Hadamards: pass --online-hadamard "
-                         "too (and --format native)")
-    if learn and rotation != "learned":
-        flag = "--learn-" + next(iter(learn)).replace("_", "-")
-        raise UsageError(f"{flag} applies to a learned rotation: pass --rotate learned too")
-    grids = str(learn.get("grid") or "symmetric").split("+") if learn else []
-    # the names of normswap.rotation.learn.GRIDS, spelled here: that module imports torch
-    if any(g not in ("symmetric", "full", "asymmetric") for g in grids) or len(set(grids)) != len(grids):
-        raise UsageError(f"--learn-grid {learn['grid']!r}: pass symmetric, full or asymmetric, or several of them "
-                         "joined by + (e.g. full+asymmetric)")
-    if learn and learn.get("scales") and smooth is not None:
-        raise UsageError("--learn-scales and --smooth both set each norm's scale: pass one of them")
-    if no_bias_slots and not fold_gamma and rotation is None:
-        raise UsageError("--no-bias-slots applies with --fold-gamma (or --rotate) only: a bias slot takes the β of a "
-                         "γ-folded norm, and without --fold-gamma none is made; pass --fold-gamma too, or drop "
-                         "--no-bias-slots")
-    if beta_placement in ("keep", "rounding") and fold_gamma:  # with --rotate alone: the norms it does not turn
-        raise UsageError(f"--beta-placement {beta_placement} applies without --fold-gamma: a norm whose γ is folded "
-                         "into its readers has no γ for β to sit behind, so β leaves every such norm whatever the "
-                         "placement; drop --beta-placement, or drop --fold-gamma")
-    if new_head and task is None:
-        raise UsageError("--new-head adds a task head: name it with --task (e.g. --task sequence-classification)")
-    if fmt == "compat" and mode == "all":
-        raise UsageError("--format compat keeps LayerNorms, so approximate norms cannot be converted: use --mode "
-                         "exact or --mode auto with --format compat, or --format native with --mode all")
-    if fmt == "compat" and rotate_output == "restore":
-        raise UsageError("--rotate-output restore adds an un-rotation op the stock architecture lacks: use --format "
-                         "native, or --rotate-output rotated with --format compat")
-    if fmt == "compat" and online_hadamard:
-        raise UsageError("--online-hadamard adds ops the stock architecture lacks: use --format native with it, or "
-                         "drop it for --format compat")
-    if low_memory:
-        for flag, given in (("--rotate", rotation), ("--calibration-data", calibration_data),
-                            ("--per-norm-centering", per_norm_centering)):
-            if given:
-                raise UsageError(f"{flag} needs the whole model in memory; drop --low-memory or {flag}")
-        if writer_centering == "auto":
-            raise UsageError("--writer-centering auto chooses each writer's centering from its own weights, which "
-                             "--low-memory plans without: drop --low-memory, or pass --writer-centering op or weights")
-    if calibration_data is not None:
-        check_input_file(calibration_data, "--calibration-data")
-
-
 # ------------------------------------------------------------------------------------ convert
 CONVERT_EPILOG = f"""\b
 Examples:
@@ -213,114 +144,7 @@ class _ConvertCommand(click.Command):
 @click.argument("model")
 @click.option("--out", "out", required=True, type=click.Path(file_okay=False), callback=_out_dir,
               help="Output directory.")
-@click.option(
-    "--mode",
-    type=click.Choice(MODES),
-    default="auto",
-    show_default=True,
-    help="exact: only exact norms; all: also Post-LN (approximate); auto: all, with warnings.",
-)
-@click.option(
-    "--format",
-    "fmt",
-    type=click.Choice(FORMATS),
-    default="native",
-    show_default=True,
-    help="native: RMSNorm modules + manifest; compat: stock architecture, LayerNorms kept, exact.",
-)
-@click.option("--fold-gamma", is_flag=True, help="Also fold γ into reader weights (RMSNorm weight = 1).")
-@click.option(
-    "--per-norm-centering",
-    is_flag=True,
-    help="Post-LN norms: insert one centering op (a mean per token) before each, which makes them exact "
-    "at LayerNorm's cost (verdict exact-with-per-norm-centering, counted apart).",
-)
-@click.option(
-    "--no-mean-carry",
-    is_flag=True,
-    help="Keep MLPs at their stock width. By default a Post-LN norm whose stream is h + MLP(h) becomes "
-    "exact by adding a few neurons to that MLP that cancel the mean (its width padded to a multiple of "
-    "--carry-multiple); with this flag "
-    "those norms are approximate instead.",
-)
-@click.option(
-    "--no-constant-trades",
-    is_flag=True,
-    help="Center every embedding writer on its own. By default a centered position table keeps its row means "
-    "where a bias or class token reaching the same tokens takes them away instead (exact; what a static int8 "
-    "quantizer needs on a ViT/DINOv2).",
-)
-@click.option(
-    "--carry-multiple",
-    type=click.IntRange(1, 4096),
-    default=8,
-    show_default=True,
-    metavar="N",
-    help="Pad an MLP the mean carry widens to a multiple of N neurons. Pass your weight quantizer's group "
-    "size when it groups along the MLP's width (OpenVINO NNCF int4: 128), which must divide the width.",
-)
-@click.option(
-    "--no-bias-slots",
-    is_flag=True,
-    help="With --fold-gamma: keep β/γ in a norm whose reader has no bias (GPT-2's LM head). By default that "
-    "reader gets a bias holding W·β (native format; compat moves it back into the LayerNorm), since a "
-    "small γ makes β/γ a large constant that activation quantization pays for.",
-)
-@click.option(
-    "--beta-placement",
-    type=click.Choice(BETA_PLACEMENTS),
-    default=None,
-    help="Where a norm's β goes without --fold-gamma: 'keep' keeps every β in its norm (readers' biases and "
-    "inputs stay the original's: int8 engines such as CTranslate2 and ONNX Runtime quantize them as they did "
-    "the original; the default: weight-only 4-bit/8-bit engines too quantize a folded model worse); 'rounding' "
-    "folds it into the readers' biases unless that rounds worse in bfloat16 than the original's own path (one "
-    "add fewer per folded norm: the in-memory patch's default); 'fold' folds it wherever the readers can take "
-    "it. All exact.",
-)
-@click.option(
-    "--layer-scale",
-    type=click.Choice(LAYER_SCALES),
-    default="keep",
-    show_default=True,
-    help="A LayerScale λ (DINOv2, BEiT) whose writer is centered: 'keep' leaves it as a per-channel scale "
-    "that gives every row of the writer nearly all of the original weight's range (per-tensor int8 then "
-    "quantizes it almost as finely as per-channel); 'fold' multiplies it into the writer's rows (λ = 1). Both exact.",
-)
-@click.option(
-    "--stem-centering",
-    type=click.Choice(STEM_CENTERINGS),
-    default=None,
-    help="A stream started by a Linear or conv (a ViT/DINOv2 patch convolution, an input projection): 'op' "
-    "keeps its weights and centers the stream with one mean per token where it starts (exact-with-centering; "
-    "int8/4-bit quantizers then round the original's weights, and the op removes their rounding error's mean "
-    "as the original's first LayerNorm did; default); 'weights' centers that writer's weights instead (no op; "
-    "default with --rotate or --fold-gamma: a rotation then folds into those weights, and where the op would "
-    "leave norms approximate that centered weights make exact). Both exact.",
-)
-@click.option(
-    "--writer-centering",
-    type=click.Choice(WRITER_CENTERINGS),
-    default="weights",
-    show_default=True,
-    help="The writers inside the layers (a Pre-LN block's attention output and MLP down projections): 'weights' "
-    "centers their weights (each row minus the mean row; no op); 'op' keeps the original's weights and centers "
-    "each one's output by one mean per token after it (two ops per block); 'auto' does that for the writers a "
-    "LayerScale scales (DINOv2, BEiT; their rows balanced as --layer-scale keep does) or whose centering would "
-    "widen a weight row more than 2x, and centers the others by weights (GPT-2, Whisper: the default). For "
-    "engines that round each weight row on its own scale (torchao int8, OpenVINO NNCF int8 weights, LLM.int8) "
-    "use 'op' or 'auto' ('auto' keeps ONNX Runtime's per-tensor int8 gain too); ONNX Runtime's per-channel int8 "
-    "gains most from 'weights' (docs/deployment.md). All exact.",
-)
-@click.option(
-    "--untie/--keep-tied",
-    "untie",
-    default=None,
-    help="What to do with an output head tied to the input embedding. Default: keep the tie (one centering "
-    "op per token at run time; quantizers see the head as the original has it) and untie only where the plan "
-    "needs it (--fold-gamma, a rotation). --untie clones the head so the embedding is centered by weights "
-    "(no op; the checkpoint grows by the embedding's size, GPT-2: about +50%); --keep-tied never unties.",
-)
-@click.option("--no-untie", "no_untie", is_flag=True, hidden=True, help="Alias of --keep-tied.")
+@plan_options
 @click.option(
     "--dtype",
     type=click.Choice(DTYPES),
@@ -348,17 +172,6 @@ class _ConvertCommand(click.Command):
     help="Stream tensors shard by shard (default: automatic when the in-memory conversion's predicted "
     "peak would not fit in the available RAM).",
 )
-@click.option("--trust-remote-code", is_flag=True, help="Allow custom modeling code shipped with MODEL.")
-@click.option(
-    "--revision",
-    default=None,
-    help="With a Hub id: the branch, tag or commit (default main). Offline (HF_HUB_OFFLINE=1) or with "
-    "the Hub unreachable, a Hub id is read from the Hugging Face cache (HF_HOME / HF_HUB_CACHE), as "
-    "transformers reads it.",
-)
-@click.option(
-    "--allow-pickle", is_flag=True, help="Accept pickle-only (.bin) checkpoints. Only for trusted files."
-)
 @click.option(
     "--overwrite", is_flag=True, help="Replace a non-empty --out (only once the new output is complete)."
 )
@@ -378,136 +191,13 @@ class _ConvertCommand(click.Command):
     help="Write the result even when its held-out figures say it is unusable (embedding cosine < 0.9 "
     "or top-1 agreement < 0.5 against the original); default: exit 4, nothing written.",
 )
-@click.option(
-    "--task",
-    type=click.Choice(TASK_NAMES),
-    default=None,
-    help="Model class to load (default: from config.architectures); presets too. Loading a masked-LM "
-    "checkpoint as sequence-classification (or base, whose pooler it lacks) needs --new-head.",
-)
-@click.option(
-    "--new-head",
-    is_flag=True,
-    help="With --task: allow a task head (or a pooler) that the checkpoint's own class lacks (random "
-    "init, recorded in the manifest). Without it any missing tensor is an error.",
-)
-@click.option(
-    "--rotate",
-    "rotation",
-    type=click.Choice(ROTATIONS),
-    default=None,
-    help="After converting, rotate every rotation-ready residual stream by an orthogonal Q (outputs "
-    "unchanged): hadamard = randomized Hadamard (QuaRot's choice; a random orthogonal Q where no "
-    "Hadamard order fits the width), random = random orthogonal, learned = the Hadamard times an "
-    "orthogonal R learned on --calibration-data (default: built-in batches) for the quantizer the --learn-* "
-    "options describe (SpinQuant's R1), none = no stream turned, only --online-hadamard's ops, before every Linear "
-    "input (norms keep γ and β: the 4-bit choice for models with uneven γ, e.g. DINOv2). γ is folded into the "
-    "readers of the streams it turns; the norms of "
-    "a stream it leaves alone keep γ and β as without --rotate (add --fold-gamma to fold γ everywhere). Q keeps the "
-    "mean (Q·1 = 1), so --format compat works too. Recorded in the manifest.",
-)
-@click.option("--learn-bits", type=click.IntRange(2, 8), default=None, metavar="N",
-              help="With --rotate learned: the weight bits it is learned for (default 4).")
-@click.option("--learn-act-bits", type=click.IntRange(2, 16), default=None, metavar="N",
-              help="With --rotate learned: per-token activation bits it is learned for (default: none, "
-              "weight-only quantization).")
-@click.option("--learn-group-size", type=click.IntRange(2), default=None, metavar="N",
-              help="With --rotate learned: one weight scale per N inputs, as block-wise 4-bit quantizers "
-              "(ONNX Runtime MatMulNBits: 32; default: one per output channel).")
-@click.option("--learn-steps", type=click.IntRange(0, 100_000), default=None, metavar="N",
-              help="With --rotate learned: optimiser steps, one calibration batch each (default 100).")
-@click.option("--learn-grid", default=None, metavar="GRID[+GRID]",
-              help="With --rotate learned: the weights' integer grid: symmetric (±(2^(b-1)-1): RTN, CTranslate2, "
-              "torchao; default), full (-2^(b-1) … 2^(b-1)-1, the largest magnitude at the far end: ONNX "
-              "Runtime's symmetric MatMulNBits) or asymmetric (min … max with a zero point: HQQ's start, "
-              "asymmetric int4); several joined by + (full+asymmetric) take turns in the loss.")
-@click.option("--learn-scales", is_flag=True, default=None,
-              help="With --rotate learned: also learn a per-channel scale between each norm and its readers "
-              "(exact; the norms keep it as their weight). Not with --smooth.")
-@click.option("--learn-logit-top-k", type=click.IntRange(1), default=None, metavar="K",
-              help="With --rotate learned: the loss's KL over each calibration batch's K likeliest tokens per "
-              "position, its input tokens and one class for all other tokens (estimated from a sample), the output "
-              "head turned and rounded on those rows only (a large vocabulary's head is otherwise most of a step; "
-              "default: the whole vocabulary).")
-@click.option("--learn-heads", is_flag=True, default=None,
-              help="With --rotate learned: also learn one rotation per attention layer on each head's values and "
-              "the output projection's columns of that head (SpinQuant's R2; exact, weights only).")
-@click.option("--seed", "rotate_seed", type=int, default=0, show_default=True,
-              help="With --rotate: the seed of the random signs / random matrix (stream i uses seed + i).")
-@click.option(
-    "--rotate-output",
-    type=click.Choice(("rotated", "restore")),
-    default=None,
-    help="With --rotate, for a stream whose last norm output is a model output (a ViT backbone's "
-    "last_hidden_state): rotated = that output comes out rotated (cosines and inner products kept; Q in "
-    "the manifest); restore = one un-rotation after the last norm (outputs unchanged). Default: such "
-    "streams are not rotated.",
-)
-@click.option("--online-hadamard", is_flag=True,
-              help="With --rotate and --format native: also the online Hadamard rotations (before every MLP down "
-              "projection; with --rotate none before every Linear input).")
-@click.option("--online-block", "online_block", type=int, default=None, metavar="N",
-              help="With --online-hadamard: block-diagonal online Hadamards x·D·(I ⊗ H_N)/sqrt(N), N a power of two "
-              "(32, 64, 128), on every op whose width is a multiple of N larger than N (the others stay full): N "
-              "multiply-adds per feature instead of the full transform's, one MatMul when exported; exact. The "
-              "report and the manifest say which widths took it. Default: the full Hadamard.")
-@click.option("--smooth", "smooth", type=click.FloatRange(0.0, 1.0), default=None, metavar="ALPHA",
-              help="With --rotate: after the rotation, move a per-channel scale between each norm's weight and "
-              "its readers' input columns (SmoothQuant's alpha, e.g. 0.5), measured on --calibration-data "
-              "(default: built-in batches). Exact; works with --format compat. With --rotate none "
-              "--online-hadamard: the scale goes in before the ops, in the norm's own basis (γ and β / s).")
+@source_options
+@rotation_options
 @example_input_options
 @click.option("--quiet", "-q", is_flag=True,
               help="Errors only on stderr: no progress, notes or warnings (the results still go to stdout).")
 @handle_errors
-def convert(
-    model: str,
-    out: str,
-    mode: str,
-    fmt: str,
-    fold_gamma: bool,
-    per_norm_centering: bool,
-    no_mean_carry: bool,
-    no_constant_trades: bool,
-    carry_multiple: int,
-    no_bias_slots: bool,
-    beta_placement: str | None,
-    layer_scale: str,
-    stem_centering: str | None,
-    writer_centering: str,
-    untie: bool | None,
-    no_untie: bool,
-    dtype: str,
-    calibration_data: str | None,
-    max_shard_size: str,
-    low_memory: bool | None,
-    trust_remote_code: bool,
-    revision: str | None,
-    allow_pickle: bool,
-    overwrite: bool,
-    no_verify: bool,
-    verify_dtype: str,
-    allow_unusable: bool,
-    task: str | None,
-    new_head: bool,
-    rotation: str | None,
-    rotate_seed: int,
-    rotate_output: str | None,
-    online_hadamard: bool,
-    online_block: int | None,
-    smooth: float | None,
-    learn_bits: int | None,
-    learn_act_bits: int | None,
-    learn_group_size: int | None,
-    learn_steps: int | None,
-    learn_grid: str | None,
-    learn_scales: bool | None,
-    learn_heads: bool | None,
-    learn_logit_top_k: int | None,
-    example_inputs: str | None,
-    samples: tuple[str, ...],
-    quiet: bool,
-) -> None:
+def convert(model: str, out: str, **params: Any) -> None:
     """Convert MODEL's LayerNorms to RMSNorm and write a checkpoint to --out.
 
     MODEL is a Hugging Face Hub id, a local model directory, or a preset name. The output is
@@ -515,41 +205,18 @@ def convert(
     interrupted run leaves nothing behind (Ctrl-C after the rename says the output is complete).
     """
     check_model_name(model)
-    learn = {k: v for k, v in (("bits", learn_bits), ("act_bits", learn_act_bits), ("group_size", learn_group_size),
-                               ("steps", learn_steps), ("grid", learn_grid), ("scales", learn_scales or None),
-                               ("heads", learn_heads or None), ("logit_top_k", learn_logit_top_k))
-             if v is not None}
-    _check_combination(mode, fmt, fold_gamma, per_norm_centering, no_bias_slots, calibration_data, low_memory,
-                       task, new_head, rotation, rotate_seed, rotate_output, online_hadamard, smooth, beta_placement,
-                       learn, online_block, writer_centering)
+    calibration_data, low_memory, quiet = params["calibration_data"], params["low_memory"], params["quiet"]
+    check_combination(params, calibration_data=calibration_data, low_memory=low_memory)
+    # a usage error, answered before torch is imported (a Hub id's overlap is checked once it is resolved)
+    check_out_dir(out, overwrite=params["overwrite"], source=model if os.path.isdir(model) else None)
     from normswap.checkpoint.conversion import convert as run
     from normswap.options import ConvertOptions
 
-    given_inputs = inputs_from(example_inputs, samples)
-    options = ConvertOptions(
-        mode=mode,
-        fold_gamma=fold_gamma,  # --rotate folds γ where it turns the stream; --fold-gamma everywhere
-        rotate=rotation,
-        rotate_seed=rotate_seed,
-        rotate_output=rotate_output,
-        online_hadamard=online_hadamard,
-        online_block=online_block,
-        rotate_smooth=smooth,
-        rotate_learn=learn or None,
-        untie=False if no_untie else untie,
-        per_norm_centering=per_norm_centering,
-        mean_carry=not no_mean_carry,
-        trade_constants=not no_constant_trades,
-        carry_multiple=carry_multiple,
-        bias_slots=not no_bias_slots,
-        beta_placement=beta_placement,
-        layer_scale=layer_scale,
-        stem_centering=stem_centering,
-        writer_centering=writer_centering,
-        verify=not no_verify,
-        verify_dtype=verify_dtype,
-        allow_unusable=allow_unusable,
-    )
+    given_inputs = inputs_from(params["example_inputs"], params["samples"])
+    options = ConvertOptions(**conversion_options(params, verify=not params["no_verify"],
+                                                  verify_dtype=params["verify_dtype"],
+                                                  allow_unusable=params["allow_unusable"]))
+    fmt = params["fmt"]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         report = run(
@@ -557,16 +224,16 @@ def convert(
             out,
             options=options,
             format=fmt,
-            dtype=dtype,
+            dtype=params["dtype"],
             calibration_data=calibration_data,
-            max_shard_size=max_shard_size,
+            max_shard_size=params["max_shard_size"],
             low_memory=low_memory,
-            trust_remote_code=trust_remote_code,
-            overwrite=overwrite,
-            task=task,
-            allow_pickle=allow_pickle,
-            allow_new_head=new_head,
-            revision=revision,
+            trust_remote_code=params["trust_remote_code"],
+            overwrite=params["overwrite"],
+            task=params["task"],
+            allow_pickle=params["allow_pickle"],
+            allow_new_head=params["new_head"],
+            revision=params["revision"],
             example_inputs=given_inputs,
             progress=not quiet,
             echo=lambda msg: say("note", msg, quiet),

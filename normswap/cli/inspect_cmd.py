@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import warnings
+from typing import Any
 
 import click
 
@@ -11,20 +12,26 @@ from normswap.cli import main
 from normswap.cli.common import (
     EXIT_CODES,
     EXIT_NOTHING,
-    MODES,
-    TASK_NAMES,
     check_model_name,
     cli_words,
     fail,
     handle_errors,
 )
 from normswap.cli.inputs_opts import example_input_options, inputs_from
+from normswap.cli.plan_opts import (
+    check_combination,
+    conversion_options,
+    plan_options,
+    rotation_options,
+    source_options,
+)
 
 INSPECT_EPILOG = f"""\b
 Examples:
   normswap inspect tiny-gpt2
   normswap inspect tiny-bert --mode exact --verbose
   normswap inspect ./my-model --json > plan.json
+  normswap inspect gpt2 --format compat --rotate hadamard   # the plan convert makes with these
   normswap inspect ./my-vlm --example-inputs inputs.safetensors
   normswap inspect ./my-vit --sample cat.png
   normswap inspect ./tiny-gpt2-rms          # a converted checkpoint: shows its manifest
@@ -37,52 +44,35 @@ Examples:
 @click.argument("model")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON (the manifest format).")
 @click.option(
-    "--mode",
-    type=click.Choice(MODES),
-    default="auto",
-    show_default=True,
-    help="Which norms the plan would convert.",
-)
-@click.option("--fold-gamma", is_flag=True, help="Plan γ folding too.")
-@click.option("--keep-tied", is_flag=True,
-              help="Plan with tied embeddings never untied (the default unties only where the plan needs it).")
-@click.option(
     "--verbose",
     "-v",
     is_flag=True,
     help="Also list each norm's writers, readers and where its β went and why, every centering op and untie.",
 )
-@click.option("--task", type=click.Choice(TASK_NAMES), default=None, help="Model class to load.")
-@click.option("--trust-remote-code", is_flag=True, help="Allow custom modeling code shipped with MODEL.")
-@click.option("--allow-pickle", is_flag=True, help="Accept pickle-only (.bin) checkpoints.")
+@plan_options
+@source_options
+@rotation_options
 @example_input_options
 @handle_errors
-def inspect(
-    model: str,
-    as_json: bool,
-    mode: str,
-    fold_gamma: bool,
-    keep_tied: bool,
-    verbose: bool,
-    task: str | None,
-    trust_remote_code: bool,
-    allow_pickle: bool,
-    example_inputs: str | None,
-    samples: tuple[str, ...],
-) -> None:
+def inspect(model: str, as_json: bool, verbose: bool, **params: Any) -> None:
     """Show what normswap would do to MODEL's norms: verdict, reason, writers and readers.
 
-    Nothing is written and the model is not modified. For a checkpoint normswap already
-    converted, the stored manifest is shown instead (no analysis).
+    Nothing is written and the model is not modified. It takes convert's options that shape the plan
+    (--format, --mode, --fold-gamma, the centering options, --untie/--keep-tied, --rotate and the rest)
+    and shows the plan convert would make with them; the rotation's own settings (--seed, --smooth,
+    --learn-*, --online-*) are checked as convert checks them, and the rotation is not computed. For a
+    checkpoint normswap already converted, the stored manifest is shown instead (no analysis).
     """
     check_model_name(model)
+    check_combination(params)
     from pathlib import Path
 
     from normswap.analysis.plan import Plan
-    from normswap.checkpoint import hf, module_io, source
+    from normswap.checkpoint import conversion, hf, module_io, source
+    from normswap.options import ConvertOptions
 
-    fmt = None
-    given_inputs = inputs_from(example_inputs, samples)
+    fmt, mode = None, params["mode"]
+    given_inputs = inputs_from(params["example_inputs"], params["samples"])
     if module_io.is_module_dir(Path(model).expanduser()):  # normswap.save of a custom module: no config.json
         manifest = module_io.read_manifest(Path(model).expanduser())
         plan = Plan.from_dict(manifest["plan"])
@@ -90,9 +80,8 @@ def inspect(
         header = (f"{model}: normswap checkpoint of a custom module, {cls} (manifest; load it with "
                   f"normswap.load(dir, model={cls.rpartition('.')[2]}(...)))")
     else:
-        src = source.resolve(
-            model, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code, allow_converted=True
-        )
+        src = source.resolve(model, allow_pickle=params["allow_pickle"], trust_remote_code=params["trust_remote_code"],
+                             allow_converted=True, revision=params["revision"])
         manifest = src.config.get(hf.MANIFEST_KEY) if src.kind != "preset" else None
         if isinstance(manifest, dict) and manifest.get("plan") is not None:
             plan = Plan.from_dict(manifest["plan"])
@@ -101,13 +90,20 @@ def inspect(
         else:
             import normswap
 
+            fmt = params["fmt"]
+            # resolved as convert resolves them for --format (β kept in a checkpoint, compat plans --mode exact)
+            options = conversion.check_options(
+                ConvertOptions(**conversion_options(params, verify=False)), fmt=fmt, dtype="auto",
+                max_shard_size="5GB", task=params["task"], low_memory=False, calibration_data=None)
+            mode = options.mode
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                loaded, proc = source.load_model(src, task=task, dtype="auto", trust_remote_code=trust_remote_code)
+                loaded, proc = source.load_model(src, task=params["task"], dtype="auto",
+                                                 trust_remote_code=params["trust_remote_code"],
+                                                 allow_new_head=params["new_head"])
                 example = given_inputs(loaded, proc) if given_inputs is not None else None
-                plan = normswap.plan(loaded, example, mode=mode, fold_gamma=fold_gamma,
-                                     untie=False if keep_tied else None)
-            header = f"{model} ({type(loaded).__name__})"
+                plan = normswap.plan(loaded, example, options=options)
+            header = f"{model} ({type(loaded).__name__}), as convert --format {fmt} plans it"
     if as_json:
         click.echo(json.dumps(plan.to_dict(), indent=2, default=str))
     else:
