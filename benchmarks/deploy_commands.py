@@ -30,6 +30,10 @@ import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+# deployment.md's Whisper wrapper (an explicit decoder mask: the TorchScript exporter has no aten::diff)
+from bench_quant_whisper import TeacherForced  # noqa: E402
+
 STEPS: list[tuple[str, Callable[[Path], dict[str, Any]]]] = []
 
 
@@ -76,18 +80,6 @@ class Body(torch.nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
-
-
-class TeacherForced(torch.nn.Module):
-    """deployment.md's Whisper wrapper (explicit decoder mask: the TorchScript exporter has no aten::diff)."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, input_features: torch.Tensor, decoder_input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model(input_features=input_features, decoder_input_ids=decoder_input_ids, use_cache=False,
-                          decoder_attention_mask=torch.ones_like(decoder_input_ids)).logits
 
 
 class Calibration:
