@@ -31,10 +31,18 @@ online op with the ones recorded (one tuple of ``dict.get`` and an identity comp
   reads, median over ``--rounds``), and the decode step with the watched dictionaries against the same model
   with plain ones put back (ABBA rounds as for the guard).
 
-* ``slots`` (round 54): since round 54 the guard also compares, at every call, the slot holding each watched
-  dictionary (the owner's ``__dict__["_modules"]``), so a ``_modules`` replaced whole is refused at the next call.
-  ``--slots-only`` times the guard alone and with the dispatch against round 53's (the same guard without those
-  entries, :func:`without_slots`), alternated as above, and nothing else.
+* ``slots`` (round 54): round 54's guard also compared, at every call, the slot holding each watched dictionary
+  (the owner's ``__dict__["_modules"]``), so that a ``_modules`` replaced whole was refused at the next call.
+* ``round 55`` (``--slots-only``): since round 55 every ``_modules`` on the way to an op, the op's own parent too,
+  is a watched dictionary held weakly (a write is told as it happens, one replaced whole as it is freed), so no
+  ``_modules`` edge and no ``_modules`` slot is compared at the call; per op the guard compares its hook entry and
+  the slot holding that hook dictionary (an op's hook dictionary replaced whole is refused at the next call).
+  ``--slots-only`` times this guard alone and with the dispatch against round 54's (main's), rebuilt from the
+  same model (:func:`round54`: the edge into each op's module in a plain copy of its parent's ``_modules``, the
+  op's hook entry, the slot of each dictionary above an op's parent; the same ``__call__``), alternated as above.
+  ``--decode`` adds the end-to-end cell: the decode step with round 55's layout (its guard, 39 watched
+  dictionaries on GPT-2 small) against round 54's (its guard, the ops' parents back on plain dictionaries: 15
+  watched), swapped in place on the same model between timings, ABBA rounds as above, with the A/A of round 54's.
 
 Random weights (the guard's cost depends on the module tree, not the values), float32, one thread.
 
@@ -78,22 +86,56 @@ def module_edges_only(guard: Callable) -> Callable:
     entry: round 51's guard (the same ``__call__``, which since round 52 also reads one flag)."""
     import copy
 
+    from normswap.rotation.carry import _target
+
     old = copy.copy(guard)
-    old._set([(*e[:5], True) for e in guard.entries if e[0] is e[3].__dict__["_modules"]])
+    old._set([(_target(e), *e[1:5], True) for e in guard.entries if _target(e) is e[3].__dict__["_modules"]])
     old.dirty = False
     return old
 
 
-def without_slots(guard: Callable) -> Callable:
-    """A copy of ``guard`` without the round-54 slot entries (``owner.__dict__["_modules"]``): round 53's guard."""
-    import copy
+def round54(model: torch.nn.Module) -> tuple[Callable, Callable[[], Callable[[], None]]]:
+    """Round 54's guard (main's before round 55) for ``model``, and the function that puts round 54's layout on
+    the model (returning the one that takes it off again). Its checked entries, per op: the edge into the op's
+    module in its parent's ``_modules`` (a plain ``dict`` in round 54: here a plain copy of it, the one the layout
+    puts on the parent), the op's entry in its hook dictionary; and the slot (``owner.__dict__["_modules"]``) of
+    each watched dictionary above an op's parent. The same ``OpsGuard.__call__`` (unchanged since round 52)."""
+    from normswap.rotation.carry import OWNED, OpsGuard, WatchedModules, _hook_entry, held_ops
 
-    from normswap.rotation.carry import OWNED
+    ops = held_ops(model)
+    parents = {p.rpartition(".")[0] for p in ops if p}
+    above = {p[:i] if i > 0 else "" for p in parents for i in [0] + [k for k, c in enumerate(p) if c == "."]}
+    above |= {q.rpartition(".")[0] for q in parents if q}
+    above = {a for a in above if any(p != a and (a == "" or p.startswith(a + ".")) for p in parents)}
+    plain = {p: dict(model.get_submodule(p).__dict__["_modules"]) for p in parents if p not in above}
+    entries: list[tuple] = []
+    for path in ops:
+        parent_path, _, name = path.rpartition(".")
+        parent, module = model.get_submodule(parent_path), model.get_submodule(path)
+        d = plain.get(parent_path, parent.__dict__["_modules"])
+        entries.append((d, name, module, parent, path, True))
+        hook = _hook_entry(module, ops[path])
+        entries.append((*hook, module, path, True))
+    for a in sorted(above):
+        owner = model.get_submodule(a)
+        assert type(owner.__dict__["_modules"]) is WatchedModules
+        entries.append((owner.__dict__, OWNED, owner.__dict__["_modules"], owner, a, True))
+    guard = OpsGuard()
+    guard._set(entries)
 
-    old = copy.copy(guard)
-    old._set([e for e in guard.entries if e[1] != OWNED])
-    old.dirty = False  # (a copy without slot entries reads as a round-53 pickle, which re-watches at its first call)
-    return old
+    def layout() -> Callable[[], None]:
+        key, new = guard_of(model)
+        watched = {p: model.get_submodule(p).__dict__["_modules"] for p in plain}
+        for p, d in plain.items():
+            model.get_submodule(p).__dict__["_modules"] = d
+        model._forward_pre_hooks[key] = guard
+
+        def back() -> None:
+            for p, d in watched.items():
+                model.get_submodule(p).__dict__["_modules"] = d
+            model._forward_pre_hooks[key] = new
+        return back
+    return guard, layout
 
 
 def paired(new: Callable, old: Callable, model: torch.nn.Module, rounds: int, calls: int, reps: int) -> dict:
@@ -124,6 +166,68 @@ def guard_of(model: torch.nn.Module) -> tuple[int, Callable]:
     from normswap.rotation.carry import OpsGuard
 
     return next((k, h) for k, h in model._forward_pre_hooks.items() if isinstance(h, OpsGuard))
+
+
+def watched_reads(model: torch.nn.Module, layout: Callable[[], Callable[[], None]], past: int) -> dict:
+    """Submodule reads on a watched ``_modules`` (the subclass path of ``nn.Module.__getattr__``) in one decode
+    step, with the model's own layout (round 55) and with round 54's put on it: counted by wrapping
+    ``nn.Module.__getattr__`` for the step. Deterministic (no timing); times the per-read cost of
+    ``benchmarks/watched_modules_read.py`` it gives the layout's cost per step."""
+    from normswap.rotation.carry import WatchedModules
+
+    timer = step_timer(model, past, 1)
+    original = torch.nn.Module.__getattr__
+    count = [0]
+
+    def counting(self: torch.nn.Module, name: str) -> object:
+        d = self.__dict__.get("_modules")
+        if type(d) is WatchedModules and name in d:
+            count[0] += 1
+        return original(self, name)
+
+    def counted() -> int:
+        count[0] = 0
+        torch.nn.Module.__getattr__ = counting
+        try:
+            timer()
+        finally:
+            torch.nn.Module.__getattr__ = original
+        return count[0]
+
+    own = counted()
+    back = layout()
+    try:
+        r54 = counted()
+    finally:
+        back()
+    return {"reads": own, "reads_r54": r54}
+
+
+def decode_rows(model: torch.nn.Module, layout: Callable[[], Callable[[], None]], past: int, seconds: float,
+                reps: int, rounds: int) -> dict:
+    """The decode step with the model's own layout (round 55) against round 54's put on it in place (ABBA)."""
+    steps = max(3, round(seconds / step_timer(model, past, 3)()))
+    timer = step_timer(model, past, steps, reps)
+    step_ms: list[float] = []
+
+    def old() -> float:
+        back = layout()
+        try:
+            return timer()
+        finally:
+            back()
+
+    for _ in range(3):  # warm-up
+        timer(), old()
+    run = {"original": old, "guard": lambda: step_ms.append(timer()) or step_ms[-1]}
+    ratios = abba(run, rounds)
+    watched = sum(type(m.__dict__["_modules"]).__name__ == "WatchedModules" for m in model.modules())
+    back = layout()
+    watched54 = sum(type(m.__dict__["_modules"]).__name__ == "WatchedModules" for m in model.modules())
+    back()
+    return {"steps": steps, "step_ms": [s * 1e3 for s in step_ms], "watched_modules": watched,
+            "watched_modules_r54": watched54, "step_r55_over_r54": ratios["guard"],
+            "step_a_over_a": ratios["original (A/A)"]}
 
 
 def step_timer(model: torch.nn.Module, past: int, steps: int, reps: int = 1) -> Callable[[], float]:
@@ -235,7 +339,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--reps", type=int, default=5, help="runs of steps per timing; a timing is the fastest")
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--calls", type=int, default=20000, help="guard calls per timing of the guard alone")
-    ap.add_argument("--slots-only", action="store_true", help="round 54's guard against round 53's, nothing else")
+    ap.add_argument("--slots-only", action="store_true", help="round 55's guard against round 54's (main's), "
+                    "nothing else (with --decode: the decode step too)")
+    ap.add_argument("--reads-only", action="store_true", help="the watched submodule reads per decode step, "
+                    "round 55's layout and round 54's (counted, not timed), nothing else")
+    ap.add_argument("--decode", action="store_true", help="with --slots-only: the decode step, round 55's layout "
+                    "against round 54's")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
@@ -244,17 +353,33 @@ def main(argv: list[str] | None = None) -> dict:
     for size in args.sizes:
         model = online_gpt2(size)
         key, guard = guard_of(model)
+        if args.reads_only:
+            out["sizes"][size] = row = watched_reads(model, round54(model)[1], args.past)
+            print(f"{size}: watched submodule reads per decode step {row['reads']} (round 54's layout: "
+                  f"{row['reads_r54']})", flush=True)
+            if args.json:
+                args.json.write_text(json.dumps(out, indent=1))
+            continue
         if args.slots_only:
-            r53 = without_slots(guard)
-            row = {"entries": len(guard.modules), "entries_r53": len(r53.modules),
-                   **paired(guard, r53, model, args.rounds, args.calls, args.reps)}
+            r54, layout = round54(model)
+            row = {"entries": len(guard.modules), "entries_r54": len(r54.modules),
+                   **paired(guard, r54, model, args.rounds, args.calls, args.reps)}
             out["sizes"][size] = row
             med = statistics.median
-            print(f"{size}: {row['entries']} checked entries (round 53: {row['entries_r53']}); guard alone "
-                  f"{med(row['alone_us']):.2f} us/call (round 53's {med(row['alone_us_old']):.2f}, ratio "
+            print(f"{size}: {row['entries']} checked entries (round 54: {row['entries_r54']}); guard alone "
+                  f"{med(row['alone_us']):.2f} us/call (round 54's {med(row['alone_us_old']):.2f}, ratio "
                   f"{med(row['alone_ratio']):.3f}, range {min(row['alone_ratio']):.3f}-{max(row['alone_ratio']):.3f});"
-                  f" with dispatch {med(row['dispatch_us']):.2f} (round 53's {med(row['dispatch_us_old']):.2f}, "
-                  f"ratio {med(row['dispatch_ratio']):.3f})")
+                  f" with dispatch {med(row['dispatch_us']):.2f} (round 54's {med(row['dispatch_us_old']):.2f}, "
+                  f"ratio {med(row['dispatch_ratio']):.3f})", flush=True)
+            if args.decode:
+                row["decode"] = d = decode_rows(model, layout, args.past, args.seconds, args.reps, args.rounds)
+                print(f"{size}: decode step {med(d['step_ms']):.3f} ms; {d['watched_modules']} watched dicts "
+                      f"(round 54: {d['watched_modules_r54']}); round 55 / round 54 {med(d['step_r55_over_r54']):.4f}"
+                      f" (range {min(d['step_r55_over_r54']):.4f}-{max(d['step_r55_over_r54']):.4f}); A/A "
+                      f"{med(d['step_a_over_a']):.4f} (range {min(d['step_a_over_a']):.4f}-"
+                      f"{max(d['step_a_over_a']):.4f})", flush=True)
+            if args.json:
+                args.json.write_text(json.dumps(out, indent=1))
             continue
         r51 = module_edges_only(guard)
         alone, alone51, alone_ratio, dispatch, dispatch51, dispatch_ratio = [], [], [], [], [], []

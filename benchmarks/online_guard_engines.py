@@ -11,7 +11,12 @@ dropped, whether the next call ran (and its 1 − cos against the float model, e
 ``model.encoder.layer[0]`` called by itself (past the model's pre-hook) on the embeddings' output, compared with
 the float model's first layer. Round 53 adds ``a quantized layer written into _modules``: a deep copy of
 ``encoder.layer[0]`` quantized and frozen by itself, then written straight into the list's ``_modules``
-(``model.encoder.layer._modules["0"] = copy``, no ``setattr``: no torch hook sees it), the model called.
+(``model.encoder.layer._modules["0"] = copy``, no ``setattr``: no torch hook sees it), the model called. Round 55
+adds three: ``the MLP's _modules replaced whole`` (``mlp._modules = {**mlp._modules, "fc1": qfc1}``, ``qfc1`` the
+``QLinear`` of a quantized deep copy of layer 0's MLP; the model called), ``a QLinear written into the MLP's
+_modules, the layer called directly`` (``mlp._modules["fc1"] = qfc1``, then ``model.encoder.layer[0]`` called by
+itself before any model call) and ``fc1's hook dictionary replaced whole`` (``fc1._forward_pre_hooks =
+OrderedDict()``: no engine, the op's hook gone with its dictionary; the model called).
 
     PYTHONPATH=QUANTO:$PWD python benchmarks/online_guard_engines.py --model dino-none --photos SKIMAGE/data
 """
@@ -23,6 +28,7 @@ import copy
 import gc
 import json
 import sys
+from collections import OrderedDict
 from pathlib import Path
 
 import torch
@@ -32,7 +38,9 @@ from bench_quant_engines import one_minus_cos  # noqa: E402
 from photo_crops import photo_crops  # noqa: E402
 
 CASES = ("the model", "a deep copy", "old modules referenced", "a layer called directly",
-         "a quantized layer written into _modules")
+         "a quantized layer written into _modules", "the MLP's _modules replaced whole",
+         "a QLinear written into the MLP's _modules, the layer called directly", "fc1's hook dictionary replaced whole")
+DIRECT = ("a layer called directly", "a QLinear written into the MLP's _modules, the layer called directly")
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -67,18 +75,29 @@ def main(argv: list[str] | None = None) -> dict:
     for case in CASES:
         model = normswap.load(args.model, dtype=torch.float32).eval()
         call = run
-        if case == "a layer called directly":
+        if case in DIRECT:
             with torch.no_grad():
                 hidden = model.embeddings(pixel_values=pixels)
             call = lambda m, hidden=hidden: first_layer(m, hidden)  # noqa: E731
         ref = call(model)
         kept = dict(model.named_modules()) if case == "old modules referenced" else None
         work = copy.deepcopy(model) if case == "a deep copy" else model
+        mlp = work.encoder.layer[0].mlp
         if case == "a quantized layer written into _modules":
             block = copy.deepcopy(work.encoder.layer[0])
             quantize(block, weights=qint8)
             freeze(block)
             work.encoder.layer._modules["0"] = block
+        elif case in CASES[5:7]:  # the QLinear of a quantized copy of layer 0's MLP, written in without setattr
+            block = copy.deepcopy(mlp)
+            quantize(block, weights=qint8)
+            freeze(block)
+            if case == CASES[5]:
+                mlp._modules = {**mlp._modules, "fc1": block.fc1}
+            else:
+                mlp._modules["fc1"] = block.fc1
+        elif case == CASES[7]:
+            mlp.fc1._forward_pre_hooks = OrderedDict()
         else:
             quantize(work, weights=qint8)
             freeze(work)

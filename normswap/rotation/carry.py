@@ -630,21 +630,26 @@ class _StoredValues:
 
 # ------------------------------------------------------------------------------ the guard at every call
 _WATCHERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module with a plain _modules -> its guards
-OWNED = "_modules"  # an OpsGuard entry (owner.__dict__, OWNED, its WatchedModules, ...): the slot itself
+_GUARDS: weakref.WeakSet = weakref.WeakSet()  # guards holding watched `_modules` weakly (swept as Dynamo compiles)
+OWNED = "_modules"  # round 54's slot entry (owner.__dict__, OWNED, its WatchedModules, ...), in older pickles
+HOOK_SLOTS = ("_forward_pre_hooks", "_forward_hooks")  # an op module's hook dictionaries, by their __dict__ slot
+LAYOUT = 55  # OpsGuard's state layout: watched `_modules` held weakly, the op's hook dictionary's slot checked
 
 
 class WatchedModules(dict):
     """A module's ``_modules`` dictionary that tells the guards watching one of its entries (:class:`OpsGuard`)
     of every write, as it happens: ``setattr`` / ``set_submodule`` / ``add_module`` (which write into it) and a
     write straight into it (``parent._modules[name] = new``, ``.update``, ``.setdefault``), which no torch hook
-    sees. Put in place of a plain ``dict`` on each module *above* an op's module (a layer, an MLP that holds the
-    op's Linear) when the guard starts to watch it (:meth:`on`): the edge into the op's module itself is compared
-    at every call already, and its owner keeps a plain ``dict``. Reads are the ``dict``'s own (no method of its
-    reading side is overridden), but CPython's specialised ``dict[key]`` takes exact dicts only, so a submodule read
-    on a watched module costs a little more (``benchmarks/watched_modules_read.py``). A copy (``copy.deepcopy``,
-    pickle) is a ``WatchedModules`` too, whose guard is the copy's."""
+    sees. Put in place of a plain ``dict`` on each module on the way to an op's module (the model, a layer, the
+    MLP that holds the op's Linear) when the guard starts to watch it (:meth:`on`), so that no edge on the way is
+    compared at the call. The guard holds it weakly: replaced as a whole (``mlp._modules = {...}``, ``del
+    layers[0]``, which rebuilds the list's), it is freed and the guard is told (:meth:`OpsGuard._freed`). Reads are
+    the ``dict``'s own (no method of its reading side is overridden), but CPython's specialised ``dict[key]`` takes
+    exact dicts only, so a submodule read on a watched module costs a little more
+    (``benchmarks/watched_modules_read.py``). A copy (``copy.deepcopy``, pickle) is a ``WatchedModules`` too, whose
+    guard is the copy's."""
 
-    __slots__ = ("guards",)  # the guards watching an entry of this dictionary (weakly: a WeakSet)
+    __slots__ = ("guards", "__weakref__")  # the guards watching an entry of this dictionary (weakly: a WeakSet)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         dict.__init__(self, *args, **kwargs)
@@ -683,60 +688,97 @@ class WatchedModules(dict):
         return self[name]
 
 
+def _target(entry: tuple) -> Any:
+    """The dictionary an :class:`OpsGuard` entry reads (a watched ``_modules`` is held weakly: None once freed)."""
+    d = entry[0]
+    return d() if isinstance(d, weakref.ref) else d
+
+
 class OpsGuard:
     """Forward pre-hook on the model (one, registered first by :func:`record`): before each call, whether every
-    module that runs an online op is still the instance its parent holds, and still has the op's hook. A swap
-    (``setattr`` or a write into ``_modules``, with or without another reference to the old module), a deep copy
-    (the copy's guard watches the copy's modules: ``copy.deepcopy`` maps them), a trace by ``torch.compile``
-    (Dynamo evaluates the comparison while tracing and guards on it, so a swap after compiling recompiles) and
-    an op's hook removed from a module that stays (``handle.remove()``, ``_forward_pre_hooks.clear()``) all meet
-    it.
+    module that runs an online op still runs it, where the model's modules lead. A swap (``setattr`` or a write
+    into ``_modules``, with or without another reference to the old module), a ``_modules`` replaced whole, a deep
+    copy (the copy's guard watches the copy's modules: ``copy.deepcopy`` maps them), a trace by ``torch.compile``
+    (Dynamo evaluates the comparison while tracing and guards on it, so a swap after compiling recompiles) and an
+    op's hook removed from a module that stays (``handle.remove()``, ``_forward_pre_hooks.clear()``, the hook
+    dictionary replaced whole) all meet it.
 
-    Per call: one tuple of ``dict.get`` over the checked entries (the ``_modules`` entry of each module that runs
-    an op, in its parent, and the op's entry in that module's hook dictionary), compared by identity with the
-    modules and hooks recorded, in C, and one flag. The modules above (a layer, an MLP) are watched through
-    torch's module-registration hook instead (:meth:`replaced`, as a ``setattr`` / ``set_submodule`` /
-    ``add_module`` assigns): a replacement that drops an op sets the flag, so the next call runs the full check,
-    and makes the new module at the op's path refuse its own calls (:class:`Refuse`), for calls of a submodule
-    that skip this hook. (Round 51 compared those edges at every call too; round 52 compares the ops' hook
-    entries instead, for the same cost.) A changed entry or the flag runs :func:`check_online_ops` (raise, one
-    line, before the model runs) and, where the ops still run (a wrapper that calls the original module, as
+    Per call: one tuple of ``dict.get`` over the checked entries (per op: its entry in its module's hook
+    dictionary, and the slot in the module's ``__dict__`` that holds that dictionary), compared by identity with
+    the hooks and dictionaries recorded, in C, and one flag. The ``_modules`` on the way to each op (the model, a
+    layer, the MLP holding the op's Linear) are :class:`WatchedModules`, which tell the guard of each write as it
+    happens (:meth:`replaced`; torch's ``setattr`` / ``set_submodule`` / ``add_module`` write into them too), and
+    are held weakly, so one replaced whole is seen as it is freed (:meth:`_freed`): a replacement that drops an op
+    sets the flag, so the next call runs the full check, and makes the new module at the op's path refuse its own
+    calls (:class:`Refuse`), for calls of a submodule that skip this hook. (A ``_modules`` that cannot be watched,
+    the one torch is writing into while a shared op is split, is compared at every call instead, its ``setattr``
+    told by torch's module-registration hook.) A changed entry or the flag runs :func:`check_online_ops` (raise,
+    one line, before the model runs) and, where the ops still run (a wrapper that calls the original module, as
     PEFT's LoRA layers do), watches the new structure."""
 
     def __init__(self) -> None:
-        self.entries: list[tuple] = []  # (dict, key, what is there, owner, path, checked at every call)
+        self.entries: list[tuple] = []  # (dict or weak ref, key, what is there, owner, path, checked at every call)
         self.dicts: tuple[dict, ...] = ()  # the checked entries: their dictionaries, keys and recorded values
         self.names: tuple[Any, ...] = ()
         self.modules: tuple[Any, ...] = ()
-        self.dirty = False  # a watched module above an op was replaced without it: check at the next call
+        self.dirty = False  # a watched module on the way to an op was replaced without it: check at the next call
+
+    def __getstate__(self) -> dict:
+        """Entries with their dictionaries (not weak references: a copy maps them to its own), no derived tuples."""
+        state = {k: v for k, v in self.__dict__.items() if k not in ("dicts", "names", "modules")}
+        # a slot entry is read again from its owner's __dict__ (a module's own __getstate__ may differ from it)
+        state["entries"] = [(None if e[1] in HOOK_SLOTS else _target(e), *e[1:]) for e in self.entries
+                            if _target(e) is not None]
+        state["dirty"] = self.dirty or len(state["entries"]) < len(self.entries)
+        state["layout"] = LAYOUT
+        return state
 
     def __setstate__(self, state: dict) -> None:
         """A copy (``copy.deepcopy``, pickle) watches its own modules, and is told of assignments to them."""
+        state = dict(state)
+        layout = state.pop("layout", None)
         self.__dict__.update(state)
+        if layout == LAYOUT:
+            entries = []
+            for e in self.entries:
+                if e[1] in HOOK_SLOTS:  # a slot reads the owner's own __dict__ (a copy's module was given a new one)
+                    entries.append((e[3].__dict__, *e[1:]))
+                elif isinstance(e[0], dict) and e[0] is e[3].__dict__.get("_modules"):  # an edge: weak where watched
+                    entries.append(self._edge(e[0], *e[1:5]))
+                else:  # an op's hook entry
+                    entries.append(e)
+            self._set(entries)
+            _listen()
+            return
+        # pickled before round 55: told of writes as it was, and the next call checks and watches the round-55 way
         if "entries" not in state:  # pickled in round 51: every edge checked
             self.entries = [(d, n, m, o, "", True) for d, n, m, o in zip(
                 state.get("dicts", ()), state.get("names", ()), state.get("modules", ()), state.get("owners", ()),
                 strict=False)]
-            self.dirty = False
-        # an owner's `_modules` slot (since round 54): read from the owner's own __dict__ (a copy's module was
-        # given a new one; the state's copy of the old one is another dict)
         self._set([(e[3].__dict__, *e[1:]) if e[1] == OWNED else e for e in self.entries])
-        owned = {id(e[3]) for e in self.entries if e[1] == OWNED}
         for entry in self.entries:
-            if isinstance(entry[0], WatchedModules):  # an edge above an op (since round 53)
+            if isinstance(entry[0], WatchedModules):
                 entry[0].guards.add(self)
-                if id(entry[3]) not in owned:  # pickled in round 53: its owners' slots are not checked yet
-                    self.dirty = True
             elif entry[0] is entry[3].__dict__.get("_modules"):
                 _WATCHERS.setdefault(entry[3], weakref.WeakSet()).add(self)
-                if not entry[5]:  # pickled before round 53: its edges above the ops are plain dicts
-                    self.dirty = True  # the next call checks and watches them as round 53 does
+        self.dirty = True
         _listen()  # a model unpickled in a process that recorded none
 
     def _set(self, entries: list[tuple]) -> None:
         self.entries = entries
         checked = [e for e in entries if e[5]]
         self.dicts, self.names, self.modules = (tuple(e[i] for e in checked) for i in range(3))
+
+    def _edge(self, d: dict, name: str, child: Any, owner: nn.Module, at: str) -> tuple:
+        """The entry for ``d[name]`` (``d``: ``owner``'s ``_modules``): a watched one held weakly and told of
+        writes, not checked at the call; a plain one (not watched yet) checked at every call, its ``setattr``
+        told by torch's registration hook."""
+        if type(d) is WatchedModules:
+            d.guards.add(self)
+            _GUARDS.add(self)
+            return (weakref.ref(d, self._freed), name, child, owner, at, False)
+        _WATCHERS.setdefault(owner, weakref.WeakSet()).add(self)
+        return (d, name, child, owner, at, True)
 
     def watch(self, model: nn.Module) -> None:
         """Watch the edges from ``model`` to each module that runs an op now (at an op's path, or inside the
@@ -754,42 +796,48 @@ class OpsGuard:
                 self._add(model, f"{path}.{sub}" if path and sub else path or sub, "", ops.get(path))
 
     def _add(self, owner: nn.Module, path: str, prefix: str, held: HeldOp | None = None) -> None:
-        """Watch the edges from ``owner`` (at ``prefix`` in the model) down ``path`` (those not watched yet), the
-        last one, into the module that runs the op, and the op's hook entry there at every call."""
+        """Watch the edges from ``owner`` (at ``prefix`` in the model) down ``path`` (those not watched yet; each
+        ``_modules`` on the way made a :class:`WatchedModules`), and the op's hook entry in the module that runs
+        it, with the slot holding that hook dictionary, at every call."""
         entries = list(self.entries)
-        where = {(id(e[0]), e[1]): i for i, e in enumerate(entries)}
-        parts = path.split(".") if path else []
+        where = {(id(_target(e)), e[1]): i for i, e in enumerate(entries)}
         at = prefix
-        for k, part in enumerate(parts):
-            last = k == len(parts) - 1
+        for part in path.split(".") if path else []:
             d = owner.__dict__["_modules"]
-            if not last and type(d) is not WatchedModules:  # a module above an op: its writes are told
+            if type(d) is not WatchedModules:
                 watched = WatchedModules.on(owner)
-                if watched is not d:  # entries already taken from the plain dict now read the watched one
-                    entries = [(watched, *e[1:]) if e[0] is d else e for e in entries]
-                    where = {(id(e[0]), e[1]): i for i, e in enumerate(entries)}
+                if watched is not d:  # entries already taken from the plain dict now watch the new one
+                    entries = [self._edge(watched, *e[1:5]) if e[0] is d else e for e in entries]
+                    where = {(id(_target(e)), e[1]): i for i, e in enumerate(entries)}
                     d = watched
-            if not last and (id(owner.__dict__), OWNED) not in where and type(d) is WatchedModules:
-                # the slot holding the watched dict, checked at every call: a `_modules` replaced whole
-                # (`layer._modules = {...}`, `del layer_list[0]`) with other entries runs the full check
-                where[(id(owner.__dict__), OWNED)] = len(entries)
-                entries.append((owner.__dict__, OWNED, d, owner, at, True))
             child = d[part]
             at = f"{at}.{part}" if at else part
-            i = where.get((id(d), part))
-            if i is None:
-                entries.append((d, part, child, owner, at, last))
-                if isinstance(d, WatchedModules):
-                    d.guards.add(self)
-                else:  # the edge into an op's module: told of setattr by torch's registration hook
-                    _WATCHERS.setdefault(owner, weakref.WeakSet()).add(self)
-            elif last and not entries[i][5]:
-                entries[i] = (*entries[i][:5], True)
+            if (id(d), part) not in where:
+                where[(id(d), part)] = len(entries)
+                entries.append(self._edge(d, part, child, owner, at))
             owner = child
         hook = _hook_entry(owner, held)
         if hook is not None and (id(hook[0]), hook[1]) not in where:
             entries.append((*hook, owner, at, True))
+            slot = next((s for s in HOOK_SLOTS if owner.__dict__.get(s) is hook[0]), None)
+            if slot is not None and (id(owner.__dict__), slot) not in where:  # the hook dictionary replaced whole
+                where[(id(owner.__dict__), slot)] = len(entries)
+                entries.append((owner.__dict__, slot, hook[0], owner, at, True))
         self._set(entries)
+
+    def _arm(self, old: nn.Module, new: Any, path: str) -> bool:
+        """Where ``new`` (now at ``path``, in place of ``old``) lacks a module of ``old`` that ran an op: make the
+        module at that op's path in ``new`` refuse its own calls (where it does not run the op) and return True."""
+        inside = {id(m) for m in new.modules()} if isinstance(new, nn.Module) else set()
+        holders = [(sub, m) for sub, m in old.named_modules() if holds_op(m)] if isinstance(old, nn.Module) else []
+        if all(id(m) in inside for _, m in holders):
+            return False
+        for sub, m in holders:
+            target = _at(new, sub) if id(m) not in inside and isinstance(new, nn.Module) else None
+            held = _held(m)  # its op, as another module may run it (a hook object carried over by other code)
+            if target is not None and not _runs_op(target, held):
+                Refuse.arm(target, f"{path}.{sub}" if sub else path, held)
+        return True
 
     def replaced(self, d: dict, name: str, new: nn.Module) -> None:
         """``parent.name = new`` on a watched edge, as it happens: where ``new`` holds every op module that was at
@@ -797,28 +845,48 @@ class OpsGuard:
         watched in place of the old module, so the next call, eager or traced by
         ``torch.compile(fullgraph=True)``, finds nothing changed. Otherwise the next call runs the full check (which
         refuses), and each module of ``new`` at an op's path that does not run the op refuses its own calls."""
-        i = next((i for i, e in enumerate(self.entries) if e[0] is d and e[1] == name), None)
+        i = next((i for i, e in enumerate(self.entries) if e[1] == name and _target(e) is d), None)
         if i is None or not isinstance(new, nn.Module):
             return
-        old, inside = self.entries[i][2], {id(m) for m in new.modules()}
-        holders = [(sub, m) for sub, m in old.named_modules() if holds_op(m)]
-        if not holders:
+        old = self.entries[i][2]
+        if not any(holds_op(m) for m in old.modules()):
             return
         path = self.entries[i][4]
-        if any(id(m) not in inside for _, m in holders):
+        if self._arm(old, new, path):
             self.dirty = True
-            for sub, m in holders:
-                target = _at(new, sub) if id(m) not in inside else None
-                held = _held(m)  # its op, as another module may run it (a hook object carried over by other code)
-                if target is not None and not _runs_op(target, held):
-                    Refuse.arm(target, f"{path}.{sub}" if sub else path, held)
             return
+        inside = {id(m) for m in new.modules()}
         gone = {id(m) for m in old.modules()} - inside  # a wrapper unloaded: stop watching (and holding) it
         entries = list(self.entries)
         entries[i] = (*entries[i][:2], new, *entries[i][3:])
         self._set([e for e in entries if id(e[3]) not in gone])
         for sub in _running_in(new):
             self._add(new, sub, path)
+
+    def _freed(self, ref: weakref.ref) -> None:
+        """A watched ``_modules`` was freed: replaced whole (``mlp._modules = {...}``, ``del layers[0]``), or its
+        owner is gone. The next call runs the full check (and watches the new dictionary), and a module now at an
+        op's path that does not run the op refuses its own calls at once (a direct call of the MLP, say)."""
+        try:
+            self.dirty = True
+            for e in self.entries:
+                if e[0] is ref:
+                    now = e[3].__dict__.get("_modules")
+                    new = now.get(e[1]) if isinstance(now, dict) else None
+                    if new is not e[2]:
+                        self._arm(e[2], new, e[4])
+        except Exception:  # noqa: BLE001 - a weakref callback (during a store, or a collection) must not raise
+            self.dirty = True
+
+    def sweep(self) -> None:
+        """Treat each watched ``_modules`` that its owner no longer holds as freed (:meth:`_freed`), whether or not
+        it is: run by :func:`_sweep` as ``torch.compile`` starts a compilation (not at the call)."""
+        try:
+            for e in list(self.entries):
+                if isinstance(e[0], weakref.ref) and e[3].__dict__.get("_modules") is not e[0]():
+                    self._freed(e[0])
+        except Exception:  # noqa: BLE001 - a compile callback must not break the compilation
+            self.dirty = True
 
     def __call__(self, model: nn.Module, args: tuple) -> None:
         if self.dirty or tuple(map(dict.get, self.dicts, self.names)) != self.modules:
@@ -856,9 +924,27 @@ _ASSIGNING: list = []  # the module torch is assigning a submodule into, while _
 
 
 def _listen() -> None:
-    """Register :func:`_on_register` (once per process) with torch's global module-registration hooks."""
+    """Register :func:`_on_register` (once per process) with torch's global module-registration hooks, and
+    :func:`_sweep` with Dynamo's compile-start callbacks (again after ``torch._dynamo.reset()``, which clears
+    them)."""
     if not _LISTENER:
         _LISTENER.append(nn.modules.module.register_module_module_registration_hook(_on_register))
+    try:
+        import torch._dynamo as dynamo
+
+        if _sweep not in dynamo.callback_handler.start_callbacks:
+            dynamo.callback_handler.register_start_callback(_sweep)
+    except Exception:  # noqa: BLE001 - a torch without Dynamo's callbacks: the weak references alone
+        return
+
+
+def _sweep(*args: Any) -> None:
+    """At the start of each ``torch.compile`` compilation: each live guard compares the slots of its watched
+    ``_modules`` (:meth:`OpsGuard.sweep`), since the trace that compiled the model before may keep a replaced
+    dictionary alive (in reference cycles, until the collector runs), and a recompilation after such a replacement
+    must trace the full check."""
+    for guard in list(_GUARDS):
+        guard.sweep()
 
 
 def _on_register(parent: nn.Module, name: str, new: Any) -> None:

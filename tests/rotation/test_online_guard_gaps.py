@@ -342,3 +342,177 @@ def test_a_replaced_dictionary_in_an_unpickled_model_is_refused():
     _replace_modules_dict(loaded, "layer-dict")
     with pytest.raises(NormswapError, match=r"^`encoder\.layer\.1\.mlp\.fc1` \(Linear\) has lost its online"):
         _run(loaded, probe)
+
+
+# --------------------------------------- round 55: the op's own parent, a direct call after a write, hook dictionaries
+def _fresh_fc1(model):
+    """A Linear with fc1's shape and no op (what a quantization engine's module looks like to the guard)."""
+    return StandInLinear.from_linear(model.encoder.layer[0].mlp.fc1)
+
+
+FC1_LOST = r"^`encoder\.layer\.0\.mlp\.fc1` \(StandInLinear\) has lost its online Hadamard"
+
+
+@pytest.mark.parametrize("how", ["merged", "rebuilt"])
+def test_the_ops_own_parents_modules_replaced_whole_is_refused_at_the_next_call(how):
+    """``mlp._modules = {...}`` with fc1 (which holds the op) replaced: before round 55 the guard compared the edge
+    into fc1 in the *old* dictionary, so the model ran with wrong outputs until save or ``check_online_ops``. Since
+    round 55 every ``_modules`` on the way to an op is watched and held weakly: the replaced one is seen as it is
+    freed, and the next call refuses; the MLP called directly refuses too."""
+    model, probe, ref = _online_model()
+    _run(model, probe)
+    mlp = model.encoder.layer[0].mlp
+    fresh = _fresh_fc1(model)
+    if how == "merged":
+        mlp._modules = {**mlp._modules, "fc1": fresh}
+    else:
+        mlp._modules = {"activation_fn": mlp.activation_fn, "fc1": fresh, "fc2": mlp.fc2}
+    with pytest.raises(NormswapError, match=FC1_LOST):
+        _layer(mlp, _hidden(model, probe))
+    with pytest.raises(NormswapError, match=FC1_LOST):
+        _run(model, probe)
+    assert _relative(_run(model, probe, hooks=False), ref) > 1e-3  # what running it would give
+    assert carry.carry_online_ops(model) == ["encoder.layer.0.mlp.fc1"]
+    assert _relative(_run(model, probe), ref) <= 1e-9
+
+
+def test_the_ops_own_parents_modules_copied_whole_runs_and_is_watched_again():
+    """A new dictionary that keeps the op's module runs (exact: one full check at the next call), and is watched
+    from then on: a write into it that drops the op is refused, at a direct call of the MLP too."""
+    model, probe, ref = _online_model()
+    _run(model, probe)
+    mlp = model.encoder.layer[0].mlp
+    mlp._modules = dict(mlp._modules)
+    assert _relative(_run(model, probe), ref) <= 1e-9
+    assert type(mlp.__dict__["_modules"]) is carry.WatchedModules
+    mlp._modules["fc1"] = _fresh_fc1(model)
+    with pytest.raises(NormswapError, match=FC1_LOST):
+        _layer(mlp, _hidden(model, probe))
+
+
+def test_the_ops_own_parents_modules_replaced_in_an_unpickled_model_and_a_deep_copy():
+    import copy
+    import pickle
+
+    model, probe, ref = _online_model()
+    _run(model, probe)
+    for twin in (pickle.loads(pickle.dumps(model)), copy.deepcopy(model)):
+        assert _relative(_run(twin, probe), ref) <= 1e-9
+        mlp = twin.encoder.layer[0].mlp
+        mlp._modules = {**mlp._modules, "fc1": _fresh_fc1(twin)}
+        with pytest.raises(NormswapError, match=FC1_LOST):
+            _run(twin, probe)
+    assert _relative(_run(model, probe), ref) <= 1e-9
+
+
+@pytest.mark.parametrize("how", ["item", "update", "setdefault"])
+@pytest.mark.parametrize("call", ["mlp", "layer"])
+def test_a_write_into_the_ops_own_parent_then_a_direct_call_is_refused(how, call):
+    """``mlp._modules["fc1"] = new`` (no torch hook sees it), then the MLP or the layer called directly, before any
+    call of the model: before round 55 the op's own parent kept a plain dictionary whose edge only the model's
+    call compared, so the direct call ran with wrong outputs. Now the write is told as it happens and the new
+    module refuses its own calls."""
+    model, probe, ref = _online_model()
+    x = _hidden(model, probe)
+    layer = model.encoder.layer[0]
+    fresh = _fresh_fc1(model)
+    if how == "item":
+        layer.mlp._modules["fc1"] = fresh
+    elif how == "update":
+        layer.mlp._modules.update(fc1=fresh)
+    else:
+        del layer.mlp._modules["fc1"]
+        layer.mlp._modules.setdefault("fc1", fresh)
+    with pytest.raises(NormswapError, match=FC1_LOST):
+        _layer(layer.mlp if call == "mlp" else layer, x)
+    with pytest.raises(NormswapError, match=FC1_LOST):
+        _run(model, probe)
+    assert carry.carry_online_ops(model) == ["encoder.layer.0.mlp.fc1"]
+    assert _relative(_run(model, probe), ref) <= 1e-9
+
+
+@pytest.mark.parametrize("where", ["fc2 pre-hooks", "norm1 forward hooks"])
+def test_an_ops_hook_dictionary_replaced_whole_is_refused_at_the_next_call(where):
+    """``fc2._forward_pre_hooks = OrderedDict()`` (the norm's shared op: ``_forward_hooks``): the module stays, its op
+    is gone with the dictionary. Before round 55 the guard read the old dictionary, which still held the op, so the
+    model ran with wrong outputs until save; now the slot holding the dictionary is compared at every call."""
+    from collections import OrderedDict
+
+    model, probe, ref = _online_model()
+    _run(model, probe)
+    if where == "fc2 pre-hooks":
+        model.encoder.layer[1].mlp.fc2._forward_pre_hooks = OrderedDict()
+        line = r"^`encoder\.layer\.1\.mlp\.fc2` \(Linear\) has lost its online Hadamard"
+    else:
+        model.encoder.layer[0].norm1._forward_hooks = OrderedDict()
+        line = r"^`encoder\.layer\.0\.norm1` \(\w+\) has lost its online Hadamard"
+    assert _relative(_run(model, probe, hooks=False), ref) > 1e-3
+    with pytest.raises(NormswapError, match=line):
+        _run(model, probe)
+    carry.carry_online_ops(model)
+    assert _relative(_run(model, probe), ref) <= 1e-9
+
+
+def test_an_ops_hook_dictionary_copied_whole_runs_and_is_watched_again():
+    """A new hook dictionary that keeps the op runs (one full check), and the op removed from it later is refused."""
+    from collections import OrderedDict
+
+    model, probe, ref = _online_model()
+    _run(model, probe)
+    fc2 = model.encoder.layer[1].mlp.fc2
+    fc2._forward_pre_hooks = OrderedDict(fc2._forward_pre_hooks)
+    assert _relative(_run(model, probe), ref) <= 1e-9
+    fc2._forward_pre_hooks.clear()
+    with pytest.raises(NormswapError, match=r"^`encoder\.layer\.1\.mlp\.fc2` \(Linear\) has lost"):
+        _run(model, probe)
+
+
+def test_the_guard_compares_no_modules_edge_at_the_call():
+    """The per-call work is two lookups per op (its hook entry, and the slot holding that hook dictionary): every
+    ``_modules`` on the way is a watched dictionary, told of writes and held weakly, so none is read at the call
+    (round 54 read the edge into each op's module and the slot of each watched dictionary too)."""
+    model, probe, ref = _online_model()
+    _run(model, probe)
+    (guard,) = [h for h in model._forward_pre_hooks.values() if isinstance(h, carry.OpsGuard)]
+    ops = carry.held_ops(model)
+    assert len(guard.modules) == 2 * len(ops)
+    checked = zip(guard.dicts, guard.names, strict=True)
+    assert not any(type(d) is carry.WatchedModules or k == "_modules" for d, k in checked)
+    on_the_way = {p.rpartition(".")[0] for p in ops} | {""}
+    assert all(type(model.get_submodule(p).__dict__["_modules"]) is carry.WatchedModules for p in on_the_way)
+
+
+def test_a_modules_dictionary_replaced_while_another_reference_keeps_it_is_refused_at_save(tmp_path):
+    """The replaced dictionary is seen as it is freed: one kept alive elsewhere is not seen at the call (documented),
+    but ``check_online_ops`` and save still refuse, and nothing is written."""
+    model, probe, ref = _online_model()
+    mlp = model.encoder.layer[0].mlp
+    kept = mlp._modules
+    mlp._modules = {**kept, "fc1": _fresh_fc1(model)}
+    with pytest.raises(NormswapError, match=FC1_LOST):
+        normswap.save(model, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("how", ["own parent's _modules replaced whole", "hook dictionary replaced whole",
+                                 "written into the own parent's _modules"])
+def test_after_torch_compile_the_round_55_cases_are_refused_at_the_recompiled_call(how):
+    """Compiled first, then edited: Dynamo recompiles and traces the guard. The trace that compiled the model keeps
+    the old ``_modules`` alive in reference cycles (until the collector runs), so the guard's watched dictionaries
+    are also compared as a compilation starts (a Dynamo compile-start callback): refused, then exact once carried."""
+    from collections import OrderedDict
+
+    model, probe, ref = _online_model()
+    compiled = torch.compile(model, backend="eager")
+    assert _relative(_run(compiled, probe), ref) <= 1e-9
+    mlp = model.encoder.layer[0].mlp
+    if how.startswith("own parent"):
+        mlp._modules = {**mlp._modules, "fc1": _fresh_fc1(model)}
+    elif how.startswith("hook"):
+        mlp.fc1._forward_pre_hooks = OrderedDict()
+    else:
+        mlp._modules["fc1"] = _fresh_fc1(model)
+    with pytest.raises(NormswapError, match=r"^`encoder\.layer\.0\.mlp\.fc1` \(\w+\) has lost its online Hadamard"):
+        _run(compiled, probe)
+    carry.carry_online_ops(model)
+    assert _relative(_run(compiled, probe), ref) <= 1e-9
