@@ -22,6 +22,14 @@ measures of it, each summed over tokens and crops:
 
 And ``output`` with every layer's error at once. Prints per layer and summed: converted / original for each.
 
+``--draws K``: K exact re-roundings of the original's fc2 rows, all layers at once, as a null for that last figure:
+each layer's rows ``λ_i W_i`` shifted by one shared random vector ``v`` (``row_i + v``: the same shift every row
+gets from a centering, ``v = −m``, which the next LayerNorm removes), ``v`` uniform in ±1 per-row step (the
+layer's median ``(max − min) / 255``): the same function, each row rounded anew. ``--draws-only``: those and the
+original alone (no conversion, no per-layer figures). ``--paired``: each draw also for the centered rows
+``row_i − m + v`` (the default conversion's fc2 rows up to a per-row scale, which a per-row grid ignores; ``v = 0``
+is the shipped pair), so centered and original rows are compared over the same re-roundings.
+
     PYTHONPATH=$PWD OMP_NUM_THREADS=1 python benchmarks/fc2_sensitivity.py DINOV2_SMALL --photos PHOTOS --images 72 \\
         --json fc2_sensitivity.json
 """
@@ -68,6 +76,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--calib-photos", default="motorcycle_right.png,gravel.png,brick.png")
     ap.add_argument("--dtype", default="float32", choices=("float32", "float64"),
                     help="the network's forwards (the errors themselves are computed in float64)")
+    ap.add_argument("--draws", type=int, default=0, help="re-roundings of the original's rows (a null)")
+    ap.add_argument("--draws-only", action="store_true")
+    ap.add_argument("--paired", action="store_true", help="the draws for the centered rows too")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     import transformers as tf
@@ -79,9 +90,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     torch.set_num_threads(1)
     original = tf.Dinov2Model.from_pretrained(args.model).eval()
     native = copy.deepcopy(original)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        normswap.patch(native, beta_placement="keep")
+    if not args.draws_only:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            normswap.patch(native, beta_placement="keep")
     dtype = getattr(torch, args.dtype)
     original = original.to(dtype)
     px = photo_crops(args.photos, args.images, 112, seed=1, exclude=args.calib_photos.split(",")).to(dtype)
@@ -98,7 +110,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         h.remove()
     errs: dict[str, dict[int, torch.Tensor]] = {"original": {}, "converted": {}}
     rows: list[dict[str, Any]] = []
-    for i in range(layers):
+    for i in range(0 if args.draws_only else layers):
         row: dict[str, Any] = {"layer": i}
         x = norm_in[i]
         mu, sigma = x.mean(-1, keepdim=True), x.var(-1, unbiased=False, keepdim=True).add(1e-6).sqrt()
@@ -120,12 +132,48 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         r = {k: row["converted"][k] / row["original"][k] for k in row["original"]}
         print(f"layer {i:2d}: " + ", ".join(f"{k} {v:.3f}" for k, v in r.items()) +
               f"  (original output share {row['original']['output']:.3e})", flush=True)
-    summed = {k: sum(r["converted"][k] for r in rows) / sum(r["original"][k] for r in rows)
-              for k in rows[0]["original"]}
-    together = {name: float(output_error(original, px, ref, errs[name]).sum()) for name in errs}
-    summed["output, all layers at once"] = together["converted"] / together["original"]
-    print("summed over layers, converted / original: " + ", ".join(f"{k} {v:.3f}" for k, v in summed.items()))
-    result = {"images": len(px), "rows": rows, "summed": summed, "together": together}
+    if args.draws_only:
+        del errs["converted"]
+        for i in range(layers):
+            w = original.encoder.layer[i].mlp.fc2.weight.detach().double()
+            errs["original"][i] = (fc2_in[i] @ (fake_rows(w, False).double() - w).T) * \
+                original.encoder.layer[i].layer_scale2.lambda1.detach().double()
+    for k in range(-1 if args.paired else 0, args.draws):
+        gen = torch.Generator().manual_seed(k)
+        for centered in (False, True) if args.paired else (False,):
+            name = ("centered-" if centered else "") + f"draw-{k}"
+            errs[name] = {}
+            for i in range(layers):
+                layer = original.encoder.layer[i]
+                rows_i = layer.mlp.fc2.weight.detach().double() * layer.layer_scale2.lambda1.detach().double()[:, None]
+                step = float(((rows_i.amax(1) - rows_i.amin(1)) / 255).median())
+                v = step * (2 * torch.rand(rows_i.shape[1], generator=gen, dtype=torch.float64) - 1) * (k >= 0)
+                shifted = rows_i - rows_i.mean(0) * centered + v
+                errs[name][i] = fc2_in[i] @ (fake_rows(shifted, False).double() - shifted).T
+            gen = torch.Generator().manual_seed(k)  # the same v for the centered rows
+    per_image = {name: output_error(original, px, ref, errs[name]).mean(-1).tolist() for name in errs}
+    together = {name: float(sum(v)) for name, v in per_image.items()}
+    summed: dict[str, float] = {}
+    if rows:
+        summed = {k: sum(r["converted"][k] for r in rows) / sum(r["original"][k] for r in rows)
+                  for k in rows[0]["original"]}
+        summed["output, all layers at once"] = together["converted"] / together["original"]
+        print("summed over layers, converted / original: " + ", ".join(f"{k} {v:.3f}" for k, v in summed.items()))
+        for name in ("original", "converted"):
+            singles = sum(r[name]["output"] for r in rows) / ref.shape[1]  # per-image means, summed
+            print(f"{name}: all layers at once / sum of single layers {together[name] / singles:.3f}")
+    for name in errs:
+        if "draw-" in name:
+            print(f"{name} / original, all layers at once: {together[name] / together['original']:.3f}")
+    if args.paired:
+        keys = [k for k in together if k.startswith("draw-") and k != "draw--1"]
+        ratios = [together["centered-" + k] / together[k] for k in keys]
+        mean_c = sum(together["centered-" + k] for k in keys) / len(keys)
+        mean_o = sum(together[k] for k in keys) / len(keys)
+        print(f"paired over {len(keys)} draws: centered / original per draw {min(ratios):.3f}-{max(ratios):.3f}, "
+              f"of the means {mean_c / mean_o:.3f}; the shipped pair (v = 0) "
+              f"{together['centered-draw--1'] / together['draw--1']:.3f}")
+    result = {"images": len(px), "rows": rows, "summed": summed, "together": together, "per_image": per_image}
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
     return result

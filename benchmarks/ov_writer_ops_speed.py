@@ -33,14 +33,19 @@ Timing: one inference thread, one stream (``INFERENCE_NUM_THREADS=1``, ``NUM_STR
 thread's CPU time (checked against the process's CPU time at start: with one thread the plugin runs the request on
 the calling thread). A round runs the original, each variant in turn, the variants again in reverse order, and the
 original again; a variant's ratio in that round is its two times over the original's two (a linear drift cancels
-for every variant). Median over rounds, with a 95% bootstrap interval of the median (rounds resampled). Rounds are
-pooled over two halves whose compiled models are created in opposite orders (memory placement). Before timing,
-each compiled model's runtime graph (``compiled.get_runtime_model()``) is counted by layer type: ``RMS`` (the fused
-RMSNorm), ``MVN`` (LayerNorm, or a centering op fused with the norm after it), ``Reduce`` (an unfused mean).
+for every variant). The variants' order turns by one each round: a variant nearer the middle of a round ran faster
+(round 55's first runs: monotonic in position, the innermost, run twice back to back, up to 8% faster), so each
+variant takes every position equally often (``--rounds`` a multiple of twice the variants). Median over rounds,
+with a 95% bootstrap interval of the median (rounds resampled). Rounds are pooled over two halves whose compiled
+models are created in opposite orders (memory placement). Before timing, each compiled model's runtime graph
+(``compiled.get_runtime_model()``) is counted by layer type: ``RMS`` (the fused RMSNorm), ``MVN`` (LayerNorm, or a
+centering op fused with the norm after it), ``Reduce`` (an unfused mean).
 
     PYTHONPATH=OV:$PWD OMP_NUM_THREADS=1 python benchmarks/ov_writer_ops_speed.py --dinov2 /tmp/ck50/dinov2-small \\
         --models dinov2 gpt2 --rounds 16 --json ov55_speed.json
     python benchmarks/ov_writer_ops_speed.py --dinov2 DIR --models dinov2 --ops-only   # op counts only
+    ... --onnx-dir DIR: the DINOv2 exports kept there as VARIANT-PX.onnx and reused (a variant whose files are all
+    there is not converted again: DINOv2's conversion takes minutes)
 
 Needs ``openvino`` and ``nncf`` (not normswap dependencies). Results: docs/results/deploy-speed.md.
 """
@@ -118,10 +123,11 @@ def for_precision(ov_model, precision: str):
     return nncf.compress_weights(ov_model.clone())
 
 
-def ir_models(model: str, variants: dict[str, torch.nn.Module], shapes: list[tuple[int, int]], work: Path,
-              dinov2_keys: tuple[str, ...] = ()) -> dict[tuple[str, int], Any]:
-    """OpenVINO models per (variant, shape key): DINOv2 one per resolution (its ONNX export fixes the size), the
-    text models one per variant (the torch route's IR has dynamic shapes)."""
+def ir_models(model: str, variants: dict[str, torch.nn.Module | None], shapes: list[tuple[int, int]], work: Path,
+              onnx_dir: Path | None = None) -> dict[tuple[str, int], Any]:
+    """OpenVINO models per (variant, shape key): DINOv2 one per resolution (its ONNX export fixes the size; read
+    from ``onnx_dir`` where a file of that name is there, a variant then not built), the text models one per
+    variant (the torch route's IR has dynamic shapes)."""
     import openvino as ov
 
     out: dict[tuple[str, int], Any] = {}
@@ -132,9 +138,10 @@ def ir_models(model: str, variants: dict[str, torch.nn.Module], shapes: list[tup
                 from bench_quant_engines import export
 
                 for px in sorted({p for _, p in shapes}):
-                    path = work / f"{name}-{px}.onnx"
-                    with torch.no_grad():
-                        export(m, torch.randn(2, 3, px, px), path)
+                    path = (onnx_dir or work) / f"{name}-{px}.onnx"
+                    if not path.exists():  # ``--onnx-dir``: a cache of these exports, kept between runs
+                        with torch.no_grad():
+                            export(m, torch.randn(2, 3, px, px), path)
                     out[(name, px)] = ov.convert_model(str(path))
             else:
                 from bench_openvino import to_ir
@@ -174,9 +181,10 @@ def time_cell(compiled: dict[str, Any], feed: list[np.ndarray], rounds: int, clo
         r.infer(feed)
     ratios: dict[str, list[float]] = {k: [] for k in names}
     base: list[float] = []
-    for _ in range(rounds):
+    for r in range(rounds):
         t: dict[str, float] = collections.defaultdict(float)
-        for k in ["original", *names, *names[::-1], "original"]:
+        turn = names[r % len(names):] + names[:r % len(names)]  # every variant in every position as often
+        for k in ["original", *turn, *turn[::-1], "original"]:
             t0 = clock()
             requests[k].infer(feed)
             t[k] += clock() - t0
@@ -211,8 +219,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         else:
             original, _ = deploy.build(model, 0, args.layers)
             shapes = [tuple(int(v) for v in s.split("x")) for s in args.text_shapes]
-        variants: dict[str, torch.nn.Module] = {"original": original}
+        variants: dict[str, torch.nn.Module | None] = {"original": original}
         for name in args.variants:
+            if model == "dinov2" and args.onnx_dir and all(
+                    (args.onnx_dir / f"{name}-{px}.onnx").exists() for _, px in shapes):
+                variants[name] = None  # every export cached: not converted again
+                result["notes"][f"{model}/{name}"] = f"read from {args.onnx_dir}"
+                continue
             m, note = build_variant(original, name, model)
             result["notes"][f"{model}/{name}"] = note
             print(f"# {model}/{name}: {note}", flush=True)
@@ -223,7 +236,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 continue
             variants[name] = m
         with tempfile.TemporaryDirectory() as tmp:
-            irs = ir_models(model, variants, shapes, Path(tmp))
+            if args.onnx_dir:
+                args.onnx_dir.mkdir(parents=True, exist_ok=True)
+            irs = ir_models(model, variants, shapes, Path(tmp), args.onnx_dir if model == "dinov2" else None)
         del variants
         gc.collect()
         for precision in args.precisions:
@@ -295,14 +310,26 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def table(result: dict[str, Any]) -> str:
-    """Markdown: one row per cell, a column per variant (median, 95% interval)."""
-    names = ["native", "op", "auto", "original2", "op/native", "auto/native"]
-    heads = ["A/A" if n == "original2" else n if "/" in n else f"{n} / original" for n in names]
+    """Markdown: one row per cell (median, 95% interval), from each cell's rounds. The original always sits at a
+    round's two ends, the variants and its second copy (``original2``) take the inner positions in turn; an inner
+    position ran faster on this machine, so a variant is compared with the copy (``X / copy``: both took the same
+    positions) and with the default (``op / native``), and ``A/A`` (the copy over the original) shows the ends'
+    bias."""
+    cols = [("native", "original2"), ("op", "original2"), ("auto", "original2"), ("op", "native"),
+            ("auto", "native"), ("original2", None)]
+    heads = ["native / copy", "op / copy", "auto / copy", "op / native", "auto / native", "A/A (copy / original)"]
     lines = ["| model | batch × size | precision | " + " | ".join(heads) + " | original ms | rounds |",
-             "|" + "---|" * (len(names) + 5)]
+             "|" + "---|" * (len(cols) + 5)]
     for c in result["cells"]:
-        cells = [f"**{c['ratios'][n]['median']:.3f}** ({c['ratios'][n]['lo']:.3f}–{c['ratios'][n]['hi']:.3f})"
-                 if n in c["ratios"] else "–" for n in names]
+        raw = c["raw"]
+        cells = []
+        for num, den in cols:
+            if num not in raw or (den and den not in raw):
+                cells.append("–")
+                continue
+            per = raw[num] if den is None else [a / b for a, b in zip(raw[num], raw[den], strict=True)]
+            med, lo, hi = median_ci(per)
+            cells.append(f"**{med:.3f}** ({lo:.2f}–{hi:.2f})")
         lines.append(f"| {c['model']} | {c['batch']} × {c['size']} | {c['precision']} | " + " | ".join(cells)
                      + f" | {c['original_ms']:.1f} | {c['rounds']} |")
     return "\n".join(lines)
@@ -318,6 +345,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     ap.add_argument("--precisions", nargs="+", default=["f32", "w8"], choices=("f32", "w8", "default"))
     ap.add_argument("--rounds", type=int, default=16)
+    ap.add_argument("--onnx-dir", type=Path, help="DINOv2: keep (and reuse) the exports here, VARIANT-PX.onnx")
     ap.add_argument("--ops-only", action="store_true", help="the runtime layer counts only, no timing")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--from-json", type=Path, help="print an earlier --json's table")
