@@ -54,6 +54,21 @@ def next_norm(model: torch.nn.Module, i: int) -> torch.nn.Module:
     return layers[i + 1].norm1 if i + 1 < len(layers) else model.layernorm
 
 
+def drawn_rows(layer: torch.nn.Module, gen: torch.Generator | None, centered: bool = False) -> torch.Tensor:
+    """A DINOv2 layer's fc2 rows with λ folded (``λ_i W_i``, float64), shifted by one shared vector ``v``: uniform
+    in ±1 step of the original rows' int8 grid (the median ``(max − min) / 255`` over them); ``gen`` ``None``:
+    ``v = 0``. With ``centered``, minus the mean row first (the default conversion's rows up to a per-row scale).
+    Every such shift adds ``(vᵀh)·1`` to the stream, which the next LayerNorm removes: in the original's network
+    the function is unchanged and only the rounding differs (an exact re-rounding)."""
+    rows = layer.mlp.fc2.weight.detach().double() * layer.layer_scale2.lambda1.detach().double()[:, None]
+    step = float(((rows.amax(1) - rows.amin(1)) / 255).median())  # the original rows' grid, for both kinds
+    if centered:
+        rows = rows - rows.mean(0)
+    if gen is None:
+        return rows
+    return rows + step * (2 * torch.rand(rows.shape[1], generator=gen, dtype=torch.float64) - 1)
+
+
 @torch.no_grad()
 def output_error(model: torch.nn.Module, px: torch.Tensor, ref: torch.Tensor,
                  errors: dict[int, torch.Tensor]) -> torch.Tensor:
@@ -145,10 +160,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             errs[name] = {}
             for i in range(layers):
                 layer = original.encoder.layer[i]
-                rows_i = layer.mlp.fc2.weight.detach().double() * layer.layer_scale2.lambda1.detach().double()[:, None]
-                step = float(((rows_i.amax(1) - rows_i.amin(1)) / 255).median())
-                v = step * (2 * torch.rand(rows_i.shape[1], generator=gen, dtype=torch.float64) - 1) * (k >= 0)
-                shifted = rows_i - rows_i.mean(0) * centered + v
+                shifted = drawn_rows(layer, gen if k >= 0 else None, centered)
                 errs[name][i] = fc2_in[i] @ (fake_rows(shifted, False).double() - shifted).T
             gen = torch.Generator().manual_seed(k)  # the same v for the centered rows
     per_image = {name: output_error(original, px, ref, errs[name]).mean(-1).tolist() for name in errs}

@@ -69,8 +69,11 @@ def test_every_converted_norm_runs_on_openvinos_rms_kernel(name, route, tmp_path
     # graph (one Sub, one extra ReduceMean): through the ONNX route OpenVINO rightly fuses the pair into
     # its LayerNorm kernel (MVN); either way one fused layer per norm
     assert layers["RMS"] + layers["MVN"] == norms, (name, route, dict(layers))
-    if name != "bert":  # Pre-LN, exact: nothing centred, every norm on RMS
+    if name == "gpt2":  # Pre-LN, exact, no op before a norm: every norm on RMS
         assert layers["RMS"] == norms, (name, route, dict(layers))
+    elif name == "vit":  # the stem op (stem_centering="op", the default since round 47) sits right before the first
+        # norm: through the ONNX route OpenVINO fuses that pair into MVN (round 55), through the torch route it does not
+        assert layers["RMS"] >= norms - 1 and layers["MVN"] <= 1, (name, route, dict(layers))
     got = torch.from_numpy(compiled([t.numpy() for t in example])[0])
     assert agreement(got, ref)["max_rel"] < TOL
 
