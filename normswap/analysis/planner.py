@@ -345,6 +345,11 @@ def _writer_ops(st: Planning) -> None:
     widening: dict[str, float] = {}
     scaled = {path for _, path, _, _ in an.layer_scales.values()}  # writers a LayerScale λ scales
     for call in an.site_calls:
+        if st.mean_carry and any(t.kind == "norm" and not st.term_status[t.value][0] and _mlp_carries_mean(st, call, t)
+                                 for t in st.site_terms[call.id]):
+            # a Post-LN stream whose MLP carries a norm's mean (BERT's FFN-output norms): the carry's added
+            # neurons write that mean through the MLP's writer, and an op after the writer would remove it again
+            continue
         for term in st.site_terms[call.id]:
             ok, why = st.term_status[term.value]
             if not ok or term.kind != "module" or term.value in st.writer_terms or term.value in st.stem_terms \

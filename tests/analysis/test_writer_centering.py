@@ -196,3 +196,20 @@ def test_low_memory_conversion_carries_every_writer_op(tmp_path):
         assert torch.equal(a(pixel_values=px).logits, b(pixel_values=px).logits)
     key = "vit.layers.4.mlp.fc2.weight"
     assert torch.equal(b.get_parameter(key), model.get_parameter(key))
+
+
+def test_a_post_ln_encoder_whose_mlp_carries_the_mean_keeps_its_carry_under_writer_ops():
+    """BERT's FFN-output norms are exact through the mean carry: neurons added to the MLP write the previous
+    norm's mean through its output projection. An op after that projection would remove the mean again (the
+    conversion was refused: "planned exact but its input is not zero-mean"); those writers keep the carry, and
+    ``op`` converts as ``weights`` does there (the approximate norms' calibration may round differently: 1e-8)."""
+    torch.manual_seed(0)
+    cls, config = zoo.APPROXIMATE["bert"]()
+    model = zoo.randomise(cls(config))
+    by_weights, by_ops = _patched(model), _patched(model, writer_centering="op")
+    verdicts = [(s.name, s.verdict) for s in plan_of(by_weights).sites]
+    assert [(s.name, s.verdict) for s in plan_of(by_ops).sites] == verdicts
+    assert any(v == "exact" for _, v in verdicts) and plan_of(by_ops).mean_carries
+    kw = _inputs(model)
+    ref, a, b = _outputs(model, kw), _outputs(by_weights, kw), _outputs(by_ops, kw)
+    assert float((b - a).abs().max()) <= 1e-8 * max(1.0, float(ref.abs().max()))
