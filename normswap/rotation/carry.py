@@ -906,12 +906,18 @@ def _on_register(parent: nn.Module, name: str, new: Any) -> None:
 
 def _head_turn_of(parent: nn.Module, name: str, new: Any) -> HeadTurn | None:
     """The :class:`HeadTurn` of the Linear an adapter layer ``new`` replaces at ``parent.name`` (None elsewhere)."""
+    return _replaced_mark(parent, name, new, HEADS)
+
+
+def _replaced_mark(parent: nn.Module, name: str, new: Any, key: str) -> Any:
+    """The mark ``key`` in the ``__dict__`` of the Linear that ``new``, a layer wrapping it as its
+    ``base_layer``, replaces at ``parent.name`` (None elsewhere)."""
     try:
         old = parent.__dict__["_modules"].get(name)
         if old is None or old is new or not isinstance(new, nn.Module):
             return None
-        turn = old.__dict__.get(HEADS)
-        return turn if turn is not None and new.__dict__["_modules"].get("base_layer") is old else None
+        mark = old.__dict__.get(key)
+        return mark if mark is not None and new.__dict__["_modules"].get("base_layer") is old else None
     except Exception:  # noqa: BLE001 - never break an assignment it has nothing to say about
         return None
 
@@ -1251,14 +1257,7 @@ def _basis_adapter(layer: nn.Module, basis: AdapterBasis) -> None:
 
 def _basis_of(parent: nn.Module, name: str, new: Any) -> AdapterBasis | None:
     """The :class:`AdapterBasis` of the Linear an adapter layer ``new`` replaces at ``parent.name``."""
-    try:
-        old = parent.__dict__["_modules"].get(name)
-        if old is None or old is new or not isinstance(new, nn.Module):
-            return None
-        basis = old.__dict__.get(BASIS)
-        return basis if basis is not None and new.__dict__["_modules"].get("base_layer") is old else None
-    except Exception:  # noqa: BLE001 - never break an assignment it has nothing to say about
-        return None
+    return _replaced_mark(parent, name, new, BASIS)
 
 
 def _merge_bias_share(layer: nn.Module, base: nn.Module, basis: AdapterBasis, adapter: str, sign: float) -> None:
