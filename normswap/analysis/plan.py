@@ -446,6 +446,10 @@ class Plan:
     options: dict[str, Any] = field(default_factory=dict)
     # orthogonal rotations applied after the conversion (normswap.rotate), one record per stream
     rotations: list[dict[str, Any]] = field(default_factory=list)
+    # per Linear the conversion edited, what maps its input / output back to the original model's (the folded
+    # γ / β of the norm it reads, the LayerScale λ, centering and balance of a writer's rows), so that an adapter
+    # attached to it acts in the original basis (normswap.rotation.carry.AdapterBasis); not written when empty
+    adapter_bases: dict[str, dict[str, Any]] = field(default_factory=dict)
     # runtime only (not in the manifest): norms that were RMS from the start, with their streams'
     # writers and readers (verdict "rms"), and the output-feature axis of writers that no edit centers
     rms_sites: list[SitePlan] = field(default_factory=list)
@@ -588,6 +592,8 @@ class Plan:
         data.pop("rms_sites")
         data.pop("rotation_axes")
         data.pop("residual_folds")  # applied as weights; the sites' rms_bias and beta_detail record it
+        if not data["adapter_bases"]:  # (manifests before round 54 have none; the low-memory proxies neither)
+            data.pop("adapter_bases")
         for site in data["sites"]:
             for key in RUNTIME_SITE_FIELDS:
                 site.pop(key, None)
@@ -616,6 +622,7 @@ class Plan:
             changed_output_axes={str(k): int(v) for k, v in data.get("changed_output_axes", {}).items()},
             options=dict(data.get("options", {})),
             rotations=[dict(r) for r in data.get("rotations", [])],
+            adapter_bases={str(k): dict(v) for k, v in data.get("adapter_bases", {}).items()},
         )
 
 

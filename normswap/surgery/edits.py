@@ -19,6 +19,7 @@ from torch.utils import _pytree as pytree
 
 from normswap.analysis.linears import LinearView, linear_at, param_names
 from normswap.analysis.plan import (
+    EXACT_VERDICTS,
     FLAVOUR_SLOTS,
     BetaMove,
     BiasSlot,
@@ -539,6 +540,7 @@ def apply_weight_edits(model: nn.Module, plan: Plan, sites: dict[str, NormSite],
         untie(model, u)
     if plan.unties:
         mark_untied(model)
+    bases = adapter_bases(model, plan, sites, originals)  # before the folds: λ and an RMS norm's γ as they were
     for rf in plan.rms_folds:
         fold_rms_gamma(model, rf)
     ranges = {sf.param: writer_max(model, sf) for sf in plan.scale_folds if sf.keep}
@@ -551,6 +553,9 @@ def apply_weight_edits(model: nn.Module, plan: Plan, sites: dict[str, NormSite],
     for sf in plan.scale_folds:  # after centering: every row of the writer spans its original range, λ the scale
         if sf.keep:
             balance_layer_scale(model, sf, ranges[sf.param])
+            if sf.into in bases:
+                bases[sf.into]["balance"] = _floats(model.get_parameter(sf.param).detach().double().reshape(-1)
+                                                    + sf.offset)
     for r in plan.centered_readers:  # before widening: the carry's added rows must see the norm's output as is
         center_reader(model, r, sites[r.site].gamma(originals[r.site]), sites[r.site].beta(originals[r.site]))
     for c in plan.mean_carries:  # after centering: the carry's columns are constant on purpose
@@ -564,6 +569,59 @@ def apply_weight_edits(model: nn.Module, plan: Plan, sites: dict[str, NormSite],
         site = sites[f.site]
         module = originals[f.site]
         fold_into_reader(model, f, site.gamma(module), site.beta(module))
+
+
+def _floats(t: torch.Tensor | None) -> list[float] | None:
+    return None if t is None else [float(v) for v in t.detach().double().reshape(-1).cpu()]
+
+
+def adapter_bases(model: nn.Module, plan: Plan, sites: dict[str, NormSite],
+                  originals: dict[str, nn.Module]) -> dict[str, dict[str, Any]]:
+    """Record in ``plan.adapter_bases`` (and return), per Linear / Conv1D the plan edits, what an adapter on it
+    needs to act in the original model's basis (:class:`normswap.rotation.carry.AdapterBasis`): ``gamma`` /
+    ``beta``, the γ folded into its weight and the β folded into its bias (its input was ``x·γ + β`` in the
+    original); ``scale`` (the LayerScale λ folded into its rows), ``center`` (its rows centered: ``True`` or
+    the ``[lo, hi)`` blocks), ``balance`` (the per-row scale taken back into λ; set after the balance): its
+    output space is ``diag(1/s)·C·diag(λ)`` of the original's. Called before any weight edit. Linears under an
+    edit this does not model (β moved through attention, a centered reader of an approximate norm, a widened
+    MLP, a Post-LN β folded through the residual, a reader of an approximate norm) are left out: adapters there
+    act as before."""
+    bases: dict[str, dict[str, Any]] = {}
+    by_site = {sp.name: sp for sp in plan.sites}
+    for f in plan.folds:
+        sp = by_site.get(f.site)
+        if sp is None or sp.verdict not in EXACT_VERDICTS or f.beta_route == "moved":
+            continue
+        site, module = sites[f.site], originals[f.site]
+        entry = bases.setdefault(f.reader, {"kind": f.kind})
+        if f.gamma:
+            entry["gamma"] = _floats(site.gamma(module))
+        if f.beta:
+            entry["beta"] = _floats(site.beta(module))
+    for rf in plan.rms_folds:
+        gamma = rf.offset + model.get_parameter(rf.weight).detach().double()
+        for path, kind in zip(rf.readers, rf.kinds, strict=True):
+            bases.setdefault(path, {"kind": kind})["gamma"] = _floats(gamma)
+    for sf in plan.scale_folds:
+        lam = model.get_parameter(sf.param).detach().double().reshape(-1) + sf.offset
+        bases.setdefault(sf.into, {"kind": sf.kind})["scale"] = _floats(lam)
+    for e in plan.writer_edits:
+        if e.kind not in ("linear", "conv1d") or not e.owner:
+            continue
+        weight = linear_at(model, e.owner).weight
+        if weight is not model.get_parameter(e.target):
+            continue  # the bias: its centering is the output's own
+        if e.axis % weight.dim() != (1 if e.kind == "conv1d" else 0):
+            bases.setdefault(e.owner, {"kind": e.kind})["unsupported"] = True
+            continue
+        bases.setdefault(e.owner, {"kind": e.kind})["center"] = [list(b) for b in e.blocks] if e.blocks else True
+    unsupported = {m.reader for m in plan.beta_moves} | {r.reader for r in plan.centered_readers}
+    unsupported |= {p for c in plan.mean_carries for p in (c.up, c.down)}
+    unsupported |= {p for rf in plan.residual_folds for p in (*rf.readers, *rf.writers)}
+    unsupported |= {p for p, e in bases.items() if e.pop("unsupported", False)}
+    bases = {p: e for p, e in bases.items() if p not in unsupported and len(e) > 1}
+    plan.adapter_bases = bases
+    return bases
 
 
 def written_parameters(plan: Plan, model: nn.Module) -> set[str]:
@@ -631,4 +689,7 @@ def apply_structure(model: nn.Module, plan: Plan, backend: str = "auto") -> nn.M
         carry.record(model)  # the ops' hooks and buffer names; a loader that swaps Linears needs them back
     torch_transformer.keep_python_forward(model, plan)
     attach_plan(model, plan)
+    from normswap.rotation import carry
+
+    carry.mark_bases(model)  # adapters attached later act on the edited Linears as on the original's
     return model
