@@ -41,6 +41,7 @@ under the ``normswap_hadamard`` / ``_normswap_hadamard`` prefixes, so it carries
 
 from __future__ import annotations
 
+import copy
 import types
 import weakref
 from collections.abc import Callable, Iterable, Iterator
@@ -51,7 +52,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from normswap.analysis.plan import plan_of
+from normswap.analysis.plan import ADAPTER_BASES_FILE, ADAPTER_VECTOR_FIELDS, Plan, plan_of
 from normswap.errors import NormswapError
 from normswap.rotation.heads import config_head_dim, head_turn, turn_heads, value_output
 
@@ -1078,13 +1079,27 @@ class AdapterBasis:
     receives ``x`` (``gamma``: the norm's γ folded into its weight; ``beta``: the β folded into its bias).
     Output: this one's output is ``T·y`` of the original's ``y``, ``T = diag(1/s)·C·diag(λ)`` (``scale``: a
     LayerScale λ folded into its rows; ``center``: its rows centered, ``True`` or per ``[lo, hi)`` block;
-    ``balance``: the per-row ``s`` taken back into λ). ``path``: the Linear's path (for a refusal)."""
+    ``balance``: the per-row ``s`` taken back into λ). ``path``: the Linear's path (for a refusal). ``record``
+    names each vector (the plan's structure); ``vectors``: the plan's ``adapter_vectors`` they are looked up in.
+    A named vector not there (a checkpoint loaded without its side file) is listed in ``missing``: every
+    adapter on this Linear is then refused at attach."""
 
     FIELDS = ("gamma", "beta", "scale", "center", "balance")
 
-    def __init__(self, path: str, record: dict[str, Any]) -> None:
+    def __init__(self, path: str, record: dict[str, Any], vectors: dict[str, torch.Tensor] | None = None) -> None:
         self.path = path
         self.record = {k: record.get(k) for k in self.FIELDS}
+        self.vectors: dict[str, torch.Tensor] = {}
+        self.missing: list[str] = []
+        for key in ADAPTER_VECTOR_FIELDS:
+            name = self.record[key]
+            if name is None:
+                continue
+            t = (vectors or {}).get(name) if isinstance(name, str) else None
+            if t is None:
+                self.missing.append(str(name))
+            else:
+                self.vectors[key] = t
         self._cache: dict = {}
 
     @property
@@ -1098,12 +1113,12 @@ class AdapterBasis:
         return any(self.record[k] for k in ("scale", "center", "balance"))
 
     def _vec(self, key: str, like: torch.Tensor) -> torch.Tensor | None:
-        if self.record[key] is None:
+        t = self.vectors.get(key)
+        if t is None:
             return None
         k = (key, like.device, like.dtype)
         if k not in self._cache:
-            self._cache[k] = torch.tensor(self.record[key], dtype=torch.float64).to(device=like.device,
-                                                                                    dtype=like.dtype)
+            self._cache[k] = t.to(device=like.device, dtype=like.dtype)
         return self._cache[k]
 
     def to_input(self, x: torch.Tensor) -> torch.Tensor:
@@ -1142,14 +1157,17 @@ class AdapterBasis:
         b = self._vec("beta", d)
         return None if b is None else self.to_output(d @ b)
 
+    def _named(self) -> dict[str, torch.Tensor]:
+        return {self.record[k]: t for k, t in self.vectors.items()}
+
     def __getstate__(self) -> dict:
-        return {"path": self.path, "record": self.record}
+        return {"path": self.path, "record": self.record, "vectors": self._named()}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(state["path"], state["record"])
+        self.__init__(state["path"], state["record"], state.get("vectors"))
 
     def __deepcopy__(self, memo: dict) -> AdapterBasis:
-        return AdapterBasis(self.path, self.record)
+        return AdapterBasis(self.path, self.record, self._named())  # the vectors are never written: shared
 
 
 class _BasisHook:
@@ -1185,7 +1203,7 @@ class _BasisBranch:
 
     def __deepcopy__(self, memo: dict) -> _BasisBranch:
         layer = self.layer()
-        return _BasisBranch(AdapterBasis(self.basis.path, self.basis.record), self.side, memo.get(id(layer), layer))
+        return _BasisBranch(copy.deepcopy(self.basis), self.side, memo.get(id(layer), layer))
 
     def __getstate__(self) -> dict:
         return {"basis": self.basis, "side": self.side, "layer": self.layer()}
@@ -1212,6 +1230,12 @@ def _basis_refusal(layer: nn.Module, basis: AdapterBasis) -> str | None:
     what = None
     if not names:
         return None
+    if basis.missing:
+        return (f"a PEFT adapter ({type(layer).__name__}) on `{basis.path}` is refused: the conversion folded a "
+                "norm's γ/β into that Linear or centered its rows, and the vectors that make an adapter there act "
+                f"as on the original model ({ADAPTER_BASES_FILE} beside config.json) were not there when the "
+                "checkpoint was loaded; put that file back and load again, or leave the Linear out of "
+                "target_modules")
     if "AdaLoraLayer" in names:
         what = "AdaLoRA (its forward reads its matrices, not its branch Linears)"
     elif "LoraLayer" in names:
@@ -1276,16 +1300,23 @@ def _merge_bias_share(layer: nn.Module, base: nn.Module, basis: AdapterBasis, ad
         base.bias.data = (base.bias.data.double() + sign * share).to(base.bias.dtype)
 
 
-def mark_bases(model: nn.Module) -> None:
-    """Mark each Linear the conversion edited (the plan's ``adapter_bases``) with its :class:`AdapterBasis`, so
-    that a PEFT adapter assigned in its place acts as on the original model (:func:`_on_register`). Not where a
-    rotation turned a stream (those Linears' bases are not the recorded ones; adapters act as before)."""
-    plan = plan_of(model)
+def mark_bases(model: nn.Module, plan: Plan | None = None) -> int:
+    """Mark each Linear the conversion edited (the ``adapter_bases`` of ``plan``, default the model's own plan)
+    with its :class:`AdapterBasis`, so that a PEFT adapter assigned in its place acts as on the original model
+    (:func:`_on_register`); marks already there are replaced (a loader marks again once it has read the
+    vectors). Not where a rotation turned a stream (those Linears' bases are not the recorded ones; adapters act
+    as before). Returns how many Linears were marked without their vectors (their adapters are refused)."""
+    plan = plan if plan is not None else plan_of(model)
     bases = getattr(plan, "adapter_bases", None) or {}
     if not bases or any(r.get("kind") != "none" for r in getattr(plan, "rotations", None) or []):
-        return
+        return 0
+    vectors = getattr(plan, "adapter_vectors", None) or {}
+    missing = 0
     for path, record in bases.items():
         module = _at(model, path)
-        if isinstance(module, nn.Module) and hasattr(module, "weight") and BASIS not in module.__dict__:
-            module.__dict__[BASIS] = AdapterBasis(path, record)
+        if isinstance(module, nn.Module) and hasattr(module, "weight") and "base_layer" not in module._modules:
+            basis = AdapterBasis(path, record, vectors)
+            module.__dict__[BASIS] = basis
+            missing += bool(basis.missing)
     _listen()
+    return missing

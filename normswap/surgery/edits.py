@@ -19,6 +19,7 @@ from torch.utils import _pytree as pytree
 
 from normswap.analysis.linears import LinearView, linear_at, param_names
 from normswap.analysis.plan import (
+    ADAPTER_VECTOR_FIELDS,
     EXACT_VERDICTS,
     FLAVOUR_SLOTS,
     BetaMove,
@@ -554,8 +555,8 @@ def apply_weight_edits(model: nn.Module, plan: Plan, sites: dict[str, NormSite],
         if sf.keep:
             balance_layer_scale(model, sf, ranges[sf.param])
             if sf.into in bases:
-                bases[sf.into]["balance"] = _floats(model.get_parameter(sf.param).detach().double().reshape(-1)
-                                                    + sf.offset)
+                bases[sf.into]["balance"] = _vector(plan, f"{sf.param}:balance",
+                                                    model.get_parameter(sf.param).reshape(-1), sf.offset)
     for r in plan.centered_readers:  # before widening: the carry's added rows must see the norm's output as is
         center_reader(model, r, sites[r.site].gamma(originals[r.site]), sites[r.site].beta(originals[r.site]))
     for c in plan.mean_carries:  # after centering: the carry's columns are constant on purpose
@@ -571,8 +572,12 @@ def apply_weight_edits(model: nn.Module, plan: Plan, sites: dict[str, NormSite],
         fold_into_reader(model, f, site.gamma(module), site.beta(module))
 
 
-def _floats(t: torch.Tensor | None) -> list[float] | None:
-    return None if t is None else [float(v) for v in t.detach().double().reshape(-1).cpu()]
+def _vector(plan: Plan, name: str, t: torch.Tensor, offset: float = 0.0) -> str:
+    """Keep ``offset + t`` (float64, on the CPU) in ``plan.adapter_vectors`` under ``name``; returns ``name``,
+    what ``plan.adapter_bases`` records (one vector per norm site / λ however many Linears read it)."""
+    if name not in plan.adapter_vectors:
+        plan.adapter_vectors[name] = (t.detach().to("cpu", torch.float64).reshape(-1) + offset).contiguous()
+    return name
 
 
 def adapter_bases(model: nn.Module, plan: Plan, sites: dict[str, NormSite],
@@ -587,6 +592,7 @@ def adapter_bases(model: nn.Module, plan: Plan, sites: dict[str, NormSite],
     MLP, a Post-LN β folded through the residual, a reader of an approximate norm) are left out: adapters there
     act as before."""
     bases: dict[str, dict[str, Any]] = {}
+    plan.adapter_vectors = {}
     by_site = {sp.name: sp for sp in plan.sites}
     for f in plan.folds:
         sp = by_site.get(f.site)
@@ -594,17 +600,17 @@ def adapter_bases(model: nn.Module, plan: Plan, sites: dict[str, NormSite],
             continue
         site, module = sites[f.site], originals[f.site]
         entry = bases.setdefault(f.reader, {"kind": f.kind})
-        if f.gamma:
-            entry["gamma"] = _floats(site.gamma(module))
-        if f.beta:
-            entry["beta"] = _floats(site.beta(module))
+        if f.gamma and site.gamma(module) is not None:
+            entry["gamma"] = _vector(plan, f"{f.site}:gamma", site.gamma(module))
+        if f.beta and site.beta(module) is not None:
+            entry["beta"] = _vector(plan, f"{f.site}:beta", site.beta(module))
     for rf in plan.rms_folds:
-        gamma = rf.offset + model.get_parameter(rf.weight).detach().double()
         for path, kind in zip(rf.readers, rf.kinds, strict=True):
-            bases.setdefault(path, {"kind": kind})["gamma"] = _floats(gamma)
+            bases.setdefault(path, {"kind": kind})["gamma"] = _vector(plan, f"{rf.weight}:gamma",
+                                                                      model.get_parameter(rf.weight), rf.offset)
     for sf in plan.scale_folds:
-        lam = model.get_parameter(sf.param).detach().double().reshape(-1) + sf.offset
-        bases.setdefault(sf.into, {"kind": sf.kind})["scale"] = _floats(lam)
+        bases.setdefault(sf.into, {"kind": sf.kind})["scale"] = _vector(plan, f"{sf.param}:scale",
+                                                                        model.get_parameter(sf.param), sf.offset)
     for e in plan.writer_edits:
         if e.kind not in ("linear", "conv1d") or not e.owner:
             continue
@@ -620,7 +626,9 @@ def adapter_bases(model: nn.Module, plan: Plan, sites: dict[str, NormSite],
     unsupported |= {p for rf in plan.residual_folds for p in (*rf.readers, *rf.writers)}
     unsupported |= {p for p, e in bases.items() if e.pop("unsupported", False)}
     bases = {p: e for p, e in bases.items() if p not in unsupported and len(e) > 1}
+    named = {v for e in bases.values() for k, v in e.items() if k in ADAPTER_VECTOR_FIELDS}
     plan.adapter_bases = bases
+    plan.adapter_vectors = {k: v for k, v in plan.adapter_vectors.items() if k in named}
     return bases
 
 
