@@ -541,7 +541,9 @@ def apply_weight_edits(model: nn.Module, plan: Plan, sites: dict[str, NormSite],
         untie(model, u)
     if plan.unties:
         mark_untied(model)
-    bases = adapter_bases(model, plan, sites, originals)  # before the folds: λ and an RMS norm's γ as they were
+    bases = adapter_bases(  # before the folds: λ and an RMS norm's γ as they were
+        model, plan, lambda name: (sites[name].gamma(originals[name]), sites[name].beta(originals[name])),
+        lambda name: model.get_parameter(name))
     for rf in plan.rms_folds:
         fold_rms_gamma(model, rf)
     ranges = {sf.param: writer_max(model, sf) for sf in plan.scale_folds if sf.keep}
@@ -580,17 +582,26 @@ def _vector(plan: Plan, name: str, t: torch.Tensor, offset: float = 0.0) -> str:
     return name
 
 
-def adapter_bases(model: nn.Module, plan: Plan, sites: dict[str, NormSite],
-                  originals: dict[str, nn.Module]) -> dict[str, dict[str, Any]]:
+def adapter_bases(model: nn.Module, plan: Plan,
+                  norm: Callable[[str], tuple[torch.Tensor | None, torch.Tensor | None]],
+                  param: Callable[[str], torch.Tensor],
+                  balance: Callable[[ScaleFold], torch.Tensor] | None = None) -> dict[str, dict[str, Any]]:
     """Record in ``plan.adapter_bases`` (and return), per Linear / Conv1D the plan edits, what an adapter on it
     needs to act in the original model's basis (:class:`normswap.rotation.carry.AdapterBasis`): ``gamma`` /
     ``beta``, the γ folded into its weight and the β folded into its bias (its input was ``x·γ + β`` in the
     original); ``scale`` (the LayerScale λ folded into its rows), ``center`` (its rows centered: ``True`` or
-    the ``[lo, hi)`` blocks), ``balance`` (the per-row scale taken back into λ; set after the balance): its
-    output space is ``diag(1/s)·C·diag(λ)`` of the original's. Called before any weight edit. Linears under an
-    edit this does not model (β moved through attention, a centered reader of an approximate norm, a widened
-    MLP, a Post-LN β folded through the residual, a reader of an approximate norm) are left out: adapters there
-    act as before."""
+    the ``[lo, hi)`` blocks), ``balance`` (the per-row scale taken back into λ): its output space is
+    ``diag(1/s)·C·diag(λ)`` of the original's. Each vector is kept once, float64, in ``plan.adapter_vectors``
+    under the name the record holds (``<norm site>:gamma``, ``<λ parameter>:scale``, ...).
+
+    The values come from ``norm(site)`` (the original norm's effective γ and β), ``param(name)`` (a parameter
+    before any edit) and ``balance(scale_fold)`` (λ's parameter after the balance; without it, the in-memory
+    surgery records it after :func:`balance_layer_scale`); ``model`` may be the meta model (only its structure
+    is read). The in-memory surgery and the low-memory rewrite (:mod:`normswap.checkpoint.streaming`) both
+    call it, with their own readers, so that both write the same adapter bases. Linears under an edit this does
+    not model (β moved through attention, a centered reader of an approximate norm, a widened MLP, a Post-LN β
+    folded through the residual, a reader of an approximate norm) are left out: adapters there act as
+    before."""
     bases: dict[str, dict[str, Any]] = {}
     plan.adapter_vectors = {}
     by_site = {sp.name: sp for sp in plan.sites}
@@ -598,19 +609,21 @@ def adapter_bases(model: nn.Module, plan: Plan, sites: dict[str, NormSite],
         sp = by_site.get(f.site)
         if sp is None or sp.verdict not in EXACT_VERDICTS or f.beta_route == "moved":
             continue
-        site, module = sites[f.site], originals[f.site]
+        gamma, beta = norm(f.site)
         entry = bases.setdefault(f.reader, {"kind": f.kind})
-        if f.gamma and site.gamma(module) is not None:
-            entry["gamma"] = _vector(plan, f"{f.site}:gamma", site.gamma(module))
-        if f.beta and site.beta(module) is not None:
-            entry["beta"] = _vector(plan, f"{f.site}:beta", site.beta(module))
+        if f.gamma and gamma is not None:
+            entry["gamma"] = _vector(plan, f"{f.site}:gamma", gamma)
+        if f.beta and beta is not None:
+            entry["beta"] = _vector(plan, f"{f.site}:beta", beta)
     for rf in plan.rms_folds:
         for path, kind in zip(rf.readers, rf.kinds, strict=True):
-            bases.setdefault(path, {"kind": kind})["gamma"] = _vector(plan, f"{rf.weight}:gamma",
-                                                                      model.get_parameter(rf.weight), rf.offset)
+            bases.setdefault(path, {"kind": kind})["gamma"] = _vector(plan, f"{rf.weight}:gamma", param(rf.weight),
+                                                                      rf.offset)
     for sf in plan.scale_folds:
-        bases.setdefault(sf.into, {"kind": sf.kind})["scale"] = _vector(plan, f"{sf.param}:scale",
-                                                                        model.get_parameter(sf.param), sf.offset)
+        entry = bases.setdefault(sf.into, {"kind": sf.kind})
+        entry["scale"] = _vector(plan, f"{sf.param}:scale", param(sf.param), sf.offset)
+        if sf.keep and balance is not None:
+            entry["balance"] = _vector(plan, f"{sf.param}:balance", balance(sf), sf.offset)
     for e in plan.writer_edits:
         if e.kind not in ("linear", "conv1d") or not e.owner:
             continue

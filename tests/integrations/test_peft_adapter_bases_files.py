@@ -238,3 +238,21 @@ def test_at_runtime_the_vectors_are_tensors_not_float_lists():
     assert plan.adapter_vectors and all(isinstance(t, torch.Tensor) and t.dtype == torch.float64
                                         for t in plan.adapter_vectors.values())
     assert "adapter_vectors" not in plan.to_dict()
+
+
+def test_a_low_memory_conversion_records_the_same_adapter_bases(tmp_path):
+    """The streamed rewrite records the bases from the checkpoint's own tensors (round 55; round 54 wrote none):
+    a LoRA on the loaded low-memory checkpoint acts as on the original (tests/checkpoint/test_streaming.py
+    checks the manifest and side file equal to the in-memory conversion's, bit for bit)."""
+    cfg = tf.GPT2Config(n_layer=5, n_embd=32, n_head=4, vocab_size=99, n_positions=32)
+    original = randomise(tf.GPT2LMHeadModel(cfg).eval().double())
+    original.save_pretrained(tmp_path / "src")
+    report = normswap.convert(tmp_path / "src", tmp_path / "out", low_memory=True, beta_placement="fold")
+    assert report.streamed and (tmp_path / "out" / SIDECAR).is_file()
+    loaded = normswap.load(tmp_path / "out", dtype=torch.float64)
+    probe = hf_example_inputs(original, seed=5)
+    targets, kw = GPT2
+    ref = _out(_lora(copy.deepcopy(original), targets, **kw), probe)
+    lora = _lora(loaded, targets, **kw)
+    assert _relative(_out(lora, probe), ref) <= 1e-9
+    assert _relative(_out(lora.merge_and_unload(), probe), ref) <= 1e-9
