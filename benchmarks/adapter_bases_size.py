@@ -64,13 +64,16 @@ def main() -> None:
     ap.add_argument("--label", required=True)
     ap.add_argument("--json", type=Path, required=True)
     args = ap.parse_args()
+    args.work = args.work.resolve()
     args.work.mkdir(parents=True, exist_ok=True)
     rows = {}
     gpt2(args.work / "gpt2")
     rows["gpt2-2x1024"] = sizes(args.work / "gpt2")
     dino = args.work / "dino"
-    subprocess.run([sys.executable, "-m", "normswap", "convert", str(args.dinov2), "--out", str(dino), "--overwrite"],
-                   check=True, stdout=subprocess.DEVNULL, env=os.environ)
+    # run from the work directory: `python -m` puts the current directory first on sys.path, and from the
+    # repository root that would be this checkout's normswap whatever PYTHONPATH says
+    cmd = [sys.executable, "-m", "normswap", "convert", str(args.dinov2.resolve()), "--out", str(dino), "--overwrite"]
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env=os.environ, cwd=args.work)
     rows["dinov2-small"] = sizes(dino)
     import normswap
 

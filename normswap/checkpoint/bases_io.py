@@ -61,7 +61,7 @@ def write(plan: Plan, out: Path) -> int:
     target = Path(out) / SIDECAR
     tmp = target.with_name(f".{SIDECAR}.partial")
     try:
-        save_file(tensors, str(tmp), metadata={"format": "pt", "normswap": "adapter_bases"})
+        save_file(tensors, str(tmp), metadata={"format": "pt"})
         os.replace(tmp, target)
     finally:
         tmp.unlink(missing_ok=True)
