@@ -407,11 +407,16 @@ def _head_refusal(layer: nn.Module, turn: HeadTurn) -> str | None:
     return None if what is None else _refusal_line(layer, turn, what)
 
 
-def _refusal_line(layer: nn.Module | None, turn: HeadTurn, what: str) -> str:
-    """The one line refusing an adapter on a Linear that holds the per-head ``H̃`` (``what``: why)."""
+def _adapter_named(layer: nn.Module | None) -> str:
+    """``a PEFT <tuner> adapter (<class>)``: how a refusal names the adapter layer ``layer``."""
     parts = type(layer).__module__.split(".") if layer is not None else []
     tuner = parts[2] if len(parts) > 2 and parts[:2] == ["peft", "tuners"] else type(layer).__module__
-    return (f"a PEFT {tuner} adapter ({type(layer).__name__}) on `{turn.path}` is refused: that Linear's weight holds "
+    return f"a PEFT {tuner} adapter ({type(layer).__name__})"
+
+
+def _refusal_line(layer: nn.Module | None, turn: HeadTurn, what: str) -> str:
+    """The one line refusing an adapter on a Linear that holds the per-head ``H̃`` (``what``: why)."""
+    return (f"{_adapter_named(layer)} on `{turn.path}` is refused: that Linear's weight holds "
             f"the per-head Hadamard of the values (rotate(..., online=True)), and {what} cannot act there in the "
             "original model's basis; use LoRA, LoHa or LoKr on it, or leave it out of target_modules")
 
@@ -1215,9 +1220,7 @@ class _BasisBranch:
 
 
 def _basis_line(layer: nn.Module | None, basis: AdapterBasis, what: str) -> str:
-    parts = type(layer).__module__.split(".") if layer is not None else []
-    tuner = parts[2] if len(parts) > 2 and parts[:2] == ["peft", "tuners"] else type(layer).__module__
-    return (f"a PEFT {tuner} adapter ({type(layer).__name__}) on `{basis.path}` is refused: the conversion folded "
+    return (f"{_adapter_named(layer)} on `{basis.path}` is refused: the conversion folded "
             f"a norm's γ/β into that Linear or centered its rows, and {what} cannot act there as on the original "
             "model; use LoRA on it, or leave it out of target_modules")
 
@@ -1231,7 +1234,7 @@ def _basis_refusal(layer: nn.Module, basis: AdapterBasis) -> str | None:
     if not names:
         return None
     if basis.missing:
-        return (f"a PEFT adapter ({type(layer).__name__}) on `{basis.path}` is refused: the conversion folded a "
+        return (f"{_adapter_named(layer)} on `{basis.path}` is refused: the conversion folded a "
                 "norm's γ/β into that Linear or centered its rows, and the vectors that make an adapter there act "
                 f"as on the original model ({ADAPTER_BASES_FILE} beside config.json) were not there when the "
                 "checkpoint was loaded; put that file back and load again, or leave the Linear out of "

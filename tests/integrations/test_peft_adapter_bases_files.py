@@ -24,8 +24,8 @@ from normswap.analysis.plan import ADAPTER_VECTOR_FIELDS, plan_of
 from normswap.checkpoint import bases_io
 from normswap.errors import NormswapError
 from normswap.inputs import hf_example_inputs
-from normswap.pipeline import default_dtype
 from tests.benchmark_modules import tiny_dinov2
+from tests.integrations.test_peft_adapter_bases import _lora, _out, _relative
 from tests.zoo import EXACT, build, randomise
 
 peft = pytest.importorskip("peft")
@@ -33,21 +33,6 @@ tf = pytest.importorskip("transformers")
 
 SIDECAR = "normswap_adapter_bases.safetensors"
 GPT2 = (["c_attn", "c_proj", "c_fc"], {"fan_in_fan_out": True})
-
-
-def _out(model, probe):
-    with torch.no_grad(), default_dtype(torch.float64):
-        out = model(**probe)
-    return out.logits if hasattr(out, "logits") else out.last_hidden_state
-
-
-def _relative(out, ref):
-    return float((out - ref).abs().max() / ref.abs().max())
-
-
-def _lora(model, targets, seed=1, **kw):
-    torch.manual_seed(seed)
-    return peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=targets, init_lora_weights=False, **kw))
 
 
 def _gpt2(tmp_path, fmt="native", width=None, **patch):
