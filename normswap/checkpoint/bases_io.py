@@ -51,10 +51,12 @@ def write(plan: Plan, out: Path) -> int:
     """Write the vectors ``plan.adapter_bases`` names into ``out/SIDECAR`` (through a temporary name and a
     rename, so the file is whole or absent; inside a conversion's staging directory the whole directory is
     moved into place at the end). Returns the bytes written: 0 when there is nothing to store (no adapter bases,
-    or a model loaded without its side file, whose vectors are not known)."""
+    or a model loaded without its side file, whose vectors are not known); a side file an earlier save left in
+    ``out`` is then removed, so that it is never read as this model's."""
     tensors = {name: narrowest(plan.adapter_vectors[name].detach().to("cpu", torch.float64).contiguous())
                for name in sorted(named(plan)) if name in plan.adapter_vectors}
     if not tensors:
+        (Path(out) / SIDECAR).unlink(missing_ok=True)
         return 0
     from safetensors.torch import save_file
 
