@@ -33,6 +33,7 @@ from normswap.inputs.probe import call_args, held_out_like, special_ids
 from normswap.integrations import torch_transformer, wrappers
 from normswap.nn.call_args import normalised
 from normswap.options import ConvertOptions
+from normswap.rotation import carry
 from normswap.surgery import beta_placement, calibrate, edits
 from normswap.surgery.verify import (
     RANDOM_NOTE,
@@ -748,6 +749,7 @@ def patch(model: nn.Module, example_inputs: inputs.ExampleInputs = None, *,
     if not committed:
         return st.nothing
     attach_plan(model, st.plan)
+    carry.mark_bases(model)  # adapters attached later act on the edited Linears as on the original's
     if on_commit is not None:
         on_commit(model)
     return _report(st, wrapped)

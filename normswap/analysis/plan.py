@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import textwrap
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 VERDICTS = ("exact", "exact-with-centering", "exact-with-per-norm-centering", "approximate", "skipped")
@@ -446,6 +446,15 @@ class Plan:
     options: dict[str, Any] = field(default_factory=dict)
     # orthogonal rotations applied after the conversion (normswap.rotate), one record per stream
     rotations: list[dict[str, Any]] = field(default_factory=list)
+    # per Linear the conversion edited, what maps its input / output back to the original model's (the folded
+    # γ / β of the norm it reads, the LayerScale λ, centering and balance of a writer's rows), so that an adapter
+    # attached to it acts in the original basis (normswap.rotation.carry.AdapterBasis); not written when empty.
+    # Structure only: a vector field ("gamma", "beta", "scale", "balance") names its tensor in adapter_vectors
+    # (one name per norm site / λ, shared by the Linears that read it), "center" is True or the [lo, hi) blocks
+    adapter_bases: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # runtime only (not in the manifest): the float64 vectors adapter_bases names; a checkpoint stores them in
+    # the binary side file normswap_adapter_bases.safetensors (normswap.checkpoint.bases_io), not in config.json
+    adapter_vectors: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
     # runtime only (not in the manifest): norms that were RMS from the start, with their streams'
     # writers and readers (verdict "rms"), and the output-feature axis of writers that no edit centers
     rms_sites: list[SitePlan] = field(default_factory=list)
@@ -584,10 +593,13 @@ class Plan:
     def to_dict(self) -> dict[str, Any]:
         """The manifest. Per-site stream details (``writer_targets``, ``linear_readers``) stay in memory:
         they grow with depth, which the streaming path's plan extrapolation does not model."""
-        data = asdict(self)
+        data = asdict(replace(self, adapter_vectors={}))  # the vectors go to a binary side file, not JSON
+        data.pop("adapter_vectors")
         data.pop("rms_sites")
         data.pop("rotation_axes")
         data.pop("residual_folds")  # applied as weights; the sites' rms_bias and beta_detail record it
+        if not data["adapter_bases"]:  # (manifests before round 54 have none; the low-memory proxies neither)
+            data.pop("adapter_bases")
         for site in data["sites"]:
             for key in RUNTIME_SITE_FIELDS:
                 site.pop(key, None)
@@ -616,7 +628,14 @@ class Plan:
             changed_output_axes={str(k): int(v) for k, v in data.get("changed_output_axes", {}).items()},
             options=dict(data.get("options", {})),
             rotations=[dict(r) for r in data.get("rotations", [])],
+            adapter_bases={str(k): dict(v) for k, v in data.get("adapter_bases", {}).items()},
         )
+
+
+# the fields of a Plan.adapter_bases record that name a vector of Plan.adapter_vectors (the rest is structure)
+ADAPTER_VECTOR_FIELDS = ("gamma", "beta", "scale", "balance")
+# the binary side file of a checkpoint directory that holds Plan.adapter_vectors (normswap.checkpoint.bases_io)
+ADAPTER_BASES_FILE = "normswap_adapter_bases.safetensors"
 
 
 # the attribute a converted model carries its plan under (read and written only through the two

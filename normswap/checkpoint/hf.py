@@ -28,7 +28,8 @@ import warnings
 
 from torch import nn
 
-from normswap.checkpoint import rebase
+from normswap.analysis.plan import plan_of
+from normswap.checkpoint import bases_io, rebase
 from normswap.checkpoint.hf_types import (  # noqa: F401  (re-exported: hf.PREFIX, hf.config_class_for, ...)
     LEFT_OUT_KEY,
     MANIFEST_KEY,
@@ -91,6 +92,7 @@ def model_class_for(base: str, class_name: str) -> type:
         from normswap.rotation import carry
 
         carry.after_load(loaded, lambda: _weight_files(pretrained_model_name_or_path, kwargs))
+        _load_adapter_bases(loaded, pretrained_model_name_or_path, kwargs)
         return out
 
     def save_pretrained(self, save_directory, *args, **kwargs):  # noqa: ANN001, ANN202
@@ -162,6 +164,28 @@ def _weight_files(spec: object, kwargs: dict) -> list[str]:
     with open(index) as fh:
         shards = sorted(set(json.load(fh)["weight_map"].values()))
     return [cached_file(str(spec), shard, **where) for shard in shards]
+
+
+def _load_adapter_bases(model: nn.Module, spec: object, kwargs: dict) -> None:
+    """Read the adapter bases' vectors of the checkpoint ``spec`` (its side file, found as transformers finds
+    its files) into the loaded model's plan and mark its edited Linears with them
+    (:mod:`normswap.checkpoint.bases_io`; no side file: one warning, adapters there refused at attach)."""
+    from transformers.utils import cached_file
+
+    from normswap.rotation import carry
+
+    plan = plan_of(model)
+    if plan is None or not bases_io.named(plan):
+        return
+    found = None
+    if spec is not None:  # a local directory, or the Hub (fetched as from_pretrained fetched the weights)
+        where = {k: kwargs[k] for k in ("cache_dir", "token", "revision", "local_files_only", "proxies")
+                 if kwargs.get(k) is not None}
+        found = cached_file(str(spec), bases_io.SIDECAR, subfolder=kwargs.get("subfolder") or "", **where,
+                            _raise_exceptions_for_missing_entries=False,
+                            _raise_exceptions_for_connection_errors=False)
+    bases_io.load(plan, found, spec if spec is not None else "a model loaded from a state_dict")
+    carry.mark_bases(model, plan)
 
 
 # ------------------------------------------------------------------------------ structure on load

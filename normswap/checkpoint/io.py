@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from normswap import interrupts
+from normswap.analysis.plan import ADAPTER_BASES_FILE
 from normswap.errors import DiskFull, NormswapError, UsageError
 from normswap.memory import available_memory, human  # noqa: F401 - re-exported: io.human, io.available_memory
 from normswap.options import check_out_dir, parse_size  # noqa: F401 - io.parse_size, as the writers call it (torch-free home)
@@ -507,7 +508,8 @@ def read_safetensors_header(path: Path) -> dict[str, Any]:
 
 
 def weight_files(model_dir: Path) -> tuple[list[Path], list[Path]]:
-    """(safetensors files, pickle-format files) of a local model directory."""
+    """(safetensors files, pickle-format files) of a local model directory (not normswap's adapter bases' side
+    file, :data:`normswap.analysis.plan.ADAPTER_BASES_FILE`, which holds no weights)."""
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
         try:
@@ -523,7 +525,7 @@ def weight_files(model_dir: Path) -> tuple[list[Path], list[Path]]:
             )
         safe = files
     else:
-        safe = sorted(p for p in model_dir.glob("*.safetensors") if p.is_file())
+        safe = sorted(p for p in model_dir.glob("*.safetensors") if p.is_file() and p.name != ADAPTER_BASES_FILE)
     pickles = sorted(p for p in model_dir.iterdir() if p.suffix in PICKLE_SUFFIXES and p.is_file())
     return safe, pickles
 

@@ -14,6 +14,9 @@ built instance that the user passes in:
   shape/eps/affine slots, widened MLPs, bias slots, centering ops, untied heads, rotations, and
   every weight edit for the record), each RMSNorm's backend, the class of every module the plan
   names, the versions, and the saved class's name (information only).
+* ``normswap_adapter_bases.safetensors`` (:data:`normswap.checkpoint.bases_io.SIDECAR`, only where the
+  conversion edited Linears an adapter may target): the vectors that make such an adapter act as on the
+  original module (``plan.adapter_bases`` names them).
 * ``README.md``: a short card saying how to load it.
 
 Loading (:func:`load_into`, reached as ``normswap.load(dir, model=MyNet(...))``) applies the plan's
@@ -38,7 +41,7 @@ import torch
 from torch import nn
 
 from normswap.analysis.plan import Plan, plan_of
-from normswap.checkpoint import io, stream_io
+from normswap.checkpoint import bases_io, io, stream_io
 from normswap.copying import deepcopy_module
 from normswap.errors import NormswapError, first_line
 from normswap.integrations import trainer, wrappers
@@ -172,6 +175,7 @@ def save_module(
         stream_io.write_shards(layout, tmp, limit, progress=False)
         stream_io.check_written(tmp, model.state_dict(), what=f"normswap.save: the {type(model).__name__} checkpoint")
         io.write_json(tmp / MANIFEST_FILE, manifest)
+        bases_io.write(plan, tmp)
         (tmp / "README.md").write_text(model_card(manifest, out.name))
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
@@ -259,6 +263,7 @@ def load_into(model: nn.Module, path: str | os.PathLike) -> nn.Module:
         reader.close()
     for alias, key in manifest.get("aliases", {}).items():
         state[alias] = state[key]
+    bases_io.load(plan, path / bases_io.SIDECAR, path)  # before apply_structure marks the edited Linears
     # nothing below can refuse: check_fits ran the same structure on a meta copy and matched every tensor
     from normswap.surgery.edits import apply_structure
 

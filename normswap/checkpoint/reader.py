@@ -9,7 +9,7 @@ from typing import Any
 
 from torch import nn
 
-from normswap.checkpoint import hf, io, module_io, rebase, source
+from normswap.checkpoint import bases_io, hf, io, module_io, rebase, source
 from normswap.errors import NormswapError
 from normswap.options import TASKS, choose
 
@@ -189,6 +189,11 @@ def load(path: str | os.PathLike, *, task: str | type | None = None, model: nn.M
         if type(model).__name__ != cfg[hf.MANIFEST_KEY].get("architecture", type(model).__name__):
             plan, _ = rebase.rebase_plan(plan, model)  # loaded as another class (task=)
         model._normswap_compat = Plan.from_dict(plan)
+        from normswap.rotation import carry
+
+        # its Linears hold the same folds as the native form's: adapters on them act as on the original
+        bases_io.load(model._normswap_compat, path / bases_io.SIDECAR, path)
+        carry.mark_bases(model, model._normswap_compat)
     return model
 
 

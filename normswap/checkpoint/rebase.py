@@ -191,6 +191,8 @@ def rebase_plan(plan: dict, model: nn.Module) -> tuple[dict, list[str]]:
     out["constant_trades"] = _records(out.get("constant_trades", []), pmap, ("table", "into"), texts=("reason",))
     out["unties"] = _records(out.get("unties", []), pmap, ("module", "source"))
     out["rotations"] = [r for r in (_rotation(r, pmap) for r in out.get("rotations", [])) if r is not None]
+    if out.get("adapter_bases"):  # keyed by Linear; the vectors' names are the side file's, left as they are
+        out["adapter_bases"] = {pmap(k): v for k, v in out["adapter_bases"].items() if pmap(k) is not None}
     return out, lost_folds(plan, pmap)
 
 

@@ -28,14 +28,14 @@ from torch import nn
 
 from normswap import pipeline
 from normswap.analysis.plan import Plan
+from normswap.checkpoint import bases_io, hf, io, proxy, source, stream_io, truncated, writer
 from normswap.checkpoint import extrapolate as ex
-from normswap.checkpoint import hf, io, proxy, source, stream_io, truncated, writer
 from normswap.checkpoint.rewrite import KeyMap, TensorRewriter
 from normswap.checkpoint.source import NothingToConvert, Source
 from normswap.errors import NormswapError
 from normswap.options import ConvertOptions
 from normswap.surgery import beta_placement
-from normswap.surgery.edits import mark_untied, record_rms_slots
+from normswap.surgery.edits import adapter_bases, mark_untied, record_rms_slots
 
 
 def convert_streaming(
@@ -255,6 +255,10 @@ def _write_tensors(st: _Streaming, tmp: Path, options: ConvertOptions, fmt: str,
     try:
         place_beta(st.fp, st.meta, st.keys, reader, options)
         rewriter = TensorRewriter(st.plan, st.meta, st.keys, reader, fmt=fmt, dtype=st.out_dtype)
+        # the adapter bases from the checkpoint's own tensors, as the in-memory surgery records them
+        adapter_bases(st.meta, st.plan, lambda site: rewriter.norms.get(site, (None, None)),
+                      lambda name: rewriter.read(name).double(), lambda sf: rewriter.edited(sf.param).reshape(-1))
+        bases_io.write(st.plan, tmp)
         layout = rewriter.layout()
         weight_map = stream_io.write_shards([entry[:4] for entry in layout], tmp, io.parse_size(max_shard_size),
                                             progress)

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from normswap.analysis.plan import CENTERED_VERDICTS, Plan, plan_of
-from normswap.checkpoint import hf_types, io, module_io, stream_io
+from normswap.checkpoint import bases_io, hf_types, io, module_io, stream_io
 from normswap.errors import NormswapError
 from normswap.integrations import wrappers
 from normswap.integrations.quiet import quietly
@@ -235,6 +235,7 @@ def write_native(
     state = state_dict_for_save(model)
     model.save_pretrained(out, max_shard_size=max_shard_size, state_dict=dict(state))  # it pops keys
     make_native_config(model, out, manifest)
+    bases_io.write(plan, out)  # the adapter bases' vectors: binary, beside config.json (not in it)
     if readback:
         check_loads_back(out, model, state, manifest["architecture"])
     return manifest
@@ -296,8 +297,10 @@ def finish_native_dir(model: nn.Module, out: Path) -> None:
     cfg_path = out / "config.json"
     if not cfg_path.is_file():
         return
-    manifest = build_manifest(model, required_plan(model), fmt="native")
+    plan = required_plan(model)
+    manifest = build_manifest(model, plan, fmt="native")
     make_native_config(model, out, manifest)
+    bases_io.write(plan, out)
     if not (out / "README.md").exists():
         (out / "README.md").write_text(model_card(manifest, out.name))
 
@@ -558,6 +561,7 @@ def write_compat(
     state = state_dict_for_save(stock)
     stock.save_pretrained(out, max_shard_size=max_shard_size, state_dict=dict(state))  # it pops keys
     add_manifest(out, manifest)
+    bases_io.write(plan, out)  # read by normswap.load (stock transformers has no adapter marks to use it for)
     if readback:
         check_loads_back(out, stock, state, type(stock).__name__)
     return manifest

@@ -41,6 +41,7 @@ under the ``normswap_hadamard`` / ``_normswap_hadamard`` prefixes, so it carries
 
 from __future__ import annotations
 
+import copy
 import types
 import weakref
 from collections.abc import Callable, Iterable, Iterator
@@ -51,7 +52,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from normswap.analysis.plan import plan_of
+from normswap.analysis.plan import ADAPTER_BASES_FILE, ADAPTER_VECTOR_FIELDS, Plan, plan_of
 from normswap.errors import NormswapError
 from normswap.rotation.heads import config_head_dim, head_turn, turn_heads, value_output
 
@@ -62,10 +63,12 @@ REGISTRY = "_normswap_online_ops"  # on the model: {module path: HeldOp}
 READER = "_normswap_shared_reader"  # on a Linear reader of an op shared after a norm: SharedReader
 HEADS = "_normswap_value_heads"  # on a value / output projection whose weight holds the per-head turn: HeadTurn
 HEAD_HOOK = "_normswap_head_turn"  # on an adapter's lora_B / lora_A Linear: the turn hook's handle
+BASIS = "_normswap_adapter_basis"  # on a Linear the conversion edited (its folds, its centered rows): AdapterBasis
+BASIS_HOOK = "_normswap_basis_hook"  # on an adapter's lora_A / lora_B Linear: the basis hook's handle
 
 __all__ = ["HeldOp", "record", "held_ops", "carry_online_ops", "check_online_ops", "missing_online_ops",
            "after_load", "lost_line", "Refuse", "OpsGuard", "MergeInOpBasis", "turned_delta", "WatchedModules",
-           "SharedReader", "split_shared_op", "HeadTurn", "TurnedHeadsDelta"]
+           "SharedReader", "split_shared_op", "HeadTurn", "TurnedHeadsDelta", "AdapterBasis", "mark_bases"]
 
 
 @dataclass
@@ -367,7 +370,10 @@ class TurnedHeadsDelta:
     def __call__(self, adapter: str, *args: Any, **kwargs: Any) -> torch.Tensor:
         layer = self.layer
         delta = type(layer).get_delta_weight(layer, adapter, *args, **kwargs)
-        return layer.get_base_layer().__dict__[HEADS].turn_delta(delta)
+        base = layer.get_base_layer()
+        turn, basis = base.__dict__.get(HEADS), base.__dict__.get(BASIS)
+        delta = turn.turn_delta(delta) if turn is not None else delta
+        return basis.turn_delta(delta, _input_axis(base)) if basis is not None else delta
 
 
 def _peft_classes(layer: nn.Module) -> set[str]:
@@ -401,11 +407,16 @@ def _head_refusal(layer: nn.Module, turn: HeadTurn) -> str | None:
     return None if what is None else _refusal_line(layer, turn, what)
 
 
-def _refusal_line(layer: nn.Module | None, turn: HeadTurn, what: str) -> str:
-    """The one line refusing an adapter on a Linear that holds the per-head ``H̃`` (``what``: why)."""
+def _adapter_named(layer: nn.Module | None) -> str:
+    """``a PEFT <tuner> adapter (<class>)``: how a refusal names the adapter layer ``layer``."""
     parts = type(layer).__module__.split(".") if layer is not None else []
     tuner = parts[2] if len(parts) > 2 and parts[:2] == ["peft", "tuners"] else type(layer).__module__
-    return (f"a PEFT {tuner} adapter ({type(layer).__name__}) on `{turn.path}` is refused: that Linear's weight holds "
+    return f"a PEFT {tuner} adapter ({type(layer).__name__})"
+
+
+def _refusal_line(layer: nn.Module | None, turn: HeadTurn, what: str) -> str:
+    """The one line refusing an adapter on a Linear that holds the per-head ``H̃`` (``what``: why)."""
+    return (f"{_adapter_named(layer)} on `{turn.path}` is refused: that Linear's weight holds "
             f"the per-head Hadamard of the values (rotate(..., online=True)), and {what} cannot act there in the "
             "original model's basis; use LoRA, LoHa or LoKr on it, or leave it out of target_modules")
 
@@ -957,16 +968,27 @@ def _on_register(parent: nn.Module, name: str, new: Any) -> None:
     (:class:`normswap.errors.NormswapError`, one line, before anything changes: the only exception this raises).
     Costs a few dict lookups per assignment elsewhere."""
     turn = _head_turn_of(parent, name, new)
+    basis = _basis_of(parent, name, new)
     branch = parent.__dict__.get(HEADS) if isinstance(parent, nn.ModuleDict) else None
+    on_basis = parent.__dict__.get(BASIS) if isinstance(parent, nn.ModuleDict) else None
     why = _head_refusal(new, turn) if turn is not None else _branch_refusal(branch, name, new) if branch else None
+    why = why or (_basis_refusal(new, basis) if basis is not None else None)
+    if why is None and on_basis is not None:
+        layer = on_basis.layer()
+        if layer is not None and name in (getattr(layer, "lora_variant", None) or {}):
+            why = _basis_line(layer, on_basis.basis, "a LoRA variant (its norm is taken per row of the edited weight)")
     if why is not None:
         raise NormswapError(why)
     try:
         _on_register_ops(parent, name, new)
         if turn is not None:
             _head_adapter(new, turn)
+        if basis is not None:
+            _basis_adapter(new, basis)
         if branch is not None:  # an adapter added later to a turned LoRA layer (its lora_B / lora_A entry)
             _turn_branch(new, branch.turn)
+        if on_basis is not None:  # an adapter added later to a LoRA layer on an edited Linear
+            _basis_branch(new, on_basis.basis, on_basis.side)
     except Exception:  # noqa: BLE001 - a hook inside every module assignment must never break one
         return None
     return None
@@ -974,12 +996,18 @@ def _on_register(parent: nn.Module, name: str, new: Any) -> None:
 
 def _head_turn_of(parent: nn.Module, name: str, new: Any) -> HeadTurn | None:
     """The :class:`HeadTurn` of the Linear an adapter layer ``new`` replaces at ``parent.name`` (None elsewhere)."""
+    return _replaced_mark(parent, name, new, HEADS)
+
+
+def _replaced_mark(parent: nn.Module, name: str, new: Any, key: str) -> Any:
+    """The mark ``key`` in the ``__dict__`` of the Linear that ``new``, a layer wrapping it as its
+    ``base_layer``, replaces at ``parent.name`` (None elsewhere)."""
     try:
         old = parent.__dict__["_modules"].get(name)
         if old is None or old is new or not isinstance(new, nn.Module):
             return None
-        turn = old.__dict__.get(HEADS)
-        return turn if turn is not None and new.__dict__["_modules"].get("base_layer") is old else None
+        mark = old.__dict__.get(key)
+        return mark if mark is not None and new.__dict__["_modules"].get("base_layer") is old else None
     except Exception:  # noqa: BLE001 - never break an assignment it has nothing to say about
         return None
 
@@ -1047,19 +1075,27 @@ class MergeInOpBasis:
         base = layer.get_base_layer()
         handle = base.__dict__.get(HANDLE)
         op = handle is not None and handle.id in base._forward_pre_hooks
-        if not op and HEADS not in base.__dict__:  # the op is gone, no per-head turn: nothing to turn
+        if not op and HEADS not in base.__dict__ and BASIS not in base.__dict__:  # nothing to turn
             return method(layer, *args, **kwargs)
         family = _family(layer)
         if family == "delta":
             own = layer.__dict__.get("get_delta_weight")  # LoHa / LoKr on the per-head turn: TurnedHeadsDelta
             layer.__dict__["get_delta_weight"] = types.MethodType(turned_delta, layer)
+            before = list(getattr(layer, "merged_adapters", []))
             try:
-                return method(layer, *args, **kwargs)
+                out = method(layer, *args, **kwargs)
             finally:
                 if own is None:
                     layer.__dict__.pop("get_delta_weight", None)
                 else:
                     layer.__dict__["get_delta_weight"] = own
+            basis = base.__dict__.get(BASIS)
+            if basis is not None:  # the adapter's share of the folded β (and a writer's lora_bias, turned)
+                after = list(getattr(layer, "merged_adapters", []))
+                for name, sign in [*((a, 1.0) for a in after if a not in before),
+                                   *((a, -1.0) for a in before if a not in after)]:
+                    _merge_bias_share(layer, base, basis, name, sign)
+            return out
         if not op:  # IA3 on the output projection's output: rows scaled, the per-head columns untouched
             return method(layer, *args, **kwargs)
         if family == "ia3":
@@ -1115,9 +1151,261 @@ def turned_delta(layer: nn.Module, adapter: str, *args: Any, **kwargs: Any) -> t
     turn = base.__dict__.get(HEADS)
     if turn is not None:  # the per-head H̃ in the value projection's rows / the output projection's columns
         delta = turn.turn_delta(delta)
+    basis = base.__dict__.get(BASIS)
+    if basis is not None:  # the conversion's folds: γ in the columns, a writer's centered, scaled rows
+        delta = basis.turn_delta(delta, _input_axis(base))
     handle = base.__dict__.get(HANDLE)
     if handle is None or handle.id not in base._forward_pre_hooks:
         return delta
     hook = base._forward_pre_hooks[handle.id]
     axis = _input_axis(base)
     return hook.transform(base, delta.movedim(axis, -1)).movedim(-1, axis)
+
+
+# ------------------------------------------------------------- adapters on the Linears the conversion edited
+class AdapterBasis:
+    """On a Linear / Conv1D the conversion edited (from the plan's ``adapter_bases``, so it survives a save and a
+    load): how its input and output relate to the original model's, so that an adapter attached to it acts as
+    the same adapter on the original Linear. Input: the original Linear received ``x·γ + β`` where this one
+    receives ``x`` (``gamma``: the norm's γ folded into its weight; ``beta``: the β folded into its bias).
+    Output: this one's output is ``T·y`` of the original's ``y``, ``T = diag(1/s)·C·diag(λ)`` (``scale``: a
+    LayerScale λ folded into its rows; ``center``: its rows centered, ``True`` or per ``[lo, hi)`` block;
+    ``balance``: the per-row ``s`` taken back into λ). ``path``: the Linear's path (for a refusal). ``record``
+    names each vector (the plan's structure); ``vectors``: the plan's ``adapter_vectors`` they are looked up in.
+    A named vector not there (a checkpoint loaded without its side file) is listed in ``missing``: every
+    adapter on this Linear is then refused at attach."""
+
+    FIELDS = ("gamma", "beta", "scale", "center", "balance")
+
+    def __init__(self, path: str, record: dict[str, Any], vectors: dict[str, torch.Tensor] | None = None) -> None:
+        self.path = path
+        self.record = {k: record.get(k) for k in self.FIELDS}
+        self.vectors: dict[str, torch.Tensor] = {}
+        self.missing: list[str] = []
+        for key in ADAPTER_VECTOR_FIELDS:
+            name = self.record[key]
+            if name is None:
+                continue
+            t = (vectors or {}).get(name) if isinstance(name, str) else None
+            if t is None:
+                self.missing.append(str(name))
+            else:
+                self.vectors[key] = t
+        self._cache: dict = {}
+
+    @property
+    def reads(self) -> bool:
+        """Whether its input differs from the original Linear's."""
+        return self.record["gamma"] is not None or self.record["beta"] is not None
+
+    @property
+    def writes(self) -> bool:
+        """Whether its output differs from the original Linear's."""
+        return any(self.record[k] for k in ("scale", "center", "balance"))
+
+    def _vec(self, key: str, like: torch.Tensor) -> torch.Tensor | None:
+        t = self.vectors.get(key)
+        if t is None:
+            return None
+        k = (key, like.device, like.dtype)
+        if k not in self._cache:
+            self._cache[k] = t.to(device=like.device, dtype=like.dtype)
+        return self._cache[k]
+
+    def to_input(self, x: torch.Tensor) -> torch.Tensor:
+        """This Linear's input (features last) as the original Linear received it: ``x·γ + β``."""
+        g, b = self._vec("gamma", x), self._vec("beta", x)
+        x = x * g if g is not None else x
+        return x + b if b is not None else x
+
+    def to_output(self, y: torch.Tensor) -> torch.Tensor:
+        """An output of the original Linear (features last) in this one's space: ``diag(1/s)·C·diag(λ)·y``."""
+        lam, s, center = self._vec("scale", y), self._vec("balance", y), self.record["center"]
+        y = y * lam if lam is not None else y
+        if center is True:
+            y = y - y.mean(dim=-1, keepdim=True)
+        elif center:
+            parts, at = [], 0
+            for lo, hi in center:
+                parts += [y[..., at:lo], y[..., lo:hi] - y[..., lo:hi].mean(dim=-1, keepdim=True)]
+                at = hi
+            y = torch.cat([*parts, y[..., at:]], dim=-1)
+        return y / s if s is not None else y
+
+    def turn_delta(self, delta: torch.Tensor, in_axis: int) -> torch.Tensor:
+        """A weight update ``ΔW`` of the original Linear (in the weight's own layout, input along ``in_axis``) as
+        this one's weight holds it: ``T·ΔW·diag(γ)``, in float64, back in ``delta``'s dtype."""
+        d = delta.double().movedim(in_axis, -1)  # [out, in]
+        g = self._vec("gamma", d)
+        d = d * g if g is not None else d
+        d = self.to_output(d.T).T if self.writes else d
+        return d.movedim(-1, in_axis).to(delta.dtype)
+
+    def bias_share(self, delta: torch.Tensor, in_axis: int) -> torch.Tensor | None:
+        """What merging the original-basis update ``delta`` adds to this Linear's bias: ``T·ΔW·β`` (None when
+        no β was folded)."""
+        d = delta.double().movedim(in_axis, -1)
+        b = self._vec("beta", d)
+        return None if b is None else self.to_output(d @ b)
+
+    def _named(self) -> dict[str, torch.Tensor]:
+        return {self.record[k]: t for k, t in self.vectors.items()}
+
+    def __getstate__(self) -> dict:
+        return {"path": self.path, "record": self.record, "vectors": self._named()}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["path"], state["record"], state.get("vectors"))
+
+    def __deepcopy__(self, memo: dict) -> AdapterBasis:
+        return AdapterBasis(self.path, self.record, self._named())  # the vectors are never written: shared
+
+
+class _BasisHook:
+    """Forward pre-hook on an adapter's ``lora_A`` Linear (its input taken back to the original Linear's:
+    :meth:`AdapterBasis.to_input`) or forward hook on its ``lora_B`` Linear (its output taken to this Linear's
+    output space: :meth:`AdapterBasis.to_output`)."""
+
+    def __init__(self, basis: AdapterBasis, side: str) -> None:
+        self.basis, self.side = basis, side
+
+    def __call__(self, module: nn.Module, args: tuple, *rest: Any) -> Any:
+        if self.side == "output":
+            return self.basis.to_output(rest[0])
+        return (self.basis.to_input(args[0]), *args[1:])
+
+
+def _basis_branch(linear: nn.Module, basis: AdapterBasis, side: str) -> None:
+    """Put the basis hook on one adapter branch Linear (``lora_A[name]`` for the input side, ``lora_B[name]``
+    for the output side), once."""
+    if not isinstance(linear, nn.Module) or linear.__dict__.get(BASIS_HOOK) is not None:
+        return
+    hook = _BasisHook(basis, side)
+    linear.__dict__[BASIS_HOOK] = (linear.register_forward_hook(hook) if side == "output"
+                                   else linear.register_forward_pre_hook(hook))
+
+
+class _BasisBranch:
+    """On a LoRA layer's ``lora_A`` / ``lora_B`` dictionary over an edited Linear: the basis, the side and the
+    layer (weakly), so that an adapter added later (``add_adapter``) is hooked as it is assigned."""
+
+    def __init__(self, basis: AdapterBasis, side: str, layer: nn.Module) -> None:
+        self.basis, self.side, self.layer = basis, side, weakref.ref(layer)
+
+    def __deepcopy__(self, memo: dict) -> _BasisBranch:
+        layer = self.layer()
+        return _BasisBranch(copy.deepcopy(self.basis), self.side, memo.get(id(layer), layer))
+
+    def __getstate__(self) -> dict:
+        return {"basis": self.basis, "side": self.side, "layer": self.layer()}
+
+    def __setstate__(self, state: dict) -> None:
+        self.basis, self.side = state["basis"], state["side"]
+        layer = state["layer"]
+        self.layer = weakref.ref(layer) if layer is not None else lambda: None
+
+
+def _basis_line(layer: nn.Module | None, basis: AdapterBasis, what: str) -> str:
+    return (f"{_adapter_named(layer)} on `{basis.path}` is refused: the conversion folded "
+            f"a norm's γ/β into that Linear or centered its rows, and {what} cannot act there as on the original "
+            "model; use LoRA on it, or leave it out of target_modules")
+
+
+def _basis_refusal(layer: nn.Module, basis: AdapterBasis) -> str | None:
+    """Why the PEFT adapter layer ``layer`` on an edited Linear cannot act as on the original (one line), or
+    None (LoRA without a variant; LoHa / LoKr where no β was folded; IA3 on a reader's output or on a writer's
+    input; not PEFT's)."""
+    names = _peft_classes(layer)
+    what = None
+    if not names:
+        return None
+    if basis.missing:
+        return (f"{_adapter_named(layer)} on `{basis.path}` is refused: the conversion folded a "
+                "norm's γ/β into that Linear or centered its rows, and the vectors that make an adapter there act "
+                f"as on the original model ({ADAPTER_BASES_FILE} beside config.json) were not there when the "
+                "checkpoint was loaded; put that file back and load again, or leave the Linear out of "
+                "target_modules")
+    if "AdaLoraLayer" in names:
+        what = "AdaLoRA (its forward reads its matrices, not its branch Linears)"
+    elif "LoraLayer" in names:
+        if any(getattr(layer, "lora_variant", None) or {}):
+            variant = type(next(iter(layer.lora_variant.values()))).__name__
+            what = f"a LoRA variant ({variant}: its norm is taken per row of the edited weight)"
+    elif "LycorisLayer" in names:
+        if not names & {"LoHaLayer", "LoKrLayer"}:
+            what = "this adapter type"
+        elif basis.record["beta"] is not None:
+            what = "LoHa / LoKr on a Linear that took the norm's β (their forward misses the update's β share)"
+    elif "IA3Layer" in names:  # a scale of the input commutes with γ and T, one of the output with γ and β
+        feedforward = getattr(layer, "is_feedforward", False)
+        if (basis.writes and not feedforward) or (feedforward and basis.record["beta"] is not None):
+            what = ("IA3 scaling a centered writer's output (the centering does not commute with the scale)"
+                    if not feedforward else "feedforward IA3 on a Linear that took the norm's β (β is not scaled)")
+    else:
+        what = "this adapter type"
+    return None if what is None else _basis_line(layer, basis, what)
+
+
+def _basis_adapter(layer: nn.Module, basis: AdapterBasis) -> None:
+    """Make the PEFT adapter layer ``layer`` on an edited Linear act as on the original: LoRA's ``lora_A`` input
+    taken back by :meth:`AdapterBasis.to_input`, its ``lora_B`` output forward by :meth:`AdapterBasis.to_output`
+    (hooks; the dictionaries marked so that adapters added later are hooked too); LoHa's / LoKr's update
+    turned (:class:`TurnedHeadsDelta`); merges through :class:`MergeInOpBasis`."""
+    names = _peft_classes(layer)
+    if "LoraLayer" in names:
+        for side, branches, needed in (("input", layer.lora_A, basis.reads), ("output", layer.lora_B, basis.writes)):
+            if not needed:
+                continue
+            branches.__dict__[BASIS] = _BasisBranch(basis, side, layer)
+            for linear in branches.values():
+                _basis_branch(linear, basis, side)
+    elif "LycorisLayer" in names:
+        layer.__dict__["get_delta_weight"] = TurnedHeadsDelta(layer)
+    if _family(layer) == "delta":
+        layer.__dict__["merge"] = MergeInOpBasis(layer, "merge")
+        layer.__dict__["unmerge"] = MergeInOpBasis(layer, "unmerge")
+
+
+def _basis_of(parent: nn.Module, name: str, new: Any) -> AdapterBasis | None:
+    """The :class:`AdapterBasis` of the Linear an adapter layer ``new`` replaces at ``parent.name``."""
+    return _replaced_mark(parent, name, new, BASIS)
+
+
+def _merge_bias_share(layer: nn.Module, base: nn.Module, basis: AdapterBasis, adapter: str, sign: float) -> None:
+    """Add (``sign`` 1, merge) or take back (-1, unmerge) adapter ``adapter``'s share of the folded β in
+    ``base``'s bias, ``T·ΔW·β``, and where ``base`` writes a changed output space, its ``lora_bias`` turned
+    (PEFT adds it as is)."""
+    delta = type(layer).get_delta_weight(layer, adapter)
+    share = basis.bias_share(delta, _input_axis(base))
+    lora_b = getattr(layer, "lora_B", {})
+    lb = getattr(lora_b[adapter], "bias", None) if adapter in lora_b else None
+    if lb is not None and basis.writes:
+        own = lb.detach().double() * layer.scaling[adapter]
+        extra = basis.to_output(own) - own
+        share = extra if share is None else share + extra
+    if share is None or base.bias is None:
+        return
+    with torch.no_grad():
+        base.bias.data = (base.bias.data.double() + sign * share).to(base.bias.dtype)
+
+
+def mark_bases(model: nn.Module, plan: Plan | None = None) -> int:
+    """Mark each Linear the conversion edited (the ``adapter_bases`` of ``plan``, default the model's own plan)
+    with its :class:`AdapterBasis`, so that a PEFT adapter assigned in its place acts as on the original model
+    (:func:`_on_register`); marks already there are replaced (a loader marks again once it has read the
+    vectors). Not where a rotation turned a stream (those Linears' bases are not the recorded ones; adapters act
+    as before). Returns how many Linears were marked without their vectors (their adapters are refused)."""
+    plan = plan if plan is not None else plan_of(model)
+    bases = getattr(plan, "adapter_bases", None) or {}
+    if not bases or any(r.get("kind") != "none" for r in getattr(plan, "rotations", None) or []):
+        return 0
+    vectors = getattr(plan, "adapter_vectors", None) or {}
+    missing = 0
+    for path, record in bases.items():
+        module = _at(model, path)
+        if isinstance(module, nn.Module) and hasattr(module, "weight") and "base_layer" not in module._modules:
+            basis = AdapterBasis(path, record, vectors)
+            module.__dict__[BASIS] = basis
+            missing += bool(basis.missing)
+    _listen()
+    return missing

@@ -19,6 +19,8 @@ from torch.utils import _pytree as pytree
 
 from normswap.analysis.linears import LinearView, linear_at, param_names
 from normswap.analysis.plan import (
+    ADAPTER_VECTOR_FIELDS,
+    EXACT_VERDICTS,
     FLAVOUR_SLOTS,
     BetaMove,
     BiasSlot,
@@ -539,6 +541,9 @@ def apply_weight_edits(model: nn.Module, plan: Plan, sites: dict[str, NormSite],
         untie(model, u)
     if plan.unties:
         mark_untied(model)
+    bases = adapter_bases(  # before the folds: λ and an RMS norm's γ as they were
+        model, plan, lambda name: (sites[name].gamma(originals[name]), sites[name].beta(originals[name])),
+        lambda name: model.get_parameter(name))
     for rf in plan.rms_folds:
         fold_rms_gamma(model, rf)
     ranges = {sf.param: writer_max(model, sf) for sf in plan.scale_folds if sf.keep}
@@ -551,6 +556,9 @@ def apply_weight_edits(model: nn.Module, plan: Plan, sites: dict[str, NormSite],
     for sf in plan.scale_folds:  # after centering: every row of the writer spans its original range, λ the scale
         if sf.keep:
             balance_layer_scale(model, sf, ranges[sf.param])
+            if sf.into in bases:
+                bases[sf.into]["balance"] = _vector(plan, f"{sf.param}:balance",
+                                                    model.get_parameter(sf.param).reshape(-1), sf.offset)
     for r in plan.centered_readers:  # before widening: the carry's added rows must see the norm's output as is
         center_reader(model, r, sites[r.site].gamma(originals[r.site]), sites[r.site].beta(originals[r.site]))
     for c in plan.mean_carries:  # after centering: the carry's columns are constant on purpose
@@ -564,6 +572,77 @@ def apply_weight_edits(model: nn.Module, plan: Plan, sites: dict[str, NormSite],
         site = sites[f.site]
         module = originals[f.site]
         fold_into_reader(model, f, site.gamma(module), site.beta(module))
+
+
+def _vector(plan: Plan, name: str, t: torch.Tensor, offset: float = 0.0) -> str:
+    """Keep ``offset + t`` (float64, on the CPU) in ``plan.adapter_vectors`` under ``name``; returns ``name``,
+    what ``plan.adapter_bases`` records (one vector per norm site / λ however many Linears read it)."""
+    if name not in plan.adapter_vectors:
+        plan.adapter_vectors[name] = (t.detach().to("cpu", torch.float64).reshape(-1) + offset).contiguous()
+    return name
+
+
+def adapter_bases(model: nn.Module, plan: Plan,
+                  norm: Callable[[str], tuple[torch.Tensor | None, torch.Tensor | None]],
+                  param: Callable[[str], torch.Tensor],
+                  balance: Callable[[ScaleFold], torch.Tensor] | None = None) -> dict[str, dict[str, Any]]:
+    """Record in ``plan.adapter_bases`` (and return), per Linear / Conv1D the plan edits, what an adapter on it
+    needs to act in the original model's basis (:class:`normswap.rotation.carry.AdapterBasis`): ``gamma`` /
+    ``beta``, the γ folded into its weight and the β folded into its bias (its input was ``x·γ + β`` in the
+    original); ``scale`` (the LayerScale λ folded into its rows), ``center`` (its rows centered: ``True`` or
+    the ``[lo, hi)`` blocks), ``balance`` (the per-row scale taken back into λ): its output space is
+    ``diag(1/s)·C·diag(λ)`` of the original's. Each vector is kept once, float64, in ``plan.adapter_vectors``
+    under the name the record holds (``<norm site>:gamma``, ``<λ parameter>:scale``, ...).
+
+    The values come from ``norm(site)`` (the original norm's effective γ and β), ``param(name)`` (a parameter
+    before any edit) and ``balance(scale_fold)`` (λ's parameter after the balance; without it, the in-memory
+    surgery records it after :func:`balance_layer_scale`); ``model`` may be the meta model (only its structure
+    is read). The in-memory surgery and the low-memory rewrite (:mod:`normswap.checkpoint.streaming`) both
+    call it, with their own readers, so that both write the same adapter bases. Linears under an edit this does
+    not model (β moved through attention, a centered reader of an approximate norm, a widened MLP, a Post-LN β
+    folded through the residual, a reader of an approximate norm) are left out: adapters there act as
+    before."""
+    bases: dict[str, dict[str, Any]] = {}
+    plan.adapter_vectors = {}
+    by_site = {sp.name: sp for sp in plan.sites}
+    for f in plan.folds:
+        sp = by_site.get(f.site)
+        if sp is None or sp.verdict not in EXACT_VERDICTS or f.beta_route == "moved":
+            continue
+        gamma, beta = norm(f.site)
+        entry = bases.setdefault(f.reader, {"kind": f.kind})
+        if f.gamma and gamma is not None:
+            entry["gamma"] = _vector(plan, f"{f.site}:gamma", gamma)
+        if f.beta and beta is not None:
+            entry["beta"] = _vector(plan, f"{f.site}:beta", beta)
+    for rf in plan.rms_folds:
+        for path, kind in zip(rf.readers, rf.kinds, strict=True):
+            bases.setdefault(path, {"kind": kind})["gamma"] = _vector(plan, f"{rf.weight}:gamma", param(rf.weight),
+                                                                      rf.offset)
+    for sf in plan.scale_folds:
+        entry = bases.setdefault(sf.into, {"kind": sf.kind})
+        entry["scale"] = _vector(plan, f"{sf.param}:scale", param(sf.param), sf.offset)
+        if sf.keep and balance is not None:
+            entry["balance"] = _vector(plan, f"{sf.param}:balance", balance(sf), sf.offset)
+    for e in plan.writer_edits:
+        if e.kind not in ("linear", "conv1d") or not e.owner:
+            continue
+        weight = linear_at(model, e.owner).weight
+        if weight is not model.get_parameter(e.target):
+            continue  # the bias: its centering is the output's own
+        if e.axis % weight.dim() != (1 if e.kind == "conv1d" else 0):
+            bases.setdefault(e.owner, {"kind": e.kind})["unsupported"] = True
+            continue
+        bases.setdefault(e.owner, {"kind": e.kind})["center"] = [list(b) for b in e.blocks] if e.blocks else True
+    unsupported = {m.reader for m in plan.beta_moves} | {r.reader for r in plan.centered_readers}
+    unsupported |= {p for c in plan.mean_carries for p in (c.up, c.down)}
+    unsupported |= {p for rf in plan.residual_folds for p in (*rf.readers, *rf.writers)}
+    unsupported |= {p for p, e in bases.items() if e.pop("unsupported", False)}
+    bases = {p: e for p, e in bases.items() if p not in unsupported and len(e) > 1}
+    named = {v for e in bases.values() for k, v in e.items() if k in ADAPTER_VECTOR_FIELDS}
+    plan.adapter_bases = bases
+    plan.adapter_vectors = {k: v for k, v in plan.adapter_vectors.items() if k in named}
+    return bases
 
 
 def written_parameters(plan: Plan, model: nn.Module) -> set[str]:
@@ -631,4 +710,7 @@ def apply_structure(model: nn.Module, plan: Plan, backend: str = "auto") -> nn.M
         carry.record(model)  # the ops' hooks and buffer names; a loader that swaps Linears needs them back
     torch_transformer.keep_python_forward(model, plan)
     attach_plan(model, plan)
+    from normswap.rotation import carry
+
+    carry.mark_bases(model)  # adapters attached later act on the edited Linears as on the original's
     return model

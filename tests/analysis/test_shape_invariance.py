@@ -93,12 +93,13 @@ CONVERSION_FIELDS = ("convert", "error", "rms_weight", "rms_bias")
 def comparable(plan) -> dict:
     """The plan as a manifest, less what the conversion fills in (``patch(mode="exact")`` keeps
     approximate norms as LayerNorms: their ``convert`` flag and centered readers, the mode itself,
-    then each norm's measured error and the RMSNorm it became). No field of the analysis is removed:
-    none depends on the inputs' shape."""
+    then each norm's measured error and the RMSNorm it became, and the adapter bases it records). No field
+    of the analysis is removed: none depends on the inputs' shape."""
     data = plan.to_dict()
     data["options"] = {k: v for k, v in data["options"].items() if k != "mode"}
     data["sites"] = [{k: v for k, v in site.items() if k not in CONVERSION_FIELDS} for site in data["sites"]]
     data["centered_readers"] = []
+    data.pop("adapter_bases", None)  # the edited Linears' folded γ/β and writer maps: values the conversion records
     return data
 
 

@@ -137,6 +137,9 @@ def assert_same_plan(a: Path, b: Path) -> None:
     for key in ("writer_edits", "folds", "hooks", "unties", "skipped", "changed_outputs", "mean_carries",
                 "beta_moves"):
         assert pa[key] == pb[key], key
+    # round 55: the adapter bases too (their vectors are in normswap_adapter_bases.safetensors, which
+    # assert_same_tensors compares with the weights)
+    assert pa.get("adapter_bases") == pb.get("adapter_bases")
     strip = ("error",)
     assert [{k: v for k, v in s.items() if k not in strip} for s in pa["sites"]] == [
         {k: v for k, v in s.items() if k not in strip} for s in pb["sites"]
