@@ -57,6 +57,7 @@ AFTER_PLANNING = {"error", "rms_weight", "rms_bias"}
 def _planned(plan: dict) -> dict:
     plan = dict(plan)
     plan.pop("rotations", None)
+    plan.pop("adapter_bases", None)  # recorded by the surgery as it edits the Linears, not planned
     plan["options"] = {k: v for k, v in plan["options"].items() if not k.startswith("calibration")}
     plan["sites"] = [{k: v for k, v in site.items() if k not in AFTER_PLANNING} for site in plan["sites"]]
     return json.loads(json.dumps(plan, default=str, sort_keys=True))
