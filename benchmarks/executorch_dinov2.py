@@ -52,6 +52,7 @@ def variant(original, name):
     return model
 
 
+# every program's buffer and loaded program, kept alive: a method whose program was freed crashes the process
 KEEP: list = []
 
 
