@@ -21,23 +21,13 @@ import normswap
 from normswap.analysis.plan import plan_of
 from normswap.errors import NormswapError
 from normswap.inputs import hf_example_inputs
-from normswap.pipeline import default_dtype
 from normswap.rotation import carry
 from normswap.rotation.rotate import rotate
 from tests.benchmark_modules import tiny_dinov2
+from tests.integrations.test_peft_online_ops import _out, _relative
 from tests.zoo import APPROXIMATE, EXACT, build
 
 peft = pytest.importorskip("peft")
-
-
-def _out(model, probe):
-    with torch.no_grad(), default_dtype(torch.float64):
-        out = model(**probe)
-    return out.logits if hasattr(out, "logits") else out.last_hidden_state
-
-
-def _relative(out, ref):
-    return float((out - ref).abs().max() / ref.abs().max())
 
 
 def _lora(model, targets, seed=1, **kw):
