@@ -220,7 +220,7 @@ def test_verify_with_its_arguments_swapped_says_so(tmp_path):
 # ------------------------------------------------------------------------------------ bad input
 def test_missing_path(tmp_path):
     code, _, err, secs = run("convert", "./no/such/model", "--out", str(tmp_path / "o"))
-    assert_one_line_error(code, err, 1, "does not exist")
+    assert_one_line_error(code, err, 2, "does not exist")  # no Hub id looks like it: a usage error (round 56)
     assert secs < 10 and listing(tmp_path) == []
 
 
@@ -462,7 +462,7 @@ def test_console_script_convert_and_error(tmp_path):
         timeout=300,
         stdin=subprocess.DEVNULL,
     )
-    assert res.returncode == 1
+    assert res.returncode == 2  # a path that does not exist: a usage error (round 56)
     assert res.stderr.strip().startswith("error:") and len(res.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "x").exists()
 
@@ -544,6 +544,16 @@ def _scenarios(tmp_path: Path, gpt2_dir: Path, monkeypatch) -> dict[tuple[int, s
         transformers.LlamaForCausalLM(cfg).save_pretrained(d)
         return d
 
+    def empty() -> Path:
+        d = tmp_path / "empty"
+        d.mkdir(exist_ok=True)
+        return d
+
+    def bad_recipe() -> Path:
+        f = tmp_path / "bad.yaml"
+        f.write_text("- just\n- a list\n")
+        return f
+
     def finetune_ok() -> list[str]:
         import normswap.recipes
 
@@ -588,10 +598,12 @@ def _scenarios(tmp_path: Path, gpt2_dir: Path, monkeypatch) -> dict[tuple[int, s
         (0, "finetune"): finetune_ok,
         (0, "bench"): lambda: bench,
         (0, "backends"): lambda: ["backends"],
-        (1, "convert"): lambda: ["convert", str(tmp_path / "missing"), "--out", str(out)],
-        (1, "inspect"): lambda: ["inspect", str(tmp_path / "missing")],
-        (1, "verify"): lambda: ["verify", "tiny-gpt2", str(tmp_path / "missing")],
-        (1, "finetune"): lambda: ["finetune", str(tmp_path / "no-such-recipe.yaml")],
+        # bad input: a directory with no model in it, a model that is no normswap checkpoint, a recipe file
+        # that is no YAML mapping (a path that does not exist is a usage error, 2: tests/test_cli_usage.py)
+        (1, "convert"): lambda: ["convert", str(empty()), "--out", str(out)],
+        (1, "inspect"): lambda: ["inspect", str(empty())],
+        (1, "verify"): lambda: ["verify", "tiny-gpt2", str(gpt2_dir)],
+        (1, "finetune"): lambda: ["finetune", str(bad_recipe())],
         (1, "bench"): lambda: ["bench", "--device", "cuda"] if not torch.cuda.is_available() else None,
         (2, "convert"): lambda: ["convert", "tiny-gpt2", "--out", str(out), "--mode", "bogus"],
         (2, "inspect"): lambda: ["inspect", "tiny-gpt2", "--mode", "bogus"],
@@ -926,12 +938,12 @@ def test_a_misspelt_preset_is_answered_at_once_with_the_nearest(tmp_path):
                               text=True, cwd=tmp_path, env={**os.environ, "HF_HUB_OFFLINE": "0",
                                                             "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
         ours = [line for line in proc.stderr.splitlines() if not line.startswith("import time:")]
-        assert proc.returncode == 1 and len(ours) == 1, proc.stderr[-2000:]
+        assert proc.returncode == 2 and len(ours) == 1, proc.stderr[-2000:]  # a usage error since round 56
         near = "tiny-bert" if "tiny-brt" in args else "tiny-gpt2"
         assert ours[0].startswith("error: ") and f"did you mean {near}?" in ours[0], ours
         assert not any(line.rstrip().endswith("| torch") for line in proc.stderr.splitlines())
     code, _, err, _ = run("convert", "tiny-foo", "--out", str(tmp_path / "o"))
-    assert_one_line_error(code, err, 1, "tiny-foo is not a preset", "presets: tiny-bert")
+    assert_one_line_error(code, err, 2, "tiny-foo is not a preset", "presets: tiny-bert")
     assert "did you mean" not in err  # nothing near: the list only
     with pytest.raises(normswap.NormswapError, match="did you mean tiny-gpt2"):
         normswap.convert("tiny-gpt3", tmp_path / "o")

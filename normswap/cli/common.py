@@ -68,6 +68,7 @@ __all__ = [
     "PRESET_NAMES",
     "check_input_file",
     "check_model_name",
+    "check_output_of",
     "cli_words",
     "say",
     "figures_line",
@@ -146,16 +147,49 @@ def cli_words(text: str) -> str:
 PRESET_NAMES = ("tiny-bert", "tiny-bloom", "tiny-gpt2", "tiny-opt", "tiny-phi", "tiny-vit", "tiny-whisper")
 
 
-def check_model_name(model: str) -> None:
-    """A MODEL that looks like a preset (``tiny-*``, no slash) but is none, and is no local path, is
-    refused at once with the nearest preset: a Hub lookup would wait on the network only to fail."""
+def _path_like(model: str) -> bool:
+    """No Hub id (``name`` or ``org/name``) looks like this: a local path, absolute, relative or ``~``."""
+    return model.startswith((".", "/", "~")) or model.count("/") > 1 or "\\" in model
+
+
+def check_model_name(model: str, what: str = "") -> None:
+    """A MODEL argument that can name no model is a usage error (exit 2), said at once, before torch is
+    imported: a file (a model is a directory), a path that does not exist (no Hub id looks like it), or
+    what looks like a preset (``tiny-*``, no slash) but is none, with the nearest preset (a Hub lookup would
+    wait on the network only to fail). ``what``: the argument's name in the message (``ORIGINAL``)."""
     import difflib
 
-    if model in PRESET_NAMES or "/" in model or not model.startswith("tiny-") or os.path.exists(model):
+    from normswap.errors import UsageError
+
+    name = f"{what} {model}" if what else model
+    path = os.path.expanduser(model)
+    if os.path.isfile(path):
+        raise UsageError(f"{name} is a file; pass the model directory that contains config.json")
+    if model in PRESET_NAMES or os.path.exists(path):
+        return
+    if _path_like(model):
+        raise UsageError(f"{name} does not exist (not a directory, a preset or a Hub id)")
+    if "/" in model or not model.startswith("tiny-"):
         return
     near = difflib.get_close_matches(model, PRESET_NAMES, n=1, cutoff=0.8)
     hint = f"did you mean {near[0]}? " if near else ""
-    raise NormswapError(f"{model} is not a preset or a local directory; {hint}presets: {', '.join(PRESET_NAMES)}")
+    raise UsageError(f"{name} is not a preset or a local directory; {hint}presets: {', '.join(PRESET_NAMES)}")
+
+
+def check_output_of(converted: str, original: str) -> None:
+    """``verify``'s CONVERTED: a directory that exists (``convert`` wrote it; never a Hub id or a preset), and
+    not ORIGINAL itself. Else a usage error (exit 2), before torch is imported."""
+    from normswap.errors import UsageError
+
+    path = os.path.expanduser(converted)
+    if not os.path.exists(path):
+        raise UsageError(f"CONVERTED {converted} does not exist; pass the directory normswap convert wrote")
+    if not os.path.isdir(path):
+        raise UsageError(f"CONVERTED {converted} is a file; pass the directory normswap convert wrote")
+    original_path = os.path.expanduser(original)
+    if os.path.isdir(original_path) and os.path.samefile(original_path, path):
+        raise UsageError(f"ORIGINAL and CONVERTED are the same directory ({converted}); pass the directory "
+                         "normswap convert wrote from ORIGINAL as CONVERTED")
 
 
 def say(kind: str, text: str, quiet: bool = False) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -94,6 +95,12 @@ def finetune(recipe: str | None, overrides: tuple[str, ...], list_: bool, print_
     if print_config:
         click.echo(cfg.to_yaml(mark_required=True), nl=False)
         return
+    if os.environ.get("WORLD_SIZE", "1") == "1":
+        # output.dir against what is on disk (exit 2), before the run's heavy imports; under a launcher the
+        # main process alone checks it, in the run, before any process writes (the others would race it)
+        from normswap.recipes.outdir import check_output
+
+        check_output(cfg)
     from normswap.recipes import run
 
     out = Path(cfg.output.dir)

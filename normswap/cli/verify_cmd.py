@@ -13,6 +13,7 @@ from normswap.cli.common import (
     TASK_NAMES,
     check_input_file,
     check_model_name,
+    check_output_of,
     fail,
     figures_line,
     handle_errors,
@@ -79,7 +80,8 @@ def verify(
     samples: tuple[str, ...],
 ) -> None:
     """Compare ORIGINAL's outputs with CONVERTED's (a directory written by normswap convert)."""
-    check_model_name(original)
+    check_model_name(original, "ORIGINAL")
+    check_output_of(converted, original)
     if data is not None:
         check_input_file(data, "--data")
     from normswap.checkpoint.verify_dirs import verify_checkpoint

@@ -436,8 +436,8 @@ def recipe_summary(path: Path) -> str:
 def find_recipe(name_or_path: str | os.PathLike) -> Path:
     """A recipe path: an existing file as given, else a built-in recipe by name (with or without .yaml).
 
-    A name no built-in recipe has is an invalid command-line argument (:class:`UsageError`); a path
-    (with a directory or a ``.yaml`` suffix) to no file is missing input (:class:`NormswapError`)."""
+    A name no built-in recipe has, a path (with a directory or a ``.yaml`` suffix) to no file, and a
+    directory are invalid command-line arguments (:class:`UsageError`, exit 2), as a missing ``data.path`` is."""
     p = Path(name_or_path)
     if p.is_file():
         return p
@@ -446,8 +446,11 @@ def find_recipe(name_or_path: str | os.PathLike) -> Path:
     if str(name_or_path) in (stem, f"{stem}.yaml") and stem in builtin:
         return builtin[stem]
     text = str(name_or_path)
+    if p.is_dir():
+        raise UsageError(f"recipe {text!r} is a directory; pass a recipe YAML file or a built-in recipe name: "
+                         f"{', '.join(builtin)}")
     if "/" in text or os.sep in text or p.suffix in (".yaml", ".yml"):  # a path to a file that is not there
-        raise NormswapError(f"recipe file {text!r} does not exist; built-in recipes: {', '.join(builtin)}")
+        raise UsageError(f"recipe file {text!r} does not exist; built-in recipes: {', '.join(builtin)}")
     raise UsageError(  # a name, and no recipe has it: an invalid RECIPE argument
         f"{text!r} is not a built-in recipe nor a recipe file; built-in: {', '.join(builtin)} (list them "
         "with `normswap finetune --list`)"

@@ -7,7 +7,6 @@ convert``) and read back with ``normswap.checkpoint.load`` (``normswap.load``).
 from __future__ import annotations
 
 import json
-import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -16,6 +15,7 @@ from torch import nn
 
 from normswap import checkpoint
 from normswap.errors import NormswapError
+from normswap.recipes.outdir import checkpoint_dirs
 
 
 def save_converted(
@@ -95,22 +95,7 @@ def load_converted(path: str | Path, model_class: type | None = None, **kwargs: 
 
 
 # ---------------------------------------------------------------------------------- rotation
-_STEP_DIR = re.compile(r"^step-(\d+)$")
-
-
-def checkpoint_dirs(root: str | Path) -> list[tuple[int, Path]]:
-    """``(step, path)`` of every complete checkpoint under ``root``, oldest first."""
-    r = Path(root)
-    if not r.is_dir():
-        return []
-    found = []
-    for child in r.iterdir():
-        m = _STEP_DIR.match(child.name)
-        if m and (child / "trainer_state.json").is_file():
-            found.append((int(m.group(1)), child))
-    return sorted(found)
-
-
+# checkpoint_dirs (the complete checkpoints under a directory) lives in the torch-free outdir module
 def prune_checkpoints(root: str | Path, keep_last: int) -> None:
     for _, path in checkpoint_dirs(root)[:-keep_last]:
         shutil.rmtree(path, ignore_errors=True)

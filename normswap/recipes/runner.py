@@ -34,7 +34,7 @@ from normswap.analysis.plan import plan_of
 from normswap.errors import NormswapError
 from normswap.integrations.quiet import quietly
 from normswap.recipes import data as data_mod
-from normswap.recipes import io, preflight, tasks
+from normswap.recipes import io, outdir, preflight, tasks
 from normswap.recipes import metrics as metrics_mod
 from normswap.recipes import models as models_mod
 from normswap.recipes.config import RecipeConfig, load_config, selection_metric
@@ -153,26 +153,9 @@ def _loss(
 
 def _check_output(cfg: RecipeConfig) -> tuple[Path, Path | None, list[Path]]:
     """The output directory, the checkpoint to resume from (if any) and what an overwrite replaces;
-    raises when ``output.dir`` holds a run this one may not touch. Writes nothing."""
-    out = Path(cfg.output.dir)
-    ckpt_root = out / "checkpoints"
-    latest = (
-        io.checkpoint_dirs(ckpt_root)[-1][1]
-        if cfg.checkpoint.resume and io.checkpoint_dirs(ckpt_root)
-        else None
-    )
-    existing = [p for p in (out / "metrics.jsonl", ckpt_root, out / "model") if p.exists()]
-    if latest is None and existing and not cfg.output.overwrite:
-        if cfg.checkpoint.resume:
-            raise NormswapError(
-                f"config key `checkpoint.resume`: {str(out / 'checkpoints')!r} holds no checkpoint to resume "
-                "from; set output.overwrite=true to start the run again"
-            )
-        raise NormswapError(
-            f"config key `output.dir`: {str(out)!r} already holds a run ({existing[0].name}); "
-            "set checkpoint.resume=true to continue it or output.overwrite=true to replace it"
-        )
-    return out, latest, existing if latest is None else []
+    raises (a usage error) when ``output.dir`` holds a run or files this one may not touch. Writes nothing.
+    The command line asks the same before its heavy imports (:func:`normswap.recipes.outdir.check_output`)."""
+    return outdir.check_output(cfg)
 
 
 def on_disk(out: Path) -> str:
@@ -359,13 +342,15 @@ class Recipe:
         verdict: list[Any] = [None]
         if self.main:
             try:
-                verdict[0] = ("ok", _check_output(self.cfg))
+                verdict[0] = ("ok", _check_output(self.cfg), None)
             except NormswapError as exc:
-                verdict[0] = ("refused", str(exc))
+                verdict[0] = ("refused", str(exc), exc.exit_code)
         broadcast_object_list(verdict)
-        kind, value = verdict[0]
-        if kind == "refused":
-            raise NormswapError(value)
+        kind, value, code = verdict[0]
+        if kind == "refused":  # the same error, and exit code, on every process
+            exc = NormswapError(value)
+            exc.exit_code = code
+            raise exc
         return value
 
     def _setup(self) -> None:

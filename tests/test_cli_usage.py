@@ -1,0 +1,142 @@
+"""Every command's usage errors alike: a path that names nothing (or a file where a directory is expected), an
+output that is the input or lies in it, conflicting options. Exit 2, one error line, no traceback, nothing written
+and nothing touched (the table of docs/cli.md)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from normswap import presets
+from normswap.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def place(tmp_path_factory) -> Path:
+    """A source model on disk, a text file, an empty directory and a non-empty one."""
+    root = tmp_path_factory.mktemp("usage")
+    presets.save("tiny-gpt2", root / "src")
+    (root / "f.txt").write_text("hello world\n" * 4)
+    (root / "d").mkdir()
+    (root / "mine").mkdir()
+    (root / "mine" / "notes.txt").write_text("mine")
+    return root
+
+
+def _ft(root: Path, *extra: str) -> list[str]:
+    return ["finetune", "distill-causal-lm", f"model.source={root / 'src'}", f"data.path={root / 'f.txt'}",
+            "data.seq_len=4", "data.batch_size=2", "train.steps=1", *extra]
+
+
+# (name, arguments built from the fixture's directory, a fragment of the one error line)
+CASES = [
+    ("convert: MODEL missing", lambda r: ["convert", str(r / "nope"), "--out", str(r / "o")], "does not exist"),
+    ("convert: MODEL a file", lambda r: ["convert", str(r / "f.txt"), "--out", str(r / "o")], "is a file"),
+    ("convert: misspelt preset", lambda r: ["convert", "tiny-gpt3", "--out", str(r / "o")], "did you mean tiny-gpt2"),
+    ("convert: --out is MODEL", lambda r: ["convert", str(r / "src"), "--out", str(r / "src")], "overlaps"),
+    ("convert: --out a file", lambda r: ["convert", str(r / "src"), "--out", str(r / "f.txt")], "is a file"),
+    ("convert: --out not empty", lambda r: ["convert", str(r / "src"), "--out", str(r / "mine")], "not empty"),
+    ("convert: --calibration-data missing",
+     lambda r: ["convert", str(r / "src"), "--out", str(r / "o"), "--calibration-data", str(r / "nope.txt")],
+     "does not exist"),
+    ("convert: --calibration-data a directory",
+     lambda r: ["convert", str(r / "src"), "--out", str(r / "o"), "--calibration-data", str(r / "d")],
+     "is a directory"),
+    ("convert: --low-memory with a preset", lambda r: ["convert", "tiny-gpt2", "--out", str(r / "o"), "--low-memory"],
+     "is a preset"),
+    ("convert: --low-memory with --sample",
+     lambda r: ["convert", str(r / "src"), "--out", str(r / "o"), "--low-memory", "--sample", str(r / "f.txt")],
+     "need the whole model in memory"),
+    ("convert: --low-memory with --rotate",
+     lambda r: ["convert", str(r / "src"), "--out", str(r / "o"), "--low-memory", "--rotate", "hadamard"],
+     "--rotate needs the whole model"),
+    ("inspect: MODEL missing", lambda r: ["inspect", str(r / "nope")], "does not exist"),
+    ("inspect: MODEL a file", lambda r: ["inspect", str(r / "f.txt")], "is a file"),
+    ("inspect: --example-inputs missing", lambda r: ["inspect", str(r / "src"), "--example-inputs", str(r / "x.st")],
+     "no such file"),
+    ("inspect: --sample a directory", lambda r: ["inspect", str(r / "src"), "--sample", str(r / "d")],
+     "is a directory"),
+    ("inspect: --low-memory with a preset", lambda r: ["inspect", "tiny-gpt2", "--low-memory"], "is a preset"),
+    ("inspect: --format compat --mode all", lambda r: ["inspect", str(r / "src"), "--format", "compat", "--mode",
+                                                       "all"], "--format compat keeps LayerNorms"),
+    ("verify: ORIGINAL missing", lambda r: ["verify", str(r / "nope"), str(r / "d")], "ORIGINAL"),
+    ("verify: CONVERTED missing", lambda r: ["verify", str(r / "src"), str(r / "nope")], "CONVERTED"),
+    ("verify: CONVERTED a file", lambda r: ["verify", str(r / "src"), str(r / "f.txt")], "is a file"),
+    ("verify: CONVERTED is ORIGINAL", lambda r: ["verify", str(r / "src"), str(r / "src")], "the same directory"),
+    ("verify: --data missing", lambda r: ["verify", str(r / "src"), str(r / "d"), "--data", str(r / "nope.txt")],
+     "does not exist"),
+    ("verify: --data and --sample", lambda r: ["verify", str(r / "src"), str(r / "d"), "--data", str(r / "f.txt"),
+                                               "--sample", str(r / "f.txt")], "pass one"),
+    ("finetune: RECIPE file missing", lambda r: ["finetune", str(r / "nope.yaml")], "does not exist"),
+    ("finetune: RECIPE a directory", lambda r: ["finetune", str(r / "d")], "is a directory"),
+    ("finetune: data.path missing", lambda r: [*_ft(r), f"data.path={r / 'nope.txt'}"], "does not exist"),
+    ("finetune: output.dir a file", lambda r: _ft(r, f"output.dir={r / 'f.txt'}"), "is a file"),
+    ("finetune: output.dir not empty", lambda r: _ft(r, f"output.dir={r / 'mine'}"), "not empty"),
+    ("finetune: output.dir is model.source", lambda r: _ft(r, f"output.dir={r / 'src'}"), "model.source"),
+    ("finetune: bad override", lambda r: _ft(r, "train.lr=abc", f"output.dir={r / 'o'}"), "train.lr"),
+    ("bench: --json a directory", lambda r: ["bench", "--json", str(r / "d")], "is a directory"),
+]
+
+
+def _tree(root: Path) -> dict[str, float]:
+    return {str(p.relative_to(root)): p.stat().st_mtime for p in sorted(root.rglob("*"))}
+
+
+@pytest.mark.parametrize("make_args, fragment", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_a_usage_error_is_one_line_exit_2_and_touches_nothing(place, make_args, fragment):
+    before = _tree(place)
+    res = CliRunner().invoke(main, make_args(place))
+    err = res.stderr
+    assert res.exit_code == 2, (res.exit_code, err[-1500:], res.exception)
+    assert "Traceback" not in err and not (res.exception and not isinstance(res.exception, SystemExit))
+    lines = [ln for ln in err.splitlines() if ln.lower().startswith("error:")]
+    assert len(lines) == 1 and fragment in lines[0], err
+    assert _tree(place) == before  # nothing written, nothing touched
+
+
+def test_finetune_into_a_directory_that_holds_a_run_is_refused_before_the_heavy_imports(place, tmp_path):
+    """Fails before round 56: into a directory holding a run it exited 1 after importing the trainer; into
+    one holding other files (or into the model's own directory) it trained and wrote there."""
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    (run_dir / "metrics.jsonl").write_text("{}\n")
+    before = _tree(tmp_path)
+    for out, fragment in ((run_dir, "already holds a run"), (place / "mine", "exists and is not empty")):
+        proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "normswap", *_ft(place, f"output.dir={out}")],
+                              capture_output=True, text=True, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        ours = [ln for ln in proc.stderr.splitlines() if not ln.startswith("import time:")]
+        assert proc.returncode == 2 and len(ours) == 1 and fragment in ours[0], proc.stderr[-2000:]
+            # the recipe's schema imports torch; the trainer's libraries are not imported, no model is loaded
+        heavy = [ln for ln in proc.stderr.splitlines() if ln.startswith("import time:")
+                 and ln.rsplit("|", 1)[-1].strip() in ("transformers", "accelerate", "normswap.recipes.runner")]
+        assert not heavy, (out, heavy)
+    assert _tree(tmp_path) == before
+
+
+def test_finetune_resumes_and_overwrites_where_the_directory_allows_it(place, tmp_path):
+    """What the refusals leave open: checkpoint.resume with a checkpoint to resume from, output.overwrite
+    (which replaces the run's own files only), and a directory holding only what an early interrupt left."""
+    from normswap.recipes.config import load_config
+    from normswap.recipes.outdir import check_output
+
+    out = tmp_path / "run"
+    (out / "checkpoints" / "step-000002").mkdir(parents=True)
+    (out / "checkpoints" / "step-000002" / "trainer_state.json").write_text("{}")
+    (out / "metrics.jsonl").write_text("{}\n")
+    (out / "notes.txt").write_text("mine")
+    base = [f"model.source={place / 'src'}", f"data.path={place / 'f.txt'}", f"output.dir={out}"]
+    got, latest, replaced = check_output(load_config("distill-causal-lm", [*base, "checkpoint.resume=true"]))
+    assert got == out and latest == out / "checkpoints" / "step-000002" and replaced == []
+    _, latest, replaced = check_output(load_config("distill-causal-lm", [*base, "output.overwrite=true"]))
+    assert latest is None and sorted(p.name for p in replaced) == ["checkpoints", "metrics.jsonl"]
+    early = tmp_path / "early"
+    early.mkdir()
+    (early / "recipe.yaml").write_text("task: causal-lm\n")
+    assert check_output(load_config("distill-causal-lm", [*base[:2], f"output.dir={early}"]))[1:] == (None, [])
