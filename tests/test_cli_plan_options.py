@@ -1,5 +1,6 @@
 """``inspect`` takes ``convert``'s options that shape the plan, defined once (``normswap.cli.plan_opts``), and
-shows the plan ``convert`` writes with them; ``convert`` into a non-empty ``--out`` is a usage error (exit 2)."""
+shows the plan ``convert`` writes with them (``--low-memory`` too: the streamed plan, without loading the model);
+``convert`` into a non-empty ``--out`` is a usage error (exit 2)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from click.testing import CliRunner
 
 from normswap.checkpoint import hf
 from normswap.cli import main
-from normswap.cli.plan_opts import PLAN_OPTIONS, ROTATION_OPTIONS, SOURCE_OPTIONS
+from normswap.cli.plan_opts import MEMORY_OPTIONS, PLAN_OPTIONS, ROTATION_OPTIONS, SOURCE_OPTIONS
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -33,7 +34,7 @@ def _shared_names() -> set[str]:
     def name(option) -> str:
         return option(click.Command("probe")).params[0].name
 
-    return {name(o) for o in (*PLAN_OPTIONS, *ROTATION_OPTIONS, *SOURCE_OPTIONS)}
+    return {name(o) for o in (*PLAN_OPTIONS, *ROTATION_OPTIONS, *SOURCE_OPTIONS, *MEMORY_OPTIONS)}
 
 
 def test_inspect_takes_every_option_of_convert_that_shapes_the_plan_with_the_same_definition():
@@ -41,7 +42,7 @@ def test_inspect_takes_every_option_of_convert_that_shapes_the_plan_with_the_sam
     shared = _shared_names()
     for name in ("rotation", "writer_centering", "stem_centering", "untie", "fmt", "layer_scale", "beta_placement",
                  "carry_multiple", "no_constant_trades", "no_mean_carry", "per_norm_centering", "rotate_output",
-                 "revision", "new_head"):
+                 "revision", "new_head", "low_memory"):
         assert name in shared, name
     for name in sorted(shared):
         a, b = convert[name], inspect[name]
@@ -83,6 +84,94 @@ def test_inspect_shows_the_plan_convert_writes_with_the_same_options(tmp_path, p
     assert code == 0, err
     written = json.loads((tmp_path / "o" / "config.json").read_text())[hf.MANIFEST_KEY]["plan"]
     assert _planned(shown) == _planned(written)
+
+
+@pytest.fixture(scope="module")
+def deep_gpt2(tmp_path_factory) -> Path:
+    """A 6-layer GPT-2 on disk (deeper than the streamed plan's 3- and 4-layer proxies: the plan is
+    extrapolated), its LayerNorms' γ and β randomised."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(vocab_size=96, n_positions=32, n_embd=32, n_layer=6, n_head=2)
+    model = transformers.GPT2LMHeadModel(cfg)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, torch.nn.LayerNorm):
+                m.weight.uniform_(0.5, 1.5)
+                m.bias.normal_(0, 0.1)
+    out = tmp_path_factory.mktemp("deep") / "gpt2-6"
+    model.save_pretrained(out)
+    return out
+
+
+LOW_MEMORY_CASES = [[], ["--format", "compat"], ["--beta-placement", "fold"],
+                    ["--keep-tied", "--writer-centering", "op"]]
+
+
+@pytest.mark.parametrize("args", LOW_MEMORY_CASES, ids=[" ".join(a) or "default" for a in LOW_MEMORY_CASES])
+def test_inspect_low_memory_shows_the_plan_convert_low_memory_writes_without_loading_the_model(
+        tmp_path, deep_gpt2, monkeypatch, args):
+    """Fails without ``inspect --low-memory`` (an unknown option, exit 2): the plan it shows is the streamed
+    conversion's (extrapolated from proxies, β placed on the checkpoint's tensors), equal to the manifest
+    ``convert --low-memory`` writes, and the model is never loaded."""
+    from normswap.checkpoint import source
+
+    def no_loading(*a, **k):
+        raise AssertionError("inspect --low-memory loaded the model")
+
+    with monkeypatch.context() as m:
+        m.setattr(source, "load_model", no_loading)
+        code, out, err = run("inspect", str(deep_gpt2), "--json", "--low-memory", *args)
+        assert code == 0, err
+        shown = json.loads(out)
+        code, table, err = run("inspect", str(deep_gpt2), "--low-memory", *args)
+        assert code == 0, err
+    assert "--low-memory plans it" in table.splitlines()[0] and "analysing a 3-layer proxy" in err
+    assert shown["options"]["analysis"].startswith("low-memory: 3-layer proxy extrapolated")
+    code, _, err = run("convert", str(deep_gpt2), "--out", str(tmp_path / "o"), "-q", "--low-memory", *args)
+    assert code == 0, err
+    written = json.loads((tmp_path / "o" / "config.json").read_text())[hf.MANIFEST_KEY]["plan"]
+    assert _planned(shown) == _planned(written)
+
+
+def test_inspect_plans_as_convert_streams_when_the_model_would_not_fit(deep_gpt2, monkeypatch):
+    """Without --low-memory, inspect streams its plan where convert would (the in-memory peak does not fit),
+    and says so; --in-memory loads the model whatever the prediction."""
+    from normswap.checkpoint import conversion
+
+    monkeypatch.setattr(conversion, "wants_low_memory", lambda src, dtype: True)
+    code, out, err = run("inspect", str(deep_gpt2))
+    assert code == 0, err
+    assert "--low-memory plans it" in out.splitlines()[0] and "streaming conversion (--low-memory)" in err
+    code, out, err = run("inspect", str(deep_gpt2), "--in-memory")
+    assert code == 0, err
+    assert out.splitlines()[0].endswith("(GPT2LMHeadModel), as convert --format native plans it")
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--rotate", "hadamard"], "--rotate needs the whole model in memory"),
+    (["--writer-centering", "auto"], "--writer-centering auto chooses each writer's centering"),
+    (["--per-norm-centering"], "--per-norm-centering needs the whole model in memory"),
+])
+def test_inspect_low_memory_refuses_what_convert_low_memory_refuses_before_importing_torch(tmp_path, args, fragment):
+    proc = _cli(tmp_path, "inspect", str(tmp_path), "--low-memory", *args)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert len(_ours(proc)) == 1 and fragment in _ours(proc)[0], _ours(proc)
+    assert not _imported_torch(proc)
+
+
+def test_inspect_low_memory_refuses_approximate_norms_as_convert_does(tmp_path):
+    """A Post-LN model's approximate norms need calibration on the whole model: convert --low-memory refuses
+    them (exit 1), and inspect --low-memory says the same; --mode exact streams the exact ones."""
+    from normswap import presets
+
+    bert = presets.save("tiny-bert", tmp_path / "bert")
+    code, _, err = run("inspect", str(bert), "--low-memory")
+    assert code == 1 and "approximate norm(s) need calibration on the whole model" in err, err
+    code2, _, err2 = run("convert", str(bert), "--out", str(tmp_path / "o"), "--low-memory")
+    assert code2 == 1 and err2.strip().splitlines()[-1] == err.strip().splitlines()[-1], (err, err2)
 
 
 def test_inspect_table_says_which_format_it_planned_for():

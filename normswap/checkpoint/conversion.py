@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from normswap import inputs, memory, pipeline
-from normswap.analysis.plan import plan_of
+from normswap.analysis.plan import Plan, plan_of
 from normswap.checkpoint import io, source, writer
 from normswap.checkpoint.source import Source
 from normswap.errors import ModelRunFailed, NormswapError, NothingToConvert, UsageError, VerificationFailed
@@ -609,6 +609,23 @@ def convert(
         _write_and_check(st)
     st.report.output, st.report.output_format = str(out), format
     return st.report
+
+
+def streamed_plan(src: Source, *, fmt: str, options: ConvertOptions, task: str | None, low_memory: bool | None,
+                  echo: Callable[[str], None]) -> Plan | None:
+    """The plan :func:`convert` would stream ``src`` with (``low_memory`` as ``convert`` takes it: ``None`` is
+    automatic, for a checkpoint whose in-memory conversion would not fit), or ``None`` when ``convert`` would
+    convert it in memory. Loads no model and writes nothing: ``normswap inspect --low-memory``. ``options``:
+    as :func:`check_options` returned them; refusals are ``convert``'s, in its words."""
+    st = _Conversion(src, Path(os.devnull), options, fmt=fmt, dtype="auto", max_shard_size=writer.DEFAULT_SHARD,
+                     overwrite=False, task=task, trust_remote_code=False, allow_new_head=False,
+                     calibration_data=None, say=echo)
+    if not _streams(st, low_memory):
+        return None
+    from normswap.checkpoint import streaming
+
+    return streaming.plan_streaming(src, fmt=fmt, options=options, task=task, echo=echo,
+                                    automatic=low_memory is None)
 
 
 @dataclasses.dataclass

@@ -56,15 +56,7 @@ def convert_streaming(
 
     ``automatic``: the caller chose this path because the in-memory one would not fit (the user did
     not ask for ``--low-memory``); errors then name ``--in-memory`` as the way out."""
-    st = _open(src, task, dtype, echo)
-    # a bias slot is a tensor the checkpoint lacks: the streamed rewrite writes only tensors it reads, so
-    # β that no bias can take stays in the norm (as β/γ with fold_gamma), as before bias slots existed
-    if options.fold_gamma:  # (bias slots exist only with fold_gamma)
-        options = options.replace(bias_slots=False)
-    st.fp = proxy.plan_full(st.cls, st.config, st.meta, options, echo=echo, left_out=src.left_out)
-    _refuse_plan(st, fmt, automatic)
-    _refuse_residual_fold(st, options, automatic)
-    _check_tensors(st, task)
+    st, options = _plan(src, fmt=fmt, options=options, dtype=dtype, task=task, echo=echo, automatic=automatic)
     needed = _space_needed(st, out, echo)
     # chosen (and a float64 that does not fit refused) before anything is written
     precision = (truncated.truncated_precision(st.cls, st.fp, st.float_dtype, options.verify_dtype)
@@ -85,6 +77,38 @@ def convert_streaming(
     report.message = st.plan.conversion_line()
     report.output, report.output_format, report.streamed = str(out), fmt, True
     return report
+
+
+def plan_streaming(src: Source, *, fmt: str, options: ConvertOptions, task: str | None,
+                   echo: Callable[[str], None], automatic: bool = False) -> Plan:
+    """The plan :func:`convert_streaming` converts ``src`` with, without writing anything or loading the
+    model (``normswap inspect --low-memory``): the proxies' plan extrapolated to full depth, β placed on the
+    checkpoint's own tensors, refused where the streamed conversion refuses (approximate norms, nothing to
+    convert, tensors that do not match). The adapter bases are not in it: the rewrite records them as it
+    edits the tensors."""
+    st, options = _plan(src, fmt=fmt, options=options, dtype="auto", task=task, echo=echo, automatic=automatic)
+    reader = stream_io.Reader(st.entries)
+    try:
+        place_beta(st.fp, st.meta, st.keys, reader, options)
+    finally:
+        reader.close()
+    return st.plan
+
+
+def _plan(src: Source, *, fmt: str, options: ConvertOptions, dtype: str, task: str | None,
+          echo: Callable[[str], None], automatic: bool) -> tuple[_Streaming, ConvertOptions]:
+    """Open the checkpoint, plan from the proxies, and refuse what the streamed path cannot convert; the
+    options as the streamed path applies them."""
+    st = _open(src, task, dtype, echo)
+    # a bias slot is a tensor the checkpoint lacks: the streamed rewrite writes only tensors it reads, so
+    # β that no bias can take stays in the norm (as β/γ with fold_gamma), as before bias slots existed
+    if options.fold_gamma:  # (bias slots exist only with fold_gamma)
+        options = options.replace(bias_slots=False)
+    st.fp = proxy.plan_full(st.cls, st.config, st.meta, options, echo=echo, left_out=src.left_out)
+    _refuse_plan(st, fmt, automatic)
+    _refuse_residual_fold(st, options, automatic)
+    _check_tensors(st, task)
+    return st, options
 
 
 @dataclasses.dataclass

@@ -29,6 +29,7 @@ from normswap.cli.inputs_opts import example_input_options, inputs_from
 from normswap.cli.plan_opts import (
     check_combination,
     conversion_options,
+    memory_options,
     plan_options,
     rotation_options,
     source_options,
@@ -165,13 +166,7 @@ class _ConvertCommand(click.Command):
     callback=_shard_size,
     help="Largest safetensors shard, e.g. 500MB, 2GB.",
 )
-@click.option(
-    "--low-memory/--in-memory",
-    "low_memory",
-    default=None,
-    help="Stream tensors shard by shard (default: automatic when the in-memory conversion's predicted "
-    "peak would not fit in the available RAM).",
-)
+@memory_options
 @click.option(
     "--overwrite", is_flag=True, help="Replace a non-empty --out (only once the new output is complete)."
 )
@@ -206,7 +201,7 @@ def convert(model: str, out: str, **params: Any) -> None:
     """
     check_model_name(model)
     calibration_data, low_memory, quiet = params["calibration_data"], params["low_memory"], params["quiet"]
-    check_combination(params, calibration_data=calibration_data, low_memory=low_memory)
+    check_combination(params, calibration_data=calibration_data, low_memory=low_memory, model=model)
     # a usage error, answered before torch is imported (a Hub id's overlap is checked once it is resolved)
     check_out_dir(out, overwrite=params["overwrite"], source=model if os.path.isdir(model) else None)
     from normswap.checkpoint.conversion import convert as run

@@ -16,11 +16,13 @@ from normswap.cli.common import (
     cli_words,
     fail,
     handle_errors,
+    say,
 )
 from normswap.cli.inputs_opts import example_input_options, inputs_from
 from normswap.cli.plan_opts import (
     check_combination,
     conversion_options,
+    memory_options,
     plan_options,
     rotation_options,
     source_options,
@@ -34,6 +36,7 @@ Examples:
   normswap inspect gpt2 --format compat --rotate hadamard   # the plan convert makes with these
   normswap inspect ./my-vlm --example-inputs inputs.safetensors
   normswap inspect ./my-vit --sample cat.png
+  normswap inspect ./big-model --low-memory  # convert --low-memory's plan, without loading the model
   normswap inspect ./tiny-gpt2-rms          # a converted checkpoint: shows its manifest
   normswap inspect ./my-net-rms             # normswap.save of a custom module: its manifest
 
@@ -50,6 +53,7 @@ Examples:
     help="Also list each norm's writers, readers and where its β went and why, every centering op and untie.",
 )
 @plan_options
+@memory_options
 @source_options
 @rotation_options
 @example_input_options
@@ -61,10 +65,12 @@ def inspect(model: str, as_json: bool, verbose: bool, **params: Any) -> None:
     (--format, --mode, --fold-gamma, the centering options, --untie/--keep-tied, --rotate and the rest)
     and shows the plan convert would make with them; the rotation's own settings (--seed, --smooth,
     --learn-*, --online-*) are checked as convert checks them, and the rotation is not computed. For a
-    checkpoint normswap already converted, the stored manifest is shown instead (no analysis).
+    checkpoint normswap already converted, the stored manifest is shown instead (no analysis). With
+    --low-memory (or automatically, where convert would stream) the model is not loaded: the plan is the one
+    the streamed conversion makes, from small random-weight copies and the checkpoint's tensors.
     """
     check_model_name(model)
-    check_combination(params)
+    check_combination(params, low_memory=params["low_memory"], model=model)
     from pathlib import Path
 
     from normswap.analysis.plan import Plan
@@ -94,16 +100,28 @@ def inspect(model: str, as_json: bool, verbose: bool, **params: Any) -> None:
             # resolved as convert resolves them for --format (β kept in a checkpoint, compat plans --mode exact)
             options = conversion.check_options(
                 ConvertOptions(**conversion_options(params, verify=False)), fmt=fmt, dtype="auto",
-                max_shard_size="5GB", task=params["task"], low_memory=False, calibration_data=None)
+                max_shard_size="5GB", task=params["task"], low_memory=params["low_memory"], calibration_data=None)
             mode = options.mode
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                loaded, proc = source.load_model(src, task=params["task"], dtype="auto",
-                                                 trust_remote_code=params["trust_remote_code"],
-                                                 allow_new_head=params["new_head"])
-                example = given_inputs(loaded, proc) if given_inputs is not None else None
-                plan = normswap.plan(loaded, example, options=options)
-            header = f"{model} ({type(loaded).__name__}), as convert --format {fmt} plans it"
+            streamed = None
+            if src.kind != "preset" and (params["low_memory"] or params["low_memory"] is None and given_inputs is None):
+                source.check_config_fits(src, params["task"], trust_remote_code=params["trust_remote_code"])
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    streamed = conversion.streamed_plan(src, fmt=fmt, options=options, task=params["task"],
+                                                        low_memory=params["low_memory"],
+                                                        echo=lambda line: say("note", line))
+            if streamed is not None:  # as convert --low-memory plans it: the model is never loaded
+                plan = streamed
+                header = f"{model}, as convert --format {fmt} --low-memory plans it"
+            else:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    loaded, proc = source.load_model(src, task=params["task"], dtype="auto",
+                                                     trust_remote_code=params["trust_remote_code"],
+                                                     allow_new_head=params["new_head"])
+                    example = given_inputs(loaded, proc) if given_inputs is not None else None
+                    plan = normswap.plan(loaded, example, options=options)
+                header = f"{model} ({type(loaded).__name__}), as convert --format {fmt} plans it"
     if as_json:
         click.echo(json.dumps(plan.to_dict(), indent=2, default=str))
     else:

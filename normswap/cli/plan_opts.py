@@ -6,6 +6,7 @@ model is loaded. ``inspect`` takes them so that it shows the plan ``convert`` wo
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -16,6 +17,7 @@ from normswap.cli.common import (
     FORMATS,
     LAYER_SCALES,
     MODES,
+    PRESET_NAMES,
     ROTATIONS,
     STEM_CENTERINGS,
     TASK_NAMES,
@@ -239,6 +241,19 @@ SOURCE_OPTIONS = (
     ),
 )
 
+# how the model is read: whole, or streamed tensor by tensor (inspect: planned as the streamed conversion plans)
+MEMORY_OPTIONS = (
+    click.option(
+        "--low-memory/--in-memory",
+        "low_memory",
+        default=None,
+        help="Stream tensors shard by shard, never holding the whole model; the plan then comes from 3- and "
+        "4-layer copies with random weights, extrapolated to full depth (inspect shows that plan without "
+        "loading the model). Default: automatic when the in-memory conversion's predicted peak would not fit "
+        "in the available RAM.",
+    ),
+)
+
 
 def _apply(options: tuple[Callable[[Any], Any], ...]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -256,6 +271,8 @@ rotation_options = _apply(ROTATION_OPTIONS)
 ``--smooth``."""
 source_options = _apply(SOURCE_OPTIONS)
 """``--trust-remote-code``, ``--revision``, ``--allow-pickle``, ``--task``, ``--new-head``."""
+memory_options = _apply(MEMORY_OPTIONS)
+"""``--low-memory/--in-memory``: the whole model in memory, or streamed (planned from proxies)."""
 
 
 def learn_settings(learn_bits: int | None, learn_act_bits: int | None, learn_group_size: int | None,
@@ -304,11 +321,12 @@ def conversion_options(params: dict[str, Any], *, verify: bool = True, verify_dt
 
 
 def check_combination(params: dict[str, Any], *, calibration_data: str | None = None,
-                      low_memory: bool | None = None) -> None:
+                      low_memory: bool | None = None, model: str | None = None) -> None:
     """Options that conflict or depend on one another, and a missing --calibration-data file: a usage
     error (exit 2), answered before torch is imported. The library checks the same combinations for
     Python callers (``checkpoint.conversion.check_options``), in its own words. ``params``: the command's
-    parameters (the shared options' names); ``convert`` adds its ``--calibration-data`` and ``--low-memory``."""
+    parameters (the shared options' names); ``convert`` adds its ``--calibration-data``, both ``--low-memory``
+    and the MODEL argument (``--low-memory`` streams a checkpoint on disk, never a preset)."""
     p = params
     mode, fmt, fold_gamma, rotation = p["mode"], p["fmt"], p["fold_gamma"], p["rotation"]
     per_norm_centering, no_bias_slots, task, new_head = p["per_norm_centering"], p["no_bias_slots"], p["task"], \
@@ -365,6 +383,9 @@ def check_combination(params: dict[str, Any], *, calibration_data: str | None = 
         raise UsageError("--online-hadamard adds ops the stock architecture lacks: use --format native with it, or "
                          "drop it for --format compat")
     if low_memory:
+        if p.get("example_inputs") is not None or p.get("samples"):
+            raise UsageError("example inputs (--example-inputs, --sample) need the whole model in memory; drop "
+                             "--low-memory")
         for flag, given in (("--rotate", rotation), ("--calibration-data", calibration_data),
                             ("--per-norm-centering", per_norm_centering)):
             if given:
@@ -372,5 +393,8 @@ def check_combination(params: dict[str, Any], *, calibration_data: str | None = 
         if writer_centering == "auto":
             raise UsageError("--writer-centering auto chooses each writer's centering from its own weights, which "
                              "--low-memory plans without: drop --low-memory, or pass --writer-centering op or weights")
+    if low_memory and model in PRESET_NAMES and not os.path.exists(model):
+        raise UsageError(f"--low-memory streams a checkpoint on disk and {model} is a preset; save it first "
+                         "(normswap.presets.save) or drop --low-memory")
     if calibration_data is not None:
         check_input_file(calibration_data, "--calibration-data")
