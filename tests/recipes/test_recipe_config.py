@@ -123,7 +123,7 @@ def test_cli_reports_errors_as_one_line_and_exits_nonzero(tmp_path):
     assert result.exit_code == 2 and "error: unknown config key `train.warmup`" in result.output  # a usage error
 
     result = runner.invoke(main, ["finetune", str(tmp_path / "nope.yaml")])
-    assert result.exit_code == 1 and "does not exist" in result.output
+    assert result.exit_code == 2 and "does not exist" in result.output  # a path naming nothing: usage (round 56)
 
     recipe.write_text("task: [unclosed\n")
     result = runner.invoke(main, ["finetune", str(recipe)])
