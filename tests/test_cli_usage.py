@@ -1,6 +1,7 @@
 """Every command's usage errors alike: a path that names nothing (or a file where a directory is expected), an
-output that is the input or lies in it, conflicting options. Exit 2, one error line, no traceback, nothing written
-and nothing touched (the table of docs/cli.md)."""
+output that is the input or lies in it, conflicting options, and click's own checks (unknown option, bad value).
+Exit 2, one ``error:`` line and nothing else on stderr, no traceback, nothing written and nothing touched (the
+table of docs/cli.md)."""
 
 from __future__ import annotations
 
@@ -82,6 +83,12 @@ CASES = [
     ("finetune: output.dir is model.source", lambda r: _ft(r, f"output.dir={r / 'src'}"), "model.source"),
     ("finetune: bad override", lambda r: _ft(r, "train.lr=abc", f"output.dir={r / 'o'}"), "train.lr"),
     ("bench: --json a directory", lambda r: ["bench", "--json", str(r / "d")], "is a directory"),
+    # click's own checks, said in the same one line (they printed a usage block, a hint and `Error:` before)
+    ("unknown command", lambda r: ["conver", "tiny-gpt2"], "Did you mean 'convert'?"),
+    ("unknown option", lambda r: ["inspect", "tiny-gpt2", "--bogus"], "No such option '--bogus'"),
+    ("bad choice", lambda r: ["inspect", "tiny-gpt2", "--mode", "bogus"], "inspect --help`)"),  # CliRunner: `main`
+    ("missing argument", lambda r: ["verify", "tiny-gpt2"], "Missing argument 'CONVERTED'"),
+    ("missing --out", lambda r: ["convert", "tiny-gpt2", str(r / "o")], "normswap convert tiny-gpt2 --out"),
 ]
 
 
@@ -96,8 +103,8 @@ def test_a_usage_error_is_one_line_exit_2_and_touches_nothing(place, make_args, 
     err = res.stderr
     assert res.exit_code == 2, (res.exit_code, err[-1500:], res.exception)
     assert "Traceback" not in err and not (res.exception and not isinstance(res.exception, SystemExit))
-    lines = [ln for ln in err.splitlines() if ln.lower().startswith("error:")]
-    assert len(lines) == 1 and fragment in lines[0], err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and fragment in lines[0], err
     assert _tree(place) == before  # nothing written, nothing touched
 
 

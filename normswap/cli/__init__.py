@@ -9,6 +9,22 @@ import click
 from normswap import __version__, interrupts
 
 
+class _OneLineUsageError(click.UsageError):
+    """A command-line error printed as every other error of normswap is: one ``error:`` line on stderr (with
+    the command whose ``--help`` to read), exit 2, rather than click's usage block, hint and ``Error:`` line."""
+
+    def show(self, file: Any = None) -> None:
+        command = self.ctx.command_path if self.ctx is not None else "normswap"
+        click.echo(f"error: {self.format_message()} (see `{command} --help`)", file=file, err=file is None)
+
+
+def _one_line(exc: click.UsageError) -> _OneLineUsageError:
+    # `normswap` alone prints the help (click's NoArgsIsHelpError is a UsageError whose message is the help)
+    if isinstance(exc, _OneLineUsageError) or type(exc).__name__ == "NoArgsIsHelpError":
+        return exc
+    return _OneLineUsageError(exc.format_message(), exc.ctx)
+
+
 class _Program(click.Group):
     """The ``normswap`` group. Run as the program (the ``normswap`` script calls ``main()``, which reads
     ``sys.argv``), it takes over Ctrl-C and SIGTERM before parsing anything
@@ -20,6 +36,18 @@ class _Program(click.Group):
         if args is None:
             interrupts.install()
         return super().main(args, *rest, **kwargs)
+
+    def make_context(self, *args: Any, **kwargs: Any) -> click.Context:
+        try:  # the group's own options (`normswap --bogus`)
+            return super().make_context(*args, **kwargs)
+        except click.UsageError as exc:
+            raise _one_line(exc) from None
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:  # an unknown command, and each command's options and arguments
+            return super().invoke(ctx)
+        except click.UsageError as exc:
+            raise _one_line(exc) from None
 
 
 @click.group(cls=_Program, context_settings={"help_option_names": ["-h", "--help"]})
