@@ -106,7 +106,7 @@ def deep_gpt2(tmp_path_factory) -> Path:
     return out
 
 
-LOW_MEMORY_CASES = [[], ["--format", "compat"], ["--beta-placement", "fold"],
+LOW_MEMORY_CASES = [[], ["--format", "compat"], ["--beta-placement", "fold"], ["--fold-gamma"],
                     ["--keep-tied", "--writer-centering", "op"]]
 
 

@@ -317,7 +317,9 @@ class TensorRewriter:
         rms_gamma = None
         if sp.rms_weight:
             rms_gamma = gamma if not sp.fold_gamma else torch.ones_like(gamma)
-        rms_beta = beta if sp.rms_bias else None
+        rms_beta = None
+        if sp.rms_bias:  # γ folded into the readers while β could not fold: the norm keeps β/γ, as the surgery does
+            rms_beta = beta / gamma if sp.fold_gamma and gamma is not None else beta
         entries = []
 
         def add(ckpt_key: str, value: torch.Tensor, name: str) -> None:
