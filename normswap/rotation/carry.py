@@ -52,7 +52,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from normswap.analysis.plan import ADAPTER_BASES_FILE, ADAPTER_VECTOR_FIELDS, Plan, plan_of
+from normswap.analysis.plan import ADAPTER_BASES_FILE, ADAPTER_VECTOR_FIELDS, REFUSE_ROTATED, Plan, plan_of
 from normswap.errors import NormswapError
 from normswap.rotation.heads import config_head_dim, head_turn, turn_heads, value_output
 
@@ -1173,9 +1173,10 @@ class AdapterBasis:
     ``balance``: the per-row ``s`` taken back into λ). ``path``: the Linear's path (for a refusal). ``record``
     names each vector (the plan's structure); ``vectors``: the plan's ``adapter_vectors`` they are looked up in.
     A named vector not there (a checkpoint loaded without its side file) is listed in ``missing``: every
-    adapter on this Linear is then refused at attach."""
+    adapter on this Linear is then refused at attach. ``refuse`` (a record of an edit the bases do not model, or
+    of a rotated stream): why every adapter on this Linear is refused at attach (one line naming it)."""
 
-    FIELDS = ("gamma", "beta", "scale", "center", "balance")
+    FIELDS = ("gamma", "beta", "scale", "center", "balance", "refuse")
 
     def __init__(self, path: str, record: dict[str, Any], vectors: dict[str, torch.Tensor] | None = None) -> None:
         self.path = path
@@ -1191,6 +1192,7 @@ class AdapterBasis:
                 self.missing.append(str(name))
             else:
                 self.vectors[key] = t
+        self.refuse: str | None = self.record["refuse"]
         self._cache: dict = {}
 
     @property
@@ -1319,6 +1321,9 @@ def _basis_refusal(layer: nn.Module, basis: AdapterBasis) -> str | None:
     what = None
     if not names:
         return None
+    if basis.refuse:
+        return (f"{_adapter_named(layer)} on `{basis.path}` is refused (an adapter there could not act as on the "
+                f"original model): {basis.refuse}; or leave that Linear out of target_modules")
     if basis.missing:
         return (f"{_adapter_named(layer)} on `{basis.path}` is refused: the conversion folded a "
                 "norm's γ/β into that Linear or centered its rows, and the vectors that make an adapter there act "
@@ -1392,20 +1397,52 @@ def _merge_bias_share(layer: nn.Module, base: nn.Module, basis: AdapterBasis, ad
 def mark_bases(model: nn.Module, plan: Plan | None = None) -> int:
     """Mark each Linear the conversion edited (the ``adapter_bases`` of ``plan``, default the model's own plan)
     with its :class:`AdapterBasis`, so that a PEFT adapter assigned in its place acts as on the original model
-    (:func:`_on_register`); marks already there are replaced (a loader marks again once it has read the
-    vectors). Not where a rotation turned a stream (those Linears' bases are not the recorded ones; adapters act
-    as before). Returns how many Linears were marked without their vectors (their adapters are refused)."""
+    (:func:`_on_register`), or is refused where the record says why; marks already there are replaced (a loader
+    marks again once it has read the vectors). Where a rotation turned a stream, a record that does not refuse
+    yet (a checkpoint rotated before round 56, when :func:`refuse_rotated` did not record them) refuses as a
+    rotated Linear: its recorded basis is not the whole map. Returns how many Linears were marked without
+    their vectors (their adapters are refused)."""
     plan = plan if plan is not None else plan_of(model)
     bases = getattr(plan, "adapter_bases", None) or {}
-    if not bases or any(r.get("kind") != "none" for r in getattr(plan, "rotations", None) or []):
+    if not bases:
         return 0
+    rotated = any(r.get("kind") != "none" for r in getattr(plan, "rotations", None) or [])
     vectors = getattr(plan, "adapter_vectors", None) or {}
     missing = 0
     for path, record in bases.items():
         module = _at(model, path)
         if isinstance(module, nn.Module) and hasattr(module, "weight") and "base_layer" not in module._modules:
+            if rotated and not record.get("refuse"):
+                record = {"kind": record.get("kind"), "refuse": REFUSE_ROTATED}
             basis = AdapterBasis(path, record, vectors)
             module.__dict__[BASIS] = basis
             missing += bool(basis.missing)
     _listen()
     return missing
+
+
+def refuse_rotated(model: nn.Module, plan: Plan, rotated: Iterable[dict]) -> int:
+    """Record in ``plan.adapter_bases`` that every Linear (or Conv1D, Embedding) a stream rotation turned, as a
+    reader (its input features ``W·Q``) or a writer (its output features ``·Q``), refuses adapters
+    (``{"kind", "refuse": REFUSE_ROTATED}``, replacing what the conversion recorded there; vectors no record names
+    any more are dropped), and mark them (:func:`mark_bases`). ``rotated``: the streams of
+    :class:`normswap.rotation.rotate.Rotation` ``.rotated`` (readers by module path, writers by parameter name).
+    Before round 56 an adapter on such a Linear ran on the turned stream as is: silently not the original's.
+    Returns how many Linears it records."""
+    paths: dict[str, None] = {}
+    for stream in rotated:
+        for path in stream.get("readers", []):
+            paths[path] = None
+        for param in stream.get("writers", []):
+            paths[param.rpartition(".")[0]] = None
+    count = 0
+    for path in paths:
+        module = _at(model, path) if path else None
+        if not isinstance(module, nn.Module) or not isinstance(getattr(module, "weight", None), torch.Tensor):
+            continue
+        plan.adapter_bases[path] = {"kind": type(module).__name__.lower(), "refuse": REFUSE_ROTATED}
+        count += 1
+    named = {v for r in plan.adapter_bases.values() for k, v in r.items() if k in ADAPTER_VECTOR_FIELDS}
+    plan.adapter_vectors = {k: v for k, v in (plan.adapter_vectors or {}).items() if k in named}
+    mark_bases(model, plan)
+    return count

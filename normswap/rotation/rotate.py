@@ -868,6 +868,7 @@ def rotate(model: nn.Module, q: str | int | torch.Tensor = "hadamard", *, seed: 
         _smooth_streams(model, plan, result, smooth, batches)
     plan.rotations = plan.rotations + [manifest_entry(r) for r in result.rotated]
     carry.record(model)  # so that a module swap can be undone (carry_online_ops) or is refused
+    carry.refuse_rotated(model, plan, result.rotated)  # a PEFT adapter on a turned Linear: refused at attach
     return result
 
 
