@@ -633,7 +633,8 @@ class Plan:
 
 
 # the fields of a Plan.adapter_bases record that name a vector of Plan.adapter_vectors (the rest is structure)
-ADAPTER_VECTOR_FIELDS = ("gamma", "beta", "scale", "balance")
+# ("turn_in" / "turn_out": a rotated stream's Q, d × d stored flat, since round 56)
+ADAPTER_VECTOR_FIELDS = ("gamma", "beta", "scale", "balance", "turn_in", "turn_out")
 # the binary side file of a checkpoint directory that holds Plan.adapter_vectors (normswap.checkpoint.bases_io)
 ADAPTER_BASES_FILE = "normswap_adapter_bases.safetensors"
 # Why an adapter on a Linear is refused (the "refuse" field of a Plan.adapter_bases record, since round 56): an
@@ -651,8 +652,9 @@ REFUSE_RESIDUAL_BETA = ("a Post-LN norm's β was folded through the residual int
 REFUSE_AXIS = "its weight was centered along an axis an adapter's output map does not model"
 REFUSE_CENTERED_TABLE = ("its table was centered (an embedding or convolution writer), and PEFT's adapter there "
                          "keeps its update in parameters no map reaches")
-REFUSE_ROTATED = ("a rotation turned the residual stream it reads or writes (normswap.rotate / --rotate), so "
-                  "its input or output is in the turned basis; attach and merge the adapter "
+REFUSE_ROTATED = ("a rotation turned the residual stream it reads or writes (normswap.rotate / --rotate) in a way "
+                  "the adapter bases do not record (a checkpoint rotated before round 56, smoothing or learned "
+                  "scales / head rotations, an embedding table); attach and merge the adapter "
                   "(merge_and_unload) before rotating")
 
 
