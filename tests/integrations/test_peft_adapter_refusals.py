@@ -1,14 +1,15 @@
-"""PEFT adapters on Linears under edits the adapter bases do not model are refused at attach (round 56).
+"""PEFT adapters on Linears under edits round 55's adapter bases did not model (round 56).
 
 Round 54/55 made an adapter act as on the original model where the conversion folded γ/β into a reader or
 centered a writer (tests/integrations/test_peft_adapter_bases.py). Elsewhere it ran on the converted Linear's own
-input and output: silently not the original's. Measured before this round on float64 replicas (a random LoRA,
-the adapter's delta on the output against the same LoRA's delta on the original; ``docs/results/quantization.md``,
-round 56): a bias-less value projection whose β share moved through attention 0.03-0.08 of the output off, a
-stream rotated by ``rotate("hadamard")`` 0.05 (c_attn) to 0.63 (fc2), the Linears a mean carry widened do not take
-an original adapter's shapes. Each is now refused as PEFT attaches it, in one line naming the Linear and the
-reason (the plan's ``adapter_bases`` record ``{"kind", "refuse"}``, so it survives a save and a load), before
-the Linear is replaced. Each test here fails on main (the attach succeeds).
+input and output: silently not the original's. Measured before this round on float64 replicas
+(benchmarks/peft_edit_gaps.py: a random LoRA, its delta on the output against the same LoRA's delta on the
+original): a bias-less value projection whose β share moved through attention 0.26-0.41 of the delta off, a
+stream rotated by ``rotate("hadamard")`` 0.86-1.45, a mean carry's or a centered reader's Linears 1.5-1.6.
+Now a rotated stream is mapped like the folds (``lora_A`` reads ``x·Qᵀ``, ``lora_B``'s output is turned by
+``Q``: exact), and the rest is refused as PEFT attaches it, in one line naming the Linear and the reason (the
+plan's ``adapter_bases`` record ``{"kind", "refuse"}``, so it survives a save and a load), before the Linear is
+replaced. The refusal and rotation tests fail on main (the attach succeeds / the adapter is off).
 
 Float64 replicas built from configs, LayerNorm γ/β randomised."""
 
