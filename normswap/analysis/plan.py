@@ -633,9 +633,29 @@ class Plan:
 
 
 # the fields of a Plan.adapter_bases record that name a vector of Plan.adapter_vectors (the rest is structure)
-ADAPTER_VECTOR_FIELDS = ("gamma", "beta", "scale", "balance")
+# ("turn_in" / "turn_out": a rotated stream's Q, d × d stored flat, since round 56)
+ADAPTER_VECTOR_FIELDS = ("gamma", "beta", "scale", "balance", "turn_in", "turn_out")
 # the binary side file of a checkpoint directory that holds Plan.adapter_vectors (normswap.checkpoint.bases_io)
 ADAPTER_BASES_FILE = "normswap_adapter_bases.safetensors"
+# Why an adapter on a Linear is refused (the "refuse" field of a Plan.adapter_bases record, since round 56): an
+# edit the adapter bases do not model, so an adapter there could not act as on the original model. Each names
+# what to do instead; none names a path (a checkpoint rebased to another class keeps the text as it is).
+REFUSE_BETA_MOVED = ("the conversion carried a norm's β share of this bias-less value projection through attention "
+                     "into the output projection's bias, which an adapter's update would have to follow; "
+                     "beta_placement='keep' (--beta-placement keep) leaves β in the norm")
+REFUSE_CENTERED_READER = ("its weight was centered to hide the mean an approximate RMSNorm leaks (Post-LN), so its "
+                          "input is not the original's; mode='exact' (--mode exact) keeps that norm a LayerNorm")
+REFUSE_MEAN_CARRY = ("the mean carry widened this MLP Linear by neurons the original has not (an adapter from the "
+                     "original does not fit it); mean_carry=False (--no-mean-carry) converts without them")
+REFUSE_RESIDUAL_BETA = ("a Post-LN norm's β was folded through the residual into this Linear's bias, so its input "
+                        "lacks β; beta_placement='keep' (--beta-placement keep) leaves β in the norm")
+REFUSE_AXIS = "its weight was centered along an axis an adapter's output map does not model"
+REFUSE_CENTERED_TABLE = ("its table was centered (an embedding or convolution writer), and PEFT's adapter there "
+                         "keeps its update in parameters no map reaches")
+REFUSE_ROTATED = ("a rotation turned the residual stream it reads or writes (normswap.rotate / --rotate) in a way "
+                  "the adapter bases do not record (a checkpoint rotated before round 56, smoothing or learned "
+                  "scales / head rotations, an embedding table); attach and merge the adapter "
+                  "(merge_and_unload) before rotating")
 
 
 # the attribute a converted model carries its plan under (read and written only through the two

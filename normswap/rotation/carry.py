@@ -52,7 +52,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from normswap.analysis.plan import ADAPTER_BASES_FILE, ADAPTER_VECTOR_FIELDS, Plan, plan_of
+from normswap.analysis.plan import ADAPTER_BASES_FILE, ADAPTER_VECTOR_FIELDS, REFUSE_ROTATED, Plan, plan_of
 from normswap.errors import NormswapError
 from normswap.rotation.heads import config_head_dim, head_turn, turn_heads, value_output
 
@@ -337,14 +337,16 @@ def _branch_refusal(branch: _Branch, name: str, new: Any) -> str | None:
 
 
 def _mark_heads(model: nn.Module) -> None:
-    """Mark the value and output projections whose weights hold the per-head ``H̃`` of a rotation that turns
-    no stream (the manifest's ``value_heads`` of a ``"none"`` rotation without a learned R2), with
-    :class:`HeadTurn`, so that an adapter layer assigned in their place acts in the original basis or is
-    refused (:func:`_head_adapter`)."""
+    """Mark the value and output projections whose weights hold the per-head ``H̃`` of a rotation (the
+    manifest's ``value_heads`` without a learned R2), with :class:`HeadTurn`, so that an adapter layer assigned
+    in their place acts in the original basis or is refused (:func:`_head_adapter`). Since round 56 also where
+    the rotation turns a stream (recorded from round 56 on: ``adapter_bases``), whose ``Q`` the adapter bases
+    map on the other side of those Linears; before, only a ``"none"`` rotation's."""
     default = None
     for r in getattr(plan_of(model), "rotations", None) or []:
         hd = r.get("head_dim")
-        if r.get("kind") != "none" or r.get("learned_heads") or not isinstance(hd, int):
+        stream_unrecorded = r.get("kind") != "none" and not r.get("adapter_bases")
+        if stream_unrecorded or r.get("learned_heads") or not isinstance(hd, int):
             continue
         default = default if default is not None else config_head_dim(model)
         for path in r.get("value_heads") or []:
@@ -1170,12 +1172,16 @@ class AdapterBasis:
     receives ``x`` (``gamma``: the norm's γ folded into its weight; ``beta``: the β folded into its bias).
     Output: this one's output is ``T·y`` of the original's ``y``, ``T = diag(1/s)·C·diag(λ)`` (``scale``: a
     LayerScale λ folded into its rows; ``center``: its rows centered, ``True`` or per ``[lo, hi)`` block;
-    ``balance``: the per-row ``s`` taken back into λ). ``path``: the Linear's path (for a refusal). ``record``
-    names each vector (the plan's structure); ``vectors``: the plan's ``adapter_vectors`` they are looked up in.
+    ``balance``: the per-row ``s`` taken back into λ). A rotated stream (since round 56): ``turn_in``, the
+    ``Q`` of the stream it reads (its input is ``x·Q`` of the conversion's), ``turn_out``, the ``Q`` of the
+    stream it writes (its output ``·Q``); each ``d × d``, kept flat. ``path``: the Linear's path (for a
+    refusal). ``record`` names each vector (the plan's structure); ``vectors``: the plan's ``adapter_vectors``
+    they are looked up in.
     A named vector not there (a checkpoint loaded without its side file) is listed in ``missing``: every
-    adapter on this Linear is then refused at attach."""
+    adapter on this Linear is then refused at attach. ``refuse`` (a record of an edit the bases do not model, or
+    of a rotated stream): why every adapter on this Linear is refused at attach (one line naming it)."""
 
-    FIELDS = ("gamma", "beta", "scale", "center", "balance")
+    FIELDS = ("gamma", "beta", "scale", "center", "balance", "turn_in", "turn_out", "refuse")
 
     def __init__(self, path: str, record: dict[str, Any], vectors: dict[str, torch.Tensor] | None = None) -> None:
         self.path = path
@@ -1191,17 +1197,18 @@ class AdapterBasis:
                 self.missing.append(str(name))
             else:
                 self.vectors[key] = t
+        self.refuse: str | None = self.record["refuse"]
         self._cache: dict = {}
 
     @property
     def reads(self) -> bool:
         """Whether its input differs from the original Linear's."""
-        return self.record["gamma"] is not None or self.record["beta"] is not None
+        return any(self.record[k] is not None for k in ("gamma", "beta", "turn_in"))
 
     @property
     def writes(self) -> bool:
         """Whether its output differs from the original Linear's."""
-        return any(self.record[k] for k in ("scale", "center", "balance"))
+        return any(self.record[k] for k in ("scale", "center", "balance", "turn_out"))
 
     def _vec(self, key: str, like: torch.Tensor) -> torch.Tensor | None:
         t = self.vectors.get(key)
@@ -1209,12 +1216,17 @@ class AdapterBasis:
             return None
         k = (key, like.device, like.dtype)
         if k not in self._cache:
+            if key.startswith("turn_"):  # a stream's Q, kept flat
+                n = int(round(t.numel() ** 0.5))
+                t = t.reshape(n, n)
             self._cache[k] = t.to(device=like.device, dtype=like.dtype)
         return self._cache[k]
 
     def to_input(self, x: torch.Tensor) -> torch.Tensor:
-        """This Linear's input (features last) as the original Linear received it: ``x·γ + β``."""
-        g, b = self._vec("gamma", x), self._vec("beta", x)
+        """This Linear's input (features last) as the original Linear received it: ``x·Qᵀ`` where its stream
+        was rotated, then ``·γ + β``."""
+        q, g, b = self._vec("turn_in", x), self._vec("gamma", x), self._vec("beta", x)
+        x = x @ q.T if q is not None else x
         x = x * g if g is not None else x
         return x + b if b is not None else x
 
@@ -1230,14 +1242,17 @@ class AdapterBasis:
                 parts += [y[..., at:lo], y[..., lo:hi] - y[..., lo:hi].mean(dim=-1, keepdim=True)]
                 at = hi
             y = torch.cat([*parts, y[..., at:]], dim=-1)
-        return y / s if s is not None else y
+        y = y / s if s is not None else y
+        q = self._vec("turn_out", y)
+        return y @ q if q is not None else y
 
     def turn_delta(self, delta: torch.Tensor, in_axis: int) -> torch.Tensor:
         """A weight update ``ΔW`` of the original Linear (in the weight's own layout, input along ``in_axis``) as
         this one's weight holds it: ``T·ΔW·diag(γ)``, in float64, back in ``delta``'s dtype."""
         d = delta.double().movedim(in_axis, -1)  # [out, in]
-        g = self._vec("gamma", d)
+        g, q = self._vec("gamma", d), self._vec("turn_in", d)
         d = d * g if g is not None else d
+        d = d @ q if q is not None else d
         d = self.to_output(d.T).T if self.writes else d
         return d.movedim(-1, in_axis).to(delta.dtype)
 
@@ -1319,6 +1334,9 @@ def _basis_refusal(layer: nn.Module, basis: AdapterBasis) -> str | None:
     what = None
     if not names:
         return None
+    if basis.refuse:
+        return (f"{_adapter_named(layer)} on `{basis.path}` is refused (an adapter there could not act as on the "
+                f"original model): {basis.refuse}; or leave that Linear out of target_modules")
     if basis.missing:
         return (f"{_adapter_named(layer)} on `{basis.path}` is refused: the conversion folded a "
                 "norm's γ/β into that Linear or centered its rows, and the vectors that make an adapter there act "
@@ -1385,6 +1403,9 @@ def _merge_bias_share(layer: nn.Module, base: nn.Module, basis: AdapterBasis, ad
         share = extra if share is None else share + extra
     if share is None or base.bias is None:
         return
+    turn = base.__dict__.get(HEADS)
+    if turn is not None and turn.side == "output":  # a value projection's rows hold the per-head H̃ too
+        share = turn.turn_delta(share.reshape(-1, 1)).reshape(-1)
     with torch.no_grad():
         base.bias.data = (base.bias.data.double() + sign * share).to(base.bias.dtype)
 
@@ -1392,20 +1413,66 @@ def _merge_bias_share(layer: nn.Module, base: nn.Module, basis: AdapterBasis, ad
 def mark_bases(model: nn.Module, plan: Plan | None = None) -> int:
     """Mark each Linear the conversion edited (the ``adapter_bases`` of ``plan``, default the model's own plan)
     with its :class:`AdapterBasis`, so that a PEFT adapter assigned in its place acts as on the original model
-    (:func:`_on_register`); marks already there are replaced (a loader marks again once it has read the
-    vectors). Not where a rotation turned a stream (those Linears' bases are not the recorded ones; adapters act
-    as before). Returns how many Linears were marked without their vectors (their adapters are refused)."""
+    (:func:`_on_register`), or is refused where the record says why; marks already there are replaced (a loader
+    marks again once it has read the vectors). Where a rotation turned a stream, a record that does not refuse
+    yet (a checkpoint rotated before round 56, when :func:`refuse_rotated` did not record them) refuses as a
+    rotated Linear: its recorded basis is not the whole map. Returns how many Linears were marked without
+    their vectors (their adapters are refused)."""
     plan = plan if plan is not None else plan_of(model)
     bases = getattr(plan, "adapter_bases", None) or {}
-    if not bases or any(r.get("kind") != "none" for r in getattr(plan, "rotations", None) or []):
+    if not bases:
         return 0
+    rotated = any(r.get("kind") != "none" and not r.get("adapter_bases")  # rotated before round 56
+                  for r in getattr(plan, "rotations", None) or [])
     vectors = getattr(plan, "adapter_vectors", None) or {}
     missing = 0
     for path, record in bases.items():
         module = _at(model, path)
         if isinstance(module, nn.Module) and hasattr(module, "weight") and "base_layer" not in module._modules:
+            if rotated and not record.get("refuse"):
+                record = {"kind": record.get("kind"), "refuse": REFUSE_ROTATED}
             basis = AdapterBasis(path, record, vectors)
             module.__dict__[BASIS] = basis
             missing += bool(basis.missing)
     _listen()
     return missing
+
+
+def turn_rotated(model: nn.Module, plan: Plan, rotated: list[dict]) -> int:
+    """Record in ``plan.adapter_bases`` what a stream rotation did to each Linear it turned, so that an adapter
+    there still acts as on the original model: a reader's input is ``x·Q`` of the conversion's (``turn_in``), a
+    writer's output ``·Q`` (``turn_out``); ``Q`` kept once per stream in ``plan.adapter_vectors`` (flat, float64;
+    the side file holds it). Where the rotation did more than ``Q`` (smoothing, learned scales or head
+    rotations) and for a turned Embedding / table (PEFT keeps its update in parameters no map reaches), the
+    record refuses adapters instead (``REFUSE_ROTATED``). Marks the model (:func:`mark_bases`). ``rotated``: the
+    streams of :class:`normswap.rotation.rotate.Rotation` ``.rotated`` (``q``; readers by module path, writers
+    by parameter name). Before round 56 an adapter on such a Linear ran on the turned stream as is. Returns
+    how many Linears it records."""
+    count = 0
+    for stream in rotated:
+        learned = stream.get("learned") or {}
+        exact = stream.get("q") is not None and not stream.get("smoothed") and not learned.get("scaled_norms") \
+            and not learned.get("head_rotations")
+        name = f"{stream['norms'][0]}:turn"
+        if exact:
+            plan.adapter_vectors[name] = stream["q"].detach().to("cpu", torch.float64).reshape(-1).contiguous()
+        sides = dict.fromkeys([(p, "turn_in") for p in stream.get("readers", [])]
+                              + [(w.rpartition(".")[0], "turn_out") for w in stream.get("writers", [])])
+        for path, side in sides:
+            module = _at(model, path) if path else None
+            if not isinstance(module, nn.Module) or not isinstance(getattr(module, "weight", None), torch.Tensor):
+                continue
+            record = plan.adapter_bases.get(path) or {"kind": type(module).__name__.lower()}
+            if record.get("refuse"):
+                continue
+            if not exact or isinstance(module, nn.Embedding) or module.weight.dim() != 2 or record.get(side):
+                record = {"kind": record["kind"], "refuse": REFUSE_ROTATED}
+            else:
+                record = {**record, side: name}
+            plan.adapter_bases[path] = record
+            count += 1
+        stream["adapter_bases"] = True  # this stream's Linears are recorded (a manifest from round 56 on)
+    named = {v for r in plan.adapter_bases.values() for k, v in r.items() if k in ADAPTER_VECTOR_FIELDS}
+    plan.adapter_vectors = {k: v for k, v in (plan.adapter_vectors or {}).items() if k in named}
+    mark_bases(model, plan)
+    return count

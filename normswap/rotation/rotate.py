@@ -866,6 +866,7 @@ def rotate(model: nn.Module, q: str | int | torch.Tensor = "hadamard", *, seed: 
             result.rotated[0].update(learned_heads=sorted(result.learned.heads))
     if smooth is not None and result.rotated:
         _smooth_streams(model, plan, result, smooth, batches)
+    carry.turn_rotated(model, plan, result.rotated)  # a PEFT adapter on a turned Linear: mapped by Q, or refused
     plan.rotations = plan.rotations + [manifest_entry(r) for r in result.rotated]
     carry.record(model)  # so that a module swap can be undone (carry_online_ops) or is refused
     return result

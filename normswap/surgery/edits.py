@@ -22,6 +22,12 @@ from normswap.analysis.plan import (
     ADAPTER_VECTOR_FIELDS,
     EXACT_VERDICTS,
     FLAVOUR_SLOTS,
+    REFUSE_AXIS,
+    REFUSE_BETA_MOVED,
+    REFUSE_CENTERED_READER,
+    REFUSE_CENTERED_TABLE,
+    REFUSE_MEAN_CARRY,
+    REFUSE_RESIDUAL_BETA,
     BetaMove,
     BiasSlot,
     CenteredReader,
@@ -556,7 +562,7 @@ def apply_weight_edits(model: nn.Module, plan: Plan, sites: dict[str, NormSite],
     for sf in plan.scale_folds:  # after centering: every row of the writer spans its original range, λ the scale
         if sf.keep:
             balance_layer_scale(model, sf, ranges[sf.param])
-            if sf.into in bases:
+            if sf.into in bases and "refuse" not in bases[sf.into]:
                 bases[sf.into]["balance"] = _vector(plan, f"{sf.param}:balance",
                                                     model.get_parameter(sf.param).reshape(-1), sf.offset)
     for r in plan.centered_readers:  # before widening: the carry's added rows must see the norm's output as is
@@ -598,10 +604,13 @@ def adapter_bases(model: nn.Module, plan: Plan,
     before any edit) and ``balance(scale_fold)`` (λ's parameter after the balance; without it, the in-memory
     surgery records it after :func:`balance_layer_scale`); ``model`` may be the meta model (only its structure
     is read). The in-memory surgery and the low-memory rewrite (:mod:`normswap.checkpoint.streaming`) both
-    call it, with their own readers, so that both write the same adapter bases. Linears under an edit this does
-    not model (β moved through attention, a centered reader of an approximate norm, a widened MLP, a Post-LN β
-    folded through the residual, a reader of an approximate norm) are left out: adapters there act as
-    before."""
+    call it, with their own readers, so that both write the same adapter bases. A Linear under an edit this
+    does not model (β moved through attention, a centered reader of an approximate norm, a widened MLP, a
+    Post-LN β folded through the residual into a reader's bias, rows centered along another axis, a centered
+    embedding or convolution) gets the record ``{"kind", "refuse": <why>}`` instead (since round 56): a PEFT
+    adapter attached there is refused in one line naming it, where before it acted, silently, on the
+    converted Linear's own input and output. (A Post-LN residual writer needs no record: the adapter's output
+    joins the same sum.)"""
     bases: dict[str, dict[str, Any]] = {}
     plan.adapter_vectors = {}
     by_site = {sp.name: sp for sp in plan.sites}
@@ -624,21 +633,31 @@ def adapter_bases(model: nn.Module, plan: Plan,
         entry["scale"] = _vector(plan, f"{sf.param}:scale", param(sf.param), sf.offset)
         if sf.keep and balance is not None:
             entry["balance"] = _vector(plan, f"{sf.param}:balance", balance(sf), sf.offset)
+    refused: dict[str, dict[str, str]] = {}  # the first reason found names the Linear
     for e in plan.writer_edits:
+        if e.kind in ("embedding", "conv") and e.owner and e.target.endswith("weight"):
+            refused.setdefault(e.owner, {"kind": e.kind, "refuse": REFUSE_CENTERED_TABLE})
         if e.kind not in ("linear", "conv1d") or not e.owner:
             continue
         weight = linear_at(model, e.owner).weight
         if weight is not model.get_parameter(e.target):
             continue  # the bias: its centering is the output's own
         if e.axis % weight.dim() != (1 if e.kind == "conv1d" else 0):
-            bases.setdefault(e.owner, {"kind": e.kind})["unsupported"] = True
+            refused.setdefault(e.owner, {"kind": e.kind, "refuse": REFUSE_AXIS})
             continue
         bases.setdefault(e.owner, {"kind": e.kind})["center"] = [list(b) for b in e.blocks] if e.blocks else True
-    unsupported = {m.reader for m in plan.beta_moves} | {r.reader for r in plan.centered_readers}
-    unsupported |= {p for c in plan.mean_carries for p in (c.up, c.down)}
-    unsupported |= {p for rf in plan.residual_folds for p in (*rf.readers, *rf.writers)}
-    unsupported |= {p for p, e in bases.items() if e.pop("unsupported", False)}
-    bases = {p: e for p, e in bases.items() if p not in unsupported and len(e) > 1}
+    for m in plan.beta_moves:
+        refused.setdefault(m.reader, {"kind": m.reader_kind, "refuse": REFUSE_BETA_MOVED})
+    for r in plan.centered_readers:
+        refused.setdefault(r.reader, {"kind": r.kind, "refuse": REFUSE_CENTERED_READER})
+    for c in plan.mean_carries:
+        for p in (c.up, c.down):
+            refused.setdefault(p, {"kind": bases.get(p, {}).get("kind", "linear"), "refuse": REFUSE_MEAN_CARRY})
+    for rf in plan.residual_folds:  # (its residual writers need nothing: the adapter's output adds to the same sum)
+        for p, kind in zip(rf.readers, rf.reader_kinds, strict=True):
+            refused.setdefault(p, {"kind": kind, "refuse": REFUSE_RESIDUAL_BETA})
+    bases = {p: e for p, e in bases.items() if p not in refused and len(e) > 1}
+    bases.update(refused)
     named = {v for e in bases.values() for k, v in e.items() if k in ADAPTER_VECTOR_FIELDS}
     plan.adapter_bases = bases
     plan.adapter_vectors = {k: v for k, v in plan.adapter_vectors.items() if k in named}

@@ -142,9 +142,11 @@ def test_lora_with_online_ops_acts_as_on_the_original():
 
 
 def test_post_ln_bert_adapters_still_run_and_merge():
-    """Approximate norms (Post-LN BERT): the Linears they touch keep today's behaviour; LoRA runs and merges."""
+    """Approximate norms (Post-LN BERT): LoRA on the Linears the conversion left as they were runs and merges; on
+    the centered reader of an approximate norm (the FFN's first dense) it is refused (round 56;
+    tests/integrations/test_peft_adapter_refusals.py)."""
     original, converted, probe = _pair("bert", table=APPROXIMATE)
-    lora = _lora(converted, ["query", "value", "dense"])
+    lora = _lora(converted, ["query", "value", "attention.output.dense"])
     out = _out(lora, probe)
     assert torch.isfinite(out).all()
     assert _relative(_out(lora.merge_and_unload(), probe), out) <= 1e-9

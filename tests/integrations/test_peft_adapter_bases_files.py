@@ -241,3 +241,85 @@ def test_a_low_memory_conversion_records_the_same_adapter_bases(tmp_path):
     lora = _lora(loaded, targets, **kw)
     assert _relative(_out(lora, probe), ref) <= 1e-9
     assert _relative(_out(lora.merge_and_unload(), probe), ref) <= 1e-9
+
+
+@pytest.mark.parametrize("how", ["normswap.save", "save_pretrained"])
+def test_a_stale_side_file_is_removed_when_nothing_needs_storing(tmp_path, how):
+    """A save into a directory that holds the side file of an older save, of a model whose adapter bases name no
+    vector (β kept in the norms, γ not folded: only centered writers, which need none): the old file is gone, so
+    it is never read as this model's (round 56: tested; bases_io.write removes it)."""
+    original, _, probe, out = _gpt2(tmp_path)
+    assert (out / SIDECAR).is_file()
+    plain = copy.deepcopy(original)
+    normswap.patch(plain, beta_placement="keep")
+    assert plan_of(plain).adapter_bases and not bases_io.named(plan_of(plain))
+    if how == "normswap.save":
+        normswap.save(plain, out, overwrite=True)
+    else:
+        normswap.save(plain, tmp_path / "plain")
+        normswap.load(tmp_path / "plain", dtype=torch.float64).save_pretrained(out)
+    assert not (out / SIDECAR).exists() and not list(out.glob(f"*{SIDECAR}*"))
+    loaded = normswap.load(out, dtype=torch.float64)  # no warning: nothing is named, nothing is missing
+    targets, kw = GPT2
+    ref = _out(_lora(copy.deepcopy(original), targets, **kw), probe)
+    assert _relative(_out(_lora(loaded, targets, **kw), probe), ref) <= 1e-9
+
+
+_HUB_LOAD = r"""
+import sys, warnings, torch, transformers as tf
+import normswap
+from normswap.analysis.plan import plan_of
+repo, how = sys.argv[1], sys.argv[2]
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    if how == "normswap.load":
+        model = normswap.load(repo, dtype=torch.float64)
+    else:
+        model = tf.AutoModelForCausalLM.from_pretrained(repo, dtype=torch.float64)
+plan = plan_of(model) or getattr(model, "_normswap_compat", None)
+print("VECTORS", len(plan.adapter_vectors))
+print("WARNINGS", [str(w.message) for w in caught if "adapter" in str(w.message)])
+"""
+
+
+def _hub_cache(tmp_path, out, repo="org/tiny-rms", sha="0123456789abcdef0123456789abcdef01234567"):
+    """``out`` laid out as the Hub lays out a downloaded repo in the cache: ``models--org--name/refs/main`` holds
+    the commit, ``snapshots/<commit>/`` the files."""
+    import shutil
+
+    cache = tmp_path / "hub"
+    root = cache / ("models--" + repo.replace("/", "--"))
+    (root / "refs").mkdir(parents=True)
+    (root / "refs" / "main").write_text(sha)
+    shutil.copytree(out, root / "snapshots" / sha)
+    return cache, root / "snapshots" / sha
+
+
+def _run_offline(cache, repo, how):
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, HF_HUB_CACHE=str(cache), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    env.pop("HF_HOME", None)
+    done = subprocess.run([sys.executable, "-c", _HUB_LOAD, repo, how], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = dict(line.split(" ", 1) for line in done.stdout.splitlines() if line.startswith(("VECTORS", "WARN")))
+    return int(lines["VECTORS"]), lines["WARNINGS"]
+
+
+@pytest.mark.parametrize("how", ["normswap.load", "AutoModelForCausalLM"])
+def test_a_hub_repo_id_finds_the_side_file_in_the_cache_offline(tmp_path, how):
+    """Loading by repo id (no network: HF_HUB_OFFLINE=1, a temporary HF_HUB_CACHE laid out as the Hub lays it
+    out) reads the side file from the snapshot as from a directory; a snapshot without it warns in one line."""
+    _, converted, _, out = _gpt2(tmp_path)
+    named = len(bases_io.named(plan_of(converted)))
+    assert named
+    cache, snapshot = _hub_cache(tmp_path, out)
+    vectors, said = _run_offline(cache, "org/tiny-rms", how)
+    assert vectors == named and said == "[]"
+    (snapshot / SIDECAR).unlink()  # a repo uploaded without it
+    vectors, said = _run_offline(cache, "org/tiny-rms", how)
+    where = "org/tiny-rms" if how != "normswap.load" else "models--org--tiny-rms/snapshots/"  # (load: the snapshot)
+    assert vectors == 0 and f"{where}" in said and f"has no {SIDECAR}" in said and said.count("normswap:") == 1, said
