@@ -1,7 +1,9 @@
 """ExecuTorch (XNNPACK) on the real DINOv2-small: a held-out engine, float32 speed and int8 error.
 
 Variants: ``original``; ``native`` (``normswap.patch(beta_placement="keep")``, what ``normswap convert`` writes);
-``wop`` / ``wauto`` (``writer_centering="op"`` / ``"auto"``). Each is exported with ``torch.export``, lowered to
+``wop`` / ``wauto`` (``writer_centering="op"`` / ``"auto"``); a ``+FORM`` suffix (``native+addmm``) exports that
+variant inside ``normswap.integrations.executorch.delegable_norms(model, FORM)`` (each RMSNorm's mean of squares as
+a matrix product, which XNNPACK delegates). Each is exported with ``torch.export``, lowered to
 XNNPACK with ExecuTorch's own ``to_edge_transform_and_lower`` + ``XnnpackPartitioner`` and run by ExecuTorch's
 runtime. Quantized: ExecuTorch's ``XNNPACKQuantizer`` through torchao's PT2E flow (``prepare_pt2e`` /
 ``convert_pt2e``), ``--schemes``: ``dyn`` (dynamic int8 activations, int8 weights per channel, the on-device default),
@@ -17,6 +19,7 @@ ABBA rounds against the original, medians.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import statistics
@@ -124,13 +127,17 @@ def main() -> None:
     original = tf.Dinov2Model.from_pretrained(args.model).eval()
     with torch.no_grad():
         ref = Cls(original)(px)
+    from normswap.integrations.executorch import delegable_norms
+
     result = {"images": len(px), "image": args.image, "photo": photo, "errors": {}, "outside": {}, "speed": {}}
     methods = {}
     for name in args.variants:
-        model = Cls(variant(original, name)).eval()
+        base, _, form = name.partition("+")
+        model = Cls(variant(original, base)).eval()
         for scheme in args.schemes:
             t0 = time.perf_counter()
-            meth, outside = lower(model, px[:1], None if scheme == "fp32" else scheme, calib)
+            with delegable_norms(model, form) if form else contextlib.nullcontext():
+                meth, outside = lower(model, px[:1], None if scheme == "fp32" else scheme, calib)
             out = torch.cat([meth.execute([px[i:i + 1]])[0] for i in range(len(px))])
             err = (1 - torch.nn.functional.cosine_similarity(out.double(), ref.double(), dim=-1)).tolist()
             result["errors"][f"{name}/{scheme}"] = err

@@ -1,21 +1,31 @@
-"""ExecuTorch (XNNPACK) float32 time of a GPT-2-shaped decoder: the normswap conversion against the original.
+"""ExecuTorch (XNNPACK) float32 time of a GPT-2-shaped decoder: the original, the normswap conversion, and the
+conversion exported inside ``normswap.integrations.executorch.delegable_norms`` (each RMSNorm's mean of squares
+as a matrix product, which XNNPACK delegates).
 
-A random GPT-2 (width 768, 12 heads, ``--layers`` layers, LayerNorm γ/β randomised) and its ``normswap.patch``
-conversion are exported with ``torch.export`` (no cache: one prefill of ``T`` tokens), lowered with ExecuTorch's
-``to_edge_transform_and_lower`` + ``XnnpackPartitioner`` and run by ExecuTorch's runtime, one thread. Prints what
-stays outside the XNNPACK delegate in each program (XNNPACK takes neither ``layer_norm`` nor a 3-D ``mean``) and
-the converted / original time over ABBA rounds (median, and the second-lowest / second-highest round).
+The model is ``bench_deploy_speed.build("gpt2", layers=--layers)`` (width 768, 12 heads, random weights with every
+LayerNorm γ/β and bias randomised by ``randomise_``) and its ``normswap.patch`` conversion. Each program is
+exported with ``torch.export`` (no cache: one prefill of ``T`` tokens, batch 1), lowered with ExecuTorch's
+``to_edge_transform_and_lower`` + ``XnnpackPartitioner`` and run by ExecuTorch's runtime. The original is lowered
+twice: its second copy is the A/A column (the noise floor of the run). Rounds rotate the programs' order and run it
+forwards then backwards (ABBA for two); per round, each program's time over the original's. Reported per cell:
+the median ratio with a 95% bootstrap interval of the median, on the wall clock and on the calling thread's CPU
+clock (``time.thread_time``: less sensitive to other jobs on a shared machine; XNNPACK runs in the calling thread
+at one thread), and the 1-minute load average before and after. Prints what stays outside the XNNPACK delegate.
 
-    PYTHONPATH=.:ET_PKGS python benchmarks/executorch_gpt2_speed.py --layers 2 --json out.json
+    PYTHONPATH=.:benchmarks:ET_PKGS OMP_NUM_THREADS=1 python benchmarks/executorch_gpt2_speed.py --json out.json
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
+import os
+import random
 import statistics
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -30,55 +40,97 @@ class LastHidden(torch.nn.Module):
         return self.model(input_ids=ids, use_cache=False).last_hidden_state
 
 
-def timed(meth, ids: torch.Tensor, n: int) -> float:
-    """Seconds per call of ``meth`` on ``ids``, over ``n`` calls after one warm-up call."""
+def timed(meth, ids: torch.Tensor, n: int) -> tuple[float, float]:
+    """Seconds per call of ``meth`` on ``ids`` over ``n`` calls after one warm-up call: (wall, thread CPU)."""
     meth.execute([ids])
-    t = time.perf_counter()
+    w, c = time.perf_counter(), time.thread_time()
     for _ in range(n):
         meth.execute([ids])
-    return (time.perf_counter() - t) / n
+    return (time.perf_counter() - w) / n, (time.thread_time() - c) / n
+
+
+def median_ci(values: list[float], draws: int = 2000) -> tuple[float, float, float]:
+    """Median and a 95% percentile-bootstrap interval of the median (resampling rounds)."""
+    rng = random.Random(0)
+    meds = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(draws))
+    return statistics.median(values), meds[int(0.025 * draws)], meds[int(0.975 * draws) - 1]
+
+
+def time_cell(methods: dict, ids: torch.Tensor, rounds: int, calls: int) -> dict[str, dict]:
+    """``rounds`` rotated forward-and-back rounds over ``methods`` (the first is the reference); per program, the
+    median ratio to the reference and its interval on both clocks, and its reference time in ms."""
+    names = list(methods)
+    ratios: dict[str, dict[str, list[float]]] = {k: {"wall": [], "cpu": []} for k in names[1:]}
+    ref_ms = []
+    for r in range(rounds):
+        order = names[r % len(names):] + names[: r % len(names)]
+        wall = dict.fromkeys(names, 0.0)
+        cpu = dict.fromkeys(names, 0.0)
+        for k in order + order[::-1]:
+            w, c = timed(methods[k], ids, calls)
+            wall[k] += w
+            cpu[k] += c
+        ref_ms.append(wall[names[0]] / 2 * 1e3)
+        for k in names[1:]:
+            ratios[k]["wall"].append(wall[k] / wall[names[0]])
+            ratios[k]["cpu"].append(cpu[k] / cpu[names[0]])
+    out = {}
+    for k in names[1:]:
+        out[k] = {clock: dict(zip(("median", "low", "high"), median_ci(v), strict=True)) | {"rounds": v}
+                  for clock, v in ratios[k].items()}
+    out["original_ms"] = statistics.median(ref_ms)
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--tokens", type=int, nargs="+", default=[8, 128])
-    ap.add_argument("--rounds", type=int, default=12)
+    ap.add_argument("--forms", nargs="+", default=["addmm"], help="delegable_norms forms, one column each")
+    ap.add_argument("--rounds", type=int, default=16)
+    ap.add_argument("--calls", type=int, default=160, help="token-calls per timed block (calls = this / tokens)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
 
+    from bench_deploy_speed import build
     from executorch_dinov2 import lower
-    from transformers import GPT2Config, GPT2Model
 
     import normswap
+    from normswap.integrations.executorch import delegable_norms
 
-    torch.manual_seed(0)
     torch.set_num_threads(1)
-    original = GPT2Model(GPT2Config(n_layer=args.layers, n_embd=768, n_head=12, n_positions=256)).eval()
-    for m in original.modules():
-        if isinstance(m, torch.nn.LayerNorm):
-            m.weight.data.uniform_(0.5, 1.5)
-            m.bias.data.normal_(0, 0.1)
+    original, _ = build("gpt2", layers=args.layers)
     converted = copy.deepcopy(original)
-    normswap.patch(converted)
-    result = {"layers": args.layers, "cells": {}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        normswap.patch(converted)
+    converted.eval()
+    programs = {"original": (original, None), "original A/A": (original, None), "converted": (converted, None)}
+    programs |= {f"converted, {f} form": (converted, f) for f in args.forms}
+    result: dict = {"layers": args.layers, "forms": args.forms, "rounds": args.rounds, "cells": {}}
     for tokens in args.tokens:
-        ids = torch.randint(0, 50257, (1, tokens))
-        (m_o, out_o), (m_c, out_c) = (lower(LastHidden(m).eval(), ids) for m in (original, converted))
-        diff = float((m_o.execute([ids])[0] - m_c.execute([ids])[0]).abs().max())
-        print(f"T={tokens}: max |converted − original| {diff:.1e}\n  outside the delegate, original: {out_o}"
-              f"\n  converted: {out_c}")
-        ratios = []
-        for r in range(args.rounds):
-            pair = [(0, m_o), (1, m_c)] if r % 2 == 0 else [(1, m_c), (0, m_o)]
-            times = [0.0, 0.0]
-            for k, meth in pair + pair[::-1]:
-                times[k] += timed(meth, ids, max(2, 160 // tokens))
-            ratios.append(times[1] / times[0])
-        ratios.sort()
-        cell = {"median": statistics.median(ratios), "low": ratios[1], "high": ratios[-2], "max_diff": diff}
+        ids = torch.randint(0, 50257, (1, tokens), generator=torch.Generator().manual_seed(tokens))
+        methods, outside, diffs = {}, {}, {}
+        for label, (model, form) in programs.items():
+            with delegable_norms(model, form) if form else contextlib.nullcontext():
+                methods[label], outside[label] = lower(LastHidden(model).eval(), ids)
+        ref = methods["original"].execute([ids])[0]
+        for label, meth in methods.items():
+            diffs[label] = float((meth.execute([ids])[0] - ref).abs().max())
+            mine, base = outside[label], outside["original"]
+            changed = {k: mine.get(k, 0) for k in mine.keys() | base.keys() if mine.get(k, 0) != base.get(k, 0)}
+            print(f"T={tokens} {label}: max |− original| {diffs[label]:.1e}; ops outside the delegate whose count "
+                  f"differs from the original's: {changed or 'none'}", flush=True)
+        load = os.getloadavg()[0]
+        cell = time_cell(methods, ids, args.rounds, max(2, args.calls // tokens))
+        cell |= {"load_before": load, "load_after": os.getloadavg()[0], "max_diff": diffs, "outside": outside}
         result["cells"][str(tokens)] = cell
-        print(f"  converted / original: {cell['median']:.3f} ({cell['low']:.3f}-{cell['high']:.3f})")
+        for label in list(methods)[1:]:
+            w, c = cell[label]["wall"], cell[label]["cpu"]
+            print(f"  T={tokens} {label} / original: wall {w['median']:.3f} ({w['low']:.3f}-{w['high']:.3f}), "
+                  f"thread CPU {c['median']:.3f} ({c['low']:.3f}-{c['high']:.3f})", flush=True)
+        print(f"  original {cell['original_ms']:.2f} ms per call; load average {load:.1f} -> "
+              f"{cell['load_after']:.1f}", flush=True)
         if args.json:
             args.json.write_text(json.dumps(result, indent=1))
 

@@ -161,3 +161,52 @@ def onnx_export_settings() -> OnnxExport:
             return OnnxExport(writes_rms_normalization=writes, optimizes=bool(local.get("optimize", True)))
         frame = frame.f_back
     return unknown
+
+
+#: The export forms of :func:`delegable_rms_norm` (what ``normswap.integrations.executorch`` switches norms to).
+#: ``"addmm"``: the mean of squares as one ``addmm(eps, x**2, 1/n column)``, a fully-connected op with eps as its
+#: bias; ``"mm"``: ``x**2 @ (1/n column) + eps``; ``"linear"``: ``F.linear(x**2, 1/n row, eps)``.
+DELEGABLE_FORMS = ("addmm", "mm", "linear")
+
+
+def delegable_rms_norm(
+    x: torch.Tensor,
+    normalized_shape: tuple[int, ...],
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    mean_weight: torch.Tensor,
+    eps: torch.Tensor,
+    form: str = "addmm",
+) -> torch.Tensor:
+    """RMSNorm with the mean of squares as a matrix product: what ExecuTorch's XNNPACK backend delegates whole.
+
+    XNNPACK takes no 3-D ``mean`` (nor ``layer_norm``); a ``mean`` left outside the delegate splits the graph
+    at every norm and runs as ExecuTorch's portable kernels. A product of ``x**2`` (``pow``, which XNNPACK
+    takes, and which PT2E quantizers leave in float, unlike ``mul``) with a constant ``1/n`` column is
+    XNNPACK's fully-connected op. ``mean_weight`` is that column (``(n, 1)``; ``(1, n)`` for ``"linear"``) and
+    ``eps`` a 1-element tensor, both constants of the exported program (buffers the caller registered: an
+    op-made constant would stay outside the delegate). Same cast order as the eager backend (compute dtype,
+    one rounding at the end); differs from the default form by the rounding of ``1/n`` only.
+    """
+    cdt = eager.compute_dtype(x.dtype)
+    size = 1
+    for s in normalized_shape:
+        size *= s
+    lead = x.shape[: x.dim() - len(normalized_shape)]
+    # casts only where the dtype changes: export records even a same-dtype ``to`` (plus a metadata assert)
+    xf, w_mean, e = (t if t.dtype == cdt else t.to(cdt) for t in (x, mean_weight, eps))
+    sq = xf.reshape(-1, size).pow(2)
+    if form == "addmm":
+        ms = torch.addmm(e, sq, w_mean)
+    elif form == "mm":
+        ms = torch.mm(sq, w_mean) + e
+    elif form == "linear":
+        ms = torch.nn.functional.linear(sq, w_mean, e)
+    else:
+        raise ValueError(f"delegable_rms_norm: unknown form {form!r} (one of {', '.join(DELEGABLE_FORMS)})")
+    y = xf * torch.rsqrt(ms).reshape(*lead, *(1,) * len(normalized_shape))
+    if weight is not None:
+        y = y * (weight if weight.dtype == cdt else weight.to(cdt))
+    if bias is not None:
+        y = y + (bias if bias.dtype == cdt else bias.to(cdt))
+    return y if y.dtype == x.dtype else y.to(x.dtype)

@@ -8,6 +8,9 @@ Submodules (each imported on its own, so ``import normswap`` stays light):
   fused custom ops (only needed when a fused backend was asked for explicitly; what ``normswap.RMSNorm``
   computes under ``torch.export``, ``torch.onnx.export`` and ``torch.jit.trace`` is the backends'
   portable path, :mod:`normswap.backends.portable`).
+* :mod:`normswap.integrations.executorch`: ``delegable_norms``, which makes ``torch.export`` record each
+  ``normswap.RMSNorm`` in a form ExecuTorch's XNNPACK backend delegates whole (the mean of squares as a
+  fully-connected op); opt-in, because the default form is the one ONNX Runtime fuses.
 * :mod:`normswap.integrations.trainer`: transformers' weight-decay rules see ``normswap.RMSNorm`` as a
   norm (set up by ``normswap.patch`` and ``normswap.load``; call ``register()`` for RMSNorms you build
   yourself).

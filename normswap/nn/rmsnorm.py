@@ -15,7 +15,7 @@ from torch import nn
 
 from normswap import backends
 from normswap.backends import cpu
-from normswap.backends.portable import export_rms_norm
+from normswap.backends.portable import delegable_rms_norm, export_rms_norm
 from normswap.backends.rows import wants_grad
 from normswap.backends.tracing import exporting
 
@@ -149,6 +149,12 @@ class RMSNorm(nn.Module):
         self._impls: dict[tuple, backends.Impl] = {}  # (type, device, dtype, grad) -> bound call; see forward
         backends.track(self)
 
+    #: The form ``torch.export`` records, when not the default (:mod:`normswap.backends.portable`): a name from
+    #: ``normswap.backends.portable.DELEGABLE_FORMS``, set on the instance (with its ``export_mean_weight``
+    #: and ``export_eps`` buffers) by ``normswap.integrations.executorch.delegable_norms`` for the duration
+    #: of an export. Eager calls never read it.
+    export_form: str | None = None
+
     # The cached decisions depend on these; setting one (or moving/casting the module) drops them.
     _DECISION_INPUTS = frozenset({"weight", "bias", "eps", "backend", "normalized_shape", "param_shape"})
 
@@ -213,6 +219,9 @@ class RMSNorm(nn.Module):
         # torch._C._is_tracing is what torch.jit.is_tracing() returns outside TorchScript (this forward is
         # never scripted: __prepare_scriptable__), without its Python wrapper (~0.1 us a call)
         if torch.compiler.is_compiling() or torch._C._is_tracing():
+            if self.export_form is not None and exporting():
+                return delegable_rms_norm(hidden_states, self.normalized_shape, self.weight, self.bias,
+                                          self.export_mean_weight, self.export_eps, self.export_form)
             return rms_norm(hidden_states, self.normalized_shape, self.weight, self.bias, self.eps,
                             backend=self.backend)
         # The parameters straight from ``_parameters``: ``self.weight`` goes through nn.Module.__getattr__,

@@ -1,0 +1,92 @@
+"""ExecuTorch (XNNPACK): export every ``normswap.RMSNorm`` of a model in a form XNNPACK delegates whole.
+
+What ``torch.export`` records for a ``normswap.RMSNorm`` by default (``aten.rms_norm``, decomposed into ``pow``,
+``mean``, ``add``, ``rsqrt``, ``mul``) is the form ONNX Runtime fuses, and the default must stay so. ExecuTorch's
+XNNPACK partitioner takes no 3-D ``mean``: each norm's ``mean`` and ``+ eps`` then run as ExecuTorch's portable
+kernels between two delegate calls, which made a converted GPT-2-shaped decoder ~2% slower than the original
+(whose ``layer_norm`` is one portable kernel) at short inputs. Inside :func:`delegable_norms` the same norms
+export as ``x**2`` times a constant ``1/n`` column (XNNPACK's fully-connected op, eps as its bias), so the whole
+norm joins its neighbours' delegate.
+
+Usage (the form is only recorded while the model is exported; eager calls are unchanged)::
+
+    from normswap.integrations.executorch import delegable_norms
+
+    with delegable_norms(model):
+        ep = torch.export.export(model, example_inputs)
+    edge = to_edge_transform_and_lower(ep, partitioner=[XnnpackPartitioner()])
+
+With PT2E quantization export inside the context (the graph ``prepare_pt2e`` takes keeps the form); the default
+``"addmm"`` form is left in float by ExecuTorch's ``XNNPACKQuantizer`` (dynamic and static: it annotates
+``linear``, not ``addmm``; ``pow``, not ``mul``), so each norm's reduction stays float32 as the original's
+``layer_norm`` does. Needs no ExecuTorch import: this only changes what ``torch.export`` records.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from normswap.backends.portable import DELEGABLE_FORMS
+from normswap.backends.rows import compute_dtype
+from normswap.nn.rmsnorm import RMSNorm
+
+__all__ = ["DELEGABLE_FORMS", "delegable_norms"]
+
+_BUFFERS = ("export_mean_weight", "export_eps")
+
+
+def _constants(norm: RMSNorm, form: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``1/n`` column (a row for ``"linear"``, whose weight is ``(out, in)``) and the eps of ``norm``, in the
+    compute dtype of its parameters (float32, float64 for a float64 norm) and on their device."""
+    param = next((p for p in (norm.weight, norm.bias) if p is not None), None)
+    dtype = compute_dtype(param.dtype) if param is not None else torch.float32
+    device = param.device if param is not None else None
+    size = 1
+    for s in norm.normalized_shape:
+        size *= s
+    shape = (1, size) if form == "linear" else (size, 1)
+    return (torch.full(shape, 1.0 / size, dtype=dtype, device=device),
+            torch.full((1,), norm.eps, dtype=dtype, device=device))
+
+
+@contextlib.contextmanager
+def delegable_norms(model: nn.Module, form: str = "addmm") -> Iterator[int]:
+    """Switch every ``normswap.RMSNorm`` in ``model`` to a form ExecuTorch's XNNPACK backend delegates whole,
+    for what ``torch.export`` (or ``torch.jit.trace``) records inside the ``with`` block; yields how many.
+
+    ``form``: one of :data:`DELEGABLE_FORMS`. ``"addmm"`` (the default) computes the mean of squares as
+    ``addmm(eps, x**2, 1/n column)``: one fully-connected op with eps as its bias, and left in float by
+    ExecuTorch's ``XNNPACKQuantizer``. ``"linear"`` (``F.linear``, the same op once lowered) is quantized
+    by that quantizer (its input ``x**2`` becomes int8), so it is for float programs only; ``"mm"`` adds eps
+    as a separate op. Outputs equal the default form's up to the rounding of ``1/n``.
+
+    Each norm gets two constant buffers (not persistent: ``state_dict`` is unchanged) and the form for the
+    duration of the block; both are removed on exit, also when the export raises. Eager calls inside the
+    block are unaffected. Raises ``ValueError`` for an unknown form, a model without ``normswap.RMSNorm``
+    (convert it first) or one already inside ``delegable_norms``.
+    """
+    if form not in DELEGABLE_FORMS:
+        raise ValueError(f"delegable_norms: unknown form {form!r} (one of {', '.join(DELEGABLE_FORMS)})")
+    norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
+    if not norms:
+        raise ValueError(f"delegable_norms: {type(model).__name__} has no normswap.RMSNorm "
+                         "(convert it first, e.g. normswap.patch(model))")
+    if any("export_form" in vars(n) for n in norms):
+        raise ValueError("delegable_norms: the model is already inside delegable_norms")
+    try:
+        for norm in norms:
+            mean_weight, eps = _constants(norm, form)
+            norm.register_buffer(_BUFFERS[0], mean_weight, persistent=False)
+            norm.register_buffer(_BUFFERS[1], eps, persistent=False)
+            norm.export_form = form
+        yield len(norms)
+    finally:
+        for norm in norms:
+            vars(norm).pop("export_form", None)
+            for name in _BUFFERS:
+                if hasattr(norm, name):
+                    delattr(norm, name)
