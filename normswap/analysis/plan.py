@@ -654,7 +654,7 @@ REFUSE_CENTERED_TABLE = ("its table was centered (an embedding or convolution wr
                          "keeps its update in parameters no map reaches")
 REFUSE_ROTATED = ("a rotation turned the residual stream it reads or writes (normswap.rotate / --rotate) in a way "
                   "the adapter bases do not record (a checkpoint rotated before round 56, smoothing or learned "
-                  "scales / head rotations, an embedding table); attach and merge the adapter "
+                  "scales / head rotations, a stream turned twice, an embedding table); attach and merge the adapter "
                   "(merge_and_unload) before rotating")
 
 

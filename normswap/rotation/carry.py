@@ -1415,7 +1415,7 @@ def mark_bases(model: nn.Module, plan: Plan | None = None) -> int:
     with its :class:`AdapterBasis`, so that a PEFT adapter assigned in its place acts as on the original model
     (:func:`_on_register`), or is refused where the record says why; marks already there are replaced (a loader
     marks again once it has read the vectors). Where a rotation turned a stream, a record that does not refuse
-    yet (a checkpoint rotated before round 56, when :func:`refuse_rotated` did not record them) refuses as a
+    yet (a checkpoint rotated before round 56, when :func:`turn_rotated` did not record them) refuses as a
     rotated Linear: its recorded basis is not the whole map. Returns how many Linears were marked without
     their vectors (their adapters are refused)."""
     plan = plan if plan is not None else plan_of(model)
@@ -1454,6 +1454,7 @@ def turn_rotated(model: nn.Module, plan: Plan, rotated: list[dict]) -> int:
         exact = stream.get("q") is not None and not stream.get("smoothed") and not learned.get("scaled_norms") \
             and not learned.get("head_rotations")
         name = f"{stream['norms'][0]}:turn"
+        exact = exact and name not in plan.adapter_vectors  # a stream turned twice: Q₁Q₂ is not recorded
         if exact:
             plan.adapter_vectors[name] = stream["q"].detach().to("cpu", torch.float64).reshape(-1).contiguous()
         sides = dict.fromkeys([(p, "turn_in") for p in stream.get("readers", [])]
