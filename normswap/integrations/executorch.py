@@ -17,9 +17,11 @@ Usage (the form is only recorded while the model is exported; eager calls are un
     edge = to_edge_transform_and_lower(ep, partitioner=[XnnpackPartitioner()])
 
 With PT2E quantization export inside the context (the graph ``prepare_pt2e`` takes keeps the form); the default
-``"addmm"`` form is left in float by ExecuTorch's ``XNNPACKQuantizer`` (dynamic and static: it annotates
-``linear``, not ``addmm``; ``pow``, not ``mul``), so each norm's reduction stays float32 as the original's
-``layer_norm`` does. Needs no ExecuTorch import: this only changes what ``torch.export`` records.
+``"addmm"`` form's reduction is left in float by ExecuTorch's ``XNNPACKQuantizer`` (dynamic and static: it annotates
+``linear``, not ``addmm``; ``mul``, not ``pow``), as the original's ``layer_norm`` is. Under static int8 it does
+annotate the form's two ``mul`` (``x * rstd``, ``* weight``), which the default form hides inside one
+``aten.rms_norm``; measured on DINOv2-small, static int8 prefers the default form (docs/deployment.md). Needs no
+ExecuTorch import: this only changes what ``torch.export`` records.
 """
 
 from __future__ import annotations

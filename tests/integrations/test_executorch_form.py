@@ -158,3 +158,14 @@ def test_misuse_is_one_clear_line():
                 pass
         assert norm.export_form == "addmm"  # the refused inner context left the outer one's state
     assert norm.export_form is None and not hasattr(norm, "export_eps")
+
+
+def test_strict_export_records_the_form_and_the_default_after():
+    """Dynamo's strict capture reads the form from the module like the default (non-strict) export does."""
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), normswap.RMSNorm(16, eps=1e-5)).eval()
+    x = torch.randn(2, 3, 16)
+    with delegable_norms(model):
+        inside = {str(n.target) for n in torch.export.export(model, (x,), strict=True).graph.nodes}
+    after = {str(n.target) for n in torch.export.export(model, (x,), strict=True).graph.nodes}
+    assert "aten.addmm.default" in inside and "aten.rms_norm.default" not in inside
+    assert "aten.rms_norm.default" in after and "aten.addmm.default" not in after
