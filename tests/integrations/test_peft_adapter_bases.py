@@ -30,6 +30,17 @@ from tests.zoo import APPROXIMATE, EXACT, build
 peft = pytest.importorskip("peft")
 
 
+def assert_acts_as(lora: torch.nn.Module, probe: dict, ref: torch.Tensor) -> None:
+    """The PEFT model ``lora`` gives ``ref`` (the same adapter on the original) unmerged, merged, unmerged again
+    and merged and unloaded."""
+    assert _relative(_out(lora, probe), ref) <= 1e-9
+    lora.merge_adapter()
+    assert _relative(_out(lora, probe), ref) <= 1e-9
+    lora.unmerge_adapter()
+    assert _relative(_out(lora, probe), ref) <= 1e-9
+    assert _relative(_out(lora.merge_and_unload(), probe), ref) <= 1e-9
+
+
 def _lora(model, targets, seed=1, **kw):
     torch.manual_seed(seed)
     return peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=targets, init_lora_weights=False, **kw))
@@ -67,12 +78,7 @@ def test_lora_on_edited_linears_acts_as_on_the_original(name, targets, kw):
     ref = _out(ref_model, probe)
     assert _relative(ref, _out(original, probe)) > 1e-3  # the adapter does something
     lora = _lora(converted, targets, **kw)
-    assert _relative(_out(lora, probe), ref) <= 1e-9
-    lora.merge_adapter()
-    assert _relative(_out(lora, probe), ref) <= 1e-9
-    lora.unmerge_adapter()
-    assert _relative(_out(lora, probe), ref) <= 1e-9
-    assert _relative(_out(lora.merge_and_unload(), probe), ref) <= 1e-9
+    assert_acts_as(lora, probe, ref)
 
 
 @pytest.mark.parametrize("layer_scale", ["fold", "keep"])
