@@ -42,6 +42,7 @@ program that holds the custom op needs :func:`normswap.integrations.onnx.transla
 
 from __future__ import annotations
 
+import math
 import sys
 from typing import NamedTuple
 
@@ -189,9 +190,7 @@ def delegable_rms_norm(
     one rounding at the end); differs from the default form by the rounding of ``1/n`` only.
     """
     cdt = eager.compute_dtype(x.dtype)
-    size = 1
-    for s in normalized_shape:
-        size *= s
+    size = math.prod(normalized_shape)
     lead = x.shape[: x.dim() - len(normalized_shape)]
     # casts only where the dtype changes: export records even a same-dtype ``to`` (plus a metadata assert)
     xf, w_mean, e = (t if t.dtype == cdt else t.to(cdt) for t in (x, mean_weight, eps))

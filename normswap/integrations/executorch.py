@@ -27,6 +27,7 @@ ExecuTorch import: this only changes what ``torch.export`` records.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator
 
 import torch
@@ -47,9 +48,7 @@ def _constants(norm: RMSNorm, form: str) -> tuple[torch.Tensor, torch.Tensor]:
     param = next((p for p in (norm.weight, norm.bias) if p is not None), None)
     dtype = compute_dtype(param.dtype) if param is not None else torch.float32
     device = param.device if param is not None else None
-    size = 1
-    for s in norm.normalized_shape:
-        size *= s
+    size = math.prod(norm.normalized_shape)
     shape = (1, size) if form == "linear" else (size, 1)
     return (torch.full(shape, 1.0 / size, dtype=dtype, device=device),
             torch.full((1,), norm.eps, dtype=dtype, device=device))

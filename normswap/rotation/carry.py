@@ -370,12 +370,19 @@ class TurnedHeadsDelta:
         self.layer = layer
 
     def __call__(self, adapter: str, *args: Any, **kwargs: Any) -> torch.Tensor:
-        layer = self.layer
-        delta = type(layer).get_delta_weight(layer, adapter, *args, **kwargs)
-        base = layer.get_base_layer()
-        turn, basis = base.__dict__.get(HEADS), base.__dict__.get(BASIS)
-        delta = turn.turn_delta(delta) if turn is not None else delta
-        return basis.turn_delta(delta, _input_axis(base)) if basis is not None else delta
+        return _delta_as_held(self.layer, adapter, *args, **kwargs)
+
+
+def _delta_as_held(layer: nn.Module, adapter: str, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """PEFT's weight update of ``adapter`` (its class's ``get_delta_weight``) as the base Linear's weight holds
+    the original's: turned by the per-head ``H̃`` where the Linear holds it (:class:`HeadTurn`, rows or columns per
+    head), then by the conversion's folds where it has an :class:`AdapterBasis` (γ in the columns, a writer's
+    centered, scaled rows, a rotated stream's ``Q``)."""
+    delta = type(layer).get_delta_weight(layer, adapter, *args, **kwargs)
+    base = layer.get_base_layer()
+    turn, basis = base.__dict__.get(HEADS), base.__dict__.get(BASIS)
+    delta = turn.turn_delta(delta) if turn is not None else delta
+    return basis.turn_delta(delta, _input_axis(base)) if basis is not None else delta
 
 
 def _peft_classes(layer: nn.Module) -> set[str]:
@@ -1149,13 +1156,7 @@ def turned_delta(layer: nn.Module, adapter: str, *args: Any, **kwargs: Any) -> t
         raise NormswapError(f"adapter `{adapter}` is a {type(layer.lora_variant[adapter]).__name__} on a "
                             f"{type(base).__name__} that runs an online Hadamard: it cannot be merged exactly (its "
                             "weight norm is taken in the op's basis); keep it unmerged, or train a plain LoRA")
-    delta = type(layer).get_delta_weight(layer, adapter, *args, **kwargs)
-    turn = base.__dict__.get(HEADS)
-    if turn is not None:  # the per-head H̃ in the value projection's rows / the output projection's columns
-        delta = turn.turn_delta(delta)
-    basis = base.__dict__.get(BASIS)
-    if basis is not None:  # the conversion's folds: γ in the columns, a writer's centered, scaled rows
-        delta = basis.turn_delta(delta, _input_axis(base))
+    delta = _delta_as_held(layer, adapter, *args, **kwargs)
     handle = base.__dict__.get(HANDLE)
     if handle is None or handle.id not in base._forward_pre_hooks:
         return delta
