@@ -58,6 +58,11 @@ CASES = [
     ("convert: --low-memory with --rotate",
      lambda r: ["convert", str(r / "src"), "--out", str(r / "o"), "--low-memory", "--rotate", "hadamard"],
      "--rotate needs the whole model"),
+    # round 57: --rotate none turns no stream and folds no γ, so no bias slot is made; the library refused it
+    # after loading the model (exit 1, in its own words)
+    ("convert: --no-bias-slots with --rotate none",
+     lambda r: ["convert", str(r / "src"), "--out", str(r / "o"), "--no-bias-slots", "--rotate", "none",
+                "--online-hadamard"], "--no-bias-slots applies with --fold-gamma"),
     ("inspect: MODEL missing", lambda r: ["inspect", str(r / "nope")], "does not exist"),
     ("inspect: MODEL a file", lambda r: ["inspect", str(r / "f.txt")], "is a file"),
     ("inspect: --example-inputs missing", lambda r: ["inspect", str(r / "src"), "--example-inputs", str(r / "x.st")],
@@ -147,3 +152,35 @@ def test_finetune_resumes_and_overwrites_where_the_directory_allows_it(place, tm
     early.mkdir()
     (early / "recipe.yaml").write_text("task: causal-lm\n")
     assert check_output(load_config("distill-causal-lm", [*base[:2], f"output.dir={early}"]))[1:] == (None, [])
+
+
+# (arguments after `python -m normswap.recipes`, a fragment of the one error line): the module runs `finetune`
+RECIPES_CASES = [
+    (["--bogus"], "No such option '--bogus'"),
+    (["distill-causal-lm", "--nope"], "No such option '--nope'"),
+    ([], "missing RECIPE"),
+    (["distill-causal-lm", "train.lr=abc"], "train.lr"),
+]
+
+
+@pytest.mark.parametrize("args, fragment", RECIPES_CASES, ids=[" ".join(c[0]) or "no RECIPE" for c in RECIPES_CASES])
+def test_python_m_normswap_recipes_says_a_usage_error_in_one_line(tmp_path, args, fragment):
+    """``python -m normswap.recipes`` (for ``accelerate launch -m``) runs ``normswap finetune``, and says its usage
+    mistakes as ``normswap`` does: one ``error:`` line, exit 2. Fails before round 57: click's usage block, a
+    "Try ... --help" hint and an ``Error:`` line for click's own checks."""
+    proc = subprocess.run([sys.executable, "-m", "normswap.recipes", *args], capture_output=True, text=True,
+                          cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]
+    assert lines[0].startswith("error: ") and fragment in lines[0], lines
+    assert not list(tmp_path.iterdir())
+
+
+def test_python_m_normswap_recipes_lists_and_helps_as_finetune_does(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    listed = subprocess.run([sys.executable, "-m", "normswap.recipes", "--list"], capture_output=True, text=True,
+                            cwd=tmp_path, env=env)
+    assert listed.returncode == 0 and "distill-causal-lm" in listed.stdout, listed.stderr[-2000:]
+    helped = subprocess.run([sys.executable, "-m", "normswap.recipes", "--help"], capture_output=True, text=True,
+                            cwd=tmp_path, env=env)
+    assert helped.returncode == 0 and helped.stdout.startswith("Usage: python -m normswap.recipes"), helped.stdout

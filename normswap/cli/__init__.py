@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any
+import sys
+from typing import Any, NoReturn
 
 import click
 
@@ -48,6 +49,28 @@ class _Program(click.Group):
             return super().invoke(ctx)
         except click.UsageError as exc:
             raise _one_line(exc) from None
+
+
+def run_command(command: click.Command, prog_name: str, args: list[str] | None = None) -> NoReturn:
+    """Run one ``normswap`` command as a program of its own (``python -m normswap.recipes`` runs ``finetune``),
+    with what ``normswap`` gives every command: Ctrl-C and SIGTERM taken over before parsing (exit 130, one
+    line), and a usage mistake said in one ``error:`` line with exit 2 rather than click's usage block, hint and
+    ``Error:`` line. ``args``: the arguments (default ``sys.argv[1:]``). Exits with the command's code."""
+    if args is None:
+        interrupts.install()
+    try:
+        code = command.main(args, prog_name=prog_name, standalone_mode=False)
+    except click.UsageError as exc:
+        error = _one_line(exc)
+        error.show()
+        sys.exit(error.exit_code)
+    except click.ClickException as exc:
+        exc.show()
+        sys.exit(exc.exit_code)
+    except click.Abort:
+        click.echo("Aborted!", err=True)
+        sys.exit(1)
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 @click.group(cls=_Program, context_settings={"help_option_names": ["-h", "--help"]})

@@ -363,10 +363,10 @@ def check_combination(params: dict[str, Any], *, calibration_data: str | None = 
                          "joined by + (e.g. full+asymmetric)")
     if learn and learn.get("scales") and smooth is not None:
         raise UsageError("--learn-scales and --smooth both set each norm's scale: pass one of them")
-    if no_bias_slots and not fold_gamma and rotation is None:
-        raise UsageError("--no-bias-slots applies with --fold-gamma (or --rotate) only: a bias slot takes the β of a "
-                         "γ-folded norm, and without --fold-gamma none is made; pass --fold-gamma too, or drop "
-                         "--no-bias-slots")
+    if no_bias_slots and not fold_gamma and rotation in (None, "none"):  # --rotate none folds no γ
+        raise UsageError("--no-bias-slots applies with --fold-gamma (or a --rotate that turns streams) only: a bias "
+                         "slot takes the β of a γ-folded norm, and without --fold-gamma none is made; pass "
+                         "--fold-gamma too, or drop --no-bias-slots")
     if beta_placement in ("keep", "rounding") and fold_gamma:  # with --rotate alone: the norms it does not turn
         raise UsageError(f"--beta-placement {beta_placement} applies without --fold-gamma: a norm whose γ is folded "
                          "into its readers has no γ for β to sit behind, so β leaves every such norm whatever the "
