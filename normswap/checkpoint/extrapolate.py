@@ -302,7 +302,7 @@ def extrapolate(plan: dict[str, Any], proxy: dict[str, int], full: dict[str, int
         k: copy.deepcopy(v)
         for k, v in plan.items()
         if k not in ("sites", "writer_edits", "folds", "hooks", "unties", "skipped", "mean_carries", "beta_moves",
-                     "scale_folds")
+                     "scale_folds", "bias_slots")
     }
 
     # --- sites (with their writer and reader lists)
@@ -334,7 +334,8 @@ def extrapolate(plan: dict[str, Any], proxy: dict[str, int], full: dict[str, int
             if "beta_detail" in s:
                 s["beta_detail"] = kept[j]
             new_sites.append((ex.full.split(s["name"]), s))
-    out["sites"] = [s for _, s in sorted(new_sites, key=lambda rs: _order_key(rs[0], plan, ex))]
+    site_names = [s["name"] for s in plan["sites"]]
+    out["sites"] = [s for _, s in sorted(new_sites, key=lambda rs: _order_key(rs[0], site_names, ex))]
 
     # --- folds: per site, a list of readers with their own flags
     folds_by_site: dict[str, list[dict]] = {}
@@ -360,12 +361,18 @@ def extrapolate(plan: dict[str, Any], proxy: dict[str, int], full: dict[str, int
     out["writer_edits"] = sorted(
         _simple(ex, plan["writer_edits"], "target", ("owner",)), key=lambda e: e["target"]
     )
-    out["hooks"] = _simple(ex, plan["hooks"], "module", (), text_fields=("reason",))
+    # as the in-memory analysis lists them: the ops where streams start, then the writers' ops (writer-centering
+    # op), each in module order, a layer's ops together (not grouped by template)
+    hook_names = [h["module"] for h in plan["hooks"]]
+    out["hooks"] = sorted(_simple(ex, plan["hooks"], "module", (), text_fields=("reason",)),
+                          key=lambda h: (bool(h.get("writer")), _order_key(ex.full.split(h["module"]), hook_names, ex)))
     out["unties"] = _simple(ex, plan["unties"], "module", (), ref_field="source")
     out["skipped"] = _simple(ex, plan["skipped"], "name", (), text_fields=("reason",))
     out["mean_carries"] = _simple(ex, plan.get("mean_carries", []), "up", ("down", "site"), ref_field="source",
                                   text_fields=("activation",))
     out["beta_moves"] = _simple(ex, plan.get("beta_moves", []), "into", ("reader",), ref_field="site")
+    # bias-less readers given a bias for β (an LM head; one per layer where a layer's reader has one)
+    out["bias_slots"] = _simple(ex, plan.get("bias_slots", []), "reader", (), ref_field="site")
     # LayerScale folds, one per layer's λ (the low-memory rewrite folds and rebalances every one of them)
     out["scale_folds"] = sorted(_simple(ex, plan.get("scale_folds", []), "param", ("into",)), key=lambda f: f["param"])
     moved_into = {m["reader"]: m["into"] for m in out["beta_moves"]}
@@ -395,9 +402,9 @@ def _role_key(layout: Layout, ref: str) -> tuple:
     return ("label", _skeleton(ref)) if _is_label(ref) else layout.split(ref).role
 
 
-def _order_key(ref: Ref, plan: dict, ex: Extrapolator) -> tuple:
-    """Sites in module order: globals before/after stacks as in the proxy plan, stacks by index."""
-    names = [s["name"] for s in plan["sites"]]
+def _order_key(ref: Ref, names: list[str], ex: Extrapolator) -> tuple:
+    """Module order, as the proxy plan lists ``names`` (its sites' or its hooks' paths): globals before/after
+    stacks as in the proxy plan, stacks by index, within a layer as in the proxy's layers."""
     first_pos: dict[tuple, int] = {}
     for pos, name in enumerate(names):
         r = ex.proxy.split(name)

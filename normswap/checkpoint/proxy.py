@@ -59,6 +59,7 @@ def reduced_config(config: Any, depth: int) -> Any:
     counts = layer_attrs(config)
     for attr, n in counts.items():
         data[attr] = min(n, depth)
+    _reduce_stages(data, depth)
     lengths = set(counts.values())
     for key, value in list(data.items()):
         if isinstance(value, list) and len(value) in lengths and len(value) > depth and key not in counts:
@@ -72,6 +73,32 @@ def reduced_config(config: Any, depth: int) -> Any:
             f"low-memory analysis: cannot build a {depth}-layer copy of this config "
             f"({first}); convert in memory (--in-memory)"
         ) from exc
+
+
+def _reduce_stages(data: dict[str, Any], depth: int) -> None:
+    """A backbone config (DINOv2's, ViT's: ``stage_names`` = stem + one stage per layer, ``out_features`` /
+    ``out_indices`` the stages it returns) cut to ``depth`` layers: the stages renumbered as the layers are
+    (the stem, the first layers, the last as the proxy's last), the names left for the config to derive.
+    A stage with no layer of its own in the proxy (a middle layer) is left as is: the config then refuses
+    it, and the conversion with it (convert in memory)."""
+    names, indices = data.get("stage_names"), data.get("out_indices")
+    if not isinstance(names, list) or not isinstance(indices, list) or len(names) <= depth + 1:
+        return
+    last = len(names) - 1  # the stage of the last layer
+    mapped = []
+    for s in indices:
+        s = s + len(names) if isinstance(s, int) and s < 0 else s
+        if not isinstance(s, int):
+            return
+        if s < depth:  # the stem (0) and the layers the proxy keeps (stage s: layer s - 1 < depth - 1)
+            mapped.append(s)
+        elif s == last:
+            mapped.append(depth)
+        else:
+            return
+    data["out_indices"] = sorted(set(mapped))
+    data.pop("stage_names")
+    data.pop("out_features", None)
 
 
 def param_count_meta(cls: type, config: Any) -> int:

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from normswap.analysis.plan import MeanCarry, Plan, ScaleFold
+from normswap.analysis.plan import BetaMove, MeanCarry, Plan, ScaleFold
 from normswap.checkpoint import writer
 from normswap.checkpoint.stream_io import ST_DTYPES, ST_TO_TORCH, Entry, Reader
 from normswap.errors import NormswapError
@@ -126,6 +126,23 @@ class TensorRewriter:
         self.moves: dict[str, list[Any]] = {}
         for m in plan.beta_moves:
             self.moves.setdefault(self.canonical(f"{m.into}.bias"), []).append(m)
+        # bias slots (plan.BiasSlot): a bias the checkpoint lacks, given to a bias-less reader to take W β (zeros
+        # before the fold). Native writes it; compat has no such bias and moves the shift back into the norm
+        # (writer.unslot_shift, on the values as written), taking it out of the norm's other readers again
+        self.slots = {f"{b.reader}.bias": b for b in plan.bias_slots}
+        self._unslot: dict[str, torch.Tensor] = {}
+        self.unslot_minus: dict[str, Any] = {}  # compat: bias key -> the fold or move whose share comes back out
+        if fmt == "compat":
+            slot_readers = {b.reader for b in plan.bias_slots}
+            for f in plan.folds:
+                if f.site not in {b.site for b in plan.bias_slots} or f.reader in slot_readers \
+                        or f.beta_route in ("", "dropped"):
+                    continue
+                if f.beta_route == "bias":
+                    self.unslot_minus[self.canonical(f"{f.reader}.bias")] = f
+                else:
+                    m = next(m for m in plan.beta_moves if m.site == f.site and m.reader == f.reader)
+                    self.unslot_minus[self.canonical(f"{m.into}.bias")] = m
         self.folds: dict[str, list[tuple[int, Any, str]]] = {}
         for i, f in enumerate(plan.folds):
             for attr in ("weight", "bias"):
@@ -168,6 +185,8 @@ class TensorRewriter:
 
     def read(self, model_key: str) -> torch.Tensor:
         key = self.keys.to_ckpt.get(model_key) or self.keys.to_ckpt.get(self.canonical(model_key))
+        if key is None and model_key in self.slots:  # a bias slot starts at zero (edits.add_bias_slot)
+            return torch.zeros(self.slots[model_key].features, dtype=torch.float64)
         if key is None:
             raise NormswapError(f"the checkpoint has no tensor for {model_key}; it does not match its config")
         t = self.reader.get(key)
@@ -215,6 +234,39 @@ class TensorRewriter:
             w = carried(w, *self.widen[key])
         return w
 
+    def source_entry(self, model_key: str) -> Entry:
+        """The checkpoint tensor a model parameter is read from (through ties and unties)."""
+        key = self.canonical(model_key)
+        key = self.untie.get(key, key)
+        ckpt = self.keys.to_ckpt.get(key) or self.keys.to_ckpt[self.canonical(key)]
+        return self.reader.entries[ckpt]
+
+    def output(self, model_key: str, dtype: torch.dtype) -> torch.Tensor:
+        """The written value of an edited tensor: :meth:`edited` cast once; in compat, a bias that took a share
+        of a slotted norm's β has it taken back out, as ``writer._unslot`` does on the cast model."""
+        value = self.cast(self.edited(model_key), dtype)
+        item = self.unslot_minus.get(self.canonical(model_key))
+        if item is None:
+            return value
+        c = self.unslot_shift(item.site)
+        w = self.cast(self.edited(f"{item.reader}.weight"), dtype).double()
+        if isinstance(item, BetaMove):
+            share = moved_shift(w, self.cast(self.edited(f"{item.into}.weight"), dtype).double(), c, item)
+        else:
+            share = c @ w if item.kind == "conv1d" else w @ c
+        return (value.double() - share).to(dtype)
+
+    def unslot_shift(self, site: str) -> torch.Tensor:
+        """Compat: the shift the norm ``site`` takes back from its bias slots (cached; float64)."""
+        if site not in self._unslot:
+            slots = [b for b in self.plan.bias_slots if b.site == site]
+            dtype = self.dtype or ST_TO_TORCH.get(self.source_entry(f"{slots[0].reader}.weight").dtype,
+                                                  torch.float32)
+            self._unslot[site] = writer.unslot_shift(
+                site, slots[0].reader, [self.cast(self.edited(f"{b.reader}.weight"), dtype) for b in slots],
+                [self.cast(self.edited(f"{b.reader}.bias"), dtype) for b in slots])
+        return self._unslot[site]
+
     def _trade_constant(self, i: int) -> torch.Tensor:
         """Trade ``i``'s constant from its table as the checkpoint holds it (cached)."""
         if i not in self._trade_constants:
@@ -253,7 +305,7 @@ class TensorRewriter:
     def is_edited(self, model_key: str) -> bool:
         key = self.canonical(model_key)
         return key in self.center or key in self.untie or bool(self.folds.get(key)) or key in self.widen \
-            or key in self.moves or key in self.scales
+            or key in self.moves or key in self.scales or key in self.unslot_minus
 
     def shape(self, model_key: str | None, shape: tuple[int, ...]) -> tuple[int, ...]:
         """The output shape of a tensor (MLPs carrying a mean are wider)."""
@@ -284,13 +336,19 @@ class TensorRewriter:
             if mkey is not None and self.is_edited(mkey):
                 out.append(
                     (key, dtype, self.shape(mkey, e.shape),
-                     lambda m=mkey, d=dtype: self.cast(self.edited(m), ST_TO_TORCH[d]), mkey)
+                     lambda m=mkey, d=dtype: self.output(m, ST_TO_TORCH[d]), mkey)
                 )
             else:
                 out.append(
                     (key, dtype, e.shape, lambda k=key, d=dtype: self.reader.get(k).to(ST_TO_TORCH[d]), mkey)
                 )
         present = set(self.keys.to_model.values())
+        for target, slot in self.slots.items() if self.fmt == "native" else ():
+            if target in present:
+                continue
+            dtype = self.out_dtype(self.source_entry(f"{slot.reader}.weight").dtype)
+            out.append((self.keys.ckpt_key(target), dtype, (slot.features,),
+                        lambda m=target, d=dtype: self.output(m, ST_TO_TORCH[d]), target))
         for target, src in {**self.extra, **self.untie}.items():
             if target in present:
                 continue
@@ -340,5 +398,10 @@ class TensorRewriter:
                 add(self.keys.to_ckpt[f"{site}.{g_attr}"], value, f"{site}.{g_attr}")
             if b_attr:
                 value = rms_beta if rms_beta is not None else torch.zeros(shape, dtype=torch.float64)
-                add(self.keys.to_ckpt[f"{site}.{b_attr}"], value, f"{site}.{b_attr}")
+                ckpt_key = self.keys.to_ckpt[f"{site}.{b_attr}"]
+                if any(b.site == site for b in self.plan.bias_slots):  # as writer.compat_model: + c, in the dtype
+                    entries.append((ckpt_key, dtype, shape, lambda v=value, s=site: self.cast(v, torch_dtype)
+                                    + self.unslot_shift(s).reshape(shape).to(torch_dtype), f"{site}.{b_attr}"))
+                else:
+                    add(ckpt_key, value, f"{site}.{b_attr}")
         return entries

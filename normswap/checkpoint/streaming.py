@@ -100,10 +100,8 @@ def _plan(src: Source, *, fmt: str, options: ConvertOptions, dtype: str, task: s
     """Open the checkpoint, plan from the proxies, and refuse what the streamed path cannot convert; the
     options as the streamed path applies them."""
     st = _open(src, task, dtype, echo)
-    # a bias slot is a tensor the checkpoint lacks: the streamed rewrite writes only tensors it reads, so
-    # β that no bias can take stays in the norm (as β/γ with fold_gamma), as before bias slots existed
-    if options.fold_gamma:  # (bias slots exist only with fold_gamma)
-        options = options.replace(bias_slots=False)
+    # bias slots (a bias the checkpoint lacks, for β a bias-less reader takes) are written by the rewrite as the
+    # in-memory surgery adds them (round 57; before, the streamed path made none: other tensors than in memory)
     st.fp = proxy.plan_full(st.cls, st.config, st.meta, options, echo=echo, left_out=src.left_out)
     _refuse_plan(st, fmt, automatic)
     _refuse_residual_fold(st, options, automatic)

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from normswap.analysis.plan import CENTERED_VERDICTS, Plan, plan_of
+from normswap.analysis.plan import CENTERED_VERDICTS, VERDICTS, Plan, plan_of
 from normswap.checkpoint import bases_io, hf_types, io, module_io, stream_io
 from normswap.errors import NormswapError
 from normswap.integrations import wrappers
@@ -406,6 +406,24 @@ def _absent_module(model: nn.Module, key: str) -> str | None:
     return None
 
 
+def unslot_shift(site: str, reader: str, weights: list[torch.Tensor], biases: list[torch.Tensor]) -> torch.Tensor:
+    """The shift ``c`` (float64) that the norm ``site`` takes back from its bias slots in the compat format: the
+    least-squares solution of ``W c = b`` over the slot readers' weights and biases as written (their dtype's
+    values), refused where it is not exact (see :func:`_unslot`). The in-memory writer and the streamed rewrite
+    (:mod:`~normswap.checkpoint.rewrite`) both call it, on the same values: the same ``c``, bitwise."""
+    a = torch.cat([w.detach().double() for w in weights])
+    b = torch.cat([v.detach().double() for v in biases])
+    c = torch.linalg.lstsq(a.cpu(), b.cpu().unsqueeze(1)).solution.squeeze(1).to(a.device)
+    eps = max(torch.finfo(w.dtype).eps for w in weights)
+    resid = float((a @ c - b).norm()) / max(float(b.norm()), 1e-30)
+    if resid > max(1e-4, 8 * eps):
+        raise NormswapError(
+            f"compat format: the bias slot normswap gave `{reader}` (β of `{site}`, which it lacks "
+            f"in the stock architecture) cannot go back into `{site}` exactly (relative residual {resid:.1e}): "
+            "use the native format, or convert with bias_slots=False")
+    return c
+
+
 def _unslot(model: nn.Module, plan: Plan, state: dict[str, Any]) -> dict[str, torch.Tensor]:
     """The stock architecture has no bias slot (:class:`~normswap.analysis.plan.BiasSlot`): move each slot's shift
     back into its norm, as the β/γ (turned by any rotation since) that the norm would have kept without
@@ -424,16 +442,7 @@ def _unslot(model: nn.Module, plan: Plan, state: dict[str, Any]) -> dict[str, to
     for site in dict.fromkeys(s.site for s in plan.bias_slots):
         slots = [s for s in plan.bias_slots if s.site == site]
         mods = [model.get_submodule(s.reader) for s in slots]
-        a = torch.cat([m.weight.detach().double() for m in mods])
-        b = torch.cat([m.bias.detach().double() for m in mods])
-        c = torch.linalg.lstsq(a.cpu(), b.cpu().unsqueeze(1)).solution.squeeze(1).to(a.device)
-        eps = max(torch.finfo(m.weight.dtype).eps for m in mods)
-        resid = float((a @ c - b).norm()) / max(float(b.norm()), 1e-30)
-        if resid > max(1e-4, 8 * eps):
-            raise NormswapError(
-                f"compat format: the bias slot normswap gave `{slots[0].reader}` (β of `{site}`, which it lacks "
-                f"in the stock architecture) cannot go back into `{site}` exactly (relative residual {resid:.1e}): "
-                "use the native format, or convert with bias_slots=False")
+        c = unslot_shift(site, slots[0].reader, [m.weight for m in mods], [m.bias for m in mods])
         slot_readers = {s.reader for s in slots}
         for f in plan.folds:
             if f.site != site or f.reader in slot_readers or f.beta_route in ("", "dropped"):
@@ -571,7 +580,10 @@ def write_compat(
 def model_card(manifest: dict[str, Any], out_name: str) -> str:
     fmt = manifest["format"]
     counts = manifest.get("counts", {})
-    verdicts = ", ".join(f"{n} {v}" for v, n in counts.items() if n) or "none"
+    # in VERDICTS order, as the streamed path's manifest holds them (the in-memory card is written again from
+    # config.json, whose keys are sorted: the two cards listed them in other orders before round 57)
+    order = [v for v in VERDICTS if v in counts] + [v for v in counts if v not in VERDICTS]
+    verdicts = ", ".join(f"{counts[v]} {v}" for v in order if counts[v]) or "none"
     ver = manifest.get("verification") or {}
     figs = "\n".join(
         f"| {k} | {v:.3g} |"

@@ -1,0 +1,120 @@
+"""``--low-memory`` equals the in-memory conversion for the option combinations where round 57's sweep
+(``benchmarks/lowmem_option_sweep.py``) found them apart: the same tensors (bitwise), the same manifest (less the
+verification figures and the analysis line, which must differ) and the same side files. Tiny models, deeper than
+the 3/4-layer proxies so the streamed plan is extrapolated; a small pairwise set, not the sweep."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import transformers as tf
+from safetensors import safe_open
+
+import normswap
+from normswap import presets
+
+SPECIAL = {"bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0}
+MODELS = {
+    "gpt2": lambda: (tf.GPT2LMHeadModel,
+                     tf.GPT2Config(n_layer=5, n_embd=32, n_head=4, vocab_size=99, n_positions=64, **SPECIAL)),
+    "whisper": lambda: (tf.WhisperForConditionalGeneration,
+                        tf.WhisperConfig(d_model=32, encoder_layers=5, decoder_layers=5, encoder_attention_heads=4,
+                                         decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64,
+                                         vocab_size=99, num_mel_bins=8, max_source_positions=16,
+                                         max_target_positions=32, decoder_start_token_id=0, **SPECIAL)),
+    # the default backbone settings: out_features names the last of 5 stages, which a 3-layer copy lacks
+    "dinov2": lambda: (tf.Dinov2Model,
+                       tf.Dinov2Config(image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=5,
+                                       num_attention_heads=4, mlp_ratio=2, layerscale_value=0.5)),
+}
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("combos")
+    out = {}
+    for name, make in MODELS.items():
+        cls, config = make()
+        torch.manual_seed(0)
+        model = presets.randomise_norms(cls(config)).eval()
+        with torch.no_grad():
+            for pname, p in model.named_parameters():
+                if "lambda" in pname:  # LayerScale spread as real DINOv2's
+                    p.copy_(torch.exp(1.2 * torch.randn(p.shape, generator=torch.Generator().manual_seed(1))))
+        model.save_pretrained(root / name, max_shard_size="40KB")
+        out[name] = root / name
+    return out
+
+
+def _tensors(d: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for f in sorted(d.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as h:
+            for k in h.keys():
+                out[f"{f.name if f.name.startswith('normswap') else ''}:{k}"] = h.get_tensor(k)
+    return out
+
+
+def _manifest(d: Path) -> dict[str, Any]:
+    """The written manifest less what must differ: the verification (streamed: layers 0, 1 and L-1), the
+    analysis line, and each norm's error (the streamed plan's is the proxy's)."""
+    m = json.loads((d / "config.json").read_text())["normswap"]
+    m = {k: v for k, v in m.items() if k not in ("verification", "streamed")}
+    plan = dict(m["plan"])
+    plan["options"] = {k: v for k, v in plan["options"].items() if k not in ("analysis", "analysis_inputs")}
+    plan["sites"] = [{k: v for k, v in s.items() if k != "error"} for s in plan["sites"]]
+    m["plan"] = plan
+    return m
+
+
+def assert_same_output(mem: Path, stream: Path) -> None:
+    ta, tb = _tensors(mem), _tensors(stream)
+    assert sorted(ta) == sorted(tb)
+    different = [k for k in ta if ta[k].dtype != tb[k].dtype or not torch.equal(ta[k], tb[k])]
+    assert not different, different[:5]
+    assert _manifest(mem) == _manifest(stream)
+    side = {p.name for p in mem.iterdir() if p.suffix != ".safetensors"} - {"model.safetensors.index.json"}
+    assert side == {p.name for p in stream.iterdir() if p.suffix != ".safetensors"} - {"model.safetensors.index.json"}
+    for name in side - {"config.json", "README.md"}:
+        assert (mem / name).read_bytes() == (stream / name).read_bytes(), name
+
+
+@pytest.mark.parametrize("name, options", [
+    # γ folded everywhere: the tied LM head's share of β goes into a bias slot in memory; the streamed rewrite
+    # made none and kept β/γ in the last norm (round 57: other tensors, another manifest)
+    ("gpt2", {"fold_gamma": True}),
+    ("gpt2", {"fold_gamma": True, "format": "compat"}),  # the slot's shift back in the norm, solved alike
+    ("whisper", {"fold_gamma": True, "untie": False, "dtype": "bfloat16"}),
+    # the centering ops after each writer: listed layer by layer, not grouped by template
+    ("gpt2", {"writer_centering": "op", "beta_placement": "fold"}),
+    ("whisper", {"writer_centering": "op", "format": "compat"}),
+    # a backbone config's stage names: the 3-layer copy refused to build (exit 1)
+    ("dinov2", {}),
+    ("dinov2", {"fold_gamma": True, "layer_scale": "fold", "writer_centering": "op"}),
+])
+def test_low_memory_writes_what_in_memory_writes(sources, tmp_path, name, options):
+    mem, stream = tmp_path / "mem", tmp_path / "stream"
+    normswap.convert(sources[name], mem, low_memory=False, **options)
+    report = normswap.convert(sources[name], stream, low_memory=True, **options)
+    assert report.streamed
+    assert_same_output(mem, stream)
+    if options.get("fold_gamma") and name == "gpt2":  # the slot is there (native) or gone back (compat)
+        slots = json.loads((stream / "config.json").read_text())["normswap"]["plan"]["bias_slots"]
+        assert [s["reader"] for s in slots] == ["lm_head"]
+
+
+def test_streamed_bias_slot_is_exact_in_float64(sources, tmp_path):
+    """The streamed GPT-2 with γ folded and β in the head's new bias computes the original's logits (float64)."""
+    out = tmp_path / "s"
+    normswap.convert(sources["gpt2"], out, low_memory=True, fold_gamma=True)
+    original = tf.GPT2LMHeadModel.from_pretrained(sources["gpt2"]).double().eval()
+    converted = normswap.load(out).double().eval()
+    assert converted.lm_head.bias is not None
+    ids = torch.randint(0, 99, (2, 9), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ref, got = original(ids).logits, converted(ids).logits
+    assert float((got - ref).abs().max() / ref.abs().max()) < 1e-6  # float32 weights, float64 arithmetic
