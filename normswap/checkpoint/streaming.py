@@ -90,6 +90,9 @@ def plan_streaming(src: Source, *, fmt: str, options: ConvertOptions, task: str 
     reader = stream_io.Reader(st.entries)
     try:
         place_beta(st.fp, st.meta, st.keys, reader, options)
+        # the mean carries' scales from the checkpoint's own MLP weights, as the rewrite sets them (round 57:
+        # inspect showed the random-weight proxies' scales)
+        TensorRewriter(st.plan, st.meta, st.keys, reader, fmt=fmt, dtype=None)
     finally:
         reader.close()
     return st.plan

@@ -26,6 +26,9 @@ MODELS = {
                                          decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64,
                                          vocab_size=99, num_mel_bins=8, max_source_positions=16,
                                          max_target_positions=32, decoder_start_token_id=0, **SPECIAL)),
+    "bert": lambda: (tf.BertForMaskedLM,
+                     tf.BertConfig(hidden_size=32, num_hidden_layers=5, num_attention_heads=4, intermediate_size=64,
+                                   vocab_size=99, max_position_embeddings=64, pad_token_id=0)),
     # the default backbone settings: out_features names the last of 5 stages, which a 3-layer copy lacks
     "dinov2": lambda: (tf.Dinov2Model,
                        tf.Dinov2Config(image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=5,
@@ -81,6 +84,14 @@ def assert_same_output(mem: Path, stream: Path) -> None:
     assert side == {p.name for p in stream.iterdir() if p.suffix != ".safetensors"} - {"model.safetensors.index.json"}
     for name in side - {"config.json", "README.md"}:
         assert (mem / name).read_bytes() == (stream / name).read_bytes(), name
+    assert _card(mem) == _card(stream)
+
+
+def _card(d: Path) -> str:
+    """The model card less its verification section (other figures streamed) and the directory's name."""
+    text = (d / "README.md").read_text().replace(f"# {d.name}\n", "# OUT\n").replace(f'("{d.name}")', '("OUT")')
+    head, _, rest = text.partition("## Verification")
+    return head + rest[rest.find("## How to load"):]
 
 
 @pytest.mark.parametrize("name, options", [
@@ -92,6 +103,9 @@ def assert_same_output(mem: Path, stream: Path) -> None:
     # the centering ops after each writer: listed layer by layer, not grouped by template
     ("gpt2", {"writer_centering": "op", "beta_placement": "fold"}),
     ("whisper", {"writer_centering": "op", "format": "compat"}),
+    # Post-LN, compat: the card listed the verdicts in another order (the in-memory card is written again from
+    # config.json, whose keys are sorted)
+    ("bert", {"format": "compat"}),
     # a backbone config's stage names: the 3-layer copy refused to build (exit 1)
     ("dinov2", {}),
     ("dinov2", {"fold_gamma": True, "layer_scale": "fold", "writer_centering": "op"}),
@@ -118,3 +132,20 @@ def test_streamed_bias_slot_is_exact_in_float64(sources, tmp_path):
     with torch.no_grad():
         ref, got = original(ids).logits, converted(ids).logits
     assert float((got - ref).abs().max() / ref.abs().max()) < 1e-6  # float32 weights, float64 arithmetic
+
+
+def test_inspect_low_memory_shows_the_plan_convert_low_memory_writes_with_mean_carries(sources, tmp_path):
+    """BERT's widened MLPs: ``inspect --low-memory`` showed the random-weight proxies' carry scales, the streamed
+    conversion writes the real weights' (round 57); now the shown plan is the written one, field for field."""
+    from click.testing import CliRunner
+
+    from normswap.cli import main
+
+    out = tmp_path / "o"
+    shown = CliRunner().invoke(main, ["inspect", str(sources["bert"]), "--json", "--low-memory", "--mode", "exact"])
+    assert shown.exit_code == 0, shown.stderr
+    normswap.convert(sources["bert"], out, low_memory=True, mode="exact")
+    written = json.loads((out / "config.json").read_text())["normswap"]["plan"]
+    plan = json.loads(shown.stdout)
+    assert len(plan["mean_carries"]) == 5
+    assert plan == {k: v for k, v in written.items() if k != "adapter_bases"}
