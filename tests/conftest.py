@@ -9,12 +9,31 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 def _share_the_cores() -> None:
     """Under pytest-xdist (``-n``, set in pyproject.toml), each worker gets its share of the cores for
-    torch's intra-op threads, rather than every worker starting as many threads as there are cores."""
+    torch's intra-op threads, rather than every worker starting as many threads as there are cores.
+
+    The share is also put in ``OMP_NUM_THREADS`` (unless set already), so that the processes a test
+    starts (the CLI in a fresh interpreter, the docs examples' fork server, distributed recipes) keep to
+    it too: with two workers on two cores, a child's two OpenMP threads spin-wait on each other and a
+    tiny model's step gets tens of times slower (docs/rotation.md's learned rotation: 0.5 s with one
+    thread, 20 s with two on a loaded 2-core machine)."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if workers > 1:
         import torch
 
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+        share = max(1, (os.cpu_count() or 1) // workers)
+        os.environ.setdefault("OMP_NUM_THREADS", str(share))
+        torch.set_num_threads(share)
 
 
 _share_the_cores()
+
+
+def pytest_collection_finish(session) -> None:
+    """Freeze what collection left alive (the imported torch, transformers and test modules: ~400,000
+    objects that live to the end anyway) out of the cyclic garbage collector's reach. Conversions call
+    ``gc.collect()`` to free a model before the next one is loaded; each call walked all of them, ~0.3 s,
+    up to five times a conversion. Objects the tests create later are collected as before."""
+    import gc
+
+    gc.collect()
+    gc.freeze()

@@ -59,6 +59,7 @@ def _run_child(req: dict) -> int:
 
 
 def serve(path: str) -> None:
+    import gc
     import signal
 
     # what the examples use, imported once; nothing is computed here (fork-safety of thread pools)
@@ -71,6 +72,10 @@ def serve(path: str) -> None:
     import normswap.presets  # noqa: F401
     import normswap.recipes  # noqa: F401
 
+    # the imports' objects out of the cyclic collector's reach: a conversion's gc.collect() in a child
+    # would walk them all (~0.3 s a call), and the children share their pages instead of copying them
+    gc.collect()
+    gc.freeze()
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # children reap themselves
     srv = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     srv.bind(path)

@@ -269,17 +269,20 @@ _HUB_LOAD = r"""
 import sys, warnings, torch, transformers as tf
 import normswap
 from normswap.analysis.plan import plan_of
-repo, how = sys.argv[1], sys.argv[2]
-with warnings.catch_warnings(record=True) as caught:
-    warnings.simplefilter("always")
-    if how == "normswap.load":
-        model = normswap.load(repo, dtype=torch.float64)
-    else:
-        model = tf.AutoModelForCausalLM.from_pretrained(repo, dtype=torch.float64)
-plan = plan_of(model) or getattr(model, "_normswap_compat", None)
-print("VECTORS", len(plan.adapter_vectors))
-print("WARNINGS", [str(w.message) for w in caught if "adapter" in str(w.message)])
+repo = sys.argv[1]
+for how in sys.argv[2:]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if how == "normswap.load":
+            model = normswap.load(repo, dtype=torch.float64)
+        else:
+            model = tf.AutoModelForCausalLM.from_pretrained(repo, dtype=torch.float64)
+    plan = plan_of(model) or getattr(model, "_normswap_compat", None)
+    print("VECTORS", how, len(plan.adapter_vectors))
+    print("WARNINGS", how, [str(w.message) for w in caught if "adapter" in str(w.message)])
 """
+
+HOWS = ["normswap.load", "AutoModelForCausalLM"]
 
 
 def _hub_cache(tmp_path, out, repo="org/tiny-rms", sha="0123456789abcdef0123456789abcdef01234567"):
@@ -295,31 +298,44 @@ def _hub_cache(tmp_path, out, repo="org/tiny-rms", sha="0123456789abcdef01234567
     return cache, root / "snapshots" / sha
 
 
-def _run_offline(cache, repo, how):
+def _run_offline(cache, repo, hows):
+    """Load ``repo`` from ``cache`` in one fresh process, by each of ``hows`` in turn (each load's warnings
+    recorded on their own): ``{how: (number of adapter vectors, the adapter warnings as a string)}``."""
     import os
     import subprocess
     import sys
 
     env = dict(os.environ, HF_HUB_CACHE=str(cache), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     env.pop("HF_HOME", None)
-    done = subprocess.run([sys.executable, "-c", _HUB_LOAD, repo, how], env=env, capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-c", _HUB_LOAD, repo, *hows], env=env, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    lines = dict(line.split(" ", 1) for line in done.stdout.splitlines() if line.startswith(("VECTORS", "WARN")))
-    return int(lines["VECTORS"]), lines["WARNINGS"]
+    lines = {tuple(line.split(" ", 2)[:2]): line.split(" ", 2)[2] for line in done.stdout.splitlines()
+             if line.startswith(("VECTORS", "WARN"))}
+    return {how: (int(lines["VECTORS", how]), lines["WARNINGS", how]) for how in hows}
 
 
-@pytest.mark.parametrize("how", ["normswap.load", "AutoModelForCausalLM"])
-def test_a_hub_repo_id_finds_the_side_file_in_the_cache_offline(tmp_path, how):
-    """Loading by repo id (no network: HF_HUB_OFFLINE=1, a temporary HF_HUB_CACHE laid out as the Hub lays it
-    out) reads the side file from the snapshot as from a directory; a snapshot without it warns in one line."""
+@pytest.fixture(scope="module")
+def hub_loads(tmp_path_factory):
+    """One conversion, laid out in two Hub caches (one snapshot with the side file, one uploaded without it),
+    each loaded by every way of ``HOWS`` in one fresh process (two processes, not one per load)."""
+    tmp_path = tmp_path_factory.mktemp("hub-loads")
     _, converted, _, out = _gpt2(tmp_path)
     named = len(bases_io.named(plan_of(converted)))
-    assert named
-    cache, snapshot = _hub_cache(tmp_path, out)
-    vectors, said = _run_offline(cache, "org/tiny-rms", how)
-    assert vectors == named and said == "[]"
+    cache, _ = _hub_cache(tmp_path / "with", out)
+    bare_cache, snapshot = _hub_cache(tmp_path / "without", out)
     (snapshot / SIDECAR).unlink()  # a repo uploaded without it
-    vectors, said = _run_offline(cache, "org/tiny-rms", how)
+    return named, _run_offline(cache, "org/tiny-rms", HOWS), _run_offline(bare_cache, "org/tiny-rms", HOWS)
+
+
+@pytest.mark.parametrize("how", HOWS)
+def test_a_hub_repo_id_finds_the_side_file_in_the_cache_offline(hub_loads, how):
+    """Loading by repo id (no network: HF_HUB_OFFLINE=1, a temporary HF_HUB_CACHE laid out as the Hub lays it
+    out) reads the side file from the snapshot as from a directory; a snapshot without it warns in one line."""
+    named, with_file, without_file = hub_loads
+    assert named
+    vectors, said = with_file[how]
+    assert vectors == named and said == "[]"
+    vectors, said = without_file[how]
     where = "org/tiny-rms" if how != "normswap.load" else "models--org--tiny-rms/snapshots/"  # (load: the snapshot)
     assert vectors == 0 and f"{where}" in said and f"has no {SIDECAR}" in said and said.count("normswap:") == 1, said
