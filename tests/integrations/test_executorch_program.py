@@ -15,7 +15,7 @@ import torch
 
 import normswap
 from normswap.integrations.executorch import DELEGABLE_FORMS, delegable_norms, delegable_program
-from tests.integrations.test_executorch_form import REDUCTIONS, _Call, _converted, _export, _norms, _ops
+from tests.integrations.test_executorch_form import REDUCTIONS, _converted, _export, _norms, _ops, assert_agrees
 
 
 def _products(ep: torch.export.ExportedProgram) -> list[torch.fx.Node]:
@@ -45,13 +45,7 @@ def test_rewrite_holds_no_reduction_and_equals_the_default(name, form):
     assert len(products) == count and {str(n.target) for n in products} == {expected}
     assert _ops(default) == before  # the input program is not modified
     assert list(ep.state_dict) == list(default.state_dict)  # the constants are not persistent
-    with torch.no_grad():
-        got = ep.module()(**inputs)
-        ref = default.module()(**inputs)
-        eager = _Call(model, name)(**inputs)
-    assert got.dtype == torch.float64
-    assert (got - ref).abs().max() <= 1e-12 * ref.abs().max()
-    assert (got - eager).abs().max() <= 1e-12 * eager.abs().max()
+    assert_agrees(ep, default, model, name, inputs)
 
 
 @pytest.mark.parametrize("name", ["gpt2", "vit"])
