@@ -22,8 +22,14 @@ lowering time by ``normswap.integrations.executorch.delegable_program``). The mo
 ``bench_deploy_speed.build("gpt2", layers=--layers)`` (width 768, 12 heads, random weights, γ/β and biases
 randomised), batch 1, no cache, one prefill of T tokens per call (``--tokens``; 1 is a decode-sized call).
 
-    PYTHONPATH=.:benchmarks:$ET OMP_NUM_THREADS=1 python benchmarks/executorch_short_calls.py \\
-        --tokens 1 8 128 --threads 1 2 --rounds 8 --json docs/results/executorch57_short_calls.json
+Also per cell: ``pooled``, the ratio of the two programs' medians over rounds with an interval that resamples each
+program's processes (no pairing: tighter when nothing drifts), and ``spread``, the process-to-process interquartile
+range over the median (what placement alone moves a call by). ``--minutes`` starts no round that would end after
+it. Lowering is deterministic here (the A/A pair's ``.pte`` files are byte-identical: ``sha256`` in the JSON), so
+the A/A measures only the process, not the build.
+
+    PYTHONPATH=.:benchmarks:$ET OMP_NUM_THREADS=1 python benchmarks/executorch_short_calls.py --tokens 1 8 128 \\
+        --threads 1 2 --rounds 12 --seconds 0.5 --minutes 11.5 --json docs/results/executorch57_short_calls_quiet.json
 """
 
 from __future__ import annotations
@@ -145,14 +151,32 @@ def spawn(pte: str, tokens: int, threads: int, args: argparse.Namespace, failure
 
 
 def summarise(samples: list[dict], names: list[str]) -> dict:
-    """Per program: the per-round ratios to the original on each clock, their median and interval."""
+    """Per program and clock: the per-round ratios to the original, their median and interval (``median`` etc.),
+    the ratio of the two programs' medians over rounds with an interval resampling each program's processes
+    (``pooled``: no pairing, tighter when nothing drifts), and each program's process-to-process spread
+    (``spread``: the interquartile range of its per-process medians over their median)."""
     out: dict = {"original_ms": {c: statistics.median(s["original"][c] for s in samples) * 1e3 for c in CLOCKS}}
+    rng = random.Random(0)
     for k in names[1:]:
         out[k] = {}
         for c in CLOCKS:
             ratios = [s[k][c] / s["original"][c] for s in samples]
-            out[k][c] = dict(zip(("median", "low", "high"), median_ci(ratios), strict=True)) | {"rounds": ratios}
+            mine, ref = [s[k][c] for s in samples], [s["original"][c] for s in samples]
+            draws = sorted(statistics.median(rng.choices(mine, k=len(mine)))
+                           / statistics.median(rng.choices(ref, k=len(ref))) for _ in range(2000))
+            out[k][c] = dict(zip(("median", "low", "high"), median_ci(ratios), strict=True)) | {
+                "pooled": [statistics.median(mine) / statistics.median(ref), draws[50], draws[1949]],
+                "spread": spread(mine), "rounds": ratios}
+    out["original_spread"] = {c: spread([s["original"][c] for s in samples]) for c in CLOCKS}
     return out
+
+
+def spread(values: list[float]) -> float:
+    """Interquartile range over the median (0 for fewer than 4 values)."""
+    if len(values) < 4:
+        return 0.0
+    q = statistics.quantiles(values, n=4)
+    return (q[2] - q[0]) / statistics.median(values)
 
 
 def main() -> None:
@@ -167,6 +191,7 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=1.0, help="timed seconds per process")
     ap.add_argument("--warmup", type=int, default=3, help="untimed calls per process")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--minutes", type=float, help="start no round that would end after this (lowering included)")
     ap.add_argument("--keep", type=Path, help="write the .pte files here (default: a temporary folder)")
     ap.add_argument("--reuse", action="store_true", help="time the --keep folder's programs instead of lowering")
     ap.add_argument("--json", type=Path)
@@ -192,7 +217,12 @@ def main() -> None:
         rng = random.Random(args.seed)
         samples: dict = {f"{t} tokens, {n} threads": [] for t in args.tokens for n in args.threads}
         result["failures"] = []
+        started = time.perf_counter()
         for r in range(args.rounds):
+            elapsed = time.perf_counter() - t0
+            if args.minutes and r and elapsed + (time.perf_counter() - started) / r > args.minutes * 60:
+                print(f"stopping after {r} rounds: another would pass --minutes {args.minutes}", flush=True)
+                break
             jobs = [(t, n, k) for t in args.tokens for n in args.threads for k in names]
             rng.shuffle(jobs)  # one process per program, token count and pool size, in a random order
             got: dict = {key: {} for key in samples}
@@ -212,6 +242,8 @@ def main() -> None:
         for k in names[1:]:
             print(f"  {k:22s} " + "  ".join(f"{c} {cell[k][c]['median']:.3f} ({cell[k][c]['low']:.3f}-"
                                              f"{cell[k][c]['high']:.3f})" for c in CLOCKS), flush=True)
+        print("  process-to-process spread of the original (IQR / median): " + "  ".join(
+            f"{c} {cell['original_spread'][c]:.3f}" for c in CLOCKS), flush=True)
 
 
 if __name__ == "__main__":
