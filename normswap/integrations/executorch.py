@@ -3,10 +3,10 @@
 What ``torch.export`` records for a ``normswap.RMSNorm`` by default (``aten.rms_norm``, decomposed into ``pow``,
 ``mean``, ``add``, ``rsqrt``, ``mul``) is the form ONNX Runtime fuses, and the default must stay so. ExecuTorch's
 XNNPACK partitioner takes no 3-D ``mean``: each norm's ``mean`` and ``+ eps`` then run as ExecuTorch's portable
-kernels between two delegate calls, which made a converted GPT-2-shaped decoder ~2% slower than the original
-(whose ``layer_norm`` is one portable kernel) at short inputs. Inside :func:`delegable_norms` the same norms
-export as ``x**2`` times a constant ``1/n`` column (XNNPACK's fully-connected op, eps as its bias), so the whole
-norm joins its neighbours' delegate.
+kernels between two delegate calls (timed all in one process that looked ~2% slower than the original at short
+inputs; each program timed in its own processes, neither form differs from the original measurably: round 57).
+Inside :func:`delegable_norms` the same norms export as ``x**2`` times a constant ``1/n`` column (XNNPACK's
+fully-connected op, eps as its bias), so the whole norm joins its neighbours' delegate.
 
 Usage (the form is only recorded while the model is exported; eager calls are unchanged)::
 
