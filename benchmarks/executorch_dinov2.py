@@ -3,16 +3,17 @@
 Variants: ``original``; ``native`` (``normswap.patch(beta_placement="keep")``, what ``normswap convert`` writes);
 ``wop`` / ``wauto`` (``writer_centering="op"`` / ``"auto"``); a ``+FORM`` suffix (``native+addmm``) exports that
 variant inside ``normswap.integrations.executorch.delegable_norms(model, FORM)`` (each RMSNorm's mean of squares as
-a matrix product, which XNNPACK delegates). Each is exported with ``torch.export``, lowered to
-XNNPACK with ExecuTorch's own ``to_edge_transform_and_lower`` + ``XnnpackPartitioner`` and run by ExecuTorch's
-runtime. Quantized: ExecuTorch's ``XNNPACKQuantizer`` through torchao's PT2E flow (``prepare_pt2e`` /
-``convert_pt2e``), ``--schemes``: ``dyn`` (dynamic int8 activations, int8 weights per channel, the on-device default),
-``static`` (static int8 activations, weights per channel, calibrated on ``--calib`` crops of held-out
-photographs) and ``static-nf`` (the same with ``quantizer.set_module_type(normswap.RMSNorm, None)``: each RMSNorm's
-elementwise ops left in float, as XNNPACKQuantizer leaves the original's ``layer_norm``).
-Error: ``1 − cos`` of the CLS embedding against the float32 original, per crop; ratio to the original with a 95%
-interval that resamples photographs (``quant_utils.cluster_bootstrap``). Speed: float32 per-image time,
-ABBA rounds against the original, medians.
+a matrix product, which XNNPACK delegates); ``native+rewrite`` quantizes the default form and rewrites the quantized
+program's norms into the ``addmm`` form before lowering (``delegable_program``). Each is exported with
+``torch.export``, lowered to XNNPACK with ExecuTorch's own ``to_edge_transform_and_lower`` + ``XnnpackPartitioner``
+and run by ExecuTorch's runtime. Quantized: ExecuTorch's ``XNNPACKQuantizer`` through torchao's PT2E flow
+(``prepare_pt2e`` / ``convert_pt2e``), ``--schemes``: ``dyn`` (dynamic int8 activations, int8 weights per channel,
+the on-device default), ``static`` (static int8 activations, weights per channel, calibrated on ``--calib`` crops of
+held-out photographs) and ``static-nf`` (the same with ``quantizer.set_module_type(normswap.RMSNorm, None)``: each
+RMSNorm's elementwise ops left in float, as XNNPACKQuantizer leaves the original's ``layer_norm``). Error: ``1 −
+cos`` of the CLS embedding against the float32 original, per crop; ratio to the original with a 95% interval that
+resamples photographs (``quant_utils.cluster_bootstrap``). Speed: float32 per-image time, ABBA rounds against the
+original, medians.
 
     PYTHONPATH=.:ET_PKGS python benchmarks/executorch_dinov2.py DINOV2_SMALL --photos SKIMAGE/data --images 256
 """
@@ -59,13 +60,11 @@ def variant(original, name):
 KEEP: list = []
 
 
-def lower(module, example, quant=None, calib=None):
+def lower(module, example, quant=None, calib=None, rewrite=False):
     """``module`` exported, PT2E-quantized when ``quant`` (calibrated on ``calib``), lowered to XNNPACK; returns
-    the runtime method and the count of each op left outside the delegate."""
-    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
-    from executorch.exir import to_edge_transform_and_lower
-    from executorch.runtime import Runtime
-
+    the runtime method and the count of each op left outside the delegate. ``rewrite``: the program's
+    ``aten.rms_norm`` nodes rewritten into the ``addmm`` form just before lowering (after quantization, so the
+    quantizer sees the default form), by ``normswap.integrations.executorch.delegable_program``."""
     if quant is not None:
         from executorch.backends.xnnpack.quantizer.xnnpack_quantizer import (
             XNNPACKQuantizer,
@@ -85,6 +84,21 @@ def lower(module, example, quant=None, calib=None):
             graph(x[None])
         module = convert_pt2e(graph)
     ep = torch.export.export(module, (example,))
+    if rewrite:
+        from normswap.integrations.executorch import delegable_program
+
+        ep = delegable_program(ep)
+    meth, outside, _ = lower_program(ep)
+    return meth, outside
+
+
+def lower_program(ep):
+    """An exported program lowered to XNNPACK; returns the runtime method, the count of each op left outside the
+    delegate and the ``.pte`` bytes."""
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+    from executorch.exir import to_edge_transform_and_lower
+    from executorch.runtime import Runtime
+
     edge = to_edge_transform_and_lower(ep, partitioner=[XnnpackPartitioner()])
     outside = {}
     for n in edge.exported_program().graph.nodes:
@@ -95,7 +109,7 @@ def lower(module, example, quant=None, calib=None):
     buf = edge.to_executorch().buffer
     prog = Runtime.get().load_program(buf)
     KEEP.extend([buf, prog])
-    return prog.load_method("forward"), outside
+    return prog.load_method("forward"), outside, buf
 
 
 def main() -> None:
@@ -136,8 +150,9 @@ def main() -> None:
         model = Cls(variant(original, base)).eval()
         for scheme in args.schemes:
             t0 = time.perf_counter()
-            with delegable_norms(model, form) if form else contextlib.nullcontext():
-                meth, outside = lower(model, px[:1], None if scheme == "fp32" else scheme, calib)
+            with delegable_norms(model, form) if form not in ("", "rewrite") else contextlib.nullcontext():
+                meth, outside = lower(model, px[:1], None if scheme == "fp32" else scheme, calib,
+                                      rewrite=form == "rewrite")
             out = torch.cat([meth.execute([px[i:i + 1]])[0] for i in range(len(px))])
             err = (1 - torch.nn.functional.cosine_similarity(out.double(), ref.double(), dim=-1)).tolist()
             result["errors"][f"{name}/{scheme}"] = err

@@ -63,6 +63,18 @@ def _norm_nodes(ep: torch.export.ExportedProgram) -> list[torch.fx.Node]:
     return out
 
 
+def assert_agrees(ep: torch.export.ExportedProgram, default: torch.export.ExportedProgram, model: torch.nn.Module,
+                  name: str, inputs: dict[str, torch.Tensor]) -> None:
+    """``ep`` computes what the default-form program and the eager float64 model compute, to 1e-12 relative."""
+    with torch.no_grad():
+        got = ep.module()(**inputs)
+        ref = default.module()(**inputs)
+        eager = _Call(model, name)(**inputs)
+    assert got.dtype == torch.float64
+    assert (got - ref).abs().max() <= 1e-12 * ref.abs().max()
+    assert (got - eager).abs().max() <= 1e-12 * eager.abs().max()
+
+
 def _norms(model: torch.nn.Module) -> int:
     return sum(isinstance(m, normswap.RMSNorm) for m in model.modules())
 
@@ -90,13 +102,7 @@ def test_form_holds_no_reduction_and_equals_default(name, form):
     # the squares are pow (left in float by XNNPACKQuantizer, which annotates mul)
     assert {str(n.args[0].target) if form == "mm" or form == "linear" else str(n.args[1].target)
             for n in products} == {"aten.pow.Tensor_Scalar"}
-    with torch.no_grad():
-        got = ep.module()(**inputs)
-        ref = default.module()(**inputs)
-        eager = _Call(model, name)(**inputs)
-    assert got.dtype == torch.float64
-    assert (got - ref).abs().max() <= 1e-12 * ref.abs().max()
-    assert (got - eager).abs().max() <= 1e-12 * eager.abs().max()
+    assert_agrees(ep, default, model, name, inputs)
 
 
 def test_float32_and_bfloat16_round_like_the_default():
