@@ -30,12 +30,10 @@ import random
 import shutil
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-import transformers as tf
 from click.testing import CliRunner
 from safetensors import safe_open
 
@@ -44,31 +42,8 @@ from normswap.cli import main
 from normswap.cli.plan_opts import check_combination
 from normswap.errors import UsageError
 
-SPECIAL = {"bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0}
-
-MODELS: dict[str, Callable[[], tuple[type, Any]]] = {
-    # a tied LM head (GPT-2), Pre-LN
-    "gpt2": lambda: (tf.GPT2LMHeadModel,
-                     tf.GPT2Config(n_layer=5, n_embd=32, n_head=4, vocab_size=99, n_positions=64, **SPECIAL)),
-    # a tied LM head, Pre-LN, learned positions with an offset
-    "opt": lambda: (tf.OPTForCausalLM,
-                    tf.OPTConfig(num_hidden_layers=5, hidden_size=32, num_attention_heads=4, ffn_dim=64,
-                                 vocab_size=99, max_position_embeddings=64, word_embed_proj_dim=32, **SPECIAL)),
-    # Post-LN: approximate norms (refused streamed unless --mode exact), mean carries
-    "bert": lambda: (tf.BertForMaskedLM,
-                     tf.BertConfig(hidden_size=32, num_hidden_layers=5, num_attention_heads=4, intermediate_size=64,
-                                   vocab_size=99, max_position_embeddings=64, pad_token_id=0)),
-    # LayerScale, a patch convolution stem, a class token
-    "dinov2": lambda: (tf.Dinov2Model,
-                       tf.Dinov2Config(image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=5,
-                                       num_attention_heads=4, mlp_ratio=2, layerscale_value=0.5)),
-    # encoder-decoder, a tied decoder head, a conv stem
-    "whisper": lambda: (tf.WhisperForConditionalGeneration,
-                        tf.WhisperConfig(d_model=32, encoder_layers=5, decoder_layers=5, encoder_attention_heads=4,
-                                         decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64,
-                                         vocab_size=99, num_mel_bins=8, max_source_positions=16,
-                                         max_target_positions=32, decoder_start_token_id=0, **SPECIAL)),
-}
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's tests/ (run as a script)
+from tests.streaming_models import MODELS  # noqa: E402
 
 # every plan option of normswap/cli/plan_opts.py, --rotate and its options, --dtype: (name, values); the first
 # value is the default (no argument)

@@ -16,24 +16,11 @@ from safetensors import safe_open
 
 import normswap
 from normswap import presets
+from tests.streaming_models import MODELS as STREAMING_MODELS
 
-SPECIAL = {"bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0}
-MODELS = {
-    "gpt2": lambda: (tf.GPT2LMHeadModel,
-                     tf.GPT2Config(n_layer=5, n_embd=32, n_head=4, vocab_size=99, n_positions=64, **SPECIAL)),
-    "whisper": lambda: (tf.WhisperForConditionalGeneration,
-                        tf.WhisperConfig(d_model=32, encoder_layers=5, decoder_layers=5, encoder_attention_heads=4,
-                                         decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64,
-                                         vocab_size=99, num_mel_bins=8, max_source_positions=16,
-                                         max_target_positions=32, decoder_start_token_id=0, **SPECIAL)),
-    "bert": lambda: (tf.BertForMaskedLM,
-                     tf.BertConfig(hidden_size=32, num_hidden_layers=5, num_attention_heads=4, intermediate_size=64,
-                                   vocab_size=99, max_position_embeddings=64, pad_token_id=0)),
-    # the default backbone settings: out_features names the last of 5 stages, which a 3-layer copy lacks
-    "dinov2": lambda: (tf.Dinov2Model,
-                       tf.Dinov2Config(image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=5,
-                                       num_attention_heads=4, mlp_ratio=2, layerscale_value=0.5)),
-}
+# the sweep's models but OPT (GPT-2 covers its structure here); DINOv2 with the default backbone settings:
+# out_features names the last of 5 stages, which a 3-layer copy lacks
+MODELS = {name: STREAMING_MODELS[name] for name in ("gpt2", "whisper", "bert", "dinov2")}
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,36 @@
+"""Tiny Hugging Face models for comparing ``--low-memory`` with the in-memory conversion: five layers each (deeper
+than the 3/4-layer proxies the streamed plan is made on, so it is extrapolated), one per structure the streamed
+path treats apart. Shared by ``tests/checkpoint/test_streaming_combos.py`` and ``benchmarks/lowmem_option_sweep.py``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import transformers as tf
+
+SPECIAL = {"bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0}
+
+MODELS: dict[str, Callable[[], tuple[type, Any]]] = {
+    # a tied LM head (GPT-2), Pre-LN
+    "gpt2": lambda: (tf.GPT2LMHeadModel,
+                     tf.GPT2Config(n_layer=5, n_embd=32, n_head=4, vocab_size=99, n_positions=64, **SPECIAL)),
+    # a tied LM head, Pre-LN, learned positions with an offset
+    "opt": lambda: (tf.OPTForCausalLM,
+                    tf.OPTConfig(num_hidden_layers=5, hidden_size=32, num_attention_heads=4, ffn_dim=64,
+                                 vocab_size=99, max_position_embeddings=64, word_embed_proj_dim=32, **SPECIAL)),
+    # Post-LN: approximate norms (refused streamed unless --mode exact), mean carries
+    "bert": lambda: (tf.BertForMaskedLM,
+                     tf.BertConfig(hidden_size=32, num_hidden_layers=5, num_attention_heads=4, intermediate_size=64,
+                                   vocab_size=99, max_position_embeddings=64, pad_token_id=0)),
+    # LayerScale, a patch convolution stem, a class token
+    "dinov2": lambda: (tf.Dinov2Model,
+                       tf.Dinov2Config(image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=5,
+                                       num_attention_heads=4, mlp_ratio=2, layerscale_value=0.5)),
+    # encoder-decoder, a tied decoder head, a conv stem
+    "whisper": lambda: (tf.WhisperForConditionalGeneration,
+                        tf.WhisperConfig(d_model=32, encoder_layers=5, decoder_layers=5, encoder_attention_heads=4,
+                                         decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64,
+                                         vocab_size=99, num_mel_bins=8, max_source_positions=16,
+                                         max_target_positions=32, decoder_start_token_id=0, **SPECIAL)),
+}
