@@ -35,7 +35,6 @@ from typing import Any
 
 import torch
 from click.testing import CliRunner
-from safetensors import safe_open
 
 from normswap import presets
 from normswap.cli import main
@@ -43,7 +42,7 @@ from normswap.cli.plan_opts import check_combination
 from normswap.errors import UsageError
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's tests/ (run as a script)
-from tests.streaming_models import MODELS  # noqa: E402
+from tests.streaming_models import MODELS, written_tensors  # noqa: E402
 
 # every plan option of normswap/cli/plan_opts.py, --rotate and its options, --dtype: (name, values); the first
 # value is the default (no argument)
@@ -162,15 +161,6 @@ def run_cli(args: list[str]) -> tuple[int, list[str], str]:
     return res.exit_code, err, repr(exc) if exc is not None else ""
 
 
-def tensors(d: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for f in sorted(d.glob("*.safetensors")):
-        with safe_open(str(f), "pt") as h:
-            for k in h.keys():
-                out[f"{f.name if f.name.startswith('normswap') else ''}:{k}"] = h.get_tensor(k)
-    return out
-
-
 def _strip_manifest(m: dict[str, Any]) -> dict[str, Any]:
     m = {k: v for k, v in m.items() if k not in MANIFEST_SKIP}
     plan = m.get("plan")
@@ -210,7 +200,7 @@ def diff_dicts(a: Any, b: Any, path: str = "") -> list[str]:
 
 def compare_outputs(mem: Path, stream: Path) -> dict[str, Any]:
     """Tensors, manifests and side files of two output directories."""
-    ta, tb = tensors(mem), tensors(stream)
+    ta, tb = written_tensors(mem), written_tensors(stream)
     only = sorted(set(ta) ^ set(tb))
     differ = sorted(k for k in set(ta) & set(tb) if ta[k].dtype != tb[k].dtype or ta[k].shape != tb[k].shape
                     or not torch.equal(ta[k], tb[k]))

@@ -5,9 +5,12 @@ path treats apart. Shared by ``tests/checkpoint/test_streaming_combos.py`` and `
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
+import torch
 import transformers as tf
+from safetensors import safe_open
 
 SPECIAL = {"bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0}
 
@@ -34,3 +37,14 @@ MODELS: dict[str, Callable[[], tuple[type, Any]]] = {
                                          vocab_size=99, num_mel_bins=8, max_source_positions=16,
                                          max_target_positions=32, decoder_start_token_id=0, **SPECIAL)),
 }
+
+
+def written_tensors(d: Path) -> dict[str, torch.Tensor]:
+    """Every tensor a conversion wrote into ``d``: the weights by name, the side files' (``normswap*.safetensors``)
+    prefixed by their file name."""
+    out = {}
+    for f in sorted(d.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as h:
+            for k in h.keys():
+                out[f"{f.name if f.name.startswith('normswap') else ''}:{k}"] = h.get_tensor(k)
+    return out

@@ -12,11 +12,11 @@ from typing import Any
 import pytest
 import torch
 import transformers as tf
-from safetensors import safe_open
 
 import normswap
 from normswap import presets
 from tests.streaming_models import MODELS as STREAMING_MODELS
+from tests.streaming_models import written_tensors
 
 # the sweep's models but OPT (GPT-2 covers its structure here); DINOv2 with the default backbone settings:
 # out_features names the last of 5 stages, which a 3-layer copy lacks
@@ -40,15 +40,6 @@ def sources(tmp_path_factory) -> dict[str, Path]:
     return out
 
 
-def _tensors(d: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for f in sorted(d.glob("*.safetensors")):
-        with safe_open(str(f), "pt") as h:
-            for k in h.keys():
-                out[f"{f.name if f.name.startswith('normswap') else ''}:{k}"] = h.get_tensor(k)
-    return out
-
-
 def _manifest(d: Path) -> dict[str, Any]:
     """The written manifest less what must differ: the verification (streamed: layers 0, 1 and L-1), the
     analysis line, and each norm's error (the streamed plan's is the proxy's)."""
@@ -62,7 +53,7 @@ def _manifest(d: Path) -> dict[str, Any]:
 
 
 def assert_same_output(mem: Path, stream: Path) -> None:
-    ta, tb = _tensors(mem), _tensors(stream)
+    ta, tb = written_tensors(mem), written_tensors(stream)
     assert sorted(ta) == sorted(tb)
     different = [k for k in ta if ta[k].dtype != tb[k].dtype or not torch.equal(ta[k], tb[k])]
     assert not different, different[:5]
