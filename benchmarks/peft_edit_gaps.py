@@ -28,9 +28,9 @@ from normswap.inputs import hf_example_inputs
 from normswap.rotation.rotate import rotate
 from tests.custom_models import ProjLM
 from tests.custom_models import randomise as custom_randomise
+from tests.integrations.test_peft_adapter_refusals import dinov3_no_value_bias
 from tests.integrations.test_peft_online_ops import _out, _relative
-from tests.zoo import APPROXIMATE, EXACT, MORE, build
-from tests.zoo import randomise as zoo_randomise
+from tests.zoo import APPROXIMATE, EXACT, build
 
 
 def _lora(model, targets, **kw):
@@ -64,12 +64,7 @@ def main() -> None:
     args = ap.parse_args()
     warnings.simplefilter("ignore")
     rows = []
-    cls, cfg = MORE["dinov3-vit-no-value-bias"][0]()
-    torch.manual_seed(0)
-    o = zoo_randomise(cls(cfg), 0)
-    p = hf_example_inputs(o, seed=5)
-    c = copy.deepcopy(o)
-    normswap.patch(c, beta_placement="fold")
+    o, c, p = dinov3_no_value_bias()
     rows.append(case("β moved through attention: DINOv3 ViT without value bias, v_proj", c, o, p, ["v_proj"]))
     torch.manual_seed(0)
     o = custom_randomise(ProjLM(v_bias=False))

@@ -51,7 +51,9 @@ def _refused(model, probe, targets, path, why, **kw):
     return line
 
 
-def _dinov3_no_value_bias():
+def dinov3_no_value_bias():
+    """A DINOv3 ViT without value bias (γ/β randomised) patched with ``beta_placement="fold"``, so its norms' β
+    moves through attention: ``(original, converted, probe)``. Also ``benchmarks/peft_edit_gaps.py``'s case."""
     cls, config = MORE["dinov3-vit-no-value-bias"][0]()
     torch.manual_seed(0)
     from tests.zoo import randomise as zoo_randomise
@@ -64,7 +66,7 @@ def _dinov3_no_value_bias():
 
 
 def test_a_value_projection_whose_beta_moved_through_attention_is_refused():
-    original, converted, probe = _dinov3_no_value_bias()
+    original, converted, probe = dinov3_no_value_bias()
     moves = plan_of(converted).beta_moves
     assert moves and all(plan_of(converted).adapter_bases[m.reader].get("refuse") for m in moves)
     _refused(converted, probe, ["v_proj"], moves[0].reader, "through attention into the output projection's bias")
