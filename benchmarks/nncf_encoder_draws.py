@@ -4,8 +4,9 @@
 Round 47 measured all-mpnet-base-v2's default conversion (the mean carry) at 1.115× (1.09-1.15) the original's error
 in OpenVINO NNCF's int8 weights (``nncf.compress_weights`` defaults: INT8_ASYM, one scale per output row), on one
 draw of rounded weights. This script re-draws the rounding of both models alike, exactly, as
-``nncf_paired_draws.py`` does for DINOv2-small (its :func:`~nncf_paired_draws.haar` and
-:func:`~nncf_paired_draws.bootstrap` are reused), and runs each re-rounded model through the same engine path as
+``nncf_paired_draws.py`` does for DINOv2-small (its :func:`~nncf_paired_draws.haar`,
+:func:`~nncf_paired_draws.bootstrap` and per-draw table :func:`~nncf_paired_draws.draw_rows` are reused), and runs
+each re-rounded model through the same engine path as
 ``bench_openvino.py quant`` (legacy ONNX export at opset 17, ``openvino.convert_model``, ``nncf.compress_weights``,
 the CPU plugin at ``INFERENCE_PRECISION_HINT=f32``, one thread) with ``bench_quant_encoders.py``'s texts, pooling
 and metric (1 − cos of the pooled embedding against the float32 original in torch, per text).
@@ -54,7 +55,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_quant_encoders as encoders  # noqa: E402 (the benchmarks folder is on the path only now)
-from nncf_paired_draws import bootstrap, haar  # noqa: E402
+from nncf_paired_draws import bootstrap, draw_rows, haar  # noqa: E402
 
 
 def attention_parts(layer: torch.nn.Module) -> tuple[torch.nn.Linear, torch.nn.Linear, torch.nn.Linear,
@@ -114,11 +115,7 @@ def report(result: dict[str, Any], variant: str) -> str:
     o = np.array([rows[str(k)]["original"] for k in done])
     c = np.array([rows[str(k)][variant] for k in done])
     lines = [f"{variant} / original, {result['texts']} texts, NNCF {result['mode']}; draws {done}", "",
-             "| draw | original's error | converted's error | ratio | original / its shipped draw |",
-             "|---|---|---|---|---|"]
-    for j, k in enumerate(done):
-        lines.append(f"| {k} | {o[j].mean():.4e} | {c[j].mean():.4e} | {c[j].mean() / o[j].mean():.3f} | "
-                     f"{o[j].mean() / o[0].mean():.3f} |")
+             *draw_rows(done, o, c)]
     per = c.mean(1) / o.mean(1)
     for label, sel in (("every draw", slice(None)), ("re-roundings only (draw 0 left out)", slice(1, None))):
         cc, oo = c[sel], o[sel]

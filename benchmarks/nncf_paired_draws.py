@@ -210,6 +210,18 @@ def bootstrap(conv: Any, orig: Any, photo: list[str] | None, draws: int = 4000, 
     return float(conv.sum() / orig.sum()), float(lo), float(hi)
 
 
+def draw_rows(done: list[int], o: Any, c: Any) -> list[str]:
+    """A Markdown table, one row per draw: both models' mean errors (``o``, ``c``: ``[draws, inputs]``), their
+    ratio, and the original's error against its first listed (shipped) draw. Shared with
+    ``nncf_encoder_draws.py``."""
+    lines = ["| draw | original's error | converted's error | ratio | original / its shipped draw |",
+             "|---|---|---|---|---|"]
+    for j, k in enumerate(done):
+        lines.append(f"| {k} | {o[j].mean():.4e} | {c[j].mean():.4e} | {c[j].mean() / o[j].mean():.3f} | "
+                     f"{o[j].mean() / o[0].mean():.3f} |")
+    return lines
+
+
 def report(result: dict[str, Any], metric: str = "tok") -> str:
     """Per pair: each draw's errors and ratio, and the ratio over draws with its intervals."""
     import numpy as np
@@ -223,11 +235,7 @@ def report(result: dict[str, Any], metric: str = "tok") -> str:
         o = np.array([rows[str(k)][base][metric] for k in done])
         c = np.array([rows[str(k)][other][metric] for k in done])
         lines += ["", f"pair {pair}: {other} / {base}, re-rounded by {' + '.join(kinds)}; draws {done}", "",
-                  "| draw | original's error | converted's error | ratio | original / its shipped draw |",
-                  "|---|---|---|---|---|"]
-        for j, k in enumerate(done):
-            lines.append(f"| {k} | {o[j].mean():.4e} | {c[j].mean():.4e} | {c[j].mean() / o[j].mean():.3f} | "
-                         f"{o[j].mean() / o[0].mean():.3f} |")
+                  *draw_rows(done, o, c)]
         per = c.mean(1) / o.mean(1)
         for label, sel in (("every draw", slice(None)), ("re-roundings only (draw 0 left out)", slice(1, None))):
             cc, oo = c[sel], o[sel]
