@@ -20,7 +20,9 @@ also a residual); ``converted-keep`` (``beta_placement="keep"``); ``converted-no
 ``converted-pnc`` (``per_norm_centering=True``: a centering op before each Post-LN norm the carry leaves
 approximate); ``converted-pnc-nocarry`` (``per_norm_centering=True, mean_carry=False``: a centering op
 before every Post-LN norm, no MLP widened); ``converted-pnc-nocarry-keep`` (the same, every β kept in its
-norm: what ``normswap convert --per-norm-centering --no-mean-carry`` writes). ``online-VARIANT`` (``online``
+norm: what ``normswap convert --per-norm-centering --no-mean-carry`` writes); ``converted-exact-nocarry``
+(``mode="exact", mean_carry=False``: only the exact norms converted, so every Post-LN norm stays the original's
+LayerNorm). ``online-VARIANT`` (``online``
 alone: ``online-converted``): that variant's conversion, then ``normswap.rotate(model, "none", online=True)`` (no
 stream turned; an online Hadamard before every Linear input: what ``--rotate none --online-hadamard`` adds);
 ``online-b32-VARIANT`` the same with ``online_block=32``. ``--float-ops`` leaves those ops' MatMuls in float in
@@ -62,7 +64,7 @@ QUANTIZERS = ("fp32", "dyn-pt", "dyn-pc", "qdq", "nbits-rtn")
 DEFAULT_QUANTIZERS = ("fp32", "dyn-pt", "dyn-pc")
 CALIBRATION_TEXTS = 32  # qdq's calibration paragraphs, the ones after the measured texts (held out)
 CONVERTED = ("converted", "converted-fold", "converted-keep", "converted-nocarry", "converted-carry128",
-             "converted-pnc", "converted-pnc-nocarry", "converted-pnc-nocarry-keep")
+             "converted-pnc", "converted-pnc-nocarry", "converted-pnc-nocarry-keep", "converted-exact-nocarry")
 # online Hadamards on top of a conversion: online-<variant> (full op) and online-b32-<variant> (blocks of 32)
 ONLINE = ("online", *(f"online-{v}" for v in CONVERTED), *(f"online-b32-{v}" for v in CONVERTED))
 VARIANTS = ("original", *CONVERTED, *ONLINE)
@@ -79,7 +81,10 @@ OPTIONS: dict[str, dict[str, Any]] = {"converted": {}, "converted-fold": {"beta_
                                       # the same two with every β kept in its norm: what `normswap convert`
                                       # writes (its default since round 48, native or compat)
                                       "converted-pnc-nocarry-keep": {"per_norm_centering": True, "mean_carry": False,
-                                                                     "beta_placement": "keep"}}
+                                                                     "beta_placement": "keep"},
+                                      # only the exact norms converted and no carry: every Post-LN norm stays the
+                                      # original's LayerNorm (no op, no widened MLP; round 58)
+                                      "converted-exact-nocarry": {"mode": "exact", "mean_carry": False}}
 
 
 def english(n: int, seed: int = 0) -> list[str]:

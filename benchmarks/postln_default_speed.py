@@ -19,6 +19,8 @@ loaded 2-core machine).
 
     OMP_NUM_THREADS=1 python benchmarks/postln_default_speed.py MINILM MPNET --budget 6 --json speed.json
     OMP_NUM_THREADS=1 python benchmarks/postln_default_speed.py MINILM --engines eager --budget 3   # quick
+    OMP_NUM_THREADS=1 python benchmarks/postln_default_speed.py MINILM --engines eager,ort \
+        --variants converted-exact-nocarry converted-pnc-nocarry     # the Post-LN norms left LayerNorm, vs the ops
 """
 
 from __future__ import annotations
@@ -42,8 +44,15 @@ import bench_deploy_speed as deploy  # noqa: E402 (the benchmarks folder is on t
 import bench_quant_encoders as encoders  # noqa: E402
 
 VARIANTS = ("converted", "converted-pnc-nocarry")
-PAIRS = (("converted", "original"), ("converted-pnc-nocarry", "original"), ("converted-pnc-nocarry", "converted"),
-         ("original2", "original"))
+
+
+def pairs_of(variants: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
+    """Each variant against the original, the second against the first, and the original's A/A."""
+    return (*((v, "original") for v in variants), *(((variants[1], variants[0]),) if len(variants) > 1 else ()),
+            ("original2", "original"))
+
+
+PAIRS = pairs_of(VARIANTS)
 
 
 def halves(calls: dict[str, Any], a: str, b: str, budget: float, min_quads: int) -> dict[str, float]:
@@ -127,10 +136,11 @@ def run_model(model_dir: Path, args: argparse.Namespace, tmp: Path) -> list[dict
 def row_line(row: dict[str, Any]) -> str:
     cells = " | ".join(cell(row[f"{a}/{c}"]) if f"{a}/{c}" in row else "–" for a, c in PAIRS)
     return (f"| {row['model']} | {row['engine']} | {row['batch']} | {row['tokens']} | {cells} | "
-            f"{row['converted/original']['original_ms']:.2f} |")
+            f"{row[f'{PAIRS[0][0]}/original']['original_ms']:.2f} |")
 
 
 def main(argv: list[str] | None = None) -> None:
+    global VARIANTS, PAIRS  # --variants: what run_model builds and times
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("models", type=Path, nargs="+", help="sentence-transformers directories")
     ap.add_argument("--engines", default="eager,compile,ort")
@@ -139,9 +149,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--compile-tokens", type=int, default=16)
     ap.add_argument("--budget", type=float, default=6.0, help="seconds of ABBA quads per pair and cell")
     ap.add_argument("--min-quads", type=int, default=10)
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=encoders.CONVERTED,
+                    help="bench_quant_encoders' conversions (the first two also timed against each other)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     args.engines = args.engines.split(",")
+    VARIANTS, PAIRS = tuple(args.variants), pairs_of(tuple(args.variants))
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")
     load0 = os.getloadavg()
