@@ -162,9 +162,16 @@ class TensorRewriter:
             for attr in (g_attr, b_attr):
                 if attr:
                     self.norm_keys[f"{sp.name}.{attr}"] = (sp.name, g_attr, b_attr)
-        for c in plan.mean_carries:  # the plan came from random-weight proxies: the real down weight as the
-            # surgery writes it (centered, before any fold, not widened) and the real up weight as the analysis
-            # reads it (before any edit) set it; compat records it too, unused
+
+    def scale_mean_carries(self) -> None:
+        """Set each :class:`~normswap.analysis.plan.MeanCarry`'s ``scale`` in the plan from the checkpoint's own MLP weights.
+
+        The plan came from random-weight proxies, so its carry scales are the proxies'; the rewrite widens
+        the MLPs with the real ones, and ``normswap inspect --low-memory`` shows them. The real down weight as
+        the surgery writes it (centered, before any fold, not widened) and the real up weight as the analysis
+        reads it (before any edit) set it, as in memory. Call it once, before :meth:`layout`; compat records
+        the scale too, unused (it keeps the stock width). Mutates the plan's carries, nothing else."""
+        for c in self.plan.mean_carries:
             up = self.canonical(f"{c.up}.weight")
             c.scale = MeanCarry.scale_for(self.edited(f"{c.down}.weight", upto=0),
                                           self.read(self.untie.get(up, up)).double())
