@@ -30,6 +30,11 @@ MODELS: dict[str, Callable[[], tuple[type, Any]]] = {
     "dinov2": lambda: (tf.Dinov2Model,
                        tf.Dinov2Config(image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=5,
                                        num_attention_heads=4, mlp_ratio=2, layerscale_value=0.5)),
+    # round 58: a task head on top of a pooler (--task base leaves the head out, in memory and streamed)
+    "bert_cls": lambda: (tf.BertForSequenceClassification,
+                         tf.BertConfig(hidden_size=32, num_hidden_layers=5, num_attention_heads=4,
+                                       intermediate_size=64, vocab_size=99, max_position_embeddings=64,
+                                       pad_token_id=0, num_labels=3)),
     # encoder-decoder, a tied decoder head, a conv stem
     "whisper": lambda: (tf.WhisperForConditionalGeneration,
                         tf.WhisperConfig(d_model=32, encoder_layers=5, decoder_layers=5, encoder_attention_heads=4,
