@@ -1,5 +1,8 @@
 """``normswap convert --low-memory`` against ``--in-memory`` over the option space (round 57).
 
+Round 58 adds ``--max-shard-size``, ``--task`` (per model: its own head, the bare model, a head it lacks) and the
+rotation's own options (each refused by ``--low-memory`` up front) to the factors.
+
 For tiny random checkpoints saved to local directories (LayerNorm γ/β, biases and LayerScale λ randomised; deeper
 than the 3/4-layer proxies, so the streamed plan is extrapolated), runs ``normswap convert`` (the click command,
 in this process) in memory and with ``--low-memory`` for each option combination of a pairwise covering array
@@ -8,6 +11,9 @@ memory), and compares:
 
 - both exit codes; a streamed refusal must be one ``error:`` line and leave nothing behind (exit 2 when it is a
   usage error answered before anything is read);
+- every written checkpoint's shards against its index (round 58: ``--max-shard-size`` small enough to split the
+  tiny models): each tensor in the file the index names, no shard over the size unless it is one tensor, the
+  index's ``total_size`` the tensors' bytes;
 - where both succeed: the written tensors (bitwise, dtype included), the manifests (``config.json``'s
   ``normswap`` entry, less the fields that must differ: the verification figures, which the streamed path takes
   on layers 0, 1 and L-1, and the analysis line), the other written files (bitwise, README.md less its
@@ -83,6 +89,7 @@ TASK_VALUES: dict[str, list[tuple[str, ...]]] = {
     "dinov2": [(), ("--task", "base"), ("--task", "image-classification", "--new-head")],
     "whisper": [(), ("--task", "speech-seq2seq"), ("--task", "base"),
                 ("--task", "audio-classification", "--new-head")],
+    "gptj": [(), ("--task", "causal-lm"), ("--task", "base"), ("--task", "sequence-classification", "--new-head")],
     "bert_cls": [(), ("--task", "sequence-classification"), ("--task", "base"),
                  ("--task", "masked-lm", "--new-head")],
 }
@@ -424,10 +431,16 @@ def summarize(paths: list[Path]) -> dict[str, Any]:
     for r in rows:
         t = table.setdefault(r["model"], {"combinations": 0, "both_converted": 0, "streamed_refused_exit2": 0,
                                           "streamed_refused_documented": 0, "with_problems": 0, "problems": {},
-                                          "worst_vs_original": 0.0})
+                                          "worst_vs_original": 0.0, "both_converted_with_task": 0,
+                                          "both_converted_sharded": 0, "same_shard_layout": 0})
         t["combinations"] += 1
         m, s = r["mem"]["exit"], r["stream"]["exit"]
         t["both_converted"] += m == 0 and s == 0
+        if m == 0 and s == 0:  # round 58's factors, among the rows both paths wrote
+            t["both_converted_with_task"] += "--task" in r["args"]
+            sharded = len(r["stream"].get("shards", {})) > 1
+            t["both_converted_sharded"] += sharded
+            t["same_shard_layout"] += sharded and bool(r.get("same_shard_layout"))
         t["streamed_refused_exit2"] += m == 0 and s == 2
         t["streamed_refused_documented"] += m == 0 and s == 1 and any(
             d in (r["stream"]["stderr"] or [""])[-1] for d in DOCUMENTED_REFUSALS)
@@ -440,6 +453,7 @@ def summarize(paths: list[Path]) -> dict[str, Any]:
                 t["worst_vs_original"] = max(t["worst_vs_original"], r[k])
     compact = [{"model": r["model"], "args": r["args"], "exit_in_memory": r["mem"]["exit"],
                 "exit_low_memory": r["stream"]["exit"], "problems": r["problems"],
+                "shards": [len(r[k].get("shards", {})) for k in ("mem", "stream")],
                 **({"refusal": r["streamed_refusal"]} if "streamed_refusal" in r else {}),
                 **{k: r[k] for k in ("mem_vs_original", "stream_vs_original") if k in r}} for r in rows]
     return {"by_model": table, "rows": compact}

@@ -20,7 +20,7 @@ from tests.streaming_models import written_tensors
 
 # the sweep's models but OPT (GPT-2 covers its structure here); DINOv2 with the default backbone settings:
 # out_features names the last of 5 stages, which a 3-layer copy lacks
-MODELS = {name: STREAMING_MODELS[name] for name in ("gpt2", "whisper", "bert", "dinov2", "bert_cls")}
+MODELS = {name: STREAMING_MODELS[name] for name in ("gpt2", "whisper", "bert", "dinov2", "bert_cls", "gptj")}
 
 
 @pytest.fixture(scope="module")
@@ -84,6 +84,11 @@ def _card(d: Path) -> str:
     # Post-LN, compat: the card listed the verdicts in another order (the in-memory card is written again from
     # config.json, whose keys are sorted)
     ("bert", {"format": "compat"}),
+    # round 58: bias slots inside the layers (GPT-J's q/k/v, three per layer): the streamed manifest listed them
+    # grouped by template (h.0.k_proj, h.1.k_proj, ...), memory layer by layer; compat moves each slot's shift
+    # back into ln_1 and takes it out of fc_in's bias (the slotted norm's other β-taking reader) again
+    ("gptj", {"fold_gamma": True}),
+    ("gptj", {"fold_gamma": True, "format": "compat", "dtype": "bfloat16"}),
     # a backbone config's stage names: the 3-layer copy refused to build (exit 1)
     ("dinov2", {}),
     ("dinov2", {"fold_gamma": True, "layer_scale": "fold", "writer_centering": "op"}),
@@ -97,6 +102,9 @@ def test_low_memory_writes_what_in_memory_writes(sources, tmp_path, name, option
     if options.get("fold_gamma") and name == "gpt2":  # the slot is there (native) or gone back (compat)
         slots = json.loads((stream / "config.json").read_text())["normswap"]["plan"]["bias_slots"]
         assert [s["reader"] for s in slots] == ["lm_head"]
+    if name == "gptj":  # the slots inside the layers, all five layers'
+        slots = json.loads((stream / "config.json").read_text())["normswap"]["plan"]["bias_slots"]
+        assert [s["reader"] for s in slots] == [f"transformer.h.{i}.attn.{p}_proj" for i in range(5) for p in "kqv"]
 
 
 @pytest.mark.parametrize("name, options", [
