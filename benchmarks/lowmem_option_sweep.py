@@ -1,5 +1,8 @@
 """``normswap convert --low-memory`` against ``--in-memory`` over the option space (round 57).
 
+Round 58 adds ``--max-shard-size``, ``--task`` (per model: its own head, the bare model, a head it lacks) and the
+rotation's own options (each refused by ``--low-memory`` up front) to the factors.
+
 For tiny random checkpoints saved to local directories (LayerNorm γ/β, biases and LayerScale λ randomised; deeper
 than the 3/4-layer proxies, so the streamed plan is extrapolated), runs ``normswap convert`` (the click command,
 in this process) in memory and with ``--low-memory`` for each option combination of a pairwise covering array
@@ -8,6 +11,9 @@ memory), and compares:
 
 - both exit codes; a streamed refusal must be one ``error:`` line and leave nothing behind (exit 2 when it is a
   usage error answered before anything is read);
+- every written checkpoint's shards against its index (round 58: ``--max-shard-size`` small enough to split the
+  tiny models): each tensor in the file the index names, no shard over the size unless it is one tensor, the
+  index's ``total_size`` the tensors' bytes;
 - where both succeed: the written tensors (bitwise, dtype included), the manifests (``config.json``'s
   ``normswap`` entry, less the fields that must differ: the verification figures, which the streamed path takes
   on layers 0, 1 and L-1, and the analysis line), the other written files (bitwise, README.md less its
@@ -26,6 +32,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import random
 import shutil
 import sys
@@ -35,11 +42,13 @@ from typing import Any
 
 import torch
 from click.testing import CliRunner
+from safetensors import safe_open
 
 from normswap import presets
 from normswap.cli import main
 from normswap.cli.plan_opts import check_combination
 from normswap.errors import UsageError
+from normswap.options import TASKS, parse_size
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's tests/ (run as a script)
 from tests.streaming_models import MODELS, written_tensors  # noqa: E402
@@ -61,9 +70,35 @@ FACTORS: list[tuple[str, list[tuple[str, ...]]]] = [
     ("no_mean_carry", [(), ("--no-mean-carry",)]),
     ("no_constant_trades", [(), ("--no-constant-trades",)]),
     ("carry_multiple", [(), ("--carry-multiple", "1"), ("--carry-multiple", "16")]),
-    ("rotate", [(), ("--rotate", "hadamard"), ("--rotate", "random"), ("--rotate", "none", "--online-hadamard")]),
+    ("rotate", [(), ("--rotate", "hadamard"), ("--rotate", "random"), ("--rotate", "none", "--online-hadamard"),
+                # round 58: the rotation's own options, each with a rotation (all refused by --low-memory up front)
+                ("--rotate", "learned", "--learn-steps", "2"), ("--rotate", "hadamard", "--rotate-output", "restore"),
+                ("--rotate", "random", "--seed", "3"), ("--rotate", "hadamard", "--smooth", "0.5"),
+                ("--rotate", "none", "--online-hadamard", "--online-block", "8")]),
     ("dtype", [(), ("--dtype", "float32"), ("--dtype", "bfloat16"), ("--dtype", "float16")]),
+    # round 58: shards small enough to split the tiny checkpoints (about 150-400 KB) into several files
+    ("max_shard_size", [(), ("--max-shard-size", "100KB"), ("--max-shard-size", "16KB")]),
 ]
+# round 58: --task, per model (the heads each tiny checkpoint can be loaded with): its own class's task, the bare
+# model (the head's tensors left out; BERT's pooler is new), and a task head the checkpoint lacks (--new-head)
+TASK_VALUES: dict[str, list[tuple[str, ...]]] = {
+    "gpt2": [(), ("--task", "causal-lm"), ("--task", "base"), ("--task", "sequence-classification", "--new-head")],
+    "opt": [(), ("--task", "causal-lm"), ("--task", "base"), ("--task", "sequence-classification", "--new-head")],
+    "bert": [(), ("--task", "masked-lm"), ("--task", "base", "--new-head"),
+             ("--task", "token-classification", "--new-head")],
+    "dinov2": [(), ("--task", "base"), ("--task", "image-classification", "--new-head")],
+    "whisper": [(), ("--task", "speech-seq2seq"), ("--task", "base"),
+                ("--task", "audio-classification", "--new-head")],
+    "gptj": [(), ("--task", "causal-lm"), ("--task", "base"), ("--task", "sequence-classification", "--new-head")],
+    "bert_cls": [(), ("--task", "sequence-classification"), ("--task", "base"),
+                 ("--task", "masked-lm", "--new-head")],
+}
+INSPECT_SKIP = {"dtype", "max_shard_size"}  # convert's options only: inspect plans without writing
+
+
+def factors_for(name: str) -> list[tuple[str, list[tuple[str, ...]]]]:
+    """FACTORS and the model's --task values."""
+    return [*FACTORS, ("task", TASK_VALUES.get(name, [()]))]
 
 # manifest fields that must differ between the paths: the verification (streamed: layers 0, 1 and L-1, other
 # figures) and the analysis line (streamed: "low-memory: 3-layer proxy extrapolated ...")
@@ -88,7 +123,7 @@ def save_source(name: str, root: Path) -> Path:
 
 
 def combination_args(combo: dict[str, tuple[str, ...]]) -> list[str]:
-    return [a for _, values in FACTORS for a in combo[_]]
+    return [a for values in combo.values() for a in values]
 
 
 def accepted_in_memory(args: list[str], src: Path) -> bool:
@@ -106,22 +141,24 @@ def accepted_in_memory(args: list[str], src: Path) -> bool:
 # array, each tried in REFUSED_ROWS combinations of its own
 STREAM_REFUSED = {("per_norm_centering", ("--per-norm-centering",)),
                   ("writer_centering", ("--writer-centering", "auto")),
-                  ("rotate", ("--rotate", "hadamard")), ("rotate", ("--rotate", "random")),
-                  ("rotate", ("--rotate", "none", "--online-hadamard"))}
+                  *(("rotate", v) for v in dict(FACTORS)["rotate"] if v)}
 REFUSED_ROWS = 2
 # what --low-memory refuses once it has planned (exit 1, nothing written; docs/checkpoints.md): it depends on the
 # model's plan, which the analysis of the proxies makes, not on the command line alone
 DOCUMENTED_REFUSALS = ("approximate norm(s) need calibration on the whole model",
-                       "through their residual writers, which the low-memory path cannot do")
+                       "through their residual writers, which the low-memory path cannot do",
+                       "a new head has no tensors to stream")  # --task with --new-head: nothing to read it from
 
 
-def covering_array(src: Path, seed: int = 0, candidates: int = 60) -> list[dict[str, tuple[str, ...]]]:
-    """A pairwise covering array (greedy, AETG-like) over FACTORS less STREAM_REFUSED, among the combinations
-    accepted in memory: every pair of values of two options that some accepted combination holds is in at least
-    one row. Then REFUSED_ROWS random accepted rows for each value in STREAM_REFUSED."""
+def covering_array(src: Path, seed: int = 0, candidates: int = 60,
+                   factors: list[tuple[str, list[tuple[str, ...]]]] | None = None) -> list[dict[str, tuple[str, ...]]]:
+    """A pairwise covering array (greedy, AETG-like) over ``factors`` (default FACTORS) less STREAM_REFUSED, among
+    the combinations accepted in memory: every pair of values of two options that some accepted combination holds
+    is in at least one row. Then REFUSED_ROWS random accepted rows for each value in STREAM_REFUSED."""
     rng = random.Random(seed)
-    names = [n for n, _ in FACTORS]
-    values = {n: [v for v in vs if (n, v) not in STREAM_REFUSED] for n, vs in FACTORS}
+    factors = FACTORS if factors is None else factors
+    names = [n for n, _ in factors]
+    values = {n: [v for v in vs if (n, v) not in STREAM_REFUSED] for n, vs in factors}
     uncovered = {((a, i), (b, j)) for a, b in itertools.combinations(names, 2)
                  for i in range(len(values[a])) for j in range(len(values[b]))}
     rows: list[dict[str, tuple[str, ...]]] = []
@@ -230,13 +267,17 @@ def compare_outputs(mem: Path, stream: Path) -> dict[str, Any]:
             "worst_rel_diff": worst, "manifest_diff": manifest[:8], "config_diff": config[:8], "side_files": side}
 
 
-def outputs_vs_original(name: str, src: Path, out: Path) -> float:
+def outputs_vs_original(name: str, src: Path, out: Path, task: str | None = None) -> float:
     """Largest output difference over the largest output, the converted model loaded in float64 against the
-    original in float64."""
+    original in float64 (loaded with ``--task``'s class; not for a new head, which the original lacks)."""
     import normswap
     from normswap.inputs import hf_example_inputs
 
     cls, _ = MODELS[name]()
+    if task not in (None, "causal-lm", "masked-lm", "speech-seq2seq"):  # the bare model (--task base)
+        import transformers
+
+        cls = getattr(transformers, TASKS[task])
     original = cls.from_pretrained(src).double().eval()
     converted = normswap.load(out).double().eval()
     probe = hf_example_inputs(original, seed=3)
@@ -248,6 +289,50 @@ def outputs_vs_original(name: str, src: Path, out: Path) -> float:
     if isinstance(rb, torch.Tensor) and ra.shape == rb.shape:
         return float((rb - ra).abs().max() / ra.abs().max())
     return float("nan")
+
+
+def shard_problems(d: Path, max_shard_size: str | None) -> tuple[list[str], dict[str, Any]]:
+    """Whether a written checkpoint's shards and index agree: with several weight files, the index lists every
+    tensor in the file that holds it and no other, names only files that exist, and its ``total_size`` is the
+    tensors' bytes; no file holds more than ``max_shard_size`` unless it is one tensor. Returns the problems and
+    the layout (file -> tensor count)."""
+    files = sorted(f for f in d.glob("*.safetensors") if not f.name.startswith("normswap"))
+    held: dict[str, str] = {}
+    sizes: dict[str, int] = {}
+    counts: dict[str, int] = {}
+    problems = []
+    for f in files:
+        with safe_open(str(f), "pt") as h:
+            keys = list(h.keys())
+            tensors = [h.get_slice(k) for k in keys]
+            nbytes = sum(math.prod(t.get_shape()) * _ITEMSIZE[t.get_dtype()] for t in tensors)
+        counts[f.name], sizes[f.name] = len(keys), nbytes
+        for k in keys:
+            if k in held:
+                problems.append(f"{k} in {held[k]} and {f.name}")
+            held[k] = f.name
+        if max_shard_size and nbytes > parse_size(max_shard_size) and len(keys) > 1:
+            problems.append(f"{f.name} holds {nbytes} B > {max_shard_size}")
+    index_path = d / "model.safetensors.index.json"
+    if len(files) > 1 or index_path.exists():
+        if not index_path.exists():
+            problems.append(f"{len(files)} weight files and no index")
+        else:
+            index = json.loads(index_path.read_text())
+            wmap = index.get("weight_map", {})
+            if wmap != held:
+                wrong = sorted(k for k in set(wmap) | set(held) if wmap.get(k) != held.get(k))
+                problems.append(f"index and files disagree on {len(wrong)} tensor(s), e.g. {wrong[:3]}")
+            missing = sorted(set(wmap.values()) - {f.name for f in files})
+            if missing:
+                problems.append(f"index names missing files {missing[:3]}")
+            total = index.get("metadata", {}).get("total_size")
+            if total is not None and int(total) != sum(sizes.values()):
+                problems.append(f"index total_size {total} != {sum(sizes.values())} B of tensors")
+    return problems, counts
+
+
+_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
 
 
 def run_one(name: str, src: Path, combo: dict[str, tuple[str, ...]], work: Path) -> dict[str, Any]:
@@ -281,9 +366,16 @@ def run_one(name: str, src: Path, combo: dict[str, tuple[str, ...]], work: Path)
         problems.append("in-memory failure left files")
     if m["exception"]:
         problems.append(f"in-memory traceback {m['exception'][:160]}")
+    shard = dict(zip(combo.get("max_shard_size", ())[::2], combo.get("max_shard_size", ())[1::2], strict=True))
+    for kind in ("mem", "stream"):
+        if row[kind]["exit"] == 0:
+            bad, layout = shard_problems(outs[kind], shard.get("--max-shard-size"))
+            row[kind]["shards"] = layout
+            problems += [f"{kind} shards: {b}" for b in bad]
     if m["exit"] == 0 and s["exit"] == 0:
         cmp = compare_outputs(outs["mem"], outs["stream"])
         row["compare"] = cmp
+        row["same_shard_layout"] = m["shards"] == s["shards"]
         if cmp["tensors_only_in_one"] or cmp["n_tensors_differ"]:
             problems.append("tensors differ")
         if cmp["manifest_diff"] or cmp["config_diff"]:
@@ -292,10 +384,11 @@ def run_one(name: str, src: Path, combo: dict[str, tuple[str, ...]], work: Path)
             problems.append("side files differ")
         exact = not any(s.get("verdict") == "approximate" and s.get("convert")
                         for s in manifest_of(outs["mem"]).get("plan", {}).get("sites", []))
-        if exact and combo["dtype"] in ((), ("--dtype", "float32")):
+        task = combo.get("task", ())
+        if exact and combo["dtype"] in ((), ("--dtype", "float32")) and "--new-head" not in task:
             try:
-                row["mem_vs_original"] = outputs_vs_original(name, src, outs["mem"])
-                row["stream_vs_original"] = outputs_vs_original(name, src, outs["stream"])
+                row["mem_vs_original"] = outputs_vs_original(name, src, outs["mem"], task[1] if task else None)
+                row["stream_vs_original"] = outputs_vs_original(name, src, outs["stream"], task[1] if task else None)
             except Exception as exc:  # noqa: BLE001 - recorded, not fatal
                 row["vs_original_error"] = repr(exc)[:200]
                 problems.append("loading/running failed")
@@ -309,7 +402,7 @@ def run_one(name: str, src: Path, combo: dict[str, tuple[str, ...]], work: Path)
     elif m["exit"] != s["exit"]:
         problems.append(f"exit codes {m['exit']} vs {s['exit']}")
     # normswap inspect --low-memory with the same plan options: the plan convert --low-memory writes, or its refusal
-    plan_args = [a for n, _ in FACTORS if n != "dtype" for a in combo[n]]
+    plan_args = [a for n, values in combo.items() if n not in INSPECT_SKIP for a in values]
     code, err, exc = run_cli(["inspect", str(src), "--json", "--low-memory", *plan_args])
     row["inspect"] = {"exit": code, "stderr": err[-1:], "exception": exc}
     if s["exit"] == 0:
@@ -338,10 +431,16 @@ def summarize(paths: list[Path]) -> dict[str, Any]:
     for r in rows:
         t = table.setdefault(r["model"], {"combinations": 0, "both_converted": 0, "streamed_refused_exit2": 0,
                                           "streamed_refused_documented": 0, "with_problems": 0, "problems": {},
-                                          "worst_vs_original": 0.0})
+                                          "worst_vs_original": 0.0, "both_converted_with_task": 0,
+                                          "both_converted_sharded": 0, "same_shard_layout": 0})
         t["combinations"] += 1
         m, s = r["mem"]["exit"], r["stream"]["exit"]
         t["both_converted"] += m == 0 and s == 0
+        if m == 0 and s == 0:  # round 58's factors, among the rows both paths wrote
+            t["both_converted_with_task"] += "--task" in r["args"]
+            sharded = len(r["stream"].get("shards", {})) > 1
+            t["both_converted_sharded"] += sharded
+            t["same_shard_layout"] += sharded and bool(r.get("same_shard_layout"))
         t["streamed_refused_exit2"] += m == 0 and s == 2
         t["streamed_refused_documented"] += m == 0 and s == 1 and any(
             d in (r["stream"]["stderr"] or [""])[-1] for d in DOCUMENTED_REFUSALS)
@@ -354,6 +453,7 @@ def summarize(paths: list[Path]) -> dict[str, Any]:
                 t["worst_vs_original"] = max(t["worst_vs_original"], r[k])
     compact = [{"model": r["model"], "args": r["args"], "exit_in_memory": r["mem"]["exit"],
                 "exit_low_memory": r["stream"]["exit"], "problems": r["problems"],
+                "shards": [len(r[k].get("shards", {})) for k in ("mem", "stream")],
                 **({"refusal": r["streamed_refusal"]} if "streamed_refusal" in r else {}),
                 **{k: r[k] for k in ("mem_vs_original", "stream_vs_original") if k in r}} for r in rows]
     return {"by_model": table, "rows": compact}
@@ -383,7 +483,7 @@ def main_(argv: list[str] | None = None) -> int:
         src = args.work / "src" / name
         if not src.exists():
             save_source(name, args.work / "src")
-        rows = covering_array(src)
+        rows = covering_array(src, factors=factors_for(name))
         if args.limit:
             rows = rows[: args.limit]
         results.setdefault("arrays", {})[name] = len(rows)

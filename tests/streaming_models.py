@@ -1,6 +1,7 @@
 """Tiny Hugging Face models for comparing ``--low-memory`` with the in-memory conversion: five layers each (deeper
 than the 3/4-layer proxies the streamed plan is made on, so it is extrapolated), one per structure the streamed
-path treats apart. Shared by ``tests/checkpoint/test_streaming_combos.py`` and ``benchmarks/lowmem_option_sweep.py``."""
+path treats apart (round 58: a task head over a pooler, and bias slots inside the layers). Shared by
+``tests/checkpoint/test_streaming_combos.py`` and ``benchmarks/lowmem_option_sweep.py``."""
 
 from __future__ import annotations
 
@@ -30,6 +31,16 @@ MODELS: dict[str, Callable[[], tuple[type, Any]]] = {
     "dinov2": lambda: (tf.Dinov2Model,
                        tf.Dinov2Config(image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=5,
                                        num_attention_heads=4, mlp_ratio=2, layerscale_value=0.5)),
+    # round 58: a task head on top of a pooler (--task base leaves the head out, in memory and streamed)
+    "bert_cls": lambda: (tf.BertForSequenceClassification,
+                         tf.BertConfig(hidden_size=32, num_hidden_layers=5, num_attention_heads=4,
+                                       intermediate_size=64, vocab_size=99, max_position_embeddings=64,
+                                       pad_token_id=0, num_labels=3)),
+    # round 58: bias slots inside the layers (q/k/v have no bias; ln_1 also feeds fc_in, which has one) and an
+    # LM head with a bias, parallel attention and MLP
+    "gptj": lambda: (tf.GPTJForCausalLM,
+                     tf.GPTJConfig(n_layer=5, n_embd=32, n_head=4, rotary_dim=4, vocab_size=99, n_positions=64,
+                                   **SPECIAL)),
     # encoder-decoder, a tied decoder head, a conv stem
     "whisper": lambda: (tf.WhisperForConditionalGeneration,
                         tf.WhisperConfig(d_model=32, encoder_layers=5, decoder_layers=5, encoder_attention_heads=4,

@@ -21,9 +21,23 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def place(tmp_path_factory) -> Path:
-    """A source model on disk, a text file, an empty directory and a non-empty one."""
+    """A source model on disk, a text file, an empty directory and a non-empty one; ``held``, a finetune run
+    directory holding models (at ``model``, in ``checkpoints``) and a data file (as ``metrics.jsonl``) that a
+    run there would write over, and ``linked``, one whose ``model`` is a symlink to ``src``."""
     root = tmp_path_factory.mktemp("usage")
     presets.save("tiny-gpt2", root / "src")
+    held = root / "held"
+    presets.save("tiny-gpt2", held / "model")
+    presets.save("tiny-gpt2", held / "checkpoints" / "base")
+    (held / "checkpoints" / "step-000002").mkdir()
+    (held / "checkpoints" / "step-000002" / "trainer_state.json").write_text("{}")
+    (held / "metrics.jsonl").write_text('{"text": "hello world"}\n')
+    (root / "linked").mkdir()
+    (root / "prev").mkdir()  # an earlier output holding the files a new conversion reads
+    (root / "prev" / "cal.txt").write_text("hello world\n" * 4)
+    (root / "prev" / "inputs.safetensors").write_bytes(b"")
+    (root / "prevlink").symlink_to(root / "prev", target_is_directory=True)
+    (root / "linked" / "model").symlink_to(root / "src", target_is_directory=True)
     (root / "f.txt").write_text("hello world\n" * 4)
     (root / "d").mkdir()
     (root / "mine").mkdir()
@@ -44,6 +58,19 @@ CASES = [
     ("convert: --out is MODEL", lambda r: ["convert", str(r / "src"), "--out", str(r / "src")], "overlaps"),
     ("convert: --out a file", lambda r: ["convert", str(r / "src"), "--out", str(r / "f.txt")], "is a file"),
     ("convert: --out not empty", lambda r: ["convert", str(r / "src"), "--out", str(r / "mine")], "not empty"),
+    # round 58: --overwrite replaces the whole --out, and an input read from inside it went with it (exit 0)
+    ("convert: --calibration-data inside --out",
+     lambda r: ["convert", str(r / "src"), "--out", str(r / "prev"), "--overwrite", "--calibration-data",
+                str(r / "prev" / "cal.txt")], "--calibration-data"),
+    ("convert: --sample inside --out",
+     lambda r: ["convert", str(r / "src"), "--out", str(r / "prev"), "--overwrite", "--sample",
+                str(r / "prev" / "cal.txt")], "lies inside --out"),
+    ("convert: --example-inputs inside --out",
+     lambda r: ["convert", str(r / "src"), "--out", str(r / "prev"), "--overwrite", "--example-inputs",
+                str(r / "prev" / "inputs.safetensors")], "lies inside --out"),
+    ("convert: --out a symlink to the directory holding --calibration-data",
+     lambda r: ["convert", str(r / "src"), "--out", str(r / "prevlink"), "--overwrite", "--calibration-data",
+                str(r / "prev" / "cal.txt")], "lies inside --out"),
     ("convert: --calibration-data missing",
      lambda r: ["convert", str(r / "src"), "--out", str(r / "o"), "--calibration-data", str(r / "nope.txt")],
      "does not exist"),
@@ -86,6 +113,22 @@ CASES = [
     ("finetune: output.dir a file", lambda r: _ft(r, f"output.dir={r / 'f.txt'}"), "is a file"),
     ("finetune: output.dir not empty", lambda r: _ft(r, f"output.dir={r / 'mine'}"), "not empty"),
     ("finetune: output.dir is model.source", lambda r: _ft(r, f"output.dir={r / 'src'}"), "model.source"),
+    # round 58: an output.dir that holds a model or data the run reads, where the run writes or replaces (each
+    # ran on before: output.overwrite removed the source model, resume would write over it)
+    ("finetune: output.overwrite would replace model.source at output.dir/model",
+     lambda r: _ft(r, f"model.source={r / 'held' / 'model'}", f"output.dir={r / 'held'}", "output.overwrite=true"),
+     "which is or holds model.source"),
+    ("finetune: checkpoint.resume would write over model.source under output.dir/checkpoints",
+     lambda r: _ft(r, f"model.source={r / 'held' / 'checkpoints' / 'base'}", f"output.dir={r / 'held'}",
+                   "checkpoint.resume=true"), "which is or holds model.source"),
+    ("finetune: the final model would be written over model.student",
+     lambda r: _ft(r, f"model.student={r / 'held' / 'model'}", f"output.dir={r / 'held'}", "checkpoint.resume=true"),
+     "which is or holds model.student"),
+    ("finetune: output.overwrite would remove data.path",
+     lambda r: _ft(r, f"data.path={r / 'held' / 'metrics.jsonl'}", f"output.dir={r / 'held'}",
+                   "output.overwrite=true"), "which is or holds data.path"),
+    ("finetune: output.dir/model a symlink to model.source",
+     lambda r: _ft(r, f"output.dir={r / 'linked'}", "output.overwrite=true"), "which is or holds model.source"),
     ("finetune: bad override", lambda r: _ft(r, "train.lr=abc", f"output.dir={r / 'o'}"), "train.lr"),
     ("bench: --json a directory", lambda r: ["bench", "--json", str(r / "d")], "is a directory"),
     # click's own checks, said in the same one line (they printed a usage block, a hint and `Error:` before)
@@ -152,6 +195,22 @@ def test_finetune_resumes_and_overwrites_where_the_directory_allows_it(place, tm
     early.mkdir()
     (early / "recipe.yaml").write_text("task: causal-lm\n")
     assert check_output(load_config("distill-causal-lm", [*base[:2], f"output.dir={early}"]))[1:] == (None, [])
+
+
+def test_finetune_may_write_beside_a_model_it_reads_that_the_run_does_not_touch(tmp_path):
+    """A model kept elsewhere under output.dir (not at a path the run writes or replaces) is no clash: with
+    output.overwrite the run replaces its own files only, and the model stays out of what it replaces."""
+    from normswap.recipes.config import load_config
+    from normswap.recipes.outdir import check_output
+
+    out = tmp_path / "run"
+    presets.save("tiny-gpt2", out / "teacher")
+    (out / "metrics.jsonl").write_text("{}\n")
+    (tmp_path / "f.txt").write_text("hello world\n")
+    cfg = load_config("distill-causal-lm", [f"model.source={out / 'teacher'}", f"data.path={tmp_path / 'f.txt'}",
+                                            f"output.dir={out}", "output.overwrite=true"])
+    got, latest, replaced = check_output(cfg)
+    assert got == out and latest is None and replaced == [out / "metrics.jsonl"]
 
 
 # (arguments after `python -m normswap.recipes`, a fragment of the one error line): the module runs `finetune`

@@ -371,8 +371,11 @@ def extrapolate(plan: dict[str, Any], proxy: dict[str, int], full: dict[str, int
     out["mean_carries"] = _simple(ex, plan.get("mean_carries", []), "up", ("down", "site"), ref_field="source",
                                   text_fields=("activation",))
     out["beta_moves"] = _simple(ex, plan.get("beta_moves", []), "into", ("reader",), ref_field="site")
-    # bias-less readers given a bias for β (an LM head; one per layer where a layer's reader has one)
-    out["bias_slots"] = _simple(ex, plan.get("bias_slots", []), "reader", (), ref_field="site")
+    # bias-less readers given a bias for β (an LM head; one per layer where a layer's reader has one), listed as
+    # the in-memory analysis lists them, with the folds: by site, then reader (round 58: several per layer, as
+    # GPT-J's q/k/v, came out grouped by template, h.0.k_proj, h.1.k_proj, ...)
+    out["bias_slots"] = sorted(_simple(ex, plan.get("bias_slots", []), "reader", (), ref_field="site"),
+                               key=lambda b: (site_pos.get(b["site"], -1), b["reader"]))
     # LayerScale folds, one per layer's λ (the low-memory rewrite folds and rebalances every one of them)
     out["scale_folds"] = sorted(_simple(ex, plan.get("scale_folds", []), "param", ("into",)), key=lambda f: f["param"])
     moved_into = {m["reader"]: m["into"] for m in out["beta_moves"]}

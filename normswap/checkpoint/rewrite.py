@@ -60,10 +60,21 @@ class KeyMap:
                 self.to_model[key] = new
         self.to_ckpt = {m: k for k, m in self.to_model.items()}
 
-    def ckpt_key(self, model_key: str) -> str:
-        """The checkpoint-style name for a model parameter (new keys: transformers' save-time names)."""
-        if model_key in self.to_ckpt:
-            return self.to_ckpt[model_key]
+    def out_key(self, key: str) -> str:
+        """The name the converted checkpoint gives checkpoint tensor ``key``: the name the in-memory path saves
+        the loaded model's parameter under. That is ``key`` itself unless the checkpoint and the model class
+        disagree on the base-model prefix: ``--task base`` on a checkpoint with a head (``transformer.h.0...`` is
+        saved as ``h.0...``), a base checkpoint loaded with a head class (the other way), or a load-time rename
+        that the save reverts (DINOv3's ``layer.0...`` is ``model.layer.0...`` in memory, saved as ``layer.0...``):
+        then transformers' save-time name of the parameter."""
+        model_key = self.to_model.get(key)
+        prefix = getattr(self.meta, "base_model_prefix", "") or ""
+        if model_key is None or not prefix or key.startswith(f"{prefix}.") == model_key.startswith(f"{prefix}."):
+            return key
+        return self._saved_name(model_key)
+
+    def _saved_name(self, model_key: str) -> str:
+        """transformers' save-time name for a model parameter (its load-time renames reverted)."""
         from transformers.core_model_loading import revert_weight_conversion
 
         try:
@@ -71,6 +82,12 @@ class KeyMap:
             return next(iter(reverted))
         except Exception:  # noqa: BLE001
             return model_key
+
+    def ckpt_key(self, model_key: str) -> str:
+        """The checkpoint-style name for a model parameter (new keys: transformers' save-time names)."""
+        if model_key in self.to_ckpt:
+            return self.to_ckpt[model_key]
+        return self._saved_name(model_key)
 
 
 class TensorRewriter:
@@ -162,9 +179,17 @@ class TensorRewriter:
             for attr in (g_attr, b_attr):
                 if attr:
                     self.norm_keys[f"{sp.name}.{attr}"] = (sp.name, g_attr, b_attr)
-        for c in plan.mean_carries:  # the plan came from random-weight proxies: the real down weight as the
-            # surgery writes it (centered, before any fold, not widened) and the real up weight as the analysis
-            # reads it (before any edit) set it; compat records it too, unused
+
+    def scale_mean_carries(self) -> None:
+        """Set each :class:`~normswap.analysis.plan.MeanCarry`'s ``scale`` in the plan from the checkpoint's own
+        MLP weights.
+
+        The plan came from random-weight proxies, so its carry scales are the proxies'; the rewrite widens
+        the MLPs with the real ones, and ``normswap inspect --low-memory`` shows them. The real down weight as
+        the surgery writes it (centered, before any fold, not widened) and the real up weight as the analysis
+        reads it (before any edit) set it, as in memory. Call it once, before :meth:`layout`; compat records
+        the scale too, unused (it keeps the stock width). Mutates the plan's carries, nothing else."""
+        for c in self.plan.mean_carries:
             up = self.canonical(f"{c.up}.weight")
             c.scale = MeanCarry.scale_for(self.edited(f"{c.down}.weight", upto=0),
                                           self.read(self.untie.get(up, up)).double())
@@ -326,21 +351,24 @@ class TensorRewriter:
         done_sites: set[str] = set()
         for key, e in self.reader.entries.items():
             mkey = self.keys.to_model.get(key)
-            if mkey is not None and mkey in self.norm_keys:
+            if mkey is None:  # a tensor the model does not hold (a head --task left out): not saved in memory
+                continue
+            if mkey in self.norm_keys:
                 site, g_attr, b_attr = self.norm_keys[mkey]
                 if site not in done_sites:
                     done_sites.add(site)
                     out += self._norm_entries(site, key, e, g_attr, b_attr)
                 continue
             dtype = self.out_dtype(e.dtype)
-            if mkey is not None and self.is_edited(mkey):
+            name = self.keys.out_key(key)
+            if self.is_edited(mkey):
                 out.append(
-                    (key, dtype, self.shape(mkey, e.shape),
+                    (name, dtype, self.shape(mkey, e.shape),
                      lambda m=mkey, d=dtype: self.output(m, ST_TO_TORCH[d]), mkey)
                 )
             else:
                 out.append(
-                    (key, dtype, e.shape, lambda k=key, d=dtype: self.reader.get(k).to(ST_TO_TORCH[d]), mkey)
+                    (name, dtype, e.shape, lambda k=key, d=dtype: self.reader.get(k).to(ST_TO_TORCH[d]), mkey)
                 )
         present = set(self.keys.to_model.values())
         for target, slot in self.slots.items() if self.fmt == "native" else ():
@@ -371,7 +399,7 @@ class TensorRewriter:
         dtype = self.out_dtype(e.dtype)
         torch_dtype = ST_TO_TORCH[dtype]
         shape = tuple(sp.param_shape)
-        base = self.keys.to_ckpt.get(f"{site}.{g_attr or b_attr}", key).rpartition(".")[0]
+        base = self.keys.out_key(self.keys.to_ckpt.get(f"{site}.{g_attr or b_attr}", key)).rpartition(".")[0]
         rms_gamma = None
         if sp.rms_weight:
             rms_gamma = gamma if not sp.fold_gamma else torch.ones_like(gamma)
@@ -395,10 +423,10 @@ class TensorRewriter:
                 value = (
                     rms_gamma if rms_gamma is not None else torch.ones(shape, dtype=torch.float64)
                 ) - offset
-                add(self.keys.to_ckpt[f"{site}.{g_attr}"], value, f"{site}.{g_attr}")
+                add(self.keys.out_key(self.keys.to_ckpt[f"{site}.{g_attr}"]), value, f"{site}.{g_attr}")
             if b_attr:
                 value = rms_beta if rms_beta is not None else torch.zeros(shape, dtype=torch.float64)
-                ckpt_key = self.keys.to_ckpt[f"{site}.{b_attr}"]
+                ckpt_key = self.keys.out_key(self.keys.to_ckpt[f"{site}.{b_attr}"])
                 if any(b.site == site for b in self.plan.bias_slots):  # as writer.compat_model: + c, in the dtype
                     entries.append((ckpt_key, dtype, shape, lambda v=value, s=site: self.cast(v, torch_dtype)
                                     + self.unslot_shift(s).reshape(shape).to(torch_dtype), f"{site}.{b_attr}"))

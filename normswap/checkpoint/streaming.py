@@ -92,7 +92,7 @@ def plan_streaming(src: Source, *, fmt: str, options: ConvertOptions, task: str 
         place_beta(st.fp, st.meta, st.keys, reader, options)
         # the mean carries' scales from the checkpoint's own MLP weights, as the rewrite sets them (round 57:
         # inspect showed the random-weight proxies' scales)
-        TensorRewriter(st.plan, st.meta, st.keys, reader, fmt=fmt, dtype=None)
+        TensorRewriter(st.plan, st.meta, st.keys, reader, fmt=fmt, dtype=None).scale_mean_carries()
     finally:
         reader.close()
     return st.plan
@@ -280,6 +280,7 @@ def _write_tensors(st: _Streaming, tmp: Path, options: ConvertOptions, fmt: str,
     try:
         place_beta(st.fp, st.meta, st.keys, reader, options)
         rewriter = TensorRewriter(st.plan, st.meta, st.keys, reader, fmt=fmt, dtype=st.out_dtype)
+        rewriter.scale_mean_carries()  # before the layout: the widened MLPs take the real weights' scale
         # the adapter bases from the checkpoint's own tensors, as the in-memory surgery records them
         adapter_bases(st.meta, st.plan, lambda site: rewriter.norms.get(site, (None, None)),
                       lambda name: rewriter.read(name).double(), lambda sf: rewriter.edited(sf.param).reshape(-1))

@@ -34,30 +34,50 @@ def checkpoint_dirs(root: str | Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def _inside(path: Path, model: str | None) -> str | None:
-    """``model`` when it is a local directory that ``path`` equals or lies inside (writing there would mix
-    the run's files into the model's own)."""
-    if not model or not Path(model).expanduser().is_dir():
+def _overlap(out: Path, key: str, value: str | None) -> str | None:
+    """Why the run must not write to ``out`` given the input ``value`` (config key ``key``), or None.
+
+    The run writes ``out`` itself (only to create it) and, inside it, the paths of ``RUN_FILES`` and
+    ``RUN_SIDE_FILES`` (``output.overwrite`` removes the first ones before it starts; ``checkpoint.resume``
+    and the end of the run write into ``checkpoints/`` and ``model/``). An input clashes when ``out``
+    equals it or lies inside it (the run's files would mix into the model's own), or when one of those
+    written paths equals it or contains it (a model kept at ``out/model`` or ``out/checkpoints/step-2``
+    would be replaced or written over). An input elsewhere under ``out`` (``out/teacher``) is no clash: the
+    run neither removes nor writes anything there. Symlinks are resolved on both sides. A preset name or a
+    Hub id (no local path) never clashes."""
+    if not value:
         return None
-    src, dst = Path(model).expanduser().resolve(), path.resolve()
-    return model if dst == src or src in dst.parents else None
+    given = Path(value).expanduser()
+    if not given.exists():
+        return None
+    src, dst = given.resolve(), out.resolve()
+    if dst == src or src in dst.parents:
+        return (f"config key `output.dir`: {str(out)!r} is {key}'s directory {value!r} or inside it; the run would "
+                "write into the model's own files: choose another output.dir")
+    for name in RUN_FILES + RUN_SIDE_FILES:
+        written = (out / name).resolve()
+        if src == written or written in src.parents:
+            return (f"config key `output.dir`: the run writes {str(out / name)!r}, which is or holds {key} "
+                    f"({value!r}); it would replace or write over it: choose another output.dir, or move {key}")
+    return None
 
 
 def check_output(cfg: Any) -> tuple[Path, Path | None, list[Path]]:
     """The output directory, the checkpoint to resume from (if any) and what ``output.overwrite`` replaces.
 
     Raises :class:`~normswap.errors.UsageError` (exit 2), writing nothing, when ``output.dir`` is a file,
-    lies in a model directory the recipe reads, holds a run and neither ``checkpoint.resume`` (with a
+    equals or lies in a model directory or data set the recipe reads, would write (or replace) a path that
+    is or holds one (see :func:`_overlap`), holds a run and neither ``checkpoint.resume`` (with a
     checkpoint to resume from) nor ``output.overwrite`` was set, or holds other files and
     ``output.overwrite`` was not set. ``cfg``: a :class:`~normswap.recipes.config.RecipeConfig`."""
     out = Path(cfg.output.dir).expanduser()
     if out.exists() and not out.is_dir():
         raise UsageError(f"config key `output.dir`: {str(out)!r} is a file; give a directory to write the run to")
-    for key in ("source", "student", "tokenizer"):
-        model = _inside(out, getattr(cfg.model, key))
-        if model is not None:
-            raise UsageError(f"config key `output.dir`: {str(out)!r} is model.{key}'s directory {model!r} or inside "
-                             "it; the run would write into the model's own files: choose another output.dir")
+    inputs = [(f"model.{key}", getattr(cfg.model, key)) for key in ("source", "student", "tokenizer")]
+    for key, value in [*inputs, ("data.path", cfg.data.path)]:
+        clash = _overlap(out, key, value)
+        if clash is not None:
+            raise UsageError(clash)
     ckpt_root = out / "checkpoints"
     done = checkpoint_dirs(ckpt_root) if cfg.checkpoint.resume else []
     latest = done[-1][1] if done else None

@@ -20,7 +20,7 @@ from tests.streaming_models import written_tensors
 
 # the sweep's models but OPT (GPT-2 covers its structure here); DINOv2 with the default backbone settings:
 # out_features names the last of 5 stages, which a 3-layer copy lacks
-MODELS = {name: STREAMING_MODELS[name] for name in ("gpt2", "whisper", "bert", "dinov2")}
+MODELS = {name: STREAMING_MODELS[name] for name in ("gpt2", "whisper", "bert", "dinov2", "bert_cls", "gptj")}
 
 
 @pytest.fixture(scope="module")
@@ -84,9 +84,21 @@ def _card(d: Path) -> str:
     # Post-LN, compat: the card listed the verdicts in another order (the in-memory card is written again from
     # config.json, whose keys are sorted)
     ("bert", {"format": "compat"}),
+    # round 58: bias slots inside the layers (GPT-J's q/k/v, three per layer): the streamed manifest listed them
+    # grouped by template (h.0.k_proj, h.1.k_proj, ...), memory layer by layer; compat moves each slot's shift
+    # back into ln_1 and takes it out of fc_in's bias (the slotted norm's other β-taking reader) again
+    ("gptj", {"fold_gamma": True}),
+    ("gptj", {"fold_gamma": True, "format": "compat", "dtype": "bfloat16"}),
     # a backbone config's stage names: the 3-layer copy refused to build (exit 1)
     ("dinov2", {}),
     ("dinov2", {"fold_gamma": True, "layer_scale": "fold", "writer_centering": "op"}),
+    # round 58: the bare model from a checkpoint with a head: the streamed path kept the checkpoint's prefixed
+    # names (transformer.h.0...) where memory saves the loaded model's own (h.0...)
+    ("gpt2", {"task": "base"}),
+    ("gpt2", {"task": "base", "fold_gamma": True, "format": "compat", "max_shard_size": "16KB"}),
+    ("whisper", {"task": "base", "writer_centering": "op"}),
+    # ... and copied the head's tensors (classifier.*) the bare model does not hold; memory leaves them out
+    ("bert_cls", {"task": "base", "mode": "exact"}),
 ])
 def test_low_memory_writes_what_in_memory_writes(sources, tmp_path, name, options):
     mem, stream = tmp_path / "mem", tmp_path / "stream"
@@ -94,9 +106,36 @@ def test_low_memory_writes_what_in_memory_writes(sources, tmp_path, name, option
     report = normswap.convert(sources[name], stream, low_memory=True, **options)
     assert report.streamed
     assert_same_output(mem, stream)
-    if options.get("fold_gamma") and name == "gpt2":  # the slot is there (native) or gone back (compat)
+    if options.get("fold_gamma") and name == "gpt2" and "task" not in options:  # native: there; compat: gone back
         slots = json.loads((stream / "config.json").read_text())["normswap"]["plan"]["bias_slots"]
         assert [s["reader"] for s in slots] == ["lm_head"]
+    if options.get("task") == "base":  # neither the head's prefix nor the head itself
+        prefixed = (":transformer.", ":model.", ":bert.", ":classifier.")
+        assert not any(k.startswith(prefixed) for k in written_tensors(stream))
+    if name == "gptj":  # the slots inside the layers, all five layers'
+        slots = json.loads((stream / "config.json").read_text())["normswap"]["plan"]["bias_slots"]
+        assert [s["reader"] for s in slots] == [f"transformer.h.{i}.attn.{p}_proj" for i in range(5) for p in "kqv"]
+
+
+def test_streamed_shards_and_index_agree(sources, tmp_path):
+    """With shards small enough to split the model into several files, the index names, for every tensor, the
+    file that holds it, and its total size is the tensors' bytes (the streamed writer's own layout)."""
+    from safetensors import safe_open
+
+    out = tmp_path / "s"
+    normswap.convert(sources["gpt2"], out, low_memory=True, max_shard_size="16KB", fold_gamma=True)
+    files = sorted(out.glob("model-*.safetensors"))
+    assert len(files) > 3
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    held, total = {}, 0
+    for f in files:
+        with safe_open(str(f), "pt") as h:
+            for k in h.keys():
+                t = h.get_tensor(k)
+                held[k], total = f.name, total + t.numel() * t.element_size()
+    assert index["weight_map"] == held
+    assert int(index["metadata"]["total_size"]) == total
+    assert all(f.stat().st_size <= 16_000 + 4096 or len(safe_open(str(f), "pt").keys()) == 1 for f in files)
 
 
 def test_streamed_bias_slot_is_exact_in_float64(sources, tmp_path):
