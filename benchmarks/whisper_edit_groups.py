@@ -27,6 +27,9 @@ from safetensors.torch import load_file, save_file
 
 GROUPS = {
     "writers": re.compile(r"\.(out_proj|fc2)\."),
+    # the MLP writers alone (round 58: the rows a rotation draw cannot re-round)
+    "fc2": re.compile(r"\.fc2\."),
+    "out-proj": re.compile(r"\.out_proj\."),
     "embeddings": re.compile(r"decoder\.embed_(tokens|positions)|^proj_out"),
     "beta": re.compile(r"layer_norm\.bias|\.(q_proj|v_proj|fc1)\.bias"),
     # by stream (for a rotated compat model, whose encoder output is a model output and so is the original's):

@@ -41,6 +41,20 @@ Extra variants, each with the same draws (``--variants``):
     python benchmarks/whisper_paired_draws.py --check-hqq FLOAT.onnx HQQ.onnx      # hqq4 against ONNX Runtime
     python benchmarks/whisper_paired_draws.py --table out.json [more.json ...]   # pooled, no model run
 
+``--quant torchao`` runs torchao's real ``Int8DynamicActivationInt8WeightConfig`` (``quantize_`` on a copy of each
+re-rounded model: int8 weights symmetric per output row, int8 activations symmetric per token at run time,
+``torch._int_mm``; torchao on the path, e.g. ``PYTHONPATH=TAO:$PWD``). A reordering re-rounds nothing on that grid (a
+row keeps its values in another order; a token's absmax is the same over permuted features), so with it use
+``--draws rotate`` (:func:`rotated`): per layer, attention (self and cross) and head, one Haar-random orthogonal ``B``
+on the head's ``q``/``k`` rows (``q' = Bq``, ``k' = Bk``) and another ``A`` on its values (``v' = Av``, ``out_proj``'s
+columns ``· Aᵀ``): exact in any network, and every ``q_proj``, ``k_proj``, ``v_proj`` and ``out_proj`` row is new to
+a per-row grid, as is every ``out_proj`` input token to a per-token one. ``fc1``, ``fc2`` and ``proj_out`` keep
+their shipped integers. ``--draws rotate+fc2`` also shifts each ``fc2``'s rows by one shared random vector (within
+±1 step of the original's per-row grid): ``(vᵀh)·1`` in the stream, which the next LayerNorm removes, so exact only
+in a model with LayerNorms (the original and the compat hybrids, :func:`rotated`). Every drawn model is first checked
+against the unrounded float32 original (logits on 2 clips, ‖Δ‖/‖ref‖ ≤ 1e-5) and the transform alone in float64
+(≤ 1e-9); the run stops on a mismatch.
+
 ``--table`` joins runs clip by clip (a clip set split over processes by seeds, ``--skip``/``--clips`` or
 ``--only``), then pools the clips over the seeds every clip has.
 """
@@ -54,6 +68,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -90,6 +105,85 @@ def reordered(model: torch.nn.Module, seed: int) -> torch.nn.Module:
         if hasattr(layer, "encoder_attn"):
             _reorder_attention(layer.encoder_attn, g)
     return out
+
+
+def _attentions(model: torch.nn.Module) -> list[torch.nn.Module]:
+    out = []
+    for layer in _layers(model):
+        out.append(layer.self_attn)
+        if hasattr(layer, "encoder_attn"):
+            out.append(layer.encoder_attn)
+    return out
+
+
+@torch.no_grad()
+def rotated(model: torch.nn.Module, seed: int, fc2: bool = False, grid_from: torch.nn.Module | None = None
+            ) -> torch.nn.Module:
+    """A copy of ``model`` (a Whisper, original or converted) re-rounded for per-row / per-token int8 grids by draw
+    ``seed`` (module docstring, ``--draws rotate``): per attention and head ``q' = Bq``, ``k' = Bk``, ``v' = Av``,
+    ``out_proj`` columns ``· Aᵀ`` (float64 products, cast back). ``fc2``: each layer's ``fc2`` rows also shifted by
+    one shared vector ``v`` uniform within ±1 step of ``grid_from``'s (default ``model``'s) median per-row
+    ``absmax / 127.5``; exact only where a LayerNorm reads the stream. The random numbers are drawn in one fixed
+    order, so the same seed gives the same transforms on any Whisper of the same shape (a pair). Seed 0: ``model``."""
+    from nncf_paired_draws import haar
+
+    if seed == 0:
+        return model
+    out = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(seed)
+    for att in _attentions(out):
+        d = att.head_dim
+        for h in range(att.num_heads):
+            rows = slice(h * d, (h + 1) * d)
+            b, a = haar(d, g), haar(d, g)
+            for lin, m in ((att.q_proj, b), (att.k_proj, b), (att.v_proj, a)):
+                lin.weight[rows] = (m @ lin.weight[rows].double()).to(lin.weight.dtype)
+                if lin.bias is not None:
+                    lin.bias[rows] = (m @ lin.bias[rows].double()).to(lin.bias.dtype)
+            w = att.out_proj.weight
+            w[:, rows] = (w[:, rows].double() @ a.T).to(w.dtype)
+    ref_layers = _layers(grid_from if grid_from is not None else model)
+    for layer, ref in zip(_layers(out), ref_layers, strict=True):
+        w0 = ref.fc2.weight.double()
+        step = float((w0.abs().amax(1) / 127.5).median())
+        v = step * (2 * torch.rand(w0.shape[1], generator=g, dtype=torch.float64) - 1)
+        if fc2:
+            layer.fc2.weight.copy_((layer.fc2.weight.double() + v[None, :]).to(layer.fc2.weight.dtype))
+    return out
+
+
+def torchao_int8(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``model`` through torchao's ``quantize_(…, Int8DynamicActivationInt8WeightConfig())``: every
+    ``nn.Linear`` (``proj_out`` included, which leaves a tied embedding in float) int8 per output row, its input int8
+    per token at run time."""
+    from torchao.quantization import Int8DynamicActivationInt8WeightConfig, quantize_
+
+    out = copy.deepcopy(model)
+    quantize_(out, Int8DynamicActivationInt8WeightConfig())
+    return out
+
+
+@torch.no_grad()
+def check_drawn(drawn: torch.nn.Module, ref_logits: torch.Tensor, feats: torch.Tensor, ids: list[torch.Tensor],
+                base: torch.nn.Module, redo: Any, label: str) -> dict[str, float]:
+    """``drawn`` (a re-rounded model, float32) against the unrounded float32 original's logits ``ref_logits`` on
+    the first two clips (``‖Δ‖ / ‖ref‖`` ≤ 1e-5), and the transform alone in float64 on the first clip:
+    ``redo(base.double())`` against ``base.double()`` (≤ 1e-9). Stops the run otherwise."""
+    got = _logits(drawn, feats, ids)
+    rel = float((got - ref_logits).norm() / ref_logits.norm())
+    if not rel <= 1e-5:
+        raise SystemExit(f"{label}: not the original's function in float32, ‖Δ‖ / ‖ref‖ = {rel:.2e}")
+    b64 = copy.deepcopy(base).double()
+    a = _logits(b64, feats.double(), ids, 1)
+    rel64 = float((_logits(redo(b64), feats.double(), ids, 1) - a).norm() / a.norm())
+    if not rel64 <= 1e-9:
+        raise SystemExit(f"{label}: the transform is not exact in float64, ‖Δ‖ / ‖ref‖ = {rel64:.2e}")
+    return {"rel": rel, "rel64": rel64}
+
+
+def _logits(model: torch.nn.Module, feats: torch.Tensor, ids: list[torch.Tensor], clips: int = 2) -> torch.Tensor:
+    return torch.cat([model(input_features=feats[i:i + 1], decoder_input_ids=ids[i][None], use_cache=False).logits[0]
+                      for i in range(clips)])
 
 
 class RMSAsLayerNorm(torch.nn.Module):
@@ -245,7 +339,7 @@ def pair_tests(pairs: np.ndarray) -> tuple[int, float, float, float]:
 
 def table(results: list[dict]) -> str:
     """One table per quantizer (a run's ``quant``; RTN where a run predates the field), each :func:`quant_table`."""
-    kinds = sorted({r.get("quant", "rtn") for r in results}, key=list(QUANT).index)
+    kinds = sorted({r.get("quant", "rtn") for r in results}, key=[*QUANT, "torchao"].index)
     return "\n\n".join(quant_table([r for r in results if r.get("quant", "rtn") == q], q) for q in kinds)
 
 
@@ -257,7 +351,8 @@ def quant_table(results: list[dict], quant: str = "rtn") -> str:
         raise SystemExit(f"{quant}: no seed measured in every clip set")
     orig = kl["original"]
     lines = [f"{len(seeds)} paired draws (seeds {', '.join(map(str, seeds))}; 0: as shipped), {orig.shape[1]} clips, "
-             f"{int(positions)} positions; simulated MatMulNBits {quant.upper()} 4-bit", "",
+             f"{int(positions)} positions; " + ("torchao int8 dynamic activation + int8 weight" if quant == "torchao"
+                                                 else f"simulated MatMulNBits {quant.upper()} 4-bit"), "",
              "| variant | KL/clip, mean over draws (sd between draws) | ratio to original (95% CI, draws and clips) | "
              "pairs above 1 (sign test p) | t 95% over pairs | as shipped | per pair |", "|---" * 7 + "|"]
     for name, k in kl.items():
@@ -288,7 +383,12 @@ def main(argv: list[str] | None = None) -> None:
                     "conversion-rms); --table joins runs of one clip set and seeds model by model")
     ap.add_argument("--ref-cache", type=Path, help="the float original's log-probs, saved / reused")
     ap.add_argument("--json", type=Path)
-    ap.add_argument("--quant", choices=list(QUANT), default="rtn", help="MatMulNBits' 4-bit algorithm to simulate")
+    ap.add_argument("--quant", choices=[*QUANT, "torchao"], default="rtn",
+                    help="MatMulNBits' 4-bit algorithm to simulate, or torchao's real int8 (module docstring)")
+    ap.add_argument("--label", default="conversion", help="CONV's variant name in the JSON and tables (e.g. a "
+                    "hybrid measured with --only LABEL, pooled by --table with another run's original)")
+    ap.add_argument("--draws", choices=["reorder", "rotate", "rotate+fc2"], default="reorder",
+                    help="the exact re-rounding of each draw: reordered() or rotated() (module docstring)")
     ap.add_argument("--table", type=Path, nargs="+", help="print the pooled table of these JSON files and exit")
     ap.add_argument("--check-hqq", type=Path, nargs=2, metavar=("FLOAT.onnx", "HQQ.onnx"),
                     help="compare hqq4 with the weights ONNX Runtime's HQQ quantizer wrote, and exit")
@@ -306,6 +406,8 @@ def main(argv: list[str] | None = None) -> None:
     if any(v not in ("rms", "decw", "encw") for v in extra):
         raise SystemExit(f"unknown variant in --variants {args.variants!r} (known: rms, decw, encw)")
     swaps = [v for v in extra if v in ("decw", "encw")]
+    if (swaps or "rms" in extra) and args.label != "conversion":
+        raise SystemExit("--variants rms/decw/encw name the conversion 'conversion': leave --label out")
     if swaps and args.only and "original" not in args.only.split(","):
         raise SystemExit("--variants decw/encw start from the original's draw: --only must keep original")
     from transformers import AutoTokenizer
@@ -323,7 +425,7 @@ def main(argv: list[str] | None = None) -> None:
         ref, _ = forced_logp(original, feats, ids)
         if args.ref_cache:
             torch.save(ref, args.ref_cache)
-    models = {"original": original, "conversion": conv}
+    models = {"original": original, args.label: conv}
     if "rms" in extra:
         models["conversion-rms"] = rms_norms(copy.deepcopy(conv))
         got, _ = forced_logp(models["conversion-rms"], feats[:1], ids[:1])
@@ -335,18 +437,41 @@ def main(argv: list[str] | None = None) -> None:
               "seeds": [], "positions": [len(r) for r in ref],
               "kl": {n: [] for n in [*models, *(f"conversion-{v}" for v in swaps)]}}
     cache = RoundingCache()
+    result["draws"] = args.draws
+    result["exactness"] = {}
+
+    def drawn_model(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+        if args.draws == "reorder":
+            return reordered(model, seed)
+        return rotated(model, seed, fc2=args.draws == "rotate+fc2", grid_from=original)
+
+    def engine(model: torch.nn.Module) -> torch.nn.Module:
+        return torchao_int8(model) if args.quant == "torchao" else rounded(model, args.quant, cache)
+
+    with torch.inference_mode():
+        ref_logits = _logits(original, feats, ids)
+        for name, model in models.items():  # each model as loaded, against the original in float32
+            rel = float((_logits(model, feats, ids) - ref_logits).norm() / ref_logits.norm())
+            result["exactness"][f"{name}|0"] = {"rel": rel}
+            if not rel <= 1e-5:
+                raise SystemExit(f"{name}: not the original's function in float32, ‖Δ‖ / ‖ref‖ = {rel:.2e}")
     for seed in seeds:
         t0 = time.time()
         drawn, enc_states = {}, None  # kept for the swaps: both rounded draws, the original's encoder states
         for name, model in models.items():
-            q = rounded(reordered(model, seed), args.quant, cache)
+            d = drawn_model(model, seed)
+            if seed != 0 and args.draws != "reorder":  # the draw checked against the unrounded original first
+                result["exactness"][f"{name}|{seed}"] = check_drawn(
+                    d, ref_logits, feats, ids, model, lambda m, seed=seed: drawn_model(m, seed), f"{name} draw {seed}")
+            q = engine(d)
+            del d
             got, states = forced_logp(q, feats, ids)
             result["kl"][name].append(clip_kl(ref, got).tolist())
             if swaps and name in ("original", "conversion"):
                 drawn[name] = q
                 enc_states = states if name == "original" else enc_states
         if swaps and "conversion" not in drawn:  # --only original: the conversion's draw rounded, not run
-            drawn["conversion"] = rounded(reordered(conv, seed), args.quant, cache)
+            drawn["conversion"] = engine(drawn_model(conv, seed))
         for v in swaps:  # the original's draw with one side's writers from the conversion's (same seed)
             mixed = swapped_writers(drawn["original"], drawn["conversion"], "decoder" if v == "decw" else "encoder")
             got, _ = forced_logp(mixed, feats, ids, enc_states if v == "decw" else None)

@@ -222,3 +222,83 @@ def test_the_conversions_writers_swapped_into_the_original_compute_the_original(
     # the swapped writers are not the original's: the conversion moved them (so a draw rounds other numbers)
     assert not torch.equal(draws.swapped_writers(original, converted, "decoder").model.decoder.layers[0].fc2.weight,
                            original.model.decoder.layers[0].fc2.weight)
+
+
+# Round 58: the rotation draws for per-row / per-token int8 engines (torchao), and their float check.
+
+def _int8_rows(w: torch.Tensor) -> torch.Tensor:
+    """torchao's symmetric per-row int8 integers: ``round(w / (absmax / 127.5))`` clamped to [-128, 127]."""
+    scale = (w.abs().amax(1, keepdim=True) / 127.5).clamp_min(1e-30)  # a padding row of proj_out is zero
+    return torch.clamp(torch.round(w / scale), -128, 127)
+
+
+def test_a_rotation_draw_is_exact_for_the_original_and_its_conversion_and_pairs_them(models) -> None:
+    original, converted, inputs = models
+    ref = _logits(original, inputs)
+    for model in (original, converted):
+        for seed in (1, 2):
+            assert _rel(_logits(draws.rotated(model, seed), inputs), ref) < 1e-9
+    assert draws.rotated(original, 0) is original
+    a, b = draws.rotated(original, 5), draws.rotated(converted, 5)
+    for name, mod in a.named_modules():  # the converted draw is the conversion (centred writers) of the original's
+        if isinstance(mod, torch.nn.Linear) and name.rsplit(".", 1)[-1] == "out_proj":
+            centred = mod.weight - mod.weight.mean(0, keepdim=True)
+            assert (b.get_submodule(name).weight - centred).abs().max() < 1e-12 * mod.weight.abs().max()
+
+
+def test_a_rotation_draw_rounds_new_attention_rows_and_a_reordering_rounds_none(models) -> None:
+    """On a per-row grid a reordering gives each row's integers back in another order (no draw); a rotation draw
+    gives every q/k/v/out_proj row new integers and leaves fc1, fc2 and proj_out as shipped."""
+    original, _, _ = models
+    rotated, reordered = draws.rotated(original, 3), draws.reordered(original, 3)
+    for name, old in original.named_modules():
+        if not isinstance(old, torch.nn.Linear):
+            continue
+        ints = _int8_rows(old.weight).sort(1).values.sort(0).values
+        assert torch.equal(_int8_rows(reordered.get_submodule(name).weight).sort(1).values.sort(0).values, ints)
+        new = _int8_rows(rotated.get_submodule(name).weight)
+        if name.rsplit(".", 1)[-1] in ("q_proj", "k_proj", "v_proj", "out_proj"):
+            assert (new != _int8_rows(old.weight)).any(1).float().mean() > 0.9, name
+        else:
+            assert torch.equal(new, _int8_rows(old.weight)), name
+
+
+def test_the_fc2_shift_is_exact_only_where_layernorms_read_the_stream(models) -> None:
+    import copy
+
+    original, converted, inputs = models
+    ref = _logits(original, inputs)
+    shifted = draws.rotated(original, 2, fc2=True)
+    assert _rel(_logits(shifted, inputs), ref) < 1e-9
+    layer = shifted.model.encoder.layers[0]
+    assert not torch.equal(_int8_rows(layer.fc2.weight), _int8_rows(draws.rotated(original, 2).model.encoder
+                                                                     .layers[0].fc2.weight))
+    rms = draws.rms_norms(copy.deepcopy(converted))  # the native graph: RMSNorm, the stream must stay zero-mean
+    assert _rel(_logits(draws.rotated(rms, 2, fc2=True, grid_from=original), inputs), ref) > 1e-6
+
+
+def test_the_draw_check_stops_a_draw_that_is_not_the_original(models) -> None:
+    original, _, inputs = models
+    feats = inputs["input_features"].float()
+    ids = list(inputs["decoder_input_ids"])
+    base = copy_float(original)
+    ref = draws._logits(base, feats, ids)
+    found = draws.check_drawn(draws.rotated(base, 1), ref, feats, ids, base, lambda m: draws.rotated(m, 1), "ok")
+    assert found["rel"] < 1e-5 and found["rel64"] < 1e-9
+
+    def broken(m: torch.nn.Module) -> torch.nn.Module:
+        out = draws.rotated(m, 1)
+        with torch.no_grad():
+            out.model.decoder.layers[0].fc1.weight.mul_(1.01)
+        return out
+
+    with pytest.raises(SystemExit, match="not the original's function"):
+        draws.check_drawn(broken(base), ref, feats, ids, base, broken, "broken")
+    with pytest.raises(SystemExit, match="not exact in float64"):  # float32 within tolerance, the transform is not
+        draws.check_drawn(draws.rotated(base, 1), ref, feats, ids, base, broken, "broken")
+
+
+def copy_float(model: torch.nn.Module) -> torch.nn.Module:
+    import copy
+
+    return copy.deepcopy(model).float()
