@@ -14,13 +14,24 @@ thread's CPU (``time.thread_time``: at one ExecuTorch thread all of XNNPACK's wo
 other jobs on a shared machine) and the process's CPU (``time.process_time``: every pool thread, for ``--threads
 2``), with the 1-minute load average over the run.
 
-Programs: ``original``, ``original A/A`` (a second lowering of the same model), ``converted`` (``normswap.patch``,
-the default export form: one ``aten.rms_norm`` per norm) and one ``converted, FORM`` per ``--forms`` entry
-(exported inside ``normswap.integrations.executorch.delegable_norms(model, FORM)``); ``--rewrite`` adds
-``converted, rewritten`` (the default export, its ``aten.rms_norm`` nodes rewritten into the ``addmm`` form at
-lowering time by ``normswap.integrations.executorch.delegable_program``). The model is
-``bench_deploy_speed.build("gpt2", layers=--layers)`` (width 768, 12 heads, random weights, γ/β and biases
-randomised), batch 1, no cache, one prefill of T tokens per call (``--tokens``; 1 is a decode-sized call).
+Programs: ``original``, ``original A/A`` (a second lowering of the same model; under int8 the original's bytes
+again), ``converted`` (``normswap.patch``, the default export form: one ``aten.rms_norm`` per norm) and, in float32,
+one ``converted, FORM`` per ``--forms`` entry (exported inside ``normswap.integrations.executorch.delegable_norms(
+model, FORM)``); ``--rewrite`` adds ``converted, rewritten`` (the default export, its ``aten.rms_norm`` nodes
+rewritten into the ``addmm`` form at lowering time by ``normswap.integrations.executorch.delegable_program``; under
+int8 after ``convert_pt2e``: quantize-then-rewrite, the documented recipe).
+
+Models (``--model``): ``gpt2``, ``bench_deploy_speed.build("gpt2", layers=--layers)`` (width 768, 12 heads, random
+weights, γ/β and biases randomised), batch 1, no cache, one prefill of T tokens per call (``--tokens``; 1 is a
+decode-sized call); ``dinov2``, the real DINOv2-small (``--dinov2 DIR``, ``executorch_dinov2.variant(...,
+"native")``: what ``normswap convert`` writes; the CLS embedding) on ``--batch`` random ``--image``-px images per
+call; ``dinov2-random``, the DINOv2-small-shaped random model of ``bench_quant_engines.dino`` (12 layers,
+LayerScale, massive activations). ``--schemes``: ``fp32``, and ExecuTorch's ``XNNPACKQuantizer`` through torchao's
+PT2E flow, weights int8 per channel: ``dyn`` (dynamic int8 activations) and ``static`` (calibrated on the call's
+input and three permutations of it: structure, not accuracy; the converted programs with
+``set_module_type(normswap.RMSNorm, None)``, the documented recipe). Under int8 the GPT-2 model has its ``Conv1D``
+projections as ``nn.Linear`` (the quantizer annotates ``linear``, not ``addmm``) and its position ids and causal mask
+as buffers (``Prefill``). Each program's ops left outside the XNNPACK delegate are recorded (``outside``).
 
 Also per cell: ``pooled``, the ratio of the two programs' medians over rounds with an interval that resamples each
 program's processes (no pairing: tighter when nothing drifts), and ``spread``, the process-to-process interquartile
@@ -30,6 +41,8 @@ the A/A measures only the process, not the build.
 
     PYTHONPATH=.:benchmarks:$ET OMP_NUM_THREADS=1 python benchmarks/executorch_short_calls.py --tokens 1 8 128 \\
         --threads 1 2 --rounds 12 --seconds 0.5 --minutes 11.5 --json docs/results/executorch57_short_calls_quiet.json
+    PYTHONPATH=.:benchmarks:$ET OMP_NUM_THREADS=1 python benchmarks/executorch_short_calls.py --model dinov2 \\
+        --dinov2 DINOV2_SMALL --batch 1 8 --schemes fp32 dyn --forms --rewrite --threads 1 2 --keep DIR --json OUT
 """
 
 from __future__ import annotations
@@ -294,6 +307,23 @@ def spread(values: list[float]) -> float:
     return (q[2] - q[0]) / statistics.median(values)
 
 
+def table(result: dict, clock: str) -> str:
+    """A result's cells as a markdown table on ``clock``: the original's ms per call, the process-to-process spread
+    of its processes, rounds, then each program's median ratio to the original with its 95% interval."""
+    names: list[str] = []
+    for cell in result["cells"].values():
+        names += [k for k in cell if k not in ("original_ms", "original_spread", "samples") and k not in names]
+    rows = [f"| cell | original ms ({clock}) | spread | rounds | " + " | ".join(names) + " |",
+            "|---|---|---|---|" + "---|" * len(names)]
+    for key, cell in result["cells"].items():
+        vals = [f"{cell[k][clock]['median']:.3f} ({cell[k][clock]['low']:.3f}-{cell[k][clock]['high']:.3f})"
+                if k in cell else "" for k in names]
+        rows.append(f"| {key} | {cell['original_ms'][clock]:.2f} | {cell['original_spread'][clock]:.2f} | "
+                    f"{len(cell['samples'])} | " + " | ".join(vals) + " |")
+    load = result.get("load") or [0.0]
+    return "\n".join(rows) + f"\n\nload average (1 min) {min(load):.1f}-{max(load):.1f}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--worker", help=argparse.SUPPRESS)
@@ -317,7 +347,12 @@ def main() -> None:
     ap.add_argument("--keep", type=Path, help="write the .pte files here (default: a temporary folder)")
     ap.add_argument("--reuse", action="store_true", help="time the --keep folder's programs instead of lowering")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--table", type=Path, help="print a result JSON as a markdown table (--clock) and exit")
+    ap.add_argument("--clock", choices=CLOCKS, default="thread")
     args = ap.parse_args()
+    if args.table:
+        print(table(json.loads(args.table.read_text()), args.clock))
+        return
     if args.worker:
         worker(args.worker, args.input, args.threads[0], args.seconds, args.warmup)
         return
