@@ -700,6 +700,8 @@ def _capture(modules: dict[str, nn.Module]) -> Iterator[dict[str, list[tuple[tor
     for name, module in modules.items():
         def hook(mod, args, kwargs, output, name=name):  # noqa: ANN001
             x = args[0] if args else next(iter(kwargs.values()))
+            if getattr(mod, "centers_input", False):  # what its RMS reads (the op a pre-hook was before round 58)
+                x = edits.center_last(x)
             seen[name].append((x.detach().clone(), normalised(output).detach().clone()))
         handles.append(module.register_forward_hook(hook, with_kwargs=True))
     try:

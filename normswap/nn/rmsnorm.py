@@ -155,8 +155,16 @@ class RMSNorm(nn.Module):
     #: of an export. Eager calls never read it.
     export_form: str | None = None
 
+    #: Subtract each token's mean before normalising: a Post-LN norm given a centering op
+    #: (``per_norm_centering=True``). ``RMSNorm(x - mean(x))·γ + β`` is ``LayerNorm(x)`` with the same γ, β and
+    #: eps, so such a norm runs torch's one ``layer_norm`` kernel (eager, compiled and exported) instead of a
+    #: Python pre-hook, a mean and a subtraction before the RMS kernel. Set by
+    #: :func:`normswap.surgery.edits.install_hook`, never by hand.
+    centers_input: bool = False
+
     # The cached decisions depend on these; setting one (or moving/casting the module) drops them.
-    _DECISION_INPUTS = frozenset({"weight", "bias", "eps", "backend", "normalized_shape", "param_shape"})
+    _DECISION_INPUTS = frozenset({"weight", "bias", "eps", "backend", "normalized_shape", "param_shape",
+                                  "centers_input"})
 
     def __setattr__(self, name: str, value: object) -> None:
         if name == "backend":
@@ -219,6 +227,9 @@ class RMSNorm(nn.Module):
         # torch._C._is_tracing is what torch.jit.is_tracing() returns outside TorchScript (this forward is
         # never scripted: __prepare_scriptable__), without its Python wrapper (~0.1 us a call)
         if torch.compiler.is_compiling() or torch._C._is_tracing():
+            if self.centers_input:
+                return torch.nn.functional.layer_norm(hidden_states, self.normalized_shape, self.weight, self.bias,
+                                                      self.eps)
             if self.export_form is not None and exporting():
                 return delegable_rms_norm(hidden_states, self.normalized_shape, self.weight, self.bias,
                                           self.export_mean_weight, self.export_eps, self.export_form)
@@ -244,6 +255,11 @@ class RMSNorm(nn.Module):
     def _decide(self, key: tuple, x: torch.Tensor) -> backends.Impl:
         if tuple(x.shape[x.dim() - len(self.normalized_shape):]) != self.normalized_shape:
             return _general  # not cached: the general path raises the shape error
+        if self.centers_input:
+            shape = self.normalized_shape
+            impl = lambda x, w, b, eps: torch.nn.functional.layer_norm(x, shape, w, b, eps)  # noqa: E731
+            self._impls[key] = impl
+            return impl
         impl = backends.bind(self.backend, x, self.weight, self.bias, self.normalized_shape)
         self._impls[key] = impl
         return impl
@@ -257,6 +273,8 @@ class RMSNorm(nn.Module):
         extra += f", bias={self.bias is not None}, backend={self.backend!r}"
         if self.param_shape != self.normalized_shape:
             extra += f", param_shape={self.param_shape}"
+        if self.centers_input:
+            extra += ", centers_input=True"
         return extra
 
 
@@ -271,10 +289,13 @@ class ScriptableRMSNorm(torch.nn.Module):
         self.bias = norm.bias
         self.eps = float(norm.eps)
         self.dims = [-(i + 1) for i in range(len(norm.normalized_shape))]
+        self.centers_input = bool(getattr(norm, "centers_input", False))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         compute = torch.float64 if x.dtype == torch.float64 else torch.float32
         xf = x.to(compute)
+        if self.centers_input:
+            xf = xf - xf.mean(self.dims, keepdim=True)
         y = xf * torch.rsqrt(xf.pow(2).mean(self.dims, keepdim=True) + self.eps)
         weight = self.weight
         if weight is not None:

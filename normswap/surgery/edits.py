@@ -522,14 +522,33 @@ class CenterResidual:
         return pytree.tree_unflatten(leaves, spec)
 
 
+class _CenteredNorm:
+    """The handle of a centering op an :class:`RMSNorm` runs itself (its ``centers_input``): ``remove()`` undoes
+    it, as a hook's handle would."""
+
+    def __init__(self, norm: RMSNorm) -> None:
+        self.norm = norm
+
+    def remove(self) -> None:
+        self.norm.centers_input = False
+
+
 def install_hook(model: nn.Module, h: CenterHook) -> None:
-    """Register one centering op. Idempotent: a module never gets the same hook twice."""
+    """Register one centering op. Idempotent: a module never gets the same hook twice.
+
+    An op on the input of a :class:`RMSNorm` that normalises one dim (a Post-LN norm's op,
+    ``per_norm_centering``) is no hook: the norm centers its input itself (``centers_input``), which is
+    ``LayerNorm``'s math and runs its one kernel (round 58: the hook cost 4-6 % of a BERT-class encoder's eager
+    time)."""
     module = model.get_submodule(h.module)
     installed = getattr(module, "_normswap_hooks", {})
     key = (h.where, h.arg)
     if key in installed:
         return
-    if h.where == "output":
+    if h.where == "input" and isinstance(module, RMSNorm) and len(module.normalized_shape) == 1:
+        module.centers_input = True
+        handle = _CenteredNorm(module)
+    elif h.where == "output":
         handle = module.register_forward_hook(CenterOutput())
     elif h.where == "residual":
         handle = module.register_forward_hook(CenterResidual(h.arg), with_kwargs=True)
