@@ -74,6 +74,24 @@ def check_out_dir(out: str | os.PathLike, *, overwrite: bool, source: str | os.P
     return path
 
 
+def check_inputs_outside(out: str | os.PathLike, files: dict[str, tuple[str | os.PathLike, ...]], *,
+                         out_option: str = "out_dir") -> None:
+    """Refuse (a usage error, exit 2, before anything is read or written) an input file that lies inside the
+    output directory ``out``: with ``overwrite`` the finished output replaces the whole directory, and the file
+    the conversion read (calibration data, example inputs, samples) would be gone with it. ``files``: option
+    name -> the paths given; ``out_option``: how the message names ``out``. Symlinks are resolved; a name that is
+    not on disk is left to the options' own checks. The model's overlap with ``out`` is :func:`check_out_dir`'s."""
+    from normswap.errors import UsageError
+
+    dst = Path(out).expanduser().resolve()
+    for option, paths in files.items():
+        for given in paths:
+            src = Path(given).expanduser()
+            if src.exists() and dst in src.resolve().parents:
+                raise UsageError(f"{option} {given} lies inside {out_option} {out}, which the output replaces; "
+                                 "move the file out of it or write somewhere else")
+
+
 MODES = ("auto", "exact", "all")
 BETA_PLACEMENTS = ("rounding", "keep", "fold")  # where β goes in a default conversion (normswap.surgery.beta_placement)
 LAYER_SCALES = ("keep", "fold")  # where a centered writer's LayerScale λ ends up (normswap.surgery.edits)

@@ -25,6 +25,7 @@ from normswap import presets
 from normswap.checkpoint import io, writer
 from normswap.cli import main
 from normswap.cli.common import cli_words
+from normswap.errors import UsageError
 
 
 def run(*args: str, env: dict | None = None) -> tuple[int, str, str, float]:
@@ -954,3 +955,15 @@ def test_inspect_speaks_flags_like_convert():
     code, stdout, err, _ = run("inspect", "tiny-bert")
     assert code == 0, err
     assert "(--per-norm-centering)" in stdout and "per_norm_centering=" not in stdout
+
+
+def test_api_convert_refuses_calibration_data_inside_out_dir(tmp_path):
+    """Fails without the check in ``normswap.convert``: with ``overwrite=True`` the finished output replaced
+    ``out_dir`` and deleted the calibration file read from inside it (the CLI refused it already)."""
+    out = tmp_path / "prev"
+    out.mkdir()
+    cal = out / "cal.txt"
+    cal.write_text(presets.CORPUS)
+    with pytest.raises(UsageError, match="calibration_data .* lies inside out_dir"):
+        normswap.convert("tiny-bert", out, overwrite=True, calibration_data=cal)
+    assert cal.read_text() == presets.CORPUS and sorted(p.name for p in out.iterdir()) == ["cal.txt"]

@@ -32,7 +32,7 @@ from normswap.checkpoint.source import Source
 from normswap.errors import ModelRunFailed, NormswapError, NothingToConvert, UsageError, VerificationFailed
 from normswap.inputs import towers
 from normswap.integrations.quiet import quietly
-from normswap.options import DTYPES, FORMATS, TASKS, ConvertOptions, check_out_dir, choose
+from normswap.options import DTYPES, FORMATS, TASKS, ConvertOptions, check_inputs_outside, check_out_dir, choose
 from normswap.surgery.verify import (
     comparable,
     compare,
@@ -583,6 +583,7 @@ def convert(
     if calibration_data is not None:
         check_text_file(calibration_data, "calibration_data")
     check_out_dir(out_dir, overwrite=overwrite)  # before a Hub id is fetched; check_destination repeats it below
+    check_inputs_outside(out_dir, {"calibration_data": (calibration_data,) if calibration_data is not None else ()})
     src = source.resolve(str(model_id_or_path), allow_pickle=allow_pickle, trust_remote_code=trust_remote_code,
                          revision=revision)
     out = io.check_destination(out_dir, overwrite=overwrite, source=src.path)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import re
 import warnings
-from pathlib import Path
 from typing import Any
 
 import click
@@ -35,8 +34,8 @@ from normswap.cli.plan_opts import (
     rotation_options,
     source_options,
 )
-from normswap.errors import NormswapError, UsageError
-from normswap.options import check_out_dir
+from normswap.errors import NormswapError
+from normswap.options import check_inputs_outside, check_out_dir
 
 
 def _shard_size(ctx: click.Context, param: click.Parameter, value: str) -> str:
@@ -53,21 +52,6 @@ def _out_dir(ctx: click.Context, param: click.Parameter, value: str) -> str:
     if not value.strip():  # `--out "$DIR"` with DIR unset: refuse, rather than read it as the current directory
         raise click.BadParameter("empty; give the directory to write to (`.` for the current one)")
     return value
-
-
-def _check_inputs_outside(out: str, files: dict[str, tuple[str, ...]]) -> None:
-    """Refuse (a usage error, exit 2, before anything is read or written) an input file that lies inside
-    ``--out``: with ``--overwrite`` the finished output replaces the whole directory, and the file the
-    conversion read (``--calibration-data``, ``--example-inputs``, ``--sample``) would be gone with it.
-    ``files``: option name -> the paths given. Symlinks are resolved; a name that is not on disk is left to
-    the options' own checks. MODEL's overlap with ``--out`` is :func:`normswap.options.check_out_dir`'s."""
-    dst = Path(out).expanduser().resolve()
-    for option, paths in files.items():
-        for given in paths:
-            src = Path(given).expanduser()
-            if src.exists() and dst in src.resolve().parents:
-                raise UsageError(f"{option} {given} lies inside --out {out}, which the output replaces; move the "
-                                 "file out of it or write somewhere else")
 
 
 # ``normswap: `NAME` converted approximately (REASON); relative output error E. ADVICE`` (pipeline.report_warnings)
@@ -220,9 +204,9 @@ def convert(model: str, out: str, **params: Any) -> None:
     check_combination(params, calibration_data=calibration_data, low_memory=low_memory, model=model)
     # a usage error, answered before torch is imported (a Hub id's overlap is checked once it is resolved)
     check_out_dir(out, overwrite=params["overwrite"], source=model if os.path.isdir(model) else None)
-    _check_inputs_outside(out, {"--calibration-data": (calibration_data,) if calibration_data else (),
+    check_inputs_outside(out, {"--calibration-data": (calibration_data,) if calibration_data else (),
                                "--example-inputs": (params["example_inputs"],) if params["example_inputs"] else (),
-                               "--sample": params["samples"]})
+                               "--sample": params["samples"]}, out_option="--out")
     from normswap.checkpoint.conversion import convert as run
     from normswap.options import ConvertOptions
 
