@@ -30,6 +30,10 @@ def test_the_replica_rounds_as_onnx_runtime_quantize_dynamic(tmp_path, per_chann
     lin = nn.Linear(24, 16, bias=False)
     with torch.no_grad():
         lin.weight.mul_(torch.linspace(0.1, 3.0, 16)[:, None])  # rows of different peaks: per channel differs
+        # Every second input's weights zero: ONNX Runtime's u8s8 kernel on AVX2 without VNNI (vpmaddubsw) sums
+        # two adjacent uint8 x int8 products in int16 and saturates there (its docs: use reduce_range on such
+        # CPUs). With one product per pair it cannot, so what is checked is the replica's grids, not the CPU.
+        lin.weight[:, 1::2] = 0
     x = torch.randn(5, 24) * 2 + 0.7
     fp32, q = tmp_path / "lin.onnx", tmp_path / "lin.q.onnx"
     torch.onnx.export(lin, (x,), str(fp32), input_names=["x"], output_names=["y"], dynamo=False, opset_version=17)
