@@ -223,23 +223,36 @@ RECIPES_CASES = [
 
 
 @pytest.mark.parametrize("args, fragment", RECIPES_CASES, ids=[" ".join(c[0]) or "no RECIPE" for c in RECIPES_CASES])
-def test_python_m_normswap_recipes_says_a_usage_error_in_one_line(tmp_path, args, fragment):
+def test_python_m_normswap_recipes_says_a_usage_error_in_one_line(tmp_path, monkeypatch, capsys, args, fragment):
     """``python -m normswap.recipes`` (for ``accelerate launch -m``) runs ``normswap finetune``, and says its usage
     mistakes as ``normswap`` does: one ``error:`` line, exit 2. Fails before round 57: click's usage block, a
-    "Try ... --help" hint and an ``Error:`` line for click's own checks."""
-    proc = subprocess.run([sys.executable, "-m", "normswap.recipes", *args], capture_output=True, text=True,
-                          cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
-    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]
+    "Try ... --help" hint and an ``Error:`` line for click's own checks.
+
+    In this process: the module's one statement, ``run_command(finetune, "python -m normswap.recipes")``, with
+    these arguments (a fresh interpreter costs an import of torch, ~3 s of CPU, per case);
+    ``test_python_m_normswap_recipes_lists_and_helps_as_finetune_does`` runs the module itself."""
+    from normswap.cli import run_command
+    from normswap.cli.finetune_cmd import finetune
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_:
+        run_command(finetune, "python -m normswap.recipes", list(args))
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert exit_.value.code == 2 and len(lines) == 1, err[-2000:]
     assert lines[0].startswith("error: ") and fragment in lines[0], lines
     assert not list(tmp_path.iterdir())
 
 
-def test_python_m_normswap_recipes_lists_and_helps_as_finetune_does(tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    listed = subprocess.run([sys.executable, "-m", "normswap.recipes", "--list"], capture_output=True, text=True,
-                            cwd=tmp_path, env=env)
-    assert listed.returncode == 0 and "distill-causal-lm" in listed.stdout, listed.stderr[-2000:]
+def test_python_m_normswap_recipes_lists_and_helps_as_finetune_does(tmp_path, capsys):
+    """The module run as a program (a fresh interpreter: its ``__main__`` and prog name), and its ``--list``."""
+    from normswap.cli import run_command
+    from normswap.cli.finetune_cmd import finetune
+
+    with pytest.raises(SystemExit) as listed:
+        run_command(finetune, "python -m normswap.recipes", ["--list"])
+    out = capsys.readouterr()
+    assert listed.value.code == 0 and "distill-causal-lm" in out.out, out.err[-2000:]
     helped = subprocess.run([sys.executable, "-m", "normswap.recipes", "--help"], capture_output=True, text=True,
-                            cwd=tmp_path, env=env)
+                            cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert helped.returncode == 0 and helped.stdout.startswith("Usage: python -m normswap.recipes"), helped.stdout

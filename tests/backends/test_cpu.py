@@ -63,6 +63,25 @@ def fresh_kernel(monkeypatch, tmp_path):
     backends.refresh()  # else a failed build's "cpu unavailable" outlives the fixture
 
 
+@pytest.fixture
+def seeded_kernel(monkeypatch, fresh_kernel):
+    """``fresh_kernel``'s empty cache holding a copy of this process's default kernel (this CPU's top level, the
+    extension binding): a test of the other variants then builds those only. The default's own build into an
+    empty cache is ``test_build_is_cached``'s (a build is ~6 s of CPU on the CI machine)."""
+    monkeypatch.undo()
+    cpu.reset()
+    backends.refresh()
+    ok, reason = cpu.available()
+    assert ok, reason
+    default = cpu.kernel().path
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(fresh_kernel))
+    cpu.reset()
+    backends.refresh()
+    (fresh_kernel / "normswap_cpu").mkdir(exist_ok=True)
+    shutil.copy2(default, fresh_kernel / "normswap_cpu" / os.path.basename(default))
+    return fresh_kernel
+
+
 def test_kernel_builds_where_a_compiler_exists():
     ok, reason = cpu.available()
     if HAVE_CXX:
@@ -74,9 +93,10 @@ def test_kernel_builds_where_a_compiler_exists():
 
 
 @pytest.mark.skipif(not HAVE_CXX, reason="needs a C++ compiler")
-def test_every_isa_level_this_cpu_runs(monkeypatch, fresh_kernel):
+def test_every_isa_level_this_cpu_runs(monkeypatch, seeded_kernel):
     """Each instruction-set variant (AVX-512+BF16, AVX-512, AVX2, portable) agrees with eager, and in
-    half precision rounds once, bit for bit (given its own rstd), at every level."""
+    half precision rounds once, bit for bit (given its own rstd), at every level. The levels below the top
+    are built here into an empty cache; the top level is the default kernel (``seeded_kernel``)."""
     top = cpu_build.detect_isa()
     for isa in range(top, -1, -1):
         monkeypatch.setenv("NORMSWAP_CPU_ISA", str(isa))
@@ -283,8 +303,9 @@ def test_backward_deterministic_and_thread_split():
 
 
 @pytest.mark.skipif(not HAVE_CXX, reason="needs a C++ compiler")
-def test_ctypes_variant_without_python_headers(monkeypatch, fresh_kernel):
-    """Without Python.h the same kernel is built as a plain library and called through ctypes."""
+def test_ctypes_variant_without_python_headers(monkeypatch, seeded_kernel):
+    """Without Python.h the same kernel is built as a plain library and called through ctypes (into a cache that
+    holds the default extension build only)."""
     assert cpu.available()[0]
     if cpu_build.python_include() is not None:
         assert cpu.kernel().binding == "extension"

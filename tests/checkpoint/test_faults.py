@@ -552,18 +552,32 @@ def test_dtype_bfloat16_rounds_once(tmp_path, gpt2_src):
 
 
 # ------------------------------------------------------------------------------------ defect 8
-def test_bogus_backend_env_is_one_line_with_the_valid_names(tmp_path):
+def test_bogus_backend_env_is_one_line_with_the_valid_names(tmp_path, monkeypatch):
+    """``convert`` in a fresh process (the variable read at the process's first norm call, end to end);
+    ``backends`` in this one, the variable read again by ``backends.refresh()`` (an interpreter start costs
+    an import of torch, ~4 s of CPU)."""
     import os
     import subprocess
     import sys
 
+    from normswap import backends
+
     env = {**os.environ, "NORMSWAP_BACKEND": "bogus"}
     out = tmp_path / "out"
-    for args in (["backends"], ["convert", "tiny-gpt2", "--out", str(out), "-q"]):
-        proc = subprocess.run(
-            [sys.executable, "-c", "from normswap.cli import main; main()", *args],
-            env=env, capture_output=True, text=True, timeout=300,
-        )
-        line = one_line_error(proc.returncode, proc.stderr, 1, "NORMSWAP_BACKEND='bogus'", "eager", "auto")
+    proc = subprocess.run(
+        [sys.executable, "-c", "from normswap.cli import main; main()", "convert", "tiny-gpt2", "--out", str(out),
+         "-q"],
+        env=env, capture_output=True, text=True, timeout=300,
+    )
+    line = one_line_error(proc.returncode, proc.stderr, 1, "NORMSWAP_BACKEND='bogus'", "eager", "auto")
+    assert "internal error" not in line
+    monkeypatch.setenv("NORMSWAP_BACKEND", "bogus")
+    backends.refresh()
+    try:
+        res = CliRunner().invoke(main, ["backends"])
+        line = one_line_error(res.exit_code, res.stderr, 1, "NORMSWAP_BACKEND='bogus'", "eager", "auto")
         assert "internal error" not in line
+    finally:
+        monkeypatch.undo()
+        backends.refresh()
     assert not out.exists() and list(tmp_path.iterdir()) == []

@@ -8,6 +8,7 @@ the program (a buffer, not an op-made tensor, which XNNPACK would leave outside 
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 
 import pytest
@@ -29,11 +30,19 @@ def _reductions(ep: torch.export.ExportedProgram) -> Counter:
     return Counter(t for t in _ops(ep) if t.startswith("aten.") and t.split(".")[1] in REDUCTIONS)
 
 
+@functools.cache
+def _default(name: str) -> tuple[torch.nn.Module, dict[str, torch.Tensor], torch.export.ExportedProgram]:
+    """The converted model, its inputs and its default export, made once per model for the tests that rewrite it
+    (an export is seconds of CPU): each of them asserts that the rewrite left the program it was given as it was,
+    so a rewrite that changed it fails there rather than hiding behind the sharing."""
+    model, inputs = _converted(name)
+    return model, inputs, _export(model, name, inputs)
+
+
 @pytest.mark.parametrize("name", ["gpt2", "vit"])
 @pytest.mark.parametrize("form", DELEGABLE_FORMS)
 def test_rewrite_holds_no_reduction_and_equals_the_default(name, form):
-    model, inputs = _converted(name)
-    default = _export(model, name, inputs)
+    model, inputs, default = _default(name)
     before = _ops(default)
     count = before.count("aten.rms_norm.default")
     assert count == _norms(model) > 0  # the default form: one aten.rms_norm per norm
@@ -50,8 +59,11 @@ def test_rewrite_holds_no_reduction_and_equals_the_default(name, form):
 
 @pytest.mark.parametrize("name", ["gpt2", "vit"])
 def test_rewrite_records_what_delegable_norms_records(name):
-    model, inputs = _converted(name)
-    rewritten = delegable_program(_export(model, name, inputs))
+    default = _default(name)[2]
+    before = _ops(default)
+    rewritten = delegable_program(default)
+    assert _ops(default) == before
+    model, inputs = _converted(name)  # its own model: delegable_norms changes it while it exports
     with delegable_norms(model):
         at_export = _export(model, name, inputs)
     skip = {"aten._assert_tensor_metadata.default", "aten.to.dtype"}  # casts either export may record
