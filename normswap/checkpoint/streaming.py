@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -285,13 +286,45 @@ def _write_tensors(st: _Streaming, tmp: Path, options: ConvertOptions, fmt: str,
         adapter_bases(st.meta, st.plan, lambda site: rewriter.norms.get(site, (None, None)),
                       lambda name: rewriter.read(name).double(), lambda sf: rewriter.edited(sf.param).reshape(-1))
         bases_io.write(st.plan, tmp)
-        layout = rewriter.layout()
+        layout = in_memory_order(st.meta, rewriter.layout())
+        buffers = {name for name, _ in st.meta.named_buffers(remove_duplicate=False)}
+        parameters = sum(math.prod(entry[2]) for entry in layout if entry[4] not in buffers)
         weight_map = stream_io.write_shards([entry[:4] for entry in layout], tmp, io.parse_size(max_shard_size),
-                                            progress)
+                                            progress, parameters=parameters)
     finally:
         reader.close()
     out_model_keys = {entry[4]: entry[0] for entry in layout if entry[4] is not None}
     return stream_io.scan(sorted({tmp / f for f in weight_map.values()})), out_model_keys
+
+
+def in_memory_order(meta: nn.Module, layout: list) -> list:
+    """``layout`` (entries whose last field is the model's name for the tensor) in the order the in-memory
+    conversion's ``save_pretrained`` meets the same tensors, so that it splits the streamed checkpoint into the
+    same files (round 59; before, the checkpoint's own order). That order is the converted model's state-dict
+    order (the meta model's: the surgery swaps modules in place and fills a bias slot where the module
+    registered ``None``; a tensor the model lacks goes after its module's own tensors), then, in transformers 5,
+    sorted by name (``revert_weight_conversion`` sorts a loaded model's state dict with ``dot_natural_key``)."""
+    rank: dict[str, tuple[int, int]] = {}
+    for path, module in meta.named_modules(remove_duplicate=False):
+        prefix = f"{path}." if path else ""
+        own = [*module._parameters, *(b for b in module._buffers if b not in module._non_persistent_buffers_set)]
+        for name in own:
+            rank.setdefault(prefix + name, (len(rank), 0))
+        if own:
+            rank.setdefault(f"{prefix}\0", (len(rank) - 1, 1))  # after this module's own tensors
+
+    def where(item: tuple[int, Any]) -> tuple[int, int, int]:
+        i, entry = item
+        name = entry[4] or ""
+        found = rank.get(name) or rank.get(f"{name.rpartition('.')[0]}.\0" if "." in name else "\0")
+        return (*(found or (len(rank), 0)), i)
+
+    ordered = [entry for _, entry in sorted(enumerate(layout), key=where)]
+    try:
+        from transformers.core_model_loading import dot_natural_key
+    except ImportError:  # transformers 4: save_pretrained keeps the state-dict order
+        return ordered
+    return sorted(ordered, key=lambda entry: dot_natural_key(entry[4] or entry[0]))
 
 
 def place_beta(fp: proxy.FullPlan, meta: nn.Module, keys: KeyMap, reader: stream_io.Reader,
