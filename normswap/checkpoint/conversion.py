@@ -604,7 +604,7 @@ def convert(
         return streaming.convert_streaming(src, out, fmt=format, options=st.opts, dtype=dtype,
                                            max_shard_size=max_shard_size, overwrite=overwrite, task=task,
                                            progress=progress, echo=say, automatic=low_memory is None,
-                                           allow_new_head=allow_new_head)
+                                           allow_new_head=allow_new_head, trust_remote_code=trust_remote_code)
     check_float64_fits(src, dtype, st.opts)
     st.side_bytes = io.side_file_bytes(src.path)
     io.check_space(out, src.nbytes + st.side_bytes)
@@ -621,7 +621,8 @@ def convert(
 
 
 def streamed_plan(src: Source, *, fmt: str, options: ConvertOptions, task: str | None, low_memory: bool | None,
-                  echo: Callable[[str], None], allow_new_head: bool = False) -> Plan | None:
+                  echo: Callable[[str], None], allow_new_head: bool = False,
+                  trust_remote_code: bool = False) -> Plan | None:
     """The plan :func:`convert` would stream ``src`` with (``low_memory`` as ``convert`` takes it: ``None`` is
     automatic, for a checkpoint whose in-memory conversion would not fit), or ``None`` when ``convert`` would
     convert it in memory. Loads no model and writes nothing: ``normswap inspect --low-memory``. ``options``:
@@ -634,7 +635,8 @@ def streamed_plan(src: Source, *, fmt: str, options: ConvertOptions, task: str |
     from normswap.checkpoint import streaming
 
     return streaming.plan_streaming(src, fmt=fmt, options=options, task=task, echo=echo,
-                                    automatic=low_memory is None, allow_new_head=allow_new_head)
+                                    automatic=low_memory is None, allow_new_head=allow_new_head,
+                                    trust_remote_code=trust_remote_code)
 
 
 @dataclasses.dataclass

@@ -471,7 +471,9 @@ def load_model(
         )
     except Exception as exc:  # noqa: BLE001
         raise NormswapError(f"cannot read the config of {src.spec}: {first_line(exc)}") from exc
-    if trust_remote_code and "auto_map" in src.config and task is None:
+    if trust_remote_code and "auto_map" in src.config and task is not None and TASKS[task] in src.config["auto_map"]:
+        cls = _auto(TASKS[task])  # the custom code's own class for the task (round 59: as --low-memory builds it)
+    elif trust_remote_code and "auto_map" in src.config and task is None:
         auto_map = src.config["auto_map"]
         name = next(
             (
@@ -634,6 +636,29 @@ def preset_as(src: Source, model: nn.Module, cls: type, *, allow_new_head: bool)
         src, loaded, info, explicit_task=True, allow_new_head=allow_new_head, saved_class=type(model)
     )
     return loaded.eval()
+
+
+def remote_code_class(src: Source, task: str | None) -> type | None:
+    """The custom modeling code's class for ``task`` (``None``: the first of causal-LM, seq2seq-LM, masked-LM and
+    the bare model its ``auto_map`` names, as :func:`load_model` picks with ``trust_remote_code``), imported from
+    the checkpoint directory; ``None`` without an ``auto_map`` entry for it. The streamed path builds it on the
+    meta device, as the in-memory path loads it."""
+    auto_map = src.config.get("auto_map")
+    if not isinstance(auto_map, dict) or src.path is None:
+        return None
+    names = ([TASKS[task]] if task is not None else
+             ["AutoModelForCausalLM", "AutoModelForSeq2SeqLM", "AutoModelForMaskedLM", "AutoModel"])
+    name = next((n for n in names if n in auto_map), None)
+    if name is None:
+        return None
+    from transformers.dynamic_module_utils import get_class_from_dynamic_module
+
+    ref = auto_map[name][0] if isinstance(auto_map[name], (list, tuple)) else auto_map[name]
+    try:
+        return get_class_from_dynamic_module(ref, str(src.path), local_files_only=True)
+    except Exception as exc:  # noqa: BLE001 - the user's code: one line
+        raise NormswapError(f"cannot import the custom modeling code of {src.spec} ({ref}): {first_line(exc)}") \
+            from exc
 
 
 def source_class(src: Source, config: Any, task: str | None) -> type:

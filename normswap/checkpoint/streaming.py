@@ -54,6 +54,7 @@ def convert_streaming(
     echo: Callable[[str], None],
     automatic: bool = False,
     allow_new_head: bool = False,
+    trust_remote_code: bool = False,
 ) -> pipeline.Report:
     """Convert the checkpoint directory ``src`` into ``out`` without loading the model.
 
@@ -62,7 +63,7 @@ def convert_streaming(
     ``task``, a head the checkpoint lacks is initialised as the in-memory path initialises it
     (:func:`source.init_new_head`) and streamed like the checkpoint's own tensors."""
     st, options = _plan(src, fmt=fmt, options=options, dtype=dtype, task=task, echo=echo, automatic=automatic,
-                        allow_new_head=allow_new_head)
+                        allow_new_head=allow_new_head, trust_remote_code=trust_remote_code)
     try:
         return _convert_planned(st, src, out, fmt=fmt, options=options, max_shard_size=max_shard_size,
                                 overwrite=overwrite, progress=progress, echo=echo)
@@ -96,14 +97,15 @@ def _convert_planned(st: _Streaming, src: Source, out: Path, *, fmt: str, option
 
 
 def plan_streaming(src: Source, *, fmt: str, options: ConvertOptions, task: str | None,
-                   echo: Callable[[str], None], automatic: bool = False, allow_new_head: bool = False) -> Plan:
+                   echo: Callable[[str], None], automatic: bool = False, allow_new_head: bool = False,
+                   trust_remote_code: bool = False) -> Plan:
     """The plan :func:`convert_streaming` converts ``src`` with, without writing anything or loading the
     model (``normswap inspect --low-memory``): the proxies' plan extrapolated to full depth, β placed on the
     checkpoint's own tensors, refused where the streamed conversion refuses (approximate norms, nothing to
     convert, tensors that do not match). The adapter bases are not in it: the rewrite records them as it
     edits the tensors."""
     st, options = _plan(src, fmt=fmt, options=options, dtype="auto", task=task, echo=echo, automatic=automatic,
-                        allow_new_head=allow_new_head)
+                        allow_new_head=allow_new_head, trust_remote_code=trust_remote_code)
     reader = stream_io.Reader(st.entries)
     try:
         place_beta(st.fp, st.meta, st.keys, reader, options)
@@ -117,11 +119,11 @@ def plan_streaming(src: Source, *, fmt: str, options: ConvertOptions, task: str 
 
 
 def _plan(src: Source, *, fmt: str, options: ConvertOptions, dtype: str, task: str | None,
-          echo: Callable[[str], None], automatic: bool,
-          allow_new_head: bool = False) -> tuple[_Streaming, ConvertOptions]:
+          echo: Callable[[str], None], automatic: bool, allow_new_head: bool = False,
+          trust_remote_code: bool = False) -> tuple[_Streaming, ConvertOptions]:
     """Open the checkpoint, plan from the proxies, and refuse what the streamed path cannot convert; the
     options as the streamed path applies them."""
-    st = _open(src, task, dtype, echo, allow_new_head)
+    st = _open(src, task, dtype, echo, allow_new_head, trust_remote_code)
     try:
         return _plan_opened(st, src, fmt=fmt, options=options, task=task, echo=echo, automatic=automatic)
     except BaseException:
@@ -131,6 +133,9 @@ def _plan(src: Source, *, fmt: str, options: ConvertOptions, dtype: str, task: s
 
 def _plan_opened(st: _Streaming, src: Source, *, fmt: str, options: ConvertOptions, task: str | None,
                  echo: Callable[[str], None], automatic: bool) -> tuple[_Streaming, ConvertOptions]:
+    if fmt == "native" and st.cls.__module__.startswith("transformers_modules"):  # the in-memory refusal
+        raise OptionRefused(f"{src.spec} uses custom modeling code; the native format needs a transformers "
+                            "architecture. Use --format compat")
     # bias slots (a bias the checkpoint lacks, for β a bias-less reader takes) are written by the rewrite as the
     # in-memory surgery adds them (round 57; before, the streamed path made none: other tensors than in memory)
     st.fp = proxy.plan_full(st.cls, st.config, st.meta, options, echo=echo, left_out=src.left_out)
@@ -177,7 +182,7 @@ class _Streaming:
 
 
 def _open(src: Source, task: str | None, dtype: str, echo: Callable[[str], None],
-          allow_new_head: bool = False) -> _Streaming:
+          allow_new_head: bool = False, trust_remote_code: bool = False) -> _Streaming:
     """The checkpoint's config, model class, meta model and tensor index; the parts the pipeline does not
     use and the checkpoint lacks are left out, as the in-memory path leaves them out; with ``allow_new_head``
     and ``task``, a head the checkpoint lacks is made (:func:`_new_head`)."""
@@ -189,10 +194,12 @@ def _open(src: Source, task: str | None, dtype: str, echo: Callable[[str], None]
             "low-memory conversion reads safetensors only; convert the pickle checkpoint to safetensors first"
         )
     try:
-        config = AutoConfig.from_pretrained(src.path, local_files_only=True)
+        config = AutoConfig.from_pretrained(src.path, local_files_only=True, trust_remote_code=trust_remote_code)
     except Exception as exc:  # noqa: BLE001
         raise NormswapError(f"cannot read the config of {src.spec}: {exc}") from exc
-    cls = source.source_class(src, config, task)
+    # custom modeling code (round 59): its own class, imported from the directory as the in-memory load does
+    cls = (source.remote_code_class(src, task) if trust_remote_code else None) or source.source_class(src, config,
+                                                                                                     task)
     with torch.device("meta"):
         meta = cls(copy.deepcopy(config))
     want = source.torch_dtype(dtype)

@@ -336,7 +336,9 @@ def stock_config(model: nn.Module) -> Any:
         for key in ("auto_map", hf_types.MANIFEST_KEY, "model_type", "architectures"):
             data.pop(key, None)
         cfg = hf_types.base_config_class(base).from_dict(data)
-    for attr in ("auto_map", hf_types.MANIFEST_KEY):
+    # normswap's auto_map goes (a native model's); a custom-code model's own stays whole (round 59: it lost every
+    # entry but AutoConfig and the converted class's, AutoModel among them, where --low-memory kept them)
+    for attr in ("auto_map", hf_types.MANIFEST_KEY) if base is not None else (hf_types.MANIFEST_KEY,):
         if hasattr(cfg, attr):
             delattr(cfg, attr)
     cfg.architectures = [stock_class(model).__name__]
