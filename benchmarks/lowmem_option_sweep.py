@@ -490,7 +490,10 @@ def main_(argv: list[str] | None = None) -> int:
     ap.add_argument("--work", type=Path, default=Path("/tmp/lowmem57/sweep"))
     ap.add_argument("--models", default=",".join(SWEPT))
     ap.add_argument("--resume", action="store_true")
-    ap.add_argument("--limit", type=int, default=0, help="at most this many combinations per model (0: all)")
+    ap.add_argument("--limit", type=int, default=0,
+                    help="at most this many covering-array combinations per model (0: all), and the refused rows")
+    ap.add_argument("--refused-per-value", type=int, default=REFUSED_ROWS,
+                    help="with --limit: how many rows to keep for each value --low-memory refuses up front")
     args = ap.parse_args(argv)
     if args.summarize:
         summary = summarize(args.summarize)
@@ -507,8 +510,11 @@ def main_(argv: list[str] | None = None) -> int:
         if not src.exists():
             save_source(name, args.work / "src")
         rows = covering_array(src, factors=factors_for(name))
-        if args.limit:
-            rows = rows[: args.limit]
+        if args.limit:  # the first rows of the covering array, and some of the refused values' rows
+            refused = [r for r in rows if any((n, v) in STREAM_REFUSED for n, v in r.items())]
+            kept = [r for n, v in sorted(STREAM_REFUSED)
+                    for r in [q for q in refused if q.get(n) == v][: args.refused_per_value]]
+            rows = [r for r in rows if r not in refused][: args.limit] + kept
         results.setdefault("arrays", {})[name] = len(rows)
         print(f"{name}: {len(rows)} combinations", flush=True)
         for combo in rows:
