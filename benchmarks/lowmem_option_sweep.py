@@ -1,7 +1,10 @@
 """``normswap convert --low-memory`` against ``--in-memory`` over the option space (round 57).
 
 Round 58 adds ``--max-shard-size``, ``--task`` (per model: its own head, the bare model, a head it lacks) and the
-rotation's own options (each refused by ``--low-memory`` up front) to the factors.
+rotation's own options (each refused by ``--low-memory`` up front) to the factors. Round 59: ``--new-head`` streams
+(no longer a documented refusal); a refusal an option fixes is exit 2 on both paths (docs/cli.md), so both paths
+must refuse an input with the same code; the shard layouts must be the same (``same_shard_layout``, now a problem
+where they differ); and a model with custom modeling code (``tinyln``, ``--trust-remote-code`` on every row).
 
 For tiny random checkpoints saved to local directories (LayerNorm γ/β, biases and LayerScale λ randomised; deeper
 than the 3/4-layer proxies, so the streamed plan is extrapolated), runs ``normswap convert`` (the click command,
@@ -51,7 +54,12 @@ from normswap.errors import UsageError
 from normswap.options import TASKS, parse_size
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's tests/ (run as a script)
+from tests.remote_code_model import save_remote_code_model  # noqa: E402
 from tests.streaming_models import MODELS, written_tensors  # noqa: E402
+
+# round 59: custom modeling code (auto_map), converted with --trust-remote-code on every row; compat only in memory
+REMOTE = {"tinyln"}
+SWEPT = [*MODELS, *sorted(REMOTE)]
 
 # every plan option of normswap/cli/plan_opts.py, --rotate and its options, --dtype: (name, values); the first
 # value is the default (no argument)
@@ -92,13 +100,17 @@ TASK_VALUES: dict[str, list[tuple[str, ...]]] = {
     "gptj": [(), ("--task", "causal-lm"), ("--task", "base"), ("--task", "sequence-classification", "--new-head")],
     "bert_cls": [(), ("--task", "sequence-classification"), ("--task", "base"),
                  ("--task", "masked-lm", "--new-head")],
+    "tinyln": [(), ("--task", "base")],
 }
 INSPECT_SKIP = {"dtype", "max_shard_size"}  # convert's options only: inspect plans without writing
 
 
 def factors_for(name: str) -> list[tuple[str, list[tuple[str, ...]]]]:
-    """FACTORS and the model's --task values."""
-    return [*FACTORS, ("task", TASK_VALUES.get(name, [()]))]
+    """FACTORS and the model's --task values (custom code: --trust-remote-code on every row)."""
+    out = [*FACTORS, ("task", TASK_VALUES.get(name, [()]))]
+    if name in REMOTE:
+        out.append(("trust_remote_code", [("--trust-remote-code",)]))
+    return out
 
 # manifest fields that must differ between the paths: the verification (streamed: layers 0, 1 and L-1, other
 # figures) and the analysis line (streamed: "low-memory: 3-layer proxy extrapolated ...")
@@ -109,6 +121,8 @@ SITE_SKIP = {"error"}  # the streamed plan's per-norm error is the proxy's (rand
 
 def save_source(name: str, root: Path) -> Path:
     """The tiny checkpoint, sharded, with γ/β, biases and LayerScale λ randomised."""
+    if name in REMOTE:
+        return save_remote_code_model(root / name)
     cls, config = MODELS[name]()
     torch.manual_seed(0)
     model = presets.randomise_norms(cls(config)).eval()
@@ -143,11 +157,11 @@ STREAM_REFUSED = {("per_norm_centering", ("--per-norm-centering",)),
                   ("writer_centering", ("--writer-centering", "auto")),
                   *(("rotate", v) for v in dict(FACTORS)["rotate"] if v)}
 REFUSED_ROWS = 2
-# what --low-memory refuses once it has planned (exit 1, nothing written; docs/checkpoints.md): it depends on the
-# model's plan, which the analysis of the proxies makes, not on the command line alone
+# what --low-memory refuses once it has planned (exit 2 since round 59, an option fixes it; nothing written;
+# docs/checkpoints.md): it depends on the model's plan, which the analysis of the proxies makes, not on the command
+# line alone. Round 59: --new-head streams (its refusal is gone)
 DOCUMENTED_REFUSALS = ("approximate norm(s) need calibration on the whole model",
-                       "through their residual writers, which the low-memory path cannot do",
-                       "a new head has no tensors to stream")  # --task with --new-head: nothing to read it from
+                       "through their residual writers, which the low-memory path cannot do")
 
 
 def covering_array(src: Path, seed: int = 0, candidates: int = 60,
@@ -270,22 +284,29 @@ def compare_outputs(mem: Path, stream: Path) -> dict[str, Any]:
 def outputs_vs_original(name: str, src: Path, out: Path, task: str | None = None) -> float:
     """Largest output difference over the largest output, the converted model loaded in float64 against the
     original in float64 (loaded with ``--task``'s class; not for a new head, which the original lacks)."""
+    import transformers
+
     import normswap
     from normswap.inputs import hf_example_inputs
 
-    cls, _ = MODELS[name]()
-    if task not in (None, "causal-lm", "masked-lm", "speech-seq2seq"):  # the bare model (--task base)
-        import transformers
-
+    remote = {"trust_remote_code": True} if name in REMOTE else {}
+    if name in REMOTE:
+        cls = transformers.AutoModelForCausalLM if task is None else transformers.AutoModel
+    else:
+        cls, _ = MODELS[name]()
+    if task not in (None, "causal-lm", "masked-lm", "speech-seq2seq") and name not in REMOTE:  # --task base
         cls = getattr(transformers, TASKS[task])
-    original = cls.from_pretrained(src).double().eval()
-    converted = normswap.load(out).double().eval()
+    original = cls.from_pretrained(src, **remote).double().eval()
+    converted = normswap.load(out, **remote).double().eval()
     probe = hf_example_inputs(original, seed=3)
     probe = {k: v.double() if torch.is_tensor(v) and v.is_floating_point() else v for k, v in probe.items()}
     with torch.no_grad():
         a, b = original(**probe), converted(**probe)
-    key = "logits" if "logits" in a else "last_hidden_state"
-    ra, rb = a[key], b[key]
+    if torch.is_tensor(a):  # custom code (tinyln's bare model) returns a plain tensor
+        ra, rb = a, b
+    else:
+        key = "logits" if "logits" in a else "last_hidden_state"
+        ra, rb = a[key], b[key]
     if isinstance(rb, torch.Tensor) and ra.shape == rb.shape:
         return float((rb - ra).abs().max() / ra.abs().max())
     return float("nan")
@@ -376,6 +397,8 @@ def run_one(name: str, src: Path, combo: dict[str, tuple[str, ...]], work: Path)
         cmp = compare_outputs(outs["mem"], outs["stream"])
         row["compare"] = cmp
         row["same_shard_layout"] = m["shards"] == s["shards"]
+        if not row["same_shard_layout"]:  # round 59: the streamed writer splits as save_pretrained does
+            problems.append("shard layouts differ")
         if cmp["tensors_only_in_one"] or cmp["n_tensors_differ"]:
             problems.append("tensors differ")
         if cmp["manifest_diff"] or cmp["config_diff"]:
@@ -397,7 +420,7 @@ def run_one(name: str, src: Path, combo: dict[str, tuple[str, ...]], work: Path)
                     problems.append("output differs from the original")
     elif m["exit"] == 0 and s["exit"] != 0:
         row["streamed_refusal"] = s["stderr"][-1] if s["stderr"] else ""
-        if s["exit"] != 2 and not any(d in row["streamed_refusal"] for d in DOCUMENTED_REFUSALS):
+        if s["exit"] != 2:  # round 59: every refusal the streamed path makes is one an option fixes
             problems.append(f"streamed refusal exit {s['exit']} (not a usage error)")
     elif m["exit"] != s["exit"]:
         problems.append(f"exit codes {m['exit']} vs {s['exit']}")
@@ -442,7 +465,7 @@ def summarize(paths: list[Path]) -> dict[str, Any]:
             t["both_converted_sharded"] += sharded
             t["same_shard_layout"] += sharded and bool(r.get("same_shard_layout"))
         t["streamed_refused_exit2"] += m == 0 and s == 2
-        t["streamed_refused_documented"] += m == 0 and s == 1 and any(
+        t["streamed_refused_documented"] += m == 0 and s != 0 and any(
             d in (r["stream"]["stderr"] or [""])[-1] for d in DOCUMENTED_REFUSALS)
         t["with_problems"] += bool(r["problems"])
         for p in r["problems"]:
@@ -465,9 +488,12 @@ def main_(argv: list[str] | None = None) -> int:
     ap.add_argument("--summarize", type=Path, nargs="+", default=None, metavar="RUN_JSON",
                     help="write the summary of these runs' JSON files to --json instead of running")
     ap.add_argument("--work", type=Path, default=Path("/tmp/lowmem57/sweep"))
-    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--models", default=",".join(SWEPT))
     ap.add_argument("--resume", action="store_true")
-    ap.add_argument("--limit", type=int, default=0, help="at most this many combinations per model (0: all)")
+    ap.add_argument("--limit", type=int, default=0,
+                    help="at most this many covering-array combinations per model (0: all), and the refused rows")
+    ap.add_argument("--refused-per-value", type=int, default=REFUSED_ROWS,
+                    help="with --limit: how many rows to keep for each value --low-memory refuses up front")
     args = ap.parse_args(argv)
     if args.summarize:
         summary = summarize(args.summarize)
@@ -484,8 +510,11 @@ def main_(argv: list[str] | None = None) -> int:
         if not src.exists():
             save_source(name, args.work / "src")
         rows = covering_array(src, factors=factors_for(name))
-        if args.limit:
-            rows = rows[: args.limit]
+        if args.limit:  # the first rows of the covering array, and some of the refused values' rows
+            refused = [r for r in rows if any((n, v) in STREAM_REFUSED for n, v in r.items())]
+            kept = [r for n, v in sorted(STREAM_REFUSED)
+                    for r in [q for q in refused if q.get(n) == v][: args.refused_per_value]]
+            rows = [r for r in rows if r not in refused][: args.limit] + kept
         results.setdefault("arrays", {})[name] = len(rows)
         print(f"{name}: {len(rows)} combinations", flush=True)
         for combo in rows:

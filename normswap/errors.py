@@ -2,7 +2,8 @@
 
 The CLI prints ``str(error)`` as a single line and exits with ``error.exit_code``, so messages must
 say what went wrong *and* what to do about it, in one sentence. The exit codes are docs/cli.md's
-table: 0 ok, 1 error, 2 invalid command line, 3 nothing to convert, 4 verification failed,
+table: 0 ok, 1 error, 2 invalid command line or options this model needs changed, 3 nothing to
+convert, 4 verification failed,
 130 interrupted.
 """
 
@@ -41,6 +42,14 @@ class UsageError(NormswapError):
     """An invalid command line or option value (exit code 2)."""
 
     exit_code = EXIT_USAGE
+
+
+class OptionRefused(UsageError):
+    """The options cannot convert this model, and another option (which the message names) can: a refusal
+    that only the model's plan or files decide (approximate norms with ``--low-memory`` or
+    ``--format compat``, a rotation op the stock architecture lacks, a new head with ``--low-memory``),
+    given the exit code of a usage error (2), so that a refusal has the same code whether the command line
+    alone decides it or the model does, and on both the in-memory and the streamed path (round 59)."""
 
 
 class NothingToConvert(NormswapError):

@@ -259,7 +259,7 @@ def test_pickle_only_refused_unless_opted_in(tmp_path, gpt2_dir):
     torch.save(load_file(str(src / "model.safetensors")), src / "pytorch_model.bin")
     (src / "model.safetensors").unlink()
     code, _, err, _ = run("convert", str(src), "--out", str(tmp_path / "o"))
-    assert_one_line_error(code, err, 1, "pickle", "--allow-pickle")
+    assert_one_line_error(code, err, 2, "pickle", "--allow-pickle")
     assert not (tmp_path / "o").exists()
     code, _, err, _ = run("convert", str(src), "--out", str(tmp_path / "o"), "--allow-pickle")
     assert code == 0, err
@@ -273,7 +273,7 @@ def test_model_needing_trust_remote_code(tmp_path, gpt2_dir):
     cfg["auto_map"] = {"AutoModelForCausalLM": "modeling_custom.CustomModel"}
     (src / "config.json").write_text(json.dumps(cfg))
     code, _, err, _ = run("convert", str(src), "--out", str(tmp_path / "o"))
-    assert_one_line_error(code, err, 1, "--trust-remote-code")
+    assert_one_line_error(code, err, 2, "--trust-remote-code")
     assert not (tmp_path / "o").exists()
 
 

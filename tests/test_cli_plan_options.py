@@ -164,14 +164,15 @@ def test_inspect_low_memory_refuses_what_convert_low_memory_refuses_before_impor
 
 def test_inspect_low_memory_refuses_approximate_norms_as_convert_does(tmp_path):
     """A Post-LN model's approximate norms need calibration on the whole model: convert --low-memory refuses
-    them (exit 1), and inspect --low-memory says the same; --mode exact streams the exact ones."""
+    them (exit 2 since round 59: an option, --mode exact, converts the model), and inspect --low-memory says the
+    same; --mode exact streams the exact ones."""
     from normswap import presets
 
     bert = presets.save("tiny-bert", tmp_path / "bert")
     code, _, err = run("inspect", str(bert), "--low-memory")
-    assert code == 1 and "approximate norm(s) need calibration on the whole model" in err, err
+    assert code == 2 and "approximate norm(s) need calibration on the whole model" in err, err
     code2, _, err2 = run("convert", str(bert), "--out", str(tmp_path / "o"), "--low-memory")
-    assert code2 == 1 and err2.strip().splitlines()[-1] == err.strip().splitlines()[-1], (err, err2)
+    assert code2 == 2 and err2.strip().splitlines()[-1] == err.strip().splitlines()[-1], (err, err2)
 
 
 def test_inspect_table_says_which_format_it_planned_for():

@@ -29,7 +29,14 @@ from normswap import inputs, memory, pipeline
 from normswap.analysis.plan import Plan, plan_of
 from normswap.checkpoint import io, source, writer
 from normswap.checkpoint.source import Source
-from normswap.errors import ModelRunFailed, NormswapError, NothingToConvert, UsageError, VerificationFailed
+from normswap.errors import (
+    ModelRunFailed,
+    NormswapError,
+    NothingToConvert,
+    OptionRefused,
+    UsageError,
+    VerificationFailed,
+)
 from normswap.inputs import towers
 from normswap.integrations.quiet import quietly
 from normswap.options import DTYPES, FORMATS, TASKS, ConvertOptions, check_inputs_outside, check_out_dir, choose
@@ -166,21 +173,21 @@ def check_options(
     if task is not None:
         choose("task", task, TASKS)
     if fmt == "compat" and opts.mode == "all":
-        raise NormswapError(
+        raise OptionRefused(
             "compat format keeps LayerNorms, so approximate norms cannot be converted: "
             "use mode='exact' or mode='auto' with format='compat', or format='native' with mode='all'"
         )
     if fmt == "compat" and opts.rotate_output == "restore":
-        raise NormswapError("rotate_output='restore' adds an un-rotation op the stock architecture lacks: use "
+        raise OptionRefused("rotate_output='restore' adds an un-rotation op the stock architecture lacks: use "
                             "format='native', or rotate_output='rotated' with format='compat'")
     if fmt == "compat" and opts.online_hadamard:
-        raise NormswapError("online Hadamard rotations add ops the stock architecture lacks: use format='native' "
+        raise OptionRefused("online Hadamard rotations add ops the stock architecture lacks: use format='native' "
                             "with online_hadamard=True, or drop it for format='compat'")
     if low_memory and opts.rotate is not None:
-        raise NormswapError(f"rotate={opts.rotate!r} needs the whole model in memory; drop low_memory=True or the "
+        raise OptionRefused(f"rotate={opts.rotate!r} needs the whole model in memory; drop low_memory=True or the "
                             "rotation")
     if low_memory and calibration_data is not None:
-        raise NormswapError(
+        raise OptionRefused(
             "calibration_data needs the whole model in memory; drop low_memory=True or the calibration data"
         )
     opts = opts.replace(beta_placement=opts.beta_placement_for(fmt))  # compat: every β kept by default
@@ -596,7 +603,8 @@ def convert(
 
         return streaming.convert_streaming(src, out, fmt=format, options=st.opts, dtype=dtype,
                                            max_shard_size=max_shard_size, overwrite=overwrite, task=task,
-                                           progress=progress, echo=say, automatic=low_memory is None)
+                                           progress=progress, echo=say, automatic=low_memory is None,
+                                           allow_new_head=allow_new_head, trust_remote_code=trust_remote_code)
     check_float64_fits(src, dtype, st.opts)
     st.side_bytes = io.side_file_bytes(src.path)
     io.check_space(out, src.nbytes + st.side_bytes)
@@ -613,7 +621,8 @@ def convert(
 
 
 def streamed_plan(src: Source, *, fmt: str, options: ConvertOptions, task: str | None, low_memory: bool | None,
-                  echo: Callable[[str], None]) -> Plan | None:
+                  echo: Callable[[str], None], allow_new_head: bool = False,
+                  trust_remote_code: bool = False) -> Plan | None:
     """The plan :func:`convert` would stream ``src`` with (``low_memory`` as ``convert`` takes it: ``None`` is
     automatic, for a checkpoint whose in-memory conversion would not fit), or ``None`` when ``convert`` would
     convert it in memory. Loads no model and writes nothing: ``normswap inspect --low-memory``. ``options``:
@@ -626,7 +635,8 @@ def streamed_plan(src: Source, *, fmt: str, options: ConvertOptions, task: str |
     from normswap.checkpoint import streaming
 
     return streaming.plan_streaming(src, fmt=fmt, options=options, task=task, echo=echo,
-                                    automatic=low_memory is None)
+                                    automatic=low_memory is None, allow_new_head=allow_new_head,
+                                    trust_remote_code=trust_remote_code)
 
 
 @dataclasses.dataclass
@@ -675,17 +685,17 @@ def _streams(st: _Conversion, low_memory: bool | None) -> bool:
         raise UsageError("example inputs (--example-inputs, --sample) need the whole model in memory; drop "
                          "--low-memory")
     if low_memory and opts.per_norm_centering:
-        raise NormswapError("per_norm_centering=True needs the whole model in memory; drop low_memory=True")
+        raise OptionRefused("per_norm_centering=True needs the whole model in memory; drop low_memory=True")
     if low_memory and opts.writer_centering == "auto":
-        raise NormswapError("writer_centering='auto' chooses each writer's centering from its own weights, which the "
+        raise OptionRefused("writer_centering='auto' chooses each writer's centering from its own weights, which the "
                             "streamed conversion plans without (a depth-reduced proxy): drop low_memory=True, or pass "
                             "writer_centering='op' or 'weights'")
     if low_memory and opts.rotate is not None:
-        raise NormswapError(f"{src.label} is streamed (its in-memory conversion would not fit in the available "
+        raise OptionRefused(f"{src.label} is streamed (its in-memory conversion would not fit in the available "
                             f"RAM) and rotate={opts.rotate!r} needs the whole model in memory; pass low_memory=False "
                             "to force it, or drop the rotation")
     if low_memory and src.kind == "preset":
-        raise NormswapError("low_memory=True converts a checkpoint on disk; save the preset first "
+        raise OptionRefused("low_memory=True converts a checkpoint on disk; save the preset first "
                             "(normswap.presets.save) or drop low_memory=True")
     return bool(low_memory)
 
@@ -707,7 +717,7 @@ def _load(st: _Conversion) -> None:
         st.say(f"new task head, randomly initialised (--new-head): {source.names(src.new_head)}; "
                "train it before use")
     if st.fmt == "native" and type(st.model).__module__.startswith("transformers_modules"):
-        raise NormswapError(f"{src.spec} uses custom modeling code; the native format needs a transformers "
+        raise OptionRefused(f"{src.spec} uses custom modeling code; the native format needs a transformers "
                             "architecture. Use --format compat")
     if st.opts.calibration is None and st.calibration_data is not None:
         st.opts = st.opts.replace(calibration=read_calibration(st.calibration_data, st.proc, st.model))

@@ -178,7 +178,8 @@ def load(path: str | os.PathLike, *, task: str | type | None = None, model: nn.M
         )
     for f in safe:
         io.read_safetensors_header(f)
-    cls = model_class(cfg, task)
+    cls = remote_code_class(cfg, task) if from_pretrained_kwargs.get("trust_remote_code") else None
+    cls = cls or model_class(cfg, task)
     from_pretrained_kwargs.setdefault("local_files_only", True)
     model = cls.from_pretrained(path, **from_pretrained_kwargs)
     model.eval()
@@ -195,6 +196,22 @@ def load(path: str | os.PathLike, *, task: str | type | None = None, model: nn.M
         bases_io.load(model._normswap_compat, path / bases_io.SIDECAR, path)
         carry.mark_bases(model, model._normswap_compat)
     return model
+
+
+def remote_code_class(cfg: dict[str, Any], task: str | type | None) -> type | None:
+    """The ``AutoModel*`` class that loads a compat checkpoint of a model with custom modeling code (its
+    ``auto_map``, with ``trust_remote_code=True``): the one mapped to the class the config names, or ``None``
+    for a checkpoint without custom code (or a ``task`` given: :func:`model_class` resolves it)."""
+    auto_map = cfg.get("auto_map")
+    archs = cfg.get("architectures") or []
+    if task is not None or not isinstance(auto_map, dict) or not archs:
+        return None
+    import transformers
+
+    for auto, target in auto_map.items():
+        if auto.startswith("AutoModel") and str(target).rpartition(".")[2] == archs[0]:
+            return getattr(transformers, auto, None)
+    return None
 
 
 def load_module(path: Path, model: nn.Module | None, from_pretrained_kwargs: dict[str, Any]) -> nn.Module:

@@ -16,6 +16,7 @@ import logging
 import os
 import re
 import socket
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,7 @@ from torch import nn
 
 from normswap import inputs, presets
 from normswap.checkpoint import hf, io, module_io, stream_io
-from normswap.errors import NormswapError, NothingToConvert, first_line
+from normswap.errors import NormswapError, NothingToConvert, OptionRefused, first_line
 from normswap.options import DTYPES, TASKS, choose
 
 # when config.architectures names nothing transformers has, try these in order
@@ -210,7 +211,7 @@ def inspect_dir(
         if not pickles:
             raise NormswapError(f"{spec} contains no weights (*.safetensors); the download is incomplete")
         if not allow_pickle:
-            raise NormswapError(
+            raise OptionRefused(
                 f"{spec} has only pickle weights ({pickles[0].name}); loading them can run "
                 "arbitrary code. Convert to safetensors first, or pass --allow-pickle if you "
                 "trust the source"
@@ -220,7 +221,7 @@ def inspect_dir(
 
     if (needs_code or model_type not in CONFIG_MAPPING) and not trust_remote_code:
         if needs_code:
-            raise NormswapError(
+            raise OptionRefused(
                 f"{spec} uses custom modeling code (auto_map in config.json); pass "
                 "--trust-remote-code if you trust it"
             )
@@ -429,7 +430,7 @@ def model_class(config: Any, task: str | None = None, architectures: list[str] |
         mapping = _auto(TASKS[t])._model_mapping
         if type(config) in mapping:
             return hf.one_class(mapping[type(config)], getattr(config, "architectures", None))
-    raise NormswapError(f"no transformers model class for model_type {config.model_type!r}; pass --task")
+    raise OptionRefused(f"no transformers model class for model_type {config.model_type!r}; pass --task")
 
 
 def torch_dtype(name: str) -> Any:
@@ -458,6 +459,7 @@ def load_model(
             cls = model_class(model.config, task)
             if not isinstance(model, cls):
                 model = preset_as(src, model, cls, allow_new_head=allow_new_head)
+        seed_new_head(model, src.new_head)
         return model, proc
     from transformers import AutoConfig
 
@@ -469,7 +471,9 @@ def load_model(
         )
     except Exception as exc:  # noqa: BLE001
         raise NormswapError(f"cannot read the config of {src.spec}: {first_line(exc)}") from exc
-    if trust_remote_code and "auto_map" in src.config and task is None:
+    if trust_remote_code and "auto_map" in src.config and task is not None and TASKS[task] in src.config["auto_map"]:
+        cls = _auto(TASKS[task])  # the custom code's own class for the task (round 59: as --low-memory builds it)
+    elif trust_remote_code and "auto_map" in src.config and task is None:
         auto_map = src.config["auto_map"]
         name = next(
             (
@@ -512,6 +516,7 @@ def load_model(
         src, model, info, explicit_task=task is not None, allow_new_head=allow_new_head,
         saved_class=checkpoint_class(src, config) if task is not None else None,
     )
+    seed_new_head(model, src.new_head)
     model.eval()
     return model, load_processor(src.path, trust_remote_code=trust_remote_code)
 
@@ -631,6 +636,29 @@ def preset_as(src: Source, model: nn.Module, cls: type, *, allow_new_head: bool)
         src, loaded, info, explicit_task=True, allow_new_head=allow_new_head, saved_class=type(model)
     )
     return loaded.eval()
+
+
+def remote_code_class(src: Source, task: str | None) -> type | None:
+    """The custom modeling code's class for ``task`` (``None``: the first of causal-LM, seq2seq-LM, masked-LM and
+    the bare model its ``auto_map`` names, as :func:`load_model` picks with ``trust_remote_code``), imported from
+    the checkpoint directory; ``None`` without an ``auto_map`` entry for it. The streamed path builds it on the
+    meta device, as the in-memory path loads it."""
+    auto_map = src.config.get("auto_map")
+    if not isinstance(auto_map, dict) or src.path is None:
+        return None
+    names = ([TASKS[task]] if task is not None else
+             ["AutoModelForCausalLM", "AutoModelForSeq2SeqLM", "AutoModelForMaskedLM", "AutoModel"])
+    name = next((n for n in names if n in auto_map), None)
+    if name is None:
+        return None
+    from transformers.dynamic_module_utils import get_class_from_dynamic_module
+
+    ref = auto_map[name][0] if isinstance(auto_map[name], (list, tuple)) else auto_map[name]
+    try:
+        return get_class_from_dynamic_module(ref, str(src.path), local_files_only=True)
+    except Exception as exc:  # noqa: BLE001 - the user's code: one line
+        raise NormswapError(f"cannot import the custom modeling code of {src.spec} ({ref}): {first_line(exc)}") \
+            from exc
 
 
 def source_class(src: Source, config: Any, task: str | None) -> type:
@@ -769,6 +797,62 @@ def new_parts(model: nn.Module, saved_class: type, config: Any, missing: set[str
     return {k for k in missing if k not in held}
 
 
+NEW_HEAD_SEED = 0  # the seed of a new task head (--new-head), the same on both conversion paths
+
+
+def init_new_head(model: nn.Module, names: list[str], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Values for the new task head's parameters ``names`` (``--new-head``), in ``dtype``, the same whether
+    ``model`` is loaded (the in-memory path) or on the meta device (the streamed path, which never holds the
+    model): each module owning one, in name order, is copied onto the CPU empty and initialised by the model's own
+    ``_init_weights`` (transformers' rule for that head: normal weights, zero biases, ...) from
+    :data:`NEW_HEAD_SEED`, in a forked RNG (the caller's random state is left as it was). Before round 59 the
+    in-memory head took whatever transformers drew from the process's random state at load time, so no other
+    run, streamed or not, could write the same head."""
+    owners = sorted({n.rpartition(".")[0] for n in names})
+    out: dict[str, torch.Tensor] = {}
+    init = getattr(model, "_init_weights", None)
+    with torch.random.fork_rng(devices=[]):
+        for path in owners:
+            # one seed per module, so that a module's values do not depend on which others are new (a tied
+            # alias, such as BERT's decoder.bias, is listed on one path and not on the other)
+            torch.manual_seed(NEW_HEAD_SEED + zlib.crc32(path.encode()))
+            fresh = copy.deepcopy(model.get_submodule(path)).to_empty(device="cpu")
+            fresh = fresh.to(dtype) if dtype.is_floating_point else fresh
+            for m in fresh.modules():  # transformers skips what it marked initialised (the loaded copy's marks)
+                for t in [m, *m.parameters(recurse=False), *m.buffers(recurse=False)]:
+                    if "_is_hf_initialized" in vars(t):
+                        delattr(t, "_is_hf_initialized")
+            if callable(init):
+                init(fresh)
+            else:  # not a transformers model: the module's own reset
+                fresh.reset_parameters()
+            for n in names:
+                owner, _, leaf = n.rpartition(".")
+                if owner == path:
+                    out[n] = getattr(fresh, leaf).detach().clone()
+    # aliases (one tensor under two names) hold one value: the first name's
+    groups: dict[int, list[str]] = {}
+    for n, t in model.state_dict(keep_vars=True).items():
+        if n in out:
+            groups.setdefault(id(t), []).append(n)
+    for group in groups.values():
+        for n in sorted(group)[1:]:
+            out[n] = out[sorted(group)[0]]
+    return out
+
+
+def seed_new_head(model: nn.Module, names: list[str]) -> None:
+    """Set the new task head's parameters ``names`` (loaded model, ``--new-head``) to :func:`init_new_head`'s
+    values, which the streamed path writes too."""
+    if not names:
+        return
+    state = model.state_dict(keep_vars=True)
+    values = init_new_head(model, names, state[names[0]].dtype)
+    with torch.no_grad():
+        for name, value in values.items():
+            state[name].copy_(value)
+
+
 def check_loading_info(
     src: Source, model: nn.Module, info: dict[str, Any], *, explicit_task: bool, allow_new_head: bool,
     saved_class: type | None = None,
@@ -805,7 +889,7 @@ def check_loading_info(
         head = missing - in_base
     if missing and not (allow_new_head and explicit_task and not in_base):
         if head and not in_base and saved_class is not None:
-            raise NormswapError(
+            raise OptionRefused(
                 f"{src.spec} as {type(model).__name__}: the checkpoint ({saved_class.__name__}) has no "
                 f"{names(head)}, which {type(model).__name__} adds; pass --new-head with --task to "
                 "initialise them at random (as transformers does), then train them"
@@ -826,7 +910,7 @@ def check_loading_info(
             f"{names(in_base if in_base and saved_class is not None else missing)}{hint}"
         )
     if unexpected and not explicit_task:
-        raise NormswapError(
+        raise OptionRefused(
             f"{src.spec}: the checkpoint has tensor(s) {type(model).__name__} does not use: "
             f"{names(unexpected)}; pass --task to choose the model class on purpose"
         )

@@ -160,20 +160,55 @@ def nbytes(dtype: str, shape: tuple[int, ...]) -> int:
     return n
 
 
-def write_shards(layout: list[OutputTensor], out: Path, max_shard_size: int, progress: bool) -> dict[str, str]:
-    """Write ``layout`` in order into shards of at most ``max_shard_size`` bytes (plus the index when
-    there is more than one), producing each tensor only when it is written. Returns the weight map."""
+def split_shards(sizes: list[int], max_shard_size: int) -> list[list[int]]:
+    """Group tensors (their byte sizes, in save order) into shards as ``save_pretrained`` does
+    (``huggingface_hub.split_torch_state_dict_into_shards``), so that a streamed checkpoint has the in-memory
+    one's files: in order, a tensor opens a new shard when it would take the current one past
+    ``max_shard_size``; a tensor larger than the limit gets a shard of its own, placed before the current
+    shard, which stays open for the tensors after it."""
+    shards: list[list[int]] = []
+    current: list[int] = []
+    used = 0
+    for i, n in enumerate(sizes):
+        if n > max_shard_size:
+            shards.append([i])
+            continue
+        if used + n > max_shard_size:
+            shards.append(current)
+            current, used = [], 0
+        current.append(i)
+        used += n
+    if current or not shards:
+        shards.append(current)
+    return shards
+
+
+def file_order(entries: list[tuple[str, str]]) -> list[int]:
+    """The order in which ``safetensors`` lays out (name, safetensors dtype) pairs in a file (by dtype, then
+    name), asked of safetensors itself with empty tensors, so that a streamed shard is byte for byte the file
+    ``save_pretrained`` writes for the same tensors."""
+    from safetensors.torch import save
+
+    if len(entries) < 2:
+        return list(range(len(entries)))
+    raw = save({k: torch.empty(0, dtype=ST_TO_TORCH[d]) for k, d in entries})
+    (n,) = struct.unpack("<Q", raw[:8])
+    keys = [k for k in json.loads(raw[8:8 + n]) if k != "__metadata__"]
+    where = {k: i for i, (k, _) in enumerate(entries)}
+    return [where[k] for k in keys]
+
+
+def write_shards(layout: list[OutputTensor], out: Path, max_shard_size: int, progress: bool,
+                 parameters: int | None = None) -> dict[str, str]:
+    """Write ``layout`` (in save order) into shards of at most ``max_shard_size`` bytes, split and named as
+    ``save_pretrained`` splits a state dict in that order, each file laid out as ``safetensors`` lays it out,
+    plus the index when there is more than one; each tensor is produced only when it is written. ``parameters``:
+    the index's ``total_parameters`` (``save_pretrained`` writes the model's parameter count, buffers left out;
+    default: every written element). Returns the weight map."""
     from tqdm.auto import tqdm
 
     sizes = [nbytes(dtype, shape) for _key, dtype, shape, _ in layout]
-    shards: list[list[int]] = [[]]
-    used = 0
-    for i, n in enumerate(sizes):
-        if shards[-1] and used + n > max_shard_size:
-            shards.append([])
-            used = 0
-        shards[-1].append(i)
-        used += n
+    shards = split_shards(sizes, max_shard_size)
     total = len(shards)
     names = (
         ["model.safetensors"]
@@ -191,6 +226,7 @@ def write_shards(layout: list[OutputTensor], out: Path, max_shard_size: int, pro
     )
     try:
         for name, idx in zip(names, shards, strict=True):
+            idx = [idx[j] for j in file_order([(layout[i][0], layout[i][1]) for i in idx])]
             w = ShardWriter(out / name, [(layout[i][0], layout[i][1], layout[i][2]) for i in idx])
             try:
                 for i in idx:
@@ -211,7 +247,7 @@ def write_shards(layout: list[OutputTensor], out: Path, max_shard_size: int, pro
         io.write_json(
             out / "model.safetensors.index.json",
             {
-                "metadata": {"total_size": sum(sizes), "total_parameters": numel},
+                "metadata": {"total_size": sum(sizes), "total_parameters": numel if parameters is None else parameters},
                 "weight_map": dict(sorted(weight_map.items())),
             },
         )

@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import re
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -32,7 +34,7 @@ from normswap.checkpoint import bases_io, hf, io, proxy, source, stream_io, trun
 from normswap.checkpoint import extrapolate as ex
 from normswap.checkpoint.rewrite import KeyMap, TensorRewriter
 from normswap.checkpoint.source import NothingToConvert, Source
-from normswap.errors import NormswapError
+from normswap.errors import NormswapError, OptionRefused
 from normswap.options import ConvertOptions
 from normswap.surgery import beta_placement
 from normswap.surgery.edits import adapter_bases, mark_untied, record_rms_slots
@@ -51,12 +53,27 @@ def convert_streaming(
     progress: bool,
     echo: Callable[[str], None],
     automatic: bool = False,
+    allow_new_head: bool = False,
+    trust_remote_code: bool = False,
 ) -> pipeline.Report:
     """Convert the checkpoint directory ``src`` into ``out`` without loading the model.
 
     ``automatic``: the caller chose this path because the in-memory one would not fit (the user did
-    not ask for ``--low-memory``); errors then name ``--in-memory`` as the way out."""
-    st, options = _plan(src, fmt=fmt, options=options, dtype=dtype, task=task, echo=echo, automatic=automatic)
+    not ask for ``--low-memory``); errors then name ``--in-memory`` as the way out. ``allow_new_head``: with
+    ``task``, a head the checkpoint lacks is initialised as the in-memory path initialises it
+    (:func:`source.init_new_head`) and streamed like the checkpoint's own tensors."""
+    st, options = _plan(src, fmt=fmt, options=options, dtype=dtype, task=task, echo=echo, automatic=automatic,
+                        allow_new_head=allow_new_head, trust_remote_code=trust_remote_code)
+    try:
+        return _convert_planned(st, src, out, fmt=fmt, options=options, max_shard_size=max_shard_size,
+                                overwrite=overwrite, progress=progress, echo=echo)
+    finally:
+        st.close()
+
+
+def _convert_planned(st: _Streaming, src: Source, out: Path, *, fmt: str, options: ConvertOptions,
+                     max_shard_size: int | str, overwrite: bool, progress: bool,
+                     echo: Callable[[str], None]) -> pipeline.Report:
     needed = _space_needed(st, out, echo)
     # chosen (and a float64 that does not fit refused) before anything is written
     precision = (truncated.truncated_precision(st.cls, st.fp, st.float_dtype, options.verify_dtype)
@@ -80,13 +97,15 @@ def convert_streaming(
 
 
 def plan_streaming(src: Source, *, fmt: str, options: ConvertOptions, task: str | None,
-                   echo: Callable[[str], None], automatic: bool = False) -> Plan:
+                   echo: Callable[[str], None], automatic: bool = False, allow_new_head: bool = False,
+                   trust_remote_code: bool = False) -> Plan:
     """The plan :func:`convert_streaming` converts ``src`` with, without writing anything or loading the
     model (``normswap inspect --low-memory``): the proxies' plan extrapolated to full depth, β placed on the
     checkpoint's own tensors, refused where the streamed conversion refuses (approximate norms, nothing to
     convert, tensors that do not match). The adapter bases are not in it: the rewrite records them as it
     edits the tensors."""
-    st, options = _plan(src, fmt=fmt, options=options, dtype="auto", task=task, echo=echo, automatic=automatic)
+    st, options = _plan(src, fmt=fmt, options=options, dtype="auto", task=task, echo=echo, automatic=automatic,
+                        allow_new_head=allow_new_head, trust_remote_code=trust_remote_code)
     reader = stream_io.Reader(st.entries)
     try:
         place_beta(st.fp, st.meta, st.keys, reader, options)
@@ -95,14 +114,28 @@ def plan_streaming(src: Source, *, fmt: str, options: ConvertOptions, task: str 
         TensorRewriter(st.plan, st.meta, st.keys, reader, fmt=fmt, dtype=None).scale_mean_carries()
     finally:
         reader.close()
+        st.close()
     return st.plan
 
 
 def _plan(src: Source, *, fmt: str, options: ConvertOptions, dtype: str, task: str | None,
-          echo: Callable[[str], None], automatic: bool) -> tuple[_Streaming, ConvertOptions]:
+          echo: Callable[[str], None], automatic: bool, allow_new_head: bool = False,
+          trust_remote_code: bool = False) -> tuple[_Streaming, ConvertOptions]:
     """Open the checkpoint, plan from the proxies, and refuse what the streamed path cannot convert; the
     options as the streamed path applies them."""
-    st = _open(src, task, dtype, echo)
+    st = _open(src, task, dtype, echo, allow_new_head, trust_remote_code)
+    try:
+        return _plan_opened(st, src, fmt=fmt, options=options, task=task, echo=echo, automatic=automatic)
+    except BaseException:
+        st.close()
+        raise
+
+
+def _plan_opened(st: _Streaming, src: Source, *, fmt: str, options: ConvertOptions, task: str | None,
+                 echo: Callable[[str], None], automatic: bool) -> tuple[_Streaming, ConvertOptions]:
+    if fmt == "native" and st.cls.__module__.startswith("transformers_modules"):  # the in-memory refusal
+        raise OptionRefused(f"{src.spec} uses custom modeling code; the native format needs a transformers "
+                            "architecture. Use --format compat")
     # bias slots (a bias the checkpoint lacks, for β a bias-less reader takes) are written by the rewrite as the
     # in-memory surgery adds them (round 57; before, the streamed path made none: other tensors than in memory)
     st.fp = proxy.plan_full(st.cls, st.config, st.meta, options, echo=echo, left_out=src.left_out)
@@ -125,6 +158,13 @@ class _Streaming:
     out_dtype: torch.dtype | None  # --dtype (None: each tensor keeps its stored dtype)
     missing: list[str]  # model parameters the checkpoint has no tensor for (after the left-out parts)
     fp: proxy.FullPlan | None = None  # the plan, from random-weight proxies, extrapolated to full depth
+    scratch: tempfile.TemporaryDirectory | None = None  # the new head's tensors (--new-head), as a small file
+
+    def close(self) -> None:
+        """Remove the new head's file, if any."""
+        if self.scratch is not None:
+            self.scratch.cleanup()
+            self.scratch = None
 
     @property
     def plan(self) -> Plan:
@@ -141,9 +181,11 @@ class _Streaming:
         return self.out_dtype or stream_io.ST_TO_TORCH.get(self.stored_dtype, torch.float32)
 
 
-def _open(src: Source, task: str | None, dtype: str, echo: Callable[[str], None]) -> _Streaming:
+def _open(src: Source, task: str | None, dtype: str, echo: Callable[[str], None],
+          allow_new_head: bool = False, trust_remote_code: bool = False) -> _Streaming:
     """The checkpoint's config, model class, meta model and tensor index; the parts the pipeline does not
-    use and the checkpoint lacks are left out, as the in-memory path leaves them out."""
+    use and the checkpoint lacks are left out, as the in-memory path leaves them out; with ``allow_new_head``
+    and ``task``, a head the checkpoint lacks is made (:func:`_new_head`)."""
     from transformers import AutoConfig
 
     assert src.path is not None
@@ -152,10 +194,12 @@ def _open(src: Source, task: str | None, dtype: str, echo: Callable[[str], None]
             "low-memory conversion reads safetensors only; convert the pickle checkpoint to safetensors first"
         )
     try:
-        config = AutoConfig.from_pretrained(src.path, local_files_only=True)
+        config = AutoConfig.from_pretrained(src.path, local_files_only=True, trust_remote_code=trust_remote_code)
     except Exception as exc:  # noqa: BLE001
         raise NormswapError(f"cannot read the config of {src.spec}: {exc}") from exc
-    cls = source.source_class(src, config, task)
+    # custom modeling code (round 59): its own class, imported from the directory as the in-memory load does
+    cls = (source.remote_code_class(src, task) if trust_remote_code else None) or source.source_class(src, config,
+                                                                                                     task)
     with torch.device("meta"):
         meta = cls(copy.deepcopy(config))
     want = source.torch_dtype(dtype)
@@ -172,7 +216,42 @@ def _open(src: Source, task: str | None, dtype: str, echo: Callable[[str], None]
                 f"left out {source.names(src.left_out)}: the checkpoint has no tensors for it, and the "
                 f"{src.layout} pipeline does not use it (it reads {source.PIPELINE_READS[src.layout]})"
             )
-    return _Streaming(src, config, cls, meta, entries, keys, None if want == "auto" else want, missing)
+    st = _Streaming(src, config, cls, meta, entries, keys, None if want == "auto" else want, missing)
+    if missing and allow_new_head and task is not None:
+        _new_head(st, echo)
+    return st
+
+
+def _new_head(st: _Streaming, echo: Callable[[str], None]) -> None:
+    """``--new-head`` streamed (round 59): when every tensor the checkpoint lacks belongs to a part its own
+    class does not have (the in-memory rule, :func:`source.check_loading_info`), initialise those tensors as the
+    in-memory path does (:func:`source.init_new_head`: same seed, same init, in the dtype the in-memory path
+    loads in), save them to a small scratch file and stream them as if the checkpoint held them: the plan's folds
+    into the head, the shards and the verification treat them as the checkpoint's own tensors, and the two paths
+    write the same head. A head is small (a classifier, a pooler), so this holds no model."""
+    from safetensors.torch import save_file
+
+    saved_class = source.checkpoint_class(st.src, st.config)
+    if saved_class is None or saved_class is st.cls:
+        return
+    head = source.new_parts(st.meta, saved_class, st.config, set(st.missing))
+    if not head or head != set(st.missing):
+        return
+    # every name of those tensors, aliases too (BERT's decoder.bias is cls.predictions.bias), as the in-memory
+    # load lists them; the scratch file holds each tensor once, under the name the checkpoint check uses
+    held = {id(p) for n, p in st.meta.named_parameters(remove_duplicate=False) if n in head}
+    names = sorted(head | {n for n, p in st.meta.named_parameters(remove_duplicate=False) if id(p) in held})
+    # the in-memory path loads in the checkpoint's dtype (dtype "auto") or in float32 (--dtype given)
+    dtype = torch.float32 if st.out_dtype is not None else st.float_dtype
+    values = source.init_new_head(st.meta, names, dtype)
+    st.scratch = tempfile.TemporaryDirectory(prefix="normswap-new-head-")
+    path = Path(st.scratch.name) / "new_head.safetensors"
+    save_file({k: values[k].contiguous() for k in sorted(head)}, str(path), metadata={"format": "pt"})
+    st.entries = {**st.entries, **stream_io.scan([path])}
+    st.keys = KeyMap(st.meta, st.entries)
+    st.missing = []
+    st.src.new_head = names
+    echo(f"new task head, randomly initialised (--new-head): {source.names(names)}; train it before use")
 
 
 def _refuse_plan(st: _Streaming, fmt: str, automatic: bool) -> None:
@@ -185,17 +264,17 @@ def _refuse_plan(st: _Streaming, fmt: str, automatic: bool) -> None:
     if not any(sp.convert for sp in plan.sites):
         raise NothingToConvert(f"{label}: no LayerNorm can be converted in this mode; nothing to do")
     if fmt == "compat" and any(sp.convert and sp.verdict == "approximate" for sp in plan.sites):
-        raise NormswapError("compat format keeps LayerNorms; convert with --mode exact")
+        raise OptionRefused("compat format keeps LayerNorms; convert with --mode exact")
     approximate = sum(1 for sp in plan.sites if sp.convert and sp.verdict == "approximate")
     if approximate and automatic:
-        raise NormswapError(
+        raise OptionRefused(
             f"{label}: {approximate} approximate norm(s) need calibration on the whole model, and "
             "this checkpoint was streamed because its in-memory conversion is predicted not to fit in "
             "the available RAM; pass --in-memory to convert it in memory anyway (with RAM to spare), "
             "or --mode exact to stream only the exact norms"
         )
     if approximate:
-        raise NormswapError(
+        raise OptionRefused(
             f"{label}: {approximate} approximate norm(s) need calibration on the whole model, which "
             "--low-memory cannot do; convert without --low-memory, or add --mode exact to stream only "
             "the exact norms"
@@ -212,7 +291,7 @@ def _refuse_residual_fold(st: _Streaming, options: ConvertOptions, automatic: bo
     folds = [rf for rf in proxy_plan.residual_folds if proxy_plan.site(rf.site).convert]
     if folds:
         way_out = "pass --in-memory" if automatic else "convert without --low-memory"
-        raise NormswapError(
+        raise OptionRefused(
             f"{st.src.label}: beta_placement='fold' folds the β of {len(folds)} Post-LN norm(s) of the proxy "
             f"(`{folds[0].site}`, ...) through their residual writers, which the low-memory path cannot do; "
             f"{way_out} (with RAM to spare), or use another --beta-placement")
@@ -233,18 +312,18 @@ def _check_tensors(st: _Streaming, task: str | None) -> None:
             "the checkpoint does not match its config.json"
         )
     if unexpected and task is None:
-        raise NormswapError(
+        raise OptionRefused(
             f"{src.spec}: the checkpoint has tensor(s) {cls.__name__} does not use: "
             f"{source.names(unexpected)}; pass --task to choose the model class on purpose"
         )
     saved_class = source.checkpoint_class(src, st.config) if missing and task is not None else None
     if saved_class is not None and saved_class is not cls:
         head = source.new_parts(st.meta, saved_class, st.config, set(missing))
-        if head and head == set(missing):
-            raise NormswapError(
-                f"{src.spec} as {cls.__name__}: {source.names(head)} are not in the checkpoint "
-                f"({saved_class.__name__}); a new head has no tensors to stream: convert in memory "
-                "(--in-memory, with --new-head)"
+        if head and head == set(missing):  # as the in-memory path words it
+            raise OptionRefused(
+                f"{src.spec} as {cls.__name__}: the checkpoint ({saved_class.__name__}) has no "
+                f"{source.names(head)}, which {cls.__name__} adds; pass --new-head with --task to "
+                "initialise them at random (as transformers does), then train them"
             )
     if missing:
         needed = (
@@ -285,13 +364,45 @@ def _write_tensors(st: _Streaming, tmp: Path, options: ConvertOptions, fmt: str,
         adapter_bases(st.meta, st.plan, lambda site: rewriter.norms.get(site, (None, None)),
                       lambda name: rewriter.read(name).double(), lambda sf: rewriter.edited(sf.param).reshape(-1))
         bases_io.write(st.plan, tmp)
-        layout = rewriter.layout()
+        layout = in_memory_order(st.meta, rewriter.layout())
+        buffers = {name for name, _ in st.meta.named_buffers(remove_duplicate=False)}
+        parameters = sum(math.prod(entry[2]) for entry in layout if entry[4] not in buffers)
         weight_map = stream_io.write_shards([entry[:4] for entry in layout], tmp, io.parse_size(max_shard_size),
-                                            progress)
+                                            progress, parameters=parameters)
     finally:
         reader.close()
     out_model_keys = {entry[4]: entry[0] for entry in layout if entry[4] is not None}
     return stream_io.scan(sorted({tmp / f for f in weight_map.values()})), out_model_keys
+
+
+def in_memory_order(meta: nn.Module, layout: list) -> list:
+    """``layout`` (entries whose last field is the model's name for the tensor) in the order the in-memory
+    conversion's ``save_pretrained`` meets the same tensors, so that it splits the streamed checkpoint into the
+    same files (round 59; before, the checkpoint's own order). That order is the converted model's state-dict
+    order (the meta model's: the surgery swaps modules in place and fills a bias slot where the module
+    registered ``None``; a tensor the model lacks goes after its module's own tensors), then, in transformers 5,
+    sorted by name (``revert_weight_conversion`` sorts a loaded model's state dict with ``dot_natural_key``)."""
+    rank: dict[str, tuple[int, int]] = {}
+    for path, module in meta.named_modules(remove_duplicate=False):
+        prefix = f"{path}." if path else ""
+        own = [*module._parameters, *(b for b in module._buffers if b not in module._non_persistent_buffers_set)]
+        for name in own:
+            rank.setdefault(prefix + name, (len(rank), 0))
+        if own:
+            rank.setdefault(f"{prefix}\0", (len(rank) - 1, 1))  # after this module's own tensors
+
+    def where(item: tuple[int, Any]) -> tuple[int, int, int]:
+        i, entry = item
+        name = entry[4] or ""
+        found = rank.get(name) or rank.get(f"{name.rpartition('.')[0]}.\0" if "." in name else "\0")
+        return (*(found or (len(rank), 0)), i)
+
+    ordered = [entry for _, entry in sorted(enumerate(layout), key=where)]
+    try:
+        from transformers.core_model_loading import dot_natural_key
+    except ImportError:  # transformers 4: save_pretrained keeps the state-dict order
+        return ordered
+    return sorted(ordered, key=lambda entry: dot_natural_key(entry[4] or entry[0]))
 
 
 def place_beta(fp: proxy.FullPlan, meta: nn.Module, keys: KeyMap, reader: stream_io.Reader,

@@ -27,7 +27,7 @@ from torch import nn
 
 from normswap.analysis.plan import CENTERED_VERDICTS, VERDICTS, Plan, plan_of
 from normswap.checkpoint import bases_io, hf_types, io, module_io, stream_io
-from normswap.errors import NormswapError
+from normswap.errors import NormswapError, OptionRefused
 from normswap.integrations import wrappers
 from normswap.integrations.quiet import quietly
 from normswap.options import FORMATS, choose
@@ -319,7 +319,7 @@ def norm_param_names(module: nn.Module, flavour: str) -> tuple[str | None, str |
         return gamma[0], None
     if flavour == "beta-only" and len(beta) == 1 and not gamma:
         return None, beta[0]
-    raise NormswapError(
+    raise OptionRefused(
         f"cannot map the RMSNorm back onto {type(module).__name__} (parameters {names}, "
         f"flavour {flavour}); use --format native for this model"
     )
@@ -336,7 +336,9 @@ def stock_config(model: nn.Module) -> Any:
         for key in ("auto_map", hf_types.MANIFEST_KEY, "model_type", "architectures"):
             data.pop(key, None)
         cfg = hf_types.base_config_class(base).from_dict(data)
-    for attr in ("auto_map", hf_types.MANIFEST_KEY):
+    # normswap's auto_map goes (a native model's); a custom-code model's own stays whole (round 59: it lost every
+    # entry but AutoConfig and the converted class's, AutoModel among them, where --low-memory kept them)
+    for attr in ("auto_map", hf_types.MANIFEST_KEY) if base is not None else (hf_types.MANIFEST_KEY,):
         if hasattr(cfg, attr):
             delattr(cfg, attr)
     cfg.architectures = [stock_class(model).__name__]
@@ -370,19 +372,19 @@ def _check_rotations(plan: Plan) -> None:
     and the stock LayerNorm equals the RMSNorm there."""
     for r in plan.rotations:
         if r.get("restore"):
-            raise NormswapError(
+            raise OptionRefused(
                 f"compat format cannot hold the un-rotation before `{r['restore'][0]}` (output='restore' adds an "
                 "op the stock architecture lacks): use the native format, or rotate with output='rotated'")
         if r.get("online") or r.get("online_outputs"):
             where = f"before `{r['online'][0]}`" if r.get("online") else f"after `{r['online_outputs'][0]['norm']}`"
-            raise NormswapError(f"compat format cannot hold the online Hadamard {where}: write it with format='native'")
+            raise OptionRefused(f"compat format cannot hold the online Hadamard {where}: write it with format='native'")
         if r.get("ops"):
-            raise NormswapError(
+            raise OptionRefused(
                 f"compat format cannot hold the rotation op at `{r['ops'][0]['module']}` (the stream of "
                 f"`{r['norms'][0]}` starts at a value no weight can turn, so its Q is an op the stock architecture "
                 "lacks): write it with format='native'")
         if not r.get("mean_preserving", True):
-            raise NormswapError(
+            raise OptionRefused(
                 f"compat format needs a mean-preserving rotation (Q·1 = 1) so that the stock LayerNorms still "
                 f"equal RMSNorm; the rotation of `{r['norms'][0]}` is not: use 'hadamard'/'random' or the native "
                 "format")
@@ -471,7 +473,7 @@ def compat_model(model: nn.Module, plan: Plan) -> tuple[nn.Module, dict[str, lis
     """
     approx = [sp.name for sp in plan.sites if sp.convert and sp.verdict == "approximate"]
     if approx:
-        raise NormswapError(
+        raise OptionRefused(
             f"compat format keeps LayerNorms, so approximate conversions ({approx[0]}"
             f"{' and others' if len(approx) > 1 else ''}) cannot be stored; convert with "
             "mode='exact' (--mode exact) or use the native format"
@@ -531,7 +533,7 @@ def compat_model(model: nn.Module, plan: Plan) -> tuple[nn.Module, dict[str, lis
     state = {k: v for k, v in state.items() if k in meta_state}
     missing = [k for k in meta_state if k not in state]
     if missing:
-        raise NormswapError(f"compat export: no value for {missing[0]}; use --format native for this model")
+        raise OptionRefused(f"compat export: no value for {missing[0]}; use --format native for this model")
     stock.load_state_dict(state, assign=True, strict=True)
     # non-persistent buffers (position ids, rotary tables) are not in the state dict: share the model's
     own_buffers = dict(model.named_buffers(remove_duplicate=False))
@@ -541,7 +543,7 @@ def compat_model(model: nn.Module, plan: Plan) -> tuple[nn.Module, dict[str, lis
                 continue
             full = f"{path}.{name}" if path else name
             if full not in own_buffers:
-                raise NormswapError(f"compat export: no value for buffer {full}; use --format native")
+                raise OptionRefused(f"compat export: no value for buffer {full}; use --format native")
             module._buffers[name] = own_buffers[full]
     if hasattr(model, "_weight_conversions"):
         stock._weight_conversions = model._weight_conversions

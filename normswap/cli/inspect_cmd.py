@@ -109,7 +109,9 @@ def inspect(model: str, as_json: bool, verbose: bool, **params: Any) -> None:
                     warnings.simplefilter("ignore")
                     streamed = conversion.streamed_plan(src, fmt=fmt, options=options, task=params["task"],
                                                         low_memory=params["low_memory"],
-                                                        echo=lambda line: say("note", line))
+                                                        echo=lambda line: say("note", line),
+                                                        allow_new_head=params["new_head"],
+                                                        trust_remote_code=params["trust_remote_code"])
             if streamed is not None:  # as convert --low-memory plans it: the model is never loaded
                 plan = streamed
                 header = f"{model}, as convert --format {fmt} --low-memory plans it"

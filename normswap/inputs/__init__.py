@@ -125,7 +125,9 @@ def _find_tokenizer(model: nn.Module) -> tuple[Any | None, str]:
         try:
             from transformers import AutoTokenizer
 
-            tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+            # never custom tokenizer code: without trust_remote_code=False transformers asks on stdin (y/N),
+            # which blocks a convert --trust-remote-code of a custom-code model in a terminal (round 59)
+            tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
             where = "the tokenizer in the model's directory"
         except Exception:  # noqa: BLE001 - no tokenizer files, or one transformers cannot read
             return None, ""

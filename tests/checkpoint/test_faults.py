@@ -89,7 +89,7 @@ def test_unexpected_tensor_is_an_error(tmp_path, gpt2_src, low_memory):
 
     src = edit_weights(copy_of(gpt2_src, tmp_path), add)
     flag = ("--low-memory",) if low_memory else ("--in-memory",)
-    refused(tmp_path, src, 1, "transformer.h.0.extra.weight", "--task", extra=flag)
+    refused(tmp_path, src, 2, "transformer.h.0.extra.weight", "--task", extra=flag)
 
 
 @pytest.mark.parametrize("low_memory", [False, True], ids=["in-memory", "low-memory"])
@@ -111,7 +111,7 @@ def test_truncated_safetensors(tmp_path, gpt2_src):
 
 def test_new_task_head_needs_the_flag_and_is_recorded(tmp_path, gpt2_src):
     src = copy_of(gpt2_src, tmp_path)
-    refused(tmp_path, src, 1, "score.weight", "--new-head", extra=("--task", "sequence-classification"))
+    refused(tmp_path, src, 2, "score.weight", "--new-head", extra=("--task", "sequence-classification"))
     out = tmp_path / "out"
     code, _, err = run(
         "convert", str(src), "--out", str(out), "--task", "sequence-classification", "--new-head"

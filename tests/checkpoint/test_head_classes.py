@@ -280,7 +280,7 @@ def mlm_dir(tmp_path_factory) -> Path:
 
 def test_cli_task_new_head_on_a_masked_lm_directory(mlm_dir, tmp_path):
     code, err = run("convert", str(mlm_dir), "--out", str(tmp_path / "base"), "--task", "base", "--mode", "exact")
-    assert code == 1 and "(BertForMaskedLM) has no pooler.dense.bias" in err and "--new-head" in err
+    assert code == 2 and "(BertForMaskedLM) has no pooler.dense.bias" in err and "--new-head" in err
     assert not (tmp_path / "base").exists()
     code, err = run("convert", str(mlm_dir), "--out", str(tmp_path / "cls"), "--task", "sequence-classification",
                     "--new-head", "--mode", "exact", "-q")

@@ -42,11 +42,11 @@ def _tamper_streamed(monkeypatch: pytest.MonkeyPatch, name: str, factor: float =
     """Scale the tensor ``name`` by ``factor`` as the streaming writer produces it."""
     write = stream_io.write_shards
 
-    def write_tampered(layout, out, max_shard_size, progress):  # noqa: ANN001, ANN202
+    def write_tampered(layout, out, max_shard_size, progress, **kwargs):  # noqa: ANN001, ANN003, ANN202
         assert any(entry[0] == name for entry in layout), name
         layout = [(k, dt, shape, (lambda p=produce: p() * factor) if k == name else produce)
                   for k, dt, shape, produce in layout]
-        return write(layout, out, max_shard_size, progress)
+        return write(layout, out, max_shard_size, progress, **kwargs)
 
     monkeypatch.setattr(stream_io, "write_shards", write_tampered)
 
