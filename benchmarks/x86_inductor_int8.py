@@ -231,18 +231,20 @@ def measure(kind: str, dirs: Sequence[Path], args: argparse.Namespace) -> dict[s
                               "batch": args.batch, "errors": {}, "ops": {}, "cells": {}, "speed": {}}
     refs = {name: run_batches(m, data) for name, m in models.items()}
     programs: dict[str, dict[str, Callable[..., torch.Tensor]]] = {"original": {}, "converted": {}}
-    batch_sizes = sorted({1, args.batch}) if args.speed else [args.batch]
+    timed = set(args.speed_schemes) if args.speed else set()
+    batch_sizes = sorted({1, args.batch}) if timed else [args.batch]
     t0 = time.time()
-    for scheme in ("fp32", *args.schemes):
+    for scheme in dict.fromkeys(("fp32", *args.schemes, *sorted(timed))):
         for b in batch_sizes:
-            if scheme == "fp32" and not args.speed:
+            measured = scheme in args.schemes and b == args.batch
+            if not measured and scheme not in timed:
                 continue
             for name, model in models.items():
                 example = tuple(t[:b] for t in data[0])
                 graph, info = quantize(model, example, scheme, [tuple(t[:b] for t in c) for c in calib])
                 program = torch.compile(graph)
                 result["ops"][f"{name}/{scheme}@{b}"] = info
-                if b == args.batch and scheme != "fp32":
+                if measured:
                     out = run_batches(program, data)
                     result["errors"][f"{name}/{scheme}"] = errors(out, refs[name])
                     print(f"{kind} {name}/{scheme}: 1-cos {statistics.mean(result['errors'][f'{name}/{scheme}']):.3e};"
@@ -250,9 +252,9 @@ def measure(kind: str, dirs: Sequence[Path], args: argparse.Namespace) -> dict[s
                 else:
                     run_batches(program, [example])  # compiled now, not inside the timing's warm-up
                     print(f"{kind} {name}/{scheme}@{b}: compiled; ops {info} [{time.time() - t0:.0f} s]", flush=True)
-                if args.speed:
+                if scheme in timed:
                     programs[name][f"{scheme}@{b}"] = program
-        if scheme != "fp32":
+        if scheme in args.schemes:
             result["cells"][scheme] = ratio_cell(result["errors"][f"converted/{scheme}"],
                                                  result["errors"][f"original/{scheme}"], clusters)
     if args.speed:
@@ -291,7 +293,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--texts", type=int, default=256)
     ap.add_argument("--max-len", type=int, default=128)
     ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--schemes", nargs="+", default=list(SCHEMES), choices=SCHEMES)
+    ap.add_argument("--schemes", nargs="*", default=list(SCHEMES), choices=SCHEMES,
+                    help="the int8 schemes whose error is measured (none: speed only)")
+    ap.add_argument("--speed-schemes", nargs="+", default=["fp32", *SCHEMES], choices=["fp32", *SCHEMES],
+                    help="the programs timed with --speed")
     ap.add_argument("--speed", type=float, default=0, metavar="SECONDS",
                     help="ABBA seconds per speed cell (0: errors only, no float32 programs)")
     ap.add_argument("--json", type=Path)
