@@ -300,10 +300,12 @@ def parse_seeds(text: str) -> list[int]:
 
 
 def run_clips(run: dict) -> list[tuple[str, int]]:
-    """Each clip of a run as (speech directory, index in it): the run took ``clips / len(speech)`` clips from
-    each directory, from its ``skip``-th on (:func:`main`)."""
+    """Each clip of a run as (speech directory's name, index in it): the run took ``clips / len(speech)`` clips
+    from each directory, from its ``skip``-th on (:func:`main`). The name, not the path: ``speech_samples.py``
+    builds the same clips wherever it writes them, so runs of other sessions (``/tmp/a/speech``,
+    ``/tmp/b/speech``) join clip by clip (``--table`` checks that their shared draws agree)."""
     per_dir = run["clips"] // len(run["speech"])
-    return [(d, run["skip"] + i) for d in run["speech"] for i in range(per_dir)]
+    return [(Path(d).name, run["skip"] + i) for d in run["speech"] for i in range(per_dir)]
 
 
 def pooled(results: list[dict]) -> tuple[list[int], dict[str, np.ndarray], float]:

@@ -136,6 +136,20 @@ def test_runs_split_over_clips_join_clip_by_clip() -> None:
     assert draws.run_clips({"speech": ["a", "b"], "skip": 3, "clips": 4}) == [("a", 3), ("a", 4), ("b", 3), ("b", 4)]
 
 
+def test_runs_of_the_same_clips_written_elsewhere_join_by_directory_name() -> None:
+    """A variant measured in another session, whose clips ``speech_samples.py`` wrote under another parent
+    (round 58's original in ``/tmp/a/speech``, round 59's op variant in ``/tmp/b/speech``), pairs clip by clip."""
+    def run(speech: str, name: str, scale: float) -> dict:
+        return {"speech": [speech], "skip": 0, "clips": 2, "seeds": [0, 1], "positions": [3, 4],
+                "kl": {name: [[scale * 1.0, scale * 2.0], [scale * 3.0, scale * 4.0]]}}
+
+    seeds, kl, positions = draws.pooled([run("/tmp/a/speech", "original", 1.0), run("/tmp/b/speech", "op", 1.5)])
+    assert seeds == [0, 1] and set(kl) == {"original", "op"} and positions == 7
+    assert kl["op"].tolist() == [[1.5, 3.0], [4.5, 6.0]]
+    assert "**1.500** (1.500-1.500)" in draws.table([run("/tmp/a/speech", "original", 1.0),
+                                                     run("/tmp/b/speech", "op", 1.5)])
+
+
 def test_tables_are_per_quantizer() -> None:
     def run(quant: str | None, scale: float) -> dict:
         r = {"speech": ["s"], "skip": 0, "clips": 2, "seeds": [0, 1], "positions": [3, 3],
