@@ -303,7 +303,7 @@ def run_clips(run: dict) -> list[tuple[str, int]]:
     """Each clip of a run as (speech directory's name, index in it): the run took ``clips / len(speech)`` clips
     from each directory, from its ``skip``-th on (:func:`main`). The name, not the path: ``speech_samples.py``
     builds the same clips wherever it writes them, so runs of other sessions (``/tmp/a/speech``,
-    ``/tmp/b/speech``) join clip by clip (``--table`` checks that their shared draws agree)."""
+    ``/tmp/b/speech``) join clip by clip (:func:`pooled` stops if a clip's decoder positions differ between runs)."""
     per_dir = run["clips"] // len(run["speech"])
     return [(Path(d).name, run["skip"] + i) for d in run["speech"] for i in range(per_dir)]
 
@@ -316,6 +316,9 @@ def pooled(results: list[dict]) -> tuple[list[int], dict[str, np.ndarray], float
     for r in results:
         for j, clip in enumerate(run_clips(r)):
             entry = clips.setdefault(clip, {"positions": r["positions"][j], "kl": {}})
+            if entry["positions"] != r["positions"][j]:
+                raise SystemExit(f"clip {clip}: {entry['positions']} decoder positions in one run, "
+                                 f"{r['positions'][j]} in another: not the same clips")
             for name, rows in r["kl"].items():
                 got = entry["kl"].setdefault(name, {})
                 for seed, row in zip(r["seeds"], rows, strict=False):  # a stopped run: fewer rows for its last variants
