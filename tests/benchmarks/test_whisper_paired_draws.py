@@ -13,6 +13,7 @@ the conversion's excess to the encoder or the decoder (they must compute the ori
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
@@ -319,3 +320,30 @@ def copy_float(model: torch.nn.Module) -> torch.nn.Module:
     import copy
 
     return copy.deepcopy(model).float()
+
+
+def test_the_torchao_emulation_is_round_53s_torchao_linear_bit_for_bit_on_both_product_paths() -> None:
+    """``--quant torchao-emu``'s float32 integer product must be the exact integer product (round 53's float64
+    ``quant_utils.torchao_linear_``, checked against torchao bit for bit on DINOv2-small): on ordinary inputs (the
+    float32 path) and on a token large enough that its partial sums could leave float32's exact integers (the
+    float64 path); every ``nn.Linear`` of a Whisper is swapped, nothing else."""
+    quant_utils = benchmark_modules.load("quant_utils")
+    g = torch.Generator().manual_seed(3)
+    lin = torch.nn.Linear(1536, 24)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(24, 1536, generator=g))
+        lin.weight[:, 0] = 40.0  # every row's absmax in one column: most codes near 127 / 40 · |w|
+    ref = quant_utils.torchao_linear_(copy.deepcopy(lin))
+    emu = draws.TorchaoInt8Linear(lin)
+    x = torch.randn(2, 5, 1536, generator=g)
+    big = torch.full((1, 1, 1536), 127.0)  # Σ|x_q| · max|w_q| = 1536 · 127 · 127 > 2²⁴: the float64 path
+    for inp in (x, big):
+        assert torch.equal(emu(inp), ref(inp))
+    # an off-grid emulation would differ: the plain float Linear is not the same numbers
+    assert not torch.equal(emu(x), lin(x))
+    whisper = benchmark_modules.tiny_whisper().float().eval()
+    linears = sum(isinstance(m, torch.nn.Linear) for m in whisper.modules())
+    swapped = draws.torchao_int8_emulated(whisper)
+    assert sum(isinstance(m, draws.TorchaoInt8Linear) for m in swapped.modules()) == linears > 0
+    assert not any(isinstance(m, torch.nn.Linear) for m in swapped.modules())
+    assert any(isinstance(m, torch.nn.Linear) for m in whisper.modules())  # the model itself untouched
