@@ -202,13 +202,15 @@ class TorchaoInt8Linear(torch.nn.Module):
 
 
 def torchao_int8_emulated(model: torch.nn.Module) -> torch.nn.Module:
-    """A copy of ``model`` with every ``nn.Linear`` a :class:`TorchaoInt8Linear` (``--quant torchao-emu``): what
-    :func:`torchao_int8` computes, bit for bit where :func:`check_emulation` says so, at float speed."""
+    """A copy of ``model`` with every ``nn.Linear`` computing as a :class:`TorchaoInt8Linear` (``--quant
+    torchao-emu``): what :func:`torchao_int8` computes, bit for bit where :func:`check_emulation` says so, at float
+    speed. Each Linear stays in place with its ``forward`` replaced, as ``quantize_`` swaps only its weight: the
+    hooks on it (``--writer-centering op``'s centering after a writer) still run (round 59: a module swap dropped
+    them, and the check stopped the run)."""
     out = copy.deepcopy(model)
-    for name, mod in list(out.named_modules()):
+    for mod in out.modules():
         if isinstance(mod, torch.nn.Linear):
-            parent, _, leaf = name.rpartition(".")
-            setattr(out.get_submodule(parent) if parent else out, leaf, TorchaoInt8Linear(mod))
+            mod.forward = TorchaoInt8Linear(mod).forward
     return out
 
 

@@ -341,9 +341,17 @@ def test_the_torchao_emulation_is_round_53s_torchao_linear_bit_for_bit_on_both_p
         assert torch.equal(emu(inp), ref(inp))
     # an off-grid emulation would differ: the plain float Linear is not the same numbers
     assert not torch.equal(emu(x), lin(x))
+    # in a model: every Linear emulated in place, its hooks kept (--writer-centering op centers by a forward hook)
     whisper = benchmark_modules.tiny_whisper().float().eval()
-    linears = sum(isinstance(m, torch.nn.Linear) for m in whisper.modules())
-    swapped = draws.torchao_int8_emulated(whisper)
-    assert sum(isinstance(m, draws.TorchaoInt8Linear) for m in swapped.modules()) == linears > 0
-    assert not any(isinstance(m, torch.nn.Linear) for m in swapped.modules())
-    assert any(isinstance(m, torch.nn.Linear) for m in whisper.modules())  # the model itself untouched
+    fc2 = whisper.model.encoder.layers[0].fc2
+    fc2.register_forward_hook(lambda _m, _a, y: y - y.mean(-1, keepdim=True))
+    emulated = draws.torchao_int8_emulated(whisper)
+    linears = [(n, m) for n, m in emulated.named_modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all("forward" in m.__dict__ for _, m in linears)
+    assert not any("forward" in m.__dict__ for m in whisper.modules())  # the model itself untouched
+    h = torch.randn(3, fc2.in_features, generator=g)
+    plain = copy.deepcopy(fc2)
+    plain._forward_hooks.clear()
+    want = quant_utils.torchao_linear_(plain)(h)
+    got = emulated.model.encoder.layers[0].fc2(h)
+    assert torch.equal(got, want - want.mean(-1, keepdim=True))
