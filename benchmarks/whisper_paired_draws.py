@@ -373,6 +373,9 @@ def pooled(results: list[dict]) -> tuple[list[int], dict[str, np.ndarray], float
     """Runs joined clip by clip (a clip set split over processes by seeds or by clips, or measured model by
     model), then every clip side by side over the seeds every clip has: the seeds, per variant (one measured on
     every clip) the KL array ``[draws, clips]``, the positions."""
+    kinds = {r.get("draws", "reorder") for r in results}
+    if len(kinds) > 1:  # seed N of one kind of draw is another model than seed N of another: no pair
+        raise SystemExit(f"runs of different --draws ({', '.join(sorted(kinds))}) do not pool: table them apart")
     clips: dict[tuple[str, int], dict] = {}
     for r in results:
         for j, clip in enumerate(run_clips(r)):

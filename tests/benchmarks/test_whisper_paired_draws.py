@@ -149,6 +149,9 @@ def test_runs_of_the_same_clips_written_elsewhere_join_by_directory_name() -> No
     assert kl["op"].tolist() == [[1.5, 3.0], [4.5, 6.0]]
     assert "**1.500** (1.500-1.500)" in draws.table([run("/tmp/a/speech", "original", 1.0),
                                                      run("/tmp/b/speech", "op", 1.5)])
+    with pytest.raises(SystemExit, match="do not pool"):  # seed 1 of rotate+fc2 is not seed 1 of rotate
+        draws.pooled([run("/tmp/a/speech", "original", 1.0) | {"draws": "rotate"},
+                      run("/tmp/b/speech", "op", 1.5) | {"draws": "rotate+fc2"}])
     other = run("/tmp/b/speech", "op", 1.5) | {"positions": [3, 5]}  # another clip 1: not the same clip set
     with pytest.raises(SystemExit, match="not the same clips"):
         draws.pooled([run("/tmp/a/speech", "original", 1.0), other])
