@@ -55,6 +55,12 @@ in a model with LayerNorms (the original and the compat hybrids, :func:`rotated`
 against the unrounded float32 original (logits on 2 clips, ‖Δ‖/‖ref‖ ≤ 1e-5) and the transform alone in float64
 (≤ 1e-9); the run stops on a mismatch.
 
+``--quant torchao-emu`` computes the same int8 model in float (:class:`TorchaoInt8Linear`: torchao's grids and float32
+order, the integer product as an exact float32 ``matmul``): torch's CPU ``_int_mm`` takes ~13 s a clip on one loaded
+core, the emulation ~1.5 s (round 59). Each model as loaded is first compared with torchao itself on clip 0 (logits,
+bit for bit in round 59; the run stops above 1e-6), and its runs are recorded as ``torchao`` so ``--table`` pools them
+with the real engine's.
+
 ``--table`` joins runs clip by clip (a clip set split over processes by seeds, ``--skip``/``--clips`` or
 ``--only``), then pools the clips over the seeds every clip has.
 """
@@ -161,6 +167,61 @@ def torchao_int8(model: torch.nn.Module) -> torch.nn.Module:
     out = copy.deepcopy(model)
     quantize_(out, Int8DynamicActivationInt8WeightConfig())
     return out
+
+
+_EXACT_F32 = 2.0 ** 24  # integers up to this magnitude, and every partial sum below it, are exact in float32
+
+
+class TorchaoInt8Linear(torch.nn.Module):
+    """An ``nn.Linear`` as torchao 0.18's ``Int8DynamicActivationInt8WeightConfig`` computes it on CPU, on the same
+    grids (``quant_utils.torchao_int8_grid``: weight rows once, each input token at run time) and in the same float32
+    order (integer product, ``· s_x``, ``· s_w``, ``+ bias``; ``quant_utils.torchao_linear_``), but the integer
+    product as a float32 ``matmul``: exact while every partial sum stays below 2²⁴ in magnitude, which
+    ``Σ|x_q| · max|w_q| < 2²⁴`` per token guarantees (checked per call; float64 otherwise, exact at these sizes).
+    Why: torch's CPU ``_int_mm`` runs Whisper tiny.en's 64 clips at ~6× the float time on one loaded core, too slow
+    for paired draws; :func:`check_emulation` compares the two on real clips."""
+
+    def __init__(self, linear: torch.nn.Linear) -> None:
+        from quant_utils import torchao_int8_grid
+
+        super().__init__()
+        self.grid = torchao_int8_grid
+        self.wq, self.ws = torchao_int8_grid(linear.weight.detach().float())
+        self.wq_t = self.wq.T.contiguous()
+        self.wmax = float(self.wq.abs().max())
+        self.bias = None if linear.bias is None else linear.bias.detach().float()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xq, xs = self.grid(x)
+        if float(xq.abs().sum(-1).max()) * self.wmax < _EXACT_F32:
+            dot = xq @ self.wq_t
+        else:
+            dot = (xq.double() @ self.wq_t.double()).float()
+        y = dot * xs * self.ws.flatten()
+        return (y if self.bias is None else y + self.bias).to(x.dtype)
+
+
+def torchao_int8_emulated(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``model`` with every ``nn.Linear`` computing as a :class:`TorchaoInt8Linear` (``--quant
+    torchao-emu``): what :func:`torchao_int8` computes, bit for bit where :func:`check_emulation` says so, at float
+    speed. Each Linear stays in place with its ``forward`` replaced, as ``quantize_`` swaps only its weight: the
+    hooks on it (``--writer-centering op``'s centering after a writer) still run (round 59: a module swap dropped
+    them, and the check stopped the run)."""
+    out = copy.deepcopy(model)
+    for mod in out.modules():
+        if isinstance(mod, torch.nn.Linear):
+            mod.forward = TorchaoInt8Linear(mod).forward
+    return out
+
+
+@torch.no_grad()
+def check_emulation(model: torch.nn.Module, feats: torch.Tensor, ids: list[torch.Tensor], clips: int = 1
+                    ) -> float:
+    """torchao's real ``quantize_`` against :func:`torchao_int8_emulated` on ``model``'s logits for the first
+    ``clips`` clips: the largest absolute difference over the largest logit (0: bit for bit)."""
+    real = _logits(torchao_int8(model), feats, ids, clips)
+    emu = _logits(torchao_int8_emulated(model), feats, ids, clips)
+    return float((real - emu).abs().max() / real.abs().max())
 
 
 @torch.no_grad()
@@ -300,20 +361,28 @@ def parse_seeds(text: str) -> list[int]:
 
 
 def run_clips(run: dict) -> list[tuple[str, int]]:
-    """Each clip of a run as (speech directory, index in it): the run took ``clips / len(speech)`` clips from
-    each directory, from its ``skip``-th on (:func:`main`)."""
+    """Each clip of a run as (speech directory's name, index in it): the run took ``clips / len(speech)`` clips
+    from each directory, from its ``skip``-th on (:func:`main`). The name, not the path: ``speech_samples.py``
+    builds the same clips wherever it writes them, so runs of other sessions (``/tmp/a/speech``,
+    ``/tmp/b/speech``) join clip by clip (:func:`pooled` stops if a clip's decoder positions differ between runs)."""
     per_dir = run["clips"] // len(run["speech"])
-    return [(d, run["skip"] + i) for d in run["speech"] for i in range(per_dir)]
+    return [(Path(d).name, run["skip"] + i) for d in run["speech"] for i in range(per_dir)]
 
 
 def pooled(results: list[dict]) -> tuple[list[int], dict[str, np.ndarray], float]:
     """Runs joined clip by clip (a clip set split over processes by seeds or by clips, or measured model by
     model), then every clip side by side over the seeds every clip has: the seeds, per variant (one measured on
     every clip) the KL array ``[draws, clips]``, the positions."""
+    kinds = {r.get("draws", "reorder") for r in results}
+    if len(kinds) > 1:  # seed N of one kind of draw is another model than seed N of another: no pair
+        raise SystemExit(f"runs of different --draws ({', '.join(sorted(kinds))}) do not pool: table them apart")
     clips: dict[tuple[str, int], dict] = {}
     for r in results:
         for j, clip in enumerate(run_clips(r)):
             entry = clips.setdefault(clip, {"positions": r["positions"][j], "kl": {}})
+            if entry["positions"] != r["positions"][j]:
+                raise SystemExit(f"clip {clip}: {entry['positions']} decoder positions in one run, "
+                                 f"{r['positions'][j]} in another: not the same clips")
             for name, rows in r["kl"].items():
                 got = entry["kl"].setdefault(name, {})
                 for seed, row in zip(r["seeds"], rows, strict=False):  # a stopped run: fewer rows for its last variants
@@ -383,8 +452,9 @@ def main(argv: list[str] | None = None) -> None:
                     "conversion-rms); --table joins runs of one clip set and seeds model by model")
     ap.add_argument("--ref-cache", type=Path, help="the float original's log-probs, saved / reused")
     ap.add_argument("--json", type=Path)
-    ap.add_argument("--quant", choices=[*QUANT, "torchao"], default="rtn",
-                    help="MatMulNBits' 4-bit algorithm to simulate, or torchao's real int8 (module docstring)")
+    ap.add_argument("--quant", choices=[*QUANT, "torchao", "torchao-emu"], default="rtn",
+                    help="MatMulNBits' 4-bit algorithm to simulate, or torchao's real int8, or its float emulation "
+                    "(module docstring)")
     ap.add_argument("--label", default="conversion", help="CONV's variant name in the JSON and tables (e.g. a "
                     "hybrid measured with --only LABEL, pooled by --table with another run's original)")
     ap.add_argument("--draws", choices=["reorder", "rotate", "rotate+fc2"], default="reorder",
@@ -433,7 +503,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.only:
         models = {n: m for n, m in models.items() if n in args.only.split(",")}
     seeds = parse_seeds(args.seeds)
-    result = {"clips": len(clips), "speech": [str(d) for d in speech], "skip": args.skip, "quant": args.quant,
+    quant = "torchao" if args.quant == "torchao-emu" else args.quant  # the emulation pools with torchao's runs
+    result = {"clips": len(clips), "speech": [str(d) for d in speech], "skip": args.skip, "quant": quant,
               "seeds": [], "positions": [len(r) for r in ref],
               "kl": {n: [] for n in [*models, *(f"conversion-{v}" for v in swaps)]}}
     cache = RoundingCache()
@@ -446,7 +517,11 @@ def main(argv: list[str] | None = None) -> None:
         return rotated(model, seed, fc2=args.draws == "rotate+fc2", grid_from=original)
 
     def engine(model: torch.nn.Module) -> torch.nn.Module:
-        return torchao_int8(model) if args.quant == "torchao" else rounded(model, args.quant, cache)
+        if args.quant == "torchao":
+            return torchao_int8(model)
+        if args.quant == "torchao-emu":
+            return torchao_int8_emulated(model)
+        return rounded(model, args.quant, cache)
 
     with torch.inference_mode():
         ref_logits = _logits(original, feats, ids)
@@ -455,6 +530,12 @@ def main(argv: list[str] | None = None) -> None:
             result["exactness"][f"{name}|0"] = {"rel": rel}
             if not rel <= 1e-5:
                 raise SystemExit(f"{name}: not the original's function in float32, ‖Δ‖ / ‖ref‖ = {rel:.2e}")
+            if args.quant == "torchao-emu":  # the emulation against torchao itself, on the first clip
+                diff = check_emulation(model, feats, ids)
+                result["exactness"][f"{name}|0"]["emulation"] = diff
+                print(f"{name}: torchao emulated vs torchao, clip 0 logits: max |Δ| / max |logit| = {diff:.1e}")
+                if not diff <= 1e-6:
+                    raise SystemExit(f"{name}: the torchao emulation is not torchao's computation ({diff:.1e})")
     for seed in seeds:
         t0 = time.time()
         drawn, enc_states = {}, None  # kept for the swaps: both rounded draws, the original's encoder states

@@ -13,6 +13,7 @@ the conversion's excess to the encoder or the decoder (they must compute the ori
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
@@ -134,6 +135,26 @@ def test_runs_split_over_clips_join_clip_by_clip() -> None:
     assert kl["original"].tolist() == [[0, 1, 2, 3], [10, 11, 12, 13], [20, 21, 22, 23]]
     assert kl["conversion"][2].tolist() == [40, 41, 42, 43] and positions == 10
     assert draws.run_clips({"speech": ["a", "b"], "skip": 3, "clips": 4}) == [("a", 3), ("a", 4), ("b", 3), ("b", 4)]
+
+
+def test_runs_of_the_same_clips_written_elsewhere_join_by_directory_name() -> None:
+    """A variant measured in another session, whose clips ``speech_samples.py`` wrote under another parent
+    (round 58's original in ``/tmp/a/speech``, round 59's op variant in ``/tmp/b/speech``), pairs clip by clip."""
+    def run(speech: str, name: str, scale: float) -> dict:
+        return {"speech": [speech], "skip": 0, "clips": 2, "seeds": [0, 1], "positions": [3, 4],
+                "kl": {name: [[scale * 1.0, scale * 2.0], [scale * 3.0, scale * 4.0]]}}
+
+    seeds, kl, positions = draws.pooled([run("/tmp/a/speech", "original", 1.0), run("/tmp/b/speech", "op", 1.5)])
+    assert seeds == [0, 1] and set(kl) == {"original", "op"} and positions == 7
+    assert kl["op"].tolist() == [[1.5, 3.0], [4.5, 6.0]]
+    assert "**1.500** (1.500-1.500)" in draws.table([run("/tmp/a/speech", "original", 1.0),
+                                                     run("/tmp/b/speech", "op", 1.5)])
+    with pytest.raises(SystemExit, match="do not pool"):  # seed 1 of rotate+fc2 is not seed 1 of rotate
+        draws.pooled([run("/tmp/a/speech", "original", 1.0) | {"draws": "rotate"},
+                      run("/tmp/b/speech", "op", 1.5) | {"draws": "rotate+fc2"}])
+    other = run("/tmp/b/speech", "op", 1.5) | {"positions": [3, 5]}  # another clip 1: not the same clip set
+    with pytest.raises(SystemExit, match="not the same clips"):
+        draws.pooled([run("/tmp/a/speech", "original", 1.0), other])
 
 
 def test_tables_are_per_quantizer() -> None:
@@ -302,3 +323,38 @@ def copy_float(model: torch.nn.Module) -> torch.nn.Module:
     import copy
 
     return copy.deepcopy(model).float()
+
+
+def test_the_torchao_emulation_is_round_53s_torchao_linear_bit_for_bit_on_both_product_paths() -> None:
+    """``--quant torchao-emu``'s float32 integer product must be the exact integer product (round 53's float64
+    ``quant_utils.torchao_linear_``, checked against torchao bit for bit on DINOv2-small): on ordinary inputs (the
+    float32 path) and on a token large enough that its partial sums could leave float32's exact integers (the
+    float64 path); every ``nn.Linear`` of a Whisper is swapped, nothing else."""
+    quant_utils = benchmark_modules.load("quant_utils")
+    g = torch.Generator().manual_seed(3)
+    lin = torch.nn.Linear(1536, 24)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(24, 1536, generator=g))
+        lin.weight[:, 0] = 40.0  # every row's absmax in one column: most codes near 127 / 40 · |w|
+    ref = quant_utils.torchao_linear_(copy.deepcopy(lin))
+    emu = draws.TorchaoInt8Linear(lin)
+    x = torch.randn(2, 5, 1536, generator=g)
+    big = torch.full((1, 1, 1536), 127.0)  # Σ|x_q| · max|w_q| = 1536 · 127 · 127 > 2²⁴: the float64 path
+    for inp in (x, big):
+        assert torch.equal(emu(inp), ref(inp))
+    # an off-grid emulation would differ: the plain float Linear is not the same numbers
+    assert not torch.equal(emu(x), lin(x))
+    # in a model: every Linear emulated in place, its hooks kept (--writer-centering op centers by a forward hook)
+    whisper = benchmark_modules.tiny_whisper().float().eval()
+    fc2 = whisper.model.encoder.layers[0].fc2
+    fc2.register_forward_hook(lambda _m, _a, y: y - y.mean(-1, keepdim=True))
+    emulated = draws.torchao_int8_emulated(whisper)
+    linears = [(n, m) for n, m in emulated.named_modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all("forward" in m.__dict__ for _, m in linears)
+    assert not any("forward" in m.__dict__ for m in whisper.modules())  # the model itself untouched
+    h = torch.randn(3, fc2.in_features, generator=g)
+    plain = copy.deepcopy(fc2)
+    plain._forward_hooks.clear()
+    want = quant_utils.torchao_linear_(plain)(h)
+    got = emulated.model.encoder.layers[0].fc2(h)
+    assert torch.equal(got, want - want.mean(-1, keepdim=True))
