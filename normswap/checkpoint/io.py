@@ -541,6 +541,9 @@ def checkpoint_bytes(model_dir: Path) -> int:
 _WEIGHT_SUFFIXES = (".safetensors", ".h5", ".msgpack", ".ot", ".gguf", ".onnx", ".tflite", *PICKLE_SUFFIXES)
 _WEIGHT_INDEXES = (".safetensors.index.json", ".bin.index.json", ".pt.index.json")
 _STALE_DIRS = ("onnx", "openvino", "coreml", "tflite")
+# Python's bytecode caches: a source with custom modeling code that was imported in place holds one; it belongs to
+# the machine that compiled it, not to the checkpoint (and a stale one would shadow an edited modeling file).
+_BYTECODE = ("__pycache__", "*.pyc")
 CARD_MARK = "<!-- normswap conversion -->"
 
 
@@ -554,14 +557,19 @@ def _side_entries(src: Path | None) -> list[Path]:
         return []
     return [f for f in sorted(src.iterdir())
             if not (f.name.startswith(".") or f.name == "config.json" or (f.is_file() and _is_weight(f.name))
-                    or (f.is_dir() and f.name in _STALE_DIRS))]
+                    or (f.is_dir() and f.name in _STALE_DIRS) or _is_bytecode(f.name))]
+
+
+def _is_bytecode(name: str) -> bool:
+    return name == "__pycache__" or name.endswith(".pyc")
 
 
 def side_file_bytes(src: Path | None) -> int:
     """Bytes :func:`copy_side_files` will copy from ``src`` (what the disk-space check adds to the weights)."""
     total = 0
     for f in _side_entries(src):
-        files = [g for g in f.rglob("*") if not any(part.startswith(".") for part in g.relative_to(f).parts)] \
+        files = [g for g in f.rglob("*")
+                 if not any(part.startswith(".") or _is_bytecode(part) for part in g.relative_to(f).parts)] \
             if f.is_dir() else [f]
         total += sum(g.stat().st_size for g in files if g.is_file())
     return total
@@ -574,9 +582,9 @@ def copy_side_files(src: Path | None, dst: Path) -> list[str]:
     ``modules.json`` / ``1_Pooling/`` / ``2_Normalize/`` (subdirectories whole: they hold other
     modules, not the converted one), licences, ``*.md`` / ``*.txt`` / ``*.json``. Never copied:
     ``config.json`` (rewritten), the root's weights and weight indexes, exports of the unconverted
-    weights (``onnx/``, ``openvino/``, ...), hidden files. A file the conversion already wrote
-    wins, except ``README.md``: the source's card becomes the body and the conversion's card is
-    kept as a section of it (:func:`merge_card`).
+    weights (``onnx/``, ``openvino/``, ...), hidden files, Python's bytecode caches (``__pycache__``,
+    ``*.pyc``). A file the conversion already wrote wins, except ``README.md``: the source's card becomes
+    the body and the conversion's card is kept as a section of it (:func:`merge_card`).
     """
     copied: list[str] = []
     for f in _side_entries(src):
@@ -585,7 +593,7 @@ def copy_side_files(src: Path | None, dst: Path) -> list[str]:
         if f.is_dir():
             if target.exists():
                 continue
-            shutil.copytree(f, target, ignore=shutil.ignore_patterns(".*"))
+            shutil.copytree(f, target, ignore=shutil.ignore_patterns(".*", *_BYTECODE))
         elif name == "README.md" and target.is_file():
             target.write_text(merge_card(f.read_text(errors="replace"), target.read_text()))
         elif not target.exists():

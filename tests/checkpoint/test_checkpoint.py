@@ -93,6 +93,28 @@ def test_native_output_keeps_side_files_and_model_card(native_dirs):
     assert (vit / "preprocessor_config.json").is_file()
 
 
+def test_side_files_leave_python_bytecode_caches_behind(tmp_path):
+    """A source whose custom modeling code was imported in place holds ``__pycache__`` (and a sentence-transformers
+    module directory may too): the machine's compiled bytecode, not part of the checkpoint. Before, it was copied
+    into the output (and a later reader of every file of the output met a directory there)."""
+    from normswap.checkpoint import io
+
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    (src / "__pycache__").mkdir(parents=True)
+    (src / "__pycache__" / "modeling_x.cpython-311.pyc").write_bytes(b"\0" * 1000)
+    (src / "stray.pyc").write_bytes(b"\0" * 1000)
+    (src / "1_Pooling" / "__pycache__").mkdir(parents=True)
+    (src / "1_Pooling" / "__pycache__" / "m.cpython-311.pyc").write_bytes(b"\0" * 1000)
+    (src / "1_Pooling" / "config.json").write_text("{}")
+    (src / "modeling_x.py").write_text("x = 1\n")
+    (src / "tokenizer.json").write_text("{}")
+    dst.mkdir()
+    assert io.side_file_bytes(src) == 2 + 6 + 2  # the two configs and the modeling file, no bytecode
+    assert sorted(io.copy_side_files(src, dst)) == ["1_Pooling", "modeling_x.py", "tokenizer.json"]
+    assert sorted(str(p.relative_to(dst)) for p in dst.rglob("*")) == [
+        "1_Pooling", "1_Pooling/config.json", "modeling_x.py", "tokenizer.json"]
+
+
 def test_native_saves_original_key_names(native_dirs):
     # transformers v5 renames ViT modules (q_proj, mlp.fc1) but checkpoints keep the v4/Hub names
     keys = set()
