@@ -47,7 +47,7 @@ class UsageError(NormswapError):
 class OptionRefused(UsageError):
     """The options cannot convert this model, and another option (which the message names) can: a refusal
     that only the model's plan or files decide (approximate norms with ``--low-memory`` or
-    ``--format compat``, a rotation op the stock architecture lacks, a new head with ``--low-memory``),
+    ``--format compat``, a rotation op the stock architecture lacks, a missing head without ``--new-head``),
     given the exit code of a usage error (2), so that a refusal has the same code whether the command line
     alone decides it or the model does, and on both the in-memory and the streamed path (round 59)."""
 
