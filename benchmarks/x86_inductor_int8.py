@@ -59,18 +59,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from executorch_dinov2 import Cls  # noqa: E402  DINOv2's CLS embedding from pixels (what is exported)
+
 SCHEMES = ("static", "dyn")
 
 
-class Cls(torch.nn.Module):
-    """DINOv2's CLS embedding from pixels (what is exported)."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, px: torch.Tensor) -> torch.Tensor:
-        return self.model(pixel_values=px).last_hidden_state[:, 0]
 
 
 class Pooled(torch.nn.Module):
