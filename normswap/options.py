@@ -16,6 +16,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from normswap import quantizers
 from normswap.errors import NormswapError
 
 # shard sizes (``max_shard_size``); here, not in checkpoint.io, so the CLI checks them without torch
@@ -296,6 +297,17 @@ class ConvertOptions:
             ``scales`` (default
             ``{}``: 4-bit weights per output channel, float activations, 100 steps); learned on
             ``calibration`` (default: the built-in batches).
+        quantizer: the engine the converted model will be quantized with (:data:`normswap.quantizers.QUANTIZERS`:
+            ``"onnxruntime-dynamic"``, ``"torchao"``, ``"openvino-int8"``, ...; ``"none"``: the defaults).
+            It sets ``writer_centering``, ``per_norm_centering`` and ``mean_carry`` as that engine was measured to
+            need them on the kind of model the analysis finds (Pre-LN, Pre-LN with LayerScale, Post-LN encoder;
+            ``docs/deployment.md``, "At a glance"), and ``convert``'s format where the engine needs compat. The
+            plan records what it set (``plan.options["quantizer"]``, in the manifest). ``None`` (default): no
+            engine named.
+        quantizer_overrides: with ``quantizer``: the fields it may set that the caller set, which keep the
+            caller's value. Filled in by itself: a keyword given next to ``quantizer`` (``patch(model,
+            quantizer="torchao", writer_centering="weights")``) and any such field holding a value other than its
+            default; the CLI adds the options given on the command line.
     """
 
     mode: str = "auto"
@@ -324,9 +336,13 @@ class ConvertOptions:
     online_block: int | None = None
     rotate_smooth: float | None = None
     rotate_learn: dict | None = None
+    quantizer: str | None = None
+    quantizer_overrides: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         from normswap import backends  # the registry of backend names (imports torch kernels)
+
+        self._check_quantizer()
 
         choose("mode", self.mode, MODES)
         if self.beta_placement is not None:
@@ -390,6 +406,22 @@ class ConvertOptions:
                                 "drop bias_slots=False")
         backends.check_name(self.backend)
 
+    def _check_quantizer(self) -> None:
+        """``quantizer``: a known engine; ``quantizer_overrides`` completed with the fields set away from their
+        defaults; the combinations the engine's options cannot go with refused (:mod:`normswap.quantizers`)."""
+        if self.quantizer is None:
+            if self.quantizer_overrides:
+                raise NormswapError("option quantizer_overrides applies with quantizer=...: name the engine too")
+            return
+        choose("quantizer", self.quantizer, quantizers.QUANTIZER_NAMES)
+        given = self.quantizer_overrides
+        if isinstance(given, (str, bytes)) or not all(name in quantizers.OVERRIDABLE for name in given):
+            raise NormswapError(f"option quantizer_overrides must name fields among "
+                                f"{', '.join(quantizers.OVERRIDABLE)}, not {given!r}")
+        pinned = set(given) | {name for name, default in quantizers.FIELDS.items() if getattr(self, name) != default}
+        object.__setattr__(self, "quantizer_overrides", tuple(sorted(pinned)))  # frozen: completed once, here
+        quantizers.check_combination(self.quantizer, pinned, rotate=self.rotate)
+
     @property
     def stem_centering_used(self) -> str:
         """``stem_centering``, or its default: ``"weights"`` for a rotation-ready conversion (``rotate`` or
@@ -443,6 +475,9 @@ class ConvertOptions:
         base = options if options is not None else cls()
         if not isinstance(base, ConvertOptions):
             raise NormswapError(f"options must be a normswap.ConvertOptions, not {type(base).__name__}")
+        if keywords.get("quantizer", base.quantizer) is not None:  # given next to the engine: the caller's value wins
+            pinned = set(keywords.get("quantizer_overrides", base.quantizer_overrides))
+            keywords["quantizer_overrides"] = tuple(sorted(pinned | (set(keywords) & set(quantizers.FIELDS))))
         return dataclasses.replace(base, **keywords) if keywords else base
 
     def replace(self, **changes: Any) -> ConvertOptions:

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from normswap import inputs, memory
+from normswap import inputs, memory, quantizers
 from normswap.analysis import precision, trace, trades, walker
 from normswap.analysis.linears import linear_at
 from normswap.analysis.plan import EXACT_VERDICTS, RESIDUAL_WHY, Plan, SitePlan, attach_plan
@@ -522,23 +522,39 @@ def find_norms(model: nn.Module, example_inputs: inputs.ExampleInputs = None) ->
         return _identify_sites(working_copy(model, dtype), *inputs.cast_inputs(args, kwargs, dtype))[0]
 
 
-def analyse_copy(work: nn.Module, args: tuple, kwargs: dict, opts: ConvertOptions) -> _Analysis:
+def analyse_copy(work: nn.Module, args: tuple, kwargs: dict, opts: ConvertOptions, *,
+                 streamed: bool = False) -> _Analysis:
     """Trace ``work`` once on the inputs, find its norms and analyse them into a plan (no verdicts yet).
 
-    Shared by ``plan``/``patch`` and the streaming converter, which runs it on a reduced-depth proxy.
+    Shared by ``plan``/``patch`` and the streaming converter, which runs it on a reduced-depth proxy
+    (``streamed=True``: a ``quantizer`` whose options for the model's kind need the whole model is refused).
     """
     found, graph = _identify_sites(work, args, kwargs)
 
     chosen = {"untie": opts.untie_used, "stem_centering": opts.stem_centering_used}
+    given = {name: getattr(opts, name) for name in quantizers.FIELDS}
+    engine = dict(given)  # the planner's writer_centering, per_norm_centering, mean_carry
 
     def planned(keep_gamma: dict[str, str] | None = None) -> Plan:
         return analyse(work, graph, found.sites, fold_gamma=opts.folds_gamma,
-                       per_norm_centering=opts.per_norm_centering, mean_carry=opts.mean_carry,
+                       per_norm_centering=engine["per_norm_centering"], mean_carry=engine["mean_carry"],
                        carry_multiple=opts.carry_multiple, rms_norms=found.skipped, bias_slots=opts.bias_slots,
-                       layer_scale=opts.layer_scale, keep_gamma=keep_gamma, writer_centering=opts.writer_centering,
-                       **chosen)
+                       layer_scale=opts.layer_scale, keep_gamma=keep_gamma,
+                       writer_centering=engine["writer_centering"], **chosen)
 
-    plan = planned()
+    record = None
+    if opts.quantizer is not None:
+        # the engine's options depend on the model's kind, read from a plan made with the defaults
+        engine.update(quantizers.FIELDS)
+        plan = planned()
+        record = quantizers.resolve(opts.quantizer, quantizers.model_kind(plan), given, opts.quantizer_overrides)
+        if streamed:
+            quantizers.check_streamed(record)
+        if quantizers.planner_values(record, given) != engine:
+            engine.update(quantizers.planner_values(record, given))
+            plan = planned()
+    else:
+        plan = planned()
     # defaults chosen for what quantizers see, each planned the other way where the plan leaves norms approximate
     # and kept only where that makes more norms exact: the stem op (SAM2's Hiera adds its position parameter where
     # the op cannot reach it) and a kept tie (BLOOM: the op at the tied embedding leaves none for the stream its
@@ -568,6 +584,8 @@ def analyse_copy(work: nn.Module, args: tuple, kwargs: dict, opts: ConvertOption
     plan.options["trade_constants"] = opts.trade_constants  # the manifest says whether trades were looked for
     plan.skipped = [{"name": s.path, "class": s.class_name, "reason": s.reason} for s in found.skipped]
     plan.options["already_converted"] = bool(found.converted) and not found.sites
+    if record is not None:
+        plan.options["quantizer"] = record
     return _Analysis(plan, {s.path: s for s in found.sites}, graph, args, kwargs, dict(graph.held_casts),
                      random=graph.draws_random)
 

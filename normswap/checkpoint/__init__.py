@@ -16,7 +16,7 @@ from normswap.checkpoint.writer import save
 from normswap.options import FORMATS
 
 
-def convert(model_id_or_path, out_dir, *, format="native", **options):  # noqa: A002, ANN001, ANN201
+def convert(model_id_or_path, out_dir, *, format=None, **options):  # noqa: A002, ANN001, ANN201
     """Convert a model (Hub id, local directory or preset name) into ``out_dir``; see
     :func:`normswap.checkpoint.conversion.convert`."""
     from normswap.checkpoint.conversion import convert as _convert

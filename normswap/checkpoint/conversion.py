@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from normswap import inputs, memory, pipeline
+from normswap import inputs, memory, pipeline, quantizers
 from normswap.analysis.plan import Plan, plan_of
 from normswap.checkpoint import io, source, writer
 from normswap.checkpoint.source import Source
@@ -513,7 +513,7 @@ def convert(
     model_id_or_path: str | os.PathLike,
     out_dir: str | os.PathLike,
     *,
-    format: str = "native",  # noqa: A002
+    format: str | None = None,  # noqa: A002
     dtype: str = "auto",
     calibration_data: str | os.PathLike | None = None,
     max_shard_size: int | str = writer.DEFAULT_SHARD,
@@ -539,7 +539,9 @@ def convert(
             Hub is unreachable, else downloaded into that cache.
         out_dir: destination; must not exist or be empty unless ``overwrite``.
         format: ``"native"`` (RMSNorm modules + manifest) or ``"compat"`` (stock architecture,
-            LayerNorms kept, exact, loads without normswap).
+            LayerNorms kept, exact, loads without normswap). ``None`` (default): ``"native"``, or the format the
+            ``quantizer`` option's engine needs (``"compat"`` for CTranslate2, ONNX Runtime's static QDQ and
+            4-bit ``MatMulNBits``; :mod:`normswap.quantizers`).
         options: the conversion's :class:`~normswap.ConvertOptions` (mode, fold_gamma, untie,
             per_norm_centering, mean_carry, calibration, verify, allow_unusable, backend, ...), or
             its fields as keywords: ``convert(src, out, mode="exact")``. ``calibration`` takes
@@ -584,7 +586,11 @@ def convert(
                             f"{type(model_id_or_path).__name__}{how}")
     if allow_new_head and task is None:
         raise NormswapError("allow_new_head=True adds a task head: name it, e.g. task='sequence-classification'")
-    opts = check_options(ConvertOptions.build(options, **keywords), fmt=format, dtype=dtype,
+    opts = ConvertOptions.build(options, **keywords)
+    format = quantizers.format_for(opts.quantizer, format)  # noqa: A001
+    if opts.quantizer is not None:
+        quantizers.check_combination(opts.quantizer, opts.quantizer_overrides, format=format, low_memory=low_memory)
+    opts = check_options(opts, fmt=format, dtype=dtype,
                          max_shard_size=max_shard_size, task=task, low_memory=low_memory,
                          calibration_data=calibration_data)
     if calibration_data is not None:

@@ -129,7 +129,7 @@ def analyse_proxy(model: nn.Module, opts: ConvertOptions) -> Plan:
     dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
     with pipeline.eval_mode(model):
         args, kwargs = inputs.cast_inputs(args, kwargs, dtype)
-        result = pipeline.analyse_copy(model, args, kwargs, opts)
+        result = pipeline.analyse_copy(model, args, kwargs, opts, streamed=True)
     pipeline.decide_verdicts(result.plan, opts.mode)
     return result.plan
 

@@ -27,10 +27,12 @@ from normswap.cli.common import (
 )
 from normswap.cli.inputs_opts import example_input_options, inputs_from
 from normswap.cli.plan_opts import (
+    apply_quantizer,
     check_combination,
     conversion_options,
     memory_options,
     plan_options,
+    quantizer_lines,
     rotation_options,
     source_options,
 )
@@ -107,6 +109,7 @@ Examples:
   normswap convert ./my-asr --out asr-rms --sample clip.wav        # the model's processor on a sample
   normswap convert gpt2 --out gpt2-rot --format compat --rotate hadamard   # rotated, stock transformers
   normswap convert gpt2 --out gpt2-w4 --rotate learned --learn-bits 4 --learn-group-size 32   # Q from data
+  normswap convert ./my-vit --out vit-torchao --quantizer torchao   # the options torchao int8 was measured to need
 
 \b
 Then load it:
@@ -201,6 +204,7 @@ def convert(model: str, out: str, **params: Any) -> None:
     """
     check_model_name(model)
     calibration_data, low_memory, quiet = params["calibration_data"], params["low_memory"], params["quiet"]
+    apply_quantizer(params, click.get_current_context())  # --format as the engine needs it, unless given
     check_combination(params, calibration_data=calibration_data, low_memory=low_memory, model=model)
     # a usage error, answered before torch is imported (a Hub id's overlap is checked once it is resolved)
     check_out_dir(out, overwrite=params["overwrite"], source=model if os.path.isdir(model) else None)
@@ -243,6 +247,11 @@ def convert(model: str, out: str, **params: Any) -> None:
         click.echo(headline)
     if plan is not None:
         click.echo(f"plan: {plan.summary(fmt)}")
+        for kind, line in quantizer_lines(plan, fmt, params):
+            if kind:
+                say(kind, line, quiet)
+            else:
+                click.echo(line)
         if plan.options.get("towers") or plan.options.get("sub_runs") or plan.options.get("unreached"):
             # converted by towers or sub-runs, or norms kept unreached: which run reached what, which input would
             click.echo(f"analysis inputs: {plan.options['analysis_inputs']}")

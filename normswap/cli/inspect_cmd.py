@@ -20,10 +20,12 @@ from normswap.cli.common import (
 )
 from normswap.cli.inputs_opts import example_input_options, inputs_from
 from normswap.cli.plan_opts import (
+    apply_quantizer,
     check_combination,
     conversion_options,
     memory_options,
     plan_options,
+    quantizer_lines,
     rotation_options,
     source_options,
 )
@@ -70,6 +72,7 @@ def inspect(model: str, as_json: bool, verbose: bool, **params: Any) -> None:
     the streamed conversion makes, from small random-weight copies and the checkpoint's tensors.
     """
     check_model_name(model)
+    apply_quantizer(params, click.get_current_context())  # --format as the engine needs it, unless given
     check_combination(params, low_memory=params["low_memory"], model=model)
     from pathlib import Path
 
@@ -77,7 +80,7 @@ def inspect(model: str, as_json: bool, verbose: bool, **params: Any) -> None:
     from normswap.checkpoint import conversion, hf, module_io, source
     from normswap.options import ConvertOptions
 
-    fmt, mode = None, params["mode"]
+    fmt, mode, manifest_fmt = None, params["mode"], None
     given_inputs = inputs_from(params["example_inputs"], params["samples"])
     if module_io.is_module_dir(Path(model).expanduser()):  # normswap.save of a custom module: no config.json
         manifest = module_io.read_manifest(Path(model).expanduser())
@@ -91,7 +94,7 @@ def inspect(model: str, as_json: bool, verbose: bool, **params: Any) -> None:
         manifest = src.config.get(hf.MANIFEST_KEY) if src.kind != "preset" else None
         if isinstance(manifest, dict) and manifest.get("plan") is not None:
             plan = Plan.from_dict(manifest["plan"])
-            fmt = manifest.get("format", "native")
+            fmt = manifest_fmt = manifest.get("format", "native")
             header = f"{model}: normswap {fmt} checkpoint (manifest)"
         else:
             import normswap
@@ -132,6 +135,11 @@ def inspect(model: str, as_json: bool, verbose: bool, **params: Any) -> None:
         click.echo(cli_words(plan.table(verbose=verbose, fmt=fmt)))
         if plan.options.get("analysis_inputs"):  # what normswap ran the model on, and how it reached every tower
             click.echo(f"analysis inputs: {plan.options['analysis_inputs']}")
+        for kind, line in quantizer_lines(plan, fmt, params if manifest_fmt is None else {}):
+            if kind:
+                say(kind, line)
+            else:
+                click.echo(line)
     if not any(sp.convert for sp in plan.sites):
         why = "no LayerNorm found" if not plan.sites else f"no LayerNorm can be converted with --mode {mode}"
         fail(f"{model}: {why}; nothing to convert", EXIT_NOTHING)

@@ -12,6 +12,7 @@ from typing import Any
 
 import click
 
+from normswap import quantizers
 from normswap.cli.common import (
     BETA_PLACEMENTS,
     FORMATS,
@@ -24,8 +25,9 @@ from normswap.cli.common import (
     WRITER_CENTERINGS,
     check_input_file,
 )
-from normswap.errors import UsageError
+from normswap.errors import NormswapError, UsageError
 from normswap.options import valid_online_block
+from normswap.quantizers import QUANTIZER_NAMES
 
 # the options that change the plan (verdicts, where γ and β go, centering ops, ties, widths), in --help order
 PLAN_OPTIONS = (
@@ -43,6 +45,16 @@ PLAN_OPTIONS = (
         default="native",
         show_default=True,
         help="native: RMSNorm modules + manifest; compat: stock architecture, LayerNorms kept, exact.",
+    ),
+    click.option(
+        "--quantizer",
+        type=click.Choice(QUANTIZER_NAMES),
+        default=None,
+        help="The engine you will quantize the output with: sets the options that engine was measured to need on "
+        "the kind of model the analysis finds (Pre-LN, Pre-LN with LayerScale, Post-LN encoder: --writer-centering, "
+        "--per-norm-centering, --no-mean-carry) and --format compat where the engine needs it (docs/deployment.md, "
+        "\"At a glance\"). Options you pass yourself win; convert prints what it set, the manifest records it. "
+        "none: the defaults.",
     ),
     click.option("--fold-gamma", is_flag=True, help="Also fold γ into reader weights (RMSNorm weight = 1)."),
     click.option(
@@ -314,10 +326,55 @@ def conversion_options(params: dict[str, Any], *, verify: bool = True, verify_dt
         layer_scale=p["layer_scale"],
         stem_centering=p["stem_centering"],
         writer_centering=p["writer_centering"],
+        quantizer=p["quantizer"],
+        quantizer_overrides=tuple(p.get("quantizer_overrides", ())),
         verify=verify,
         verify_dtype=verify_dtype,
         allow_unusable=allow_unusable,
     )
+
+
+# the options --quantizer may set -> their parameter names here
+_QUANTIZER_PARAMS = {"writer_centering": "writer_centering", "per_norm_centering": "per_norm_centering",
+                     "mean_carry": "no_mean_carry", "format": "fmt"}
+
+
+def apply_quantizer(params: dict[str, Any], ctx: click.Context) -> None:
+    """``--quantizer``: record which of the options it may set were given on the command line (click's parameter
+    source: those win, ``params["quantizer_overrides"]``), put the engine's format in ``params["fmt"]`` where
+    ``--format`` was not given, and refuse what the engine's options cannot go with (exit 2). Before
+    :func:`check_combination`, which then checks the combination with the format resolved."""
+    name = params.get("quantizer")
+    if name is None:
+        return
+    explicit = tuple(field for field, param in _QUANTIZER_PARAMS.items()
+                     if ctx.get_parameter_source(param) not in (click.core.ParameterSource.DEFAULT,
+                                                                click.core.ParameterSource.DEFAULT_MAP, None))
+    params["quantizer_overrides"] = explicit
+    params["fmt"] = quantizers.format_for(name, params["fmt"] if "format" in explicit else None)
+    try:
+        quantizers.check_combination(name, explicit, rotate=params["rotation"], format=params["fmt"],
+                                     low_memory=params.get("low_memory"))
+    except NormswapError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def quantizer_lines(plan: Any, fmt: str | None, params: dict[str, Any]) -> list[tuple[str, str]]:
+    """What ``convert``/``inspect`` say about ``--quantizer``: the line naming what the engine set on this model
+    and which of your options were kept over its choice (``("", line)``), and a note for an option you gave that
+    the engine's measurements advise against (``("note", line)``)."""
+    record = plan.options.get("quantizer") if plan is not None else None
+    if not record:
+        return []
+    lines = [("", f"quantizer: {quantizers.describe(record, fmt)}")]
+    q = quantizers.QUANTIZERS.get(record["name"])
+    given = {"--fold-gamma": params.get("fold_gamma"), "--rotate": params.get("rotation")}
+    for flag, why in (q.avoid.items() if q is not None else ()):
+        if given.get(flag):
+            lines.append(("note", f"{flag} with --quantizer {q.name}: {why}"))
+    if q is not None and q.format == "compat" and fmt == "native" and q.native:
+        lines.append(("note", f"--format native with --quantizer {q.name}: {q.native}"))
+    return lines
 
 
 def check_combination(params: dict[str, Any], *, calibration_data: str | None = None,
@@ -326,7 +383,19 @@ def check_combination(params: dict[str, Any], *, calibration_data: str | None = 
     error (exit 2), answered before torch is imported. The library checks the same combinations for
     Python callers (``checkpoint.conversion.check_options``), in its own words. ``params``: the command's
     parameters (the shared options' names); ``convert`` adds its ``--calibration-data``, both ``--low-memory``
-    and the MODEL argument (``--low-memory`` streams a checkpoint on disk, never a preset)."""
+    and the MODEL argument (``--low-memory`` streams a checkpoint on disk, never a preset). A ``--format`` that
+    ``--quantizer`` chose (:func:`apply_quantizer`) is named as the engine's in the error."""
+    try:
+        _check_combination(params, calibration_data=calibration_data, low_memory=low_memory, model=model)
+    except UsageError as exc:
+        name = params.get("quantizer")
+        if name is None or "format" in params.get("quantizer_overrides", ()) or "--format" not in str(exc):
+            raise
+        raise UsageError(f"{exc} (--quantizer {name} writes --format {params['fmt']})") from None
+
+
+def _check_combination(params: dict[str, Any], *, calibration_data: str | None, low_memory: bool | None,
+                       model: str | None) -> None:
     p = params
     mode, fmt, fold_gamma, rotation = p["mode"], p["fmt"], p["fold_gamma"], p["rotation"]
     per_norm_centering, no_bias_slots, task, new_head = p["per_norm_centering"], p["no_bias_slots"], p["task"], \
