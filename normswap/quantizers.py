@@ -47,14 +47,14 @@ class Quantizer:
     Attributes:
         name: the value of ``quantizer=`` / ``--quantizer``.
         row: the engine as ``docs/deployment.md``'s "At a glance" table names it (its row's first cell).
-        options: model kind -> the :class:`~normswap.ConvertOptions` fields it sets (only those that differ from
+        options: model kind → the :class:`~normswap.ConvertOptions` fields it sets (only those that differ from
             the defaults; a kind not listed takes the defaults).
         format: the checkpoint format it needs (``None``: either; the default, native).
         native: with ``format="compat"``: what a native checkpoint means for this engine when the caller asks for
             one; ``""``: the engine cannot read one (refused).
         why: one line: what the options do for this engine.
         measured: the measured cell behind it (error over the original's, in that quantizer; 1.05 is the bar).
-        avoid: options the measurements advise against with this engine (CLI name -> why), said when given.
+        avoid: options the measurements advise against with this engine (CLI name → why), said when given.
     """
 
     name: str
@@ -91,7 +91,7 @@ QUANTIZERS: dict[str, Quantizer] = {q.name: q for q in (
     Quantizer("onnxruntime-dynamic", "ONNX Runtime `quantize_dynamic`, per-tensor weights",
               {"post-ln": POST_LN_OPS},
               why="per-tensor int8 rounds a mean carry's added neurons coarsely: Post-LN norms take per-norm ops",
-              measured="all-MiniLM-L6-v2 1.042 -> 0.996; Whisper 0.94-0.999, DINOv2-small 0.55-0.63 with the "
+              measured="all-MiniLM-L6-v2 1.042 → 0.996; Whisper 0.94-0.999, DINOv2-small 0.55-0.63 with the "
                        "defaults"),
     Quantizer("onnxruntime-dynamic-per-channel", "ONNX Runtime `quantize_dynamic`, per-channel weights",
               why="one scale per weight row absorbs every fold: the defaults",
@@ -100,11 +100,11 @@ QUANTIZERS: dict[str, Quantizer] = {q.name: q for q in (
               native="ONNX Runtime's own quantize_static rounds the native format's stem op twice (DINOv2-shaped "
                      "1.29): quantize it with normswap.integrations.onnx.quantize_static (0.86)",
               why="the compat graph has no centering op for static QDQ to round on a second grid",
-              measured="native through ONNX Runtime's call 1.29 -> compat DINOv2-small 0.89-0.95"),
+              measured="native through ONNX Runtime's call 1.29 → compat DINOv2-small 0.89-0.95"),
     Quantizer("onnxruntime-int4", "ONNX Runtime `MatMulNBits` 4-bit (RTN, HQQ, GPTQ)", format="compat",
               native="the native format measured worse in MatMulNBits (Whisper base RTN 1.10 vs compat 1.03)",
               why="block-wise 4-bit rounds the compat format within the bar; a folded γ spreads a block's columns",
-              measured="Whisper base native RTN 1.10 -> compat 1.03 (21 paired draws); tiny.en 0.96-0.995",
+              measured="Whisper base native RTN 1.10 → compat 1.03 (21 paired draws); tiny.en 0.96-0.995",
               avoid={"--fold-gamma": "γ folded into the readers spreads the columns a 4-bit block shares"}),
     Quantizer("ctranslate2", "CTranslate2 int8", format="compat",
               why="CTranslate2's converters read the stock architecture (the compat format) only",
@@ -113,22 +113,22 @@ QUANTIZERS: dict[str, Quantizer] = {q.name: q for q in (
               {**_kinds({"writer_centering": "op"}, _PRE_LN), "post-ln": POST_LN_OPS},
               why="NNCF rounds each weight row on its own scale: the writers keep the original's rows (one op "
                   "each); Post-LN norms take per-norm ops",
-              measured="DINOv2-small 1.13-1.15 -> 1.03; all-mpnet-base-v2 1.11 -> 0.995-1.008"),
+              measured="DINOv2-small 1.13-1.15 → 1.03; all-mpnet-base-v2 1.11 → 0.995-1.008"),
     Quantizer("openvino-int4", "OpenVINO NNCF int4 groups, static int8", {"post-ln": POST_LN_OPS},
               why="symmetric int4 groups round a mean carry's added neurons coarsely: Post-LN norms take per-norm "
                   "ops (or keep the carry and use NNCF's INT4_ASYM)",
-              measured="MPNet int4 sym 1.09 -> 0.999-1.001; DINOv2-small int4 1.04 with the defaults"),
+              measured="MPNet int4 sym 1.09 → 0.999-1.001; DINOv2-small int4 1.04 with the defaults"),
     Quantizer("openvino-static", "OpenVINO NNCF int4 groups, static int8", {"post-ln": POST_LN_OPS},
               why="as openvino-int4 (the same row): Post-LN norms take per-norm ops",
-              measured="MPNet int4 sym 1.09 -> 0.999-1.001 (the row's int4 cells)"),
+              measured="MPNet int4 sym 1.09 → 0.999-1.001 (the row's int4 cells)"),
     Quantizer("torchao", "torchao int8 dynamic activations + int8 weights",
               {"pre-ln": {"writer_centering": "op"}, "layer-scale": {"writer_centering": "auto"}},
               why="per-row weight scales: the writers keep the original's rows behind ops; auto on LayerScale "
                   "models keeps ONNX Runtime's per-tensor gain too",
-              measured="Whisper tiny.en 1.054 -> op 1.002 (8 paired draws); DINOv2-small op 0.98, auto 1.02"),
+              measured="Whisper tiny.en 1.054 → op 1.002 (8 paired draws); DINOv2-small op 0.98, auto 1.02"),
     Quantizer("executorch-dynamic", "ExecuTorch XNNPACK int8", _kinds({"writer_centering": "auto"}, _PRE_LN),
               why="dynamic int8: ops after the writers a LayerScale scales or whose rows centering widens",
-              measured="DINOv2-small 1.03 -> auto 0.98 (8 paired draws)"),
+              measured="DINOv2-small 1.03 → auto 0.98 (8 paired draws)"),
     Quantizer("executorch-static", "ExecuTorch XNNPACK int8",
               why="static int8: the defaults; keep the norms float in the quantizer (its annotation, not convert)",
               measured="DINOv2-small with the norms float 1.03"),
