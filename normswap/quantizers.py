@@ -165,7 +165,8 @@ def format_for(name: str | None, given: str | None) -> str:
 def flags(options: Mapping[str, Any]) -> str:
     """Options as ``convert`` spells them (``--writer-centering op --no-mean-carry``); ``""`` for none."""
     out = []
-    for name, value in options.items():
+    order = ("format", *FIELDS)  # one spelling whatever order the options come in (a manifest sorts its keys)
+    for name, value in sorted(options.items(), key=lambda item: order.index(item[0]) if item[0] in order else 99):
         if name == "writer_centering":
             out.append(f"--writer-centering {value}")
         elif name == "per_norm_centering":
