@@ -14,7 +14,11 @@ per kind (``--writer-centering op`` on a Pre-LN model, ``auto`` on one with Laye
 meaning is "what engine X wants", which the explicit options then could not express. Here every kind resolves to
 plain options a user could pass (``normswap inspect`` and the manifest show which), so ``convert --quantizer X``
 writes the very checkpoint ``convert`` with those options writes. The kind is read from one plan made with the
-defaults (:func:`model_kind`); the plan is then made again with the engine's options where they differ.
+defaults (:func:`model_kind`); the plan is then made again with the engine's options where they differ. The kinds
+matter: on a Post-LN encoder ``writer_centering="op"`` is not refused, it adds one op after each attention output
+projection (none after the FFN writers, through which the mean carry writes) and leaves the approximate norms
+approximate, and with ``per_norm_centering`` as well those ops sit beside the per-norm ones, redundant; the writer
+options are the Pre-LN kinds' advice only.
 
 Options the caller gives explicitly win over the engine's (``ConvertOptions.quantizer_overrides``; the CLI reads
 click's parameter source). A combination the engine's options cannot honour is refused before anything is loaded

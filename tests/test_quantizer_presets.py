@@ -204,6 +204,9 @@ def test_an_option_given_on_the_command_line_wins_and_is_named():
     assert "normswap.integrations.onnx.quantize_static" in err  # the note: what a native checkpoint costs there
     code, out, _ = run("inspect", "tiny-gpt2", "--quantizer", "onnxruntime-static")
     assert code == 0 and "as convert --format compat plans it" in out
+    code, out, err = run("inspect", "tiny-gpt2", "--quantizer", "onnxruntime-int4", "--fold-gamma")
+    assert code == 0, err
+    assert "note: --fold-gamma with --quantizer onnxruntime-int4: " in err  # what its measurements advise against
 
 
 @pytest.mark.parametrize("args, message", [
