@@ -9,11 +9,13 @@ written).
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 from pathlib import Path
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 import normswap
@@ -134,6 +136,18 @@ def test_plan_with_a_quantizer_is_the_plan_with_its_options(engine, models, kind
         explicit = normswap.plan(model, **want)
         assert json.dumps(got.to_dict(), sort_keys=True, default=str) == \
             json.dumps(explicit.to_dict(), sort_keys=True, default=str), (engine, model_name)
+
+
+def test_a_post_ln_encoder_converted_for_openvino_int8_is_exact_in_float64(models):
+    """The engine's per-norm ops make every BERT norm exact: the float64 outputs agree to rounding (γ/β random)."""
+    original = models["post-ln"]
+    model = copy.deepcopy(original)
+    report = normswap.patch(model, quantizer="openvino-int8")
+    assert {s.verdict for s in report.sites} <= {"exact", "exact-with-centering", "exact-with-per-norm-centering"}
+    ids = torch.randint(1, 99, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want, got = original(input_ids=ids).logits, model(input_ids=ids).logits
+    assert want.dtype == torch.float64 and (got - want).abs().max() <= 1e-10 * want.abs().max()
 
 
 def test_a_keyword_given_next_to_the_quantizer_wins(models):
