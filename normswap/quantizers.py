@@ -18,7 +18,10 @@ defaults (:func:`model_kind`); the plan is then made again with the engine's opt
 matter: on a Post-LN encoder ``writer_centering="op"`` is not refused, it adds one op after each attention output
 projection (none after the FFN writers, through which the mean carry writes) and leaves the approximate norms
 approximate, and with ``per_norm_centering`` as well those ops sit beside the per-norm ones, redundant; the writer
-options are the Pre-LN kinds' advice only.
+options are the Pre-LN kinds' advice only. The Post-LN advice alone could be a plain mapping (``per_norm_centering=True,
+mean_carry=False`` plans GPT-2, DINOv2 and Whisper exactly as the defaults do: no norm of theirs is approximate),
+but ``low_memory=True`` refuses ``per_norm_centering`` whatever the model, and the manifest would then record
+options the table does not give for that model.
 
 Options the caller gives explicitly win over the engine's (``ConvertOptions.quantizer_overrides``; the CLI reads
 click's parameter source). A combination the engine's options cannot honour is refused before anything is loaded
