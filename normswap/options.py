@@ -342,8 +342,6 @@ class ConvertOptions:
     def __post_init__(self) -> None:
         from normswap import backends  # the registry of backend names (imports torch kernels)
 
-        self._check_quantizer()
-
         choose("mode", self.mode, MODES)
         if self.beta_placement is not None:
             choose("beta_placement", self.beta_placement, BETA_PLACEMENTS)
@@ -405,6 +403,7 @@ class ConvertOptions:
                                 "of a γ-folded norm; without fold_gamma none is made): pass fold_gamma=True too, or "
                                 "drop bias_slots=False")
         backends.check_name(self.backend)
+        self._check_quantizer()  # last: its refusals take the other options as valid
 
     def _check_quantizer(self) -> None:
         """``quantizer``: a known engine; ``quantizer_overrides`` completed with the fields set away from their
