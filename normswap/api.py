@@ -55,9 +55,11 @@ def patch(model: nn.Module, example_inputs: inputs.ExampleInputs = None, *,
             kept as LayerNorm (exact) with the input that would reach them named in the report
             (``options["sub_runs"]``, ``options["unreached"]``: :mod:`normswap.inputs.reach`).
         options: a :class:`~normswap.ConvertOptions` (mode, fold_gamma, untie, per_norm_centering,
-            mean_carry, calibration, sequential, tokenizer, verify, allow_unusable, backend; see its
-            docstring for each). Its fields may be given as keywords instead:
-            ``patch(model, mode="exact")``. An unknown keyword is an error.
+            mean_carry, calibration, sequential, tokenizer, verify, allow_unusable, backend, quantizer; see
+            its docstring for each). Its fields may be given as keywords instead:
+            ``patch(model, mode="exact")``. An unknown keyword is an error. ``quantizer="torchao"`` (an engine
+            of :mod:`normswap.quantizers`) plans with the options that engine was measured to need on this
+            kind of model; a keyword given beside it wins (``report.plan.options["quantizer"]`` says which).
 
     Returns:
         A :class:`Report` with per-norm verdicts, verification figures and the calibration used.
