@@ -58,6 +58,22 @@ def _run_child(req: dict) -> int:
         return 1
 
 
+def _import_what_a_conversion_imports() -> None:
+    """Import, once here, the modules ``import transformers`` leaves lazy and every command's first model
+    load imports: ``transformers.modeling_utils`` (which brings generation, masking, torch._dynamo and
+    accelerate along, ~1,900 modules) and each preset's model class. Without them each forked command
+    imported them itself: 3-4 CPU s of a child's ``normswap convert tiny-gpt2`` (0.4 s with them), ~25
+    commands in the documentation. Importing computes nothing (no thread pool starts)."""
+    import tokenizers  # noqa: F401
+    import transformers
+    import transformers.modeling_utils  # noqa: F401
+
+    from normswap import presets
+
+    for preset in presets.PRESETS.values():
+        getattr(transformers, preset.model_class)  # the lazy module's attribute: imports its modeling file
+
+
 def serve(path: str) -> None:
     import gc
     import signal
@@ -71,6 +87,8 @@ def serve(path: str) -> None:
     import normswap.pipeline  # noqa: F401
     import normswap.presets  # noqa: F401
     import normswap.recipes  # noqa: F401
+
+    _import_what_a_conversion_imports()
 
     # the imports' objects out of the cyclic collector's reach: a conversion's gc.collect() in a child
     # would walk them all (~0.3 s a call), and the children share their pages instead of copying them

@@ -7,6 +7,7 @@ spin-wait on each other and tiny models get ~50x slower, while one thread is nev
 from __future__ import annotations
 
 import contextlib
+import os
 from pathlib import Path
 
 import pytest
@@ -36,17 +37,40 @@ def recipe_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("recipes")
 
 
-@pytest.fixture(scope="session")
-def tiny_bert(recipe_dir) -> Path:
-    """A 2-layer Post-LN BertForMaskedLM (hidden 64) trained with MLM on the grammar (~5 s)."""
-    with one_thread():  # session fixtures are built before the module-scoped autouse one
-        return toy.train_tiny_bert(recipe_dir / "bert", hidden=64, layers=2, steps=300, bert_like_norms=2.0)
+def built_once(tmp_path_factory, name: str, build) -> Path:
+    """``build(directory)`` run once for the whole test run, whichever xdist worker asks first: the others
+    wait for it and read the same directory. Under ``--dist loadfile`` the files that use a trained model
+    land on both workers, so a session fixture alone trained it once per worker (tiny_bert: 3 files).
+
+    The directory is in the run's own temporary root (``pytest-N``, the workers' common parent), never in
+    one shared between runs; without xdist it is this process's basetemp."""
+    from filelock import FileLock
+
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent
+    out = base / "recipe-models" / name
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(out) + ".lock"):
+        done = out.parent / f"{name}.done"
+        if not done.exists():
+            with one_thread():  # session fixtures are built before the module-scoped autouse one
+                built = Path(build(out))
+            assert built == out, (built, out)
+            done.write_text("ok")
+    return out
 
 
 @pytest.fixture(scope="session")
-def tiny_gpt2(recipe_dir) -> Path:
-    with one_thread():
-        return toy.train_tiny_causal_lm(recipe_dir / "gpt2", hidden=32, layers=2, steps=80)
+def tiny_bert(tmp_path_factory) -> Path:
+    """A 2-layer Post-LN BertForMaskedLM (hidden 64) trained with MLM on the grammar (~5 s), once a run."""
+    return built_once(tmp_path_factory, "bert", lambda d: toy.train_tiny_bert(d, hidden=64, layers=2, steps=300,
+                                                                               bert_like_norms=2.0))
+
+
+@pytest.fixture(scope="session")
+def tiny_gpt2(tmp_path_factory) -> Path:
+    return built_once(tmp_path_factory, "gpt2", lambda d: toy.train_tiny_causal_lm(d, hidden=32, layers=2, steps=80))
 
 
 @pytest.fixture(scope="session")

@@ -4,6 +4,11 @@
 without a GPU must form one process group (not two unconnected runs that each write ``OUT/model``):
 the main process alone prints, writes the metrics and the model; the other waits; the launch exits 0
 with one model that loads. A refused run (the output directory already holds a run) says so once.
+
+The DDP launch is made once (module fixture ``ddp_run``) and read by two tests: the shipped config's
+behaviour, and data parallelism itself (sharded batches, reduced metrics, progressive swaps broadcast
+from rank 0, which until round 60 had a torchrun launch of its own in test_recipe_distill.py: the same
+``MULTI_CPU`` process group over gloo, the same code in normswap, one more pair of interpreters).
 """
 
 from __future__ import annotations
@@ -58,9 +63,23 @@ def _check_run(proc: subprocess.CompletedProcess, out: Path) -> None:
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-000003", "step-000006"]
 
 
-def test_ddp_config_on_two_cpu_processes(tiny_bert, corpus, tmp_path):
-    out = tmp_path / "run"
-    _check_run(_launch("ddp.yaml", out, tiny_bert, corpus), out)
+# progressive swapping (exact conversion first, the Post-LN norms swapped two at a time at steps 1, 3
+# and 5): each swap is decided on rank 0 and broadcast, so a replica that missed one is out of sync
+PROGRESSIVE = ("convert.mode=exact", "progressive.enabled=true", "progressive.group_size=2",
+               "progressive.interval=2", "progressive.start_step=1")
+
+
+@pytest.fixture(scope="module")
+def ddp_run(tiny_bert, corpus, tmp_path_factory):
+    """One two-process launch of the shipped DDP config with progressive swapping:
+    ``(CompletedProcess, out)``."""
+    out = tmp_path_factory.mktemp("ddp") / "run"
+    return _launch("ddp.yaml", out, tiny_bert, corpus, *PROGRESSIVE), out
+
+
+def test_ddp_config_on_two_cpu_processes(ddp_run, tiny_bert, corpus):
+    proc, out = ddp_run
+    _check_run(proc, out)
     written = sorted(p.name for p in (out / "model").iterdir())
 
     # a second launch into the same directory is refused once, before anything is touched
@@ -69,6 +88,23 @@ def test_ddp_config_on_two_cpu_processes(tiny_bert, corpus, tmp_path):
     errors = [line for line in _our_lines(again.stderr) if line.startswith("error:")]
     assert len(errors) == 1 and "already holds a run" in errors[0], again.stderr[-3000:]
     assert sorted(p.name for p in (out / "model").iterdir()) == written
+
+
+def test_two_process_data_parallel_on_cpu(ddp_run):
+    """gloo on CPU: sharded batches, reduced metrics, progressive swaps broadcast from rank 0."""
+    proc, out = ddp_run
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # the main process reports, once; the other one has no model directory to name ("model in None")
+    lines = proc.stdout.splitlines()
+    assert len(lines) == len(set(lines)) and "model in None" not in proc.stdout, proc.stdout
+    assert sum(ln.startswith("done:") for ln in lines) == 1, proc.stdout
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    sync = [r for r in records if r["split"] == "replicas"]
+    assert sync == [{"step": 6, "split": "replicas", "processes": 2, "in_sync": True}]
+    train = [r for r in records if r["split"] == "train"]
+    assert train[-1]["tokens"] == 6 * 2 * 8 * 32  # two processes, each its own 8 rows per step
+    loaded = normswap.load(out / "model")
+    assert not any(isinstance(m, torch.nn.LayerNorm) for m in loaded.modules())
 
 
 @pytest.mark.slow
