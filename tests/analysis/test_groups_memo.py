@@ -122,3 +122,23 @@ def test_returned_groups_are_the_callers_own():
     an = _analyzer()
     an._row_groups(0, width, reach, "a")[0].add((9,))
     assert an._row_groups(0, width, reach, "a")[0] == {(0, 1, 2, 3)}
+
+
+def test_widening_figured_once_per_writer(monkeypatch):
+    """``writer_centering="auto"`` figures each writer's widening once, not once per norm it reaches (GPT-2 small:
+    300 float64 copies of its writers' weights for 24 writers). The figures themselves are checked against an
+    independent computation in ``test_writer_centering_auto.py``."""
+    from normswap.analysis import planner
+
+    model = zoo.build(zoo.EXACT, "gpt2")
+    asked: list[str] = []
+    figure = planner.centering_widening
+
+    def counting(an, path, edits):
+        asked.append(path)
+        return figure(an, path, edits)
+
+    monkeypatch.setattr(planner, "centering_widening", counting)
+    plan = _plan(model, writer_centering="auto")
+    recorded = plan.options["writer_widening"]
+    assert len(recorded) == 4 and sorted(asked) == sorted(recorded)  # 2 layers x (attention c_proj, MLP c_proj)
