@@ -749,28 +749,48 @@ class Analyzer:
             return groups, None
         for call_id, m in reach.site_rows.items():
             site = self.sites[self.graph.calls[call_id].path]
-            width = math.prod(site.normalized_shape)
-            rows = m.reshape(-1, width)
-            first = rows[0]
-            if not bool(torch.isnan(first).any()) and bool((rows == first).all()):
-                row = first.long().tolist()  # the usual residual stream: every row the same features
-                if len(set(row)) != len(row):
-                    return groups, f"repeats features within a row of `{site.path}`"
-                groups.add(tuple(sorted(row)))
-                continue
-            nan = torch.isnan(rows)
-            full, empty = ~nan.any(1), nan.all(1)
-            if not bool((full | empty).all()):
-                return groups, f"fills only part of a row of `{site.path}`"
-            rows = rows[full]
-            if rows.numel() == 0:
-                continue
-            rows = torch.unique(torch.sort(rows, dim=1).values, dim=0).long()
-            for row in rows.tolist():
-                if len(set(row)) != len(row):
-                    return groups, f"repeats features within a row of `{site.path}`"
-                groups.add(tuple(row))
+            found, why = self._remembered(("flat", math.prod(site.normalized_shape)), m)
+            if why:
+                return groups, why.format(path=site.path)
+            groups |= found
         return groups, None
+
+    def _remembered(self, what: tuple, m: torch.Tensor) -> tuple[set[tuple[int, ...]], str]:
+        """:meth:`_flat_groups` (``what``: ``("flat", width)``) or :meth:`_rows_token_groups` (``("tokens",
+        width, token_width)``) of the row map ``m``, remembered (see :meth:`_row_groups` for why and for the key);
+        a refusal names the norm as ``{path}``. The caller gets a set of its own."""
+        key = (m.data_ptr(), m.dtype, tuple(m.shape), m.stride(), m._version, *what)
+        hit = self._groups_memo.get(key)
+        if hit is None:
+            hit = (m, *(self._flat_groups(m, what[1]) if what[0] == "flat" else self._rows_token_groups(m, *what[1:])))
+            self._groups_memo[key] = hit
+        return set(hit[1]), hit[2]
+
+    @staticmethod
+    def _flat_groups(m: torch.Tensor, width: int) -> tuple[set[tuple[int, ...]], str]:
+        """The groups of a norm's rows of a raw parameter's flat element ids (:meth:`_groups`), or why none (a
+        refusal names the norm as ``{path}``): a row must not repeat an element."""
+        groups: set[tuple[int, ...]] = set()
+        rows = m.reshape(-1, width)
+        first = rows[0]
+        if not bool(torch.isnan(first).any()) and bool((rows == first).all()):
+            row = first.long().tolist()  # the usual residual stream: every row the same features
+            if len(set(row)) != len(row):
+                return set(), "repeats features within a row of `{path}`"
+            return {tuple(sorted(row))}, ""
+        nan = torch.isnan(rows)
+        full, empty = ~nan.any(1), nan.all(1)
+        if not bool((full | empty).all()):
+            return set(), "fills only part of a row of `{path}`"
+        rows = rows[full]
+        if rows.numel() == 0:
+            return set(), ""
+        rows = torch.unique(torch.sort(rows, dim=1).values, dim=0).long()
+        for row in rows.tolist():
+            if len(set(row)) != len(row):
+                return set(), "repeats features within a row of `{path}`"
+            groups.add(tuple(row))
+        return groups, ""
 
     def _row_groups(self, call_id: int, width: int, tokens: Reach, path: str) -> tuple[set[tuple[int, ...]], str]:
         """:meth:`_token_groups`, remembered per row map.
@@ -789,12 +809,8 @@ class Analyzer:
         m = None if tokens.conflict else tokens.site_rows.get(call_id)
         if m is None:
             return self._token_groups(call_id, width, tokens, path)
-        key = (m.data_ptr(), m.dtype, tuple(m.shape), m.stride(), m._version, width, tokens.token_width)
-        hit = self._groups_memo.get(key)
-        if hit is None:
-            hit = (m, *self._rows_token_groups(m, width, tokens.token_width))
-            self._groups_memo[key] = hit
-        return set(hit[1]), hit[2].format(path=path)
+        found, why = self._remembered(("tokens", width, tokens.token_width), m)
+        return found, why.format(path=path)
 
     @staticmethod
     def _token_groups(call_id: int, width: int, tokens: Reach, path: str = ""

@@ -20,8 +20,8 @@ from normswap.analysis.streams import Analyzer, Reach
 from tests import zoo
 
 
-def _uncached(self: Analyzer, call_id: int, width: int, tokens: Reach, path: str):
-    return Analyzer._token_groups(call_id, width, tokens, path)
+def _uncached(self: Analyzer, what: tuple, m: torch.Tensor):
+    return Analyzer._flat_groups(m, what[1]) if what[0] == "flat" else Analyzer._rows_token_groups(m, *what[1:])
 
 
 def _whole(plan) -> tuple:
@@ -53,16 +53,18 @@ def models() -> dict[str, torch.nn.Module]:
 def test_plan_same_with_and_without_the_cache(models, monkeypatch, name, options):
     model = models[name]
     computed: list[int] = []
-    rows_token_groups = Analyzer._rows_token_groups
 
-    def counting(m, width, token_width):
-        computed.append(1)
-        return rows_token_groups(m, width, token_width)
+    def counting(read):
+        def counted(*a):
+            computed.append(1)
+            return read(*a)
+        return staticmethod(counted)
 
-    monkeypatch.setattr(Analyzer, "_rows_token_groups", staticmethod(counting))
+    monkeypatch.setattr(Analyzer, "_rows_token_groups", counting(Analyzer._rows_token_groups))
+    monkeypatch.setattr(Analyzer, "_flat_groups", counting(Analyzer._flat_groups))
     cached = _plan(model, **options)
     reads = len(computed)
-    monkeypatch.setattr(Analyzer, "_row_groups", _uncached)
+    monkeypatch.setattr(Analyzer, "_remembered", _uncached)
     computed.clear()
     plain = _plan(model, **options)
     assert _whole(cached) == _whole(plain)
@@ -88,6 +90,22 @@ def test_a_view_of_the_same_memory_is_other_rows():
     groups, why = an._row_groups(0, width, Reach(site_rows={0: turned}, token_width=width), "a")
     assert "several tokens" in why and not groups
     assert (groups, why) == Analyzer._token_groups(0, width, Reach(site_rows={0: turned}, token_width=width), "a")
+
+
+def test_flat_ids_of_a_view_of_the_same_memory_are_other_rows():
+    """A raw parameter's flat element ids (a position table read whole by each norm row), then the same memory
+    transposed: other rows, other groups; and a refusal there names the norm asked about."""
+    width = 4
+    ids = torch.arange(16, dtype=torch.float64).reshape(4, 4)
+    an = _analyzer()
+    assert an._remembered(("flat", width), ids) == ({(0, 1, 2, 3), (4, 5, 6, 7), (8, 9, 10, 11), (12, 13, 14, 15)},
+                                                     "")
+    turned = ids.t()
+    assert turned.data_ptr() == ids.data_ptr()
+    assert an._remembered(("flat", width), turned)[0] == {(0, 4, 8, 12), (1, 5, 9, 13), (2, 6, 10, 14),
+                                                          (3, 7, 11, 15)}
+    twice = torch.tensor([[0.0, 1.0, 1.0, 2.0]]).expand(3, 4)
+    assert an._remembered(("flat", width), twice) == (set(), "repeats features within a row of `{path}`")
 
 
 def test_rows_written_in_place_are_read_again():
