@@ -168,7 +168,7 @@ def main() -> None:
         cols = [(name, mode) for name, _ in codes for mode in args.modes]
         print(f"{'phase':<12}" + "".join(f"{n + ' ' + m:>16}" for n, m in cols))
         for ph in [*PHASES, "total"]:
-            print(f"{ph:<12}" + "".join(f"{statistics.median(x[ph] for x in runs[c]):>16.2f}" for c in cols))
+            print(f"{ph:<12}" + "".join(f"{statistics.median(x.get(ph, 0.0) for x in runs[c]):>16.2f}" for c in cols))
         for name, _ in codes:
             base = runs[(name, args.modes[0])]
             for mode in args.modes[1:]:
