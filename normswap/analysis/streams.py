@@ -202,8 +202,8 @@ class Analyzer:
                                          output_values=self.output_values, linear_kind=_linear_kind)
         self.cache_outputs: set[str] = set()  # key/value caches changed by a dropped or moved β share
         self._mixing_memo: dict[tuple[int, int], tuple[Mixing, ...]] = {}
-        # norm rows -> their feature groups (:meth:`_row_groups`): keyed on the row map tensor's identity and
-        # version, the tensor kept with the entry (so its id is never another tensor's while the entry lives)
+        # norm rows -> their feature groups (:meth:`_remembered`): keyed on the row map's memory, dtype, shape,
+        # strides and version, the tensor kept with the entry (so that memory is no other tensor's while it lives)
         self._groups_memo: dict[tuple, tuple[torch.Tensor, set[tuple[int, ...]], str]] = {}
 
     # ------------------------------------------------------------------ helpers
