@@ -358,7 +358,9 @@ def _writer_ops(st: Planning) -> None:
                     or not an.depends_on_norm(term.value):
                 continue
             if st.writer_centering == "auto":
-                widening[term.module_path] = centering_widening(an, term.module_path, st.term_edits[term.value][0])
+                if term.module_path not in widening:  # a writer is a term of every norm it reaches: once is enough
+                    widening[term.module_path] = centering_widening(an, term.module_path,
+                                                                    st.term_edits[term.value][0])
                 if not widening[term.module_path] > WRITER_AUTO_WIDENING and term.module_path not in scaled:
                     continue
             st.writer_terms[term.value] = (ok, why)

@@ -202,6 +202,9 @@ class Analyzer:
                                          output_values=self.output_values, linear_kind=_linear_kind)
         self.cache_outputs: set[str] = set()  # key/value caches changed by a dropped or moved β share
         self._mixing_memo: dict[tuple[int, int], tuple[Mixing, ...]] = {}
+        # norm rows -> their feature groups (:meth:`_remembered`): keyed on the row map's memory, dtype, shape,
+        # strides and version, the tensor kept with the entry (so that memory is no other tensor's while it lives)
+        self._groups_memo: dict[tuple, tuple[torch.Tensor, set[tuple[int, ...]], str]] = {}
 
     # ------------------------------------------------------------------ helpers
     def _call_of_op(self, op: Op) -> str:
@@ -738,36 +741,76 @@ class Analyzer:
             by_token = tokens() if reach.site_rows else reach
             for call_id in reach.site_rows:
                 path = self.graph.calls[call_id].path
-                found, why = self._token_groups(call_id, math.prod(self.sites[path].normalized_shape), by_token,
-                                                path)
+                found, why = self._row_groups(call_id, math.prod(self.sites[path].normalized_shape), by_token,
+                                              path)
                 if why:
                     return groups, why
                 groups |= found
             return groups, None
         for call_id, m in reach.site_rows.items():
             site = self.sites[self.graph.calls[call_id].path]
-            width = math.prod(site.normalized_shape)
-            rows = m.reshape(-1, width)
-            first = rows[0]
-            if not bool(torch.isnan(first).any()) and bool((rows == first).all()):
-                row = first.long().tolist()  # the usual residual stream: every row the same features
-                if len(set(row)) != len(row):
-                    return groups, f"repeats features within a row of `{site.path}`"
-                groups.add(tuple(sorted(row)))
-                continue
-            nan = torch.isnan(rows)
-            full, empty = ~nan.any(1), nan.all(1)
-            if not bool((full | empty).all()):
-                return groups, f"fills only part of a row of `{site.path}`"
-            rows = rows[full]
-            if rows.numel() == 0:
-                continue
-            rows = torch.unique(torch.sort(rows, dim=1).values, dim=0).long()
-            for row in rows.tolist():
-                if len(set(row)) != len(row):
-                    return groups, f"repeats features within a row of `{site.path}`"
-                groups.add(tuple(row))
+            found, why = self._remembered(("flat", math.prod(site.normalized_shape)), m)
+            if why:
+                return groups, why.format(path=site.path)
+            groups |= found
         return groups, None
+
+    def _remembered(self, what: tuple, m: torch.Tensor) -> tuple[set[tuple[int, ...]], str]:
+        """:meth:`_flat_groups` (``what``: ``("flat", width)``) or :meth:`_rows_token_groups` (``("tokens",
+        width, token_width)``) of the row map ``m``, remembered (see :meth:`_row_groups` for why and for the key);
+        a refusal names the norm as ``{path}``. The caller gets a set of its own."""
+        key = (m.data_ptr(), m.dtype, tuple(m.shape), m.stride(), m._version, *what)
+        hit = self._groups_memo.get(key)
+        if hit is None:
+            hit = (m, *(self._flat_groups(m, what[1]) if what[0] == "flat" else self._rows_token_groups(m, *what[1:])))
+            self._groups_memo[key] = hit
+        return set(hit[1]), hit[2]
+
+    @staticmethod
+    def _flat_groups(m: torch.Tensor, width: int) -> tuple[set[tuple[int, ...]], str]:
+        """The groups of a norm's rows of a raw parameter's flat element ids (:meth:`_groups`), or why none (a
+        refusal names the norm as ``{path}``): a row must not repeat an element."""
+        groups: set[tuple[int, ...]] = set()
+        rows = m.reshape(-1, width)
+        first = rows[0]
+        if not bool(torch.isnan(first).any()) and bool((rows == first).all()):
+            row = first.long().tolist()  # the usual residual stream: every row the same features
+            if len(set(row)) != len(row):
+                return set(), "repeats features within a row of `{path}`"
+            return {tuple(sorted(row))}, ""
+        nan = torch.isnan(rows)
+        full, empty = ~nan.any(1), nan.all(1)
+        if not bool((full | empty).all()):
+            return set(), "fills only part of a row of `{path}`"
+        rows = rows[full]
+        if rows.numel() == 0:
+            return set(), ""
+        rows = torch.unique(torch.sort(rows, dim=1).values, dim=0).long()
+        for row in rows.tolist():
+            if len(set(row)) != len(row):
+                return set(), "repeats features within a row of `{path}`"
+            groups.add(tuple(row))
+        return groups, ""
+
+    def _row_groups(self, call_id: int, width: int, tokens: Reach, path: str) -> tuple[set[tuple[int, ...]], str]:
+        """:meth:`_token_groups`, remembered per row map.
+
+        Placing centering ops (``writer_centering='op'``/``'auto'``, stem ops) asks :meth:`hook_problem` of
+        hundreds of candidate values, and each reaches every later norm of its stream; the residual stream's
+        map reaches those norms as one tensor (adds and identity ops pass it on unchanged), so the same rows
+        would be read again for each norm and each candidate (DINOv2-small: 5,250 reads of 50 tensors, most
+        of ``convert --writer-centering auto``'s time). The answer depends on the rows' values, the row width
+        and the token width only (the path is only named in a refusal). The key is where the values live:
+        the map's memory address, dtype, shape and strides (a broadcast view of the same map, which each
+        add makes, is the same rows), and its ``_version``, which any in-place write through any view bumps.
+        The entry keeps the tensor, so its memory is not freed and given to another tensor while the entry
+        lives: an address in the key is the same memory, holding the same values unless the version moved.
+        """
+        m = None if tokens.conflict else tokens.site_rows.get(call_id)
+        if m is None:
+            return self._token_groups(call_id, width, tokens, path)
+        found, why = self._remembered(("tokens", width, tokens.token_width), m)
+        return found, why.format(path=path)
 
     @staticmethod
     def _token_groups(call_id: int, width: int, tokens: Reach, path: str = ""
@@ -789,19 +832,25 @@ class Analyzer:
         m = None if tokens.conflict else tokens.site_rows.get(call_id)
         if m is None:
             return set(), f"is not tracked token by token into the rows of `{path}`"
+        groups, why = Analyzer._rows_token_groups(m, width, tokens.token_width)
+        return groups, why.format(path=path)
+
+    @staticmethod
+    def _rows_token_groups(m: torch.Tensor, width: int, token_width: int) -> tuple[set[tuple[int, ...]], str]:
+        """:meth:`_token_groups` on the row map ``m`` itself; a refusal names the norm as ``{path}``."""
         rows = m.reshape(-1, width)
         nan = torch.isnan(rows)
         full = ~nan.any(1)
         if not bool((full | nan.all(1)).all()):
-            return set(), f"fills only part of a row of `{path}`"
+            return set(), "fills only part of a row of `{path}`"
         rows = rows[full]
         if rows.numel() == 0:
             return set(), ""
-        token = torch.div(rows, tokens.token_width, rounding_mode="floor")
+        token = torch.div(rows, token_width, rounding_mode="floor")
         if not bool((token == token[:, :1]).all()):
-            return set(), (f"puts several tokens in one row of `{path}` (centering shifts each token by its own "
+            return set(), ("puts several tokens in one row of `{path}` (centering shifts each token by its own "
                            "amount; LayerNorm is invariant to one shift per row)")
-        features = rows - token * tokens.token_width
+        features = rows - token * token_width
         if bool((features == features[0]).all()):  # the usual residual stream: every row the same features
             patterns = features[:1].long()
         else:
@@ -813,7 +862,7 @@ class Analyzer:
         for row in patterns.tolist():  # one token twice over (x and x concatenated) is fine
             counts = {f: row.count(f) for f in set(row)}
             if len(set(counts.values())) != 1:
-                return set(), f"repeats some features of a token more often than others in a row of `{path}`"
+                return set(), "repeats some features of a token more often than others in a row of `{path}`"
             groups.add(tuple(sorted(counts)))
         return groups, ""
 
