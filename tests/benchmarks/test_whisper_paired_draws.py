@@ -420,6 +420,12 @@ def test_batched_decoder_passes_give_each_clips_own_log_probs(models) -> None:
     for a, b, s, e in zip(alone, batched, states, enc, strict=True):
         assert torch.equal(s, e)
         assert (a - b).abs().max() < 1e-5
+    # the streamed KL (a batch at a time, never every clip's log-probs at once) is clip_kl of the whole
+    q = draws.rounded(model, "gguf-q8_0", None, draws.DECODER)
+    whole = groups.clip_kl(alone, draws.decoder_logp(q, ids, enc)[0])
+    streamed = draws.decoder_kl(q, ids, enc, alone, batch=2)
+    assert whole.shape == streamed.shape == (3,) and (whole > 0).all()
+    assert abs(streamed - whole).max() < 1e-5 * whole.max()  # other padded widths: float32 order only
 
 
 def test_rounding_energy_sees_block_widening_and_nothing_else(models) -> None:
