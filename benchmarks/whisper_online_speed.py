@@ -46,6 +46,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_quant_whisper import whisper_model  # noqa: E402
 from dinov2_online_speed import abba, r51_ops_, stock_ops_  # noqa: E402
 
+CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "thread": time.thread_time}
+
 
 class Encoder(torch.nn.Module):
     def __init__(self, model: torch.nn.Module) -> None:
@@ -113,8 +115,13 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, list[float]]]:
     ap.add_argument("--engines", nargs="+", default=["ort"], choices=["ort", "eager"],
                     help="ONNX Runtime (the exported graphs) and/or torch eager (the same wrappers called under "
                     "torch.inference_mode: the per-call host cost a decode loop in PyTorch pays)")
+    ap.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
+                    help="what a timing measures: wall time (perf_counter), or this thread's CPU time "
+                    "(thread_time: steadier on a loaded machine; one thread, and ONNX Runtime with one intra-op "
+                    "thread computes in the calling thread)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
+    clock = CLOCKS[args.clock]
     torch.set_num_threads(1)
     dirs = {"original": args.orig, **{v.split("=", 1)[0]: Path(v.split("=", 1)[1]) for v in args.variants}}
     models = {name: whisper_model(d) for name, d in dirs.items()}
@@ -147,10 +154,10 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, list[float]]]:
 
                         def seconds(w: torch.nn.Module = wrap, i: tuple = inputs, n: int = reps) -> float:
                             with torch.inference_mode():
-                                t0 = time.perf_counter()
+                                t0 = clock()
                                 for _ in range(n):
                                     w(*i)
-                                return (time.perf_counter() - t0) / n
+                                return (clock() - t0) / n
                         run[name] = seconds
                         continue
                     names = [f"x{i}" for i in range(len(inputs))]
@@ -169,10 +176,10 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, list[float]]]:
                           f"original's eager output {err_ref:.1e}", flush=True)
 
                     def seconds(s: ort.InferenceSession = sess, f: dict = feed, n: int = reps) -> float:
-                        t0 = time.perf_counter()
+                        t0 = clock()
                         for _ in range(n):
                             s.run(None, f)
-                        return (time.perf_counter() - t0) / n
+                        return (clock() - t0) / n
                     run[name] = seconds
                 for fn in run.values():  # warm-up
                     fn()
@@ -186,7 +193,8 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, list[float]]]:
                     print(f"| {name} | {statistics.median(r):.3f} | {min(r):.3f}-{max(r):.3f} |", flush=True)
                 if args.json:
                     args.json.write_text(json.dumps({"batch": args.batch, "past": args.past, "rounds": args.rounds,
-                                                     "reps": args.reps, "ratios": results}, indent=1))
+                                                     "reps": args.reps, "clock": args.clock,
+                                                     "ratios": results}, indent=1))
     return results
 
 

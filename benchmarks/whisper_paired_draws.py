@@ -302,7 +302,31 @@ def hqq4(w: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
     return deq.reshape(out, -1)[:, :k].to(w.dtype)
 
 
-QUANT = {"rtn": rtn4, "hqq": hqq4}
+def gguf_q8_0(w: torch.Tensor) -> torch.Tensor:
+    """``w`` (out, in) stored as GGUF ``Q8_0`` and read back by the ``gguf`` package's own quantizer
+    (``bench_heldout_engines.gguf_round_trip``: int8, one float16 scale ``absmax / 127`` per 32 consecutive inputs of
+    a row, round to nearest): deterministic, so its draws come from :func:`reordered` (a writer's blocks hold other
+    entries). A width that is not a multiple of 32 stays as it is (none in Whisper)."""
+    from bench_heldout_engines import gguf_round_trip
+
+    back = gguf_round_trip(w.float(), "Q8_0")
+    return w if back is None else back.to(w.dtype)
+
+
+def gguf_q4_0(w: torch.Tensor) -> torch.Tensor:
+    """:func:`gguf_q8_0` for GGUF ``Q4_0`` (4-bit symmetric, one float16 scale per 32 inputs)."""
+    from bench_heldout_engines import gguf_round_trip
+
+    back = gguf_round_trip(w.float(), "Q4_0")
+    return w if back is None else back.to(w.dtype)
+
+
+QUANT = {"rtn": rtn4, "hqq": hqq4, "gguf-q8_0": gguf_q8_0, "gguf-q4_0": gguf_q4_0}
+QUANT_NAMES = {"rtn": "simulated MatMulNBits RTN 4-bit", "hqq": "simulated MatMulNBits HQQ 4-bit",
+               "gguf-q8_0": "GGUF Q8_0 weight round trip (gguf package)",
+               "gguf-q4_0": "GGUF Q4_0 weight round trip (gguf package)",
+               "torchao": "torchao int8 dynamic activation + int8 weight"}
+DECODER = "model.decoder."  # --decoder-only: the Linears under it are rounded (proj_out, the head, is not)
 
 
 class RoundingCache:
@@ -328,13 +352,17 @@ class RoundingCache:
         self.used = set()
 
 
-def rounded(model: torch.nn.Module, quant: str = "rtn", cache: RoundingCache | None = None) -> torch.nn.Module:
+def rounded(model: torch.nn.Module, quant: str = "rtn", cache: RoundingCache | None = None,
+            prefix: str = "") -> torch.nn.Module:
     """A copy of ``model`` with every Linear on ``MatMulNBits``' 4-bit grid, ``quant`` one of :data:`QUANT`
     (the LM head included, as ONNX Runtime quantizes it; a fresh parameter each, so a tied head is rounded apart
-    from the embedding); ``cache``: reuse roundings of identical weights."""
+    from the embedding); ``cache``: reuse roundings of identical weights. ``prefix``: only the Linears whose name
+    starts with it (``--decoder-only``: :data:`DECODER`, the decoder's Linears, the head left in float as
+    round 48's held-out GGUF cell did). Weights are replaced in place of each Linear, so hooks on it
+    (``--writer-centering op``'s centering after a writer) still run."""
     out = copy.deepcopy(model)
-    for mod in out.modules():
-        if isinstance(mod, torch.nn.Linear):
+    for name, mod in out.named_modules():
+        if isinstance(mod, torch.nn.Linear) and name.startswith(prefix):
             w = mod.weight.detach()
             q = cache.get(quant, w) if cache is not None else QUANT[quant](w)
             mod.weight = torch.nn.Parameter(q, requires_grad=False)
@@ -350,6 +378,77 @@ def check_hqq(fp32: Path, nbits: Path) -> tuple[int, int]:
         off += int((np.abs(sim - deq) > 1e-6 * np.abs(deq).max()).sum())
         total += deq.size
     return off, total
+
+
+def encoder_states(original: torch.nn.Module, feats: torch.Tensor, cache: Path | None = None) -> list[torch.Tensor]:
+    """The float original's encoder output for each clip (``--decoder-only``), as :func:`forced_logp` computes it
+    inside a whole pass; ``cache``: saved there / read from there (float32, bit for bit)."""
+    if cache is not None and cache.exists():
+        states = torch.load(cache, mmap=True)  # file-backed: processes sharing the cache share its pages
+        if len(states) != len(feats):
+            raise SystemExit(f"{cache}: {len(states)} clips' encoder states, {len(feats)} clips here")
+        return states
+    with torch.inference_mode():
+        states = [original.model.encoder(input_features=feats[i:i + 1]).last_hidden_state for i in range(len(feats))]
+    if cache is not None:
+        torch.save(states, cache)
+    return states
+
+
+@torch.no_grad()
+def rounding_energy(original: torch.nn.Module, other: torch.nn.Module, quant: str = "gguf-q8_0",
+                    prefix: str = DECODER, writers: tuple[str, ...] = WRITERS) -> dict[str, dict[str, float]]:
+    """Per writer Linear under ``prefix`` (``out_proj`` of both attentions, ``fc2``), what rounding on ``quant``'s grid
+    does to ``other``'s weight against ``original``'s, in float64: ``step``, the ratio of the mean squared block
+    scale (``QUANT``'s grid: its step is proportional to a block's absmax; ``Q8_0``'s ``absmax / 127`` per 32 inputs
+    of a row), ``full``, the ratio of the rounding error's energy ``‖Q(W) − W‖²``, and ``seen``, the same for the
+    part a LayerNorm after the writer passes on (the error with its mean over output rows removed: the rest is a
+    per-token constant in the stream). The error energy is what a weight-only quantizer adds to a writer's output
+    for inputs of equal energy in every feature; ``other`` with centered rows (compat, the default) widens its
+    blocks, so its step and energy grow. Keys: module names; ``"all"`` pools every writer's energies."""
+    out: dict[str, dict[str, float]] = {}
+    tot = np.zeros((2, 3))
+    for name, mod in original.named_modules():
+        if not (isinstance(mod, torch.nn.Linear) and name.startswith(prefix) and name.rsplit(".", 1)[-1] in writers):
+            continue
+        row = np.zeros((2, 3))
+        for k, m in enumerate((mod, other.get_submodule(name))):
+            w = m.weight.detach().double()
+            e = QUANT[quant](w.float()).double() - w
+            blocks = w.reshape(w.shape[0], -1, BLOCK).abs().amax(-1)
+            row[k] = [float(blocks.pow(2).mean()), float(e.pow(2).sum()), float((e - e.mean(0)).pow(2).sum())]
+        tot += row
+        out[name] = dict(zip(("step", "full", "seen"), (row[1] / row[0]).tolist(), strict=True))
+    out["all"] = dict(zip(("step", "full", "seen"), (tot[1] / tot[0]).tolist(), strict=True))
+    return out
+
+
+def decoder_logp(model: torch.nn.Module, ids: list[torch.Tensor], enc: list[torch.Tensor], batch: int = 16
+                 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """:func:`forced_logp` given the encoder states, ``batch`` clips a pass (``--decoder-only``): each clip's ids
+    padded at the end (the decoder is causal, so a position never sees the padding after it) and its own positions
+    kept. The same log-probs as one clip a pass up to float32 summation order; every model of a run goes through
+    this path, the float reference too (:func:`main`)."""
+    p = len(bq.SOT_NOTS)
+    out = []
+    with torch.inference_mode():
+        for i in range(0, len(ids), batch):
+            chunk = ids[i:i + batch]
+            width = max(len(t) for t in chunk)
+            padded = torch.stack([torch.cat([t, t.new_full((width - len(t),), int(t[-1]))]) for t in chunk])
+            states = torch.cat(enc[i:i + batch])
+            logits = model(encoder_outputs=(states,), decoder_input_ids=padded, use_cache=False).logits
+            out += [torch.log_softmax(logits[j, p - 1:len(t)].double(), -1) for j, t in enumerate(chunk)]
+    return out, enc
+
+
+def decoder_kl(model: torch.nn.Module, ids: list[torch.Tensor], enc: list[torch.Tensor], ref: list[torch.Tensor],
+               batch: int = 16) -> np.ndarray:
+    """Per clip, the summed KL(``ref`` ‖ ``model``) of :func:`decoder_logp`, a batch at a time: the model's own
+    log-probs (float64, 51,864 per position: ~2 GB for 328 clips) are never all held at once."""
+    out = [clip_kl(ref[i:i + batch], decoder_logp(model, ids[i:i + batch], enc[i:i + batch], batch)[0])
+           for i in range(0, len(ids), batch)]
+    return np.concatenate(out)
 
 
 def parse_seeds(text: str) -> list[int]:
@@ -408,8 +507,16 @@ def pair_tests(pairs: np.ndarray) -> tuple[int, float, float, float]:
 
 def table(results: list[dict]) -> str:
     """One table per quantizer (a run's ``quant``; RTN where a run predates the field), each :func:`quant_table`."""
-    kinds = sorted({r.get("quant", "rtn") for r in results}, key=[*QUANT, "torchao"].index)
+    order = [*QUANT, "torchao"]
+    kinds = sorted({r.get("quant", "rtn") for r in results},
+                   key=lambda q: (order.index(q.split(":")[0]) if q.split(":")[0] in order else len(order), q))
     return "\n\n".join(quant_table([r for r in results if r.get("quant", "rtn") == q], q) for q in kinds)
+
+
+def quant_name(quant: str) -> str:
+    """A run's ``quant`` in words: ``gguf-q8_0:decoder`` is GGUF ``Q8_0`` on the decoder's Linears only."""
+    base, _, where = quant.partition(":")
+    return QUANT_NAMES.get(base, base) + (", the decoder's Linears only" if where == "decoder" else "")
 
 
 def quant_table(results: list[dict], quant: str = "rtn") -> str:
@@ -420,8 +527,7 @@ def quant_table(results: list[dict], quant: str = "rtn") -> str:
         raise SystemExit(f"{quant}: no seed measured in every clip set")
     orig = kl["original"]
     lines = [f"{len(seeds)} paired draws (seeds {', '.join(map(str, seeds))}; 0: as shipped), {orig.shape[1]} clips, "
-             f"{int(positions)} positions; " + ("torchao int8 dynamic activation + int8 weight" if quant == "torchao"
-                                                 else f"simulated MatMulNBits {quant.upper()} 4-bit"), "",
+             f"{int(positions)} positions; " + quant_name(quant), "",
              "| variant | KL/clip, mean over draws (sd between draws) | ratio to original (95% CI, draws and clips) | "
              "pairs above 1 (sign test p) | t 95% over pairs | as shipped | per pair |", "|---" * 7 + "|"]
     for name, k in kl.items():
@@ -455,6 +561,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--quant", choices=[*QUANT, "torchao", "torchao-emu"], default="rtn",
                     help="MatMulNBits' 4-bit algorithm to simulate, or torchao's real int8, or its float emulation "
                     "(module docstring)")
+    ap.add_argument("--decoder-only", action="store_true", help="round only the decoder's Linears (not proj_out); "
+                    "every model's decoder reads the float original's encoder states, computed once (--enc-cache)")
+    ap.add_argument("--enc-cache", type=Path,
+                    help="--decoder-only: the float original's encoder states, saved / reused")
     ap.add_argument("--label", default="conversion", help="CONV's variant name in the JSON and tables (e.g. a "
                     "hybrid measured with --only LABEL, pooled by --table with another run's original)")
     ap.add_argument("--draws", choices=["reorder", "rotate", "rotate+fc2"], default="reorder",
@@ -489,10 +599,17 @@ def main(argv: list[str] | None = None) -> None:
     ids = [torch.tensor([*bq.SOT_NOTS, *tok.encode(" " + t.strip(), add_special_tokens=False)]) for _, t in clips]
     original = bq.whisper_model(orig_dir)
     conv = bq.whisper_model(conv_dir)
+    if args.decoder_only and args.quant.startswith("torchao"):
+        raise SystemExit("--decoder-only applies to the weight round trips (rtn, hqq, gguf-*): drop it with torchao")
+    enc = encoder_states(original, feats, args.enc_cache) if args.decoder_only else None
+
+    def logp(model: torch.nn.Module) -> tuple[list[torch.Tensor], list]:
+        return decoder_logp(model, ids, enc) if enc is not None else forced_logp(model, feats, ids)
+
     if args.ref_cache and args.ref_cache.exists():
-        ref = torch.load(args.ref_cache)
+        ref = torch.load(args.ref_cache, mmap=True)  # ~2 GB for 328 clips: shared pages, not each process's own
     else:
-        ref, _ = forced_logp(original, feats, ids)
+        ref, _ = logp(original)  # decoder-only: the float reference through the same batched path
         if args.ref_cache:
             torch.save(ref, args.ref_cache)
     models = {"original": original, args.label: conv}
@@ -504,6 +621,8 @@ def main(argv: list[str] | None = None) -> None:
         models = {n: m for n, m in models.items() if n in args.only.split(",")}
     seeds = parse_seeds(args.seeds)
     quant = "torchao" if args.quant == "torchao-emu" else args.quant  # the emulation pools with torchao's runs
+    if args.decoder_only:  # another measurement than the whole model's: tabled apart
+        quant += ":decoder"
     result = {"clips": len(clips), "speech": [str(d) for d in speech], "skip": args.skip, "quant": quant,
               "seeds": [], "positions": [len(r) for r in ref],
               "kl": {n: [] for n in [*models, *(f"conversion-{v}" for v in swaps)]}}
@@ -521,7 +640,7 @@ def main(argv: list[str] | None = None) -> None:
             return torchao_int8(model)
         if args.quant == "torchao-emu":
             return torchao_int8_emulated(model)
-        return rounded(model, args.quant, cache)
+        return rounded(model, args.quant, cache, DECODER if args.decoder_only else "")
 
     with torch.inference_mode():
         ref_logits = _logits(original, feats, ids)
@@ -546,7 +665,11 @@ def main(argv: list[str] | None = None) -> None:
                     d, ref_logits, feats, ids, model, lambda m, seed=seed: drawn_model(m, seed), f"{name} draw {seed}")
             q = engine(d)
             del d
-            got, states = forced_logp(q, feats, ids)
+            if enc is not None and not swaps:  # the decoder alone, a batch at a time (memory)
+                result["kl"][name].append(decoder_kl(q, ids, enc, ref).tolist())
+                del q
+                continue
+            got, states = logp(q)
             result["kl"][name].append(clip_kl(ref, got).tolist())
             if swaps and name in ("original", "conversion"):
                 drawn[name] = q

@@ -63,3 +63,19 @@ def test_the_eager_step_leaves_its_inputs_as_they_were():
         first, second = step(*inputs), step(*inputs)
     torch.testing.assert_close(first, second, rtol=0, atol=0)
     assert all(torch.equal(a, b) and a.shape == b.shape for a, b in zip(inputs, before, strict=True))
+
+
+def test_the_thread_clock_counts_this_threads_work_and_not_a_wait():
+    """``--clock thread`` (round 60): time a timing takes on this thread's CPU; a sleep (the core given to another
+    job on a loaded machine) adds wall time and not thread time."""
+    import time
+
+    wall, thread = speed.CLOCKS["wall"], speed.CLOCKS["thread"]
+    t0w, t0t = wall(), thread()
+    time.sleep(0.2)
+    assert wall() - t0w >= 0.2 and thread() - t0t < 0.05
+    t0t = thread()
+    x = torch.randn(256, 256)
+    for _ in range(50):
+        x = torch.tanh(x @ x)
+    assert thread() - t0t > 0

@@ -358,3 +358,99 @@ def test_the_torchao_emulation_is_round_53s_torchao_linear_bit_for_bit_on_both_p
     want = quant_utils.torchao_linear_(plain)(h)
     got = emulated.model.encoder.layers[0].fc2(h)
     assert torch.equal(got, want - want.mean(-1, keepdim=True))
+
+
+# ---------------------------------------------------------------- round 60: GGUF Q8_0 on the decoder alone
+
+def test_gguf_q8_0_is_the_gguf_packages_round_trip_and_a_reordering_redraws_only_the_writers(models) -> None:
+    """``--quant gguf-q8_0``: the ``gguf`` package's own ``Q8_0`` (one float16 scale per 32 inputs of a row), and a
+    :func:`reordered` draw gives the writers' blocks other entries while each reader row keeps its integers."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, quants
+
+    original, _, _ = models
+    w = original.model.decoder.layers[0].fc2.weight.detach().float()
+    want = quants.dequantize(quants.quantize(w.numpy(), GGMLQuantizationType.Q8_0), GGMLQuantizationType.Q8_0)
+    got = draws.gguf_q8_0(w)
+    assert torch.equal(got, torch.from_numpy(np.ascontiguousarray(want, dtype=np.float32)).reshape(w.shape))
+    step = (w.reshape(w.shape[0], -1, 32).abs().amax(-1, keepdim=True) / 127).half().float()
+    # half a step, plus the float16 scale's own rounding (2⁻¹¹ relative) times up to 127
+    assert ((got - w).reshape(step.shape[0], -1, 32).abs() <= step * (0.5 + 127 * 2 ** -11) + 1e-12).all()
+    assert not torch.equal(got, w)
+    drawn = draws.reordered(original, 3)
+    for name, new in drawn.named_modules():
+        if not isinstance(new, torch.nn.Linear) or not name.startswith(draws.DECODER):
+            continue
+        old = original.get_submodule(name)
+        a, b = draws.gguf_q8_0(new.weight.detach().float()), draws.gguf_q8_0(old.weight.detach().float())
+        if name.endswith("fc2"):
+            assert not torch.equal(a.sort(1).values, b.sort(1).values)  # other blocks: other numbers
+        elif not name.endswith("out_proj"):  # a reader: its rows moved whole, each rounds as before
+            assert torch.equal(a.sort(0).values, b.sort(0).values)
+
+
+def test_decoder_only_rounding_leaves_the_encoder_the_head_and_a_writers_hooks(models) -> None:
+    original, _, _ = models
+    model = copy.deepcopy(original).float()
+    calls = []
+    model.model.decoder.layers[0].fc2.register_forward_hook(lambda *_: calls.append(1))
+    q = draws.rounded(model, "gguf-q8_0", None, draws.DECODER)
+    for name, mod in model.named_modules():
+        if isinstance(mod, torch.nn.Linear):
+            same = torch.equal(q.get_submodule(name).weight, mod.weight)
+            assert same == (not name.startswith("model.decoder.")), name  # proj_out is not under model.decoder
+    ids = torch.randint(1, 99, (1, 6))
+    with torch.no_grad():
+        q(input_features=torch.randn(1, 8, 32), decoder_input_ids=ids)
+    assert calls  # the hook (a --writer-centering op) still runs on the rounded copy
+
+
+def test_batched_decoder_passes_give_each_clips_own_log_probs(models) -> None:
+    """Clips of different lengths padded into one pass: each clip's log-probs are its own pass's (causal decoder)."""
+    original, _, _ = models
+    model = copy.deepcopy(original).float()
+    p = len(draws.bq.SOT_NOTS)
+    g = torch.Generator().manual_seed(5)
+    ids = [torch.randint(1, 99, (p + n,), generator=g) for n in (2, 7, 4)]
+    feats = torch.randn(3, 8, 32, generator=g)
+    enc = draws.encoder_states(model, feats)
+    alone, states = groups.forced_logp(model, feats, ids)
+    batched, _ = draws.decoder_logp(model, ids, enc, batch=2)
+    assert [len(a) for a in alone] == [len(b) for b in batched] == [n + 1 for n in (2, 7, 4)]
+    for a, b, s, e in zip(alone, batched, states, enc, strict=True):
+        assert torch.equal(s, e)
+        assert (a - b).abs().max() < 1e-5
+    # the streamed KL (a batch at a time, never every clip's log-probs at once) is clip_kl of the whole
+    q = draws.rounded(model, "gguf-q8_0", None, draws.DECODER)
+    whole = groups.clip_kl(alone, draws.decoder_logp(q, ids, enc)[0])
+    streamed = draws.decoder_kl(q, ids, enc, alone, batch=2)
+    assert whole.shape == streamed.shape == (3,) and (whole > 0).all()
+    assert abs(streamed - whole).max() < 1e-5 * whole.max()  # other padded widths: float32 order only
+
+
+def test_rounding_energy_sees_block_widening_and_nothing_else(models) -> None:
+    """The diagnostic's ratios: 1 for the same weights; a writer whose rows are scaled by 2 has 4x the block scale
+    squared and 4x the error energy; compat's centered rows are measured against the original's."""
+    original, converted, _ = models
+    same = draws.rounding_energy(original, copy.deepcopy(original))
+    assert all(abs(v - 1) < 1e-12 for row in same.values() for v in row.values())
+    doubled = copy.deepcopy(original)
+    with torch.no_grad():
+        doubled.model.decoder.layers[1].fc2.weight.mul_(2)
+    got = draws.rounding_energy(original, doubled)
+    row = got["model.decoder.layers.1.fc2"]
+    assert abs(row["step"] - 4) < 1e-2 and abs(row["full"] - 4) < 0.2
+    assert 1 < got["all"]["full"] < 4
+    assert set(draws.rounding_energy(original, converted)) == {
+        f"model.decoder.layers.{i}.{w}" for i in (0, 1) for w in ("self_attn.out_proj", "encoder_attn.out_proj", "fc2")
+    } | {"all"}
+
+
+def test_decoder_only_runs_table_apart_and_say_so() -> None:
+    def run(quant: str) -> dict:
+        return {"speech": ["s"], "skip": 0, "clips": 2, "seeds": [0, 1], "positions": [3, 3], "quant": quant,
+                "kl": {"original": [[1.0, 1.0], [1.0, 1.1]], "native": [[1.1, 1.0], [1.0, 1.2]]}}
+
+    text = draws.table([run("gguf-q8_0:decoder"), run("rtn")])
+    assert "GGUF Q8_0 weight round trip (gguf package), the decoder's Linears only" in text
+    assert text.index("MatMulNBits RTN") < text.index("GGUF Q8_0")
