@@ -148,7 +148,8 @@ QUANTIZERS: dict[str, Quantizer] = {q.name: q for q in (
               measured="DINOv2-small 1.088 (1.02-1.15) -> auto 0.984; MiniLM 0.976 with the defaults"),
     Quantizer("weights-only", "optimum-quanto, bitsandbytes, HQQ, GGUF (weights rounded in Python)",
               why="weights rounded in Python: the defaults (every β kept in a checkpoint)",
-              measured="DINOv2-small 0.84-1.03; Whisper tiny.en's decoder GGUF Q8_0 1.075-1.08",
+              measured="DINOv2-small 0.84-1.03; Whisper tiny.en's decoder GGUF Q8_0 0.990 (0.96-1.03, 17 paired "
+                       "draws; 1.075 as shipped was a draw)",
               avoid={"--rotate": "rotation costs the Python 4-bit engines (1.08-1.79)"}),
 )}
 QUANTIZER_NAMES = tuple(QUANTIZERS)
