@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fnmatch
 import json
 import os
 import re
@@ -561,7 +562,7 @@ def _side_entries(src: Path | None) -> list[Path]:
 
 
 def _is_bytecode(name: str) -> bool:
-    return name == "__pycache__" or name.endswith(".pyc")
+    return any(fnmatch.fnmatchcase(name, pattern) for pattern in _BYTECODE)
 
 
 def side_file_bytes(src: Path | None) -> int:

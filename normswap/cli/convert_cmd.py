@@ -30,9 +30,9 @@ from normswap.cli.plan_opts import (
     apply_quantizer,
     check_combination,
     conversion_options,
+    echo_quantizer,
     memory_options,
     plan_options,
-    quantizer_lines,
     rotation_options,
     source_options,
 )
@@ -247,11 +247,7 @@ def convert(model: str, out: str, **params: Any) -> None:
         click.echo(headline)
     if plan is not None:
         click.echo(f"plan: {plan.summary(fmt)}")
-        for kind, line in quantizer_lines(plan, fmt, params):
-            if kind:
-                say(kind, line, quiet)
-            else:
-                click.echo(line)
+        echo_quantizer(plan, fmt, params, quiet)
         if plan.options.get("towers") or plan.options.get("sub_runs") or plan.options.get("unreached"):
             # converted by towers or sub-runs, or norms kept unreached: which run reached what, which input would
             click.echo(f"analysis inputs: {plan.options['analysis_inputs']}")

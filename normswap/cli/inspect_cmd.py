@@ -23,9 +23,9 @@ from normswap.cli.plan_opts import (
     apply_quantizer,
     check_combination,
     conversion_options,
+    echo_quantizer,
     memory_options,
     plan_options,
-    quantizer_lines,
     rotation_options,
     source_options,
 )
@@ -135,11 +135,7 @@ def inspect(model: str, as_json: bool, verbose: bool, **params: Any) -> None:
         click.echo(cli_words(plan.table(verbose=verbose, fmt=fmt)))
         if plan.options.get("analysis_inputs"):  # what normswap ran the model on, and how it reached every tower
             click.echo(f"analysis inputs: {plan.options['analysis_inputs']}")
-        for kind, line in quantizer_lines(plan, fmt, params if manifest_fmt is None else {}):
-            if kind:
-                say(kind, line)
-            else:
-                click.echo(line)
+        echo_quantizer(plan, fmt, params if manifest_fmt is None else {})
     if not any(sp.convert for sp in plan.sites):
         why = "no LayerNorm found" if not plan.sites else f"no LayerNorm can be converted with --mode {mode}"
         fail(f"{model}: {why}; nothing to convert", EXIT_NOTHING)

@@ -24,6 +24,7 @@ from normswap.cli.common import (
     TASK_NAMES,
     WRITER_CENTERINGS,
     check_input_file,
+    say,
 )
 from normswap.errors import NormswapError, UsageError
 from normswap.options import valid_online_block
@@ -359,22 +360,21 @@ def apply_quantizer(params: dict[str, Any], ctx: click.Context) -> None:
         raise UsageError(str(exc)) from None
 
 
-def quantizer_lines(plan: Any, fmt: str | None, params: dict[str, Any]) -> list[tuple[str, str]]:
+def echo_quantizer(plan: Any, fmt: str | None, params: dict[str, Any], quiet: bool = False) -> None:
     """What ``convert``/``inspect`` say about ``--quantizer``: the line naming what the engine set on this model
-    and which of your options were kept over its choice (``("", line)``), and a note for an option you gave that
-    the engine's measurements advise against (``("note", line)``)."""
+    and which of your options were kept over its choice (stdout), and a note for an option you gave that the
+    engine's measurements advise against (:func:`~normswap.cli.common.say`, stderr, silenced by ``quiet``)."""
     record = plan.options.get("quantizer") if plan is not None else None
     if not record:
-        return []
-    lines = [("", f"quantizer: {quantizers.describe(record, fmt)}")]
+        return
+    click.echo(f"quantizer: {quantizers.describe(record, fmt)}")
     q = quantizers.QUANTIZERS.get(record["name"])
     given = {"--fold-gamma": params.get("fold_gamma"), "--rotate": params.get("rotation")}
     for flag, why in (q.avoid.items() if q is not None else ()):
         if given.get(flag):
-            lines.append(("note", f"{flag} with --quantizer {q.name}: {why}"))
+            say("note", f"{flag} with --quantizer {q.name}: {why}", quiet)
     if q is not None and q.format == "compat" and fmt == "native" and q.native:
-        lines.append(("note", f"--format native with --quantizer {q.name}: {q.native}"))
-    return lines
+        say("note", f"--format native with --quantizer {q.name}: {q.native}", quiet)
 
 
 def check_combination(params: dict[str, Any], *, calibration_data: str | None = None,
