@@ -2,11 +2,16 @@
 need, in one table (:data:`QUANTIZERS`), so a user names the engine instead of translating ``docs/deployment.md``'s
 "At a glance" table into flags.
 
-Each engine's entry sets options per *model kind*, which the analysis finds (never the model's name):
+Each engine's entry sets options per *model kind*, which the analysis finds (never the model's name, never a
+reason's words: :func:`model_kind` reads the plan's structured records):
 
-* ``pre-ln``: every residual stream is written by Linear/conv writers (GPT-2, Whisper, ViT);
-* ``layer-scale``: a Pre-LN model whose writers a LayerScale λ scales (DINOv2, BEiT, CaiT);
-* ``post-ln``: some norm reads a stream another norm's output writes (BERT, MPNet, MiniLM: a Post-LN encoder).
+* ``pre-ln``: every residual stream is written by Linear/conv writers (GPT-2, Whisper, ViT), or starts at a norm's
+  output that several norms share (BLOOM's embedding LayerNorm, CLIP's pre-LayerNorm: ``SitePlan.stream_kind ==
+  "norm-start"``);
+* ``layer-scale``: a Pre-LN model whose writers a LayerScale λ scales (DINOv2, BEiT, CaiT: ``plan.scale_folds``);
+* ``post-ln``: some norm's stream carries another norm's output that no other norm sums, the norms a chain (BERT,
+  MPNet, MiniLM: a Post-LN encoder; ``SitePlan.stream_kind == "post-ln"`` on some norm, whatever its verdict, or a
+  mean carry in the plan).
 
 Why kinds resolved after the analysis, not planner values that act per model on their own: the measured advice is
 per kind (``--writer-centering op`` on a Pre-LN model, ``auto`` on one with LayerScale, ``--per-norm-centering
@@ -14,7 +19,10 @@ per kind (``--writer-centering op`` on a Pre-LN model, ``auto`` on one with Laye
 meaning is "what engine X wants", which the explicit options then could not express. Here every kind resolves to
 plain options a user could pass (``normswap inspect`` and the manifest show which), so ``convert --quantizer X``
 writes the very checkpoint ``convert`` with those options writes. The kind is read from one plan made with the
-defaults (:func:`model_kind`); the plan is then made again with the engine's options where they differ. The kinds
+defaults (:func:`model_kind`: each norm's ``stream_kind``, the mean carries, the LayerScale folds; before round 61 it
+read whether an approximate norm's reason said "(Post-LN)", which a Post-LN norm approximate for another stated
+reason, its first problem term a ``tanh`` branch or a Linear also read elsewhere (ALBERT), does not say); the plan
+is then made again with the engine's options where they differ. The kinds
 matter: on a Post-LN encoder ``writer_centering="op"`` is not refused, it adds one op after each attention output
 projection (none after the FFN writers, through which the mean carry writes) and leaves the approximate norms
 approximate, and with ``per_norm_centering`` as well those ops sit beside the per-norm ones, redundant; the writer
@@ -190,10 +198,19 @@ def flags(options: Mapping[str, Any]) -> str:
 
 
 def model_kind(plan: Any) -> str:
-    """The kind of model a plan made with the defaults describes (a :class:`normswap.Plan`): ``post-ln`` where a
-    norm's stream carries another norm's output (a mean carry, or an approximate norm the planner calls Post-LN),
-    else ``layer-scale`` where a LayerScale λ scales a writer, else ``pre-ln``."""
-    if plan.mean_carries or any(sp.verdict == "approximate" and "(Post-LN)" in sp.reason for sp in plan.sites):
+    """The kind of model a plan made with the defaults describes (a :class:`normswap.Plan`), from its structured
+    records alone: ``post-ln`` where some norm's stream carries another norm's output that the norm must cancel the
+    mean of on its own (``SitePlan.stream_kind == "post-ln"``, whatever the norm's verdict: exact by a mean carry,
+    exact by an op before it, approximate for any reason; or a mean carry in the plan), else ``layer-scale`` where
+    a LayerScale λ scales a writer (``plan.scale_folds``), else ``pre-ln``. A stream that starts at a norm's output
+    only norms read (BLOOM's embedding LayerNorm, CLIP's pre-LayerNorm: ``"norm-start"``) is Pre-LN. Never from a
+    reason's words, which say one problem of a norm and may change. A plan from a manifest written before round 61
+    (no ``stream_kind``) is refused (``ValueError``): its kind is unknown, not Pre-LN."""
+    unknown = [sp.name for sp in plan.sites if sp.verdict != "skipped" and not sp.stream_kind]
+    if unknown:
+        raise ValueError(f"the plan records no stream kind for {len(unknown)} norm(s) (`{unknown[0]}`, ...): a "
+                         "manifest written before round 61; plan the model again to find its kind")
+    if plan.mean_carries or any(sp.stream_kind == "post-ln" for sp in plan.sites):
         return "post-ln"
     return "layer-scale" if plan.scale_folds else "pre-ln"
 

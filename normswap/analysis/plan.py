@@ -18,6 +18,17 @@ CENTERED_VERDICTS = ("exact-with-centering", "exact-with-per-norm-centering")
 EXACT_VERDICTS = ("exact",) + CENTERED_VERDICTS
 # not serialised (see Plan.to_dict)
 RUNTIME_SITE_FIELDS = ("writer_targets", "linear_readers", "rotation_ops", "rotation_upstream", "readers_alone")
+# SitePlan.stream_kind: what a norm's input stream carries besides writers, found from the stream's terms (which
+# values the traced run summed into each norm's input), never from a reason's words, and the same whatever options
+# the plan was made with (normswap.analysis.planner._stream_kind):
+# - "writers": no norm's output: every term is a writer (a Linear, conv, embedding, parameter) or another op;
+# - "norm-start": a norm's output that several norms' inputs share: it starts their stream (BLOOM's embedding
+#   LayerNorm, CLIP's pre-LayerNorm, ModernBERT's embedding norm, Swin's patch-embedding norm), and one op where the
+#   stream starts stands for all of them (where one can sit): Pre-LN all the same;
+# - "post-ln": a norm's output summed into this norm's input and no other norm's: the norms form a chain, each
+#   reading the last one's output plus what its block computed from it (BERT, BART, DeBERTa, ALBERT), and each
+#   must cancel that mean on its own: exact by a mean carry, exact with an op before it, or approximate.
+STREAM_KINDS = ("writers", "norm-start", "post-ln")
 RESIDUAL_WHY = "the residual add's other writer"  # in beta_detail: β folded out of a Post-LN norm (ResidualFold)
 # appended to the beta_detail of an exact norm that keeps β although a ResidualFold could take it out
 RESIDUAL_HINT = "; beta_placement='fold' folds it into the readers' biases and the residual writer's"
@@ -408,6 +419,9 @@ class SitePlan:
     # what the norm returned when not its output alone (``{"type": "tuple", "items": ["output", "None"]}``,
     # normswap.nn.call_args.Returns): the RMSNorm returns the same structure
     returns: dict[str, Any] = field(default_factory=dict)
+    # what the norm's input stream carries besides writers (one of STREAM_KINDS), read from the stream's terms: "" for
+    # a norm the example inputs never called, and in a manifest written before round 61 (which did not record it)
+    stream_kind: str = ""
 
 
 def _placement(s: SitePlan) -> tuple[str, str]:
@@ -536,8 +550,8 @@ class Plan:
         into the readers; ``norm``: kept in the norm; ``-``: it has none, or the norm is not converted),
         how many writers and readers its stream has; its reason, whole, wrapped below the row. The lot
         fits ``width`` columns (``None``: no limit); a name too long for its column takes a line of its
-        own. ``verbose`` adds each norm's eps, shape, flavour, every writer and reader and where its β
-        went and why, the centering ops and the broken ties. ``fmt``: see :meth:`summary`."""
+        own. ``verbose`` adds each norm's eps, shape, flavour and stream kind (``stream_kind``), every writer
+        and reader and where its β went and why, the centering ops and the broken ties. ``fmt``: see :meth:`summary`."""
         header = ("norm", "verdict", "convert", "β", "γ", "writers", "readers")
         rows = [((s.name, s.verdict, "yes" if s.convert else "no", *_placement(s), str(len(s.writers)),
                   str(len(s.readers))), s.reason) for s in self.sites]
@@ -566,8 +580,9 @@ class Plan:
             lines += wrapped(reason, "    ", "    ")
         if verbose:
             for s in self.sites:
+                stream = f", stream: {s.stream_kind}" if s.stream_kind else ""  # STREAM_KINDS ("": not recorded)
                 lines += ["", *wrapped(f"{s.name} ({s.verdict}, eps={s.eps:g}, shape={s.normalized_shape}, "
-                                       f"{s.flavour})", "  ")]
+                                       f"{s.flavour}{stream})", "  ")]
                 lines += wrapped(f"writers: {', '.join(s.writers) or '-'}", "    ", "  ")
                 lines += wrapped(f"readers: {', '.join(s.readers) or '-'}", "    ", "  ")
                 if s.beta_detail:

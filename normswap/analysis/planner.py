@@ -15,6 +15,7 @@ readers, then each norm's verdict, folds and rotation, then the plan's global li
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -128,6 +129,8 @@ class Planning:
     stem_terms: dict[int, tuple[bool, str]] = field(default_factory=dict)
     # writer term value -> its weight edits' status, restored where no op can take its place (_writer_ops)
     writer_terms: dict[int, tuple[bool, str]] = field(default_factory=dict)
+    # norm output value -> how many norm calls sum it into their input (_post_ln_term, filled on first use)
+    norm_term_calls: dict[int, int] | None = None
 
     def folds_gamma(self, path: str) -> bool:
         """Is ``fold_gamma`` asked for this norm? (asked, and its stream not one the rotation leaves alone)"""
@@ -669,12 +672,44 @@ def _plan_site(st: Planning, path: str, site: NormSite) -> SitePlan:
         sp.verdict, sp.reason = "skipped", "not called by the example inputs (kept as LayerNorm)"
         return sp
     stream = _site_stream(st, calls)
+    sp.stream_kind = _stream_kind(st, calls)
     sp.writers = sorted(set(stream.writers))
     sp.writer_targets = sorted(stream.targets)
     carries = _site_verdict(st, sp, stream)
     fold_blocker = _site_folds(st, site, sp)
     _site_rotation(st, site, sp, stream, carries, fold_blocker)
     return sp
+
+
+def _stream_kind(st: Planning, calls: list[ModuleCall]) -> str:
+    """What the norm's input stream carries besides writers (``SitePlan.stream_kind``, one of ``STREAM_KINDS``),
+    over all its calls: ``"post-ln"`` where some term is a Post-LN norm output (:func:`_post_ln_term`), else
+    ``"norm-start"`` where some term is a norm's output (one that starts a stream several norms share), else
+    ``"writers"``.
+
+    Read from the stream's terms alone (``st.site_terms``: which values the traced run summed into each norm's
+    input), not from what the plan made of them: a Post-LN norm is ``"post-ln"`` whether a mean carry makes it
+    exact, an op before it does (``per_norm_centering``) or it stays approximate, whatever its reason says (a reason
+    speaks of the first problem term only, and of whether an op could be placed), so ``quantizer=`` reads the
+    model's kind from this field (:func:`normswap.quantizers.model_kind`), never from a reason's words."""
+    terms = [t for call in calls for t in st.site_terms[call.id] if t.kind == "norm"]
+    if any(_post_ln_term(st, t) for t in terms):
+        return "post-ln"
+    return "norm-start" if terms else "writers"
+
+
+def _post_ln_term(st: Planning, term: Term) -> bool:
+    """Is norm output ``term`` summed into the input of one norm call only? Then the stream it writes ends at that
+    norm, whose own output carries on: the norm outputs form a chain, each norm reading the last one's output plus
+    what the block computed from it (BERT, BART, DeBERTa's masked embedding norm, ALBERT's shared layer call after
+    call, Swin-V2's norm outputs that only its final norm sums), and each norm must cancel that output's mean on
+    its own. A norm output summed into several norms' inputs starts a stream they share (BLOOM's embedding LayerNorm,
+    CLIP's pre-LayerNorm, mBART's embedding norm, ModernBERT's embedding norm that its first attention reads, Swin's
+    patch-embedding norm): Pre-LN, one op where it starts stands for all of them (where one can sit)."""
+    if st.norm_term_calls is None:
+        st.norm_term_calls = Counter(v for terms in st.site_terms.values() for v in {t.value for t in terms
+                                                                                    if t.kind == "norm"})
+    return st.norm_term_calls.get(term.value, 0) == 1
 
 
 def _site_stream(st: Planning, calls: list[ModuleCall]) -> SiteStream:
