@@ -63,6 +63,19 @@ def test_a_post_ln_norm_is_post_ln_whatever_its_verdict(bert_plans):
     assert {quantizers.model_kind(p) for p in bert_plans.values()} == {"post-ln"}
 
 
+def test_a_real_post_ln_norm_keeps_its_kind_when_its_reason_stops_saying_post_ln():
+    """DeBERTa-v2's first attention-output norm reads the embedding norm's output through the padding mask's
+    ``mul``: with ``untie=True`` its reason reads "stream starts at ... output; no centering point feeds only norms"
+    (the words a Pre-LN stream start gets), with the defaults "(Post-LN)". Same stream, same kind."""
+    model = build(APPROXIMATE, "deberta-v2")
+    name = "deberta.encoder.layer.0.attention.output.LayerNorm"
+    plans = [_plan(model), _plan(model, untie=True, mean_carry=False)]
+    assert "(Post-LN)" in plans[0].site(name).reason
+    assert plans[1].site(name).reason.startswith("stream starts at `deberta.embeddings.LayerNorm` output; no centering")
+    assert {p.site(name).verdict for p in plans} == {"approximate"}
+    assert _kinds(plans[0]) == _kinds(plans[1]) and plans[0].site(name).stream_kind == "post-ln"
+
+
 def test_pre_ln_and_layer_scale_streams_carry_writers_and_a_norm_started_stream_is_pre_ln():
     gpt2 = _plan(build(EXACT, "gpt2"))
     assert set(_kinds(gpt2).values()) == {"writers"} and quantizers.model_kind(gpt2) == "pre-ln"
