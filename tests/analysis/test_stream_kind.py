@@ -179,3 +179,18 @@ def test_the_manifest_records_the_field_and_a_checkpoint_without_it_still_loads(
     with torch.no_grad():
         want, got = model(input_ids=ids).logits, loaded(input_ids=ids).logits
     assert (got - want).abs().max() <= 1e-9 * want.abs().max()
+
+
+def test_inspect_says_the_kind_found_and_each_norms_stream_kind():
+    from click.testing import CliRunner
+
+    from normswap.cli import main
+
+    res = CliRunner().invoke(main, ["inspect", "tiny-bert", "--quantizer", "openvino-int8", "-v"],
+                             catch_exceptions=False)
+    assert res.exit_code == 0, res.stderr
+    out = " ".join(res.stdout.split())
+    assert "quantizer: openvino-int8 on a Post-LN encoder model: set --per-norm-centering --no-mean-carry" in out
+    assert "bert.encoder.layer.0.attention.output.LayerNorm (exact-with-per-norm-centering, eps=1e-12, " \
+           "shape=[64], standard, stream: post-ln)" in out
+    assert "bert.embeddings.LayerNorm (exact-with-centering, eps=1e-12, shape=[64], standard, stream: writers)" in out
