@@ -1600,6 +1600,8 @@ def compare_table(default_json: dict, engine_json: dict, only_differences: bool 
 
     rows = compare_rows(default_json["rows"], engine_json["rows"])
     engine = engine_json.get("label") or "engine"
+    for r in rows:  # a refused class's kind says why it is unknown: counted as "unknown"
+        r["kind"] = r["kind"].split(" ")[0]
     kinds = sorted({r["kind"] for r in rows})
     counts = collections.Counter((r["difference"], r["kind"]) for r in rows)
     out = [f"Defaults ({(default_json.get('label') or 'A')[:60]}…) vs {engine}: {len(rows)} classes of "

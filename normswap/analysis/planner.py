@@ -943,12 +943,20 @@ def _starts_stream(st: Planning, term: Term) -> bool:
     - it is the only term that surgery cannot center in every norm input it reaches: one op per stream,
       at its start. Swin-V2's post-norms (``x + norm(attn(x))``, each exact by surgery) all write the
       stream the final norm reads: that would take one op per block, or one before that norm (Post-LN).
+
+    A writer that ``writer_centering="op"``/``"auto"`` centers by its own op (:func:`_writer_ops`) counts as
+    centered by surgery in both: its op replaces its weight edit one for one (and it falls back to that edit
+    where no op can serve it), so the option never costs a stream start its op (a ViT head's norm reading the
+    final norm, a Conformer layer's ``norm_out`` starting the next layer's stream).
     """
+    def centered(value: int) -> bool:
+        return st.term_status[value][0] or value in st.writer_terms
+
     terms = st.site_terms.get(term.call) if term.kind == "norm" and term.call is not None else None
-    if not terms or not all(st.term_status[t.value][0] for t in terms):
+    if not terms or not all(centered(t.value) for t in terms):
         return False
     reached = st.an.reach(term.value, -1).site_rows
-    return bool(reached) and all(t.value == term.value or st.term_status[t.value][0]
+    return bool(reached) and all(t.value == term.value or centered(t.value)
                                  for call_id in reached for t in st.site_terms.get(call_id, []))
 
 
