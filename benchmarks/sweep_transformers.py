@@ -1579,6 +1579,26 @@ def difference(a: dict | None, b: dict | None) -> str:
     return "same" if ca == cb and oa == ob else "expected"
 
 
+# what a --quantizer row keeps in its JSON (benchmarks/transformers_sweep_q61_*.json, kept under 200 KB): what
+# --compare reads; the per-phase seconds, the report's message, the verification figure and the import path are
+# dropped
+SLIM_KEYS = ("class", "build", "patch", "counts", "not_called", "err", "kind", "inputs", "not_run", "shrink")
+
+
+def slim(row: dict) -> dict:
+    """``row`` (a type's) as a --quantizer sweep stores it: :data:`SLIM_KEYS` only, zero verdict counts and an
+    ``inputs`` of "ok" left out, errors to two significant digits."""
+    def small(c: dict) -> dict:
+        out = {k: c[k] for k in SLIM_KEYS if k in c and not (k == "inputs" and c[k] == "ok")}
+        if out.get("counts"):
+            out["counts"] = {k: v for k, v in out["counts"].items() if v}
+        if isinstance(out.get("err"), list):
+            out["err"] = [float(f"{x:.2g}") if isinstance(x, float) else x for x in out["err"]]
+        return out
+
+    return {"type": row["type"], "swept_on": row.get("swept_on"), "classes": [small(c) for c in row["classes"]]}
+
+
 def compare_rows(default_rows: list[dict], engine_rows: list[dict]) -> list[dict]:
     """One entry per (type, class) the engine's sweep measured: both rows, the kind, the difference class."""
     by = {(r["type"], c["class"]): c for r in default_rows for c in r["classes"]}
@@ -1742,9 +1762,14 @@ def main() -> None:
         import transformers
 
         old = json.loads(path.read_text()) if path.exists() else {"rows": []}
-        merged = {r["type"]: r for r in old["rows"]} | {row["type"]: row}
-        path.write_text(json.dumps({"transformers": transformers.__version__, "label": args.label or old.get("label"),
-                                    "rows": [merged[t] for t in sorted(merged)]}, indent=1, default=str) + "\n")
+        merged = {r["type"]: r for r in old["rows"]} | {row["type"]: slim(row) if args.quantizer else row}
+        meta = {"transformers": transformers.__version__, "label": args.label or old.get("label")}
+        if args.quantizer:  # one row a line, compact: the file stays small enough to commit
+            path.write_text(json.dumps(meta)[:-1] + ', "rows": [\n' + ",\n".join(
+                json.dumps(merged[t], default=str, separators=(",", ":")) for t in sorted(merged)) + "\n]}\n")
+        else:
+            path.write_text(json.dumps({**meta, "rows": [merged[t] for t in sorted(merged)]}, indent=1,
+                                       default=str) + "\n")
 
     rows = [] if args.render else sweep(types, args.jobs, args.limit, save if path is not None else None,
                                         args.quantizer)
