@@ -32,6 +32,16 @@ crash costs one row. ``--jobs`` runs that many workers side by side.
     python benchmarks/sweep_transformers.py --render --write --before benchmarks/transformers_sweep_before.json
 
 ``--write`` writes docs/results/transformers-sweep.md and benchmarks/transformers_sweep.json.
+
+An engine's option sets (round 61): ``--quantizer ENGINE`` passes ``quantizer=ENGINE`` to every ``normswap.patch``
+call; each class records the model kind found (``kind``); ``--write`` then writes
+``benchmarks/transformers_sweep_q61_<engine>.json`` (compact rows) and prints the comparison with the defaults'
+JSON, which ``--compare`` prints again from the files:
+
+    PYTHONPATH=$PWD python benchmarks/sweep_transformers.py --quantizer openvino-int8 --write --jobs 2
+    python benchmarks/sweep_transformers.py --compare benchmarks/transformers_sweep.json \\
+        --json benchmarks/transformers_sweep_q61_openvino-int8.json
+
 The normswap swept is the one Python imports: ``PYTHONPATH=$PWD`` for this checkout,
 ``PYTHONPATH=/path/to/other/checkout`` for another (the before/after numbers), else the installed one;
 each worker prints the path it imported into the JSON (``normswap``).
