@@ -32,6 +32,16 @@ crash costs one row. ``--jobs`` runs that many workers side by side.
     python benchmarks/sweep_transformers.py --render --write --before benchmarks/transformers_sweep_before.json
 
 ``--write`` writes docs/results/transformers-sweep.md and benchmarks/transformers_sweep.json.
+
+An engine's option sets (round 61): ``--quantizer ENGINE`` passes ``quantizer=ENGINE`` to every ``normswap.patch``
+call; each class records the model kind found (``kind``); ``--write`` then writes
+``benchmarks/transformers_sweep_q61_<engine>.json`` (compact rows) and prints the comparison with the defaults'
+JSON, which ``--compare`` prints again from the files:
+
+    PYTHONPATH=$PWD python benchmarks/sweep_transformers.py --quantizer openvino-int8 --write --jobs 2
+    python benchmarks/sweep_transformers.py --compare benchmarks/transformers_sweep.json \\
+        --json benchmarks/transformers_sweep_q61_openvino-int8.json
+
 The normswap swept is the one Python imports: ``PYTHONPATH=$PWD`` for this checkout,
 ``PYTHONPATH=/path/to/other/checkout`` for another (the before/after numbers), else the installed one;
 each worker prints the path it imported into the JSON (``normswap``).
@@ -57,6 +67,10 @@ TYPE_LIMIT_S = 150  # per type, both classes: past this the worker is killed and
 MAX_PARAMS = 30_000_000  # a "tiny" config still above this is not built (memory on a shared machine)
 MAX_VOCAB = 65_536  # a tiny vocabulary kept larger than this (to fit a special id) is renumbered instead
 EXACT_LIMIT = 1e-9
+# a --quantizer sweep's JSON with --write (round 61's runs); the defaults' JSON and page are left alone
+QUANTIZER_JSON = "transformers_sweep_q61_{}.json"
+# the page's hand-written sections start here: --write regenerates what is above and keeps this and what follows
+KEEP = "<!-- hand-written below: sweep_transformers.py --write keeps this line and what follows -->"
 
 # the main head class: the first of these mappings that holds the type (a class other than the base)
 HEADS = ("IMAGE_TEXT_TO_TEXT", "MULTIMODAL_LM", "SPEECH_SEQ_2_SEQ", "SEQ_TO_SEQ_CAUSAL_LM", "CAUSAL_LM", "MASKED_LM",
@@ -1073,7 +1087,10 @@ def runnable(model: object, model_type: str, built: tuple[dict | None, str] | No
 
 
 # --------------------------------------------------------------------------------------- per class
-def run_class(class_name: str, model_type: str) -> dict:
+def run_class(class_name: str, model_type: str, quantizer: str | None = None) -> dict:
+    """One class of ``model_type``: built tiny, patched with no inputs, its exact norms' error measured.
+    ``quantizer``: an engine of :mod:`normswap.quantizers`, passed to every ``normswap.patch`` call (the row
+    then records it, the model kind the analysis found and the options the engine set)."""
     import copy
     import warnings
 
@@ -1088,6 +1105,7 @@ def run_class(class_name: str, model_type: str) -> dict:
     float64_casts = zoo().float64_casts
 
     row: dict = {"class": class_name}
+    engine = {"quantizer": quantizer} if quantizer else {}  # the default sweep passes nothing new
     t0 = time.perf_counter()
     phases: dict[str, float] = {}  # seconds per step, in the JSON: where a slow type's time goes
 
@@ -1134,8 +1152,11 @@ def run_class(class_name: str, model_type: str) -> dict:
     warnings.simplefilter("ignore")
     t = time.perf_counter()
     try:
-        report = normswap.patch(model)
+        report = normswap.patch(model, **engine)
         row["patch"] = "ok"
+        if quantizer and report.plan is not None:
+            record = report.plan.options.get("quantizer") or {}
+            row["kind"], row["set"] = record.get("model"), record.get("set")
         row["counts"] = report.plan.counts() if report.plan is not None else {}
         # LayerNorms the built inputs never reached are kept as LayerNorm: the class is only partly converted
         uncalled = not_called(report.plan)
@@ -1148,13 +1169,15 @@ def run_class(class_name: str, model_type: str) -> dict:
         row["patch"] = f"refused: {_line(exc)}"
     except Exception as exc:  # noqa: BLE001 - a bug: the CLI would say "internal error"
         row["patch"] = f"crash: {type(exc).__name__}: {_line(exc)}"
+    if quantizer and "kind" not in row:  # refused or crashed: the kind from a plan made with the defaults
+        row["kind"] = kind_of(copy.deepcopy(original), kw)
     t = lap("patch", t)
     if row["patch"] == "ok" and row["counts"].get("approximate"):
         model = copy.deepcopy(original)
         try:
             # the inputs patch() built for itself, built once above: the same analysis, without building
             # them again (a VLM's input builder tries layouts with trial forwards)
-            normswap.patch(model, dict(kw) if kw is not None else None, mode="exact", verify=False)
+            normswap.patch(model, dict(kw) if kw is not None else None, mode="exact", verify=False, **engine)
         except Exception as exc:  # noqa: BLE001
             row["err"] = f"exact-mode patch failed: {type(exc).__name__}: {_line(exc)}"
             model = None
@@ -1183,6 +1206,17 @@ def run_class(class_name: str, model_type: str) -> dict:
     row["seconds"] = round(time.perf_counter() - t0, 1)
     row["phases"] = phases
     return row
+
+
+def kind_of(model: object, kw: dict | None) -> str:
+    """The model kind (:func:`normswap.quantizers.model_kind`) of a plan made with the defaults, or why none."""
+    import normswap
+    from normswap import quantizers
+
+    try:
+        return quantizers.model_kind(normswap.plan(model, dict(kw) if kw is not None else None))
+    except Exception as exc:  # noqa: BLE001 - the default plan fails too: said in the row
+        return f"unknown ({type(exc).__name__}: {_line(exc, 80)})"
 
 
 def _line(exc: BaseException, n: int = 240) -> str:
@@ -1225,7 +1259,7 @@ def code_version(checkout: Path) -> str:
             return "normswap (unknown version)"
 
 
-def worker(types: list[str]) -> None:
+def worker(types: list[str], quantizer: str | None = None) -> None:
     """Sweep ``types`` in this process, one JSON line per type on stdout (``START`` before each)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
@@ -1238,16 +1272,19 @@ def worker(types: list[str]) -> None:
     for t in types:
         print(f"START {t}", flush=True)
         try:
-            rows = [run_class(c, t) for c in classes(t)]
+            rows = [run_class(c, t, quantizer) for c in classes(t)]
         except Exception as exc:  # noqa: BLE001
             rows = [{"class": "?", "build": f"{type(exc).__name__}: {_line(exc)}"}]
-        print("ROW " + json.dumps({"type": t, "classes": rows, "normswap": str(checkout), "swept_on": swept_on},
-                                  default=str), flush=True)
+        row = {"type": t, "classes": rows, "normswap": str(checkout), "swept_on": swept_on}
+        if quantizer:
+            row["quantizer"] = quantizer
+        print("ROW " + json.dumps(row, default=str), flush=True)
 
 
-def sweep(types: list[str], jobs: int, limit: float, save=None) -> list[dict]:  # noqa: ANN001
+def sweep(types: list[str], jobs: int, limit: float, save=None,  # noqa: ANN001
+          quantizer: str | None = None) -> list[dict]:
     """Run ``types`` in ``jobs`` worker processes; a type whose worker dies or passes ``limit`` seconds
-    gets a row saying so, and a new worker carries on with the rest."""
+    gets a row saying so, and a new worker carries on with the rest. ``quantizer``: passed to every patch."""
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", HF_HUB_OFFLINE="1",
                TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONWARNINGS="ignore")
     queue = list(types)
@@ -1260,7 +1297,8 @@ def sweep(types: list[str], jobs: int, limit: float, save=None) -> list[dict]:  
         take = queue[: max(1, math.ceil(len(queue) / max(1, jobs - len(slots) + 1)))] if jobs > 1 else list(queue)
         take = queue[: min(len(take), 40)]
         del queue[: len(take)]
-        p = subprocess.Popen([sys.executable, __file__, "--worker", ",".join(take)], stdout=subprocess.PIPE,
+        engine = ["--quantizer", quantizer] if quantizer else []
+        p = subprocess.Popen([sys.executable, __file__, "--worker", ",".join(take), *engine], stdout=subprocess.PIPE,
                              stderr=subprocess.DEVNULL, env=env)
         os.set_blocking(p.stdout.fileno(), False)
         return {"p": p, "todo": list(take), "current": None, "since": time.time(), "buf": ""}
@@ -1292,7 +1330,8 @@ def sweep(types: list[str], jobs: int, limit: float, save=None) -> list[dict]:  
                     s["p"].wait()
                 if s["current"] is not None and s["current"] not in done:
                     why = f"timeout after {limit:.0f} s" if late else f"worker died (exit {s['p'].returncode})"
-                    done[s["current"]] = {"type": s["current"], "classes": [{"class": "?", "build": why}]}
+                    done[s["current"]] = {"type": s["current"], "classes": [{"class": "?", "build": why}],
+                                          **({"quantizer": quantizer} if quantizer else {})}
                     s["todo"].remove(s["current"])
                     print(f"[{len(done)}/{len(types)}] {s['current']}: {why}", flush=True)
                     if save is not None:
@@ -1485,6 +1524,138 @@ def table(rows: list[dict], before: dict | None, all_types: int | None = None,
     return "\n".join(out)
 
 
+# ------------------------------------------------------------------------------------- --compare: two sweeps
+# the classes of difference between a class's row in a defaults sweep (A) and in a --quantizer sweep (B), worst
+# first: a row takes the first that applies
+DIFFERENCES = {
+    "crash": "(a) crash: an exception that is not a NormswapError with the engine's options (a bug)",
+    "exact lost": "(b) a norm exact with the defaults is approximate (or kept) with the engine's options",
+    "err": "(c) exact norms' error above 1e-9 (or failing) with the engine's options, not with the defaults",
+    "refused": "refused (or not run) with the engine's options, converted with the defaults",
+    "timeout": "not measured with the engine's options (out of time or the worker died), measured with the defaults",
+    "expected": "(d) expected: verdicts move between exact kinds (a centering op or a per-norm mean), as the "
+                "options ask",
+    "better": "more norms exact with the engine's options",
+    "same": "the same verdict counts, outcome and error class",
+    "unmeasured": "measured by neither run, or only by the engine's",
+}
+
+
+def exact_total(c: dict) -> int:
+    counts = c.get("counts") or {}
+    return sum(counts.get(k, 0) for k in ("exact", "exact-with-centering", "exact-with-per-norm-centering"))
+
+
+def verdicts(c: dict) -> str:
+    """``exact / centered / per-norm / approx / skipped`` counts, ``-`` when the class did not patch."""
+    counts = c.get("counts")
+    if not counts:
+        return "-"
+    return "/".join(str(counts.get(k, 0)) for k in ("exact", "exact-with-centering", "exact-with-per-norm-centering",
+                                                     "approximate", "skipped"))
+
+
+def err_fails(c: dict) -> bool:
+    """Whether a patched class's exact-norm error is over 1e-9 or could not be measured at some shape."""
+    e = c.get("err")
+    if e is None:
+        return False
+    if not isinstance(e, list):
+        return True
+    return any(not isinstance(x, float) or x > EXACT_LIMIT for x in e if x is not None)
+
+
+def difference(a: dict | None, b: dict | None) -> str:
+    """Which of :data:`DIFFERENCES` class ``b`` (the engine's row) is of ``a`` (the defaults' row)."""
+    oa, ob = (outcome(c) if c else "unbuilt" for c in (a, b))
+    if ob == "crash" and oa != "crash":
+        return "crash"
+    if a is None or oa == "unbuilt":
+        return "unmeasured"
+    if ob == "unbuilt":
+        return "timeout" if re.match(r"timeout|worker died", (b or {}).get("build", "")) else "unmeasured"
+    patched_a, patched_b = oa in ("converted", "partial"), ob in ("converted", "partial")
+    if patched_a and not patched_b:
+        return "refused"
+    if not patched_b:
+        return "same"
+    ca, cb = a.get("counts") or {}, b.get("counts") or {}
+    if exact_total(b) < exact_total(a) or (patched_a and (b.get("not_called") or 0) > (a.get("not_called") or 0)):
+        return "exact lost"
+    if err_fails(b) and not err_fails(a):
+        return "err"
+    if exact_total(b) > exact_total(a) or not patched_a:
+        return "better"
+    same = {k: v for k, v in ca.items() if v} == {k: v for k, v in cb.items() if v}  # a --quantizer row drops zeros
+    return "same" if same and oa == ob else "expected"
+
+
+# what a --quantizer row keeps in its JSON (benchmarks/transformers_sweep_q61_*.json, kept under 200 KB): what
+# --compare reads; the per-phase seconds, the report's message, the verification figure and the import path are
+# dropped
+SLIM_KEYS = ("class", "build", "patch", "counts", "not_called", "err", "kind", "inputs", "not_run", "shrink")
+
+
+def slim(row: dict) -> dict:
+    """``row`` (a type's) as a --quantizer sweep stores it: :data:`SLIM_KEYS` only, zero verdict counts and an
+    ``inputs`` of "ok" left out, errors to two significant digits."""
+    def small(c: dict) -> dict:
+        out = {k: c[k] for k in SLIM_KEYS if k in c and not (k == "inputs" and c[k] == "ok")}
+        if out.get("counts"):
+            out["counts"] = {k: v for k, v in out["counts"].items() if v}
+        if isinstance(out.get("err"), list):
+            out["err"] = [float(f"{x:.2g}") if isinstance(x, float) else x for x in out["err"]]
+        return out
+
+    return {"type": row["type"], "swept_on": row.get("swept_on"), "classes": [small(c) for c in row["classes"]]}
+
+
+def compare_rows(default_rows: list[dict], engine_rows: list[dict]) -> list[dict]:
+    """One entry per (type, class) the engine's sweep measured: both rows, the kind, the difference class."""
+    by = {(r["type"], c["class"]): c for r in default_rows for c in r["classes"]}
+    out = []
+    for r in engine_rows:
+        for c in r["classes"]:
+            a = by.get((r["type"], c["class"]))
+            if a is None and c["class"] == "?":  # a timeout row: the type's classes in the defaults' sweep
+                a = next((x for (t, _), x in by.items() if t == r["type"]), None)
+            out.append({"type": r["type"], "class": c["class"], "kind": c.get("kind") or "-", "a": a or {}, "b": c,
+                        "difference": difference(a, c)})
+    return out
+
+
+def compare_table(default_json: dict, engine_json: dict, only_differences: bool = True) -> str:
+    """The ``--compare`` report: counts of each difference class (per model kind), then per type and class the
+    outcome, verdict counts and ``err`` of both sweeps side by side (the rows that differ, or all)."""
+    import collections
+
+    rows = compare_rows(default_json["rows"], engine_json["rows"])
+    engine = engine_json.get("label") or "engine"
+    for r in rows:  # a refused class's kind says why it is unknown: counted as "unknown"
+        r["kind"] = r["kind"].split(" ")[0]
+    kinds = sorted({r["kind"] for r in rows})
+    counts = collections.Counter((r["difference"], r["kind"]) for r in rows)
+    out = [f"Defaults ({(default_json.get('label') or 'A')[:60]}…) vs {engine}: {len(rows)} classes of "
+           f"{len({r['type'] for r in rows})} types.", "",
+           "| difference | " + " | ".join(kinds) + " | all |", "|---|" + "---|" * (len(kinds) + 1)]
+    for d, text in DIFFERENCES.items():
+        n = [counts[(d, k)] for k in kinds]
+        if sum(n):
+            out.append(f"| {text} | " + " | ".join(map(str, n)) + f" | {sum(n)} |")
+    out += ["", "Verdicts: exact/centered/per-norm/approximate/skipped.", "",
+            "| model type | class | kind | outcome | verdicts | exact err, 2 shapes | difference | engine's note |",
+            "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if only_differences and r["difference"] in ("same", "unmeasured"):
+            continue
+        a, b = r["a"], r["b"]
+        note = "" if outcome(b) in ("converted", "partial") else (b.get("patch") or b.get("build") or "")
+        note = note.replace("|", "\\|").replace("\n", " ")[:160]
+        out.append(f"| {r['type']} | {r['class']} | {r['kind']} | {outcome(a) if a else '-'} → {outcome(b)} | "
+                   f"{verdicts(a)} → {verdicts(b)} | {fmt_err(a)} → {fmt_err(b)} | {r['difference']} | {note} |")
+    return "\n".join(out)
+
+
 HEADER = """# Every transformers model type, converted with no inputs
 
 <!-- generated by benchmarks/sweep_transformers.py --write; edit the script, not this page -->
@@ -1568,23 +1739,51 @@ def main() -> None:
     ap.add_argument("--label", default=None, help="what this run is, stored in the JSON")
     ap.add_argument("--write", action="store_true", help="write the docs page and the JSON")
     ap.add_argument("--render", action="store_true", help="no sweep: the table from the JSON as it is")
+    ap.add_argument("--quantizer", default=None, metavar="ENGINE",
+                    help="pass quantizer=ENGINE to every normswap.patch call; rows record the model kind found and "
+                         "the options set; --write then writes benchmarks/" + QUANTIZER_JSON.format("ENGINE")
+                         + " (not the defaults' JSON or page) and prints the comparison with the defaults' JSON")
+    ap.add_argument("--compare", type=Path, default=None, metavar="DEFAULTS_JSON",
+                    help="no sweep: compare the --json run (or --quantizer's JSON) with this defaults run, per type "
+                         "and class: outcome, verdict counts, err side by side and the class of each difference")
+    ap.add_argument("--all-rows", action="store_true", help="with --compare: every row, not only the differing")
     args = ap.parse_args()
     if args.worker:
-        worker(args.worker.split(","))
+        worker(args.worker.split(","), args.quantizer)
+        return
+    if args.quantizer:
+        from normswap.quantizers import QUANTIZER_NAMES
+
+        if args.quantizer not in QUANTIZER_NAMES:
+            sys.exit(f"--quantizer must be one of {', '.join(QUANTIZER_NAMES)}, not {args.quantizer!r}")
+        args.label = args.label or f"--quantizer {args.quantizer}"
+    engine_json = REPO / "benchmarks" / QUANTIZER_JSON.format(args.quantizer) if args.quantizer else None
+    if args.compare:
+        other = args.json or engine_json
+        if other is None or not other.exists() or not args.compare.exists():
+            sys.exit("--compare DEFAULTS_JSON needs --json ENGINE_JSON (or --quantizer ENGINE with its JSON written)")
+        print(compare_table(json.loads(args.compare.read_text()), json.loads(other.read_text()),
+                            only_differences=not args.all_rows))
         return
     types = args.only.split(",") if args.only else layernorm_types()
     types = types[args.start: None if args.count is None else args.start + args.count]
-    path = args.json or (JSON if args.write else None)
+    path = args.json or ((engine_json or JSON) if args.write else None)
 
     def save(row: dict) -> None:  # after every type: an interrupted sweep keeps what it measured
         import transformers
 
         old = json.loads(path.read_text()) if path.exists() else {"rows": []}
-        merged = {r["type"]: r for r in old["rows"]} | {row["type"]: row}
-        path.write_text(json.dumps({"transformers": transformers.__version__, "label": args.label or old.get("label"),
-                                    "rows": [merged[t] for t in sorted(merged)]}, indent=1, default=str) + "\n")
+        merged = {r["type"]: r for r in old["rows"]} | {row["type"]: slim(row) if args.quantizer else row}
+        meta = {"transformers": transformers.__version__, "label": args.label or old.get("label")}
+        if args.quantizer:  # one row a line, compact: the file stays small enough to commit
+            path.write_text(json.dumps(meta)[:-1] + ', "rows": [\n' + ",\n".join(
+                json.dumps(merged[t], default=str, separators=(",", ":")) for t in sorted(merged)) + "\n]}\n")
+        else:
+            path.write_text(json.dumps({**meta, "rows": [merged[t] for t in sorted(merged)]}, indent=1,
+                                       default=str) + "\n")
 
-    rows = [] if args.render else sweep(types, args.jobs, args.limit, save if path is not None else None)
+    rows = [] if args.render else sweep(types, args.jobs, args.limit, save if path is not None else None,
+                                        args.quantizer)
     if path is not None and path.exists():
         rows = json.loads(path.read_text())["rows"]
     before = json.loads(args.before.read_text()) if args.before else None
@@ -1592,9 +1791,12 @@ def main() -> None:
 
     stored = json.loads(path.read_text()).get("transformers") if path is not None and path.exists() else None
     text = table(rows, before, len(layernorm_types()), stored or transformers.__version__)
+    if args.quantizer and path is not None and JSON.exists():  # the engine's run beside the defaults'
+        text = compare_table(json.loads(JSON.read_text()), json.loads(path.read_text()))
     print(text)
-    if args.write:
-        DOC.write_text(HEADER + text + "\n")
+    if args.write and not args.quantizer:
+        kept = DOC.read_text().split(KEEP, 1) if DOC.exists() else []
+        DOC.write_text(HEADER + text + "\n" + (f"\n{KEEP}{kept[1]}" if len(kept) == 2 else ""))
     t = totals(rows)
     sys.exit(1 if t["classes_crashed"] or t["exact_over_1e-9"] else 0)
 

@@ -405,11 +405,22 @@ def _place_writer_ops(st: Planning) -> None:
     """The writers' ops (:func:`_writer_ops`): each at the first place after its writer that centers every norm
     it reaches: the writer's output, or, for a writer scaled by a LayerScale λ, the product's (an op before the
     product would center the writer's output, not what ``λ ⊙`` it adds); a writer no op can serve keeps its
-    weight edits."""
+    weight edits.
+
+    A writer whose every path to a norm already passes an op placed for another term (ModernBERT's first layer:
+    the op on the residual sum ``x + attn(x)``, installed on the attention module, centers what its output
+    projection adds too) takes no op of its own: a second op on the same module's output would run after the
+    sum's and undo it (the sum's op leaves the output minus the stream's mean, the writer's then subtracts that
+    output's own mean). It is centered by its weights in the plan, and :func:`_commit_writer_edits` leaves a
+    writer behind an op as it is: the original's weights, as the option asks."""
     scaled = {path: index for index, (_, path, _, _) in st.an.layer_scales.items()}
     for call in st.an.site_calls:
         for term in st.site_terms[call.id]:
             if term.value not in st.writer_terms or st.centered_by_op(term.value):
+                continue
+            others = {v for v, (h, _) in st.hooks.items() if not h.writer}
+            if others and st.an.behind(term.value, others):
+                st.term_status[term.value] = st.writer_terms.pop(term.value)  # the op ahead of it centers it
                 continue
             if not _place_op(st, call, term, False, False, after=scaled.get(term.module_path)):
                 st.term_status[term.value] = st.writer_terms.pop(term.value)  # centered by its weights after all
@@ -978,12 +989,20 @@ def _starts_stream(st: Planning, term: Term) -> bool:
     - it is the only term that surgery cannot center in every norm input it reaches: one op per stream,
       at its start. Swin-V2's post-norms (``x + norm(attn(x))``, each exact by surgery) all write the
       stream the final norm reads: that would take one op per block, or one before that norm (Post-LN).
+
+    A writer that ``writer_centering="op"``/``"auto"`` centers by its own op (:func:`_writer_ops`) counts as
+    centered by surgery in both: its op replaces its weight edit one for one (and it falls back to that edit
+    where no op can serve it), so the option never costs a stream start its op (a ViT head's norm reading the
+    final norm, a Conformer layer's ``norm_out`` starting the next layer's stream).
     """
+    def centered(value: int) -> bool:
+        return st.term_status[value][0] or value in st.writer_terms
+
     terms = st.site_terms.get(term.call) if term.kind == "norm" and term.call is not None else None
-    if not terms or not all(st.term_status[t.value][0] for t in terms):
+    if not terms or not all(centered(t.value) for t in terms):
         return False
     reached = st.an.reach(term.value, -1).site_rows
-    return bool(reached) and all(t.value == term.value or st.term_status[t.value][0]
+    return bool(reached) and all(t.value == term.value or centered(t.value)
                                  for call_id in reached for t in st.site_terms.get(call_id, []))
 
 

@@ -1211,7 +1211,8 @@ class Analyzer:
                 if len(self.calls_per_path[call.path]) == 1 and call.outputs == [vid] and not call.functional:
                     cands.append((vid, CenterHook(call.path, "output", None)))
             for call, slot in self.by_input.get(vid, []):
-                if (call.id in self.site_call_ids and not at_norms) or len(self.calls_per_path[call.path]) != 1 \
+                own = call.id in self.site_call_ids  # a norm's own input: own_input_reach judges it, shared or not
+                if (own and not at_norms) or (len(self.calls_per_path[call.path]) != 1 and not own) \
                         or call.functional:
                     continue
                 consumers = self.graph.values[vid].consumers
@@ -1273,11 +1274,20 @@ class Analyzer:
         what that norm reads and nothing else, however many others read the value (the residual stream
         of a Pre-LN block does), so it is exact wherever the norm normalises the last axis alone. Its
         ``mapped`` is empty: the value itself is not centered for anyone else. None where the norm reduces
-        over more than the last axis (one mean per row would not be its mean), or it is called more than
-        once (the hook would run at every call)."""
+        over more than the last axis (one mean per row would not be its mean), or ``vid`` is not what this
+        call reads.
+
+        A norm called more than once (ALBERT's layer, shared across depth) takes it too: the op then runs at
+        every call, and at each it removes a mean the norm removes anyway (``LN(x − mean(x)) = LN(x)``), so a
+        call that needed no op is unchanged and every call that did is exact. Each call that needs it places
+        it, keyed by its own input; the surgery installs one op on the module (``install_hook`` is idempotent).
+        Refusing it left such a norm approximate where ``per_norm_centering`` with ``mean_carry=False`` (the
+        Post-LN option set of ``--quantizer``) took away the MLP carry the defaults make it exact with."""
         site = self.sites.get(call.path)
-        if site is None or len(site.normalized_shape) != 1 or len(self.calls_per_path[call.path]) != 1:
+        if site is None or len(site.normalized_shape) != 1:
             return None
+        if len(self.calls_per_path[call.path]) != 1 and self.site_input.get(call.id) != vid:
+            return None  # another call's input: that call places its own
         shape = self.graph.values[vid].shape
         if not shape:
             return None

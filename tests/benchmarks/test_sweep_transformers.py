@@ -310,3 +310,32 @@ def test_exact_mode_run_on_the_built_inputs_is_the_same_conversion():
     assert a.plan.counts()["approximate"] > 0  # the case the sweep re-runs in exact mode
     wa, wb = own.state_dict(), reused.state_dict()
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_compare_classes_each_difference_from_the_defaults_row():
+    """``--compare`` (round 61): each class of an engine's sweep against the defaults' row, worst difference first;
+    a --quantizer row stored compact (zero counts dropped, :func:`slim`) compares as the full row does."""
+    sweep = _sweep()
+    counts = {"exact": 3, "exact-with-centering": 0, "exact-with-per-norm-centering": 0, "approximate": 2, "skipped": 0}
+    a = {"class": "A", "build": "ok", "patch": "ok", "counts": counts, "err": [1e-16, 2e-16], "message": "m"}
+
+    def b(**kw):
+        return {**a, **kw}
+
+    assert sweep.difference(a, b(patch="crash: KeyError: x")) == "crash"
+    assert sweep.difference(a, b(counts={**counts, "exact": 2, "approximate": 3})) == "exact lost"
+    assert sweep.difference(a, b(err=[1e-16, 3e-8])) == "err"
+    assert sweep.difference(a, b(patch="refused: verification failed")) == "refused"
+    assert sweep.difference(a, {"class": "?", "build": "timeout after 150 s"}) == "timeout"
+    moved = {**counts, "exact": 1, "exact-with-centering": 2}
+    assert sweep.difference(a, b(counts=moved)) == "expected"
+    assert sweep.difference(a, b(counts={**counts, "exact-with-per-norm-centering": 2, "approximate": 0})) == "better"
+    row = sweep.slim({"type": "t", "swept_on": "normswap x", "classes": [b(err=[1.234e-16, "ValueError: …"])]})
+    (c,) = row["classes"]
+    assert "message" not in c and c["counts"] == {"exact": 3, "approximate": 2}
+    assert c["err"] == [1.2e-16, "ValueError: …"]
+    assert sweep.difference(a, c) == "err"  # a shape that fails only with the engine's options
+    assert sweep.difference(a, sweep.slim({"type": "t", "classes": [a]})["classes"][0]) == "same"
+    table = sweep.compare_table({"rows": [{"type": "t", "classes": [a]}]},
+                                {"label": "--quantizer x", "rows": [{"type": "t", "classes": [b(counts=moved)]}]})
+    assert "| t | A |" in table and "3/0/0/2/0 → 1/2/0/2/0" in table and "expected" in table
