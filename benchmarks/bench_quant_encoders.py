@@ -266,9 +266,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     help="fp32 is always measured (the conversion's own error)")
     ap.add_argument("--float-ops", action="store_true", help="ONNX Runtime's quantizers leave a rotation's own "
                     "ops (online Hadamards) in float: nodes_to_exclude")
-    ap.add_argument("--exclude-nodes", metavar="REGEX", help="ONNX Runtime's quantizers leave the MatMul nodes whose "
-                    "name matches REGEX in float (nodes_to_exclude; e.g. '/output/dense/' for the FFN output "
-                    "projections): which Linear's rounding a variant's excess comes from")
+    ap.add_argument("--exclude-nodes", metavar="REGEX", help="ONNX Runtime's quantizers leave the nodes whose name "
+                    "matches REGEX in float (nodes_to_exclude; e.g. 'layer\\.\\d+/output/dense/MatMul' for the FFN "
+                    "output projections, '_embeddings/Gather' for the embedding tables quantize_dynamic rounds): "
+                    "which weights' rounding a variant's excess comes from")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--baseline", type=Path, help="an earlier --json of the same model and texts: its "
                     "original's errors are reused (the original variant is not measured again)")
@@ -315,10 +316,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
                 import onnx
 
-                matched = [n.name for n in onnx.load(str(fp32)).graph.node
-                           if n.op_type == "MatMul" and re.search(args.exclude_nodes, n.name)]
+                matched = [n.name for n in onnx.load(str(fp32)).graph.node if re.search(args.exclude_nodes, n.name)]
                 exclude += matched
-                result["notes"][name] += f"; {len(matched)} MatMul(s) matching {args.exclude_nodes!r} left in float"
+                result["notes"][name] += f"; {len(matched)} node(s) matching {args.exclude_nodes!r} left in float"
             own = embed_onnx(fp32, data)
             for how in quantizers:
                 got = (own if how == "fp32" else embed_torchao(model, data) if how == "torchao"
@@ -331,6 +331,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                       f"  [{time.time() - t0:.0f} s]", flush=True)
             if model is not original:
                 del model
+            if args.json:  # after each variant: a long run stopped early keeps what it measured
+                args.json.write_text(json.dumps(result, indent=1))
         if args.speed:
             result["speed"] = speed(original, args.model, [v for v in args.variants if v != "original"],
                                     data[0], Path(tmp), args.speed)
