@@ -3,7 +3,9 @@
 Each variant of a sentence-transformers encoder (a transformers directory: all-MiniLM-L6-v2,
 all-mpnet-base-v2) is exported by ``torch.onnx.export`` (legacy exporter, opset 17, dynamic batch and
 sequence) and quantized by ONNX Runtime's ``quantize_dynamic`` (int8 weights, dynamic uint8
-activations), per tensor (``dyn-pt``) and per channel (``dyn-pc``); with ``--quantizers`` also
+activations), per tensor (``dyn-pt``) and per channel (``dyn-pc``), and the same with ``reduce_range=True``
+(``dyn-pt-rr``, ``dyn-pc-rr``: 7-bit weights, ONNX Runtime's advice for CPUs without VNNI);
+with ``--quantizers`` also
 ``quantize_static`` (``qdq``: QDQ format, int8 weights per tensor, uint8 activations calibrated by MinMax on
 32 held-out paragraphs) and ``MatMulNBitsQuantizer`` 4-bit RTN (``nbits-rtn``: block 32, symmetric); and one engine
 outside ONNX Runtime, ``torchao`` (torchao's ``Int8DynamicActivationInt8WeightConfig`` on the torch model itself,
@@ -66,7 +68,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from quant_utils import BatchReader  # noqa: E402 (the benchmarks folder is on the path only now)
 
-QUANTIZERS = ("fp32", "dyn-pt", "dyn-pc", "qdq", "nbits-rtn", "torchao")
+QUANTIZERS = ("fp32", "dyn-pt", "dyn-pc", "dyn-pt-rr", "dyn-pc-rr", "qdq", "nbits-rtn", "torchao")
 DEFAULT_QUANTIZERS = ("fp32", "dyn-pt", "dyn-pc")
 CALIBRATION_TEXTS = 32  # qdq's calibration paragraphs, the ones after the measured texts (held out)
 CONVERTED = ("converted", "converted-fold", "converted-keep", "converted-nocarry", "converted-carry128",
@@ -155,9 +157,11 @@ def quantize(fp32: Path, how: str, calib: list[dict] | None = None, exclude: lis
     if how == "fp32":
         return fp32
     out = fp32.with_name(f"{fp32.stem}.{how}.onnx")
-    if how in ("dyn-pt", "dyn-pc"):
-        quantize_dynamic(str(fp32), str(out), weight_type=QuantType.QInt8, per_channel=how == "dyn-pc",
-                         nodes_to_exclude=exclude or [])
+    if how in ("dyn-pt", "dyn-pc", "dyn-pt-rr", "dyn-pc-rr"):
+        # -rr: reduce_range (7-bit weights), ONNX Runtime's advice for CPUs without VNNI, whose u8 x s8 kernel
+        # (AVX2 vpmaddubsw) saturates a pair of products above 32767: 255 * 127 * 2 does
+        quantize_dynamic(str(fp32), str(out), weight_type=QuantType.QInt8, per_channel=how.startswith("dyn-pc"),
+                         reduce_range=how.endswith("-rr"), nodes_to_exclude=exclude or [])
     elif how == "qdq":
         assert calib is not None, "qdq needs calibration batches"
         feeds = [{k: v.numpy() for k, v in b.items()} for b in calib]
@@ -412,7 +416,8 @@ def reuse_baseline(result: dict[str, Any], baseline: Path, quantizers: list[str]
 
 
 QUANTIZER_NAMES = {"dyn-pt": "int8 per-tensor", "dyn-pc": "int8 per-channel", "qdq": "static QDQ int8",
-                   "nbits-rtn": "4-bit RTN", "torchao": "torchao int8 dynamic"}
+                   "nbits-rtn": "4-bit RTN", "torchao": "torchao int8 dynamic",
+                   "dyn-pt-rr": "int8 per-tensor, reduce_range", "dyn-pc-rr": "int8 per-channel, reduce_range"}
 
 
 def table(result: dict[str, Any], names: dict[str, str] | None = None) -> str:
