@@ -3,9 +3,13 @@
 Each variant of a sentence-transformers encoder (a transformers directory: all-MiniLM-L6-v2,
 all-mpnet-base-v2) is exported by ``torch.onnx.export`` (legacy exporter, opset 17, dynamic batch and
 sequence) and quantized by ONNX Runtime's ``quantize_dynamic`` (int8 weights, dynamic uint8
-activations), per tensor (``dyn-pt``) and per channel (``dyn-pc``); with ``--quantizers`` also
+activations), per tensor (``dyn-pt``) and per channel (``dyn-pc``), and the same with ``reduce_range=True``
+(``dyn-pt-rr``, ``dyn-pc-rr``: 7-bit weights, ONNX Runtime's advice for CPUs without VNNI);
+with ``--quantizers`` also
 ``quantize_static`` (``qdq``: QDQ format, int8 weights per tensor, uint8 activations calibrated by MinMax on
-32 held-out paragraphs) and ``MatMulNBitsQuantizer`` 4-bit RTN (``nbits-rtn``: block 32, symmetric). The
+32 held-out paragraphs) and ``MatMulNBitsQuantizer`` 4-bit RTN (``nbits-rtn``: block 32, symmetric); and one engine
+outside ONNX Runtime, ``torchao`` (torchao's ``Int8DynamicActivationInt8WeightConfig`` on the torch model itself,
+every ``nn.Linear``: int8 weights per output channel, int8 activations per token, run in eager; round 61). The
 embedding is the model's own
 pooling (mean over the attention mask, then L2-normalised, as its ``1_Pooling`` / ``Normalize``
 modules do). The error of a text is ``1 − cos`` against the float32 original in torch; a cell is the
@@ -22,7 +26,9 @@ approximate); ``converted-pnc-nocarry`` (``per_norm_centering=True, mean_carry=F
 before every Post-LN norm, no MLP widened); ``converted-pnc-nocarry-keep`` (the same, every β kept in its
 norm: what ``normswap convert --per-norm-centering --no-mean-carry`` writes); ``converted-exact-nocarry``
 (``mode="exact", mean_carry=False``: only the exact norms converted, so every Post-LN norm stays the original's
-LayerNorm). ``online-VARIANT`` (``online``
+LayerNorm); ``converted-exact-keep`` (``mode="exact", beta_placement="keep"``: the weights ``normswap convert
+--format compat`` writes for a Post-LN encoder, the carry included, its approximate norms kept as LayerNorm);
+``converted-nocarry-keep`` (``mean_carry=False, beta_placement="keep"``). ``online-VARIANT`` (``online``
 alone: ``online-converted``): that variant's conversion, then ``normswap.rotate(model, "none", online=True)`` (no
 stream turned; an online Hadamard before every Linear input: what ``--rotate none --online-hadamard`` adds);
 ``online-b32-VARIANT`` the same with ``online_block=32``. ``--float-ops`` leaves those ops' MatMuls in float in
@@ -31,6 +37,8 @@ ONNX Runtime's quantizers (``nodes_to_exclude``), as ``bench_quant_engines.py --
 sentences), up to ``--max-len`` tokens.
 
     python benchmarks/bench_quant_encoders.py --model DIR --texts 256 --json out.json
+    python benchmarks/bench_quant_encoders.py --model DIR --texts 256 --variants original \
+        --checkpoint default=CONV_DIR ort-dynamic=CONV2_DIR --quantizers dyn-pt torchao   # the CLI's own outputs
     python benchmarks/bench_quant_encoders.py --model DIR --texts 16 --quantizers fp32 --speed 20 \
         --variants original converted converted-pnc-nocarry      # + ORT speed and norm ops, vs the original
 
@@ -60,11 +68,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from quant_utils import BatchReader  # noqa: E402 (the benchmarks folder is on the path only now)
 
-QUANTIZERS = ("fp32", "dyn-pt", "dyn-pc", "qdq", "nbits-rtn")
+QUANTIZERS = ("fp32", "dyn-pt", "dyn-pc", "dyn-pt-rr", "dyn-pc-rr", "qdq", "nbits-rtn", "torchao")
 DEFAULT_QUANTIZERS = ("fp32", "dyn-pt", "dyn-pc")
 CALIBRATION_TEXTS = 32  # qdq's calibration paragraphs, the ones after the measured texts (held out)
 CONVERTED = ("converted", "converted-fold", "converted-keep", "converted-nocarry", "converted-carry128",
-             "converted-pnc", "converted-pnc-nocarry", "converted-pnc-nocarry-keep", "converted-exact-nocarry")
+             "converted-pnc", "converted-pnc-nocarry", "converted-pnc-nocarry-keep", "converted-exact-nocarry",
+             "converted-exact-keep", "converted-nocarry-keep")
 # online Hadamards on top of a conversion: online-<variant> (full op) and online-b32-<variant> (blocks of 32)
 ONLINE = ("online", *(f"online-{v}" for v in CONVERTED), *(f"online-b32-{v}" for v in CONVERTED))
 VARIANTS = ("original", *CONVERTED, *ONLINE)
@@ -84,7 +93,13 @@ OPTIONS: dict[str, dict[str, Any]] = {"converted": {}, "converted-fold": {"beta_
                                                                      "beta_placement": "keep"},
                                       # only the exact norms converted and no carry: every Post-LN norm stays the
                                       # original's LayerNorm (no op, no widened MLP; round 58)
-                                      "converted-exact-nocarry": {"mode": "exact", "mean_carry": False}}
+                                      "converted-exact-nocarry": {"mode": "exact", "mean_carry": False},
+                                      # the exact norms converted (the carry's included), every β kept: the
+                                      # weights `normswap convert --format compat` writes for a Post-LN encoder
+                                      # (its approximate norms stay LayerNorm; round 61)
+                                      "converted-exact-keep": {"mode": "exact", "beta_placement": "keep"},
+                                      # no carry, every β kept (the attention- and FFN-output norms approximate)
+                                      "converted-nocarry-keep": {"mean_carry": False, "beta_placement": "keep"}}
 
 
 def english(n: int, seed: int = 0) -> list[str]:
@@ -142,9 +157,11 @@ def quantize(fp32: Path, how: str, calib: list[dict] | None = None, exclude: lis
     if how == "fp32":
         return fp32
     out = fp32.with_name(f"{fp32.stem}.{how}.onnx")
-    if how in ("dyn-pt", "dyn-pc"):
-        quantize_dynamic(str(fp32), str(out), weight_type=QuantType.QInt8, per_channel=how == "dyn-pc",
-                         nodes_to_exclude=exclude or [])
+    if how in ("dyn-pt", "dyn-pc", "dyn-pt-rr", "dyn-pc-rr"):
+        # -rr: reduce_range (7-bit weights), ONNX Runtime's advice for CPUs without VNNI, whose u8 x s8 kernel
+        # (AVX2 vpmaddubsw) saturates a pair of products above 32767: 255 * 127 * 2 does
+        quantize_dynamic(str(fp32), str(out), weight_type=QuantType.QInt8, per_channel=how.startswith("dyn-pc"),
+                         reduce_range=how.endswith("-rr"), nodes_to_exclude=exclude or [])
     elif how == "qdq":
         assert calib is not None, "qdq needs calibration batches"
         feeds = [{k: v.numpy() for k, v in b.items()} for b in calib]
@@ -183,6 +200,16 @@ def embed_torch(model: torch.nn.Module, data: list[dict]) -> torch.Tensor:
         return torch.cat([pooled(model(**b).last_hidden_state, b["attention_mask"]) for b in data])
 
 
+def embed_torchao(model: torch.nn.Module, data: list[dict]) -> torch.Tensor:
+    """A copy of ``model`` quantized by torchao's ``Int8DynamicActivationInt8WeightConfig`` (every ``nn.Linear``;
+    anything else, the norms and a centering op included, stays float32), run in torch eager."""
+    from torchao.quantization import Int8DynamicActivationInt8WeightConfig, quantize_
+
+    q = copy.deepcopy(model)
+    quantize_(q, Int8DynamicActivationInt8WeightConfig())
+    return embed_torch(q, data)
+
+
 def bootstrap(err: np.ndarray, base: np.ndarray, draws: int = 2000, seed: int = 0) -> tuple[float, float]:
     """95% interval of ``mean(err)/mean(base)`` over texts resampled with replacement (paired)."""
     rng = np.random.default_rng(seed)
@@ -192,10 +219,21 @@ def bootstrap(err: np.ndarray, base: np.ndarray, draws: int = 2000, seed: int = 
     return float(lo), float(hi)
 
 
+CHECKPOINTS: dict[str, Path] = {}  # --checkpoint NAME=DIR: variants read from directories `normswap convert` wrote
+
+
 def build(name: str, original: torch.nn.Module, model_dir: Path) -> tuple[torch.nn.Module, str]:
     if name == "original":
         return original, ""
     import normswap
+
+    if name in CHECKPOINTS:  # what the CLI wrote (native: normswap.load re-applies the manifest; compat: stock)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = normswap.load(CHECKPOINTS[name]).float().eval()
+        config = json.loads((CHECKPOINTS[name] / "config.json").read_text())
+        fmt = "native" if str(config.get("model_type", "")).startswith("normswap_") else "compat"
+        return model, f"checkpoint {CHECKPOINTS[name]} ({fmt}): {sum(p.numel() for p in model.parameters())} parameters"
 
     base, block = online_parts(name)
     model = copy.deepcopy(original)
@@ -226,10 +264,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--texts", type=int, default=256)
     ap.add_argument("--max-len", type=int, default=128)
     ap.add_argument("--variants", nargs="+", default=["original", "converted"], choices=VARIANTS)
+    ap.add_argument("--checkpoint", nargs="+", default=[], metavar="NAME=DIR",
+                    help="also measure these directories (what `normswap convert ... --out DIR` wrote) as variant NAME")
     ap.add_argument("--quantizers", nargs="+", default=list(DEFAULT_QUANTIZERS), choices=QUANTIZERS,
                     help="fp32 is always measured (the conversion's own error)")
     ap.add_argument("--float-ops", action="store_true", help="ONNX Runtime's quantizers leave a rotation's own "
                     "ops (online Hadamards) in float: nodes_to_exclude")
+    ap.add_argument("--exclude-nodes", metavar="REGEX", help="ONNX Runtime's quantizers leave the nodes whose name "
+                    "matches REGEX in float (nodes_to_exclude; e.g. 'layer\\.\\d+/output/dense/MatMul' for the FFN "
+                    "output projections, '_embeddings/Gather' for the embedding tables quantize_dynamic rounds): "
+                    "which weights' rounding a variant's excess comes from")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--baseline", type=Path, help="an earlier --json of the same model and texts: its "
                     "original's errors are reused (the original variant is not measured again)")
@@ -238,6 +282,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = ap.parse_args(argv)
     from transformers import AutoModel, AutoTokenizer
 
+    for item in args.checkpoint:
+        name, _, path = item.partition("=")
+        if not path or name in VARIANTS:
+            ap.error(f"--checkpoint takes NAME=DIR with a NAME that is no built-in variant, not {item!r}")
+        CHECKPOINTS[name] = Path(path)
+        args.variants.append(name)
     torch.set_num_threads(1)
     tok = AutoTokenizer.from_pretrained(args.model)
     original = AutoModel.from_pretrained(args.model).float().eval()
@@ -248,7 +298,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     data = batches(tok, texts, args.max_len, names)
     ref = embed_torch(original, data)
     result: dict[str, Any] = {"model": str(args.model), "texts": len(texts), "max_len": args.max_len,
-                              "cells": {}, "notes": {}, "per_text": {}}
+                              "exclude_nodes": args.exclude_nodes, "cells": {}, "notes": {}, "per_text": {}}
     if args.baseline:
         reuse_baseline(result, args.baseline, quantizers)
         args.variants = [v for v in args.variants if v != "original"]
@@ -265,9 +315,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
                 exclude = float_nodes(fp32, model)
                 result["notes"][name] += f"; {len(exclude)} rotation MatMul(s) left in float"
+            if args.exclude_nodes:
+                import re
+
+                import onnx
+
+                matched = [n.name for n in onnx.load(str(fp32)).graph.node if re.search(args.exclude_nodes, n.name)]
+                exclude += matched
+                result["notes"][name] += f"; {len(matched)} node(s) matching {args.exclude_nodes!r} left in float"
             own = embed_onnx(fp32, data)
             for how in quantizers:
-                got = own if how == "fp32" else embed_onnx(quantize(fp32, how, calib, exclude), data)
+                got = (own if how == "fp32" else embed_torchao(model, data) if how == "torchao"
+                       else embed_onnx(quantize(fp32, how, calib, exclude), data))
                 err = (1 - (ref * got).sum(-1)).clamp(min=0).numpy()
                 self_err = (1 - (own * got).sum(-1)).clamp(min=0).numpy()
                 result["per_text"][f"{name}/{how}"] = err.tolist()
@@ -276,6 +335,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                       f"  [{time.time() - t0:.0f} s]", flush=True)
             if model is not original:
                 del model
+            if args.json:  # after each variant: a long run stopped early keeps what it measured
+                args.json.write_text(json.dumps(result, indent=1))
         if args.speed:
             result["speed"] = speed(original, args.model, [v for v in args.variants if v != "original"],
                                     data[0], Path(tmp), args.speed)
@@ -355,7 +416,8 @@ def reuse_baseline(result: dict[str, Any], baseline: Path, quantizers: list[str]
 
 
 QUANTIZER_NAMES = {"dyn-pt": "int8 per-tensor", "dyn-pc": "int8 per-channel", "qdq": "static QDQ int8",
-                   "nbits-rtn": "4-bit RTN"}
+                   "nbits-rtn": "4-bit RTN", "torchao": "torchao int8 dynamic",
+                   "dyn-pt-rr": "int8 per-tensor, reduce_range", "dyn-pc-rr": "int8 per-channel, reduce_range"}
 
 
 def table(result: dict[str, Any], names: dict[str, str] | None = None) -> str:
