@@ -41,6 +41,7 @@ def _run_child(req: dict) -> int:
     import types
 
     os.chdir(req["cwd"])
+    os.environ.update(req["env"])
     sys.argv = ["-c", *req["args"]]
     main = types.ModuleType("__main__")
     main.__dict__["__builtins__"] = __builtins__
@@ -121,11 +122,14 @@ class WarmPython:
             self.proc.wait()
             raise RuntimeError(f"warm_python server did not start (exit {self.proc.returncode})")
 
-    def run(self, code: str, *args: str, cwd: str | os.PathLike | None = None,
+    def run(self, code: str, *args: str, cwd: str | os.PathLike | None = None, env: dict[str, str] | None = None,
             timeout: float = 300) -> subprocess.CompletedProcess:
         """Run ``code`` in a forked child; the result as ``subprocess.run(..., capture_output=True, text=True)``
-        gives it. On ``timeout`` the child is killed (exit code -9)."""
-        req = {"code": code, "args": list(args), "cwd": str(cwd or os.getcwd()), "timeout": timeout}
+        gives it. On ``timeout`` the child is killed (exit code -9). ``env``: variables set in the child before
+        the code runs, for variables that only code the child imports itself reads (``NORMSWAP_*``), never one
+        that a preloaded module read at import (``HF_*``)."""
+        req = {"code": code, "args": list(args), "cwd": str(cwd or os.getcwd()), "env": dict(env or {}),
+               "timeout": timeout}
         with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err, open(os.devnull) as devnull:
             s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
             s.connect(self.socket)
