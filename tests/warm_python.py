@@ -11,7 +11,8 @@ accelerate) before it reaches the line under test.
 The server (``python warm_python.py serve SOCKET MODULE...``) imports the modules it is given (torch and
 transformers' modeling stack by default; never normswap and never ``transformers.trainer``), computes
 nothing, and forks one child per request that runs the code as ``python -c`` would (a new ``__main__``,
-``sys.argv``, the working directory), its stdout and stderr going to the caller's files. The server waits
+``sys.argv``, the working directory, the interpreter's own shutdown at the end), its stdout and stderr going
+to the caller's files. The server waits
 for each child before answering, and the caller waits for the server at the end, so the children's CPU
 time is counted where a fresh interpreter's would be (``time``, ``getrusage(RUSAGE_CHILDREN)``).
 
@@ -38,7 +39,10 @@ NEVER = ("normswap", "transformers.trainer")
 
 
 def _run_child(req: dict) -> int:
+    import gc
     import types
+
+    gc.unfreeze()  # a fresh interpreter's collector sees every object, at shutdown too (nanobind's leak check)
 
     os.chdir(req["cwd"])
     os.environ.update(req["env"])
@@ -76,7 +80,7 @@ def serve(path: str, modules: list[str]) -> None:
     if loaded:
         raise SystemExit(f"warm_python: the preload imported {loaded}, which the children must import themselves")
     gc.collect()
-    gc.freeze()  # the imports' objects: children share their pages and their collections skip them
+    gc.freeze()  # the imports' objects out of the collector's generations until a child unfreezes them
     srv = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     srv.bind(path)
     srv.listen(1)
@@ -87,6 +91,7 @@ def serve(path: str, modules: list[str]) -> None:
         req = json.loads(msg)
         if req.get("quit"):
             conn.close()
+            gc.unfreeze()  # a clean shutdown (nanobind's leak check counts frozen objects as leaked)
             break
         pid = os.fork()
         if pid == 0:
@@ -95,10 +100,9 @@ def serve(path: str, modules: list[str]) -> None:
             for i, fd in enumerate(fds):
                 os.dup2(fd, i)
                 os.close(fd)
-            code = _run_child(req)
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
+            # the child ends as an interpreter does: atexit handlers, finalisers and their "Exception ignored"
+            # lines, then the exit code (what a check of a command's last stderr line must see)
+            raise SystemExit(_run_child(req))
         for fd in fds:
             os.close(fd)
         timer = threading.Timer(req["timeout"], os.kill, (pid, signal.SIGKILL))
