@@ -3,6 +3,8 @@
 import os
 import sys
 
+import pytest
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -55,3 +57,14 @@ def pytest_collection_finish(session) -> None:
 
     gc.collect()
     gc.freeze()
+
+
+@pytest.fixture(scope="session")
+def warm_python():
+    """A fork server with torch and transformers' modeling stack imported (``tests/warm_python.py``), for
+    checks that need a new process but not an empty interpreter; started on first use, one per worker."""
+    from tests.warm_python import WarmPython
+
+    server = WarmPython()
+    yield server
+    server.close()

@@ -326,10 +326,7 @@ def test_space_precheck_counts_untied_bytes(tmp_path, gpt2_src, monkeypatch):
         assert "+" in err and "--untie" in err  # the growth is said out loud
 
 
-def test_sigkill_then_rerun_cleans_the_stale_temp_dir(tmp_path):
-    import subprocess
-    import sys
-
+def test_sigkill_then_rerun_cleans_the_stale_temp_dir(tmp_path, warm_python):
     out = tmp_path / "out"
     script = (
         "import os, signal\n"
@@ -342,7 +339,8 @@ def test_sigkill_then_rerun_cleans_the_stale_temp_dir(tmp_path):
         "writer.write_native = killed\n"
         f"main(['convert', 'tiny-gpt2', '--out', {str(out)!r}, '-q'])\n"
     )
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    # a process of its own that kills itself: a child of the warm fork server (tests/warm_python.py)
+    proc = warm_python.run(script, timeout=300)
     assert proc.returncode == -9, proc.stderr
     stale = [p for p in tmp_path.iterdir() if p.name.startswith(".out.normswap-tmp-")]
     assert len(stale) == 1 and not out.exists()
@@ -552,23 +550,15 @@ def test_dtype_bfloat16_rounds_once(tmp_path, gpt2_src):
 
 
 # ------------------------------------------------------------------------------------ defect 8
-def test_bogus_backend_env_is_one_line_with_the_valid_names(tmp_path, monkeypatch):
-    """``convert`` in a fresh process (the variable read at the process's first norm call, end to end);
-    ``backends`` in this one, the variable read again by ``backends.refresh()`` (an interpreter start costs
-    an import of torch, ~4 s of CPU)."""
-    import os
-    import subprocess
-    import sys
-
+def test_bogus_backend_env_is_one_line_with_the_valid_names(tmp_path, monkeypatch, warm_python):
+    """``convert`` in a new process (the variable read at the process's first norm call, end to end): a child
+    of the warm fork server, which never imported normswap; ``backends`` in this one, the variable read again
+    by ``backends.refresh()`` (an interpreter start costs an import of torch, ~4 s of CPU)."""
     from normswap import backends
 
-    env = {**os.environ, "NORMSWAP_BACKEND": "bogus"}
     out = tmp_path / "out"
-    proc = subprocess.run(
-        [sys.executable, "-c", "from normswap.cli import main; main()", "convert", "tiny-gpt2", "--out", str(out),
-         "-q"],
-        env=env, capture_output=True, text=True, timeout=300,
-    )
+    proc = warm_python.run("from normswap.cli import main; main()", "convert", "tiny-gpt2", "--out", str(out), "-q",
+                           env={"NORMSWAP_BACKEND": "bogus"}, timeout=300)
     line = one_line_error(proc.returncode, proc.stderr, 1, "NORMSWAP_BACKEND='bogus'", "eager", "auto")
     assert "internal error" not in line
     monkeypatch.setenv("NORMSWAP_BACKEND", "bogus")

@@ -170,26 +170,32 @@ _LOAD_WITHOUT_NORMSWAP = NO_NORMSWAP_IMPORTS + textwrap.dedent("""
 """)
 
 
-def _run(code: str) -> dict:
+def _run(code: str, warm=None) -> dict:
+    """Run ``code`` in a fresh interpreter, or with ``warm`` (``tests/warm_python.py``) in a child of the
+    warm fork server: a new process where neither normswap nor any RMSNorm call has run yet."""
     import json
 
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300,
-                          cwd=str(REPO))
+    if warm is None:
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300,
+                              cwd=str(REPO))
+    else:
+        proc = warm.run(code, cwd=REPO, timeout=300)
     if proc.returncode != 0:
         raise AssertionError(f"subprocess failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def torch_export_fresh(name: str) -> dict:
+def torch_export_fresh(name: str, warm=None) -> dict:
     """Save the converted model natively, then in a fresh process ``normswap.load`` it and make
     ``torch.export.export`` the first RMSNorm call, ``torch.export.save``; then ``torch.export.load``
-    and run it in a second process where importing normswap is forbidden."""
+    and run it in a second process where importing normswap is forbidden. With ``warm`` (the tests'
+    fork server) both processes are its children: new processes that never imported normswap."""
     import normswap
 
     model, _ = tiny_converted(name)
     with tempfile.TemporaryDirectory() as tmp:
         normswap.checkpoint.save(model, Path(tmp) / "ckpt")
-        first = _run(_FRESH_EXPORT.format(repo=str(REPO), name=name, tmp=tmp))
-        second = _run(_LOAD_WITHOUT_NORMSWAP.format(tmp=tmp))
+        first = _run(_FRESH_EXPORT.format(repo=str(REPO), name=name, tmp=tmp), warm)
+        second = _run(_LOAD_WITHOUT_NORMSWAP.format(tmp=tmp), warm)
     return {**second, "targets": first["targets"]}

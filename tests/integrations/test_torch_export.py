@@ -17,8 +17,10 @@ from tests.integrations.compat import Positional, first_output, tiny_converted, 
 
 
 @pytest.mark.parametrize("name", ["gpt2"])  # ViT: test_export_with_cold_kernel_in_process
-def test_fresh_process_export_then_load_without_normswap(name):
-    r = torch_export_fresh(name)
+def test_fresh_process_export_then_load_without_normswap(name, warm_python):
+    # new processes, not empty interpreters: what matters is that neither imported normswap (asserted by the
+    # second) and that the export is the first's first RMSNorm call; the warm server's children are both
+    r = torch_export_fresh(name, warm_python)
     assert not any("normswap" in t for t in r["targets"]), r["targets"]
     assert "aten.rms_norm.default" in r["targets"]
     assert not r["normswap_loaded"]

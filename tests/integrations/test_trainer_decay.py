@@ -7,11 +7,18 @@ import subprocess
 import sys
 
 import pytest
-from transformers import Trainer
 
 import normswap
 from normswap.integrations.trainer import decay_parameter_names, norm_parameter_names
 from tests.zoo import APPROXIMATE, EXACT, build
+
+
+def _trainer():
+    # imported here, not at module level: ``transformers.trainer`` brings datasets and pandas (~2.5 CPU s),
+    # which every xdist worker's collection paid for and only the worker running this file needs
+    from transformers import Trainer
+
+    return Trainer
 
 
 def _layer_norm_params(model) -> set[str]:
@@ -23,6 +30,7 @@ def _layer_norm_params(model) -> set[str]:
 
 @pytest.mark.parametrize("name", ["gpt2", "bert"])
 def test_converted_norms_get_no_weight_decay(name):
+    Trainer = _trainer()
     table = APPROXIMATE if name == "bert" else EXACT
     model = build(table, name)
     original_norms = _layer_norm_params(model)
@@ -44,12 +52,18 @@ def test_rmsnorm_registered_as_layer_norm_class():
 
     from normswap.integrations import trainer
 
+    _trainer()  # imported, as the module-level import had it: register() then wraps it and fills the list
     trainer.register()
     assert normswap.RMSNorm in pytorch_utils.ALL_LAYERNORM_LAYERS
 
 
-def _run(code: str) -> None:
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+def _run(code: str, warm=None) -> None:
+    """Run ``code`` in a new process: a fresh interpreter, or with ``warm`` a child of the warm fork server
+    (torch and transformers' modeling stack imported; neither normswap nor ``transformers.trainer``)."""
+    if warm is None:
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    else:
+        proc = warm.run(code, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
 
 
@@ -59,9 +73,13 @@ HAND_BUILT = (
 )
 
 
-def test_import_normswap_leaves_the_trainer_alone_and_register_sets_the_rule_up():
+def test_import_normswap_leaves_the_trainer_alone_and_register_sets_the_rule_up(warm_python):
     """``import normswap`` changes nothing of transformers' Trainer (its one import-time hook is the
-    ``normswap_*`` config registry); ``register()`` sets the rule up, also before Trainer is imported."""
+    ``normswap_*`` config registry); ``register()`` sets the rule up, also before Trainer is imported.
+
+    The first check runs in a truly fresh interpreter: it is about what ``import normswap`` does before
+    transformers is imported at all. The second needs only a process where neither normswap nor
+    ``transformers.trainer`` was imported (it asserts the latter), which the warm server's child is."""
     _run("import sys, normswap\n" + HAND_BUILT +
          "from transformers import Trainer\n"
          "assert not hasattr(Trainer.get_decay_parameter_names, '__wrapped__')\n"
@@ -72,12 +90,13 @@ def test_import_normswap_leaves_the_trainer_alone_and_register_sets_the_rule_up(
          "assert 'transformers.trainer' not in sys.modules\n" + HAND_BUILT +
          "from transformers import Trainer\n"
          "names = Trainer.get_decay_parameter_names(None, m)\n"
-         "assert names == ['0.weight'], names\n")
+         "assert names == ['0.weight'], names\n", warm_python)
 
 
-def test_load_sets_the_rule_up(tmp_path):
+def test_load_sets_the_rule_up(tmp_path, warm_python):
     """A converted checkpoint loaded in a fresh process (``normswap.load`` or ``AutoModel*`` after
-    ``import normswap``) gets the rule, as ``patch`` does."""
+    ``import normswap``) gets the rule, as ``patch`` does. Each load in a process of its own where neither
+    normswap nor ``transformers.trainer`` was imported: a child of the warm fork server."""
     normswap.convert("tiny-gpt2", tmp_path / "out", verify=False)
     for load in ("normswap.load(d)", "transformers.AutoModelForCausalLM.from_pretrained(d)"):
         _run("import normswap, transformers\n"
@@ -86,4 +105,4 @@ def test_load_sets_the_rule_up(tmp_path):
              "from normswap.integrations.trainer import norm_parameter_names\n"
              "from transformers import Trainer\n"
              "norms = norm_parameter_names(m)\n"
-             "assert norms and not norms & set(Trainer.get_decay_parameter_names(None, m))\n")
+             "assert norms and not norms & set(Trainer.get_decay_parameter_names(None, m))\n", warm_python)

@@ -28,7 +28,7 @@ def _records(out: Path, split: str) -> list[dict]:
     return [r for r in map(json.loads, lines) if r["split"] == split]
 
 
-def test_fsdp2_run_matches_a_single_process_run(tiny_gpt2, corpus, tmp_path):
+def test_fsdp2_run_matches_a_single_process_run(tiny_gpt2, corpus, tmp_path, warm_python):
     overrides = [
         f"model.source={tiny_gpt2}", f"data.path={corpus}", "train.steps=4", "train.warmup_steps=1",
         "train.lr=1e-3", "train.max_grad_norm=0.05", "train.mixed_precision=no", "data.seq_len=32",
@@ -46,8 +46,14 @@ def test_fsdp2_run_matches_a_single_process_run(tiny_gpt2, corpus, tmp_path):
     assert list((sharded / "checkpoints" / "step-000004" / "pytorch_model_fsdp_0").glob("*.distcp"))
 
     plain = tmp_path / "plain"  # the same run, one ordinary process, also on CPU whatever the machine has
-    proc = subprocess.run([sys.executable, "-m", "normswap.recipes", str(RECIPE), *overrides, f"output.dir={plain}"],
-                          env=env, capture_output=True, text=True, timeout=300)
+    # ``python -m normswap.recipes`` in a child of the warm fork server (torch, transformers and accelerate
+    # imported, normswap not): the module run as a program, with the environment above; OpenMP read its thread
+    # count when the server imported torch, so the child sets the run's one thread itself
+    code = ("import torch, runpy\n"
+            "torch.set_num_threads(1)\n"
+            "runpy.run_module('normswap.recipes', run_name='__main__', alter_sys=True)\n")
+    proc = warm_python.run(code, str(RECIPE), *overrides, f"output.dir={plain}", timeout=300,
+                           env={k: env[k] for k in ("CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "NORMSWAP_DEBUG")})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     # the same losses step by step: the clip (max_grad_norm small enough to act) and the optimiser
     # step saw the sharded parameters' gradients

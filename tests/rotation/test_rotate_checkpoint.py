@@ -33,12 +33,17 @@ _LOAD_STOCK = NO_NORMSWAP_IMPORTS + textwrap.dedent("""
 """)
 
 
-def _stock_logits(tmp: Path, path: Path, ids: torch.Tensor) -> torch.Tensor:
+def _stock_logits(tmp: Path, path: Path, ids: torch.Tensor, warm=None) -> torch.Tensor:
+    """The logits of ``path`` loaded by stock transformers in a process where any import of normswap fails:
+    a fresh interpreter, or with ``warm`` a child of the tests' warm fork server (which never imports it)."""
     torch.save(ids, tmp / "ids.pt")
     code = _LOAD_STOCK.format(path=str(path), ids=str(tmp / "ids.pt"), out=str(tmp / "logits.pt"))
-    env = {**os.environ, "PYTHONPATH": ""}
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300,
-                          cwd=str(tmp))
+    if warm is not None:
+        proc = warm.run(code, cwd=tmp, timeout=300)
+    else:
+        env = {**os.environ, "PYTHONPATH": ""}
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300,
+                              cwd=str(tmp))
     assert proc.returncode == 0, proc.stderr[-3000:]
     info = json.loads(proc.stdout.strip().splitlines()[-1])
     assert not info["normswap_loaded"] and info["class"] == "GPT2LMHeadModel"
@@ -51,7 +56,7 @@ def _convert(*args: str) -> str:
     return res.output
 
 
-def test_rotated_compat_gpt2_loads_in_stock_transformers_with_the_same_logits(tmp_path):
+def test_rotated_compat_gpt2_loads_in_stock_transformers_with_the_same_logits(tmp_path, warm_python):
     out = _convert("tiny-gpt2", "--out", str(tmp_path / "rot"), "--format", "compat", "--rotate", "hadamard",
                    "--seed", "3")
     assert "rotated 1 stream(s) (hadamard)" in out and "--rotate implies" not in out  # --quiet: no notes
@@ -65,7 +70,7 @@ def test_rotated_compat_gpt2_loads_in_stock_transformers_with_the_same_logits(tm
     ids = torch.randint(0, original.config.vocab_size, (2, 11), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         ref = original(input_ids=ids).logits
-    logits = _stock_logits(tmp_path, tmp_path / "rot", ids)
+    logits = _stock_logits(tmp_path, tmp_path / "rot", ids, warm_python)
     assert float((logits - ref).abs().max() / ref.abs().max()) < 1e-4
 
     rot = load_file(tmp_path / "rot" / "model.safetensors")
