@@ -217,12 +217,23 @@ class MeanCarry:
 
     In ``s = h + down(act(up(h)))`` with ``h`` a norm's output, ``s`` is not zero-mean because ``h``
     is not. For an activation with ``act(t) - act(-t) = t`` (ReLU, GELU, GELU-tanh, SiLU,
-    quick-GELU), two neurons added to the MLP compute ``mean(h)`` exactly: ``up`` gains the rows
-    ``+1/d`` and ``-1/d``, ``down`` the columns ``-1`` and ``+1``, so the MLP adds ``-mean(h)``. With
-    ``down`` centered, ``s`` is then zero-mean and the norm reading it is exactly an RMSNorm. The
-    MLP grows from ``hidden`` to ``hidden + added`` neurons (2 used, the rest zero, to keep the width
-    a multiple of the ``carry_multiple`` option, 8 by default).
+    quick-GELU), neurons added to the MLP compute ``mean(h)`` exactly: a pair with ``up`` rows ``+r`` and
+    ``-r`` and ``down`` columns ``-1`` and ``+1`` adds ``-r·h``, so two pairs whose rows ``r`` hold ``1/d`` on
+    the even and on the odd features (zero elsewhere) add ``-mean(h)``. With ``down`` centered, ``s`` is then
+    zero-mean and the norm reading it is exactly an RMSNorm. The MLP grows from ``hidden`` to
+    ``hidden + added`` neurons (:data:`NEURONS` used, the rest zero, to keep the width a multiple of the
+    ``carry_multiple`` option, 8 by default).
+
+    Why two pairs and not one pair of constant rows ``±1/d`` (before round 61): every int8 weight quantizer turns a
+    constant row into one integer repeated (per channel: ±127 everywhere), and x86 int8 GEMMs without VNNI
+    (AVX2's ``vpmaddubsw``, ONNX Runtime's u8s8 kernels) add each *adjacent pair* of uint8 × int8 products in a
+    saturating int16: ``2 × 127 × 255`` overflows it whenever both activations of a pair sit above the zero point,
+    so the carry's mean came out clipped (all-MiniLM-L6-v2, ``quantize_dynamic`` per channel on an AVX2 machine:
+    11× the original's error; paraphrase-MiniLM-L3-v2 3.4×). A row that is zero on every other feature has at
+    most one nonzero product per pair (``127 × 255`` fits), whatever the quantizer's grid.
     """
+
+    NEURONS = 4  # the neurons the carry uses (two ± pairs: even and odd features); see the class docstring
 
     site: str  # the norm made exact
     source: str  # the norm whose output's mean is carried
@@ -283,7 +294,10 @@ class MeanCarry:
           per-channel quantizer, which rounds no activations, pays it alone (NNCF int8 weights on
           all-mpnet-base-v2: 1.080 → 1.115).
 
-        The step is taken from the float32 maximum, the precision models are exported and quantized in.
+        The step is taken from the float32 maximum, the precision models are exported and quantized in. The row
+        bound is kept on a whole row of ``s/d`` (length ``s/√d``), although each carry row now holds ``s/d`` on
+        every other feature only (length ``s·√⌈d/2⌉/d``, :attr:`NEURONS`): the scale, and so ``down``'s columns,
+        are what they were with one pair of constant rows.
         """
         w = down_weight.detach().abs()
         peaks = w.amax(dim=1).double()

@@ -1465,7 +1465,7 @@ class Analyzer:
             if h is None or self._back_identity(h, single=False) != norm_term.value:
                 continue
             hidden = down.in_features
-            added = -(-(hidden + 2) // multiple) * multiple - hidden
+            added = -(-(hidden + MeanCarry.NEURONS) // multiple) * multiple - hidden
             # the scale comes from down's columns as the surgery writes them (centered, in float64), as
             # the streamed rewrite computes it (checkpoint.rewrite), so both write and record the same
             w = down.weight.detach().double()

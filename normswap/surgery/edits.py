@@ -150,9 +150,11 @@ CARRY_TENSORS = ("up.weight", "up.bias", "down.weight")  # what a MeanCarry wide
 def carried(t: torch.Tensor, carry: MeanCarry, which: str, *, values: bool = True) -> torch.Tensor:
     """``t`` (the ``which`` tensor of ``carry``'s MLP, one of :data:`CARRY_TENSORS`) widened by ``carry.added``.
 
-    The new entries are zero except, with ``values``, the two neurons that carry the mean: rows
-    ``+s/d, -s/d`` of ``up.weight`` and columns ``-1/s, +1/s`` of ``down.weight`` (``s = carry.scale``). One
-    function for the in-memory surgery and the streamed checkpoint rewrite, so both write the same bits.
+    The new entries are zero except, with ``values``, the :attr:`MeanCarry.NEURONS` neurons that carry the mean:
+    rows ``+s/d, -s/d`` of ``up.weight`` on the even features, then the same on the odd features (zero elsewhere:
+    no adjacent pair of a row is nonzero twice, see :class:`MeanCarry`), and columns ``-1/s, +1/s, -1/s, +1/s`` of
+    ``down.weight`` (``s = carry.scale``). One function for the in-memory surgery and the streamed checkpoint
+    rewrite, so both write the same bits.
     """
     axis = 1 if which == "down.weight" else 0
     shape = list(t.shape)
@@ -164,11 +166,13 @@ def carried(t: torch.Tensor, carry: MeanCarry, which: str, *, values: bool = Tru
     out.narrow(axis, 0, n).copy_(t.detach())
     s = float(carry.scale)
     if values and which == "up.weight":
-        out[n].fill_(s / d)
-        out[n + 1].fill_(-s / d)
+        for pair, first in enumerate((0, 1)):  # even features, then odd
+            out[n + 2 * pair, first::2] = s / d
+            out[n + 2 * pair + 1, first::2] = -s / d
     elif values and which == "down.weight":
-        out[:, n].fill_(-1.0 / s)
-        out[:, n + 1].fill_(1.0 / s)
+        for pair in range(2):
+            out[:, n + 2 * pair] = -1.0 / s
+            out[:, n + 2 * pair + 1] = 1.0 / s
     return out
 
 

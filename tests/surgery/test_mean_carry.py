@@ -106,17 +106,17 @@ def test_mean_carry_can_be_switched_off(tmp_path):
 def test_carry_width_pads_to_the_multiple_asked_for(tmp_path):
     """``carry_multiple`` (``--carry-multiple``): a weight quantizer that groups along the MLP's width
     (OpenVINO NNCF int4, groups of 128) refuses a width its group does not divide; the widened MLP is
-    padded to the multiple asked for (zero neurons besides the carry's two) and stays exact, through
+    padded to the multiple asked for (zero neurons besides the carry's four) and stays exact, through
     a native checkpoint too. A bad multiple is a one-line usage error."""
     model = build(APPROXIMATE, "bert")
     original = copy.deepcopy(model)
     report = normswap.patch(model, mode="exact", carry_multiple=48)
     carries = report.plan.mean_carries
     assert len(carries) == 2 and report.plan.options["carry_multiple"] == 48
-    for c in carries:  # 64 + 2 needs a second group of 48: 96
+    for c in carries:  # 64 + 4 needs a second group of 48: 96
         assert c.hidden + c.added == 96 and model.get_submodule(c.up).out_features == 96
         down = model.get_submodule(c.down).weight
-        assert torch.count_nonzero(down[:, c.hidden + 2:]) == 0  # the padding neurons write nothing
+        assert torch.count_nonzero(down[:, c.hidden + MeanCarry.NEURONS:]) == 0  # the padding neurons write nothing
     assert _fp64_error(original, model) <= 1e-9
     normswap.save(model, tmp_path / "n")
     assert _fp64_error(original, normswap.load(tmp_path / "n", dtype=torch.float64).eval()) <= 1e-9
@@ -212,11 +212,16 @@ def test_carry_columns_keep_their_per_tensor_gain_and_set_no_rows_weight_scale()
         real = down[:, :c.hidden]
         peaks, step = real.abs().amax(dim=1), float(real.abs().max()) / 127
         col = -float(down[0, c.hidden])
-        assert torch.equal(down[:, c.hidden], torch.full_like(down[:, 0], -col))
-        assert torch.equal(down[:, c.hidden + 1], torch.full_like(down[:, 0], col))
-        torch.testing.assert_close(up[c.hidden], torch.full_like(up[0], 1 / (col * c.features)))
-        torch.testing.assert_close(up[c.hidden + 1], -up[c.hidden])
-        assert c.hidden + c.added > c.hidden + 2 and not down[:, c.hidden + 2:].any()  # padding neurons: zero
+        entry = 1 / (col * c.features)
+        for pair, first in enumerate((0, 1)):  # a ± pair on the even features, then one on the odd
+            n = c.hidden + 2 * pair
+            assert torch.equal(down[:, n], torch.full_like(down[:, 0], -col))
+            assert torch.equal(down[:, n + 1], torch.full_like(down[:, 0], col))
+            torch.testing.assert_close(up[n, first::2], torch.full_like(up[0, first::2], entry))
+            assert not up[n, 1 - first::2].any()
+            torch.testing.assert_close(up[n + 1], -up[n])
+        used = c.hidden + MeanCarry.NEURONS
+        assert c.hidden + c.added > used and not down[:, used:].any()  # padding neurons: zero
         assert col <= max(float(peaks.min()), step) * (1 + 1e-6)  # within every row's peak
         # per tensor, the carry keeps its gain as well as whole steps of down would
         whole = copy.deepcopy(c)
@@ -318,4 +323,24 @@ def test_carry_takes_the_fewest_grid_steps_its_row_length_allows_and_stays_insid
             assert 1 / ((expected_k - 1) * step) / d ** 0.5 > 0.5 * longest
         # on real inputs the carry neurons' pre-activations (±s·mean(h)) stay inside the real neurons' range
         pre = torch.cat(reach[c.up])
-        assert float(pre[:, c.hidden:c.hidden + 2].max()) <= float(pre[:, :c.hidden].max())
+        assert float(pre[:, c.hidden:c.hidden + MeanCarry.NEURONS].max()) <= float(pre[:, :c.hidden].max())
+
+
+def test_carry_rows_fit_int8_gemms_that_add_product_pairs_in_int16():
+    """x86 int8 GEMMs without VNNI (AVX2 ``vpmaddubsw``: ONNX Runtime's u8s8 kernels) add each adjacent pair of
+    uint8 activation × int8 weight products in a saturating int16. Per output channel a carry row is rounded to
+    ±127 wherever it is nonzero; a pair of those meeting two large activations (255) would need 64,770 > 32,767,
+    and the carried mean came out clipped (all-MiniLM-L6-v2 on an AVX2 machine: 11x the original's int8 error).
+    Every carry row has at most one nonzero weight in each pair, so its worst pair fits; the model stays exact."""
+    model = build(APPROXIMATE, "bert")
+    original = copy.deepcopy(model)
+    normswap.patch(model, mode="exact")
+    assert _fp64_error(original, model) <= 1e-9
+    carries = normswap.plan_of(model).mean_carries
+    assert carries
+    for c in carries:
+        up = model.get_submodule(c.up).weight.detach().double()
+        rows = up[c.hidden:c.hidden + MeanCarry.NEURONS]
+        q = torch.round(rows / rows.abs().amax(dim=1, keepdim=True) * 127).abs()  # per-channel symmetric int8
+        pairs = q[:, 0:c.features - 1:2] + q[:, 1::2][:, :q[:, 0:c.features - 1:2].shape[1]]
+        assert float(pairs.max()) * 255 <= 32767, f"{c.up}: a carry row's pair needs {float(pairs.max()) * 255:.0f}"
