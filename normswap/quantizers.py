@@ -110,7 +110,8 @@ QUANTIZERS: dict[str, Quantizer] = {q.name: q for q in (
                        "defaults"),
     Quantizer("onnxruntime-dynamic-per-channel", "ONNX Runtime `quantize_dynamic`, per-channel weights",
               why="one scale per weight row absorbs every fold: the defaults",
-              measured="Whisper tiny.en native 1.02 (0.93-1.12)"),
+              measured="Whisper tiny.en native 1.02 (0.93-1.12); paraphrase-MiniLM-L3-v2 0.94, all-MiniLM-L6-v2 "
+                       "0.99 (AVX2, no VNNI: 3.4 and 11.2 before round 61's carry pairs)"),
     Quantizer("onnxruntime-static", "ONNX Runtime static QDQ", format="compat",
               native="ONNX Runtime's own quantize_static rounds the native format's stem op twice (DINOv2-shaped "
                      "1.29): quantize it with normswap.integrations.onnx.quantize_static (0.86)",
@@ -128,7 +129,8 @@ QUANTIZERS: dict[str, Quantizer] = {q.name: q for q in (
               {**_kinds({"writer_centering": "op"}, _PRE_LN), "post-ln": POST_LN_OPS},
               why="NNCF rounds each weight row on its own scale: the writers keep the original's rows (one op "
                   "each); Post-LN norms take per-norm ops",
-              measured="DINOv2-small 1.13-1.15 → 1.03; all-mpnet-base-v2 1.11 → 0.995-1.008"),
+              measured="DINOv2-small 1.13-1.15 → 1.03; all-mpnet-base-v2 1.11 → 0.995-1.008; held-out "
+                       "paraphrase-MiniLM-L3-v2 1.19 → 1.24 (its centered embedding tables)"),
     Quantizer("openvino-int4", "OpenVINO NNCF int4 groups, static int8", {"post-ln": POST_LN_OPS},
               why="symmetric int4 groups round a mean carry's added neurons coarsely: Post-LN norms take per-norm "
                   "ops (or keep the carry and use NNCF's INT4_ASYM)",
