@@ -183,6 +183,16 @@ def _int8_per_tensor(w: torch.Tensor) -> torch.Tensor:
     return torch.round(w / step).clamp(-127, 127) * step
 
 
+def _exact_carries(model):
+    """Patch ``model`` exactly (checked against its float64 original) and return the plan's mean carries (some)."""
+    original = copy.deepcopy(model)
+    normswap.patch(model, mode="exact")
+    assert _fp64_error(original, model) <= 1e-9
+    carries = normswap.plan_of(model).mean_carries
+    assert carries
+    return carries
+
+
 def _per_tensor_gain(up: torch.Tensor, down: torch.Tensor, c) -> float:
     """The carry's gain ``s·(1/s)`` after per-tensor int8 rounding of both matrices (1 in float)."""
     return float(_int8_per_tensor(up)[c.hidden, 0] * c.features * -_int8_per_tensor(down)[0, c.hidden])
@@ -201,12 +211,7 @@ def test_carry_columns_keep_their_per_tensor_gain_and_set_no_rows_weight_scale()
             w = layer.output.dense.weight
             w.mul_(0.2 / w.abs().max())
             w[3, 5] = 0.71 + 0.29 * i
-    original = copy.deepcopy(model)
-    normswap.patch(model, mode="exact")
-    assert _fp64_error(original, model) <= 1e-9
-    carries = normswap.plan_of(model).mean_carries
-    assert carries
-    for c in carries:
+    for c in _exact_carries(model):
         down = model.get_submodule(c.down).weight.detach().double()
         up = model.get_submodule(c.up).weight.detach().double()
         real = down[:, :c.hidden]
@@ -333,14 +338,9 @@ def test_carry_rows_fit_int8_gemms_that_add_product_pairs_in_int16():
     and the carried mean came out clipped (all-MiniLM-L6-v2 on an AVX2 machine: 11x the original's int8 error).
     Every carry row has at most one nonzero weight in each pair, so its worst pair fits; the model stays exact."""
     model = build(APPROXIMATE, "bert")
-    original = copy.deepcopy(model)
-    normswap.patch(model, mode="exact")
-    assert _fp64_error(original, model) <= 1e-9
-    carries = normswap.plan_of(model).mean_carries
-    assert carries
-    for c in carries:
+    for c in _exact_carries(model):
         up = model.get_submodule(c.up).weight.detach().double()
         rows = up[c.hidden:c.hidden + MeanCarry.NEURONS]
         q = torch.round(rows / rows.abs().amax(dim=1, keepdim=True) * 127).abs()  # per-channel symmetric int8
-        pairs = q[:, 0:c.features - 1:2] + q[:, 1::2][:, :q[:, 0:c.features - 1:2].shape[1]]
+        pairs = q[:, :c.features // 2 * 2].reshape(len(q), -1, 2).sum(-1)  # the kernel's adjacent pairs
         assert float(pairs.max()) * 255 <= 32767, f"{c.up}: a carry row's pair needs {float(pairs.max()) * 255:.0f}"
