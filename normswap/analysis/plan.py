@@ -22,12 +22,14 @@ RUNTIME_SITE_FIELDS = ("writer_targets", "linear_readers", "rotation_ops", "rota
 # values the traced run summed into each norm's input), never from a reason's words, and the same whatever options
 # the plan was made with (normswap.analysis.planner._stream_kind):
 # - "writers": no norm's output: every term is a writer (a Linear, conv, embedding, parameter) or another op;
-# - "norm-start": a norm's output that several norms' inputs share: it starts their stream (BLOOM's embedding
+# - "norm-start": a norm's output that several norms' inputs share, or that a norm reads alone (a ViT classifier's
+#   head LayerNorm reading the encoder's final norm): it starts their stream (BLOOM's embedding
 #   LayerNorm, CLIP's pre-LayerNorm, ModernBERT's embedding norm, Swin's patch-embedding norm), and one op where the
 #   stream starts stands for all of them (where one can sit): Pre-LN all the same;
-# - "post-ln": a norm's output summed into this norm's input and no other norm's: the norms form a chain, each
-#   reading the last one's output plus what its block computed from it (BERT, BART, DeBERTa, ALBERT), and each
-#   must cancel that mean on its own: exact by a mean carry, exact with an op before it, or approximate.
+# - "post-ln": a norm's output summed with other terms (a residual add) into this norm's input and no other norm's:
+#   the norms form a chain, each reading the last one's output plus what its block computed from it (BERT, BART,
+#   DeBERTa, ALBERT), and each must cancel that mean on its own: exact by a mean carry, exact with an op before it,
+#   or approximate.
 STREAM_KINDS = ("writers", "norm-start", "post-ln")
 RESIDUAL_WHY = "the residual add's other writer"  # in beta_detail: β folded out of a Post-LN norm (ResidualFold)
 # appended to the beta_detail of an exact norm that keeps β although a ResidualFold could take it out

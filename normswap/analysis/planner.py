@@ -694,19 +694,25 @@ def _plan_site(st: Planning, path: str, site: NormSite) -> SitePlan:
 
 def _stream_kind(st: Planning, calls: list[ModuleCall]) -> str:
     """What the norm's input stream carries besides writers (``SitePlan.stream_kind``, one of ``STREAM_KINDS``),
-    over all its calls: ``"post-ln"`` where some term is a Post-LN norm output (:func:`_post_ln_term`), else
-    ``"norm-start"`` where some term is a norm's output (one that starts a stream several norms share), else
-    ``"writers"``.
+    over all its calls: ``"post-ln"`` where some call sums a Post-LN norm output (:func:`_post_ln_term`) with other
+    terms (a residual add: BERT's ``h + FFN(h)``), else ``"norm-start"`` where some term is a norm's output (one that
+    starts a stream several norms share, or one a norm reads alone: a ViT classifier's head LayerNorm reading the
+    encoder's final norm, AST, Cosmos3-Edge's projector), else ``"writers"``.
 
     Read from the stream's terms alone (``st.site_terms``: which values the traced run summed into each norm's
     input), not from what the plan made of them: a Post-LN norm is ``"post-ln"`` whether a mean carry makes it
     exact, an op before it does (``per_norm_centering``) or it stays approximate, whatever its reason says (a reason
     speaks of the first problem term only, and of whether an op could be placed), so ``quantizer=`` reads the
     model's kind from this field (:func:`normswap.quantizers.model_kind`), never from a reason's words."""
-    terms = [t for call in calls for t in st.site_terms[call.id] if t.kind == "norm"]
-    if any(_post_ln_term(st, t) for t in terms):
-        return "post-ln"
-    return "norm-start" if terms else "writers"
+    norm_terms = False
+    for call in calls:
+        terms = st.site_terms[call.id]
+        norms = [t for t in terms if t.kind == "norm"]
+        norm_terms = norm_terms or bool(norms)
+        # a residual sum (the norm output plus what a block computed): a norm's output read alone is only passed on
+        if len(terms) > len(norms) and any(_post_ln_term(st, t) for t in norms):
+            return "post-ln"
+    return "norm-start" if norm_terms else "writers"
 
 
 def _post_ln_term(st: Planning, term: Term) -> bool:

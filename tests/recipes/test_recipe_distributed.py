@@ -41,9 +41,12 @@ def _launch(config: str, out: Path, source: Path, corpus: Path, *extra: str) -> 
 
 
 def _our_lines(text: str) -> list[str]:
-    """normswap's own output lines (not torch's launcher chatter, which starts with a log prefix)."""
+    """normswap's own output lines: not torch's launcher chatter (which starts with a log prefix), nor torchao's
+    import-time notes on its CUDA extensions, which every process that imports it prints on a CPU-only machine (the
+    ``dev`` extra installs torchao; PEFT and accelerate import it when present)."""
     return [line for line in text.replace("\r", "\n").splitlines()
-            if line.strip() and not line.startswith(("W1", "E1", "I1", "[W", "[I"))]
+            if line.strip() and not line.startswith(("W1", "E1", "I1", "[W", "[I"))
+            and not (line.startswith("Failed to load ") and "/torchao/" in line)]
 
 
 def _check_run(proc: subprocess.CompletedProcess, out: Path) -> None:
