@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from onnx_dinov2_import import onnx_constant  # noqa: E402  (the same graph lookup)
 
 _LINEAR = re.compile(r"/encoder/layer\.(\d+)/(attention/self/(?:query|key|value)|attention/output/dense"
                      r"|intermediate/dense|output/dense)/MatMul$")
@@ -76,18 +77,6 @@ def encoder_state(model: Any, prefix: str) -> dict[str, torch.Tensor]:
     return state
 
 
-def _constant(graph: Any, output: str) -> torch.Tensor | None:
-    from onnx import numpy_helper
-
-    for node in graph.node:
-        if node.op_type == "Constant" and node.output[0] == output:
-            return torch.from_numpy(numpy_helper.to_array(node.attribute[0].t).copy())
-    for init in graph.initializer:
-        if init.name == output:
-            return torch.from_numpy(numpy_helper.to_array(init).copy())
-    return None
-
-
 def encoder_config(model: Any, state: dict[str, torch.Tensor]) -> dict[str, Any]:
     """The ``BertConfig`` fields: shapes from the state dict; heads and ``layer_norm_eps`` from the graph."""
     graph = model.graph
@@ -97,7 +86,7 @@ def encoder_config(model: Any, state: dict[str, torch.Tensor]) -> dict[str, Any]
     for node in graph.node:
         # scores = q kᵀ / sqrt(head_dim) (older exporters: * head_dim ** -0.5, or q and k each * head_dim ** -0.25)
         if node.op_type in ("Div", "Mul") and heads is None and "/encoder/layer.0/attention/self/" in node.name:
-            value = _constant(graph, node.input[1])
+            value = onnx_constant(graph, node.input[1])
             if value is None or value.numel() != 1 or float(value) <= 0:
                 continue
             for power in ((2,) if node.op_type == "Div" else (-2, -4)):

@@ -91,7 +91,8 @@ def backbone_state(model: Any, prefix: str = "backbone.") -> dict[str, torch.Ten
     return state
 
 
-def _constant(graph: Any, output: str) -> torch.Tensor | None:
+def onnx_constant(graph: Any, output: str) -> torch.Tensor | None:
+    """The tensor named ``output`` in ``graph``, from a ``Constant`` node or an initializer (None if neither)."""
     from onnx import numpy_helper
 
     for node in graph.node:
@@ -117,7 +118,7 @@ def backbone_config(model: Any, state: dict[str, torch.Tensor], prefix: str = "b
         # by head_dim ** -0.5): the head count is the width over the head_dim that scalar gives
         in_attention = node.name.startswith(f"{node_prefix}/encoder/layer.0/attention/")
         if node.op_type == "Mul" and heads is None and in_attention:
-            value = _constant(graph, node.input[1])
+            value = onnx_constant(graph, node.input[1])
             if value is not None and value.numel() == 1 and 0 < float(value) < 1:
                 for power in (4, 2):
                     head_dim = round(float(value) ** -power)
@@ -125,7 +126,7 @@ def backbone_config(model: Any, state: dict[str, torch.Tensor], prefix: str = "b
                         heads = hidden // head_dim
                         break
         if node.op_type == "Add" and node.name == f"{node_prefix}/encoder/layer.0/norm1/Add":
-            value = _constant(graph, node.input[1])
+            value = onnx_constant(graph, node.input[1])
             eps = None if value is None else float(f"{float(value.reshape(-1)[0]):.6g}")  # float32 → 1e-6, not 9.99e-7
     if heads is None:
         raise SystemExit("could not read the head count from the graph (no q/k scaling constant in layer 0)")
