@@ -19,13 +19,16 @@ import os
 import socket
 import sys
 
+from warm_python import exit_status  # this file runs as a script: its folder is on sys.path
+
 
 def _run_child(req: dict) -> int:
     os.chdir(req["cwd"])
     os.environ.clear()
     os.environ.update(req["env"])
     args = req["argv"]
-    try:
+
+    def run() -> None:
         if req["kind"] == "normswap":
             from normswap.cli import main
 
@@ -43,19 +46,8 @@ def _run_child(req: dict) -> int:
             else:
                 sys.argv = list(args)
                 runpy.run_path(args[0], run_name="__main__")
-        return 0
-    except SystemExit as e:
-        if e.code is None:
-            return 0
-        if isinstance(e.code, int):
-            return e.code
-        print(e.code, file=sys.stderr)
-        return 1
-    except BaseException:  # noqa: BLE001 - report like an interpreter would
-        import traceback
 
-        traceback.print_exc()
-        return 1
+    return exit_status(run)
 
 
 def _import_what_a_conversion_imports() -> None:

@@ -30,6 +30,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 # What a fresh interpreter's first model load imports; nothing of normswap, nothing that runs at import
@@ -50,8 +51,15 @@ def _run_child(req: dict) -> int:
     main = types.ModuleType("__main__")
     main.__dict__["__builtins__"] = __builtins__
     sys.modules["__main__"] = main
+    return exit_status(lambda: exec(compile(req["code"], "<string>", "exec"), main.__dict__))
+
+
+def exit_status(run: Callable[[], object]) -> int:
+    """Call ``run`` and return the exit status an interpreter running it as its program would: 0, a
+    ``SystemExit``'s code (its message on stderr and 1 for a non-integer one), or 1 with the traceback printed
+    for any other exception. Also the docs examples' fork server's (``tests/docs_runner.py``)."""
     try:
-        exec(compile(req["code"], "<string>", "exec"), main.__dict__)
+        run()
         return 0
     except SystemExit as e:
         if e.code is None:
