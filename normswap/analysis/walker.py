@@ -182,6 +182,23 @@ def _reduce_options(module: nn.Module, x: torch.Tensor, params: list[torch.Tenso
     return out
 
 
+def agrees(candidate: torch.Tensor, y: torch.Tensor, tol: float) -> bool:
+    """Does a formula's output ``candidate`` match the module's output ``y`` within ``tol`` of the larger of
+    their magnitudes?
+
+    Relative, never absolute: on inputs far below √ε a LayerNorm computes about ``(x − μ)/√ε``, and a
+    tolerance of ``tol`` in absolute terms (what a floor of 1 on the scale gave) let any module named like a
+    norm match a formula there. A tiny random D-FINE's backbone runs at 3e-8: its frozen BatchNorm2d
+    (``DFineFrozenBatchNorm2d``, per-channel ``x·s + b``, output 3e-8) matched a non-affine LayerNorm over the
+    image's width (output 1e-5) and was converted."""
+    if candidate.shape != y.shape:
+        return False
+    if not y.numel():
+        return True
+    scale = max(float(y.abs().max()), float(candidate.abs().max()))
+    return bool(((candidate - y).abs() <= tol * scale).all())
+
+
 def identify(path: str, module: nn.Module, x: torch.Tensor, y: torch.Tensor,
              probe: Callable[[torch.Tensor], Any] | None = None) -> NormSite | SkippedNorm | None:
     """Match the captured ``y = module(x)`` against LayerNorm / RMSNorm formulas (float64).
@@ -204,10 +221,9 @@ def identify(path: str, module: nn.Module, x: torch.Tensor, y: torch.Tensor,
     direct = _affine_tensors(module)
     tensors = dict(direct)
     tol = 1e-5 if x.dtype in (torch.float32, torch.float64) else 2e-2
-    scale = max(1.0, float(y64.abs().max())) if y64.numel() else 1.0
 
     def close(candidate: torch.Tensor) -> bool:
-        return candidate.shape == y64.shape and bool(((candidate - y64).abs() <= tol * scale).all())
+        return agrees(candidate, y64, tol)
 
     for reduce in _reduce_options(module, x, [p for _, p in direct]):
         dims = tuple(range(-len(reduce), 0))
@@ -337,7 +353,6 @@ def identify_gated(path: str, module: nn.Module, x: torch.Tensor, gate: torch.Te
         counts.add(d // size)
     weights = [(n, p.detach().double()) for n, p in module._parameters.items()
                if p is not None and tuple(p.shape) == (d,)] + [(None, None)]
-    scale = max(1.0, float(y64.abs().max())) if y64.numel() else 1.0
     tol = 1e-5 if x.dtype in (torch.float32, torch.float64) else 2e-2
     for eps in _eps_of(module):
         for groups in sorted(c for c in counts if d % c == 0):
@@ -348,7 +363,7 @@ def identify_gated(path: str, module: nn.Module, x: torch.Tensor, gate: torch.Te
                         cand = hat if w is None else hat * w
                         if not gate_first:
                             cand = cand * silu
-                        if not bool(((cand - y64).abs() <= tol * scale).all()):
+                        if not agrees(cand, y64, tol):
                             continue
                         kind = "LayerNorm" if center else "RMSNorm"
                         formula = f"{kind} of x·silu(gate)" if gate_first else f"{kind} of x, times silu(gate)"
@@ -367,7 +382,6 @@ def identify_flattened_heads(path: str, module: nn.Module, x: torch.Tensor, y: t
     if x64.dim() < 2 or y64.shape != (*x64.shape[:-2], x64.shape[-2] * x64.shape[-1]):
         return None
     direct = [(n, p.detach().double()) for n, p in module._parameters.items() if p is not None]
-    scale = max(1.0, float(y64.abs().max())) if y64.numel() else 1.0
     tol = 1e-5 if x.dtype in (torch.float32, torch.float64) else 2e-2
     for eps in _eps_of(module):
         for center in (True, False):
@@ -381,7 +395,7 @@ def identify_flattened_heads(path: str, module: nn.Module, x: torch.Tensor, y: t
                         cand = cand + dict(direct)[b_attr]
                 except RuntimeError:
                     continue
-                if cand.shape == y64.shape and bool(((cand - y64).abs() <= tol * scale).all()):
+                if agrees(cand, y64, tol):
                     kind = "LayerNorm" if center else "RMSNorm"
                     return SkippedNorm(path, type(module).__name__,
                                        f"{kind} per head ({x64.shape[-2]} heads of {x64.shape[-1]}) whose output "

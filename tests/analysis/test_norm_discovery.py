@@ -294,3 +294,59 @@ def test_a_norm_run_only_on_no_rows_is_kept_with_that_reason():
     assert any(s["name"] == "side" and "no rows" in s["reason"] for s in report.plan.skipped), report.plan.skipped
     assert isinstance(model.side, nn.LayerNorm)
     assert (model(x) - reference).abs().max() <= 1e-9 * reference.abs().max()
+
+
+class FrozenBatchNorm2d(nn.Module):
+    """D-FINE's / DETR's frozen BatchNorm2d: a per-channel ``x·s + b`` over a (B, C, H, W) map, named like a norm."""
+
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.weight = nn.Buffer(torch.rand(c) + 0.5)
+        self.bias = nn.Buffer(torch.randn(c) * 1e-7)
+        self.running_mean = nn.Buffer(torch.randn(c) * 1e-7)
+        self.running_var = nn.Buffer(torch.rand(c) + 0.5)
+
+    def forward(self, x):
+        scale = self.weight.reshape(1, -1, 1, 1) * (self.running_var.reshape(1, -1, 1, 1) + 1e-5).rsqrt()
+        return x * scale + (self.bias - self.running_mean * self.weight).reshape(1, -1, 1, 1)
+
+
+class TinyActivationDetector(nn.Module):
+    """A conv backbone whose activations are far below √ε (a tiny random detector's: 1e-7), frozen BatchNorms
+    after its convs, then a Post-LN layer on the flattened map."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(3, 8, 3, padding=1, bias=False), FrozenBatchNorm2d(8)
+        self.conv2, self.bn2 = nn.Conv2d(8, 8, 1, bias=False), FrozenBatchNorm2d(8)
+        self.proj = nn.Linear(8, 8)
+        self.norm = nn.LayerNorm(8)
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, pixels):
+        h = self.bn2(self.conv2(torch.relu(self.bn1(self.conv1(pixels * 1e-7)))))
+        tokens = h.flatten(2).transpose(1, 2)
+        return self.head(self.norm(tokens + self.proj(tokens)))
+
+
+def test_a_batchnorm_on_activations_far_below_sqrt_eps_is_not_taken_for_a_layernorm():
+    """On inputs far below √ε a LayerNorm computes about ``(x − μ)/√ε``, so an absolute match tolerance let a
+    frozen BatchNorm2d over a tiny random D-FINE's backbone (activations 3e-8) pass for a non-affine LayerNorm
+    over the image's width: the defaults converted it as approximate, and ``per_norm_centering`` (``--quantizer
+    openvino-int8``'s Post-LN options) as exact, off by 2.6e-4 in the encoder's output. Only the real LayerNorm is
+    a site, and the per-norm option set converts the model exactly."""
+    torch.manual_seed(0)
+    model = TinyActivationDetector().double().eval()
+    with torch.no_grad():
+        model.norm.weight.normal_()
+        model.norm.bias.normal_()
+    original = copy.deepcopy(model)
+    pixels = torch.randn(2, 3, 4, 4, dtype=torch.float64)
+    normswap.patch(model, (pixels,), per_norm_centering=True, mean_carry=False)
+    plan = normswap.plan_of(model)
+    assert [s.name for s in plan.sites] == ["norm"]
+    assert isinstance(model.bn1, FrozenBatchNorm2d) and isinstance(model.bn2, FrozenBatchNorm2d)
+    probe = torch.randn(3, 3, 4, 4, dtype=torch.float64)
+    with torch.no_grad():
+        ref, out = original(probe), model(probe)
+    assert float((out - ref).norm() / ref.norm()) < 1e-10
