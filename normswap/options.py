@@ -253,7 +253,7 @@ class ConvertOptions:
             LayerNorm only) takes that norm's op too, and its tables keep the original's rows: NNCF's int8
             weights and ONNX Runtime's dynamic int8 round gathered tables, and the mean of a centered row's
             rounding error would pass through the exact RMSNorm (round 62). Tables whose stream several norms
-            read (GPT-2's) keep their edit.
+            read (GPT-2's), or whose norm's output starts a stream several norms share (BLOOM's), keep their edit.
         mean_carry: make a Post-LN norm exact where its stream is ``h + MLP(h)`` by widening the MLP
             with a few neurons that cancel the mean (verdict ``exact``); on by default. ``False``
             keeps the MLPs at their stock width (those norms are then approximate).

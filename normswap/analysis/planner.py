@@ -340,7 +340,9 @@ def _table_ops(st: Planning) -> None:
     1.000× with the tables left in float). The op before that one norm is a per-norm op as the Post-LN norms'
     are (the norm then computes ``LayerNorm`` itself: ``RMSNorm.centers_input``), so it is the option's to ask
     for; a table whose stream reaches several norms (GPT-2's, a Pre-LN tower's) keeps its edit: an op there
-    would be a stream-start op, which the option does not change."""
+    would be a stream-start op, which the option does not change. Nor does a table whose norm's output starts a
+    stream several norms share (BLOOM's and RWKV's embedding LayerNorm): that stream's op sits after the norm, and
+    one before it too would be a chain of two."""
     if not st.per_norm_centering:
         return
     an = st.an
@@ -352,6 +354,11 @@ def _table_ops(st: Planning) -> None:
                 continue
             if {an.graph.calls[c].path for c in an.reach(term.value, -1).site_rows} != {call.path}:
                 continue  # its stream reaches other norms too: one op before this norm would not serve them
+            if any(t.kind == "norm" and t.call == call.id and not _post_ln_term(st, t)
+                   for terms in st.site_terms.values() for t in terms):
+                # the norm's output starts a stream several norms share (BLOOM's, RWKV's embedding LayerNorm): that
+                # stream takes its own op where it starts, and an op before the norm too would be a chain of two
+                continue
             st.table_terms[term.value] = (ok, why)
             st.term_status[term.value] = (False, f"{term.label} {TABLE_WHY}")
 
