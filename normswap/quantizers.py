@@ -130,11 +130,15 @@ QUANTIZERS: dict[str, Quantizer] = {q.name: q for q in (
               why="NNCF rounds each weight row on its own scale: the writers keep the original's rows (one op "
                   "each); Post-LN norms take per-norm ops",
               measured="DINOv2-small 1.13-1.15 → 1.03; all-mpnet-base-v2 1.11 → 0.995-1.008; held-out "
-                       "paraphrase-MiniLM-L3-v2 1.19 → 1.24 (its centered embedding tables)"),
+                       "paraphrase-MiniLM-L3-v2 1.19 → 1.000, all-MiniLM-L6-v2 1.016 → 1.000 (since round 62 the "
+                       "embedding tables kept: a Post-LN checkpoint holds the original's tensors; 1.24 and 0.96 "
+                       "with them centered)"),
     Quantizer("openvino-int4", "OpenVINO NNCF int4 groups, static int8", {"post-ln": POST_LN_OPS},
               why="symmetric int4 groups round a mean carry's added neurons coarsely: Post-LN norms take per-norm "
                   "ops (or keep the carry and use NNCF's INT4_ASYM)",
-              measured="MPNet int4 sym 1.09 → 0.999-1.001; DINOv2-small int4 1.04 with the defaults"),
+              measured="MPNet int4 sym 1.09 → 0.999-1.001; paraphrase-MiniLM-L3-v2 sym/asym g128 1.000 (1.03 "
+                       "with the tables centered before round 62; the defaults 0.75/0.78); DINOv2-small int4 1.04 "
+                       "with the defaults"),
     Quantizer("openvino-static", "OpenVINO NNCF int4 groups, static int8", {"post-ln": POST_LN_OPS},
               why="as openvino-int4 (the same row): Post-LN norms take per-norm ops",
               measured="MPNet int4 sym 1.09 → 0.999-1.001 (the row's int4 cells)"),

@@ -733,8 +733,9 @@ def test_per_norm_centering_flag_makes_post_ln_exact_and_says_so(tmp_path):
     assert code == 0, err
     manifest = json.loads((out / "config.json").read_text())["normswap"]
     assert manifest["counts"].get("approximate", 0) == 0
-    # the FFN-output norms need no centering op (their MLPs carry the mean); the other two get one each
-    assert manifest["counts"]["exact-with-per-norm-centering"] == 2
+    # the FFN-output norms need no centering op (their MLPs carry the mean); the other two get one each, and so does
+    # the embeddings' norm, which alone reads the tables' stream (the tables keep their rows: round 62)
+    assert manifest["counts"]["exact-with-per-norm-centering"] == 3
     assert manifest["verification"]["max_rel_error"] < 1e-9
     # without the flag the warning names the flag in CLI words, not the API's keyword
     code, stdout, err, _ = run("convert", "tiny-bert", "--out", str(tmp_path / "b2"))

@@ -129,6 +129,9 @@ class Planning:
     stem_terms: dict[int, tuple[bool, str]] = field(default_factory=dict)
     # writer term value -> its weight edits' status, restored where no op can take its place (_writer_ops)
     writer_terms: dict[int, tuple[bool, str]] = field(default_factory=dict)
+    # embedding table term value -> its weight edits' status, restored where its norm takes no op (_table_ops)
+    table_terms: dict[int, tuple[bool, str]] = field(default_factory=dict)
+    table_ops: set[int] = field(default_factory=set)  # the hooked values of the tables' ops (_place_table_ops)
     # norm output value -> how many norm calls sum it into their input (_post_ln_term, filled on first use)
     norm_term_calls: dict[int, int] | None = None
 
@@ -212,6 +215,7 @@ def analyse(model: nn.Module, graph: Graph, sites: list[NormSite], *, untie: boo
     _find_writers(st)
     _center_writers(st)
     _stem_ops(st)
+    _table_ops(st)
     _writer_ops(st)
     _place_centering_ops(st)
     _commit_writer_edits(st)
@@ -275,7 +279,8 @@ def _center_writers(st: Planning) -> None:
             st.term_status[term.value] = (why is None, f"{term.label} {why}" if why else "")
 
 
-# writer kinds whose weights int8/4-bit quantizers round (MatMul/Conv weights); an Embedding's table is a gather
+# writer kinds whose weights int8/4-bit quantizers round (MatMul/Conv weights); an Embedding's table is a gather,
+# which NNCF's int8 weights and ONNX Runtime's dynamic int8 round too: its own rule, _table_ops
 _QUANTIZED_WRITERS = ("linear", "conv1d", "conv")
 STEM_WHY = "(its weights kept: quantizers round them; stem_centering='op')"
 
@@ -292,8 +297,9 @@ def _stem_ops(st: Planning) -> None:
     rounding error, which the original's first LayerNorm removed, stays in every token of the stream: no
     RMSNorm after it removes a mean (DINOv2-small's patch convolution in per-channel int8,
     ``docs/results/quantization.md``). One op (one mean per token at the stream start) keeps the writer's
-    weights as they were and removes that error's mean as the original did. Embedding tables (gathers, not
-    rounded by weight quantizers) and streams no such writer starts keep their weight edits.
+    weights as they were and removes that error's mean as the original did. Embedding tables (gathers) and
+    streams no such writer starts keep their weight edits here (a table under ``per_norm_centering``:
+    :func:`_table_ops`).
     """
     if st.stem_centering != "op":
         return
@@ -315,6 +321,80 @@ def _stem_ops(st: Planning) -> None:
                 continue
             st.stem_terms[term.value] = (ok, why)
             st.term_status[term.value] = (False, f"{term.label} {STEM_WHY}")
+
+
+TABLE_WHY = "(its table kept: weight quantizers round gathered tables too; per_norm_centering)"
+
+
+def _table_ops(st: Planning) -> None:
+    """``per_norm_centering``: mark each embedding table that starts a stream one norm alone reads (BERT's word,
+    position and token-type tables, read by the embeddings' LayerNorm only) as centered by that norm's own op
+    rather than by its rows (``st.table_terms``); :func:`_place_table_ops` puts the op on the norm's input, and
+    puts the table's edit back where none fits.
+
+    **Rule: under per-norm ops, a table whose stream one norm alone reads keeps its rows.** Centering the rows is
+    exact, but NNCF's ``compress_weights`` (int8 asymmetric per row, every ``Gather`` table) and ONNX Runtime's
+    dynamic int8 (``Gather``) round tables too, and the mean of each centered row's rounding error, which the
+    original's LayerNorm removed, then passes through the exact RMSNorm into every token (round 61, the held-out
+    paraphrase-MiniLM-L3-v2: NNCF int8 weights 1.24× the original's error with ``--quantizer openvino-int8``,
+    1.000× with the tables left in float). The op before that one norm is a per-norm op as the Post-LN norms'
+    are (the norm then computes ``LayerNorm`` itself: ``RMSNorm.centers_input``), so it is the option's to ask
+    for; a table whose stream reaches several norms (GPT-2's, a Pre-LN tower's) keeps its edit: an op there
+    would be a stream-start op, which the option does not change. Nor does a table whose norm's output starts a
+    stream several norms share (BLOOM's and RWKV's embedding LayerNorm): that stream's op sits after the norm, and
+    one before it too would be a chain of two."""
+    if not st.per_norm_centering:
+        return
+    an = st.an
+    for call in an.site_calls:
+        for term in st.site_terms[call.id]:
+            ok, why = st.term_status[term.value]
+            if not ok or term.kind != "module" or term.value in st.table_terms or term.value in st.stem_terms \
+                    or writer_kind(an.modules[term.module_path]) != "embedding" or an.depends_on_norm(term.value):
+                continue
+            if {an.graph.calls[c].path for c in an.reach(term.value, -1).site_rows} != {call.path}:
+                continue  # its stream reaches other norms too: one op before this norm would not serve them
+            if any(t.kind == "norm" and t.call == call.id and not _post_ln_term(st, t)
+                   for terms in st.site_terms.values() for t in terms):
+                # the norm's output starts a stream several norms share (BLOOM's, RWKV's embedding LayerNorm): that
+                # stream takes its own op where it starts, and an op before the norm too would be a chain of two
+                continue
+            st.table_terms[term.value] = (ok, why)
+            st.term_status[term.value] = (False, f"{term.label} {TABLE_WHY}")
+
+
+def _place_table_ops(st: Planning) -> None:
+    """The tables' ops (:func:`_table_ops`): one on the input of the norm each table's stream reaches, shared by
+    every table of that stream (per norm, as ``per_norm_centering``'s Post-LN ops); a table whose norm takes no
+    op on its own input (it normalises more than the last axis) keeps its edit."""
+    an = st.an
+    for call in an.site_calls:
+        for term in st.site_terms[call.id]:
+            if term.value not in st.table_terms:
+                continue
+            vid = an.site_input.get(call.id)
+            if vid in st.table_ops:
+                continue  # another table of the same stream placed it
+            spot = next((h for v, h in an.hook_candidates(term, at_norms=True)
+                         if v == vid and h.where == "input" and h.module == call.path), None)
+            reach = an.own_input_reach(vid, call) if spot is not None else None
+            if reach is None or call.id not in reach.site_rows:
+                st.term_status[term.value] = st.table_terms.pop(term.value)  # centered by its rows after all
+                continue
+            spot.reason = (f"stream written by embedding tables ({term.label} first): one mean per token before this "
+                           "norm, which reads that stream alone; the tables keep their rows (weight quantizers "
+                           "round gathered tables too; per_norm_centering)")
+            spot.per_norm = True
+            st.hooks[vid] = (spot, reach)
+            st.table_ops.add(vid)
+
+
+def _table_op_serves(st: Planning, term: Term) -> bool:
+    """Does a table's op (:func:`_place_table_ops`) already center every norm call ``term`` reaches? (A tied word
+    table, which no weight edit centers, then needs no op of its own: the op on its norm's input centers it.)"""
+    calls = st.an.reach(term.value, -1).site_rows
+    served = {c for vid in st.table_ops for c in st.hooks[vid][1].site_rows}
+    return bool(calls) and all(c in served for c in calls)
 
 
 WRITER_WHY = "(its weights kept: quantizers round them; writer_centering='op')"
@@ -436,15 +516,19 @@ def _place_centering_ops(st: Planning) -> None:
     """
     inner = {call.path for call in st.an.site_calls for term in st.site_terms[call.id]
              if not st.term_status[term.value][0] and term.kind != "norm" and term.value not in st.stem_terms
-             and term.value not in st.writer_terms and _reaches_one_norm(st, term)}
+             and term.value not in st.writer_terms and term.value not in st.table_terms
+             and _reaches_one_norm(st, term)}
     # one such norm is one op for the model (wav2vec2's conv feature extractor, GELU, then its projection
     # norm); one per block (NormFormer's mid-MLP norms, ConvNeXt's block norms) is LayerNorm by another name
     st.one_norm_ops = len(inner) >= 2
+    _place_table_ops(st)
     for call in st.an.site_calls:
         for term in st.site_terms[call.id]:
             if st.term_status[term.value][0] or st.centered_by_op(term.value) or term.value in st.stem_terms \
-                    or term.value in st.writer_terms:
+                    or term.value in st.writer_terms or term.value in st.table_terms:
                 continue
+            if st.table_terms and term.kind != "norm" and _table_op_serves(st, term):
+                continue  # a tied table beside centered ones: the tables' op on its norm's input centers it too
             per_norm = _needs_op_per_norm(st, term)
             if per_norm and not st.per_norm_centering:
                 continue

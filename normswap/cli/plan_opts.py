@@ -62,7 +62,8 @@ PLAN_OPTIONS = (
         "--per-norm-centering",
         is_flag=True,
         help="Post-LN norms: insert one centering op (a mean per token) before each, which makes them exact "
-        "at LayerNorm's cost (verdict exact-with-per-norm-centering, counted apart).",
+        "at LayerNorm's cost (verdict exact-with-per-norm-centering, counted apart). An embedding norm that alone "
+        "reads its tables' stream (BERT) takes one too, and the tables keep their rows.",
     ),
     click.option(
         "--no-mean-carry",

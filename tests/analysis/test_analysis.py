@@ -260,7 +260,12 @@ def test_per_norm_centering_makes_post_ln_norms_exact_with_one_op_each():
     assert verdicts["n1.0"] == verdicts["n1.1"] == "exact-with-per-norm-centering"
     assert plan.counts()["approximate"] == 0
     per_norm = [h for h in plan.hooks if h.per_norm]
-    assert len(per_norm) == 2 and all("one mean per token before this norm" in h.reason for h in per_norm)
+    # one op before each Post-LN norm, and one before the embeddings' norm, which alone reads the tables' stream
+    # (the tables keep their rows: round 62)
+    assert sorted(h.module for h in per_norm) == ["emb_norm", "n1.0", "n1.1"]
+    assert all("one mean per token before this norm" in h.reason for h in per_norm)
+    assert verdicts["emb_norm"] == "exact-with-per-norm-centering"
+    assert "tok.weight" not in {e.target for e in plan.writer_edits}
     assert plan.site("n1.0").reason.startswith("centering op at ")
 
 
