@@ -285,7 +285,9 @@ def shrink(config: object, depth: int = 0, ids: list[int] | None = None, images:
         if flat and "mrope_section" not in rope and multimodal_rope:
             rope["mrope_section"] = [16, 24, 24]  # the modeling code's default when the config has none
         if isinstance(rope, dict) and isinstance(rope.get("mrope_section"), list) and isinstance(head_dim, int):
-            half, n = head_dim // 2, len(rope["mrope_section"])
+            # the rotary half-width: a partial rotary factor (GLM-4V-MoE's 0.5) rotates that share of a head
+            partial = rope.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0)) or 1.0
+            half, n = int(head_dim * partial) // 2, len(rope["mrope_section"])
             rope["mrope_section"] = [half - (n - 1) * (half // n)] + [half // n] * (n - 1)
     vision = d.get("vision_config")
     if isinstance(d.get("image_grid_pinpoints"), list) and isinstance(getattr(vision, "image_size", None), int):
