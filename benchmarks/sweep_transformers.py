@@ -33,14 +33,15 @@ crash costs one row. ``--jobs`` runs that many workers side by side.
 
 ``--write`` writes docs/results/transformers-sweep.md and benchmarks/transformers_sweep.json.
 
-An engine's option sets (round 61): ``--quantizer ENGINE`` passes ``quantizer=ENGINE`` to every ``normswap.patch``
+An engine's option sets (rounds 61-62): ``--quantizer ENGINE`` passes ``quantizer=ENGINE`` to every ``normswap.patch``
 call; each class records the model kind found (``kind``); ``--write`` then writes
-``benchmarks/transformers_sweep_q61_<engine>.json`` (compact rows) and prints the comparison with the defaults'
-JSON, which ``--compare`` prints again from the files:
+``benchmarks/transformers_sweep_q62_<engine>.json`` (compact rows; round 61's rows merged in, each row's ``swept_on``
+says which code swept it) and prints the comparison with the defaults' JSON, which ``--compare`` prints again from the
+files:
 
     PYTHONPATH=$PWD python benchmarks/sweep_transformers.py --quantizer openvino-int8 --write --jobs 2
     python benchmarks/sweep_transformers.py --compare benchmarks/transformers_sweep.json \\
-        --json benchmarks/transformers_sweep_q61_openvino-int8.json
+        --json benchmarks/transformers_sweep_q62_openvino-int8.json
 
 The normswap swept is the one Python imports: ``PYTHONPATH=$PWD`` for this checkout,
 ``PYTHONPATH=/path/to/other/checkout`` for another (the before/after numbers), else the installed one;
@@ -67,8 +68,9 @@ TYPE_LIMIT_S = 150  # per type, both classes: past this the worker is killed and
 MAX_PARAMS = 30_000_000  # a "tiny" config still above this is not built (memory on a shared machine)
 MAX_VOCAB = 65_536  # a tiny vocabulary kept larger than this (to fit a special id) is renumbered instead
 EXACT_LIMIT = 1e-9
-# a --quantizer sweep's JSON with --write (round 61's runs); the defaults' JSON and page are left alone
-QUANTIZER_JSON = "transformers_sweep_q61_{}.json"
+# a --quantizer sweep's JSON with --write (rounds 61 and 62, one file per engine); the defaults' JSON and page are
+# left alone
+QUANTIZER_JSON = "transformers_sweep_q62_{}.json"
 # the page's hand-written sections start here: --write regenerates what is above and keeps this and what follows
 KEEP = "<!-- hand-written below: sweep_transformers.py --write keeps this line and what follows -->"
 
@@ -1592,7 +1594,7 @@ def difference(a: dict | None, b: dict | None) -> str:
     return "same" if same and oa == ob else "expected"
 
 
-# what a --quantizer row keeps in its JSON (benchmarks/transformers_sweep_q61_*.json, kept under 200 KB): what
+# what a --quantizer row keeps in its JSON (benchmarks/transformers_sweep_q62_*.json, kept under 200 KB): what
 # --compare reads; the per-phase seconds, the report's message, the verification figure and the import path are
 # dropped
 SLIM_KEYS = ("class", "build", "patch", "counts", "not_called", "err", "kind", "inputs", "not_run", "shrink")
