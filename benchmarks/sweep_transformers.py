@@ -883,6 +883,10 @@ OVERRIDES: dict[str, dict] = {
     # the hybrid layers share one transformer, tied from the first hybrid layer to the others: transformers'
     # tie needs a second hybrid layer to exist, and one-of-each-kind keeps one
     "zamba": {"num_hidden_layers": 3, "layers_block_type": ["linear_attention", "hybrid", "hybrid"]},
+    # PVT's per-stage sizes are tuples the per-layer rules leave whole, and its last stage (no sequence reduction)
+    # holds the cls token: the stage count stays with the tuples (cut to 2, the cls token landed on a reducing
+    # stage and the reshape failed)
+    "pvt": {"num_encoder_blocks": 4},
 }
 
 

@@ -143,6 +143,17 @@ def test_multimodal_rope_sections_sum_to_the_partial_rotary_half_width():
     _runs(tf.Glm4vMoeTextModel(config), input_ids=torch.randint(0, config.vocab_size, (1, 5)))
 
 
+def test_pvt_keeps_its_stage_count_and_runs():
+    """PVT's cls token sits on its last stage, the one without sequence reduction: the tiny config keeps the four
+    stages its per-stage tuples describe, and the model runs on normswap's built inputs (round 61: two stages, the
+    cls token on a reducing stage, a reshape error)."""
+    sweep = _sweep()
+    model = sweep.build("PvtModel", "pvt")
+    assert model.config.num_encoder_blocks == len(model.config.sequence_reduction_ratios)
+    kw, status = sweep.built_inputs(model)
+    assert status == "ok" and sweep.runs(model, kw) is None
+
+
 def test_per_layer_lists_keep_one_layer_of_each_kind():
     """A hybrid model stays hybrid: Qwen3.5's linear and full attention both kept, every per-layer list
     as long as the layer count; Llama 4's layer-index lists renumbered into the kept layers."""
