@@ -1254,7 +1254,9 @@ def code_version(checkout: Path) -> str:
         git = ["git", "-C", str(checkout)]
         out = subprocess.run([*git, "describe", "--always", "--abbrev=9"],
                              capture_output=True, text=True, timeout=20, check=True).stdout.strip()
-        own = [f":(exclude){p.relative_to(REPO)}" for p in (JSON, DOC)]
+        # the sweep's own outputs, rewritten as rows arrive: the defaults' JSON and page, the --quantizer JSONs
+        own = [f":(exclude){p.relative_to(REPO)}" for p in (JSON, DOC)] + [
+            f":(exclude)benchmarks/{QUANTIZER_JSON.format('*')}"]
         changed = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no", "--", ".", *own],
                                  capture_output=True, text=True, timeout=20, check=True).stdout.strip()
         return f"normswap {out}{'-dirty' if changed else ''}" if out else "normswap (unknown commit)"
