@@ -33,14 +33,15 @@ crash costs one row. ``--jobs`` runs that many workers side by side.
 
 ``--write`` writes docs/results/transformers-sweep.md and benchmarks/transformers_sweep.json.
 
-An engine's option sets (round 61): ``--quantizer ENGINE`` passes ``quantizer=ENGINE`` to every ``normswap.patch``
+An engine's option sets (rounds 61-62): ``--quantizer ENGINE`` passes ``quantizer=ENGINE`` to every ``normswap.patch``
 call; each class records the model kind found (``kind``); ``--write`` then writes
-``benchmarks/transformers_sweep_q61_<engine>.json`` (compact rows) and prints the comparison with the defaults'
-JSON, which ``--compare`` prints again from the files:
+``benchmarks/transformers_sweep_q62_<engine>.json`` (compact rows; round 61's rows merged in, each row's ``swept_on``
+says which code swept it) and prints the comparison with the defaults' JSON, which ``--compare`` prints again from the
+files:
 
     PYTHONPATH=$PWD python benchmarks/sweep_transformers.py --quantizer openvino-int8 --write --jobs 2
     python benchmarks/sweep_transformers.py --compare benchmarks/transformers_sweep.json \\
-        --json benchmarks/transformers_sweep_q61_openvino-int8.json
+        --json benchmarks/transformers_sweep_q62_openvino-int8.json
 
 The normswap swept is the one Python imports: ``PYTHONPATH=$PWD`` for this checkout,
 ``PYTHONPATH=/path/to/other/checkout`` for another (the before/after numbers), else the installed one;
@@ -67,8 +68,9 @@ TYPE_LIMIT_S = 150  # per type, both classes: past this the worker is killed and
 MAX_PARAMS = 30_000_000  # a "tiny" config still above this is not built (memory on a shared machine)
 MAX_VOCAB = 65_536  # a tiny vocabulary kept larger than this (to fit a special id) is renumbered instead
 EXACT_LIMIT = 1e-9
-# a --quantizer sweep's JSON with --write (round 61's runs); the defaults' JSON and page are left alone
-QUANTIZER_JSON = "transformers_sweep_q61_{}.json"
+# a --quantizer sweep's JSON with --write (rounds 61 and 62, one file per engine); the defaults' JSON and page are
+# left alone
+QUANTIZER_JSON = "transformers_sweep_q62_{}.json"
 # the page's hand-written sections start here: --write regenerates what is above and keeps this and what follows
 KEEP = "<!-- hand-written below: sweep_transformers.py --write keeps this line and what follows -->"
 
@@ -285,7 +287,9 @@ def shrink(config: object, depth: int = 0, ids: list[int] | None = None, images:
         if flat and "mrope_section" not in rope and multimodal_rope:
             rope["mrope_section"] = [16, 24, 24]  # the modeling code's default when the config has none
         if isinstance(rope, dict) and isinstance(rope.get("mrope_section"), list) and isinstance(head_dim, int):
-            half, n = head_dim // 2, len(rope["mrope_section"])
+            # the rotary half-width: a partial rotary factor (GLM-4V-MoE's 0.5) rotates that share of a head
+            partial = rope.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0)) or 1.0
+            half, n = int(head_dim * partial) // 2, len(rope["mrope_section"])
             rope["mrope_section"] = [half - (n - 1) * (half // n)] + [half // n] * (n - 1)
     vision = d.get("vision_config")
     if isinstance(d.get("image_grid_pinpoints"), list) and isinstance(getattr(vision, "image_size", None), int):
@@ -879,6 +883,10 @@ OVERRIDES: dict[str, dict] = {
     # the hybrid layers share one transformer, tied from the first hybrid layer to the others: transformers'
     # tie needs a second hybrid layer to exist, and one-of-each-kind keeps one
     "zamba": {"num_hidden_layers": 3, "layers_block_type": ["linear_attention", "hybrid", "hybrid"]},
+    # PVT's per-stage sizes are tuples the per-layer rules leave whole, and its last stage (no sequence reduction)
+    # holds the cls token: the stage count stays with the tuples (cut to 2, the cls token landed on a reducing
+    # stage and the reshape failed)
+    "pvt": {"num_encoder_blocks": 4},
 }
 
 
@@ -1246,7 +1254,9 @@ def code_version(checkout: Path) -> str:
         git = ["git", "-C", str(checkout)]
         out = subprocess.run([*git, "describe", "--always", "--abbrev=9"],
                              capture_output=True, text=True, timeout=20, check=True).stdout.strip()
-        own = [f":(exclude){p.relative_to(REPO)}" for p in (JSON, DOC)]
+        # the sweep's own outputs, rewritten as rows arrive: the defaults' JSON and page, the --quantizer JSONs
+        own = [f":(exclude){p.relative_to(REPO)}" for p in (JSON, DOC)] + [
+            f":(exclude)benchmarks/{QUANTIZER_JSON.format('*')}"]
         changed = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no", "--", ".", *own],
                                  capture_output=True, text=True, timeout=20, check=True).stdout.strip()
         return f"normswap {out}{'-dirty' if changed else ''}" if out else "normswap (unknown commit)"
@@ -1590,7 +1600,7 @@ def difference(a: dict | None, b: dict | None) -> str:
     return "same" if same and oa == ob else "expected"
 
 
-# what a --quantizer row keeps in its JSON (benchmarks/transformers_sweep_q61_*.json, kept under 200 KB): what
+# what a --quantizer row keeps in its JSON (benchmarks/transformers_sweep_q62_*.json, kept under 200 KB): what
 # --compare reads; the per-phase seconds, the report's message, the verification figure and the import path are
 # dropped
 SLIM_KEYS = ("class", "build", "patch", "counts", "not_called", "err", "kind", "inputs", "not_run", "shrink")

@@ -129,6 +129,31 @@ def test_tiny_configs_rotary_width_and_windows_fit():
     _runs(tf.SwinModel(config), pixel_values=torch.randn(1, config.num_channels, config.image_size, config.image_size))
 
 
+def test_multimodal_rope_sections_sum_to_the_partial_rotary_half_width():
+    """GLM-4V-MoE rotates half of each head (``partial_rotary_factor`` 0.5): its multimodal RoPE sections sum to
+    the rotated half-width, and the tiny text model runs on plain token ids (round 61: ``split_with_sizes``
+    refused the sections summed to the whole head's half-width, so the type never ran)."""
+    import torch
+
+    sweep = _sweep()
+    config = sweep.tiny_config("glm4v_moe_text", "Glm4vMoeTextModel")
+    rope = config.rope_parameters
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    assert sum(rope["mrope_section"]) == int(head_dim * rope["partial_rotary_factor"]) // 2
+    _runs(tf.Glm4vMoeTextModel(config), input_ids=torch.randint(0, config.vocab_size, (1, 5)))
+
+
+def test_pvt_keeps_its_stage_count_and_runs():
+    """PVT's cls token sits on its last stage, the one without sequence reduction: the tiny config keeps the four
+    stages its per-stage tuples describe, and the model runs on normswap's built inputs (round 61: two stages, the
+    cls token on a reducing stage, a reshape error)."""
+    sweep = _sweep()
+    model = sweep.build("PvtModel", "pvt")
+    assert model.config.num_encoder_blocks == len(model.config.sequence_reduction_ratios)
+    kw, status = sweep.built_inputs(model)
+    assert status == "ok" and sweep.runs(model, kw) is None
+
+
 def test_per_layer_lists_keep_one_layer_of_each_kind():
     """A hybrid model stays hybrid: Qwen3.5's linear and full attention both kept, every per-layer list
     as long as the layer count; Llama 4's layer-index lists renumbered into the kept layers."""
