@@ -268,15 +268,26 @@ def _counts(graph) -> collections.Counter:
 
 
 _ORIGINAL_SKIPS: dict[str, dict[str, int]] = {}
+_ORIGINAL_EXPORTS: dict[str, object] = {}
+
+
+def _original_export(name: str, inputs: dict, folder):
+    """The file of the original's (``build``: seeded, the converted model's source) dynamo export at
+    ``inputs``' shapes, made once a process (the Skip counts and the compat test read the same one)."""
+    if name not in _ORIGINAL_EXPORTS:
+        original = build(APPROXIMATE if name == "bert" else EXACT, name).float().eval()
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / f"{name}-original.onnx"
+        _export(original, inputs, path, dynamo=True)
+        _ORIGINAL_EXPORTS[name] = path
+    return _ORIGINAL_EXPORTS[name]
 
 
 def _original_skips(name: str, inputs: dict, folder) -> dict[str, int]:
     """The original's ``SkipLayerNormalization`` count in ORT's session graph and after ``optimize_model``
     (its graph: the tiny BERT's optimised original fails ORT's session initialisation, an ORT issue)."""
     if name not in _ORIGINAL_SKIPS:
-        original = build(APPROXIMATE if name == "bert" else EXACT, name).float().eval()
-        path = folder / f"{name}-original.onnx"
-        _export(original, inputs, path, dynamo=True)
+        path = _original_export(name, inputs, folder)
         import onnx
 
         optimised = onnx.load(_optimize_model(path, name, folder / f"{name}-original-optimised.onnx")).graph
@@ -355,7 +366,7 @@ def test_fuse_norms_pre_ln_residual_read_twice(tmp_path):
     assert agreement(_run(out, {"x": x}), ref)["max_rel"] < TOL
 
 
-def test_compat_checkpoint_fuses_as_the_original(tmp_path):
+def test_compat_checkpoint_fuses_as_the_original(tmp_path, onnx_exports):
     """The compat format (stock transformers, LayerNorms kept, every norm exact) lands on the original's
     fused ops in ORT's session, ``SkipLayerNormalization`` included, and ``fuse_norms`` leaves it as it
     is: it never turns a LayerNorm into an RMSNorm, and ORT fuses those itself."""
@@ -369,10 +380,11 @@ def test_compat_checkpoint_fuses_as_the_original(tmp_path):
     normswap.save(converted.float().eval(), tmp_path / "compat", format="compat")
     stock = type(original).from_pretrained(tmp_path / "compat").float().eval()
     inputs = {"pixel_values": torch.randn(2, 3, 32, 32)}
-    _export(original, inputs, tmp_path / "o.onnx", dynamo=True)
+    # the original's export at these shapes (the same seeded build), made once with fuse_norms' Skip counts
+    exported = _original_export("vit", inputs, onnx_exports.root / "vit")
     _export(stock, inputs, tmp_path / "c.onnx", dynamo=True)
     norms = ("LayerNormalization", "SkipLayerNormalization", *FUSED_RMS_OPS)
-    want = {op: _counts(_session_graph(tmp_path / "o.onnx"))[op] for op in norms}
+    want = {op: _counts(_session_graph(exported))[op] for op in norms}
     assert want["SkipLayerNormalization"] >= 1
     assert {op: _counts(_session_graph(tmp_path / "c.onnx"))[op] for op in norms} == want
     before = _counts(onnx.load(str(tmp_path / "c.onnx")).graph)
