@@ -59,6 +59,26 @@ def pytest_collection_finish(session) -> None:
     gc.freeze()
 
 
+_modules_when_frozen = [0]
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """After a test that imported modules, freeze again what is alive (as after collection): the modules a
+    test imports lazily (a model family's modeling file, ``torch._dynamo``, onnxscript, peft: tens of
+    thousands of objects each) live to the end of the run, and every full collection walked them all, the
+    automatic ones and the ``gc.collect()`` each conversion makes (``test_streaming_combos.py`` alone: 93 full
+    collections, 12.8 of its 40 CPU s). A test that imports nothing new costs nothing here; one that does
+    pays one full collection first, so that the garbage it left is collected, not frozen."""
+    yield
+    import gc
+
+    if len(sys.modules) != _modules_when_frozen[0]:
+        gc.collect()
+        gc.freeze()
+        _modules_when_frozen[0] = len(sys.modules)
+
+
 @pytest.fixture(scope="session")
 def warm_python():
     """A fork server with torch and transformers' modeling stack imported (``tests/warm_python.py``), for
@@ -68,3 +88,32 @@ def warm_python():
     server = WarmPython()
     yield server
     server.close()
+
+
+# Test files that share a per-process fixture, each group run by one xdist worker. ``--dist loadfile`` hands out
+# work by file, so files sharing a session fixture that is expensive to build each built it again on the other
+# worker about half the time: the warm fork server (~8 CPU s to start: torch and transformers' modeling stack
+# imported), the ONNX files' tiny models and exports (``onnx_exports``: each dynamo export 3-4 CPU s, six of them
+# and the ViT program asked for by both files).
+SHARED_WORK = {
+    "warm-python": ("tests/integrations/test_trainer_decay.py", "tests/integrations/test_torch_export.py",
+                    "tests/rotation/test_rotate_checkpoint.py", "tests/checkpoint/test_faults.py",
+                    "tests/recipes/test_recipe_fsdp.py"),
+    "onnx-exports": ("tests/integrations/test_onnx_export.py", "tests/integrations/test_onnx_fusion.py"),
+}
+_GROUP_OF = {path: group for group, paths in SHARED_WORK.items() for path in paths}
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadfile`` with the files of each :data:`SHARED_WORK` group as one unit of work (one worker runs
+    them all, one after the other); every other file is its own unit, as before."""
+    if config.getoption("dist", None) != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class SharedWorkScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return _GROUP_OF.get(path, path)
+
+    return SharedWorkScheduling(config, log)

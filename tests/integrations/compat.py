@@ -107,15 +107,35 @@ def onnx_roundtrip(model: nn.Module, inputs: dict, *, dynamo: bool, opset: int, 
     Returns the agreement plus ``ops`` (the graph's op types), ``rms`` (RMSNormalization nodes) and
     ``inputs`` (the graph's input count).
     """
+    export_onnx(model, inputs, path, dynamo=dynamo, opset_version=opset, **export_kwargs)
+    return onnx_agreement(model, inputs, path)
+
+
+def export_onnx(model: nn.Module, inputs: dict, path: str | os.PathLike, **export_kwargs) -> None:
+    """``torch.onnx.export`` of ``Positional(model, inputs)`` with the tensor inputs, under ``no_grad``,
+    without the exporter's warnings and progress lines."""
+    import logging
+    import warnings
+
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        logging.disable(logging.WARNING)  # the exporter's progress lines
+        try:
+            torch.onnx.export(Positional(model, inputs), tuple(tensor_inputs(inputs).values()), str(path),
+                              **export_kwargs)
+        finally:
+            logging.disable(logging.NOTSET)
+
+
+def onnx_agreement(model: nn.Module, inputs: dict, path: str | os.PathLike) -> dict:
+    """Run the ONNX file ``path`` (an export of ``model``) in onnxruntime and compare with the eager model:
+    :func:`onnx_roundtrip`'s figures for a file exported already."""
     import onnx
     import onnxruntime as ort
 
     tensors = tensor_inputs(inputs)
-    wrapper = Positional(model, inputs)
     with torch.no_grad():
         ref = first_output(model(**inputs))
-        torch.onnx.export(wrapper, tuple(tensors.values()), str(path), dynamo=dynamo, opset_version=opset,
-                          **export_kwargs)
     graph = onnx.load(str(path)).graph
     ops = [n.op_type for n in graph.node]
     for fn in onnx.load(str(path)).functions:
@@ -127,6 +147,64 @@ def onnx_roundtrip(model: nn.Module, inputs: dict, *, dynamo: bool, opset: int, 
     got = torch.from_numpy(sess.run(None, feed)[0])
     return {**agreement(got, ref), "ops": sorted(set(ops)), "rms": ops.count("RMSNormalization"),
             "inputs": len(names), "nonzero": bool(got.abs().max().item() > 0)}
+
+
+class OnnxExports:
+    """What the ONNX test files (``test_onnx_export.py``, ``test_onnx_fusion.py``) share within one process
+    (the session fixture ``onnx_exports``): each tiny converted model built once, each of its exports made
+    once per set of ``torch.onnx.export`` arguments, the ViT program holding ``normswap::cpu_rms_norm`` and
+    its translations made once per opset. Each dynamo export costs 3-4 CPU s; the two files asked for the
+    same ones (``dynamo=True, opset_version=23`` and ``dynamo=False, opset_version=18`` of each model, the
+    opset-18 translation). Tests read these and never change them: a test that needs another model
+    (another backend, a float16 copy) builds its own."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+        self._models: dict[str, tuple[nn.Module, dict[str, torch.Tensor]]] = {}
+        self._files: dict[tuple[str, str], Path] = {}
+        self._cpu_op: tuple | None = None
+
+    def model(self, name: str) -> tuple[nn.Module, dict[str, torch.Tensor]]:
+        """:func:`tiny_converted` ``(model, inputs)`` for ``name``, built once."""
+        if name not in self._models:
+            self._models[name] = tiny_converted(name)
+        return self._models[name]
+
+    def export(self, name: str, **export_kwargs) -> Path:
+        """The file of ``torch.onnx.export(Positional(model, inputs), ..., **export_kwargs)`` for ``name``'s
+        model, written once per set of arguments."""
+        key = "-".join(f"{k}={v}" for k, v in sorted(export_kwargs.items()))
+        if (name, key) not in self._files:
+            folder = self.root / name
+            folder.mkdir(parents=True, exist_ok=True)
+            model, inputs = self.model(name)
+            export_onnx(model, inputs, folder / f"{key}.onnx", **export_kwargs)
+            self._files[name, key] = folder / f"{key}.onnx"
+        return self._files[name, key]
+
+    def vit_cpu_op(self) -> tuple[nn.Module, dict[str, torch.Tensor], torch.Tensor, object]:
+        """:func:`vit_exported_with_cpu_op`, made once."""
+        if self._cpu_op is None:
+            self._cpu_op = vit_exported_with_cpu_op()
+        return self._cpu_op
+
+    def translated(self, opset: int) -> Path:
+        """The ONNX file of :meth:`vit_cpu_op`'s program exported with ``translation_table(opset)``."""
+        import warnings
+
+        from normswap.integrations.onnx import translation_table
+
+        if ("vit-cpu-op", str(opset)) not in self._files:
+            *_, ep = self.vit_cpu_op()
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                program = torch.onnx.export(ep, dynamo=True, opset_version=opset,
+                                            custom_translation_table=translation_table(opset))
+            path = self.root / f"vit-cpu-op-translated-{opset}.onnx"
+            self.root.mkdir(parents=True, exist_ok=True)
+            program.save(str(path))
+            self._files["vit-cpu-op", str(opset)] = path
+        return self._files["vit-cpu-op", str(opset)]
 
 
 _FRESH_EXPORT = textwrap.dedent("""

@@ -13,24 +13,26 @@ import torch
 pytest.importorskip("onnxruntime")
 pytest.importorskip("onnxscript")
 
-from tests.integrations.compat import MODELS, onnx_roundtrip, rms_norm_count, tiny_converted  # noqa: E402
+from tests.integrations.compat import MODELS, onnx_agreement, onnx_roundtrip, rms_norm_count, tiny_converted  # noqa: E402
 
 # float32 rounding through a 2-layer model; a zeroed norm or a wrong decomposition is off by O(1).
 TOL = 1e-5
 
 
 @pytest.fixture(scope="module", params=MODELS)
-def converted(request):
-    model, inputs = tiny_converted(request.param)
+def converted(request, onnx_exports):
+    """``(name, model, inputs, export)``: the model and its exports are shared with test_onnx_fusion.py
+    within a process (the same ``torch.onnx.export`` arguments give the same file)."""
+    model, inputs = onnx_exports.model(request.param)
     assert rms_norm_count(model) > 0
-    return request.param, model, inputs
+    return request.param, model, inputs, lambda **kwargs: onnx_exports.export(request.param, **kwargs)
 
 
 @pytest.mark.parametrize("opset", [18, 23])
 @pytest.mark.parametrize("dynamo", [False, True], ids=["legacy", "dynamo"])
-def test_onnx_matches_eager(converted, dynamo, opset, tmp_path):
-    name, model, inputs = converted
-    r = onnx_roundtrip(model, inputs, dynamo=dynamo, opset=opset, path=tmp_path / "m.onnx")
+def test_onnx_matches_eager(converted, dynamo, opset):
+    name, model, inputs, exported = converted
+    r = onnx_agreement(model, inputs, exported(dynamo=dynamo, opset_version=opset))
     assert r["nonzero"], f"{name}: onnxruntime returned zeros"
     assert r["inputs"] == sum(isinstance(v, torch.Tensor) for v in inputs.values())
     assert r["max_rel"] < TOL, r
@@ -74,22 +76,17 @@ def test_onnx_export_ignores_an_explicit_fused_backend(tmp_path, opset):
 
 
 @pytest.mark.parametrize("opset", [18, 23])
-def test_exported_program_with_fused_op_translates(tmp_path, opset):
+def test_exported_program_with_fused_op_translates(onnx_exports, opset):
     """A program exported with backend="cpu" holds normswap::cpu_rms_norm; the translation table
     turns it into RMSNormalization (opset 23) or the decomposition (18)."""
     import onnx
     import onnxruntime as ort
 
-    from normswap.integrations.onnx import translation_table
-    from tests.integrations.compat import vit_exported_with_cpu_op
-
-    model, inputs, x, ep = vit_exported_with_cpu_op()
-    program = torch.onnx.export(ep, dynamo=True, opset_version=opset,
-                                custom_translation_table=translation_table(opset))
-    program.save(str(tmp_path / "p.onnx"))
-    ops = [n.op_type for n in onnx.load(str(tmp_path / "p.onnx")).graph.node]
+    model, inputs, x, ep = onnx_exports.vit_cpu_op()  # the program, checked to hold the op
+    path = onnx_exports.translated(opset)  # torch.onnx.export(ep, custom_translation_table=translation_table(opset))
+    ops = [n.op_type for n in onnx.load(str(path)).graph.node]
     assert ops.count("RMSNormalization") == (rms_norm_count(model) if opset >= 23 else 0)
-    sess = ort.InferenceSession(str(tmp_path / "p.onnx"), providers=["CPUExecutionProvider"])
+    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     got = torch.from_numpy(sess.run(None, {sess.get_inputs()[0].name: x.numpy()})[0])
     with torch.no_grad():
         ref = model(pixel_values=x).logits

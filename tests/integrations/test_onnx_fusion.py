@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import warnings
 
 import pytest
 import torch
@@ -26,13 +25,11 @@ from normswap.backends.portable import ONNXSCRIPT_MIN_EPS  # noqa: E402
 from normswap.integrations.onnx import FUSED_RMS_OPS, fused_norm_ops  # noqa: E402
 from tests.integrations.compat import (  # noqa: E402
     MODELS,
-    Positional,
     agreement,
+    export_onnx,
     first_output,
     rms_norm_count,
     tensor_inputs,
-    tiny_converted,
-    vit_exported_with_cpu_op,
 )
 from tests.zoo import APPROXIMATE, EXACT, build  # noqa: E402
 
@@ -40,32 +37,17 @@ TOL = 1e-5  # float32 through a 2-layer model; an unfused or mis-fused norm (wro
 
 
 @pytest.fixture(scope="module", params=MODELS)
-def converted(request, tmp_path_factory):
+def converted(request, onnx_exports):
     """``(name, model, inputs, export)``: ``export(**kwargs)`` exports once per set of arguments and
-    returns the file (the session and the optimizer tests read the same default-opset export)."""
+    returns the file (the session and the optimizer tests read the same default-opset export; the model
+    and its exports are shared with test_onnx_export.py within a process)."""
     name = request.param
-    model, inputs = tiny_converted(name)
-    folder = tmp_path_factory.mktemp(name)
-    done: dict[str, object] = {}
-
-    def export(**kwargs):
-        key = "-".join(f"{k}={v}" for k, v in sorted(kwargs.items()))
-        if key not in done:
-            done[key] = folder / f"{key}.onnx"
-            _export(model, inputs, done[key], **kwargs)
-        return done[key]
-
-    return name, model, inputs, export
+    model, inputs = onnx_exports.model(name)
+    return name, model, inputs, lambda **kwargs: onnx_exports.export(name, **kwargs)
 
 
 def _export(model: nn.Module, inputs: dict, path, **kwargs) -> None:
-    with torch.no_grad(), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        logging.disable(logging.WARNING)  # the exporter's progress lines
-        try:
-            torch.onnx.export(Positional(model, inputs), tuple(tensor_inputs(inputs).values()), str(path), **kwargs)
-        finally:
-            logging.disable(logging.NOTSET)
+    export_onnx(model, inputs, path, **kwargs)
 
 
 def _run(path, inputs: dict) -> torch.Tensor:
@@ -150,18 +132,10 @@ def test_transformers_optimizer_fuses_every_norm(converted, tmp_path):
         ref = first_output(model(**inputs))
     assert agreement(_run(out, inputs), ref)["max_rel"] < TOL
     # every residual Add the original's LayerNorms absorb (SkipLayerNormalization), the converted
-    # model's RMSNorms absorb too (SkipSimplifiedLayerNormalization): the same Skip count
-    original = build(APPROXIMATE if name == "bert" else EXACT, name).float().eval()
-    original_path = tmp_path / "original.onnx"
-    _export(original, inputs, original_path, dynamo=True)
-    logging.disable(logging.WARNING)
-    try:
-        original_ops = collections.Counter(
-            n.op_type for n in optimize_model(str(original_path), model_type=name, num_heads=0,
-                                              hidden_size=0).model.graph.node)
-    finally:
-        logging.disable(logging.NOTSET)
-    assert ops["SkipSimplifiedLayerNormalization"] == original_ops["SkipLayerNormalization"], (ops, original_ops)
+    # model's RMSNorms absorb too (SkipSimplifiedLayerNormalization): the same Skip count (the original's
+    # export and optimize_model's graph of it, made once a model: _original_skips)
+    original = _original_skips(name, inputs, exported(dynamo=True).parent)
+    assert ops["SkipSimplifiedLayerNormalization"] == original["optimize_model"], (ops, original)
 
 
 class _Stack(nn.Module):
@@ -226,20 +200,15 @@ def test_half_precision_fuses_between_casts(tmp_path):
     assert agreement(got, ref)["max_rel"] < 5e-3  # float16 storage between the ops
 
 
-def test_translated_fused_backend_program_fuses(tmp_path):
+def test_translated_fused_backend_program_fuses(onnx_exports):
     """A program exported by ``torch.export`` with ``backend="cpu"`` holds ``normswap::cpu_rms_norm``;
     ``translation_table(18)`` writes it as the graph ORT fuses (it wrote ``Mul(x, x)``/``Reciprocal``)."""
-    from normswap.integrations.onnx import translation_table
-
-    model, inputs, x, ep = vit_exported_with_cpu_op()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        program = torch.onnx.export(ep, dynamo=True, opset_version=18, custom_translation_table=translation_table(18))
-    program.save(str(tmp_path / "p.onnx"))
-    assert fused_norm_ops(tmp_path / "p.onnx")["SimplifiedLayerNormalization"] == rms_norm_count(model)
+    model, inputs, x, ep = onnx_exports.vit_cpu_op()  # the program, checked to hold the op
+    path = onnx_exports.translated(18)  # torch.onnx.export(ep, custom_translation_table=translation_table(18))
+    assert fused_norm_ops(path)["SimplifiedLayerNormalization"] == rms_norm_count(model)
     with torch.no_grad():
         ref = model(pixel_values=x).logits
-    assert agreement(_run(tmp_path / "p.onnx", inputs), ref)["max_rel"] < TOL
+    assert agreement(_run(path, inputs), ref)["max_rel"] < TOL
 
 
 # ---------------------------------------------------------------- fuse_norms: the Skip fusion with its bias
@@ -299,15 +268,26 @@ def _counts(graph) -> collections.Counter:
 
 
 _ORIGINAL_SKIPS: dict[str, dict[str, int]] = {}
+_ORIGINAL_EXPORTS: dict[str, object] = {}
+
+
+def _original_export(name: str, inputs: dict, folder):
+    """The file of the original's (``build``: seeded, the converted model's source) dynamo export at
+    ``inputs``' shapes, made once a process (the Skip counts and the compat test read the same one)."""
+    if name not in _ORIGINAL_EXPORTS:
+        original = build(APPROXIMATE if name == "bert" else EXACT, name).float().eval()
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / f"{name}-original.onnx"
+        _export(original, inputs, path, dynamo=True)
+        _ORIGINAL_EXPORTS[name] = path
+    return _ORIGINAL_EXPORTS[name]
 
 
 def _original_skips(name: str, inputs: dict, folder) -> dict[str, int]:
     """The original's ``SkipLayerNormalization`` count in ORT's session graph and after ``optimize_model``
     (its graph: the tiny BERT's optimised original fails ORT's session initialisation, an ORT issue)."""
     if name not in _ORIGINAL_SKIPS:
-        original = build(APPROXIMATE if name == "bert" else EXACT, name).float().eval()
-        path = folder / f"{name}-original.onnx"
-        _export(original, inputs, path, dynamo=True)
+        path = _original_export(name, inputs, folder)
         import onnx
 
         optimised = onnx.load(_optimize_model(path, name, folder / f"{name}-original-optimised.onnx")).graph
@@ -386,7 +366,7 @@ def test_fuse_norms_pre_ln_residual_read_twice(tmp_path):
     assert agreement(_run(out, {"x": x}), ref)["max_rel"] < TOL
 
 
-def test_compat_checkpoint_fuses_as_the_original(tmp_path):
+def test_compat_checkpoint_fuses_as_the_original(tmp_path, onnx_exports):
     """The compat format (stock transformers, LayerNorms kept, every norm exact) lands on the original's
     fused ops in ORT's session, ``SkipLayerNormalization`` included, and ``fuse_norms`` leaves it as it
     is: it never turns a LayerNorm into an RMSNorm, and ORT fuses those itself."""
@@ -400,10 +380,11 @@ def test_compat_checkpoint_fuses_as_the_original(tmp_path):
     normswap.save(converted.float().eval(), tmp_path / "compat", format="compat")
     stock = type(original).from_pretrained(tmp_path / "compat").float().eval()
     inputs = {"pixel_values": torch.randn(2, 3, 32, 32)}
-    _export(original, inputs, tmp_path / "o.onnx", dynamo=True)
+    # the original's export at these shapes (the same seeded build), made once with fuse_norms' Skip counts
+    exported = _original_export("vit", inputs, onnx_exports.root / "vit")
     _export(stock, inputs, tmp_path / "c.onnx", dynamo=True)
     norms = ("LayerNormalization", "SkipLayerNormalization", *FUSED_RMS_OPS)
-    want = {op: _counts(_session_graph(tmp_path / "o.onnx"))[op] for op in norms}
+    want = {op: _counts(_session_graph(exported))[op] for op in norms}
     assert want["SkipLayerNormalization"] >= 1
     assert {op: _counts(_session_graph(tmp_path / "c.onnx"))[op] for op in norms} == want
     before = _counts(onnx.load(str(tmp_path / "c.onnx")).graph)
