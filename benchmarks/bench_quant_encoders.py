@@ -9,7 +9,11 @@ with ``--quantizers`` also
 ``quantize_static`` (``qdq``: QDQ format, int8 weights per tensor, uint8 activations calibrated by MinMax on
 32 held-out paragraphs) and ``MatMulNBitsQuantizer`` 4-bit RTN (``nbits-rtn``: block 32, symmetric); and one engine
 outside ONNX Runtime, ``torchao`` (torchao's ``Int8DynamicActivationInt8WeightConfig`` on the torch model itself,
-every ``nn.Linear``: int8 weights per output channel, int8 activations per token, run in eager; round 61). The
+every ``nn.Linear``: int8 weights per output channel, int8 activations per token, run in eager; round 61);
+``torchao-emu`` computes the same int8 model at float speed (``whisper_paired_draws.TorchaoInt8Linear``: torchao's
+grids and float32 order, the integer product as an exact float32 matmul; torch's CPU ``_int_mm`` took 40 minutes for
+all-MiniLM-L6-v2's 256 texts on a loaded core), checked against torchao itself on the first batch (recorded in the
+variant's note; the run stops above 1e-6 of the largest embedding entry; round 62). The
 embedding is the model's own
 pooling (mean over the attention mask, then L2-normalised, as its ``1_Pooling`` / ``Normalize``
 modules do). The error of a text is ``1 − cos`` against the float32 original in torch; a cell is the
@@ -68,7 +72,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from quant_utils import BatchReader  # noqa: E402 (the benchmarks folder is on the path only now)
 
-QUANTIZERS = ("fp32", "dyn-pt", "dyn-pc", "dyn-pt-rr", "dyn-pc-rr", "qdq", "nbits-rtn", "torchao")
+QUANTIZERS = ("fp32", "dyn-pt", "dyn-pc", "dyn-pt-rr", "dyn-pc-rr", "qdq", "nbits-rtn", "torchao", "torchao-emu")
 DEFAULT_QUANTIZERS = ("fp32", "dyn-pt", "dyn-pc")
 CALIBRATION_TEXTS = 32  # qdq's calibration paragraphs, the ones after the measured texts (held out)
 CONVERTED = ("converted", "converted-fold", "converted-keep", "converted-nocarry", "converted-carry128",
@@ -210,6 +214,18 @@ def embed_torchao(model: torch.nn.Module, data: list[dict]) -> torch.Tensor:
     return embed_torch(q, data)
 
 
+def embed_torchao_emulated(model: torch.nn.Module, data: list[dict]) -> tuple[torch.Tensor, float]:
+    """:func:`embed_torchao` computed by ``whisper_paired_draws.torchao_int8_emulated`` (every ``nn.Linear``'s
+    forward replaced in place, so hooks on it still run), and its largest difference from torchao's own on the first
+    batch, over the largest embedding entry there (0: bit for bit)."""
+    from whisper_paired_draws import torchao_int8_emulated
+
+    got = embed_torch(torchao_int8_emulated(model), data)
+    real = embed_torchao(model, data[:1])
+    n = len(real)
+    return got, float((got[:n] - real).abs().max() / real.abs().max())
+
+
 def bootstrap(err: np.ndarray, base: np.ndarray, draws: int = 2000, seed: int = 0) -> tuple[float, float]:
     """95% interval of ``mean(err)/mean(base)`` over texts resampled with replacement (paired)."""
     rng = np.random.default_rng(seed)
@@ -325,8 +341,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 result["notes"][name] += f"; {len(matched)} node(s) matching {args.exclude_nodes!r} left in float"
             own = embed_onnx(fp32, data)
             for how in quantizers:
-                got = (own if how == "fp32" else embed_torchao(model, data) if how == "torchao"
-                       else embed_onnx(quantize(fp32, how, calib, exclude), data))
+                if how == "torchao-emu":
+                    got, diff = embed_torchao_emulated(model, data)
+                    result["notes"][name] += f"; torchao-emu vs torchao, first batch: max |Δ| / max = {diff:.1e}"
+                    if not diff <= 1e-6:
+                        raise SystemExit(f"{name}: the torchao emulation is not torchao's computation ({diff:.1e})")
+                else:
+                    got = (own if how == "fp32" else embed_torchao(model, data) if how == "torchao"
+                           else embed_onnx(quantize(fp32, how, calib, exclude), data))
                 err = (1 - (ref * got).sum(-1)).clamp(min=0).numpy()
                 self_err = (1 - (own * got).sum(-1)).clamp(min=0).numpy()
                 result["per_text"][f"{name}/{how}"] = err.tolist()
@@ -417,6 +439,7 @@ def reuse_baseline(result: dict[str, Any], baseline: Path, quantizers: list[str]
 
 QUANTIZER_NAMES = {"dyn-pt": "int8 per-tensor", "dyn-pc": "int8 per-channel", "qdq": "static QDQ int8",
                    "nbits-rtn": "4-bit RTN", "torchao": "torchao int8 dynamic",
+                   "torchao-emu": "torchao int8 dynamic (emulated)",
                    "dyn-pt-rr": "int8 per-tensor, reduce_range", "dyn-pc-rr": "int8 per-channel, reduce_range"}
 
 

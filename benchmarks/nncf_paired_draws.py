@@ -28,6 +28,11 @@ Pairs (``--pairs``):
   shipped draw).
 * ``c``: the fc2 hybrid against the original with ``qk`` + ``vo`` alone (fc2 keeps its shipped rounding, as in ``a``):
   what ``a``'s fixed fc2 draw does, in the network where ``b`` can re-draw it. The original's rows are ``a``'s.
+* ``d``: ``writer_centering="auto"`` (``normswap.patch(beta_placement="keep", writer_centering="auto")``: the
+  LayerScale-scaled writers keep the original's rows behind a centering op, what ``--quantizer pt2e-x86-dynamic``
+  writes) against the original with ``qk`` + ``vo`` (round 62).
+* ``e``: the attention-output hybrid (``hyb-attn``: the original with the default conversion's centered ``o_proj``
+  rows and λ, LayerNorms kept) against the original with ``qk`` + ``vo`` (round 62; ``c``'s counterpart).
 * ``b``: the fc2 hybrid (``int8w_dinov2``'s ``hyb-mlp``: the original with the default conversion's centered fc2 rows
   and λ, LayerNorms kept, exact in float) against the original, with ``qk`` + ``vo`` + ``fc2``: round 55's simulated
   claim tested in the engine.
@@ -65,7 +70,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 PAIRS = {"a": ("original", "native", ("qk", "vo")), "b": ("original", "hyb-mlp", ("qk", "vo", "fc2")),
-         "c": ("original", "hyb-mlp", ("qk", "vo"))}
+         "c": ("original", "hyb-mlp", ("qk", "vo")), "d": ("original", "auto", ("qk", "vo")),
+         "e": ("original", "hyb-attn", ("qk", "vo"))}
+PT2E_BATCH = 8  # pt2e-dyn's batch: X86InductorQuantizer's dynamic scheme takes one activation scale per call
 
 
 def haar(n: int, gen: torch.Generator) -> torch.Tensor:
@@ -136,10 +143,28 @@ def et_tokens(model: torch.nn.Module, px: torch.Tensor) -> torch.Tensor:
     return torch.cat([method.execute([px[i:i + 1]])[0] for i in range(len(px))]).float()
 
 
+def pt2e_tokens(model: torch.nn.Module, px: torch.Tensor, compiled: bool = False) -> torch.Tensor:
+    """``model`` through PyTorch's PT2E ``X86InductorQuantizer`` dynamic scheme (``x86_inductor_int8.quantize``'s
+    ``dyn``: int8 weights symmetric per output channel, activations quantized per tensor at run time), batches of
+    :data:`PT2E_BATCH` crops as round 59 ran it; every token returned, ``[images, tokens, hidden]``. Without
+    ``compiled`` the converted program runs eagerly: the same integers (weights and activations quantized by the same
+    ops), the products summed in float32 instead of oneDNN's int32 (``engine pt2e-dyn``); ``compiled``: Inductor's
+    oneDNN int8 kernels (``pt2e-dyn-compiled``, minutes per compile on a loaded core)."""
+    from x86_inductor_int8 import quantize
+
+    b = PT2E_BATCH
+    program, _ = quantize(Tokens(model).eval(), (px[:b],), "dyn", [(px[:b],)])
+    if compiled:
+        program = torch.compile(program)
+    with torch.inference_mode():
+        return torch.cat([program(px[i:i + b]) for i in range(0, len(px), b)]).float()
+
+
 def build(name: str, original: torch.nn.Module) -> torch.nn.Module:
-    """``original``, ``native`` (the default conversion, in memory) or ``hyb-mlp`` (the original with the converted
-    fc2 rows and λ: the default conversion's fc2 weight, bias and ``layer_scale2`` as ``--format compat`` writes
-    them, the LayerNorms kept)."""
+    """``original``, ``native`` (the default conversion, in memory), ``auto`` (the same with
+    ``writer_centering="auto"``) or ``hyb-mlp`` / ``hyb-attn`` (the original with the converted fc2 / attention output
+    rows and λ: the default conversion's weight, bias and layer scale as ``--format compat`` writes them, the
+    LayerNorms kept)."""
     import normswap
 
     if name == "original":
@@ -147,8 +172,8 @@ def build(name: str, original: torch.nn.Module) -> torch.nn.Module:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         conv = copy.deepcopy(original)
-        normswap.patch(conv, beta_placement="keep")
-        if name == "native":
+        normswap.patch(conv, beta_placement="keep", **({"writer_centering": "auto"} if name == "auto" else {}))
+        if name in ("native", "auto"):
             return conv
         import transformers as tf
         from int8w_dinov2 import HYBRIDS, hybrid
@@ -156,7 +181,7 @@ def build(name: str, original: torch.nn.Module) -> torch.nn.Module:
         with tempfile.TemporaryDirectory() as tmp:
             normswap.save(conv, Path(tmp) / "compat", format="compat", overwrite=True)
             compat = tf.Dinov2Model.from_pretrained(Path(tmp) / "compat").eval()
-        return hybrid(original, compat, HYBRIDS["mlp"])
+        return hybrid(original, compat, HYBRIDS[name.removeprefix("hyb-")])
 
 
 @torch.no_grad()
@@ -279,7 +304,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--resume", type=Path, help="start from this --json file's rows (another run's: what it measured "
                     "is not measured again)")
     ap.add_argument("--engine", default="ov-w8", help="int8w_dinov2's engine names (ov-w8, ov-w8-noact, "
-                    "sim-asym8h), or et-dyn: ExecuTorch's XNNPACK dynamic int8 (:func:`et_tokens`)")
+                    "sim-asym8h), et-dyn: ExecuTorch's XNNPACK dynamic int8 (:func:`et_tokens`), or pt2e-dyn / "
+                    "pt2e-dyn-compiled: PT2E X86InductorQuantizer's dynamic int8 (:func:`pt2e_tokens`)")
     ap.add_argument("--perm-check", metavar="VARIANT", help="instead: VARIANT shipped and with its MLP neurons "
                     "permuted (seed 1), through the engine")
     ap.add_argument("--json", type=Path)
@@ -325,7 +351,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         result["exactness"][f"{name}|0"] = check_exact(model, ref8, px[:8], name)
 
     def measure(model: torch.nn.Module, work: Path) -> dict[str, list[float]]:
-        out = et_tokens(model, px) if args.engine == "et-dyn" else engine_tokens(model, args.engine, px, work)
+        if args.engine == "et-dyn":
+            out = et_tokens(model, px)
+        elif args.engine.startswith("pt2e-dyn"):
+            out = pt2e_tokens(model, px, compiled=args.engine == "pt2e-dyn-compiled")
+        else:
+            out = engine_tokens(model, args.engine, px, work)
         err = errors(ref, out)
         return {"tok": [float(f"{v:.5g}") for v in err.mean(1)], "cls": [float(f"{v:.5g}") for v in err[:, 0]]}
 

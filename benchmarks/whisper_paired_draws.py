@@ -401,9 +401,10 @@ def rounding_energy(original: torch.nn.Module, other: torch.nn.Module, quant: st
     """Per writer Linear under ``prefix`` (``out_proj`` of both attentions, ``fc2``), what rounding on ``quant``'s grid
     does to ``other``'s weight against ``original``'s, in float64: ``step``, the ratio of the mean squared block
     scale (``QUANT``'s grid: its step is proportional to a block's absmax; ``Q8_0``'s ``absmax / 127`` per 32 inputs
-    of a row), ``full``, the ratio of the rounding error's energy ``‖Q(W) − W‖²``, and ``seen``, the same for the
-    part a LayerNorm after the writer passes on (the error with its mean over output rows removed: the rest is a
-    per-token constant in the stream). The error energy is what a weight-only quantizer adds to a writer's output
+    of a row; ``quant="torchao"``: torchao's int8 weights, ``absmax / 127.5`` per output row, round 62), ``full``,
+    the ratio of the rounding error's energy ``‖Q(W) − W‖²``, and ``seen``, the same for the part a LayerNorm after
+    the writer passes on (the error with its mean over output rows removed: the rest is a per-token constant in the
+    stream). The error energy is what a weight-only quantizer adds to a writer's output
     for inputs of equal energy in every feature; ``other`` with centered rows (compat, the default) widens its
     blocks, so its step and energy grow. Keys: module names; ``"all"`` pools every writer's energies."""
     out: dict[str, dict[str, float]] = {}
@@ -414,8 +415,14 @@ def rounding_energy(original: torch.nn.Module, other: torch.nn.Module, quant: st
         row = np.zeros((2, 3))
         for k, m in enumerate((mod, other.get_submodule(name))):
             w = m.weight.detach().double()
-            e = QUANT[quant](w.float()).double() - w
-            blocks = w.reshape(w.shape[0], -1, BLOCK).abs().amax(-1)
+            if quant == "torchao":  # one scale per output row (torchao's int8 weights): the row is the block
+                from quant_utils import torchao_int8_grid
+
+                q, s = torchao_int8_grid(w.float())
+                e, blocks = (q * s).double() - w, w.abs().amax(1)
+            else:
+                e = QUANT[quant](w.float()).double() - w
+                blocks = w.reshape(w.shape[0], -1, BLOCK).abs().amax(-1)
             row[k] = [float(blocks.pow(2).mean()), float(e.pow(2).sum()), float((e - e.mean(0)).pow(2).sum())]
         tot += row
         out[name] = dict(zip(("step", "full", "seen"), (row[1] / row[0]).tolist(), strict=True))

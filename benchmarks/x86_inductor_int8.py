@@ -235,7 +235,7 @@ def measure(kind: str, dirs: Sequence[Path], args: argparse.Namespace) -> dict[s
             for name, model in models.items():
                 example = tuple(t[:b] for t in data[0])
                 graph, info = quantize(model, example, scheme, [tuple(t[:b] for t in c) for c in calib])
-                program = torch.compile(graph)
+                program = graph if args.eager else torch.compile(graph)
                 result["ops"][f"{name}/{scheme}@{b}"] = info
                 if measured:
                     out = run_batches(program, data)
@@ -292,8 +292,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     help="the programs timed with --speed")
     ap.add_argument("--speed", type=float, default=0, metavar="SECONDS",
                     help="ABBA seconds per speed cell (0: errors only, no float32 programs)")
+    ap.add_argument("--eager", action="store_true", help="run the quantized programs without torch.compile: the same "
+                    "integers (PT2E's quantize ops), the products summed in float32 instead of oneDNN's int32 (round "
+                    "62: minutes per compile on a loaded core); no --speed with it")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
+    if args.eager and args.speed:
+        ap.error("--eager measures errors only: drop --speed")
     torch.set_num_threads(1)
     out: dict[str, Any] = {"torch": torch.__version__}
     for kind in args.models:
