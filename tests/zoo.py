@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import warnings
 from collections.abc import Iterator
 
 import torch
 import transformers as tf
 from torch import nn
 
+import normswap
 from normswap.analysis import precision
 
 SPECIAL = {"bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0}
@@ -195,6 +197,19 @@ def build(table: dict, name: str, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     cls, config = table[name]()
     return randomise(cls(config), seed)
+
+
+def patched_copies(model: nn.Module, example_inputs, option_sets: dict[str, dict]) -> dict[str, nn.Module]:
+    """A converted deep copy of ``model`` per named option set (``normswap.patch(copy, example_inputs,
+    **options)``), its warnings silenced: the tests that compare option sets assert on plans and outputs."""
+    out = {}
+    for name, options in option_sets.items():
+        converted = copy.deepcopy(model)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            normswap.patch(converted, example_inputs, **options)
+        out[name] = converted
+    return out
 
 
 def float64_reference(model: nn.Module, example_inputs=None) -> nn.Module:

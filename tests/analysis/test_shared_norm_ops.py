@@ -11,16 +11,12 @@ conversion not exact at another input shape.
 
 from __future__ import annotations
 
-import copy
-import warnings
-
 import pytest
 import torch
 
-import normswap
 from normswap import RMSNorm
 from normswap.analysis.plan import plan_of
-from tests.zoo import APPROXIMATE, build
+from tests.zoo import APPROXIMATE, build, patched_copies
 
 TOL = 1e-10
 EXACT = ("exact", "exact-with-centering", "exact-with-per-norm-centering")
@@ -35,15 +31,9 @@ def _ids(seed: int, batch: int, seq: int) -> torch.Tensor:
 def albert() -> tuple[torch.nn.Module, dict[str, torch.nn.Module]]:
     model = build(APPROXIMATE, "albert")
     assert model.config.num_hidden_layers > model.config.num_hidden_groups  # the layer runs at every depth
-    out = {}
-    for name, options in {"defaults": {}, "post-ln ops": {"per_norm_centering": True, "mean_carry": False},
-                          "openvino-int8": {"quantizer": "openvino-int8"}}.items():
-        conv = copy.deepcopy(model)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            normswap.patch(conv, {"input_ids": _ids(1, 2, 9)}, **options)
-        out[name] = conv
-    return model, out
+    return model, patched_copies(model, {"input_ids": _ids(1, 2, 9)}, {
+        "defaults": {}, "post-ln ops": {"per_norm_centering": True, "mean_carry": False},
+        "openvino-int8": {"quantizer": "openvino-int8"}})
 
 
 @pytest.mark.parametrize("option", ["post-ln ops", "openvino-int8"])

@@ -12,15 +12,12 @@ the op; the conversion not exact; the writers' weights edited after all.
 
 from __future__ import annotations
 
-import copy
-import warnings
-
 import pytest
 import torch
 from torch import nn
 
-import normswap
 from normswap.analysis.plan import plan_of
+from tests.zoo import patched_copies
 
 D, FF, VOCAB, TOL = 16, 32, 50, 1e-10
 EXACT = ("exact", "exact-with-centering", "exact-with-per-norm-centering")
@@ -86,15 +83,8 @@ def _ids(seed: int, batch: int, seq: int) -> torch.Tensor:
 @pytest.fixture(scope="module", params=[False, True], ids=["vit-head-norm", "conformer-norm-out"])
 def converted(request) -> dict[str, tuple[nn.Module, nn.Module]]:
     model = _model(request.param)
-    out = {"model": model}
-    for name, options in {"defaults": {}, "op": {"writer_centering": "op"},
-                          "openvino-int8": {"quantizer": "openvino-int8"}}.items():
-        conv = copy.deepcopy(model)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            normswap.patch(conv, {"input_ids": _ids(1, 2, 9)}, **options)
-        out[name] = conv
-    return out
+    return {"model": model, **patched_copies(model, {"input_ids": _ids(1, 2, 9)}, {
+        "defaults": {}, "op": {"writer_centering": "op"}, "openvino-int8": {"quantizer": "openvino-int8"}})}
 
 
 @pytest.mark.parametrize("option", ["op", "openvino-int8"])
