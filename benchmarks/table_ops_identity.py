@@ -13,8 +13,8 @@ graph ``bench_openvino.py quant`` hands to OpenVINO) compared by their op types 
 
     python benchmarks/table_ops_identity.py --model DIR [DIR ...] --json out.json
 
-``--quantizer`` names the engine (default ``openvino-int8``; ``onnxruntime-dynamic``, ``openvino-int4`` and
-``openvino-static`` set the same options on a Post-LN encoder).
+``--quantizer`` names the engine (default ``openvino-int8``; ``onnxruntime-dynamic`` and ``openvino-int4`` set
+the same options on a Post-LN encoder; ``openvino-static`` keeps the defaults since round 63).
 """
 
 from __future__ import annotations
