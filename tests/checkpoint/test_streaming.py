@@ -154,6 +154,24 @@ def sources(tmp_path_factory) -> dict[str, Path]:
     return out
 
 
+@pytest.fixture(scope="module")
+def converted(sources, tmp_path_factory):
+    """``convert(name, low_memory, **options)``: ``normswap.convert(sources[name], DIR, low_memory=low_memory,
+    **options)`` made once per module, returning ``(DIR, report)``; a test that asks for the same conversion as
+    another reads the same output (read only) rather than converting again."""
+    root = tmp_path_factory.mktemp("converted")
+    done: dict[str, tuple[Path, normswap.Report]] = {}
+
+    def convert(name: str, low_memory: bool, **options):
+        key = json.dumps([name, low_memory, options], sort_keys=True)
+        if key not in done:
+            out = root / f"c{len(done)}-{'stream' if low_memory else 'mem'}"
+            done[key] = out, normswap.convert(sources[name], out, low_memory=low_memory, **options)
+        return done[key]
+
+    return convert
+
+
 @pytest.mark.parametrize(
     "name, options",
     [
@@ -175,10 +193,9 @@ def sources(tmp_path_factory) -> dict[str, Path]:
         ("gpt2-6", {"fold_gamma": True, "bias_slots": False, "format": "compat"}),
     ],
 )
-def test_streaming_is_bitwise_equal_to_in_memory(sources, tmp_path, name, options):
-    mem, stream = tmp_path / "mem", tmp_path / "stream"
-    normswap.convert(sources[name], mem, low_memory=False, **options)
-    report = normswap.convert(sources[name], stream, low_memory=True, **options)
+def test_streaming_is_bitwise_equal_to_in_memory(converted, name, options):
+    mem, _ = converted(name, False, **options)
+    stream, report = converted(name, True, **options)
     assert report.streamed and report.output is not None
     assert_same_tensors(mem, stream)
     assert_same_plan(mem, stream)
@@ -223,11 +240,10 @@ def test_streamed_whisper_is_exact_on_the_full_model(sources, tmp_path):
     assert (got - ref).abs().max() / ref.abs().max() < 1e-5
 
 
-def test_streamed_compat_with_moved_value_beta_runs_exactly_in_stock_transformers(sources, tmp_path):
+def test_streamed_compat_with_moved_value_beta_runs_exactly_in_stock_transformers(sources, converted):
     """Compat keeps the stock DINOv3 structure: o_proj's existing bias took v_proj's share of β, the
     LayerNorm's own β is zero, and plain transformers reproduces the original outputs."""
-    out = tmp_path / "c"
-    report = normswap.convert(sources["dinov3-5"], out, low_memory=True, format="compat", beta_placement="fold")
+    out, report = converted("dinov3-5", True, format="compat", beta_placement="fold")  # a case of the test above
     assert len(report.plan.beta_moves) == 5
     stock = tf.DINOv3ViTModel.from_pretrained(out).eval()
     original = tf.DINOv3ViTModel.from_pretrained(sources["dinov3-5"]).eval()
@@ -253,7 +269,7 @@ def test_streamed_shards_are_valid_and_bounded(sources, tmp_path):
     assert normswap.load(out) is not None
 
 
-def test_streaming_never_loads_the_model(sources, tmp_path, monkeypatch):
+def test_streaming_never_loads_the_model(sources, converted, tmp_path, monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("the streaming path must not load the model")
 
@@ -261,8 +277,8 @@ def test_streaming_never_loads_the_model(sources, tmp_path, monkeypatch):
     monkeypatch.setattr(stream_io, "REOPEN_BYTES", 1)  # re-open the shard handles constantly: same result
     normswap.convert(sources["gpt2-6"], tmp_path / "s", low_memory=True)
     monkeypatch.undo()
-    normswap.convert(sources["gpt2-6"], tmp_path / "m", low_memory=False)
-    assert_same_tensors(tmp_path / "m", tmp_path / "s")
+    mem, _ = converted("gpt2-6", False)  # the in-memory conversion of the bitwise test's first case
+    assert_same_tensors(mem, tmp_path / "s")
 
 
 def test_low_memory_is_chosen_automatically_for_big_checkpoints(sources, tmp_path, monkeypatch):

@@ -40,6 +40,24 @@ def sources(tmp_path_factory) -> dict[str, Path]:
     return out
 
 
+@pytest.fixture(scope="module")
+def converted(sources, tmp_path_factory):
+    """``convert(name, low_memory, **options)``: ``normswap.convert(sources[name], DIR, low_memory=low_memory,
+    **options)`` made once per module, returning ``(DIR, report)``; a test that asks for the same conversion as
+    another reads the same output (read only) rather than converting again."""
+    root = tmp_path_factory.mktemp("converted")
+    done: dict[str, tuple[Path, normswap.Report]] = {}
+
+    def convert(name: str, low_memory: bool, **options):
+        key = json.dumps([name, low_memory, options], sort_keys=True)
+        if key not in done:
+            out = root / f"c{len(done)}-{'stream' if low_memory else 'mem'}"
+            done[key] = out, normswap.convert(sources[name], out, low_memory=low_memory, **options)
+        return done[key]
+
+    return convert
+
+
 def _manifest(d: Path) -> dict[str, Any]:
     """The written manifest less what must differ: the verification (streamed: layers 0, 1 and L-1), the
     analysis line, and each norm's error (the streamed plan's is the proxy's)."""
@@ -100,10 +118,9 @@ def _card(d: Path) -> str:
     # ... and copied the head's tensors (classifier.*) the bare model does not hold; memory leaves them out
     ("bert_cls", {"task": "base", "mode": "exact"}),
 ])
-def test_low_memory_writes_what_in_memory_writes(sources, tmp_path, name, options):
-    mem, stream = tmp_path / "mem", tmp_path / "stream"
-    normswap.convert(sources[name], mem, low_memory=False, **options)
-    report = normswap.convert(sources[name], stream, low_memory=True, **options)
+def test_low_memory_writes_what_in_memory_writes(converted, name, options):
+    mem, _ = converted(name, False, **options)
+    stream, report = converted(name, True, **options)
     assert report.streamed
     assert_same_output(mem, stream)
     if options.get("fold_gamma") and name == "gpt2" and "task" not in options:  # native: there; compat: gone back
@@ -138,10 +155,9 @@ def test_streamed_shards_and_index_agree(sources, tmp_path):
     assert all(f.stat().st_size <= 16_000 + 4096 or len(safe_open(str(f), "pt").keys()) == 1 for f in files)
 
 
-def test_streamed_bias_slot_is_exact_in_float64(sources, tmp_path):
+def test_streamed_bias_slot_is_exact_in_float64(sources, converted):
     """The streamed GPT-2 with γ folded and β in the head's new bias computes the original's logits (float64)."""
-    out = tmp_path / "s"
-    normswap.convert(sources["gpt2"], out, low_memory=True, fold_gamma=True)
+    out, _ = converted("gpt2", True, fold_gamma=True)  # the first case of the test above
     original = tf.GPT2LMHeadModel.from_pretrained(sources["gpt2"]).double().eval()
     converted = normswap.load(out).double().eval()
     assert converted.lm_head.bias is not None

@@ -12,6 +12,9 @@ Float64 replicas, LayerNorm γ/β randomised; adapters with random (non-zero) ``
 
 from __future__ import annotations
 
+import copy
+import functools
+
 import pytest
 import torch
 
@@ -129,11 +132,18 @@ def test_torch_compile_fullgraph_runs_a_lora_model_and_its_merge():
 
 
 # ------------------------------------------------------------------ round 52: IA3, LoHa, LoKr, other families
-def _without_ops():
-    """The same replica converted without online ops: what an adapter on the original model computes."""
+@functools.cache
+def _converted_without_ops():
     model = tiny_dinov2(seed=3)
     normswap.patch(model, beta_placement="keep")
     return model
+
+
+def _without_ops():
+    """The same replica converted without online ops: what an adapter on the original model computes. A deep copy
+    of one conversion made once per process (PEFT wraps the model it is given in place; the reference is only
+    ever computed from it, so a copy of the same float64 tensors gives the same reference bit for bit)."""
+    return copy.deepcopy(_converted_without_ops())
 
 
 def _adapter(model, config):

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -35,25 +34,27 @@ def test_fsdp2_run_matches_a_single_process_run(tiny_gpt2, corpus, tmp_path, war
         "data.batch_size=8", "data.eval_batch_size=16", "eval.every=2", "eval.keep_best=false", "log.every=1",
         "log.progress_bar=false", "log.plot=false", "checkpoint.every=2",
     ]
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "NORMSWAP_DEBUG": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     sharded = tmp_path / "fsdp"
-    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("fsdp_cpu.py")), str(RECIPE), *overrides,
-                           f"output.dir={sharded}"], env=env, capture_output=True, text=True, timeout=300)
+    # both runs are children of the warm fork server (torch, transformers and accelerate imported, normswap not,
+    # no process group): the launcher run as a program (``runpy``, as ``python fsdp_cpu.py`` would), with the
+    # environment above; accelerate reads its FSDP variables when the state is made, which the launcher sets
+    # first. OpenMP read its thread count when the server imported torch, so the child sets the one thread itself
+    child = {"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "NORMSWAP_DEBUG": "1"}
+    launcher = ("import torch, runpy\n"
+                "torch.set_num_threads(1)\n"
+                f"runpy.run_path({str(Path(__file__).with_name('fsdp_cpu.py'))!r}, run_name='__main__')\n")
+    proc = warm_python.run(launcher, str(RECIPE), *overrides, f"output.dir={sharded}", timeout=300, env=child)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     # it did run sharded: accelerate wrote FSDP's sharded (torch.distributed.checkpoint) state
     assert sorted(p.name for p in (sharded / "checkpoints").iterdir()) == ["step-000002", "step-000004"]
     assert list((sharded / "checkpoints" / "step-000004" / "pytorch_model_fsdp_0").glob("*.distcp"))
 
     plain = tmp_path / "plain"  # the same run, one ordinary process, also on CPU whatever the machine has
-    # ``python -m normswap.recipes`` in a child of the warm fork server (torch, transformers and accelerate
-    # imported, normswap not): the module run as a program, with the environment above; OpenMP read its thread
-    # count when the server imported torch, so the child sets the run's one thread itself
+    # ``python -m normswap.recipes``, likewise a child of the warm fork server
     code = ("import torch, runpy\n"
             "torch.set_num_threads(1)\n"
             "runpy.run_module('normswap.recipes', run_name='__main__', alter_sys=True)\n")
-    proc = warm_python.run(code, str(RECIPE), *overrides, f"output.dir={plain}", timeout=300,
-                           env={k: env[k] for k in ("CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "NORMSWAP_DEBUG")})
+    proc = warm_python.run(code, str(RECIPE), *overrides, f"output.dir={plain}", timeout=300, env=child)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     # the same losses step by step: the clip (max_grad_norm small enough to act) and the optimiser
     # step saw the sharded parameters' gradients
