@@ -298,6 +298,17 @@ def shrink(config: object, depth: int = 0, ids: list[int] | None = None, images:
         d["image_grid_pinpoints"] = [[side, side], [side, 2 * side], [2 * side, side]]
     consistent(config, before, mild)
     derived_sizes(config, before, mild)
+    # a multimodal RoPE whose axes split the rotated channels in code (no ``mrope_section`` in the config) keeps
+    # at least MIN_ROTARY rotated channels a head under a partial rotary factor (NeoMME's full-attention layers
+    # rotate a quarter of each head over two interleaved axes, row and column: at head width 8 that is 2
+    # channels, one frequency, and the column axis gets none): the head width grows to the smallest multiple of
+    # HEAD_DIM that rotates that many under every layer type's factor
+    sets = _rope_sets(d.get("rope_parameters"))
+    factors = [f for p in sets if isinstance(f := p.get("partial_rotary_factor"), float) and 0 < f < 1]
+    code_sections = not any("mrope_section" in p for p in sets) and "mrope_section" in modeling_source(config)
+    if factors and code_sections and _int(d.get("head_dim")) and not mild \
+            and int(d["head_dim"] * min(factors)) < MIN_ROTARY:
+        d["head_dim"] = next(h for h in range(HEAD_DIM, 257, HEAD_DIM) if int(h * min(factors)) >= MIN_ROTARY)
     if tree is not None and not mild:
         _follow_widths_across(tree)
         _follow_stage_widths(tree)
@@ -355,6 +366,17 @@ KINDS = ("layer_types", "block_types", "layers_block_type", "layers_type", "attn
 # (names, cut above, cut to): an alias of a standard size is cut as the standard name; MoE sizes
 ALIAS_CAPS = ((WIDTH, 64, 32), (FFN, 64, 64), (LAYERS, 2, 2), (HEADS_ATTR, 4, 4), (KV_HEADS, 2, 2))
 MOE_CAPS = ((EXPERTS, 4, 4), (EXPERTS_PER_TOKEN, 2, 2), (SHARED_EXPERTS, 1, 1), (EXPERT_GROUPS, 1, 1))
+
+
+MIN_ROTARY = 4  # rotated channels a head at least: two frequency pairs (one per axis of a 2-D M-RoPE)
+
+
+def _rope_sets(rope: object) -> list[dict]:
+    """The RoPE parameter sets of a ``rope_parameters`` value: itself when flat, else its per-layer-type dicts."""
+    if not isinstance(rope, dict):
+        return []
+    nested = [v for v in rope.values() if isinstance(v, dict)]
+    return nested or [rope]
 
 
 def _int(v: object) -> bool:
