@@ -372,8 +372,8 @@ def test_round63_size_rules_build_tiny_models_that_run():
     head cut (each divides the tiny head count); SAM 3 tracker's per-level feature-map sizes follow the tiny
     image (the image in patches, x4, x2, x1); X-Codec's ``codebook_dim`` follows its computed hidden size
     (acoustic + semantic); MuseSpark audio's per-layer strides are cut with its layers (its samples per
-    token is their product); VibeVoice's acoustic tokenizer keeps two downsampling stages. Each runs on
-    normswap's own inputs."""
+    token is their product); VibeVoice's acoustic tokenizer keeps two downsampling stages; NeoMME's 2-D
+    M-RoPE keeps 4 rotated channels a head. Each runs on normswap's own inputs."""
     sweep = _sweep()
     sapiens = sweep.tiny_config("sapiens2", "Sapiens2Model")
     heads = sapiens.num_attention_heads
@@ -389,6 +389,8 @@ def test_round63_size_rules_build_tiny_models_that_run():
     assert muse.samples_per_token == muse.patch_sizes[0] * muse.patch_sizes[1]
     vibe = sweep.tiny_config("vibevoice_acoustic_tokenizer", "VibeVoiceAcousticTokenizerModel")
     assert len(vibe.downsampling_ratios) == 2 and len(vibe.depths) == 3
+    neomme = sweep.tiny_config("neomme", "NeoMMEModel")  # its row and column axes each keep a rotated frequency
+    assert neomme.head_dim * neomme.rope_parameters["full_attention"]["partial_rotary_factor"] >= 4
     for model_type, cls in (("sapiens2", "Sapiens2Model"), ("xcodec", "XcodecModel"),
                             ("muse_spark_audio", "MuseSparkAudioModel"),
                             ("vibevoice_acoustic_tokenizer", "VibeVoiceAcousticTokenizerModel"),
