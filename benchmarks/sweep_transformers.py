@@ -743,17 +743,20 @@ def _kv_head_counts(d: dict, before: dict) -> None:
     divided the full head count becomes, each, the largest divisor of the tiny head count not above
     ``count x tiny heads / full heads`` (at least 1): 16 → 4 and 8 → 2 for 16 → 4 heads, so every layer still
     groups its query heads over whole key/value heads."""
-    key = next((k for k in HEADS_ATTR if _int(d.get(k)) and _int(before.get(k))), None)
-    if key is None or d[key] >= before[key]:
-        return
-    full, tiny = before[key], d[key]
-
-    def follow(n: int) -> int:
-        return max(h for h in range(1, max(1, n * tiny // full) + 1) if tiny % h == 0)
-
     for k, v in list(d.items()):
         if k in KV_HEADS or k.startswith("_") or not KV_HEAD_COUNT.search(k) or v != before.get(k):
             continue
+        # the query head count of the same stack (Moonshine's ``encoder_num_key_value_heads`` goes with its
+        # encoder's heads, not with the decoder's cut ``decoder_num_attention_heads``)
+        key = next((h for h in sorted(HEADS_ATTR) if _int(d.get(h)) and _int(before.get(h)) and d[h] < before[h]
+                    and _stack(h) == _stack(k)), None)
+        if key is None:
+            continue
+        full, tiny = before[key], d[key]
+
+        def follow(n: int, full: int = full, tiny: int = tiny) -> int:
+            return max(h for h in range(1, max(1, n * tiny // full) + 1) if tiny % h == 0)
+
         if _int(v) and 0 < v <= full and full % v == 0:
             d[k] = follow(v)
         elif (isinstance(v, (list, tuple)) and v and all(_int(x) and 0 < x <= full and full % x == 0 for x in v)):
