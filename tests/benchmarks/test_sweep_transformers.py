@@ -402,10 +402,16 @@ def test_round63_size_rules_build_tiny_models_that_run():
 
 
 def test_round63_rules_leave_staged_lists_without_a_derived_size_whole():
-    """The stride-list rule cuts per-layer tuples only where the config derives a size from them: SegFormer's
-    per-stage lists (no such property) stay as long as before, PVT keeps its four stages."""
+    """The round-63 rules' reach: the stride-list rule cuts per-layer tuples only where the config derives a size
+    from them (SegFormer's per-stage lists, no such property, stay as long as before; PVT keeps its four stages),
+    and a key/value head count follows only the query heads of its own stack."""
     sweep = _sweep()
     segformer = tf.AutoConfig.for_model("segformer")
     sweep.shrink(segformer)
     assert len(segformer.strides) == len(segformer.hidden_sizes) == 4
     assert sweep.tiny_config("pvt", "PvtModel").num_encoder_blocks == 4
+    # a key/value head count follows the heads of its own stack: Moonshine's encoder keeps its 8 heads, so its
+    # 8 key/value heads stay (the decoder's cut, 8 -> 4 heads, once halved them and the tiny model did not run)
+    moonshine = tf.AutoConfig.for_model("moonshine")
+    sweep.shrink(moonshine)
+    assert moonshine.encoder_num_key_value_heads == moonshine.encoder_num_attention_heads
