@@ -1861,7 +1861,8 @@ half-width, a media token id the modeling code reads but the config lacks set, a
 number of patches, Swin windows that fit the last stage, detection queries that fit a tiny image, a
 backbone keeping the layers it is read at. When that does not build (or stays over 30M parameters, or
 keeps a vocabulary over 65,536 tokens to fit a special id), the special token ids are renumbered into a
-small vocabulary, then a mild shrink keeps every width (layers, experts and vocabularies cut).
+small vocabulary, then a conv pyramid keeps its first two downsampling stages (a config still over 30M
+parameters), then a mild shrink keeps every width (layers, experts and vocabularies cut).
 
 "Unbuilt" types are those whose default config does not build tiny even so (the sweep's shrinking, not
 normswap); they are counted apart. When no inputs run the fully shrunk model, the sweep builds it again
