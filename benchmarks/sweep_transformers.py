@@ -201,6 +201,7 @@ def shrink(config: object, depth: int = 0, ids: list[int] | None = None, images:
     from transformers import PretrainedConfig
 
     tree = _snapshot(config) if depth == 0 else None  # every sub-config's full-size attributes
+    derived = _derived_widths(config) if depth == 0 else None  # widths the config classes compute
     if renumber and depth == 0:
         renumber_ids(config, 128 if renumber is True else renumber)
     ids = all_special_ids(config) if ids is None else ids
@@ -297,9 +298,22 @@ def shrink(config: object, depth: int = 0, ids: list[int] | None = None, images:
         d["image_grid_pinpoints"] = [[side, side], [side, 2 * side], [2 * side, side]]
     consistent(config, before, mild)
     derived_sizes(config, before, mild)
+    # a multimodal RoPE whose axes split the rotated channels in code (no ``mrope_section`` in the config) keeps
+    # at least MIN_ROTARY rotated channels a head under a partial rotary factor (NeoMME's full-attention layers
+    # rotate a quarter of each head over two interleaved axes, row and column: at head width 8 that is 2
+    # channels, one frequency, and the column axis gets none): the head width grows to the smallest multiple of
+    # HEAD_DIM that rotates that many under every layer type's factor
+    sets = _rope_sets(d.get("rope_parameters"))
+    factors = [f for p in sets if isinstance(f := p.get("partial_rotary_factor"), float) and 0 < f < 1]
+    code_sections = not any("mrope_section" in p for p in sets) and "mrope_section" in modeling_source(config)
+    if factors and code_sections and _int(d.get("head_dim")) and not mild \
+            and int(d["head_dim"] * min(factors)) < MIN_ROTARY:
+        d["head_dim"] = next(h for h in range(HEAD_DIM, 257, HEAD_DIM) if int(h * min(factors)) >= MIN_ROTARY)
     if tree is not None and not mild:
         _follow_widths_across(tree)
         _follow_stage_widths(tree)
+        _follow_feature_sizes(tree)
+        _follow_derived_widths(tree, derived)
     if tree is not None:
         _read_out_layers(tree)
         _token_offsets(config)
@@ -347,10 +361,22 @@ LORA_RANK = 16  # low-rank projections (MLA's q/kv/o LoRA ranks, …)
 READ_OUT = re.compile(r"(feature_layers?|intermediate_\w*ind(ices|exes)|deepstack_\w*indexes|hidden_state_indices|"
                       r"_layer_(id|idx|index))$")
 MAX_READ_OUT_DEPTH = 6
+STRIDES = re.compile(r"^(patch_sizes|strides|downsampling_ratios|conv_strides?)$")  # one stride a layer
 KINDS = ("layer_types", "block_types", "layers_block_type", "layers_type", "attn_type_list", "hybrid_layer_types")
 # (names, cut above, cut to): an alias of a standard size is cut as the standard name; MoE sizes
 ALIAS_CAPS = ((WIDTH, 64, 32), (FFN, 64, 64), (LAYERS, 2, 2), (HEADS_ATTR, 4, 4), (KV_HEADS, 2, 2))
 MOE_CAPS = ((EXPERTS, 4, 4), (EXPERTS_PER_TOKEN, 2, 2), (SHARED_EXPERTS, 1, 1), (EXPERT_GROUPS, 1, 1))
+
+
+MIN_ROTARY = 4  # rotated channels a head at least: two frequency pairs (one per axis of a 2-D M-RoPE)
+
+
+def _rope_sets(rope: object) -> list[dict]:
+    """The RoPE parameter sets of a ``rope_parameters`` value: itself when flat, else its per-layer-type dicts."""
+    if not isinstance(rope, dict):
+        return []
+    nested = [v for v in rope.values() if isinstance(v, dict)]
+    return nested or [rope]
 
 
 def _int(v: object) -> bool:
@@ -395,6 +421,7 @@ def consistent(config: object, before: dict, mild: bool = False) -> None:
         _aliases(config, d)
         _follow_widths(d, before)
         _kv_heads(d, before)
+        _kv_head_counts(d, before)
     _moe(d)
     if not mild:
         _head_dims(d, before)
@@ -404,7 +431,7 @@ def consistent(config: object, before: dict, mild: bool = False) -> None:
     _queries(d)
     _missing_defaults(d)
     _vocabularies(d)
-    _per_layer_lists(d, before)
+    _per_layer_lists(d, before, _read_by_properties(config))
 
 
 def _snapshot(config: object) -> list[tuple[dict, dict]]:
@@ -514,6 +541,64 @@ def _follow_stage_widths(tree: list[tuple[dict, dict]]) -> None:
                 and all(isinstance(f, list) and len(f) == 2 for f in feats)):
             d["backbone_feature_sizes"] = [[f[0] * side[0] // full_side[0], f[1] * side[1] // full_side[1]]
                                            for f in feats]
+
+
+def _derived_widths(config: object) -> list[tuple[object, str, int]]:
+    """``(config, name, full-size value)`` for each width of :data:`WIDTH` that a config of the tree computes
+    (a property of its class, not an attribute: X-Codec's ``hidden_size`` is its acoustic plus its semantic
+    model's), read before the shrink."""
+    from transformers import PretrainedConfig
+
+    out = [(config, k, getattr(config, k)) for k in sorted(WIDTH)
+           if isinstance(getattr(type(config), k, None), property) and _int(getattr(config, k, None))]
+    for v in config.__dict__.values():
+        if isinstance(v, PretrainedConfig):
+            out += _derived_widths(v)
+    return out
+
+
+def _follow_derived_widths(tree: list[tuple[dict, dict]], derived: list[tuple[object, str, int]]) -> None:
+    """A size defined as equal to a computed width (:func:`_derived_widths`; X-Codec's ``codebook_dim`` 1024,
+    its ``hidden_size`` 256 + 768, read by the quantizer on the fused stream) follows that width once the
+    shrink cut its parts (→ 32 + 32 = 64), where the size is named as a width or as one that follows a width
+    (:data:`FOLLOWS_WIDTH`) and was left at its full value."""
+    for config, name, full in derived:
+        tiny = getattr(config, name, None)
+        if not _int(tiny) or tiny == full:
+            continue
+        for d, before in tree:
+            for k, v in list(d.items()):
+                if (_int(v) and v == full == before.get(k) and not k.startswith("_")
+                        and (FOLLOWS_WIDTH.search(k) or WIDTH_LIKE.search(k) and not NOT_WIDTH.search(k))):
+                    d[k] = tiny
+
+
+def _follow_feature_sizes(tree: list[tuple[dict, dict]]) -> None:
+    """Feature-map sizes listed per level as ``[height, width]`` pairs (``backbone_feature_sizes``: SAM 3
+    tracker's 288, 144 and 72 for its 1008-pixel image at patch 14 and scales 4, 2, 1) follow the image the
+    shrink cut, in proportion: when every image size cut anywhere in the tree was cut by one factor (1008 →
+    56: 288 → 16, 144 → 8, 72 → 4) and each size stays whole. A list :func:`_follow_stage_widths` already
+    moved (SAM 2's Hiera) is left to it."""
+    ratios = set()
+    for d, before in tree:
+        for k in ("image_size", "pretrain_image_size"):
+            full, tiny = before.get(k), d.get(k)
+            if _int(full) and _int(tiny) and tiny != full:
+                ratios.add((full, tiny))
+            elif isinstance(full, (list, tuple)) and isinstance(tiny, (list, tuple)) and list(full) != list(tiny) \
+                    and len(full) == 2 and all(_int(x) for x in (*full, *tiny)):
+                ratios |= set(zip(full, tiny, strict=True))
+    scales = {tiny / full for full, tiny in ratios}
+    if len(scales) != 1:
+        return
+    full, tiny = next(iter(ratios))
+    for d, before in tree:
+        for k, v in list(d.items()):
+            if not (k.endswith("feature_sizes") and isinstance(v, list) and v == before.get(k) and v
+                    and all(isinstance(f, (list, tuple)) and f and all(_int(x) for x in f) for f in v)):
+                continue
+            if all(x * tiny % full == 0 for f in v for x in f):
+                d[k] = [type(f)(x * tiny // full for x in f) for f in v]
 
 
 def _token_offsets(config: object) -> None:
@@ -646,6 +731,36 @@ def _kv_heads(d: dict, before: dict) -> None:
     for k in KV_HEADS:
         if heads and _int(d.get(k)) and before.get(k) == before.get(heads):
             d[k] = d[heads]
+
+
+KV_HEAD_COUNT = re.compile(r"(key_value|kv)_(attention_)?heads")
+
+
+def _kv_head_counts(d: dict, before: dict) -> None:
+    """Key/value head counts under names :data:`KV_HEADS` does not list follow the head cut in proportion:
+    an int (Sapiens2's ``num_key_value_attention_heads``) or a per-layer list (its
+    ``num_key_value_heads_per_layer``, 16 on full-attention layers and 8 on grouped ones) of counts that each
+    divided the full head count becomes, each, the largest divisor of the tiny head count not above
+    ``count x tiny heads / full heads`` (at least 1): 16 → 4 and 8 → 2 for 16 → 4 heads, so every layer still
+    groups its query heads over whole key/value heads."""
+    for k, v in list(d.items()):
+        if k in KV_HEADS or k.startswith("_") or not KV_HEAD_COUNT.search(k) or v != before.get(k):
+            continue
+        # the query head count of the same stack (Moonshine's ``encoder_num_key_value_heads`` goes with its
+        # encoder's heads, not with the decoder's cut ``decoder_num_attention_heads``)
+        key = next((h for h in sorted(HEADS_ATTR) if _int(d.get(h)) and _int(before.get(h)) and d[h] < before[h]
+                    and _stack(h) == _stack(k)), None)
+        if key is None:
+            continue
+        full, tiny = before[key], d[key]
+
+        def follow(n: int, full: int = full, tiny: int = tiny) -> int:
+            return max(h for h in range(1, max(1, n * tiny // full) + 1) if tiny % h == 0)
+
+        if _int(v) and 0 < v <= full and full % v == 0:
+            d[k] = follow(v)
+        elif (isinstance(v, (list, tuple)) and v and all(_int(x) and 0 < x <= full and full % x == 0 for x in v)):
+            d[k] = type(v)(follow(x) for x in v)
 
 
 def _moe(d: dict) -> None:
@@ -799,13 +914,36 @@ def _stack(name: str) -> str | None:
     return m.group(0) if m else None
 
 
-def _per_layer_lists(d: dict, before: dict) -> None:
+def _read_by_properties(config: object) -> set[str]:
+    """The attributes that the properties of ``config``'s class read (``self.<name>`` in their code)."""
+    import inspect
+
+    out: set[str] = set()
+    for klass in type(config).__mro__:
+        for v in vars(klass).values():
+            if isinstance(v, property) and v.fget is not None:
+                try:
+                    out |= set(re.findall(r"self\.(\w+)", inspect.getsource(v.fget)))
+                except (OSError, TypeError):
+                    continue
+    return out
+
+
+def _per_layer_lists(d: dict, before: dict, derived: set[str] = frozenset()) -> None:
     """Every list as long as the full layer count follows the tiny one, keeping one layer of each kind:
     a hybrid model (linear and full attention, Mamba and attention, sliding and global) stays hybrid, with
     as many layers as it has kinds (at most 4), the same layers kept in every per-layer list."""
     for key in LAYERS:
         old, new = before.get(key), d.get(key)
-        if not (_int(old) and _int(new) and old > new and old >= 6):
+        # a stack whose layers each stride, where the config derives a size from every stride (MuseSpark's
+        # audio encoder: ``patch_sizes`` (16, 6, 5, 4), one a layer, and ``samples_per_token``, their
+        # product, which its forward checks the input against): its per-layer lists and tuples (strides,
+        # widths, depths) are cut with the layer count, whatever the depth, so that the derived size is the
+        # tiny layers' (lists read one a stage with no such size, SegFormer's, stay whole as before); so are
+        # the lists of any stack of at least 6 layers
+        staged = _int(old) and any(STRIDES.search(k) and isinstance(v, (list, tuple)) and len(v) == old
+                                   and all(_int(x) for x in v) and k in derived for k, v in d.items())
+        if not (_int(old) and _int(new) and old > new and (old >= 6 or staged)):
             continue
         if isinstance(d.get("stage_names"), list) and (d.get("_out_indices") or d.get("out_indices")):
             break  # a backbone read at stages: derived_sizes() sets its depth from them, its lists stay whole
@@ -818,8 +956,8 @@ def _per_layer_lists(d: dict, before: dict) -> None:
                    and (isinstance(v, list) or isinstance(v, tuple) and k.endswith("_indexes"))
                    and v and all(_int(x) for x in v) and list(v) == sorted(set(v))
                    and v[-1] < old and (len(v) < old or list(v) == list(range(old)))]
-        lists = [k for k, v in d.items() if isinstance(v, list) and len(v) == old and not k.startswith("_")
-                 and k not in indices]
+        lists = [k for k, v in d.items() if isinstance(v, list if not staged else (list, tuple)) and len(v) == old
+                 and not k.startswith("_") and k not in indices]
         kinds = next((d[k] for k in KINDS if k in lists), None)
         keep = list(range(new))
         if kinds is not None and all(isinstance(x, str) for x in kinds):
@@ -831,7 +969,7 @@ def _per_layer_lists(d: dict, before: dict) -> None:
                 keep = sorted(set(keep) | set(range(new - len(keep))))  # at least the tiny count
                 d[key] = len(keep)
         for k in lists:
-            d[k] = [d[k][i] for i in keep]
+            d[k] = type(d[k])(d[k][i] for i in keep)
         for k in indices:
             # a kind of layer named by its indices (cross-attention, global attention) stays present: when
             # none of its layers is kept, the last tiny layer is of that kind
@@ -893,7 +1031,8 @@ OVERRIDES: dict[str, dict] = {
 def tiny_config(model_type: str, class_name: str, widths: bool = True):  # noqa: ANN201 - the config
     """``model_type``'s default config shrunk to tiny and self-consistent: the full shrink; when that
     does not build ``class_name`` or stays over :data:`MAX_PARAMS`, the full shrink with the special ids
-    renumbered into a small vocabulary; then the mild one (widths kept: layers, experts and vocabularies
+    renumbered into a small vocabulary; then the full shrink with its downsampling stages cut
+    (:func:`cut_stages`); then the mild one (widths kept: layers, experts and vocabularies
     cut, ids renumbered). ``widths=False`` goes straight to the mild one (:func:`run_class`'s second try
     for a model no inputs run once its widths are cut). A full shrink that builds but keeps a vocabulary
     over :data:`MAX_VOCAB` to fit a special id has the ids past MAX_VOCAB renumbered (kept as it is if that
@@ -903,9 +1042,11 @@ def tiny_config(model_type: str, class_name: str, widths: bool = True):  # noqa:
 
     cls = getattr(tf, class_name)
 
-    def shrunk(mild: bool, renumber: bool | int):  # noqa: ANN202 - the config, or raises when it does not build
+    def shrunk(mild: bool, renumber: bool | int, stages: bool = False):  # noqa: ANN202 - the config, or raises
         config = tf.AutoConfig.for_model(model_type)
         shrink(config, mild=mild, renumber=renumber)
+        if stages:
+            cut_stages(config)
         for k, v in OVERRIDES.get(model_type, {}).items():
             setattr(config, k, v)
         if class_name.endswith("ForCTC") and getattr(config, "vocab_size", 0) is None:
@@ -917,10 +1058,11 @@ def tiny_config(model_type: str, class_name: str, widths: bool = True):  # noqa:
         return config
 
     first: Exception | None = None
-    tries = ((False, False), (False, True), (True, True)) if widths else ((True, True),)
-    for mild, renumber in tries:
+    tries = ((False, False, False), (False, True, False), (False, False, True), (True, True, False)) if widths \
+        else ((True, True, False),)
+    for mild, renumber, stages in tries:
         try:
-            config = shrunk(mild, renumber)
+            config = shrunk(mild, renumber, stages)
         except Exception as exc:  # noqa: BLE001 - recorded by the caller when no shrink builds
             first = first or exc
             continue
@@ -929,11 +1071,37 @@ def tiny_config(model_type: str, class_name: str, widths: bool = True):  # noqa:
             # calibration and verification; the ids past MAX_VOCAB are renumbered (those below keep their
             # meaning: Higgs Audio's codebook-space stream ids), unless that does not build
             try:
-                return shrunk(False, MAX_VOCAB)
+                return shrunk(False, MAX_VOCAB, stages)
             except Exception:  # noqa: BLE001 - the large vocabulary, as before
                 return config
         return config
     raise first
+
+
+STAGE_STRIDES = re.compile(r"^(downsampling_ratios|upsampling_ratios|strides|patch_sizes)$")
+TINY_STAGES = 2
+
+
+def cut_stages(config: object) -> None:
+    """A convolutional pyramid that the name rules leave over :data:`MAX_PARAMS` because its channels double
+    at each downsampling stage from a base width no width name covers (VibeVoice's acoustic tokenizer:
+    ``num_filters`` 32 x 2^6 = 2048 channels after its 6 ``downsampling_ratios``, 172M tiny) keeps its first
+    :data:`TINY_STAGES` stages: in every config of the tree, a list of strides (:data:`STAGE_STRIDES`) longer
+    than that is cut to its first ones, and every list or tuple of the same length to as many, every one
+    one longer (a stem stage's entry first: its ``depths``) to one more. :func:`tiny_config`'s third try,
+    for configs the full shrink leaves too large."""
+    from transformers import PretrainedConfig
+
+    d = config.__dict__
+    n = next((len(v) for k, v in d.items() if STAGE_STRIDES.search(k) and isinstance(v, (list, tuple))
+              and len(v) > TINY_STAGES and all(_int(x) for x in v)), None)
+    if n is not None:
+        for k, v in list(d.items()):
+            if isinstance(v, (list, tuple)) and not k.startswith("_") and len(v) in (n, n + 1):
+                d[k] = type(v)(v[: TINY_STAGES + len(v) - n])
+    for v in d.values():
+        if isinstance(v, PretrainedConfig):
+            cut_stages(v)
 
 
 def largest_vocabulary(config: object) -> int:
@@ -1693,7 +1861,8 @@ half-width, a media token id the modeling code reads but the config lacks set, a
 number of patches, Swin windows that fit the last stage, detection queries that fit a tiny image, a
 backbone keeping the layers it is read at. When that does not build (or stays over 30M parameters, or
 keeps a vocabulary over 65,536 tokens to fit a special id), the special token ids are renumbered into a
-small vocabulary, then a mild shrink keeps every width (layers, experts and vocabularies cut).
+small vocabulary, then a conv pyramid keeps its first two downsampling stages (a config still over 30M
+parameters), then a mild shrink keeps every width (layers, experts and vocabularies cut).
 
 "Unbuilt" types are those whose default config does not build tiny even so (the sweep's shrinking, not
 normswap); they are counted apart. When no inputs run the fully shrunk model, the sweep builds it again

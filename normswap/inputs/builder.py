@@ -138,6 +138,11 @@ def _feature_count(model: nn.Module, kind: str, layout: Layout, batch: int) -> i
     if feats is None and isinstance(out, (tuple, list)):
         feats = out[0]
     tensors = [feats] if isinstance(feats, torch.Tensor) else [t for t in feats if isinstance(t, torch.Tensor)]
+    # a factorized embedding (NeoMME's, ALBERT-style: vocab -> rank -> hidden) is projected to the text model's
+    # hidden size before the media rows replace the placeholders: rows of that width are the prompt's too
+    hidden = cfg(sub_config(model.config, "text"), "hidden_size") if hasattr(model, "config") else None
+    if tensors and tensors[0].shape[-1] != width and isinstance(hidden, int) and tensors[0].shape[-1] == hidden:
+        width = hidden
     total = sum(t.numel() for t in tensors) // int(width)
     if tensors and tensors[0].shape[-1] != width:
         return None  # rows of another width (the encoder's own, before a projection): not the prompt's count
@@ -396,7 +401,8 @@ def _combinations(config: Any, params: dict[str, Any], batch: int, seed: int, dt
                   *vision.positioned_patch_layouts(config, params, batch, gen, dtype),
                   *vision.packed_layouts(config, params, batch, gen, dtype),
                   *vision.channels_last_patch_layouts(config, params, batch, gen, dtype),
-                  *vision.pooled_crop_layouts(config, params, batch, gen, dtype)]
+                  *vision.pooled_crop_layouts(config, params, batch, gen, dtype),
+                  *vision.flat_patch_layouts(config, params, batch, gen, dtype)]
         groups.append([vision.with_companions(layout, config, params, gen, dtype) for layout in images])
     elif towers := list(vision.tower_layouts(config, params, batch, gen, dtype)):
         groups.append(towers)

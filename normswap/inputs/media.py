@@ -113,6 +113,19 @@ def image_layouts(config: Any, params: Any, batch: int, gen: torch.Generator, dt
     if frames:
         yield from extras({"pixel_values": pixels(batch, frames, channels, size, size)})
     yield from extras({"pixel_values": pixels(batch, channels, size, size)})
+    # the config's own (height, width) where it is not square (MGP-STR's 32 x 128 text strips): a model that
+    # checks its input against it runs on no square image
+    high, wide = image_sides(config)
+    if high != wide:
+        layout = {"pixel_values": pixels(batch, channels, high, wide)}
+        if "pixel_mask" in params:
+            layout["pixel_mask"] = torch.ones(batch, high, wide, dtype=torch.long)
+        yield layout
+    # an image that keeps a few positions after every stride the backbone can take (PP-OCRv5 mobile rec: a stem
+    # and 4 stages of stride 2, 32 in all, then a 3 x 2 pooling: 64 pixels leave 2 x 2, too few)
+    deep = STRIDE_SIDE_POSITIONS * max_backbone_stride(vcfg)
+    if deep > size:
+        yield {"pixel_values": pixels(batch, channels, deep, deep)}
     for tiles in dict.fromkeys((1, anyres_tiles(config, size))):
         per_sample = {"pixel_values": pixels(batch, tiles, channels, size, size)}
         if "pixel_attention_mask" in params:
@@ -131,6 +144,38 @@ def image_layouts(config: Any, params: Any, batch: int, gen: torch.Generator, dt
         yield grid_layout(vcfg, batch, gen, dtype, grid="grid_thw")
     # a pair of images per sample (B, 2, C, H, W): keypoint matchers (LightGlue, EfficientLoFTR)
     yield {"pixel_values": pixels(batch, 2, channels, size, size)}
+
+
+STRIDE_SIDE_POSITIONS = 4  # positions a side left after a backbone's coarsest stride (as "4 patches a side")
+
+
+def image_sides(config: Any) -> tuple[int, int]:
+    """``(height, width)`` of the model's images where the vision config gives its ``image_size`` as a pair
+    (a list or tuple, or a ``{"height", "width"}`` dict: MGP-STR's ``(32, 128)``), else the square side of
+    :func:`image_geometry`."""
+    vcfg = sub_config(config, "vision", "backbone", "image")
+    value = cfg(vcfg, "image_size", "img_size", "input_size")
+    if value is None:
+        value = cfg(config, "image_size")
+    if isinstance(value, dict):
+        value = (value.get("height"), value.get("width"))
+    if (isinstance(value, (list, tuple)) and len(value) == 2
+            and all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in value)):
+        return int(value[0]), int(value[1])
+    size = image_geometry(config)[0]
+    return size, size
+
+
+def max_backbone_stride(vcfg: Any) -> int:
+    """The coarsest stride a staged convolutional backbone can reach, read from its config: 2 for its stem and
+    for each stage it lists (``depths``, one entry a stage, with ``stage_names`` naming the stem and each stage:
+    transformers' staged backbones halve the image at most once in each); 1 for a config with no such stages
+    (a ViT backbone names one stage per layer and lists no ``depths``)."""
+    stages, depths = cfg(vcfg, "stage_names"), cfg(vcfg, "depths")
+    if not (isinstance(stages, (list, tuple)) and isinstance(depths, (list, tuple)) and depths
+            and len(stages) == len(depths) + 1):
+        return 1
+    return 2 ** len(depths)
 
 
 def anyres_tiles(config: Any, size: int) -> int:

@@ -21,6 +21,7 @@ never from a per-model table.
   patches with no grid (Inkling).
 - Crops of patch rows pooled into prompt tokens by index (``image_token_pooling``, Molmo 2): windows of
   the patch grid, and each image's token grid in ``image_grids``.
+- Flattened patch rows with no grid at all, one prompt token each (NeoMME).
 """
 
 from __future__ import annotations
@@ -166,6 +167,27 @@ def channels_last_patch_layouts(config: Any, params: Any, batch: int, gen: torch
     temporal = cfg(vcfg, "temporal_patch_size")
     if "grid_thw" not in params and isinstance(temporal, int) and temporal > 0:
         yield {"pixel_values": torch.randn(rows, temporal, patch, patch, channels, generator=gen).to(dtype)}
+
+
+GRID_INPUTS = ("image_grid_thw", "grid_thw", "spatial_shapes", "pixel_position_ids", "target_sizes", "image_sizes")
+FLAT_PATCH_ROWS = 4  # patch rows per image (one prompt token each) where the forward takes flat patches alone
+
+
+def flat_patch_layouts(config: Any, params: Any, batch: int, gen: torch.Generator, dtype: torch.dtype
+                       ) -> Iterator[Layout]:
+    """Flattened patch rows with no grid, ``(B·n, C·p·p)``, for a forward that takes patches its processor cut
+    and says nothing of where they lie (NeoMME: rows of ``3 · patch_size²`` placed at the image tokens of the
+    prompt): a patch side in the config (the vision config's, else the model's), no grid, size or position
+    input in the forward. Tried after every image and patch layout with a grid."""
+    if any(name in params for name in GRID_INPUTS):
+        return
+    vcfg = sub_config(config, "vision")
+    patch = cfg(vcfg, "patch_size", "spatial_patch_size", default=None) or cfg(config, "patch_size", default=None)
+    patch = int(patch[0]) if isinstance(patch, (list, tuple)) and patch else patch
+    if not isinstance(patch, int) or isinstance(patch, bool) or patch < 2:
+        return
+    channels = int(cfg(vcfg, "num_channels", "in_channels", "in_chans", default=3))
+    yield {"pixel_values": torch.randn(batch * FLAT_PATCH_ROWS, channels * patch * patch, generator=gen).to(dtype)}
 
 
 POOLING_WINDOW = 2  # patches a side pooled into one prompt token, as Molmo 2's image processor pools by default

@@ -364,3 +364,54 @@ def test_compare_classes_each_difference_from_the_defaults_row():
     table = sweep.compare_table({"rows": [{"type": "t", "classes": [a]}]},
                                 {"label": "--quantizer x", "rows": [{"type": "t", "classes": [b(counts=moved)]}]})
     assert "| t | A |" in table and "3/0/0/2/0 → 1/2/0/2/0" in table and "expected" in table
+
+
+def test_round63_size_rules_build_tiny_models_that_run():
+    """Round 63's size rules, each on the type that lacked it (round 62: built tiny, none ran; vibevoice's
+    acoustic tokenizer did not build under MAX_PARAMS): Sapiens2's per-layer key/value head counts follow the
+    head cut (each divides the tiny head count); SAM 3 tracker's per-level feature-map sizes follow the tiny
+    image (the image in patches, x4, x2, x1); X-Codec's ``codebook_dim`` follows its computed hidden size
+    (acoustic + semantic); MuseSpark audio's per-layer strides are cut with its layers (its samples per
+    token is their product); VibeVoice's acoustic tokenizer keeps two downsampling stages; NeoMME's 2-D
+    M-RoPE keeps 4 rotated channels a head. Each runs on normswap's own inputs."""
+    sweep = _sweep()
+    sapiens = sweep.tiny_config("sapiens2", "Sapiens2Model")
+    heads = sapiens.num_attention_heads
+    assert all(heads % n == 0 for n in sapiens.num_key_value_heads_per_layer), sapiens.num_key_value_heads_per_layer
+    assert len(set(sapiens.num_key_value_heads_per_layer)) == 2  # still full and grouped layers
+    sam3 = sweep.tiny_config("sam3_tracker", "Sam3TrackerModel").vision_config
+    grid = sam3.backbone_config.image_size // sam3.backbone_config.patch_size
+    assert sam3.backbone_feature_sizes == [[4 * grid] * 2, [2 * grid] * 2, [grid] * 2]
+    xcodec = sweep.tiny_config("xcodec", "XcodecModel")
+    assert xcodec.codebook_dim == xcodec.hidden_size <= 64
+    muse = sweep.tiny_config("muse_spark_audio", "MuseSparkAudioModel")
+    assert len(muse.patch_sizes) == len(muse.hidden_sizes) == muse.num_hidden_layers == 2
+    assert muse.samples_per_token == muse.patch_sizes[0] * muse.patch_sizes[1]
+    vibe = sweep.tiny_config("vibevoice_acoustic_tokenizer", "VibeVoiceAcousticTokenizerModel")
+    assert len(vibe.downsampling_ratios) == 2 and len(vibe.depths) == 3
+    neomme = sweep.tiny_config("neomme", "NeoMMEModel")  # its row and column axes each keep a rotated frequency
+    assert neomme.head_dim * neomme.rope_parameters["full_attention"]["partial_rotary_factor"] >= 4
+    for model_type, cls in (("sapiens2", "Sapiens2Model"), ("xcodec", "XcodecModel"),
+                            ("muse_spark_audio", "MuseSparkAudioModel"),
+                            ("vibevoice_acoustic_tokenizer", "VibeVoiceAcousticTokenizerModel"),
+                            ("sam3_tracker", "Sam3TrackerModel")):
+        model = sweep.build(cls, model_type)
+        assert sum(p.numel() for p in model.parameters()) < sweep.MAX_PARAMS, model_type
+        kw, status = sweep.built_inputs(model)
+        assert status == "ok" and sweep.runs(model, kw) is None, (model_type, status)
+
+
+def test_round63_rules_leave_staged_lists_without_a_derived_size_whole():
+    """The round-63 rules' reach: the stride-list rule cuts per-layer tuples only where the config derives a size
+    from them (SegFormer's per-stage lists, no such property, stay as long as before; PVT keeps its four stages),
+    and a key/value head count follows only the query heads of its own stack."""
+    sweep = _sweep()
+    segformer = tf.AutoConfig.for_model("segformer")
+    sweep.shrink(segformer)
+    assert len(segformer.strides) == len(segformer.hidden_sizes) == 4
+    assert sweep.tiny_config("pvt", "PvtModel").num_encoder_blocks == 4
+    # a key/value head count follows the heads of its own stack: Moonshine's encoder keeps its 8 heads, so its
+    # 8 key/value heads stay (the decoder's cut, 8 -> 4 heads, once halved them and the tiny model did not run)
+    moonshine = tf.AutoConfig.for_model("moonshine")
+    sweep.shrink(moonshine)
+    assert moonshine.encoder_num_key_value_heads == moonshine.encoder_num_attention_heads
