@@ -323,28 +323,28 @@ def _stem_ops(st: Planning) -> None:
             st.term_status[term.value] = (False, f"{term.label} {STEM_WHY}")
 
 
-TABLE_WHY = "(its table kept: weight quantizers round gathered tables too; per_norm_centering)"
+TABLE_WHY = "(its table kept: weight quantizers round gathered tables too; its norm centers its own input)"
 
 
 def _table_ops(st: Planning) -> None:
-    """``per_norm_centering``: mark each embedding table that starts a stream one norm alone reads (BERT's word,
-    position and token-type tables, read by the embeddings' LayerNorm only) as centered by that norm's own op
-    rather than by its rows (``st.table_terms``); :func:`_place_table_ops` puts the op on the norm's input, and
-    puts the table's edit back where none fits.
+    """Mark each embedding table that starts a stream one norm alone reads (BERT's word, position and token-type
+    tables, read by the embeddings' LayerNorm only) as centered by that norm's own op rather than by its rows
+    (``st.table_terms``); :func:`_place_table_ops` puts the op on the norm's input, and puts the table's edit back
+    where none fits. With every option set, the defaults included (since round 63; under ``per_norm_centering``
+    only in round 62).
 
-    **Rule: under per-norm ops, a table whose stream one norm alone reads keeps its rows.** Centering the rows is
-    exact, but NNCF's ``compress_weights`` (int8 asymmetric per row, every ``Gather`` table) and ONNX Runtime's
-    dynamic int8 (``Gather``) round tables too, and the mean of each centered row's rounding error, which the
-    original's LayerNorm removed, then passes through the exact RMSNorm into every token (round 61, the held-out
-    paraphrase-MiniLM-L3-v2: NNCF int8 weights 1.24× the original's error with ``--quantizer openvino-int8``,
-    1.000× with the tables left in float). The op before that one norm is a per-norm op as the Post-LN norms'
-    are (the norm then computes ``LayerNorm`` itself: ``RMSNorm.centers_input``), so it is the option's to ask
-    for; a table whose stream reaches several norms (GPT-2's, a Pre-LN tower's) keeps its edit: an op there
-    would be a stream-start op, which the option does not change. Nor does a table whose norm's output starts a
-    stream several norms share (BLOOM's and RWKV's embedding LayerNorm): that stream's op sits after the norm, and
-    one before it too would be a chain of two."""
-    if not st.per_norm_centering:
-        return
+    **Rule: a table whose stream one norm alone reads keeps its rows.** Centering the rows is exact, but NNCF's
+    ``compress_weights`` (int8 asymmetric per row, every ``Gather`` table) and ONNX Runtime's dynamic int8
+    (``Gather``) round tables too, and the mean of each centered row's rounding error, which the original's
+    LayerNorm removed, then passes through the exact RMSNorm into every token (round 61, the held-out
+    paraphrase-MiniLM-L3-v2: NNCF int8 weights 1.19× the original's error with the defaults, 1.24× with
+    ``--quantizer openvino-int8``; 1.000× with the tables left in float). The op before that one norm makes it
+    compute ``LayerNorm`` itself (``RMSNorm.centers_input``; one op for the model, on the embeddings' stream), and
+    the tables' rounding error then reaches the model as in the original: the default's NNCF int8 cell 1.189 →
+    1.001 on that model (round 62/63, ``docs/results/quantization.md``). A table whose stream reaches several norms
+    (GPT-2's, a Pre-LN tower's) keeps its edit: an op there would be a stream-start op. Nor does a table whose
+    norm's output starts a stream several norms share (BLOOM's and RWKV's embedding LayerNorm): that stream's op
+    sits after the norm, and one before it too would be a chain of two."""
     an = st.an
     for call in an.site_calls:
         for term in st.site_terms[call.id]:
@@ -383,7 +383,7 @@ def _place_table_ops(st: Planning) -> None:
                 continue
             spot.reason = (f"stream written by embedding tables ({term.label} first): one mean per token before this "
                            "norm, which reads that stream alone; the tables keep their rows (weight quantizers "
-                           "round gathered tables too; per_norm_centering)")
+                           "round gathered tables too)")
             spot.per_norm = True
             st.hooks[vid] = (spot, reach)
             st.table_ops.add(vid)
