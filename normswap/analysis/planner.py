@@ -366,7 +366,8 @@ def _table_ops(st: Planning) -> None:
 def _place_table_ops(st: Planning) -> None:
     """The tables' ops (:func:`_table_ops`): one on the input of the norm each table's stream reaches, shared by
     every table of that stream (per norm, as ``per_norm_centering``'s Post-LN ops); a table whose norm takes no
-    op on its own input (it normalises more than the last axis) keeps its edit."""
+    op on its own input (it normalises more than the last axis) keeps its edit, and so, without
+    ``per_norm_centering``, does one whose norm's output takes a stream-start op (:func:`_output_op_first`)."""
     an = st.an
     for call in an.site_calls:
         for term in st.site_terms[call.id]:
@@ -375,6 +376,11 @@ def _place_table_ops(st: Planning) -> None:
             vid = an.site_input.get(call.id)
             if vid in st.table_ops:
                 continue  # another table of the same stream placed it
+            if not st.per_norm_centering and _output_op_first(st, call):
+                for t in st.site_terms[call.id]:  # every table of this norm: centered by its rows, as before
+                    if t.value in st.table_terms:
+                        st.term_status[t.value] = st.table_terms.pop(t.value)
+                break
             spot = next((h for v, h in an.hook_candidates(term, at_norms=True)
                          if v == vid and h.where == "input" and h.module == call.path), None)
             reach = an.own_input_reach(vid, call) if spot is not None else None
@@ -387,6 +393,30 @@ def _place_table_ops(st: Planning) -> None:
             spot.per_norm = True
             st.hooks[vid] = (spot, reach)
             st.table_ops.add(vid)
+
+
+def _output_op_first(st: Planning, call: ModuleCall) -> bool:
+    """Without ``per_norm_centering``: does the output of the tables' norm ``call`` take a stream-start op (the
+    text embeddings' norm of LayoutLMv3, whose output only the model's top norm sums, beside the image tower's
+    norm)? That op is placed here, as the defaults placed it before the tables' rule (round 62), and the tables
+    keep their edit: an op before the norm as well would make the output's op a second one on the same stream,
+    which only ``per_norm_centering`` places, and the top norm would stay approximate. Where no such op can sit
+    (BERT's embeddings' norm, whose output the first block reads beside its attention) nothing is recorded and
+    the tables' op is placed."""
+    an = st.an
+    chained, unhooked = dict(st.chained), dict(st.unhooked)
+    for other in an.site_calls:
+        for term in st.site_terms[other.id]:
+            if term.kind != "norm" or term.call != call.id or st.term_status[term.value][0] \
+                    or st.centered_by_op(term.value) or _needs_op_per_norm(st, term):
+                continue
+            lone = _lone_head_term(st, other, term)
+            if any(_place_op(st, other, term, at_norms, lone) for at_norms in ([False, True] if lone else [False])):
+                return True
+    for kept, now in ((chained, st.chained), (unhooked, st.unhooked)):  # a failed try leaves no trace in the plan
+        now.clear()
+        now.update(kept)
+    return False
 
 
 def _table_op_serves(st: Planning, term: Term) -> bool:
