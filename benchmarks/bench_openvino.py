@@ -325,17 +325,18 @@ def variant_model(name: str, original: torch.nn.Module, model_dir: Path, workdir
 
 
 def nncf_quantize(ov_model, how: str, calib: list[dict], ignored: list[str] | None = None,
-                  ignored_types: list[str] | None = None):
+                  ignored_types: list[str] | None = None, ignored_patterns: list[str] | None = None):
     """``how``'s NNCF quantization of an OpenVINO model (a new model; the input is left as is); ``ignored``: names
     of ops NNCF leaves in float (its ``IgnoredScope``: a rotation's own MatMuls, :func:`rotation_ops`);
-    ``ignored_types``: op types it leaves in float (``Gather``: the embedding tables ``compress_weights`` rounds)."""
+    ``ignored_types``: op types it leaves in float (``Gather``: the embedding tables ``compress_weights`` rounds);
+    ``ignored_patterns``: regular expressions on op names (``re.match``) it leaves in float (one weight group)."""
     import nncf
 
     if how == "fp32":
         return ov_model
     scope = ({"ignored_scope": nncf.IgnoredScope(names=list(ignored or []), types=list(ignored_types or []),
-                                                 validate=False)}
-             if ignored or ignored_types else {})
+                                                 patterns=list(ignored_patterns or []), validate=False)}
+             if ignored or ignored_types or ignored_patterns else {})
     if how == "static":
         feeds = [{k: v.numpy() for k, v in b.items()} for b in calib]
         return nncf.quantize(ov_model.clone(), nncf.Dataset(feeds), model_type=nncf.ModelType.TRANSFORMER,
@@ -414,7 +415,7 @@ def quant(args: argparse.Namespace) -> dict[str, Any]:
     ref = encoders.embed_torch(original, data)
     result: dict[str, Any] = {"model": str(args.model), "texts": len(texts), "calib": len(calib),
                               "max_len": args.max_len, "openvino": ov.__version__, "nncf": nncf.__version__,
-                              "ignore_types": args.ignore_types,
+                              "ignore_types": args.ignore_types, "ignore_patterns": args.ignore_patterns,
                               "cells": {}, "notes": {}, "per_text": {}}
     if args.baseline:  # an earlier run's original, same texts: its errors reused, not measured again
         encoders.reuse_baseline(result, args.baseline, args.modes)
@@ -443,7 +444,7 @@ def quant(args: argparse.Namespace) -> dict[str, Any]:
             gc.collect()
             own = None
             for how in ["fp32", *[q for q in args.modes if q != "fp32"]]:
-                quantized = nncf_quantize(fp32, how, calib, ignored, args.ignore_types)
+                quantized = nncf_quantize(fp32, how, calib, ignored, args.ignore_types, args.ignore_patterns)
                 kinds = low_bit_constants(quantized)
                 got = embed_ov(quantized, data)
                 del quantized
@@ -548,6 +549,9 @@ def main() -> None:
                    "bench_quant_encoders' online-… variants) in float: its ignored scope")
     q.add_argument("--ignore-types", nargs="+", metavar="OP", help="op types NNCF leaves in float (its IgnoredScope; "
                    "Gather: the embedding tables compress_weights rounds): whose rounding an excess comes from")
+    q.add_argument("--ignore-patterns", nargs="+", metavar="REGEX", help="op names NNCF leaves in float (its "
+                   "IgnoredScope patterns, re.match on OpenVINO's names, e.g. '.*/intermediate/dense/MatMul'): "
+                   "one weight group's share of an excess")
     q.add_argument("--json", type=Path)
     q.add_argument("--baseline", type=Path, help="an earlier --json of the same model and texts: its original's "
                    "errors are reused")

@@ -1,23 +1,31 @@
-"""What would the *default* conversion of a Post-LN encoder quantize like with its embedding tables kept? (round 62)
+"""A Post-LN encoder's default conversion with its embedding tables kept or centered (rounds 62-63).
 
-Since round 62, ``per_norm_centering`` keeps a BERT-family encoder's word, position and token-type tables (the
-embeddings' norm centers its own input: ``normswap.analysis.planner._table_ops``). The defaults (mean carry, no
-per-norm ops) still center the tables. This script measures the proposal to take that rule into the defaults
-without changing the product: it runs ``bench_openvino.py`` or ``bench_quant_encoders.py`` with one extra variant,
-``converted-keep-tables`` (the CLI's default conversion, β kept), planned with ``_table_ops`` applied as under
-``per_norm_centering`` and nothing else changed (the mean carry, the approximate attention-output norms and
-their calibration are the default's). The rule is switched on for every conversion in the process, so pass that
-variant alone with ``--baseline`` (an earlier run's original, same texts):
+Round 62 added, under ``per_norm_centering``, a rule that keeps a BERT-family encoder's word, position and
+token-type tables and lets the embeddings' norm center its own input (``normswap.analysis.planner._table_ops``);
+round 63 made it the default. This script measures one against the other in the same process, per variant
+(nothing else in the process changes): it runs ``bench_openvino.py``, ``bench_quant_encoders.py`` or
+``postln_default_speed.py`` with two more variants,
+
+* ``converted-keep-tables``: the CLI's default conversion (β kept), planned with the tables' rule applied as under
+  ``per_norm_centering`` and nothing else changed (the mean carry, the approximate attention-output norms and their
+  calibration are the default's). On round 62's code this is the proposal; since round 63 it is ``converted-keep``.
+* ``converted-keep-centered``: the CLI's default conversion with the tables' rule switched off unless
+  ``per_norm_centering`` asks for it: round 62's default (the tables centered row by row, the embeddings' norm an
+  exact RMSNorm without an op).
 
     python benchmarks/table_ops_default.py openvino quant --model DIR --texts 256 --modes fp32 w8 \\
-        --variants converted-keep-tables --baseline ov.json --json ov_tables.json
+        --variants original converted-keep converted-keep-centered --json ov.json
     python benchmarks/table_ops_default.py encoders --model DIR --texts 256 --quantizers fp32 dyn-pt dyn-pc \\
-        --variants converted-keep-tables --baseline ort.json --json ort_tables.json
+        --variants original converted-keep converted-keep-centered --json ort.json
+    python benchmarks/table_ops_default.py speed DIR --engines eager,ort --tokens 8 128 \\
+        --variants converted-keep-centered converted-keep --json speed.json
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -25,33 +33,64 @@ import bench_quant_encoders as encoders  # noqa: E402 (the benchmarks folder is 
 
 from normswap.analysis import planner  # noqa: E402
 
-VARIANT = "converted-keep-tables"
+KEPT = "converted-keep-tables"
+CENTERED = "converted-keep-centered"
 
 
-def keep_tables_by_default() -> None:
-    """Plan every conversion of this process with the tables' rule of ``per_norm_centering`` (only that rule)."""
+@contextlib.contextmanager
+def tables_rule(on: bool) -> Iterator[None]:
+    """Plan with the tables' rule applied whatever the options (``on``), or only under ``per_norm_centering``
+    (round 62's default: the tables centered)."""
     rule = planner._table_ops
 
-    def tables_kept(st: planner.Planning) -> None:
+    def ruled(st: planner.Planning) -> None:
+        if not on and not st.per_norm_centering:
+            return
         asked, st.per_norm_centering = st.per_norm_centering, True
         try:
             rule(st)
         finally:
             st.per_norm_centering = asked
 
-    planner._table_ops = tables_kept
-    encoders.OPTIONS[VARIANT] = {"beta_placement": "keep"}
-    encoders.CONVERTED = (*encoders.CONVERTED, VARIANT)
-    encoders.VARIANTS = (*encoders.VARIANTS, VARIANT)
+    planner._table_ops = ruled
+    try:
+        yield
+    finally:
+        planner._table_ops = rule
+
+
+def add_variants() -> None:
+    """``converted-keep-tables`` and ``converted-keep-centered`` as variants of ``bench_quant_encoders.build``
+    (which ``bench_openvino`` and ``postln_default_speed`` call too): the default conversion, β kept, with the
+    tables' rule on or off for that variant's conversion alone."""
+    build = encoders.build
+
+    def built(name: str, original, model_dir):
+        if name not in (KEPT, CENTERED):
+            return build(name, original, model_dir)
+        with tables_rule(name == KEPT):
+            return build(name, original, model_dir)
+
+    for name in (KEPT, CENTERED):
+        encoders.OPTIONS[name] = {"beta_placement": "keep"}
+    encoders.CONVERTED = (*encoders.CONVERTED, KEPT, CENTERED)
+    encoders.VARIANTS = (*encoders.VARIANTS, KEPT, CENTERED)
+    encoders.build = built
 
 
 def main() -> None:
-    if len(sys.argv) < 2 or sys.argv[1] not in ("openvino", "encoders"):
-        raise SystemExit("usage: table_ops_default.py {openvino|encoders} ARGS... (see the docstring)")
+    if len(sys.argv) < 2 or sys.argv[1] not in ("openvino", "encoders", "speed"):
+        raise SystemExit("usage: table_ops_default.py {openvino|encoders|speed} ARGS... (see the docstring)")
     which, argv = sys.argv[1], sys.argv[2:]
-    keep_tables_by_default()
+    add_variants()
     if which == "encoders":
         encoders.main(argv)
+        return
+    if which == "speed":
+        import postln_default_speed
+
+        # the first two variants are also timed against each other: the tables centered, then kept
+        postln_default_speed.main(argv if "--variants" in argv else [*argv, "--variants", CENTERED, "converted-keep"])
         return
     import bench_openvino
 

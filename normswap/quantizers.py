@@ -106,12 +106,14 @@ QUANTIZERS: dict[str, Quantizer] = {q.name: q for q in (
     Quantizer("onnxruntime-dynamic", "ONNX Runtime `quantize_dynamic`, per-tensor weights",
               {"post-ln": POST_LN_OPS},
               why="per-tensor int8 rounds a mean carry's added neurons coarsely: Post-LN norms take per-norm ops",
-              measured="all-MiniLM-L6-v2 1.020 (split carry, round 61) → 0.996; Whisper 0.94-0.999, DINOv2-small "
-                       "0.55-0.63 with the defaults"),
+              measured="all-MiniLM-L6-v2 1.028, paraphrase-MiniLM-L3-v2 1.015 (the defaults, tables kept since "
+                       "round 63) → 1.000 (the original's tensors); Whisper 0.94-0.999, DINOv2-small 0.55-0.63 with "
+                       "the defaults"),
     Quantizer("onnxruntime-dynamic-per-channel", "ONNX Runtime `quantize_dynamic`, per-channel weights",
               why="one scale per weight row absorbs every fold: the defaults",
-              measured="Whisper tiny.en native 1.02 (0.93-1.12); paraphrase-MiniLM-L3-v2 0.94, all-MiniLM-L6-v2 "
-                       "0.99 (AVX2, no VNNI: 3.4 and 11.2 before round 61's carry pairs)"),
+              measured="Whisper tiny.en native 1.02 (0.93-1.12); paraphrase-MiniLM-L3-v2 0.986, all-MiniLM-L6-v2 "
+                       "0.999 (tables kept since round 63; 0.94 / 0.99 centered; AVX2, no VNNI: 3.4 and 11.2 before "
+                       "round 61's carry pairs)"),
     Quantizer("onnxruntime-static", "ONNX Runtime static QDQ", format="compat",
               native="ONNX Runtime's own quantize_static rounds the native format's stem op twice (DINOv2-shaped "
                      "1.29): quantize it with normswap.integrations.onnx.quantize_static (0.86)",
@@ -130,10 +132,10 @@ QUANTIZERS: dict[str, Quantizer] = {q.name: q for q in (
               {**_kinds({"writer_centering": "op"}, _PRE_LN), "post-ln": POST_LN_OPS},
               why="NNCF rounds each weight row on its own scale: the writers keep the original's rows (one op "
                   "each); Post-LN norms take per-norm ops",
-              measured="DINOv2-small 1.13-1.15 → 1.03; all-mpnet-base-v2 1.11 → 0.995-1.008; held-out "
-                       "paraphrase-MiniLM-L3-v2 1.19 → 1.000, all-MiniLM-L6-v2 1.016 → 1.000 (since round 62 the "
-                       "embedding tables kept: a Post-LN checkpoint holds the original's tensors; 1.24 and 0.96 "
-                       "with them centered)"),
+              measured="DINOv2-small 1.13-1.15 → 1.03; all-mpnet-base-v2 1.09 → 0.995-1.008; held-out "
+                       "paraphrase-MiniLM-L3-v2 1.001 → 1.000, all-MiniLM-L6-v2 1.038 → 1.000 (the defaults keep "
+                       "the embedding tables since round 63: 1.12, 1.19, 1.016 with them centered; a Post-LN "
+                       "checkpoint holds the original's tensors)"),
     Quantizer("openvino-int4", "OpenVINO NNCF int4 groups", {"post-ln": POST_LN_OPS},
               why="symmetric int4 groups round a mean carry's added neurons coarsely: Post-LN norms take per-norm "
                   "ops (or keep the carry and use NNCF's INT4_ASYM)",

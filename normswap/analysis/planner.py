@@ -323,28 +323,28 @@ def _stem_ops(st: Planning) -> None:
             st.term_status[term.value] = (False, f"{term.label} {STEM_WHY}")
 
 
-TABLE_WHY = "(its table kept: weight quantizers round gathered tables too; per_norm_centering)"
+TABLE_WHY = "(its table kept: weight quantizers round gathered tables too; its norm centers its own input)"
 
 
 def _table_ops(st: Planning) -> None:
-    """``per_norm_centering``: mark each embedding table that starts a stream one norm alone reads (BERT's word,
-    position and token-type tables, read by the embeddings' LayerNorm only) as centered by that norm's own op
-    rather than by its rows (``st.table_terms``); :func:`_place_table_ops` puts the op on the norm's input, and
-    puts the table's edit back where none fits.
+    """Mark each embedding table that starts a stream one norm alone reads (BERT's word, position and token-type
+    tables, read by the embeddings' LayerNorm only) as centered by that norm's own op rather than by its rows
+    (``st.table_terms``); :func:`_place_table_ops` puts the op on the norm's input, and puts the table's edit back
+    where none fits. With every option set, the defaults included (since round 63; under ``per_norm_centering``
+    only in round 62).
 
-    **Rule: under per-norm ops, a table whose stream one norm alone reads keeps its rows.** Centering the rows is
-    exact, but NNCF's ``compress_weights`` (int8 asymmetric per row, every ``Gather`` table) and ONNX Runtime's
-    dynamic int8 (``Gather``) round tables too, and the mean of each centered row's rounding error, which the
-    original's LayerNorm removed, then passes through the exact RMSNorm into every token (round 61, the held-out
-    paraphrase-MiniLM-L3-v2: NNCF int8 weights 1.24× the original's error with ``--quantizer openvino-int8``,
-    1.000× with the tables left in float). The op before that one norm is a per-norm op as the Post-LN norms'
-    are (the norm then computes ``LayerNorm`` itself: ``RMSNorm.centers_input``), so it is the option's to ask
-    for; a table whose stream reaches several norms (GPT-2's, a Pre-LN tower's) keeps its edit: an op there
-    would be a stream-start op, which the option does not change. Nor does a table whose norm's output starts a
-    stream several norms share (BLOOM's and RWKV's embedding LayerNorm): that stream's op sits after the norm, and
-    one before it too would be a chain of two."""
-    if not st.per_norm_centering:
-        return
+    **Rule: a table whose stream one norm alone reads keeps its rows.** Centering the rows is exact, but NNCF's
+    ``compress_weights`` (int8 asymmetric per row, every ``Gather`` table) and ONNX Runtime's dynamic int8
+    (``Gather``) round tables too, and the mean of each centered row's rounding error, which the original's
+    LayerNorm removed, then passes through the exact RMSNorm into every token (round 61, the held-out
+    paraphrase-MiniLM-L3-v2: NNCF int8 weights 1.19× the original's error with the defaults, 1.24× with
+    ``--quantizer openvino-int8``; 1.000× with the tables left in float). The op before that one norm makes it
+    compute ``LayerNorm`` itself (``RMSNorm.centers_input``; one op for the model, on the embeddings' stream), and
+    the tables' rounding error then reaches the model as in the original: the default's NNCF int8 cell 1.189 →
+    1.001 on that model (round 62/63, ``docs/results/quantization.md``). A table whose stream reaches several norms
+    (GPT-2's, a Pre-LN tower's) keeps its edit: an op there would be a stream-start op. Nor does a table whose
+    norm's output starts a stream several norms share (BLOOM's and RWKV's embedding LayerNorm): that stream's op
+    sits after the norm, and one before it too would be a chain of two."""
     an = st.an
     for call in an.site_calls:
         for term in st.site_terms[call.id]:
@@ -366,7 +366,8 @@ def _table_ops(st: Planning) -> None:
 def _place_table_ops(st: Planning) -> None:
     """The tables' ops (:func:`_table_ops`): one on the input of the norm each table's stream reaches, shared by
     every table of that stream (per norm, as ``per_norm_centering``'s Post-LN ops); a table whose norm takes no
-    op on its own input (it normalises more than the last axis) keeps its edit."""
+    op on its own input (it normalises more than the last axis) keeps its edit, and so, without
+    ``per_norm_centering``, does one whose norm's output takes a stream-start op (:func:`_output_op_first`)."""
     an = st.an
     for call in an.site_calls:
         for term in st.site_terms[call.id]:
@@ -375,6 +376,11 @@ def _place_table_ops(st: Planning) -> None:
             vid = an.site_input.get(call.id)
             if vid in st.table_ops:
                 continue  # another table of the same stream placed it
+            if not st.per_norm_centering and _output_op_first(st, call):
+                for t in st.site_terms[call.id]:  # every table of this norm: centered by its rows, as before
+                    if t.value in st.table_terms:
+                        st.term_status[t.value] = st.table_terms.pop(t.value)
+                break
             spot = next((h for v, h in an.hook_candidates(term, at_norms=True)
                          if v == vid and h.where == "input" and h.module == call.path), None)
             reach = an.own_input_reach(vid, call) if spot is not None else None
@@ -383,10 +389,34 @@ def _place_table_ops(st: Planning) -> None:
                 continue
             spot.reason = (f"stream written by embedding tables ({term.label} first): one mean per token before this "
                            "norm, which reads that stream alone; the tables keep their rows (weight quantizers "
-                           "round gathered tables too; per_norm_centering)")
+                           "round gathered tables too)")
             spot.per_norm = True
             st.hooks[vid] = (spot, reach)
             st.table_ops.add(vid)
+
+
+def _output_op_first(st: Planning, call: ModuleCall) -> bool:
+    """Without ``per_norm_centering``: does the output of the tables' norm ``call`` take a stream-start op (the
+    text embeddings' norm of LayoutLMv3, whose output only the model's top norm sums, beside the image tower's
+    norm)? That op is placed here, as the defaults placed it before the tables' rule (round 62), and the tables
+    keep their edit: an op before the norm as well would make the output's op a second one on the same stream,
+    which only ``per_norm_centering`` places, and the top norm would stay approximate. Where no such op can sit
+    (BERT's embeddings' norm, whose output the first block reads beside its attention) nothing is recorded and
+    the tables' op is placed."""
+    an = st.an
+    chained, unhooked = dict(st.chained), dict(st.unhooked)
+    for other in an.site_calls:
+        for term in st.site_terms[other.id]:
+            if term.kind != "norm" or term.call != call.id or st.term_status[term.value][0] \
+                    or st.centered_by_op(term.value) or _needs_op_per_norm(st, term):
+                continue
+            lone = _lone_head_term(st, other, term)
+            if any(_place_op(st, other, term, at_norms, lone) for at_norms in ([False, True] if lone else [False])):
+                return True
+    for kept, now in ((chained, st.chained), (unhooked, st.unhooked)):  # a failed try leaves no trace in the plan
+        now.clear()
+        now.update(kept)
+    return False
 
 
 def _table_op_serves(st: Planning, term: Term) -> bool:

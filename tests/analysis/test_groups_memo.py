@@ -49,8 +49,8 @@ def models() -> dict[str, torch.nn.Module]:
     ("dinov2", {"writer_centering": "auto", "per_norm_centering": True}),  # the option with places searched
     ("bert", {"writer_centering": "weights"}),
     ("bert", {"writer_centering": "op"}),
-    # every op on a norm's own input (the embeddings' norm too since round 62): no place searched, nothing read
-    # twice; the plans are still compared
+    # every op on a norm's own input (the embeddings' norm too: since round 62 under the option, since round 63
+    # with the defaults as well): no place searched, nothing read twice; the plans are still compared
     ("bert", {"writer_centering": "auto", "per_norm_centering": True}),
 ])
 def test_plan_same_with_and_without_the_cache(models, monkeypatch, name, options):
@@ -71,7 +71,7 @@ def test_plan_same_with_and_without_the_cache(models, monkeypatch, name, options
     computed.clear()
     plain = _plan(model, **options)
     assert _whole(cached) == _whole(plain)
-    if name != "bert" or not options.get("per_norm_centering"):
+    if name != "bert" or options.get("writer_centering") == "op":
         assert reads < len(computed)  # the cache answered some reads: the comparison exercised it
 
 
