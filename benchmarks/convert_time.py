@@ -17,6 +17,8 @@ wall time on a shared machine) by wrapping the stage functions:
 * ``write``: writing the checkpoint, reloading it and comparing (``checkpoint.conversion._write_and_check``);
 * ``other``: imports, loading, the command line.
 
+The table's last row is each run's peak resident memory (``ru_maxrss``), not a phase.
+
 Rounds alternate the order (ABBA: ``weights op auto`` then ``auto op weights``, and the code trees likewise),
 and the table prints each cell's median and each mode's ratio to ``weights`` per round. ``--code NAME=DIR``
 (repeatable) runs the same conversions with ``DIR`` first on ``PYTHONPATH``: two trees give a main-vs-branch
@@ -90,6 +92,7 @@ inner = sum(spent.get(k, 0.0) for k in ("analyse", "probe", "verify", "commit"))
 spent["patch, rest"] = spent.pop("patch", 0.0) - inner
 spent["other"] = total - sum(spent.values())
 spent["total"] = total
+spent["peak RSS MiB"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 print("CONVERT_TIME " + json.dumps({"code": code, "phases": spent}))
 """
 
@@ -167,7 +170,7 @@ def main() -> None:
         print(f"\n{spec}: process CPU seconds per phase (median of {args.rounds} round(s), OMP_NUM_THREADS=1)")
         cols = [(name, mode) for name, _ in codes for mode in args.modes]
         print(f"{'phase':<12}" + "".join(f"{n + ' ' + m:>16}" for n, m in cols))
-        for ph in [*PHASES, "total"]:
+        for ph in [*PHASES, "total", "peak RSS MiB"]:
             print(f"{ph:<12}" + "".join(f"{statistics.median(x.get(ph, 0.0) for x in runs[c]):>16.2f}" for c in cols))
         for name, _ in codes:
             base = runs[(name, args.modes[0])]
