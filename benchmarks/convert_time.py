@@ -17,10 +17,14 @@ wall time on a shared machine) by wrapping the stage functions:
 * ``write``: writing the checkpoint, reloading it and comparing (``checkpoint.conversion._write_and_check``);
 * ``other``: imports, loading, the command line.
 
+The table's last row is each run's peak resident memory (``ru_maxrss``), not a phase.
+
 Rounds alternate the order (ABBA: ``weights op auto`` then ``auto op weights``, and the code trees likewise),
 and the table prints each cell's median and each mode's ratio to ``weights`` per round. ``--code NAME=DIR``
 (repeatable) runs the same conversions with ``DIR`` first on ``PYTHONPATH``: two trees give a main-vs-branch
-ratio, the same tree twice an A/A control. The sha256 of every file each conversion wrote is compared across
+ratio, the same tree twice an A/A control. ``--concurrent`` runs a round's conversions at the same time, so
+that the trees compared share one load (round 63: the machine's load average was 20 on 2 cores).
+The sha256 of every file each conversion wrote is compared across
 code trees per mode (the output directory has the same name in every run: the model card names it).
 
 Models: a checkpoint directory, or ``gpt2-small`` / ``bert-base`` (random weights from ``transformers``'
@@ -37,6 +41,7 @@ inside it as in ``benchmarks/executorch_dinov2.py``)::
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import hashlib
 import json
 import os
@@ -90,6 +95,7 @@ inner = sum(spent.get(k, 0.0) for k in ("analyse", "probe", "verify", "commit"))
 spent["patch, rest"] = spent.pop("patch", 0.0) - inner
 spent["other"] = total - sum(spent.values())
 spent["total"] = total
+spent["peak RSS MiB"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 print("CONVERT_TIME " + json.dumps({"code": code, "phases": spent}))
 """
 
@@ -143,6 +149,9 @@ def main() -> None:
     ap.add_argument("--extra", default="", help="more convert options, one string (e.g. '--mode exact')")
     ap.add_argument("--scratch", type=Path, default=Path(tempfile.gettempdir()) / "convert_time")
     ap.add_argument("--json", type=Path, help="write every run's phases and digests here")
+    ap.add_argument("--concurrent", action="store_true",
+                    help="run each round's conversions at the same time (one process each): on a machine others "
+                         "load, the trees compared then share the same load, and a sitting takes a round's time")
     args = ap.parse_args()
     here = Path(__file__).resolve().parent.parent
     codes = [tuple(c.split("=", 1)) for c in args.code] or [("this", str(here))]
@@ -155,8 +164,14 @@ def main() -> None:
         files: dict[tuple[str, str], dict] = {}
         for r in range(args.rounds):
             order = [(c, m) for c in codes for m in args.modes]
-            for (name, code_dir), mode in (order if r % 2 == 0 else order[::-1]):
-                phases, digest = run_one(model, mode, code_dir, args.scratch, args.extra.split())
+            order = order if r % 2 == 0 else order[::-1]
+            if args.concurrent:
+                with concurrent.futures.ThreadPoolExecutor(len(order)) as pool:
+                    done = list(pool.map(lambda cm, model=model: run_one(model, cm[1], cm[0][1], args.scratch,
+                                                                          args.extra.split()), order))
+            for i, ((name, code_dir), mode) in enumerate(order):
+                phases, digest = done[i] if args.concurrent else \
+                    run_one(model, mode, code_dir, args.scratch, args.extra.split())
                 runs.setdefault((name, mode), []).append(phases)
                 files.setdefault((name, mode), digest)
                 records.append({"model": spec, "code": name, "mode": mode, "round": r, "phases": phases,
@@ -167,7 +182,7 @@ def main() -> None:
         print(f"\n{spec}: process CPU seconds per phase (median of {args.rounds} round(s), OMP_NUM_THREADS=1)")
         cols = [(name, mode) for name, _ in codes for mode in args.modes]
         print(f"{'phase':<12}" + "".join(f"{n + ' ' + m:>16}" for n, m in cols))
-        for ph in [*PHASES, "total"]:
+        for ph in [*PHASES, "total", "peak RSS MiB"]:
             print(f"{ph:<12}" + "".join(f"{statistics.median(x.get(ph, 0.0) for x in runs[c]):>16.2f}" for c in cols))
         for name, _ in codes:
             base = runs[(name, args.modes[0])]

@@ -16,6 +16,8 @@ all read memory through it.
 
 from __future__ import annotations
 
+import gc
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +32,18 @@ WRITTEN_SHARE = 0.5
 # it: "available" is a snapshot, other processes grow while a big conversion runs for minutes, and the
 # page cache that holds the checkpoint's own files is what a peak near the limit evicts.
 PEAK_SHARE = 0.6
+
+
+def release(dropped: weakref.ReferenceType) -> bool:
+    """Free what ``dropped`` refers to, once the caller has let go of its last reference: a full garbage
+    collection only where the object is still alive, i.e. held by a reference cycle (a model whose modules
+    point back at it); otherwise reference counting freed it already, and a collection would free nothing
+    more while walking every live object (0.2-0.9 s in a process that imported transformers' modeling
+    files). True when it was collected."""
+    if dropped() is None:
+        return False
+    gc.collect()
+    return True
 
 
 def available_memory() -> int:

@@ -28,7 +28,7 @@ from normswap.analysis.planner import analyse
 from normswap.analysis.trace import flatten_outputs
 from normswap.copying import deepcopy_module
 from normswap.errors import ModelRunFailed, NaNOutputs, NormswapError, VerificationFailed, first_line
-from normswap.inputs import reach, towers
+from normswap.inputs import builder, reach, towers
 from normswap.inputs.probe import call_args, held_out_like, special_ids
 from normswap.integrations import torch_transformer, wrappers
 from normswap.nn.call_args import normalised
@@ -749,7 +749,11 @@ def patch(model: nn.Module, example_inputs: inputs.ExampleInputs = None, *,
     route, refused, called = None, "", None
     try:
         st = _start(model, example_inputs, opts)
-        route, called = reach.route(model, st.kwargs) if built else (None, None)
+        route, called = None, None
+        if built:  # its run of the model on the built inputs is the original's, in its own dtype: kept
+            with builder.keeping_runs(model, lambda: same_draws(model), on=st.kwargs) as trial:
+                route, called = reach.route(model, st.kwargs)
+            st.own_run = trial.output_on(st.kwargs)
         if route is not None:  # norms the built inputs do not reach: sub-runs join the whole-model run
             plain = st
             try:
@@ -820,6 +824,7 @@ class _Patching:
     probe: inputs.Probe | None = None  # the unseen verification probe, and the original's outputs on it
     probe_reference: Any = None
     probe_failed: str = ""  # why the probe did not run, when it did not
+    own_run: Any = None  # the original's outputs on (args, kwargs) in its own dtype, kept from the route check
     own_error: float | None = None  # below float64: the original's error from the working dtype's rounding alone
     originals: dict[str, nn.Module] = field(default_factory=dict)  # the working copy's norms before the swap
     new_modules: dict[str, nn.Module] = field(default_factory=dict)  # the RMSNorms swapped in
@@ -1057,8 +1062,9 @@ def _commit_verified(st: _Patching) -> None:
     """Copy the verified copy into the user's model, and measure what the cast back to its own dtype
     costs next to what that dtype costs the original anyway."""
     model, figures = st.model, st.figures
+    kept, st.own_run = (st.own_run if not st.args else None), None
     if st.measure_cast:
-        in_dtype, original_failed = _error_in_own_dtype(model, st.reference, st.args, st.kwargs)
+        in_dtype, original_failed = _error_in_own_dtype(model, st.reference, st.args, st.kwargs, output=kept)
         figures["original_in_model_dtype"] = in_dtype.get("max_rel_error")
     _commit(model, st.work, st.plan, st.todo, st.user_dtype, st.training)
     torch_transformer.keep_python_forward(model, st.plan)
@@ -1116,11 +1122,14 @@ def _report(st: _Patching, wrapped: str) -> Report:
 
 def _error_in_own_dtype(model: nn.Module, reference: Any, args: tuple, kwargs: dict,
                         skip: set[str] | frozenset[str] = frozenset(),
-                        axes: dict[str, int] | None = None) -> tuple[dict, str]:
+                        axes: dict[str, int] | None = None, output: Any = None) -> tuple[dict, str]:
     """``compare()`` of the model run as it is (its own dtype) against the float64 reference, or
     ``({}, why)`` where the model's own code cannot run in that dtype: Whisper's LayerNorm computes in
     float32 and on a CPU refuses bfloat16 parameters ("mixed dtype"). A figure, not a gate: the
-    conversion was verified in the working dtype, and a failure here must not undo a commit."""
+    conversion was verified in the working dtype, and a failure here must not undo a commit. ``output``:
+    that run's outputs where they are known already (the route check ran it: :func:`patch`)."""
+    if output is not None:
+        return compare(reference, output, skip, axes=axes), ""
     try:
         with torch.no_grad(), same_draws(model):
             out = model(*args, **kwargs)

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import gc
 import json
 import logging
 import os
 import sys
+import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -37,7 +37,7 @@ from normswap.errors import (
     UsageError,
     VerificationFailed,
 )
-from normswap.inputs import towers
+from normswap.inputs import builder, towers
 from normswap.integrations.quiet import quietly
 from normswap.options import DTYPES, FORMATS, TASKS, ConvertOptions, check_inputs_outside, check_out_dir, choose
 from normswap.surgery.verify import (
@@ -739,9 +739,14 @@ def _original_outputs(st: _Conversion) -> Any:
     run and each tower's feature run, ``st.route``) on the original, the converted model and the reloaded
     checkpoint alike."""
     try:
+        kept = None
         if st.probe is None:  # built here: an unset media token is a run failure already in the builder
-            st.probe = probe_inputs(st.model)
-        return _run(st.model, st.probe)
+            # building runs the model once on the layout it chooses (a trial forward): its output, where it
+            # computes what _run would (no half model's float32 upcast), is the original's outputs
+            with builder.keeping_runs(st.model, lambda: same_draws(st.model)) as trial:
+                st.probe = probe_inputs(st.model)
+            kept = None if _half_on_cpu(st.model) else trial.output_on(st.probe)
+        return kept if kept is not None else _run(st.model, st.probe)
     except Exception as exc:  # the model's own code on the built inputs: any error it raises
         if st.example_inputs is not None or not inputs.is_hf_model(st.model) or st.probe is None and \
                 not isinstance(exc, ModelRunFailed):  # inputs that cannot be built: patch says which
@@ -818,8 +823,9 @@ def _write_and_check(st: _Conversion) -> None:
             dtype_ = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
             # the converted model's outputs are kept (``converted``): free the model itself, so the
             # reloaded checkpoint (and a half model's float32 run) takes its place, not a place beside it
+            dropped = weakref.ref(model)
             st.model = model = None
-            gc.collect()
+            memory.release(dropped)
             figures = reload_check(st.fmt, tmp, st.converted, st.original, st.probe, plan, dtype_,
                                    trust_remote_code=st.trust_remote_code, route=st.route)
             if "reload_precision" in figures:  # stated where the precision of the conversion is

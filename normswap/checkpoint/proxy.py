@@ -12,8 +12,8 @@ device (every path exists, every norm is covered).
 
 from __future__ import annotations
 
-import gc
 import re
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from normswap import inputs, pipeline, presets
+from normswap import inputs, memory, pipeline, presets
 from normswap.analysis import walker
 from normswap.analysis.plan import Plan
 from normswap.checkpoint import extrapolate as ex
@@ -191,8 +191,9 @@ def plan_full(
         proxy = build_proxy(cls, cfg, dtype, left_out)
         plans[depth] = analyse_proxy(proxy, opts)
         stacks[depth] = stacks_of(proxy)
+        dropped = weakref.ref(proxy)
         del proxy
-        gc.collect()
+        memory.release(dropped)
     full_stacks = stacks_of(meta)
     grown = {p for p, n in stacks[ex.CHECK_DEPTH].items() if stacks[ex.PROXY_DEPTH].get(p) != n}
     depths3 = {p: stacks[ex.PROXY_DEPTH][p] for p in grown}

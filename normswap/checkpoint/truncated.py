@@ -9,7 +9,7 @@ filled tensor by tensor, and compared on probe inputs.
 from __future__ import annotations
 
 import copy
-import gc
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -184,8 +184,9 @@ def verify_truncated(
             outputs.append(model(**probe))
         if which == "original" and exact and dtype != torch.float64:
             own, how = own_rounding_error(model, probe, outputs[0], dtype, work, draws.drew)
+        dropped = weakref.ref(model)
         del model
-        gc.collect()
+        memory.release(dropped)
     figures = compare(outputs[0], outputs[1], set(fp.plan.changed_outputs), axes=fp.plan.changed_output_axes)
     result: dict[str, Any] = {
         f"truncated_{k}": v

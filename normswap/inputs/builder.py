@@ -19,10 +19,11 @@ build it is refused in one line naming it.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import inspect
 import itertools
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -194,11 +195,72 @@ def _float64_experts(model: nn.Module) -> dict[str, Any] | None:
     return current
 
 
+class KeptRun:
+    """The output of a trial forward, kept for a caller that would otherwise run the same forward again
+    (:func:`keeping_runs`): ``output_on(kwargs)`` is the model's output on exactly that dict of inputs
+    (the same object, not equal values), or None where no kept trial ran on it."""
+
+    def __init__(self, within: Callable[[], contextlib.AbstractContextManager[Any]],
+                 on: dict[str, Any] | None) -> None:
+        self.within, self.on = within, on
+        self.kwargs: dict[str, Any] | None = None
+        self.output: Any = None
+
+    def output_on(self, kwargs: dict[str, Any]) -> Any:
+        return self.output if self.kwargs is not None and kwargs is self.kwargs else None
+
+
+_KEEPING: contextvars.ContextVar[KeptRun | None] = contextvars.ContextVar("normswap_kept_run", default=None)
+
+
+def _runs_as_is(model: nn.Module) -> bool:
+    """Whether a trial forward of ``model`` (:func:`_trial`) computes what a plain no-grad forward of it does
+    now: every module in eval mode already, and a dtype the trial leaves the factory default at (not
+    float64, whose trial holds the model's float32 casts at float64)."""
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    if dtype == torch.float64 or (dtype == torch.float32 and torch.get_default_dtype() != torch.float32):
+        return False
+    return not any(m.training for m in model.modules())
+
+
+@contextlib.contextmanager
+def keeping_runs(model: nn.Module, within: Callable[[], contextlib.AbstractContextManager[Any]],
+                 on: dict[str, Any] | None = None) -> Iterator[KeptRun]:
+    """Keep the output of ``model``'s trial forwards run inside the block (:func:`run_kept`): the last one,
+    or the one on the dict ``on`` when given. Each runs inside ``within()`` too (the caller's seeded random
+    draws), so that it computes what the caller's own no-grad forward on those inputs would; nothing is
+    kept where a trial would compute something else (:func:`_runs_as_is`). A layout check and the reload
+    probe's original outputs, a route check and the original's error in its own dtype, are then one
+    forward each instead of two."""
+    kept = KeptRun(within, on)
+    if not _runs_as_is(model):
+        yield kept  # keeps nothing: output_on() is None
+        return
+    token = _KEEPING.set(kept)
+    try:
+        yield kept
+    finally:
+        _KEEPING.reset(token)
+
+
+def run_kept(model: nn.Module, kwargs: dict[str, Any]) -> Any:
+    """``model(**kwargs)``, kept (with the inputs it ran on) where :func:`keeping_runs` asks for it. Runs
+    inside the caller's trial context."""
+    kept = _KEEPING.get()
+    if kept is None or (kept.on is not None and kwargs is not kept.on):
+        return model(**kwargs)
+    kept.kwargs, kept.output = None, None  # a failed run keeps nothing
+    with kept.within():
+        out = model(**kwargs)
+    kept.kwargs, kept.output = kwargs, out
+    return out
+
+
 def _run_error(model: nn.Module, kwargs: dict[str, Any]) -> Exception | None:
     """None when the model runs on ``kwargs``, else what it raised."""
     try:
         with _trial(model):
-            model(**kwargs)
+            run_kept(model, kwargs)
         return None
     except MemoryError:
         raise

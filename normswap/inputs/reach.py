@@ -332,7 +332,7 @@ def route(model: nn.Module, kwargs: dict[str, Any],
     not (None when it reaches every LayerNorm or no sub-run reaches any of the rest), and the paths of the
     modules the model's own run calls (None where it failed here), which naming the missing input reads."""
     if base is None:
-        called = called_by(model, lambda: model(**kwargs))
+        called = called_by(model, lambda: builder.run_kept(model, kwargs))  # kept where the caller asks
     else:
         shared = towers.view(model, base)
         called = called_by(model, lambda: shared(**base.example_inputs()))
