@@ -344,8 +344,15 @@ def _table_ops(st: Planning) -> None:
     1.001 on that model (round 62/63, ``docs/results/quantization.md``). A table whose stream reaches several norms
     (GPT-2's, a Pre-LN tower's) keeps its edit: an op there would be a stream-start op. Nor does a table whose
     norm's output starts a stream several norms share (BLOOM's and RWKV's embedding LayerNorm): that stream's op
-    sits after the norm, and one before it too would be a chain of two."""
+    sits after the norm, and one before it too would be a chain of two.
+
+    Not where γ is folded (``fold_gamma``, or a rotation, which folds it on the streams it turns) unless
+    ``per_norm_centering`` asks for the ops anyway: a stream centered by an op before its norm is one a rotation
+    leaves unturned ("one rotation op per norm"), so the tables keep their edit there, as before round 63, and
+    BERT's embedding stream still turns."""
     an = st.an
+    if an.fold_gamma and not st.per_norm_centering:
+        return
     for call in an.site_calls:
         for term in st.site_terms[call.id]:
             ok, why = st.term_status[term.value]

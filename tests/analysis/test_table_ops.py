@@ -133,3 +133,22 @@ def test_tables_that_reach_several_norms_keep_their_edit():
     for d in (default, ops):
         d["options"] = {k: v for k, v in d["options"].items() if k not in ("per_norm_centering", "mean_carry")}
     assert ops == default
+
+
+def test_with_a_rotation_the_tables_keep_their_edit():
+    """With γ folded (a rotation asks for it) the tables keep their edit, as before round 63: a stream centered by
+    an op before its norm is one the rotation leaves unturned ("one rotation op per norm"), whatever else the
+    stream's readers allow (BERT's is also read by the residual add; round 58's refusal of a compat rotation of its
+    MLM head, `tests/checkpoint/test_streamed_new_head.py`, went silent when the op took the embedding stream)."""
+    original = _randomised(_models()["bert"])
+    model = copy.deepcopy(original)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        report = normswap.patch(model, mode="exact", rotate="random")
+    emb = report.plan.site("embeddings.LayerNorm")
+    assert emb.verdict == "exact" and "centering op" not in emb.rotation_reason, emb.rotation_reason
+    assert not report.plan.hooks and not model.get_submodule("embeddings.LayerNorm").centers_input
+    ids = torch.randint(0, 97, (3, 11), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ref, got = original(ids)[0], model(ids)[0]
+    assert (got - ref).abs().max() <= 1e-10 * ref.abs().max()

@@ -78,6 +78,15 @@ def rms_norm_count(model: nn.Module) -> int:
     return sum(isinstance(m, normswap.RMSNorm) for m in model.modules())
 
 
+def norm_op_counts(model: nn.Module) -> tuple[int, int]:
+    """``(RMS, centering)``: the model's RMSNorms that export as RMS ops, and those that center their own input
+    (``centers_input``: LayerNorm's math, exported as the original's ``LayerNormalization``). Since round 63 a
+    Post-LN encoder's embeddings' norm is one of the latter by default (its tables keep their rows)."""
+    centering = sum(bool(getattr(m, "centers_input", False)) for m in model.modules()
+                    if isinstance(m, normswap.RMSNorm))
+    return rms_norm_count(model) - centering, centering
+
+
 def agreement(got: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
     """Max abs error and max error relative to the reference's largest magnitude."""
     got, ref = got.double(), ref.double()

@@ -28,6 +28,7 @@ from tests.integrations.compat import (  # noqa: E402
     agreement,
     export_onnx,
     first_output,
+    norm_op_counts,
     rms_norm_count,
     tensor_inputs,
 )
@@ -77,15 +78,6 @@ def _eps_of(model: nn.Module) -> set[float]:
     return {m.eps for m in model.modules() if isinstance(m, normswap.RMSNorm)}
 
 
-def _norms(model: nn.Module) -> tuple[int, int]:
-    """``(RMS, centering)``: the model's RMSNorms that export as RMS ops, and those that center their own input
-    (``centers_input``: LayerNorm's math, exported as the original's ``LayerNormalization``). Since round 63 a
-    Post-LN encoder's embeddings' norm is one of the latter by default (its tables keep their rows)."""
-    centering = sum(bool(getattr(m, "centers_input", False)) for m in model.modules()
-                    if isinstance(m, normswap.RMSNorm))
-    return rms_norm_count(model) - centering, centering
-
-
 # dynamo=True without an opset: torch 2.13 writes opset 20, below RMSNormalization's 23
 @pytest.mark.parametrize("export", [{"dynamo": True}, {"dynamo": False, "opset_version": 18}],
                          ids=["dynamo-default-opset", "legacy-18"])
@@ -93,7 +85,7 @@ def test_every_norm_fuses_in_the_ort_session(converted, export):
     name, model, inputs, exported = converted
     path = exported(**export)
     ops = fused_norm_ops(path)
-    n, centering = _norms(model)
+    n, centering = norm_op_counts(model)
     assert ops["SimplifiedLayerNormalization"] == n, (name, ops)
     assert ops["LayerNormalization"] + ops["SkipLayerNormalization"] == centering, (name, ops)
     assert ops["Pow"] == 0 and ops["RMSNormalization"] == 0, (name, ops)
@@ -111,7 +103,7 @@ def test_opset_23_writes_rms_normalization(converted):
     name, model, inputs, exported = converted
     path = exported(dynamo=True, opset_version=23)
     ops = collections.Counter(n.op_type for n in onnx.load(str(path)).graph.node)
-    n, centering = _norms(model)
+    n, centering = norm_op_counts(model)
     assert ops["RMSNormalization"] == n and ops["LayerNormalization"] == centering and ops["Sqrt"] == 0, ops
     assert fused_norm_ops(path)["RMSNormalization"] == n  # ORT keeps its own kernel for the op
     (eps,) = _eps_of(model)
@@ -134,7 +126,7 @@ def test_transformers_optimizer_fuses_every_norm(converted, tmp_path):
     finally:
         logging.disable(logging.NOTSET)
     ops = collections.Counter(n.op_type for n in optimised.model.graph.node)
-    n, centering = _norms(model)
+    n, centering = norm_op_counts(model)
     assert ops["SimplifiedLayerNormalization"] + ops["SkipSimplifiedLayerNormalization"] == n, ops
     assert ops["LayerNormalization"] + ops["SkipLayerNormalization"] == centering, ops
     assert ops["SkipSimplifiedLayerNormalization"] >= 1 and ops["Pow"] == 0, ops
@@ -326,7 +318,7 @@ def test_fuse_norms_lands_on_skip_simplified_with_bias(converted, export, after,
     fuse_norms(source, fused_path)
     graph = _session_graph(fused_path)
     ops = _counts(graph)
-    n, centering = _norms(model)
+    n, centering = norm_op_counts(model)
     assert ops["SimplifiedLayerNormalization"] + ops["SkipSimplifiedLayerNormalization"] == n, ops
     assert ops["Pow"] == 0 and ops["LayerNormalization"] + ops["SkipLayerNormalization"] == centering, ops
     original = _original_skips(name, inputs, path.parent)
