@@ -1,10 +1,12 @@
 """Tiny Hugging Face models for comparing ``--low-memory`` with the in-memory conversion: five layers each (deeper
 than the 3/4-layer proxies the streamed plan is made on, so it is extrapolated), one per structure the streamed
 path treats apart (round 58: a task head over a pooler, and bias slots inside the layers). Shared by
-``tests/checkpoint/test_streaming_combos.py`` and ``benchmarks/lowmem_option_sweep.py``."""
+``tests/checkpoint/test_streaming_combos.py`` and ``benchmarks/lowmem_option_sweep.py``; and the streaming test
+files' once-per-module conversions (:func:`converting_once`)."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -59,3 +61,21 @@ def written_tensors(d: Path) -> dict[str, torch.Tensor]:
             for k in h.keys():
                 out[f"{f.name if f.name.startswith('normswap') else ''}:{k}"] = h.get_tensor(k)
     return out
+
+
+def converting_once(sources: dict[str, Path], root: Path) -> Callable[..., tuple[Path, Any]]:
+    """``convert(name, low_memory, **options)``: ``normswap.convert(sources[name], DIR, low_memory=low_memory,
+    **options)`` made once per (name, low_memory, options) under ``root``, returning ``(DIR, report)``; a test that
+    asks for the same conversion as another reads the same output (read only) rather than converting again."""
+    import normswap
+
+    done: dict[str, tuple[Path, Any]] = {}
+
+    def convert(name: str, low_memory: bool, **options: Any) -> tuple[Path, Any]:
+        key = json.dumps([name, low_memory, options], sort_keys=True)
+        if key not in done:
+            out = root / f"c{len(done)}-{'stream' if low_memory else 'mem'}"
+            done[key] = out, normswap.convert(sources[name], out, low_memory=low_memory, **options)
+        return done[key]
+
+    return convert

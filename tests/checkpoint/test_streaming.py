@@ -18,6 +18,7 @@ from normswap.analysis.plan import BETA_KEPT_WHY
 from normswap.checkpoint import conversion as convert_mod
 from normswap.checkpoint import extrapolate, proxy, stream_io
 from normswap.errors import NormswapError
+from tests.streaming_models import converting_once
 
 SPECIAL = {"bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0}
 MODELS = {
@@ -156,20 +157,8 @@ def sources(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def converted(sources, tmp_path_factory):
-    """``convert(name, low_memory, **options)``: ``normswap.convert(sources[name], DIR, low_memory=low_memory,
-    **options)`` made once per module, returning ``(DIR, report)``; a test that asks for the same conversion as
-    another reads the same output (read only) rather than converting again."""
-    root = tmp_path_factory.mktemp("converted")
-    done: dict[str, tuple[Path, normswap.Report]] = {}
-
-    def convert(name: str, low_memory: bool, **options):
-        key = json.dumps([name, low_memory, options], sort_keys=True)
-        if key not in done:
-            out = root / f"c{len(done)}-{'stream' if low_memory else 'mem'}"
-            done[key] = out, normswap.convert(sources[name], out, low_memory=low_memory, **options)
-        return done[key]
-
-    return convert
+    """Each conversion made once per module (:func:`tests.streaming_models.converting_once`)."""
+    return converting_once(sources, tmp_path_factory.mktemp("converted"))
 
 
 @pytest.mark.parametrize(

@@ -16,7 +16,7 @@ import transformers as tf
 import normswap
 from normswap import presets
 from tests.streaming_models import MODELS as STREAMING_MODELS
-from tests.streaming_models import written_tensors
+from tests.streaming_models import converting_once, written_tensors
 
 # the sweep's models but OPT (GPT-2 covers its structure here); DINOv2 with the default backbone settings:
 # out_features names the last of 5 stages, which a 3-layer copy lacks
@@ -42,20 +42,8 @@ def sources(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def converted(sources, tmp_path_factory):
-    """``convert(name, low_memory, **options)``: ``normswap.convert(sources[name], DIR, low_memory=low_memory,
-    **options)`` made once per module, returning ``(DIR, report)``; a test that asks for the same conversion as
-    another reads the same output (read only) rather than converting again."""
-    root = tmp_path_factory.mktemp("converted")
-    done: dict[str, tuple[Path, normswap.Report]] = {}
-
-    def convert(name: str, low_memory: bool, **options):
-        key = json.dumps([name, low_memory, options], sort_keys=True)
-        if key not in done:
-            out = root / f"c{len(done)}-{'stream' if low_memory else 'mem'}"
-            done[key] = out, normswap.convert(sources[name], out, low_memory=low_memory, **options)
-        return done[key]
-
-    return convert
+    """Each conversion made once per module (:func:`tests.streaming_models.converting_once`)."""
+    return converting_once(sources, tmp_path_factory.mktemp("converted"))
 
 
 def _manifest(d: Path) -> dict[str, Any]:
