@@ -205,8 +205,8 @@ class ConvertOptions:
             with ``rotate`` or ``fold_gamma`` (a rotation, then or later with :func:`normswap.rotate`, folds
             ``Q`` into those weights instead of adding it as an op after the stem op, and the rotated model
             can still be written in the compat format). Embedding tables (gathers) are centered by weights
-            either way (a table whose stream one norm alone reads keeps its rows instead: that norm centers its
-            own input), and a writer no op can serve falls back to its weights.
+            either way (a table whose stream one norm alone reads keeps its rows instead, γ not folded: that norm
+            centers its own input), and a writer no op can serve falls back to its weights.
             The default also takes ``"weights"`` where the op would leave norms approximate that centered weights make
             exact (SAM2's Hiera adds its position parameter where the op cannot reach it).
         writer_centering: how the writers inside the layers whose weights quantizers round (a Pre-LN block's
@@ -251,7 +251,8 @@ class ConvertOptions:
             ``exact-with-per-norm-centering``) at LayerNorm's cost; off by default. An embedding stream that one
             norm alone reads (BERT's and MPNet's word, position and token-type tables, read by the embeddings'
             LayerNorm only) takes that norm's op with or without this option (since round 63; under it alone in
-            round 62), and its tables keep the original's rows: NNCF's int8 weights and ONNX Runtime's dynamic
+            round 62; without it not where γ is folded, ``fold_gamma`` or a rotation, which turns only a stream
+            its weights center), and its tables keep the original's rows: NNCF's int8 weights and ONNX Runtime's dynamic
             int8 round gathered tables, and the mean of a centered row's rounding error would pass through the
             exact RMSNorm. Tables whose stream several norms read (GPT-2's), or whose norm's output starts a
             stream several norms share (BLOOM's), keep their edit.

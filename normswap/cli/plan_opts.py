@@ -63,7 +63,8 @@ PLAN_OPTIONS = (
         is_flag=True,
         help="Post-LN norms: insert one centering op (a mean per token) before each, which makes them exact "
         "at LayerNorm's cost (verdict exact-with-per-norm-centering, counted apart). An embedding norm that alone "
-        "reads its tables' stream (BERT) takes one with or without this flag, and the tables keep their rows.",
+        "reads its tables' stream (BERT) takes one with or without this flag (without it, not under --rotate or "
+        "--fold-gamma), and the tables keep their rows.",
     ),
     click.option(
         "--no-mean-carry",
