@@ -146,8 +146,9 @@ QUANTIZERS: dict[str, Quantizer] = {q.name: q for q in (
               why="calibrated int8 of weights and activations: on a Post-LN encoder the per-norm ops write the "
                   "original's tensors and OpenVINO fuses each op and its RMSNorm into MVN, so NNCF quantizes the "
                   "original's graph",
-              measured="paraphrase-MiniLM-L3-v2 1.060 (1.05-1.07; 0.956 with the tables centered before round 63), "
-                       "all-MiniLM-L6-v2 0.973 with the defaults → 1.000 with the ops (round 63)"),
+              measured="paraphrase-MiniLM-L3-v2 1.060 (1.05-1.07: the mean carry's FFN-output projections; 0.956 "
+                       "with the tables centered before round 63), all-MiniLM-L6-v2 0.973 with the defaults → 1.000 "
+                       "with the ops (round 63)"),
     Quantizer("torchao", "torchao int8 dynamic activations + int8 weights",
               {"pre-ln": {"writer_centering": "op"}, "layer-scale": {"writer_centering": "auto"}},
               why="per-row weight scales: the writers keep the original's rows behind ops (eager: +8-17% time on "
