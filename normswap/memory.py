@@ -39,7 +39,7 @@ def release(dropped: weakref.ReferenceType) -> bool:
     collection only where the object is still alive, i.e. held by a reference cycle (a model whose modules
     point back at it); otherwise reference counting freed it already, and a collection would free nothing
     more while walking every live object (0.2-0.9 s in a process that imported transformers' modeling
-    files). True when it was collected."""
+    files). True when a collection ran (the object was still alive), False when nothing was left to free."""
     if dropped() is None:
         return False
     gc.collect()
