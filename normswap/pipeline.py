@@ -31,6 +31,7 @@ from normswap.errors import ModelRunFailed, NaNOutputs, NormswapError, Verificat
 from normswap.inputs import builder, reach, towers
 from normswap.inputs.probe import call_args, held_out_like, special_ids
 from normswap.integrations import torch_transformer, wrappers
+from normswap.modelinfo import model_device, model_dtype
 from normswap.nn.call_args import normalised
 from normswap.options import ConvertOptions
 from normswap.rotation import carry
@@ -233,7 +234,7 @@ def working_precision(model: nn.Module, requested: str = "auto") -> memory.Preci
     (:mod:`normswap.surgery`); the result is cast back to the model's dtype once, and ``patch``
     measures the original and the converted model in their own dtype as well.
     """
-    dtype = _dtype_of(model)
+    dtype = model_dtype(model)
     params = list(model.parameters())
     numel = sum(p.numel() for p in params)
     device = params[0].device if params else torch.device("cpu")
@@ -252,7 +253,7 @@ def working_copy(model: nn.Module, target: torch.dtype) -> nn.Module:
     second copy. Peak memory: the model plus the cast copy (none for a float32 model worked on in
     float32, beyond the tensors the surgery writes).
     """
-    cast = target != _dtype_of(model)
+    cast = target != model_dtype(model)
 
     def param(p: nn.Parameter) -> nn.Parameter:
         data = p.detach()
@@ -367,10 +368,6 @@ def check_untouched(model: nn.Module, before: dict[str, int]) -> None:
             "the model may be modified. Please report this model")
 
 
-def _dtype_of(model: nn.Module) -> torch.dtype:
-    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-
-
 # ---------------------------------------------------------------------------------- analysis
 @dataclass
 class _Analysis:
@@ -414,7 +411,7 @@ def running(dtype: torch.dtype, hold: bool) -> Iterator[None]:
 def _run_trace(work: nn.Module, args: tuple, kwargs: dict) -> trace.Graph:
     """The traced analysis run, with the model's downcasts held at the copy's dtype (a model that
     computes a norm in float32 runs in a float64 copy; ``graph.held_casts`` says what was held)."""
-    dtype = _dtype_of(work)
+    dtype = model_dtype(work)
     try:
         with default_dtype(dtype), same_draws(work) as draws:  # seeded as every verification forward is
             graph = trace.record(work, args, kwargs, snapshot=walker.candidates(work),
@@ -466,11 +463,11 @@ def analysed_copy(model: nn.Module, args: tuple, kwargs: dict,
         place_beta(work, an, opts)
         return work, wargs, wkwargs, an
     except (NaNOutputs, ModelRunFailed) as exc:
-        if chosen.dtype == _dtype_of(model):
+        if chosen.dtype == model_dtype(model):
             raise
         in_precise = exc
     del work
-    dtype = _dtype_of(model)
+    dtype = model_dtype(model)
     work = working_copy(model, dtype)
     wargs, wkwargs = inputs.cast_inputs(args, kwargs, dtype)
     try:
@@ -516,9 +513,9 @@ def find_norms(model: nn.Module, example_inputs: inputs.ExampleInputs = None) ->
         try:
             return _identify_sites(working_copy(model, dtype), *inputs.cast_inputs(args, kwargs, dtype))[0]
         except (NaNOutputs, ModelRunFailed):
-            if dtype == _dtype_of(model):
+            if dtype == model_dtype(model):
                 raise
-        dtype = _dtype_of(model)  # as analysed_copy falls back to
+        dtype = model_dtype(model)  # as analysed_copy falls back to
         return _identify_sites(working_copy(model, dtype), *inputs.cast_inputs(args, kwargs, dtype))[0]
 
 
@@ -859,7 +856,7 @@ def _start(model: nn.Module, example_inputs: inputs.ExampleInputs, opts: Convert
 
         refuse_unusable_block(model, opts.online_block)
     args, kwargs = inputs.resolve(model, example_inputs)
-    return _Patching(model, opts, example_inputs, args, kwargs, user_dtype=_dtype_of(model),
+    return _Patching(model, opts, example_inputs, args, kwargs, user_dtype=model_dtype(model),
                      training={name: m.training for name, m in model.named_modules()},
                      untouched=versions(model))
 
@@ -867,7 +864,7 @@ def _start(model: nn.Module, example_inputs: inputs.ExampleInputs, opts: Convert
 def _analyse(st: _Patching) -> Report | None:
     """The working copy, analysed, with verdicts for the mode; a Report when there is nothing to do."""
     st.work, st.wargs, st.wkwargs, st.an = analysed_copy(st.model, st.args, st.kwargs, st.opts)
-    st.work_dtype = _dtype_of(st.work)
+    st.work_dtype = model_dtype(st.work)
     plan_ = st.plan
     if st.example_inputs is None and inputs.is_hf_model(st.model):  # what normswap built, and which towers it reached
         plan_.options["analysis_inputs"] = inputs.describe_built(st.model, st.kwargs)
@@ -1187,7 +1184,7 @@ def _calibrate(work: nn.Module, approx: list[SitePlan], sites: dict, originals: 
     activations ("expected scalar type Float but found Double"). The error says what failed in each.
     """
     calibration, tokenizer = opts.calibration, opts.tokenizer
-    device = next((p.device for p in work.parameters()), torch.device("cpu"))
+    device = model_device(work)
     sub = reach.sub_route_of(work)  # converted with sub-runs: the model's own batches, lifted into the view's runs
     base = reach.plain(work) if sub is not None else work
     hf = inputs.is_hf_model(work) and (example_inputs is None or sub is not None)

@@ -39,6 +39,7 @@ from normswap.errors import (
 )
 from normswap.inputs import builder, towers
 from normswap.integrations.quiet import quietly
+from normswap.modelinfo import model_dtype
 from normswap.options import DTYPES, FORMATS, TASKS, ConvertOptions, check_inputs_outside, check_out_dir, choose
 from normswap.surgery.verify import (
     comparable,
@@ -371,7 +372,7 @@ def own_memory(model: nn.Module) -> None:
 
 
 def _half_on_cpu(model: nn.Module) -> bool:
-    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    dtype = model_dtype(model)
     return dtype in pipeline.HALF_DTYPES and all(p.device.type == "cpu" for p in model.parameters())
 
 
@@ -379,7 +380,7 @@ def compute_dtype(model: nn.Module) -> torch.dtype:
     """The dtype :func:`_run` computes ``model`` in: its own, float32 for a half model on a CPU."""
     if _half_on_cpu(model):
         return torch.float32
-    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    return model_dtype(model)
 
 
 def reload_check(
@@ -785,7 +786,7 @@ def _convert_loaded(st: _Conversion, progress: bool) -> None:
     plan = plan_of(model)
     if plan.unties:
         grown = sum(u.numel for u in plan.unties)
-        itemsize = next((p.element_size() for p in model.parameters() if p.is_floating_point()), 4)
+        itemsize = model_dtype(model).itemsize
         st.say(io.untie_note(len(plan.unties), grown, grown * itemsize, output_bytes(model)))
     kept = [sp.name for sp in plan.sites if sp.verdict == "approximate" and not sp.convert]
     if st.fmt == "compat" and kept:
@@ -820,7 +821,7 @@ def _write_and_check(st: _Conversion) -> None:
         st.steps.update()
         if st.original is not None:
             st.steps.set_postfix_str("verifying the written checkpoint")
-            dtype_ = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+            dtype_ = model_dtype(model)
             # the converted model's outputs are kept (``converted``): free the model itself, so the
             # reloaded checkpoint (and a half model's float32 run) takes its place, not a place beside it
             dropped = weakref.ref(model)

@@ -28,6 +28,7 @@ from normswap.checkpoint import extrapolate as ex
 from normswap.checkpoint.hf_types import drop_modules
 from normswap.checkpoint.io import available_memory
 from normswap.errors import NormswapError
+from normswap.modelinfo import model_dtype
 from normswap.options import ConvertOptions
 from normswap.surgery.edits import record_rms_slots
 
@@ -126,7 +127,7 @@ def analyse_proxy(model: nn.Module, opts: ConvertOptions) -> Plan:
     """``normswap.plan`` without its working copy (the proxy is ours to use)."""
     pipeline.preflight(model)
     args, kwargs = inputs.resolve(model, None)
-    dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
+    dtype = model_dtype(model)
     with pipeline.eval_mode(model):
         args, kwargs = inputs.cast_inputs(args, kwargs, dtype)
         result = pipeline.analyse_copy(model, args, kwargs, opts, streamed=True)

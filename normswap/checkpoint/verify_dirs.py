@@ -16,6 +16,7 @@ from normswap.errors import NormswapError, first_line
 from normswap.inputs import towers
 from normswap.inputs.probe import HELD_OUT_SEED, held_out_like, special_ids
 from normswap.integrations.quiet import quietly
+from normswap.modelinfo import model_dtype
 from normswap.surgery.verify import (
     compare,
     derived_text,
@@ -65,7 +66,7 @@ def verify_checkpoint(
     (:func:`normswap.inputs.probe.held_out_like`).
     """
     conv_path, conv, plan = _load_converted(converted, data, trust_remote_code, original=original)
-    dtype = next((p.dtype for p in conv.parameters() if p.is_floating_point()), torch.float32)
+    dtype = model_dtype(conv)
     src, source_match = _resolve_original(original, converted, conv, allow_pickle=allow_pickle,
                                           trust_remote_code=trust_remote_code, force=force)
     orig, proc = _load_original(src, conv, task, dtype, trust_remote_code)
@@ -252,7 +253,7 @@ def _figures(orig: Any, conv: Any, batches: list[dict], skip: set[str], axes: di
 def _unseeded(orig: Any, batch: dict) -> str | None:
     """:func:`~normswap.surgery.verify.unseeded_randomness` of ORIGINAL (in whatever dtype it now is: the
     own-error measurement may have cast it to float64) on ``batch``; None where it does not run."""
-    dtype = next((p.dtype for p in orig.parameters() if p.is_floating_point()), torch.float32)
+    dtype = model_dtype(orig)
     _, cast = inputs.cast_inputs((), batch, dtype)
     try:
         return unseeded_randomness(lambda: orig(**cast), dtype, orig)

@@ -33,6 +33,7 @@ from normswap.analysis import precision
 from normswap.errors import ModelRunFailed, NormswapError
 from normswap.inputs import media, structured, vision
 from normswap.inputs.media import AUDIO_FRAME_BUDGET, Layout, cfg, sub_config
+from normswap.modelinfo import model_device, model_dtype
 
 # how to build each required forward argument; any other required one is refused by name
 KNOWN = {"input_ids", "pixel_values", "grid_thw", "spatial_shapes", "input_features", "input_values", "past_values",
@@ -161,7 +162,7 @@ def _trial(model: nn.Module) -> Iterator[None]:
     interpolation casts the grid to float32 and would not meet its float64 embeddings otherwise."""
     modes = {m: m.training for m in model.modules()}
     previous = torch.get_default_dtype()
-    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    dtype = model_dtype(model)
     cuda = torch.cuda.is_available() and torch.cuda.is_initialized()  # never initialise CUDA for a CPU model
     model.eval()
     experts = _float64_experts(model) if dtype == torch.float64 else None
@@ -217,7 +218,7 @@ def _runs_as_is(model: nn.Module) -> bool:
     """Whether a trial forward of ``model`` (:func:`_trial`) computes what a plain no-grad forward of it does
     now: every module in eval mode already, and a dtype the trial leaves the factory default at (not
     float64, whose trial holds the model's float32 casts at float64)."""
-    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    dtype = model_dtype(model)
     if dtype == torch.float64 or (dtype == torch.float32 and torch.get_default_dtype() != torch.float32):
         return False
     return not any(m.training for m in model.modules())
@@ -317,8 +318,8 @@ def hf_example_inputs(model: nn.Module, batch: int = 2, seq: int = 8, seed: int 
     module docstring): every modality it takes, in the layout it runs on."""
     config = model.config
     params = forward_params(model)
-    device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    device = model_device(model)
+    dtype = model_dtype(model)
     missing = [n for n in _required(params) if n not in KNOWN and not _side_ids(n)
                and n not in vision.built_here(params)]
     if missing:
@@ -567,7 +568,7 @@ def _finish(model: nn.Module, config: Any, params: dict[str, Any], media_kw: Lay
         if isinstance(first, int) and first >= 0:
             dec[:, 0] = first
         inputs["decoder_input_ids"] = dec
-    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    dtype = model_dtype(model)
     inputs.update(structured.extra_inputs(config, params, inputs, rows, seq, gen, dtype))
     if inputs and "encoder_hidden_states" in params and has_cross_attention(model):
         # a decoder with cross-attention (BLIP's text decoder, BERT/GPT-2 with add_cross_attention): its
@@ -636,7 +637,7 @@ def describe(model: nn.Module, kwargs: dict[str, Any]) -> str:
 def media_layouts(model: nn.Module, batch: int = 2, seed: int = 0) -> list[Layout]:
     """Every media layout the builder would try for ``model`` (one per combination of modalities), in
     its order of preference: what :mod:`normswap.inputs.towers` hands each tower's feature method."""
-    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    dtype = model_dtype(model)
     params = forward_params(model)
     if "input_features" in params:  # as hf_example_inputs: log-mel clips fix their own length
         batch = max(1, min(batch, AUDIO_FRAME_BUDGET // media.feature_frames(model.config)))
@@ -646,7 +647,7 @@ def media_layouts(model: nn.Module, batch: int = 2, seed: int = 0) -> list[Layou
 def text_inputs(model: nn.Module, batch: int = 2, seq: int = 8, seed: int = 0) -> dict[str, Any]:
     """The whole model's inputs with no media: text ids (decoder ids for an encoder-decoder) and the flags
     the forward takes, as :func:`hf_example_inputs` builds them around a media layout."""
-    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    device = model_device(model)
     return _finish(model, model.config, forward_params(model), {}, {}, batch, seq, seed, device)
 
 
