@@ -353,7 +353,13 @@ def _table_ops(st: Planning) -> None:
     an = st.an
     if an.fold_gamma and not st.per_norm_centering:
         return
+    # norms whose output starts a stream several norms share (BLOOM's, RWKV's embedding LayerNorm): that stream
+    # takes its own op where it starts, and an op before the norm too would be a chain of two
+    starts_shared_stream = {t.call for terms in st.site_terms.values() for t in terms
+                            if t.kind == "norm" and not _post_ln_term(st, t)}
     for call in an.site_calls:
+        if call.id in starts_shared_stream:
+            continue
         for term in st.site_terms[call.id]:
             ok, why = st.term_status[term.value]
             if not ok or term.kind != "module" or term.value in st.table_terms or term.value in st.stem_terms \
@@ -361,11 +367,6 @@ def _table_ops(st: Planning) -> None:
                 continue
             if {an.graph.calls[c].path for c in an.reach(term.value, -1).site_rows} != {call.path}:
                 continue  # its stream reaches other norms too: one op before this norm would not serve them
-            if any(t.kind == "norm" and t.call == call.id and not _post_ln_term(st, t)
-                   for terms in st.site_terms.values() for t in terms):
-                # the norm's output starts a stream several norms share (BLOOM's, RWKV's embedding LayerNorm): that
-                # stream takes its own op where it starts, and an op before the norm too would be a chain of two
-                continue
             st.table_terms[term.value] = (ok, why)
             st.term_status[term.value] = (False, f"{term.label} {TABLE_WHY}")
 

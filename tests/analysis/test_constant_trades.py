@@ -17,7 +17,6 @@ import transformers as tf
 from torch import nn
 
 import normswap
-from normswap.analysis import planner
 from normswap.analysis.plan import Plan
 from tests import benchmark_modules, zoo
 
@@ -266,12 +265,13 @@ def test_a_custom_model_trades_where_every_token_reads_the_table_with_weights_su
         assert (conv(y) - model(y)).abs().max() <= 1e-9
 
 
-def test_a_one_row_table_every_token_reads_takes_the_constant_of_every_row_at_any_length_and_padding(monkeypatch):
+def test_a_one_row_table_every_token_reads_takes_the_constant_of_every_row_at_any_length_and_padding():
     """RoBERTa's token-type table has one row that every token reads: it reaches every token at any length,
     as a bias does, so the rows a longer or padded input reads must keep the constant too (a trade of only the
     rows the traced tokens read left every other position's sum off zero-mean: CLAP's text tower failed its
     verification so). Since round 63 the defaults keep a Post-LN encoder's tables (no edit, no trade: asserted);
-    the tables' rule is switched off below, as round 62's defaults had it, so that the trade is still tested."""
+    with γ folded (``fold_gamma``) the tables keep their edit, as round 62's defaults had it: the trade is tested
+    there."""
     torch.manual_seed(0)
     cfg = tf.RobertaConfig(vocab_size=40, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
                            intermediate_size=64, max_position_embeddings=40, type_vocab_size=1)
@@ -281,12 +281,11 @@ def test_a_one_row_table_every_token_reads_takes_the_constant_of_every_row_at_an
         table.add_(0.5 + 0.05 * torch.randn(table.shape[0], 1, dtype=table.dtype))
     short = {"input_ids": torch.randint(3, 40, (2, 6))}
     assert not normswap.plan(model, short).constant_trades  # the defaults: the tables keep their rows
-    monkeypatch.setattr(planner, "_table_ops", lambda st: None)
     conv = copy.deepcopy(model)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        normswap.patch(conv, short, mode="exact")  # Post-LN: only the exact norms (embedding, FFN outputs)
-    trades = normswap.plan(model, short).constant_trades
+        normswap.patch(conv, short, mode="exact", fold_gamma=True)  # Post-LN: only the exact norms
+    trades = normswap.plan(model, short, fold_gamma=True).constant_trades
     table_trade = next(t for t in trades if t.table == "embeddings.position_embeddings.weight")
     assert (table_trade.lo, table_trade.hi, table_trade.into) == (0, 40, "embeddings.token_type_embeddings.weight")
     ids = torch.randint(3, 40, (2, 30))

@@ -19,7 +19,6 @@ from torch import nn
 
 import normswap
 from normswap import quantizers
-from normswap.analysis import planner
 from normswap.analysis.plan import STREAM_KINDS, Plan
 from tests.zoo import APPROXIMATE, EXACT, MORE, build
 
@@ -64,19 +63,18 @@ def test_a_post_ln_norm_is_post_ln_whatever_its_verdict(bert_plans):
     assert {quantizers.model_kind(p) for p in bert_plans.values()} == {"post-ln"}
 
 
-def test_a_real_post_ln_norm_keeps_its_kind_when_its_reason_stops_saying_post_ln(monkeypatch):
+def test_a_real_post_ln_norm_keeps_its_kind_when_its_reason_stops_saying_post_ln():
     """DeBERTa-v2's first attention-output norm reads the embedding norm's output through the padding mask's
     ``mul``: with ``untie=True`` and its tables centered its reason reads "stream starts at ... output; no
     centering point feeds only norms" (the words a Pre-LN stream start gets), with the defaults "(Post-LN)". Same
     stream, same kind. (Since round 63 the defaults keep the tables behind an op on the embeddings' norm's input,
-    which makes that reason "(Post-LN)" too; the tables' rule is switched off for the second plan, as round 62's
-    defaults had it, to keep a reason that does not say so.)"""
+    which makes that reason "(Post-LN)" too; with γ folded they keep their edit, as round 62's defaults had it, and
+    the second plan folds γ to keep a reason that does not say so.)"""
     model = build(APPROXIMATE, "deberta-v2")
     name = "deberta.encoder.layer.0.attention.output.LayerNorm"
     plans = [_plan(model)]
     assert "(Post-LN)" in _plan(model, untie=True, mean_carry=False).site(name).reason
-    monkeypatch.setattr(planner, "_table_ops", lambda st: None)
-    plans.append(_plan(model, untie=True, mean_carry=False))
+    plans.append(_plan(model, untie=True, mean_carry=False, fold_gamma=True))
     assert "(Post-LN)" in plans[0].site(name).reason
     assert plans[1].site(name).reason.startswith("stream starts at `deberta.embeddings.LayerNorm` output; no centering")
     assert {p.site(name).verdict for p in plans} == {"approximate"}

@@ -26,7 +26,6 @@ from click.testing import CliRunner
 from torch import nn
 
 import normswap
-from normswap.analysis import planner
 from normswap.analysis.plan import ConstantTrade, plan_of
 from normswap.cli import main
 from normswap.integrations.saving import saving_class
@@ -191,14 +190,13 @@ def test_the_streamed_rewrite_of_a_dual_encoder_applies_the_towers_trade_as_in_m
         assert rel_error(ref, out) <= 1e-9
 
 
-def test_a_text_towers_one_row_table_trades_every_row_beside_an_image_tower(monkeypatch):
+def test_a_text_towers_one_row_table_trades_every_row_beside_an_image_tower():
     """AltCLIP: a RoBERTa text tower (its one token-type row reaches every text token, at any length) and a CLIP
     image tower in one run. The probe sees both towers' tokens; the token-type row reaches none of the image's, and
     was taken for a one-token parameter: only the position rows the traced text read were traded, and a longer
     text failed verification (|mean|/rms 1.7e-2 at the embedding norm; the transformers sweep refused AltCLIP).
-    Since round 63 the defaults keep a Post-LN text tower's tables (no trade); the tables' rule is switched off
-    here, as round 62's defaults had it, so that the trade is still tested."""
-    monkeypatch.setattr(planner, "_table_ops", lambda st: None)
+    Since round 63 the defaults keep a Post-LN text tower's tables (no trade); with γ folded (``fold_gamma``) they
+    keep their edit, as round 62's defaults had it: the trade is tested there."""
     torch.manual_seed(0)
     config = tf.AltCLIPConfig(
         text_config=dict(vocab_size=99, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
@@ -208,7 +206,7 @@ def test_a_text_towers_one_row_table_trades_every_row_beside_an_image_tower(monk
                            image_size=32, patch_size=8), projection_dim=16)
     model = _randomise_embeddings(zoo.randomise(tf.AltCLIPModel(config).double().eval(), 0), 0)
     short = {"input_ids": torch.randint(3, 99, (2, 6)), "pixel_values": _pixels(1)}
-    conv, _ = _patched(model, example_inputs=short, mode="exact")
+    conv, _ = _patched(model, example_inputs=short, mode="exact", fold_gamma=True)
     trade = next(t for t in plan_of(conv).constant_trades if "roberta" in t.table)
     assert (trade.lo, trade.hi) == (0, 40) and trade.into.endswith("token_type_embeddings.weight")
     long = {"input_ids": torch.randint(3, 99, (2, 30)), "pixel_values": _pixels(2)}
