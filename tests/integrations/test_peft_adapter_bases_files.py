@@ -269,20 +269,21 @@ _HUB_LOAD = r"""
 import sys, warnings, torch, transformers as tf
 import normswap
 from normswap.analysis.plan import plan_of
-repo = sys.argv[1]
-for how in sys.argv[2:]:
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        if how == "normswap.load":
-            model = normswap.load(repo, dtype=torch.float64)
-        else:
-            model = tf.AutoModelForCausalLM.from_pretrained(repo, dtype=torch.float64)
-    plan = plan_of(model) or getattr(model, "_normswap_compat", None)
-    print("VECTORS", how, len(plan.adapter_vectors))
-    print("WARNINGS", how, [str(w.message) for w in caught if "adapter" in str(w.message)])
+for repo in sys.argv[1].split(","):
+    for how in sys.argv[2:]:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if how == "normswap.load":
+                model = normswap.load(repo, dtype=torch.float64)
+            else:
+                model = tf.AutoModelForCausalLM.from_pretrained(repo, dtype=torch.float64)
+        plan = plan_of(model) or getattr(model, "_normswap_compat", None)
+        print("VECTORS", repo, how, len(plan.adapter_vectors))
+        print("WARNINGS", repo, how, [str(w.message) for w in caught if "adapter" in str(w.message)])
 """
 
 HOWS = ["normswap.load", "AutoModelForCausalLM"]
+BARE_REPO = "org/bare-rms"  # the same files as org/tiny-rms, uploaded without the side file
 
 
 def _hub_cache(tmp_path, out, repo="org/tiny-rms", sha="0123456789abcdef0123456789abcdef01234567"):
@@ -298,34 +299,39 @@ def _hub_cache(tmp_path, out, repo="org/tiny-rms", sha="0123456789abcdef01234567
     return cache, root / "snapshots" / sha
 
 
-def _run_offline(cache, repo, hows):
-    """Load ``repo`` from ``cache`` in one fresh process, by each of ``hows`` in turn (each load's warnings
-    recorded on their own): ``{how: (number of adapter vectors, the adapter warnings as a string)}``."""
+def _run_offline(cache, repos, hows):
+    """Load each of ``repos`` from ``cache`` in one fresh process, by each of ``hows`` in turn (each load's
+    warnings recorded on their own): ``{(repo, how): (number of adapter vectors, the adapter warnings as a
+    string)}``."""
     import os
     import subprocess
     import sys
 
     env = dict(os.environ, HF_HUB_CACHE=str(cache), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     env.pop("HF_HOME", None)
-    done = subprocess.run([sys.executable, "-c", _HUB_LOAD, repo, *hows], env=env, capture_output=True, text=True,
-                          timeout=300)
+    done = subprocess.run([sys.executable, "-c", _HUB_LOAD, ",".join(repos), *hows], env=env, capture_output=True,
+                          text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    lines = {tuple(line.split(" ", 2)[:2]): line.split(" ", 2)[2] for line in done.stdout.splitlines()
+    lines = {tuple(line.split(" ", 3)[:3]): line.split(" ", 3)[3] for line in done.stdout.splitlines()
              if line.startswith(("VECTORS", "WARN"))}
-    return {how: (int(lines["VECTORS", how]), lines["WARNINGS", how]) for how in hows}
+    return {(repo, how): (int(lines["VECTORS", repo, how]), lines["WARNINGS", repo, how])
+            for repo in repos for how in hows}
 
 
 @pytest.fixture(scope="module")
 def hub_loads(tmp_path_factory):
-    """One conversion, laid out in two Hub caches (one snapshot with the side file, one uploaded without it),
-    each loaded by every way of ``HOWS`` in one fresh process (two processes, not one per load)."""
+    """One conversion, laid out twice in one Hub cache (one repo's snapshot with the side file, another repo
+    uploaded without it), each loaded by every way of ``HOWS`` in one fresh process (one process, not one per
+    load nor one per repo: each fresh interpreter costs ~8 CPU s of imports before its first load)."""
     tmp_path = tmp_path_factory.mktemp("hub-loads")
     _, converted, _, out = _gpt2(tmp_path)
     named = len(bases_io.named(plan_of(converted)))
-    cache, _ = _hub_cache(tmp_path / "with", out)
-    bare_cache, snapshot = _hub_cache(tmp_path / "without", out)
+    cache, _ = _hub_cache(tmp_path, out)
+    _, snapshot = _hub_cache(tmp_path, out, repo=BARE_REPO)
     (snapshot / SIDECAR).unlink()  # a repo uploaded without it
-    return named, _run_offline(cache, "org/tiny-rms", HOWS), _run_offline(bare_cache, "org/tiny-rms", HOWS)
+    loads = _run_offline(cache, ("org/tiny-rms", BARE_REPO), HOWS)
+    return (named, {how: loads["org/tiny-rms", how] for how in HOWS},
+            {how: loads[BARE_REPO, how] for how in HOWS})
 
 
 @pytest.mark.parametrize("how", HOWS)
@@ -337,5 +343,5 @@ def test_a_hub_repo_id_finds_the_side_file_in_the_cache_offline(hub_loads, how):
     vectors, said = with_file[how]
     assert vectors == named and said == "[]"
     vectors, said = without_file[how]
-    where = "org/tiny-rms" if how != "normswap.load" else "models--org--tiny-rms/snapshots/"  # (load: the snapshot)
+    where = BARE_REPO if how != "normswap.load" else "models--org--bare-rms/snapshots/"  # (load: the snapshot)
     assert vectors == 0 and f"{where}" in said and f"has no {SIDECAR}" in said and said.count("normswap:") == 1, said
