@@ -286,31 +286,25 @@ HOWS = ["normswap.load", "AutoModelForCausalLM"]
 BARE_REPO = "org/bare-rms"  # the same files as org/tiny-rms, uploaded without the side file
 
 
-def _hub_cache(tmp_path, out, repo="org/tiny-rms", sha="0123456789abcdef0123456789abcdef01234567"):
-    """``out`` laid out as the Hub lays out a downloaded repo in the cache: ``models--org--name/refs/main`` holds
-    the commit, ``snapshots/<commit>/`` the files."""
+def _hub_cache(cache, out, repo="org/tiny-rms", sha="0123456789abcdef0123456789abcdef01234567"):
+    """``out`` laid out in Hub cache ``cache`` as the Hub lays out a downloaded repo: ``models--org--name/refs/main``
+    holds the commit, ``snapshots/<commit>/`` the files. Returns the snapshot."""
     import shutil
 
-    cache = tmp_path / "hub"
     root = cache / ("models--" + repo.replace("/", "--"))
     (root / "refs").mkdir(parents=True)
     (root / "refs" / "main").write_text(sha)
     shutil.copytree(out, root / "snapshots" / sha)
-    return cache, root / "snapshots" / sha
+    return root / "snapshots" / sha
 
 
-def _run_offline(cache, repos, hows):
-    """Load each of ``repos`` from ``cache`` in one fresh process, by each of ``hows`` in turn (each load's
+def _run_offline(warm_python, repos, hows):
+    """Load each of ``repos`` from the Hub cache in one new process, by each of ``hows`` in turn (each load's
     warnings recorded on their own): ``{(repo, how): (number of adapter vectors, the adapter warnings as a
-    string)}``."""
-    import os
-    import subprocess
-    import sys
-
-    env = dict(os.environ, HF_HUB_CACHE=str(cache), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    env.pop("HF_HOME", None)
-    done = subprocess.run([sys.executable, "-c", _HUB_LOAD, ",".join(repos), *hows], env=env, capture_output=True,
-                          text=True, timeout=300)
+    string)}``. The process is a child of the warm fork server (``tests/warm_python.py``: it never imported
+    normswap), whose environment, read when it started, has ``HF_HOME`` a directory of its own and the Hub off:
+    the cache is that ``HF_HOME``'s, as it was the ``HF_HUB_CACHE`` given to the fresh interpreter before."""
+    done = warm_python.run(_HUB_LOAD, ",".join(repos), *hows, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = {tuple(line.split(" ", 3)[:3]): line.split(" ", 3)[3] for line in done.stdout.splitlines()
              if line.startswith(("VECTORS", "WARN"))}
@@ -319,24 +313,25 @@ def _run_offline(cache, repos, hows):
 
 
 @pytest.fixture(scope="module")
-def hub_loads(tmp_path_factory):
+def hub_loads(tmp_path_factory, warm_python):
     """One conversion, laid out twice in one Hub cache (one repo's snapshot with the side file, another repo
-    uploaded without it), each loaded by every way of ``HOWS`` in one fresh process (one process, not one per
-    load nor one per repo: each fresh interpreter costs ~8 CPU s of imports before its first load)."""
+    uploaded without it), each loaded by every way of ``HOWS`` in one new process (one process, not one per
+    load nor one per repo)."""
     tmp_path = tmp_path_factory.mktemp("hub-loads")
     _, converted, _, out = _gpt2(tmp_path)
     named = len(bases_io.named(plan_of(converted)))
-    cache, _ = _hub_cache(tmp_path, out)
-    _, snapshot = _hub_cache(tmp_path, out, repo=BARE_REPO)
-    (snapshot / SIDECAR).unlink()  # a repo uploaded without it
-    loads = _run_offline(cache, ("org/tiny-rms", BARE_REPO), HOWS)
+    with warm_python.hub_cache() as cache:
+        _hub_cache(cache, out)
+        snapshot = _hub_cache(cache, out, repo=BARE_REPO)
+        (snapshot / SIDECAR).unlink()  # a repo uploaded without it
+        loads = _run_offline(warm_python, ("org/tiny-rms", BARE_REPO), HOWS)
     return (named, {how: loads["org/tiny-rms", how] for how in HOWS},
             {how: loads[BARE_REPO, how] for how in HOWS})
 
 
 @pytest.mark.parametrize("how", HOWS)
 def test_a_hub_repo_id_finds_the_side_file_in_the_cache_offline(hub_loads, how):
-    """Loading by repo id (no network: HF_HUB_OFFLINE=1, a temporary HF_HUB_CACHE laid out as the Hub lays it
+    """Loading by repo id (no network: HF_HUB_OFFLINE=1, a temporary HF_HOME's cache laid out as the Hub lays it
     out) reads the side file from the snapshot as from a directory; a snapshot without it warns in one line."""
     named, with_file, without_file = hub_loads
     assert named
