@@ -101,7 +101,8 @@ SHARED_WORK = {
     "warm-python": ("tests/integrations/test_trainer_decay.py", "tests/integrations/test_torch_export.py",
                     "tests/rotation/test_rotate_checkpoint.py", "tests/checkpoint/test_faults.py",
                     "tests/recipes/test_recipe_fsdp.py", "tests/checkpoint/test_checkpoint.py",
-                    "tests/checkpoint/test_hub_cache.py", "tests/integrations/test_peft_adapter_bases_files.py"),
+                    "tests/checkpoint/test_hub_cache.py", "tests/integrations/test_peft_adapter_bases_files.py",
+                    "tests/recipes/test_example_script.py"),
     "onnx-exports": ("tests/integrations/test_onnx_export.py", "tests/integrations/test_onnx_fusion.py"),
 }
 _GROUP_OF = {path: group for group, paths in SHARED_WORK.items() for path in paths}
