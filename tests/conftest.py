@@ -82,7 +82,9 @@ def pytest_runtest_teardown(item, nextitem):
 @pytest.fixture(scope="session")
 def warm_python():
     """A fork server with torch and transformers' modeling stack imported (``tests/warm_python.py``), for
-    checks that need a new process but not an empty interpreter; started on first use, one per worker."""
+    checks that need a new process but not an empty interpreter; started on first use, one per worker. Its
+    ``HF_HOME`` is an empty directory of its own (``warm_python.hf_home``), for the checks about the Hub cache
+    and remote code read from the environment a process starts with."""
     from tests.warm_python import WarmPython
 
     server = WarmPython()
@@ -98,7 +100,9 @@ def warm_python():
 SHARED_WORK = {
     "warm-python": ("tests/integrations/test_trainer_decay.py", "tests/integrations/test_torch_export.py",
                     "tests/rotation/test_rotate_checkpoint.py", "tests/checkpoint/test_faults.py",
-                    "tests/recipes/test_recipe_fsdp.py"),
+                    "tests/recipes/test_recipe_fsdp.py", "tests/checkpoint/test_checkpoint.py",
+                    "tests/checkpoint/test_hub_cache.py", "tests/integrations/test_peft_adapter_bases_files.py",
+                    "tests/recipes/test_example_script.py"),
     "onnx-exports": ("tests/integrations/test_onnx_export.py", "tests/integrations/test_onnx_fusion.py"),
 }
 _GROUP_OF = {path: group for group, paths in SHARED_WORK.items() for path in paths}

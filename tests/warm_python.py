@@ -18,19 +18,26 @@ time is counted where a fresh interpreter's would be (``time``, ``getrusage(RUSA
 
 What it cannot stand in for: a check about what importing something does to a process that has not
 imported torch or transformers yet (keep those in ``subprocess.run([sys.executable, ...])``), and a check
-that needs an environment variable read at import time (``HF_HOME``, ``HF_HUB_CACHE``,
-``HF_MODULES_CACHE``): every child has the server's environment, taken when it started.
+that needs an environment variable read at import time set to a value of its own: every child has the
+server's environment, taken when it started. For the Hugging Face caches that environment is one a test can
+use: the server starts with ``HF_HOME`` set to an empty directory of its own (:attr:`WarmPython.hf_home`;
+every other ``HF_*`` cache or path variable unset, ``HF_HUB_OFFLINE=1``), as a job on a compute node starts
+with its ``HF_HOME``, so a child reads the Hub cache (``hf_home / "hub"``) and the remote-code modules
+(``hf_home / "modules"``) where a fresh interpreter with that variable would. A test that lays a repo out in
+``hf_home`` removes it when it is done (:meth:`WarmPython.hub_cache`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 # What a fresh interpreter's first model load imports; nothing of normswap, nothing that runs at import
@@ -121,14 +128,29 @@ def serve(path: str, modules: list[str]) -> None:
         conn.close()
 
 
+# what stays of the caller's HF_* variables in the server: whether the Hub is reachable, never where a cache is
+KEPT_HF = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "HF_HUB_DISABLE_TELEMETRY")
+
+
+def hf_home_env(environ: Mapping[str, str], hf_home: str | os.PathLike) -> dict[str, str]:
+    """``environ`` as a job with ``HF_HOME=hf_home`` and the Hub switched off sees it: every other ``HF_*`` and
+    ``HUGGINGFACE_*`` variable (``HF_HUB_CACHE``, ``HF_MODULES_CACHE``, ...) that would put a cache elsewhere
+    removed."""
+    env = {k: v for k, v in environ.items() if not k.startswith(("HF_", "HUGGINGFACE_")) or k in KEPT_HF}
+    return {**env, "HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1"}
+
+
 class WarmPython:
     """A running server; :meth:`run` is ``subprocess.run([sys.executable, "-c", code, *args])`` in a child of it."""
 
     def __init__(self, modules: tuple[str, ...] = PRELOAD) -> None:
         self._dir = tempfile.TemporaryDirectory(prefix="warm-python-")
         self.socket = str(Path(self._dir.name) / "s")
+        self.hf_home = Path(self._dir.name) / "hf-home"
+        self.hf_home.mkdir()
         self.proc = subprocess.Popen([sys.executable, __file__, "serve", self.socket, *modules],
-                                     stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+                                     stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
+                                     env=hf_home_env(os.environ, self.hf_home))
         line = self.proc.stdout.readline()
         if line != "ready\n":
             self.proc.wait()
@@ -153,6 +175,17 @@ class WarmPython:
             return subprocess.CompletedProcess(
                 ["<warm python>", "-c", code, *args], int(reply) if reply else -1,
                 out.read().decode(errors="replace"), err.read().decode(errors="replace"))
+
+    @contextlib.contextmanager
+    def hub_cache(self) -> Iterator[Path]:
+        """The children's Hub cache (``HF_HOME/hub``, empty), emptied again when the block ends: a test lays
+        out the repos it loads there."""
+        hub = self.hf_home / "hub"
+        hub.mkdir()
+        try:
+            yield hub
+        finally:
+            shutil.rmtree(hub, ignore_errors=True)
 
     def close(self) -> None:
         """Stop the server and wait for it (which counts its children's CPU time in this process's)."""

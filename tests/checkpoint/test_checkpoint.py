@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
+import shutil
 import textwrap
 from pathlib import Path
 
@@ -226,7 +224,11 @@ def test_sharded_native_output(tmp_path):
     )
 
 
-def test_trust_remote_code_in_a_fresh_process(native_dirs, compat_dirs, tmp_path):
+def test_trust_remote_code_in_a_fresh_process(native_dirs, compat_dirs, tmp_path, warm_python):
+    """Stock transformers in a process that never imported normswap loads the compat checkpoint, refuses the native
+    one without ``trust_remote_code`` and runs it with it. A child of the warm fork server (``tests/warm_python.py``:
+    it never imports normswap), whose ``HF_HOME`` is a directory of its own: the remote code's modules go to its
+    empty ``modules`` cache, as they went to the ``HF_MODULES_CACHE`` this test gave a fresh interpreter."""
     ref = outputs(normswap.load(native_dirs["tiny-gpt2"]), "tiny-gpt2")
     ref_compat = outputs(transformers.GPT2LMHeadModel.from_pretrained(compat_dirs["tiny-gpt2"]), "tiny-gpt2")
     torch.save(
@@ -252,16 +254,15 @@ def test_trust_remote_code_in_a_fresh_process(native_dirs, compat_dirs, tmp_path
             assert torch.equal(model(**ref["ids"]).logits, ref["native"])
         print("OK", type(model).__name__)
     """)
-    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_MODULES_CACHE=str(tmp_path / "modules"))
-    res = subprocess.run(
-        [sys.executable, "-c", script],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-        stdin=subprocess.DEVNULL,
-    )
+    modules = warm_python.hf_home / "modules"
+    assert not modules.exists()  # no child before this one ran remote code
+    try:
+        res = warm_python.run(script, timeout=300)
+        wrote = modules.is_dir()  # the remote code went where the child's environment says
+    finally:
+        shutil.rmtree(modules, ignore_errors=True)
     assert res.returncode == 0, res.stderr[-3000:]
+    assert wrote
     assert "OK NormswapGPT2LMHeadModel" in res.stdout
 
 

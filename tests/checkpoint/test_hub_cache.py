@@ -12,8 +12,6 @@ import hashlib
 import json
 import os
 import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -147,16 +145,15 @@ def test_load_a_converted_checkpoint_by_hub_id_from_the_cache(cache, monkeypatch
         normswap.load("some-org/other-rms")
 
 
-def test_cli_offline_with_hf_home_in_a_fresh_process(saved, tmp_path):
-    """The real command, its environment read at start-up as in a job on a compute node: HF_HOME's cache."""
-    home = tmp_path / "hf-home"
-    add_snapshot(home / "hub", REPO, saved["main"], MAIN)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGINGFACE_"))}
-    root = str(Path(normswap.__file__).parent.parent)
-    env |= {"HF_HOME": str(home), "HF_HUB_OFFLINE": "1",
-            "PYTHONPATH": os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)}
-    cmd = [sys.executable, "-c", "from normswap.cli import main; main()", "convert", REPO, "--out",
-           str(tmp_path / "rms"), "--mode", "exact", "--no-verify", "-q"]
-    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+def test_cli_offline_with_hf_home_in_a_fresh_process(saved, tmp_path, warm_python):
+    """The real command, its environment read at start-up as in a job on a compute node: HF_HOME's cache.
+
+    A child of the warm fork server (``tests/warm_python.py``): the server started with ``HF_HOME`` its own
+    directory and every other ``HF_*`` cache variable unset (what this test's fresh interpreter was given), and
+    never imported normswap; the child reads the Hub cache from that ``HF_HOME`` as the fresh interpreter did."""
+    with warm_python.hub_cache() as hub:
+        add_snapshot(hub, REPO, saved["main"], MAIN)
+        res = warm_python.run("from normswap.cli import main; main()", "convert", REPO, "--out",
+                              str(tmp_path / "rms"), "--mode", "exact", "--no-verify", "-q", timeout=600)
     assert res.returncode == 0, res.stderr
     assert json.loads((tmp_path / "rms" / "config.json").read_text())["normswap"]["source"] == REPO

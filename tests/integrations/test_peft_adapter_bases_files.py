@@ -269,73 +269,74 @@ _HUB_LOAD = r"""
 import sys, warnings, torch, transformers as tf
 import normswap
 from normswap.analysis.plan import plan_of
-repo = sys.argv[1]
-for how in sys.argv[2:]:
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        if how == "normswap.load":
-            model = normswap.load(repo, dtype=torch.float64)
-        else:
-            model = tf.AutoModelForCausalLM.from_pretrained(repo, dtype=torch.float64)
-    plan = plan_of(model) or getattr(model, "_normswap_compat", None)
-    print("VECTORS", how, len(plan.adapter_vectors))
-    print("WARNINGS", how, [str(w.message) for w in caught if "adapter" in str(w.message)])
+for repo in sys.argv[1].split(","):
+    for how in sys.argv[2:]:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if how == "normswap.load":
+                model = normswap.load(repo, dtype=torch.float64)
+            else:
+                model = tf.AutoModelForCausalLM.from_pretrained(repo, dtype=torch.float64)
+        plan = plan_of(model) or getattr(model, "_normswap_compat", None)
+        print("VECTORS", repo, how, len(plan.adapter_vectors))
+        print("WARNINGS", repo, how, [str(w.message) for w in caught if "adapter" in str(w.message)])
 """
 
 HOWS = ["normswap.load", "AutoModelForCausalLM"]
+BARE_REPO = "org/bare-rms"  # the same files as org/tiny-rms, uploaded without the side file
 
 
-def _hub_cache(tmp_path, out, repo="org/tiny-rms", sha="0123456789abcdef0123456789abcdef01234567"):
-    """``out`` laid out as the Hub lays out a downloaded repo in the cache: ``models--org--name/refs/main`` holds
-    the commit, ``snapshots/<commit>/`` the files."""
+def _hub_cache(cache, out, repo="org/tiny-rms", sha="0123456789abcdef0123456789abcdef01234567"):
+    """``out`` laid out in Hub cache ``cache`` as the Hub lays out a downloaded repo: ``models--org--name/refs/main``
+    holds the commit, ``snapshots/<commit>/`` the files. Returns the snapshot."""
     import shutil
 
-    cache = tmp_path / "hub"
     root = cache / ("models--" + repo.replace("/", "--"))
     (root / "refs").mkdir(parents=True)
     (root / "refs" / "main").write_text(sha)
     shutil.copytree(out, root / "snapshots" / sha)
-    return cache, root / "snapshots" / sha
+    return root / "snapshots" / sha
 
 
-def _run_offline(cache, repo, hows):
-    """Load ``repo`` from ``cache`` in one fresh process, by each of ``hows`` in turn (each load's warnings
-    recorded on their own): ``{how: (number of adapter vectors, the adapter warnings as a string)}``."""
-    import os
-    import subprocess
-    import sys
-
-    env = dict(os.environ, HF_HUB_CACHE=str(cache), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    env.pop("HF_HOME", None)
-    done = subprocess.run([sys.executable, "-c", _HUB_LOAD, repo, *hows], env=env, capture_output=True, text=True,
-                          timeout=300)
+def _run_offline(warm_python, repos, hows):
+    """Load each of ``repos`` from the Hub cache in one new process, by each of ``hows`` in turn (each load's
+    warnings recorded on their own): ``{(repo, how): (number of adapter vectors, the adapter warnings as a
+    string)}``. The process is a child of the warm fork server (``tests/warm_python.py``: it never imported
+    normswap), whose environment, read when it started, has ``HF_HOME`` a directory of its own and the Hub off:
+    the cache is that ``HF_HOME``'s, as it was the ``HF_HUB_CACHE`` given to the fresh interpreter before."""
+    done = warm_python.run(_HUB_LOAD, ",".join(repos), *hows, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    lines = {tuple(line.split(" ", 2)[:2]): line.split(" ", 2)[2] for line in done.stdout.splitlines()
+    lines = {tuple(line.split(" ", 3)[:3]): line.split(" ", 3)[3] for line in done.stdout.splitlines()
              if line.startswith(("VECTORS", "WARN"))}
-    return {how: (int(lines["VECTORS", how]), lines["WARNINGS", how]) for how in hows}
+    return {(repo, how): (int(lines["VECTORS", repo, how]), lines["WARNINGS", repo, how])
+            for repo in repos for how in hows}
 
 
 @pytest.fixture(scope="module")
-def hub_loads(tmp_path_factory):
-    """One conversion, laid out in two Hub caches (one snapshot with the side file, one uploaded without it),
-    each loaded by every way of ``HOWS`` in one fresh process (two processes, not one per load)."""
+def hub_loads(tmp_path_factory, warm_python):
+    """One conversion, laid out twice in one Hub cache (one repo's snapshot with the side file, another repo
+    uploaded without it), each loaded by every way of ``HOWS`` in one new process (one process, not one per
+    load nor one per repo)."""
     tmp_path = tmp_path_factory.mktemp("hub-loads")
     _, converted, _, out = _gpt2(tmp_path)
     named = len(bases_io.named(plan_of(converted)))
-    cache, _ = _hub_cache(tmp_path / "with", out)
-    bare_cache, snapshot = _hub_cache(tmp_path / "without", out)
-    (snapshot / SIDECAR).unlink()  # a repo uploaded without it
-    return named, _run_offline(cache, "org/tiny-rms", HOWS), _run_offline(bare_cache, "org/tiny-rms", HOWS)
+    with warm_python.hub_cache() as cache:
+        _hub_cache(cache, out)
+        snapshot = _hub_cache(cache, out, repo=BARE_REPO)
+        (snapshot / SIDECAR).unlink()  # a repo uploaded without it
+        loads = _run_offline(warm_python, ("org/tiny-rms", BARE_REPO), HOWS)
+    return (named, {how: loads["org/tiny-rms", how] for how in HOWS},
+            {how: loads[BARE_REPO, how] for how in HOWS})
 
 
 @pytest.mark.parametrize("how", HOWS)
 def test_a_hub_repo_id_finds_the_side_file_in_the_cache_offline(hub_loads, how):
-    """Loading by repo id (no network: HF_HUB_OFFLINE=1, a temporary HF_HUB_CACHE laid out as the Hub lays it
+    """Loading by repo id (no network: HF_HUB_OFFLINE=1, a temporary HF_HOME's cache laid out as the Hub lays it
     out) reads the side file from the snapshot as from a directory; a snapshot without it warns in one line."""
     named, with_file, without_file = hub_loads
     assert named
     vectors, said = with_file[how]
     assert vectors == named and said == "[]"
     vectors, said = without_file[how]
-    where = "org/tiny-rms" if how != "normswap.load" else "models--org--tiny-rms/snapshots/"  # (load: the snapshot)
+    where = BARE_REPO if how != "normswap.load" else "models--org--bare-rms/snapshots/"  # (load: the snapshot)
     assert vectors == 0 and f"{where}" in said and f"has no {SIDECAR}" in said and said.count("normswap:") == 1, said

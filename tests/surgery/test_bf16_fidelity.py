@@ -43,6 +43,11 @@ ENTRIES = {**{n: EXACT for n in EXACT},
            **{n: {n: f} for n, (f, verdict) in MORE.items() if verdict == "exact"}}
 MODEL_SEEDS = tuple(range(6))
 BATCH = 32
+# Raw audio is cut to what makes 32 frames, the tokens every other entry is probed on: wav2vec2-stable's feature
+# extractor (kernels 10, 3; strides 5, 2) makes 32 frames of 330 samples. The input builder's 4000 samples made
+# 399, 12x the tokens and ~7x this file's CPU for that entry (24.3 of ~120 s), for the same ratios: over the six
+# models, 1.026 bf16 / 1.012 fp16 with 399 frames, 1.031 / 1.011 with 32 (round 64).
+AUDIO_SAMPLES = 330
 
 
 DTYPES = (torch.bfloat16, torch.float16)
@@ -62,6 +67,8 @@ def _converted(name, seed, dtype):
     if key not in _PAIRS:
         model = build(ENTRIES[name], name, seed=seed)
         probe = hf_example_inputs(model, batch=BATCH, seq=32, seed=11)
+        if "input_values" in probe:
+            probe["input_values"] = probe["input_values"][..., :AUDIO_SAMPLES]
         with torch.no_grad(), default_dtype(torch.float64):
             reference = model(**probe)
         converted = copy.deepcopy(model)
