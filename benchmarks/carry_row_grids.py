@@ -57,7 +57,8 @@ GRIDS = ("w8", "pt", "pc")
 # default with the two-scale carry, the default with a centering op before each Post-LN norm the carry does not make
 # exact (the attention-output norms: their writers keep the original's rows), and the default with a centering op
 # after each writer instead of its centered rows
-VARIANTS = {"default": {}, "twoscale": {}, "pnc": {"per_norm_centering": True}, "wop": {"writer_centering": "op"}}
+VARIANTS = {"default": {}, "twoscale": {}, "pnc": {"per_norm_centering": True}, "wop": {"writer_centering": "op"},
+            "pnc-twoscale": {"per_norm_centering": True}}
 
 
 def nncf_int8_asym(w: torch.Tensor) -> torch.Tensor:
@@ -139,6 +140,9 @@ def row_entries(w: torch.Tensor, n: int, s: float, ratio: float, target: str) ->
       ``(max(w,0) − min(w,0))/255``);
     * ``sym``: the nearest point of the row's symmetric per-channel grid (multiples of ``max|w|/127``: ONNX
       Runtime's per-channel dynamic int8, NNCF's static int8 weights);
+    * ``asym-in``: ``asym``, but no further out than the row's range on both signs (rows whose range does not
+      hold ``±1/s`` take the grid point inside it; :func:`two_scale` then lowers the carry's ratio until the second
+      pair fits those rows' ranges too);
     * ``multi``: a whole number of ``down``'s per-tensor steps (``max|w|/127`` over the tensor: ONNX Runtime's
       per-tensor default), chosen within the window the second pair can take up (``|1/s − c1| ≤ 0.9·min(max(w),
       −min(w))/ratio`` per row) as the one furthest inside both per-row grids (smallest worst distance, in each
@@ -152,6 +156,9 @@ def row_entries(w: torch.Tensor, n: int, s: float, ratio: float, target: str) ->
     inv = torch.tensor(1.0 / s, dtype=torch.float32)
     if target == "asym":
         return torch.round(inv / a_step) * a_step
+    if target == "asym-in":  # and inside the row's range on both signs (else it would set the range)
+        room = torch.minimum(hi, -lo)
+        return torch.minimum(torch.round(inv / a_step), torch.floor(room / a_step)) * a_step
     if target == "sym":
         return torch.round(inv / s_step) * s_step
     pt = float(real.abs().max()) / 127
@@ -177,12 +184,15 @@ def two_scale(model: torch.nn.Module, carries: list[Any], ratio: float, target: 
             raise ValueError(f"{c.down}: {c.added} added neurons, the two-scale carry needs 8")
         up, down = model.get_submodule(c.up), model.get_submodule(c.down)
         n, d, s = c.hidden, c.features, float(c.scale)
-        s2 = s / ratio
         w = down.weight.detach().float()
         real = w[:, :n]
         lo = torch.clamp(real.amin(1), max=0)
         hi = torch.clamp(real.amax(1), min=0)
         c1 = row_entries(w, n, s, ratio, target)
+        if target == "asym-in":  # the largest ratio (at most the one asked) whose c2 fits every row's range
+            gap = (1.0 / s - c1.double()).abs().clamp(min=1e-30)
+            ratio = max(1.0, min(ratio, float((0.95 * torch.minimum(hi, -lo).double() / gap).min())))
+        s2 = s / ratio
         c2 = (1 - c1.double() * s) / s2
         with torch.no_grad():
             for pair, first in enumerate((0, 1)):
@@ -198,7 +208,7 @@ def two_scale(model: torch.nn.Module, carries: list[Any], ratio: float, target: 
                 down.weight[:, n + 4 + 2 * pair + 1] = c2.to(down.weight.dtype)
         inside = int(((c1 <= hi) & (-c1 >= lo) & (c2.abs().float() <= torch.minimum(hi, -lo))).sum())
         moved = float((c1.double() * s - 1).abs().max())
-        lines.append(f"{c.down}: s {s:.3f}, s2 {s2:.4f}, |c1·s − 1| at most {moved:.3f}, "
+        lines.append(f"{c.down}: s {s:.3f}, s2 {s2:.4f} (s/s2 {ratio:.1f}), |c1·s − 1| at most {moved:.3f}, "
                      f"carry entries inside the row's range in {inside}/{len(c1)} rows")
     return lines
 
@@ -212,7 +222,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--variants", nargs="+", default=["original", "default"],
                     choices=("original", *VARIANTS))
     ap.add_argument("--ratio", type=float, default=16.0, help="twoscale: s/s2")
-    ap.add_argument("--target", default="asym", choices=("asym", "sym", "multi"), help="twoscale: the grid the "
+    ap.add_argument("--target", default="asym", choices=("asym", "asym-in", "sym", "multi"),
+                    help="twoscale: the grid the "
                     "first pair's entries sit on (row_entries)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
@@ -239,7 +250,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             report = normswap.patch(model, tokenizer=str(args.model), beta_placement="keep", **VARIANTS[name])
         carries = report.plan.mean_carries
         result["notes"].setdefault(name, []).append(report.plan.summary())
-        if name == "twoscale":
+        if name.endswith("twoscale"):
             result["notes"][name] += two_scale(model, carries, args.ratio, args.target)
         print("\n".join(result["notes"][name]), flush=True)
         models[name] = (model, carries)
