@@ -35,6 +35,10 @@ from normswap.analysis import planner  # noqa: E402
 
 KEPT = "converted-keep-tables"
 CENTERED = "converted-keep-centered"
+# round 64: the default (β kept) with each mean carry re-planned as two pairs of scales s and s/R, the first pair's
+# entries on one grid (``carry_row_grids.two_scale``): ``converted-keep-twoscale16-asym`` is R = 16 on each row's
+# INT8_ASYM grid (NNCF int8 weights); -sym: the per-row symmetric grid; -multi: whole per-tensor steps chosen near both
+TWOSCALE = {f"converted-keep-twoscale{r}-{t}": (float(r), t) for r in (4, 16) for t in ("asym", "sym", "multi")}
 
 
 @contextlib.contextmanager
@@ -66,16 +70,37 @@ def add_variants() -> None:
     build = encoders.build
 
     def built(name: str, original, model_dir):
+        if name in TWOSCALE:
+            return two_scale_variant(original, model_dir, *TWOSCALE[name])
         if name not in (KEPT, CENTERED):
             return build(name, original, model_dir)
         with tables_rule(name == KEPT):
             return build(name, original, model_dir)
 
-    for name in (KEPT, CENTERED):
+    for name in (KEPT, CENTERED, *TWOSCALE):
         encoders.OPTIONS[name] = {"beta_placement": "keep"}
-    encoders.CONVERTED = (*encoders.CONVERTED, KEPT, CENTERED)
-    encoders.VARIANTS = (*encoders.VARIANTS, KEPT, CENTERED)
+    encoders.CONVERTED = (*encoders.CONVERTED, KEPT, CENTERED, *TWOSCALE)
+    encoders.VARIANTS = (*encoders.VARIANTS, KEPT, CENTERED, *TWOSCALE)
     encoders.build = built
+
+
+def two_scale_variant(original, model_dir, ratio: float, target: str):
+    """The default conversion (β kept) with every mean carry re-planned by ``carry_row_grids.two_scale`` (round 64;
+    exact in float): each row's first column entry on one grid (``target``, ``carry_row_grids.row_entries``), a second
+    pair of scale ``s/ratio`` taking the remainder."""
+    import copy
+    import warnings
+
+    import carry_row_grids
+
+    import normswap
+
+    model = copy.deepcopy(original)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        report = normswap.patch(model, tokenizer=str(model_dir), beta_placement="keep")
+    lines = carry_row_grids.two_scale(model, report.plan.mean_carries, ratio, target)
+    return model, f"{report.plan.summary()}; two-scale carry, s/s2 = {ratio:g}, {target}: " + "; ".join(lines)
 
 
 def main() -> None:
