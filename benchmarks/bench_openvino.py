@@ -459,16 +459,196 @@ def quant(args: argparse.Namespace) -> dict[str, Any]:
                 gc.collect()
             if args.json:
                 args.json.write_text(json.dumps(result, indent=1))
-    for key, cell in result["cells"].items():
-        name, how = key.split("/")
-        if name != "original" and how != "fp32" and f"original/{how}" in result["per_text"]:
-            err, base = np.array(result["per_text"][key]), np.array(result["per_text"][f"original/{how}"])
-            cell["ratio"] = float(err.mean() / base.mean())
-            cell["ci95"] = encoders.bootstrap(err, base)
+    add_ratios(result)
     print(quant_table(result))
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
     return result
+
+
+def run_ov_vision(ov_model, px: torch.Tensor, batch: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    """An OpenVINO model of pixels (``bench_quant_engines.export``'s: pooler output, last hidden state) on ``px``,
+    f32 inference, one thread: ``(CLS embeddings [n, dim], every token [n, tokens, dim])``."""
+    compiled = core().compile_model(ov_model, "CPU", {"INFERENCE_NUM_THREADS": 1, "NUM_STREAMS": 1,
+                                                      "INFERENCE_PRECISION_HINT": "f32"})
+    pooled, tokens = [], []
+    for i in range(0, len(px), batch):
+        out = compiled({"pixel_values": px[i:i + batch].numpy()})
+        pooled.append(torch.from_numpy(np.asarray(out[0])).float())
+        tokens.append(torch.from_numpy(np.asarray(out[1])).float())
+    return torch.cat(pooled), torch.cat(tokens)
+
+
+def quant_vision(args: argparse.Namespace) -> dict[str, Any]:
+    """NNCF on a real DINOv2 checkpoint (``--dinov2 DIR``, a ``Dinov2Model`` directory) and its ``normswap convert``
+    outputs (``NAME=DIR``, loaded by ``normswap.load``): each exported as ``bench_quant_engines.export`` does (legacy
+    exporter, opset 17, dynamic batch), read by ``openvino.convert_model``, quantized by :func:`nncf_quantize`
+    (``static``: calibrated on ``--calib`` crops of ``--calib-photos``, photographs the ``--images`` measured crops
+    never come from), run at f32; error per image: 1 − cos of the CLS embedding (``cls``) and the mean over every
+    token's (``tok``) against the float32 original in torch, ratio to the original's in the same quantizer with a 95%
+    paired bootstrap interval over images."""
+    import nncf
+    import openvino as ov
+    from bench_quant_engines import export, per_image
+    from heldout_exactness import load
+    from photo_crops import photo_crops, photographs
+
+    nncf.set_log_level(logging.ERROR)
+    torch.set_num_threads(1)
+    calib_names = [n for n in args.calib_photos.split(",") if n]
+    px = photo_crops(args.photos, args.images, args.image, seed=args.seed, exclude=calib_names)
+    calib_files = [p for p in photographs(args.photos) if p.name in calib_names]
+    if len(calib_files) != len(calib_names):
+        raise SystemExit(f"bench_openvino: --calib-photos {args.calib_photos}: not all under {args.photos}")
+    calib_px = photo_crops(files=calib_files, n=args.calib, size=args.image, seed=args.seed + 1)
+    calib = [{"pixel_values": calib_px[i:i + 1]} for i in range(len(calib_px))]
+    original = load(args.dinov2)
+    with torch.no_grad():
+        ref_cls, ref_tok = [], []
+        for i in range(0, len(px), 16):
+            out = original(pixel_values=px[i:i + 16])
+            ref_cls.append(out.pooler_output.float())
+            ref_tok.append(out.last_hidden_state.float())
+        ref_cls, ref_tok = torch.cat(ref_cls), torch.cat(ref_tok)
+    dirs = {"original": args.dinov2, **{k: Path(v) for k, v in (spec.split("=", 1) for spec in args.variants)}}
+    result: dict[str, Any] = {"model": str(args.dinov2), "images": len(px), "image_px": args.image,
+                              "calib": len(calib), "calib_photos": calib_names, "openvino": ov.__version__,
+                              "nncf": nncf.__version__, "ignore_types": args.ignore_types,
+                              "ignore_patterns": args.ignore_patterns, "variants": {k: str(v) for k, v in dirs.items()},
+                              "cells": {}, "per_image": {}}
+    if args.baseline:  # an earlier run's original (same crops): its errors reused
+        old = json.loads(args.baseline.read_text())
+        for key in list(old["per_image"]):
+            if key.startswith("original/") and key.split("/")[1] in args.modes:
+                result["per_image"][key], result["cells"][key] = old["per_image"][key], old["cells"][key]
+        dirs.pop("original")
+    t0 = time.time()
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, path in dirs.items():
+            model = original if name == "original" else load(path)
+            onnx_path = Path(tmp) / f"{name}.onnx"
+            export(model, px, onnx_path)
+            if model is not original:
+                del model
+            fp32 = ov.convert_model(str(onnx_path))
+            for how in ["fp32", *[q for q in args.modes if q != "fp32"]]:
+                quantized = nncf_quantize(fp32, how, calib, None, args.ignore_types, args.ignore_patterns)
+                kinds = low_bit_constants(quantized)
+                cls, tok = run_ov_vision(quantized, px)
+                del quantized
+                errs = {"cls": per_image(ref_cls, cls).numpy(), "tok": per_image(ref_tok, tok).numpy()}
+                result["per_image"][f"{name}/{how}"] = {k: v.tolist() for k, v in errs.items()}
+                result["cells"][f"{name}/{how}"] = {**{k: float(v.mean()) for k, v in errs.items()},
+                                                    "constants": kinds}
+                print(f"{name:12s} {how:7s} 1-cos CLS {errs['cls'].mean():.4e} tokens {errs['tok'].mean():.4e} "
+                      f"{kinds}  [{time.time() - t0:.0f} s]", flush=True)
+                gc.collect()
+            if args.json:
+                args.json.write_text(json.dumps(result, indent=1))
+    add_ratios(result, per="per_image")
+    for key, cell in result["cells"].items():
+        if "ratio" in cell:
+            print(f"{key:24s} CLS {cell['ratio_cls']:.3f} ({cell['ci95_cls'][0]:.3f}-{cell['ci95_cls'][1]:.3f})  "
+                  f"tokens {cell['ratio_tok']:.3f} ({cell['ci95_tok'][0]:.3f}-{cell['ci95_tok'][1]:.3f})")
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1))
+    return result
+
+
+def quant_whisper(args: argparse.Namespace) -> dict[str, Any]:
+    """NNCF on Whisper (``--whisper DIR``, the original) and its ``normswap convert`` outputs (``NAME=DIR``): the
+    whole teacher-forced model (log-mel features and decoder ids → logits) exported as
+    ``bench_quant_whisper.ort_export`` does (legacy exporter, opset 17), read by ``openvino.convert_model``,
+    quantized by :func:`nncf_quantize` (``static``: calibrated on the ``--calib`` clips after the ``--clips``
+    measured ones, forced on their own transcripts), run at f32 one clip at a time. Error per clip: the
+    teacher-forced KL(float32 original in torch ‖ variant) summed over the clip's positions (``kl``), and the
+    positions whose top-1 token differs (``disagree``); ratio to the original's in the same quantizer with a 95%
+    paired bootstrap interval over clips."""
+    import bench_quant_whisper as bqw
+    import nncf
+    import openvino as ov
+    from bench_heldout_engines import whisper_logp
+    from speech_samples import load_clips
+    from transformers import AutoTokenizer
+
+    nncf.set_log_level(logging.ERROR)
+    torch.set_num_threads(1)
+    bqw.set_prompt(args.whisper)
+    clips = [c for d in args.speech for c in load_clips(d)]
+    if len(clips) < args.clips + args.calib:
+        raise SystemExit(f"bench_openvino: {len(clips)} clips, fewer than --clips {args.clips} + --calib {args.calib}")
+    clips = clips[:args.clips + args.calib]
+    feats = bqw.features(args.whisper, clips)
+    spoken = AutoTokenizer.from_pretrained(args.whisper)
+    refs = [spoken.encode(" " + text.strip(), add_special_tokens=False) for _, text in clips]
+    ids = [torch.tensor([list(bqw.SOT_NOTS) + r]) for r in refs]
+    p = len(bqw.SOT_NOTS)
+    measured = range(args.clips)
+    calib = [{"input_features": torch.from_numpy(feats[j:j + 1]), "decoder_input_ids": ids[j]}
+             for j in range(args.clips, len(clips))]
+    ref = whisper_logp(bqw.whisper_model(args.whisper), feats[:args.clips], refs[:args.clips])
+    dirs = {"original": args.whisper, **{k: Path(v) for k, v in (spec.split("=", 1) for spec in args.variants)}}
+    result: dict[str, Any] = {"model": str(args.whisper), "clips": args.clips, "calib": len(calib),
+                              "positions": sum(len(refs[j]) + 1 for j in measured), "openvino": ov.__version__,
+                              "nncf": nncf.__version__, "ignore_types": args.ignore_types,
+                              "ignore_patterns": args.ignore_patterns, "variants": {k: str(v) for k, v in dirs.items()},
+                              "cells": {}, "per_clip": {}}
+    t0 = time.time()
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, path in dirs.items():
+            onnx_path = bqw.ort_export(Path(path), Path(tmp) / name / "model.onnx")
+            fp32 = ov.convert_model(str(onnx_path))
+            for how in ["fp32", *[q for q in args.modes if q != "fp32"]]:
+                quantized = nncf_quantize(fp32, how, calib, None, args.ignore_types, args.ignore_patterns)
+                kinds = low_bit_constants(quantized)
+                compiled = core().compile_model(quantized, "CPU", {"INFERENCE_NUM_THREADS": 1, "NUM_STREAMS": 1,
+                                                                   "INFERENCE_PRECISION_HINT": "f32"})
+                got = []
+                for j in measured:
+                    logits = np.asarray(compiled({"input_features": feats[j:j + 1],
+                                                  "decoder_input_ids": ids[j].numpy()})[0])
+                    got.append(torch.log_softmax(torch.from_numpy(logits[0, p - 1: p + len(refs[j])]).double(),
+                                                 -1).float())
+                del compiled, quantized
+                cmp = bqw.compare(ref, got)
+                disagree = [n - a for n, a in zip(cmp["clip_n"], cmp["clip_agree"], strict=True)]
+                result["per_clip"][f"{name}/{how}"] = {"kl": cmp["clip_kl"], "disagree": disagree}
+                result["cells"][f"{name}/{how}"] = {"kl": cmp["kl"], "top1": cmp["top1"], "constants": kinds}
+                print(f"{name:12s} {how:7s} KL {cmp['kl']:.4e} top-1 {cmp['top1']:.4f} {kinds}  "
+                      f"[{time.time() - t0:.0f} s]", flush=True)
+                gc.collect()
+            if args.json:
+                args.json.write_text(json.dumps(result, indent=1))
+    add_ratios(result, per="per_clip")
+    for key, cell in result["cells"].items():
+        if "ratio" in cell:
+            print(f"{key:24s} KL {cell['ratio_kl']:.3f} ({cell['ci95_kl'][0]:.3f}-{cell['ci95_kl'][1]:.3f})  "
+                  f"top-1 disagreements {cell['ratio_disagree']:.3f}")
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1))
+    return result
+
+
+def add_ratios(result: dict[str, Any], per: str = "per_text") -> None:
+    """Give each quantized cell ``name/how`` of ``result`` (not the original's, not ``fp32``) its error over the
+    original's in the same quantizer, ``ratio``, and a 95% paired bootstrap interval over inputs, ``ci95``, from the
+    per-input errors in ``result[per]``. A value there may be a list (one metric) or a dict of lists (several:
+    ``{"cls": [...], "tok": [...]}``, each ratio then ``ratio_<metric>``/``ci95_<metric>``, the first metric's
+    also as ``ratio``/``ci95``). Cells without the original's errors in the same quantizer get none."""
+    for key, cell in result["cells"].items():
+        name, how = key.split("/")
+        base_key = f"original/{how}"
+        if name == "original" or how == "fp32" or base_key not in result[per] or key not in result[per]:
+            continue
+        got, base = result[per][key], result[per][base_key]
+        pairs = got.items() if isinstance(got, dict) else [("", got)]
+        for i, (metric, values) in enumerate(pairs):
+            err, ref = np.asarray(values, dtype=float), np.asarray(base[metric] if metric else base, dtype=float)
+            ratio, ci = float(err.mean() / ref.mean()), encoders.bootstrap(err, ref)
+            if metric:
+                cell[f"ratio_{metric}"], cell[f"ci95_{metric}"] = ratio, ci
+            if i == 0:
+                cell["ratio"], cell["ci95"] = ratio, ci
 
 
 def quant_table(result: dict[str, Any]) -> str:
@@ -555,10 +735,42 @@ def main() -> None:
     q.add_argument("--json", type=Path)
     q.add_argument("--baseline", type=Path, help="an earlier --json of the same model and texts: its original's "
                    "errors are reused")
-    args = parser.parse_args(sys.argv[1:] if len(sys.argv) > 1 and sys.argv[1] in ("speed", "fusion", "quant", "gemm")
+    v = sub.add_parser("quant-vision", help="NNCF on a real DINOv2 checkpoint and its conversions, photo crops")
+    v.add_argument("--dinov2", type=Path, required=True, help="the original Dinov2Model directory")
+    v.add_argument("variants", nargs="*", metavar="NAME=DIR", help="normswap convert outputs")
+    v.add_argument("--photos", type=Path, required=True, help="scikit-image's skimage/data")
+    v.add_argument("--calib-photos", default="motorcycle_right.png,gravel.png,brick.png",
+                   help="photographs for the calibration crops, left out of the measured ones")
+    v.add_argument("--calib", type=int, default=64, help="calibration crops for nncf.quantize")
+    v.add_argument("--images", type=int, default=256)
+    v.add_argument("--image", type=int, default=112, help="crop size in pixels")
+    v.add_argument("--seed", type=int, default=1)
+    v.add_argument("--modes", nargs="+", default=["fp32", "static"], choices=QUANT_MODES)
+    v.add_argument("--ignore-types", nargs="+", metavar="OP")
+    v.add_argument("--ignore-patterns", nargs="+", metavar="REGEX")
+    v.add_argument("--json", type=Path)
+    v.add_argument("--baseline", type=Path, help="an earlier --json of the same crops: its original's errors")
+    w = sub.add_parser("quant-whisper", help="NNCF on Whisper and its conversions, teacher-forced KL per clip")
+    w.add_argument("--whisper", type=Path, required=True, help="the original Whisper directory")
+    w.add_argument("variants", nargs="*", metavar="NAME=DIR", help="normswap convert outputs")
+    w.add_argument("--speech", type=Path, nargs="+", required=True, help="speech_samples.py clip directories")
+    w.add_argument("--clips", type=int, default=64, help="measured clips (the first ones)")
+    w.add_argument("--calib", type=int, default=16, help="calibration clips for nncf.quantize (the next ones)")
+    w.add_argument("--modes", nargs="+", default=["fp32", "static"], choices=QUANT_MODES)
+    w.add_argument("--ignore-types", nargs="+", metavar="OP")
+    w.add_argument("--ignore-patterns", nargs="+", metavar="REGEX")
+    w.add_argument("--json", type=Path)
+    commands = ("speed", "fusion", "quant", "quant-vision", "quant-whisper", "gemm")
+    args = parser.parse_args(sys.argv[1:] if len(sys.argv) > 1 and sys.argv[1] in commands
                              else ["speed", *sys.argv[1:]])
     if args.command == "quant":
         quant(args)
+        return
+    if args.command == "quant-vision":
+        quant_vision(args)
+        return
+    if args.command == "quant-whisper":
+        quant_whisper(args)
         return
     if args.command == "gemm":
         print(gemm_widths([int(w) for w in args.widths.split(",")], [int(r) for r in args.rows.split(",")],
