@@ -555,19 +555,35 @@ def quant_vision(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+class WhisperDecoderLogits(torch.nn.Module):
+    """Whisper's decoder and head as one graph: (decoder ids, encoder states) → logits, teacher-forced."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+        self.train(model.training)  # torch.onnx.export restores the wrapper's mode recursively
+
+    def forward(self, decoder_input_ids: torch.Tensor, encoder_hidden_states: torch.Tensor) -> torch.Tensor:
+        # an explicit all-ones mask, as bench_quant_whisper.TeacherForced (the exporter lacks aten::diff)
+        return self.model(encoder_outputs=(encoder_hidden_states,), decoder_input_ids=decoder_input_ids,
+                          decoder_attention_mask=torch.ones_like(decoder_input_ids), use_cache=False).logits
+
+
 def quant_whisper(args: argparse.Namespace) -> dict[str, Any]:
-    """NNCF on Whisper (``--whisper DIR``, the original) and its ``normswap convert`` outputs (``NAME=DIR``): the
-    whole teacher-forced model (log-mel features and decoder ids → logits) exported as
-    ``bench_quant_whisper.ort_export`` does (legacy exporter, opset 17), read by ``openvino.convert_model``,
-    quantized by :func:`nncf_quantize` (``static``: calibrated on the ``--calib`` clips after the ``--clips``
-    measured ones, forced on their own transcripts), run at f32 one clip at a time. Error per clip: the
-    teacher-forced KL(float32 original in torch ‖ variant) summed over the clip's positions (``kl``), and the
-    positions whose top-1 token differs (``disagree``); ratio to the original's in the same quantizer with a 95%
-    paired bootstrap interval over clips."""
+    """NNCF on Whisper's decoder (``--whisper DIR``, the original, and its ``normswap convert`` outputs,
+    ``NAME=DIR``), teacher-forced: each variant's decoder and head, (decoder ids, encoder states) → logits, exported
+    by the legacy exporter (opset 17, dynamic batch and length), read by ``openvino.convert_model``, quantized by
+    :func:`nncf_quantize` (``static``: calibrated on the ``--calib`` clips after the ``--clips`` measured ones,
+    forced on their own transcripts), run at f32 one clip at a time. Every decoder reads the float32 original
+    encoder's states (the conversions' encoders compute them to ~1e-6 in float): what is measured is the decoder's
+    quantization alone (the whole model's encoder at 1,500 frames per clip was too slow on the loaded machine of
+    round 64). Error per clip: the teacher-forced KL(float32 original in torch ‖ variant) summed over the clip's
+    positions (``kl``), and the positions whose top-1 token differs (``disagree``); ratio to the original's in the
+    same quantizer with a 95% paired bootstrap interval over clips."""
     import bench_quant_whisper as bqw
     import nncf
     import openvino as ov
-    from bench_heldout_engines import whisper_logp
+    from bench_heldout_engines import whisper_encoded, whisper_logp
     from speech_samples import load_clips
     from transformers import AutoTokenizer
 
@@ -583,20 +599,40 @@ def quant_whisper(args: argparse.Namespace) -> dict[str, Any]:
     refs = [spoken.encode(" " + text.strip(), add_special_tokens=False) for _, text in clips]
     ids = [torch.tensor([list(bqw.SOT_NOTS) + r]) for r in refs]
     p = len(bqw.SOT_NOTS)
+    original = bqw.whisper_model(args.whisper)
+    enc = [e[k:k + 1] for e in whisper_encoded(original, feats) for k in range(len(e))]
+    # whisper_logp reads the encoder's states per batch of 4 clips
+    ref = whisper_logp(original, feats[:args.clips], refs[:args.clips],
+                       [torch.cat(enc[i:min(i + 4, args.clips)]) for i in range(0, args.clips, 4)])
     measured = range(args.clips)
-    calib = [{"input_features": torch.from_numpy(feats[j:j + 1]), "decoder_input_ids": ids[j]}
-             for j in range(args.clips, len(clips))]
-    ref = whisper_logp(bqw.whisper_model(args.whisper), feats[:args.clips], refs[:args.clips])
+    calib = [{"decoder_input_ids": ids[j], "encoder_hidden_states": enc[j]} for j in range(args.clips, len(clips))]
     dirs = {"original": args.whisper, **{k: Path(v) for k, v in (spec.split("=", 1) for spec in args.variants)}}
-    result: dict[str, Any] = {"model": str(args.whisper), "clips": args.clips, "calib": len(calib),
+    result: dict[str, Any] = {"model": str(args.whisper), "part": "decoder and head, teacher-forced",
+                              "clips": args.clips, "calib": len(calib),
                               "positions": sum(len(refs[j]) + 1 for j in measured), "openvino": ov.__version__,
                               "nncf": nncf.__version__, "ignore_types": args.ignore_types,
                               "ignore_patterns": args.ignore_patterns, "variants": {k: str(v) for k, v in dirs.items()},
                               "cells": {}, "per_clip": {}}
+    if args.baseline:  # an earlier run's original (same clips and calibration): its errors reused
+        old = json.loads(args.baseline.read_text())
+        for key in list(old["per_clip"]):
+            if key.startswith("original/") and key.split("/")[1] in args.modes:
+                result["per_clip"][key], result["cells"][key] = old["per_clip"][key], old["cells"][key]
+        dirs.pop("original")
     t0 = time.time()
     with tempfile.TemporaryDirectory() as tmp:
         for name, path in dirs.items():
-            onnx_path = bqw.ort_export(Path(path), Path(tmp) / name / "model.onnx")
+            model = original if name == "original" else bqw.whisper_model(Path(path))
+            onnx_path = Path(tmp) / f"{name}.onnx"
+            with warnings.catch_warnings(), torch.no_grad():
+                warnings.simplefilter("ignore")
+                torch.onnx.export(WhisperDecoderLogits(model), (ids[0], enc[0]), str(onnx_path),
+                                  input_names=["decoder_input_ids", "encoder_hidden_states"], output_names=["logits"],
+                                  dynamic_axes={"decoder_input_ids": {0: "batch", 1: "len"},
+                                                "encoder_hidden_states": {0: "batch"},
+                                                "logits": {0: "batch", 1: "len"}}, dynamo=False, opset_version=17)
+            if model is not original:
+                del model
             fp32 = ov.convert_model(str(onnx_path))
             for how in ["fp32", *[q for q in args.modes if q != "fp32"]]:
                 quantized = nncf_quantize(fp32, how, calib, None, args.ignore_types, args.ignore_patterns)
@@ -605,8 +641,8 @@ def quant_whisper(args: argparse.Namespace) -> dict[str, Any]:
                                                                    "INFERENCE_PRECISION_HINT": "f32"})
                 got = []
                 for j in measured:
-                    logits = np.asarray(compiled({"input_features": feats[j:j + 1],
-                                                  "decoder_input_ids": ids[j].numpy()})[0])
+                    logits = np.asarray(compiled({"decoder_input_ids": ids[j].numpy(),
+                                                  "encoder_hidden_states": enc[j].numpy()})[0])
                     got.append(torch.log_softmax(torch.from_numpy(logits[0, p - 1: p + len(refs[j])]).double(),
                                                  -1).float())
                 del compiled, quantized
@@ -750,7 +786,7 @@ def main() -> None:
     v.add_argument("--ignore-patterns", nargs="+", metavar="REGEX")
     v.add_argument("--json", type=Path)
     v.add_argument("--baseline", type=Path, help="an earlier --json of the same crops: its original's errors")
-    w = sub.add_parser("quant-whisper", help="NNCF on Whisper and its conversions, teacher-forced KL per clip")
+    w = sub.add_parser("quant-whisper", help="NNCF on Whisper's decoder, teacher-forced KL per clip")
     w.add_argument("--whisper", type=Path, required=True, help="the original Whisper directory")
     w.add_argument("variants", nargs="*", metavar="NAME=DIR", help="normswap convert outputs")
     w.add_argument("--speech", type=Path, nargs="+", required=True, help="speech_samples.py clip directories")
@@ -760,6 +796,7 @@ def main() -> None:
     w.add_argument("--ignore-types", nargs="+", metavar="OP")
     w.add_argument("--ignore-patterns", nargs="+", metavar="REGEX")
     w.add_argument("--json", type=Path)
+    w.add_argument("--baseline", type=Path, help="an earlier --json of the same clips: its original's errors")
     commands = ("speed", "fusion", "quant", "quant-vision", "quant-whisper", "gemm")
     args = parser.parse_args(sys.argv[1:] if len(sys.argv) > 1 and sys.argv[1] in commands
                              else ["speed", *sys.argv[1:]])
