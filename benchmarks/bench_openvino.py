@@ -40,12 +40,21 @@ Post-LN encoder, whose default conversion has approximate norms; recorded as not
 as compat and loaded back); ``converted-nocarry`` (``mean_carry=False``: no widened FFN, those norms
 approximate too). int4 groups use ``group_size_fallback_mode=ADJUST`` (see :func:`nncf_quantize`).
 
+**Pre-LN real checkpoints** (round 64): ``quant-vision --dinov2 DIR NAME=DIR ... --photos SKIMAGE/data`` (DINOv2:
+1 − cos of the CLS embedding and of every token per photo crop, calibration crops from photographs the measured
+ones never come from; :func:`quant_vision`) and ``quant-whisper --whisper DIR NAME=DIR ... --speech CLIPS`` (Whisper's
+decoder and head teacher-forced on the original encoder's states: KL and top-1 disagreements per clip;
+:func:`quant_whisper`). ``NAME=DIR``: ``normswap convert`` outputs. Ratios to the original in the same quantizer
+with a 95% paired bootstrap over inputs (:func:`add_ratios`).
+
     python benchmarks/bench_openvino.py speed --control --json ov_speed.json     # ~20-30 min, loaded 2-core box
     python benchmarks/bench_openvino.py speed --models gpt2 --layers 2 --budget 1  # plumbing check
     python benchmarks/bench_openvino.py fusion --layers 2        # only the runtime op counts
     python benchmarks/bench_openvino.py speed --models bert --routes torch --quick --no-mean-carry --control
     python benchmarks/bench_openvino.py quant --model DIR --texts 256 --json ov_quant.json
     python benchmarks/bench_openvino.py quant --model DIR --baseline ov_quant.json --variants compat-exact
+    python benchmarks/bench_openvino.py quant-vision --dinov2 ORIG native=CONV --photos SKIMAGE/data --json d.json
+    python benchmarks/bench_openvino.py quant-whisper --whisper ORIG native=CONV --speech CLIPS --json w.json
 
 Needs ``openvino`` (speed) and ``nncf`` (quant); neither is a normswap dependency. Results:
 docs/results/openvino.md.
