@@ -150,7 +150,8 @@ QUANTIZERS: dict[str, Quantizer] = {q.name: q for q in (
               measured="paraphrase-MiniLM-L3-v2 1.060 (1.05-1.07: the mean carry's FFN-output projections; 0.956 "
                        "with the tables centered before round 63), all-MiniLM-L6-v2 0.973 with the defaults → 1.000 "
                        "with the ops (round 63); DINOv2-small 1.046 (1.02-1.07; every token 1.051) → op 1.003 "
-                       "(0.99-1.01), Whisper tiny.en's decoder 0.986 (0.96-1.01) with the defaults (round 64)"),
+                       "(0.99-1.01), Whisper tiny.en's decoder 0.986 (0.96-1.01) with the defaults, all-mpnet-base-v2 "
+                       "1.209 → 1.000 with the ops (round 64)"),
     Quantizer("torchao", "torchao int8 dynamic activations + int8 weights",
               {"pre-ln": {"writer_centering": "op"}, "layer-scale": {"writer_centering": "auto"}},
               why="per-row weight scales: the writers keep the original's rows behind ops (eager: +8-17% time on "
