@@ -40,12 +40,21 @@ Post-LN encoder, whose default conversion has approximate norms; recorded as not
 as compat and loaded back); ``converted-nocarry`` (``mean_carry=False``: no widened FFN, those norms
 approximate too). int4 groups use ``group_size_fallback_mode=ADJUST`` (see :func:`nncf_quantize`).
 
+**Pre-LN real checkpoints** (round 64): ``quant-vision --dinov2 DIR NAME=DIR ... --photos SKIMAGE/data`` (DINOv2:
+1 − cos of the CLS embedding and of every token per photo crop, calibration crops from photographs the measured
+ones never come from; :func:`quant_vision`) and ``quant-whisper --whisper DIR NAME=DIR ... --speech CLIPS`` (Whisper's
+decoder and head teacher-forced on the original encoder's states: KL and top-1 disagreements per clip;
+:func:`quant_whisper`). ``NAME=DIR``: ``normswap convert`` outputs. Ratios to the original in the same quantizer
+with a 95% paired bootstrap over inputs (:func:`add_ratios`).
+
     python benchmarks/bench_openvino.py speed --control --json ov_speed.json     # ~20-30 min, loaded 2-core box
     python benchmarks/bench_openvino.py speed --models gpt2 --layers 2 --budget 1  # plumbing check
     python benchmarks/bench_openvino.py fusion --layers 2        # only the runtime op counts
     python benchmarks/bench_openvino.py speed --models bert --routes torch --quick --no-mean-carry --control
     python benchmarks/bench_openvino.py quant --model DIR --texts 256 --json ov_quant.json
     python benchmarks/bench_openvino.py quant --model DIR --baseline ov_quant.json --variants compat-exact
+    python benchmarks/bench_openvino.py quant-vision --dinov2 ORIG native=CONV --photos SKIMAGE/data --json d.json
+    python benchmarks/bench_openvino.py quant-whisper --whisper ORIG native=CONV --speech CLIPS --json w.json
 
 Needs ``openvino`` (speed) and ``nncf`` (quant); neither is a normswap dependency. Results:
 docs/results/openvino.md.
@@ -459,16 +468,232 @@ def quant(args: argparse.Namespace) -> dict[str, Any]:
                 gc.collect()
             if args.json:
                 args.json.write_text(json.dumps(result, indent=1))
-    for key, cell in result["cells"].items():
-        name, how = key.split("/")
-        if name != "original" and how != "fp32" and f"original/{how}" in result["per_text"]:
-            err, base = np.array(result["per_text"][key]), np.array(result["per_text"][f"original/{how}"])
-            cell["ratio"] = float(err.mean() / base.mean())
-            cell["ci95"] = encoders.bootstrap(err, base)
+    add_ratios(result)
     print(quant_table(result))
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
     return result
+
+
+def run_ov_vision(ov_model, px: torch.Tensor, batch: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    """An OpenVINO model of pixels (``bench_quant_engines.export``'s: pooler output, last hidden state) on ``px``,
+    f32 inference, one thread: ``(CLS embeddings [n, dim], every token [n, tokens, dim])``."""
+    compiled = core().compile_model(ov_model, "CPU", {"INFERENCE_NUM_THREADS": 1, "NUM_STREAMS": 1,
+                                                      "INFERENCE_PRECISION_HINT": "f32"})
+    pooled, tokens = [], []
+    for i in range(0, len(px), batch):
+        out = compiled({"pixel_values": px[i:i + batch].numpy()})
+        pooled.append(torch.from_numpy(np.asarray(out[0])).float())
+        tokens.append(torch.from_numpy(np.asarray(out[1])).float())
+    return torch.cat(pooled), torch.cat(tokens)
+
+
+def quant_vision(args: argparse.Namespace) -> dict[str, Any]:
+    """NNCF on a real DINOv2 checkpoint (``--dinov2 DIR``, a ``Dinov2Model`` directory) and its ``normswap convert``
+    outputs (``NAME=DIR``, loaded by ``normswap.load``): each exported as ``bench_quant_engines.export`` does (legacy
+    exporter, opset 17, dynamic batch), read by ``openvino.convert_model``, quantized by :func:`nncf_quantize`
+    (``static``: calibrated on ``--calib`` crops of ``--calib-photos``, photographs the ``--images`` measured crops
+    never come from), run at f32; error per image: 1 − cos of the CLS embedding (``cls``) and the mean over every
+    token's (``tok``) against the float32 original in torch, ratio to the original's in the same quantizer with a 95%
+    paired bootstrap interval over images."""
+    import nncf
+    import openvino as ov
+    from bench_quant_engines import export, per_image
+    from heldout_exactness import load
+    from photo_crops import photo_crops, photographs
+
+    nncf.set_log_level(logging.ERROR)
+    torch.set_num_threads(1)
+    calib_names = [n for n in args.calib_photos.split(",") if n]
+    px = photo_crops(args.photos, args.images, args.image, seed=args.seed, exclude=calib_names)
+    calib_files = [p for p in photographs(args.photos) if p.name in calib_names]
+    if len(calib_files) != len(calib_names):
+        raise SystemExit(f"bench_openvino: --calib-photos {args.calib_photos}: not all under {args.photos}")
+    calib_px = photo_crops(files=calib_files, n=args.calib, size=args.image, seed=args.seed + 1)
+    calib = [{"pixel_values": calib_px[i:i + 1]} for i in range(len(calib_px))]
+    original = load(args.dinov2)
+    with torch.no_grad():
+        ref_cls, ref_tok = [], []
+        for i in range(0, len(px), 16):
+            out = original(pixel_values=px[i:i + 16])
+            ref_cls.append(out.pooler_output.float())
+            ref_tok.append(out.last_hidden_state.float())
+        ref_cls, ref_tok = torch.cat(ref_cls), torch.cat(ref_tok)
+    dirs = {"original": args.dinov2, **{k: Path(v) for k, v in (spec.split("=", 1) for spec in args.variants)}}
+    result: dict[str, Any] = {"model": str(args.dinov2), "images": len(px), "image_px": args.image,
+                              "calib": len(calib), "calib_photos": calib_names, "openvino": ov.__version__,
+                              "nncf": nncf.__version__, "ignore_types": args.ignore_types,
+                              "ignore_patterns": args.ignore_patterns, "variants": {k: str(v) for k, v in dirs.items()},
+                              "cells": {}, "per_image": {}}
+    if args.baseline:  # an earlier run's original (same crops): its errors reused
+        old = json.loads(args.baseline.read_text())
+        for key in list(old["per_image"]):
+            if key.startswith("original/") and key.split("/")[1] in args.modes:
+                result["per_image"][key], result["cells"][key] = old["per_image"][key], old["cells"][key]
+        dirs.pop("original")
+    t0 = time.time()
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, path in dirs.items():
+            model = original if name == "original" else load(path)
+            onnx_path = Path(tmp) / f"{name}.onnx"
+            export(model, px, onnx_path)
+            if model is not original:
+                del model
+            fp32 = ov.convert_model(str(onnx_path))
+            for how in ["fp32", *[q for q in args.modes if q != "fp32"]]:
+                quantized = nncf_quantize(fp32, how, calib, None, args.ignore_types, args.ignore_patterns)
+                kinds = low_bit_constants(quantized)
+                cls, tok = run_ov_vision(quantized, px)
+                del quantized
+                errs = {"cls": per_image(ref_cls, cls).numpy(), "tok": per_image(ref_tok, tok).numpy()}
+                result["per_image"][f"{name}/{how}"] = {k: v.tolist() for k, v in errs.items()}
+                result["cells"][f"{name}/{how}"] = {**{k: float(v.mean()) for k, v in errs.items()},
+                                                    "constants": kinds}
+                print(f"{name:12s} {how:7s} 1-cos CLS {errs['cls'].mean():.4e} tokens {errs['tok'].mean():.4e} "
+                      f"{kinds}  [{time.time() - t0:.0f} s]", flush=True)
+                gc.collect()
+            if args.json:
+                args.json.write_text(json.dumps(result, indent=1))
+    add_ratios(result, per="per_image")
+    for key, cell in result["cells"].items():
+        if "ratio" in cell:
+            print(f"{key:24s} CLS {cell['ratio_cls']:.3f} ({cell['ci95_cls'][0]:.3f}-{cell['ci95_cls'][1]:.3f})  "
+                  f"tokens {cell['ratio_tok']:.3f} ({cell['ci95_tok'][0]:.3f}-{cell['ci95_tok'][1]:.3f})")
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1))
+    return result
+
+
+class WhisperDecoderLogits(torch.nn.Module):
+    """Whisper's decoder and head as one graph: (decoder ids, encoder states) → logits, teacher-forced."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+        self.train(model.training)  # torch.onnx.export restores the wrapper's mode recursively
+
+    def forward(self, decoder_input_ids: torch.Tensor, encoder_hidden_states: torch.Tensor) -> torch.Tensor:
+        # an explicit all-ones mask, as bench_quant_whisper.TeacherForced (the exporter lacks aten::diff)
+        return self.model(encoder_outputs=(encoder_hidden_states,), decoder_input_ids=decoder_input_ids,
+                          decoder_attention_mask=torch.ones_like(decoder_input_ids), use_cache=False).logits
+
+
+def quant_whisper(args: argparse.Namespace) -> dict[str, Any]:
+    """NNCF on Whisper's decoder (``--whisper DIR``, the original, and its ``normswap convert`` outputs,
+    ``NAME=DIR``), teacher-forced: each variant's decoder and head, (decoder ids, encoder states) → logits, exported
+    by the legacy exporter (opset 17, dynamic batch and length), read by ``openvino.convert_model``, quantized by
+    :func:`nncf_quantize` (``static``: calibrated on the ``--calib`` clips after the ``--clips`` measured ones,
+    forced on their own transcripts), run at f32 one clip at a time. Every decoder reads the float32 original
+    encoder's states (the conversions' encoders compute them to ~1e-6 in float): what is measured is the decoder's
+    quantization alone (the whole model's encoder at 1,500 frames per clip was too slow on the loaded machine of
+    round 64). Error per clip: the teacher-forced KL(float32 original in torch ‖ variant) summed over the clip's
+    positions (``kl``), and the positions whose top-1 token differs (``disagree``); ratio to the original's in the
+    same quantizer with a 95% paired bootstrap interval over clips."""
+    import bench_quant_whisper as bqw
+    import nncf
+    import openvino as ov
+    from bench_heldout_engines import whisper_encoded, whisper_logp
+    from speech_samples import load_clips
+    from transformers import AutoTokenizer
+
+    nncf.set_log_level(logging.ERROR)
+    torch.set_num_threads(1)
+    bqw.set_prompt(args.whisper)
+    clips = [c for d in args.speech for c in load_clips(d)]
+    if len(clips) < args.clips + args.calib:
+        raise SystemExit(f"bench_openvino: {len(clips)} clips, fewer than --clips {args.clips} + --calib {args.calib}")
+    clips = clips[:args.clips + args.calib]
+    feats = bqw.features(args.whisper, clips)
+    spoken = AutoTokenizer.from_pretrained(args.whisper)
+    refs = [spoken.encode(" " + text.strip(), add_special_tokens=False) for _, text in clips]
+    ids = [torch.tensor([list(bqw.SOT_NOTS) + r]) for r in refs]
+    p = len(bqw.SOT_NOTS)
+    original = bqw.whisper_model(args.whisper)
+    enc = [e[k:k + 1] for e in whisper_encoded(original, feats) for k in range(len(e))]
+    # whisper_logp reads the encoder's states per batch of 4 clips
+    ref = whisper_logp(original, feats[:args.clips], refs[:args.clips],
+                       [torch.cat(enc[i:min(i + 4, args.clips)]) for i in range(0, args.clips, 4)])
+    measured = range(args.clips)
+    calib = [{"decoder_input_ids": ids[j], "encoder_hidden_states": enc[j]} for j in range(args.clips, len(clips))]
+    dirs = {"original": args.whisper, **{k: Path(v) for k, v in (spec.split("=", 1) for spec in args.variants)}}
+    result: dict[str, Any] = {"model": str(args.whisper), "part": "decoder and head, teacher-forced",
+                              "clips": args.clips, "calib": len(calib),
+                              "positions": sum(len(refs[j]) + 1 for j in measured), "openvino": ov.__version__,
+                              "nncf": nncf.__version__, "ignore_types": args.ignore_types,
+                              "ignore_patterns": args.ignore_patterns, "variants": {k: str(v) for k, v in dirs.items()},
+                              "cells": {}, "per_clip": {}}
+    if args.baseline:  # an earlier run's original (same clips and calibration): its errors reused
+        old = json.loads(args.baseline.read_text())
+        for key in list(old["per_clip"]):
+            if key.startswith("original/") and key.split("/")[1] in args.modes:
+                result["per_clip"][key], result["cells"][key] = old["per_clip"][key], old["cells"][key]
+        dirs.pop("original")
+    t0 = time.time()
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, path in dirs.items():
+            model = original if name == "original" else bqw.whisper_model(Path(path))
+            onnx_path = Path(tmp) / f"{name}.onnx"
+            with warnings.catch_warnings(), torch.no_grad():
+                warnings.simplefilter("ignore")
+                torch.onnx.export(WhisperDecoderLogits(model), (ids[0], enc[0]), str(onnx_path),
+                                  input_names=["decoder_input_ids", "encoder_hidden_states"], output_names=["logits"],
+                                  dynamic_axes={"decoder_input_ids": {0: "batch", 1: "len"},
+                                                "encoder_hidden_states": {0: "batch"},
+                                                "logits": {0: "batch", 1: "len"}}, dynamo=False, opset_version=17)
+            if model is not original:
+                del model
+            fp32 = ov.convert_model(str(onnx_path))
+            for how in ["fp32", *[q for q in args.modes if q != "fp32"]]:
+                quantized = nncf_quantize(fp32, how, calib, None, args.ignore_types, args.ignore_patterns)
+                kinds = low_bit_constants(quantized)
+                compiled = core().compile_model(quantized, "CPU", {"INFERENCE_NUM_THREADS": 1, "NUM_STREAMS": 1,
+                                                                   "INFERENCE_PRECISION_HINT": "f32"})
+                got = []
+                for j in measured:
+                    logits = np.asarray(compiled({"decoder_input_ids": ids[j].numpy(),
+                                                  "encoder_hidden_states": enc[j].numpy()})[0])
+                    got.append(torch.log_softmax(torch.from_numpy(logits[0, p - 1: p + len(refs[j])]).double(),
+                                                 -1).float())
+                del compiled, quantized
+                cmp = bqw.compare(ref, got)
+                disagree = [n - a for n, a in zip(cmp["clip_n"], cmp["clip_agree"], strict=True)]
+                result["per_clip"][f"{name}/{how}"] = {"kl": cmp["clip_kl"], "disagree": disagree}
+                result["cells"][f"{name}/{how}"] = {"kl": cmp["kl"], "top1": cmp["top1"], "constants": kinds}
+                print(f"{name:12s} {how:7s} KL {cmp['kl']:.4e} top-1 {cmp['top1']:.4f} {kinds}  "
+                      f"[{time.time() - t0:.0f} s]", flush=True)
+                gc.collect()
+            if args.json:
+                args.json.write_text(json.dumps(result, indent=1))
+    add_ratios(result, per="per_clip")
+    for key, cell in result["cells"].items():
+        if "ratio" in cell:
+            print(f"{key:24s} KL {cell['ratio_kl']:.3f} ({cell['ci95_kl'][0]:.3f}-{cell['ci95_kl'][1]:.3f})  "
+                  f"top-1 disagreements {cell['ratio_disagree']:.3f}")
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1))
+    return result
+
+
+def add_ratios(result: dict[str, Any], per: str = "per_text") -> None:
+    """Give each quantized cell ``name/how`` of ``result`` (not the original's, not ``fp32``) its error over the
+    original's in the same quantizer, ``ratio``, and a 95% paired bootstrap interval over inputs, ``ci95``, from the
+    per-input errors in ``result[per]``. A value there may be a list (one metric) or a dict of lists (several:
+    ``{"cls": [...], "tok": [...]}``, each ratio then ``ratio_<metric>``/``ci95_<metric>``, the first metric's
+    also as ``ratio``/``ci95``). Cells without the original's errors in the same quantizer get none."""
+    for key, cell in result["cells"].items():
+        name, how = key.split("/")
+        base_key = f"original/{how}"
+        if name == "original" or how == "fp32" or base_key not in result[per] or key not in result[per]:
+            continue
+        got, base = result[per][key], result[per][base_key]
+        pairs = got.items() if isinstance(got, dict) else [("", got)]
+        for i, (metric, values) in enumerate(pairs):
+            err, ref = np.asarray(values, dtype=float), np.asarray(base[metric] if metric else base, dtype=float)
+            ratio, ci = float(err.mean() / ref.mean()), encoders.bootstrap(err, ref)
+            if metric:
+                cell[f"ratio_{metric}"], cell[f"ci95_{metric}"] = ratio, ci
+            if i == 0:
+                cell["ratio"], cell["ci95"] = ratio, ci
 
 
 def quant_table(result: dict[str, Any]) -> str:
@@ -555,10 +780,43 @@ def main() -> None:
     q.add_argument("--json", type=Path)
     q.add_argument("--baseline", type=Path, help="an earlier --json of the same model and texts: its original's "
                    "errors are reused")
-    args = parser.parse_args(sys.argv[1:] if len(sys.argv) > 1 and sys.argv[1] in ("speed", "fusion", "quant", "gemm")
+    v = sub.add_parser("quant-vision", help="NNCF on a real DINOv2 checkpoint and its conversions, photo crops")
+    v.add_argument("--dinov2", type=Path, required=True, help="the original Dinov2Model directory")
+    v.add_argument("variants", nargs="*", metavar="NAME=DIR", help="normswap convert outputs")
+    v.add_argument("--photos", type=Path, required=True, help="scikit-image's skimage/data")
+    v.add_argument("--calib-photos", default="motorcycle_right.png,gravel.png,brick.png",
+                   help="photographs for the calibration crops, left out of the measured ones")
+    v.add_argument("--calib", type=int, default=64, help="calibration crops for nncf.quantize")
+    v.add_argument("--images", type=int, default=256)
+    v.add_argument("--image", type=int, default=112, help="crop size in pixels")
+    v.add_argument("--seed", type=int, default=1)
+    v.add_argument("--modes", nargs="+", default=["fp32", "static"], choices=QUANT_MODES)
+    v.add_argument("--ignore-types", nargs="+", metavar="OP")
+    v.add_argument("--ignore-patterns", nargs="+", metavar="REGEX")
+    v.add_argument("--json", type=Path)
+    v.add_argument("--baseline", type=Path, help="an earlier --json of the same crops: its original's errors")
+    w = sub.add_parser("quant-whisper", help="NNCF on Whisper's decoder, teacher-forced KL per clip")
+    w.add_argument("--whisper", type=Path, required=True, help="the original Whisper directory")
+    w.add_argument("variants", nargs="*", metavar="NAME=DIR", help="normswap convert outputs")
+    w.add_argument("--speech", type=Path, nargs="+", required=True, help="speech_samples.py clip directories")
+    w.add_argument("--clips", type=int, default=64, help="measured clips (the first ones)")
+    w.add_argument("--calib", type=int, default=16, help="calibration clips for nncf.quantize (the next ones)")
+    w.add_argument("--modes", nargs="+", default=["fp32", "static"], choices=QUANT_MODES)
+    w.add_argument("--ignore-types", nargs="+", metavar="OP")
+    w.add_argument("--ignore-patterns", nargs="+", metavar="REGEX")
+    w.add_argument("--json", type=Path)
+    w.add_argument("--baseline", type=Path, help="an earlier --json of the same clips: its original's errors")
+    commands = ("speed", "fusion", "quant", "quant-vision", "quant-whisper", "gemm")
+    args = parser.parse_args(sys.argv[1:] if len(sys.argv) > 1 and sys.argv[1] in commands
                              else ["speed", *sys.argv[1:]])
     if args.command == "quant":
         quant(args)
+        return
+    if args.command == "quant-vision":
+        quant_vision(args)
+        return
+    if args.command == "quant-whisper":
+        quant_whisper(args)
         return
     if args.command == "gemm":
         print(gemm_widths([int(w) for w in args.widths.split(",")], [int(r) for r in args.rows.split(",")],

@@ -4,7 +4,8 @@ Each variant of a sentence-transformers encoder (a transformers directory: all-M
 all-mpnet-base-v2) is exported by ``torch.onnx.export`` (legacy exporter, opset 17, dynamic batch and
 sequence) and quantized by ONNX Runtime's ``quantize_dynamic`` (int8 weights, dynamic uint8
 activations), per tensor (``dyn-pt``) and per channel (``dyn-pc``), and the same with ``reduce_range=True``
-(``dyn-pt-rr``, ``dyn-pc-rr``: 7-bit weights, ONNX Runtime's advice for CPUs without VNNI);
+(``dyn-pt-rr``, ``dyn-pc-rr``: 7-bit weights, ONNX Runtime's advice for CPUs without VNNI), with unsigned
+weights (``dyn-pt-u8``, ``dyn-pc-u8``: U8U8, its other advice for them; :func:`dynamic_settings`) or both (``-u8rr``);
 with ``--quantizers`` also
 ``quantize_static`` (``qdq``: QDQ format, int8 weights per tensor, uint8 activations calibrated by MinMax on
 32 held-out paragraphs) and ``MatMulNBitsQuantizer`` 4-bit RTN (``nbits-rtn``: block 32, symmetric); and one engine
@@ -72,7 +73,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from quant_utils import BatchReader  # noqa: E402 (the benchmarks folder is on the path only now)
 
-QUANTIZERS = ("fp32", "dyn-pt", "dyn-pc", "dyn-pt-rr", "dyn-pc-rr", "qdq", "nbits-rtn", "torchao", "torchao-emu")
+# dynamic int8: per tensor (pt) / per channel (pc); -rr: reduce_range (7-bit signed weights); -u8: unsigned 8-bit
+# weights (U8U8, weight_type=QUInt8); -u8rr: both. The -rr and -u8 forms are ONNX Runtime's two documented answers
+# to the saturation of its U8S8 kernel on x86-64 CPUs without VNNI (round 64)
+DYNAMIC = ("dyn-pt", "dyn-pc", "dyn-pt-rr", "dyn-pc-rr", "dyn-pt-u8", "dyn-pc-u8", "dyn-pt-u8rr", "dyn-pc-u8rr")
+QUANTIZERS = ("fp32", *DYNAMIC, "qdq", "nbits-rtn", "torchao", "torchao-emu")
 DEFAULT_QUANTIZERS = ("fp32", "dyn-pt", "dyn-pc")
 CALIBRATION_TEXTS = 32  # qdq's calibration paragraphs, the ones after the measured texts (held out)
 CONVERTED = ("converted", "converted-fold", "converted-keep", "converted-nocarry", "converted-carry128",
@@ -153,6 +158,19 @@ def export(model: torch.nn.Module, example: dict, path: Path) -> None:
                           output_names=["last_hidden_state"], dynamic_axes=axes, dynamo=False, opset_version=17)
 
 
+def dynamic_settings(how: str) -> dict[str, Any]:
+    """``quantize_dynamic``'s settings for dynamic quantizer ``how`` (one of :data:`DYNAMIC`): ``per_channel``,
+    ``reduce_range`` and ``weight_type`` (its name). Why the variants: on an x86-64 CPU without VNNI ONNX Runtime's
+    U8S8 kernel (AVX2 ``vpmaddubsw``) adds two u8 × s8 products in int16, which saturates above 32767 (255 · 127 · 2
+    does); ONNX Runtime's documented answers are ``reduce_range=True`` (7-bit weights: 255 · 63 · 2 fits) and the
+    U8U8 format (``weight_type=QUInt8``), whose kernel widens to int16 before multiplying and cannot saturate."""
+    if how not in DYNAMIC:
+        raise ValueError(f"not a dynamic quantizer: {how!r} (one of {', '.join(DYNAMIC)})")
+    tail = how.split("-")[2] if how.count("-") == 2 else ""
+    return {"per_channel": how.startswith("dyn-pc"), "reduce_range": tail in ("rr", "u8rr"),
+            "weight_type": "QUInt8" if tail.startswith("u8") else "QInt8"}
+
+
 def quantize(fp32: Path, how: str, calib: list[dict] | None = None, exclude: list[str] | None = None) -> Path:
     """Write ``how``'s quantized model next to ``fp32`` with ONNX Runtime's own quantization tools; ``exclude``:
     node names every quantizer leaves in float (a rotation's own ops, ``--float-ops``)."""
@@ -161,11 +179,10 @@ def quantize(fp32: Path, how: str, calib: list[dict] | None = None, exclude: lis
     if how == "fp32":
         return fp32
     out = fp32.with_name(f"{fp32.stem}.{how}.onnx")
-    if how in ("dyn-pt", "dyn-pc", "dyn-pt-rr", "dyn-pc-rr"):
-        # -rr: reduce_range (7-bit weights), ONNX Runtime's advice for CPUs without VNNI, whose u8 x s8 kernel
-        # (AVX2 vpmaddubsw) saturates a pair of products above 32767: 255 * 127 * 2 does
-        quantize_dynamic(str(fp32), str(out), weight_type=QuantType.QInt8, per_channel=how.startswith("dyn-pc"),
-                         reduce_range=how.endswith("-rr"), nodes_to_exclude=exclude or [])
+    if how in DYNAMIC:
+        settings = dynamic_settings(how)
+        weight_type = QuantType.QUInt8 if settings.pop("weight_type") == "QUInt8" else QuantType.QInt8
+        quantize_dynamic(str(fp32), str(out), weight_type=weight_type, nodes_to_exclude=exclude or [], **settings)
     elif how == "qdq":
         assert calib is not None, "qdq needs calibration batches"
         feeds = [{k: v.numpy() for k, v in b.items()} for b in calib]
@@ -440,7 +457,9 @@ def reuse_baseline(result: dict[str, Any], baseline: Path, quantizers: list[str]
 QUANTIZER_NAMES = {"dyn-pt": "int8 per-tensor", "dyn-pc": "int8 per-channel", "qdq": "static QDQ int8",
                    "nbits-rtn": "4-bit RTN", "torchao": "torchao int8 dynamic",
                    "torchao-emu": "torchao int8 dynamic (emulated)",
-                   "dyn-pt-rr": "int8 per-tensor, reduce_range", "dyn-pc-rr": "int8 per-channel, reduce_range"}
+                   "dyn-pt-rr": "int8 per-tensor, reduce_range", "dyn-pc-rr": "int8 per-channel, reduce_range",
+                   "dyn-pt-u8": "U8U8 per-tensor", "dyn-pc-u8": "U8U8 per-channel",
+                   "dyn-pt-u8rr": "U8U8 per-tensor, reduce_range", "dyn-pc-u8rr": "U8U8 per-channel, reduce_range"}
 
 
 def table(result: dict[str, Any], names: dict[str, str] | None = None) -> str:
