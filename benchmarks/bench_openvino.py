@@ -74,6 +74,7 @@ import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -526,10 +527,8 @@ def quant_vision(args: argparse.Namespace) -> dict[str, Any]:
                               "ignore_patterns": args.ignore_patterns, "variants": {k: str(v) for k, v in dirs.items()},
                               "cells": {}, "per_image": {}}
     if args.baseline:  # an earlier run's original (same crops): its errors reused
-        old = json.loads(args.baseline.read_text())
-        for key in list(old["per_image"]):
-            if key.startswith("original/") and key.split("/")[1] in args.modes:
-                result["per_image"][key], result["cells"][key] = old["per_image"][key], old["cells"][key]
+        encoders.reuse_baseline(result, args.baseline, args.modes, per="per_image",
+                                inputs=("images", "image_px", "calib", "calib_photos"))
         dirs.pop("original")
     t0 = time.time()
     with tempfile.TemporaryDirectory() as tmp:
@@ -554,14 +553,9 @@ def quant_vision(args: argparse.Namespace) -> dict[str, Any]:
                 gc.collect()
             if args.json:
                 args.json.write_text(json.dumps(result, indent=1))
-    add_ratios(result, per="per_image")
-    for key, cell in result["cells"].items():
-        if "ratio" in cell:
-            print(f"{key:24s} CLS {cell['ratio_cls']:.3f} ({cell['ci95_cls'][0]:.3f}-{cell['ci95_cls'][1]:.3f})  "
-                  f"tokens {cell['ratio_tok']:.3f} ({cell['ci95_tok'][0]:.3f}-{cell['ci95_tok'][1]:.3f})")
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=1))
-    return result
+    return finish(result, "per_image", args.json, lambda key, cell: (
+        f"{key:24s} CLS {cell['ratio_cls']:.3f} ({cell['ci95_cls'][0]:.3f}-{cell['ci95_cls'][1]:.3f})  "
+        f"tokens {cell['ratio_tok']:.3f} ({cell['ci95_tok'][0]:.3f}-{cell['ci95_tok'][1]:.3f})"))
 
 
 class WhisperDecoderLogits(torch.nn.Module):
@@ -623,10 +617,8 @@ def quant_whisper(args: argparse.Namespace) -> dict[str, Any]:
                               "ignore_patterns": args.ignore_patterns, "variants": {k: str(v) for k, v in dirs.items()},
                               "cells": {}, "per_clip": {}}
     if args.baseline:  # an earlier run's original (same clips and calibration): its errors reused
-        old = json.loads(args.baseline.read_text())
-        for key in list(old["per_clip"]):
-            if key.startswith("original/") and key.split("/")[1] in args.modes:
-                result["per_clip"][key], result["cells"][key] = old["per_clip"][key], old["cells"][key]
+        encoders.reuse_baseline(result, args.baseline, args.modes, per="per_clip",
+                                inputs=("clips", "calib", "positions"))
         dirs.pop("original")
     t0 = time.time()
     with tempfile.TemporaryDirectory() as tmp:
@@ -664,13 +656,21 @@ def quant_whisper(args: argparse.Namespace) -> dict[str, Any]:
                 gc.collect()
             if args.json:
                 args.json.write_text(json.dumps(result, indent=1))
-    add_ratios(result, per="per_clip")
+    return finish(result, "per_clip", args.json, lambda key, cell: (
+        f"{key:24s} KL {cell['ratio_kl']:.3f} ({cell['ci95_kl'][0]:.3f}-{cell['ci95_kl'][1]:.3f})  "
+        f"top-1 disagreements {cell['ratio_disagree']:.3f}"))
+
+
+def finish(result: dict[str, Any], per: str, json_path: Path | None,
+           line: Callable[[str, dict[str, Any]], str]) -> dict[str, Any]:
+    """The end of a multi-metric run (``quant-vision``, ``quant-whisper``): each quantized cell's ratios to the
+    original's (:func:`add_ratios` over ``result[per]``), one printed ``line`` per cell that has them, the JSON."""
+    add_ratios(result, per=per)
     for key, cell in result["cells"].items():
         if "ratio" in cell:
-            print(f"{key:24s} KL {cell['ratio_kl']:.3f} ({cell['ci95_kl'][0]:.3f}-{cell['ci95_kl'][1]:.3f})  "
-                  f"top-1 disagreements {cell['ratio_disagree']:.3f}")
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=1))
+            print(line(key, cell))
+    if json_path:
+        json_path.write_text(json.dumps(result, indent=1))
     return result
 
 

@@ -441,17 +441,19 @@ def speed(original: torch.nn.Module, model_dir: Path, names: list[str], batch: d
     return out
 
 
-def reuse_baseline(result: dict[str, Any], baseline: Path, quantizers: list[str] | tuple[str, ...]) -> None:
-    """Copy an earlier run's ``original`` cells and per-text errors into ``result``, so the original is not
-    measured again; refused unless the earlier run measured the same inputs (every key ``result`` holds besides
-    its cells: texts, calibration count, length) and the original in every one of ``quantizers``."""
+def reuse_baseline(result: dict[str, Any], baseline: Path, quantizers: list[str] | tuple[str, ...],
+                   per: str = "per_text", inputs: tuple[str, ...] = ("texts", "calib", "max_len")) -> None:
+    """Copy an earlier run's ``original`` cells and per-input errors (``result[per]``) into ``result``, so the
+    original is not measured again; refused unless the earlier run measured the same inputs (each of ``inputs``
+    that ``result`` holds: texts, calibration count, length; images or clips) and the original in every one of
+    ``quantizers``."""
     old = json.loads(baseline.read_text())
-    same = [k for k in ("texts", "calib", "max_len") if k in result]
+    same = [k for k in inputs if k in result]
     assert all(old.get(k) == result[k] for k in same), f"baseline of other inputs (it must match in {', '.join(same)})"
     missing = [q for q in quantizers if f"original/{q}" not in old["cells"]]
     assert not missing, f"the baseline has no original measured in {missing}: run without --baseline"
     for key in [k for k in old["cells"] if k.startswith("original/")]:
-        result["cells"][key], result["per_text"][key] = old["cells"][key], old["per_text"][key]
+        result["cells"][key], result[per][key] = old["cells"][key], old[per][key]
 
 
 QUANTIZER_NAMES = {"dyn-pt": "int8 per-tensor", "dyn-pc": "int8 per-channel", "qdq": "static QDQ int8",

@@ -10,6 +10,8 @@ not). No engine is needed: pure functions.
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -63,3 +65,22 @@ def test_dynamic_quantizer_names_mean_their_settings(how, per_channel, reduce_ra
 def test_a_non_dynamic_quantizer_has_no_dynamic_settings():
     with pytest.raises(ValueError, match="not a dynamic quantizer"):
         encoders.dynamic_settings("qdq")
+
+
+def test_a_baseline_gives_its_originals_per_input_errors_only_for_the_same_inputs(tmp_path):
+    """``reuse_baseline`` for the image and clip runs (``per_image``, ``per_clip``): the original's cells and errors
+    come from the earlier run, and a run over other crops, or one without the original in a mode, is refused."""
+    earlier = {"images": 4, "image_px": 112, "calib": 2, "cells": {"original/fp32": {"cls": 0.0},
+                                                                   "original/static": {"cls": 1.0}},
+               "per_image": {"original/fp32": {"cls": [0.0] * 4}, "original/static": {"cls": [1.0] * 4}}}
+    path = tmp_path / "earlier.json"
+    path.write_text(json.dumps(earlier))
+    result = {"images": 4, "image_px": 112, "calib": 2, "cells": {}, "per_image": {}}
+    inputs = ("images", "image_px", "calib")
+    encoders.reuse_baseline(result, path, ["fp32", "static"], per="per_image", inputs=inputs)
+    assert result["per_image"]["original/static"] == {"cls": [1.0] * 4}
+    assert result["cells"]["original/static"] == {"cls": 1.0}
+    with pytest.raises(AssertionError, match="other inputs"):
+        encoders.reuse_baseline({**result, "image_px": 224}, path, ["fp32"], per="per_image", inputs=inputs)
+    with pytest.raises(AssertionError, match="no original"):
+        encoders.reuse_baseline(result, path, ["w8"], per="per_image", inputs=inputs)
