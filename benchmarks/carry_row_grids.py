@@ -44,8 +44,8 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_quant_encoders import batches, bootstrap, embed_torch, english  # noqa: E402
-from carry_sources import quant_act, quant_weight  # noqa: E402
+from bench_quant_encoders import bootstrap, embed_torch  # noqa: E402
+from carry_sources import encoder_and_texts, quant_act, quant_weight  # noqa: E402
 
 GROUPS = ("all", "qkv", "ao", "up", "down", "down-carry", "down-real", "tables",
           # on the ORT grids: ``down``'s weights alone, its input alone, its input with the carry's neurons kept float
@@ -228,15 +228,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    from transformers import AutoModel, AutoTokenizer
-
     import normswap
 
-    tok = AutoTokenizer.from_pretrained(args.model)
-    original = AutoModel.from_pretrained(args.model).float().eval()
-    names = [k for k in ("input_ids", "attention_mask", "token_type_ids") if k in tok.model_input_names]
-    data = batches(tok, english(args.texts), 128, names)
-    ref = embed_torch(original, data)
+    original, data, ref = encoder_and_texts(args.model, args.texts)
     models: dict[str, tuple[torch.nn.Module, list[Any]]] = {"original": (original, [])}
     result: dict[str, Any] = {"model": str(args.model), "texts": args.texts, "ratio": args.ratio,
                               "target": args.target, "notes": {},

@@ -91,6 +91,20 @@ def quantized(model: torch.nn.Module, carries: list[Any], per_channel: bool,
     return m
 
 
+def encoder_and_texts(model_dir: Path, texts: int
+                      ) -> tuple[torch.nn.Module, list[dict[str, torch.Tensor]], torch.Tensor]:
+    """The float32 sentence encoder at ``model_dir`` in eval mode, ``texts`` of the built-in English paragraphs as its
+    tokenizer's batches (128 tokens), and its pooled float embeddings of them: what each replica run measures
+    against."""
+    from transformers import AutoModel, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    original = AutoModel.from_pretrained(model_dir).float().eval()
+    names = [k for k in ("input_ids", "attention_mask", "token_type_ids") if k in tok.model_input_names]
+    data = batches(tok, english(texts), 128, names)
+    return original, data, embed_torch(original, data)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", type=Path, required=True)
@@ -102,15 +116,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--construction", default="default", help="default | a name from CONSTRUCTIONS")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    from transformers import AutoModel, AutoTokenizer
-
     import normswap
 
-    tok = AutoTokenizer.from_pretrained(args.model)
-    original = AutoModel.from_pretrained(args.model).float().eval()
-    names = [k for k in ("input_ids", "attention_mask", "token_type_ids") if k in tok.model_input_names]
-    data = batches(tok, english(args.texts), 128, names)
-    ref = embed_torch(original, data)
+    original, data, ref = encoder_and_texts(args.model, args.texts)
     converted = copy.deepcopy(original)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
