@@ -530,29 +530,14 @@ def quant_vision(args: argparse.Namespace) -> dict[str, Any]:
         encoders.reuse_baseline(result, args.baseline, args.modes, per="per_image",
                                 inputs=("images", "image_px", "calib", "calib_photos"))
         dirs.pop("original")
-    t0 = time.time()
-    with tempfile.TemporaryDirectory() as tmp:
-        for name, path in dirs.items():
-            model = original if name == "original" else load(path)
-            onnx_path = Path(tmp) / f"{name}.onnx"
-            export(model, px, onnx_path)
-            if model is not original:
-                del model
-            fp32 = ov.convert_model(str(onnx_path))
-            for how in ["fp32", *[q for q in args.modes if q != "fp32"]]:
-                quantized = nncf_quantize(fp32, how, calib, None, args.ignore_types, args.ignore_patterns)
-                kinds = low_bit_constants(quantized)
-                cls, tok = run_ov_vision(quantized, px)
-                del quantized
-                errs = {"cls": per_image(ref_cls, cls).numpy(), "tok": per_image(ref_tok, tok).numpy()}
-                result["per_image"][f"{name}/{how}"] = {k: v.tolist() for k, v in errs.items()}
-                result["cells"][f"{name}/{how}"] = {**{k: float(v.mean()) for k, v in errs.items()},
-                                                    "constants": kinds}
-                print(f"{name:12s} {how:7s} 1-cos CLS {errs['cls'].mean():.4e} tokens {errs['tok'].mean():.4e} "
-                      f"{kinds}  [{time.time() - t0:.0f} s]", flush=True)
-                gc.collect()
-            if args.json:
-                args.json.write_text(json.dumps(result, indent=1))
+    def measure(quantized) -> tuple[dict[str, Any], dict[str, Any], str]:
+        cls, tok = run_ov_vision(quantized, px)
+        errs = {"cls": per_image(ref_cls, cls).numpy(), "tok": per_image(ref_tok, tok).numpy()}
+        return ({k: v.tolist() for k, v in errs.items()}, {k: float(v.mean()) for k, v in errs.items()},
+                f"1-cos CLS {errs['cls'].mean():.4e} tokens {errs['tok'].mean():.4e}")
+
+    measure_variants(result, "per_image", dirs, original, load, lambda model, path: export(model, px, path), measure,
+                     calib, args)
     return finish(result, "per_image", args.json, lambda key, cell: (
         f"{key:24s} CLS {cell['ratio_cls']:.3f} ({cell['ci95_cls'][0]:.3f}-{cell['ci95_cls'][1]:.3f})  "
         f"tokens {cell['ratio_tok']:.3f} ({cell['ci95_tok'][0]:.3f}-{cell['ci95_tok'][1]:.3f})"))
@@ -620,45 +605,65 @@ def quant_whisper(args: argparse.Namespace) -> dict[str, Any]:
         encoders.reuse_baseline(result, args.baseline, args.modes, per="per_clip",
                                 inputs=("clips", "calib", "positions"))
         dirs.pop("original")
+    def export_decoder(model: torch.nn.Module, path: Path) -> None:
+        with warnings.catch_warnings(), torch.no_grad():
+            warnings.simplefilter("ignore")
+            torch.onnx.export(WhisperDecoderLogits(model), (ids[0], enc[0]), str(path),
+                              input_names=["decoder_input_ids", "encoder_hidden_states"], output_names=["logits"],
+                              dynamic_axes={"decoder_input_ids": {0: "batch", 1: "len"},
+                                            "encoder_hidden_states": {0: "batch"},
+                                            "logits": {0: "batch", 1: "len"}}, dynamo=False, opset_version=17)
+
+    def measure(quantized) -> tuple[dict[str, Any], dict[str, Any], str]:
+        compiled = core().compile_model(quantized, "CPU", {"INFERENCE_NUM_THREADS": 1, "NUM_STREAMS": 1,
+                                                           "INFERENCE_PRECISION_HINT": "f32"})
+        got = []
+        for j in measured:
+            logits = np.asarray(compiled({"decoder_input_ids": ids[j].numpy(),
+                                          "encoder_hidden_states": enc[j].numpy()})[0])
+            got.append(torch.log_softmax(torch.from_numpy(logits[0, p - 1: p + len(refs[j])]).double(), -1).float())
+        cmp = bqw.compare(ref, got)
+        disagree = [n - a for n, a in zip(cmp["clip_n"], cmp["clip_agree"], strict=True)]
+        return ({"kl": cmp["clip_kl"], "disagree": disagree}, {"kl": cmp["kl"], "top1": cmp["top1"]},
+                f"KL {cmp['kl']:.4e} top-1 {cmp['top1']:.4f}")
+
+    measure_variants(result, "per_clip", dirs, original, bqw.whisper_model, export_decoder, measure, calib, args)
+    return finish(result, "per_clip", args.json, lambda key, cell: (
+        f"{key:24s} KL {cell['ratio_kl']:.3f} ({cell['ci95_kl'][0]:.3f}-{cell['ci95_kl'][1]:.3f})  "
+        f"top-1 disagreements {cell['ratio_disagree']:.3f}"))
+
+
+def measure_variants(result: dict[str, Any], per: str, dirs: dict[str, Path], original: torch.nn.Module,
+                     load_model: Callable[[Path], torch.nn.Module],
+                     export_model: Callable[[torch.nn.Module, Path], None],
+                     measure: Callable[[Any], tuple[dict[str, Any], dict[str, Any], str]],
+                     calib: list[dict], args: argparse.Namespace) -> None:
+    """The loop ``quant-vision`` and ``quant-whisper`` share: each model of ``dirs`` (``original`` is the one in
+    memory, the others ``load_model(dir)``) exported to ONNX by ``export_model``, read by ``openvino.convert_model``
+    and quantized by :func:`nncf_quantize` in float and every ``--modes`` entry; ``measure(quantized)`` gives the
+    per-input errors (``result[per]``), the cell's means and the printed figures. The JSON is rewritten after each
+    model, so a long run keeps what it measured."""
+    import openvino as ov
+
     t0 = time.time()
     with tempfile.TemporaryDirectory() as tmp:
         for name, path in dirs.items():
-            model = original if name == "original" else bqw.whisper_model(Path(path))
+            model = original if name == "original" else load_model(Path(path))
             onnx_path = Path(tmp) / f"{name}.onnx"
-            with warnings.catch_warnings(), torch.no_grad():
-                warnings.simplefilter("ignore")
-                torch.onnx.export(WhisperDecoderLogits(model), (ids[0], enc[0]), str(onnx_path),
-                                  input_names=["decoder_input_ids", "encoder_hidden_states"], output_names=["logits"],
-                                  dynamic_axes={"decoder_input_ids": {0: "batch", 1: "len"},
-                                                "encoder_hidden_states": {0: "batch"},
-                                                "logits": {0: "batch", 1: "len"}}, dynamo=False, opset_version=17)
-            if model is not original:
-                del model
+            export_model(model, onnx_path)
+            del model  # the converted model, before its graph is quantized (the original stays the caller's)
             fp32 = ov.convert_model(str(onnx_path))
             for how in ["fp32", *[q for q in args.modes if q != "fp32"]]:
                 quantized = nncf_quantize(fp32, how, calib, None, args.ignore_types, args.ignore_patterns)
                 kinds = low_bit_constants(quantized)
-                compiled = core().compile_model(quantized, "CPU", {"INFERENCE_NUM_THREADS": 1, "NUM_STREAMS": 1,
-                                                                   "INFERENCE_PRECISION_HINT": "f32"})
-                got = []
-                for j in measured:
-                    logits = np.asarray(compiled({"decoder_input_ids": ids[j].numpy(),
-                                                  "encoder_hidden_states": enc[j].numpy()})[0])
-                    got.append(torch.log_softmax(torch.from_numpy(logits[0, p - 1: p + len(refs[j])]).double(),
-                                                 -1).float())
-                del compiled, quantized
-                cmp = bqw.compare(ref, got)
-                disagree = [n - a for n, a in zip(cmp["clip_n"], cmp["clip_agree"], strict=True)]
-                result["per_clip"][f"{name}/{how}"] = {"kl": cmp["clip_kl"], "disagree": disagree}
-                result["cells"][f"{name}/{how}"] = {"kl": cmp["kl"], "top1": cmp["top1"], "constants": kinds}
-                print(f"{name:12s} {how:7s} KL {cmp['kl']:.4e} top-1 {cmp['top1']:.4f} {kinds}  "
-                      f"[{time.time() - t0:.0f} s]", flush=True)
+                per_input, cell, figures = measure(quantized)
+                del quantized
+                result[per][f"{name}/{how}"] = per_input
+                result["cells"][f"{name}/{how}"] = {**cell, "constants": kinds}
+                print(f"{name:12s} {how:7s} {figures} {kinds}  [{time.time() - t0:.0f} s]", flush=True)
                 gc.collect()
             if args.json:
                 args.json.write_text(json.dumps(result, indent=1))
-    return finish(result, "per_clip", args.json, lambda key, cell: (
-        f"{key:24s} KL {cell['ratio_kl']:.3f} ({cell['ci95_kl'][0]:.3f}-{cell['ci95_kl'][1]:.3f})  "
-        f"top-1 disagreements {cell['ratio_disagree']:.3f}"))
 
 
 def finish(result: dict[str, Any], per: str, json_path: Path | None,
