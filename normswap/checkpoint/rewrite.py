@@ -45,6 +45,8 @@ class KeyMap:
         meta_sd = meta.state_dict()
         prefix = meta.base_model_prefix
         self.to_model: dict[str, str] = {}
+        self.buffers: set[str] = set()  # checkpoint keys of the model's non-persistent buffers (dropped)
+        self._non_persistent: dict[str, torch.Tensor] | None = None
         for key in entries:
             new, pattern = rename_source_key(key, renamings, converters, prefix, meta_sd)
             if new not in meta_sd and key in meta_sd:
@@ -58,7 +60,22 @@ class KeyMap:
                 )
             if new in meta_sd:
                 self.to_model[key] = new
+            elif self._names_a_buffer(key, renamings, converters, meta_sd):
+                self.buffers.add(key)
         self.to_ckpt = {m: k for k, m in self.to_model.items()}
+
+    def _names_a_buffer(self, key: str, renamings: list, converters: list, meta_sd: dict) -> bool:
+        """Whether checkpoint tensor ``key`` is one of the model's non-persistent buffers (the ``position_ids``
+        older BERT checkpoints store): transformers drops it on load, as the model computes it itself, and so
+        does the streamed conversion (not written, not an unused tensor)."""
+        from transformers.core_model_loading import rename_source_key
+
+        if self._non_persistent is None:
+            self._non_persistent = {n: b for n, b in self.meta.named_buffers() if n not in meta_sd}
+        if not self._non_persistent:
+            return False
+        new, _ = rename_source_key(key, renamings, converters, self.meta.base_model_prefix, self._non_persistent)
+        return new in self._non_persistent
 
     def out_key(self, key: str) -> str:
         """The name the converted checkpoint gives checkpoint tensor ``key``: the name the in-memory path saves

@@ -172,8 +172,12 @@ class _Streaming:
 
     @property
     def stored_dtype(self) -> str:
-        """The safetensors dtype of the checkpoint's (first) tensor."""
-        return next(iter(self.entries.values())).dtype
+        """The safetensors dtype of the checkpoint's first *floating* tensor (an integer buffer stored first,
+        such as the ``position_ids`` older BERT checkpoints keep, says nothing about the weights' dtype), the
+        first tensor's where none is floating."""
+        dtypes = [e.dtype for e in self.entries.values()]
+        return next((d for d in dtypes if stream_io.ST_TO_TORCH.get(d, torch.int64).is_floating_point),
+                    dtypes[0])
 
     @property
     def float_dtype(self) -> torch.dtype:
@@ -303,7 +307,8 @@ def _check_tensors(st: _Streaming, task: str | None) -> None:
     head; a tensor the model needs and the checkpoint lacks is an error (a new head cannot be streamed)."""
     src, cls, missing = st.src, st.cls, st.missing
     ignore = [re.compile(p) for p in (getattr(cls, "_keys_to_ignore_on_load_unexpected", None) or [])]
-    unexpected = [k for k in st.entries if k not in st.keys.to_model and not any(p.search(k) for p in ignore)]
+    unexpected = [k for k in st.entries if k not in st.keys.to_model and k not in st.keys.buffers
+                  and not any(p.search(k) for p in ignore)]
     meta_sd = st.meta.state_dict()
     mismatched = [k for k, m in st.keys.to_model.items() if tuple(st.entries[k].shape) != tuple(meta_sd[m].shape)]
     if mismatched:

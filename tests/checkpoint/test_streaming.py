@@ -369,3 +369,20 @@ def test_shard_writer_round_trip(tmp_path):
         bad.write("b", data["b"])
     with pytest.raises(RuntimeError, match="incomplete"):
         bad.close()
+
+
+def test_an_integer_tensor_stored_first_does_not_set_the_streamed_dtype(tmp_path):
+    """Older BERT checkpoints (sentence-transformers' all-MiniLM-L6-v2) store the int64 ``position_ids`` buffer
+    as their first tensor: the streamed conversion takes the weights' dtype from the first floating tensor, so
+    it verifies and writes what the in-memory conversion writes (it crashed in ``torch.finfo(int64)``)."""
+    from safetensors.torch import load_file, save_file
+
+    src = save_model("bert-5", tmp_path / "src", shard="10GB")
+    weights = load_file(src / "model.safetensors")
+    first = {"bert.embeddings.position_ids": torch.arange(64).unsqueeze(0)}
+    save_file({**first, **weights}, src / "model.safetensors", metadata={"format": "pt"})
+    streamed, in_memory = tmp_path / "streamed", tmp_path / "in-memory"
+    report = normswap.convert(src, streamed, low_memory=True, mode="exact")
+    assert report.verification["truncated_max_rel_error"] < 1e-6
+    normswap.convert(src, in_memory, mode="exact")
+    assert_same_tensors(streamed, in_memory)
