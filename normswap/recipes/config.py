@@ -21,10 +21,11 @@ from typing import Any, Literal, Union
 
 import yaml
 
-from normswap import presets
 from normswap.errors import NormswapError, UsageError
 from normswap.options import ConvertOptions
-from normswap.recipes import tasks
+
+if typing.TYPE_CHECKING:
+    from normswap.recipes import tasks
 
 
 @dataclass
@@ -556,6 +557,8 @@ def validate(cfg: RecipeConfig, *, check_paths: bool = True) -> None:
     conversion options, the required keys, the paths (``check_paths``: off where a config is only
     described, not run), numeric ranges, then the keys that constrain each other.
     """
+    from normswap.recipes import tasks  # torch: here, so that --list and the override checks stay light
+
     task = tasks.get(cfg.task)  # an unknown task name fails here, with the valid ones listed
     _check_convert_options(cfg)
     if check_paths:  # a recipe only described (--print-config) may still lack its model and data
@@ -597,6 +600,8 @@ def _check_required_keys(cfg: RecipeConfig) -> None:
 def _check_paths(cfg: RecipeConfig) -> None:
     """Every path the run reads exists (a preset name stands for a model or tokenizer): normswap never
     downloads, so a missing directory fails here rather than hours into a run."""
+    from normswap import presets  # torch: here, so that --list and the override checks stay light
+
     for key, value in (
         ("model.source", cfg.model.source),
         ("model.student", cfg.model.student),
@@ -687,6 +692,8 @@ def _check_training(cfg: RecipeConfig) -> None:
 
 def selection_metric(cfg: RecipeConfig) -> tuple[str, bool]:
     """The held-out metric ``eval.keep_best`` ranks by, and whether higher is better."""
+    from normswap.recipes import tasks
+
     name = cfg.eval.metric or tasks.get(cfg.task).default_metric(cfg.teacher.enabled)
     return name, name in tasks.HIGHER_IS_BETTER
 
