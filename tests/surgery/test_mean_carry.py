@@ -399,3 +399,17 @@ def test_patch_and_the_streamed_rewrite_write_the_same_carry(tmp_path, dtype):
                                     loaded.get_submodule(c.down).weight.detach().double(), c, atol=1e-9)
         original = tf.BertForMaskedLM.from_pretrained(tmp_path / "src", dtype=torch.float64)
         assert _fp64_error(original.eval(), loaded) <= 1e-6  # float32 weights, float64 arithmetic
+
+
+@pytest.mark.parametrize("intermediate, multiple, width", [(64, 8, 72), (64, 1, 72), (68, 8, 80), (61, 8, 72)])
+def test_the_carry_takes_eight_neurons_and_the_next_multiple_past_them(intermediate, multiple, width):
+    """Eight carry neurons (round 65; four before): the widened width is the next multiple of ``carry_multiple``
+    with room for them. A width that is a multiple of 8 grows by 8 as with four neurons (64 -> 72); ``carry_multiple``
+    1 adds exactly 8; a width 1-4 past a multiple of 8 takes one more block than four neurons did (68 -> 80, was
+    72). Planning only: the plan records what ``patch`` and the streamed rewrite will widen."""
+    torch.manual_seed(0)
+    model = randomise(tf.BertModel(tf.BertConfig(**{**LLM, "intermediate_size": intermediate})))
+    carries = normswap.plan(model, carry_multiple=multiple).mean_carries
+    assert len(carries) == 2
+    assert all(c.hidden == intermediate and c.hidden + c.added == width for c in carries)
+    assert all(c.added >= MeanCarry.NEURONS == 8 for c in carries)
