@@ -245,7 +245,7 @@ class CenterHook:
 class MeanCarry:
     """Cancel a Post-LN norm output's mean inside the MLP that reads it (makes the next norm exact).
 
-    In ``s = h + down(act(up(h)))`` with ``h`` a norm's output, ``s`` is not zero-mean because ``h``
+    In ``x = h + down(act(up(h)))`` with ``h`` a norm's output, ``x`` is not zero-mean because ``h``
     is not. For an activation with ``act(t) - act(-t) = t`` (ReLU, GELU, GELU-tanh, SiLU,
     quick-GELU), neurons added to the MLP compute ``mean(h)`` exactly: a pair with ``up`` rows ``+r`` and
     ``-r`` and ``down`` columns ``-c`` and ``+c`` adds ``-c·r·h``. The carry uses :data:`NEURONS` = 8 neurons,
@@ -253,7 +253,7 @@ class MeanCarry:
     ``±s₂/d``), each of the two on the even and on the odd features (zero elsewhere). Row ``i`` of ``down``
     gives the first pairs the entry ``c1[i]`` and the second pairs ``c2[i] = (1 − c1[i]·s)/s₂``, so
     ``c1·s + c2·s₂ = 1`` in every row and the carry adds ``-mean(h)`` (:meth:`columns`). With ``down``
-    centered, ``s`` is then zero-mean and the norm reading it is exactly an RMSNorm. The MLP grows from
+    centered, ``x`` is then zero-mean and the norm reading it is exactly an RMSNorm. The MLP grows from
     ``hidden`` to ``hidden + added`` neurons, the next multiple of the ``carry_multiple`` option (8 by
     default) with room for the eight (the rest zero): for a width that is a multiple of 8 (every checkpoint
     measured) that is ``hidden + 8``, the width the four-neuron carry before round 65 took too; a width 1-4
