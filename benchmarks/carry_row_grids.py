@@ -14,9 +14,11 @@ conversion, and prints the error ratio (1 − cosine of the mean-pooled embeddin
   rounded per row as a whole, then only the carry's columns, or only the real ones, kept rounded), ``tables``
   (every ``nn.Embedding``);
 * variants: ``original``; ``default`` (``normswap.patch`` with β kept: what ``normswap convert`` writes);
-  ``twoscale`` (the default with each carry re-planned by :func:`two_scale`).
+  ``twoscale`` (the default with each carry re-planned by :func:`two_scale`: since round 65 the default's own carry
+  at ``--target asym --ratio 16``, other targets and ratios re-planned).
 
-:func:`two_scale` is exact in float: the carry's first pair keeps scale ``s`` but each row's column entry moves to
+:func:`two_scale` (round 64; the product's carry since round 65, :class:`normswap.analysis.plan.MeanCarry`) is
+exact in float: the carry's first pair keeps scale ``s`` but each row's column entry moves to
 that row's own INT8_ASYM grid point nearest ``1/s`` (``c1``), and a second pair (the four padding neurons the
 width's multiple of 8 leaves zero) with scale ``s2 = s/ratio`` takes the remainder, ``c2 = (1 − c1·s)/s2``, so
 ``c1·s + c2·s2 = 1`` in every row: per-row rounding keeps ``c1`` and moves ``c2`` by at most half a step, a leak
@@ -47,6 +49,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_quant_encoders import bootstrap, embed_torch  # noqa: E402
 from carry_sources import encoder_and_texts, quant_act, quant_weight  # noqa: E402
 
+from normswap.analysis.plan import MeanCarry, int8_asym  # noqa: E402
+from normswap.surgery.edits import carried  # noqa: E402
+
 GROUPS = ("all", "qkv", "ao", "up", "down", "down-carry", "down-real", "tables",
           # on the ORT grids: ``down``'s weights alone, its input alone, its input with the carry's neurons kept float
           # (the grid still the whole input's), and only the carry's neurons rounded on that grid
@@ -61,19 +66,8 @@ VARIANTS = {"default": {}, "twoscale": {}, "pnc": {"per_norm_centering": True}, 
             "pnc-twoscale": {"per_norm_centering": True}}
 
 
-def nncf_int8_asym(w: torch.Tensor) -> torch.Tensor:
-    """NNCF's INT8_ASYM of ``w`` per row (reduction over the last axis), dequantized, computed as NNCF does in
-    float32: ``scale = (max(w,0) − min(w,0))/255``, ``zp = clip(−round(min/scale), 0, 255)``,
-    ``q = clip(round(w/scale + zp), 0, 255)``, ``(q − zp)·scale``."""
-    w = w.float()
-    lo = torch.clamp(w.amin(dim=-1, keepdim=True), max=0)
-    hi = torch.clamp(w.amax(dim=-1, keepdim=True), min=0)
-    scale = (hi - lo) / 255
-    eps = torch.finfo(torch.float32).eps
-    scale = torch.where(scale.abs() < eps, torch.full_like(scale, eps), scale)
-    zp = torch.clamp(-torch.round(lo / scale), 0, 255)
-    q = torch.clamp(torch.round(w / scale + zp), 0, 255)
-    return (q - zp) * scale
+# NNCF's INT8_ASYM per row, dequantized: the product's (the carry's first entries sit on its grid since round 65)
+nncf_int8_asym = int8_asym
 
 
 def group_of(name: str, module: torch.nn.Module) -> str | None:
@@ -154,8 +148,8 @@ def row_entries(w: torch.Tensor, n: int, s: float, ratio: float, target: str) ->
     a_step = (hi - lo) / 255
     s_step = real.abs().amax(1) / 127
     inv = torch.tensor(1.0 / s, dtype=torch.float32)
-    if target == "asym":
-        return torch.round(inv / a_step) * a_step
+    if target == "asym":  # the product's (MeanCarry.columns)
+        return MeanCarry.columns(real, s, ratio)[0].float()
     if target == "asym-in":  # and inside the row's range on both signs (else it would set the range)
         room = torch.minimum(hi, -lo)
         return torch.minimum(torch.round(inv / a_step), torch.floor(room / a_step)) * a_step
@@ -176,8 +170,11 @@ def row_entries(w: torch.Tensor, n: int, s: float, ratio: float, target: str) ->
 
 def two_scale(model: torch.nn.Module, carries: list[Any], ratio: float, target: str = "asym") -> list[str]:
     """Re-plan each carry of ``model`` (converted, float) as two pairs of pairs; see the module docstring and
-    :func:`row_entries` (``target``: which grid the first pair's entries sit on). Uses the four zero padding
-    neurons after the carry's four. Returns one line per carry."""
+    :func:`row_entries` (``target``: which grid the first pair's entries sit on). Since round 65 the product's
+    default carry *is* the ``asym`` one at ``ratio`` 16 (:class:`normswap.analysis.plan.MeanCarry`, written by
+    ``normswap.surgery.edits.carried``): there the model is left as the product wrote it (the lines report its
+    entries); other targets and ratios rewrite the first pairs' columns and the second pairs (neurons 4-7 of the
+    carry's eight). Returns one line per carry."""
     lines = []
     for c in carries:
         if c.added < 8:
@@ -194,22 +191,30 @@ def two_scale(model: torch.nn.Module, carries: list[Any], ratio: float, target: 
             ratio = max(1.0, min(ratio, float((0.95 * torch.minimum(hi, -lo).double() / gap).min())))
         s2 = s / ratio
         c2 = (1 - c1.double() * s) / s2
-        with torch.no_grad():
-            for pair, first in enumerate((0, 1)):
-                up.weight[n + 4 + 2 * pair] = 0
-                up.weight[n + 4 + 2 * pair + 1] = 0
-                up.weight[n + 4 + 2 * pair, first::2] = s2 / d
-                up.weight[n + 4 + 2 * pair + 1, first::2] = -s2 / d
-                if up.bias is not None:
-                    up.bias[n + 4 + 2 * pair: n + 4 + 2 * pair + 2] = 0
-                down.weight[:, n + 2 * pair] = -c1.to(down.weight.dtype)
-                down.weight[:, n + 2 * pair + 1] = c1.to(down.weight.dtype)
-                down.weight[:, n + 4 + 2 * pair] = -c2.to(down.weight.dtype)
-                down.weight[:, n + 4 + 2 * pair + 1] = c2.to(down.weight.dtype)
+        product = target == "asym" and ratio == MeanCarry.SECOND_RATIO and MeanCarry.NEURONS == 8
+        if product:  # the product's own carry: what carried() writes from these rows
+            _, c2 = MeanCarry.columns(real, s)
+            expected = carried(down.weight.detach()[:, :n], c, "down.weight")[:, n:n + 8]
+            if not torch.equal(expected, down.weight.detach()[:, n:n + 8]):
+                raise ValueError(f"{c.down}: the carry is not the product's two-scale one (converted by older code?)")
+        else:
+            with torch.no_grad():
+                for pair, first in enumerate((0, 1)):
+                    up.weight[n + 4 + 2 * pair] = 0
+                    up.weight[n + 4 + 2 * pair + 1] = 0
+                    up.weight[n + 4 + 2 * pair, first::2] = s2 / d
+                    up.weight[n + 4 + 2 * pair + 1, first::2] = -s2 / d
+                    if up.bias is not None:
+                        up.bias[n + 4 + 2 * pair: n + 4 + 2 * pair + 2] = 0
+                    down.weight[:, n + 2 * pair] = -c1.to(down.weight.dtype)
+                    down.weight[:, n + 2 * pair + 1] = c1.to(down.weight.dtype)
+                    down.weight[:, n + 4 + 2 * pair] = -c2.to(down.weight.dtype)
+                    down.weight[:, n + 4 + 2 * pair + 1] = c2.to(down.weight.dtype)
         inside = int(((c1 <= hi) & (-c1 >= lo) & (c2.abs().float() <= torch.minimum(hi, -lo))).sum())
         moved = float((c1.double() * s - 1).abs().max())
         lines.append(f"{c.down}: s {s:.3f}, s2 {s2:.4f} (s/s2 {ratio:.1f}), |c1·s − 1| at most {moved:.3f}, "
-                     f"carry entries inside the row's range in {inside}/{len(c1)} rows")
+                     f"carry entries inside the row's range in {inside}/{len(c1)} rows"
+                     + (" (the product's carry, unchanged)" if product else ""))
     return lines
 
 

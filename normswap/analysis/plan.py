@@ -146,6 +146,34 @@ GAMMA_KEPT = "γ kept in the norm, as without a rotation, because the rotation l
 VALUE_MOVE_WHY = "values: attention weights sum to 1 over the keys, so the shift passes through"
 
 
+def int8_asym_step(w: Any) -> Any:
+    """Each row's step on NNCF's INT8_ASYM grid (its ``compress_weights`` default: per row, reduction over the
+    last axis), computed as NNCF does in float32: ``(max(w, 0) − min(w, 0))/255`` (zero for an all-zero row).
+    The grid's points are the whole multiples of the step (the zero point is whole)."""
+    w = w.detach().float()
+    lo = w.amin(dim=-1).clamp(max=0)
+    hi = w.amax(dim=-1).clamp(min=0)
+    return (hi - lo) / 255
+
+
+def int8_asym(w: Any) -> Any:
+    """``w`` through NNCF's INT8_ASYM per row, dequantized (float32), as NNCF computes it
+    (``calculate_integer_quantization_params`` / ``calculate_quantized_weight``): ``scale`` from
+    :func:`int8_asym_step` (float32 eps where zero), ``zp = clip(−round(min/scale), 0, 255)``,
+    ``q = clip(round(w/scale + zp), 0, 255)``, ``(q − zp)·scale``. What :meth:`MeanCarry.columns` puts the
+    carry's first entries on; the benchmarks' replica of NNCF's int8 weights."""
+    import torch
+
+    w = w.detach().float()
+    lo = w.amin(dim=-1, keepdim=True).clamp(max=0)
+    scale = int8_asym_step(w).unsqueeze(-1)
+    eps = torch.finfo(torch.float32).eps
+    scale = torch.where(scale.abs() < eps, torch.full_like(scale, eps), scale)
+    zp = torch.clamp(-torch.round(lo / scale), 0, 255)
+    q = torch.clamp(torch.round(w / scale + zp), 0, 255)
+    return (q - zp) * scale
+
+
 def beta_text(routes: list[tuple[str, str]], moved_into: dict[str, str]) -> str:
     """Where a norm's β went, from its readers' ``(reader, FoldEdit.beta_route)`` and, for moved shares,
     ``{value projection: output projection}``. The text of ``SitePlan.beta_detail`` when β left the
@@ -217,25 +245,45 @@ class CenterHook:
 class MeanCarry:
     """Cancel a Post-LN norm output's mean inside the MLP that reads it (makes the next norm exact).
 
-    In ``s = h + down(act(up(h)))`` with ``h`` a norm's output, ``s`` is not zero-mean because ``h``
+    In ``x = h + down(act(up(h)))`` with ``h`` a norm's output, ``x`` is not zero-mean because ``h``
     is not. For an activation with ``act(t) - act(-t) = t`` (ReLU, GELU, GELU-tanh, SiLU,
     quick-GELU), neurons added to the MLP compute ``mean(h)`` exactly: a pair with ``up`` rows ``+r`` and
-    ``-r`` and ``down`` columns ``-1`` and ``+1`` adds ``-r·h``, so two pairs whose rows ``r`` hold ``1/d`` on
-    the even and on the odd features (zero elsewhere) add ``-mean(h)``. With ``down`` centered, ``s`` is then
-    zero-mean and the norm reading it is exactly an RMSNorm. The MLP grows from ``hidden`` to
-    ``hidden + added`` neurons (:data:`NEURONS` used, the rest zero, to keep the width a multiple of the
-    ``carry_multiple`` option, 8 by default).
+    ``-r`` and ``down`` columns ``-c`` and ``+c`` adds ``-c·r·h``. The carry uses :data:`NEURONS` = 8 neurons,
+    four ± pairs: two at scale ``s`` (rows ``±s/d``) and two at scale ``s₂ = s/``:data:`SECOND_RATIO` (rows
+    ``±s₂/d``), each of the two on the even and on the odd features (zero elsewhere). Row ``i`` of ``down``
+    gives the first pairs the entry ``c1[i]`` and the second pairs ``c2[i] = (1 − c1[i]·s)/s₂``, so
+    ``c1·s + c2·s₂ = 1`` in every row and the carry adds ``-mean(h)`` (:meth:`columns`). With ``down``
+    centered, ``x`` is then zero-mean and the norm reading it is exactly an RMSNorm. The MLP grows from
+    ``hidden`` to ``hidden + added`` neurons, the next multiple of the ``carry_multiple`` option (8 by
+    default) with room for the eight (the rest zero): for a width that is a multiple of 8 (every checkpoint
+    measured) that is ``hidden + 8``, the width the four-neuron carry before round 65 took too; a width 1-4
+    past a multiple of 8 takes one more block of 8 than it did, and ``carry_multiple=1`` adds exactly 8.
 
-    Why two pairs and not one pair of constant rows ``±1/d`` (before round 61): every int8 weight quantizer turns a
-    constant row into one integer repeated (per channel: ±127 everywhere), and x86 int8 GEMMs without VNNI
-    (AVX2's ``vpmaddubsw``, ONNX Runtime's u8s8 kernels) add each *adjacent pair* of uint8 × int8 products in a
-    saturating int16: ``2 × 127 × 255`` overflows it whenever both activations of a pair sit above the zero point,
-    so the carry's mean came out clipped (all-MiniLM-L6-v2, ``quantize_dynamic`` per channel on an AVX2 machine:
-    11× the original's error; paraphrase-MiniLM-L3-v2 3.4×). A row that is zero on every other feature has at
-    most one nonzero product per pair (``127 × 255`` fits), whatever the quantizer's grid.
+    Why two scales, with ``c1`` on each row's INT8_ASYM grid (round 64, in the product since round 65): a
+    weight-only quantizer with a per-row grid (NNCF's ``compress_weights`` default, INT8_ASYM: each row of
+    ``down`` on ``[min(w, 0), max(w, 0)]`` in 255 steps) rounds a constant column ``1/s`` differently in
+    every row, and no ``s`` puts it on all rows' grids: the carry's gain then differs per output feature and
+    the leaked mean is what the RMSNorm keeps (all-mpnet-base-v2, NNCF int8 weights: 1.093× the original's
+    error with one scale). ``c1[i]`` is the point of row ``i``'s own grid (from the row's real entries, as
+    exported: float32) nearest ``1/s``, which that quantizer keeps; the remainder ``c2[i]``, at most half a
+    row step times ``SECOND_RATIO``, is rounded by at most half a step, a leak ``SECOND_RATIO`` times smaller
+    than rounding ``1/s`` itself. Measured (256 texts, ratio to the original's int8 error): 1.093 → 1.051,
+    0.961× the one-scale carry text for text; ONNX Runtime's dynamic int8 per tensor and per channel on
+    all-MiniLM-L3/L6-v2 within noise of the one-scale carry (paired 0.986-1.014), although the columns are
+    no longer whole per-tensor steps of ``down`` (``scale_for``'s reason for ``s``, which stays).
+
+    Why each scale is split over even and odd features (round 61), not one pair of constant rows ``±s/d``:
+    every int8 weight quantizer turns a constant row into one integer repeated (per channel: ±127
+    everywhere), and x86 int8 GEMMs without VNNI (AVX2's ``vpmaddubsw``, ONNX Runtime's u8s8 kernels) add
+    each *adjacent pair* of uint8 × int8 products in a saturating int16: ``2 × 127 × 255`` overflows it
+    whenever both activations of a pair sit above the zero point, so the carry's mean came out clipped
+    (all-MiniLM-L6-v2, ``quantize_dynamic`` per channel on an AVX2 machine: 11× the original's error;
+    paraphrase-MiniLM-L3-v2 3.4×). A row that is zero on every other feature has at most one nonzero product
+    per pair (``127 × 255`` fits), whatever the quantizer's grid.
     """
 
-    NEURONS = 4  # the neurons the carry uses (two ± pairs: even and odd features); see the class docstring
+    NEURONS = 8  # the neurons the carry uses (four ± pairs: scales s and s/SECOND_RATIO, even and odd features)
+    SECOND_RATIO = 16.0  # s / s₂, the second pairs' scale (round 64 measured 16; see the class docstring)
 
     site: str  # the norm made exact
     source: str  # the norm whose output's mean is carried
@@ -245,9 +293,26 @@ class MeanCarry:
     hidden: int  # the MLP's width before
     added: int
     activation: str
-    # the carry neurons' rows are ``±scale/d`` and their columns ``∓1/scale``: exact for any scale > 0, since
-    # act(s·m) − act(−s·m) = s·m; :meth:`scale_for` picks it so that the columns survive int8 quantization
+    # the first pairs' rows are ``±scale/d`` and their columns ``∓c1`` with ``c1 ≈ 1/scale`` (:meth:`columns`):
+    # exact for any scale > 0, since act(s·m) − act(−s·m) = s·m; :meth:`scale_for` picks it
     scale: float = 1.0
+
+    @staticmethod
+    def columns(real: Any, scale: float, ratio: float | None = None) -> tuple[Any, Any]:
+        """The carry's ``down`` entries for each row, ``(c1, c2)`` (float64 ``[d]``): ``c1[i]`` the point of row
+        ``i``'s INT8_ASYM grid (:func:`int8_asym_step` of the row's real entries ``real`` ``[d, hidden]``, as
+        exported: float32) nearest ``1/scale``, at least one step; ``c2[i] = (1 − c1[i]·scale)/s₂`` with
+        ``s₂ = scale/ratio`` (:data:`SECOND_RATIO` unless given: the benchmarks try others), so that
+        ``c1·scale + c2·s₂ = 1`` in float64. A row without range (all zero) takes ``c1 = 1/scale`` in float32.
+        One function for the surgery and the streamed rewrite."""
+        import torch
+
+        step = int8_asym_step(real)
+        inv = torch.tensor(1.0 / float(scale), dtype=torch.float32)
+        count = torch.clamp(torch.round(inv / torch.where(step > 0, step, torch.ones_like(step))), min=1)
+        c1 = torch.where(step > 0, count * step, inv.expand_as(step)).double()
+        s2 = float(scale) / (MeanCarry.SECOND_RATIO if ratio is None else ratio)
+        return c1, (1 - c1 * float(scale)) / s2
 
     # the carry neuron's row may be at most this fraction of the MLP's longest ``up`` row (see scale_for)
     ROW_NORM_SHARE = 0.5

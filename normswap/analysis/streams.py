@@ -1425,7 +1425,7 @@ class Analyzer:
         output entering once and unscaled, ``up``/``down`` Linears called once per call of the norm
         (``shared_calls``: more than one for a layer shared across depth), ``act`` elementwise and
         odd-split, each intermediate read only by the next step, and ``down`` centerable. The widened
-        width is the next multiple of ``multiple`` with room for the two carry neurons.
+        width is the next multiple of ``multiple`` with room for the carry's :attr:`MeanCarry.NEURONS` neurons.
         """
         site = self.sites[site_call.path]
         target = self.site_input[site_call.id]

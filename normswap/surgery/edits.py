@@ -150,11 +150,13 @@ CARRY_TENSORS = ("up.weight", "up.bias", "down.weight")  # what a MeanCarry wide
 def carried(t: torch.Tensor, carry: MeanCarry, which: str, *, values: bool = True) -> torch.Tensor:
     """``t`` (the ``which`` tensor of ``carry``'s MLP, one of :data:`CARRY_TENSORS`) widened by ``carry.added``.
 
-    The new entries are zero except, with ``values``, the :attr:`MeanCarry.NEURONS` neurons that carry the mean:
-    rows ``+s/d, -s/d`` of ``up.weight`` on the even features, then the same on the odd features (zero elsewhere:
-    no adjacent pair of a row is nonzero twice, see :class:`MeanCarry`), and columns ``-1/s, +1/s, -1/s, +1/s`` of
-    ``down.weight`` (``s = carry.scale``). One function for the in-memory surgery and the streamed checkpoint
-    rewrite, so both write the same bits.
+    The new entries are zero except, with ``values``, the :attr:`MeanCarry.NEURONS` neurons that carry the mean
+    (see :class:`MeanCarry`): rows ``+s/d, -s/d`` of ``up.weight`` on the even features, then the same on the odd
+    features (zero elsewhere: no adjacent pair of a row is nonzero twice), then the same two pairs at
+    ``s₂ = s/SECOND_RATIO``; columns ``-c1, +c1, -c1, +c1, -c2, +c2, -c2, +c2`` of ``down.weight``, per row, from
+    :meth:`MeanCarry.columns` of ``t``'s real columns (``s = carry.scale``): ``t`` must be ``down`` as it is
+    written (centered and folded), so ``c1`` lies on each row's exported INT8_ASYM grid. One function for the
+    in-memory surgery and the streamed checkpoint rewrite, so both write the same bits.
     """
     axis = 1 if which == "down.weight" else 0
     shape = list(t.shape)
@@ -165,14 +167,19 @@ def carried(t: torch.Tensor, carry: MeanCarry, which: str, *, values: bool = Tru
     n, d = carry.hidden, carry.features
     out.narrow(axis, 0, n).copy_(t.detach())
     s = float(carry.scale)
+    scales = (s, s / MeanCarry.SECOND_RATIO)
     if values and which == "up.weight":
-        for pair, first in enumerate((0, 1)):  # even features, then odd
-            out[n + 2 * pair, first::2] = s / d
-            out[n + 2 * pair + 1, first::2] = -s / d
+        for k, scale in enumerate(scales):  # the first pairs, then the second
+            for pair, first in enumerate((0, 1)):  # even features, then odd
+                out[n + 4 * k + 2 * pair, first::2] = scale / d
+                out[n + 4 * k + 2 * pair + 1, first::2] = -scale / d
     elif values and which == "down.weight":
-        for pair in range(2):
-            out[:, n + 2 * pair] = -1.0 / s
-            out[:, n + 2 * pair + 1] = 1.0 / s
+        entries = MeanCarry.columns(t.detach()[:, :n].cpu(), s)
+        for k, c in enumerate(entries):
+            c = c.to(device=t.device, dtype=t.dtype)
+            for pair in range(2):
+                out[:, n + 4 * k + 2 * pair] = -c
+                out[:, n + 4 * k + 2 * pair + 1] = c
     return out
 
 
@@ -181,7 +188,8 @@ def widen_mlp(model: nn.Module, carry: MeanCarry, *, weights: bool = True) -> No
 
     ``weights=False`` only changes the shapes (loading a checkpoint rebuilds the structure, the
     values come from the file). Idempotent on an MLP that already has the wider shape. With
-    ``weights``: run after centering ``down`` (its new columns must stay constant vectors).
+    ``weights``: run after centering ``down`` and after every edit of its real columns (the carry's entries
+    are put on their rows' grids, :meth:`MeanCarry.columns`).
     """
     up, down = model.get_submodule(carry.up), model.get_submodule(carry.down)
     wide = carry.hidden + carry.added
@@ -590,7 +598,7 @@ def apply_weight_edits(model: nn.Module, plan: Plan, sites: dict[str, NormSite],
                                                     model.get_parameter(sf.param).reshape(-1), sf.offset)
     for r in plan.centered_readers:  # before widening: the carry's added rows must see the norm's output as is
         center_reader(model, r, sites[r.site].gamma(originals[r.site]), sites[r.site].beta(originals[r.site]))
-    for c in plan.mean_carries:  # after centering: the carry's columns are constant on purpose
+    for c in plan.mean_carries:  # after centering: the carry's entries sit on the centered rows' grids
         widen_mlp(model, c)
         release_free_memory()  # the narrower tensors' holes (see release_free_memory)
     for m in plan.beta_moves:  # after centering (the shift then keeps `into` centered), before γ folds

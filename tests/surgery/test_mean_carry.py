@@ -17,10 +17,9 @@ import torch
 import transformers as tf
 
 import normswap
-from normswap.analysis.plan import MeanCarry
+from normswap.analysis.plan import MeanCarry, int8_asym, int8_asym_step
 from normswap.inputs import hf_example_inputs
 from normswap.pipeline import default_dtype
-from normswap.surgery.edits import carried
 from normswap.surgery.verify import compare
 from tests.zoo import APPROXIMATE, LLM, build, randomise
 
@@ -145,8 +144,10 @@ def test_checkpoints_round_trip(tmp_path, fmt):
     normswap.save(model, tmp_path / fmt, format=fmt)
     if fmt == "native":
         loaded = normswap.load(tmp_path / fmt, dtype=torch.float64)
-        carry = normswap.plan_of(loaded).mean_carries[0]
-        assert loaded.get_submodule(carry.up).out_features == carry.hidden + carry.added
+        for carry in normswap.plan_of(loaded).mean_carries:  # the two-scale carry, as written
+            assert loaded.get_submodule(carry.up).out_features == carry.hidden + carry.added
+            _assert_two_scale_carry(loaded.get_submodule(carry.up).weight.detach().double(),
+                                    loaded.get_submodule(carry.down).weight.detach().double(), carry)
     else:  # stock transformers, stock width: the norm is a LayerNorm again and ignores the mean
         loaded = tf.BertForMaskedLM.from_pretrained(tmp_path / fmt, dtype=torch.float64)
         assert loaded.bert.encoder.layer[0].intermediate.dense.out_features == original.config.intermediate_size
@@ -193,18 +194,56 @@ def _exact_carries(model):
     return carries
 
 
-def _per_tensor_gain(up: torch.Tensor, down: torch.Tensor, c) -> float:
-    """The carry's gain ``s·(1/s)`` after per-tensor int8 rounding of both matrices (1 in float)."""
-    return float(_int8_per_tensor(up)[c.hidden, 0] * c.features * -_int8_per_tensor(down)[0, c.hidden])
+def _one_scale_gain(up_real: torch.Tensor, down_real: torch.Tensor, scale: float, d: int) -> float:
+    """The gain ``(s/d)·d·(1/s)`` of one carry pair at ``scale`` (a row ``s/d``, a constant column ``1/s``: the
+    scale :meth:`MeanCarry.scale_for` chooses is judged on it) after per-tensor int8 rounding of ``up`` and
+    ``down`` widened by that pair (1 in float)."""
+    up = torch.cat([up_real, torch.full((1, d), scale / d, dtype=up_real.dtype)])
+    down = torch.cat([down_real, torch.full((d, 1), 1 / scale, dtype=down_real.dtype)], dim=1)
+    return float(_int8_per_tensor(up)[-1, 0] * d * _int8_per_tensor(down)[0, -1])
 
 
-def test_carry_columns_keep_their_per_tensor_gain_and_set_no_rows_weight_scale():
-    """After per-tensor int8 rounding of both matrices (ONNX Runtime ``quantize_dynamic``'s weights: step
-    ``max|w|/127``) the carry's gain (``up`` entry times ``d`` times ``down`` entry: 1 in float) is as close to 1
-    as with ``1/s`` a whole number of ``down``'s steps, which per-tensor quantization keeps exactly; and
-    ``1/s`` is no larger than any row's own largest weight, so per-output-channel quantization sees the same
-    row scales as the unwidened MLP. The replica's FFN output dense has an all-mpnet-like outlier (one
-    weight ~60x the rms), where a power-of-two ``1/s`` is off the grid."""
+def _assert_two_scale_carry(up: torch.Tensor, down: torch.Tensor, c, atol: float = 1e-12) -> None:
+    """The carry as round 65 writes it (see :class:`MeanCarry`), on ``up``/``down`` as written (float64 view):
+    four ± pairs, scales ``s`` then ``s/SECOND_RATIO``, each on the even then the odd features; in each row of
+    ``down`` the first pairs' entry ``c1`` is a whole number of that row's INT8_ASYM steps (NNCF's int8 weights,
+    from the row's real entries in float32), within half a step of ``1/s``, and NNCF's rounding of the whole row
+    keeps it; ``c1·s + c2·s₂ = 1`` in every row (``atol``: 1e-12 for float64 weights, float32's rounding of
+    ``c2`` for a float32 checkpoint); the padding neurons are zero."""
+    n, d, s = c.hidden, c.features, float(c.scale)
+    scales = (s, s / MeanCarry.SECOND_RATIO)
+    c1, c2 = -down[:, n], -down[:, n + 4]
+    for k, col in enumerate((c1, c2)):
+        for pair, first in enumerate((0, 1)):  # a ± pair on the even features, then one on the odd
+            m = n + 4 * k + 2 * pair
+            assert torch.equal(down[:, m], -col) and torch.equal(down[:, m + 1], col)
+            torch.testing.assert_close(up[m, first::2], torch.full_like(up[0, first::2], scales[k] / d))
+            assert not up[m, 1 - first::2].any()
+            assert torch.equal(up[m + 1], -up[m])
+    assert c.added >= MeanCarry.NEURONS == 8
+    assert not down[:, n + MeanCarry.NEURONS:].any() and not up[n + MeanCarry.NEURONS:].any()  # padding: zero
+    step = int8_asym_step(down[:, :n]).double()
+    assert bool((step > 0).all())
+    count = c1 / step
+    assert torch.allclose(count, count.round(), rtol=0, atol=1e-4), float((count - count.round()).abs().max())
+    assert bool((count.round() >= 1).all())
+    assert float(((c1 - 1 / s).abs() / step).max()) <= 0.5 + 1e-4  # each row's grid point nearest 1/s
+    assert not torch.equal(c1, torch.full_like(c1, c1[0]))  # per row, not one constant column
+    torch.testing.assert_close(c1 * scales[0] + c2 * scales[1], torch.ones_like(c1), rtol=0, atol=atol)
+    # NNCF's rounding of the row as exported keeps c1 wherever it lies inside the row's real range
+    inside = (c1 <= down[:, :n].amax(1)) & (-c1 >= down[:, :n].amin(1))
+    assert int(inside.sum()) >= 1
+    rounded = int8_asym(down.float())[:, n].double()
+    torch.testing.assert_close(rounded[inside], -c1[inside].float().double(), rtol=1e-6, atol=0)
+
+
+def test_carry_first_entries_lie_on_each_rows_int8_asym_grid_and_set_no_rows_weight_scale():
+    """NNCF's int8 weights (INT8_ASYM, one grid per row of ``down``) round a constant column ``1/s`` differently in
+    every row; the carry's first pairs take each row's grid point nearest ``1/s`` and second pairs at ``s/16`` take
+    the remainder, exactly in float64 (see :func:`_assert_two_scale_carry`). ``1/s`` stays no larger than any row's
+    own largest weight (per output channel the real rows keep their scales) and as close to 1 in per-tensor gain
+    as whole steps of ``down`` would be (``scale_for``'s choice of ``s``, unchanged). The replica's FFN output
+    dense has an all-mpnet-like outlier (one weight ~60x the rms)."""
     model = build(APPROXIMATE, "bert")
     with torch.no_grad():  # a trained-like spread: rows that peak well below 1, one outlier weight
         for i, layer in enumerate(model.bert.encoder.layer):
@@ -214,29 +253,16 @@ def test_carry_columns_keep_their_per_tensor_gain_and_set_no_rows_weight_scale()
     for c in _exact_carries(model):
         down = model.get_submodule(c.down).weight.detach().double()
         up = model.get_submodule(c.up).weight.detach().double()
+        _assert_two_scale_carry(up, down, c)
         real = down[:, :c.hidden]
         peaks, step = real.abs().amax(dim=1), float(real.abs().max()) / 127
-        col = -float(down[0, c.hidden])
-        entry = 1 / (col * c.features)
-        for pair, first in enumerate((0, 1)):  # a ± pair on the even features, then one on the odd
-            n = c.hidden + 2 * pair
-            assert torch.equal(down[:, n], torch.full_like(down[:, 0], -col))
-            assert torch.equal(down[:, n + 1], torch.full_like(down[:, 0], col))
-            torch.testing.assert_close(up[n, first::2], torch.full_like(up[0, first::2], entry))
-            assert not up[n, 1 - first::2].any()
-            torch.testing.assert_close(up[n + 1], -up[n])
-        used = c.hidden + MeanCarry.NEURONS
-        assert c.hidden + c.added > used and not down[:, used:].any()  # padding neurons: zero
+        col = 1 / c.scale
         assert col <= max(float(peaks.min()), step) * (1 + 1e-6)  # within every row's peak
-        # per tensor, the carry keeps its gain as well as whole steps of down would
-        whole = copy.deepcopy(c)
-        whole.scale = 1 / (max(1, round(col / step)) * step) if col >= step else 1 / step
-        wide_up, wide_down = (carried(t, whole, which) for t, which in
-                              ((up[:c.hidden], "up.weight"), (real, "down.weight")))
-        assert abs(_per_tensor_gain(up, down, c) - 1) <= abs(_per_tensor_gain(wide_up, wide_down, whole) - 1) + 1e-6
-        # the choice before (1/s the power of two at most the row minimum) was off down's grid by far more
-        old = 2.0 ** -torch.ceil(-torch.log2(peaks.min())).item()
-        assert abs(old / step - round(old / step)) * step / old > 1e-3
+        # per tensor, the scale keeps the gain as well as whole steps of down would
+        whole = 1 / (max(1, round(col / step)) * step) if col >= step else 1 / step
+        d = c.features
+        assert abs(_one_scale_gain(up[:c.hidden], real, c.scale, d) - 1) <= \
+            abs(_one_scale_gain(up[:c.hidden], real, whole, d) - 1) + 1e-6
 
 
 def test_carry_is_as_wide_as_its_per_tensor_gain_allows():
@@ -272,11 +298,8 @@ def test_carry_is_as_wide_as_its_per_tensor_gain_allows():
         assert 1.9 <= x <= 2 / (1 + MeanCarry.GAIN_MARGIN) * (1 + 1e-6), x  # wider than one whole step
         longest = float(original.get_submodule(c.up).weight.detach().norm(dim=1).max())
         assert c.scale / d ** 0.5 <= 0.5 * longest  # the carry row: at most half the longest real row
-        whole = copy.deepcopy(c)
-        whole.scale = 1 / step
-        wide_up, wide_down = (carried(t, whole, which) for t, which in
-                              ((up[:c.hidden], "up.weight"), (real, "down.weight")))
-        g, g_whole = _per_tensor_gain(up, down, c), _per_tensor_gain(wide_up, wide_down, whole)
+        g = _one_scale_gain(up[:c.hidden], real, c.scale, d)
+        g_whole = _one_scale_gain(up[:c.hidden], real, 1 / step, d)
         assert abs(g_whole - 1) > 0.3  # the replica's grids: no scale keeps the gain
         assert abs(g - 1) <= abs(g_whole - 1) + 1e-6, (g, g_whole)
 
@@ -319,7 +342,7 @@ def test_carry_takes_the_fewest_grid_steps_its_row_length_allows_and_stays_insid
         down = model.get_submodule(c.down).weight.detach().double()
         real = down[:, :c.hidden]
         step = float(real.abs().max()) / 127
-        k = -float(down[0, c.hidden]) / step
+        k = 1 / c.scale / step
         # at least as wide as the fewest whole steps (it widens further only where the per-tensor gain allows)
         assert expected_k - 1 < k <= expected_k * (1 + 1e-6), (c.down, k)
         longest = float(original.get_submodule(c.up).weight.detach().norm(dim=1).max())
@@ -344,3 +367,49 @@ def test_carry_rows_fit_int8_gemms_that_add_product_pairs_in_int16():
         q = torch.round(rows / rows.abs().amax(dim=1, keepdim=True) * 127).abs()  # per-channel symmetric int8
         pairs = q[:, :c.features // 2 * 2].reshape(len(q), -1, 2).sum(-1)  # the kernel's adjacent pairs
         assert float(pairs.max()) * 255 <= 32767, f"{c.up}: a carry row's pair needs {float(pairs.max()) * 255:.0f}"
+
+
+@pytest.mark.parametrize("dtype", [None, "bfloat16"])
+def test_patch_and_the_streamed_rewrite_write_the_same_carry(tmp_path, dtype):
+    """``normswap convert`` in memory (``patch``) and streamed (``--low-memory``, ``checkpoint.rewrite``) write the
+    same bits for every tensor, the two-scale carry's per-row entries included (computed from ``down``'s real
+    rows in float32, ``c2`` in float64, cast once), in float32 and in bfloat16; the streamed float32 carry is
+    the two-scale one and exact in float64."""
+    from safetensors.torch import load_file
+
+    from tests.streaming_models import MODELS as STREAMING_MODELS
+
+    cls, config = STREAMING_MODELS["bert"]()
+    torch.manual_seed(0)
+    source = randomise(cls(config)).float().eval()  # a float32 checkpoint, as published
+    source.save_pretrained(tmp_path / "src")
+    options = {"mode": "exact", **({"dtype": dtype} if dtype else {})}
+    normswap.convert(tmp_path / "src", tmp_path / "mem", low_memory=False, **options)
+    report = normswap.convert(tmp_path / "src", tmp_path / "low", low_memory=True, **options)
+    assert report.streamed
+    mem, low = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("mem", "low"))
+    assert sorted(mem) == sorted(low)
+    assert not [k for k in mem if mem[k].dtype != low[k].dtype or not torch.equal(mem[k], low[k])]
+    loaded = normswap.load(tmp_path / "low", dtype=torch.float64).eval()
+    carries = normswap.plan_of(loaded).mean_carries
+    assert len(carries) == config.num_hidden_layers
+    if dtype is None:
+        for c in carries:
+            _assert_two_scale_carry(loaded.get_submodule(c.up).weight.detach().double(),
+                                    loaded.get_submodule(c.down).weight.detach().double(), c, atol=1e-9)
+        original = tf.BertForMaskedLM.from_pretrained(tmp_path / "src", dtype=torch.float64)
+        assert _fp64_error(original.eval(), loaded) <= 1e-6  # float32 weights, float64 arithmetic
+
+
+@pytest.mark.parametrize("intermediate, multiple, width", [(64, 8, 72), (64, 1, 72), (68, 8, 80), (61, 8, 72)])
+def test_the_carry_takes_eight_neurons_and_the_next_multiple_past_them(intermediate, multiple, width):
+    """Eight carry neurons (round 65; four before): the widened width is the next multiple of ``carry_multiple``
+    with room for them. A width that is a multiple of 8 grows by 8 as with four neurons (64 -> 72); ``carry_multiple``
+    1 adds exactly 8; a width 1-4 past a multiple of 8 takes one more block than four neurons did (68 -> 80, was
+    72). Planning only: the plan records what ``patch`` and the streamed rewrite will widen."""
+    torch.manual_seed(0)
+    model = randomise(tf.BertModel(tf.BertConfig(**{**LLM, "intermediate_size": intermediate})))
+    carries = normswap.plan(model, carry_multiple=multiple).mean_carries
+    assert len(carries) == 2
+    assert all(c.hidden == intermediate and c.hidden + c.added == width for c in carries)
+    assert all(c.added >= MeanCarry.NEURONS == 8 for c in carries)
