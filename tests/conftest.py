@@ -102,7 +102,8 @@ SHARED_WORK = {
                     "tests/rotation/test_rotate_checkpoint.py", "tests/checkpoint/test_faults.py",
                     "tests/recipes/test_recipe_fsdp.py", "tests/checkpoint/test_checkpoint.py",
                     "tests/checkpoint/test_hub_cache.py", "tests/integrations/test_peft_adapter_bases_files.py",
-                    "tests/recipes/test_example_script.py"),
+                    "tests/recipes/test_example_script.py", "tests/recipes/test_recipe_distributed.py",
+                    "tests/test_interrupts.py"),
     "onnx-exports": ("tests/integrations/test_onnx_export.py", "tests/integrations/test_onnx_fusion.py"),
 }
 _GROUP_OF = {path: group for group, paths in SHARED_WORK.items() for path in paths}

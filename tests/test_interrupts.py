@@ -249,15 +249,20 @@ def test_a_fine_tune_says_which_checkpoint_to_resume_from(tmp_path):
 
 
 @pytest.mark.slow
-def test_an_interrupted_fine_tune_names_the_checkpoint_it_can_resume_from(tmp_path):
+def test_an_interrupted_fine_tune_names_the_checkpoint_it_can_resume_from(tmp_path, warm_python):
+    """``python -m normswap finetune`` interrupted in its training loop. The command runs as a child of the warm
+    fork server (``tests/warm_python.py``: a new process that has imported torch and transformers, not normswap;
+    the interrupt lands after two checkpoints, long after any import), ended by the interpreter's own shutdown."""
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("\n".join(f"the fox {i % 7} jumps over the dog {i % 5} by the river" for i in range(400)) + "\n")
     run = tmp_path / "run"
-    p = subprocess.Popen([sys.executable, "-m", "normswap", "finetune", "distill-causal-lm", "model.source=tiny-gpt2",
-                          f"data.path={corpus}", "train.steps=100000", "checkpoint.every=2", "log.plot=false",
-                          "log.progress_bar=false", "data.max_documents=200", "data.batch_size=4",
-                          f"output.dir={run}"],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=tmp_path)
+    # OpenMP read its thread count when the server imported torch: the child sets the one thread itself
+    code = ("import torch, runpy\ntorch.set_num_threads(1)\n"
+            "runpy.run_module('normswap', run_name='__main__', alter_sys=True)\n")
+    p = warm_python.start(code, "finetune", "distill-causal-lm", "model.source=tiny-gpt2", f"data.path={corpus}",
+                          "train.steps=100000", "checkpoint.every=2", "log.plot=false", "log.progress_bar=false",
+                          "data.max_documents=200", "data.batch_size=4", f"output.dir={run}", cwd=tmp_path,
+                          timeout=600)
     deadline = time.monotonic() + 300
     while p.poll() is None and not list(run.glob("checkpoints/step-*/trainer_state.json")):
         assert time.monotonic() < deadline

@@ -120,6 +120,8 @@ def serve(path: str, modules: list[str]) -> None:
             raise SystemExit(_run_child(req))
         for fd in fds:
             os.close(fd)
+        if req.get("started"):  # the caller asked for the child's pid first (WarmPython.start), to signal it
+            conn.send(f"pid {pid}".encode())
         timer = threading.Timer(req["timeout"], os.kill, (pid, signal.SIGKILL))
         timer.start()
         _, status = os.waitpid(pid, 0)  # reaped here: its CPU time joins the server's children's
@@ -138,6 +140,46 @@ def hf_home_env(environ: Mapping[str, str], hf_home: str | os.PathLike) -> dict[
     removed."""
     env = {k: v for k, v in environ.items() if not k.startswith(("HF_", "HUGGINGFACE_")) or k in KEPT_HF}
     return {**env, "HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1"}
+
+
+class WarmChild:
+    """A child of the server started by :meth:`WarmPython.start`: ``pid``, ``poll``, ``send_signal``,
+    ``communicate`` and ``returncode`` as :class:`subprocess.Popen` has them (text outputs)."""
+
+    def __init__(self, pid: int, conn: socket.socket, out, err) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+        self._conn, self._out, self._err = conn, out, err
+
+    def _ended(self, timeout: float | None) -> bool:
+        if self.returncode is None:
+            self._conn.settimeout(timeout)
+            try:
+                reply = self._conn.recv(16)  # the server sends the exit status once it has reaped the child
+            except (BlockingIOError, TimeoutError):
+                return False
+            self._conn.close()
+            self.returncode = int(reply) if reply else -1
+        return True
+
+    def poll(self) -> int | None:
+        self._ended(0)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, str]:
+        """Wait for the child (``subprocess.TimeoutExpired`` after ``timeout`` s) and return its stdout, stderr."""
+        if not self._ended(timeout):
+            raise subprocess.TimeoutExpired(["<warm python>"], timeout)
+        texts = []
+        for f in (self._out, self._err):
+            f.seek(0)
+            texts.append(f.read().decode(errors="replace"))
+            f.close()
+        return texts[0], texts[1]
 
 
 class WarmPython:
@@ -162,19 +204,26 @@ class WarmPython:
         gives it. On ``timeout`` the child is killed (exit code -9). ``env``: variables set in the child before
         the code runs, for variables that only code the child imports itself reads (``NORMSWAP_*``), never one
         that a preloaded module read at import (``HF_*``)."""
+        child = self.start(code, *args, cwd=cwd, env=env, timeout=timeout)
+        stdout, stderr = child.communicate()
+        return subprocess.CompletedProcess(["<warm python>", "-c", code, *args], child.returncode, stdout, stderr)
+
+    def start(self, code: str, *args: str, cwd: str | os.PathLike | None = None, env: dict[str, str] | None = None,
+              timeout: float = 300) -> WarmChild:
+        """:meth:`run` without waiting: the running child (its ``pid``, to signal it), as ``subprocess.Popen`` with
+        both outputs piped would give it. The server serves nothing else until this child has ended."""
         req = {"code": code, "args": list(args), "cwd": str(cwd or os.getcwd()), "env": dict(env or {}),
-               "timeout": timeout}
-        with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err, open(os.devnull) as devnull:
+               "timeout": timeout, "started": True}
+        out, err = tempfile.TemporaryFile(), tempfile.TemporaryFile()
+        with open(os.devnull) as devnull:
             s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
             s.connect(self.socket)
             socket.send_fds(s, [json.dumps(req).encode()], [devnull.fileno(), out.fileno(), err.fileno()])
-            reply = s.recv(16)
+        reply = s.recv(32).decode()
+        if not reply.startswith("pid "):
             s.close()
-            out.seek(0)
-            err.seek(0)
-            return subprocess.CompletedProcess(
-                ["<warm python>", "-c", code, *args], int(reply) if reply else -1,
-                out.read().decode(errors="replace"), err.read().decode(errors="replace"))
+            raise RuntimeError(f"warm_python: the server did not start the child ({reply!r})")
+        return WarmChild(int(reply[4:]), s, out, err)
 
     @contextlib.contextmanager
     def hub_cache(self) -> Iterator[Path]:

@@ -9,6 +9,9 @@ The DDP launch is made once (module fixture ``ddp_run``) and read by two tests: 
 behaviour, and data parallelism itself (sharded batches, reduced metrics, progressive swaps broadcast
 from rank 0, which until round 60 had a torchrun launch of its own in test_recipe_distill.py: the same
 ``MULTI_CPU`` process group over gloo, the same code in normswap, one more pair of interpreters).
+
+The launcher itself runs as a child of the warm fork server (``tests/warm_python.py``, round 65); the two
+processes it launches are fresh interpreters, as ``accelerate launch`` starts them.
 """
 
 from __future__ import annotations
@@ -16,7 +19,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -28,16 +30,22 @@ ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "recipes" / "distill-masked-lm.yaml"
 
 
-def _launch(config: str, out: Path, source: Path, corpus: Path, *extra: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-           str(ROOT / "recipes" / "accelerate" / config), "--num_processes", "2", "-m", "normswap.recipes",
-           str(RECIPE), f"model.source={source}", f"data.path={corpus}", f"output.dir={out}", "train.steps=6",
-           "train.warmup_steps=1", "data.seq_len=32", "data.batch_size=8", "data.eval_batch_size=32",
-           "eval.every=3", "log.every=3", "checkpoint.every=3", "log.plot=false", *extra]
+# ``python -m accelerate.commands.launch`` as a child of the warm fork server (``tests/warm_python.py``): the
+# launcher's own interpreter start (torch and accelerate imported before it parses its arguments, ~3.5 CPU s a
+# launch) is not what these tests are about; the two processes it launches are fresh interpreters as before
+# (torch's elastic agent starts ``sys.executable -m normswap.recipes`` for each), with the environment set here
+LAUNCHER = "import runpy\nrunpy.run_module('accelerate.commands.launch', run_name='__main__', alter_sys=True)\n"
+
+
+def _launch(warm, config: str, out: Path, source: Path, corpus: Path, *extra: str) -> subprocess.CompletedProcess:
+    args = ["--config_file", str(ROOT / "recipes" / "accelerate" / config), "--num_processes", "2", "-m",
+            "normswap.recipes", str(RECIPE), f"model.source={source}", f"data.path={corpus}", f"output.dir={out}",
+            "train.steps=6", "train.warmup_steps=1", "data.seq_len=32", "data.batch_size=8",
+            "data.eval_batch_size=32", "eval.every=3", "log.every=3", "checkpoint.every=3", "log.plot=false", *extra]
     # no accelerator visible, whatever the machine has: the CPU-only path is the one under test
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1",
+    env = {"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240, cwd=out.parent)
+    return warm.run(LAUNCHER, *args, env=env, timeout=240, cwd=out.parent)
 
 
 def _our_lines(text: str) -> list[str]:
@@ -73,20 +81,20 @@ PROGRESSIVE = ("convert.mode=exact", "progressive.enabled=true", "progressive.gr
 
 
 @pytest.fixture(scope="module")
-def ddp_run(tiny_bert, corpus, tmp_path_factory):
+def ddp_run(tiny_bert, corpus, tmp_path_factory, warm_python):
     """One two-process launch of the shipped DDP config with progressive swapping:
     ``(CompletedProcess, out)``."""
     out = tmp_path_factory.mktemp("ddp") / "run"
-    return _launch("ddp.yaml", out, tiny_bert, corpus, *PROGRESSIVE), out
+    return _launch(warm_python, "ddp.yaml", out, tiny_bert, corpus, *PROGRESSIVE), out
 
 
-def test_ddp_config_on_two_cpu_processes(ddp_run, tiny_bert, corpus):
+def test_ddp_config_on_two_cpu_processes(ddp_run, tiny_bert, corpus, warm_python):
     proc, out = ddp_run
     _check_run(proc, out)
     written = sorted(p.name for p in (out / "model").iterdir())
 
     # a second launch into the same directory is refused once, before anything is touched
-    again = _launch("ddp.yaml", out, tiny_bert, corpus)
+    again = _launch(warm_python, "ddp.yaml", out, tiny_bert, corpus)
     assert again.returncode == 1  # the launcher's code for a failed process (each exits 2: a usage error)
     errors = [line for line in _our_lines(again.stderr) if line.startswith("error:")]
     assert len(errors) == 1 and "already holds a run" in errors[0], again.stderr[-3000:]
@@ -111,9 +119,9 @@ def test_two_process_data_parallel_on_cpu(ddp_run):
 
 
 @pytest.mark.slow
-def test_fsdp_config_on_two_cpu_processes(tiny_bert, corpus, tmp_path):
+def test_fsdp_config_on_two_cpu_processes(tiny_bert, corpus, tmp_path, warm_python):
     """FSDP needs an accelerator: on CPU the config runs as data parallelism, says so once, and ends."""
     out = tmp_path / "run"
-    proc = _launch("fsdp.yaml", out, tiny_bert, corpus, "train.mixed_precision=no")
+    proc = _launch(warm_python, "fsdp.yaml", out, tiny_bert, corpus, "train.mixed_precision=no")
     _check_run(proc, out)
     assert "FSDP needs a GPU" in proc.stdout

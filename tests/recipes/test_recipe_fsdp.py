@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -76,25 +75,24 @@ def test_fsdp2_run_matches_a_single_process_run(tiny_gpt2, corpus, tmp_path, war
 
 
 @pytest.mark.slow
-def test_two_process_fsdp2_saves_the_gathered_shards(tiny_gpt2, corpus, tmp_path):
+def test_two_process_fsdp2_saves_the_gathered_shards(tiny_gpt2, corpus, tmp_path, warm_python):
     """Two processes, each holding half of every weight: the saved model is the full gather, equal to
     what accelerate's sharded checkpoint of the last step holds."""
-    import shutil
-
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    torchrun = shutil.which("torchrun")
-    if torchrun is None:
-        pytest.skip("torchrun not on PATH")
     out = tmp_path / "fsdp2"
-    cmd = [torchrun, "--standalone", "--nproc_per_node", "2", str(Path(__file__).with_name("fsdp_cpu.py")),
-           str(RECIPE), f"model.source={tiny_gpt2}", f"data.path={corpus}", f"output.dir={out}", "train.steps=2",
-           "train.warmup_steps=1", "train.lr=1e-3", "data.seq_len=32", "data.batch_size=8",
-           "data.eval_batch_size=16", "eval.every=2", "log.every=1", "log.progress_bar=false", "log.plot=false",
-           "checkpoint.every=2"]
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1",
+    args = ["--standalone", "--nproc_per_node", "2", str(Path(__file__).with_name("fsdp_cpu.py")),
+            str(RECIPE), f"model.source={tiny_gpt2}", f"data.path={corpus}", f"output.dir={out}", "train.steps=2",
+            "train.warmup_steps=1", "train.lr=1e-3", "data.seq_len=32", "data.batch_size=8",
+            "data.eval_batch_size=16", "eval.every=2", "log.every=1", "log.progress_bar=false", "log.plot=false",
+            "checkpoint.every=2"]
+    env = {"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    # ``torchrun`` (the console script's entry point, ``torch.distributed.run:main``) as a child of the warm fork
+    # server: the launcher's own interpreter start is not under test; the two processes its elastic agent starts
+    # (``sys.executable -u fsdp_cpu.py ...``) are fresh interpreters as before, with the environment set here
+    torchrun = "import sys\nfrom torch.distributed.run import main\nsys.argv[0] = 'torchrun'\nmain()\n"
+    proc = warm_python.run(torchrun, *args, env=env, timeout=300, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert sum(line.startswith("done:") for line in proc.stdout.splitlines()) == 1, proc.stdout
     shards = out / "checkpoints" / "step-000002" / "pytorch_model_fsdp_0"
