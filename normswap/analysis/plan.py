@@ -328,8 +328,7 @@ class MeanCarry:
     # the relative margin kept from a per-tensor rounding boundary (the quantizers' float32 steps, the
     # conversion's centered readers moving ``up``'s range: 0-3% on MiniLM and all-mpnet-base-v2, 9% once)
     GAIN_MARGIN = 0.03
-    # scales whose worst per-tensor gain error is within this of the best count as equal (then the ``up`` rows'
-    # own rounding decides, then the widest)
+    # scales whose asymmetric per-tensor gain error is within this of the best count as equal (then the widest)
     GAIN_TIE = 0.01
     # the scales tried between the whole-step start and the row limit (log-spaced)
     GAIN_STEPS = 1024
@@ -347,49 +346,49 @@ class MeanCarry:
                 ranges: tuple[tuple[float, float], tuple[float, float]]) -> float:
         """The ``x = s·step`` (``step``: ``down``'s symmetric per-tensor int8 step) in ``[x0, x_row]`` for the carry:
         of the scales whose gain after symmetric int8 per-tensor rounding of both matrices is no further from 1
-        than at ``x0`` (whole steps), those whose gain after *asymmetric uint8* per-tensor rounding is within
-        :attr:`GAIN_TIE` of the best; of these, those whose ``up`` rows alone round best on both grids (within
-        :attr:`GAIN_TIE`); of these, the widest. Every gain is taken at ``x`` and ``x·(1 ± GAIN_MARGIN)``.
-        ``ranges``: ``up``'s and ``down``'s ``(min, max)``.
+        than at ``x0`` (whole steps: the rule before round 65), those whose gain after *asymmetric uint8*
+        per-tensor rounding, of both matrices or of the ``up`` rows alone, is within :attr:`GAIN_TIE` of the best;
+        of these, the widest. Every gain is taken at ``x`` and ``x·(1 ± GAIN_MARGIN)``. ``ranges``: ``up``'s and
+        ``down``'s ``(min, max)``.
 
         The carry's entries are ``ρ = s/d`` in ``up`` and ``c = 1/s`` in ``down`` (``ρ·c·d = 1``); after rounding
         the gain is ``round(ρ/a)·round(c/b)·a·b·d`` for ``up``'s step ``a`` and ``down``'s ``b``, piecewise
         constant in ``x``. The symmetric grid (step ``max|w|/127``: ONNX Runtime's U8S8 default, static QDQ)
         and the asymmetric one (``[min(w,0), max(w,0)]`` in 255 steps, a whole zero point: ``weight_type=
         QUInt8``, U8U8, ONNX Runtime's remedy for x86 CPUs without VNNI) have different steps, so a scale
-        chosen for one lands anywhere on the other: before round 65 only the symmetric gain was kept, and on
-        the asymmetric grid all-MiniLM-L6-v2's first carry kept 0.70 of the mean (the model's U8U8 per-tensor
-        error in ONNX Runtime 1.074× the original's; with this choice the gain error is 0.04 and the error
-        1.003×, 256 texts). Within a piece a larger ``s`` costs per tensor nothing and spans more of the
-        intermediate's uint8 steps, whose rounding
-        the carry returns times ``1/s`` in the mean direction the RMSNorm keeps: hence the widest last.
+        chosen for one lands anywhere on the other: with the symmetric gain alone kept, all-MiniLM-L6-v2's
+        first carry kept 0.70 of the mean on the asymmetric grid (the model's U8U8 per-tensor error in ONNX
+        Runtime 1.074× the original's; now 0.96 of the mean and the error 1.004×, 256 texts). ``up`` alone counts because a quantizer
+        may round ``up`` per tensor and leave ``down`` float (all-mpnet-base-v2 in U8U8 with its FFN-output
+        projections float: the carry's ``up`` rows cost 1.67× the original's error; a rule on both matrices'
+        asymmetric gain alone took it to 2.2×). Within a piece a larger ``s`` costs per tensor nothing and
+        spans more of the intermediate's uint8 steps, whose rounding the carry returns times ``1/s`` in the
+        mean direction the RMSNorm keeps: hence the widest last.
         """
         if x_row <= x0:
             return x0
         (u_lo, u_hi), (d_lo, d_hi) = ranges
         m = MeanCarry.GAIN_MARGIN
 
-        def errors(x: float) -> tuple[float, float, float]:
-            """The worst gain errors at ``x`` (and ``x`` moved by the margin): symmetric, asymmetric, ``up`` alone."""
-            out = [0.0, 0.0, 0.0]
+        def errors(x: float) -> tuple[float, float]:
+            """The worst gain errors at ``x`` (and ``x`` moved by the margin): symmetric of both matrices;
+            asymmetric of both matrices or of the ``up`` rows alone, whichever is larger."""
+            out = [0.0, 0.0]
             for f in (1 - m, 1.0, 1 + m):
                 rho, col = x * f / (d * step), step / (x * f)
                 for g in (0, 1):  # symmetric int8, asymmetric uint8
                     a = MeanCarry._grid_steps(u_lo, u_hi, rho)[g]
                     b = MeanCarry._grid_steps(d_lo, d_hi, col)[g]
                     gu = round(rho / a) * a / rho
-                    out[g] = max(out[g], abs(gu * round(col / b) * b / col - 1))
-                    out[2] = max(out[2], abs(gu - 1))
-            return out[0], out[1], out[2]
+                    out[g] = max(out[g], abs(gu * round(col / b) * b / col - 1), abs(gu - 1) if g else 0.0)
+            return out[0], out[1]
 
-        n, tie = MeanCarry.GAIN_STEPS, MeanCarry.GAIN_TIE
+        n = MeanCarry.GAIN_STEPS
         xs = [x0 * (x_row / x0) ** (i / n) for i in range(n + 1)]
         errs = [errors(x) for x in xs]
         keep = [(x, e) for x, e in zip(xs, errs, strict=True) if e[0] <= errs[0][0] + 1e-9]  # x0 is one: never empty
-        best = min(e[1] for _, e in keep) + tie
-        keep = [(x, e) for x, e in keep if e[1] <= best]
-        best = min(e[2] for _, e in keep) + tie
-        return max(x for x, e in keep if e[2] <= best)
+        best = min(e[1] for _, e in keep) + MeanCarry.GAIN_TIE
+        return max(x for x, e in keep if e[1] <= best)
 
 
 def _float32(v: float) -> float:
