@@ -360,9 +360,9 @@ class MeanCarry:
         first carry kept 0.70 of the mean on the asymmetric grid (the model's U8U8 per-tensor error in ONNX
         Runtime 1.074× the original's; now 0.96 of the mean and the error 1.004×, 256 texts). ``up`` alone
         counts because a quantizer may round ``up`` per tensor and leave ``down`` float (all-mpnet-base-v2 in
-        U8U8 with its FFN-output projections float: the carry's ``up`` rows cost 1.67× the original's error; a rule on both matrices'
-        asymmetric gain alone took it to 2.2×). Within a piece a larger ``s`` costs per tensor nothing and
-        spans more of the intermediate's uint8 steps, whose rounding the carry returns times ``1/s`` in the
+        U8U8 with its FFN-output projections float: the carry's ``up`` rows cost 1.67× the original's error;
+        a rule on both matrices' asymmetric gain alone took it to 2.2×). Within a piece a larger ``s`` costs
+        per tensor nothing and spans more of the intermediate's uint8 steps, whose rounding the carry returns times ``1/s`` in the
         mean direction the RMSNorm keeps: hence the widest last.
         """
         if x_row <= x0:
