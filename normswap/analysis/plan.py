@@ -362,8 +362,8 @@ class MeanCarry:
         counts because a quantizer may round ``up`` per tensor and leave ``down`` float (all-mpnet-base-v2 in
         U8U8 with its FFN-output projections float: the carry's ``up`` rows cost 1.67× the original's error;
         a rule on both matrices' asymmetric gain alone took it to 2.2×). Within a piece a larger ``s`` costs
-        per tensor nothing and spans more of the intermediate's uint8 steps, whose rounding the carry returns times ``1/s`` in the
-        mean direction the RMSNorm keeps: hence the widest last.
+        per tensor nothing and spans more of the intermediate's uint8 steps, whose rounding the carry returns
+        times ``1/s`` in the mean direction the RMSNorm keeps: hence the widest last.
         """
         if x_row <= x0:
             return x0
