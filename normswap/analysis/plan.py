@@ -7,6 +7,7 @@ manifest, from which loading re-applies the structural edits without re-running 
 from __future__ import annotations
 
 import math
+import struct
 import textwrap
 from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
@@ -356,7 +357,8 @@ class MeanCarry:
           no further from 1) costs per tensor no gain and makes the activations' rounding, divided by ``s``,
           smaller on every grid: on all-mpnet-base-v2 ``s`` grows 1.0-1.9× and ONNX Runtime's per-channel
           dynamic int8 error falls from 1.048 to 0.976× the original's (per tensor 0.902 → 0.948, still
-          below the original; cause open). Per channel the columns
+          below the original; cause open). The same holds on the asymmetric uint8 grid (U8U8) with other
+          steps, so :meth:`_widest` keeps both (round 65). Per channel the columns
           are off each row's grid at any ``s``, and their rounding grows with ``s``: a weight-only
           per-channel quantizer, which rounds no activations, pays it alone (NNCF int8 weights on
           all-mpnet-base-v2: 1.080 → 1.115).
@@ -380,42 +382,83 @@ class MeanCarry:
         # s = 1/(k·step) with s/√d <= share·longest  <=>  k >= 1/(√d·share·longest·step)
         x_row = math.sqrt(d) * MeanCarry.ROW_NORM_SHARE * longest * step  # the row limit, as s·step
         k = max(1, min(k_most, math.ceil(1 / x_row * (1 - 1e-12))))
-        u_peak = float(up_weight.detach().abs().max().float())
+        u = up_weight.detach()
+        u_peak = float(u.abs().max().float())
         if u_peak <= 0:
             return 1.0 / (k * step)
-        return MeanCarry._widest(1.0 / k, x_row, d * step * u_peak / 127) / step
+        dw = down_weight.detach()
+        ranges = ((float(u.min().float()), float(u.max().float())), (float(dw.min().float()), float(dw.max().float())))
+        return MeanCarry._widest(1.0 / k, x_row, d, step, ranges) / step
 
     # the relative margin kept from a per-tensor rounding boundary (the quantizers' float32 steps, the
-    # conversion's centered readers moving ``up``'s range by a few %)
+    # conversion's centered readers moving ``up``'s range: 0-3% on MiniLM and all-mpnet-base-v2, 9% once)
     GAIN_MARGIN = 0.03
+    # scales whose asymmetric per-tensor gain error is within this of the best count as equal (then the widest)
+    GAIN_TIE = 0.01
+    # the scales tried between the whole-step start and the row limit (log-spaced)
+    GAIN_STEPS = 1024
 
     @staticmethod
-    def _widest(x0: float, x_row: float, inv_p: float) -> float:
-        """The largest ``x = s·step_down`` in ``[x0, x_row]`` whose carry gain after per-tensor rounding is no
-        further from 1 than at ``x0`` (the whole-step choice), with :attr:`GAIN_MARGIN` from every boundary.
+    def _grid_steps(lo: float, hi: float, extra: float) -> tuple[float, float]:
+        """The symmetric int8 step (``max|w|/127``) and the asymmetric uint8 step (``[min(w,0), max(w,0)]`` in
+        255: ONNX Runtime's ``QUInt8`` weights) of a tensor spanning ``[lo, hi]`` once entries ``±extra`` are
+        added (the carry's), in float32 as the quantizers store them."""
+        lo, hi = min(lo, -extra, 0.0), max(hi, extra, 0.0)
+        return _float32(max(-lo, hi) / 127), _float32((hi - lo) / 255)
 
-        After per-tensor rounding of both matrices the carry's gain is ``round(P·x)·round(1/x)/P``
-        (``P = 1/inv_p = 1/(d·step_down·step_up)``: ``up``'s entries ``s/d`` are ``P·x`` steps, ``down``'s
-        ``1/s`` are ``1/x``), piecewise constant in ``x``. Within a piece a larger ``s`` costs per tensor
-        nothing and spans more of the intermediate's uint8 steps, whose rounding the carry returns times
-        ``1/s`` in the mean direction the RMSNorm keeps (the per-channel grid's largest cost, where ``down``'s
-        whole steps are no longer exact anyway).
+    @staticmethod
+    def _widest(x0: float, x_row: float, d: int, step: float,
+                ranges: tuple[tuple[float, float], tuple[float, float]]) -> float:
+        """The ``x = s·step`` (``step``: ``down``'s symmetric per-tensor int8 step) in ``[x0, x_row]`` for the carry:
+        of the scales whose gain after symmetric int8 per-tensor rounding of both matrices is no further from 1
+        than at ``x0`` (whole steps: the rule before round 65), those whose gain after *asymmetric uint8*
+        per-tensor rounding, of both matrices or of the ``up`` rows alone, is within :attr:`GAIN_TIE` of the best;
+        of these, the widest. Every gain is taken at ``x`` and ``x·(1 ± GAIN_MARGIN)``. ``ranges``: ``up``'s and
+        ``down``'s ``(min, max)``.
+
+        The carry's entries are ``ρ = s/d`` in ``up`` and ``c = 1/s`` in ``down`` (``ρ·c·d = 1``); after rounding
+        the gain is ``round(ρ/a)·round(c/b)·a·b·d`` for ``up``'s step ``a`` and ``down``'s ``b``, piecewise
+        constant in ``x``. The symmetric grid (step ``max|w|/127``: ONNX Runtime's U8S8 default, static QDQ)
+        and the asymmetric one (``[min(w,0), max(w,0)]`` in 255 steps, a whole zero point: ``weight_type=
+        QUInt8``, U8U8, ONNX Runtime's remedy for x86 CPUs without VNNI) have different steps, so a scale
+        chosen for one lands anywhere on the other: with the symmetric gain alone kept, all-MiniLM-L6-v2's
+        first carry kept 0.70 of the mean on the asymmetric grid (the model's U8U8 per-tensor error in ONNX
+        Runtime 1.074× the original's; now 0.96 of the mean and the error 1.004×, 256 texts). ``up`` alone
+        counts because a quantizer may round ``up`` per tensor and leave ``down`` float (all-mpnet-base-v2 in
+        U8U8 with its FFN-output projections float: the carry's ``up`` rows cost 1.67× the original's error;
+        a rule on both matrices' asymmetric gain alone took it to 2.2×). Within a piece a larger ``s`` costs
+        per tensor nothing and spans more of the intermediate's uint8 steps, whose rounding the carry returns
+        times ``1/s`` in the mean direction the RMSNorm keeps: hence the widest last.
         """
-        def gain_error(x: float) -> float:
-            return abs(round(x / inv_p) * round(1 / x) * inv_p - 1)
-
-        def safe(x: float) -> float:
-            return max(gain_error(x * f) for f in (1 - MeanCarry.GAIN_MARGIN, 1.0, 1 + MeanCarry.GAIN_MARGIN))
-
         if x_row <= x0:
             return x0
-        allowed = safe(x0) + 1e-9
-        best, steps = x0, 256
-        for i in range(1, steps + 1):
-            x = x0 * (x_row / x0) ** (i / steps)
-            if safe(x) <= allowed:
-                best = x
-        return best
+        (u_lo, u_hi), (d_lo, d_hi) = ranges
+        m = MeanCarry.GAIN_MARGIN
+
+        def errors(x: float) -> tuple[float, float]:
+            """The worst gain errors at ``x`` (and ``x`` moved by the margin): symmetric of both matrices;
+            asymmetric of both matrices or of the ``up`` rows alone, whichever is larger."""
+            out = [0.0, 0.0]
+            for f in (1 - m, 1.0, 1 + m):
+                rho, col = x * f / (d * step), step / (x * f)
+                for g in (0, 1):  # symmetric int8, asymmetric uint8
+                    a = MeanCarry._grid_steps(u_lo, u_hi, rho)[g]
+                    b = MeanCarry._grid_steps(d_lo, d_hi, col)[g]
+                    gu = round(rho / a) * a / rho
+                    out[g] = max(out[g], abs(gu * round(col / b) * b / col - 1), abs(gu - 1) if g else 0.0)
+            return out[0], out[1]
+
+        n = MeanCarry.GAIN_STEPS
+        xs = [x0 * (x_row / x0) ** (i / n) for i in range(n + 1)]
+        errs = [errors(x) for x in xs]
+        keep = [(x, e) for x, e in zip(xs, errs, strict=True) if e[0] <= errs[0][0] + 1e-9]  # x0 is one: never empty
+        best = min(e[1] for _, e in keep) + MeanCarry.GAIN_TIE
+        return max(x for x, e in keep if e[1] <= best)
+
+
+def _float32(v: float) -> float:
+    """``v`` rounded to float32, as a quantizer stores a scale (``struct``: no torch needed here)."""
+    return struct.unpack("f", struct.pack("f", v))[0]
 
 
 @dataclass

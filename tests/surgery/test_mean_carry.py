@@ -295,7 +295,9 @@ def test_carry_is_as_wide_as_its_per_tensor_gain_allows():
         up = model.get_submodule(c.up).weight.detach().double()
         real, step = down[:, :c.hidden], float(down[:, :c.hidden].abs().max()) / 127
         x = c.scale * step
-        assert 1.9 <= x <= 2 / (1 + MeanCarry.GAIN_MARGIN) * (1 + 1e-6), x  # wider than one whole step
+        # wider than one whole step (round 65: not the widest; where the symmetric gain allows, the scale whose
+        # asymmetric uint8 gain, then whose up rows, round best: tests/surgery/test_carry_gain.py)
+        assert 1 < x <= 2 / (1 + MeanCarry.GAIN_MARGIN) * (1 + 1e-6), x
         longest = float(original.get_submodule(c.up).weight.detach().norm(dim=1).max())
         assert c.scale / d ** 0.5 <= 0.5 * longest  # the carry row: at most half the longest real row
         g = _one_scale_gain(up[:c.hidden], real, c.scale, d)
