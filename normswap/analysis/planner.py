@@ -24,6 +24,7 @@ from torch import nn
 from normswap.analysis.attention import Route
 from normswap.analysis.linears import LinearView
 from normswap.analysis.plan import (
+    EXACT_VERDICTS,
     GAMMA_KEPT,
     RESIDUAL_HINT,
     BetaMove,
@@ -160,7 +161,7 @@ def analyse(model: nn.Module, graph: Graph, sites: list[NormSite], *, untie: boo
             fold_gamma: bool = False, per_norm_centering: bool = False,
             rms_norms: list[SkippedNorm] | None = None, mean_carry: bool = True, carry_multiple: int = 8,
             bias_slots: bool = False, layer_scale: str = "keep", keep_gamma: dict[str, str] | None = None,
-            stem_centering: str = "op", writer_centering: str = "weights") -> Plan:
+            stem_centering: str = "op", writer_centering: str = "weights", mode: str = "all") -> Plan:
     """Derive writers, readers, centering ops and a verdict for every NormSite.
 
     Verdict policy for centering ops: one op where a stream *starts* (its value depends on no
@@ -195,6 +196,11 @@ def analyse(model: nn.Module, graph: Graph, sites: list[NormSite], *, untie: boo
     asks for the fold only where it turns the stream (``normswap.rotation.rotate.unturned_norms``); the plan
     records the map as ``options["gamma_kept"]``.
 
+    ``mode`` (``"auto"``, ``"exact"`` or ``"all"``, as ``ConvertOptions.mode``): which norms will convert (exact ones
+    always, approximate ones in auto/all). Writers are centered, and centering ops kept, only for streams some
+    converted norm reads (:func:`_center_for_converted`): with ``"exact"``, a writer whose streams only norms kept as
+    LayerNorm read keeps the original's weights.
+
     The steps run in this order because each needs the previous ones' answers: centering ops are
     placed only for terms no weight edit centers, writer edits are committed only once the ops are
     known (an op may make one redundant), and a norm's verdict needs both its writers and its ops.
@@ -222,6 +228,7 @@ def analyse(model: nn.Module, graph: Graph, sites: list[NormSite], *, untie: boo
     _find_readers(st)
     for path, site in an.sites.items():
         st.plan.sites.append(_plan_site(st, path, site))
+    _center_for_converted(st, mode)
     st.plan.writer_edits = sorted(st.edits.values(), key=lambda e: e.target)
     _plan_rms_norms(st, rms_norms or [])
     _plan_lists(st)
@@ -779,6 +786,52 @@ def _commit_writer_edits(st: Planning) -> None:
                 st.edits.setdefault(e.target, e)
             for u in us:
                 st.unties.setdefault((u.module, u.attr), u)
+
+
+KEPT_WHY = "(left uncentered: only norms kept as LayerNorm read its stream)"
+
+
+def _center_for_converted(st: Planning, mode: str) -> None:
+    """Drop the writer edits and centering ops that serve only norms ``mode`` leaves as LayerNorm.
+
+    **Rule: a writer is centered only for a norm that converts.** A norm kept as the original's LayerNorm
+    (``mode="exact"`` leaves the approximate ones) computes ``LayerNorm(x − mean x) = LayerNorm(x)``: centering the
+    writers of its stream changes nothing it outputs, but it changes the raw stream (a model output) and the
+    writers' weights, which quantizers then round differently (NNCF int8 weights on all-mpnet-base-v2 with
+    ``--mode exact --no-mean-carry``: 1.056× the original's error with 50 writer tensors centered for the
+    Post-LN norms it keeps, docs/results/quantization.md, round 65). So an edit stays only if its target is among
+    the writer targets of some converted norm (a Pre-LN stream that one converted norm reads keeps every edit; a
+    mean carry's ``down`` writes the stream of the exact norm it serves); a centering op stays only if it reaches
+    some converted norm. Nothing changes where every norm the example inputs call converts (``"auto"``, ``"all"``,
+    or ``"exact"`` with no approximate norm): approximate norms under ``"all"`` keep their centered writers. The
+    verdicts do not change: a kept norm is approximate because of a term no edit centers, and a converted one
+    keeps every edit and op of its own stream. A kept norm's ``writer_targets`` keep only the edits that stay.
+    """
+    def converts(sp: SitePlan) -> bool:
+        return sp.verdict in EXACT_VERDICTS or (sp.verdict == "approximate" and mode in ("auto", "all"))
+
+    sites = st.plan.sites
+    if all(converts(sp) for sp in sites if sp.verdict != "skipped"):
+        return
+    needed = {t for sp in sites if converts(sp) for t in sp.writer_targets}
+    converted_calls = {c.id for c in st.an.site_calls if converts(next(sp for sp in sites if sp.name == c.path))}
+    st.hooks = {v: (h, reach) for v, (h, reach) in st.hooks.items() if set(reach.site_rows) & converted_calls}
+    st.edits = {t: e for t, e in st.edits.items() if t in needed}
+    unties: set[tuple[str, str]] = set()
+    for terms in st.site_terms.values():
+        for term in terms:
+            ok, _ = st.term_status[term.value]
+            if not ok:
+                continue
+            es, us = st.term_edits[term.value]
+            if any(e.target in st.edits for e in es):
+                unties |= {(u.module, u.attr) for u in us}
+            elif es:
+                st.term_status[term.value] = (False, f"{term.label} {KEPT_WHY}")
+    st.unties = {k: u for k, u in st.unties.items() if k in unties}
+    for sp in sites:
+        if not converts(sp):
+            sp.writer_targets = [t for t in sp.writer_targets if t in st.edits]
 
 
 def _find_readers(st: Planning) -> None:
