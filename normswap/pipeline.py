@@ -537,7 +537,8 @@ def analyse_copy(work: nn.Module, args: tuple, kwargs: dict, opts: ConvertOption
                        per_norm_centering=engine["per_norm_centering"], mean_carry=engine["mean_carry"],
                        carry_multiple=opts.carry_multiple, rms_norms=found.skipped, bias_slots=opts.bias_slots,
                        layer_scale=opts.layer_scale, keep_gamma=keep_gamma,
-                       writer_centering=engine["writer_centering"], mode=opts.mode, **chosen)
+                       writer_centering=engine["writer_centering"],
+                       mode="all" if opts.defer_approximate else opts.mode, **chosen)
 
     record = None
     if opts.quantizer is not None:

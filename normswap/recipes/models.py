@@ -169,7 +169,10 @@ def build_student(
                 "ignore"
             )  # approximate-site warnings: the metrics below say it with numbers
             # allow_unusable: recovering an unusable conversion is what the recipe is for
-            options = conv.options(mode=mode or conv.mode, calibration=calibration or None, allow_unusable=True)
+            # mode="exact" comes only from a progressive schedule, which swaps the approximate norms later:
+            # their writers are centered now (defer_approximate)
+            options = conv.options(mode=mode or conv.mode, defer_approximate=mode == "exact",
+                                   calibration=calibration or None, allow_unusable=True)
             report = normswap.patch(model, options=options)
         plan = (plan_of(model) or report.plan)
         attach_plan(model, plan)

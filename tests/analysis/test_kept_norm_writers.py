@@ -110,6 +110,21 @@ def test_mode_all_still_centers_the_approximate_norms_writers():
     assert all(sp.convert for sp in plan.sites)
 
 
+def test_deferred_approximate_norms_keep_their_writers_centered():
+    """``defer_approximate`` (the fine-tune recipe's progressive schedule: ``mode="exact"`` now, the approximate
+    norms swapped later): the writers are planned as under ``mode="all"`` while only the exact norms convert, and
+    the model still equals the original in float64 (a LayerNorm ignores its input's mean)."""
+    model = build(APPROXIMATE, "bert").double()
+    original = copy.deepcopy(model)
+    report = normswap.patch(model, options=normswap.ConvertOptions(mode="exact", defer_approximate=True))
+    every = normswap.plan(build(APPROXIMATE, "bert"), mode="all")
+    assert sorted(e.target for e in report.plan.writer_edits) == sorted(e.target for e in every.writer_edits)
+    assert [sp.name for sp in report.plan.sites if not sp.convert]  # the approximate ones wait for their swap
+    assert _fp64_error(original, model) < 1e-9
+    with pytest.raises(normswap.NormswapError, match="defer_approximate applies to mode='exact'"):
+        normswap.ConvertOptions(mode="all", defer_approximate=True)
+
+
 @pytest.fixture(scope="module")
 def bert_dir(tmp_path_factory):
     cls, config = tf.BertForMaskedLM, tf.BertConfig(hidden_size=32, num_hidden_layers=5, num_attention_heads=4,
