@@ -51,6 +51,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.compiler import is_dynamo_compiling
 
 from normswap.analysis.plan import ADAPTER_BASES_FILE, ADAPTER_VECTOR_FIELDS, REFUSE_ROTATED, Plan, plan_of
 from normswap.errors import NormswapError
@@ -936,7 +937,7 @@ class OpsGuard:
         return not self.dirty and tuple(map(dict.get, self.dicts, self.names)) == self.modules
 
     def __call__(self, model: nn.Module, args: tuple) -> None:
-        if torch.compiler.is_compiling():
+        if is_dynamo_compiling():  # (False in eager: one call, ~50 ns)
             # Traced by Dynamo: the comparison runs as Python at trace time (:func:`_intact`, a constant to Dynamo),
             # so none of the guard's references (the hook dictionaries and hooks the model's own modules lead to as
             # well) is wrapped a second time, which made Dynamo build a Python object-aliasing guard per op
