@@ -51,6 +51,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.compiler import is_dynamo_compiling
 
 from normswap.analysis.plan import ADAPTER_BASES_FILE, ADAPTER_VECTOR_FIELDS, REFUSE_ROTATED, Plan, plan_of
 from normswap.errors import NormswapError
@@ -719,7 +720,9 @@ class OpsGuard:
     module that runs an online op still runs it, where the model's modules lead. A swap (``setattr`` or a write
     into ``_modules``, with or without another reference to the old module), a ``_modules`` replaced whole, a deep
     copy (the copy's guard watches the copy's modules: ``copy.deepcopy`` maps them), a trace by ``torch.compile``
-    (Dynamo evaluates the comparison while tracing and guards on it, so a swap after compiling recompiles) and an
+    (Dynamo evaluates the comparison while tracing, as a constant since round 65, and guards on the flag, the
+    layout's version and each op module's hook dictionary by id and length, so an edit after compiling
+    recompiles) and an
     op's hook removed from a module that stays (``handle.remove()``, ``_forward_pre_hooks.clear()``, the hook
     dictionary replaced whole) all meet it.
 
@@ -742,10 +745,11 @@ class OpsGuard:
         self.names: tuple[Any, ...] = ()
         self.modules: tuple[Any, ...] = ()
         self.dirty = False  # a watched module on the way to an op was replaced without it: check at the next call
+        self.version = 0  # bumped by _set: a compiled call guards on it (an int reached by one path)
 
     def __getstate__(self) -> dict:
         """Entries with their dictionaries (not weak references: a copy maps them to its own), no derived tuples."""
-        state = {k: v for k, v in self.__dict__.items() if k not in ("dicts", "names", "modules")}
+        state = {k: v for k, v in self.__dict__.items() if k not in ("dicts", "names", "modules", "slots", "loose")}
         # a slot entry is read again from its owner's __dict__ (a module's own __getstate__ may differ from it)
         state["entries"] = [(None if e[1] in HOOK_SLOTS else _target(e), *e[1:]) for e in self.entries
                             if _target(e) is not None]
@@ -786,8 +790,16 @@ class OpsGuard:
 
     def _set(self, entries: list[tuple]) -> None:
         self.entries = entries
+        self.version = getattr(self, "version", 0) + 1  # what a compiled call guards on (an int, one path)
         checked = [e for e in entries if e[5]]
         self.dicts, self.names, self.modules = (tuple(e[i] for e in checked) for i in range(3))
+        # what a compiled call reads (:meth:`__call__`): per op module, its hook dictionary by its slot in the
+        # module's __dict__, compared by id, and the op's keys in it (no hook and no hook dictionary held a second
+        # time, so Dynamo reaches each by one path); any other checked entry by its key
+        slots = [e for e in checked if e[1] in HOOK_SLOTS]
+        under = {id(e[2]) for e in slots}
+        self.slots = tuple((e[0], e[1], id(e[2]), len(e[2])) for e in slots)
+        self.loose = tuple((e[0], e[1]) for e in checked if e[1] not in HOOK_SLOTS and id(e[0]) not in under)
 
     def _edge(self, d: dict, name: str, child: Any, owner: nn.Module, at: str) -> tuple:
         """The entry for ``d[name]`` (``d``: ``owner``'s ``_modules``): a watched one held weakly and told of
@@ -908,10 +920,42 @@ class OpsGuard:
         except Exception:  # noqa: BLE001 - a compile callback must not break the compilation
             self.dirty = True
 
+    def _compiled_keys(self) -> bool:
+        """What Dynamo guards on for a compiled call (traced, always True where :meth:`intact` is): each op
+        module's hook dictionary still the one recorded (by id) and holding the op's keys, any other checked entry's
+        key present. A hook removed or a hook dictionary replaced after compiling then recompiles, and the
+        recompilation's trace refuses."""
+        for owner, slot, kept, count in self.slots:
+            hooks = dict.get(owner, slot)
+            if id(hooks) != kept or len(hooks) != count:
+                return False
+        return all(k in d for d, k in self.loose)
+
+    def intact(self) -> bool:
+        """Whether nothing the guard watches changed since it last watched: one tuple of ``dict.get`` compared by
+        identity with what was recorded, and the flag."""
+        return not self.dirty and tuple(map(dict.get, self.dicts, self.names)) == self.modules
+
     def __call__(self, model: nn.Module, args: tuple) -> None:
+        if is_dynamo_compiling():  # (False in eager: one call, ~50 ns)
+            # Traced by Dynamo: the comparison runs as Python at trace time (:func:`_intact`, a constant to Dynamo),
+            # so none of the guard's references (the hook dictionaries and hooks the model's own modules lead to as
+            # well) is wrapped a second time, which made Dynamo build a Python object-aliasing guard per op
+            # (``benchmarks/compile_guard_cost.py``). The compiled call stays guarded by what Dynamo reads of the
+            # model itself plus the guard's flag and layout version.
+            if self.dirty or self.version < 0 or not _intact(self) or not self._compiled_keys():
+                check_online_ops(model)
+                self.watch(model)
+            return
         if self.dirty or tuple(map(dict.get, self.dicts, self.names)) != self.modules:
             check_online_ops(model)
             self.watch(model)
+
+
+@torch.compiler.assume_constant_result
+def _intact(guard: OpsGuard) -> bool:
+    """:meth:`OpsGuard.intact`, evaluated by Dynamo at trace time as a constant (not traced)."""
+    return guard.intact()
 
 
 def _hook_entry(module: nn.Module, held: HeldOp | None = None) -> tuple[dict, int, Callable] | None:

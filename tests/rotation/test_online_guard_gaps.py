@@ -516,3 +516,49 @@ def test_after_torch_compile_the_round_55_cases_are_refused_at_the_recompiled_ca
         _run(compiled, probe)
     carry.carry_online_ops(model)
     assert _relative(_run(compiled, probe), ref) <= 1e-9
+
+
+
+def test_torch_compile_reaches_the_guards_state_by_one_path_no_aliasing_guard_of_its_own():
+    """Round 65: Dynamo used to trace the guard's comparison, reaching each op's hook (and hook dictionary) through
+    the guard's tuples and again through the model's modules, and installed an object-aliasing guard per pair
+    (``L['self'].dicts[0][121] is L['self'].modules[0]``, and the same hook by the module path), built as one Python
+    lambda: most of a first compile's time on a PEFT model (``benchmarks/compile_guard_cost.py``). A compiled call
+    now takes the comparison as a constant at trace time: none of Dynamo's guards (``TORCH_LOGS=guards``) reads
+    the guard's recorded tuples. (The refusals after compiling, which those guards kept, are the tests above.)"""
+    import logging
+
+    lines: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.extend(record.getMessage().splitlines())
+
+    model, probe, _ = _online_model()
+    torch._dynamo.reset()
+    logger, keep = logging.getLogger("torch._dynamo.guards.__guards"), Keep()
+    torch._logging.set_logs(guards=True)
+    logger.addHandler(keep)
+    try:
+        with torch.no_grad(), default_dtype(torch.float64):
+            torch.compile(model, backend="eager", fullgraph=True)(**probe)
+    finally:
+        logger.removeHandler(keep)
+        torch._logging.set_logs()
+        torch._dynamo.reset()
+    guards = [line.split("#")[0] for line in lines if "_GUARD" in line or "_MATCH" in line]
+    assert any("LAMBDA_GUARD" in g for g in guards)  # the log still shows Dynamo's own lambda guards
+    assert not [g for g in guards if any(k in g for k in (".dicts[", ".names[", ".modules["))]
+
+
+def test_after_torch_compile_an_ops_hook_removed_is_refused_at_the_recompiled_call():
+    """Since round 65 a compiled call does not trace the guard's comparison: it guards on each op module's hook
+    dictionary (by id and length), so ``handle.remove()`` after compiling still recompiles and is refused there."""
+    model, probe, ref = _online_model()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="eager")
+    assert _relative(_run(compiled, probe), ref) <= 1e-9
+    model.encoder.layer[1].mlp.fc2.__dict__[carry.HANDLE].remove()
+    with pytest.raises(NormswapError, match=r"^`encoder\.layer\.1\.mlp\.fc2` \(Linear\) has lost its online Hadamard"):
+        _run(compiled, probe)
+    torch._dynamo.reset()
