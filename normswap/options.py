@@ -162,7 +162,8 @@ class ConvertOptions:
         defer_approximate: with ``mode="exact"``, the approximate norms left as LayerNorm will be swapped for
             RMSNorms later (the fine-tune recipe's progressive schedule, ``normswap.recipes.models.swap_stage``), so
             their streams' writers are centered now as ``"all"`` centers them: the swap starts closer to the
-            LayerNorm (tiny BERT, the recipe's progressive run: KL before 4.7e-4 → 2.9e-4, after 3.4e-5 → 2.3e-5).
+            LayerNorm (tiny BERT, the recipe's progressive run, without → with it: KL before the run 4.7e-4 →
+            2.9e-4, after it 3.4e-5 → 2.3e-5).
         fold_gamma: also fold γ into the reader Linears (the RMSNorm keeps weight 1: "rotation-ready"), in
             every norm where the readers allow it, whether or not a rotation turns its stream. With ``rotate``
             and without ``fold_gamma``, γ is folded only into the norms of the streams the rotation turns.
@@ -325,7 +326,6 @@ class ConvertOptions:
     """
 
     mode: str = "auto"
-    defer_approximate: bool = False
     fold_gamma: bool = False
     bias_slots: bool = True
     beta_placement: str | None = None
@@ -353,6 +353,7 @@ class ConvertOptions:
     rotate_learn: dict | None = None
     quantizer: str | None = None
     quantizer_overrides: tuple[str, ...] = ()
+    defer_approximate: bool = False  # last: a field added after the others keeps positional construction working
 
     def __post_init__(self) -> None:
         from normswap import backends  # the registry of backend names (imports torch kernels)
