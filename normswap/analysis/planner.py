@@ -814,7 +814,7 @@ def _center_for_converted(st: Planning, mode: str) -> None:
     if all(converts(sp) for sp in sites if sp.verdict != "skipped"):
         return
     needed = {t for sp in sites if converts(sp) for t in sp.writer_targets}
-    converted_calls = {c.id for c in st.an.site_calls if converts(next(sp for sp in sites if sp.name == c.path))}
+    converted_calls = {c.id for c in st.an.site_calls if converts(st.plan.site(c.path))}
     st.hooks = {v: (h, reach) for v, (h, reach) in st.hooks.items() if set(reach.site_rows) & converted_calls}
     st.edits = {t: e for t, e in st.edits.items() if t in needed}
     unties: set[tuple[str, str]] = set()

@@ -943,10 +943,12 @@ class OpsGuard:
             # well) is wrapped a second time, which made Dynamo build a Python object-aliasing guard per op
             # (``benchmarks/compile_guard_cost.py``). The compiled call stays guarded by what Dynamo reads of the
             # model itself plus the guard's flag and layout version.
+            # (``self.version < 0`` is never true: reading the version is what makes Dynamo guard on it)
             if self.dirty or self.version < 0 or not _intact(self) or not self._compiled_keys():
                 check_online_ops(model)
                 self.watch(model)
             return
+        # intact(), inlined: an eager call pays no extra method call
         if self.dirty or tuple(map(dict.get, self.dicts, self.names)) != self.modules:
             check_online_ops(model)
             self.watch(model)
